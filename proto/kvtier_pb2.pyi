@@ -1,0 +1,303 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_ABSENT: _ClassVar[Tier]
+    TIER_L0_GPU: _ClassVar[Tier]
+    TIER_L1_HOST: _ClassVar[Tier]
+    TIER_L2_DISK: _ClassVar[Tier]
+    TIER_L3_REMOTE: _ClassVar[Tier]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_FLOAT8_E5M2: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+
+class PutResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUT_STORED: _ClassVar[PutResult]
+    PUT_EXISTS: _ClassVar[PutResult]
+    PUT_REJECTED_FULL: _ClassVar[PutResult]
+TIER_ABSENT: Tier
+TIER_L0_GPU: Tier
+TIER_L1_HOST: Tier
+TIER_L2_DISK: Tier
+TIER_L3_REMOTE: Tier
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_FLOAT8_E5M2: DType
+DTYPE_UINT8: DType
+DTYPE_INT8: DType
+PUT_STORED: PutResult
+PUT_EXISTS: PutResult
+PUT_REJECTED_FULL: PutResult
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name",)
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("session_id", "ping_interval_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PING_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ping_interval_s: int
+    def __init__(self, session_id: _Optional[str] = ..., ping_interval_s: _Optional[int] = ...) -> None: ...
+
+class LayerLayout(_message.Message):
+    __slots__ = ("offset", "kv_count", "kv_stride", "page_stride", "chunk_bytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KV_COUNT_FIELD_NUMBER: _ClassVar[int]
+    KV_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    kv_count: int
+    kv_stride: int
+    page_stride: int
+    chunk_bytes: int
+    def __init__(self, offset: _Optional[int] = ..., kv_count: _Optional[int] = ..., kv_stride: _Optional[int] = ..., page_stride: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class PoolLayout(_message.Message):
+    __slots__ = ("layers", "num_pages", "block_tokens", "dtype")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerLayout]
+    num_pages: int
+    block_tokens: int
+    dtype: DType
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerLayout, _Mapping]]] = ..., num_pages: _Optional[int] = ..., block_tokens: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class ShmRegion(_message.Message):
+    __slots__ = ("name", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcRegion(_message.Message):
+    __slots__ = ("handle", "device", "size_bytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    device: int
+    size_bytes: int
+    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("session_id", "shm", "cuda_ipc", "layout")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    shm: ShmRegion
+    cuda_ipc: CudaIpcRegion
+    layout: PoolLayout
+    def __init__(self, session_id: _Optional[str] = ..., shm: _Optional[_Union[ShmRegion, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("pool_id", "block_bytes")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: int
+    block_bytes: int
+    def __init__(self, pool_id: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class UnregisterPoolRequest(_message.Message):
+    __slots__ = ("session_id", "pool_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pool_id: int
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterPoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "pin", "lease_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pin: bool
+    lease_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_len", "tiers", "lease_id")
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    prefix_len: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    lease_id: int
+    def __init__(self, prefix_len: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("session_id", "pool_id", "keys", "pages", "parent_key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pool_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    parent_key: bytes
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results", "stored")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedScalarFieldContainer[PutResult]
+    stored: int
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ..., stored: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("session_id", "pool_id", "keys", "pages", "lease_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    pool_id: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: int
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("loaded", "prefix_len")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[bool]
+    prefix_len: int
+    def __init__(self, loaded: _Optional[_Iterable[bool]] = ..., prefix_len: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_id: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "deadline_ms", "priority")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    deadline_ms: int
+    priority: int
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., deadline_ms: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("resident", "scheduled", "missing")
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    resident: int
+    scheduled: int
+    missing: int
+    def __init__(self, resident: _Optional[int] = ..., scheduled: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("session_id", "keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "missing", "busy")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    missing: int
+    busy: int
+    def __init__(self, deleted: _Optional[int] = ..., missing: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "state")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    state: str
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "counters", "gauges", "uptime_s", "version")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class GaugesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    GAUGES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    counters: _containers.ScalarMap[str, int]
+    gauges: _containers.ScalarMap[str, float]
+    uptime_s: float
+    version: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
