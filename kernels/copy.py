@@ -1,0 +1,78 @@
+"""Host copies between a registered pool and block slots.
+
+One call moves a whole batch: offsets are computed with numpy from the pool's ChunkTable and
+handed to the native kernel, which checks every range, releases the GIL and splits the bytes
+across threads. Python never loops over chunks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.kernels import _copy
+from kvtier.kernels.layout import ChunkTable
+
+# Below this many bytes a second thread costs more to start than it saves.
+PARALLEL_MIN_BYTES = 8 << 20
+
+
+def copy_ranges(
+    dst: object,
+    src: object,
+    dst_offsets: np.ndarray,
+    src_offsets: np.ndarray,
+    lengths: np.ndarray | int,
+    threads: int = 1,
+) -> int:
+    """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
+
+    Raises ValueError, copying nothing, when any range falls outside its buffer.
+    """
+    dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
+    src_offsets = np.ascontiguousarray(src_offsets, dtype=np.uint64)
+    if not isinstance(lengths, int):
+        lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+        total = int(lengths.sum())
+    else:
+        total = lengths * len(dst_offsets)
+    if total < PARALLEL_MIN_BYTES:
+        threads = 1
+    return int(_copy.copy(dst, src, dst_offsets, src_offsets, lengths, threads))
+
+
+def pool_to_blocks(
+    table: ChunkTable,
+    pool: object,
+    pages: np.ndarray,
+    blocks: object,
+    block_starts: np.ndarray,
+    threads: int = 1,
+) -> int:
+    """Gather the chunks of ``pages`` into contiguous blocks starting at ``block_starts``."""
+    return copy_ranges(
+        blocks,
+        pool,
+        table.block_offsets(block_starts),
+        table.pool_offsets(pages),
+        table.lengths(len(pages)),
+        threads,
+    )
+
+
+def blocks_to_pool(
+    table: ChunkTable,
+    blocks: object,
+    block_starts: np.ndarray,
+    pool: object,
+    pages: np.ndarray,
+    threads: int = 1,
+) -> int:
+    """Scatter contiguous blocks starting at ``block_starts`` into the chunks of ``pages``."""
+    return copy_ranges(
+        pool,
+        blocks,
+        table.pool_offsets(pages),
+        table.block_offsets(block_starts),
+        table.lengths(len(pages)),
+        threads,
+    )

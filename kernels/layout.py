@@ -1,0 +1,261 @@
+"""Pool layout descriptors: where each KV chunk of a page sits in a registered region.
+
+An engine's KV pool is a set of per-layer arrays in one memory region. For layer ``l``, the
+chunk of ``(kv, page)`` starts at ``offset + kv * kv_stride + page * page_stride`` and is
+``chunk_bytes`` long (``kv`` is 0 for K and 1 for V; MLA pools have ``kv_count == 1``).
+
+A stored block is the concatenation, layer by layer and K before V, of one page's chunks. Two
+pools whose chunks hold the same bytes therefore produce the same block, whatever their
+physical layout (vLLM ``[2, pages, ...]`` or FlashInfer ``[pages, 2, ...]`` per layer, or a
+contiguous staging buffer ``[pages, layers, kv, ...]``).
+
+This module is pure arithmetic, shared by the client (to describe its pool) and the daemon (to
+validate a registration and compute copy offsets). It imports no torch and no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+MAX_LAYERS = 4096
+
+
+class LayoutError(ValueError):
+    """A layout that is malformed or does not fit its region."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    offset: int
+    kv_count: int
+    kv_stride: int
+    page_stride: int
+    chunk_bytes: int
+
+    def end(self, num_pages: int) -> int:
+        """One past the last byte this layer touches."""
+        return (
+            self.offset
+            + (self.kv_count - 1) * self.kv_stride
+            + (num_pages - 1) * self.page_stride
+            + self.chunk_bytes
+        )
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """Copy offsets of one block's chunks, in block order (layer-major, K before V).
+
+    For page ``p`` the chunk ``c`` sits at ``pool_base[c] + p * page_stride[c]`` in the pool
+    and at ``block_offset[c]`` within the block.
+    """
+
+    pool_base: np.ndarray
+    page_stride: np.ndarray
+    length: np.ndarray
+    block_offset: np.ndarray
+    uniform_length: int | None
+
+    def pool_offsets(self, pages: np.ndarray) -> np.ndarray:
+        """Flat uint64 offsets of every chunk of every page, page-major."""
+        p = pages.astype(np.uint64, copy=False)[:, None]
+        return (self.pool_base[None, :] + p * self.page_stride[None, :]).ravel()
+
+    def block_offsets(self, block_starts: np.ndarray) -> np.ndarray:
+        """Flat uint64 offsets of every chunk of blocks that start at ``block_starts``."""
+        b = block_starts.astype(np.uint64, copy=False)[:, None]
+        return (b + self.block_offset[None, :]).ravel()
+
+    def lengths(self, nblocks: int) -> np.ndarray | int:
+        if self.uniform_length is not None:
+            return self.uniform_length
+        return np.tile(self.length, nblocks)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    layers: tuple[LayerLayout, ...]
+    num_pages: int
+    block_tokens: int
+    dtype: str
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(layer.kv_count * layer.chunk_bytes for layer in self.layers)
+
+    @property
+    def extent_bytes(self) -> int:
+        """Smallest region size that holds every chunk."""
+        return max(layer.end(self.num_pages) for layer in self.layers)
+
+    def validate(self, region_bytes: int) -> None:
+        """Raise LayoutError unless every chunk of every page lies inside the region.
+
+        Also rejects chunks of one layer that overlap each other: a Get into such a pool
+        would write two blocks over the same bytes.
+        """
+        if not self.layers:
+            raise LayoutError("layout has no layers")
+        if len(self.layers) > MAX_LAYERS:
+            raise LayoutError(f"layout has {len(self.layers)} layers; at most {MAX_LAYERS}")
+        if self.num_pages < 1:
+            raise LayoutError("num_pages must be at least 1")
+        if self.block_tokens < 1:
+            raise LayoutError("block_tokens must be at least 1")
+        itemsize = DTYPE_ITEMSIZE.get(self.dtype)
+        if itemsize is None:
+            raise LayoutError(f"unknown dtype {self.dtype!r}; one of {sorted(DTYPE_ITEMSIZE)}")
+        for i, layer in enumerate(self.layers):
+            where = f"layer {i}"
+            if layer.kv_count not in (1, 2):
+                raise LayoutError(f"{where}: kv_count must be 1 or 2, not {layer.kv_count}")
+            if layer.chunk_bytes <= 0:
+                raise LayoutError(f"{where}: chunk_bytes must be positive")
+            if layer.chunk_bytes % itemsize:
+                raise LayoutError(
+                    f"{where}: chunk_bytes {layer.chunk_bytes} is not a multiple of the "
+                    f"{self.dtype} item size {itemsize}"
+                )
+            if min(layer.offset, layer.kv_stride, layer.page_stride) < 0:
+                raise LayoutError(f"{where}: offsets and strides must not be negative")
+            if self.num_pages > 1 and layer.page_stride < layer.chunk_bytes:
+                raise LayoutError(
+                    f"{where}: page_stride {layer.page_stride} is smaller than chunk_bytes "
+                    f"{layer.chunk_bytes}, so pages overlap"
+                )
+            if layer.kv_count == 2 and _kv_chunks_overlap(layer, self.num_pages):
+                raise LayoutError(f"{where}: K and V chunks overlap (kv_stride {layer.kv_stride})")
+            end = layer.end(self.num_pages)
+            if end > region_bytes:
+                raise LayoutError(
+                    f"{where}: chunks reach byte {end}, beyond the region of {region_bytes} bytes"
+                )
+
+    @cached_property
+    def chunk_table(self) -> ChunkTable:
+        base, stride, length = [], [], []
+        for layer in self.layers:
+            for kv in range(layer.kv_count):
+                base.append(layer.offset + kv * layer.kv_stride)
+                stride.append(layer.page_stride)
+                length.append(layer.chunk_bytes)
+        lengths = np.asarray(length, dtype=np.uint64)
+        block_offset = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.uint64)
+        uniform = int(lengths[0]) if bool(np.all(lengths == lengths[0])) else None
+        return ChunkTable(
+            pool_base=np.asarray(base, dtype=np.uint64),
+            page_stride=np.asarray(stride, dtype=np.uint64),
+            length=lengths,
+            block_offset=block_offset,
+            uniform_length=uniform,
+        )
+
+    # Builders for the layouts engines use. Each describes `num_layers` per-layer arrays
+    # placed one after another from `base_offset`.
+
+    @classmethod
+    def vllm(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        block_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        base_offset: int = 0,
+    ) -> PoolLayout:
+        """vLLM's per-layer ``[2, num_pages, block_tokens, num_kv_heads, head_dim]``."""
+        chunk = block_tokens * num_kv_heads * head_dim * _itemsize(dtype)
+        layer_bytes = 2 * num_pages * chunk
+        layers = tuple(
+            LayerLayout(base_offset + i * layer_bytes, 2, num_pages * chunk, chunk, chunk)
+            for i in range(num_layers)
+        )
+        return cls(layers, num_pages, block_tokens, dtype)
+
+    @classmethod
+    def flashinfer(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        block_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str,
+        base_offset: int = 0,
+    ) -> PoolLayout:
+        """FlashInfer's per-layer ``[num_pages, 2, block_tokens, num_kv_heads, head_dim]``."""
+        chunk = block_tokens * num_kv_heads * head_dim * _itemsize(dtype)
+        layer_bytes = 2 * num_pages * chunk
+        layers = tuple(
+            LayerLayout(base_offset + i * layer_bytes, 2, chunk, 2 * chunk, chunk)
+            for i in range(num_layers)
+        )
+        return cls(layers, num_pages, block_tokens, dtype)
+
+    @classmethod
+    def staging(
+        cls,
+        *,
+        num_layers: int,
+        num_pages: int,
+        block_tokens: int,
+        chunk_bytes: int,
+        kv_count: int = 2,
+        dtype: str = "uint8",
+        base_offset: int = 0,
+    ) -> PoolLayout:
+        """A contiguous staging buffer ``[num_pages, num_layers, kv_count, chunk]``: each page
+        is one whole block, so a copy is one range per block."""
+        page_bytes = num_layers * kv_count * chunk_bytes
+        layers = tuple(
+            LayerLayout(
+                base_offset + i * kv_count * chunk_bytes,
+                kv_count,
+                chunk_bytes,
+                page_bytes,
+                chunk_bytes,
+            )
+            for i in range(num_layers)
+        )
+        return cls(layers, num_pages, block_tokens, dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return DTYPE_ITEMSIZE[dtype]
+    except KeyError:
+        raise LayoutError(f"unknown dtype {dtype!r}; one of {sorted(DTYPE_ITEMSIZE)}") from None
+
+
+def _kv_chunks_overlap(layer: LayerLayout, num_pages: int) -> bool:
+    """Whether a K chunk of some page overlaps a V chunk of some page.
+
+    V of page q starts kv_stride + (q - p) * page_stride after K of page p; the chunks overlap
+    when that distance is within chunk_bytes of zero for some page difference in range.
+    """
+    ks, ps, c = layer.kv_stride, layer.page_stride, layer.chunk_bytes
+    span = num_pages - 1
+    if ps == 0 or span == 0:
+        return abs(ks) < c
+    nearest = -ks // ps
+    for m in (nearest - 1, nearest, nearest + 1, nearest + 2):
+        m = max(-span, min(span, m))
+        if abs(ks + m * ps) < c:
+            return True
+    return False
