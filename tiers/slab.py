@@ -1,0 +1,231 @@
+"""Slot allocation for a tier: fixed-size slots carved from equal segments.
+
+A tier's space is split into ``segment_bytes`` segments. A segment serves one slot size (a
+block size rounded up to ``align``) from the moment its first slot is taken until its last
+slot is freed, when it returns to the common pool. Blocks of several sizes (several models on
+one node) therefore share a tier without a general-purpose allocator, every slot of a size is
+interchangeable, and allocation and release are O(1).
+
+Slot ids are ``segment * slots_cap + index`` where ``slots_cap = segment_bytes // align``; the
+slot's byte offset is ``segment * segment_bytes + index * slot_bytes``, always a multiple of
+``align`` (so slots suit O_DIRECT I/O).
+
+Not thread-safe: the owning store calls it from one thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class _SizeClass:
+    slot_bytes: int
+    slots_per_segment: int
+    # Segments of this class with at least one free slot, and each one's free slots.
+    open_segments: dict[int, set[int]] = field(default_factory=dict)
+    segments: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class SlabStats:
+    capacity_bytes: int
+    used_bytes: int
+    used_slots: int
+    free_segments: int
+    segments: int
+    size_classes: dict[int, int]  # slot_bytes -> segments held
+
+
+class SlabAllocator:
+    def __init__(self, capacity_bytes: int, segment_bytes: int, align: int = 4096) -> None:
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"align must be a power of two, not {align}")
+        if segment_bytes < align or segment_bytes % align:
+            raise ValueError(
+                f"segment_bytes {segment_bytes} must be a positive multiple of {align}"
+            )
+        if capacity_bytes < segment_bytes:
+            raise ValueError(
+                f"capacity_bytes {capacity_bytes} is smaller than one segment of {segment_bytes}"
+            )
+        self.align = align
+        self.segment_bytes = segment_bytes
+        self.num_segments = capacity_bytes // segment_bytes
+        self.capacity_bytes = self.num_segments * segment_bytes
+        self.slots_cap = segment_bytes // align
+        # Per segment: slot size (0 while free), slots in use, slots never handed out yet.
+        self._seg_slot_bytes = np.zeros(self.num_segments, dtype=np.int64)
+        self._seg_used = np.zeros(self.num_segments, dtype=np.int64)
+        self._seg_fresh = np.zeros(self.num_segments, dtype=np.int64)
+        self._free_segments: list[int] = list(range(self.num_segments - 1, -1, -1))
+        self._classes: dict[int, _SizeClass] = {}
+        self._used_bytes = 0
+        self._used_slots = 0
+
+    # ------------------------------------------------------------------ sizes
+
+    def slot_bytes_for(self, nbytes: int) -> int:
+        """The slot size that holds a block of ``nbytes``."""
+        return -(-nbytes // self.align) * self.align
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes > 0 and self.slot_bytes_for(nbytes) <= self.segment_bytes
+
+    # -------------------------------------------------------------- allocation
+
+    def can_allocate(self, nbytes: int) -> bool:
+        cls = self._classes.get(self.slot_bytes_for(nbytes))
+        return bool(self._free_segments) or bool(cls and cls.open_segments)
+
+    def allocate(self, nbytes: int) -> int | None:
+        """A free slot for a block of ``nbytes``, or None when the tier has none."""
+        slot_bytes = self.slot_bytes_for(nbytes)
+        if slot_bytes > self.segment_bytes or nbytes <= 0:
+            raise ValueError(
+                f"block of {nbytes} bytes does not fit a segment of {self.segment_bytes}"
+            )
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            cls = self._classes[slot_bytes] = _SizeClass(
+                slot_bytes, self.segment_bytes // slot_bytes
+            )
+        if not cls.open_segments:
+            if not self._free_segments:
+                return None
+            seg = self._free_segments.pop()
+            self._seg_slot_bytes[seg] = slot_bytes
+            self._seg_fresh[seg] = 0
+            cls.segments.add(seg)
+            cls.open_segments[seg] = set()
+        seg = next(iter(cls.open_segments))
+        free = cls.open_segments[seg]
+        if free:
+            index = free.pop()
+        else:
+            index = int(self._seg_fresh[seg])
+            self._seg_fresh[seg] += 1
+        self._seg_used[seg] += 1
+        if self._seg_used[seg] == cls.slots_per_segment:
+            del cls.open_segments[seg]
+        self._used_bytes += slot_bytes
+        self._used_slots += 1
+        return seg * self.slots_cap + index
+
+    def claim(self, slot: int, nbytes: int) -> None:
+        """Mark a specific slot as used (recovery of a persistent tier).
+
+        Raises ValueError when the slot is already used or its segment serves another size.
+        """
+        slot_bytes = self.slot_bytes_for(nbytes)
+        seg, index = divmod(slot, self.slots_cap)
+        if not 0 <= seg < self.num_segments:
+            raise ValueError(f"slot {slot} is outside the tier")
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            cls = self._classes[slot_bytes] = _SizeClass(
+                slot_bytes, self.segment_bytes // slot_bytes
+            )
+        if index >= cls.slots_per_segment:
+            raise ValueError(
+                f"slot {slot} is beyond the last {slot_bytes}-byte slot of its segment"
+            )
+        if self._seg_slot_bytes[seg] == 0:
+            self._free_segments.remove(seg)
+            self._seg_slot_bytes[seg] = slot_bytes
+            self._seg_fresh[seg] = 0
+            cls.segments.add(seg)
+            cls.open_segments[seg] = set()
+        elif self._seg_slot_bytes[seg] != slot_bytes:
+            raise ValueError(
+                f"slot {slot} lies in a segment of {int(self._seg_slot_bytes[seg])}-byte slots, "
+                f"not {slot_bytes}"
+            )
+        free = cls.open_segments.get(seg)
+        if index < self._seg_fresh[seg]:
+            if free is None or index not in free:
+                raise ValueError(f"slot {slot} is already in use")
+            free.discard(index)
+        else:
+            # Slots skipped over become free slots of the segment.
+            if free is None:
+                raise ValueError(f"slot {slot} is already in use")
+            free.update(range(int(self._seg_fresh[seg]), index))
+            self._seg_fresh[seg] = index + 1
+        self._seg_used[seg] += 1
+        if self._seg_used[seg] == cls.slots_per_segment:
+            cls.open_segments.pop(seg, None)
+        self._used_bytes += slot_bytes
+        self._used_slots += 1
+
+    def free(self, slot: int) -> None:
+        seg, index = divmod(slot, self.slots_cap)
+        slot_bytes = int(self._seg_slot_bytes[seg])
+        if slot_bytes == 0 or index >= self._seg_fresh[seg]:
+            raise ValueError(f"slot {slot} is not allocated")
+        cls = self._classes[slot_bytes]
+        free = cls.open_segments.get(seg)
+        if free is not None and index in free:
+            raise ValueError(f"slot {slot} is already free")
+        self._seg_used[seg] -= 1
+        self._used_bytes -= slot_bytes
+        self._used_slots -= 1
+        if self._seg_used[seg] == 0:
+            cls.open_segments.pop(seg, None)
+            cls.segments.discard(seg)
+            self._seg_slot_bytes[seg] = 0
+            self._seg_fresh[seg] = 0
+            self._free_segments.append(seg)
+            return
+        if free is None:
+            cls.open_segments[seg] = {index}
+        else:
+            free.add(index)
+
+    # ------------------------------------------------------------------ geometry
+
+    def offset(self, slot: int) -> int:
+        seg, index = divmod(slot, self.slots_cap)
+        return seg * self.segment_bytes + index * int(self._seg_slot_bytes[seg])
+
+    def offsets(self, slots: np.ndarray) -> np.ndarray:
+        slots = np.asarray(slots, dtype=np.int64)
+        seg, index = np.divmod(slots, self.slots_cap)
+        return (seg * self.segment_bytes + index * self._seg_slot_bytes[seg]).astype(np.uint64)
+
+    def slot_sizes(self, slots: np.ndarray) -> np.ndarray:
+        """Slot size of each slot id (0 for ids in free segments)."""
+        return self._seg_slot_bytes[np.asarray(slots, dtype=np.int64) // self.slots_cap]
+
+    def segments_of(self, slots: np.ndarray) -> np.ndarray:
+        return np.asarray(slots, dtype=np.int64) // self.slots_cap
+
+    def slot_size(self, slot: int) -> int:
+        return int(self._seg_slot_bytes[slot // self.slots_cap])
+
+    def segment_of(self, slot: int) -> int:
+        return slot // self.slots_cap
+
+    # --------------------------------------------------------------------- stats
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    @property
+    def used_slots(self) -> int:
+        return self._used_slots
+
+    def stats(self) -> SlabStats:
+        return SlabStats(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self._used_bytes,
+            used_slots=self._used_slots,
+            free_segments=len(self._free_segments),
+            segments=self.num_segments,
+            size_classes={
+                c.slot_bytes: len(c.segments) for c in self._classes.values() if c.segments
+            },
+        )
