@@ -1,0 +1,5 @@
+import sys
+
+from kvtier.daemon.main import main
+
+sys.exit(main())

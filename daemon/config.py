@@ -1,0 +1,248 @@
+"""Daemon configuration: embedded defaults, a YAML file, and ``section.key=value`` overrides.
+
+The defaults are the dataclass defaults below; ``deploy/kvtier.yaml`` spells every one of them
+out (a test keeps the two equal). Loading is strict: an unknown key, a value of the wrong type
+or out of range stops the daemon with a ConfigError that names the key. Relative paths are
+relative to the daemon's working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvtier.daemon.errors import ConfigError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    None: 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an int or a string such as ``"64MiB"`` or ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size, got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            unit = m.group(2).lower() if m.group(2) else None
+            return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    raise ValueError(f"expected a size such as 1073741824 or '1GiB', got {value!r}")
+
+
+def _opt(
+    kind: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    doc: str = "",
+) -> dict[str, Any]:
+    return {"kind": kind, "lo": lo, "hi": hi, "choices": choices, "doc": doc}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket: str = field(
+        default="var/kvtierd.sock",
+        metadata=_opt("str", doc="Unix socket path of the gRPC API; empty disables it"),
+    )
+    tcp_address: str = field(
+        default="",
+        metadata=_opt("str", doc="host:port for gRPC over TCP; empty (the default) disables TCP"),
+    )
+    max_batch_blocks: int = field(default=4096, metadata=_opt("int", lo=1, hi=1 << 20))
+    max_message_bytes: int = field(default=64 << 20, metadata=_opt("size", lo=1 << 20, hi=1 << 31))
+    lease_default_ms: int = field(default=30_000, metadata=_opt("int", lo=1))
+    lease_max_ms: int = field(default=600_000, metadata=_opt("int", lo=1))
+    session_ping_s: int = field(default=10, metadata=_opt("int", lo=1, hi=3600))
+    copy_threads: int = field(default=2, metadata=_opt("int", lo=1, hi=64))
+    shm_dir: str = field(
+        default="/dev/shm", metadata=_opt("str", doc="where POSIX shared-memory objects live")
+    )
+    drain_timeout_s: float = field(default=10.0, metadata=_opt("float", lo=0))
+
+    def check(self) -> None:
+        if not self.socket and not self.tcp_address:
+            raise ConfigError(
+                "server.socket and server.tcp_address are both empty: nothing to listen on"
+            )
+        if self.lease_default_ms > self.lease_max_ms:
+            raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
+
+
+@dataclass(frozen=True)
+class L1Config:
+    capacity_bytes: int = field(default=1 << 30, metadata=_opt("size", lo=1 << 20))
+    segment_bytes: int = field(
+        default=64 << 20,
+        metadata=_opt("size", lo=4096, doc="slab segment; also the largest block the tier takes"),
+    )
+    high_watermark: float = field(default=0.95, metadata=_opt("float", lo=0.05, hi=1.0))
+    low_watermark: float = field(default=0.90, metadata=_opt("float", lo=0.0, hi=1.0))
+    pin_memory: str = field(default="auto", metadata=_opt("str", choices=("auto", "true", "false")))
+
+    def check(self) -> None:
+        if self.segment_bytes % 4096:
+            raise ConfigError("l1.segment_bytes must be a multiple of 4096")
+        if self.capacity_bytes < self.segment_bytes:
+            raise ConfigError("l1.capacity_bytes is smaller than l1.segment_bytes")
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError("l1.low_watermark exceeds l1.high_watermark")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    name: str = field(default="lru", metadata=_opt("str", doc="eviction policy by name"))
+    protect_s: float = field(
+        default=2.0,
+        metadata=_opt(
+            "float", lo=0, doc="a block just written or read is not evicted for this long"
+        ),
+    )
+    warmup_s: float = field(
+        default=0.0,
+        metadata=_opt("float", lo=0, doc="after start, evict only at the hard capacity limit"),
+    )
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    level: str = field(
+        default="INFO", metadata=_opt("str", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    )
+    format: str = field(default="text", metadata=_opt("str", choices=("text", "json")))
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    l1: L1Config = field(default_factory=L1Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """The effective config: defaults, then the file, then ``section.key=value`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        raw = loaded or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot or not section or not name:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"'{section}' must be a mapping")
+        raw[section][name] = yaml.safe_load(value) if value.strip() else ""
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    built: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section '{name}'; known: {', '.join(sections)}")
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section '{name}' must be a mapping")
+        cls = sections[name].default_factory  # type: ignore[misc]
+        built[name] = _build_section(name, cls, value)
+    config = Config(**built)
+    for section in sections:
+        getattr(config, section).check()
+    return config
+
+
+def _build_section(section: str, cls: Any, values: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        where = f"{section}.{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{where}'; known: {', '.join(fields)}")
+        kwargs[key] = _coerce(where, value, fields[key].metadata)
+    return cls(**kwargs)
+
+
+def _coerce(where: str, value: Any, meta: Any) -> Any:
+    kind = meta["kind"]
+    try:
+        if kind == "size":
+            out: Any = parse_size(value)
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"expected an integer, got {value!r}")
+            out = value
+        elif kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"expected a number, got {value!r}")
+            out = float(value)
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            out = value
+        elif kind == "str":
+            if (
+                isinstance(value, bool)
+                and meta["choices"]
+                and str(value).lower() in meta["choices"]
+            ):
+                value = str(value).lower()
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+            out = value
+        else:
+            raise AssertionError(f"unknown option kind {kind}")
+    except ValueError as e:
+        raise ConfigError(f"config key '{where}': {e}") from None
+    if meta["choices"] is not None and out not in meta["choices"]:
+        raise ConfigError(
+            f"config key '{where}': {out!r} is not one of {', '.join(meta['choices'])}"
+        )
+    if meta["lo"] is not None and out < meta["lo"]:
+        raise ConfigError(f"config key '{where}': {out} is below the minimum {meta['lo']}")
+    if meta["hi"] is not None and out > meta["hi"]:
+        raise ConfigError(f"config key '{where}': {out} is above the maximum {meta['hi']}")
+    return out

@@ -1,0 +1,269 @@
+"""The block index: ``(namespace, key) -> block id`` and per-block metadata.
+
+Everything lives in numpy arrays (structure of arrays) indexed by block id, so a million
+blocks cost tens of bytes each rather than the hundreds a dict of objects would, and a batch
+of keys is looked up with a few vectorised probes instead of a Python loop per key.
+
+Invariants:
+- A block id is a row of every array; it is live while ``state[id] != FREE``.
+- Every live block has exactly one entry in the hash table and every entry names a live
+  block. Freed rows are reused (LIFO), so ids stay dense.
+- The hash table is open addressing with linear probing and tombstones, keyed by a secret
+  per-process salt, so clients cannot aim keys at one probe chain.
+
+Not thread-safe: owned by the store, which touches it from one thread.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 32
+_KEY_WORDS = KEY_BYTES // 8
+
+EMPTY = -1
+TOMBSTONE = -2
+
+# Block states.
+FREE = 0
+WRITING = 1  # slot reserved, bytes being copied in; invisible to lookups
+READY = 2
+
+_MAX_LOAD = 0.6
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_S33 = np.uint64(33)
+
+
+def keys_to_words(keys: list[bytes] | tuple[bytes, ...]) -> np.ndarray:
+    """Pack 32-byte keys into an ``(n, 4)`` uint64 array. Raises ValueError on a bad length."""
+    for i, key in enumerate(keys):
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key {i} has {len(key)} bytes; keys are {KEY_BYTES} bytes")
+    if not keys:
+        return np.empty((0, _KEY_WORDS), dtype=np.uint64)
+    return np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(-1, _KEY_WORDS)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    blocks: int
+    capacity: int
+    table_slots: int
+    tombstones: int
+    nbytes: int
+
+
+class BlockIndex:
+    """Key lookup and per-block fields for up to millions of blocks."""
+
+    def __init__(self, initial_capacity: int = 1024, num_tiers: int = 4) -> None:
+        self._salt = np.uint64(secrets.randbits(64))
+        self.num_tiers = num_tiers
+        self._count = 0
+        self._capacity = 0
+        self._free_rows: list[int] = []
+        self._next_row = 0
+        # Per-block fields.
+        self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
+        self.ns = np.empty(0, dtype=np.uint32)
+        self.state = np.empty(0, dtype=np.uint8)
+        self.nbytes = np.empty(0, dtype=np.uint32)
+        self.pins = np.empty(0, dtype=np.int32)
+        self.inflight = np.empty(0, dtype=np.int16)
+        # slot[id, tier] is the block's slot in that tier, or -1.
+        self.slot = np.empty((0, num_tiers), dtype=np.int64)
+        self._grow(max(16, initial_capacity))
+        self._table = np.full(
+            _pow2_at_least(int(max(16, initial_capacity) / _MAX_LOAD)), EMPTY, np.int32
+        )
+        self._tombstones = 0
+
+    # ----------------------------------------------------------------------- queries
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def lookup(self, ns: int, words: np.ndarray) -> np.ndarray:
+        """Block ids of ``words`` (``(n, 4)`` uint64) in namespace ``ns``; -1 where absent.
+
+        Blocks still being written count as absent.
+        """
+        ids = self._find(ns, words)
+        present = ids >= 0
+        if present.any():
+            not_ready = self.state[ids[present]] != READY
+            if not_ready.any():
+                idx = np.flatnonzero(present)[not_ready]
+                ids[idx] = -1
+        return ids
+
+    def find_any(self, ns: int, words: np.ndarray) -> np.ndarray:
+        """Like lookup, but also returns blocks that are still being written."""
+        return self._find(ns, words)
+
+    def key_bytes(self, bid: int) -> bytes:
+        return self.keys[bid].tobytes()
+
+    def stats(self) -> IndexStats:
+        arrays = (
+            self.keys,
+            self.ns,
+            self.state,
+            self.nbytes,
+            self.pins,
+            self.inflight,
+            self.slot,
+            self._table,
+        )
+        return IndexStats(
+            blocks=self._count,
+            capacity=self._capacity,
+            table_slots=len(self._table),
+            tombstones=self._tombstones,
+            nbytes=sum(a.nbytes for a in arrays),
+        )
+
+    # ---------------------------------------------------------------------- mutation
+
+    def add(self, ns: int, words: np.ndarray, nbytes: int) -> int:
+        """Create a block in state WRITING and return its id. The key must be absent."""
+        if self._free_rows:
+            bid = self._free_rows.pop()
+        else:
+            if self._next_row == self._capacity:
+                self._grow(self._capacity * 2)
+            bid = self._next_row
+            self._next_row += 1
+        self.keys[bid] = words
+        self.ns[bid] = ns
+        self.state[bid] = WRITING
+        self.nbytes[bid] = nbytes
+        self.pins[bid] = 0
+        self.inflight[bid] = 0
+        self.slot[bid] = -1
+        self._count += 1
+        if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
+            self._rehash(_pow2_at_least(int(2 * self._count / _MAX_LOAD)))
+        self._table_insert(ns, words, bid)
+        return bid
+
+    def remove(self, bid: int) -> None:
+        """Forget a block: its key becomes absent and its id may be reused."""
+        if self.state[bid] == FREE:
+            raise KeyError(f"block {bid} is not live")
+        pos = self._table_position(int(self.ns[bid]), self.keys[bid], bid)
+        self._table[pos] = TOMBSTONE
+        self._tombstones += 1
+        self.state[bid] = FREE
+        self.slot[bid] = -1
+        self._count -= 1
+        self._free_rows.append(bid)
+
+    def live_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.state[: self._next_row] != FREE)
+
+    # ------------------------------------------------------------------ hash table
+
+    def _hash(self, ns: int | np.ndarray, first_words: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            h = first_words ^ self._salt ^ (np.asarray(ns, dtype=np.uint64) * _GOLDEN)
+            h ^= h >> _S33
+            h *= _M1
+            h ^= h >> _S33
+            h *= _M2
+            h ^= h >> _S33
+        return h
+
+    def _find(self, ns: int, words: np.ndarray) -> np.ndarray:
+        n = len(words)
+        result = np.full(n, -1, dtype=np.int64)
+        if n == 0:
+            return result
+        mask = np.uint64(len(self._table) - 1)
+        pos = self._hash(ns, words[:, 0]) & mask
+        todo = np.arange(n)
+        for _ in range(len(self._table)):
+            cand = self._table[pos.astype(np.int64)]
+            empty = cand == EMPTY
+            live = cand >= 0
+            match = np.zeros(len(todo), dtype=bool)
+            if live.any():
+                li = np.flatnonzero(live)
+                ids = cand[li]
+                eq = (self.ns[ids] == ns) & np.all(self.keys[ids] == words[todo[li]], axis=1)
+                match[li[eq]] = True
+                result[todo[li[eq]]] = ids[eq]
+            keep = ~(empty | match)
+            if not keep.any():
+                break
+            todo = todo[keep]
+            pos = (pos[keep] + np.uint64(1)) & mask
+        return result
+
+    def _table_insert(self, ns: int, words: np.ndarray, bid: int) -> None:
+        mask = len(self._table) - 1
+        pos = int(self._hash(ns, words[:1])[0]) & mask
+        while self._table[pos] >= 0:
+            pos = (pos + 1) & mask
+        if self._table[pos] == TOMBSTONE:
+            self._tombstones -= 1
+        self._table[pos] = bid
+
+    def _table_position(self, ns: int, words: np.ndarray, bid: int) -> int:
+        mask = len(self._table) - 1
+        pos = int(self._hash(ns, words[:1])[0]) & mask
+        for _ in range(len(self._table)):
+            if self._table[pos] == bid:
+                return pos
+            if self._table[pos] == EMPTY:
+                break
+            pos = (pos + 1) & mask
+        raise AssertionError(f"block {bid} missing from the hash table")
+
+    def _rehash(self, size: int) -> None:
+        """Rebuild the table at ``size`` slots, placing all live blocks in vectorised rounds."""
+        table = np.full(size, EMPTY, dtype=np.int32)
+        mask = np.uint64(size - 1)
+        ids = self.live_ids()
+        pos = self._hash(self.ns[ids], self.keys[ids, 0]) & mask
+        while len(ids):
+            p = pos.astype(np.int64)
+            free = table[p] == EMPTY
+            # Of several blocks probing one free slot, the first takes it.
+            _, first = np.unique(p[free], return_index=True)
+            winners = np.flatnonzero(free)[first]
+            table[p[winners]] = ids[winners]
+            placed = np.zeros(len(ids), dtype=bool)
+            placed[winners] = True
+            ids = ids[~placed]
+            pos = (pos[~placed] + np.uint64(1)) & mask
+        self._table = table
+        self._tombstones = 0
+
+    def _grow(self, capacity: int) -> None:
+        def grown(a: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full((capacity, *a.shape[1:]), fill, dtype=a.dtype)
+            out[: len(a)] = a
+            return out
+
+        self.keys = grown(self.keys, 0)
+        self.ns = grown(self.ns, 0)
+        self.state = grown(self.state, FREE)
+        self.nbytes = grown(self.nbytes, 0)
+        self.pins = grown(self.pins, 0)
+        self.inflight = grown(self.inflight, 0)
+        self.slot = grown(self.slot, -1)
+        self._capacity = capacity
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(4, (n - 1).bit_length())

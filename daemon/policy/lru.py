@@ -1,0 +1,54 @@
+"""Least-recently-used: the baseline every other policy is measured against."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.registry import register_policy
+
+# Candidates are checked against the evictable mask in batches of this many.
+_SCAN_BATCH = 256
+
+
+@register_policy("lru")
+class LRUPolicy:
+    """Thread-safety: none; the owner serialises calls."""
+
+    def __init__(self, **_: object) -> None:
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def insert(self, bid: int, now: float, parent: int = -1) -> None:
+        self._order[bid] = None
+        self._order.move_to_end(bid)
+
+    def touch(self, bid: int, now: float) -> None:
+        self._order.move_to_end(bid)
+
+    def remove(self, bid: int) -> None:
+        del self._order[bid]
+
+    def victims(self, n: int, now: float, evictable: EvictableFn) -> np.ndarray | None:
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        chosen: list[np.ndarray] = []
+        found = 0
+        it = iter(self._order)
+        while found < n:
+            batch = np.fromiter(
+                (b for _, b in zip(range(_SCAN_BATCH), it, strict=False)), dtype=np.int64
+            )
+            if len(batch) == 0:
+                return None
+            ok = batch[evictable(batch)]
+            chosen.append(ok[: n - found])
+            found += len(chosen[-1])
+        return np.concatenate(chosen)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, bid: object) -> bool:
+        return bid in self._order

@@ -1,0 +1,44 @@
+"""Policies by name. A policy module registers its class with ``@register_policy("name")``;
+the daemon and the replayer build one with ``make_policy(name, **params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kvtier.daemon.policy.base import EvictionPolicy
+
+T = TypeVar("T")
+
+_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[T], T]:
+    def decorate(cls: T) -> T:
+        if name in _POLICIES:
+            raise ValueError(f"policy {name!r} is registered twice")
+        _POLICIES[name] = cls  # type: ignore[assignment]
+        return cls
+
+    return decorate
+
+
+def policy_names() -> list[str]:
+    _load_builtin()
+    return sorted(_POLICIES)
+
+
+def make_policy(name: str, **params: Any) -> EvictionPolicy:
+    _load_builtin()
+    try:
+        factory = _POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; one of {', '.join(sorted(_POLICIES))}"
+        ) from None
+    return factory(**params)
+
+
+def _load_builtin() -> None:
+    # Importing the modules runs their @register_policy decorators.
+    from kvtier.daemon.policy import lru  # noqa: F401
