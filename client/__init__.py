@@ -1,0 +1,63 @@
+"""kvtier's client library: what an engine installs to talk to kvtierd.
+
+It never imports the daemon; everything here is the wire API, keys, and shared memory.
+"""
+
+from kvtier.client.aio import AsyncClient, AsyncRegisteredPool
+from kvtier.client.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    KvtierError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from kvtier.client.keys import Namespace, block_key, block_keys
+from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.sync import Client, RegisteredPool
+from kvtier.client.types import (
+    DeleteResult,
+    GetResult,
+    LookupResult,
+    PrefetchResult,
+    PutResult,
+    PutStatus,
+    Stats,
+    Tier,
+    TierStats,
+)
+from kvtier.kernels.layout import LayerLayout, PoolLayout
+
+__all__ = [
+    "AsyncClient",
+    "AsyncRegisteredPool",
+    "Client",
+    "DeadlineExceededError",
+    "DeleteResult",
+    "FailedPreconditionError",
+    "GetResult",
+    "InternalError",
+    "InvalidArgumentError",
+    "KvtierError",
+    "LayerLayout",
+    "LookupResult",
+    "Namespace",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "PoolLayout",
+    "PrefetchResult",
+    "PutResult",
+    "PutStatus",
+    "RegisteredPool",
+    "ResourceExhaustedError",
+    "SharedMemoryPool",
+    "Stats",
+    "Tier",
+    "TierStats",
+    "UnavailableError",
+    "block_key",
+    "block_keys",
+]

@@ -1,0 +1,263 @@
+"""The asyncio client: the surface of ``kvtier.client.Client`` with coroutines.
+
+Thread-safety: use from one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.client import types as t
+from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.flows import Flow, PoolBinding, load_flow, store_flow
+from kvtier.client.keys import Namespace
+from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.sync import _SESSION_METHODS, CHANNEL_OPTIONS
+from kvtier.kernels.layout import PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        client_name: str = "",
+        max_batch_blocks: int = 1024,
+    ) -> None:
+        self.address = t.resolve_address(address)
+        self.timeout_s = timeout_s
+        self.max_batch_blocks = max_batch_blocks
+        self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = asyncio.Lock()
+        self._session_id = ""
+        self._session_call: Any = None
+        self._session_task: asyncio.Task[None] | None = None
+        self._pools: dict[int, PoolBinding] = {}
+
+    # --------------------------------------------------------------- lifecycle
+
+    async def close(self) -> None:
+        call, task = self._session_call, self._session_task
+        self._session_id, self._session_call, self._session_task = "", None, None
+        if call is not None:
+            call.cancel()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def session(self) -> str:
+        """The open session, opened on first use."""
+        async with self._lock:
+            if self._session_call is not None and self._session_call.done():
+                self._session_id, self._session_call = "", None
+            if not self._session_id:
+                await self._open_session()
+            return self._session_id
+
+    async def _open_session(self) -> None:
+        call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
+        try:
+            first = await call.read()
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        if first is grpc.aio.EOF:
+            raise UnavailableError("the daemon closed the session at once")
+        self._session_id, self._session_call = first.session_id, call
+        self._session_task = asyncio.create_task(self._watch_session(call, first.session_id))
+
+    async def _watch_session(self, call: Any, session_id: str) -> None:
+        try:
+            async for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+        if self._session_id == session_id:
+            log.warning("kvtier session %s ended (daemon stopped or unreachable)", session_id)
+            self._session_id, self._session_call = "", None
+
+    # ------------------------------------------------------------------ calls
+
+    async def _invoke(self, method: str, request: Any, binding: PoolBinding | None = None) -> Any:
+        for attempt in (0, 1):
+            if method in _SESSION_METHODS:
+                request.session_id = await self.session()
+            if binding is not None:
+                if not binding.pool_id:
+                    await self._register(binding)
+                request.pool_id = binding.pool_id
+            try:
+                return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+            if binding is None or attempt or not isinstance(err, NotFoundError):
+                raise err
+            binding.pool_id = 0
+        raise AssertionError("unreachable")
+
+    async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
+        try:
+            method, request = next(flow)
+            while True:
+                try:
+                    response = await self._invoke(
+                        method, request, binding if method in ("Put", "Get") else None
+                    )
+                except Exception as e:
+                    method, request = flow.throw(e)
+                else:
+                    method, request = flow.send(response)
+        except StopIteration as done:
+            return int(done.value)
+
+    async def _register(self, binding: PoolBinding) -> None:
+        resp = await self._invoke("RegisterPool", binding.register_request())
+        binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+        self._pools[resp.pool_id] = binding
+
+    # ----------------------------------------------------------------- pools
+
+    async def register_pool(
+        self, shm: SharedMemoryPool, layout: PoolLayout, namespace: Namespace | None = None
+    ) -> AsyncRegisteredPool:
+        binding = PoolBinding(shm, layout, namespace)
+        await self._register(binding)
+        return AsyncRegisteredPool(self, binding)
+
+    async def unregister_pool(self, pool_id: int) -> None:
+        await self._invoke("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
+        self._pools.pop(pool_id, None)
+
+    # ---------------------------------------------------------------- blocks
+
+    async def lookup(
+        self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int = 0
+    ) -> t.LookupResult:
+        req = pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms)
+        return t.lookup_result(await self._invoke("Lookup", req))
+
+    async def put(
+        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, parent_key: bytes = b""
+    ) -> t.PutResult:
+        req = pb.PutRequest(
+            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), parent_key=parent_key
+        )
+        return t.put_result(await self._invoke("Put", req))
+
+    async def get(
+        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, lease_id: int = 0
+    ) -> t.GetResult:
+        req = pb.GetRequest(
+            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), lease_id=lease_id
+        )
+        return t.get_result(await self._invoke("Get", req))
+
+    async def release(self, lease_id: int) -> None:
+        await self._invoke("Release", pb.ReleaseRequest(lease_id=lease_id))
+
+    async def prefetch(
+        self, keys: Sequence[bytes], *, deadline_ms: int = 0, priority: int = 0
+    ) -> t.PrefetchResult:
+        req = pb.PrefetchRequest(keys=list(keys), deadline_ms=deadline_ms, priority=priority)
+        return t.prefetch_result(await self._invoke("Prefetch", req))
+
+    async def delete(self, keys: Sequence[bytes]) -> t.DeleteResult:
+        return t.delete_result(await self._invoke("Delete", pb.DeleteRequest(keys=list(keys))))
+
+    async def stats(self) -> t.Stats:
+        return t.stats_result(await self._invoke("Stats", pb.StatsRequest()))
+
+    async def health(self, service: str = "") -> bool:
+        try:
+            resp = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    # ------------------------------------------------------------ high level
+
+    async def store(
+        self, pool: AsyncRegisteredPool, token_ids: Sequence[int], pages: Sequence[int]
+    ) -> int:
+        keys = pool.keys(token_ids)
+        blocks = await self._drive(
+            store_flow(pool.binding, keys, pages, self.max_batch_blocks), pool.binding
+        )
+        return blocks * pool.layout.block_tokens
+
+    async def load(
+        self,
+        pool: AsyncRegisteredPool,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        *,
+        lease_ms: int = 0,
+    ) -> int:
+        keys = pool.keys(token_ids)
+        blocks = await self._drive(
+            load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
+        )
+        return blocks * pool.layout.block_tokens
+
+
+class AsyncRegisteredPool:
+    """A pool registered through an AsyncClient."""
+
+    def __init__(self, client: AsyncClient, binding: PoolBinding) -> None:
+        self.client = client
+        self.binding = binding
+
+    @property
+    def pool_id(self) -> int:
+        return self.binding.pool_id
+
+    @property
+    def block_bytes(self) -> int:
+        return self.binding.block_bytes
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.binding.layout
+
+    @property
+    def namespace(self) -> Namespace | None:
+        return self.binding.namespace
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.binding.keys(token_ids)
+
+    async def store(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        return await self.client.store(self, token_ids, pages)
+
+    async def load(
+        self, token_ids: Sequence[int], pages: Sequence[int], *, lease_ms: int = 0
+    ) -> int:
+        return await self.client.load(self, token_ids, pages, lease_ms=lease_ms)
+
+    async def unregister(self) -> None:
+        await self.client.unregister_pool(self.pool_id)

@@ -1,0 +1,78 @@
+"""Typed client exceptions, one per gRPC status the daemon returns.
+
+Every error raised by a client call is a KvtierError; callers that only want "use the cache if
+it works" catch that one type and treat it as a miss.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KvtierError(Exception):
+    """Base of every client error. ``code`` is the gRPC status, ``details`` the daemon's text."""
+
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, details: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(details)
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(KvtierError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFoundError(KvtierError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class PermissionDeniedError(KvtierError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FailedPreconditionError(KvtierError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhaustedError(KvtierError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(KvtierError):
+    """The daemon is not reachable (not started, restarting, or shutting down)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceededError(KvtierError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class InternalError(KvtierError):
+    code = grpc.StatusCode.INTERNAL
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KvtierError]] = {
+    cls.code: cls  # type: ignore[misc]
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        PermissionDeniedError,
+        FailedPreconditionError,
+        ResourceExhaustedError,
+        UnavailableError,
+        DeadlineExceededError,
+        InternalError,
+    )
+}
+
+
+def from_rpc_error(err: grpc.RpcError) -> KvtierError:
+    """The typed exception for a failed call."""
+    code = err.code() if hasattr(err, "code") else None
+    details = (err.details() if hasattr(err, "details") else None) or str(err)
+    cls = _BY_CODE.get(code, KvtierError) if code is not None else KvtierError
+    return cls(details, code)

@@ -1,0 +1,109 @@
+"""Multi-call operations written once for both clients.
+
+A flow is a generator that yields ``(method, request)`` and receives the response (or has the
+call's typed exception thrown into it); the sync client drives it with plain calls, the
+asyncio client with awaits. Flows never see session or pool ids: the driver fills those in
+when it sends a request, so a driver may re-open a session and re-register a pool behind a
+flow's back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client.errors import NotFoundError
+from kvtier.client.keys import Namespace, block_keys
+from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.types import PutStatus, pages_list
+from kvtier.kernels.layout import PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
+
+Call = tuple[str, Any]
+Flow = Generator[Call, Any, int]
+
+
+@dataclass(eq=False)
+class PoolBinding:
+    """What a client needs to (re-)register a pool and address its pages."""
+
+    shm: SharedMemoryPool
+    layout: PoolLayout
+    namespace: Namespace | None
+    pool_id: int = 0
+    block_bytes: int = 0
+    _keys_cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        if self.namespace is None:
+            raise ValueError("this pool was registered without a namespace; pass keys explicitly")
+        return block_keys(self.namespace, token_ids)
+
+    def register_request(self) -> pb.RegisterPoolRequest:
+        from kvtier.client.types import layout_to_pb
+
+        return pb.RegisterPoolRequest(
+            shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes),
+            layout=layout_to_pb(self.layout),
+        )
+
+
+def store_flow(
+    binding: PoolBinding, keys: Sequence[bytes], pages: Sequence[int], max_batch: int
+) -> Flow:
+    """Put a key chain from ``pages``; returns how many leading blocks the daemon now holds."""
+    if len(pages) < len(keys):
+        raise ValueError(f"{len(pages)} pages for {len(keys)} blocks")
+    held = 0
+    parent = b""
+    pages = pages_list(pages)
+    for start in range(0, len(keys), max_batch):
+        chunk = list(keys[start : start + max_batch])
+        resp = yield (
+            "Put",
+            pb.PutRequest(keys=chunk, pages=pages[start : start + len(chunk)], parent_key=parent),
+        )
+        for status in resp.results:
+            if status == PutStatus.REJECTED_FULL:
+                return held
+            held += 1
+        parent = chunk[-1]
+    return held
+
+
+def load_flow(
+    binding: PoolBinding, keys: Sequence[bytes], pages: Sequence[int], max_batch: int, lease_ms: int
+) -> Flow:
+    """Load the longest stored prefix of a key chain into ``pages``; returns blocks loaded.
+
+    Each batch is pinned by a Lookup so that no block is evicted between finding and loading
+    it, and the lease is released whatever happens to the Get.
+    """
+    n = min(len(keys), len(pages))
+    pages = pages_list(pages)
+    loaded = 0
+    for start in range(0, n, max_batch):
+        chunk = list(keys[start : min(n, start + max_batch)])
+        found = yield "Lookup", pb.LookupRequest(keys=chunk, pin=True, lease_ms=lease_ms)
+        if found.prefix_len == 0:
+            break
+        try:
+            got = yield (
+                "Get",
+                pb.GetRequest(
+                    keys=chunk[: found.prefix_len],
+                    pages=pages[start : start + found.prefix_len],
+                    lease_id=found.lease_id,
+                ),
+            )
+        finally:
+            if found.lease_id:
+                # A lease that already expired has left nothing pinned.
+                with contextlib.suppress(NotFoundError):
+                    yield "Release", pb.ReleaseRequest(lease_id=found.lease_id)
+        loaded += got.prefix_len
+        if got.prefix_len < len(chunk):
+            break
+    return loaded

@@ -1,0 +1,126 @@
+"""Block keys: the canonical, language-neutral spec (also written out in the README).
+
+All integers are unsigned little-endian; ``u32(x)`` is 4 bytes, ``str(s)`` is
+``u32(len(utf8(s))) || utf8(s)``; ``H`` is SHA-256.
+
+    seed = H("kvtier-namespace-v1" || str(model) || str(revision) || str(kv_dtype)
+             || str(kv_layout) || u32(block_tokens) || u32(tp_rank) || u32(tp_size)
+             || u32(pp_rank) || u32(pp_size) || str(tenant) || str(extra))
+
+    k_{-1} = seed
+    k_i = H("kvtier-block-v1" || k_{i-1} || u32(n) || u32(t_0) || ... || u32(t_{n-1})
+            || u32(len(x_i)) || x_i)
+
+where ``t_0 .. t_{n-1}`` are the ``n == block_tokens`` token ids of block ``i`` and ``x_i`` is
+the block's extra bytes (empty unless the engine mixes in, say, an image hash or a LoRA id).
+Only full blocks have keys; a trailing partial block is never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 32
+_NS_TAG = b"kvtier-namespace-v1"
+_BLOCK_TAG = b"kvtier-block-v1"
+
+
+def _str(s: str) -> bytes:
+    data = s.encode("utf-8")
+    return struct.pack("<I", len(data)) + data
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes two engines' KV bytes for the same tokens differ.
+
+    ``kv_layout`` names the byte order inside one chunk (``"NHD"`` is
+    ``[tokens, heads, head_dim]``), not the pool's page layout: vLLM and FlashInfer pools with
+    NHD chunks produce identical blocks and may share them.
+    """
+
+    model: str
+    kv_dtype: str
+    block_tokens: int
+    revision: str = ""
+    kv_layout: str = "NHD"
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tenant: str = "default"
+    extra: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("namespace model must not be empty")
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be at least 1")
+        if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError("ranks must satisfy 0 <= rank < size")
+
+    def seed(self) -> bytes:
+        h = hashlib.sha256(_NS_TAG)
+        h.update(_str(self.model))
+        h.update(_str(self.revision))
+        h.update(_str(self.kv_dtype))
+        h.update(_str(self.kv_layout))
+        h.update(
+            struct.pack(
+                "<5I", self.block_tokens, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size
+            )
+        )
+        h.update(_str(self.tenant))
+        h.update(_str(self.extra))
+        return h.digest()
+
+
+def block_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> bytes:
+    """The key of one block from its parent key (or the seed) and its token ids."""
+    if len(parent) != KEY_BYTES:
+        raise ValueError(f"parent key must be {KEY_BYTES} bytes")
+    ids = _token_bytes(tokens)
+    h = hashlib.sha256(_BLOCK_TAG)
+    h.update(parent)
+    h.update(struct.pack("<I", len(ids) // 4))
+    h.update(ids)
+    h.update(struct.pack("<I", len(extra)))
+    h.update(extra)
+    return h.digest()
+
+
+def block_keys(
+    namespace: Namespace,
+    token_ids: Sequence[int] | np.ndarray,
+    extras: Sequence[bytes] | None = None,
+) -> list[bytes]:
+    """Keys of every full block of ``token_ids``, chained from the namespace seed."""
+    n = namespace.block_tokens
+    tokens = np.asarray(token_ids)
+    nblocks = len(tokens) // n
+    if extras is not None and len(extras) < nblocks:
+        raise ValueError(f"extras has {len(extras)} entries for {nblocks} blocks")
+    key = namespace.seed()
+    keys = []
+    for i in range(nblocks):
+        key = block_key(key, tokens[i * n : (i + 1) * n], extras[i] if extras is not None else b"")
+        keys.append(key)
+    return keys
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("token ids must be one-dimensional")
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, not {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
+        raise ValueError("token ids must lie in [0, 2**32)")
+    return arr.astype("<u4").tobytes()

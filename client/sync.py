@@ -1,0 +1,284 @@
+"""The blocking client. ``AsyncClient`` in ``kvtier.client.aio`` has the same surface.
+
+A client holds one gRPC channel and, once a call needs one, one session: a server stream that
+the daemon watches to know this process is alive. Pools and leases belong to the session, so
+they vanish if the process dies. If the daemon restarts, the next call opens a new session and
+re-registers the pools it used before, once.
+
+Thread-safety: a Client may be shared by threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.client import types as t
+from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.flows import Flow, PoolBinding, load_flow, store_flow
+from kvtier.client.keys import Namespace
+from kvtier.client.pool import SharedMemoryPool
+from kvtier.kernels.layout import PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+# Requests that name a session; the driver fills it in.
+_SESSION_METHODS = frozenset(
+    {"RegisterPool", "UnregisterPool", "Lookup", "Put", "Get", "Release", "Prefetch", "Delete"}
+)
+
+
+class Client:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        client_name: str = "",
+        max_batch_blocks: int = 1024,
+    ) -> None:
+        self.address = t.resolve_address(address)
+        self.timeout_s = timeout_s
+        self.max_batch_blocks = max_batch_blocks
+        self.client_name = client_name or f"pid {os.getpid()}"
+        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._session_id = ""
+        self._session_call: Any = None
+        self._pools: dict[int, PoolBinding] = {}
+
+    # --------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        with self._lock:
+            call, self._session_call, self._session_id = self._session_call, None, ""
+        if call is not None:
+            call.cancel()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def session_id(self) -> str:
+        """The open session, opened on first use."""
+        with self._lock:
+            if self._session_call is not None and not self._session_call.is_active():
+                self._session_id, self._session_call = "", None
+            if not self._session_id:
+                self._open_session()
+            return self._session_id
+
+    def _open_session(self) -> None:
+        call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
+        try:
+            first = next(call)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        except StopIteration:
+            raise UnavailableError("the daemon closed the session at once") from None
+        self._session_id, self._session_call = first.session_id, call
+        threading.Thread(
+            target=self._watch_session,
+            args=(call, first.session_id),
+            name="kvtier-session",
+            daemon=True,
+        ).start()
+
+    def _watch_session(self, call: Any, session_id: str) -> None:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass
+        with self._lock:
+            if self._session_id == session_id:
+                log.warning("kvtier session %s ended (daemon stopped or unreachable)", session_id)
+                self._session_id, self._session_call = "", None
+
+    # ------------------------------------------------------------------ calls
+
+    def _invoke(self, method: str, request: Any, binding: PoolBinding | None = None) -> Any:
+        for attempt in (0, 1):
+            if method in _SESSION_METHODS:
+                request.session_id = self.session_id
+            if binding is not None:
+                if not binding.pool_id:
+                    self._register(binding)
+                request.pool_id = binding.pool_id
+            try:
+                return getattr(self._stub, method)(request, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+            if binding is None or attempt or not isinstance(err, NotFoundError):
+                raise err
+            # The daemon lost our session or pool (it restarted): register again, once.
+            binding.pool_id = 0
+        raise AssertionError("unreachable")
+
+    def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
+        try:
+            method, request = next(flow)
+            while True:
+                try:
+                    response = self._invoke(
+                        method, request, binding if method in ("Put", "Get") else None
+                    )
+                except Exception as e:
+                    method, request = flow.throw(e)
+                else:
+                    method, request = flow.send(response)
+        except StopIteration as done:
+            return int(done.value)
+
+    def _register(self, binding: PoolBinding) -> None:
+        resp = self._invoke("RegisterPool", binding.register_request())
+        binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+        self._pools[resp.pool_id] = binding
+
+    # ----------------------------------------------------------------- pools
+
+    def register_pool(
+        self, shm: SharedMemoryPool, layout: PoolLayout, namespace: Namespace | None = None
+    ) -> RegisteredPool:
+        """Register a shared-memory pool laid out as ``layout``. With a namespace, the returned
+        pool can store and load by token ids."""
+        binding = PoolBinding(shm, layout, namespace)
+        self._register(binding)
+        return RegisteredPool(self, binding)
+
+    def unregister_pool(self, pool_id: int) -> None:
+        self._invoke("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
+        self._pools.pop(pool_id, None)
+
+    # ---------------------------------------------------------------- blocks
+
+    def lookup(
+        self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int = 0
+    ) -> t.LookupResult:
+        return t.lookup_result(
+            self._invoke("Lookup", pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms))
+        )
+
+    def put(
+        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, parent_key: bytes = b""
+    ) -> t.PutResult:
+        req = pb.PutRequest(
+            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), parent_key=parent_key
+        )
+        return t.put_result(self._invoke("Put", req))
+
+    def get(
+        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, lease_id: int = 0
+    ) -> t.GetResult:
+        req = pb.GetRequest(
+            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), lease_id=lease_id
+        )
+        return t.get_result(self._invoke("Get", req))
+
+    def release(self, lease_id: int) -> None:
+        self._invoke("Release", pb.ReleaseRequest(lease_id=lease_id))
+
+    def prefetch(
+        self, keys: Sequence[bytes], *, deadline_ms: int = 0, priority: int = 0
+    ) -> t.PrefetchResult:
+        req = pb.PrefetchRequest(keys=list(keys), deadline_ms=deadline_ms, priority=priority)
+        return t.prefetch_result(self._invoke("Prefetch", req))
+
+    def delete(self, keys: Sequence[bytes]) -> t.DeleteResult:
+        return t.delete_result(self._invoke("Delete", pb.DeleteRequest(keys=list(keys))))
+
+    def stats(self) -> t.Stats:
+        return t.stats_result(self._invoke("Stats", pb.StatsRequest()))
+
+    def health(self, service: str = "") -> bool:
+        """Whether the daemon reports SERVING."""
+        try:
+            resp = self._health.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
+            )
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    # ------------------------------------------------------------ high level
+
+    def store(self, pool: RegisteredPool, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        """Store the full blocks of ``token_ids`` from ``pages`` (page i holds block i).
+        Returns the number of leading tokens the daemon now holds."""
+        keys = pool.keys(token_ids)
+        blocks = self._drive(
+            store_flow(pool.binding, keys, pages, self.max_batch_blocks), pool.binding
+        )
+        return blocks * pool.layout.block_tokens
+
+    def load(
+        self,
+        pool: RegisteredPool,
+        token_ids: Sequence[int],
+        pages: Sequence[int],
+        *,
+        lease_ms: int = 0,
+    ) -> int:
+        """Load the longest stored prefix of ``token_ids`` into ``pages``; returns tokens loaded."""
+        keys = pool.keys(token_ids)
+        blocks = self._drive(
+            load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
+        )
+        return blocks * pool.layout.block_tokens
+
+
+class RegisteredPool:
+    """A pool registered through a Client: addresses its pages and stores/loads by tokens."""
+
+    def __init__(self, client: Client, binding: PoolBinding) -> None:
+        self.client = client
+        self.binding = binding
+
+    @property
+    def pool_id(self) -> int:
+        return self.binding.pool_id
+
+    @property
+    def block_bytes(self) -> int:
+        return self.binding.block_bytes
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.binding.layout
+
+    @property
+    def namespace(self) -> Namespace | None:
+        return self.binding.namespace
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.binding.keys(token_ids)
+
+    def store(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        return self.client.store(self, token_ids, pages)
+
+    def load(self, token_ids: Sequence[int], pages: Sequence[int], *, lease_ms: int = 0) -> int:
+        return self.client.load(self, token_ids, pages, lease_ms=lease_ms)
+
+    def unregister(self) -> None:
+        self.client.unregister_pool(self.pool_id)

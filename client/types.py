@@ -1,0 +1,176 @@
+"""Result types of the client API and their conversion from and to protobuf.
+
+Both clients (sync and asyncio) build requests and read responses through these functions,
+so the two share every rule and differ only in how they wait.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.kernels.layout import PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
+
+DEFAULT_ADDRESS = "unix:var/kvtierd.sock"
+ADDRESS_ENV = "KVTIER_ADDRESS"
+
+
+class Tier(enum.IntEnum):
+    ABSENT = pb.TIER_ABSENT
+    L0_GPU = pb.TIER_L0_GPU
+    L1_HOST = pb.TIER_L1_HOST
+    L2_DISK = pb.TIER_L2_DISK
+    L3_REMOTE = pb.TIER_L3_REMOTE
+
+
+class PutStatus(enum.IntEnum):
+    STORED = pb.PUT_STORED
+    EXISTS = pb.PUT_EXISTS
+    REJECTED_FULL = pb.PUT_REJECTED_FULL
+
+
+_DTYPES = {
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float32": pb.DTYPE_FLOAT32,
+    "float8_e4m3fn": pb.DTYPE_FLOAT8_E4M3,
+    "float8_e5m2": pb.DTYPE_FLOAT8_E5M2,
+    "uint8": pb.DTYPE_UINT8,
+    "int8": pb.DTYPE_INT8,
+}
+DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix_len: int
+    tiers: list[Tier]
+    lease_id: int  # 0 when nothing was pinned
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    statuses: list[PutStatus]
+    stored: int
+
+    @property
+    def prefix_len(self) -> int:
+        """Leading keys now held (stored by this call or before)."""
+        for i, s in enumerate(self.statuses):
+            if s == PutStatus.REJECTED_FULL:
+                return i
+        return len(self.statuses)
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    loaded: list[bool]
+    prefix_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    resident: int
+    scheduled: int
+    missing: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    deleted: int
+    missing: int
+    busy: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    tiers: list[TierStats]
+    counters: dict[str, int]
+    gauges: dict[str, float]
+    uptime_s: float
+    version: str
+
+
+def resolve_address(address: str | None) -> str:
+    """A gRPC target: ``unix:PATH`` (relative paths resolved now) or ``host:port``."""
+    address = address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+    if address.startswith("unix:") and not address.startswith("unix://"):
+        return "unix:" + os.path.abspath(address[len("unix:") :])
+    if address.startswith("/") or address.startswith("."):
+        return "unix:" + os.path.abspath(address)
+    return address
+
+
+# ---------------------------------------------------------------------- requests
+
+
+def layout_to_pb(layout: PoolLayout) -> pb.PoolLayout:
+    if layout.dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {layout.dtype!r}; one of {sorted(_DTYPES)}")
+    return pb.PoolLayout(
+        layers=[
+            pb.LayerLayout(
+                offset=layer.offset,
+                kv_count=layer.kv_count,
+                kv_stride=layer.kv_stride,
+                page_stride=layer.page_stride,
+                chunk_bytes=layer.chunk_bytes,
+            )
+            for layer in layout.layers
+        ],
+        num_pages=layout.num_pages,
+        block_tokens=layout.block_tokens,
+        dtype=_DTYPES[layout.dtype],
+    )
+
+
+def pages_list(pages: Sequence[int]) -> list[int]:
+    return [int(p) for p in pages]
+
+
+# --------------------------------------------------------------------- responses
+
+
+def lookup_result(resp: pb.LookupResponse) -> LookupResult:
+    return LookupResult(resp.prefix_len, [Tier(t) for t in resp.tiers], resp.lease_id)
+
+
+def put_result(resp: pb.PutResponse) -> PutResult:
+    return PutResult([PutStatus(s) for s in resp.results], resp.stored)
+
+
+def get_result(resp: pb.GetResponse) -> GetResult:
+    return GetResult(list(resp.loaded), resp.prefix_len)
+
+
+def prefetch_result(resp: pb.PrefetchResponse) -> PrefetchResult:
+    return PrefetchResult(resp.resident, resp.scheduled, resp.missing)
+
+
+def delete_result(resp: pb.DeleteResponse) -> DeleteResult:
+    return DeleteResult(resp.deleted, resp.missing, resp.busy)
+
+
+def stats_result(resp: pb.StatsResponse) -> Stats:
+    return Stats(
+        tiers=[
+            TierStats(Tier(t.tier), t.capacity_bytes, t.used_bytes, t.blocks, t.state)
+            for t in resp.tiers
+        ],
+        counters=dict(resp.counters),
+        gauges=dict(resp.gauges),
+        uptime_s=resp.uptime_s,
+        version=resp.version,
+    )
