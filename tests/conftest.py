@@ -1,0 +1,36 @@
+"""Shared fixtures: real daemons (see harness.py) and shared-memory pools."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness import DaemonFactory, DaemonProcess
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
+    factory = DaemonFactory(tmp_path)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
+    """A daemon with a 128 MiB L1 and otherwise default config."""
+    return daemon_factory()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -1,0 +1,138 @@
+"""Test harness: real kvtierd processes on temporary Unix sockets.
+
+``start_daemon`` runs ``python -m kvtier.daemon`` as a subprocess with config overrides, waits
+until its health check answers SERVING, and returns a handle to stop, kill or restart it and
+to read its log. Sockets live under a short /tmp folder (Unix socket paths are limited to
+107 bytes, and pytest's tmp_path can be longer).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.client import Client, KvtierError
+
+START_TIMEOUT_S = 60.0
+
+
+@dataclass
+class DaemonProcess:
+    workdir: Path
+    socket: str
+    overrides: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+    _log_file: object = None
+
+    def __post_init__(self) -> None:
+        self.log_path = self.workdir / f"kvtierd-{os.getpid()}-{id(self)}.log"
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.socket}"
+
+    def start(self, wait: bool = True) -> DaemonProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--set",
+            f"server.socket={self.socket}",
+            *self.overrides,
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
+        self._log_file = log
+        self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"kvtierd exited with {self.proc.returncode} during start:\n{self.log()}"
+                )
+            if os.path.exists(self.socket):
+                try:
+                    with Client(self.address, timeout_s=2.0) as c:
+                        if c.health():
+                            return
+                except KvtierError:
+                    pass
+            time.sleep(0.05)
+        raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{self.log()}")
+
+    def client(self, **kwargs: object) -> Client:
+        return Client(self.address, **kwargs)  # type: ignore[arg-type]
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait: the graceful path (drain, flush)."""
+        return self._signal(signal.SIGTERM, timeout_s)
+
+    def kill(self) -> int:
+        """SIGKILL: the crash path."""
+        return self._signal(signal.SIGKILL, 10.0)
+
+    def restart(self, wait: bool = True) -> DaemonProcess:
+        if self.running():
+            self.stop()
+        return self.start(wait)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _signal(self, sig: int, timeout_s: float) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        if self._log_file is not None:
+            self._log_file.close()  # type: ignore[attr-defined]
+            self._log_file = None
+        return code
+
+
+class DaemonFactory:
+    """Starts daemons for one test and stops every one of them afterwards."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self._sockdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+        self._daemons: list[DaemonProcess] = []
+
+    def __call__(
+        self, *overrides: str, l1_bytes: str = "128MiB", wait: bool = True
+    ) -> DaemonProcess:
+        sock = os.path.join(self._sockdir, f"d{len(self._daemons)}.sock")
+        d = DaemonProcess(self.workdir, sock, [f"l1.capacity_bytes={l1_bytes}", *overrides])
+        d.overrides = [arg for o in d.overrides for arg in ("--set", o)]
+        self._daemons.append(d)
+        return d.start(wait)
+
+    def close(self) -> None:
+        for d in self._daemons:
+            d.stop(timeout_s=15.0)  # kills the daemon if it does not stop in time
+        shutil.rmtree(self._sockdir, ignore_errors=True)
