@@ -19,7 +19,7 @@ import numpy as np
 from kvtier import __version__
 from kvtier.daemon.config import Config
 from kvtier.daemon.errors import InvalidArgument, PermissionDenied
-from kvtier.daemon.index import KEY_BYTES, keys_to_words
+from kvtier.daemon.index import keys_to_words
 from kvtier.daemon.pools import Pool, PoolRegistry
 from kvtier.daemon.sessions import Session, SessionRegistry
 from kvtier.daemon.store import BlockStore, DeleteResult, TierUsage
@@ -221,12 +221,10 @@ class KVService:
             raise InvalidArgument(
                 f"{len(keys)} keys in one request; at most {limit} (server.max_batch_blocks)"
             )
-        for i, key in enumerate(keys):
-            if len(key) != KEY_BYTES:
-                raise InvalidArgument(
-                    f"{what}[{i}] has {len(key)} bytes; keys are {KEY_BYTES} bytes"
-                )
-        return keys_to_words(list(keys))
+        try:
+            return keys_to_words(list(keys))
+        except ValueError as e:
+            raise InvalidArgument(f"{what}: {e}") from None
 
     def _pool(self, session_id: str, pool_id: int) -> Pool:
         self.sessions.get(session_id)

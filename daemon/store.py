@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -413,10 +414,10 @@ class BlockStore:
 def _want_pinning(config: Config) -> bool:
     setting = config.l1.pin_memory
     if setting == "auto":
-        try:
-            import torch
-
-            return bool(torch.cuda.is_available())
-        except ImportError:
+        # Importing torch costs a second or two: only ask it when a GPU driver is present.
+        if not os.path.exists("/dev/nvidiactl"):
             return False
+        import torch
+
+        return bool(torch.cuda.is_available())
     return setting == "true"

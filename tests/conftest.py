@@ -16,6 +16,14 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
     factory.close()
 
 
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon for a whole module, for tests that leave no state behind."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("shared-daemon"))
+    yield factory()
+    factory.close()
+
+
 @pytest.fixture
 def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
     """A daemon with a 128 MiB L1 and otherwise default config."""

@@ -1,0 +1,556 @@
+"""The wire API end to end: a real daemon subprocess, the real client, real shared memory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvtier.client import (
+    InvalidArgumentError,
+    Namespace,
+    NotFoundError,
+    PermissionDeniedError,
+    PoolLayout,
+    PutStatus,
+    SharedMemoryPool,
+    Tier,
+)
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+BLOCK_TOKENS = 4
+LAYOUTS = {
+    "vllm": PoolLayout.vllm(
+        num_layers=3,
+        num_pages=16,
+        block_tokens=BLOCK_TOKENS,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float16",
+    ),
+    "flashinfer": PoolLayout.flashinfer(
+        num_layers=3,
+        num_pages=16,
+        block_tokens=BLOCK_TOKENS,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float16",
+    ),
+    "staging": PoolLayout.staging(
+        num_layers=3, num_pages=16, block_tokens=BLOCK_TOKENS, chunk_bytes=128, dtype="float16"
+    ),
+}
+
+
+def random_fill(shm: SharedMemoryPool, seed: int) -> np.ndarray:
+    data = shm.array()
+    data[:] = np.random.default_rng(seed).integers(0, 256, len(data), dtype=np.uint8)
+    return data
+
+
+def block_bytes_of(layout: PoolLayout, data: np.ndarray, page: int) -> bytes:
+    """A page's block as the daemon defines it: its chunks, layer by layer, K before V."""
+    t = layout.chunk_table
+    return b"".join(
+        data[int(b + page * s) : int(b + page * s + n)].tobytes()
+        for b, s, n in zip(t.pool_base, t.page_stride, t.length, strict=True)
+    )
+
+
+def keys_for(n: int, tag: str = "") -> list[bytes]:
+    ns = Namespace(model=f"test-model{tag}", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
+    from kvtier.client import block_keys
+
+    return block_keys(ns, list(range(n * BLOCK_TOKENS)))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_round_trip_is_byte_exact(daemon, name):
+    layout = LAYOUTS[name]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        data = random_fill(shm, 1)
+        pool = client.register_pool(shm, layout)
+        assert pool.block_bytes == layout.block_bytes
+        keys = keys_for(6, name)
+        src_pages = [3, 0, 7, 1, 15, 9]
+        expected = [block_bytes_of(layout, data, p) for p in src_pages]
+        put = client.put(pool.pool_id, keys, src_pages)
+        assert put.statuses == [PutStatus.STORED] * 6 and put.stored == 6
+
+        data[:] = 0
+        dst_pages = [10, 11, 2, 4, 5, 6]
+        got = client.get(pool.pool_id, keys, dst_pages)
+        assert got.loaded == [True] * 6 and got.prefix_len == 6
+        assert [block_bytes_of(layout, data, p) for p in dst_pages] == expected
+        # Nothing outside the destination pages was written.
+        untouched = set(range(layout.num_pages)) - set(dst_pages)
+        assert all(block_bytes_of(layout, data, p) == bytes(layout.block_bytes) for p in untouched)
+
+
+def test_layouts_with_equal_chunks_share_blocks(daemon):
+    """A block stored from a vLLM pool loads into a FlashInfer pool: the block format is the
+    chunks, not the page layout."""
+    vllm, flash = LAYOUTS["vllm"], LAYOUTS["flashinfer"]
+    with (
+        daemon.client() as client,
+        SharedMemoryPool.for_layout(vllm) as a,
+        SharedMemoryPool.for_layout(flash) as b,
+    ):
+        data_a = random_fill(a, 2)
+        pa, pb_ = client.register_pool(a, vllm), client.register_pool(b, flash)
+        keys = keys_for(3, "shared")
+        client.put(pa.pool_id, keys, [0, 1, 2])
+        assert client.get(pb_.pool_id, keys, [5, 6, 7]).prefix_len == 3
+        data_b = b.array()
+        for src, dst in zip([0, 1, 2], [5, 6, 7], strict=True):
+            assert block_bytes_of(vllm, data_a, src) == block_bytes_of(flash, data_b, dst)
+
+
+def test_lookup_reports_prefix_tiers_and_pins(daemon):
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        random_fill(shm, 3)
+        pool = client.register_pool(shm, layout)
+        keys = keys_for(5, "lookup")
+        client.put(pool.pool_id, [keys[0], keys[1], keys[3]], [0, 1, 3])
+        res = client.lookup(keys)
+        assert res.prefix_len == 2
+        assert res.tiers == [Tier.L1_HOST, Tier.L1_HOST, Tier.ABSENT, Tier.L1_HOST, Tier.ABSENT]
+        assert res.lease_id == 0
+        pinned = client.lookup(keys, pin=True, lease_ms=5_000)
+        assert pinned.lease_id != 0
+        # A pinned block cannot be deleted; once released it can.
+        assert client.delete([keys[0]]).busy == 1
+        client.release(pinned.lease_id)
+        assert client.delete([keys[0]]).deleted == 1
+        assert client.lookup(keys).prefix_len == 0
+        with pytest.raises(NotFoundError):
+            client.release(pinned.lease_id)
+
+
+def test_put_of_existing_keys_copies_nothing(daemon):
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        data = random_fill(shm, 4)
+        pool = client.register_pool(shm, layout)
+        keys = keys_for(2, "exists")
+        original = block_bytes_of(layout, data, 0)
+        client.put(pool.pool_id, keys[:1], [0])
+        data[:] = 7
+        again = client.put(pool.pool_id, keys, [0, 1])
+        assert again.statuses == [PutStatus.EXISTS, PutStatus.STORED]
+        data[:] = 0
+        client.get(pool.pool_id, keys[:1], [2])
+        assert block_bytes_of(layout, data, 2) == original
+
+
+def test_asyncio_client_has_the_same_surface(daemon):
+    import asyncio
+
+    from kvtier.client import AsyncClient
+
+    layout = LAYOUTS["vllm"]
+    ns = Namespace(model="async", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
+
+    async def scenario() -> tuple[int, int, bool]:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(layout) as shm:
+                data = random_fill(shm, 5)
+                pool = await client.register_pool(shm, layout, ns)
+                tokens = list(range(5 * BLOCK_TOKENS + 2))
+                expected = [block_bytes_of(layout, data, p) for p in range(5)]
+                stored = await pool.store(tokens, range(5))
+                data[:] = 0
+                loaded = await pool.load(tokens, range(5))
+                same = [block_bytes_of(layout, data, p) for p in range(5)] == expected
+                assert (await client.lookup(pool.keys(tokens))).prefix_len == 5
+                assert await client.health()
+                return stored, loaded, same
+
+    assert asyncio.run(scenario()) == (20, 20, True)
+
+
+CLIENT_SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
+    address, seed, shared_seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    layout = PoolLayout.vllm(num_layers=4, num_pages=64, block_tokens=8, num_kv_heads=2,
+                             head_dim=16, dtype="float16")
+    ns = Namespace(model="concurrent", kv_dtype="float16", block_tokens=8)
+    rng = np.random.default_rng(seed)
+    with Client(address) as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout, ns)
+        data = shm.array()
+        for round in range(20):
+            # Private tokens: content is a function of the seed, so it must come back exact.
+            tokens = [seed * 100000 + round * 1000 + i for i in range(8 * 16)]
+            data[:] = rng.integers(0, 256, len(data), dtype=np.uint8)
+            expected = data.copy()
+            assert pool.store(tokens, range(16)) == 128
+            data[:] = 0
+            assert pool.load(tokens, range(16, 32)) == 128
+            t = layout.chunk_table
+            for src, dst in zip(range(16), range(16, 32)):
+                for b, s, n in zip(t.pool_base, t.page_stride, t.length):
+                    a = expected[int(b + src * s): int(b + src * s + n)]
+                    c = data[int(b + dst * s): int(b + dst * s + n)]
+                    assert np.array_equal(a, c), (round, src)
+            # A prefix both processes store with equal bytes.
+            shared = [shared_seed + i for i in range(8 * 8)]
+            data[:] = 42
+            pool.store(shared, range(8))
+            data[:] = 0
+            assert pool.load(shared, range(8)) == 64
+            assert (data[: layout.extent_bytes][data[: layout.extent_bytes] != 0] == 42).all()
+    print("ok")
+    """
+)
+
+
+def test_two_client_processes_at_once(daemon):
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CLIENT_SCRIPT, daemon.address, str(seed), "7"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert out.strip() == "ok"
+    with daemon.client() as client:
+        stats = client.stats()
+        assert stats.gauges["sessions"] == 0 and stats.gauges["pools"] == 0
+
+
+def test_a_dead_client_leaves_no_pools_or_pins(daemon):
+    script = textwrap.dedent(
+        """
+        import os, sys, time
+        from kvtier.client import Client, PoolLayout, SharedMemoryPool
+        layout = PoolLayout.staging(num_layers=1, num_pages=4, block_tokens=1, chunk_bytes=64)
+        client = Client(sys.argv[1])
+        shm = SharedMemoryPool.for_layout(layout)
+        pool = client.register_pool(shm, layout)
+        key = bytes(range(32))
+        client.put(pool.pool_id, [key], [0])
+        print(client.lookup([key], pin=True, lease_ms=600000).lease_id, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, daemon.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert int(proc.stdout.readline()) > 0
+        with daemon.client() as client:
+            assert client.stats().gauges["pools"] == 1
+            assert client.stats().gauges["leases"] == 1
+            proc.kill()
+            proc.wait()
+            deadline = time.monotonic() + 10
+            while client.stats().gauges["pools"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            stats = client.stats()
+            assert stats.gauges["pools"] == 0 and stats.gauges["leases"] == 0
+            # The block is no longer pinned: it can be deleted.
+            assert client.delete([bytes(range(32))]).deleted == 1
+    finally:
+        proc.kill()
+
+
+def test_leases_expire(daemon):
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        keys = keys_for(1, "expire")
+        client.put(pool.pool_id, keys, [0])
+        client.lookup(keys, pin=True, lease_ms=100)
+        assert client.delete(keys).busy == 1
+        deadline = time.monotonic() + 5
+        while client.stats().gauges["leases"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.delete(keys).deleted == 1
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+def _raw_stub(daemon):
+    channel = grpc.insecure_channel(daemon.address)
+    return channel, pb_grpc.KVTierStub(channel)
+
+
+def _open_raw_session(stub):
+    call = stub.OpenSession(pb.OpenSessionRequest(client_name="raw"))
+    return call, next(call).session_id
+
+
+def _status(fn, *args):
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args)
+    return info.value.code(), info.value.details()
+
+
+@pytest.fixture
+def raw(shared_daemon):
+    daemon = shared_daemon
+    channel, stub = _raw_stub(daemon)
+    call, session = _open_raw_session(stub)
+    layout = LAYOUTS["staging"]
+    shm = SharedMemoryPool.for_layout(layout)
+    from kvtier.client.types import layout_to_pb
+
+    reg = stub.RegisterPool(
+        pb.RegisterPoolRequest(
+            session_id=session,
+            shm=pb.ShmRegion(name=shm.name, size_bytes=shm.size_bytes),
+            layout=layout_to_pb(layout),
+        )
+    )
+    yield stub, session, reg.pool_id, shm, layout
+    call.cancel()
+    shm.close()
+    channel.close()
+    # The daemon answers health checks after every refused request.
+    with daemon.client() as client:
+        assert client.health()
+        assert client.stats().gauges["blocks"] == 0
+
+
+KEY = bytes(32)
+C = grpc.StatusCode
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("page_out_of_range", C.INVALID_ARGUMENT),
+        ("pages_keys_mismatch", C.INVALID_ARGUMENT),
+        ("empty_batch", C.INVALID_ARGUMENT),
+        ("oversized_batch", C.INVALID_ARGUMENT),
+        ("short_key", C.INVALID_ARGUMENT),
+        ("long_key", C.INVALID_ARGUMENT),
+        ("unknown_pool", C.NOT_FOUND),
+        ("unknown_session", C.NOT_FOUND),
+        ("no_session", C.NOT_FOUND),
+        ("duplicate_get_pages", C.INVALID_ARGUMENT),
+        ("bad_parent_key", C.INVALID_ARGUMENT),
+        ("lease_too_long", C.INVALID_ARGUMENT),
+        ("release_unknown_lease", C.NOT_FOUND),
+    ],
+)
+def test_bad_block_requests_get_typed_status(raw, case, expected):
+    stub, session, pool_id, _, layout = raw
+    put = stub.Put
+    requests = {
+        "page_out_of_range": (
+            put,
+            pb.PutRequest(
+                session_id=session, pool_id=pool_id, keys=[KEY], pages=[layout.num_pages]
+            ),
+        ),
+        "pages_keys_mismatch": (
+            put,
+            pb.PutRequest(session_id=session, pool_id=pool_id, keys=[KEY], pages=[0, 1]),
+        ),
+        "empty_batch": (put, pb.PutRequest(session_id=session, pool_id=pool_id)),
+        "oversized_batch": (stub.Lookup, pb.LookupRequest(session_id=session, keys=[KEY] * 5000)),
+        "short_key": (stub.Lookup, pb.LookupRequest(keys=[b"\x01" * 31])),
+        "long_key": (
+            put,
+            pb.PutRequest(session_id=session, pool_id=pool_id, keys=[b"\x01" * 33], pages=[0]),
+        ),
+        "unknown_pool": (
+            put,
+            pb.PutRequest(session_id=session, pool_id=12345, keys=[KEY], pages=[0]),
+        ),
+        "unknown_session": (
+            put,
+            pb.PutRequest(session_id="nope", pool_id=pool_id, keys=[KEY], pages=[0]),
+        ),
+        "no_session": (stub.Lookup, pb.LookupRequest(keys=[KEY], pin=True)),
+        "duplicate_get_pages": (
+            stub.Get,
+            pb.GetRequest(session_id=session, pool_id=pool_id, keys=[KEY, KEY], pages=[1, 1]),
+        ),
+        "bad_parent_key": (
+            put,
+            pb.PutRequest(
+                session_id=session, pool_id=pool_id, keys=[KEY], pages=[0], parent_key=b"x"
+            ),
+        ),
+        "lease_too_long": (
+            stub.Lookup,
+            pb.LookupRequest(session_id=session, keys=[KEY], pin=True, lease_ms=10**9),
+        ),
+        "release_unknown_lease": (stub.Release, pb.ReleaseRequest(session_id=session, lease_id=99)),
+    }
+    fn, request = requests[case]
+    code, details = _status(fn, request)
+    assert code == expected, details
+    assert details  # every refusal says why
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing_shm", C.NOT_FOUND),
+        ("bad_shm_name", C.INVALID_ARGUMENT),
+        ("declared_size_too_big", C.INVALID_ARGUMENT),
+        ("layout_beyond_region", C.INVALID_ARGUMENT),
+        ("overlapping_kv", C.INVALID_ARGUMENT),
+        ("bad_kv_count", C.INVALID_ARGUMENT),
+        ("no_layers", C.INVALID_ARGUMENT),
+        ("no_dtype", C.INVALID_ARGUMENT),
+        ("no_region", C.INVALID_ARGUMENT),
+        ("cuda_ipc_without_gpu", C.FAILED_PRECONDITION),
+        ("block_larger_than_slot", C.INVALID_ARGUMENT),
+    ],
+)
+def test_bad_registrations_get_typed_status(raw, case, expected):
+    stub, session, _, shm, layout = raw
+    from kvtier.client.types import layout_to_pb
+
+    good = layout_to_pb(layout)
+    region = pb.ShmRegion(name=shm.name, size_bytes=shm.size_bytes)
+
+    def layer_layout(**kw):
+        base = dict(offset=0, kv_count=2, kv_stride=64, page_stride=128, chunk_bytes=64)
+        base.update(kw)
+        return pb.PoolLayout(
+            layers=[pb.LayerLayout(**base)], num_pages=4, block_tokens=1, dtype=pb.DTYPE_UINT8
+        )
+
+    reqs = {
+        "missing_shm": pb.RegisterPoolRequest(
+            shm=pb.ShmRegion(name="kvtier-does-not-exist", size_bytes=shm.size_bytes), layout=good
+        ),
+        "bad_shm_name": pb.RegisterPoolRequest(
+            shm=pb.ShmRegion(name="../etc/passwd", size_bytes=4096), layout=good
+        ),
+        "declared_size_too_big": pb.RegisterPoolRequest(
+            shm=pb.ShmRegion(name=shm.name, size_bytes=shm.size_bytes * 2), layout=good
+        ),
+        "layout_beyond_region": pb.RegisterPoolRequest(
+            shm=region, layout=layer_layout(offset=shm.size_bytes)
+        ),
+        "overlapping_kv": pb.RegisterPoolRequest(shm=region, layout=layer_layout(kv_stride=32)),
+        "bad_kv_count": pb.RegisterPoolRequest(shm=region, layout=layer_layout(kv_count=3)),
+        "no_layers": pb.RegisterPoolRequest(
+            shm=region, layout=pb.PoolLayout(num_pages=1, block_tokens=1, dtype=pb.DTYPE_UINT8)
+        ),
+        "no_dtype": pb.RegisterPoolRequest(
+            shm=region, layout=pb.PoolLayout(layers=good.layers, num_pages=1, block_tokens=1)
+        ),
+        "no_region": pb.RegisterPoolRequest(layout=good),
+        "cuda_ipc_without_gpu": pb.RegisterPoolRequest(
+            cuda_ipc=pb.CudaIpcRegion(handle=b"x" * 64, size_bytes=4096), layout=good
+        ),
+        "block_larger_than_slot": pb.RegisterPoolRequest(
+            shm=pb.ShmRegion(name=shm.name, size_bytes=shm.size_bytes),
+            layout=pb.PoolLayout(
+                layers=[
+                    pb.LayerLayout(
+                        offset=0, kv_count=1, kv_stride=0, page_stride=0, chunk_bytes=65 << 20
+                    )
+                ],
+                num_pages=1,
+                block_tokens=1,
+                dtype=pb.DTYPE_UINT8,
+            ),
+        ),
+    }
+    request = reqs[case]
+    request.session_id = session
+    if case == "block_larger_than_slot":
+        big = SharedMemoryPool(66 << 20)
+        request.shm.name, request.shm.size_bytes = big.name, big.size_bytes
+    code, details = _status(stub.RegisterPool, request)
+    if case == "block_larger_than_slot":
+        big.close()
+    assert code == expected, details
+
+
+def test_a_pool_of_another_session_is_off_limits(raw):
+    stub, _, pool_id, _, _ = raw
+    call, other = _open_raw_session(stub)
+    try:
+        code, _ = _status(
+            stub.Put, pb.PutRequest(session_id=other, pool_id=pool_id, keys=[KEY], pages=[0])
+        )
+        assert code == C.PERMISSION_DENIED
+        code, _ = _status(
+            stub.UnregisterPool, pb.UnregisterPoolRequest(session_id=other, pool_id=pool_id)
+        )
+        assert code == C.PERMISSION_DENIED
+    finally:
+        call.cancel()
+
+
+def test_block_size_mismatch_is_refused(daemon):
+    small = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=64)
+    big = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=128)
+    with (
+        daemon.client() as client,
+        SharedMemoryPool.for_layout(small) as a,
+        SharedMemoryPool.for_layout(big) as b,
+    ):
+        pa, pb_ = client.register_pool(a, small), client.register_pool(b, big)
+        client.put(pa.pool_id, [KEY], [0])
+        with pytest.raises(InvalidArgumentError, match="stored with 128 bytes"):
+            client.get(pb_.pool_id, [KEY], [0])
+        with pytest.raises(InvalidArgumentError):
+            client.put(pb_.pool_id, [KEY], [0])
+        assert client.health()
+
+
+def test_client_errors_are_typed(daemon):
+    layout = LAYOUTS["staging"]
+    with daemon.client() as a, daemon.client() as b, SharedMemoryPool.for_layout(layout) as shm:
+        with pytest.raises(InvalidArgumentError):
+            a.lookup([])
+        with pytest.raises(NotFoundError):
+            a.unregister_pool(42)
+        pool = a.register_pool(shm, layout)
+        with pytest.raises(PermissionDeniedError):
+            b.put(pool.pool_id, [KEY], [0])
+
+
+def test_pool_survives_daemon_restart_through_reregistration(daemon):
+    layout = LAYOUTS["staging"]
+    ns = Namespace(model="restart", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        random_fill(shm, 9)
+        pool = client.register_pool(shm, layout, ns)
+        tokens = list(range(3 * BLOCK_TOKENS))
+        assert pool.store(tokens, range(3)) == 12
+        daemon.restart()
+        # L1 is volatile: the restarted daemon has nothing, but the pool works again at once.
+        assert pool.load(tokens, range(3)) == 0
+        assert pool.store(tokens, range(3)) == 12
+        assert pool.load(tokens, range(3)) == 12
+
+
+def test_generated_protobuf_code_is_current(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "gen"
+    out.mkdir()
+    subprocess.run(
+        ["make", "-s", "-C", repo, "proto", f"PROTO_OUT={out}"], check=True, capture_output=True
+    )
+    for name in ("kvtier_pb2.py", "kvtier_pb2.pyi", "kvtier_pb2_grpc.py"):
+        with open(os.path.join(repo, "proto", name)) as f:
+            committed = f.read()
+        assert (out / name).read_text() == committed, f"proto/{name} is stale: run `make proto`"
