@@ -1,0 +1,125 @@
+"""The key spec: golden vectors (any implementation can check itself against these) and an
+independent re-implementation of the README's text."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+
+from kvtier.client.keys import Namespace, block_key, block_keys
+
+LLAMA = Namespace(
+    model="meta-llama/Llama-3.1-8B", revision="main", kv_dtype="bfloat16", block_tokens=4
+)
+OTHER = Namespace(
+    model="m",
+    kv_dtype="float16",
+    block_tokens=2,
+    tenant="acme",
+    kv_layout="HND",
+    tp_rank=1,
+    tp_size=2,
+    extra="lora=none",
+)
+
+GOLDEN_SEED = "749378cf6b6d49ea443508e29507492c815c38188fe698f09d2f239438f6a549"
+GOLDEN_KEYS = [  # tokens 0..9 in blocks of 4: two full blocks, two tokens left over
+    "6e0753a394d061f29b3dc9931a856089f4ddfde7b80de77e135a45a417db3ab6",
+    "3aeaa925bec4586da8debf6b4edbfc379afe386b00a33096350b0fa719dc159f",
+]
+GOLDEN_OTHER_SEED = "b1380220a766f83dfc5dcf24a05ce09ecfbedbf4b11ebf793ef52e108962f00a"
+GOLDEN_OTHER_KEY_1 = "0d6a82f2207d29a565692482d876b8c2f58d15296fb04ce0cd17ec73df38b322"
+
+
+def test_golden_vectors():
+    assert LLAMA.seed().hex() == GOLDEN_SEED
+    assert [k.hex() for k in block_keys(LLAMA, list(range(10)))] == GOLDEN_KEYS
+    assert OTHER.seed().hex() == GOLDEN_OTHER_SEED
+    assert block_keys(OTHER, [1, 2, 3, 4], extras=[b"", b"img:abc"])[1].hex() == GOLDEN_OTHER_KEY_1
+
+
+def _s(x: str) -> bytes:
+    b = x.encode()
+    return struct.pack("<I", len(b)) + b
+
+
+def spec_keys(ns: Namespace, tokens: list[int], extras: list[bytes] | None = None) -> list[bytes]:
+    """The README's spec, written out again without the library."""
+    seed = hashlib.sha256(
+        b"kvtier-namespace-v1"
+        + _s(ns.model)
+        + _s(ns.revision)
+        + _s(ns.kv_dtype)
+        + _s(ns.kv_layout)
+        + struct.pack("<5I", ns.block_tokens, ns.tp_rank, ns.tp_size, ns.pp_rank, ns.pp_size)
+        + _s(ns.tenant)
+        + _s(ns.extra)
+    ).digest()
+    keys, prev = [], seed
+    n = ns.block_tokens
+    for i in range(len(tokens) // n):
+        x = extras[i] if extras else b""
+        body = (
+            struct.pack(f"<I{n}I", n, *tokens[i * n : (i + 1) * n]) + struct.pack("<I", len(x)) + x
+        )
+        prev = hashlib.sha256(b"kvtier-block-v1" + prev + body).digest()
+        keys.append(prev)
+    return keys
+
+
+@pytest.mark.parametrize("ns", [LLAMA, OTHER])
+def test_library_follows_the_written_spec(ns):
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 2**32, 37, dtype=np.uint64)]
+    assert block_keys(ns, tokens) == spec_keys(ns, tokens)
+
+
+def test_keys_are_a_chain():
+    keys = block_keys(LLAMA, list(range(12)))
+    assert block_keys(LLAMA, list(range(8))) == keys[:2]
+    # Same tokens in block 3, different history: different key.
+    other = block_keys(LLAMA, [99] + list(range(1, 12)))
+    assert other[2] != keys[2]
+    assert block_key(keys[1], list(range(8, 12))) == keys[2]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "x"},
+        {"revision": "v2"},
+        {"kv_dtype": "float16"},
+        {"kv_layout": "HND"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"pp_rank": 1, "pp_size": 2},
+        {"tenant": "t"},
+        {"extra": "e"},
+    ],
+)
+def test_every_namespace_field_changes_every_key(change):
+    import dataclasses
+
+    other = dataclasses.replace(LLAMA, **change)
+    assert set(block_keys(LLAMA, list(range(8)))).isdisjoint(block_keys(other, list(range(8))))
+
+
+def test_only_full_blocks_have_keys():
+    assert len(block_keys(LLAMA, list(range(7)))) == 1
+    assert block_keys(LLAMA, []) == []
+
+
+@pytest.mark.parametrize("tokens", [[-1, 0, 0, 0], [2**32, 0, 0, 0], [0.5, 1, 2, 3]])
+def test_bad_tokens_are_refused(tokens):
+    with pytest.raises(ValueError):
+        block_keys(LLAMA, tokens)
+
+
+def test_bad_namespaces_are_refused():
+    with pytest.raises(ValueError):
+        Namespace(model="", kv_dtype="float16", block_tokens=4)
+    with pytest.raises(ValueError):
+        Namespace(model="m", kv_dtype="float16", block_tokens=0)
+    with pytest.raises(ValueError):
+        Namespace(model="m", kv_dtype="float16", block_tokens=4, tp_rank=2, tp_size=2)

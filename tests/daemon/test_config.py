@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.daemon.config import Config, load_config, parse_size
+from kvtier.daemon.errors import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "deploy", "kvtier.yaml")
+
+
+def test_embedded_defaults_need_no_file():
+    config = load_config()
+    assert config == Config()
+    assert config.server.socket == "var/kvtierd.sock"
+    assert config.l1.capacity_bytes == 1 << 30
+
+
+def test_the_documented_example_is_exactly_the_defaults():
+    assert load_config(EXAMPLE) == Config()
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("64MiB", 64 << 20),
+        ("1.5 GiB", 3 << 29),
+        ("2GB", 2 * 10**9),
+        ("1kib", 1024),
+    ],
+)
+def test_sizes(value, expected):
+    assert parse_size(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "12 parsecs", "-1", True, 1.5, None, "GiB"])
+def test_bad_sizes(value):
+    with pytest.raises(ValueError):
+        parse_size(value)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("l1:\n  capcity_bytes: 1GiB\n", "l1.capcity_bytes"),
+        ("l3:\n  x: 1\n", "'l3'"),
+        ("l1:\n  capacity_bytes: lots\n", "l1.capacity_bytes"),
+        ("l1:\n  high_watermark: 1.5\n", "l1.high_watermark"),
+        ("l1:\n  high_watermark: yes\n", "l1.high_watermark"),
+        ("server:\n  max_batch_blocks: 0\n", "server.max_batch_blocks"),
+        ("server:\n  max_batch_blocks: 2.5\n", "server.max_batch_blocks"),
+        ("logging:\n  level: LOUD\n", "logging.level"),
+        ("l1:\n  low_watermark: 0.99\n", "l1.low_watermark"),
+        ("l1:\n  segment_bytes: 1000\n", "l1.segment_bytes"),
+        ("l1: [1, 2]\n", "'l1'"),
+        ("- just a list\n", "mapping"),
+        ("l1: {capacity_bytes: 1GiB\n", "not valid YAML"),
+    ],
+)
+def test_bad_files_name_the_key(tmp_path, text, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
+        load_config(path)
+
+
+def test_overrides_win_over_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("l1:\n  capacity_bytes: 2GiB\n")
+    config = load_config(path, ["l1.capacity_bytes=512MiB", "server.tcp_address=127.0.0.1:5000"])
+    assert config.l1.capacity_bytes == 512 << 20
+    assert config.server.tcp_address == "127.0.0.1:5000"
+
+
+@pytest.mark.parametrize("override", ["l1", "l1.capacity_bytes", "nosuch.key=1", "l1.nosuch=1"])
+def test_bad_overrides(override):
+    with pytest.raises(ConfigError):
+        load_config(None, [override])
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_kvtierd_refuses_a_bad_config_with_the_key_named(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("l1:\n  capcity_bytes: 1GiB\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "l1.capcity_bytes" in proc.stderr
+
+
+def test_kvtierd_prints_its_effective_config():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--print-config",
+            "--set",
+            "l1.capacity_bytes=2GiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    assert "capacity_bytes: 2147483648" in proc.stdout

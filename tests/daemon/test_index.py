@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.index import READY, BlockIndex, keys_to_words
+
+
+def _ready(index: BlockIndex, ns: int, key: bytes) -> int:
+    bid = index.add(ns, keys_to_words([key])[0], 4096)
+    index.state[bid] = READY
+    return bid
+
+
+def test_matches_a_dict_through_inserts_removes_and_growth():
+    index = BlockIndex(initial_capacity=16)
+    ref: dict[tuple[int, bytes], int] = {}
+    rng = random.Random(0)
+    keys = [os.urandom(32) for _ in range(3000)]
+    for step in range(12000):
+        key, ns = rng.choice(keys), rng.randint(0, 2)
+        if (ns, key) in ref and rng.random() < 0.5:
+            index.remove(ref.pop((ns, key)))
+        elif (ns, key) not in ref:
+            ref[(ns, key)] = _ready(index, ns, key)
+        if step % 3000 == 0 or step == 11999:
+            for n in range(3):
+                got = index.lookup(n, keys_to_words(keys))
+                assert got.tolist() == [ref.get((n, k), -1) for k in keys]
+    assert len(index) == len(ref)
+
+
+def test_namespaces_are_separate():
+    index = BlockIndex()
+    key = os.urandom(32)
+    bid = _ready(index, 1, key)
+    assert index.lookup(1, keys_to_words([key])).tolist() == [bid]
+    assert index.lookup(2, keys_to_words([key])).tolist() == [-1]
+
+
+def test_blocks_being_written_are_invisible_to_lookup():
+    index = BlockIndex()
+    key = os.urandom(32)
+    bid = index.add(0, keys_to_words([key])[0], 4096)
+    assert index.lookup(0, keys_to_words([key])).tolist() == [-1]
+    assert index.find_any(0, keys_to_words([key])).tolist() == [bid]
+
+
+def test_ids_are_reused_and_stay_dense():
+    index = BlockIndex()
+    a = _ready(index, 0, os.urandom(32))
+    index.remove(a)
+    b = _ready(index, 0, os.urandom(32))
+    assert b == a
+    with pytest.raises(KeyError):
+        index.remove(_ready(index, 0, os.urandom(32)) + 1)
+
+
+def test_colliding_first_words_are_told_apart():
+    """Keys equal in their first 8 bytes land on one probe chain; the full key decides."""
+    index = BlockIndex()
+    prefix = os.urandom(8)
+    keys = [prefix + os.urandom(24) for _ in range(50)]
+    ids = [_ready(index, 0, k) for k in keys]
+    assert index.lookup(0, keys_to_words(keys)).tolist() == ids
+    assert index.lookup(0, keys_to_words([prefix + bytes(24)])).tolist() == [-1]
+
+
+def test_bad_key_lengths():
+    with pytest.raises(ValueError, match="key 1 has 31 bytes"):
+        keys_to_words([bytes(32), bytes(31)])
+    assert keys_to_words([]).shape == (0, 4)
+
+
+def test_memory_per_block_is_small():
+    index = BlockIndex(initial_capacity=1 << 16)
+    words = np.frombuffer(os.urandom(32 * 50_000), dtype=np.uint64).reshape(-1, 4)
+    for w in words:
+        index.add(0, w, 1)
+    assert index.stats().nbytes / len(index) < 128

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.tiers.slab import SlabAllocator
+
+MiB = 1 << 20
+
+
+def test_slots_are_aligned_disjoint_and_fill_the_tier():
+    alloc = SlabAllocator(8 * MiB, 2 * MiB)
+    slots = []
+    while (s := alloc.allocate(300_000)) is not None:
+        slots.append(s)
+    slot_bytes = alloc.slot_bytes_for(300_000)
+    assert slot_bytes % 4096 == 0 and slot_bytes >= 300_000
+    assert len(slots) == 4 * (2 * MiB // slot_bytes)
+    offsets = sorted(alloc.offset(s) for s in slots)
+    assert all(o % 4096 == 0 for o in offsets)
+    assert all(b - a >= slot_bytes for a, b in zip(offsets, offsets[1:], strict=False))
+    assert offsets[-1] + slot_bytes <= alloc.capacity_bytes
+    assert alloc.used_bytes == len(slots) * slot_bytes
+    assert alloc.offsets(np.array(slots)).tolist() == [alloc.offset(s) for s in slots]
+
+
+def test_sizes_share_the_tier_by_segment():
+    alloc = SlabAllocator(4 * MiB, 1 * MiB)
+    small = [alloc.allocate(4096) for _ in range(256)]  # exactly one segment
+    big = [alloc.allocate(MiB) for _ in range(3)]
+    assert None not in small + big
+    assert alloc.allocate(MiB) is None
+    assert alloc.allocate(4096) is None
+    assert alloc.stats().size_classes == {4096: 1, MiB: 3}
+    for s in small:
+        alloc.free(s)
+    # The emptied segment serves the other size now.
+    assert alloc.allocate(MiB) is not None
+    assert alloc.stats().free_segments == 0
+
+
+def test_free_and_reuse_is_lifo_within_a_segment():
+    alloc = SlabAllocator(MiB, MiB)
+    a, b = alloc.allocate(4096), alloc.allocate(4096)
+    alloc.free(a)
+    assert alloc.allocate(4096) == a
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(b + 1)
+    alloc.free(b)
+    with pytest.raises(ValueError):
+        alloc.free(b)
+
+
+def test_claim_rebuilds_state_for_recovery():
+    alloc = SlabAllocator(4 * MiB, MiB)
+    slot_bytes = 64 * 1024
+    target = 2 * alloc.slots_cap + 5  # segment 2, sixth slot
+    alloc.claim(target, slot_bytes)
+    assert alloc.offset(target) == 2 * MiB + 5 * slot_bytes
+    with pytest.raises(ValueError, match="already in use"):
+        alloc.claim(target, slot_bytes)
+    with pytest.raises(ValueError, match="segment of"):
+        alloc.claim(2 * alloc.slots_cap + 1, 4096)
+    # Slots skipped over by the claim are free for new blocks of that size.
+    got = {alloc.allocate(slot_bytes) for _ in range(5)}
+    assert {alloc.segment_of(s) for s in got} == {2}
+    assert target not in got
+
+
+def test_bad_geometry():
+    with pytest.raises(ValueError):
+        SlabAllocator(MiB, 1000)
+    with pytest.raises(ValueError):
+        SlabAllocator(1000, 4096 * 4)
+    alloc = SlabAllocator(MiB, MiB)
+    with pytest.raises(ValueError):
+        alloc.allocate(2 * MiB)
+    assert not alloc.fits(2 * MiB) and alloc.fits(MiB)
