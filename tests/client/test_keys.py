@@ -80,7 +80,7 @@ def test_keys_are_a_chain():
     keys = block_keys(LLAMA, list(range(12)))
     assert block_keys(LLAMA, list(range(8))) == keys[:2]
     # Same tokens in block 3, different history: different key.
-    other = block_keys(LLAMA, [99] + list(range(1, 12)))
+    other = block_keys(LLAMA, [99, *list(range(1, 12))])
     assert other[2] != keys[2]
     assert block_key(keys[1], list(range(8, 12))) == keys[2]
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,7 @@ def test_slots_are_aligned_disjoint_and_fill_the_tier():
     assert len(slots) == 4 * (2 * MiB // slot_bytes)
     offsets = sorted(alloc.offset(s) for s in slots)
     assert all(o % 4096 == 0 for o in offsets)
-    assert all(b - a >= slot_bytes for a, b in zip(offsets, offsets[1:], strict=False))
+    assert all(b - a >= slot_bytes for a, b in itertools.pairwise(offsets))
     assert offsets[-1] + slot_bytes <= alloc.capacity_bytes
     assert alloc.used_bytes == len(slots) * slot_bytes
     assert alloc.offsets(np.array(slots)).tolist() == [alloc.offset(s) for s in slots]
