@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=_stats)
 
     b = sub.add_parser("bench", help="benchmarks (each starts its own daemon)")
-    b.add_argument("what", choices=["l1"], help="which benchmark")
+    b.add_argument("what", choices=["l1", "l2"], help="which benchmark")
     b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     b.set_defaults(func=_bench)
