@@ -125,7 +125,9 @@ def main(argv: list[str], as_json: bool = False) -> int:
     per_seg = max(1, (64 * MiB) // B)
     segment = per_seg * B
     capacity = -(-n // per_seg) * segment
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    base = Path(args.dir)
+    made_base = not base.exists()
+    base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-l2-", dir=args.dir))
     tier: DiskTier | None = None
     raw: _Raw | None = None
@@ -256,5 +258,6 @@ def main(argv: list[str], as_json: bool = False) -> int:
             tier.close()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            Path(args.dir).rmdir()  # only when we made it and it is empty
+        if made_base:
+            with contextlib.suppress(OSError):
+                base.rmdir()
