@@ -27,6 +27,12 @@ class TierError(Exception):
     """A tier could not move bytes (I/O error, corrupt data). Callers treat it as a miss."""
 
 
+class TierUnavailable(TierError):
+    """A tier cannot start: its medium cannot hold the configured capacity, or is in use by
+    another process. Raised only by a tier's constructor; the daemon reports it and stops
+    rather than running without the tier it was configured with."""
+
+
 class BlockTier(Protocol):
     """A tier's mechanism: slots, and copies between a slot and a caller's buffer.
 

@@ -184,6 +184,17 @@ class SlabAllocator:
         else:
             free.add(index)
 
+    def is_allocated(self, slot: int) -> bool:
+        """Whether ``slot`` is currently handed out (or claimed)."""
+        seg, index = divmod(slot, self.slots_cap)
+        if not 0 <= seg < self.num_segments:
+            return False
+        slot_bytes = int(self._seg_slot_bytes[seg])
+        if slot_bytes == 0 or index >= self._seg_fresh[seg]:
+            return False
+        free = self._classes[slot_bytes].open_segments.get(seg)
+        return free is None or index not in free
+
     # ------------------------------------------------------------------ geometry
 
     def offset(self, slot: int) -> int:

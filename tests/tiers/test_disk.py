@@ -1,0 +1,532 @@
+"""DiskTier beyond the shared contract: restart, verification and quarantine, a damaged index or
+data file at open, the O_DIRECT fallback, injected I/O faults, and misuse that must raise."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtier.tiers.base import TierUnavailable
+from kvtier.tiers.disk import (
+    CommitEntry,
+    DiskTier,
+    PersistItem,
+    ReadItem,
+    WriteItem,
+    checksum,
+)
+from kvtier.tiers.host import HostArena
+
+MiB = 1 << 20
+Block = Callable[[int, int], tuple[bytes, bytes]]
+
+
+def _open(directory: Path, **kw: object) -> DiskTier:
+    kw.setdefault("file_bytes", 8 * MiB)
+    return DiskTier(directory, 32 * MiB, 1 * MiB, **kw)  # type: ignore[arg-type]
+
+
+def _persist(tier: DiskTier, make_block: Block, ids: list[int], nbytes: int) -> dict[int, tuple]:
+    """Persist blocks ``ids``; returns id -> (key, slot, data, checksum)."""
+    items, meta = [], {}
+    for i in ids:
+        key, data = make_block(i, nbytes)
+        slot = tier.allocator.allocate(nbytes)
+        assert slot is not None
+        items.append(PersistItem(1, key, slot, data, nbytes))
+        meta[i] = (key, slot, data)
+    outcomes = tier.persist(items)
+    assert all(o.ok for o in outcomes), tier.state()
+    return {i: (*meta[i], o.checksum) for i, o in zip(ids, outcomes, strict=True)}
+
+
+def _read(tier: DiskTier, blocks: dict[int, tuple]) -> dict[int, bytes | None]:
+    bufs = {i: bytearray(len(b[2])) for i, b in blocks.items()}
+    items = [ReadItem(b[1], bufs[i], len(b[2]), b[3], b[0]) for i, b in blocks.items()]
+    ok = tier.read(items)
+    return {i: bytes(bufs[i]) if good else None for i, good in zip(blocks, ok, strict=True)}
+
+
+def _flip(tier: DiskTier, slot: int, at: int = 100) -> None:
+    path, offset = tier.slot_location(slot)
+    with open(path, "r+b") as f:
+        f.seek(offset + at)
+        old = f.read(16)
+        f.seek(offset + at)
+        f.write(bytes(b ^ 0xFF for b in old))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ------------------------------------------------------------------------------ restart
+
+
+def test_restart_serves_thousands_of_blocks(disk_dir: Path, make_block: Block) -> None:
+    sizes = [4096, 5000, 12_288]
+    blocks: dict[int, tuple] = {}
+    with _open(disk_dir) as tier:
+        for n, nbytes in enumerate(sizes):
+            ids = list(range(n * 1000, n * 1000 + 1000))
+            for start in range(0, len(ids), 250):
+                blocks.update(_persist(tier, make_block, ids[start : start + 250], nbytes))
+        used = tier.allocator.used_bytes
+    with _open(disk_dir) as tier:
+        recovered = {r.key: r for r in tier.recover()}
+        assert tier.recover() == []  # handed over once
+        assert len(recovered) == 3000
+        assert tier.allocator.used_bytes == used
+        assert tier.stats()["recovered_blocks"] == 3000
+        for key, slot, data, csum in blocks.values():
+            r = recovered[key]
+            assert (r.ns, r.slot, r.nbytes, r.checksum) == (1, slot, len(data), csum)
+        items = [(r.slot, r.nbytes, r.checksum, r.key) for r in recovered.values()]
+        for start in range(0, len(items), 500):
+            chunk = items[start : start + 500]
+            bufs = [bytearray(n) for _, n, _, _ in chunk]
+            ok = tier.read(
+                [ReadItem(s, b, n, c, k) for (s, n, c, k), b in zip(chunk, bufs, strict=True)]
+            )
+            assert all(ok)
+            for (_, _, _, key), buf in zip(chunk, bufs, strict=True):
+                expect = next(b for b in blocks.values() if b[0] == key)[2]
+                assert buf == expect
+        # Recovered slots are taken: new allocations never land on them.
+        taken = {r.slot for r in recovered.values()}
+        fresh = [tier.allocator.allocate(4096) for _ in range(100)]
+        assert taken.isdisjoint(fresh)
+        assert tier.stats()["checksum_failures"] == 0
+
+
+def test_written_but_uncommitted_slot_is_reclaimed(disk_dir: Path, make_block: Block) -> None:
+    with _open(disk_dir) as tier:
+        kept = _persist(tier, make_block, [1], 4096)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        out = tier.write([WriteItem(slot, make_block(2, 4096)[1], 4096)])
+        assert out[0].ok
+        assert tier.stats()["uncommitted_slots"] == 1
+    with _open(disk_dir) as tier:
+        recovered = tier.recover()
+        assert [r.key for r in recovered] == [kept[1][0]]
+        assert tier.allocator.used_slots == 1
+
+
+def test_overwrite_without_remove_drops_the_old_row_first(
+    disk_dir: Path, make_block: Block
+) -> None:
+    with _open(disk_dir) as tier:
+        old = _persist(tier, make_block, [1, 2], 4096)
+        slot = old[1][1]
+        out = tier.write([WriteItem(slot, make_block(3, 4096)[1], 4096)])
+        assert out[0].ok
+        assert tier.stats()["overwritten_blocks"] == 1
+        # Killed here, before the commit: the old row must not come back over new bytes.
+    with _open(disk_dir) as tier:
+        assert [r.key for r in tier.recover()] == [old[2][0]]
+        assert tier.stats()["checksum_failures"] == 0
+
+
+def test_capacity_change_keeps_the_blocks_that_fit(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _open(disk_dir) as tier:
+        blocks = {}
+        for start in range(0, 3000, 500):
+            blocks.update(_persist(tier, make_block, list(range(start, start + 500)), 4096))
+    with DiskTier(disk_dir, 64 * MiB, 1 * MiB, file_bytes=8 * MiB) as tier:
+        assert len(tier.recover()) == 3000
+        assert len(list(disk_dir.glob("data-*.bin"))) == 8
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        tier = DiskTier(disk_dir, 8 * MiB, 1 * MiB, file_bytes=8 * MiB)
+    with tier:
+        assert "capacity changes" in caplog.text
+        kept = {r.key: r for r in tier.recover()}
+        assert len(kept) == 8 * 256  # eight 1 MiB segments of 4 KiB slots
+        assert sorted(p.name for p in disk_dir.glob("data-*.bin")) == ["data-0000.bin"]
+        survivors = {i: b for i, b in blocks.items() if b[0] in kept}
+        assert _read(tier, survivors) == {i: b[2] for i, b in survivors.items()}
+
+
+# ------------------------------------------------------------------------ zero copy
+
+
+def test_l1_slot_views_move_without_staging(disk_dir: Path) -> None:
+    arena = HostArena(16 * MiB, 16 * MiB)
+    nbytes = 256 * 1024
+    l1 = [arena.allocator.allocate(nbytes) for _ in range(32)]
+    for j, s in enumerate(l1):
+        arena.view(s, nbytes)[:] = bytes([j]) * nbytes
+    with _open(disk_dir) as tier:
+        slots = [tier.allocator.allocate(nbytes) for _ in l1]
+        outs = tier.persist(
+            [
+                PersistItem(1, bytes([j]) * 32, s, arena.view(a, nbytes), nbytes)
+                for j, (s, a) in enumerate(zip(slots, l1, strict=True))
+            ]
+        )
+        assert all(o.ok for o in outs)
+        arena.array[:] = 0
+        ok = tier.read(
+            [
+                ReadItem(s, arena.view(a, nbytes), nbytes, o.checksum, b"k")
+                for s, a, o in zip(slots, l1, outs, strict=True)
+            ]
+        )
+        assert all(ok)
+        stats = tier.stats()
+        assert stats["io_mode"] == "o_direct"
+        assert stats["bounced_blocks"] == 0
+        # 32 adjacent slots move in a few vectored calls, not 32.
+        assert stats["write_calls"] <= tier.io_threads
+        assert stats["read_calls"] <= tier.io_threads
+    for j, s in enumerate(l1):
+        assert arena.view(s, nbytes) == bytes([j]) * nbytes
+    arena.close()
+
+
+def test_unaligned_and_odd_sized_buffers_are_staged(disk_dir: Path, make_block: Block) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(20)), 10_000)
+        assert tier.stats()["bounced_blocks"] == 20
+        got = _read(tier, blocks)
+        assert got == {i: b[2] for i, b in blocks.items()}
+
+
+# ------------------------------------------------------------- verification, quarantine
+
+
+def test_corrupt_slot_is_a_counted_logged_miss_and_stays_quarantined(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(8)), 65_536)
+        bad_key, bad_slot, _, _ = blocks[3]
+        _flip(tier, bad_slot)
+        used = tier.allocator.used_slots
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            got = _read(tier, blocks)
+        assert got[3] is None
+        assert all(got[i] == blocks[i][2] for i in blocks if i != 3)
+        assert bad_key.hex() in caplog.text
+        stats = tier.stats()
+        assert stats["checksum_failures"] == 1
+        assert stats["read_failures"] == 1
+        assert stats["quarantined_slots"] == 1
+        assert tier.state() == "ok"  # one bad block is not a sick disk
+        # A second read does no I/O, leaves the buffer alone and still misses.
+        buf = bytearray(b"\x55") * 65_536
+        assert tier.read([ReadItem(bad_slot, buf, 65_536, blocks[3][3], bad_key)]) == [False]
+        assert buf == b"\x55" * 65_536
+        assert tier.stats()["reads_refused_quarantined"] == 1
+        # The store drops its copy: removing the slot is harmless and keeps it held.
+        assert tier.remove([bad_slot])
+        assert tier.allocator.used_slots == used
+    with _open(disk_dir) as tier:
+        recovered = {r.key for r in tier.recover()}
+        assert bad_key not in recovered and len(recovered) == 7
+        assert tier.stats()["quarantined_slots"] == 1
+        taken = []
+        while (slot := tier.allocator.allocate(65_536)) is not None:
+            taken.append(slot)
+        assert bad_slot not in taken
+        assert tier.release_quarantined() == 1
+        assert tier.allocator.allocate(65_536) == bad_slot
+
+
+def test_read_never_copies_unverified_bytes_through_staging(
+    disk_dir: Path, make_block: Block
+) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [0], 4096)
+        _flip(tier, blocks[0][1], at=0)
+        dst = bytearray(b"\xaa") * 4096
+        assert tier.read([ReadItem(blocks[0][1], dst, 4096, blocks[0][3], blocks[0][0])]) == [False]
+        assert dst == bytes(4096)
+
+
+# -------------------------------------------------------------- damaged files at open
+
+
+@pytest.mark.parametrize("damage", ["garbage", "half", "tail", "empty"])
+def test_damaged_index_is_moved_aside_and_the_tier_starts_empty(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(500)), 4096)
+    index = disk_dir / "index.sqlite3"
+    size = index.stat().st_size
+    if damage == "garbage":
+        with open(index, "r+b") as f:
+            f.write(os.urandom(100))
+    else:
+        os.truncate(index, {"half": size // 2, "tail": size - 4096, "empty": 0}[damage])
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir)
+    with tier:
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1
+        assert "moved aside" in errors[0].getMessage()
+        assert "starting EMPTY" in errors[0].getMessage()
+        assert list(disk_dir.glob("index.sqlite3.corrupt-*"))
+        assert tier.recover() == []
+        assert tier.allocator.used_bytes == 0
+        again = _persist(tier, make_block, [7], 4096)
+        assert _read(tier, again) == {7: again[7][2]}
+
+
+@pytest.mark.parametrize("damage", ["missing", "short"])
+def test_missing_or_short_data_file_starts_empty(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(10)), 4096)
+    victim = disk_dir / "data-0001.bin"
+    if damage == "missing":
+        victim.unlink()
+    else:
+        os.truncate(victim, 1 * MiB)
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir)
+    with tier:
+        assert "data-0001.bin" in caplog.text and "moved aside" in caplog.text
+        assert tier.recover() == []
+        assert victim.stat().st_size == 8 * MiB
+        assert tier.allocator.used_bytes == 0
+
+
+def test_changed_geometry_starts_empty(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(10)), 4096)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        tier = DiskTier(disk_dir, 32 * MiB, 2 * MiB, file_bytes=8 * MiB)
+    with tier:
+        assert "segment_bytes 1048576 -> 2097152" in caplog.text
+        assert tier.recover() == []
+
+
+def test_rows_that_do_not_fit_are_dropped(disk_dir: Path, make_block: Block) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [1, 2], 4096)
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    with db:
+        db.execute(
+            "INSERT INTO blocks VALUES (1, ?, ?, 4096, 0, 0)", (b"x" * 32, 10**9)
+        )  # beyond the tier
+        db.execute(
+            "INSERT INTO blocks VALUES (1, ?, ?, 65536, 0, 0)", (b"y" * 32, blocks[1][1] + 5)
+        )  # a 64 KiB block inside a segment of 4 KiB slots
+    db.close()
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[1][0], blocks[2][0]}
+        assert tier.stats()["recovery_dropped_rows"] == 2
+
+
+def test_second_open_of_a_directory_is_refused(disk_dir: Path) -> None:
+    with _open(disk_dir), pytest.raises(TierUnavailable, match="in use"):
+        _open(disk_dir)
+    _open(disk_dir).close()
+
+
+def test_capacity_larger_than_the_filesystem_is_refused(disk_dir: Path) -> None:
+    free = os.statvfs(disk_dir).f_bavail * os.statvfs(disk_dir).f_frsize
+    too_big = (free // MiB + 1024) * MiB
+    with pytest.raises(TierUnavailable, match="cannot hold"):
+        DiskTier(disk_dir, too_big, 64 * MiB)
+    assert not list(disk_dir.glob("data-*.bin"))
+
+
+# --------------------------------------------------------------------- O_DIRECT fallback
+
+
+def test_o_direct_refused_at_open_falls_back_with_one_warning(
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    real_open = os.open
+
+    def refusing_open(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir)
+    monkeypatch.undo()
+    with tier:
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "O_DIRECT" in warnings[0].getMessage()
+        assert tier.stats()["io_mode"] == "buffered"
+        # Odd sizes side by side exercise the padding that keeps buffered runs contiguous.
+        blocks = _persist(tier, make_block, list(range(16)), 5000)
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+        assert tier.stats()["read_calls"] < 16
+
+
+def test_o_direct_refused_at_first_transfer_falls_back(
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with _open(disk_dir) as tier:
+        real = os.pwritev
+        calls = {"n": 0}
+
+        def refuse_once(fd: int, bufs: list, offset: int) -> int:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, bufs, offset)
+
+        monkeypatch.setattr(os, "pwritev", refuse_once)
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            blocks = _persist(tier, make_block, [1, 2, 3], 4096)
+        monkeypatch.undo()
+        assert "switched to buffered" in caplog.text
+        assert tier.stats()["io_mode"] == "buffered"
+        assert tier.state() == "ok"
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+def test_buffered_writes_read_back_with_o_direct(disk_dir: Path, make_block: Block) -> None:
+    with _open(disk_dir, direct_io=False) as tier:
+        assert tier.stats()["io_mode"] == "buffered"
+        blocks = _persist(tier, make_block, list(range(12)), 12_345)
+    with _open(disk_dir) as tier:
+        assert tier.stats()["io_mode"] == "o_direct"
+        assert len(tier.recover()) == 12
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+# ----------------------------------------------------------------------- injected faults
+
+
+def _failing(errno_: int) -> Callable[..., int]:
+    def fail(*_: object) -> int:
+        raise OSError(errno_, os.strerror(errno_))
+
+    return fail
+
+
+def test_eio_on_write_degrades_without_raising(
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(4)), 65_536)
+        monkeypatch.setattr(os, "pwritev", _failing(errno.EIO))
+        slots = [tier.allocator.allocate(65_536) for _ in range(12)]
+        with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+            for k in range(3):
+                items = [
+                    PersistItem(1, make_block(100 + j, 8)[0], s, bytes(65_536), 65_536)
+                    for j, s in enumerate(slots[k * 4 : k * 4 + 4])
+                ]
+                assert [o.ok for o in tier.persist(items)] == [False] * 4
+        monkeypatch.undo()
+        assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+        assert tier.state().startswith("degraded: eio")
+        stats = tier.stats()
+        assert stats["io_errors"] >= 1
+        assert stats["writes_refused_degraded"] == 8
+        # Reads keep being served; failed slots go back with remove().
+        assert _read(tier, before) == {i: b[2] for i, b in before.items()}
+        assert tier.remove(slots)
+        assert tier.allocator.used_slots == 4
+
+
+def test_eio_on_read_is_a_miss_and_quarantines(
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(40)), 4096)
+        monkeypatch.setattr(os, "preadv", _failing(errno.EIO))
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            got = _read(tier, blocks)
+        monkeypatch.undo()
+        assert got == dict.fromkeys(blocks)
+        stats = tier.stats()
+        assert stats["io_errors"] >= 1 and stats["quarantined_slots"] == 40
+        assert tier.state().startswith("degraded: eio")
+        # Keys are logged one per line up to a bound, then summarised.
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("failed verification" in m for m in lines) == 16
+        assert any("24 more blocks" in m for m in lines)
+
+
+def test_fdatasync_failure_fails_the_batch(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _open(disk_dir) as tier:
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        monkeypatch.setattr(os, "fdatasync", _failing(errno.EIO))
+        out = tier.write([WriteItem(slot, bytes(4096), 4096)])
+        monkeypatch.undo()
+        assert not out[0].ok
+        assert tier.stats()["uncommitted_slots"] == 0
+        with pytest.raises(ValueError, match="no durable write"):
+            tier.commit([CommitEntry(1, b"k" * 32, slot)])
+
+
+def test_enospc_on_data_write_recovers_when_space_returns(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _open(disk_dir, enospc_retry_s=0.0) as tier:
+        monkeypatch.setattr(os, "pwritev", _failing(errno.ENOSPC))
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        key, data = make_block(1, 4096)
+        assert not tier.persist([PersistItem(1, key, slot, data, 4096)])[0].ok
+        assert tier.state().startswith("degraded: enospc")
+        assert tier.stats()["enospc"] == 1
+        monkeypatch.undo()
+        out = tier.persist([PersistItem(1, key, slot, data, 4096)])
+        assert out[0].ok
+        assert tier.state() == "ok"
+
+
+# ------------------------------------------------------------------------------ misuse
+
+
+def test_misuse_raises(disk_dir: Path) -> None:
+    with _open(disk_dir) as tier:
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        with pytest.raises(TypeError, match="remove"):
+            tier.allocator.free(slot)
+        with pytest.raises(ValueError, match="not an allocated slot"):
+            tier.write([WriteItem(slot + 1, bytes(4096), 4096)])
+        with pytest.raises(ValueError, match="not an allocated slot"):
+            tier.write([WriteItem(slot, bytes(8192), 8192)])
+        with pytest.raises(ValueError, match="shorter"):
+            tier.write([WriteItem(slot, bytes(100), 4096)])
+        with pytest.raises(ValueError, match="twice"):
+            tier.write([WriteItem(slot, bytes(4096), 4096)] * 2)
+        with pytest.raises(ValueError, match="read-only"):
+            tier.read([ReadItem(slot, bytes(4096), 4096, 0, b"k")])
+        with pytest.raises(ValueError, match="no durable write"):
+            tier.commit([CommitEntry(1, b"k" * 32, slot)])
+        out = tier.write([WriteItem(slot, bytes(4096), 4096)])
+        assert out[0].checksum == checksum(bytes(4096))
+        assert tier.commit([CommitEntry(1, b"k" * 32, slot)])
+        with pytest.raises(ValueError, match="no durable write"):
+            tier.commit([CommitEntry(1, b"k" * 32, slot)])  # committed once is enough
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.read([])
