@@ -159,10 +159,20 @@ class AsyncClient:
         return t.lookup_result(await self._invoke("Lookup", req))
 
     async def put(
-        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, parent_key: bytes = b""
+        self,
+        pool_id: int,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        parent_key: bytes = b"",
+        durable: bool = False,
     ) -> t.PutResult:
         req = pb.PutRequest(
-            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), parent_key=parent_key
+            pool_id=pool_id,
+            keys=list(keys),
+            pages=t.pages_list(pages),
+            parent_key=parent_key,
+            durable=durable,
         )
         return t.put_result(await self._invoke("Put", req))
 

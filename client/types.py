@@ -55,6 +55,7 @@ class LookupResult:
 class PutResult:
     statuses: list[PutStatus]
     stored: int
+    persisted: list[bool] | None = None  # with durable=True: each block on the disk tier
 
     @property
     def prefix_len(self) -> int:
@@ -153,7 +154,8 @@ def lookup_result(resp: pb.LookupResponse) -> LookupResult:
 
 
 def put_result(resp: pb.PutResponse) -> PutResult:
-    return PutResult([_PUT_BY_VALUE[s] for s in resp.results], resp.stored)
+    persisted = list(resp.persisted) if len(resp.persisted) else None
+    return PutResult([_PUT_BY_VALUE[s] for s in resp.results], resp.stored, persisted)
 
 
 def get_result(resp: pb.GetResponse) -> GetResult:

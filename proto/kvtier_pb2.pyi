@@ -161,26 +161,30 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "keys", "pages", "parent_key")
+    __slots__ = ("session_id", "pool_id", "keys", "pages", "parent_key", "durable")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pages: _containers.RepeatedScalarFieldContainer[int]
     parent_key: bytes
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ...) -> None: ...
+    durable: bool
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("results", "stored")
+    __slots__ = ("results", "stored", "persisted")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
+    PERSISTED_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedScalarFieldContainer[PutResult]
     stored: int
-    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ..., stored: _Optional[int] = ...) -> None: ...
+    persisted: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ..., stored: _Optional[int] = ..., persisted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("session_id", "pool_id", "keys", "pages", "lease_id")
