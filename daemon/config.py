@@ -109,6 +109,68 @@ class L1Config:
 
 
 @dataclass(frozen=True)
+class L2Config:
+    enabled: bool = field(default=False, metadata=_opt("bool", doc="run the disk tier"))
+    path: str = field(
+        default="var/l2", metadata=_opt("str", doc="directory of the data files and index")
+    )
+    capacity_bytes: int = field(default=8 << 30, metadata=_opt("size", lo=1 << 20))
+    segment_bytes: int = field(default=64 << 20, metadata=_opt("size", lo=4096))
+    file_bytes: int = field(
+        default=4 << 30, metadata=_opt("size", lo=4096, doc="size of each preallocated data file")
+    )
+    io_threads: int = field(default=4, metadata=_opt("int", lo=1, hi=64))
+    direct_io: bool = field(
+        default=True,
+        metadata=_opt("bool", doc="O_DIRECT where the filesystem allows; buffered I/O elsewhere"),
+    )
+    write_policy: str = field(
+        default="write_back",
+        metadata=_opt("str", choices=("write_back", "write_through", "selective")),
+    )
+    high_watermark: float = field(default=0.95, metadata=_opt("float", lo=0.05, hi=1.0))
+    low_watermark: float = field(default=0.90, metadata=_opt("float", lo=0.0, hi=1.0))
+    flush_on_stop: bool = field(
+        default=True,
+        metadata=_opt("bool", doc="on SIGTERM, write every block only in L1 to L2 before exiting"),
+    )
+    enospc_retry_s: float = field(default=30.0, metadata=_opt("float", lo=0.1))
+
+    def check(self) -> None:
+        if self.segment_bytes % 4096:
+            raise ConfigError("l2.segment_bytes must be a multiple of 4096")
+        if self.capacity_bytes < self.segment_bytes:
+            raise ConfigError("l2.capacity_bytes is smaller than l2.segment_bytes")
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError("l2.low_watermark exceeds l2.high_watermark")
+        if self.enabled and not self.path:
+            raise ConfigError("l2.path is empty")
+
+
+@dataclass(frozen=True)
+class MoverConfig:
+    workers: int = field(
+        default=2, metadata=_opt("int", lo=1, hi=64, doc="transfers that may run at once")
+    )
+    batch_blocks: int = field(
+        default=32,
+        metadata=_opt("int", lo=1, hi=4096, doc="most blocks in one background transfer"),
+    )
+    l2_read_bytes_s: int = field(
+        default=0, metadata=_opt("size", lo=0, doc="bandwidth limit of L2 reads; 0 is unlimited")
+    )
+    l2_write_bytes_s: int = field(
+        default=0, metadata=_opt("size", lo=0, doc="bandwidth limit of L2 writes; 0 is unlimited")
+    )
+    balance_interval_s: float = field(
+        default=0.1, metadata=_opt("float", lo=0.001, hi=60, doc="how often watermarks are checked")
+    )
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     name: str = field(default="lru", metadata=_opt("str", doc="eviction policy by name"))
     protect_s: float = field(
@@ -120,6 +182,12 @@ class PolicyConfig:
     warmup_s: float = field(
         default=0.0,
         metadata=_opt("float", lo=0, doc="after start, evict only at the hard capacity limit"),
+    )
+    readahead_blocks: int = field(
+        default=4,
+        metadata=_opt(
+            "int", lo=0, hi=1024, doc="reading block i of a chain prefetches i+1..i+k from L2"
+        ),
     )
 
     def check(self) -> None:
@@ -141,6 +209,8 @@ class LoggingConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+    mover: MoverConfig = field(default_factory=MoverConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
