@@ -149,6 +149,9 @@ class Mover:
                 await self._execute(job)
             finally:
                 self._busy -= 1
+                # The job's closure may hold views of tier memory: drop it now, not when the
+                # next job arrives (an idle worker would keep the tier from closing).
+                del job
 
     async def _execute(self, job: _Job) -> None:
         if job.deadline is not None and self._clock() > job.deadline:
