@@ -129,11 +129,18 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Put(
         self, request: pb.PutRequest, context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        results = await self.service.put(
-            request.session_id, request.pool_id, request.keys, request.pages, request.parent_key
+        results, persisted = await self.service.put(
+            request.session_id,
+            request.pool_id,
+            request.keys,
+            request.pages,
+            request.parent_key,
+            request.durable,
         )
         return pb.PutResponse(
-            results=results.tolist(), stored=int((results == pb.PUT_STORED).sum())
+            results=results.tolist(),
+            stored=int((results == pb.PUT_STORED).sum()),
+            persisted=persisted.tolist() if persisted is not None else [],
         )
 
     @_rpc
@@ -168,7 +175,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
-        out = self.service.delete(request.session_id, request.keys)
+        out = await self.service.delete(request.session_id, request.keys)
         return pb.DeleteResponse(deleted=out.deleted, missing=out.missing, busy=out.busy)
 
     @_rpc
@@ -236,6 +243,7 @@ class Daemon:
                 raise OSError(f"cannot listen on {cfg.tcp_address}")
             self.addresses.append(cfg.tcp_address)
         await self.server.start()
+        self.store.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._expire_leases(), name="lease-reaper"))
@@ -267,6 +275,7 @@ class Daemon:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.store.stop(flush=self.config.l2.flush_on_stop)
         self.pools.close()
         self.executor.shutdown(wait=True)
         self.store.close()

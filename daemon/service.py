@@ -131,6 +131,8 @@ class KVService:
                 self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, found, self._clock() + lease_s)
                 lease_id = lease.lease_id
+                # The Get that follows should find them in L1.
+                self.store.promote_in_background(found)
         return LookupOutcome(prefix, tiers, lease_id)
 
     async def put(
@@ -140,14 +142,17 @@ class KVService:
         keys: Sequence[bytes],
         pages: Sequence[int],
         parent_key: bytes,
-    ) -> np.ndarray:
+        durable: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         pool = self._pool(session_id, pool_id)
         words = self._words(keys)
         page_arr = self._pages(pool, pages, len(keys), unique=False)
         parent = None
         if parent_key:
             parent = self._words([parent_key], what="parent_key")[0]
-        return await self.store.put(pool, DEFAULT_NAMESPACE, words, page_arr, parent)
+        return await self.store.put(
+            pool, DEFAULT_NAMESPACE, words, page_arr, parent, durable=durable
+        )
 
     async def get(
         self,
@@ -177,15 +182,13 @@ class KVService:
     ) -> PrefetchOutcome:
         if session_id:
             self.sessions.get(session_id)
-        words = self._words(keys)
-        _, _tiers, ids = self.store.lookup(DEFAULT_NAMESPACE, words, touch=False)
-        missing = int(np.count_nonzero(ids < 0))
-        return PrefetchOutcome(resident=len(ids) - missing, scheduled=0, missing=missing)
+        out = self.store.prefetch(DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority)
+        return PrefetchOutcome(resident=out.resident, scheduled=out.scheduled, missing=out.missing)
 
-    def delete(self, session_id: str, keys: Sequence[bytes]) -> DeleteResult:
+    async def delete(self, session_id: str, keys: Sequence[bytes]) -> DeleteResult:
         if session_id:
             self.sessions.get(session_id)
-        return self.store.delete(DEFAULT_NAMESPACE, self._words(keys))
+        return await self.store.delete(DEFAULT_NAMESPACE, self._words(keys))
 
     def expire_leases(self) -> int:
         expired = self.sessions.pop_expired(self._clock())
@@ -199,7 +202,7 @@ class KVService:
         index = self.store.index.stats()
         return StatsSnapshot(
             tiers=self.store.usage(),
-            counters=dict(self.store.counters),
+            counters=self.store.all_counters(),
             gauges={
                 "sessions": self.sessions.session_count,
                 "pools": len(self.pools),

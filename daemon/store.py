@@ -1,14 +1,22 @@
 """The block store: index, heat table, tiers and their policies, glued together.
 
+Tiers are ordered fastest first: L1 (host arena) and, when configured, L2 (disk). A block may
+have a copy in several tiers; ``index.slot[bid, t] >= 0`` exactly when tier ``t`` holds a
+complete copy, and then tier ``t``'s policy knows the block. Blocks move down when a tier
+passes its high watermark or must make room (demotion: L1 -> L2 -> dropped), and up when they
+are read or prefetched (promotion: L2 -> L1). Every tier-to-tier copy goes through the mover.
+
 Invariants:
 - All store state is touched from one thread (the server's event loop). Bytes move on worker
-  threads, but only between slots that the loop has marked in flight, so no lock is needed
-  and no slot is freed or reused while a copy reads or writes it.
-- A block is visible to lookups only once its bytes are complete (state READY).
+  threads, but only for blocks the loop has marked in flight (``index.inflight``), so no slot
+  is freed, reused or evicted while a copy reads or writes it, and no lock is needed.
+- A block is visible to lookups only once its first copy is complete (state READY). A new key
+  enters the index (state WRITING) before the store awaits anything, so two puts of one key
+  never both store it.
 - A block with a pin (lease), a copy in flight, or inside its protection period is never
   evicted. Eviction takes exactly the victims a policy proposed, or none.
-- ``index.slot[bid, t] >= 0`` exactly when tier ``t`` holds a copy of block ``bid``, and then
-  the tier's policy knows the block.
+- An L2 copy becomes visible only once the disk tier reports it durable and indexed; a failed
+  L2 read (checksum, I/O) is a miss and drops that copy.
 
 Thread-safety: not thread-safe by design (see above); call from the event loop only.
 """
@@ -16,31 +24,36 @@ Thread-safety: not thread-safe by design (see above); call from the event loop o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvtier.daemon.config import Config
-from kvtier.daemon.errors import InvalidArgument
+from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
 from kvtier.daemon.heat import HeatTable
-from kvtier.daemon.index import READY, BlockIndex
+from kvtier.daemon.index import READY, BlockIndex, keys_to_words
+from kvtier.daemon.mover import Mover, PrefetchExpired, Priority
 from kvtier.daemon.policy.base import EvictionPolicy
 from kvtier.daemon.policy.registry import make_policy
 from kvtier.daemon.pools import Pool
 from kvtier.kernels.copy import blocks_to_pool, pool_to_blocks
 from kvtier.tiers.base import TierKind
+from kvtier.tiers.disk import DiskTier, PersistItem, ReadItem
 from kvtier.tiers.host import HostArena
 
 log = logging.getLogger(__name__)
 
 HALF_LIFE_S = 600.0
+L1, L2 = 0, 1
 
 
 class PutResult(enum.IntEnum):
@@ -65,6 +78,13 @@ class DeleteResult:
     busy: int
 
 
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    resident: int
+    scheduled: int
+    missing: int
+
+
 class BlockStore:
     def __init__(
         self,
@@ -73,6 +93,7 @@ class BlockStore:
         *,
         clock: Callable[[], float] = time.monotonic,
         host: HostArena | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.config = config
         self._executor = executor
@@ -81,12 +102,71 @@ class BlockStore:
         self.host = host or HostArena(
             config.l1.capacity_bytes, config.l1.segment_bytes, pin_cuda=_want_pinning(config)
         )
-        self.tiers = [self.host]
+        if disk is None and config.l2.enabled:
+            disk = _open_disk(config)
+        self.disk = disk
+        self.tiers: list[Any] = [self.host] if disk is None else [self.host, disk]
         self.index = BlockIndex(num_tiers=len(self.tiers))
+        self.checksum = np.zeros(self.index.capacity, dtype=np.uint64)  # of the L2 copy
+        self.child = np.full(self.index.capacity, -1, dtype=np.int32)  # readahead hint
         self.heat = HeatTable(HALF_LIFE_S, self.index.capacity)
         self.policies: list[EvictionPolicy] = [make_policy(config.policy.name) for _ in self.tiers]
         self.counters: Counter[str] = Counter()
+        self.mover = Mover(
+            {"l2_read": config.mover.l2_read_bytes_s, "l2_write": config.mover.l2_write_bytes_s},
+            workers=config.mover.workers,
+            clock=clock,
+        )
         self._copy_threads = config.server.copy_threads
+        self._promoting: dict[int, asyncio.Future[bool]] = {}
+        self._writing: dict[int, asyncio.Future[bool]] = {}
+        self._prefetched: set[int] = set()  # promoted ahead of use, not read since
+        self._background: set[asyncio.Task[Any]] = set()
+        self._balancer: asyncio.Task[None] | None = None
+        if disk is not None:
+            self._recover()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the mover and the watermark balancer (needs the running event loop)."""
+        self.mover.start()
+        self._balancer = asyncio.create_task(self._balance_forever(), name="balancer")
+
+    async def stop(self, *, flush: bool) -> None:
+        """Stop background work; with ``flush``, first write every block held only in L1 to
+        L2 so that a restart serves it."""
+        if self._balancer is not None:
+            self._balancer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._balancer
+            self._balancer = None
+        for task in list(self._background):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task
+        if flush and self.disk is not None:
+            await self.flush()
+        await self.mover.stop()
+
+    async def flush(self) -> int:
+        """Write every READY block held only in L1 to L2; returns how many were written."""
+        dirty = self._dirty_l1_blocks()
+        if len(dirty) == 0:
+            return 0
+        started = time.monotonic()
+        ok = await self._write_l2(dirty, Priority.BACKGROUND)
+        written = int(np.count_nonzero(ok))
+        log.info(
+            "flushed %d of %d L1-only blocks to L2 in %.2fs",
+            written,
+            len(dirty),
+            time.monotonic() - started,
+        )
+        return written
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
 
     # ------------------------------------------------------------------ queries
 
@@ -122,7 +202,17 @@ class BlockStore:
             for i, t in enumerate(self.tiers)
         ]
 
-    # ----------------------------------------------------------------- writes
+    def all_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        for name, value in self.mover.counters.items():
+            out[f"mover_{name}"] = value
+        if self.disk is not None:
+            for name, value in self.disk.stats().items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    out[f"l2_{name}"] = value
+        return out
+
+    # ------------------------------------------------------------------ writes
 
     async def put(
         self,
@@ -131,13 +221,18 @@ class BlockStore:
         words: np.ndarray,
         pages: np.ndarray,
         parent_words: np.ndarray | None,
-    ) -> np.ndarray:
-        """Store pool pages under keys; returns a PutResult per key.
+        *,
+        durable: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Store pool pages under keys; returns a PutResult per key, and with ``durable``
+        whether each key's block is on the disk tier.
 
         Keys form one chain (``words[i]`` follows ``words[i-1]``); when room runs out the
         leading new blocks are stored and the rest rejected, since a child is useless without
         its parent.
         """
+        if durable and self.disk is None:
+            raise FailedPrecondition("durable puts need the disk tier (l2.enabled is false)")
         now = self._clock()
         n = len(words)
         block_bytes = pool.block_bytes
@@ -145,104 +240,309 @@ class BlockStore:
         existing = self.index.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
         is_new = existing < 0
-        # A key repeated within the batch is stored once.
         _, first = np.unique(words, axis=0, return_index=True)
         dup = np.ones(n, dtype=bool)
         dup[first] = False
-        is_new &= ~dup
+        is_new &= ~dup  # a key repeated within the batch is stored once
         results[~is_new] = PutResult.EXISTS
-        ready_existing = existing[(existing >= 0)]
-        ready_existing = ready_existing[self.index.state[ready_existing] == READY]
-        if len(ready_existing):
-            self._touch(ready_existing, now)
+        ready = existing[existing >= 0]
+        ready = ready[self.index.state[ready] == READY]
+        if len(ready):
+            self._touch(ready, now)
 
+        # Claim the new keys before awaiting anything (see the module invariants).
         new_idx = np.flatnonzero(is_new)
-        slots = self._reserve(0, block_bytes, len(new_idx), now)
+        bids = np.array(
+            [self._add_block(ns, words[i], block_bytes) for i in new_idx], dtype=np.int64
+        )
+        self.index.inflight[bids] = 1
+        try:
+            slots = await self._reserve(L1, block_bytes, len(bids), now, Priority.DEMAND)
+        except BaseException:
+            self._abandon(bids)
+            raise
+        stored = bids[: len(slots)]
+        self._abandon(bids[len(slots) :])
         results[new_idx[len(slots) :]] = PutResult.REJECTED_FULL
         new_idx = new_idx[: len(slots)]
-        parent = -1
-        if parent_words is not None:
-            parent = int(self.index.lookup(ns, parent_words[None, :])[0])
-        bids = np.empty(len(new_idx), dtype=np.int64)
-        parents = np.empty(len(new_idx), dtype=np.int64)
-        chain = existing.copy()
-        for j, i in enumerate(new_idx):
-            bid = self.index.add(ns, words[i], block_bytes)
-            self.heat.ensure(self.index.capacity)
-            self.heat.reset(bid)
-            self.index.slot[bid, 0] = slots[j]
-            self.index.inflight[bid] = 1
-            bids[j] = bid
-            chain[i] = bid
-            parents[j] = chain[i - 1] if i > 0 else parent
-        if len(bids) == 0:
-            self._count_put(results)
-            return results
+        for bid, slot in zip(stored.tolist(), slots, strict=True):
+            self.index.slot[bid, L1] = slot
+        if len(stored):
+            try:
+                with pool.use() as mem:
+                    await self._run(
+                        pool_to_blocks,
+                        pool.layout.chunk_table,
+                        mem,
+                        pages[new_idx],
+                        self.host.array,
+                        self.host.allocator.offsets(np.asarray(slots, dtype=np.int64)),
+                        self._copy_threads,
+                    )
+            except BaseException:
+                self._abandon(stored)
+                raise
+            self._commit_new(stored, new_idx, existing, ns, parent_words)
+        self.counters["bytes_put"] += len(stored) * block_bytes
+        self._count_put(results)
 
-        offsets = self.host.allocator.offsets(np.asarray(slots, dtype=np.int64))
-        try:
-            with pool.use() as mem:
-                await self._run(
-                    pool_to_blocks,
-                    pool.layout.chunk_table,
-                    mem,
-                    pages[new_idx],
-                    self.host.array,
-                    offsets,
-                    self._copy_threads,
-                )
-        except BaseException:
-            for bid in bids:
-                self._forget(int(bid))
-            raise
+        persisted = None
+        chain = existing.copy()
+        chain[new_idx] = stored
+        if durable:
+            held = chain[chain >= 0]
+            held = held[(self.index.state[held] == READY)]
+            need = held[self.index.slot[held, L2] < 0]
+            if len(need):
+                await self._write_l2(need, Priority.DEMAND)
+            persisted = np.zeros(n, dtype=bool)
+            live = chain >= 0
+            persisted[live] = self.index.slot[chain[live], L2] >= 0
+        elif (
+            len(stored) and self.disk is not None and self.config.l2.write_policy == "write_through"
+        ):
+            self._spawn(self._write_l2(stored, Priority.BACKGROUND))
+        return results, persisted
+
+    def _commit_new(
+        self,
+        bids: np.ndarray,
+        new_idx: np.ndarray,
+        existing: np.ndarray,
+        ns: int,
+        parent_words: np.ndarray | None,
+    ) -> None:
         now = self._clock()
         self.index.inflight[bids] = 0
         self.index.state[bids] = READY
         self.heat.record(bids, now)
-        policy = self.policies[0]
-        for bid, par in zip(bids.tolist(), parents.tolist(), strict=True):
+        chain = existing.copy()
+        chain[new_idx] = bids
+        parent = -1
+        if parent_words is not None:
+            parent = int(self.index.lookup(ns, parent_words[None, :])[0])
+        policy = self.policies[L1]
+        for bid, i in zip(bids.tolist(), new_idx.tolist(), strict=True):
+            par = int(chain[i - 1]) if i > 0 else parent
             policy.insert(bid, now, par)
-        self.counters["bytes_put"] += len(bids) * block_bytes
-        self._count_put(results)
-        return results
+            if par >= 0:
+                self.child[par] = bid
+
+    # ------------------------------------------------------------------- reads
 
     async def get(
         self, pool: Pool, ns: int, words: np.ndarray, pages: np.ndarray, *, touch: bool
     ) -> np.ndarray:
-        """Copy stored blocks into pool pages; returns whether each key was loaded."""
+        """Copy stored blocks into pool pages; returns whether each key was loaded.
+
+        Blocks only on L2 are promoted to L1 first (a read the request waits on).
+        """
         ids = self.index.lookup(ns, words)
         self._check_sizes(ids, pool.block_bytes)
-        loaded = (ids >= 0) & (self.index.slot[np.maximum(ids, 0), 0] >= 0)
-        bids = ids[loaded]
-        self.counters["get_blocks_missing"] += int(len(ids) - len(bids))
-        if len(bids) == 0:
-            return loaded
+        found = ids >= 0
+        bids = ids[found]
         now = self._clock()
         if touch:
             self._touch(bids, now)
-        else:
+        elif len(bids):
             # The pinning Lookup counted this access; only the protection clock restarts.
             self.heat.last_access[bids] = now
         np.add.at(self.index.inflight, bids, 1)
         try:
-            offsets = self.host.allocator.offsets(self.index.slot[bids, 0])
-            with pool.use() as mem:
-                await self._run(
-                    blocks_to_pool,
-                    pool.layout.chunk_table,
-                    self.host.array,
-                    offsets,
-                    mem,
-                    pages[loaded],
-                    self._copy_threads,
-                )
+            await self._ensure_in_l1(bids, Priority.DEMAND)
+            in_l1 = np.zeros(len(ids), dtype=bool)
+            in_l1[found] = self.index.slot[bids, L1] >= 0
+            loaded_ids = ids[in_l1]
+            if len(loaded_ids):
+                offsets = self.host.allocator.offsets(self.index.slot[loaded_ids, L1])
+                with pool.use() as mem:
+                    await self._run(
+                        blocks_to_pool,
+                        pool.layout.chunk_table,
+                        self.host.array,
+                        offsets,
+                        mem,
+                        pages[in_l1],
+                        self._copy_threads,
+                    )
         finally:
-            np.subtract.at(self.index.inflight, bids, 1)
-        self.counters["get_blocks_loaded"] += len(bids)
-        self.counters["bytes_get"] += len(bids) * pool.block_bytes
-        return loaded
+            self._release(bids)
+        self._account_reads(loaded_ids)
+        self.counters["get_blocks_loaded"] += len(loaded_ids)
+        self.counters["get_blocks_missing"] += len(ids) - len(loaded_ids)
+        self.counters["bytes_get"] += len(loaded_ids) * pool.block_bytes
+        if len(loaded_ids) and self.disk is not None:
+            self._read_ahead(int(loaded_ids[-1]))
+        return in_l1
 
-    def delete(self, ns: int, words: np.ndarray) -> DeleteResult:
+    def prefetch(
+        self, ns: int, words: np.ndarray, deadline_ms: int, priority: int
+    ) -> PrefetchResult:
+        """Start promoting the keys' L2-only blocks to L1; never waits for them."""
+        ids = self.index.lookup(ns, words)
+        found = ids[ids >= 0]
+        l2_only = found[(self.index.slot[found, L1] < 0)] if len(found) else found
+        deadline = self._clock() + deadline_ms / 1000.0 if deadline_ms else None
+        started = self._start_promotions(l2_only, Priority.PREFETCH, deadline, priority)
+        return PrefetchResult(
+            resident=len(found) - len(l2_only),
+            scheduled=started,
+            missing=int(np.count_nonzero(ids < 0)),
+        )
+
+    def promote_in_background(self, bids: np.ndarray) -> None:
+        """A pinning Lookup found these blocks: bring the L2-only ones up before the Get."""
+        if self.disk is None or len(bids) == 0:
+            return
+        self._start_promotions(bids[self.index.slot[bids, L1] < 0], Priority.PREFETCH, None, 0)
+
+    async def _ensure_in_l1(self, bids: np.ndarray, priority: Priority) -> None:
+        if self.disk is None or len(bids) == 0:
+            return
+        need = bids[self.index.slot[bids, L1] < 0]
+        if len(need) == 0:
+            return
+        late = [b for b in need.tolist() if b in self._promoting]
+        self.counters["prefetch_late"] += len(late)
+        fresh = np.array([b for b in need.tolist() if b not in self._promoting], dtype=np.int64)
+        if len(fresh):
+            self._spawn_promotion(fresh, priority, None, 0, prefetch=False)
+        waits = [self._promoting[b] for b in need.tolist() if b in self._promoting]
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    def _start_promotions(
+        self, bids: np.ndarray, priority: Priority, deadline: float | None, engine_priority: int
+    ) -> int:
+        fresh = np.array([b for b in bids.tolist() if b not in self._promoting], dtype=np.int64)
+        if self.disk is None or len(fresh) == 0:
+            return 0
+        self._spawn_promotion(fresh, priority, deadline, engine_priority, prefetch=True)
+        self.counters["prefetch_issued"] += len(fresh)
+        return len(fresh)
+
+    def _spawn_promotion(
+        self,
+        bids: np.ndarray,
+        priority: Priority,
+        deadline: float | None,
+        engine_priority: int,
+        *,
+        prefetch: bool,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for b in bids.tolist():
+            self._promoting[b] = loop.create_future()
+        np.add.at(self.index.inflight, bids, 1)
+        # One promotion per block size: a slot reservation serves one size.
+        sizes = self.index.nbytes[bids]
+        for size in np.unique(sizes).tolist():
+            group = bids[sizes == size]
+            self._spawn(
+                self._promote(group, int(size), priority, deadline, engine_priority, prefetch)
+            )
+
+    async def _promote(
+        self,
+        bids: np.ndarray,
+        nbytes: int,
+        priority: Priority,
+        deadline: float | None,
+        engine_priority: int,
+        prefetch: bool,
+    ) -> None:
+        """Read L2-only blocks of ``nbytes`` into fresh L1 slots. The caller registered their
+        futures in ``_promoting`` and marked them in flight; this resolves and unmarks them."""
+        assert self.disk is not None
+        disk = self.disk
+        ok = np.zeros(len(bids), dtype=bool)
+        l1_slots: list[int] = []
+        try:
+            l1_slots = await self._reserve(L1, nbytes, len(bids), self._clock(), priority)
+            if len(l1_slots) < len(bids):
+                self.counters["promotion_no_room"] += len(bids) - len(l1_slots)
+            todo = bids[: len(l1_slots)].tolist()
+            slot_bytes = self.host.allocator.slot_bytes_for(nbytes)
+            items = [
+                ReadItem(
+                    int(self.index.slot[b, L2]),
+                    self.host.view(s, slot_bytes),
+                    nbytes,
+                    int(self.checksum[b]),
+                    self.index.key_bytes(b),
+                )
+                for b, s in zip(todo, l1_slots, strict=True)
+            ]
+            if not items:
+                return
+            read_failed = False
+            try:
+                good = await self.mover.submit(
+                    priority,
+                    "l2_read",
+                    len(items) * nbytes,
+                    lambda: self._run(disk.read, items),
+                    engine_priority=engine_priority,
+                    deadline=deadline,
+                )
+                read_failed = True  # a False below is a failed verification or I/O error
+            except PrefetchExpired:
+                good = [False] * len(items)
+            except Exception:
+                good = [False] * len(items)
+            now = self._clock()
+            for j, (b, s) in enumerate(zip(todo, l1_slots, strict=True)):
+                if good[j]:
+                    self.index.slot[b, L1] = s
+                    self.policies[L1].insert(b, now, -1)
+                    ok[j] = True
+                    if prefetch:
+                        self._prefetched.add(b)
+                else:
+                    self.host.allocator.free(s)
+                    if read_failed:
+                        self._lose_l2_copy(b)
+            l1_slots = []
+            self.counters["promoted_blocks"] += int(ok.sum())
+        finally:
+            for s in l1_slots:
+                self.host.allocator.free(s)
+            for b, good_one in zip(bids.tolist(), ok.tolist(), strict=True):
+                fut = self._promoting.pop(b, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(good_one)
+            self._release(bids)
+
+    def _lose_l2_copy(self, bid: int) -> None:
+        """The disk tier dropped this block's copy (failed verification): forget the copy."""
+        if self.index.slot[bid, L2] >= 0:
+            self.policies[L2].remove(bid)
+            self.index.slot[bid, L2] = -1
+            self.counters["l2_read_failures_seen"] += 1
+
+    def _read_ahead(self, last: int) -> None:
+        """Reading the end of a chain prefetches its next blocks from L2."""
+        k = self.config.policy.readahead_blocks
+        nxt, chain = last, []
+        for _ in range(k):
+            nxt = int(self.child[nxt])
+            if nxt < 0 or self.index.state[nxt] != READY:
+                break
+            chain.append(nxt)
+        if chain:
+            ids = np.asarray(chain, dtype=np.int64)
+            self._start_promotions(ids[self.index.slot[ids, L1] < 0], Priority.PREFETCH, None, 0)
+
+    def _account_reads(self, bids: np.ndarray) -> None:
+        if not self._prefetched:
+            return
+        used = [b for b in bids.tolist() if b in self._prefetched]
+        self._prefetched.difference_update(used)
+        self.counters["prefetch_used"] += len(used)
+
+    # ------------------------------------------------------------------ delete
+
+    async def delete(self, ns: int, words: np.ndarray) -> DeleteResult:
         found = self.index.find_any(ns, words)
         missing = int(np.count_nonzero(found < 0))
         ids = np.unique(found[found >= 0])
@@ -251,10 +551,14 @@ class BlockStore:
             | (self.index.pins[ids] > 0)
             | (self.index.inflight[ids] > 0)
         )
+        l2_slots: list[int] = []
         for bid in ids[~busy].tolist():
             for t in range(len(self.tiers)):
                 if self.index.slot[bid, t] >= 0:
-                    self._drop_copy(bid, t)
+                    released = self._drop_copy(bid, t)
+                    if released is not None:
+                        l2_slots.append(released)
+        await self._remove_l2_slots(l2_slots)
         deleted = int(np.count_nonzero(~busy))
         self.counters["deleted_blocks"] += deleted
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
@@ -268,8 +572,9 @@ class BlockStore:
         np.subtract.at(self.index.pins, bids, 1)
         if (self.index.pins[bids] < 0).any():
             raise AssertionError("pin count went below zero: a lease was released twice")
+        self._forget_orphans(bids)
 
-    # ------------------------------------------------------------ eviction
+    # ---------------------------------------------------------------- eviction
 
     def evictable(
         self, tier: int, now: float, slot_bytes: int | None = None
@@ -287,14 +592,16 @@ class BlockStore:
                 & (self.heat.last_access[bids] + protect_s <= now)
             )
             if slot_bytes is not None:
-                slots = self.index.slot[bids, tier]
-                ok &= alloc.slot_sizes(slots) == slot_bytes
+                ok &= alloc.slot_sizes(self.index.slot[bids, tier]) == slot_bytes
             return ok
 
         return mask
 
-    def _reserve(self, tier: int, nbytes: int, count: int, now: float) -> list[int]:
-        """Up to ``count`` free slots for blocks of ``nbytes``, evicting to make room."""
+    async def _reserve(
+        self, tier: int, nbytes: int, count: int, now: float, priority: Priority
+    ) -> list[int]:
+        """Up to ``count`` free slots of ``tier`` for blocks of ``nbytes``, evicting (L1:
+        demoting) to make room."""
         alloc = self.tiers[tier].allocator
         slots: list[int] = []
         while len(slots) < count and (slot := alloc.allocate(nbytes)) is not None:
@@ -309,13 +616,12 @@ class BlockStore:
             victims = policy.victims(deficit, now, mask)
             if victims is None:
                 # Fewer evictable blocks than needed: take all there are.
-                residents = self._residents(tier)
-                possible = int(np.count_nonzero(mask(residents)))
+                possible = int(np.count_nonzero(mask(self._residents(tier))))
                 victims = policy.victims(possible, now, mask) if possible else None
             if victims is not None and len(victims):
-                self._evict(tier, victims)
+                await self._evict(tier, victims, priority)
         else:
-            self._reclaim_segment(tier, now)
+            await self._reclaim_segment(tier, now, priority)
         while len(slots) < count and (slot := alloc.allocate(nbytes)) is not None:
             slots.append(slot)
         if len(slots) < count:
@@ -324,7 +630,7 @@ class BlockStore:
             )
         return slots
 
-    def _reclaim_segment(self, tier: int, now: float) -> None:
+    async def _reclaim_segment(self, tier: int, now: float, priority: Priority) -> None:
         """Free a whole segment for a block size the tier has no segment for yet: the segment
         whose blocks are all evictable and were least recently used."""
         alloc = self.tiers[tier].allocator
@@ -342,34 +648,246 @@ class BlockStore:
             if newest < best_age:
                 best_seg, best_age = int(seg), newest
         if best_seg >= 0:
-            self._evict(tier, holders[segs == best_seg])
+            await self._evict(tier, holders[segs == best_seg], priority)
             self.counters["segment_reclaims"] += 1
 
-    def _evict(self, tier: int, victims: np.ndarray) -> None:
+    async def _evict(self, tier: int, victims: np.ndarray, priority: Priority) -> None:
+        """Take ``victims`` out of ``tier``. From L1, blocks without an L2 copy are written to
+        L2 first (demotion) when there is a healthy L2; otherwise they are dropped."""
         label = self.tiers[tier].kind.label.lower()
-        for bid in victims.tolist():
-            self._drop_copy(bid, tier)
+        if tier == L1 and self._l2_accepts_writes():
+            dirty = victims[self.index.slot[victims, L2] < 0]
+            if len(dirty):
+                np.add.at(self.index.inflight, victims, 1)
+                try:
+                    ok = await self._write_l2(dirty, priority)
+                finally:
+                    np.subtract.at(self.index.inflight, victims, 1)
+                self.counters["demoted_blocks"] += int(np.count_nonzero(ok))
+                self.counters["demotion_failures"] += int(np.count_nonzero(~ok))
+                # While the writes ran, a request may have pinned, read or touched a victim:
+                # such a block stays (and now has a clean L2 copy).
+                victims = victims[self.evictable(tier, self._clock())(victims)]
+        released = [s for v in victims.tolist() if (s := self._drop_copy(v, tier)) is not None]
+        await self._remove_l2_slots(released)
         self.counters[f"{label}_evictions"] += len(victims)
 
-    def _drop_copy(self, bid: int, tier: int) -> None:
-        """Remove tier ``tier``'s copy of a block; forget the block if no copy is left."""
+    def _drop_copy(self, bid: int, tier: int) -> int | None:
+        """Remove tier ``tier``'s copy of a block; forget the block if no copy is left.
+        Returns an L2 slot the caller must hand to ``_remove_l2_slots``; L1 slots are freed
+        here."""
+        if bid in self._prefetched and tier == L1:
+            self._prefetched.discard(bid)
+            self.counters["prefetch_wasted"] += 1
         self.policies[tier].remove(bid)
-        self.tiers[tier].allocator.free(int(self.index.slot[bid, tier]))
+        slot = int(self.index.slot[bid, tier])
         self.index.slot[bid, tier] = -1
         if not (self.index.slot[bid] >= 0).any():
-            self.index.remove(bid)
+            self._forget(bid)
+        if tier == L2:
+            return slot
+        self.tiers[tier].allocator.free(slot)
+        return None
 
-    def _forget(self, bid: int) -> None:
-        """Undo a reservation whose copy failed."""
-        for t in range(len(self.tiers)):
-            slot = int(self.index.slot[bid, t])
-            if slot >= 0:
-                self.tiers[t].allocator.free(slot)
-                if bid in self.policies[t]:
-                    self.policies[t].remove(bid)
-        self.index.remove(bid)
+    async def _remove_l2_slots(self, slots: list[int]) -> None:
+        if slots and self.disk is not None:
+            ok = await self._run(self.disk.remove, slots)
+            if not ok:
+                self.counters["l2_remove_failures"] += len(slots)
+
+    # ------------------------------------------------------------------ L2 writes
+
+    def _l2_accepts_writes(self) -> bool:
+        return self.disk is not None and self.disk.state() == "ok"
+
+    async def _write_l2(self, bids: np.ndarray, priority: Priority) -> np.ndarray:
+        """Write L1 copies of ``bids`` to L2 and index them; returns which now have an L2
+        copy. A block already being written is waited for, not written twice."""
+        ok = np.zeros(len(bids), dtype=bool)
+        if self.disk is None or len(bids) == 0:
+            return ok
+        waits: dict[int, asyncio.Future[bool]] = {}
+        mine: list[int] = []
+        loop = asyncio.get_running_loop()
+        for b in bids.tolist():
+            if self.index.slot[b, L2] >= 0:
+                continue
+            if b in self._writing:
+                waits[b] = self._writing[b]
+            else:
+                self._writing[b] = loop.create_future()
+                mine.append(b)
+        if mine:
+            own = np.asarray(mine, dtype=np.int64)
+            np.add.at(self.index.inflight, own, 1)
+            try:
+                batch = self.config.mover.batch_blocks
+                await asyncio.gather(
+                    *(
+                        self._write_l2_batch(own[i : i + batch], priority)
+                        for i in range(0, len(own), batch)
+                    )
+                )
+            finally:
+                self._release(own)
+                for b in mine:
+                    fut = self._writing.pop(b)
+                    fut.set_result(bool(self.index.slot[b, L2] >= 0))
+        if waits:
+            await asyncio.gather(*waits.values(), return_exceptions=True)
+        return self.index.slot[bids, L2] >= 0
+
+    async def _write_l2_batch(self, bids: np.ndarray, priority: Priority) -> None:
+        assert self.disk is not None
+        disk = self.disk
+        for size in np.unique(self.index.nbytes[bids]).tolist():
+            group = bids[self.index.nbytes[bids] == size]
+            slots = await self._reserve(L2, size, len(group), self._clock(), priority)
+            if not slots:
+                continue
+            group = group[: len(slots)]
+            slot_bytes = self.host.allocator.slot_bytes_for(size)
+            items = [
+                PersistItem(
+                    int(self.index.ns[b]),
+                    self.index.key_bytes(b),
+                    s,
+                    self.host.view(int(self.index.slot[b, L1]), slot_bytes),
+                    size,
+                )
+                for b, s in zip(group.tolist(), slots, strict=True)
+            ]
+            try:
+                outcomes = await self.mover.submit(
+                    priority,
+                    "l2_write",
+                    len(items) * size,
+                    lambda items=items: self._run(disk.persist, items),
+                )
+            except Exception:
+                outcomes = None
+            now = self._clock()
+            failed: list[int] = []
+            for j, (b, s) in enumerate(zip(group.tolist(), slots, strict=True)):
+                if outcomes is not None and outcomes[j].ok and self.index.state[b] == READY:
+                    self.index.slot[b, L2] = s
+                    self.checksum[b] = outcomes[j].checksum
+                    self.policies[L2].insert(b, now, -1)
+                else:
+                    failed.append(s)
+            self.counters["l2_writes_failed"] += len(failed)
+            await self._remove_l2_slots(failed)
+
+    def _dirty_l1_blocks(self) -> np.ndarray:
+        if self.disk is None:
+            return np.empty(0, dtype=np.int64)
+        held = self._residents(L1)
+        return held[(self.index.slot[held, L2] < 0) & (self.index.state[held] == READY)]
+
+    # -------------------------------------------------------------- watermarks
+
+    async def _balance_forever(self) -> None:
+        interval = self.config.mover.balance_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.balance()
+            except Exception:
+                log.exception("watermark balancing failed")
+                self.counters["background_errors"] += 1
+
+    async def balance(self) -> None:
+        """Above a tier's high watermark, move its coldest evictable blocks down until it is
+        below the low watermark. During warm-up nothing moves before the hard limit."""
+        now = self._clock()
+        if now - self.started_at < self.config.policy.warmup_s:
+            return
+        marks = [(self.config.l1.high_watermark, self.config.l1.low_watermark)]
+        if self.disk is not None:
+            marks.append((self.config.l2.high_watermark, self.config.l2.low_watermark))
+        for tier, (high, low) in enumerate(marks):
+            alloc = self.tiers[tier].allocator
+            if alloc.used_bytes <= high * alloc.capacity_bytes:
+                continue
+            excess = alloc.used_bytes - low * alloc.capacity_bytes
+            resident = len(self.policies[tier])
+            if resident == 0:
+                continue
+            n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
+            mask = self.evictable(tier, now)
+            victims = self.policies[tier].victims(n, now, mask)
+            if victims is None:
+                possible = int(np.count_nonzero(mask(self._residents(tier))))
+                victims = self.policies[tier].victims(possible, now, mask) if possible else None
+            if victims is not None and len(victims):
+                await self._evict(tier, victims, Priority.BACKGROUND)
+                self.counters[f"{self.tiers[tier].kind.label.lower()}_watermark_evictions"] += len(
+                    victims
+                )
+
+    # ----------------------------------------------------------------- recovery
+
+    def _recover(self) -> None:
+        """Index every block the disk tier recovered, so a restart serves it."""
+        assert self.disk is not None
+        blocks = self.disk.recover()
+        if not blocks:
+            return
+        now_mono, now_wall = self._clock(), time.time()
+        for blk in blocks:
+            bid = self._add_block(blk.ns, keys_to_words([blk.key])[0], blk.nbytes)
+            self.index.state[bid] = READY
+            self.index.slot[bid, L2] = blk.slot
+            self.checksum[bid] = blk.checksum
+            seen = now_mono - max(0.0, now_wall - blk.written_at)
+            self.heat.record(np.array([bid]), seen)
+            self.policies[L2].insert(bid, seen, -1)
+        log.info("indexed %d blocks recovered from L2", len(blocks))
 
     # ----------------------------------------------------------------- helpers
+
+    def _add_block(self, ns: int, words: np.ndarray, nbytes: int) -> int:
+        bid = self.index.add(ns, words, nbytes)
+        if self.index.capacity > len(self.checksum):
+            self.checksum = _grown(self.checksum, self.index.capacity, 0)
+            self.child = _grown(self.child, self.index.capacity, -1)
+        self.heat.ensure(self.index.capacity)
+        self.heat.reset(bid)
+        self.child[bid] = -1
+        self.checksum[bid] = 0
+        return bid
+
+    def _forget(self, bid: int) -> None:
+        self.index.remove(bid)
+        for policy in self.policies:
+            forget = getattr(policy, "forget", None)
+            if forget is not None:
+                forget(bid)
+
+    def _abandon(self, bids: np.ndarray) -> None:
+        """Undo reservations of new blocks whose copy failed or found no room."""
+        for bid in bids.tolist():
+            slot = int(self.index.slot[bid, L1])
+            if slot >= 0:
+                self.host.allocator.free(slot)
+            self._forget(bid)
+
+    def _release(self, bids: np.ndarray) -> None:
+        """End an in-flight mark."""
+        np.subtract.at(self.index.inflight, bids, 1)
+        self._forget_orphans(bids)
+
+    def _forget_orphans(self, bids: np.ndarray) -> None:
+        """A block that lost its last copy while held (a failed L2 read) is forgotten once
+        nobody holds it any more."""
+        for b in bids.tolist():
+            if (
+                self.index.state[b] == READY
+                and self.index.inflight[b] == 0
+                and self.index.pins[b] == 0
+                and not (self.index.slot[b] >= 0).any()
+            ):
+                self._forget(b)
 
     def _residents(self, tier: int) -> np.ndarray:
         return np.flatnonzero(self.index.slot[:, tier] >= 0)
@@ -403,12 +921,38 @@ class BlockStore:
             np.count_nonzero(results == PutResult.REJECTED_FULL)
         )
 
-    async def _run(self, fn: Callable[..., object], *args: object) -> object:
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background transfer failed", exc_info=exc)
+            self.counters["background_errors"] += 1
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()
+
+def _grown(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+    out = np.full(size, fill, dtype=a.dtype)
+    out[: len(a)] = a
+    return out
+
+
+def _open_disk(config: Config) -> DiskTier:
+    c = config.l2
+    return DiskTier(
+        c.path,
+        c.capacity_bytes,
+        c.segment_bytes,
+        io_threads=c.io_threads,
+        file_bytes=c.file_bytes,
+        direct_io=c.direct_io,
+        enospc_retry_s=c.enospc_retry_s,
+    )
 
 
 def _want_pinning(config: Config) -> bool:

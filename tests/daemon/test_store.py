@@ -50,7 +50,7 @@ def keys(n: int) -> np.ndarray:
 
 def put(store, pool, words, pages=None, parent=None):
     pages = np.arange(len(words)) if pages is None else np.asarray(pages)
-    return asyncio.run(store.put(pool, 0, words, pages % pool.layout.num_pages, parent)).tolist()
+    return asyncio.run(store.put(pool, 0, words, pages % pool.layout.num_pages, parent))[0].tolist()
 
 
 def present(store, words) -> list[bool]:
@@ -162,7 +162,7 @@ def test_delete_keeps_pinned_and_counts_missing():
     a = keys(3)
     put(store, pool, a)
     store.pin(store.index.lookup(0, a[:1]))
-    res = store.delete(0, np.concatenate([a, keys(1)]))
+    res = asyncio.run(store.delete(0, np.concatenate([a, keys(1)])))
     assert (res.deleted, res.busy, res.missing) == (2, 1, 1)
     assert present(store, a) == [True, False, False]
     assert store.host.allocator.used_slots == 1

@@ -1,0 +1,267 @@
+"""The disk tier inside a running daemon: demotion, promotion, prefetch, restarts and crashes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.client import FailedPreconditionError, PoolLayout, PutStatus, SharedMemoryPool, Tier
+from kvtier.tiers.disk import DiskTier
+
+BLOCK = 64 * 1024
+# One 64 KiB block per page; L1 of 1 MiB holds 16 blocks.
+LAYOUT = PoolLayout.staging(
+    num_layers=4, num_pages=64, block_tokens=16, chunk_bytes=BLOCK // 8, dtype="uint8"
+)
+SMALL_L1 = ("l1.segment_bytes=1MiB", "policy.protect_s=0")
+
+
+def l2_args(path, *extra: str) -> tuple[str, ...]:
+    return (
+        "l2.enabled=true",
+        f"l2.path={path}",
+        "l2.capacity_bytes=64MiB",
+        "l2.segment_bytes=1MiB",
+        "l2.file_bytes=16MiB",
+        *extra,
+    )
+
+
+def keys(n: int, tag: int) -> list[bytes]:
+    rng = np.random.default_rng(tag)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def fill(shm: SharedMemoryPool, seed: int) -> np.ndarray:
+    data = shm.array()
+    data[:] = np.random.default_rng(seed).integers(0, 256, len(data), dtype=np.uint8)
+    return data.copy()
+
+
+def page(data: np.ndarray, p: int) -> bytes:
+    return data[p * BLOCK : (p + 1) * BLOCK].tobytes()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+def test_blocks_beyond_l1_are_demoted_and_read_back_exact(daemon_factory, tmp_path):
+    d = daemon_factory(*SMALL_L1, *l2_args(tmp_path / "l2"), l1_bytes="1MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 1)
+        pool = client.register_pool(shm, LAYOUT)
+        ks = keys(48, 1)
+        for start in range(0, 48, 8):
+            res = client.put(pool.pool_id, ks[start : start + 8], range(start, start + 8))
+            assert res.statuses == [PutStatus.STORED] * 8
+        tiers = client.lookup(ks).tiers
+        assert tiers.count(Tier.L2_DISK) >= 32 and set(tiers) <= {Tier.L1_HOST, Tier.L2_DISK}
+        shm.array()[:] = 0
+        # Read back in batches that fit L1; every block comes back byte-exact.
+        for start in range(0, 48, 8):
+            got = client.get(pool.pool_id, ks[start : start + 8], range(start, start + 8))
+            assert got.prefix_len == 8
+        data = shm.array()
+        assert all(page(data, p) == page(src, p) for p in range(48))
+        counters = client.stats().counters
+        assert counters["demoted_blocks"] >= 32
+        assert counters["promoted_blocks"] >= 32
+        assert counters["l2_checksum_failures"] == 0
+
+
+def test_durable_puts_need_the_disk_tier(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        with pytest.raises(FailedPreconditionError, match=r"l2\.enabled"):
+            client.put(pool.pool_id, keys(1, 2), [0], durable=True)
+
+
+def test_durable_put_reports_persistence(daemon_factory, tmp_path):
+    d = daemon_factory(*l2_args(tmp_path / "l2"))
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        fill(shm, 3)
+        pool = client.register_pool(shm, LAYOUT)
+        res = client.put(pool.pool_id, keys(4, 3), range(4), durable=True)
+        assert res.persisted == [True] * 4
+        assert client.lookup(keys(4, 3)).tiers == [Tier.L1_HOST] * 4  # fastest copy reported
+        assert client.stats().counters["l2_committed_blocks"] == 4
+
+
+def test_restart_serves_everything_flushed_at_stop(daemon_factory, tmp_path):
+    d = daemon_factory(*l2_args(tmp_path / "l2"), l1_bytes="64MiB")
+    n = 2000
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=n, block_tokens=1, chunk_bytes=4096, kv_count=1
+    )
+    ks = keys(n, 4)
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        src = fill(shm, 4)
+        pool = client.register_pool(shm, layout)
+        for start in range(0, n, 500):
+            client.put(pool.pool_id, ks[start : start + 500], range(start, start + 500))
+    assert d.stop() == 0  # SIGTERM: flush L1-only blocks to L2
+    assert "flushed 2000 of 2000" in d.log()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        assert client.lookup(ks).tiers == [Tier.L2_DISK] * n
+        for start in range(0, n, 500):
+            assert (
+                client.get(
+                    pool.pool_id, ks[start : start + 500], range(start, start + 500)
+                ).prefix_len
+                == 500
+            )
+        assert np.array_equal(shm.array(), src)
+
+
+def test_prefetch_promotes_ahead_of_use(daemon_factory, tmp_path):
+    d = daemon_factory(*SMALL_L1, *l2_args(tmp_path / "l2"), l1_bytes="1MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 5)
+        pool = client.register_pool(shm, LAYOUT)
+        old, new = keys(8, 50), keys(16, 51)
+        client.put(pool.pool_id, old, range(8))
+        client.put(pool.pool_id, new, range(8, 24))  # pushes `old` down to L2
+        assert client.lookup(old).tiers == [Tier.L2_DISK] * 8
+        res = client.prefetch(old, deadline_ms=5000)
+        assert (res.scheduled, res.resident, res.missing) == (8, 0, 0)
+        wait_for(lambda: client.lookup(old).tiers == [Tier.L1_HOST] * 8)
+        shm.array()[:] = 0
+        assert client.get(pool.pool_id, old, range(8)).prefix_len == 8
+        assert all(page(shm.array(), p) == page(src, p) for p in range(8))
+        counters = client.stats().counters
+        assert counters["prefetch_issued"] >= 8 and counters["prefetch_used"] >= 8
+
+
+def test_write_through_puts_every_block_on_disk(daemon_factory, tmp_path):
+    d = daemon_factory(*l2_args(tmp_path / "l2", "l2.write_policy=write_through"))
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        fill(shm, 6)
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, keys(8, 6), range(8))
+        wait_for(lambda: client.stats().counters.get("l2_committed_blocks", 0) == 8)
+
+
+CRASH_WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from kvtier.client import Client, PoolLayout, SharedMemoryPool
+    layout = PoolLayout.staging(num_layers=1, num_pages=16, block_tokens=1, chunk_bytes=65536,
+                                kv_count=1)
+    rng = np.random.default_rng(7)
+    with Client(sys.argv[1]) as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        data = shm.array()
+        for batch in range(10_000):
+            data[:] = rng.integers(0, 256, len(data), dtype=np.uint8)
+            keys = [rng.bytes(32) for _ in range(16)]
+            res = client.put(pool.pool_id, keys, range(16), durable=True)
+            for i, (k, ok) in enumerate(zip(keys, res.persisted)):
+                if ok:
+                    print(k.hex(), data[i * 65536:(i + 1) * 65536].tobytes().hex()[:64],
+                          int(np.frombuffer(data[i * 65536:(i + 1) * 65536], np.uint64).sum() % (1 << 63)),
+                          flush=True)
+    """
+)
+
+
+def test_sigkill_during_heavy_writes_loses_no_persisted_block(daemon_factory, tmp_path):
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2), "l2.capacity_bytes=256MiB")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", CRASH_WRITER, d.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    acked: dict[bytes, tuple[str, int]] = {}
+    try:
+        while len(acked) < 600:
+            line = writer.stdout.readline()
+            assert line, writer.stderr.read()
+            key, head, total = line.split()
+            acked[bytes.fromhex(key)] = (head, int(total))
+        d.kill()  # SIGKILL in the middle of the stream of durable puts
+    finally:
+        writer.kill()
+        writer.wait()
+    d.start()
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=64, block_tokens=1, chunk_bytes=65536, kv_count=1
+    )
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        ks = list(acked)
+        for start in range(0, len(ks), 64):
+            chunk = ks[start : start + 64]
+            got = client.get(pool.pool_id, chunk, range(len(chunk)))
+            assert got.loaded == [True] * len(chunk)
+            data = shm.array()
+            for i, k in enumerate(chunk):
+                block = data[i * 65536 : (i + 1) * 65536]
+                head, total = acked[k]
+                assert block.tobytes().hex()[:64] == head
+                assert int(np.frombuffer(block, np.uint64).sum() % (1 << 63)) == total
+        assert client.stats().counters["l2_checksum_failures"] == 0
+
+
+def test_a_corrupt_slot_is_a_miss_and_is_counted(daemon_factory, tmp_path):
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2))
+    ks = keys(4, 8)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 8)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(4), durable=True).persisted == [True] * 4
+    d.stop()
+    # Flip bytes of the second block's slot behind the daemon's back.
+    with DiskTier(l2, 64 << 20, 1 << 20, file_bytes=16 << 20) as tier:
+        slot = next(b.slot for b in tier.recover() if b.key == ks[1])
+        path, offset = tier.slot_location(slot)
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        f.write(b"\xff" * 8)
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        got = client.get(pool.pool_id, ks, range(4))
+        assert got.loaded == [True, False, True, True]
+        data = shm.array()
+        assert page(data, 1) == bytes(BLOCK)  # the bad bytes never reached the pool
+        assert [page(data, p) == page(src, p) for p in (0, 2, 3)] == [True] * 3
+        counters = client.stats().counters
+        assert counters["l2_checksum_failures"] == 1
+        assert client.lookup(ks).tiers[1] == Tier.ABSENT
+    assert "checksum" in d.log().lower()
+
+
+def test_l2_state_and_usage_are_reported(daemon_factory, tmp_path):
+    d = daemon_factory(*l2_args(tmp_path / "l2"))
+    with d.client() as client:
+        tiers = {t.tier: t for t in client.stats().tiers}
+        assert tiers[Tier.L2_DISK].capacity_bytes == 64 << 20
+        assert tiers[Tier.L2_DISK].state == "ok"
+    assert os.path.exists(tmp_path / "l2" / "index.sqlite3")
+
+
+def test_regression_idle_mover_kept_l1_arena_mapped(daemon_factory, tmp_path):
+    """An idle mover worker held its last job, whose closure held views of L1 slots, so the
+    arena could not be unmapped at shutdown."""
+    d = daemon_factory(*l2_args(tmp_path / "l2"))
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, keys(2, 9), range(2), durable=True)
+    assert d.stop() == 0
+    assert "still in use" not in d.log()
