@@ -7,6 +7,7 @@ import json
 import sys
 
 from kvtier.client import Client, KvtierError
+from kvtier.daemon.replay import add_replay_parser
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     b.set_defaults(func=_bench)
+
+    add_replay_parser(sub)
 
     args = p.parse_args(argv)
     try:
