@@ -229,7 +229,9 @@ class HeatPolicy:
         self._eff_v[bid] = key
         if key <= self._bufs[seg].bound:
             self._note_key(bid, seg, key, depth)
-        if linked:
+        if linked and (
+            self._eff_v[parent] < key or (seg == _PROTECTED and seg_v[parent] == _PROBATION)
+        ):
             self._propagate(bid, key, seg == _PROTECTED)
 
     def touch(self, bid: int, now: float) -> None:
@@ -285,10 +287,9 @@ class HeatPolicy:
             return None
         if n == 1 and evictable is None:
             # The replayer's path: one victim, every block evictable.
+            p, from_protected = self._p, False
             b = incoming[0] if len(incoming) == 1 else -1
-            if b >= self._size or (b >= 0 and self._ghost_v[b] == _OUT):
-                p, from_protected = self._p, False
-            else:
+            if b < 0 or (b < self._size and self._ghost_v[b] != _OUT):
                 p, from_protected = self._adapted_target(incoming)
             _, bid = self._pick(n1, p, from_protected, self._coldest)
             return np.array([bid], dtype=np.int64) if bid >= 0 else None
@@ -421,6 +422,8 @@ class HeatPolicy:
         returns from protected's shadow; nothing is stored."""
         p, cap = self._p, float(self.capacity)
         from_protected = False
+        if len(incoming) == 1 and not 0 <= incoming[0] < self._size:
+            return p, False
         for i, bid in enumerate(incoming):
             ghost = self._returning_from(bid)
             if ghost == _PROBATION:
