@@ -8,6 +8,7 @@ import sys
 
 from kvtier.bench import BENCHMARKS
 from kvtier.client import Client, KvtierError
+from kvtier.daemon.replay import add_replay_parser
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("what", choices=sorted(BENCHMARKS), help="which benchmark")
     b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     b.set_defaults(func=_bench)
+
+    add_replay_parser(sub)
 
     # Options after the benchmark's name belong to the benchmark.
     args, extra = p.parse_known_args(argv)

@@ -172,7 +172,9 @@ class MoverConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    name: str = field(default="lru", metadata=_opt("str", doc="eviction policy by name"))
+    name: str = field(
+        default="heat", metadata=_opt("str", doc="eviction policy by name (heat, lru, arc)")
+    )
     protect_s: float = field(
         default=2.0,
         metadata=_opt(

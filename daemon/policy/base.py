@@ -8,11 +8,20 @@ Whether a block *may* go (pinned by a lease, in flight, inside its protection pe
 wrong slot size) is not the policy's business: the caller passes an ``evictable`` mask
 function and the policy only ranks. ``victims`` is atomic: it proposes exactly ``n`` blocks or
 none, and changes nothing; the caller then ``remove``s the ones it actually evicted.
+
+Block ids are rows of the store's index and are reused once a block is forgotten. A policy
+must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see
+``forget``.
+
+Constructor parameters: every policy is built by ``make_policy(name, **params)`` and must
+accept and ignore parameters it does not use, so that one parameter set serves all of them.
+The shared names are ``capacity_blocks`` (the tier's size in blocks, or None where unknown)
+and ``half_life_s`` (the heat half-life).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -23,7 +32,11 @@ EvictableFn = Callable[[np.ndarray], np.ndarray]
 
 class EvictionPolicy(Protocol):
     def insert(self, bid: int, now: float, parent: int = -1) -> None:
-        """A block became resident in this tier; ``parent`` is its chain predecessor or -1."""
+        """A block became resident in this tier; ``parent`` is its chain predecessor or -1.
+
+        The parent need not be resident (or even known); a policy only follows the link while
+        the parent stays resident under the same identity.
+        """
 
     def touch(self, bid: int, now: float) -> None:
         """A resident block was read or written again."""
@@ -31,8 +44,23 @@ class EvictionPolicy(Protocol):
     def remove(self, bid: int) -> None:
         """A block left this tier (evicted, demoted, deleted). Unknown ids raise KeyError."""
 
-    def victims(self, n: int, now: float, evictable: EvictableFn) -> np.ndarray | None:
-        """Exactly ``n`` evictable resident blocks, coldest first, or None if fewer exist."""
+    def victims(
+        self,
+        n: int,
+        now: float,
+        evictable: EvictableFn | None,
+        incoming: Sequence[int] = (),
+    ) -> np.ndarray | None:
+        """Exactly ``n`` evictable resident blocks, coldest first, or None if fewer exist.
+
+        ``evictable`` None means every resident block may go. ``incoming`` optionally names
+        the blocks the room is being made for; adaptive policies (ARC) learn from it which
+        list to shrink, others ignore it. Never changes the policy's state.
+        """
+
+    def forget(self, bid: int) -> None:
+        """The id no longer names the block it named (its index row was freed and may be
+        reused): drop any history kept for it. A no-op for ids the policy does not know."""
 
     def __len__(self) -> int: ...
 

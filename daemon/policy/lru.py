@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -30,9 +31,23 @@ class LRUPolicy:
     def remove(self, bid: int) -> None:
         del self._order[bid]
 
-    def victims(self, n: int, now: float, evictable: EvictableFn) -> np.ndarray | None:
+    def forget(self, bid: int) -> None:
+        pass  # LRU keeps no history beyond residency.
+
+    def victims(
+        self,
+        n: int,
+        now: float,
+        evictable: EvictableFn | None,
+        incoming: Sequence[int] = (),
+    ) -> np.ndarray | None:
         if n <= 0:
             return np.empty(0, dtype=np.int64)
+        if n > len(self._order):
+            return None
+        if evictable is None:
+            it = iter(self._order)
+            return np.fromiter((next(it) for _ in range(n)), dtype=np.int64, count=n)
         chosen: list[np.ndarray] = []
         found = 0
         it = iter(self._order)

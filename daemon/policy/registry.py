@@ -1,5 +1,9 @@
 """Policies by name. A policy module registers its class with ``@register_policy("name")``;
-the daemon and the replayer build one with ``make_policy(name, **params)``."""
+the daemon and the replayer build one with ``make_policy(name, **params)``.
+
+A policy class may name the admission rule it is designed to run with in a class attribute
+``default_admission`` (see ``kvtier.daemon.policy.admission``); ``"always"`` otherwise.
+"""
 
 from __future__ import annotations
 
@@ -29,16 +33,24 @@ def policy_names() -> list[str]:
 
 
 def make_policy(name: str, **params: Any) -> EvictionPolicy:
+    return _factory(name)(**params)
+
+
+def default_admission(name: str) -> str:
+    """The admission rule the policy ``name`` is designed to run with."""
+    return str(getattr(_factory(name), "default_admission", "always"))
+
+
+def _factory(name: str) -> Callable[..., EvictionPolicy]:
     _load_builtin()
     try:
-        factory = _POLICIES[name]
+        return _POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r}; one of {', '.join(sorted(_POLICIES))}"
         ) from None
-    return factory(**params)
 
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register_policy decorators.
-    from kvtier.daemon.policy import lru  # noqa: F401
+    from kvtier.daemon.policy import arc, heat, lru, opt  # noqa: F401

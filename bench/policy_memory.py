@@ -1,0 +1,82 @@
+"""Bytes per block of the daemon's metadata at a million blocks: the index, the heat table,
+and each eviction policy's own structures.
+
+    python -m kvtier.bench.policy_memory [--blocks 1000000] [--json]
+
+Index and heat table are numpy arrays, so their size is exact (``nbytes`` of every array,
+over the live blocks). A policy is measured with ``tracemalloc`` while it is filled with
+``blocks`` resident blocks in chains of 32 and then asked for a victim (so the heat policy's
+candidate buffer exists), which counts its Python objects too. Takes a minute or so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import tracemalloc
+
+import numpy as np
+
+from kvtier.daemon.heat import HeatTable
+from kvtier.daemon.index import BlockIndex
+from kvtier.daemon.policy.registry import make_policy
+
+_CHAIN = 32
+
+
+def index_bytes(blocks: int, num_tiers: int) -> int:
+    index = BlockIndex(initial_capacity=blocks, num_tiers=num_tiers)
+    words = np.random.default_rng(0).integers(0, 2**63, size=(blocks, 4), dtype=np.int64)
+    words = words.view(np.uint64)
+    for i in range(blocks):
+        index.add(0, words[i], 4096)
+    return index.stats().nbytes
+
+
+def heat_bytes(blocks: int) -> int:
+    table = HeatTable(600.0, blocks)
+    return table.heat.nbytes + table.last_access.nbytes
+
+
+def policy_bytes(name: str, blocks: int) -> int:
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    policy = make_policy(name, capacity_blocks=blocks, initial_ids=blocks)
+    for bid in range(blocks):
+        policy.insert(bid, bid * 1e-3, bid - 1 if bid % _CHAIN else -1)
+    policy.victims(1, blocks * 1e-3, None)
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del policy
+    return used
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--blocks", type=int, default=1_000_000)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    n = args.blocks
+    start = time.perf_counter()
+    out: dict[str, float] = {}
+    for tiers in (1, 4):
+        out[f"index_{tiers}_tier_B"] = index_bytes(n, tiers) / n
+    out["heat_table_B"] = heat_bytes(n) / n
+    for tiers in (1, 4):
+        out[f"index_{tiers}_tier_plus_heat_B"] = out[f"index_{tiers}_tier_B"] + out["heat_table_B"]
+    for name in ("heat", "lru", "arc"):
+        out[f"policy_{name}_B"] = policy_bytes(name, n) / n
+    print(f"bytes per block at {n:,} blocks")
+    for key, value in out.items():
+        print(f"  {key:<32} {value:8.1f}")
+    print(f"  ({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        print(json.dumps({"blocks": n, **{k: round(v, 1) for k, v in out.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

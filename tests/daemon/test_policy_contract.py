@@ -1,0 +1,148 @@
+"""The eviction-policy contract, run against every registered policy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.policy.registry import make_policy, policy_names
+
+
+def build(name: str, capacity: int = 8):
+    # opt needs the future; give it a fixed one (farther for larger ids).
+    return make_policy(name, capacity_blocks=capacity, next_use=lambda b: float(b))
+
+
+@pytest.fixture(params=policy_names())
+def name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def fill(policy, n: int) -> None:
+    for bid in range(n):
+        policy.insert(bid, float(bid), bid - 1 if bid % 3 else -1)
+
+
+def test_registry_knows_the_builtin_policies() -> None:
+    assert {"heat", "lru", "arc", "opt"} <= set(policy_names())
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("nope")
+
+
+def test_unknown_parameters_are_ignored(name: str) -> None:
+    policy = make_policy(name, capacity_blocks=4, next_use=lambda b: 0.0, colour="blue")
+    policy.insert(1, 0.0)
+    assert 1 in policy and len(policy) == 1
+
+
+def test_victims_is_atomic_when_too_few_are_evictable(name: str) -> None:
+    policy = build(name)
+    fill(policy, 6)
+    only_two = lambda bids: bids < 2  # noqa: E731
+    assert policy.victims(3, 10.0, only_two) is None
+    assert policy.victims(7, 10.0, None) is None
+    # Nothing changed: the same question gets the same answer, and all blocks are there.
+    first = policy.victims(2, 10.0, only_two)
+    assert first is not None and sorted(first.tolist()) == [0, 1]
+    assert np.array_equal(policy.victims(2, 10.0, only_two), first)
+    assert len(policy) == 6 and all(b in policy for b in range(6))
+
+
+def test_victims_changes_no_later_decision(name: str) -> None:
+    a, b = build(name, 4), build(name, 4)
+    for p in (a, b):
+        fill(p, 4)
+    a.victims(3, 5.0, lambda bids: bids % 2 == 0)
+    a.victims(1, 5.0, None, incoming=(9,))
+    for p in (a, b):
+        p.touch(2, 6.0)
+        v = p.victims(1, 7.0, None, incoming=(10,))
+        assert v is not None
+        p.remove(int(v[0]))
+        p.insert(10, 7.0)
+    assert a.victims(3, 8.0, None).tolist() == b.victims(3, 8.0, None).tolist()
+
+
+def test_victims_respects_the_mask(name: str) -> None:
+    policy = build(name)
+    fill(policy, 8)
+    odd = policy.victims(4, 10.0, lambda bids: bids % 2 == 1)
+    assert odd is not None and sorted(odd.tolist()) == [1, 3, 5, 7]
+    assert len(policy.victims(0, 10.0, None)) == 0
+
+
+def test_remove_unknown_raises_and_forget_unknown_is_quiet(name: str) -> None:
+    policy = build(name)
+    fill(policy, 2)
+    with pytest.raises(KeyError):
+        policy.remove(5)
+    policy.forget(5)
+    policy.forget(10**6)
+    policy.remove(1)
+    assert 1 not in policy and len(policy) == 1
+
+
+def test_ids_can_be_reused(name: str) -> None:
+    policy = build(name, 4)
+    fill(policy, 4)
+    policy.remove(2)
+    policy.forget(2)
+    policy.insert(2, 20.0, parent=3)
+    assert 2 in policy and len(policy) == 4
+    v = policy.victims(4, 21.0, None)
+    assert v is not None and sorted(v.tolist()) == [0, 1, 2, 3]
+    assert not math.isnan(float(v[0]))
+
+
+@pytest.mark.parametrize("name", ["heat", "lru", "arc"])
+def test_store_like_use_with_reused_ids_and_protection(name: str) -> None:
+    """The live store's pattern: batches of chained puts, eviction of a deficit under the
+    guard's mask, ids freed (LIFO) and reused, forget() on free."""
+    from kvtier.daemon.policy.guard import EvictionGuard
+
+    rng = np.random.default_rng(5)
+    capacity = 64
+    policy = make_policy(name)  # the store passes no parameters
+    guard = EvictionGuard(protect_s=1.0)
+    last = np.full(1024, -np.inf)
+    pins = np.zeros(1024, dtype=np.int32)
+    inflight = np.zeros(1024, dtype=np.int16)
+    free = list(range(1023, -1, -1))
+    resident: set[int] = set()
+    now = 0.0
+    for _ in range(400):
+        now += float(rng.exponential(0.2))
+        pins[:] = 0
+        if resident:
+            pinned = rng.choice(sorted(resident), size=min(3, len(resident)), replace=False)
+            pins[pinned] = 1
+        batch = int(rng.integers(1, 12))
+        deficit = len(resident) + batch - capacity
+        if deficit > 0:
+            mask = guard.evictable_fn(now, last, pins, inflight)
+            victims = policy.victims(deficit, now, mask)
+            if victims is None:
+                ok = [b for b in resident if mask(np.array([b]))[0]]
+                assert len(ok) < deficit
+                continue
+            got = victims.tolist()
+            assert len(set(got)) == deficit and set(got) <= resident
+            assert mask(victims).all()
+            for bid in got:
+                policy.remove(bid)
+                policy.forget(bid)
+                resident.discard(bid)
+                free.append(bid)
+        parent = -1
+        for _ in range(batch):
+            bid = free.pop()
+            policy.insert(bid, now, parent)
+            last[bid] = now
+            resident.add(bid)
+            parent = bid
+        for bid in rng.choice(sorted(resident), size=min(5, len(resident)), replace=False):
+            policy.touch(int(bid), now)
+            last[bid] = now
+        assert len(policy) == len(resident)
