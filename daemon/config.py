@@ -124,6 +124,14 @@ class L2Config:
         default=True,
         metadata=_opt("bool", doc="O_DIRECT where the filesystem allows; buffered I/O elsewhere"),
     )
+    admission: str = field(
+        default="",
+        metadata=_opt(
+            "str",
+            doc="which blocks L2 takes: always, second_hit, tinylfu; empty = second_hit for "
+            "selective, else the eviction policy's default",
+        ),
+    )
     write_policy: str = field(
         default="write_back",
         metadata=_opt("str", choices=("write_back", "write_through", "selective")),
@@ -145,6 +153,13 @@ class L2Config:
             raise ConfigError("l2.low_watermark exceeds l2.high_watermark")
         if self.enabled and not self.path:
             raise ConfigError("l2.path is empty")
+        from kvtier.daemon.policy.admission import admission_names
+
+        usable = [n for n in admission_names() if n != "belady"]  # belady needs the future
+        if self.admission and self.admission not in usable:
+            raise ConfigError(
+                f"config key 'l2.admission': {self.admission!r} is not one of {', '.join(usable)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -191,9 +206,19 @@ class PolicyConfig:
             "int", lo=0, hi=1024, doc="reading block i of a chain prefetches i+1..i+k from L2"
         ),
     )
+    half_life_s: float = field(
+        default=30.0,
+        metadata=_opt("float", lo=0.001, doc="heat half-life: how fast past accesses fade"),
+    )
 
     def check(self) -> None:
-        pass
+        from kvtier.daemon.policy.registry import policy_names
+
+        live = policy_names(live=True)
+        if self.name not in live:
+            raise ConfigError(
+                f"config key 'policy.name': {self.name!r} is not one of {', '.join(live)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The block store: index, heat table, tiers and their policies, glued together.
+"""The block store: index, tiers and their policies, glued together.
 
 Tiers are ordered fastest first: L1 (host arena) and, when configured, L2 (disk). A block may
 have a copy in several tiers; ``index.slot[bid, t] >= 0`` exactly when tier ``t`` holds a
@@ -39,11 +39,13 @@ import numpy as np
 
 from kvtier.daemon.config import Config
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
-from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.index import READY, BlockIndex, keys_to_words
 from kvtier.daemon.mover import Mover, PrefetchExpired, Priority
+from kvtier.daemon.policy.admission import Admission, make_admission
 from kvtier.daemon.policy.base import EvictionPolicy
-from kvtier.daemon.policy.registry import make_policy
+from kvtier.daemon.policy.guard import EvictionGuard
+from kvtier.daemon.policy.prefetch import PrefetchLedger
+from kvtier.daemon.policy.registry import default_admission, make_policy
 from kvtier.daemon.pools import Pool
 from kvtier.kernels.copy import blocks_to_pool, pool_to_blocks
 from kvtier.tiers.base import TierKind
@@ -52,7 +54,6 @@ from kvtier.tiers.host import HostArena
 
 log = logging.getLogger(__name__)
 
-HALF_LIFE_S = 600.0
 L1, L2 = 0, 1
 
 
@@ -109,8 +110,25 @@ class BlockStore:
         self.index = BlockIndex(num_tiers=len(self.tiers))
         self.checksum = np.zeros(self.index.capacity, dtype=np.uint64)  # of the L2 copy
         self.child = np.full(self.index.capacity, -1, dtype=np.int32)  # readahead hint
-        self.heat = HeatTable(HALF_LIFE_S, self.index.capacity)
-        self.policies: list[EvictionPolicy] = [make_policy(config.policy.name) for _ in self.tiers]
+        # Last read or write of each block: the protection period runs from it. Heat itself
+        # lives in each tier's policy (the heat policy keeps a decayed count per block).
+        self.last_access = np.full(self.index.capacity, -np.inf, dtype=np.float64)
+        pc = config.policy
+        self.policies: list[EvictionPolicy] = [
+            make_policy(pc.name, half_life_s=pc.half_life_s) for _ in self.tiers
+        ]
+        marks = [
+            (config.l1.high_watermark, config.l1.low_watermark),
+            (config.l2.high_watermark, config.l2.low_watermark),
+        ]
+        self.guards = [
+            EvictionGuard(pc.protect_s, pc.warmup_s, high, low)
+            for high, low in marks[: len(self.tiers)]
+        ]
+        # Which blocks L2 takes when they leave L1 (write_back) or as soon as it admits them
+        # (selective). Keys are the first 64 bits of block keys: stable across id reuse.
+        self.l2_admission: Admission = make_admission(_l2_admission_name(config))
+        self.prefetches = PrefetchLedger()
         self.counters: Counter[str] = Counter()
         self.mover = Mover(
             {"l2_read": config.mover.l2_read_bytes_s, "l2_write": config.mover.l2_write_bytes_s},
@@ -120,7 +138,6 @@ class BlockStore:
         self._copy_threads = config.server.copy_threads
         self._promoting: dict[int, asyncio.Future[bool]] = {}
         self._writing: dict[int, asyncio.Future[bool]] = {}
-        self._prefetched: set[int] = set()  # promoted ahead of use, not read since
         self._background: set[asyncio.Task[Any]] = set()
         self._balancer: asyncio.Task[None] | None = None
         if disk is not None:
@@ -204,6 +221,14 @@ class BlockStore:
 
     def all_counters(self) -> dict[str, int]:
         out = dict(self.counters)
+        pf = self.prefetches.stats()
+        out.update(
+            prefetch_issued=pf.issued,
+            prefetch_used=pf.used,
+            prefetch_late=pf.late,
+            prefetch_wasted=pf.wasted,
+            prefetch_duplicates=pf.duplicates,
+        )
         for name, value in self.mover.counters.items():
             out[f"mover_{name}"] = value
         if self.disk is not None:
@@ -315,7 +340,9 @@ class BlockStore:
         now = self._clock()
         self.index.inflight[bids] = 0
         self.index.state[bids] = READY
-        self.heat.record(bids, now)
+        self.last_access[bids] = now
+        for word in self.index.keys[bids, 0].tolist():
+            self.l2_admission.record(word, now)
         chain = existing.copy()
         chain[new_idx] = bids
         parent = -1
@@ -327,6 +354,8 @@ class BlockStore:
             policy.insert(bid, now, par)
             if par >= 0:
                 self.child[par] = bid
+        if self.config.l2.write_policy == "selective":
+            self._write_admitted(bids, now)
 
     # ------------------------------------------------------------------- reads
 
@@ -346,7 +375,7 @@ class BlockStore:
             self._touch(bids, now)
         elif len(bids):
             # The pinning Lookup counted this access; only the protection clock restarts.
-            self.heat.last_access[bids] = now
+            self.last_access[bids] = now
         np.add.at(self.index.inflight, bids, 1)
         try:
             await self._ensure_in_l1(bids, Priority.DEMAND)
@@ -402,8 +431,6 @@ class BlockStore:
         need = bids[self.index.slot[bids, L1] < 0]
         if len(need) == 0:
             return
-        late = [b for b in need.tolist() if b in self._promoting]
-        self.counters["prefetch_late"] += len(late)
         fresh = np.array([b for b in need.tolist() if b not in self._promoting], dtype=np.int64)
         if len(fresh):
             self._spawn_promotion(fresh, priority, None, 0, prefetch=False)
@@ -418,7 +445,9 @@ class BlockStore:
         if self.disk is None or len(fresh) == 0:
             return 0
         self._spawn_promotion(fresh, priority, deadline, engine_priority, prefetch=True)
-        self.counters["prefetch_issued"] += len(fresh)
+        now = self._clock()
+        for word in self.index.keys[fresh, 0].tolist():
+            self.prefetches.issue(word, now)
         return len(fresh)
 
     def _spawn_promotion(
@@ -497,8 +526,10 @@ class BlockStore:
                     self.policies[L1].insert(b, now, -1)
                     ok[j] = True
                     if prefetch:
-                        self._prefetched.add(b)
+                        self.prefetches.complete(int(self.index.keys[b, 0]), now)
                 else:
+                    if prefetch:
+                        self.prefetches.evict(int(self.index.keys[b, 0]), now)
                     self.host.allocator.free(s)
                     if read_failed:
                         self._lose_l2_copy(b)
@@ -534,11 +565,9 @@ class BlockStore:
             self._start_promotions(ids[self.index.slot[ids, L1] < 0], Priority.PREFETCH, None, 0)
 
     def _account_reads(self, bids: np.ndarray) -> None:
-        if not self._prefetched:
-            return
-        used = [b for b in bids.tolist() if b in self._prefetched]
-        self._prefetched.difference_update(used)
-        self.counters["prefetch_used"] += len(used)
+        now = self._clock()
+        for word in self.index.keys[bids, 0].tolist():
+            self.prefetches.demand(word, now)
 
     # ------------------------------------------------------------------ delete
 
@@ -581,16 +610,15 @@ class BlockStore:
     ) -> Callable[[np.ndarray], np.ndarray]:
         """Mask function for the policy of ``tier``: unpinned, idle, unprotected blocks (of one
         slot size when ``slot_bytes`` is given)."""
-        protect_s = self.config.policy.protect_s
+        guard = self.guards[tier]
         alloc = self.tiers[tier].allocator
+        index = self.index
 
         def mask(bids: np.ndarray) -> np.ndarray:
-            ok = (
-                (self.index.pins[bids] == 0)
-                & (self.index.inflight[bids] == 0)
-                & (self.index.state[bids] == READY)
-                & (self.heat.last_access[bids] + protect_s <= now)
+            ok = guard.evictable(
+                now, self.last_access[bids], index.pins[bids], index.inflight[bids]
             )
+            ok &= index.state[bids] == READY
             if slot_bytes is not None:
                 ok &= alloc.slot_sizes(self.index.slot[bids, tier]) == slot_bytes
             return ok
@@ -644,7 +672,7 @@ class BlockStore:
             in_seg = segs == seg
             if not ok[in_seg].all():
                 continue
-            newest = float(self.heat.last_access[holders[in_seg]].max())
+            newest = float(self.last_access[holders[in_seg]].max())
             if newest < best_age:
                 best_seg, best_age = int(seg), newest
         if best_seg >= 0:
@@ -657,6 +685,8 @@ class BlockStore:
         label = self.tiers[tier].kind.label.lower()
         if tier == L1 and self._l2_accepts_writes():
             dirty = victims[self.index.slot[victims, L2] < 0]
+            if self.config.l2.write_policy != "write_through":
+                dirty = dirty[self._admit_to_l2(dirty, self._clock())]
             if len(dirty):
                 np.add.at(self.index.inflight, victims, 1)
                 try:
@@ -676,9 +706,8 @@ class BlockStore:
         """Remove tier ``tier``'s copy of a block; forget the block if no copy is left.
         Returns an L2 slot the caller must hand to ``_remove_l2_slots``; L1 slots are freed
         here."""
-        if bid in self._prefetched and tier == L1:
-            self._prefetched.discard(bid)
-            self.counters["prefetch_wasted"] += 1
+        if tier == L1:
+            self.prefetches.evict(int(self.index.keys[bid, 0]), self._clock())
         self.policies[tier].remove(bid)
         slot = int(self.index.slot[bid, tier])
         self.index.slot[bid, tier] = -1
@@ -778,6 +807,32 @@ class BlockStore:
             self.counters["l2_writes_failed"] += len(failed)
             await self._remove_l2_slots(failed)
 
+    def _admit_to_l2(self, bids: np.ndarray, now: float) -> np.ndarray:
+        """Which of ``bids`` the L2 admission rule lets in, counting each decision's reason."""
+        assert self.disk is not None
+        admit = np.zeros(len(bids), dtype=bool)
+        victim_word: int | None = None
+        if len(bids) and not self.disk.allocator.can_allocate(int(self.index.nbytes[bids[0]])):
+            coldest = self.policies[L2].victims(1, now, self.evictable(L2, now))
+            if coldest is not None:
+                victim_word = int(self.index.keys[coldest[0], 0])
+        for j, word in enumerate(self.index.keys[bids, 0].tolist()):
+            decision = self.l2_admission.decide(word, victim_word, now)
+            admit[j] = decision.admit
+            self.counters[f"l2_admission_{decision.reason}"] += 1
+        return admit
+
+    def _write_admitted(self, bids: np.ndarray, now: float) -> None:
+        """``selective``: write L1-only blocks to L2 as soon as the admission rule takes them."""
+        if not self._l2_accepts_writes():
+            return
+        held = bids[(self.index.slot[bids, L1] >= 0) & (self.index.slot[bids, L2] < 0)]
+        held = np.array([b for b in held.tolist() if b not in self._writing], dtype=np.int64)
+        if len(held):
+            admitted = held[self._admit_to_l2(held, now)]
+            if len(admitted):
+                self._spawn(self._write_l2(admitted, Priority.BACKGROUND))
+
     def _dirty_l1_blocks(self) -> np.ndarray:
         if self.disk is None:
             return np.empty(0, dtype=np.int64)
@@ -800,18 +855,11 @@ class BlockStore:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
         below the low watermark. During warm-up nothing moves before the hard limit."""
         now = self._clock()
-        if now - self.started_at < self.config.policy.warmup_s:
-            return
-        marks = [(self.config.l1.high_watermark, self.config.l1.low_watermark)]
-        if self.disk is not None:
-            marks.append((self.config.l2.high_watermark, self.config.l2.low_watermark))
-        for tier, (high, low) in enumerate(marks):
+        for tier, guard in enumerate(self.guards):
             alloc = self.tiers[tier].allocator
-            if alloc.used_bytes <= high * alloc.capacity_bytes:
-                continue
-            excess = alloc.used_bytes - low * alloc.capacity_bytes
+            excess = guard.to_free(alloc.used_bytes, alloc.capacity_bytes, now, self.started_at)
             resident = len(self.policies[tier])
-            if resident == 0:
+            if excess <= 0 or resident == 0:
                 continue
             n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
             mask = self.evictable(tier, now)
@@ -821,9 +869,8 @@ class BlockStore:
                 victims = self.policies[tier].victims(possible, now, mask) if possible else None
             if victims is not None and len(victims):
                 await self._evict(tier, victims, Priority.BACKGROUND)
-                self.counters[f"{self.tiers[tier].kind.label.lower()}_watermark_evictions"] += len(
-                    victims
-                )
+                label = self.tiers[tier].kind.label.lower()
+                self.counters[f"{label}_watermark_evictions"] += len(victims)
 
     # ----------------------------------------------------------------- recovery
 
@@ -840,7 +887,7 @@ class BlockStore:
             self.index.slot[bid, L2] = blk.slot
             self.checksum[bid] = blk.checksum
             seen = now_mono - max(0.0, now_wall - blk.written_at)
-            self.heat.record(np.array([bid]), seen)
+            self.last_access[bid] = seen
             self.policies[L2].insert(bid, seen, -1)
         log.info("indexed %d blocks recovered from L2", len(blocks))
 
@@ -851,8 +898,8 @@ class BlockStore:
         if self.index.capacity > len(self.checksum):
             self.checksum = _grown(self.checksum, self.index.capacity, 0)
             self.child = _grown(self.child, self.index.capacity, -1)
-        self.heat.ensure(self.index.capacity)
-        self.heat.reset(bid)
+            self.last_access = _grown(self.last_access, self.index.capacity, -np.inf)
+        self.last_access[bid] = -np.inf
         self.child[bid] = -1
         self.checksum[bid] = 0
         return bid
@@ -860,9 +907,7 @@ class BlockStore:
     def _forget(self, bid: int) -> None:
         self.index.remove(bid)
         for policy in self.policies:
-            forget = getattr(policy, "forget", None)
-            if forget is not None:
-                forget(bid)
+            policy.forget(bid)
 
     def _abandon(self, bids: np.ndarray) -> None:
         """Undo reservations of new blocks whose copy failed or found no room."""
@@ -893,10 +938,15 @@ class BlockStore:
         return np.flatnonzero(self.index.slot[:, tier] >= 0)
 
     def _touch(self, bids: np.ndarray, now: float) -> None:
-        self.heat.record(bids, now)
+        self.last_access[bids] = now
         for t, policy in enumerate(self.policies):
             for bid in bids[self.index.slot[bids, t] >= 0].tolist():
                 policy.touch(bid, now)
+        if self.disk is not None:
+            for word in self.index.keys[bids, 0].tolist():
+                self.l2_admission.record(word, now)
+            if self.config.l2.write_policy == "selective":
+                self._write_admitted(bids, now)
 
     def _fastest_tier(self, bids: np.ndarray) -> np.ndarray:
         out = np.zeros(len(bids), dtype=np.int32)
@@ -940,6 +990,16 @@ def _grown(a: np.ndarray, size: int, fill: int) -> np.ndarray:
     out = np.full(size, fill, dtype=a.dtype)
     out[: len(a)] = a
     return out
+
+
+def _l2_admission_name(config: Config) -> str:
+    """``l2.admission``, or its default: second_hit for ``selective`` (its point is to keep
+    one-off blocks off the disk), else the eviction policy's own choice."""
+    if config.l2.admission:
+        return config.l2.admission
+    if config.l2.write_policy == "selective":
+        return "second_hit"
+    return default_admission(config.policy.name)
 
 
 def _open_disk(config: Config) -> DiskTier:

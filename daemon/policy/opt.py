@@ -34,6 +34,7 @@ class BeladyPolicy:
     """
 
     default_admission = "belady"
+    needs_future = True
 
     def __init__(self, next_use: NextUseFn | None = None, **_: object) -> None:
         if next_use is None:

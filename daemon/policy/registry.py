@@ -2,7 +2,8 @@
 the daemon and the replayer build one with ``make_policy(name, **params)``.
 
 A policy class may name the admission rule it is designed to run with in a class attribute
-``default_admission`` (see ``kvtier.daemon.policy.admission``); ``"always"`` otherwise.
+``default_admission`` (see ``kvtier.daemon.policy.admission``); ``"always"`` otherwise. A
+class with ``needs_future = True`` (Belady's optimum) only runs in the replayer.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ def register_policy(name: str) -> Callable[[T], T]:
     return decorate
 
 
-def policy_names() -> list[str]:
+def policy_names(*, live: bool = False) -> list[str]:
+    """Registered policies; with ``live``, only those a running daemon can use."""
     _load_builtin()
-    return sorted(_POLICIES)
+    return sorted(
+        n for n, f in _POLICIES.items() if not (live and getattr(f, "needs_future", False))
+    )
 
 
 def make_policy(name: str, **params: Any) -> EvictionPolicy:

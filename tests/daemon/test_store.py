@@ -18,6 +18,8 @@ from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.host import HostArena
 
 SEG = 64 * 1024
+# Rules that hold whatever the ranking: every live policy must obey them.
+POLICIES = ["lru", "heat", "arc"]
 
 
 class Clock:
@@ -28,8 +30,10 @@ class Clock:
         return self.now
 
 
-def make_store(clock: Clock, *, segments: int = 1, protect_s: float = 0.0) -> BlockStore:
-    config = load_config(None, [f"policy.protect_s={protect_s}"])
+def make_store(
+    clock: Clock, *, segments: int = 1, protect_s: float = 0.0, policy: str = "lru"
+) -> BlockStore:
+    config = load_config(None, [f"policy.protect_s={protect_s}", f"policy.name={policy}"])
     host = HostArena(segments * SEG, SEG)
     return BlockStore(config, ThreadPoolExecutor(2), clock=clock, host=host)
 
@@ -74,9 +78,10 @@ def test_full_tier_evicts_least_recently_used():
     assert store.counters["l1_evictions"] == 4
 
 
-def test_pinned_blocks_are_never_evicted():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pinned_blocks_are_never_evicted(policy):
     clock = Clock()
-    store, pool = make_store(clock), make_pool()
+    store, pool = make_store(clock, policy=policy), make_pool()
     a = keys(16)
     put(store, pool, a)
     ids = store.index.lookup(0, a)
@@ -90,9 +95,10 @@ def test_pinned_blocks_are_never_evicted():
         store.unpin(ids[:1])
 
 
-def test_protected_blocks_survive_until_their_period_ends():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_protected_blocks_survive_until_their_period_ends(policy):
     clock = Clock()
-    store, pool = make_store(clock, protect_s=5.0), make_pool()
+    store, pool = make_store(clock, policy=policy, protect_s=5.0), make_pool()
     a = keys(16)
     put(store, pool, a)
     clock.now += 4.9
@@ -102,9 +108,10 @@ def test_protected_blocks_survive_until_their_period_ends():
     assert sum(present(store, a)) == 15
 
 
-def test_a_chain_that_does_not_fit_keeps_its_head():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_chain_that_does_not_fit_keeps_its_head(policy):
     clock = Clock()
-    store, pool = make_store(clock, protect_s=60.0), make_pool()
+    store, pool = make_store(clock, policy=policy, protect_s=60.0), make_pool()
     chain = keys(20)
     results = put(store, pool, chain)
     assert results == [PutResult.STORED] * 16 + [PutResult.REJECTED_FULL] * 4
@@ -112,11 +119,12 @@ def test_a_chain_that_does_not_fit_keeps_its_head():
     assert store.counters["put_blocks_rejected"] == 4
 
 
-def test_eviction_is_all_or_nothing_per_request():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_is_all_or_nothing_per_request(policy):
     """With 3 evictable blocks and 4 needed, the 3 are evicted and 1 block is refused; no
     half-evicted block is left behind."""
     clock = Clock()
-    store, pool = make_store(clock), make_pool()
+    store, pool = make_store(clock, policy=policy), make_pool()
     a = keys(16)
     put(store, pool, a)
     store.pin(store.index.lookup(0, a[3:]))
@@ -156,9 +164,10 @@ def test_a_new_block_size_takes_a_whole_segment_from_the_coldest():
     assert store.counters["segment_reclaims"] == 1
 
 
-def test_delete_keeps_pinned_and_counts_missing():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_delete_keeps_pinned_and_counts_missing(policy):
     clock = Clock()
-    store, pool = make_store(clock), make_pool()
+    store, pool = make_store(clock, policy=policy), make_pool()
     a = keys(3)
     put(store, pool, a)
     store.pin(store.index.lookup(0, a[:1]))
