@@ -986,7 +986,7 @@ class BlockStore:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
 
-def _grown(a: np.ndarray, size: int, fill: int) -> np.ndarray:
+def _grown(a: np.ndarray, size: int, fill: float) -> np.ndarray:
     out = np.full(size, fill, dtype=a.dtype)
     out[: len(a)] = a
     return out
