@@ -90,11 +90,10 @@ class AsyncClient:
         self._session_task = asyncio.create_task(self._watch_session(call, first.session_id))
 
     async def _watch_session(self, call: Any, session_id: str) -> None:
-        try:
-            async for _ in call:
+        # read(), not async iteration: grpc forbids mixing the two on one call.
+        with contextlib.suppress(grpc.RpcError):
+            while await call.read() is not grpc.aio.EOF:
                 pass
-        except grpc.RpcError:
-            pass
         if self._session_id == session_id:
             log.warning("kvtier session %s ended (daemon stopped or unreachable)", session_id)
             self._session_id, self._session_call = "", None
