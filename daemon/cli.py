@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from kvtier.bench import BENCHMARKS
 from kvtier.client import Client, KvtierError
 
 
@@ -51,7 +52,7 @@ def _stats(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import run_bench
 
-    return run_bench(args.what, args.rest, as_json=args.json)
+    return run_bench(args.what, args.extra, as_json=args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(func=_stats)
 
     b = sub.add_parser("bench", help="benchmarks (each starts its own daemon)")
-    b.add_argument("what", choices=["l1"], help="which benchmark")
+    b.add_argument("what", choices=sorted(BENCHMARKS), help="which benchmark")
     b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="options of the benchmark")
     b.set_defaults(func=_bench)
 
-    args = p.parse_args(argv)
+    # Options after the benchmark's name belong to the benchmark.
+    args, extra = p.parse_known_args(argv)
+    if extra and args.command != "bench":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return int(args.func(args))
     except KvtierError as e:
