@@ -105,8 +105,6 @@ def main() -> int:
     p.add_argument("--block-tokens", type=int, default=64)
     args = p.parse_args()
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(MODEL).eval()
     with Client(args.address, timeout_s=10.0) as client:
         try:
             client.health()
@@ -114,6 +112,8 @@ def main() -> int:
             print(f"cannot reach kvtierd at {client.address}: {e.details}", file=sys.stderr)
             print("start it with `make run` (or pass --address)", file=sys.stderr)
             return 1
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(MODEL).eval()
         print("warming up ...", flush=True)
         plain_generate(model, encode(SYSTEM[:500]), 2)
         print("without kvtier: every prompt is computed from scratch", flush=True)
