@@ -125,7 +125,7 @@ def test_prefix_stored_by_another_process_is_reused(daemon, model):
             str(BLOCK),
             ",".join(map(str, prompt)),
         ],
-        env={**os.environ, "PYTHONPATH": str(TESTS_DIR)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *_pythonpath()])},
         capture_output=True,
         text=True,
         timeout=120,
@@ -135,6 +135,10 @@ def test_prefix_stored_by_another_process_is_reused(daemon, model):
     assert report["reused"] == 0 and report["stored_blocks"] == 6
     with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
         _assert_matches_reference(kv, prompt, reused=96)
+
+
+def _pythonpath() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 # -------------------------------------------------------- (c) L2 after a daemon restart
