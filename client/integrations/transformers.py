@@ -30,7 +30,8 @@ Invariants:
 Scope: batch size 1, decoder-only models whose layers are all plain full-attention
 ``DynamicLayer``s (Llama, Mistral without sliding window, Qwen2, ...), multi-head or
 grouped-query attention. Sliding-window, linear-attention and MLA caches are refused at
-construction. The model may live on any device; the pool is host memory.
+construction. The pool is host memory; a model on a GPU works through plain tensor copies
+between its device and the pool (not yet measured or tested; CPU is).
 
 Thread-safety: an instance is not thread-safe (calls share the staging pool); use one per
 thread, or serialise calls. Several instances may share one ``Client``.

@@ -75,6 +75,24 @@ def test_loaded_prefix_generates_exactly_what_recompute_does(daemon, model):
             assert reader.stats()["computed_tokens"] == 2 * 4
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"num_key_value_heads": 4},  # multi-head attention: one KV head per query head
+        {"num_key_value_heads": 1, "head_dim": 32},  # multi-query, head_dim != hidden / heads
+    ],
+    ids=["mha", "mqa-wide-heads"],
+)
+def test_other_attention_shapes_round_trip(daemon, shape):
+    other = tiny_llama(**shape)
+    prompt = _prompt(100)
+    with daemon.client() as client, KVTierPrefixCache(other, client, block_tokens=BLOCK) as kv:
+        assert kv.geometry.num_kv_heads == shape["num_key_value_heads"]
+        assert kv.geometry.head_dim == shape.get("head_dim", 16)
+        kv.prefill(prompt)
+        _assert_matches_reference(kv, prompt, reused=96)
+
+
 def test_fully_stored_prompt_still_computes_its_last_block(daemon, model):
     prompt = _prompt(4 * BLOCK)
     with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
