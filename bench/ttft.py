@@ -6,9 +6,10 @@ measured (i) recomputing the whole prompt without kvtier, (ii) loading the prefi
 computing the last 64 tokens, (iii) the same with the prefix read from L2 with a cold page
 cache: the daemon is restarted before each repetition, so its L1 is empty and the blocks come
 from the L2 slot files (read with O_DIRECT, which bypasses the page cache). Each figure is a
-median (``--reps`` repetitions, ``--l1-reps`` for (ii), after one warm-up run for (i) and
-(ii)); the speedups are (i) divided by (ii) and by (iii). Every loaded prefill is checked to
-reuse exactly the stored prefix, and its logits are compared with the recomputed ones.
+median: ``--reps`` runs of (i) and (iii), and ``--l1-reps`` runs of (ii) after each run of
+(i) (interleaved, after one warm-up of each); the speedups are (i) divided by (ii) and
+(iii). Every loaded prefill is checked to reuse exactly the stored prefix, and its logits
+are compared with the recomputed ones.
 
 TTFT here is prefill plus the first argmax; storing the prompt's new blocks is left out (an
 engine does it after emitting the token). Without an L2 tier in the daemon (its config knows
@@ -33,8 +34,8 @@ import torch
 from kvtier.bench.launcher import BenchDaemon, bench_daemon
 from kvtier.client import Client, Tier
 
-# Prefill of 4,096 tokens takes 2-4 s on two (shared) CPU cores in float32, the default
-# dtype; bfloat16 (--dtype) is about twice as fast on CPUs with AVX512-BF16. The KV cache is
+# Prefill of 4,096 tokens takes 3-4 s on one CPU thread in float32, the default dtype;
+# bfloat16 (--dtype) is faster on CPUs with AVX512-BF16. The KV cache is
 # 6 KiB per token in float32 (6 layers x K,V x 2 KV heads x 64 dims x 4 bytes), 384 KiB per
 # 64-token block. Per token of compute that is ~20x more KV bytes than Llama-3-8B moves, so
 # the load side is, if anything, weighted against kvtier here.
@@ -88,9 +89,16 @@ def main(argv: list[str], *, as_json: bool) -> int:
     p.add_argument("--prefix-tokens", type=int, default=4032, help="stored before timing")
     p.add_argument("--block-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="repetitions of (i) and (iii) (median)")
-    p.add_argument("--l1-reps", type=int, default=7, help="repetitions of (ii) (median)")
+    p.add_argument(
+        "--l1-reps", type=int, default=3, help="repetitions of (ii) after each one of (i)"
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    # One thread by default: with two, a 64-token suffix took 0.07 s or 1.4 s depending on
+    # whether another process held the second core at that moment (each parallel region
+    # waits for its descheduled thread), which made (ii) a lottery on a shared machine.
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (default 1; 0: torch default)"
+    )
     p.add_argument(
         "--l2-dir",
         default=None,
@@ -123,7 +131,7 @@ def main(argv: list[str], *, as_json: bool) -> int:
     print(
         f"prompt {args.prompt_tokens} tokens, stored prefix {args.prefix_tokens} "
         f"({args.prefix_tokens // bt} blocks of {bt}), KV {kv_bytes_per_token} B/token, "
-        f"medians of {args.reps} (L1: {args.l1_reps})"
+        f"medians of {args.reps} (L1: {args.reps * args.l1_reps})"
     )
 
     def recompute() -> torch.Tensor:
@@ -136,10 +144,6 @@ def main(argv: list[str], *, as_json: bool) -> int:
             )
         return out.logits[0, -1]
 
-    recompute_logits = recompute()  # also warms the allocator and the thread pool
-    recompute_s, recompute_all = _median_s(recompute, args.reps)
-    print(f"(i)   recompute      {recompute_s:8.3f} s   {_fmt(recompute_all)}")
-
     figures: dict[str, Any] = {}
     tmp = tempfile.mkdtemp(prefix="kvtier-ttft-", dir=args.l2_dir)
     try:
@@ -148,21 +152,18 @@ def main(argv: list[str], *, as_json: bool) -> int:
         if not l2_ok:
             l2_dir = None
 
-        def timed_prefill(kv: KVTierPrefixCache) -> Callable[[], object]:
-            def run() -> object:
-                logits, _, reused = kv.prefill(prompt, store=False)
-                int(logits[0].argmax())
-                if reused != args.prefix_tokens:
-                    raise RuntimeError(f"reused {reused} tokens, expected {args.prefix_tokens}")
-                figures["max_logit_diff"] = max(
-                    figures.get("max_logit_diff", 0.0),
-                    float((logits[0] - recompute_logits).abs().max()),
-                )
-                return None
+        def loaded_prefill(kv: KVTierPrefixCache) -> None:
+            logits, _, reused = kv.prefill(prompt, store=False)
+            int(logits[0].argmax())
+            if reused != args.prefix_tokens:
+                raise RuntimeError(f"reused {reused} tokens, expected {args.prefix_tokens}")
+            figures["max_logit_diff"] = max(
+                figures.get("max_logit_diff", 0.0),
+                float((logits[0] - figures["recompute_logits"]).abs().max()),
+            )
 
-            return run
-
-        # (ii) L1: store the prefix, then load it back repeatedly.
+        # (i) and (ii), interleaved so that a burst of load from other processes on the
+        # machine slows both rather than one of them.
         with (
             _daemon(l2_dir, l1_bytes) as daemon,
             Client(daemon.address) as client,
@@ -178,15 +179,26 @@ def main(argv: list[str], *, as_json: bool) -> int:
             print(
                 f"      stored the prefix in {seed_s:.2f} s: {found.prefix_len} blocks in {tiers}"
             )
-            timed_prefill(kv)()  # warm-up, as for (i): first-call costs are not TTFT
+            # Warm-ups: first-call costs (allocator, thread pool, the daemon's first copy) are
+            # not TTFT.
+            figures["recompute_logits"] = recompute()
+            loaded_prefill(kv)
+            recompute_all: list[float] = []
+            l1_all: list[float] = []
             before = kv.stats()
-            l1_s, l1_all = _median_s(timed_prefill(kv), args.l1_reps)
+            for _ in range(args.reps):
+                recompute_all += _median_s(recompute, 1)[1]
+                l1_all += _median_s(lambda: loaded_prefill(kv), args.l1_reps)[1]
             after = kv.stats()
-        load = (after["load_s"] - before["load_s"]) / args.l1_reps
-        compute = (after["compute_s"] - before["compute_s"]) / args.l1_reps
+        recompute_s = statistics.median(recompute_all)
+        l1_s = statistics.median(l1_all)
+        load = (after["load_s"] - before["load_s"]) / len(l1_all)
+        compute = (after["compute_s"] - before["compute_s"]) / len(l1_all)
+        print(f"(i)   recompute      {recompute_s:8.3f} s   {_fmt(recompute_all)}")
         print(
-            f"(ii)  L1 load        {l1_s:8.3f} s   {_fmt(l1_all)}  "
-            f"(mean load {load * 1e3:.0f} ms + compute {compute * 1e3:.0f} ms)"
+            f"(ii)  L1 load        {l1_s:8.3f} s   {_fmt(l1_all)}\n"
+            f"                                 (mean load {load * 1e3:.0f} ms + compute "
+            f"{compute * 1e3:.0f} ms)"
         )
 
         # (iii) L2, cold: a fresh daemon per repetition finds the blocks only on disk.
@@ -208,7 +220,7 @@ def main(argv: list[str], *, as_json: bool) -> int:
                             f"after a restart {found.prefix_len} of {len(found.tiers)} prefix "
                             f"blocks are found, in {where}; expected all in L2_DISK"
                         )
-                    l2_all.append(_median_s(timed_prefill(kv), 1)[0])
+                    l2_all += _median_s(lambda: loaded_prefill(kv), 1)[1]
             l2_s = statistics.median(l2_all)
             print(f"(iii) L2 load, cold  {l2_s:8.3f} s   {_fmt(l2_all)}")
         else:
@@ -228,7 +240,7 @@ def main(argv: list[str], *, as_json: bool) -> int:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "reps": args.reps,
-        "l1_reps": args.l1_reps,
+        "l1_reps": args.reps * args.l1_reps,
         "kv_bytes_per_token": kv_bytes_per_token,
         "max_logit_diff": figures.get("max_logit_diff"),
     }
