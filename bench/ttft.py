@@ -221,6 +221,10 @@ def main(argv: list[str], *, as_json: bool) -> int:
                             f"blocks are found, in {where}; expected all in L2_DISK"
                         )
                     l2_all += _median_s(lambda: loaded_prefill(kv), 1)[1]
+                    # The timed call's own lookup must have seen every block on disk only.
+                    seen = kv.stats().get("found_l2_disk_blocks", 0)
+                    if seen != found.prefix_len:
+                        raise RuntimeError(f"the timed load found {seen} blocks in L2 only")
             l2_s = statistics.median(l2_all)
             print(f"(iii) L2 load, cold  {l2_s:8.3f} s   {_fmt(l2_all)}")
         else:
