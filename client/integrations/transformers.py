@@ -25,7 +25,8 @@ Invariants:
   size and the chunk layout; engines that differ in any of them never share a block.
 - kvtier is an optimisation: a ``KvtierError`` while loading or storing is logged and counted,
   and the prompt is computed as if nothing were stored. Errors of the model or of this
-  module's arguments propagate.
+  module's arguments propagate, and so does a failure to register the pool when an instance
+  is built (a wrong address fails fast; a daemon lost later is only a miss).
 
 Scope: batch size 1, decoder-only models whose layers are all plain full-attention
 ``DynamicLayer``s (Llama, Mistral without sliding window, Qwen2, ...), multi-head or
