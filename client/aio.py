@@ -213,10 +213,7 @@ class AsyncClient:
     async def store(
         self, pool: AsyncRegisteredPool, token_ids: Sequence[int], pages: Sequence[int]
     ) -> int:
-        keys = pool.keys(token_ids)
-        blocks = await self._drive(
-            store_flow(pool.binding, keys, pages, self.max_batch_blocks), pool.binding
-        )
+        blocks = await self.store_keys(pool, pool.keys(token_ids), pages)
         return blocks * pool.layout.block_tokens
 
     async def load(
@@ -227,11 +224,34 @@ class AsyncClient:
         *,
         lease_ms: int = 0,
     ) -> int:
-        keys = pool.keys(token_ids)
-        blocks = await self._drive(
+        blocks = await self.load_keys(pool, pool.keys(token_ids), pages, lease_ms=lease_ms)
+        return blocks * pool.layout.block_tokens
+
+    async def store_keys(
+        self,
+        pool: AsyncRegisteredPool,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        parent_key: bytes = b"",
+    ) -> int:
+        """See ``Client.store_keys``."""
+        return await self._drive(
+            store_flow(pool.binding, keys, pages, self.max_batch_blocks, parent_key), pool.binding
+        )
+
+    async def load_keys(
+        self,
+        pool: AsyncRegisteredPool,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        lease_ms: int = 0,
+    ) -> int:
+        """See ``Client.load_keys``."""
+        return await self._drive(
             load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
         )
-        return blocks * pool.layout.block_tokens
 
 
 class AsyncRegisteredPool:
@@ -267,6 +287,16 @@ class AsyncRegisteredPool:
         self, token_ids: Sequence[int], pages: Sequence[int], *, lease_ms: int = 0
     ) -> int:
         return await self.client.load(self, token_ids, pages, lease_ms=lease_ms)
+
+    async def store_keys(
+        self, keys: Sequence[bytes], pages: Sequence[int], *, parent_key: bytes = b""
+    ) -> int:
+        return await self.client.store_keys(self, keys, pages, parent_key=parent_key)
+
+    async def load_keys(
+        self, keys: Sequence[bytes], pages: Sequence[int], *, lease_ms: int = 0
+    ) -> int:
+        return await self.client.load_keys(self, keys, pages, lease_ms=lease_ms)
 
     async def unregister(self) -> None:
         await self.client.unregister_pool(self.pool_id)

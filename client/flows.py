@@ -51,13 +51,21 @@ class PoolBinding:
 
 
 def store_flow(
-    binding: PoolBinding, keys: Sequence[bytes], pages: Sequence[int], max_batch: int
+    binding: PoolBinding,
+    keys: Sequence[bytes],
+    pages: Sequence[int],
+    max_batch: int,
+    parent_key: bytes = b"",
 ) -> Flow:
-    """Put a key chain from ``pages``; returns how many leading blocks the daemon now holds."""
+    """Put a key chain from ``pages``; returns how many leading blocks the daemon now holds.
+
+    ``parent_key`` is the key of the block before ``keys[0]`` when the chain continues one
+    stored earlier (empty when ``keys[0]`` is the first block).
+    """
     if len(pages) < len(keys):
         raise ValueError(f"{len(pages)} pages for {len(keys)} blocks")
     held = 0
-    parent = b""
+    parent = parent_key
     pages = pages_list(pages)
     for start in range(0, len(keys), max_batch):
         chunk = list(keys[start : start + max_batch])

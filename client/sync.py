@@ -236,11 +236,7 @@ class Client:
     def store(self, pool: RegisteredPool, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Store the full blocks of ``token_ids`` from ``pages`` (page i holds block i).
         Returns the number of leading tokens the daemon now holds."""
-        keys = pool.keys(token_ids)
-        blocks = self._drive(
-            store_flow(pool.binding, keys, pages, self.max_batch_blocks), pool.binding
-        )
-        return blocks * pool.layout.block_tokens
+        return self.store_keys(pool, pool.keys(token_ids), pages) * pool.layout.block_tokens
 
     def load(
         self,
@@ -251,11 +247,39 @@ class Client:
         lease_ms: int = 0,
     ) -> int:
         """Load the longest stored prefix of ``token_ids`` into ``pages``; returns tokens loaded."""
-        keys = pool.keys(token_ids)
-        blocks = self._drive(
+        blocks = self.load_keys(pool, pool.keys(token_ids), pages, lease_ms=lease_ms)
+        return blocks * pool.layout.block_tokens
+
+    def store_keys(
+        self,
+        pool: RegisteredPool,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        parent_key: bytes = b"",
+    ) -> int:
+        """Store a key chain from ``pages`` (page i holds the block of ``keys[i]``).
+
+        For engines that store a long sequence piece by piece through a smaller pool:
+        ``parent_key`` is the key before ``keys[0]`` when the chain continues an earlier store.
+        Returns the number of leading blocks of ``keys`` the daemon now holds."""
+        return self._drive(
+            store_flow(pool.binding, keys, pages, self.max_batch_blocks, parent_key), pool.binding
+        )
+
+    def load_keys(
+        self,
+        pool: RegisteredPool,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        lease_ms: int = 0,
+    ) -> int:
+        """Load the longest stored prefix of a key chain into ``pages`` (page i receives the
+        block of ``keys[i]``); returns blocks loaded."""
+        return self._drive(
             load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
         )
-        return blocks * pool.layout.block_tokens
 
 
 class RegisteredPool:
@@ -289,6 +313,14 @@ class RegisteredPool:
 
     def load(self, token_ids: Sequence[int], pages: Sequence[int], *, lease_ms: int = 0) -> int:
         return self.client.load(self, token_ids, pages, lease_ms=lease_ms)
+
+    def store_keys(
+        self, keys: Sequence[bytes], pages: Sequence[int], *, parent_key: bytes = b""
+    ) -> int:
+        return self.client.store_keys(self, keys, pages, parent_key=parent_key)
+
+    def load_keys(self, keys: Sequence[bytes], pages: Sequence[int], *, lease_ms: int = 0) -> int:
+        return self.client.load_keys(self, keys, pages, lease_ms=lease_ms)
 
     def unregister(self) -> None:
         self.client.unregister_pool(self.pool_id)

@@ -1,0 +1,334 @@
+"""Prefix reuse with a real transformers model (a tiny random-init Llama with GQA).
+
+The reference for every comparison is transformers' own ``generate`` on the whole prompt with
+no kvtier involved: tokens must be identical and the first token's logits within 1e-4.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import tiny_llama
+
+from kvtier.client import Client, Tier
+from kvtier.client.integrations.transformers import KVTierPrefixCache
+
+BLOCK = 16
+NEW_TOKENS = 8
+LOGITS_ATOL = 1e-4
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def _reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and first-step logits of transformers' generate, without kvtier."""
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), out.logits[0][0]
+
+
+def _assert_matches_reference(kv: KVTierPrefixCache, prompt: list[int], reused: int) -> None:
+    tokens, logits = _reference(kv.model, prompt)
+    first_logits, _, got_reused = kv.prefill(prompt, store=False)
+    assert got_reused == reused
+    assert torch.allclose(first_logits[0], logits, atol=LOGITS_ATOL, rtol=0)
+    generation = kv.generate(prompt, NEW_TOKENS, store=False)
+    assert generation.reused_tokens == reused
+    assert generation.tokens == tokens
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_llama()
+
+
+# ------------------------------------------------------------------- (a) same process
+
+
+def test_loaded_prefix_generates_exactly_what_recompute_does(daemon, model):
+    prompt = _prompt(100)  # 6 full blocks and 4 tokens
+    with daemon.client() as client:
+        with KVTierPrefixCache(model, client, block_tokens=BLOCK) as writer:
+            assert writer.prefill(prompt).reused_tokens == 0
+            assert writer.stats()["stored_blocks"] == 6
+        with KVTierPrefixCache(model, client, block_tokens=BLOCK) as reader:
+            _assert_matches_reference(reader, prompt, reused=96)
+            assert reader.stats()["computed_tokens"] == 2 * 4
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"num_key_value_heads": 4},  # multi-head attention: one KV head per query head
+        {"num_key_value_heads": 1, "head_dim": 32},  # multi-query, head_dim != hidden / heads
+    ],
+    ids=["mha", "mqa-wide-heads"],
+)
+def test_other_attention_shapes_round_trip(daemon, shape):
+    other = tiny_llama(**shape)
+    prompt = _prompt(100)
+    with daemon.client() as client, KVTierPrefixCache(other, client, block_tokens=BLOCK) as kv:
+        assert kv.geometry.num_kv_heads == shape["num_key_value_heads"]
+        assert kv.geometry.head_dim == shape.get("head_dim", 16)
+        kv.prefill(prompt)
+        _assert_matches_reference(kv, prompt, reused=96)
+
+
+def test_fully_stored_prompt_still_computes_its_last_block(daemon, model):
+    prompt = _prompt(4 * BLOCK)
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        kv.prefill(prompt)
+        _assert_matches_reference(kv, prompt, reused=3 * BLOCK)
+
+
+def test_prompt_longer_than_the_staging_pool_moves_in_chunks(daemon, model):
+    prompt = _prompt(7 * BLOCK + 5)
+    with (
+        daemon.client() as client,
+        KVTierPrefixCache(model, client, block_tokens=BLOCK, staging_tokens=2 * BLOCK) as kv,
+    ):
+        assert kv.num_pages == 2
+        kv.prefill(prompt)
+        assert kv.stats()["stored_blocks"] == 7
+        _assert_matches_reference(kv, prompt, reused=7 * BLOCK)
+
+
+def test_shared_prefix_is_reused_up_to_the_first_differing_block(daemon, model):
+    first = _prompt(90, seed=1)
+    second = first[:50] + _prompt(40, seed=2)  # differs from token 50, inside block 3
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        kv.prefill(first)
+        _assert_matches_reference(kv, second, reused=3 * BLOCK)
+
+
+def test_generated_blocks_are_stored_for_the_next_turn(daemon, model):
+    prompt = _prompt(40)
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        answer = kv.generate(prompt, 30).tokens
+        # The cache held 40 + 29 tokens: 4 full blocks, 2 of them from the prompt.
+        assert kv.stats()["stored_blocks"] == 4
+        follow_up = prompt + answer + _prompt(10, seed=3)
+        _assert_matches_reference(kv, follow_up, reused=4 * BLOCK)
+
+
+# ---------------------------------------------------------------- (b) second process
+
+
+def test_prefix_stored_by_another_process_is_reused(daemon, model):
+    prompt = _prompt(100)
+    child = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS_DIR / "hf_models.py"),
+            daemon.address,
+            str(BLOCK),
+            ",".join(map(str, prompt)),
+        ],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), *_pythonpath()])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report["reused"] == 0 and report["stored_blocks"] == 6
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        _assert_matches_reference(kv, prompt, reused=96)
+
+
+def _pythonpath() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# -------------------------------------------------------- (c) L2 after a daemon restart
+
+# What kvtierd prints when its config has no l2 section yet (the L2 tier lands separately).
+_L2_UNKNOWN = re.compile(r"config error: unknown config section 'l2'")
+
+
+def test_prefix_survives_a_restart_through_l2(daemon_factory, model, tmp_path):
+    l2_dir = tmp_path / "l2"
+    l2_dir.mkdir()
+    try:
+        daemon = daemon_factory("l2.enabled=true", f"l2.path={l2_dir}", "l2.capacity_bytes=256MiB")
+    except RuntimeError as e:
+        if _L2_UNKNOWN.search(str(e)):
+            pytest.skip("this kvtierd has no L2 tier yet (config section 'l2' is unknown)")
+        raise
+    prompt = _prompt(100)
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        kv.prefill(prompt)
+        assert kv.stats()["stored_blocks"] == 6
+    daemon.stop()  # graceful: write-back blocks are flushed to L2
+    daemon.restart()
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        keys = kv.pool.keys(prompt)
+        found = client.lookup(keys)
+        assert found.prefix_len == 6
+        assert found.tiers == [Tier.L2_DISK] * 6
+        _assert_matches_reference(kv, prompt, reused=96)
+
+
+def test_daemon_restart_under_a_live_integration_is_a_miss_not_an_error(daemon, model):
+    prompt = _prompt(70)
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        kv.prefill(prompt)
+        # A crash and restart (L1 only): the blocks are gone, the pool must be re-registered.
+        daemon.kill()
+        daemon.start()
+        assert kv.prefill(prompt).reused_tokens == 0
+        assert kv.stats().get("load_errors", 0) == 0
+        _assert_matches_reference(kv, prompt, reused=4 * BLOCK)
+
+
+def test_unreachable_daemon_degrades_to_recompute(daemon, model):
+    prompt = _prompt(40)
+    with (
+        daemon.client(timeout_s=5.0) as client,
+        KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv,
+    ):
+        daemon.kill()
+        _assert_matches_reference(kv, prompt, reused=0)
+        kv.prefill(prompt)  # the store fails too, and is only counted
+        assert kv.stats()["load_errors"] >= 1 and kv.stats()["store_errors"] == 1
+
+
+# ---------------------------------------------------------------- (d) namespaces
+
+
+@pytest.mark.parametrize(
+    ("what", "other_model", "other_block"),
+    [
+        ("config", lambda: tiny_llama(intermediate_size=192), BLOCK),
+        ("weights", lambda: tiny_llama(seed=7), BLOCK),
+        ("dtype", lambda: tiny_llama(dtype=torch.bfloat16), BLOCK),
+        ("block size", lambda: tiny_llama(), BLOCK // 2),
+    ],
+)
+def test_prefix_of_another_model_dtype_or_block_size_is_never_loaded(
+    daemon, model, what, other_model, other_block
+):
+    prompt = _prompt(100)
+    with daemon.client() as client:
+        with KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+            kv.prefill(prompt)
+            stored_ns = kv.namespace
+        with KVTierPrefixCache(other_model(), client, block_tokens=other_block) as other:
+            assert other.namespace.seed() != stored_ns.seed(), what
+            assert other.prefill(prompt).reused_tokens == 0
+            assert other.stats().get("found_l1_host_blocks", 0) == 0
+            # Its own blocks are reused as usual.
+            assert other.prefill(prompt).reused_tokens > 0
+
+
+def test_same_model_built_twice_shares_one_namespace(model):
+    from kvtier.client.integrations.transformers import namespace_for
+
+    assert namespace_for(tiny_llama(), BLOCK) == namespace_for(model, BLOCK)
+
+
+# ------------------------------------------------------------- key compatibility
+
+
+def _spec_keys(ns: object, tokens: list[int]) -> list[bytes]:
+    """Block keys written from the README's key spec, independently of kvtier.client.keys."""
+
+    def u32(x: int) -> bytes:
+        return struct.pack("<I", x)
+
+    def text(s: str) -> bytes:
+        data = s.encode("utf-8")
+        return u32(len(data)) + data
+
+    n = ns.block_tokens  # type: ignore[attr-defined]
+    fields = [ns.model, ns.revision, ns.kv_dtype, ns.kv_layout]  # type: ignore[attr-defined]
+    seed_input = b"kvtier-namespace-v1" + b"".join(text(f) for f in fields)
+    seed_input += b"".join(u32(x) for x in (n, ns.tp_rank, ns.tp_size, ns.pp_rank, ns.pp_size))  # type: ignore[attr-defined]
+    seed_input += text(ns.tenant) + text(ns.extra)  # type: ignore[attr-defined]
+    key = hashlib.sha256(seed_input).digest()
+    keys = []
+    for i in range(len(tokens) // n):
+        block = tokens[i * n : (i + 1) * n]
+        data = b"kvtier-block-v1" + key + u32(n) + b"".join(u32(t) for t in block) + u32(0)
+        key = hashlib.sha256(data).digest()
+        keys.append(key)
+    return keys
+
+
+def test_stored_keys_follow_the_readme_key_spec(daemon, model):
+    prompt = _prompt(100)
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        kv.prefill(prompt)
+        assert kv.namespace.kv_layout == "HND"
+        spec = _spec_keys(kv.namespace, prompt)
+        assert len(spec) == 6
+        assert client.lookup(spec).prefix_len == 6
+        # A different token in block 2 changes that key and every later one.
+        changed = [*prompt[:40], (prompt[40] + 1) % 256, *prompt[41:]]
+        assert client.lookup(_spec_keys(kv.namespace, changed)).prefix_len == 2
+
+
+# ------------------------------------------------------------------------- guards
+
+
+def test_batches_of_more_than_one_sequence_are_refused(daemon, model):
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        with pytest.raises(ValueError, match="batch size 2"):
+            kv.prefill(torch.zeros((2, 10), dtype=torch.long))
+        with pytest.raises(ValueError, match="empty"):
+            kv.prefill([])
+
+
+def test_sliding_window_models_are_refused(daemon):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=32,
+    )
+    with daemon.client() as client, pytest.raises(ValueError, match="DynamicLayer"):
+        KVTierPrefixCache(MistralForCausalLM(config), client, block_tokens=BLOCK)
+
+
+def test_closing_releases_the_pool(daemon, model):
+    with daemon.client() as client:
+        kv = KVTierPrefixCache(model, client, block_tokens=BLOCK)
+        path = kv.pool.binding.shm.path
+        assert client.stats().gauges["pools"] == 1
+        kv.close()
+        kv.close()
+        assert client.stats().gauges["pools"] == 0
+        assert not os.path.exists(path)
+        with pytest.raises(RuntimeError, match="closed"):
+            kv.prefill(_prompt(40))
+
+
+def test_client_is_usable_after_the_integration(daemon, model):
+    with daemon.client() as client:
+        with KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+            kv.prefill(_prompt(40))
+        assert isinstance(client, Client) and client.health()
