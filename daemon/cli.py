@@ -70,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_stats)
 
-    b = sub.add_parser("bench", help="benchmarks (each starts its own daemon)")
+    # No -h of its own: `kvtier bench NAME --help` is the benchmark's help.
+    b = sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmarks (each starts its own daemon)",
+        description="Run a benchmark; `kvtier bench NAME --help` lists its options.",
+    )
     b.add_argument("what", choices=sorted(BENCHMARKS), help="which benchmark")
     b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     b.set_defaults(func=_bench)

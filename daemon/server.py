@@ -78,6 +78,8 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     def __init__(self, service: KVService, ping_interval_s: int) -> None:
         self.service = service
         self.ping_interval_s = ping_interval_s
+        # Set at shutdown: session streams end, so draining waits only for real requests.
+        self.closing = asyncio.Event()
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
@@ -87,9 +89,10 @@ class KVTierServicer(pb_grpc.KVTierServicer):
             event = pb.SessionEvent(
                 session_id=session.session_id, ping_interval_s=self.ping_interval_s
             )
-            while True:
+            while not self.closing.is_set():
                 yield event
-                await asyncio.sleep(self.ping_interval_s)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.closing.wait(), self.ping_interval_s)
         finally:
             self.service.close_session(session.session_id)
 
@@ -211,6 +214,7 @@ class Daemon:
         self.pools = PoolRegistry(config.server.shm_dir)
         self.sessions = SessionRegistry()
         self.service = KVService(config, self.store, self.pools, self.sessions)
+        self.servicer = KVTierServicer(self.service, config.server.session_ping_s)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
@@ -228,9 +232,7 @@ class Daemon:
                 ("grpc.keepalive_permit_without_calls", 1),
             ]
         )
-        pb_grpc.add_KVTierServicer_to_server(
-            KVTierServicer(self.service, cfg.session_ping_s), self.server
-        )
+        pb_grpc.add_KVTierServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.socket:
             path = os.path.abspath(cfg.socket)
@@ -269,6 +271,7 @@ class Daemon:
         )
         systemd.notify("STOPPING=1")
         await self.health.enter_graceful_shutdown()
+        self.servicer.closing.set()
         if self.server is not None:
             await self.server.stop(self.config.server.drain_timeout_s)
         for task in self._tasks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -245,15 +246,17 @@ def test_a_dead_client_leaves_no_pools_or_pins(daemon):
         pool = client.register_pool(shm, layout)
         key = bytes(range(32))
         client.put(pool.pool_id, [key], [0])
-        print(client.lookup([key], pin=True, lease_ms=600000).lease_id, flush=True)
+        print(client.lookup([key], pin=True, lease_ms=600000).lease_id, shm.path, flush=True)
         time.sleep(60)
         """
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", script, daemon.address], stdout=subprocess.PIPE, text=True
     )
+    shm_path = None
     try:
-        assert int(proc.stdout.readline()) > 0
+        lease, shm_path = proc.stdout.readline().split()
+        assert int(lease) > 0
         with daemon.client() as client:
             assert client.stats().gauges["pools"] == 1
             assert client.stats().gauges["leases"] == 1
@@ -268,6 +271,10 @@ def test_a_dead_client_leaves_no_pools_or_pins(daemon):
             assert client.delete([bytes(range(32))]).deleted == 1
     finally:
         proc.kill()
+        proc.wait()
+        if shm_path:  # the killed client could not remove its pool's name
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_path)
 
 
 def test_leases_expire(daemon):
@@ -554,3 +561,14 @@ def test_generated_protobuf_code_is_current(tmp_path):
         with open(os.path.join(repo, "proto", name)) as f:
             committed = f.read()
         assert (out / name).read_text() == committed, f"proto/{name} is stale: run `make proto`"
+
+
+def test_regression_stop_waited_out_the_drain_timeout_for_open_sessions(daemon_factory):
+    """Session streams never end by themselves, so a graceful stop used to wait the whole
+    drain timeout whenever a client was connected."""
+    d = daemon_factory("server.drain_timeout_s=20")
+    with d.client() as client:
+        client.lookup([KEY])  # opens a session
+        started = time.monotonic()
+        assert d.stop() == 0
+        assert time.monotonic() - started < 10
