@@ -56,7 +56,8 @@ def main(argv: list[str], *, as_json: bool) -> int:
     )
     block = layout.block_bytes
     batch_bytes = args.batch * block
-    l1_bytes = max(2 << 30, 2 * (args.batch * block + args.lookup_keys * 4096))
+    # Room for one batch and every lookup key, with a margin: nothing is evicted.
+    l1_bytes = (2 * args.batch + args.lookup_keys) * block + (256 << 20)
     print(
         f"blocks of {block >> 20} MiB ({LAYERS} layers x K,V x {layout.layers[0].chunk_bytes >> 10} KiB), "
         f"batches of {args.batch}, L1 {l1_bytes >> 20} MiB"

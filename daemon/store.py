@@ -139,6 +139,7 @@ class BlockStore:
         self._promoting: dict[int, asyncio.Future[bool]] = {}
         self._writing: dict[int, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._pending_touches: list[tuple[np.ndarray, float]] = []
         self._balancer: asyncio.Task[None] | None = None
         if disk is not None:
             self._recover()
@@ -337,6 +338,7 @@ class BlockStore:
         ns: int,
         parent_words: np.ndarray | None,
     ) -> None:
+        self._apply_touches()
         now = self._clock()
         self.index.inflight[bids] = 0
         self.index.state[bids] = READY
@@ -630,6 +632,7 @@ class BlockStore:
     ) -> list[int]:
         """Up to ``count`` free slots of ``tier`` for blocks of ``nbytes``, evicting (L1:
         demoting) to make room."""
+        self._apply_touches()
         alloc = self.tiers[tier].allocator
         slots: list[int] = []
         while len(slots) < count and (slot := alloc.allocate(nbytes)) is not None:
@@ -706,6 +709,7 @@ class BlockStore:
         """Remove tier ``tier``'s copy of a block; forget the block if no copy is left.
         Returns an L2 slot the caller must hand to ``_remove_l2_slots``; L1 slots are freed
         here."""
+        self._apply_touches()
         if tier == L1:
             self.prefetches.evict(int(self.index.keys[bid, 0]), self._clock())
         self.policies[tier].remove(bid)
@@ -854,8 +858,13 @@ class BlockStore:
     async def balance(self) -> None:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
         below the low watermark. During warm-up nothing moves before the hard limit."""
+        self._apply_touches()
         now = self._clock()
         for tier, guard in enumerate(self.guards):
+            if tier == L1 and self.disk is None:
+                # Nothing to move down into: dropping early would only waste capacity, and a
+                # put that finds L1 full drops what it needs at no cost.
+                continue
             alloc = self.tiers[tier].allocator
             excess = guard.to_free(alloc.used_bytes, alloc.capacity_bytes, now, self.started_at)
             resident = len(self.policies[tier])
@@ -938,15 +947,29 @@ class BlockStore:
         return np.flatnonzero(self.index.slot[:, tier] >= 0)
 
     def _touch(self, bids: np.ndarray, now: float) -> None:
+        """Record an access. The protection clock restarts at once; the policies hear of it
+        right after the current request is answered (a heat touch costs microseconds per
+        block, which a 1,024-key Lookup should not wait for), and in any case before the
+        store next inserts, evicts or drops anything."""
         self.last_access[bids] = now
-        for t, policy in enumerate(self.policies):
-            for bid in bids[self.index.slot[bids, t] >= 0].tolist():
-                policy.touch(bid, now)
-        if self.disk is not None:
-            for word in self.index.keys[bids, 0].tolist():
-                self.l2_admission.record(word, now)
-            if self.config.l2.write_policy == "selective":
-                self._write_admitted(bids, now)
+        self._pending_touches.append((bids.copy(), now))
+        if len(self._pending_touches) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._apply_touches)
+            except RuntimeError:  # no event loop (offline use): apply now
+                self._apply_touches()
+
+    def _apply_touches(self) -> None:
+        pending, self._pending_touches = self._pending_touches, []
+        for bids, now in pending:
+            for t, policy in enumerate(self.policies):
+                for bid in bids[self.index.slot[bids, t] >= 0].tolist():
+                    policy.touch(bid, now)
+            if self.disk is not None:
+                for word in self.index.keys[bids, 0].tolist():
+                    self.l2_admission.record(word, now)
+                if self.config.l2.write_policy == "selective":
+                    self._write_admitted(bids, now)
 
     def _fastest_tier(self, bids: np.ndarray) -> np.ndarray:
         out = np.zeros(len(bids), dtype=np.int32)
