@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         addresses = ", ".join(getattr(daemon, "addresses", []))
         print(f"kvtierd {__version__} listening on {addresses}", flush=True)
 
+    from kvtier.tiers.base import TierError
+
     try:
         asyncio.run(serve(config, on_ready=ready))
-    except OSError as e:
+    except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1
     except KeyboardInterrupt:

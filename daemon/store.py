@@ -100,12 +100,14 @@ class BlockStore:
         self._executor = executor
         self._clock = clock
         self.started_at = clock()
-        self.host = host or HostArena(
-            config.l1.capacity_bytes, config.l1.segment_bytes, pin_cuda=_want_pinning(config)
-        )
+        # The disk tier first: it fails fast (no room, directory in use) before the arena
+        # spends seconds pre-faulting memory.
         if disk is None and config.l2.enabled:
             disk = _open_disk(config)
         self.disk = disk
+        self.host = host or HostArena(
+            config.l1.capacity_bytes, config.l1.segment_bytes, pin_cuda=_want_pinning(config)
+        )
         self.tiers: list[Any] = [self.host] if disk is None else [self.host, disk]
         self.index = BlockIndex(num_tiers=len(self.tiers))
         self.checksum = np.zeros(self.index.capacity, dtype=np.uint64)  # of the L2 copy

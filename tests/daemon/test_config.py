@@ -118,3 +118,42 @@ def test_kvtierd_prints_its_effective_config():
     )
     assert proc.returncode == 0
     assert "capacity_bytes: 2147483648" in proc.stdout
+
+
+def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--set",
+            f"server.socket={tmp_path}/s.sock",
+            "--set",
+            "l2.enabled=true",
+            "--set",
+            f"l2.path={tmp_path}/l2",
+            "--set",
+            "l2.capacity_bytes=1000TiB",
+            "--set",
+            "l2.file_bytes=4TiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "cannot start" in proc.stderr and "cannot hold" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("policy.name=opt", "policy.name"),
+        ("l2.admission=belady", "l2.admission"),
+        ("l2.write_policy=sometimes", "l2.write_policy"),
+    ],
+)
+def test_policies_the_daemon_cannot_run_are_config_errors(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
