@@ -950,9 +950,9 @@ class BlockStore:
 
     def _touch(self, bids: np.ndarray, now: float) -> None:
         """Record an access. The protection clock restarts at once; the policies hear of it
-        right after the current request is answered (a heat touch costs microseconds per
-        block, which a 1,024-key Lookup should not wait for), and in any case before the
-        store next inserts, evicts or drops anything."""
+        right after the current request is answered (one ``touch_many`` per tier, which a
+        1,024-key Lookup need not wait for), and in any case before the store next inserts,
+        evicts or drops anything."""
         self.last_access[bids] = now
         self._pending_touches.append((bids.copy(), now))
         if len(self._pending_touches) == 1:
@@ -965,8 +965,7 @@ class BlockStore:
         pending, self._pending_touches = self._pending_touches, []
         for bids, now in pending:
             for t, policy in enumerate(self.policies):
-                for bid in bids[self.index.slot[bids, t] >= 0].tolist():
-                    policy.touch(bid, now)
+                policy.touch_many(bids[self.index.slot[bids, t] >= 0], now)
             if self.disk is not None:
                 for word in self.index.keys[bids, 0].tolist():
                     self.l2_admission.record(word, now)

@@ -124,6 +124,15 @@ class ARCPolicy:
         else:
             self._t2.move_to_end(bid)
 
+    def touch_many(self, bids: np.ndarray, now: float) -> None:
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1).tolist()
+        t1, t2 = self._t1, self._t2
+        for bid in ids:
+            if bid not in t1 and bid not in t2:
+                raise KeyError(bid)  # before any move: all or nothing
+        for bid in ids:
+            self.touch(bid, now)
+
     def remove(self, bid: int) -> None:
         if bid in self._t1:
             del self._t1[bid]

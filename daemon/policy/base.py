@@ -41,6 +41,15 @@ class EvictionPolicy(Protocol):
     def touch(self, bid: int, now: float) -> None:
         """A resident block was read or written again."""
 
+    def touch_many(self, bids: np.ndarray, now: float) -> None:
+        """Touch each block of ``bids`` in order: the same state as ``touch`` per block
+        (repeats included), in one call, which a policy may vectorise.
+
+        All or nothing: if any id is not resident, raises KeyError for the first such id in
+        order before changing anything (a loop of ``touch`` would have applied the ones
+        before it).
+        """
+
     def remove(self, bid: int) -> None:
         """A block left this tier (evicted, demoted, deleted). Unknown ids raise KeyError."""
 

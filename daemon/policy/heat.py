@@ -33,7 +33,10 @@ checked on read. A block whose key becomes at most ``bound`` is inserted into th
 its place, so every resident block colder than ``bound`` is in the buffer. An exhausted
 buffer is rebuilt by one ``argpartition`` over the segment. A victim thus costs O(1) Python
 steps amortised plus a vectorised rebuild per buffer's worth of evictions; no per-eviction O(n)
-loop.
+loop. ``touch_many`` (a Lookup's blocks) leaves exactly the state of a loop of ``touch`` but
+does the common steps (a protected block's key rising, a block leaving probation under a
+parent that ranks higher) as array operations, and only the rare ones (a key at or below a
+buffer's bound, a parent to raise or protect) one by one.
 
 Id reuse. Links and histories are per block id, and the daemon reuses ids. A parent link is
 followed only while the parent is resident and was inserted before the child (a parent
@@ -69,6 +72,12 @@ _MIN_BUFFER = 64
 # Candidates are checked against the evictable mask in batches of at least this many.
 _MASK_BATCH = 32
 
+# touch_many: below this many blocks the scalar loop is as fast; when more than one step in
+# _DENSE_ODD must run singly, so is it; and a batch is planned at most _MAX_PLANS times.
+_VECTOR_MIN = 8
+_DENSE_ODD = 8
+_MAX_PLANS = 4
+
 DEFAULT_HALF_LIFE_S = 30.0
 
 
@@ -93,6 +102,26 @@ class _Buffer:
     cur: int = 0
     bound: float = -math.inf
     complete: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What the steps of a ``touch_many`` batch from some position on would do, per step
+    (see ``HeatPolicy._settle``). ``bulk``: the step's effect is known in advance; ``acts``:
+    a bulk step that writes ``new_eff``; ``leaves``: one that moves its block from probation
+    to protected; ``drops``: one that, doing so, takes one off its ``parent``'s
+    probation-children count; ``unlinks``: one that finds its parent link dead and clears it
+    (None where no step would).
+    """
+
+    bulk: np.ndarray
+    acts: np.ndarray
+    leaves: np.ndarray
+    unlinks: np.ndarray | None  # None: none
+    drops: np.ndarray | None  # None: no step leaves probation
+    bids: np.ndarray
+    parent: np.ndarray
+    new_eff: np.ndarray
 
 
 @register_policy("heat")
@@ -240,19 +269,29 @@ class HeatPolicy:
             raise KeyError(bid)
         self._accesses += 1
         self._seen_v[bid] = self._accesses
-        key = self.heat.record_one(bid, now)
-        eff = self._eff_v[bid]
-        if key > eff:
-            eff = key
-            self._eff_v[bid] = eff
-        elif seg == _PROTECTED:
-            return  # nothing moved
-        if seg == _PROBATION:
-            self._leave_probation(bid)
-        if eff <= self._bufs[_PROTECTED].bound:
-            self._note_key(bid, _PROTECTED, eff, self._depth_v[bid])
-        if self._parent_v[bid] >= 0:
-            self._propagate(bid, eff, True)
+        self._rekey(bid, self.heat.record_one(bid, now))
+
+    def touch_many(self, bids: np.ndarray, now: float) -> None:
+        """``touch`` each block of ``bids`` in order, vectorised: the state afterwards is
+        exactly the loop's (see ``_settle``). Raises KeyError for the first id (in order)
+        that is not resident, before changing anything. Small batches and batches with
+        repeats (which see each other's heat) run the loop itself."""
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1)
+        n = len(ids)
+        if n == 0:
+            return
+        if ids.min() < 0 or ids.max() >= self._size or not self._seg[ids].all():  # 0: _OUT
+            ok = (ids >= 0) & (ids < self._size)
+            ok[ok] = self._seg[ids[ok]] != _OUT
+            raise KeyError(int(ids[np.argmin(ok)]))
+        locate = self._locator(ids) if n >= _VECTOR_MIN else None
+        if locate is None:
+            for bid in ids.tolist():
+                self.touch(bid, now)
+            return
+        self._seen[ids] = np.arange(self._accesses + 1, self._accesses + n + 1)
+        self._accesses += n
+        self._settle(ids, self.heat.record_distinct(ids, now), locate)
 
     def remove(self, bid: int) -> None:
         seg = self._seg_v[bid] if 0 <= bid < self._size else _OUT
@@ -433,29 +472,186 @@ class HeatPolicy:
                 from_protected = from_protected or i == 0
         return p, from_protected
 
-    def _propagate(self, bid: int, key: float, protect: bool) -> None:
+    def _locator(self, ids: np.ndarray) -> Callable[[np.ndarray], np.ndarray] | None:
+        """A function giving the positions in ``ids`` of some resident ids (-1 where absent),
+        or None if ``ids`` has repeats."""
+        ins = self._ins[ids]
+        if (ins[1:] > ins[:-1]).all():
+            # Insertion order, as a chain root first always is: distinct, and sorted by ins.
+            def by_ins(find: np.ndarray) -> np.ndarray:
+                j = np.minimum(np.searchsorted(ins, self._ins[find]), len(ids) - 1)
+                return np.where(ids[j] == find, j, -1)
+
+            return by_ins
+        order = np.argsort(ids)
+        ranked = ids[order]
+        if (ranked[1:] == ranked[:-1]).any():
+            return None
+
+        def by_id(find: np.ndarray) -> np.ndarray:
+            j = np.minimum(np.searchsorted(ranked, find), len(ids) - 1)
+            return np.where(ranked[j] == find, order[j], -1)
+
+        return by_id
+
+    def _settle(
+        self, ids: np.ndarray, keys: np.ndarray, locate: Callable[[np.ndarray], np.ndarray]
+    ) -> None:
+        """``_rekey(ids[i], keys[i])`` for each i in order, mostly vectorised: the batch half
+        of ``touch_many``. ``ids`` are distinct and resident; ``locate`` finds ids in it.
+
+        Exactness. ``_plan`` marks the steps whose whole effect it can tell in advance
+        ("bulk"): a protected block whose key does not rise (no effect), or a block whose new
+        effective key lies above the protected buffer's bound (no ``_note_key``) and whose
+        parent is absent, dead (the step unlinks it) or protected with an effective key at
+        least as high (``_propagate`` stops there). Such a step writes its own block's
+        entries and never another's, except a parent's probation-children count, which only
+        ``victims`` reads. It reads its parent as the scalar loop would find it: as at the
+        start, or as left by the parent's own step earlier in the batch. Every other step is
+        run by ``_rekey`` itself, after the bulk steps before it are applied, so it sees the
+        state the loop would. Only such a step's ``_propagate`` may change blocks that later
+        steps read (their own or their parents' keys and segments); when it changed any, the
+        rest of the batch is planned again from the state as it then is. The buffers'
+        ``bound`` only falls during a batch (a full complete buffer is dropped), so a bulk
+        step stays above it.
+        """
+        n = len(ids)
+        start = 0
+        for _ in range(_MAX_PLANS):
+            plan = self._plan(ids, keys, start, locate)
+            odd = np.flatnonzero(~plan.bulk)
+            if len(odd) * _DENSE_ODD > n - start:
+                break  # mostly scalar steps: applying the bulk runs between them costs more
+            done = 0
+            for r, bid, key in zip(
+                odd.tolist(), ids[start + odd].tolist(), keys[start + odd].tolist(), strict=True
+            ):
+                self._apply(plan, done, r)
+                done = r + 1
+                if self._rekey(bid, key):
+                    break
+            else:
+                self._apply(plan, done, n - start)
+                return
+            start += done
+            if start == n:
+                return
+        for bid, key in zip(ids[start:].tolist(), keys[start:].tolist(), strict=True):
+            self._rekey(bid, key)
+
+    def _plan(
+        self,
+        ids: np.ndarray,
+        keys: np.ndarray,
+        start: int,
+        locate: Callable[[np.ndarray], np.ndarray],
+    ) -> _Plan:
+        """Which steps of ``ids[start:]`` are bulk and what they write, judged on the state
+        now (the steps before ``start`` are done); see ``_settle``."""
+        bids, key = ids[start:], keys[start:]
+        seg, eff = self._seg[bids], self._eff[bids]
+        new_eff = np.maximum(eff, key)
+        parent = self._parent[bids]
+        has = parent >= 0
+        pid = np.where(has, parent, 0)
+        pseg, pins, ins = self._seg[pid], self._ins[pid], self._ins[bids]
+        dead = has & ((pseg == _OUT) | (pins > ins))
+        linked = has & ~dead
+        # The parent as the step finds it: touched earlier in the batch, it is protected
+        # and its effective key is at least its own new one. Mostly it is the block of the
+        # step just before (a chain, root first).
+        peff = self._eff[pid]
+        earlier = np.zeros(len(bids), dtype=bool)
+        earlier[1:] = linked[1:] & (pid[1:] == bids[:-1])
+        peff[1:] = np.where(earlier[1:], new_eff[:-1], peff[1:])
+        rest = np.flatnonzero(linked & ~earlier)
+        if len(rest):
+            # (A parent stepped before ``start`` is in the state already; max is a no-op.)
+            at = locate(pid[rest])
+            hit = (at >= 0) & (at < start + rest)
+            if hit.any():
+                steps = rest[hit]
+                earlier[steps] = True
+                peff[steps] = np.maximum(peff[steps], keys[at[hit]])
+        stops = ~linked | ((earlier | (pseg == _PROTECTED)) & (peff >= new_eff))
+        still = (seg == _PROTECTED) & (key <= eff)
+        acts = ~still & (new_eff > self._bufs[_PROTECTED].bound) & stops
+        leaves = acts & (seg == _PROBATION)
+        return _Plan(
+            bulk=still | acts,
+            acts=acts,
+            leaves=leaves,
+            unlinks=acts & dead if dead.any() else None,
+            drops=leaves & has & (pseg != _OUT) & (pins < ins) if leaves.any() else None,
+            bids=bids,
+            parent=pid,
+            new_eff=new_eff,
+        )
+
+    def _apply(self, plan: _Plan, lo: int, hi: int) -> None:
+        """Apply the bulk steps ``lo:hi`` of ``plan`` (all bulk); see ``_settle``."""
+        if hi <= lo:
+            return
+        part = slice(lo, hi)
+        acts = plan.acts[part]
+        if not acts.any():
+            return
+        bids = plan.bids[part]
+        self._eff[bids[acts]] = plan.new_eff[part][acts]
+        if plan.drops is not None:  # some leave probation
+            leaves = plan.leaves[part]
+            moved = int(np.count_nonzero(leaves))
+            self._seg[bids[leaves]] = _PROTECTED
+            self._count[_PROBATION] -= moved
+            self._count[_PROTECTED] += moved
+            # _drop_kid: siblings may share a parent, hence subtract.at.
+            np.subtract.at(self._kids, plan.parent[part][plan.drops[part]], 1)
+        if plan.unlinks is not None:
+            self._parent[bids[plan.unlinks[part]]] = -1
+
+    def _rekey(self, bid: int, key: float) -> int:
+        """The part of ``touch`` after the heat table gave the resident ``bid`` its new
+        ``key``; returns how many of its ancestors ``_propagate`` changed."""
+        seg = self._seg_v[bid]
+        eff = self._eff_v[bid]
+        if key > eff:
+            eff = key
+            self._eff_v[bid] = eff
+        elif seg == _PROTECTED:
+            return 0  # nothing moved
+        if seg == _PROBATION:
+            self._leave_probation(bid)
+        if eff <= self._bufs[_PROTECTED].bound:
+            self._note_key(bid, _PROTECTED, eff, self._depth_v[bid])
+        if self._parent_v[bid] >= 0:
+            return self._propagate(bid, eff, True)
+        return 0
+
+    def _propagate(self, bid: int, key: float, protect: bool) -> int:
         """Raise the effective keys up the chain from ``bid`` to at least ``key`` and, when
         ``protect``, move ancestors still in probation to protected: a parent ranks at least
-        as high as its child."""
+        as high as its child. Returns how many ancestors it raised or moved."""
         parent_v, seg_v, ins_v, eff_v = self._parent_v, self._seg_v, self._ins_v, self._eff_v
         child = bid
+        changed = 0
         while True:
             parent = parent_v[child]
             if parent < 0:
-                return
+                return changed
             seg = seg_v[parent]
             if seg == _OUT or ins_v[parent] > ins_v[child]:
                 parent_v[child] = -1  # the link died: the parent left or the id was reused
-                return
+                return changed
             promote = protect and seg == _PROBATION
             if eff_v[parent] >= key and not promote:
-                return
+                return changed
             if promote:
                 self._leave_probation(parent)
                 seg = _PROTECTED
             if eff_v[parent] < key:
                 eff_v[parent] = key
             self._note_key(parent, seg, eff_v[parent], self._depth_v[parent])
+            changed += 1
             child = parent
 
     def _note_key(self, bid: int, seg: int, key: float, depth: int) -> None:

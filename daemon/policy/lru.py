@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,6 +27,14 @@ class LRUPolicy:
 
     def touch(self, bid: int, now: float) -> None:
         self._order.move_to_end(bid)
+
+    def touch_many(self, bids: np.ndarray, now: float) -> None:
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1).tolist()
+        order = self._order
+        # Check all, then move all (all or nothing); both loops run in C, not bytecode.
+        if not all(map(order.__contains__, ids)):
+            raise KeyError(next(b for b in ids if b not in order))
+        deque(map(order.move_to_end, ids), maxlen=0)
 
     def remove(self, bid: int) -> None:
         del self._order[bid]

@@ -54,6 +54,14 @@ class BeladyPolicy:
             raise KeyError(bid)
         self._set(bid)
 
+    def touch_many(self, bids: np.ndarray, now: float) -> None:
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1).tolist()
+        for bid in ids:
+            if bid not in self._next:
+                raise KeyError(bid)  # before any next use is read: all or nothing
+        for bid in ids:
+            self._set(bid)
+
     def remove(self, bid: int) -> None:
         del self._next[bid]
 

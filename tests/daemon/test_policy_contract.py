@@ -146,3 +146,72 @@ def test_store_like_use_with_reused_ids_and_protection(name: str) -> None:
             policy.touch(int(bid), now)
             last[bid] = now
         assert len(policy) == len(resident)
+
+
+def test_touch_many_is_all_or_nothing(name: str) -> None:
+    a, b = build(name), build(name)
+    for p in (a, b):
+        fill(p, 6)
+        p.remove(4)
+    with pytest.raises(KeyError) as info:
+        a.touch_many(np.array([0, 1, 4, 2, 99]), 7.0)
+    assert info.value.args == (4,)  # the first unknown id, in order
+    a.touch_many(np.array([], dtype=np.int64), 7.0)
+    assert a.victims(5, 8.0, None).tolist() == b.victims(5, 8.0, None).tolist()
+
+
+def _state(policy: object) -> object:
+    """Everything a policy decides with, for the policies without numpy state."""
+    names = ("_order", "_t1", "_t2", "_b1", "_b2", "_p", "_ghosted", "_high_water", "_next")
+    return {
+        n: list(v) if hasattr(v, "move_to_end") else v
+        for n in names
+        if (v := getattr(policy, n, None)) is not None
+    }
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "opt"])
+def test_touch_many_equals_touch_in_order(name: str) -> None:
+    """Random inserts, removes, forgets and touch batches (chains, repeats, any order);
+    after each step the same state and the same victims as a loop of touch."""
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        vec, ref = build(name, 16), build(name, 16)
+        resident: list[int] = []
+        now = 0.0
+        for _ in range(200):
+            now += float(rng.exponential(1.0))
+            op = rng.random()
+            if op < 0.35 or len(resident) < 2:
+                bid = int(rng.integers(0, 40))
+                if bid not in ref:
+                    if len(resident) >= 16:
+                        v = ref.victims(1, now, None, incoming=(bid,))
+                        assert v is not None
+                        assert vec.victims(1, now, None, incoming=(bid,)).tolist() == v.tolist()
+                        for p in (vec, ref):
+                            p.remove(int(v[0]))
+                        resident.remove(int(v[0]))
+                    for p in (vec, ref):
+                        p.insert(bid, now, bid - 1)
+                    resident.append(bid)
+            elif op < 0.45:
+                bid = resident.pop(int(rng.integers(0, len(resident))))
+                for p in (vec, ref):
+                    p.remove(bid)
+                    p.forget(bid)
+            else:
+                repeats = bool(rng.random() < 0.3)
+                size = int(rng.integers(0, (2 if repeats else 1) * len(resident) + 1))
+                batch = rng.choice(resident, size=size, replace=repeats)
+                if rng.random() < 0.3:
+                    batch = np.sort(batch)  # a chain, root first
+                vec.touch_many(batch, now)
+                for bid in batch.tolist():
+                    ref.touch(bid, now)
+            assert _state(vec) == _state(ref)
+            mask = lambda b: b % 3 != 1  # noqa: E731
+            for k in (1, len(resident) // 2, len(resident)):
+                for m in (None, mask):
+                    x, y = vec.victims(k, now, m), ref.victims(k, now, m)
+                    assert (x is None and y is None) or x.tolist() == y.tolist()
