@@ -105,8 +105,9 @@ _VECTOR_MIN = 8
 _DENSE_ODD = 8
 _MAX_PLANS = 4
 
-# Owed raises (see the module docstring): ``_owed_new`` is sorted out once it holds this many,
-# so that a policy whose ``victims`` is never called (a tier not yet full) stays bounded.
+# Owed raises (see the module docstring): ``_owed_new`` is sorted out, and ``_owed`` paid,
+# once it holds more than this many, so that a policy whose ``victims`` is never called (a
+# tier not yet full) or rarely rebuilds stays small, and so does each payment's pause.
 _OWED_LIMIT = 4096
 # Below this many owed raises, Python's sort beats numpy's fixed cost.
 _SORT_IN_NUMPY = 64
@@ -733,6 +734,8 @@ class HeatPolicy:
         fresh, self._owed_new = self._owed_new, {}
         # Bounds only fall until the next rebuild, so cutoffs taken now stay safe to keep.
         self._pay(self._hottest_first(fresh), self._cutoffs())
+        if len(self._owed) > _OWED_LIMIT:
+            self._pay_owed()
 
     def _pay_owed(self) -> None:
         """Pay every owed raise: afterwards no block lags."""

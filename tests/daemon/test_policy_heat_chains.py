@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from heat_reference import EagerHeatPolicy
 
+import kvtier.daemon.policy.heat as heat_module
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.heat import HeatPolicy
 
@@ -351,3 +352,21 @@ def test_evicting_a_block_that_owes_hands_the_raise_to_its_parent() -> None:
         p.remove(20)
     assert new._owed == {19: new._eff[19]} and new._eff[19] == old._eff[19]
     assert_same_decisions(new, old, 50.0, 3)
+
+
+def test_owed_raises_stay_bounded_without_victims(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier that never fills never calls ``victims``: what it owes is still sorted out and
+    paid in bounded batches, and stays O(1) per block."""
+    monkeypatch.setattr(heat_module, "_OWED_LIMIT", 100)
+    policy, eager = HeatPolicy(), EagerHeatPolicy()
+    now = 0.0
+    for root in range(0, 3000, 300):  # ten chains, grown block by block
+        for bid in range(root, root + 300):
+            now += 0.001
+            for p in (policy, eager):
+                p.insert(bid, now, bid - 1 if bid > root else -1)
+            assert len(policy._owed_new) <= 101 and len(policy._owed) <= 101
+    # Per block: its own walk, its sorting out, its own step when paid; per payment (one
+    # per 100 blocks): one walk up the chain being grown.
+    assert policy.chain_steps <= 3 * 3000 + (3000 // 100) * 300
+    assert_same_decisions(policy, eager, now, 4)
