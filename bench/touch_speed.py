@@ -12,8 +12,13 @@ Cases, each timed on the state a Lookup would meet (the median of ``rounds``):
 - ``grown``: the chain grew one block per turn, each turn a Lookup of the chain so far and
   a write of one block: every block has a heat of its own, the worst case for
   ``touch_many``'s heat update (see ``HeatTable.record_distinct``).
+- ``decoded``: the chain was stored one block at a time (as an engine does during decode),
+  each a little later than its parent, so every child ranks above its ancestors and each
+  touch raises them all: the chain rule's worst case (O(n^2) before owed raises).
 
-Both policies see the same calls and must end in the same state; the script checks it.
+Each timing includes paying the raises the Lookup left owed to ancestors (``victims`` or
+``effective_key`` would). Both policies see the same calls and must end in the same state;
+the script checks it.
 """
 
 from __future__ import annotations
@@ -65,6 +70,15 @@ def _grown(n: int) -> Setup:
     return setup
 
 
+def _decoded(n: int) -> Setup:
+    def setup(policy: HeatPolicy) -> float:
+        for bid in range(n):
+            policy.insert(bid, bid * 0.001, bid - 1)
+        return n * 0.001 + 1.0
+
+    return setup
+
+
 def _time_case(setup: Setup, n: int, rounds: int, repeat_on_one: bool) -> tuple[float, float]:
     """Median seconds of ``touch_many`` and of the loop for one Lookup of ``n`` blocks.
     ``repeat_on_one``: every round is another Lookup on the same policies (the state stays
@@ -80,10 +94,12 @@ def _time_case(setup: Setup, n: int, rounds: int, repeat_on_one: bool) -> tuple[
             setup(loop)
         t = time.perf_counter()
         vec.touch_many(bids, now)
+        vec.effective_key(0)  # pays what the touches owe
         vec_s.append(time.perf_counter() - t)
         t = time.perf_counter()
         for bid in bids.tolist():
             loop.touch(bid, now)
+        loop.effective_key(0)
         loop_s.append(time.perf_counter() - t)
         now += 0.25
         if not (np.array_equal(vec._eff, loop._eff) and np.array_equal(vec._seg, loop._seg)):
@@ -102,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "protected": (_protected(n), True),
         "mixed": (_mixed(n), False),
         "grown": (_grown(n), False),
+        "decoded": (_decoded(n), False),
     }
     figures: dict[str, float] = {"blocks": n}
     print(f"heat policy, one Lookup of a {n}-block resident chain (median of {args.rounds})")

@@ -12,6 +12,32 @@ child left keeps the higher key, which errs on the safe side), and a block's seg
 below its child's (protecting a block protects its ancestors). Equal effective keys rank the
 deeper block colder, so a chain is eaten from its leaf.
 
+Owed raises. Raising the ancestors at once walks to the root whenever a deeper block ranks
+above them, which is the common case (a conversation's blocks are stored one by one, each a
+little later than its parent, then read root first): O(n^2) for a chain of n. Instead, a key
+that rises above its parent's is *owed*: an entry ``c -> k`` in ``_owed_new`` or ``_owed``
+says that every live ancestor of ``c`` ranks at least ``k``; one whose stored ``_eff`` is
+lower *lags*. Segment moves are never owed (a block leaves probation once per residency, so
+those walks cost O(1) amortised). Payments walk hottest first, each stopping at the first
+ancestor already at its key, so a payment raises a block at most once: O(n) for a chain.
+Lags never reach a decision:
+
+- ``victims`` first pays ``_owed_new`` only up to the first ancestor whose stored key lies
+  above its *cutoff* (the protected buffer's bound if the ancestor is protected, the higher
+  of both bounds if in probation), and keeps the rest hidden in ``_owed``. Invariant: a block
+  lagging behind ``_owed`` ranks above its cutoff, so neither its stored key nor its paid one
+  has a valid buffer entry, and ``victims`` (which reads valid entries, segments and counts)
+  decides as if all were paid. It holds because going up a chain, stored keys fall only
+  across an edge whose lower end is owed at least its own key, cutoffs never rise, stored
+  keys only grow, and bounds only fall until a rebuild.
+- ``_rebuild`` (whose bound may rise), ``effective_key`` and ``order`` pay everything first.
+  ``remove`` of a block that might lag (above its cutoff) pays everything, since raises owed
+  below it may pass through it; of any other, hands its own owed raise to its parent. Links
+  die only by ``remove``, so payments follow the links the eager walks would have.
+- Paid, each effective key is the maximum of the same raises as the eager walks', whatever
+  their order. Under eviction, hidden raises wait for the next rebuild (typically a
+  buffer's worth of evictions later, at least 64), which pays each chain once.
+
 Two segments (the ARC idea, with heat inside). A block enters *probation*, unless a previous
 access of it lies within the last ``memory_factor`` cache-fulls of accesses or it returns
 from a shadow, in which case it enters *protected*; a probation block accessed again moves to
@@ -35,8 +61,8 @@ buffer is rebuilt by one ``argpartition`` over the segment. A victim thus costs 
 steps amortised plus a vectorised rebuild per buffer's worth of evictions; no per-eviction O(n)
 loop. ``touch_many`` (a Lookup's blocks) leaves exactly the state of a loop of ``touch`` but
 does the common steps (a protected block's key rising, a block leaving probation under a
-parent that ranks higher) as array operations, and only the rare ones (a key at or below a
-buffer's bound, a parent to raise or protect) one by one.
+protected parent, a raise owed to that parent) as array operations, and only the rare ones
+(a key at or below a buffer's bound, a parent to protect) one by one.
 
 Id reuse. Links and histories are per block id, and the daemon reuses ids. A parent link is
 followed only while the parent is resident and was inserted before the child (a parent
@@ -51,8 +77,9 @@ Thread-safety: none; the owner serialises calls.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +104,13 @@ _MASK_BATCH = 32
 _VECTOR_MIN = 8
 _DENSE_ODD = 8
 _MAX_PLANS = 4
+
+# Owed raises (see the module docstring): ``_owed_new`` is sorted out, and ``_owed`` paid,
+# once it holds more than this many, so that a policy whose ``victims`` is never called (a
+# tier not yet full) or rarely rebuilds stays small, and so does each payment's pause.
+_OWED_LIMIT = 4096
+# Below this many owed raises, Python's sort beats numpy's fixed cost.
+_SORT_IN_NUMPY = 64
 
 DEFAULT_HALF_LIFE_S = 30.0
 
@@ -110,8 +144,8 @@ class _Plan:
     (see ``HeatPolicy._settle``). ``bulk``: the step's effect is known in advance; ``acts``:
     a bulk step that writes ``new_eff``; ``leaves``: one that moves its block from probation
     to protected; ``drops``: one that, doing so, takes one off its ``parent``'s
-    probation-children count; ``unlinks``: one that finds its parent link dead and clears it
-    (None where no step would).
+    probation-children count; ``unlinks``: one that finds its parent link dead and clears it;
+    ``owes``: one that owes its parent its ``new_eff`` (None where no step would).
     """
 
     bulk: np.ndarray
@@ -119,6 +153,7 @@ class _Plan:
     leaves: np.ndarray
     unlinks: np.ndarray | None  # None: none
     drops: np.ndarray | None  # None: no step leaves probation
+    owes: np.ndarray | None  # None: none
     bids: np.ndarray
     parent: np.ndarray
     new_eff: np.ndarray
@@ -200,6 +235,12 @@ class HeatPolicy:
         self._inserts = 0
         self._rebuilds = 0
         self._bufs = [_Buffer(), _Buffer(), _Buffer()]
+        # Owed raises, block -> key its resident ancestors owe (see the module docstring).
+        # Each value is at most the block's stored ``_eff``.
+        self._owed_new: dict[int, float] = {}  # not yet sorted out by ``_defer_owed``
+        self._owed: dict[int, float] = {}  # every ancestor still lacking it is hidden
+        # Ancestors looked at by the chain walks (``_propagate``, ``_pay``): a cost measure.
+        self.chain_steps = 0
         self._size = 0
         self._alloc(len(self.heat))
 
@@ -262,6 +303,8 @@ class HeatPolicy:
             self._eff_v[parent] < key or (seg == _PROTECTED and seg_v[parent] == _PROBATION)
         ):
             self._propagate(bid, key, seg == _PROTECTED)
+            if len(self._owed_new) > _OWED_LIMIT:
+                self._defer_owed()
 
     def touch(self, bid: int, now: float) -> None:
         seg = self._seg_v[bid] if 0 <= bid < self._size else _OUT
@@ -270,6 +313,8 @@ class HeatPolicy:
         self._accesses += 1
         self._seen_v[bid] = self._accesses
         self._rekey(bid, self.heat.record_one(bid, now))
+        if len(self._owed_new) > _OWED_LIMIT:
+            self._defer_owed()
 
     def touch_many(self, bids: np.ndarray, now: float) -> None:
         """``touch`` each block of ``bids`` in order, vectorised: the state afterwards is
@@ -292,11 +337,17 @@ class HeatPolicy:
         self._seen[ids] = np.arange(self._accesses + 1, self._accesses + n + 1)
         self._accesses += n
         self._settle(ids, self.heat.record_distinct(ids, now), locate)
+        if len(self._owed_new) > _OWED_LIMIT:
+            self._defer_owed()
 
     def remove(self, bid: int) -> None:
         seg = self._seg_v[bid] if 0 <= bid < self._size else _OUT
         if seg == _OUT:
             raise KeyError(bid)
+        if self._owed_new:
+            self._defer_owed()
+        if self._owed:
+            self._owed_leaving(bid, seg)
         if seg == _PROBATION:
             self._drop_kid(bid)
         self._seg_v[bid] = _OUT
@@ -324,6 +375,8 @@ class HeatPolicy:
         n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
         if n > n1 + n2:
             return None
+        if self._owed_new:
+            self._defer_owed()
         if n == 1 and evictable is None:
             # The replayer's path: one victim, every block evictable.
             p, from_protected = self._p, False
@@ -381,11 +434,13 @@ class HeatPolicy:
         """The block's rank key (its own heat key raised by its descendants')."""
         if bid not in self:
             raise KeyError(bid)
+        self._pay_owed()
         return float(self._eff_v[bid])
 
     def order(self) -> np.ndarray:
         """All resident ids, coldest first within each segment, probation first. O(n log n);
         for tests and debugging."""
+        self._pay_owed()
         parts = []
         for seg in (_PROBATION, _PROTECTED):
             ids = np.flatnonzero(self._seg[: self._size] == seg)
@@ -503,17 +558,17 @@ class HeatPolicy:
         Exactness. ``_plan`` marks the steps whose whole effect it can tell in advance
         ("bulk"): a protected block whose key does not rise (no effect), or a block whose new
         effective key lies above the protected buffer's bound (no ``_note_key``) and whose
-        parent is absent, dead (the step unlinks it) or protected with an effective key at
-        least as high (``_propagate`` stops there). Such a step writes its own block's
-        entries and never another's, except a parent's probation-children count, which only
-        ``victims`` reads. It reads its parent as the scalar loop would find it: as at the
-        start, or as left by the parent's own step earlier in the batch. Every other step is
-        run by ``_rekey`` itself, after the bulk steps before it are applied, so it sees the
-        state the loop would. Only such a step's ``_propagate`` may change blocks that later
-        steps read (their own or their parents' keys and segments); when it changed any, the
-        rest of the batch is planned again from the state as it then is. The buffers'
-        ``bound`` only falls during a batch (a full complete buffer is dropped), so a bulk
-        step stays above it.
+        parent is absent, dead (the step unlinks it) or protected (``_propagate`` stops
+        there, owing the parent the step's key if it ranks lower). Such a step writes its
+        own block's entries and never another's, except a parent's probation-children count
+        and the owed raises, which only ``victims`` reads. It reads its parent as the scalar
+        loop would find it: as at the start, or as left by the parent's own step earlier in
+        the batch. Every other step is run by ``_rekey`` itself, after the bulk steps before
+        it are applied, so it sees the state the loop would. Only such a step's
+        ``_propagate`` may change blocks that later steps read (their own or their parents'
+        keys and segments); when it changed any, the rest of the batch is planned again from
+        the state as it then is. The buffers' ``bound`` only falls during a batch (a full
+        complete buffer is dropped), so a bulk step stays above it.
         """
         n = len(ids)
         start = 0
@@ -573,16 +628,18 @@ class HeatPolicy:
                 steps = rest[hit]
                 earlier[steps] = True
                 peff[steps] = np.maximum(peff[steps], keys[at[hit]])
-        stops = ~linked | ((earlier | (pseg == _PROTECTED)) & (peff >= new_eff))
+        guarded = earlier | (pseg == _PROTECTED)  # _propagate ends at such a parent
         still = (seg == _PROTECTED) & (key <= eff)
-        acts = ~still & (new_eff > self._bufs[_PROTECTED].bound) & stops
+        acts = ~still & (new_eff > self._bufs[_PROTECTED].bound) & (~linked | guarded)
         leaves = acts & (seg == _PROBATION)
+        owes = acts & linked & (peff < new_eff)
         return _Plan(
             bulk=still | acts,
             acts=acts,
             leaves=leaves,
             unlinks=acts & dead if dead.any() else None,
             drops=leaves & has & (pseg != _OUT) & (pins < ins) if leaves.any() else None,
+            owes=owes if owes.any() else None,
             bids=bids,
             parent=pid,
             new_eff=new_eff,
@@ -608,6 +665,12 @@ class HeatPolicy:
             np.subtract.at(self._kids, plan.parent[part][plan.drops[part]], 1)
         if plan.unlinks is not None:
             self._parent[bids[plan.unlinks[part]]] = -1
+        if plan.owes is not None:
+            # Plain assignment is _owe's max: an owed value never exceeds its block's key.
+            owes = plan.owes[part]
+            self._owed_new.update(
+                zip(bids[owes].tolist(), plan.new_eff[part][owes].tolist(), strict=True)
+            )
 
     def _rekey(self, bid: int, key: float) -> int:
         """The part of ``touch`` after the heat table gave the resident ``bid`` its new
@@ -628,31 +691,129 @@ class HeatPolicy:
         return 0
 
     def _propagate(self, bid: int, key: float, protect: bool) -> int:
-        """Raise the effective keys up the chain from ``bid`` to at least ``key`` and, when
-        ``protect``, move ancestors still in probation to protected: a parent ranks at least
-        as high as its child. Returns how many ancestors it raised or moved."""
+        """Make ``bid``'s ancestors rank at least ``key``: when ``protect``, move the ones in
+        probation up to the first protected one to protected, raising each to ``key``; then
+        owe ``key`` to the rest (see "Owed raises"). Returns how many ancestors it moved."""
         parent_v, seg_v, ins_v, eff_v = self._parent_v, self._seg_v, self._ins_v, self._eff_v
         child = bid
-        changed = 0
+        changed = steps = 0
         while True:
             parent = parent_v[child]
             if parent < 0:
-                return changed
+                break
+            steps += 1
             seg = seg_v[parent]
             if seg == _OUT or ins_v[parent] > ins_v[child]:
                 parent_v[child] = -1  # the link died: the parent left or the id was reused
-                return changed
-            promote = protect and seg == _PROBATION
-            if eff_v[parent] >= key and not promote:
-                return changed
-            if promote:
-                self._leave_probation(parent)
-                seg = _PROTECTED
+                break
+            if not (protect and seg == _PROBATION):
+                if eff_v[parent] < key:
+                    owed = self._owed_new
+                    if owed.get(child, -math.inf) < key:
+                        owed[child] = key
+                break
+            # Never owed: victims reads segments. A block leaves probation once per
+            # residency, so these steps cost O(1) amortised.
+            self._leave_probation(parent)
             if eff_v[parent] < key:
                 eff_v[parent] = key
-            self._note_key(parent, seg, eff_v[parent], self._depth_v[parent])
+            self._note_key(parent, _PROTECTED, eff_v[parent], self._depth_v[parent])
             changed += 1
             child = parent
+        self.chain_steps += steps
+        return changed
+
+    def _cutoffs(self) -> tuple[float, float, float]:
+        """Per segment, the key above which a block may lag (see "Owed raises")."""
+        b1, b2 = self._bufs[_PROBATION].bound, self._bufs[_PROTECTED].bound
+        return (math.inf, max(b1, b2), b2)
+
+    def _defer_owed(self) -> None:
+        """Pay the raises in ``_owed_new`` as far as ``victims`` could see them, and keep the
+        rest in ``_owed``; afterwards every block that lags ranks above its cutoff."""
+        fresh, self._owed_new = self._owed_new, {}
+        # Bounds only fall until the next rebuild, so cutoffs taken now stay safe to keep.
+        self._pay(self._hottest_first(fresh), self._cutoffs())
+        if len(self._owed) > _OWED_LIMIT:
+            self._pay_owed()
+
+    def _pay_owed(self) -> None:
+        """Pay every owed raise: afterwards no block lags."""
+        if not (self._owed_new or self._owed):
+            return
+        fresh, self._owed_new = self._owed_new, {}
+        owed, self._owed = self._owed, {}
+        self._pay(self._hottest_first(fresh, owed), None)
+
+    def _pay(
+        self, raises: Iterable[tuple[int, float]], cutoffs: tuple[float, float, float] | None
+    ) -> None:
+        """For each ``(child, key)``, hottest first, raise ``child``'s ancestors to ``key`` up
+        to the first that ranks at least as high; with ``cutoffs``, stop at the first that
+        ranks above its cutoff and owe ``key`` to it in ``_owed`` instead. Hottest first, a
+        block is raised at most once per call: a later walk stops at it."""
+        parent_v, seg_v, ins_v, eff_v = self._parent_v, self._seg_v, self._ins_v, self._eff_v
+        bufs, owed = self._bufs, self._owed
+        steps = 0
+        for child, key in raises:
+            while True:
+                parent = parent_v[child]
+                if parent < 0:
+                    break
+                steps += 1
+                seg = seg_v[parent]
+                if seg == _OUT or ins_v[parent] > ins_v[child]:
+                    parent_v[child] = -1
+                    break
+                eff = eff_v[parent]
+                if eff >= key:
+                    break
+                if cutoffs is not None and eff > cutoffs[seg]:
+                    if owed.get(child, -math.inf) < key:
+                        owed[child] = key
+                    break
+                eff_v[parent] = key
+                if key <= bufs[seg].bound:
+                    self._note_key(parent, seg, key, self._depth_v[parent])
+                child = parent
+        self.chain_steps += steps
+
+    def _owed_leaving(self, bid: int, seg: int) -> None:
+        """Keep the owed raises (all in ``_owed``) right as the resident ``bid`` leaves: its
+        link is the path of raises owed below it, and of its own."""
+        if self._eff_v[bid] > self._cutoffs()[seg]:
+            # It may lag, so raises owed below it may pass through it (rare: a victim ranks
+            # at or below its buffer's bound).
+            self._pay_owed()
+            return
+        key = self._owed.pop(bid, None)
+        if key is None:
+            return
+        # It does not lag, so only its own raise passes through it: hand it to the parent,
+        # which ranks above its cutoff (the raise was kept hidden there), and stays so.
+        parent = self._parent_v[bid]
+        self.chain_steps += 1
+        if parent < 0 or self._seg_v[parent] == _OUT or self._ins_v[parent] > self._ins_v[bid]:
+            return
+        if self._eff_v[parent] < key:
+            self._eff_v[parent] = key
+            self._owed[parent] = key
+
+    @staticmethod
+    def _hottest_first(*owed: dict[int, float]) -> Iterable[tuple[int, float]]:
+        """The owed raises of ``owed`` by descending key (then id, for determinism)."""
+        size = sum(len(d) for d in owed)
+        if size < _SORT_IN_NUMPY:
+            return sorted(
+                itertools.chain.from_iterable(d.items() for d in owed),
+                key=lambda item: (-item[1], item[0]),
+            )
+        blocks = np.concatenate([np.fromiter(d, dtype=np.int64, count=len(d)) for d in owed])
+        keys = np.concatenate(
+            [np.fromiter(d.values(), dtype=np.float64, count=len(d)) for d in owed]
+        )
+        order = np.lexsort((blocks, -keys))
+        return zip(blocks[order].tolist(), keys[order].tolist(), strict=True)
 
     def _note_key(self, bid: int, seg: int, key: float, depth: int) -> None:
         """Keep the buffer invariant after ``bid`` got ``key`` in ``seg``."""
@@ -734,6 +895,10 @@ class HeatPolicy:
 
     def _rebuild(self, seg: int, want: int) -> None:
         """Refill ``seg``'s buffer with its ``want`` coldest blocks (ties included)."""
+        # The bound may rise, past keys that lag: pay them first. Raising a lagging block
+        # touches no buffer (it ranks above its cutoff), so a scan of the other segment
+        # in progress stays valid.
+        self._pay_owed()
         self._rebuilds += 1
         buf = self._bufs[seg]
         ids = np.flatnonzero(self._seg[: self._size] == seg)

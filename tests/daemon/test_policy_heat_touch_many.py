@@ -3,7 +3,7 @@
 Two policies get the same random operations; one takes each touch batch through
 ``touch_many``, the other through ``for b in batch: touch(b, now)``. After every operation
 their whole state must be identical (every per-id array, the heat table, counters, ``p``, the
-candidate buffers entry for entry) and so must their answers to ``victims``. The batches are
+candidate buffers entry for entry, the owed raises) and so must their answers to ``victims``. The batches are
 drawn to reach every path of ``touch_many``: chains root first (the common case), children
 before parents, repeats, probation and protected blocks, keys at or below a buffer's bound,
 dead parent links, and the empty batch. Coverage counters make sure the paths were reached.
@@ -43,6 +43,8 @@ def assert_same_state(vec: HeatPolicy, ref: HeatPolicy) -> None:
     for a, b in zip(vec._bufs, ref._bufs, strict=True):
         assert (a.cur, a.bound, a.complete) == (b.cur, b.bound, b.complete)
         assert a.entries == b.entries
+    assert vec._owed_new == ref._owed_new
+    assert vec._owed == ref._owed
 
 
 def mask_fn(salt: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -82,6 +84,7 @@ class Spy:
                 int(out.unlinks.sum()) if out.unlinks is not None else 0
             )
             self.seen["bulk raises"] += int((out.acts & ~out.leaves).sum())
+            self.seen["bulk owes its parent"] += int(out.owes.sum()) if out.owes is not None else 0
             self.seen["bulk no-op"] += int((out.bulk & ~out.acts).sum())
             self.seen["at or below the bound"] += int(
                 (~out.bulk & (out.new_eff <= policy._bufs[2].bound)).sum()
@@ -238,6 +241,7 @@ def test_touch_many_equals_the_scalar_loop(mode: str) -> None:
             "bulk leaves probation",
             "bulk unlinks a dead parent",
             "bulk raises",
+            "bulk owes its parent",
             "bulk no-op",
             "at or below the bound",
         ):
