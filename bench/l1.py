@@ -26,21 +26,16 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def memcpy_gbps(nbytes: int, rounds: int) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return _median_gbps(nbytes, times)
+def timed_memcpy(src: np.ndarray, dst: np.ndarray) -> float:
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t
 
 
 def main(argv: list[str], *, as_json: bool) -> int:
     p = argparse.ArgumentParser(prog="kvtier bench l1")
     p.add_argument("--batch", type=int, default=64, help="blocks per Put/Get")
-    p.add_argument("--rounds", type=int, default=15, help="timed RPCs per direction")
+    p.add_argument("--rounds", type=int, default=21, help="timed RPCs per direction")
     p.add_argument("--lookups", type=int, default=300, help="timed Lookup calls")
     p.add_argument("--lookup-keys", type=int, default=1024)
     args = p.parse_args(argv)
@@ -83,8 +78,14 @@ def main(argv: list[str], *, as_json: bool) -> int:
             client.get(pool.pool_id, keys, page_ids)
             client.delete(keys)
 
-        put_s, get_s = [], []
+        # The baseline is timed inside every round, next to the RPCs, so that both see the
+        # same machine (a shared VM's speed drifts by tens of percent between minutes).
+        src = np.ones(batch_bytes, dtype=np.uint8)
+        dst = np.zeros(batch_bytes, dtype=np.uint8)
+        timed_memcpy(src, dst)
+        put_s, get_s, copy_s = [], [], []
         for _ in range(args.rounds):
+            copy_s.append(timed_memcpy(src, dst))
             keys = fresh_keys(args.batch)
             t = time.perf_counter()
             res = client.put(pool.pool_id, keys, page_ids)
@@ -108,7 +109,7 @@ def main(argv: list[str], *, as_json: bool) -> int:
             lookup_s.append(time.perf_counter() - t)
         assert found.prefix_len == len(lk), found.prefix_len
 
-    memcpy = memcpy_gbps(batch_bytes, max(args.rounds, 10))
+    memcpy = _median_gbps(batch_bytes, copy_s)
     put = _median_gbps(batch_bytes, put_s)
     get = _median_gbps(batch_bytes, get_s)
     lookup_ms = np.asarray(lookup_s) * 1e3
