@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import OrderedDict
@@ -22,7 +23,11 @@ from kvtier.daemon.replay import (
     trace_from_requests,
 )
 
-SHARED_TRACE = Path(__file__).resolve().parents[2].parent / "shared/traces"
+# The public trace lives in the shared folder beside the checkout; KVTIER_TRACES points
+# elsewhere when the checkout is not in its usual place.
+SHARED_TRACE = Path(
+    os.environ.get("KVTIER_TRACES", Path(__file__).resolve().parents[2].parent / "shared/traces")
+)
 MOONCAKE = SHARED_TRACE / "mooncake_synthetic_trace.jsonl"
 
 
