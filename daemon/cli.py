@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from kvtier.bench import BENCHMARKS
@@ -57,6 +58,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kvtier stats | head` should end quietly, as other command-line tools do.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     p = argparse.ArgumentParser(prog="kvtier", description="kvtier admin CLI")
     p.add_argument(
         "--address", help="daemon address (default: $KVTIER_ADDRESS or unix:var/kvtierd.sock)"
