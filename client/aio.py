@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import types as t
 from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
-from kvtier.client.flows import Flow, PoolBinding, load_flow, store_flow
+from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import _SESSION_METHODS, CHANNEL_OPTIONS
@@ -254,31 +254,12 @@ class AsyncClient:
         )
 
 
-class AsyncRegisteredPool:
+class AsyncRegisteredPool(PoolView):
     """A pool registered through an AsyncClient."""
 
     def __init__(self, client: AsyncClient, binding: PoolBinding) -> None:
         self.client = client
         self.binding = binding
-
-    @property
-    def pool_id(self) -> int:
-        return self.binding.pool_id
-
-    @property
-    def block_bytes(self) -> int:
-        return self.binding.block_bytes
-
-    @property
-    def layout(self) -> PoolLayout:
-        return self.binding.layout
-
-    @property
-    def namespace(self) -> Namespace | None:
-        return self.binding.namespace
-
-    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        return self.binding.keys(token_ids)
 
     async def store(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         return await self.client.store(self, token_ids, pages)

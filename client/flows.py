@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.client.errors import NotFoundError
@@ -34,7 +34,6 @@ class PoolBinding:
     namespace: Namespace | None
     pool_id: int = 0
     block_bytes: int = 0
-    _keys_cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.namespace is None:
@@ -48,6 +47,31 @@ class PoolBinding:
             shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes),
             layout=layout_to_pb(self.layout),
         )
+
+
+class PoolView:
+    """What both clients' registered pools show: ids, geometry and keys by tokens."""
+
+    binding: PoolBinding
+
+    @property
+    def pool_id(self) -> int:
+        return self.binding.pool_id
+
+    @property
+    def block_bytes(self) -> int:
+        return self.binding.block_bytes
+
+    @property
+    def layout(self) -> PoolLayout:
+        return self.binding.layout
+
+    @property
+    def namespace(self) -> Namespace | None:
+        return self.binding.namespace
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        return self.binding.keys(token_ids)
 
 
 def store_flow(
