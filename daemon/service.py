@@ -22,7 +22,7 @@ from kvtier.daemon.errors import InvalidArgument, PermissionDenied
 from kvtier.daemon.index import keys_to_words
 from kvtier.daemon.pools import Pool, PoolRegistry
 from kvtier.daemon.sessions import Session, SessionRegistry
-from kvtier.daemon.store import BlockStore, DeleteResult, TierUsage
+from kvtier.daemon.store import BlockStore, DeleteResult, PrefetchResult, TierUsage
 from kvtier.kernels.layout import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -37,13 +37,6 @@ class LookupOutcome:
     prefix_len: int
     tiers: np.ndarray
     lease_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchOutcome:
-    resident: int
-    scheduled: int
-    missing: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,11 +172,10 @@ class KVService:
 
     def prefetch(
         self, session_id: str, keys: Sequence[bytes], deadline_ms: int, priority: int
-    ) -> PrefetchOutcome:
+    ) -> PrefetchResult:
         if session_id:
             self.sessions.get(session_id)
-        out = self.store.prefetch(DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority)
-        return PrefetchOutcome(resident=out.resident, scheduled=out.scheduled, missing=out.missing)
+        return self.store.prefetch(DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority)
 
     async def delete(self, session_id: str, keys: Sequence[bytes]) -> DeleteResult:
         if session_id:
