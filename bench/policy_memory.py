@@ -37,10 +37,10 @@ def index_bytes(blocks: int, num_tiers: int) -> int:
 
 def store_array_bytes(blocks: int) -> int:
     """The store's own per-block arrays beside the index: the last access (protection
-    clock), the L2 copy's checksum and the readahead hint (see BlockStore)."""
-    return blocks * (
-        np.dtype(np.float64).itemsize + np.dtype(np.uint64).itemsize + np.dtype(np.int32).itemsize
-    )
+    clock), the L2 copy's checksum and the readahead hints, child and parent (see
+    BlockStore)."""
+    f64, u64, i32 = (np.dtype(t).itemsize for t in (np.float64, np.uint64, np.int32))
+    return blocks * (f64 + u64 + 2 * i32)
 
 
 def heat_bytes(blocks: int) -> int:

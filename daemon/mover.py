@@ -111,6 +111,10 @@ class Mover:
         return self._queue.qsize()
 
     @property
+    def running(self) -> int:
+        return self._busy
+
+    @property
     def idle(self) -> bool:
         return self._queue.empty() and self._busy == 0
 

@@ -201,6 +201,7 @@ class KVService:
                 "leases": self.sessions.lease_count,
                 "blocks": index.blocks,
                 "index_bytes": index.nbytes,
+                **self.store.gauges(),
             },
             uptime_s=self._clock() - self._started,
             version=__version__,

@@ -111,7 +111,10 @@ class BlockStore:
         self.tiers: list[Any] = [self.host] if disk is None else [self.host, disk]
         self.index = BlockIndex(num_tiers=len(self.tiers))
         self.checksum = np.zeros(self.index.capacity, dtype=np.uint64)  # of the L2 copy
-        self.child = np.full(self.index.capacity, -1, dtype=np.int32)  # readahead hint
+        # Readahead hints: a block's latest child and each block's parent. Ids are reused, so
+        # a child link counts only while the child still names this block as its parent.
+        self.child = np.full(self.index.capacity, -1, dtype=np.int32)
+        self.parent = np.full(self.index.capacity, -1, dtype=np.int32)
         # Last read or write of each block: the protection period runs from it. Heat itself
         # lives in each tier's policy (the heat policy keeps a decayed count per block).
         self.last_access = np.full(self.index.capacity, -np.inf, dtype=np.float64)
@@ -221,6 +224,17 @@ class BlockStore:
             )
             for i, t in enumerate(self.tiers)
         ]
+
+    def gauges(self) -> dict[str, float]:
+        """Point-in-time values: what is pinned, in flight or queued for the mover."""
+        live = self.index.state != 0
+        return {
+            "blocks_pinned": int(np.count_nonzero(live & (self.index.pins > 0))),
+            "blocks_in_flight": int(np.count_nonzero(live & (self.index.inflight > 0))),
+            "transfers_queued": self.mover.queued,
+            "transfers_running": self.mover.running,
+            "background_tasks": len(self._background),
+        }
 
     def all_counters(self) -> dict[str, int]:
         out = dict(self.counters)
@@ -358,6 +372,7 @@ class BlockStore:
             policy.insert(bid, now, par)
             if par >= 0:
                 self.child[par] = bid
+                self.parent[bid] = par
         if self.config.l2.write_policy == "selective":
             self._write_admitted(bids, now)
 
@@ -435,7 +450,7 @@ class BlockStore:
         need = bids[self.index.slot[bids, L1] < 0]
         if len(need) == 0:
             return
-        fresh = np.array([b for b in need.tolist() if b not in self._promoting], dtype=np.int64)
+        fresh = _distinct([b for b in need.tolist() if b not in self._promoting])
         if len(fresh):
             self._spawn_promotion(fresh, priority, None, 0, prefetch=False)
         waits = [self._promoting[b] for b in need.tolist() if b in self._promoting]
@@ -445,7 +460,7 @@ class BlockStore:
     def _start_promotions(
         self, bids: np.ndarray, priority: Priority, deadline: float | None, engine_priority: int
     ) -> int:
-        fresh = np.array([b for b in bids.tolist() if b not in self._promoting], dtype=np.int64)
+        fresh = _distinct([b for b in bids.tolist() if b not in self._promoting])
         if self.disk is None or len(fresh) == 0:
             return 0
         self._spawn_promotion(fresh, priority, deadline, engine_priority, prefetch=True)
@@ -560,8 +575,8 @@ class BlockStore:
         k = self.config.policy.readahead_blocks
         nxt, chain = last, []
         for _ in range(k):
-            nxt = int(self.child[nxt])
-            if nxt < 0 or self.index.state[nxt] != READY:
+            prev, nxt = nxt, int(self.child[nxt])
+            if nxt < 0 or self.parent[nxt] != prev or self.index.state[nxt] != READY:
                 break
             chain.append(nxt)
         if chain:
@@ -909,9 +924,11 @@ class BlockStore:
         if self.index.capacity > len(self.checksum):
             self.checksum = _grown(self.checksum, self.index.capacity, 0)
             self.child = _grown(self.child, self.index.capacity, -1)
+            self.parent = _grown(self.parent, self.index.capacity, -1)
             self.last_access = _grown(self.last_access, self.index.capacity, -np.inf)
         self.last_access[bid] = -np.inf
         self.child[bid] = -1
+        self.parent[bid] = -1
         self.checksum[bid] = 0
         return bid
 
@@ -1008,6 +1025,11 @@ class BlockStore:
 
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def _distinct(bids: list[int]) -> np.ndarray:
+    """Ids in first-seen order without repeats: a transfer must not name one slot twice."""
+    return np.asarray(list(dict.fromkeys(bids)), dtype=np.int64)
 
 
 def _grown(a: np.ndarray, size: int, fill: float) -> np.ndarray:
