@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
+import os
 import sys
 
 from kvtier.bench import BENCHMARKS
@@ -58,8 +58,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # `kvtier stats | head` should end quietly, as other command-line tools do.
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     p = argparse.ArgumentParser(prog="kvtier", description="kvtier admin CLI")
     p.add_argument(
         "--address", help="daemon address (default: $KVTIER_ADDRESS or unix:var/kvtierd.sock)"
@@ -93,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     try:
         return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (`kvtier stats | head`): end quietly, as other tools do.
+        # Not by resetting SIGPIPE: main() also runs inside other programs (tests).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KvtierError as e:
         print(f"kvtier: {type(e).__name__}: {e.details}", file=sys.stderr)
         return 1
