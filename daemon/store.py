@@ -48,7 +48,7 @@ from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.policy.registry import default_admission, make_policy
 from kvtier.daemon.pools import Pool
 from kvtier.kernels.copy import blocks_to_pool, pool_to_blocks
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.base import BlockTier, TierKind
 from kvtier.tiers.disk import DiskTier, PersistItem, ReadItem
 from kvtier.tiers.host import HostArena
 
@@ -108,7 +108,7 @@ class BlockStore:
         self.host = host or HostArena(
             config.l1.capacity_bytes, config.l1.segment_bytes, pin_cuda=_want_pinning(config)
         )
-        self.tiers: list[Any] = [self.host] if disk is None else [self.host, disk]
+        self.tiers: list[BlockTier] = [self.host] if disk is None else [self.host, disk]
         self.index = BlockIndex(num_tiers=len(self.tiers))
         self.checksum = np.zeros(self.index.capacity, dtype=np.uint64)  # of the L2 copy
         # Readahead hints: a block's latest child and each block's parent. Ids are reused, so

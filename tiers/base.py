@@ -34,18 +34,18 @@ class TierUnavailable(TierError):
 
 
 class BlockTier(Protocol):
-    """A tier's mechanism: slots, and copies between a slot and a caller's buffer.
+    """What every tier offers the store: its kind, its slots, its health, and a close.
 
-    ``write`` and ``read`` may block (disk I/O) and are called off the event loop; they move
-    ``nbytes`` bytes between the slot and a buffer that holds at least that many.
+    How bytes move is the tier's own: L1 hands out memory views of its slots (the copy
+    kernel and L2's ``O_DIRECT`` I/O read and write them in place); L2 moves batches between
+    such views and its files (``persist``, ``read``, ``remove``), blocking, off the event loop.
     """
 
-    kind: TierKind
-    allocator: SlabAllocator
+    @property
+    def kind(self) -> TierKind: ...
 
-    def write(self, slot: int, data: memoryview, nbytes: int) -> None: ...
-
-    def read(self, slot: int, out: memoryview, nbytes: int) -> None: ...
+    @property
+    def allocator(self) -> SlabAllocator: ...
 
     def state(self) -> str: ...
 
