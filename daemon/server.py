@@ -261,9 +261,6 @@ class Daemon:
         await self._stopping.wait()
         await self.stop()
 
-    def request_stop(self) -> None:
-        self._stopping.set()
-
     async def stop(self) -> None:
         log.info(
             "kvtierd stopping: draining requests for up to %.0fs",

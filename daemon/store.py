@@ -584,6 +584,8 @@ class BlockStore:
             self._start_promotions(ids[self.index.slot[ids, L1] < 0], Priority.PREFETCH, None, 0)
 
     def _account_reads(self, bids: np.ndarray) -> None:
+        if not self.prefetches.outstanding:
+            return  # the common case: nothing prefetched is waiting for its read
         now = self._clock()
         for word in self.index.keys[bids, 0].tolist():
             self.prefetches.demand(word, now)
@@ -727,7 +729,7 @@ class BlockStore:
         Returns an L2 slot the caller must hand to ``_remove_l2_slots``; L1 slots are freed
         here."""
         self._apply_touches()
-        if tier == L1:
+        if tier == L1 and self.prefetches.outstanding:
             self.prefetches.evict(int(self.index.keys[bid, 0]), self._clock())
         self.policies[tier].remove(bid)
         slot = int(self.index.slot[bid, tier])

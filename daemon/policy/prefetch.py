@@ -88,6 +88,11 @@ class PrefetchLedger:
         if self._open.pop(key, None) is not None:
             self._wasted += 1
 
+    @property
+    def outstanding(self) -> int:
+        """Prefetches issued and not settled yet (cheap: callers test it per request)."""
+        return len(self._open)
+
     def stats(self) -> PrefetchStats:
         return PrefetchStats(
             issued=self._issued,
