@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvtier.client import Client, KvtierError
@@ -62,15 +62,23 @@ def bench_daemon(*overrides: str, start_timeout_s: float = 120.0) -> Iterator[Be
 
 
 def _wait_ready(daemon: BenchDaemon, timeout_s: float) -> None:
+    wait_until_serving(daemon.address, daemon.proc, daemon.log, timeout_s)
+
+
+def wait_until_serving(
+    address: str, proc: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float
+) -> None:
+    """Wait until the daemon at ``address`` answers SERVING; raise (with its log) if the
+    process exits first or the time runs out. Tests' daemons use this too."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if daemon.proc.poll() is not None:
-            raise RuntimeError(f"kvtierd exited during start:\n{daemon.log()}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvtierd exited with {proc.returncode} during start:\n{log()}")
         try:
-            with Client(daemon.address, timeout_s=2.0) as c:
+            with Client(address, timeout_s=2.0) as c:
                 if c.health():
                     return
         except KvtierError:
             pass
         time.sleep(0.05)
-    raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{daemon.log()}")
+    raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{log()}")

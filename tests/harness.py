@@ -14,11 +14,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.client import Client, KvtierError
+from kvtier.bench.launcher import wait_until_serving
+from kvtier.client import Client
 
 START_TIMEOUT_S = 60.0
 
@@ -56,22 +56,8 @@ class DaemonProcess:
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"kvtierd exited with {self.proc.returncode} during start:\n{self.log()}"
-                )
-            if os.path.exists(self.socket):
-                try:
-                    with Client(self.address, timeout_s=2.0) as c:
-                        if c.health():
-                            return
-                except KvtierError:
-                    pass
-            time.sleep(0.05)
-        raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{self.log()}")
+        assert self.proc is not None
+        wait_until_serving(self.address, self.proc, self.log, timeout_s)
 
     def client(self, **kwargs: object) -> Client:
         return Client(self.address, **kwargs)  # type: ignore[arg-type]
