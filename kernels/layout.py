@@ -180,12 +180,16 @@ class PoolLayout:
     ) -> PoolLayout:
         """vLLM's per-layer ``[2, num_pages, block_tokens, num_kv_heads, head_dim]``."""
         chunk = block_tokens * num_kv_heads * head_dim * _itemsize(dtype)
-        layer_bytes = 2 * num_pages * chunk
-        layers = tuple(
-            LayerLayout(base_offset + i * layer_bytes, 2, num_pages * chunk, chunk, chunk)
-            for i in range(num_layers)
+        return cls._kv_layers(
+            num_layers,
+            num_pages,
+            block_tokens,
+            dtype,
+            base_offset,
+            chunk,
+            kv_stride=num_pages * chunk,
+            page_stride=chunk,
         )
-        return cls(layers, num_pages, block_tokens, dtype)
 
     @classmethod
     def flashinfer(
@@ -201,9 +205,35 @@ class PoolLayout:
     ) -> PoolLayout:
         """FlashInfer's per-layer ``[num_pages, 2, block_tokens, num_kv_heads, head_dim]``."""
         chunk = block_tokens * num_kv_heads * head_dim * _itemsize(dtype)
+        return cls._kv_layers(
+            num_layers,
+            num_pages,
+            block_tokens,
+            dtype,
+            base_offset,
+            chunk,
+            kv_stride=chunk,
+            page_stride=2 * chunk,
+        )
+
+    @classmethod
+    def _kv_layers(
+        cls,
+        num_layers: int,
+        num_pages: int,
+        block_tokens: int,
+        dtype: str,
+        base_offset: int,
+        chunk: int,
+        *,
+        kv_stride: int,
+        page_stride: int,
+    ) -> PoolLayout:
+        """Per-layer arrays of ``2 * num_pages`` chunks, one after another; the strides say
+        where K and V of a page sit within a layer."""
         layer_bytes = 2 * num_pages * chunk
         layers = tuple(
-            LayerLayout(base_offset + i * layer_bytes, 2, chunk, 2 * chunk, chunk)
+            LayerLayout(base_offset + i * layer_bytes, 2, kv_stride, page_stride, chunk)
             for i in range(num_layers)
         )
         return cls(layers, num_pages, block_tokens, dtype)
