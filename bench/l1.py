@@ -59,7 +59,7 @@ def main(argv: list[str], *, as_json: bool) -> int:
     )
 
     with (
-        bench_daemon(f"l1.capacity_bytes={l1_bytes}", "policy.protect_s=0") as daemon,
+        bench_daemon(f"tiers.l1.capacity_bytes={l1_bytes}", "policy.protect_s=0") as daemon,
         Client(daemon.address) as client,
         SharedMemoryPool.for_layout(layout) as shm,
     ):

@@ -65,9 +65,13 @@ def _median_s(fn: Callable[[], object], reps: int) -> tuple[float, list[float]]:
 
 @contextlib.contextmanager
 def _daemon(l2_dir: str | None, l1_bytes: int) -> Iterator[BenchDaemon]:
-    overrides = [f"l1.capacity_bytes={l1_bytes}"]
+    overrides = [f"tiers.l1.capacity_bytes={l1_bytes}"]
     if l2_dir is not None:
-        overrides += ["l2.enabled=true", f"l2.path={l2_dir}", f"l2.capacity_bytes={4 * l1_bytes}"]
+        overrides += [
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={l2_dir}",
+            f"tiers.l2.capacity_bytes={4 * l1_bytes}",
+        ]
     with bench_daemon(*overrides) as daemon:
         yield daemon
 

@@ -88,6 +88,41 @@ class ServerConfig:
             raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
 
 
+def _tier_policy() -> Any:
+    return field(
+        default="",
+        metadata=_opt("str", doc="this tier's eviction policy; empty takes policy.name"),
+    )
+
+
+def _rate(what: str) -> Any:
+    return field(
+        default=0,
+        metadata=_opt("size", lo=0, doc=f"bandwidth limit of {what}, bytes/s; 0 is unlimited"),
+    )
+
+
+def _check_tier(label: str, tier: Any) -> None:
+    if tier.segment_bytes % 4096:
+        raise ConfigError(f"tiers.{label}.segment_bytes must be a multiple of 4096")
+    if tier.capacity_bytes < tier.segment_bytes:
+        raise ConfigError(
+            f"tiers.{label}.capacity_bytes is smaller than tiers.{label}.segment_bytes"
+        )
+    if tier.low_watermark > tier.high_watermark:
+        raise ConfigError(f"tiers.{label}.low_watermark exceeds tiers.{label}.high_watermark")
+    if tier.policy:
+        _check_policy(f"tiers.{label}.policy", tier.policy)
+
+
+def _check_policy(key: str, name: str) -> None:
+    from kvtier.daemon.policy.registry import policy_names
+
+    live = policy_names(live=True)
+    if name not in live:
+        raise ConfigError(f"config key '{key}': {name!r} is not one of {', '.join(live)}")
+
+
 @dataclass(frozen=True)
 class L1Config:
     capacity_bytes: int = field(default=1 << 30, metadata=_opt("size", lo=1 << 20))
@@ -98,14 +133,10 @@ class L1Config:
     high_watermark: float = field(default=0.95, metadata=_opt("float", lo=0.05, hi=1.0))
     low_watermark: float = field(default=0.90, metadata=_opt("float", lo=0.0, hi=1.0))
     pin_memory: str = field(default="auto", metadata=_opt("str", choices=("auto", "true", "false")))
+    policy: str = _tier_policy()
 
     def check(self) -> None:
-        if self.segment_bytes % 4096:
-            raise ConfigError("l1.segment_bytes must be a multiple of 4096")
-        if self.capacity_bytes < self.segment_bytes:
-            raise ConfigError("l1.capacity_bytes is smaller than l1.segment_bytes")
-        if self.low_watermark > self.high_watermark:
-            raise ConfigError("l1.low_watermark exceeds l1.high_watermark")
+        _check_tier("l1", self)
 
 
 @dataclass(frozen=True)
@@ -143,39 +174,45 @@ class L2Config:
         metadata=_opt("bool", doc="on SIGTERM, write every block only in L1 to L2 before exiting"),
     )
     enospc_retry_s: float = field(default=30.0, metadata=_opt("float", lo=0.1))
+    read_bytes_s: int = _rate("reads from this tier")
+    write_bytes_s: int = _rate("writes into this tier")
+    policy: str = _tier_policy()
 
     def check(self) -> None:
-        if self.segment_bytes % 4096:
-            raise ConfigError("l2.segment_bytes must be a multiple of 4096")
-        if self.capacity_bytes < self.segment_bytes:
-            raise ConfigError("l2.capacity_bytes is smaller than l2.segment_bytes")
-        if self.low_watermark > self.high_watermark:
-            raise ConfigError("l2.low_watermark exceeds l2.high_watermark")
+        _check_tier("l2", self)
         if self.enabled and not self.path:
-            raise ConfigError("l2.path is empty")
+            raise ConfigError("tiers.l2.path is empty")
         from kvtier.daemon.policy.admission import admission_names
 
         usable = [n for n in admission_names() if n != "belady"]  # belady needs the future
         if self.admission and self.admission not in usable:
             raise ConfigError(
-                f"config key 'l2.admission': {self.admission!r} is not one of {', '.join(usable)}"
+                f"config key 'tiers.l2.admission': {self.admission!r} is not one of "
+                f"{', '.join(usable)}"
             )
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """One subsection per tier kind, fastest first. L1 always runs; the others when enabled."""
+
+    l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+
+    def check(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).check()
 
 
 @dataclass(frozen=True)
 class MoverConfig:
     workers: int = field(
-        default=2, metadata=_opt("int", lo=1, hi=64, doc="transfers that may run at once")
+        default=2,
+        metadata=_opt("int", lo=1, hi=64, doc="background transfers that may run at once"),
     )
     batch_blocks: int = field(
         default=32,
         metadata=_opt("int", lo=1, hi=4096, doc="most blocks in one background transfer"),
-    )
-    l2_read_bytes_s: int = field(
-        default=0, metadata=_opt("size", lo=0, doc="bandwidth limit of L2 reads; 0 is unlimited")
-    )
-    l2_write_bytes_s: int = field(
-        default=0, metadata=_opt("size", lo=0, doc="bandwidth limit of L2 writes; 0 is unlimited")
     )
     balance_interval_s: float = field(
         default=0.1, metadata=_opt("float", lo=0.001, hi=60, doc="how often watermarks are checked")
@@ -212,13 +249,7 @@ class PolicyConfig:
     )
 
     def check(self) -> None:
-        from kvtier.daemon.policy.registry import policy_names
-
-        live = policy_names(live=True)
-        if self.name not in live:
-            raise ConfigError(
-                f"config key 'policy.name': {self.name!r} is not one of {', '.join(live)}"
-            )
+        _check_policy("policy.name", self.name)
 
 
 @dataclass(frozen=True)
@@ -235,8 +266,7 @@ class LoggingConfig:
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
-    l1: L1Config = field(default_factory=L1Config)
-    l2: L2Config = field(default_factory=L2Config)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
     mover: MoverConfig = field(default_factory=MoverConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -264,42 +294,57 @@ def load_config(
         raw = loaded or {}
     for item in overrides:
         key, sep, value = item.partition("=")
-        section, dot, name = key.strip().partition(".")
-        if not sep or not dot or not section or not name:
+        path_parts = key.strip().split(".")
+        if not sep or len(path_parts) < 2 or not all(path_parts):
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"'{section}' must be a mapping")
-        raw[section][name] = yaml.safe_load(value) if value.strip() else ""
+        node = raw
+        for depth, part in enumerate(path_parts[:-1]):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"'{'.'.join(path_parts[: depth + 1])}' must be a mapping")
+        node[path_parts[-1]] = yaml.safe_load(value) if value.strip() else ""
     return build_config(raw)
 
 
+# Sections that moved; naming the new place beats "unknown section".
+_MOVED = {"l1": "tiers.l1", "l2": "tiers.l2"}
+
+
 def build_config(raw: dict[str, Any]) -> Config:
-    sections = {f.name: f for f in dataclasses.fields(Config)}
-    built: dict[str, Any] = {}
-    for name, value in raw.items():
-        if name not in sections:
-            raise ConfigError(f"unknown config section '{name}'; known: {', '.join(sections)}")
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"config section '{name}' must be a mapping")
-        cls = sections[name].default_factory  # type: ignore[misc]
-        built[name] = _build_section(name, cls, value)
-    config = Config(**built)
-    for section in sections:
-        getattr(config, section).check()
+    for old, new in _MOVED.items():
+        if old in raw:
+            raise ConfigError(f"config section '{old}' is now '{new}' (see deploy/kvtier.yaml)")
+    config = _build_section("", Config, raw)
+    for f in dataclasses.fields(Config):
+        getattr(config, f.name).check()
     return config
 
 
-def _build_section(section: str, cls: Any, values: dict[str, Any]) -> Any:
+def _is_section(f: dataclasses.Field[Any]) -> bool:
+    factory = f.default_factory
+    return factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory)
+
+
+def _build_section(section: str, cls: Any, values: Any) -> Any:
+    """Build ``cls`` from a mapping; fields that are dataclasses are nested sections."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section '{section}' must be a mapping")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
-        where = f"{section}.{key}"
+        where = f"{section}.{key}" if section else str(key)
         if key not in fields:
-            raise ConfigError(f"unknown config key '{where}'; known: {', '.join(fields)}")
-        kwargs[key] = _coerce(where, value, fields[key].metadata)
+            what = "key" if section else "section"
+            raise ConfigError(f"unknown config {what} '{where}'; known: {', '.join(fields)}")
+        f = fields[key]
+        if _is_section(f):
+            kwargs[key] = _build_section(where, f.default_factory, value)
+        elif not f.metadata:
+            raise ConfigError(f"config key '{where}' must be a mapping of keys")
+        else:
+            kwargs[key] = _coerce(where, value, f.metadata)
     return cls(**kwargs)
 
 

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         action="append",
         default=[],
-        help="override one config value (repeatable), e.g. --set l1.capacity_bytes=4GiB",
+        help="override one config value (repeatable), e.g. --set tiers.l1.capacity_bytes=4GiB",
     )
     p.add_argument(
         "--print-config", action="store_true", help="print the effective config and exit"

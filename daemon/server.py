@@ -275,7 +275,7 @@ class Daemon:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.store.stop(flush=self.config.l2.flush_on_stop)
+        await self.store.stop(flush=self.config.tiers.l2.flush_on_stop)
         self.pools.close()
         self.executor.shutdown(wait=True)
         self.store.close()

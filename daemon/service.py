@@ -93,7 +93,7 @@ class KVService:
         if layout.layers and layout.block_bytes > max_block:
             raise InvalidArgument(
                 f"blocks of this layout have {layout.block_bytes} bytes, more than the "
-                f"{max_block} a tier slot holds (raise l1.segment_bytes)"
+                f"{max_block} a tier slot holds (raise tiers.l1.segment_bytes)"
             )
         return self.pools.register_shm(session_id, name, size_bytes, layout)
 

@@ -102,11 +102,13 @@ class BlockStore:
         self.started_at = clock()
         # The disk tier first: it fails fast (no room, directory in use) before the arena
         # spends seconds pre-faulting memory.
-        if disk is None and config.l2.enabled:
+        if disk is None and config.tiers.l2.enabled:
             disk = _open_disk(config)
         self.disk = disk
         self.host = host or HostArena(
-            config.l1.capacity_bytes, config.l1.segment_bytes, pin_cuda=_want_pinning(config)
+            config.tiers.l1.capacity_bytes,
+            config.tiers.l1.segment_bytes,
+            pin_cuda=_want_pinning(config),
         )
         self.tiers: list[BlockTier] = [self.host] if disk is None else [self.host, disk]
         self.index = BlockIndex(num_tiers=len(self.tiers))
@@ -123,8 +125,8 @@ class BlockStore:
             make_policy(pc.name, half_life_s=pc.half_life_s) for _ in self.tiers
         ]
         marks = [
-            (config.l1.high_watermark, config.l1.low_watermark),
-            (config.l2.high_watermark, config.l2.low_watermark),
+            (config.tiers.l1.high_watermark, config.tiers.l1.low_watermark),
+            (config.tiers.l2.high_watermark, config.tiers.l2.low_watermark),
         ]
         self.guards = [
             EvictionGuard(pc.protect_s, pc.warmup_s, high, low)
@@ -136,7 +138,7 @@ class BlockStore:
         self.prefetches = PrefetchLedger()
         self.counters: Counter[str] = Counter()
         self.mover = Mover(
-            {"l2_read": config.mover.l2_read_bytes_s, "l2_write": config.mover.l2_write_bytes_s},
+            {"l2_read": config.tiers.l2.read_bytes_s, "l2_write": config.tiers.l2.write_bytes_s},
             workers=config.mover.workers,
             clock=clock,
         )
@@ -341,7 +343,9 @@ class BlockStore:
             live = chain >= 0
             persisted[live] = self.index.slot[chain[live], L2] >= 0
         elif (
-            len(stored) and self.disk is not None and self.config.l2.write_policy == "write_through"
+            len(stored)
+            and self.disk is not None
+            and self.config.tiers.l2.write_policy == "write_through"
         ):
             self._spawn(self._write_l2(stored, Priority.BACKGROUND))
         return results, persisted
@@ -373,7 +377,7 @@ class BlockStore:
             if par >= 0:
                 self.child[par] = bid
                 self.parent[bid] = par
-        if self.config.l2.write_policy == "selective":
+        if self.config.tiers.l2.write_policy == "selective":
             self._write_admitted(bids, now)
 
     # ------------------------------------------------------------------- reads
@@ -707,7 +711,7 @@ class BlockStore:
         label = self.tiers[tier].kind.label.lower()
         if tier == L1 and self._l2_accepts_writes():
             dirty = victims[self.index.slot[victims, L2] < 0]
-            if self.config.l2.write_policy != "write_through":
+            if self.config.tiers.l2.write_policy != "write_through":
                 dirty = dirty[self._admit_to_l2(dirty, self._clock())]
             if len(dirty):
                 np.add.at(self.index.inflight, victims, 1)
@@ -988,7 +992,7 @@ class BlockStore:
             if self.disk is not None:
                 for word in self.index.keys[bids, 0].tolist():
                     self.l2_admission.record(word, now)
-                if self.config.l2.write_policy == "selective":
+                if self.config.tiers.l2.write_policy == "selective":
                     self._write_admitted(bids, now)
 
     def _fastest_tier(self, bids: np.ndarray) -> np.ndarray:
@@ -1043,15 +1047,15 @@ def _grown(a: np.ndarray, size: int, fill: float) -> np.ndarray:
 def _l2_admission_name(config: Config) -> str:
     """``l2.admission``, or its default: second_hit for ``selective`` (its point is to keep
     one-off blocks off the disk), else the eviction policy's own choice."""
-    if config.l2.admission:
-        return config.l2.admission
-    if config.l2.write_policy == "selective":
+    if config.tiers.l2.admission:
+        return config.tiers.l2.admission
+    if config.tiers.l2.write_policy == "selective":
         return "second_hit"
     return default_admission(config.policy.name)
 
 
 def _open_disk(config: Config) -> DiskTier:
-    c = config.l2
+    c = config.tiers.l2
     return DiskTier(
         c.path,
         c.capacity_bytes,
@@ -1064,7 +1068,7 @@ def _open_disk(config: Config) -> DiskTier:
 
 
 def _want_pinning(config: Config) -> bool:
-    setting = config.l1.pin_memory
+    setting = config.tiers.l1.pin_memory
     if setting == "auto":
         # Importing torch costs a second or two: only ask it when a GPU driver is present.
         if not os.path.exists("/dev/nvidiactl"):

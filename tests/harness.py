@@ -113,7 +113,7 @@ class DaemonFactory:
         self, *overrides: str, l1_bytes: str = "128MiB", wait: bool = True
     ) -> DaemonProcess:
         sock = os.path.join(self._sockdir, f"d{len(self._daemons)}.sock")
-        d = DaemonProcess(self.workdir, sock, [f"l1.capacity_bytes={l1_bytes}", *overrides])
+        d = DaemonProcess(self.workdir, sock, [f"tiers.l1.capacity_bytes={l1_bytes}", *overrides])
         d.overrides = [arg for o in d.overrides for arg in ("--set", o)]
         self._daemons.append(d)
         return d.start(wait)

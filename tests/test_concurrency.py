@@ -60,13 +60,13 @@ async def worker(address: str, seed: int, rounds: int, errors: list[str]) -> Non
 
 def test_concurrent_clients_keep_blocks_exact_and_leave_nothing_pinned(daemon_factory, tmp_path):
     d = daemon_factory(
-        "l1.segment_bytes=512KiB",
+        "tiers.l1.segment_bytes=512KiB",
         "policy.protect_s=0",
-        "l2.enabled=true",
-        f"l2.path={tmp_path / 'l2'}",
-        "l2.capacity_bytes=2MiB",
-        "l2.segment_bytes=256KiB",
-        "l2.file_bytes=1MiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=2MiB",
+        "tiers.l2.segment_bytes=256KiB",
+        "tiers.l2.file_bytes=1MiB",
         l1_bytes="1MiB",  # 32 blocks in L1, 64 on disk, 120 keys: constant movement
     )
     errors: list[str] = []

@@ -19,16 +19,16 @@ BLOCK = 64 * 1024
 LAYOUT = PoolLayout.staging(
     num_layers=4, num_pages=64, block_tokens=16, chunk_bytes=BLOCK // 8, dtype="uint8"
 )
-SMALL_L1 = ("l1.segment_bytes=1MiB", "policy.protect_s=0")
+SMALL_L1 = ("tiers.l1.segment_bytes=1MiB", "policy.protect_s=0")
 
 
 def l2_args(path, *extra: str) -> tuple[str, ...]:
     return (
-        "l2.enabled=true",
-        f"l2.path={path}",
-        "l2.capacity_bytes=64MiB",
-        "l2.segment_bytes=1MiB",
-        "l2.file_bytes=16MiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={path}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
         *extra,
     )
 
@@ -146,7 +146,7 @@ def test_prefetch_promotes_ahead_of_use(daemon_factory, tmp_path):
 
 
 def test_write_through_puts_every_block_on_disk(daemon_factory, tmp_path):
-    d = daemon_factory(*l2_args(tmp_path / "l2", "l2.write_policy=write_through"))
+    d = daemon_factory(*l2_args(tmp_path / "l2", "tiers.l2.write_policy=write_through"))
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         fill(shm, 6)
         pool = client.register_pool(shm, LAYOUT)
@@ -179,7 +179,7 @@ CRASH_WRITER = textwrap.dedent(
 
 def test_sigkill_during_heavy_writes_loses_no_persisted_block(daemon_factory, tmp_path):
     l2 = tmp_path / "l2"
-    d = daemon_factory(*l2_args(l2), "l2.capacity_bytes=256MiB")
+    d = daemon_factory(*l2_args(l2), "tiers.l2.capacity_bytes=256MiB")
     writer = subprocess.Popen(
         [sys.executable, "-c", CRASH_WRITER, d.address],
         stdout=subprocess.PIPE,

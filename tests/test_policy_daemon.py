@@ -34,7 +34,9 @@ def test_a_protected_block_survives_pressure_that_evicts_an_unprotected_one(
     """`old` is hot (read again and again) but past its protection period; `fresh` was just
     written, so it is cold but protected. Under pressure the policy would drop the cold block;
     protection makes it drop the hot one instead. Without protection (0 s) the cold one goes."""
-    d = daemon_factory("l1.segment_bytes=1MiB", f"policy.protect_s={protect_s}", l1_bytes="1MiB")
+    d = daemon_factory(
+        "tiers.l1.segment_bytes=1MiB", f"policy.protect_s={protect_s}", l1_bytes="1MiB"
+    )
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         fillers, old, fresh = keys(14, 1), keys(1, 2), keys(1, 3)
@@ -53,17 +55,17 @@ def test_a_protected_block_survives_pressure_that_evicts_an_unprotected_one(
 
 def l2(tmp_path, *extra: str) -> tuple[str, ...]:
     return (
-        "l2.enabled=true",
-        f"l2.path={tmp_path / 'l2'}",
-        "l2.capacity_bytes=16MiB",
-        "l2.segment_bytes=1MiB",
-        "l2.file_bytes=16MiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=16MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
         *extra,
     )
 
 
 def test_selective_writes_only_blocks_seen_twice(daemon_factory, tmp_path):
-    d = daemon_factory(*l2(tmp_path, "l2.write_policy=selective"))
+    d = daemon_factory(*l2(tmp_path, "tiers.l2.write_policy=selective"))
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         ks = keys(4, 5)
@@ -78,9 +80,9 @@ def test_selective_writes_only_blocks_seen_twice(daemon_factory, tmp_path):
 
 def test_warm_up_holds_watermark_demotion_until_the_hard_limit(daemon_factory, tmp_path):
     marks = (
-        "l1.segment_bytes=1MiB",
-        "l1.high_watermark=0.5",
-        "l1.low_watermark=0.25",
+        "tiers.l1.segment_bytes=1MiB",
+        "tiers.l1.high_watermark=0.5",
+        "tiers.l1.low_watermark=0.25",
         "policy.protect_s=0",
     )
 

@@ -169,7 +169,9 @@ def test_prefix_survives_a_restart_through_l2(daemon_factory, model, tmp_path):
     l2_dir = tmp_path / "l2"
     l2_dir.mkdir()
     try:
-        daemon = daemon_factory("l2.enabled=true", f"l2.path={l2_dir}", "l2.capacity_bytes=256MiB")
+        daemon = daemon_factory(
+            "tiers.l2.enabled=true", f"tiers.l2.path={l2_dir}", "tiers.l2.capacity_bytes=256MiB"
+        )
     except RuntimeError as e:
         if _L2_UNKNOWN.search(str(e)):
             pytest.skip("this kvtierd has no L2 tier yet (config section 'l2' is unknown)")

@@ -17,7 +17,7 @@ def test_embedded_defaults_need_no_file():
     config = load_config()
     assert config == Config()
     assert config.server.socket == "var/kvtierd.sock"
-    assert config.l1.capacity_bytes == 1 << 30
+    assert config.tiers.l1.capacity_bytes == 1 << 30
 
 
 def test_the_documented_example_is_exactly_the_defaults():
@@ -48,19 +48,21 @@ def test_bad_sizes(value):
 @pytest.mark.parametrize(
     "text, key",
     [
-        ("l1:\n  capcity_bytes: 1GiB\n", "l1.capcity_bytes"),
+        ("tiers:\n  l1:\n    capcity_bytes: 1GiB\n", "tiers.l1.capcity_bytes"),
         ("l3:\n  x: 1\n", "'l3'"),
-        ("l1:\n  capacity_bytes: lots\n", "l1.capacity_bytes"),
-        ("l1:\n  high_watermark: 1.5\n", "l1.high_watermark"),
-        ("l1:\n  high_watermark: yes\n", "l1.high_watermark"),
+        ("tiers:\n  l3:\n    x: 1\n", "tiers.l3"),
+        ("l1:\n  capacity_bytes: 1GiB\n", "now 'tiers.l1'"),
+        ("tiers:\n  l1:\n    capacity_bytes: lots\n", "tiers.l1.capacity_bytes"),
+        ("tiers:\n  l1:\n    high_watermark: 1.5\n", "tiers.l1.high_watermark"),
+        ("tiers:\n  l1:\n    high_watermark: yes\n", "tiers.l1.high_watermark"),
         ("server:\n  max_batch_blocks: 0\n", "server.max_batch_blocks"),
         ("server:\n  max_batch_blocks: 2.5\n", "server.max_batch_blocks"),
         ("logging:\n  level: LOUD\n", "logging.level"),
-        ("l1:\n  low_watermark: 0.99\n", "l1.low_watermark"),
-        ("l1:\n  segment_bytes: 1000\n", "l1.segment_bytes"),
-        ("l1: [1, 2]\n", "'l1'"),
+        ("tiers:\n  l1:\n    low_watermark: 0.99\n", "tiers.l1.low_watermark"),
+        ("tiers:\n  l1:\n    segment_bytes: 1000\n", "tiers.l1.segment_bytes"),
+        ("tiers:\n  l1: [1, 2]\n", "'tiers.l1'"),
         ("- just a list\n", "mapping"),
-        ("l1: {capacity_bytes: 1GiB\n", "not valid YAML"),
+        ("tiers: {l1: {capacity_bytes: 1GiB\n", "not valid YAML"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, text, key):
@@ -72,13 +74,25 @@ def test_bad_files_name_the_key(tmp_path, text, key):
 
 def test_overrides_win_over_the_file(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("l1:\n  capacity_bytes: 2GiB\n")
-    config = load_config(path, ["l1.capacity_bytes=512MiB", "server.tcp_address=127.0.0.1:5000"])
-    assert config.l1.capacity_bytes == 512 << 20
+    path.write_text("tiers:\n  l1:\n    capacity_bytes: 2GiB\n")
+    config = load_config(
+        path, ["tiers.l1.capacity_bytes=512MiB", "server.tcp_address=127.0.0.1:5000"]
+    )
+    assert config.tiers.l1.capacity_bytes == 512 << 20
     assert config.server.tcp_address == "127.0.0.1:5000"
 
 
-@pytest.mark.parametrize("override", ["l1", "l1.capacity_bytes", "nosuch.key=1", "l1.nosuch=1"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "l1",
+        "tiers.l1.capacity_bytes",
+        "nosuch.key=1",
+        "tiers.l1.nosuch=1",
+        "tiers.l1=1",
+        "l1.capacity_bytes=1GiB",
+    ],
+)
 def test_bad_overrides(override):
     with pytest.raises(ConfigError):
         load_config(None, [override])
@@ -91,7 +105,7 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 def test_kvtierd_refuses_a_bad_config_with_the_key_named(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("l1:\n  capcity_bytes: 1GiB\n")
+    path.write_text("tiers:\n  l1:\n    capcity_bytes: 1GiB\n")
     proc = subprocess.run(
         [sys.executable, "-m", "kvtier.daemon", "--config", str(path)],
         capture_output=True,
@@ -99,7 +113,7 @@ def test_kvtierd_refuses_a_bad_config_with_the_key_named(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2
-    assert "l1.capcity_bytes" in proc.stderr
+    assert "tiers.l1.capcity_bytes" in proc.stderr
 
 
 def test_kvtierd_prints_its_effective_config():
@@ -110,7 +124,7 @@ def test_kvtierd_prints_its_effective_config():
             "kvtier.daemon",
             "--print-config",
             "--set",
-            "l1.capacity_bytes=2GiB",
+            "tiers.l1.capacity_bytes=2GiB",
         ],
         capture_output=True,
         text=True,
@@ -129,13 +143,13 @@ def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
             "--set",
             f"server.socket={tmp_path}/s.sock",
             "--set",
-            "l2.enabled=true",
+            "tiers.l2.enabled=true",
             "--set",
-            f"l2.path={tmp_path}/l2",
+            f"tiers.l2.path={tmp_path}/l2",
             "--set",
-            "l2.capacity_bytes=1000TiB",
+            "tiers.l2.capacity_bytes=1000TiB",
             "--set",
-            "l2.file_bytes=4TiB",
+            "tiers.l2.file_bytes=4TiB",
         ],
         capture_output=True,
         text=True,
@@ -150,8 +164,8 @@ def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
     "override, key",
     [
         ("policy.name=opt", "policy.name"),
-        ("l2.admission=belady", "l2.admission"),
-        ("l2.write_policy=sometimes", "l2.write_policy"),
+        ("tiers.l2.admission=belady", "tiers.l2.admission"),
+        ("tiers.l2.write_policy=sometimes", "tiers.l2.write_policy"),
     ],
 )
 def test_policies_the_daemon_cannot_run_are_config_errors(override, key):

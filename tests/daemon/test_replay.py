@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cli.main import main
 from kvtier.daemon import tracegen
-from kvtier.daemon.cli import main
 from kvtier.daemon.replay import (
     Trace,
     format_sweep,
@@ -187,7 +187,7 @@ def test_cli_exit_code_and_no_traceback_as_a_process(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": 3}\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.daemon.cli", "replay", str(path), "--l1-blocks", "2"],
+        [sys.executable, "-m", "kvtier.cli.main", "replay", str(path), "--l1-blocks", "2"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -1,0 +1,1 @@
+"""The admin CLI, ``kvtier``: a client of a running daemon, plus offline tools."""
