@@ -1,18 +1,44 @@
-"""What every tier is: a medium with slots that holds block bytes. No policy lives here.
+"""What every tier is: a medium that holds block bytes. No policy lives here.
 
-A tier never decides what to keep; the store asks it for a slot, moves bytes in and out, and
-frees the slot. Tier numbers match the wire enum ``kvtier.v1.Tier``.
+A tier never decides what to keep. The store reserves slots, asks tiers to move batches of
+blocks between their media and a *buffer* (host memory, or a registered engine pool's pages),
+and removes blocks; the policies decide which. Tier kinds match the wire enum
+``kvtier.v1.Tier`` and order the tier stack, fastest first: L0 GPU, L1 host, L2 disk, L3 remote.
+
+Two shapes of tier share the vocabulary of this module:
+
+- **Slot tiers** (``SlotTier``: L0, L1, L2, the in-memory test tier) own their space. The store
+  allocates a slot from the tier's ``allocator`` for every block it places there and keeps the
+  slot in its block table. Their data verbs (``write``, ``read``, ``remove``) block and run on
+  worker threads; two calls in flight never name the same slot (the store's in-flight marks
+  guarantee it).
+- **Key-addressed tiers** (``KeyTier``: L3 on a remote store) keep their own index. The store
+  names blocks by ``(namespace, key)``; presence is answered by an asynchronous batch probe
+  that returns the length of the present prefix of a chain. Their verbs are coroutines on the
+  daemon's event loop and never block it.
+
+Faults are results, never exceptions out of a data verb: a failed read is a miss (the block's
+bytes never reach the buffer's owner as valid data), a failed write is an outcome with
+``ok=False``, and the tier reports its state through ``health()``. Exceptions are kept for
+programming errors (a slot that is not allocated, a buffer too short).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
 
+import numpy as np
+
+from kvtier.kernels.layout import ChunkTable
 from kvtier.tiers.slab import SlabAllocator
 
 
 class TierKind(enum.IntEnum):
+    """A tier's place in the stack (the wire enum ``kvtier.v1.Tier``); lower is faster."""
+
     GPU = 1
     HOST = 2
     DISK = 3
@@ -20,7 +46,57 @@ class TierKind(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return {1: "L0", 2: "L1", 3: "L2", 4: "L3"}[self.value]
+        return _LABELS[self]
+
+    @classmethod
+    def from_label(cls, label: str) -> TierKind:
+        for kind, name in _LABELS.items():
+            if name == label.upper():
+                return kind
+        raise ValueError(f"unknown tier {label!r}; one of {', '.join(_LABELS.values())}")
+
+
+_LABELS = {TierKind.GPU: "L0", TierKind.HOST: "L1", TierKind.DISK: "L2", TierKind.REMOTE: "L3"}
+
+
+class Health(enum.Enum):
+    OK = "ok"
+    DEGRADED_NOSPACE = "degraded_nospace"  # full: refuses writes, serves reads, may recover
+    DEGRADED_IO = "degraded_io"  # I/O faults: refuses writes, serves reads
+    DOWN = "down"  # serves nothing (a remote store that cannot be reached)
+
+
+@dataclass(frozen=True, slots=True)
+class TierHealth:
+    state: Health = Health.OK
+    detail: str = ""
+
+    @property
+    def accepts_writes(self) -> bool:
+        return self.state is Health.OK
+
+    @property
+    def serves_reads(self) -> bool:
+        return self.state is not Health.DOWN
+
+    def __str__(self) -> str:
+        return self.state.value + (f": {self.detail}" if self.detail else "")
+
+
+HEALTHY = TierHealth()
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot. ``counters`` only grow (names without a tier prefix, e.g. ``blocks_read``);
+    ``gauges`` are point-in-time values."""
+
+    kind: TierKind
+    health: TierHealth
+    capacity_bytes: int
+    used_bytes: int
+    counters: Mapping[str, int] = field(default_factory=dict)
+    gauges: Mapping[str, float] = field(default_factory=dict)
 
 
 class TierError(Exception):
@@ -33,20 +109,169 @@ class TierUnavailable(TierError):
     rather than running without the tier it was configured with."""
 
 
-class BlockTier(Protocol):
-    """What every tier offers the store: its kind, its slots, its health, and a close.
+# ---------------------------------------------------------------------------- buffers
 
-    How bytes move is the tier's own: L1 hands out memory views of its slots (the copy
-    kernel and L2's ``O_DIRECT`` I/O read and write them in place); L2 moves batches between
-    such views and its files (``persist``, ``read``, ``remove``), blocking, off the event loop.
+
+@dataclass(frozen=True, slots=True)
+class HostBuffers:
+    """One contiguous host buffer per block of a batch (L1 slot views, staging buffers).
+    Each is at least the block's length; a page-aligned buffer of the slot's size lets a disk
+    tier transfer it without staging."""
+
+    views: Sequence[memoryview]
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPages:
+    """Pages of a registered engine pool: block ``j`` of a batch is gathered from (or
+    scattered into) the chunks of ``pages[j]`` as ``table`` lays them out."""
+
+    table: ChunkTable
+    memory: np.ndarray  # the pool's mapping as uint8
+    pages: np.ndarray  # int64, one per block
+    threads: int = 1
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+Buffers: TypeAlias = "HostBuffers | PoolPages"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRef:
+    """A block's identity as a tier may need it: for an index that survives restarts, for
+    logs, and as the address in a key-addressed tier."""
+
+    ns: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBatch:
+    """Write ``len(slots)`` blocks of ``nbytes`` each from ``src`` into ``slots``."""
+
+    slots: Sequence[int]
+    blocks: Sequence[BlockRef]
+    nbytes: int
+    src: HostBuffers | PoolPages
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBatch:
+    """Read blocks of ``nbytes`` from ``slots`` into ``dest``. ``checksums[j]`` is what the
+    tier's ``write`` returned for block ``j`` (tiers that do not checksum ignore it)."""
+
+    slots: Sequence[int]
+    blocks: Sequence[BlockRef]
+    nbytes: int
+    dest: HostBuffers | PoolPages
+    checksums: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOutcome:
+    """``ok``: the block is stored (durable and indexed on a persistent tier). ``checksum``
+    is valid only when ``ok`` and the tier checksums."""
+
+    slot: int
+    ok: bool
+    checksum: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveredBlock:
+    """A block a persistent tier found at start, its slot already claimed."""
+
+    ns: int
+    key: bytes
+    slot: int
+    nbytes: int
+    checksum: int
+    written_at: float
+
+
+# ----------------------------------------------------------------------------- tiers
+
+
+class SlotTier(Protocol):
+    """A tier that owns slots (L0, L1, L2, the in-memory test tier).
+
+    Capabilities, so that the store branches on what a tier does, never on which it is:
+    ``persistent`` tiers survive a restart (``recover`` hands back their blocks once) and
+    their ``remove`` is I/O (it runs on a worker thread; their allocator is thread-safe);
+    ``checksummed`` tiers return a checksum per written block that the store keeps and hands
+    back to ``read``, which verifies it.
     """
 
     @property
     def kind(self) -> TierKind: ...
 
     @property
+    def persistent(self) -> bool: ...
+
+    @property
+    def checksummed(self) -> bool: ...
+
+    @property
     def allocator(self) -> SlabAllocator: ...
 
-    def state(self) -> str: ...
+    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
+        """Store the batch's blocks in their (allocated) slots. A failed block keeps its slot
+        allocated: give it back with ``remove``."""
+        ...
+
+    def read(self, batch: ReadBatch) -> list[bool]:
+        """Copy blocks into ``batch.dest``; False is a miss (verification or I/O failed): the
+        destination's bytes for that block are then unspecified and must not be used, and
+        the tier has dropped the block (the caller forgets its copy)."""
+        ...
+
+    def remove(self, slots: Sequence[int]) -> bool:
+        """Forget the blocks in ``slots`` and free the slots. False: nothing was freed."""
+        ...
+
+    def recover(self) -> list[RecoveredBlock]: ...
+
+    def health(self) -> TierHealth: ...
+
+    def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
+
+
+class KeyTier(Protocol):
+    """A key-addressed tier (L3): its own index, asynchronous verbs on the event loop.
+
+    ``probe`` answers how many leading blocks of a chain are present; ``read`` copies blocks
+    into ``dest`` (False per block is a miss: absent, corrupt or timed out); ``write`` stores
+    blocks from ``src`` and answers per block whether it is stored. None of them raises for a
+    remote fault: a tier that cannot reach its store answers misses and reports DOWN.
+    """
+
+    @property
+    def kind(self) -> TierKind: ...
+
+    async def probe(self, blocks: Sequence[BlockRef]) -> int: ...
+
+    async def read(
+        self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
+    ) -> list[bool]: ...
+
+    async def write(
+        self, blocks: Sequence[BlockRef], nbytes: int, src: HostBuffers | PoolPages
+    ) -> list[bool]: ...
+
+    async def remove(self, blocks: Sequence[BlockRef]) -> None: ...
+
+    def health(self) -> TierHealth: ...
+
+    def stats(self) -> TierStats: ...
+
+    async def close(self) -> None: ...
+
+
+BlockTier: TypeAlias = "SlotTier | KeyTier"

@@ -1,0 +1,76 @@
+"""Moving blocks between a tier's contiguous bytes and a batch's buffers.
+
+Every tier stores a block as one contiguous extent; a batch's buffers are either contiguous
+host buffers (``HostBuffers``) or an engine pool's pages (``PoolPages``), where a block is
+gathered from or scattered to its page's chunks. These helpers do both with the native copy
+kernel, one call per batch (or per block when the caller's bytes arrive one at a time), and
+never loop over chunks in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.kernels.copy import blocks_to_pool, copy_ranges, pool_to_blocks
+from kvtier.tiers.base import HostBuffers, PoolPages
+
+
+def _as_bytes(buf: object) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
+
+
+def store_from(
+    src: HostBuffers | PoolPages,
+    idx: Sequence[int] | np.ndarray,
+    arena: np.ndarray,
+    starts: np.ndarray,
+    nbytes: int,
+) -> None:
+    """Copy blocks ``idx`` of ``src`` into ``arena`` at byte offsets ``starts`` (one each)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    if isinstance(src, PoolPages):
+        pool_to_blocks(src.table, src.memory, src.pages[idx], arena, starts, src.threads)
+        return
+    for j, start in zip(idx.tolist(), np.asarray(starts).tolist(), strict=True):
+        arena[start : start + nbytes] = _as_bytes(src.views[j])[:nbytes]
+
+
+def load_into(
+    dest: HostBuffers | PoolPages,
+    idx: Sequence[int] | np.ndarray,
+    arena: np.ndarray,
+    starts: np.ndarray,
+    nbytes: int,
+) -> None:
+    """Copy blocks at byte offsets ``starts`` of ``arena`` into blocks ``idx`` of ``dest``."""
+    idx = np.asarray(idx, dtype=np.int64)
+    if isinstance(dest, PoolPages):
+        blocks_to_pool(dest.table, arena, starts, dest.memory, dest.pages[idx], dest.threads)
+        return
+    for j, start in zip(idx.tolist(), np.asarray(starts).tolist(), strict=True):
+        _as_bytes(dest.views[j])[:nbytes] = arena[start : start + nbytes]
+
+
+def put_block(dest: HostBuffers | PoolPages, j: int, data: object, nbytes: int) -> None:
+    """Copy one block's contiguous bytes (``data``, at least ``nbytes`` long) into block ``j``
+    of ``dest``."""
+    load_into(dest, [j], _as_bytes(data), np.zeros(1, dtype=np.uint64), nbytes)
+
+
+def get_block(src: HostBuffers | PoolPages, j: int, nbytes: int) -> memoryview:
+    """Block ``j`` of ``src`` as contiguous bytes: a view of a host buffer, or a gathered copy
+    of a pool page."""
+    if isinstance(src, HostBuffers):
+        return memoryview(src.views[j]).cast("B")[:nbytes]
+    out = np.empty(nbytes, dtype=np.uint8)
+    store_from(src, [j], out, np.zeros(1, dtype=np.uint64), nbytes)
+    return memoryview(out)
+
+
+def copy_host(
+    dst: np.ndarray, src: np.ndarray, dst_starts: np.ndarray, src_starts: np.ndarray, nbytes: int
+) -> None:
+    """Contiguous block copies between two host arenas, one kernel call."""
+    copy_ranges(dst, src, dst_starts, src_starts, nbytes)
