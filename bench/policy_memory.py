@@ -1,9 +1,10 @@
-"""Bytes per block of the daemon's metadata at a million blocks: the index (with the store's
-own per-block arrays), the heat table, and each eviction policy's own structures.
+"""Bytes per block of the daemon's metadata at a million blocks: the block table (the key
+index and every per-block array the store keeps), the heat table, and each eviction policy's
+own structures.
 
     python -m kvtier.bench.policy_memory [--blocks 1000000] [--json]
 
-Index and heat table are numpy arrays, so their size is exact (``nbytes`` of every array,
+Block table and heat table are numpy arrays, so their size is exact (``nbytes`` of every array,
 over the live blocks). A policy is measured with ``tracemalloc`` while it is filled with
 ``blocks`` resident blocks in chains of 32 and then asked for a victim (so the heat policy's
 candidate buffer exists), which counts its Python objects too. Takes a minute or so.
@@ -20,27 +21,18 @@ import tracemalloc
 import numpy as np
 
 from kvtier.daemon.heat import HeatTable
-from kvtier.daemon.index import BlockIndex
 from kvtier.daemon.policy.registry import make_policy
+from kvtier.daemon.table import BlockTable
 
 _CHAIN = 32
 
 
-def index_bytes(blocks: int, num_tiers: int) -> int:
-    index = BlockIndex(initial_capacity=blocks, num_tiers=num_tiers)
+def table_bytes(blocks: int, num_tiers: int) -> int:
+    """The block table for ``num_tiers`` tiers (the first, a host tier, keeps no checksum)."""
+    table = BlockTable(num_tiers, initial_capacity=blocks)
     words = np.random.default_rng(0).integers(0, 2**63, size=(blocks, 4), dtype=np.int64)
-    words = words.view(np.uint64)
-    for i in range(blocks):
-        index.add(0, words[i], 4096)
-    return index.stats().nbytes
-
-
-def store_array_bytes(blocks: int) -> int:
-    """The store's own per-block arrays beside the index: the last access (protection
-    clock), the L2 copy's checksum and the readahead hints, child and parent (see
-    BlockStore)."""
-    f64, u64, i32 = (np.dtype(t).itemsize for t in (np.float64, np.uint64, np.int32))
-    return blocks * (f64 + u64 + 2 * i32)
+    table.add_many(np.zeros(blocks), words.view(np.uint64), np.full(blocks, 4096))
+    return table.stats().nbytes
 
 
 def heat_bytes(blocks: int) -> int:
@@ -70,10 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     n = args.blocks
     start = time.perf_counter()
     out: dict[str, float] = {}
-    store = store_array_bytes(n) / n
-    # The daemon runs one (L1) or two (L1 + L2) tiers today; four is the design's maximum.
+    # One tier (L1), two (L1 + L2), and the design's maximum of four.
     for tiers in (1, 2, 4):
-        out[f"index_{tiers}_tier_B"] = index_bytes(n, tiers) / n + store
+        out[f"index_{tiers}_tier_B"] = table_bytes(n, tiers) / n
     out["heat_table_B"] = heat_bytes(n) / n
     for tiers in (1, 2, 4):
         out[f"index_{tiers}_tier_plus_heat_B"] = out[f"index_{tiers}_tier_B"] + out["heat_table_B"]

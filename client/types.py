@@ -98,10 +98,32 @@ class TierStats:
 @dataclass(frozen=True, slots=True)
 class Stats:
     tiers: list[TierStats]
-    counters: dict[str, int]
+    counters: dict[str, int]  # flat: ``name`` or ``name{label="value",...}``
     gauges: dict[str, float]
     uptime_s: float
     version: str
+
+    def counter(self, name: str, **labels: object) -> int:
+        """A counter's value: the sum over the label values not given, e.g.
+        ``counter("evictions", tier="L1")`` or ``counter("evictions")`` for all tiers."""
+        total = 0
+        for key, value in self.counters.items():
+            base, found = split_counter(key)
+            if base == name and all(found.get(k) == str(v) for k, v in labels.items()):
+                total += value
+        return total
+
+
+def split_counter(key: str) -> tuple[str, dict[str, str]]:
+    """``'name{a="x",b="y"}'`` -> ``('name', {'a': 'x', 'b': 'y'})``."""
+    base, brace, rest = key.partition("{")
+    if not brace:
+        return key, {}
+    labels = {}
+    for part in rest.rstrip("}").split(","):
+        k, _, v = part.partition("=")
+        labels[k] = v.strip('"')
+    return base, labels
 
 
 def resolve_address(address: str | None) -> str:

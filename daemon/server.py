@@ -17,7 +17,6 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -123,7 +122,9 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
-        out = self.service.lookup(request.session_id, request.keys, request.pin, request.lease_ms)
+        out = await self.service.lookup(
+            request.session_id, request.keys, request.pin, request.lease_ms
+        )
         return pb.LookupResponse(
             prefix_len=out.prefix_len, tiers=out.tiers.tolist(), lease_id=out.lease_id
         )
@@ -167,7 +168,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Prefetch(
         self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefetchResponse:
-        out = self.service.prefetch(
+        out = await self.service.prefetch(
             request.session_id, request.keys, request.deadline_ms, request.priority
         )
         return pb.PrefetchResponse(
@@ -193,7 +194,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
                     capacity_bytes=u.capacity_bytes,
                     used_bytes=u.used_bytes,
                     blocks=u.blocks,
-                    state=u.state,
+                    state=str(u.health),
                 )
                 for u in snap.tiers
             ],
@@ -209,8 +210,7 @@ class Daemon:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-io")
-        self.store = BlockStore(config, self.executor)
+        self.store = BlockStore(config)
         self.pools = PoolRegistry(config.server.shm_dir)
         self.sessions = SessionRegistry()
         self.service = KVService(config, self.store, self.pools, self.sessions)
@@ -277,7 +277,6 @@ class Daemon:
                 await task
         await self.store.stop(flush=self.config.tiers.l2.flush_on_stop)
         self.pools.close()
-        self.executor.shutdown(wait=True)
         self.store.close()
         if self.config.server.socket:
             with contextlib.suppress(FileNotFoundError):
@@ -291,7 +290,7 @@ class Daemon:
                 self.service.expire_leases()
             except Exception:
                 log.exception("lease expiry failed")
-                self.store.counters["background_errors"] += 1
+                self.store.counters.inc("background_errors")
 
     async def _watchdog(self, interval_s: float) -> None:
         while True:

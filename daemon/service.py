@@ -19,10 +19,10 @@ import numpy as np
 from kvtier import __version__
 from kvtier.daemon.config import Config
 from kvtier.daemon.errors import InvalidArgument, PermissionDenied
-from kvtier.daemon.index import keys_to_words
 from kvtier.daemon.pools import Pool, PoolRegistry
 from kvtier.daemon.sessions import Session, SessionRegistry
 from kvtier.daemon.store import BlockStore, DeleteResult, PrefetchResult, TierUsage
+from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class KVService:
     def close_session(self, session_id: str) -> None:
         leases = self.sessions.close(session_id)
         for lease in leases:
-            self.store.unpin(lease.bids)
+            self.store.unpin(lease.refs)
         pools = self.pools.drop_session(session_id)
         log.info(
             "session %s closed: %d pools unregistered, %d leases released",
@@ -107,7 +107,7 @@ class KVService:
 
     # ------------------------------------------------------------------ blocks
 
-    def lookup(
+    async def lookup(
         self, session_id: str, keys: Sequence[bytes], pin: bool, lease_ms: int
     ) -> LookupOutcome:
         words = self._words(keys)
@@ -116,13 +116,13 @@ class KVService:
             lease_s = self._lease_s(lease_ms)
         elif session_id:
             self.sessions.get(session_id)
-        prefix, tiers, ids = self.store.lookup(DEFAULT_NAMESPACE, words)
+        prefix, tiers, ids = await self.store.lookup(DEFAULT_NAMESPACE, words)
         lease_id = 0
         if pin:
             found = np.unique(ids[ids >= 0])
             if len(found):
-                self.store.pin(found)
-                lease = self.sessions.add_lease(session_id, found, self._clock() + lease_s)
+                refs = self.store.pin(found)
+                lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id
                 # The Get that follows should find them in L1.
                 self.store.promote_in_background(found)
@@ -168,14 +168,16 @@ class KVService:
     def release(self, session_id: str, lease_id: int) -> None:
         self.sessions.get(session_id)
         lease = self.sessions.pop_lease(session_id, lease_id)
-        self.store.unpin(lease.bids)
+        self.store.unpin(lease.refs)
 
-    def prefetch(
+    async def prefetch(
         self, session_id: str, keys: Sequence[bytes], deadline_ms: int, priority: int
     ) -> PrefetchResult:
         if session_id:
             self.sessions.get(session_id)
-        return self.store.prefetch(DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority)
+        return await self.store.prefetch(
+            DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority
+        )
 
     async def delete(self, session_id: str, keys: Sequence[bytes]) -> DeleteResult:
         if session_id:
@@ -185,13 +187,12 @@ class KVService:
     def expire_leases(self) -> int:
         expired = self.sessions.pop_expired(self._clock())
         for lease in expired:
-            self.store.unpin(lease.bids)
-        if expired:
-            self.store.counters["leases_expired"] += len(expired)
+            self.store.unpin(lease.refs)
+        self.store.counters.inc("leases_expired", len(expired))
         return len(expired)
 
     def stats(self) -> StatsSnapshot:
-        index = self.store.index.stats()
+        index = self.store.table.stats()
         return StatsSnapshot(
             tiers=self.store.usage(),
             counters=self.store.all_counters(),

@@ -22,7 +22,7 @@ from kvtier.daemon.errors import NotFound, PermissionDenied
 class Lease:
     lease_id: int
     session_id: str
-    bids: np.ndarray
+    refs: np.ndarray  # the pinned blocks, as block-table refs
     expires_at: float
 
 
@@ -68,12 +68,12 @@ class SessionRegistry:
             return []
         return [self._leases.pop(lid) for lid in session.leases]
 
-    def add_lease(self, session_id: str, bids: np.ndarray, expires_at: float) -> Lease:
+    def add_lease(self, session_id: str, refs: np.ndarray, expires_at: float) -> Lease:
         session = self.get(session_id)
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, session_id, bids, expires_at)
+        lease = Lease(lease_id, session_id, refs, expires_at)
         self._leases[lease_id] = lease
         session.leases.add(lease_id)
         heapq.heappush(self._expiry, (expires_at, lease_id))

@@ -75,7 +75,7 @@ def test_selective_writes_only_blocks_seen_twice(daemon_factory, tmp_path):
         time.sleep(0.3)
         counters = client.stats().counters
         assert counters["l2_committed_blocks"] == 2
-        assert counters["l2_admission_first_seen"] >= 2
+        assert client.stats().counter("admission", tier="L2", reason="first_seen") >= 2
 
 
 def test_warm_up_holds_watermark_demotion_until_the_hard_limit(daemon_factory, tmp_path):
@@ -95,8 +95,7 @@ def test_warm_up_holds_watermark_demotion_until_the_hard_limit(daemon_factory, t
             ks = keys(12, 6)  # 75% of L1
             client.put(pool.pool_id, ks, range(12))
             time.sleep(0.5)  # several balancer rounds
-            counters = client.stats().counters
-            return counters.get("l1_watermark_evictions", 0), client.lookup(ks).tiers
+            return client.stats().counter("watermark_evictions", tier="L1"), client.lookup(ks).tiers
 
     demoted, tiers = fill_and_count(0.0)
     assert demoted > 0 and Tier.L2_DISK in tiers

@@ -59,6 +59,14 @@ class TierKind(enum.IntEnum):
 _LABELS = {TierKind.GPU: "L0", TierKind.HOST: "L1", TierKind.DISK: "L2", TierKind.REMOTE: "L3"}
 
 
+class Priority(enum.IntEnum):
+    """How urgent a transfer is; lower goes first, down to the threads that move bytes."""
+
+    DEMAND = 0  # a request waits on it
+    PREFETCH = 1  # ahead of use
+    BACKGROUND = 2  # demotion, write-back, write-through, removal
+
+
 class Health(enum.Enum):
     OK = "ok"
     DEGRADED_NOSPACE = "degraded_nospace"  # full: refuses writes, serves reads, may recover
@@ -158,6 +166,7 @@ class WriteBatch:
     blocks: Sequence[BlockRef]
     nbytes: int
     src: HostBuffers | PoolPages
+    priority: Priority = Priority.BACKGROUND
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +179,7 @@ class ReadBatch:
     nbytes: int
     dest: HostBuffers | PoolPages
     checksums: Sequence[int] = ()
+    priority: Priority = Priority.DEMAND
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,7 +66,7 @@ def get_block(src: HostBuffers | PoolPages, j: int, nbytes: int) -> memoryview:
         return memoryview(src.views[j]).cast("B")[:nbytes]
     out = np.empty(nbytes, dtype=np.uint8)
     store_from(src, [j], out, np.zeros(1, dtype=np.uint64), nbytes)
-    return memoryview(out)
+    return out.data
 
 
 def copy_host(

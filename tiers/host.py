@@ -12,10 +12,23 @@ from __future__ import annotations
 import logging
 import mmap
 import time
+from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.base import (
+    HEALTHY,
+    HostBuffers,
+    ReadBatch,
+    RecoveredBlock,
+    TierHealth,
+    TierKind,
+    TierStats,
+    WriteBatch,
+    WriteOutcome,
+)
+from kvtier.tiers.buffers import load_into, store_from
 from kvtier.tiers.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -24,10 +37,15 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module
 
 
 class HostArena:
-    """Thread-safety: the mapping may be read and written from any thread; the allocator is
-    the owner's to serialise."""
+    """The L1 slot tier.
+
+    Thread-safety: ``write`` and ``read`` may run on any threads for distinct slots; the
+    allocator and ``remove`` (which only frees slots) are the owner's to serialise.
+    """
 
     kind = TierKind.HOST
+    persistent = False
+    checksummed = False
 
     def __init__(self, capacity_bytes: int, segment_bytes: int, *, pin_cuda: bool = False) -> None:
         self.allocator = SlabAllocator(capacity_bytes, segment_bytes)
@@ -50,18 +68,52 @@ class HostArena:
             ", page-locked for CUDA" if self._cuda_registered else "",
         )
 
+        self._counters: Counter[str] = Counter()
+
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = self.allocator.offset(slot)
         return memoryview(self.buffer)[start : start + nbytes]
 
-    def write(self, slot: int, data: memoryview, nbytes: int) -> None:
-        self.view(slot, nbytes)[:] = memoryview(data)[:nbytes]
+    def buffers(self, slots: Sequence[int], nbytes: int) -> HostBuffers:
+        """The slots as host buffers of their full slot size (page-aligned, so a disk tier
+        moves them without staging)."""
+        size = self.allocator.slot_bytes_for(nbytes)
+        return HostBuffers([self.view(int(s), size) for s in slots])
 
-    def read(self, slot: int, out: memoryview, nbytes: int) -> None:
-        memoryview(out)[:nbytes] = self.view(slot, nbytes)
+    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
+        starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
+        store_from(batch.src, range(len(batch.slots)), self.array, starts, batch.nbytes)
+        self._counters["blocks_written"] += len(batch.slots)
+        self._counters["bytes_written"] += len(batch.slots) * batch.nbytes
+        return [WriteOutcome(int(s), True) for s in batch.slots]
 
-    def state(self) -> str:
-        return "ok"
+    def read(self, batch: ReadBatch) -> list[bool]:
+        starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
+        load_into(batch.dest, range(len(batch.slots)), self.array, starts, batch.nbytes)
+        self._counters["blocks_read"] += len(batch.slots)
+        self._counters["bytes_read"] += len(batch.slots) * batch.nbytes
+        return [True] * len(batch.slots)
+
+    def remove(self, slots: Sequence[int]) -> bool:
+        for slot in slots:
+            self.allocator.free(int(slot))
+        return True
+
+    def recover(self) -> list[RecoveredBlock]:
+        return []
+
+    def health(self) -> TierHealth:
+        return HEALTHY
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            self.kind,
+            HEALTHY,
+            self.allocator.capacity_bytes,
+            self.allocator.used_bytes,
+            dict(self._counters),
+            {"page_locked": float(self._cuda_registered)},
+        )
 
     def close(self) -> None:
         if self._cuda_registered:

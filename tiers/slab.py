@@ -15,6 +15,7 @@ Not thread-safe: the owning store calls it from one thread.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -240,3 +241,37 @@ class SlabAllocator:
                 c.slot_bytes: len(c.segments) for c in self._classes.values() if c.segments
             },
         )
+
+
+class LockedSlab(SlabAllocator):
+    """A SlabAllocator safe to share between threads: the store's thread allocates while a
+    worker thread frees (a persistent tier frees slots only once their removal is durable,
+    on the thread that made it so)."""
+
+    def __init__(self, capacity_bytes: int, segment_bytes: int, align: int = 4096) -> None:
+        super().__init__(capacity_bytes, segment_bytes, align)
+        self._lock = threading.Lock()
+
+    def allocate(self, nbytes: int) -> int | None:
+        with self._lock:
+            return super().allocate(nbytes)
+
+    def can_allocate(self, nbytes: int) -> bool:
+        with self._lock:
+            return super().can_allocate(nbytes)
+
+    def claim(self, slot: int, nbytes: int) -> None:
+        with self._lock:
+            super().claim(slot, nbytes)
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            super().free(slot)
+
+    def stats(self) -> SlabStats:
+        with self._lock:
+            return super().stats()
+
+    def is_allocated(self, slot: int) -> bool:
+        with self._lock:
+            return super().is_allocated(slot)

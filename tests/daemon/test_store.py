@@ -1,21 +1,25 @@
-"""The store in process, with an injected clock: eviction order, pins, protection, chains."""
+"""The store in process, with an injected clock and an in-memory lower tier: eviction order,
+pins, protection, chains, and every path between tiers (demotion, promotion, write-through,
+selective writes, readahead, lost copies, durable puts, restart), with no wall-clock sleeps.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
 
 from kvtier.daemon.config import load_config
-from kvtier.daemon.index import keys_to_words
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
+from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
+from kvtier.tiers.base import Health, TierKind
 from kvtier.tiers.host import HostArena
+from kvtier.tiers.memory import MemoryTier
 
 SEG = 64 * 1024
 # Rules that hold whatever the ranking: every live policy must obey them.
@@ -30,12 +34,45 @@ class Clock:
         return self.now
 
 
-def make_store(
-    clock: Clock, *, segments: int = 1, protect_s: float = 0.0, policy: str = "lru"
-) -> BlockStore:
-    config = load_config(None, [f"policy.protect_s={protect_s}", f"policy.name={policy}"])
-    host = HostArena(segments * SEG, SEG)
-    return BlockStore(config, ThreadPoolExecutor(2), clock=clock, host=host)
+Factory = Callable[..., BlockStore]
+
+
+@pytest.fixture
+async def make_store() -> AsyncIterator[Factory]:
+    made: list[BlockStore] = []
+
+    def factory(
+        clock: Clock,
+        *,
+        segments: int = 1,
+        protect_s: float = 0.0,
+        policy: str = "lru",
+        l2_segments: int = 0,
+        l2: MemoryTier | None = None,
+        sets: tuple[str, ...] = (),
+    ) -> BlockStore:
+        config = load_config(
+            None,
+            [
+                f"policy.protect_s={protect_s}",
+                f"policy.name={policy}",
+                "mover.batch_blocks=8",
+                *sets,
+            ],
+        )
+        tiers: list[object] = [HostArena(segments * SEG, SEG)]
+        if l2 is None and l2_segments:
+            l2 = MemoryTier(TierKind.DISK, l2_segments * SEG, SEG, persistent=True)
+        if l2 is not None:
+            tiers.append(l2)
+        store = BlockStore(config, clock=clock, tiers=tiers)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        await store.stop(flush=False)
+        store.close()
 
 
 def make_pool(block_bytes: int = 4096, pages: int = 64) -> Pool:
@@ -52,126 +89,369 @@ def keys(n: int) -> np.ndarray:
     return keys_to_words([os.urandom(32) for _ in range(n)])
 
 
-def put(store, pool, words, pages=None, parent=None):
+async def put(store, pool, words, pages=None, parent=None, durable=False):
     pages = np.arange(len(words)) if pages is None else np.asarray(pages)
-    return asyncio.run(store.put(pool, 0, words, pages % pool.layout.num_pages, parent))[0].tolist()
+    res, persisted = await store.put(
+        pool, 0, words, pages % pool.layout.num_pages, parent, durable=durable
+    )
+    return res.tolist() if not durable else (res.tolist(), persisted.tolist())
+
+
+async def get(store, pool, words, pages, touch=True) -> list[bool]:
+    return (await store.get(pool, 0, words, np.asarray(pages), touch=touch)).tolist()
 
 
 def present(store, words) -> list[bool]:
-    return (store.index.lookup(0, words) >= 0).tolist()
+    return (store.table.lookup(0, words) >= 0).tolist()
 
 
-def test_full_tier_evicts_least_recently_used():
+def where(store, words) -> list[str]:
+    """The fastest tier of each key ('-' when absent)."""
+    _, tiers, _ = _lookup(store, words)
+    return ["-" if t == 0 else TierKind(t).label for t in tiers.tolist()]
+
+
+def _lookup(store, words):
+    ids = store.table.lookup(0, words)
+    return 0, store._fastest_kind(np.maximum(ids, 0)) * (ids >= 0), ids
+
+
+def page_bytes(pool: Pool, page: int) -> bytes:
+    n = pool.block_bytes
+    return pool.array[page * n : (page + 1) * n].tobytes()
+
+
+# ------------------------------------------------------------------ one tier
+
+
+async def test_full_tier_evicts_least_recently_used(make_store):
     clock = Clock()
     store, pool = make_store(clock), make_pool()
     a, b = keys(8), keys(8)  # 16 slots of 4 KiB in one 64 KiB segment
-    put(store, pool, a)
+    await put(store, pool, a)
     clock.now += 1
-    put(store, pool, b)
+    await put(store, pool, b)
     clock.now += 1
-    store.lookup(0, a[:2])  # touch: a[0], a[1] become most recent
+    await store.lookup(0, a[:2])  # touch: a[0], a[1] become most recent
     clock.now += 1
     c = keys(4)
-    assert put(store, pool, c) == [PutResult.STORED] * 4
+    assert await put(store, pool, c) == [PutResult.STORED] * 4
     assert present(store, a) == [True, True] + [False] * 4 + [True, True]
     assert all(present(store, b)) and all(present(store, c))
-    assert store.counters["l1_evictions"] == 4
+    assert store.counters.get("evictions", tier="L1") == 4
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_pinned_blocks_are_never_evicted(policy):
+async def test_pinned_blocks_are_never_evicted(make_store, policy):
     clock = Clock()
     store, pool = make_store(clock, policy=policy), make_pool()
     a = keys(16)
-    put(store, pool, a)
-    ids = store.index.lookup(0, a)
-    store.pin(ids)
+    await put(store, pool, a)
+    refs = store.pin(store.table.lookup(0, a))
     clock.now += 100
-    assert put(store, pool, keys(2)) == [PutResult.REJECTED_FULL] * 2
+    assert await put(store, pool, keys(2)) == [PutResult.REJECTED_FULL] * 2
     assert all(present(store, a))
-    store.unpin(ids)
-    assert put(store, pool, keys(2)) == [PutResult.STORED] * 2
-    with pytest.raises(AssertionError, match="below zero"):
-        store.unpin(ids[:1])
+    store.unpin(refs)
+    assert await put(store, pool, keys(2)) == [PutResult.STORED] * 2
+    with pytest.raises(AssertionError):
+        store.unpin(refs[:1])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_protected_blocks_survive_until_their_period_ends(policy):
+async def test_protected_blocks_survive_until_their_period_ends(make_store, policy):
     clock = Clock()
     store, pool = make_store(clock, policy=policy, protect_s=5.0), make_pool()
     a = keys(16)
-    put(store, pool, a)
+    await put(store, pool, a)
     clock.now += 4.9
-    assert put(store, pool, keys(1)) == [PutResult.REJECTED_FULL]
+    assert await put(store, pool, keys(1)) == [PutResult.REJECTED_FULL]
     clock.now += 0.2
-    assert put(store, pool, keys(1)) == [PutResult.STORED]
+    assert await put(store, pool, keys(1)) == [PutResult.STORED]
     assert sum(present(store, a)) == 15
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_chain_that_does_not_fit_keeps_its_head(policy):
+async def test_a_chain_that_does_not_fit_keeps_its_head(make_store, policy):
     clock = Clock()
     store, pool = make_store(clock, policy=policy, protect_s=60.0), make_pool()
     chain = keys(20)
-    results = put(store, pool, chain)
+    results = await put(store, pool, chain)
     assert results == [PutResult.STORED] * 16 + [PutResult.REJECTED_FULL] * 4
     assert present(store, chain) == [True] * 16 + [False] * 4
-    assert store.counters["put_blocks_rejected"] == 4
+    assert store.counters.get("put_blocks", result="rejected") == 4
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_eviction_is_all_or_nothing_per_request(policy):
+async def test_eviction_is_all_or_nothing_per_request(make_store, policy):
     """With 3 evictable blocks and 4 needed, the 3 are evicted and 1 block is refused; no
     half-evicted block is left behind."""
     clock = Clock()
     store, pool = make_store(clock, policy=policy), make_pool()
     a = keys(16)
-    put(store, pool, a)
-    store.pin(store.index.lookup(0, a[3:]))
-    results = put(store, pool, keys(4))
+    await put(store, pool, a)
+    store.pin(store.table.lookup(0, a[3:]))
+    results = await put(store, pool, keys(4))
     assert results == [PutResult.STORED] * 3 + [PutResult.REJECTED_FULL]
     assert present(store, a) == [False] * 3 + [True] * 13
-    assert store.host.allocator.used_slots == 16
+    assert store.top.slots.allocator.used_slots == 16
 
 
-def test_get_copies_exact_bytes_and_skips_missing():
+async def test_get_copies_exact_bytes_and_skips_missing(make_store):
     clock = Clock()
     store, pool = make_store(clock), make_pool()
     a = keys(3)
-    put(store, pool, a, pages=[5, 6, 7])
-    expected = [pool.array[p * 4096 : (p + 1) * 4096].copy() for p in (5, 6, 7)]
+    await put(store, pool, a, pages=[5, 6, 7])
+    expected = [page_bytes(pool, p) for p in (5, 6, 7)]
     pool.array[:] = 0
     words = np.concatenate([a[:2], keys(1), a[2:]])
-    loaded = asyncio.run(store.get(pool, 0, words, np.array([10, 11, 12, 13]), touch=True))
-    assert loaded.tolist() == [True, True, False, True]
-    for page, exp in zip((10, 11, 13), expected, strict=True):
-        assert np.array_equal(pool.array[page * 4096 : (page + 1) * 4096], exp)
+    assert await get(store, pool, words, [10, 11, 12, 13]) == [True, True, False, True]
+    assert [page_bytes(pool, p) for p in (10, 11, 13)] == expected
     assert not pool.array[12 * 4096 : 13 * 4096].any()
 
 
-def test_a_new_block_size_takes_a_whole_segment_from_the_coldest():
+async def test_a_new_block_size_takes_a_whole_segment_from_the_coldest(make_store):
     clock = Clock()
     store = make_store(clock, segments=2)
     small, big = make_pool(4096), make_pool(8192)
     old, new = keys(16), keys(16)
-    put(store, small, old)
+    await put(store, small, old)
     clock.now += 10
-    put(store, small, new)
+    await put(store, small, new)
     clock.now += 10
-    assert put(store, big, keys(1)) == [PutResult.STORED]
+    assert await put(store, big, keys(1)) == [PutResult.STORED]
     # The segment of the older blocks went as a whole; the newer segment is intact.
     assert not any(present(store, old)) and all(present(store, new))
-    assert store.counters["segment_reclaims"] == 1
+    assert store.counters.get("segment_reclaims", tier="L1") == 1
+
+
+async def test_size_classes_reclaim_segments_from_each_other(make_store):
+    """A size class whose own blocks are all protected takes a whole segment from another
+    class whose blocks may go, instead of refusing the put."""
+    clock = Clock()
+    store = make_store(clock, segments=3, protect_s=10.0)
+    small, big = make_pool(4096), make_pool(8192)
+    await put(store, big, keys(8))  # one segment of 8 KiB slots
+    clock.now += 20  # ...now unprotected
+    await put(store, small, keys(16))  # one segment of 4 KiB slots
+    hot = keys(16)
+    await put(store, small, hot)  # a second one, full and protected
+    assert await put(store, small, keys(4)) == [PutResult.STORED] * 4
+    assert all(present(store, hot))
+    assert store.counters.get("segment_reclaims", tier="L1") == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_delete_keeps_pinned_and_counts_missing(policy):
+async def test_delete_keeps_pinned_and_counts_missing(make_store, policy):
     clock = Clock()
     store, pool = make_store(clock, policy=policy), make_pool()
     a = keys(3)
-    put(store, pool, a)
-    store.pin(store.index.lookup(0, a[:1]))
-    res = asyncio.run(store.delete(0, np.concatenate([a, keys(1)])))
+    await put(store, pool, a)
+    store.pin(store.table.lookup(0, a[:1]))
+    res = await store.delete(0, np.concatenate([a, keys(1)]))
     assert (res.deleted, res.busy, res.missing) == (2, 1, 1)
     assert present(store, a) == [True, False, False]
-    assert store.host.allocator.used_slots == 1
+    assert store.top.slots.allocator.used_slots == 1
+
+
+# ------------------------------------------------------------------ two tiers
+
+
+async def test_blocks_leaving_l1_are_demoted_and_read_back_exact(make_store):
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=4), make_pool(pages=64)
+    a = keys(48)
+    for start in range(0, 48, 8):
+        await put(store, pool, a[start : start + 8], pages=range(start, start + 8))
+        clock.now += 1
+    assert where(store, a).count("L2") == 32 and set(where(store, a)) == {"L1", "L2"}
+    assert store.counters.get("demoted_blocks", tier="L2") == 32
+    want = [page_bytes(pool, p) for p in range(48)]
+    pool.array[:] = 0
+    for start in range(0, 48, 16):
+        assert (
+            await get(store, pool, a[start : start + 16], range(start, start + 16)) == [True] * 16
+        )
+    assert [page_bytes(pool, p) for p in range(48)] == want
+
+
+async def test_stored_means_loadable_when_l1_is_full_of_protected_blocks(make_store):
+    """Regression: blocks on L2 were not loaded while L1 was full of blocks inside their
+    protection period (one size class loaded 0 of 1,536 blocks on its first Get). A Get now
+    reads what L1 cannot take straight from L2 into the pages: one pass loads everything."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=1, l2_segments=8, protect_s=60.0), make_pool()
+    cold = keys(48)
+    for start in range(0, 48, 16):
+        await put(store, pool, cold[start : start + 16], pages=range(start, start + 16))
+        clock.now += 61
+    want = [page_bytes(pool, p) for p in range(48)]
+    hot = keys(16)
+    await put(store, pool, hot, pages=range(48, 64))  # L1 is now all protected blocks
+    assert where(store, cold) == ["L2"] * 48
+    pool.array[: 48 * 4096] = 0
+    assert await get(store, pool, cold, range(48)) == [True] * 48
+    assert [page_bytes(pool, p) for p in range(48)] == want
+    assert all(present(store, hot)) and where(store, hot) == ["L1"] * 16
+    assert store.counters.get("loaded_from", tier="L2") == 48
+
+
+async def test_promotion_takes_clean_room_on_a_get(make_store):
+    """L1 full of blocks that also have an L2 copy: a Get of L2-only blocks promotes them
+    (evicting clean copies costs no write)."""
+    clock = Clock()
+    store = make_store(clock, l2_segments=4, sets=("tiers.l2.write_policy=write_through",))
+    pool = make_pool()
+    old, new = keys(16), keys(16)
+    await put(store, pool, old)
+    await store.space.drain()
+    clock.now += 1
+    await put(store, pool, new, pages=range(16, 32))
+    await store.space.drain()
+    assert where(store, old) == ["L2"] * 16
+    assert await get(store, pool, old, range(32, 48)) == [True] * 16
+    assert where(store, old) == ["L1"] * 16
+    assert store.counters.get("copies", direction="L2->L1") == 16
+
+
+async def test_write_through_copies_every_put_to_l2(make_store):
+    clock = Clock()
+    store = make_store(clock, l2_segments=4, sets=("tiers.l2.write_policy=write_through",))
+    pool = make_pool()
+    a = keys(8)
+    await put(store, pool, a)
+    await store.space.drain()
+    col = store.stack[TierKind.DISK].col
+    assert (store.table.slot[store.table.lookup(0, a), col] >= 0).all()
+
+
+async def test_selective_writes_a_block_on_its_second_access(make_store):
+    clock = Clock()
+    store = make_store(clock, l2_segments=4, sets=("tiers.l2.write_policy=selective",))
+    pool = make_pool()
+    a = keys(4)
+    await put(store, pool, a)
+    await store.space.drain()
+    col = store.stack[TierKind.DISK].col
+    ids = store.table.lookup(0, a)
+    assert not (store.table.slot[ids, col] >= 0).any()
+    await store.lookup(0, a[:2])
+    store.space.apply_touches()
+    await store.space.drain()
+    assert (store.table.slot[ids, col] >= 0).tolist() == [True, True, False, False]
+
+
+async def test_readahead_promotes_the_next_blocks_of_a_chain(make_store):
+    clock = Clock()
+    store = make_store(clock, segments=2, l2_segments=4, sets=("policy.readahead_blocks=3",))
+    pool = make_pool()
+    chain = keys(8)
+    await put(store, pool, chain)
+    clock.now += 1
+    await put(store, pool, keys(32), pages=range(8, 40))  # pushes the chain to L2
+    assert where(store, chain) == ["L2"] * 8
+    assert await get(store, pool, chain[:2], [50, 51]) == [True, True]
+    await store.space.drain()
+    assert where(store, chain)[2:5] == ["L1"] * 3 and where(store, chain)[5:] == ["L2"] * 3
+    assert store.prefetches.stats().issued >= 3
+
+
+async def test_a_reused_row_never_inherits_a_chain_link(make_store):
+    """Block ids are reused; a child link of a deleted block must not lead readahead to
+    whichever block took its row."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=2), make_pool()
+    parent, child = keys(1), keys(1)
+    await put(store, pool, parent)
+    await put(store, pool, child, pages=[1], parent=parent[0])
+    pid, cid = store.table.lookup(0, parent)[0], store.table.lookup(0, child)[0]
+    assert store.table.child_of(pid) == cid
+    await store.delete(0, child)
+    stranger = keys(1)
+    await put(store, pool, stranger, pages=[2])
+    assert store.table.lookup(0, stranger)[0] == cid  # the row is reused
+    assert store.table.child_of(pid) == -1
+
+
+async def test_a_corrupt_l2_copy_is_a_miss_and_is_dropped(make_store):
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(20)
+    await put(store, pool, a[:16])
+    clock.now += 1
+    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
+    on_l2 = [i for i, t in enumerate(where(store, a)) if t == "L2"]
+    assert len(on_l2) == 4
+    bad = on_l2[0]
+    l2.corrupt(int(store.table.slot[store.table.lookup(0, a[bad : bad + 1])[0], 1]))
+    got = await get(store, pool, a, range(20, 40))
+    assert got == [i != bad for i in range(20)]
+    assert not present(store, a[bad : bad + 1])[0]
+    assert store.counters.get("copies_lost", tier="L2") == 1
+
+
+async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(6)
+    results, persisted = await put(store, pool, a, durable=True)
+    assert results == [PutResult.STORED] * 6 and persisted == [True] * 6
+    b = keys(3)
+    await put(store, pool, b, pages=[10, 11, 12])
+    await store.stop(flush=True)  # b was only in L1: the flush writes it down
+    want = [page_bytes(pool, p) for p in [*range(6), 10, 11, 12]]
+    again = make_store(clock, l2=l2.reopen())
+    assert where(again, np.concatenate([a, b])) == ["L2"] * 9
+    pool.array[:] = 0
+    assert await get(again, pool, np.concatenate([a, b]), range(20, 29)) == [True] * 9
+    assert [page_bytes(pool, p) for p in range(20, 29)] == want
+
+
+async def test_watermarks_move_the_coldest_blocks_down(make_store):
+    clock = Clock()
+    store = make_store(
+        clock,
+        segments=1,
+        l2_segments=2,
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    a = keys(12)
+    for i in range(12):
+        await put(store, pool, a[i : i + 1], pages=[i])
+        clock.now += 1
+    await store.balance()
+    assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
+    assert store.counters.get("watermark_evictions", tier="L1") == 8
+
+
+async def test_prefetch_promotes_ahead_of_use_and_counts_use(make_store):
+    clock = Clock()
+    store = make_store(clock, l2_segments=4)
+    pool = make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    clock.now += 1
+    await put(store, pool, keys(16), pages=range(16, 32))
+    assert where(store, a[:4]) == ["L2"] * 4
+    res = await store.prefetch(0, a[:4], deadline_ms=0, priority=0)
+    assert (res.scheduled, res.resident, res.missing) == (4, 0, 0)
+    await store.space.drain()
+    assert where(store, a[:4]) == ["L1"] * 4
+    await get(store, pool, a[:4], range(40, 44))
+    stats = store.prefetches.stats()
+    # The Get also read ahead the chain's next four blocks: issued, not used yet.
+    assert (stats.issued, stats.used, stats.outstanding) == (8, 4, 4)
+
+
+async def test_a_sick_l2_takes_no_demotions_and_blocks_are_dropped(make_store):
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    l2.set_health(Health.DEGRADED_IO, "EIO")
+    a = keys(20)
+    assert await put(store, pool, a[:16]) == [PutResult.STORED] * 16
+    assert await put(store, pool, a[16:], pages=range(16, 20)) == [PutResult.STORED] * 4
+    assert present(store, a).count(True) == 16  # four evicted without a copy below
+    assert store.counters.get("demoted_blocks") == 0

@@ -4,6 +4,7 @@ small loop-mounted filesystem for running out of space."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from disk_faults import FaultyFiles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -45,8 +47,6 @@ def make_block() -> Callable[[int, int], tuple[bytes, bytes]]:
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 48 MiB ext4 filesystem, loop-mounted, for tests that fill a disk. Skips when the
     sandbox cannot mount one (needs root, loop devices and mkfs.ext4)."""
-    import os
-
     if os.geteuid() != 0:
         pytest.skip("loop-mounting a small filesystem needs root")
     if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
@@ -71,3 +71,8 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def faulty_files() -> FaultyFiles:
+    return FaultyFiles()

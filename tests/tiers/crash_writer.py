@@ -45,15 +45,15 @@ def main() -> None:
                 for vid, _ in victims:
                     print(f"D {vid}", flush=True)
                 if not tier.remove([s for _, s in victims]):
-                    raise SystemExit(f"remove failed: {tier.state()}")
+                    raise SystemExit(f"remove failed: {tier.health()}")
                 slot = tier.allocator.allocate(nbytes)
             batch.append((i, slot, nbytes))
             i += 1
-        outcomes = tier.write([WriteItem(s, block_data(b, n), n) for b, s, n in batch])
+        outcomes = tier.write_items([WriteItem(s, block_data(b, n), n) for b, s, n in batch])
         if not all(o.ok for o in outcomes):
-            raise SystemExit(f"write failed: {tier.state()}")
+            raise SystemExit(f"write failed: {tier.health()}")
         if not tier.commit([CommitEntry(1, block_key(b), s) for b, s, _ in batch]):
-            raise SystemExit(f"commit failed: {tier.state()}")
+            raise SystemExit(f"commit failed: {tier.health()}")
         for b, s, _ in batch:
             print(f"C {b}", flush=True)
             live.append((b, s))

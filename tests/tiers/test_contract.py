@@ -1,9 +1,8 @@
-"""The contract every tier passes: slots, byte-exact round trips, free and reuse, accounting,
-concurrency.
+"""The contract every slot tier passes: slots, byte-exact round trips through host buffers and
+through an engine pool's pages, free and reuse, accounting, health, concurrency.
 
-Tiers differ in how bytes move (L1 copies one block at a time, L2 moves verified batches), so
-each tier comes with a small driver that speaks the contract's four verbs. A new tier adds a
-driver and one line to ``TIERS``; every test below then runs against it.
+Every tier is driven through the same verbs of ``tiers.base.SlotTier`` (``write``, ``read``,
+``remove``); a new tier adds one line to ``TIERS`` and every test below runs against it.
 """
 
 from __future__ import annotations
@@ -12,85 +11,78 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+import numpy as np
 import pytest
 
-from kvtier.tiers.base import TierKind
-from kvtier.tiers.disk import DiskTier, PersistItem, ReadItem
+from kvtier.kernels.layout import PoolLayout
+from kvtier.tiers.base import (
+    BlockRef,
+    Health,
+    HostBuffers,
+    PoolPages,
+    ReadBatch,
+    SlotTier,
+    TierKind,
+    WriteBatch,
+)
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostArena
+from kvtier.tiers.memory import MemoryTier
 
 CAPACITY = 16 << 20
 SEGMENT = 4 << 20
 SIZES = [4096, 10_000, 65_536, 2 << 20]
 
 
-class Driver(Protocol):
-    tier: Any
+class Driver:
+    """Stores and loads ``(slot, bytes)`` through a tier's batch verbs, remembering the
+    checksums a checksumming tier hands back."""
 
-    def store(self, blocks: list[tuple[int, bytes]]) -> list[bool]:
-        """Write each ``(slot, data)`` so that ``load`` can return it."""
-
-    def load(self, blocks: list[tuple[int, int]]) -> list[bytes | None]:
-        """The bytes of each ``(slot, nbytes)``, or None for a miss."""
-
-    def free(self, slots: list[int]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class HostDriver:
-    def __init__(self, tier: HostArena) -> None:
-        self.tier = tier
-
-    def store(self, blocks: list[tuple[int, bytes]]) -> list[bool]:
-        for slot, data in blocks:
-            self.tier.write(slot, memoryview(data), len(data))
-        return [True] * len(blocks)
-
-    def load(self, blocks: list[tuple[int, int]]) -> list[bytes | None]:
-        out = []
-        for slot, nbytes in blocks:
-            buf = bytearray(nbytes)
-            self.tier.read(slot, memoryview(buf), nbytes)
-            out.append(bytes(buf))
-        return out
-
-    def free(self, slots: list[int]) -> None:
-        for slot in slots:
-            self.tier.allocator.free(slot)
-
-    def close(self) -> None:
-        self.tier.close()
-
-
-class DiskDriver:
-    def __init__(self, tier: DiskTier) -> None:
-        self.tier = tier
+    def __init__(self, tier: Any) -> None:
+        self.tier: SlotTier = tier
         self._sums: dict[int, int] = {}
         self._lock = threading.Lock()
 
+    @staticmethod
+    def _ref(slot: int) -> BlockRef:
+        return BlockRef(1, slot.to_bytes(32, "little"))
+
     def store(self, blocks: list[tuple[int, bytes]]) -> list[bool]:
-        items = [
-            PersistItem(1, slot.to_bytes(32, "little"), slot, data, len(data))
-            for slot, data in blocks
-        ]
-        outcomes = self.tier.persist(items)
-        with self._lock:
-            for o in outcomes:
-                self._sums[o.slot] = o.checksum
-        return [o.ok for o in outcomes]
+        ok: list[bool] = []
+        for nbytes in sorted({len(d) for _, d in blocks}):
+            group = [(s, d) for s, d in blocks if len(d) == nbytes]
+            batch = WriteBatch(
+                [s for s, _ in group],
+                [self._ref(s) for s, _ in group],
+                nbytes,
+                HostBuffers([memoryview(d) for _, d in group]),
+            )
+            outcomes = self.tier.write(batch)
+            with self._lock:
+                for o in outcomes:
+                    self._sums[o.slot] = o.checksum
+            ok += [o.ok for o in outcomes]
+        return ok
 
     def load(self, blocks: list[tuple[int, int]]) -> list[bytes | None]:
-        bufs = [bytearray(nbytes) for _, nbytes in blocks]
-        with self._lock:
-            sums = [self._sums[slot] for slot, _ in blocks]
-        items = [
-            ReadItem(slot, buf, nbytes, s, slot.to_bytes(32, "little"))
-            for (slot, nbytes), buf, s in zip(blocks, bufs, sums, strict=True)
-        ]
-        ok = self.tier.read(items)
-        return [bytes(b) if good else None for b, good in zip(bufs, ok, strict=True)]
+        out: dict[int, bytes | None] = {}
+        for nbytes in sorted({n for _, n in blocks}):
+            slots = [s for s, n in blocks if n == nbytes]
+            bufs = [bytearray(nbytes) for _ in slots]
+            with self._lock:
+                sums = [self._sums[s] for s in slots]
+            batch = ReadBatch(
+                slots,
+                [self._ref(s) for s in slots],
+                nbytes,
+                HostBuffers([memoryview(b) for b in bufs]),
+                sums,
+            )
+            for s, b, good in zip(slots, bufs, self.tier.read(batch), strict=True):
+                out[s] = bytes(b) if good else None
+        return [out[s] for s, _ in blocks]
 
     def free(self, slots: list[int]) -> None:
         assert self.tier.remove(slots)
@@ -100,16 +92,21 @@ class DiskDriver:
 
 
 def _host(_: Path) -> Driver:
-    return HostDriver(HostArena(CAPACITY, SEGMENT))
+    return Driver(HostArena(CAPACITY, SEGMENT))
 
 
 def _disk(directory: Path) -> Driver:
-    return DiskDriver(DiskTier(directory, CAPACITY, SEGMENT, file_bytes=8 << 20))
+    return Driver(DiskTier(directory, CAPACITY, SEGMENT, file_bytes=8 << 20))
+
+
+def _memory(_: Path) -> Driver:
+    return Driver(MemoryTier(TierKind.DISK, CAPACITY, SEGMENT, persistent=True))
 
 
 TIERS: dict[str, Callable[[Path], Driver]] = {
     "L1-host": _host,
     "L2-disk": _disk,
+    "memory": _memory,
 }
 
 
@@ -132,9 +129,62 @@ def _fill(driver: Driver, nbytes: int) -> list[int]:
     return slots
 
 
-def test_kind_and_state(driver: Driver) -> None:
+def test_kind_health_and_stats(driver: Driver) -> None:
     assert isinstance(driver.tier.kind, TierKind)
-    assert driver.tier.state() == "ok"
+    assert driver.tier.health().state is Health.OK
+    stats = driver.tier.stats()
+    assert stats.kind == driver.tier.kind
+    assert (stats.capacity_bytes, stats.used_bytes) == (CAPACITY, 0)
+
+
+@pytest.mark.parametrize("layout_name", ["vllm", "staging"])
+def test_blocks_move_between_a_pool_s_pages_and_slots(driver: Driver, layout_name: str) -> None:
+    """A batch written from an engine pool's pages reads back into other pages of a pool of
+    another layout with the same chunks, byte for byte."""
+    vllm = PoolLayout.vllm(
+        num_layers=3, num_pages=8, block_tokens=4, num_kv_heads=2, head_dim=64, dtype="float16"
+    )
+    other = (
+        vllm
+        if layout_name == "vllm"
+        else PoolLayout.staging(
+            num_layers=3, num_pages=8, block_tokens=4, chunk_bytes=vllm.layers[0].chunk_bytes
+        )
+    )
+    src = np.random.default_rng(7).integers(0, 256, vllm.extent_bytes, dtype=np.uint8)
+    dst = np.zeros(other.extent_bytes, dtype=np.uint8)
+    nbytes = vllm.block_bytes
+    slots = [driver.tier.allocator.allocate(nbytes) for _ in range(5)]
+    assert None not in slots
+    refs = [Driver._ref(int(s)) for s in slots]  # type: ignore[arg-type]
+    pages_in, pages_out = np.array([0, 2, 3, 5, 7]), np.array([6, 1, 0, 4, 3])
+    outcomes = driver.tier.write(
+        WriteBatch(slots, refs, nbytes, PoolPages(vllm.chunk_table, src, pages_in))  # type: ignore[arg-type]
+    )
+    assert all(o.ok for o in outcomes)
+    ok = driver.tier.read(
+        ReadBatch(
+            slots,  # type: ignore[arg-type]
+            refs,
+            nbytes,
+            PoolPages(other.chunk_table, dst, pages_out),
+            [o.checksum for o in outcomes],
+        )
+    )
+    assert ok == [True] * 5
+    for p_in, p_out in zip(pages_in.tolist(), pages_out.tolist(), strict=True):
+        want = _gather(vllm, src, p_in)
+        assert _gather(other, dst, p_out).tobytes() == want.tobytes()
+
+
+def _gather(layout: PoolLayout, mem: np.ndarray, page: int) -> np.ndarray:
+    """A page's block, gathered independently of the copy kernel."""
+    parts = []
+    for layer in layout.layers:
+        for kv in range(layer.kv_count):
+            start = layer.offset + kv * layer.kv_stride + page * layer.page_stride
+            parts.append(mem[start : start + layer.chunk_bytes])
+    return np.concatenate(parts)
 
 
 @pytest.mark.parametrize("nbytes", [4096, 10_000, 2 << 20])
@@ -229,4 +279,4 @@ def test_concurrent_reads_and_writes(driver: Driver) -> None:
     with ThreadPoolExecutor(threads) as pool:
         done = list(pool.map(worker, range(threads)))
     assert done == [per_thread * rounds] * threads
-    assert driver.tier.state() == "ok"
+    assert driver.tier.health().state is Health.OK

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from disk_faults import FaultyFiles
 
-from kvtier.tiers.base import TierUnavailable
+from kvtier.tiers.base import Health, TierUnavailable
 from kvtier.tiers.disk import (
     CommitEntry,
     DiskTier,
@@ -42,14 +43,14 @@ def _persist(tier: DiskTier, make_block: Block, ids: list[int], nbytes: int) -> 
         items.append(PersistItem(1, key, slot, data, nbytes))
         meta[i] = (key, slot, data)
     outcomes = tier.persist(items)
-    assert all(o.ok for o in outcomes), tier.state()
+    assert all(o.ok for o in outcomes), tier.health()
     return {i: (*meta[i], o.checksum) for i, o in zip(ids, outcomes, strict=True)}
 
 
 def _read(tier: DiskTier, blocks: dict[int, tuple]) -> dict[int, bytes | None]:
     bufs = {i: bytearray(len(b[2])) for i, b in blocks.items()}
     items = [ReadItem(b[1], bufs[i], len(b[2]), b[3], b[0]) for i, b in blocks.items()]
-    ok = tier.read(items)
+    ok = tier.read_items(items)
     return {i: bytes(bufs[i]) if good else None for i, good in zip(blocks, ok, strict=True)}
 
 
@@ -81,7 +82,7 @@ def test_restart_serves_thousands_of_blocks(disk_dir: Path, make_block: Block) -
         assert tier.recover() == []  # handed over once
         assert len(recovered) == 3000
         assert tier.allocator.used_bytes == used
-        assert tier.stats()["recovered_blocks"] == 3000
+        assert tier.stats().counters["recovered_blocks"] == 3000
         for key, slot, data, csum in blocks.values():
             r = recovered[key]
             assert (r.ns, r.slot, r.nbytes, r.checksum) == (1, slot, len(data), csum)
@@ -89,7 +90,7 @@ def test_restart_serves_thousands_of_blocks(disk_dir: Path, make_block: Block) -
         for start in range(0, len(items), 500):
             chunk = items[start : start + 500]
             bufs = [bytearray(n) for _, n, _, _ in chunk]
-            ok = tier.read(
+            ok = tier.read_items(
                 [ReadItem(s, b, n, c, k) for (s, n, c, k), b in zip(chunk, bufs, strict=True)]
             )
             assert all(ok)
@@ -100,7 +101,7 @@ def test_restart_serves_thousands_of_blocks(disk_dir: Path, make_block: Block) -
         taken = {r.slot for r in recovered.values()}
         fresh = [tier.allocator.allocate(4096) for _ in range(100)]
         assert taken.isdisjoint(fresh)
-        assert tier.stats()["checksum_failures"] == 0
+        assert tier.stats().counters["checksum_failures"] == 0
 
 
 def test_written_but_uncommitted_slot_is_reclaimed(disk_dir: Path, make_block: Block) -> None:
@@ -108,9 +109,9 @@ def test_written_but_uncommitted_slot_is_reclaimed(disk_dir: Path, make_block: B
         kept = _persist(tier, make_block, [1], 4096)
         slot = tier.allocator.allocate(4096)
         assert slot is not None
-        out = tier.write([WriteItem(slot, make_block(2, 4096)[1], 4096)])
+        out = tier.write_items([WriteItem(slot, make_block(2, 4096)[1], 4096)])
         assert out[0].ok
-        assert tier.stats()["uncommitted_slots"] == 1
+        assert tier.stats().gauges["uncommitted_slots"] == 1
     with _open(disk_dir) as tier:
         recovered = tier.recover()
         assert [r.key for r in recovered] == [kept[1][0]]
@@ -123,13 +124,13 @@ def test_overwrite_without_remove_drops_the_old_row_first(
     with _open(disk_dir) as tier:
         old = _persist(tier, make_block, [1, 2], 4096)
         slot = old[1][1]
-        out = tier.write([WriteItem(slot, make_block(3, 4096)[1], 4096)])
+        out = tier.write_items([WriteItem(slot, make_block(3, 4096)[1], 4096)])
         assert out[0].ok
-        assert tier.stats()["overwritten_blocks"] == 1
+        assert tier.stats().counters["overwritten_blocks"] == 1
         # Killed here, before the commit: the old row must not come back over new bytes.
     with _open(disk_dir) as tier:
         assert [r.key for r in tier.recover()] == [old[2][0]]
-        assert tier.stats()["checksum_failures"] == 0
+        assert tier.stats().counters["checksum_failures"] == 0
 
 
 def test_capacity_change_keeps_the_blocks_that_fit(
@@ -172,7 +173,7 @@ def test_l1_slot_views_move_without_staging(disk_dir: Path) -> None:
         )
         assert all(o.ok for o in outs)
         arena.array[:] = 0
-        ok = tier.read(
+        ok = tier.read_items(
             [
                 ReadItem(s, arena.view(a, nbytes), nbytes, o.checksum, b"k")
                 for s, a, o in zip(slots, l1, outs, strict=True)
@@ -180,11 +181,11 @@ def test_l1_slot_views_move_without_staging(disk_dir: Path) -> None:
         )
         assert all(ok)
         stats = tier.stats()
-        assert stats["io_mode"] == "o_direct"
-        assert stats["bounced_blocks"] == 0
+        assert tier.direct_io
+        assert stats.counters["bounced_blocks"] == 0
         # 32 adjacent slots move in a few vectored calls, not 32.
-        assert stats["write_calls"] <= tier.io_threads
-        assert stats["read_calls"] <= tier.io_threads
+        assert stats.counters["write_calls"] <= tier.io_threads
+        assert stats.counters["read_calls"] <= tier.io_threads
     for j, s in enumerate(l1):
         assert arena.view(s, nbytes) == bytes([j]) * nbytes
     arena.close()
@@ -193,7 +194,7 @@ def test_l1_slot_views_move_without_staging(disk_dir: Path) -> None:
 def test_unaligned_and_odd_sized_buffers_are_staged(disk_dir: Path, make_block: Block) -> None:
     with _open(disk_dir) as tier:
         blocks = _persist(tier, make_block, list(range(20)), 10_000)
-        assert tier.stats()["bounced_blocks"] == 20
+        assert tier.stats().counters["bounced_blocks"] == 20
         got = _read(tier, blocks)
         assert got == {i: b[2] for i, b in blocks.items()}
 
@@ -215,22 +216,22 @@ def test_corrupt_slot_is_a_counted_logged_miss_and_stays_quarantined(
         assert all(got[i] == blocks[i][2] for i in blocks if i != 3)
         assert bad_key.hex() in caplog.text
         stats = tier.stats()
-        assert stats["checksum_failures"] == 1
-        assert stats["read_failures"] == 1
-        assert stats["quarantined_slots"] == 1
-        assert tier.state() == "ok"  # one bad block is not a sick disk
+        assert stats.counters["checksum_failures"] == 1
+        assert stats.counters["read_failures"] == 1
+        assert stats.gauges["quarantined_slots"] == 1
+        assert tier.health().state is Health.OK  # one bad block is not a sick disk
         # A second read does no I/O, leaves the buffer alone and still misses.
         buf = bytearray(b"\x55") * 65_536
-        assert tier.read([ReadItem(bad_slot, buf, 65_536, blocks[3][3], bad_key)]) == [False]
+        assert tier.read_items([ReadItem(bad_slot, buf, 65_536, blocks[3][3], bad_key)]) == [False]
         assert buf == b"\x55" * 65_536
-        assert tier.stats()["reads_refused_quarantined"] == 1
+        assert tier.stats().counters["reads_refused_quarantined"] == 1
         # The store drops its copy: removing the slot is harmless and keeps it held.
         assert tier.remove([bad_slot])
         assert tier.allocator.used_slots == used
     with _open(disk_dir) as tier:
         recovered = {r.key for r in tier.recover()}
         assert bad_key not in recovered and len(recovered) == 7
-        assert tier.stats()["quarantined_slots"] == 1
+        assert tier.stats().gauges["quarantined_slots"] == 1
         taken = []
         while (slot := tier.allocator.allocate(65_536)) is not None:
             taken.append(slot)
@@ -246,7 +247,9 @@ def test_read_never_copies_unverified_bytes_through_staging(
         blocks = _persist(tier, make_block, [0], 4096)
         _flip(tier, blocks[0][1], at=0)
         dst = bytearray(b"\xaa") * 4096
-        assert tier.read([ReadItem(blocks[0][1], dst, 4096, blocks[0][3], blocks[0][0])]) == [False]
+        assert tier.read_items([ReadItem(blocks[0][1], dst, 4096, blocks[0][3], blocks[0][0])]) == [
+            False
+        ]
         assert dst == bytes(4096)
 
 
@@ -274,30 +277,76 @@ def test_damaged_index_is_moved_aside_and_the_tier_starts_empty(
         assert "moved aside" in errors[0].getMessage()
         assert "starting EMPTY" in errors[0].getMessage()
         assert list(disk_dir.glob("index.sqlite3.corrupt-*"))
+        # Visible in the tier's stats, not only in the log.
+        assert tier.stats().counters["index_moved_aside"] == 1
+        assert "moved aside" in tier.health().detail
         assert tier.recover() == []
         assert tier.allocator.used_bytes == 0
         again = _persist(tier, make_block, [7], 4096)
         assert _read(tier, again) == {7: again[7][2]}
 
 
-@pytest.mark.parametrize("damage", ["missing", "short"])
-def test_missing_or_short_data_file_starts_empty(
-    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture, damage: str
+@pytest.mark.parametrize("damage", ["missing", "short", "unreadable"])
+def test_a_damaged_data_file_loses_only_its_own_blocks(
+    disk_dir: Path,
+    make_block: Block,
+    faulty_files: FaultyFiles,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
 ) -> None:
+    """Regression: one truncated data file (of four) used to move the whole index aside, so
+    the blocks in the intact files were lost too."""
     with _open(disk_dir) as tier:
-        _persist(tier, make_block, list(range(10)), 4096)
+        # 1 MiB segments of 64 KiB slots: 16 per segment, 128 per 8 MiB file; 4 files.
+        blocks = {}
+        for start in range(0, 480, 120):
+            blocks.update(_persist(tier, make_block, list(range(start, start + 120)), 65_536))
+    by_file: dict[str, set[int]] = {}
+    with _open(disk_dir) as tier:
+        for i, b in blocks.items():
+            by_file.setdefault(tier.slot_location(b[1])[0].name, set()).add(i)
+    assert len(by_file) == 4
     victim = disk_dir / "data-0001.bin"
     if damage == "missing":
         victim.unlink()
+        lost = by_file[victim.name]
+    elif damage == "short":
+        os.truncate(victim, 3 * MiB)  # the first three segments survive
+        lost = {i for i in by_file[victim.name] if _offset(disk_dir, blocks[i][1]) >= 3 * MiB}
+        assert 0 < len(lost) < len(by_file[victim.name])
     else:
-        os.truncate(victim, 1 * MiB)
-    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
-        tier = _open(disk_dir)
+        real = faulty_files.preadv
+
+        def unreadable(fd: int, bufs: list, offset: int) -> int:
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(victim.name):
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, bufs, offset)
+
+        faulty_files.preadv = unreadable  # type: ignore[method-assign]
+        lost = by_file[victim.name]
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir, backend=faulty_files)
+    if damage == "unreadable":
+        faulty_files.preadv = real  # type: ignore[method-assign]
     with tier:
-        assert "data-0001.bin" in caplog.text and "moved aside" in caplog.text
-        assert tier.recover() == []
-        assert victim.stat().st_size == 8 * MiB
-        assert tier.allocator.used_bytes == 0
+        kept = {r.key for r in tier.recover()}
+        survivors = {i: b for i, b in blocks.items() if i not in lost}
+        assert kept == {b[0] for b in survivors.values()}
+        assert _read(tier, survivors) == {i: b[2] for i, b in survivors.items()}
+        reason = {"missing": "missing_file", "short": "short_file", "unreadable": "unreadable_file"}
+        counters = tier.stats().counters
+        assert counters["blocks_lost_at_recovery"] == len(lost)
+        assert counters[f"blocks_lost_at_recovery_{reason[damage]}"] == len(lost)
+        health = tier.health()
+        assert health.state is Health.OK and "data-0001.bin" in health.detail
+        assert "moved aside" not in caplog.text
+        assert victim.stat().st_size == 8 * MiB  # recreated or extended for new blocks
+
+
+def _offset(directory: Path, slot: int) -> int:
+    """A 64 KiB slot's offset in its data file (geometry of ``_open``)."""
+    seg, index = divmod(slot, MiB // 4096)
+    return (seg * MiB + index * 65_536) % (8 * MiB)
 
 
 def test_changed_geometry_starts_empty(
@@ -326,7 +375,7 @@ def test_rows_that_do_not_fit_are_dropped(disk_dir: Path, make_block: Block) -> 
     db.close()
     with _open(disk_dir) as tier:
         assert {r.key for r in tier.recover()} == {blocks[1][0], blocks[2][0]}
-        assert tier.stats()["recovery_dropped_rows"] == 2
+        assert tier.stats().counters["recovery_dropped_rows"] == 2
 
 
 def test_second_open_of_a_directory_is_refused(disk_dir: Path) -> None:
@@ -349,62 +398,48 @@ def test_capacity_larger_than_the_filesystem_is_refused(disk_dir: Path) -> None:
 def test_o_direct_refused_at_open_falls_back_with_one_warning(
     disk_dir: Path,
     make_block: Block,
-    monkeypatch: pytest.MonkeyPatch,
+    faulty_files: FaultyFiles,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    real_open = os.open
-
-    def refusing_open(path: object, flags: int, *args: object) -> int:
+    def refuse_direct(path: object, flags: int) -> None:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(os, "open", refusing_open)
+    faulty_files.faults["open"] = refuse_direct
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
-        tier = _open(disk_dir)
-    monkeypatch.undo()
+        tier = _open(disk_dir, backend=faulty_files)
     with tier:
         warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warnings) == 1 and "O_DIRECT" in warnings[0].getMessage()
-        assert tier.stats()["io_mode"] == "buffered"
+        assert not tier.direct_io
         # Odd sizes side by side exercise the padding that keeps buffered runs contiguous.
         blocks = _persist(tier, make_block, list(range(16)), 5000)
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
-        assert tier.stats()["read_calls"] < 16
+        assert tier.stats().counters["read_calls"] < 16
 
 
 def test_o_direct_refused_at_first_transfer_falls_back(
     disk_dir: Path,
     make_block: Block,
-    monkeypatch: pytest.MonkeyPatch,
+    faulty_files: FaultyFiles,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with _open(disk_dir) as tier:
-        real = os.pwritev
-        calls = {"n": 0}
-
-        def refuse_once(fd: int, bufs: list, offset: int) -> int:
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise OSError(errno.EINVAL, "Invalid argument")
-            return real(fd, bufs, offset)
-
-        monkeypatch.setattr(os, "pwritev", refuse_once)
+    with _open(disk_dir, backend=faulty_files) as tier:
+        faulty_files.fail("pwritev", errno.EINVAL, times=1)
         with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
             blocks = _persist(tier, make_block, [1, 2, 3], 4096)
-        monkeypatch.undo()
         assert "switched to buffered" in caplog.text
-        assert tier.stats()["io_mode"] == "buffered"
-        assert tier.state() == "ok"
+        assert not tier.direct_io
+        assert tier.health().state is Health.OK
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
 
 def test_buffered_writes_read_back_with_o_direct(disk_dir: Path, make_block: Block) -> None:
     with _open(disk_dir, direct_io=False) as tier:
-        assert tier.stats()["io_mode"] == "buffered"
+        assert not tier.direct_io
         blocks = _persist(tier, make_block, list(range(12)), 12_345)
     with _open(disk_dir) as tier:
-        assert tier.stats()["io_mode"] == "o_direct"
+        assert tier.direct_io
         assert len(tier.recover()) == 12
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
@@ -412,22 +447,15 @@ def test_buffered_writes_read_back_with_o_direct(disk_dir: Path, make_block: Blo
 # ----------------------------------------------------------------------- injected faults
 
 
-def _failing(errno_: int) -> Callable[..., int]:
-    def fail(*_: object) -> int:
-        raise OSError(errno_, os.strerror(errno_))
-
-    return fail
-
-
 def test_eio_on_write_degrades_without_raising(
     disk_dir: Path,
     make_block: Block,
-    monkeypatch: pytest.MonkeyPatch,
+    faulty_files: FaultyFiles,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with _open(disk_dir) as tier:
+    with _open(disk_dir, backend=faulty_files) as tier:
         before = _persist(tier, make_block, list(range(4)), 65_536)
-        monkeypatch.setattr(os, "pwritev", _failing(errno.EIO))
+        faulty_files.fail("pwritev", errno.EIO)
         slots = [tier.allocator.allocate(65_536) for _ in range(12)]
         with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
             for k in range(3):
@@ -436,12 +464,13 @@ def test_eio_on_write_degrades_without_raising(
                     for j, s in enumerate(slots[k * 4 : k * 4 + 4])
                 ]
                 assert [o.ok for o in tier.persist(items)] == [False] * 4
-        monkeypatch.undo()
+        faulty_files.clear()
         assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
-        assert tier.state().startswith("degraded: eio")
+        assert tier.health().state is Health.DEGRADED_IO
+        assert "EIO" in tier.health().detail
         stats = tier.stats()
-        assert stats["io_errors"] >= 1
-        assert stats["writes_refused_degraded"] == 8
+        assert stats.counters["io_errors"] >= 1
+        assert stats.counters["writes_refused_degraded"] == 8
         # Reads keep being served; failed slots go back with remove().
         assert _read(tier, before) == {i: b[2] for i, b in before.items()}
         assert tier.remove(slots)
@@ -451,19 +480,19 @@ def test_eio_on_write_degrades_without_raising(
 def test_eio_on_read_is_a_miss_and_quarantines(
     disk_dir: Path,
     make_block: Block,
-    monkeypatch: pytest.MonkeyPatch,
+    faulty_files: FaultyFiles,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with _open(disk_dir) as tier:
+    with _open(disk_dir, backend=faulty_files) as tier:
         blocks = _persist(tier, make_block, list(range(40)), 4096)
-        monkeypatch.setattr(os, "preadv", _failing(errno.EIO))
+        faulty_files.fail("preadv", errno.EIO)
         with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
             got = _read(tier, blocks)
-        monkeypatch.undo()
+        faulty_files.clear()
         assert got == dict.fromkeys(blocks)
         stats = tier.stats()
-        assert stats["io_errors"] >= 1 and stats["quarantined_slots"] == 40
-        assert tier.state().startswith("degraded: eio")
+        assert stats.counters["io_errors"] >= 1 and stats.gauges["quarantined_slots"] == 40
+        assert tier.health().state is Health.DEGRADED_IO
         # Keys are logged one per line up to a bound, then summarised.
         lines = [r.getMessage() for r in caplog.records]
         assert sum("failed verification" in m for m in lines) == 16
@@ -471,35 +500,35 @@ def test_eio_on_read_is_a_miss_and_quarantines(
 
 
 def test_fdatasync_failure_fails_the_batch(
-    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:
-    with _open(disk_dir) as tier:
+    with _open(disk_dir, backend=faulty_files) as tier:
         slot = tier.allocator.allocate(4096)
         assert slot is not None
-        monkeypatch.setattr(os, "fdatasync", _failing(errno.EIO))
-        out = tier.write([WriteItem(slot, bytes(4096), 4096)])
-        monkeypatch.undo()
+        faulty_files.fail("fdatasync", errno.EIO)
+        out = tier.write_items([WriteItem(slot, bytes(4096), 4096)])
+        faulty_files.clear()
         assert not out[0].ok
-        assert tier.stats()["uncommitted_slots"] == 0
+        assert tier.stats().gauges["uncommitted_slots"] == 0
         with pytest.raises(ValueError, match="no durable write"):
             tier.commit([CommitEntry(1, b"k" * 32, slot)])
 
 
 def test_enospc_on_data_write_recovers_when_space_returns(
-    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:
-    with _open(disk_dir, enospc_retry_s=0.0) as tier:
-        monkeypatch.setattr(os, "pwritev", _failing(errno.ENOSPC))
+    with _open(disk_dir, enospc_retry_s=0.0, backend=faulty_files) as tier:
+        faulty_files.fail("pwritev", errno.ENOSPC)
         slot = tier.allocator.allocate(4096)
         assert slot is not None
         key, data = make_block(1, 4096)
         assert not tier.persist([PersistItem(1, key, slot, data, 4096)])[0].ok
-        assert tier.state().startswith("degraded: enospc")
-        assert tier.stats()["enospc"] == 1
-        monkeypatch.undo()
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        assert tier.stats().counters["enospc"] == 1
+        faulty_files.clear()
         out = tier.persist([PersistItem(1, key, slot, data, 4096)])
         assert out[0].ok
-        assert tier.state() == "ok"
+        assert tier.health().state is Health.OK
 
 
 # ------------------------------------------------------------------------------ misuse
@@ -512,18 +541,18 @@ def test_misuse_raises(disk_dir: Path) -> None:
         with pytest.raises(TypeError, match="remove"):
             tier.allocator.free(slot)
         with pytest.raises(ValueError, match="not an allocated slot"):
-            tier.write([WriteItem(slot + 1, bytes(4096), 4096)])
+            tier.write_items([WriteItem(slot + 1, bytes(4096), 4096)])
         with pytest.raises(ValueError, match="not an allocated slot"):
-            tier.write([WriteItem(slot, bytes(8192), 8192)])
+            tier.write_items([WriteItem(slot, bytes(8192), 8192)])
         with pytest.raises(ValueError, match="shorter"):
-            tier.write([WriteItem(slot, bytes(100), 4096)])
+            tier.write_items([WriteItem(slot, bytes(100), 4096)])
         with pytest.raises(ValueError, match="twice"):
-            tier.write([WriteItem(slot, bytes(4096), 4096)] * 2)
+            tier.write_items([WriteItem(slot, bytes(4096), 4096)] * 2)
         with pytest.raises(ValueError, match="read-only"):
-            tier.read([ReadItem(slot, bytes(4096), 4096, 0, b"k")])
+            tier.read_items([ReadItem(slot, bytes(4096), 4096, 0, b"k")])
         with pytest.raises(ValueError, match="no durable write"):
             tier.commit([CommitEntry(1, b"k" * 32, slot)])
-        out = tier.write([WriteItem(slot, bytes(4096), 4096)])
+        out = tier.write_items([WriteItem(slot, bytes(4096), 4096)])
         assert out[0].checksum == checksum(bytes(4096))
         assert tier.commit([CommitEntry(1, b"k" * 32, slot)])
         with pytest.raises(ValueError, match="no durable write"):

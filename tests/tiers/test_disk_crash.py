@@ -90,14 +90,14 @@ def test_sigkill_mid_write_loses_nothing_committed_and_serves_nothing_corrupt(
             out: dict[int, bytes | None] = {}
             for key, r in recovered.items():
                 buf = bytearray(r.nbytes)
-                ok = tier.read([ReadItem(r.slot, buf, r.nbytes, r.checksum, key)])[0]
+                ok = tier.read_items([ReadItem(r.slot, buf, r.nbytes, r.checksum, key)])[0]
                 out[ids[key]] = bytes(buf) if ok else None
             return out
 
         got = read_all()
         for i, data in got.items():
             assert data == make_block(i, sizes[i % len(sizes)])[1], f"block {i} not byte-exact"
-        assert tier.stats()["checksum_failures"] == 0
+        assert tier.stats().counters["checksum_failures"] == 0
 
         # Corrupt one committed block on purpose: it becomes a counted, logged miss.
         victim = sorted(must_have)[len(must_have) // 2]
@@ -113,8 +113,8 @@ def test_sigkill_mid_write_loses_nothing_committed_and_serves_nothing_corrupt(
         assert got[victim] is None
         assert vkey.hex() in caplog.text
         stats = tier.stats()
-        assert stats["checksum_failures"] == 1
-        assert stats["quarantined_slots"] == 1
+        assert stats.counters["checksum_failures"] == 1
+        assert stats.gauges["quarantined_slots"] == 1
         for i, data in got.items():
             if i != victim:
                 assert data == make_block(i, sizes[i % len(sizes)])[1]

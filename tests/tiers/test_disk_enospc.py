@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tiers.base import TierUnavailable
+from kvtier.tiers.base import Health, TierUnavailable
 from kvtier.tiers.disk import DiskTier, PersistItem, ReadItem
 
 MiB = 1 << 20
@@ -40,7 +40,7 @@ def _fill_disk(path: Path) -> None:
 
 
 def test_capacity_beyond_the_filesystem_is_refused(small_fs: Path) -> None:
-    with pytest.raises(TierUnavailable, match=r"cannot hold l2\.capacity_bytes"):
+    with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes"):
         DiskTier(small_fs / "l2", 64 * MiB, 1 * MiB)
     assert not list((small_fs / "l2").glob("data-*"))
 
@@ -78,7 +78,7 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
                 break
             blocks[key] = (PersistItem(1, key, slot, data, 65_536), out[0].checksum)
         assert failed_at is not None, "the disk never filled up"
-        assert tier.state().startswith("degraded: enospc")
+        assert tier.health().state is Health.DEGRADED_NOSPACE
         # Further writes fail too (each retry meets a full disk), quietly.
         for attempt in range(5):
             key, data = make_block(2000 + attempt, 65_536)
@@ -88,13 +88,15 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
             assert not tier.persist([PersistItem(1, key, slot, data, 65_536)])[0].ok
     assert len([r for r in caplog.records if "degraded" in r.getMessage()]) == 1
     stats = tier.stats()
-    assert stats["enospc"] >= 2
-    assert stats["degraded"] == 1
+    assert stats.counters["enospc"] >= 2
+    assert stats.health.state is Health.DEGRADED_NOSPACE
 
     # Everything committed before the disk filled is still served.
     def read_all(t: DiskTier) -> list[bool]:
         bufs = {k: bytearray(65_536) for k in blocks}
-        ok = t.read([ReadItem(it.slot, bufs[k], 65_536, c, k) for k, (it, c) in blocks.items()])
+        ok = t.read_items(
+            [ReadItem(it.slot, bufs[k], 65_536, c, k) for k, (it, c) in blocks.items()]
+        )
         assert all(bufs[k] == it.data for k, (it, _) in blocks.items() if ok)
         return ok
 
@@ -107,8 +109,8 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
     slot = tier.allocator.allocate(65_536)
     assert slot is not None
     out = tier.persist([PersistItem(1, key, slot, data, 65_536)])
-    assert out[0].ok, tier.state()
-    assert tier.state() == "ok"
+    assert out[0].ok, tier.health()
+    assert tier.health().state is Health.OK
     blocks[key] = (PersistItem(1, key, slot, data, 65_536), out[0].checksum)
     tier.close()
 

@@ -6,17 +6,17 @@ import random
 import numpy as np
 import pytest
 
-from kvtier.daemon.index import READY, BlockIndex, keys_to_words
+from kvtier.daemon.table import READY, BlockTable, keys_to_words
 
 
-def _ready(index: BlockIndex, ns: int, key: bytes) -> int:
+def _ready(index: BlockTable, ns: int, key: bytes) -> int:
     bid = index.add(ns, keys_to_words([key])[0], 4096)
     index.state[bid] = READY
     return bid
 
 
 def test_matches_a_dict_through_inserts_removes_and_growth():
-    index = BlockIndex(initial_capacity=16)
+    index = BlockTable(initial_capacity=16)
     ref: dict[tuple[int, bytes], int] = {}
     rng = random.Random(0)
     keys = [os.urandom(32) for _ in range(3000)]
@@ -34,7 +34,7 @@ def test_matches_a_dict_through_inserts_removes_and_growth():
 
 
 def test_namespaces_are_separate():
-    index = BlockIndex()
+    index = BlockTable()
     key = os.urandom(32)
     bid = _ready(index, 1, key)
     assert index.lookup(1, keys_to_words([key])).tolist() == [bid]
@@ -42,7 +42,7 @@ def test_namespaces_are_separate():
 
 
 def test_blocks_being_written_are_invisible_to_lookup():
-    index = BlockIndex()
+    index = BlockTable()
     key = os.urandom(32)
     bid = index.add(0, keys_to_words([key])[0], 4096)
     assert index.lookup(0, keys_to_words([key])).tolist() == [-1]
@@ -50,7 +50,7 @@ def test_blocks_being_written_are_invisible_to_lookup():
 
 
 def test_ids_are_reused_and_stay_dense():
-    index = BlockIndex()
+    index = BlockTable()
     a = _ready(index, 0, os.urandom(32))
     index.remove(a)
     b = _ready(index, 0, os.urandom(32))
@@ -61,7 +61,7 @@ def test_ids_are_reused_and_stay_dense():
 
 def test_colliding_first_words_are_told_apart():
     """Keys equal in their first 8 bytes land on one probe chain; the full key decides."""
-    index = BlockIndex()
+    index = BlockTable()
     prefix = os.urandom(8)
     keys = [prefix + os.urandom(24) for _ in range(50)]
     ids = [_ready(index, 0, k) for k in keys]
@@ -76,8 +76,47 @@ def test_bad_key_lengths():
 
 
 def test_memory_per_block_is_small():
-    index = BlockIndex(initial_capacity=1 << 16)
+    index = BlockTable(initial_capacity=50_000)
     words = np.frombuffer(os.urandom(32 * 50_000), dtype=np.uint64).reshape(-1, 4)
     for w in words:
         index.add(0, w, 1)
     assert index.stats().nbytes / len(index) < 128
+
+
+def test_add_many_matches_add_one_by_one():
+    one, many = BlockTable(initial_capacity=16), BlockTable(initial_capacity=16)
+    keys = [os.urandom(32) for _ in range(5000)]
+    words = keys_to_words(keys)
+    for w in words[:100]:
+        one.add(3, w, 4096)
+        many.add(3, w, 4096)
+    one.remove(7)
+    many.remove(7)
+    for w in words[100:]:
+        one.add(3, w, 8192)
+    bids = many.add_many(np.full(4900, 3), words[100:], np.full(4900, 8192))
+    assert len(set(bids.tolist())) == 4900 and 7 in bids.tolist()
+    one.state[one.live_ids()] = READY
+    many.state[many.live_ids()] = READY
+    got = many.lookup(3, words)
+    assert got[7] == -1 and one.lookup(3, words)[7] == -1  # removed from both
+    got[7] = 0
+    words = words.copy()
+    words[7] = many.keys[0]
+    assert (many.keys[got] == words).all() and (many.nbytes[got[100:]] == 8192).all()
+    assert len(many) == len(one) == 4999
+
+
+def test_a_ref_outlives_the_reuse_of_its_row():
+    table = BlockTable()
+    bid = _ready(table, 0, os.urandom(32))
+    ref = table.ref(bid)
+    assert table.resolve(ref) == bid
+    forgotten = []
+    table.on_free.append(forgotten.append)
+    table.remove(bid)
+    assert forgotten == [bid]
+    again = _ready(table, 0, os.urandom(32))
+    assert again == bid  # the row is reused...
+    assert table.resolve(ref) == -1  # ...but the old ref does not name the new block
+    assert table.resolve(table.ref(again)) == again

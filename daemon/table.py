@@ -1,13 +1,23 @@
-"""The block index: ``(namespace, key) -> block id`` and per-block metadata.
+"""The block table: ``(namespace, key) -> block id`` and every per-block field.
 
 Everything lives in numpy arrays (structure of arrays) indexed by block id, so a million
 blocks cost tens of bytes each rather than the hundreds a dict of objects would, and a batch
-of keys is looked up with a few vectorised probes instead of a Python loop per key.
+of keys is looked up with a few vectorised probes instead of a Python loop per key. Every
+array is grown in one place (``_grow``), so no part of the store keeps a side array that a
+new block can outrun.
+
+Fields: key, namespace, owner (tenant), state, size, pins, in-flight marks, per tier column
+the slot of its copy (``-1``: none) and that copy's checksum, the chain links (``parent``,
+``child``) and the last access (the protection clock).
 
 Invariants:
 - A block id is a row of every array; it is live while ``state[id] != FREE``.
 - Every live block has exactly one entry in the hash table and every entry names a live
   block. Freed rows are reused (LIFO), so ids stay dense.
+- A row carries a generation that grows each time the row is freed. A *ref* (``ref(bid)``:
+  generation and row in one int64) held across an await, in a lease or a chain link, names
+  one block for good: ``resolve`` answers -1 once the row holds another block. Policies index
+  by row and hear ``forget`` (through ``on_free``) before a row is reused.
 - The hash table is open addressing with linear probing and tombstones, keyed by a secret
   per-process salt, so clients cannot aim keys at one probe chain.
 
@@ -17,6 +27,7 @@ Not thread-safe: owned by the store, which touches it from one thread.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +42,10 @@ TOMBSTONE = -2
 FREE = 0
 WRITING = 1  # slot reserved, bytes being copied in; invisible to lookups
 READY = 2
+
+NO_REF = -1
+_ROW_BITS = 32
+_ROW_MASK = (1 << _ROW_BITS) - 1
 
 _MAX_LOAD = 0.5
 _SCALAR_TAIL = 8
@@ -59,12 +74,23 @@ class IndexStats:
     nbytes: int
 
 
-class BlockIndex:
-    """Key lookup and per-block fields for up to millions of blocks."""
+class BlockTable:
+    """Key lookup and per-block fields for up to millions of blocks. ``columns`` is the number
+    of tiers (one slot column each); ``checksummed[col]`` says whether that tier's copies
+    carry a checksum the store must keep (only those columns get one)."""
 
-    def __init__(self, initial_capacity: int = 1024, num_tiers: int = 4) -> None:
+    def __init__(
+        self,
+        columns: int = 2,
+        initial_capacity: int = 1024,
+        checksummed: tuple[bool, ...] | None = None,
+    ) -> None:
         self._salt = np.uint64(secrets.randbits(64))
-        self.num_tiers = num_tiers
+        self.columns = columns
+        flags = checksummed if checksummed is not None else (False,) + (True,) * (columns - 1)
+        self._csum_col = np.cumsum(flags) - 1
+        self._csum_col[~np.asarray(flags, dtype=bool)] = -1
+        self.on_free: list[Callable[[int], None]] = []
         self._count = 0
         self._capacity = 0
         self._free_rows: list[int] = []
@@ -74,10 +100,22 @@ class BlockIndex:
         self.ns = np.empty(0, dtype=np.uint32)
         self.state = np.empty(0, dtype=np.uint8)
         self.nbytes = np.empty(0, dtype=np.uint32)
+        self.owner = np.empty(0, dtype=np.uint16)
         self.pins = np.empty(0, dtype=np.int32)
         self.inflight = np.empty(0, dtype=np.int16)
-        # slot[id, tier] is the block's slot in that tier, or -1.
-        self.slot = np.empty((0, num_tiers), dtype=np.int64)
+        self.gen = np.empty(0, dtype=np.uint32)
+        # slot[id, col] is the block's slot in the tier of column col, or -1; checksum[id,
+        # col] is what that tier returned when it wrote the copy (0 for tiers that do not
+        # checksum).
+        self.slot = np.empty((0, columns), dtype=np.int32)
+        self.checksum = np.empty((0, max(1, int(sum(flags)))), dtype=np.uint64)
+        # Chain links: a block's parent as a ref (NO_REF: none), and the row of the latest
+        # child stored after it, which counts only while that child's parent ref names this
+        # block.
+        self.parent = np.empty(0, dtype=np.int64)
+        self.child = np.empty(0, dtype=np.int32)
+        # Last read or write: the protection period runs from it.
+        self.last_access = np.empty(0, dtype=np.float64)
         self._grow(max(16, initial_capacity))
         self._table = np.full(
             _pow2_at_least(int(max(16, initial_capacity) / _MAX_LOAD)), EMPTY, np.int32
@@ -114,17 +152,63 @@ class BlockIndex:
     def key_bytes(self, bid: int) -> bytes:
         return self.keys[bid].tobytes()
 
+    def ref(self, bid: int) -> int:
+        """A reference to the block now in row ``bid`` that outlives the row's reuse."""
+        return (int(self.gen[bid]) << _ROW_BITS) | int(bid)
+
+    def refs(self, bids: np.ndarray) -> np.ndarray:
+        bids = np.asarray(bids, dtype=np.int64)
+        return (self.gen[bids].astype(np.int64) << _ROW_BITS) | bids
+
+    def resolve(self, ref: int) -> int:
+        """The row of the block ``ref`` names, or -1 when that block is gone."""
+        if ref < 0:
+            return -1
+        bid = ref & _ROW_MASK
+        if (
+            bid >= self._capacity
+            or self.state[bid] == FREE
+            or int(self.gen[bid]) != ref >> _ROW_BITS
+        ):
+            return -1
+        return bid
+
+    def checksums(self, bids: np.ndarray, col: int) -> np.ndarray:
+        c = int(self._csum_col[col])
+        if c < 0:
+            return np.zeros(len(bids), dtype=np.uint64)
+        return self.checksum[bids, c]
+
+    def set_checksums(self, bids: np.ndarray, col: int, values: np.ndarray) -> None:
+        c = int(self._csum_col[col])
+        if c >= 0:
+            self.checksum[bids, c] = values
+
+    def link(self, bid: int, parent: int) -> None:
+        """Record ``parent`` (a row, or -1) as the chain predecessor of ``bid``."""
+        if parent < 0:
+            self.parent[bid] = NO_REF
+            return
+        self.parent[bid] = self.ref(parent)
+        self.child[parent] = bid
+
+    def parent_of(self, bid: int) -> int:
+        """The row of ``bid``'s parent while that block lives, else -1."""
+        return self.resolve(int(self.parent[bid]))
+
+    def child_of(self, bid: int) -> int:
+        """The row of the latest child stored after ``bid`` while it still names ``bid``."""
+        child = int(self.child[bid])
+        if child < 0 or self.state[child] == FREE or self.parent[child] != self.ref(bid):
+            return -1
+        return child
+
+    def holders(self, col: int) -> np.ndarray:
+        """Ids of the blocks with a copy in column ``col``."""
+        return np.flatnonzero(self.slot[: self._next_row, col] >= 0)
+
     def stats(self) -> IndexStats:
-        arrays = (
-            self.keys,
-            self.ns,
-            self.state,
-            self.nbytes,
-            self.pins,
-            self.inflight,
-            self.slot,
-            self._table,
-        )
+        arrays = (*self._fields(), self._table)
         return IndexStats(
             blocks=self._count,
             capacity=self._capacity,
@@ -135,7 +219,7 @@ class BlockIndex:
 
     # ---------------------------------------------------------------------- mutation
 
-    def add(self, ns: int, words: np.ndarray, nbytes: int) -> int:
+    def add(self, ns: int, words: np.ndarray, nbytes: int, owner: int = 0) -> int:
         """Create a block in state WRITING and return its id. The key must be absent."""
         if self._free_rows:
             bid = self._free_rows.pop()
@@ -146,16 +230,54 @@ class BlockIndex:
             self._next_row += 1
         self.keys[bid] = words
         self.ns[bid] = ns
+        self.owner[bid] = owner
         self.state[bid] = WRITING
         self.nbytes[bid] = nbytes
         self.pins[bid] = 0
         self.inflight[bid] = 0
         self.slot[bid] = -1
+        self.checksum[bid] = 0
+        self.parent[bid] = NO_REF
+        self.child[bid] = -1
+        self.last_access[bid] = -np.inf
         self._count += 1
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
             self._rehash(_pow2_at_least(int(2 * self._count / _MAX_LOAD)))
         self._table_insert(ns, words, bid)
         return bid
+
+    def add_many(
+        self, ns: np.ndarray, words: np.ndarray, nbytes: np.ndarray, owner: int = 0
+    ) -> np.ndarray:
+        """Create many blocks in state WRITING at once (recovery); returns their ids. The keys
+        must be absent and distinct. Vectorised: one rebuild of the hash table, no Python
+        work per block."""
+        n = len(words)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        reuse = self._free_rows[-n:][::-1] if self._free_rows else []
+        del self._free_rows[len(self._free_rows) - len(reuse) :]
+        fresh = n - len(reuse)
+        while self._next_row + fresh > self._capacity:
+            self._grow(self._capacity * 2)
+        bids = np.concatenate(
+            [
+                np.asarray(reuse, dtype=np.int64),
+                np.arange(self._next_row, self._next_row + fresh, dtype=np.int64),
+            ]
+        )
+        self._next_row += fresh
+        for name, fill in self._FILLS.items():
+            if name != "gen":
+                getattr(self, name)[bids] = fill
+        self.keys[bids] = words
+        self.ns[bids] = ns
+        self.owner[bids] = owner
+        self.state[bids] = WRITING
+        self.nbytes[bids] = nbytes
+        self._count += n
+        self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
+        return bids
 
     def remove(self, bid: int) -> None:
         """Forget a block: its key becomes absent and its id may be reused."""
@@ -166,8 +288,11 @@ class BlockIndex:
         self._tombstones += 1
         self.state[bid] = FREE
         self.slot[bid] = -1
+        self.gen[bid] += 1
         self._count -= 1
         self._free_rows.append(bid)
+        for listener in self.on_free:
+            listener(bid)
 
     def live_ids(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self._next_row] != FREE)
@@ -262,19 +387,31 @@ class BlockIndex:
         self._table = table
         self._tombstones = 0
 
+    _FILLS = {
+        "keys": 0,
+        "ns": 0,
+        "owner": 0,
+        "state": FREE,
+        "nbytes": 0,
+        "pins": 0,
+        "inflight": 0,
+        "gen": 0,
+        "slot": -1,
+        "checksum": 0,
+        "parent": NO_REF,
+        "child": -1,
+        "last_access": -np.inf,
+    }
+
+    def _fields(self) -> list[np.ndarray]:
+        return [getattr(self, name) for name in self._FILLS]
+
     def _grow(self, capacity: int) -> None:
-        def grown(a: np.ndarray, fill: int) -> np.ndarray:
+        for name, fill in self._FILLS.items():
+            a = getattr(self, name)
             out = np.full((capacity, *a.shape[1:]), fill, dtype=a.dtype)
             out[: len(a)] = a
-            return out
-
-        self.keys = grown(self.keys, 0)
-        self.ns = grown(self.ns, 0)
-        self.state = grown(self.state, FREE)
-        self.nbytes = grown(self.nbytes, 0)
-        self.pins = grown(self.pins, 0)
-        self.inflight = grown(self.inflight, 0)
-        self.slot = grown(self.slot, -1)
+            setattr(self, name, out)
         self._capacity = capacity
 
 

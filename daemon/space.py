@@ -1,0 +1,557 @@
+"""The space manager: where each block's copies live, written once for every tier.
+
+It reserves slots (evicting, demoting to ``below`` or reclaiming whole segments from other
+size classes to make room), places copies of blocks into a level (promotion, demotion,
+write-through, flush, prefetch and readahead are all ``place``), drops copies, keeps the
+tiers under their watermarks, and feeds the policies what happened.
+
+Rules:
+- A copy in a level is visible (``table.slot[b, col] >= 0``) only once its bytes are there
+  (for a persistent tier: durable and indexed). A block with a pin, a copy in flight or inside
+  its protection period is not evicted; eviction takes exactly the victims a policy proposed,
+  or none.
+- Evicting a block's last copy demotes it first: it is written to the first lower tier that
+  takes writes and admits it, else it is dropped. Evicting a copy that another tier also
+  holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
+  reservations: they never wait for a demotion write, and what they cannot get the request
+  does without (a Get then reads the block from the lower tier straight into its pages).
+- Policies hear of accesses (``touch``) right after the request is answered, and always
+  before the next insert, eviction or drop decision (``apply_touches``).
+
+Thread-safety: event loop only (see ``daemon/store.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.policy.prefetch import PrefetchLedger
+from kvtier.daemon.stack import Level, TierStack
+from kvtier.daemon.stats import Counters
+from kvtier.daemon.table import READY, BlockTable
+from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
+from kvtier.tiers.base import BlockRef, Priority
+
+log = logging.getLogger(__name__)
+
+EvictableFn = Callable[[np.ndarray], np.ndarray]
+
+
+class SpaceManager:
+    def __init__(
+        self,
+        table: BlockTable,
+        stack: TierStack,
+        transfers: TransferEngine,
+        counters: Counters,
+        prefetches: PrefetchLedger,
+        *,
+        clock: Callable[[], float],
+        started_at: float,
+        batch_blocks: int = 32,
+    ) -> None:
+        self.table = table
+        self.stack = stack
+        self.transfers = transfers
+        self.counters = counters
+        self.prefetches = prefetches
+        self._clock = clock
+        self.started_at = started_at
+        self.batch_blocks = batch_blocks
+        self._pending_touches: list[tuple[np.ndarray, float]] = []
+        self.background: set[asyncio.Task[Any]] = set()
+        table.on_free.append(self._forget_in_policies)
+
+    # ------------------------------------------------------------------ accesses
+
+    def touch(self, bids: np.ndarray, now: float) -> None:
+        """Record an access. The protection clock restarts at once; the policies hear of it
+        right after the current request is answered (one ``touch_many`` per tier), and in
+        any case before the store next inserts, evicts or drops anything."""
+        self.table.last_access[bids] = now
+        self._pending_touches.append((bids.copy(), now))
+        if len(self._pending_touches) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.apply_touches)
+            except RuntimeError:  # no event loop (offline use): apply now
+                self.apply_touches()
+
+    def apply_touches(self) -> None:
+        pending, self._pending_touches = self._pending_touches, []
+        for bids, now in pending:
+            live = bids[self.table.state[bids] == READY]
+            for level in self.stack:
+                if not level.keyed:
+                    level.policy.touch_many(live[self.table.slot[live, level.col] >= 0], now)
+            self.record_accesses(live, now)
+
+    def record_accesses(self, bids: np.ndarray, now: float) -> None:
+        """Tell lower tiers' admission rules of an access; ``selective`` tiers then take
+        the blocks their rule now admits."""
+        words = self.table.keys[bids, 0].tolist()
+        for level in self.stack.levels[1:]:
+            if not level.admits_all:
+                for word in words:
+                    level.admission.record(word, now)
+            if level.write_policy == "selective":
+                self._write_admitted(bids, level, now)
+
+    def after_store(self, bids: np.ndarray, now: float) -> None:
+        """New blocks reached the top tier: copy them to ``write_through`` tiers, and to
+        ``selective`` ones that admit them."""
+        self.record_accesses(bids, now)
+        for level in self.stack.levels[1:]:
+            if level.write_policy == "write_through" and level.tier.health().accepts_writes:
+                self.spawn(self.place(bids, level, Priority.BACKGROUND))
+
+    def _write_admitted(self, bids: np.ndarray, level: Level, now: float) -> None:
+        if not level.tier.health().accepts_writes:
+            return
+        held = bids[(self.table.slot[bids, level.col] < 0) & (self.table.state[bids] == READY)]
+        held = np.array(
+            [b for b in held.tolist() if not self.transfers.moving(self.table.ref(b), level.kind)],
+            dtype=np.int64,
+        )
+        if len(held):
+            admitted = held[self._admit(level, held, now)]
+            if len(admitted):
+                self.spawn(self.place(admitted, level, Priority.BACKGROUND))
+
+    def _admit(self, level: Level, bids: np.ndarray, now: float) -> np.ndarray:
+        """Which of ``bids`` ``level``'s admission rule lets in, counting each reason."""
+        admit = np.ones(len(bids), dtype=bool)
+        if level.admits_all or len(bids) == 0:
+            return admit
+        victim_word: int | None = None
+        if not level.keyed and not level.slots.allocator.can_allocate(
+            int(self.table.nbytes[bids[0]])
+        ):
+            coldest = level.policy.victims(1, now, self.evictable(level, now))
+            if coldest is not None:
+                victim_word = int(self.table.keys[coldest[0], 0])
+        for j, word in enumerate(self.table.keys[bids, 0].tolist()):
+            decision = level.admission.decide(word, victim_word, now)
+            admit[j] = decision.admit
+            self.counters.inc("admission", tier=level.label, reason=decision.reason)
+        return admit
+
+    # ------------------------------------------------------------------ placing
+
+    async def place(
+        self,
+        bids: np.ndarray,
+        dst: Level,
+        priority: Priority,
+        *,
+        clean_only: bool = False,
+        deadline: float | None = None,
+        prefetch: bool = False,
+    ) -> np.ndarray:
+        """Give each of ``bids`` a copy in ``dst``, copied from the fastest other tier
+        holding it; returns which now have one. A block already moving into ``dst`` is waited
+        for, not moved twice."""
+        table = self.table
+        bids = np.asarray(bids, dtype=np.int64)
+        if len(bids) == 0:
+            return np.zeros(0, dtype=bool)
+        want = bids[(table.slot[bids, dst.col] < 0) & (table.state[bids] == READY)]
+        want = np.asarray(list(dict.fromkeys(want.tolist())), dtype=np.int64)
+        refs = table.refs(want).tolist() if len(want) else []
+        mine_idx, waits = self.transfers.claim(refs, dst.kind) if refs else ([], [])
+        mine = want[mine_idx]
+        if len(mine):
+            np.add.at(table.inflight, mine, 1)
+            done = np.zeros(len(mine), dtype=bool)
+            try:
+                done = await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch)
+            finally:
+                self._release(mine)
+                self.transfers.settle([refs[i] for i in mine_idx], dst.kind, done.tolist())
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
+        return table.slot[bids, dst.col] >= 0
+
+    async def _place_owned(
+        self,
+        bids: np.ndarray,
+        dst: Level,
+        priority: Priority,
+        clean_only: bool,
+        deadline: float | None,
+        prefetch: bool,
+    ) -> np.ndarray:
+        table = self.table
+        done = np.zeros(len(bids), dtype=bool)
+        src_col = self._fastest_other(bids, dst)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (col, size) in enumerate(
+            zip(src_col.tolist(), table.nbytes[bids].tolist(), strict=True)
+        ):
+            if col >= 0:
+                groups.setdefault((col, size), []).append(j)
+        jobs: list[Awaitable[None]] = []
+        for (col, size), idx in groups.items():
+            src = self.stack.levels[col]
+            for start in range(0, len(idx), self.batch_blocks):
+                part = np.asarray(idx[start : start + self.batch_blocks], dtype=np.int64)
+                jobs.append(
+                    self._copy_group(
+                        bids, part, src, dst, size, priority, clean_only, deadline, prefetch, done
+                    )
+                )
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, PrefetchExpired):
+                raise r
+        return done
+
+    async def _copy_group(
+        self,
+        bids: np.ndarray,
+        part: np.ndarray,
+        src: Level,
+        dst: Level,
+        nbytes: int,
+        priority: Priority,
+        clean_only: bool,
+        deadline: float | None,
+        prefetch: bool,
+        done: np.ndarray,
+    ) -> None:
+        table = self.table
+        group = bids[part]
+        if dst.keyed:
+            slots: list[int] = [-1] * len(group)
+        else:
+            slots = await self.reserve(dst, nbytes, len(group), priority, clean_only=clean_only)
+            if len(slots) < len(group):
+                self.counters.inc("no_room", len(group) - len(slots), tier=dst.label)
+            group, part = group[: len(slots)], part[: len(slots)]
+        if len(group) == 0:
+            return
+        # The source copy may have gone while we waited for room (a failed read elsewhere).
+        still = table.slot[group, src.col] >= 0
+        refs = [BlockRef(int(table.ns[b]), table.key_bytes(b)) for b in group.tolist()]
+        src_failed: list[bool] = [False] * len(group)
+        try:
+            outcomes, src_failed = await self.transfers.copy(
+                src,
+                dst,
+                table.slot[group, src.col].tolist(),
+                slots,
+                refs,
+                nbytes,
+                table.checksums(group, src.col).tolist(),
+                priority,
+                deadline,
+            )
+        except PrefetchExpired:
+            outcomes = None
+        now = self._clock()
+        failed_slots: list[int] = []
+        for j, (b, s) in enumerate(zip(group.tolist(), slots, strict=True)):
+            ok = (
+                outcomes is not None
+                and outcomes[j].ok
+                and bool(still[j])
+                and table.state[b] == READY
+            )
+            if ok:
+                table.slot[b, dst.col] = s
+                if dst.checksummed:
+                    table.set_checksums(
+                        np.asarray([b]),
+                        dst.col,
+                        np.asarray([outcomes[j].checksum], dtype=np.uint64),
+                    )  # type: ignore[index]
+                dst.policy.insert(b, now, table.parent_of(b))
+                done[part[j]] = True
+                if prefetch:
+                    self.prefetches.complete(int(table.keys[b, 0]), now)
+                continue
+            if prefetch:
+                self.prefetches.evict(int(table.keys[b, 0]), now)
+            if not dst.keyed:
+                failed_slots.append(s)
+            if src_failed[j] and still[j]:
+                # The source's read failed verification: that tier dropped the block.
+                self.lose_copy(b, src)
+        if failed_slots:
+            await self.release(dst, failed_slots)
+        self.counters.inc(
+            "copies", int(np.count_nonzero(done[part])), direction=f"{src.label}->{dst.label}"
+        )
+
+    def _fastest_other(self, bids: np.ndarray, dst: Level) -> np.ndarray:
+        """Per block, the column of the fastest slot tier other than ``dst`` holding it, or
+        -1."""
+        out = np.full(len(bids), -1, dtype=np.int64)
+        for level in reversed(self.stack.levels):
+            if level is dst or level.keyed:
+                continue
+            out[self.table.slot[bids, level.col] >= 0] = level.col
+        return out
+
+    # ---------------------------------------------------------------- reserving
+
+    def evictable(
+        self,
+        level: Level,
+        now: float,
+        slot_bytes: int | None = None,
+        clean_only: bool = False,
+    ) -> EvictableFn:
+        """Mask function for ``level``'s policy: unpinned, idle, unprotected blocks (of one
+        slot size when ``slot_bytes`` is given; with another copy elsewhere when
+        ``clean_only``)."""
+        table = self.table
+        guard = level.guard
+        alloc = None if level.keyed else level.slots.allocator
+        others = [lv.col for lv in self.stack if lv is not level]
+
+        def mask(bids: np.ndarray) -> np.ndarray:
+            ok = guard.evictable(
+                now, table.last_access[bids], table.pins[bids], table.inflight[bids]
+            )
+            ok &= table.state[bids] == READY
+            if slot_bytes is not None and alloc is not None:
+                ok &= alloc.slot_sizes(table.slot[bids, level.col]) == slot_bytes
+            if clean_only:
+                ok &= (table.slot[bids][:, others] >= 0).any(axis=1) if others else False
+            return ok
+
+        return mask
+
+    async def reserve(
+        self,
+        level: Level,
+        nbytes: int,
+        count: int,
+        priority: Priority,
+        *,
+        clean_only: bool = False,
+    ) -> list[int]:
+        """Up to ``count`` free slots of ``level`` for blocks of ``nbytes``: free ones first,
+        then by evicting (or demoting) the policy's coldest evictable blocks of that slot
+        size, then by reclaiming whole segments of other sizes."""
+        self.apply_touches()
+        alloc = level.slots.allocator
+        slots = self._allocate(level, nbytes, count)
+        if len(slots) == count:
+            return slots
+        now = self._clock()
+        slot_bytes = alloc.slot_bytes_for(nbytes)
+        if alloc.stats().size_classes.get(slot_bytes):
+            mask = self.evictable(level, now, slot_bytes, clean_only)
+            victims = self._victims(level, count - len(slots), now, mask)
+            if len(victims):
+                await self.evict(level, victims, priority, clean_only=clean_only)
+            slots += self._allocate(level, nbytes, count - len(slots))
+        while len(slots) < count:
+            if not await self._reclaim_segment(level, now, priority, clean_only):
+                break
+            slots += self._allocate(level, nbytes, count - len(slots))
+        if len(slots) < count:
+            self.counters.inc("full_rejections", count - len(slots), tier=level.label)
+        return slots
+
+    @staticmethod
+    def _allocate(level: Level, nbytes: int, count: int) -> list[int]:
+        alloc = level.slots.allocator
+        out: list[int] = []
+        while len(out) < count and (slot := alloc.allocate(nbytes)) is not None:
+            out.append(slot)
+        return out
+
+    def _victims(self, level: Level, n: int, now: float, mask: EvictableFn) -> np.ndarray:
+        """Exactly ``n`` victims, or all the evictable blocks there are when fewer."""
+        victims = level.policy.victims(n, now, mask)
+        if victims is None:
+            possible = int(np.count_nonzero(mask(self.table.holders(level.col))))
+            victims = level.policy.victims(possible, now, mask) if possible else None
+        return np.asarray(victims if victims is not None else [], dtype=np.int64)
+
+    async def _reclaim_segment(
+        self, level: Level, now: float, priority: Priority, clean_only: bool
+    ) -> bool:
+        """Free one whole segment: the one whose blocks are all evictable and were least
+        recently used. False when no segment can be freed."""
+        alloc = level.slots.allocator
+        holders = self.table.holders(level.col)
+        if len(holders) == 0:
+            return False
+        segs = alloc.segments_of(self.table.slot[holders, level.col])
+        ok = self.evictable(level, now, clean_only=clean_only)(holders)
+        order = np.argsort(segs, kind="stable")
+        segs_sorted, ok_sorted = segs[order], ok[order]
+        starts = np.flatnonzero(np.r_[True, segs_sorted[1:] != segs_sorted[:-1]])
+        all_ok = np.logical_and.reduceat(ok_sorted, starts)
+        if not all_ok.any():
+            return False
+        newest = np.maximum.reduceat(self.table.last_access[holders[order]], starts)
+        newest[~all_ok] = np.inf
+        seg = int(segs_sorted[starts[int(np.argmin(newest))]])
+        await self.evict(level, holders[segs == seg], priority, clean_only=clean_only)
+        self.counters.inc("segment_reclaims", tier=level.label)
+        return bool(alloc.stats().free_segments)
+
+    # ----------------------------------------------------------------- evicting
+
+    async def evict(
+        self, level: Level, victims: np.ndarray, priority: Priority, *, clean_only: bool = False
+    ) -> None:
+        """Take ``victims`` out of ``level``. A victim whose only copy is here is first
+        demoted to the first lower tier that takes it (unless ``clean_only``, whose victims
+        all have other copies)."""
+        table = self.table
+        victims = np.asarray(victims, dtype=np.int64)
+        others = [lv.col for lv in self.stack if lv is not level]
+        only_here = (
+            ~(table.slot[victims][:, others] >= 0).any(axis=1)
+            if others
+            else np.ones(len(victims), bool)
+        )
+        dirty = victims[only_here]
+        if len(dirty) and not clean_only:
+            np.add.at(table.inflight, victims, 1)
+            try:
+                await self._demote(level, dirty, priority)
+            finally:
+                np.subtract.at(table.inflight, victims, 1)
+            # While the writes ran a request may have pinned, read or touched a victim: such
+            # a block stays (and now has a clean lower copy).
+            victims = victims[self.evictable(level, self._clock())(victims)]
+        released = [s for v in victims.tolist() if (s := self.drop_copy(v, level)) is not None]
+        await self.release(level, released)
+        self.counters.inc("evictions", len(victims), tier=level.label)
+
+    async def _demote(self, level: Level, dirty: np.ndarray, priority: Priority) -> None:
+        todo = dirty
+        now = self._clock()
+        for lower in self.stack.lower(level.kind):
+            if len(todo) == 0:
+                break
+            if not lower.tier.health().accepts_writes:
+                continue
+            if lower.write_policy != "write_through":
+                todo_admit = todo[self._admit(lower, todo, now)]
+            else:
+                todo_admit = todo
+            if len(todo_admit) == 0:
+                continue
+            ok = await self.place(todo_admit, lower, priority)
+            self.counters.inc("demoted_blocks", int(np.count_nonzero(ok)), tier=lower.label)
+            self.counters.inc("demotion_failures", int(np.count_nonzero(~ok)), tier=lower.label)
+            placed = set(todo_admit[ok].tolist())
+            todo = np.asarray([b for b in todo.tolist() if b not in placed], dtype=np.int64)
+
+    def drop_copy(self, bid: int, level: Level) -> int | None:
+        """Remove ``level``'s copy of a block (forgetting the block once no copy is left).
+        Returns the slot when the caller must ``release`` it (persistent tiers); other slots
+        are freed here."""
+        self.apply_touches()
+        table = self.table
+        if level is self.stack.top and self.prefetches.outstanding:
+            self.prefetches.evict(int(table.keys[bid, 0]), self._clock())
+        level.policy.remove(bid)
+        slot = int(table.slot[bid, level.col])
+        table.slot[bid, level.col] = -1
+        if not (table.slot[bid] >= 0).any():
+            table.remove(bid)
+        if level.keyed:
+            return None
+        if level.persistent:
+            return slot
+        level.slots.remove([slot])
+        return None
+
+    async def release(self, level: Level, slots: list[int]) -> None:
+        """Give slots back to a tier: persistent tiers forget their blocks durably first
+        (background I/O; the slots are reusable once it is done)."""
+        if not slots:
+            return
+        if not level.persistent:
+            level.slots.remove(slots)
+            return
+        ok = await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots)
+        if not ok:
+            self.counters.inc("remove_failures", len(slots), tier=level.label)
+
+    def lose_copy(self, bid: int, level: Level) -> None:
+        """A tier dropped its copy of a block (a read failed verification): forget it."""
+        if self.table.slot[bid, level.col] >= 0:
+            level.policy.remove(bid)
+            self.table.slot[bid, level.col] = -1
+            self.counters.inc("copies_lost", tier=level.label)
+
+    def _release(self, bids: np.ndarray) -> None:
+        """End an in-flight mark."""
+        np.subtract.at(self.table.inflight, bids, 1)
+        self.forget_orphans(bids)
+
+    def forget_orphans(self, bids: np.ndarray) -> None:
+        """A block that lost its last copy while held (a failed read) is forgotten once
+        nobody holds it any more."""
+        table = self.table
+        for b in np.unique(bids).tolist():
+            if (
+                table.state[b] == READY
+                and table.inflight[b] == 0
+                and table.pins[b] == 0
+                and not (table.slot[b] >= 0).any()
+            ):
+                table.remove(b)
+
+    def _forget_in_policies(self, bid: int) -> None:
+        for level in self.stack:
+            level.policy.forget(bid)
+
+    # ------------------------------------------------------------- watermarks
+
+    async def balance(self) -> None:
+        """Above a tier's high watermark, move its coldest evictable blocks down until it is
+        below the low watermark. During warm-up nothing moves before the hard limit. A lone
+        top tier is left alone: dropping early would only waste capacity."""
+        self.apply_touches()
+        now = self._clock()
+        for level in self.stack:
+            if level.keyed or (level is self.stack.top and len(self.stack) == 1):
+                continue
+            alloc = level.slots.allocator
+            excess = level.guard.to_free(
+                alloc.used_bytes, alloc.capacity_bytes, now, self.started_at
+            )
+            resident = len(level.policy)
+            if excess <= 0 or resident == 0:
+                continue
+            n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
+            victims = self._victims(level, n, now, self.evictable(level, now))
+            if len(victims):
+                await self.evict(level, victims, Priority.BACKGROUND)
+                self.counters.inc("watermark_evictions", len(victims), tier=level.label)
+
+    # --------------------------------------------------------------- background
+
+    def spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background transfer failed", exc_info=exc)
+            self.counters.inc("background_errors")
+
+    async def drain(self) -> None:
+        """Wait for every background transfer started so far."""
+        while self.background:
+            for task in list(self.background):
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task

@@ -1,0 +1,241 @@
+"""The tier stack: the configured tiers ordered by kind, each with the rules that run it.
+
+A daemon runs any ordered subset of L0 (GPU), L1 (host), L2 (disk), L3 (remote); L1 always.
+Tiers are addressed by ``TierKind``, never by list position: ``stack[kind]``, ``below(kind)``,
+``above(kind)``. Each ``Level`` carries its tier, its column in the block table, its eviction
+policy and guard (pins, protection, warm-up, watermarks), the admission rule for blocks coming
+into it from above, how blocks reach it (``write_policy``) and its bandwidth limits.
+
+What the store may ask of a level is decided by the tier's capabilities, never by which tier it
+is: ``keyed`` (a key-addressed tier), ``persistent`` (survives restarts; removals are I/O),
+``checksummed``, and whether it exposes its slots as host buffers (``buffers``).
+
+Thread-safety: immutable after construction, except the policies (event loop only).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.daemon.config import Config
+from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admission
+from kvtier.daemon.policy.base import EvictionPolicy
+from kvtier.daemon.policy.guard import EvictionGuard
+from kvtier.daemon.policy.registry import default_admission, make_policy
+from kvtier.tiers.base import HostBuffers, KeyTier, SlotTier, TierKind
+
+log = logging.getLogger(__name__)
+
+
+class TokenBucket:
+    """Bytes per second with a burst of one second's worth; 0 means unlimited."""
+
+    def __init__(self, rate_bytes_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = float(rate_bytes_s)
+        self._clock = clock
+        self._tokens = self.rate
+        self._last = clock()
+
+    def delay_for(self, nbytes: int) -> float:
+        """Take ``nbytes`` and return how long to wait before using them."""
+        if self.rate <= 0:
+            return 0.0
+        now = self._clock()
+        self._tokens = min(self.rate, self._tokens + (now - self._last) * self.rate)
+        self._last = now
+        self._tokens -= nbytes
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+
+@dataclass(eq=False)
+class Level:
+    kind: TierKind
+    tier: Any  # SlotTier | KeyTier
+    col: int
+    policy: EvictionPolicy
+    guard: EvictionGuard
+    admission: Admission
+    write_policy: str  # how blocks reach this tier from above: write_back/write_through/selective
+    reads: TokenBucket
+    writes: TokenBucket
+
+    @property
+    def label(self) -> str:
+        return self.kind.label
+
+    @property
+    def keyed(self) -> bool:
+        return not hasattr(self.tier, "allocator")
+
+    @property
+    def persistent(self) -> bool:
+        return bool(getattr(self.tier, "persistent", True))
+
+    @property
+    def checksummed(self) -> bool:
+        return bool(getattr(self.tier, "checksummed", False))
+
+    @property
+    def admits_all(self) -> bool:
+        return isinstance(self.admission, AlwaysAdmit)
+
+    def buffers(self, slots: Sequence[int], nbytes: int) -> HostBuffers | None:
+        """The slots as host buffers, for tiers whose slots are host memory; else None."""
+        fn = getattr(self.tier, "buffers", None)
+        return fn(slots, nbytes) if fn is not None else None
+
+    @property
+    def slots(self) -> SlotTier:
+        return self.tier  # type: ignore[no-any-return]
+
+    @property
+    def keys(self) -> KeyTier:
+        return self.tier  # type: ignore[no-any-return]
+
+
+class TierStack:
+    def __init__(self, levels: Sequence[Level]) -> None:
+        kinds = [lv.kind for lv in levels]
+        if kinds != sorted(set(kinds)):
+            raise ValueError(f"tiers must be distinct kinds, fastest first: {kinds}")
+        if not levels or levels[0].keyed:
+            raise ValueError("the fastest tier must own slots")
+        self.levels = list(levels)
+        self._by_kind = {lv.kind: lv for lv in levels}
+
+    def __iter__(self) -> Iterator[Level]:
+        return iter(self.levels)
+
+    def __len__(self) -> int:
+        return len(self.levels)
+
+    def __getitem__(self, kind: TierKind) -> Level:
+        return self._by_kind[kind]
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self._by_kind
+
+    @property
+    def top(self) -> Level:
+        return self.levels[0]
+
+    def below(self, kind: TierKind) -> Level | None:
+        i = self.levels.index(self._by_kind[kind])
+        return self.levels[i + 1] if i + 1 < len(self.levels) else None
+
+    def above(self, kind: TierKind) -> Level | None:
+        i = self.levels.index(self._by_kind[kind])
+        return self.levels[i - 1] if i > 0 else None
+
+    def lower(self, kind: TierKind) -> list[Level]:
+        """Every level below ``kind``, fastest first."""
+        i = self.levels.index(self._by_kind[kind])
+        return self.levels[i + 1 :]
+
+    def first_persistent(self) -> Level | None:
+        return next((lv for lv in self.levels if lv.persistent and not lv.keyed), None)
+
+    def close(self) -> None:
+        for lv in self.levels:
+            if not lv.keyed:
+                lv.slots.close()
+
+
+def build_stack(
+    config: Config,
+    tiers: Sequence[Any] | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> TierStack:
+    """The daemon's tier stack: ``tiers`` as given (tests), or the ones ``config`` enables."""
+    if tiers is None:
+        tiers = open_tiers(config)
+    tiers = sorted(tiers, key=lambda t: t.kind)
+    levels = []
+    for col, tier in enumerate(tiers):
+        section = getattr(config.tiers, tier.kind.label.lower(), None)
+        levels.append(_level(config, section, tier, col, is_top=col == 0, clock=clock))
+    return TierStack(levels)
+
+
+def _level(
+    config: Config,
+    section: Any,
+    tier: Any,
+    col: int,
+    *,
+    is_top: bool,
+    clock: Callable[[], float],
+) -> Level:
+    pc = config.policy
+    name = (getattr(section, "policy", "") if section is not None else "") or pc.name
+    high = getattr(section, "high_watermark", 0.95)
+    low = getattr(section, "low_watermark", 0.90)
+    write_policy = getattr(section, "write_policy", "write_back")
+    if is_top:
+        admission: Admission = make_admission("always")
+    else:
+        chosen = getattr(section, "admission", "")
+        if not chosen:
+            chosen = "second_hit" if write_policy == "selective" else default_admission(name)
+        admission = make_admission(chosen)
+    return Level(
+        kind=tier.kind,
+        tier=tier,
+        col=col,
+        policy=make_policy(name, half_life_s=pc.half_life_s),
+        guard=EvictionGuard(pc.protect_s, pc.warmup_s, high, low),
+        admission=admission,
+        write_policy=write_policy,
+        reads=TokenBucket(getattr(section, "read_bytes_s", 0), clock),
+        writes=TokenBucket(getattr(section, "write_bytes_s", 0), clock),
+    )
+
+
+def open_tiers(config: Config) -> list[Any]:
+    """Open the tiers ``config`` enables. Slow-to-fail tiers first: a disk tier that cannot
+    start (no room, directory in use) fails before the host arena spends seconds pre-faulting
+    memory."""
+    from kvtier.tiers.host import HostArena
+
+    tiers: list[Any] = []
+    c2 = config.tiers.l2
+    if c2.enabled:
+        from kvtier.tiers.disk import DiskTier
+
+        tiers.append(
+            DiskTier(
+                c2.path,
+                c2.capacity_bytes,
+                c2.segment_bytes,
+                io_threads=c2.io_threads,
+                file_bytes=c2.file_bytes,
+                direct_io=c2.direct_io,
+                enospc_retry_s=c2.enospc_retry_s,
+            )
+        )
+    try:
+        c1 = config.tiers.l1
+        tiers.append(HostArena(c1.capacity_bytes, c1.segment_bytes, pin_cuda=_want_pinning(config)))
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
+
+
+def _want_pinning(config: Config) -> bool:
+    setting = config.tiers.l1.pin_memory
+    if setting == "auto":
+        # Importing torch costs a second or two: only ask it when a GPU driver is present.
+        if not os.path.exists("/dev/nvidiactl"):
+            return False
+        import torch
+
+        return bool(torch.cuda.is_available())
+    return setting == "true"

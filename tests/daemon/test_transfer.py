@@ -1,0 +1,76 @@
+"""The transfer engine's scheduling rules: de-duplication, deadlines, bandwidth limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtier.daemon.stack import TokenBucket
+from kvtier.daemon.stats import Counters
+from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
+from kvtier.tiers.base import Priority, TierKind
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_block_moving_into_a_tier_is_moved_once():
+    engine = TransferEngine(Counters())
+    try:
+        mine, waits = engine.claim([1, 2, 3], TierKind.HOST)
+        assert (mine, waits) == ([0, 1, 2], [])
+        again, waits = engine.claim([2, 4], TierKind.HOST)
+        assert again == [1] and len(waits) == 1
+        other, _ = engine.claim([2], TierKind.DISK)  # another destination is another move
+        assert other == [0]
+        engine.settle([1, 2, 3], TierKind.HOST, [True, False, True])
+        assert await waits[0] is False
+        assert not engine.moving(2, TierKind.HOST) and engine.moving(2, TierKind.DISK)
+    finally:
+        engine.close()
+
+
+async def test_a_prefetch_past_its_deadline_is_dropped_before_it_runs():
+    clock = Clock()
+    counters = Counters()
+    engine = TransferEngine(counters, clock=clock)
+    try:
+        ran: list[int] = []
+        clock.now = 101.0
+        with pytest.raises(PrefetchExpired):
+            await engine._run(Priority.PREFETCH, ran.append, 1, deadline=100.5)
+        assert ran == [] and counters.get("prefetch_expired") == 1
+        await engine._run(Priority.PREFETCH, ran.append, 2, deadline=200.0)
+        assert ran == [2]
+    finally:
+        engine.close()
+
+
+def test_token_bucket_spaces_transfers_to_the_rate():
+    clock = Clock()
+    bucket = TokenBucket(1000, clock)
+    assert bucket.delay_for(1000) == 0.0  # a second's burst
+    assert bucket.delay_for(500) == pytest.approx(0.5)
+    clock.now += 0.5
+    assert bucket.delay_for(500) == pytest.approx(0.5)
+    assert TokenBucket(0, clock).delay_for(10**12) == 0.0
+
+
+async def test_a_limited_direction_waits_and_counts_the_wait():
+    counters = Counters()
+    engine = TransferEngine(counters)
+    try:
+        bucket = TokenBucket(1 << 20)  # 1 MiB/s, 1 MiB burst
+        await engine._throttle(bucket, 1 << 20, "L1->L2")
+        t0 = asyncio.get_running_loop().time()
+        await engine._throttle(bucket, 1 << 18, "L1->L2")
+        assert asyncio.get_running_loop().time() - t0 >= 0.2
+        assert counters.get("throttled_ms", direction="L1->L2") >= 200
+    finally:
+        engine.close()

@@ -1,0 +1,135 @@
+"""The disk tier's fault state: what went wrong, whether the tier takes writes, and counters.
+
+A fault never raises out of the tier; it is counted and may degrade the tier. ENOSPC (a full
+disk) degrades it until a write gets through again (one write batch per ``enospc_retry_s`` is
+let through to find out); EIO and other faults degrade it until it is reopened. Reads are
+served while degraded.
+
+Thread-safety: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sqlite3
+import threading
+import time
+from collections import Counter
+from typing import NamedTuple
+
+from kvtier.tiers.base import Health, TierHealth
+
+log = logging.getLogger("kvtier.tiers.disk")
+
+# SQLite primary result codes (the sqlite3 module exports them from Python 3.11 on).
+_SQLITE_IOERR = 10
+_SQLITE_CORRUPT = 11
+_SQLITE_FULL = 13
+_SQLITE_NOTADB = 26
+
+
+class Fault(NamedTuple):
+    kind: str  # "enospc", "eio", "corrupt" or "io"
+    detail: str
+
+
+def classify(exc: BaseException) -> Fault:
+    if isinstance(exc, OSError):
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return Fault("enospc", f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc}")
+        if exc.errno == errno.EIO:
+            return Fault("eio", f"EIO: {exc}")
+        return Fault("io", f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc}")
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+        name = getattr(exc, "sqlite_errorname", type(exc).__name__)
+        if code == _SQLITE_FULL:
+            return Fault("enospc", f"index: {name}: {exc}")
+        if code == _SQLITE_IOERR:
+            return Fault("eio", f"index: {name}: {exc}")
+        if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
+            return Fault("corrupt", f"index: {name}: {exc}")
+        return Fault("io", f"index: {name}: {exc}")
+    return Fault("io", f"{type(exc).__name__}: {exc}")
+
+
+class FaultState:
+    def __init__(self, enospc_retry_s: float) -> None:
+        self._lock = threading.Lock()
+        self._enospc_retry_s = enospc_retry_s
+        self._degraded: Fault | None = None
+        self._next_probe = 0.0
+        self.counters: Counter[str] = Counter()
+        # Things an operator must see that did not stop the tier (an index moved aside at
+        # start, blocks lost with a damaged data file): shown with the health state.
+        self._notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            self._notes.append(text)
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                if n:
+                    self.counters[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+    @property
+    def degraded(self) -> Fault | None:
+        return self._degraded
+
+    def fault(self, fault: Fault, what: str) -> None:
+        """Count a fault and degrade the tier; log only when the state changes."""
+        with self._lock:
+            if fault.kind == "enospc":
+                self.counters["enospc"] += 1
+            if what.startswith("index"):
+                self.counters["index_errors"] += 1
+            before = self._degraded
+            # A full disk may clear up; anything else keeps the tier degraded until reopened.
+            changed = before is None or (before.kind == "enospc" and fault.kind != "enospc")
+            if changed:
+                self._degraded = Fault(fault.kind, f"{what}: {fault.detail}")
+                self._next_probe = time.monotonic() + self._enospc_retry_s
+        if changed:
+            log.error(
+                "L2 tier degraded: %s failed (%s); it refuses writes%s and keeps serving reads",
+                what,
+                fault.detail,
+                f" (retrying every {self._enospc_retry_s:g}s)" if fault.kind == "enospc" else "",
+            )
+
+    def admit_writes(self) -> bool:
+        with self._lock:
+            if self._degraded is None:
+                return True
+            if self._degraded.kind == "enospc" and time.monotonic() >= self._next_probe:
+                self._next_probe = time.monotonic() + self._enospc_retry_s
+                return True
+            return False
+
+    def refuses_commits(self) -> bool:
+        """Index commits stop on faults other than a full disk (a commit is how a full disk
+        is found to have room again)."""
+        with self._lock:
+            return self._degraded is not None and self._degraded.kind != "enospc"
+
+    def space_returned(self) -> None:
+        with self._lock:
+            if self._degraded is None or self._degraded.kind != "enospc":
+                return
+            self._degraded = None
+        log.warning("L2 tier admits writes again: an index commit succeeded")
+
+    def health(self) -> TierHealth:
+        with self._lock:
+            fault, notes = self._degraded, "; ".join(self._notes)
+        if fault is None:
+            return TierHealth(Health.OK, notes)
+        state = Health.DEGRADED_NOSPACE if fault.kind == "enospc" else Health.DEGRADED_IO
+        return TierHealth(state, f"{fault.kind}: {fault.detail}" + (f"; {notes}" if notes else ""))

@@ -1,0 +1,262 @@
+"""The disk tier's index: a SQLite database (WAL, ``synchronous=FULL``) of every durable block.
+
+Tables: ``meta`` (the geometry the data files were made with), ``blocks`` (``(ns, key) ->
+slot, nbytes, checksum, written_at``) and ``quarantine`` (slots whose bytes failed, held out of
+service across restarts).
+
+At open, an index SQLite cannot read or that fails ``quick_check``, or one without its
+metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
+made for another geometry (segment or file size, format, checksum), since its slot numbers
+would mean other bytes. A changed capacity alone keeps the index: the rows beyond it are dropped
+by recovery. What happened is reported (``moved_aside``), not only logged.
+
+Thread-safety: every method may be called from any thread; the connection is serialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
+from kvtier.tiers.disk.health import classify
+
+log = logging.getLogger("kvtier.tiers.disk")
+
+INDEX_NAME = "index.sqlite3"
+LAYOUT_CHANGED = "was made for another layout"
+# Rows per statement when slots are listed in an IN (...) clause.
+_CHUNK = 500
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocks (
+    ns INTEGER NOT NULL,
+    key BLOB NOT NULL,
+    slot INTEGER NOT NULL UNIQUE,
+    nbytes INTEGER NOT NULL,
+    checksum INTEGER NOT NULL,
+    written_at REAL NOT NULL,
+    PRIMARY KEY (ns, key)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS quarantine (
+    slot INTEGER PRIMARY KEY,
+    nbytes INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+"""
+
+BlockRow = tuple[int, bytes, int, int, int, float]  # ns, key, slot, nbytes, checksum, written_at
+
+
+class DiskIndex:
+    def __init__(
+        self, directory: Path, geometry: dict[str, str], clock: Callable[[], float] = time.time
+    ) -> None:
+        """Open (or create) the index of ``directory`` for ``geometry`` (name -> value; the
+        key ``capacity_bytes`` may differ from the stored one)."""
+        self.path = directory / INDEX_NAME
+        self._directory = directory
+        self._geometry = geometry
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.moved_aside = ""  # why the index found at open was moved aside, if it was
+        self.moved_to = ""
+        self.previous_capacity: int | None = None  # the stored capacity when it differs
+        self._db = self._open()
+
+    # ------------------------------------------------------------------ reading
+
+    def load(self) -> tuple[list[tuple[int, int]], list[BlockRow]]:
+        """(quarantine rows ``(slot, nbytes)``, block rows), both ordered by slot."""
+        with self._lock:
+            db = self._conn()
+            quarantine = db.execute("SELECT slot, nbytes FROM quarantine ORDER BY slot").fetchall()
+            blocks = db.execute(
+                "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks ORDER BY slot"
+            ).fetchall()
+        return quarantine, blocks
+
+    def committed_slots(self, slots: Sequence[int]) -> list[int]:
+        """Which of ``slots`` have a block row."""
+        found: list[int] = []
+        with self._lock:
+            db = self._conn()
+            for start in range(0, len(slots), _CHUNK):
+                chunk = list(slots[start : start + _CHUNK])
+                marks = ",".join("?" * len(chunk))
+                query = f"SELECT slot FROM blocks WHERE slot IN ({marks})"
+                found += [row[0] for row in db.execute(query, chunk)]
+        return found
+
+    # ------------------------------------------------------------------ writing
+
+    def insert(self, rows: Sequence[BlockRow]) -> None:
+        with self.transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?)", rows)
+
+    def delete(self, slots: Sequence[int]) -> None:
+        with self.transaction() as db:
+            db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in slots])
+
+    def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
+        """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""
+        now = self._clock()
+        with self.transaction() as db:
+            db.executemany("DELETE FROM blocks WHERE slot = ?", [(e[0],) for e in entries])
+            db.executemany(
+                "INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?)",
+                [(slot, nbytes, reason[:200], now) for slot, nbytes, reason in entries],
+            )
+
+    def unquarantine(self, slots: Sequence[int]) -> None:
+        with self.transaction() as db:
+            db.executemany("DELETE FROM quarantine WHERE slot = ?", [(s,) for s in slots])
+
+    def drop(self, block_slots: Sequence[int], quarantine_slots: Sequence[int]) -> None:
+        with self.transaction() as db:
+            db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in block_slots])
+            db.executemany(
+                "DELETE FROM quarantine WHERE slot = ?", [(s,) for s in quarantine_slots]
+            )
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+                self._db = None
+
+    # ------------------------------------------------------------------ opening
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise sqlite3.ProgrammingError("the L2 index is closed")
+        return self._db
+
+    def _open(self) -> sqlite3.Connection | None:
+        problem = ""
+        if self.path.exists():
+            db = None
+            try:
+                db = self._connect()
+                problem = self._check(db)
+                if not problem:
+                    return db
+            except sqlite3.Error as e:
+                problem = f"cannot be read ({classify(e).detail})"
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            self._move_aside(problem)
+        db = self._connect()
+        db.executescript(_SCHEMA)
+        self._write_meta(db)
+        fsync_dir(self._directory)
+        return db
+
+    def _check(self, db: sqlite3.Connection) -> str:
+        """Why the index cannot be used as it is, or ''."""
+        check = db.execute("PRAGMA quick_check").fetchall()
+        if check != [("ok",)]:
+            return "fails its integrity check: " + "; ".join(str(r[0]) for r in check[:3])
+        db.executescript(_SCHEMA)
+        meta = dict(db.execute("SELECT name, value FROM meta").fetchall())
+        if not meta:
+            # Schema and meta are written and synced when an index is created, so an index
+            # without them lost its content.
+            return "is empty or truncated (no metadata)"
+        # Slot ids and offsets depend on everything but the capacity.
+        changed = [
+            f"{k} {meta.get(k)} -> {v}"
+            for k, v in self._geometry.items()
+            if meta.get(k) != v and k != "capacity_bytes"
+        ]
+        if changed:
+            log.warning(
+                "L2 index in %s was made for another layout (%s); starting empty",
+                self._directory,
+                ", ".join(changed),
+            )
+            return LAYOUT_CHANGED
+        old = meta.get("capacity_bytes", "")
+        if not old.isdigit():
+            return "has damaged metadata"
+        if int(old) != int(self._geometry["capacity_bytes"]):
+            self.previous_capacity = int(old)
+            log.warning(
+                "L2 capacity changes from %s to %s bytes; blocks beyond the new capacity are "
+                "dropped",
+                old,
+                self._geometry["capacity_bytes"],
+            )
+            self._write_meta(db)
+        return ""
+
+    def _connect(self) -> sqlite3.Connection:
+        # Create the file owner-only before SQLite does (its journal files take its mode).
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
+        os.chmod(self.path, FILE_MODE)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot switch the index to WAL mode (got {mode})")
+        # FULL: in WAL mode NORMAL does not sync the WAL at commit, so a commit reported as
+        # durable could roll back on power loss. FULL syncs the WAL on every commit; batches
+        # amortise that one sync over many blocks.
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA journal_size_limit=67108864")
+        return db
+
+    def _write_meta(self, db: sqlite3.Connection) -> None:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("DELETE FROM meta")
+        db.executemany("INSERT INTO meta VALUES (?, ?)", list(self._geometry.items()))
+        db.execute("COMMIT")
+
+    def _move_aside(self, problem: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self._clock()))
+        word = "old" if problem == LAYOUT_CHANGED else "corrupt"
+        suffix = f".{word}-{stamp}"
+        n = 1
+        while self.path.with_name(self.path.name + suffix).exists():
+            n += 1
+            suffix = f".{word}-{stamp}-{n}"
+        for name in (self.path.name, self.path.name + "-wal", self.path.name + "-shm"):
+            src = self.path.with_name(name)
+            if src.exists():
+                src.rename(src.with_name(name + suffix))
+        self.moved_aside = problem
+        self.moved_to = self.path.name + suffix
+        if problem != LAYOUT_CHANGED:
+            log.error(
+                "L2 index %s %s; moved aside as %s and starting EMPTY: no block it named will "
+                "be served",
+                self.path,
+                problem,
+                self.moved_to,
+            )
+        fsync_dir(self._directory)

@@ -1,0 +1,347 @@
+"""The disk tier's batch I/O engine: coalesced, parallel, verified transfers.
+
+A batch of blocks is planned into *runs*: blocks that lie back to back in one data file move
+with one vectored ``preadv``/``pwritev``. Runs are spread over the tier's I/O threads (a
+priority pool: a demand read never waits behind background writes). Writes hash the source
+buffers in the calling thread while the I/O threads write those same (unchanging) buffers;
+reads are verified run by run as they land.
+
+Buffers: a page-aligned buffer of at least the slot's size (an L1 slot view) is handed to the
+kernel as it is; anything else moves through the thread's page-aligned bounce buffer, and a
+block bound for an engine pool's pages is scattered there from that buffer only after it
+verified. Unverified bytes never reach a buffer the caller may use, except a direct buffer,
+which the tier zero-fills when its block fails.
+
+Thread-safety: ``write`` and ``read`` may run concurrently on any threads for distinct slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, as_completed, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvtier.tiers.base import Priority
+from kvtier.tiers.disk.files import ALIGN, SlotFiles
+from kvtier.tiers.disk.health import FaultState, classify
+from kvtier.tiers.executor import PriorityExecutor
+
+# Coalesced runs stop growing here, and a batch is spread over all I/O threads. Writes hash
+# in the calling thread alongside the I/O, so they take long runs; reads are verified run by
+# run as they land, so shorter runs keep verification overlapped with the reads still going.
+MAX_WRITE_RUN_BYTES = 32 << 20
+MAX_READ_RUN_BYTES = 8 << 20
+# Each block takes at most two iovecs (data, padding); stay under IOV_MAX (1024 on Linux).
+_MAX_RUN_BLOCKS = 500
+# Runs are at least this long when the slots allow: tiny transfers gain nothing from threads.
+_MIN_RUN_BYTES = 256 << 10
+# A batch smaller than this runs in the calling thread: a hand-off to the pool costs more.
+_INLINE_BYTES = 1 << 20
+_ZEROS = bytes(ALIGN)
+
+
+def checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum the tier stores and verifies: xxh3-64 of the bytes, as an unsigned int."""
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def _address(mv: memoryview) -> int:
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
+
+
+@dataclass(slots=True)
+class Block:
+    pos: int  # index in the caller's batch
+    slot: int
+    file: int
+    offset: int  # in its file
+    nbytes: int
+    padded: int
+    buf: memoryview | None  # the caller's contiguous buffer, as bytes (None: ``sink``)
+    direct: bool  # buf itself can be handed to the kernel (aligned, long enough)
+    expected: int = 0  # reads: the checksum to verify against
+    key: bytes = b""
+    sink: Callable[[memoryview], None] | None = None  # reads: where verified bytes go
+    staged: bool = False  # moved through the bounce buffer
+    checksum: int = 0
+    ok: bool = False
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Run:
+    """Blocks that lie back to back in one file: one vectored system call."""
+
+    file: int
+    offset: int
+    blocks: list[Block] = field(default_factory=list)
+    nbytes: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+class BatchIO:
+    def __init__(
+        self, files: SlotFiles, faults: FaultState, executor: PriorityExecutor, threads: int
+    ) -> None:
+        self.files = files
+        self.faults = faults
+        self.executor = executor
+        self.threads = threads
+        self._local = threading.local()
+
+    def make_block(
+        self,
+        pos: int,
+        slot: int,
+        tier_offset: int,
+        nbytes: int,
+        padded: int,
+        buf: memoryview | None,
+        *,
+        expected: int = 0,
+        key: bytes = b"",
+        sink: Callable[[memoryview], None] | None = None,
+    ) -> Block:
+        direct = buf is not None and len(buf) >= padded and _address(buf) % ALIGN == 0
+        file, offset = self.files.locate(tier_offset)
+        return Block(pos, slot, file, offset, nbytes, padded, buf, direct, expected, key, sink)
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, blocks: list[Block], priority: Priority) -> None:
+        """Write and ``fdatasync`` the blocks; sets ``ok`` and ``checksum`` on each."""
+        self._execute(
+            self._plan(blocks, MAX_WRITE_RUN_BYTES),
+            self._write_run,
+            priority,
+            lambda: self._checksum_sources(blocks),
+        )
+        self._sync([b for b in blocks if b.ok], priority)
+
+    @staticmethod
+    def _checksum_sources(blocks: list[Block]) -> None:
+        for b in blocks:
+            assert b.buf is not None
+            b.checksum = checksum(b.buf[: b.nbytes])
+
+    def _write_run(self, run: _Run) -> None:
+        try:
+            iovs, _ = self._iovecs(run, True)
+            self.faults.count(write_calls=1)
+            self.files.transfer(True, run.file, iovs, run.offset)
+        except OSError as e:
+            self._run_failed(run, e, "write")
+            return
+        for b in run.blocks:
+            b.ok = True
+
+    def _sync(self, blocks: list[Block], priority: Priority) -> None:
+        """fdatasync the files the blocks went to; a file that fails fails its blocks."""
+        files = sorted({b.file for b in blocks})
+        if not files:
+            return
+        if len(files) == 1:
+            errors = [self.files.sync(files[0])]
+        else:
+            futures = [self.executor.submit(priority, self.files.sync, f) for f in files]
+            errors = [f.result() for f in futures]
+        self.faults.count(syncs=len(files))
+        for file, err in zip(files, errors, strict=True):
+            if err is None:
+                continue
+            self.faults.count(io_errors=1)
+            self.faults.fault(classify(err), f"fdatasync of {self.files.paths[file].name}")
+            for b in blocks:
+                if b.file == file:
+                    b.ok = False
+
+    # ------------------------------------------------------------------ reads
+
+    def read(self, blocks: list[Block], priority: Priority) -> None:
+        """Read the blocks and verify each; sets ``ok`` and ``error``."""
+        runs = self._plan(blocks, MAX_READ_RUN_BYTES)
+        if len(runs) == 1 and runs[0].nbytes < _INLINE_BYTES:
+            views = self._read_run(runs[0])
+            if views is not None:
+                self._verify_run(runs[0], views)
+            return
+        futures: dict[Future[list[memoryview] | None], _Run] = {
+            self.executor.submit(priority, self._read_run, run): run for run in runs
+        }
+        try:
+            for future in as_completed(futures):
+                views = future.result()
+                if views is not None:
+                    self._verify_run(futures[future], views)
+        finally:
+            wait(futures)
+
+    def _read_run(self, run: _Run) -> list[memoryview] | None:
+        """Read one run. Returns where each block's bytes landed for the caller to verify, or
+        None when the run is settled here: failed, or staged (the bounce buffer belongs to
+        this thread, so its blocks are verified before the thread takes another run)."""
+        try:
+            iovs, views = self._iovecs(run, False)
+            self.faults.count(read_calls=1)
+            self.files.transfer(False, run.file, iovs, run.offset)
+        except OSError as e:
+            self._run_failed(run, e, "read")
+            for b in run.blocks:
+                self.scrub(b)
+            return None
+        if any(b.staged for b in run.blocks):
+            self._verify_run(run, views)
+            return None
+        return views
+
+    def _verify_run(self, run: _Run, views: list[memoryview]) -> None:
+        bad = 0
+        for b, view in zip(run.blocks, views, strict=True):
+            if checksum(view) != b.expected:
+                b.error = "checksum mismatch"
+                bad += 1
+                self.scrub(b)
+                continue
+            if b.sink is not None:
+                b.sink(view)
+            elif b.staged:
+                # Only verified bytes ever reach the caller's buffer on this path.
+                assert b.buf is not None
+                b.buf[: b.nbytes] = view
+            b.ok = True
+        if bad:
+            self.faults.count(checksum_failures=bad)
+
+    @staticmethod
+    def scrub(b: Block) -> None:
+        """Zero what a failed read may have left in the caller's buffer (a block bound for
+        pool pages has had nothing written there)."""
+        if b.buf is None:
+            return
+        end = b.padded if b.direct else b.nbytes
+        with contextlib.suppress(Exception):
+            b.buf[:end] = bytes(end)
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, blocks: list[Block], max_run_bytes: int) -> list[_Run]:
+        """Coalesce back-to-back slots into runs, sized so a batch spreads over the threads."""
+        if not blocks:
+            return []
+        total = sum(b.padded for b in blocks)
+        target = max(_MIN_RUN_BYTES, min(max_run_bytes, -(-total // self.threads)))
+        runs: list[_Run] = []
+        run: _Run | None = None
+        for b in sorted(blocks, key=lambda b: (b.file, b.offset)):
+            if (
+                run is None
+                or b.file != run.file
+                or b.offset != run.end
+                or run.nbytes + b.padded > target
+                or len(run.blocks) >= _MAX_RUN_BLOCKS
+            ):
+                run = _Run(b.file, b.offset)
+                runs.append(run)
+            run.blocks.append(b)
+            run.nbytes += b.padded
+        return runs
+
+    def _execute(
+        self,
+        runs: list[_Run],
+        work: Callable[[_Run], None],
+        priority: Priority,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
+        """Run ``work`` on every run, in parallel on the I/O threads, and ``meanwhile`` in this
+        thread while they run. Returns when all of it is done."""
+        small = sum(r.nbytes for r in runs) < _INLINE_BYTES
+        if len(runs) <= 1 and (small or meanwhile is None):
+            if meanwhile is not None:
+                meanwhile()
+            for run in runs:
+                work(run)
+            return
+        futures = [self.executor.submit(priority, work, run) for run in runs]
+        try:
+            if meanwhile is not None:
+                meanwhile()
+        finally:
+            # Every run must finish before the batch's buffers go back to the caller.
+            wait(futures)
+        for f in futures:
+            f.result()
+
+    def _staging(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned bounce buffer, at least ``nbytes`` long."""
+        buf: mmap.mmap | None = getattr(self._local, "staging", None)
+        if buf is None or len(buf) < nbytes:
+            # The old buffer is dropped, not closed: a view of it may still be alive.
+            size = 1 << max(16, (nbytes - 1).bit_length())
+            buf = self._local.staging = mmap.mmap(-1, size)
+        return memoryview(buf)
+
+    def _pad_sink(self) -> memoryview:
+        sink: bytearray | None = getattr(self._local, "pad", None)
+        if sink is None:
+            sink = self._local.pad = bytearray(ALIGN)
+        return memoryview(sink)
+
+    def _iovecs(self, run: _Run, writing: bool) -> tuple[list[memoryview], list[memoryview]]:
+        """The run's iovecs, and per block where its ``nbytes`` sit on the disk side of the
+        transfer: the caller's buffer itself, or the block's place in the bounce buffer."""
+        direct = self.files.direct
+        bounced = [b for b in run.blocks if not b.direct and (direct or b.buf is None)]
+        staging = self._staging(sum(b.padded for b in bounced)) if bounced else None
+        if bounced:
+            self.faults.count(bounced_blocks=len(bounced))
+        iovs: list[memoryview] = []
+        views: list[memoryview] = []
+        pos = 0
+        last = run.blocks[-1]
+        for b in run.blocks:
+            if b.direct:
+                assert b.buf is not None
+                iovs.append(b.buf[: b.padded])
+                views.append(b.buf[: b.nbytes])
+            elif direct or b.buf is None:
+                # O_DIRECT needs aligned memory, and pool pages are not contiguous: stage
+                # through this thread's bounce buffer.
+                assert staging is not None
+                chunk = staging[pos : pos + b.padded]
+                pos += b.padded
+                if writing:
+                    assert b.buf is not None
+                    chunk[: b.nbytes] = b.buf[: b.nbytes]
+                    chunk[b.nbytes :] = _ZEROS[: b.padded - b.nbytes]
+                iovs.append(chunk)
+                views.append(chunk[: b.nbytes])
+                b.staged = True
+            else:
+                # Buffered I/O takes any buffer; padding keeps the run contiguous on disk.
+                iovs.append(b.buf[: b.nbytes])
+                views.append(b.buf[: b.nbytes])
+                if b.padded > b.nbytes and b is not last:
+                    gap = b.padded - b.nbytes
+                    iovs.append(memoryview(_ZEROS)[:gap] if writing else self._pad_sink()[:gap])
+        return iovs, views
+
+    def _run_failed(self, run: _Run, exc: OSError, what: str) -> None:
+        fault = classify(exc)
+        for b in run.blocks:
+            b.ok = False
+            b.error = fault.detail
+        self.faults.count(io_errors=1)
+        self.faults.fault(
+            fault,
+            f"{what} of {len(run.blocks)} blocks at {self.files.paths[run.file].name}+{run.offset}",
+        )

@@ -1,0 +1,844 @@
+"""L2: the disk tier. Block slots in preallocated files, a crash-safe SQLite index, checksums.
+
+Layout of the tier's directory (mode 0700; every file in it 0600)::
+
+    lock                  flock()ed while a DiskTier has the directory open
+    data-0000.bin ...     preallocated data files; each holds a whole number of segments
+    index.sqlite3         (+ -wal, -shm) the index: (ns, key) -> slot, nbytes, checksum, written_at
+
+Slots come from a SlabAllocator over the concatenated data files: a slot is one contiguous,
+4 KiB-aligned extent of one file, so a block moves with one aligned ``O_DIRECT`` transfer, and
+adjacent slots of a batch move with one vectored ``preadv``/``pwritev`` (``io.BatchIO``).
+
+Invariants:
+- A block's index row is committed only after its bytes are durable (``fdatasync`` of the data
+  file returned). A crash at any moment therefore loses at most blocks still in flight and
+  never makes a row point at a half-written slot. ``commit`` enforces the order: it accepts a
+  slot only if this tier made a write to it durable and nothing has been committed or removed
+  there since.
+- A slot is given back to the allocator only after the deletion of its row is durable, and a
+  slot rewritten in place loses its row (durably) before the new bytes go down, so no crash
+  can leave a row over bytes it does not describe.
+- Every read is verified against the checksum (xxh3-64 of the block's ``nbytes`` bytes) that
+  was computed from the source buffer when the block was written. A block that fails (checksum
+  mismatch or I/O error) is a miss: its row is deleted, its slot is quarantined (held, never
+  handed out again, also across restarts), and the event is counted and logged with the key.
+- I/O faults never raise out of the data verbs: they are results, counters and the tier's
+  health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads.
+- Damage found at open stays partial: a data file that is missing, shorter than the index
+  needs or unreadable loses only the blocks whose slots lie in its damaged part (rows dropped,
+  counted by reason in ``blocks_lost_at_recovery_*``, shown in the health detail), and the file
+  is recreated; an index SQLite cannot use is moved aside (``index_moved_aside``, health
+  detail) and the tier starts empty.
+
+The data path is POSIX ``preadv``/``pwritev`` on host memory (L1 slots, or a bounce buffer for
+an engine pool's pages). kvikio is not used: its gain is GPUDirect Storage for device buffers,
+which belongs to an L0<->L2 path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import NamedTuple, TypeAlias
+
+import numpy as np
+
+from kvtier.tiers.base import (
+    BlockRef,
+    HostBuffers,
+    Priority,
+    ReadBatch,
+    RecoveredBlock,
+    TierHealth,
+    TierKind,
+    TierStats,
+    TierUnavailable,
+    WriteBatch,
+    WriteOutcome,
+)
+from kvtier.tiers.buffers import get_block, put_block
+from kvtier.tiers.disk.files import (
+    ALIGN,
+    FILE_MODE,
+    FileBackend,
+    OsFiles,
+    SlotFiles,
+    damage,
+    fsync_dir,
+    layout,
+)
+from kvtier.tiers.disk.health import FaultState, classify
+from kvtier.tiers.disk.index import DiskIndex
+from kvtier.tiers.disk.io import BatchIO, Block, checksum
+from kvtier.tiers.executor import PriorityExecutor
+from kvtier.tiers.slab import LockedSlab
+
+log = logging.getLogger("kvtier.tiers.disk")
+
+BytesLike: TypeAlias = "bytes | bytearray | memoryview | np.ndarray"
+"""Anything that ``memoryview()`` accepts as one C-contiguous run of bytes."""
+
+CHECKSUM_NAME = "xxh3_64"
+FORMAT_VERSION = 1
+LOCK_NAME = "lock"
+DIR_MODE = 0o700
+DEFAULT_FILE_BYTES = 4 << 30
+MAX_FILES = 256
+
+_LOGGED_FAILURES = 16
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+
+
+# ---------------------------------------------------------------------------------- items
+
+
+class WriteItem(NamedTuple):
+    """Write ``data[:nbytes]`` into ``slot``. ``data`` must stay unchanged until the write
+    returns. A page-aligned buffer of at least the slot's size (``allocator.slot_bytes_for``),
+    such as an L1 slot view, goes straight to the disk; anything else is staged."""
+
+    slot: int
+    data: BytesLike
+    nbytes: int
+
+
+class PersistItem(NamedTuple):
+    """Write ``data[:nbytes]`` into ``slot`` and commit it as block ``(ns, key)``."""
+
+    ns: int
+    key: bytes
+    slot: int
+    data: BytesLike
+    nbytes: int
+
+
+class CommitEntry(NamedTuple):
+    """Make the durable write to ``slot`` visible as block ``(ns, key)``."""
+
+    ns: int
+    key: bytes
+    slot: int
+
+
+class ReadItem(NamedTuple):
+    """Read ``nbytes`` of ``slot`` into ``out`` and verify them against ``checksum``.
+    ``key`` is only used to name the block in logs. ``out`` may be written beyond ``nbytes``
+    up to the slot's size when it is that long (the zero-copy path)."""
+
+    slot: int
+    out: BytesLike
+    nbytes: int
+    checksum: int
+    key: bytes
+
+
+def _as_bytes(data: BytesLike) -> memoryview:
+    mv = memoryview(data)  # type: ignore[arg-type]
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def _to_i64(value: int) -> int:
+    return value - _U64 if value > _I64_MAX else value
+
+
+def _from_i64(value: int) -> int:
+    return value + _U64 if value < 0 else value
+
+
+class _Slab(LockedSlab):
+    """The tier's allocator. ``free`` is refused: an L2 slot must lose its index row (durably)
+    before it is reused, which only ``DiskTier.remove`` does."""
+
+    def free(self, slot: int) -> None:
+        raise TypeError(
+            f"L2 slot {slot}: free disk slots with DiskTier.remove(), which deletes their "
+            "index rows before the slots can be reused"
+        )
+
+    def release(self, slot: int) -> None:
+        super().free(slot)
+
+
+# ---------------------------------------------------------------------------------- tier
+
+
+class DiskTier:
+    """The L2 tier: block slots in files on a local disk, and their durable index.
+
+    Thread-safety: the data verbs (``write``/``read``/``remove`` and their item forms),
+    ``stats`` and ``health`` may be called concurrently from any threads, and ``allocator``
+    may be used from any thread, provided two calls in flight never name the same slot (the
+    store's in-flight marks guarantee this). Index updates are serialised internally; data
+    transfers run in parallel on ``io_threads`` worker threads, most urgent first. The
+    constructor, ``recover`` and ``close`` must not overlap any other call. Every data method
+    blocks: call it from a worker thread, never from an event loop.
+
+    Ordering: when ``write_items`` returns ok for a slot, its bytes are durable; when
+    ``commit`` (or ``persist``, or ``write``) returns ok, the rows are durable and survive
+    SIGKILL and power loss; when ``remove`` returns True, the rows are durably gone and only
+    then are the slots free.
+    """
+
+    kind = TierKind.DISK
+    persistent = True
+    checksummed = True
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int,
+        segment_bytes: int,
+        *,
+        io_threads: int = 4,
+        file_bytes: int | None = None,
+        direct_io: bool = True,
+        enospc_retry_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        backend: FileBackend | None = None,
+    ) -> None:
+        """Open (or create) the tier in ``directory`` and recover its index.
+
+        ``file_bytes``: size of each data file (rounded up to whole segments; default
+        ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files). ``direct_io=False``
+        forces buffered I/O. ``enospc_retry_s``: while degraded by a full disk, one write batch
+        per this many seconds is let through to find out whether space came back. ``clock``
+        gives ``written_at``. ``backend`` makes the data files' system calls (tests inject
+        faults through it).
+
+        Raises TierUnavailable when the directory cannot hold the capacity or is in use by
+        another DiskTier, ValueError for a bad geometry.
+        """
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be at least 1, not {io_threads}")
+        started = time.monotonic()
+        self.directory = Path(directory)
+        self.allocator = _Slab(capacity_bytes, segment_bytes)
+        self.io_threads = io_threads
+        self._clock = clock
+        self._file_bytes = self._choose_file_bytes(file_bytes)
+        self._backend = backend or OsFiles()
+        self.faults = FaultState(enospc_retry_s)
+        self._state_lock = threading.Lock()  # quarantine and durable-but-uncommitted slots
+        self._quarantined: dict[int, int] = {}  # slot -> nbytes
+        # Slots whose last write is durable and not committed yet: slot -> (nbytes, checksum).
+        self._durable: dict[int, tuple[int, int]] = {}
+        self._recovered: list[RecoveredBlock] = []
+        self.lost_at_recovery: Counter[str] = Counter()
+        self._closed = False
+        self._lock_fd = -1
+        self._index: DiskIndex | None = None
+        self._executor: PriorityExecutor | None = None
+        self.files = SlotFiles(
+            self.directory,
+            layout(self.directory, self.allocator.capacity_bytes, self._file_bytes),
+            self._file_bytes,
+            self._backend,
+        )
+        try:
+            self._make_directory()
+            self._lock_directory()
+            self._index = DiskIndex(self.directory, self._geometry(), clock)
+            if self._index.moved_aside:
+                self.faults.count(index_moved_aside=1)
+                if self._index.moved_aside != "was made for another layout":
+                    self.faults.note(
+                        f"index {self._index.moved_aside}: moved aside as {self._index.moved_to}"
+                        ", started empty"
+                    )
+            capacity_before = self._index.previous_capacity or self.allocator.capacity_bytes
+            before = layout(self.directory, capacity_before, self._file_bytes)
+            sizes = self._file_sizes(before)
+            damaged = damage(before, self._backend)
+            for file, reason in damaged.items():
+                if reason == "unreadable_file":
+                    # Recreated by prepare(); its blocks are lost either way.
+                    with contextlib.suppress(OSError):
+                        before[file][0].unlink()
+            self.files.prepare(self.allocator.capacity_bytes)
+            self.files.open(direct_io)
+            self._recover_index(before, sizes, damaged)
+        except BaseException:
+            self._release_resources()
+            raise
+        self._executor = PriorityExecutor(io_threads, "l2-io")
+        self._io = BatchIO(self.files, self.faults, self._executor, io_threads)
+        log.info(
+            "L2 disk tier in %s: %d MiB in %d file(s), %d segments of %d MiB, %s I/O, "
+            "%d threads; recovered %d blocks (%d MiB) in %.2fs",
+            self.directory,
+            self.allocator.capacity_bytes >> 20,
+            len(self.files.paths),
+            self.allocator.num_segments,
+            segment_bytes >> 20,
+            "O_DIRECT" if self.files.direct else "buffered",
+            io_threads,
+            len(self._recovered),
+            self.allocator.used_bytes >> 20,
+            time.monotonic() - started,
+        )
+
+    # ------------------------------------------------------------------ tier verbs
+
+    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
+        """Write the batch's blocks and commit them to the index (``persist``)."""
+        views = _host_views(batch.src, len(batch.slots), batch.nbytes)
+        items = [
+            PersistItem(ref.ns, ref.key, slot, view, batch.nbytes)
+            for ref, slot, view in zip(batch.blocks, batch.slots, views, strict=True)
+        ]
+        return self.persist(items, batch.priority)
+
+    def read(self, batch: ReadBatch) -> list[bool]:
+        """Read and verify the batch's blocks into its destination (host buffers directly;
+        pool pages through a bounce buffer, scattered only once verified)."""
+        self._check_open()
+        n = len(batch.slots)
+        sums = batch.checksums
+        if len(sums) != n:
+            raise ValueError(f"{len(sums)} checksums for {n} blocks")
+        blocks = []
+        for j in range(n):
+            if isinstance(batch.dest, HostBuffers):
+                blocks.append(
+                    self._block(j, batch.slots[j], batch.dest.views[j], batch.nbytes, False)
+                )
+            else:
+                blocks.append(self._block(j, batch.slots[j], None, batch.nbytes, False))
+                dest = batch.dest
+                blocks[-1].sink = lambda view, j=j, dest=dest: put_block(
+                    dest, j, view, batch.nbytes
+                )
+            blocks[-1].expected = int(sums[j])
+            blocks[-1].key = batch.blocks[j].key if batch.blocks else b""
+        return self._read_blocks(blocks, batch.priority)
+
+    def remove(self, slots: Iterable[int]) -> bool:
+        """Delete the index rows of these slots (one transaction) and free the slots.
+
+        Works for committed blocks and for slots whose write or commit failed. Quarantined
+        slots lose their row but stay held. Returns False when the index could not be
+        updated: then nothing was freed and the rows may still exist.
+        """
+        self._check_open()
+        slots = [int(s) for s in slots]
+        if not slots:
+            return True
+        try:
+            self._idx().delete(slots)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index delete")
+            self.faults.count(remove_failures=len(slots))
+            return False
+        freed = 0
+        with self._state_lock:
+            for slot in slots:
+                self._durable.pop(slot, None)
+                if slot in self._quarantined:
+                    continue
+                self.allocator.release(slot)
+                freed += 1
+        self.faults.count(removed_slots=freed)
+        return True
+
+    def recover(self) -> list[RecoveredBlock]:
+        """The blocks found in the index at open, whose slots are already claimed in
+        ``allocator``. Every other slot is free (slots without a row are reclaimed). The list
+        is handed over once; later calls return an empty list."""
+        blocks, self._recovered = self._recovered, []
+        return blocks
+
+    def health(self) -> TierHealth:
+        return self.faults.health()
+
+    def stats(self) -> TierStats:
+        slab = self.allocator.stats()
+        counters = dict.fromkeys(_COUNTERS, 0)
+        counters.update(self.faults.snapshot())
+        for reason, n in self.lost_at_recovery.items():
+            counters[f"blocks_lost_at_recovery_{reason}"] = n
+        with self._state_lock:
+            quarantined = len(self._quarantined)
+            quarantined_bytes = sum(
+                self.allocator.slot_bytes_for(n) for n in self._quarantined.values()
+            )
+            pending = len(self._durable)
+        gauges = {
+            "o_direct": float(self.files.direct),
+            "used_slots": float(slab.used_slots),
+            "free_segments": float(slab.free_segments),
+            "quarantined_slots": float(quarantined),
+            "quarantined_bytes": float(quarantined_bytes),
+            "uncommitted_slots": float(pending),
+            "files": float(len(self.files.paths)),
+        }
+        return TierStats(
+            self.kind, self.health(), slab.capacity_bytes, slab.used_bytes, counters, gauges
+        )
+
+    def close(self) -> None:
+        """Wait for running transfers, then close files and index. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._release_resources()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ item verbs
+
+    def write_items(
+        self, items: Sequence[WriteItem], priority: Priority = Priority.BACKGROUND
+    ) -> list[WriteOutcome]:
+        """Write blocks into their (allocated) slots and make them durable.
+
+        Returns one outcome per item, in order; ``ok`` means the bytes are on disk (data file
+        ``fdatasync``ed) and ``checksum`` is what ``read`` will verify. The blocks are not in
+        the index until ``commit``. A failed item's slot stays allocated: give it back with
+        ``remove``. While the tier is degraded every item fails without any I/O.
+        """
+        self._check_open()
+        blocks = [
+            self._block(i, item.slot, _as_bytes(item.data), item.nbytes, True)
+            for i, item in enumerate(items)
+        ]
+        self._check_distinct(blocks)
+        if not blocks:
+            return []
+        if not self.faults.admit_writes():
+            self.faults.count(writes_refused_degraded=len(blocks))
+            return [WriteOutcome(b.slot, False, 0) for b in blocks]
+        with self._state_lock:
+            live = [b for b in blocks if b.slot not in self._quarantined]
+        self.faults.count(writes_refused_quarantined=len(blocks) - len(live))
+        if not self._drop_rows_before_overwrite([b.slot for b in live]):
+            return [WriteOutcome(b.slot, False, 0) for b in blocks]
+        self._io.write(live, priority)
+        ok = [b for b in live if b.ok]
+        with self._state_lock:
+            for b in ok:
+                self._durable[b.slot] = (b.nbytes, b.checksum)
+        self.faults.count(
+            blocks_written=len(ok),
+            bytes_written=sum(b.nbytes for b in ok),
+            write_failures=len(blocks) - len(ok),
+        )
+        return [WriteOutcome(b.slot, b.ok, b.checksum if b.ok else 0) for b in blocks]
+
+    def commit(self, entries: Sequence[CommitEntry]) -> bool:
+        """Insert index rows for durably written slots, in one transaction.
+
+        True means the rows are durable. False (index I/O fault, tier degraded by EIO) means
+        none was inserted; the slots stay allocated and their bytes stay durable, so the call
+        may be repeated, or the slots given back with ``remove``.
+
+        Raises ValueError when an entry's slot has no durable write awaiting commit: that
+        would make a row whose bytes nobody vouched for.
+        """
+        self._check_open()
+        if not entries:
+            return True
+        now = self._clock()
+        rows = []
+        with self._state_lock:
+            for ns, key, slot in entries:
+                written = self._durable.get(slot)
+                if written is None:
+                    raise ValueError(
+                        f"L2 slot {slot} has no durable write awaiting commit "
+                        f"(key {bytes(key).hex()})"
+                    )
+                rows.append((ns, bytes(key), slot, written[0], _to_i64(written[1]), now))
+        if self.faults.refuses_commits():
+            self.faults.count(commits_refused_degraded=1)
+            return False
+        try:
+            self._idx().insert(rows)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index commit")
+            return False
+        with self._state_lock:
+            for row in rows:
+                self._durable.pop(row[2], None)
+        self.faults.count(commits=1, committed_blocks=len(rows))
+        self.faults.space_returned()
+        return True
+
+    def persist(
+        self, items: Sequence[PersistItem], priority: Priority = Priority.BACKGROUND
+    ) -> list[WriteOutcome]:
+        """``write_items`` then ``commit`` of the blocks written: ``ok`` means the block is
+        durable and in the index (it will be served after a crash or restart). Failed items
+        keep their slots allocated; give them back with ``remove``."""
+        outcomes = self.write_items(
+            [WriteItem(it.slot, it.data, it.nbytes) for it in items], priority
+        )
+        done = [
+            CommitEntry(it.ns, it.key, it.slot)
+            for it, out in zip(items, outcomes, strict=True)
+            if out.ok
+        ]
+        if not done or self.commit(done):
+            return outcomes
+        return [WriteOutcome(o.slot, False, 0) for o in outcomes]
+
+    def read_items(
+        self, items: Sequence[ReadItem], priority: Priority = Priority.DEMAND
+    ) -> list[bool]:
+        """Read blocks into ``out`` buffers and verify each against its checksum.
+
+        Returns one bool per item. True: ``out[:nbytes]`` holds exactly the bytes written.
+        False (checksum mismatch, I/O error, quarantined slot): a miss. The content of ``out``
+        is then unspecified and must not be used or copied anywhere (the tier zero-fills what
+        it wrote there, best effort); the block's row is deleted and its slot quarantined, so
+        the caller drops its L2 copy (``remove`` of the slot is allowed and changes nothing).
+        Reads are served while the tier is degraded.
+        """
+        self._check_open()
+        blocks = []
+        for i, it in enumerate(items):
+            b = self._block(i, it.slot, _as_bytes(it.out), it.nbytes, False)
+            b.expected, b.key = it.checksum, it.key
+            blocks.append(b)
+        return self._read_blocks(blocks, priority)
+
+    def release_quarantined(self) -> int:
+        """Return every quarantined slot to service (an operator's decision, e.g. after the
+        disk was checked). Returns how many were released."""
+        self._check_open()
+        with self._state_lock:
+            slots = list(self._quarantined)
+        if not slots:
+            return 0
+        try:
+            self._idx().unquarantine(slots)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index update")
+            return 0
+        with self._state_lock:
+            for slot in slots:
+                del self._quarantined[slot]
+                self.allocator.release(slot)
+        log.warning("L2 tier: %d quarantined slots returned to service", len(slots))
+        return len(slots)
+
+    def slot_location(self, slot: int) -> tuple[Path, int]:
+        """The data file holding an allocated slot, and the slot's byte offset in it."""
+        file, offset = self.files.locate(self.allocator.offset(slot))
+        return self.files.paths[file], offset
+
+    @property
+    def direct_io(self) -> bool:
+        return self.files.direct
+
+    # ------------------------------------------------------------------ internals
+
+    def _read_blocks(self, blocks: list[Block], priority: Priority) -> list[bool]:
+        self._check_distinct(blocks)
+        live = []
+        with self._state_lock:
+            for b in blocks:
+                if b.slot in self._quarantined:
+                    b.error = "slot is quarantined"
+                else:
+                    live.append(b)
+        self.faults.count(reads_refused_quarantined=len(blocks) - len(live))
+        self._io.read(live, priority)
+        ok = [b for b in live if b.ok]
+        failed = [b for b in live if not b.ok]
+        self.faults.count(
+            blocks_read=len(ok), bytes_read=sum(b.nbytes for b in ok), read_failures=len(failed)
+        )
+        if failed:
+            self._quarantine(failed)
+        return [b.ok for b in blocks]
+
+    def _drop_rows_before_overwrite(self, slots: list[int]) -> bool:
+        """Durably delete the rows of committed blocks in ``slots`` (a slot rewritten without
+        ``remove``): a crash while the new bytes go down must not leave the old row over them.
+        False when the index could not be updated."""
+        if not slots:
+            return True
+        try:
+            stale = self._idx().committed_slots(slots)
+            if stale:
+                self._idx().delete(stale)
+                self.faults.count(overwritten_blocks=len(stale))
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index delete")
+            self.faults.count(write_failures=len(slots))
+            return False
+        return True
+
+    def _quarantine(self, blocks: list[Block]) -> None:
+        with self._state_lock:
+            for b in blocks:
+                self._quarantined[b.slot] = b.nbytes
+                self._durable.pop(b.slot, None)
+        # One line per block, with its key, up to a bound: a dying disk fails whole batches.
+        for n, b in enumerate(blocks):
+            log.log(
+                logging.WARNING if n < _LOGGED_FAILURES else logging.DEBUG,
+                "L2 block %s (slot %d) failed verification: %s; served as a miss, slot quarantined",
+                bytes(b.key).hex(),
+                b.slot,
+                b.error,
+            )
+        if len(blocks) > _LOGGED_FAILURES:
+            log.warning(
+                "L2: %d more blocks of the same read failed (keys logged at DEBUG)",
+                len(blocks) - _LOGGED_FAILURES,
+            )
+        try:
+            self._idx().quarantine([(b.slot, b.nbytes, b.error) for b in blocks])
+        except sqlite3.Error as e:
+            # The slots stay quarantined in memory; after a restart their rows would be
+            # served again only if their bytes verify.
+            self.faults.fault(classify(e), "index quarantine update")
+
+    def _block(
+        self, pos: int, slot: int, buf: memoryview | None, nbytes: int, writing: bool
+    ) -> Block:
+        slot = int(slot)
+        nbytes = int(nbytes)
+        padded = self.allocator.slot_bytes_for(nbytes)
+        if (
+            nbytes <= 0
+            or not self.allocator.is_allocated(slot)
+            or self.allocator.slot_size(slot) != padded
+        ):
+            raise ValueError(
+                f"L2 slot {slot} is not an allocated slot for a block of {nbytes} bytes"
+            )
+        if buf is not None:
+            if len(buf) < nbytes:
+                raise ValueError(f"buffer of {len(buf)} bytes is shorter than the block ({nbytes})")
+            if not writing and buf.readonly:
+                raise ValueError("read buffer is read-only")
+        return self._io.make_block(pos, slot, self.allocator.offset(slot), nbytes, padded, buf)
+
+    @staticmethod
+    def _check_distinct(blocks: list[Block]) -> None:
+        if len({b.slot for b in blocks}) != len(blocks):
+            raise ValueError("a batch names the same L2 slot twice")
+
+    def _idx(self) -> DiskIndex:
+        if self._index is None:
+            raise sqlite3.ProgrammingError("the L2 index is closed")
+        return self._index
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the L2 tier is closed")
+
+    # ------------------------------------------------------------- opening and recovery
+
+    def _choose_file_bytes(self, file_bytes: int | None) -> int:
+        seg = self.allocator.segment_bytes
+        want = DEFAULT_FILE_BYTES if file_bytes is None else file_bytes
+        if want <= 0:
+            raise ValueError(f"file_bytes must be positive, not {want}")
+        want = max(want, -(-self.allocator.capacity_bytes // MAX_FILES))
+        return -(-want // seg) * seg
+
+    def _make_directory(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        os.chmod(self.directory, DIR_MODE)
+        for path in self.directory.iterdir():
+            if path.is_file() and not path.is_symlink():
+                with contextlib.suppress(OSError):
+                    os.chmod(path, FILE_MODE)
+
+    def _lock_directory(self) -> None:
+        self._lock_fd = os.open(
+            self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE
+        )
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            raise TierUnavailable(
+                f"L2 directory {self.directory} is in use by another process or DiskTier "
+                f"({e.strerror})"
+            ) from None
+
+    def _geometry(self) -> dict[str, str]:
+        return {
+            "format_version": str(FORMAT_VERSION),
+            "checksum": CHECKSUM_NAME,
+            "capacity_bytes": str(self.allocator.capacity_bytes),
+            "segment_bytes": str(self.allocator.segment_bytes),
+            "file_bytes": str(self._file_bytes),
+        }
+
+    @staticmethod
+    def _file_sizes(files: list[tuple[Path, int]]) -> list[int]:
+        """The bytes each data file really has now (0 when missing)."""
+        out = []
+        for path, _ in files:
+            try:
+                out.append(path.stat().st_size)
+            except OSError:
+                out.append(0)
+        return out
+
+    def _recover_index(
+        self, before: list[tuple[Path, int]], sizes: list[int], damaged: dict[int, str]
+    ) -> None:
+        """Claim the slots of every row whose bytes are there; drop the others, by reason.
+        ``before``: the data files the index was written for, ``sizes`` their real sizes and
+        ``damaged`` the reason each damaged one cannot back its blocks, all taken before the
+        files were recreated or extended."""
+        started = time.monotonic()
+        idx = self._idx()
+        quarantine_rows, rows = idx.load()
+        drop_rows: list[int] = []
+        drop_quarantine: list[int] = []
+        lost: Counter[str] = Counter()
+        lost_files: Counter[str] = Counter()
+        for slot, nbytes in quarantine_rows:
+            if self._claim(slot, nbytes):
+                self._quarantined[slot] = nbytes
+            else:
+                drop_quarantine.append(slot)
+        blocks: list[RecoveredBlock] = []
+        seg_bytes = self.allocator.segment_bytes
+        for ns, key, slot, nbytes, csum, written_at in rows:
+            reason = ""
+            if (
+                not isinstance(slot, int)
+                or not isinstance(nbytes, int)
+                or slot < 0
+                or not self.allocator.fits(nbytes)
+            ):
+                reason = "bad_row"
+            else:
+                seg, index = divmod(slot, self.allocator.slots_cap)
+                padded = self.allocator.slot_bytes_for(nbytes)
+                start = seg * seg_bytes + index * padded
+                file, offset = divmod(start, self._file_bytes)
+                in_damage = file in damaged and (
+                    damaged[file] != "short_file" or offset + padded > sizes[file]
+                )
+                if file < len(before) and in_damage:
+                    reason = damaged[file]
+                    lost_files[before[file][0].name] += 1
+                elif slot in self._quarantined or not self._claim(slot, nbytes):
+                    reason = "beyond_capacity"
+            if reason:
+                drop_rows.append(slot)
+                lost[reason] += 1
+                continue
+            blocks.append(
+                RecoveredBlock(ns, bytes(key), slot, nbytes, _from_i64(csum), float(written_at))
+            )
+        if drop_rows or drop_quarantine:
+            log.warning(
+                "L2 recovery dropped %d index rows (%s)%s",
+                len(drop_rows) + len(drop_quarantine),
+                ", ".join(f"{n} {r}" for r, n in sorted(lost.items())) or "quarantine rows",
+                f"; blocks lost with damaged data files: {dict(lost_files)}" if lost_files else "",
+            )
+            idx.drop(drop_rows, drop_quarantine)
+        damaged_total = sum(lost_files.values())
+        if damaged_total:
+            self.faults.note(
+                f"lost {damaged_total} blocks at start with damaged data files "
+                + ", ".join(f"{name} ({n})" for name, n in sorted(lost_files.items()))
+            )
+        self.lost_at_recovery = lost
+        self._recovered = blocks
+        self.faults.count(
+            recovered_blocks=len(blocks),
+            blocks_lost_at_recovery=sum(lost.values()),
+            recovery_dropped_rows=len(drop_rows) + len(drop_quarantine),
+        )
+        log.debug("L2 recovery read %d rows in %.3fs", len(rows), time.monotonic() - started)
+
+    def _claim(self, slot: int, nbytes: int) -> bool:
+        if not isinstance(slot, int) or not isinstance(nbytes, int):
+            return False
+        if slot < 0 or not self.allocator.fits(nbytes):
+            return False
+        try:
+            self.allocator.claim(slot, nbytes)
+        except ValueError:
+            return False
+        return True
+
+    def _release_resources(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self.files.close()
+        if self._index is not None:
+            self._index.close()
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _host_views(src: object, n: int, nbytes: int) -> list[memoryview]:
+    """Contiguous bytes of each block of a batch's source."""
+    if isinstance(src, HostBuffers):
+        return [_as_bytes(v) for v in src.views]
+    return [get_block(src, j, nbytes) for j in range(n)]  # type: ignore[arg-type]
+
+
+_COUNTERS = (
+    "blocks_written",
+    "bytes_written",
+    "write_failures",
+    "writes_refused_degraded",
+    "writes_refused_quarantined",
+    "blocks_read",
+    "bytes_read",
+    "read_failures",
+    "reads_refused_quarantined",
+    "checksum_failures",
+    "io_errors",
+    "enospc",
+    "index_errors",
+    "index_moved_aside",
+    "commits",
+    "committed_blocks",
+    "commits_refused_degraded",
+    "removed_slots",
+    "remove_failures",
+    "overwritten_blocks",
+    "read_calls",
+    "write_calls",
+    "bounced_blocks",
+    "syncs",
+    "recovered_blocks",
+    "recovery_dropped_rows",
+    "blocks_lost_at_recovery",
+)
+
+__all__ = [
+    "ALIGN",
+    "CHECKSUM_NAME",
+    "BlockRef",
+    "CommitEntry",
+    "DiskTier",
+    "PersistItem",
+    "ReadItem",
+    "WriteItem",
+    "checksum",
+    "fsync_dir",
+]

@@ -1,0 +1,187 @@
+"""An in-memory slot tier that can stand in for any tier kind, for tests of the tier stack.
+
+It behaves as the interface says a tier of its capabilities behaves, without a device: a
+``persistent`` instance keeps an index of written blocks that ``reopen()`` hands to a new
+instance (a daemon restart in process), a ``checksummed`` one returns and verifies xxh3
+checksums, and a non-``addressable`` one exposes no buffers (like a disk: bytes reach host
+memory only through ``read``). Faults are injected by the test: reads of chosen slots fail
+(the block is then dropped, as a disk tier quarantines it), writes fail, health changes.
+
+Thread-safety: ``write``, ``read`` and ``remove`` may run on any threads for distinct slots;
+the allocator is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from kvtier.tiers.base import (
+    HEALTHY,
+    BlockRef,
+    Health,
+    HostBuffers,
+    ReadBatch,
+    RecoveredBlock,
+    TierHealth,
+    TierKind,
+    TierStats,
+    WriteBatch,
+    WriteOutcome,
+)
+from kvtier.tiers.buffers import load_into, store_from
+from kvtier.tiers.slab import LockedSlab
+
+
+@dataclass
+class _Medium:
+    """What survives ``reopen``: the bytes and the index of written blocks."""
+
+    arena: np.ndarray
+    index: dict[int, RecoveredBlock] = field(default_factory=dict)
+
+
+class MemoryTier:
+    def __init__(
+        self,
+        kind: TierKind,
+        capacity_bytes: int,
+        segment_bytes: int,
+        *,
+        persistent: bool = False,
+        checksummed: bool = True,
+        addressable: bool = False,
+        _medium: _Medium | None = None,
+    ) -> None:
+        self.kind = kind
+        self.persistent = persistent
+        self.checksummed = checksummed
+        self.addressable = addressable
+        self.allocator = LockedSlab(capacity_bytes, segment_bytes)
+        self._medium = _medium or _Medium(np.zeros(self.allocator.capacity_bytes, np.uint8))
+        self._lock = threading.Lock()
+        self._sums: dict[int, int] = {}
+        self._recovered: list[RecoveredBlock] = []
+        self.counters: Counter[str] = Counter()
+        # Fault injection, set by tests.
+        self.fail_reads: set[int] = set()
+        self.fail_writes = False
+        self.forced_health: TierHealth | None = None
+        self.read_hook: object = None  # called with the batch before a read (tests block on it)
+        if _medium is not None:
+            for blk in sorted(_medium.index.values(), key=lambda b: b.slot):
+                self.allocator.claim(blk.slot, blk.nbytes)
+                self._sums[blk.slot] = blk.checksum
+                self._recovered.append(blk)
+
+    def reopen(self) -> MemoryTier:
+        """A new instance over the same medium, as after a restart: it recovers every block
+        written (persistent tiers) and nothing else."""
+        medium = self._medium if self.persistent else None
+        return MemoryTier(
+            self.kind,
+            self.allocator.capacity_bytes,
+            self.allocator.segment_bytes,
+            persistent=self.persistent,
+            checksummed=self.checksummed,
+            addressable=self.addressable,
+            _medium=medium,
+        )
+
+    # ------------------------------------------------------------------ verbs
+
+    def buffers(self, slots: Sequence[int], nbytes: int) -> HostBuffers | None:
+        if not self.addressable:
+            return None
+        arena = self._medium.arena.data
+        size = self.allocator.slot_bytes_for(nbytes)
+        return HostBuffers(
+            [arena[o : o + size] for o in self.allocator.offsets(np.asarray(slots)).tolist()]
+        )
+
+    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
+        if self.fail_writes or not self.health().accepts_writes:
+            self.counters["write_failures"] += len(batch.slots)
+            return [WriteOutcome(int(s), False) for s in batch.slots]
+        starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
+        store_from(batch.src, range(len(batch.slots)), self._medium.arena, starts, batch.nbytes)
+        out = []
+        now = time.time()
+        with self._lock:
+            for slot, start, ref in zip(batch.slots, starts.tolist(), batch.blocks, strict=True):
+                data = self._medium.arena[start : start + batch.nbytes]
+                csum = int(xxhash.xxh3_64_intdigest(data.data)) if self.checksummed else 0
+                self._sums[int(slot)] = csum
+                if self.persistent:
+                    self._medium.index[int(slot)] = _recovered(ref, int(slot), batch, csum, now)
+                out.append(WriteOutcome(int(slot), True, csum))
+        self.counters["blocks_written"] += len(out)
+        return out
+
+    def read(self, batch: ReadBatch) -> list[bool]:
+        if callable(self.read_hook):
+            self.read_hook(batch)
+        starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
+        ok = []
+        for j, (slot, start) in enumerate(zip(batch.slots, starts.tolist(), strict=True)):
+            data = self._medium.arena[start : start + batch.nbytes]
+            good = int(slot) not in self.fail_reads and self.health().serves_reads
+            if good and self.checksummed and batch.checksums:
+                good = int(xxhash.xxh3_64_intdigest(data.data)) == int(batch.checksums[j])
+            if good:
+                load_into(batch.dest, [j], self._medium.arena, np.asarray([start]), batch.nbytes)
+            else:
+                self.counters["read_failures"] += 1
+                with self._lock:
+                    self._medium.index.pop(int(slot), None)
+            ok.append(good)
+        self.counters["blocks_read"] += sum(ok)
+        return ok
+
+    def remove(self, slots: Sequence[int]) -> bool:
+        with self._lock:
+            for slot in slots:
+                self._medium.index.pop(int(slot), None)
+                self._sums.pop(int(slot), None)
+        for slot in slots:
+            self.allocator.free(int(slot))
+        self.counters["removed_slots"] += len(slots)
+        return True
+
+    def recover(self) -> list[RecoveredBlock]:
+        out, self._recovered = self._recovered, []
+        return out
+
+    def health(self) -> TierHealth:
+        return self.forced_health or HEALTHY
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            self.kind,
+            self.health(),
+            self.allocator.capacity_bytes,
+            self.allocator.used_bytes,
+            dict(self.counters),
+        )
+
+    def close(self) -> None:
+        pass
+
+    def corrupt(self, slot: int) -> None:
+        """Flip a byte of a slot's stored bytes (a checksum failure on the next read)."""
+        self._medium.arena[self.allocator.offset(slot)] ^= 0xFF
+
+    def set_health(self, state: Health, detail: str = "") -> None:
+        self.forced_health = None if state is Health.OK else TierHealth(state, detail)
+
+
+def _recovered(
+    ref: BlockRef, slot: int, batch: WriteBatch, csum: int, now: float
+) -> RecoveredBlock:
+    return RecoveredBlock(ref.ns, bytes(ref.key), slot, batch.nbytes, csum, now)
