@@ -119,11 +119,11 @@ class SpaceManager:
             dtype=np.int64,
         )
         if len(held):
-            admitted = held[self._admit(level, held, now)]
+            admitted = held[self.admit(level, held, now)]
             if len(admitted):
                 self.spawn(self.place(admitted, level, Priority.BACKGROUND))
 
-    def _admit(self, level: Level, bids: np.ndarray, now: float) -> np.ndarray:
+    def admit(self, level: Level, bids: np.ndarray, now: float) -> np.ndarray:
         """Which of ``bids`` ``level``'s admission rule lets in, counting each reason."""
         admit = np.ones(len(bids), dtype=bool)
         if level.admits_all or len(bids) == 0:
@@ -440,7 +440,7 @@ class SpaceManager:
             if not lower.tier.health().accepts_writes:
                 continue
             if lower.write_policy != "write_through":
-                todo_admit = todo[self._admit(lower, todo, now)]
+                todo_admit = todo[self.admit(lower, todo, now)]
             else:
                 todo_admit = todo
             if len(todo_admit) == 0:

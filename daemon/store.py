@@ -275,31 +275,16 @@ class BlockStore:
         new_idx = np.flatnonzero(is_new)
         bids = np.array([table.add(ns, words[i], block_bytes) for i in new_idx], dtype=np.int64)
         table.inflight[bids] = 1
-        top = self.top
         try:
-            slots = await self.space.reserve(top, block_bytes, len(bids), Priority.DEMAND)
+            placed = await self._store_new(pool, bids, pages[new_idx], now)
         except BaseException:
-            self._abandon(bids, [])
+            self._abandon(bids)
             raise
-        stored = bids[: len(slots)]
-        self._abandon(bids[len(slots) :], [])
-        results[new_idx[len(slots) :]] = PutResult.REJECTED_FULL
-        new_idx = new_idx[: len(slots)]
+        stored = bids[:placed]
+        self._abandon(bids[placed:])
+        results[new_idx[placed:]] = PutResult.REJECTED_FULL
+        new_idx = new_idx[:placed]
         if len(stored):
-            try:
-                with pool.use() as mem:
-                    await self.transfers.from_pool(
-                        top,
-                        slots,
-                        self._refs(stored),
-                        block_bytes,
-                        PoolPages(pool.layout.chunk_table, mem, pages[new_idx], self._copy_threads),
-                    )
-            except BaseException:
-                self._abandon(stored, slots)
-                raise
-            for bid, slot in zip(stored.tolist(), slots, strict=True):
-                table.slot[bid, top.col] = slot
             self._commit_new(stored, new_idx, existing, ns, parent_words)
         self.counters.inc("bytes_put", len(stored) * block_bytes)
         self._count_put(results)
@@ -317,6 +302,65 @@ class BlockStore:
             live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
             persisted[live] = table.slot[chain[live], durable_level.col] >= 0
         return results, persisted
+
+    async def _store_new(self, pool: Pool, bids: np.ndarray, pages: np.ndarray, now: float) -> int:
+        """Copy new blocks from the pool into the top tier; when it has no room for all of
+        them (everything evictable taken, the rest pinned or protected), the rest go straight
+        to the next slot tier below that takes writes and admits them. Blocks are placed in
+        chain order, so what is stored is always a leading run; returns its length."""
+        table = self.table
+        nbytes = pool.block_bytes
+        done = 0
+        for level in self.stack:
+            if done == len(bids):
+                break
+            if level.keyed or not level.tier.health().accepts_writes:
+                continue
+            todo = bids[done:]
+            if level is not self.top:
+                admitted = self.space.admit(level, todo, now)
+                todo = todo[: len(admitted) if admitted.all() else int(np.argmin(admitted))]
+                if len(todo) == 0:
+                    break
+            slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND)
+            if not slots:
+                continue
+            group = todo[: len(slots)]
+            try:
+                with pool.use() as mem:
+                    outcomes = await self.transfers.from_pool(
+                        level,
+                        slots,
+                        self._refs(group),
+                        nbytes,
+                        PoolPages(
+                            pool.layout.chunk_table,
+                            mem,
+                            pages[done : done + len(group)],
+                            self._copy_threads,
+                        ),
+                    )
+            except BaseException:
+                if level.persistent:
+                    self.space.spawn(self.space.release(level, slots))
+                else:
+                    level.slots.remove(slots)
+                raise
+            good = [o.ok for o in outcomes]
+            ok = len(good) if all(good) else good.index(False)
+            for bid, o in zip(group[:ok].tolist(), outcomes[:ok], strict=True):
+                table.slot[bid, level.col] = o.slot
+                if level.checksummed:
+                    table.set_checksums(
+                        np.asarray([bid]), level.col, np.asarray([o.checksum], dtype=np.uint64)
+                    )
+            await self.space.release(level, [o.slot for o in outcomes[ok:]])
+            if level is not self.top:
+                self.counters.inc("stored_below", ok, tier=level.label)
+            done += ok
+            if ok < len(group):
+                break
+        return done
 
     def _commit_new(
         self,
@@ -337,14 +381,15 @@ class BlockStore:
         parent = -1
         if parent_words is not None:
             parent = int(table.lookup(ns, parent_words[None, :])[0])
-        policy = self.top.policy
         for bid, i in zip(bids.tolist(), new_idx.tolist(), strict=True):
             par = int(chain[i - 1]) if i > 0 else parent
             if par >= 0 and table.state[par] != READY:
                 par = -1
             table.link(bid, par)
-            policy.insert(bid, now, par)
-        self.space.after_store(bids, now)
+            for level in self.stack:
+                if table.slot[bid, level.col] >= 0:
+                    level.policy.insert(bid, now, par)
+        self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
     # -------------------------------------------------------------------- reads
 
@@ -583,10 +628,8 @@ class BlockStore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _abandon(self, bids: np.ndarray, slots: Sequence[int]) -> None:
-        """Undo reservations of new blocks whose copy failed or found no room."""
-        if len(slots):
-            self.top.slots.remove(list(slots))
+    def _abandon(self, bids: np.ndarray) -> None:
+        """Forget new blocks whose copy failed or found no room (they hold no slot)."""
         for bid in bids.tolist():
             self.table.remove(bid)
 
