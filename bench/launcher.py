@@ -9,11 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvtier.client import Client, KvtierError
+from kvtier.client import wait_until_serving
 
 
 @dataclass
@@ -62,23 +61,13 @@ def bench_daemon(*overrides: str, start_timeout_s: float = 120.0) -> Iterator[Be
 
 
 def _wait_ready(daemon: BenchDaemon, timeout_s: float) -> None:
-    wait_until_serving(daemon.address, daemon.proc, daemon.log, timeout_s)
+    def alive() -> None:
+        if daemon.proc.poll() is not None:
+            raise RuntimeError(
+                f"kvtierd exited with {daemon.proc.returncode} during start:\n{daemon.log()}"
+            )
 
-
-def wait_until_serving(
-    address: str, proc: subprocess.Popen[bytes], log: Callable[[], str], timeout_s: float
-) -> None:
-    """Wait until the daemon at ``address`` answers SERVING; raise (with its log) if the
-    process exits first or the time runs out. Tests' daemons use this too."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvtierd exited with {proc.returncode} during start:\n{log()}")
-        try:
-            with Client(address, timeout_s=2.0) as c:
-                if c.health():
-                    return
-        except KvtierError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{log()}")
+    try:
+        wait_until_serving(daemon.address, timeout_s, check=alive)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}:\n{daemon.log()}") from None

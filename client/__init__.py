@@ -17,7 +17,7 @@ from kvtier.client.errors import (
 )
 from kvtier.client.keys import Namespace, block_key, block_keys
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.sync import Client, RegisteredPool
+from kvtier.client.sync import Client, RegisteredPool, wait_until_serving
 from kvtier.client.types import (
     DeleteResult,
     GetResult,
@@ -60,4 +60,5 @@ __all__ = [
     "UnavailableError",
     "block_key",
     "block_keys",
+    "wait_until_serving",
 ]

@@ -13,17 +13,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import types as t
-from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.errors import KvtierError, NotFoundError, UnavailableError, from_rpc_error
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.types import resolve_address
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -305,3 +307,28 @@ class RegisteredPool(PoolView):
 
     def unregister(self) -> None:
         self.client.unregister_pool(self.pool_id)
+
+
+def wait_until_serving(
+    address: str | None = None,
+    timeout_s: float = 60.0,
+    *,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Wait until the daemon at ``address`` answers its health check with SERVING.
+
+    ``check`` is called between attempts and may raise to give up early (e.g. when the
+    daemon's process exited). Raises TimeoutError when the time runs out.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check is not None:
+            check()
+        try:
+            with Client(address, timeout_s=2.0) as client:
+                if client.health():
+                    return
+        except KvtierError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"kvtierd at {resolve_address(address)} not serving after {timeout_s}s")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto.wire import DTYPES as _DTYPES
 
 DEFAULT_ADDRESS = "unix:var/kvtierd.sock"
 ADDRESS_ENV = "KVTIER_ADDRESS"
@@ -30,18 +31,6 @@ class PutStatus(enum.IntEnum):
     STORED = pb.PUT_STORED
     EXISTS = pb.PUT_EXISTS
     REJECTED_FULL = pb.PUT_REJECTED_FULL
-
-
-_DTYPES = {
-    "float16": pb.DTYPE_FLOAT16,
-    "bfloat16": pb.DTYPE_BFLOAT16,
-    "float32": pb.DTYPE_FLOAT32,
-    "float8_e4m3fn": pb.DTYPE_FLOAT8_E4M3,
-    "float8_e5m2": pb.DTYPE_FLOAT8_E5M2,
-    "uint8": pb.DTYPE_UINT8,
-    "int8": pb.DTYPE_INT8,
-}
-DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,40 +1,36 @@
-"""The daemon's error hierarchy. Each class maps to exactly one gRPC status, applied in one
-place (the servicer). Expected pressure (a full tier, an absent block) is never an error; it
-is a return value."""
+"""The daemon's error hierarchy. Domain code raises these; the servicer alone maps each class to
+its gRPC status (``server.STATUS``), so nothing below the server knows the transport. Expected
+pressure (a full tier, an absent block) is never an error; it is a return value."""
 
 from __future__ import annotations
-
-import grpc
 
 
 class KvtierError(Exception):
     """Base: a request the daemon refuses; the daemon's state is unchanged."""
 
-    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
-
 
 class InvalidArgument(KvtierError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """The request is malformed or names something impossible."""
 
 
 class NotFound(KvtierError):
-    code = grpc.StatusCode.NOT_FOUND
+    """The session, pool, lease or object the request names does not exist."""
 
 
 class PermissionDenied(KvtierError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    """The caller may not use what it names (another session's pool, another user's memory)."""
 
 
 class FailedPrecondition(KvtierError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """The daemon cannot do this in its present configuration or state."""
 
 
 class ResourceExhausted(KvtierError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """A limit was reached (batch size, pools per session, quota)."""
 
 
 class Unavailable(KvtierError):
-    code = grpc.StatusCode.UNAVAILABLE
+    """The daemon is shutting down or a needed part is down."""
 
 
 class ConfigError(ValueError):

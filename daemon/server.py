@@ -22,10 +22,17 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvtier.client.types import DTYPE_NAMES
 from kvtier.daemon import systemd
 from kvtier.daemon.config import Config
-from kvtier.daemon.errors import InvalidArgument, KvtierError
+from kvtier.daemon.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KvtierError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
@@ -33,11 +40,29 @@ from kvtier.daemon.store import BlockStore
 from kvtier.kernels.layout import LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.proto.wire import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvtier.v1.KVTier"
 R = TypeVar("R")
+
+# The one place where domain errors become gRPC status codes.
+STATUS: dict[type[KvtierError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(error: KvtierError) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
 
 
 def _rpc(
@@ -50,7 +75,7 @@ def _rpc(
         try:
             return await fn(self, request, context)
         except KvtierError as e:
-            await context.abort(e.code, str(e))
+            await context.abort(status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception:

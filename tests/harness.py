@@ -17,8 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.bench.launcher import wait_until_serving
-from kvtier.client import Client
+from kvtier.client import Client, wait_until_serving
 
 START_TIMEOUT_S = 60.0
 
@@ -56,8 +55,19 @@ class DaemonProcess:
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        assert self.proc is not None
-        wait_until_serving(self.address, self.proc, self.log, timeout_s)
+        proc = self.proc
+        assert proc is not None
+
+        def alive() -> None:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"kvtierd exited with {proc.returncode} during start:\n{self.log()}"
+                )
+
+        try:
+            wait_until_serving(self.address, timeout_s, check=alive)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.log()}") from None
 
     def client(self, **kwargs: object) -> Client:
         return Client(self.address, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,20 @@
+"""Tables that translate the wire's enums, shared by the client and the daemon (neither
+imports the other). Generated code lives beside this file; this is the one hand-written
+module of ``proto/``, kept next to the enums it mirrors so the two change together."""
+
+from __future__ import annotations
+
+from kvtier.proto import kvtier_pb2 as pb
+
+DTYPES: dict[str, int] = {
+    "float16": pb.DTYPE_FLOAT16,
+    "bfloat16": pb.DTYPE_BFLOAT16,
+    "float32": pb.DTYPE_FLOAT32,
+    "float8_e4m3fn": pb.DTYPE_FLOAT8_E4M3,
+    "float8_e5m2": pb.DTYPE_FLOAT8_E5M2,
+    "uint8": pb.DTYPE_UINT8,
+    "int8": pb.DTYPE_INT8,
+}
+"""dtype name (torch's spelling) -> ``kvtier.v1.DType``."""
+
+DTYPE_NAMES: dict[int, str] = {v: k for k, v in DTYPES.items()}

@@ -1,0 +1,50 @@
+"""Which package may import which (DESIGN.md §8), checked on the real import graph: each side
+is imported in a fresh interpreter and the modules it pulled in are listed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = """
+import importlib, json, pkgutil, sys
+import kvtier
+for top in {tops!r}:
+    pkg = importlib.import_module(top)
+    importlib.import_module(top)
+    for info in pkgutil.walk_packages(pkg.__path__, top + "."):
+        if not info.name.endswith("__main__") and not any(
+            info.name.startswith(s) for s in {skip!r}
+        ):
+            importlib.import_module(info.name)
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("kvtier."))))
+"""
+
+
+def _imported(tops: list[str], skip: tuple[str, ...] = ()) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(tops=tops, skip=skip)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "tops, forbidden",
+    [
+        (["kvtier.daemon", "kvtier.tiers"], ("kvtier.client", "kvtier.bench", "kvtier.cli")),
+        (["kvtier.tiers"], ("kvtier.daemon",)),
+        (["kvtier.client"], ("kvtier.daemon", "kvtier.tiers", "kvtier.bench")),
+    ],
+)
+def test_packages_import_only_what_the_design_allows(tops, forbidden):
+    # The transformers integration needs transformers; it obeys the same rule, so it is
+    # checked too (it is installed in the test environment).
+    loaded = _imported(tops)
+    assert [m for m in loaded if m.startswith(forbidden)] == []
