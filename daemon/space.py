@@ -160,7 +160,11 @@ class SpaceManager:
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
             return np.zeros(0, dtype=bool)
-        want = bids[(table.slot[bids, dst.col] < 0) & (table.state[bids] == READY)]
+        want = bids[
+            (table.slot[bids, dst.col] < 0)
+            & (table.state[bids] == READY)
+            & (table.nbytes[bids] > 0)
+        ]
         want = np.asarray(list(dict.fromkeys(want.tolist())), dtype=np.int64)
         refs = table.refs(want).tolist() if len(want) else []
         mine_idx, waits = self.transfers.claim(refs, dst.kind) if refs else ([], [])
@@ -289,11 +293,10 @@ class SpaceManager:
         )
 
     def _fastest_other(self, bids: np.ndarray, dst: Level) -> np.ndarray:
-        """Per block, the column of the fastest slot tier other than ``dst`` holding it, or
-        -1."""
+        """Per block, the column of the fastest tier other than ``dst`` holding it, or -1."""
         out = np.full(len(bids), -1, dtype=np.int64)
         for level in reversed(self.stack.levels):
-            if level is dst or level.keyed:
+            if level is dst:
                 continue
             out[self.table.slot[bids, level.col] >= 0] = level.col
         return out
@@ -437,7 +440,9 @@ class SpaceManager:
         for lower in self.stack.lower(level.kind):
             if len(todo) == 0:
                 break
-            if not lower.tier.health().accepts_writes:
+            # Key-addressed tiers are fed in the background (write_policy), never on the
+            # path of the request that made room.
+            if lower.keyed or not lower.tier.health().accepts_writes:
                 continue
             if lower.write_policy != "write_through":
                 todo_admit = todo[self.admit(lower, todo, now)]

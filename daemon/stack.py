@@ -176,7 +176,9 @@ def _level(
     name = (getattr(section, "policy", "") if section is not None else "") or pc.name
     high = getattr(section, "high_watermark", 0.95)
     low = getattr(section, "low_watermark", 0.90)
-    write_policy = getattr(section, "write_policy", "write_back")
+    keyed = not hasattr(tier, "allocator")
+    # A key-addressed tier is written behind, by its admission rule, never by demotion.
+    write_policy = getattr(section, "write_policy", "selective" if keyed else "write_back")
     if is_top:
         admission: Admission = make_admission("always")
     else:

@@ -113,6 +113,7 @@ class BlockStore:
             batch_blocks=config.mover.batch_blocks,
         )
         self._copy_threads = config.server.copy_threads
+        self._keyed = [lv for lv in self.stack if lv.keyed]
         self._balancer: asyncio.Task[None] | None = None
         self._recover()
 
@@ -137,6 +138,8 @@ class BlockStore:
         await self.space.drain()
         if flush:
             await self.flush()
+        for level in self._keyed:
+            await level.keys.close()
 
     async def flush(self) -> int:
         """Write every READY block held only in volatile tiers to the first persistent tier;
@@ -171,10 +174,17 @@ class BlockStore:
     async def lookup(
         self, ns: int, words: np.ndarray, *, touch: bool = True
     ) -> tuple[int, np.ndarray, np.ndarray]:
-        """(prefix length, wire tier of each key (0: absent), block id of each key or -1)."""
+        """(prefix length, wire tier of each key (0: absent), block id of each key or -1).
+
+        Keys past the locally held prefix are probed in the key-addressed tiers (one batch
+        probe per tier for the rest of the chain); blocks found there join the table."""
         ids = self.table.lookup(ns, words)
         found = ids >= 0
         prefix = int(np.argmin(found)) if not found.all() else len(ids)
+        if prefix < len(ids) and self._keyed:
+            await self._discover(ns, words, ids, prefix)
+            found = ids >= 0
+            prefix = int(np.argmin(found)) if not found.all() else len(ids)
         tiers = np.zeros(len(ids), dtype=np.int32)
         if found.any():
             fid = ids[found]
@@ -184,6 +194,36 @@ class BlockStore:
         self.counters.inc("lookup_keys", len(ids))
         self.counters.inc("lookup_hits", int(found.sum()))
         return prefix, tiers, ids
+
+    async def _discover(self, ns: int, words: np.ndarray, ids: np.ndarray, start: int) -> None:
+        """Probe the key-addressed tiers for ``words[start:]``; blocks of the present prefix
+        each reports gain that tier's column (new ones enter the table, size unknown until a
+        Get names it). Updates ``ids`` in place."""
+        table = self.table
+        refs = [BlockRef(ns, w.tobytes()) for w in words[start:]]
+        now = self._clock()
+        for level in self._keyed:
+            if not level.tier.health().serves_reads:
+                continue
+            try:
+                n = await level.keys.probe(refs)
+            except Exception:
+                log.exception("%s probe failed", level.label)
+                self.counters.inc("probe_failures", tier=level.label)
+                continue
+            self.counters.inc("probed_keys", len(refs), tier=level.label)
+            self.counters.inc("probe_hits", n, tier=level.label)
+            for i in range(start, start + n):
+                if ids[i] < 0:
+                    if table.find_any(ns, words[i : i + 1])[0] >= 0:
+                        continue  # being written right now
+                    bid = table.add(ns, words[i], 0)
+                    table.state[bid] = READY
+                    ids[i] = bid
+                bid = int(ids[i])
+                if table.slot[bid, level.col] < 0:
+                    table.slot[bid, level.col] = 0
+                    level.policy.insert(bid, now, -1)
 
     def usage(self) -> list[TierUsage]:
         out = []
@@ -405,6 +445,9 @@ class BlockStore:
         self._check_sizes(ids, pool.block_bytes)
         found = np.flatnonzero(ids >= 0)
         bids = ids[found]
+        # Blocks known only from a key-addressed tier's probe take this pool's size; a copy of
+        # another size there fails its read and is dropped.
+        table.nbytes[bids[table.nbytes[bids] == 0]] = pool.block_bytes
         now = self._clock()
         if touch:
             self.space.touch(bids, now)
@@ -548,6 +591,14 @@ class BlockStore:
                         released.setdefault(level.kind, []).append(slot)
         for kind, slots in released.items():
             await self.space.release(self.stack[kind], slots)
+        if self._keyed:
+            # Whatever the local table knew, the keys leave the shared tiers too, except the
+            # ones kept here as busy.
+            keep = {table.key_bytes(b) for b in ids[busy].tolist()}
+            refs = [BlockRef(ns, w.tobytes()) for w in words if w.tobytes() not in keep]
+            for level in self._keyed:
+                with contextlib.suppress(Exception):
+                    await level.keys.remove(refs)
         deleted = int(np.count_nonzero(~busy))
         self.counters.inc("deleted_blocks", deleted)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
@@ -660,7 +711,8 @@ class BlockStore:
 
     def _check_sizes(self, ids: np.ndarray, block_bytes: int) -> None:
         live = ids[ids >= 0]
-        wrong = live[self.table.nbytes[live] != block_bytes]
+        sizes = self.table.nbytes[live]
+        wrong = live[(sizes != block_bytes) & (sizes != 0)]
         if len(wrong):
             raise InvalidArgument(
                 f"key {self.table.key_bytes(int(wrong[0])).hex()} is stored with "

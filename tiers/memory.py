@@ -1,4 +1,5 @@
-"""An in-memory slot tier that can stand in for any tier kind, for tests of the tier stack.
+"""In-memory tiers for tests of the tier stack: a slot tier that can stand in for any tier
+kind, and a key-addressed one that stands in for L3.
 
 It behaves as the interface says a tier of its capabilities behaves, without a device: a
 ``persistent`` instance keeps an index of written blocks that ``reopen()`` hands to a new
@@ -35,7 +36,7 @@ from kvtier.tiers.base import (
     WriteBatch,
     WriteOutcome,
 )
-from kvtier.tiers.buffers import load_into, store_from
+from kvtier.tiers.buffers import get_block, load_into, put_block, store_from
 from kvtier.tiers.slab import LockedSlab
 
 
@@ -185,3 +186,58 @@ def _recovered(
     ref: BlockRef, slot: int, batch: WriteBatch, csum: int, now: float
 ) -> RecoveredBlock:
     return RecoveredBlock(ref.ns, bytes(ref.key), slot, batch.nbytes, csum, now)
+
+
+class MemoryKeyTier:
+    """A key-addressed tier in process memory, standing in for L3 in tests: its own index
+    of ``(ns, key) -> bytes``, asynchronous verbs, and faults the test switches on (``down``
+    makes every call a miss, as a remote store that cannot be reached)."""
+
+    kind = TierKind.REMOTE
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[int, bytes], bytes] = {}
+        self.down = False
+        self.counters: Counter[str] = Counter()
+
+    async def probe(self, blocks: Sequence[BlockRef]) -> int:
+        self.counters["probes"] += 1
+        if self.down:
+            return 0
+        for n, ref in enumerate(blocks):
+            if (ref.ns, bytes(ref.key)) not in self.values:
+                return n
+        return len(blocks)
+
+    async def read(self, blocks: Sequence[BlockRef], nbytes: int, dest: object) -> list[bool]:
+        out = []
+        for j, ref in enumerate(blocks):
+            data = None if self.down else self.values.get((ref.ns, bytes(ref.key)))
+            good = data is not None and len(data) == nbytes
+            if good:
+                put_block(dest, j, data, nbytes)  # type: ignore[arg-type]
+            out.append(good)
+        self.counters["blocks_read"] += sum(out)
+        return out
+
+    async def write(self, blocks: Sequence[BlockRef], nbytes: int, src: object) -> list[bool]:
+        if self.down:
+            return [False] * len(blocks)
+        for j, ref in enumerate(blocks):
+            self.values[(ref.ns, bytes(ref.key))] = bytes(get_block(src, j, nbytes))  # type: ignore[arg-type]
+        self.counters["blocks_written"] += len(blocks)
+        return [True] * len(blocks)
+
+    async def remove(self, blocks: Sequence[BlockRef]) -> None:
+        for ref in blocks:
+            self.values.pop((ref.ns, bytes(ref.key)), None)
+
+    def health(self) -> TierHealth:
+        return TierHealth(Health.DOWN, "test: down") if self.down else HEALTHY
+
+    def stats(self) -> TierStats:
+        used = sum(len(v) for v in self.values.values())
+        return TierStats(self.kind, self.health(), 0, used, dict(self.counters))
+
+    async def close(self) -> None:
+        pass

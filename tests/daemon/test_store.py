@@ -19,7 +19,7 @@ from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import Health, TierKind
 from kvtier.tiers.host import HostArena
-from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
 SEG = 64 * 1024
 # Rules that hold whatever the ranking: every live policy must obey them.
@@ -49,6 +49,7 @@ async def make_store() -> AsyncIterator[Factory]:
         policy: str = "lru",
         l2_segments: int = 0,
         l2: MemoryTier | None = None,
+        l3: MemoryKeyTier | None = None,
         sets: tuple[str, ...] = (),
     ) -> BlockStore:
         config = load_config(
@@ -65,6 +66,8 @@ async def make_store() -> AsyncIterator[Factory]:
             l2 = MemoryTier(TierKind.DISK, l2_segments * SEG, SEG, persistent=True)
         if l2 is not None:
             tiers.append(l2)
+        if l3 is not None:
+            tiers.append(l3)
         store = BlockStore(config, clock=clock, tiers=tiers)
         made.append(store)
         return store
@@ -194,6 +197,30 @@ async def test_eviction_is_all_or_nothing_per_request(make_store, policy):
     assert results == [PutResult.STORED] * 3 + [PutResult.REJECTED_FULL]
     assert present(store, a) == [False] * 3 + [True] * 13
     assert store.top.slots.allocator.used_slots == 16
+
+
+@pytest.mark.parametrize("protect_s, survivor", [(1.0, "fresh"), (0.0, "old")])
+async def test_a_protected_block_survives_pressure_that_evicts_an_unprotected_one(
+    make_store, protect_s, survivor
+):
+    """`old` is hot (read again and again) but past its protection period; `fresh` was just
+    written, so it is cold but protected. Under pressure the policy would drop the cold block;
+    protection makes it drop the hot one instead. Without protection (0 s) the cold one goes."""
+    clock = Clock()
+    store, pool = make_store(clock, protect_s=protect_s, policy="heat"), make_pool()
+    fillers, old, fresh = keys(14), keys(1), keys(1)
+    await put(store, pool, np.concatenate([fillers, old]))
+    for _ in range(5):
+        clock.now += 0.01
+        await store.lookup(0, old)
+    store.pin(store.table.lookup(0, fillers))  # out of the game
+    clock.now += 1.2  # `old` is past its protection period now
+    await put(store, pool, fresh, pages=[15])  # the tier is full now
+    assert await put(store, pool, keys(1), pages=[16]) == [PutResult.STORED]
+    assert (present(store, old)[0], present(store, fresh)[0]) == (
+        survivor == "old",
+        survivor == "fresh",
+    )
 
 
 async def test_get_copies_exact_bytes_and_skips_missing(make_store):
@@ -426,6 +453,27 @@ async def test_watermarks_move_the_coldest_blocks_down(make_store):
     assert store.counters.get("watermark_evictions", tier="L1") == 8
 
 
+@pytest.mark.parametrize("warmup_s, demoted", [(0.0, 8), (3600.0, 0)])
+async def test_warm_up_holds_watermark_demotion_until_the_hard_limit(make_store, warmup_s, demoted):
+    clock = Clock()
+    store = make_store(
+        clock,
+        l2_segments=2,
+        sets=(
+            "tiers.l1.high_watermark=0.5",
+            "tiers.l1.low_watermark=0.25",
+            f"policy.warmup_s={warmup_s}",
+        ),
+    )
+    pool = make_pool()
+    a = keys(12)  # 75% of L1
+    await put(store, pool, a)
+    clock.now += 10
+    await store.balance()
+    assert store.counters.get("watermark_evictions", tier="L1") == demoted
+    assert where(store, a).count("L2") == demoted
+
+
 async def test_prefetch_promotes_ahead_of_use_and_counts_use(make_store):
     clock = Clock()
     store = make_store(clock, l2_segments=4)
@@ -455,3 +503,56 @@ async def test_a_sick_l2_takes_no_demotions_and_blocks_are_dropped(make_store):
     assert await put(store, pool, a[16:], pages=range(16, 20)) == [PutResult.STORED] * 4
     assert present(store, a).count(True) == 16  # four evicted without a copy below
     assert store.counters.get("demoted_blocks") == 0
+
+
+# ---------------------------------------------------------- a key-addressed tier
+
+
+async def test_a_prefix_one_node_stored_is_found_and_loaded_by_another(make_store):
+    """Two stores sharing a key-addressed tier (two nodes sharing L3): blocks node A read a
+    second time are written behind to L3; node B's Lookup probes L3 for what it lacks and its
+    Get loads the blocks byte-exact."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    a = make_store(clock, l2_segments=2, l3=shared)
+    b = make_store(clock, l3=shared)
+    pool = make_pool()
+    chain = keys(6)
+    await put(a, pool, chain)
+    await a.lookup(0, chain[:4])  # a second access: L3's admission takes the first four
+    a.space.apply_touches()
+    await a.space.drain()
+    assert len(shared.values) == 4
+    prefix, tiers, _ = await b.lookup(0, chain)
+    assert prefix == 4 and tiers.tolist() == [int(TierKind.REMOTE)] * 4 + [0, 0]
+    want = [page_bytes(pool, p) for p in range(4)]
+    assert await get(b, pool, chain, range(10, 16)) == [True] * 4 + [False] * 2
+    assert [page_bytes(pool, p) for p in range(10, 14)] == want
+    # B promoted them into its own top tier on the way.
+    assert where(b, chain[:4]) == ["L1"] * 4
+    assert b.counters.get("copies", direction="L3->L1") == 4
+
+
+async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_store):
+    clock = Clock()
+    shared = MemoryKeyTier()
+    b = make_store(clock, l3=shared)
+    pool = make_pool()
+    chain = keys(3)
+    words = [w.tobytes() for w in chain]
+    from kvtier.tiers.base import BlockRef, HostBuffers
+
+    await shared.write(
+        [BlockRef(0, k) for k in words],
+        4096,
+        HostBuffers([memoryview(bytes([i]) * 4096) for i in range(3)]),
+    )
+    prefix, _, _ = await b.lookup(0, chain)
+    assert prefix == 3
+    shared.down = True
+    assert await get(b, pool, chain, [0, 1, 2]) == [False] * 3
+    assert not any(present(b, chain))  # the lost copies were dropped
+    shared.down = False
+    assert (await b.lookup(0, chain))[0] == 3
+    assert await get(b, pool, chain, [0, 1, 2]) == [True] * 3
+    assert [page_bytes(pool, p) for p in range(3)] == [bytes([i]) * 4096 for i in range(3)]
