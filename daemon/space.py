@@ -344,6 +344,8 @@ class SpaceManager:
         then by evicting (or demoting) the policy's coldest evictable blocks of that slot
         size, then by reclaiming whole segments of other sizes."""
         self.apply_touches()
+        if level.recovering:
+            return []
         alloc = level.slots.allocator
         slots = self._allocate(level, nbytes, count)
         if len(slots) == count:

@@ -81,6 +81,12 @@ class Level:
         return bool(getattr(self.tier, "checksummed", False))
 
     @property
+    def recovering(self) -> bool:
+        """A persistent tier still handing over its blocks from before this start: it
+        allocates nothing until it is done."""
+        return bool(getattr(getattr(self.tier, "allocator", None), "recovering", False))
+
+    @property
     def admits_all(self) -> bool:
         return isinstance(self.admission, AlwaysAdmit)
 
@@ -219,11 +225,19 @@ def open_tiers(config: Config) -> list[Any]:
                 file_bytes=c2.file_bytes,
                 direct_io=c2.direct_io,
                 enospc_retry_s=c2.enospc_retry_s,
+                recover_later=True,
             )
         )
     try:
         c1 = config.tiers.l1
-        tiers.append(HostArena(c1.capacity_bytes, c1.segment_bytes, pin_cuda=_want_pinning(config)))
+        tiers.append(
+            HostArena(
+                c1.capacity_bytes,
+                c1.segment_bytes,
+                pin_cuda=_want_pinning(config),
+                prefault="background",
+            )
+        )
     except BaseException:
         for t in tiers:
             t.close()

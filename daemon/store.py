@@ -44,9 +44,20 @@ from kvtier.daemon.stack import Level, TierStack, build_stack
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import TransferEngine
-from kvtier.tiers.base import BlockRef, PoolPages, Priority, TierHealth, TierKind
+from kvtier.tiers.base import (
+    BlockRef,
+    PoolPages,
+    Priority,
+    RecoveredBlocks,
+    TierHealth,
+    TierKind,
+)
 
 log = logging.getLogger(__name__)
+
+# Index rows a persistent tier hands over at a time during recovery: requests are served
+# between chunks.
+RECOVERY_ROWS = 32768
 
 
 class PutResult(enum.IntEnum):
@@ -115,7 +126,8 @@ class BlockStore:
         self._copy_threads = config.server.copy_threads
         self._keyed = [lv for lv in self.stack if lv.keyed]
         self._balancer: asyncio.Task[None] | None = None
-        self._recover()
+        self._recovery: asyncio.Task[None] | None = None
+        self.recovered = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -124,17 +136,20 @@ class BlockStore:
         return self.stack.top
 
     def start(self) -> None:
-        """Start the watermark balancer (needs the running event loop)."""
+        """Start recovery (the persistent tiers' blocks join the table chunk by chunk while
+        requests are served) and the watermark balancer. Needs the running event loop."""
+        self._recovery = asyncio.create_task(self.recover(), name="recovery")
         self._balancer = asyncio.create_task(self._balance_forever(), name="balancer")
 
     async def stop(self, *, flush: bool) -> None:
         """Stop background work; with ``flush``, first write every block held only in
         volatile tiers to the first persistent tier, so that a restart serves it."""
-        if self._balancer is not None:
-            self._balancer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._balancer
-            self._balancer = None
+        for task in (self._balancer, self._recovery):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._balancer = self._recovery = None
         await self.space.drain()
         if flush:
             await self.flush()
@@ -331,6 +346,10 @@ class BlockStore:
 
         persisted = None
         if durable and durable_level is not None:
+            if durable_level.recovering:
+                # The disk tier allocates once its index is read: a durable put waits for
+                # that (seconds at most) rather than failing.
+                await self.recovered.wait()
             chain = existing.copy()
             chain[new_idx] = stored
             held = chain[chain >= 0]
@@ -577,6 +596,9 @@ class BlockStore:
     # ------------------------------------------------------------------- delete
 
     async def delete(self, ns: int, words: np.ndarray) -> DeleteResult:
+        if self._recovery is not None:
+            # A key whose row was not read yet would come back after its delete.
+            await self.recovered.wait()
         table = self.table
         found = table.find_any(ns, words)
         missing = int(np.count_nonzero(found < 0))
@@ -636,46 +658,50 @@ class BlockStore:
 
     # ----------------------------------------------------------------- recovery
 
-    def _recover(self) -> None:
-        """Index every block the persistent tiers recovered, so a restart serves it."""
+    async def recover(self) -> None:
+        """Index every block the persistent tiers hold from before this start, so a restart
+        serves it. Chunks are read on a worker thread and indexed between requests: lookups
+        are answered from what is indexed so far, and a tier allocates nothing until its
+        last chunk is in."""
+        started = time.monotonic()
+        total = 0
+        try:
+            for level in reversed(self.stack.levels):
+                if level.keyed or not level.persistent:
+                    continue
+                chunks = level.slots.recover_chunks(RECOVERY_ROWS)
+                while True:
+                    chunk = await self.transfers.run(Priority.BACKGROUND, next, chunks, None)
+                    if chunk is None:
+                        break
+                    self._index_recovered(level, chunk)
+                    total += len(chunk)
+                    await asyncio.sleep(0)
+        finally:
+            self.recovered.set()
+        if total:
+            log.info("indexed %d recovered blocks in %.2fs", total, time.monotonic() - started)
+
+    def _index_recovered(self, level: Level, chunk: RecoveredBlocks) -> None:
         table = self.table
         now_mono, now_wall = self._clock(), time.time()
-        for level in reversed(self.stack.levels):
-            if level.keyed or not level.persistent:
-                continue
-            blocks = level.slots.recover()
-            if not blocks:
-                continue
-            started = time.monotonic()
-            words = np.frombuffer(b"".join(b.key for b in blocks), dtype=np.uint64).reshape(-1, 4)
-            ns = np.fromiter((b.ns for b in blocks), dtype=np.uint32, count=len(blocks))
-            # Blocks another persistent tier already recovered gain a column, not a row.
-            known = np.full(len(blocks), -1, dtype=np.int64)
-            for space_ns in np.unique(ns).tolist():
-                sel = np.flatnonzero(ns == space_ns)
-                known[sel] = table.find_any(int(space_ns), words[sel])
-            new = np.flatnonzero(known < 0)
-            nbytes = np.fromiter((b.nbytes for b in blocks), dtype=np.int64, count=len(blocks))
-            bids = known.copy()
-            bids[new] = table.add_many(ns[new], words[new], nbytes[new])
-            slots = np.fromiter((b.slot for b in blocks), dtype=np.int64, count=len(blocks))
-            sums = np.fromiter((b.checksum for b in blocks), dtype=np.uint64, count=len(blocks))
-            written = np.fromiter(
-                (b.written_at for b in blocks), dtype=np.float64, count=len(blocks)
-            )
-            seen = now_mono - np.maximum(0.0, now_wall - written)
-            table.state[bids] = READY
-            table.slot[bids, level.col] = slots
-            table.set_checksums(bids, level.col, sums)
-            table.last_access[bids] = np.maximum(table.last_access[bids], seen)
-            for bid, when in zip(bids.tolist(), seen.tolist(), strict=True):
-                level.policy.insert(bid, when, -1)
-            log.info(
-                "indexed %d blocks recovered from %s in %.2fs",
-                len(blocks),
-                level.label,
-                time.monotonic() - started,
-            )
+        words = np.ascontiguousarray(chunk.keys).view(np.uint64).reshape(-1, 4)
+        # Blocks another tier already has (recovered there, or put since this start) gain a
+        # column, not a row.
+        known = np.full(len(chunk), -1, dtype=np.int64)
+        for space_ns in np.unique(chunk.ns).tolist():
+            sel = np.flatnonzero(chunk.ns == space_ns)
+            known[sel] = table.find_any(int(space_ns), words[sel])
+        new = np.flatnonzero(known < 0)
+        bids = known.copy()
+        bids[new] = table.add_many(chunk.ns[new], words[new], chunk.nbytes[new])
+        table.state[bids[new]] = READY
+        seen = now_mono - np.maximum(0.0, now_wall - chunk.written_at)
+        table.slot[bids, level.col] = chunk.slots
+        table.set_checksums(bids, level.col, chunk.checksums)
+        table.last_access[bids] = np.maximum(table.last_access[bids], seen)
+        for bid, when in zip(bids.tolist(), seen.tolist(), strict=True):
+            level.policy.insert(bid, when, -1)
 
     # ------------------------------------------------------------------ helpers
 

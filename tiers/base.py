@@ -26,7 +26,7 @@ programming errors (a slot that is not allocated, a buffer too short).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
@@ -204,6 +204,54 @@ class RecoveredBlock:
     written_at: float
 
 
+@dataclass(frozen=True)
+class RecoveredBlocks:
+    """Blocks a persistent tier found at start, their slots already claimed, as arrays (a
+    million of them cost no Python object each)."""
+
+    ns: np.ndarray  # uint32
+    keys: np.ndarray  # (n, 32) uint8
+    slots: np.ndarray  # int64
+    nbytes: np.ndarray  # int64
+    checksums: np.ndarray  # uint64
+    written_at: np.ndarray  # float64
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __iter__(self) -> Iterator[RecoveredBlock]:
+        for i in range(len(self)):
+            yield RecoveredBlock(
+                int(self.ns[i]),
+                self.keys[i].tobytes(),
+                int(self.slots[i]),
+                int(self.nbytes[i]),
+                int(self.checksums[i]),
+                float(self.written_at[i]),
+            )
+
+    @classmethod
+    def of(cls, blocks: Sequence[RecoveredBlock]) -> RecoveredBlocks:
+        n = len(blocks)
+        return cls(
+            np.fromiter((b.ns for b in blocks), np.uint32, n),
+            np.frombuffer(b"".join(b.key for b in blocks), np.uint8).reshape(n, 32).copy(),
+            np.fromiter((b.slot for b in blocks), np.int64, n),
+            np.fromiter((b.nbytes for b in blocks), np.int64, n),
+            np.fromiter((b.checksum for b in blocks), np.uint64, n),
+            np.fromiter((b.written_at for b in blocks), np.float64, n),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[RecoveredBlocks]) -> RecoveredBlocks:
+        if not parts:
+            return cls.of([])
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in _RECOVERED_FIELDS))
+
+
+_RECOVERED_FIELDS = ("ns", "keys", "slots", "nbytes", "checksums", "written_at")
+
+
 # ----------------------------------------------------------------------------- tiers
 
 
@@ -244,7 +292,12 @@ class SlotTier(Protocol):
         """Forget the blocks in ``slots`` and free the slots. False: nothing was freed."""
         ...
 
-    def recover(self) -> list[RecoveredBlock]: ...
+    def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
+        """The blocks a persistent tier holds from before this start, a chunk at a time, once.
+        Their slots are claimed as they are handed over; until the last chunk is out the
+        tier allocates nothing (slots of rows not read yet must not be handed out). Other
+        tiers yield nothing."""
+        ...
 
     def health(self) -> TierHealth: ...
 

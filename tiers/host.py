@@ -1,7 +1,10 @@
 """L1: the host-memory arena.
 
-One anonymous mapping of the whole capacity is made and pre-faulted at start, so no block ever
-pays for a first-touch page fault and no block is ever allocated on its own. Slots come from a
+One anonymous mapping of the whole capacity is made at start and pre-faulted (transparent huge
+pages requested), so blocks rarely pay for a first-touch page fault and no block is ever
+allocated on its own. Pre-faulting gigabytes takes seconds, so by default it runs on a
+background thread while the daemon already serves: a slot used before its pages were reached
+simply faults them in itself. Slots come from a
 SlabAllocator; every slot starts on a page boundary (so the disk tier can read and write it
 with O_DIRECT). With CUDA present the arena is also page-locked (cudaHostRegister) so device
 copies run at full speed.
@@ -9,11 +12,13 @@ copies run at full speed.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -21,7 +26,7 @@ from kvtier.tiers.base import (
     HEALTHY,
     HostBuffers,
     ReadBatch,
-    RecoveredBlock,
+    RecoveredBlocks,
     TierHealth,
     TierKind,
     TierStats,
@@ -47,28 +52,49 @@ class HostArena:
     persistent = False
     checksummed = False
 
-    def __init__(self, capacity_bytes: int, segment_bytes: int, *, pin_cuda: bool = False) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        segment_bytes: int,
+        *,
+        pin_cuda: bool = False,
+        prefault: str = "sync",
+    ) -> None:
+        """``prefault``: ``sync`` (before returning), ``background`` (a thread does it
+        while the arena is already in use) or ``none``."""
+        if prefault not in ("sync", "background", "none"):
+            raise ValueError(f"prefault must be sync, background or none, not {prefault!r}")
         self.allocator = SlabAllocator(capacity_bytes, segment_bytes)
         size = self.allocator.capacity_bytes
-        started = time.monotonic()
         self.buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.buffer.madvise(mmap.MADV_HUGEPAGE)
-        _prefault(self.buffer)
         self.array = np.frombuffer(self.buffer, dtype=np.uint8)
+        self._counters: Counter[str] = Counter()
         self._cuda_registered = False
-        if pin_cuda:
-            self._register_cuda()
+        self._stop = threading.Event()
+        self.prefaulted = threading.Event()
+        self._prefaulter: threading.Thread | None = None
         log.info(
-            "L1 host arena: %d MiB in %d segments of %d MiB, pre-faulted in %.2fs%s",
+            "L1 host arena: %d MiB in %d segments of %d MiB (transparent huge pages: %s)",
             size >> 20,
             self.allocator.num_segments,
             segment_bytes >> 20,
-            time.monotonic() - started,
-            ", page-locked for CUDA" if self._cuda_registered else "",
+            _thp_mode(),
         )
-
-        self._counters: Counter[str] = Counter()
+        if pin_cuda:
+            # cudaHostRegister faults every page in itself.
+            self._register_cuda()
+            self.prefaulted.set()
+        elif prefault == "sync":
+            self._prefault()
+        elif prefault == "background":
+            self._prefaulter = threading.Thread(
+                target=self._prefault, name="l1-prefault", daemon=True
+            )
+            self._prefaulter.start()
+        else:
+            self.prefaulted.set()
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = self.allocator.offset(slot)
@@ -99,8 +125,8 @@ class HostArena:
             self.allocator.free(int(slot))
         return True
 
-    def recover(self) -> list[RecoveredBlock]:
-        return []
+    def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
+        return iter(())
 
     def health(self) -> TierHealth:
         return HEALTHY
@@ -116,6 +142,10 @@ class HostArena:
         )
 
     def close(self) -> None:
+        self._stop.set()
+        if self._prefaulter is not None:
+            self._prefaulter.join()
+            self._prefaulter = None
         if self._cuda_registered:
             import torch
 
@@ -143,10 +173,33 @@ class HostArena:
             )
         self._cuda_registered = True
 
+    def _prefault(self) -> None:
+        """Fault every page in, a chunk at a time (each madvise call runs without the GIL),
+        stopping early when the arena closes."""
+        started = time.monotonic()
+        base, size = self._address(), len(self.buffer)
+        for start in range(0, size, _PREFAULT_CHUNK):
+            if self._stop.is_set():
+                return
+            length = min(_PREFAULT_CHUNK, size - start)
+            if _LIBC.madvise(base + start, length, _MADV_POPULATE_WRITE) != 0:
+                # Older kernels: touch one byte per page instead.
+                self.array[start : start + length : mmap.PAGESIZE] = 0
+        self.prefaulted.set()
+        log.info("L1 arena pre-faulted in %.2fs", time.monotonic() - started)
 
-def _prefault(buffer: mmap.mmap) -> None:
+
+_PREFAULT_CHUNK = 64 << 20
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_LIBC.madvise.restype = ctypes.c_int
+
+
+def _thp_mode() -> str:
     try:
-        buffer.madvise(_MADV_POPULATE_WRITE)
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
-        # Older kernels: touch one byte per page instead.
-        np.frombuffer(buffer, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +30,7 @@ from kvtier.tiers.base import (
     HostBuffers,
     ReadBatch,
     RecoveredBlock,
+    RecoveredBlocks,
     TierHealth,
     TierKind,
     TierStats,
@@ -155,9 +156,13 @@ class MemoryTier:
         self.counters["removed_slots"] += len(slots)
         return True
 
-    def recover(self) -> list[RecoveredBlock]:
+    def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         out, self._recovered = self._recovered, []
-        return out
+        for start in range(0, len(out), rows):
+            yield RecoveredBlocks.of(out[start : start + rows])
+
+    def recover(self) -> RecoveredBlocks:
+        return RecoveredBlocks.concat(list(self.recover_chunks()))
 
     def health(self) -> TierHealth:
         return self.forced_health or HEALTHY

@@ -10,7 +10,7 @@ Slot ids are ``segment * slots_cap + index`` where ``slots_cap = segment_bytes /
 slot's byte offset is ``segment * segment_bytes + index * slot_bytes``, always a multiple of
 ``align`` (so slots suit O_DIRECT I/O).
 
-Not thread-safe: the owning store calls it from one thread.
+``SlabAllocator`` is not thread-safe: its owner calls it from one thread. ``LockedSlab`` is.
 """
 
 from __future__ import annotations
@@ -161,6 +161,64 @@ class SlabAllocator:
         self._used_bytes += slot_bytes
         self._used_slots += 1
 
+    def claim_many(self, slots: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """``claim`` for many slots at once (recovery of a persistent tier), vectorised per
+        segment. Returns which were claimed; a slot is refused, changing nothing for it, when
+        it is outside the tier, already used, named twice (the first claim wins), or lies in
+        a segment that serves another slot size (in a free segment, the size of the first
+        claim of the batch there wins)."""
+        slots = np.asarray(slots, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        ok = (slots >= 0) & (nbytes > 0)
+        slot_bytes = -(-np.maximum(nbytes, 1) // self.align) * self.align
+        ok &= slot_bytes <= self.segment_bytes
+        seg, idx = np.divmod(slots, self.slots_cap)
+        ok &= seg < self.num_segments
+        ok &= idx < self.segment_bytes // slot_bytes
+        cand = np.flatnonzero(ok)
+        _, first = np.unique(slots[cand], return_index=True)
+        dup = np.ones(len(cand), dtype=bool)
+        dup[first] = False
+        ok[cand[dup]] = False
+        cand = np.flatnonzero(ok)
+        order = cand[np.argsort(seg[cand], kind="stable")]
+        bounds = np.flatnonzero(np.r_[True, seg[order][1:] != seg[order][:-1], True])
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            rows = order[a:b]
+            s = int(seg[rows[0]])
+            size = int(self._seg_slot_bytes[s]) or int(slot_bytes[rows[0]])
+            wrong = slot_bytes[rows] != size
+            ok[rows[wrong]] = False
+            rows = rows[~wrong]
+            cls = self._classes.get(size)
+            if cls is None:
+                cls = self._classes[size] = _SizeClass(size, self.segment_bytes // size)
+            if self._seg_slot_bytes[s] == 0:
+                self._seg_slot_bytes[s] = size
+                self._seg_fresh[s] = 0
+                cls.segments.add(s)
+                cls.open_segments[s] = set()
+            fresh = int(self._seg_fresh[s])
+            free = cls.open_segments.get(s, set())
+            want = idx[rows]
+            taken = (want < fresh) & ~np.isin(want, np.fromiter(free, np.int64, len(free)))
+            ok[rows[taken]] = False
+            want = want[~taken]
+            if len(want) == 0:
+                continue
+            top = max(fresh, int(want.max()) + 1)
+            free = (free | set(range(fresh, top))) - set(want.tolist())
+            self._seg_fresh[s] = top
+            self._seg_used[s] += len(want)
+            if self._seg_used[s] == cls.slots_per_segment:
+                cls.open_segments.pop(s, None)
+            else:
+                cls.open_segments[s] = free
+            self._used_bytes += len(want) * size
+            self._used_slots += len(want)
+        self._free_segments = [int(x) for x in np.flatnonzero(self._seg_slot_bytes == 0)[::-1]]
+        return ok
+
     def free(self, slot: int) -> None:
         seg, index = divmod(slot, self.slots_cap)
         slot_bytes = int(self._seg_slot_bytes[seg])
@@ -267,6 +325,10 @@ class LockedSlab(SlabAllocator):
     def free(self, slot: int) -> None:
         with self._lock:
             super().free(slot)
+
+    def claim_many(self, slots: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return super().claim_many(slots, nbytes)
 
     def stats(self) -> SlabStats:
         with self._lock:

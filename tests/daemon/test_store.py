@@ -429,6 +429,7 @@ async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
     await store.stop(flush=True)  # b was only in L1: the flush writes it down
     want = [page_bytes(pool, p) for p in [*range(6), 10, 11, 12]]
     again = make_store(clock, l2=l2.reopen())
+    await again.recover()
     assert where(again, np.concatenate([a, b])) == ["L2"] * 9
     pool.array[:] = 0
     assert await get(again, pool, np.concatenate([a, b]), range(20, 29)) == [True] * 9
@@ -556,3 +557,55 @@ async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_sto
     assert (await b.lookup(0, chain))[0] == 3
     assert await get(b, pool, chain, [0, 1, 2]) == [True] * 3
     assert [page_bytes(pool, p) for p in range(3)] == [bytes([i]) * 4096 for i in range(3)]
+
+
+# ------------------------------------------------------------------ restart
+
+
+async def test_a_restart_serves_while_the_disk_index_is_still_being_read(
+    make_store, tmp_path, monkeypatch
+):
+    """Recovery hands the index over in chunks between requests: lookups answer what is
+    indexed so far, the disk tier allocates nothing until the last chunk is in, a delete
+    waits for it, and in the end every block is served byte-exact."""
+    from kvtier.daemon import store as store_module
+    from kvtier.tiers.disk import DiskTier
+
+    clock = Clock()
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    first = make_store(clock, l2=disk)
+    await first.recover()
+    pool = make_pool(pages=64)
+    chain = keys(2000)
+    want = {}
+    for start in range(0, 2000, 64):
+        part = chain[start : start + 64]
+        _, persisted = await put(first, pool, part, pages=range(len(part)), durable=True)
+        assert all(persisted)
+        for i in range(len(part)):
+            want[start + i] = page_bytes(pool, i)
+    await first.stop(flush=False)
+    first.close()
+
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 500)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    store = make_store(clock, l2=disk)
+    seen: list[int] = []
+    refused: list[bool] = []
+    real = store._index_recovered
+
+    def spy(level, chunk):
+        real(level, chunk)
+        seen.append(int((store.table.lookup(0, chain) >= 0).sum()))
+        refused.append(disk.allocator.allocate(4096) is None)
+
+    store._index_recovered = spy  # type: ignore[method-assign]
+    await store.recover()
+    assert seen == [500, 1000, 1500, 2000]  # visible chunk by chunk
+    assert refused == [True, True, True, True]  # nothing handed out meanwhile
+    assert disk.allocator.allocate(4096) is not None  # ...and afterwards it is
+    pool.array[:] = 0
+    for start in range(0, 2000, 64):
+        part = chain[start : start + 64]
+        assert await get(store, pool, part, range(len(part))) == [True] * len(part)
+        assert all(page_bytes(pool, i) == want[start + i] for i in range(len(part)))

@@ -78,3 +78,48 @@ def test_bad_geometry():
     with pytest.raises(ValueError):
         alloc.allocate(2 * MiB)
     assert not alloc.fits(2 * MiB) and alloc.fits(MiB)
+
+
+def test_claim_many_matches_claim_one_by_one():
+    rng = np.random.default_rng(3)
+    one = SlabAllocator(64 << 20, 1 << 20)
+    many = SlabAllocator(64 << 20, 1 << 20)
+    sizes = [4096, 10_000, 65_536]
+    slots, nbytes = [], []
+    for seg in rng.permutation(64)[:40].tolist():
+        size = sizes[seg % 3]
+        per = (1 << 20) // one.slot_bytes_for(size)
+        for i in rng.choice(per, size=min(per, 9), replace=False).tolist():
+            slots.append(seg * one.slots_cap + i)
+            nbytes.append(size)
+    # Refusals: a duplicate, a slot of the wrong size in a segment, out of range, negative.
+    slots += [slots[0], slots[1] + 1, 64 * one.slots_cap, -1]
+    nbytes += [nbytes[0], 2 << 20, 4096, 4096]
+    order = rng.permutation(len(slots))
+    slots_arr, nbytes_arr = np.array(slots)[order], np.array(nbytes)[order]
+    want = []
+    for slot, n in zip(slots_arr.tolist(), nbytes_arr.tolist(), strict=True):
+        try:
+            one.claim(slot, n)
+            want.append(True)
+        except ValueError:
+            want.append(False)
+    got = many.claim_many(slots_arr, nbytes_arr)
+    assert got.tolist() == want
+    assert many.stats() == one.stats()
+    # Both hand out exactly the same free slots afterwards (in their own order), and free
+    # the same way.
+    for size in sizes:
+        a, b = set(), set()
+        while (x := many.allocate(size)) is not None:
+            a.add(x)
+        while (y := one.allocate(size)) is not None:
+            b.add(y)
+        assert a == b and not a & set(slots_arr[got].tolist())
+        for x in a:
+            many.free(x)
+            one.free(x)
+    for slot in slots_arr[got].tolist():
+        many.free(slot)
+        one.free(slot)
+    assert many.stats() == one.stats() and many.used_bytes == 0

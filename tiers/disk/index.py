@@ -77,15 +77,19 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ reading
 
-    def load(self) -> tuple[list[tuple[int, int]], list[BlockRow]]:
-        """(quarantine rows ``(slot, nbytes)``, block rows), both ordered by slot."""
+    def load(self, *, blocks: bool = True) -> tuple[list[tuple[int, int]], list[BlockRow]]:
+        """(quarantine rows ``(slot, nbytes)``, block rows unless ``blocks`` is False)."""
         with self._lock:
             db = self._conn()
-            quarantine = db.execute("SELECT slot, nbytes FROM quarantine ORDER BY slot").fetchall()
-            blocks = db.execute(
-                "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks ORDER BY slot"
-            ).fetchall()
-        return quarantine, blocks
+            quarantine = db.execute("SELECT slot, nbytes FROM quarantine").fetchall()
+            rows = (
+                db.execute(
+                    "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
+                ).fetchall()
+                if blocks
+                else []
+            )
+        return quarantine, rows
 
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
         """Which of ``slots`` have a block row."""

@@ -46,7 +46,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, TypeAlias
 
@@ -57,7 +57,7 @@ from kvtier.tiers.base import (
     HostBuffers,
     Priority,
     ReadBatch,
-    RecoveredBlock,
+    RecoveredBlocks,
     TierHealth,
     TierKind,
     TierStats,
@@ -159,7 +159,19 @@ def _from_i64(value: int) -> int:
 
 class _Slab(LockedSlab):
     """The tier's allocator. ``free`` is refused: an L2 slot must lose its index row (durably)
-    before it is reused, which only ``DiskTier.remove`` does."""
+    before it is reused, which only ``DiskTier.remove`` does. While the index's rows are
+    still being read (``recovering``) nothing is handed out: a slot whose row was not read
+    yet would be given twice."""
+
+    recovering = False
+
+    def allocate(self, nbytes: int) -> int | None:
+        if self.recovering:
+            return None
+        return super().allocate(nbytes)
+
+    def can_allocate(self, nbytes: int) -> bool:
+        return not self.recovering and super().can_allocate(nbytes)
 
     def free(self, slot: int) -> None:
         raise TypeError(
@@ -207,8 +219,11 @@ class DiskTier:
         enospc_retry_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         backend: FileBackend | None = None,
+        recover_later: bool = False,
     ) -> None:
-        """Open (or create) the tier in ``directory`` and recover its index.
+        """Open (or create) the tier in ``directory`` and recover its index (with
+        ``recover_later``, the rows are read when ``recover_chunks`` is consumed, and the
+        tier allocates nothing until then).
 
         ``file_bytes``: size of each data file (rounded up to whole segments; default
         ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files). ``direct_io=False``
@@ -234,7 +249,9 @@ class DiskTier:
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         # Slots whose last write is durable and not committed yet: slot -> (nbytes, checksum).
         self._durable: dict[int, tuple[int, int]] = {}
-        self._recovered: list[RecoveredBlock] = []
+        self._pending_recovery: tuple[list[tuple[Path, int]], list[int], dict[int, str]] | None
+        self._pending_recovery = None
+        self._recovered: RecoveredBlocks | None = None
         self.lost_at_recovery: Counter[str] = Counter()
         self._closed = False
         self._lock_fd = -1
@@ -268,15 +285,20 @@ class DiskTier:
                         before[file][0].unlink()
             self.files.prepare(self.allocator.capacity_bytes)
             self.files.open(direct_io)
-            self._recover_index(before, sizes, damaged)
+            self._claim_quarantine()
+            # Rows are read by recover_chunks(); until then the tier allocates nothing.
+            self._pending_recovery = (before, sizes, damaged)
+            self.allocator.recovering = True
         except BaseException:
             self._release_resources()
             raise
         self._executor = PriorityExecutor(io_threads, "l2-io")
         self._io = BatchIO(self.files, self.faults, self._executor, io_threads)
+        if not recover_later:
+            self._recovered = RecoveredBlocks.concat(list(self.recover_chunks()))
         log.info(
             "L2 disk tier in %s: %d MiB in %d file(s), %d segments of %d MiB, %s I/O, "
-            "%d threads; recovered %d blocks (%d MiB) in %.2fs",
+            "%d threads; opened in %.2fs",
             self.directory,
             self.allocator.capacity_bytes >> 20,
             len(self.files.paths),
@@ -284,8 +306,6 @@ class DiskTier:
             segment_bytes >> 20,
             "O_DIRECT" if self.files.direct else "buffered",
             io_threads,
-            len(self._recovered),
-            self.allocator.used_bytes >> 20,
             time.monotonic() - started,
         )
 
@@ -352,12 +372,74 @@ class DiskTier:
         self.faults.count(removed_slots=freed)
         return True
 
-    def recover(self) -> list[RecoveredBlock]:
-        """The blocks found in the index at open, whose slots are already claimed in
-        ``allocator``. Every other slot is free (slots without a row are reclaimed). The list
-        is handed over once; later calls return an empty list."""
-        blocks, self._recovered = self._recovered, []
-        return blocks
+    def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
+        """The blocks the index holds from before this open, ``rows`` at a time, each chunk's
+        slots claimed in ``allocator`` as it is handed over. Rows whose bytes are gone (a
+        damaged data file) or that do not fit the tier are dropped and counted by reason.
+        Until the last chunk is out the allocator hands out nothing; once it is, every slot
+        without a row is free. Handed over once; later calls yield nothing."""
+        if self._recovered is not None:
+            done, self._recovered = self._recovered, None
+            if len(done):
+                yield done
+            return
+        if self._pending_recovery is None:
+            return
+        before, sizes, damaged = self._pending_recovery
+        self._pending_recovery = None
+        started = time.monotonic()
+        lost: Counter[str] = Counter()
+        lost_files: Counter[str] = Counter()
+        drop: list[int] = []
+        total = kept = 0
+        reader = sqlite3.connect(self._idx().path, check_same_thread=False)
+        try:
+            cursor = reader.execute(
+                "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
+            )
+            while chunk := cursor.fetchmany(rows):
+                total += len(chunk)
+                blocks = self._recover_chunk(chunk, before, sizes, damaged, lost, lost_files, drop)
+                kept += len(blocks)
+                if len(blocks):
+                    yield blocks
+        finally:
+            reader.close()
+            self.allocator.recovering = False
+        if drop:
+            log.warning(
+                "L2 recovery dropped %d index rows (%s)%s",
+                len(drop),
+                ", ".join(f"{n} {r}" for r, n in sorted(lost.items())),
+                f"; blocks lost with damaged data files: {dict(lost_files)}" if lost_files else "",
+            )
+            try:
+                self._idx().drop(drop, [])
+            except sqlite3.Error as e:
+                self.faults.fault(classify(e), "index delete")
+        damaged_total = sum(lost_files.values())
+        if damaged_total:
+            self.faults.note(
+                f"lost {damaged_total} blocks at start with damaged data files "
+                + ", ".join(f"{name} ({n})" for name, n in sorted(lost_files.items()))
+            )
+        self.lost_at_recovery = lost
+        self.faults.count(
+            recovered_blocks=kept,
+            blocks_lost_at_recovery=sum(lost.values()),
+            recovery_dropped_rows=len(drop),
+        )
+        log.info(
+            "L2 recovered %d blocks (%d MiB) from %d index rows in %.2fs",
+            kept,
+            self.allocator.used_bytes >> 20,
+            total,
+            time.monotonic() - started,
+        )
+
+    def recover(self) -> RecoveredBlocks:
+        """Every block ``recover_chunks`` hands over, at once."""
+        return RecoveredBlocks.concat(list(self.recover_chunks()))
 
     def health(self) -> TierHealth:
         return self.faults.health()
@@ -696,89 +778,111 @@ class DiskTier:
                 out.append(0)
         return out
 
-    def _recover_index(
-        self, before: list[tuple[Path, int]], sizes: list[int], damaged: dict[int, str]
-    ) -> None:
-        """Claim the slots of every row whose bytes are there; drop the others, by reason.
-        ``before``: the data files the index was written for, ``sizes`` their real sizes and
-        ``damaged`` the reason each damaged one cannot back its blocks, all taken before the
-        files were recreated or extended."""
-        started = time.monotonic()
-        idx = self._idx()
-        quarantine_rows, rows = idx.load()
-        drop_rows: list[int] = []
-        drop_quarantine: list[int] = []
-        lost: Counter[str] = Counter()
-        lost_files: Counter[str] = Counter()
-        for slot, nbytes in quarantine_rows:
-            if self._claim(slot, nbytes):
-                self._quarantined[slot] = nbytes
-            else:
-                drop_quarantine.append(slot)
-        blocks: list[RecoveredBlock] = []
-        seg_bytes = self.allocator.segment_bytes
-        for ns, key, slot, nbytes, csum, written_at in rows:
-            reason = ""
-            if (
-                not isinstance(slot, int)
-                or not isinstance(nbytes, int)
-                or slot < 0
-                or not self.allocator.fits(nbytes)
-            ):
-                reason = "bad_row"
-            else:
-                seg, index = divmod(slot, self.allocator.slots_cap)
-                padded = self.allocator.slot_bytes_for(nbytes)
-                start = seg * seg_bytes + index * padded
-                file, offset = divmod(start, self._file_bytes)
-                in_damage = file in damaged and (
-                    damaged[file] != "short_file" or offset + padded > sizes[file]
-                )
-                if file < len(before) and in_damage:
-                    reason = damaged[file]
-                    lost_files[before[file][0].name] += 1
-                elif slot in self._quarantined or not self._claim(slot, nbytes):
-                    reason = "beyond_capacity"
-            if reason:
-                drop_rows.append(slot)
-                lost[reason] += 1
-                continue
-            blocks.append(
-                RecoveredBlock(ns, bytes(key), slot, nbytes, _from_i64(csum), float(written_at))
-            )
-        if drop_rows or drop_quarantine:
-            log.warning(
-                "L2 recovery dropped %d index rows (%s)%s",
-                len(drop_rows) + len(drop_quarantine),
-                ", ".join(f"{n} {r}" for r, n in sorted(lost.items())) or "quarantine rows",
-                f"; blocks lost with damaged data files: {dict(lost_files)}" if lost_files else "",
-            )
-            idx.drop(drop_rows, drop_quarantine)
-        damaged_total = sum(lost_files.values())
-        if damaged_total:
-            self.faults.note(
-                f"lost {damaged_total} blocks at start with damaged data files "
-                + ", ".join(f"{name} ({n})" for name, n in sorted(lost_files.items()))
-            )
-        self.lost_at_recovery = lost
-        self._recovered = blocks
-        self.faults.count(
-            recovered_blocks=len(blocks),
-            blocks_lost_at_recovery=sum(lost.values()),
-            recovery_dropped_rows=len(drop_rows) + len(drop_quarantine),
-        )
-        log.debug("L2 recovery read %d rows in %.3fs", len(rows), time.monotonic() - started)
+    def _claim_quarantine(self) -> None:
+        rows, _ = self._idx().load(blocks=False)
+        if not rows:
+            return
+        slots = np.fromiter((r[0] for r in rows), np.int64, len(rows))
+        nbytes = np.fromiter((r[1] for r in rows), np.int64, len(rows))
+        ok = self.allocator.claim_many(slots, nbytes)
+        self._quarantined = dict(zip(slots[ok].tolist(), nbytes[ok].tolist(), strict=True))
+        if not ok.all():
+            self._idx().drop([], slots[~ok].tolist())
 
-    def _claim(self, slot: int, nbytes: int) -> bool:
-        if not isinstance(slot, int) or not isinstance(nbytes, int):
-            return False
-        if slot < 0 or not self.allocator.fits(nbytes):
-            return False
+    def _recover_chunk(
+        self,
+        chunk: list[tuple[int, bytes, int, int, int, float]],
+        before: list[tuple[Path, int]],
+        sizes: list[int],
+        damaged: dict[int, str],
+        lost: Counter[str],
+        lost_files: Counter[str],
+        drop: list[int],
+    ) -> RecoveredBlocks:
+        """Validate and claim one chunk of index rows, vectorised. ``before`` are the data
+        files the index was written for, ``sizes`` their real sizes and ``damaged`` the
+        reason each damaged one cannot back its blocks, all taken before the files were
+        recreated or extended."""
+        n = len(chunk)
         try:
-            self.allocator.claim(slot, nbytes)
-        except ValueError:
-            return False
-        return True
+            ns = np.fromiter((r[0] for r in chunk), np.int64, n)
+            slots = np.fromiter((r[2] for r in chunk), np.int64, n)
+            nbytes = np.fromiter((r[3] for r in chunk), np.int64, n)
+            sums = np.fromiter((r[4] for r in chunk), np.int64, n).view(np.uint64)
+            written = np.fromiter((r[5] for r in chunk), np.float64, n)
+            keys = np.frombuffer(b"".join(bytes(r[1]) for r in chunk), np.uint8)
+            good = (ns >= 0) & (ns < 1 << 32) & (len(keys) == 32 * n)
+            keys = keys.reshape(n, 32) if len(keys) == 32 * n else np.zeros((n, 32), np.uint8)
+        except (TypeError, ValueError, OverflowError):
+            return self._recover_rows_one_by_one(
+                chunk, before, sizes, damaged, lost, lost_files, drop
+            )
+        alloc = self.allocator
+        good &= (slots >= 0) & (nbytes > 0)
+        padded = -(-np.maximum(nbytes, 1) // alloc.align) * alloc.align
+        good &= padded <= alloc.segment_bytes
+        reason = np.where(good, "", "bad_row").astype(object)
+        seg, index = np.divmod(np.maximum(slots, 0), alloc.slots_cap)
+        start = seg * alloc.segment_bytes + index * padded
+        file, offset = np.divmod(start, self._file_bytes)
+        for f, why in damaged.items():
+            hit = good & (file == f)
+            if why == "short_file":
+                hit &= offset + padded > sizes[f]
+            reason[hit] = why
+            good &= ~hit
+            if hit.any():
+                lost_files[before[f][0].name] += int(hit.sum())
+        if self._quarantined:
+            held = np.fromiter(self._quarantined, np.int64, len(self._quarantined))
+            reason[good & np.isin(slots, held)] = "quarantined"
+            good &= ~np.isin(slots, held)
+        claimed = np.zeros(n, dtype=bool)
+        sel = np.flatnonzero(good)
+        claimed[sel] = alloc.claim_many(slots[sel], nbytes[sel])
+        reason[good & ~claimed] = "beyond_capacity"
+        for why, count in zip(
+            *np.unique(reason[~claimed].astype(str), return_counts=True), strict=True
+        ):
+            lost[str(why)] += int(count)
+        drop += slots[~claimed].tolist()
+        return RecoveredBlocks(
+            ns[claimed].astype(np.uint32),
+            keys[claimed],
+            slots[claimed],
+            nbytes[claimed],
+            sums[claimed],
+            written[claimed],
+        )
+
+    def _recover_rows_one_by_one(
+        self,
+        chunk: list[tuple[int, bytes, int, int, int, float]],
+        before: list[tuple[Path, int]],
+        sizes: list[int],
+        damaged: dict[int, str],
+        lost: Counter[str],
+        lost_files: Counter[str],
+        drop: list[int],
+    ) -> RecoveredBlocks:
+        """A chunk with rows of the wrong types (a hand-edited or damaged index): keep the
+        rows that are sound."""
+        sound = [
+            r
+            for r in chunk
+            if isinstance(r[0], int)
+            and isinstance(r[1], bytes)
+            and len(r[1]) == 32
+            and all(isinstance(x, int) for x in r[2:5])
+            and isinstance(r[5], (int, float))
+            and 0 <= r[0] < 1 << 32
+        ]
+        bad = [r[2] for r in chunk if r not in sound]
+        lost["bad_row"] += len(bad)
+        drop += [b for b in bad if isinstance(b, int)]
+        if not sound:
+            return RecoveredBlocks.of([])
+        return self._recover_chunk(sound, before, sizes, damaged, lost, lost_files, drop)
 
     def _release_resources(self) -> None:
         if self._executor is not None:
