@@ -14,6 +14,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import NotFoundError
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
@@ -29,7 +30,7 @@ Flow = Generator[Call, Any, int]
 class PoolBinding:
     """What a client needs to (re-)register a pool and address its pages."""
 
-    shm: SharedMemoryPool
+    memory: SharedMemoryPool | CudaIpcExport  # host shared memory, or GPU memory over CUDA IPC
     layout: PoolLayout
     namespace: Namespace | None
     pool_id: int = 0
@@ -43,8 +44,12 @@ class PoolBinding:
     def register_request(self) -> pb.RegisterPoolRequest:
         from kvtier.client.types import layout_to_pb
 
+        if isinstance(self.memory, CudaIpcExport):
+            return pb.RegisterPoolRequest(
+                cuda_ipc=self.memory.region(), layout=layout_to_pb(self.layout)
+            )
         return pb.RegisterPoolRequest(
-            shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes),
+            shm=pb.ShmRegion(name=self.memory.name, size_bytes=self.memory.size_bytes),
             layout=layout_to_pb(self.layout),
         )
 
