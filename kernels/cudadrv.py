@@ -73,7 +73,14 @@ class Driver:
         self._check("cuInit", self._lib.cuInit(0))
 
     def _fn(self, name: str, argtypes: list[object]) -> None:
-        f = getattr(self._lib, name)
+        # Versioned entry points (``_v2``) are what cuda.h maps the plain names to; a
+        # driver too old for them still exports the plain name with the same signature.
+        f = getattr(self._lib, name, None)
+        if f is None and name.endswith("_v2"):
+            f = getattr(self._lib, name[:-3])
+            setattr(self._lib, name, f)
+        if f is None:
+            raise AttributeError(name)
         f.argtypes = argtypes
         f.restype = ctypes.c_int
 

@@ -55,7 +55,10 @@ def _copy_runs_kernel(
     n = tl.load(length + run)
     s = tl.multiple_of(tl.load(src_off + run), ALIGN_WORDS)
     d = tl.multiple_of(tl.load(dst_off + run), ALIGN_WORDS)
-    for start in range(tl.program_id(1) * BLOCK, n, tl.num_programs(1) * BLOCK):
+    # 64-bit tile offsets: a run may be longer than 2**31 words' worth of tiles * BLOCK.
+    first = tl.program_id(1).to(tl.int64) * BLOCK
+    step = tl.num_programs(1).to(tl.int64) * BLOCK
+    for start in range(first, n, step):
         i = start + tl.arange(0, BLOCK)
         mask = i < n
         tl.store(base + d + i, tl.load(base + s + i, mask=mask), mask=mask)

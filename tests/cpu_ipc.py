@@ -26,6 +26,14 @@ class CpuMapper:
         self.device_of_allocation[t.data_ptr()] = self._device if device is None else device
         return handle, t
 
+    def adopt(self, t: torch.Tensor) -> bytes:
+        """Make an existing tensor's bytes an allocation (no copy): what an engine exports."""
+        handle = os.urandom(64)
+        flat = t.view(-1).view(torch.uint8)
+        self.allocations[handle] = flat
+        self.device_of_allocation[flat.data_ptr()] = self._device
+        return handle
+
     def forget(self, handle: bytes) -> None:
         """The exporting process freed the allocation: its handle is stale."""
         del self.allocations[handle]

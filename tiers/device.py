@@ -393,6 +393,11 @@ class DeviceTier:
         self._count({"blocks_host_to_pool": n, "bytes_host_to_pool": n * nbytes})
         return True
 
+    def synchronize(self) -> None:
+        """Wait for everything launched on the device (work outside the verbs, e.g. a fill
+        of a slot view, must be complete before a verb's stream reads the slot)."""
+        self._ops.synchronize()
+
     def slot_tensor(self, slot: int, nbytes: int) -> torch.Tensor:
         """The device bytes of an allocated slot (for GPUDirect Storage transfers)."""
         start = int(self._starts([slot], nbytes)[0])
