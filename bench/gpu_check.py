@@ -571,12 +571,72 @@ def daemon_registration(engine: Engine, report: Report) -> None:
     report.results["daemon registration"] = out
 
 
+def _stage(report: Report, name: str, fn: Callable[..., None], *args: Any) -> None:
+    """Run one stage; an exception fails it (with its traceback in the results) and the
+    next stages still run, so one GPU session answers as much as it can."""
+    import traceback
+
+    try:
+        fn(*args)
+    except Exception as e:
+        report.failures.append(f"{name}: {type(e).__name__}: {e}")
+        report.results.setdefault("errors", {})[name] = traceback.format_exc()
+
+
+def _round_trip_stage(
+    stack: Stack, engine: Engine, report: Report, kind: str, i: int, shape: dict[str, int]
+) -> None:
+    from kvtier.daemon.server import layout_from_pb
+    from kvtier.proto import kvtier_pb2 as pb
+
+    rng = np.random.default_rng(i)
+    order = rng.permutation(shape["pages"]).tolist()
+    src, dst = order[:32], order[32:]
+    before = len(report.failures)
+    _, data, expected = engine.call("alloc", kind, kind, shape, src, dst, 100 + i)
+    try:
+        req = pb.RegisterPoolRequest.FromString(data)
+        pool = stack.opener.open(i + 1, "gpu-check", req.cuda_ipc, layout_from_pb(req.layout))
+        try:
+            round_trip(stack, pool, src, dst, expected, report, kind)
+        finally:
+            pool.close()
+        bad = engine.call("verify", kind, src, dst)[1]
+        report.check(f"{kind}: engine pages after the round trip", not bad, f"pages {bad} differ")
+    finally:
+        engine.call("free", kind)
+    report.results.setdefault("round trips", {})[kind] = {
+        "bit_exact": len(report.failures) == before,
+        "blocks": len(src),
+        "block_bytes": pool.block_bytes,
+        "through_daemon": False,
+        "path": "engine -> L0 -> L1 -> L2 -> L1 -> L0 -> engine (daemon modules, this process)",
+    }
+
+
+def _bandwidth_stage(
+    stack: Stack, engine: Engine, report: Report, args: argparse.Namespace, gds: Any
+) -> None:
+    from kvtier.daemon.server import layout_from_pb
+    from kvtier.proto import kvtier_pb2 as pb
+
+    big = {"layers": 32, "pages": 2 * args.batch, "tokens": 16, "heads": 8, "dim": 128, "latent": 0}
+    _, data, _ = engine.call("alloc", "bw", "vllm", big, [], [], 9)
+    try:
+        req = pb.RegisterPoolRequest.FromString(data)
+        pool = stack.opener.open(99, "gpu-check", req.cuda_ipc, layout_from_pb(req.layout))
+        try:
+            bandwidths(stack, pool, args.batch, args.rounds, report, gds)
+        finally:
+            pool.close()
+    finally:
+        engine.call("free", "bw")
+
+
 def run(args: argparse.Namespace) -> Report:
     import torch
 
     from kvtier.daemon.cuda_pools import CudaPoolOpener, DriverMapper
-    from kvtier.daemon.server import layout_from_pb
-    from kvtier.proto import kvtier_pb2 as pb
     from kvtier.tiers.device import DeviceTier
     from kvtier.tiers.gds import choose
     from kvtier.tiers.host import HostArena
@@ -604,54 +664,26 @@ def run(args: argparse.Namespace) -> Report:
     engine = Engine()
     try:
         # 1. Round trips, every layout, across the two processes.
-        rt = report.results.setdefault("round trips", {})
         small = {"layers": 8, "pages": 64, "tokens": 16, "heads": 8, "dim": 128, "latent": 576}
         for i, kind in enumerate(KINDS):
-            rng = np.random.default_rng(i)
-            order = rng.permutation(small["pages"]).tolist()
-            src, dst = order[:32], order[32:]
-            before = len(report.failures)
-            _, data, expected = engine.call("alloc", kind, kind, small, src, dst, 100 + i)
-            req = pb.RegisterPoolRequest.FromString(data)
-            pool = stack.opener.open(i + 1, "gpu-check", req.cuda_ipc, layout_from_pb(req.layout))
-            try:
-                round_trip(stack, pool, src, dst, expected, report, kind)
-            finally:
-                pool.close()
-            bad = engine.call("verify", kind, src, dst)[1]
-            report.check(
-                f"{kind}: engine pages after the round trip", not bad, f"pages {bad} differ"
+            _stage(
+                report,
+                f"round trip {kind}",
+                _round_trip_stage,
+                stack,
+                engine,
+                report,
+                kind,
+                i,
+                small,
             )
-            engine.call("free", kind)
-            rt[kind] = {
-                "bit_exact": len(report.failures) == before,
-                "blocks": len(src),
-                "block_bytes": pool.block_bytes,
-                "through_daemon": False,
-                "path": "engine -> L0 -> L1 -> L2 -> L1 -> L0 -> engine (daemon modules, this process)",
-            }
         # 2. Bandwidth, with 2 MiB blocks of a 32-layer vLLM pool.
-        big = {
-            "layers": 32,
-            "pages": 2 * args.batch,
-            "tokens": 16,
-            "heads": 8,
-            "dim": 128,
-            "latent": 0,
-        }
-        _, data, _ = engine.call("alloc", "bw", "vllm", big, [], [], 9)
-        req = pb.RegisterPoolRequest.FromString(data)
-        pool = stack.opener.open(99, "gpu-check", req.cuda_ipc, layout_from_pb(req.layout))
-        try:
-            bandwidths(stack, pool, args.batch, args.rounds, report, gds)
-        finally:
-            pool.close()
-            engine.call("free", "bw")
+        _stage(report, "bandwidth", _bandwidth_stage, stack, engine, report, args, gds)
         # 3. Kernels on the GPU.
-        kernels(report)
+        _stage(report, "kernels", kernels, report)
         # 4. The registration through a real daemon.
         if not args.skip_daemon:
-            daemon_registration(engine, report)
+            _stage(report, "daemon registration", daemon_registration, engine, report)
     finally:
         engine.close()
         stack.close()
@@ -726,4 +758,6 @@ def _print_table(report: Report) -> None:
         print(f"quant {name:22s} {json.dumps(v)}")
     if "daemon registration" in r:
         print(f"daemon registration: {json.dumps(r['daemon registration'])}")
+    for name, tb in r.get("errors", {}).items():
+        print(f"--- {name} raised:\n{tb}", file=sys.stderr)
     print("OK" if not report.failures else "FAILED:\n  " + "\n  ".join(report.failures))

@@ -30,7 +30,8 @@ Flow = Generator[Call, Any, int]
 class PoolBinding:
     """What a client needs to (re-)register a pool and address its pages."""
 
-    memory: SharedMemoryPool | CudaIpcExport  # host shared memory, or GPU memory over CUDA IPC
+    # Host shared memory, or GPU memory exported over CUDA IPC (the name predates the latter).
+    shm: SharedMemoryPool | CudaIpcExport
     layout: PoolLayout
     namespace: Namespace | None
     pool_id: int = 0
@@ -44,12 +45,12 @@ class PoolBinding:
     def register_request(self) -> pb.RegisterPoolRequest:
         from kvtier.client.types import layout_to_pb
 
-        if isinstance(self.memory, CudaIpcExport):
+        if isinstance(self.shm, CudaIpcExport):
             return pb.RegisterPoolRequest(
-                cuda_ipc=self.memory.region(), layout=layout_to_pb(self.layout)
+                cuda_ipc=self.shm.region(), layout=layout_to_pb(self.layout)
             )
         return pb.RegisterPoolRequest(
-            shm=pb.ShmRegion(name=self.memory.name, size_bytes=self.memory.size_bytes),
+            shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes),
             layout=layout_to_pb(self.layout),
         )
 

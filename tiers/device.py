@@ -51,6 +51,7 @@ from kvtier.tiers.base import (
     PoolPages,
     ReadBatch,
     RecoveredBlock,
+    SlotTier,
     TierHealth,
     TierKind,
     TierStats,
@@ -488,3 +489,8 @@ def _host_tensor(view: object, nbytes: int, *, writable: bool = False) -> torch.
         # Sources may be read-only (bytes); the tier only reads them.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mv, dtype=torch.uint8, count=nbytes)
+
+
+def _conforms(tier: DeviceTier) -> SlotTier:
+    """mypy checks here that DeviceTier is a SlotTier."""
+    return tier

@@ -179,3 +179,34 @@ def test_a_second_process_opens_the_handles_and_sees_the_bytes():
     finally:
         ours.send(None)
         proc.join(30)
+
+
+def _short_lived_engine(conn) -> None:  # pragma: no cover - runs in the child process
+    torch.cuda.set_device(0)
+    t = torch.arange(4 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    pool = CudaPool.from_tensors("mla", [t.view(torch.float16).view(8, 16, -1)])
+    conn.send(pool.export.to_bytes())
+    conn.recv()  # killed while waiting here
+
+
+@pytest.mark.gpu
+def test_an_engine_that_dies_leaves_the_daemons_mapping_readable_until_closed():
+    from kvtier.daemon.cuda_pools import CudaPoolOpener, DriverMapper
+
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_short_lived_engine, args=(theirs,))
+    proc.start()
+    export = CudaIpcExport.from_bytes(ours.recv())
+    shape = (8, 16, (16 << 20) // 2 // 8 // 16)
+    layout = layout_for("mla", [shape], "float16", [0])
+    opener = CudaPoolOpener(DriverMapper(0))
+    pool = opener.open(1, "s", export.region(), layout)
+    proc.kill()  # no unregister, no goodbye
+    proc.join(30)
+    seg = pool.segments[0]
+    want = torch.arange(4 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    assert torch.equal(seg, want)
+    torch.cuda.synchronize()
+    pool.close()
+    assert len(opener.table) == 0

@@ -46,9 +46,13 @@ def _numpy_gather(pool, pages: np.ndarray, starts: np.ndarray, arena_bytes: int)
     return out
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+# The Triton kernel moves bytes, so for it the dtype only changes chunk sizes and word
+# widths: two dtypes (2- and 1-byte items) cover it under the (slow) interpreter.
+CASES = [(d, "torch") for d in DTYPES] + [(d, "triton") for d in ("float16", "float8_e4m3fn")]
+
+
+@pytest.mark.parametrize(("dtype", "executor"), CASES)
 @pytest.mark.parametrize("kind", LAYOUTS)
-@pytest.mark.parametrize("executor", ["torch", "triton"])
 def test_gather_then_scatter_is_bit_exact(kind, dtype, executor, monkeypatch):
     if executor == "triton":
         # The CUDA kernel itself, run by Triton's interpreter on CPU tensors.
