@@ -50,10 +50,17 @@ class EnginePool:
         g = torch.Generator().manual_seed(seed)
         for seg in self.segments:
             seg.copy_(torch.randint(0, 256, (seg.numel(),), dtype=torch.uint8, generator=g))
+        self._settle()
 
     def poison(self, value: int = 0xA5) -> None:
         for seg in self.segments:
             seg.fill_(value)
+        self._settle()
+
+    def _settle(self) -> None:
+        # On a GPU the fills run on the default stream; the tier's copies run on their own.
+        if self.tensors[0].is_cuda:
+            torch.cuda.synchronize()
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
