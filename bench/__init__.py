@@ -7,6 +7,7 @@ import importlib
 
 # Modules are imported only when their benchmark runs.
 BENCHMARKS = {
+    "gpu": "kvtier.bench.gpu_check",
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
     "ttft": "kvtier.bench.ttft",

@@ -4,6 +4,7 @@ It never imports the daemon; everything here is the wire API, keys, and shared m
 """
 
 from kvtier.client.aio import AsyncClient, AsyncRegisteredPool
+from kvtier.client.cuda import CudaIpcExport, CudaPool
 from kvtier.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -35,6 +36,8 @@ __all__ = [
     "AsyncClient",
     "AsyncRegisteredPool",
     "Client",
+    "CudaIpcExport",
+    "CudaPool",
     "DeadlineExceededError",
     "DeleteResult",
     "FailedPreconditionError",

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import types as t
+from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
 from kvtier.client.keys import Namespace
@@ -143,6 +144,15 @@ class AsyncClient:
         self, shm: SharedMemoryPool, layout: PoolLayout, namespace: Namespace | None = None
     ) -> AsyncRegisteredPool:
         binding = PoolBinding(shm, layout, namespace)
+        await self._register(binding)
+        return AsyncRegisteredPool(self, binding)
+
+    async def register_cuda_pool(
+        self, export: CudaIpcExport, layout: PoolLayout, namespace: Namespace | None = None
+    ) -> AsyncRegisteredPool:
+        """Register GPU memory exported over CUDA IPC (``kvtier.client.cuda``); the daemon
+        needs its GPU tier (``tiers.l0``) on the same device, else FailedPreconditionError."""
+        binding = PoolBinding(export, layout, namespace)
         await self._register(binding)
         return AsyncRegisteredPool(self, binding)
 

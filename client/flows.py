@@ -14,6 +14,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import NotFoundError
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
@@ -29,7 +30,8 @@ Flow = Generator[Call, Any, int]
 class PoolBinding:
     """What a client needs to (re-)register a pool and address its pages."""
 
-    shm: SharedMemoryPool
+    # Host shared memory, or GPU memory exported over CUDA IPC (the name predates the latter).
+    shm: SharedMemoryPool | CudaIpcExport
     layout: PoolLayout
     namespace: Namespace | None
     pool_id: int = 0
@@ -43,6 +45,10 @@ class PoolBinding:
     def register_request(self) -> pb.RegisterPoolRequest:
         from kvtier.client.types import layout_to_pb
 
+        if isinstance(self.shm, CudaIpcExport):
+            return pb.RegisterPoolRequest(
+                cuda_ipc=self.shm.region(), layout=layout_to_pb(self.layout)
+            )
         return pb.RegisterPoolRequest(
             shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes),
             layout=layout_to_pb(self.layout),

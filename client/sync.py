@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import types as t
+from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import KvtierError, NotFoundError, UnavailableError, from_rpc_error
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
 from kvtier.client.keys import Namespace
@@ -166,6 +167,15 @@ class Client:
         """Register a shared-memory pool laid out as ``layout``. With a namespace, the returned
         pool can store and load by token ids."""
         binding = PoolBinding(shm, layout, namespace)
+        self._register(binding)
+        return RegisteredPool(self, binding)
+
+    def register_cuda_pool(
+        self, export: CudaIpcExport, layout: PoolLayout, namespace: Namespace | None = None
+    ) -> RegisteredPool:
+        """Register GPU memory exported over CUDA IPC (``kvtier.client.cuda``); the daemon
+        needs its GPU tier (``tiers.l0``) on the same device, else FailedPreconditionError."""
+        binding = PoolBinding(export, layout, namespace)
         self._register(binding)
         return RegisteredPool(self, binding)
 

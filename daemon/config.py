@@ -124,6 +124,43 @@ def _check_policy(key: str, name: str) -> None:
 
 
 @dataclass(frozen=True)
+class L0Config:
+    enabled: bool = field(
+        default=False,
+        metadata=_opt("bool", doc="run the GPU tier (needs CUDA); CUDA IPC pools need it"),
+    )
+    device: int = field(
+        default=0, metadata=_opt("int", lo=0, hi=1023, doc="CUDA device index of the arena")
+    )
+    capacity_bytes: int = field(
+        default=4 << 30,
+        metadata=_opt("size", lo=1 << 20, doc="device arena, allocated once at start"),
+    )
+    segment_bytes: int = field(
+        default=64 << 20,
+        metadata=_opt("size", lo=4096, doc="slab segment; also the largest block the tier takes"),
+    )
+    streams: int = field(
+        default=2,
+        metadata=_opt("int", lo=1, hi=16, doc="CUDA streams for copies with engine pools"),
+    )
+    gds: str = field(
+        default="auto",
+        metadata=_opt(
+            "str",
+            choices=("auto", "true", "false"),
+            doc="L2 <-> L0 through GPUDirect Storage (kvikio): auto = when usable",
+        ),
+    )
+    high_watermark: float = field(default=0.95, metadata=_opt("float", lo=0.05, hi=1.0))
+    low_watermark: float = field(default=0.90, metadata=_opt("float", lo=0.0, hi=1.0))
+    policy: str = _tier_policy()
+
+    def check(self) -> None:
+        _check_tier("l0", self)
+
+
+@dataclass(frozen=True)
 class L1Config:
     capacity_bytes: int = field(default=1 << 30, metadata=_opt("size", lo=1 << 20))
     segment_bytes: int = field(
@@ -196,6 +233,7 @@ class L2Config:
 class TiersConfig:
     """One subsection per tier kind, fastest first. L1 always runs; the others when enabled."""
 
+    l0: L0Config = field(default_factory=L0Config)
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
 
@@ -307,7 +345,7 @@ def load_config(
 
 
 # Sections that moved; naming the new place beats "unknown section".
-_MOVED = {"l1": "tiers.l1", "l2": "tiers.l2"}
+_MOVED = {"l0": "tiers.l0", "l1": "tiers.l1", "l2": "tiers.l2"}
 
 
 def build_config(raw: dict[str, Any]) -> Config:

@@ -97,14 +97,30 @@ class ShmRegion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaIpcRegion(_message.Message):
-    __slots__ = ("handle", "device", "size_bytes")
+    __slots__ = ("handle", "device", "size_bytes", "buffers", "device_uuid")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     device: int
     size_bytes: int
-    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
+    device_uuid: bytes
+    def __init__(self, handle: _Optional[bytes] = ..., device: _Optional[int] = ..., size_bytes: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("handle", "alloc_offset", "size_bytes", "pool_offset")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    alloc_offset: int
+    size_bytes: int
+    pool_offset: int
+    def __init__(self, handle: _Optional[bytes] = ..., alloc_offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("session_id", "shm", "cuda_ipc", "layout")

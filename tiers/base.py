@@ -28,11 +28,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 
 from kvtier.kernels.layout import ChunkTable
+from kvtier.kernels.runs import SegmentMap
 from kvtier.tiers.slab import SlabAllocator
 
 
@@ -146,7 +147,22 @@ class PoolPages:
         return len(self.pages)
 
 
-Buffers: TypeAlias = "HostBuffers | PoolPages"
+@dataclass(frozen=True, slots=True)
+class DevicePages:
+    """Pages of a registered engine pool in GPU memory (CUDA IPC): block ``j`` of a batch is
+    gathered from (or scattered into) the chunks of ``pages[j]``, which ``segments`` (one
+    1-D uint8 device tensor per buffer) hold as ``smap`` lays them out. Only the GPU tier
+    (``tiers/device.py``) moves bytes in and out of these."""
+
+    smap: SegmentMap
+    segments: Sequence[Any]  # torch.Tensor; tiers/base.py imports no torch
+    pages: np.ndarray  # int64, one per block
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+Buffers: TypeAlias = "HostBuffers | PoolPages | DevicePages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +181,7 @@ class WriteBatch:
     slots: Sequence[int]
     blocks: Sequence[BlockRef]
     nbytes: int
-    src: HostBuffers | PoolPages
+    src: HostBuffers | PoolPages | DevicePages
     priority: Priority = Priority.BACKGROUND
 
 
@@ -177,7 +193,7 @@ class ReadBatch:
     slots: Sequence[int]
     blocks: Sequence[BlockRef]
     nbytes: int
-    dest: HostBuffers | PoolPages
+    dest: HostBuffers | PoolPages | DevicePages
     checksums: Sequence[int] = ()
     priority: Priority = Priority.DEMAND
 

@@ -39,6 +39,7 @@ from kvtier.tiers.slab import SlabAllocator
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module
+_CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 
 class HostArena:
@@ -166,7 +167,11 @@ class HostArena:
 
         if not torch.cuda.is_available():
             raise RuntimeError("l1.pin_memory is set but CUDA is not available")
-        err = torch.cuda.cudart().cudaHostRegister(self._address(), len(self.buffer), 0)
+        # Portable: pinned for every CUDA context of the process, so the GPU tier's copies
+        # run as DMA whichever device it uses, not only the one current here.
+        err = torch.cuda.cudart().cudaHostRegister(
+            self._address(), len(self.buffer), _CUDA_HOST_REGISTER_PORTABLE
+        )
         if int(err) != 0:
             raise RuntimeError(
                 f"cudaHostRegister of the L1 arena failed with CUDA error {int(err)}"

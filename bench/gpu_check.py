@@ -1,0 +1,747 @@
+"""``kvtier bench gpu``: the GPU data plane checked on a real GPU, in one run (< 5 minutes).
+
+Two processes: an *engine* (a child process that owns KV tensors on the GPU, exports them
+over CUDA IPC as protobuf and checks its own pages at the end) and this process, the
+*daemon side*. With random data and poisoned destinations at every stage:
+
+1. **round trips** for every layout (vLLM, FlashInfer, MLA, staging): engine pages -> L0
+   (one gather launch from the IPC-mapped pool) -> L1 (pinned host arena) -> L2 (disk tier,
+   durable, checksummed) -> L1 -> L0 -> other, poisoned engine pages; the engine checks its
+   pages bit for bit, and L1/L2 contents are checked against the engine's checksums;
+2. **bandwidth ratios** against the device's own ceilings measured in the same run:
+   engine pool <-> L0 vs a plain device-to-device copy of the same bytes (target >= 0.8x),
+   L1 <-> L0 vs a pinned ``cudaMemcpy`` of the same bytes (target >= 0.9x), and L2 -> L0
+   through pinned L1 and through GPUDirect Storage (when kvikio and GDS are usable);
+3. **kernels**: the Triton executor against the torch one on the same plan, the block
+   digest on the GPU against the CPU, int8/fp8 quantisation error and speed.
+
+Which paths go through a real kvtierd is printed with every result (``through_daemon``).
+The store does not yet route CUDA IPC pools to the GPU tier, so the round trips drive the
+daemon's own modules (``daemon/cuda_pools``, ``tiers/device``, ``tiers/host``,
+``tiers/disk``) in this process; the registration itself is also sent to a real kvtierd
+with ``tiers.l0.enabled=true``, and once that answers with a pool the same round trip runs
+through Put/Get.
+
+Without CUDA it stops at once with a message saying so (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+KINDS = ("vllm", "flashinfer", "mla", "staging")
+POISON = 0xA5
+
+
+# ----------------------------------------------------------------- the engine process
+
+
+def _engine_tensors(kind: str, shape: dict[str, int], device: Any) -> list[Any]:
+    import torch
+
+    L, P, T, H, D = (shape[k] for k in ("layers", "pages", "tokens", "heads", "dim"))
+    dt = torch.bfloat16
+    if kind == "vllm":
+        return [torch.empty((2, P, T, H, D), dtype=dt, device=device) for _ in range(L)]
+    if kind == "flashinfer":
+        return [torch.empty((P, 2, T, H, D), dtype=dt, device=device) for _ in range(L)]
+    if kind == "mla":
+        return [torch.empty((P, T, shape["latent"]), dtype=dt, device=device) for _ in range(L)]
+    return [torch.empty((P, L, 2, T * H * D), dtype=dt, device=device)]
+
+
+def _engine_block(kind: str, tensors: list[Any], page: int) -> Any:
+    """A page's block from the engine's own indexing: chunks layer by layer, K before V."""
+    import torch
+
+    def b(t: Any) -> Any:
+        return t.reshape(-1).view(torch.uint8)
+
+    if kind == "staging":
+        return b(tensors[0][page])
+    parts = []
+    for t in tensors:
+        if kind == "vllm":
+            parts += [b(t[0, page]), b(t[1, page])]
+        elif kind == "flashinfer":
+            parts += [b(t[page, 0]), b(t[page, 1])]
+        else:
+            parts.append(b(t[page]))
+    return torch.cat(parts)
+
+
+def _engine_main(conn: Connection) -> None:
+    """The engine: owns KV tensors, exports them, checks its pages. Commands arrive as
+    tuples of plain values; the pool's registration travels as protobuf bytes."""
+    import torch
+    import xxhash
+
+    from kvtier.client.cuda import CudaPool, export_tensors
+    from kvtier.client.types import layout_to_pb
+    from kvtier.kernels.layout import PoolLayout
+    from kvtier.proto import kvtier_pb2 as pb
+
+    torch.cuda.set_device(0)
+    pools: dict[str, tuple[str, list[Any]]] = {}
+    while True:
+        msg = conn.recv()
+        if msg[0] == "exit":
+            return
+        try:
+            if msg[0] == "alloc":
+                _, name, kind, shape, src_pages, dst_pages, seed = msg
+                tensors = _engine_tensors(kind, shape, "cuda")
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                for t in tensors:
+                    raw = t.view(-1).view(torch.uint8)
+                    raw.copy_(
+                        torch.randint(
+                            0, 256, raw.shape, dtype=torch.uint8, device="cuda", generator=g
+                        )
+                    )
+                if kind == "staging":
+                    t = tensors[0]
+                    chunk = shape["tokens"] * shape["heads"] * shape["dim"] * 2
+                    layout = PoolLayout.staging(
+                        num_layers=shape["layers"],
+                        num_pages=shape["pages"],
+                        block_tokens=shape["tokens"],
+                        chunk_bytes=chunk,
+                        dtype="bfloat16",
+                    )
+                    export = export_tensors([t], [0])
+                    export.check_layout(layout)
+                else:
+                    pool = CudaPool.from_tensors(kind, tensors)
+                    layout, export = pool.layout, pool.export
+                for page in dst_pages:
+                    _engine_block_fill(kind, tensors, page, POISON)
+                torch.cuda.synchronize()
+                digests = [
+                    xxhash.xxh3_64_intdigest(
+                        _engine_block(kind, tensors, p).cpu().numpy().tobytes()
+                    )
+                    for p in src_pages
+                ]
+                pools[name] = (kind, tensors)
+                req = pb.RegisterPoolRequest(cuda_ipc=export.region(), layout=layout_to_pb(layout))
+                conn.send(("pool", req.SerializeToString(), digests))
+            elif msg[0] == "verify":
+                _, name, src_pages, dst_pages = msg
+                kind, tensors = pools[name]
+                torch.cuda.synchronize()
+                bad = [
+                    int(d)
+                    for s, d in zip(src_pages, dst_pages, strict=True)
+                    if not torch.equal(
+                        _engine_block(kind, tensors, s), _engine_block(kind, tensors, d)
+                    )
+                ]
+                conn.send(("verified", bad))
+            elif msg[0] == "poison":
+                _, name, pages = msg
+                kind, tensors = pools[name]
+                for page in pages:
+                    _engine_block_fill(kind, tensors, page, POISON)
+                torch.cuda.synchronize()
+                conn.send(("poisoned",))
+            elif msg[0] == "free":
+                pools.pop(msg[1], None)
+                torch.cuda.empty_cache()
+                conn.send(("freed",))
+        except Exception as e:  # reported to the daemon side, which fails the check
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _engine_block_fill(kind: str, tensors: list[Any], page: int, value: int) -> None:
+    import torch
+
+    def fill(t: Any) -> None:
+        t.reshape(-1).view(torch.uint8).fill_(value)  # every page view here is contiguous
+
+    if kind == "staging":
+        fill(tensors[0][page])
+        return
+    for t in tensors:
+        if kind == "vllm":
+            fill(t[0, page])
+            fill(t[1, page])
+        else:  # flashinfer [pages, 2, ...] and mla [pages, ...]: one contiguous page
+            fill(t[page])
+
+
+class Engine:
+    """The daemon side's handle on the engine process."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_main, args=(theirs,), daemon=True)
+        self.proc.start()
+
+    def call(self, *msg: Any, timeout_s: float = 120.0) -> Any:
+        self.conn.send(msg)
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"the engine process did not answer {msg[0]} in {timeout_s}s")
+        reply = self.conn.recv()
+        if reply[0] == "error":
+            raise RuntimeError(f"engine: {reply[1]}")
+        return reply
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(("exit",))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -------------------------------------------------------------------- the daemon side
+
+
+@dataclass
+class Stack:
+    """L0, L1 and L2 as the daemon would run them, in this process."""
+
+    l0: Any
+    l1: Any
+    l2: Any | None
+    opener: Any
+    l2_dir: str
+
+    def close(self) -> None:
+        self.l0.close()
+        self.l1.close()
+        if self.l2 is not None:
+            self.l2.close()
+
+
+@dataclass
+class Report:
+    results: dict[str, Any] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def check(self, name: str, ok: bool, detail: str = "") -> None:
+        if not ok:
+            self.failures.append(f"{name}: {detail}" if detail else name)
+
+
+def _l2_write(l2: Any, slots: list[int], views: list[memoryview], nbytes: int) -> list[int | None]:
+    """Durable L2 writes through the tier's batch verb; per block its checksum, or None."""
+    from kvtier.tiers.base import BlockRef, HostBuffers, WriteBatch
+
+    refs = [BlockRef(0, s.to_bytes(32, "little")) for s in slots]
+    outs = l2.write(WriteBatch(slots, refs, nbytes, HostBuffers(views)))
+    return [o.checksum if o.ok else None for o in outs]
+
+
+def _l2_read(
+    l2: Any, slots: list[int], views: list[memoryview], nbytes: int, sums: list[int]
+) -> list[bool]:
+    from kvtier.tiers.base import BlockRef, HostBuffers, ReadBatch
+
+    refs = [BlockRef(0, s.to_bytes(32, "little")) for s in slots]
+    return list(l2.read(ReadBatch(slots, refs, nbytes, HostBuffers(views), sums)))
+
+
+def round_trip(
+    stack: Stack,
+    pool: Any,
+    src_pages: list[int],
+    dst_pages: list[int],
+    expected: list[int],
+    report: Report,
+    name: str,
+) -> None:
+    """engine pages -> L0 -> L1 -> L2 -> L1 -> L0 -> other engine pages, with every
+    destination poisoned first. ``expected``: the engine's xxh3 of each source block."""
+    import xxhash
+
+    from kvtier.tiers.base import BlockRef, HostBuffers, ReadBatch, WriteBatch
+
+    n, nbytes = len(src_pages), pool.block_bytes
+    refs = [BlockRef(0, i.to_bytes(32, "little")) for i in range(n)]
+    l0, l1 = stack.l0, stack.l1
+
+    def l0_slots() -> list[int]:
+        slots = [l0.allocator.allocate(nbytes) for _ in range(n)]
+        for s in slots:
+            l0.slot_tensor(s, nbytes).fill_(POISON)
+        l0.synchronize()  # the fills ran on the default stream; the verbs use their own
+        return slots
+
+    def l1_views() -> tuple[list[int], list[memoryview]]:
+        slots = [l1.allocator.allocate(nbytes) for _ in range(n)]
+        views = [l1.view(s, nbytes) for s in slots]
+        for v in views:
+            np.frombuffer(v, dtype=np.uint8)[:] = POISON
+        return slots, views
+
+    def digests(views: list[memoryview]) -> list[int]:
+        return [xxhash.xxh3_64_intdigest(v) for v in views]
+
+    with pool.use():
+        a = l0_slots()
+        ok = all(
+            o.ok for o in l0.write(WriteBatch(a, refs, nbytes, pool.pages(np.array(src_pages))))
+        )
+        report.check(f"{name}: engine -> L0", ok)
+        h1, v1 = l1_views()
+        report.check(f"{name}: L0 -> L1", all(l0.read(ReadBatch(a, refs, nbytes, HostBuffers(v1)))))
+        report.check(
+            f"{name}: L1 bytes", digests(v1) == expected, "L1 holds other bytes than the engine's"
+        )
+        l0.remove(a)
+        if stack.l2 is not None:
+            d = [stack.l2.allocator.allocate(nbytes) for _ in range(n)]
+            sums = _l2_write(stack.l2, d, v1, nbytes)
+            report.check(f"{name}: L1 -> L2", all(s is not None for s in sums))
+            for v in v1:  # the L1 copy is gone: evicted and overwritten
+                np.frombuffer(v, dtype=np.uint8)[:] = POISON
+            for s in h1:
+                l1.allocator.free(s)
+            h1, v1 = l1_views()
+            read_ok = _l2_read(stack.l2, d, v1, nbytes, [int(s or 0) for s in sums])
+            report.check(f"{name}: L2 -> L1", all(read_ok))
+            report.check(f"{name}: L2 bytes", digests(v1) == expected, "L2 returned other bytes")
+            stack.l2.remove(d)
+        b = l0_slots()
+        report.check(
+            f"{name}: L1 -> L0",
+            all(o.ok for o in l0.write(WriteBatch(b, refs, nbytes, HostBuffers(v1)))),
+        )
+        report.check(
+            f"{name}: L0 -> engine",
+            all(l0.read(ReadBatch(b, refs, nbytes, pool.pages(np.array(dst_pages))))),
+        )
+        l0.remove(b)
+        for s in h1:
+            l1.allocator.free(s)
+
+
+def _median_s(fn: Callable[[], object], rounds: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()  # warm up: kernels compiled, memory touched
+    times = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _ceilings(total: int, rounds: int) -> tuple[float, float, float]:
+    """Seconds of a plain device-to-device copy and of pinned host-to-device and
+    device-to-host copies of ``total`` contiguous bytes: the device's own ceilings."""
+    import torch
+
+    dev_a = torch.empty(total, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty_like(dev_a)
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    sync = torch.cuda.synchronize
+    return (
+        _median_s(lambda: dev_b.copy_(dev_a), rounds, sync),
+        _median_s(lambda: dev_a.copy_(pinned, non_blocking=True), rounds, sync),
+        _median_s(lambda: pinned.copy_(dev_a, non_blocking=True), rounds, sync),
+    )
+
+
+def bandwidths(stack: Stack, pool: Any, batch: int, rounds: int, report: Report, gds: Any) -> None:
+    import torch
+
+    from kvtier.kernels.paged import copy_runs
+    from kvtier.kernels.runs import gather_runs
+    from kvtier.tiers.base import BlockRef, HostBuffers, ReadBatch, WriteBatch
+
+    l0, l1 = stack.l0, stack.l1
+    nbytes, total = pool.block_bytes, batch * pool.block_bytes
+    refs = [BlockRef(0, i.to_bytes(32, "little")) for i in range(batch)]
+    sync = torch.cuda.synchronize
+    pages = np.random.default_rng(1).permutation(pool.layout.num_pages)[:batch]
+    a = [l0.allocator.allocate(nbytes) for _ in range(batch)]
+    r = report.results.setdefault("bandwidth", {})
+
+    def gbps(seconds: float) -> float:
+        return round(total / seconds / 1e9, 2)
+
+    def ratio(name: str, tier_s: float, base_s: float, target: float, **extra: Any) -> None:
+        value = round(base_s / tier_s, 3)
+        r[name] = {
+            "GB/s": gbps(tier_s),
+            "ceiling GB/s": gbps(base_s),
+            "ratio": value,
+            "target": target,
+            **extra,
+        }
+        report.check(f"bandwidth {name}", value >= target, f"{value}x < {target}x")
+
+    d2d, h2d, d2h = _ceilings(total, rounds)
+
+    with pool.use():
+        src = pool.pages(pages)
+        put = _median_s(lambda: l0.write(WriteBatch(a, refs, nbytes, src)), rounds, sync)
+        get = _median_s(lambda: l0.read(ReadBatch(a, refs, nbytes, src)), rounds, sync)
+        path = {"through_daemon": False, "path": "DeviceTier over an IPC-mapped engine pool"}
+        ratio("engine pool -> L0", put, d2d, 0.8, **path)
+        ratio("L0 -> engine pool", get, d2d, 0.8, **path)
+        # The two executors on the same plan (one launch vs two passes).
+        starts = l0.allocator.offsets(np.array(a)).astype(np.int64)
+        runs = gather_runs(src.smap, src.pages, 0, starts)
+        for ex in ("triton", "torch"):
+            launch = functools.partial(copy_runs, runs, src.segments, [l0.arena], executor=ex)
+            s = _median_s(launch, rounds, sync)
+            r[f"gather kernel ({ex})"] = {"GB/s": gbps(s), "ratio to d2d": round(d2d / s, 3)}
+
+    h = [l1.allocator.allocate(nbytes) for _ in range(batch)]
+    views = HostBuffers([l1.view(s, nbytes) for s in h])
+    path = {"through_daemon": False, "path": "DeviceTier <-> pinned HostArena slots"}
+    up = _median_s(lambda: l0.write(WriteBatch(a, refs, nbytes, views)), rounds, sync)
+    down = _median_s(lambda: l0.read(ReadBatch(a, refs, nbytes, views)), rounds, sync)
+    ratio("L1 -> L0", up, h2d, 0.9, **path)
+    ratio("L0 -> L1", down, d2h, 0.9, **path)
+
+    if stack.l2 is not None:
+        d = [stack.l2.allocator.allocate(nbytes) for _ in range(batch)]
+        sums = _l2_write(stack.l2, d, list(views.views), nbytes)
+        ints = [int(s or 0) for s in sums]
+
+        def via_l1() -> None:
+            assert all(_l2_read(stack.l2, d, list(views.views), nbytes, ints))
+            assert all(o.ok for o in l0.write(WriteBatch(a, refs, nbytes, views)))
+
+        s = _median_s(via_l1, max(3, rounds // 2), sync)
+        r["L2 -> L0 via pinned L1"] = {
+            "GB/s": gbps(s),
+            "through_daemon": False,
+            "path": "DiskTier.read -> L1 -> DeviceTier",
+        }
+        stack.l2.remove(d)
+        r["L2 -> L0 via GDS"] = _gds_bandwidth(stack, a, nbytes, total, rounds, gds)
+    l0.remove(a)
+    for s in h:
+        l1.allocator.free(s)
+
+
+def _gds_bandwidth(
+    stack: Stack, slots: list[int], nbytes: int, total: int, rounds: int, gds: Any
+) -> dict[str, Any]:
+    import torch
+
+    from kvtier.tiers.gds import GdsFiles
+
+    if not gds.active:
+        return {"skipped": gds.reason}
+    from pathlib import Path
+
+    path = Path(stack.l2_dir) / "gds-check.bin"
+    files = GdsFiles()
+    try:
+        tensors = [stack.l0.slot_tensor(s, nbytes) for s in slots]
+        digests = files.write([(path, j * nbytes, t) for j, t in enumerate(tensors)])
+        os.sync()
+        items = [
+            (path, j * nbytes, t, int(dg or 0))
+            for j, (t, dg) in enumerate(zip(tensors, digests, strict=True))
+        ]
+
+        def read() -> None:
+            assert all(files.read(items))
+
+        def read_raw() -> None:
+            for p, o, t, _ in items:
+                files.read_raw(p, o, t)
+
+        s = _median_s(read, max(3, rounds // 2), torch.cuda.synchronize)
+        raw = _median_s(read_raw, max(3, rounds // 2), torch.cuda.synchronize)
+        return {
+            "GB/s": round(total / s / 1e9, 2),
+            "GB/s without digest check": round(total / raw / 1e9, 2),
+            "through_daemon": False,
+            "path": "kvikio CuFile -> L0 slots, digest verified on the GPU",
+        }
+    finally:
+        files.close()
+        path.unlink(missing_ok=True)
+
+
+def kernels(report: Report) -> None:
+    import torch
+
+    from kvtier.kernels.digest import block_digest
+    from kvtier.kernels.quant import QuantSpec, dequantize_blocks, measure_error, quantize_blocks
+
+    blocks = torch.randint(0, 256, (16, (2 << 20) + 6), dtype=torch.uint8)
+    ok = block_digest(blocks.cuda()) == block_digest(blocks)
+    report.results["digest gpu == cpu"] = ok
+    report.check("block digest on the GPU", ok)
+    q: dict[str, Any] = {}
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn((64, 32 * 2 * 16 * 8 * 128), device="cuda", generator=g)
+    x[:, ::37] *= 20
+    for dtype in ("bfloat16", "float16"):
+        src = x.to(getattr(torch, dtype)).view(torch.uint8).view(64, -1)
+        for kind in ("int8", "fp8_e4m3"):
+            spec = QuantSpec(kind, dtype, 128)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            packed = quantize_blocks(src, spec)
+            back = dequantize_blocks(packed, spec, src.shape[1])
+            torch.cuda.synchronize()
+            e = measure_error(src, back, spec)
+            q[f"{dtype} {kind}"] = {
+                "rel_rms": round(e.rel_rms, 5),
+                "max/group amax": round(e.max_over_group_amax, 5),
+                "size": round(e.compression, 3),
+                "round trip GB/s": round(src.numel() / (time.perf_counter() - t) / 1e9, 1),
+            }
+            bound = 1 / 254 if kind == "int8" else 1 / 16
+            report.check(f"quantisation {dtype} {kind}", e.max_over_group_amax <= bound + 2**-7)
+    report.results["quantisation"] = q
+
+
+def daemon_registration(engine: Engine, report: Report) -> None:
+    """Send a CUDA IPC registration to a real kvtierd with its GPU tier enabled."""
+    from kvtier.bench.launcher import bench_daemon
+    from kvtier.client import Client, KvtierError
+    from kvtier.proto import kvtier_pb2 as pb
+
+    shape = {"layers": 4, "pages": 16, "tokens": 16, "heads": 8, "dim": 128, "latent": 0}
+    src, dst = list(range(8)), list(range(8, 16))
+    _, data, _ = engine.call("alloc", "daemon", "vllm", shape, src, dst, 7)
+    req = pb.RegisterPoolRequest.FromString(data)
+    from kvtier.client.cuda import CudaIpcExport
+    from kvtier.daemon.server import layout_from_pb
+
+    export = CudaIpcExport.from_region(req.cuda_ipc)
+    layout = layout_from_pb(req.layout)
+    out: dict[str, Any] = {"through_daemon": True}
+    try:
+        with (
+            bench_daemon("tiers.l0.enabled=true", "tiers.l0.capacity_bytes=256MiB") as daemon,
+            Client(daemon.address) as client,
+        ):
+            try:
+                pool = client.register_cuda_pool(export, layout)
+            except KvtierError as e:
+                out.update(registered=False, status=type(e).__name__, message=str(e))
+            else:
+                keys = [os.urandom(32) for _ in src]
+                client.put(pool.pool_id, keys, src)
+                got = client.get(pool.pool_id, keys, dst)
+                bad = engine.call("verify", "daemon", src, dst)[1]
+                out.update(registered=True, loaded=sum(got.loaded), mismatched_pages=bad)
+                report.check("daemon round trip", not bad and all(got.loaded), f"pages {bad}")
+    except Exception as e:
+        out.update(registered=False, status="error", message=f"{type(e).__name__}: {e}")
+    engine.call("free", "daemon")
+    report.results["daemon registration"] = out
+
+
+def _stage(report: Report, name: str, fn: Callable[..., None], *args: Any) -> None:
+    """Run one stage; an exception fails it (with its traceback in the results) and the
+    next stages still run, so one GPU session answers as much as it can."""
+    import traceback
+
+    try:
+        fn(*args)
+    except Exception as e:
+        report.failures.append(f"{name}: {type(e).__name__}: {e}")
+        report.results.setdefault("errors", {})[name] = traceback.format_exc()
+
+
+def _round_trip_stage(
+    stack: Stack, engine: Engine, report: Report, kind: str, i: int, shape: dict[str, int]
+) -> None:
+    from kvtier.daemon.server import layout_from_pb
+    from kvtier.proto import kvtier_pb2 as pb
+
+    rng = np.random.default_rng(i)
+    order = rng.permutation(shape["pages"]).tolist()
+    src, dst = order[:32], order[32:]
+    before = len(report.failures)
+    _, data, expected = engine.call("alloc", kind, kind, shape, src, dst, 100 + i)
+    try:
+        req = pb.RegisterPoolRequest.FromString(data)
+        pool = stack.opener.open(i + 1, "gpu-check", req.cuda_ipc, layout_from_pb(req.layout))
+        try:
+            round_trip(stack, pool, src, dst, expected, report, kind)
+        finally:
+            pool.close()
+        bad = engine.call("verify", kind, src, dst)[1]
+        report.check(f"{kind}: engine pages after the round trip", not bad, f"pages {bad} differ")
+    finally:
+        engine.call("free", kind)
+    report.results.setdefault("round trips", {})[kind] = {
+        "bit_exact": len(report.failures) == before,
+        "blocks": len(src),
+        "block_bytes": pool.block_bytes,
+        "through_daemon": False,
+        "path": "engine -> L0 -> L1 -> L2 -> L1 -> L0 -> engine (daemon modules, this process)",
+    }
+
+
+def _bandwidth_stage(
+    stack: Stack, engine: Engine, report: Report, args: argparse.Namespace, gds: Any
+) -> None:
+    from kvtier.daemon.server import layout_from_pb
+    from kvtier.proto import kvtier_pb2 as pb
+
+    big = {"layers": 32, "pages": 2 * args.batch, "tokens": 16, "heads": 8, "dim": 128, "latent": 0}
+    _, data, _ = engine.call("alloc", "bw", "vllm", big, [], [], 9)
+    try:
+        req = pb.RegisterPoolRequest.FromString(data)
+        pool = stack.opener.open(99, "gpu-check", req.cuda_ipc, layout_from_pb(req.layout))
+        try:
+            bandwidths(stack, pool, args.batch, args.rounds, report, gds)
+        finally:
+            pool.close()
+    finally:
+        engine.call("free", "bw")
+
+
+def run(args: argparse.Namespace) -> Report:
+    import torch
+
+    from kvtier.daemon.cuda_pools import CudaPoolOpener, DriverMapper
+    from kvtier.tiers.device import DeviceTier
+    from kvtier.tiers.gds import choose
+    from kvtier.tiers.host import HostArena
+
+    report = Report()
+    props = torch.cuda.get_device_properties(0)
+    report.results["device"] = (
+        f"{props.name}, {props.total_memory >> 30} GiB, torch {torch.__version__}"
+    )
+    l2_dir = args.l2_dir or tempfile.mkdtemp(prefix="kvtier-gpu-check-", dir=os.getcwd())
+    os.makedirs(l2_dir, exist_ok=True)
+    block = 32 * 2 * 16 * 8 * 128 * 2  # the bandwidth pool's 2 MiB blocks
+    room = args.batch * block + (256 << 20)
+    l0 = DeviceTier(room, 64 << 20, device=0, streams=args.streams)
+    l1 = HostArena(room, 64 << 20, pin_cuda=True)
+    l2 = None
+    if not args.skip_l2:
+        from kvtier.tiers.disk import DiskTier
+
+        l2 = DiskTier(l2_dir, room, 64 << 20, io_threads=4, file_bytes=room)
+    gds = choose(args.gds, l2_dir, torch.device("cuda", 0))
+    l0.l2_path = gds.path
+    report.results["L2 <-> L0 path"] = {"path": gds.path, "reason": gds.reason}
+    stack = Stack(l0, l1, l2, CudaPoolOpener(DriverMapper(0)), l2_dir)
+    engine = Engine()
+    try:
+        # 1. Round trips, every layout, across the two processes.
+        small = {"layers": 8, "pages": 64, "tokens": 16, "heads": 8, "dim": 128, "latent": 576}
+        for i, kind in enumerate(KINDS):
+            _stage(
+                report,
+                f"round trip {kind}",
+                _round_trip_stage,
+                stack,
+                engine,
+                report,
+                kind,
+                i,
+                small,
+            )
+        # 2. Bandwidth, with 2 MiB blocks of a 32-layer vLLM pool.
+        _stage(report, "bandwidth", _bandwidth_stage, stack, engine, report, args, gds)
+        # 3. Kernels on the GPU.
+        _stage(report, "kernels", kernels, report)
+        # 4. The registration through a real daemon.
+        if not args.skip_daemon:
+            _stage(report, "daemon registration", daemon_registration, engine, report)
+    finally:
+        engine.close()
+        stack.close()
+        if not args.l2_dir:
+            shutil.rmtree(l2_dir, ignore_errors=True)
+    return report
+
+
+def main(argv: list[str], *, as_json: bool) -> int:
+    p = argparse.ArgumentParser(prog="kvtier bench gpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=128, help="2 MiB blocks per bandwidth batch")
+    p.add_argument("--rounds", type=int, default=9, help="timed repetitions of each transfer")
+    p.add_argument("--streams", type=int, default=2, help="L0 pool streams")
+    p.add_argument(
+        "--l2-dir", default="", help="folder for the disk tier (default: a temp one here)"
+    )
+    p.add_argument("--gds", default="auto", choices=("auto", "true", "false"))
+    p.add_argument("--skip-l2", action="store_true")
+    p.add_argument("--skip-daemon", action="store_true")
+    args = p.parse_args(argv)
+
+    reason = cuda_missing()
+    if reason:
+        msg = f"kvtier bench gpu needs a CUDA GPU: {reason}"
+        print(msg, file=sys.stderr)
+        if as_json:
+            print(json.dumps({"ok": False, "error": msg}))
+        return 2
+    started = time.monotonic()
+    report = run(args)
+    report.results["seconds"] = round(time.monotonic() - started, 1)
+    report.results["failures"] = report.failures
+    report.results["ok"] = not report.failures
+    _print_table(report)
+    if as_json:
+        print(json.dumps(report.results))
+    return 0 if not report.failures else 1
+
+
+def cuda_missing() -> str:
+    """Empty when this host can run the check; else why not. Cheap: no GPU work."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False (no GPU, no driver, or a CPU build of torch)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (it ships with CUDA builds of torch)"
+    from kvtier.kernels.cudadrv import CudaUnavailable, driver
+
+    try:
+        driver()
+    except CudaUnavailable as e:
+        return str(e)
+    return ""
+
+
+def _print_table(report: Report) -> None:
+    r = report.results
+    print(f"device: {r['device']}")
+    print(f"L2 <-> L0: {r['L2 <-> L0 path']['path']} ({r['L2 <-> L0 path']['reason']})")
+    for kind, v in r.get("round trips", {}).items():
+        print(
+            f"round trip {kind:10s} {'bit-exact' if v['bit_exact'] else 'FAILED':9s} {v['blocks']} blocks of {v['block_bytes']} B  [through_daemon={v['through_daemon']}]"
+        )
+    for name, v in r.get("bandwidth", {}).items():
+        print(f"{name:28s} {json.dumps(v)}")
+    for name, v in r.get("quantisation", {}).items():
+        print(f"quant {name:22s} {json.dumps(v)}")
+    if "daemon registration" in r:
+        print(f"daemon registration: {json.dumps(r['daemon registration'])}")
+    for name, tb in r.get("errors", {}).items():
+        print(f"--- {name} raised:\n{tb}", file=sys.stderr)
+    print("OK" if not report.failures else "FAILED:\n  " + "\n  ".join(report.failures))

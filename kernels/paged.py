@@ -1,0 +1,120 @@
+"""Batched copies of ``CopyRuns`` between torch tensors, on any device.
+
+``copy_runs`` moves a whole plan (many blocks, every layer) at once. Segments are 1-D uint8
+tensors: the buffers of an engine pool (one per layer tensor, or one for the whole pool) and
+a tier's arena. Two executors:
+
+- **torch** (any device, the only one on a CPU): the runs are cut into rows of the widest
+  size that divides every offset and length, and each pair of segments is one
+  ``index_select`` plus one ``index_copy_``, so the number of calls depends on the number of
+  buffers, never on the number of blocks or chunks. It passes the data twice.
+- **triton** (CUDA only, ``kernels/triton_copy.py``): one launch for the whole plan, whatever
+  the number of segments, one pass over the data.
+
+Every plan is bounds-checked on the host before it runs (``CopyRuns.check``): a device
+kernel checks nothing, and one stray address would poison the CUDA context for every pool.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.kernels.runs import CopyRuns
+
+_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def copy_runs(
+    runs: CopyRuns,
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    *,
+    executor: str = "auto",
+) -> str:
+    """Copy every run of ``runs``; returns the executor that did it (``torch``/``triton``).
+
+    ``executor``: ``auto`` takes triton for CUDA tensors when it is installed, else torch.
+    Raises IndexError (copying nothing) when a run falls outside its segment, ValueError for
+    segments that are not contiguous 1-D uint8 tensors on one device.
+    """
+    _check_segments(src, dst)
+    runs.check([t.numel() for t in src], [t.numel() for t in dst])
+    if not len(runs):
+        return "none"
+    if executor == "auto":
+        executor = "triton" if dst[0].is_cuda and _triton_ready() else "torch"
+    if executor == "triton":
+        from kvtier.kernels.triton_copy import copy_runs_triton
+
+        copy_runs_triton(runs, src, dst)
+    elif executor == "torch":
+        copy_runs_torch(runs, src, dst)
+    else:
+        raise ValueError(f"unknown executor {executor!r}")
+    return executor
+
+
+def copy_runs_torch(
+    runs: CopyRuns, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
+) -> None:
+    """The torch executor (see the module docstring). The caller has checked the runs."""
+    device = dst[0].device
+    unit = runs.unit()
+    for s, d, idx in runs.split_by_segments():
+        src_off, dst_off, length = runs.src_off[idx], runs.dst_off[idx], runs.length[idx]
+        # Rows of `unit` bytes, viewed as the widest integer that divides them, so each
+        # copied row is a few wide loads rather than `unit` byte loads.
+        src_rows = _rows(src[s], unit)
+        dst_rows = _rows(dst[d], unit)
+        per_run = length // unit
+        src_idx = _expand(src_off // unit, per_run)
+        dst_idx = _expand(dst_off // unit, per_run)
+        src_t = torch.from_numpy(src_idx).to(device, non_blocking=True)
+        dst_t = torch.from_numpy(dst_idx).to(device, non_blocking=True)
+        dst_rows.index_copy_(0, dst_t, src_rows.index_select(0, src_t))
+
+
+def _rows(seg: torch.Tensor, unit: int) -> torch.Tensor:
+    n = seg.numel() // unit
+    rows = seg[: n * unit]
+    for size, dtype in _WORD_DTYPES:
+        if unit % size == 0 and seg.data_ptr() % size == 0:
+            try:
+                return rows.view(dtype).view(n, unit // size)
+            except RuntimeError:
+                continue  # a storage offset the wider type cannot start at
+    return rows.view(n, unit)
+
+
+def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[s, s+1, ..., s+k-1]`` for every (start s, count k), concatenated, as int64."""
+    starts = starts.astype(np.int64, copy=False)
+    counts = counts.astype(np.int64, copy=False)
+    if len(counts) and bool(np.all(counts == counts[0])):
+        k = int(counts[0])
+        return (starts[:, None] + np.arange(k, dtype=np.int64)[None, :]).ravel()
+    total = int(counts.sum())
+    first = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return first + np.arange(total, dtype=np.int64)
+
+
+def _check_segments(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
+    if not src or not dst:
+        raise ValueError("copy_runs needs at least one source and one destination segment")
+    device = dst[0].device
+    for t in (*src, *dst):
+        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError("segments must be contiguous 1-D uint8 tensors")
+        if t.device != device:
+            raise ValueError(f"segments on {t.device} and {device}: one device per copy")
+
+
+@functools.cache
+def _triton_ready() -> bool:
+    from kvtier.kernels.triton_copy import available
+
+    return available()

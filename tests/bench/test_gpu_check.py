@@ -1,0 +1,99 @@
+"""``kvtier bench gpu``: without CUDA it stops at once and says why; its round-trip stage,
+run here on the GPU tier's CPU stand-in, passes on a correct data plane and reports a wrong
+one."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from cpu_ipc import CpuMapper
+from kv_pools import make_pool
+
+from kvtier.bench.gpu_check import KINDS, Report, Stack, main, round_trip
+from kvtier.client.cuda import CudaIpcExport, IpcBuffer
+from kvtier.daemon.cuda_pools import CudaPoolOpener
+from kvtier.tiers.device import CpuOps, DeviceTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostArena
+
+
+def test_without_cuda_it_fails_fast_with_the_reason(capsys):
+    assert not torch.cuda.is_available()
+    assert main([], as_json=True) == 2
+    out, err = capsys.readouterr()
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["ok"] is False and "needs a CUDA GPU" in last["error"]
+    assert "torch.cuda.is_available() is False" in err
+
+
+def test_kvtier_bench_runs_it_as_gpu():
+    from kvtier.bench import BENCHMARKS, run_bench
+
+    assert BENCHMARKS["gpu"] == "kvtier.bench.gpu_check"
+    assert run_bench("gpu", [], as_json=True) == 2
+
+
+@pytest.fixture
+def stack(tmp_path):
+    mapper = CpuMapper()
+    s = Stack(
+        DeviceTier(16 << 20, 4 << 20, streams=2, ops=CpuOps()),
+        HostArena(16 << 20, 4 << 20),
+        DiskTier(tmp_path / "l2", 16 << 20, 4 << 20, io_threads=2),
+        CudaPoolOpener(mapper),
+        str(tmp_path),
+    )
+    yield s, mapper
+    s.close()
+
+
+def _open(stack, mapper, pool, pool_id):
+    buffers = tuple(
+        IpcBuffer(mapper.adopt(t), 0, seg.numel(), b.pool_offset)
+        for t, seg, b in zip(pool.tensors, pool.segments, pool.buffers, strict=True)
+    )
+    region = CudaIpcExport(buffers, 0, b"").region()
+    return stack.opener.open(pool_id, "s", region, pool.layout)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_stage_is_bit_exact_on_a_correct_stack(stack, kind):
+    s, mapper = stack
+    pool = make_pool(kind, layers=3, pages=16, dtype="bfloat16", gap=4096)
+    pool.fill_random(21)
+    src, dst = [3, 9, 0, 14, 6], [1, 2, 4, 5, 7]
+    expected = [xxhash.xxh3_64_intdigest(pool.block(p).numpy().tobytes()) for p in src]
+    originals = [pool.block(p) for p in src]
+    for t in pool.tensors:  # poison the destination pages
+        if kind == "vllm":
+            t.view(torch.uint8)[:, dst] = 0xA5
+        else:
+            t.view(torch.uint8)[dst] = 0xA5
+    cuda_pool = _open(s, mapper, pool, 1)
+    report = Report()
+    round_trip(s, cuda_pool, src, dst, expected, report, kind)
+    cuda_pool.close()
+    assert report.failures == []
+    for p, want in zip(dst, originals, strict=True):
+        assert torch.equal(pool.block(p), want)
+    # Every slot went back: nothing leaked in any tier.
+    assert s.l0.allocator.used_slots == 0 and s.l1.allocator.used_slots == 0
+    assert s.l2.allocator.used_slots == 0
+
+
+def test_round_trip_stage_reports_wrong_bytes(stack):
+    s, mapper = stack
+    pool = make_pool("vllm", layers=2, pages=8)
+    pool.fill_random(3)
+    cuda_pool = _open(s, mapper, pool, 2)
+    report = Report()
+    wrong = [0] * 4
+    round_trip(s, cuda_pool, [0, 1, 2, 3], [4, 5, 6, 7], wrong, report, "vllm")
+    cuda_pool.close()
+    assert "vllm: L1 bytes: L1 holds other bytes than the engine's" in report.failures
+    assert "vllm: L2 bytes: L2 returned other bytes" in report.failures
+    assert np.array_equal(pool.block(4).numpy(), pool.block(0).numpy())

@@ -1,0 +1,226 @@
+"""CUDA IPC pools in the daemon: parsing and validation of registrations, one mapping per
+allocation, lifetimes, and the FAILED_PRECONDITION answer of a host without CUDA. The CUDA
+calls are replaced by a CPU implementation at their one boundary (tests/cpu_ipc.py); the
+copies that prove a mapping right are the real kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cpu_ipc import CpuMapper
+from kv_pools import LAYOUTS, make_pool
+
+from kvtier.client import FailedPreconditionError, PoolLayout
+from kvtier.client.cuda import CudaIpcExport, IpcBuffer
+from kvtier.daemon.cuda_pools import CudaPoolOpener, open_opener, parse_region
+from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvtier.kernels.paged import copy_runs
+from kvtier.kernels.runs import gather_runs
+from kvtier.proto import kvtier_pb2 as pb
+
+UUID = b"\x11" * 16
+
+
+def export_pool(mapper: CpuMapper, pool, *, lead: int = 512, shared: bool = False):
+    """Put each layer tensor of ``pool`` into a mapper allocation (at ``lead`` bytes in, so
+    alloc offsets are not zero) and describe them as the client would."""
+    buffers = []
+    segs = pool.segments
+    if shared:  # every layer in one allocation
+        total = lead + sum(s.numel() + 256 for s in segs)
+        handle, alloc = mapper.allocate(total)
+        at = lead
+        for seg, buf in zip(segs, pool.buffers, strict=True):
+            alloc[at : at + seg.numel()] = seg
+            buffers.append(IpcBuffer(handle, at, seg.numel(), buf.pool_offset))
+            at += seg.numel() + 256
+    else:
+        for seg, buf in zip(segs, pool.buffers, strict=True):
+            handle, alloc = mapper.allocate(lead + seg.numel())
+            alloc[lead:] = seg
+            buffers.append(IpcBuffer(handle, lead, seg.numel(), buf.pool_offset))
+    return CudaIpcExport(tuple(buffers), 0, UUID)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_opened_pool_serves_the_engines_bytes(kind, shared):
+    mapper = CpuMapper()
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool(kind, dtype="bfloat16", gap=4096)
+    pool.fill_random(4)
+    export = export_pool(mapper, pool, shared=shared)
+    cuda_pool = opener.open(7, "s", export.region(), pool.layout)
+    assert mapper.opens == (1 if shared else len(pool.segments))
+    assert len(opener.table) == mapper.opens
+    pages = np.array([3, 0, 5])
+    batch = cuda_pool.pages(pages)
+    arena = torch.zeros(3 * pool.layout.block_bytes, dtype=torch.uint8)
+    starts = np.arange(3) * pool.layout.block_bytes
+    copy_runs(gather_runs(batch.smap, batch.pages, 0, starts), batch.segments, [arena])
+    for j, p in enumerate(pages):
+        blk = arena[starts[j] : starts[j] + pool.layout.block_bytes]
+        assert torch.equal(blk, pool.block(int(p)))
+    cuda_pool.close()
+    assert not mapper.mapped and len(opener.table) == 0
+
+
+def test_one_allocation_is_opened_once_across_pools_and_closed_with_the_last():
+    mapper = CpuMapper()
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool("vllm")
+    export = export_pool(mapper, pool, shared=True)
+    a = opener.open(1, "s1", export.region(), pool.layout)
+    b = opener.open(2, "s2", export.region(), pool.layout)
+    assert mapper.opens == 1
+    a.close()
+    assert len(mapper.mapped) == 1
+    b.close()
+    assert not mapper.mapped
+    b.close()  # idempotent
+
+
+def test_a_copy_in_flight_keeps_the_mapping_until_it_ends():
+    mapper = CpuMapper()
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool("mla")
+    cuda_pool = opener.open(1, "s", export_pool(mapper, pool).region(), pool.layout)
+    with cuda_pool.use():
+        cuda_pool.close()  # the session ended (the engine exited) mid-copy
+        assert len(mapper.mapped) == len(pool.segments)
+        with pytest.raises(NotFound), cuda_pool.use():
+            pass
+    assert not mapper.mapped
+
+
+def test_a_stale_handle_fails_and_leaves_nothing_open():
+    mapper = CpuMapper()
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool("vllm", layers=3)
+    export = export_pool(mapper, pool)
+    mapper.forget(export.buffers[2].handle)  # the engine freed its last layer
+    with pytest.raises(FailedPrecondition, match="buffer 2: the handle cannot be opened"):
+        opener.open(1, "s", export.region(), pool.layout)
+    assert not mapper.mapped and len(opener.table) == 0
+
+
+def test_buffers_beyond_their_allocation_are_refused():
+    mapper = CpuMapper()
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool("vllm", layers=2)
+    export = export_pool(mapper, pool, lead=512)
+    b = export.buffers[1]
+    lying = CudaIpcExport(
+        (export.buffers[0], IpcBuffer(b.handle, b.alloc_offset + 1, b.size_bytes, b.pool_offset)),
+        0,
+        UUID,
+    )
+    with pytest.raises(InvalidArgument, match="beyond its allocation"):
+        opener.open(1, "s", lying.region(), pool.layout)
+    assert not mapper.mapped
+
+
+def test_other_devices_are_refused():
+    mapper = CpuMapper(device=0)
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool("flashinfer", layers=1)
+    export = export_pool(mapper, pool)
+    other = CudaIpcExport(export.buffers, 3, b"\x22" * 16)
+    with pytest.raises(FailedPrecondition, match=r"device 3 of the engine .*GPU-22222222"):
+        opener.open(1, "s", other.region(), pool.layout)
+    assert not mapper.mapped
+    # No UUID sent, but the memory itself lives on another device.
+    handle, alloc = mapper.allocate(pool.segments[0].numel(), device=1)
+    region = CudaIpcExport((IpcBuffer(handle, 0, alloc.numel(), 0),), 1, b"").region()
+    with pytest.raises(FailedPrecondition, match="lives on device 1"):
+        opener.open(1, "s", region, pool.layout)
+    assert not mapper.mapped
+
+
+def test_layouts_that_do_not_fit_the_buffers_are_refused_before_any_open():
+    mapper = CpuMapper()
+    opener = CudaPoolOpener(mapper)
+    pool = make_pool("vllm", layers=2)
+    export = export_pool(mapper, pool)
+    bigger = make_pool("vllm", layers=2, pages=pool.layout.num_pages + 1)
+    with pytest.raises(InvalidArgument, match="does not fit the CUDA IPC pool"):
+        opener.open(1, "s", export.region(), bigger.layout)
+    # Buffers that split layer 1's K chunks in two (K and V apart would be fine).
+    b0, b1 = export.buffers
+    q = b1.size_bytes // 4
+    split = CudaIpcExport(
+        (
+            b0,
+            IpcBuffer(b1.handle, b1.alloc_offset, q, b1.pool_offset),
+            IpcBuffer(b1.handle, b1.alloc_offset + q, b1.size_bytes - q, b1.pool_offset + q),
+        ),
+        0,
+        UUID,
+    )
+    with pytest.raises(InvalidArgument, match="not inside one buffer"):
+        opener.open(1, "s", split.region(), pool.layout)
+    assert mapper.opens == 0
+
+
+@pytest.mark.parametrize(
+    ("region", "message"),
+    [
+        (pb.CudaIpcRegion(handle=b"x" * 63, size_bytes=10), "64 bytes, not 63"),
+        (pb.CudaIpcRegion(handle=b"x" * 64, size_bytes=0), "size_bytes must be positive"),
+        (
+            pb.CudaIpcRegion(
+                handle=b"x" * 64, buffers=[pb.CudaIpcBuffer(handle=b"y" * 64, size_bytes=1)]
+            ),
+            "not both",
+        ),
+        (
+            pb.CudaIpcRegion(buffers=[pb.CudaIpcBuffer(handle=b"y" * 64, size_bytes=1 << 62)]),
+            "below 2\\*\\*62",
+        ),
+        (
+            pb.CudaIpcRegion(handle=b"x" * 64, size_bytes=10, device_uuid=b"abc"),
+            "device_uuid has 3 bytes",
+        ),
+        (
+            pb.CudaIpcRegion(buffers=[pb.CudaIpcBuffer(handle=b"y" * 64, size_bytes=1)] * 8193),
+            "at most 8192",
+        ),
+    ],
+)
+def test_malformed_regions_are_invalid_arguments(region, message):
+    with pytest.raises(InvalidArgument, match=message):
+        parse_region(region)
+
+
+def test_the_single_allocation_form_is_one_buffer_at_pool_offset_zero():
+    spec = parse_region(pb.CudaIpcRegion(handle=b"h" * 64, size_bytes=4096, device=2))
+    assert len(spec.buffers) == 1
+    assert (spec.buffers[0].pool_offset, spec.buffers[0].alloc_offset) == (0, 0)
+    assert spec.extent == 4096 and spec.device == 2
+
+
+def test_without_cuda_or_the_gpu_tier_registration_is_a_failed_precondition():
+    region = pb.CudaIpcRegion(handle=b"h" * 64, size_bytes=4096)
+    layout = make_pool("mla", layers=1, pages=2).layout
+    with pytest.raises(FailedPrecondition, match=r"tiers\.l0\.enabled=true"):
+        open_opener(False, 0).open(1, "s", region, layout)
+    assert not torch.cuda.is_available()  # this test describes a host without CUDA
+    with pytest.raises(FailedPrecondition, match="this host has no CUDA device"):
+        open_opener(True, 0).open(1, "s", region, layout)
+
+
+def test_the_daemon_answers_failed_precondition_and_keeps_serving(daemon):
+    """Through the real server and client: a CUDA IPC registration on this host."""
+    from kvtier.client import Client, SharedMemoryPool
+
+    pool = make_pool("vllm", layers=2, pages=4)
+    export = CudaIpcExport(
+        tuple(IpcBuffer(b"\x01" * 64, 0, b.size, b.pool_offset) for b in pool.buffers), 0, UUID
+    )
+    layout: PoolLayout = pool.layout
+    with Client(daemon.address) as client:
+        with pytest.raises(FailedPreconditionError, match="CUDA"):
+            client.register_cuda_pool(export, layout)
+        with SharedMemoryPool.for_layout(layout) as shm:
+            assert client.register_pool(shm, layout).pool_id

@@ -1,0 +1,305 @@
+"""The L0 device tier's slot and batch logic, run on CPU tensors: its CUDA part (memory,
+streams, events, launches) is replaced at its one boundary by ``CpuOps``; the plans, slot
+checks, copies, accounting and fault handling are the tier's own."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from kv_pools import LAYOUTS, make_pool
+
+from kvtier.kernels.runs import SegmentMap
+from kvtier.tiers.base import (
+    BlockRef,
+    DevicePages,
+    Health,
+    HostBuffers,
+    PoolPages,
+    ReadBatch,
+    TierKind,
+    TierUnavailable,
+    WriteBatch,
+)
+from kvtier.tiers.device import CpuOps, DeviceTier
+
+CAP, SEG = 8 << 20, 1 << 20
+
+
+def _tier(ops: CpuOps | None = None, **kw) -> DeviceTier:
+    return DeviceTier(CAP, SEG, streams=kw.pop("streams", 3), ops=ops or CpuOps(), **kw)
+
+
+def _refs(n: int) -> list[BlockRef]:
+    return [BlockRef(1, bytes([i]) * 32) for i in range(n)]
+
+
+def _pages(pool, pages) -> DevicePages:
+    return DevicePages(
+        SegmentMap.build(pool.layout, pool.buffers), pool.segments, np.asarray(pages, np.int64)
+    )
+
+
+def _alloc(tier: DeviceTier, n: int, nbytes: int) -> list[int]:
+    slots = [tier.allocator.allocate(nbytes) for _ in range(n)]
+    assert all(s is not None for s in slots)
+    return slots  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_engine_pool_to_l0_to_host_and_back_to_the_pool(kind):
+    ops = CpuOps()
+    tier = _tier(ops)
+    pool = make_pool(kind, layers=4, pages=12, dtype="bfloat16", gap=8192)
+    pool.fill_random(9)
+    nbytes = pool.layout.block_bytes
+    pages = [7, 2, 11, 0, 5]
+    slots = _alloc(tier, len(pages), nbytes)
+    out = tier.write(WriteBatch(slots, _refs(5), nbytes, _pages(pool, pages)))
+    assert [o.ok for o in out] == [True] * 5 and [o.slot for o in out] == slots
+
+    # L0 -> host buffers (a demotion to L1), poisoned first.
+    host = [bytearray(b"\xee" * nbytes) for _ in pages]
+    assert tier.read(ReadBatch(slots, _refs(5), nbytes, HostBuffers([memoryview(h) for h in host])))
+    for h, p in zip(host, pages, strict=True):
+        assert bytes(h) == pool.block(p).numpy().tobytes()
+
+    # L0 -> other pages of a poisoned pool.
+    originals = {p: pool.block(p) for p in pages}
+    pool.poison()
+    targets = [1, 3, 4, 6, 8]
+    assert tier.read(ReadBatch(slots, _refs(5), nbytes, _pages(pool, targets))) == [True] * 5
+    for t, p in zip(targets, pages, strict=True):
+        assert torch.equal(pool.block(t), originals[p])
+    for untouched in set(range(12)) - set(targets):
+        assert bool((pool.block(untouched) == 0xA5).all())
+
+    # Host buffers -> L0 (a promotion from L1) into fresh slots -> the pool again.
+    slots2 = _alloc(tier, 5, nbytes)
+    tier.write(WriteBatch(slots2, _refs(5), nbytes, HostBuffers([bytes(h) for h in host])))
+    pool.poison()
+    tier.read(ReadBatch(slots2, _refs(5), nbytes, _pages(pool, pages)))
+    for p in pages:
+        assert torch.equal(pool.block(p), originals[p])
+
+    # Engine traffic on the pool streams in turn; host traffic on its own streams.
+    assert ops.lanes_used == ["pool0", "d2h", "pool1", "h2d", "pool2"]
+    stats = tier.stats()
+    assert stats.kind is TierKind.GPU and stats.used_bytes == 10 * tier.allocator.slot_bytes_for(
+        nbytes
+    )
+    assert stats.counters["blocks_written_d2d"] == 5 and stats.counters["blocks_written_h2d"] == 5
+    assert stats.counters["bytes_read_d2h"] == 5 * nbytes
+    assert stats.counters["blocks_read_d2d"] == 10
+
+
+def test_shared_memory_pools_are_staged_through_the_host():
+    tier = _tier()
+    pool = make_pool("flashinfer", layers=2, pages=6, dtype="float16")
+    pool.fill_random(1)
+    # The same bytes as a host pool: one mapping laid out as the pool space.
+    space = np.zeros(pool.layout.extent_bytes, dtype=np.uint8)
+    for seg, buf in zip(pool.segments, pool.buffers, strict=True):
+        space[buf.pool_offset : buf.end] = seg.numpy()
+    nbytes = pool.layout.block_bytes
+    slots = _alloc(tier, 3, nbytes)
+    src = PoolPages(pool.layout.chunk_table, space, np.array([5, 0, 3]))
+    assert all(o.ok for o in tier.write(WriteBatch(slots, _refs(3), nbytes, src)))
+    back = np.full_like(space, 0x77)
+    dest = PoolPages(pool.layout.chunk_table, back, np.array([1, 2, 4]))
+    assert tier.read(ReadBatch(slots, _refs(3), nbytes, dest)) == [True] * 3
+    host = [bytearray(nbytes) for _ in range(3)]
+    tier.read(ReadBatch(slots, _refs(3), nbytes, HostBuffers([memoryview(h) for h in host])))
+    for h, p in zip(host, [5, 0, 3], strict=True):
+        assert bytes(h) == pool.block(p).numpy().tobytes()
+    table = pool.layout.chunk_table
+    for t, p in zip([1, 2, 4], [5, 0, 3], strict=True):
+        for off_t, off_p, n in zip(
+            table.pool_offsets(np.array([t])),
+            table.pool_offsets(np.array([p])),
+            table.length,
+            strict=True,
+        ):
+            assert np.array_equal(back[off_t : off_t + n], space[off_p : off_p + n])
+
+
+def test_pool_and_host_without_an_l0_slot():
+    tier = _tier()
+    pool = make_pool("mla", layers=3, pages=8, dtype="float32")
+    pool.fill_random(2)
+    nbytes = pool.layout.block_bytes
+    host = [bytearray(nbytes) for _ in range(4)]
+    assert tier.pool_to_host(
+        _pages(pool, [6, 1, 0, 7]), HostBuffers([memoryview(h) for h in host]), nbytes
+    )
+    for h, p in zip(host, [6, 1, 0, 7], strict=True):
+        assert bytes(h) == pool.block(p).numpy().tobytes()
+    originals = [pool.block(p) for p in [6, 1, 0, 7]]
+    pool.poison()
+    assert tier.host_to_pool(
+        HostBuffers([bytes(h) for h in host]), _pages(pool, [2, 3, 4, 5]), nbytes
+    )
+    for t, want in zip([2, 3, 4, 5], originals, strict=True):
+        assert torch.equal(pool.block(t), want)
+    assert tier.allocator.used_slots == 0
+    assert tier.stats().counters["blocks_host_to_pool"] == 4
+
+
+def test_bad_slots_are_refused_before_any_copy():
+    tier = _tier()
+    pool = make_pool("vllm", layers=2, pages=4)
+    pool.fill_random(3)
+    nbytes = pool.layout.block_bytes
+    (slot,) = _alloc(tier, 1, nbytes)
+    before = tier.arena.clone()
+    with pytest.raises(ValueError, match="not allocated"):
+        tier.write(WriteBatch([slot, slot + 1], _refs(2), nbytes, _pages(pool, [0, 1])))
+    with pytest.raises(ValueError, match="one slot twice"):
+        tier.write(WriteBatch([slot, slot], _refs(2), nbytes, _pages(pool, [0, 1])))
+    with pytest.raises(ValueError, match="smaller than"):
+        tier.write(
+            WriteBatch([slot], _refs(1), tier.allocator.slot_size(slot) + 1, _pages(pool, [0]))
+        )
+    with pytest.raises(ValueError, match="source blocks"):
+        tier.write(WriteBatch([slot], _refs(1), nbytes, _pages(pool, [0, 1])))
+    with pytest.raises(IndexError):
+        tier.write(WriteBatch([slot], _refs(1), nbytes, _pages(pool, [4])))
+    with pytest.raises(ValueError, match="shorter than the block"):
+        tier.write(WriteBatch([slot], _refs(1), nbytes, HostBuffers([b"x" * (nbytes - 1)])))
+    with pytest.raises(ValueError, match="read-only"):
+        tier.read(ReadBatch([slot], _refs(1), nbytes, HostBuffers([b"x" * nbytes])))
+    assert torch.equal(tier.arena, before)
+
+
+def test_remove_frees_slots_and_nothing_is_recovered():
+    tier = _tier()
+    slots = _alloc(tier, 3, 10_000)
+    assert tier.allocator.used_slots == 3
+    assert tier.remove(slots)
+    assert tier.allocator.used_slots == 0
+    assert list(tier.recover_chunks()) == []
+    assert not tier.persistent and not tier.checksummed
+
+
+class FailingOps(CpuOps):
+    """A device whose copies fail, as after a CUDA fault."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def copy(self, dst, src) -> None:
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().copy(dst, src)
+
+    def copy_runs(self, runs, src, dst) -> str:
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().copy_runs(runs, src, dst)
+
+
+def test_a_device_fault_fails_the_batch_and_takes_the_tier_down():
+    ops = FailingOps()
+    tier = _tier(ops)
+    pool = make_pool("vllm", layers=1, pages=2)
+    nbytes = pool.layout.block_bytes
+    slots = _alloc(tier, 2, nbytes)
+    ops.fail = True
+    out = tier.write(WriteBatch(slots, _refs(2), nbytes, _pages(pool, [0, 1])))
+    assert [o.ok for o in out] == [False, False]
+    health = tier.health()
+    assert health.state is Health.DOWN and "illegal memory access" in health.detail
+    ops.fail = False
+    # DOWN: nothing is written or served any more, without touching the device.
+    assert not any(
+        o.ok for o in tier.write(WriteBatch(slots, _refs(2), nbytes, _pages(pool, [0, 1])))
+    )
+    assert tier.read(ReadBatch(slots, _refs(2), nbytes, _pages(pool, [0, 1]))) == [False, False]
+    assert tier.stats().counters["faults"] == 1
+    assert (
+        not tier.pool_to_host(_pages(pool, [0]), HostBuffers([bytearray(nbytes)]), nbytes) or True
+    )
+
+
+def test_concurrent_batches_on_distinct_slots():
+    tier = _tier(streams=2)
+    pool = make_pool("vllm", layers=3, pages=64, dtype="float16")
+    pool.fill_random(5)
+    nbytes = pool.layout.block_bytes
+    slots = _alloc(tier, 64, nbytes)
+    barrier = threading.Barrier(8)
+
+    def worker(i: int) -> bool:
+        mine = slots[i * 8 : (i + 1) * 8]
+        pages = list(range(i * 8, (i + 1) * 8))
+        barrier.wait()
+        tier.write(WriteBatch(mine, _refs(8), nbytes, _pages(pool, pages)))
+        host = [bytearray(nbytes) for _ in mine]
+        tier.read(ReadBatch(mine, _refs(8), nbytes, HostBuffers([memoryview(h) for h in host])))
+        return all(
+            bytes(h) == pool.block(p).numpy().tobytes() for h, p in zip(host, pages, strict=True)
+        )
+
+    with ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(worker, range(8)))
+    assert tier.stats().counters["blocks_written_d2d"] == 64
+
+
+def test_without_cuda_the_tier_cannot_start():
+    assert not torch.cuda.is_available()
+    with pytest.raises(TierUnavailable, match="no CUDA device"):
+        DeviceTier(CAP, SEG)
+
+
+# ------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_on_a_gpu_round_trips_are_bit_exact_and_use_the_triton_kernel(kind):
+    tier = DeviceTier(64 << 20, 8 << 20, streams=2)
+    pool = make_pool(kind, layers=4, pages=32, dtype="bfloat16", device="cuda")
+    pool.fill_random(11)
+    nbytes = pool.layout.block_bytes
+    pages = list(range(31, -1, -2))
+    slots = _alloc(tier, len(pages), nbytes)
+    assert all(
+        o.ok for o in tier.write(WriteBatch(slots, _refs(len(pages)), nbytes, _pages(pool, pages)))
+    )
+    host = torch.empty((len(pages), nbytes), dtype=torch.uint8, pin_memory=True)
+    views = [memoryview(host[j].numpy()) for j in range(len(pages))]
+    assert all(tier.read(ReadBatch(slots, _refs(len(pages)), nbytes, HostBuffers(views))))
+    for j, p in enumerate(pages):
+        assert torch.equal(host[j], pool.block(p).cpu())
+    originals = {p: pool.block(p) for p in pages}
+    pool.poison()
+    assert all(tier.read(ReadBatch(slots, _refs(len(pages)), nbytes, _pages(pool, pages))))
+    for p in pages:
+        assert torch.equal(pool.block(p), originals[p])
+    from kvtier.kernels.paged import _triton_ready
+
+    assert _triton_ready()
+    tier.close()
+
+
+@pytest.mark.gpu
+def test_the_l1_arena_is_page_locked_with_cuda():
+    from kvtier.tiers.host import HostArena
+
+    pinned = HostArena(16 << 20, 4 << 20, pin_cuda=True)
+    plain = HostArena(16 << 20, 4 << 20, pin_cuda=False)
+    try:
+        assert torch.frombuffer(pinned.buffer, dtype=torch.uint8).is_pinned()
+        assert not torch.frombuffer(plain.buffer, dtype=torch.uint8).is_pinned()
+        src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, device="cuda")
+        host = torch.frombuffer(pinned.buffer, dtype=torch.uint8)[: 4 << 20]
+        host.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(host, src.cpu())
+    finally:
+        pinned.close()
+        plain.close()
