@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS = {
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
+    "l3": "kvtier.bench.l3",
     "ttft": "kvtier.bench.ttft",
 }
 

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -55,6 +56,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def make_tls_files(folder: Path, name: str = "ca") -> TlsFiles:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it (``openssl`` CLI)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisProcError("openssl is not installed (Debian: apt-get install openssl)")
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca = folder / f"{name}.key", folder / f"{name}.pem"
+    key, csr, cert = folder / "server.key", folder / "server.csr", folder / "server.pem"
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    sign = ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial"]
+    steps = [
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", f"/CN={name}"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        [*sign, "-out", cert, "-days", "2", "-extfile", ext],
+    ]
+    for step in steps:
+        done = subprocess.run([openssl, *map(str, step)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RedisProcError(f"openssl {step[0]}: {done.stderr.strip()}")
+    return TlsFiles(ca, cert, key)
+
+
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -77,8 +109,10 @@ class RedisServer:
         maxmemory_bytes: int = 0,
         extra_config: str = "",
         cluster_node_timeout_ms: int = 1000,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.server_bin, self.cli_bin = redis_binaries()
+        self.tls = tls
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -92,16 +126,27 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def _write_config(self) -> Path:
+        if self.tls is not None:
+            ports = [
+                "port 0",
+                f"tls-port {self.port}",
+                f'tls-cert-file "{self.tls.server_cert}"',
+                f'tls-key-file "{self.tls.server_key}"',
+                f'tls-ca-cert-file "{self.tls.ca_cert}"',
+                "tls-auth-clients no",
+            ]
+        else:
+            ports = [f"port {self.port}"]
         lines = [
             "bind 127.0.0.1",
-            f"port {self.port}",
+            *ports,
             f'dir "{self.dir}"',
             f'logfile "{self.dir / "redis.log"}"',
             "daemonize no",
@@ -196,8 +241,9 @@ class RedisServer:
         env = dict(os.environ)
         if self.password is not None:
             env["REDISCLI_AUTH"] = self.password
+        tls = ["--tls", "--cacert", str(self.tls.ca_cert)] if self.tls is not None else []
         proc = subprocess.run(
-            [self.cli_bin, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            [self.cli_bin, "-h", "127.0.0.1", "-p", str(self.port), *tls, *args],
             capture_output=True,
             text=True,
             env=env,

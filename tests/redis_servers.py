@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import redis
 
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.tiers.base import BlockRef, HostBuffers
@@ -38,6 +39,11 @@ def host(blocks: list[bytes] | list[bytearray]) -> HostBuffers:
 
 def empty(n: int, nbytes: int) -> list[bytearray]:
     return [bytearray(nbytes) for _ in range(n)]
+
+
+def raw_client(server: RedisServer) -> redis.Redis:
+    """A plain synchronous redis-py client, to look at or damage what the tier stored."""
+    return redis.Redis(host="127.0.0.1", port=server.port, password=server.password)
 
 
 async def wait_for(what: str, ok: Callable[[], bool], timeout_s: float = 15.0) -> None:

@@ -14,10 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
-from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, ref, wait_for
+from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, raw_client, ref, wait_for
 
-from kvtier.bench.redis_proc import RedisServer, free_port
+from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import BlockRef, Health, PoolPages, TierUnavailable
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
@@ -48,10 +47,6 @@ async def opened(opts: RemoteOptions, **kw: Any) -> AsyncIterator[RemoteTier]:
         yield tier
     finally:
         await tier.close()
-
-
-def raw(server: RedisServer) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=server.port, password=server.password)
 
 
 # ------------------------------------------------------------------ round trips
@@ -113,7 +108,7 @@ async def test_pool_pages_round_trip_across_layouts(
         assert _gather(flash, dst_mem, page) == _gather(flash, before, page)
     # The stored value is the header, then exactly the gathered block.
     namer = KeyNamer(l3_prefix)
-    value = raw(redis_server).get(namer.key(blocks[0].ns, blocks[0].key))
+    value = raw_client(redis_server).get(namer.key(blocks[0].ns, blocks[0].key))
     assert value is not None and value[HEADER_BYTES:] == _gather(vllm, src_mem, 3)
 
 
@@ -170,7 +165,7 @@ async def test_corrupted_values_are_misses_counted_by_reason(
     src = [data(i, nbytes) for i in range(8)]
     namer = KeyNamer(l3_prefix)
     keys = [namer.key(b.ns, b.key) for b in blocks]
-    r = raw(redis_server)
+    r = raw_client(redis_server)
     async with opened(options(redis_server, l3_prefix)) as tier:
         assert await tier.write(blocks[:6], nbytes, host(src[:6])) == [True] * 6
         flipped = bytearray(r.getrange(keys[0], HEADER_BYTES + 100, HEADER_BYTES + 100))
@@ -217,7 +212,7 @@ async def test_tenant_namespaces_never_collide(redis_server: RedisServer, l3_pre
         await tier.remove([a])
         assert await tier.probe([a]) == 0 and await tier.probe([b]) == 1
     # Keys are what the codec documents: prefix, namespace token, hex block key.
-    stored = sorted(raw(redis_server).scan_iter(match=l3_prefix + "*"))
+    stored = sorted(raw_client(redis_server).scan_iter(match=l3_prefix + "*"))
     assert stored == [f"{l3_prefix}2:{same_key.hex()}".encode()]
 
 
@@ -249,7 +244,7 @@ async def test_namespace_tokens_let_daemons_with_other_ids_meet(
 
 async def test_every_block_carries_the_ttl(redis_server: RedisServer, l3_prefix: str) -> None:
     namer = KeyNamer(l3_prefix)
-    r = raw(redis_server)
+    r = raw_client(redis_server)
     async with opened(options(redis_server, l3_prefix, ttl_s=120)) as tier:
         await tier.write([ref(1)], 4096, host([data(1, 4096)]))
     assert 110_000 < r.pttl(namer.key(1, ref(1).key)) <= 120_000
@@ -447,3 +442,23 @@ async def test_bad_options_are_refused_at_construction(l3_prefix: str) -> None:
     ):
         with pytest.raises(TierUnavailable):
             RemoteTier(bad)
+
+
+async def test_tls_round_trip_and_an_untrusted_server(tmp_path: Path, l3_prefix: str) -> None:
+    files = make_tls_files(tmp_path / "pki")
+    other_ca = make_tls_files(tmp_path / "other", name="other-ca").ca_cert
+    with RedisServer(tmp_path / "tls", tls=files) as server:
+        assert server.url.startswith("rediss://")
+        async with opened(options(server, l3_prefix, tls_ca_file=str(files.ca_cert))) as tier:
+            assert tier.health().state is Health.OK
+            src = [data(i, 65536) for i in range(4)]
+            blocks = [ref(i) for i in range(4)]
+            assert await tier.write(blocks, 65536, host(src)) == [True] * 4
+            dest = empty(4, 65536)
+            assert await tier.read(blocks, 65536, host(dest)) == [True] * 4
+            assert [bytes(d) for d in dest] == src
+        # A server whose certificate the configured CA did not sign is never talked to.
+        async with opened(options(server, l3_prefix, tls_ca_file=str(other_ca))) as tier:
+            health = tier.health()
+            assert health.state is Health.DOWN and "certificate" in health.detail.lower()
+            assert await tier.probe(blocks) == 0
