@@ -214,10 +214,11 @@ class RemoteTier:
             tasks.append(self._monitor)
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        await _close_client(self._client)
+        # Bounded: a library call that ignores cancellation must not hold up shutdown.
+        grace = self.options.connect_timeout_s + self.options.op_timeout_s
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
 
     # --------------------------------------------------------------------- verbs
 
@@ -444,9 +445,29 @@ class RemoteTier:
 
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
         task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._adopt(task)
+        return task
+
+    async def _bounded(self, coro: Awaitable[T], timeout_s: float) -> T:
+        """``coro``'s result, or asyncio.TimeoutError after ``timeout_s``. Unlike wait_for,
+        the caller is not held until the cancelled call has unwound: a library call that
+        ignores or delays cancellation finishes in the background."""
+        task = asyncio.ensure_future(coro)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            self._adopt(task)
+            raise
+        if not done:
+            task.cancel()
+            self._adopt(task)
+            raise asyncio.TimeoutError
+        return task.result()
+
+    def _adopt(self, task: asyncio.Task[Any]) -> None:
         self._background.add(task)
         task.add_done_callback(self._reap)
-        return task
 
     def _reap(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)
@@ -474,7 +495,7 @@ class RemoteTier:
                 )
                 await fill(pipe)
                 replies = list(
-                    await asyncio.wait_for(
+                    await self._bounded(
                         pipe.execute(raise_on_error=False), self.options.op_timeout_s
                     )
                 )
@@ -554,7 +575,7 @@ class RemoteTier:
                 self._log_transition(self._avail.recovered(self._clock()), down_s)
                 self._spawn(_close_client(old))
             else:
-                await _close_client(fresh)
+                self._spawn(_close_client(fresh))
                 delay = self._avail.retry_failed(self._clock(), detail)
                 log.debug("L3 still unreachable (%s); next attempt in %.1fs", detail, delay)
 
@@ -564,14 +585,14 @@ class RemoteTier:
         timeout = self.options.connect_timeout_s + self.options.op_timeout_s
         try:
             if _is_cluster(client):
-                await asyncio.wait_for(client.initialize(), timeout)
-                await asyncio.wait_for(client.ping(target_nodes=RedisCluster.PRIMARIES), timeout)
-                info = await asyncio.wait_for(client.cluster_info(), timeout)
+                await self._bounded(client.initialize(), timeout)
+                await self._bounded(client.ping(target_nodes=RedisCluster.PRIMARIES), timeout)
+                info = await self._bounded(client.cluster_info(), timeout)
                 state = info.get("cluster_state") if isinstance(info, dict) else None
                 if state not in ("ok", b"ok"):
                     return f"cluster state is {state!r}"
             else:
-                await asyncio.wait_for(client.ping(), timeout)
+                await self._bounded(client.ping(), timeout)
         except (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError) as e:
             return f"refused credentials: {_describe(e)}"
         except rx.ResponseError as e:
