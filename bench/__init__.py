@@ -10,6 +10,7 @@ BENCHMARKS = {
     "gpu": "kvtier.bench.gpu_check",
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
+    "l3": "kvtier.bench.l3",
     "ttft": "kvtier.bench.ttft",
 }
 

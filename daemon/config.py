@@ -230,12 +230,98 @@ class L2Config:
 
 
 @dataclass(frozen=True)
+class L3Config:
+    """The cluster tier on Redis / Valkey. Every key but ``enabled`` and ``admission`` is a
+    field of the tier's own ``RemoteOptions`` (``tier_options()``; a test keeps them equal)."""
+
+    enabled: bool = field(default=False, metadata=_opt("bool", doc="run the cluster tier"))
+    urls: tuple[str, ...] = field(
+        default=("redis://127.0.0.1:6379",),
+        metadata=_opt(
+            "strs",
+            doc="redis:// or rediss:// (TLS) URLs: the server, or any nodes of a cluster",
+        ),
+    )
+    mode: str = field(default="single", metadata=_opt("str", choices=("single", "cluster")))
+    key_prefix: str = field(
+        default="kvtier:", metadata=_opt("str", doc="prefix of every key the tier writes")
+    )
+    username: str = field(default="", metadata=_opt("str", doc="ACL user; empty: default"))
+    password_file: str = field(
+        default="",
+        metadata=_opt("str", doc="file holding the password (never on a command line or URL)"),
+    )
+    tls: bool = field(default=False, metadata=_opt("bool", doc="TLS (also implied by rediss://)"))
+    tls_ca_file: str = field(default="", metadata=_opt("str", doc="CA bundle; empty: system"))
+    tls_cert_file: str = field(default="", metadata=_opt("str", doc="client certificate"))
+    tls_key_file: str = field(default="", metadata=_opt("str", doc="client certificate's key"))
+    ttl_s: int = field(
+        default=3600,
+        metadata=_opt("int", lo=0, doc="expiry of every block written, s; 0: never expires"),
+    )
+    max_value_bytes: int = field(
+        default=64 << 20,
+        metadata=_opt("size", lo=4096, hi=512 << 20, doc="largest value (header + block)"),
+    )
+    pool_size: int = field(
+        default=16, metadata=_opt("int", lo=2, hi=1024, doc="connections per server")
+    )
+    connect_timeout_s: float = field(default=1.0, metadata=_opt("float", lo=0.001, hi=600))
+    op_timeout_s: float = field(
+        default=2.0,
+        metadata=_opt(
+            "float", lo=0.001, hi=600, doc="longest wait for one batch; then the tier is DOWN"
+        ),
+    )
+    probe_deadline_ms: float = field(
+        default=50.0,
+        metadata=_opt("float", lo=0.01, hi=60_000, doc="a Lookup waits this long for L3"),
+    )
+    backoff_initial_s: float = field(default=0.5, metadata=_opt("float", lo=0.001, hi=3600))
+    backoff_max_s: float = field(default=30.0, metadata=_opt("float", lo=0.001, hi=3600))
+    write_bytes_s: int = field(
+        default=0,
+        metadata=_opt("size", lo=0, doc="write budget, bytes/s; writes beyond it are dropped"),
+    )
+    admission: str = field(
+        default="second_hit",
+        metadata=_opt("str", doc="which blocks are written to L3: always, second_hit, tinylfu"),
+    )
+
+    def tier_options(self) -> Any:
+        """The tier's ``RemoteOptions`` (imported here: ``tiers/`` never imports the
+        daemon's config)."""
+        from kvtier.tiers.remote.options import RemoteOptions
+
+        names = {f.name for f in dataclasses.fields(RemoteOptions)}
+        return RemoteOptions(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+    def check(self) -> None:
+        from kvtier.daemon.policy.admission import admission_names
+        from kvtier.tiers.remote.options import RemoteOptionsError
+
+        usable = [n for n in admission_names() if n != "belady"]  # belady needs the future
+        if self.admission not in usable:
+            raise ConfigError(
+                f"config key 'tiers.l3.admission': {self.admission!r} is not one of "
+                f"{', '.join(usable)}"
+            )
+        if not self.enabled:
+            return
+        try:
+            self.tier_options().check()
+        except RemoteOptionsError as e:
+            raise ConfigError(f"tiers.l3: {e}") from None
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     """One subsection per tier kind, fastest first. L1 always runs; the others when enabled."""
 
     l0: L0Config = field(default_factory=L0Config)
     l1: L1Config = field(default_factory=L1Config)
     l2: L2Config = field(default_factory=L2Config)
+    l3: L3Config = field(default_factory=L3Config)
 
     def check(self) -> None:
         for f in dataclasses.fields(self):
@@ -403,6 +489,12 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")
             out = value
+        elif kind == "strs":
+            # A list of strings; one string is a list of one.
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise ValueError(f"expected a string or a list of strings, got {value!r}")
+            out = tuple(items)
         elif kind == "str":
             if (
                 isinstance(value, bool)

@@ -269,6 +269,7 @@ class Daemon:
             if port == 0:
                 raise OSError(f"cannot listen on {cfg.tcp_address}")
             self.addresses.append(cfg.tcp_address)
+        await self.store.open()
         await self.server.start()
         self.store.start()
         for name in ("", SERVICE_NAME):

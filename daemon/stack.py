@@ -15,6 +15,7 @@ Thread-safety: immutable after construction, except the policies (event loop onl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -212,6 +213,12 @@ def open_tiers(config: Config) -> list[Any]:
     from kvtier.tiers.host import HostArena
 
     tiers: list[Any] = []
+    c3 = config.tiers.l3
+    if c3.enabled:
+        from kvtier.tiers.remote.tier import RemoteTier
+
+        # Connects when the store opens on the event loop (BlockStore.open).
+        tiers.append(RemoteTier(c3.tier_options()))
     c2 = config.tiers.l2
     if c2.enabled:
         from kvtier.tiers.disk import DiskTier
@@ -229,6 +236,15 @@ def open_tiers(config: Config) -> list[Any]:
             )
         )
     try:
+        c0 = config.tiers.l0
+        if c0.enabled:
+            from kvtier.tiers.device import DeviceTier
+
+            tiers.append(
+                DeviceTier(
+                    c0.capacity_bytes, c0.segment_bytes, device=c0.device, streams=c0.streams
+                )
+            )
         c1 = config.tiers.l1
         tiers.append(
             HostArena(
@@ -240,7 +256,8 @@ def open_tiers(config: Config) -> list[Any]:
         )
     except BaseException:
         for t in tiers:
-            t.close()
+            if not asyncio.iscoroutinefunction(t.close):
+                t.close()
         raise
     return tiers
 

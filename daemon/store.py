@@ -135,6 +135,14 @@ class BlockStore:
     def top(self) -> Level:
         return self.stack.top
 
+    async def open(self) -> None:
+        """Connect the tiers that connect on the event loop (a remote store). A tier that
+        refuses to start (bad credentials) raises TierUnavailable: the daemon stops."""
+        for level in self._keyed:
+            start = getattr(level.tier, "start", None)
+            if start is not None:
+                await start()
+
     def start(self) -> None:
         """Start recovery (the persistent tiers' blocks join the table chunk by chunk while
         requests are served) and the watermark balancer. Needs the running event loop."""

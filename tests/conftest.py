@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 from harness import DaemonFactory, DaemonProcess
 
+# Real redis-server fixtures for the L3 tier's tests.
+pytest_plugins = ("redis_servers",)
+
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:

@@ -113,3 +113,26 @@ def test_a_truncated_data_file_loses_only_its_own_blocks(daemon_factory, tmp_pat
     shown = json.loads(capsys.readouterr().out)
     (disk_json,) = [t for t in shown["tiers"] if t["tier"] == "L2_DISK"]
     assert victim in disk_json["state"]
+
+
+def test_a_gpu_tier_without_cuda_stops_the_daemon_with_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--set",
+            f"server.socket={tmp_path}/s.sock",
+            "--set",
+            "tiers.l0.enabled=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "cannot start" in proc.stderr and "no CUDA device" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -171,3 +171,52 @@ def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
 def test_policies_the_daemon_cannot_run_are_config_errors(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
+
+
+def test_l3_keys_are_the_tiers_own_options_with_the_same_defaults():
+    """Every key of tiers.l3 but `enabled` and `admission` is a RemoteOptions field, with the
+    same default: the daemon's config and the tier cannot drift apart."""
+    import dataclasses
+
+    from kvtier.daemon.config import L3Config
+    from kvtier.tiers.remote.options import RemoteOptions
+
+    config = {f.name: f.default for f in dataclasses.fields(L3Config)}
+    tier = {f.name: f.default for f in dataclasses.fields(RemoteOptions)}
+    assert set(config) - set(tier) == {"enabled", "admission"}
+    assert set(tier) <= set(config)
+    assert {k: config[k] for k in tier} == tier
+    assert L3Config().tier_options() == RemoteOptions()
+    assert Config().tiers.l3.enabled is False
+
+
+def test_l3_urls_take_a_list_or_one_string(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "tiers:\n  l3:\n    enabled: true\n    mode: cluster\n"
+        "    urls: [redis://10.0.0.1:7000, redis://10.0.0.2:7000]\n"
+    )
+    config = load_config(path)
+    assert config.tiers.l3.urls == ("redis://10.0.0.1:7000", "redis://10.0.0.2:7000")
+    assert config.tiers.l3.tier_options().mode == "cluster"
+    one = load_config(None, ["tiers.l3.urls=rediss://cache:6380", "tiers.l3.ttl_s=60"])
+    assert one.tiers.l3.urls == ("rediss://cache:6380",)
+    assert one.tiers.l3.tier_options().ttl_s == 60
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (["tiers.l3.urls=[1, 2]"], "tiers.l3.urls"),
+        (["tiers.l3.mode=sentinel"], "tiers.l3.mode"),
+        (["tiers.l3.admission=sometimes"], "tiers.l3.admission"),
+        (["tiers.l3.pool_size=1"], "tiers.l3.pool_size"),
+        (["tiers.l3.max_value_bytes=1GiB"], "tiers.l3.max_value_bytes"),
+        (["tiers.l3.enabled=true", "tiers.l3.urls=http://h:1"], "tiers.l3"),
+        (["tiers.l3.enabled=true", "tiers.l3.urls=redis://u:pw@h:1"], "credentials"),
+        (["tiers.l3.enabled=true", "tiers.l3.key_prefix='kv{x}:'"], "hash tag"),
+    ],
+)
+def test_bad_l3_settings_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, override)

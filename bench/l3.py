@@ -1,0 +1,284 @@
+"""``kvtier bench l3``: L3 tier bandwidth and chain-probe latency next to plain redis-py.
+
+Starts its own ``redis-server`` (or a 3-master cluster with ``--cluster``; or uses ``--url``)
+and measures, in one run, on one server, with the same concurrency on both sides:
+
+- put: ``RemoteTier.write`` of batches of 2 MiB blocks from host buffers (framing, checksum,
+  one pipelined SET per block with the TTL), against redis-py's own pipelined SET of values
+  of the same size (prepared in advance: no framing, no checksum);
+- get: ``RemoteTier.read`` into host buffers (pipelined GET, header and checksum verified,
+  bytes copied into place), against redis-py's pipelined GET of the same values (bytes
+  returned, nothing checked or copied);
+- probe: latency of ``RemoteTier.probe`` of a 64-block chain (one pipelined round trip of
+  EXISTS, prefix computed), against one pipelined round trip of 64 EXISTS through redis-py.
+
+``--concurrency`` workers take batches of ``--batch`` blocks from a shared queue on both
+sides. Sides alternate which goes first round by round; figures are medians over rounds
+(bandwidth) or over all probes (latency, with p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
+from kvtier.tiers.base import BlockRef, HostBuffers
+from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
+from kvtier.tiers.remote.options import RemoteOptions
+from kvtier.tiers.remote.tier import RemoteTier
+
+MiB = 1 << 20
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier bench l3", description=__doc__.split("\n")[0])
+    p.add_argument("--block-bytes", type=int, default=2 * MiB, help="block size (2 MiB)")
+    p.add_argument("--blocks", type=int, default=64, help="blocks in the working set (64)")
+    p.add_argument("--batch", type=int, default=4, help="blocks per call (4)")
+    p.add_argument("--concurrency", type=int, default=4, help="calls in flight, both sides (4)")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (5)")
+    p.add_argument("--chain", type=int, default=64, help="blocks in the probed chain (64)")
+    p.add_argument("--probes", type=int, default=300, help="probes per side (300)")
+    p.add_argument("--cluster", action="store_true", help="a 3-master Redis Cluster")
+    p.add_argument("--url", default="", help="use this server instead of starting one")
+    p.add_argument("--dir", default="", help="where the server's folder goes (a temp dir)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    return p.parse_args(argv)
+
+
+def _keys(n: int, salt: int) -> list[bytes]:
+    return [
+        hashlib.blake2b((salt * 1_000_003 + i).to_bytes(8, "little"), digest_size=32).digest()
+        for i in range(n)
+    ]
+
+
+async def _spread(
+    batches: list[list[int]], workers: int, fn: Callable[[list[int]], Awaitable[None]]
+) -> float:
+    """Seconds for ``workers`` tasks to run ``fn`` over every batch, taken from one queue."""
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for b in batches:
+        queue.put_nowait(b)
+
+    async def worker() -> None:
+        while True:
+            try:
+                batch = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await fn(batch)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return time.perf_counter() - t0
+
+
+async def _run(
+    args: argparse.Namespace, urls: list[str], emit: Callable[[str], None]
+) -> dict[str, Any]:
+    B, n, batch, workers = args.block_bytes, args.blocks, args.batch, args.concurrency
+    pool = max(16, 2 * workers + 4)
+    mode = "cluster" if args.cluster else "single"
+    opts = RemoteOptions(
+        urls=tuple(urls),
+        mode=mode,
+        key_prefix="bench:tier:",
+        ttl_s=600,
+        max_value_bytes=max(64 * MiB, B + HEADER_BYTES),
+        pool_size=pool,
+        op_timeout_s=60.0,
+        connect_timeout_s=5.0,
+        probe_deadline_ms=10_000.0,
+    )
+    tier = RemoteTier(opts)
+    await tier.start()
+    if args.cluster:
+        hosts = [u.removeprefix("redis://").split(":") for u in urls]
+        raw: Any = RedisCluster(
+            startup_nodes=[ClusterNode(h, int(p)) for h, p in hosts], max_connections=pool
+        )
+    else:
+        h, p = urls[0].removeprefix("redis://").split(":")
+        raw = aioredis.Redis(host=h, port=int(p), max_connections=pool)
+    try:
+        await raw.ping()
+        arena = np.frombuffer(np.random.default_rng(0).bytes(n * B), dtype=np.uint8)
+        src = HostBuffers([arena[i * B : (i + 1) * B].data for i in range(n)])
+        dest_arena = np.zeros(n * B, dtype=np.uint8)
+        dest = HostBuffers([dest_arena[i * B : (i + 1) * B].data for i in range(n)])
+        blocks = [BlockRef(1, k) for k in _keys(n, 1)]
+        raw_keys = [b"bench:raw:" + k.hex().encode() for k in _keys(n, 2)]
+        # The raw side's values: as many bytes as the tier stores, made once, up front.
+        raw_values = [bytes(HEADER_BYTES) + arena[i * B : (i + 1) * B].tobytes() for i in range(n)]
+        batches = [list(range(s, min(s + batch, n))) for s in range(0, n, batch)]
+
+        def sub(buf: HostBuffers, idx: list[int]) -> HostBuffers:
+            return HostBuffers([buf.views[i] for i in idx])
+
+        def pipe() -> Any:
+            return raw.pipeline() if args.cluster else raw.pipeline(transaction=False)
+
+        async def tier_put(idx: list[int]) -> None:
+            ok = await tier.write([blocks[i] for i in idx], B, sub(src, idx))
+            if not all(ok):
+                raise RuntimeError(f"L3 write failed: {tier.health()} {tier.stats().counters}")
+
+        async def raw_put(idx: list[int]) -> None:
+            p = pipe()
+            for i in idx:
+                p.execute_command("SET", raw_keys[i], raw_values[i], "EX", 600)
+            await p.execute()
+
+        async def tier_get(idx: list[int]) -> None:
+            ok = await tier.read([blocks[i] for i in idx], B, sub(dest, idx))
+            if not all(ok):
+                raise RuntimeError(f"L3 read missed: {tier.health()} {tier.stats().counters}")
+
+        async def raw_get(idx: list[int]) -> None:
+            p = pipe()
+            for i in idx:
+                p.execute_command("GET", raw_keys[i])
+            values = await p.execute()
+            if any(v is None for v in values):
+                raise RuntimeError("raw GET missed")
+
+        async def paired(
+            tier_fn: Callable[[list[int]], Awaitable[None]],
+            raw_fn: Callable[[list[int]], Awaitable[None]],
+            r: int,
+        ) -> tuple[float, float]:
+            sides = [(0, tier_fn), (1, raw_fn)]
+            spent = [0.0, 0.0]
+            for side, fn in sides if r % 2 == 0 else sides[::-1]:
+                spent[side] = await _spread(batches, workers, fn)
+            return n * B / spent[0] / 1e9, n * B / spent[1] / 1e9
+
+        emit(
+            f"L3 bench ({mode}, {', '.join(urls)}): {n} blocks of {B / MiB:g} MiB, batches of "
+            f"{batch}, {workers} calls in flight on each side"
+        )
+        await paired(tier_put, raw_put, 0)  # fill, unmeasured
+        res: dict[str, list[float]] = {"tp": [], "rp": [], "tg": [], "rg": []}
+        for r in range(args.rounds):
+            tp, rp = await paired(tier_put, raw_put, r)
+            tg, rg = await paired(tier_get, raw_get, r)
+            for k, v in (("tp", tp), ("rp", rp), ("tg", tg), ("rg", rg)):
+                res[k].append(v)
+            emit(
+                f"  round {r + 1}: put tier {tp:.2f} raw {rp:.2f} GB/s | "
+                f"get tier {tg:.2f} raw {rg:.2f} GB/s"
+            )
+        if not np.array_equal(dest_arena, arena):
+            raise RuntimeError("the tier read back different bytes")
+
+        # Probe latency: one chain, present in full, tier and raw interleaved.
+        chain = [BlockRef(1, k) for k in _keys(args.chain, 3)]
+        small = 4096
+        small_src = HostBuffers([memoryview(bytearray(small)) for _ in chain])
+        if not all(await tier.write(chain, small, small_src)):
+            raise RuntimeError("could not write the probe chain")
+        namer = KeyNamer(opts.key_prefix)
+        chain_keys = [namer.key(b.ns, b.key) for b in chain]
+        tier_us: list[float] = []
+        raw_us: list[float] = []
+        for i in range(args.probes + 10):
+            for side in (0, 1) if i % 2 == 0 else (1, 0):
+                t0 = time.perf_counter()
+                if side == 0:
+                    found = await tier.probe(chain)
+                    if found != len(chain):
+                        raise RuntimeError(f"probe found {found} of {len(chain)}")
+                else:
+                    p = pipe()
+                    for k in chain_keys:
+                        p.execute_command("EXISTS", k)
+                    await p.execute()
+                if i >= 10:  # warm-up
+                    (tier_us if side == 0 else raw_us).append((time.perf_counter() - t0) * 1e6)
+        med = {k: statistics.median(v) for k, v in res.items()}
+
+        def p99(v: list[float]) -> float:
+            return float(np.percentile(v, 99))
+
+        counters = tier.stats().counters
+        out = {
+            "mode": mode,
+            "block_bytes": B,
+            "blocks": n,
+            "batch": batch,
+            "concurrency": workers,
+            "rounds": args.rounds,
+            "put_gbps": round(med["tp"], 3),
+            "raw_set_gbps": round(med["rp"], 3),
+            "put_ratio": round(med["tp"] / med["rp"], 3),
+            "get_gbps": round(med["tg"], 3),
+            "raw_get_gbps": round(med["rg"], 3),
+            "get_ratio": round(med["tg"] / med["rg"], 3),
+            "chain": len(chain),
+            "probe_us": round(statistics.median(tier_us), 1),
+            "probe_p99_us": round(p99(tier_us), 1),
+            "raw_exists_us": round(statistics.median(raw_us), 1),
+            "raw_exists_p99_us": round(p99(raw_us), 1),
+            "probe_ratio": round(statistics.median(raw_us) / statistics.median(tier_us), 3),
+            "read_bad_checksum": counters["read_bad_checksum"],
+            "probe_late": counters["probe_late"],
+        }
+        emit(
+            f"put: tier {out['put_gbps']:.2f} GB/s, redis-py pipelined SET "
+            f"{out['raw_set_gbps']:.2f} GB/s, ratio {out['put_ratio']:.2f}"
+        )
+        emit(
+            f"get: tier {out['get_gbps']:.2f} GB/s, redis-py pipelined GET "
+            f"{out['raw_get_gbps']:.2f} GB/s, ratio {out['get_ratio']:.2f}"
+        )
+        emit(
+            f"probe of a {len(chain)}-block chain: tier {out['probe_us']:.0f} us "
+            f"(p99 {out['probe_p99_us']:.0f}), one pipelined round trip of {len(chain)} EXISTS "
+            f"{out['raw_exists_us']:.0f} us (p99 {out['raw_exists_p99_us']:.0f}), "
+            f"ratio {out['probe_ratio']:.2f}"
+        )
+        return out
+    finally:
+        await tier.close()
+        close = getattr(raw, "aclose", None) or raw.close
+        await close()
+
+
+def main(argv: list[str], as_json: bool = False) -> int:
+    args = _parse(argv)
+    as_json = as_json or args.json
+    if args.batch < 1 or args.blocks < args.batch or args.concurrency < 1:
+        raise SystemExit("need 1 <= --batch <= --blocks and --concurrency >= 1")
+    with ExitStack() as stack:
+        if args.url:
+            urls = [args.url]
+        else:
+            base = Path(tempfile.mkdtemp(prefix="bench-l3-", dir=args.dir or None))
+            stack.callback(shutil.rmtree, base, True)
+            # Room for both sides' working sets and the chain, and no eviction.
+            if args.cluster:
+                cluster = stack.enter_context(RedisClusterProcs(base, masters=3))
+                urls = cluster.urls
+            else:
+                server = stack.enter_context(RedisServer(base))
+                urls = [server.url]
+        out = asyncio.run(_run(args, urls, print))
+    if as_json:
+        print(json.dumps(out))
+    return 0

@@ -1,0 +1,372 @@
+"""Real ``redis-server`` processes on loopback, for the L3 benchmark and tests.
+
+``RedisServer`` is one server in its own folder, on a free loopback port, with a config file
+written there (a password, if any, goes in that file, never on a command line).
+``RedisClusterProcs`` is N such servers joined into a Redis Cluster with ``redis-cli --cluster
+create`` (no replicas). Both are context managers and stop every process they started;
+each server also dies with the process that started it (Linux parent-death signal), so a
+crashed test run leaves nothing behind. Nothing is persisted: a server restarted with
+``start()`` comes back empty (a cluster node keeps its ``nodes.conf``, so it rejoins with
+its slots).
+
+Thread-safety: none; one owner drives each object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisProcError(RuntimeError):
+    """A server could not be started, or a cluster could not be formed."""
+
+
+def redis_binaries() -> tuple[str, str]:
+    """Paths of ``redis-server`` and ``redis-cli``; RedisProcError naming the missing one."""
+    found = []
+    for name in ("redis-server", "redis-cli"):
+        path = shutil.which(name) or next(
+            (p for p in (f"/usr/bin/{name}", f"/usr/local/bin/{name}") if os.access(p, os.X_OK)),
+            None,
+        )
+        if path is None:
+            raise RedisProcError(
+                f"{name} is not installed (Debian: apt-get install redis-server; .ci/run does)"
+            )
+        found.append(path)
+    return found[0], found[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+
+def make_tls_files(folder: Path, name: str = "ca") -> TlsFiles:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it (``openssl`` CLI)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise RedisProcError("openssl is not installed (Debian: apt-get install openssl)")
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_key, ca = folder / f"{name}.key", folder / f"{name}.pem"
+    key, csr, cert = folder / "server.key", folder / "server.csr", folder / "server.pem"
+    ext = folder / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    sign = ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial"]
+    steps = [
+        ["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", f"/CN={name}"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        [*sign, "-out", cert, "-days", "2", "-extfile", ext],
+    ]
+    for step in steps:
+        done = subprocess.run([openssl, *map(str, step)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RedisProcError(f"openssl {step[0]}: {done.stderr.strip()}")
+    return TlsFiles(ca, cert, key)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+class RedisServer:
+    """One ``redis-server``. ``start()`` (again after ``kill()`` or ``stop()``: same port,
+    same folder, empty data) and ``stop()``; ``kill()`` is a crash (SIGKILL)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        port: int | None = None,
+        cluster: bool = False,
+        password: str | None = None,
+        maxmemory_bytes: int = 0,
+        extra_config: str = "",
+        cluster_node_timeout_ms: int = 1000,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.server_bin, self.cli_bin = redis_binaries()
+        self.tls = tls
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.cluster = cluster
+        self.password = password
+        self.maxmemory_bytes = maxmemory_bytes
+        self.extra_config = extra_config
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
+        self.cluster_port = free_port() if cluster else 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _write_config(self) -> Path:
+        if self.tls is not None:
+            ports = [
+                "port 0",
+                f"tls-port {self.port}",
+                f'tls-cert-file "{self.tls.server_cert}"',
+                f'tls-key-file "{self.tls.server_key}"',
+                f'tls-ca-cert-file "{self.tls.ca_cert}"',
+                "tls-auth-clients no",
+            ]
+        else:
+            ports = [f"port {self.port}"]
+        lines = [
+            "bind 127.0.0.1",
+            *ports,
+            f'dir "{self.dir}"',
+            f'logfile "{self.dir / "redis.log"}"',
+            "daemonize no",
+            "protected-mode no",
+            'save ""',
+            "appendonly no",
+            "io-threads 1",
+        ]
+        if self.password is not None:
+            lines.append(f'requirepass "{self.password}"')
+        if self.maxmemory_bytes:
+            lines += [f"maxmemory {self.maxmemory_bytes}", "maxmemory-policy noeviction"]
+        if self.cluster:
+            lines += [
+                "cluster-enabled yes",
+                'cluster-config-file "nodes.conf"',
+                f"cluster-node-timeout {self.cluster_node_timeout_ms}",
+                f"cluster-port {self.cluster_port}",
+            ]
+        if self.extra_config:
+            lines.append(self.extra_config)
+        path = self.dir / "redis.conf"
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o600)
+        return path
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        if self.running:
+            return
+        conf = self._write_config()
+        # Nothing persisted is wanted back: a restart is an empty server.
+        for name in ("dump.rdb", "appendonly.aof"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / name).unlink()
+        self.proc = subprocess.Popen(
+            [self.server_bin, str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RedisProcError(
+                    f"redis-server on port {self.port} exited with {self.proc.returncode}: "
+                    f"{self.log_tail()}"
+                )
+            if self.cli("PING", check=False).strip() == "PONG":
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RedisProcError(f"redis-server on port {self.port} did not answer PING")
+            time.sleep(0.02)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no shutdown work."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections and answers nothing (a hung store)."""
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def cli(self, *args: str, check: bool = True, timeout_s: float = 30.0) -> str:
+        """``redis-cli`` against this server (the password, if any, through the
+        environment, never the command line)."""
+        env = dict(os.environ)
+        if self.password is not None:
+            env["REDISCLI_AUTH"] = self.password
+        tls = ["--tls", "--cacert", str(self.tls.ca_cert)] if self.tls is not None else []
+        proc = subprocess.run(
+            [self.cli_bin, "-h", "127.0.0.1", "-p", str(self.port), *tls, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+        )
+        if check and (proc.returncode != 0 or proc.stdout.startswith("ERR")):
+            raise RedisProcError(f"redis-cli {' '.join(args)}: {proc.stdout}{proc.stderr}")
+        return proc.stdout
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join((self.dir / "redis.log").read_text().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _wait(what: str, ok: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise RedisProcError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class RedisClusterProcs:
+    """``masters`` cluster-enabled servers joined with ``redis-cli --cluster create``."""
+
+    def __init__(self, workdir: Path, masters: int = 3, *, node_timeout_ms: int = 1000) -> None:
+        self.dir = Path(workdir)
+        self.nodes = [
+            RedisServer(
+                self.dir / f"node{i}", cluster=True, cluster_node_timeout_ms=node_timeout_ms
+            )
+            for i in range(masters)
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        try:
+            for node in self.nodes:
+                node.start()
+            self.nodes[0].cli(
+                "--cluster",
+                "create",
+                *(n.address for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+                timeout_s=timeout_s,
+            )
+            self.wait_ok(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every running node reports cluster_state:ok and knows every node."""
+
+        def ok() -> bool:
+            for node in self.nodes:
+                if not node.running:
+                    return False
+                info = node.cli("CLUSTER", "INFO", check=False)
+                if "cluster_state:ok" not in info:
+                    return False
+                if f"cluster_known_nodes:{len(self.nodes)}" not in info:
+                    return False
+            return True
+
+        _wait("the cluster to report ok on every node", ok, timeout_s)
+
+    def wait_fail(self, timeout_s: float = 30.0) -> None:
+        """Until the running nodes report cluster_state:fail (a master is gone)."""
+
+        def failed() -> bool:
+            return all(
+                "cluster_state:fail" in n.cli("CLUSTER", "INFO", check=False)
+                for n in self.nodes
+                if n.running
+            )
+
+        _wait("the cluster to notice a lost master", failed, timeout_s)
+
+    def node_id(self, node: RedisServer) -> str:
+        return node.cli("CLUSTER", "MYID").strip()
+
+    def owner_of_slot(self, slot: int) -> RedisServer:
+        for node in self.nodes:
+            if not node.running:
+                continue
+            for line in node.cli("CLUSTER", "NODES").splitlines():
+                fields = line.split()
+                if "myself" not in fields[2] or "master" not in fields[2]:
+                    continue
+                for r in fields[8:]:
+                    if r.startswith("["):
+                        continue
+                    lo, _, hi = r.partition("-")
+                    if int(lo) <= slot <= int(hi or lo):
+                        return node
+        raise RedisProcError(f"no running node owns slot {slot}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisClusterProcs:
+        self.start()
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

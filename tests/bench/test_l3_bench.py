@@ -1,0 +1,43 @@
+"""``kvtier bench l3`` runs end to end on a tiny working set against its own redis-server,
+ends with its JSON line, and leaves no server behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import run_bench
+
+
+def _servers_under(base: Path) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if "redis-server" in line and str(base) in line]
+
+
+def test_l3_bench_prints_figures_and_cleans_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = tmp_path / "bench"
+    base.mkdir()
+    args = ["--dir", str(base), "--blocks", "8", "--block-bytes", "262144", "--batch", "2"]
+    assert run_bench("l3", [*args, "--rounds", "1", "--probes", "20"], as_json=True) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in (
+        "put_gbps",
+        "raw_set_gbps",
+        "put_ratio",
+        "get_gbps",
+        "raw_get_gbps",
+        "get_ratio",
+        "probe_us",
+        "raw_exists_us",
+        "probe_ratio",
+    ):
+        assert figures[name] > 0, name
+    assert figures["chain"] == 64
+    assert figures["read_bad_checksum"] == 0 and figures["probe_late"] == 0
+    assert not any(base.iterdir())
+    assert _servers_under(base) == []

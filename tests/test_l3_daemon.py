@@ -1,0 +1,110 @@
+"""Two daemons standing for two nodes, sharing a real Redis as L3: a prefix one node computed is
+served by the other, corrupt values are misses, and a Redis that dies mid-workload costs the
+nodes their shared tier, never a request."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import redis
+
+from kvtier.client import PoolLayout, SharedMemoryPool, Tier
+
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
+
+
+def node(daemon_factory, tmp_path, name: str, url: str, prefix: str):
+    return daemon_factory(
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / name / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=64MiB",
+        "tiers.l3.enabled=true",
+        f"tiers.l3.urls=[{url}]",
+        f"tiers.l3.key_prefix='{prefix}'",
+        "tiers.l3.admission=always",
+        "tiers.l3.op_timeout_s=0.5",
+        "tiers.l3.connect_timeout_s=0.5",
+    )
+
+
+def keys(n: int, tag: int) -> list[bytes]:
+    rng = np.random.default_rng(tag)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_a_prefix_stored_by_one_node_is_served_by_another(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", redis_server.url, l3_prefix)
+    chain = keys(16, 1)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(2).integers(0, 256, len(data), dtype=np.uint8)
+        want = data.copy()
+        pool = ca.register_pool(shm, LAYOUT)
+        assert ca.put(pool.pool_id, chain, range(16)).prefix_len == 16
+        # Written behind to L3, off the Put's path.
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 16)
+    with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        found = cb.lookup(chain)
+        assert found.prefix_len == 16 and found.tiers == [Tier.L3_REMOTE] * 16
+        pool = cb.register_pool(shm, LAYOUT)
+        assert cb.get(pool.pool_id, chain, range(32, 48)).loaded == [True] * 16
+        bb = LAYOUT.block_bytes
+        got = shm.array()
+        for i in range(16):
+            assert np.array_equal(got[(32 + i) * bb : (33 + i) * bb], want[i * bb : (i + 1) * bb])
+        assert (
+            cb.stats().counter("loaded_from", tier="L3")
+            + cb.stats().counter("copies", direction="L3->L1")
+            >= 16
+        )
+
+
+def test_a_corrupt_value_in_redis_is_a_miss(daemon_factory, tmp_path, redis_server, l3_prefix):
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", redis_server.url, l3_prefix)
+    chain = keys(4, 3)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        ca.put(pool.pool_id, chain, range(4))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
+    raw = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    (victim,) = [k for k in raw.keys(f"{l3_prefix}*") if k.decode().endswith(chain[2].hex())]
+    value = bytearray(raw.get(victim))
+    value[-1] ^= 0xFF
+    raw.set(victim, bytes(value))
+    with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = cb.register_pool(shm, LAYOUT)
+        assert cb.lookup(chain).prefix_len == 4  # present, as far as a probe can tell
+        assert cb.get(pool.pool_id, chain, range(4)).loaded == [True, True, False, True]
+        assert cb.stats().counters["l3_read_bad_checksum"] >= 1
+
+
+def test_redis_dying_mid_workload_fails_no_request(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        for round_ in range(6):
+            if round_ == 3:
+                fresh_redis.kill()
+            ks = keys(8, 100 + round_)
+            assert ca.put(pool.pool_id, ks, range(8)).prefix_len == 8
+            assert ca.lookup(ks).prefix_len == 8
+            assert ca.get(pool.pool_id, ks, range(8, 16)).prefix_len == 8
+            assert ca.lookup(keys(4, 999)).prefix_len == 0  # a miss probes L3: still answered
+        (l3,) = [t for t in ca.stats().tiers if t.tier == Tier.L3_REMOTE]
+        assert l3.state.startswith("down")

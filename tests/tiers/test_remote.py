@@ -1,0 +1,464 @@
+"""The L3 tier against a real redis-server: byte-exact round trips (host buffers and pool
+pages), prefix probes, verification of every value, tenant separation, the write budget, and
+what happens when the server dies, hangs, restarts empty or runs out of memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, raw_client, ref, wait_for
+
+from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
+from kvtier.kernels.layout import PoolLayout
+from kvtier.tiers.base import BlockRef, Health, PoolPages, TierUnavailable
+from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
+from kvtier.tiers.remote.options import RemoteOptions
+from kvtier.tiers.remote.tier import COUNTERS, RemoteTier
+
+
+def options(server: RedisServer, prefix: str, **kw: Any) -> RemoteOptions:
+    base: dict[str, Any] = {
+        "urls": (server.url,),
+        "key_prefix": prefix,
+        "op_timeout_s": OP_TIMEOUT_S,
+        "connect_timeout_s": 0.5,
+        "backoff_initial_s": 0.05,
+        "backoff_max_s": 0.3,
+        # Generous: a loaded test machine must not turn a hit into a late probe.
+        "probe_deadline_ms": 2000.0,
+    }
+    base.update(kw)
+    return RemoteOptions(**base)
+
+
+@contextlib.asynccontextmanager
+async def opened(opts: RemoteOptions, **kw: Any) -> AsyncIterator[RemoteTier]:
+    tier = RemoteTier(opts, **kw)
+    await tier.start()
+    try:
+        yield tier
+    finally:
+        await tier.close()
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("nbytes", [4096, 10_000, 2 << 20])
+async def test_host_buffers_round_trip_byte_exact(
+    redis_server: RedisServer, l3_prefix: str, nbytes: int
+) -> None:
+    blocks = [ref(i) for i in range(8)]
+    src = [data(i, nbytes) for i in range(8)]
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        assert await tier.write(blocks, nbytes, host(src)) == [True] * 8
+        # Destinations larger than the block: only the block's bytes are written.
+        dest = empty(8, nbytes + 100)
+        assert await tier.read(blocks, nbytes, host(dest)) == [True] * 8
+        for d, s in zip(dest, src, strict=True):
+            assert bytes(d[:nbytes]) == s
+            assert bytes(d[nbytes:]) == bytes(100)
+        c = tier.stats().counters
+        assert c["write_stored"] == 8 and c["read_hits"] == 8
+        assert c["bytes_written"] == c["bytes_read"] == 8 * nbytes
+
+
+def _pool(layout: PoolLayout, seed: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(layout.extent_bytes), np.uint8).copy()
+
+
+def _gather(layout: PoolLayout, memory: np.ndarray, page: int) -> bytes:
+    """A page's block the slow, obvious way: chunks layer by layer, K before V."""
+    out = []
+    for layer in layout.layers:
+        for kv in range(layer.kv_count):
+            start = layer.offset + kv * layer.kv_stride + page * layer.page_stride
+            out.append(memory[start : start + layer.chunk_bytes].tobytes())
+    return b"".join(out)
+
+
+async def test_pool_pages_round_trip_across_layouts(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    shape = {"num_layers": 3, "num_pages": 8, "block_tokens": 4, "num_kv_heads": 2, "head_dim": 16}
+    vllm = PoolLayout.vllm(**shape, dtype="float16")
+    flash = PoolLayout.flashinfer(**shape, dtype="float16")
+    nbytes = vllm.block_bytes
+    src_mem, dst_mem = _pool(vllm, 1), _pool(flash, 2)
+    before = dst_mem.copy()
+    src_pages, dst_pages = [3, 0, 5], [1, 7, 2]
+    blocks = [ref(i) for i in range(3)]
+    src = PoolPages(vllm.chunk_table, src_mem, np.array(src_pages, dtype=np.int64))
+    dest = PoolPages(flash.chunk_table, dst_mem, np.array(dst_pages, dtype=np.int64))
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        assert await tier.write(blocks, nbytes, src) == [True] * 3
+        assert await tier.read(blocks, nbytes, dest) == [True] * 3
+    for sp, dp in zip(src_pages, dst_pages, strict=True):
+        assert _gather(flash, dst_mem, dp) == _gather(vllm, src_mem, sp)
+    # Pages not named are untouched.
+    for page in set(range(8)) - set(dst_pages):
+        assert _gather(flash, dst_mem, page) == _gather(flash, before, page)
+    # The stored value is the header, then exactly the gathered block.
+    namer = KeyNamer(l3_prefix)
+    value = raw_client(redis_server).get(namer.key(blocks[0].ns, blocks[0].key))
+    assert value is not None and value[HEADER_BYTES:] == _gather(vllm, src_mem, 3)
+
+
+# ------------------------------------------------------------------------ probes
+
+
+async def test_probe_answers_the_present_prefix(redis_server: RedisServer, l3_prefix: str) -> None:
+    chain = [ref(i) for i in range(10)]
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        assert await tier.probe(chain) == 0
+        assert await tier.probe([]) == 0
+        await tier.write(chain[:6], 4096, host([data(i, 4096) for i in range(6)]))
+        await tier.write(chain[8:9], 4096, host([data(8, 4096)]))  # present, but after a gap
+        assert await tier.probe(chain) == 6
+        assert await tier.probe(chain[:3]) == 3
+        assert await tier.probe(chain[1:]) == 5
+        await tier.remove(chain[2:3])
+        assert await tier.probe(chain) == 2
+        assert await tier.probe(chain[3:6]) == 3
+        c = tier.stats().counters
+        assert c["probe_late"] == 0 and c["remove_blocks"] == 1
+
+
+async def test_a_late_probe_answers_zero_within_its_deadline(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """A hung store: the caller gets 0 by the deadline; the store is judged by the op timeout."""
+    chain = [ref(i) for i in range(4)]
+    opts = options(fresh_redis, l3_prefix, probe_deadline_ms=100.0, op_timeout_s=1.0)
+    async with opened(opts) as tier:
+        await tier.write(chain, 4096, host([data(i, 4096) for i in range(4)]))
+        fresh_redis.pause()
+        try:
+            t0 = time.monotonic()
+            assert await tier.probe(chain) == 0
+            assert time.monotonic() - t0 < 0.1 + SLACK_S
+            assert tier.stats().counters["probe_late"] == 1
+            await wait_for("the op timeout to mark L3 down", lambda: not tier.health().serves_reads)
+            assert tier.stats().counters["timeouts"] >= 1
+        finally:
+            fresh_redis.resume()
+        await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
+        assert await tier.probe(chain) == 4
+
+
+# ------------------------------------------------------------------ verification
+
+
+async def test_corrupted_values_are_misses_counted_by_reason(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    nbytes = 8192
+    blocks = [ref(i) for i in range(8)]
+    src = [data(i, nbytes) for i in range(8)]
+    namer = KeyNamer(l3_prefix)
+    keys = [namer.key(b.ns, b.key) for b in blocks]
+    r = raw_client(redis_server)
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        assert await tier.write(blocks[:6], nbytes, host(src[:6])) == [True] * 6
+        flipped = bytearray(r.getrange(keys[0], HEADER_BYTES + 100, HEADER_BYTES + 100))
+        flipped[0] ^= 0x40
+        r.setrange(keys[0], HEADER_BYTES + 100, bytes(flipped))  # a bit flip in the bytes
+        r.set(keys[1], b"not a kvtier value")  # too short, no magic
+        r.setrange(keys[2], 4, b"\x09")  # a format version this build does not know
+        r.set(keys[3], r.get(keys[3])[:-1])  # truncated
+        r.set(keys[4], r.get(keys[5]))  # another block's value under this key
+        r.rpush(keys[7], b"x")  # not a string at all
+        dest = empty(8, nbytes)
+        hits = await tier.read(blocks, nbytes, host(dest))
+        assert hits == [False, False, False, False, False, True, False, False]
+        assert bytes(dest[5]) == src[5]
+        c = tier.stats().counters
+        assert c["read_bad_checksum"] == 1
+        assert c["read_bad_header"] == 2
+        assert c["read_bad_length"] == 1
+        assert c["read_bad_key"] == 1
+        assert c["read_absent"] == 1  # block 6
+        assert c["read_errors"] == 1  # block 7: WRONGTYPE
+        # A request for another length is a miss too, never a short or long copy.
+        assert await tier.read(blocks[5:6], nbytes - 1, host(empty(1, nbytes))) == [False]
+        assert tier.stats().counters["read_bad_length"] == 2
+        # Damaged values say nothing about reachability.
+        assert tier.health().state is Health.OK
+
+
+# ----------------------------------------------------------------------- tenants
+
+
+async def test_tenant_namespaces_never_collide(redis_server: RedisServer, l3_prefix: str) -> None:
+    nbytes = 4096
+    same_key = ref(7).key
+    a, b, c = BlockRef(1, same_key), BlockRef(2, same_key), BlockRef(3, same_key)
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        await tier.write([a], nbytes, host([data(1, nbytes)]))
+        await tier.write([b], nbytes, host([data(2, nbytes)]))
+        assert await tier.probe([c]) == 0
+        dest = empty(2, nbytes)
+        assert await tier.read([a, b], nbytes, host(dest)) == [True, True]
+        assert bytes(dest[0]) == data(1, nbytes) and bytes(dest[1]) == data(2, nbytes)
+        assert await tier.read([c], nbytes, host(empty(1, nbytes))) == [False]
+        await tier.remove([a])
+        assert await tier.probe([a]) == 0 and await tier.probe([b]) == 1
+    # Keys are what the codec documents: prefix, namespace token, hex block key.
+    stored = sorted(raw_client(redis_server).scan_iter(match=l3_prefix + "*"))
+    assert stored == [f"{l3_prefix}2:{same_key.hex()}".encode()]
+
+
+async def test_namespace_tokens_let_daemons_with_other_ids_meet(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    """Two tiers (two daemons) numbering one tenant differently share it through its token;
+    tenants with different tokens still do not meet."""
+    nbytes = 4096
+    key = ref(3).key
+    names_a = {1: "tenant-a", 2: "tenant-b"}
+    names_b = {5: "tenant-a", 6: "tenant-c"}
+    opts = options(redis_server, l3_prefix)
+    async with (
+        opened(opts, namespace_token=names_a.__getitem__) as tier_a,
+        opened(opts, namespace_token=names_b.__getitem__) as tier_b,
+    ):
+        await tier_a.write(
+            [BlockRef(1, key), BlockRef(2, key)], nbytes, host([data(1, nbytes), data(2, nbytes)])
+        )
+        dest = empty(1, nbytes)
+        assert await tier_b.read([BlockRef(5, key)], nbytes, host(dest)) == [True]
+        assert bytes(dest[0]) == data(1, nbytes)
+        assert await tier_b.probe([BlockRef(6, key)]) == 0
+
+
+# ------------------------------------------------------------ expiry, size, budget
+
+
+async def test_every_block_carries_the_ttl(redis_server: RedisServer, l3_prefix: str) -> None:
+    namer = KeyNamer(l3_prefix)
+    r = raw_client(redis_server)
+    async with opened(options(redis_server, l3_prefix, ttl_s=120)) as tier:
+        await tier.write([ref(1)], 4096, host([data(1, 4096)]))
+    assert 110_000 < r.pttl(namer.key(1, ref(1).key)) <= 120_000
+    async with opened(options(redis_server, l3_prefix, ttl_s=0)) as tier:
+        await tier.write([ref(2)], 4096, host([data(2, 4096)]))
+    assert r.pttl(namer.key(1, ref(2).key)) == -1  # no expiry
+
+
+async def test_values_over_the_size_limit_are_refused(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    async with opened(options(redis_server, l3_prefix, max_value_bytes=8192)) as tier:
+        blocks = [ref(1), ref(2)]
+        assert await tier.write(blocks, 8192, host([data(1, 8192), data(2, 8192)])) == [
+            False,
+            False,
+        ]
+        assert tier.stats().counters["write_too_large"] == 2
+        assert await tier.probe(blocks) == 0
+        # The header fits with a smaller block.
+        assert await tier.write(blocks[:1], 8192 - HEADER_BYTES, host([data(1, 8192)])) == [True]
+
+
+async def test_writes_beyond_the_budget_are_dropped_not_queued(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    now = [100.0]
+    nbytes = 16 << 10
+    value = HEADER_BYTES + nbytes
+    # Burst: one second of budget, at least one largest value (64 KiB): 3 values fit.
+    opts = options(redis_server, l3_prefix, write_bytes_s=40_000, max_value_bytes=64 << 10)
+    async with opened(opts, clock=lambda: now[0]) as tier:
+        blocks = [ref(i) for i in range(6)]
+        src = host([data(i, nbytes) for i in range(6)])
+        assert await tier.write(blocks, nbytes, src) == [True] * 3 + [False] * 3
+        assert tier.stats().counters["write_dropped_budget"] == 3
+        assert await tier.probe(blocks) == 3
+        # 65,536 - 3 values leaves 16,288 bytes; half a second adds 20,000: two more values.
+        now[0] += 0.5
+        assert await tier.write(blocks[3:], nbytes, src) == [True, True, False]
+        assert tier.stats().counters["write_dropped_budget"] == 4
+        now[0] += 10.0  # refills to the burst, not beyond
+        assert await tier.write(blocks, nbytes, src) == [True] * 3 + [False] * 3
+        assert tier.stats().gauges["write_budget_bytes"] == 65536 - 3 * value
+
+
+# ---------------------------------------------------------------------- failures
+
+
+async def test_a_killed_server_fails_fast_then_comes_back_empty(
+    fresh_redis: RedisServer, l3_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    nbytes = 64 << 10
+    chain = [ref(i) for i in range(16)]
+    src = host([data(i, nbytes) for i in range(16)])
+    caplog.set_level(logging.INFO, logger="kvtier.tiers.remote.tier")
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        assert await tier.write(chain, nbytes, src) == [True] * 16
+        fresh_redis.kill()
+        t0 = time.monotonic()
+        assert await tier.read(chain, nbytes, host(empty(16, nbytes))) == [False] * 16
+        assert time.monotonic() - t0 < OP_TIMEOUT_S + SLACK_S
+        health = tier.health()
+        assert health.state is Health.DOWN and "onnect" in health.detail
+        # While down, every verb answers at once without the network, and says so.
+        for _ in range(20):
+            t0 = time.monotonic()
+            assert await tier.probe(chain) == 0
+            assert await tier.write(chain[:2], nbytes, src) == [False, False]
+            assert await tier.read(chain[:2], nbytes, host(empty(2, nbytes))) == [False] * 2
+            await tier.remove(chain[:1])
+            assert time.monotonic() - t0 < SLACK_S
+            await asyncio.sleep(0.01)
+        c = tier.stats().counters
+        assert c["probe_skipped_down"] >= 1 and c["write_skipped_down"] >= 2
+        assert c["remove_skipped_down"] >= 1 and c["down_transitions"] == 1
+        assert tier.stats().gauges["up"] == 0.0
+
+        fresh_redis.start()  # same port, nothing persisted: an empty server
+        await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
+        assert await tier.probe(chain) == 0  # a cold tier
+        assert await tier.write(chain, nbytes, src) == [True] * 16
+        dest = empty(16, nbytes)
+        assert await tier.read(chain, nbytes, host(dest)) == [True] * 16
+        assert [bytes(d) for d in dest] == [data(i, nbytes) for i in range(16)]
+        c = tier.stats().counters
+        assert c["reconnects"] == 1 and c["reconnect_attempts"] >= 1
+    # One line per change of state, however many calls failed in between.
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    recovered = [r for r in caplog.records if "reachable again" in r.getMessage()]
+    assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
+    assert len(recovered) == 1
+
+
+async def test_a_hung_server_costs_one_op_timeout(fresh_redis: RedisServer, l3_prefix: str) -> None:
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(4)]))
+        fresh_redis.pause()
+        try:
+            t0 = time.monotonic()
+            outcomes = await asyncio.gather(
+                tier.read(blocks, nbytes, host(empty(4, nbytes))),
+                tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(4)])),
+                tier.read(blocks, nbytes, host(empty(4, nbytes))),
+            )
+            assert time.monotonic() - t0 < OP_TIMEOUT_S + SLACK_S
+            assert outcomes == [[False] * 4] * 3
+            assert tier.health().state is Health.DOWN
+            assert tier.stats().counters["timeouts"] >= 1
+        finally:
+            fresh_redis.resume()
+        await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
+        dest = empty(4, nbytes)
+        assert await tier.read(blocks, nbytes, host(dest)) == [True] * 4
+
+
+async def test_an_unreachable_store_at_start_is_not_fatal(tmp_path: Path, l3_prefix: str) -> None:
+    server = RedisServer(tmp_path / "late", port=free_port())
+    async with opened(options(server, l3_prefix)) as tier:
+        assert tier.health().state is Health.DOWN
+        assert await tier.probe([ref(1)]) == 0
+        server.start()
+        try:
+            await wait_for("L3 to come up", lambda: tier.health().state is Health.OK)
+            assert await tier.write([ref(1)], 4096, host([data(1, 4096)])) == [True]
+        finally:
+            server.stop()
+
+
+async def test_out_of_memory_pauses_writes_not_reads(tmp_path: Path, l3_prefix: str) -> None:
+    nbytes = 1 << 20
+    with RedisServer(tmp_path / "small", maxmemory_bytes=6 << 20) as server:
+        async with opened(
+            options(server, l3_prefix, backoff_initial_s=30.0, backoff_max_s=60.0)
+        ) as tier:
+            blocks = [ref(i) for i in range(12)]
+            stored = await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(12)]))
+            assert any(stored) and not all(stored)
+            c = tier.stats().counters
+            assert c["write_no_space"] == stored.count(False)
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            # Writes pause (no network); reads go on.
+            assert await tier.write(blocks[:1], nbytes, host([data(0, nbytes)])) == [False]
+            assert tier.stats().counters["write_skipped_down"] == 1
+            first = stored.index(True)
+            dest = empty(1, nbytes)
+            assert await tier.read(blocks[first : first + 1], nbytes, host(dest)) == [True]
+            assert bytes(dest[0]) == data(first, nbytes)
+
+
+# ------------------------------------------------------------------- credentials
+
+
+async def test_password_comes_from_a_file(tmp_path: Path, l3_prefix: str) -> None:
+    secret = tmp_path / "l3.password"
+    secret.write_text("s3cret-Pw\n")
+    secret.chmod(0o600)
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("nope\n")
+    with RedisServer(tmp_path / "auth", password="s3cret-Pw") as server:
+        opts = options(server, l3_prefix, password_file=str(secret))
+        assert "s3cret" not in repr(opts)
+        async with opened(opts) as tier:
+            assert await tier.write([ref(1)], 4096, host([data(1, 4096)])) == [True]
+            assert await tier.probe([ref(1)]) == 1
+        with pytest.raises(TierUnavailable, match="credentials"):
+            async with opened(options(server, l3_prefix, password_file=str(wrong))):
+                pass
+        with pytest.raises(TierUnavailable, match="credentials"):
+            async with opened(options(server, l3_prefix)):
+                pass
+    with pytest.raises(TierUnavailable, match="password_file"):
+        RemoteTier(options(server, l3_prefix, password_file=str(tmp_path / "absent")))
+
+
+# ---------------------------------------------------------------------- the rest
+
+
+async def test_every_outcome_has_a_counter(redis_server: RedisServer, l3_prefix: str) -> None:
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        stats = tier.stats()
+    assert set(stats.counters) == set(COUNTERS)
+    assert stats.health.state is Health.OK
+
+
+async def test_bad_options_are_refused_at_construction(l3_prefix: str) -> None:
+    for bad in (
+        RemoteOptions(urls=("http://x:1",)),
+        RemoteOptions(urls=("redis://user:pw@x:1",)),
+        RemoteOptions(urls=("redis://a:1", "redis://b:1")),  # two servers in single mode
+        RemoteOptions(key_prefix="{tag}"),
+        RemoteOptions(mode="sentinel"),
+    ):
+        with pytest.raises(TierUnavailable):
+            RemoteTier(bad)
+
+
+async def test_tls_round_trip_and_an_untrusted_server(tmp_path: Path, l3_prefix: str) -> None:
+    files = make_tls_files(tmp_path / "pki")
+    other_ca = make_tls_files(tmp_path / "other", name="other-ca").ca_cert
+    with RedisServer(tmp_path / "tls", tls=files) as server:
+        assert server.url.startswith("rediss://")
+        async with opened(options(server, l3_prefix, tls_ca_file=str(files.ca_cert))) as tier:
+            assert tier.health().state is Health.OK
+            src = [data(i, 65536) for i in range(4)]
+            blocks = [ref(i) for i in range(4)]
+            assert await tier.write(blocks, 65536, host(src)) == [True] * 4
+            dest = empty(4, 65536)
+            assert await tier.read(blocks, 65536, host(dest)) == [True] * 4
+            assert [bytes(d) for d in dest] == src
+        # A server whose certificate the configured CA did not sign is never talked to.
+        async with opened(options(server, l3_prefix, tls_ca_file=str(other_ca))) as tier:
+            health = tier.health()
+            assert health.state is Health.DOWN and "certificate" in health.detail.lower()
+            assert await tier.probe(blocks) == 0

@@ -1,0 +1,135 @@
+"""The L3 tier's pure parts: key naming, the value header, reachability with backoff, the
+write budget, option checks. No server needed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.tiers.remote.codec import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    KeyNamer,
+    Verdict,
+    checksum,
+    pack_header,
+    verify,
+)
+from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
+from kvtier.tiers.remote.state import Availability, Reach, TokenBucket
+
+
+def _value(payload: bytes, key: bytes) -> bytes:
+    buf = bytearray(HEADER_BYTES + len(payload))
+    buf[HEADER_BYTES:] = payload
+    pack_header(buf, len(payload), checksum(payload), key)
+    return bytes(buf)
+
+
+def test_header_layout_is_the_documented_one() -> None:
+    v = _value(b"abc", b"k")
+    assert HEADER_BYTES == 32
+    assert v[:4] == MAGIC and v[4] == FORMAT_VERSION and v[5:8] == bytes(3)
+    assert int.from_bytes(v[8:16], "little") == 3
+    assert int.from_bytes(v[16:24], "little") == checksum(b"abc")
+    assert int.from_bytes(v[24:32], "little") == checksum(b"k")
+    assert v[32:] == b"abc"
+
+
+def test_verify_names_every_defect() -> None:
+    key = b"p:1:aa"
+    good = _value(b"x" * 100, key)
+    assert verify(good, 100, key) is Verdict.OK
+    assert verify(None, 100, key) is Verdict.ABSENT
+    assert verify(good[:20], 100, key) is Verdict.BAD_HEADER
+    assert verify(b"XXXX" + good[4:], 100, key) is Verdict.BAD_HEADER
+    assert verify(good[:4] + bytes([FORMAT_VERSION + 1]) + good[5:], 100, key) is Verdict.BAD_HEADER
+    assert verify(good, 99, key) is Verdict.BAD_LENGTH
+    assert verify(good[:-1], 100, key) is Verdict.BAD_LENGTH
+    assert verify(good + b"!", 100, key) is Verdict.BAD_LENGTH
+    assert verify(good, 100, b"p:2:aa") is Verdict.BAD_KEY
+    assert verify(good[:-1] + b"y", 100, key) is Verdict.BAD_CHECKSUM
+
+
+def test_key_names_are_injective_and_carry_no_hash_tag() -> None:
+    namer = KeyNamer("kv:")
+    assert namer.key(1, b"\x7b\x7d") == b"kv:1:7b7d"  # braces in the key come out as hex
+    assert namer.key(12, b"\x03") != namer.key(1, b"\x23")
+    tokens = KeyNamer("kv:", {1: "acme", 2: "acme.eu"}.__getitem__)
+    assert tokens.key(1, b"\x01") == b"kv:acme:01"
+    assert tokens.key(2, b"\x01") == b"kv:acme.eu:01"
+    for bad in ("a:b", "{t}", "", "a b", "x" * 129):
+        with pytest.raises(ValueError, match="namespace token"):
+            KeyNamer("kv:", lambda ns, bad=bad: bad).key(1, b"\x01")
+
+
+def test_backoff_grows_with_jitter_up_to_the_cap() -> None:
+    a = Availability(0.5, 4.0, random.Random(7))
+    t = a.failed(100.0, "refused")
+    assert t is not None and t.after is Reach.DOWN and 0.25 <= t.retry_in_s <= 0.5
+    assert not a.serves(100.0) and not a.takes_writes(100.0)
+    assert a.failed(100.1, "again") is None  # one transition, however many failures
+    delays = [a.retry_failed(101.0, "refused") for _ in range(8)]
+    for i, d in enumerate(delays):
+        cap = min(4.0, 0.5 * 2 ** (i + 1))
+        assert cap / 2 <= d <= cap
+    assert len(set(delays)) == len(delays)  # jittered
+    t = a.recovered(120.0)
+    assert t is not None and t.before is Reach.DOWN and a.serves(120.0)
+    assert a.recovered(121.0) is None
+    t = a.failed(130.0, "timeout")
+    assert t is not None and t.retry_in_s <= 0.5  # the backoff starts over after a recovery
+
+
+def test_no_space_pauses_writes_only_until_its_retry_time() -> None:
+    a = Availability(1.0, 8.0, random.Random(1))
+    t = a.no_space(10.0, "OOM")
+    assert t is not None and t.after is Reach.NOSPACE
+    assert a.serves(10.0) and not a.takes_writes(10.0)
+    assert a.takes_writes(a.retry_at)
+    assert a.no_space(a.retry_at, "OOM") is None  # still refused: longer pause, no new log
+    assert a.retry_at - 10.0 > 1.0
+    assert a.recovered(50.0) is not None and a.takes_writes(50.0)
+
+
+def test_token_bucket_spends_refills_and_caps() -> None:
+    b = TokenBucket(1000, 1500, now=0.0)
+    assert b.take(1500, 0.0) and not b.take(1, 0.0)
+    assert b.take(500, 0.5) and not b.take(1, 0.5)
+    assert b.take(1500, 100.0) and not b.take(1, 100.0)  # capped at the burst
+    assert not b.take(2000, 200.0)  # more than the burst never passes, and costs nothing
+    assert b.take(1500, 200.0)
+    unlimited = TokenBucket(0, 10, now=0.0)
+    assert all(unlimited.take(1 << 30, 0.0) for _ in range(10))
+
+
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        (RemoteOptions(urls=()), "no URL"),
+        (RemoteOptions(urls=("tcp://h:1",)), "scheme"),
+        (RemoteOptions(urls=("redis://:pw@h:1",)), "credentials"),
+        (RemoteOptions(urls=("redis://h:1/3",)), "database 0"),
+        (RemoteOptions(urls=("redis://h:1?timeout=3",)), "config"),
+        (RemoteOptions(urls=("redis://h:99999",)), "port"),
+        (RemoteOptions(urls=("redis://h:1", "rediss://h:2"), mode="cluster"), "mixing"),
+        (RemoteOptions(urls=("redis://h:1", "redis://h:2")), "exactly one"),
+        (RemoteOptions(mode="sentinel"), "mode"),
+        (RemoteOptions(key_prefix="a{b}"), "hash tag"),
+        (RemoteOptions(tls_cert_file="c.pem"), "together"),
+        (RemoteOptions(backoff_initial_s=5, backoff_max_s=1), "backoff"),
+        (RemoteOptions(pool_size=1), "pool_size"),
+    ],
+)
+def test_bad_options_name_the_problem(opts: RemoteOptions, match: str) -> None:
+    with pytest.raises(RemoteOptionsError, match=match):
+        opts.check()
+
+
+def test_rediss_urls_turn_tls_on() -> None:
+    opts = RemoteOptions(urls=("rediss://cache.example:6380",))
+    opts.check()
+    (e,) = opts.endpoints()
+    assert (e.host, e.port, e.tls) == ("cache.example", 6380, True)

@@ -1,0 +1,717 @@
+"""L3: a key-addressed tier on Redis / Valkey (one server, or a Redis Cluster).
+
+Invariants:
+- Every verb is a coroutine on the daemon's event loop and never raises for a remote fault:
+  an unreachable, slow or failing store answers misses (``probe`` 0, ``read`` False,
+  ``write`` False) and shows in ``health()`` and ``stats()``. Exceptions are kept for
+  programming errors (a buffer shorter than ``nbytes``).
+- No call waits on the network longer than ``op_timeout_s`` (``probe``: its caller gets an
+  answer within ``probe_deadline_ms``; the round trip may go on in the background up to
+  ``op_timeout_s``, so that a slow store, not a tight deadline, is what marks the tier down).
+- A timeout or a connection fault marks the tier DOWN: until the reconnection probe succeeds,
+  every call answers at once without touching the network. The probe runs in the background
+  with exponential backoff and jitter, on a fresh client each attempt (a restarted server or a
+  failed-over cluster is seen afresh); faults of calls that started on an older client are
+  ignored. Each change of state is logged once.
+- A Redis that restarts empty is a cold tier: nothing here remembers what it held.
+- Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
+  value that fails any check is a miss, counted by reason, and never reaches the caller's
+  buffer as valid data.
+- Writes beyond the write budget (bytes/s) are dropped and counted, never queued; a value
+  larger than ``max_value_bytes`` is refused. An out-of-memory refusal from the store stops
+  writes (not reads) for a backoff period.
+- At most ``pool_size`` commands pipelines are in flight per server: probes and removes have
+  their own share of the connections, so bulk reads and writes never starve a lookup.
+
+Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
+
+Thread-safety: none; one event loop owns the tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import stat
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvtier.tiers.base import (
+    BlockRef,
+    Health,
+    HostBuffers,
+    PoolPages,
+    TierHealth,
+    TierKind,
+    TierStats,
+    TierUnavailable,
+)
+from kvtier.tiers.buffers import put_block, store_from
+from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, Verdict, checksum, pack_header, verify
+from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
+from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
+
+try:
+    import redis.asyncio as aioredis
+    from redis import exceptions as rx
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+except ImportError as e:  # pragma: no cover - the extra is part of the dev environment
+    raise ImportError("the L3 tier needs redis-py: pip install 'kvtier[redis]'") from e
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Faults that mean "the store cannot be reached": the tier goes DOWN. ClusterDownError and
+# MasterDownError are replies, but they say the same of the slots they cover.
+_UNREACHABLE: tuple[type[BaseException], ...] = (
+    rx.ConnectionError,
+    rx.TimeoutError,
+    rx.ClusterDownError,
+    rx.RedisClusterException,
+    asyncio.TimeoutError,
+    TimeoutError,
+    OSError,
+)
+_UNREACHABLE_OR_REFUSED: tuple[type[BaseException], ...] = (*_UNREACHABLE, rx.RedisError)
+_TIMEOUTS = (rx.TimeoutError, asyncio.TimeoutError, TimeoutError)
+# Value buffers kept for reuse between writes: enough for a few batches of 2 MiB blocks in
+# flight, small next to the host tier.
+_STAGING_RETAIN_BYTES = 128 << 20
+# Yield to the event loop after this many bytes of checksums and copies within one batch.
+_YIELD_BYTES = 8 << 20
+
+COUNTERS = (
+    # probe
+    "probes",
+    "probe_keys",
+    "probe_found",
+    "probe_late",
+    "probe_skipped_down",
+    # read
+    "read_blocks",
+    "read_hits",
+    "read_absent",
+    "read_bad_header",
+    "read_bad_length",
+    "read_bad_key",
+    "read_bad_checksum",
+    "read_errors",
+    "read_skipped_down",
+    "bytes_read",
+    # write
+    "write_blocks",
+    "write_stored",
+    "write_dropped_budget",
+    "write_too_large",
+    "write_errors",
+    "write_no_space",
+    "write_skipped_down",
+    "bytes_written",
+    # remove
+    "remove_blocks",
+    "remove_errors",
+    "remove_skipped_down",
+    # reachability
+    "timeouts",
+    "connection_errors",
+    "down_transitions",
+    "reconnect_attempts",
+    "reconnects",
+)
+
+
+class _Unreachable(Exception):
+    """A call could not reach the store; the tier has been marked DOWN."""
+
+
+class RemoteTier:
+    """The L3 tier (see the module docstring). Construct, ``await start()``, use, ``await
+    close()``.
+
+    ``namespace_token`` maps a namespace id to the name its keys carry in the store; daemons
+    that share blocks through one store must map a tenant to the same token (the default, the
+    decimal id, is right only where ids are assigned the same way on every daemon).
+    ``clock`` and ``rng`` are injectable for tests.
+
+    Thread-safety: none; one event loop owns the tier.
+    """
+
+    kind = TierKind.REMOTE
+
+    def __init__(
+        self,
+        options: RemoteOptions,
+        *,
+        namespace_token: Callable[[int], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        try:
+            options.check()
+            self._endpoints = options.endpoints()
+        except RemoteOptionsError as e:
+            raise TierUnavailable(f"L3: {e}") from None
+        self.options = options
+        self._password = _read_password(options.password_file)
+        self._clock = clock
+        self._names = KeyNamer(options.key_prefix, namespace_token)
+        self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, rng)
+        self._budget = TokenBucket(options.write_bytes_s, options.max_value_bytes, clock())
+        self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
+        self._staging = _Staging(_STAGING_RETAIN_BYTES)
+        # Probes and removes keep a quarter of the connections (at least one) for themselves.
+        small = max(1, options.pool_size // 4)
+        self._small_ops = asyncio.Semaphore(small)
+        self._bulk_ops = asyncio.Semaphore(options.pool_size - small)
+        self._client: Any = self._new_client()
+        self._generation = 0
+        self._inflight = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        self._monitor: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Connect and start the reconnection monitor. A store that cannot be reached is not
+        fatal (the tier starts DOWN and keeps trying); credentials the store refuses are
+        (TierUnavailable): retrying would not fix them."""
+        self._wake = asyncio.Event()
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="l3-monitor")
+        detail = await self._check(self._client)
+        if detail is None:
+            log.info(
+                "L3 %s store at %s: reachable (key prefix %r, ttl %ss, pool %d)",
+                self.options.mode,
+                ", ".join(f"{e.host}:{e.port}" for e in self._endpoints),
+                self.options.key_prefix,
+                self.options.ttl_s or "none",
+                self.options.pool_size,
+            )
+            return
+        if detail.startswith("refused credentials"):
+            await self.close()
+            raise TierUnavailable(f"L3 store {self.options.urls[0]}: {detail}")
+        self._fail(self._generation, detail, timeout=detail == "timeout")
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._background)
+        if self._monitor is not None:
+            tasks.append(self._monitor)
+        for task in tasks:
+            task.cancel()
+        # Bounded: a library call that ignores cancellation must not hold up shutdown.
+        grace = self.options.connect_timeout_s + self.options.op_timeout_s
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+        await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
+
+    # --------------------------------------------------------------------- verbs
+
+    async def probe(self, blocks: Sequence[BlockRef]) -> int:
+        """Length of the present prefix of ``blocks``: one pipelined round trip (EXISTS per
+        key; on a cluster, one pipeline per server, in parallel), answered within
+        ``probe_deadline_ms``. Late or failed: 0."""
+        if not blocks:
+            return 0
+        c = self._counters
+        c["probes"] += 1
+        c["probe_keys"] += len(blocks)
+        if not self._avail.serves(self._clock()):
+            c["probe_skipped_down"] += 1
+            return 0
+        keys = [self._names.key(b.ns, b.key) for b in blocks]
+
+        async def exists(pipe: Any) -> None:
+            for k in keys:
+                pipe.execute_command("EXISTS", k)
+
+        # The round trip runs as its own task under the op timeout (a slow store is judged
+        # by that), while the caller waits only for the probe deadline.
+        task = self._spawn(self._pipeline(exists, self._small_ops))
+        try:
+            replies = await asyncio.wait_for(
+                asyncio.shield(task), self.options.probe_deadline_ms / 1000.0
+            )
+        except (asyncio.TimeoutError, TimeoutError):
+            c["probe_late"] += 1
+            return 0
+        except _Unreachable:
+            return 0
+        found = 0
+        for reply in replies:
+            if isinstance(reply, BaseException) or not reply:
+                break
+            found += 1
+        c["probe_found"] += found
+        return found
+
+    async def read(
+        self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
+    ) -> list[bool]:
+        """Copy each block into ``dest``; False is a miss (absent, failed verification,
+        store unreachable). A missed block's destination bytes are unspecified."""
+        n = len(blocks)
+        out = [False] * n
+        if n == 0:
+            return out
+        _check_len(dest, n)
+        c = self._counters
+        c["read_blocks"] += n
+        if not self._avail.serves(self._clock()):
+            c["read_skipped_down"] += n
+            return out
+        keys = [self._names.key(b.ns, b.key) for b in blocks]
+
+        async def get(pipe: Any) -> None:
+            for k in keys:
+                pipe.execute_command("GET", k)
+
+        try:
+            replies = await self._pipeline(get, self._bulk_ops)
+        except _Unreachable:
+            return out
+        pending = 0
+        for j, (key, value) in enumerate(zip(keys, replies, strict=True)):
+            if isinstance(value, BaseException):
+                self._reply_error(value, "read_errors")
+                continue
+            verdict = verify(value, nbytes, key)
+            if verdict is not Verdict.OK:
+                c["read_" + verdict.value] += 1
+                if verdict is not Verdict.ABSENT:
+                    log.debug("L3 value %r refused: %s", key, verdict.value)
+                continue
+            put_block(dest, j, memoryview(value)[HEADER_BYTES:], nbytes)
+            out[j] = True
+            c["read_hits"] += 1
+            c["bytes_read"] += nbytes
+            pending += nbytes
+            if pending >= _YIELD_BYTES:
+                pending = 0
+                await asyncio.sleep(0)
+        return out
+
+    async def write(
+        self, blocks: Sequence[BlockRef], nbytes: int, src: HostBuffers | PoolPages
+    ) -> list[bool]:
+        """Store each block from ``src`` (SET with the TTL). False: not stored (store
+        unreachable or out of memory, over the write budget, value too large, refused)."""
+        n = len(blocks)
+        out = [False] * n
+        if n == 0:
+            return out
+        _check_len(src, n)
+        c = self._counters
+        c["write_blocks"] += n
+        now = self._clock()
+        if not self._avail.takes_writes(now):
+            c["write_skipped_down"] += n
+            return out
+        size = HEADER_BYTES + nbytes
+        if size > self.options.max_value_bytes:
+            c["write_too_large"] += n
+            return out
+        chosen = [j for j in range(n) if self._budget.take(size, now)]
+        c["write_dropped_budget"] += n - len(chosen)
+        if not chosen:
+            return out
+        keys = [self._names.key(blocks[j].ns, blocks[j].key) for j in chosen]
+        buffers = [self._staging.take(size) for _ in chosen]
+        try:
+            return await self._write_framed(chosen, keys, buffers, nbytes, src, out)
+        finally:
+            self._staging.give(buffers)
+
+    async def _write_framed(
+        self,
+        chosen: list[int],
+        keys: list[bytes],
+        buffers: list[bytearray],
+        nbytes: int,
+        src: HostBuffers | PoolPages,
+        out: list[bool],
+    ) -> list[bool]:
+        c = self._counters
+        values = []
+        pending = 0
+        for j, key, buf in zip(chosen, keys, buffers, strict=True):
+            values.append(_frame(buf, src, j, nbytes, key))
+            pending += nbytes
+            if pending >= _YIELD_BYTES:
+                pending = 0
+                await asyncio.sleep(0)
+        ttl = self.options.ttl_s
+
+        async def put(pipe: Any) -> None:
+            for k, v in zip(keys, values, strict=True):
+                if ttl:
+                    pipe.execute_command("SET", k, v, "EX", ttl)
+                else:
+                    pipe.execute_command("SET", k, v)
+
+        try:
+            replies = await self._pipeline(put, self._bulk_ops)
+        except _Unreachable:
+            return out
+        no_space = ""
+        for j, reply in zip(chosen, replies, strict=True):
+            if isinstance(reply, rx.OutOfMemoryError) or (
+                isinstance(reply, rx.ResponseError) and str(reply).startswith("OOM")
+            ):
+                c["write_no_space"] += 1
+                no_space = str(reply)
+            elif isinstance(reply, BaseException):
+                self._reply_error(reply, "write_errors")
+            elif reply:
+                out[j] = True
+                c["write_stored"] += 1
+                c["bytes_written"] += nbytes
+            else:
+                c["write_errors"] += 1
+        if no_space:
+            self._log_transition(self._avail.no_space(self._clock(), no_space))
+        elif any(out) and self._avail.state is Reach.NOSPACE:
+            self._log_transition(self._avail.recovered(self._clock()))
+        return out
+
+    async def remove(self, blocks: Sequence[BlockRef]) -> None:
+        """Forget the blocks (UNLINK: the store frees their memory in the background)."""
+        if not blocks:
+            return
+        c = self._counters
+        c["remove_blocks"] += len(blocks)
+        if not self._avail.serves(self._clock()):
+            c["remove_skipped_down"] += len(blocks)
+            return
+        keys = [self._names.key(b.ns, b.key) for b in blocks]
+
+        # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
+        # splits keys by slot, unlike the plain pipeline's.
+        async def unlink(pipe: Any) -> None:
+            for k in keys:
+                pipe.execute_command("UNLINK", k)
+
+        try:
+            replies = await self._pipeline(unlink, self._small_ops)
+        except _Unreachable:
+            return
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                self._reply_error(reply, "remove_errors")
+
+    def health(self) -> TierHealth:
+        a = self._avail
+        if a.state is Reach.DOWN:
+            retry_in = max(0.0, a.retry_at - self._clock())
+            return TierHealth(Health.DOWN, f"{a.detail}; retrying in {retry_in:.1f}s")
+        if a.state is Reach.NOSPACE:
+            return TierHealth(Health.DEGRADED_NOSPACE, a.detail)
+        return TierHealth()
+
+    def stats(self) -> TierStats:
+        now = self._clock()
+        a = self._avail
+        return TierStats(
+            kind=TierKind.REMOTE,
+            health=self.health(),
+            capacity_bytes=0,  # the store's own; not tracked here
+            used_bytes=0,
+            counters=dict(self._counters),
+            gauges={
+                "up": 1.0 if a.state is Reach.UP else 0.0,
+                "state_age_s": max(0.0, now - a.since) if a.since else 0.0,
+                "retry_in_s": max(0.0, a.retry_at - now) if a.state is not Reach.UP else 0.0,
+                "inflight_ops": float(self._inflight),
+                "write_budget_bytes": self._budget.tokens if self._budget.rate else -1.0,
+            },
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = asyncio.ensure_future(coro)
+        self._adopt(task)
+        return task
+
+    async def _bounded(self, coro: Awaitable[T], timeout_s: float) -> T:
+        """``coro``'s result, or asyncio.TimeoutError after ``timeout_s``. Unlike wait_for,
+        the caller is not held until the cancelled call has unwound: a library call that
+        ignores or delays cancellation finishes in the background."""
+        task = asyncio.ensure_future(coro)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            self._adopt(task)
+            raise
+        if not done:
+            task.cancel()
+            self._adopt(task)
+            raise asyncio.TimeoutError
+        return task.result()
+
+    def _adopt(self, task: asyncio.Task[Any]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        # A probe's round trip may end after its caller stopped waiting: its outcome is
+        # already accounted for; retrieve it so that asyncio does not report it as lost.
+        if not task.cancelled():
+            task.exception()
+
+    async def _pipeline(
+        self, fill: Callable[[Any], Awaitable[None]], share: asyncio.Semaphore
+    ) -> list[Any]:
+        """Run one pipeline (per-command errors come back in place) under the op timeout.
+        Raises _Unreachable after marking the tier DOWN."""
+        async with share:
+            # The tier may have gone down while this call waited for a connection.
+            if not self._avail.serves(self._clock()):
+                raise _Unreachable
+            client, generation = self._client, self._generation
+            self._inflight += 1
+            try:
+                pipe = (
+                    client.pipeline(transaction=False)
+                    if not _is_cluster(client)
+                    else (client.pipeline())
+                )
+                await fill(pipe)
+                replies = list(
+                    await self._bounded(
+                        pipe.execute(raise_on_error=False), self.options.op_timeout_s
+                    )
+                )
+            except _UNREACHABLE_OR_REFUSED as e:
+                # Unreachable, or a fault of the whole pipeline (e.g. NOAUTH after a restart
+                # with a new password): either way the store cannot serve us now.
+                self._fail(generation, _describe(e), timeout=isinstance(e, _TIMEOUTS))
+                raise _Unreachable from None
+            finally:
+                self._inflight -= 1
+        # Per-command replies that say the store (or the server of that slot) is gone.
+        for reply in replies:
+            if isinstance(reply, _UNREACHABLE):
+                self._fail(generation, _describe(reply), timeout=isinstance(reply, _TIMEOUTS))
+                break
+        return replies
+
+    def _reply_error(self, reply: BaseException, counter: str) -> None:
+        """A per-command error inside a pipeline's replies (reachability is judged by
+        ``_pipeline``)."""
+        self._counters[counter] += 1
+        log.debug("L3 command failed: %s", _describe(reply))
+
+    def _fail(self, generation: int, detail: str, *, timeout: bool) -> None:
+        if generation != self._generation or self._closed:
+            return  # a fault of a client already replaced
+        self._counters["timeouts" if timeout else "connection_errors"] += 1
+        transition = self._avail.failed(self._clock(), detail)
+        if transition is not None:
+            self._counters["down_transitions"] += 1
+            self._log_transition(transition)
+            if self._wake is not None:
+                self._wake.set()
+
+    def _log_transition(self, t: Transition | None, down_s: float = 0.0) -> None:
+        if t is None:
+            return
+        if t.after is Reach.DOWN:
+            log.warning(
+                "L3 unreachable (%s): serving without it; reconnecting in %.1fs",
+                t.detail,
+                t.retry_in_s,
+            )
+        elif t.after is Reach.NOSPACE:
+            log.warning(
+                "L3 store is out of memory (%s): writes paused for %.1fs", t.detail, t.retry_in_s
+            )
+        elif t.before is Reach.DOWN:
+            log.info("L3 reachable again after %.1fs", down_s)
+        else:
+            log.info("L3 store takes writes again")
+
+    async def _monitor_loop(self) -> None:
+        """While DOWN: after each backoff, try a fresh client; on success swap it in."""
+        assert self._wake is not None
+        while True:
+            self._wake.clear()
+            if self._avail.state is not Reach.DOWN:
+                await self._wake.wait()
+                continue
+            delay = self._avail.retry_at - self._clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self._counters["reconnect_attempts"] += 1
+            fresh = self._new_client()
+            try:
+                detail = await self._check(fresh)
+            except Exception as e:  # never let the monitor die
+                log.exception("L3 reconnection attempt failed unexpectedly")
+                detail = _describe(e)
+            if detail is None:
+                old = self._client
+                self._client = fresh
+                self._generation += 1
+                self._counters["reconnects"] += 1
+                down_s = self._clock() - self._avail.since
+                self._log_transition(self._avail.recovered(self._clock()), down_s)
+                self._spawn(_close_client(old))
+            else:
+                self._spawn(_close_client(fresh))
+                delay = self._avail.retry_failed(self._clock(), detail)
+                log.debug("L3 still unreachable (%s); next attempt in %.1fs", detail, delay)
+
+    async def _check(self, client: Any) -> str | None:
+        """None if ``client`` can serve (every primary answers; a cluster reports ok), else
+        why not."""
+        timeout = self.options.connect_timeout_s + self.options.op_timeout_s
+        try:
+            if _is_cluster(client):
+                await self._bounded(client.initialize(), timeout)
+                await self._bounded(client.ping(target_nodes=RedisCluster.PRIMARIES), timeout)
+                info = await self._bounded(client.cluster_info(), timeout)
+                state = info.get("cluster_state") if isinstance(info, dict) else None
+                if state not in ("ok", b"ok"):
+                    return f"cluster state is {state!r}"
+            else:
+                await self._bounded(client.ping(), timeout)
+        except (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError) as e:
+            return f"refused credentials: {_describe(e)}"
+        except rx.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                return f"refused credentials: {_describe(e)}"
+            return _describe(e)
+        except _UNREACHABLE_OR_REFUSED as e:
+            return _describe(e)
+        return None
+
+    def _new_client(self) -> Any:
+        o = self.options
+        common: dict[str, Any] = {
+            "username": o.username or None,
+            "password": self._password,
+            "socket_timeout": o.op_timeout_s,
+            "socket_connect_timeout": o.connect_timeout_s,
+            # One immediate retry on a fresh connection: a pooled connection may have been
+            # closed by a server restart. The op timeout bounds the whole call regardless.
+            "retry": Retry(NoBackoff(), 1),
+            # Room for the reconnection probe beyond the verbs' own share.
+            "max_connections": o.pool_size + 2,
+            "decode_responses": False,
+        }
+        if self._endpoints[0].tls:
+            common.update(
+                ssl=True,
+                ssl_ca_certs=o.tls_ca_file or None,
+                ssl_certfile=o.tls_cert_file or None,
+                ssl_keyfile=o.tls_key_file or None,
+                ssl_cert_reqs="required",
+            )
+        if o.mode == "cluster":
+            nodes = [ClusterNode(e.host, e.port) for e in self._endpoints]
+            return RedisCluster(startup_nodes=nodes, **common)
+        e = self._endpoints[0]
+        return aioredis.Redis(host=e.host, port=e.port, **common)
+
+
+def _is_cluster(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+class _Staging:
+    """Reusable value buffers, so that framing a block costs one copy and no allocation
+    (a fresh 2 MiB buffer is zero-filled and page-faulted every time). Buffers go back after
+    the pipeline that sent them has ended: by then the transport has sent or copied them.
+
+    Thread-safety: none; the event loop owns it."""
+
+    def __init__(self, retain_bytes: int) -> None:
+        self.retain_bytes = retain_bytes
+        self._free: dict[int, list[bytearray]] = {}
+        self._held = 0
+
+    def take(self, size: int) -> bytearray:
+        free = self._free.get(size)
+        if free:
+            self._held -= size
+            return free.pop()
+        return bytearray(size)
+
+    def give(self, bufs: list[bytearray]) -> None:
+        for buf in bufs:
+            if self._held + len(buf) > self.retain_bytes:
+                return
+            self._free.setdefault(len(buf), []).append(buf)
+            self._held += len(buf)
+
+
+def _frame(
+    value: bytearray, src: HostBuffers | PoolPages, j: int, nbytes: int, key: bytes
+) -> memoryview:
+    """Fill ``value`` with block ``j``'s stored form: header, then the bytes, in one copy."""
+    arena = np.frombuffer(value, dtype=np.uint8)
+    if isinstance(src, HostBuffers):
+        view = memoryview(src.views[j]).cast("B")
+        if len(view) < nbytes:
+            raise ValueError(f"source buffer {j} holds {len(view)} bytes, fewer than {nbytes}")
+        arena[HEADER_BYTES:] = np.frombuffer(view[:nbytes], dtype=np.uint8)
+    else:
+        store_from(src, [j], arena, np.array([HEADER_BYTES], dtype=np.uint64), nbytes)
+    out = memoryview(value)
+    pack_header(out, nbytes, checksum(out[HEADER_BYTES:]), key)
+    return out
+
+
+def _check_len(buffers: HostBuffers | PoolPages, n: int) -> None:
+    if len(buffers) < n:
+        raise ValueError(f"{n} blocks but {len(buffers)} buffers")
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip()
+    name = type(e).__name__
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)) and not text:
+        return "timeout"
+    return f"{name}: {text}" if text else name
+
+
+async def _close_client(client: Any) -> None:
+    close = getattr(client, "aclose", None) or client.close
+    with contextlib.suppress(Exception):
+        await close()
+
+
+def _read_password(path: str) -> str | None:
+    """The password in ``path`` (one line; trailing newline ignored), None without a path."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise TierUnavailable(f"L3 password_file {path}: {e.strerror}") from None
+    password = text.rstrip("\r\n")
+    if not password or "\n" in password:
+        raise TierUnavailable(f"L3 password_file {path} must hold the password on one line")
+    if st.st_mode & stat.S_IROTH:
+        log.warning("L3 password_file %s is readable by every user; chmod o-r it", path)
+    return password
