@@ -91,6 +91,11 @@ class Level:
     def admits_all(self) -> bool:
         return isinstance(self.admission, AlwaysAdmit)
 
+    @property
+    def host_memory(self) -> bool:
+        """Whether the tier's slots are host memory (it exposes them as buffers)."""
+        return not self.keyed and self.buffers([], 4096) is not None
+
     def buffers(self, slots: Sequence[int], nbytes: int) -> HostBuffers | None:
         """The slots as host buffers, for tiers whose slots are host memory; else None."""
         fn = getattr(self.tier, "buffers", None)

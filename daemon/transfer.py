@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 # Threads held for demand jobs: a request never waits for background work to free a thread.
 DEMAND_THREADS = 2
+# A copy between a pool and host memory smaller than this runs on the event loop itself: the
+# hand-off to a worker thread and back costs more than copying a few pages.
+INLINE_BYTES = 256 << 10
 
 
 class PrefetchExpired(Exception):
@@ -132,6 +135,8 @@ class TransferEngine:
         if level.keyed:
             ok = await level.keys.write(refs, nbytes, pages)
             return [WriteOutcome(-1, bool(g)) for g in ok]
+        if self._inline(level, len(slots) * nbytes):
+            return level.slots.write(batch)
         return await self._run(priority, level.slots.write, batch)  # type: ignore[no-any-return]
 
     async def to_pool(
@@ -148,7 +153,10 @@ class TransferEngine:
         if level.keyed:
             return list(await level.keys.read(refs, nbytes, pages))
         batch = ReadBatch(slots, refs, nbytes, pages, checksums, priority)
-        ok = await self._run(priority, level.slots.read, batch)
+        if self._inline(level, len(slots) * nbytes):
+            ok = level.slots.read(batch)
+        else:
+            ok = await self._run(priority, level.slots.read, batch)
         if level.kind != TierKind.HOST:
             self._count_move(level.label, "pool", sum(ok), nbytes)
         return list(ok)
@@ -249,6 +257,11 @@ class TransferEngine:
         return bufs, [bool(g) for g in ok]
 
     # ----------------------------------------------------------------- plumbing
+
+    @staticmethod
+    def _inline(level: Level, nbytes: int) -> bool:
+        """Small copies of a tier whose slots are host memory run on the caller's thread."""
+        return nbytes < INLINE_BYTES and level.host_memory
 
     async def run(self, priority: Priority, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking call on the engine's threads at ``priority``."""
