@@ -334,9 +334,18 @@ class MoverConfig:
         default=2,
         metadata=_opt("int", lo=1, hi=64, doc="background transfers that may run at once"),
     )
+    batch_bytes: int = field(
+        default=64 << 20,
+        metadata=_opt(
+            "size",
+            lo=4096,
+            doc="most bytes in one transfer between tiers (one fdatasync and one index commit "
+            "per group on the disk tier)",
+        ),
+    )
     batch_blocks: int = field(
-        default=32,
-        metadata=_opt("int", lo=1, hi=4096, doc="most blocks in one background transfer"),
+        default=4096,
+        metadata=_opt("int", lo=1, hi=65536, doc="most blocks in one transfer between tiers"),
     )
     balance_interval_s: float = field(
         default=0.1, metadata=_opt("float", lo=0.001, hi=60, doc="how often watermarks are checked")

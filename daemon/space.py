@@ -54,7 +54,8 @@ class SpaceManager:
         *,
         clock: Callable[[], float],
         started_at: float,
-        batch_blocks: int = 32,
+        batch_bytes: int = 64 << 20,
+        batch_blocks: int = 4096,
     ) -> None:
         self.table = table
         self.stack = stack
@@ -63,6 +64,7 @@ class SpaceManager:
         self.prefetches = prefetches
         self._clock = clock
         self.started_at = started_at
+        self.batch_bytes = batch_bytes
         self.batch_blocks = batch_blocks
         self._pending_touches: list[tuple[np.ndarray, float]] = []
         self.background: set[asyncio.Task[Any]] = set()
@@ -202,8 +204,10 @@ class SpaceManager:
         jobs: list[Awaitable[None]] = []
         for (col, size), idx in groups.items():
             src = self.stack.levels[col]
-            for start in range(0, len(idx), self.batch_blocks):
-                part = np.asarray(idx[start : start + self.batch_blocks], dtype=np.int64)
+            # Groups sized by bytes: one fdatasync and one index commit per group on a disk.
+            step = max(1, min(self.batch_blocks, self.batch_bytes // max(size, 1)))
+            for start in range(0, len(idx), step):
+                part = np.asarray(idx[start : start + step], dtype=np.int64)
                 jobs.append(
                     self._copy_group(
                         bids, part, src, dst, size, priority, clean_only, deadline, prefetch, done
@@ -258,34 +262,35 @@ class SpaceManager:
         except PrefetchExpired:
             outcomes = None
         now = self._clock()
-        failed_slots: list[int] = []
-        for j, (b, s) in enumerate(zip(group.tolist(), slots, strict=True)):
-            ok = (
-                outcomes is not None
-                and outcomes[j].ok
-                and bool(still[j])
-                and table.state[b] == READY
-            )
-            if ok:
-                table.slot[b, dst.col] = s
-                if dst.checksummed:
-                    table.set_checksums(
-                        np.asarray([b]),
-                        dst.col,
-                        np.asarray([outcomes[j].checksum], dtype=np.uint64),
-                    )  # type: ignore[index]
-                dst.policy.insert(b, now, table.parent_of(b))
-                done[part[j]] = True
-                if prefetch:
-                    self.prefetches.complete(int(table.keys[b, 0]), now)
-                continue
-            if prefetch:
-                self.prefetches.evict(int(table.keys[b, 0]), now)
-            if not dst.keyed:
-                failed_slots.append(s)
-            if src_failed[j] and still[j]:
+        n = len(group)
+        if outcomes is None:
+            ok = np.zeros(n, dtype=bool)
+        else:
+            ok = np.fromiter((o.ok for o in outcomes), dtype=bool, count=n)
+        ok &= still & (table.state[group] == READY)
+        slot_arr = np.asarray(slots, dtype=np.int64)
+        good = group[ok]
+        table.slot[good, dst.col] = slot_arr[ok]
+        if dst.checksummed and outcomes is not None and len(good):
+            sums = np.fromiter((o.checksum for o in outcomes), dtype=np.uint64, count=n)
+            table.set_checksums(good, dst.col, sums[ok])
+        parents = table.parents_of(good).tolist()
+        insert = dst.policy.insert
+        for b, par in zip(good.tolist(), parents, strict=True):
+            insert(b, now, par)
+        done[part[ok]] = True
+        if prefetch:
+            for j, b in enumerate(group.tolist()):
+                word = int(table.keys[b, 0])
+                if ok[j]:
+                    self.prefetches.complete(word, now)
+                else:
+                    self.prefetches.evict(word, now)
+        failed_slots = [] if dst.keyed else slot_arr[~ok].tolist()
+        for j in np.flatnonzero(~ok & still).tolist():
+            if src_failed[j]:
                 # The source's read failed verification: that tier dropped the block.
-                self.lose_copy(b, src)
+                self.lose_copy(int(group[j]), src)
         if failed_slots:
             await self.release(dst, failed_slots)
         self.counters.inc(

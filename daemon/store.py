@@ -121,6 +121,7 @@ class BlockStore:
             self.prefetches,
             clock=clock,
             started_at=self.started_at,
+            batch_bytes=config.mover.batch_bytes,
             batch_blocks=config.mover.batch_blocks,
         )
         self._copy_threads = config.server.copy_threads
@@ -336,7 +337,7 @@ class BlockStore:
 
         # Claim the new keys before awaiting anything (see the module invariants).
         new_idx = np.flatnonzero(is_new)
-        bids = np.array([table.add(ns, words[i], block_bytes) for i in new_idx], dtype=np.int64)
+        bids = table.add_many(ns, words[new_idx], block_bytes)
         table.inflight[bids] = 1
         try:
             placed = await self._store_new(pool, bids, pages[new_idx], now)

@@ -196,6 +196,14 @@ class BlockTable:
         """The row of ``bid``'s parent while that block lives, else -1."""
         return self.resolve(int(self.parent[bid]))
 
+    def parents_of(self, bids: np.ndarray) -> np.ndarray:
+        """``parent_of`` for many blocks, vectorised."""
+        refs = self.parent[bids]
+        rows = np.where(refs >= 0, refs & _ROW_MASK, 0)
+        alive = (refs >= 0) & (self.state[rows] != FREE)
+        alive &= self.gen[rows].astype(np.int64) == (refs >> _ROW_BITS)
+        return np.where(alive, rows, -1)
+
     def child_of(self, bid: int) -> int:
         """The row of the latest child stored after ``bid`` while it still names ``bid``."""
         child = int(self.child[bid])
@@ -247,11 +255,11 @@ class BlockTable:
         return bid
 
     def add_many(
-        self, ns: np.ndarray, words: np.ndarray, nbytes: np.ndarray, owner: int = 0
+        self, ns: np.ndarray | int, words: np.ndarray, nbytes: np.ndarray | int, owner: int = 0
     ) -> np.ndarray:
-        """Create many blocks in state WRITING at once (recovery); returns their ids. The keys
-        must be absent and distinct. Vectorised: one rebuild of the hash table, no Python
-        work per block."""
+        """Create many blocks in state WRITING at once; returns their ids. The keys must be
+        absent and distinct. Vectorised: no Python work per block (a put's new keys, a
+        recovery chunk)."""
         n = len(words)
         if n == 0:
             return np.empty(0, dtype=np.int64)
@@ -276,8 +284,28 @@ class BlockTable:
         self.state[bids] = WRITING
         self.nbytes[bids] = nbytes
         self._count += n
-        self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
+        if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
+            self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
+        else:
+            self._insert_many(bids)
         return bids
+
+    def _insert_many(self, ids: np.ndarray) -> None:
+        """Place ``ids`` (not in the table yet) by vectorised linear probing."""
+        table = self._table
+        mask = np.uint64(len(table) - 1)
+        pos = self._hash(self.ns[ids], self.keys[ids, 0]) & mask
+        while len(ids):
+            p = pos.astype(np.int64)
+            free = table[p] < 0  # EMPTY or TOMBSTONE
+            _, first = np.unique(p[free], return_index=True)
+            winners = np.flatnonzero(free)[first]
+            self._tombstones -= int(np.count_nonzero(table[p[winners]] == TOMBSTONE))
+            table[p[winners]] = ids[winners]
+            placed = np.zeros(len(ids), dtype=bool)
+            placed[winners] = True
+            ids = ids[~placed]
+            pos = (pos[~placed] + np.uint64(1)) & mask
 
     def remove(self, bid: int) -> None:
         """Forget a block: its key becomes absent and its id may be reused."""

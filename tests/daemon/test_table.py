@@ -120,3 +120,23 @@ def test_a_ref_outlives_the_reuse_of_its_row():
     assert again == bid  # the row is reused...
     assert table.resolve(ref) == -1  # ...but the old ref does not name the new block
     assert table.resolve(table.ref(again)) == again
+
+
+def test_batches_of_adds_and_removes_match_a_dict():
+    table = BlockTable(initial_capacity=16)
+    ref: dict[bytes, int] = {}
+    rng = random.Random(1)
+    keys = [os.urandom(32) for _ in range(4000)]
+    for step in range(300):
+        absent = [k for k in rng.sample(keys, 40) if k not in ref]
+        absent = list(dict.fromkeys(absent))
+        if absent:
+            bids = table.add_many(5, keys_to_words(absent), 4096)
+            table.state[bids] = READY
+            ref.update(zip(absent, bids.tolist(), strict=True))
+        for k in rng.sample(sorted(ref, key=lambda x: x), min(len(ref), rng.randint(0, 30))):
+            table.remove(ref.pop(k))
+        if step % 50 == 0:
+            got = table.lookup(5, keys_to_words(keys))
+            assert got.tolist() == [ref.get(k, -1) for k in keys]
+    assert len(table) == len(ref)

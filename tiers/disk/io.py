@@ -18,6 +18,7 @@ Thread-safety: ``write`` and ``read`` may run concurrently on any threads for di
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import threading
 from collections.abc import Callable
@@ -52,6 +53,8 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
 
 
 def _address(mv: memoryview) -> int:
+    if not mv.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 

@@ -157,6 +157,48 @@ def _from_i64(value: int) -> int:
     return value + _U64 if value < 0 else value
 
 
+class _RowMap:
+    """Which slots have a committed index row, as one bit array per segment in use (a
+    million 4 KiB blocks cost about a megabyte), so a rewrite finds the rows it must drop
+    first without asking SQLite. Callers serialise access."""
+
+    def __init__(self, slots_cap: int) -> None:
+        self._cap = slots_cap
+        self._segs: dict[int, np.ndarray] = {}
+
+    def add(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            seg, idx = divmod(int(slot), self._cap)
+            bits = self._segs.get(seg)
+            if bits is None:
+                bits = self._segs[seg] = np.zeros(self._cap, dtype=bool)
+            bits[idx] = True
+
+    def add_array(self, slots: np.ndarray) -> None:
+        seg, idx = np.divmod(np.asarray(slots, dtype=np.int64), self._cap)
+        for s in np.unique(seg).tolist():
+            bits = self._segs.get(s)
+            if bits is None:
+                bits = self._segs[s] = np.zeros(self._cap, dtype=bool)
+            bits[idx[seg == s]] = True
+
+    def discard(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            seg, idx = divmod(int(slot), self._cap)
+            bits = self._segs.get(seg)
+            if bits is not None:
+                bits[idx] = False
+
+    def present(self, slots: Iterable[int]) -> list[int]:
+        out = []
+        for slot in slots:
+            seg, idx = divmod(int(slot), self._cap)
+            bits = self._segs.get(seg)
+            if bits is not None and bits[idx]:
+                out.append(int(slot))
+        return out
+
+
 class _Slab(LockedSlab):
     """The tier's allocator. ``free`` is refused: an L2 slot must lose its index row (durably)
     before it is reused, which only ``DiskTier.remove`` does. While the index's rows are
@@ -252,6 +294,7 @@ class DiskTier:
         self._pending_recovery: tuple[list[tuple[Path, int]], list[int], dict[int, str]] | None
         self._pending_recovery = None
         self._recovered: RecoveredBlocks | None = None
+        self._committed = _RowMap(self.allocator.slots_cap)
         self.lost_at_recovery: Counter[str] = Counter()
         self._closed = False
         self._lock_fd = -1
@@ -312,13 +355,21 @@ class DiskTier:
     # ------------------------------------------------------------------ tier verbs
 
     def write(self, batch: WriteBatch) -> list[WriteOutcome]:
-        """Write the batch's blocks and commit them to the index (``persist``)."""
+        """Write the batch's blocks, make them durable and commit them to the index in one
+        group (one ``fdatasync`` per data file, one transaction)."""
+        self._check_open()
         views = _host_views(batch.src, len(batch.slots), batch.nbytes)
-        items = [
-            PersistItem(ref.ns, ref.key, slot, view, batch.nbytes)
-            for ref, slot, view in zip(batch.blocks, batch.slots, views, strict=True)
+        outcomes = self._write_blocks(
+            self._blocks(batch.slots, views, batch.nbytes, True), batch.priority
+        )
+        done = [
+            CommitEntry(ref.ns, ref.key, o.slot)
+            for ref, o in zip(batch.blocks, outcomes, strict=True)
+            if o.ok
         ]
-        return self.persist(items, batch.priority)
+        if not done or self.commit(done):
+            return outcomes
+        return [WriteOutcome(o.slot, False, 0) for o in outcomes]
 
     def read(self, batch: ReadBatch) -> list[bool]:
         """Read and verify the batch's blocks into its destination (host buffers directly;
@@ -328,20 +379,18 @@ class DiskTier:
         sums = batch.checksums
         if len(sums) != n:
             raise ValueError(f"{len(sums)} checksums for {n} blocks")
-        blocks = []
-        for j in range(n):
-            if isinstance(batch.dest, HostBuffers):
-                blocks.append(
-                    self._block(j, batch.slots[j], batch.dest.views[j], batch.nbytes, False)
-                )
-            else:
-                blocks.append(self._block(j, batch.slots[j], None, batch.nbytes, False))
-                dest = batch.dest
-                blocks[-1].sink = lambda view, j=j, dest=dest: put_block(
-                    dest, j, view, batch.nbytes
-                )
-            blocks[-1].expected = int(sums[j])
-            blocks[-1].key = batch.blocks[j].key if batch.blocks else b""
+        dest = batch.dest
+        if isinstance(dest, HostBuffers):
+            blocks = self._blocks(
+                batch.slots, [_as_bytes(v) for v in dest.views], batch.nbytes, False
+            )
+        else:
+            blocks = self._blocks(batch.slots, [None] * n, batch.nbytes, False)
+            for j, b in enumerate(blocks):
+                b.sink = lambda view, j=j: put_block(dest, j, view, batch.nbytes)  # type: ignore[misc]
+        for j, b in enumerate(blocks):
+            b.expected = int(sums[j])
+            b.key = batch.blocks[j].key if batch.blocks else b""
         return self._read_blocks(blocks, batch.priority)
 
     def remove(self, slots: Iterable[int]) -> bool:
@@ -363,6 +412,7 @@ class DiskTier:
             return False
         freed = 0
         with self._state_lock:
+            self._committed.discard(slots)
             for slot in slots:
                 self._durable.pop(slot, None)
                 if slot in self._quarantined:
@@ -495,10 +545,19 @@ class DiskTier:
         ``remove``. While the tier is degraded every item fails without any I/O.
         """
         self._check_open()
-        blocks = [
-            self._block(i, item.slot, _as_bytes(item.data), item.nbytes, True)
-            for i, item in enumerate(items)
-        ]
+        blocks: list[Block] = []
+        for nbytes in sorted({int(it.nbytes) for it in items}):
+            group = [(i, it) for i, it in enumerate(items) if int(it.nbytes) == nbytes]
+            made = self._blocks(
+                [it.slot for _, it in group], [_as_bytes(it.data) for _, it in group], nbytes, True
+            )
+            for (i, _), b in zip(group, made, strict=True):
+                b.pos = i
+            blocks += made
+        blocks.sort(key=lambda b: b.pos)
+        return self._write_blocks(blocks, priority)
+
+    def _write_blocks(self, blocks: list[Block], priority: Priority) -> list[WriteOutcome]:
         self._check_distinct(blocks)
         if not blocks:
             return []
@@ -557,6 +616,7 @@ class DiskTier:
         with self._state_lock:
             for row in rows:
                 self._durable.pop(row[2], None)
+            self._committed.add(row[2] for row in rows)
         self.faults.count(commits=1, committed_blocks=len(rows))
         self.faults.space_returned()
         return True
@@ -592,11 +652,16 @@ class DiskTier:
         Reads are served while the tier is degraded.
         """
         self._check_open()
-        blocks = []
-        for i, it in enumerate(items):
-            b = self._block(i, it.slot, _as_bytes(it.out), it.nbytes, False)
-            b.expected, b.key = it.checksum, it.key
-            blocks.append(b)
+        blocks: list[Block] = []
+        for nbytes in sorted({int(it.nbytes) for it in items}):
+            group = [(i, it) for i, it in enumerate(items) if int(it.nbytes) == nbytes]
+            made = self._blocks(
+                [it.slot for _, it in group], [_as_bytes(it.out) for _, it in group], nbytes, False
+            )
+            for (i, it), b in zip(group, made, strict=True):
+                b.pos, b.expected, b.key = i, it.checksum, it.key
+            blocks += made
+        blocks.sort(key=lambda b: b.pos)
         return self._read_blocks(blocks, priority)
 
     def release_quarantined(self) -> int:
@@ -656,10 +721,13 @@ class DiskTier:
         False when the index could not be updated."""
         if not slots:
             return True
+        with self._state_lock:
+            stale = self._committed.present(slots)
         try:
-            stale = self._idx().committed_slots(slots)
             if stale:
                 self._idx().delete(stale)
+                with self._state_lock:
+                    self._committed.discard(stale)
                 self.faults.count(overwritten_blocks=len(stale))
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index delete")
@@ -672,6 +740,7 @@ class DiskTier:
             for b in blocks:
                 self._quarantined[b.slot] = b.nbytes
                 self._durable.pop(b.slot, None)
+            self._committed.discard(b.slot for b in blocks)
         # One line per block, with its key, up to a bound: a dying disk fails whole batches.
         for n, b in enumerate(blocks):
             log.log(
@@ -693,26 +762,41 @@ class DiskTier:
             # served again only if their bytes verify.
             self.faults.fault(classify(e), "index quarantine update")
 
-    def _block(
-        self, pos: int, slot: int, buf: memoryview | None, nbytes: int, writing: bool
-    ) -> Block:
-        slot = int(slot)
+    def _blocks(
+        self,
+        slots: Sequence[int],
+        bufs: Sequence[memoryview | None],
+        nbytes: int,
+        writing: bool,
+    ) -> list[Block]:
+        """The I/O engine's blocks for a batch of one block size, every slot and buffer
+        checked first (vectorised): a misuse raises before any I/O."""
         nbytes = int(nbytes)
-        padded = self.allocator.slot_bytes_for(nbytes)
-        if (
-            nbytes <= 0
-            or not self.allocator.is_allocated(slot)
-            or self.allocator.slot_size(slot) != padded
-        ):
+        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        alloc = self.allocator
+        padded = alloc.slot_bytes_for(nbytes) if nbytes > 0 else 0
+        good = alloc.allocated(slot_arr)
+        good &= alloc.slot_sizes(np.where(good, slot_arr, 0)) == padded
+        if nbytes <= 0 or not good.all():
+            bad = int(slot_arr[int(np.argmin(good))]) if len(slot_arr) else -1
             raise ValueError(
-                f"L2 slot {slot} is not an allocated slot for a block of {nbytes} bytes"
+                f"L2 slot {bad} is not an allocated slot for a block of {nbytes} bytes"
             )
-        if buf is not None:
-            if len(buf) < nbytes:
-                raise ValueError(f"buffer of {len(buf)} bytes is shorter than the block ({nbytes})")
-            if not writing and buf.readonly:
-                raise ValueError("read buffer is read-only")
-        return self._io.make_block(pos, slot, self.allocator.offset(slot), nbytes, padded, buf)
+        offsets = alloc.offsets(slot_arr).tolist()
+        out = []
+        make = self._io.make_block
+        for pos, (slot, offset, buf) in enumerate(
+            zip(slot_arr.tolist(), offsets, bufs, strict=True)
+        ):
+            if buf is not None:
+                if len(buf) < nbytes:
+                    raise ValueError(
+                        f"buffer of {len(buf)} bytes is shorter than the block ({nbytes})"
+                    )
+                if not writing and buf.readonly:
+                    raise ValueError("read buffer is read-only")
+            out.append(make(pos, slot, offset, nbytes, padded, buf))
+        return out
 
     @staticmethod
     def _check_distinct(blocks: list[Block]) -> None:
@@ -841,6 +925,8 @@ class DiskTier:
         sel = np.flatnonzero(good)
         claimed[sel] = alloc.claim_many(slots[sel], nbytes[sel])
         reason[good & ~claimed] = "beyond_capacity"
+        with self._state_lock:
+            self._committed.add_array(slots[claimed])
         for why, count in zip(
             *np.unique(reason[~claimed].astype(str), return_counts=True), strict=True
         ):
