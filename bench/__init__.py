@@ -9,6 +9,8 @@ import importlib
 BENCHMARKS = {
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
+    "restart": "kvtier.bench.restart",
+    "rpc": "kvtier.bench.rpc",
     "ttft": "kvtier.bench.ttft",
 }
 
