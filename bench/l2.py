@@ -74,6 +74,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=5, help="write+restart+read passes; the first fills (5)"
     )
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="do not drop the page cache before cold reads (they may then hit it)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the scratch folder")
     return p.parse_args(argv)
 
@@ -220,7 +225,7 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
                         puts.append(p)
                 # Stopped: the next daemon starts with an empty L1, reading a cold disk.
                 if r < args.rounds:
-                    dropped.append(drop_page_cache())
+                    dropped.append(not args.keep_cache and drop_page_cache())
         finally:
             run.close()
 
@@ -228,7 +233,9 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
     cache = (
         "page cache dropped before every cold read"
         if all(dropped)
-        else "page cache NOT dropped (drop_caches not writable): cold reads may hit it"
+        else "page cache NOT dropped ("
+        + ("--keep-cache" if args.keep_cache else "drop_caches not writable")
+        + "): cold reads may hit it"
     )
     first, rest = puts[0], puts[1:]
     out: dict[str, Any] = {

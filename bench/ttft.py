@@ -98,6 +98,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="where the L2 slot files go (a temporary folder is made inside; default: the "
         "system temp folder). Use a disk filesystem, not tmpfs, for a cold read",
     )
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="do not drop the page cache before cold reads (they may then hit it)",
+    )
     args = p.parse_args(argv)
     if args.prefix_tokens % args.block_tokens or args.prefix_tokens >= args.prompt_tokens:
         p.error("--prefix-tokens must be a multiple of --block-tokens, below --prompt-tokens")
@@ -187,7 +192,7 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         print(f"      stored the prefix in {seed_s:.2f} s")
 
         for rep in range(args.reps):
-            dropped.append(drop_page_cache())
+            dropped.append(not args.keep_cache and drop_page_cache())
             with (
                 _daemon(tmp, l1_bytes) as daemon,
                 daemon.client() as client,
@@ -214,7 +219,9 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
     cache = (
         "page cache dropped before every restart"
         if all(dropped)
-        else "page cache NOT dropped (not allowed here); L2 reads use O_DIRECT regardless"
+        else "page cache NOT dropped ("
+        + ("--keep-cache" if args.keep_cache else "not allowed here")
+        + "); the daemon's L2 reads use O_DIRECT regardless"
     )
     print(f"(i)   recompute      {med['recompute']:8.3f} s   {fmt_list(times['recompute'])}")
     print(f"(ii)  L1 load        {med['l1']:8.3f} s   {fmt_list(times['l1'])}")

@@ -13,14 +13,14 @@ def test_restart_bench_times_starts_against_their_baselines(
     base = tmp_path / "bench"
     f = run_json(
         "restart",
-        *("--rows", "300", "--batch", "128", "--l1", "64MiB", "--repeats", "2"),
+        *("--rows", "300", "--batch", "128", "--l1", "64MiB", "--repeats", "1"),
         *("--big-blocks", "2", "--io-threads", "2", "--dir", str(base)),
     )
-    assert (f["rows"], f["repeats"], f["l1_bytes"]) == (300, 2, 64 << 20)
+    assert (f["rows"], f["repeats"], f["l1_bytes"]) == (300, 1, 64 << 20)
     # The restarted daemon found every row the fill wrote, each time.
-    assert f["l2_blocks_after_restart"] == [300, 300]
+    assert f["l2_blocks_after_restart"] == [300]
     for kind in ("empty", "full", "full_index", "l1", "touch"):
-        assert len(f["all_s"][kind]) == 2 and min(f["all_s"][kind]) > 0, kind
+        assert len(f["all_s"][kind]) == 1 and f["all_s"][kind][0] > 0, kind
     assert f["index_ready_s"] >= f["start_full_s"] > 0
     assert_ratio(f, "full_vs_empty", f["start_full_s"], f["start_empty_s"])
     assert_ratio(f, "l1_start_vs_touch", f["start_l1_s"], f["first_touch_s"])
