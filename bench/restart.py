@@ -63,6 +63,9 @@ SEGMENT_BYTES = 64 * MiB
 SAMPLE_KEYS = 256
 BIG_BATCH = 64
 POLL_S = 0.005
+# L1 of the filling daemon: the whole fill where it fits, else blocks are evicted from L1
+# (they are on L2 already) as the fill goes.
+FILL_L1_MAX = 2 << 30
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -197,7 +200,7 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         full = _l2_overrides(work / "l2-full", args.rows * SMALL, args.io_threads)
         empty = _l2_overrides(work / "l2-empty", args.rows * SMALL, args.io_threads)
         big = _l2_overrides(work / "l2-big", args.big_blocks * BIG, args.io_threads)
-        fill_l1 = min(args.rows * SMALL + 256 * MiB, 2 << 30)
+        fill_l1 = min(args.rows * SMALL + 256 * MiB, FILL_L1_MAX)
 
         print(
             f"filling an L2 index with {args.rows} rows: durable puts of {args.batch} x 4 KiB "
