@@ -1,4 +1,15 @@
-"""Start a private kvtierd for a benchmark: temp socket, temp folders, stopped on exit."""
+"""Start a private kvtierd for a benchmark: temp socket, temp folder, stopped on exit.
+
+Each start gets a fresh folder (socket and log) in the system temp folder; anything that must
+outlive one daemon (an L2 directory across a restart) is passed in through a config override
+pointing elsewhere. ``BenchDaemon.start_s`` is the time from spawning the process to its first
+SERVING answer to a gRPC health check, polled every ``poll_s``.
+
+The readiness probe speaks the standard gRPC health protocol on a channel of its own, with
+reconnect backoff shortened to a few milliseconds and a subchannel pool of its own: gRPC's
+default backoff (1 s and growing after a refused connection) would otherwise decide when a
+start is noticed.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +20,23 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from kvtier.client import wait_until_serving
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.client import Client
+
+# Unix socket paths are limited to 107 bytes (sun_path).
+_MAX_SOCKET_PATH = 107
+_PROBE_OPTIONS = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 5),
+    ("grpc.min_reconnect_backoff_ms", 5),
+    ("grpc.max_reconnect_backoff_ms", 20),
+]
 
 
 @dataclass
@@ -21,16 +45,31 @@ class BenchDaemon:
     workdir: str
     proc: subprocess.Popen[bytes]
     log_path: str
+    spawned_at: float = 0.0  # time.perf_counter() when the process was spawned
+    start_s: float = 0.0  # from spawning to the first SERVING answer
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def client(self, **kwargs: object) -> Client:
+        return Client(self.address, **kwargs)  # type: ignore[arg-type]
+
 
 @contextlib.contextmanager
-def bench_daemon(*overrides: str, start_timeout_s: float = 120.0) -> Iterator[BenchDaemon]:
-    workdir = tempfile.mkdtemp(prefix="kvtier-bench-", dir="/tmp")
+def bench_daemon(
+    *overrides: str, start_timeout_s: float = 300.0, poll_s: float = 0.05
+) -> Iterator[BenchDaemon]:
+    """A kvtierd with ``overrides`` (``section.key=value``), SERVING when yielded, stopped
+    with SIGTERM (and waited for) on exit."""
+    workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
     sock = os.path.join(workdir, "d.sock")
+    if len(sock.encode()) > _MAX_SOCKET_PATH:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise RuntimeError(
+            f"the temp folder {os.path.dirname(workdir)} is too deep for a Unix socket path; "
+            "set TMPDIR to a shorter one"
+        )
     log_path = os.path.join(workdir, "kvtierd.log")
     args = [
         sys.executable,
@@ -44,30 +83,53 @@ def bench_daemon(*overrides: str, start_timeout_s: float = 120.0) -> Iterator[Be
     for o in overrides:
         args += ["--set", o]
     with open(log_path, "wb") as log:
+        t0 = time.perf_counter()
         proc = subprocess.Popen(args, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
-    daemon = BenchDaemon(f"unix:{sock}", workdir, proc, log_path)
+    daemon = BenchDaemon(f"unix:{sock}", workdir, proc, log_path, spawned_at=t0)
     try:
-        _wait_ready(daemon, start_timeout_s)
+        wait_until_serving(daemon.address, proc, daemon.log, start_timeout_s, poll_s=poll_s)
+        daemon.start_s = time.perf_counter() - t0
         yield daemon
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait_ready(daemon: BenchDaemon, timeout_s: float) -> None:
-    def alive() -> None:
-        if daemon.proc.poll() is not None:
-            raise RuntimeError(
-                f"kvtierd exited with {daemon.proc.returncode} during start:\n{daemon.log()}"
-            )
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
+    """SIGTERM, wait (the daemon drains and flushes), SIGKILL only past ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
-    try:
-        wait_until_serving(daemon.address, timeout_s, check=alive)
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}:\n{daemon.log()}") from None
+
+def wait_until_serving(
+    address: str,
+    proc: subprocess.Popen[bytes],
+    log: Callable[[], str],
+    timeout_s: float,
+    *,
+    poll_s: float = 0.05,
+) -> None:
+    """Wait until the daemon at ``address`` answers SERVING; raise (with its log) if the
+    process exits first or the time runs out. Tests' daemons use this too."""
+    deadline = time.monotonic() + timeout_s
+    path = address[len("unix:") :] if address.startswith("unix:") else None
+    with grpc.insecure_channel(address, options=_PROBE_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvtierd exited with {proc.returncode} during start:\n{log()}")
+            # No connection attempt before the socket exists: nothing to back off from.
+            if path is None or os.path.exists(path):
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+            time.sleep(poll_s)
+    raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{log()}")

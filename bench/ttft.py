@@ -3,39 +3,51 @@
 A random-init Llama-architecture model (GQA, no downloads) gets a 4,096-token prompt whose
 first 4,032 tokens are a stored prefix (63 blocks of 64 tokens). Time to first token is
 measured (i) recomputing the whole prompt without kvtier, (ii) loading the prefix from L1 and
-computing the last 64 tokens, (iii) the same with the prefix read from L2 with a cold page
-cache: the daemon is restarted before each repetition, so its L1 is empty and the blocks come
-from the L2 slot files (read with O_DIRECT, which bypasses the page cache). Each figure is a
-median: ``--reps`` runs of (i) and (iii), and ``--l1-reps`` runs of (ii) after each run of
-(i) (interleaved, after one warm-up of each); the speedups are (i) divided by (ii) and
-(iii). Every loaded prefill is checked to reuse exactly the stored prefix, and its logits
-are compared with the recomputed ones.
+computing the last 64 tokens, (iii) the same with the prefix read from L2, cold: the daemon is
+restarted before it (L1 empty, the blocks only in its L2 slot files, read with O_DIRECT) and
+the page cache is dropped where this process may (the output says whether it could).
+
+torch runs with its default threading (``--threads`` pins it). The prefix is stored once
+(and written to L2 when that daemon stops). Then each of ``--reps`` repetitions restarts the
+daemon and times one run of each: (iii) first, as the restart left it, then (ii), whose
+blocks (iii) brought into L1, with (i) placed before, between or after them in turn, so that
+a burst of load from other processes slows all three alike. Each figure is the median of its
+runs; the speedups are (i) divided by (ii) and by (iii). Every loaded prefill is checked to
+reuse exactly the stored prefix from the tier it is named after, and its logits are compared
+with the recomputed ones (the largest difference, and how many loads chose another first
+token, are reported).
 
 TTFT here is prefill plus the first argmax; storing the prompt's new blocks is left out (an
-engine does it after emitting the token). Without an L2 tier in the daemon (its config knows
-no ``l2`` section) (iii) is reported as null with a note.
+engine does it after emitting the token).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import re
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 
+from kvtier.bench.common import (
+    arg_parser,
+    drop_page_cache,
+    fmt_list,
+    median,
+    print_json,
+    ratio,
+    sig,
+)
 from kvtier.bench.launcher import BenchDaemon, bench_daemon
 from kvtier.client import Client, Tier
 
-# Prefill of 4,096 tokens takes 3-4 s on one CPU thread in float32, the default dtype;
-# bfloat16 (--dtype) is faster on CPUs with AVX512-BF16. The KV cache is
+# Prefill of 4,096 tokens takes 3-4 s on one CPU thread in float32 (2-3 s on two), the
+# default dtype; bfloat16 (--dtype) is faster on CPUs with AVX512-BF16. The KV cache is
 # 6 KiB per token in float32 (6 layers x K,V x 2 KV heads x 64 dims x 4 bytes), 384 KiB per
 # 64-token block. Per token of compute that is ~20x more KV bytes than Llama-3-8B moves, so
 # the load side is, if anything, weighted against kvtier here.
@@ -51,57 +63,34 @@ MODEL: dict[str, Any] = {
     "eos_token_id": None,
     "pad_token_id": None,
 }
-_L2_UNKNOWN = re.compile(r"unknown config section 'l2'")
-
-
-def _median_s(fn: Callable[[], object], reps: int) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), times
 
 
 @contextlib.contextmanager
-def _daemon(l2_dir: str | None, l1_bytes: int) -> Iterator[BenchDaemon]:
-    overrides = [f"tiers.l1.capacity_bytes={l1_bytes}"]
-    if l2_dir is not None:
-        overrides += [
-            "tiers.l2.enabled=true",
-            f"tiers.l2.path={l2_dir}",
-            f"tiers.l2.capacity_bytes={4 * l1_bytes}",
-        ]
-    with bench_daemon(*overrides) as daemon:
+def _daemon(l2_dir: str, l1_bytes: int) -> Iterator[BenchDaemon]:
+    with bench_daemon(
+        f"tiers.l1.capacity_bytes={l1_bytes}",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={l2_dir}",
+        f"tiers.l2.capacity_bytes={4 * l1_bytes}",
+    ) as daemon:
         yield daemon
 
 
-def _l2_supported(l2_dir: str, l1_bytes: int) -> tuple[bool, str]:
-    """Whether this kvtierd has an L2 tier; False only when it refuses the ``l2`` section."""
-    try:
-        with _daemon(l2_dir, l1_bytes):
-            return True, ""
-    except RuntimeError as e:
-        if _L2_UNKNOWN.search(str(e)):
-            return False, "this kvtierd has no L2 tier (config section 'l2' is unknown)"
-        raise
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-def main(argv: list[str], *, as_json: bool) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench ttft")
-    p.add_argument("--prompt-tokens", type=int, default=4096)
-    p.add_argument("--prefix-tokens", type=int, default=4032, help="stored before timing")
-    p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3, help="repetitions of (i) and (iii) (median)")
-    p.add_argument(
-        "--l1-reps", type=int, default=3, help="repetitions of (ii) after each one of (i)"
-    )
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = arg_parser("ttft", __doc__)
+    p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (4096)")
+    p.add_argument("--prefix-tokens", type=int, default=4032, help="stored before timing (4032)")
+    p.add_argument("--block-tokens", type=int, default=64, help="tokens per block (64)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of (i), (ii), (iii) (5)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    # One thread by default: with two, a 64-token suffix took 0.07 s or 1.4 s depending on
-    # whether another process held the second core at that moment (each parallel region
-    # waits for its descheduled thread), which made (ii) a lottery on a shared machine.
     p.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (default 1; 0: torch default)"
+        "--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)"
     )
     p.add_argument(
         "--l2-dir",
@@ -109,9 +98,22 @@ def main(argv: list[str], *, as_json: bool) -> int:
         help="where the L2 slot files go (a temporary folder is made inside; default: the "
         "system temp folder). Use a disk filesystem, not tmpfs, for a cold read",
     )
+    p.add_argument(
+        "--keep-cache",
+        action="store_true",
+        help="do not drop the page cache before cold reads (they may then hit it)",
+    )
     args = p.parse_args(argv)
     if args.prefix_tokens % args.block_tokens or args.prefix_tokens >= args.prompt_tokens:
         p.error("--prefix-tokens must be a multiple of --block-tokens, below --prompt-tokens")
+    if args.reps < 1 or args.threads < 0:
+        p.error("--reps must be at least 1 and --threads at least 0")
+    return args
+
+
+def main(argv: list[str], *, as_json: bool = False) -> int:
+    args = _parse(argv)
+    as_json = as_json or args.json
 
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -124,18 +126,20 @@ def main(argv: list[str], *, as_json: bool) -> int:
     prompt = torch.randint(0, MODEL["vocab_size"], (args.prompt_tokens,)).tolist()
     prefix = prompt[: args.prefix_tokens]
     bt = args.block_tokens
+    blocks = args.prefix_tokens // bt
     kv_bytes_per_token = KVGeometry.from_model(model).bytes_per_token()
     l1_bytes = max(256 << 20, 2 * args.prompt_tokens * kv_bytes_per_token)
     print(
         f"model: Llama, {MODEL['num_hidden_layers']} layers, hidden {MODEL['hidden_size']}, "
         f"{MODEL['num_attention_heads']} heads / {MODEL['num_key_value_heads']} KV heads, "
         f"{sum(q.numel() for q in model.parameters()) / 1e6:.0f}M parameters, {args.dtype}, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} torch threads"
+        f"{'' if args.threads else ' (default)'}"
     )
     print(
         f"prompt {args.prompt_tokens} tokens, stored prefix {args.prefix_tokens} "
-        f"({args.prefix_tokens // bt} blocks of {bt}), KV {kv_bytes_per_token} B/token, "
-        f"medians of {args.reps} (L1: {args.reps * args.l1_reps})"
+        f"({blocks} blocks of {bt}), KV {kv_bytes_per_token} B/token, medians of {args.reps} "
+        "interleaved repetitions"
     )
 
     def recompute() -> torch.Tensor:
@@ -148,121 +152,103 @@ def main(argv: list[str], *, as_json: bool) -> int:
             )
         return out.logits[0, -1]
 
-    figures: dict[str, Any] = {}
+    def opened(client: Client) -> KVTierPrefixCache:
+        return KVTierPrefixCache(model, client, block_tokens=bt, staging_tokens=args.prompt_tokens)
+
+    max_diff = 0.0
+    first_token_mismatches = 0
+    reference: torch.Tensor | None = None
+
+    def loaded_prefill(kv: KVTierPrefixCache, tier: str) -> None:
+        nonlocal max_diff, first_token_mismatches
+        before = kv.stats().get(f"found_{tier}_blocks", 0)
+        logits, _, reused = kv.prefill(prompt, store=False)
+        int(logits[0].argmax())
+        if reused != args.prefix_tokens:
+            raise RuntimeError(f"reused {reused} tokens, expected {args.prefix_tokens}")
+        found = kv.stats().get(f"found_{tier}_blocks", 0) - before
+        if found != blocks:
+            raise RuntimeError(f"the load found {found} of {blocks} blocks in {tier}")
+        assert reference is not None
+        max_diff = max(max_diff, float((logits[0] - reference).abs().max()))
+        first_token_mismatches += int(int(logits[0].argmax()) != int(reference.argmax()))
+
+    times: dict[str, list[float]] = {"recompute": [], "l1": [], "l2": []}
+    dropped: list[bool] = []
     tmp = tempfile.mkdtemp(prefix="kvtier-ttft-", dir=args.l2_dir)
     try:
-        l2_dir: str | None = tmp
-        l2_ok, l2_note = _l2_supported(tmp, l1_bytes)
-        if not l2_ok:
-            l2_dir = None
-
-        def loaded_prefill(kv: KVTierPrefixCache) -> None:
-            logits, _, reused = kv.prefill(prompt, store=False)
-            int(logits[0].argmax())
-            if reused != args.prefix_tokens:
-                raise RuntimeError(f"reused {reused} tokens, expected {args.prefix_tokens}")
-            figures["max_logit_diff"] = max(
-                figures.get("max_logit_diff", 0.0),
-                float((logits[0] - figures["recompute_logits"]).abs().max()),
-            )
-
-        # (i) and (ii), interleaved so that a burst of load from other processes on the
-        # machine slows both rather than one of them.
+        # Store the prefix; the daemon writes it to L2 when it stops. Warm-ups: first-call
+        # costs (allocator, thread pool, the daemon's first copy) are not TTFT.
         with (
-            _daemon(l2_dir, l1_bytes) as daemon,
-            Client(daemon.address) as client,
-            KVTierPrefixCache(
-                model, client, block_tokens=bt, staging_tokens=args.prompt_tokens
-            ) as kv,
+            _daemon(tmp, l1_bytes) as daemon,
+            daemon.client() as client,
+            opened(client) as kv,
         ):
             t = time.perf_counter()
             kv.prefill(prefix)
             seed_s = time.perf_counter() - t
-            found = client.lookup(kv.pool.keys(prompt))
-            tiers = {Tier(x).name for x in found.tiers[: found.prefix_len]}
-            print(
-                f"      stored the prefix in {seed_s:.2f} s: {found.prefix_len} blocks in {tiers}"
-            )
-            # Warm-ups: first-call costs (allocator, thread pool, the daemon's first copy) are
-            # not TTFT.
-            figures["recompute_logits"] = recompute()
-            loaded_prefill(kv)
-            recompute_all: list[float] = []
-            l1_all: list[float] = []
-            before = kv.stats()
-            for _ in range(args.reps):
-                recompute_all += _median_s(recompute, 1)[1]
-                l1_all += _median_s(lambda: loaded_prefill(kv), args.l1_reps)[1]
-            after = kv.stats()
-        recompute_s = statistics.median(recompute_all)
-        l1_s = statistics.median(l1_all)
-        load = (after["load_s"] - before["load_s"]) / len(l1_all)
-        compute = (after["compute_s"] - before["compute_s"]) / len(l1_all)
-        print(f"(i)   recompute      {recompute_s:8.3f} s   {_fmt(recompute_all)}")
-        print(
-            f"(ii)  L1 load        {l1_s:8.3f} s   {_fmt(l1_all)}\n"
-            f"                                 (mean load {load * 1e3:.0f} ms + compute "
-            f"{compute * 1e3:.0f} ms)"
-        )
+            reference = recompute()
+            loaded_prefill(kv, "l1_host")
+        print(f"      stored the prefix in {seed_s:.2f} s")
 
-        # (iii) L2, cold: a fresh daemon per repetition finds the blocks only on disk.
-        l2_s: float | None = None
-        if l2_dir is not None:
-            l2_all = []
-            for _ in range(args.reps):
-                with (
-                    _daemon(l2_dir, l1_bytes) as daemon,
-                    Client(daemon.address) as client,
-                    KVTierPrefixCache(
-                        model, client, block_tokens=bt, staging_tokens=args.prompt_tokens
-                    ) as kv,
-                ):
-                    found = client.lookup(kv.pool.keys(prefix))
-                    where = {Tier(x).name for x in found.tiers[: found.prefix_len]}
-                    if found.prefix_len != len(found.tiers) or where != {"L2_DISK"}:
-                        raise RuntimeError(
-                            f"after a restart {found.prefix_len} of {len(found.tiers)} prefix "
-                            f"blocks are found, in {where}; expected all in L2_DISK"
-                        )
-                    l2_all += _median_s(lambda: loaded_prefill(kv), 1)[1]
-                    # The timed call's own lookup must have seen every block on disk only.
-                    seen = kv.stats().get("found_l2_disk_blocks", 0)
-                    if seen != found.prefix_len:
-                        raise RuntimeError(f"the timed load found {seen} blocks in L2 only")
-            l2_s = statistics.median(l2_all)
-            print(f"(iii) L2 load, cold  {l2_s:8.3f} s   {_fmt(l2_all)}")
-        else:
-            print(f"(iii) L2 load, cold      null   ({l2_note})")
+        for rep in range(args.reps):
+            dropped.append(not args.keep_cache and drop_page_cache())
+            with (
+                _daemon(tmp, l1_bytes) as daemon,
+                daemon.client() as client,
+                opened(client) as kv,
+            ):
+                found = client.lookup(kv.pool.keys(prefix))
+                where = {Tier(x).name for x in found.tiers[: found.prefix_len]}
+                if found.prefix_len != blocks or where != {"L2_DISK"}:
+                    raise RuntimeError(
+                        f"after a restart {found.prefix_len} of {blocks} prefix blocks are "
+                        f"found, in {where}; expected all in L2_DISK"
+                    )
+                steps: list[tuple[str, Callable[[], object]]] = [
+                    ("l2", partial(loaded_prefill, kv, "l2_disk")),
+                    ("l1", partial(loaded_prefill, kv, "l1_host")),
+                ]
+                steps.insert(rep % 3, ("recompute", recompute))
+                for name, fn in steps:
+                    times[name].append(_timed(fn))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    result = {
-        "recompute_s": round(recompute_s, 4),
-        "l1_s": round(l1_s, 4),
-        "l2_s": None if l2_s is None else round(l2_s, 4),
-        "l1_speedup": round(recompute_s / l1_s, 2),
-        "l2_speedup": None if l2_s is None else round(recompute_s / l2_s, 2),
+    med = {k: median(v) for k, v in times.items()}
+    cache = (
+        "page cache dropped before every restart"
+        if all(dropped)
+        else "page cache NOT dropped ("
+        + ("--keep-cache" if args.keep_cache else "not allowed here")
+        + "); the daemon's L2 reads use O_DIRECT regardless"
+    )
+    print(f"(i)   recompute      {med['recompute']:8.3f} s   {fmt_list(times['recompute'])}")
+    print(f"(ii)  L1 load        {med['l1']:8.3f} s   {fmt_list(times['l1'])}")
+    print(f"(iii) L2 load, cold  {med['l2']:8.3f} s   {fmt_list(times['l2'])}  ({cache})")
+    result: dict[str, Any] = {
+        "recompute_s": sig(med["recompute"]),
+        "l1_s": sig(med["l1"]),
+        "l2_s": sig(med["l2"]),
+        "l1_speedup": ratio(med["recompute"], med["l1"]),
+        "l2_speedup": ratio(med["recompute"], med["l2"]),
         "prompt_tokens": args.prompt_tokens,
         "prefix_tokens": args.prefix_tokens,
         "block_tokens": bt,
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "reps": args.reps,
-        "l1_reps": args.reps * args.l1_reps,
+        "page_cache_dropped": all(dropped),
         "kv_bytes_per_token": kv_bytes_per_token,
-        "max_logit_diff": figures.get("max_logit_diff"),
+        "max_logit_diff": max_diff,
+        "first_token_mismatches": first_token_mismatches,
+        "all_s": {k: [sig(x) for x in v] for k, v in times.items()},
     }
-    if l2_s is None:
-        result["l2_note"] = l2_note
-    speedups = f"speedup: L1 {result['l1_speedup']}x"
-    speedups += f", L2 {result['l2_speedup']}x" if l2_s is not None else ", L2 n/a"
     print(
-        f"{speedups} (target: L1 >= 5x); max |logit diff| vs recompute {result['max_logit_diff']:.2e}"
+        f"speedup: L1 {result['l1_speedup']}x, L2 {result['l2_speedup']}x (target: L1 >= 5x); "
+        f"max |logit diff| vs recompute {max_diff:.2e}, first token differs in "
+        f"{first_token_mismatches} of {2 * args.reps + 1} loads"
     )
     if as_json:
-        print(json.dumps(result))
+        print_json(result)
     return 0
-
-
-def _fmt(times: list[float]) -> str:
-    return "[" + ", ".join(f"{t:.3f}" for t in times) + "]"

@@ -1,32 +1,36 @@
-"""``kvtier bench l2`` runs end to end on a tiny working set and ends with its JSON line."""
+"""``kvtier bench l2`` at a tiny size: through the daemon, next to raw I/O, cleaned up."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import pytest
-
-from kvtier.bench import run_bench
+from benchjson import RunJson, assert_ratio
 
 
-def test_l2_bench_prints_figures_and_cleans_up(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_l2_bench_measures_the_daemon_against_raw_io_and_cleans_up(
+    tmp_path: Path, run_json: RunJson
 ) -> None:
     base = tmp_path / "bench"
-    args = ["--dir", str(base), "--blocks", "16", "--block-bytes", "262144", "--batch", "8"]
-    assert run_bench("l2", [*args, "--rounds", "1"], as_json=True) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    figures = json.loads(last)
-    for name in (
-        "read_gbps",
-        "write_gbps",
-        "raw_read_gbps",
-        "raw_write_gbps",
-        "read_ratio",
-        "write_ratio",
-        "checksum_gbps",
-    ):
-        assert figures[name] > 0, name
-    assert figures["checksum_failures"] == 0
-    assert not base.exists() or not any(base.iterdir())
+    f = run_json(
+        "l2",
+        *("--dir", str(base), "--blocks", "8", "--block-bytes", "262144", "--batch", "4"),
+        *("--rounds", "2", "--io-threads", "2", "--keep-cache"),
+    )
+    assert (f["blocks"], f["batch"], f["io_threads"], f["rounds"]) == (8, 4, 2, 2)
+    assert f["raw_io"] in ("o_direct", "buffered")
+    assert f["page_cache_dropped"] is False  # --keep-cache: a test leaves the cache alone
+    # One write pass per round, the first a first fill; one cold read after each.
+    assert len(f["put_gbps_all"]) == 2
+    assert len(f["raw_write_fill_gbps_all"]) == len(f["raw_write_overwrite_gbps_all"]) == 2
+    assert len(f["daemon_start_s"]) == 3
+    assert f["put_first_fill_gbps"] == f["put_gbps_all"][0]
+    assert f["raw_write_first_fill_gbps"] == f["raw_write_fill_gbps_all"][0]
+    assert_ratio(
+        f, "put_first_fill_ratio", f["put_first_fill_gbps"], f["raw_write_first_fill_gbps"]
+    )
+    # With two passes the overwrite figures are those of the second alone.
+    assert f["put_gbps"] == f["put_gbps_all"][1]
+    assert f["raw_write_gbps"] == f["raw_write_overwrite_gbps_all"][1]
+    assert_ratio(f, "put_ratio", f["put_gbps"], f["raw_write_gbps"])
+    assert_ratio(f, "get_cold_ratio", f["get_cold_gbps"], f["raw_read_gbps"])
+    assert not any(base.iterdir()), "the scratch folder is removed"

@@ -1,0 +1,326 @@
+"""``kvtier bench rpc``: the cost of one small request, next to a bare gRPC ping.
+
+Single-block requests (4 KiB blocks, one key per call) against a real kvtierd over its Unix
+socket, from 1 and from 4 client processes (``--clients``), each process with its own
+``kvtier.client.Client`` and registered shared-memory pool:
+- ``put``: ``Client.put`` of one new key from one pool page;
+- ``get``: ``Client.get`` of one key that process stored (in L1) into one page;
+- ``lookup``: ``Client.lookup`` of one stored key.
+
+Baselines, measured in the same run by the same client processes, one call at a time:
+- ``ping``: a minimal ``grpc.aio`` server in a process of its own with one unary echo RPC
+  (64 bytes each way, about the size of a one-key request) on a Unix socket of the same kind,
+  called through a plain gRPC channel: the floor any unary RPC over this transport pays;
+- ``health``: the daemon's own gRPC health Check on its socket (``Client.health``).
+
+Each phase runs one kind of call: the client processes (real processes, spawned) warm up,
+meet at a barrier, then each makes ``--ops`` calls back to back, timing each. Latency
+percentiles pool every call of every round; ops/s is all the calls of a phase over the time
+from the barrier to the last one finishing (median over rounds). A round runs every phase
+for every client count (ping, health, put, get, lookup); ``--rounds`` rounds alternate.
+
+Reported ratios (the issue's targets: p50 <= 1.3x, throughput >= 0.7x):
+``<op>_p50_vs_ping`` is the op's p50 over ping's p50 with the same number of clients;
+``<op>_ops_vs_ping`` is the op's ops/s with the most clients over ping's ops/s with as many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Barrier, Event
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.bench.common import arg_parser, median, pct_ms, print_json, ratio, scratch_dir, sig
+from kvtier.bench.launcher import bench_daemon
+
+BLOCK_BYTES = 4096
+PING_METHOD = "/kvtier.bench.Ping/Echo"
+PING_PAYLOAD = 64
+OPS = ("ping", "health", "put", "get", "lookup")
+DAEMON_OPS = ("put", "get", "lookup")
+_TIMEOUT_S = 300.0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = arg_parser("rpc", __doc__)
+    p.add_argument("--ops", type=int, default=1000, help="timed calls per client per phase (1000)")
+    p.add_argument("--warmup", type=int, default=50, help="untimed calls before each phase (50)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every phase (2)")
+    p.add_argument("--clients", default="1,4", help="client process counts, comma separated (1,4)")
+    p.add_argument("--pages", type=int, default=64, help="pages of each client's pool (64)")
+    args = p.parse_args(argv)
+    try:
+        args.client_counts = sorted({int(c) for c in args.clients.split(",")})
+    except ValueError:
+        p.error(f"--clients {args.clients!r}: expected numbers such as 1,4")
+    if min([args.ops, args.rounds, args.pages, *args.client_counts]) < 1 or args.warmup < 0:
+        p.error("counts must be at least 1 (--warmup at least 0)")
+    return args
+
+
+# ------------------------------------------------------------------ the ping server
+
+
+def _ping_server(path: str, ready: Event) -> None:
+    """A separate process: a grpc.aio server with one unary echo method on ``path``."""
+    import grpc
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    async def serve() -> None:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ]
+        )
+        handler = grpc.method_handlers_generic_handler(
+            "kvtier.bench.Ping", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
+        )
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+# ---------------------------------------------------------------- client processes
+
+
+def _worker(
+    conn: Connection,
+    barrier: Barrier,
+    daemon_address: str,
+    ping_address: str,
+    pages: int,
+) -> None:
+    """A client process: connects to both servers, then runs the phases it is sent."""
+    try:
+        import grpc
+
+        from kvtier.bench.common import block_layout
+        from kvtier.client import Client, SharedMemoryPool
+
+        layout = block_layout(BLOCK_BYTES, pages, num_layers=1)
+        with (
+            Client(daemon_address) as client,
+            SharedMemoryPool.for_layout(layout) as shm,
+            grpc.insecure_channel(ping_address) as channel,
+        ):
+            shm.array()[:] = np.frombuffer(os.urandom(layout.extent_bytes), np.uint8)
+            pool_id = client.register_pool(shm, layout).pool_id
+            echo = channel.unary_unary(PING_METHOD)
+            payload = os.urandom(PING_PAYLOAD)
+            stored: list[bytes] = []
+
+            def call(op: str, i: int, keys: list[bytes]) -> None:
+                page = i % pages
+                if op == "ping":
+                    if len(echo(payload, timeout=30)) != PING_PAYLOAD:
+                        raise RuntimeError("ping echoed a short reply")
+                elif op == "health":
+                    if not client.health():
+                        raise RuntimeError("the daemon is not SERVING")
+                elif op == "put":
+                    if client.put(pool_id, [keys[i]], [page]).stored != 1:
+                        raise RuntimeError("put stored nothing")
+                elif op == "get":
+                    key = stored[i % len(stored)]
+                    if client.get(pool_id, [key], [page]).prefix_len != 1:
+                        raise RuntimeError("get found nothing")
+                elif op == "lookup":
+                    if client.lookup([stored[i % len(stored)]]).prefix_len != 1:
+                        raise RuntimeError("lookup found nothing")
+                else:
+                    raise ValueError(op)
+
+            conn.send(("ready", None))
+            while (msg := conn.recv()) is not None:
+                op, nops, warmup = msg
+                warm_keys = [os.urandom(32) for _ in range(warmup)]
+                for i in range(warmup):
+                    call(op, i, warm_keys)
+                keys = [os.urandom(32) for _ in range(nops)] if op == "put" else []
+                lat = np.empty(nops, dtype=np.float64)
+                barrier.wait(_TIMEOUT_S)
+                t0 = time.monotonic()
+                for i in range(nops):
+                    t = time.perf_counter()
+                    call(op, i, keys)
+                    lat[i] = time.perf_counter() - t
+                t1 = time.monotonic()
+                if op == "put":
+                    stored = keys
+                conn.send(("done", (lat.tobytes(), t0, t1)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        # Leave the others waiting no longer.
+        barrier.abort()
+
+
+class _Clients:
+    """``count`` spawned client processes, driven phase by phase."""
+
+    def __init__(self, count: int, daemon_address: str, ping_address: str, pages: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.count = count
+        self.barrier = ctx.Barrier(count)
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for i in range(count):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker,
+                args=(child, self.barrier, daemon_address, ping_address, pages),
+                name=f"kvtier-bench-rpc-{count}-{i}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def _recv(self, conn: Connection) -> Any:
+        if not conn.poll(_TIMEOUT_S):
+            raise TimeoutError(f"a client process sent nothing for {_TIMEOUT_S:.0f} s")
+        kind, value = conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"a client process failed:\n{value}")
+        return value
+
+    def wait_ready(self) -> None:
+        for conn in self.conns:
+            self._recv(conn)
+
+    def phase(self, op: str, nops: int, warmup: int) -> tuple[np.ndarray, float]:
+        """Latencies of every call, and calls per second over the phase."""
+        for conn in self.conns:
+            conn.send((op, nops, warmup))
+        results = [self._recv(conn) for conn in self.conns]
+        lat = np.concatenate([np.frombuffer(r[0], dtype=np.float64) for r in results])
+        span = max(r[2] for r in results) - min(r[1] for r in results)
+        return lat, len(lat) / span
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str], *, as_json: bool = False) -> int:
+    args = _parse(argv)
+    as_json = as_json or args.json
+    counts: list[int] = args.client_counts
+    per_round = sum(counts) * (args.ops + args.warmup)
+    l1_bytes = args.rounds * per_round * BLOCK_BYTES + (128 << 20)
+    lat: dict[tuple[int, str], list[np.ndarray]] = {(k, op): [] for k in counts for op in OPS}
+    rate: dict[tuple[int, str], list[float]] = {(k, op): [] for k in counts for op in OPS}
+
+    ctx = mp.get_context("spawn")
+    with (
+        scratch_dir(None, "kvtier-bench-rpc-") as work,
+        bench_daemon(f"tiers.l1.capacity_bytes={l1_bytes}") as daemon,
+    ):
+        ping_path = str(Path(work) / "ping.sock")
+        ready = ctx.Event()
+        server = ctx.Process(target=_ping_server, args=(ping_path, ready), daemon=True)
+        server.start()
+        pools: list[_Clients] = []
+        try:
+            if not ready.wait(120):
+                raise RuntimeError("the ping server did not start")
+            for k in counts:
+                pools.append(_Clients(k, daemon.address, f"unix:{ping_path}", args.pages))
+            for pool in pools:
+                pool.wait_ready()
+            for _ in range(args.rounds):
+                for pool in pools:
+                    for op in OPS:
+                        calls, per_s = pool.phase(op, args.ops, args.warmup)
+                        lat[pool.count, op].append(calls)
+                        rate[pool.count, op].append(per_s)
+        finally:
+            for pool in pools:
+                pool.close()
+            server.terminate()
+            server.join(30)
+
+    top = counts[-1]
+    figures: dict[str, Any] = {
+        "block_bytes": BLOCK_BYTES,
+        "ops_per_client": args.ops,
+        "rounds": args.rounds,
+        "clients": counts,
+        "ping_payload_bytes": PING_PAYLOAD,
+        "targets": {"p50_vs_ping_max": 1.3, "ops_vs_ping_min": 0.7},
+    }
+    for k in counts:
+        per_op: dict[str, Any] = {}
+        for op in OPS:
+            calls = np.concatenate(lat[k, op])
+            per_op[op] = {
+                "p50_ms": sig(pct_ms(calls, 50)),
+                "p99_ms": sig(pct_ms(calls, 99)),
+                "ops_s": sig(median(rate[k, op])),
+            }
+        figures[f"clients_{k}"] = per_op
+    ratios: dict[str, float | None] = {}
+    for k in counts:
+        ping = figures[f"clients_{k}"]["ping"]
+        for op in ("health", *DAEMON_OPS):
+            suffix = "" if k == counts[0] else f"_{k}clients"
+            ratios[f"{op}_p50_vs_ping{suffix}"] = ratio(
+                figures[f"clients_{k}"][op]["p50_ms"], ping["p50_ms"]
+            )
+    ping_top = figures[f"clients_{top}"]["ping"]["ops_s"]
+    for op in ("health", *DAEMON_OPS):
+        ratios[f"{op}_ops_vs_ping"] = ratio(figures[f"clients_{top}"][op]["ops_s"], ping_top)
+    figures["ratios"] = ratios
+
+    print(
+        f"single-block RPCs, {BLOCK_BYTES} B blocks: {args.ops} timed calls per client process "
+        f"per phase, {args.rounds} rounds, client processes: {', '.join(map(str, counts))}"
+    )
+    print(
+        f"{'clients':>7}  {'rpc':<7}{'p50 ms':>8}{'p99 ms':>9}{'ops/s':>10}"
+        f"{'p50/ping':>10}{f'ops/s / ping({top})':>20}"
+    )
+    for k in counts:
+        ping = figures[f"clients_{k}"]["ping"]
+        for op in OPS:
+            f = figures[f"clients_{k}"][op]
+            p50r = ratio(f["p50_ms"], ping["p50_ms"])
+            opsr = ratio(f["ops_s"], ping_top) if k == top else None
+            print(
+                f"{k:>7}  {op:<7}{f['p50_ms']:8.3f}{f['p99_ms']:9.3f}{f['ops_s']:10.0f}"
+                f"{p50r:10.2f}{'' if opsr is None else f'{opsr:20.2f}'}"
+            )
+    print(
+        "ping: a bare grpc.aio unary echo server on a Unix socket; health: the daemon's gRPC "
+        f"health Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's"
+    )
+    if as_json:
+        print_json(figures)
+    return 0

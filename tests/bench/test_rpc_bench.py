@@ -1,0 +1,22 @@
+"""``kvtier bench rpc`` at a tiny size: every phase for each client count, ratios to ping."""
+
+from __future__ import annotations
+
+from benchjson import RunJson, assert_ratio
+
+
+def test_rpc_bench_reports_each_call_against_the_bare_ping(run_json: RunJson) -> None:
+    f = run_json("rpc", "--ops", "20", "--warmup", "2", "--rounds", "1", "--clients", "2,1")
+    assert f["clients"] == [1, 2]
+    assert f["block_bytes"] == 4096
+    for k in (1, 2):
+        per_op = f[f"clients_{k}"]
+        assert set(per_op) == {"ping", "health", "put", "get", "lookup"}
+        for op, fig in per_op.items():
+            assert 0 < fig["p50_ms"] <= fig["p99_ms"], op
+            assert fig["ops_s"] > 0, op
+    r, one, two = f["ratios"], f["clients_1"], f["clients_2"]
+    for op in ("health", "put", "get", "lookup"):
+        assert_ratio(r, f"{op}_p50_vs_ping", one[op]["p50_ms"], one["ping"]["p50_ms"])
+        assert_ratio(r, f"{op}_p50_vs_ping_2clients", two[op]["p50_ms"], two["ping"]["p50_ms"])
+        assert_ratio(r, f"{op}_ops_vs_ping", two[op]["ops_s"], two["ping"]["ops_s"])
