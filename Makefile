@@ -12,7 +12,7 @@ PROTO_OUT ?= proto
 GRPC_TOOLS ?= 1.62.3
 PROTO_VENV ?= .venv-proto
 
-.PHONY: run test example proto lint bench client-wheel test-packaging test-deploy clean
+.PHONY: run test example proto lint bench client-wheel test-packaging clean
 
 run:
 	@$(BOOTSTRAP) --profile run
@@ -58,11 +58,6 @@ client-wheel:
 test-packaging:
 	@$(BOOTSTRAP) --profile dev
 	$(PY) -m pytest -q -m packaging tests/packaging
-
-# systemd unit, container and Kubernetes checks that need systemd's tools (apt: systemd).
-test-deploy:
-	@$(BOOTSTRAP) --profile dev
-	$(PY) -m pytest -q tests/deploy
 
 clean:
 	rm -rf $(VENV) $(PROTO_VENV) .$(notdir $(VENV)).lock build dist *.egg-info var
