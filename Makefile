@@ -42,7 +42,7 @@ lint:
 	@$(BOOTSTRAP) --profile dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy daemon tiers client kernels bench cli paths.py
+	$(VENV)/bin/mypy daemon tiers client kernels bench cli paths.py tools packaging
 
 bench:
 	@$(BOOTSTRAP) --profile dev

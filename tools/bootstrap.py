@@ -77,7 +77,10 @@ def ensure(venv_dir: Path, profile: str) -> None:
     want = set(PROFILES[profile])
     digest = inputs_hash()
     stamp = read_stamp(stamp_path)
-    have = set(stamp.get("extras", [])) if stamp.get("hash") == digest else None  # type: ignore[arg-type]
+    recorded = stamp.get("extras")
+    have: set[str] | None = None
+    if stamp.get("hash") == digest and isinstance(recorded, list):
+        have = {str(x) for x in recorded}
     if have is not None and want <= have and python.exists():
         return
     if not python.exists():
