@@ -12,6 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from kvtier import paths
 from kvtier.client import PoolLayout, SharedMemoryPool
 
 LAYOUT = PoolLayout.staging(
@@ -34,29 +35,43 @@ def _keys(n: int, seed: int) -> list[bytes]:
     return [rng.bytes(32) for _ in range(n)]
 
 
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``kvtier`` in process (the help and error paths need no daemon)."""
+    from kvtier.cli.main import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.parametrize(
     "command", [[], ["stats"], ["top"], ["health"], ["replay"], ["bench"], ["status"]]
 )
-def test_every_command_has_help(command):
-    out = kvtier(*command, "--help")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage: kvtier")
+def test_every_command_has_help(capsys, command):
+    code, out, err = run_main(capsys, *command, "--help")
+    assert code == 0, err
+    assert out.startswith("usage: kvtier")
 
 
-def test_an_unreachable_daemon_names_the_address_it_tried(tmp_path):
+def test_an_unreachable_daemon_names_the_address_it_tried(tmp_path, capsys, monkeypatch):
     missing = f"unix:{tmp_path}/nobody.sock"
-    for command, code in (("stats", 1), ("top", 1), ("health", 3)):
-        out = kvtier("--address", missing, "--timeout", "2", command)
-        assert out.returncode == code, (command, out.stderr)
-        assert f"cannot reach kvtierd at {missing} (the address given)" in out.stderr
-        assert "--address" in out.stderr and "KVTIER_ADDRESS" in out.stderr
-    env = {**os.environ, "KVTIER_ADDRESS": missing}
-    out = kvtier("--timeout", "2", "stats", env=env)
-    assert f"at {missing} (from $KVTIER_ADDRESS)" in out.stderr
-    env.pop("KVTIER_ADDRESS")
-    env["XDG_RUNTIME_DIR"] = str(tmp_path)
-    out = kvtier("--timeout", "2", "stats", env=env)
-    assert "(the default; looked for " in out.stderr and "kvtierd.sock" in out.stderr
+    for command, expected in (("stats", 1), ("top", 1), ("health", 3)):
+        code, _, err = run_main(capsys, "--address", missing, "--timeout", "2", command)
+        assert code == expected, (command, err)
+        assert f"cannot reach kvtierd at {missing} (the address given)" in err
+        assert "--address" in err and "KVTIER_ADDRESS" in err
+    monkeypatch.setenv("KVTIER_ADDRESS", missing)
+    _, _, err = run_main(capsys, "--timeout", "2", "stats")
+    assert f"at {missing} (from $KVTIER_ADDRESS)" in err
+    monkeypatch.delenv("KVTIER_ADDRESS")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # No daemon of this host on the system socket may answer instead.
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", f"{tmp_path}/system/kvtierd.sock")
+    _, _, err = run_main(capsys, "--timeout", "2", "stats")
+    assert "(the default; looked for " in err and "kvtierd.sock" in err
 
 
 def test_stats_derives_hit_ratios_rates_and_latency(daemon):
