@@ -1,24 +1,21 @@
 # kvtier developer entry points. `make run` and `make test` are the README's two commands.
+# Each target first brings .venv up to what it needs (deploy/bootstrap.py: runtime dependencies
+# for `run`, test tools for `test`; the CPU build of torch where there is no CUDA; a lock
+# makes concurrent targets take turns).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.kvtier-installed
-# Extras installed into the development environment.
-EXTRAS ?= dev,transformers,plot,redis
+BOOTSTRAP := $(PYTHON) deploy/bootstrap.py --venv $(VENV)
 PROTO_OUT ?= proto
+# The generated modules are made with this grpcio-tools: the oldest whose output runs on every
+# protobuf from 3.20.3 to 7.x and every grpcio from 1.49.1 (tests/packaging checks both ends).
+GRPC_TOOLS ?= 1.62.3
+PROTO_VENV ?= .venv-proto
 
-.PHONY: run test test-l3-cluster system-deps proto lint bench clean
+.PHONY: run test test-l3-cluster system-deps example proto lint bench client-wheel test-packaging clean
 
-$(STAMP): pyproject.toml setup.py kernels/_copy.c
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@# Without CUDA take the CPU build of torch from its pinned release; any other spec may
-	@# pull a multi-GB CUDA build.
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
-	@touch $(STAMP)
-
-run: $(STAMP)
+run:
+	@$(BOOTSTRAP) --profile run
 	$(VENV)/bin/kvtierd $(ARGS)
 
 # The L3 tests start real redis-server processes: install Debian's when it is missing (as root),
@@ -26,7 +23,7 @@ run: $(STAMP)
 system-deps:
 	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing redis-server and redis-tools (the L3 tests run real Redis servers)"; \
+			echo "[kvtier] installing redis-server and redis-tools (the L3 tests run real Redis servers)"; \
 			DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 				redis-server redis-tools >/dev/null; \
@@ -36,28 +33,52 @@ system-deps:
 		fi; \
 	fi
 
-test: $(STAMP) system-deps
-	$(PY) -m pytest -m "not redis_cluster" $(PYTEST_ARGS)
+test: system-deps
+	@$(BOOTSTRAP) --profile dev
+	$(PY) -m pytest $(PYTEST_ARGS)
 
-# L3 on a real 3-master Redis Cluster (resharding, a master killed mid-workload): slower,
-# so outside `make test`'s budget; .ci/run runs both.
-test-l3-cluster: $(STAMP) system-deps
+# L3 on a real 3-master Redis Cluster (resharding, a master killed mid-workload): slower, so
+# outside `make test`'s budget; .ci/run runs it too.
+test-l3-cluster: system-deps
+	@$(BOOTSTRAP) --profile dev
 	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py $(PYTEST_ARGS)
 
-# Regenerate the committed protobuf modules (tests fail when they are stale).
-proto: $(STAMP)
+# The transformers example; needs a running daemon (`make run` in another shell).
+example:
+	@$(BOOTSTRAP) --profile example
+	$(PY) examples/prefix_reuse.py $(ARGS)
+
+# Regenerate the committed protobuf modules with the pinned grpcio-tools, in its own venv.
+proto:
+	@test -x $(PROTO_VENV)/bin/python || $(PYTHON) -m venv $(PROTO_VENV)
+	@$(PROTO_VENV)/bin/python -m pip install -q "grpcio-tools==$(GRPC_TOOLS)"
 	@mkdir -p $(PROTO_OUT)/.gen
-	$(PY) -m grpc_tools.protoc -Ikvtier/proto=proto --python_out=$(PROTO_OUT)/.gen \
-		--pyi_out=$(PROTO_OUT)/.gen --grpc_python_out=$(PROTO_OUT)/.gen proto/kvtier.proto
+	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -Ikvtier/proto=proto \
+		--python_out=$(PROTO_OUT)/.gen --pyi_out=$(PROTO_OUT)/.gen \
+		--grpc_python_out=$(PROTO_OUT)/.gen proto/kvtier.proto
 	mv $(PROTO_OUT)/.gen/kvtier/proto/kvtier_pb2*.py* $(PROTO_OUT)/
 	rm -rf $(PROTO_OUT)/.gen
 
-lint: $(STAMP)
+lint:
+	@$(BOOTSTRAP) --profile dev
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy daemon tiers client kernels bench
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy daemon tiers client kernels bench cli sim paths.py deploy/bootstrap.py deploy/build_client.py
 
-bench: $(STAMP)
+bench:
+	@$(BOOTSTRAP) --profile dev
 	$(VENV)/bin/kvtier bench l1
 
+# The pure-Python client distribution (dist/kvtier_client-*.whl).
+client-wheel:
+	@$(BOOTSTRAP) --profile dev
+	$(PY) deploy/build_client.py --out dist
+
+# The client wheel in fresh venvs with the oldest and newest supported grpcio, protobuf and
+# numpy (downloads them), and the generated modules against the pinned grpcio-tools.
+test-packaging:
+	@$(BOOTSTRAP) --profile dev
+	$(PY) -m pytest -q -m packaging tests/packaging
+
 clean:
-	rm -rf $(VENV) build *.egg-info var
+	rm -rf $(VENV) $(PROTO_VENV) .$(notdir $(VENV)).lock build dist *.egg-info var

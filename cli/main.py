@@ -1,25 +1,62 @@
-"""``kvtier``: the admin CLI (a client of a running daemon) and the benchmarks."""
+"""``kvtier``: the admin CLI (a client of a running daemon) and the benchmarks.
+
+Commands that talk to a daemon (``stats``, ``top``, ``health``) find it as every client does
+(``--address``, else ``$KVTIER_ADDRESS``, else the default socket of ``kvtier.paths``) and,
+when it cannot be reached, say which address they tried and how to change it.
+
+``kvtier health`` is meant for probes; its exit status says what it found:
+0 serving with every tier ok, 1 serving with a tier degraded or down (0 with
+``--degraded-ok``), 2 the daemon answers but is not serving (starting or stopping),
+3 unreachable.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
+import time
 
-from kvtier.bench import BENCHMARKS
-from kvtier.client import Client, KvtierError
-from kvtier.daemon.replay import add_replay_parser
+from kvtier.client import Client, DeadlineExceededError, KvtierError, UnavailableError
+from kvtier.client.types import address_hint, resolve_address
+
+HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.address, timeout_s=args.timeout, client_name="kvtier-cli")
+
+
+def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
+    address = resolve_address(args.address)
+    return (
+        f"kvtier: cannot reach kvtierd at {address} ({address_hint(args.address)}): "
+        f"{error.details}\n"
+        "  Is the daemon running? Start it with `kvtierd` (or `make run`); point kvtier at "
+        "another one with --address unix:/path/to.sock or KVTIER_ADDRESS."
+    )
 
 
 def _stats(args: argparse.Namespace) -> int:
-    with Client(args.address, timeout_s=args.timeout) as client:
+    from kvtier.cli.figures import derive, human_bytes, human_seconds, is_histogram, percent
+
+    with _client(args) as client:
+        before = None
+        if args.interval > 0:
+            before = client.stats()
+            time.sleep(args.interval)
         stats = client.stats()
+        address = client.address
+    fig = derive(stats, before)
     if args.json:
         print(
             json.dumps(
                 {
                     "version": stats.version,
+                    "address": address,
                     "uptime_s": stats.uptime_s,
                     "tiers": [
                         {
@@ -31,45 +68,160 @@ def _stats(args: argparse.Namespace) -> int:
                         }
                         for t in stats.tiers
                     ],
+                    "derived": _finite(dataclasses.asdict(fig)),
                     "counters": stats.counters,
                     "gauges": stats.gauges,
                 }
             )
         )
         return 0
-    print(f"kvtierd {stats.version}, up {stats.uptime_s:.0f}s")
-    for t in stats.tiers:
+    span = f"over the last {fig.window_s:.1f} s" if before else "since start"
+    print(f"kvtierd {stats.version} at {address}, up {stats.uptime_s:.0f}s")
+    print("tiers:")
+    for t in fig.tiers:
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         print(
-            f"  {t.tier.name:<10} {t.used_bytes / 2**30:8.2f} / {t.capacity_bytes / 2**30:.2f} GiB "
-            f"({pct:5.1f}%)  {t.blocks} blocks  {t.state}"
+            f"  {t.name:<10} {t.used_bytes / 2**30:8.2f} / {t.capacity_bytes / 2**30:.2f} GiB "
+            f"({pct:5.1f}%)  {t.blocks} blocks  hits {percent(t.hit_ratio):>6}  {t.state}"
         )
+    misses = ", ".join(f"{k} {v}" for k, v in sorted(fig.misses.items()) if v) or "none"
+    print(
+        f"lookups {span}: {fig.lookups} keys, hit ratio {percent(fig.hit_ratio)} "
+        f"(lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
+    )
+    moved = "".join(f", {d} {human_bytes(r)}/s" for d, r in fig.moved_bytes_per_s.items() if r)
+    print(
+        f"rates {span}: put {human_bytes(fig.put_bytes_per_s)}/s, get "
+        f"{human_bytes(fig.get_bytes_per_s)}/s, lookups {fig.lookups_per_s:.1f} keys/s{moved}"
+    )
+    if fig.latency:
+        print(f"latency {span}:")
+        print(f"  {'method':<16} {'calls':>8} {'errors':>7} {'mean':>10} {'p50':>10} {'p99':>10}")
+        for row in fig.latency:
+            print(
+                f"  {row.method:<16} {row.calls:>8} {row.errors:>7} "
+                f"{human_seconds(row.mean_s):>10} {human_seconds(row.p50_s):>10} "
+                f"{human_seconds(row.p99_s):>10}"
+            )
+    print("gauges:")
     for name, value in sorted(stats.gauges.items()):
         print(f"  {name} = {value:g}")
+    print("counters:")
     for name, value in sorted(stats.counters.items()):
-        print(f"  {name} = {value}")
+        if not is_histogram(name):
+            print(f"  {name} = {value}")
     return 0
+
+
+def _finite(obj: object) -> object:
+    """NaN (a ratio of nothing) as null, so the JSON is standard."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _top(args: argparse.Namespace) -> int:
+    from kvtier.cli.top import run
+
+    with _client(args) as client:
+        client.stats()  # fail fast, with the address, before the screen is taken
+        return run(client, args.interval, once=args.once)
+
+
+def _health(args: argparse.Namespace) -> int:
+    client = _client(args)
+    try:
+        try:
+            serving = client.health()
+        except (UnavailableError, DeadlineExceededError) as e:
+            print(_unreachable(args, e), file=sys.stderr)
+            return UNREACHABLE
+        if not serving:
+            print(f"not serving: kvtierd at {client.address} is starting or stopping")
+            return NOT_SERVING
+        stats = client.stats()
+    finally:
+        client.close()
+    bad = [t for t in stats.tiers if t.state != "ok"]
+    tiers = ", ".join(f"{t.tier.name} {t.state}" for t in stats.tiers)
+    if bad:
+        print(f"degraded: kvtierd {stats.version} at {client.address} serving; {tiers}")
+        return HEALTHY if args.degraded_ok else DEGRADED
+    print(f"ok: kvtierd {stats.version} at {client.address} serving; {tiers}")
+    return HEALTHY
 
 
 def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import run_bench
 
+    if args.what is None:
+        if {"-h", "--help"} & set(args.extra):
+            args.parser.print_help()
+            return 0
+        args.parser.error("name a benchmark")
     return run_bench(args.what, args.extra, as_json=args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtier", description="kvtier admin CLI")
-    p.add_argument(
-        "--address", help="daemon address (default: $KVTIER_ADDRESS or unix:var/kvtierd.sock)"
+    from kvtier.bench import BENCHMARKS
+    from kvtier.daemon.replay import add_replay_parser
+
+    p = argparse.ArgumentParser(
+        prog="kvtier",
+        description="kvtier admin CLI: inspect a running kvtierd, replay traces, run benchmarks.",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument(
+        "--address",
+        help="daemon address, e.g. unix:/run/kvtier/kvtierd.sock (default: $KVTIER_ADDRESS, "
+        "else the default socket: /run/kvtier/kvtierd.sock for a system service, "
+        "$XDG_RUNTIME_DIR/kvtier/kvtierd.sock for a user's daemon)",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
-        "stats", aliases=["status"], help="tier usage and counters of a running daemon"
+        "stats",
+        aliases=["status"],
+        help="tier usage, hit ratios, rates, latency and counters of a running daemon",
+        description="Tier usage, hit ratios, transfer rates, RPC latency and every counter. "
+        "Without --interval, ratios and rates cover the daemon's lifetime.",
     )
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="one JSON object (raw and derived)")
+    s.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="measure ratios, rates and latency over S seconds instead of since start",
+    )
     s.set_defaults(func=_stats)
+
+    t = sub.add_parser(
+        "top",
+        help="live view of a running daemon, refreshed every second",
+        description="Tiers, hit ratios, transfer rates and RPC latency, refreshed every "
+        "interval. Ctrl-C quits.",
+    )
+    t.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh (1 s)")
+    t.add_argument("--once", action="store_true", help="print one frame and exit")
+    t.set_defaults(func=_top)
+
+    h = sub.add_parser(
+        "health",
+        help="probe a running daemon; the exit status says what it found",
+        description="Exit status: 0 serving and every tier ok; 1 serving with a tier degraded "
+        "or down; 2 answering but not serving (starting or stopping); 3 unreachable.",
+    )
+    h.add_argument(
+        "--degraded-ok",
+        action="store_true",
+        help="exit 0 while serving even with a tier degraded (for liveness/readiness probes)",
+    )
+    h.set_defaults(func=_health)
 
     # No -h of its own: `kvtier bench NAME --help` is the benchmark's help.
     b = sub.add_parser(
@@ -78,9 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmarks (each starts its own daemon)",
         description="Run a benchmark; `kvtier bench NAME --help` lists its options.",
     )
-    b.add_argument("what", choices=sorted(BENCHMARKS), help="which benchmark")
+    b.add_argument("what", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
     b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
-    b.set_defaults(func=_bench)
+    b.set_defaults(func=_bench, parser=b)
 
     add_replay_parser(sub)
 
@@ -96,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         # Not by resetting SIGPIPE: main() also runs inside other programs (tests).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (UnavailableError, DeadlineExceededError) as e:
+        print(_unreachable(args, e), file=sys.stderr)
+        return 1
     except KvtierError as e:
         print(f"kvtier: {type(e).__name__}: {e.details}", file=sys.stderr)
         return 1

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
@@ -44,7 +44,11 @@ class AsyncClient:
         self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
         self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTierStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._health = self._channel.unary_unary(
+            hc.CHECK_METHOD,
+            request_serializer=hc.encode_request,
+            response_deserializer=hc.decode_response,
+        )
         self._lock = asyncio.Lock()
         self._session_id = ""
         self._session_call: Any = None
@@ -211,12 +215,10 @@ class AsyncClient:
 
     async def health(self, service: str = "") -> bool:
         try:
-            resp = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=self.timeout_s
-            )
+            status = await self._health(service, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+        return bool(status == hc.SERVING)
 
     # ------------------------------------------------------------ high level
 

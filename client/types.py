@@ -11,12 +11,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier import paths
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPES as _DTYPES
 
-DEFAULT_ADDRESS = "unix:var/kvtierd.sock"
-ADDRESS_ENV = "KVTIER_ADDRESS"
+ADDRESS_ENV = paths.ADDRESS_ENV
 
 
 class Tier(enum.IntEnum):
@@ -116,13 +116,24 @@ def split_counter(key: str) -> tuple[str, dict[str, str]]:
 
 
 def resolve_address(address: str | None) -> str:
-    """A gRPC target: ``unix:PATH`` (relative paths resolved now) or ``host:port``."""
-    address = address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+    """The gRPC target: ``address``, else ``$KVTIER_ADDRESS``, else the default socket
+    (``kvtier.paths``: the first of the user's and the system's daemon sockets that exists).
+    Unix socket paths are made absolute."""
+    address = address or os.environ.get(ADDRESS_ENV) or "unix:" + paths.default_client_socket()
     if address.startswith("unix:") and not address.startswith("unix://"):
         return "unix:" + os.path.abspath(address[len("unix:") :])
     if address.startswith("/") or address.startswith("."):
         return "unix:" + os.path.abspath(address)
     return address
+
+
+def address_hint(address: str | None) -> str:
+    """Where a resolved address came from, for an "unreachable" message."""
+    if address:
+        return "the address given"
+    if os.environ.get(ADDRESS_ENV):
+        return f"from ${ADDRESS_ENV}"
+    return "the default; looked for " + " and ".join(paths.client_candidates())
 
 
 # ---------------------------------------------------------------------- requests

@@ -10,31 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvtier import paths
 from kvtier.daemon.errors import ConfigError
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    None: 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*$", re.IGNORECASE)
+_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 
 
 def parse_size(value: object) -> int:
-    """Bytes from an int or a string such as ``"64MiB"`` or ``"1.5GB"``."""
+    """Bytes from an int or a string: ``"64MiB"``/``"64Mi"`` are binary (2**20), ``"2GB"``/
+    ``"2G"`` decimal (10**9), as in Kubernetes quantities; case does not matter."""
     if isinstance(value, bool):
         raise ValueError("expected a size, got a boolean")
     if isinstance(value, int):
@@ -42,9 +34,24 @@ def parse_size(value: object) -> int:
     if isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m:
-            unit = m.group(2).lower() if m.group(2) else None
-            return int(float(m.group(1)) * _SIZE_UNITS[unit])
-    raise ValueError(f"expected a size such as 1073741824 or '1GiB', got {value!r}")
+            number, prefix, binary, _ = m.groups()
+            scale = 1
+            if prefix:
+                power = _POWERS[prefix.upper()]
+                scale = 1 << (10 * power) if binary else 10 ** (3 * power)
+            return int(float(number) * scale)
+    raise ValueError(f"expected a size such as 1073741824, '1GiB', '1Gi' or '1G', got {value!r}")
+
+
+def format_size(nbytes: int) -> str:
+    """The shortest exact spelling of a size that ``parse_size`` reads back: ``"1GiB"``,
+    ``"2GB"``, ``"1000"``."""
+    for power, prefix in sorted(((p, k) for k, p in _POWERS.items()), reverse=True):
+        if nbytes and nbytes % (1 << (10 * power)) == 0:
+            return f"{nbytes >> (10 * power)}{prefix}iB"
+        if nbytes and nbytes % (10 ** (3 * power)) == 0:
+            return f"{nbytes // 10 ** (3 * power)}{prefix}B"
+    return str(nbytes)
 
 
 def _opt(
@@ -58,11 +65,18 @@ def _opt(
     return {"kind": kind, "lo": lo, "hi": hi, "choices": choices, "doc": doc}
 
 
+AUTO_SOCKET = "auto"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     socket: str = field(
-        default="var/kvtierd.sock",
-        metadata=_opt("str", doc="Unix socket path of the gRPC API; empty disables it"),
+        default=AUTO_SOCKET,
+        metadata=_opt(
+            "str",
+            doc="Unix socket path of the gRPC API; 'auto' follows kvtier.paths (the path the "
+            "client looks for); empty disables it",
+        ),
     )
     tcp_address: str = field(
         default="",
@@ -396,6 +410,37 @@ class LoggingConfig:
         pass
 
 
+def split_host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"`` or a bare port (on ``default_host``); port 0 takes
+    any free port."""
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        host, port = default_host, address
+    host = host.strip("[]") or default_host
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port or a port number")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    address: str = field(
+        default="",
+        metadata=_opt(
+            "str",
+            doc="where Prometheus scrapes /metrics: host:port, or a port on 127.0.0.1; "
+            "empty (the default) serves no metrics",
+        ),
+    )
+
+    def check(self) -> None:
+        if self.address:
+            try:
+                split_host_port(self.address)
+            except ValueError as e:
+                raise ConfigError(f"config key 'metrics.address': {e}") from None
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -403,15 +448,79 @@ class Config:
     mover: MoverConfig = field(default_factory=MoverConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def printable(self) -> dict[str, Any]:
+        """``as_dict`` with sizes in units (``1GiB``), as ``--print-config`` shows it; loading
+        it back gives the same config."""
+        return _printable(self)
+
+
+def _printable(section: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _printable(value)
+        elif f.metadata and f.metadata["kind"] == "size":
+            out[f.name] = format_size(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def config_keys(cls: Any = None, prefix: str = "") -> list[str]:
+    """Every key's dotted path (``tiers.l1.capacity_bytes``), in declaration order."""
+    keys: list[str] = []
+    for f in dataclasses.fields(cls or Config):
+        where = f"{prefix}{f.name}"
+        if _is_section(f):
+            keys += config_keys(f.default_factory, where + ".")
+        else:
+            keys.append(where)
+    return keys
+
+
+ENV_PREFIX = "KVTIER_"
+
+
+def env_name(key: str) -> str:
+    """The environment variable of a config key: ``tiers.l1.capacity_bytes`` is
+    ``KVTIER_TIERS_L1_CAPACITY_BYTES``."""
+    return ENV_PREFIX + key.upper().replace(".", "_")
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """``section.key=value`` overrides from ``KVTIER_*`` variables. A variable under a
+    section's prefix (``KVTIER_TIERS_...``) that names no key is an error, as an unknown key in
+    the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
+    config."""
+    names = {env_name(k): k for k in config_keys()}
+    sections = tuple(env_name(f.name) + "_" for f in dataclasses.fields(Config))
+    out = []
+    for var, value in sorted(environ.items()):
+        if var in names:
+            out.append(f"{names[var]}={value}")
+        elif var.startswith(sections):
+            raise ConfigError(
+                f"environment variable {var} names no config key (the variable of "
+                f"tiers.l1.capacity_bytes is {env_name('tiers.l1.capacity_bytes')})"
+            )
+    return out
+
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    environ: Mapping[str, str] | None = None,
 ) -> Config:
-    """The effective config: defaults, then the file, then ``section.key=value`` overrides."""
+    """The effective config: defaults, then the file, then ``KVTIER_*`` variables of
+    ``environ`` (none unless given), then ``section.key=value`` overrides."""
+    if environ is not None:
+        overrides = [*env_overrides(environ), *overrides]
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -435,8 +544,19 @@ def load_config(
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"'{'.'.join(path_parts[: depth + 1])}' must be a mapping")
-        node[path_parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+        node[path_parts[-1]] = _override_value(value)
     return build_config(raw)
+
+
+def _override_value(text: str) -> Any:
+    """A ``--set`` or environment value, read as YAML (``true``, ``2``, ``0.5``); text YAML
+    cannot read (``[::1]:5000``) stays the string given."""
+    if not text.strip():
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 # Sections that moved; naming the new place beats "unknown section".
@@ -448,6 +568,10 @@ def build_config(raw: dict[str, Any]) -> Config:
         if old in raw:
             raise ConfigError(f"config section '{old}' is now '{new}' (see deploy/kvtier.yaml)")
     config = _build_section("", Config, raw)
+    if config.server.socket == AUTO_SOCKET:
+        config = dataclasses.replace(
+            config, server=dataclasses.replace(config.server, socket=paths.daemon_socket())
+        )
     for f in dataclasses.fields(Config):
         getattr(config, f.name).check()
     return config
@@ -481,6 +605,14 @@ def _build_section(section: str, cls: Any, values: Any) -> Any:
     return cls(**kwargs)
 
 
+def _canonical_choice(value: str, choices: tuple[str, ...] | None) -> str:
+    """Choices match whatever their case (``debug`` is ``DEBUG``)."""
+    for choice in choices or ():
+        if choice.lower() == value.lower():
+            return choice
+    return value
+
+
 def _coerce(where: str, value: Any, meta: Any) -> Any:
     kind = meta["kind"]
     try:
@@ -511,9 +643,11 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 and str(value).lower() in meta["choices"]
             ):
                 value = str(value).lower()
+            if isinstance(value, int) and not isinstance(value, bool):
+                value = str(value)  # a bare port, as YAML reads it
             if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {value!r}")
-            out = value
+            out = _canonical_choice(value, meta["choices"])
         else:
             raise AssertionError(f"unknown option kind {kind}")
     except ValueError as e:

@@ -1,33 +1,104 @@
-"""Logging setup: plain text for people, one JSON object per line for log pipelines."""
+"""Logging setup: plain text for people, one JSON object per line for log pipelines; and the
+request context every log line carries.
+
+The RPC layer (``daemon/observe.py``) binds a request id, and the session and pool the request
+names, in context variables for the duration of each request; ``RequestContextFilter`` copies
+them onto every record, so any line a request causes (in the servicer, the store, a background
+task it started, or a transfer thread; asyncio tasks and the transfer executor copy the
+context) names them without a single call site passing them along.
+
+Thread-safety: context variables are per task and per thread; the handlers are the logging
+module's own.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+session_id: contextvars.ContextVar[str] = contextvars.ContextVar("session_id", default="")
+pool_id: contextvars.ContextVar[int] = contextvars.ContextVar("pool_id", default=0)
+
+# Record attributes (and JSON keys) the filter sets, in output order.
+CONTEXT_FIELDS = ("request_id", "session_id", "pool_id")
+
+
+@contextmanager
+def request_context(rid: str, session: str = "", pool: int = 0) -> Iterator[None]:
+    """Bind the ids of one request for the code that runs inside."""
+    tokens = (request_id.set(rid), session_id.set(session), pool_id.set(pool))
+    try:
+        yield
+    finally:
+        pool_id.reset(tokens[2])
+        session_id.reset(tokens[1])
+        request_id.reset(tokens[0])
+
+
+class RequestContextFilter(logging.Filter):
+    """Copies the bound ids onto each record (empty strings / 0 outside a request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        record.session_id = session_id.get()
+        record.pool_id = pool_id.get()
+        return True
+
+
+def _context_text(record: logging.LogRecord) -> str:
+    parts = []
+    if rid := getattr(record, "request_id", ""):
+        parts.append(f"req={rid}")
+    if sid := getattr(record, "session_id", ""):
+        parts.append(f"session={sid}")
+    if pid := getattr(record, "pool_id", 0):
+        parts.append(f"pool={pid}")
+    return f" [{' '.join(parts)}]" if parts else ""
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        context = _context_text(record)
+        if not context:
+            return text
+        # After the message's first line, so a traceback keeps its shape.
+        first, nl, rest = text.partition("\n")
+        return first + context + nl + rest
 
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value:
+                entry[name] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
 
 
 def setup_logging(level: str, fmt: str) -> None:
+    """Install the one stderr handler (replacing any), at ``level`` (any case)."""
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(RequestContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
+    root.setLevel(level.upper())

@@ -1,28 +1,47 @@
-"""``kvtierd``: run the daemon."""
+"""``kvtierd``: run the daemon.
+
+The effective config is the embedded defaults, then ``--config FILE`` (or ``$KVTIER_CONFIG``),
+then ``KVTIER_*`` environment variables, then ``--set`` overrides. Before anything is
+allocated the host checks of ``daemon/preflight.py`` run (memory, disk space, the socket), so a
+config that cannot run here fails at once with the key named. SIGHUP loads the config again
+the same way and applies what can change live (``daemon/reload.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
+from typing import Any
 
 import yaml
 
 from kvtier import __version__
-from kvtier.daemon.config import load_config
+from kvtier.daemon import preflight
+from kvtier.daemon.config import Config, load_config
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 
 log = logging.getLogger("kvtier.daemon")
 
+CONFIG_ENV = "KVTIER_CONFIG"
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="kvtierd", description="Tiered KV-cache storage daemon for LLM inference."
+        prog="kvtierd",
+        description="Tiered KV-cache storage daemon for LLM inference. The config is the "
+        "embedded defaults, then --config, then KVTIER_* environment variables (one per key: "
+        "tiers.l1.capacity_bytes is KVTIER_TIERS_L1_CAPACITY_BYTES), then --set.",
     )
     p.add_argument(
-        "--config", metavar="FILE", help="YAML config; without it the embedded defaults apply"
+        "--config",
+        metavar="FILE",
+        default=os.environ.get(CONFIG_ENV) or None,
+        help=f"YAML config (default: ${CONFIG_ENV}); without it the embedded defaults apply",
     )
     p.add_argument(
         "--set",
@@ -33,43 +52,86 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override one config value (repeatable), e.g. --set tiers.l1.capacity_bytes=4GiB",
     )
     p.add_argument(
-        "--print-config", action="store_true", help="print the effective config and exit"
+        "--print-config",
+        action="store_true",
+        help="print the effective config (sizes in units) and exit",
     )
-    p.add_argument("--check-config", action="store_true", help="validate the config and exit")
+    p.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the config and check this host can run it (memory, disk space, the "
+        "socket), then exit: 0 when it can, 1 when not, 2 for a bad config",
+    )
     p.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+
+    def load() -> Config:
+        return load_config(args.config, args.overrides, environ=os.environ)
+
     try:
-        config = load_config(args.config, args.overrides)
+        config = load()
     except ConfigError as e:
         print(f"kvtierd: config error: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        yaml.safe_dump(config.as_dict(), sys.stdout, sort_keys=False)
+        yaml.safe_dump(config.printable(), sys.stdout, sort_keys=False)
         return 0
+    problems = preflight.check(config)
     if args.check_config:
+        for line in preflight.summary(config):
+            print(f"  {line}")
+        for problem in problems:
+            print(f"kvtierd: cannot start: {problem}", file=sys.stderr)
+        if problems:
+            return 1
         print("config ok")
         return 0
+    if problems:
+        for problem in problems:
+            print(f"kvtierd: cannot start: {problem}", file=sys.stderr)
+        return 1
     setup_logging(config.logging.level, config.logging.format)
-    from kvtier.daemon.server import serve  # heavy imports after the config is known good
-
-    def ready(daemon: object) -> None:
-        addresses = ", ".join(getattr(daemon, "addresses", []))
-        print(f"kvtierd {__version__} listening on {addresses}", flush=True)
-
-    from kvtier.tiers.base import TierError
+    from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
     try:
-        asyncio.run(serve(config, on_ready=ready))
+        asyncio.run(_serve(config, load))
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1
     except KeyboardInterrupt:
         pass
     return 0
+
+
+async def _serve(config: Config, load: Any) -> None:
+    """Run the daemon with its operations around it: the metrics endpoint and SIGHUP."""
+    from kvtier.daemon.metrics import MetricsServer
+    from kvtier.daemon.reload import Reloader
+    from kvtier.daemon.server import Daemon, serve
+
+    metrics: MetricsServer | None = None
+
+    def ready(daemon: Daemon) -> None:
+        nonlocal metrics
+        if config.metrics.address:
+            metrics = MetricsServer(daemon, config.metrics.address)
+            metrics.start()
+        reloader = Reloader(daemon, load)
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
+        where = ", ".join(daemon.addresses)
+        extra = f"; metrics on {metrics.url}" if metrics is not None else ""
+        print(f"kvtierd {__version__} listening on {where}{extra}", flush=True)
+
+    try:
+        await serve(config, on_ready=ready)
+    finally:
+        if metrics is not None:
+            # Off the loop: a scrape in progress waits for the loop to answer it.
+            await asyncio.to_thread(metrics.close)
 
 
 if __name__ == "__main__":

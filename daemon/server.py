@@ -33,6 +33,7 @@ from kvtier.daemon.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvtier.daemon.observe import RpcObserver
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
@@ -249,13 +250,15 @@ class Daemon:
     async def start(self) -> None:
         cfg = self.config.server
         self.server = grpc.aio.server(
+            # Latency per method and status, and request ids in log lines (daemon/observe.py).
+            interceptors=[RpcObserver(self.store.latency)],
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-            ]
+            ],
         )
         pb_grpc.add_KVTierServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

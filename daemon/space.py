@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.misses import EVICTED, MissLedger
 from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.stack import Level, TierStack
 from kvtier.daemon.stats import Counters
@@ -68,6 +69,8 @@ class SpaceManager:
         self.batch_blocks = batch_blocks
         self._pending_touches: list[tuple[np.ndarray, float]] = []
         self.background: set[asyncio.Task[Any]] = set()
+        # Why keys are missing, for the lookup miss counts (metrics).
+        self.misses = MissLedger()
         table.on_free.append(self._forget_in_policies)
 
     # ------------------------------------------------------------------ accesses
@@ -140,7 +143,12 @@ class SpaceManager:
         for j, word in enumerate(self.table.keys[bids, 0].tolist()):
             decision = level.admission.decide(word, victim_word, now)
             admit[j] = decision.admit
-            self.counters.inc("admission", tier=level.label, reason=decision.reason)
+            self.counters.inc(
+                "admission",
+                tier=level.label,
+                reason=decision.reason,
+                admitted="true" if decision.admit else "false",
+            )
         return admit
 
     # ------------------------------------------------------------------ placing
@@ -475,6 +483,7 @@ class SpaceManager:
         slot = int(table.slot[bid, level.col])
         table.slot[bid, level.col] = -1
         if not (table.slot[bid] >= 0).any():
+            self.misses.record([int(table.keys[bid, 0])], EVICTED)  # a delete discards it
             table.remove(bid)
         if level.keyed:
             return None

@@ -37,6 +37,8 @@ import numpy as np
 
 from kvtier.daemon.config import Config
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.daemon.latency import Histograms
+from kvtier.daemon.misses import DECLINED
 from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.space import SpaceManager
@@ -109,9 +111,14 @@ class BlockStore:
             len(self.stack), checksummed=tuple(lv.checksummed for lv in self.stack)
         )
         self.counters = Counters()
+        # Latency histograms (transfers here; the RPC layer adds its own), for metrics.
+        self.latency = Histograms()
         self.prefetches = PrefetchLedger()
         self.transfers = TransferEngine(
-            self.counters, background_workers=config.mover.workers, clock=clock
+            self.counters,
+            background_workers=config.mover.workers,
+            clock=clock,
+            latency=self.latency,
         )
         self.space = SpaceManager(
             self.table,
@@ -217,7 +224,19 @@ class BlockStore:
                 self.space.touch(fid, self._clock())
         self.counters.inc("lookup_keys", len(ids))
         self.counters.inc("lookup_hits", int(found.sum()))
+        self._count_hits(words, tiers, found)
         return prefix, tiers, ids
+
+    def _count_hits(self, words: np.ndarray, tiers: np.ndarray, found: np.ndarray) -> None:
+        """hits{tier}: by the fastest tier holding the key; misses{reason}: why not held."""
+        if found.any():
+            kinds, counts = np.unique(tiers[found], return_counts=True)
+            for kind, n in zip(kinds.tolist(), counts.tolist(), strict=True):
+                self.counters.inc("hits", n, tier=TierKind(kind).label)
+        if not found.all():
+            missing = words[~found, 0].tolist()
+            for reason, n in self.space.misses.classify(missing).items():
+                self.counters.inc("misses", n, reason=reason)
 
     async def _discover(self, ns: int, words: np.ndarray, ids: np.ndarray, start: int) -> None:
         """Probe the key-addressed tiers for ``words[start:]``; blocks of the present prefix
@@ -291,6 +310,7 @@ class BlockStore:
         for lv in self.stack:
             for name, value in lv.tier.stats().counters.items():
                 out[f"{lv.label.lower()}_{name}"] = int(value)
+        out.update(self.latency.flat())
         return out
 
     # ------------------------------------------------------------------ writes
@@ -347,6 +367,8 @@ class BlockStore:
         stored = bids[:placed]
         self._abandon(bids[placed:])
         results[new_idx[placed:]] = PutResult.REJECTED_FULL
+        self.space.misses.record(words[new_idx[placed:], 0].tolist(), DECLINED)
+        self.space.misses.discard(words[new_idx[:placed], 0].tolist())
         new_idx = new_idx[:placed]
         if len(stored):
             self._commit_new(stored, new_idx, existing, ns, parent_words)
@@ -533,6 +555,7 @@ class BlockStore:
         good = np.asarray(ok, dtype=bool)
         for b in bids[~good].tolist():
             self.space.lose_copy(b, level)
+        self.counters.inc("load_failures", int(np.count_nonzero(~good)), tier=level.label)
         self.counters.inc("loaded_from", int(good.sum()), tier=level.label)
         return idx, good
 
@@ -631,6 +654,7 @@ class BlockStore:
                 with contextlib.suppress(Exception):
                     await level.keys.remove(refs)
         deleted = int(np.count_nonzero(~busy))
+        self.space.misses.discard(words[:, 0].tolist())  # deleted on purpose: "absent"
         self.counters.inc("deleted_blocks", deleted)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
 

@@ -24,6 +24,7 @@ slots the store has marked in flight.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.latency import Histograms
 from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.stats import Counters
 from kvtier.tiers.base import (
@@ -65,8 +67,11 @@ class TransferEngine:
         *,
         background_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        latency: Histograms | None = None,
     ) -> None:
         self.counters = counters
+        # transfer_seconds{direction}: one observation per batch, for metrics.
+        self.latency = latency if latency is not None else Histograms()
         self._clock = clock
         self.executor = PriorityExecutor(
             background_workers + DEMAND_THREADS, "kvtier-xfer", reserved=DEMAND_THREADS
@@ -132,12 +137,16 @@ class TransferEngine:
         """Copy pool pages into a level's slots (exceptions from the copy propagate: the
         caller abandons the blocks)."""
         batch = WriteBatch(slots, refs, nbytes, pages, priority)
-        if level.keyed:
-            ok = await level.keys.write(refs, nbytes, pages)
-            return [WriteOutcome(-1, bool(g)) for g in ok]
-        if self._inline(level, len(slots) * nbytes):
-            return level.slots.write(batch)
-        return await self._run(priority, level.slots.write, batch)  # type: ignore[no-any-return]
+        started = time.perf_counter()
+        try:
+            if level.keyed:
+                ok = await level.keys.write(refs, nbytes, pages)
+                return [WriteOutcome(-1, bool(g)) for g in ok]
+            if self._inline(level, len(slots) * nbytes):
+                return level.slots.write(batch)
+            return await self._run(priority, level.slots.write, batch)  # type: ignore[no-any-return]
+        finally:
+            self._observe(started, f"pool->{level.label}")
 
     async def to_pool(
         self,
@@ -150,14 +159,18 @@ class TransferEngine:
         priority: Priority = Priority.DEMAND,
     ) -> list[bool]:
         """Copy blocks held by a level into pool pages; False per block is a miss."""
+        started = time.perf_counter()
         if level.keyed:
-            return list(await level.keys.read(refs, nbytes, pages))
+            got = list(await level.keys.read(refs, nbytes, pages))
+            self._observe(started, f"{level.label}->pool")
+            return got
         batch = ReadBatch(slots, refs, nbytes, pages, checksums, priority)
         if self._inline(level, len(slots) * nbytes):
             ok = level.slots.read(batch)
         else:
             ok = await self._run(priority, level.slots.read, batch)
-        if level.kind != TierKind.HOST:
+        self._observe(started, f"{level.label}->pool")
+        if not level.host_memory:
             self._count_move(level.label, "pool", sum(ok), nbytes)
         return list(ok)
 
@@ -183,10 +196,12 @@ class TransferEngine:
         await self._throttle(src.reads, n * nbytes, direction)
         await self._throttle(dst.writes, n * nbytes, direction)
         self._check_deadline(deadline)
+        started = time.perf_counter()
         try:
             outcomes, src_failed = await self._copy(
                 src, dst, src_slots, dst_slots, refs, nbytes, checksums, priority, deadline
             )
+            self._observe(started, direction)
         except PrefetchExpired:
             raise
         except Exception:
@@ -274,9 +289,12 @@ class TransferEngine:
         *args: Any,
         deadline: float | None = None,
     ) -> Any:
+        # The request's log context (request, session, pool ids) follows it onto the thread.
+        context = contextvars.copy_context()
+
         def job() -> Any:
             self._check_deadline(deadline)
-            return fn(*args)
+            return context.run(fn, *args)
 
         self._running += 1
         try:
@@ -294,6 +312,9 @@ class TransferEngine:
         if delay > 0:
             self.counters.inc("throttled_ms", int(delay * 1000), direction=direction)
             await asyncio.sleep(delay)
+
+    def _observe(self, started: float, direction: str) -> None:
+        self.latency.observe("transfer_seconds", time.perf_counter() - started, direction=direction)
 
     def _count_move(self, src: str, dst: str, blocks: int, nbytes: int) -> None:
         direction = f"{src}->{dst}"

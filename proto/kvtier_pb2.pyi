@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -164,7 +163,7 @@ class LookupRequest(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pin: bool
     lease_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin: _Optional[bool] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin: bool = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_len", "tiers", "lease_id")
@@ -190,7 +189,7 @@ class PutRequest(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     parent_key: bytes
     durable: bool
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., durable: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., durable: bool = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("results", "stored", "persisted")

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 
+from kvtier import paths
 from kvtier.daemon.config import Config, load_config, parse_size
 from kvtier.daemon.errors import ConfigError
 
@@ -13,15 +15,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(REPO, "deploy", "kvtier.yaml")
 
 
+def _unresolved(config: Config) -> Config:
+    """``config`` with its socket as written before ``auto`` was resolved."""
+    assert config.server.socket == paths.daemon_socket()
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, socket="auto"))
+
+
 def test_embedded_defaults_need_no_file():
     config = load_config()
-    assert config == Config()
-    assert config.server.socket == "var/kvtierd.sock"
+    assert _unresolved(config) == Config()
+    assert os.path.isabs(config.server.socket)
     assert config.tiers.l1.capacity_bytes == 1 << 30
 
 
 def test_the_documented_example_is_exactly_the_defaults():
-    assert load_config(EXAMPLE) == Config()
+    assert _unresolved(load_config(EXAMPLE)) == Config()
 
 
 @pytest.mark.parametrize(
@@ -33,13 +41,23 @@ def test_the_documented_example_is_exactly_the_defaults():
         ("1.5 GiB", 3 << 29),
         ("2GB", 2 * 10**9),
         ("1kib", 1024),
+        ("2G", 2 * 10**9),
+        ("2g", 2 * 10**9),
+        ("2Gi", 2 << 30),
+        ("2GiB", 2 << 30),
+        ("2gib", 2 << 30),
+        ("512Mi", 512 << 20),
+        ("1Ti", 1 << 40),
+        ("10 B", 10),
     ],
 )
 def test_sizes(value, expected):
     assert parse_size(value) == expected
 
 
-@pytest.mark.parametrize("value", ["", "12 parsecs", "-1", True, 1.5, None, "GiB"])
+@pytest.mark.parametrize(
+    "value", ["", "12 parsecs", "-1", True, 1.5, None, "GiB", "2Gb2", "2 GiBs", "2iB"]
+)
 def test_bad_sizes(value):
     with pytest.raises(ValueError):
         parse_size(value)
@@ -131,7 +149,8 @@ def test_kvtierd_prints_its_effective_config():
         timeout=60,
     )
     assert proc.returncode == 0
-    assert "capacity_bytes: 2147483648" in proc.stdout
+    assert "capacity_bytes: 2GiB" in proc.stdout
+    assert "max_message_bytes: 64MiB" in proc.stdout
 
 
 def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
@@ -220,3 +239,92 @@ def test_l3_urls_take_a_list_or_one_string(tmp_path):
 def test_bad_l3_settings_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, override)
+
+
+# ------------------------------------------------------------ units, levels, environment
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 1000, 1024, 3 << 29, 2 * 10**9, 1 << 40, 123456789])
+def test_sizes_print_in_units_that_read_back_exactly(nbytes):
+    from kvtier.daemon.config import format_size
+
+    text = format_size(nbytes)
+    assert parse_size(text) == nbytes
+    assert format_size(1 << 30) == "1GiB" and format_size(2 * 10**9) == "2GB"
+
+
+def test_printed_config_loads_back_to_the_same_config(tmp_path):
+    import yaml
+
+    config = load_config(None, ["tiers.l1.capacity_bytes=1536MiB", "tiers.l2.capacity_bytes=3G"])
+    path = tmp_path / "printed.yaml"
+    path.write_text(yaml.safe_dump(config.printable(), sort_keys=False))
+    assert load_config(path) == config
+
+
+@pytest.mark.parametrize("level", ["debug", "Debug", "DEBUG"])
+def test_levels_and_other_choices_ignore_case(level):
+    config = load_config(None, [f"logging.level={level}", "tiers.l2.write_policy=WRITE_THROUGH"])
+    assert config.logging.level == "DEBUG"
+    assert config.tiers.l2.write_policy == "write_through"
+
+
+def test_every_key_has_an_environment_variable_and_they_sit_between_file_and_set(tmp_path):
+    from kvtier.daemon.config import config_keys, env_name
+
+    keys = config_keys()
+    names = [env_name(k) for k in keys]
+    assert len(set(names)) == len(names)  # no two keys share a variable
+    assert "KVTIER_TIERS_L1_CAPACITY_BYTES" in names and "KVTIER_LOGGING_LEVEL" in names
+    path = tmp_path / "c.yaml"
+    path.write_text("tiers:\n  l1:\n    capacity_bytes: 2GiB\n  l2:\n    enabled: false\n")
+    env = {
+        "KVTIER_TIERS_L1_CAPACITY_BYTES": "512Mi",  # beats the file
+        "KVTIER_TIERS_L2_ENABLED": "true",
+        "KVTIER_POLICY_PROTECT_S": "0.5",
+        "KVTIER_SERVER_TCP_ADDRESS": "[::1]:5000",
+        "KVTIER_ADDRESS": "unix:/elsewhere.sock",  # the client's, not config
+        "HOME": "/root",
+    }
+    config = load_config(path, ["policy.protect_s=3"], environ=env)  # --set beats env
+    assert config.tiers.l1.capacity_bytes == 512 << 20
+    assert config.tiers.l2.enabled is True
+    assert config.policy.protect_s == 3.0
+    assert config.server.tcp_address == "[::1]:5000"
+
+
+def test_a_misspelt_environment_variable_is_a_config_error():
+    with pytest.raises(ConfigError, match="KVTIER_TIERS_L1_CAPACITY"):
+        load_config(None, environ={"KVTIER_TIERS_L1_CAPACITY": "1Gi"})
+
+
+def test_kvtierd_reads_its_environment(tmp_path):
+    env = {**os.environ, "KVTIER_TIERS_L1_CAPACITY_BYTES": "256Mi", "KVTIER_LOGGING_LEVEL": "debug"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--print-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "capacity_bytes: 256MiB" in proc.stdout and "level: DEBUG" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "address, ok",
+    [
+        ("", True),
+        ("9464", True),
+        ("127.0.0.1:0", True),
+        ("[::1]:9", True),
+        ("x", False),
+        ("1:99999", False),
+    ],
+)
+def test_metrics_address(address, ok):
+    if ok:
+        assert load_config(None, [f"metrics.address={address}"]).metrics.address == address
+    else:
+        with pytest.raises(ConfigError, match=r"metrics\.address"):
+            load_config(None, [f"metrics.address={address}"])

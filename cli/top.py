@@ -1,0 +1,106 @@
+"""``kvtier top``: a live terminal view of a running daemon, refreshed every second.
+
+Each frame is built from two Stats snapshots one interval apart (``cli/figures.py``): tier
+usage and state, hit ratios, transfer rates by direction, and RPC latency per method.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvtier.cli.figures import Figures, derive, human_bytes, human_seconds, percent
+from kvtier.client import Client
+
+
+def render(fig: Figures, address: str) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text.assemble(
+        (f"kvtierd {fig.version}", "bold"),
+        f" at {address}, up {_uptime(fig.uptime_s)}  ",
+        f"sessions {fig.gauges.get('sessions', 0):.0f}, pools {fig.gauges.get('pools', 0):.0f}, "
+        f"leases {fig.gauges.get('leases', 0):.0f}, pinned "
+        f"{fig.gauges.get('blocks_pinned', 0):.0f}",
+    )
+    tiers = Table(title="tiers", title_justify="left", expand=True)
+    for col in ("tier", "used", "capacity", "fill", "blocks", "hits", "state"):
+        tiers.add_column(col, justify="left" if col in ("tier", "state") else "right")
+    for t in fig.tiers:
+        fill = t.used_bytes / t.capacity_bytes if t.capacity_bytes else float("nan")
+        style = "" if t.state == "ok" else "bold red"
+        tiers.add_row(
+            t.name,
+            human_bytes(t.used_bytes),
+            human_bytes(t.capacity_bytes),
+            f"{_bar(fill)} {percent(fill)}",
+            f"{t.blocks:,}",
+            percent(t.hit_ratio),
+            Text(t.state, style=style),
+        )
+    misses = ", ".join(f"{k} {v:,}" for k, v in sorted(fig.misses.items()) if v) or "none"
+    ratios = Text(
+        f"hit ratio {percent(fig.hit_ratio)} of {fig.lookups:,} keys in the last "
+        f"{fig.window_s:.1f} s (lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
+    )
+    rates = Table(title="transfers per second", title_justify="left", expand=True)
+    rates.add_column("what")
+    rates.add_column("rate", justify="right")
+    rates.add_row("put (pool->store)", human_bytes(fig.put_bytes_per_s) + "/s")
+    rates.add_row("get (store->pool)", human_bytes(fig.get_bytes_per_s) + "/s")
+    rates.add_row("lookups", f"{fig.lookups_per_s:,.0f} keys/s")
+    for direction, rate in fig.moved_bytes_per_s.items():
+        rates.add_row(direction, human_bytes(rate) + "/s")
+    lat = Table(title="RPC latency (last interval)", title_justify="left", expand=True)
+    for col in ("method", "calls/s", "mean", "p50", "p99", "errors"):
+        lat.add_column(col, justify="left" if col == "method" else "right")
+    for row in fig.latency:
+        lat.add_row(
+            row.method,
+            f"{row.calls_per_s:,.1f}",
+            human_seconds(row.mean_s),
+            human_seconds(row.p50_s),
+            human_seconds(row.p99_s),
+            str(row.errors),
+        )
+    if not fig.latency:
+        lat.add_row("(no calls)", "", "", "", "", "")
+    return Group(head, tiers, ratios, rates, lat)
+
+
+def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    before = client.stats()
+    if once:
+        time.sleep(interval_s)
+        console.print(render(derive(client.stats(), before), client.address))
+        return 0
+    with Live(console=console, auto_refresh=False, screen=False) as live:
+        try:
+            while True:
+                time.sleep(interval_s)
+                now = client.stats()
+                live.update(render(derive(now, before), client.address), refresh=True)
+                before = now
+        except KeyboardInterrupt:
+            return 0
+
+
+def _bar(fill: float, width: int = 10) -> str:
+    if fill != fill:
+        return " " * width
+    n = max(0, min(width, round(fill * width)))
+    return "#" * n + "." * (width - n)
+
+
+def _uptime(s: float) -> str:
+    s = int(s)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"

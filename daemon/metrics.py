@@ -1,0 +1,457 @@
+"""Prometheus metrics: the one module that knows Prometheus.
+
+Every metric kvtierd exports is declared in ``CATALOGUE`` below (name, type, labels, help);
+the README's metrics table is checked against it. Nothing is counted twice: at each scrape a
+typed snapshot of the daemon is taken on its event loop (``take_snapshot``: the store's
+``usage()``, its labelled counters' ``samples()``, latency histograms, the prefetch ledger,
+sessions, pools and leases) and translated here. Store counters map to metrics by name
+(``COUNTERS``); one the catalogue does not name yet is still exported, as
+``kvtier_store_events_total{event=...}``, so a new counter is never silently dropped.
+
+The endpoint is off unless ``metrics.address`` is set; a bare port listens on 127.0.0.1 only.
+
+Thread-safety: the HTTP server runs on its own thread; it never touches daemon state, it asks
+the event loop for a snapshot (``asyncio.run_coroutine_threadsafe``) and waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kvtier import __version__
+from kvtier.daemon.config import split_host_port
+from kvtier.daemon.latency import HistogramSample
+from kvtier.daemon.policy.prefetch import PrefetchStats
+from kvtier.daemon.stats import Sample
+from kvtier.daemon.store import BlockStore, TierUsage
+from kvtier.tiers.base import Health
+
+if TYPE_CHECKING:
+    from kvtier.daemon.server import Daemon
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricDef:
+    name: str  # as exposed (counters end in _total)
+    kind: str  # counter, gauge, histogram
+    labels: tuple[str, ...]
+    help: str
+
+
+def _c(name: str, labels: tuple[str, ...], help: str) -> MetricDef:
+    return MetricDef(name, "counter", labels, help)
+
+
+def _g(name: str, labels: tuple[str, ...], help: str) -> MetricDef:
+    return MetricDef(name, "gauge", labels, help)
+
+
+# Store counter name -> its metric. Label names are the counter's labels.
+COUNTERS: dict[str, MetricDef] = {
+    "hits": _c(
+        "kvtier_hits_total",
+        ("tier",),
+        "Keys a Lookup found, by the fastest tier holding them (the tier that serves them).",
+    ),
+    "misses": _c(
+        "kvtier_misses_total",
+        ("reason",),
+        "Keys a Lookup found in no tier, by why: absent (never stored, deleted or forgotten), "
+        "evicted (dropped from the last tier holding it), declined (a Put was refused: no "
+        "room, or no tier's admission took it).",
+    ),
+    "load_failures": _c(
+        "kvtier_load_failures_total",
+        ("tier",),
+        "Blocks a Get found in a tier but could not read (checksum mismatch, I/O error, "
+        "timeout): each is a miss, and that tier's copy is dropped.",
+    ),
+    "lookup_keys": _c("kvtier_lookup_keys_total", (), "Keys asked for by Lookup requests."),
+    "loaded_from": _c(
+        "kvtier_loaded_blocks_total",
+        ("tier",),
+        "Blocks Get loaded into engine pools, by the tier they were read from.",
+    ),
+    "get_blocks": _c(
+        "kvtier_get_blocks_total", ("result",), "Blocks asked for by Get: loaded or missing."
+    ),
+    "put_blocks": _c(
+        "kvtier_put_blocks_total",
+        ("result",),
+        "Blocks offered by Put: stored, existing (already held) or rejected (no room).",
+    ),
+    "bytes_put": _c("kvtier_put_bytes_total", (), "Bytes stored by Put requests."),
+    "bytes_get": _c("kvtier_get_bytes_total", (), "Bytes loaded into engine pools by Get."),
+    "transferred_blocks": _c(
+        "kvtier_moved_blocks_total",
+        ("direction",),
+        "Blocks moved between tiers (promotion, demotion, write-through, flush) and from lower "
+        "tiers straight into pools, by direction (L1->L2, L2->pool, ...).",
+    ),
+    "transferred_bytes": _c(
+        "kvtier_moved_bytes_total", ("direction",), "Bytes moved, by direction (see above)."
+    ),
+    "evictions": _c("kvtier_evictions_total", ("tier",), "Blocks evicted from a tier."),
+    "watermark_evictions": _c(
+        "kvtier_watermark_evictions_total",
+        ("tier",),
+        "Of those, blocks evicted by the background balancer above the high watermark.",
+    ),
+    "demoted_blocks": _c(
+        "kvtier_demoted_blocks_total",
+        ("tier",),
+        "Blocks written to a lower tier as they were evicted from the one above (label: the "
+        "lower tier).",
+    ),
+    "full_rejections": _c(
+        "kvtier_evictions_blocked_total",
+        ("tier",),
+        "Blocks a tier could not make room for because every resident block was pinned, "
+        "protected or in flight (kvtier_tier_unevictable_blocks says which).",
+    ),
+    "admission": _c(
+        "kvtier_admission_decisions_total",
+        ("tier", "reason", "admitted"),
+        "Admission decisions of lower tiers, by reason; admitted=false are vetoes.",
+    ),
+    "prefetch_expired": _c(
+        "kvtier_prefetch_expired_total",
+        (),
+        "Prefetches dropped because their deadline passed before they could start.",
+    ),
+    "throttled_ms": _c(
+        "kvtier_throttled_seconds_total",
+        ("direction",),
+        "Time transfers waited for a tier's bandwidth limit.",
+    ),
+    "transfer_failures": _c(
+        "kvtier_transfer_failures_total",
+        ("direction",),
+        "Transfer batches that failed inside the daemon (logged with a traceback).",
+    ),
+    "copies_lost": _c(
+        "kvtier_copies_lost_total", ("tier",), "Copies a tier dropped after a failed read."
+    ),
+    "leases_expired": _c(
+        "kvtier_leases_expired_total", (), "Leases (pins) that ran out before their release."
+    ),
+    "deleted_blocks": _c("kvtier_deleted_blocks_total", (), "Blocks removed by Delete."),
+    "background_errors": _c(
+        "kvtier_background_errors_total",
+        (),
+        "Background tasks that failed (balancer, lease reaper, transfers); each is logged.",
+    ),
+}
+_SCALE = {"throttled_ms": 1e-3}
+
+OTHER_EVENTS = _c(
+    "kvtier_store_events_total",
+    ("event", "tier", "direction", "reason", "result"),
+    "Store counters without a metric of their own yet, by name (event).",
+)
+
+# Store gauges (``BlockStore.gauges()``) -> metric name.
+STORE_GAUGES: dict[str, MetricDef] = {
+    "blocks_pinned": _g("kvtier_blocks_pinned", (), "Blocks pinned by at least one lease."),
+    "blocks_in_flight": _g(
+        "kvtier_blocks_in_flight", (), "Blocks with a copy being read or written now."
+    ),
+    "transfers_queued": _g(
+        "kvtier_transfers_queued", (), "Transfer jobs waiting for a transfer thread."
+    ),
+    "transfers_running": _g("kvtier_transfers_running", (), "Transfer jobs running now."),
+    "background_tasks": _g(
+        "kvtier_background_tasks", (), "Background transfers (prefetch, write-back) in flight."
+    ),
+}
+
+HISTOGRAMS: dict[str, MetricDef] = {
+    "rpc_seconds": MetricDef(
+        "kvtier_rpc_duration_seconds",
+        "histogram",
+        ("method", "code"),
+        "Time the daemon spent on each RPC, by method and gRPC status code.",
+    ),
+    "transfer_seconds": MetricDef(
+        "kvtier_transfer_duration_seconds",
+        "histogram",
+        ("direction",),
+        "Time of each transfer batch, by direction (pool->L1, L1->L2, L2->pool, ...).",
+    ),
+}
+
+FIXED: tuple[MetricDef, ...] = (
+    _g("kvtier_tier_capacity_bytes", ("tier",), "Bytes a tier can hold."),
+    _g("kvtier_tier_used_bytes", ("tier",), "Bytes a tier's slots hold now."),
+    _g("kvtier_tier_blocks", ("tier",), "Blocks a tier holds now."),
+    _g(
+        "kvtier_tier_health",
+        ("tier", "state"),
+        "1 for a tier's current state (ok, degraded_nospace, degraded_io, down), 0 otherwise.",
+    ),
+    _g(
+        "kvtier_tier_unevictable_blocks",
+        ("tier", "reason"),
+        "Blocks of a tier that may not be evicted now: pinned (by a lease), in_flight (a copy "
+        "is moving), protected (read or written within policy.protect_s).",
+    ),
+    _c(
+        "kvtier_tier_events_total",
+        ("tier", "event"),
+        "A tier's own counters (blocks_read, checksum_failures, io_errors, ...), by name.",
+    ),
+    _g("kvtier_tier_gauge", ("tier", "gauge"), "A tier's own point-in-time values, by name."),
+    _c(
+        "kvtier_prefetch_issued_total",
+        (),
+        "Prefetches started (Prefetch, pinning Lookup, readahead).",
+    ),
+    _c(
+        "kvtier_prefetch_outcomes_total",
+        ("outcome",),
+        "How prefetches ended: used (arrived before the read), late (the read came first), "
+        "wasted (evicted or cancelled unread).",
+    ),
+    _g("kvtier_prefetch_outstanding", (), "Prefetches issued and not settled yet."),
+    _c(
+        "kvtier_prefetch_duplicates_total",
+        (),
+        "Prefetches of a block already being prefetched (nothing new started).",
+    ),
+    _g("kvtier_sessions", (), "Open client sessions."),
+    _g("kvtier_pools", (), "Registered engine pools."),
+    _g("kvtier_leases", (), "Live leases (pinning Lookups not yet released or expired)."),
+    _g("kvtier_index_blocks", (), "Blocks in the block table."),
+    _g("kvtier_index_bytes", (), "Memory of the block table."),
+    _g("kvtier_uptime_seconds", (), "Seconds since the daemon started."),
+    _g("kvtier_build_info", ("version",), "Always 1; the version is the label."),
+)
+
+CATALOGUE: tuple[MetricDef, ...] = (
+    *FIXED,
+    *COUNTERS.values(),
+    OTHER_EVENTS,
+    *STORE_GAUGES.values(),
+    *HISTOGRAMS.values(),
+)
+
+
+# ---------------------------------------------------------------------- snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one scrape shows, copied on the event loop."""
+
+    version: str
+    uptime_s: float
+    tiers: list[TierUsage]
+    counters: list[Sample]
+    histograms: list[HistogramSample]
+    prefetch: PrefetchStats
+    store_gauges: dict[str, float]
+    sessions: int
+    pools: int
+    leases: int
+    index_blocks: int
+    index_bytes: int
+    unevictable: list[tuple[str, str, int]] = field(default_factory=list)
+
+
+def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
+    """Copy the daemon's figures. Call on the daemon's event loop."""
+    store = daemon.store
+    index = store.table.stats()
+    return Snapshot(
+        version=__version__,
+        uptime_s=time.monotonic() - store.started_at,
+        tiers=store.usage(),
+        counters=list(store.counters.samples()),
+        histograms=list(store.latency.samples()),
+        prefetch=store.prefetches.stats(),
+        store_gauges=store.gauges(),
+        sessions=daemon.sessions.session_count,
+        pools=len(daemon.pools),
+        leases=daemon.sessions.lease_count,
+        index_blocks=index.blocks,
+        index_bytes=index.nbytes,
+        unevictable=unevictable(store, time.monotonic() if now is None else now),
+    )
+
+
+def unevictable(store: BlockStore, now: float) -> list[tuple[str, str, int]]:
+    """(tier, reason, blocks) of resident blocks the guard would not let go now; a block
+    counts under its first reason of pinned, in_flight, protected."""
+    table = store.table
+    out = []
+    for level in store.stack:
+        if level.keyed:
+            continue
+        held = table.holders(level.col)
+        pinned = table.pins[held] > 0
+        moving = (table.inflight[held] > 0) & ~pinned
+        recent = table.last_access[held] + level.guard.protect_s > now
+        protected = recent & ~pinned & ~moving
+        for reason, mask in (("pinned", pinned), ("in_flight", moving), ("protected", protected)):
+            out.append((level.label, reason, int(np.count_nonzero(mask))))
+    return out
+
+
+# ---------------------------------------------------------------------- families
+
+
+def families(snap: Snapshot) -> Iterator[Metric]:
+    """The snapshot as Prometheus metric families."""
+    fams: dict[str, Any] = {}
+
+    def fam(d: MetricDef) -> Any:
+        if d.name not in fams:
+            if d.kind == "counter":
+                fams[d.name] = CounterMetricFamily(d.name, d.help, labels=d.labels)
+            elif d.kind == "gauge":
+                fams[d.name] = GaugeMetricFamily(d.name, d.help, labels=d.labels)
+            else:
+                fams[d.name] = HistogramMetricFamily(d.name, d.help, labels=d.labels)
+        return fams[d.name]
+
+    by_name = {d.name: d for d in FIXED}
+
+    def put(name: str, labels: Iterable[str], value: float) -> None:
+        fam(by_name[name]).add_metric(list(labels), value)
+
+    for t in snap.tiers:
+        tier = t.kind.label
+        put("kvtier_tier_capacity_bytes", [tier], t.capacity_bytes)
+        put("kvtier_tier_used_bytes", [tier], t.used_bytes)
+        put("kvtier_tier_blocks", [tier], t.blocks)
+        for state in Health:
+            put("kvtier_tier_health", [tier, state.value], float(t.health.state is state))
+        for name, value in sorted(t.counters.items()):
+            put("kvtier_tier_events_total", [tier, name], value)
+        for name, value in sorted(t.gauges.items()):
+            put("kvtier_tier_gauge", [tier, name], value)
+    for tier, reason, n in snap.unevictable:
+        put("kvtier_tier_unevictable_blocks", [tier, reason], n)
+
+    pf = snap.prefetch
+    put("kvtier_prefetch_issued_total", [], pf.issued)
+    for outcome, n in (("used", pf.used), ("late", pf.late), ("wasted", pf.wasted)):
+        put("kvtier_prefetch_outcomes_total", [outcome], n)
+    put("kvtier_prefetch_outstanding", [], pf.outstanding)
+    put("kvtier_prefetch_duplicates_total", [], pf.duplicates)
+    put("kvtier_sessions", [], snap.sessions)
+    put("kvtier_pools", [], snap.pools)
+    put("kvtier_leases", [], snap.leases)
+    put("kvtier_index_blocks", [], snap.index_blocks)
+    put("kvtier_index_bytes", [], snap.index_bytes)
+    put("kvtier_uptime_seconds", [], snap.uptime_s)
+    put("kvtier_build_info", [snap.version], 1)
+
+    seen: set[str] = set()
+    for s in snap.counters:
+        labels = dict(s.labels)
+        known = COUNTERS.get(s.name)
+        if known is None:
+            row = [s.name, *(labels.get(k, "") for k in OTHER_EVENTS.labels[1:])]
+            fam(OTHER_EVENTS).add_metric(row, s.value)
+            continue
+        seen.add(s.name)
+        row = [labels.get(k, "") for k in known.labels]
+        fam(known).add_metric(row, s.value * _SCALE.get(s.name, 1))
+    # Unlabelled counters show 0 before their first event, so rates work from the first
+    # scrape; labelled ones appear with their first label values.
+    for source, d in COUNTERS.items():
+        fam(d)
+        if not d.labels and source not in seen:
+            fam(d).add_metric([], 0)
+
+    for name, value in snap.store_gauges.items():
+        gauge = STORE_GAUGES.get(name)
+        if gauge is not None:
+            fam(gauge).add_metric([], value)
+
+    for d in HISTOGRAMS.values():
+        fam(d)
+    for h in snap.histograms:
+        hd = HISTOGRAMS.get(h.name)
+        if hd is None:
+            continue
+        labels = dict(h.labels)
+        buckets = [(f"{b:g}", n) for b, n in zip(h.bounds, h.cumulative[:-1], strict=True)] + [
+            ("+Inf", h.count)
+        ]
+        fam(hd).add_metric([labels.get(k, "") for k in hd.labels], buckets, h.sum_s)
+    yield from fams.values()
+
+
+# ------------------------------------------------------------------------ server
+
+
+class DaemonCollector(Collector):
+    """Collects from a running daemon by asking its event loop for a snapshot."""
+
+    def __init__(self, daemon: Daemon, loop: asyncio.AbstractEventLoop) -> None:
+        self.daemon = daemon
+        self.loop = loop
+
+    async def _snapshot(self) -> Snapshot:
+        return take_snapshot(self.daemon)
+
+    def collect(self) -> Iterable[Metric]:
+        future = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop)
+        snap = future.result(SNAPSHOT_TIMEOUT_S)
+        return list(families(snap))
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # registering must not call collect() (the loop may not be running)
+
+
+class MetricsServer:
+    """The /metrics HTTP endpoint of one daemon. Start on the daemon's event loop."""
+
+    def __init__(self, daemon: Daemon, address: str) -> None:
+        self.host, self.port = split_host_port(address)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(DaemonCollector(daemon, asyncio.get_running_loop()))
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def start(self) -> None:
+        self._server, self._thread = start_http_server(self.port, self.host, self.registry)
+        if self.port == 0:
+            self.port = int(self._server.server_address[1])
+        log.info("metrics on %s", self.url)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None

@@ -1,0 +1,165 @@
+"""What every RPC leaves behind: a latency observation per method and status, and the request
+context its log lines carry.
+
+``RpcObserver`` is a grpc.aio server interceptor that wraps every method handler generically
+(the servicer's methods stay as they are): a unary call is timed from the moment its handler
+starts until it returns or aborts, and filed as ``rpc_seconds{method, code}``; every call,
+streaming ones included, runs inside ``logs.request_context`` with a request id (the client's
+``x-request-id`` metadata when it sends a sane one, else a fresh one) and the session and pool
+its request names. Session ids appear as their first 8 characters: enough to find the session
+in the log, not enough to use it.
+
+Thread-safety: runs on the server's event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from kvtier.daemon import logs
+from kvtier.daemon.latency import Histograms
+
+RPC_HISTOGRAM = "rpc_seconds"
+REQUEST_ID_HEADER = "x-request-id"
+_SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_KVTIER_SERVICE = "/kvtier.v1.KVTier/"
+SESSION_ID_CHARS = 8
+
+
+def method_label(full_method: str) -> str:
+    """``Lookup`` for kvtier's own methods, ``grpc.health.v1.Health/Check`` for others."""
+    if full_method.startswith(_KVTIER_SERVICE):
+        return full_method[len(_KVTIER_SERVICE) :]
+    return full_method.lstrip("/")
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(6)
+
+
+class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(self, histograms: Histograms, clock: Callable[[], float] = time.perf_counter):
+        self.histograms = histograms
+        self._clock = clock
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = method_label(details.method)
+        given = _request_id_from(details.invocation_metadata)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method, given),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream, given),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # client-streaming methods: kvtier has none
+
+    def _unary(
+        self, behavior: Callable[[Any, Any], Awaitable[Any]], method: str, given: str
+    ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call = _ObservedCall(self.histograms, method, self._clock, context)
+            try:
+                with logs.request_context(given or new_request_id(), *_ids(request)):
+                    result = await behavior(request, call)
+            except asyncio.CancelledError:
+                call.done("CANCELLED")
+                raise
+            except BaseException:
+                call.done(_code_of(context))
+                raise
+            call.done("OK")
+            return result
+
+        return observed
+
+    def _stream(
+        self, behavior: Callable[[Any, Any], AsyncIterator[Any]], given: str
+    ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            with logs.request_context(given or new_request_id(), *_ids(request)):
+                async for item in behavior(request, context):
+                    yield item
+
+        return observed
+
+
+class _ObservedCall:
+    """The servicer's context, which files the call's latency as its status is decided: an
+    abort sends the status to the client before the handler's frame unwinds, so a client that
+    reads the metrics right after an error must already find the call counted."""
+
+    def __init__(
+        self,
+        histograms: Histograms,
+        method: str,
+        clock: Callable[[], float],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self._histograms = histograms
+        self._method = method
+        self._clock = clock
+        self._context = context
+        self._started = clock()
+        self._done = False
+
+    def done(self, code: str) -> None:
+        if not self._done:
+            self._done = True
+            self._histograms.observe(
+                RPC_HISTOGRAM, self._clock() - self._started, method=self._method, code=code
+            )
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> None:
+        self.done(str(code.name))
+        await self._context.abort(code, details, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def _ids(request: Any) -> tuple[str, int]:
+    session = getattr(request, "session_id", "")
+    pool = getattr(request, "pool_id", 0)
+    return (session[:SESSION_ID_CHARS] if isinstance(session, str) else "", int(pool or 0))
+
+
+def _request_id_from(metadata: Any) -> str:
+    for key, value in metadata or ():
+        if key == REQUEST_ID_HEADER and isinstance(value, str) and _SANE_ID.match(value):
+            return value
+    return ""
+
+
+def _code_of(context: grpc.aio.ServicerContext) -> str:
+    """The status an aborted call ended with (UNKNOWN for an escaped exception)."""
+    try:
+        code = context.code()
+    except Exception:
+        return "UNKNOWN"
+    if isinstance(code, grpc.StatusCode):
+        return str(code.name)
+    if isinstance(code, int):
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return str(status.name)
+    return "UNKNOWN"

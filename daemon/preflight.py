@@ -1,0 +1,308 @@
+"""Checks that a config can run on this host, made before the daemon allocates anything.
+
+``kvtierd --check-config`` prints them, and ``kvtierd`` runs the same checks before it
+pre-faults its L1 arena or preallocates L2 files, so a config that cannot run fails in
+milliseconds with the key at fault named, not after minutes of page faults.
+
+Each check reads the host (``/proc/meminfo``, the cgroup's memory limit, ``statvfs``, the
+socket's path) and changes nothing: no file is created, no socket is left bound.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.daemon.config import Config, format_size, split_host_port
+from kvtier.tiers.disk.files import DATA_GLOB
+
+# Unix socket paths hold at most 107 bytes and a terminating NUL.
+MAX_SOCKET_PATH = 107
+# Left to the rest of the process and the system when sizing L1 against free memory.
+MEMORY_HEADROOM_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
+class HostFacts:
+    """What the checks read from the host; tests pass their own."""
+
+    mem_available_bytes: int | None
+    mem_limit_bytes: int | None  # the smaller of the machine's memory and the cgroup's limit
+    memlock_limit_bytes: int | None  # None: unlimited
+
+
+def read_host() -> HostFacts:
+    meminfo = _meminfo()
+    total = meminfo.get("MemTotal")
+    available = meminfo.get("MemAvailable")
+    limit, used = _cgroup_memory()
+    if limit is not None:
+        total = min(total, limit) if total is not None else limit
+        if used is not None:
+            headroom = max(0, limit - used)
+            available = min(available, headroom) if available is not None else headroom
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    memlock = None if soft == resource.RLIM_INFINITY else int(soft)
+    return HostFacts(available, total, memlock)
+
+
+def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
+    """Every problem found; empty when the config can run here."""
+    host = read_host() if host is None else host
+    return [
+        *_memory(config, host),
+        *_disk(config),
+        *_socket(config),
+        *_shm(config),
+        *_metrics(config),
+    ]
+
+
+def summary(config: Config, host: HostFacts | None = None) -> list[str]:
+    """What the config will take, in one line per resource (for ``--check-config``)."""
+    host = read_host() if host is None else host
+    l1 = config.tiers.l1.capacity_bytes
+    avail = host.mem_available_bytes
+    lines = [
+        f"L1: {format_size(l1)} of host memory"
+        + (f" ({_gib(avail)} available)" if avail is not None else "")
+    ]
+    l2 = config.tiers.l2
+    if l2.enabled:
+        lines.append(f"L2: {format_size(l2.capacity_bytes)} in {os.path.abspath(l2.path)}")
+    else:
+        lines.append("L2: off")
+    if config.server.socket:
+        lines.append(f"socket: {os.path.abspath(config.server.socket)}")
+    if config.server.tcp_address:
+        lines.append(f"tcp: {config.server.tcp_address}")
+    lines.append(
+        f"metrics: http://{config.metrics.address}/metrics"
+        if config.metrics.address
+        else "metrics: off"
+    )
+    return lines
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def _memory(config: Config, host: HostFacts) -> list[Problem]:
+    l1 = config.tiers.l1
+    out: list[Problem] = []
+    key = "tiers.l1.capacity_bytes"
+    if host.mem_limit_bytes is not None and l1.capacity_bytes > host.mem_limit_bytes:
+        out.append(
+            Problem(
+                key,
+                f"{format_size(l1.capacity_bytes)} is more than this host's memory limit of "
+                f"{_gib(host.mem_limit_bytes)}",
+            )
+        )
+    elif (
+        host.mem_available_bytes is not None
+        and l1.capacity_bytes + MEMORY_HEADROOM_BYTES > host.mem_available_bytes
+    ):
+        out.append(
+            Problem(
+                key,
+                f"{format_size(l1.capacity_bytes)} (plus {MEMORY_HEADROOM_BYTES >> 20} MiB for "
+                f"the rest of the daemon) is more than the {_gib(host.mem_available_bytes)} of "
+                "memory available now; the arena is pre-faulted at start and would push the "
+                "host into swap or the OOM killer",
+            )
+        )
+    if (
+        l1.pin_memory == "true"
+        and host.memlock_limit_bytes is not None
+        and os.geteuid() != 0
+        and l1.capacity_bytes > host.memlock_limit_bytes
+    ):
+        out.append(
+            Problem(
+                "tiers.l1.pin_memory",
+                f"page-locking {format_size(l1.capacity_bytes)} exceeds RLIMIT_MEMLOCK "
+                f"({format_size(host.memlock_limit_bytes)}); raise it (LimitMEMLOCK= in the "
+                "systemd unit) or set tiers.l1.pin_memory=auto",
+            )
+        )
+    return out
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_memory() -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's memory cgroup; None where there is no limit."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        hier, _, path = line.partition("::")
+        if hier == "0" and path:  # cgroup v2
+            base = Path("/sys/fs/cgroup") / path.lstrip("/")
+            return _read_int(base / "memory.max"), _read_int(base / "memory.current")
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if "memory" in controllers.split(","):  # cgroup v1
+            base = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            limit = _read_int(base / "memory.limit_in_bytes")
+            # v1 reports "no limit" as a huge number.
+            if limit is not None and limit >= 1 << 60:
+                limit = None
+            return limit, _read_int(base / "memory.usage_in_bytes")
+    return None, None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+# -------------------------------------------------------------------------- disk
+
+
+def _disk(config: Config) -> list[Problem]:
+    l2 = config.tiers.l2
+    if not l2.enabled:
+        return []
+    directory = Path(os.path.abspath(l2.path))
+    if directory.exists() and not directory.is_dir():
+        return [Problem("tiers.l2.path", f"{directory} exists and is not a directory")]
+    existing = _nearest_existing(directory)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [
+            Problem(
+                "tiers.l2.path",
+                f"{directory} cannot be created or written: {existing} is not writable by "
+                f"uid {os.geteuid()}",
+            )
+        ]
+    held = 0
+    if directory.is_dir():
+        for path in directory.glob(DATA_GLOB):
+            # Preallocated data files are reused: the blocks they hold already count.
+            held += path.stat().st_blocks * 512
+    vfs = os.statvfs(existing)
+    free = vfs.f_bavail * vfs.f_frsize
+    missing = max(0, l2.capacity_bytes - held)
+    if missing > free:
+        return [
+            Problem(
+                "tiers.l2.capacity_bytes",
+                f"L2 directory {directory} cannot hold {format_size(l2.capacity_bytes)}: it "
+                f"needs {missing >> 20} MiB more and the filesystem has {free >> 20} MiB free",
+            )
+        ]
+    return []
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+# ------------------------------------------------------------------------ socket
+
+
+def _socket(config: Config) -> list[Problem]:
+    if not config.server.socket:
+        return []
+    path = os.path.abspath(config.server.socket)
+    key = "server.socket"
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        return [
+            Problem(key, f"{path} is longer than the {MAX_SOCKET_PATH} bytes Unix sockets allow")
+        ]
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            return [Problem(key, f"{path} exists and is not a socket; refusing to replace it")]
+        if _listening(path):
+            return [Problem(key, f"another process is listening on {path} (a kvtierd running?)")]
+    parent = _nearest_existing(Path(path).parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [
+            Problem(
+                key,
+                f"cannot create {path}: {parent} is not writable by uid {os.geteuid()} "
+                "(run as that directory's owner, or choose another server.socket)",
+            )
+        ]
+    return []
+
+
+def _listening(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def _shm(config: Config) -> list[Problem]:
+    shm = config.server.shm_dir
+    if not os.path.isdir(shm):
+        return [Problem("server.shm_dir", f"{shm} is not a directory (is /dev/shm mounted?)")]
+    return []
+
+
+def _metrics(config: Config) -> list[Problem]:
+    if not config.metrics.address:
+        return []
+    host, port = split_host_port(config.metrics.address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return [Problem("metrics.address", f"cannot resolve {host}: {e.strerror}")]
+    family, kind, proto, _, addr = infos[0]
+    probe = socket.socket(family, kind, proto)
+    try:
+        probe.bind(addr)
+    except OSError as e:
+        why = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror
+        return [Problem("metrics.address", f"cannot listen on {config.metrics.address}: {why}")]
+    finally:
+        probe.close()
+    return []
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"

@@ -1,0 +1,140 @@
+"""SIGHUP: read the config again and apply what can change while the daemon runs.
+
+The new config is loaded exactly as at start (file, ``KVTIER_*`` variables, ``--set``
+overrides) and compared key by key with the running one. Keys in ``LIVE`` take effect at once;
+any other changed key is listed as needing a restart and keeps its running value, so the
+daemon's config always says what it really does. A config that does not load (a bad value, a
+broken file) changes nothing and is logged as an error. Every reload logs one line of what it
+applied and one of what needs a restart.
+
+Live keys, and how each applies:
+
+- ``policy.protect_s``, ``policy.warmup_s``, ``tiers.*.high_watermark``/``low_watermark``:
+  each tier's eviction guard is rebuilt;
+- ``tiers.*.read_bytes_s``/``write_bytes_s``: the tier's token buckets take the new rate;
+- ``policy.readahead_blocks``, ``server.max_batch_blocks``, ``server.lease_default_ms``,
+  ``server.lease_max_ms``, ``server.drain_timeout_s``: read from the config on every use;
+- ``server.session_ping_s``: for sessions opened from now on;
+- ``logging.level``, ``logging.format``: the handler is set up again.
+
+Thread-safety: call on the daemon's event loop (the signal handler is installed with
+``loop.add_signal_handler``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.daemon.config import Config, config_keys
+from kvtier.daemon.errors import ConfigError
+from kvtier.daemon.logs import setup_logging
+from kvtier.daemon.policy.guard import EvictionGuard
+
+if TYPE_CHECKING:
+    from kvtier.daemon.server import Daemon
+
+log = logging.getLogger(__name__)
+
+LIVE_PATTERNS = (
+    r"policy\.(protect_s|warmup_s|readahead_blocks)",
+    r"tiers\.\w+\.(high_watermark|low_watermark|read_bytes_s|write_bytes_s)",
+    r"server\.(max_batch_blocks|lease_default_ms|lease_max_ms|drain_timeout_s|session_ping_s)",
+    r"logging\.(level|format)",
+)
+_LIVE = re.compile("|".join(f"(?:{p})" for p in LIVE_PATTERNS) + "$")
+
+
+def is_live(key: str) -> bool:
+    return _LIVE.match(key) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadReport:
+    applied: list[str]  # "key: old -> new"
+    needs_restart: list[str]
+    error: str = ""
+
+
+def get_key(config: Any, key: str) -> Any:
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def with_key(config: Any, key: str, value: Any) -> Any:
+    head, _, rest = key.partition(".")
+    if not rest:
+        return dataclasses.replace(config, **{head: value})
+    return dataclasses.replace(config, **{head: with_key(getattr(config, head), rest, value)})
+
+
+def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]:
+    """(the config to run with, the live changes, the changes that need a restart)."""
+    effective = running
+    applied: list[str] = []
+    restart: list[str] = []
+    for key in config_keys():
+        old, new = get_key(running, key), get_key(loaded, key)
+        if old == new:
+            continue
+        change = f"{key}: {old!r} -> {new!r}"
+        if is_live(key):
+            effective = with_key(effective, key, new)
+            applied.append(change)
+        else:
+            restart.append(change)
+    return effective, applied, restart
+
+
+class Reloader:
+    def __init__(self, daemon: Daemon, load: Callable[[], Config]) -> None:
+        self.daemon = daemon
+        self.load = load
+
+    def reload(self) -> ReloadReport:
+        try:
+            loaded = self.load()
+        except ConfigError as e:
+            log.error("SIGHUP: config not reloaded, the running one stays: %s", e)
+            return ReloadReport([], [], str(e))
+        effective, applied, restart = plan(self.daemon.config, loaded)
+        try:
+            self.apply(effective)
+        except Exception as e:
+            log.exception("SIGHUP: applying the new config failed; the running one stays")
+            return ReloadReport([], [], str(e))
+        log.info("SIGHUP: applied %s", "; ".join(applied) if applied else "nothing (no change)")
+        if restart:
+            log.warning(
+                "SIGHUP: these changes need a restart and were not applied: %s",
+                "; ".join(restart),
+            )
+        return ReloadReport(applied, restart)
+
+    def apply(self, config: Config) -> None:
+        """Make ``config`` (which differs from the running one only in live keys) current."""
+        daemon = self.daemon
+        old = daemon.config
+        if (config.logging.level, config.logging.format) != (
+            old.logging.level,
+            old.logging.format,
+        ):
+            setup_logging(config.logging.level, config.logging.format)
+        store = daemon.store
+        for level in store.stack:
+            section = getattr(config.tiers, level.label.lower(), None)
+            high = getattr(section, "high_watermark", level.guard.high_watermark)
+            low = getattr(section, "low_watermark", level.guard.low_watermark)
+            level.guard = EvictionGuard(config.policy.protect_s, config.policy.warmup_s, high, low)
+            if section is not None:
+                level.reads.rate = float(getattr(section, "read_bytes_s", level.reads.rate))
+                level.writes.rate = float(getattr(section, "write_bytes_s", level.writes.rate))
+        daemon.servicer.ping_interval_s = config.server.session_ping_s
+        daemon.config = config
+        daemon.service.config = config
+        store.config = config

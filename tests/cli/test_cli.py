@@ -1,0 +1,187 @@
+"""The admin CLI against real daemons: help for every command, the address it tried when the
+daemon is unreachable, derived figures, the live view, and the health probe's exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvtier import paths
+from kvtier.client import PoolLayout, SharedMemoryPool
+
+LAYOUT = PoolLayout.staging(
+    num_layers=1, num_pages=16, block_tokens=1, chunk_bytes=64 * 1024, kv_count=1
+)
+
+
+def kvtier(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def _keys(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """``kvtier`` in process (the help and error paths need no daemon)."""
+    from kvtier.cli.main import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["stats"], ["top"], ["health"], ["replay"], ["bench"], ["status"]]
+)
+def test_every_command_has_help(capsys, command):
+    code, out, err = run_main(capsys, *command, "--help")
+    assert code == 0, err
+    assert out.startswith("usage: kvtier")
+
+
+def test_an_unreachable_daemon_names_the_address_it_tried(tmp_path, capsys, monkeypatch):
+    missing = f"unix:{tmp_path}/nobody.sock"
+    for command, expected in (("stats", 1), ("top", 1), ("health", 3)):
+        code, _, err = run_main(capsys, "--address", missing, "--timeout", "2", command)
+        assert code == expected, (command, err)
+        assert f"cannot reach kvtierd at {missing} (the address given)" in err
+        assert "--address" in err and "KVTIER_ADDRESS" in err
+    monkeypatch.setenv("KVTIER_ADDRESS", missing)
+    _, _, err = run_main(capsys, "--timeout", "2", "stats")
+    assert f"at {missing} (from $KVTIER_ADDRESS)" in err
+    monkeypatch.delenv("KVTIER_ADDRESS")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    # No daemon of this host on the system socket may answer instead.
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", f"{tmp_path}/system/kvtierd.sock")
+    _, _, err = run_main(capsys, "--timeout", "2", "stats")
+    assert "(the default; looked for " in err and "kvtierd.sock" in err
+
+
+def test_stats_derives_hit_ratios_rates_and_latency(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        stored = _keys(6, 1)
+        client.put(pool.pool_id, stored, range(6))
+        client.lookup(stored + _keys(2, 2))  # 6 hits, 2 misses
+        out = kvtier("--address", daemon.address, "stats", "--json")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        derived = doc["derived"]
+        assert derived["lookups"] == 8
+        assert derived["hit_ratio"] == pytest.approx(6 / 8)
+        assert derived["misses"]["absent"] == 2
+        l1 = next(t for t in derived["tiers"] if t["name"] == "L1_HOST")
+        assert l1["hits"] == 6 and l1["blocks"] == 6
+        methods = {row["method"]: row for row in derived["latency"]}
+        assert methods["Put"]["calls"] == 1 and methods["Lookup"]["calls"] == 1
+        assert 0 < methods["Put"]["p50_s"] <= methods["Put"]["p99_s"]
+        text = kvtier("--address", daemon.address, "stats").stdout
+        assert "hit ratio 75.0%" in text and "misses: absent 2" in text
+        assert "rpc_seconds_bucket" not in text  # histograms are shown as latency, not raw
+        # Over an interval with no traffic the window's ratio is undefined, not 75%.
+        idle = kvtier("--address", daemon.address, "stats", "--interval", "0.2").stdout
+        assert "0 keys, hit ratio -" in idle and "(lifetime 75.0%)" in idle
+
+
+def test_top_renders_tiers_ratios_rates_and_latency(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, _keys(4, 3), range(4))
+        out = kvtier(
+            "--address",
+            daemon.address,
+            "top",
+            "--once",
+            "--interval",
+            "0.2",
+            env={**os.environ, "COLUMNS": "120"},
+        )
+    assert out.returncode == 0, out.stderr
+    for text in ("tiers", "L1_HOST", "hit ratio", "transfers per second", "RPC latency"):
+        assert text in out.stdout, out.stdout
+    assert "Stats" in out.stdout  # the frame's own first Stats call, timed
+
+
+def test_health_is_0_when_serving(daemon):
+    out = kvtier("--address", daemon.address, "health")
+    assert out.returncode == 0 and out.stdout.startswith("ok: "), out
+
+
+_DEGRADE = textwrap.dedent(
+    """
+    import json, os, subprocess, sys
+    root = sys.argv[1]
+    l2 = os.path.join(root, "l2")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", l2], check=True)
+    sock = f"unix:{root}/d.sock"
+    d = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.daemon", "--set", f"server.socket={root}/d.sock",
+         "--set", "tiers.l1.capacity_bytes=64MiB", "--set", "tiers.l2.enabled=true",
+         "--set", f"tiers.l2.path={l2}", "--set", "tiers.l2.capacity_bytes=8MiB",
+         "--set", "tiers.l2.segment_bytes=1MiB", "--set", "tiers.l2.file_bytes=8MiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in d.stdout:
+            if "listening" in line:
+                break
+        def health(*extra):
+            p = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "--address", sock,
+                                "health", *extra], capture_output=True, text=True)
+            return [p.returncode, p.stdout]
+        before = health()
+        # Fill the filesystem: the data files are preallocated, the index is not.
+        with open(os.path.join(l2, "junk"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"x" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        from kvtier.client import Client, PoolLayout, SharedMemoryPool
+        layout = PoolLayout.staging(num_layers=1, num_pages=4, block_tokens=1,
+                                    chunk_bytes=65536, kv_count=1)
+        with Client(sock) as c, SharedMemoryPool.for_layout(layout) as shm:
+            p = c.register_pool(shm, layout)
+            c.put(p.pool_id, [os.urandom(32) for _ in range(4)], range(4), durable=True)
+        print(json.dumps({"before": before, "after": health(), "ok": health("--degraded-ok")}))
+    finally:
+        d.terminate()
+        d.wait(30)
+    """
+)
+
+
+def test_health_is_1_with_a_degraded_tier_and_0_when_that_is_allowed(tmp_path):
+    """A real full disk: L2 on a small tmpfs (in a private mount namespace) filled up while
+    the daemon runs, so the index cannot commit and the tier degrades."""
+    (tmp_path / "l2").mkdir()
+    ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    out = subprocess.run(
+        [*ns, sys.executable, "-c", _DEGRADE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["before"][0] == 0
+    code, text = result["after"]
+    assert code == 1 and text.startswith("degraded: ") and "L2_DISK degraded_nospace" in text
+    assert result["ok"][0] == 0

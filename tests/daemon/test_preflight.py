@@ -1,0 +1,219 @@
+"""Host checks before anything is allocated (``kvtierd --check-config`` and every start), and
+the default socket rule shared by daemon and client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvtier import paths
+from kvtier.daemon import preflight
+from kvtier.daemon.config import load_config
+from kvtier.daemon.preflight import HostFacts
+
+
+def _kvtierd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _sets(*overrides: str) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+HOST = HostFacts(mem_available_bytes=8 << 30, mem_limit_bytes=16 << 30, memlock_limit_bytes=None)
+
+
+def _keys(problems):
+    return [p.key for p in problems]
+
+
+def test_an_l1_larger_than_memory_is_refused(tmp_path):
+    config = load_config(
+        None, [f"server.socket={tmp_path}/s.sock", "tiers.l1.capacity_bytes=64GiB"]
+    )
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["tiers.l1.capacity_bytes"]
+    assert "memory limit" in str(problems[0])
+    config = load_config(
+        None, [f"server.socket={tmp_path}/s.sock", "tiers.l1.capacity_bytes=12GiB"]
+    )
+    assert "available" in str(preflight.check(config, HOST)[0])
+    config = load_config(None, [f"server.socket={tmp_path}/s.sock", "tiers.l1.capacity_bytes=4Gi"])
+    assert preflight.check(config, HOST) == []
+
+
+def test_an_l2_larger_than_the_disk_is_refused(tmp_path):
+    config = load_config(
+        None,
+        [
+            f"server.socket={tmp_path}/s.sock",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={tmp_path}/l2",
+            "tiers.l2.capacity_bytes=100TiB",
+            "tiers.l2.file_bytes=1TiB",
+        ],
+    )
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["tiers.l2.capacity_bytes"]
+    assert "cannot hold 100TiB" in str(problems[0])
+    assert not (tmp_path / "l2").exists()  # nothing was created
+
+
+@pytest.mark.parametrize(
+    "make, expect",
+    [
+        (lambda p: p.write_text("not a socket"), "is not a socket"),
+        (lambda p: None, None),
+    ],
+)
+def test_socket_paths(tmp_path, make, expect):
+    path = tmp_path / "s.sock"
+    make(path)
+    config = load_config(None, [f"server.socket={path}"])
+    problems = preflight.check(config, HOST)
+    if expect is None:
+        assert problems == []
+    else:
+        assert _keys(problems) == ["server.socket"] and expect in str(problems[0])
+
+
+def test_a_socket_path_too_long_is_refused():
+    config = load_config(None, ["server.socket=/tmp/" + "x" * 120 + ".sock"])
+    assert "107 bytes" in str(preflight.check(config, HOST)[0])
+
+
+def test_check_config_reports_what_the_host_cannot_give(tmp_path):
+    ok = _kvtierd("--check-config", *_sets(f"server.socket={tmp_path}/s.sock"))
+    assert ok.returncode == 0, ok.stderr
+    assert "config ok" in ok.stdout and f"socket: {tmp_path}/s.sock" in ok.stdout
+    bad = _kvtierd(
+        "--check-config",
+        *_sets(f"server.socket={tmp_path}/s.sock", "tiers.l1.capacity_bytes=100TiB"),
+    )
+    assert bad.returncode == 1
+    assert "tiers.l1.capacity_bytes" in bad.stderr and "memory" in bad.stderr
+
+
+def test_a_second_daemon_on_a_live_socket_fails_before_allocating(daemon):
+    """Regression: the second daemon used to pre-fault its whole L1 before finding the
+    socket taken. Now it stops at the host checks, before any allocation: with an L1 of
+    16 GiB it would need seconds (and the memory) otherwise."""
+    path = daemon.socket
+    started = time.monotonic()
+    proc = _kvtierd(*_sets(f"server.socket={path}", "tiers.l1.capacity_bytes=2GiB"))
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1
+    assert f"another process is listening on {path}" in proc.stderr
+    assert "L1 host arena" not in proc.stderr  # the arena log line: nothing was allocated
+    assert elapsed < 30
+    assert daemon.running()
+
+
+def test_a_stale_socket_is_no_problem(tmp_path):
+    path = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.close()  # bound, never listening: what a crashed daemon leaves
+    config = load_config(None, [f"server.socket={path}"])
+    assert preflight.check(config, HOST) == []
+
+
+def test_metrics_port_in_use_is_refused(tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        config = load_config(
+            None, [f"server.socket={tmp_path}/s.sock", f"metrics.address=127.0.0.1:{port}"]
+        )
+        problems = preflight.check(config, HOST)
+        assert _keys(problems) == ["metrics.address"] and "in use" in str(problems[0])
+    finally:
+        taken.close()
+
+
+# -------------------------------------------------------------------- default socket
+
+
+def test_the_default_socket_rule():
+    assert paths.daemon_socket({}, uid=0) == "/run/kvtier/kvtierd.sock"
+    assert paths.daemon_socket({"RUNTIME_DIRECTORY": "/run/kvtier"}, uid=990) == (
+        "/run/kvtier/kvtierd.sock"
+    )
+    user = {"XDG_RUNTIME_DIR": "/run/user/1000"}
+    assert paths.daemon_socket(user, uid=1000) == "/run/user/1000/kvtier/kvtierd.sock"
+    assert paths.daemon_socket({}, uid=1000) == "/tmp/kvtier-1000/kvtierd.sock"
+    # A relative XDG_RUNTIME_DIR is invalid by its spec and ignored.
+    assert paths.daemon_socket({"XDG_RUNTIME_DIR": "run"}, uid=7) == "/tmp/kvtier-7/kvtierd.sock"
+    assert paths.client_candidates(user, uid=1000) == [
+        "/run/user/1000/kvtier/kvtierd.sock",
+        "/run/kvtier/kvtierd.sock",
+    ]
+    for env, uid in (({}, 0), (user, 1000), ({}, 1000)):
+        # With no daemon anywhere a client names the socket its own daemon would use.
+        if not os.path.exists(paths.SYSTEM_SOCKET):
+            assert paths.default_client_socket(env, uid) == paths.daemon_socket(env, uid)
+
+
+_FIND_EACH_OTHER = """
+import json, os, subprocess, sys
+daemon_dir, client_dir = sys.argv[1], sys.argv[2]
+env = dict(os.environ)
+env.pop("KVTIER_ADDRESS", None)
+env.pop("RUNTIME_DIRECTORY", None)
+proc = subprocess.Popen(
+    [sys.executable, "-m", "kvtier.daemon", "--set", "tiers.l1.capacity_bytes=64MiB"],
+    cwd=daemon_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+)
+try:
+    line = ""
+    for line in proc.stdout:
+        if "listening on" in line:
+            break
+    code = "from kvtier.client import Client\\nwith Client() as c: print(c.address, c.health())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=client_dir, env=env, capture_output=True, text=True
+    )
+    print(json.dumps({"daemon": line.strip(), "client": out.stdout.strip(), "err": out.stderr}))
+finally:
+    proc.terminate()
+    proc.wait(30)
+"""
+
+
+def test_client_and_daemon_find_each_other_from_any_directory(tmp_path):
+    """Both started with no address, in different directories. As root (a system service) in
+    a mount namespace with its own empty /run, so that no daemon of the host interferes; as a
+    user under a fresh $XDG_RUNTIME_DIR."""
+    daemon_dir, client_dir = tmp_path / "daemon-cwd", tmp_path / "client-cwd"
+    daemon_dir.mkdir()
+    client_dir.mkdir()
+    driver = [sys.executable, "-c", _FIND_EACH_OTHER, str(daemon_dir), str(client_dir)]
+    env = dict(os.environ)
+    if os.geteuid() == 0:
+        expected = paths.SYSTEM_SOCKET
+        cmd = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs /run && exec "$@"', "sh"]
+        cmd += driver
+    else:
+        runtime = tmp_path / "rt"
+        runtime.mkdir(mode=0o700)
+        env["XDG_RUNTIME_DIR"] = str(runtime)
+        expected = str(runtime / "kvtier" / "kvtierd.sock")
+        cmd = driver
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert f"listening on unix:{expected}" in result["daemon"], result
+    assert result["client"] == f"unix:{expected} True", result

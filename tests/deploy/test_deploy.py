@@ -1,0 +1,227 @@
+"""Deployment files: the systemd unit (verified and rated by systemd-analyze), the container
+image definition, the Kubernetes DaemonSet (validated against the Kubernetes schemas, its
+probe run against a real daemon) and the Grafana dashboard (every query names a metric the
+daemon exports)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvtier import __version__
+from kvtier.daemon.config import config_keys, env_name, load_config, parse_size
+from kvtier.daemon.metrics import CATALOGUE
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+UNIT = DEPLOY / "kvtierd.service"
+MAX_EXPOSURE = 4.0
+
+
+def _systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    assert tool, "systemd-analyze is missing: apt-get install systemd"
+    return tool
+
+
+def _unit() -> dict[str, list[str]]:
+    """The [Service] section; repeated keys keep every value."""
+    values: dict[str, list[str]] = {}
+    section = ""
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line
+            continue
+        if section == "[Service]":
+            key, _, value = line.partition("=")
+            values.setdefault(key, []).append(value)
+    return values
+
+
+def test_the_unit_passes_systemd_analyze_verify(tmp_path):
+    """In a scratch root that has the unit's ExecStart (and the host's own units, for the
+    targets it orders after): a missing binary or a bad directive fails."""
+    root = tmp_path / "root"
+    exe = root / "opt/kvtier/.venv/bin/kvtierd"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    shutil.copy(UNIT, root / "etc/systemd/system/kvtierd.service")
+    (root / "usr/lib").mkdir(parents=True)
+    (root / "usr/lib/systemd").symlink_to("/usr/lib/systemd")
+    out = subprocess.run(
+        [_systemd_analyze(), "verify", f"--root={root}", "kvtierd.service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    ours = [line for line in (out.stdout + out.stderr).splitlines() if "kvtierd.service" in line]
+    assert out.returncode == 0 and ours == [], out.stderr
+    exe.unlink()
+    missing = subprocess.run(
+        [_systemd_analyze(), "verify", f"--root={root}", "kvtierd.service"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode != 0 and "is not executable" in missing.stderr
+
+
+def test_the_unit_is_rated_ok_by_systemd_analyze_security():
+    out = subprocess.run(
+        [_systemd_analyze(), "security", "--offline=true", str(UNIT)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    m = re.search(r"Overall exposure level for kvtierd.service: ([\d.]+)", out.stdout)
+    assert m, out.stdout + out.stderr
+    assert float(m.group(1)) <= MAX_EXPOSURE, out.stdout
+
+
+def test_the_sandbox_still_reaches_the_socket_shared_memory_and_l2():
+    unit = _unit()
+    rw = " ".join(unit["ReadWritePaths"]).split()
+    assert {"/run/kvtier", "/var/lib/kvtier", "/dev/shm"} <= set(rw)
+    assert unit["RuntimeDirectory"] == ["kvtier"] and unit["StateDirectory"] == ["kvtier"]
+    # The default L2 path is relative: under the working directory, inside StateDirectory.
+    assert unit["WorkingDirectory"] == ["/var/lib/kvtier"]
+    assert "AF_UNIX" in unit["RestrictAddressFamilies"][0].split()
+    assert unit["IPAddressAllow"] == ["localhost"]  # loopback metrics keep working
+    assert "@system-service" in unit["SystemCallFilter"]
+    # Page-locked L1 needs the limit, not a capability (the bounding set is empty).
+    assert unit["LimitMEMLOCK"] == ["infinity"] and unit["CapabilityBoundingSet"] == [""]
+    assert unit["Type"] == ["notify"] and unit["KillSignal"] == ["SIGTERM"]
+
+
+# ------------------------------------------------------------------------- container
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    lines, current = [], ""
+    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if raw.strip().startswith("#") or not raw.strip():
+            continue
+        current += raw.rstrip("\\").strip() + " "
+        if not raw.rstrip().endswith("\\"):
+            word, _, rest = current.strip().partition(" ")
+            lines.append((word.upper(), rest))
+            current = ""
+    return lines
+
+
+def test_the_dockerfile_copies_every_package_and_runs_the_daemon():
+    instructions = _dockerfile()
+    copied = set()
+    for word, rest in instructions:
+        if word == "COPY" and not rest.startswith("--from"):
+            *sources, _ = rest.split()
+            for src in sources:
+                assert (ROOT / src).exists(), src
+                copied.add(src.rstrip("/"))
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for package in re.findall(r'"kvtier\.(\w+)', pyproject):
+        assert package in copied, f"{package}/ is not copied into the image"
+    entry = next(rest for word, rest in instructions if word == "ENTRYPOINT")
+    assert json.loads(entry) == ["kvtierd"]
+    health = next(rest for word, rest in instructions if word == "HEALTHCHECK")
+    assert '"kvtier"' in health and '"health"' in health
+    env = next(rest for word, rest in instructions if word == "ENV")
+    names = set(re.findall(r"(KVTIER_\w+)=", env))
+    known = {env_name(k) for k in config_keys()} | {"KVTIER_CONFIG"}
+    assert names <= known, names - known
+    assert "torch" not in (DEPLOY / "Dockerfile").read_text().lower().split("#")[0]
+
+
+# ------------------------------------------------------------------------ kubernetes
+
+
+def _manifests() -> list[dict]:
+    return list(yaml.safe_load_all((DEPLOY / "kubernetes" / "kvtierd-daemonset.yaml").read_text()))
+
+
+def test_the_daemonset_is_a_valid_kubernetes_object():
+    for doc in _manifests():
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_the_daemonset_shares_socket_dir_l2_and_shm_with_the_node():
+    (ds,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    for path in ("/run/kvtier", "/var/lib/kvtier", "/dev/shm"):
+        assert mounts[path]["hostPath"]["path"] == path, path
+    env = {e["name"]: e["value"] for e in container["env"]}
+    config = load_config(None, environ=env)  # every variable names a real key
+    assert config.tiers.l2.path.startswith("/var/lib/kvtier")
+    assert config.server.socket == "/run/kvtier/kvtierd.sock"  # root in the pod: the system path
+    memory = parse_size(container["resources"]["requests"]["memory"])
+    assert memory > config.tiers.l1.capacity_bytes
+    assert parse_size(container["resources"]["limits"]["memory"]) >= memory
+    assert container["image"].endswith(f":{__version__}")
+    port = int(config.metrics.address.rsplit(":", 1)[1])
+    assert {p["containerPort"] for p in container["ports"]} == {port}
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert container[probe]["exec"]["command"][0] == "kvtier"
+        assert "health" in container[probe]["exec"]["command"]
+
+
+def test_the_probes_pass_against_a_serving_daemon(daemon):
+    (ds,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    env = {**os.environ, "KVTIER_ADDRESS": daemon.address}
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        argv = container[probe]["exec"]["command"]
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli.main", *argv[1:]],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert out.returncode == 0, (probe, out.stdout, out.stderr)
+
+
+# -------------------------------------------------------------------------- grafana
+
+
+def test_every_dashboard_query_names_an_exported_metric():
+    dash = json.loads((DEPLOY / "grafana" / "kvtier-dashboard.json").read_text())
+    declared = {m.name for m in CATALOGUE}
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")"), expr
+        for name in re.findall(r"\bkvtier_[a-z0-9_]+", expr):
+            base = re.sub(r"_(bucket|count|sum)$", "", name)
+            assert name in declared or base in declared, name
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    assert all(p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in dash["panels"])
+
+
+def test_every_declared_metric_is_in_the_readme_table():
+    readme = (ROOT / "README.md").read_text()
+    missing = [m.name for m in CATALOGUE if f"`{m.name}`" not in readme]
+    assert missing == [], missing
+
+
+@pytest.mark.parametrize("name", ["kvtier.yaml", "kvtierd.service", "Dockerfile"])
+def test_deploy_files_name_no_machine_specific_paths(name):
+    text = (DEPLOY / name).read_text()
+    assert "/work/" not in text and "/root/" not in text

@@ -1,0 +1,220 @@
+"""Prometheus /metrics of a real daemon, scraped over HTTP after a scripted workload; every
+figure checked is the one the workload implies. Also: the request context in log lines."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections import Counter
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.client import NotFoundError, PoolLayout, PutStatus, SharedMemoryPool, Tier
+from kvtier.daemon.metrics import CATALOGUE
+
+BLOCK = 64 * 1024
+LAYOUT = PoolLayout.staging(
+    num_layers=4, num_pages=64, block_tokens=16, chunk_bytes=BLOCK // 8, dtype="uint8"
+)
+# L1 of 1 MiB holds 16 blocks; nothing is protected, so a full L1 evicts at once.
+L1_ONLY = ("tiers.l1.segment_bytes=1MiB", "policy.protect_s=0", "metrics.address=127.0.0.1:0")
+
+
+def keys(n: int, tag: int) -> list[bytes]:
+    rng = np.random.default_rng(tag)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def metrics_url(daemon) -> str:
+    m = re.search(r"metrics on (http://\S+/metrics)", daemon.log())
+    assert m, daemon.log()
+    return m.group(1)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    """One sample, or the sum over samples whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in m.items() if n == name and want <= ls)
+
+
+def test_metrics_match_a_scripted_workload(daemon_factory):
+    d = daemon_factory(*L1_ONLY, l1_bytes="1MiB")
+    url = metrics_url(d)
+    assert url.startswith("http://127.0.0.1:")
+    hits: Counter[str] = Counter()
+    misses: Counter[str] = Counter()
+    rpcs: Counter[tuple[str, str]] = Counter()
+    a, b, c = keys(12, 1), keys(12, 2), keys(3, 3)
+
+    def lookup(client, ks, **kw):
+        rpcs["Lookup", "OK"] += 1
+        return client.lookup(ks, **kw)
+
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        rpcs["RegisterPool", "OK"] += 1
+        before = scrape(url)
+        assert value(before, "kvtier_sessions") == 1 and value(before, "kvtier_pools") == 1
+        assert value(before, "kvtier_tier_capacity_bytes", tier="L1") == 1 << 20
+        assert value(before, "kvtier_tier_health", tier="L1", state="ok") == 1
+        assert value(before, "kvtier_lookup_keys_total") == 0  # shown before the first event
+        assert ("kvtier_lookup_keys_total", frozenset()) in before
+
+        assert client.put(pool.pool_id, a, range(12)).statuses == [PutStatus.STORED] * 12
+        assert client.put(pool.pool_id, a, range(12)).statuses == [PutStatus.EXISTS] * 12
+        rpcs["Put", "OK"] += 2
+        assert client.get(pool.pool_id, a, range(12)).prefix_len == 12
+        rpcs["Get", "OK"] += 1
+        assert lookup(client, a).prefix_len == 12
+        hits["L1"] += 12
+        # B needs 12 slots of the 16: 8 of A's blocks are evicted, and dropped (no L2).
+        assert client.put(pool.pool_id, b, range(12, 24)).stored == 12
+        rpcs["Put", "OK"] += 1
+        found = lookup(client, a).tiers.count(Tier.L1_HOST)
+        assert found == 4
+        hits["L1"] += 4
+        misses["evicted"] += 8
+
+        # Pin everything resident: a put finds no room and is declined.
+        lease_b = lookup(client, b, pin=True).lease_id
+        lease_a = lookup(client, a, pin=True).lease_id
+        hits["L1"] += 12 + 4
+        misses["evicted"] += 8
+        assert client.put(pool.pool_id, c, range(24, 27)).statuses == [PutStatus.REJECTED_FULL] * 3
+        rpcs["Put", "OK"] += 1
+        assert lookup(client, c).prefix_len == 0
+        misses["declined"] += 3
+        pinned = scrape(url)
+        assert value(pinned, "kvtier_leases") == 2
+        assert value(pinned, "kvtier_blocks_pinned") == 16
+        assert value(pinned, "kvtier_tier_unevictable_blocks", tier="L1", reason="pinned") == 16
+        assert value(pinned, "kvtier_evictions_blocked_total", tier="L1") == 3
+
+        client.release(lease_a)
+        client.release(lease_b)
+        rpcs["Release", "OK"] += 2
+        assert lookup(client, keys(5, 4)).prefix_len == 0
+        misses["absent"] += 5
+        assert client.delete(b).deleted == 12
+        rpcs["Delete", "OK"] += 1
+        assert lookup(client, b).prefix_len == 0
+        misses["absent"] += 12  # deleted on purpose: absent, not evicted
+
+        # Refused requests are timed under their status.
+        with pytest.raises(NotFoundError):
+            client.get(987654321, a[:1], [0])
+        rpcs["Get", "NOT_FOUND"] += 1
+        with pytest.raises(NotFoundError):
+            client.release(12345)
+        rpcs["Release", "NOT_FOUND"] += 1
+
+        m = scrape(url)
+        for tier, n in hits.items():
+            assert value(m, "kvtier_hits_total", tier=tier) == n
+        for reason in ("absent", "evicted", "declined"):
+            assert value(m, "kvtier_misses_total", reason=reason) == misses[reason], reason
+        assert value(m, "kvtier_lookup_keys_total") == sum(hits.values()) + sum(misses.values())
+        assert value(m, "kvtier_put_blocks_total", result="stored") == 24
+        assert value(m, "kvtier_put_blocks_total", result="existing") == 12
+        assert value(m, "kvtier_put_blocks_total", result="rejected") == 3
+        assert value(m, "kvtier_put_bytes_total") == 24 * BLOCK
+        assert value(m, "kvtier_get_blocks_total", result="loaded") == 12
+        assert value(m, "kvtier_get_bytes_total") == 12 * BLOCK
+        assert value(m, "kvtier_evictions_total", tier="L1") == 8
+        assert value(m, "kvtier_deleted_blocks_total") == 12
+        assert value(m, "kvtier_tier_blocks", tier="L1") == 4
+        assert value(m, "kvtier_tier_used_bytes", tier="L1") == 4 * BLOCK
+        assert value(m, "kvtier_leases") == 0
+        assert value(m, "kvtier_tier_unevictable_blocks", tier="L1", reason="pinned") == 0
+        for (method, code), n in rpcs.items():
+            got = value(m, "kvtier_rpc_duration_seconds_count", method=method, code=code)
+            assert got == n, (method, code)
+        # Both puts that stored blocks copied one batch in; the Get copied one batch out.
+        assert value(m, "kvtier_transfer_duration_seconds_count", direction="pool->L1") == 2
+        assert value(m, "kvtier_transfer_duration_seconds_count", direction="L1->pool") == 1
+        assert value(m, "kvtier_rpc_duration_seconds_sum", method="Put") > 0
+    # Every metric name is declared in the catalogue and prefixed kvtier_.
+    declared = {x.name for x in CATALOGUE}
+    for name, _ in m:
+        base = re.sub(r"_(bucket|count|sum|created)$", "", name)
+        assert base.startswith("kvtier_")
+        assert base in declared or name in declared, name
+
+
+def test_metrics_count_moves_between_tiers(daemon_factory, tmp_path):
+    d = daemon_factory(
+        *L1_ONLY,
+        # The balancer keeps out of the way: only the put that needs room demotes.
+        "tiers.l1.high_watermark=1.0",
+        "tiers.l1.low_watermark=1.0",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=16MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
+        "tiers.l2.admission=always",
+        l1_bytes="1MiB",
+    )
+    url = metrics_url(d)
+    ks = keys(20, 5)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks[:16], range(16)).stored == 16
+        # L1 is full: making room for four more demotes four blocks to L2.
+        assert client.put(pool.pool_id, ks[16:], range(16, 20)).stored == 4
+        tiers = client.lookup(ks).tiers
+        assert tiers.count(Tier.L1_HOST) == 16 and tiers.count(Tier.L2_DISK) == 4
+        # L1 holds only blocks without a lower copy: the four on L2 are read straight into
+        # the pages.
+        assert client.get(pool.pool_id, ks, range(20, 40)).prefix_len == 20
+        m = scrape(url)
+    assert value(m, "kvtier_moved_blocks_total", direction="L1->L2") == 4
+    assert value(m, "kvtier_moved_bytes_total", direction="L1->L2") == 4 * BLOCK
+    assert value(m, "kvtier_demoted_blocks_total", tier="L2") == 4
+    assert value(m, "kvtier_moved_blocks_total", direction="L2->pool") == 4
+    assert value(m, "kvtier_hits_total", tier="L1") == 16
+    assert value(m, "kvtier_hits_total", tier="L2") == 4
+    assert value(m, "kvtier_tier_blocks", tier="L2") == 4
+    assert value(m, "kvtier_tier_health", tier="L2", state="ok") == 1
+    assert value(m, "kvtier_tier_events_total", tier="L2", event="checksum_failures") == 0
+    assert value(m, "kvtier_transfer_duration_seconds_count", direction="L1->L2") >= 1
+    assert value(m, "kvtier_transfer_duration_seconds_count", direction="L2->pool") == 1
+
+
+def test_metrics_are_off_by_default(daemon):
+    assert "metrics on" not in daemon.log()
+
+
+def test_log_lines_a_request_causes_carry_its_ids(daemon_factory):
+    d = daemon_factory("logging.format=json", "logging.level=debug")
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, keys(2, 6), range(2))
+        session = client.session_id
+        pool.unregister()
+    d.stop()
+    entries = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    registered = [
+        e for e in entries if e["logger"] == "kvtier.daemon.pools" and "register" in e["msg"]
+    ]
+    assert len(registered) == 2  # registered, then unregistered
+    for e in registered:
+        assert re.fullmatch(r"[0-9a-f]{12}", e["request_id"])
+        assert e["session_id"] == session[:8]
+    assert registered[0]["request_id"] != registered[1]["request_id"]
+    assert registered[1]["pool_id"] == pool.pool_id
+    lifecycle = [e for e in entries if "listening on" in e["msg"]]
+    assert lifecycle and "request_id" not in lifecycle[0]

@@ -1,0 +1,83 @@
+"""SIGHUP on a real daemon: live keys apply at once, the others are named as needing a
+restart, and a config that does not load changes nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from harness import DaemonProcess
+
+from kvtier.client import InvalidArgumentError
+from kvtier.daemon.reload import is_live, plan
+
+CONFIG = """
+server:
+  max_batch_blocks: {batch}
+tiers:
+  l1:
+    capacity_bytes: {l1}
+policy:
+  protect_s: {protect}
+logging:
+  level: {level}
+"""
+
+
+def _wait_for_log(d: DaemonProcess, text: str, count: int = 1, timeout_s: float = 20) -> str:
+    deadline = time.monotonic() + timeout_s
+    while d.log().count(text) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not logged:\n{d.log()}")
+        time.sleep(0.05)
+    return d.log()
+
+
+def test_sighup_applies_live_keys_and_names_the_rest(tmp_path, daemon_factory):
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(CONFIG.format(batch=8, l1="64MiB", protect=2.0, level="info"))
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/reload.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    d.start()
+    ten = [os.urandom(32) for _ in range(10)]
+    with d.client() as client:
+        with pytest.raises(InvalidArgumentError, match="max_batch_blocks"):
+            client.lookup(ten)
+        path.write_text(CONFIG.format(batch=16, l1="128MiB", protect=0.5, level="DEBUG"))
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: applied")
+        assert "server.max_batch_blocks: 16" in log.replace("8 -> ", "")
+        assert "policy.protect_s: 2.0 -> 0.5" in log
+        assert "logging.level: 'INFO' -> 'DEBUG'" in log
+        assert "need a restart" in log and "tiers.l1.capacity_bytes" in log
+        assert client.lookup(ten).prefix_len == 0  # the new limit holds
+        assert client.stats().tiers[0].capacity_bytes == 64 << 20  # L1 keeps its size
+
+        path.write_text("server:\n  max_batch_blocks: lots\n")
+        d.proc.send_signal(signal.SIGHUP)
+        _wait_for_log(d, "config not reloaded")
+        assert "server.max_batch_blocks" in d.log().split("config not reloaded")[-1]
+        assert client.lookup(ten).prefix_len == 0  # still 16
+        assert client.health()
+
+
+def test_the_reload_plan_keeps_restart_keys_at_their_running_value():
+    from kvtier.daemon.config import load_config
+
+    running = load_config(None, ["policy.readahead_blocks=4", "tiers.l2.read_bytes_s=0"])
+    loaded = load_config(
+        None, ["policy.readahead_blocks=8", "tiers.l2.read_bytes_s=1GiB", "policy.name=lru"]
+    )
+    effective, applied, restart = plan(running, loaded)
+    assert effective.policy.readahead_blocks == 8
+    assert effective.tiers.l2.read_bytes_s == 1 << 30
+    assert effective.policy.name == running.policy.name  # needs a restart
+    assert [a.split(":")[0] for a in applied] == [
+        "tiers.l2.read_bytes_s",
+        "policy.readahead_blocks",
+    ]
+    assert [r.split(":")[0] for r in restart] == ["policy.name"]
+    assert is_live("tiers.l1.high_watermark") and not is_live("tiers.l1.capacity_bytes")
+    assert not is_live("server.socket") and is_live("logging.level")
