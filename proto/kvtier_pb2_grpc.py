@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KVTierStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but OpenSession names a session (session_id); the gRPC health service needs none.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -87,12 +88,14 @@ class KVTierStub:
 
 
 class KVTierServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but OpenSession names a session (session_id); the gRPC health service needs none.
+    """
 
     def OpenSession(self, request, context):
         """Opens a session and keeps it open for as long as the client reads the stream.
         Pools and leases belong to a session and die with it (client exit, crash or
         disconnect). The first event carries the session id; later events are pings.
+        On the Unix socket a session needs a credential ticket (see OpenSessionRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,7 +222,8 @@ def add_KVTierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTier:
-    """Missing associated documentation comment in .proto file."""
+    """Every call but OpenSession names a session (session_id); the gRPC health service needs none.
+    """
 
     @staticmethod
     def OpenSession(request,
