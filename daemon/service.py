@@ -186,6 +186,9 @@ class KVService:
         if pin:
             found = np.unique(ids[ids >= 0])
             if len(found):
+                # The session may have ended while the lookup awaited; pinning for it then
+                # would leave pins no lease releases.
+                self.sessions.get(session_id)
                 refs = self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id

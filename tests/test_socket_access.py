@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from peers import NOBODY, NOGROUP, require_root, run_as
 
-from kvtier.bench.launcher import wait_until_serving
 from kvtier.client import credentials as cred
+from kvtier.client import wait_until_serving
 from kvtier.daemon.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,15 @@ def test_members_of_the_socket_group_connect_and_no_one_else(daemon_factory):
 
 def _start(socket_path: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.daemon", "--set", f"server.socket={socket_path}"],
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--set",
+            f"server.socket={socket_path}",
+            "--set",
+            "tiers.l1.capacity_bytes=16MiB",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -117,7 +125,7 @@ def test_a_missing_folder_is_created_traversable_by_the_socket_group_only():
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until_serving(f"unix:{folder}/d.sock", proc, lambda: "", 60)
+        wait_until_serving(f"unix:{folder}/d.sock", 60)
         st = os.stat(folder)
         assert stat.S_IMODE(st.st_mode) == 0o710 and st.st_gid == NOGROUP
     finally:
