@@ -57,6 +57,7 @@ from kvtier.daemon.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.sessions import PeerCred
 from kvtier.daemon.unixsock import SocketAccess, bind_unix
 
@@ -242,12 +243,14 @@ class CredentialServer:
         tickets: TicketBook,
         closer: FdCloser,
         status_name: Callable[[KvtierError], str],
+        log_interval_s: float = 10.0,
     ) -> None:
         self.path = path
         self.tickets = tickets
         self.closer = closer
         # The server's mapping of errors to status names (ERR lines use gRPC's names).
         self._status_name = status_name
+        self._ratelog = RateLimitedLog(log, log_interval_s)
         self.counters: Counter[str] = Counter()
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -302,10 +305,14 @@ class CredentialServer:
                 self._pause_accepting()
                 self._loop.call_later(IO_TIMEOUT_S, self._resume_accepting)
                 return
-            sock.setblocking(False)
-            pid, uid, gid = struct.unpack(
-                "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            )
+            try:
+                sock.setblocking(False)
+                pid, uid, gid = struct.unpack(
+                    "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                )
+            except OSError:
+                sock.close()
+                continue
             conn = _Connection(sock, PeerCred(pid, uid, gid))
             conn.timer = self._loop.call_later(IO_TIMEOUT_S, self._drop, conn)
             self._connections.add(conn)
@@ -314,6 +321,15 @@ class CredentialServer:
     # ------------------------------------------------------------------ serve
 
     def _on_readable(self, conn: _Connection) -> None:
+        try:
+            self._read(conn)
+        except Exception:
+            # A client must not be able to make the event loop log tracebacks at will.
+            self.counters["internal_errors"] += 1
+            self._ratelog.exception("credential socket", "credential socket: request failed")
+            self._drop(conn)
+
+    def _read(self, conn: _Connection) -> None:
         try:
             data, ancillary, flags, _ = conn.sock.recvmsg(
                 MAX_REQUEST_BYTES,

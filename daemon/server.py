@@ -373,7 +373,11 @@ class Daemon:
                 self.server.add_insecure_port(f"unix:{path}")
             apply_access(path, access)
             self.credentials = CredentialServer(
-                cred_path, self.tickets, self.fd_closer, lambda e: status_of(e).name
+                cred_path,
+                self.tickets,
+                self.fd_closer,
+                lambda e: status_of(e).name,
+                cfg.bad_request_log_interval_s,
             )
             self.credentials.start(access)
             self.addresses.append(f"unix:{path}")
