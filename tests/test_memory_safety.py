@@ -172,16 +172,33 @@ def test_truncating_a_pool_in_a_loop_during_a_gibibyte_of_puts_and_gets(daemon, 
     )
 
 
+def test_regression_truncating_a_registered_object_killed_the_daemon_with_sigbus(daemon):
+    """The issue's report: register, ``os.truncate(shm.path, 0)``, Put: the daemon died."""
+    with daemon.client() as client, SharedMemoryPool.for_layout(SMALL, backing="shm") as shm:
+        pool = client.register_pool(shm, SMALL)
+        assert shm.path is not None
+        os.truncate(shm.path, 0)
+        with pytest.raises(FailedPreconditionError, match="broken"):
+            client.put(pool.pool_id, _keys("issue", 2), [0, 1])
+        assert client.health() and daemon.running()
+
+
+def _used_bytes(client) -> int:
+    return sum(t.used_bytes for t in client.stats().tiers)
+
+
 def test_a_faulted_put_stores_nothing_and_the_pool_stays_broken(daemon):
     with daemon.client() as client, SharedMemoryPool.for_layout(SMALL, seal=False) as shm:
         pool = client.register_pool(shm, SMALL)
         assert not pool.sealed
         keys = _keys("faulted", 4)
+        used = _used_bytes(client)
         os.ftruncate(shm.fd, 0)
         with pytest.raises(FailedPreconditionError, match="broken") as info:
             client.put(pool.pool_id, keys, range(4))
         assert "truncated" in info.value.details
         assert client.lookup(keys).prefix_len == 0
+        assert _used_bytes(client) == used  # no slot kept for the abandoned blocks
         for call in (
             lambda: client.put(pool.pool_id, keys, range(4)),
             lambda: client.get(pool.pool_id, keys, range(4)),
