@@ -84,7 +84,7 @@ def _start(socket_path: str) -> subprocess.CompletedProcess[str]:
             "--set",
             f"server.socket={socket_path}",
             "--set",
-            "tiers.l1.capacity_bytes=16MiB",
+            "tiers.l1.capacity_bytes=64MiB",
         ],
         capture_output=True,
         text=True,
