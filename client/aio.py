@@ -146,7 +146,7 @@ class AsyncClient:
             path = credentials.cred_socket_path(self.address)
             if path is None:
                 raise no_fd_transport(self.address)
-            ticket = await _off_loop(credentials.pool_ticket, path, binding.shm.fd, self.timeout_s)
+            ticket = await _off_loop(credentials.pool_ticket, path, binding.memfd, self.timeout_s)
         resp = await self._invoke("RegisterPool", binding.register_request(ticket))
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
         binding.sealed = resp.sealed

@@ -44,9 +44,14 @@ class PoolBinding:
         return block_keys(self.namespace, token_ids)
 
     @property
+    def memfd(self) -> int:
+        """The memory's descriptor, which registering hands to the daemon; -1 when the pool is
+        registered by name (a named object) or by CUDA IPC handles."""
+        return self.shm.fd if isinstance(self.shm, SharedMemoryPool) else -1
+
+    @property
     def hands_over_fd(self) -> bool:
-        """Whether registering sends the memory's descriptor (a memfd) rather than a name."""
-        return isinstance(self.shm, SharedMemoryPool) and self.shm.fd >= 0
+        return self.memfd >= 0
 
     def register_request(self, ticket: bytes = b"") -> pb.RegisterPoolRequest:
         """The registration: by the ticket of a handed-over descriptor, or by name."""

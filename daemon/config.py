@@ -111,13 +111,13 @@ class ServerConfig:
     shm_dir: str = field(
         default="/dev/shm", metadata=_opt("str", doc="where POSIX shared-memory objects live")
     )
-    shm_share: str = field(
-        default="",
+    shm_share: tuple[str, ...] = field(
+        default=(),
         metadata=_opt(
-            "str",
-            doc="CLIENT=OWNER pairs (user names or uids, separated by spaces or commas): a "
-            "session of CLIENT may register named shared-memory objects OWNER owns; CLIENT "
-            "'any' is every peer. Without a pair, only the owner may register an object",
+            "strs",
+            doc="CLIENT=OWNER pairs (user names or uids): a session of CLIENT may register "
+            "named shared-memory objects OWNER owns; CLIENT 'any' is every peer. Without a "
+            "pair, only the owner may register an object",
         ),
     )
     bad_request_log_interval_s: float = field(
@@ -158,8 +158,8 @@ class ServerConfig:
     def shm_share_pairs(self) -> frozenset[tuple[int, int]]:
         """``(client uid or ANY_PEER, owner uid)`` pairs from ``shm_share``."""
         pairs = set()
-        for item in self.shm_share.replace(",", " ").split():
-            client, sep, owner = item.partition("=")
+        for item in self.shm_share:
+            client, sep, owner = item.strip().partition("=")
             if not sep or not client or not owner:
                 raise ConfigError(
                     f"config key 'server.shm_share': {item!r} is not of the form CLIENT=OWNER"

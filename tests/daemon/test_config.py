@@ -286,5 +286,7 @@ def test_bad_socket_and_sharing_keys_name_the_key(override, words):
 def test_shm_share_pairs():
     from kvtier.daemon.config import ANY_PEER
 
-    server = load_config(None, ["server.shm_share=65534=0, any=root"]).server
+    server = load_config(None, ["server.shm_share=[65534=0, any=root]"]).server
     assert server.shm_share_pairs() == {(65534, 0), (ANY_PEER, 0)}
+    one = load_config(None, ["server.shm_share=nobody=root"]).server
+    assert one.shm_share_pairs() == {(65534, 0)}
