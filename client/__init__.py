@@ -14,6 +14,7 @@ from kvtier.client.errors import (
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from kvtier.client.keys import Namespace, block_key, block_keys
@@ -60,6 +61,7 @@ __all__ = [
     "Stats",
     "Tier",
     "TierStats",
+    "UnauthenticatedError",
     "UnavailableError",
     "block_key",
     "block_keys",

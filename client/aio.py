@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from kvtier.client import credentials
 from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
@@ -21,7 +23,7 @@ from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.sync import _SESSION_METHODS, CHANNEL_OPTIONS
+from kvtier.client.sync import _SESSION_METHODS, CHANNEL_OPTIONS, no_fd_transport
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -84,7 +86,12 @@ class AsyncClient:
             return self._session_id
 
     async def _open_session(self) -> None:
-        call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
+        ticket = b""
+        if (path := credentials.cred_socket_path(self.address)) is not None:
+            ticket = await _off_loop(credentials.session_ticket, path, self.timeout_s)
+        call = self._stub.OpenSession(
+            pb.OpenSessionRequest(client_name=self.client_name, credential_ticket=ticket)
+        )
         try:
             first = await call.read()
         except grpc.RpcError as e:
@@ -138,8 +145,15 @@ class AsyncClient:
             return int(done.value)
 
     async def _register(self, binding: PoolBinding) -> None:
-        resp = await self._invoke("RegisterPool", binding.register_request())
+        ticket = b""
+        if binding.hands_over_fd:
+            path = credentials.cred_socket_path(self.address)
+            if path is None:
+                raise no_fd_transport(self.address)
+            ticket = await _off_loop(credentials.pool_ticket, path, binding.memfd, self.timeout_s)
+        resp = await self._invoke("RegisterPool", binding.register_request(ticket))
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+        binding.sealed = resp.sealed
         self._pools[resp.pool_id] = binding
 
     # ----------------------------------------------------------------- pools
@@ -264,6 +278,11 @@ class AsyncClient:
         return await self._drive(
             load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
         )
+
+
+async def _off_loop(fn: Any, *args: Any) -> Any:
+    """Run a short blocking exchange (the credential socket) without stalling the loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
 class AsyncRegisteredPool(PoolView):

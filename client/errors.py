@@ -29,6 +29,12 @@ class NotFoundError(KvtierError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class UnauthenticatedError(KvtierError):
+    """The request had no valid credential: a missing, spent or expired ticket."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 class PermissionDeniedError(KvtierError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
@@ -61,6 +67,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvtierError]] = {
         InvalidArgumentError,
         NotFoundError,
         PermissionDeniedError,
+        UnauthenticatedError,
         FailedPreconditionError,
         ResourceExhaustedError,
         UnavailableError,
@@ -70,9 +77,15 @@ _BY_CODE: dict[grpc.StatusCode, type[KvtierError]] = {
 }
 
 
+def error_for_code(code: grpc.StatusCode, details: str) -> KvtierError:
+    """The typed exception for a status code."""
+    return _BY_CODE.get(code, KvtierError)(details, code)
+
+
 def from_rpc_error(err: grpc.RpcError) -> KvtierError:
     """The typed exception for a failed call."""
     code = err.code() if hasattr(err, "code") else None
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    cls = _BY_CODE.get(code, KvtierError) if code is not None else KvtierError
-    return cls(details, code)
+    if code is None:
+        return KvtierError(details)
+    return error_for_code(code, details)

@@ -36,22 +36,38 @@ class PoolBinding:
     namespace: Namespace | None
     pool_id: int = 0
     block_bytes: int = 0
+    sealed: bool = False  # the daemon found the memory sealed against shrinking
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.namespace is None:
             raise ValueError("this pool was registered without a namespace; pass keys explicitly")
         return block_keys(self.namespace, token_ids)
 
-    def register_request(self) -> pb.RegisterPoolRequest:
+    @property
+    def memfd(self) -> int:
+        """The memory's descriptor, which registering hands to the daemon; -1 when the pool is
+        registered by name (a named object) or by CUDA IPC handles."""
+        return self.shm.fd if isinstance(self.shm, SharedMemoryPool) else -1
+
+    @property
+    def hands_over_fd(self) -> bool:
+        return self.memfd >= 0
+
+    def register_request(self, ticket: bytes = b"") -> pb.RegisterPoolRequest:
+        """The registration: by the ticket of a handed-over descriptor, or by name."""
         from kvtier.client.types import layout_to_pb
 
+        layout = layout_to_pb(self.layout)
         if isinstance(self.shm, CudaIpcExport):
+            return pb.RegisterPoolRequest(cuda_ipc=self.shm.region(), layout=layout)
+        if self.hands_over_fd:
+            if not ticket:
+                raise ValueError("a memfd pool is registered with the ticket of its descriptor")
             return pb.RegisterPoolRequest(
-                cuda_ipc=self.shm.region(), layout=layout_to_pb(self.layout)
+                fd=pb.FdRegion(ticket=ticket, size_bytes=self.shm.size_bytes), layout=layout
             )
         return pb.RegisterPoolRequest(
-            shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes),
-            layout=layout_to_pb(self.layout),
+            shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes), layout=layout
         )
 
 
@@ -71,6 +87,11 @@ class PoolView:
     @property
     def layout(self) -> PoolLayout:
         return self.binding.layout
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the daemon found the memory sealed against shrinking (a memfd)."""
+        return self.binding.sealed
 
     @property
     def namespace(self) -> Namespace | None:

@@ -3,11 +3,21 @@
 The client creates the region (so it owns its lifetime and permissions), fills it with KV
 pages, and registers it once; afterwards requests name pages by index and the daemon copies
 bytes in and out of the region directly.
+
+Two backings:
+- ``memfd`` (the default): an anonymous memory file. It has no name anywhere, so a process
+  killed at any moment leaves nothing behind; the client hands its descriptor to the daemon
+  over the credential socket. It is sealed against shrinking and growing, so neither this
+  process nor anything it hands the descriptor to can truncate it under a copy.
+- ``shm``: a named POSIX shared-memory object in ``/dev/shm`` (for clients that need a
+  name). The daemon opens it by name, only if it belongs to the registering process's uid.
+  A killed process leaves the name behind; ``close()`` removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -22,14 +32,17 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_SHM_DIR = "/dev/shm"
+BACKINGS = ("memfd", "shm")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class SharedMemoryPool:
-    """A POSIX shared-memory region of ``size_bytes``, created fresh and pre-faulted.
+    """A shared memory region of ``size_bytes``, created fresh and pre-faulted.
 
-    The name is removed when the pool is closed, or at the latest when the object is garbage
-    collected or the process exits; the memory itself lives until every mapping is gone.
-    Thread-safety: the memory may be used from any thread; close() once.
+    ``backing`` is ``"memfd"`` (the default unless a ``name`` is given) or ``"shm"``; ``name``
+    is the /dev/shm object's name (random if None) or the memfd's label. ``seal=False``
+    leaves a memfd resizable. The memory lives until every mapping (the daemon's included) is
+    gone. Thread-safety: the memory may be used from any thread; close() once.
     """
 
     def __init__(
@@ -39,26 +52,47 @@ class SharedMemoryPool:
         name: str | None = None,
         shm_dir: str = DEFAULT_SHM_DIR,
         mode: int = 0o600,
+        backing: str | None = None,
+        seal: bool = True,
     ) -> None:
         if size_bytes <= 0:
             raise ValueError("size_bytes must be positive")
+        backing = backing or ("shm" if name else "memfd")
+        if backing not in BACKINGS:
+            raise ValueError(f"backing must be one of {BACKINGS}, not {backing!r}")
+        self.backing = backing
         self.name = name or f"kvtier-{os.getpid()}-{secrets.token_hex(6)}"
         self.size_bytes = size_bytes
-        self.path = os.path.join(shm_dir, self.name)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
+        self.path: str | None = None
+        self.fd = -1
+        self.sealed = False
+        if backing == "shm":
+            self.path = os.path.join(shm_dir, self.name)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
+        else:
+            fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size_bytes)
             # Allocate every page now: a tmpfs that is too small fails here, not mid-copy.
             os.posix_fallocate(fd, 0, size_bytes)
+            if backing == "memfd" and seal:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+                self.sealed = True
             self.buffer = mmap.mmap(
                 fd, size_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
         except BaseException:
             os.close(fd)
-            os.unlink(self.path)
+            if self.path is not None:
+                os.unlink(self.path)
             raise
-        os.close(fd)
-        self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        self._finalizer: weakref.finalize[..., SharedMemoryPool]
+        if self.path is not None:
+            os.close(fd)
+            self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+        else:
+            self.fd = fd  # kept: registering again (after a daemon restart) hands it over again
+            self._finalizer = weakref.finalize(self, _close_quietly, fd)
 
     @classmethod
     def for_layout(cls, layout: PoolLayout, **kwargs: object) -> SharedMemoryPool:
@@ -87,11 +121,14 @@ class SharedMemoryPool:
         return t.view(shape) if shape is not None else t
 
     def unlink(self) -> None:
-        """Remove the name now; mappings (the daemon's included) stay valid."""
-        self._finalizer()
+        """Remove a named object's name now; mappings (the daemon's included) stay valid.
+        A memfd has no name: this does nothing."""
+        if self.path is not None:
+            self._finalizer()
 
     def close(self) -> None:
-        self.unlink()
+        self._finalizer()  # removes the name, or closes the memfd's descriptor
+        self.fd = -1
         # Views (tensors, arrays) may still exist; then the mapping goes when they do.
         with contextlib.suppress(BufferError):
             self.buffer.close()
@@ -106,3 +143,8 @@ class SharedMemoryPool:
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)

@@ -5,6 +5,10 @@ the daemon watches to know this process is alive. Pools and leases belong to the
 they vanish if the process dies. If the daemon restarts, the next call opens a new session and
 re-registers the pools it used before, once.
 
+On a Unix socket the client first asks the daemon's credential socket for a ticket that binds
+the session to this process's uid (see ``kvtier.client.credentials``); a memfd pool's
+descriptor goes over the same socket when it is registered.
+
 Thread-safety: a Client may be shared by threads.
 """
 
@@ -19,10 +23,17 @@ from typing import Any
 
 import grpc
 
+from kvtier.client import credentials
 from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
-from kvtier.client.errors import KvtierError, NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.errors import (
+    FailedPreconditionError,
+    KvtierError,
+    NotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
@@ -40,10 +51,27 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
-# Requests that name a session; the driver fills it in.
+# Requests that name a session (all but OpenSession); the driver fills it in.
 _SESSION_METHODS = frozenset(
-    {"RegisterPool", "UnregisterPool", "Lookup", "Put", "Get", "Release", "Prefetch", "Delete"}
+    {
+        "RegisterPool",
+        "UnregisterPool",
+        "Lookup",
+        "Put",
+        "Get",
+        "Release",
+        "Prefetch",
+        "Delete",
+        "Stats",
+    }
 )
+
+
+def no_fd_transport(address: str) -> FailedPreconditionError:
+    return FailedPreconditionError(
+        f"a memfd pool is handed to the daemon over its Unix socket; {address} is not one "
+        "(use SharedMemoryPool(..., backing='shm') with a daemon on this host)"
+    )
 
 
 class Client:
@@ -97,7 +125,12 @@ class Client:
             return self._session_id
 
     def _open_session(self) -> None:
-        call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
+        ticket = b""
+        if (path := credentials.cred_socket_path(self.address)) is not None:
+            ticket = credentials.session_ticket(path, self.timeout_s)
+        call = self._stub.OpenSession(
+            pb.OpenSessionRequest(client_name=self.client_name, credential_ticket=ticket)
+        )
         try:
             first = next(call)
         except grpc.RpcError as e:
@@ -159,8 +192,15 @@ class Client:
             return int(done.value)
 
     def _register(self, binding: PoolBinding) -> None:
-        resp = self._invoke("RegisterPool", binding.register_request())
+        ticket = b""
+        if binding.hands_over_fd:
+            path = credentials.cred_socket_path(self.address)
+            if path is None:
+                raise no_fd_transport(self.address)
+            ticket = credentials.pool_ticket(path, binding.memfd, self.timeout_s)
+        resp = self._invoke("RegisterPool", binding.register_request(ticket))
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+        binding.sealed = resp.sealed
         self._pools[resp.pool_id] = binding
 
     # ----------------------------------------------------------------- pools

@@ -9,6 +9,8 @@ relative to the daemon's working directory.
 from __future__ import annotations
 
 import dataclasses
+import grp
+import pwd
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +68,8 @@ def _opt(
 
 
 AUTO_SOCKET = "auto"
+# In server.shm_share: a client of any uid may use the owner's objects.
+ANY_PEER = -1
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,20 @@ class ServerConfig:
         metadata=_opt(
             "str",
             doc="Unix socket path of the gRPC API; 'auto' follows kvtier.paths (the path the "
-            "client looks for); empty disables it",
+            "client looks for); empty disables it. The credential socket is the same path "
+            "plus '.cred'",
+        ),
+    )
+    socket_mode: str = field(
+        default="0660",
+        metadata=_opt("mode", doc="permission bits (octal) of both Unix sockets"),
+    )
+    socket_group: str = field(
+        default="",
+        metadata=_opt(
+            "ident",
+            doc="group (name or gid) of both Unix sockets, whose members may connect; "
+            "empty: the daemon's own group",
         ),
     )
     tcp_address: str = field(
@@ -84,12 +101,42 @@ class ServerConfig:
     )
     max_batch_blocks: int = field(default=4096, metadata=_opt("int", lo=1, hi=1 << 20))
     max_message_bytes: int = field(default=64 << 20, metadata=_opt("size", lo=1 << 20, hi=1 << 31))
+    max_pools_per_session: int = field(
+        default=64, metadata=_opt("int", lo=1, hi=1 << 16, doc="registered pools per session")
+    )
+    max_sessions_per_tenant: int = field(
+        default=256,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 20,
+            doc="open sessions per tenant (for now one tenant per peer uid)",
+        ),
+    )
     lease_default_ms: int = field(default=30_000, metadata=_opt("int", lo=1))
     lease_max_ms: int = field(default=600_000, metadata=_opt("int", lo=1))
     session_ping_s: int = field(default=10, metadata=_opt("int", lo=1, hi=3600))
     copy_threads: int = field(default=2, metadata=_opt("int", lo=1, hi=64))
     shm_dir: str = field(
         default="/dev/shm", metadata=_opt("str", doc="where POSIX shared-memory objects live")
+    )
+    shm_share: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "strs",
+            doc="CLIENT=OWNER pairs (user names or uids): a session of CLIENT may register "
+            "named shared-memory objects OWNER owns; CLIENT 'any' is every peer. Without a "
+            "pair, only the owner may register an object",
+        ),
+    )
+    bad_request_log_interval_s: float = field(
+        default=10.0,
+        metadata=_opt(
+            "float",
+            lo=0.0,
+            hi=86400.0,
+            doc="malformed requests and unexpected errors log one line per kind this often",
+        ),
     )
     drain_timeout_s: float = field(default=10.0, metadata=_opt("float", lo=0))
 
@@ -100,6 +147,55 @@ class ServerConfig:
             )
         if self.lease_default_ms > self.lease_max_ms:
             raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
+        self.socket_gid()
+        self.shm_share_pairs()
+
+    def socket_mode_bits(self) -> int:
+        return int(self.socket_mode, 8)
+
+    def socket_gid(self) -> int | None:
+        """The sockets' group id, or None to leave the daemon's own group."""
+        if not self.socket_group:
+            return None
+        try:
+            return _resolve_id(self.socket_group, grp.getgrnam, lambda g: g.gr_gid)
+        except KeyError:
+            raise ConfigError(
+                f"config key 'server.socket_group': no group {self.socket_group!r} on this host"
+            ) from None
+
+    def shm_share_pairs(self) -> frozenset[tuple[int, int]]:
+        """``(client uid or ANY_PEER, owner uid)`` pairs from ``shm_share``."""
+        pairs = set()
+        for item in self.shm_share:
+            client, sep, owner = item.strip().partition("=")
+            if not sep or not client or not owner:
+                raise ConfigError(
+                    f"config key 'server.shm_share': {item!r} is not of the form CLIENT=OWNER"
+                )
+            try:
+                owner_uid = _resolve_id(owner, pwd.getpwnam, lambda u: u.pw_uid)
+                client_uid = (
+                    ANY_PEER
+                    if client == "any"
+                    else _resolve_id(client, pwd.getpwnam, lambda u: u.pw_uid)
+                )
+            except KeyError as e:
+                raise ConfigError(
+                    f"config key 'server.shm_share': no user {e.args[0]!r} on this host"
+                ) from None
+            pairs.add((client_uid, owner_uid))
+        return frozenset(pairs)
+
+
+def _resolve_id(name: str, lookup: Any, number: Any) -> int:
+    """A uid or gid from a number or a name (KeyError(name) when the name is unknown)."""
+    if name.isdigit():
+        return int(name)
+    try:
+        return int(number(lookup(name)))
+    except KeyError:
+        raise KeyError(name) from None
 
 
 def _tier_policy() -> Any:
@@ -636,6 +732,27 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise ValueError(f"expected a string or a list of strings, got {value!r}")
             out = tuple(items)
+        elif kind == "mode":
+            # YAML reads 0660 as the octal number 432; a string "0660" stays a string.
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError(f"expected octal permission bits such as 0660, got {value!r}")
+            text = value.removeprefix("0o") if isinstance(value, str) else ""
+            if isinstance(value, str) and not re.fullmatch(r"[0-7]{1,4}", text):
+                raise ValueError(f"{value!r} is not octal permission bits such as 0660")
+            bits = value if isinstance(value, int) else int(text, 8)
+            if not 0 <= bits <= 0o777:
+                raise ValueError(
+                    f"permission bits {value!r} are not within 0000-0777 "
+                    "(YAML reads 660 as decimal: write 0660 or '0660')"
+                )
+            out = f"{bits:04o}"
+        elif kind == "ident":
+            # A user or group given by name, or by number (which YAML reads as an int).
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError(f"expected a name or a number, got {value!r}")
+            if isinstance(value, int) and value < 0:
+                raise ValueError(f"ids are not negative, got {value}")
+            out = str(value)
         elif kind == "str":
             if (
                 isinstance(value, bool)

@@ -17,6 +17,10 @@ class NotFound(KvtierError):
     """The session, pool, lease or object the request names does not exist."""
 
 
+class Unauthenticated(KvtierError):
+    """The request carries no valid credential (a missing, spent or expired ticket)."""
+
+
 class PermissionDenied(KvtierError):
     """The caller may not use what it names (another session's pool, another user's memory)."""
 

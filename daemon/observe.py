@@ -97,8 +97,13 @@ class RpcObserver(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             with logs.request_context(given or new_request_id(), *_ids(request)):
-                async for item in behavior(request, context):
-                    yield item
+                out = behavior(request, context)
+                if hasattr(out, "__aiter__"):
+                    async for item in out:
+                        yield item
+                else:
+                    # A handler that writes its responses with context.write().
+                    await out  # type: ignore[misc]
 
         return observed
 

@@ -1,32 +1,51 @@
 """Registered engine pools: the client's KV memory, mapped into the daemon.
 
-A pool is a POSIX shared-memory object that the client created, plus its layout. The daemon
-checks the name, the object's real size and the layout before it maps a byte, and checks every
-page index of every request against the layout. A pool belongs to the session that registered
-it and is unmapped when that session ends or the pool is unregistered; a copy in flight keeps
-the mapping alive until it finishes (``use()``).
+A pool is memory the client created, plus its layout: a memfd the client handed over on the
+credential socket (the default: it has no name, so nothing is left behind if the client is
+killed), or a named POSIX shared-memory object. A pool belongs to the session that
+registered it and is unmapped when that session ends or the pool is unregistered; a copy in
+flight keeps the mapping alive until it finishes (``use()``).
+
+Invariants:
+- Only memory-backed objects (memfd, tmpfs) are mapped, checked with F_GET_SEALS, so a
+  page fault in the daemon never waits on a remote or user-space filesystem.
+- A named object is opened without following links, must be a regular file owned by the
+  session's peer uid (or by an owner ``server.shm_share`` grants that uid), and its size is
+  checked with fstat on the opened file before it is mapped.
+- The owner may truncate the object at any time. Copies run under the kernel's SIGBUS
+  guard; a copy that faults in a pool's memory marks the pool *broken*: that request and
+  every later one on the pool answer FAILED_PRECONDITION, and only unregistering (or the
+  session's end) is left. A memfd sealed against shrinking (F_SEAL_SHRINK) cannot fault.
+- Every check runs before anything is mapped; a refused registration leaves nothing open.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
 import stat
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.daemon.config import ANY_PEER
+from kvtier.daemon.credentials import is_memory_backed
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
 )
+from kvtier.daemon.ratelog import RateLimitedLog
+from kvtier.daemon.sessions import PeerCred
+from kvtier.kernels.copy import MemoryFault
 from kvtier.kernels.layout import LayoutError, PoolLayout
 
 log = logging.getLogger(__name__)
@@ -38,36 +57,64 @@ _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 class Pool:
     pool_id: int
     session_id: str
-    name: str
+    name: str  # the object's name, or "memfd" for a handed-over descriptor
     layout: PoolLayout
     buffer: mmap.mmap
+    sealed: bool = False  # cannot shrink: no copy can fault
+    broken: str = ""  # why the pool is unusable; empty while it works
+    on_fault: Callable[[Pool], None] | None = None  # told once, when the pool breaks
     _users: int = 0
     _closing: bool = False
     array: np.ndarray = field(init=False)
+    _base: int = field(init=False)
+    _size: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.array = np.frombuffer(self.buffer, dtype=np.uint8)
+        self._base = int(self.array.ctypes.data)
+        self._size = len(self.array)
 
     @property
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
     def check_pages(self, pages: np.ndarray) -> None:
-        if len(pages) and int(pages.max()) >= self.layout.num_pages:
-            bad = int(pages[pages >= self.layout.num_pages][0])
+        if not len(pages):
+            return
+        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
+            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
             raise InvalidArgument(
                 f"page index {bad} is out of range for pool {self.pool_id} "
                 f"with {self.layout.num_pages} pages"
             )
 
+    def check_usable(self) -> None:
+        if self.broken:
+            raise FailedPrecondition(
+                f"pool {self.pool_id} is broken ({self.broken}); unregister it and register "
+                "the memory again"
+            )
+
     @contextlib.contextmanager
     def use(self) -> Iterator[np.ndarray]:
-        """Keep the mapping alive while a copy runs."""
+        """Keep the mapping alive while a copy runs; a fault in it breaks the pool."""
+        self.check_usable()
         if self._closing:
             raise NotFound(f"pool {self.pool_id} is being unregistered")
         self._users += 1
         try:
             yield self.array
+        except MemoryFault as e:
+            if not self._base <= e.address < self._base + self._size:
+                raise  # not this pool's memory: the daemon's own, an internal error
+            first = not self.broken
+            self.broken = (
+                f"its memory faulted at byte {e.address - self._base}: the object was "
+                "truncated or could not be backed"
+            )
+            if first and self.on_fault is not None:
+                self.on_fault(self)
+            self.check_usable()
         finally:
             self._users -= 1
             if self._closing and self._users == 0:
@@ -89,27 +136,45 @@ class Pool:
 class PoolRegistry:
     """Thread-safety: none; owned by the server's event loop."""
 
-    def __init__(self, shm_dir: str) -> None:
+    def __init__(
+        self,
+        shm_dir: str,
+        shm_share: frozenset[tuple[int, int]] = frozenset(),
+        log_interval_s: float = 10.0,
+    ) -> None:
         self._shm_dir = shm_dir
+        self._shm_share = shm_share
         self._pools: dict[int, Pool] = {}
+        self._per_session: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+        # A client breaking its pools in a loop must not flood the log.
+        self._ratelog = RateLimitedLog(log, log_interval_s)
 
     def __len__(self) -> int:
         return len(self._pools)
 
-    def register_shm(self, session_id: str, name: str, size_bytes: int, layout: PoolLayout) -> Pool:
+    @property
+    def broken_count(self) -> int:
+        return sum(1 for p in self._pools.values() if p.broken)
+
+    def session_pools(self, session_id: str) -> int:
+        return self._per_session[session_id]
+
+    def register_shm(
+        self, session_id: str, peer: PeerCred, name: str, size_bytes: int, layout: PoolLayout
+    ) -> Pool:
+        """Map the named shared-memory object ``name``, which ``peer`` must own (or be
+        granted by ``server.shm_share``)."""
         if not _SHM_NAME.match(name) or name.startswith("."):
             raise InvalidArgument(
-                f"shared-memory name {name!r} must be 1-200 characters of letters, digits, '.', '_' or '-'"
+                f"shared-memory name {name[:64]!r} must be 1-200 characters of letters, "
+                "digits, '.', '_' or '-'"
             )
-        if size_bytes <= 0:
-            raise InvalidArgument("shm.size_bytes must be positive")
-        try:
-            layout.validate(size_bytes)
-        except LayoutError as e:
-            raise InvalidArgument(f"layout does not fit the pool: {e}") from None
+        _check_layout(size_bytes, layout)
         path = os.path.join(self._shm_dir, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # NONBLOCK: opening a FIFO planted under the name must not wait for a writer.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise NotFound(f"shared-memory object {name!r} does not exist") from None
         except PermissionError:
@@ -124,27 +189,29 @@ class PoolRegistry:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidArgument(f"shared-memory object {name!r} is not a regular file")
-            if st.st_size < size_bytes:
-                raise InvalidArgument(
-                    f"shared-memory object {name!r} has {st.st_size} bytes, "
-                    f"fewer than the {size_bytes} declared"
+            if not self._may_use(peer.uid, st.st_uid):
+                raise PermissionDenied(
+                    f"shared-memory object {name!r} belongs to uid {st.st_uid}, not to this "
+                    f"session's uid {peer.uid} (server.shm_share can grant it)"
                 )
-            buffer = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            if not is_memory_backed(fd):
+                raise InvalidArgument(
+                    f"shared-memory object {name!r} is not in memory (tmpfs); check server.shm_dir"
+                )
+            buffer = _map(fd, st, size_bytes, name)
+            sealed = _sealed(fd)
         finally:
             os.close(fd)
-        pool_id = self._new_id()
-        pool = Pool(pool_id, session_id, name, layout, buffer)
-        self._pools[pool_id] = pool
-        log.info(
-            "pool %d registered: shm %s, %d MiB, %d pages of %d-byte blocks, %d layers",
-            pool_id,
-            name,
-            size_bytes >> 20,
-            layout.num_pages,
-            layout.block_bytes,
-            len(layout.layers),
-        )
-        return pool
+        return self._add(Pool(self._new_id(), session_id, name, layout, buffer, sealed))
+
+    def register_fd(self, session_id: str, fd: int, size_bytes: int, layout: PoolLayout) -> Pool:
+        """Map a memory fd the client handed over (the caller closes ``fd``)."""
+        _check_layout(size_bytes, layout)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not is_memory_backed(fd):
+            raise InvalidArgument("the handed-over descriptor is not a memory file")
+        buffer = _map(fd, st, size_bytes, "the memory file")
+        return self._add(Pool(self._new_id(), session_id, "memfd", layout, buffer, _sealed(fd)))
 
     def register_cuda_ipc(self, session_id: str) -> Pool:
         raise FailedPrecondition(
@@ -163,6 +230,9 @@ class PoolRegistry:
     def unregister(self, session_id: str, pool_id: int) -> None:
         pool = self.get(session_id, pool_id)
         del self._pools[pool_id]
+        self._per_session[session_id] -= 1
+        if self._per_session[session_id] <= 0:
+            del self._per_session[session_id]
         pool.close()
         log.info("pool %d unregistered", pool_id)
 
@@ -176,11 +246,75 @@ class PoolRegistry:
         for pool in list(self._pools.values()):
             self.unregister(pool.session_id, pool.pool_id)
 
+    def _may_use(self, peer_uid: int, owner_uid: int) -> bool:
+        return (
+            owner_uid == peer_uid
+            or (peer_uid, owner_uid) in self._shm_share
+            or (ANY_PEER, owner_uid) in self._shm_share
+        )
+
+    def _faulted(self, pool: Pool) -> None:
+        self.counters["pool_faults"] += 1
+        self._ratelog.warning(
+            "pool fault",
+            "pool %d of session %s is broken: %s",
+            pool.pool_id,
+            pool.session_id,
+            pool.broken,
+        )
+
+    def _add(self, pool: Pool) -> Pool:
+        pool.on_fault = self._faulted
+        self._pools[pool.pool_id] = pool
+        self._per_session[pool.session_id] += 1
+        layout = pool.layout
+        log.info(
+            "pool %d registered: %s, %d MiB%s, %d pages of %d-byte blocks, %d layers",
+            pool.pool_id,
+            pool.name,
+            len(pool.buffer) >> 20,
+            " (sealed)" if pool.sealed else "",
+            layout.num_pages,
+            layout.block_bytes,
+            len(layout.layers),
+        )
+        return pool
+
     def _new_id(self) -> int:
         while True:
             pool_id = secrets.randbits(63) or 1
             if pool_id not in self._pools:
                 return pool_id
+
+
+def _check_layout(size_bytes: int, layout: PoolLayout) -> None:
+    if size_bytes <= 0:
+        raise InvalidArgument("size_bytes must be positive")
+    try:
+        layout.validate(size_bytes)
+    except LayoutError as e:
+        raise InvalidArgument(f"layout does not fit the pool: {e}") from None
+
+
+def _map(fd: int, st: os.stat_result, size_bytes: int, what: str) -> mmap.mmap:
+    if st.st_size < size_bytes:
+        raise InvalidArgument(
+            f"{what} has {st.st_size} bytes, fewer than the {size_bytes} declared"
+        )
+    # Populate only memory that exists: faulting in a sparse object's holes would allocate
+    # them, charged to the daemon, however large the client declared it.
+    populate = _MAP_POPULATE if st.st_blocks * 512 >= size_bytes else 0
+    try:
+        return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | populate)
+    except (OSError, OverflowError, ValueError) as e:
+        raise InvalidArgument(f"cannot map {what}: {e}") from None
+
+
+def _sealed(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
 
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)

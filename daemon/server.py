@@ -3,27 +3,41 @@
 The servicer only translates protobuf to domain calls and back; errors become status codes in
 exactly one place (``_rpc``). The server runs on one asyncio event loop; copies run on a small
 thread pool while the loop keeps answering.
+
+Invariants:
+- Every call is answered with a status, never UNKNOWN. Requests are parsed by the servicer's
+  own deserializers: bytes that are not a valid message become INVALID_ARGUMENT with at most
+  one WARNING line per method every ``server.bad_request_log_interval_s`` (no traceback);
+  domain errors map to their status; anything unexpected is INTERNAL with a traceback, at
+  most one per method per interval.
+- Every RPC but OpenSession and the health service needs an open session.
+- Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from kvtier.daemon import systemd
 from kvtier.daemon.config import Config
+from kvtier.daemon.credentials import (
+    CredentialServer,
+    FdCloser,
+    TicketBook,
+    cred_socket_path,
+)
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -31,21 +45,25 @@ from kvtier.daemon.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
 )
 from kvtier.daemon.observe import RpcObserver
 from kvtier.daemon.pools import PoolRegistry
+from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
 from kvtier.daemon.store import BlockStore
+from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_path, private_umask
+from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.proto.wire import DTYPE_NAMES
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvtier.v1.KVTier"
+HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
 R = TypeVar("R")
 
 # The one place where domain errors become gRPC status codes.
@@ -53,6 +71,7 @@ STATUS: dict[type[KvtierError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
@@ -66,24 +85,45 @@ def status_of(error: KvtierError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """What a deserializer hands the servicer for bytes that are not a valid message."""
+
+    message_type: str
+    size: int
+
+
+def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
+    """A deserializer that never raises: a payload that does not parse becomes Malformed."""
+    name = message_cls.DESCRIPTOR.name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except Exception:  # DecodeError, or anything the parser raises on hostile bytes
+            return Malformed(name, len(data))
+
+    return parse
+
+
 def _rpc(
     fn: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]],
 ) -> Callable[..., Awaitable[R]]:
-    """Map domain errors to their status, and anything unexpected to INTERNAL with a log."""
+    """Answer malformed requests and errors with their status (see the module invariants)."""
+    method = fn.__name__
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+    async def wrapper(self: KVTierServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
         try:
+            if isinstance(request, Malformed):
+                raise self.malformed(method, request)
             return await fn(self, request, context)
         except KvtierError as e:
             await context.abort(status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception:
-            log.exception("%s failed", fn.__name__)
-            await context.abort(
-                grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the daemon; see its log"
-            )
+            await context.abort(grpc.StatusCode.INTERNAL, self.internal_error(method))
         raise AssertionError("unreachable")
 
     return wrapper
@@ -99,25 +139,67 @@ def layout_from_pb(msg: pb.PoolLayout) -> PoolLayout:
     return PoolLayout(layers, msg.num_pages, msg.block_tokens, DTYPE_NAMES[msg.dtype])
 
 
-class KVTierServicer(pb_grpc.KVTierServicer):
-    def __init__(self, service: KVService, ping_interval_s: int) -> None:
+class KVTierServicer:
+    """Thread-safety: the server's event loop only."""
+
+    def __init__(
+        self, service: KVService, ping_interval_s: int, log_interval_s: float = 10.0
+    ) -> None:
         self.service = service
         self.ping_interval_s = ping_interval_s
+        self.ratelog = RateLimitedLog(log, log_interval_s)
         # Set at shutdown: session streams end, so draining waits only for real requests.
         self.closing = asyncio.Event()
 
+    def malformed(self, method: str, request: Malformed) -> InvalidArgument:
+        self.service.counters["requests_malformed"] += 1
+        self.ratelog.warning(
+            f"malformed {method}",
+            "%s: refused a request of %d bytes that is not a valid %s",
+            method,
+            request.size,
+            request.message_type,
+        )
+        return InvalidArgument(f"the request is not a valid {request.message_type} message")
+
+    def internal_error(self, method: str) -> str:
+        self.service.counters["requests_internal_error"] += 1
+        self.ratelog.exception(f"internal {method}", "%s failed", method)
+        return f"{method} failed inside the daemon; see its log"
+
     async def OpenSession(
-        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext
+        self, request: pb.OpenSessionRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SessionEvent]:
-        session = self.service.open_session(request.client_name)
         try:
-            event = pb.SessionEvent(
+            if isinstance(request, Malformed):
+                raise self.malformed("OpenSession", request)
+            if self.closing.is_set():
+                raise Unavailable("the daemon is stopping")
+            session = self.service.open_session(
+                request.client_name,
+                request.credential_ticket,
+                unix_socket=context.peer().startswith("unix"),
+            )
+        except KvtierError as e:
+            await context.abort(status_of(e), str(e))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            await context.abort(grpc.StatusCode.INTERNAL, self.internal_error("OpenSession"))
+        try:
+            yield pb.SessionEvent(
+                session_id=session.session_id,
+                ping_interval_s=self.ping_interval_s,
+                tenant=session.tenant,
+            )
+            ping = pb.SessionEvent(
                 session_id=session.session_id, ping_interval_s=self.ping_interval_s
             )
             while not self.closing.is_set():
-                yield event
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.closing.wait(), self.ping_interval_s)
+                if not self.closing.is_set():
+                    yield ping
         finally:
             self.service.close_session(session.session_id)
 
@@ -125,17 +207,25 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def RegisterPool(
         self, request: pb.RegisterPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterPoolResponse:
+        self.service.session(request.session_id)  # before anything else is looked at
         region = request.WhichOneof("region")
         if region == "shm":
             layout = layout_from_pb(request.layout)
             pool = self.service.register_shm_pool(
                 request.session_id, request.shm.name, request.shm.size_bytes, layout
             )
+        elif region == "fd":
+            layout = layout_from_pb(request.layout)
+            pool = self.service.register_fd_pool(
+                request.session_id, request.fd.ticket, request.fd.size_bytes, layout
+            )
         elif region == "cuda_ipc":
             pool = self.service.register_cuda_ipc_pool(request.session_id)
         else:
-            raise InvalidArgument("RegisterPool needs a region: shm or cuda_ipc")
-        return pb.RegisterPoolResponse(pool_id=pool.pool_id, block_bytes=pool.block_bytes)
+            raise InvalidArgument("RegisterPool needs a region: fd, shm or cuda_ipc")
+        return pb.RegisterPoolResponse(
+            pool_id=pool.pool_id, block_bytes=pool.block_bytes, sealed=pool.sealed
+        )
 
     @_rpc
     async def UnregisterPool(
@@ -212,7 +302,7 @@ class KVTierServicer(pb_grpc.KVTierServicer):
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
-        snap = self.service.stats()
+        snap = self.service.stats(request.session_id)
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(
@@ -232,16 +322,25 @@ class KVTierServicer(pb_grpc.KVTierServicer):
 
 
 class Daemon:
-    """One running kvtierd: store, service, gRPC server and background tasks."""
+    """One running kvtierd: store, service, gRPC server, credential socket and background
+    tasks."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        cfg = config.server
         self.store = BlockStore(config)
-        self.pools = PoolRegistry(config.server.shm_dir)
-        self.sessions = SessionRegistry()
-        self.service = KVService(config, self.store, self.pools, self.sessions)
-        self.servicer = KVTierServicer(self.service, config.server.session_ping_s)
+        self.pools = PoolRegistry(
+            cfg.shm_dir, cfg.shm_share_pairs(), cfg.bad_request_log_interval_s
+        )
+        self.sessions = SessionRegistry(cfg.max_sessions_per_tenant)
+        self.fd_closer = FdCloser()
+        self.tickets = TicketBook(self.fd_closer)
+        self.service = KVService(config, self.store, self.pools, self.sessions, self.tickets)
+        self.servicer = KVTierServicer(
+            self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s
+        )
         self.health = health.aio.HealthServicer()
+        self.credentials: CredentialServer | None = None
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
         self._stopping = asyncio.Event()
@@ -249,6 +348,8 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config.server
+        if ensure_fault_handler():
+            log.warning("another SIGBUS handler had replaced the copy guard's; it is back in front")
         self.server = grpc.aio.server(
             # Latency per method and status, and request ids in log lines (daemon/observe.py).
             interceptors=[RpcObserver(self.store.latency)],
@@ -260,12 +361,28 @@ class Daemon:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        pb_grpc.add_KVTierServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        _add_handlers(self.server, SERVICE_NAME, _kvtier_handlers(self.servicer))
+        _add_handlers(
+            self.server, HEALTH_SERVICE_NAME, _health_handlers(self.health, self.servicer)
+        )
+        access = SocketAccess.from_config(cfg)
         if cfg.socket:
             path = os.path.abspath(cfg.socket)
-            _prepare_socket_path(path)
-            self.server.add_insecure_port(f"unix:{path}")
+            cred_path = cred_socket_path(path)
+            prepare_socket_path(path, access)
+            prepare_socket_path(cred_path, access)
+            # Bound private, given its mode and group, and only then listening (start()).
+            with private_umask():
+                self.server.add_insecure_port(f"unix:{path}")
+            apply_access(path, access)
+            self.credentials = CredentialServer(
+                cred_path,
+                self.tickets,
+                self.fd_closer,
+                lambda e: status_of(e).name,
+                cfg.bad_request_log_interval_s,
+            )
+            self.credentials.start(access)
             self.addresses.append(f"unix:{path}")
         if cfg.tcp_address:
             port = self.server.add_insecure_port(cfg.tcp_address)
@@ -298,6 +415,8 @@ class Daemon:
         systemd.notify("STOPPING=1")
         await self.health.enter_graceful_shutdown()
         self.servicer.closing.set()
+        if self.credentials is not None:
+            self.credentials.close()
         if self.server is not None:
             await self.server.stop(self.config.server.drain_timeout_s)
         for task in self._tasks:
@@ -306,6 +425,7 @@ class Daemon:
                 await task
         await self.store.stop(flush=self.config.tiers.l2.flush_on_stop)
         self.pools.close()
+        self.tickets.close()
         self.store.close()
         if self.config.server.socket:
             with contextlib.suppress(FileNotFoundError):
@@ -317,6 +437,7 @@ class Daemon:
             await asyncio.sleep(0.25)
             try:
                 self.service.expire_leases()
+                self.tickets.expire()
             except Exception:
                 log.exception("lease expiry failed")
                 self.store.counters.inc("background_errors")
@@ -327,25 +448,62 @@ class Daemon:
             await asyncio.sleep(interval_s)
 
 
-def _prepare_socket_path(path: str) -> None:
-    """Create the socket's folder; remove a stale socket, refuse a live one."""
-    if len(path.encode()) > 107:
-        raise OSError(
-            errno.ENAMETOOLONG,
-            f"socket path {path} is longer than the 107 bytes Unix sockets allow",
+# ------------------------------------------------------------------ handlers
+
+
+def _add_handlers(server: grpc.aio.Server, service: str, handlers: dict[str, Any]) -> None:
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def _kvtier_handlers(servicer: KVTierServicer) -> dict[str, Any]:
+    """The KVTier service's methods, each parsing its request with a lenient deserializer."""
+    handlers: dict[str, Any] = {}
+    for method in pb.DESCRIPTOR.services_by_name["KVTier"].methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
         )
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise OSError(errno.EADDRINUSE, f"another process is listening on {path}")
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    return handlers
+
+
+def _health_handlers(
+    health_servicer: health.aio.HealthServicer, servicer: KVTierServicer
+) -> dict[str, Any]:
+    """The standard health service, with malformed requests answered like ours."""
+
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, str(servicer.malformed("Check", request))
+            )
+        return await health_servicer.Check(request, context)
+
+    async def watch(request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, str(servicer.malformed("Watch", request))
+            )
+        await health_servicer.Watch(request, context)
+
+    serialize = health_pb2.HealthCheckResponse.SerializeToString
+    parse = _lenient(health_pb2.HealthCheckRequest)
+    return {
+        "Check": grpc.unary_unary_rpc_method_handler(
+            check, request_deserializer=parse, response_serializer=serialize
+        ),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            watch, request_deserializer=parse, response_serializer=serialize
+        ),
+    }
 
 
 async def serve(config: Config, *, on_ready: Callable[[Daemon], None] | None = None) -> None:

@@ -4,13 +4,20 @@ The gRPC servicer only translates protobuf to these calls and errors to status c
 module owns the rules (batch limits, key sizes, who may use which pool or lease). Every check
 runs before any state changes, so a refused request leaves the daemon as it was.
 
+Every call but ``open_session`` names an open session. A session carries its peer's
+credentials when it was opened with a credential ticket (always, on the Unix socket); only
+such a session may register memory, and only memory its peer owns. The limits (keys per
+request, pools per session, sessions per tenant) answer with an error naming their key.
+
 Thread-safety: none; called from the server's event loop only.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,9 +25,15 @@ import numpy as np
 
 from kvtier import __version__
 from kvtier.daemon.config import Config
-from kvtier.daemon.errors import InvalidArgument, PermissionDenied
+from kvtier.daemon.credentials import TicketBook, TicketKind
+from kvtier.daemon.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvtier.daemon.pools import Pool, PoolRegistry
-from kvtier.daemon.sessions import Session, SessionRegistry
+from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
 from kvtier.daemon.store import BlockStore, DeleteResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
@@ -55,21 +68,45 @@ class KVService:
         store: BlockStore,
         pools: PoolRegistry,
         sessions: SessionRegistry,
+        tickets: TicketBook,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.store = store
         self.pools = pools
         self.sessions = sessions
+        self.tickets = tickets
+        # Requests refused before reaching the rules (malformed), and similar events.
+        self.counters: Counter[str] = Counter()
         self._clock = clock
         self._started = clock()
 
     # --------------------------------------------------------------- sessions
 
-    def open_session(self, client_name: str) -> Session:
-        session = self.sessions.open(client_name[:200], self._clock())
-        log.info("session %s opened by %r", session.session_id, session.client_name)
+    def open_session(self, client_name: str, ticket: bytes, *, unix_socket: bool) -> Session:
+        """Open a session bound to the credentials of ``ticket``. On the Unix socket a ticket
+        is required; elsewhere (TCP) a session without one has no peer credentials."""
+        peer: PeerCred | None = None
+        if ticket:
+            peer = self.tickets.redeem(ticket, TicketKind.SESSION).peer
+        elif unix_socket:
+            raise Unauthenticated(
+                "a session on the Unix socket needs a credential ticket: ask the credential "
+                "socket (the gRPC socket's path plus '.cred') and pass it in OpenSession"
+            )
+        session = self.sessions.open(client_name[:200], self._clock(), peer)
+        log.info(
+            "session %s opened by %r (%s, pid %s)",
+            session.session_id,
+            session.client_name,
+            session.tenant,
+            peer.pid if peer else "-",
+        )
         return session
+
+    def session(self, session_id: str) -> Session:
+        """The open session ``session_id`` (NotFound otherwise)."""
+        return self.sessions.get(session_id)
 
     def close_session(self, session_id: str) -> None:
         leases = self.sessions.close(session_id)
@@ -88,14 +125,45 @@ class KVService:
     def register_shm_pool(
         self, session_id: str, name: str, size_bytes: int, layout: PoolLayout
     ) -> Pool:
-        self.sessions.get(session_id)
+        session = self.sessions.get(session_id)
+        peer = self._check_may_register(session, layout)
+        return self.pools.register_shm(session_id, peer, name, size_bytes, layout)
+
+    def register_fd_pool(
+        self, session_id: str, ticket: bytes, size_bytes: int, layout: PoolLayout
+    ) -> Pool:
+        session = self.sessions.get(session_id)
+        peer = self._check_may_register(session, layout)
+        handed = self.tickets.redeem(ticket, TicketKind.POOL)
+        try:
+            if handed.peer.uid != peer.uid:
+                raise PermissionDenied(
+                    f"the memory was handed over by uid {handed.peer.uid}, not by this "
+                    f"session's uid {peer.uid}"
+                )
+            return self.pools.register_fd(session_id, handed.fd, size_bytes, layout)
+        finally:
+            os.close(handed.fd)  # the mapping keeps the memory; a memfd closes at once
+
+    def _check_may_register(self, session: Session, layout: PoolLayout) -> PeerCred:
+        if session.peer is None:
+            raise PermissionDenied(
+                "this session has no peer credentials (it was opened without a credential "
+                "ticket, e.g. over TCP); only sessions on the Unix socket may register memory"
+            )
+        limit = self.config.server.max_pools_per_session
+        if self.pools.session_pools(session.session_id) >= limit:
+            raise ResourceExhausted(
+                f"this session already has {limit} pools registered, the most one session may "
+                "have (server.max_pools_per_session)"
+            )
         max_block = self.store.max_block_bytes()
         if layout.layers and layout.block_bytes > max_block:
             raise InvalidArgument(
                 f"blocks of this layout have {layout.block_bytes} bytes, more than the "
                 f"{max_block} a tier slot holds (raise tiers.l1.segment_bytes)"
             )
-        return self.pools.register_shm(session_id, name, size_bytes, layout)
+        return session.peer
 
     def register_cuda_ipc_pool(self, session_id: str) -> Pool:
         self.sessions.get(session_id)
@@ -110,17 +178,17 @@ class KVService:
     async def lookup(
         self, session_id: str, keys: Sequence[bytes], pin: bool, lease_ms: int
     ) -> LookupOutcome:
+        self.sessions.get(session_id)
         words = self._words(keys)
-        if pin:
-            self.sessions.get(session_id)
-            lease_s = self._lease_s(lease_ms)
-        elif session_id:
-            self.sessions.get(session_id)
+        lease_s = self._lease_s(lease_ms) if pin else 0.0
         prefix, tiers, ids = await self.store.lookup(DEFAULT_NAMESPACE, words)
         lease_id = 0
         if pin:
             found = np.unique(ids[ids >= 0])
             if len(found):
+                # The session may have ended while the lookup awaited; pinning for it then
+                # would leave pins no lease releases.
+                self.sessions.get(session_id)
                 refs = self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id
@@ -173,15 +241,13 @@ class KVService:
     async def prefetch(
         self, session_id: str, keys: Sequence[bytes], deadline_ms: int, priority: int
     ) -> PrefetchResult:
-        if session_id:
-            self.sessions.get(session_id)
+        self.sessions.get(session_id)
         return await self.store.prefetch(
             DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority
         )
 
     async def delete(self, session_id: str, keys: Sequence[bytes]) -> DeleteResult:
-        if session_id:
-            self.sessions.get(session_id)
+        self.sessions.get(session_id)
         return await self.store.delete(DEFAULT_NAMESPACE, self._words(keys))
 
     def expire_leases(self) -> int:
@@ -191,15 +257,18 @@ class KVService:
         self.store.counters.inc("leases_expired", len(expired))
         return len(expired)
 
-    def stats(self) -> StatsSnapshot:
+    def stats(self, session_id: str) -> StatsSnapshot:
+        self.sessions.get(session_id)
         index = self.store.table.stats()
         return StatsSnapshot(
             tiers=self.store.usage(),
-            counters=self.store.all_counters(),
+            counters={**self.store.all_counters(), **self.pools.counters, **self.counters},
             gauges={
                 "sessions": self.sessions.session_count,
                 "pools": len(self.pools),
+                "pools_broken": self.pools.broken_count,
                 "leases": self.sessions.lease_count,
+                "credential_tickets": len(self.tickets),
                 "blocks": index.blocks,
                 "index_bytes": index.nbytes,
                 **self.store.gauges(),
@@ -225,7 +294,9 @@ class KVService:
 
     def _pool(self, session_id: str, pool_id: int) -> Pool:
         self.sessions.get(session_id)
-        return self.pools.get(session_id, pool_id)
+        pool = self.pools.get(session_id, pool_id)
+        pool.check_usable()
+        return pool
 
     @staticmethod
     def _pages(pool: Pool, pages: Sequence[int], nkeys: int, *, unique: bool) -> np.ndarray:

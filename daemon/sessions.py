@@ -1,8 +1,14 @@
-"""Client sessions and the leases they hold.
+"""Client sessions, who they are, and the leases they hold.
 
 A session lives exactly as long as the client's OpenSession stream; pools and leases belong
 to one session and die with it, so a crashed engine never leaves pins or mappings behind. A
 lease pins a set of blocks until it is released, its session ends, or it expires.
+
+A session carries its peer's credentials (pid, uid, gid), read by the kernel (SO_PEERCRED)
+when the client asked for its credential ticket, and the tenant it counts against. Until
+tenants are configured, the tenant is derived from the peer's uid; a session without peer
+credentials (TCP) belongs to the anonymous tenant. Each tenant may hold at most
+``max_per_tenant`` sessions at once.
 
 Thread-safety: none; owned by the server's event loop.
 """
@@ -10,12 +16,31 @@ Thread-safety: none; owned by the server's event loop.
 from __future__ import annotations
 
 import heapq
+import re
 import secrets
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.daemon.errors import NotFound, PermissionDenied
+from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
+
+ANONYMOUS_TENANT = "anonymous"
+_SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCred:
+    """The credentials of a client process as the kernel reported them (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def tenant_of(peer: PeerCred | None) -> str:
+    """The tenant a peer's sessions count against: one per uid until tenants are configured."""
+    return f"uid:{peer.uid}" if peer is not None else ANONYMOUS_TENANT
 
 
 @dataclass(eq=False, slots=True)
@@ -31,12 +56,16 @@ class Session:
     session_id: str
     client_name: str
     opened_at: float
+    peer: PeerCred | None = None
+    tenant: str = ANONYMOUS_TENANT
     leases: set[int] = field(default_factory=set)
 
 
 class SessionRegistry:
-    def __init__(self) -> None:
+    def __init__(self, max_per_tenant: int = 1 << 30) -> None:
+        self.max_per_tenant = max_per_tenant
         self._sessions: dict[str, Session] = {}
+        self._per_tenant: Counter[str] = Counter()
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
 
@@ -48,17 +77,29 @@ class SessionRegistry:
     def lease_count(self) -> int:
         return len(self._leases)
 
-    def open(self, client_name: str, now: float) -> Session:
-        session = Session(secrets.token_hex(16), client_name, now)
+    def tenant_sessions(self, tenant: str) -> int:
+        return self._per_tenant[tenant]
+
+    def open(self, client_name: str, now: float, peer: PeerCred | None = None) -> Session:
+        tenant = tenant_of(peer)
+        if self._per_tenant[tenant] >= self.max_per_tenant:
+            raise ResourceExhausted(
+                f"tenant {tenant} already holds {self._per_tenant[tenant]} sessions, the most "
+                f"one tenant may hold (server.max_sessions_per_tenant)"
+            )
+        session = Session(secrets.token_hex(16), client_name, now, peer, tenant)
         self._sessions[session.session_id] = session
+        self._per_tenant[tenant] += 1
         return session
 
     def get(self, session_id: str) -> Session:
         if not session_id:
             raise NotFound("this request needs a session; open one with OpenSession")
-        session = self._sessions.get(session_id)
+        # Checked before it is echoed in a message: a client's text is never repeated unbounded.
+        session = self._sessions.get(session_id) if _SESSION_ID.match(session_id) else None
         if session is None:
-            raise NotFound(f"session {session_id} is not open (it ended or never existed)")
+            shown = session_id if _SESSION_ID.match(session_id) else "named by session_id"
+            raise NotFound(f"session {shown} is not open (it ended or never existed)")
         return session
 
     def close(self, session_id: str) -> list[Lease]:
@@ -66,7 +107,12 @@ class SessionRegistry:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return []
-        return [self._leases.pop(lid) for lid in session.leases]
+        self._per_tenant[session.tenant] -= 1
+        if self._per_tenant[session.tenant] <= 0:
+            del self._per_tenant[session.tenant]
+        leases = [self._leases.pop(lid) for lid in session.leases]
+        self._compact_expiry()
+        return leases
 
     def add_lease(self, session_id: str, refs: np.ndarray, expires_at: float) -> Lease:
         session = self.get(session_id)
@@ -91,7 +137,15 @@ class SessionRegistry:
             raise PermissionDenied(f"lease {lease_id} belongs to another session")
         del self._leases[lease_id]
         self._sessions[session_id].leases.discard(lease_id)
+        self._compact_expiry()
         return lease
+
+    def _compact_expiry(self) -> None:
+        # Released leases stay in the heap until their deadline; a client that pins and
+        # releases at a high rate must not grow it for lease_max_ms.
+        if len(self._expiry) > 2 * len(self._leases) + 1024:
+            self._expiry = [(x.expires_at, x.lease_id) for x in self._leases.values()]
+            heapq.heapify(self._expiry)
 
     def pop_expired(self, now: float) -> list[Lease]:
         expired = []

@@ -3,6 +3,12 @@
 One call moves a whole batch: offsets are computed with numpy from the pool's ChunkTable and
 handed to the native kernel, which checks every range, releases the GIL and splits the bytes
 across threads. Python never loops over chunks.
+
+Either buffer may be a client's shared mapping that its owner truncates at any moment. The
+kernel copies under a SIGBUS guard: a copy that touches memory that is gone raises
+``MemoryFault`` (with ``.address``, ``.side`` and ``.offset``) instead of killing the process,
+and the destination's bytes are then undefined. The guard's signal handler is installed when
+the kernel is imported; ``ensure_fault_handler`` takes it back if something replaced it since.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ from kvtier.kernels.layout import ChunkTable
 # Below this many bytes a second thread costs more to start than it saves.
 PARALLEL_MIN_BYTES = 8 << 20
 
+MemoryFault = _copy.MemoryFault
+
+
+def ensure_fault_handler() -> bool:
+    """Make the guarded-copy SIGBUS handler current again; True if something had replaced
+    it (it then chains to that handler for faults outside a copy)."""
+    return bool(_copy.install_fault_handler())
+
 
 def copy_ranges(
     dst: object,
@@ -26,7 +40,8 @@ def copy_ranges(
 ) -> int:
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
-    Raises ValueError, copying nothing, when any range falls outside its buffer.
+    Raises ValueError, copying nothing, when any range falls outside its buffer, and
+    MemoryFault when the memory behind a buffer disappears during the copy.
     """
     dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
     src_offsets = np.ascontiguousarray(src_offsets, dtype=np.uint64)

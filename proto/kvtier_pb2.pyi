@@ -48,18 +48,22 @@ PUT_EXISTS: PutResult
 PUT_REJECTED_FULL: PutResult
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name",)
+    __slots__ = ("client_name", "credential_ticket")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_TICKET_FIELD_NUMBER: _ClassVar[int]
     client_name: str
-    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+    credential_ticket: bytes
+    def __init__(self, client_name: _Optional[str] = ..., credential_ticket: _Optional[bytes] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "ping_interval_s")
+    __slots__ = ("session_id", "ping_interval_s", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PING_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ping_interval_s: int
-    def __init__(self, session_id: _Optional[str] = ..., ping_interval_s: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., ping_interval_s: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LayerLayout(_message.Message):
     __slots__ = ("offset", "kv_count", "kv_stride", "page_stride", "chunk_bytes")
@@ -95,6 +99,14 @@ class ShmRegion(_message.Message):
     size_bytes: int
     def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
+class FdRegion(_message.Message):
+    __slots__ = ("ticket", "size_bytes")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    size_bytes: int
+    def __init__(self, ticket: _Optional[bytes] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
 class CudaIpcRegion(_message.Message):
     __slots__ = ("handle", "device", "size_bytes", "buffers", "device_uuid")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -122,24 +134,28 @@ class CudaIpcBuffer(_message.Message):
     def __init__(self, handle: _Optional[bytes] = ..., alloc_offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., pool_offset: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("session_id", "shm", "cuda_ipc", "layout")
+    __slots__ = ("session_id", "shm", "cuda_ipc", "fd", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     shm: ShmRegion
     cuda_ipc: CudaIpcRegion
+    fd: FdRegion
     layout: PoolLayout
-    def __init__(self, session_id: _Optional[str] = ..., shm: _Optional[_Union[ShmRegion, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., shm: _Optional[_Union[ShmRegion, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRegion, _Mapping]] = ..., fd: _Optional[_Union[FdRegion, _Mapping]] = ..., layout: _Optional[_Union[PoolLayout, _Mapping]] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
-    __slots__ = ("pool_id", "block_bytes")
+    __slots__ = ("pool_id", "block_bytes", "sealed")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
     pool_id: int
     block_bytes: int
-    def __init__(self, pool_id: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    sealed: bool
+    def __init__(self, pool_id: _Optional[int] = ..., block_bytes: _Optional[int] = ..., sealed: bool = ...) -> None: ...
 
 class UnregisterPoolRequest(_message.Message):
     __slots__ = ("session_id", "pool_id")
@@ -276,8 +292,10 @@ class DeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ..., missing: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "state")

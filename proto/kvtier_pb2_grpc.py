@@ -6,7 +6,8 @@ from kvtier.proto import kvtier_pb2 as kvtier_dot_proto_dot_kvtier__pb2
 
 
 class KVTierStub(object):
-    """Missing associated documentation comment in .proto file."""
+    """Every call but OpenSession names a session (session_id); the gRPC health service needs none.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -67,12 +68,14 @@ class KVTierStub(object):
 
 
 class KVTierServicer(object):
-    """Missing associated documentation comment in .proto file."""
+    """Every call but OpenSession names a session (session_id); the gRPC health service needs none.
+    """
 
     def OpenSession(self, request, context):
         """Opens a session and keeps it open for as long as the client reads the stream.
         Pools and leases belong to a session and die with it (client exit, crash or
         disconnect). The first event carries the session id; later events are pings.
+        On the Unix socket a session needs a credential ticket (see OpenSessionRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -198,7 +201,8 @@ def add_KVTierServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTier(object):
-    """Missing associated documentation comment in .proto file."""
+    """Every call but OpenSession names a session (session_id); the gRPC health service needs none.
+    """
 
     @staticmethod
     def OpenSession(request,

@@ -6,6 +6,7 @@ no kvtier involved: tokens must be identical and the first token's logits within
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -319,12 +320,17 @@ def test_sliding_window_models_are_refused(daemon):
 def test_closing_releases_the_pool(daemon, model):
     with daemon.client() as client:
         kv = KVTierPrefixCache(model, client, block_tokens=BLOCK)
-        path = kv.pool.binding.shm.path
+        shm = kv.pool.binding.shm
+        fd = shm.fd
+        assert shm.path is None and fd >= 0  # a memfd: no name to leave behind
         assert client.stats().gauges["pools"] == 1
         kv.close()
         kv.close()
         assert client.stats().gauges["pools"] == 0
-        assert not os.path.exists(path)
+        assert shm.fd == -1
+        # The descriptor is closed (its number may have been reused for something else).
+        with contextlib.suppress(FileNotFoundError):
+            assert shm.name not in os.readlink(f"/proc/self/fd/{fd}")
         with pytest.raises(RuntimeError, match="closed"):
             kv.prefill(_prompt(40))
 

@@ -328,3 +328,73 @@ def test_metrics_address(address, ok):
     else:
         with pytest.raises(ConfigError, match=r"metrics\.address"):
             load_config(None, [f"metrics.address={address}"])
+
+
+def test_the_documented_example_names_every_key():
+    import dataclasses
+
+    import yaml
+
+    with open(EXAMPLE) as f:
+        documented = yaml.safe_load(f)
+
+    def keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory):
+                yield from keys(f.default_factory, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}"
+
+    def flatten(node, prefix=""):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                yield from flatten(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+
+    assert sorted(flatten(documented)) == sorted(keys(Config))
+
+
+@pytest.mark.parametrize(
+    "override, value",
+    [
+        ("server.socket_mode=0600", "0600"),
+        ("server.socket_mode='0640'", "0640"),
+        ("server.socket_mode=0o600", "0600"),
+        ("server.socket_group=0", "0"),
+        ("server.socket_group=root", "root"),
+    ],
+)
+def test_socket_access_keys(override, value):
+    server = load_config(None, [override]).server
+    key = override.split("=")[0].split(".")[1]
+    assert getattr(server, key) == value
+    assert server.socket_mode_bits() in (0o600, 0o640, 0o660)
+    assert server.socket_gid() in (None, 0)
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("server.socket_mode=660", "write 0660"),
+        ("server.socket_mode=rw", "octal"),
+        ("server.socket_mode=01777", "0000-0777"),
+        ("server.socket_group=no-such-group-here", "no group"),
+        ("server.shm_share=alice", "CLIENT=OWNER"),
+        ("server.shm_share=any=no-such-user-here", "no user"),
+    ],
+)
+def test_bad_socket_and_sharing_keys_name_the_key(override, words):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+        load_config(None, [override])
+    assert words in str(info.value)
+
+
+def test_shm_share_pairs():
+    from kvtier.daemon.config import ANY_PEER
+
+    server = load_config(None, ["server.shm_share=[65534=0, any=root]"]).server
+    assert server.shm_share_pairs() == {(65534, 0), (ANY_PEER, 0)}
+    one = load_config(None, ["server.shm_share=nobody=root"]).server
+    assert one.shm_share_pairs() == {(65534, 0)}

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.daemon.errors import NotFound, PermissionDenied
-from kvtier.daemon.sessions import SessionRegistry
+from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
+from kvtier.daemon.sessions import ANONYMOUS_TENANT, PeerCred, SessionRegistry
 
 
 def test_leases_belong_to_their_session_and_die_with_it():
@@ -40,3 +40,37 @@ def test_expiry_returns_each_lease_once_in_deadline_order():
 def test_requests_without_a_session_are_told_how_to_get_one():
     with pytest.raises(NotFound, match="OpenSession"):
         SessionRegistry().get("")
+
+
+def test_a_session_carries_its_peer_and_counts_against_its_tenant():
+    reg = SessionRegistry(max_per_tenant=2)
+    alice = PeerCred(pid=1, uid=1000, gid=1000)
+    a = reg.open("a", 0.0, alice)
+    assert a.peer == alice and a.tenant == "uid:1000"
+    reg.open("b", 0.0, PeerCred(pid=2, uid=1000, gid=5))
+    with pytest.raises(ResourceExhausted, match=r"server\.max_sessions_per_tenant"):
+        reg.open("c", 0.0, alice)
+    # Other tenants, and sessions without credentials, count separately.
+    assert reg.open("d", 0.0, PeerCred(pid=3, uid=1001, gid=1001)).tenant == "uid:1001"
+    assert reg.open("e", 0.0).tenant == ANONYMOUS_TENANT
+    reg.close(a.session_id)
+    assert reg.tenant_sessions("uid:1000") == 1
+    reg.open("c", 0.0, alice)
+
+
+def test_unknown_or_malformed_session_ids_are_not_found_and_not_echoed():
+    reg = SessionRegistry()
+    with pytest.raises(NotFound) as info:
+        reg.get("x" * 10_000)
+    assert len(str(info.value)) < 200
+    with pytest.raises(NotFound, match="0" * 32):
+        reg.get("0" * 32)
+
+
+def test_released_leases_do_not_pile_up_in_the_expiry_heap():
+    reg = SessionRegistry()
+    s = reg.open("s", 0.0)
+    for _ in range(10_000):
+        lease = reg.add_lease(s.session_id, np.array([1]), 600.0)
+        reg.pop_lease(s.session_id, lease.lease_id)
+    assert len(reg._expiry) <= 2048

@@ -1,0 +1,90 @@
+"""The client side of the daemon's credential socket.
+
+The daemon learns who a client is from the kernel (SO_PEERCRED), which gRPC does not expose,
+so a client first asks the credential socket (the gRPC socket's path plus ``.cred``) for a
+one-time ticket and passes it in ``OpenSession``; memory goes over the same socket as a file
+descriptor, answered by a ticket for ``RegisterPool``. Each request is one short-lived
+connection::
+
+    "KVTIER-CRED/1 SESSION\\n"                      -> "OK <64 hex digits>\\n"
+    "KVTIER-CRED/1 POOL\\n" + one fd (SCM_RIGHTS)   -> "OK <64 hex digits>\\n"
+    on refusal                                     -> "ERR <STATUS> <text>\\n"
+
+Thread-safety: the functions share nothing; call them from any thread.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+
+import grpc
+
+from kvtier.client.errors import KvtierError, UnavailableError, error_for_code
+
+PROTOCOL = b"KVTIER-CRED/1"
+CRED_SUFFIX = ".cred"
+_MAX_REPLY_BYTES = 1024
+
+
+def cred_socket_path(address: str) -> str | None:
+    """The credential socket of a gRPC address, or None if it is not a Unix socket."""
+    if address.startswith("unix://"):
+        return address[len("unix://") :] + CRED_SUFFIX
+    if address.startswith("unix:"):
+        return address[len("unix:") :] + CRED_SUFFIX
+    return None
+
+
+def session_ticket(path: str, timeout_s: float = 10.0) -> bytes:
+    """A ticket for OpenSession, bound to this process's credentials."""
+    return _request(path, b"SESSION", None, timeout_s)
+
+
+def pool_ticket(path: str, fd: int, timeout_s: float = 10.0) -> bytes:
+    """Hand the memory file ``fd`` to the daemon; the ticket names it in RegisterPool."""
+    return _request(path, b"POOL", fd, timeout_s)
+
+
+def _request(path: str, verb: bytes, fd: int | None, timeout_s: float) -> bytes:
+    line = PROTOCOL + b" " + verb + b"\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+            if fd is None:
+                sock.sendall(line)
+            else:
+                sock.sendmsg(
+                    [line], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                )
+            reply = b""
+            while not reply.endswith(b"\n") and len(reply) < _MAX_REPLY_BYTES:
+                chunk = sock.recv(_MAX_REPLY_BYTES)
+                if not chunk:
+                    break
+                reply += chunk
+        except OSError as e:
+            raise UnavailableError(
+                f"the daemon's credential socket {path} did not answer: {e.strerror or e}"
+            ) from None
+    return _parse(reply, path)
+
+
+def _parse(reply: bytes, path: str) -> bytes:
+    text = reply.decode("ascii", "replace").strip()
+    status, _, rest = text.partition(" ")
+    if status == "OK":
+        try:
+            ticket = bytes.fromhex(rest)
+        except ValueError:
+            ticket = b""
+        if len(ticket) == 32:
+            return ticket
+    elif status == "ERR":
+        code_name, _, message = rest.partition(" ")
+        code = grpc.StatusCode.__members__.get(code_name)
+        if code is not None:
+            raise error_for_code(code, message)
+        raise KvtierError(message or rest)
+    raise UnavailableError(f"the credential socket {path} answered {text[:80]!r}")

@@ -1,0 +1,426 @@
+"""The credential socket: who a client is, and the memory it hands over.
+
+gRPC's Python server does not expose the credentials of a Unix-socket peer, so the daemon
+also listens on a small plain Unix socket beside the gRPC one (its path plus ``.cred``, same
+mode and group). For each connection it reads SO_PEERCRED, the kernel's record of the
+connecting process's (pid, uid, gid), and answers one *ticket*: 32 random bytes that are good
+once, for ``TICKET_TTL_S`` seconds, and bound to those credentials. The client passes the
+ticket in ``OpenSession`` (the session then carries the credentials) or, for memory it sends
+along with the request as a file descriptor (SCM_RIGHTS), in ``RegisterPool``.
+
+Protocol (one request per connection, ASCII lines)::
+
+    client: "KVTIER-CRED/1 SESSION\\n"                     daemon: "OK <64 hex digits>\\n"
+    client: "KVTIER-CRED/1 POOL\\n" + one fd (SCM_RIGHTS)  daemon: "OK <64 hex digits>\\n"
+    on any refusal                                        daemon: "ERR <STATUS> <text>\\n"
+
+Invariants:
+- A ticket is redeemed at most once, only for its kind, and only before it expires. The
+  table is keyed by the ticket's SHA-256, so no lookup compares a guess with a secret.
+- A pool ticket owns its fd until it is redeemed (the caller then owns it) or expires (the
+  fd is closed). Only memory-backed fds are kept: memfds and tmpfs files, the files on which
+  F_GET_SEALS succeeds. They cannot stall a page fault on a remote or user-space filesystem.
+- Nothing here blocks the event loop: sockets are non-blocking, a connection has
+  ``IO_TIMEOUT_S`` to send its request, at most ``MAX_CONNECTIONS`` are open at once, and a
+  received fd that is not memory-backed (its close() may wait on a filesystem, FUSE's flush
+  for one) is closed on the FdCloser's thread. While that thread is behind, no new
+  connection is accepted, so a stuck close costs the credential socket, never the daemon.
+- One uid holds at most ``MAX_TICKETS_PER_UID`` unredeemed tickets.
+
+Thread-safety: the event loop only, except FdCloser, whose methods any thread may call.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import enum
+import fcntl
+import hashlib
+import logging
+import os
+import queue
+import secrets
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.daemon.errors import (
+    InvalidArgument,
+    KvtierError,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from kvtier.daemon.ratelog import RateLimitedLog
+from kvtier.daemon.sessions import PeerCred
+from kvtier.daemon.unixsock import SocketAccess, bind_unix
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = b"KVTIER-CRED/1"
+CRED_SUFFIX = ".cred"
+# Long enough for a loaded client to get from the ticket to its RPC; short enough that a
+# leaked ticket is soon worthless.
+TICKET_TTL_S = 10.0
+MAX_TICKETS_PER_UID = 256
+MAX_CONNECTIONS = 64
+IO_TIMEOUT_S = 2.0
+MAX_REQUEST_BYTES = 128
+MAX_FDS_PER_MESSAGE = 4
+# Received fds waiting for the closer thread beyond which accepting pauses.
+MAX_PENDING_CLOSES = 64
+
+
+def cred_socket_path(socket_path: str) -> str:
+    return socket_path + CRED_SUFFIX
+
+
+def is_memory_backed(fd: int) -> bool:
+    """Whether ``fd`` is a memfd or a tmpfs file. F_GET_SEALS succeeds exactly on those and
+    never calls into a filesystem, so it is safe on any fd a client sends."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        return False
+    return True
+
+
+class FdCloser:
+    """Closes received fds. A memory-backed fd closes at once; any other goes to a thread of
+    its own, since close() may wait on its filesystem (or on a lingering socket)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self, fd: int) -> None:
+        if is_memory_backed(fd):
+            os.close(fd)
+            return
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvtier-fd-closer", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(fd)
+
+    def _run(self) -> None:
+        while True:
+            fd = self._queue.get()
+            try:
+                os.close(fd)
+            except OSError as e:
+                log.debug("closing a received fd failed: %s", e)
+            with self._lock:
+                self._pending -= 1
+
+
+class TicketKind(enum.Enum):
+    SESSION = "SESSION"
+    POOL = "POOL"
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    kind: TicketKind
+    peer: PeerCred
+    expires_at: float
+    fd: int = -1  # a pool ticket's memory; the redeemer owns it
+
+
+class TicketBook:
+    """Unredeemed tickets. Thread-safety: none; the event loop's."""
+
+    def __init__(
+        self,
+        closer: FdCloser,
+        *,
+        ttl_s: float = TICKET_TTL_S,
+        max_per_uid: int = MAX_TICKETS_PER_UID,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._closer = closer
+        self._ttl_s = ttl_s
+        self._max_per_uid = max_per_uid
+        self._clock = clock
+        self._tickets: dict[bytes, Ticket] = {}
+        self._per_uid: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def issue(self, kind: TicketKind, peer: PeerCred, fd: int = -1) -> bytes:
+        """A new ticket; on refusal the caller still owns ``fd``."""
+        self.expire()
+        if self._per_uid[peer.uid] >= self._max_per_uid:
+            raise ResourceExhausted(
+                f"uid {peer.uid} holds {self._max_per_uid} unused tickets; redeem or let "
+                "them expire first"
+            )
+        secret = secrets.token_bytes(32)
+        self._tickets[_digest(secret)] = Ticket(kind, peer, self._clock() + self._ttl_s, fd)
+        self._per_uid[peer.uid] += 1
+        return secret
+
+    def redeem(self, secret: bytes, kind: TicketKind) -> Ticket:
+        """Spend a ticket; raises Unauthenticated if it is unknown, spent, expired or of
+        another kind (the ticket is spent in every case)."""
+        self.expire()
+        ticket = self._tickets.pop(_digest(secret), None) if len(secret) == 32 else None
+        if ticket is None:
+            raise Unauthenticated(
+                "the credential ticket is unknown, already used or expired; ask the "
+                "credential socket for a new one"
+            )
+        self._forget(ticket)
+        if ticket.kind is not kind:
+            self._drop_fd(ticket)
+            raise Unauthenticated(
+                f"a {ticket.kind.value.lower()} ticket cannot be used for a {kind.value.lower()}"
+            )
+        return ticket
+
+    def expire(self) -> int:
+        now = self._clock()
+        stale = [d for d, t in self._tickets.items() if t.expires_at <= now]
+        for d in stale:
+            ticket = self._tickets.pop(d)
+            self._forget(ticket)
+            self._drop_fd(ticket)
+        return len(stale)
+
+    def close(self) -> None:
+        for ticket in self._tickets.values():
+            self._drop_fd(ticket)
+        self._tickets.clear()
+        self._per_uid.clear()
+
+    def _forget(self, ticket: Ticket) -> None:
+        self._per_uid[ticket.peer.uid] -= 1
+        if self._per_uid[ticket.peer.uid] <= 0:
+            del self._per_uid[ticket.peer.uid]
+
+    def _drop_fd(self, ticket: Ticket) -> None:
+        if ticket.fd >= 0:
+            self._closer.close(ticket.fd)
+            ticket.fd = -1
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    peer: PeerCred
+    timer: asyncio.TimerHandle | None = None
+    buffer: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+
+
+class CredentialServer:
+    """The credential socket on the event loop. Thread-safety: the event loop only."""
+
+    def __init__(
+        self,
+        path: str,
+        tickets: TicketBook,
+        closer: FdCloser,
+        status_name: Callable[[KvtierError], str],
+        log_interval_s: float = 10.0,
+    ) -> None:
+        self.path = path
+        self.tickets = tickets
+        self.closer = closer
+        # The server's mapping of errors to status names (ERR lines use gRPC's names).
+        self._status_name = status_name
+        self._ratelog = RateLimitedLog(log, log_interval_s)
+        self.counters: Counter[str] = Counter()
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connections: set[_Connection] = set()
+        self._accepting = False
+
+    def start(self, access: SocketAccess) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sock = bind_unix(self.path, access)
+        self._resume_accepting()
+
+    def close(self) -> None:
+        if self._sock is not None and self._loop is not None:
+            self._pause_accepting()
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for conn in list(self._connections):
+            self._drop(conn)
+
+    # ------------------------------------------------------------------ accept
+
+    def _resume_accepting(self) -> None:
+        if not self._accepting and self._sock is not None and self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._on_accept)
+            self._accepting = True
+
+    def _pause_accepting(self) -> None:
+        if self._accepting and self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            self._accepting = False
+
+    def _on_accept(self) -> None:
+        assert self._sock is not None and self._loop is not None
+        while self._sock is not None:
+            if (
+                len(self._connections) >= MAX_CONNECTIONS
+                or self.closer.pending >= MAX_PENDING_CLOSES
+            ):
+                # The backlog holds the rest; accepting resumes when a connection ends.
+                self._pause_accepting()
+                if self.closer.pending >= MAX_PENDING_CLOSES:
+                    self._loop.call_later(IO_TIMEOUT_S, self._resume_accepting)
+                return
+            try:
+                sock, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and the like: try again a little later
+                log.warning("credential socket: accept failed: %s", e)
+                self._pause_accepting()
+                self._loop.call_later(IO_TIMEOUT_S, self._resume_accepting)
+                return
+            try:
+                sock.setblocking(False)
+                pid, uid, gid = struct.unpack(
+                    "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                )
+            except OSError:
+                sock.close()
+                continue
+            conn = _Connection(sock, PeerCred(pid, uid, gid))
+            conn.timer = self._loop.call_later(IO_TIMEOUT_S, self._drop, conn)
+            self._connections.add(conn)
+            self._loop.add_reader(sock.fileno(), self._on_readable, conn)
+
+    # ------------------------------------------------------------------ serve
+
+    def _on_readable(self, conn: _Connection) -> None:
+        try:
+            self._read(conn)
+        except Exception:
+            # A client must not be able to make the event loop log tracebacks at will.
+            self.counters["internal_errors"] += 1
+            self._ratelog.exception("credential socket", "credential socket: request failed")
+            self._drop(conn)
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data, ancillary, flags, _ = conn.sock.recvmsg(
+                MAX_REQUEST_BYTES,
+                socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * 4),
+                socket.MSG_CMSG_CLOEXEC,
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                conn.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            self._reply(conn, InvalidArgument(f"at most {MAX_FDS_PER_MESSAGE} fds per request"))
+            return
+        if not data:
+            self._drop(conn)  # closed before a whole request
+            return
+        conn.buffer += data
+        end = conn.buffer.find(b"\n")
+        if end < 0:
+            if len(conn.buffer) >= MAX_REQUEST_BYTES:
+                self._reply(conn, InvalidArgument("the request line is too long"))
+            return
+        try:
+            self._reply(conn, self._serve(conn, bytes(conn.buffer[:end])))
+        except KvtierError as e:
+            self._reply(conn, e)
+
+    def _serve(self, conn: _Connection, line: bytes) -> bytes:
+        proto, _, verb = line.partition(b" ")
+        if proto != PROTOCOL:
+            raise InvalidArgument(f"expected {PROTOCOL.decode()} SESSION or POOL")
+        if verb == TicketKind.SESSION.value.encode():
+            if conn.fds:
+                raise InvalidArgument("a session request carries no file descriptor")
+            self.counters["session_tickets"] += 1
+            return self.tickets.issue(TicketKind.SESSION, conn.peer)
+        if verb == TicketKind.POOL.value.encode():
+            if len(conn.fds) != 1:
+                raise InvalidArgument(
+                    f"a pool request carries exactly one file descriptor, not {len(conn.fds)}"
+                )
+            fd = conn.fds[0]
+            _check_pool_fd(fd)
+            secret = self.tickets.issue(TicketKind.POOL, conn.peer, fd)
+            conn.fds.clear()  # the ticket owns it now
+            self.counters["pool_tickets"] += 1
+            return secret
+        raise InvalidArgument(f"unknown request {verb[:32]!r}; expected SESSION or POOL")
+
+    def _reply(self, conn: _Connection, answer: bytes | KvtierError) -> None:
+        if isinstance(answer, KvtierError):
+            self.counters["refused"] += 1
+            text = str(answer).replace("\n", " ")
+            line = f"ERR {self._status_name(answer)} {text}\n".encode()
+        else:
+            line = b"OK " + answer.hex().encode() + b"\n"
+        try:
+            conn.sock.send(line)  # a few dozen bytes into an empty socket buffer
+        except OSError as e:
+            log.debug("credential socket: reply to pid %d lost: %s", conn.peer.pid, e)
+        self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        if conn not in self._connections:
+            return
+        self._connections.discard(conn)
+        if conn.timer is not None:
+            conn.timer.cancel()
+        if self._loop is not None:
+            self._loop.remove_reader(conn.sock.fileno())
+        conn.sock.close()
+        for fd in conn.fds:
+            self.closer.close(fd)
+        conn.fds.clear()
+        if self.closer.pending < MAX_PENDING_CLOSES:
+            self._resume_accepting()
+
+
+def _check_pool_fd(fd: int) -> None:
+    if not is_memory_backed(fd):
+        raise InvalidArgument(
+            "the file descriptor is not memory (a memfd or a tmpfs file); other files are refused"
+        )
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidArgument("the file descriptor is not a regular memory file")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise InvalidArgument("the file descriptor must be open for reading and writing")

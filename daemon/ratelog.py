@@ -1,0 +1,57 @@
+"""Log lines that clients can cause, at a bounded rate.
+
+A malformed request or an unexpected failure is worth one line to an operator, not one line
+per request: a broken or hostile client could otherwise fill the disk with the log. Each
+*kind* (a fixed label chosen by the daemon, never text from a request) logs at most one line
+per ``interval_s``; the lines in between are counted, and the next line of that kind says
+how many there were.
+
+Thread-safety: none; used from the server's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+
+class RateLimitedLog:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    @property
+    def suppressed(self) -> int:
+        """Lines counted but not (yet) logged."""
+        return sum(self._suppressed.values())
+
+    def warning(self, kind: str, msg: str, *args: object) -> bool:
+        return self._emit(logging.WARNING, kind, msg, args, False)
+
+    def exception(self, kind: str, msg: str, *args: object) -> bool:
+        """An ERROR with the traceback of the exception being handled."""
+        return self._emit(logging.ERROR, kind, msg, args, True)
+
+    def _emit(self, level: int, kind: str, msg: str, args: tuple[object, ...], exc: bool) -> bool:
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[kind] += 1
+            return False
+        self._last[kind] = now
+        skipped = self._suppressed.pop(kind, 0)
+        if skipped and last is not None:
+            msg += " (and %d more like it in the last %.0fs)"
+            args = (*args, skipped, now - last)
+        self._log.log(level, msg, *args, exc_info=exc)
+        return True

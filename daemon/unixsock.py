@@ -1,0 +1,151 @@
+"""Unix socket paths and who may connect to them.
+
+Both of the daemon's sockets (gRPC and credentials) get the mode and group of
+``server.socket_mode`` / ``server.socket_group``. They are applied without a window: the
+socket is bound under a umask that leaves only the daemon's own uid able to connect, then
+given its group and mode, and only then does it listen. Connecting to a Unix socket needs
+write permission on it, so the mode is the whole access rule (plus traversal of its folders).
+
+Invariants:
+- A socket path in a folder that other users may write (without the sticky bit) is refused:
+  anyone who can write there could replace the socket and receive the clients' requests.
+- A stale socket (nobody listening) is removed at start; a live one stops the daemon.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvtier.daemon.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+# sockaddr_un holds 108 bytes including the terminating NUL.
+MAX_PATH_BYTES = 107
+
+
+@dataclass(frozen=True, slots=True)
+class SocketAccess:
+    """Permission bits and group for a socket; ``gid`` None keeps the daemon's group."""
+
+    mode: int
+    gid: int | None
+
+    @classmethod
+    def from_config(cls, cfg: ServerConfig) -> SocketAccess:
+        return cls(cfg.socket_mode_bits(), cfg.socket_gid())
+
+
+def prepare_socket_path(path: str, access: SocketAccess) -> None:
+    """Check the socket's folder (creating it if needed); remove a stale socket, refuse a live
+    one. Raises OSError with a message that names the problem."""
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise OSError(
+            errno.ENAMETOOLONG,
+            f"socket path {path} is longer than the {MAX_PATH_BYTES} bytes Unix sockets allow",
+        )
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        _create_folder(folder, access)
+    st = os.stat(folder)
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise OSError(
+            errno.EPERM,
+            f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
+            "other users, who could replace the socket; use a folder only the daemon may write",
+        )
+    _warn_if_untraversable(folder, st, access)
+    if not os.path.lexists(path):
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket; not removing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another process is listening on {path}")
+
+
+@contextlib.contextmanager
+def private_umask() -> Iterator[None]:
+    """Sockets bound inside are 0600 until ``apply_access`` (umask is process-wide, so this
+    only ever makes files created meanwhile more private)."""
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def apply_access(path: str, access: SocketAccess) -> None:
+    """Give a freshly bound socket its group and mode (before it listens)."""
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{path} is no longer the socket the daemon bound")
+    if access.gid is not None and access.gid != st.st_gid:
+        try:
+            os.chown(path, -1, access.gid, follow_symlinks=False)
+        except PermissionError:
+            raise OSError(
+                errno.EPERM,
+                f"cannot give {path} the group {access.gid} (server.socket_group): the daemon "
+                "may only choose a group it is a member of",
+            ) from None
+    os.chmod(path, access.mode)
+
+
+def bind_unix(path: str, access: SocketAccess, backlog: int = 64) -> socket.socket:
+    """A non-blocking listening Unix stream socket at ``path`` with ``access`` applied."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        with private_umask():
+            sock.bind(path)
+        apply_access(path, access)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
+    return sock
+
+
+def _create_folder(folder: str, access: SocketAccess) -> None:
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    # Those the socket admits must be able to reach it: traverse (x), never list or write.
+    mode = 0o700
+    if access.mode & 0o060:
+        mode |= 0o010
+    if access.mode & 0o006:
+        mode |= 0o001
+    if access.gid is not None:
+        with contextlib.suppress(PermissionError):
+            os.chown(folder, -1, access.gid)
+    os.chmod(folder, mode)
+
+
+def _warn_if_untraversable(folder: str, st: os.stat_result, access: SocketAccess) -> None:
+    gid = access.gid if access.gid is not None else os.getegid()
+    if access.mode & 0o060 and not (
+        st.st_mode & stat.S_IXOTH or (st.st_mode & stat.S_IXGRP and st.st_gid == gid)
+    ):
+        log.warning(
+            "the socket admits group %d but its folder %s (mode %04o, group %d) does not let "
+            "that group through; its members cannot connect",
+            gid,
+            folder,
+            stat.S_IMODE(st.st_mode),
+            st.st_gid,
+        )

@@ -1,0 +1,90 @@
+"""KVService's session rules, against a store that awaits where the real one may."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvtier.daemon.config import Config
+from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind
+from kvtier.daemon.errors import NotFound, PermissionDenied, Unauthenticated
+from kvtier.daemon.pools import PoolRegistry
+from kvtier.daemon.service import KVService
+from kvtier.daemon.sessions import PeerCred, SessionRegistry
+from kvtier.kernels.layout import PoolLayout
+
+PEER = PeerCred(pid=1, uid=1000, gid=1000)
+
+
+class SlowStore:
+    """Finds every key; its lookup waits until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.pins = 0
+
+    async def lookup(self, ns: int, words: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        await self.release.wait()
+        n = len(words)
+        return n, np.full(n, 2, dtype=np.int32), np.arange(n, dtype=np.int64)
+
+    def pin(self, bids: np.ndarray) -> np.ndarray:
+        self.pins += len(bids)
+        return bids
+
+    def unpin(self, refs: np.ndarray) -> None:
+        self.pins -= len(refs)
+
+    def promote_in_background(self, bids: np.ndarray) -> None:
+        pass
+
+    def max_block_bytes(self) -> int:
+        return 1 << 20
+
+
+def _service(store: object) -> tuple[KVService, TicketBook]:
+    tickets = TicketBook(FdCloser())
+    service = KVService(
+        Config(),
+        store,  # type: ignore[arg-type]
+        PoolRegistry("/dev/shm"),
+        SessionRegistry(),
+        tickets,
+    )
+    return service, tickets
+
+
+def _open(service: KVService, tickets: TicketBook) -> str:
+    ticket = tickets.issue(TicketKind.SESSION, PEER)
+    return service.open_session("t", ticket, unix_socket=True).session_id
+
+
+def test_regression_a_session_ending_during_a_pinning_lookup_left_its_pins():
+    async def run() -> None:
+        store = SlowStore()
+        service, tickets = _service(store)
+        session = _open(service, tickets)
+        lookup = asyncio.ensure_future(service.lookup(session, [bytes(32)] * 3, True, 0))
+        await asyncio.sleep(0)
+        service.close_session(session)  # the client died while its lookup was in the store
+        store.release.set()
+        with pytest.raises(NotFound):
+            await lookup
+        assert store.pins == 0 and service.sessions.lease_count == 0
+
+    asyncio.run(run())
+
+
+def test_a_unix_socket_session_needs_a_ticket_and_tcp_sessions_register_no_memory():
+    service, tickets = _service(SlowStore())
+    with pytest.raises(Unauthenticated, match=r"\.cred"):
+        service.open_session("t", b"", unix_socket=True)
+    anonymous = service.open_session("t", b"", unix_socket=False)
+    assert anonymous.peer is None and anonymous.tenant == "anonymous"
+    layout = PoolLayout.staging(num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=64)
+    with pytest.raises(PermissionDenied, match="no peer credentials"):
+        service.register_shm_pool(anonymous.session_id, "x", 128, layout)
+    session = service.open_session("t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True)
+    assert session.peer == PEER and session.tenant == "uid:1000"

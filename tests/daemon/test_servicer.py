@@ -1,0 +1,80 @@
+"""The servicer's one place for statuses: malformed requests and unexpected failures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+import grpc
+import pytest
+
+from kvtier.daemon.server import KVTierServicer, Malformed, _lenient
+from kvtier.proto import kvtier_pb2 as pb
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise grpc.aio.AbortError()
+
+    def peer(self) -> str:
+        return "unix:"
+
+
+class BrokenService:
+    """Every rule fails in a way the daemon did not foresee."""
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+
+    def lookup(self, *args: object) -> None:
+        raise RuntimeError("a bug")
+
+
+def _call(servicer: KVTierServicer, method: str, request: object) -> tuple[grpc.StatusCode, str]:
+    context = FakeContext()
+
+    async def run() -> None:
+        with pytest.raises(grpc.aio.AbortError):
+            await getattr(servicer, method)(request, context)
+
+    asyncio.run(run())
+    assert context.status is not None
+    return context.status
+
+
+def test_an_unexpected_failure_is_internal_with_one_traceback_per_interval(caplog):
+    service = BrokenService()
+    servicer = KVTierServicer(service, 10, log_interval_s=60.0)  # type: ignore[arg-type]
+    request = pb.LookupRequest(session_id="0" * 32, keys=[bytes(32)])
+    with caplog.at_level(logging.ERROR, logger="kvtier.daemon.server"):
+        for _ in range(50):
+            code, details = _call(servicer, "Lookup", request)
+            assert code == grpc.StatusCode.INTERNAL and "see its log" in details
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "Lookup failed" in tracebacks[0].getMessage()
+    assert service.counters["requests_internal_error"] == 50
+
+
+def test_a_malformed_request_is_invalid_argument_with_one_warning_per_interval(caplog):
+    service = BrokenService()
+    servicer = KVTierServicer(service, 10, log_interval_s=60.0)  # type: ignore[arg-type]
+    parse = _lenient(pb.PutRequest)
+    bad = parse(b"\x0a\xff\xff\xff\x7f")
+    assert bad == Malformed("PutRequest", 5)
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon.server"):
+        for _ in range(50):
+            code, details = _call(servicer, "Put", bad)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert details == "the request is not a valid PutRequest message"
+    assert len(caplog.records) == 1 and not caplog.records[0].exc_info
+    assert service.counters["requests_malformed"] == 50
+
+
+def test_the_lenient_parser_returns_valid_messages_unchanged():
+    request = pb.PutRequest(session_id="s", pool_id=3, keys=[b"k"], pages=[1])
+    assert _lenient(pb.PutRequest)(request.SerializeToString()) == request

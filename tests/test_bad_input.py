@@ -1,0 +1,175 @@
+"""Bad input gets a clear status and a bounded log (issue 9, item 7).
+
+Random bytes sent as the request of every method (through a real channel, with identity
+serializers) are answered with a status, never UNKNOWN; the daemon logs at most one line per
+method and kind every ``server.bad_request_log_interval_s``, and never a traceback. Limits
+(keys per request, pools per session, sessions per tenant, message size) answer
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED naming their key.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import grpc
+import pytest
+
+from kvtier.client import (
+    InvalidArgumentError,
+    PoolLayout,
+    ResourceExhaustedError,
+    SharedMemoryPool,
+)
+from kvtier.proto import kvtier_pb2 as pb
+
+LAYOUT = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=4096)
+METHODS = [
+    (f"/kvtier.v1.KVTier/{m.name}", m.server_streaming)
+    for m in pb.DESCRIPTOR.services_by_name["KVTier"].methods
+] + [("/grpc.health.v1.Health/Check", False), ("/grpc.health.v1.Health/Watch", True)]
+# What a hostile payload may be told; UNKNOWN (an unhandled exception) and INTERNAL never.
+ANSWERS = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+
+
+def _payload(rng: random.Random) -> bytes:
+    kind = rng.randrange(4)
+    n = rng.choice([0, 1, 2, 5, 17, 64, 300, 2000])
+    if kind == 0:  # noise
+        return rng.randbytes(n)
+    if kind == 1:  # a field tag, then a length beyond the end
+        return bytes([rng.randrange(1, 16) << 3 | 2]) + b"\xff\xff\xff\x7f" + rng.randbytes(n)
+    if kind == 2:  # a string field holding invalid UTF-8
+        return bytes([1 << 3 | 2, 4]) + b"\xff\xfe\xfd\xfc"
+    # varints with the continuation bit forever
+    return bytes([rng.randrange(1, 16) << 3]) + b"\x80" * (n + 11)
+
+
+def send_garbage(address: str, per_method: int, seed: int = 0) -> Counter[str]:
+    """Send ``per_method`` random payloads to every method; count the answers by code."""
+    rng = random.Random(seed)
+    codes: Counter[str] = Counter()
+    with grpc.insecure_channel(address) as channel:
+        for path, streaming in METHODS:
+            call = (channel.unary_stream if streaming else channel.unary_unary)(path)
+            pending = []
+            for _ in range(per_method):
+                if streaming:
+                    stream = call(_payload(rng), timeout=10)
+                    try:
+                        next(stream)
+                        codes["OK"] += 1
+                    except StopIteration:
+                        codes["OK"] += 1
+                    except grpc.RpcError as e:
+                        codes[e.code().name] += 1
+                    stream.cancel()
+                else:
+                    pending.append(call.future(_payload(rng), timeout=10))
+            for future in pending:
+                try:
+                    future.result()
+                    codes["OK"] += 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] += 1
+    return codes
+
+
+def test_garbage_requests_get_a_status_and_a_bounded_log(daemon):
+    lines_before = len(daemon.log().splitlines())
+    started = time.monotonic()
+    per_method = 300
+    codes = send_garbage(daemon.address, per_method)
+    elapsed = time.monotonic() - started
+    log = daemon.log()
+    lines = log.splitlines()[lines_before:]
+    print(
+        f"\n{sum(codes.values())} garbage requests in {elapsed:.1f}s: {dict(codes)}; "
+        f"log lines {lines_before} before, {lines_before + len(lines)} after "
+        f"({len(lines)} new, {sum('WARNING' in x for x in lines)} WARNING)"
+    )
+    assert sum(codes.values()) == per_method * len(METHODS)
+    assert set(codes) <= {c.name for c in ANSWERS}, codes
+    assert codes["INVALID_ARGUMENT"] > per_method  # most payloads do not parse
+    assert "Traceback" not in log and " ERROR " not in log
+    # At most one line per method and kind per interval (10 s), plus the sessions the
+    # daemon's own health checks and this test's client open.
+    kinds = len(METHODS)
+    warnings = [x for x in lines if "WARNING" in x]
+    assert len(warnings) <= kinds * (2 + elapsed / 10)
+    assert all("malformed" not in x or "refused a request of" in x for x in warnings)
+    assert daemon.running()
+    with daemon.client() as client:
+        assert client.health()
+        stats = client.stats()
+        # Some INVALID_ARGUMENT answers are to requests that parsed but broke a rule.
+        assert 0 < stats.counters["requests_malformed"] <= codes["INVALID_ARGUMENT"]
+        assert stats.gauges["sessions"] == 1 and stats.gauges["pools"] == 0
+
+
+def test_a_malformed_request_is_invalid_argument_naming_the_message(daemon):
+    with grpc.insecure_channel(daemon.address) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary("/kvtier.v1.KVTier/Put")(b"\x0a\xff\xff\xff\x7f", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid PutRequest" in info.value.details()
+
+
+def test_pools_per_session_are_limited(daemon_factory):
+    d = daemon_factory("server.max_pools_per_session=2")
+    with d.client() as client:
+        shms = [SharedMemoryPool.for_layout(LAYOUT) for _ in range(3)]
+        try:
+            pools = [client.register_pool(shm, LAYOUT) for shm in shms[:2]]
+            with pytest.raises(ResourceExhaustedError, match=r"server\.max_pools_per_session"):
+                client.register_pool(shms[2], LAYOUT)
+            pools[0].unregister()
+            client.register_pool(shms[2], LAYOUT)
+            assert client.stats().gauges["pools"] == 2
+        finally:
+            for shm in shms:
+                shm.close()
+
+
+def test_sessions_per_tenant_are_limited(daemon_factory):
+    d = daemon_factory("server.max_sessions_per_tenant=2")
+    a, b, c = d.client(), d.client(), d.client()
+    try:
+        assert a.stats().gauges["sessions"] == 1
+        assert b.stats().gauges["sessions"] == 2
+        with pytest.raises(ResourceExhaustedError, match=r"server\.max_sessions_per_tenant"):
+            c.stats()
+        a.close()
+        deadline = time.monotonic() + 10
+        while True:  # the daemon notices the end of a's session stream
+            try:
+                assert c.stats().gauges["sessions"] == 2
+                break
+            except ResourceExhaustedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    finally:
+        for client in (a, b, c):
+            client.close()
+
+
+def test_keys_per_request_are_limited(daemon_factory):
+    d = daemon_factory("server.max_batch_blocks=8")
+    with d.client() as client:
+        client.lookup([bytes(32)] * 8)
+        with pytest.raises(InvalidArgumentError, match=r"server\.max_batch_blocks"):
+            client.lookup([bytes(32)] * 9)
+
+
+def test_message_size_is_limited(daemon_factory):
+    d = daemon_factory("server.max_message_bytes=1MiB")
+    with d.client() as client:
+        with pytest.raises(ResourceExhaustedError, match="larger than max"):
+            client.lookup([bytes(32)] * 40_000)  # ~1.4 MB
+        assert client.health()

@@ -1,0 +1,190 @@
+"""Who may connect: socket mode and group, their folder, and the systemd unit (issue 9,
+item 6)."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from peers import NOBODY, NOGROUP, require_root, run_as
+
+from kvtier.client import credentials as cred
+from kvtier.client import wait_until_serving
+from kvtier.daemon.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+USERS_GID = 100  # a group that is not the sockets' group
+
+
+def _both(d) -> list[str]:
+    return [d.socket, cred.cred_socket_path(d.address)]
+
+
+def test_sockets_get_mode_and_group_even_under_umask_000(daemon_factory):
+    old = os.umask(0)
+    try:
+        d = daemon_factory()
+    finally:
+        os.umask(old)
+    for path in _both(d):
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o660, path
+        assert st.st_gid == os.getegid()
+
+
+def test_configured_mode_and_group_are_applied(daemon_factory):
+    require_root()
+    d = daemon_factory("server.socket_mode=0600", f"server.socket_group={NOGROUP}")
+    for path in _both(d):
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == NOGROUP
+
+
+def _connect(path: str) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+    return "connected"
+
+
+def test_members_of_the_socket_group_connect_and_no_one_else(daemon_factory):
+    """The systemd unit's arrangement: the folder is the daemon's group's, 0750; both
+    sockets 0660 of that group (here nogroup stands in for kvtier)."""
+    require_root()
+    folder = daemon_factory._sockdir
+    os.chown(folder, 0, NOGROUP)
+    os.chmod(folder, 0o750)
+    d = daemon_factory(f"server.socket_group={NOGROUP}")
+    path = cred.cred_socket_path(d.address)
+
+    assert run_as(NOBODY, NOGROUP, lambda: len(cred.session_ticket(path))) == 32
+    assert run_as(NOBODY, USERS_GID, lambda: _connect(d.socket), groups=[NOGROUP]) == "connected"
+    outsider = run_as(NOBODY, USERS_GID, lambda: _connect(d.socket))
+    assert "PermissionError" in outsider["error"]
+    # Even where the folder lets everyone through, the sockets themselves do not.
+    os.chmod(folder, 0o751)
+    for p in _both(d):
+        assert "PermissionError" in run_as(NOBODY, USERS_GID, lambda p=p: _connect(p))["error"]
+
+
+def _start(socket_path: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--set",
+            f"server.socket={socket_path}",
+            "--set",
+            "tiers.l1.capacity_bytes=64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_socket_folder_that_others_may_write_is_refused():
+    folder = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    try:
+        os.chmod(folder, 0o777)
+        proc = _start(os.path.join(folder, "d.sock"))
+        assert proc.returncode == 1
+        assert "writable by other users" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert os.listdir(folder) == []
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_missing_folder_is_created_traversable_by_the_socket_group_only():
+    require_root()
+    top = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    folder = os.path.join(top, "run")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            "--set",
+            f"server.socket={folder}/d.sock",
+            "--set",
+            f"server.socket_group={NOGROUP}",
+            "--set",
+            "tiers.l1.capacity_bytes=64MiB",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until_serving(f"unix:{folder}/d.sock", 60)
+        st = os.stat(folder)
+        assert stat.S_IMODE(st.st_mode) == 0o710 and st.st_gid == NOGROUP
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(top)
+
+
+def _unit() -> configparser.ConfigParser:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(REPO / "deploy" / "kvtierd.service")
+    return unit
+
+
+def test_the_systemd_unit_sets_up_a_client_group_that_works():
+    service = _unit()["Service"]
+    assert service["User"] == "kvtier" and service["Group"] == "kvtier"
+    runtime_mode = int(service["RuntimeDirectoryMode"], 8)
+    # The group may traverse the runtime folder (and nobody else may): x for the group.
+    assert runtime_mode & 0o010 and not runtime_mode & 0o007
+    assert service["RuntimeDirectory"] == "kvtier"
+    # Files the daemon makes are its own; group membership grants the sockets only.
+    assert int(service["UMask"], 8) == 0o077
+    # The sockets admit the daemon's group by default.
+    server = load_config().server
+    assert server.socket_group == "" and server.socket_mode_bits() & 0o060 == 0o060
+    assert not server.socket_mode_bits() & 0o007
+
+    sysusers = (REPO / "deploy" / "kvtier.sysusers").read_text().splitlines()
+    entries = [line.split() for line in sysusers if line.strip() and not line.startswith("#")]
+    assert ["g", "kvtier", "-"] in entries
+    assert any(e[:3] == ["u", "kvtier", "-:kvtier"] for e in entries)
+
+
+def test_the_systemd_files_pass_systemds_own_checks(tmp_path):
+    """systemd-analyze and systemd-sysusers, where the host has them (Debian does)."""
+    analyze, sysusers = shutil.which("systemd-analyze"), shutil.which("systemd-sysusers")
+    if analyze is None or sysusers is None:
+        pytest.skip("systemd's tools are not installed")
+    unit = tmp_path / "kvtierd.service"
+    kvtierd = shutil.which("kvtierd", path=os.path.dirname(sys.executable)) or "/bin/true"
+    unit.write_text(
+        (REPO / "deploy" / "kvtierd.service")
+        .read_text()
+        .replace("/opt/kvtier/.venv/bin/kvtierd", kvtierd)
+    )
+    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    out = subprocess.run(
+        [sysusers, f"--root={root}", str(REPO / "deploy" / "kvtier.sysusers")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    group = (root / "etc" / "group").read_text()
+    passwd = (root / "etc" / "passwd").read_text()
+    gid = next(line.split(":")[2] for line in group.splitlines() if line.startswith("kvtier:"))
+    user = next(line.split(":") for line in passwd.splitlines() if line.startswith("kvtier:"))
+    assert user[3] == gid and user[5] == "/var/lib/kvtier"
