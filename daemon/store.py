@@ -519,7 +519,12 @@ class BlockStore:
                     mine = np.flatnonzero(source == level.col)
                     if len(mine):
                         jobs.append(self._load(level, bids[mine], found[mine], pool, mem, pages))
-                for idx, ok in await asyncio.gather(*jobs):
+                # Every copy finishes before the pool may be unmapped, even when one fails.
+                results = await asyncio.gather(*jobs, return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+                for idx, ok in results:  # type: ignore[misc]
                     loaded[idx] = ok
         finally:
             np.subtract.at(table.inflight, bids, 1)
@@ -739,9 +744,22 @@ class BlockStore:
     # ------------------------------------------------------------------ helpers
 
     def _abandon(self, bids: np.ndarray) -> None:
-        """Forget new blocks whose copy failed or found no room (they hold no slot)."""
+        """Forget new blocks whose copy failed or found no room, giving back any slot they
+        took (a copy into one tier may fail after an earlier tier stored part of the batch)."""
+        table = self.table
+        for level in self.stack:
+            if level.keyed or len(bids) == 0:
+                continue
+            held = bids[table.slot[bids, level.col] >= 0]
+            if len(held):
+                slots = table.slot[held, level.col].tolist()
+                table.slot[held, level.col] = -1
+                if level.persistent:
+                    self.space.spawn(self.space.release(level, slots))
+                else:
+                    level.slots.remove(slots)
         for bid in bids.tolist():
-            self.table.remove(bid)
+            table.remove(bid)
 
     def _refs(self, bids: np.ndarray) -> list[BlockRef]:
         table = self.table

@@ -609,3 +609,24 @@ async def test_a_restart_serves_while_the_disk_index_is_still_being_read(
         part = chain[start : start + 64]
         assert await get(store, pool, part, range(len(part))) == [True] * len(part)
         assert all(page_bytes(pool, i) == want[start + i] for i in range(len(part)))
+
+
+async def test_regression_a_put_failing_in_a_lower_tier_left_top_tier_slots_taken(make_store):
+    """A put split between L1 (room for part of it) and L2 (the rest) whose copy into L2 raises
+    (a client's pool faulting mid-copy): the blocks L1 took are given back, not leaked."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2, protect_s=60.0), make_pool()
+    await put(store, pool, keys(12))  # 12 of 16 L1 slots, protected
+    used = store.top.slots.allocator.used_slots
+
+    def fault(batch):
+        raise RuntimeError("the pool faulted during the copy")
+
+    l2.write = fault  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="faulted"):
+        await put(store, pool, keys(8), pages=range(12, 20))
+    assert store.top.slots.allocator.used_slots == used
+    await store.space.drain()  # L2 gives its slots back in the background
+    assert l2.allocator.used_slots == 0
+    assert len(store.table) == 12
