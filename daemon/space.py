@@ -243,7 +243,7 @@ class SpaceManager:
         table = self.table
         group = bids[part]
         if dst.keyed:
-            slots: list[int] = [-1] * len(group)
+            slots: list[int] = [0] * len(group)  # a key-addressed copy: present, no slot
         else:
             slots = await self.reserve(dst, nbytes, len(group), priority, clean_only=clean_only)
             if len(slots) < len(group):
@@ -278,7 +278,7 @@ class SpaceManager:
         ok &= still & (table.state[group] == READY)
         slot_arr = np.asarray(slots, dtype=np.int64)
         good = group[ok]
-        table.slot[good, dst.col] = slot_arr[ok]
+        table.set_slots(good, dst.col, slot_arr[ok])
         if dst.checksummed and outcomes is not None and len(good):
             sums = np.fromiter((o.checksum for o in outcomes), dtype=np.uint64, count=n)
             table.set_checksums(good, dst.col, sums[ok])
@@ -329,7 +329,9 @@ class SpaceManager:
         table = self.table
         guard = level.guard
         alloc = None if level.keyed else level.slots.allocator
-        others = [lv.col for lv in self.stack if lv is not level]
+        # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
+        # does not make a local copy clean.
+        others = [lv.col for lv in self.stack if lv is not level and not lv.keyed]
 
         def mask(bids: np.ndarray) -> np.ndarray:
             ok = guard.evictable(
@@ -429,7 +431,9 @@ class SpaceManager:
         all have other copies)."""
         table = self.table
         victims = np.asarray(victims, dtype=np.int64)
-        others = [lv.col for lv in self.stack if lv is not level]
+        # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
+        # does not make a local copy clean.
+        others = [lv.col for lv in self.stack if lv is not level and not lv.keyed]
         only_here = (
             ~(table.slot[victims][:, others] >= 0).any(axis=1)
             if others
@@ -481,7 +485,7 @@ class SpaceManager:
             self.prefetches.evict(int(table.keys[bid, 0]), self._clock())
         level.policy.remove(bid)
         slot = int(table.slot[bid, level.col])
-        table.slot[bid, level.col] = -1
+        table.clear_slots(bid, level.col)
         if not (table.slot[bid] >= 0).any():
             self.misses.record([int(table.keys[bid, 0])], EVICTED)  # a delete discards it
             table.remove(bid)
@@ -508,7 +512,7 @@ class SpaceManager:
         """A tier dropped its copy of a block (a read failed verification): forget it."""
         if self.table.slot[bid, level.col] >= 0:
             level.policy.remove(bid)
-            self.table.slot[bid, level.col] = -1
+            self.table.clear_slots(bid, level.col)
             self.counters.inc("copies_lost", tier=level.label)
 
     def _release(self, bids: np.ndarray) -> None:

@@ -108,7 +108,9 @@ class BlockStore:
         self.started_at = clock()
         self.stack: TierStack = build_stack(config, tiers, clock=clock)
         self.table = BlockTable(
-            len(self.stack), checksummed=tuple(lv.checksummed for lv in self.stack)
+            len(self.stack),
+            checksummed=tuple(lv.checksummed for lv in self.stack),
+            accounted=tuple(not lv.keyed for lv in self.stack),
         )
         self.counters = Counters()
         # Latency histograms (transfers here; the RPC layer adds its own), for metrics.
@@ -265,7 +267,7 @@ class BlockStore:
                     ids[i] = bid
                 bid = int(ids[i])
                 if table.slot[bid, level.col] < 0:
-                    table.slot[bid, level.col] = 0
+                    table.set_slots(np.asarray([bid]), level.col, 0)
                     level.policy.insert(bid, now, -1)
 
     def usage(self) -> list[TierUsage]:
@@ -438,12 +440,16 @@ class BlockStore:
                 raise
             good = [o.ok for o in outcomes]
             ok = len(good) if all(good) else good.index(False)
-            for bid, o in zip(group[:ok].tolist(), outcomes[:ok], strict=True):
-                table.slot[bid, level.col] = o.slot
-                if level.checksummed:
-                    table.set_checksums(
-                        np.asarray([bid]), level.col, np.asarray([o.checksum], dtype=np.uint64)
-                    )
+            stored = group[:ok]
+            table.set_slots(
+                stored, level.col, np.fromiter((o.slot for o in outcomes[:ok]), np.int64, ok)
+            )
+            if level.checksummed:
+                table.set_checksums(
+                    stored,
+                    level.col,
+                    np.fromiter((o.checksum for o in outcomes[:ok]), np.uint64, ok),
+                )
             await self.space.release(level, [o.slot for o in outcomes[ok:]])
             if level is not self.top:
                 self.counters.inc("stored_below", ok, tier=level.label)
@@ -679,6 +685,83 @@ class BlockStore:
             raise AssertionError("pin count went below zero: a lease was released twice")
         self.space.forget_orphans(bids)
 
+    # ------------------------------------------------------------------ checks
+
+    def quiescent(self) -> bool:
+        """Nothing in flight: no transfer, background task or in-flight mark."""
+        live = self.table.state != 0
+        return (
+            not self.space.background
+            and self.transfers.running == 0
+            and not (live & (self.table.inflight > 0)).any()
+        )
+
+    def check(self, pins: dict[int, int] | None = None) -> list[str]:
+        """The store's invariants; a description of each one broken, or nothing. ``pins``:
+        block id -> how many live leases hold it (the sessions know), when known.
+
+        Always: every slot of a tier belongs to at most one live block and is allocated;
+        each tier's allocator is consistent; every block with a copy in a tier is known to
+        that tier's policy and the policy knows nothing else; every live block is found by
+        its key; the bytes each tenant holds per tier add up; pin counts match the leases.
+        When nothing is in flight also: a tier's allocated slots are exactly its blocks'
+        (plus, on a disk, its quarantined slots)."""
+        table = self.table
+        problems: list[str] = []
+        live = table.live_ids()
+        for ns in np.unique(table.ns[live]).tolist():
+            ids = live[table.ns[live] == ns]
+            found = table.find_any(int(ns), table.keys[ids])
+            if not np.array_equal(found, ids):
+                problems.append(
+                    f"{int(np.count_nonzero(found != ids))} blocks of namespace {ns} are not found by their keys"
+                )
+        quiet = self.quiescent()
+        for level in self.stack:
+            col, label = level.col, level.label
+            holders = table.holders(col)
+            if len(dead := holders[table.state[holders] == 0]):
+                problems.append(f"{label}: {len(dead)} freed rows still hold a copy")
+            policy = level.policy
+            strays = [b for b in holders.tolist() if b not in policy]
+            if strays:
+                problems.append(f"{label}: {len(strays)} blocks with a copy unknown to the policy")
+            if len(policy) != len(holders):
+                problems.append(
+                    f"{label}: the policy knows {len(policy)} blocks, {len(holders)} have a copy"
+                )
+            if level.keyed:
+                continue
+            alloc = level.slots.allocator
+            problems += [f"{label} allocator: {p}" for p in alloc.check()]
+            slots = table.slot[holders, col].astype(np.int64)
+            uniq, counts = np.unique(slots, return_counts=True)
+            if (counts > 1).any():
+                problems.append(
+                    f"{label}: slot {int(uniq[counts > 1][0])} belongs to {int(counts.max())} blocks"
+                )
+            if not (ok := alloc.allocated(slots)).all():
+                problems.append(
+                    f"{label}: {int(np.count_nonzero(~ok))} blocks hold slots that are not allocated"
+                )
+            quarantined = int(level.tier.stats().gauges.get("quarantined_slots", 0))
+            if quiet and alloc.used_slots != len(holders) + quarantined:
+                problems.append(
+                    f"{label}: {alloc.used_slots} slots allocated, {len(holders)} held by blocks"
+                    + (f" and {quarantined} quarantined" if quarantined else "")
+                )
+            want = np.zeros(table.usage.shape[1], dtype=np.int64)
+            np.add.at(want, table.owner[holders], table.nbytes[holders].astype(np.int64))
+            if not np.array_equal(want, table.usage[col]):
+                problems.append(f"{label}: per-tenant usage does not add up to its blocks")
+        if pins is not None:
+            want_pins = np.zeros(table.capacity, dtype=np.int64)
+            for bid, n in pins.items():
+                want_pins[bid] = n
+            if (bad := np.flatnonzero(want_pins != table.pins)).size:
+                problems.append(f"{len(bad)} blocks' pin counts differ from their live leases")
+        return problems
+
     # ------------------------------------------------------------- watermarks
 
     async def balance(self) -> None:
@@ -735,7 +818,7 @@ class BlockStore:
         bids[new] = table.add_many(chunk.ns[new], words[new], chunk.nbytes[new])
         table.state[bids[new]] = READY
         seen = now_mono - np.maximum(0.0, now_wall - chunk.written_at)
-        table.slot[bids, level.col] = chunk.slots
+        table.set_slots(bids, level.col, chunk.slots)
         table.set_checksums(bids, level.col, chunk.checksums)
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
         for bid, when in zip(bids.tolist(), seen.tolist(), strict=True):
@@ -753,7 +836,7 @@ class BlockStore:
             held = bids[table.slot[bids, level.col] >= 0]
             if len(held):
                 slots = table.slot[held, level.col].tolist()
-                table.slot[held, level.col] = -1
+                table.clear_slots(held, level.col)
                 if level.persistent:
                     self.space.spawn(self.space.release(level, slots))
                 else:
@@ -769,7 +852,7 @@ class BlockStore:
         table = self.table
         live = table.live_ids()
         live = live[table.state[live] == READY]
-        persistent = [lv.col for lv in self.stack if lv.persistent]
+        persistent = [lv.col for lv in self.stack if lv.persistent and not lv.keyed]
         if not persistent:
             return live
         return live[~(table.slot[live][:, persistent] >= 0).any(axis=1)]

@@ -84,12 +84,17 @@ class BlockTable:
         columns: int = 2,
         initial_capacity: int = 1024,
         checksummed: tuple[bool, ...] | None = None,
+        accounted: tuple[bool, ...] | None = None,
     ) -> None:
         self._salt = np.uint64(secrets.randbits(64))
         self.columns = columns
         flags = checksummed if checksummed is not None else (False,) + (True,) * (columns - 1)
         self._csum_col = np.cumsum(flags) - 1
         self._csum_col[~np.asarray(flags, dtype=bool)] = -1
+        # Bytes each owner (tenant) holds in each column whose tier has a capacity to share
+        # (``accounted``): kept by set_slots/clear_slots, checked by ``check``.
+        self._accounted = np.asarray(accounted if accounted is not None else (True,) * columns)
+        self.usage = np.zeros((columns, 16), dtype=np.int64)
         self.on_free: list[Callable[[int], None]] = []
         self._count = 0
         self._capacity = 0
@@ -97,7 +102,9 @@ class BlockTable:
         self._next_row = 0
         # Per-block fields.
         self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
-        self.ns = np.empty(0, dtype=np.uint32)
+        # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
+        # and across daemons sharing a remote tier.
+        self.ns = np.empty(0, dtype=np.uint64)
         self.state = np.empty(0, dtype=np.uint8)
         self.nbytes = np.empty(0, dtype=np.uint32)
         self.owner = np.empty(0, dtype=np.uint16)
@@ -211,6 +218,29 @@ class BlockTable:
             return -1
         return child
 
+    def set_slots(self, bids: np.ndarray, col: int, slots: np.ndarray | int) -> None:
+        """Record copies of ``bids`` (none there yet) in column ``col``."""
+        bids = np.asarray(bids, dtype=np.int64)
+        self.slot[bids, col] = slots
+        if self._accounted[col] and len(bids):
+            owners = self.owner[bids]
+            self._fit_owner(int(owners.max()))
+            np.add.at(self.usage[col], owners, self.nbytes[bids].astype(np.int64))
+
+    def clear_slots(self, bids: np.ndarray | int, col: int) -> None:
+        """Forget the copies of ``bids`` in column ``col`` (a no-op where there is none)."""
+        bids = np.atleast_1d(np.asarray(bids, dtype=np.int64))
+        held = bids[self.slot[bids, col] >= 0]
+        if self._accounted[col] and len(held):
+            np.subtract.at(self.usage[col], self.owner[held], self.nbytes[held].astype(np.int64))
+        self.slot[held, col] = -1
+
+    def _fit_owner(self, owner: int) -> None:
+        if owner >= self.usage.shape[1]:
+            grown = np.zeros((self.columns, _pow2_at_least(owner + 1)), dtype=np.int64)
+            grown[:, : self.usage.shape[1]] = self.usage
+            self.usage = grown
+
     def holders(self, col: int) -> np.ndarray:
         """Ids of the blocks with a copy in column ``col``."""
         return np.flatnonzero(self.slot[: self._next_row, col] >= 0)
@@ -314,8 +344,9 @@ class BlockTable:
         pos = self._table_position(int(self.ns[bid]), self.keys[bid], bid)
         self._table[pos] = TOMBSTONE
         self._tombstones += 1
+        for col in np.flatnonzero(self.slot[bid] >= 0).tolist():
+            self.clear_slots(bid, col)
         self.state[bid] = FREE
-        self.slot[bid] = -1
         self.gen[bid] += 1
         self._count -= 1
         self._free_rows.append(bid)

@@ -225,7 +225,7 @@ class RecoveredBlocks:
     """Blocks a persistent tier found at start, their slots already claimed, as arrays (a
     million of them cost no Python object each)."""
 
-    ns: np.ndarray  # uint32
+    ns: np.ndarray  # uint64
     keys: np.ndarray  # (n, 32) uint8
     slots: np.ndarray  # int64
     nbytes: np.ndarray  # int64
@@ -250,7 +250,7 @@ class RecoveredBlocks:
     def of(cls, blocks: Sequence[RecoveredBlock]) -> RecoveredBlocks:
         n = len(blocks)
         return cls(
-            np.fromiter((b.ns for b in blocks), np.uint32, n),
+            np.fromiter((b.ns for b in blocks), np.uint64, n),
             np.frombuffer(b"".join(b.key for b in blocks), np.uint8).reshape(n, 32).copy(),
             np.fromiter((b.slot for b in blocks), np.int64, n),
             np.fromiter((b.nbytes for b in blocks), np.int64, n),

@@ -76,6 +76,7 @@ class MemoryTier:
         self.fail_writes = False
         self.forced_health: TierHealth | None = None
         self.read_hook: object = None  # called with the batch before a read (tests block on it)
+        self.quarantined: set[int] = set()
         if _medium is not None:
             for blk in sorted(_medium.index.values(), key=lambda b: b.slot):
                 self.allocator.claim(blk.slot, blk.nbytes)
@@ -141,7 +142,9 @@ class MemoryTier:
             else:
                 self.counters["read_failures"] += 1
                 with self._lock:
+                    # Dropped and held out of service, as a disk quarantines a bad slot.
                     self._medium.index.pop(int(slot), None)
+                    self.quarantined.add(int(slot))
             ok.append(good)
         self.counters["blocks_read"] += sum(ok)
         return ok
@@ -151,6 +154,7 @@ class MemoryTier:
             for slot in slots:
                 self._medium.index.pop(int(slot), None)
                 self._sums.pop(int(slot), None)
+            slots = [int(s) for s in slots if int(s) not in self.quarantined]
         for slot in slots:
             self.allocator.free(int(slot))
         self.counters["removed_slots"] += len(slots)
@@ -174,6 +178,7 @@ class MemoryTier:
             self.allocator.capacity_bytes,
             self.allocator.used_bytes,
             dict(self.counters),
+            {"quarantined_slots": float(len(self.quarantined))},
         )
 
     def close(self) -> None:

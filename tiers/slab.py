@@ -269,6 +269,41 @@ class SlabAllocator:
                 ok[i] = False
         return ok
 
+    def check(self) -> list[str]:
+        """The allocator's own invariants (free + used = capacity, per segment and in all);
+        a description of each one broken, or nothing."""
+        problems = []
+        used_bytes = used_slots = 0
+        in_classes: set[int] = set()
+        for size, cls in self._classes.items():
+            for seg in cls.segments:
+                in_classes.add(seg)
+                if int(self._seg_slot_bytes[seg]) != size:
+                    problems.append(
+                        f"segment {seg} is in the {size}-byte class but serves {int(self._seg_slot_bytes[seg])}"
+                    )
+                free = cls.open_segments.get(seg, set())
+                fresh, used = int(self._seg_fresh[seg]), int(self._seg_used[seg])
+                if used != fresh - len(free) or any(i >= fresh for i in free):
+                    problems.append(
+                        f"segment {seg}: {used} used, {fresh} handed out, {len(free)} free"
+                    )
+                used_bytes += used * size
+                used_slots += used
+        free_segs = set(self._free_segments)
+        if len(free_segs) != len(self._free_segments):
+            problems.append("a free segment is listed twice")
+        if free_segs & in_classes or len(free_segs) + len(in_classes) != self.num_segments:
+            problems.append(
+                f"{len(free_segs)} free + {len(in_classes)} used segments != {self.num_segments}"
+            )
+        if (used_bytes, used_slots) != (self._used_bytes, self._used_slots):
+            problems.append(
+                f"counted {self._used_slots} slots / {self._used_bytes} bytes in use, "
+                f"segments hold {used_slots} / {used_bytes}"
+            )
+        return problems
+
     # ------------------------------------------------------------------ geometry
 
     def offset(self, slot: int) -> int:
@@ -348,6 +383,10 @@ class LockedSlab(SlabAllocator):
     def allocated(self, slots: np.ndarray) -> np.ndarray:
         with self._lock:
             return super().allocated(slots)
+
+    def check(self) -> list[str]:
+        with self._lock:
+            return super().check()
 
     def stats(self) -> SlabStats:
         with self._lock:

@@ -604,7 +604,9 @@ class DiskTier:
                         f"L2 slot {slot} has no durable write awaiting commit "
                         f"(key {bytes(key).hex()})"
                     )
-                rows.append((ns, bytes(key), slot, written[0], _to_i64(written[1]), now))
+                rows.append(
+                    (_to_i64(int(ns)), bytes(key), slot, written[0], _to_i64(written[1]), now)
+                )
         if self.faults.refuses_commits():
             self.faults.count(commits_refused_degraded=1)
             return False
@@ -889,13 +891,13 @@ class DiskTier:
         recreated or extended."""
         n = len(chunk)
         try:
-            ns = np.fromiter((r[0] for r in chunk), np.int64, n)
+            ns = np.fromiter((r[0] for r in chunk), np.int64, n).view(np.uint64)
             slots = np.fromiter((r[2] for r in chunk), np.int64, n)
             nbytes = np.fromiter((r[3] for r in chunk), np.int64, n)
             sums = np.fromiter((r[4] for r in chunk), np.int64, n).view(np.uint64)
             written = np.fromiter((r[5] for r in chunk), np.float64, n)
             keys = np.frombuffer(b"".join(bytes(r[1]) for r in chunk), np.uint8)
-            good = (ns >= 0) & (ns < 1 << 32) & (len(keys) == 32 * n)
+            good = np.full(n, len(keys) == 32 * n)
             keys = keys.reshape(n, 32) if len(keys) == 32 * n else np.zeros((n, 32), np.uint8)
         except (TypeError, ValueError, OverflowError):
             return self._recover_rows_one_by_one(
@@ -933,7 +935,7 @@ class DiskTier:
             lost[str(why)] += int(count)
         drop += slots[~claimed].tolist()
         return RecoveredBlocks(
-            ns[claimed].astype(np.uint32),
+            ns[claimed],
             keys[claimed],
             slots[claimed],
             nbytes[claimed],
@@ -961,7 +963,7 @@ class DiskTier:
             and len(r[1]) == 32
             and all(isinstance(x, int) for x in r[2:5])
             and isinstance(r[5], (int, float))
-            and 0 <= r[0] < 1 << 32
+            and -(1 << 63) <= r[0] < 1 << 63
         ]
         bad = [r[2] for r in chunk if r not in sound]
         lost["bad_row"] += len(bad)
