@@ -37,7 +37,7 @@ from kvtier.daemon.stack import Level, TierStack
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
-from kvtier.tiers.base import BlockRef, Priority
+from kvtier.tiers.base import BlockRef, Priority, TierKind
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ class SpaceManager:
         self.started_at = started_at
         self.batch_bytes = batch_bytes
         self.batch_blocks = batch_blocks
+        # (owner, tier kind) -> bytes the owner (a tenant) may hold in that tier.
+        self.quotas: dict[tuple[int, TierKind], int] = {}
         self._pending_touches: list[tuple[np.ndarray, float]] = []
         self.background: set[asyncio.Task[Any]] = set()
         # Why keys are missing, for the lookup miss counts (metrics).
@@ -203,14 +205,19 @@ class SpaceManager:
         table = self.table
         done = np.zeros(len(bids), dtype=bool)
         src_col = self._fastest_other(bids, dst)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for j, (col, size) in enumerate(
-            zip(src_col.tolist(), table.nbytes[bids].tolist(), strict=True)
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for j, (col, size, owner) in enumerate(
+            zip(
+                src_col.tolist(),
+                table.nbytes[bids].tolist(),
+                table.owner[bids].tolist(),
+                strict=True,
+            )
         ):
             if col >= 0:
-                groups.setdefault((col, size), []).append(j)
+                groups.setdefault((col, size, owner), []).append(j)
         jobs: list[Awaitable[None]] = []
-        for (col, size), idx in groups.items():
+        for (col, size, owner), idx in groups.items():
             src = self.stack.levels[col]
             # Groups sized by bytes: one fdatasync and one index commit per group on a disk.
             step = max(1, min(self.batch_blocks, self.batch_bytes // max(size, 1)))
@@ -218,7 +225,17 @@ class SpaceManager:
                 part = np.asarray(idx[start : start + step], dtype=np.int64)
                 jobs.append(
                     self._copy_group(
-                        bids, part, src, dst, size, priority, clean_only, deadline, prefetch, done
+                        bids,
+                        part,
+                        src,
+                        dst,
+                        size,
+                        priority,
+                        clean_only,
+                        deadline,
+                        prefetch,
+                        done,
+                        owner,
                     )
                 )
         results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -239,13 +256,16 @@ class SpaceManager:
         deadline: float | None,
         prefetch: bool,
         done: np.ndarray,
+        owner: int = 0,
     ) -> None:
         table = self.table
         group = bids[part]
         if dst.keyed:
             slots: list[int] = [0] * len(group)  # a key-addressed copy: present, no slot
         else:
-            slots = await self.reserve(dst, nbytes, len(group), priority, clean_only=clean_only)
+            slots = await self.reserve(
+                dst, nbytes, len(group), priority, clean_only=clean_only, owner=owner
+            )
             if len(slots) < len(group):
                 self.counters.inc("no_room", len(group) - len(slots), tier=dst.label)
             group, part = group[: len(slots)], part[: len(slots)]
@@ -354,13 +374,24 @@ class SpaceManager:
         priority: Priority,
         *,
         clean_only: bool = False,
+        owner: int = 0,
     ) -> list[int]:
-        """Up to ``count`` free slots of ``level`` for blocks of ``nbytes``: free ones first,
-        then by evicting (or demoting) the policy's coldest evictable blocks of that slot
-        size, then by reclaiming whole segments of other sizes."""
+        """Up to ``count`` free slots of ``level`` for blocks of ``nbytes`` that ``owner``
+        (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
+        coldest evictable blocks of that slot size, then by reclaiming whole segments of
+        other sizes. A tenant with a quota on the tier that it would pass makes room among
+        its own blocks only, and gets no more than fits its quota."""
         self.apply_touches()
         if level.recovering:
             return []
+        quota = self.quotas.get((owner, level.kind))
+        if quota is not None:
+            count = await self._within_quota(
+                level, owner, quota, nbytes, count, priority, clean_only
+            )
+            if count == 0:
+                self.counters.inc("quota_rejections", tier=level.label, tenant=owner)
+                return []
         alloc = level.slots.allocator
         slots = self._allocate(level, nbytes, count)
         if len(slots) == count:
@@ -380,6 +411,36 @@ class SpaceManager:
         if len(slots) < count:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
         return slots
+
+    async def _within_quota(
+        self,
+        level: Level,
+        owner: int,
+        quota: int,
+        nbytes: int,
+        count: int,
+        priority: Priority,
+        clean_only: bool,
+    ) -> int:
+        """How many of ``count`` blocks fit ``owner``'s quota on ``level`` after evicting
+        (or demoting) the owner's own coldest evictable blocks to make room."""
+        table = self.table
+        table._fit_owner(owner)
+        over = int(table.usage[level.col, owner]) + count * nbytes - quota
+        if over > 0:
+            now = self._clock()
+            base = self.evictable(level, now, clean_only=clean_only)
+
+            def mine(bids: np.ndarray) -> np.ndarray:
+                return base(bids) & (table.owner[bids] == owner)
+
+            n = min(-(-over // nbytes), len(level.policy))
+            victims = self._victims(level, n, now, mine)
+            if len(victims):
+                await self.evict(level, victims, priority, clean_only=clean_only)
+                self.counters.inc("quota_evictions", len(victims), tier=level.label, tenant=owner)
+        room = (quota - int(table.usage[level.col, owner])) // nbytes
+        return max(0, min(count, room))
 
     @staticmethod
     def _allocate(level: Level, nbytes: int, count: int) -> list[int]:

@@ -57,6 +57,9 @@ from kvtier.tiers.base import (
 
 log = logging.getLogger(__name__)
 
+# The owner of blocks whose namespace no tenant claimed (a daemon without tenants).
+DEFAULT_OWNER = "default"
+
 # Index rows a persistent tier hands over at a time during recovery: requests are served
 # between chunks.
 RECOVERY_ROWS = 32768
@@ -135,6 +138,9 @@ class BlockStore:
         )
         self._copy_threads = config.server.copy_threads
         self._keyed = [lv for lv in self.stack if lv.keyed]
+        # Owners (tenants) by label, and the owner of every namespace seen or recovered.
+        self.owners: dict[str, int] = {DEFAULT_OWNER: 0}
+        self.ns_owner: dict[int, int] = {}
         self._balancer: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
         self.recovered = asyncio.Event()
@@ -326,9 +332,11 @@ class BlockStore:
         parent_words: np.ndarray | None,
         *,
         durable: bool = False,
+        owner: int = 0,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Store pool pages under keys; returns a PutResult per key, and with ``durable``
-        whether each key's block is on a persistent tier.
+        """Store pool pages under keys for ``owner`` (a tenant: whose quota they count
+        against); returns a PutResult per key, and with ``durable`` whether each key's block
+        is on a persistent tier.
 
         Keys form one chain (``words[i]`` follows ``words[i-1]``); when room runs out the
         leading new blocks are stored and the rest rejected, since a child is useless without
@@ -359,10 +367,10 @@ class BlockStore:
 
         # Claim the new keys before awaiting anything (see the module invariants).
         new_idx = np.flatnonzero(is_new)
-        bids = table.add_many(ns, words[new_idx], block_bytes)
+        bids = table.add_many(ns, words[new_idx], block_bytes, owner=owner)
         table.inflight[bids] = 1
         try:
-            placed = await self._store_new(pool, bids, pages[new_idx], now)
+            placed = await self._store_new(pool, bids, pages[new_idx], now, owner)
         except BaseException:
             self._abandon(bids)
             raise
@@ -395,7 +403,9 @@ class BlockStore:
             persisted[live] = table.slot[chain[live], durable_level.col] >= 0
         return results, persisted
 
-    async def _store_new(self, pool: Pool, bids: np.ndarray, pages: np.ndarray, now: float) -> int:
+    async def _store_new(
+        self, pool: Pool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
+    ) -> int:
         """Copy new blocks from the pool into the top tier; when it has no room for all of
         them (everything evictable taken, the rest pinned or protected), the rest go straight
         to the next slot tier below that takes writes and admits them. Blocks are placed in
@@ -414,7 +424,7 @@ class BlockStore:
                 todo = todo[: len(admitted) if admitted.all() else int(np.argmin(admitted))]
                 if len(todo) == 0:
                     break
-            slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND)
+            slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND, owner=owner)
             if not slots:
                 continue
             group = todo[: len(slots)]
@@ -779,6 +789,24 @@ class BlockStore:
 
     # ----------------------------------------------------------------- recovery
 
+    def owner_of(self, label: str) -> int:
+        """The owner index of a tenant label (stable for this process)."""
+        if label not in self.owners:
+            self.owners[label] = len(self.owners)
+        return self.owners[label]
+
+    async def namespace(self, ns: int, label: str) -> int:
+        """Bind namespace ``ns`` to the tenant ``label`` (recorded durably by persistent tiers
+        the first time, so recovered blocks keep their owner); returns the owner index."""
+        owner = self.owner_of(label)
+        if self.ns_owner.get(ns) != owner:
+            self.ns_owner[ns] = owner
+            for level in self.stack:
+                remember = getattr(level.tier, "remember_namespace", None)
+                if remember is not None:
+                    await self.transfers.run(Priority.DEMAND, remember, ns, label)
+        return owner
+
     async def recover(self) -> None:
         """Index every block the persistent tiers hold from before this start, so a restart
         serves it. Chunks are read on a worker thread and indexed between requests: lookups
@@ -790,6 +818,10 @@ class BlockStore:
             for level in reversed(self.stack.levels):
                 if level.keyed or not level.persistent:
                     continue
+                names = getattr(level.tier, "namespaces", None)
+                if names is not None:
+                    for ns, label in (await self.transfers.run(Priority.BACKGROUND, names)).items():
+                        self.ns_owner.setdefault(ns, self.owner_of(label))
                 chunks = level.slots.recover_chunks(RECOVERY_ROWS)
                 while True:
                     chunk = await self.transfers.run(Priority.BACKGROUND, next, chunks, None)
@@ -815,7 +847,12 @@ class BlockStore:
             known[sel] = table.find_any(int(space_ns), words[sel])
         new = np.flatnonzero(known < 0)
         bids = known.copy()
-        bids[new] = table.add_many(chunk.ns[new], words[new], chunk.nbytes[new])
+        owners = np.fromiter(
+            (self.ns_owner.get(int(ns), 0) for ns in chunk.ns[new].tolist()), np.uint16, len(new)
+        )
+        for owner in np.unique(owners).tolist():
+            sel = new[owners == owner]
+            bids[sel] = table.add_many(chunk.ns[sel], words[sel], chunk.nbytes[sel], owner=owner)
         table.state[bids[new]] = READY
         seen = now_mono - np.maximum(0.0, now_wall - chunk.written_at)
         table.set_slots(bids, level.col, chunk.slots)

@@ -47,6 +47,7 @@ class _Medium:
 
     arena: np.ndarray
     index: dict[int, RecoveredBlock] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)
 
 
 class MemoryTier:
@@ -164,6 +165,12 @@ class MemoryTier:
         out, self._recovered = self._recovered, []
         for start in range(0, len(out), rows):
             yield RecoveredBlocks.of(out[start : start + rows])
+
+    def namespaces(self) -> dict[int, str]:
+        return dict(self._medium.names) if self.persistent else {}
+
+    def remember_namespace(self, ns: int, label: str) -> None:
+        self._medium.names[ns] = label
 
     def recover(self) -> RecoveredBlocks:
         return RecoveredBlocks.concat(list(self.recover_chunks()))

@@ -634,3 +634,45 @@ async def test_regression_a_put_failing_in_a_lower_tier_left_top_tier_slots_take
     await store.space.drain()  # L2 gives its slots back in the background
     assert l2.allocator.used_slots == 0
     assert len(store.table) == 12
+
+
+async def test_a_tenant_at_its_quota_evicts_its_own_blocks_never_another_s(make_store):
+    clock = Clock()
+    store, pool = make_store(clock, segments=2), make_pool()  # 32 slots of 4 KiB
+    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096
+    theirs = keys(12)
+    await store.put(pool, 0, theirs, np.arange(12), None, owner=2)
+    mine = keys(8)
+    await store.put(pool, 0, mine, np.arange(8), None, owner=1)
+    assert store.table.usage[0, 1] == 8 * 4096
+    clock.now += 1
+    more = keys(4)
+    res, _ = await store.put(pool, 0, more, np.arange(4), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert all(present(store, theirs))  # the other tenant lost nothing (there was room)
+    assert sum(present(store, mine)) == 4  # four of its own made room
+    assert store.table.usage[0, 1] == 8 * 4096
+    assert store.counters.get("quota_evictions") == 4
+    # With its own blocks pinned, the tenant cannot pass its quota: refused, not evicting others.
+    store.pin(store.table.lookup(0, np.concatenate([mine, more]))[
+        store.table.lookup(0, np.concatenate([mine, more])) >= 0
+    ])
+    res, _ = await store.put(pool, 0, keys(2), np.arange(2), None, owner=1)
+    assert res.tolist() == [PutResult.REJECTED_FULL] * 2
+    assert all(present(store, theirs))
+
+
+async def test_recovered_blocks_keep_their_tenant(make_store):
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    alice = await store.namespace(77, "alice")
+    a = keys(4)
+    res, persisted = await store.put(pool, 77, a, np.arange(4), None, durable=True, owner=alice)
+    assert persisted.all()
+    again = make_store(clock, l2=l2.reopen())
+    again.owner_of("bob")  # owner indices are per process: alice gets another one here
+    await again.recover()
+    ids = again.table.lookup(77, a)
+    assert (again.table.owner[ids] == again.owners["alice"]).all()
+    assert again.table.usage[1, again.owners["alice"]] == 4 * 4096

@@ -48,6 +48,10 @@ CREATE TABLE IF NOT EXISTS blocks (
     written_at REAL NOT NULL,
     PRIMARY KEY (ns, key)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS namespaces (
+    ns INTEGER PRIMARY KEY,
+    label TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS quarantine (
     slot INTEGER PRIMARY KEY,
     nbytes INTEGER NOT NULL,
@@ -90,6 +94,17 @@ class DiskIndex:
                 else []
             )
         return quarantine, rows
+
+    def namespaces(self) -> dict[int, str]:
+        """The labels the tier's owner recorded for namespace ids (``remember``)."""
+        with self._lock:
+            rows = self._conn().execute("SELECT ns, label FROM namespaces").fetchall()
+        return {int(ns) & ((1 << 64) - 1): str(label) for ns, label in rows}
+
+    def remember(self, ns: int, label: str) -> None:
+        signed = ns - (1 << 64) if ns >= 1 << 63 else ns
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO namespaces VALUES (?, ?)", (signed, label))
 
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
         """Which of ``slots`` have a block row."""

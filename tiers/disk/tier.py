@@ -666,6 +666,18 @@ class DiskTier:
         blocks.sort(key=lambda b: b.pos)
         return self._read_blocks(blocks, priority)
 
+    def namespaces(self) -> dict[int, str]:
+        """What ``remember_namespace`` recorded (survives restarts with the blocks)."""
+        return self._idx().namespaces()
+
+    def remember_namespace(self, ns: int, label: str) -> None:
+        """Record who namespace ``ns`` belongs to, durably, beside its blocks' rows (a
+        tenant's name: recovered blocks keep their owner)."""
+        try:
+            self._idx().remember(ns, label)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index namespace update")
+
     def release_quarantined(self) -> int:
         """Return every quarantined slot to service (an operator's decision, e.g. after the
         disk was checked). Returns how many were released."""
