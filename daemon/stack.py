@@ -16,6 +16,7 @@ Thread-safety: immutable after construction, except the policies (event loop onl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -91,7 +92,7 @@ class Level:
     def admits_all(self) -> bool:
         return isinstance(self.admission, AlwaysAdmit)
 
-    @property
+    @functools.cached_property
     def host_memory(self) -> bool:
         """Whether the tier's slots are host memory (it exposes them as buffers)."""
         return not self.keyed and self.buffers([], 4096) is not None

@@ -355,10 +355,7 @@ class BlockStore:
         existing = table.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
         is_new = existing < 0
-        _, first = np.unique(words, axis=0, return_index=True)
-        dup = np.ones(n, dtype=bool)
-        dup[first] = False
-        is_new &= ~dup  # a key repeated within the batch is stored once
+        is_new &= ~_repeats(words)  # a key repeated within the batch is stored once
         results[~is_new] = PutResult.EXISTS
         ready = existing[existing >= 0]
         ready = ready[table.state[ready] == READY]
@@ -521,7 +518,7 @@ class BlockStore:
             # The pinning Lookup counted this access; only the protection clock restarts.
             table.last_access[bids] = now
         loaded = np.zeros(len(ids), dtype=bool)
-        np.add.at(table.inflight, bids, 1)
+        _mark(table.inflight, bids, 1)
         try:
             lower = bids[table.slot[bids, self.top.col] < 0]
             if len(lower):
@@ -536,15 +533,19 @@ class BlockStore:
                     if len(mine):
                         jobs.append(self._load(level, bids[mine], found[mine], pool, mem, pages))
                 # Every copy finishes before the pool may be unmapped, even when one fails.
-                results = await asyncio.gather(*jobs, return_exceptions=True)
+                if len(jobs) == 1:
+                    results: list[Any] = [await jobs[0]]
+                else:
+                    results = await asyncio.gather(*jobs, return_exceptions=True)
                 for result in results:
                     if isinstance(result, BaseException):
                         raise result
                 for idx, ok in results:  # type: ignore[misc]
                     loaded[idx] = ok
         finally:
-            np.subtract.at(table.inflight, bids, 1)
-            self.space.forget_orphans(bids)
+            _mark(table.inflight, bids, -1)
+            if not loaded.all():
+                self.space.forget_orphans(bids)
         loaded_ids = ids[loaded]
         self._account_reads(loaded_ids)
         self.counters.inc("get_blocks", int(loaded.sum()), result="loaded")
@@ -907,6 +908,10 @@ class BlockStore:
         return out
 
     def _check_sizes(self, ids: np.ndarray, block_bytes: int) -> None:
+        if len(ids) == 1:
+            size = int(self.table.nbytes[ids[0]]) if ids[0] >= 0 else block_bytes
+            if size in (block_bytes, 0):
+                return
         live = ids[ids >= 0]
         sizes = self.table.nbytes[live]
         wrong = live[(sizes != block_bytes) & (sizes != 0)]
@@ -918,9 +923,34 @@ class BlockStore:
             )
 
     def _count_put(self, results: np.ndarray) -> None:
-        for status, label in (
-            (PutResult.STORED, "stored"),
-            (PutResult.EXISTS, "existing"),
-            (PutResult.REJECTED_FULL, "rejected"),
-        ):
-            self.counters.inc("put_blocks", int(np.count_nonzero(results == status)), result=label)
+        counts = np.bincount(results, minlength=3)
+        self.counters.inc("put_blocks", int(counts[PutResult.STORED]), result="stored")
+        self.counters.inc("put_blocks", int(counts[PutResult.EXISTS]), result="existing")
+        self.counters.inc("put_blocks", int(counts[PutResult.REJECTED_FULL]), result="rejected")
+
+
+def _repeats(words: np.ndarray) -> np.ndarray:
+    """Which keys repeat an earlier key of the same batch."""
+    n = len(words)
+    dup = np.zeros(n, dtype=bool)
+    if n <= 64:
+        raw = words.tobytes()
+        seen: set[bytes] = set()
+        for i in range(n):
+            key = raw[32 * i : 32 * i + 32]
+            if key in seen:
+                dup[i] = True
+            seen.add(key)
+        return dup
+    _, first = np.unique(words, axis=0, return_index=True)
+    dup[:] = True
+    dup[first] = False
+    return dup
+
+
+def _mark(counts: np.ndarray, bids: np.ndarray, delta: int) -> None:
+    """Add ``delta`` to ``counts`` once per occurrence of each id (ids may repeat)."""
+    if len(bids) == 1:
+        counts[int(bids[0])] += delta
+    elif len(bids) > 1:
+        np.add.at(counts, bids, delta)

@@ -92,7 +92,7 @@ class PoolLayout:
     block_tokens: int
     dtype: str
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         return sum(layer.kv_count * layer.chunk_bytes for layer in self.layers)
 
