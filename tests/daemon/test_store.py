@@ -670,7 +670,7 @@ async def test_recovered_blocks_keep_their_tenant(make_store):
     store, pool = make_store(clock, l2=l2), make_pool()
     alice = await store.namespace(77, "alice")
     a = keys(4)
-    res, persisted = await store.put(pool, 77, a, np.arange(4), None, durable=True, owner=alice)
+    _, persisted = await store.put(pool, 77, a, np.arange(4), None, durable=True, owner=alice)
     assert persisted.all()
     again = make_store(clock, l2=l2.reopen())
     again.owner_of("bob")  # owner indices are per process: alice gets another one here
