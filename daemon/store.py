@@ -164,6 +164,10 @@ class BlockStore:
         requests are served) and the watermark balancer. Needs the running event loop."""
         self._recovery = asyncio.create_task(self.recover(), name="recovery")
         self._balancer = asyncio.create_task(self._balance_forever(), name="balancer")
+        for level in self.stack:
+            start_prefault = getattr(level.tier, "start_prefault", None)
+            if start_prefault is not None:
+                start_prefault()
 
     async def stop(self, *, flush: bool) -> None:
         """Stop background work; with ``flush``, first write every block held only in
