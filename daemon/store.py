@@ -383,12 +383,22 @@ class BlockStore:
     # ------------------------------------------------------------------- reads
 
     async def get(
-        self, pool: Pool, ns: int, words: np.ndarray, pages: np.ndarray, *, touch: bool
+        self,
+        pool: Pool,
+        ns: int,
+        words: np.ndarray,
+        pages: np.ndarray,
+        *,
+        touch: bool,
+        layers: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Copy stored blocks into pool pages; returns whether each key was loaded.
 
-        Blocks only on L2 are promoted to L1 first (a read the request waits on).
+        Blocks only on L2 are promoted to L1 first (a read the request waits on). With
+        ``layers``, only the chunks of layers ``[begin, end)`` are copied (checked by the
+        service); a block counts as loaded once, by the Get that copies its layer 0.
         """
+        table = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = self.index.lookup(ns, words)
         self._check_sizes(ids, pool.block_bytes)
         found = ids >= 0
@@ -410,7 +420,7 @@ class BlockStore:
                 with pool.use() as mem:
                     await self._run(
                         blocks_to_pool,
-                        pool.layout.chunk_table,
+                        table,
                         self.host.array,
                         offsets,
                         mem,
@@ -420,9 +430,10 @@ class BlockStore:
         finally:
             self._release(bids)
         self._account_reads(loaded_ids)
-        self.counters["get_blocks_loaded"] += len(loaded_ids)
-        self.counters["get_blocks_missing"] += len(ids) - len(loaded_ids)
-        self.counters["bytes_get"] += len(loaded_ids) * pool.block_bytes
+        if layers is None or layers[0] == 0:
+            self.counters["get_blocks_loaded"] += len(loaded_ids)
+            self.counters["get_blocks_missing"] += len(ids) - len(loaded_ids)
+        self.counters["bytes_get"] += len(loaded_ids) * table.nbytes
         if len(loaded_ids) and self.disk is not None:
             self._read_ahead(int(loaded_ids[-1]))
         return in_l1
