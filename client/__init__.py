@@ -15,6 +15,15 @@ from kvtier.client.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from kvtier.client.jobs import (
+    AsyncTransferJob,
+    JobKind,
+    JobState,
+    JobStatus,
+    LoadSegment,
+    SaveSegment,
+    TransferJob,
+)
 from kvtier.client.keys import Namespace, block_key, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
@@ -34,6 +43,7 @@ from kvtier.kernels.layout import LayerLayout, PoolLayout
 __all__ = [
     "AsyncClient",
     "AsyncRegisteredPool",
+    "AsyncTransferJob",
     "Client",
     "DeadlineExceededError",
     "DeleteResult",
@@ -41,8 +51,12 @@ __all__ = [
     "GetResult",
     "InternalError",
     "InvalidArgumentError",
+    "JobKind",
+    "JobState",
+    "JobStatus",
     "KvtierError",
     "LayerLayout",
+    "LoadSegment",
     "LookupResult",
     "Namespace",
     "NotFoundError",
@@ -53,10 +67,12 @@ __all__ = [
     "PutStatus",
     "RegisteredPool",
     "ResourceExhaustedError",
+    "SaveSegment",
     "SharedMemoryPool",
     "Stats",
     "Tier",
     "TierStats",
+    "TransferJob",
     "UnavailableError",
     "block_key",
     "block_keys",

@@ -16,8 +16,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.client import types as t
-from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
+from kvtier.client.jobs import (
+    AsyncTransferJob,
+    JobStatus,
+    JobTable,
+    LoadSegment,
+    SaveSegment,
+    TransferPlan,
+)
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import _SESSION_METHODS, CHANNEL_OPTIONS
@@ -49,6 +62,7 @@ class AsyncClient:
         self._session_call: Any = None
         self._session_task: asyncio.Task[None] | None = None
         self._pools: dict[int, PoolBinding] = {}
+        self._jobs = JobTable()
 
     # --------------------------------------------------------------- lifecycle
 
@@ -81,7 +95,13 @@ class AsyncClient:
     async def _open_session(self) -> None:
         call = self._stub.OpenSession(pb.OpenSessionRequest(client_name=self.client_name))
         try:
-            first = await call.read()
+            # The first event must come within the client's timeout (see the sync client).
+            first = await asyncio.wait_for(call.read(), self.timeout_s)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise DeadlineExceededError(
+                f"the daemon did not open a session within {self.timeout_s}s"
+            ) from None
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         if first is grpc.aio.EOF:
@@ -133,9 +153,22 @@ class AsyncClient:
             return int(done.value)
 
     async def _register(self, binding: PoolBinding) -> None:
-        resp = await self._invoke("RegisterPool", binding.register_request())
+        request = binding.register_request()
+        resp = await self._invoke("RegisterPool", request)
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+        binding.session_id = request.session_id
         self._pools[resp.pool_id] = binding
+
+    @property
+    def stub(self) -> pb_grpc.KVTierStub:
+        """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
+        return self._stub
+
+    async def pool_id_of(self, binding: PoolBinding) -> int:
+        """See ``Client.pool_id_of``."""
+        if not binding.pool_id or binding.session_id != await self.session():
+            await self._register(binding)
+        return binding.pool_id
 
     # ----------------------------------------------------------------- pools
 
@@ -252,6 +285,71 @@ class AsyncClient:
         return await self._drive(
             load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
         )
+
+    # ------------------------------------------------------- transfer jobs
+
+    async def submit_load(
+        self,
+        pool: AsyncRegisteredPool,
+        segments: Sequence[LoadSegment],
+        *,
+        layer_groups: int | Sequence[tuple[int, int]] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncTransferJob:
+        """See ``Client.submit_load``."""
+        plan = TransferPlan.for_load(
+            segments, len(pool.layout.layers), self.max_batch_blocks, layer_groups
+        )
+        return await self._start_job(pool, plan, timeout_s)
+
+    async def submit_save(
+        self,
+        pool: AsyncRegisteredPool,
+        segments: Sequence[SaveSegment],
+        *,
+        durable: bool = False,
+        timeout_s: float | None = None,
+    ) -> AsyncTransferJob:
+        """See ``Client.submit_save``."""
+        plan = TransferPlan.for_save(segments, self.max_batch_blocks, durable)
+        return await self._start_job(pool, plan, timeout_s)
+
+    async def _start_job(
+        self, pool: AsyncRegisteredPool, plan: TransferPlan, timeout_s: float | None
+    ) -> AsyncTransferJob:
+        await self.session()
+        await self.pool_id_of(pool.binding)
+        job = AsyncTransferJob(
+            self,
+            pool.binding,
+            plan,
+            timeout_s or self.timeout_s,
+            on_finish=lambda j: self._jobs.finished(j.job_id),
+        )
+        self._jobs.add(job)
+        return await job.start()
+
+    def job(self, job_id: int) -> AsyncTransferJob:
+        """See ``Client.job``."""
+        return self._jobs.get(job_id)  # type: ignore[no-any-return]
+
+    def poll(self, job_id: int) -> JobStatus:
+        """See ``Client.poll``."""
+        return self.job(job_id).poll()
+
+    async def wait(self, job_id: int, timeout_s: float | None = None) -> JobStatus:
+        """See ``Client.wait``."""
+        status = await self.job(job_id).wait(timeout_s)
+        if status.finished:
+            self._jobs.forget(job_id)
+        return status
+
+    async def cancel(self, job_id: int) -> JobStatus:
+        """See ``Client.cancel``."""
+        job = self.job(job_id)
+        await job.cancel()
+        self._jobs.forget(job_id)
+        return job.poll()
 
 
 class AsyncRegisteredPool(PoolView):

@@ -34,6 +34,7 @@ class PoolBinding:
     namespace: Namespace | None
     pool_id: int = 0
     block_bytes: int = 0
+    session_id: str = ""  # the session the pool was registered in
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.namespace is None:
