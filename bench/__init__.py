@@ -10,6 +10,7 @@ BENCHMARKS = {
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
     "ttft": "kvtier.bench.ttft",
+    "vllm": "kvtier.bench.vllm",
 }
 
 

@@ -29,9 +29,13 @@ class BenchDaemon:
 
 
 @contextlib.contextmanager
-def bench_daemon(*overrides: str, start_timeout_s: float = 120.0) -> Iterator[BenchDaemon]:
+def bench_daemon(
+    *overrides: str, start_timeout_s: float = 120.0, socket_path: str | None = None
+) -> Iterator[BenchDaemon]:
+    """A private daemon; ``socket_path`` fixes its socket (so that a restarted daemon keeps
+    its clients' address), otherwise it gets a fresh one."""
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-", dir="/tmp")
-    sock = os.path.join(workdir, "d.sock")
+    sock = socket_path or os.path.join(workdir, "d.sock")
     log_path = os.path.join(workdir, "kvtierd.log")
     args = [
         sys.executable,

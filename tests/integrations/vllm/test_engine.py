@@ -3,7 +3,13 @@
 Four engine processes run one after the other against one kvtierd, each a fresh vLLM
 (``engine_run.py``):
 
-1. ``reference``: model A, no connector: the outputs every other run must reproduce.
+1. ``reference``: model A, no connector: the outputs every other run must reproduce. Each
+   group of prompts runs twice: ``cold`` computes everything, ``warm`` finds the shared
+   prefix in vLLM's own prefix cache. Both are vLLM's own answers, and they may differ in a
+   near-tie (a whole-prompt prefill and a suffix-only prefill round differently in bf16), so
+   a run is compared with the reference that took the same path: an engine that computed a
+   prefix with ``cold``, one that loaded it from kvtier with ``warm`` (a loaded prefix must
+   act exactly like vLLM's own cached one).
 2. ``other``: model B (model A's config with another ``rope_theta``) with the connector: it
    stores the same token prefixes under model B's namespace.
 3. ``first``: model A with the connector, on that daemon: it must load nothing (d), produce
@@ -58,7 +64,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 "connector": None,
                 "phases": [
                     _phase("first", GROUP_FIRST, 16),
+                    _phase("first_warm", GROUP_FIRST, 16),
                     _phase("kill", GROUP_KILL, 48),
+                    _phase("kill_warm", GROUP_KILL, 48),
                     _phase("after", GROUP_AFTER, 16),
                 ],
             },
@@ -112,9 +120,11 @@ def _delta(run: dict[str, Any], phase: str, before: str | None, key: str) -> flo
 
 def test_a_outputs_with_the_connector_equal_outputs_without_it(runs):
     ref = runs["reference"]
-    for name in ("first", "second"):
-        for phase in ("first", "kill"):
-            assert _outputs(runs[name], phase) == _outputs(ref, phase), (name, phase)
+    # An engine with the connector that loaded nothing computes what plain vLLM computes.
+    for phase in ("first", "kill"):
+        assert _outputs(runs["first"], phase) == _outputs(ref, phase), phase
+    # Prefixes loaded from kvtier act exactly like vLLM's own cached prefixes.
+    assert _outputs(runs["second"], "first") == _outputs(ref, "first_warm")
     assert _outputs(runs["second"], "after") == _outputs(ref, "after")
     # The reference is not degenerate: outputs differ between prompts.
     assert len({tuple(o) for o in _outputs(ref, "first")}) == FIRST
@@ -155,6 +165,10 @@ def test_c_a_daemon_killed_mid_run_costs_no_request(runs):
     assert kill["killed_at_s"] is not None and kill["killed_at_s"] < kill["elapsed_s"]
     assert not runs["daemon"].running()
     assert kill["kvtier"] is None and second["phases"]["after"]["kvtier"] is None
-    assert _outputs(second, "kill") == _outputs(runs["reference"], "kill")
-    assert _outputs(second, "after") == _outputs(runs["reference"], "after")
+    # Whether a request's prefix was loaded before the kill or recomputed after it, its
+    # output is vLLM's own for that path.
+    ref = runs["reference"]
+    for i, got in enumerate(_outputs(second, "kill")):
+        assert got in (_outputs(ref, "kill")[i], _outputs(ref, "kill_warm")[i]), i
+    assert _outputs(second, "after") == _outputs(ref, "after")
     assert "kvtier" in second["log"] and "failed" in second["log"]
