@@ -275,3 +275,35 @@ def test_blocks_not_saved_in_time_are_saved_when_the_request_finishes(model_dir,
         assert reader.blocks_hold_their_prefix("r", len(PROMPT))
     finally:
         reader.close()
+
+
+def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):
+    """Two requests outgrow a small KV cache: vLLM preempts one, frees its blocks, and later
+    resumes it; whatever it then finds (its own freed blocks, its saved blocks in kvtier, or
+    nothing) must be its own KV."""
+    engine = MiniEngine(model_dir, _options(daemon), num_blocks=8)
+    # Both fit when admitted (5 of 7 usable blocks); growing to 6 + 4 blocks they do not.
+    a, b = prompts(11, 3 * BLOCK, [10])[0], prompts(12, BLOCK, [2])[0]
+    try:
+        engine.add("a", a, max_tokens=300)
+        engine.add("b", b, max_tokens=300)
+        preempted = resumed = False
+        for _ in range(1000):
+            if not engine.scheduler.has_requests():
+                break
+            out = engine.step()
+            preempted |= bool(out.preempted_req_ids)
+            back = "b" in out.scheduled_cached_reqs.resumed_req_ids or any(
+                n.req_id == "b" for n in out.scheduled_new_reqs
+            )
+            if preempted and back and not resumed:
+                resumed = True
+                request = engine.request("b")
+                assert engine.blocks_hold_their_prefix("b", request.num_computed_tokens)
+        assert preempted and resumed
+        # On resuming, part of its prefix came from kvtier (vLLM had reused the rest).
+        assert engine.connector.scheduler_side.stats["hit_blocks"] >= 1
+        assert len(engine.outputs["a"]) == 300 and len(engine.outputs["b"]) == 300
+        assert engine.invalid_reported == set()
+    finally:
+        engine.close()
