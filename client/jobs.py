@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from kvtier.client.errors import KvtierError, NotFoundError, from_rpc_error
+from kvtier.client.errors import KvtierError, NotFoundError, UnavailableError, from_rpc_error
 from kvtier.client.types import PutStatus, pages_list
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -462,13 +462,20 @@ class TransferJob:
 
     # ----------------------------------------------------------------- sending
 
-    def _send(self, parts: list[Part]) -> None:
+    def _send(self, parts: list[Part], *, may_block: bool = True) -> None:
         if not parts:
             return
         try:
-            # Opens the session and registers the pool on first use (blocking, once).
-            session_id = self._client.session_id
-            pool_id = self._client.pool_id_of(self._binding)
+            if may_block:
+                # Opens the session and registers the pool on first use (blocking, once).
+                session_id = self._client.session_id
+                pool_id = self._client.pool_id_of(self._binding)
+            else:
+                # On a gRPC callback thread: never block on an RPC here.
+                ids = self._client.live_ids(self._binding)
+                if ids is None:
+                    raise UnavailableError("the session with the daemon ended during the job")
+                session_id, pool_id = ids
         except KvtierError as e:
             for part in parts:
                 self._ended(part, None, e)
@@ -504,7 +511,7 @@ class TransferJob:
             self._futures.pop(part.index, None)
             ready = self._plan.take_ready()
             self._cond.notify_all()
-        self._send(ready)
+        self._send(ready, may_block=False)
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:

@@ -188,6 +188,16 @@ class Client:
         """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
         return self._stub
 
+    def live_ids(self, binding: PoolBinding) -> tuple[str, int] | None:
+        """(session id, pool id) when the session is open and the pool registered in it;
+        never calls the daemon."""
+        with self._lock:
+            call = self._session_call
+            session_id = self._session_id if call is not None and call.is_active() else ""
+        if not session_id or not binding.pool_id or binding.session_id != session_id:
+            return None
+        return session_id, binding.pool_id
+
     def pool_id_of(self, binding: PoolBinding) -> int:
         """The pool's id in the current session, registering it again if the daemon lost it."""
         if not binding.pool_id or binding.session_id != self.session_id:

@@ -216,6 +216,22 @@ def test_save_then_layerwise_load_job_round_trip(daemon):
         assert client.poll(load.job_id).finished  # still known: nobody asked by id yet
 
 
+def test_chains_longer_than_a_batch_go_batch_after_batch(daemon):
+    with daemon.client(max_batch_blocks=2) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = fill(shm, 5)
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(5, "batches")
+        expect = [page_bytes(data, p) for p in range(5)]
+        status = client.submit_save(pool, [SaveSegment(keys, range(5))]).wait(10)
+        assert status.state is JobState.DONE and status.done.all()
+        assert client.lookup(keys).prefix_len == 5
+        data[:] = 0
+        load = client.submit_load(pool, [LoadSegment(keys, range(10, 15))], layer_groups=2)
+        status = load.wait(10)
+        assert status.state is JobState.DONE and status.done.all()
+        assert [page_bytes(data, p) for p in range(10, 15)] == expect
+
+
 def test_bad_requests_fail_the_job_with_typed_errors(daemon):
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
