@@ -25,9 +25,10 @@ from typing import Any
 def main() -> int:
     spec = json.loads(sys.argv[1])
     out = os.fdopen(int(sys.argv[2]), "w", buffering=1)
-    from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.entrypoints.llm import LLM
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import SamplingParams
 
     kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:

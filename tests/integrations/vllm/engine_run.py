@@ -52,9 +52,10 @@ def _kill(pid: int, killed_at: list[float], t0: float) -> None:
 def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.entrypoints.llm import LLM
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import SamplingParams
 
     kwargs: dict[str, Any] = {}
     connector = spec.get("connector")
