@@ -15,7 +15,10 @@ three cases (so that a burst of load elsewhere on the machine slows all of them)
 ``vllm_cached`` is the ceiling: the plain engine again, with the prefix still in its own
 prefix cache (no transfer at all).
 
-Every kvtier run's outputs must be token-for-token those of the plain engine with the prefix
+After each restart, one untimed request on an unrelated prompt lets the engine reconnect (a
+new session and a new staging pool: a cost paid once per daemon restart, not per request);
+the timed L2 run must then have promoted the whole prefix from disk. Every kvtier run's
+outputs must be token-for-token those of the plain engine with the prefix
 in its own prefix cache (the bench fails otherwise): a loaded prefix must act exactly like
 vLLM's own cached one. (Outputs of a full recompute may differ in near-ties: a whole-prompt
 prefill and a suffix-only prefill round differently in bf16; ``recompute_matches_cached``
@@ -144,6 +147,11 @@ def _daemon(socket_path: str, l2_dir: str, l1_bytes: int) -> Iterator[Any]:
         yield daemon
 
 
+def _counter(address: str, name: str) -> int:
+    with Client(address) as client:
+        return client.stats().counters.get(name, 0)
+
+
 def _l1_blocks(address: str) -> int:
     with Client(address) as client:
         return sum(t.blocks for t in client.stats().tiers if t.tier.name == "L1_HOST")
@@ -254,8 +262,14 @@ def main(argv: list[str], *, as_json: bool) -> int:
                 daemon = stack.enter_context(_daemon(socket_path, l2_dir, l1_bytes))
                 if _l1_blocks(daemon.address):
                     raise RuntimeError("a restarted daemon holds blocks in L1")
+                # Untimed: the engine reconnects (a new session and a new staging pool, once
+                # per daemon restart) on a prompt that shares nothing with the prefix.
+                kv.run([[rng.randrange(3, MODEL["vocab_size"]) for _ in range(200)]], 1)
+                promoted = _counter(daemon.address, "promoted_blocks")
                 got = kv.run(prompts, n)
                 check("kvtier_l2", ref, got)
+                if _counter(daemon.address, "promoted_blocks") - promoted < prefix_blocks:
+                    raise RuntimeError("kvtier_l2: the prefix did not come from L2")
                 if what == "ttft":
                     ttft["kvtier_l2"].append(got["elapsed_s"])
                 else:

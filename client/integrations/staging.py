@@ -10,6 +10,9 @@ One page holds one whole block (every layer), so a block of layer ``l`` is the c
 
 Invariants:
 - A page belongs to at most one transfer at a time (``alloc``/``free``).
+- The region's name exists only until the daemon has mapped it, so it cannot outlive the
+  engine; a daemon that lost the pool (restart) cannot map it again, and the pool is
+  replaced (``registered``).
 - A pool whose transfer ended uncleanly (the daemon may still be copying: see
   ``kvtier.client.jobs``) is *retired*: it takes no new transfer, and it is unregistered and
   unmapped once its last transfer has ended on the client's side. Its memory is never reused
@@ -88,6 +91,10 @@ class StagingPool:
         except BaseException:
             self.shm.close()
             raise
+        # The daemon has mapped it: drop the name now, so that an engine killed before it
+        # can clean up (vLLM kills workers that outlive its shutdown grace period) leaves
+        # no region behind in /dev/shm. A daemon that loses the pool (restart) gets a new one.
+        self.shm.unlink()
         # [layers, pages, *block_shape] over the shared memory.
         self.tensor = self.shm.tensor(dtype, (num_layers, num_pages, *block_shape))
         self._lock = threading.Lock()
@@ -95,6 +102,10 @@ class StagingPool:
         self._users = 0  # transfers holding pages
         self.retired = False
         self.closed = False
+
+    def registered(self) -> bool:
+        """Whether the daemon still holds this pool in the client's live session (no RPC)."""
+        return self._client.live_ids(self.pool.binding) is not None
 
     @property
     def free_pages(self) -> int:

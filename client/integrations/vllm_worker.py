@@ -234,7 +234,9 @@ class WorkerSide:
         """The current staging pool, created on first use or after one was retired."""
         arena = self._arena
         if arena is not None and not arena.retired:
-            return arena
+            if arena.registered():
+                return arena
+            arena.retire("the daemon no longer holds it (its session ended)")
         if not self.kv or not self.breaker.ok():
             return None
         assert self.dtype is not None
