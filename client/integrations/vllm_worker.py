@@ -230,6 +230,15 @@ class WorkerSide:
                     f"not the {expected!r} one its namespace was derived for"
                 )
 
+    @property
+    def staging_generation(self) -> int:
+        """How many staging pools this worker has made (one more after each retirement)."""
+        return self._generation
+
+    def staging_registered(self) -> bool:
+        """Whether the current staging pool is registered in a live session (no RPC)."""
+        return self._arena is not None and not self._arena.retired and self._arena.registered()
+
     def _staging(self) -> StagingPool | None:
         """The current staging pool, created on first use or after one was retired."""
         arena = self._arena

@@ -307,3 +307,25 @@ def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):
         assert engine.invalid_reported == set()
     finally:
         engine.close()
+
+
+def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_factory, tmp_path):
+    """The daemon restarts under a running engine: its session, its pools and L1 are gone,
+    the blocks survive on L2. The next request reconnects, stages through a fresh pool (the
+    old one's name was dropped once mapped, so it cannot be registered again), and loads."""
+    daemon = daemon_factory("tiers.l2.enabled=true", f"tiers.l2.path={tmp_path / 'l2'}")
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon))
+    try:
+        engine.add("warm", prompts(8, BLOCK, [5])[0], max_tokens=1)
+        engine.run()
+        daemon.restart()
+        assert wait_until(lambda: not engine.worker.staging_registered())
+        engine.add("r", PROMPT, max_tokens=2)
+        out = engine.step()
+        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        assert engine.invalid_reported == set() and engine.worker.staging_generation == 2
+        engine.run()
+    finally:
+        engine.close()
