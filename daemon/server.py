@@ -268,7 +268,13 @@ class KVTierServicer:
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         loaded = await self.service.get(
-            request.session_id, request.pool_id, request.keys, request.pages, request.lease_id
+            request.session_id,
+            request.pool_id,
+            request.keys,
+            request.pages,
+            request.lease_id,
+            request.layer_begin,
+            request.layer_end,
         )
         prefix = int(loaded.argmin()) if not loaded.all() else len(loaded)
         return pb.GetResponse(loaded=loaded.tolist(), prefix_len=prefix)

@@ -222,16 +222,22 @@ class KVService:
         keys: Sequence[bytes],
         pages: Sequence[int],
         lease_id: int,
+        layer_begin: int = 0,
+        layer_end: int = 0,
     ) -> np.ndarray:
         pool = self._pool(session_id, pool_id)
         words = self._words(keys)
         page_arr = self._pages(pool, pages, len(keys), unique=True)
+        layers = self._layers(pool, layer_begin, layer_end)
         # A Get under a live lease is the same access as its pinning Lookup: counted once.
-        owner = self.sessions.lease_owner(lease_id) if lease_id else None
-        if owner is not None and owner != session_id:
-            raise PermissionDenied(f"lease {lease_id} belongs to another session")
-        leased = owner is not None
-        return await self.store.get(pool, DEFAULT_NAMESPACE, words, page_arr, touch=not leased)
+        # Any session may name a lease: every session is the default tenant for now, and an
+        # engine pins in its scheduler process and loads in its worker processes.
+        leased = bool(lease_id) and self.sessions.lease_owner(lease_id) is not None
+        # Gets of one block's other layer ranges are the same access as the one of layer 0.
+        touch = not leased and (layers is None or layers[0] == 0)
+        return await self.store.get(
+            pool, DEFAULT_NAMESPACE, words, page_arr, touch=touch, layers=layers
+        )
 
     def release(self, session_id: str, lease_id: int) -> None:
         self.sessions.get(session_id)
@@ -307,6 +313,20 @@ class KVService:
         if unique and len(np.unique(arr)) != len(arr):
             raise InvalidArgument("a page appears twice; each loaded block needs its own page")
         return arr
+
+    @staticmethod
+    def _layers(pool: Pool, begin: int, end: int) -> tuple[int, int] | None:
+        """The layer range of a Get, or None for whole blocks."""
+        nlayers = len(pool.layout.layers)
+        if end == 0:
+            if begin:
+                raise InvalidArgument("layer_begin needs a layer_end (0 means every layer)")
+            return None
+        if not begin < end <= nlayers:
+            raise InvalidArgument(
+                f"layer range [{begin}, {end}) is empty or beyond the pool's {nlayers} layers"
+            )
+        return None if (begin, end) == (0, nlayers) else (begin, end)
 
     def _lease_s(self, lease_ms: int) -> float:
         if lease_ms == 0:

@@ -46,6 +46,7 @@ from kvtier.daemon.stack import Level, TierStack, build_stack
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import TransferEngine
+from kvtier.kernels.layout import ChunkTable
 from kvtier.tiers.base import (
     BlockRef,
     PoolPages,
@@ -306,6 +307,9 @@ class BlockStore:
             "transfers_queued": self.transfers.queued,
             "transfers_running": self.transfers.running,
             "background_tasks": len(self.space.background),
+            # 1 while the persistent tiers' blocks from before this start are still being
+            # indexed (the daemon serves meanwhile; lookups find what is indexed so far).
+            "recovering": 0 if self.recovered.is_set() else 1,
         }
 
     def all_counters(self) -> dict[str, int]:
@@ -501,13 +505,23 @@ class BlockStore:
     # -------------------------------------------------------------------- reads
 
     async def get(
-        self, pool: Pool, ns: int, words: np.ndarray, pages: np.ndarray, *, touch: bool
+        self,
+        pool: Pool,
+        ns: int,
+        words: np.ndarray,
+        pages: np.ndarray,
+        *,
+        touch: bool,
+        layers: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Copy stored blocks into pool pages; returns whether each key was loaded.
 
-        Every block some tier holds is loaded (see the module invariants).
+        Every block some tier holds is loaded (see the module invariants). With ``layers``,
+        only the chunks of layers ``[begin, end)`` are copied (checked by the service); a
+        block counts as loaded once, by the Get that copies its layer 0.
         """
         table = self.table
+        chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = table.lookup(ns, words)
         self._check_sizes(ids, pool.block_bytes)
         found = np.flatnonzero(ids >= 0)
@@ -535,7 +549,9 @@ class BlockStore:
                 for level in self.stack:
                     mine = np.flatnonzero(source == level.col)
                     if len(mine):
-                        jobs.append(self._load(level, bids[mine], found[mine], pool, mem, pages))
+                        jobs.append(
+                            self._load(level, bids[mine], found[mine], pool, chunks, mem, pages)
+                        )
                 # Every copy finishes before the pool may be unmapped, even when one fails.
                 if len(jobs) == 1:
                     results: list[Any] = [await jobs[0]]
@@ -552,9 +568,10 @@ class BlockStore:
                 self.space.forget_orphans(bids)
         loaded_ids = ids[loaded]
         self._account_reads(loaded_ids)
-        self.counters.inc("get_blocks", int(loaded.sum()), result="loaded")
-        self.counters.inc("get_blocks", len(ids) - int(loaded.sum()), result="missing")
-        self.counters.inc("bytes_get", int(loaded.sum()) * pool.block_bytes)
+        if layers is None or layers[0] == 0:
+            self.counters.inc("get_blocks", int(loaded.sum()), result="loaded")
+            self.counters.inc("get_blocks", len(ids) - int(loaded.sum()), result="missing")
+        self.counters.inc("bytes_get", int(loaded.sum()) * chunks.nbytes)
         if len(loaded_ids):
             self._read_ahead(int(loaded_ids[-1]))
         return loaded
@@ -565,10 +582,12 @@ class BlockStore:
         bids: np.ndarray,
         idx: np.ndarray,
         pool: Pool,
+        chunks: ChunkTable,
         mem: np.ndarray,
         pages: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Read blocks ``level`` holds into their pages; a failed read drops that copy."""
+        """Read blocks ``level`` holds into their pages (the chunks ``chunks`` names); a
+        failed read drops that copy."""
         table = self.table
         ok = await self.transfers.to_pool(
             level,
@@ -576,7 +595,7 @@ class BlockStore:
             self._refs(bids),
             pool.block_bytes,
             table.checksums(bids, level.col).tolist(),
-            PoolPages(pool.layout.chunk_table, mem, pages[idx], self._copy_threads),
+            PoolPages(chunks, mem, pages[idx], self._copy_threads),
         )
         good = np.asarray(ok, dtype=bool)
         for b in bids[~good].tolist():

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/proto/kvtier.proto\x12\tkvtier.v1\"D\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x19\n\x11\x63redential_ticket\x18\x02 \x01(\x0c\"K\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fping_interval_s\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"l\n\x0bLayerLayout\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x10\n\x08kv_count\x18\x02 \x01(\r\x12\x11\n\tkv_stride\x18\x03 \x01(\x04\x12\x13\n\x0bpage_stride\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\"~\n\nPoolLayout\x12&\n\x06layers\x18\x01 \x03(\x0b\x32\x16.kvtier.v1.LayerLayout\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.kvtier.v1.DType\"-\n\tShmRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\".\n\x08\x46\x64Region\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"\x83\x01\n\rCudaIpcRegion\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12)\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x18.kvtier.v1.CudaIpcBuffer\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\x0c\"^\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x61lloc_offset\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bpool_offset\x18\x04 \x01(\x04\"\xd0\x01\n\x13RegisterPoolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x03shm\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.ShmRegionH\x00\x12,\n\x08\x63uda_ipc\x18\x03 \x01(\x0b\x32\x18.kvtier.v1.CudaIpcRegionH\x00\x12!\n\x02\x66\x64\x18\x05 \x01(\x0b\x32\x13.kvtier.v1.FdRegionH\x00\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.kvtier.v1.PoolLayoutB\x08\n\x06region\"L\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\"<\n\x15UnregisterPoolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\x04\"\x18\n\x16UnregisterPoolResponse\"P\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"V\n\x0eLookupResponse\x12\x12\n\nprefix_len\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"s\n\nPutRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x12\n\nparent_key\x18\x05 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x06 \x01(\x08\"W\n\x0bPutResponse\x12%\n\x07results\x18\x01 \x03(\x0e\x32\x14.kvtier.v1.PutResult\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x11\n\tpersisted\x18\x03 \x03(\x08\"`\n\nGetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\x04\"1\n\x0bGetResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\x08\x12\x12\n\nprefix_len\x18\x02 \x01(\r\"6\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"Z\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x03 \x01(\r\x12\x10\n\x08priority\x18\x04 \x01(\x05\"H\n\x10PrefetchResponse\x12\x10\n\x08resident\x18\x01 \x01(\r\x12\x11\n\tscheduled\x18\x02 \x01(\r\x12\x0f\n\x07missing\x18\x03 \x01(\r\"1\n\rDeleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"@\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\x12\x0c\n\x04\x62usy\x18\x03 \x01(\r\"\"\n\x0cStatsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"u\n\tTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\r\n\x05state\x18\x05 \x01(\t\"\xa7\x02\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12\x38\n\x08\x63ounters\x18\x02 \x03(\x0b\x32&.kvtier.v1.StatsResponse.CountersEntry\x12\x34\n\x06gauges\x18\x03 \x03(\x0b\x32$.kvtier.v1.StatsResponse.GaugesEntry\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x0f\n\x07version\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bGaugesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*`\n\x04Tier\x12\x0f\n\x0bTIER_ABSENT\x10\x00\x12\x0f\n\x0bTIER_L0_GPU\x10\x01\x12\x10\n\x0cTIER_L1_HOST\x10\x02\x12\x10\n\x0cTIER_L2_DISK\x10\x03\x12\x12\n\x0eTIER_L3_REMOTE\x10\x04*\xa7\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44TYPE_FLOAT8_E4M3\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_INT8\x10\x07*B\n\tPutResult\x12\x0e\n\nPUT_STORED\x10\x00\x12\x0e\n\nPUT_EXISTS\x10\x01\x12\x15\n\x11PUT_REJECTED_FULL\x10\x02\x32\xa6\x05\n\x06KVTier\x12G\n\x0bOpenSession\x12\x1d.kvtier.v1.OpenSessionRequest\x1a\x17.kvtier.v1.SessionEvent0\x01\x12O\n\x0cRegisterPool\x12\x1e.kvtier.v1.RegisterPoolRequest\x1a\x1f.kvtier.v1.RegisterPoolResponse\x12U\n\x0eUnregisterPool\x12 .kvtier.v1.UnregisterPoolRequest\x1a!.kvtier.v1.UnregisterPoolResponse\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12\x34\n\x03Put\x12\x15.kvtier.v1.PutRequest\x1a\x16.kvtier.v1.PutResponse\x12\x34\n\x03Get\x12\x15.kvtier.v1.GetRequest\x1a\x16.kvtier.v1.GetResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponse\x12\x43\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x1b.kvtier.v1.PrefetchResponse\x12=\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x19.kvtier.v1.DeleteResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvtier/proto/kvtier.proto\x12\tkvtier.v1\"D\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x19\n\x11\x63redential_ticket\x18\x02 \x01(\x0c\"K\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fping_interval_s\x18\x02 \x01(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"l\n\x0bLayerLayout\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x10\n\x08kv_count\x18\x02 \x01(\r\x12\x11\n\tkv_stride\x18\x03 \x01(\x04\x12\x13\n\x0bpage_stride\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\"~\n\nPoolLayout\x12&\n\x06layers\x18\x01 \x03(\x0b\x32\x16.kvtier.v1.LayerLayout\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.kvtier.v1.DType\"-\n\tShmRegion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\".\n\x08\x46\x64Region\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"\x83\x01\n\rCudaIpcRegion\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12)\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x18.kvtier.v1.CudaIpcBuffer\x12\x13\n\x0b\x64\x65vice_uuid\x18\x05 \x01(\x0c\"^\n\rCudaIpcBuffer\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x14\n\x0c\x61lloc_offset\x18\x02 \x01(\x04\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bpool_offset\x18\x04 \x01(\x04\"\xd0\x01\n\x13RegisterPoolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12#\n\x03shm\x18\x02 \x01(\x0b\x32\x14.kvtier.v1.ShmRegionH\x00\x12,\n\x08\x63uda_ipc\x18\x03 \x01(\x0b\x32\x18.kvtier.v1.CudaIpcRegionH\x00\x12!\n\x02\x66\x64\x18\x05 \x01(\x0b\x32\x13.kvtier.v1.FdRegionH\x00\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.kvtier.v1.PoolLayoutB\x08\n\x06region\"L\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sealed\x18\x03 \x01(\x08\"<\n\x15UnregisterPoolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\x04\"\x18\n\x16UnregisterPoolResponse\"P\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x0b\n\x03pin\x18\x03 \x01(\x08\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\"V\n\x0eLookupResponse\x12\x12\n\nprefix_len\x18\x01 \x01(\r\x12\x1e\n\x05tiers\x18\x02 \x03(\x0e\x32\x0f.kvtier.v1.Tier\x12\x10\n\x08lease_id\x18\x03 \x01(\x04\"s\n\nPutRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x12\n\nparent_key\x18\x05 \x01(\x0c\x12\x0f\n\x07\x64urable\x18\x06 \x01(\x08\"W\n\x0bPutResponse\x12%\n\x07results\x18\x01 \x03(\x0e\x32\x14.kvtier.v1.PutResult\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x11\n\tpersisted\x18\x03 \x03(\x08\"\x88\x01\n\nGetRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x10\n\x08lease_id\x18\x05 \x01(\x04\x12\x13\n\x0blayer_begin\x18\x06 \x01(\r\x12\x11\n\tlayer_end\x18\x07 \x01(\r\"1\n\x0bGetResponse\x12\x0e\n\x06loaded\x18\x01 \x03(\x08\x12\x12\n\nprefix_len\x18\x02 \x01(\r\"6\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x04\"\x11\n\x0fReleaseResponse\"Z\n\x0fPrefetchRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x03 \x01(\r\x12\x10\n\x08priority\x18\x04 \x01(\x05\"H\n\x10PrefetchResponse\x12\x10\n\x08resident\x18\x01 \x01(\r\x12\x11\n\tscheduled\x18\x02 \x01(\r\x12\x0f\n\x07missing\x18\x03 \x01(\r\"1\n\rDeleteRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"@\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\x12\x0c\n\x04\x62usy\x18\x03 \x01(\r\"\"\n\x0cStatsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"u\n\tTierStats\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvtier.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\r\n\x05state\x18\x05 \x01(\t\"\xa7\x02\n\rStatsResponse\x12#\n\x05tiers\x18\x01 \x03(\x0b\x32\x14.kvtier.v1.TierStats\x12\x38\n\x08\x63ounters\x18\x02 \x03(\x0b\x32&.kvtier.v1.StatsResponse.CountersEntry\x12\x34\n\x06gauges\x18\x03 \x03(\x0b\x32$.kvtier.v1.StatsResponse.GaugesEntry\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x0f\n\x07version\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bGaugesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*`\n\x04Tier\x12\x0f\n\x0bTIER_ABSENT\x10\x00\x12\x0f\n\x0bTIER_L0_GPU\x10\x01\x12\x10\n\x0cTIER_L1_HOST\x10\x02\x12\x10\n\x0cTIER_L2_DISK\x10\x03\x12\x12\n\x0eTIER_L3_REMOTE\x10\x04*\xa7\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03\x12\x15\n\x11\x44TYPE_FLOAT8_E4M3\x10\x04\x12\x15\n\x11\x44TYPE_FLOAT8_E5M2\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_INT8\x10\x07*B\n\tPutResult\x12\x0e\n\nPUT_STORED\x10\x00\x12\x0e\n\nPUT_EXISTS\x10\x01\x12\x15\n\x11PUT_REJECTED_FULL\x10\x02\x32\xa6\x05\n\x06KVTier\x12G\n\x0bOpenSession\x12\x1d.kvtier.v1.OpenSessionRequest\x1a\x17.kvtier.v1.SessionEvent0\x01\x12O\n\x0cRegisterPool\x12\x1e.kvtier.v1.RegisterPoolRequest\x1a\x1f.kvtier.v1.RegisterPoolResponse\x12U\n\x0eUnregisterPool\x12 .kvtier.v1.UnregisterPoolRequest\x1a!.kvtier.v1.UnregisterPoolResponse\x12=\n\x06Lookup\x12\x18.kvtier.v1.LookupRequest\x1a\x19.kvtier.v1.LookupResponse\x12\x34\n\x03Put\x12\x15.kvtier.v1.PutRequest\x1a\x16.kvtier.v1.PutResponse\x12\x34\n\x03Get\x12\x15.kvtier.v1.GetRequest\x1a\x16.kvtier.v1.GetResponse\x12@\n\x07Release\x12\x19.kvtier.v1.ReleaseRequest\x1a\x1a.kvtier.v1.ReleaseResponse\x12\x43\n\x08Prefetch\x12\x1a.kvtier.v1.PrefetchRequest\x1a\x1b.kvtier.v1.PrefetchResponse\x12=\n\x06\x44\x65lete\x12\x18.kvtier.v1.DeleteRequest\x1a\x19.kvtier.v1.DeleteResponse\x12:\n\x05Stats\x12\x17.kvtier.v1.StatsRequest\x1a\x18.kvtier.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -25,12 +25,12 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_STATSRESPONSE_GAUGESENTRY']._options = None
   _globals['_STATSRESPONSE_GAUGESENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2463
-  _globals['_TIER']._serialized_end=2559
-  _globals['_DTYPE']._serialized_start=2562
-  _globals['_DTYPE']._serialized_end=2729
-  _globals['_PUTRESULT']._serialized_start=2731
-  _globals['_PUTRESULT']._serialized_end=2797
+  _globals['_TIER']._serialized_start=2504
+  _globals['_TIER']._serialized_end=2600
+  _globals['_DTYPE']._serialized_start=2603
+  _globals['_DTYPE']._serialized_end=2770
+  _globals['_PUTRESULT']._serialized_start=2772
+  _globals['_PUTRESULT']._serialized_end=2838
   _globals['_OPENSESSIONREQUEST']._serialized_start=40
   _globals['_OPENSESSIONREQUEST']._serialized_end=108
   _globals['_SESSIONEVENT']._serialized_start=110
@@ -63,32 +63,32 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_PUTREQUEST']._serialized_end=1412
   _globals['_PUTRESPONSE']._serialized_start=1414
   _globals['_PUTRESPONSE']._serialized_end=1501
-  _globals['_GETREQUEST']._serialized_start=1503
-  _globals['_GETREQUEST']._serialized_end=1599
-  _globals['_GETRESPONSE']._serialized_start=1601
-  _globals['_GETRESPONSE']._serialized_end=1650
-  _globals['_RELEASEREQUEST']._serialized_start=1652
-  _globals['_RELEASEREQUEST']._serialized_end=1706
-  _globals['_RELEASERESPONSE']._serialized_start=1708
-  _globals['_RELEASERESPONSE']._serialized_end=1725
-  _globals['_PREFETCHREQUEST']._serialized_start=1727
-  _globals['_PREFETCHREQUEST']._serialized_end=1817
-  _globals['_PREFETCHRESPONSE']._serialized_start=1819
-  _globals['_PREFETCHRESPONSE']._serialized_end=1891
-  _globals['_DELETEREQUEST']._serialized_start=1893
-  _globals['_DELETEREQUEST']._serialized_end=1942
-  _globals['_DELETERESPONSE']._serialized_start=1944
-  _globals['_DELETERESPONSE']._serialized_end=2008
-  _globals['_STATSREQUEST']._serialized_start=2010
-  _globals['_STATSREQUEST']._serialized_end=2044
-  _globals['_TIERSTATS']._serialized_start=2046
-  _globals['_TIERSTATS']._serialized_end=2163
-  _globals['_STATSRESPONSE']._serialized_start=2166
-  _globals['_STATSRESPONSE']._serialized_end=2461
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2367
-  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2414
-  _globals['_STATSRESPONSE_GAUGESENTRY']._serialized_start=2416
-  _globals['_STATSRESPONSE_GAUGESENTRY']._serialized_end=2461
-  _globals['_KVTIER']._serialized_start=2800
-  _globals['_KVTIER']._serialized_end=3478
+  _globals['_GETREQUEST']._serialized_start=1504
+  _globals['_GETREQUEST']._serialized_end=1640
+  _globals['_GETRESPONSE']._serialized_start=1642
+  _globals['_GETRESPONSE']._serialized_end=1691
+  _globals['_RELEASEREQUEST']._serialized_start=1693
+  _globals['_RELEASEREQUEST']._serialized_end=1747
+  _globals['_RELEASERESPONSE']._serialized_start=1749
+  _globals['_RELEASERESPONSE']._serialized_end=1766
+  _globals['_PREFETCHREQUEST']._serialized_start=1768
+  _globals['_PREFETCHREQUEST']._serialized_end=1858
+  _globals['_PREFETCHRESPONSE']._serialized_start=1860
+  _globals['_PREFETCHRESPONSE']._serialized_end=1932
+  _globals['_DELETEREQUEST']._serialized_start=1934
+  _globals['_DELETEREQUEST']._serialized_end=1983
+  _globals['_DELETERESPONSE']._serialized_start=1985
+  _globals['_DELETERESPONSE']._serialized_end=2049
+  _globals['_STATSREQUEST']._serialized_start=2051
+  _globals['_STATSREQUEST']._serialized_end=2085
+  _globals['_TIERSTATS']._serialized_start=2087
+  _globals['_TIERSTATS']._serialized_end=2204
+  _globals['_STATSRESPONSE']._serialized_start=2207
+  _globals['_STATSRESPONSE']._serialized_end=2502
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_start=2408
+  _globals['_STATSRESPONSE_COUNTERSENTRY']._serialized_end=2455
+  _globals['_STATSRESPONSE_GAUGESENTRY']._serialized_start=2457
+  _globals['_STATSRESPONSE_GAUGESENTRY']._serialized_end=2502
+  _globals['_KVTIER']._serialized_start=2841
+  _globals['_KVTIER']._serialized_end=3519
 # @@protoc_insertion_point(module_scope)
