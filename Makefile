@@ -48,7 +48,7 @@ test: system-deps
 # outside `make test`'s budget; .ci/run runs it too.
 test-l3-cluster: system-deps
 	@$(BOOTSTRAP) --profile dev
-	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
 
 $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
