@@ -26,17 +26,20 @@ import numpy as np
 from kvtier import __version__
 from kvtier.daemon.config import Config
 from kvtier.daemon.credentials import TicketBook, TicketKind
+from kvtier.daemon.cuda_pools import CudaPool
 from kvtier.daemon.errors import (
+    FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
 )
-from kvtier.daemon.pools import Pool, PoolRegistry
+from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
 from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
 from kvtier.daemon.store import BlockStore, DeleteResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +164,24 @@ class KVService:
         if layout.layers and layout.block_bytes > max_block:
             raise InvalidArgument(
                 f"blocks of this layout have {layout.block_bytes} bytes, more than the "
-                f"{max_block} a tier slot holds (raise tiers.l1.segment_bytes)"
+                f"{max_block} a tier slot holds (raise {self.store.max_block_key()})"
             )
         return session.peer
 
-    def register_cuda_ipc_pool(self, session_id: str) -> Pool:
-        self.sessions.get(session_id)
-        return self.pools.register_cuda_ipc(session_id)
+    def register_cuda_ipc_pool(
+        self, session_id: str, region: pb.CudaIpcRegion, layout: PoolLayout
+    ) -> CudaPool:
+        """GPU memory over CUDA IPC: the rules of every pool (credentials, pools per
+        session, block size against every tier's slots, L0's included), then the GPU tier
+        must run: only it reaches GPU memory."""
+        session = self.sessions.get(session_id)
+        self._check_may_register(session, layout)
+        if self.store.stack.device is None:
+            raise FailedPrecondition(
+                "CUDA IPC pools need the GPU tier (L0), which this daemon does not run: set "
+                "tiers.l0.enabled=true on a host with CUDA"
+            )
+        return self.pools.register_cuda_ipc(session_id, region, layout)
 
     def unregister_pool(self, session_id: str, pool_id: int) -> None:
         self.sessions.get(session_id)
@@ -298,14 +312,14 @@ class KVService:
         except ValueError as e:
             raise InvalidArgument(f"{what}: {e}") from None
 
-    def _pool(self, session_id: str, pool_id: int) -> Pool:
+    def _pool(self, session_id: str, pool_id: int) -> EnginePool:
         self.sessions.get(session_id)
         pool = self.pools.get(session_id, pool_id)
         pool.check_usable()
         return pool
 
     @staticmethod
-    def _pages(pool: Pool, pages: Sequence[int], nkeys: int, *, unique: bool) -> np.ndarray:
+    def _pages(pool: EnginePool, pages: Sequence[int], nkeys: int, *, unique: bool) -> np.ndarray:
         if len(pages) != nkeys:
             raise InvalidArgument(f"{len(pages)} pages for {nkeys} keys; give one page per key")
         arr = np.asarray(pages, dtype=np.int64)
@@ -315,7 +329,7 @@ class KVService:
         return arr
 
     @staticmethod
-    def _layers(pool: Pool, begin: int, end: int) -> tuple[int, int] | None:
+    def _layers(pool: EnginePool, begin: int, end: int) -> tuple[int, int] | None:
         """The layer range of a Get, or None for whole blocks."""
         nlayers = len(pool.layout.layers)
         if end == 0:

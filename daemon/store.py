@@ -18,6 +18,9 @@ Invariants:
   waiting (free, or held by blocks with other copies); otherwise it is read from the lower tier
   straight into the client's pages. Protection delays eviction; it never makes a miss.
 - A failed read (checksum, I/O) is a miss and drops that tier's copy.
+- A pool names its own batch buffer (``pool.batch``): pages of shared memory or of GPU memory
+  (a CUDA IPC pool). The store never branches on which; the transfer engine routes each by
+  what the tiers can do (only the GPU tier reaches GPU memory; the others go through it).
 
 Thread-safety: not thread-safe by design (see above); call from the event loop only.
 """
@@ -40,16 +43,14 @@ from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED
 from kvtier.daemon.policy.prefetch import PrefetchLedger
-from kvtier.daemon.pools import Pool
+from kvtier.daemon.pools import EnginePool
 from kvtier.daemon.space import SpaceManager
 from kvtier.daemon.stack import Level, TierStack, build_stack
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import TransferEngine
-from kvtier.kernels.layout import ChunkTable
 from kvtier.tiers.base import (
     BlockRef,
-    PoolPages,
     Priority,
     RecoveredBlocks,
     TierHealth,
@@ -125,6 +126,7 @@ class BlockStore:
             background_workers=config.mover.workers,
             clock=clock,
             latency=self.latency,
+            device=self.stack.device,
         )
         self.space = SpaceManager(
             self.table,
@@ -215,6 +217,14 @@ class BlockStore:
     def max_block_bytes(self) -> int:
         return min(lv.slots.allocator.segment_bytes for lv in self.stack if not lv.keyed)
 
+    def max_block_key(self) -> str:
+        """The config key that sets ``max_block_bytes`` (the smallest slot tier's segment)."""
+        level = min(
+            (lv for lv in self.stack if not lv.keyed),
+            key=lambda lv: lv.slots.allocator.segment_bytes,
+        )
+        return f"tiers.{level.label.lower()}.segment_bytes"
+
     async def lookup(
         self, ns: int, words: np.ndarray, *, touch: bool = True
     ) -> tuple[int, np.ndarray, np.ndarray]:
@@ -299,9 +309,10 @@ class BlockStore:
         return out
 
     def gauges(self) -> dict[str, float]:
-        """Point-in-time values: what is pinned, in flight or queued for the transfers."""
+        """Point-in-time values: what is pinned, in flight or queued for the transfers, and
+        each tier's own gauges (``l0_l2_gds``...), prefixed as its counters are."""
         live = self.table.state != 0
-        return {
+        out: dict[str, float] = {
             "blocks_pinned": int(np.count_nonzero(live & (self.table.pins > 0))),
             "blocks_in_flight": int(np.count_nonzero(live & (self.table.inflight > 0))),
             "transfers_queued": self.transfers.queued,
@@ -311,6 +322,10 @@ class BlockStore:
             # indexed (the daemon serves meanwhile; lookups find what is indexed so far).
             "recovering": 0 if self.recovered.is_set() else 1,
         }
+        for lv in self.stack:
+            for name, value in lv.tier.stats().gauges.items():
+                out[f"{lv.label.lower()}_{name}"] = float(value)
+        return out
 
     def all_counters(self) -> dict[str, int]:
         """The store's counters and each tier's own, flattened for the wire."""
@@ -333,7 +348,7 @@ class BlockStore:
 
     async def put(
         self,
-        pool: Pool,
+        pool: EnginePool,
         ns: int,
         words: np.ndarray,
         pages: np.ndarray,
@@ -409,7 +424,7 @@ class BlockStore:
         return results, persisted
 
     async def _store_new(
-        self, pool: Pool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
+        self, pool: EnginePool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
     ) -> int:
         """Copy new blocks from the pool into the top tier; when it has no room for all of
         them (everything evictable taken, the rest pinned or protected), the rest go straight
@@ -434,18 +449,13 @@ class BlockStore:
                 continue
             group = todo[: len(slots)]
             try:
-                with pool.use() as mem:
+                with pool.use():
                     outcomes = await self.transfers.from_pool(
                         level,
                         slots,
                         self._refs(group),
                         nbytes,
-                        PoolPages(
-                            pool.layout.chunk_table,
-                            mem,
-                            pages[done : done + len(group)],
-                            self._copy_threads,
-                        ),
+                        pool.batch(pages[done : done + len(group)], self._copy_threads),
                     )
             except BaseException:
                 if level.persistent:
@@ -506,7 +516,7 @@ class BlockStore:
 
     async def get(
         self,
-        pool: Pool,
+        pool: EnginePool,
         ns: int,
         words: np.ndarray,
         pages: np.ndarray,
@@ -543,15 +553,13 @@ class BlockStore:
                 # Promote what the top tier can take without waiting; the rest is read from
                 # below straight into the pages.
                 await self.space.place(lower, self.top, Priority.DEMAND, clean_only=True)
-            with pool.use() as mem:
+            with pool.use():
                 jobs = []
                 source = self._fastest_col(bids)
                 for level in self.stack:
                     mine = np.flatnonzero(source == level.col)
                     if len(mine):
-                        jobs.append(
-                            self._load(level, bids[mine], found[mine], pool, chunks, mem, pages)
-                        )
+                        jobs.append(self._load(level, bids[mine], found[mine], pool, layers, pages))
                 # Every copy finishes before the pool may be unmapped, even when one fails.
                 if len(jobs) == 1:
                     results: list[Any] = [await jobs[0]]
@@ -581,13 +589,12 @@ class BlockStore:
         level: Level,
         bids: np.ndarray,
         idx: np.ndarray,
-        pool: Pool,
-        chunks: ChunkTable,
-        mem: np.ndarray,
+        pool: EnginePool,
+        layers: tuple[int, int] | None,
         pages: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Read blocks ``level`` holds into their pages (the chunks ``chunks`` names); a
-        failed read drops that copy."""
+        """Read blocks ``level`` holds into their pages (the chunks of ``layers``, all when
+        None; inside ``pool.use()``); a failed read drops that copy."""
         table = self.table
         ok = await self.transfers.to_pool(
             level,
@@ -595,7 +602,7 @@ class BlockStore:
             self._refs(bids),
             pool.block_bytes,
             table.checksums(bids, level.col).tolist(),
-            PoolPages(chunks, mem, pages[idx], self._copy_threads),
+            pool.batch(pages[idx], self._copy_threads, layers),
         )
         good = np.asarray(ok, dtype=bool)
         for b in bids[~good].tolist():
