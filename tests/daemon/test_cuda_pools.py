@@ -220,7 +220,9 @@ def test_the_daemon_answers_failed_precondition_and_keeps_serving(daemon):
     )
     layout: PoolLayout = pool.layout
     with Client(daemon.address) as client:
-        with pytest.raises(FailedPreconditionError, match="CUDA"):
+        with pytest.raises(
+            FailedPreconditionError, match=r"CUDA IPC pools need the GPU tier.*tiers\.l0\.enabled"
+        ):
             client.register_cuda_pool(export, layout)
         with SharedMemoryPool.for_layout(layout) as shm:
             assert client.register_pool(shm, layout).pool_id

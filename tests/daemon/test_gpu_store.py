@@ -29,7 +29,7 @@ from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import Health, Priority, TierKind
-from kvtier.tiers.device import CpuOps, DeviceTier
+from kvtier.tiers.device import CpuOps, DeviceOps, DeviceTier
 from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
@@ -69,7 +69,7 @@ class Node:
     l0: DeviceTier
     l1: HostArena
     l2: MemoryTier | None
-    ops: CpuOps
+    ops: DeviceOps
 
 
 Factory = Callable[..., Node]
@@ -85,7 +85,7 @@ async def make_node() -> AsyncIterator[Factory]:
         l1_segments: int = 4,
         l2_segments: int = 8,
         l3: MemoryKeyTier | None = None,
-        ops: CpuOps | None = None,
+        ops: DeviceOps | None = None,
         sets: tuple[str, ...] = (),
     ) -> Node:
         config = load_config(None, ["policy.name=lru", "policy.protect_s=0", *sets])
@@ -122,8 +122,10 @@ def open_gpu_pool(engine: EnginePool, mapper: CpuMapper | None = None) -> CudaPo
     return CudaPoolOpener(mapper).open(7, "s", region, engine.layout)
 
 
-def engine_pool(kind: str = "vllm", pages: int = 24) -> EnginePool:
-    engine = make_pool(kind, layers=3, pages=pages, tokens=8, heads=2, head_dim=32, gap=4096)
+def engine_pool(kind: str = "vllm", pages: int = 24, device: str = "cpu") -> EnginePool:
+    engine = make_pool(
+        kind, layers=3, pages=pages, tokens=8, heads=2, head_dim=32, gap=4096, device=device
+    )
     engine.fill_random(int.from_bytes(kind.encode()[:4], "little"))
     return engine
 
@@ -145,6 +147,8 @@ def poison(engine: EnginePool, pages: list[int]) -> None:
             raw[:, pages] = POISON
         else:
             raw[pages] = POISON
+    if engine.tensors[0].is_cuda:
+        torch.cuda.synchronize()  # the engine finishes writing its pages before a request
 
 
 async def put(store: BlockStore, pool: object, words: np.ndarray, pages: list[int]) -> list[int]:
@@ -182,9 +186,23 @@ def assert_pages(engine: EnginePool, pages: list[int], want: list[torch.Tensor])
 
 @pytest.mark.parametrize("kind", LAYOUTS)
 async def test_gpu_pool_to_l0_to_l1_to_l2_and_back_is_byte_exact(make_node, kind):
-    node = make_node()
+    await round_trip(make_node(), kind, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", LAYOUTS)
+async def test_on_a_gpu_the_round_trip_is_byte_exact(make_node, kind):
+    """The same round trip with the GPU tier's CUDA side (streams, events, the Triton
+    kernel) and the engine's tensors on the GPU; only the IPC mapping is the in-process
+    stand-in (a process cannot open its own IPC handles)."""
+    from kvtier.tiers.device import CudaOps
+
+    await round_trip(make_node(ops=CudaOps(0, 2)), kind, "cuda")
+
+
+async def round_trip(node: Node, kind: str, device: str) -> None:
     store = node.store
-    engine = engine_pool(kind)
+    engine = engine_pool(kind, device=device)
     pool = open_gpu_pool(engine)
     src, dst = [5, 0, 17, 9, 22, 3], [1, 2, 4, 6, 7, 8]
     before = [engine.block(p).clone() for p in range(24)]
@@ -199,7 +217,7 @@ async def test_gpu_pool_to_l0_to_l1_to_l2_and_back_is_byte_exact(make_node, kind
     assert where(store, words) == ["L1"] * 6
     for bid, w in zip(store.table.lookup(0, words).tolist(), want, strict=True):
         slot = int(store.table.slot[bid, store.stack[TierKind.HOST].col])
-        assert bytes(node.l1.view(slot, pool.block_bytes)) == w.numpy().tobytes()
+        assert bytes(node.l1.view(slot, pool.block_bytes)) == w.cpu().numpy().tobytes()
 
     await evict(store, TierKind.HOST, words)  # demoted: L1 -> L2
     assert where(store, words) == ["L2"] * 6
