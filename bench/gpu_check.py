@@ -666,6 +666,9 @@ def _daemon_stage(engine: Engine, report: Report, l2_dir: str, shape: dict[str, 
                     out["block_bytes"] = pool.block_bytes
                 finally:
                     pool.unregister()
+            except Exception as e:  # this layout fails; the next ones still run
+                report.failures.append(f"{name}: {type(e).__name__}: {e}")
+                out["error"] = f"{type(e).__name__}: {e}"
             finally:
                 engine.call("free", name)
                 out["bit_exact"] = len(report.failures) == before
