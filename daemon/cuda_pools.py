@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvtier.daemon.poolchecks import PoolChecks
 from kvtier.kernels.layout import MAX_LAYERS, LayoutError, PoolLayout
 from kvtier.kernels.runs import Buffer, SegmentMap
 from kvtier.proto import kvtier_pb2 as pb
@@ -245,7 +246,7 @@ class HandleTable:
 
 
 @dataclass(eq=False)
-class CudaPool:
+class CudaPool(PoolChecks):
     """A registered GPU pool. Same surface as a shared-memory pool (``daemon/pools.py``):
     ``block_bytes``, ``check_pages``, ``check_usable``, ``batch`` (``DevicePages``, which
     only the GPU tier reads and writes), ``use()`` while a copy runs, ``close()``."""
@@ -267,20 +268,6 @@ class CudaPool:
     # a copy cannot fault on it, so a CUDA pool never breaks (a device fault is the GPU
     # tier's state, reported by its health).
     broken: str = ""
-
-    @property
-    def block_bytes(self) -> int:
-        return self.layout.block_bytes
-
-    def check_pages(self, pages: np.ndarray) -> None:
-        if not len(pages):
-            return
-        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
-            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
-            raise InvalidArgument(
-                f"page index {bad} is out of range for pool {self.pool_id} "
-                f"with {self.layout.num_pages} pages"
-            )
 
     def check_usable(self) -> None:
         """A CUDA pool cannot break (see ``broken``)."""

@@ -48,6 +48,7 @@ from kvtier.daemon.errors import (
     NotFound,
     PermissionDenied,
 )
+from kvtier.daemon.poolchecks import PoolChecks
 from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.sessions import PeerCred
 from kvtier.kernels.copy import MemoryFault
@@ -61,7 +62,7 @@ _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
 @dataclass(eq=False)
-class Pool:
+class Pool(PoolChecks):
     pool_id: int
     session_id: str
     name: str  # the object's name, or "memfd" for a handed-over descriptor
@@ -80,20 +81,6 @@ class Pool:
         self.array = np.frombuffer(self.buffer, dtype=np.uint8)
         self._base = int(self.array.ctypes.data)
         self._size = len(self.array)
-
-    @property
-    def block_bytes(self) -> int:
-        return self.layout.block_bytes
-
-    def check_pages(self, pages: np.ndarray) -> None:
-        if not len(pages):
-            return
-        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
-            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
-            raise InvalidArgument(
-                f"page index {bad} is out of range for pool {self.pool_id} "
-                f"with {self.layout.num_pages} pages"
-            )
 
     def check_usable(self) -> None:
         if self.broken:

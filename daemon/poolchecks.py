@@ -1,0 +1,30 @@
+"""The checks every registered pool answers the same way, whatever its memory."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.daemon.errors import InvalidArgument
+from kvtier.kernels.layout import PoolLayout
+
+
+class PoolChecks:
+    """What every registered pool (shared memory here, CUDA IPC in ``cuda_pools``) answers
+    the same way: its block size and whether page indices fall inside it."""
+
+    pool_id: int
+    layout: PoolLayout
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    def check_pages(self, pages: np.ndarray) -> None:
+        if not len(pages):
+            return
+        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
+            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
+            raise InvalidArgument(
+                f"page index {bad} is out of range for pool {self.pool_id} "
+                f"with {self.layout.num_pages} pages"
+            )
