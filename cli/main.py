@@ -9,7 +9,7 @@ import sys
 
 from kvtier.bench import BENCHMARKS
 from kvtier.client import Client, KvtierError
-from kvtier.daemon.replay import add_replay_parser
+from kvtier.sim.cli import add_replay_parser, add_trace_parser
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=_bench)
 
     add_replay_parser(sub)
+    add_trace_parser(sub)
 
     # Options after the benchmark's name belong to the benchmark.
     args, extra = p.parse_known_args(argv)
