@@ -58,6 +58,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,11 +88,22 @@ AGE_BUCKETS = 28  # quantum, then doubling every two buckets: 2**13 quanta at th
 # Coarser groups a class's statistics are smoothed towards, coarsest first: its access count
 # bucket, then its count and gap (see ``ReuseModel.hazard``).
 _FREQ_OF = np.arange(CLASSES) // (_N_DEPTH * _N_TURN)
+
+
+def _onehot(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group x class 0/1 matrix, group of each class): group sums as one product."""
+    return (groups[None, :] == np.arange(groups.max() + 1)[:, None]).astype(np.float64), groups
+
+
 _GROUPS = (
-    (np.where(_FREQ_OF == 0, 0, 1 + (_FREQ_OF - 1) // 4), 6),
-    (_FREQ_OF, _N_FREQ),
+    _onehot(np.where(_FREQ_OF == 0, 0, 1 + (_FREQ_OF - 1) // 4)),
+    _onehot(_FREQ_OF),
 )
+_FINEST = _GROUPS[-1][1]  # each class's finest group
+_FIRST_OF_FINEST = np.searchsorted(_FINEST, np.arange(_N_FREQ))  # classes run by group
 _MAX_COUNT = 65535
+# touch_many: below this many blocks the scalar loop is as fast.
+_VECTOR_MIN = 16
 _MIN_BUFFER = 64
 _EXHAUSTED = None
 
@@ -125,32 +137,36 @@ DEFAULT_SIGNALS = ("count", "depth", "turn")
 
 class Classifier:
     """Maps a life's signals to its class; a signal left out maps every value to bucket 0
-    (its classes then pool)."""
+    (its classes then pool). The class is a sum of one term per signal, looked up in
+    ``count``, ``gap``, ``depth`` and ``turn`` (indexed by the clamped value: count up to 17,
+    gap bucket, depth up to 8, turn up to 6)."""
 
-    __slots__ = ("_count", "_depth", "_gap", "_turn")
+    __slots__ = ("count", "depth", "gap", "turn")
 
     def __init__(self, signals: Sequence[str] = SIGNALS) -> None:
         unknown = set(signals) - set(SIGNALS)
         if unknown:
             raise ValueError(f"unknown signal {sorted(unknown)[0]!r}; from {', '.join(SIGNALS)}")
-
-        def pick(name: str, table: tuple[int, ...]) -> tuple[int, ...]:
-            return table if name in signals else (0,) * len(table)
-
-        self._count = pick("count", (*_COUNT_BUCKET, 5))
-        self._gap = pick("gap", _GAP_BUCKET)
-        self._depth = pick("depth", _DEPTH_BUCKET)
-        self._turn = pick("turn", (*_TURN_BUCKET, 3))
+        per_freq = _N_DEPTH * _N_TURN
+        counts = (*_COUNT_BUCKET, 5) if "count" in signals else (0,) * 19
+        # Frequency class: 0 for a first access, else 1 + 4 * (count bucket - 1) + gap.
+        self.count = [0 if cb == 0 else (1 + 4 * (cb - 1)) * per_freq for cb in counts]
+        gaps = _GAP_BUCKET if "gap" in signals and "count" in signals else (0,) * AGE_BUCKETS
+        self.gap = [g * per_freq for g in gaps]
+        depths = _DEPTH_BUCKET if "depth" in signals else (0,) * len(_DEPTH_BUCKET)
+        self.depth = [d * _N_TURN for d in depths]
+        self.turn = list((*_TURN_BUCKET, 3)) if "turn" in signals else [0] * 7
 
     def __call__(self, count: int, gap_bucket: int, depth: int, turn: int) -> int:
         """The class index of a life: the access count (this access included), the age
-        bucket of the gap since the previous access (ignored for a first access), depth and
+        bucket of the gap since the previous access (0 for a first access), depth and
         turn."""
-        cb = self._count[count if count < 18 else 17]
-        freq = 0 if count <= 1 else 1 + cb * 4 - 4 + self._gap[gap_bucket] if cb else 0
-        return (freq * _N_DEPTH + self._depth[depth if depth < 8 else 8]) * _N_TURN + self._turn[
-            turn if turn < 6 else 6
-        ]
+        return (
+            self.count[count if count < 18 else 17]
+            + (self.gap[gap_bucket] if count > 1 else 0)
+            + self.depth[depth if depth < 8 else 8]
+            + self.turn[turn if turn < 6 else 6]
+        )
 
 
 def age_bucket(age_quanta: float) -> int:
@@ -178,8 +194,10 @@ def bucket_widths() -> np.ndarray:
 class ReuseModel:
     """Reuse statistics per class and age bucket, and the density table they give.
 
-    ``hits`` and ``ends`` are flat lists (class-major) so the per-access increments are plain
-    Python; ``table`` turns them into densities with numpy.
+    Events since the last table are counted in ``hits`` and ``ends``, flat lists of integers
+    (class-major), so the per-access increments are plain Python and exact in any order;
+    ``table`` folds them into the decayed history (``past_hits``, ``past_ends``) and turns
+    the sum into densities with numpy.
     """
 
     def __init__(self, prior: float, decay: float, smooth: int = 1, min_horizon: int = 1) -> None:
@@ -190,31 +208,52 @@ class ReuseModel:
         self.prior = prior
         self.decay = decay
         self.smooth = smooth
-        self.hits = [0.0] * (CLASSES * AGE_BUCKETS)
-        self.ends = [0.0] * (CLASSES * AGE_BUCKETS)
+        self.hits = _counters()
+        self.ends = _counters()
+        self.past_hits = np.zeros((CLASSES, AGE_BUCKETS))
+        self.past_ends = np.zeros((CLASSES, AGE_BUCKETS))
         self._widths = bucket_widths()
         # Horizons of at least ``min_horizon`` buckets (the last bucket always qualifies).
         self._upper = np.triu(np.ones((AGE_BUCKETS, AGE_BUCKETS), dtype=bool), k=min_horizon - 1)
         self._upper[:, -1] = True
 
+    def totals(self) -> tuple[np.ndarray, np.ndarray]:
+        """Reuses and ended lives per class and age bucket: the decayed history plus the
+        events since."""
+        shape = (CLASSES, AGE_BUCKETS)
+        return (
+            self.past_hits + np.frombuffer(self.hits, dtype=np.int64).reshape(shape),
+            self.past_ends + np.frombuffer(self.ends, dtype=np.int64).reshape(shape),
+        )
+
     def table(self, open_lives: np.ndarray) -> np.ndarray:
         """Densities (hits per block-quantum), shape (CLASSES, AGE_BUCKETS), given the open
-        lives per class and bucket; then ages the counts by ``decay``."""
-        hits = np.asarray(self.hits).reshape(CLASSES, AGE_BUCKETS)
-        ends = np.asarray(self.ends).reshape(CLASSES, AGE_BUCKETS)
-        hazard = self.hazard(hits, ends, open_lives)
-        # Rows repeat (classes without evidence of their own): compute each distinct one once.
-        rows, inverse = np.unique(hazard, axis=0, return_inverse=True)
-        table = self._densities(rows)[inverse.reshape(-1)]
-        if self.decay < 1:
-            self.hits = (hits * self.decay).reshape(-1).tolist()
-            self.ends = (ends * self.decay).reshape(-1).tolist()
-        return table
+        lives per class and bucket; then the counts fold into the history, aged by
+        ``decay``."""
+        hits, ends = self.totals()
+        hazard, group = self._hazards(hits, ends, open_lives)
+        # A class without lives of its own has its finest group's hazard: compute each
+        # group's row once, and the rows of the classes with lives.
+        table = self._densities(group[_FIRST_OF_FINEST])[_FINEST]
+        seen = np.flatnonzero((ends + open_lives).any(axis=1))
+        if len(seen):
+            table[seen] = self._densities(hazard[seen])
+        self.past_hits = hits * self.decay
+        self.past_ends = ends * self.decay
+        self.hits = _counters()
+        self.ends = _counters()
+        return np.asarray(table)
 
     def hazard(self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray) -> np.ndarray:
         """Reuse hazard per class and age bucket: reuses over lives at risk, each class
         smoothed towards its coarser groups' hazard (all lives, then its access count, then
         its count and gap) by ``prior`` lives of evidence."""
+        return self._hazards(hits, ends, open_lives)[0]
+
+    def _hazards(
+        self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The classes' hazards and, per class, its finest group's."""
         # At risk in bucket x: every life that reached x (ended at x or later, or still open
         # at an age of x or more).
         risk = np.cumsum((ends + open_lives)[:, ::-1], axis=1)[:, ::-1]
@@ -222,14 +261,11 @@ class ReuseModel:
             hits, risk = _smoothed(hits), _smoothed(risk)
         k = self.prior
         h = np.broadcast_to(_ratio(hits.sum(0), risk.sum(0) + k, 0.0), hits.shape)
-        for groups, n in _GROUPS:
-            gh = np.zeros((n, AGE_BUCKETS))
-            gr = np.zeros((n, AGE_BUCKETS))
-            np.add.at(gh, groups, hits)
-            np.add.at(gr, groups, risk)
-            h = _ratio(gh[groups] + k * h, gr[groups] + k, h)
+        for onehot, groups in _GROUPS:
+            h = _ratio((onehot @ hits)[groups] + k * h, (onehot @ risk)[groups] + k, h)
+        group = np.clip(h, 0.0, 1.0)
         h = _ratio(hits + k * h, risk + k, h)
-        return np.asarray(np.clip(h, 0.0, 1.0))
+        return np.clip(h, 0.0, 1.0), group
 
     def _densities(self, hazard: np.ndarray) -> np.ndarray:
         """Per row of reuse hazards by age bucket: for each age, the best ratio over horizons
@@ -245,6 +281,12 @@ class ReuseModel:
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(self._upper & (den > 0), num / den, 0.0)
         return np.asarray(ratio.max(axis=2))
+
+
+def _counters() -> array[int]:
+    """Zeroed event counters, one per class and age bucket (int64; numpy reads them in
+    place)."""
+    return array("q", bytes(8 * CLASSES * AGE_BUCKETS))
 
 
 def _ratio(num: np.ndarray, den: np.ndarray, fallback: np.ndarray | float) -> np.ndarray:
@@ -392,7 +434,16 @@ class DensityPolicy(Hinted):
         else:
             self._parent_v[bid] = -1
         if self._buf_version == self._version:
-            self._note(bid, cls, now)
+            # Inline ``_note`` for a new leaf (the per-access path).
+            q = self._q if now == self._q_now else self._quantise(now)
+            if q != self._buf_q:
+                self._buf_version = -1
+            else:
+                dens = self._rows[cls][0]
+                if dens <= self._bound and self._until_v[bid] < q + self._quantum:
+                    bisect.insort(
+                        self._buf, (dens, now, -self._depth_v[bid], bid, seq), lo=self._cur
+                    )
         if self._accesses >= self._next_table:
             self._new_table(now)
 
@@ -415,9 +466,78 @@ class DensityPolicy(Hinted):
         ok[ok] = self._state[ids[ok]] == _RESIDENT
         if not ok.all():
             raise KeyError(int(ids[np.argmin(ok)]))  # before any change: all or nothing
-        touch = self.touch
-        for bid in ids.tolist():
-            touch(bid, now)
+        if len(ids) < _VECTOR_MIN or len(np.unique(ids)) < len(ids):
+            touch = self.touch
+            for bid in ids.tolist():
+                touch(bid, now)
+            return
+        # Distinct ids: the loop's state, vectorised; split where the loop would build a
+        # new table, so each part sees the table the loop would.
+        while len(ids):
+            room = self._next_table - self._accesses
+            part, ids = ids[:room], ids[room:]
+            self._touch_distinct(part, now)
+            if self._accesses >= self._next_table:
+                self._new_table(now)
+
+    def _touch_distinct(self, ids: np.ndarray, now: float) -> None:
+        """``touch`` of each of ``ids`` (distinct, resident), as array operations."""
+        if now > self._now:
+            self._now = now
+        n = len(ids)
+        self._accesses += n
+        age = (now - self._last[ids]) / self._quantum
+        gap = age_buckets(age)
+        closing = self._cls[ids].astype(np.int64) * AGE_BUCKETS + gap
+        where, times = np.unique(closing, return_counts=True)
+        hits, ends = self.model.hits, self.model.ends
+        for i, k in zip(where.tolist(), times.tolist(), strict=True):
+            hits[i] += k
+            ends[i] += k
+        count = self._cnt[ids].astype(np.int64)
+        count = np.minimum(count + 1, _MAX_COUNT)
+        self._cnt[ids] = count
+        c = self._classify
+        cls = (
+            np.take(c.count, np.minimum(count, 17))
+            + np.where(count > 1, np.take(c.gap, gap), 0)
+            + np.take(c.depth, np.minimum(self._depth[ids], 8))
+            + np.take(c.turn, np.minimum(self._turn[ids], 6))
+        )
+        self._cls[ids] = cls
+        self._last[ids] = now
+        stamps = np.arange(self._seq + 1, self._seq + n + 1)
+        self._seq += n
+        self._stamp[ids] = stamps
+        if self._buf_version != self._version:
+            return
+        q = self._quantise(now)
+        if q != self._buf_q:
+            self._buf_version = -1
+            return
+        dens = self._table[cls, 0]
+        low = (
+            (dens <= self._bound) & (self._kids[ids] == 0) & (self._until[ids] < q + self._quantum)
+        )
+        if not low.any():
+            return
+        ids = ids[low]
+        new = list(
+            zip(
+                dens[low].tolist(),
+                [now] * len(ids),
+                (-self._depth[ids].astype(np.int64)).tolist(),
+                ids.tolist(),
+                self._stamp[ids].tolist(),
+                strict=True,
+            )
+        )
+        # Merged rather than inserted one by one: the buffer stays sorted from the cursor.
+        tail = self._buf[self._cur :]
+        tail.extend(new)
+        tail.sort()
+        self._buf = tail
+        self._cur = 0
 
     def remove(self, bid: int) -> None:
         state_v = self._state_v
@@ -435,9 +555,18 @@ class DensityPolicy(Hinted):
                 # A new leaf: the buffer must hold it if it ranks at or below the bound.
                 q = self._buf_q
                 if self._until_v[parent] < q + self._quantum:
-                    key = self._key(parent, q)
-                    if key[0] <= self._bound:
-                        self._insort(key, parent)
+                    last = self._last_v[parent]
+                    age = (q - last) / self._quantum
+                    if age < 1.0:
+                        x = 0
+                    else:
+                        x = 1 + int(2.0 * math.log2(age))
+                        if x >= AGE_BUCKETS:
+                            x = AGE_BUCKETS - 1
+                    dens = self._rows[self._cls_v[parent]][x]
+                    if dens <= self._bound:
+                        entry = (dens, last, -self._depth_v[parent], parent, self._stamp_v[parent])
+                        bisect.insort(self._buf, entry, lo=self._cur)
 
     def forget(self, bid: int) -> None:
         if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:
@@ -481,7 +610,7 @@ class DensityPolicy(Hinted):
             return np.empty(0, dtype=np.int64)
         if n > self._resident:
             return None
-        q = self._quantise(now)
+        q = self._q if now == self._q_now else self._quantise(now)
         if q != self._buf_q or self._buf_version != self._version:
             self._rebuild(q, complete=False)
         if n == 1 and evictable is None and self._hinted_until < now:
@@ -524,18 +653,31 @@ class DensityPolicy(Hinted):
         would stop before it). Pure."""
         if not self._admission:
             return True
-        if 0 <= bid < self._size and self._until_v[bid] >= now:
+        size = self._size
+        known = 0 <= bid < size
+        if known and self._until_v[bid] >= now:
             return True
-        if parent >= 0 and not (0 <= parent < self._size and self._state_v[parent] == _RESIDENT):
+        if parent >= 0 and not (parent < size and self._state_v[parent] == _RESIDENT):
             return False
-        if 0 <= bid < self._size and self._cnt_v[bid] > 0:
+        classify = self._classify
+        if known and self._cnt_v[bid] > 0:
             count = self._cnt_v[bid] + 1
-            gap = age_bucket((now - self._last_v[bid]) / self._quantum)
+            age = (now - self._last_v[bid]) / self._quantum
             depth, turn = self._depth_v[bid], self._turn_v[bid]
+            cls = classify(count, age_bucket(age), depth, turn)
+        elif parent >= 0:
+            # Its parent is resident (above), so known: the lineage of ``_lineage``.
+            pcount = self._cnt_v[parent]
+            depth = self._depth_v[parent] + 1
+            turn = self._turn_v[parent] + (1 if pcount >= 2 else 0)
+            cls = (
+                classify.count[1]
+                + classify.depth[depth if depth < 8 else 8]
+                + classify.turn[turn if turn < 6 else 6]
+            )
         else:
-            count, gap = 1, 0
-            depth, turn = self._lineage(parent)
-        mine = self._rows[self._classify(count, gap, depth, turn)][0]
+            cls = classify.count[1] + classify.depth[0] + classify.turn[0]
+        mine = self._rows[cls][0]
         b, stamp, theirs = self._pick
         if b != victim or stamp != self._stamp_v[victim]:
             theirs = self._key(victim, self._quantise(now))[0]
@@ -616,35 +758,48 @@ class DensityPolicy(Hinted):
 
     def _access(self, bid: int, now: float, parent: int) -> int:
         """End the block's open life (a reuse) and start a new one at ``now``; returns its
-        class."""
+        class. The per-access path: locals and memoryviews keep it short."""
         if now > self._now:
             self._now = now
         self._accesses += 1
-        count = self._cnt_v[bid]
+        cnt_v = self._cnt_v
+        count = cnt_v[bid]
+        classify = self._classify
         if count == 0:
-            gap = 0
             depth, turn = self._lineage(parent)
             self._depth_v[bid] = depth
             self._turn_v[bid] = turn
+            cnt_v[bid] = 1
+            cls = classify.count[1] + classify.depth[depth if depth < 8 else 8]
         else:
             age = (now - self._last_v[bid]) / self._quantum
-            gap = 0 if age < 1.0 else age_bucket(age)
+            if age < 1.0:
+                gap = 0
+            else:
+                gap = 1 + int(2.0 * math.log2(age))
+                if gap >= AGE_BUCKETS:
+                    gap = AGE_BUCKETS - 1
             if self._state_v[bid] != _CLOSED:
                 i = self._cls_v[bid] * AGE_BUCKETS + gap
-                self.model.hits[i] += 1.0
-                self.model.ends[i] += 1.0
+                self.model.hits[i] += 1
+                self.model.ends[i] += 1
             depth, turn = self._depth_v[bid], self._turn_v[bid]
-        if count < _MAX_COUNT:
-            count += 1
-            self._cnt_v[bid] = count
-        cls = self._classify(count, gap, depth, turn)
+            if count < _MAX_COUNT:
+                count += 1
+                cnt_v[bid] = count
+            cls = (
+                classify.count[count if count < 18 else 17]
+                + classify.gap[gap]
+                + classify.depth[depth if depth < 8 else 8]
+            )
+        cls += classify.turn[turn if turn < 6 else 6]
         self._cls_v[bid] = cls
         self._last_v[bid] = now
         return cls
 
     def _censor(self, bid: int, now: float) -> None:
         age = max(0.0, now - self._last_v[bid]) / self._quantum
-        self.model.ends[self._cls_v[bid] * AGE_BUCKETS + age_bucket(age)] += 1.0
+        self.model.ends[self._cls_v[bid] * AGE_BUCKETS + age_bucket(age)] += 1
 
     def _key(self, bid: int, q: float) -> tuple[float, float, int]:
         last = self._last_v[bid]
@@ -682,9 +837,7 @@ class DensityPolicy(Hinted):
             idx = self._cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
                 (now - self._last[expired]) / self._quantum
             )
-            ends = np.asarray(self.model.ends)
-            np.add.at(ends, idx, 1.0)
-            self.model.ends = ends.tolist()
+            np.add.at(np.frombuffer(self.model.ends, dtype=np.int64), idx, 1)
             self._state[expired] = _CLOSED
         live = np.flatnonzero(state != _CLOSED)
         idx = self._cls[live].astype(np.int64) * AGE_BUCKETS + age_buckets(
