@@ -34,7 +34,7 @@ proto: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy daemon tiers client kernels bench
+	$(VENV)/bin/mypy daemon tiers client kernels bench sim cli
 
 bench: $(STAMP)
 	$(VENV)/bin/kvtier bench l1

@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS = {
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
+    "policy_memory": "kvtier.bench.policy_memory",
     "ttft": "kvtier.bench.ttft",
 }
 

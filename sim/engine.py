@@ -26,8 +26,9 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
   promoted to L1 at once (a prefetch, counted). Hints are processed in time order between
   requests, each on its own time.
 - **Admission.** Every access is recorded with each tier's admission rule before any
-  decision of its request; a rule decides for a block with its would-be victim. A policy
-  with an ``admits`` method (hit density) is also asked, after the rule.
+  decision of its request; a rule decides for a block with its would-be victim. An L1
+  policy with an ``admits`` method (hit density) is also asked, after the rule, and told of
+  the accesses it did not keep (``note_miss``).
 - **Ids.** The trace's hash ids are renumbered densely and stay stable for the whole replay;
   a policy keeps what it knows of a block across its stays (the daemon's store reuses the id
   of a block with no copy left and calls ``forget``; ``forget_dropped=True`` does the same).
@@ -207,8 +208,11 @@ def replay(
             pol,
             adm,
             isinstance(adm, AlwaysAdmit),
-            getattr(pol, "admits", None),
-            getattr(pol, "note_miss", None),
+            # A policy's own admission decides where blocks are stored (L1); a lower tier
+            # admits by its admission rule alone (measured: density's own admission on L2
+            # declined demoted blocks that were hit later).
+            getattr(pol, "admits", None) if bit == _L1 else None,
+            getattr(pol, "note_miss", None) if bit == _L1 else None,
         )
 
     tiers = [tier(_L1, l1_blocks, admission)]

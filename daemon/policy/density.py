@@ -102,6 +102,7 @@ _GROUPS = (
 _FINEST = _GROUPS[-1][1]  # each class's finest group
 _FIRST_OF_FINEST = np.searchsorted(_FINEST, np.arange(_N_FREQ))  # classes run by group
 _MAX_COUNT = 65535
+_ONE = np.zeros(1, dtype=np.int64)
 # touch_many: below this many blocks the scalar loop is as fast.
 _VECTOR_MIN = 16
 _MIN_BUFFER = 64
@@ -394,6 +395,11 @@ class DensityPolicy(Hinted):
         self._buf_q = math.nan
         self._buf_version = -1
         self._target = _MIN_BUFFER
+        # Memo of ``_select`` (see there).
+        self._memo_mask: EvictableFn | None = None
+        self._memo_tag: tuple[float, float, int] = (math.nan, math.nan, -1)
+        self._memo_allowed: dict[int, tuple[int, bool]] = {}
+        self._memo_keys: dict[int, tuple[int, tuple[float, float, int]]] = {}
         self._taken = 0  # victims proposed since the last rebuild (sizes the next buffer)
         self._rebuilds = 0
         # The last single victim proposed and its density, for ``admits``.
@@ -624,7 +630,9 @@ class DensityPolicy(Hinted):
                     self._cur = i
                     self._pick = (b, e[4], e[0])
                     self._taken += 1
-                    return np.array([b], dtype=np.int64)
+                    out = _ONE.copy()  # cheaper than building an array from a list
+                    out[0] = b
+                    return out
                 i += 1
             self._cur = i
         chosen = self._select(n, now, evictable)
@@ -649,27 +657,24 @@ class DensityPolicy(Hinted):
     def admits(self, bid: int, parent: int, victim: int, now: float) -> bool:
         """Whether ``bid`` (not resident; ``parent`` its chain predecessor or -1) is worth
         more than ``victim``: its density at age 0 is at least the victim's now. A hinted
-        block is always worth it; a block whose parent is not here never is (a prefix lookup
-        would stop before it). Pure."""
+        block is always worth it. Pure."""
         if not self._admission:
             return True
         size = self._size
         known = 0 <= bid < size
         if known and self._until_v[bid] >= now:
             return True
-        if parent >= 0 and not (parent < size and self._state_v[parent] == _RESIDENT):
-            return False
         classify = self._classify
-        if known and self._cnt_v[bid] > 0:
-            count = self._cnt_v[bid] + 1
+        cnt_v = self._cnt_v
+        if known and cnt_v[bid] > 0:
+            count = cnt_v[bid] + 1
             age = (now - self._last_v[bid]) / self._quantum
             depth, turn = self._depth_v[bid], self._turn_v[bid]
             cls = classify(count, age_bucket(age), depth, turn)
-        elif parent >= 0:
-            # Its parent is resident (above), so known: the lineage of ``_lineage``.
-            pcount = self._cnt_v[parent]
+        elif 0 <= parent < size and cnt_v[parent] > 0:
+            # ``_lineage``, inline: this runs for every miss of a full tier.
             depth = self._depth_v[parent] + 1
-            turn = self._turn_v[parent] + (1 if pcount >= 2 else 0)
+            turn = self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0)
             cls = (
                 classify.count[1]
                 + classify.depth[depth if depth < 8 else 8]
@@ -737,7 +742,10 @@ class DensityPolicy(Hinted):
     # ------------------------------------------------------------------- helpers
 
     def _period_now(self) -> int:
-        return self._accesses + (self._period or max(2048, 2 * self.capacity))
+        """When the next table is due: every ``period`` accesses, and sooner while the
+        policy is young (after 256 accesses, then doubling), so a new tier learns fast."""
+        regular = self._period or max(2048, 2 * self.capacity)
+        return self._accesses + min(regular, max(256, self._accesses))
 
     def _quantise(self, now: float) -> float:
         if now != self._q_now:
@@ -902,7 +910,17 @@ class DensityPolicy(Hinted):
         released: dict[int, int] = {}
         seen: set[int] = set()
         chosen: list[int] = []
-        allowed: dict[int, bool] = {}
+        # What the mask said and the keys of released parents, kept across calls with the
+        # same mask object, time, quantum and table (a replay evicts for each block of a
+        # request at one time): entries carry the block's stamp, so a block touched or
+        # re-inserted since is asked again. A mask only grows while time stands still
+        # (protection starts at an access, which changes the stamp).
+        tag = (now, self._buf_q, self._version)
+        if self._memo_mask is not evictable or self._memo_tag != tag:
+            self._memo_mask, self._memo_tag = evictable, tag
+            self._memo_allowed = {}
+            self._memo_keys = {}
+        allowed, keys = self._memo_allowed, self._memo_keys
         while len(chosen) < n:
             while i < len(buf):
                 e = buf[i]
@@ -937,36 +955,60 @@ class DensityPolicy(Hinted):
             if evictable is None:
                 chosen.append(b)
             else:
-                ok = allowed.get(b)
-                if ok is None:
-                    ok = self._allowed(b, buf, i, evictable, allowed)
-                if ok:
+                memo = allowed.get(b)
+                if memo is None or memo[0] != stamp_v[b]:
+                    self._ask_mask(b, buf, i, evictable, allowed)
+                    memo = allowed[b]
+                if memo[1]:
                     chosen.append(b)
             p = parent_v[b]
             if p >= 0 and state_v[p] == _RESIDENT and ins_v[p] < ins_v[b]:
                 left = released.get(p, kids_v[p]) - 1
                 released[p] = left
                 if left == 0 and p not in seen:
-                    own = self._key(p, self._buf_q)
-                    heapq.heappush(revived, (max(own, key), p))
+                    known = keys.get(p)
+                    if known is None or known[0] != stamp_v[p]:
+                        known = (stamp_v[p], self._key(p, self._buf_q))
+                        keys[p] = known
+                    heapq.heappush(revived, (max(known[1], key), p))
         self._taken += len(chosen)
         return chosen
 
-    def _allowed(
+    def _ask_mask(
         self,
         b: int,
         buf: list[tuple[float, float, int, int, int]],
         i: int,
         evictable: EvictableFn,
-        cache: dict[int, bool],
-    ) -> bool:
-        """The mask for ``b``, asked together with the next buffer entries' (one call per
-        batch rather than per block)."""
-        batch = [b] + [e[3] for e in buf[i : i + 31] if e[3] not in cache]
+        memo: dict[int, tuple[int, bool]],
+    ) -> None:
+        """Ask the mask about ``b`` together with the next buffer entries and ``b``'s
+        ancestors (a masked leaf releases its parent, which is asked next): one call per
+        batch rather than per block. Answers go to ``memo`` with each block's stamp."""
+        stamp_v, parent_v, state_v, ins_v = (
+            self._stamp_v,
+            self._parent_v,
+            self._state_v,
+            self._ins_v,
+        )
+
+        def fresh(x: int) -> bool:
+            m = memo.get(x)
+            return m is None or m[0] != stamp_v[x]
+
+        batch = [b]
+        batch += [e[3] for e in buf[i : i + 31] if fresh(e[3])]
+        x = b
+        for _ in range(32):
+            p = parent_v[x]
+            if p < 0 or state_v[p] != _RESIDENT or ins_v[p] >= ins_v[x]:
+                break
+            if fresh(p):
+                batch.append(p)
+            x = p
         ids = np.asarray(batch, dtype=np.int64)
         for x, ok in zip(batch, evictable(ids).tolist(), strict=True):
-            cache[x] = bool(ok)
-        return cache[b]
+            memo[x] = (stamp_v[x], bool(ok))
 
     # -------------------------------------------------------------- per-id arrays
 
