@@ -15,9 +15,10 @@ at the root), and its *turn*: how many times the chain grew past an already reus
 fixed when the block is first seen, from its parent.
 
 Statistics. Per class and age bucket (log-spaced, ``quantum_s`` then doubling every two
-buckets): reuses, and lives ended. Every ``period`` accesses the counts are aged by
-``decay``, the open lives are counted at their current age (censored), and a table of
-densities is rebuilt: per class, the reuse hazard of each bucket (Kaplan-Meier, smoothed
+buckets): reuses, and lives ended. Every ``period`` accesses (sooner while the policy is
+young, and only once the tier evicted or declined something since: a tier that is not full
+needs no order) the counts are aged by ``decay``, the open lives are counted at their current
+age (censored), and a table of densities is rebuilt: per class, the reuse hazard of each bucket (Kaplan-Meier, smoothed
 towards all classes' pooled hazard by ``prior`` lives), the survival curve, and for each age
 ``a`` the best ratio over horizons ``T > a`` of the chance of a reuse in ``(a, T]`` to the
 expected time held until the reuse or ``T``. That maximum is the block's hit density: the
@@ -384,7 +385,12 @@ class DensityPolicy(Hinted):
         self._seq = 0
         self._evictions = 0
         self._accesses = 0
+        self._warming = True
         self._next_table = self._period_now()
+        # Evictions and misses so far, and at the last table: a table falls due only once
+        # the tier has decided something since (a tier that is not full needs no order).
+        self._decided = 0
+        self._decided_at_table = 0
         self._now = -math.inf
         self._tables = 0
         # The candidate buffer (see the module docstring).
@@ -450,7 +456,7 @@ class DensityPolicy(Hinted):
                     bisect.insort(
                         self._buf, (dens, now, -self._depth_v[bid], bid, seq), lo=self._cur
                     )
-        if self._accesses >= self._next_table:
+        if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
 
     def touch(self, bid: int, now: float) -> None:
@@ -461,7 +467,7 @@ class DensityPolicy(Hinted):
         self._stamp_v[bid] = self._seq
         if self._buf_version == self._version:
             self._note(bid, cls, now)
-        if self._accesses >= self._next_table:
+        if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
 
     def touch_many(self, bids: np.ndarray, now: float) -> None:
@@ -480,7 +486,10 @@ class DensityPolicy(Hinted):
         # Distinct ids: the loop's state, vectorised; split where the loop would build a
         # new table, so each part sees the table the loop would.
         while len(ids):
-            room = self._next_table - self._accesses
+            if not self._table_may_fall_due():
+                self._touch_distinct(ids, now)  # no table can fall due (see ``_new_table``)
+                return
+            room = max(self._next_table - self._accesses, 1)
             part, ids = ids[:room], ids[room:]
             self._touch_distinct(part, now)
             if self._accesses >= self._next_table:
@@ -552,6 +561,7 @@ class DensityPolicy(Hinted):
         state_v[bid] = _GHOST
         self._resident -= 1
         self._evictions += 1
+        self._decided += 1
         self._evseq_v[bid] = self._evictions
         parent = self._parent_v[bid]
         if parent >= 0 and state_v[parent] == _RESIDENT and self._ins_v[parent] < self._ins_v[bid]:
@@ -699,7 +709,8 @@ class DensityPolicy(Hinted):
         self._access(bid, now, parent)
         self._state_v[bid] = _GHOST
         self._evseq_v[bid] = self._evictions
-        if self._accesses >= self._next_table:
+        self._decided += 1
+        if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
 
     # ---------------------------------------------------------------- inspection
@@ -745,7 +756,14 @@ class DensityPolicy(Hinted):
         """When the next table is due: every ``period`` accesses, and sooner while the
         policy is young (after 256 accesses, then doubling), so a new tier learns fast."""
         regular = self._period or max(2048, 2 * self.capacity)
-        return self._accesses + min(regular, max(256, self._accesses))
+        period = min(regular, max(256, self._accesses))
+        self._warming = period < regular
+        return self._accesses + period
+
+    def _table_may_fall_due(self) -> bool:
+        """Past the young policy's tables, one falls due only once the tier evicted or
+        declined something since the last (a tier that is not full needs no order)."""
+        return self._warming or self._decided != self._decided_at_table
 
     def _quantise(self, now: float) -> float:
         if now != self._q_now:
@@ -857,6 +875,7 @@ class DensityPolicy(Hinted):
         self._version += 1
         self._tables += 1
         self._next_table = self._period_now()
+        self._decided_at_table = self._decided
 
     def _rebuild(self, q: float, complete: bool) -> None:
         """The buffer for quantum ``q``: the lowest-keyed leaves (all with ``complete``),
