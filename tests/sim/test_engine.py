@@ -185,6 +185,14 @@ def test_published_figures(path: Path, semantics: str) -> None:
     assert figures == FIGURES[(path.name, semantics)]
 
 
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
+def test_heat_and_density_beat_lru_at_five_percent(path: Path) -> None:
+    trace = load_trace(path)
+    cap = sweep_capacities(trace.unique_blocks, [5])[0]
+    ratios = {name: replay(trace, name, cap).hit_ratio for name in ("heat", "density", "lru")}
+    assert ratios["heat"] > ratios["lru"] and ratios["density"] > ratios["lru"], ratios
+
+
 def test_the_public_trace_capacities_are_as_published() -> None:
     if not MOONCAKE.exists():
         # The shipped trace stands in: the rule (round half to even) is the same.
