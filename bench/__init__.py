@@ -11,6 +11,7 @@ BENCHMARKS = {
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
     "l3": "kvtier.bench.l3",
+    "policy_memory": "kvtier.bench.policy_memory",
     "restart": "kvtier.bench.restart",
     "rpc": "kvtier.bench.rpc",
     "ttft": "kvtier.bench.ttft",

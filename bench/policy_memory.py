@@ -2,12 +2,16 @@
 index and every per-block array the store keeps), the heat table, and each eviction policy's
 own structures.
 
+    kvtier bench policy_memory [--blocks 1000000] [--json]
     python -m kvtier.bench.policy_memory [--blocks 1000000] [--json]
 
 Block table and heat table are numpy arrays, so their size is exact (``nbytes`` of every array,
 over the live blocks). A policy is measured with ``tracemalloc`` while it is filled with
-``blocks`` resident blocks in chains of 32 and then asked for a victim (so the heat policy's
-candidate buffer exists), which counts its Python objects too. Takes a minute or so.
+``blocks`` resident blocks in chains of 32 and then asked for a victim (so the heat and
+density policies' candidate buffers exist), which counts its Python objects too; the
+``_hinted`` figures add one hint covering every block (the hint deadlines are per id).
+The density policy's statistics (its ghosts are per-id entries, its tables fixed in size)
+are part of its figure. Takes a minute or two.
 """
 
 from __future__ import annotations
@@ -40,25 +44,31 @@ def heat_bytes(blocks: int) -> int:
     return table.heat.nbytes + table.last_access.nbytes
 
 
-def policy_bytes(name: str, blocks: int) -> int:
+def policy_bytes(name: str, blocks: int, hinted: bool = False) -> int:
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     policy = make_policy(name, capacity_blocks=blocks, initial_ids=blocks)
     for bid in range(blocks):
         policy.insert(bid, bid * 1e-3, bid - 1 if bid % _CHAIN else -1)
-    policy.victims(1, blocks * 1e-3, None)
+    now = blocks * 1e-3
+    if hinted:
+        policy.hint(np.arange(blocks), now + 1.0, now)
+    policy.victims(1, now + 2.0, None)
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     del policy
     return used
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvtier bench policy_memory", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--blocks", type=int, default=1_000_000)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    args.json = args.json or as_json
     n = args.blocks
     start = time.perf_counter()
     out: dict[str, float] = {}
@@ -68,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     out["heat_table_B"] = heat_bytes(n) / n
     for tiers in (1, 2, 4):
         out[f"index_{tiers}_tier_plus_heat_B"] = out[f"index_{tiers}_tier_B"] + out["heat_table_B"]
-    for name in ("heat", "lru", "arc"):
+    for name in ("heat", "density", "lru", "arc"):
         out[f"policy_{name}_B"] = policy_bytes(name, n) / n
+        out[f"policy_{name}_hinted_B"] = policy_bytes(name, n, hinted=True) / n
     print(f"bytes per block at {n:,} blocks")
     for key, value in out.items():
         print(f"  {key:<32} {value:8.1f}")

@@ -168,7 +168,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from kvtier.bench import BENCHMARKS
-    from kvtier.daemon.replay import add_replay_parser
+    from kvtier.sim.cli import add_replay_parser, add_trace_parser
 
     p = argparse.ArgumentParser(
         prog="kvtier",
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=_bench, parser=b)
 
     add_replay_parser(sub)
+    add_trace_parser(sub)
 
     # Options after the benchmark's name belong to the benchmark.
     args, extra = p.parse_known_args(argv)

@@ -468,7 +468,8 @@ class MoverConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     name: str = field(
-        default="heat", metadata=_opt("str", doc="eviction policy by name (heat, lru, arc)")
+        default="heat",
+        metadata=_opt("str", doc="eviction policy by name (heat, density, lru, arc)"),
     )
     protect_s: float = field(
         default=2.0,

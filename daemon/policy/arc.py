@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.hints import Hinted, HintTable
 from kvtier.daemon.policy.registry import register_policy
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class ARCStats:
 
 
 @register_policy("arc")
-class ARCPolicy:
+class ARCPolicy(Hinted):
     """ARC over block ids.
 
     Parameters:
@@ -77,6 +78,7 @@ class ARCPolicy:
         self._p = 0.0
         # Blocks moved into B1/B2 by remove() since the last insert.
         self._ghosted = [0, 0]
+        self._hints = HintTable()
 
     @property
     def capacity(self) -> int:
@@ -149,6 +151,7 @@ class ARCPolicy:
         self._bound_ghosts(self.capacity + 1)
 
     def forget(self, bid: int) -> None:
+        self._hints.forget(bid)
         self._b1.pop(bid, None)
         self._b2.pop(bid, None)
 
@@ -163,6 +166,7 @@ class ARCPolicy:
             return np.empty(0, dtype=np.int64)
         if n > len(self._t1) + len(self._t2):
             return None
+        evictable = self._hints.mask(evictable, now)
         p, from_b2 = self._adapted_target(incoming)
         n1, n2 = len(self._t1), len(self._t2)
         scan1 = _scan(self._t1, evictable)

@@ -9,6 +9,11 @@ wrong slot size) is not the policy's business: the caller passes an ``evictable`
 function and the policy only ranks. ``victims`` is atomic: it proposes exactly ``n`` blocks or
 none, and changes nothing; the caller then ``remove``s the ones it actually evicted.
 
+Hints (``hint``): the engine names blocks it will read by a deadline (its waiting queue);
+``victims`` proposes none of them until the deadline has passed, on top of the caller's mask.
+Every policy implements it with ``kvtier.daemon.policy.hints.HintTable``, so the rule is the
+same everywhere.
+
 Block ids are rows of the store's index and are reused once a block is forgotten. A policy
 must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see
 ``forget``.
@@ -69,7 +74,13 @@ class EvictionPolicy(Protocol):
 
     def forget(self, bid: int) -> None:
         """The id no longer names the block it named (its index row was freed and may be
-        reused): drop any history kept for it. A no-op for ids the policy does not know."""
+        reused): drop any history kept for it, and its hint. A no-op for ids the policy does
+        not know."""
+
+    def hint(self, bids: np.ndarray, until: float, now: float) -> None:
+        """The engine will read ``bids`` by ``until``: ``victims`` proposes none of them
+        while its ``now <= until``. Ids need not be resident yet (the hint holds for a block
+        inserted before the deadline); a block hinted twice keeps the later deadline."""
 
     def __len__(self) -> int: ...
 

@@ -87,6 +87,7 @@ import numpy as np
 
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.hints import Hinted, HintTable
 from kvtier.daemon.policy.registry import register_policy
 
 # Segments, also the values of the per-block ``_seg`` array (0: not resident).
@@ -160,7 +161,7 @@ class _Plan:
 
 
 @register_policy("heat")
-class HeatPolicy:
+class HeatPolicy(Hinted):
     """Parameters (all optional; unknown ones are ignored):
 
     half_life_s: heat half-life (30 s). How much past accesses count against recency. Heat
@@ -241,6 +242,7 @@ class HeatPolicy:
         self._owed: dict[int, float] = {}  # every ancestor still lacking it is hidden
         # Ancestors looked at by the chain walks (``_propagate``, ``_pay``): a cost measure.
         self.chain_steps = 0
+        self._hints = HintTable()
         self._size = 0
         self._alloc(len(self.heat))
 
@@ -357,6 +359,7 @@ class HeatPolicy:
         self._gseq_v[bid] = self._evictions[seg]
 
     def forget(self, bid: int) -> None:
+        self._hints.forget(bid)
         if not 0 <= bid < self._size or self._seg_v[bid] != _OUT:
             return
         self._ghost_v[bid] = _OUT
@@ -375,6 +378,7 @@ class HeatPolicy:
         n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
         if n > n1 + n2:
             return None
+        evictable = self._hints.mask(evictable, now)
         if self._owed_new:
             self._defer_owed()
         if n == 1 and evictable is None:

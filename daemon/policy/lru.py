@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.hints import Hinted, HintTable
 from kvtier.daemon.policy.registry import register_policy
 
 # Candidates are checked against the evictable mask in batches of this many.
@@ -15,11 +16,12 @@ _SCAN_BATCH = 256
 
 
 @register_policy("lru")
-class LRUPolicy:
+class LRUPolicy(Hinted):
     """Thread-safety: none; the owner serialises calls."""
 
     def __init__(self, **_: object) -> None:
         self._order: OrderedDict[int, None] = OrderedDict()
+        self._hints = HintTable()
 
     def insert(self, bid: int, now: float, parent: int = -1) -> None:
         self._order[bid] = None
@@ -40,7 +42,7 @@ class LRUPolicy:
         del self._order[bid]
 
     def forget(self, bid: int) -> None:
-        pass  # LRU keeps no history beyond residency.
+        self._hints.forget(bid)  # LRU keeps no other history beyond residency.
 
     def victims(
         self,
@@ -53,6 +55,7 @@ class LRUPolicy:
             return np.empty(0, dtype=np.int64)
         if n > len(self._order):
             return None
+        evictable = self._hints.mask(evictable, now)
         if evictable is None:
             it = iter(self._order)
             return np.fromiter((next(it) for _ in range(n)), dtype=np.int64, count=n)

@@ -22,13 +22,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.hints import Hinted, HintTable
 from kvtier.daemon.policy.registry import register_policy
 
 NextUseFn = Callable[[int], float]
 
 
 @register_policy("opt")
-class BeladyPolicy:
+class BeladyPolicy(Hinted):
     """Parameters:
     next_use: the trace's future, see the module docstring. Required.
     """
@@ -45,6 +46,7 @@ class BeladyPolicy:
         self._next_use = next_use
         self._next: dict[int, float] = {}
         self._heap: list[tuple[float, int]] = []
+        self._hints = HintTable()
 
     def insert(self, bid: int, now: float, parent: int = -1) -> None:
         self._set(bid)
@@ -66,7 +68,7 @@ class BeladyPolicy:
         del self._next[bid]
 
     def forget(self, bid: int) -> None:
-        pass  # No history beyond residency.
+        self._hints.forget(bid)  # No other history beyond residency.
 
     def victims(
         self,
@@ -79,6 +81,7 @@ class BeladyPolicy:
             return np.empty(0, dtype=np.int64)
         if n > len(self._next):
             return None
+        evictable = self._hints.mask(evictable, now)
         heap, current = self._heap, self._next
         # Dropping stale entries from the top changes no decision, only the heap's size.
         while current.get(heap[0][1]) != -heap[0][0]:

@@ -57,4 +57,4 @@ def _factory(name: str) -> Callable[..., EvictionPolicy]:
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register_policy decorators.
-    from kvtier.daemon.policy import arc, heat, lru, opt  # noqa: F401
+    from kvtier.daemon.policy import arc, density, heat, lru, opt  # noqa: F401

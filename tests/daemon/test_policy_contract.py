@@ -26,7 +26,7 @@ def fill(policy, n: int) -> None:
 
 
 def test_registry_knows_the_builtin_policies() -> None:
-    assert {"heat", "lru", "arc", "opt"} <= set(policy_names())
+    assert {"heat", "lru", "arc", "opt", "density"} <= set(policy_names())
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
 
@@ -96,7 +96,7 @@ def test_ids_can_be_reused(name: str) -> None:
     assert not math.isnan(float(v[0]))
 
 
-@pytest.mark.parametrize("name", ["heat", "lru", "arc"])
+@pytest.mark.parametrize("name", ["heat", "lru", "arc", "density"])
 def test_store_like_use_with_reused_ids_and_protection(name: str) -> None:
     """The live store's pattern: batches of chained puts, eviction of a deficit under the
     guard's mask, ids freed (LIFO) and reused, forget() on free."""
@@ -170,7 +170,7 @@ def _state(policy: object) -> object:
     }
 
 
-@pytest.mark.parametrize("name", ["lru", "arc", "opt"])
+@pytest.mark.parametrize("name", ["lru", "arc", "opt", "density"])
 def test_touch_many_equals_touch_in_order(name: str) -> None:
     """Random inserts, removes, forgets and touch batches (chains, repeats, any order);
     after each step the same state and the same victims as a loop of touch."""
@@ -215,3 +215,40 @@ def test_touch_many_equals_touch_in_order(name: str) -> None:
                 for m in (None, mask):
                     x, y = vec.victims(k, now, m), ref.victims(k, now, m)
                     assert (x is None and y is None) or x.tolist() == y.tolist()
+
+
+def test_hints_protect_exactly_until_their_deadline(name: str) -> None:
+    """A hinted block is never proposed while ``now <= until``, whatever its rank; it may be
+    once the deadline has passed. A hint given before the block arrives holds once it does;
+    ``forget`` drops it with the id."""
+    policy = build(name)
+    for bid in range(6):  # no chains: what a hint does to a block's ancestors is the policy's
+        policy.insert(bid, float(bid))
+    everything = policy.victims(6, 10.0, None)
+    assert everything is not None
+    hinted = [int(everything[0]), int(everything[3])]
+    policy.hint(np.array([*hinted, 40]), 20.0, 10.0)
+    for now in (10.0, 15.0, 20.0):
+        got = policy.victims(4, now, None)
+        assert got is not None and not set(got.tolist()) & set(hinted), now
+        assert policy.victims(5, now, None) is None
+    later = math.nextafter(20.0, math.inf)
+    assert sorted(policy.victims(6, later, None).tolist()) == list(range(6))
+    # Not resident when hinted: protected once inserted, until the deadline.
+    policy.remove(int(everything[1]))
+    policy.insert(40, 12.0, -1)
+    got = policy.victims(3, 19.0, None)
+    assert got is not None and not set(got.tolist()) & {*hinted, 40}
+    assert policy.victims(4, 19.0, None) is None
+    assert 40 in policy.victims(6, 21.0, None).tolist()
+    # A later hint keeps the later deadline.
+    policy.hint(np.array([hinted[0]]), 30.0, 21.0)
+    policy.hint(np.array([hinted[0]]), 25.0, 21.0)
+    assert hinted[0] not in policy.victims(5, 28.0, None).tolist()
+    # forget drops the hint with the id: the next block on it is not protected.
+    policy.remove(40)
+    policy.forget(40)
+    policy.hint(np.array([40]), 50.0, 30.0)
+    policy.forget(40)
+    policy.insert(40, 31.0, -1)
+    assert 40 in policy.victims(6, 32.0, None).tolist()

@@ -1,0 +1,1065 @@
+"""The ``density`` policy: evict the block with the lowest expected hits per unit of
+space-time (hit density, in the family of LHD, Beckmann et al., NSDI'18), with classes from
+KV-cache signals and statistics learned online.
+
+Lives. Every access of a block (a hit, a store, or a miss this tier did not keep) ends the
+block's previous *life* and starts a new one. A life ends with a *reuse* at some age (time
+since its access) or is *censored*: its ghost expired (``ghost_factor`` tier-fulls of
+evictions after it left the tier), or its id was forgotten. A life still open is censored at
+its current age, never counted as "not reused".
+
+Classes. A life's class combines signals known at its start: the block's access count
+(1, 2, 3-4, 5+), its depth in the prefix chain (0, 1-3, 4-15, 16+: shared system prompts sit
+at the root), and its *turn*: how many times the chain grew past an already reused block
+(0, 1, 2-3, 4+; a conversation's later turns are more likely to continue). Depth and turn are
+fixed when the block is first seen, from its parent.
+
+Statistics. Per class and age bucket (log-spaced, ``quantum_s`` then doubling every two
+buckets): reuses, and lives ended. Every ``period`` accesses (sooner while the policy is
+young, and only once the tier evicted or declined something since: a tier that is not full
+needs no order) the counts are aged by ``decay``, the open lives are counted at their current
+age (censored), and a table of densities is rebuilt: per class, the reuse hazard of each bucket (Kaplan-Meier, smoothed
+towards all classes' pooled hazard by ``prior`` lives), the survival curve, and for each age
+``a`` the best ratio over horizons ``T > a`` of the chance of a reuse in ``(a, T]`` to the
+expected time held until the reuse or ``T``. That maximum is the block's hit density: the
+most hits per block-second keeping it can still earn. A one-off document's block has little
+at every age; a shared prompt's root has much; a conversation's blocks fall off after the
+usual think time.
+
+Ranking. A block's key is ``(density at its age, last access, -depth, id)``; ages are taken at
+``now`` rounded down to ``quantum_s``, so every decision is a function of the policy's state
+and that quantum, and the order changes only when the quantum or the table changes.
+``victims`` takes the lowest keys under the chain rule: a block is a candidate only once its
+resident children are (each releases its parent at the child's key, so a parent ranks at
+least as its last child; a child the caller's mask keeps releases it as well, so a masked
+leaf does not pin its chain). Atomic: exactly ``n`` or None, nothing changed.
+
+Admission (``admits``): a block missing from the tier is declined when its density at age 0
+is below the would-be victim's. ``note_miss`` records an access of a block the tier did not
+keep, so declined blocks still teach the statistics.
+
+Cost. A sorted buffer holds the keys of every leaf with density at or below ``bound`` for the
+current quantum and table; entries go stale when their block changes and are checked on read;
+a block that changes at or below the bound is inserted at its place; a parent that becomes a
+leaf likewise. The buffer is rebuilt (vectorised) when the quantum or table changes or it runs
+out. Per access: O(1) Python steps plus a log-time insert for low-density blocks.
+
+Memory: 51 bytes per id of per-block arrays, the buffer (a fraction of the leaves), and the
+statistics (classes x buckets, fixed). Ghost lives are per-id entries too: no separate table.
+
+Id reuse: links are followed only while the parent is resident and was inserted before the
+child. History (count, depth, turn, the open life) outlives residency on purpose; the store
+must call ``forget`` when it frees an id, which censors the open life and starts the id cold.
+
+Thread-safety: none; the owner serialises calls.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.hints import Hinted
+from kvtier.daemon.policy.registry import register_policy
+
+# Block states (``_state``): no open life, resident, open life but not resident (a ghost).
+_CLOSED = 0
+_RESIDENT = 1
+_GHOST = 2
+
+# Class signals and their buckets. Frequency: the access count (1, 2, 3-4, 5-8, 9-16, 17+)
+# and, from the second access on, the gap since the previous access (< 4, < 32, < 256, more
+# quanta): 1 + 5 * 4 classes. Depth: 0, 1-7, 8+. Turn: 0, 1, 2-4, 5+.
+_COUNT_BUCKET = (0, 0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 5)  # by count 0..17+
+_GAP_BUCKET = (0,) * 5 + (1,) * 6 + (2,) * 6 + (3,) * 11  # by the gap's age bucket
+_DEPTH_BUCKET = (0, 1, 1, 1, 1, 1, 1, 1, 2)  # by depth 0..8+
+_TURN_BUCKET = (0, 1, 2, 2, 2, 3)  # by turn 0..5+
+_N_FREQ, _N_DEPTH, _N_TURN = 21, 3, 4
+CLASSES = _N_FREQ * _N_DEPTH * _N_TURN
+AGE_BUCKETS = 28  # quantum, then doubling every two buckets: 2**13 quanta at the last edge
+
+# Coarser groups a class's statistics are smoothed towards, coarsest first: its access count
+# bucket, then its count and gap (see ``ReuseModel.hazard``).
+_FREQ_OF = np.arange(CLASSES) // (_N_DEPTH * _N_TURN)
+
+
+def _onehot(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(group x class 0/1 matrix, group of each class): group sums as one product."""
+    return (groups[None, :] == np.arange(groups.max() + 1)[:, None]).astype(np.float64), groups
+
+
+_GROUPS = (
+    _onehot(np.where(_FREQ_OF == 0, 0, 1 + (_FREQ_OF - 1) // 4)),
+    _onehot(_FREQ_OF),
+)
+_FINEST = _GROUPS[-1][1]  # each class's finest group
+_FIRST_OF_FINEST = np.searchsorted(_FINEST, np.arange(_N_FREQ))  # classes run by group
+_MAX_COUNT = 65535
+_ONE = np.zeros(1, dtype=np.int64)
+# touch_many: below this many blocks the scalar loop is as fast.
+_VECTOR_MIN = 16
+_MIN_BUFFER = 64
+_EXHAUSTED = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSignals:
+    count: int  # accesses known (this tier's view; reset by forget)
+    depth: int
+    turn: int
+    cls: int  # class of the current (or last) life
+    last: float  # time of the last access
+    resident: bool
+    open_life: bool  # its last access has not been followed by a reuse or a censoring
+
+
+@dataclass(frozen=True, slots=True)
+class DensityStats:
+    capacity_blocks: int
+    resident: int
+    ghosts: int
+    tables: int
+    buffer_rebuilds: int
+    buffer_entries: int
+
+
+SIGNALS = ("count", "gap", "depth", "turn")
+# The gap since the previous access predicts the next reuse on its own, but as a class signal
+# it split the statistics too thin and lost hit ratio on the mixes it was tried on.
+DEFAULT_SIGNALS = ("count", "depth", "turn")
+
+
+class Classifier:
+    """Maps a life's signals to its class; a signal left out maps every value to bucket 0
+    (its classes then pool). The class is a sum of one term per signal, looked up in
+    ``count``, ``gap``, ``depth`` and ``turn`` (indexed by the clamped value: count up to 17,
+    gap bucket, depth up to 8, turn up to 6)."""
+
+    __slots__ = ("count", "depth", "gap", "turn")
+
+    def __init__(self, signals: Sequence[str] = SIGNALS) -> None:
+        unknown = set(signals) - set(SIGNALS)
+        if unknown:
+            raise ValueError(f"unknown signal {sorted(unknown)[0]!r}; from {', '.join(SIGNALS)}")
+        per_freq = _N_DEPTH * _N_TURN
+        counts = (*_COUNT_BUCKET, 5) if "count" in signals else (0,) * 19
+        # Frequency class: 0 for a first access, else 1 + 4 * (count bucket - 1) + gap.
+        self.count = [0 if cb == 0 else (1 + 4 * (cb - 1)) * per_freq for cb in counts]
+        gaps = _GAP_BUCKET if "gap" in signals and "count" in signals else (0,) * AGE_BUCKETS
+        self.gap = [g * per_freq for g in gaps]
+        depths = _DEPTH_BUCKET if "depth" in signals else (0,) * len(_DEPTH_BUCKET)
+        self.depth = [d * _N_TURN for d in depths]
+        self.turn = list((*_TURN_BUCKET, 3)) if "turn" in signals else [0] * 7
+
+    def __call__(self, count: int, gap_bucket: int, depth: int, turn: int) -> int:
+        """The class index of a life: the access count (this access included), the age
+        bucket of the gap since the previous access (0 for a first access), depth and
+        turn."""
+        return (
+            self.count[count if count < 18 else 17]
+            + (self.gap[gap_bucket] if count > 1 else 0)
+            + self.depth[depth if depth < 8 else 8]
+            + self.turn[turn if turn < 6 else 6]
+        )
+
+
+def age_bucket(age_quanta: float) -> int:
+    """The bucket of an age in quanta: [0, 1) is 0, then two buckets per doubling."""
+    if age_quanta < 1.0:
+        return 0
+    x = 1 + int(2.0 * math.log2(age_quanta))
+    return x if x < AGE_BUCKETS else AGE_BUCKETS - 1
+
+
+def age_buckets(age_quanta: np.ndarray) -> np.ndarray:
+    a = np.maximum(age_quanta, 1.0)
+    x = 1 + np.floor(2.0 * np.log2(a)).astype(np.int64)
+    x[age_quanta < 1.0] = 0
+    return np.minimum(x, AGE_BUCKETS - 1)
+
+
+def bucket_widths() -> np.ndarray:
+    """Width of each age bucket in quanta (the last, open-ended, counts as wide as its start)."""
+    starts = np.concatenate(([0.0], 2.0 ** (np.arange(AGE_BUCKETS - 1) / 2.0)))
+    ends = np.concatenate((starts[1:], [2 * starts[-1]]))
+    return ends - starts
+
+
+class ReuseModel:
+    """Reuse statistics per class and age bucket, and the density table they give.
+
+    Events since the last table are counted in ``hits`` and ``ends``, flat lists of integers
+    (class-major), so the per-access increments are plain Python and exact in any order;
+    ``table`` folds them into the decayed history (``past_hits``, ``past_ends``) and turns
+    the sum into densities with numpy.
+    """
+
+    def __init__(self, prior: float, decay: float, smooth: int = 1, min_horizon: int = 1) -> None:
+        if prior < 0 or not 0 <= decay <= 1 or smooth < 0 or min_horizon < 1:
+            raise ValueError(
+                "prior and smooth must be >= 0, min_horizon >= 1 and decay within [0, 1]"
+            )
+        self.prior = prior
+        self.decay = decay
+        self.smooth = smooth
+        self.hits = _counters()
+        self.ends = _counters()
+        self.past_hits = np.zeros((CLASSES, AGE_BUCKETS))
+        self.past_ends = np.zeros((CLASSES, AGE_BUCKETS))
+        self._widths = bucket_widths()
+        # Horizons of at least ``min_horizon`` buckets (the last bucket always qualifies).
+        self._upper = np.triu(np.ones((AGE_BUCKETS, AGE_BUCKETS), dtype=bool), k=min_horizon - 1)
+        self._upper[:, -1] = True
+
+    def totals(self) -> tuple[np.ndarray, np.ndarray]:
+        """Reuses and ended lives per class and age bucket: the decayed history plus the
+        events since."""
+        shape = (CLASSES, AGE_BUCKETS)
+        return (
+            self.past_hits + np.frombuffer(self.hits, dtype=np.int64).reshape(shape),
+            self.past_ends + np.frombuffer(self.ends, dtype=np.int64).reshape(shape),
+        )
+
+    def table(self, open_lives: np.ndarray) -> np.ndarray:
+        """Densities (hits per block-quantum), shape (CLASSES, AGE_BUCKETS), given the open
+        lives per class and bucket; then the counts fold into the history, aged by
+        ``decay``."""
+        hits, ends = self.totals()
+        hazard, group = self._hazards(hits, ends, open_lives)
+        # A class without lives of its own has its finest group's hazard: compute each
+        # group's row once, and the rows of the classes with lives.
+        table = self._densities(group[_FIRST_OF_FINEST])[_FINEST]
+        seen = np.flatnonzero((ends + open_lives).any(axis=1))
+        if len(seen):
+            table[seen] = self._densities(hazard[seen])
+        self.past_hits = hits * self.decay
+        self.past_ends = ends * self.decay
+        self.hits = _counters()
+        self.ends = _counters()
+        return np.asarray(table)
+
+    def hazard(self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray) -> np.ndarray:
+        """Reuse hazard per class and age bucket: reuses over lives at risk, each class
+        smoothed towards its coarser groups' hazard (all lives, then its access count, then
+        its count and gap) by ``prior`` lives of evidence."""
+        return self._hazards(hits, ends, open_lives)[0]
+
+    def _hazards(
+        self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The classes' hazards and, per class, its finest group's."""
+        # At risk in bucket x: every life that reached x (ended at x or later, or still open
+        # at an age of x or more).
+        risk = np.cumsum((ends + open_lives)[:, ::-1], axis=1)[:, ::-1]
+        for _ in range(self.smooth):
+            hits, risk = _smoothed(hits), _smoothed(risk)
+        k = self.prior
+        h = np.broadcast_to(_ratio(hits.sum(0), risk.sum(0) + k, 0.0), hits.shape)
+        for onehot, groups in _GROUPS:
+            h = _ratio((onehot @ hits)[groups] + k * h, (onehot @ risk)[groups] + k, h)
+        group = np.clip(h, 0.0, 1.0)
+        h = _ratio(hits + k * h, risk + k, h)
+        return np.clip(h, 0.0, 1.0), group
+
+    def _densities(self, hazard: np.ndarray) -> np.ndarray:
+        """Per row of reuse hazards by age bucket: for each age, the best ratio over horizons
+        of the chance of a reuse before the horizon to the expected time held."""
+        rows = len(hazard)
+        # survival[:, x]: alive at the start of bucket x
+        survival = np.concatenate((np.ones((rows, 1)), np.cumprod(1.0 - hazard, axis=1)), axis=1)
+        held = survival[:, :-1] * self._widths * (1.0 - hazard / 2.0)
+        occupancy = np.concatenate((np.zeros((rows, 1)), np.cumsum(held, axis=1)), axis=1)
+        # density[c, i] = max over j >= i of (S_i - S_{j+1}) / (Occ_{j+1} - Occ_i)
+        num = survival[:, :-1, None] - survival[:, None, 1:]
+        den = occupancy[:, None, 1:] - occupancy[:, :-1, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(self._upper & (den > 0), num / den, 0.0)
+        return np.asarray(ratio.max(axis=2))
+
+
+def _counters() -> array[int]:
+    """Zeroed event counters, one per class and age bucket (int64; numpy reads them in
+    place)."""
+    return array("q", bytes(8 * CLASSES * AGE_BUCKETS))
+
+
+def _ratio(num: np.ndarray, den: np.ndarray, fallback: np.ndarray | float) -> np.ndarray:
+    """``num / den``, and ``fallback`` where nothing is at risk (``den`` is 0)."""
+    out = np.array(np.broadcast_to(fallback, np.broadcast(num, den).shape), dtype=np.float64)
+    np.divide(num, den, out=out, where=den > 0)
+    return out
+
+
+def _smoothed(a: np.ndarray) -> np.ndarray:
+    """``a`` averaged along the age axis with its neighbours (weights 1/4, 1/2, 1/4; the
+    ends reflect), so that a few events in one bucket do not make a spike."""
+    padded = np.concatenate((a[:, :1], a, a[:, -1:]), axis=1)
+    return np.asarray(0.25 * padded[:, :-2] + 0.5 * padded[:, 1:-1] + 0.25 * padded[:, 2:])
+
+
+@register_policy("density")
+class DensityPolicy(Hinted):
+    """Parameters (all optional; unknown ones are ignored):
+
+    capacity_blocks: the tier's size; sizes the ghost window and the statistics period.
+        None uses the most blocks ever resident at once.
+    quantum_s: the age unit and the ranking's time step (1 s).
+    ghost_factor: an evicted block's life stays open (its reuse is still learned from) for
+        this many tier-fulls of evictions (4).
+    period: accesses between statistics tables (default: twice the capacity, at least
+        2,048).
+    decay: weight of the previous statistics at each table (0.9: about ten periods).
+    prior: lives of pooled evidence a class's hazard starts from (8).
+    admission: decline a block whose density is below the victim's (True).
+    initial_ids: initial size of the per-id arrays (they grow by doubling).
+    """
+
+    default_admission = "always"
+
+    _state: np.ndarray
+    _last: np.ndarray
+    _cls: np.ndarray
+    _cnt: np.ndarray
+    _depth: np.ndarray
+    _turn: np.ndarray
+    _parent: np.ndarray
+    _kids: np.ndarray
+    _ins: np.ndarray
+    _evseq: np.ndarray
+    _stamp: np.ndarray
+    _until: np.ndarray
+    # Memoryviews of the arrays above, for scalar access (typed Any: memoryview's stubs
+    # assume byte-sized integer items).
+    _state_v: Any
+    _last_v: Any
+    _cls_v: Any
+    _cnt_v: Any
+    _depth_v: Any
+    _turn_v: Any
+    _parent_v: Any
+    _kids_v: Any
+    _ins_v: Any
+    _evseq_v: Any
+    _stamp_v: Any
+    _until_v: Any
+
+    def __init__(
+        self,
+        capacity_blocks: int | None = None,
+        quantum_s: float = 1.0,
+        ghost_factor: float = 4.0,
+        period: int | None = None,
+        decay: float = 0.9,
+        prior: float = 8.0,
+        admission: bool = True,
+        signals: Sequence[str] | str = DEFAULT_SIGNALS,
+        smooth: int = 3,
+        min_horizon: int = 1,
+        initial_ids: int = 1024,
+        **_: object,
+    ) -> None:
+        if capacity_blocks is not None and capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be at least 1")
+        if not quantum_s > 0 or ghost_factor < 0 or (period is not None and period < 1):
+            raise ValueError("quantum_s must be > 0, ghost_factor >= 0 and period >= 1")
+        self._fixed_capacity = capacity_blocks
+        self._quantum = float(quantum_s)
+        self._ghost_factor = ghost_factor
+        self._period = period
+        self._admission = admission
+        self._classify = Classifier(signals.split(",") if isinstance(signals, str) else signals)
+        self.model = ReuseModel(prior, decay, smooth, min_horizon)
+        self._table = np.zeros((CLASSES, AGE_BUCKETS))
+        self._rows: list[list[float]] = self._table.tolist()
+        self._version = 0
+        self._resident = 0
+        self._high_water = 0
+        self._seq = 0
+        self._evictions = 0
+        self._accesses = 0
+        self._warming = True
+        self._next_table = self._period_now()
+        # Evictions and misses so far, and at the last table: a table falls due only once
+        # the tier has decided something since (a tier that is not full needs no order).
+        self._decided = 0
+        self._decided_at_table = 0
+        self._now = -math.inf
+        self._tables = 0
+        # The candidate buffer (see the module docstring).
+        self._buf: list[tuple[float, float, int, int, int]] = []
+        self._cur = 0
+        self._bound = -math.inf
+        self._complete = False
+        self._buf_q = math.nan
+        self._buf_version = -1
+        self._target = _MIN_BUFFER
+        # Memo of ``_select`` (see there).
+        self._memo_mask: EvictableFn | None = None
+        self._memo_tag: tuple[float, float, int] = (math.nan, math.nan, -1)
+        self._memo_allowed: dict[int, tuple[int, bool]] = {}
+        self._memo_keys: dict[int, tuple[int, tuple[float, float, int]]] = {}
+        self._taken = 0  # victims proposed since the last rebuild (sizes the next buffer)
+        self._rebuilds = 0
+        # The last single victim proposed and its density, for ``admits``.
+        self._pick = (-1, -1, -1.0)
+        # Hints: the latest deadline ever given (none is live past it).
+        self._hinted_until = -math.inf
+        self._q_now = math.nan
+        self._q = math.nan
+        self._size = 0
+        self._alloc(max(1, initial_ids))
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def capacity(self) -> int:
+        return self._fixed_capacity or max(self._high_water, 1)
+
+    def insert(self, bid: int, now: float, parent: int = -1) -> None:
+        if bid >= self._size:
+            self._grow(bid + 1)
+        state_v = self._state_v
+        if state_v[bid] == _RESIDENT:
+            self.touch(bid, now)
+            return
+        cls = self._access(bid, now, parent)
+        state_v[bid] = _RESIDENT
+        self._resident += 1
+        if self._resident > self._high_water:
+            self._high_water = self._resident
+        self._seq += 1
+        seq = self._seq
+        self._ins_v[bid] = seq
+        self._stamp_v[bid] = seq
+        self._kids_v[bid] = 0
+        if 0 <= parent < self._size and parent != bid and state_v[parent] == _RESIDENT:
+            self._parent_v[bid] = parent
+            self._kids_v[parent] += 1
+        else:
+            self._parent_v[bid] = -1
+        if self._buf_version == self._version:
+            # Inline ``_note`` for a new leaf (the per-access path).
+            q = self._q if now == self._q_now else self._quantise(now)
+            if q != self._buf_q:
+                self._buf_version = -1
+            else:
+                dens = self._rows[cls][0]
+                if dens <= self._bound and self._until_v[bid] < q + self._quantum:
+                    bisect.insort(
+                        self._buf, (dens, now, -self._depth_v[bid], bid, seq), lo=self._cur
+                    )
+        if self._accesses >= self._next_table and self._table_may_fall_due():
+            self._new_table(now)
+
+    def touch(self, bid: int, now: float) -> None:
+        if not 0 <= bid < self._size or self._state_v[bid] != _RESIDENT:
+            raise KeyError(bid)
+        cls = self._access(bid, now, -1)
+        self._seq += 1
+        self._stamp_v[bid] = self._seq
+        if self._buf_version == self._version:
+            self._note(bid, cls, now)
+        if self._accesses >= self._next_table and self._table_may_fall_due():
+            self._new_table(now)
+
+    def touch_many(self, bids: np.ndarray, now: float) -> None:
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            return
+        ok = (ids >= 0) & (ids < self._size)
+        ok[ok] = self._state[ids[ok]] == _RESIDENT
+        if not ok.all():
+            raise KeyError(int(ids[np.argmin(ok)]))  # before any change: all or nothing
+        if len(ids) < _VECTOR_MIN or len(np.unique(ids)) < len(ids):
+            touch = self.touch
+            for bid in ids.tolist():
+                touch(bid, now)
+            return
+        # Distinct ids: the loop's state, vectorised; split where the loop would build a
+        # new table, so each part sees the table the loop would.
+        while len(ids):
+            if not self._table_may_fall_due():
+                self._touch_distinct(ids, now)  # no table can fall due (see ``_new_table``)
+                return
+            room = max(self._next_table - self._accesses, 1)
+            part, ids = ids[:room], ids[room:]
+            self._touch_distinct(part, now)
+            if self._accesses >= self._next_table:
+                self._new_table(now)
+
+    def _touch_distinct(self, ids: np.ndarray, now: float) -> None:
+        """``touch`` of each of ``ids`` (distinct, resident), as array operations."""
+        if now > self._now:
+            self._now = now
+        n = len(ids)
+        self._accesses += n
+        age = (now - self._last[ids]) / self._quantum
+        gap = age_buckets(age)
+        closing = self._cls[ids].astype(np.int64) * AGE_BUCKETS + gap
+        where, times = np.unique(closing, return_counts=True)
+        hits, ends = self.model.hits, self.model.ends
+        for i, k in zip(where.tolist(), times.tolist(), strict=True):
+            hits[i] += k
+            ends[i] += k
+        count = self._cnt[ids].astype(np.int64)
+        count = np.minimum(count + 1, _MAX_COUNT)
+        self._cnt[ids] = count
+        c = self._classify
+        cls = (
+            np.take(c.count, np.minimum(count, 17))
+            + np.where(count > 1, np.take(c.gap, gap), 0)
+            + np.take(c.depth, np.minimum(self._depth[ids], 8))
+            + np.take(c.turn, np.minimum(self._turn[ids], 6))
+        )
+        self._cls[ids] = cls
+        self._last[ids] = now
+        stamps = np.arange(self._seq + 1, self._seq + n + 1)
+        self._seq += n
+        self._stamp[ids] = stamps
+        if self._buf_version != self._version:
+            return
+        q = self._quantise(now)
+        if q != self._buf_q:
+            self._buf_version = -1
+            return
+        dens = self._table[cls, 0]
+        low = (
+            (dens <= self._bound) & (self._kids[ids] == 0) & (self._until[ids] < q + self._quantum)
+        )
+        if not low.any():
+            return
+        ids = ids[low]
+        new = list(
+            zip(
+                dens[low].tolist(),
+                [now] * len(ids),
+                (-self._depth[ids].astype(np.int64)).tolist(),
+                ids.tolist(),
+                self._stamp[ids].tolist(),
+                strict=True,
+            )
+        )
+        # Merged rather than inserted one by one: the buffer stays sorted from the cursor.
+        tail = self._buf[self._cur :]
+        tail.extend(new)
+        tail.sort()
+        self._buf = tail
+        self._cur = 0
+
+    def remove(self, bid: int) -> None:
+        state_v = self._state_v
+        if not 0 <= bid < self._size or state_v[bid] != _RESIDENT:
+            raise KeyError(bid)
+        state_v[bid] = _GHOST
+        self._resident -= 1
+        self._evictions += 1
+        self._decided += 1
+        self._evseq_v[bid] = self._evictions
+        parent = self._parent_v[bid]
+        if parent >= 0 and state_v[parent] == _RESIDENT and self._ins_v[parent] < self._ins_v[bid]:
+            kids_v = self._kids_v
+            kids_v[parent] -= 1
+            if kids_v[parent] == 0 and self._buf_version == self._version:
+                # A new leaf: the buffer must hold it if it ranks at or below the bound.
+                q = self._buf_q
+                if self._until_v[parent] < q + self._quantum:
+                    last = self._last_v[parent]
+                    age = (q - last) / self._quantum
+                    if age < 1.0:
+                        x = 0
+                    else:
+                        x = 1 + int(2.0 * math.log2(age))
+                        if x >= AGE_BUCKETS:
+                            x = AGE_BUCKETS - 1
+                    dens = self._rows[self._cls_v[parent]][x]
+                    if dens <= self._bound:
+                        entry = (dens, last, -self._depth_v[parent], parent, self._stamp_v[parent])
+                        bisect.insort(self._buf, entry, lo=self._cur)
+
+    def forget(self, bid: int) -> None:
+        if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:
+            return
+        if self._state_v[bid] == _GHOST:
+            self._censor(bid, self._now)
+        self._state_v[bid] = _CLOSED
+        self._cnt_v[bid] = 0
+        self._depth_v[bid] = 0
+        self._turn_v[bid] = 0
+        self._parent_v[bid] = -1
+        self._until_v[bid] = -math.inf
+
+    def hint(self, bids: np.ndarray, until: float, now: float) -> None:
+        if math.isnan(until):
+            raise ValueError("a hint's deadline must be a number")
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0 or until < now:
+            return
+        if ids.min() < 0:
+            raise KeyError(int(ids[np.argmin(ids)]))
+        if ids.max() >= self._size:
+            self._grow(int(ids.max()) + 1)
+        self._until[ids] = np.maximum(self._until[ids], until)
+        self._hinted_until = max(self._hinted_until, until)
+        if self._buf_version == self._version and until >= self._buf_q + self._quantum:
+            # Protected for the rest of the buffer's quantum: out of the buffer (new stamps).
+            held = ids[self._state[ids] == _RESIDENT]
+            if len(held):
+                self._stamp[held] = np.arange(self._seq + 1, self._seq + 1 + len(held))
+                self._seq += len(held)
+
+    def victims(
+        self,
+        n: int,
+        now: float,
+        evictable: EvictableFn | None,
+        incoming: Sequence[int] = (),
+    ) -> np.ndarray | None:
+        if n <= 0:
+            return np.empty(0, dtype=np.int64)
+        if n > self._resident:
+            return None
+        q = self._q if now == self._q_now else self._quantise(now)
+        if q != self._buf_q or self._buf_version != self._version:
+            self._rebuild(q, complete=False)
+        if n == 1 and evictable is None and self._hinted_until < now:
+            # The replayer's path: the lowest key, every block evictable, no live hint.
+            buf, i = self._buf, self._cur
+            state_v, stamp_v, kids_v = self._state_v, self._stamp_v, self._kids_v
+            while i < len(buf):
+                e = buf[i]
+                b = e[3]
+                if state_v[b] == _RESIDENT and stamp_v[b] == e[4] and kids_v[b] == 0:
+                    self._cur = i
+                    self._pick = (b, e[4], e[0])
+                    self._taken += 1
+                    out = _ONE.copy()  # cheaper than building an array from a list
+                    out[0] = b
+                    return out
+                i += 1
+            self._cur = i
+        chosen = self._select(n, now, evictable)
+        if chosen is None:
+            self._target = min(max(self._resident, _MIN_BUFFER), 4 * self._target)
+            self._rebuild(q, complete=True)
+            chosen = self._select(n, now, evictable)
+        if chosen is None or len(chosen) < n:
+            return None
+        return np.asarray(chosen, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self._resident
+
+    def __contains__(self, bid: object) -> bool:
+        if not isinstance(bid, (int, np.integer)) or not 0 <= bid < self._size:
+            return False
+        return bool(self._state_v[int(bid)] == _RESIDENT)
+
+    # ------------------------------------------------------------------ admission
+
+    def admits(self, bid: int, parent: int, victim: int, now: float) -> bool:
+        """Whether ``bid`` (not resident; ``parent`` its chain predecessor or -1) is worth
+        more than ``victim``: its density at age 0 is at least the victim's now. A hinted
+        block is always worth it. Pure."""
+        if not self._admission:
+            return True
+        size = self._size
+        known = 0 <= bid < size
+        if known and self._until_v[bid] >= now:
+            return True
+        classify = self._classify
+        cnt_v = self._cnt_v
+        if known and cnt_v[bid] > 0:
+            count = cnt_v[bid] + 1
+            age = (now - self._last_v[bid]) / self._quantum
+            depth, turn = self._depth_v[bid], self._turn_v[bid]
+            cls = classify(count, age_bucket(age), depth, turn)
+        elif 0 <= parent < size and cnt_v[parent] > 0:
+            # ``_lineage``, inline: this runs for every miss of a full tier.
+            depth = self._depth_v[parent] + 1
+            turn = self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0)
+            cls = (
+                classify.count[1]
+                + classify.depth[depth if depth < 8 else 8]
+                + classify.turn[turn if turn < 6 else 6]
+            )
+        else:
+            cls = classify.count[1] + classify.depth[0] + classify.turn[0]
+        mine = self._rows[cls][0]
+        b, stamp, theirs = self._pick
+        if b != victim or stamp != self._stamp_v[victim]:
+            theirs = self._key(victim, self._quantise(now))[0]
+        return bool(mine >= theirs)
+
+    def note_miss(self, bid: int, parent: int, now: float) -> None:
+        """``bid`` was read or stored but this tier does not keep it (declined, or no room):
+        the access still ends its previous life and starts a new one."""
+        if bid >= self._size:
+            self._grow(bid + 1)
+        if self._state_v[bid] == _RESIDENT:
+            self.touch(bid, now)
+            return
+        self._access(bid, now, parent)
+        self._state_v[bid] = _GHOST
+        self._evseq_v[bid] = self._evictions
+        self._decided += 1
+        if self._accesses >= self._next_table and self._table_may_fall_due():
+            self._new_table(now)
+
+    # ---------------------------------------------------------------- inspection
+
+    def stats(self) -> DensityStats:
+        ghosts = int(np.count_nonzero(self._state[: self._size] == _GHOST))
+        return DensityStats(
+            self.capacity, self._resident, ghosts, self._tables, self._rebuilds, len(self._buf)
+        )
+
+    def density(self, bid: int, now: float) -> float:
+        """The block's density (hits per block-quantum) at ``now``."""
+        if bid not in self:
+            raise KeyError(bid)
+        return self._key(bid, self._quantise(now))[0]
+
+    def describe(self, bid: int) -> BlockSignals:
+        """What the policy knows of a block (KeyError if nothing)."""
+        if not 0 <= bid < self._size or self._cnt_v[bid] == 0:
+            raise KeyError(bid)
+        return BlockSignals(
+            count=int(self._cnt_v[bid]),
+            depth=int(self._depth_v[bid]),
+            turn=int(self._turn_v[bid]),
+            cls=int(self._cls_v[bid]),
+            last=float(self._last_v[bid]),
+            resident=self._state_v[bid] == _RESIDENT,
+            open_life=self._state_v[bid] != _CLOSED,
+        )
+
+    @property
+    def table(self) -> np.ndarray:
+        """The current densities, shape (CLASSES, AGE_BUCKETS) (a copy)."""
+        return self._table.copy()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(a.itemsize for a in self._arrays())
+
+    # ------------------------------------------------------------------- helpers
+
+    def _period_now(self) -> int:
+        """When the next table is due: every ``period`` accesses, and sooner while the
+        policy is young (after 256 accesses, then doubling), so a new tier learns fast."""
+        regular = self._period or max(2048, 2 * self.capacity)
+        period = min(regular, max(256, self._accesses))
+        self._warming = period < regular
+        return self._accesses + period
+
+    def _table_may_fall_due(self) -> bool:
+        """Past the young policy's tables, one falls due only once the tier evicted or
+        declined something since the last (a tier that is not full needs no order)."""
+        return self._warming or self._decided != self._decided_at_table
+
+    def _quantise(self, now: float) -> float:
+        if now != self._q_now:
+            self._q_now = now
+            self._q = math.floor(now / self._quantum) * self._quantum
+        return self._q
+
+    def _lineage(self, parent: int) -> tuple[int, int]:
+        """Depth and turn of a block first seen under ``parent``."""
+        if 0 <= parent < self._size:
+            count = self._cnt_v[parent]
+            if count > 0:
+                grew = 1 if count >= 2 else 0
+                return min(self._depth_v[parent] + 1, 1 << 30), min(
+                    self._turn_v[parent] + grew, 255
+                )
+        return 0, 0
+
+    def _access(self, bid: int, now: float, parent: int) -> int:
+        """End the block's open life (a reuse) and start a new one at ``now``; returns its
+        class. The per-access path: locals and memoryviews keep it short."""
+        if now > self._now:
+            self._now = now
+        self._accesses += 1
+        cnt_v = self._cnt_v
+        count = cnt_v[bid]
+        classify = self._classify
+        if count == 0:
+            depth, turn = self._lineage(parent)
+            self._depth_v[bid] = depth
+            self._turn_v[bid] = turn
+            cnt_v[bid] = 1
+            cls = classify.count[1] + classify.depth[depth if depth < 8 else 8]
+        else:
+            age = (now - self._last_v[bid]) / self._quantum
+            if age < 1.0:
+                gap = 0
+            else:
+                gap = 1 + int(2.0 * math.log2(age))
+                if gap >= AGE_BUCKETS:
+                    gap = AGE_BUCKETS - 1
+            if self._state_v[bid] != _CLOSED:
+                i = self._cls_v[bid] * AGE_BUCKETS + gap
+                self.model.hits[i] += 1
+                self.model.ends[i] += 1
+            depth, turn = self._depth_v[bid], self._turn_v[bid]
+            if count < _MAX_COUNT:
+                count += 1
+                cnt_v[bid] = count
+            cls = (
+                classify.count[count if count < 18 else 17]
+                + classify.gap[gap]
+                + classify.depth[depth if depth < 8 else 8]
+            )
+        cls += classify.turn[turn if turn < 6 else 6]
+        self._cls_v[bid] = cls
+        self._last_v[bid] = now
+        return cls
+
+    def _censor(self, bid: int, now: float) -> None:
+        age = max(0.0, now - self._last_v[bid]) / self._quantum
+        self.model.ends[self._cls_v[bid] * AGE_BUCKETS + age_bucket(age)] += 1
+
+    def _key(self, bid: int, q: float) -> tuple[float, float, int]:
+        last = self._last_v[bid]
+        age = (q - last) / self._quantum
+        return (
+            self._rows[self._cls_v[bid]][age_bucket(age) if age >= 1.0 else 0],
+            last,
+            -self._depth_v[bid],
+        )
+
+    def _note(self, bid: int, cls: int, now: float) -> None:
+        """``bid`` (resident) just started a life: the current buffer must hold it if it is a
+        leaf ranking at or below the bound; a buffer of another quantum is dropped."""
+        q = self._quantise(now)
+        if q != self._buf_q:
+            self._buf_version = -1
+            return
+        if self._kids_v[bid] == 0 and self._until_v[bid] < q + self._quantum:
+            dens = self._rows[cls][0]
+            if dens <= self._bound:
+                self._insort((dens, now, -self._depth_v[bid]), bid)
+
+    def _insort(self, key: tuple[float, float, int], bid: int) -> None:
+        entry = (key[0], key[1], key[2], bid, self._stamp_v[bid])
+        bisect.insort(self._buf, entry, lo=self._cur)
+
+    def _new_table(self, now: float) -> None:
+        """Close expired ghosts, count the open lives, and rebuild the density table."""
+        size = self._size
+        state = self._state[:size]
+        window = self._ghost_factor * self.capacity
+        ghosts = np.flatnonzero(state == _GHOST)
+        expired = ghosts[self._evseq[ghosts] <= self._evictions - window]
+        if len(expired):
+            idx = self._cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
+                (now - self._last[expired]) / self._quantum
+            )
+            np.add.at(np.frombuffer(self.model.ends, dtype=np.int64), idx, 1)
+            self._state[expired] = _CLOSED
+        live = np.flatnonzero(state != _CLOSED)
+        idx = self._cls[live].astype(np.int64) * AGE_BUCKETS + age_buckets(
+            (now - self._last[live]) / self._quantum
+        )
+        open_lives = np.bincount(idx, minlength=CLASSES * AGE_BUCKETS).astype(np.float64)
+        self._table = self.model.table(open_lives.reshape(CLASSES, AGE_BUCKETS))
+        self._rows = self._table.tolist()
+        self._version += 1
+        self._tables += 1
+        self._next_table = self._period_now()
+        self._decided_at_table = self._decided
+
+    def _rebuild(self, q: float, complete: bool) -> None:
+        """The buffer for quantum ``q``: the lowest-keyed leaves (all with ``complete``),
+        leaving out blocks hinted past the quantum."""
+        self._rebuilds += 1
+        size = self._size
+        live = (self._state[:size] == _RESIDENT) & (self._kids[:size] == 0)
+        if self._hinted_until >= q + self._quantum:
+            live &= self._until[:size] < q + self._quantum
+        ids = np.flatnonzero(live)
+        last = self._last[ids]
+        dens = self._table[self._cls[ids], age_buckets((q - last) / self._quantum)]
+        k = max(_MIN_BUFFER, self._target, 2 * self._taken)
+        self._taken = 0
+        if complete or k >= len(ids):
+            self._bound = math.inf
+            self._complete = True
+        else:
+            self._bound = float(np.partition(dens, k - 1)[k - 1])
+            keep = dens <= self._bound
+            ids, last, dens = ids[keep], last[keep], dens[keep]
+            self._complete = False
+        depth = -self._depth[ids].astype(np.int64)
+        order = np.lexsort((ids, depth, last, dens))
+        ids = ids[order]
+        self._buf = list(
+            zip(
+                dens[order].tolist(),
+                last[order].tolist(),
+                depth[order].tolist(),
+                ids.tolist(),
+                self._stamp[ids].tolist(),
+                strict=True,
+            )
+        )
+        self._cur = 0
+        self._buf_q = q
+        self._buf_version = self._version
+
+    def _select(self, n: int, now: float, evictable: EvictableFn | None) -> list[int] | None:
+        """Up to ``n`` victims from the buffer under the chain rule, or None when the buffer
+        ran out before the choice was certain. Changes nothing but the buffer's cursor past
+        entries that can never be chosen as they are."""
+        buf = self._buf
+        state_v, stamp_v, kids_v = self._state_v, self._stamp_v, self._kids_v
+        parent_v, ins_v, until_v = self._parent_v, self._ins_v, self._until_v
+        hints_live = self._hinted_until >= now
+        i = self._cur
+        advance = True
+        revived: list[tuple[tuple[float, float, int], int]] = []
+        released: dict[int, int] = {}
+        seen: set[int] = set()
+        chosen: list[int] = []
+        # What the mask said and the keys of released parents, kept across calls with the
+        # same mask object, time, quantum and table (a replay evicts for each block of a
+        # request at one time): entries carry the block's stamp, so a block touched or
+        # re-inserted since is asked again. A mask only grows while time stands still
+        # (protection starts at an access, which changes the stamp).
+        tag = (now, self._buf_q, self._version)
+        if self._memo_mask is not evictable or self._memo_tag != tag:
+            self._memo_mask, self._memo_tag = evictable, tag
+            self._memo_allowed = {}
+            self._memo_keys = {}
+        allowed, keys = self._memo_allowed, self._memo_keys
+        while len(chosen) < n:
+            while i < len(buf):
+                e = buf[i]
+                b = e[3]
+                if state_v[b] != _RESIDENT or stamp_v[b] != e[4] or kids_v[b] > 0:
+                    i += 1  # stale, or not a leaf (re-entered when it becomes one)
+                    if advance:
+                        self._cur = i
+                    continue
+                if b in seen:
+                    i += 1
+                    continue
+                break
+            head = buf[i] if i < len(buf) else None
+            if revived and (head is None or revived[0] < (head[:3], head[3])):
+                if head is None and revived[0][0][0] > self._bound and not self._complete:
+                    return None
+                key, b = heapq.heappop(revived)
+            elif head is not None:
+                key, b = head[:3], head[3]
+                i += 1
+                advance = False
+            elif self._complete:
+                return chosen
+            else:
+                return None
+            if b in seen:
+                continue
+            seen.add(b)
+            if hints_live and until_v[b] >= now:
+                continue  # hinted: the engine reads its chain soon, ancestors included
+            if evictable is None:
+                chosen.append(b)
+            else:
+                memo = allowed.get(b)
+                if memo is None or memo[0] != stamp_v[b]:
+                    self._ask_mask(b, buf, i, evictable, allowed)
+                    memo = allowed[b]
+                if memo[1]:
+                    chosen.append(b)
+            p = parent_v[b]
+            if p >= 0 and state_v[p] == _RESIDENT and ins_v[p] < ins_v[b]:
+                left = released.get(p, kids_v[p]) - 1
+                released[p] = left
+                if left == 0 and p not in seen:
+                    known = keys.get(p)
+                    if known is None or known[0] != stamp_v[p]:
+                        known = (stamp_v[p], self._key(p, self._buf_q))
+                        keys[p] = known
+                    heapq.heappush(revived, (max(known[1], key), p))
+        self._taken += len(chosen)
+        return chosen
+
+    def _ask_mask(
+        self,
+        b: int,
+        buf: list[tuple[float, float, int, int, int]],
+        i: int,
+        evictable: EvictableFn,
+        memo: dict[int, tuple[int, bool]],
+    ) -> None:
+        """Ask the mask about ``b`` together with the next buffer entries and ``b``'s
+        ancestors (a masked leaf releases its parent, which is asked next): one call per
+        batch rather than per block. Answers go to ``memo`` with each block's stamp."""
+        stamp_v, parent_v, state_v, ins_v = (
+            self._stamp_v,
+            self._parent_v,
+            self._state_v,
+            self._ins_v,
+        )
+
+        def fresh(x: int) -> bool:
+            m = memo.get(x)
+            return m is None or m[0] != stamp_v[x]
+
+        batch = [b]
+        batch += [e[3] for e in buf[i : i + 31] if fresh(e[3])]
+        x = b
+        for _ in range(32):
+            p = parent_v[x]
+            if p < 0 or state_v[p] != _RESIDENT or ins_v[p] >= ins_v[x]:
+                break
+            if fresh(p):
+                batch.append(p)
+            x = p
+        ids = np.asarray(batch, dtype=np.int64)
+        for x, ok in zip(batch, evictable(ids).tolist(), strict=True):
+            memo[x] = (stamp_v[x], bool(ok))
+
+    # -------------------------------------------------------------- per-id arrays
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [getattr(self, name) for name, _, _ in _ARRAYS]
+
+    def _alloc(self, size: int) -> None:
+        old = self._size
+        for name, dtype, fill in _ARRAYS:
+            arr = np.full(size, fill, dtype=dtype)
+            if old:
+                arr[:old] = getattr(self, name)[:old]
+            setattr(self, name, arr)
+            setattr(self, name + "_v", memoryview(arr))  # type: ignore[arg-type]
+        self._size = size
+
+    def _grow(self, needed: int) -> None:
+        self._alloc(max(needed, 2 * self._size))
+
+
+# Per-id arrays: name, dtype, value of an unknown id.
+_ARRAYS: list[tuple[str, Any, float]] = [
+    ("_state", np.uint8, _CLOSED),
+    ("_last", np.float64, -math.inf),
+    ("_cls", np.int16, 0),
+    ("_cnt", np.uint16, 0),
+    ("_depth", np.int32, 0),
+    ("_turn", np.uint8, 0),
+    ("_parent", np.int32, -1),
+    ("_kids", np.int32, 0),
+    ("_ins", np.int64, 0),
+    ("_evseq", np.int64, 0),
+    ("_stamp", np.int64, 0),
+    ("_until", np.float64, -math.inf),
+]

@@ -1,0 +1,97 @@
+"""Hints: blocks the engine will read soon, protected from eviction until a deadline.
+
+An engine's scheduler knows the requests waiting in its queue. It names their blocks with a
+deadline (when it expects to start them); until then no policy proposes those blocks as
+victims. ``HintTable`` is the one implementation every policy embeds, so the rule is the same
+everywhere:
+
+- ``add(bids, until, now)``: protect each id while ``now <= until`` (the deadline itself
+  included: the request starting at ``until`` still finds its blocks). A block hinted again
+  keeps the later deadline, since another queued request may need it longer. Ids need not be
+  resident: a hint covers a block that becomes resident before its deadline (the trace
+  replayer hints blocks before an earlier request stores them).
+- ``mask(evictable, now)``: the caller's ``evictable`` mask narrowed by the live hints; the
+  mask itself when no hint is live, so a policy pays nothing without hints.
+- ``forget(bid)``: the id names another block now; its hint is dropped.
+
+Deadlines are kept in an array indexed by block id (8 bytes per id up to the largest id
+ever hinted), so the mask is one vector operation per batch of candidates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvtier.daemon.policy.base import EvictableFn
+
+
+class HintTable:
+    """Deadlines by block id (see the module docstring)."""
+
+    __slots__ = ("_latest", "_until")
+
+    def __init__(self) -> None:
+        self._until = np.full(0, -math.inf)
+        self._latest = -math.inf
+
+    def add(self, bids: np.ndarray, until: float, now: float) -> None:
+        if math.isnan(until):
+            raise ValueError("a hint's deadline must be a number")
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0 or until < now:
+            return
+        if ids.min() < 0:
+            raise KeyError(int(ids[np.argmin(ids)]))
+        top = int(ids.max())
+        if top >= len(self._until):
+            grown = np.full(max(top + 1, 2 * len(self._until), 1024), -math.inf)
+            grown[: len(self._until)] = self._until
+            self._until = grown
+        np.maximum.at(self._until, ids, until)
+        if until > self._latest:
+            self._latest = until
+
+    def forget(self, bid: int) -> None:
+        if 0 <= bid < len(self._until):
+            self._until[bid] = -math.inf
+
+    def live(self, now: float) -> bool:
+        """Whether any hint may still protect a block at ``now``."""
+        return self._latest >= now
+
+    def until(self, bid: int) -> float:
+        """The block's deadline (-inf without a hint)."""
+        return float(self._until[bid]) if 0 <= bid < len(self._until) else -math.inf
+
+    def mask(self, evictable: EvictableFn | None, now: float) -> EvictableFn | None:
+        if not self.live(now):
+            return evictable
+        until = self._until
+
+        def unhinted(bids: np.ndarray) -> np.ndarray:
+            ids = np.asarray(bids, dtype=np.int64)
+            ok = np.ones(len(ids), dtype=bool)
+            known = ids < len(until)
+            ok[known] = until[ids[known]] < now
+            if evictable is not None and ok.any():
+                ok &= evictable(ids)
+            return ok
+
+        return unhinted
+
+    def __len__(self) -> int:
+        """Ids with a deadline (live or past) on record."""
+        return int(np.count_nonzero(self._until > -math.inf))
+
+
+class Hinted:
+    """Mixin giving a policy the protocol's ``hint`` verb over its ``self._hints`` table; the
+    policy creates the table, narrows ``victims``' mask with ``self._hints.mask`` and calls
+    ``self._hints.forget`` from its ``forget``."""
+
+    _hints: HintTable
+
+    def hint(self, bids: np.ndarray, until: float, now: float) -> None:
+        self._hints.add(bids, until, now)

@@ -1,0 +1,288 @@
+"""``kvtier replay`` and ``kvtier trace gen``: the simulator's commands, registered on the
+admin CLI's subparsers by ``kvtier.cli.main``.
+
+Errors in what the user gave (a bad trace, an unknown policy, a missing option) end the
+command with exit status 2 and one line on stderr naming the problem, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from kvtier.daemon.policy.registry import policy_names
+from kvtier.sim import tracegen
+from kvtier.sim.engine import WRITE_POLICIES, StackConfig, replay
+from kvtier.sim.report import (
+    SWEEP_PERCENTS,
+    SWEEP_POLICIES,
+    PlotUnavailable,
+    format_result,
+    format_sweep,
+    plot_run,
+    plot_sweep,
+    sweep,
+)
+from kvtier.sim.trace import DEFAULT_BLOCK_TOKENS, SEMANTICS, TraceError, load_trace, write_jsonl
+
+
+def add_replay_parser(subparsers: Any) -> None:
+    """Register ``kvtier replay``."""
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a Mooncake-format trace through the tier stack and its policies (offline)",
+        description=(
+            "Replay a trace (JSONL: timestamp ms, input_length, hash_ids) through the daemon's "
+            "tier stack and eviction policies on the trace's clock, and report block hit "
+            "ratios. No daemon is involved."
+        ),
+    )
+    p.add_argument("trace", help="trace file, one JSON object a line")
+    p.add_argument("--policy", default="heat", choices=policy_names())
+    p.add_argument("--l1-blocks", type=_count(1), help="L1 capacity in blocks (>= 1)")
+    p.add_argument("--l2-blocks", type=_count(0), default=0, help="L2 capacity in blocks")
+    p.add_argument("--admission", help="L1 admission rule (default: the policy's own)")
+    p.add_argument("--l2-admission", help="L2 admission rule (default: the policy's own)")
+    p.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_back",
+        help="how blocks reach L2 (default write_back)",
+    )
+    p.add_argument(
+        "--protect-s",
+        type=_non_negative_float,
+        default=0.0,
+        help="protection period in seconds of trace time after a block's read or write (0)",
+    )
+    p.add_argument(
+        "--queue-window",
+        metavar="S",
+        type=_non_negative_float,
+        default=0.0,
+        help="model an engine's waiting queue of S seconds: each request's blocks are "
+        "hinted S seconds before it arrives, protected until it does (0: no hints)",
+    )
+    p.add_argument(
+        "--l1-watermarks",
+        metavar="HIGH,LOW",
+        type=_watermarks,
+        help="empty L1 down to LOW after a request leaves it above HIGH (fractions; the "
+        "daemon's defaults are 0.95,0.90; default: evict only at a full tier)",
+    )
+    p.add_argument(
+        "--semantics",
+        choices=SEMANTICS,
+        default="full",
+        help="full: a request's partial last block is never stored nor counted, as in the "
+        "daemon (default); all: every block counts (the replayer before the tier stack)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=_count(1),
+        default=DEFAULT_BLOCK_TOKENS,
+        help=f"tokens per block of the trace (default {DEFAULT_BLOCK_TOKENS}, Mooncake's)",
+    )
+    p.add_argument(
+        "--forget-dropped",
+        action="store_true",
+        help="policies forget a block that has no copy left, as the daemon reuses its id",
+    )
+    p.add_argument("--half-life", type=_positive_float, help="heat half-life in seconds")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="one tier at 1, 2, 5, 10, 20%% of the trace's unique blocks, for the policies "
+        f"of --policies (default {','.join(SWEEP_POLICIES)})",
+    )
+    p.add_argument("--policies", type=_policy_list, help="comma-separated policies of --sweep")
+    p.add_argument(
+        "--percents", type=_percent_list, help="comma-separated capacities of --sweep, in %%"
+    )
+    p.add_argument("--json", action="store_true", help="end with one JSON object line")
+    p.add_argument("--plot", metavar="PNG", help="draw the result (needs matplotlib)")
+    p.set_defaults(func=_run_replay)
+
+
+def add_trace_parser(subparsers: Any) -> None:
+    """Register ``kvtier trace gen``."""
+    p = subparsers.add_parser("trace", help="synthetic traces (offline)")
+    sub = p.add_subparsers(dest="trace_command", required=True)
+    g = sub.add_parser(
+        "gen",
+        help="write a synthetic trace in the Mooncake format",
+        description=(
+            "Write a synthetic trace (conversations, shared system prompts, one-off "
+            "requests) in the Mooncake format. A scenario names a mix; options override "
+            "single parameters of it. Deterministic per seed."
+        ),
+        epilog="scenarios: "
+        + "; ".join(f"{name}: {doc}" for name, doc in tracegen.SCENARIO_DOCS.items()),
+    )
+    g.add_argument("-o", "--output", required=True, help="file to write ('-' for stdout)")
+    g.add_argument(
+        "--scenario", default="chat", choices=sorted(tracegen.SCENARIOS), help="the mix (chat)"
+    )
+    g.add_argument("--seed", type=_count(0), default=0, help="random seed (0)")
+    defaults = tracegen.SyntheticTraceConfig()
+    for f in fields(tracegen.SyntheticTraceConfig):
+        doc = tracegen.PARAMETER_DOCS[f.name]
+        g.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=type(getattr(defaults, f.name)),
+            metavar=f.name.split("_")[-1].upper(),
+            help=f"{doc} (chat: {getattr(defaults, f.name)})",
+        )
+    g.set_defaults(func=_run_trace_gen)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    try:
+        return _replay_command(args)
+    except (TraceError, ValueError, PlotUnavailable) as e:
+        print(f"kvtier replay: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _replay_command(args: argparse.Namespace) -> int:
+    if not args.sweep and args.l1_blocks is None:
+        raise ValueError("--l1-blocks is required (or use --sweep)")
+    params = {"half_life_s": args.half_life} if args.half_life else {}
+    stack = StackConfig(
+        write_policy=args.write_policy,
+        protect_s=args.protect_s,
+        queue_window_s=args.queue_window,
+        l1_watermarks=args.l1_watermarks,
+        forget_dropped=args.forget_dropped,
+    )
+    trace = load_trace(args.trace, args.block_tokens)
+    cacheable = trace.cacheable(args.semantics)  # the same trace once more if nothing is dropped
+    print(
+        f"{trace.name}: {trace.requests} requests, {cacheable.accesses} cacheable block "
+        f"accesses ({cacheable.unique_blocks} unique) of {trace.accesses} "
+        f"({trace.unique_blocks} unique); semantics {args.semantics}"
+    )
+    if args.sweep:
+        percents = args.percents or SWEEP_PERCENTS
+        results = sweep(
+            trace,
+            args.policies or SWEEP_POLICIES,
+            percents,
+            policy_params=params,
+            semantics=args.semantics,
+            stack=stack,
+        )
+        print(format_sweep(results, trace.unique_blocks, percents))
+        if args.plot:
+            plot_sweep(results, trace, args.plot)
+        if args.json:
+            print(json.dumps({"sweep": [r.as_dict() for r in results]}))
+        return 0
+    result = replay(
+        trace,
+        args.policy,
+        args.l1_blocks,
+        args.l2_blocks,
+        admission=args.admission,
+        l2_admission=args.l2_admission,
+        policy_params=params,
+        semantics=args.semantics,
+        stack=stack,
+    )
+    print(format_result(result))
+    if args.plot:
+        plot_run(result, trace, args.plot)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    return 0
+
+
+def _run_trace_gen(args: argparse.Namespace) -> int:
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in fields(tracegen.SyntheticTraceConfig)
+        if getattr(args, f.name) is not None
+    }
+    try:
+        requests = tracegen.scenario(args.scenario, args.seed, **overrides)
+        if args.output == "-":
+            for r in requests:
+                sys.stdout.write(json.dumps(r, separators=(", ", ": ")) + "\n")
+            return 0
+        n = write_jsonl(args.output, requests)
+    except (ValueError, OSError) as e:
+        print(f"kvtier trace gen: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {n} requests ({args.scenario}, seed {args.seed})", file=sys.stderr)
+    return 0
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
+    return value
+
+
+def _watermarks(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected HIGH,LOW, got {text!r}")
+    high, low = (_float(x) for x in parts)
+    if not 0 <= low <= high <= 1:
+        raise argparse.ArgumentTypeError(f"expected 0 <= LOW <= HIGH <= 1, got {text!r}")
+    return high, low
+
+
+def _policy_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = policy_names()
+    for n in names:
+        if n not in known:
+            raise argparse.ArgumentTypeError(f"unknown policy {n!r}; one of {', '.join(known)}")
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one policy")
+    return names
+
+
+def _percent_list(text: str) -> list[float]:
+    values = [_float(x) for x in text.split(",") if x.strip()]
+    if not values or any(not 0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"expected percentages in (0, 100], got {text!r}")
+    return values

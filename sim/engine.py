@@ -1,0 +1,567 @@
+"""The simulation engine: a trace replayed through the daemon's tier stack and policies, on
+the trace's clock. No bytes move; only which tier holds a copy of which block.
+
+The tier stack it models is the daemon's (one or two tiers, L1 above L2):
+
+- **Inclusive tiers.** A block may have a copy in L1 and in L2 at once. Every stored block is
+  offered to L1 first. A block leaving L1 (evicted at a full tier, or above the high
+  watermark) is written to L2 when it has no L2 copy and L2's admission admits it
+  (``write_back``, the default; ``selective`` does the same); ``write_through`` writes every
+  new block to L2 at once as well, without asking L2's admission (the daemon's store does
+  not). ``selective`` writes a block to L2 as soon as L2's admission admits it, on an access.
+  Evicting from L2 drops only the L2 copy. A block L1 declines (its admission, or every
+  block protected) is written to L2 as if it had left L1 at once.
+- **Arrival.** At a request's arrival every block with a copy in any tier is a hit, counted
+  for the fastest tier holding it and touched, in request order, in every tier holding it.
+  An L2-only hit is then promoted to L1, keeping its L2 copy (L1's room and admission as for
+  any block; one L1 cannot take is still a hit, read from L2). Then every missing block is
+  computed and stored, in request order, its parent being the request's previous block.
+  The prefix hits are the leading run of hits.
+- **Protection.** A block read or written within ``protect_s`` (trace clock) is not
+  evictable; a tier whose every candidate is protected rejects the block (counted as
+  ``protected``). A block leaves a tier only as a victim its policy proposed.
+- **Queue hints** (``queue_window_s`` S > 0): an engine's waiting queue of S seconds. The
+  blocks of a request arriving at ``t`` are hinted at ``t - S`` with deadline ``t``: every
+  policy protects them until then (``EvictionPolicy.hint``), and those only on L2 are
+  promoted to L1 at once (a prefetch, counted). Hints are processed in time order between
+  requests, each on its own time.
+- **Admission.** Every access is recorded with each tier's admission rule before any
+  decision of its request; a rule decides for a block with its would-be victim. An L1
+  policy with an ``admits`` method (hit density) is also asked, after the rule, and told of
+  the accesses it did not keep (``note_miss``).
+- **Ids.** The trace's hash ids are renumbered densely and stay stable for the whole replay;
+  a policy keeps what it knows of a block across its stays (the daemon's store reuses the id
+  of a block with no copy left and calls ``forget``; ``forget_dropped=True`` does the same).
+
+``--policy opt`` is Belady's optimum with bypass (``kvtier.daemon.policy.opt``), given the
+trace's future; with two tiers it runs Belady in each tier, which bounds nothing.
+
+Exactness: with one tier, admission ``always``, no protection, no hints and the ``all``
+semantics of ``kvtier.sim.trace`` this is the replayer published before the tier stack, step
+for step (its hit ratios are pinned by the tests).
+
+Thread-safety: none needed; a replay is a single-threaded batch job.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admission
+from kvtier.daemon.policy.base import EvictableFn, EvictionPolicy
+from kvtier.daemon.policy.guard import EvictionGuard
+from kvtier.daemon.policy.registry import default_admission, make_policy
+from kvtier.sim.trace import Trace, next_uses
+
+WRITE_POLICIES = ("write_back", "write_through", "selective")
+TIER_LABELS = ("l1", "l2")
+_L1, _L2 = 1, 2  # bits of a block's copies
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    """How the simulated daemon behaves around its policies.
+
+    ``l1_watermarks``: (high, low) fractions of L1's capacity; above high, L1 is emptied down
+    to low after each request (the daemon's balancer). None: only a full tier evicts.
+    """
+
+    write_policy: str = "write_back"
+    protect_s: float = 0.0
+    queue_window_s: float = 0.0
+    l1_watermarks: tuple[float, float] | None = None
+    forget_dropped: bool = False
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"unknown write policy {self.write_policy!r}; one of {', '.join(WRITE_POLICIES)}"
+            )
+        if not self.protect_s >= 0 or not math.isfinite(self.protect_s):
+            raise ValueError("protect_s must be a finite number >= 0")
+        if not self.queue_window_s >= 0 or not math.isfinite(self.queue_window_s):
+            raise ValueError("queue_window_s must be a finite number >= 0")
+        if self.l1_watermarks is not None:
+            high, low = self.l1_watermarks
+            EvictionGuard(high_watermark=high, low_watermark=low)  # validates
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    policy: str
+    l1_blocks: int
+    l2_blocks: int
+    accesses: int
+    hits: int
+    prefix_hits: int
+    tier_hits: dict[str, int]
+    declined: dict[str, int]
+    evictions: dict[str, int]
+    promotions: int
+    elapsed_s: float
+    hits_per_request: np.ndarray = field(repr=False)
+    prefetches: int = 0
+    demotions: int = 0
+    l2_writes: int = 0
+    hinted: int = 0
+    semantics: str = "full"
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.prefix_hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def accesses_per_s(self) -> float:
+        return self.accesses / self.elapsed_s if self.elapsed_s > 0 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "semantics": self.semantics,
+            "l1_blocks": self.l1_blocks,
+            "l2_blocks": self.l2_blocks,
+            "accesses": self.accesses,
+            "hits": self.hits,
+            "hit_ratio": self.hit_ratio,
+            "prefix_hit_ratio": self.prefix_hit_ratio,
+            "tier_hits": dict(self.tier_hits),
+            "accesses_per_s": round(self.accesses_per_s),
+            "declined": dict(self.declined),
+            "evictions": dict(self.evictions),
+            "promotions": self.promotions,
+            "prefetches": self.prefetches,
+            "demotions": self.demotions,
+            "l2_writes": self.l2_writes,
+            "hinted": self.hinted,
+        }
+
+
+@dataclass(slots=True)
+class _Tier:
+    bit: int
+    label: str
+    capacity: int
+    policy: EvictionPolicy
+    admission: Admission
+    admits_all: bool
+    admits: Callable[[int, int, int, float], bool] | None  # the policy's own admission
+    note_miss: Callable[[int, int, float], None] | None  # an access the tier did not keep
+    count: int = 0
+    hits: int = 0
+    evictions: int = 0
+    declined: Counter[str] = field(default_factory=Counter)
+    # Bumped whenever the tier's policy may answer ``victims`` differently at the same time
+    # (an insert, a remove, touches, hints); ``full_at`` is (now, epoch) of the last time it
+    # had no victim, so a request whose blocks all find every block protected asks once.
+    epoch: int = 0
+    full_at: tuple[float, int] = (math.nan, -1)
+
+
+def replay(
+    trace: Trace,
+    policy: str,
+    l1_blocks: int,
+    l2_blocks: int = 0,
+    *,
+    admission: str | None = None,
+    l2_admission: str | None = None,
+    policy_params: Mapping[str, Any] | None = None,
+    semantics: str = "full",
+    stack: StackConfig | None = None,
+) -> ReplayResult:
+    """Replay ``trace`` through ``policy``; see the module docstring for the semantics.
+
+    ``semantics`` picks which blocks are cacheable (``kvtier.sim.trace``). ``admission`` /
+    ``l2_admission`` default to the policy's own (``default_admission``). ``policy_params``
+    are passed to every tier's policy and admission, after ``capacity_blocks``.
+    """
+    if l1_blocks < 1:
+        raise ValueError("l1_blocks must be at least 1")
+    if l2_blocks < 0:
+        raise ValueError("l2_blocks must not be negative")
+    stack = stack or StackConfig()
+    trace = trace.cacheable(semantics)
+    future: list[float] = [math.inf] * trace.unique_blocks
+    needs_future = policy == "opt" or "belady" in (admission, l2_admission)
+    per_access_next = next_uses(trace.blocks).tolist() if needs_future else []
+    shared: dict[str, Any] = {"next_use": future.__getitem__} if needs_future else {}
+
+    def tier(bit: int, capacity: int, adm_name: str | None) -> _Tier:
+        params = {**shared, "capacity_blocks": capacity, **(policy_params or {})}
+        pol = make_policy(policy, **params)
+        adm = make_admission(adm_name or default_admission(policy), policy=pol, **params)
+        return _Tier(
+            bit,
+            TIER_LABELS[bit - 1],
+            capacity,
+            pol,
+            adm,
+            isinstance(adm, AlwaysAdmit),
+            # A policy's own admission decides where blocks are stored (L1); a lower tier
+            # admits by its admission rule alone (measured: density's own admission on L2
+            # declined demoted blocks that were hit later).
+            getattr(pol, "admits", None) if bit == _L1 else None,
+            getattr(pol, "note_miss", None) if bit == _L1 else None,
+        )
+
+    tiers = [tier(_L1, l1_blocks, admission)]
+    if l2_blocks:
+        tiers.append(tier(_L2, l2_blocks, l2_admission))
+    engine = _Engine(trace, tiers, stack, future, per_access_next)
+    start = time.perf_counter()
+    engine.run()
+    elapsed = time.perf_counter() - start
+    declined: Counter[str] = Counter()
+    for t in tiers:
+        for reason, count in t.declined.items():
+            declined[f"{t.label}:{reason}"] += count
+    return ReplayResult(
+        policy=policy,
+        l1_blocks=l1_blocks,
+        l2_blocks=l2_blocks,
+        accesses=trace.accesses,
+        hits=sum(t.hits for t in tiers),
+        prefix_hits=engine.prefix_hits,
+        tier_hits={t.label: t.hits for t in tiers},
+        declined=dict(declined),
+        evictions={t.label: t.evictions for t in tiers},
+        promotions=engine.promotions,
+        elapsed_s=elapsed,
+        hits_per_request=engine.hits_per_request,
+        prefetches=engine.prefetches,
+        demotions=engine.demotions,
+        l2_writes=engine.l2_writes,
+        hinted=engine.hinted,
+        semantics=semantics,
+    )
+
+
+class _Engine:
+    """One replay's mutable state. ``copies[b]`` holds the bits of the tiers with a copy of
+    block ``b``; ``parent[b]`` the parent it was stored with (for its later placements);
+    ``last[b]`` its last read or write (protection)."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        tiers: list[_Tier],
+        stack: StackConfig,
+        future: list[float],
+        per_access_next: list[float],
+    ) -> None:
+        self.trace = trace
+        self.tiers = tiers
+        self.l1 = tiers[0]
+        self.l2 = tiers[1] if len(tiers) > 1 else None
+        self.stack = stack
+        self.future = future
+        self.per_access_next = per_access_next
+        self.copies = bytearray(trace.unique_blocks)
+        self.parent = [-1] * trace.unique_blocks
+        self.last = np.full(trace.unique_blocks, -math.inf)
+        self.now = -math.inf
+        self.prefix_hits = 0
+        self.promotions = 0
+        self.prefetches = 0
+        self.demotions = 0
+        self.l2_writes = 0
+        self.hinted = 0
+        self.hits_per_request = np.zeros(trace.requests, dtype=np.int32)
+        self.mask: EvictableFn | None = None
+        # Whether blocks may be kept from eviction (protection or hints): a tier with no
+        # victim then declines as "protected".
+        self.protecting = stack.protect_s > 0 or stack.queue_window_s > 0
+        if stack.protect_s > 0:
+            last, protect = self.last, stack.protect_s
+
+            def unprotected(bids: np.ndarray) -> np.ndarray:
+                return last[bids] + protect <= self.now
+
+            self.mask = unprotected
+
+    def run(self) -> None:
+        simple = (
+            self.l2 is None
+            and self.l1.admits_all
+            and self.mask is None
+            and self.stack.queue_window_s == 0
+            and self.stack.l1_watermarks is None
+            and not self.stack.forget_dropped
+        )
+        if simple:
+            self._run_one_tier()
+        else:
+            self._run_stack()
+
+    # ------------------------------------------------------------ one plain tier
+
+    def _run_one_tier(self) -> None:
+        """One tier without an admission rule, nothing protected: the replayer's common case,
+        spelled out, since it runs once per access and sets the replayer's speed. The same
+        steps as ``_run_stack``."""
+        blocks = self.trace.blocks.tolist()
+        offsets = self.trace.offsets.tolist()
+        stamps = self.trace.timestamps_s.tolist()
+        copies = self.copies
+        l1 = self.l1
+        touch = l1.policy.touch
+        future, per_access_next = self.future, self.per_access_next
+        hits_per_request = self.hits_per_request
+        prefix_hits = hits = 0
+        now = self.now
+        count, capacity, evictions = l1.count, l1.capacity, 0
+        victims, remove, insert = l1.policy.victims, l1.policy.remove, l1.policy.insert
+        admits, note_miss = l1.admits, l1.note_miss
+        declined = l1.declined
+        parents = self.parent
+        for r, ts in enumerate(stamps):
+            if ts > now:
+                now = ts
+            lo, hi = offsets[r], offsets[r + 1]
+            req = blocks[lo:hi]
+            if per_access_next:
+                for k in range(lo, hi):
+                    future[blocks[k]] = per_access_next[k]
+            leading = True
+            missing: list[int] = []
+            for i, b in enumerate(req):
+                if copies[b]:
+                    hits += 1
+                    touch(b, now)
+                    if leading:
+                        prefix_hits += 1
+                else:
+                    leading = False
+                    missing.append(i)
+            hits_per_request[r] = hi - lo - len(missing)
+            for i in missing:
+                b = req[i]
+                if copies[b]:
+                    continue  # a repeat within the request, already placed
+                parent = req[i - 1] if i else -1
+                if count >= capacity:
+                    found = victims(1, now, None, (b,))
+                    if found is None:
+                        declined["no_victim"] += 1
+                        if note_miss is not None:
+                            note_miss(b, parent, now)
+                        continue
+                    victim = int(found[0])
+                    if admits is not None and not admits(b, parent, victim, now):
+                        declined["density"] += 1
+                        if note_miss is not None:
+                            note_miss(b, parent, now)
+                        continue
+                    remove(victim)
+                    copies[victim] = 0
+                    evictions += 1
+                else:
+                    count += 1
+                insert(b, now, parent)
+                copies[b] = _L1
+                parents[b] = parent
+        self.now = now
+        l1.count, l1.evictions, l1.hits = count, l1.evictions + evictions, hits
+        self.prefix_hits = prefix_hits
+
+    # ----------------------------------------------------------- the tier stack
+
+    def _run_stack(self) -> None:
+        blocks = self.trace.blocks.tolist()
+        offsets = self.trace.offsets.tolist()
+        stamps = self.trace.timestamps_s.tolist()
+        copies, last = self.copies, self.last
+        l1, l2 = self.l1, self.l2
+        touch1 = l1.policy.touch
+        touch2 = l2.policy.touch if l2 else None
+        recorders = [t.admission.record for t in self.tiers if not t.admits_all]
+        future, per_access_next = self.future, self.per_access_next
+        hits_per_request = self.hits_per_request
+        protecting = self.mask is not None
+        selective = l2 is not None and self.stack.write_policy == "selective"
+        hints = self._hint_events(stamps)
+        next_hint = 0
+        watermarks = self.stack.l1_watermarks
+        high = low = 0
+        if watermarks is not None:
+            high = math.floor(watermarks[0] * l1.capacity)
+            low = math.floor(watermarks[1] * l1.capacity)
+        prefix_hits = hits1 = hits2 = 0
+        now = self.now
+        for r, ts in enumerate(stamps):
+            if ts > now:
+                now = ts
+            while next_hint < len(hints) and hints[next_hint][0] <= now:
+                at, q = hints[next_hint]
+                next_hint += 1
+                self.now = max(self.now, at)
+                self._hint(blocks[offsets[q] : offsets[q + 1]], stamps[q])
+            self.now = now
+            lo, hi = offsets[r], offsets[r + 1]
+            req = blocks[lo:hi]
+            if per_access_next:
+                for k in range(lo, hi):
+                    future[blocks[k]] = per_access_next[k]
+            for record in recorders:
+                for b in req:
+                    record(b, now)
+            leading = True
+            missing: list[int] = []
+            promote: list[int] = []
+            for i, b in enumerate(req):
+                c = copies[b]
+                if c & _L1:
+                    hits1 += 1
+                    touch1(b, now)
+                    if c & _L2:
+                        touch2(b, now)  # type: ignore[misc]
+                elif c:
+                    hits2 += 1
+                    touch2(b, now)  # type: ignore[misc]
+                    promote.append(b)
+                else:
+                    leading = False
+                    missing.append(i)
+                    continue
+                if protecting:
+                    last[b] = now
+                if leading:
+                    prefix_hits += 1
+            hits_per_request[r] = hi - lo - len(missing)
+            for t in self.tiers:
+                t.epoch += 1  # touched
+            for b in promote:
+                if copies[b] == _L2 and self._offer(l1, b, self.parent[b]):
+                    self.promotions += 1
+            for i in missing:
+                b = req[i]
+                if copies[b]:
+                    continue  # a repeat within the request, already placed
+                if protecting:
+                    last[b] = now
+                self._store(b, req[i - 1] if i else -1)
+            if selective:
+                for b in req:
+                    if copies[b] == _L1:
+                        self._offer(l2, b, self.parent[b])  # type: ignore[arg-type]
+            if watermarks is not None and l1.count > high:
+                while l1.count > low:
+                    found = l1.policy.victims(1, now, self.mask)
+                    if found is None:
+                        break
+                    self._evict(l1, int(found[0]))
+        l1.hits += hits1
+        if l2 is not None:
+            l2.hits += hits2
+        self.prefix_hits = prefix_hits
+
+    def _hint_events(self, stamps: list[float]) -> list[tuple[float, int]]:
+        window = self.stack.queue_window_s
+        if window <= 0:
+            return []
+        return sorted(((t - window, q) for q, t in enumerate(stamps)), key=lambda e: e[0])
+
+    def _hint(self, req: list[int], deadline: float) -> None:
+        if not req:
+            return
+        ids = np.asarray(req, dtype=np.int64)
+        self.hinted += len(req)
+        for t in self.tiers:
+            t.policy.hint(ids, deadline, self.now)
+            t.epoch += 1
+        if self.l2 is not None:
+            for b in req:
+                if self.copies[b] == _L2 and self._offer(self.l1, b, self.parent[b], access=False):
+                    self.prefetches += 1
+
+    def _store(self, b: int, parent: int) -> None:
+        """A block just computed: offered to L1, and to L2 as the write policy says."""
+        self.parent[b] = parent
+        stored = self._offer(self.l1, b, parent)
+        l2 = self.l2
+        if l2 is None:
+            return
+        if self.stack.write_policy == "write_through":
+            self._offer(l2, b, parent, ask_admission=False)
+        elif not stored:
+            self._offer(l2, b, parent)
+
+    def _offer(
+        self, tier: _Tier, b: int, parent: int, ask_admission: bool = True, access: bool = True
+    ) -> bool:
+        """Place ``b`` in ``tier`` if there is room (after evicting the policy's victim) and
+        the tier admits it; returns whether it did. Declines are counted; an L1 policy that
+        learns from accesses hears of a declined one (``access``: ``b`` is being read or
+        stored, not demoted)."""
+        reason = self._refusal(tier, b, parent, ask_admission)
+        if isinstance(reason, str):
+            tier.declined[reason] += 1
+            if access and tier.note_miss is not None and tier.bit == _L1:
+                tier.note_miss(b, parent, self.now)
+                tier.epoch += 1
+            return False
+        victim = reason
+        now = self.now
+        if victim >= 0:
+            self._evict(tier, victim)
+        tier.policy.insert(b, now, parent)
+        tier.epoch += 1
+        tier.count += 1
+        self.copies[b] |= tier.bit
+        if tier.bit == _L2:
+            self.l2_writes += 1
+        return True
+
+    def _refusal(self, tier: _Tier, b: int, parent: int, ask_admission: bool) -> str | int:
+        """Why ``tier`` does not take ``b`` now, or the victim that makes room (-1: none)."""
+        now = self.now
+        victim = -1
+        if tier.count >= tier.capacity:
+            if tier.full_at == (now, tier.epoch):
+                return "protected"
+            found = tier.policy.victims(1, now, self.mask, (b,))
+            if found is None:
+                tier.full_at = (now, tier.epoch)
+                return "protected" if self.protecting else "no_victim"
+            victim = int(found[0])
+        if ask_admission:
+            if not tier.admits_all:
+                decision = tier.admission.decide(b, victim if victim >= 0 else None, now)
+                if not decision.admit:
+                    return decision.reason
+            if victim >= 0 and tier.admits is not None and not tier.admits(b, parent, victim, now):
+                return "density"
+        return victim
+
+    def _evict(self, tier: _Tier, victim: int) -> None:
+        tier.policy.remove(victim)
+        tier.epoch += 1
+        tier.count -= 1
+        tier.evictions += 1
+        self.copies[victim] &= ~tier.bit
+        l2 = self.l2
+        if tier.bit == _L1 and l2 is not None and not self.copies[victim] & _L2:
+            through = self.stack.write_policy == "write_through"
+            if self._offer(
+                l2, victim, self.parent[victim], ask_admission=not through, access=False
+            ):
+                self.demotions += 1
+        if self.stack.forget_dropped and not self.copies[victim]:
+            for t in self.tiers:
+                t.policy.forget(victim)
+
+
+def sweep_capacities(unique_blocks: int, percents: Sequence[float]) -> list[int]:
+    """Capacities in blocks at ``percents`` of the unique blocks, rounded half to even."""
+    return [max(1, round(unique_blocks * p / 100)) for p in percents]

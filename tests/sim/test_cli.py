@@ -1,0 +1,197 @@
+"""``kvtier replay``: output, JSON, the README's commands on the shipped trace, and errors
+that name the problem without a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.sim import tracegen
+from kvtier.sim.report import format_sweep, plot_run, plot_sweep, sweep
+from kvtier.sim.trace import trace_from_requests, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = "sim/traces/chat.jsonl"
+
+
+def requests(*chains: list[int]) -> list[dict[str, object]]:
+    return [{"timestamp": 1000 * i, "hash_ids": ids} for i, ids in enumerate(chains)]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_json_is_the_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3], [4], [1, 2, 3]))
+    rc = main(["replay", str(path), "--policy", "lru", "--l1-blocks", "3", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0
+    doc = json.loads(out[-1])
+    assert {
+        "policy",
+        "semantics",
+        "l1_blocks",
+        "l2_blocks",
+        "accesses",
+        "hits",
+        "hit_ratio",
+        "prefix_hit_ratio",
+        "tier_hits",
+        "accesses_per_s",
+        "promotions",
+        "prefetches",
+        "demotions",
+        "l2_writes",
+        "hinted",
+    } <= set(doc)
+    assert (doc["policy"], doc["l1_blocks"], doc["l2_blocks"]) == ("lru", 3, 0)
+    assert (doc["accesses"], doc["hits"]) == (9, 4)
+    assert doc["tier_hits"] == {"l1": 4}
+    assert "block accesses/s" in "\n".join(out)
+
+
+def test_the_stack_options_reach_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, [*requests([1], [2]), {"timestamp": 5000, "hash_ids": [1]}])
+    common = ["replay", str(path), "--policy", "lru", "--l1-blocks", "1", "--json"]
+    assert main([*common, "--queue-window", "10"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["hits"] == 1 and doc["hinted"] == 3
+    assert main([*common, "--protect-s", "100"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["declined"] == {"l1:protected": 1} and doc["hits"] == 1
+    assert main([*common, "--l2-blocks", "4", "--write-policy", "write_through"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["l2_writes"] == 2 and doc["tier_hits"] == {"l1": 0, "l2": 1}
+
+
+def test_semantics_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(
+        path,
+        [
+            {"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]},
+            {"timestamp": 1000, "input_length": 600, "hash_ids": [1, 3]},
+        ],
+    )
+    for semantics, accesses in (("full", 2), ("all", 4)):
+        args = ["replay", str(path), "--l1-blocks", "4", "--json", "--semantics", semantics]
+        assert main(args) == 0
+        doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (doc["semantics"], doc["accesses"], doc["hits"]) == (semantics, accesses, 1)
+
+
+def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
+    """The README's replay commands, verbatim from the repository root."""
+    sweep_run = run("replay", SHIPPED, "--sweep", "--policies", "density,lru,opt")
+    assert sweep_run.returncode == 0, sweep_run.stderr
+    lines = sweep_run.stdout.splitlines()
+    assert lines[1].startswith("policy") and "1% (" in lines[1]
+    assert [line.split()[0] for line in lines[2:5]] == ["density", "lru", "opt"]
+    one = run(
+        "replay",
+        SHIPPED,
+        "--policy",
+        "density",
+        "--l1-blocks",
+        "200",
+        "--l2-blocks",
+        "800",
+        "--queue-window",
+        "30",
+        "--json",
+    )
+    assert one.returncode == 0, one.stderr
+    doc = json.loads(one.stdout.splitlines()[-1])
+    assert doc["policy"] == "density" and doc["hits"] > 0 and doc["hinted"] > 0
+
+
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        (None, ["--l1-blocks", "4"], "no such file"),
+        ('{"timestamp": 0, "hash_ids": [1]}\nnot json\n', ["--l1-blocks", "4"], ":2: not valid"),
+        ('{"timestamp": 0, "hash_ids": [1, "a"]}\n', ["--l1-blocks", "4"], ":1: 'hash_ids'"),
+        ('{"hash_ids": [1]}\n', ["--l1-blocks", "4"], ":1: 'timestamp'"),
+        ('{"timestamp": 0, "hash_ids": [1]}\n', [], "--l1-blocks is required"),
+        ('{"timestamp": 0, "hash_ids": [1]}\n', ["--l1-blocks", "4", "--admission", "x"], "x"),
+        (
+            '{"timestamp": 0, "input_length": 9000, "hash_ids": [1]}\n',
+            ["--l1-blocks", "4"],
+            "--block-tokens",
+        ),
+    ],
+)
+def test_errors(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    content: str | None,
+    args: list[str],
+    message: str,
+) -> None:
+    path = tmp_path / "t.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["replay", str(path), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--l1-blocks", "-1"],
+        ["--l1-blocks", "2", "--l2-blocks", "-1"],
+        ["--l1-blocks", "2", "--protect-s", "-1"],
+        ["--l1-blocks", "2", "--queue-window", "nan"],
+        ["--l1-blocks", "2", "--l1-watermarks", "0.5,0.9"],
+        ["--l1-blocks", "2", "--write-policy", "sometimes"],
+        ["--sweep", "--policies", "lru,nope"],
+        ["--sweep", "--percents", "0"],
+    ],
+)
+def test_bad_options_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["replay", str(tmp_path / "t.jsonl"), *args])
+    assert e.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_exit_code_and_no_traceback_as_a_process(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": 3}\n')
+    proc = run("replay", str(path), "--l1-blocks", "2")
+    assert proc.returncode == 2
+    assert ":2:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sweep_table_and_plot(tmp_path: Path) -> None:
+    trace = trace_from_requests(tracegen.scenario("chat", seed=1, duration_s=120.0))
+    results = sweep(trace, policies=("heat", "lru"), percents=(5, 20))
+    table = format_sweep(results, trace.unique_blocks, (5, 20))
+    rows = table.splitlines()
+    assert rows[0].split()[1:3] == ["5%", f"({results[0].l1_blocks})"]
+    assert rows[1].startswith("heat") and rows[2].startswith("lru")
+    assert "speed" in rows[-1] and "heat" in rows[-1]
+    pytest.importorskip("matplotlib")
+    plot_sweep(results, trace, str(tmp_path / "sweep.png"))
+    plot_run(results[0], trace, str(tmp_path / "run.png"))
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    assert (tmp_path / "run.png").stat().st_size > 0

@@ -1,0 +1,121 @@
+"""Trace files: parsing, errors naming the line, and which blocks a cache can store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.sim.trace import TraceError, load_trace, next_uses, trace_from_requests, write_jsonl
+
+
+def test_ids_are_dense_and_requests_are_flat() -> None:
+    trace = trace_from_requests(
+        [
+            {"timestamp": 0, "hash_ids": [90, 7]},
+            {"timestamp": 1500, "hash_ids": []},
+            {"timestamp": 2000, "hash_ids": [7, 12, 90]},
+        ]
+    )
+    assert trace.requests == 3 and trace.accesses == 5 and trace.unique_blocks == 3
+    # Renumbered in the order of the original ids: 7 -> 0, 12 -> 1, 90 -> 2.
+    assert trace.blocks.tolist() == [2, 0, 0, 1, 2]
+    assert trace.offsets.tolist() == [0, 2, 2, 5]
+    assert trace.timestamps_s.tolist() == [0.0, 1.5, 2.0]
+    assert trace.request(2).tolist() == [0, 1, 2]
+    assert trace.span_s == 2.0
+
+
+def test_full_semantics_drops_only_partial_last_blocks() -> None:
+    trace = trace_from_requests(
+        [
+            {"timestamp": 0, "input_length": 1030, "hash_ids": [1, 2, 3]},  # 3 is partial
+            {"timestamp": 1, "input_length": 1024, "hash_ids": [1, 2]},  # all full
+            {"timestamp": 2, "hash_ids": [1, 2, 4]},  # length unknown: all count
+            {"timestamp": 3, "input_length": 100, "hash_ids": [5]},  # only a partial block
+            {"timestamp": 4, "input_length": 0, "hash_ids": []},
+        ]
+    )
+    assert trace.partial.tolist() == [True, False, False, True, False]
+    full = trace.cacheable("full")
+    assert full.offsets.tolist() == [0, 2, 4, 7, 7, 7]
+    assert full.unique_blocks == 3  # 1, 2, 4
+    assert full.accesses == 7 and not full.partial.any()
+    assert trace.cacheable("all") is trace
+    assert full.cacheable("full") is full
+    with pytest.raises(ValueError, match="unknown semantics"):
+        trace.cacheable("some")
+
+
+def test_a_partial_id_stored_elsewhere_as_a_full_block_still_counts_there() -> None:
+    trace = trace_from_requests(
+        [
+            {"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]},
+            {"timestamp": 1, "input_length": 1536, "hash_ids": [1, 2, 3]},
+        ]
+    )
+    full = trace.cacheable()
+    assert full.accesses == 4 and full.unique_blocks == 3
+
+
+def test_block_tokens_decides_what_is_partial() -> None:
+    reqs = [{"timestamp": 0, "input_length": 48, "hash_ids": [1, 2, 3]}]
+    assert trace_from_requests(reqs, block_tokens=16).cacheable().accesses == 3
+    assert trace_from_requests(reqs, block_tokens=20).cacheable().accesses == 2
+    with pytest.raises(TraceError, match="block size"):
+        trace_from_requests(reqs)  # 512-token blocks: 48 tokens are one block, not three
+    with pytest.raises(ValueError):
+        trace_from_requests(reqs, block_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"timestamp": 0, "hash_ids": [1]}\nnot json\n', ":2: not valid JSON"),
+        ('{"timestamp": 0, "hash_ids": [1, "a"]}\n', ":1: 'hash_ids'"),
+        ('{"timestamp": 0, "hash_ids": [true]}\n', ":1: 'hash_ids'"),
+        ('{"hash_ids": [1]}\n', ":1: 'timestamp'"),
+        ('{"timestamp": "now", "hash_ids": [1]}\n', ":1: 'timestamp'"),
+        ('{"timestamp": 0, "input_length": -3, "hash_ids": [1]}\n', ":1: 'input_length'"),
+        ('{"timestamp": 0, "input_length": 2.5, "hash_ids": [1]}\n', ":1: 'input_length'"),
+        ("[1, 2]\n", ":1: expected a JSON object"),
+        ('{"timestamp": 0, "hash_ids": [18446744073709551616]}\n', "64 bits"),
+    ],
+)
+def test_bad_lines_are_named(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(content)
+    with pytest.raises(TraceError, match=message):
+        load_trace(path)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace(tmp_path / "missing.jsonl")
+    with pytest.raises(TraceError, match="is a directory"):
+        load_trace(tmp_path)
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(TraceError, match="UTF-8"):
+        load_trace(binary)
+
+
+def test_write_and_read_back(tmp_path: Path) -> None:
+    reqs = [
+        {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [3, 4]},
+        {"timestamp": 250, "input_length": 512, "output_length": 1, "hash_ids": [3]},
+    ]
+    path = tmp_path / "t.jsonl"
+    assert write_jsonl(path, reqs) == 2
+    assert [json.loads(line) for line in path.read_text().splitlines()] == reqs
+    trace = load_trace(path)
+    assert trace.name == str(path)
+    assert trace.cacheable().accesses == 2  # block 4 is partial
+
+
+def test_next_uses() -> None:
+    blocks = np.array([5, 6, 5, 7, 6, 5])
+    assert next_uses(blocks).tolist() == [2, 4, 5, np.inf, np.inf, np.inf]
+    assert next_uses(np.array([], dtype=np.int64)).tolist() == []
