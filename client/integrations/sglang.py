@@ -512,7 +512,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
             for i, t in enumerate(targets):
                 if t is None:
                     targets[i] = torch.empty(self.page.page_numel, dtype=self._host_pool.dtype)
-                elif t.numel() != self.page.page_numel or not t.is_contiguous():
+                elif (
+                    t.numel() != self.page.page_numel
+                    or t.dtype != self._host_pool.dtype
+                    or not t.is_contiguous()
+                ):
                     raise ValueError(f"target {i} is not a contiguous flat data page")
             loaded = self._load_staged(self._keys(keys), None, targets)
         except Exception as e:
