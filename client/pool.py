@@ -21,6 +21,7 @@ import fcntl
 import mmap
 import os
 import secrets
+import stat
 import weakref
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,35 @@ class SharedMemoryPool:
         """A pool just large enough for ``layout``."""
         return cls(layout.extent_bytes, **kwargs)  # type: ignore[arg-type]
 
+    @classmethod
+    def from_fd(cls, fd: int, *, label: str = "adopted") -> SharedMemoryPool:
+        """Memory another component created as a memory file (a memfd, or an unlinked tmpfs
+        file), wrapped so that it can be registered: e.g. an engine's own host KV pool.
+
+        The pool keeps its own duplicate of ``fd`` (registering hands it to the daemon;
+        ``close()`` closes only the duplicate) and its own mapping of the whole file. It is
+        ``sealed`` only if the creator sealed it against shrinking; if not, the creator can
+        truncate it under a copy, which the daemon survives by marking the pool broken."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
+            raise ValueError(f"descriptor {fd} is not a non-empty memory file")
+        self = cls.__new__(cls)
+        self.backing = "memfd"
+        self.name = label
+        self.size_bytes = st.st_size
+        self.path = None
+        self.sealed = _sealed(fd)
+        dup = os.dup(fd)
+        try:
+            os.set_inheritable(dup, False)
+            self.buffer = mmap.mmap(dup, st.st_size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(dup)
+            raise
+        self.fd = dup
+        self._finalizer = weakref.finalize(self, _close_quietly, dup)
+        return self
+
     def array(self) -> np.ndarray:
         """The whole region as a uint8 numpy array (shares memory)."""
         return np.frombuffer(self.buffer, dtype=np.uint8)
@@ -143,6 +173,13 @@ class SharedMemoryPool:
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _sealed(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
 
 
 def _close_quietly(fd: int) -> None:

@@ -179,7 +179,13 @@ class Client:
 
     # ------------------------------------------------------------------ calls
 
-    def _invoke(self, method: str, request: Any, binding: PoolBinding | None = None) -> Any:
+    def _invoke(
+        self,
+        method: str,
+        request: Any,
+        binding: PoolBinding | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         for attempt in (0, 1):
             if method in _SESSION_METHODS:
                 request.session_id = self.session_id
@@ -188,7 +194,7 @@ class Client:
                     self._register(binding)
                 request.pool_id = binding.pool_id
             try:
-                return getattr(self._stub, method)(request, timeout=self.timeout_s)
+                return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
             if binding is None or attempt or not isinstance(err, NotFoundError):
@@ -285,11 +291,17 @@ class Client:
     # ---------------------------------------------------------------- blocks
 
     def lookup(
-        self, keys: Sequence[bytes], *, pin: bool = False, lease_ms: int = 0
+        self,
+        keys: Sequence[bytes],
+        *,
+        pin: bool = False,
+        lease_ms: int = 0,
+        timeout_s: float | None = None,
     ) -> t.LookupResult:
-        return t.lookup_result(
-            self._invoke("Lookup", pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms))
-        )
+        """``timeout_s`` bounds this call instead of the client's timeout (opening a session
+        first, if one is needed, still takes up to the client's)."""
+        req = pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms)
+        return t.lookup_result(self._invoke("Lookup", req, timeout_s=timeout_s))
 
     def put(
         self,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,9 @@ import numpy as np
 import pytest
 
 from kvtier.client import (
+    AsyncClient,
+    Client,
+    DeadlineExceededError,
     InvalidArgumentError,
     Namespace,
     NotFoundError,
@@ -606,3 +611,34 @@ def test_regression_stop_waited_out_the_drain_timeout_for_open_sessions(daemon_f
         started = time.monotonic()
         assert d.stop() == 0
         assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_lookup_timeout_bounds_that_call_only(daemon, asynchronous):
+    keys = [b"k" * 32]
+    assert daemon.proc is not None
+
+    async def lookup_async() -> float:
+        async with AsyncClient(daemon.address, timeout_s=60) as client:
+            await client.lookup(keys)  # the session is open
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                await client.lookup(keys, timeout_s=0.3)
+            return time.monotonic() - t0
+
+    def lookup_sync() -> float:
+        with Client(daemon.address, timeout_s=60) as client:
+            client.lookup(keys)
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceededError):
+                client.lookup(keys, timeout_s=0.3)
+            return time.monotonic() - t0
+
+    try:
+        elapsed = asyncio.run(lookup_async()) if asynchronous else lookup_sync()
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    # The call's own bound, far below the client's 60 s (generous for a loaded machine).
+    assert elapsed < 20

@@ -8,6 +8,7 @@ Put stores nothing, and the daemon stays SERVING.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -273,3 +274,34 @@ def test_a_sealed_memfd_cannot_shrink(daemon):
             os.ftruncate(shm.fd, 0)
         with pytest.raises(PermissionError):
             os.ftruncate(shm.fd, SMALL.extent_bytes * 2)
+
+
+def test_an_adopted_unsealed_memfd_round_trips_and_faults_safely(daemon):
+    # An engine's own KV pool in a memfd it created (SGLang's "allocator": "shm"), wrapped
+    # with SharedMemoryPool.from_fd: it is not sealed, so its owner may still truncate it.
+    fd = os.memfd_create("engine-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, SMALL.extent_bytes)
+        engine_view = np.frombuffer(mmap.mmap(fd, SMALL.extent_bytes), dtype=np.uint8)
+        engine_view[:] = np.random.default_rng(0).integers(0, 256, SMALL.extent_bytes, np.uint8)
+        shm = SharedMemoryPool.from_fd(fd)
+        assert shm.fd != fd and not shm.sealed and shm.size_bytes == SMALL.extent_bytes
+        with daemon.client() as client:
+            pool = client.register_pool(shm, SMALL)
+            assert not pool.sealed
+            key = _keys("adopted", 1)
+            assert client.put(pool.pool_id, key, [0]).stored == 1
+            bb = SMALL.block_bytes  # staging layout: page p is bytes [p * bb, (p + 1) * bb)
+            assert (engine_view[3 * bb : 4 * bb] != engine_view[:bb]).any()
+            assert client.get(pool.pool_id, key, [3]).prefix_len == 1
+            assert (engine_view[3 * bb : 4 * bb] == engine_view[:bb]).all()
+            # The owner truncates it: the next copy faults, the pool breaks, nothing else.
+            os.ftruncate(fd, 0)
+            with pytest.raises(FailedPreconditionError):
+                client.put(pool.pool_id, _keys("after", 1), [5])
+            assert client.health()
+        shm.close()
+        os.fstat(fd)  # closing the wrapper closed only its own duplicate
+        del engine_view
+    finally:
+        os.close(fd)

@@ -25,11 +25,11 @@ import hashlib
 import json
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.client.integrations.fingerprint import weights_dir_fingerprint
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,6 @@ KEY_SCHEME = "vllm-v1"
 _SAVE_POLICIES = ("all", "prompt", "none")
 _LOAD_MODES = ("layerwise", "async")
 _TIER_NAMES = {"l0": 1, "l1": 2, "l2": 3, "l3": 4}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_FINGERPRINT_SAMPLES = 16
-_FINGERPRINT_SAMPLE_BYTES = 4096
 # hf_config entries that change nothing in the KV cache.
 _CONFIG_KEYS_IGNORED = frozenset(
     {
@@ -345,7 +342,7 @@ def _drop_ignored(value: Any) -> Any:
 
 def weights_fingerprint(vllm_config: Any) -> str:
     """A cheap fingerprint of the weights: for a local checkpoint folder, every weight file's
-    name, size and ``_FINGERPRINT_SAMPLES`` evenly spaced 4 KiB samples; for random weights
+    name, size and 16 evenly spaced 4 KiB samples; for random weights
     (``load_format="dummy"``) that fact (vLLM seeds them); for a hub id, nothing more than the
     id and revision already in the namespace (pin ``revision`` to bind a checkpoint)."""
     load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
@@ -354,19 +351,7 @@ def weights_fingerprint(vllm_config: Any) -> str:
     path = str(vllm_config.model_config.model)
     if not os.path.isdir(path):
         return "hub"
-    h = hashlib.sha256(b"kvtier-vllm-weights-v1")
-    files = []
-    for root, _, names in os.walk(path):
-        files += [os.path.join(root, n) for n in names if n.endswith(_WEIGHT_SUFFIXES)]
-    for file in sorted(files):
-        size = os.path.getsize(file)
-        h.update(f"{os.path.relpath(file, path)}|{size}|".encode())
-        with open(file, "rb") as f:
-            step = max(1, size // _FINGERPRINT_SAMPLES)
-            for offset in range(0, size, step)[:_FINGERPRINT_SAMPLES]:
-                f.seek(offset)
-                h.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
-    return h.hexdigest()[:32]
+    return weights_dir_fingerprint(path, b"kvtier-vllm-weights-v1")
 
 
 # ----------------------------------------------------------------------- keys
@@ -428,35 +413,3 @@ class KeyChain:
 
 
 assert KEY_BYTES == 32
-
-
-# -------------------------------------------------------------------- breaker
-
-
-class Breaker:
-    """Stops asking kvtier for ``retry_after_s`` after a failure, so a daemon that is down
-    or slow costs one timeout per period, not one per request.
-
-    Thread-safety: a race may let two callers through at the end of a pause; harmless.
-    """
-
-    def __init__(self, retry_after_s: float, what: str) -> None:
-        self.retry_after_s = retry_after_s
-        self.what = what
-        self._closed_until = 0.0
-        self.trips = 0
-
-    def ok(self) -> bool:
-        return time.monotonic() >= self._closed_until
-
-    def trip(self, error: BaseException) -> None:
-        self.trips += 1
-        if self.ok():
-            log.warning(
-                "kvtier %s failed (%s: %s); running without kvtier for %.1fs",
-                self.what,
-                type(error).__name__,
-                error,
-                self.retry_after_s,
-            )
-        self._closed_until = time.monotonic() + self.retry_after_s

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.errors import KvtierError
+from kvtier.client.integrations.breaker import Breaker
 from kvtier.client.integrations.vllm_config import (
-    Breaker,
     ConnectorConfig,
     KeyChain,
     ModelIdentity,

@@ -42,9 +42,9 @@ import numpy as np
 import torch
 
 from kvtier.client.errors import KvtierError
+from kvtier.client.integrations.breaker import Breaker
 from kvtier.client.integrations.staging import StagingPool
 from kvtier.client.integrations.vllm_config import (
-    Breaker,
     ConnectorConfig,
     ModelIdentity,
 )

@@ -1,0 +1,628 @@
+"""kvtier as an SGLang HiCache storage backend (SGLang's third cache level, "L3").
+
+Enable it with SGLang's own flags (see the README's SGLang section)::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+        "module_path": "kvtier.client.integrations.sglang",
+        "class_name": "KVTierHiCacheStorage", "interface_v1": 1, "allocator": "shm"}'
+
+SGLang's ``StorageBackendFactory`` builds ``KVTierHiCacheStorage(storage_config, kwargs)``,
+then hands it the rank's host KV pool (``register_mem_pool_host``). Its cache controller then
+asks ``batch_exists`` how many leading pages of a request kvtier holds, loads them into host
+pages (``batch_get_v1``, or the legacy ``batch_get``) and stores pages it wrote back
+(``batch_set_v1`` / ``batch_set``), from its prefetch and backup threads.
+
+Invariants:
+- No call raises into SGLang and none waits longer than its timeout (``lookup_timeout_s``,
+  ``io_timeout_s``, plus ``late_copy_grace_s`` after a transfer that ended without an
+  answer): a failure, a daemon that is down or hung, or a bad argument is a miss (0 pages
+  found, ``False`` per page, ``None`` per legacy page), logged, and then kvtier is not asked
+  again for ``retry_after_s`` (``Breaker``). Only a configuration that cannot work stops
+  SGLang at start, with a ``ValueError`` naming the problem.
+- A stored block is one SGLang flat data page under a key bound to the namespace
+  (``sglang_config``), so a page loaded is byte for byte the page some engine of the same
+  model, dtype, layout, page size and rank stored.
+- Zero copy: when SGLang's host pool lives in shared memory (``"allocator": "shm"``, a
+  memfd), that memory is registered with the daemon and the v1 calls name its pages: the
+  daemon copies straight between the host pool and its tiers. Otherwise, and for the legacy
+  calls, pages go through a shared-memory staging pool (``StagingPool``) with one tensor
+  copy each way. The start-up log line says which.
+- A staged transfer that ended without an answer retires its staging pool (a late copy
+  lands in memory nobody reuses); a direct one waits ``late_copy_grace_s`` before SGLang
+  gets its pages back, so that a copy the daemon had started can finish. A daemon stopped
+  mid-copy (SIGSTOP) for longer than that can still finish it later: the daemon offers no
+  fence that would say it is done (see the README).
+- Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start.
+
+Thread-safety: every public method may be called from any thread (SGLang uses several);
+the client is thread-safe, lazily created pools are guarded by a lock, and at most two
+transfers share the staging pool, each within its own half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import grpc
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvtier.client.errors import KvtierError
+from kvtier.client.integrations.breaker import Breaker
+from kvtier.client.integrations.sglang_config import (
+    PageFormat,
+    StorageOptions,
+    describe_host_pool,
+    namespace_for,
+    storage_key,
+    storage_keys,
+)
+from kvtier.client.integrations.staging import StagingPool
+from kvtier.client.keys import Namespace
+from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.sync import Client, RegisteredPool
+from kvtier.client.types import PutStatus
+from kvtier.kernels.layout import PoolLayout
+
+log = logging.getLogger(__name__)
+
+# Statuses the daemon answers after deciding a request: nothing of it is still running.
+_ANSWERED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+_STAGING_MAX_PAGES = 256  # two of SGLang's 128-page storage batches
+
+
+def unclean(error: BaseException) -> bool:
+    """Whether a failed transfer may have left the daemon still copying its pages."""
+    return not (isinstance(error, KvtierError) and error.code in _ANSWERED)
+
+
+class KVTierHiCacheStorage(HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` over a kvtier daemon; see the module docstring.
+
+    ``kwargs`` is the dict of extra arguments SGLang's factory passes (unused)."""
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        self.storage_config = storage_config
+        self.options = StorageOptions.from_extra_config(storage_config.extra_config)
+        self.client = Client(
+            self.options.address or None,
+            timeout_s=self.options.io_timeout_s,
+            client_name=(
+                f"sglang hicache tp{storage_config.tp_rank}/pp{storage_config.pp_rank} "
+                f"pid {os.getpid()}"
+            ),
+        )
+        self.breaker = Breaker(self.options.retry_after_s, "HiCache storage")
+        self.page: PageFormat | None = None
+        self.namespace: Namespace | None = None
+        self.mode = "unregistered"  # "direct" or "staged" once a host pool is registered
+        self._seed = b""
+        self._host_pool: Any = None
+        self._direct_shm: SharedMemoryPool | None = None
+        self._direct: RegisteredPool | None = None
+        self._staging: StagingPool | None = None
+        self._staging_generation = 0
+        self._staging_users = threading.BoundedSemaphore(2)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list[float]] = {
+            "prefetch_pgs": [],
+            "backup_pgs": [],
+            "prefetch_bandwidth": [],
+            "backup_bandwidth": [],
+        }
+        self.counters: dict[str, int] = {
+            "lookups": 0,
+            "pages_found": 0,
+            "pages_loaded": 0,
+            "pages_stored": 0,
+            "failures": 0,
+            "skipped": 0,
+        }
+
+    # ------------------------------------------------------------ registration
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Bind the namespace to this rank's host pool and choose direct or staged
+        transfers. Raises ValueError for a pool whose pages cannot be stored."""
+        super().register_mem_pool_host(mem_pool_host)
+        page = describe_host_pool(mem_pool_host)
+        try:
+            mem_pool_host.get_data_page(0, flat=True)
+        except Exception as e:
+            raise ValueError(
+                f"kvtier HiCache storage: {page.pool_class} with layout {page.layout} has no "
+                f"flat data pages ({e}); use layer_first, page_first or page_first_direct"
+            ) from e
+        namespace = namespace_for(self.storage_config, page, self.options)
+        direct, why = self._direct_memory(mem_pool_host, page)
+        with self._lock:
+            self._release_pools()
+            self.page, self.namespace, self._host_pool = page, namespace, mem_pool_host
+            self._seed = namespace.seed()
+            self._direct_shm = direct
+            self.mode = "direct" if direct is not None else "staged"
+        if direct is not None:
+            how = "zero copy: the host pool (shared memory) is registered with the daemon"
+        else:
+            how = f"staged through a shared-memory pool ({why})"
+        log.info(
+            "kvtier HiCache storage: %s; namespace model=%s dtype=%s layout=%s page=%d "
+            "tokens (%d bytes) tp=%d/%d pp=%d/%d; %s",
+            self.client.address,
+            namespace.model,
+            namespace.kv_dtype,
+            namespace.kv_layout,
+            page.page_tokens,
+            page.page_bytes,
+            namespace.tp_rank,
+            namespace.tp_size,
+            namespace.pp_rank,
+            namespace.pp_size,
+            how,
+        )
+
+    def on_host_pools_registered(self) -> None:
+        pools = getattr(self, "registered_pools", None) or {}
+        others = sorted(str(name) for name in pools if str(name) != "kv")
+        if others:
+            raise ValueError(
+                "kvtier HiCache storage stores the KV pool only; this model also has host "
+                f"pools {others} (hybrid, SWA or indexer caches), which it does not support"
+            )
+
+    def _direct_memory(
+        self, host_pool: Any, page: PageFormat
+    ) -> tuple[SharedMemoryPool | None, str]:
+        """SGLang's host pool memory as a pool to register, when the host pool is one
+        memory file that the page format locates; else why not."""
+        if not self.options.register_host_pool:
+            return None, "register_host_pool is false"
+        if page.segments is None:
+            return None, page.why_no_segments
+        allocator = getattr(host_pool, "allocator", None)
+        fds = [fd for fd in getattr(allocator, "fds", None) or [] if fd is not None]
+        mms = getattr(allocator, "mms", None) or []
+        if len(fds) != 1 or len(mms) != 1:
+            return None, 'the host pool is not in shared memory (set "allocator": "shm")'
+        buffer = host_pool.kv_buffer
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mms[0]))
+        if buffer.data_ptr() != base:
+            return None, "the host pool's buffer does not start its memory file"
+        try:
+            shm = SharedMemoryPool.from_fd(fds[0], label="sglang-host-pool")
+        except (OSError, ValueError) as e:
+            return None, f"its memory file cannot be mapped ({e})"
+        if self._layout(page, shm.size_bytes) is None:
+            shm.close()
+            return None, "the host pool's pages lie beyond its memory file"
+        return shm, ""
+
+    @staticmethod
+    def _layout(page: PageFormat, region_bytes: int) -> PoolLayout | None:
+        assert page.segments is not None
+        layout = PoolLayout(page.segments, page.num_pages, page.page_tokens, page.dtype)
+        try:
+            layout.validate(region_bytes)
+        except ValueError:
+            return None
+        return layout
+
+    def _direct_pool(self) -> RegisteredPool:
+        with self._lock:
+            if self._direct is None:
+                assert self._direct_shm is not None and self.page is not None
+                layout = self._layout(self.page, self._direct_shm.size_bytes)
+                assert layout is not None
+                self._direct = self.client.register_pool(self._direct_shm, layout)
+            return self._direct
+
+    @contextlib.contextmanager
+    def _staging_half(self) -> Iterator[tuple[StagingPool, int]]:
+        """The staging pool and how many pages this caller may hold at once."""
+        if not self._staging_users.acquire(timeout=self.options.io_timeout_s):
+            raise TimeoutError("the staging pool stayed busy")
+        try:
+            with self._lock:
+                if self._staging is None or self._staging.retired:
+                    self._staging = self._new_staging()
+                staging = self._staging
+            yield staging, max(1, staging.num_pages // 2)
+        finally:
+            self._staging_users.release()
+
+    def _new_staging(self) -> StagingPool:
+        page = self.page
+        assert page is not None
+        pages = max(1, min(_STAGING_MAX_PAGES, self.options.staging_bytes // page.page_bytes))
+        self._staging_generation += 1
+        return StagingPool(
+            self.client,
+            num_layers=1,
+            num_pages=pages,
+            block_tokens=page.page_tokens,
+            block_shape=(page.page_numel,),
+            dtype=self._host_pool.dtype,
+            generation=self._staging_generation,
+        )
+
+    # ---------------------------------------------------------------- guards
+
+    def _ready(self, n: int) -> bool:
+        if self.page is None or self._closed or not n:
+            return False
+        if not self.breaker.ok():
+            self._count("skipped", 1)
+            return False
+        return True
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        self._count("failures", 1)
+        log.debug("kvtier HiCache storage: %s failed", what, exc_info=error)
+        self.breaker.trip(error)
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        return storage_keys(self._seed, keys)
+
+    def _parent(self, extra_info: HiCacheStorageExtraInfo | None) -> bytes:
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        return storage_key(self._seed, prefix[-1]) if prefix else b""
+
+    def _host_pages(self, host_indices: torch.Tensor, n: int) -> tuple[list[int], list[int]]:
+        """(first token slot, page index) of each of ``n`` pages named by token slots."""
+        assert self.page is not None
+        p = self.page.page_tokens
+        idx = host_indices.reshape(-1).to(device="cpu", dtype=torch.int64)
+        if idx.numel() != n * p:
+            raise ValueError(f"{idx.numel()} host slots for {n} pages of {p} tokens")
+        rows = idx.reshape(n, p)
+        starts = rows[:, 0]
+        if bool((starts % p != 0).any()) or not bool(
+            (rows == starts[:, None] + torch.arange(p)).all()
+        ):
+            raise ValueError("host slots are not whole pages")
+        first = starts.tolist()
+        return first, [s // p for s in first]
+
+    # -------------------------------------------------------------- lookups
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many leading pages of ``keys`` the daemon holds: one Lookup."""
+        if not self._ready(len(keys)):
+            return 0
+        try:
+            found = self.client.lookup(
+                self._keys(keys), timeout_s=self.options.lookup_timeout_s
+            ).prefix_len
+        except Exception as e:  # any failure is a miss, never an error in SGLang
+            self._failed("lookup", e)
+            return 0
+        found = max(0, min(int(found), len(keys)))
+        self._count("lookups", 1)
+        self._count("pages_found", found)
+        return found
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------ v1: host pages
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Load pages into the host pool's pages named by ``host_indices``; per page,
+        whether it was loaded (SGLang uses the leading run)."""
+        n = len(keys)
+        if not self._ready(n):
+            return [False] * n
+        start = time.perf_counter()
+        try:
+            starts, pages = self._host_pages(host_indices, n)
+            if self.mode == "direct":
+                loaded = self._direct_call(partial(self._get, keys=self._keys(keys), pages=pages))
+            else:
+                loaded = self._load_staged(self._keys(keys), starts)
+        except Exception as e:
+            self._failed("load", e)
+            return [False] * n
+        self._account("prefetch", sum(loaded), start)
+        return loaded
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store the host pool's pages named by ``host_indices`` under ``keys`` (one chain,
+        continuing ``extra_info.prefix_keys`` when SGLang passes them); per page, whether
+        the daemon holds it now."""
+        n = len(keys)
+        if not self._ready(n):
+            return [False] * n
+        start = time.perf_counter()
+        try:
+            starts, pages = self._host_pages(host_indices, n)
+            parent = self._parent(extra_info)
+            if self.mode == "direct":
+                held = self._direct_call(
+                    partial(self._put, keys=self._keys(keys), pages=pages, parent=parent)
+                )
+            else:
+                held = self._store_staged(
+                    self._keys(keys), parent, lambda i, dst: self._copy_out(starts[i], dst)
+                )
+        except Exception as e:
+            self._failed("store", e)
+            return [False] * n
+        self._account("backup", sum(held), start)
+        return held
+
+    def _direct_call(self, call: Callable[[int], list[bool]]) -> list[bool]:
+        pool = self._direct_pool()
+        pool_id = self.client.pool_id_of(pool.binding)
+        try:
+            return call(pool_id)
+        except Exception as e:
+            if unclean(e):
+                # SGLang reuses these pages once we return: give a copy the daemon had
+                # already started time to finish first.
+                time.sleep(self.options.late_copy_grace_s)
+            raise
+
+    def _get(self, pool_id: int, keys: list[bytes], pages: Sequence[int]) -> list[bool]:
+        return [bool(x) for x in self.client.get(pool_id, keys, pages).loaded]
+
+    def _put(
+        self, pool_id: int, keys: list[bytes], pages: Sequence[int], parent: bytes
+    ) -> list[bool]:
+        result = self.client.put(
+            pool_id, keys, pages, parent_key=parent, durable=self.options.save_durable
+        )
+        return [s != PutStatus.REJECTED_FULL for s in result.statuses]
+
+    def _copy_out(self, start: int, dst: torch.Tensor) -> None:
+        view = self._host_pool.get_data_page(start, flat=False)
+        dst.view(view.shape).copy_(view)
+
+    # ---------------------------------------------------------- staged copies
+
+    def _load_staged(
+        self,
+        keys: list[bytes],
+        starts: Sequence[int] | None,
+        targets: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[bool]:
+        """Get through the staging pool, then copy each loaded page into the host pool
+        (``starts``) or into ``targets`` (legacy)."""
+        loaded = [False] * len(keys)
+        with self._staging_half() as (staging, step):
+            for c0 in range(0, len(keys), step):
+                chunk = keys[c0 : c0 + step]
+                pages = self._alloc(staging, len(chunk))
+                try:
+                    got = self._staged_rpc(staging, partial(self._get, keys=chunk, pages=pages))
+                    for j, ok in enumerate(got):
+                        if not ok:
+                            continue
+                        src = staging.layer(0)[pages[j]]
+                        i = c0 + j
+                        if starts is not None:
+                            self._host_pool.set_from_flat_data_page(starts[i], src)
+                        else:
+                            target = targets[i] if targets is not None else None
+                            assert target is not None
+                            target.view(-1).copy_(src)
+                        loaded[i] = True
+                finally:
+                    staging.free(pages)
+                if not all(got):
+                    break
+        return loaded
+
+    def _store_staged(
+        self,
+        keys: list[bytes],
+        parent: bytes,
+        fill: Callable[[int, torch.Tensor], None],
+    ) -> list[bool]:
+        """Fill staging pages (``fill(i, page)`` writes page ``i``), then Put them."""
+        held = [False] * len(keys)
+        with self._staging_half() as (staging, step):
+            for c0 in range(0, len(keys), step):
+                chunk = keys[c0 : c0 + step]
+                pages = self._alloc(staging, len(chunk))
+                try:
+                    for j, page in enumerate(pages):
+                        fill(c0 + j, staging.layer(0)[page])
+                    ok = self._staged_rpc(
+                        staging, partial(self._put, keys=chunk, pages=pages, parent=parent)
+                    )
+                finally:
+                    staging.free(pages)
+                held[c0 : c0 + len(ok)] = ok
+                if not all(ok):
+                    break  # a chain is stored from its head: the rest cannot follow
+                parent = chunk[-1]
+        return held
+
+    @staticmethod
+    def _alloc(staging: StagingPool, n: int) -> list[int]:
+        pages = staging.alloc(n)
+        if pages is None:  # cannot happen within a half, unless the pool was retired
+            raise RuntimeError("the staging pool has no free pages")
+        return pages
+
+    def _staged_rpc(self, staging: StagingPool, call: Callable[[int], list[bool]]) -> list[bool]:
+        try:
+            return call(self.client.pool_id_of(staging.pool.binding))
+        except Exception as e:
+            if unclean(e):
+                # The daemon may still copy into or out of these pages: never reuse them.
+                staging.retire(f"a transfer ended without an answer: {e}")
+            raise
+
+    # ----------------------------------------------------- legacy: page tensors
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Load pages into ``target_locations`` (flat data pages; new tensors if None);
+        each loaded page's tensor, or None."""
+        n = len(keys)
+        if not self._ready(n):
+            return [None] * n
+        assert self.page is not None
+        targets = list(target_locations) if target_locations is not None else [None] * n
+        start = time.perf_counter()
+        try:
+            for i, t in enumerate(targets):
+                if t is None:
+                    targets[i] = torch.empty(self.page.page_numel, dtype=self._host_pool.dtype)
+                elif (
+                    t.numel() != self.page.page_numel
+                    or t.dtype != self._host_pool.dtype
+                    or not t.is_contiguous()
+                ):
+                    raise ValueError(f"target {i} is not a contiguous flat data page")
+            loaded = self._load_staged(self._keys(keys), None, targets)
+        except Exception as e:
+            self._failed("load", e)
+            return [None] * n
+        self._account("prefetch", sum(loaded), start)
+        return [t if ok else None for t, ok in zip(targets, loaded, strict=True)]
+
+    def get(
+        self, key: str, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Store flat data pages ``values`` under ``keys`` (one chain); True if the daemon
+        holds every one now."""
+        n = len(keys)
+        if not self._ready(n):
+            return False
+        assert self.page is not None
+        page = self.page
+        start = time.perf_counter()
+        try:
+            pages = list(values or [])
+            if len(pages) != n:
+                raise ValueError(f"{len(pages)} values for {n} keys")
+            for i, v in enumerate(pages):
+                if v.numel() != page.page_numel or v.dtype != self._host_pool.dtype:
+                    raise ValueError(f"value {i} is not a flat data page of this pool")
+
+            def fill(i: int, dst: torch.Tensor) -> None:
+                dst.copy_(pages[i].reshape(-1))
+
+            held = self._store_staged(self._keys(keys), b"", fill)
+        except Exception as e:
+            self._failed("store", e)
+            return False
+        self._account("backup", sum(held), start)
+        return all(held)
+
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    # ----------------------------------------------------------------- misc
+
+    def clear(self) -> bool:
+        """Not supported: the daemon's blocks are shared by every engine on the node
+        (``kvtier evict`` or ``Client.delete`` remove blocks)."""
+        log.warning("kvtier HiCache storage: clear() is not supported; nothing was removed")
+        return False
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` since the last call, when storage metrics are on."""
+        if not self.storage_config.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._metrics_lock:
+            for name, values in self._metrics.items():
+                getattr(metrics, name).extend(values)
+                values.clear()
+        return metrics
+
+    def _account(self, kind: str, pages: int, start: float) -> None:
+        self._count("pages_loaded" if kind == "prefetch" else "pages_stored", pages)
+        if not self.storage_config.enable_storage_metrics or not pages or self.page is None:
+            return
+        seconds = max(time.perf_counter() - start, 1e-9)
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(pages * self.page.page_bytes / 1e9 / seconds)
+
+    def _count(self, name: str, n: int) -> None:
+        with self._metrics_lock:
+            self.counters[name] += n
+
+    def close(self) -> None:
+        """Unregister the pools (without waiting) and close the connection; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._release_pools()
+        self.client.close()
+
+    def _release_pools(self) -> None:
+        if self._direct is not None:
+            with contextlib.suppress(KvtierError):
+                self.client.unregister_pool_nowait(self._direct.binding)
+            self._direct = None
+        if self._direct_shm is not None:
+            self._direct_shm.close()
+            self._direct_shm = None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None

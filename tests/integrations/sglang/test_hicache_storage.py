@@ -1,0 +1,497 @@
+"""kvtier's SGLang HiCache storage backend against SGLang's real classes and a real kvtierd.
+
+SGLang's ``StorageBackendFactory`` builds the backend from the dynamic-backend extra config,
+its real MHA and MLA host pools (CPU, shared-memory or plain allocator) hold the pages, and
+its cache controller's own storage code computes page hashes and calls the backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from harness import DaemonFactory, DaemonProcess
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from sglang_harness import (
+    MHA_LAYOUTS,
+    MLA_LAYOUTS,
+    ControllerCalls,
+    attach,
+    fill,
+    mha_host_pool,
+    mla_host_pool,
+    page_hashes,
+    pages_bytes,
+    storage_config,
+)
+
+from kvtier.client.integrations.sglang import KVTierHiCacheStorage
+
+HERE = Path(__file__).resolve().parent
+PAGE = 4
+
+
+def tokens(n_pages: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 30_000, (n_pages * PAGE,), generator=g).tolist()
+
+
+def rpc_count(daemon: DaemonProcess, method: str) -> int:
+    with daemon.client() as c:
+        return c.stats().counter("rpc_seconds_count", method=method)
+
+
+@pytest.mark.parametrize("allocator", ["shm", "default"])
+@pytest.mark.parametrize("layout", MHA_LAYOUTS)
+def test_mha_pages_round_trip_through_the_factory_built_backend(
+    shared_daemon: DaemonProcess, layout: str, allocator: str
+) -> None:
+    host = mha_host_pool(layout, allocator)
+    backend = attach(host, storage_config(shared_daemon.address))
+    try:
+        assert isinstance(backend, KVTierHiCacheStorage)
+        # The shared-memory allocator's host pool is registered itself; the default one
+        # (private memory) goes through a staging pool.
+        assert backend.mode == ("direct" if allocator == "shm" else "staged")
+        keys = [f"{layout}-{allocator}-{i}" for i in range(5)]
+        src = host.alloc(5 * PAGE)
+        stored = fill(host, src, seed=1)
+        assert backend.batch_set_v1(keys, src) == [True] * 5
+        assert backend.batch_exists(keys) == 5
+
+        dst = host.alloc(5 * PAGE)
+        assert pages_bytes(host, dst) != stored
+        assert backend.batch_get_v1(keys, dst) == [True] * 5
+        assert pages_bytes(host, dst) == stored
+        assert backend.counters["pages_loaded"] == 5
+        assert backend.counters["pages_stored"] == 5
+        metrics = backend.get_stats()
+        assert metrics.prefetch_pgs == [5] and metrics.backup_pgs == [5]
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+def test_mla_pages_round_trip_and_are_shared_by_tp_ranks(
+    shared_daemon: DaemonProcess, layout: str
+) -> None:
+    host = mla_host_pool(layout)
+    rank0 = attach(host, storage_config(shared_daemon.address, mla=True, tp_size=2))
+    other = mla_host_pool(layout, "default")
+    rank1 = attach(other, storage_config(shared_daemon.address, mla=True, tp_rank=1, tp_size=2))
+    try:
+        assert rank0.mode == "direct" and rank1.mode == "staged"
+        keys = [f"mla-{layout}-{i}" for i in range(3)]
+        src = host.alloc(3 * PAGE)
+        stored = fill(host, src, seed=2)
+        assert rank0.batch_set_v1(keys, src) == [True] * 3
+        # MLA's KV is the same on every TP rank (SGLang writes it from rank 0 only), so
+        # every rank reads rank 0's pages.
+        dst = other.alloc(3 * PAGE)
+        assert rank1.batch_exists(keys) == 3
+        assert rank1.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(other, dst) == stored
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+@pytest.mark.parametrize("layout", MHA_LAYOUTS)
+def test_direct_and_staged_transfers_store_the_same_blocks(
+    shared_daemon: DaemonProcess, layout: str
+) -> None:
+    # A block is SGLang's flat data page whichever way it travelled: pages stored straight
+    # from a shared-memory host pool load through staging into a private one, and back.
+    shm_host, plain_host = mha_host_pool(layout, "shm"), mha_host_pool(layout, "default")
+    direct = attach(shm_host, storage_config(shared_daemon.address))
+    staged = attach(plain_host, storage_config(shared_daemon.address))
+    try:
+        assert (direct.mode, staged.mode) == ("direct", "staged")
+        for writer, w_host, reader, r_host, tag in (
+            (direct, shm_host, staged, plain_host, "d2s"),
+            (staged, plain_host, direct, shm_host, "s2d"),
+        ):
+            keys = [f"same-{layout}-{tag}-{i}" for i in range(4)]
+            src = w_host.alloc(4 * PAGE)
+            stored = fill(w_host, src, seed=3)
+            assert writer.batch_set_v1(keys, src) == [True] * 4
+            dst = r_host.alloc(4 * PAGE)
+            assert reader.batch_get_v1(keys, dst) == [True] * 4
+            assert pages_bytes(r_host, dst) == stored
+    finally:
+        direct.close()
+        staged.close()
+
+
+def test_sglang_controller_backup_then_prefetch_with_its_own_page_hashes(
+    shared_daemon: DaemonProcess,
+) -> None:
+    # SGLang's controller code computes the page hashes from token ids, writes back through
+    # batch_set_v1 and prefetches through batch_exists + batch_get_v1.
+    host = mha_host_pool("page_first")
+    backend = attach(host, storage_config(shared_daemon.address))
+    try:
+        calls = ControllerCalls(backend, host)
+        seq = tokens(6, seed=10)
+        src = host.alloc(6 * PAGE)
+        stored = fill(host, src, seed=4)
+        assert calls.backup(seq, src) == 6 * PAGE
+
+        # A request sharing the first 4 pages, then diverging.
+        other = seq[: 4 * PAGE] + tokens(3, seed=11)
+        hashes, hit_tokens = calls.hit_query(other)
+        assert hit_tokens == 4 * PAGE and hashes == page_hashes(seq, PAGE)[:4]
+        dst = host.alloc(7 * PAGE)
+        assert calls.prefetch(other, dst) == 4
+        assert pages_bytes(host, dst[: 4 * PAGE]) == stored[:4]
+    finally:
+        backend.close()
+
+
+def test_sglang_controller_legacy_calls_round_trip(shared_daemon: DaemonProcess) -> None:
+    # Without "interface_v1" SGLang's controller passes flat data pages (batch_set) and
+    # fills dummy pages (batch_get); the backend stages them.
+    host = mha_host_pool("layer_first")
+    backend = attach(host, storage_config(shared_daemon.address, interface_v1=False))
+    try:
+        calls = ControllerCalls(backend, host, zero_copy=False)
+        seq = tokens(3, seed=20)
+        src = host.alloc(3 * PAGE)
+        stored = fill(host, src, seed=5)
+        assert calls.backup(seq, src) == 3 * PAGE
+        dst = host.alloc(3 * PAGE)
+        assert calls.prefetch(seq, dst) == 3
+        assert pages_bytes(host, dst) == stored
+        # The single-key calls.
+        key = page_hashes(seq, PAGE)[0]
+        assert backend.exists(key)
+        page = backend.get(key, host.get_dummy_flat_data_page())
+        assert page is not None
+        assert bytes(page.view(torch.uint8).numpy()) == stored[0]
+        assert backend.get("absent", host.get_dummy_flat_data_page()) is None
+    finally:
+        backend.close()
+
+
+def test_batch_exists_is_the_present_prefix_in_one_lookup(shared_daemon: DaemonProcess) -> None:
+    host = mha_host_pool("page_first_direct")
+    backend = attach(host, storage_config(shared_daemon.address))
+    try:
+        keys = [f"prefix-{i}" for i in range(8)]
+        src = host.alloc(8 * PAGE)
+        fill(host, src, seed=6)
+        # Pages 0..3 and 5..7 stored, page 4 not.
+        assert backend.batch_set_v1(keys[:4], src[: 4 * PAGE]) == [True] * 4
+        assert backend.batch_set_v1(keys[5:], src[5 * PAGE :]) == [True] * 3
+        before = rpc_count(shared_daemon, "Lookup")
+        assert backend.batch_exists(keys) == 4
+        assert rpc_count(shared_daemon, "Lookup") == before + 1
+        assert backend.batch_exists(keys[4:]) == 0
+        assert backend.batch_exists(keys[5:]) == 3
+        assert backend.batch_exists([]) == 0
+        assert not backend.exists(keys[4]) and backend.exists(keys[0])
+        # A load stops where the stored prefix stops: SGLang uses the leading run.
+        dst = host.alloc(8 * PAGE)
+        assert backend.batch_get_v1(keys, dst)[:5] == [True] * 4 + [False]
+    finally:
+        backend.close()
+
+
+def test_a_store_continues_the_chain_sglang_passes(shared_daemon: DaemonProcess) -> None:
+    # With hicache_storage_pass_prefix_keys SGLang passes the hashes before a batch; the
+    # backend hands the daemon the chain's parent (the daemon evicts a chain from its leaf).
+    host = mha_host_pool("page_first")
+    backend = attach(host, storage_config(shared_daemon.address))
+    try:
+        keys = [f"chain-{i}" for i in range(4)]
+        src = host.alloc(4 * PAGE)
+        fill(host, src, seed=7)
+        assert backend.batch_set_v1(keys[:2], src[: 2 * PAGE]) == [True, True]
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
+        assert backend.batch_set_v1(keys[2:], src[2 * PAGE :], info) == [True, True]
+        assert backend.batch_exists(keys) == 4
+    finally:
+        backend.close()
+
+
+def test_another_process_reads_what_one_stored(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    daemon = daemon_factory()
+    seq = tokens(5, seed=30)
+    spec = {"address": daemon.address, "tokens": seq, "layout": "page_first", "seed": 8}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = subprocess.run(
+        [sys.executable, str(HERE / "store_pages.py"), str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    written = json.loads(out.stdout.strip().splitlines()[-1])
+    assert written["stored_tokens"] == 5 * PAGE and written["mode"] == "direct"
+
+    # This process: another host pool (private memory: staged), a new backend, a new session.
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(daemon.address))
+    try:
+        calls = ControllerCalls(backend, host)
+        dst = host.alloc(5 * PAGE)
+        assert calls.prefetch(seq, dst) == 5
+        assert [p.hex() for p in pages_bytes(host, dst)] == written["pages"]
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "another-model"},
+        {"dtype": torch.bfloat16},
+        {"layout": "layer_first"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"page": 8},
+        {"heads": 4},
+        {"tenant": "other"},
+        {"revision": "v2"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_another_namespace_never_matches(shared_daemon: DaemonProcess, change: dict) -> None:
+    seq = tokens(4, seed=40)
+    host = mha_host_pool("page_first")
+    backend = attach(host, storage_config(shared_daemon.address, model="ns-model"))
+    pool_args = {k: change[k] for k in ("dtype", "page", "heads") if k in change}
+    other_host = mha_host_pool(change.get("layout", "page_first"), **pool_args)
+    config_args = {k: change[k] for k in ("tp_rank", "tp_size") if k in change}
+    namespace = {k: change[k] for k in ("tenant", "revision") if k in change}
+    other = attach(
+        other_host,
+        storage_config(
+            shared_daemon.address,
+            model=change.get("model", "ns-model"),
+            namespace=namespace,
+            **config_args,
+        ),
+    )
+    try:
+        src = host.alloc(4 * PAGE)
+        fill(host, src, seed=9)
+        assert ControllerCalls(backend, host).backup(seq, src) == 4 * PAGE
+        # The same SGLang page hashes, under another namespace: nothing matches.
+        other_calls = ControllerCalls(other, other_host)
+        assert (
+            other_calls.hit_query(seq[: len(seq) // other_host.page_size * other_host.page_size])[1]
+            == 0
+        )
+        keys = page_hashes(seq, PAGE)
+        assert other.batch_exists(keys) == 0
+        if other_host.page_size == PAGE:
+            assert other.batch_get_v1(keys, other_host.alloc(4 * PAGE)) == [False] * 4
+        # The writer's own namespace still holds them.
+        assert backend.batch_exists(keys) == 4
+    finally:
+        backend.close()
+        other.close()
+
+
+def test_a_down_daemon_is_a_miss_never_an_error(tmp_path: Path) -> None:
+    host = mha_host_pool("page_first")
+    config = storage_config(f"unix:{tmp_path}/absent.sock", retry_after_s=60)
+    backend = attach(host, config)  # the daemon is not contacted at start
+    try:
+        keys = ["a", "b"]
+        idx = host.alloc(2 * PAGE)
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_set_v1(keys, idx) == [False, False]
+        assert backend.batch_get_v1(keys, idx) == [False, False]
+        assert backend.batch_get(keys, [host.get_dummy_flat_data_page()] * 2) == [None, None]
+        assert backend.batch_set(keys, [host.get_data_page(int(idx[0]))] * 2) is False
+        assert not backend.exists("a") and backend.get("a") is None
+        # The first failure opened the breaker: the rest never reached for the daemon.
+        assert backend.counters["failures"] == 1 and backend.counters["skipped"] >= 5
+        assert backend.breaker.trips == 1
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("allocator", ["shm", "default"])
+def test_a_hung_daemon_costs_one_bounded_wait_then_misses(
+    daemon_factory: DaemonFactory, allocator: str
+) -> None:
+    daemon = daemon_factory()
+    host = mha_host_pool("page_first", allocator)
+    options = {
+        "lookup_timeout_s": 0.5,
+        "io_timeout_s": 1.0,
+        "retry_after_s": 0.5,
+        "late_copy_grace_s": 0.2,
+    }
+    backend = attach(host, storage_config(daemon.address, **options))
+    assert daemon.proc is not None
+    try:
+        keys = [f"hung-{allocator}-{i}" for i in range(3)]
+        src = host.alloc(3 * PAGE)
+        stored = fill(host, src, seed=11)
+        assert backend.batch_set_v1(keys, src) == [True] * 3  # session and pool set up
+        staging = backend._staging
+
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert backend.batch_get_v1(keys, host.alloc(3 * PAGE)) == [False] * 3
+            assert backend.batch_exists(keys) == 0
+            assert backend.batch_set_v1(keys, src) == [False] * 3
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        # One transfer timeout, then the breaker answers at once (bounded, not a speed
+        # claim: generous for a loaded machine).
+        assert elapsed < options["io_timeout_s"] + options["late_copy_grace_s"] + 5.0
+        assert backend.counters["failures"] == 1 and backend.counters["skipped"] == 2
+        if allocator == "default":
+            # The daemon may still copy into that staging pool: it takes no more transfers.
+            assert staging is not None and staging.retired
+
+        # Once the pause has passed, kvtier is asked again and answers.
+        time.sleep(options["retry_after_s"])
+        deadline = time.monotonic() + 30
+        while backend.batch_exists(keys) != 3:
+            assert time.monotonic() < deadline, "the backend never recovered"
+            time.sleep(options["retry_after_s"])
+        dst = host.alloc(3 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(host, dst) == stored
+        if allocator == "default":
+            assert backend._staging is not staging and not backend._staging.retired
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("allocator", ["shm", "default"])
+def test_sglang_threads_share_one_backend(shared_daemon: DaemonProcess, allocator: str) -> None:
+    # SGLang's prefetch, prefetch-I/O and backup threads call one backend at once. A staging
+    # pool of 4 pages makes every staged call take turns and split into 2-page pieces.
+    host = mha_host_pool("page_first_direct", allocator)
+    page_bytes = host.get_dummy_flat_data_page().numel() * 2
+    backend = attach(host, storage_config(shared_daemon.address, staging_bytes=4 * page_bytes))
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for round_ in range(6):
+                keys = [f"threads-{allocator}-{w}-{round_}-{i}" for i in range(5)]
+                src = host.alloc(5 * PAGE)
+                stored = fill(host, src, seed=100 * w + round_)
+                assert backend.batch_set_v1(keys, src) == [True] * 5
+                assert backend.batch_exists(keys) == 5
+                dst = host.alloc(5 * PAGE)
+                assert backend.batch_get_v1(keys, dst) == [True] * 5
+                assert pages_bytes(host, dst) == stored
+                host.free(src)
+                host.free(dst)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        assert backend.counters["failures"] == 0 and backend.counters["pages_loaded"] == 90
+    finally:
+        backend.close()
+
+
+def test_blocks_survive_a_daemon_restart_and_the_host_pool_is_registered_again(
+    daemon_factory: DaemonFactory,
+) -> None:
+    daemon = daemon_factory("tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB")
+    host = mha_host_pool("page_first_direct")
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.2))
+    try:
+        keys = [f"restart-{i}" for i in range(4)]
+        src = host.alloc(4 * PAGE)
+        stored = fill(host, src, seed=12)
+        assert backend.batch_set_v1(keys, src) == [True] * 4
+        daemon.restart()  # SIGTERM flushes L1 to L2; the new daemon has no session or pool
+
+        deadline = time.monotonic() + 30
+        while backend.batch_exists(keys) != 4:
+            assert time.monotonic() < deadline, "the backend never found its blocks again"
+            time.sleep(0.2)
+        dst = host.alloc(4 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 4
+        assert pages_bytes(host, dst) == stored
+        assert backend.mode == "direct"
+        with daemon.client() as c:
+            assert c.stats().gauges["pools"] == 1  # the host pool, registered again
+    finally:
+        backend.close()
+
+
+def test_bad_arguments_are_misses(shared_daemon: DaemonProcess) -> None:
+    host = mha_host_pool("page_first")
+    backend = attach(host, storage_config(shared_daemon.address, retry_after_s=0.01))
+    try:
+        idx = host.alloc(2 * PAGE)
+        # Host slots that are not whole pages, and too few slots for the keys.
+        assert backend.batch_set_v1(["x", "y"], idx.flip(0)) == [False, False]
+        time.sleep(0.02)
+        assert backend.batch_get_v1(["x", "y", "z"], idx) == [False] * 3
+        time.sleep(0.02)
+        assert backend.batch_set(["x"], [torch.zeros(3)]) is False
+        assert backend.counters["failures"] == 3
+    finally:
+        backend.close()
+
+
+def test_configuration_errors_stop_the_engine_at_start(shared_daemon: DaemonProcess) -> None:
+    host = mha_host_pool("page_first")
+    with pytest.raises(ValueError, match="unknown key"):
+        attach(host, storage_config(shared_daemon.address, adress="typo"))
+    with pytest.raises(ValueError, match="io_timeout_s"):
+        attach(host, storage_config(shared_daemon.address, io_timeout_s=0))
+    backend = attach(host, storage_config(shared_daemon.address))
+    try:
+        backend.register_mem_host_pool_v2(host, "mamba")
+        with pytest.raises(ValueError, match="mamba"):
+            backend.on_host_pools_registered()
+    finally:
+        backend.close()
+    # A layout whose pages SGLang cannot flatten (page_unified) is refused when attached.
+    unified = mha_host_pool("page_unified")
+    with pytest.raises(ValueError, match="page_unified"):
+        attach(unified, storage_config(shared_daemon.address))
+
+
+def test_the_backend_imports_nothing_of_the_daemon() -> None:
+    # DESIGN.md §8, as tests/test_layering.py checks it for the rest of the client (which
+    # cannot import this module: SGLang lives in this environment only).
+    probe = (
+        "import json, sys, torchvision_shim, kvtier.client.integrations.sglang\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('kvtier.'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=HERE,
+    )
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "kvtier.client.integrations.sglang" in loaded
+    assert [
+        m for m in loaded if m.startswith(("kvtier.daemon", "kvtier.tiers", "kvtier.bench"))
+    ] == []
