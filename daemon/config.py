@@ -491,6 +491,16 @@ class PolicyConfig:
         default=30.0,
         metadata=_opt("float", lo=0.001, doc="heat half-life: how fast past accesses fade"),
     )
+    hint_max_s: float = field(
+        default=60.0,
+        metadata=_opt(
+            "float",
+            lo=0,
+            hi=3600,
+            doc="a Prefetch deadline protects the blocks it names from eviction until then, "
+            "for at most this long (0: Prefetch protects nothing)",
+        ),
+    )
 
     def check(self) -> None:
         _check_policy("policy.name", self.name)

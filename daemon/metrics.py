@@ -100,6 +100,12 @@ COUNTERS: dict[str, MetricDef] = {
         ("result",),
         "Blocks offered by Put: stored, existing (already held) or rejected (no room).",
     ),
+    "hinted_blocks": _c(
+        "kvtier_hinted_blocks_total",
+        (),
+        "Blocks a Prefetch with a deadline protected from eviction until it (hints of an "
+        "engine's queued requests).",
+    ),
     "bytes_put": _c("kvtier_put_bytes_total", (), "Bytes stored by Put requests."),
     "bytes_get": _c("kvtier_get_bytes_total", (), "Bytes loaded into engine pools by Get."),
     "transferred_blocks": _c(

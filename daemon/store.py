@@ -614,11 +614,21 @@ class BlockStore:
     async def prefetch(
         self, ns: int, words: np.ndarray, deadline_ms: int, priority: int
     ) -> PrefetchResult:
-        """Start promoting the keys' blocks that only lower tiers hold; never waits for them."""
+        """Start promoting the keys' blocks that only lower tiers hold; never waits for them.
+        With a deadline, the blocks found are also protected from eviction in every tier until
+        it passes (capped at ``policy.hint_max_s``)."""
         ids = self.table.lookup(ns, words)
         found = ids[ids >= 0]
         lower = found[self.table.slot[found, self.top.col] < 0] if len(found) else found
-        deadline = self._clock() + deadline_ms / 1000.0 if deadline_ms else None
+        now = self._clock()
+        deadline = now + deadline_ms / 1000.0 if deadline_ms else None
+        hint_s = min(deadline_ms / 1000.0, self.config.policy.hint_max_s)
+        if hint_s > 0 and len(found):
+            # A hint: the engine will read these blocks by the deadline (a queued request).
+            # Every tier keeps them until then, whichever of them holds a copy.
+            for level in self.stack:
+                level.policy.hint(found, now + hint_s, now)
+            self.counters.inc("hinted_blocks", len(found))
         started = self._start_promotions(lower, deadline)
         return PrefetchResult(
             resident=len(found) - len(lower),

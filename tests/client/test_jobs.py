@@ -152,7 +152,10 @@ def test_get_of_a_layer_range_copies_only_those_layers(daemon):
                 else:
                     assert got == bytes(len(got))
         # A block counts as loaded once, by the Get that copies its layer 0.
-        assert client.stats().counters.get("get_blocks_loaded", 0) == 0
+        assert client.stats().counter("get_blocks", result="loaded") == 0
+        req.layer_begin, req.layer_end = 0, 1
+        assert list(client.stub.Get(req).loaded) == [True, True]
+        assert client.stats().counter("get_blocks", result="loaded") == 2
 
 
 def test_a_lease_is_usable_by_another_session_and_released_by_its_own(daemon):

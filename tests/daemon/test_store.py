@@ -23,7 +23,7 @@ from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
 SEG = 64 * 1024
 # Rules that hold whatever the ranking: every live policy must obey them.
-POLICIES = ["lru", "heat", "arc"]
+POLICIES = ["lru", "heat", "arc", "density"]
 
 
 class Clock:
@@ -494,6 +494,48 @@ async def test_prefetch_promotes_ahead_of_use_and_counts_use(make_store):
     stats = store.prefetches.stats()
     # The Get also read ahead the chain's next four blocks: issued, not used yet.
     assert (stats.issued, stats.used, stats.outstanding) == (8, 4, 4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_a_prefetch_deadline_protects_its_blocks_exactly_until_it(make_store, policy):
+    clock = Clock()
+    store, pool = make_store(clock, policy=policy), make_pool()
+    a, b = keys(8), keys(8)  # 16 slots: the tier is full
+    await put(store, pool, a)
+    clock.now += 1
+    await put(store, pool, b, pages=range(8, 16))
+    clock.now += 1
+    res = await store.prefetch(0, a, deadline_ms=5000, priority=0)
+    assert (res.resident, res.scheduled) == (8, 0)
+    assert store.counters.get("hinted_blocks") == 8
+    # Every policy would take the older blocks a first; the hint keeps them.
+    clock.now += 5  # exactly at the deadline: still protected
+    await put(store, pool, keys(8), pages=range(16, 24))
+    assert present(store, a) == [True] * 8 and present(store, b) == [False] * 8
+    clock.now += 0.001  # past it: a goes like any old block
+    await put(store, pool, keys(8), pages=range(24, 32))
+    assert present(store, a) == [False] * 8
+
+
+async def test_a_hint_is_capped_and_can_be_turned_off(make_store):
+    clock = Clock()
+    capped = make_store(clock, sets=("policy.hint_max_s=1",))
+    off = make_store(clock, sets=("policy.hint_max_s=0",))
+    pool = make_pool()
+    for store in (capped, off):
+        a = keys(8)
+        await put(store, pool, a)
+        clock.now += 1
+        await put(store, pool, keys(8), pages=range(8, 16))
+        await store.prefetch(0, a, deadline_ms=3_600_000, priority=0)
+        clock.now += 0.5
+        await put(store, pool, keys(8), pages=range(16, 24))
+        # Capped at 1 s, the hint still holds at 0.5 s; turned off, it never did.
+        assert present(store, a) == [store is capped] * 8
+        clock.now += 1
+        await put(store, pool, keys(8), pages=range(24, 32))
+        assert present(store, a) == [False] * 8
+    assert off.counters.get("hinted_blocks") == 0
 
 
 async def test_a_sick_l2_takes_no_demotions_and_blocks_are_dropped(make_store):

@@ -49,7 +49,7 @@ def _store_prompt(model_dir, daemon, prompt=PROMPT) -> None:
     finally:
         engine.close()
     with daemon.client() as client:
-        assert wait_until(lambda: client.stats().counters.get("put_blocks_stored", 0) >= 3)
+        assert wait_until(lambda: client.stats().counter("put_blocks", result="stored") >= 3)
 
 
 def _counters(daemon) -> dict[str, float]:
@@ -270,7 +270,7 @@ def test_blocks_not_saved_in_time_are_saved_when_the_request_finishes(model_dir,
     finally:
         engine.close()
     with daemon.client() as client:
-        assert wait_until(lambda: client.stats().counters.get("put_blocks_stored", 0) >= 3)
+        assert wait_until(lambda: client.stats().counter("put_blocks", result="stored") >= 3)
     # What was saved at the finish is the right KV: another engine loads and checks it.
     reader = MiniEngine(model_dir, _options(daemon))
     try:
@@ -318,7 +318,9 @@ def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_facto
     """The daemon restarts under a running engine: its session, its pools and L1 are gone,
     the blocks survive on L2. The next request reconnects, stages through a fresh pool (the
     old one's name was dropped once mapped, so it cannot be registered again), and loads."""
-    daemon = daemon_factory("tiers.l2.enabled=true", f"tiers.l2.path={tmp_path / 'l2'}")
+    daemon = daemon_factory(
+        "tiers.l2.enabled=true", "tiers.l2.capacity_bytes=256Mi", f"tiers.l2.path={tmp_path / 'l2'}"
+    )
     _store_prompt(model_dir, daemon)
     engine = MiniEngine(model_dir, _options(daemon))
     try:
