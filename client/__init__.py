@@ -21,13 +21,18 @@ from kvtier.client.keys import Namespace, block_key, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool, wait_until_serving
 from kvtier.client.types import (
+    CheckResult,
     DeleteResult,
+    DrainResult,
+    EvictResult,
     GetResult,
     LookupResult,
     PrefetchResult,
     PutResult,
     PutStatus,
     Stats,
+    TenantStats,
+    TenantTierStats,
     Tier,
     TierStats,
 )
@@ -36,11 +41,14 @@ from kvtier.kernels.layout import LayerLayout, PoolLayout
 __all__ = [
     "AsyncClient",
     "AsyncRegisteredPool",
+    "CheckResult",
     "Client",
     "CudaIpcExport",
     "CudaPool",
     "DeadlineExceededError",
     "DeleteResult",
+    "DrainResult",
+    "EvictResult",
     "FailedPreconditionError",
     "GetResult",
     "InternalError",
@@ -59,6 +67,8 @@ __all__ = [
     "ResourceExhaustedError",
     "SharedMemoryPool",
     "Stats",
+    "TenantStats",
+    "TenantTierStats",
     "Tier",
     "TierStats",
     "UnauthenticatedError",

@@ -10,7 +10,8 @@ Invariants:
   one WARNING line per method every ``server.bad_request_log_interval_s`` (no traceback);
   domain errors map to their status; anything unexpected is INTERNAL with a traceback, at
   most one per method per interval.
-- Every RPC but OpenSession and the health service needs an open session.
+- Every RPC but OpenSession and the health service needs an open session; Check and Drain
+  need an admin session. While draining, the health service answers NOT_SERVING.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
 """
 
@@ -54,6 +55,7 @@ from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
 from kvtier.daemon.store import BlockStore
+from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_path, private_umask
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import LayerLayout, PoolLayout
@@ -143,11 +145,16 @@ class KVTierServicer:
     """Thread-safety: the server's event loop only."""
 
     def __init__(
-        self, service: KVService, ping_interval_s: int, log_interval_s: float = 10.0
+        self,
+        service: KVService,
+        ping_interval_s: int,
+        log_interval_s: float = 10.0,
+        health_servicer: health.aio.HealthServicer | None = None,
     ) -> None:
         self.service = service
         self.ping_interval_s = ping_interval_s
         self.ratelog = RateLimitedLog(log, log_interval_s)
+        self.health = health_servicer
         # Set at shutdown: session streams end, so draining waits only for real requests.
         self.closing = asyncio.Event()
 
@@ -179,6 +186,7 @@ class KVTierServicer:
                 request.client_name,
                 request.credential_ticket,
                 unix_socket=context.peer().startswith("unix"),
+                token=request.token,
             )
         except KvtierError as e:
             await context.abort(status_of(e), str(e))
@@ -191,6 +199,7 @@ class KVTierServicer:
                 session_id=session.session_id,
                 ping_interval_s=self.ping_interval_s,
                 tenant=session.tenant,
+                admin=session.admin,
             )
             ping = pb.SessionEvent(
                 session_id=session.session_id, ping_interval_s=self.ping_interval_s
@@ -239,7 +248,7 @@ class KVTierServicer:
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
         out = await self.service.lookup(
-            request.session_id, request.keys, request.pin, request.lease_ms
+            request.session_id, request.keys, request.pin, request.lease_ms, request.namespace
         )
         return pb.LookupResponse(
             prefix_len=out.prefix_len, tiers=out.tiers.tolist(), lease_id=out.lease_id
@@ -256,6 +265,7 @@ class KVTierServicer:
             request.pages,
             request.parent_key,
             request.durable,
+            request.namespace,
         )
         return pb.PutResponse(
             results=results.tolist(),
@@ -268,7 +278,12 @@ class KVTierServicer:
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetResponse:
         loaded = await self.service.get(
-            request.session_id, request.pool_id, request.keys, request.pages, request.lease_id
+            request.session_id,
+            request.pool_id,
+            request.keys,
+            request.pages,
+            request.lease_id,
+            request.namespace,
         )
         prefix = int(loaded.argmin()) if not loaded.all() else len(loaded)
         return pb.GetResponse(loaded=loaded.tolist(), prefix_len=prefix)
@@ -285,7 +300,11 @@ class KVTierServicer:
         self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefetchResponse:
         out = await self.service.prefetch(
-            request.session_id, request.keys, request.deadline_ms, request.priority
+            request.session_id,
+            request.keys,
+            request.deadline_ms,
+            request.priority,
+            request.namespace,
         )
         return pb.PrefetchResponse(
             resident=out.resident, scheduled=out.scheduled, missing=out.missing
@@ -295,8 +314,48 @@ class KVTierServicer:
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
-        out = await self.service.delete(request.session_id, request.keys)
+        out = await self.service.delete(
+            request.session_id, request.keys, request.namespace, request.tenant
+        )
         return pb.DeleteResponse(deleted=out.deleted, missing=out.missing, busy=out.busy)
+
+    @_rpc
+    async def Evict(
+        self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EvictResponse:
+        out = await self.service.evict(
+            request.session_id, request.keys, request.tier, request.namespace, request.tenant
+        )
+        return pb.EvictResponse(evicted=out.evicted, missing=out.missing, busy=out.busy)
+
+    @_rpc
+    async def Check(
+        self, request: pb.CheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckResponse:
+        out = await self.service.check(request.session_id, request.settle_ms)
+        return pb.CheckResponse(
+            problems=out.problems,
+            strict=out.strict,
+            blocks=out.blocks,
+            sessions=out.sessions,
+            leases=out.leases,
+            pools=out.pools,
+        )
+
+    @_rpc
+    async def Drain(
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResponse:
+        out = self.service.drain(request.session_id, request.resume)
+        if self.health is not None and not self.closing.is_set():
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if out.draining
+                else health_pb2.HealthCheckResponse.SERVING
+            )
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+        return pb.DrainResponse(draining=out.draining, sessions=out.sessions)
 
     @_rpc
     async def Stats(
@@ -318,6 +377,22 @@ class KVTierServicer:
             gauges=snap.gauges,
             uptime_s=snap.uptime_s,
             version=snap.version,
+            tenants=[
+                pb.TenantStats(
+                    tenant=t.tenant,
+                    sessions=t.sessions,
+                    tiers=[
+                        pb.TenantTierStats(
+                            tier=int(u.kind),
+                            used_bytes=u.used_bytes,
+                            quota_bytes=u.quota_bytes,
+                            blocks=u.blocks,
+                        )
+                        for u in t.tiers
+                    ],
+                )
+                for t in snap.tenants
+            ],
         )
 
 
@@ -328,6 +403,8 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         cfg = config.server
+        # Token files first: a config that cannot run fails before L1 is allocated.
+        self.tenants = TenantDirectory.from_config(config)
         self.store = BlockStore(config)
         self.pools = PoolRegistry(
             cfg.shm_dir, cfg.shm_share_pairs(), cfg.bad_request_log_interval_s
@@ -335,11 +412,14 @@ class Daemon:
         self.sessions = SessionRegistry(cfg.max_sessions_per_tenant)
         self.fd_closer = FdCloser()
         self.tickets = TicketBook(self.fd_closer)
-        self.service = KVService(config, self.store, self.pools, self.sessions, self.tickets)
-        self.servicer = KVTierServicer(
-            self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s
+        self.service = KVService(
+            config, self.store, self.pools, self.sessions, self.tickets, self.tenants
         )
+        self.service.apply_quotas()
         self.health = health.aio.HealthServicer()
+        self.servicer = KVTierServicer(
+            self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s, self.health
+        )
         self.credentials: CredentialServer | None = None
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
@@ -398,6 +478,7 @@ class Daemon:
         if (watchdog_s := systemd.watchdog_interval_s()) is not None:
             self._tasks.append(asyncio.create_task(self._watchdog(watchdog_s), name="watchdog"))
         log.info("kvtierd listening on %s", ", ".join(self.addresses))
+        log.info("%s", self.tenants.describe())
         systemd.notify("READY=1\nSTATUS=serving")
 
     async def run_until_stopped(self) -> None:
