@@ -10,6 +10,10 @@ Invariants:
   one WARNING line per method every ``server.bad_request_log_interval_s`` (no traceback);
   domain errors map to their status; anything unexpected is INTERNAL with a traceback, at
   most one per method per interval.
+- A request runs to its end even when its client cancels it or its deadline passes (the
+  answer is dropped): the store's state is never left halfway between two awaits (slots
+  freed while a copy still writes them, a delete that forgot blocks but not their slots).
+  Shutdown waits for such requests before it closes the store.
 - Every RPC but OpenSession and the health service needs an open session; Check and Drain
   need an admin session. While draining, the health service answers NOT_SERVING.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
@@ -119,7 +123,15 @@ def _rpc(
         try:
             if isinstance(request, Malformed):
                 raise self.malformed(method, request)
-            return await fn(self, request, context)
+            # A client that cancels (or whose deadline passes) gets no answer, but the request
+            # runs to its end: the store's steps between awaits are not undone halfway.
+            work = asyncio.ensure_future(fn(self, request, context))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if not work.done():
+                    self.detach(method, work)
+                raise
         except KvtierError as e:
             await context.abort(status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -157,6 +169,31 @@ class KVTierServicer:
         self.health = health_servicer
         # Set at shutdown: session streams end, so draining waits only for real requests.
         self.closing = asyncio.Event()
+        # Requests whose client went away before they ended (see the module invariants).
+        self.detached: set[asyncio.Future[Any]] = set()
+
+    def detach(self, method: str, work: asyncio.Future[Any]) -> None:
+        """Let a request whose client cancelled it finish on its own."""
+        self.detached.add(work)
+        self.service.counters["requests_detached"] += 1
+
+        def done(task: asyncio.Future[Any]) -> None:
+            self.detached.discard(task)
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if exc is not None and not isinstance(exc, KvtierError):
+                self.service.counters["requests_internal_error"] += 1
+                self.ratelog.error(
+                    f"internal {method}", "%s failed after its client left", method, exc_info=exc
+                )
+
+        work.add_done_callback(done)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait for the requests whose clients left to finish."""
+        if self.detached:
+            await asyncio.wait(list(self.detached), timeout=timeout_s)
 
     def malformed(self, method: str, request: Malformed) -> InvalidArgument:
         self.service.counters["requests_malformed"] += 1
@@ -500,6 +537,7 @@ class Daemon:
             self.credentials.close()
         if self.server is not None:
             await self.server.stop(self.config.server.drain_timeout_s)
+        await self.servicer.settle(self.config.server.drain_timeout_s)
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
