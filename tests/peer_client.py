@@ -102,6 +102,60 @@ class Peer:
         raise ValueError(f"unknown op {op}")
 
 
+def serve_tickets() -> None:
+    """``--tickets``: answer "session" with a session ticket and "pool" with a pool ticket
+    for a fresh memfd of ``LAYOUT``'s size, both as this user (hex, one line each)."""
+    from kvtier.client import credentials as cred
+
+    path, uid, gid = sys.argv[2:5]
+    drop_privileges(int(uid), int(gid))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "session":
+            print(cred.session_ticket(path).hex(), flush=True)
+        else:
+            fd = os.memfd_create("kvtier-peer", os.MFD_CLOEXEC)
+            os.ftruncate(fd, int(line.split()[1]))
+            print(cred.pool_ticket(path, fd).hex(), flush=True)
+            os.close(fd)
+
+
+class TicketPeer:
+    """Credential tickets of another user, from a process of that user (no fork of this
+    process, whose gRPC threads a fork would break)."""
+
+    def __init__(self, cred_path: str, uid: int, gid: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--tickets", cred_path, str(uid), str(gid)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._ask(None) == "ready"
+
+    def _ask(self, line: str | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line is not None:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        if not answer:
+            raise RuntimeError(f"the ticket peer exited with {self.proc.wait()}")
+        return answer
+
+    def session_ticket(self) -> bytes:
+        return bytes.fromhex(self._ask("session"))
+
+    def pool_ticket(self, size_bytes: int) -> bytes:
+        """The ticket of a memfd of ``size_bytes`` this user made and handed over."""
+        return bytes.fromhex(self._ask(f"pool {size_bytes}"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def serve() -> None:
     address, uid, gid, namespace, token = sys.argv[1:6]
     drop_privileges(int(uid), int(gid))
@@ -189,4 +243,7 @@ def page_digest_of(data: np.ndarray) -> list[Any]:
 
 
 if __name__ == "__main__":
-    serve()
+    if sys.argv[1] == "--tickets":
+        serve_tickets()
+    else:
+        serve()
