@@ -226,6 +226,11 @@ class KVTierServicer:
                 token=request.token,
             )
         except KvtierError as e:
+            if isinstance(e, (Unauthenticated, PermissionDenied, Unavailable)):
+                # Who was turned away, for the operator; at a bounded rate.
+                self.ratelog.warning(
+                    f"session refused {type(e).__name__}", "session refused: %s", e
+                )
             await context.abort(status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise

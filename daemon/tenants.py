@@ -48,6 +48,7 @@ SHARED_PREFIX = "shared:"
 DEFAULT_NAMESPACE = 0
 MAX_NAMESPACE_BYTES = 200
 MIN_TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 4096
 _PERSON = b"kvtier-ns-v1"
 
 
@@ -186,6 +187,8 @@ class TenantDirectory:
         )
 
     def _bind_token(self, peer: PeerCred | None, token: bytes) -> Binding:
+        if len(token) > MAX_TOKEN_BYTES:
+            raise Unauthenticated(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         digest = _digest(token)
         found: Tenant | None = None
         for tenant in self._tokens:  # every one compared, whichever matches
@@ -289,7 +292,7 @@ def read_token_file(path: str) -> bytes:
                 f"token file {path} has mode {st.st_mode & 0o777:04o}: others may read it; "
                 "make it readable by its owner only (chmod 600)"
             )
-        data = os.read(fd, 4096)
+        data = os.read(fd, MAX_TOKEN_BYTES + 64)
     finally:
         os.close(fd)
     token = data.strip()
