@@ -54,6 +54,9 @@ from kvtier.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
+# The longest a Check waits for transfers in flight to finish.
+MAX_SETTLE_MS = 60_000
+
 
 @dataclass(frozen=True, slots=True)
 class LookupOutcome:
@@ -433,7 +436,7 @@ class KVService:
         session is open, the sessions' lease sets match the leases, the per-tenant and
         per-session counts the limits keep add up, and pin counts match the leases."""
         self._admin(session_id, "Check")
-        deadline = self._clock() + settle_ms / 1000.0
+        deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
         while not self.store.quiescent() and self._clock() < deadline:
             await asyncio.sleep(0.005)
         strict = self.store.quiescent()

@@ -34,7 +34,7 @@ from kvtier.client.types import layout_to_pb
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
-EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "200"))
 SEED = os.environ.get("KVTIER_FUZZ_SEED")
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=16, block_tokens=4, chunk_bytes=4096)
 KNOWN_KEYS = [bytes([i]) * 32 for i in range(8)]

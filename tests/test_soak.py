@@ -176,3 +176,4 @@ def test_soak_two_tenants_with_clients_killed_midway(daemon_factory, tmp_path):
     assert abs(fds_after - fds_before) <= 0.05 * fds_before, (fds_before, fds_after)
     assert abs(rss_after - rss_before) <= 0.05 * rss_before, (rss_before, rss_after)
     assert d.running()
+    assert "Traceback" not in d.log() and " ERROR " not in d.log()
