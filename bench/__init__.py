@@ -14,6 +14,7 @@ BENCHMARKS = {
     "restart": "kvtier.bench.restart",
     "rpc": "kvtier.bench.rpc",
     "ttft": "kvtier.bench.ttft",
+    "vllm": "kvtier.bench.vllm",
 }
 
 

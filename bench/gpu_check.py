@@ -1,26 +1,30 @@
 """``kvtier bench gpu``: the GPU data plane checked on a real GPU, in one run (< 5 minutes).
 
-Two processes: an *engine* (a child process that owns KV tensors on the GPU, exports them
-over CUDA IPC as protobuf and checks its own pages at the end) and this process, the
-*daemon side*. With random data and poisoned destinations at every stage:
+An *engine* (a child process that owns KV tensors on the GPU, exports them over CUDA IPC as
+protobuf and checks its own pages), this process, and (stage 4) a real kvtierd. With random
+data and poisoned destinations at every stage:
 
-1. **round trips** for every layout (vLLM, FlashInfer, MLA, staging): engine pages -> L0
-   (one gather launch from the IPC-mapped pool) -> L1 (pinned host arena) -> L2 (disk tier,
-   durable, checksummed) -> L1 -> L0 -> other, poisoned engine pages; the engine checks its
-   pages bit for bit, and L1/L2 contents are checked against the engine's checksums;
+1. **module round trips** for every layout (vLLM, FlashInfer, MLA, staging), driving the
+   daemon's own modules in this process (``daemon/cuda_pools``, ``tiers/device``,
+   ``tiers/host``, ``tiers/disk``): engine pages -> L0 (one gather launch from the
+   IPC-mapped pool) -> L1 (pinned host arena) -> L2 (disk tier, durable, checksummed) -> L1
+   -> L0 -> other, poisoned engine pages; the engine checks its pages bit for bit, and the
+   L1 and L2 bytes are checked against the engine's checksums (which no RPC can show);
 2. **bandwidth ratios** against the device's own ceilings measured in the same run:
    engine pool <-> L0 vs a plain device-to-device copy of the same bytes (target >= 0.8x),
    L1 <-> L0 vs a pinned ``cudaMemcpy`` of the same bytes (target >= 0.9x), and L2 -> L0
-   through pinned L1 and through GPUDirect Storage (when kvikio and GDS are usable);
+   through pinned L1 and through GPUDirect Storage (when kvikio and GDS are usable), on the
+   modules in this process (an RPC costs more than moving these bytes on the device);
 3. **kernels**: the Triton executor against the torch one on the same plan, the block
-   digest on the GPU against the CPU, int8/fp8 quantisation error and speed.
+   digest on the GPU against the CPU, int8/fp8 quantisation error and speed;
+4. **round trips through a kvtierd** (``tiers.l0.enabled=true``, pinned L1, L2) for every
+   layout, with its RPCs only: the engine's export registered over CUDA IPC, Put into L0,
+   filler Puts pushing the blocks to L1 and then L2 (Lookup confirming each step), a Get
+   from L2 straight into poisoned engine pages through L0 (L0 full), and after the filler
+   is deleted a Get that promotes them into L0 first; the engine checks its pages after
+   each Get (``daemon_round_trip``).
 
 Which paths go through a real kvtierd is printed with every result (``through_daemon``).
-The store does not yet route CUDA IPC pools to the GPU tier, so the round trips drive the
-daemon's own modules (``daemon/cuda_pools``, ``tiers/device``, ``tiers/host``,
-``tiers/disk``) in this process; the registration itself is also sent to a real kvtierd
-with ``tiers.l0.enabled=true``, and once that answers with a pool the same round trip runs
-through Put/Get.
 
 Without CUDA it stops at once with a message saying so (exit status 2).
 """
@@ -517,42 +521,158 @@ def kernels(report: Report) -> None:
     report.results["quantisation"] = q
 
 
-def daemon_registration(engine: Engine, report: Report) -> None:
-    """Send a CUDA IPC registration to a real kvtierd with its GPU tier enabled."""
-    from kvtier.bench.launcher import bench_daemon
-    from kvtier.client import Client, KvtierError
-    from kvtier.proto import kvtier_pb2 as pb
+FILL_BATCH = 64  # blocks per filler Put
 
-    shape = {"layers": 4, "pages": 16, "tokens": 16, "heads": 8, "dim": 128, "latent": 0}
-    src, dst = list(range(8)), list(range(8, 16))
-    _, data, _ = engine.call("alloc", "daemon", "vllm", shape, src, dst, 7)
-    req = pb.RegisterPoolRequest.FromString(data)
+
+def daemon_round_trip(
+    client: Any,
+    pool_id: int,
+    block_bytes: int,
+    src: list[int],
+    dst: list[int],
+    poison: Callable[[list[int]], None],
+    verify: Callable[[list[int], list[int]], list[int]],
+    report: Report,
+    name: str,
+) -> dict[str, Any]:
+    """One layout's round trip through a running kvtierd, with its own RPCs only.
+
+    Put ``src`` pages (into the top tier); push the blocks down the daemon's slot tiers one
+    at a time with filler Puts of fresh keys (enough to fill every tier above the next one,
+    from the capacities ``Stats`` reports), a Lookup confirming each step; Get them into
+    poisoned ``dst`` pages while the top tier is full of blocks held nowhere else (so they
+    are read from the bottom tier straight into the pages); delete the filler and Get them
+    into poisoned pages again (now promoted into the top tier first). After each Get the
+    engine compares its pages (``verify``: the pages of ``dst`` that differ from ``src``).
+    Needs policy ``lru``, no protection and watermarks at 1.0 (``daemon_overrides``), so
+    the blocks move only when room is made."""
+    from kvtier.client import PutStatus, Tier
+
+    slot_tiers = [t for t in client.stats().tiers if t.tier != Tier.L3_REMOTE]
+    keys = [os.urandom(32) for _ in src]
+    filler: list[bytes] = []
+    seen: list[str] = []
+
+    def where(step: str, want: Tier) -> None:
+        kinds = sorted({Tier(t).name for t in client.lookup(keys).tiers})
+        seen.append(f"{step}: {'/'.join(kinds)}")
+        report.check(f"{name}: {step}", kinds == [want.name], f"blocks in {kinds}")
+
+    def fill(n: int) -> None:
+        for start in range(0, n, FILL_BATCH):
+            batch = [os.urandom(32) for _ in range(min(FILL_BATCH, n - start))]
+            pages = [src[(start + j) % len(src)] for j in range(len(batch))]
+            client.put(pool_id, batch, pages)
+            filler.extend(batch)
+
+    def load(step: str) -> None:
+        poison(dst)
+        got = client.get(pool_id, keys, dst)
+        report.check(f"{name}: {step}", all(got.loaded), f"{sum(got.loaded)} of {len(keys)}")
+        bad = verify(src, dst)
+        report.check(f"{name}: engine pages after {step}", not bad, f"pages {bad} differ")
+
+    stored = client.put(pool_id, keys, src).statuses
+    report.check(f"{name}: put", all(s == PutStatus.STORED for s in stored), f"{stored}")
+    where("put", slot_tiers[0].tier)
+    for k in range(1, len(slot_tiers)):
+        fill(sum(-(-t.capacity_bytes // block_bytes) for t in slot_tiers[:k]) + len(src) + 8)
+        where(f"pushed to {slot_tiers[k].tier.name}", slot_tiers[k].tier)
+    load("get from the bottom tier")
+    where("after that get", slot_tiers[-1].tier)
+    for start in range(0, len(filler), FILL_BATCH):
+        client.delete(filler[start : start + FILL_BATCH])
+    load("get with room on top")
+    where("after that get", slot_tiers[0].tier)
+    return {"tiers seen": seen, "filler blocks": len(filler)}
+
+
+def daemon_overrides(l2_dir: str) -> list[str]:
+    """The kvtierd of the round trips: L0, pinned L1 and L2, small enough that a few hundred
+    filler blocks push a block through every tier; blocks move only when room is made."""
+    return [
+        "tiers.l0.enabled=true",
+        "tiers.l0.capacity_bytes=32MiB",
+        "tiers.l0.segment_bytes=4MiB",
+        "tiers.l0.high_watermark=1.0",
+        "tiers.l1.capacity_bytes=64MiB",
+        "tiers.l1.segment_bytes=4MiB",
+        "tiers.l1.high_watermark=1.0",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={l2_dir}",
+        "tiers.l2.capacity_bytes=1GiB",
+        "tiers.l2.segment_bytes=4MiB",
+        "tiers.l2.high_watermark=1.0",
+        "tiers.l2.admission=always",
+        "policy.name=lru",
+        "policy.protect_s=0",
+        "policy.warmup_s=0",
+    ]
+
+
+def _engine_poison(engine: Engine, name: str, pages: list[int]) -> None:
+    engine.call("poison", name, pages)
+
+
+def _engine_verify(engine: Engine, name: str, src: list[int], dst: list[int]) -> list[int]:
+    return list(engine.call("verify", name, src, dst)[1])
+
+
+def _daemon_stage(engine: Engine, report: Report, l2_dir: str, shape: dict[str, int]) -> None:
+    """Every layout through a real kvtierd: the engine process exports its pool, this
+    process registers it with the daemon (a third process) and drives Put/Lookup/Get/Delete;
+    the daemon copies the engine's GPU pages itself."""
+    from kvtier.bench.launcher import bench_daemon
+    from kvtier.client import Client
     from kvtier.client.cuda import CudaIpcExport
     from kvtier.daemon.server import layout_from_pb
+    from kvtier.proto import kvtier_pb2 as pb
 
-    export = CudaIpcExport.from_region(req.cuda_ipc)
-    layout = layout_from_pb(req.layout)
-    out: dict[str, Any] = {"through_daemon": True}
-    try:
-        with (
-            bench_daemon("tiers.l0.enabled=true", "tiers.l0.capacity_bytes=256MiB") as daemon,
-            Client(daemon.address) as client,
-        ):
+    path = "engine -> L0 -> L1 -> L2 -> engine (via L0), and L2 -> L0 -> engine (kvtierd)"
+    with (
+        bench_daemon(*daemon_overrides(os.path.join(l2_dir, "daemon"))) as daemon,
+        Client(daemon.address) as client,
+    ):
+        stats = client.stats()
+        report.results["daemon"] = {
+            "tiers": [t.tier.name for t in stats.tiers],
+            "l0_gds_usable": stats.gauges.get("l0_gds_usable"),
+            "l0_l2_gds": stats.gauges.get("l0_l2_gds"),
+        }
+        for i, kind in enumerate(KINDS):
+            name = f"daemon {kind}"
+            before = len(report.failures)
+            src, dst = list(range(8)), list(range(8, 16))
+            _, data, _ = engine.call("alloc", name, kind, shape, src, dst, 300 + i)
+            out: dict[str, Any] = {"through_daemon": True, "path": path}
             try:
-                pool = client.register_cuda_pool(export, layout)
-            except KvtierError as e:
-                out.update(registered=False, status=type(e).__name__, message=str(e))
-            else:
-                keys = [os.urandom(32) for _ in src]
-                client.put(pool.pool_id, keys, src)
-                got = client.get(pool.pool_id, keys, dst)
-                bad = engine.call("verify", "daemon", src, dst)[1]
-                out.update(registered=True, loaded=sum(got.loaded), mismatched_pages=bad)
-                report.check("daemon round trip", not bad and all(got.loaded), f"pages {bad}")
-    except Exception as e:
-        out.update(registered=False, status="error", message=f"{type(e).__name__}: {e}")
-    engine.call("free", "daemon")
-    report.results["daemon registration"] = out
+                req = pb.RegisterPoolRequest.FromString(data)
+                export = CudaIpcExport.from_region(req.cuda_ipc)
+                pool = client.register_cuda_pool(export, layout_from_pb(req.layout))
+                try:
+                    out.update(
+                        daemon_round_trip(
+                            client,
+                            pool.pool_id,
+                            pool.block_bytes,
+                            src,
+                            dst,
+                            functools.partial(_engine_poison, engine, name),
+                            functools.partial(_engine_verify, engine, name),
+                            report,
+                            name,
+                        )
+                    )
+                    out["block_bytes"] = pool.block_bytes
+                finally:
+                    pool.unregister()
+            except Exception as e:  # this layout fails; the next ones still run
+                report.failures.append(f"{name}: {type(e).__name__}: {e}")
+                out["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                engine.call("free", name)
+                out["bit_exact"] = len(report.failures) == before
+                report.results.setdefault("round trips", {})[kind] = out
 
 
 def _stage(report: Report, name: str, fn: Callable[..., None], *args: Any) -> None:
@@ -589,7 +709,7 @@ def _round_trip_stage(
         report.check(f"{kind}: engine pages after the round trip", not bad, f"pages {bad} differ")
     finally:
         engine.call("free", kind)
-    report.results.setdefault("round trips", {})[kind] = {
+    report.results.setdefault("module round trips", {})[kind] = {
         "bit_exact": len(report.failures) == before,
         "blocks": len(src),
         "block_bytes": pool.block_bytes,
@@ -665,9 +785,9 @@ def run(args: argparse.Namespace) -> Report:
         _stage(report, "bandwidth", _bandwidth_stage, stack, engine, report, args, gds)
         # 3. Kernels on the GPU.
         _stage(report, "kernels", kernels, report)
-        # 4. The registration through a real daemon.
+        # 4. Every layout through a real kvtierd (its GPU tier, pinned L1 and disk tier).
         if not args.skip_daemon:
-            _stage(report, "daemon registration", daemon_registration, engine, report)
+            _stage(report, "daemon round trips", _daemon_stage, engine, report, l2_dir, small)
     finally:
         engine.close()
         stack.close()
@@ -732,16 +852,21 @@ def _print_table(report: Report) -> None:
     r = report.results
     print(f"device: {r['device']}")
     print(f"L2 <-> L0: {r['L2 <-> L0 path']['path']} ({r['L2 <-> L0 path']['reason']})")
-    for kind, v in r.get("round trips", {}).items():
-        print(
-            f"round trip {kind:10s} {'bit-exact' if v['bit_exact'] else 'FAILED':9s} {v['blocks']} blocks of {v['block_bytes']} B  [through_daemon={v['through_daemon']}]"
-        )
+    for section in ("round trips", "module round trips"):
+        for kind, v in r.get(section, {}).items():
+            exact = "bit-exact" if v["bit_exact"] else "FAILED"
+            print(
+                f"{section[:-1]} {kind:10s} {exact:9s} {v.get('block_bytes', '?')} B blocks  "
+                f"[through_daemon={v['through_daemon']}] {v['path']}"
+            )
+            for step in v.get("tiers seen", []):
+                print(f"    {step}")
     for name, v in r.get("bandwidth", {}).items():
         print(f"{name:28s} {json.dumps(v)}")
     for name, v in r.get("quantisation", {}).items():
         print(f"quant {name:22s} {json.dumps(v)}")
-    if "daemon registration" in r:
-        print(f"daemon registration: {json.dumps(r['daemon registration'])}")
+    if "daemon" in r:
+        print(f"daemon: {json.dumps(r['daemon'])}")
     for name, tb in r.get("errors", {}).items():
         print(f"--- {name} raised:\n{tb}", file=sys.stderr)
     print("OK" if not report.failures else "FAILED:\n  " + "\n  ".join(report.failures))

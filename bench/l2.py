@@ -154,8 +154,17 @@ class _Runner:
     ) -> _Pass:
         """Cold gets of one pass's blocks, each batch paired with a raw read of the same
         bytes; every block read back is checked by its tag."""
-        where = client.lookup(keys_of_pass[0][:1])  # unpinned: moves nothing
-        if where.prefix_len != 1 or where.tiers[0] != Tier.L2_DISK:
+        # The daemon serves while it reads its disk index back: wait until every pass's last
+        # block is indexed (an unpinned lookup moves nothing).
+        probe = [keys[-1] for keys in keys_of_pass]
+        deadline = time.monotonic() + 120
+        while (where := client.lookup(probe[:1])).prefix_len != 1 or not all(
+            client.lookup([k]).prefix_len == 1 for k in probe
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon did not index its L2 blocks within 120 s")
+            time.sleep(0.05)
+        if where.tiers[0] != Tier.L2_DISK:
             raise RuntimeError(f"after a restart the first block is in {where.tiers}, not L2")
         p = _Pass(len(keys_of_pass) * self.batch * self.B, ("daemon", "raw"))
         for i, keys in enumerate(keys_of_pass):

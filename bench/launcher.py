@@ -58,12 +58,18 @@ class BenchDaemon:
 
 @contextlib.contextmanager
 def bench_daemon(
-    *overrides: str, start_timeout_s: float = 300.0, poll_s: float = 0.05
+    *overrides: str,
+    start_timeout_s: float = 300.0,
+    poll_s: float = 0.05,
+    socket_path: str | None = None,
+    wait_recovered: bool = True,
 ) -> Iterator[BenchDaemon]:
-    """A kvtierd with ``overrides`` (``section.key=value``), SERVING when yielded, stopped
-    with SIGTERM (and waited for) on exit."""
+    """A kvtierd with ``overrides`` (``section.key=value``), SERVING when yielded (and, with
+    ``wait_recovered``, done indexing what its disk tier held: it serves before that), stopped
+    with SIGTERM (and waited for) on exit. ``socket_path`` fixes its socket (so that a
+    restarted daemon keeps its clients' address); otherwise it gets a fresh one."""
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
-    sock = os.path.join(workdir, "d.sock")
+    sock = socket_path or os.path.join(workdir, "d.sock")
     if len(sock.encode()) > _MAX_SOCKET_PATH:
         shutil.rmtree(workdir, ignore_errors=True)
         raise RuntimeError(
@@ -89,6 +95,8 @@ def bench_daemon(
     try:
         wait_until_serving(daemon.address, proc, daemon.log, start_timeout_s, poll_s=poll_s)
         daemon.start_s = time.perf_counter() - t0
+        if wait_recovered:
+            _wait_recovered(daemon.address, t0 + start_timeout_s)
         yield daemon
     finally:
         stop(proc)
@@ -133,3 +141,11 @@ def wait_until_serving(
                     pass
             time.sleep(poll_s)
     raise TimeoutError(f"kvtierd not ready after {timeout_s}s:\n{log()}")
+
+
+def _wait_recovered(address: str, deadline: float) -> None:
+    with Client(address) as client:
+        while client.stats().gauges.get("recovering", 0):
+            if time.perf_counter() > deadline:
+                raise TimeoutError("kvtierd still indexing its disk tier")
+            time.sleep(0.02)

@@ -249,15 +249,20 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         print(f"timing {args.repeats} starts of each kind ...")
         for _ in range(args.repeats):
             maybe_drop()
-            with bench_daemon(small_l1, *empty, poll_s=POLL_S) as d:
+            with bench_daemon(small_l1, *empty, poll_s=POLL_S, wait_recovered=False) as d:
                 times["empty"].append(d.start_s)
             maybe_drop()
-            with bench_daemon(small_l1, *full, poll_s=POLL_S) as d, d.client() as client:
+            with (
+                bench_daemon(small_l1, *full, poll_s=POLL_S, wait_recovered=False) as d,
+                d.client() as client,
+            ):
                 times["full"].append(d.start_s)
                 times["full_index"].append(_index_ready_s(d, client, sample))
                 recovered.append(_l2_blocks(client))
             maybe_drop()
-            with bench_daemon(f"tiers.l1.capacity_bytes={args.l1_bytes}", poll_s=POLL_S) as d:
+            with bench_daemon(
+                f"tiers.l1.capacity_bytes={args.l1_bytes}", poll_s=POLL_S, wait_recovered=False
+            ) as d:
                 times["l1"].append(d.start_s)
             times["touch"].append(_first_touch_s(args.l1_bytes))
 

@@ -17,6 +17,15 @@ from kvtier.client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from kvtier.client.jobs import (
+    AsyncTransferJob,
+    JobKind,
+    JobState,
+    JobStatus,
+    LoadSegment,
+    SaveSegment,
+    TransferJob,
+)
 from kvtier.client.keys import Namespace, block_key, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool, wait_until_serving
@@ -41,6 +50,7 @@ from kvtier.kernels.layout import LayerLayout, PoolLayout
 __all__ = [
     "AsyncClient",
     "AsyncRegisteredPool",
+    "AsyncTransferJob",
     "CheckResult",
     "Client",
     "CudaIpcExport",
@@ -53,8 +63,12 @@ __all__ = [
     "GetResult",
     "InternalError",
     "InvalidArgumentError",
+    "JobKind",
+    "JobState",
+    "JobStatus",
     "KvtierError",
     "LayerLayout",
+    "LoadSegment",
     "LookupResult",
     "Namespace",
     "NotFoundError",
@@ -65,12 +79,14 @@ __all__ = [
     "PutStatus",
     "RegisteredPool",
     "ResourceExhaustedError",
+    "SaveSegment",
     "SharedMemoryPool",
     "Stats",
     "TenantStats",
     "TenantTierStats",
     "Tier",
     "TierStats",
+    "TransferJob",
     "UnauthenticatedError",
     "UnavailableError",
     "block_key",

@@ -19,8 +19,21 @@ from kvtier.client import credentials
 from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
-from kvtier.client.errors import NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    UnavailableError,
+    from_rpc_error,
+)
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
+from kvtier.client.jobs import (
+    AsyncTransferJob,
+    JobStatus,
+    JobTable,
+    LoadSegment,
+    SaveSegment,
+    TransferPlan,
+)
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import (
@@ -70,6 +83,7 @@ class AsyncClient:
         self._session_call: Any = None
         self._session_task: asyncio.Task[None] | None = None
         self._pools: dict[int, PoolBinding] = {}
+        self._jobs = JobTable()
 
     # --------------------------------------------------------------- lifecycle
 
@@ -109,7 +123,13 @@ class AsyncClient:
             )
         )
         try:
-            first = await call.read()
+            # The first event must come within the client's timeout (see the sync client).
+            first = await asyncio.wait_for(call.read(), self.timeout_s)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise DeadlineExceededError(
+                f"the daemon did not open a session within {self.timeout_s}s"
+            ) from None
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         if first is grpc.aio.EOF:
@@ -170,10 +190,23 @@ class AsyncClient:
             if path is None:
                 raise no_fd_transport(self.address)
             ticket = await _off_loop(credentials.pool_ticket, path, binding.memfd, self.timeout_s)
-        resp = await self._invoke("RegisterPool", binding.register_request(ticket))
+        request = binding.register_request(ticket)
+        resp = await self._invoke("RegisterPool", request)
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
         binding.sealed = resp.sealed
+        binding.session_id = request.session_id
         self._pools[resp.pool_id] = binding
+
+    @property
+    def stub(self) -> pb_grpc.KVTierStub:
+        """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
+        return self._stub
+
+    async def pool_id_of(self, binding: PoolBinding) -> int:
+        """See ``Client.pool_id_of``."""
+        if not binding.pool_id or binding.session_id != await self.session():
+            await self._register(binding)
+        return binding.pool_id
 
     # ----------------------------------------------------------------- pools
 
@@ -355,6 +388,71 @@ class AsyncClient:
         return await self._drive(
             load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
         )
+
+    # ------------------------------------------------------- transfer jobs
+
+    async def submit_load(
+        self,
+        pool: AsyncRegisteredPool,
+        segments: Sequence[LoadSegment],
+        *,
+        layer_groups: int | Sequence[tuple[int, int]] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncTransferJob:
+        """See ``Client.submit_load``."""
+        plan = TransferPlan.for_load(
+            segments, len(pool.layout.layers), self.max_batch_blocks, layer_groups
+        )
+        return await self._start_job(pool, plan, timeout_s)
+
+    async def submit_save(
+        self,
+        pool: AsyncRegisteredPool,
+        segments: Sequence[SaveSegment],
+        *,
+        durable: bool = False,
+        timeout_s: float | None = None,
+    ) -> AsyncTransferJob:
+        """See ``Client.submit_save``."""
+        plan = TransferPlan.for_save(segments, self.max_batch_blocks, durable)
+        return await self._start_job(pool, plan, timeout_s)
+
+    async def _start_job(
+        self, pool: AsyncRegisteredPool, plan: TransferPlan, timeout_s: float | None
+    ) -> AsyncTransferJob:
+        await self.session()
+        await self.pool_id_of(pool.binding)
+        job = AsyncTransferJob(
+            self,
+            pool.binding,
+            plan,
+            timeout_s or self.timeout_s,
+            on_finish=lambda j: self._jobs.finished(j.job_id),
+        )
+        self._jobs.add(job)
+        return await job.start()
+
+    def job(self, job_id: int) -> AsyncTransferJob:
+        """See ``Client.job``."""
+        return self._jobs.get(job_id)  # type: ignore[no-any-return]
+
+    def poll(self, job_id: int) -> JobStatus:
+        """See ``Client.poll``."""
+        return self.job(job_id).poll()
+
+    async def wait(self, job_id: int, timeout_s: float | None = None) -> JobStatus:
+        """See ``Client.wait``."""
+        status = await self.job(job_id).wait(timeout_s)
+        if status.finished:
+            self._jobs.forget(job_id)
+        return status
+
+    async def cancel(self, job_id: int) -> JobStatus:
+        """See ``Client.cancel``."""
+        job = self.job(job_id)
+        await job.cancel()
+        self._jobs.forget(job_id)
+        return job.poll()
 
 
 async def _off_loop(fn: Any, *args: Any) -> Any:

@@ -20,7 +20,12 @@ import socket
 
 import grpc
 
-from kvtier.client.errors import KvtierError, UnavailableError, error_for_code
+from kvtier.client.errors import (
+    DeadlineExceededError,
+    KvtierError,
+    UnavailableError,
+    error_for_code,
+)
 
 PROTOCOL = b"KVTIER-CRED/1"
 CRED_SUFFIX = ".cred"
@@ -64,6 +69,10 @@ def _request(path: str, verb: bytes, fd: int | None, timeout_s: float) -> bytes:
                 if not chunk:
                     break
                 reply += chunk
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"the daemon's credential socket {path} did not answer within {timeout_s}s"
+            ) from None
         except OSError as e:
             raise UnavailableError(
                 f"the daemon's credential socket {path} did not answer: {e.strerror or e}"

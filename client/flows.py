@@ -37,6 +37,7 @@ class PoolBinding:
     pool_id: int = 0
     block_bytes: int = 0
     sealed: bool = False  # the daemon found the memory sealed against shrinking
+    session_id: str = ""  # the session the pool was registered in
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.namespace is None:

@@ -31,6 +31,7 @@ from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     KvtierError,
     NotFoundError,
@@ -38,6 +39,14 @@ from kvtier.client.errors import (
     from_rpc_error,
 )
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
+from kvtier.client.jobs import (
+    JobStatus,
+    JobTable,
+    LoadSegment,
+    SaveSegment,
+    TransferJob,
+    TransferPlan,
+)
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.types import resolve_address
@@ -129,6 +138,7 @@ class Client:
         self._session_id = ""
         self._session_call: Any = None
         self._pools: dict[int, PoolBinding] = {}
+        self._jobs = JobTable()
 
     # --------------------------------------------------------------- lifecycle
 
@@ -176,12 +186,23 @@ class Client:
                 client_name=self.client_name, credential_ticket=ticket, token=self._token
             )
         )
+        # The stream has no deadline (it lives as long as the session), but its first event
+        # must come within the client's timeout: a daemon that is hung must not hang us.
+        timer = threading.Timer(self.timeout_s, call.cancel)
+        timer.daemon = True
+        timer.start()
         try:
             first = next(call)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise DeadlineExceededError(
+                    f"the daemon did not open a session within {self.timeout_s}s"
+                ) from None
             raise from_rpc_error(e) from None
         except StopIteration:
             raise UnavailableError("the daemon closed the session at once") from None
+        finally:
+            timer.cancel()
         self._session_id, self._session_call = first.session_id, call
         self._tenant, self._admin = first.tenant, first.admin
         threading.Thread(
@@ -246,10 +267,33 @@ class Client:
             if path is None:
                 raise no_fd_transport(self.address)
             ticket = credentials.pool_ticket(path, binding.memfd, self.timeout_s)
-        resp = self._invoke("RegisterPool", binding.register_request(ticket))
+        request = binding.register_request(ticket)
+        resp = self._invoke("RegisterPool", request)
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
         binding.sealed = resp.sealed
+        binding.session_id = request.session_id
         self._pools[resp.pool_id] = binding
+
+    @property
+    def stub(self) -> pb_grpc.KVTierStub:
+        """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
+        return self._stub
+
+    def live_ids(self, binding: PoolBinding) -> tuple[str, int] | None:
+        """(session id, pool id) when the session is open and the pool registered in it;
+        never calls the daemon."""
+        with self._lock:
+            call = self._session_call
+            session_id = self._session_id if call is not None and call.is_active() else ""
+        if not session_id or not binding.pool_id or binding.session_id != session_id:
+            return None
+        return session_id, binding.pool_id
+
+    def pool_id_of(self, binding: PoolBinding) -> int:
+        """The pool's id in the current session, registering it again if the daemon lost it."""
+        if not binding.pool_id or binding.session_id != self.session_id:
+            self._register(binding)
+        return binding.pool_id
 
     # ----------------------------------------------------------------- pools
 
@@ -274,6 +318,17 @@ class Client:
     def unregister_pool(self, pool_id: int) -> None:
         self._invoke("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
         self._pools.pop(pool_id, None)
+
+    def unregister_pool_nowait(self, binding: PoolBinding) -> None:
+        """Unregister a pool without waiting for the answer (a pool of a session that has
+        ended needs nothing: the daemon dropped it with the session)."""
+        pool_id, session_id = binding.pool_id, binding.session_id
+        binding.pool_id = 0
+        self._pools.pop(pool_id, None)
+        if not pool_id or session_id != self._session_id:
+            return
+        request = pb.UnregisterPoolRequest(session_id=session_id, pool_id=pool_id)
+        self._stub.UnregisterPool.future(request, timeout=self.timeout_s)
 
     # ---------------------------------------------------------------- blocks
 
@@ -444,6 +499,80 @@ class Client:
         return self._drive(
             load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
         )
+
+    # ------------------------------------------------------- transfer jobs
+
+    def submit_load(
+        self,
+        pool: RegisteredPool,
+        segments: Sequence[LoadSegment],
+        *,
+        layer_groups: int | Sequence[tuple[int, int]] | None = None,
+        timeout_s: float | None = None,
+    ) -> TransferJob:
+        """Start loading blocks into ``pool`` in the background; returns the job at once.
+
+        ``layer_groups`` splits each block's layers into that many contiguous ranges (or the
+        ranges given), each its own Get, so ``job.wait_layers(n)`` returns as soon as layers
+        ``[0, n)`` are in. Each RPC has ``timeout_s`` (the client's timeout by default).
+        Raises KvtierError only if the session or the pool cannot be set up; failures of
+        the transfer itself end up in the job's status."""
+        plan = TransferPlan.for_load(
+            segments, len(pool.layout.layers), self.max_batch_blocks, layer_groups
+        )
+        return self._start_job(pool, plan, timeout_s)
+
+    def submit_save(
+        self,
+        pool: RegisteredPool,
+        segments: Sequence[SaveSegment],
+        *,
+        durable: bool = False,
+        timeout_s: float | None = None,
+    ) -> TransferJob:
+        """Start storing key chains from ``pool`` in the background; returns the job at once.
+        Chains are stored concurrently, each batch after batch; with ``durable`` each Put
+        answers once its blocks are on the daemon's disk tier."""
+        plan = TransferPlan.for_save(segments, self.max_batch_blocks, durable)
+        return self._start_job(pool, plan, timeout_s)
+
+    def _start_job(
+        self, pool: RegisteredPool, plan: TransferPlan, timeout_s: float | None
+    ) -> TransferJob:
+        # Set up the session and the pool now, so that their errors reach the caller.
+        self.session_id  # noqa: B018 - opens the session
+        self.pool_id_of(pool.binding)
+        job = TransferJob(
+            self,
+            pool.binding,
+            plan,
+            timeout_s or self.timeout_s,
+            on_finish=lambda j: self._jobs.finished(j.job_id),
+        )
+        self._jobs.add(job)
+        return job.start()
+
+    def job(self, job_id: int) -> TransferJob:
+        """A submitted job by id (NotFoundError once its result was taken)."""
+        return self._jobs.get(job_id)  # type: ignore[no-any-return]
+
+    def poll(self, job_id: int) -> JobStatus:
+        """A job's status now, without waiting."""
+        return self.job(job_id).poll()
+
+    def wait(self, job_id: int, timeout_s: float | None = None) -> JobStatus:
+        """Wait for a job; once it has finished, its id is forgotten."""
+        status = self.job(job_id).wait(timeout_s)
+        if status.finished:
+            self._jobs.forget(job_id)
+        return status
+
+    def cancel(self, job_id: int) -> JobStatus:
+        """Cancel a job and forget its id; returns its final status."""
+        job = self.job(job_id)
+        job.cancel()
+        self._jobs.forget(job_id)
+        return job.poll()
 
 
 class RegisteredPool(PoolView):

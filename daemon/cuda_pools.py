@@ -33,6 +33,7 @@ Thread-safety: the opener and its handle table are owned by the event loop; a po
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -245,8 +246,9 @@ class HandleTable:
 
 @dataclass(eq=False)
 class CudaPool:
-    """A registered GPU pool. Same surface as a shared-memory pool: ``block_bytes``,
-    ``check_pages``, ``use()`` while a copy runs, ``close()``."""
+    """A registered GPU pool. Same surface as a shared-memory pool (``daemon/pools.py``):
+    ``block_bytes``, ``check_pages``, ``check_usable``, ``batch`` (``DevicePages``, which
+    only the GPU tier reads and writes), ``use()`` while a copy runs, ``close()``."""
 
     pool_id: int
     session_id: str
@@ -258,24 +260,48 @@ class CudaPool:
     _users: int = 0
     _closing: bool = False
     _closed: bool = field(default=False, repr=False)
+    name: str = "cuda_ipc"
+    # Not a memfd sealed against shrinking; the response's ``sealed`` says only that.
+    sealed: bool = False
+    # Opened IPC memory stays mapped until the daemon closes it, whatever the engine does:
+    # a copy cannot fault on it, so a CUDA pool never breaks (a device fault is the GPU
+    # tier's state, reported by its health).
+    broken: str = ""
 
     @property
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
     def check_pages(self, pages: np.ndarray) -> None:
-        if len(pages) and int(pages.max()) >= self.layout.num_pages:
-            bad = int(pages[pages >= self.layout.num_pages][0])
+        if not len(pages):
+            return
+        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
+            bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
             raise InvalidArgument(
                 f"page index {bad} is out of range for pool {self.pool_id} "
                 f"with {self.layout.num_pages} pages"
             )
+
+    def check_usable(self) -> None:
+        """A CUDA pool cannot break (see ``broken``)."""
 
     def pages(self, pages: np.ndarray) -> DevicePages:
         """The batch buffer for the GPU tier's verbs."""
         pages = np.asarray(pages, dtype=np.int64)
         self.check_pages(pages)
         return DevicePages(self.smap, self.segments, pages)
+
+    def batch(
+        self, pages: np.ndarray, threads: int = 1, layers: tuple[int, int] | None = None
+    ) -> DevicePages:
+        """``pages`` as a batch buffer (the chunks of ``layers``, all when None), inside
+        ``use()``; ``threads`` is for host pools' copies (the GPU copies in one launch)."""
+        batch = self.pages(pages)
+        if not layers:
+            return batch
+        return DevicePages(
+            _layer_columns(self.smap, self.layout, layers), batch.segments, batch.pages
+        )
 
     @contextlib.contextmanager
     def use(self) -> Iterator[CudaPool]:
@@ -380,6 +406,23 @@ class CudaPoolOpener:
                 f"on device {mapper.device}"
             )
         return mapper.tensor(opened.base + buf.alloc_offset, buf.size)
+
+
+def _layer_columns(smap: SegmentMap, layout: PoolLayout, layers: tuple[int, int]) -> SegmentMap:
+    """The chunk columns of layers ``[begin, end)``; offsets stay relative to the whole
+    block (a block is layer-major), so copies address the same block slots."""
+    begin, end = layers
+    layout.layer_range_table(begin, end)  # LayoutError for an empty or out-of-range span
+    first = sum(layer.kv_count for layer in layout.layers[:begin])
+    stop = first + sum(layer.kv_count for layer in layout.layers[begin:end])
+    return dataclasses.replace(
+        smap,
+        segment=smap.segment[first:stop],
+        base=smap.base[first:stop],
+        page_stride=smap.page_stride[first:stop],
+        length=smap.length[first:stop],
+        block_offset=smap.block_offset[first:stop],
+    )
 
 
 def _uuid(raw: bytes) -> str:

@@ -2,9 +2,12 @@
 
 A pool is memory the client created, plus its layout: a memfd the client handed over on the
 credential socket (the default: it has no name, so nothing is left behind if the client is
-killed), or a named POSIX shared-memory object. A pool belongs to the session that
-registered it and is unmapped when that session ends or the pool is unregistered; a copy in
-flight keeps the mapping alive until it finishes (``use()``).
+killed), a named POSIX shared-memory object, or GPU memory exported over CUDA IPC
+(``daemon/cuda_pools.py``; opened only by a daemon whose GPU tier runs). Every kind lives in
+one registry: a pool belongs to the session that registered it and is unmapped when that
+session ends or the pool is unregistered; a copy in flight keeps the mapping alive until it
+finishes (``use()``); the store takes a batch's buffer from the pool (``batch``) and never
+asks which kind it is.
 
 Invariants:
 - Only memory-backed objects (memfd, tmpfs) are mapped, checked with F_GET_SEALS, so a
@@ -32,11 +35,13 @@ import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import numpy as np
 
 from kvtier.daemon.config import ANY_PEER
 from kvtier.daemon.credentials import is_memory_backed
+from kvtier.daemon.cuda_pools import CudaPool, CudaPoolOpener, open_opener
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -47,6 +52,8 @@ from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.sessions import PeerCred
 from kvtier.kernels.copy import MemoryFault
 from kvtier.kernels.layout import LayoutError, PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.base import PoolPages
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +102,15 @@ class Pool:
                 "the memory again"
             )
 
+    def batch(
+        self, pages: np.ndarray, threads: int = 1, layers: tuple[int, int] | None = None
+    ) -> PoolPages:
+        """The buffer of a batch of ``pages`` (the chunks of ``layers``, all when None), for
+        the tiers' verbs; inside ``use()``."""
+        layout = self.layout
+        table = layout.layer_range_table(*layers) if layers else layout.chunk_table
+        return PoolPages(table, self.array, pages, threads)
+
     @contextlib.contextmanager
     def use(self) -> Iterator[np.ndarray]:
         """Keep the mapping alive while a copy runs; a fault in it breaks the pool."""
@@ -133,6 +149,9 @@ class Pool:
             log.warning("pool %d still has views at unmap; leaving it to the OS", self.pool_id)
 
 
+EnginePool: TypeAlias = "Pool | CudaPool"
+
+
 class PoolRegistry:
     """Thread-safety: none; owned by the server's event loop."""
 
@@ -141,10 +160,14 @@ class PoolRegistry:
         shm_dir: str,
         shm_share: frozenset[tuple[int, int]] = frozenset(),
         log_interval_s: float = 10.0,
+        cuda: CudaPoolOpener | None = None,
     ) -> None:
+        """``cuda``: opens CUDA IPC pools (``open_opener``, built once at start); by default
+        one that refuses them, saying that the GPU tier is not enabled."""
         self._shm_dir = shm_dir
         self._shm_share = shm_share
-        self._pools: dict[int, Pool] = {}
+        self._cuda = cuda if cuda is not None else open_opener(False, 0)
+        self._pools: dict[int, EnginePool] = {}
         self._per_session: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         # A client breaking its pools in a loop must not flood the log.
@@ -220,13 +243,18 @@ class PoolRegistry:
         buffer = _map(fd, st, size_bytes, "the memory file")
         return self._add(Pool(self._new_id(), session_id, "memfd", layout, buffer, _sealed(fd)))
 
-    def register_cuda_ipc(self, session_id: str) -> Pool:
-        raise FailedPrecondition(
-            "CUDA IPC pools need the L0 GPU tier, which this daemon does not run "
-            "(no CUDA device, or the GPU tier is not enabled)"
-        )
+    def register_cuda_ipc(
+        self, session_id: str, region: pb.CudaIpcRegion, layout: PoolLayout
+    ) -> CudaPool:
+        """Open GPU memory the session's engine exported over CUDA IPC (every check is the
+        opener's, before anything stays open). FailedPrecondition where this daemon cannot
+        serve CUDA IPC pools, with the reason."""
+        pool = self._cuda.open(self._new_id(), session_id, region, layout)
+        self._pools[pool.pool_id] = pool
+        self._per_session[session_id] += 1
+        return pool
 
-    def get(self, session_id: str, pool_id: int) -> Pool:
+    def get(self, session_id: str, pool_id: int) -> EnginePool:
         pool = self._pools.get(pool_id)
         if pool is None:
             raise NotFound(f"pool {pool_id} is not registered")

@@ -43,6 +43,7 @@ from kvtier.daemon.credentials import (
     TicketBook,
     cred_socket_path,
 )
+from kvtier.daemon.cuda_pools import open_opener
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -271,7 +272,8 @@ class KVTierServicer:
                 request.session_id, request.fd.ticket, request.fd.size_bytes, layout
             )
         elif region == "cuda_ipc":
-            pool = self.service.register_cuda_ipc_pool(request.session_id)
+            layout = layout_from_pb(request.layout)
+            pool = self.service.register_cuda_ipc_pool(request.session_id, request.cuda_ipc, layout)
         else:
             raise InvalidArgument("RegisterPool needs a region: fd, shm or cuda_ipc")
         return pb.RegisterPoolResponse(
@@ -325,6 +327,8 @@ class KVTierServicer:
             request.keys,
             request.pages,
             request.lease_id,
+            request.layer_begin,
+            request.layer_end,
             request.namespace,
         )
         prefix = int(loaded.argmin()) if not loaded.all() else len(loaded)
@@ -449,7 +453,10 @@ class Daemon:
         self.tenants = TenantDirectory.from_config(config)
         self.store = BlockStore(config)
         self.pools = PoolRegistry(
-            cfg.shm_dir, cfg.shm_share_pairs(), cfg.bad_request_log_interval_s
+            cfg.shm_dir,
+            cfg.shm_share_pairs(),
+            cfg.bad_request_log_interval_s,
+            cuda=open_opener(config.tiers.l0.enabled, config.tiers.l0.device),
         )
         self.sessions = SessionRegistry(cfg.max_sessions_per_tenant)
         self.fd_closer = FdCloser()

@@ -15,8 +15,8 @@ block request's namespace is derived here from that tenant and the name the requ
 never taken from the client: a tenant can not find, read, overwrite, delete, evict or
 prefetch another's blocks, whatever keys it sends. A put binds its namespace to the tenant in
 the store (once per session and namespace), so the tenant's quotas apply and blocks recovered
-from disk keep their owner. Leases are the tenant's: any of its sessions may load under one
-or release it. Admin sessions may check the invariants, drain, and delete or evict in any
+from disk keep their owner. Any session of a lease's tenant may load under it, only the
+session that took it may release it, no other tenant may name it. Admin sessions may check the invariants, drain, and delete or evict in any
 tenant's namespace. While draining, only admin sessions open.
 
 Thread-safety: none; called from the server's event loop only.
@@ -37,19 +37,22 @@ import numpy as np
 from kvtier import __version__
 from kvtier.daemon.config import TENANT_NAME, Config
 from kvtier.daemon.credentials import TicketBook, TicketKind
+from kvtier.daemon.cuda_pools import CudaPool
 from kvtier.daemon.errors import (
+    FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
-from kvtier.daemon.pools import Pool, PoolRegistry
+from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
 from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
 from kvtier.daemon.store import BlockStore, DeleteResult, EvictResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words
 from kvtier.daemon.tenants import Space, TenantDirectory
 from kvtier.kernels.layout import PoolLayout
+from kvtier.proto import kvtier_pb2 as pb
 from kvtier.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
@@ -241,13 +244,24 @@ class KVService:
         if layout.layers and layout.block_bytes > max_block:
             raise InvalidArgument(
                 f"blocks of this layout have {layout.block_bytes} bytes, more than the "
-                f"{max_block} a tier slot holds (raise tiers.l1.segment_bytes)"
+                f"{max_block} a tier slot holds (raise {self.store.max_block_key()})"
             )
         return session.peer
 
-    def register_cuda_ipc_pool(self, session_id: str) -> Pool:
-        self.sessions.get(session_id)
-        return self.pools.register_cuda_ipc(session_id)
+    def register_cuda_ipc_pool(
+        self, session_id: str, region: pb.CudaIpcRegion, layout: PoolLayout
+    ) -> CudaPool:
+        """GPU memory over CUDA IPC: the rules of every pool (credentials, pools per
+        session, block size against every tier's slots, L0's included), then the GPU tier
+        must run: only it reaches GPU memory."""
+        session = self.sessions.get(session_id)
+        self._check_may_register(session, layout)
+        if self.store.stack.device is None:
+            raise FailedPrecondition(
+                "CUDA IPC pools need the GPU tier (L0), which this daemon does not run: set "
+                "tiers.l0.enabled=true on a host with CUDA"
+            )
+        return self.pools.register_cuda_ipc(session_id, region, layout)
 
     def unregister_pool(self, session_id: str, pool_id: int) -> None:
         self.sessions.get(session_id)
@@ -311,6 +325,8 @@ class KVService:
         keys: Sequence[bytes],
         pages: Sequence[int],
         lease_id: int,
+        layer_begin: int = 0,
+        layer_end: int = 0,
         namespace: str = "",
     ) -> np.ndarray:
         session = self.sessions.get(session_id)
@@ -318,10 +334,14 @@ class KVService:
         space = self._space(session, namespace)
         words = self._words(keys)
         page_arr = self._pages(pool, pages, len(keys), unique=True)
+        layers = self._layers(pool, layer_begin, layer_end)
         # A Get under a live lease of this tenant is the same access as its pinning Lookup:
-        # counted once. Another tenant's lease is refused.
+        # counted once (an engine pins in its scheduler process and loads in its workers).
+        # Another tenant's lease is refused.
         leased = bool(lease_id) and self.sessions.lease_for(session_id, lease_id) is not None
-        return await self.store.get(pool, space.ns, words, page_arr, touch=not leased)
+        # Gets of one block's other layer ranges are the same access as the one of layer 0.
+        touch = not leased and (layers is None or layers[0] == 0)
+        return await self.store.get(pool, space.ns, words, page_arr, touch=touch, layers=layers)
 
     def release(self, session_id: str, lease_id: int) -> None:
         lease = self.sessions.pop_lease(session_id, lease_id)
@@ -541,14 +561,14 @@ class KVService:
         except ValueError as e:
             raise InvalidArgument(f"{what}: {e}") from None
 
-    def _pool(self, session_id: str, pool_id: int) -> Pool:
+    def _pool(self, session_id: str, pool_id: int) -> EnginePool:
         self.sessions.get(session_id)
         pool = self.pools.get(session_id, pool_id)
         pool.check_usable()
         return pool
 
     @staticmethod
-    def _pages(pool: Pool, pages: Sequence[int], nkeys: int, *, unique: bool) -> np.ndarray:
+    def _pages(pool: EnginePool, pages: Sequence[int], nkeys: int, *, unique: bool) -> np.ndarray:
         if len(pages) != nkeys:
             raise InvalidArgument(f"{len(pages)} pages for {nkeys} keys; give one page per key")
         arr = np.asarray(pages, dtype=np.int64)
@@ -556,6 +576,20 @@ class KVService:
         if unique and len(np.unique(arr)) != len(arr):
             raise InvalidArgument("a page appears twice; each loaded block needs its own page")
         return arr
+
+    @staticmethod
+    def _layers(pool: EnginePool, begin: int, end: int) -> tuple[int, int] | None:
+        """The layer range of a Get, or None for whole blocks."""
+        nlayers = len(pool.layout.layers)
+        if end == 0:
+            if begin:
+                raise InvalidArgument("layer_begin needs a layer_end (0 means every layer)")
+            return None
+        if not begin < end <= nlayers:
+            raise InvalidArgument(
+                f"layer range [{begin}, {end}) is empty or beyond the pool's {nlayers} layers"
+            )
+        return None if (begin, end) == (0, nlayers) else (begin, end)
 
     def _lease_s(self, lease_ms: int) -> float:
         if lease_ms == 0:

@@ -10,9 +10,9 @@ when the client asked for its credential ticket (none over TCP), the tenant it i
 it has stored blocks in. Each tenant may hold at most ``max_per_tenant`` sessions at once,
 counted by the binding's ``limit_key``.
 
-A lease belongs to the session that took it and dies with it, but any session of the same
-tenant may load under it and release it (an engine's scheduler pins, its workers load);
-another tenant's session may not.
+A lease belongs to the session that took it and dies with it, and only that session may
+release it; any session of the same tenant may load under it (an engine's scheduler pins,
+its workers load), another tenant's session may not.
 
 Thread-safety: none; owned by the server's event loop.
 """
@@ -161,10 +161,15 @@ class SessionRegistry:
         return lease
 
     def pop_lease(self, session_id: str, lease_id: int) -> Lease:
-        """End a lease taken by any session of ``session_id``'s tenant."""
+        """End a lease ``session_id`` took."""
         lease = self.lease_for(session_id, lease_id)
         if lease is None:
             raise NotFound(f"lease {lease_id} does not exist (released, expired or never taken)")
+        if lease.session_id != session_id:
+            raise PermissionDenied(
+                f"lease {lease_id} belongs to another session; only the one that took it may "
+                "release it"
+            )
         del self._leases[lease_id]
         self._sessions[lease.session_id].leases.discard(lease_id)
         self._compact_expiry()

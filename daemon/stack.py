@@ -8,7 +8,9 @@ into it from above, how blocks reach it (``write_policy``) and its bandwidth lim
 
 What the store may ask of a level is decided by the tier's capabilities, never by which tier it
 is: ``keyed`` (a key-addressed tier), ``persistent`` (survives restarts; removals are I/O),
-``checksummed``, and whether it exposes its slots as host buffers (``buffers``).
+``checksummed``, whether it exposes its slots as host buffers (``buffers``), and whether its
+slots are device memory (``device_memory``: the GPU tier, which alone reaches a GPU pool's
+pages; the stack's ``device`` level lends that reach to the other tiers).
 
 Thread-safety: immutable after construction, except the policies (event loop only).
 """
@@ -16,6 +18,7 @@ Thread-safety: immutable after construction, except the policies (event loop onl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -28,7 +31,7 @@ from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admissio
 from kvtier.daemon.policy.base import EvictionPolicy
 from kvtier.daemon.policy.guard import EvictionGuard
 from kvtier.daemon.policy.registry import default_admission, make_policy
-from kvtier.tiers.base import HostBuffers, KeyTier, SlotTier, TierKind
+from kvtier.tiers.base import DeviceBridge, HostBuffers, KeyTier, SlotTier, TierKind
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class Level:
     def admits_all(self) -> bool:
         return isinstance(self.admission, AlwaysAdmit)
 
-    @property
+    @functools.cached_property
     def host_memory(self) -> bool:
         """Whether the tier's slots are host memory (it exposes them as buffers)."""
         return not self.keyed and self.buffers([], 4096) is not None
@@ -102,7 +105,18 @@ class Level:
         return fn(slots, nbytes) if fn is not None else None
 
     @property
+    def device_memory(self) -> bool:
+        """Whether the tier's slots are device memory: it reads and writes a GPU pool's
+        pages (``DevicePages``) itself, and moves them to and from host buffers for the
+        other tiers (``bridge``)."""
+        return bool(getattr(self.tier, "device_memory", False))
+
+    @property
     def slots(self) -> SlotTier:
+        return self.tier  # type: ignore[no-any-return]
+
+    @property
+    def bridge(self) -> DeviceBridge:
         return self.tier  # type: ignore[no-any-return]
 
     @property
@@ -119,6 +133,9 @@ class TierStack:
             raise ValueError("the fastest tier must own slots")
         self.levels = list(levels)
         self._by_kind = {lv.kind: lv for lv in levels}
+        # The tier whose slots are device memory (L0), when there is one: the only way
+        # between a GPU pool's pages and the other tiers.
+        self.device: Level | None = next((lv for lv in levels if lv.device_memory), None)
 
     def __iter__(self) -> Iterator[Level]:
         return iter(self.levels)
@@ -245,11 +262,11 @@ def open_tiers(config: Config) -> list[Any]:
         if c0.enabled:
             from kvtier.tiers.device import DeviceTier
 
-            tiers.append(
-                DeviceTier(
-                    c0.capacity_bytes, c0.segment_bytes, device=c0.device, streams=c0.streams
-                )
+            l0 = DeviceTier(
+                c0.capacity_bytes, c0.segment_bytes, device=c0.device, streams=c0.streams
             )
+            tiers.append(l0)
+            choose_l2_path(config, l0)
         c1 = config.tiers.l1
         tiers.append(
             HostArena(
@@ -265,6 +282,37 @@ def open_tiers(config: Config) -> list[Any]:
                 t.close()
         raise
     return tiers
+
+
+def choose_l2_path(config: Config, l0: Any) -> None:
+    """Decide once, after the disk tier opened, how L2 <-> L0 transfers go, and record it on
+    the GPU tier, whose stats report it (gauges ``gds_usable``, ``l2_gds``). Raises
+    TierUnavailable when ``tiers.l0.gds`` is ``true`` and GPUDirect Storage is not usable,
+    or there is no disk tier to use it with.
+
+    The transfer engine has no direct L2 <-> L0 route yet (it needs the disk tier to keep
+    the device digest of ``tiers/gds.py`` beside its host checksum): even where GPUDirect
+    Storage is usable, blocks move through host staging, and ``l2_gds`` says so (0)."""
+    from kvtier.tiers.base import TierUnavailable
+    from kvtier.tiers.gds import choose
+
+    c0, c2 = config.tiers.l0, config.tiers.l2
+    if not c2.enabled:
+        if c0.gds == "true":
+            raise TierUnavailable("tiers.l0.gds=true needs the disk tier (tiers.l2.enabled=true)")
+        l0.l2_path, l0.l2_path_reason = "none", "no disk tier"
+        return
+    choice = choose(c0.gds, c2.path, l0.device)
+    l0.gds_usable = choice.active
+    if choice.active:
+        l0.l2_path = "pinned_l1"
+        l0.l2_path_reason = (
+            "GPUDirect Storage is usable, but the direct L2 <-> L0 route is not wired: "
+            "through host staging"
+        )
+    else:
+        l0.l2_path, l0.l2_path_reason = "pinned_l1", choice.reason
+    log.info("L2 <-> L0 transfers: %s (%s)", l0.l2_path, l0.l2_path_reason)
 
 
 def _want_pinning(config: Config) -> bool:

@@ -37,10 +37,21 @@ def flat_name(name: str, labels: Labels) -> str:
 class Counters:
     def __init__(self) -> None:
         self._values: Counter[tuple[str, Labels]] = Counter()
+        # The canonical key of each (name, labels as passed): counting is on every request's
+        # path, so the sorting and string conversion happen once per distinct counter.
+        self._keys: dict[tuple[str, tuple[tuple[str, object], ...]], tuple[str, Labels]] = {}
 
     def inc(self, name: str, n: int = 1, **labels: object) -> None:
-        if n:
-            self._values[(name, tuple(sorted((k, str(v)) for k, v in labels.items())))] += n
+        if not n:
+            return
+        raw = (name, tuple(labels.items()))
+        key = self._keys.get(raw)
+        if key is None:
+            key = self._keys[raw] = (
+                name,
+                tuple(sorted((k, str(v)) for k, v in labels.items())),
+            )
+        self._values[key] += n
 
     def get(self, name: str, **labels: object) -> int:
         """One counter's value; with no labels given, the sum over all of its labels."""

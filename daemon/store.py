@@ -18,6 +18,9 @@ Invariants:
   waiting (free, or held by blocks with other copies); otherwise it is read from the lower tier
   straight into the client's pages. Protection delays eviction; it never makes a miss.
 - A failed read (checksum, I/O) is a miss and drops that tier's copy.
+- A pool names its own batch buffer (``pool.batch``): pages of shared memory or of GPU memory
+  (a CUDA IPC pool). The store never branches on which; the transfer engine routes each by
+  what the tiers can do (only the GPU tier reaches GPU memory; the others go through it).
 
 Thread-safety: not thread-safe by design (see above); call from the event loop only.
 """
@@ -40,7 +43,7 @@ from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED
 from kvtier.daemon.policy.prefetch import PrefetchLedger
-from kvtier.daemon.pools import Pool
+from kvtier.daemon.pools import EnginePool
 from kvtier.daemon.space import SpaceManager
 from kvtier.daemon.stack import Level, TierStack, build_stack
 from kvtier.daemon.stats import Counters
@@ -48,7 +51,6 @@ from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import TransferEngine
 from kvtier.tiers.base import (
     BlockRef,
-    PoolPages,
     Priority,
     RecoveredBlocks,
     TierHealth,
@@ -131,6 +133,7 @@ class BlockStore:
             background_workers=config.mover.workers,
             clock=clock,
             latency=self.latency,
+            device=self.stack.device,
         )
         self.space = SpaceManager(
             self.table,
@@ -171,6 +174,10 @@ class BlockStore:
         requests are served) and the watermark balancer. Needs the running event loop."""
         self._recovery = asyncio.create_task(self.recover(), name="recovery")
         self._balancer = asyncio.create_task(self._balance_forever(), name="balancer")
+        for level in self.stack:
+            start_prefault = getattr(level.tier, "start_prefault", None)
+            if start_prefault is not None:
+                start_prefault()
 
     async def stop(self, *, flush: bool) -> None:
         """Stop background work; with ``flush``, first write every block held only in
@@ -216,6 +223,14 @@ class BlockStore:
 
     def max_block_bytes(self) -> int:
         return min(lv.slots.allocator.segment_bytes for lv in self.stack if not lv.keyed)
+
+    def max_block_key(self) -> str:
+        """The config key that sets ``max_block_bytes`` (the smallest slot tier's segment)."""
+        level = min(
+            (lv for lv in self.stack if not lv.keyed),
+            key=lambda lv: lv.slots.allocator.segment_bytes,
+        )
+        return f"tiers.{level.label.lower()}.segment_bytes"
 
     async def lookup(
         self, ns: int, words: np.ndarray, *, touch: bool = True
@@ -301,15 +316,23 @@ class BlockStore:
         return out
 
     def gauges(self) -> dict[str, float]:
-        """Point-in-time values: what is pinned, in flight or queued for the transfers."""
+        """Point-in-time values: what is pinned, in flight or queued for the transfers, and
+        each tier's own gauges (``l0_l2_gds``...), prefixed as its counters are."""
         live = self.table.state != 0
-        return {
+        out: dict[str, float] = {
             "blocks_pinned": int(np.count_nonzero(live & (self.table.pins > 0))),
             "blocks_in_flight": int(np.count_nonzero(live & (self.table.inflight > 0))),
             "transfers_queued": self.transfers.queued,
             "transfers_running": self.transfers.running,
             "background_tasks": len(self.space.background),
+            # 1 while the persistent tiers' blocks from before this start are still being
+            # indexed (the daemon serves meanwhile; lookups find what is indexed so far).
+            "recovering": 0 if self.recovered.is_set() else 1,
         }
+        for lv in self.stack:
+            for name, value in lv.tier.stats().gauges.items():
+                out[f"{lv.label.lower()}_{name}"] = float(value)
+        return out
 
     def all_counters(self) -> dict[str, int]:
         """The store's counters and each tier's own, flattened for the wire."""
@@ -332,7 +355,7 @@ class BlockStore:
 
     async def put(
         self,
-        pool: Pool,
+        pool: EnginePool,
         ns: int,
         words: np.ndarray,
         pages: np.ndarray,
@@ -362,10 +385,7 @@ class BlockStore:
         existing = table.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
         is_new = existing < 0
-        _, first = np.unique(words, axis=0, return_index=True)
-        dup = np.ones(n, dtype=bool)
-        dup[first] = False
-        is_new &= ~dup  # a key repeated within the batch is stored once
+        is_new &= ~_repeats(words)  # a key repeated within the batch is stored once
         results[~is_new] = PutResult.EXISTS
         ready = existing[existing >= 0]
         ready = ready[table.state[ready] == READY]
@@ -411,7 +431,7 @@ class BlockStore:
         return results, persisted
 
     async def _store_new(
-        self, pool: Pool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
+        self, pool: EnginePool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
     ) -> int:
         """Copy new blocks from the pool into the top tier; when it has no room for all of
         them (everything evictable taken, the rest pinned or protected), the rest go straight
@@ -436,18 +456,13 @@ class BlockStore:
                 continue
             group = todo[: len(slots)]
             try:
-                with pool.use() as mem:
+                with pool.use():
                     outcomes = await self.transfers.from_pool(
                         level,
                         slots,
                         self._refs(group),
                         nbytes,
-                        PoolPages(
-                            pool.layout.chunk_table,
-                            mem,
-                            pages[done : done + len(group)],
-                            self._copy_threads,
-                        ),
+                        pool.batch(pages[done : done + len(group)], self._copy_threads),
                     )
             except BaseException:
                 if level.persistent:
@@ -507,13 +522,23 @@ class BlockStore:
     # -------------------------------------------------------------------- reads
 
     async def get(
-        self, pool: Pool, ns: int, words: np.ndarray, pages: np.ndarray, *, touch: bool
+        self,
+        pool: EnginePool,
+        ns: int,
+        words: np.ndarray,
+        pages: np.ndarray,
+        *,
+        touch: bool,
+        layers: tuple[int, int] | None = None,
     ) -> np.ndarray:
         """Copy stored blocks into pool pages; returns whether each key was loaded.
 
-        Every block some tier holds is loaded (see the module invariants).
+        Every block some tier holds is loaded (see the module invariants). With ``layers``,
+        only the chunks of layers ``[begin, end)`` are copied (checked by the service); a
+        block counts as loaded once, by the Get that copies its layer 0.
         """
         table = self.table
+        chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = table.lookup(ns, words)
         self._check_sizes(ids, pool.block_bytes)
         found = np.flatnonzero(ids >= 0)
@@ -528,35 +553,40 @@ class BlockStore:
             # The pinning Lookup counted this access; only the protection clock restarts.
             table.last_access[bids] = now
         loaded = np.zeros(len(ids), dtype=bool)
-        np.add.at(table.inflight, bids, 1)
+        _mark(table.inflight, bids, 1)
         try:
             lower = bids[table.slot[bids, self.top.col] < 0]
             if len(lower):
                 # Promote what the top tier can take without waiting; the rest is read from
                 # below straight into the pages.
                 await self.space.place(lower, self.top, Priority.DEMAND, clean_only=True)
-            with pool.use() as mem:
+            with pool.use():
                 jobs = []
                 source = self._fastest_col(bids)
                 for level in self.stack:
                     mine = np.flatnonzero(source == level.col)
                     if len(mine):
-                        jobs.append(self._load(level, bids[mine], found[mine], pool, mem, pages))
+                        jobs.append(self._load(level, bids[mine], found[mine], pool, layers, pages))
                 # Every copy finishes before the pool may be unmapped, even when one fails.
-                results = await asyncio.gather(*jobs, return_exceptions=True)
+                if len(jobs) == 1:
+                    results: list[Any] = [await jobs[0]]
+                else:
+                    results = await asyncio.gather(*jobs, return_exceptions=True)
                 for result in results:
                     if isinstance(result, BaseException):
                         raise result
                 for idx, ok in results:  # type: ignore[misc]
                     loaded[idx] = ok
         finally:
-            np.subtract.at(table.inflight, bids, 1)
-            self.space.forget_orphans(bids)
+            _mark(table.inflight, bids, -1)
+            if not loaded.all():
+                self.space.forget_orphans(bids)
         loaded_ids = ids[loaded]
         self._account_reads(loaded_ids)
-        self.counters.inc("get_blocks", int(loaded.sum()), result="loaded")
-        self.counters.inc("get_blocks", len(ids) - int(loaded.sum()), result="missing")
-        self.counters.inc("bytes_get", int(loaded.sum()) * pool.block_bytes)
+        if layers is None or layers[0] == 0:
+            self.counters.inc("get_blocks", int(loaded.sum()), result="loaded")
+            self.counters.inc("get_blocks", len(ids) - int(loaded.sum()), result="missing")
+        self.counters.inc("bytes_get", int(loaded.sum()) * chunks.nbytes)
         if len(loaded_ids):
             self._read_ahead(int(loaded_ids[-1]))
         return loaded
@@ -566,11 +596,12 @@ class BlockStore:
         level: Level,
         bids: np.ndarray,
         idx: np.ndarray,
-        pool: Pool,
-        mem: np.ndarray,
+        pool: EnginePool,
+        layers: tuple[int, int] | None,
         pages: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Read blocks ``level`` holds into their pages; a failed read drops that copy."""
+        """Read blocks ``level`` holds into their pages (the chunks of ``layers``, all when
+        None; inside ``pool.use()``); a failed read drops that copy."""
         table = self.table
         ok = await self.transfers.to_pool(
             level,
@@ -578,7 +609,7 @@ class BlockStore:
             self._refs(bids),
             pool.block_bytes,
             table.checksums(bids, level.col).tolist(),
-            PoolPages(pool.layout.chunk_table, mem, pages[idx], self._copy_threads),
+            pool.batch(pages[idx], self._copy_threads, layers),
         )
         good = np.asarray(ok, dtype=bool)
         for b in bids[~good].tolist():
@@ -945,6 +976,10 @@ class BlockStore:
         return out
 
     def _check_sizes(self, ids: np.ndarray, block_bytes: int) -> None:
+        if len(ids) == 1:
+            size = int(self.table.nbytes[ids[0]]) if ids[0] >= 0 else block_bytes
+            if size in (block_bytes, 0):
+                return
         live = ids[ids >= 0]
         sizes = self.table.nbytes[live]
         wrong = live[(sizes != block_bytes) & (sizes != 0)]
@@ -956,9 +991,34 @@ class BlockStore:
             )
 
     def _count_put(self, results: np.ndarray) -> None:
-        for status, label in (
-            (PutResult.STORED, "stored"),
-            (PutResult.EXISTS, "existing"),
-            (PutResult.REJECTED_FULL, "rejected"),
-        ):
-            self.counters.inc("put_blocks", int(np.count_nonzero(results == status)), result=label)
+        counts = np.bincount(results, minlength=3)
+        self.counters.inc("put_blocks", int(counts[PutResult.STORED]), result="stored")
+        self.counters.inc("put_blocks", int(counts[PutResult.EXISTS]), result="existing")
+        self.counters.inc("put_blocks", int(counts[PutResult.REJECTED_FULL]), result="rejected")
+
+
+def _repeats(words: np.ndarray) -> np.ndarray:
+    """Which keys repeat an earlier key of the same batch."""
+    n = len(words)
+    dup = np.zeros(n, dtype=bool)
+    if n <= 64:
+        raw = words.tobytes()
+        seen: set[bytes] = set()
+        for i in range(n):
+            key = raw[32 * i : 32 * i + 32]
+            if key in seen:
+                dup[i] = True
+            seen.add(key)
+        return dup
+    _, first = np.unique(words, axis=0, return_index=True)
+    dup[:] = True
+    dup[first] = False
+    return dup
+
+
+def _mark(counts: np.ndarray, bids: np.ndarray, delta: int) -> None:
+    """Add ``delta`` to ``counts`` once per occurrence of each id (ids may repeat)."""
+    if len(bids) == 1:
+        counts[int(bids[0])] += delta
+    elif len(bids) > 1:
+        np.add.at(counts, bids, delta)

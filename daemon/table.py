@@ -53,6 +53,10 @@ _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _S33 = np.uint64(33)
+_U64_MASK = (1 << 64) - 1
+_GOLDEN_INT = int(_GOLDEN)
+_M1_INT = int(_M1)
+_M2_INT = int(_M2)
 
 
 def keys_to_words(keys: list[bytes] | tuple[bytes, ...]) -> np.ndarray:
@@ -87,6 +91,7 @@ class BlockTable:
         accounted: tuple[bool, ...] | None = None,
     ) -> None:
         self._salt = np.uint64(secrets.randbits(64))
+        self._salt_int = int(self._salt)
         self.columns = columns
         flags = checksummed if checksummed is not None else (False,) + (True,) * (columns - 1)
         self._csum_col = np.cumsum(flags) - 1
@@ -293,6 +298,10 @@ class BlockTable:
         n = len(words)
         if n == 0:
             return np.empty(0, dtype=np.int64)
+        if n <= _SCALAR_TAIL and np.ndim(ns) == 0 and np.ndim(nbytes) == 0:
+            return np.fromiter(
+                (self.add(int(ns), words[i], int(nbytes), owner) for i in range(n)), np.int64, n
+            )
         reuse = self._free_rows[-n:][::-1] if self._free_rows else []
         del self._free_rows[len(self._free_rows) - len(reuse) :]
         fresh = n - len(reuse)
@@ -368,12 +377,28 @@ class BlockTable:
             h ^= h >> _S33
         return h
 
+    def _hash_one(self, ns: int, first_word: int) -> int:
+        """``_hash`` of one key in Python integers: a single-key request (the common small
+        RPC) pays no numpy call overhead."""
+        h = (first_word ^ self._salt_int ^ ((ns * _GOLDEN_INT) & _U64_MASK)) & _U64_MASK
+        h ^= h >> 33
+        h = (h * _M1_INT) & _U64_MASK
+        h ^= h >> 33
+        h = (h * _M2_INT) & _U64_MASK
+        return h ^ (h >> 33)
+
     def _find(self, ns: int, words: np.ndarray) -> np.ndarray:
         n = len(words)
         result = np.full(n, -1, dtype=np.int64)
         if n == 0:
             return result
         size = len(self._table)
+        if n <= _SCALAR_TAIL:
+            mask = size - 1
+            for i in range(n):
+                pos = self._hash_one(int(ns), int(words[i, 0])) & mask
+                result[i] = self._probe(ns, words[i], pos)
+            return result
         pos = (self._hash(ns, words[:, 0]) & np.uint64(size - 1)).astype(np.int64)
         todo = np.arange(n)
         # Vectorised rounds settle most keys in one or two probes; the few keys on long probe
@@ -397,18 +422,20 @@ class BlockTable:
 
     def _probe(self, ns: int, key: np.ndarray, pos: int) -> int:
         mask = len(self._table) - 1
-        for _ in range(len(self._table)):
-            bid = int(self._table[pos])
+        table, keys, spaces = self._table, self.keys, self.ns
+        want = key.tobytes()
+        for _ in range(len(table)):
+            bid = int(table[pos])
             if bid == EMPTY:
                 return -1
-            if bid >= 0 and self.ns[bid] == ns and (self.keys[bid] == key).all():
+            if bid >= 0 and spaces[bid] == ns and keys[bid].tobytes() == want:
                 return bid
             pos = (pos + 1) & mask
         return -1
 
     def _table_insert(self, ns: int, words: np.ndarray, bid: int) -> None:
         mask = len(self._table) - 1
-        pos = int(self._hash(ns, words[:1])[0]) & mask
+        pos = self._hash_one(int(ns), int(words[0])) & mask
         while self._table[pos] >= 0:
             pos = (pos + 1) & mask
         if self._table[pos] == TOMBSTONE:
@@ -417,7 +444,7 @@ class BlockTable:
 
     def _table_position(self, ns: int, words: np.ndarray, bid: int) -> int:
         mask = len(self._table) - 1
-        pos = int(self._hash(ns, words[:1])[0]) & mask
+        pos = self._hash_one(int(ns), int(words[0])) & mask
         for _ in range(len(self._table)):
             if self._table[pos] == bid:
                 return pos

@@ -10,6 +10,15 @@ Three kinds of move, all batched:
   otherwise the bytes are staged through host memory. Key-addressed tiers are awaited on the
   event loop; slot tiers' blocking verbs run on the engine's worker threads.
 
+A GPU pool's pages (``DevicePages``) are reachable only by a tier whose slots are device
+memory (L0, the stack's ``device`` level, handed to the engine as ``device``): L0 reads and
+writes them itself; every other tier's traffic with them goes through L0's bridge verbs,
+straight into (or out of) the tier's slots when they are host memory (L1), else through host
+staging (page-locked, from L0) and the tier's own verbs (L2, L3). Staging between L0 and a
+tier without host slots comes from L0 too. A device fault on the bridge is an error
+(FAILED_PRECONDITION naming the GPU tier's state), never a miss: the lower tier's copy is
+intact and must not be dropped.
+
 Priorities hold all the way down: jobs run on a ``PriorityExecutor`` in which DEMAND jobs have
 reserved threads, tiers are handed the batch's priority for their own I/O threads, and a
 prefetch whose deadline passed before it could start is dropped (``PrefetchExpired``).
@@ -32,11 +41,14 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.errors import FailedPrecondition
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.stats import Counters
 from kvtier.tiers.base import (
     BlockRef,
+    DeviceBridge,
+    DevicePages,
     HostBuffers,
     PoolPages,
     Priority,
@@ -68,8 +80,11 @@ class TransferEngine:
         background_workers: int = 2,
         clock: Callable[[], float] = time.monotonic,
         latency: Histograms | None = None,
+        device: Level | None = None,
     ) -> None:
+        """``device``: the level whose slots are device memory (L0), when there is one."""
         self.counters = counters
+        self.device = device
         # transfer_seconds{direction}: one observation per batch, for metrics.
         self.latency = latency if latency is not None else Histograms()
         self._clock = clock
@@ -131,7 +146,7 @@ class TransferEngine:
         slots: Sequence[int],
         refs: Sequence[BlockRef],
         nbytes: int,
-        pages: PoolPages,
+        pages: PoolPages | DevicePages,
         priority: Priority = Priority.DEMAND,
     ) -> list[WriteOutcome]:
         """Copy pool pages into a level's slots (exceptions from the copy propagate: the
@@ -139,6 +154,8 @@ class TransferEngine:
         batch = WriteBatch(slots, refs, nbytes, pages, priority)
         started = time.perf_counter()
         try:
+            if isinstance(pages, DevicePages) and not level.device_memory:
+                return await self._from_device_pool(level, slots, refs, nbytes, pages, priority)
             if level.keyed:
                 ok = await level.keys.write(refs, nbytes, pages)
                 return [WriteOutcome(-1, bool(g)) for g in ok]
@@ -155,11 +172,17 @@ class TransferEngine:
         refs: Sequence[BlockRef],
         nbytes: int,
         checksums: Sequence[int],
-        pages: PoolPages,
+        pages: PoolPages | DevicePages,
         priority: Priority = Priority.DEMAND,
     ) -> list[bool]:
         """Copy blocks held by a level into pool pages; False per block is a miss."""
         started = time.perf_counter()
+        if isinstance(pages, DevicePages) and not level.device_memory:
+            got = await self._to_device_pool(level, slots, refs, nbytes, checksums, pages, priority)
+            self._observe(started, f"{level.label}->pool")
+            if not level.host_memory:
+                self._count_move(level.label, "pool", sum(got), nbytes)
+            return got
         if level.keyed:
             got = list(await level.keys.read(refs, nbytes, pages))
             self._observe(started, f"{level.label}->pool")
@@ -236,8 +259,13 @@ class TransferEngine:
         source = self._source_buffers(src, src_slots, nbytes)
         good = [True] * len(refs)
         if source is None:
-            # Neither side is host memory: stage through host buffers.
-            source, good = await self._stage(src, src_slots, refs, nbytes, checksums, priority)
+            # Neither side is host memory: stage through host buffers (page-locked ones of
+            # the GPU tier when either side is device memory).
+            device = dst if dst.device_memory else src if src.device_memory else None
+            bridge = device.bridge if device is not None else None
+            source, good = await self._stage(
+                src, src_slots, refs, nbytes, checksums, priority, bridge
+            )
         if dst.keyed:
             written = await dst.keys.write(refs, nbytes, source)
             outcomes = [WriteOutcome(-1, bool(w)) for w in written]
@@ -253,6 +281,80 @@ class TransferEngine:
     def _source_buffers(level: Level, slots: Sequence[int], nbytes: int) -> HostBuffers | None:
         return None if level.keyed else level.buffers(slots, nbytes)
 
+    # ------------------------------------------------------------- GPU pools
+
+    def _bridge(self) -> DeviceBridge:
+        if self.device is None:
+            # Registration refuses GPU pools without a GPU tier; this is a safety net.
+            raise FailedPrecondition(
+                "a GPU pool's pages can be reached only through the GPU tier (L0), which "
+                "this daemon does not run (tiers.l0.enabled)"
+            )
+        return self.device.bridge
+
+    def _bridge_failed(self, bridge: DeviceBridge, what: str) -> FailedPrecondition:
+        direction = f"{what} via {self.device.label if self.device else 'L0'}"
+        self.counters.inc("transfer_failures", direction=direction)
+        return FailedPrecondition(
+            f"the GPU tier could not move a GPU pool's pages ({what}): {bridge.health()}"
+        )
+
+    async def _from_device_pool(
+        self,
+        level: Level,
+        slots: Sequence[int],
+        refs: Sequence[BlockRef],
+        nbytes: int,
+        pages: DevicePages,
+        priority: Priority,
+    ) -> list[WriteOutcome]:
+        """GPU pool pages into a tier that cannot reach device memory: gathered by L0 into
+        the tier's host slots, or into staging that the tier then writes."""
+        bridge = self._bridge()
+        into = None if level.keyed else level.buffers(slots, nbytes)
+        if into is not None:
+            if not await self._run(priority, bridge.pool_to_host, pages, into, nbytes):
+                raise self._bridge_failed(bridge, f"pool->{level.label}")
+            return [WriteOutcome(int(s), True) for s in slots]
+        # Page-locked memory is allocated off the event loop (a first allocation of a size
+        # can take milliseconds).
+        staging: HostBuffers = await self._run(priority, bridge.host_buffers, len(pages), nbytes)
+        if not await self._run(priority, bridge.pool_to_host, pages, staging, nbytes):
+            raise self._bridge_failed(bridge, f"pool->{level.label}")
+        if level.keyed:
+            written = await level.keys.write(refs, nbytes, staging)
+            return [WriteOutcome(-1, bool(w)) for w in written]
+        batch = WriteBatch(slots, refs, nbytes, staging, priority)
+        return await self._run(priority, level.slots.write, batch)  # type: ignore[no-any-return]
+
+    async def _to_device_pool(
+        self,
+        level: Level,
+        slots: Sequence[int],
+        refs: Sequence[BlockRef],
+        nbytes: int,
+        checksums: Sequence[int],
+        pages: DevicePages,
+        priority: Priority,
+    ) -> list[bool]:
+        """Blocks of a tier that cannot reach device memory into GPU pool pages: scattered
+        by L0 from the tier's host slots, or read by the tier into staging first (its
+        misses stay misses; only the blocks it read are scattered)."""
+        bridge = self._bridge()
+        src = None if level.keyed else level.buffers(slots, nbytes)
+        if src is not None:
+            if not await self._run(priority, bridge.host_to_pool, src, pages, nbytes):
+                raise self._bridge_failed(bridge, f"{level.label}->pool")
+            return [True] * len(pages)
+        staging, good = await self._stage(level, slots, refs, nbytes, checksums, priority, bridge)
+        idx = [j for j, g in enumerate(good) if g]
+        if idx:
+            got = HostBuffers([staging.views[j] for j in idx])
+            dest = DevicePages(pages.smap, pages.segments, pages.pages[idx])
+            if not await self._run(priority, bridge.host_to_pool, got, dest, nbytes):
+                raise self._bridge_failed(bridge, f"{level.label}->pool")
+        return good
+
     async def _stage(
         self,
         src: Level,
@@ -261,9 +363,15 @@ class TransferEngine:
         nbytes: int,
         checksums: Sequence[int],
         priority: Priority,
+        bridge: DeviceBridge | None = None,
     ) -> tuple[HostBuffers, list[bool]]:
-        """Read blocks of a tier without host-memory slots into fresh host buffers."""
-        bufs = HostBuffers([np.empty(nbytes, dtype=np.uint8).data for _ in refs])
+        """Read blocks of a tier without host-memory slots into fresh host buffers (the
+        GPU tier's page-locked staging when ``bridge`` is given: one side is device
+        memory)."""
+        if bridge is not None:
+            bufs: HostBuffers = await self._run(priority, bridge.host_buffers, len(refs), nbytes)
+        else:
+            bufs = HostBuffers([np.empty(nbytes, dtype=np.uint8).data for _ in refs])
         if src.keyed:
             ok = await src.keys.read(refs, nbytes, bufs)
         else:

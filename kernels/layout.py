@@ -84,6 +84,24 @@ class ChunkTable:
             return self.uniform_length
         return np.tile(self.length, nblocks)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes these chunks hold for one block."""
+        return int(self.length.sum())
+
+    def subset(self, first: int, stop: int) -> ChunkTable:
+        """Chunks ``first .. stop - 1`` of the block; offsets stay relative to the whole
+        block, so copies address the same block slots."""
+        length = self.length[first:stop]
+        uniform = int(length[0]) if len(length) and bool(np.all(length == length[0])) else None
+        return ChunkTable(
+            pool_base=self.pool_base[first:stop],
+            page_stride=self.page_stride[first:stop],
+            length=length,
+            block_offset=self.block_offset[first:stop],
+            uniform_length=uniform,
+        )
+
 
 @dataclass(frozen=True)
 class PoolLayout:
@@ -92,7 +110,7 @@ class PoolLayout:
     block_tokens: int
     dtype: str
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         return sum(layer.kv_count * layer.chunk_bytes for layer in self.layers)
 
@@ -143,6 +161,20 @@ class PoolLayout:
                 raise LayoutError(
                     f"{where}: chunks reach byte {end}, beyond the region of {region_bytes} bytes"
                 )
+
+    def layer_range_table(self, begin: int, end: int) -> ChunkTable:
+        """The chunks of layers ``[begin, end)``: a contiguous part of every block, since a
+        block is layer-major. Raises LayoutError for an empty or out-of-range span."""
+        if not 0 <= begin < end <= len(self.layers):
+            raise LayoutError(
+                f"layer range [{begin}, {end}) is not a non-empty part of the "
+                f"{len(self.layers)} layers"
+            )
+        if (begin, end) == (0, len(self.layers)):
+            return self.chunk_table
+        first = sum(layer.kv_count for layer in self.layers[:begin])
+        stop = first + sum(layer.kv_count for layer in self.layers[begin:end])
+        return self.chunk_table.subset(first, stop)
 
     @cached_property
     def chunk_table(self) -> ChunkTable:

@@ -226,20 +226,24 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ..., stored: _Optional[int] = ..., persisted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "keys", "pages", "lease_id", "namespace")
+    __slots__ = ("session_id", "pool_id", "keys", "pages", "lease_id", "layer_begin", "layer_end", "namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pages: _containers.RepeatedScalarFieldContainer[int]
     lease_id: int
+    layer_begin: int
+    layer_end: int
     namespace: str
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("loaded", "prefix_len")

@@ -130,7 +130,7 @@ class KVTierServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drops a lease taken by Lookup(pin=true).
+        """Drops a lease taken by Lookup(pin=true); only the session that took it may.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

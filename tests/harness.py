@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,8 +67,19 @@ class DaemonProcess:
 
         try:
             wait_until_serving(self.address, timeout_s, check=alive)
+            self.wait_recovered(timeout_s)
         except TimeoutError as e:
             raise TimeoutError(f"{e}:\n{self.log()}") from None
+
+    def wait_recovered(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until the daemon has indexed every block its disk tier held (it serves while
+        it does, so a test that restarts it and expects every block back waits for this)."""
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while client.stats().gauges.get("recovering", 0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"kvtierd still recovering after {timeout_s}s")
+                time.sleep(0.02)
 
     def client(self, **kwargs: object) -> Client:
         return Client(self.address, **kwargs)  # type: ignore[arg-type]

@@ -373,6 +373,9 @@ C = grpc.StatusCode
         ("bad_parent_key", C.INVALID_ARGUMENT),
         ("lease_too_long", C.INVALID_ARGUMENT),
         ("release_unknown_lease", C.NOT_FOUND),
+        ("layer_begin_without_end", C.INVALID_ARGUMENT),
+        ("empty_layer_range", C.INVALID_ARGUMENT),
+        ("layer_range_beyond_layout", C.INVALID_ARGUMENT),
     ],
 )
 def test_bad_block_requests_get_typed_status(raw, case, expected):
@@ -420,6 +423,34 @@ def test_bad_block_requests_get_typed_status(raw, case, expected):
             pb.LookupRequest(session_id=session, keys=[KEY], pin=True, lease_ms=10**9),
         ),
         "release_unknown_lease": (stub.Release, pb.ReleaseRequest(session_id=session, lease_id=99)),
+        "layer_begin_without_end": (
+            stub.Get,
+            pb.GetRequest(
+                session_id=session, pool_id=pool_id, keys=[KEY], pages=[0], layer_begin=1
+            ),
+        ),
+        "empty_layer_range": (
+            stub.Get,
+            pb.GetRequest(
+                session_id=session,
+                pool_id=pool_id,
+                keys=[KEY],
+                pages=[0],
+                layer_begin=2,
+                layer_end=2,
+            ),
+        ),
+        "layer_range_beyond_layout": (
+            stub.Get,
+            pb.GetRequest(
+                session_id=session,
+                pool_id=pool_id,
+                keys=[KEY],
+                pages=[0],
+                layer_begin=1,
+                layer_end=len(layout.layers) + 1,
+            ),
+        ),
     }
     fn, request = requests[case]
     code, details = _status(fn, request)

@@ -45,6 +45,7 @@ def _imported(tops: list[str], skip: tuple[str, ...] = ()) -> list[str]:
 )
 def test_packages_import_only_what_the_design_allows(tops, forbidden):
     # The transformers integration needs transformers; it obeys the same rule, so it is
-    # checked too (it is installed in the test environment).
-    loaded = _imported(tops)
+    # checked too (it is installed in the test environment). The vLLM connector needs vLLM,
+    # which lives in its own environment (`make test-vllm`): it is left out here.
+    loaded = _imported(tops, skip=("kvtier.client.integrations.vllm",))
     assert [m for m in loaded if m.startswith(forbidden)] == []

@@ -122,7 +122,7 @@ def test_a_tenant_cannot_find_read_overwrite_delete_evict_or_prefetch_anothers_b
     assert bob("stats")[0]["tenant"] == "bob"  # a tenant sees its own usage only
 
 
-def test_leases_serve_every_session_of_their_tenant_and_no_other(tenant_daemon, peers):
+def test_leases_serve_every_session_of_their_tenant_and_no_other_tenant(tenant_daemon, peers):
     d = tenant_daemon()
     bob, bob2, alice = peers(BOB, d), peers(BOB, d), peers(ALICE, d)
     ks = keys(2, tag=1)
@@ -134,9 +134,11 @@ def test_leases_serve_every_session_of_their_tenant_and_no_other(tenant_daemon, 
     err = _err(alice, "get", keys=ks, pages=[0, 1], lease_id=lease)
     assert err.kind == "PermissionDeniedError" and "another tenant" in err.details
     assert _err(alice, "release", lease_id=lease).kind == "PermissionDeniedError"
-    # Another session of the same tenant may (an engine's scheduler pins, its worker loads).
+    # Another session of the same tenant may load (an engine's scheduler pins, its worker
+    # loads); only the session that took it releases it.
     assert bob2("get", keys=ks, pages=[2, 3], lease_id=lease)["loaded"] == [True, True]
-    bob2("release", lease_id=lease)
+    assert _err(bob2, "release", lease_id=lease).kind == "PermissionDeniedError"
+    bob("release", lease_id=lease)
     assert _err(bob, "release", lease_id=lease).kind == "NotFoundError"
 
 

@@ -353,4 +353,23 @@ class KeyTier(Protocol):
     async def close(self) -> None: ...
 
 
+class DeviceBridge(Protocol):
+    """What a slot tier whose slots are device memory (L0, ``device_memory = True``) also
+    does for the others: move a GPU pool's pages (``DevicePages``) to and from host buffers
+    without an L0 slot. Only such a tier can reach GPU pool memory, so every other tier's
+    traffic with a GPU pool goes through these (host buffers being its slots, when they are
+    host memory, or staging from ``host_buffers``). False: the device failed, the
+    destination's bytes are unspecified and the tier reports why in ``health()``."""
+
+    def pool_to_host(self, src: DevicePages, dest: HostBuffers, nbytes: int) -> bool: ...
+
+    def host_to_pool(self, src: HostBuffers, dest: DevicePages, nbytes: int) -> bool: ...
+
+    def host_buffers(self, n: int, nbytes: int) -> HostBuffers:
+        """Staging in host memory for ``n`` blocks (page-locked where the device has it)."""
+        ...
+
+    def health(self) -> TierHealth: ...
+
+
 BlockTier: TypeAlias = "SlotTier | KeyTier"

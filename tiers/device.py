@@ -45,6 +45,7 @@ from kvtier.kernels.paged import copy_runs
 from kvtier.kernels.runs import gather_runs, scatter_runs
 from kvtier.tiers.base import (
     HEALTHY,
+    DeviceBridge,
     DevicePages,
     Health,
     HostBuffers,
@@ -199,6 +200,7 @@ class DeviceTier:
     kind = TierKind.GPU
     persistent = False
     checksummed = False
+    device_memory = True  # slots are device memory; it is the stack's ``DeviceBridge``
 
     def __init__(
         self,
@@ -236,7 +238,11 @@ class DeviceTier:
         self._lock = threading.Lock()
         self._counters: dict[str, int] = {}
         self._health = HEALTHY
-        self.l2_path = "pinned_l1"  # set by the daemon when GPUDirect Storage is chosen
+        # How L2 <-> L0 transfers go, set once by the daemon at start: whether GPUDirect
+        # Storage is usable (tiers/gds.py ``choose``), the path transfers take and why.
+        self.gds_usable = False
+        self.l2_path = "pinned_l1"
+        self.l2_path_reason = "not chosen"
         log.info(
             "L0 device arena: %d MiB on %s in %d segments of %d MiB, %d pool streams",
             self.allocator.capacity_bytes >> 20,
@@ -394,6 +400,14 @@ class DeviceTier:
         self._count({"blocks_host_to_pool": n, "bytes_host_to_pool": n * nbytes})
         return True
 
+    def host_buffers(self, n: int, nbytes: int) -> HostBuffers:
+        """Host staging for ``n`` blocks, page-locked where the device has it (a transfer
+        between a GPU pool and a tier without host slots: disk, remote). Each buffer starts
+        on a page and is ``nbytes`` rounded up to pages long."""
+        stride = -(-nbytes // ALIGN) * ALIGN
+        raw = self._ops.host_empty(max(1, n) * stride).numpy()
+        return HostBuffers([raw[j * stride : (j + 1) * stride].data for j in range(n)])
+
     def synchronize(self) -> None:
         """Wait for everything launched on the device (work outside the verbs, e.g. a fill
         of a slot view, must be complete before a verb's stream reads the slot)."""
@@ -422,6 +436,7 @@ class DeviceTier:
                 "blocks": float(self.allocator.used_slots),
                 "streams": float(len(self._pool_lanes)),
                 "l2_gds": 1.0 if self.l2_path == "gds" else 0.0,
+                "gds_usable": 1.0 if self.gds_usable else 0.0,
             },
         )
 
@@ -491,6 +506,6 @@ def _host_tensor(view: object, nbytes: int, *, writable: bool = False) -> torch.
         return torch.frombuffer(mv, dtype=torch.uint8, count=nbytes)
 
 
-def _conforms(tier: DeviceTier) -> SlotTier:
-    """mypy checks here that DeviceTier is a SlotTier."""
-    return tier
+def _conforms(tier: DeviceTier) -> tuple[SlotTier, DeviceBridge]:
+    """mypy checks here that DeviceTier is a SlotTier and a DeviceBridge."""
+    return tier, tier

@@ -61,8 +61,8 @@ class HostArena:
         pin_cuda: bool = False,
         prefault: str = "sync",
     ) -> None:
-        """``prefault``: ``sync`` (before returning), ``background`` (a thread does it
-        while the arena is already in use) or ``none``."""
+        """``prefault``: ``sync`` (before returning), ``background`` (a thread does it, from
+        ``start_prefault()`` on, while the arena is already in use) or ``none``."""
         if prefault not in ("sync", "background", "none"):
             raise ValueError(f"prefault must be sync, background or none, not {prefault!r}")
         self.allocator = SlabAllocator(capacity_bytes, segment_bytes)
@@ -93,9 +93,19 @@ class HostArena:
             self._prefaulter = threading.Thread(
                 target=self._prefault, name="l1-prefault", daemon=True
             )
-            self._prefaulter.start()
         else:
             self.prefaulted.set()
+
+    def start_prefault(self) -> None:
+        """Start the background pre-fault (``prefault="background"``); idempotent. Called
+        once the daemon serves: faulting pages in holds the process's memory-map lock a chunk
+        at a time, which would slow everything else that maps memory while it starts."""
+        if (
+            self._prefaulter is not None
+            and not self._prefaulter.is_alive()
+            and not self.prefaulted.is_set()
+        ):
+            self._prefaulter.start()
 
     def view(self, slot: int, nbytes: int) -> memoryview:
         start = self.allocator.offset(slot)
@@ -145,7 +155,8 @@ class HostArena:
     def close(self) -> None:
         self._stop.set()
         if self._prefaulter is not None:
-            self._prefaulter.join()
+            if self._prefaulter.is_alive():
+                self._prefaulter.join()
             self._prefaulter = None
         if self._cuda_registered:
             import torch
@@ -194,7 +205,8 @@ class HostArena:
         log.info("L1 arena pre-faulted in %.2fs", time.monotonic() - started)
 
 
-_PREFAULT_CHUNK = 64 << 20
+# Each madvise call holds the memory-map lock; small chunks let other threads map memory.
+_PREFAULT_CHUNK = 8 << 20
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _LIBC.madvise.restype = ctypes.c_int

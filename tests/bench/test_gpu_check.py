@@ -97,3 +97,76 @@ def test_round_trip_stage_reports_wrong_bytes(stack):
     assert "vllm: L1 bytes: L1 holds other bytes than the engine's" in report.failures
     assert "vllm: L2 bytes: L2 returned other bytes" in report.failures
     assert np.array_equal(pool.block(4).numpy(), pool.block(0).numpy())
+
+
+def test_daemon_round_trip_pushes_blocks_down_every_tier_and_loads_them_back(
+    daemon_factory, tmp_path
+):
+    """The GPU check's stage 4 (through a kvtierd, its RPCs only) run here against a real
+    daemon with L1 and L2 and a shared-memory pool: the same Put, filler, Lookup, Get and
+    Delete sequence walks the blocks down the stack and back, byte-exact."""
+    from kvtier.bench.gpu_check import daemon_overrides, daemon_round_trip
+    from kvtier.client import Client, PoolLayout, SharedMemoryPool
+
+    sized = ("tiers.l0.", "tiers.l1.capacity", "tiers.l1.segment", "tiers.l2.capacity")
+    overrides = [o for o in daemon_overrides(str(tmp_path / "l2")) if not o.startswith(sized)]
+    d = daemon_factory(
+        *overrides,
+        "tiers.l1.segment_bytes=1MiB",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
+        l1_bytes="2MiB",
+    )
+    layout = PoolLayout.staging(
+        num_layers=4, num_pages=32, block_tokens=16, chunk_bytes=8192, dtype="uint8"
+    )
+    n = layout.block_bytes
+    with Client(d.address) as client, SharedMemoryPool.for_layout(layout) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(5).integers(0, 256, len(data), dtype=np.uint8)
+        pool = client.register_pool(shm, layout)
+        checked: list[list[int]] = []
+
+        def poison(pages: list[int]) -> None:
+            for p in pages:
+                data[p * n : (p + 1) * n] = 0xA5
+
+        def verify(src: list[int], dst: list[int]) -> list[int]:
+            bad = [
+                d
+                for s, d in zip(src, dst, strict=True)
+                if data[s * n : (s + 1) * n].tobytes() != data[d * n : (d + 1) * n].tobytes()
+            ]
+            checked.append(bad)
+            return bad
+
+        report = Report()
+        out = daemon_round_trip(
+            client,
+            pool.pool_id,
+            n,
+            list(range(6)),
+            list(range(20, 26)),
+            poison,
+            verify,
+            report,
+            "staging",
+        )
+        assert report.failures == []
+        assert checked == [[], []]  # both Gets were checked, and both were exact
+        assert out["tiers seen"] == [
+            "put: L1_HOST",
+            "pushed to L2_DISK: L2_DISK",
+            "after that get: L2_DISK",
+            "after that get: L1_HOST",
+        ]
+        # A wrong page is reported, not missed.
+        report = Report()
+        daemon_round_trip(
+            client, pool.pool_id, n, [0, 1], [20, 21], poison, lambda s, d: [21], report, "x"
+        )
+        assert (
+            "x: engine pages after get from the bottom tier: pages [21] differ" in report.failures
+        )
+        pool.unregister()

@@ -220,7 +220,119 @@ def test_the_daemon_answers_failed_precondition_and_keeps_serving(daemon):
     )
     layout: PoolLayout = pool.layout
     with Client(daemon.address) as client:
-        with pytest.raises(FailedPreconditionError, match="CUDA"):
+        with pytest.raises(
+            FailedPreconditionError, match=r"CUDA IPC pools need the GPU tier.*tiers\.l0\.enabled"
+        ):
             client.register_cuda_pool(export, layout)
         with SharedMemoryPool.for_layout(layout) as shm:
             assert client.register_pool(shm, layout).pool_id
+
+
+# ------------------------------------------------------- registration through the service
+
+
+def _service(tmp_path, *, l0: bool = True, sets: tuple[str, ...] = ()):
+    """A KVService over a real store (L0 on CpuOps when ``l0``, L1) whose pool registry
+    opens CUDA IPC pools through the CPU stand-in."""
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.credentials import FdCloser, TicketBook
+    from kvtier.daemon.pools import PoolRegistry
+    from kvtier.daemon.service import KVService
+    from kvtier.daemon.sessions import SessionRegistry
+    from kvtier.daemon.store import BlockStore
+    from kvtier.tiers.device import CpuOps, DeviceTier
+    from kvtier.tiers.host import HostArena
+
+    config = load_config(None, list(sets))
+    tiers: list[object] = [HostArena(4 << 20, 1 << 20)]
+    if l0:
+        tiers.append(DeviceTier(4 << 20, 256 << 10, ops=CpuOps()))
+    store = BlockStore(config, tiers=tiers)
+    mapper = CpuMapper()
+    tickets = TicketBook(FdCloser())
+    registry = PoolRegistry(str(tmp_path), cuda=CudaPoolOpener(mapper))
+    service = KVService(config, store, registry, SessionRegistry(), tickets)
+    return service, tickets, mapper
+
+
+def _session(service, tickets, uid: int = 1000) -> str:
+    from kvtier.daemon.credentials import TicketKind
+    from kvtier.daemon.sessions import PeerCred
+
+    ticket = tickets.issue(TicketKind.SESSION, PeerCred(pid=1, uid=uid, gid=uid))
+    return service.open_session("engine", ticket, unix_socket=True).session_id
+
+
+def _export(mapper: CpuMapper, pool) -> pb.CudaIpcRegion:
+    buffers = tuple(
+        IpcBuffer(mapper.adopt(t), 0, seg.numel(), b.pool_offset)
+        for t, seg, b in zip(pool.tensors, pool.segments, pool.buffers, strict=True)
+    )
+    return CudaIpcExport(buffers, 0, UUID).region()
+
+
+async def test_a_registered_gpu_pool_serves_puts_and_gets_and_dies_with_its_session(tmp_path):
+    service, tickets, mapper = _service(tmp_path)
+    session = _session(service, tickets)
+    engine = make_pool("vllm", layers=2, pages=8, dtype="bfloat16", gap=4096)
+    engine.fill_random(11)
+    pool = service.register_cuda_ipc_pool(session, _export(mapper, engine), engine.layout)
+    assert pool.block_bytes == engine.layout.block_bytes and not pool.sealed
+    assert len(mapper.mapped) == 2
+    keys = [bytes([i]) * 32 for i in range(3)]
+    want = [engine.block(p).clone() for p in (0, 1, 2)]
+    results, _ = await service.put(session, pool.pool_id, keys, [0, 1, 2], b"")
+    assert results.tolist() == [0, 0, 0]
+    outcome = await service.lookup(session, keys, False, 0)
+    assert outcome.prefix_len == 3 and outcome.tiers.tolist() == [pb.TIER_L0_GPU] * 3
+    for t in engine.tensors:
+        t.view(torch.uint8)[:, 5:8] = 0xA5
+    loaded = await service.get(session, pool.pool_id, keys, [5, 6, 7], 0)
+    assert loaded.tolist() == [True] * 3
+    for p, w in zip((5, 6, 7), want, strict=True):
+        assert torch.equal(engine.block(p), w)
+    snap = service.stats(session)
+    assert snap.gauges["pools"] == 1 and snap.gauges["l0_blocks"] == 3
+    with pytest.raises(InvalidArgument, match="page index -1"):
+        await service.get(session, pool.pool_id, keys[:1], [-1], 0)
+    with pytest.raises(InvalidArgument, match="page index 8"):
+        await service.put(session, pool.pool_id, keys[:1], [8], b"")
+    service.close_session(session)  # the engine exited without unregistering
+    assert not mapper.mapped and len(service.pools) == 0
+    service.store.close()
+
+
+def test_gpu_pools_follow_the_rules_of_every_pool(tmp_path):
+    from kvtier.daemon.errors import PermissionDenied, ResourceExhausted
+
+    service, tickets, mapper = _service(tmp_path, sets=("server.max_pools_per_session=1",))
+    engine = make_pool("mla", layers=2, pages=4)
+    owner, other = _session(service, tickets), _session(service, tickets, uid=1001)
+    pool = service.register_cuda_ipc_pool(owner, _export(mapper, engine), engine.layout)
+    with pytest.raises(ResourceExhausted, match="max_pools_per_session"):
+        service.register_cuda_ipc_pool(owner, _export(mapper, engine), engine.layout)
+    with pytest.raises(PermissionDenied, match="another session"):
+        service.unregister_pool(other, pool.pool_id)
+    anonymous = service.open_session("tcp", b"", unix_socket=False).session_id
+    with pytest.raises(PermissionDenied, match="no peer credentials"):
+        service.register_cuda_ipc_pool(anonymous, _export(mapper, engine), engine.layout)
+    # A block larger than an L0 slot is refused, naming the key that limits it.
+    big = make_pool("vllm", layers=64, pages=2, tokens=16, heads=4, head_dim=32)
+    with pytest.raises(InvalidArgument, match=r"raise tiers\.l0\.segment_bytes"):
+        service.register_cuda_ipc_pool(other, _export(mapper, big), big.layout)
+    # Refused registrations left nothing open: only the one pool's two layers.
+    assert len(mapper.mapped) == 2 and len(service.pools) == 1
+    service.unregister_pool(owner, pool.pool_id)
+    assert not mapper.mapped and len(service.pools) == 0
+    service.store.close()
+
+
+def test_a_daemon_without_a_gpu_tier_refuses_gpu_pools_whatever_it_could_open(tmp_path):
+    service, tickets, mapper = _service(tmp_path, l0=False)
+    engine = make_pool("flashinfer", layers=1, pages=4)
+    with pytest.raises(FailedPrecondition, match=r"tiers\.l0\.enabled=true"):
+        service.register_cuda_ipc_pool(
+            _session(service, tickets), _export(mapper, engine), engine.layout
+        )
+    assert mapper.opens == 0 and len(service.pools) == 0
+    service.store.close()

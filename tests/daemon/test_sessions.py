@@ -19,9 +19,11 @@ def test_leases_die_with_their_session_and_serve_only_their_tenant():
     with pytest.raises(PermissionDenied):
         reg.pop_lease(eve.session_id, lease.lease_id)
     assert reg.lease_for(b.session_id, 12345) is None
-    # Released by another session of its tenant, it leaves its own session's set.
+    # Only the session that took it releases it.
     other = reg.add_lease(a.session_id, np.array([3]), expires_at=10.0)
-    assert reg.pop_lease(b.session_id, other.lease_id) is other
+    with pytest.raises(PermissionDenied, match="another session"):
+        reg.pop_lease(b.session_id, other.lease_id)
+    assert reg.pop_lease(a.session_id, other.lease_id) is other
     assert a.leases == {lease.lease_id}
     dropped = reg.close(a.session_id)
     assert [x.lease_id for x in dropped] == [lease.lease_id]

@@ -654,9 +654,11 @@ async def test_a_tenant_at_its_quota_evicts_its_own_blocks_never_another_s(make_
     assert store.table.usage[0, 1] == 8 * 4096
     assert store.counters.get("quota_evictions") == 4
     # With its own blocks pinned, the tenant cannot pass its quota: refused, not evicting others.
-    store.pin(store.table.lookup(0, np.concatenate([mine, more]))[
-        store.table.lookup(0, np.concatenate([mine, more])) >= 0
-    ])
+    store.pin(
+        store.table.lookup(0, np.concatenate([mine, more]))[
+            store.table.lookup(0, np.concatenate([mine, more])) >= 0
+        ]
+    )
     res, _ = await store.put(pool, 0, keys(2), np.arange(2), None, owner=1)
     assert res.tolist() == [PutResult.REJECTED_FULL] * 2
     assert all(present(store, theirs))
@@ -668,7 +670,7 @@ async def test_recovered_blocks_keep_their_tenant(make_store):
     store, pool = make_store(clock, l2=l2), make_pool()
     alice = await store.namespace(77, "alice")
     a = keys(4)
-    res, persisted = await store.put(pool, 77, a, np.arange(4), None, durable=True, owner=alice)
+    _, persisted = await store.put(pool, 77, a, np.arange(4), None, durable=True, owner=alice)
     assert persisted.all()
     again = make_store(clock, l2=l2.reopen())
     again.owner_of("bob")  # owner indices are per process: alice gets another one here

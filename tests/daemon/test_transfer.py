@@ -74,3 +74,32 @@ async def test_a_limited_direction_waits_and_counts_the_wait():
         assert counters.get("throttled_ms", direction="L1->L2") >= 200
     finally:
         engine.close()
+
+
+async def test_gpu_pages_without_a_gpu_tier_are_refused_not_touched():
+    """Registration refuses GPU pools where no tier can reach GPU memory; if one ever
+    reached the engine, the copy must be an error, not a host copy of device pointers."""
+    import numpy as np
+    from kv_pools import make_pool
+
+    from kvtier.daemon.config import Config
+    from kvtier.daemon.errors import FailedPrecondition
+    from kvtier.daemon.stack import build_stack
+    from kvtier.kernels.runs import SegmentMap
+    from kvtier.tiers.base import BlockRef, DevicePages
+    from kvtier.tiers.host import HostArena
+
+    stack = build_stack(Config(), [HostArena(1 << 20, 1 << 20)])
+    assert stack.device is None
+    engine = TransferEngine(Counters(), device=stack.device)
+    pool = make_pool("vllm", layers=1, pages=2)
+    smap = SegmentMap.build(pool.layout, pool.buffers)
+    pages = DevicePages(smap, pool.segments, np.zeros(1, dtype=np.int64))
+    try:
+        with pytest.raises(FailedPrecondition, match=r"tiers\.l0\.enabled"):
+            await engine.from_pool(stack.top, [0], [BlockRef(0, bytes(32))], 4096, pages)
+        with pytest.raises(FailedPrecondition, match=r"tiers\.l0\.enabled"):
+            await engine.to_pool(stack.top, [0], [BlockRef(0, bytes(32))], 4096, [0], pages)
+    finally:
+        engine.close()
+        stack.close()

@@ -1,0 +1,462 @@
+"""Configuration and identity of the vLLM connector: its options, its namespace, its keys.
+
+Everything here is computed the same way in vLLM's scheduler process and in every worker
+process, from the ``VllmConfig`` both receive, so the two sides always agree on the
+namespace seed and on every block key without talking to each other.
+
+Invariants:
+- Options come only from ``kv_connector_extra_config``; an unknown key or a bad value is a
+  ``ValueError`` naming the key (at engine start, not at the first request).
+- The namespace binds the model (name, revision, a fingerprint of its config and of its weight
+  files), the KV dtype, the KV layout of the platform and attention backend, the block size,
+  the tensor- and pipeline-parallel rank and the tenant: two engines that differ in any of
+  them never share a block.
+- A request's keys follow kvtier's block-key spec over its token ids; a LoRA adapter and a
+  cache salt go into the first block's extra bytes and multimodal items into the extra bytes
+  of every block they overlap, so the chain never matches a request that differs in them.
+
+This module imports vLLM only inside functions that need a live ``VllmConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client.keys import KEY_BYTES, Namespace, block_key
+
+log = logging.getLogger(__name__)
+
+KEY_SCHEME = "vllm-v1"
+"""Version of how this connector derives namespaces and keys; part of every namespace."""
+
+_SAVE_POLICIES = ("all", "prompt", "none")
+_LOAD_MODES = ("layerwise", "async")
+_TIER_NAMES = {"l0": 1, "l1": 2, "l2": 3, "l3": 4}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_FINGERPRINT_SAMPLES = 16
+_FINGERPRINT_SAMPLE_BYTES = 4096
+# hf_config entries that change nothing in the KV cache.
+_CONFIG_KEYS_IGNORED = frozenset(
+    {
+        "transformers_version",
+        "_name_or_path",
+        "_commit_hash",
+        "_attn_implementation",
+        "_attn_implementation_internal",
+        "_experts_implementation",
+        "attn_implementation",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+    }
+)
+
+
+@dataclass(frozen=True)
+class NamespaceOptions:
+    """Overrides of namespace fields (``kv_connector_extra_config["namespace"]``)."""
+
+    model: str = ""
+    revision: str = ""
+    tenant: str = "default"
+    extra: str = ""
+    weights_fingerprint: bool = True
+    """Hash the weight files' names, sizes and sampled bytes (a few hundred KiB read)."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's options, from ``kv_connector_extra_config``.
+
+    Every field is a key of that dict (``namespace`` is a nested dict); defaults in
+    ``defaults()``.
+    """
+
+    address: str = ""
+    """kvtierd's address (``unix:PATH`` or ``host:port``); empty: ``$KVTIER_ADDRESS`` or
+    ``unix:var/kvtierd.sock``."""
+    load: bool = True
+    save: str = "all"
+    """Which computed blocks are stored: ``all`` (prompt and generated), ``prompt``, ``none``."""
+    load_mode: str = "layerwise"
+    """``layerwise``: the load runs during the forward pass that uses it, each layer waited
+    for just before its attention; ``async``: the request waits (outside the batch) until
+    its blocks are in, then joins a later step."""
+    load_tiers: tuple[str, ...] = ("l0", "l1", "l2", "l3")
+    """Tiers a load may come from; a block found only in another tier ends the hit."""
+    save_durable: bool = False
+    """Ask the daemon to answer saves only once they are on its disk tier."""
+    layer_groups: int = 8
+    """A load is split into this many layer ranges (at most one per layer)."""
+    min_load_blocks: int = 1
+    lookup_timeout_s: float = 0.5
+    load_timeout_s: float = 5.0
+    save_timeout_s: float = 30.0
+    retry_after_s: float = 5.0
+    """After a failed call, kvtier is not asked again for this long (requests run as if
+    nothing were cached, and nothing is saved)."""
+    lease_ms: int = 30_000
+    staging_bytes: int = 512 << 20
+    """Shared-memory staging pool of each worker (CPU); capped at the KV cache's size."""
+    shutdown_timeout_s: float = 10.0
+    """How long shutdown waits for saves in flight."""
+    namespace: NamespaceOptions = field(default_factory=NamespaceOptions)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(names))
+        if unknown:
+            raise ValueError(
+                f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known: {sorted(names)}"
+            )
+        values: dict[str, Any] = {}
+        for key, raw in extra.items():
+            values[key] = _convert(key, names[key].type, raw)
+        cfg = cls(**values)
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        if self.save not in _SAVE_POLICIES:
+            raise ValueError(f"kvtier connector: save must be one of {_SAVE_POLICIES}")
+        if self.load_mode not in _LOAD_MODES:
+            raise ValueError(f"kvtier connector: load_mode must be one of {_LOAD_MODES}")
+        bad = [t for t in self.load_tiers if t not in _TIER_NAMES]
+        if bad or not self.load_tiers:
+            raise ValueError(
+                f"kvtier connector: load_tiers {list(self.load_tiers)} must name some of "
+                f"{sorted(_TIER_NAMES)}"
+            )
+        for name in ("layer_groups", "min_load_blocks", "lease_ms", "staging_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kvtier connector: {name} must be at least 1")
+        for name in (
+            "lookup_timeout_s",
+            "load_timeout_s",
+            "save_timeout_s",
+            "retry_after_s",
+            "shutdown_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kvtier connector: {name} must be positive")
+
+    @property
+    def load_tier_values(self) -> frozenset[int]:
+        """Wire values (``kvtier.proto.Tier``) of the tiers a load may come from."""
+        return frozenset(_TIER_NAMES[t] for t in self.load_tiers)
+
+
+def _convert(key: str, typ: Any, raw: Any) -> Any:
+    typ = str(typ)
+    where = f"kvtier connector: kv_connector_extra_config[{key!r}]"
+    if key == "namespace":
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{where} must be a dict")
+        fields = {f.name: f for f in dataclasses.fields(NamespaceOptions)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(fields)}")
+        return NamespaceOptions(
+            **{k: _convert(f"namespace.{k}", fields[k].type, v) for k, v in raw.items()}
+        )
+    if typ == "bool":
+        if not isinstance(raw, bool):
+            raise ValueError(f"{where} must be true or false, not {raw!r}")
+        return raw
+    if typ == "int":
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ValueError(f"{where} must be an integer, not {raw!r}")
+        return raw
+    if typ == "float":
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise ValueError(f"{where} must be a number, not {raw!r}")
+        return float(raw)
+    if typ == "str":
+        if not isinstance(raw, str):
+            raise ValueError(f"{where} must be a string, not {raw!r}")
+        return raw
+    if typ.startswith("tuple"):
+        if isinstance(raw, str) or not isinstance(raw, Sequence):
+            raise ValueError(f"{where} must be a list of strings")
+        return tuple(str(x).lower() for x in raw)
+    raise AssertionError(f"unhandled option type {typ} for {key}")
+
+
+# ------------------------------------------------------------------ namespace
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a namespace says about the engine, computed once per process."""
+
+    model: str
+    revision: str
+    kv_dtype: str
+    kv_layout: str
+    block_tokens: int
+    tp_size: int
+    pp_size: int
+    tenant: str
+    extra: str
+    num_layers: int
+    layer_block_bytes: int
+    """Bytes of one block of one layer (a whole per-layer block, K and V together)."""
+
+    def namespace(self, tp_rank: int, pp_rank: int) -> Namespace:
+        return Namespace(
+            model=self.model,
+            revision=self.revision,
+            kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout,
+            block_tokens=self.block_tokens,
+            tp_rank=tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=pp_rank,
+            pp_size=self.pp_size,
+            tenant=self.tenant,
+            extra=self.extra,
+        )
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """Every (tp_rank, pp_rank): the scheduler looks up each rank's chain."""
+        return [(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_block_bytes
+
+
+def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) -> ModelIdentity:
+    """The namespace fields of this engine (identical in the scheduler and the workers)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"kvtier connector: the model has {len(groups)} KV cache groups (hybrid or "
+            "sliding-window attention); only models whose layers share one full-attention "
+            "cache are supported"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
+        raise ValueError(
+            f"kvtier connector: KV cache spec {type(spec).__name__} is not plain full "
+            "attention; not supported"
+        )
+    if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
+        raise ValueError("kvtier connector: K and V of different head sizes are not supported")
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    kv_dtype = str(spec.dtype).removeprefix("torch.")
+    itemsize = spec.dtype.itemsize
+    layer_block_bytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * itemsize
+    page = getattr(spec, "page_size_bytes", None)
+    if isinstance(page, int) and page != layer_block_bytes:
+        raise ValueError(
+            f"kvtier connector: a KV page of {page} bytes is not 2 x block_size x kv_heads x "
+            f"head_size x {itemsize} = {layer_block_bytes} (padded or quantised pages are "
+            "not supported)"
+        )
+    layout = kv_layout_name(vllm_config, kv_cache_config, spec)
+    extra_parts = [
+        KEY_SCHEME,
+        f"config={config_fingerprint(model_config.hf_config)}",
+        f"weights={weights_fingerprint(vllm_config) if options.weights_fingerprint else 'off'}",
+        f"quantization={model_config.quantization or ''}",
+        f"cache_dtype={cache_config.cache_dtype}",
+        f"heads={spec.num_kv_heads}x{spec.head_size}",
+        f"layers={len(groups[0].layer_names)}",
+    ]
+    if options.extra:
+        extra_parts.append(f"user={options.extra}")
+    return ModelIdentity(
+        model=options.model or str(model_config.model),
+        revision=options.revision or str(model_config.revision or ""),
+        kv_dtype=kv_dtype,
+        kv_layout=layout,
+        block_tokens=int(spec.block_size),
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        tenant=options.tenant,
+        extra=";".join(extra_parts),
+        num_layers=len(groups[0].layer_names),
+        layer_block_bytes=layer_block_bytes,
+    )
+
+
+def kv_layout_name(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:
+    """The byte order of one per-layer block: platform, vLLM's layout name and, on CPU, the
+    attention kernel's ISA (the ``vec`` and ``amx`` kernels lay a block out differently)."""
+    from vllm.platforms import current_platform
+
+    device = str(current_platform.device_type)
+    layout = str(getattr(kv_cache_config, "kv_cache_layout", None) or "default")
+    parts = [f"vllm/{device}", layout]
+    if device == "cpu":
+        parts.append(f"isa={cpu_attention_isa(vllm_config, spec)}")
+    return "/".join(parts)
+
+
+def cpu_attention_isa(vllm_config: Any, spec: Any) -> str:
+    """The CPU attention kernel vLLM picks for this model (it decides the block layout)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # pragma: no cover - depends on the vLLM build
+        log.warning("kvtier connector: cannot tell vLLM's CPU attention ISA; namespace says so")
+        return "unknown"
+    return str(
+        _get_attn_isa(
+            vllm_config.model_config.dtype,
+            spec.block_size,
+            spec.head_size,
+            vllm_config.cache_config.cache_dtype,
+        )
+    )
+
+
+def config_fingerprint(hf_config: Any) -> str:
+    """SHA-256 of the model config as canonical JSON, less entries that change no KV."""
+    raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    text = json.dumps(_drop_ignored(raw), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _drop_ignored(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_ignored(v) for k, v in value.items() if k not in _CONFIG_KEYS_IGNORED}
+    if isinstance(value, list):
+        return [_drop_ignored(v) for v in value]
+    return value
+
+
+def weights_fingerprint(vllm_config: Any) -> str:
+    """A cheap fingerprint of the weights: for a local checkpoint folder, every weight file's
+    name, size and ``_FINGERPRINT_SAMPLES`` evenly spaced 4 KiB samples; for random weights
+    (``load_format="dummy"``) that fact (vLLM seeds them); for a hub id, nothing more than the
+    id and revision already in the namespace (pin ``revision`` to bind a checkpoint)."""
+    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    if load_format == "dummy":
+        return "dummy"
+    path = str(vllm_config.model_config.model)
+    if not os.path.isdir(path):
+        return "hub"
+    h = hashlib.sha256(b"kvtier-vllm-weights-v1")
+    files = []
+    for root, _, names in os.walk(path):
+        files += [os.path.join(root, n) for n in names if n.endswith(_WEIGHT_SUFFIXES)]
+    for file in sorted(files):
+        size = os.path.getsize(file)
+        h.update(f"{os.path.relpath(file, path)}|{size}|".encode())
+        with open(file, "rb") as f:
+            step = max(1, size // _FINGERPRINT_SAMPLES)
+            for offset in range(0, size, step)[:_FINGERPRINT_SAMPLES]:
+                f.seek(offset)
+                h.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
+    return h.hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------- keys
+
+
+def request_extras(request: Any, block_tokens: int, nblocks: int) -> list[bytes] | None:
+    """Per-block extra bytes of a request (LoRA, cache salt, multimodal items), or None when
+    it has none."""
+    first: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        first.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        first.append(f"salt={salt}")
+    per_block: dict[int, list[str]] = {}
+    for feature in getattr(request, "mm_features", None) or []:
+        pos = feature.mm_position
+        lo = pos.offset // block_tokens
+        hi = (pos.offset + max(pos.length, 1) - 1) // block_tokens
+        for b in range(lo, min(hi, nblocks - 1) + 1):
+            per_block.setdefault(b, []).append(f"mm={feature.identifier}@{pos.offset}+{pos.length}")
+    if not first and not per_block:
+        return None
+    extras = []
+    for b in range(nblocks):
+        parts = (first if b == 0 else []) + per_block.get(b, [])
+        extras.append(";".join(parts).encode())
+    return extras
+
+
+class KeyChain:
+    """A request's block keys under one namespace, extended as its tokens grow.
+
+    Thread-safety: none; one per request and rank, used by the scheduler thread.
+    """
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.block_tokens = namespace.block_tokens
+        self._seed = namespace.seed()
+        self.keys: list[bytes] = []
+
+    def extend(
+        self, token_ids: Sequence[int], nblocks: int, extras: list[bytes] | None
+    ) -> list[bytes]:
+        """Keys of the first ``nblocks`` full blocks of ``token_ids`` (computed once each)."""
+        n = self.block_tokens
+        nblocks = min(nblocks, len(token_ids) // n)
+        while len(self.keys) < nblocks:
+            i = len(self.keys)
+            parent = self.keys[-1] if self.keys else self._seed
+            extra = extras[i] if extras is not None and i < len(extras) else b""
+            self.keys.append(block_key(parent, list(token_ids[i * n : (i + 1) * n]), extra))
+        return self.keys[:nblocks]
+
+    def parent_of(self, index: int) -> bytes:
+        """The key before block ``index`` (empty for block 0)."""
+        return self.keys[index - 1] if index > 0 else b""
+
+
+assert KEY_BYTES == 32
+
+
+# -------------------------------------------------------------------- breaker
+
+
+class Breaker:
+    """Stops asking kvtier for ``retry_after_s`` after a failure, so a daemon that is down
+    or slow costs one timeout per period, not one per request.
+
+    Thread-safety: a race may let two callers through at the end of a pause; harmless.
+    """
+
+    def __init__(self, retry_after_s: float, what: str) -> None:
+        self.retry_after_s = retry_after_s
+        self.what = what
+        self._closed_until = 0.0
+        self.trips = 0
+
+    def ok(self) -> bool:
+        return time.monotonic() >= self._closed_until
+
+    def trip(self, error: BaseException) -> None:
+        self.trips += 1
+        if self.ok():
+            log.warning(
+                "kvtier %s failed (%s: %s); running without kvtier for %.1fs",
+                self.what,
+                type(error).__name__,
+                error,
+                self.retry_after_s,
+            )
+        self._closed_until = time.monotonic() + self.retry_after_s

@@ -1,0 +1,57 @@
+"""What the vLLM connector's scheduler side tells its workers each step, and back.
+
+Plain dataclasses of lists, ints and bytes: vLLM pickles them from the scheduler process to
+the worker processes. Keys and leases are per rank: ``rank = pp_rank * tp_size + tp_rank``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadSpec:
+    """Load blocks of one request: ``keys[rank][i]`` into engine block ``block_ids[i]``."""
+
+    req_id: str
+    block_ids: list[int]
+    keys: dict[int, list[bytes]]
+    leases: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class SaveSpec:
+    """Store engine blocks ``block_ids`` of one request as ``keys[rank]``, continuing the
+    chain after ``parents[rank]`` (empty for a chain's first block).
+
+    ``at_finish``: the request has finished and vLLM keeps its blocks until the worker
+    reports it in ``finished_sending``; otherwise the blocks are copied during this step's
+    forward pass (``save_kv_layer``), right after each layer's attention wrote them."""
+
+    req_id: str
+    block_ids: list[int]
+    keys: dict[int, list[bytes]]
+    parents: dict[int, bytes]
+    at_finish: bool = False
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Leases whose loads a worker has finished with: the scheduler releases them."""
+
+    done_leases: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        return KVTierWorkerMetadata(self.done_leases | other.done_leases)

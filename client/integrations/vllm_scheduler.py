@@ -1,0 +1,313 @@
+"""The scheduler side of the vLLM connector (runs in vLLM's EngineCore process).
+
+It answers vLLM's "how many more tokens can be loaded" from a kvtier ``Lookup``, pins the
+blocks it promised once vLLM has given them engine blocks, and tells the workers each step
+which blocks to load and which to store.
+
+Invariants:
+- ``get_num_new_matched_tokens`` changes nothing in kvtier (a plain Lookup, no pin) and
+  only memoises per request (keys, the last answer), so vLLM may call it again and again.
+- A hit never covers a request's last token (vLLM needs one token to compute), never more
+  blocks than a worker's staging pool holds, and stops at the first block that is absent
+  from any rank or held only in a tier the configuration excludes.
+- Every block of a request that this engine computed is offered for storing exactly once:
+  during the step whose forward pass completes it (``SaveSpec``), or, for blocks whose token
+  ids were not known in time, when the request finishes (``request_finished`` returns True
+  and vLLM keeps the blocks until the worker reports the request in ``finished_sending``).
+  Blocks loaded from kvtier or found in vLLM's own prefix cache are not stored again.
+- A lease is released by this side (its owner) once a worker reports its load done, or
+  expires in the daemon; it never outlives ``shutdown``.
+- A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``): meanwhile
+  requests are scheduled as if nothing were cached and nothing is saved.
+
+Thread-safety: none; vLLM calls the scheduler connector from one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.client.errors import KvtierError
+from kvtier.client.integrations.vllm_config import (
+    Breaker,
+    ConnectorConfig,
+    KeyChain,
+    ModelIdentity,
+    request_extras,
+)
+from kvtier.client.integrations.vllm_meta import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvtier.client.sync import Client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Request:
+    """What the scheduler side remembers of one request."""
+
+    request: Any
+    chains: list[KeyChain]
+    block_ids: list[int] = field(default_factory=list)
+    saved: int | None = None  # blocks [0, saved) need no store; None until first scheduled
+    hit_start: int = 0  # the last answer of get_num_new_matched_tokens: first block ...
+    hit_blocks: int = 0  # ... and how many
+    hit_tiers: list[int] = field(default_factory=list)
+    leases: dict[int, int] = field(default_factory=dict)
+
+    def tokens(self) -> Any:
+        return self.request.all_token_ids
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        identity: ModelIdentity,
+        num_engine_blocks: int,
+        client: Client | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.block_tokens = identity.block_tokens
+        self.namespaces = [identity.namespace(t, p) for t, p in identity.ranks()]
+        # A worker can stage this many blocks at once; a hit larger than that is cut.
+        self.max_load_blocks = max(
+            0, min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
+        )
+        self.client = client or Client(
+            config.address or None,
+            timeout_s=config.lookup_timeout_s,
+            client_name=f"vllm scheduler pid {os.getpid()}",
+        )
+        self.breaker = Breaker(config.retry_after_s, "lookup")
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+        self._finish_saves: list[SaveSpec] = []
+        self._lease_owner: dict[int, str] = {}
+        self.stats: dict[str, int] = {
+            "lookups": 0,
+            "lookup_errors": 0,
+            "hit_blocks": 0,
+            "pin_errors": 0,
+            "pin_shortfall_blocks": 0,
+            "save_blocks_planned": 0,
+            "finish_save_requests": 0,
+        }
+
+    # ---------------------------------------------------------------- lookups
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        state = self._state(request)
+        if state is None:
+            return 0, False
+        state.hit_start, state.hit_blocks, state.hit_tiers = 0, 0, []
+        if not self.config.load or not self.breaker.ok():
+            return 0, False
+        n = self.block_tokens
+        start = num_computed_tokens // n
+        # At least one token must be computed, and a worker must be able to stage the hit.
+        limit = min((request.num_tokens - 1) // n, start + self.max_load_blocks)
+        if limit <= start:
+            return 0, False
+        found = limit - start
+        tiers: list[int] = []
+        self.stats["lookups"] += 1
+        try:
+            for chain in state.chains:
+                keys = self._keys(state, chain, limit)[start:limit]
+                result = self.client.lookup(keys)
+                ok = 0
+                for tier in result.tiers[:found]:
+                    if int(tier) not in self.config.load_tier_values:
+                        break
+                    ok += 1
+                found = min(found, ok)
+                if not tiers:
+                    tiers = [int(t) for t in result.tiers[:found]]
+                if found == 0:
+                    break
+        except KvtierError as e:
+            self.stats["lookup_errors"] += 1
+            self.breaker.trip(e)
+            return 0, False
+        if found < self.config.min_load_blocks:
+            return 0, False
+        state.hit_start, state.hit_blocks, state.hit_tiers = start, found, tiers[:found]
+        return found * n, self.config.load_mode == "async"
+
+    def hit_tiers(self, request: Any) -> list[int]:
+        """Wire tiers of the blocks of the last hit answered for ``request``."""
+        state = self._requests.get(request.request_id)
+        return list(state.hit_tiers) if state is not None else []
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        (block_ids,) = blocks.get_block_ids()
+        state.block_ids = list(block_ids)
+        if num_external_tokens == 0:
+            return
+        nblocks = num_external_tokens // self.block_tokens
+        start = state.hit_start
+        if nblocks > state.hit_blocks:
+            # vLLM only ever trims a hit; were it to ask for more, the extra blocks are
+            # loaded like any other, and reported (so recomputed) if kvtier lacks them.
+            log.warning(
+                "kvtier connector: vLLM allocated %d external blocks for request %s, %d matched",
+                nblocks,
+                request.request_id,
+                state.hit_blocks,
+            )
+        keys: dict[int, list[bytes]] = {}
+        leases: dict[int, int] = {}
+        for rank, chain in enumerate(state.chains):
+            keys[rank] = self._keys(state, chain, start + nblocks)[start : start + nblocks]
+            if not self.breaker.ok():
+                continue  # the load will fail and vLLM recomputes: nothing to pin
+            try:
+                pinned = self.client.lookup(keys[rank], pin=True, lease_ms=self.config.lease_ms)
+            except KvtierError as e:
+                self.stats["pin_errors"] += 1
+                self.breaker.trip(e)
+                continue
+            if pinned.prefix_len < nblocks:
+                # Evicted since the lookup: the worker will find them missing and report
+                # them, and vLLM recomputes them.
+                self.stats["pin_shortfall_blocks"] += nblocks - pinned.prefix_len
+            if pinned.lease_id:
+                leases[rank] = pinned.lease_id
+                self._lease_owner[pinned.lease_id] = request.request_id
+        state.leases.update(leases)
+        self.stats["hit_blocks"] += nblocks
+        self._loads.append(
+            LoadSpec(request.request_id, list(block_ids[start : start + nblocks]), keys, leases)
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
+        meta = KVTierConnectorMetadata(loads=self._loads, saves=self._finish_saves)
+        self._loads, self._finish_saves = [], []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            # What vLLM found cached (its own prefix cache or kvtier) is not stored again.
+            state.saved = new.num_computed_tokens // self.block_tokens
+            self._plan_save(state, new.num_computed_tokens + num_scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                # Resumed after preemption: these are all of its blocks now.
+                state.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
+                state.block_ids.extend(new_blocks[0])
+            if state.saved is None:
+                state.saved = cached.num_computed_tokens[i] // self.block_tokens
+            computed_after = cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0)
+            self._plan_save(state, computed_after, meta)
+        return meta
+
+    def _plan_save(
+        self, state: _Request, computed_tokens: int, meta: KVTierConnectorMetadata
+    ) -> None:
+        """Store the blocks that are complete once this step has run."""
+        spec = self._save_spec(state, computed_tokens, state.block_ids, at_finish=False)
+        if spec is not None:
+            meta.saves.append(spec)
+
+    def _save_spec(
+        self, state: _Request, computed_tokens: int, block_ids: list[int], *, at_finish: bool
+    ) -> SaveSpec | None:
+        if self.config.save == "none" or state.saved is None:
+            return None
+        if not at_finish and not self.breaker.ok():
+            # Paused: planned later (a later step, or the finish, which always tries: the
+            # worker drops it at once if kvtier is still failing).
+            return None
+        request = state.request
+        tokens = state.tokens()
+        limit = min(computed_tokens, len(tokens)) // self.block_tokens
+        if self.config.save == "prompt":
+            limit = min(limit, request.num_prompt_tokens // self.block_tokens)
+        limit = min(limit, len(block_ids))
+        start = state.saved
+        if limit <= start:
+            return None
+        keys: dict[int, list[bytes]] = {}
+        parents: dict[int, bytes] = {}
+        for rank, chain in enumerate(state.chains):
+            keys[rank] = self._keys(state, chain, limit)[start:limit]
+            parents[rank] = chain.parent_of(start)
+        state.saved = limit
+        self.stats["save_blocks_planned"] += limit - start
+        return SaveSpec(request.request_id, list(block_ids[start:limit]), keys, parents, at_finish)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        spec = self._save_spec(state, request.num_computed_tokens, list(block_ids), at_finish=True)
+        if spec is None:
+            return False, None
+        self._finish_saves.append(spec)
+        self.stats["finish_save_requests"] += 1
+        return True, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVTierWorkerMetadata):
+            for lease in meta.done_leases:
+                self._release(lease)
+
+    def _release(self, lease: int) -> None:
+        req_id = self._lease_owner.pop(lease, None)
+        if req_id is None:
+            return
+        state = self._requests.get(req_id)
+        if state is not None:
+            state.leases = {r: x for r, x in state.leases.items() if x != lease}
+        # Already expired or the daemon restarted: nothing is pinned either way.
+        with contextlib.suppress(KvtierError):
+            self.client.release(lease)
+
+    def shutdown(self) -> None:
+        for lease in list(self._lease_owner):
+            self._release(lease)
+        self.client.close()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _state(self, request: Any) -> _Request | None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            if getattr(request, "prompt_embeds", None) is not None:
+                return None  # token ids are placeholders: nothing to key by
+            state = _Request(request, [KeyChain(ns) for ns in self.namespaces])
+            self._requests[request.request_id] = state
+        return state
+
+    def _keys(self, state: _Request, chain: KeyChain, nblocks: int) -> list[bytes]:
+        tokens = state.tokens()
+        extras = request_extras(state.request, self.block_tokens, nblocks)
+        return chain.extend(tokens, nblocks, extras)

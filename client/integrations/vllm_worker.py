@@ -1,0 +1,569 @@
+"""The worker side of the vLLM connector (runs in each vLLM worker process).
+
+vLLM hands the worker its KV cache (``register_kv_caches``), then each step binds the
+scheduler side's metadata and calls, in order: ``start_load_kv``; per attention layer,
+``wait_for_layer_load`` before and ``save_kv_layer`` after it; ``wait_for_save``; then
+``get_finished`` and ``get_block_ids_with_load_errors``.
+
+Data path on the CPU. vLLM's KV tensors are ordinary process memory, which the daemon cannot
+map, so every transfer goes through a shared-memory ``StagingPool`` (layer-major pages,
+one block per page): a load is a kvtier job that fills staging pages, layer range by layer
+range, and each range is copied into vLLM's blocks with ``index_copy_`` just before the
+first of its layers computes; a save copies each layer's newly complete blocks into
+staging right after the layer's attention wrote them, and one kvtier job stores them after
+the forward pass, in the background. GPU KV caches (CUDA IPC pools) are not supported yet:
+``register_cuda_kv_caches`` says so.
+
+Invariants:
+- vLLM never computes with KV this side did not check: a block whose load did not complete
+  in every layer, in time, is reported through ``get_block_ids_with_load_errors`` in the same
+  step (layer-wise loads) or before its request is reported in ``finished_recving`` (async
+  loads), and vLLM recomputes it.
+- A staging page is reused only after its transfer ended cleanly; a transfer that timed out
+  or lost its daemon retires the whole staging pool (see ``staging``).
+- Saves never hold vLLM's blocks past the step that copies them to staging, so a request's
+  blocks are released as soon as its last copy ran (``finished_sending`` in the same step).
+- A failing or slow daemon costs one timeout per ``retry_after_s``; meanwhile loads are
+  reported failed at once and nothing is saved.
+
+Thread-safety: none; vLLM calls the worker connector from its model-runner thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.client.errors import KvtierError
+from kvtier.client.integrations.staging import StagingPool
+from kvtier.client.integrations.vllm_config import (
+    Breaker,
+    ConnectorConfig,
+    ModelIdentity,
+)
+from kvtier.client.integrations.vllm_meta import (
+    KVTierConnectorMetadata,
+    KVTierWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvtier.client.jobs import JobStatus, LoadSegment, SaveSegment, TransferJob, layer_ranges
+from kvtier.client.sync import Client
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Load:
+    """One job loading the blocks of one step's (or one async) load specs."""
+
+    specs: list[LoadSpec]
+    arena: StagingPool | None
+    pages: list[int]
+    block_ids: np.ndarray
+    job: TransferJob | None
+    deadline: float
+    ranges: list[tuple[int, int]]
+    ok: np.ndarray  # per block: loaded by every range waited for so far
+    asynchronous: bool = False  # reported through finished_recving
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """The block (index into ``block_ids``) of each key of the job."""
+    copied_upto: int = 0  # layers [0, copied_upto) are in vLLM's cache (or given up)
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class _Save:
+    """Blocks being copied to staging during one step, then stored by one job."""
+
+    specs: list[SaveSpec]
+    arena: StagingPool
+    pages: list[int]
+    block_ids: torch.Tensor
+    layers_copied: set[int] = field(default_factory=set)
+    job: TransferJob | None = None
+
+
+def register_cuda_kv_caches(kv_caches: dict[str, torch.Tensor]) -> None:
+    """Register vLLM's GPU KV cache with kvtierd as CUDA IPC pools (not available yet).
+
+    What it will do, once the daemon runs a GPU tier: export each layer's tensor with a CUDA
+    IPC handle, describe its blocks as a ``PoolLayout`` (one chunk per layer and block, page
+    stride ``tensor.stride(0)`` bytes) and register it, so the daemon copies blocks to and
+    from vLLM's cache directly, with no staging. Saves then read vLLM's blocks after the
+    step, so ``request_finished`` must keep a request's blocks until its save job ends
+    (``finished_sending``). Until then this raises, naming what is missing.
+    """
+    devices = sorted({str(t.device) for t in kv_caches.values()})
+    raise NotImplementedError(
+        f"kvtier connector: vLLM's KV cache is on {', '.join(devices)}; registering GPU KV "
+        "caches needs CUDA IPC pools and kvtierd's GPU tier, which this release does not "
+        "have (CPU KV caches are staged through shared memory)"
+    )
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        identity: ModelIdentity,
+        layer_names: Sequence[str],
+        num_engine_blocks: int,
+        tp_rank: int,
+        pp_rank: int,
+        vllm_config: Any = None,
+        client: Client | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.layer_names = list(layer_names)
+        self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        self.num_layers = len(self.layer_names)
+        self.num_engine_blocks = num_engine_blocks
+        self.rank = pp_rank * identity.tp_size + tp_rank
+        self.namespace = identity.namespace(tp_rank, pp_rank)
+        self.vllm_config = vllm_config
+        self.client = client or Client(
+            config.address or None,
+            timeout_s=max(config.load_timeout_s, config.lookup_timeout_s),
+            client_name=f"vllm worker tp{tp_rank} pp{pp_rank} pid {os.getpid()}",
+        )
+        self.breaker = Breaker(config.retry_after_s, "transfer")
+        self.ranges = layer_ranges(self.num_layers, min(config.layer_groups, self.num_layers))
+        self.staging_pages = max(
+            1, min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
+        )
+        self.kv: list[torch.Tensor] = []
+        self.block_shape: tuple[int, ...] = ()
+        self.dtype: torch.dtype | None = None
+        self._arena: StagingPool | None = None
+        self._generation = 0
+        self._load: _Load | None = None  # this step's layer-wise load
+        self._async_loads: list[_Load] = []
+        self._step_save: _Save | None = None
+        self._save_jobs: list[_Save] = []
+        self._invalid: set[int] = set()
+        self._done_leases: set[int] = set()
+        self._sending: set[str] = set()  # finish-saves copied, to report
+        self._finished_seen: set[str] = set()
+        self._recving: set[str] = set()
+        self.stats: dict[str, int] = {
+            "load_blocks": 0,
+            "load_blocks_failed": 0,
+            "save_blocks": 0,
+            "save_blocks_dropped": 0,
+            "save_jobs_failed": 0,
+            "staging_retired": 0,
+        }
+
+    # ----------------------------------------------------------- registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if any(t.device.type != "cpu" for t in kv_caches.values()):
+            register_cuda_kv_caches(kv_caches)
+        missing = sorted(set(self.layer_names) - set(kv_caches))
+        if missing:
+            raise ValueError(f"kvtier connector: no KV cache tensor for layers {missing}")
+        tensors = [kv_caches[name] for name in self.layer_names]
+        first = tensors[0]
+        seen: set[int] = set()
+        for name, t in zip(self.layer_names, tensors, strict=True):
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(f"kvtier connector: layer {name} has a KV cache of another shape")
+            if not t.is_contiguous() or t.shape[0] != self.num_engine_blocks:
+                raise ValueError(
+                    f"kvtier connector: layer {name}'s KV cache {tuple(t.shape)} is not "
+                    f"[{self.num_engine_blocks} blocks, ...] contiguous"
+                )
+            if t.data_ptr() in seen:
+                raise ValueError("kvtier connector: layers sharing one KV cache are not supported")
+            seen.add(t.data_ptr())
+        block_bytes = first[0].numel() * first.element_size()
+        if block_bytes != self.identity.layer_block_bytes:
+            raise ValueError(
+                f"kvtier connector: a block of one layer holds {block_bytes} bytes, not the "
+                f"{self.identity.layer_block_bytes} the namespace was derived for"
+            )
+        self._check_isa()
+        self.kv = tensors
+        self.block_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        try:
+            self._staging()
+        except KvtierError as e:
+            self.breaker.trip(e)
+        log.info(
+            "kvtier connector (worker rank %d): %d layers, %d blocks of %d tokens, %s; "
+            "KV cache in private CPU memory: staged through a %d-page shared-memory pool "
+            "(%d MiB); loads %s in %d layer ranges; namespace %s %s",
+            self.rank,
+            self.num_layers,
+            self.num_engine_blocks,
+            self.identity.block_tokens,
+            self.identity.kv_dtype,
+            self.staging_pages,
+            self.staging_pages * self.identity.block_bytes >> 20,
+            self.config.load_mode,
+            len(self.ranges),
+            self.namespace.model,
+            self.namespace.kv_layout,
+        )
+
+    def _check_isa(self) -> None:
+        """On the CPU, the attention layers' kernel must be the one the namespace names."""
+        if self.vllm_config is None:
+            return
+        context = getattr(self.vllm_config.compilation_config, "static_forward_context", {})
+        expected = self.identity.kv_layout.rsplit("isa=", 1)[-1]
+        for name in self.layer_names:
+            isa = getattr(context.get(name), "isa", None)
+            if isa is not None and isa != expected:
+                raise ValueError(
+                    f"kvtier connector: layer {name} runs the {isa!r} attention kernel, "
+                    f"not the {expected!r} one its namespace was derived for"
+                )
+
+    @property
+    def staging_generation(self) -> int:
+        """How many staging pools this worker has made (one more after each retirement)."""
+        return self._generation
+
+    def staging_registered(self) -> bool:
+        """Whether the current staging pool is registered in a live session (no RPC)."""
+        return self._arena is not None and not self._arena.retired and self._arena.registered()
+
+    def _staging(self) -> StagingPool | None:
+        """The current staging pool, created on first use or after one was retired."""
+        arena = self._arena
+        if arena is not None and not arena.retired:
+            if arena.registered():
+                return arena
+            arena.retire("the daemon no longer holds it (its session ended)")
+        if not self.kv or not self.breaker.ok():
+            return None
+        assert self.dtype is not None
+        self._generation += 1
+        self._arena = StagingPool(
+            self.client,
+            num_layers=self.num_layers,
+            num_pages=self.staging_pages,
+            block_tokens=self.identity.block_tokens,
+            block_shape=self.block_shape,
+            dtype=self.dtype,
+            namespace=self.namespace,
+            generation=self._generation,
+        )
+        return self._arena
+
+    def _alloc(self, n: int) -> tuple[StagingPool, list[int]] | None:
+        self._reap_saves()
+        try:
+            arena = self._staging()
+        except KvtierError as e:
+            self.breaker.trip(e)
+            return None
+        if arena is None:
+            return None
+        pages = arena.alloc(n)
+        return (arena, pages) if pages is not None else None
+
+    # ------------------------------------------------------------------ loads
+
+    def start_load_kv(self, meta: KVTierConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        load = self._submit_load(meta.loads, layerwise=self.config.load_mode == "layerwise")
+        if self.config.load_mode == "layerwise":
+            self._load = load
+        else:
+            self._async_loads.append(load)
+
+    def _submit_load(self, specs: list[LoadSpec], *, layerwise: bool) -> _Load:
+        block_ids = np.asarray([b for s in specs for b in s.block_ids], dtype=np.int64)
+        ranges = self.ranges if layerwise else [(0, self.num_layers)]
+        load = _Load(
+            specs,
+            None,
+            [],
+            block_ids,
+            None,
+            time.monotonic() + self.config.load_timeout_s,
+            ranges,
+            np.zeros(len(block_ids), dtype=bool),
+            asynchronous=not layerwise,
+        )
+        self.stats["load_blocks"] += len(block_ids)
+        if not self.breaker.ok():
+            self._give_up(load, "kvtier is paused after a failure")
+            return load
+        got = self._alloc(len(block_ids))
+        if got is None:
+            self._give_up(load, "no staging pages (or no staging pool)")
+            return load
+        load.arena, load.pages = got
+        segments = []
+        rows: list[int] = []
+        offset = 0
+        for spec in specs:
+            n = len(spec.block_ids)
+            # A block without a key (never expected) is never loaded, so it is reported.
+            k = min(n, len(spec.keys.get(self.rank, [])))
+            keys = spec.keys.get(self.rank, [])[:k]
+            segments.append(
+                LoadSegment(keys, load.pages[offset : offset + k], spec.leases.get(self.rank, 0))
+            )
+            rows.extend(range(offset, offset + k))
+            offset += n
+        load.rows = np.asarray(rows, dtype=np.int64)
+        try:
+            load.job = self.client.submit_load(
+                load.arena.pool,
+                segments,
+                layer_groups=ranges,
+                timeout_s=self.config.load_timeout_s,
+            )
+        except KvtierError as e:
+            self.breaker.trip(e)
+            self._give_up(load, f"submit failed: {e}")
+        return load
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        load = self._load
+        if load is None or load.finished:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        while not load.finished and load.copied_upto <= layer:
+            end = next(e for b, e in load.ranges if b <= load.copied_upto < e)
+            if not self._advance(load, end):
+                break
+
+    def _advance(self, load: _Load, end: int) -> bool:
+        """Wait for layers up to ``end`` and copy them in; False when the load gave up."""
+        assert load.job is not None and load.arena is not None
+        mask = load.job.wait_layers(end, max(0.0, load.deadline - time.monotonic()))
+        if mask is None:
+            self._give_up(load, f"not loaded within {self.config.load_timeout_s}s")
+            return False
+        load.ok = np.zeros(len(load.block_ids), dtype=bool)
+        load.ok[load.rows] = mask
+        rows = np.flatnonzero(mask)
+        if len(rows):
+            pages = [load.pages[i] for i in rows]
+            blocks = torch.from_numpy(load.block_ids[rows])
+            for layer in range(load.copied_upto, end):
+                load.arena.scatter(layer, pages, self.kv[layer], blocks)
+        load.copied_upto = end
+        if end >= self.num_layers:
+            self._finish_load(load)
+        return True
+
+    def _finish_load(self, load: _Load) -> None:
+        """Every layer is in (or given up): report the blocks that failed, free the pages."""
+        if load.finished:
+            return
+        load.finished = True
+        failed = load.block_ids[~load.ok]
+        self._invalid.update(int(b) for b in failed)
+        self.stats["load_blocks_failed"] += len(failed)
+        if load.job is not None and load.arena is not None:
+            self._check_job(load.job.poll(), "load", load.arena)
+        if load.arena is not None:
+            load.arena.free(load.pages)
+        for spec in load.specs:
+            lease = spec.leases.get(self.rank)
+            if lease:
+                self._done_leases.add(lease)
+            if load.asynchronous:
+                self._recving.add(spec.req_id)
+        if len(failed):
+            log.warning(
+                "kvtier connector: %d of %d blocks did not load; vLLM recomputes them",
+                len(failed),
+                len(load.block_ids),
+            )
+
+    def _give_up(self, load: _Load, why: str) -> None:
+        """Fail every block of the load not yet in vLLM's cache in every layer."""
+        if load.job is not None and not load.job.done():
+            load.job.cancel()
+        load.ok = np.zeros(len(load.block_ids), dtype=bool)
+        load.copied_upto = self.num_layers
+        if load.job is not None:
+            self.breaker.trip(TimeoutError(why))
+        log.debug("kvtier connector: load of %d blocks failed: %s", len(load.block_ids), why)
+        self._finish_load(load)
+
+    def _check_job(self, status: JobStatus, what: str, arena: StagingPool) -> None:
+        if status.error is not None:
+            self.breaker.trip(status.error)
+        if not status.pages_reusable and not arena.retired:
+            self.stats["staging_retired"] += 1
+            arena.retire(f"a {what} job ended uncleanly ({status.state.value})")
+
+    # ------------------------------------------------------------------ saves
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, meta: KVTierConnectorMetadata
+    ) -> None:
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        save = self._step_save
+        if save is None:
+            specs = [s for s in meta.saves if not s.at_finish]
+            if not specs:
+                return
+            save = self._start_save(specs)
+            if save is None:
+                return
+            self._step_save = save
+        if layer in save.layers_copied:
+            return
+        save.arena.gather(layer, save.pages, kv_layer, save.block_ids)
+        save.layers_copied.add(layer)
+
+    def _start_save(self, specs: list[SaveSpec]) -> _Save | None:
+        nblocks = sum(len(s.block_ids) for s in specs)
+        if not self.breaker.ok():
+            self.stats["save_blocks_dropped"] += nblocks
+            return None
+        got = self._alloc(nblocks)
+        if got is None:
+            # Staging is full of saves in flight: these blocks are simply not stored.
+            self.stats["save_blocks_dropped"] += nblocks
+            return None
+        arena, pages = got
+        blocks = torch.as_tensor([b for s in specs for b in s.block_ids], dtype=torch.long)
+        return _Save(specs, arena, pages, blocks)
+
+    def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
+        load = self._load
+        if load is not None:
+            if not load.finished:
+                # The forward pass did not wait for every layer (it should have): vLLM may
+                # have computed with blocks not yet copied in, so all of them are reported.
+                log.error("kvtier connector: a load was not waited for in every layer")
+                self._give_up(load, "not waited for")
+            self._load = None
+        save, self._step_save = self._step_save, None
+        if save is not None:
+            if len(save.layers_copied) == self.num_layers:
+                self._submit_save(save)
+            else:
+                self.stats["save_blocks_dropped"] += len(save.block_ids)
+                save.arena.free(save.pages)
+        finish = [s for s in meta.saves if s.at_finish]
+        if finish:
+            self._save_finished_requests(finish)
+        self._reap_saves()
+
+    def _save_finished_requests(self, specs: list[SaveSpec]) -> None:
+        """Copy finished requests' blocks to staging now; vLLM may free them right after."""
+        save = self._start_save(specs)
+        if save is not None:
+            for layer in range(self.num_layers):
+                save.arena.gather(layer, save.pages, self.kv[layer], save.block_ids)
+            save.layers_copied = set(range(self.num_layers))
+            self._submit_save(save)
+        self._sending.update(s.req_id for s in specs)
+
+    def _submit_save(self, save: _Save) -> None:
+        segments = []
+        offset = 0
+        for spec in save.specs:
+            n = len(spec.block_ids)
+            segments.append(
+                SaveSegment(
+                    spec.keys[self.rank],
+                    save.pages[offset : offset + n],
+                    spec.parents.get(self.rank, b""),
+                )
+            )
+            offset += n
+        try:
+            save.job = self.client.submit_save(
+                save.arena.pool,
+                segments,
+                durable=self.config.save_durable,
+                timeout_s=self.config.save_timeout_s,
+            )
+        except KvtierError as e:
+            self.breaker.trip(e)
+            self.stats["save_blocks_dropped"] += len(save.block_ids)
+            save.arena.free(save.pages)
+            return
+        self.stats["save_blocks"] += len(save.block_ids)
+        self._save_jobs.append(save)
+
+    def _reap_saves(self, wait_s: float = 0.0) -> None:
+        deadline = time.monotonic() + wait_s
+        running = []
+        for save in self._save_jobs:
+            assert save.job is not None
+            status = (
+                save.job.wait(max(0.0, deadline - time.monotonic())) if wait_s else save.job.poll()
+            )
+            if not status.finished:
+                running.append(save)
+                continue
+            if status.error is not None:
+                self.stats["save_jobs_failed"] += 1
+            self._check_job(status, "save", save.arena)
+            save.arena.free(save.pages)
+        self._save_jobs = running
+
+    # --------------------------------------------------------------- results
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for load in list(self._async_loads):
+            if load.job is not None and not load.finished:
+                if load.job.done():
+                    self._advance(load, self.num_layers)
+                elif time.monotonic() >= load.deadline:
+                    self._give_up(load, f"not loaded within {self.config.load_timeout_s}s")
+            if load.finished:
+                self._async_loads.remove(load)
+        # A finish-save's request id comes in finished_req_ids of the step that carries the
+        # save; vLLM accepts only ids it has passed here.
+        seen = self._finished_seen | finished_req_ids
+        sending = self._sending & seen
+        self._sending -= sending
+        self._finished_seen = seen - sending if self._sending else set()
+        recving, self._recving = self._recving, set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        if not self._done_leases:
+            return None
+        done, self._done_leases = self._done_leases, set()
+        return KVTierWorkerMetadata(done)
+
+    def shutdown(self) -> None:
+        """Let saves in flight finish (up to ``shutdown_timeout_s``), then let go."""
+        if self._save_jobs:
+            self._reap_saves(wait_s=self.config.shutdown_timeout_s)
+        for save in self._save_jobs:
+            assert save.job is not None
+            save.job.cancel()
+        for load in self._async_loads:
+            if load.job is not None:
+                load.job.cancel()
+        if self._arena is not None:
+            if self._save_jobs or self._async_loads:
+                self._arena.retire("shutdown with transfers in flight")
+            else:
+                self._arena.close()
+        self.client.close()

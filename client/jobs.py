@@ -1,0 +1,691 @@
+"""Asynchronous transfer jobs: many blocks loaded or saved in the background, for engines.
+
+An engine submits a job (a load or a save of many blocks, possibly of several key chains),
+goes on computing, and polls or waits for it by job id. A load job can be split by layer
+ranges: one Get per range and chain batch, so the engine can wait for the first layers
+(``wait_layers``) and compute with them while later layers are still being copied.
+
+This module holds the part both clients share (``TransferPlan``: which RPCs a job sends, and
+what their answers mean) and the blocking client's job (``TransferJob``, driven by gRPC
+futures and their callbacks, no thread of its own). ``kvtier.client.aio`` drives the same
+plan with asyncio tasks.
+
+Invariants:
+- A key counts as loaded only when every layer range of the job loaded it; a key whose part
+  failed is simply not loaded (the job's ``error`` says why).
+- A save job stores each chain in order, one batch after the other, and stops a chain at its
+  first ``REJECTED_FULL``: a chain never has a hole that a later batch would fill.
+- ``pages_reusable`` is False once any part ended in a way that leaves the daemon possibly
+  still copying (cancelled, deadline exceeded, connection lost, internal error). Then the
+  job's pages must not be reused for other blocks: a late copy could write them (load) or
+  store what they hold by then (save). Replace the pool instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kvtier.client.errors import KvtierError, NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.types import PutStatus, pages_list
+from kvtier.proto import kvtier_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvtier.client.aio import AsyncClient
+    from kvtier.client.flows import PoolBinding
+    from kvtier.client.sync import Client
+
+# Errors the daemon raises before it touches a pool: a part that ends in one of them leaves
+# no copy running.
+_CLEAN_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+
+_job_ids = itertools.count(1)
+
+
+class JobKind(enum.Enum):
+    LOAD = "load"
+    SAVE = "save"
+
+
+class JobState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"  # every part answered
+    FAILED = "failed"  # every part ended, at least one with an error
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSegment:
+    """Blocks to load: ``keys[i]`` into ``pages[i]``; ``lease_id`` from a pinning Lookup
+    (of any session of this tenant), or 0."""
+
+    keys: Sequence[bytes]
+    pages: Sequence[int]
+    lease_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSegment:
+    """One key chain to store from ``pages``; ``parent_key`` is the key before ``keys[0]``
+    when the chain continues one stored earlier (empty when ``keys[0]`` is a root)."""
+
+    keys: Sequence[bytes]
+    pages: Sequence[int]
+    parent_key: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    """A snapshot of a job. ``done[i]`` is whether key ``i`` (in submission order, segments
+    concatenated) is loaded into its page (load jobs: by every layer range) or held by the
+    daemon (save jobs: stored now or before)."""
+
+    job_id: int
+    kind: JobKind
+    state: JobState
+    done: np.ndarray
+    layers_done: int
+    """Load jobs: leading layers whose every part has ended; 0 for saves."""
+    error: KvtierError | None
+    pages_reusable: bool
+    """False while parts are in flight, or when one ended leaving the daemon possibly
+    still copying (see the module docstring)."""
+    elapsed_s: float
+
+    @property
+    def finished(self) -> bool:
+        return self.state is not JobState.RUNNING
+
+    @property
+    def prefix_len(self) -> int:
+        """Leading keys done."""
+        missing = np.flatnonzero(~self.done)
+        return int(missing[0]) if len(missing) else len(self.done)
+
+
+@dataclass(eq=False, slots=True)
+class Part:
+    """One RPC of a job."""
+
+    index: int
+    method: str
+    request: Any
+    first_key: int  # position of request.keys[0] among the job's keys
+    nkeys: int
+    layer_range: int = 0  # load parts: which of the job's layer ranges
+    chain: int = 0  # save parts: which segment
+    sent: bool = False
+    ended: bool = False
+
+
+def layer_ranges(
+    num_layers: int, groups: int | Sequence[tuple[int, int]] | None
+) -> list[tuple[int, int]]:
+    """Split ``num_layers`` into ``groups`` contiguous ranges (as even as possible), or check
+    explicit ranges: they must be non-empty and tile ``[0, num_layers)`` in order."""
+    if num_layers < 1:
+        raise ValueError("a pool has at least one layer")
+    if groups is None:
+        return [(0, num_layers)]
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError("layer groups must be at least 1")
+        groups = min(groups, num_layers)
+        bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(groups)]
+    ranges = [(int(b), int(e)) for b, e in groups]
+    expect = 0
+    for b, e in ranges:
+        if b != expect or e <= b:
+            raise ValueError(f"layer ranges {ranges} must tile [0, {num_layers}) in order")
+        expect = e
+    if expect != num_layers:
+        raise ValueError(f"layer ranges {ranges} must tile [0, {num_layers}) in order")
+    return ranges
+
+
+class TransferPlan:
+    """The RPCs of one job and the meaning of their answers; sans-IO.
+
+    A driver asks ``take_ready()`` for parts to send, and reports each part's end with
+    ``complete`` or ``fail``; ``cancel`` gives up on every part not yet ended.
+
+    Thread-safety: none; the driver serialises calls (the blocking job holds a lock).
+    """
+
+    def __init__(
+        self, kind: JobKind, parts: list[Part], nkeys: int, ranges: list[tuple[int, int]]
+    ) -> None:
+        self.job_id = next(_job_ids)
+        self.kind = kind
+        self.parts = parts
+        self.ranges = ranges
+        self.started = time.monotonic()
+        self.ended_at: float | None = None
+        self.error: KvtierError | None = None
+        self.cancelled = False
+        self.dirty = False  # a part ended leaving a copy possibly running
+        self._nkeys = nkeys
+        # Load: per layer range, which keys it loaded. Save: row 0, which keys are held.
+        self._done = np.zeros((max(1, len(ranges)) if kind is JobKind.LOAD else 1, nkeys), bool)
+        self._pending_per_range = np.zeros(max(1, len(ranges)), dtype=np.int64)
+        for p in parts:
+            if kind is JobKind.LOAD:
+                self._pending_per_range[p.layer_range] += 1
+        self._open = len(parts)
+        # Save chains run batch after batch: the next part of a chain is released by the
+        # previous one's answer.
+        self._blocked: dict[int, list[Part]] = {}
+        if kind is JobKind.SAVE:
+            for p in parts:
+                self._blocked.setdefault(p.chain, []).append(p)
+            for chain in self._blocked.values():
+                chain.reverse()  # pop() from the end gives the next batch
+        if not parts:
+            self.ended_at = self.started
+
+    # ---------------------------------------------------------------- building
+
+    @classmethod
+    def for_load(
+        cls,
+        segments: Sequence[LoadSegment],
+        num_layers: int,
+        max_batch: int,
+        groups: int | Sequence[tuple[int, int]] | None = None,
+    ) -> TransferPlan:
+        ranges = layer_ranges(num_layers, groups)
+        parts: list[Part] = []
+        first = 0
+        whole = len(ranges) == 1
+        for seg in segments:
+            keys, pages = list(seg.keys), pages_list(seg.pages)
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(pages)} pages for {len(keys)} keys in a load segment")
+            for r, (begin, end) in enumerate(ranges):
+                for start in range(0, len(keys), max_batch):
+                    n = min(max_batch, len(keys) - start)
+                    req = pb.GetRequest(
+                        keys=keys[start : start + n],
+                        pages=pages[start : start + n],
+                        lease_id=seg.lease_id,
+                        layer_begin=0 if whole else begin,
+                        layer_end=0 if whole else end,
+                    )
+                    parts.append(Part(len(parts), "Get", req, first + start, n, layer_range=r))
+            first += len(keys)
+        return cls(JobKind.LOAD, parts, first, ranges)
+
+    @classmethod
+    def for_save(
+        cls, segments: Sequence[SaveSegment], max_batch: int, durable: bool = False
+    ) -> TransferPlan:
+        parts: list[Part] = []
+        first = 0
+        for chain, seg in enumerate(segments):
+            keys, pages = list(seg.keys), pages_list(seg.pages)
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(pages)} pages for {len(keys)} keys in a save segment")
+            parent = seg.parent_key
+            for start in range(0, len(keys), max_batch):
+                n = min(max_batch, len(keys) - start)
+                req = pb.PutRequest(
+                    keys=keys[start : start + n],
+                    pages=pages[start : start + n],
+                    parent_key=parent,
+                    durable=durable,
+                )
+                parts.append(Part(len(parts), "Put", req, first + start, n, chain=chain))
+                parent = keys[start + n - 1]
+            first += len(keys)
+        return cls(JobKind.SAVE, parts, first, [])
+
+    # ------------------------------------------------------------------ driving
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    def take_ready(self) -> list[Part]:
+        """Parts to send now (each is returned once)."""
+        if self.cancelled:
+            return []
+        if self.kind is JobKind.LOAD:
+            ready = [p for p in self.parts if not p.sent]
+        else:
+            ready = [chain[-1] for chain in self._blocked.values() if chain and not chain[-1].sent]
+        for p in ready:
+            p.sent = True
+        return ready
+
+    def complete(self, part: Part, response: Any) -> None:
+        if part.ended:
+            return
+        sl = slice(part.first_key, part.first_key + part.nkeys)
+        if self.kind is JobKind.LOAD:
+            self._done[part.layer_range, sl] = np.asarray(response.loaded, dtype=bool)
+        else:
+            statuses = np.asarray(response.results, dtype=np.int64)
+            held = statuses != int(PutStatus.REJECTED_FULL)
+            self._done[0, sl] = held
+            chain = self._blocked[part.chain]
+            chain.pop()
+            if not held.all():
+                self._close_chain(part.chain)
+        self._end(part)
+
+    def fail(self, part: Part, error: KvtierError) -> None:
+        if part.ended:
+            return
+        if self.error is None:
+            self.error = error
+        if error.code not in _CLEAN_CODES:
+            self.dirty = True
+        if self.kind is JobKind.SAVE:
+            self._blocked[part.chain].pop()
+            self._close_chain(part.chain)
+        self._end(part)
+
+    def cancel(self) -> list[Part]:
+        """Give up on every part not yet ended; returns those that were sent (the driver
+        cancels their RPCs). Parts in flight make the pages unsafe to reuse."""
+        if self.finished:
+            return []
+        self.cancelled = True
+        in_flight = [p for p in self.parts if p.sent and not p.ended]
+        if in_flight:
+            self.dirty = True
+        for p in self.parts:
+            if not p.ended:
+                self._end(p)
+        return in_flight
+
+    def _close_chain(self, chain: int) -> None:
+        for p in self._blocked.pop(chain, []):
+            p.sent = True  # never sent: the chain stopped before it
+            self._end(p)
+
+    def _end(self, part: Part) -> None:
+        part.ended = True
+        self._open -= 1
+        if self.kind is JobKind.LOAD:
+            self._pending_per_range[part.layer_range] -= 1
+        if self._open == 0:
+            self.ended_at = time.monotonic()
+
+    # ------------------------------------------------------------------ results
+
+    def layers_done(self) -> int:
+        """Leading layers whose every part has ended (loads)."""
+        if self.kind is not JobKind.LOAD:
+            return 0
+        done = 0
+        for r, (_, end) in enumerate(self.ranges):
+            if self._pending_per_range[r] > 0:
+                break
+            done = end
+        return done
+
+    def layers_ready(self, end_layer: int) -> bool:
+        """Whether every part of every layer range that starts below ``end_layer`` ended."""
+        for r, (begin, _) in enumerate(self.ranges):
+            if begin < end_layer and self._pending_per_range[r] > 0:
+                return False
+        return True
+
+    def done_mask(self, end_layer: int | None = None) -> np.ndarray:
+        """Keys done; for loads, by every layer range starting below ``end_layer`` (all
+        ranges when None)."""
+        if self.kind is JobKind.LOAD and end_layer is not None:
+            rows = [r for r, (begin, _) in enumerate(self.ranges) if begin < end_layer]
+            if not rows:
+                return np.ones(self._nkeys, dtype=bool)
+            return np.asarray(self._done[rows].all(axis=0))
+        return np.asarray(self._done.all(axis=0))
+
+    def state(self) -> JobState:
+        if self.cancelled:
+            return JobState.CANCELLED
+        if not self.finished:
+            return JobState.RUNNING
+        return JobState.FAILED if self.error is not None else JobState.DONE
+
+    def status(self) -> JobStatus:
+        end = self.ended_at if self.ended_at is not None else time.monotonic()
+        return JobStatus(
+            job_id=self.job_id,
+            kind=self.kind,
+            state=self.state(),
+            done=self.done_mask(),
+            layers_done=self.layers_done(),
+            error=self.error,
+            pages_reusable=self.finished and not self.dirty,
+            elapsed_s=end - self.started,
+        )
+
+
+# -------------------------------------------------------------- blocking client
+
+
+class TransferJob:
+    """A job of the blocking ``Client``, running on gRPC futures.
+
+    Thread-safety: any thread may poll, wait or cancel; completions arrive on gRPC's threads.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        binding: PoolBinding,
+        plan: TransferPlan,
+        timeout_s: float,
+        on_finish: Callable[[TransferJob], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._binding = binding
+        self._plan = plan
+        self._timeout_s = timeout_s
+        self._on_finish = on_finish
+        self._cond = threading.Condition()
+        self._futures: dict[int, Any] = {}
+        self._notified = False
+
+    @property
+    def job_id(self) -> int:
+        return self._plan.job_id
+
+    @property
+    def kind(self) -> JobKind:
+        return self._plan.kind
+
+    def start(self) -> TransferJob:
+        with self._cond:
+            ready = self._plan.take_ready()
+        self._send(ready)
+        self._maybe_finish()
+        return self
+
+    # ------------------------------------------------------------------ polling
+
+    def poll(self) -> JobStatus:
+        with self._cond:
+            return self._plan.status()
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._plan.finished
+
+    def wait(self, timeout_s: float | None = None) -> JobStatus:
+        """Wait until every part ended (or ``timeout_s`` passed); returns the status."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._plan.finished, timeout_s)
+            return self._plan.status()
+
+    def wait_layers(self, end_layer: int, timeout_s: float | None = None) -> np.ndarray | None:
+        """Wait until layers ``[0, end_layer)`` are complete; returns which keys they loaded,
+        or None when ``timeout_s`` passed first (the job goes on)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._plan.layers_ready(end_layer), timeout_s):
+                return None
+            return self._plan.done_mask(end_layer)
+
+    def cancel(self) -> None:
+        """Stop waiting for the job; RPCs in flight are cancelled (see ``pages_reusable``)."""
+        with self._cond:
+            in_flight = self._plan.cancel()
+            futures = [self._futures.get(p.index) for p in in_flight]
+            self._cond.notify_all()
+        for fut in futures:
+            if fut is not None:
+                fut.cancel()
+        self._maybe_finish()
+
+    # ----------------------------------------------------------------- sending
+
+    def _send(self, parts: list[Part], *, may_block: bool = True) -> None:
+        if not parts:
+            return
+        try:
+            if may_block:
+                # Opens the session and registers the pool on first use (blocking, once).
+                session_id = self._client.session_id
+                pool_id = self._client.pool_id_of(self._binding)
+            else:
+                # On a gRPC callback thread: never block on an RPC here.
+                ids = self._client.live_ids(self._binding)
+                if ids is None:
+                    raise UnavailableError("the session with the daemon ended during the job")
+                session_id, pool_id = ids
+        except KvtierError as e:
+            for part in parts:
+                self._ended(part, None, e)
+            return
+        for part in parts:
+            part.request.session_id = session_id
+            part.request.pool_id = pool_id
+            method = getattr(self._client.stub, part.method)
+            fut = method.future(part.request, timeout=self._timeout_s)
+            with self._cond:
+                self._futures[part.index] = fut
+            fut.add_done_callback(lambda f, part=part: self._on_done(part, f))
+
+    def _on_done(self, part: Part, fut: Any) -> None:
+        if fut.cancelled():
+            return  # cancel() already ended the part
+        try:
+            response = fut.result()
+        except grpc.RpcError as e:
+            self._ended(part, None, from_rpc_error(e))
+        else:
+            self._ended(part, response, None)
+
+    def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
+        if isinstance(error, NotFoundError):
+            # The daemon lost our session or pool (it restarted): register again next time.
+            self._binding.pool_id = 0
+        with self._cond:
+            if error is None:
+                self._plan.complete(part, response)
+            else:
+                self._plan.fail(part, error)
+            self._futures.pop(part.index, None)
+            ready = self._plan.take_ready()
+            self._cond.notify_all()
+        self._send(ready, may_block=False)
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        with self._cond:
+            if not self._plan.finished or self._notified:
+                return
+            self._notified = True
+        if self._on_finish is not None:
+            self._on_finish(self)
+
+
+# --------------------------------------------------------------- asyncio client
+
+
+class AsyncTransferJob:
+    """A job of the ``AsyncClient``: one task per RPC in flight, on the client's loop.
+
+    Thread-safety: use from the client's event loop only.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        binding: PoolBinding,
+        plan: TransferPlan,
+        timeout_s: float,
+        on_finish: Callable[[AsyncTransferJob], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._binding = binding
+        self._plan = plan
+        self._timeout_s = timeout_s
+        self._on_finish = on_finish
+        self._changed = asyncio.Condition()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._notified = False
+
+    @property
+    def job_id(self) -> int:
+        return self._plan.job_id
+
+    @property
+    def kind(self) -> JobKind:
+        return self._plan.kind
+
+    async def start(self) -> AsyncTransferJob:
+        await self._send(self._plan.take_ready())
+        await self._maybe_finish()
+        return self
+
+    def poll(self) -> JobStatus:
+        return self._plan.status()
+
+    def done(self) -> bool:
+        return self._plan.finished
+
+    async def wait(self, timeout_s: float | None = None) -> JobStatus:
+        """Wait until every part ended (or ``timeout_s`` passed); returns the status."""
+        await self._wait_for(lambda: self._plan.finished, timeout_s)
+        return self._plan.status()
+
+    async def wait_layers(
+        self, end_layer: int, timeout_s: float | None = None
+    ) -> np.ndarray | None:
+        """See ``TransferJob.wait_layers``."""
+        if not await self._wait_for(lambda: self._plan.layers_ready(end_layer), timeout_s):
+            return None
+        return self._plan.done_mask(end_layer)
+
+    async def cancel(self) -> None:
+        """See ``TransferJob.cancel``."""
+        for part in self._plan.cancel():
+            task = self._tasks.pop(part.index, None)
+            if task is not None:
+                task.cancel()
+        async with self._changed:
+            self._changed.notify_all()
+        await self._maybe_finish()
+
+    async def _wait_for(self, predicate: Callable[[], bool], timeout_s: float | None) -> bool:
+        async def waiter() -> None:
+            async with self._changed:
+                await self._changed.wait_for(predicate)
+
+        try:
+            await asyncio.wait_for(waiter(), timeout_s)
+        except asyncio.TimeoutError:
+            return predicate()
+        return True
+
+    async def _send(self, parts: list[Part]) -> None:
+        if not parts:
+            return
+        try:
+            session_id = await self._client.session()
+            pool_id = await self._client.pool_id_of(self._binding)
+        except KvtierError as e:
+            for part in parts:
+                await self._ended(part, None, e)
+            return
+        for part in parts:
+            part.request.session_id = session_id
+            part.request.pool_id = pool_id
+            self._tasks[part.index] = asyncio.create_task(self._run(part))
+
+    async def _run(self, part: Part) -> None:
+        method = getattr(self._client.stub, part.method)
+        try:
+            response = await method(part.request, timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            await self._ended(part, None, from_rpc_error(e))
+        else:
+            await self._ended(part, response, None)
+
+    async def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
+        if isinstance(error, NotFoundError):
+            self._binding.pool_id = 0
+        if error is None:
+            self._plan.complete(part, response)
+        else:
+            self._plan.fail(part, error)
+        self._tasks.pop(part.index, None)
+        async with self._changed:
+            self._changed.notify_all()
+        await self._send(self._plan.take_ready())
+        await self._maybe_finish()
+
+    async def _maybe_finish(self) -> None:
+        if not self._plan.finished or self._notified:
+            return
+        self._notified = True
+        if self._on_finish is not None:
+            self._on_finish(self)
+
+
+@dataclass
+class JobTable:
+    """Jobs by id, as both clients keep them. A running job stays; a finished one stays
+    until the client's ``wait`` or ``cancel`` hands out its final status, or until
+    ``keep_finished`` newer jobs have finished (so engines that hold job objects and never
+    ask by id leak nothing).
+
+    Thread-safety: thread-safe."""
+
+    keep_finished: int = 4096
+    jobs: dict[int, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _finished: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def add(self, job: Any) -> None:
+        with self.lock:
+            self.jobs[job.job_id] = job
+
+    def finished(self, job_id: int) -> None:
+        with self.lock:
+            if job_id not in self.jobs:
+                return
+            self._finished[job_id] = None
+            while len(self._finished) > self.keep_finished:
+                old, _ = self._finished.popitem(last=False)
+                self.jobs.pop(old, None)
+
+    def get(self, job_id: int) -> Any:
+        with self.lock:
+            job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id} (never submitted, or its result was taken)")
+        return job
+
+    def forget(self, job_id: int) -> None:
+        with self.lock:
+            self.jobs.pop(job_id, None)
+            self._finished.pop(job_id, None)
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self.jobs)

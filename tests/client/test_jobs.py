@@ -1,0 +1,342 @@
+"""Asynchronous transfer jobs of both clients, against a real daemon; the plan's rules alone.
+
+Also the two daemon rules engines need: a lease is usable by another session (only its own
+session may release it), and a Get may copy a layer range of each block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvtier.client import (
+    AsyncClient,
+    Client,
+    JobKind,
+    JobState,
+    LoadSegment,
+    Namespace,
+    NotFoundError,
+    PermissionDeniedError,
+    PoolLayout,
+    SaveSegment,
+    SharedMemoryPool,
+    UnavailableError,
+    block_keys,
+)
+from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError
+from kvtier.client.jobs import TransferPlan, layer_ranges
+from kvtier.proto import kvtier_pb2 as pb
+
+LAYERS = 4
+LAYOUT = PoolLayout.vllm(
+    num_layers=LAYERS, num_pages=32, block_tokens=4, num_kv_heads=2, head_dim=8, dtype="float16"
+)
+
+
+def keys_for(n: int, tag: str) -> list[bytes]:
+    ns = Namespace(model=f"jobs-{tag}", kv_dtype="float16", block_tokens=4)
+    return block_keys(ns, list(range(n * 4)))
+
+
+def layer_bytes(data: np.ndarray, page: int, layer: int) -> bytes:
+    """The K and V chunks of one layer of one page."""
+    lay = LAYOUT.layers[layer]
+    out = b""
+    for kv in range(lay.kv_count):
+        start = lay.offset + kv * lay.kv_stride + page * lay.page_stride
+        out += data[start : start + lay.chunk_bytes].tobytes()
+    return out
+
+
+def page_bytes(data: np.ndarray, page: int) -> bytes:
+    return b"".join(layer_bytes(data, page, layer) for layer in range(LAYERS))
+
+
+def fill(shm: SharedMemoryPool, seed: int) -> np.ndarray:
+    data = shm.array()
+    data[:] = np.random.default_rng(seed).integers(0, 256, len(data), dtype=np.uint8)
+    return data
+
+
+# ----------------------------------------------------------------- plan rules
+
+
+def test_layer_ranges_split_evenly_and_check_explicit_ranges():
+    assert layer_ranges(4, None) == [(0, 4)]
+    assert layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert layer_ranges(5, 2) == [(0, 2), (2, 5)] or layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert layer_ranges(3, 10) == [(0, 1), (1, 2), (2, 3)]
+    assert layer_ranges(4, [(0, 3), (3, 4)]) == [(0, 3), (3, 4)]
+    for bad in ([(0, 2)], [(1, 4)], [(0, 2), (3, 4)], [(0, 0), (0, 4)]):
+        with pytest.raises(ValueError):
+            layer_ranges(4, bad)
+    with pytest.raises(ValueError):
+        layer_ranges(4, 0)
+
+
+def test_save_plan_stops_a_chain_at_its_first_rejection():
+    """Batches of one chain go one after the other; a REJECTED_FULL ends the chain, so no
+    later batch leaves a stored block after a hole. Other chains go on."""
+    keys = keys_for(5, "plan")
+    segs = [SaveSegment(keys[:3], [0, 1, 2]), SaveSegment(keys[3:], [3, 4])]
+    plan = TransferPlan.for_save(segs, max_batch=2)
+    first = plan.take_ready()
+    assert [(p.chain, p.nkeys) for p in first] == [(0, 2), (1, 2)]
+    assert plan.take_ready() == []  # chain 0's second batch waits for its first
+    stored, full = pb.PUT_STORED, pb.PUT_REJECTED_FULL
+    plan.complete(first[0], pb.PutResponse(results=[stored, full]))
+    assert plan.take_ready() == []  # the chain stopped: its last batch is never sent
+    plan.complete(first[1], pb.PutResponse(results=[stored, stored]))
+    status = plan.status()
+    assert status.state is JobState.DONE and status.kind is JobKind.SAVE
+    assert status.done.tolist() == [True, False, False, True, True]
+    assert status.prefix_len == 1 and status.pages_reusable
+
+
+def test_load_plan_tracks_layers_and_failures():
+    keys = keys_for(3, "plan-load")
+    plan = TransferPlan.for_load([LoadSegment(keys, [0, 1, 2])], 4, max_batch=8, groups=2)
+    parts = plan.take_ready()
+    assert [(p.request.layer_begin, p.request.layer_end) for p in parts] == [(0, 2), (2, 4)]
+    assert not plan.layers_ready(1)
+    plan.complete(parts[0], pb.GetResponse(loaded=[True, True, False]))
+    assert plan.layers_ready(2) and not plan.layers_ready(3) and plan.layers_done() == 2
+    assert plan.done_mask(2).tolist() == [True, True, False]
+    plan.fail(parts[1], DeadlineExceededError("slow"))
+    status = plan.status()
+    assert status.state is JobState.FAILED and isinstance(status.error, DeadlineExceededError)
+    assert status.done.tolist() == [False, False, False]  # layers 2-3 never arrived
+    assert not status.pages_reusable  # the daemon may still be copying those layers
+
+
+def test_a_plan_for_all_layers_sends_plain_gets():
+    keys = keys_for(2, "plain")
+    plan = TransferPlan.for_load([LoadSegment(keys, [0, 1])], 4, max_batch=8, groups=1)
+    (part,) = plan.take_ready()
+    assert (part.request.layer_begin, part.request.layer_end) == (0, 0)
+
+
+# ----------------------------------------------------------- daemon rules
+
+
+def test_get_of_a_layer_range_copies_only_those_layers(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = fill(shm, 1)
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(2, "range")
+        before = [page_bytes(data, p) for p in (0, 1)]
+        assert client.put(pool.pool_id, keys, [0, 1]).stored == 2
+        data[:] = 0
+        req = pb.GetRequest(
+            session_id=client.session_id,
+            pool_id=pool.pool_id,
+            keys=keys,
+            pages=[5, 6],
+            layer_begin=1,
+            layer_end=3,
+        )
+        resp = client.stub.Get(req)
+        assert list(resp.loaded) == [True, True]
+        for src, dst in ((0, 5), (1, 6)):
+            for layer in range(LAYERS):
+                got = layer_bytes(data, dst, layer)
+                if layer in (1, 2):
+                    assert got == before[src][layer * len(got) : (layer + 1) * len(got)]
+                else:
+                    assert got == bytes(len(got))
+        # A block counts as loaded once, by the Get that copies its layer 0.
+        assert client.stats().counters.get("get_blocks_loaded", 0) == 0
+
+
+def test_a_lease_is_usable_by_another_session_and_released_by_its_own(daemon):
+    with (
+        daemon.client() as scheduler,
+        daemon.client() as worker,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        data = fill(shm, 2)
+        pool = worker.register_pool(shm, LAYOUT)
+        keys = keys_for(3, "lease")
+        expect = [page_bytes(data, p) for p in (0, 1, 2)]
+        worker.put(pool.pool_id, keys, [0, 1, 2])
+        lease = scheduler.lookup(keys, pin=True, lease_ms=10_000).lease_id
+        assert lease and scheduler.session_id != worker.session_id
+        data[:] = 0
+        assert worker.get(pool.pool_id, keys, [7, 8, 9], lease_id=lease).prefix_len == 3
+        assert [page_bytes(data, p) for p in (7, 8, 9)] == expect
+        with pytest.raises(PermissionDeniedError):
+            worker.release(lease)
+        assert worker.delete(keys[:1]).busy == 1  # still pinned
+        scheduler.release(lease)
+        assert worker.delete(keys[:1]).deleted == 1
+
+
+# ------------------------------------------------------------ blocking jobs
+
+
+def test_save_then_layerwise_load_job_round_trip(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = fill(shm, 3)
+        pool = client.register_pool(shm, LAYOUT)
+        a, b = keys_for(4, "a"), keys_for(3, "b")
+        expect = {p: page_bytes(data, p) for p in range(7)}
+        save = client.submit_save(pool, [SaveSegment(a, [0, 1, 2, 3]), SaveSegment(b, [4, 5, 6])])
+        assert save.kind is JobKind.SAVE
+        status = client.wait(save.job_id, timeout_s=10)
+        assert status.state is JobState.DONE and status.done.all() and status.pages_reusable
+        with pytest.raises(NotFoundError):
+            client.poll(save.job_id)  # wait handed out the final status: the id is forgotten
+
+        data[:] = 0
+        missing = keys_for(1, "never-stored")
+        load = client.submit_load(
+            pool,
+            [LoadSegment(a, [10, 11, 12, 13]), LoadSegment(b + missing, [14, 15, 16, 17])],
+            layer_groups=LAYERS,
+        )
+        first = load.wait_layers(1, timeout_s=10)
+        assert first is not None and first.tolist() == [True] * 7 + [False]
+        status = load.wait(timeout_s=10)
+        assert status.state is JobState.DONE and status.layers_done == LAYERS
+        assert status.done.tolist() == [True] * 7 + [False]
+        assert status.error is None and status.pages_reusable
+        for dst, src in zip(range(10, 17), range(7), strict=True):
+            assert page_bytes(data, dst) == expect[src]
+        assert page_bytes(data, 17) == bytes(LAYOUT.block_bytes)
+        # Every block counted once although it came in four layer ranges.
+        stats = client.stats()
+        assert stats.counter("get_blocks", result="loaded") == 7
+        assert stats.counter("get_blocks", result="missing") == 1
+        assert client.poll(load.job_id).finished  # still known: nobody asked by id yet
+
+
+def test_chains_longer_than_a_batch_go_batch_after_batch(daemon):
+    with daemon.client(max_batch_blocks=2) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = fill(shm, 5)
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(5, "batches")
+        expect = [page_bytes(data, p) for p in range(5)]
+        status = client.submit_save(pool, [SaveSegment(keys, range(5))]).wait(10)
+        assert status.state is JobState.DONE and status.done.all()
+        assert client.lookup(keys).prefix_len == 5
+        data[:] = 0
+        load = client.submit_load(pool, [LoadSegment(keys, range(10, 15))], layer_groups=2)
+        status = load.wait(10)
+        assert status.state is JobState.DONE and status.done.all()
+        assert [page_bytes(data, p) for p in range(10, 15)] == expect
+
+
+def test_bad_requests_fail_the_job_with_typed_errors(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(2, "bad")
+        job = client.submit_load(pool, [LoadSegment(keys, [0, LAYOUT.num_pages])])
+        status = job.wait(timeout_s=10)
+        assert status.state is JobState.FAILED
+        assert isinstance(status.error, InvalidArgumentError)
+        assert status.error.code == grpc.StatusCode.INVALID_ARGUMENT
+        # The daemon refused before copying: the pages are safe to reuse.
+        assert status.pages_reusable
+        with pytest.raises(ValueError):
+            client.submit_load(pool, [LoadSegment(keys, [0])])
+
+
+def test_cancel_ends_the_job_and_marks_its_pages_unsafe(daemon):
+    big = PoolLayout.vllm(
+        num_layers=2, num_pages=512, block_tokens=16, num_kv_heads=8, head_dim=128, dtype="float16"
+    )
+    with daemon.client() as client, SharedMemoryPool.for_layout(big) as shm:
+        pool = client.register_pool(shm, big)
+        keys = keys_for(512, "cancel")
+        job = client.submit_save(pool, [SaveSegment(keys, range(512))])
+        status = client.cancel(job.job_id)
+        if status.state is JobState.CANCELLED:
+            assert not status.pages_reusable
+            assert job.wait(timeout_s=0).state is JobState.CANCELLED
+        else:  # the daemon answered before the cancel: nothing was in flight
+            assert status.state is JobState.DONE and status.pages_reusable
+        with pytest.raises(NotFoundError):
+            client.poll(job.job_id)
+        assert client.health()
+
+
+def test_a_daemon_gone_fails_submit_and_running_jobs(daemon):
+    with daemon.client(timeout_s=5) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(2, "gone")
+        assert client.submit_save(pool, [SaveSegment(keys, [0, 1])]).wait(10).done.all()
+        daemon.kill()
+        with pytest.raises(UnavailableError):
+            client.submit_load(pool, [LoadSegment(keys, [2, 3])])
+        daemon.start()
+        # A new session: the pool is registered again on the next job.
+        t = time.monotonic()
+        job = client.submit_load(pool, [LoadSegment(keys, [2, 3])], layer_groups=2)
+        status = job.wait(timeout_s=10)
+        assert status.state is JobState.DONE and not status.done.any()  # L1 died with it
+        assert time.monotonic() - t < 10
+
+
+# -------------------------------------------------------------- asyncio jobs
+
+
+async def test_async_client_jobs(daemon):
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        async with AsyncClient(daemon.address) as client:
+            data = fill(shm, 4)
+            pool = await client.register_pool(shm, LAYOUT)
+            keys = keys_for(5, "async")
+            expect = [page_bytes(data, p) for p in range(5)]
+            save = await client.submit_save(pool, [SaveSegment(keys, range(5))])
+            status = await client.wait(save.job_id, timeout_s=10)
+            assert status.state is JobState.DONE and status.done.all()
+            data[:] = 0
+            load = await client.submit_load(
+                pool, [LoadSegment(keys, range(20, 25))], layer_groups=[(0, 1), (1, 4)]
+            )
+            assert client.poll(load.job_id).kind is JobKind.LOAD
+            mask = await load.wait_layers(1, timeout_s=10)
+            assert mask is not None and mask.all()
+            status = await load.wait(timeout_s=10)
+            assert status.state is JobState.DONE and status.layers_done == LAYERS
+            assert [page_bytes(data, p) for p in range(20, 25)] == expect
+
+            other = await client.submit_load(pool, [LoadSegment(keys, range(25, 30))])
+            await other.cancel()
+            assert other.poll().finished
+            assert await client.health()
+            await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------- hung daemon
+
+
+def test_a_hung_daemon_fails_a_new_session_within_the_client_timeout(daemon):
+    """Opening a session waits for the daemon's first event at most ``timeout_s``: an engine
+    never hangs on a daemon that accepts connections but does not answer."""
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        with (
+            Client(daemon.address, timeout_s=0.5) as client,
+            pytest.raises(DeadlineExceededError),
+        ):
+            client.lookup(keys_for(1, "hung"))
+
+        async def open_async() -> None:
+            async with AsyncClient(daemon.address, timeout_s=0.5) as aclient:
+                await aclient.lookup(keys_for(1, "hung"))
+
+        with pytest.raises(DeadlineExceededError):
+            asyncio.run(open_async())
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    with daemon.client() as client:
+        assert client.health()

@@ -1,0 +1,336 @@
+"""The connector's protocol with vLLM's real scheduler and a real daemon, in one process.
+
+``MiniEngine`` (see its docstring) runs vLLM's ``Scheduler`` and block manager with the
+connector loaded by vLLM's factory, over real CPU KV tensors; only the model is absent. Every
+test checks the KV that ends up in vLLM's blocks token by token, so a block loaded from the
+wrong key, layer or page, or computed with a missing prefix, fails it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from mini_engine import BLOCK, MiniEngine, wait_until
+from vllm.v1.request import RequestStatus
+from vllm_harness import make_checkpoint, prompts
+
+from kvtier.client.integrations.vllm_config import ConnectorConfig
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPT = prompts(5, 3 * BLOCK, [50])[0]  # 3 full blocks and 50 more tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _options(daemon, **extra):
+    return {
+        "address": daemon.address,
+        "lookup_timeout_s": 0.5,
+        "load_timeout_s": 2.0,
+        "retry_after_s": 1.0,
+        **extra,
+    }
+
+
+def _store_prompt(model_dir, daemon, prompt=PROMPT) -> None:
+    """A first engine computes ``prompt`` and stores its full blocks."""
+    engine = MiniEngine(model_dir, _options(daemon))
+    try:
+        engine.add("r", prompt, max_tokens=2)
+        engine.run()
+    finally:
+        engine.close()
+    with daemon.client() as client:
+        assert wait_until(lambda: client.stats().counters.get("put_blocks_stored", 0) >= 3)
+
+
+def _counters(daemon) -> dict[str, float]:
+    with daemon.client() as client:
+        stats = client.stats()
+    return {
+        **stats.counters,
+        **stats.gauges,
+        "get_blocks_loaded": stats.counter("get_blocks", result="loaded"),
+        "get_blocks_missing": stats.counter("get_blocks", result="missing"),
+    }
+
+
+# ------------------------------------------------------------------- options
+
+
+def test_options_are_checked_by_name():
+    assert ConnectorConfig.from_extra_config({}).save == "all"
+    cfg = ConnectorConfig.from_extra_config(
+        {"save": "prompt", "load_tiers": ["L1"], "namespace": {"tenant": "t"}}
+    )
+    assert cfg.load_tiers == ("l1",) and cfg.namespace.tenant == "t"
+    for bad, word in (
+        ({"adress": "x"}, "adress"),
+        ({"save": "sometimes"}, "save"),
+        ({"load_timeout_s": 0}, "load_timeout_s"),
+        ({"layer_groups": "4"}, "layer_groups"),
+        ({"namespace": {"model": 3}}, "namespace.model"),
+        ({"namespace": {"colour": "x"}}, "colour"),
+        ({"load_tiers": ["l9"]}, "load_tiers"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            ConnectorConfig.from_extra_config(bad)
+
+
+def test_the_namespace_binds_model_config_and_ranks(model_dir, tmp_path, daemon):
+    other_dir = make_checkpoint(tmp_path / "other", rope_theta=20000.0)
+    a = MiniEngine(model_dir, _options(daemon))
+    a2 = MiniEngine(model_dir, _options(daemon))
+    b = MiniEngine(other_dir, _options(daemon))
+    try:
+        ida, ida2, idb = a.connector.identity, a2.connector.identity, b.connector.identity
+        assert ida == ida2 and ida.namespace(0, 0).seed() == ida2.namespace(0, 0).seed()
+        assert ida.namespace(0, 0).seed() != idb.namespace(0, 0).seed()
+        assert "isa=" in ida.kv_layout and ida.kv_dtype == "bfloat16" and ida.block_tokens == BLOCK
+        assert (
+            ida.namespace(0, 0).seed()
+            != ida.namespace(0, 0)
+            .__class__(**{**ida.namespace(0, 0).__dict__, "tp_rank": 1, "tp_size": 2})
+            .seed()
+        )
+    finally:
+        for e in (a, a2, b):
+            e.close()
+
+
+# ------------------------------------------------------------- loads, saves
+
+
+def test_a_second_engine_loads_what_the_first_stored(model_dir, daemon):
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon))
+    try:
+        request = engine.add("r", PROMPT, max_tokens=4)
+        out = engine.step()
+        (load,) = out.kv_connector_metadata.loads
+        assert len(load.block_ids) == 3 and load.leases
+        # Only the 50 tokens past the loaded blocks were computed ...
+        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
+        # ... and every slot holds the KV of its own prefix: the loaded ones included.
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        assert engine.invalid_reported == set()
+        assert engine.connector.scheduler_side.stats["hit_blocks"] == 3
+        assert request.num_computed_tokens == len(PROMPT)
+        # The worker reported the lease done and the scheduler released it.
+        assert _counters(daemon)["leases"] == 0
+        engine.run()
+        assert len(engine.outputs["r"]) == 4
+    finally:
+        engine.close()
+    counters = _counters(daemon)
+    assert counters["get_blocks_loaded"] == 3 and counters["get_blocks_missing"] == 0
+
+
+def test_lookup_is_side_effect_free(model_dir, daemon):
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon))
+    try:
+        request = engine.add("r", PROMPT, max_tokens=1)
+        side = engine.connector.scheduler_side
+        answers = [side.get_num_new_matched_tokens(request, 0) for _ in range(3)]
+        assert answers == [(3 * BLOCK, False)] * 3
+        # A prefix vLLM holds itself is not asked again; a hit never covers the last token.
+        assert side.get_num_new_matched_tokens(request, 2 * BLOCK) == (BLOCK, False)
+        short = engine.add("s", PROMPT[: 3 * BLOCK], max_tokens=1)
+        assert side.get_num_new_matched_tokens(short, 0) == (2 * BLOCK, False)
+        counters = _counters(daemon)
+        assert counters["leases"] == 0 and counters["blocks_pinned"] == 0
+    finally:
+        engine.close()
+
+
+def test_blocks_that_fail_to_load_are_reported_and_recomputed(model_dir, daemon):
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon))
+    try:
+        request = engine.add("r", PROMPT, max_tokens=3)
+        # The daemon dies after vLLM scheduled the load and before the worker runs it.
+        out = engine.step(before_forward=lambda out: daemon.kill())
+        (load,) = out.kv_connector_metadata.loads
+        assert engine.invalid_reported == set(load.block_ids)
+        # vLLM rewound the request to its first failed block and schedules it again.
+        assert request.num_computed_tokens == 0 and engine.outputs["r"] == []
+        again = engine.step()
+        assert again.num_scheduled_tokens["r"] == len(PROMPT)
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        engine.run()
+        assert len(engine.outputs["r"]) == 3
+    finally:
+        engine.close()
+
+
+def test_a_hung_daemon_costs_one_timeout_then_is_skipped(model_dir, daemon):
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon, load_timeout_s=1.0, retry_after_s=30.0))
+    side = engine.connector.scheduler_side
+    assert daemon.proc is not None
+    try:
+        engine.add("r", PROMPT, max_tokens=2)
+        # The daemon hangs after vLLM scheduled the load: the worker gives up at its load
+        # deadline, reports the blocks, and retires its staging pool (a late copy into it
+        # can never reach a block).
+        out = engine.step(before_forward=lambda out: os.kill(daemon.proc.pid, signal.SIGSTOP))
+        (load,) = out.kv_connector_metadata.loads
+        assert engine.invalid_reported == set(load.block_ids)
+        assert engine.worker.stats["staging_retired"] == 1
+        # The scheduler's next lookup times out once; after that it does not ask at all.
+        engine.add("s", prompts(6, 2 * BLOCK, [10])[0], max_tokens=1)
+        lookups = side.stats["lookups"]
+        assert not engine.step().kv_connector_metadata.loads
+        assert side.stats["lookups"] == lookups + 1 and side.stats["lookup_errors"] == 1
+        engine.add("u", prompts(7, 2 * BLOCK, [10])[0], max_tokens=1)
+        assert not engine.step().kv_connector_metadata.loads
+        assert side.stats["lookups"] == lookups + 1
+        engine.run()
+        assert [len(engine.outputs[r]) for r in "rsu"] == [2, 1, 1]
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        engine.close()
+
+
+def test_no_daemon_at_all_is_no_cache(model_dir, tmp_path):
+    engine = MiniEngine(model_dir, {"address": f"unix:{tmp_path}/none.sock"})
+    try:
+        request = engine.add("r", PROMPT, max_tokens=2)
+        t = time.monotonic()
+        out = engine.step()
+        assert time.monotonic() - t < 2.0
+        assert not out.kv_connector_metadata.loads
+        assert out.num_scheduled_tokens["r"] == len(PROMPT)
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        engine.run()
+        assert len(engine.outputs["r"]) == 2 and request.num_computed_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_async_load_mode_waits_outside_the_batch(model_dir, daemon):
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon, load_mode="async"))
+    try:
+        request = engine.add("r", PROMPT, max_tokens=2)
+        first = engine.step()
+        assert first.kv_connector_metadata.loads and "r" not in first.num_scheduled_tokens
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        for _ in range(50):
+            out = engine.step()
+            if "r" in out.num_scheduled_tokens:
+                break
+            time.sleep(0.01)
+        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        engine.run()
+        assert len(engine.outputs["r"]) == 2
+    finally:
+        engine.close()
+
+
+def test_blocks_not_saved_in_time_are_saved_when_the_request_finishes(model_dir, daemon):
+    """A daemon hiccup pauses saves while a prompt is computed; when the request finishes,
+    its computed blocks are saved then, and vLLM keeps them until the worker has copied
+    them (``request_finished`` returns True; ``finished_sending`` releases them)."""
+    assert daemon.proc is not None
+    engine = MiniEngine(model_dir, _options(daemon, retry_after_s=30.0))
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            engine.add("r", PROMPT, max_tokens=2)
+            out = engine.step()  # the lookup times out: the scheduler pauses kvtier
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert out.num_scheduled_tokens["r"] == len(PROMPT)
+        assert not out.kv_connector_metadata.saves  # paused: nothing planned
+        held = False
+        for _ in range(100):
+            out = engine.step()
+            finish = [s for s in out.kv_connector_metadata.saves if s.at_finish]
+            if finish:
+                assert len(finish[0].block_ids) == 3
+                assert "r" in engine.finished_sending  # copied in this step, then released
+                break
+            request = engine.scheduler.requests.get("r")
+            # Finished, yet vLLM keeps it (and its blocks) until the worker reports it.
+            held = held or (request is not None and request.is_finished())
+        assert held
+        engine.run()
+        assert "r" not in engine.scheduler.requests
+    finally:
+        engine.close()
+    with daemon.client() as client:
+        assert wait_until(lambda: client.stats().counters.get("put_blocks_stored", 0) >= 3)
+    # What was saved at the finish is the right KV: another engine loads and checks it.
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add("r", PROMPT, max_tokens=2)
+        out = reader.step()
+        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
+        assert reader.blocks_hold_their_prefix("r", len(PROMPT))
+    finally:
+        reader.close()
+
+
+def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):
+    """Two requests outgrow a small KV cache: vLLM preempts one, frees its blocks, and later
+    resumes it; whatever it then finds (its own freed blocks, its saved blocks in kvtier, or
+    nothing) must be its own KV."""
+    engine = MiniEngine(model_dir, _options(daemon), num_blocks=8)
+    # Both fit when admitted (5 of 7 usable blocks); growing to 6 + 4 blocks they do not.
+    a, b = prompts(11, 3 * BLOCK, [10])[0], prompts(12, BLOCK, [2])[0]
+    try:
+        engine.add("a", a, max_tokens=300)
+        engine.add("b", b, max_tokens=300)
+        preempted = resumed = False
+        for _ in range(1000):
+            if not engine.scheduler.has_requests():
+                break
+            out = engine.step()
+            preempted |= bool(out.preempted_req_ids)
+            back = "b" in out.scheduled_cached_reqs.resumed_req_ids or any(
+                n.req_id == "b" for n in out.scheduled_new_reqs
+            )
+            if preempted and back and not resumed:
+                resumed = True
+                request = engine.request("b")
+                assert engine.blocks_hold_their_prefix("b", request.num_computed_tokens)
+        assert preempted and resumed
+        # On resuming, part of its prefix came from kvtier (vLLM had reused the rest).
+        assert engine.connector.scheduler_side.stats["hit_blocks"] >= 1
+        assert len(engine.outputs["a"]) == 300 and len(engine.outputs["b"]) == 300
+        assert engine.invalid_reported == set()
+    finally:
+        engine.close()
+
+
+def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_factory, tmp_path):
+    """The daemon restarts under a running engine: its session, its pools and L1 are gone,
+    the blocks survive on L2. The next request reconnects, stages through a fresh pool (the
+    old one's name was dropped once mapped, so it cannot be registered again), and loads."""
+    daemon = daemon_factory("tiers.l2.enabled=true", f"tiers.l2.path={tmp_path / 'l2'}")
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon))
+    try:
+        engine.add("warm", prompts(8, BLOCK, [5])[0], max_tokens=1)
+        engine.run()
+        daemon.restart()
+        assert wait_until(lambda: not engine.worker.staging_registered())
+        engine.add("r", PROMPT, max_tokens=2)
+        out = engine.step()
+        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        assert engine.invalid_reported == set() and engine.worker.staging_generation == 2
+        engine.run()
+    finally:
+        engine.close()

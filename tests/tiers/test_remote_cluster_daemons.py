@@ -1,0 +1,102 @@
+"""Two daemons (two nodes) sharing a real 3-master Redis Cluster as L3: one serves the
+other's prefix, and a master killed mid-workload costs neither daemon a failed request.
+Run with ``make test-l3-cluster`` (the cluster suite)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier.bench.redis_proc import RedisClusterProcs
+from kvtier.client import KvtierError, PoolLayout, SharedMemoryPool, Tier
+
+pytestmark = pytest.mark.redis_cluster
+
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
+
+
+def node(daemon_factory, tmp_path, name: str, cluster: RedisClusterProcs, prefix: str):
+    return daemon_factory(
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / name / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=64MiB",
+        "tiers.l3.enabled=true",
+        "tiers.l3.mode=cluster",
+        f"tiers.l3.urls=[{', '.join(cluster.urls)}]",
+        f"tiers.l3.key_prefix='{prefix}'",
+        "tiers.l3.admission=always",
+        "tiers.l3.op_timeout_s=1.0",
+        "tiers.l3.connect_timeout_s=0.5",
+        "tiers.l3.backoff_initial_s=0.05",
+        "tiers.l3.backoff_max_s=0.3",
+    )
+
+
+def keys(n: int, tag: int) -> list[bytes]:
+    rng = np.random.default_rng(tag)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def test_two_daemons_share_a_cluster_and_survive_a_master_killed_mid_workload(
+    daemon_factory, tmp_path, redis_cluster, l3_prefix
+):
+    a = node(daemon_factory, tmp_path, "a", redis_cluster, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", redis_cluster, l3_prefix)
+    shared = keys(32, 1)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(2).integers(0, 256, len(data), dtype=np.uint8)
+        want = data.copy()
+        pool = ca.register_pool(shm, LAYOUT)
+        assert ca.put(pool.pool_id, shared, range(32)).prefix_len == 32
+        deadline = time.monotonic() + 30
+        while ca.stats().counter("copies", direction="L1->L3") < 32:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert cb.lookup(shared).tiers == [Tier.L3_REMOTE] * 32
+        pool = cb.register_pool(shm, LAYOUT)
+        assert cb.get(pool.pool_id, shared, range(32)).prefix_len == 32
+        assert np.array_equal(
+            shm.array()[: 32 * LAYOUT.block_bytes], want[: 32 * LAYOUT.block_bytes]
+        )
+
+    # Both nodes keep working on their own blocks while a master dies and comes back.
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def workload(daemon, tag: int) -> None:
+        try:
+            with daemon.client(timeout_s=10) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = client.register_pool(shm, LAYOUT)
+                round_ = 0
+                while not done.is_set():
+                    ks = keys(8, 1000 * tag + round_)
+                    assert client.put(pool.pool_id, ks, range(8)).prefix_len == 8
+                    assert client.lookup(ks).prefix_len == 8
+                    assert client.get(pool.pool_id, ks, range(8, 16)).prefix_len == 8
+                    client.lookup(keys(4, 99_000 + round_))  # misses probe L3: still answered
+                    round_ += 1
+        except (KvtierError, AssertionError) as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=workload, args=(d, t)) for t, d in ((1, a), (2, b))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    victim = redis_cluster.nodes[1]
+    victim.kill()
+    redis_cluster.wait_fail()
+    time.sleep(1.0)
+    victim.start()
+    redis_cluster.wait_ok()
+    time.sleep(0.5)
+    done.set()
+    for t in threads:
+        t.join(60)
+    assert errors == []
