@@ -420,6 +420,8 @@ class AsyncClient:
     async def _start_job(
         self, pool: AsyncRegisteredPool, plan: TransferPlan, timeout_s: float | None
     ) -> AsyncTransferJob:
+        for part in plan.parts:  # the client's namespace, as for its other calls
+            part.request.namespace = self.namespace
         await self.session()
         await self.pool_id_of(pool.binding)
         job = AsyncTransferJob(

@@ -539,6 +539,8 @@ class Client:
     def _start_job(
         self, pool: RegisteredPool, plan: TransferPlan, timeout_s: float | None
     ) -> TransferJob:
+        for part in plan.parts:  # the client's namespace, as for its other calls
+            part.request.namespace = self.namespace
         # Set up the session and the pool now, so that their errors reach the caller.
         self.session_id  # noqa: B018 - opens the session
         self.pool_id_of(pool.binding)
