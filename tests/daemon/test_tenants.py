@@ -201,3 +201,19 @@ def test_tenants_print_and_load_back(tmp_path):
     assert printed["tenants"][0]["quotas"]["l1"] == "1GiB"
     path.write_text(yaml.safe_dump(printed, sort_keys=False))
     assert load_config(path) == config
+
+
+def test_preflight_names_a_token_file_the_daemon_must_not_use(tmp_path):
+    from kvtier.daemon.preflight import _tokens
+
+    token = tmp_path / "t"
+    token.write_bytes(SECRET)
+    token.chmod(0o644)
+    config = load_config(
+        None, [f"tenants=[{{name: a, uids: [1]}}, {{name: b, token_file: {token}}}]"]
+    )
+    problems = _tokens(config)
+    assert [p.key for p in problems] == ["tenants[1].token_file"]
+    assert "chmod 600" in problems[0].message
+    token.chmod(0o600)
+    assert _tokens(config) == []
