@@ -6,8 +6,14 @@ when it cannot be reached, say which address they tried and how to change it.
 
 ``kvtier health`` is meant for probes; its exit status says what it found:
 0 serving with every tier ok, 1 serving with a tier degraded or down (0 with
-``--degraded-ok``), 2 the daemon answers but is not serving (starting or stopping),
-3 unreachable.
+``--degraded-ok``), 2 the daemon answers but is not serving (starting, stopping or
+draining), 3 unreachable.
+
+The admin commands need an admin session (root, the daemon's user, ``server.admin_uids``,
+or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every invariant holds,
+1 with the list of what is broken, 2 when it could not ask; ``kvtier drain`` stops the daemon
+taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain) and
+``kvtier drain --resume`` takes them again.
 """
 
 from __future__ import annotations
@@ -24,10 +30,17 @@ from kvtier.client import Client, DeadlineExceededError, KvtierError, Unavailabl
 from kvtier.client.types import address_hint, resolve_address
 
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
+# kvtier check: 0 every invariant holds, 1 some broken, 2 could not ask.
+CHECK_FAILED = 2
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.address, timeout_s=args.timeout, client_name="kvtier-cli")
+    return Client(
+        args.address,
+        timeout_s=args.timeout,
+        client_name="kvtier-cli",
+        token_file=args.token_file,
+    )
 
 
 def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
@@ -68,6 +81,7 @@ def _stats(args: argparse.Namespace) -> int:
                         }
                         for t in stats.tiers
                     ],
+                    "tenants": [dataclasses.asdict(x) for x in stats.tenants],
                     "derived": _finite(dataclasses.asdict(fig)),
                     "counters": stats.counters,
                     "gauges": stats.gauges,
@@ -103,6 +117,16 @@ def _stats(args: argparse.Namespace) -> int:
                 f"{human_seconds(row.mean_s):>10} {human_seconds(row.p50_s):>10} "
                 f"{human_seconds(row.p99_s):>10}"
             )
+    if stats.tenants:
+        print("tenants:")
+        for tenant in stats.tenants:
+            usage = "  ".join(
+                f"{u.tier.name.split('_')[0]} {human_bytes(u.used_bytes)}"
+                + (f"/{human_bytes(u.quota_bytes)}" if u.quota_bytes else "")
+                + f" ({u.blocks} blocks)"
+                for u in tenant.tiers
+            )
+            print(f"  {tenant.tenant:<16} {tenant.sessions:>4} sessions  {usage}")
     print("gauges:")
     for name, value in sorted(stats.gauges.items()):
         print(f"  {name} = {value:g}")
@@ -141,7 +165,7 @@ def _health(args: argparse.Namespace) -> int:
             print(_unreachable(args, e), file=sys.stderr)
             return UNREACHABLE
         if not serving:
-            print(f"not serving: kvtierd at {client.address} is starting or stopping")
+            print(f"not serving: kvtierd at {client.address} is starting, stopping or draining")
             return NOT_SERVING
         stats = client.stats()
     finally:
@@ -153,6 +177,55 @@ def _health(args: argparse.Namespace) -> int:
         return HEALTHY if args.degraded_ok else DEGRADED
     print(f"ok: kvtierd {stats.version} at {client.address} serving; {tiers}")
     return HEALTHY
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        with _client(args) as client:
+            result = client.check(settle_s=args.settle)
+            address = client.address
+    except (UnavailableError, DeadlineExceededError) as e:
+        print(_unreachable(args, e), file=sys.stderr)
+        return CHECK_FAILED
+    except KvtierError as e:
+        print(f"kvtier check: {type(e).__name__}: {e.details}", file=sys.stderr)
+        return CHECK_FAILED
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        what = (
+            f"{result.blocks} blocks, {result.sessions} sessions, {result.leases} leases, "
+            f"{result.pools} pools" + ("" if result.strict else "; transfers were in flight")
+        )
+        if result.ok:
+            print(f"ok: kvtierd at {address}: every invariant holds ({what})")
+        else:
+            print(f"broken: kvtierd at {address}: {len(result.problems)} problems ({what})")
+            for problem in result.problems:
+                print(f"  {problem}")
+    return 0 if result.ok else 1
+
+
+def _drain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        state = client.drain(resume=args.resume)
+        if args.resume:
+            print(f"resumed: kvtierd at {client.address} takes new sessions again")
+            return 0
+        print(
+            f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
+            f"{state.sessions} other sessions open"
+        )
+        deadline = time.monotonic() + args.wait
+        while state.sessions and time.monotonic() < deadline:
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            state = client.drain()
+        if args.wait > 0:
+            if state.sessions:
+                print(f"{state.sessions} sessions still open after {args.wait:g}s")
+                return 1
+            print("drained: no other session is open")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -181,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         "$XDG_RUNTIME_DIR/kvtier/kvtierd.sock for a user's daemon)",
     )
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="a tenant's token file, to act as that tenant (needed over TCP; an admin "
+        "tenant's for the admin commands when this user is not an admin)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
@@ -222,6 +301,41 @@ def main(argv: list[str] | None = None) -> int:
         help="exit 0 while serving even with a tier degraded (for liveness/readiness probes)",
     )
     h.set_defaults(func=_health)
+
+    c = sub.add_parser(
+        "check",
+        help="check a running daemon's invariants (admin)",
+        description="The daemon's invariant check: every slot owned by one block and "
+        "allocated, allocators consistent, policies and index agree with the copies, "
+        "per-tenant usage adds up, pins match live leases, every lease and pool has an open "
+        "session. Exit status: 0 all hold, 1 some broken (listed), 2 could not ask.",
+    )
+    c.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="wait up to S seconds for transfers in flight first (default 1)",
+    )
+    c.add_argument("--json", action="store_true", help="one JSON object")
+    c.set_defaults(func=_check)
+
+    d = sub.add_parser(
+        "drain",
+        help="stop a daemon taking new sessions, e.g. before maintenance (admin)",
+        description="The daemon refuses new sessions (but admins') and reports NOT_SERVING "
+        "to health checks; open sessions carry on. Exit status with --wait: 0 once no other "
+        "session is open, 1 if some still are after S seconds.",
+    )
+    d.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="wait up to S seconds for the open sessions to end",
+    )
+    d.add_argument("--resume", action="store_true", help="take new sessions again")
+    d.set_defaults(func=_drain)
 
     # No -h of its own: `kvtier bench NAME --help` is the benchmark's help.
     b = sub.add_parser(

@@ -36,7 +36,13 @@ from kvtier.client.jobs import (
 )
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.sync import _SESSION_METHODS, CHANNEL_OPTIONS, no_fd_transport
+from kvtier.client.sync import (
+    _SESSION_METHODS,
+    CHANNEL_OPTIONS,
+    NAMESPACE_METHODS,
+    no_fd_transport,
+    resolve_token,
+)
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -52,10 +58,18 @@ class AsyncClient:
         timeout_s: float = 30.0,
         client_name: str = "",
         max_batch_blocks: int = 1024,
+        namespace: str = "",
+        token: bytes | str | None = None,
+        token_file: str | None = None,
     ) -> None:
+        """See ``Client``."""
         self.address = t.resolve_address(address)
         self.timeout_s = timeout_s
         self.max_batch_blocks = max_batch_blocks
+        self.namespace = namespace
+        self._token = resolve_token(token, token_file)
+        self.tenant = ""  # the session's tenant, once it is open
+        self.admin = False
         self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
         self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTierStub(self._channel)
@@ -104,7 +118,9 @@ class AsyncClient:
         if (path := credentials.cred_socket_path(self.address)) is not None:
             ticket = await _off_loop(credentials.session_ticket, path, self.timeout_s)
         call = self._stub.OpenSession(
-            pb.OpenSessionRequest(client_name=self.client_name, credential_ticket=ticket)
+            pb.OpenSessionRequest(
+                client_name=self.client_name, credential_ticket=ticket, token=self._token
+            )
         )
         try:
             # The first event must come within the client's timeout (see the sync client).
@@ -119,6 +135,7 @@ class AsyncClient:
         if first is grpc.aio.EOF:
             raise UnavailableError("the daemon closed the session at once")
         self._session_id, self._session_call = first.session_id, call
+        self.tenant, self.admin = first.tenant, first.admin
         self._session_task = asyncio.create_task(self._watch_session(call, first.session_id))
 
     async def _watch_session(self, call: Any, session_id: str) -> None:
@@ -161,6 +178,8 @@ class AsyncClient:
         try:
             method, request = next(flow)
             while True:
+                if method in NAMESPACE_METHODS:
+                    request.namespace = self.namespace
                 try:
                     response = await self._invoke(
                         method, request, binding if method in ("Put", "Get") else None
@@ -221,6 +240,9 @@ class AsyncClient:
 
     # ---------------------------------------------------------------- blocks
 
+    def _ns(self, namespace: str | None) -> str:
+        return self.namespace if namespace is None else namespace
+
     async def lookup(
         self,
         keys: Sequence[bytes],
@@ -228,9 +250,12 @@ class AsyncClient:
         pin: bool = False,
         lease_ms: int = 0,
         timeout_s: float | None = None,
+        namespace: str | None = None,
     ) -> t.LookupResult:
         """``timeout_s`` bounds this call instead of the client's timeout."""
-        req = pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms)
+        req = pb.LookupRequest(
+            keys=list(keys), pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
+        )
         return t.lookup_result(await self._invoke("Lookup", req, timeout_s=timeout_s))
 
     async def put(
@@ -241,6 +266,7 @@ class AsyncClient:
         *,
         parent_key: bytes = b"",
         durable: bool = False,
+        namespace: str | None = None,
     ) -> t.PutResult:
         req = pb.PutRequest(
             pool_id=pool_id,
@@ -248,14 +274,25 @@ class AsyncClient:
             pages=t.pages_list(pages),
             parent_key=parent_key,
             durable=durable,
+            namespace=self._ns(namespace),
         )
         return t.put_result(await self._invoke("Put", req))
 
     async def get(
-        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, lease_id: int = 0
+        self,
+        pool_id: int,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        lease_id: int = 0,
+        namespace: str | None = None,
     ) -> t.GetResult:
         req = pb.GetRequest(
-            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), lease_id=lease_id
+            pool_id=pool_id,
+            keys=list(keys),
+            pages=t.pages_list(pages),
+            lease_id=lease_id,
+            namespace=self._ns(namespace),
         )
         return t.get_result(await self._invoke("Get", req))
 
@@ -263,16 +300,52 @@ class AsyncClient:
         await self._invoke("Release", pb.ReleaseRequest(lease_id=lease_id))
 
     async def prefetch(
-        self, keys: Sequence[bytes], *, deadline_ms: int = 0, priority: int = 0
+        self,
+        keys: Sequence[bytes],
+        *,
+        deadline_ms: int = 0,
+        priority: int = 0,
+        namespace: str | None = None,
     ) -> t.PrefetchResult:
-        req = pb.PrefetchRequest(keys=list(keys), deadline_ms=deadline_ms, priority=priority)
+        req = pb.PrefetchRequest(
+            keys=list(keys),
+            deadline_ms=deadline_ms,
+            priority=priority,
+            namespace=self._ns(namespace),
+        )
         return t.prefetch_result(await self._invoke("Prefetch", req))
 
-    async def delete(self, keys: Sequence[bytes]) -> t.DeleteResult:
-        return t.delete_result(await self._invoke("Delete", pb.DeleteRequest(keys=list(keys))))
+    async def delete(
+        self, keys: Sequence[bytes], *, namespace: str | None = None, tenant: str = ""
+    ) -> t.DeleteResult:
+        req = pb.DeleteRequest(keys=list(keys), namespace=self._ns(namespace), tenant=tenant)
+        return t.delete_result(await self._invoke("Delete", req))
+
+    async def evict(
+        self,
+        keys: Sequence[bytes],
+        tier: t.Tier | int | str,
+        *,
+        namespace: str | None = None,
+        tenant: str = "",
+    ) -> t.EvictResult:
+        """See ``Client.evict``."""
+        req = pb.EvictRequest(
+            keys=list(keys), tier=t.tier_value(tier), namespace=self._ns(namespace), tenant=tenant
+        )
+        return t.evict_result(await self._invoke("Evict", req))
 
     async def stats(self) -> t.Stats:
         return t.stats_result(await self._invoke("Stats", pb.StatsRequest()))
+
+    async def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
+        """See ``Client.check``."""
+        req = pb.CheckRequest(settle_ms=int(settle_s * 1000))
+        return t.check_result(await self._invoke("Check", req))
+
+    async def drain(self, *, resume: bool = False) -> t.DrainResult:
+        """See ``Client.drain``."""
+        return t.drain_result(await self._invoke("Drain", pb.DrainRequest(resume=resume)))
 
     async def health(self, service: str = "") -> bool:
         try:
@@ -357,6 +430,8 @@ class AsyncClient:
     async def _start_job(
         self, pool: AsyncRegisteredPool, plan: TransferPlan, timeout_s: float | None
     ) -> AsyncTransferJob:
+        for part in plan.parts:  # the client's namespace, as for its other calls
+            part.request.namespace = self.namespace
         await self.session()
         await self.pool_id_of(pool.binding)
         job = AsyncTransferJob(

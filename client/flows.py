@@ -148,6 +148,10 @@ def load_flow(
         chunk = list(keys[start : min(n, start + max_batch)])
         found = yield "Lookup", pb.LookupRequest(keys=chunk, pin=True, lease_ms=lease_ms)
         if found.prefix_len == 0:
+            # Blocks found past a missing first one are pinned too: let them go.
+            if found.lease_id:
+                with contextlib.suppress(NotFoundError):
+                    yield "Release", pb.ReleaseRequest(lease_id=found.lease_id)
             break
         try:
             got = yield (

@@ -7,7 +7,10 @@ re-registers the pools it used before, once.
 
 On a Unix socket the client first asks the daemon's credential socket for a ticket that binds
 the session to this process's uid (see ``kvtier.client.credentials``); a memfd pool's
-descriptor goes over the same socket when it is registered.
+descriptor goes over the same socket when it is registered. The daemon binds the session to a
+tenant by that uid (or by a tenant ``token``, required over TCP); every block call addresses a
+namespace inside that tenant, ``namespace`` ("" by default), so tenants never see each other's
+blocks whatever keys they use.
 
 Thread-safety: a Client may be shared by threads.
 """
@@ -71,9 +74,26 @@ _SESSION_METHODS = frozenset(
         "Release",
         "Prefetch",
         "Delete",
+        "Evict",
         "Stats",
+        "Check",
+        "Drain",
     }
 )
+# Requests that carry a namespace; the driver fills in the client's for the flows' requests.
+NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Evict"})
+
+
+def resolve_token(token: bytes | str | None, token_file: str | None) -> bytes:
+    """A tenant token given as such, or read from a file (surrounding whitespace dropped)."""
+    if token is not None and token_file is not None:
+        raise ValueError("give token or token_file, not both")
+    if token_file is not None:
+        with open(token_file, "rb") as f:
+            return f.read(4096).strip()
+    if isinstance(token, str):
+        return token.encode()
+    return token or b""
 
 
 def no_fd_transport(address: str) -> FailedPreconditionError:
@@ -91,10 +111,21 @@ class Client:
         timeout_s: float = 30.0,
         client_name: str = "",
         max_batch_blocks: int = 1024,
+        namespace: str = "",
+        token: bytes | str | None = None,
+        token_file: str | None = None,
     ) -> None:
+        """``namespace``: the namespace (inside this client's tenant) of every call that does
+        not name its own; "shared:NAME[/SUB]" for a namespace the daemon's config shares.
+        ``token`` (or ``token_file``): a tenant's secret, to be that tenant (over TCP the
+        only way to open a session)."""
         self.address = t.resolve_address(address)
         self.timeout_s = timeout_s
         self.max_batch_blocks = max_batch_blocks
+        self.namespace = namespace
+        self._token = resolve_token(token, token_file)
+        self._tenant = ""
+        self._admin = False
         self.client_name = client_name or f"pid {os.getpid()}"
         self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVTierStub(self._channel)
@@ -134,12 +165,26 @@ class Client:
                 self._open_session()
             return self._session_id
 
+    @property
+    def tenant(self) -> str:
+        """The tenant the daemon bound this client's session to (opens it if needed)."""
+        _ = self.session_id
+        return self._tenant
+
+    @property
+    def admin(self) -> bool:
+        """Whether this client's session may use the admin calls (check, drain, ...)."""
+        _ = self.session_id
+        return self._admin
+
     def _open_session(self) -> None:
         ticket = b""
         if (path := credentials.cred_socket_path(self.address)) is not None:
             ticket = credentials.session_ticket(path, self.timeout_s)
         call = self._stub.OpenSession(
-            pb.OpenSessionRequest(client_name=self.client_name, credential_ticket=ticket)
+            pb.OpenSessionRequest(
+                client_name=self.client_name, credential_ticket=ticket, token=self._token
+            )
         )
         # The stream has no deadline (it lives as long as the session), but its first event
         # must come within the client's timeout: a daemon that is hung must not hang us.
@@ -159,6 +204,7 @@ class Client:
         finally:
             timer.cancel()
         self._session_id, self._session_call = first.session_id, call
+        self._tenant, self._admin = first.tenant, first.admin
         threading.Thread(
             target=self._watch_session,
             args=(call, first.session_id),
@@ -207,6 +253,8 @@ class Client:
         try:
             method, request = next(flow)
             while True:
+                if method in NAMESPACE_METHODS:
+                    request.namespace = self.namespace
                 try:
                     response = self._invoke(
                         method, request, binding if method in ("Put", "Get") else None
@@ -290,6 +338,9 @@ class Client:
 
     # ---------------------------------------------------------------- blocks
 
+    def _ns(self, namespace: str | None) -> str:
+        return self.namespace if namespace is None else namespace
+
     def lookup(
         self,
         keys: Sequence[bytes],
@@ -297,10 +348,13 @@ class Client:
         pin: bool = False,
         lease_ms: int = 0,
         timeout_s: float | None = None,
+        namespace: str | None = None,
     ) -> t.LookupResult:
         """``timeout_s`` bounds this call instead of the client's timeout (opening a session
         first, if one is needed, still takes up to the client's)."""
-        req = pb.LookupRequest(keys=list(keys), pin=pin, lease_ms=lease_ms)
+        req = pb.LookupRequest(
+            keys=list(keys), pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
+        )
         return t.lookup_result(self._invoke("Lookup", req, timeout_s=timeout_s))
 
     def put(
@@ -311,6 +365,7 @@ class Client:
         *,
         parent_key: bytes = b"",
         durable: bool = False,
+        namespace: str | None = None,
     ) -> t.PutResult:
         req = pb.PutRequest(
             pool_id=pool_id,
@@ -318,14 +373,25 @@ class Client:
             pages=t.pages_list(pages),
             parent_key=parent_key,
             durable=durable,
+            namespace=self._ns(namespace),
         )
         return t.put_result(self._invoke("Put", req))
 
     def get(
-        self, pool_id: int, keys: Sequence[bytes], pages: Sequence[int], *, lease_id: int = 0
+        self,
+        pool_id: int,
+        keys: Sequence[bytes],
+        pages: Sequence[int],
+        *,
+        lease_id: int = 0,
+        namespace: str | None = None,
     ) -> t.GetResult:
         req = pb.GetRequest(
-            pool_id=pool_id, keys=list(keys), pages=t.pages_list(pages), lease_id=lease_id
+            pool_id=pool_id,
+            keys=list(keys),
+            pages=t.pages_list(pages),
+            lease_id=lease_id,
+            namespace=self._ns(namespace),
         )
         return t.get_result(self._invoke("Get", req))
 
@@ -333,16 +399,57 @@ class Client:
         self._invoke("Release", pb.ReleaseRequest(lease_id=lease_id))
 
     def prefetch(
-        self, keys: Sequence[bytes], *, deadline_ms: int = 0, priority: int = 0
+        self,
+        keys: Sequence[bytes],
+        *,
+        deadline_ms: int = 0,
+        priority: int = 0,
+        namespace: str | None = None,
     ) -> t.PrefetchResult:
-        req = pb.PrefetchRequest(keys=list(keys), deadline_ms=deadline_ms, priority=priority)
+        req = pb.PrefetchRequest(
+            keys=list(keys),
+            deadline_ms=deadline_ms,
+            priority=priority,
+            namespace=self._ns(namespace),
+        )
         return t.prefetch_result(self._invoke("Prefetch", req))
 
-    def delete(self, keys: Sequence[bytes]) -> t.DeleteResult:
-        return t.delete_result(self._invoke("Delete", pb.DeleteRequest(keys=list(keys))))
+    def delete(
+        self, keys: Sequence[bytes], *, namespace: str | None = None, tenant: str = ""
+    ) -> t.DeleteResult:
+        """Remove blocks; ``tenant`` (admins only): in that tenant's namespace."""
+        req = pb.DeleteRequest(keys=list(keys), namespace=self._ns(namespace), tenant=tenant)
+        return t.delete_result(self._invoke("Delete", req))
+
+    def evict(
+        self,
+        keys: Sequence[bytes],
+        tier: t.Tier | int | str,
+        *,
+        namespace: str | None = None,
+        tenant: str = "",
+    ) -> t.EvictResult:
+        """Take blocks out of ``tier`` (``"L1"``, ``Tier.L1_HOST``): a block only there moves
+        down to the next tier that takes it, else leaves the store. ``tenant`` (admins
+        only): in that tenant's namespace."""
+        req = pb.EvictRequest(
+            keys=list(keys), tier=t.tier_value(tier), namespace=self._ns(namespace), tenant=tenant
+        )
+        return t.evict_result(self._invoke("Evict", req))
 
     def stats(self) -> t.Stats:
         return t.stats_result(self._invoke("Stats", pb.StatsRequest()))
+
+    def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
+        """The daemon's invariant check (admins only), after waiting up to ``settle_s`` for
+        transfers in flight."""
+        req = pb.CheckRequest(settle_ms=int(settle_s * 1000))
+        return t.check_result(self._invoke("Check", req))
+
+    def drain(self, *, resume: bool = False) -> t.DrainResult:
+        """Make the daemon refuse new sessions but admins' (or take them again, ``resume``);
+        admins only."""
+        return t.drain_result(self._invoke("Drain", pb.DrainRequest(resume=resume)))
 
     def health(self, service: str = "") -> bool:
         """Whether the daemon reports SERVING."""
@@ -441,6 +548,8 @@ class Client:
     def _start_job(
         self, pool: RegisteredPool, plan: TransferPlan, timeout_s: float | None
     ) -> TransferJob:
+        for part in plan.parts:  # the client's namespace, as for its other calls
+            part.request.namespace = self.namespace
         # Set up the session and the pool now, so that their errors reach the caller.
         self.session_id  # noqa: B018 - opens the session
         self.pool_id_of(pool.binding)

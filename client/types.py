@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier import paths
 from kvtier.kernels.layout import PoolLayout
@@ -76,6 +76,48 @@ class DeleteResult:
 
 
 @dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: int  # no longer in the tier (moved down, or gone)
+    missing: int  # no block of the key in the tier
+    busy: int  # pinned, in flight or just used, so kept
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    problems: list[str]  # empty when every invariant holds
+    strict: bool  # nothing was in flight, so slot accounting was checked exactly
+    blocks: int
+    sessions: int
+    leases: int
+    pools: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    draining: bool
+    sessions: int  # open sessions besides the caller's
+
+
+@dataclass(frozen=True, slots=True)
+class TenantTierStats:
+    tier: Tier
+    used_bytes: int
+    quota_bytes: int  # 0: no quota
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    tenant: str  # a tenant, or "shared:NAME"
+    sessions: int
+    tiers: list[TenantTierStats]
+
+
+@dataclass(frozen=True, slots=True)
 class TierStats:
     tier: Tier
     capacity_bytes: int
@@ -91,6 +133,8 @@ class Stats:
     gauges: dict[str, float]
     uptime_s: float
     version: str
+    # The caller's tenant and the shared namespaces it uses (every tenant for an admin).
+    tenants: list[TenantStats] = field(default_factory=list)
 
     def counter(self, name: str, **labels: object) -> int:
         """A counter's value: the sum over the label values not given, e.g.
@@ -163,6 +207,16 @@ def pages_list(pages: Sequence[int]) -> list[int]:
     return [int(p) for p in pages]
 
 
+def tier_value(tier: Tier | int | str) -> int:
+    """A tier given as ``Tier``, its wire number or its label (``"L1"``)."""
+    if isinstance(tier, str):
+        for t in Tier:
+            if t.name.startswith(tier.upper() + "_"):
+                return int(t)
+        raise ValueError(f"unknown tier {tier!r}; one of L0, L1, L2, L3")
+    return int(tier)
+
+
 # --------------------------------------------------------------------- responses
 
 
@@ -192,6 +246,20 @@ def delete_result(resp: pb.DeleteResponse) -> DeleteResult:
     return DeleteResult(resp.deleted, resp.missing, resp.busy)
 
 
+def evict_result(resp: pb.EvictResponse) -> EvictResult:
+    return EvictResult(resp.evicted, resp.missing, resp.busy)
+
+
+def check_result(resp: pb.CheckResponse) -> CheckResult:
+    return CheckResult(
+        list(resp.problems), resp.strict, resp.blocks, resp.sessions, resp.leases, resp.pools
+    )
+
+
+def drain_result(resp: pb.DrainResponse) -> DrainResult:
+    return DrainResult(resp.draining, resp.sessions)
+
+
 def stats_result(resp: pb.StatsResponse) -> Stats:
     return Stats(
         tiers=[
@@ -202,4 +270,15 @@ def stats_result(resp: pb.StatsResponse) -> Stats:
         gauges=dict(resp.gauges),
         uptime_s=resp.uptime_s,
         version=resp.version,
+        tenants=[
+            TenantStats(
+                t.tenant,
+                t.sessions,
+                [
+                    TenantTierStats(Tier(u.tier), u.used_bytes, u.quota_bytes, u.blocks)
+                    for u in t.tiers
+                ],
+            )
+            for t in resp.tenants
+        ],
     )

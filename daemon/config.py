@@ -63,8 +63,11 @@ def _opt(
     hi: float | None = None,
     choices: tuple[str, ...] | None = None,
     doc: str = "",
+    record: Any = None,
 ) -> dict[str, Any]:
-    return {"kind": kind, "lo": lo, "hi": hi, "choices": choices, "doc": doc}
+    """A key's metadata. ``record``: for kind ``records`` (a list of mappings), the dataclass
+    each mapping is built into, as strictly as a section."""
+    return {"kind": kind, "lo": lo, "hi": hi, "choices": choices, "doc": doc, "record": record}
 
 
 AUTO_SOCKET = "auto"
@@ -110,7 +113,25 @@ class ServerConfig:
             "int",
             lo=1,
             hi=1 << 20,
-            doc="open sessions per tenant (for now one tenant per peer uid)",
+            doc="open sessions per tenant (without tenants configured: per peer uid)",
+        ),
+    )
+    max_namespaces_per_tenant: int = field(
+        default=1024,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 20,
+            doc="namespaces one tenant may store blocks in (each is recorded durably)",
+        ),
+    )
+    admin_uids: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "idents",
+            doc="users (names or uids) whose sessions may use the admin calls (check, "
+            "drain, delete and evict in any tenant), besides root, the daemon's own user "
+            "and the members of admin tenants",
         ),
     )
     lease_default_ms: int = field(default=30_000, metadata=_opt("int", lo=1))
@@ -149,6 +170,10 @@ class ServerConfig:
             raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
         self.socket_gid()
         self.shm_share_pairs()
+        self.admin_uid_set()
+
+    def admin_uid_set(self) -> frozenset[int]:
+        return _resolve_ids("server.admin_uids", self.admin_uids, user=True)
 
     def socket_mode_bits(self) -> int:
         return int(self.socket_mode, 8)
@@ -196,6 +221,20 @@ def _resolve_id(name: str, lookup: Any, number: Any) -> int:
         return int(number(lookup(name)))
     except KeyError:
         raise KeyError(name) from None
+
+
+def _resolve_ids(key: str, names: tuple[str, ...], *, user: bool) -> frozenset[int]:
+    """uids (``user``) or gids from names or numbers; an unknown name is a ConfigError."""
+    lookup: Any = pwd.getpwnam if user else grp.getgrnam
+    number: Any = (lambda u: u.pw_uid) if user else (lambda g: g.gr_gid)
+    out = set()
+    for name in names:
+        try:
+            out.add(_resolve_id(name, lookup, number))
+        except KeyError:
+            what = "user" if user else "group"
+            raise ConfigError(f"config key '{key}': no {what} {name!r} on this host") from None
+    return frozenset(out)
 
 
 def _tier_policy() -> Any:
@@ -548,6 +587,157 @@ class MetricsConfig:
                 raise ConfigError(f"config key 'metrics.address': {e}") from None
 
 
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# The tenant of an admin peer (root, the daemon's user, server.admin_uids) that belongs to no
+# configured tenant; no configured tenant may take the name.
+ADMIN_TENANT = "admin"
+# The one tenant of a daemon without tenants configured: every local peer belongs to it.
+DEFAULT_TENANT = "default"
+
+
+def _quota(label: str) -> Any:
+    return field(
+        default=0,
+        metadata=_opt("size", lo=0, doc=f"bytes the tenant may hold on {label}; 0: no quota"),
+    )
+
+
+@dataclass(frozen=True)
+class QuotaConfig:
+    """Bytes per tier (slot tiers only: L3 keeps its own index and expires by TTL)."""
+
+    l0: int = _quota("the GPU tier")
+    l1: int = _quota("the host tier")
+    l2: int = _quota("the disk tier")
+
+    def check(self) -> None:
+        pass
+
+    def by_label(self) -> dict[str, int]:
+        """``{"L1": bytes, ...}`` for the tiers with a quota."""
+        return {
+            f.name.upper(): getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name)
+        }
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """Who belongs to a tenant: processes of its uids, of its gids (the primary group the
+    kernel reports), or holding its token."""
+
+    name: str = field(default="", metadata=_opt("str", doc="letters, digits, '.', '_', '-'"))
+    uids: tuple[str, ...] = field(
+        default=(), metadata=_opt("idents", doc="users (names or uids) of the tenant")
+    )
+    gids: tuple[str, ...] = field(
+        default=(), metadata=_opt("idents", doc="groups (names or gids) of the tenant")
+    )
+    token_file: str = field(
+        default="",
+        metadata=_opt(
+            "str",
+            doc="file holding the tenant's secret token (readable by its owner only); a "
+            "session that presents it belongs to the tenant (required over TCP)",
+        ),
+    )
+    admin: bool = field(
+        default=False, metadata=_opt("bool", doc="the tenant's sessions may use admin calls")
+    )
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
+
+    def check(self) -> None:
+        pass
+
+    def uid_set(self, where: str) -> frozenset[int]:
+        return _resolve_ids(f"{where}.uids", self.uids, user=True)
+
+    def gid_set(self, where: str) -> frozenset[int]:
+        return _resolve_ids(f"{where}.gids", self.gids, user=False)
+
+
+@dataclass(frozen=True)
+class SharedNamespaceConfig:
+    """A namespace that several tenants use together ("shared:NAME" in requests)."""
+
+    name: str = field(default="", metadata=_opt("str", doc="letters, digits, '.', '_', '-'"))
+    tenants: tuple[str, ...] = field(
+        default=(), metadata=_opt("strs", doc="the tenants that may use it")
+    )
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
+
+    def check(self) -> None:
+        pass
+
+
+def _check_access(config: Config) -> None:
+    """Tenants and shared namespaces, across records: names, overlaps, references."""
+    names: set[str] = set()
+    owner_of_uid: dict[int, str] = {}
+    owner_of_gid: dict[int, str] = {}
+    for i, tenant in enumerate(config.tenants):
+        where = f"tenants[{i}]"
+        if not TENANT_NAME.match(tenant.name):
+            raise ConfigError(
+                f"config key '{where}.name': {tenant.name!r} is not 1-64 letters, digits, "
+                "'.', '_' or '-' (starting with a letter or digit)"
+            )
+        if tenant.name == ADMIN_TENANT:
+            raise ConfigError(
+                f"config key '{where}.name': {ADMIN_TENANT!r} is reserved for admin peers "
+                "that belong to no tenant"
+            )
+        if tenant.name in names:
+            raise ConfigError(f"config key '{where}.name': tenant {tenant.name!r} appears twice")
+        names.add(tenant.name)
+        if not (tenant.uids or tenant.gids or tenant.token_file):
+            raise ConfigError(
+                f"config key '{where}': tenant {tenant.name!r} names no uids, gids or "
+                "token_file, so no session could ever belong to it"
+            )
+        for kind, ids, seen in (
+            ("uid", tenant.uid_set(where), owner_of_uid),
+            ("gid", tenant.gid_set(where), owner_of_gid),
+        ):
+            for n in sorted(ids):
+                if n in seen:
+                    raise ConfigError(
+                        f"config key '{where}.{kind}s': {kind} {n} is already tenant "
+                        f"{seen[n]!r}'s; a peer belongs to one tenant"
+                    )
+                seen[n] = tenant.name
+    quotas: list[tuple[str, QuotaConfig]] = [
+        *((f"tenants[{i}]", t.quotas) for i, t in enumerate(config.tenants)),
+        *((f"shared_namespaces[{i}]", s.quotas) for i, s in enumerate(config.shared_namespaces)),
+    ]
+    for where, quota in quotas:
+        for tier in ("l0", "l2"):
+            if getattr(quota, tier) and not getattr(config.tiers, tier).enabled:
+                raise ConfigError(
+                    f"config key '{where}.quotas.{tier}': tiers.{tier} is not enabled"
+                )
+    shared: set[str] = set()
+    for i, space in enumerate(config.shared_namespaces):
+        where = f"shared_namespaces[{i}]"
+        if not TENANT_NAME.match(space.name):
+            raise ConfigError(
+                f"config key '{where}.name': {space.name!r} is not 1-64 letters, digits, "
+                "'.', '_' or '-' (starting with a letter or digit)"
+            )
+        if space.name in shared:
+            raise ConfigError(f"config key '{where}.name': {space.name!r} appears twice")
+        shared.add(space.name)
+        for t in space.tenants:
+            if t not in names:
+                raise ConfigError(f"config key '{where}.tenants': no tenant {t!r} is configured")
+    if config.server.tcp_address and not any(t.token_file for t in config.tenants):
+        raise ConfigError(
+            "config key 'server.tcp_address': TCP peers have no credentials, so sessions over "
+            "TCP need a tenant token; configure a tenant with a token_file"
+        )
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -556,6 +746,23 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    tenants: tuple[TenantConfig, ...] = field(
+        default=(),
+        metadata=_opt(
+            "records",
+            record=TenantConfig,
+            doc="who may use the daemon, as which tenant; empty: every local peer is the "
+            "tenant 'default'",
+        ),
+    )
+    shared_namespaces: tuple[SharedNamespaceConfig, ...] = field(
+        default=(),
+        metadata=_opt(
+            "records",
+            record=SharedNamespaceConfig,
+            doc="namespaces that several tenants use together",
+        ),
+    )
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -572,6 +779,10 @@ def _printable(section: Any) -> dict[str, Any]:
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):
             out[f.name] = _printable(value)
+        elif f.metadata and f.metadata["kind"] == "records":
+            out[f.name] = [_printable(record) for record in value]
+        elif f.metadata and f.metadata["kind"] in ("strs", "idents"):
+            out[f.name] = list(value)
         elif f.metadata and f.metadata["kind"] == "size":
             out[f.name] = format_size(value)
         else:
@@ -641,10 +852,13 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         raw = loaded or {}
+    lists = {f.name for f in dataclasses.fields(Config) if not _is_section(f)}
     for item in overrides:
         key, sep, value = item.partition("=")
         path_parts = key.strip().split(".")
-        if not sep or len(path_parts) < 2 or not all(path_parts):
+        if sep and len(path_parts) == 1 and path_parts[0] in lists:
+            pass  # a top-level list (tenants=[...]), as YAML
+        elif not sep or len(path_parts) < 2 or not all(path_parts):
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         node = raw
         for depth, part in enumerate(path_parts[:-1]):
@@ -680,7 +894,9 @@ def build_config(raw: dict[str, Any]) -> Config:
             config, server=dataclasses.replace(config.server, socket=paths.daemon_socket())
         )
     for f in dataclasses.fields(Config):
-        getattr(config, f.name).check()
+        if _is_section(f):
+            getattr(config, f.name).check()
+    _check_access(config)
     return config
 
 
@@ -743,6 +959,25 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise ValueError(f"expected a string or a list of strings, got {value!r}")
             out = tuple(items)
+        elif kind == "idents":
+            # Users or groups by name or number; one is a list of one.
+            items = [value] if isinstance(value, (str, int)) else value
+            if not isinstance(items, list) or not all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in items
+            ):
+                raise ValueError(f"expected a list of names or numbers, got {value!r}")
+            if any(isinstance(v, int) and v < 0 for v in items):
+                raise ValueError(f"ids are not negative, got {value!r}")
+            out = tuple(str(v) for v in items)
+        elif kind == "records":
+            if value is None:
+                value = []
+            if not isinstance(value, list):
+                raise ValueError(f"expected a list of mappings, got {value!r}")
+            out = tuple(
+                _build_section(f"{where}[{i}]", meta["record"], item)
+                for i, item in enumerate(value)
+            )
         elif kind == "mode":
             # YAML reads 0660 as the octal number 432; a string "0660" stays a string.
             if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -778,6 +1013,8 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             out = _canonical_choice(value, meta["choices"])
         else:
             raise AssertionError(f"unknown option kind {kind}")
+    except ConfigError:
+        raise  # from a record inside a list: it names its own key
     except ValueError as e:
         raise ConfigError(f"config key '{where}': {e}") from None
     if meta["choices"] is not None and out not in meta["choices"]:

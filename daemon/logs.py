@@ -36,9 +36,14 @@ def request_context(rid: str, session: str = "", pool: int = 0) -> Iterator[None
     try:
         yield
     finally:
-        pool_id.reset(tokens[2])
-        session_id.reset(tokens[1])
-        request_id.reset(tokens[0])
+        try:
+            pool_id.reset(tokens[2])
+            session_id.reset(tokens[1])
+            request_id.reset(tokens[0])
+        except ValueError:
+            # A streaming handler's generator closed by asyncio's finalizer runs in another
+            # context, where these values were never set: nothing to undo there.
+            pass
 
 
 class RequestContextFilter(logging.Filter):

@@ -38,6 +38,7 @@ from kvtier import __version__
 from kvtier.daemon.config import split_host_port
 from kvtier.daemon.latency import HistogramSample
 from kvtier.daemon.policy.prefetch import PrefetchStats
+from kvtier.daemon.service import TenantUsage
 from kvtier.daemon.stats import Sample
 from kvtier.daemon.store import BlockStore, TierUsage
 from kvtier.tiers.base import Health
@@ -162,6 +163,27 @@ COUNTERS: dict[str, MetricDef] = {
         "kvtier_leases_expired_total", (), "Leases (pins) that ran out before their release."
     ),
     "deleted_blocks": _c("kvtier_deleted_blocks_total", (), "Blocks removed by Delete."),
+    "evicted_blocks": _c(
+        "kvtier_evicted_blocks_total",
+        ("tier",),
+        "Blocks taken out of a tier by Evict requests (moved down, or gone).",
+    ),
+    "quota_evictions": _c(
+        "kvtier_quota_evictions_total",
+        ("tier", "tenant"),
+        "Blocks a tenant at its quota evicted (or demoted) of its own to make room.",
+    ),
+    "quota_rejections": _c(
+        "kvtier_quota_rejections_total",
+        ("tier", "tenant"),
+        "Writes into a tier refused because the tenant was at its quota and had nothing of "
+        "its own to evict.",
+    ),
+    "sessions_refused": _c(
+        "kvtier_sessions_refused_total",
+        ("reason",),
+        "Sessions refused: tenant (no tenant for the peer, a bad token), draining.",
+    ),
     "background_errors": _c(
         "kvtier_background_errors_total",
         (),
@@ -245,6 +267,19 @@ FIXED: tuple[MetricDef, ...] = (
         "Prefetches of a block already being prefetched (nothing new started).",
     ),
     _g("kvtier_sessions", (), "Open client sessions."),
+    _g("kvtier_tenant_sessions", ("tenant",), "Open client sessions per tenant."),
+    _g(
+        "kvtier_tenant_used_bytes",
+        ("tenant", "tier"),
+        "Bytes a tenant (or shared:NAME namespace) holds in a tier.",
+    ),
+    _g("kvtier_tenant_blocks", ("tenant", "tier"), "Blocks a tenant holds in a tier."),
+    _g(
+        "kvtier_tenant_quota_bytes",
+        ("tenant", "tier"),
+        "A tenant's quota on a tier (tiers with a quota only).",
+    ),
+    _g("kvtier_draining", (), "1 while the daemon takes no new sessions (kvtier drain)."),
     _g("kvtier_pools", (), "Registered engine pools."),
     _g("kvtier_leases", (), "Live leases (pinning Lookups not yet released or expired)."),
     _g("kvtier_index_blocks", (), "Blocks in the block table."),
@@ -282,6 +317,8 @@ class Snapshot:
     index_blocks: int
     index_bytes: int
     unevictable: list[tuple[str, str, int]] = field(default_factory=list)
+    tenants: list[TenantUsage] = field(default_factory=list)
+    draining: bool = False
 
 
 def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
@@ -302,6 +339,8 @@ def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
         index_blocks=index.blocks,
         index_bytes=index.nbytes,
         unevictable=unevictable(store, time.monotonic() if now is None else now),
+        tenants=daemon.service.tenant_usage(),
+        draining=daemon.service.draining,
     )
 
 
@@ -366,6 +405,14 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     put("kvtier_prefetch_outstanding", [], pf.outstanding)
     put("kvtier_prefetch_duplicates_total", [], pf.duplicates)
     put("kvtier_sessions", [], snap.sessions)
+    put("kvtier_draining", [], float(snap.draining))
+    for t in snap.tenants:
+        put("kvtier_tenant_sessions", [t.tenant], t.sessions)
+        for u in t.tiers:
+            put("kvtier_tenant_used_bytes", [t.tenant, u.kind.label], u.used_bytes)
+            put("kvtier_tenant_blocks", [t.tenant, u.kind.label], u.blocks)
+            if u.quota_bytes:
+                put("kvtier_tenant_quota_bytes", [t.tenant, u.kind.label], u.quota_bytes)
     put("kvtier_pools", [], snap.pools)
     put("kvtier_leases", [], snap.leases)
     put("kvtier_index_blocks", [], snap.index_blocks)

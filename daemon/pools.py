@@ -170,6 +170,13 @@ class PoolRegistry:
     def session_pools(self, session_id: str) -> int:
         return self._per_session[session_id]
 
+    def all(self) -> list[Pool]:
+        return list(self._pools.values())
+
+    def per_session_counts(self) -> dict[str, int]:
+        """The pool counts the per-session limit keeps, for the invariant check."""
+        return dict(self._per_session)
+
     def register_shm(
         self, session_id: str, peer: PeerCred, name: str, size_bytes: int, layout: PoolLayout
     ) -> Pool:

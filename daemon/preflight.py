@@ -69,6 +69,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_socket(config),
         *_shm(config),
         *_metrics(config),
+        *_tokens(config),
     ]
 
 
@@ -302,6 +303,20 @@ def _metrics(config: Config) -> list[Problem]:
     finally:
         probe.close()
     return []
+
+
+def _tokens(config: Config) -> list[Problem]:
+    """Every tenant's token file can be read, is private to its owner and holds a token."""
+    from kvtier.daemon.tenants import read_token_file
+
+    out = []
+    for i, tenant in enumerate(config.tenants):
+        if tenant.token_file:
+            try:
+                read_token_file(tenant.token_file)
+            except OSError as e:
+                out.append(Problem(f"tenants[{i}].token_file", str(e)))
+    return out
 
 
 def _gib(nbytes: int) -> str:

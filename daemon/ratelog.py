@@ -42,7 +42,18 @@ class RateLimitedLog:
         """An ERROR with the traceback of the exception being handled."""
         return self._emit(logging.ERROR, kind, msg, args, True)
 
-    def _emit(self, level: int, kind: str, msg: str, args: tuple[object, ...], exc: bool) -> bool:
+    def error(self, kind: str, msg: str, *args: object, exc_info: BaseException) -> bool:
+        """An ERROR with the traceback of ``exc_info`` (raised elsewhere, e.g. in a task)."""
+        return self._emit(logging.ERROR, kind, msg, args, exc_info)
+
+    def _emit(
+        self,
+        level: int,
+        kind: str,
+        msg: str,
+        args: tuple[object, ...],
+        exc: bool | BaseException,
+    ) -> bool:
         now = self._clock()
         last = self._last.get(kind)
         if last is not None and now - last < self.interval_s:

@@ -10,7 +10,12 @@ Invariants:
   one WARNING line per method every ``server.bad_request_log_interval_s`` (no traceback);
   domain errors map to their status; anything unexpected is INTERNAL with a traceback, at
   most one per method per interval.
-- Every RPC but OpenSession and the health service needs an open session.
+- A request runs to its end even when its client cancels it or its deadline passes (the
+  answer is dropped): the store's state is never left halfway between two awaits (slots
+  freed while a copy still writes them, a delete that forgot blocks but not their slots).
+  Shutdown waits for such requests before it closes the store.
+- Every RPC but OpenSession and the health service needs an open session; Check and Drain
+  need an admin session. While draining, the health service answers NOT_SERVING.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
 """
 
@@ -55,6 +60,7 @@ from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
 from kvtier.daemon.store import BlockStore
+from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_path, private_umask
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import LayerLayout, PoolLayout
@@ -118,7 +124,15 @@ def _rpc(
         try:
             if isinstance(request, Malformed):
                 raise self.malformed(method, request)
-            return await fn(self, request, context)
+            # A client that cancels (or whose deadline passes) gets no answer, but the request
+            # runs to its end: the store's steps between awaits are not undone halfway.
+            work = asyncio.ensure_future(fn(self, request, context))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                if not work.done():
+                    self.detach(method, work)
+                raise
         except KvtierError as e:
             await context.abort(status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -144,13 +158,43 @@ class KVTierServicer:
     """Thread-safety: the server's event loop only."""
 
     def __init__(
-        self, service: KVService, ping_interval_s: int, log_interval_s: float = 10.0
+        self,
+        service: KVService,
+        ping_interval_s: int,
+        log_interval_s: float = 10.0,
+        health_servicer: health.aio.HealthServicer | None = None,
     ) -> None:
         self.service = service
         self.ping_interval_s = ping_interval_s
         self.ratelog = RateLimitedLog(log, log_interval_s)
+        self.health = health_servicer
         # Set at shutdown: session streams end, so draining waits only for real requests.
         self.closing = asyncio.Event()
+        # Requests whose client went away before they ended (see the module invariants).
+        self.detached: set[asyncio.Future[Any]] = set()
+
+    def detach(self, method: str, work: asyncio.Future[Any]) -> None:
+        """Let a request whose client cancelled it finish on its own."""
+        self.detached.add(work)
+        self.service.counters["requests_detached"] += 1
+
+        def done(task: asyncio.Future[Any]) -> None:
+            self.detached.discard(task)
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if exc is not None and not isinstance(exc, KvtierError):
+                self.service.counters["requests_internal_error"] += 1
+                self.ratelog.error(
+                    f"internal {method}", "%s failed after its client left", method, exc_info=exc
+                )
+
+        work.add_done_callback(done)
+
+    async def settle(self, timeout_s: float) -> None:
+        """Wait for the requests whose clients left to finish."""
+        if self.detached:
+            await asyncio.wait(list(self.detached), timeout=timeout_s)
 
     def malformed(self, method: str, request: Malformed) -> InvalidArgument:
         self.service.counters["requests_malformed"] += 1
@@ -180,8 +224,14 @@ class KVTierServicer:
                 request.client_name,
                 request.credential_ticket,
                 unix_socket=context.peer().startswith("unix"),
+                token=request.token,
             )
         except KvtierError as e:
+            if isinstance(e, (Unauthenticated, PermissionDenied, Unavailable)):
+                # Who was turned away, for the operator; at a bounded rate.
+                self.ratelog.warning(
+                    f"session refused {type(e).__name__}", "session refused: %s", e
+                )
             await context.abort(status_of(e), str(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -192,6 +242,7 @@ class KVTierServicer:
                 session_id=session.session_id,
                 ping_interval_s=self.ping_interval_s,
                 tenant=session.tenant,
+                admin=session.admin,
             )
             ping = pb.SessionEvent(
                 session_id=session.session_id, ping_interval_s=self.ping_interval_s
@@ -241,7 +292,7 @@ class KVTierServicer:
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
         out = await self.service.lookup(
-            request.session_id, request.keys, request.pin, request.lease_ms
+            request.session_id, request.keys, request.pin, request.lease_ms, request.namespace
         )
         return pb.LookupResponse(
             prefix_len=out.prefix_len, tiers=out.tiers.tolist(), lease_id=out.lease_id
@@ -258,6 +309,7 @@ class KVTierServicer:
             request.pages,
             request.parent_key,
             request.durable,
+            request.namespace,
         )
         return pb.PutResponse(
             results=results.tolist(),
@@ -277,6 +329,7 @@ class KVTierServicer:
             request.lease_id,
             request.layer_begin,
             request.layer_end,
+            request.namespace,
         )
         prefix = int(loaded.argmin()) if not loaded.all() else len(loaded)
         return pb.GetResponse(loaded=loaded.tolist(), prefix_len=prefix)
@@ -293,7 +346,11 @@ class KVTierServicer:
         self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefetchResponse:
         out = await self.service.prefetch(
-            request.session_id, request.keys, request.deadline_ms, request.priority
+            request.session_id,
+            request.keys,
+            request.deadline_ms,
+            request.priority,
+            request.namespace,
         )
         return pb.PrefetchResponse(
             resident=out.resident, scheduled=out.scheduled, missing=out.missing
@@ -303,8 +360,48 @@ class KVTierServicer:
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
-        out = await self.service.delete(request.session_id, request.keys)
+        out = await self.service.delete(
+            request.session_id, request.keys, request.namespace, request.tenant
+        )
         return pb.DeleteResponse(deleted=out.deleted, missing=out.missing, busy=out.busy)
+
+    @_rpc
+    async def Evict(
+        self, request: pb.EvictRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EvictResponse:
+        out = await self.service.evict(
+            request.session_id, request.keys, request.tier, request.namespace, request.tenant
+        )
+        return pb.EvictResponse(evicted=out.evicted, missing=out.missing, busy=out.busy)
+
+    @_rpc
+    async def Check(
+        self, request: pb.CheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckResponse:
+        out = await self.service.check(request.session_id, request.settle_ms)
+        return pb.CheckResponse(
+            problems=out.problems,
+            strict=out.strict,
+            blocks=out.blocks,
+            sessions=out.sessions,
+            leases=out.leases,
+            pools=out.pools,
+        )
+
+    @_rpc
+    async def Drain(
+        self, request: pb.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainResponse:
+        out = self.service.drain(request.session_id, request.resume)
+        if self.health is not None and not self.closing.is_set():
+            status = (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+                if out.draining
+                else health_pb2.HealthCheckResponse.SERVING
+            )
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+        return pb.DrainResponse(draining=out.draining, sessions=out.sessions)
 
     @_rpc
     async def Stats(
@@ -326,6 +423,22 @@ class KVTierServicer:
             gauges=snap.gauges,
             uptime_s=snap.uptime_s,
             version=snap.version,
+            tenants=[
+                pb.TenantStats(
+                    tenant=t.tenant,
+                    sessions=t.sessions,
+                    tiers=[
+                        pb.TenantTierStats(
+                            tier=int(u.kind),
+                            used_bytes=u.used_bytes,
+                            quota_bytes=u.quota_bytes,
+                            blocks=u.blocks,
+                        )
+                        for u in t.tiers
+                    ],
+                )
+                for t in snap.tenants
+            ],
         )
 
 
@@ -336,6 +449,8 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         cfg = config.server
+        # Token files first: a config that cannot run fails before L1 is allocated.
+        self.tenants = TenantDirectory.from_config(config)
         self.store = BlockStore(config)
         self.pools = PoolRegistry(
             cfg.shm_dir,
@@ -346,11 +461,14 @@ class Daemon:
         self.sessions = SessionRegistry(cfg.max_sessions_per_tenant)
         self.fd_closer = FdCloser()
         self.tickets = TicketBook(self.fd_closer)
-        self.service = KVService(config, self.store, self.pools, self.sessions, self.tickets)
-        self.servicer = KVTierServicer(
-            self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s
+        self.service = KVService(
+            config, self.store, self.pools, self.sessions, self.tickets, self.tenants
         )
+        self.service.apply_quotas()
         self.health = health.aio.HealthServicer()
+        self.servicer = KVTierServicer(
+            self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s, self.health
+        )
         self.credentials: CredentialServer | None = None
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
@@ -409,6 +527,7 @@ class Daemon:
         if (watchdog_s := systemd.watchdog_interval_s()) is not None:
             self._tasks.append(asyncio.create_task(self._watchdog(watchdog_s), name="watchdog"))
         log.info("kvtierd listening on %s", ", ".join(self.addresses))
+        log.info("%s", self.tenants.describe())
         systemd.notify("READY=1\nSTATUS=serving")
 
     async def run_until_stopped(self) -> None:
@@ -430,6 +549,7 @@ class Daemon:
             self.credentials.close()
         if self.server is not None:
             await self.server.stop(self.config.server.drain_timeout_s)
+        await self.servicer.settle(self.config.server.drain_timeout_s)
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -7,13 +7,24 @@ runs before any state changes, so a refused request leaves the daemon as it was.
 Every call but ``open_session`` names an open session. A session carries its peer's
 credentials when it was opened with a credential ticket (always, on the Unix socket); only
 such a session may register memory, and only memory its peer owns. The limits (keys per
-request, pools per session, sessions per tenant) answer with an error naming their key.
+request, pools per session, sessions per tenant, namespaces per tenant) answer with an error
+naming their key.
+
+Tenants: a session is bound to one tenant when it opens (``daemon/tenants.py``), and every
+block request's namespace is derived here from that tenant and the name the request declares,
+never taken from the client: a tenant can not find, read, overwrite, delete, evict or
+prefetch another's blocks, whatever keys it sends. A put binds its namespace to the tenant in
+the store (once per session and namespace), so the tenant's quotas apply and blocks recovered
+from disk keep their owner. Any session of a lease's tenant may load under it, only the
+session that took it may release it, no other tenant may name it. Admin sessions may check the invariants, drain, and delete or evict in any
+tenant's namespace. While draining, only admin sessions open.
 
 Thread-safety: none; called from the server's event loop only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -24,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier import __version__
-from kvtier.daemon.config import Config
+from kvtier.daemon.config import TENANT_NAME, Config
 from kvtier.daemon.credentials import TicketBook, TicketKind
 from kvtier.daemon.cuda_pools import CudaPool
 from kvtier.daemon.errors import (
@@ -33,19 +44,21 @@ from kvtier.daemon.errors import (
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
 from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
-from kvtier.daemon.store import BlockStore, DeleteResult, PrefetchResult, TierUsage
+from kvtier.daemon.store import BlockStore, DeleteResult, EvictResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words
+from kvtier.daemon.tenants import Space, TenantDirectory
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
 
-# Until tenants are authenticated every session shares one namespace; keys still differ per
-# model, dtype, layout and tenant because the client's key seed binds them.
-DEFAULT_NAMESPACE = 0
+# The longest a Check waits for transfers in flight to finish.
+MAX_SETTLE_MS = 60_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +69,44 @@ class LookupOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantTierUsage:
+    kind: TierKind
+    used_bytes: int
+    quota_bytes: int  # 0: none
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    tenant: str  # a tenant, or "shared:NAME"
+    sessions: int
+    tiers: list[TenantTierUsage]
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     tiers: list[TierUsage]
     counters: dict[str, int]
     gauges: dict[str, float]
     uptime_s: float
     version: str
+    tenants: list[TenantUsage]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReport:
+    problems: list[str]
+    strict: bool  # nothing was in flight: slot accounting checked exactly
+    blocks: int
+    sessions: int
+    leases: int
+    pools: int
+
+
+@dataclass(frozen=True, slots=True)
+class DrainState:
+    draining: bool
+    sessions: int  # open sessions besides the caller's
 
 
 class KVService:
@@ -72,6 +117,7 @@ class KVService:
         pools: PoolRegistry,
         sessions: SessionRegistry,
         tickets: TicketBook,
+        tenants: TenantDirectory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -79,16 +125,30 @@ class KVService:
         self.pools = pools
         self.sessions = sessions
         self.tickets = tickets
+        self.tenants = tenants if tenants is not None else TenantDirectory(admin_uids={0})
         # Requests refused before reaching the rules (malformed), and similar events.
         self.counters: Counter[str] = Counter()
         self._clock = clock
         self._started = clock()
+        self.draining = False
+
+    def apply_quotas(self) -> None:
+        """Put the configured quotas into the store (each tenant's owner index is made
+        here, so tenants appear in stats before they store anything)."""
+        for label in self.tenants.labels():
+            self.store.owner_of(label)
+        for label, kind, nbytes in self.tenants.quotas():
+            if kind in self.store.stack:
+                self.store.space.quotas[(self.store.owner_of(label), kind)] = nbytes
 
     # --------------------------------------------------------------- sessions
 
-    def open_session(self, client_name: str, ticket: bytes, *, unix_socket: bool) -> Session:
-        """Open a session bound to the credentials of ``ticket``. On the Unix socket a ticket
-        is required; elsewhere (TCP) a session without one has no peer credentials."""
+    def open_session(
+        self, client_name: str, ticket: bytes, *, unix_socket: bool, token: bytes = b""
+    ) -> Session:
+        """Open a session bound to the credentials of ``ticket`` and to a tenant (by those
+        credentials, or by ``token``). On the Unix socket a ticket is required; elsewhere
+        (TCP) a session has no peer credentials and needs a token."""
         peer: PeerCred | None = None
         if ticket:
             peer = self.tickets.redeem(ticket, TicketKind.SESSION).peer
@@ -97,12 +157,32 @@ class KVService:
                 "a session on the Unix socket needs a credential ticket: ask the credential "
                 "socket (the gRPC socket's path plus '.cred') and pass it in OpenSession"
             )
-        session = self.sessions.open(client_name[:200], self._clock(), peer)
+        try:
+            binding = self.tenants.bind(peer, token)
+        except (Unauthenticated, PermissionDenied):
+            self.store.counters.inc("sessions_refused", reason="tenant")
+            raise
+        if self.draining and not binding.admin:
+            self.store.counters.inc("sessions_refused", reason="draining")
+            raise Unavailable(
+                "the daemon is draining (kvtier drain): it takes no new sessions until an "
+                "admin resumes it; treat this as a miss, or use another daemon"
+            )
+        session = self.sessions.open(
+            client_name[:200],
+            self._clock(),
+            peer,
+            binding.tenant,
+            admin=binding.admin,
+            limit_key=binding.limit_key,
+        )
         log.info(
-            "session %s opened by %r (%s, pid %s)",
+            "session %s opened by %r (tenant %s%s, uid %s, pid %s)",
             session.session_id,
             session.client_name,
             session.tenant,
+            ", admin" if session.admin else "",
+            peer.uid if peer else "-",
             peer.pid if peer else "-",
         )
         return session
@@ -190,12 +270,17 @@ class KVService:
     # ------------------------------------------------------------------ blocks
 
     async def lookup(
-        self, session_id: str, keys: Sequence[bytes], pin: bool, lease_ms: int
+        self,
+        session_id: str,
+        keys: Sequence[bytes],
+        pin: bool,
+        lease_ms: int,
+        namespace: str = "",
     ) -> LookupOutcome:
-        self.sessions.get(session_id)
+        space = self._space(self.sessions.get(session_id), namespace)
         words = self._words(keys)
         lease_s = self._lease_s(lease_ms) if pin else 0.0
-        prefix, tiers, ids = await self.store.lookup(DEFAULT_NAMESPACE, words)
+        prefix, tiers, ids = await self.store.lookup(space.ns, words)
         lease_id = 0
         if pin:
             found = np.unique(ids[ids >= 0])
@@ -218,15 +303,19 @@ class KVService:
         pages: Sequence[int],
         parent_key: bytes,
         durable: bool = False,
+        namespace: str = "",
     ) -> tuple[np.ndarray, np.ndarray | None]:
+        session = self.sessions.get(session_id)
         pool = self._pool(session_id, pool_id)
+        space = self._space(session, namespace)
         words = self._words(keys)
         page_arr = self._pages(pool, pages, len(keys), unique=False)
         parent = None
         if parent_key:
             parent = self._words([parent_key], what="parent_key")[0]
+        owner = await self._bind(session, space)
         return await self.store.put(
-            pool, DEFAULT_NAMESPACE, words, page_arr, parent, durable=durable
+            pool, space.ns, words, page_arr, parent, durable=durable, owner=owner
         )
 
     async def get(
@@ -238,37 +327,60 @@ class KVService:
         lease_id: int,
         layer_begin: int = 0,
         layer_end: int = 0,
+        namespace: str = "",
     ) -> np.ndarray:
+        session = self.sessions.get(session_id)
         pool = self._pool(session_id, pool_id)
+        space = self._space(session, namespace)
         words = self._words(keys)
         page_arr = self._pages(pool, pages, len(keys), unique=True)
         layers = self._layers(pool, layer_begin, layer_end)
-        # A Get under a live lease is the same access as its pinning Lookup: counted once.
-        # Any session may name a lease: every session is the default tenant for now, and an
-        # engine pins in its scheduler process and loads in its worker processes.
-        leased = bool(lease_id) and self.sessions.lease_owner(lease_id) is not None
+        # A Get under a live lease of this tenant is the same access as its pinning Lookup:
+        # counted once (an engine pins in its scheduler process and loads in its workers).
+        # Another tenant's lease is refused.
+        leased = bool(lease_id) and self.sessions.lease_for(session_id, lease_id) is not None
         # Gets of one block's other layer ranges are the same access as the one of layer 0.
         touch = not leased and (layers is None or layers[0] == 0)
-        return await self.store.get(
-            pool, DEFAULT_NAMESPACE, words, page_arr, touch=touch, layers=layers
-        )
+        return await self.store.get(pool, space.ns, words, page_arr, touch=touch, layers=layers)
 
     def release(self, session_id: str, lease_id: int) -> None:
-        self.sessions.get(session_id)
         lease = self.sessions.pop_lease(session_id, lease_id)
         self.store.unpin(lease.refs)
 
     async def prefetch(
-        self, session_id: str, keys: Sequence[bytes], deadline_ms: int, priority: int
+        self,
+        session_id: str,
+        keys: Sequence[bytes],
+        deadline_ms: int,
+        priority: int,
+        namespace: str = "",
     ) -> PrefetchResult:
-        self.sessions.get(session_id)
-        return await self.store.prefetch(
-            DEFAULT_NAMESPACE, self._words(keys), deadline_ms, priority
-        )
+        space = self._space(self.sessions.get(session_id), namespace)
+        return await self.store.prefetch(space.ns, self._words(keys), deadline_ms, priority)
 
-    async def delete(self, session_id: str, keys: Sequence[bytes]) -> DeleteResult:
-        self.sessions.get(session_id)
-        return await self.store.delete(DEFAULT_NAMESPACE, self._words(keys))
+    async def delete(
+        self, session_id: str, keys: Sequence[bytes], namespace: str = "", tenant: str = ""
+    ) -> DeleteResult:
+        space = self._space(self.sessions.get(session_id), namespace, tenant)
+        return await self.store.delete(space.ns, self._words(keys))
+
+    async def evict(
+        self,
+        session_id: str,
+        keys: Sequence[bytes],
+        tier: int,
+        namespace: str = "",
+        tenant: str = "",
+    ) -> EvictResult:
+        space = self._space(self.sessions.get(session_id), namespace, tenant)
+        words = self._words(keys)
+        try:
+            kind = TierKind(tier)
+        except ValueError:
+            raise InvalidArgument(
+                f"tier {tier} is not a tier; name the one to evict from (L0, L1 or L2)"
+            ) from None
+        return await self.store.evict(space.ns, words, kind)
 
     def expire_leases(self) -> int:
         expired = self.sessions.pop_expired(self._clock())
@@ -278,7 +390,7 @@ class KVService:
         return len(expired)
 
     def stats(self, session_id: str) -> StatsSnapshot:
-        self.sessions.get(session_id)
+        session = self.sessions.get(session_id)
         index = self.store.table.stats()
         return StatsSnapshot(
             tiers=self.store.usage(),
@@ -295,9 +407,146 @@ class KVService:
             },
             uptime_s=self._clock() - self._started,
             version=__version__,
+            tenants=self.tenant_usage(self.tenants.visible_to(session.tenant, session.admin)),
         )
 
+    def tenant_usage(self, visible: list[str] | None = None) -> list[TenantUsage]:
+        """Bytes, blocks and quota per tenant (and shared namespace) per slot tier, and open
+        sessions per tenant; only the labels in ``visible`` unless it is None."""
+        store, table = self.store, self.store.table
+        sessions = Counter(s.tenant for s in self.sessions.sessions())
+        labels = list(dict.fromkeys([*self.tenants.labels(), *store.owners, *sessions]))
+        if visible is not None:
+            labels = [x for x in labels if x in visible]
+        levels = [lv for lv in store.stack if not lv.keyed]
+        blocks = {}
+        for level in levels:
+            holders = table.holders(level.col)
+            blocks[level.kind] = np.bincount(table.owner[holders], minlength=table.usage.shape[1])
+        out = []
+        for label in labels:
+            owner = store.owners.get(label)
+            tiers = []
+            for level in levels:
+                held = owner is not None and owner < table.usage.shape[1]
+                tiers.append(
+                    TenantTierUsage(
+                        level.kind,
+                        int(table.usage[level.col, owner]) if held else 0,
+                        store.space.quotas.get((owner, level.kind), 0) if owner is not None else 0,
+                        int(blocks[level.kind][owner]) if held else 0,
+                    )
+                )
+            out.append(TenantUsage(label, sessions.get(label, 0), tiers))
+        return out
+
+    # ------------------------------------------------------------------ admin
+
+    def _admin(self, session_id: str, what: str) -> Session:
+        session = self.sessions.get(session_id)
+        if not session.admin:
+            raise PermissionDenied(
+                f"{what} is an admin call: it needs a session of an admin tenant, root, the "
+                "daemon's user or a uid in server.admin_uids"
+            )
+        return session
+
+    async def check(self, session_id: str, settle_ms: int = 0) -> CheckReport:
+        """The store's invariants plus what only the service knows: every lease's and pool's
+        session is open, the sessions' lease sets match the leases, the per-tenant and
+        per-session counts the limits keep add up, and pin counts match the leases."""
+        self._admin(session_id, "Check")
+        deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
+        while not self.store.quiescent() and self._clock() < deadline:
+            await asyncio.sleep(0.005)
+        strict = self.store.quiescent()
+        problems: list[str] = []
+        sessions = {s.session_id: s for s in self.sessions.sessions()}
+        leases = self.sessions.leases()
+        lease_ids = {x.lease_id for x in leases}
+        pins: Counter[int] = Counter()
+        table = self.store.table
+        for lease in leases:
+            owner = sessions.get(lease.session_id)
+            if owner is None:
+                problems.append(f"lease {lease.lease_id} outlives its session")
+            elif lease.lease_id not in owner.leases:
+                problems.append(f"lease {lease.lease_id} is missing from its session's leases")
+            elif lease.tenant != owner.tenant:
+                problems.append(f"lease {lease.lease_id} is of another tenant than its session")
+            for ref in lease.refs.tolist():
+                bid = table.resolve(int(ref))
+                if bid < 0:
+                    problems.append(f"lease {lease.lease_id} pins a block that was freed")
+                else:
+                    pins[bid] += 1
+        for session in sessions.values():
+            if stray := session.leases - lease_ids:
+                problems.append(
+                    f"session {session.session_id[:8]} lists {len(stray)} leases that do not exist"
+                )
+        counts = Counter(s.limit_key for s in sessions.values())
+        if dict(counts) != self.sessions.per_tenant_counts():
+            problems.append("the per-tenant session counts differ from the open sessions")
+        pools = self.pools.all()
+        for pool in pools:
+            if pool.session_id not in sessions:
+                problems.append(f"pool {pool.pool_id} outlives its session")
+        if dict(Counter(p.session_id for p in pools)) != self.pools.per_session_counts():
+            problems.append("the per-session pool counts differ from the registered pools")
+        problems += self.store.check(pins=dict(pins))
+        return CheckReport(problems, strict, len(table), len(sessions), len(leases), len(pools))
+
+    def drain(self, session_id: str, resume: bool) -> DrainState:
+        """Stop (or resume) taking new sessions but admins'; open ones carry on."""
+        session = self._admin(session_id, "Drain")
+        if self.draining == resume:  # a change
+            log.warning(
+                "%s by session %s: %s new sessions; %d open",
+                "resumed" if resume else "draining",
+                session.session_id[:8],
+                "taking" if resume else "refusing",
+                self.sessions.session_count,
+            )
+        self.draining = not resume
+        return DrainState(self.draining, self.sessions.session_count - 1)
+
     # ----------------------------------------------------------------- checks
+
+    def _space(self, session: Session, namespace: str, tenant: str = "") -> Space:
+        """The namespace a request addresses: ``namespace`` inside the session's tenant, or
+        inside ``tenant`` for an admin."""
+        acting = session.tenant
+        if tenant and tenant != session.tenant:
+            if not session.admin:
+                raise PermissionDenied(
+                    "only an admin session may act in another tenant's namespace (tenant "
+                    "is an admin field)"
+                )
+            if not TENANT_NAME.match(tenant):
+                raise InvalidArgument("tenant is not a tenant's name")
+            acting = tenant
+        return self.tenants.space(acting, namespace, admin=session.admin)
+
+    async def _bind(self, session: Session, space: Space) -> int:
+        """The owner index of ``space`` for a put, binding the namespace to its owner in the
+        store (durably, where a tier records it) the first time this session stores there."""
+        key = (space.name, space.owner)
+        if (hit := session.bound.get(key)) is not None:
+            return hit[1]
+        store = self.store
+        if space.ns not in store.ns_owner:
+            owner = store.owners.get(space.owner)
+            used = sum(1 for o in store.ns_owner.values() if o == owner) if owner is not None else 0
+            limit = self.config.server.max_namespaces_per_tenant
+            if used >= limit:
+                raise ResourceExhausted(
+                    f"{space.owner} already stores blocks in {used} namespaces, the most one "
+                    "tenant may use (server.max_namespaces_per_tenant)"
+                )
+        owner_idx = await store.namespace(space.ns, space.owner)
+        session.bound[key] = (space.ns, owner_idx)
+        return owner_idx
 
     def _words(self, keys: Sequence[bytes], what: str = "keys") -> np.ndarray:
         if len(keys) == 0:

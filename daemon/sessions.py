@@ -5,10 +5,14 @@ to one session and die with it, so a crashed engine never leaves pins or mapping
 lease pins a set of blocks until it is released, its session ends, or it expires.
 
 A session carries its peer's credentials (pid, uid, gid), read by the kernel (SO_PEERCRED)
-when the client asked for its credential ticket, and the tenant it counts against. Until
-tenants are configured, the tenant is derived from the peer's uid; a session without peer
-credentials (TCP) belongs to the anonymous tenant. Each tenant may hold at most
-``max_per_tenant`` sessions at once.
+when the client asked for its credential ticket (none over TCP), the tenant it is bound to
+(``daemon/tenants.py`` decides which), whether it may use admin calls, and the namespaces
+it has stored blocks in. Each tenant may hold at most ``max_per_tenant`` sessions at once,
+counted by the binding's ``limit_key``.
+
+A lease belongs to the session that took it and dies with it, and only that session may
+release it; any session of the same tenant may load under it (an engine's scheduler pins,
+its workers load), another tenant's session may not.
 
 Thread-safety: none; owned by the server's event loop.
 """
@@ -25,7 +29,6 @@ import numpy as np
 
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
 
-ANONYMOUS_TENANT = "anonymous"
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -38,17 +41,13 @@ class PeerCred:
     gid: int
 
 
-def tenant_of(peer: PeerCred | None) -> str:
-    """The tenant a peer's sessions count against: one per uid until tenants are configured."""
-    return f"uid:{peer.uid}" if peer is not None else ANONYMOUS_TENANT
-
-
 @dataclass(eq=False, slots=True)
 class Lease:
     lease_id: int
     session_id: str
     refs: np.ndarray  # the pinned blocks, as block-table refs
     expires_at: float
+    tenant: str = ""
 
 
 @dataclass(eq=False, slots=True)
@@ -57,8 +56,13 @@ class Session:
     client_name: str
     opened_at: float
     peer: PeerCred | None = None
-    tenant: str = ANONYMOUS_TENANT
+    tenant: str = ""
+    admin: bool = False
+    limit_key: str = ""
     leases: set[int] = field(default_factory=set)
+    # Namespaces (declared name, tenant acted for) -> (id, owner index) this session has
+    # bound for its puts (``store.namespace`` ran for each once).
+    bound: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
 
 
 class SessionRegistry:
@@ -77,19 +81,40 @@ class SessionRegistry:
     def lease_count(self) -> int:
         return len(self._leases)
 
-    def tenant_sessions(self, tenant: str) -> int:
-        return self._per_tenant[tenant]
+    def tenant_sessions(self, limit_key: str) -> int:
+        """Open sessions counted against ``limit_key`` (a tenant, or ``uid:<n>``)."""
+        return self._per_tenant[limit_key]
 
-    def open(self, client_name: str, now: float, peer: PeerCred | None = None) -> Session:
-        tenant = tenant_of(peer)
-        if self._per_tenant[tenant] >= self.max_per_tenant:
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def leases(self) -> list[Lease]:
+        return list(self._leases.values())
+
+    def per_tenant_counts(self) -> dict[str, int]:
+        """The session counts the limit keeps, for the invariant check."""
+        return dict(self._per_tenant)
+
+    def open(
+        self,
+        client_name: str,
+        now: float,
+        peer: PeerCred | None = None,
+        tenant: str = "default",
+        *,
+        admin: bool = False,
+        limit_key: str = "",
+    ) -> Session:
+        key = limit_key or tenant
+        if self._per_tenant[key] >= self.max_per_tenant:
+            who = f"tenant {tenant}" if key == tenant else f"tenant {tenant} ({key})"
             raise ResourceExhausted(
-                f"tenant {tenant} already holds {self._per_tenant[tenant]} sessions, the most "
-                f"one tenant may hold (server.max_sessions_per_tenant)"
+                f"{who} already holds {self._per_tenant[key]} sessions, the most one tenant "
+                "may hold (server.max_sessions_per_tenant)"
             )
-        session = Session(secrets.token_hex(16), client_name, now, peer, tenant)
+        session = Session(secrets.token_hex(16), client_name, now, peer, tenant, admin, key)
         self._sessions[session.session_id] = session
-        self._per_tenant[tenant] += 1
+        self._per_tenant[key] += 1
         return session
 
     def get(self, session_id: str) -> Session:
@@ -107,9 +132,9 @@ class SessionRegistry:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return []
-        self._per_tenant[session.tenant] -= 1
-        if self._per_tenant[session.tenant] <= 0:
-            del self._per_tenant[session.tenant]
+        self._per_tenant[session.limit_key] -= 1
+        if self._per_tenant[session.limit_key] <= 0:
+            del self._per_tenant[session.limit_key]
         leases = [self._leases.pop(lid) for lid in session.leases]
         self._compact_expiry()
         return leases
@@ -119,24 +144,34 @@ class SessionRegistry:
         lease_id = secrets.randbits(63) or 1
         while lease_id in self._leases:
             lease_id = secrets.randbits(63) or 1
-        lease = Lease(lease_id, session_id, refs, expires_at)
+        lease = Lease(lease_id, session_id, refs, expires_at, session.tenant)
         self._leases[lease_id] = lease
         session.leases.add(lease_id)
         heapq.heappush(self._expiry, (expires_at, lease_id))
         return lease
 
-    def lease_owner(self, lease_id: int) -> str | None:
+    def lease_for(self, session_id: str, lease_id: int) -> Lease | None:
+        """The live lease ``lease_id`` if a session of ``session_id``'s tenant took it; None
+        when there is none (released or expired); PermissionDenied when it is another
+        tenant's."""
+        session = self.get(session_id)
         lease = self._leases.get(lease_id)
-        return lease.session_id if lease else None
+        if lease is not None and lease.tenant != session.tenant:
+            raise PermissionDenied(f"lease {lease_id} belongs to another tenant")
+        return lease
 
     def pop_lease(self, session_id: str, lease_id: int) -> Lease:
-        lease = self._leases.get(lease_id)
+        """End a lease ``session_id`` took."""
+        lease = self.lease_for(session_id, lease_id)
         if lease is None:
             raise NotFound(f"lease {lease_id} does not exist (released, expired or never taken)")
         if lease.session_id != session_id:
-            raise PermissionDenied(f"lease {lease_id} belongs to another session")
+            raise PermissionDenied(
+                f"lease {lease_id} belongs to another session; only the one that took it may "
+                "release it"
+            )
         del self._leases[lease_id]
-        self._sessions[session_id].leases.discard(lease_id)
+        self._sessions[lease.session_id].leases.discard(lease_id)
         self._compact_expiry()
         return lease
 

@@ -69,6 +69,8 @@ class SpaceManager:
         self.batch_blocks = batch_blocks
         # (owner, tier kind) -> bytes the owner (a tenant) may hold in that tier.
         self.quotas: dict[tuple[int, TierKind], int] = {}
+        # Owner index -> tenant label, for the quota counters' ``tenant`` label.
+        self.owner_labels: dict[int, str] = {0: "default"}
         self._pending_touches: list[tuple[np.ndarray, float]] = []
         self.background: set[asyncio.Task[Any]] = set()
         # Why keys are missing, for the lookup miss counts (metrics).
@@ -390,7 +392,9 @@ class SpaceManager:
                 level, owner, quota, nbytes, count, priority, clean_only
             )
             if count == 0:
-                self.counters.inc("quota_rejections", tier=level.label, tenant=owner)
+                self.counters.inc(
+                    "quota_rejections", tier=level.label, tenant=self.owner_labels.get(owner, owner)
+                )
                 return []
         alloc = level.slots.allocator
         slots = self._allocate(level, nbytes, count)
@@ -438,7 +442,12 @@ class SpaceManager:
             victims = self._victims(level, n, now, mine)
             if len(victims):
                 await self.evict(level, victims, priority, clean_only=clean_only)
-                self.counters.inc("quota_evictions", len(victims), tier=level.label, tenant=owner)
+                self.counters.inc(
+                    "quota_evictions",
+                    len(victims),
+                    tier=level.label,
+                    tenant=self.owner_labels.get(owner, owner),
+                )
         room = (quota - int(table.usage[level.col, owner])) // nbytes
         return max(0, min(count, room))
 

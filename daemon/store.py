@@ -92,6 +92,13 @@ class DeleteResult:
 
 
 @dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: int
+    missing: int
+    busy: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefetchResult:
     resident: int
     scheduled: int
@@ -720,6 +727,36 @@ class BlockStore:
         self.counters.inc("deleted_blocks", deleted)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
 
+    async def evict(self, ns: int, words: np.ndarray, kind: TierKind) -> EvictResult:
+        """Take the keys' blocks out of tier ``kind`` as eviction would: a block whose only
+        copy is there moves down to the first lower tier that takes it, else it leaves the
+        store. Pinned and in-flight blocks stay (busy), and so does a block only there that
+        was used within ``policy.protect_s`` (it keeps the lower copy just made)."""
+        if kind not in self.stack or self.stack[kind].keyed:
+            raise InvalidArgument(
+                f"this daemon has no slot tier {kind.label} to evict from "
+                f"(tiers: {', '.join(lv.label for lv in self.stack if not lv.keyed)})"
+            )
+        level = self.stack[kind]
+        table = self.table
+        ids = table.lookup(ns, words)
+        found = np.unique(ids[ids >= 0])
+        held = found[table.slot[found, level.col] >= 0]
+        busy = (table.pins[held] > 0) | (table.inflight[held] > 0)
+        victims = held[~busy]
+        refs = table.refs(victims)
+        if len(victims):
+            await self.space.evict(level, victims, Priority.DEMAND)
+        rows = np.fromiter((table.resolve(int(r)) for r in refs.tolist()), np.int64, len(refs))
+        gone = (rows < 0) | (table.slot[np.maximum(rows, 0), level.col] < 0)
+        evicted = int(np.count_nonzero(gone))
+        self.counters.inc("evicted_blocks", evicted, tier=level.label)
+        return EvictResult(
+            evicted=evicted,
+            missing=int(np.count_nonzero(ids < 0)) + len(found) - len(held),
+            busy=len(held) - evicted,
+        )
+
     # --------------------------------------------------------------------- pins
 
     def pin(self, bids: np.ndarray) -> np.ndarray:
@@ -834,6 +871,7 @@ class BlockStore:
         """The owner index of a tenant label (stable for this process)."""
         if label not in self.owners:
             self.owners[label] = len(self.owners)
+            self.space.owner_labels[self.owners[label]] = label
         return self.owners[label]
 
     async def namespace(self, ns: int, label: str) -> int:

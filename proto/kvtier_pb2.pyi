@@ -48,22 +48,26 @@ PUT_EXISTS: PutResult
 PUT_REJECTED_FULL: PutResult
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "credential_ticket")
+    __slots__ = ("client_name", "credential_ticket", "token")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_TICKET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     credential_ticket: bytes
-    def __init__(self, client_name: _Optional[str] = ..., credential_ticket: _Optional[bytes] = ...) -> None: ...
+    token: bytes
+    def __init__(self, client_name: _Optional[str] = ..., credential_ticket: _Optional[bytes] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "ping_interval_s", "tenant")
+    __slots__ = ("session_id", "ping_interval_s", "tenant", "admin")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PING_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ping_interval_s: int
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., ping_interval_s: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    admin: bool
+    def __init__(self, session_id: _Optional[str] = ..., ping_interval_s: _Optional[int] = ..., tenant: _Optional[str] = ..., admin: bool = ...) -> None: ...
 
 class LayerLayout(_message.Message):
     __slots__ = ("offset", "kv_count", "kv_stride", "page_stride", "chunk_bytes")
@@ -170,16 +174,18 @@ class UnregisterPoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "pin", "lease_ms")
+    __slots__ = ("session_id", "keys", "pin", "lease_ms", "namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pin: bool
     lease_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin: bool = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., pin: bool = ..., lease_ms: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_len", "tiers", "lease_id")
@@ -192,20 +198,22 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_len: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "keys", "pages", "parent_key", "durable")
+    __slots__ = ("session_id", "pool_id", "keys", "pages", "parent_key", "durable", "namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     pages: _containers.RepeatedScalarFieldContainer[int]
     parent_key: bytes
     durable: bool
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., durable: bool = ...) -> None: ...
+    namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., parent_key: _Optional[bytes] = ..., durable: bool = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("results", "stored", "persisted")
@@ -218,7 +226,7 @@ class PutResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, str]]] = ..., stored: _Optional[int] = ..., persisted: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("session_id", "pool_id", "keys", "pages", "lease_id", "layer_begin", "layer_end")
+    __slots__ = ("session_id", "pool_id", "keys", "pages", "lease_id", "layer_begin", "layer_end", "namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +234,7 @@ class GetRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     pool_id: int
     keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -233,7 +242,8 @@ class GetRequest(_message.Message):
     lease_id: int
     layer_begin: int
     layer_end: int
-    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., pool_id: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., pages: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("loaded", "prefix_len")
@@ -256,16 +266,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefetchRequest(_message.Message):
-    __slots__ = ("session_id", "keys", "deadline_ms", "priority")
+    __slots__ = ("session_id", "keys", "deadline_ms", "priority", "namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     deadline_ms: int
     priority: int
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., deadline_ms: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., deadline_ms: _Optional[int] = ..., priority: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class PrefetchResponse(_message.Message):
     __slots__ = ("resident", "scheduled", "missing")
@@ -278,12 +290,16 @@ class PrefetchResponse(_message.Message):
     def __init__(self, resident: _Optional[int] = ..., scheduled: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("session_id", "keys")
+    __slots__ = ("session_id", "keys", "namespace", "tenant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    namespace: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted", "missing", "busy")
@@ -294,6 +310,70 @@ class DeleteResponse(_message.Message):
     missing: int
     busy: int
     def __init__(self, deleted: _Optional[int] = ..., missing: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "tier", "namespace", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    tier: Tier
+    namespace: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted", "missing", "busy")
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    evicted: int
+    missing: int
+    busy: int
+    def __init__(self, evicted: _Optional[int] = ..., missing: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class CheckRequest(_message.Message):
+    __slots__ = ("session_id", "settle_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    settle_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., settle_ms: _Optional[int] = ...) -> None: ...
+
+class CheckResponse(_message.Message):
+    __slots__ = ("problems", "strict", "blocks", "sessions", "leases", "pools")
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    strict: bool
+    blocks: int
+    sessions: int
+    leases: int
+    pools: int
+    def __init__(self, problems: _Optional[_Iterable[str]] = ..., strict: bool = ..., blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., pools: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("session_id", "resume")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    resume: bool
+    def __init__(self, session_id: _Optional[str] = ..., resume: bool = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining", "sessions")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    sessions: int
+    def __init__(self, draining: bool = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -316,7 +396,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "counters", "gauges", "uptime_s", "version")
+    __slots__ = ("tiers", "counters", "gauges", "uptime_s", "version", "tenants")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -336,9 +416,33 @@ class StatsResponse(_message.Message):
     GAUGES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     counters: _containers.ScalarMap[str, int]
     gauges: _containers.ScalarMap[str, float]
     uptime_s: float
     version: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., gauges: _Optional[_Mapping[str, float]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "sessions", "tiers")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    sessions: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TenantTierStats]
+    def __init__(self, tenant: _Optional[str] = ..., sessions: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TenantTierStats, _Mapping]]] = ...) -> None: ...
+
+class TenantTierStats(_message.Message):
+    __slots__ = ("tier", "used_bytes", "quota_bytes", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    used_bytes: int
+    quota_bytes: int
+    blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...

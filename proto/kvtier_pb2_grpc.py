@@ -60,10 +60,25 @@ class KVTierStub(object):
                 request_serializer=kvtier_dot_proto_dot_kvtier__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.DeleteResponse.FromString,
                 )
+        self.Evict = channel.unary_unary(
+                '/kvtier.v1.KVTier/Evict',
+                request_serializer=kvtier_dot_proto_dot_kvtier__pb2.EvictRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.EvictResponse.FromString,
+                )
         self.Stats = channel.unary_unary(
                 '/kvtier.v1.KVTier/Stats',
                 request_serializer=kvtier_dot_proto_dot_kvtier__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.StatsResponse.FromString,
+                )
+        self.Check = channel.unary_unary(
+                '/kvtier.v1.KVTier/Check',
+                request_serializer=kvtier_dot_proto_dot_kvtier__pb2.CheckRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.CheckResponse.FromString,
+                )
+        self.Drain = channel.unary_unary(
+                '/kvtier.v1.KVTier/Drain',
+                request_serializer=kvtier_dot_proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.DrainResponse.FromString,
                 )
 
 
@@ -134,8 +149,32 @@ class KVTierServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """Takes blocks out of one tier: a block whose only copy is there moves down to the next
+        tier that takes it, else it leaves the store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Check(self, request, context):
+        """Admin only (a tenant with admin rights, or an admin uid). The store's and the sessions'
+        invariants, checked now: the list of what is broken, empty when all is well.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drain(self, request, context):
+        """Admin only. Stop taking new sessions (but admins') and report NOT_SERVING to health
+        checks while the open sessions finish, e.g. before maintenance; or take them again.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -188,10 +227,25 @@ def add_KVTierServicer_to_server(servicer, server):
                     request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.DeleteRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_kvtier__pb2.DeleteResponse.SerializeToString,
             ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.EvictRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_kvtier__pb2.EvictResponse.SerializeToString,
+            ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.StatsRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_kvtier__pb2.StatsResponse.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.CheckRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_kvtier__pb2.CheckResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.DrainRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_kvtier__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +412,23 @@ class KVTier(object):
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
     @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvtier.v1.KVTier/Evict',
+            kvtier_dot_proto_dot_kvtier__pb2.EvictRequest.SerializeToString,
+            kvtier_dot_proto_dot_kvtier__pb2.EvictResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
     def Stats(request,
             target,
             options=(),
@@ -371,5 +442,39 @@ class KVTier(object):
         return grpc.experimental.unary_unary(request, target, '/kvtier.v1.KVTier/Stats',
             kvtier_dot_proto_dot_kvtier__pb2.StatsRequest.SerializeToString,
             kvtier_dot_proto_dot_kvtier__pb2.StatsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvtier.v1.KVTier/Check',
+            kvtier_dot_proto_dot_kvtier__pb2.CheckRequest.SerializeToString,
+            kvtier_dot_proto_dot_kvtier__pb2.CheckResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvtier.v1.KVTier/Drain',
+            kvtier_dot_proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
+            kvtier_dot_proto_dot_kvtier__pb2.DrainResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -284,6 +284,20 @@ def test_a_dead_client_leaves_no_pools_or_pins(daemon):
                 os.unlink(shm_path)
 
 
+def test_regression_a_load_whose_first_block_was_missing_kept_the_rest_pinned(daemon):
+    """Found by the soak: a pinning Lookup pins every block it finds, also past a missing
+    first one; the load flow then stopped at the empty prefix without releasing the lease,
+    so those blocks stayed pinned (unevictable) for lease_default_ms."""
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        keys = keys_for(4, "missing-head")
+        assert pool.store_keys(keys[1:], [1, 2, 3], parent_key=keys[0]) == 3
+        assert pool.load_keys(keys, [4, 5, 6, 7]) == 0
+        gauges = client.stats().gauges
+        assert gauges["leases"] == 0 and gauges["blocks_pinned"] == 0
+
+
 def test_leases_expire(daemon):
     layout = LAYOUTS["staging"]
     with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:

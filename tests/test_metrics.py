@@ -194,6 +194,42 @@ def test_metrics_count_moves_between_tiers(daemon_factory, tmp_path):
     assert value(m, "kvtier_transfer_duration_seconds_count", direction="L2->pool") == 1
 
 
+def test_metrics_show_usage_quotas_and_sessions_per_tenant(daemon_factory):
+    quota = 4 * BLOCK
+    d = daemon_factory(
+        *L1_ONLY,
+        f"tenants=[{{name: ops, uids: [0], quotas: {{l1: {quota}}}}}, {{name: bob, uids: [65534]}}]",
+        l1_bytes="1MiB",
+    )
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, keys(4, 1), range(4)).stored == 4
+        assert client.put(pool.pool_id, keys(2, 2), range(4, 6)).stored == 2
+        # A put larger than the quota stores what fits: its own blocks are not evictable yet.
+        assert client.put(pool.pool_id, keys(6, 3), range(6)).stored == 4
+        # With all its blocks pinned, the tenant at its quota is refused.
+        lease = client.lookup(keys(6, 3)[:4], pin=True).lease_id
+        assert client.put(pool.pool_id, keys(1, 4), [0]).stored == 0
+        client.release(lease)
+        m = scrape(metrics_url(d))
+        # The quota keeps 4 blocks (L1 alone: the others were dropped).
+        assert value(m, "kvtier_tenant_used_bytes", tenant="ops", tier="L1") == quota
+        assert value(m, "kvtier_tenant_blocks", tenant="ops", tier="L1") == 4
+        assert value(m, "kvtier_tenant_quota_bytes", tenant="ops", tier="L1") == quota
+        assert value(m, "kvtier_tenant_used_bytes", tenant="bob", tier="L1") == 0
+        assert (
+            "kvtier_tenant_quota_bytes",
+            frozenset({("tenant", "bob"), ("tier", "L1")}),
+        ) not in m
+        assert value(m, "kvtier_tenant_sessions", tenant="ops") == 1
+        assert value(m, "kvtier_quota_evictions_total", tenant="ops", tier="L1") == 2 + 4
+        assert value(m, "kvtier_quota_rejections_total", tenant="ops", tier="L1") == 1
+        assert value(m, "kvtier_draining") == 0
+        client.drain()
+        assert value(scrape(metrics_url(d)), "kvtier_draining") == 1
+        client.drain(resume=True)
+
+
 def test_metrics_are_off_by_default(daemon):
     assert "metrics on" not in daemon.log()
 

@@ -99,11 +99,25 @@ def _code(fn, *args, **kwargs):
     return info.value.code(), info.value.details()
 
 
-def test_a_session_is_bound_to_the_credentials_of_its_ticket(shared_group_daemon, raw_factory):
+def test_a_session_is_bound_to_the_credentials_of_its_ticket(daemon_factory, raw_factory):
+    require_root()
+    os.chmod(daemon_factory._sockdir, 0o711)
+    d = daemon_factory(
+        f"server.socket_group={NOGROUP}",
+        f"tenants=[{{name: alice, uids: [0]}}, {{name: bob, uids: [{NOBODY}]}}]",
+    )
+    raw = raw_factory(d)
+    first = raw.open(cred.session_ticket(_path(d)))
+    assert (first.tenant, first.admin) == ("alice", True)  # root is an admin
+    first = raw.open(_nobody_session_ticket(d))
+    assert (first.tenant, first.admin) == ("bob", False)
+
+
+def test_without_tenants_every_local_peer_is_the_default_tenant(shared_group_daemon, raw_factory):
     d = shared_group_daemon
     raw = raw_factory(d)
-    assert raw.open(cred.session_ticket(_path(d))).tenant == "uid:0"
-    assert raw.open(_nobody_session_ticket(d)).tenant == f"uid:{NOBODY}"
+    assert raw.open(cred.session_ticket(_path(d))).tenant == "default"
+    assert raw.open(_nobody_session_ticket(d)).tenant == "default"
 
 
 def test_a_session_on_the_unix_socket_needs_a_valid_unused_ticket(daemon, raw_factory):
@@ -317,20 +331,40 @@ def test_the_credential_socket_survives_silent_and_hostile_clients(daemon):
         assert client.stats().gauges["credential_tickets"] == 1  # taken above, never used
 
 
-def test_a_session_over_tcp_has_no_credentials_and_registers_no_memory(daemon_factory):
+def test_a_session_over_tcp_needs_a_token_and_registers_no_memory(daemon_factory, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}")
+    token = tmp_path / "remote.token"
+    token.write_text("a-long-enough-secret-for-remote\n")
+    token.chmod(0o600)
+    d = daemon_factory(
+        f"server.tcp_address=127.0.0.1:{port}",
+        f"tenants=[{{name: remote, token_file: {token}}}]",
+    )
     from kvtier.client import Client
 
-    with Client(f"127.0.0.1:{port}") as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        assert client.stats().gauges["sessions"] == 1  # a session, of the anonymous tenant
+    with Client(f"127.0.0.1:{port}") as client, pytest.raises(UnauthenticatedError, match="token"):
+        client.stats()
+    with (
+        Client(f"127.0.0.1:{port}", token="a-wrong-secret-of-some-length") as client,
+        pytest.raises(UnauthenticatedError, match="not any tenant's"),
+    ):
+        client.stats()
+    with (
+        Client(f"127.0.0.1:{port}", token_file=str(token)) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        assert client.tenant == "remote"
+        assert client.stats().gauges["sessions"] == 1
         with pytest.raises(FailedPreconditionError, match="Unix socket"):
             client.register_pool(shm, LAYOUT)
     named = SharedMemoryPool.for_layout(LAYOUT, backing="shm")
     try:
-        with Client(f"127.0.0.1:{port}") as client, pytest.raises(PermissionDeniedError):
+        with (
+            Client(f"127.0.0.1:{port}", token_file=str(token)) as client,
+            pytest.raises(PermissionDeniedError),
+        ):
             client.register_pool(named, LAYOUT)
     finally:
         named.close()

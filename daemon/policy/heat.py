@@ -844,13 +844,24 @@ class HeatPolicy(Hinted):
             while cur < len(entries):
                 key, _, bid = entries[cur]
                 if seg_v[bid] == seg and eff_v[bid] == key:
-                    buf.cur = cur
+                    buf.cur = self._trimmed(buf, cur)
                     return bid
                 cur += 1
-            buf.cur = cur
+            buf.cur = self._trimmed(buf, cur)
             if buf.complete or self._count[seg] == 0:
                 return -1
             self._rebuild(seg, _MIN_BUFFER)
+
+    @staticmethod
+    def _trimmed(buf: _Buffer, cur: int) -> int:
+        """Drop the consumed head of a buffer once it outweighs the rest; returns the new
+        ``cur``. A buffer that covers its whole segment is never rebuilt, so without this its
+        head would keep an entry for every block that ever passed through the segment.
+        Called only where no scan of the buffer is in progress (``_coldest``)."""
+        if cur > _MIN_BUFFER and 2 * cur >= len(buf.entries):
+            del buf.entries[:cur]
+            return 0
+        return cur
 
     def _candidates(self, seg: int, evictable: EvictableFn | None) -> Iterator[int]:
         """Valid, evictable blocks of ``seg``, coldest first, each once."""

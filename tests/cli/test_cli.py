@@ -48,7 +48,8 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["stats"], ["top"], ["health"], ["replay"], ["bench"], ["status"]]
+    "command",
+    [[], ["stats"], ["top"], ["health"], ["replay"], ["bench"], ["status"], ["check"], ["drain"]],
 )
 def test_every_command_has_help(capsys, command):
     code, out, err = run_main(capsys, *command, "--help")
@@ -122,6 +123,47 @@ def test_top_renders_tiers_ratios_rates_and_latency(daemon):
 def test_health_is_0_when_serving(daemon):
     out = kvtier("--address", daemon.address, "health")
     assert out.returncode == 0 and out.stdout.startswith("ok: "), out
+
+
+def test_check_drain_and_tenant_usage_through_the_cli(daemon):
+    """The tests run as root, an admin of any daemon."""
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, _keys(3, 9), range(3))
+        out = kvtier("--address", daemon.address, "check")
+        assert out.returncode == 0 and out.stdout.startswith("ok: "), out
+        assert "3 blocks, 2 sessions, 0 leases, 1 pools" in out.stdout
+        report = json.loads(kvtier("--address", daemon.address, "check", "--json").stdout)
+        assert report["problems"] == [] and report["blocks"] == 3
+        stats = kvtier("--address", daemon.address, "stats").stdout
+        assert "tenants:" in stats and "default" in stats and "(3 blocks)" in stats
+        out = kvtier("--address", daemon.address, "drain", "--wait", "0.5")
+        assert out.returncode == 1 and "1 sessions still open" in out.stdout, out
+        health = kvtier("--address", daemon.address, "health")
+        assert health.returncode == 2 and "draining" in health.stdout
+        client.put(pool.pool_id, _keys(1, 10), [3])  # the open session carries on
+    out = kvtier("--address", daemon.address, "drain", "--wait", "10")
+    assert out.returncode == 0 and "drained" in out.stdout, out
+    assert kvtier("--address", daemon.address, "drain", "--resume").returncode == 0
+    assert kvtier("--address", daemon.address, "health").returncode == 0
+
+
+def test_check_lists_what_is_broken_and_exits_1(capsys, monkeypatch):
+    from kvtier.client import CheckResult, Client
+
+    broken = CheckResult(["L1: slot 7 belongs to 2 blocks"], True, 5, 1, 0, 0)
+    monkeypatch.setattr(Client, "check", lambda self, settle_s: broken)
+    code, out, _ = run_main(capsys, "--address", "unix:/x.sock", "check")
+    assert code == 1
+    assert out.splitlines() == [
+        "broken: kvtierd at unix:/x.sock: 1 problems (5 blocks, 1 sessions, 0 leases, 0 pools)",
+        "  L1: slot 7 belongs to 2 blocks",
+    ]
+
+
+def test_check_exits_2_when_it_cannot_ask(tmp_path, capsys):
+    code, _, err = run_main(capsys, "--address", f"unix:{tmp_path}/none.sock", "check")
+    assert code == 2 and "cannot reach kvtierd" in err
 
 
 _DEGRADE = textwrap.dedent(

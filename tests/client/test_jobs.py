@@ -220,6 +220,25 @@ def test_save_then_layerwise_load_job_round_trip(daemon):
         assert client.poll(load.job_id).finished  # still known: nobody asked by id yet
 
 
+def test_jobs_use_the_clients_namespace(daemon):
+    with (
+        daemon.client(namespace="llama") as client,
+        daemon.client() as other,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        data = fill(shm, 5)
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(3, "ns")
+        expect = [page_bytes(data, p) for p in range(3)]
+        save = client.submit_save(pool, [SaveSegment(keys, [0, 1, 2])])
+        assert client.wait(save.job_id, timeout_s=10).done.all()
+        assert other.lookup(keys).prefix_len == 0  # another namespace of the tenant
+        assert other.lookup(keys, namespace="llama").prefix_len == 3
+        load = client.submit_load(pool, [LoadSegment(keys, [4, 5, 6])], layer_groups=LAYERS)
+        assert load.wait(timeout_s=10).done.all()
+        assert [page_bytes(data, p) for p in (4, 5, 6)] == expect
+
+
 def test_chains_longer_than_a_batch_go_batch_after_batch(daemon):
     with daemon.client(max_batch_blocks=2) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         data = fill(shm, 5)

@@ -94,7 +94,12 @@ def test_overrides_win_over_the_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("tiers:\n  l1:\n    capacity_bytes: 2GiB\n")
     config = load_config(
-        path, ["tiers.l1.capacity_bytes=512MiB", "server.tcp_address=127.0.0.1:5000"]
+        path,
+        [
+            "tiers.l1.capacity_bytes=512MiB",
+            "server.tcp_address=127.0.0.1:5000",
+            "tenants=[{name: remote, token_file: remote.token}]",  # TCP needs a token tenant
+        ],
     )
     assert config.tiers.l1.capacity_bytes == 512 << 20
     assert config.server.tcp_address == "127.0.0.1:5000"
@@ -283,6 +288,7 @@ def test_every_key_has_an_environment_variable_and_they_sit_between_file_and_set
         "KVTIER_TIERS_L2_ENABLED": "true",
         "KVTIER_POLICY_PROTECT_S": "0.5",
         "KVTIER_SERVER_TCP_ADDRESS": "[::1]:5000",
+        "KVTIER_TENANTS": "[{name: remote, token_file: remote.token}]",
         "KVTIER_ADDRESS": "unix:/elsewhere.sock",  # the client's, not config
         "HOME": "/root",
     }
@@ -291,6 +297,7 @@ def test_every_key_has_an_environment_variable_and_they_sit_between_file_and_set
     assert config.tiers.l2.enabled is True
     assert config.policy.protect_s == 3.0
     assert config.server.tcp_address == "[::1]:5000"
+    assert [t.name for t in config.tenants] == ["remote"]
 
 
 def test_a_misspelt_environment_variable_is_a_config_error():

@@ -313,9 +313,13 @@ def test_gpu_pools_follow_the_rules_of_every_pool(tmp_path):
         service.register_cuda_ipc_pool(owner, _export(mapper, engine), engine.layout)
     with pytest.raises(PermissionDenied, match="another session"):
         service.unregister_pool(other, pool.pool_id)
-    anonymous = service.open_session("tcp", b"", unix_socket=False).session_id
+    # A TCP session (a token's tenant, no peer credentials) registers no memory.
+    from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
+
+    service.tenants = TenantDirectory([Tenant("remote", token_digest=_digest(b"t" * 16))])
+    remote = service.open_session("tcp", b"", unix_socket=False, token=b"t" * 16).session_id
     with pytest.raises(PermissionDenied, match="no peer credentials"):
-        service.register_cuda_ipc_pool(anonymous, _export(mapper, engine), engine.layout)
+        service.register_cuda_ipc_pool(remote, _export(mapper, engine), engine.layout)
     # A block larger than an L0 slot is refused, naming the key that limits it.
     big = make_pool("vllm", layers=64, pages=2, tokens=16, heads=4, head_dim=32)
     with pytest.raises(InvalidArgument, match=r"raise tiers\.l0\.segment_bytes"):

@@ -228,3 +228,31 @@ def test_bad_parameters_are_refused() -> None:
         HeatPolicy(capacity_blocks=0)
     with pytest.raises(ValueError):
         HeatPolicy(half_life_s=0)
+
+
+def test_regression_a_complete_candidate_buffer_kept_every_consumed_entry():
+    """Found by the soak (the daemon's memory grew with every block L1 evicted): a segment
+    small enough for its candidate buffer to cover it whole is never rebuilt, and the
+    buffer's consumed head (entries of blocks long evicted) was never dropped."""
+    policy = HeatPolicy(capacity_blocks=128)
+    free = list(range(1024))[::-1]
+    live: list[int] = []
+    now = 0.0
+    for _ in range(2000):
+        now += 0.01
+        if len(live) >= 64:
+            victims = policy.victims(8, now, lambda b: np.ones(len(b), dtype=bool))
+            assert victims is not None
+            for bid in victims.tolist():
+                policy.remove(bid)
+                policy.forget(bid)
+                live.remove(bid)
+                free.append(bid)
+        parent = -1
+        for _ in range(8):
+            bid = free.pop()
+            policy.insert(bid, now, parent)
+            live.append(bid)
+            parent = bid
+    assert all(len(buf.entries) <= 4 * 64 + len(live) for buf in policy._bufs)
+    assert sorted(policy.order().tolist()) == sorted(live)

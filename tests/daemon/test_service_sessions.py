@@ -13,6 +13,8 @@ from kvtier.daemon.errors import NotFound, PermissionDenied, Unauthenticated
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
+from kvtier.daemon.stats import Counters
+from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
 from kvtier.kernels.layout import PoolLayout
 
 PEER = PeerCred(pid=1, uid=1000, gid=1000)
@@ -24,6 +26,7 @@ class SlowStore:
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.pins = 0
+        self.counters = Counters()
 
     async def lookup(self, ns: int, words: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         await self.release.wait()
@@ -79,12 +82,17 @@ def test_regression_a_session_ending_during_a_pinning_lookup_left_its_pins():
 
 def test_a_unix_socket_session_needs_a_ticket_and_tcp_sessions_register_no_memory():
     service, tickets = _service(SlowStore())
+    token = b"remote-secret-0123456789"
+    service.tenants = TenantDirectory([Tenant("remote", token_digest=_digest(token))])
     with pytest.raises(Unauthenticated, match=r"\.cred"):
         service.open_session("t", b"", unix_socket=True)
-    anonymous = service.open_session("t", b"", unix_socket=False)
-    assert anonymous.peer is None and anonymous.tenant == "anonymous"
+    with pytest.raises(Unauthenticated, match="token"):
+        service.open_session("t", b"", unix_socket=False)
+    remote = service.open_session("t", b"", unix_socket=False, token=token)
+    assert remote.peer is None and remote.tenant == "remote" and not remote.admin
     layout = PoolLayout.staging(num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=64)
     with pytest.raises(PermissionDenied, match="no peer credentials"):
-        service.register_shm_pool(anonymous.session_id, "x", 128, layout)
-    session = service.open_session("t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True)
-    assert session.peer == PEER and session.tenant == "uid:1000"
+        service.register_shm_pool(remote.session_id, "x", 128, layout)
+    # A peer that is in no tenant is refused, with what to do about it.
+    with pytest.raises(PermissionDenied, match="belongs to no tenant"):
+        service.open_session("t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True)

@@ -4,19 +4,30 @@ import numpy as np
 import pytest
 
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
-from kvtier.daemon.sessions import ANONYMOUS_TENANT, PeerCred, SessionRegistry
+from kvtier.daemon.sessions import PeerCred, SessionRegistry
 
 
-def test_leases_belong_to_their_session_and_die_with_it():
+def test_leases_die_with_their_session_and_serve_only_their_tenant():
     reg = SessionRegistry()
-    a, b = reg.open("a", 0.0), reg.open("b", 0.0)
+    a, b = reg.open("a", 0.0, tenant="alice"), reg.open("b", 0.0, tenant="alice")
+    eve = reg.open("e", 0.0, tenant="eve")
     lease = reg.add_lease(a.session_id, np.array([1, 2]), expires_at=10.0)
-    assert reg.lease_owner(lease.lease_id) == a.session_id
+    # Another session of the tenant may load under it; another tenant's may not.
+    assert reg.lease_for(b.session_id, lease.lease_id) is lease
+    with pytest.raises(PermissionDenied, match="another tenant"):
+        reg.lease_for(eve.session_id, lease.lease_id)
     with pytest.raises(PermissionDenied):
-        reg.pop_lease(b.session_id, lease.lease_id)
+        reg.pop_lease(eve.session_id, lease.lease_id)
+    assert reg.lease_for(b.session_id, 12345) is None
+    # Only the session that took it releases it.
+    other = reg.add_lease(a.session_id, np.array([3]), expires_at=10.0)
+    with pytest.raises(PermissionDenied, match="another session"):
+        reg.pop_lease(b.session_id, other.lease_id)
+    assert reg.pop_lease(a.session_id, other.lease_id) is other
+    assert a.leases == {lease.lease_id}
     dropped = reg.close(a.session_id)
     assert [x.lease_id for x in dropped] == [lease.lease_id]
-    assert reg.lease_count == 0 and reg.session_count == 1
+    assert reg.lease_count == 0 and reg.session_count == 2
     with pytest.raises(NotFound):
         reg.get(a.session_id)
     with pytest.raises(NotFound):
@@ -42,20 +53,24 @@ def test_requests_without_a_session_are_told_how_to_get_one():
         SessionRegistry().get("")
 
 
-def test_a_session_carries_its_peer_and_counts_against_its_tenant():
+def test_a_session_carries_its_peer_and_counts_against_its_limit_key():
     reg = SessionRegistry(max_per_tenant=2)
     alice = PeerCred(pid=1, uid=1000, gid=1000)
-    a = reg.open("a", 0.0, alice)
-    assert a.peer == alice and a.tenant == "uid:1000"
-    reg.open("b", 0.0, PeerCred(pid=2, uid=1000, gid=5))
+    a = reg.open("a", 0.0, alice, "alice")
+    assert a.peer == alice and a.tenant == "alice" and a.limit_key == "alice"
+    reg.open("b", 0.0, PeerCred(pid=2, uid=1001, gid=5), "alice")
     with pytest.raises(ResourceExhausted, match=r"server\.max_sessions_per_tenant"):
-        reg.open("c", 0.0, alice)
-    # Other tenants, and sessions without credentials, count separately.
-    assert reg.open("d", 0.0, PeerCred(pid=3, uid=1001, gid=1001)).tenant == "uid:1001"
-    assert reg.open("e", 0.0).tenant == ANONYMOUS_TENANT
+        reg.open("c", 0.0, alice, "alice")
+    # Other tenants count separately; without tenants the default tenant counts per uid.
+    assert reg.open("d", 0.0, tenant="bob").tenant == "bob"
+    reg.open("u", 0.0, alice, "default", limit_key="uid:1000")
+    reg.open("u", 0.0, alice, "default", limit_key="uid:1000")
+    with pytest.raises(ResourceExhausted, match=r"tenant default \(uid:1000\)"):
+        reg.open("u", 0.0, alice, "default", limit_key="uid:1000")
+    assert reg.open("v", 0.0, None, "default", limit_key="uid:1001").limit_key == "uid:1001"
     reg.close(a.session_id)
-    assert reg.tenant_sessions("uid:1000") == 1
-    reg.open("c", 0.0, alice)
+    assert reg.tenant_sessions("alice") == 1
+    reg.open("c", 0.0, alice, "alice")
 
 
 def test_unknown_or_malformed_session_ids_are_not_found_and_not_echoed():

@@ -462,3 +462,10 @@ async def test_tls_round_trip_and_an_untrusted_server(tmp_path: Path, l3_prefix:
             health = tier.health()
             assert health.state is Health.DOWN and "certificate" in health.detail.lower()
             assert await tier.probe(blocks) == 0
+
+
+def test_regression_namespace_names_chosen_by_clients_grew_the_key_cache_without_bound():
+    namer = KeyNamer("kvtier:")
+    for ns in range(20_000):  # a client looking up under ever new namespace names
+        assert namer.key(ns, b"\x01" * 32).startswith(f"kvtier:{ns}:".encode())
+    assert len(namer._cache) <= 4096

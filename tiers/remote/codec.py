@@ -37,6 +37,7 @@ FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sBBHQQQ")
 HEADER_BYTES = _HEADER.size  # 32
 
+_MAX_CACHED_NAMESPACES = 4096
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -77,6 +78,9 @@ class KeyNamer:
                     "of letters, digits, '_', '.', '-'"
                 )
             head = self.prefix + token.encode() + b":"
+            if len(self._cache) >= _MAX_CACHED_NAMESPACES:
+                # Clients choose namespace names freely (each a new id): stay bounded.
+                self._cache.clear()
             self._cache[ns] = head
         return head
 

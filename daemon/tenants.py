@@ -1,0 +1,304 @@
+"""Tenants: who a session belongs to, what it may do, and the namespaces it may address.
+
+A session is bound to exactly one tenant when it opens, from what the server itself knows:
+the peer's uid and gid (read by the kernel, through the credential socket's ticket), or a
+tenant's secret token. The namespace of every request is derived here from that tenant and
+the name the client declares inside it, so no client can name another tenant's namespace,
+whatever keys it sends.
+
+Rules:
+- Without tenants configured, every local peer belongs to the tenant ``default`` (the
+  daemon then behaves as one shared cache); sessions are limited per peer uid.
+- With tenants configured, a peer belongs to the tenant listing its uid, else the one listing
+  its (primary) gid; a uid or gid is listed by one tenant at most (the config checks it). A
+  peer that matches none is refused, unless it is an admin peer, which then gets the tenant
+  ``admin``.
+- A token binds the session to the tenant whose token it is (compared in constant time
+  against every tenant's). Over TCP a token is the only way in. On the Unix socket the token's
+  tenant must be one the peer may use: its own, or a tenant that lists no uids and gids.
+- Admin rights: the sessions of an ``admin: true`` tenant, and of root, the daemon's own user
+  and ``server.admin_uids`` (root and the daemon's user could read the daemon's memory
+  anyway). Admins may check, drain, and delete or evict in any tenant's namespace; they read
+  no one's blocks.
+- Namespace ids are 64-bit BLAKE2b hashes of (owner, declared name), where the owner is
+  ``tenant:<name>`` or ``shared:<name>``: the same on every daemon with the same tenant names
+  (a shared remote tier), and the same after a restart (blocks recovered from disk keep their
+  tenant). The default tenant's unnamed namespace is 0, the id every block had before
+  tenants existed, so an older disk index keeps serving.
+
+Thread-safety: immutable after construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.daemon.config import ADMIN_TENANT, DEFAULT_TENANT, TENANT_NAME, Config
+from kvtier.daemon.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvtier.daemon.sessions import PeerCred
+from kvtier.tiers.base import TierKind
+
+SHARED_PREFIX = "shared:"
+# Namespace 0: the default tenant's unnamed namespace (see the module docstring).
+DEFAULT_NAMESPACE = 0
+MAX_NAMESPACE_BYTES = 200
+MIN_TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 4096
+_PERSON = b"kvtier-ns-v1"
+
+
+def _field(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<I", len(data)) + data
+
+
+def namespace_id(owner: str, name: str) -> int:
+    """The namespace id of ``name`` inside ``owner`` (``tenant:<t>`` or ``shared:<s>``)."""
+    if owner == f"tenant:{DEFAULT_TENANT}" and name == "":
+        return DEFAULT_NAMESPACE
+    h = hashlib.blake2b(_field(owner) + _field(name), digest_size=8, person=_PERSON)
+    return int.from_bytes(h.digest(), "little") or 1  # 0 is the default's
+
+
+class TokenFileError(OSError):
+    """A token file that must not be used (readable by others, too short)."""
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(b"kvtier-token-v1" + token).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+    token_digest: bytes = b""  # SHA-256 of the secret; empty: no token
+    admin: bool = False
+    quotas: Mapping[TierKind, int] = field(default_factory=dict)
+
+    @property
+    def by_credentials(self) -> bool:
+        return bool(self.uids or self.gids)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSpace:
+    name: str
+    tenants: frozenset[str]
+    quotas: Mapping[TierKind, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return SHARED_PREFIX + self.name
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What a session is bound to when it opens."""
+
+    tenant: str
+    admin: bool
+    # What the per-tenant session limit counts: the tenant, or the uid without tenants.
+    limit_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """A namespace a request addresses: its id and the owner label its blocks count against
+    (the tenant, or ``shared:<name>``)."""
+
+    ns: int
+    owner: str
+    name: str
+
+
+class TenantDirectory:
+    def __init__(
+        self,
+        tenants: Iterable[Tenant] = (),
+        shared: Iterable[SharedSpace] = (),
+        admin_uids: Iterable[int] = (),
+    ) -> None:
+        self.tenants = {t.name: t for t in tenants}
+        self.shared = {s.name: s for s in shared}
+        self.admin_uids = frozenset(admin_uids)
+        self._by_uid = {uid: t for t in self.tenants.values() for uid in t.uids}
+        self._by_gid = {gid: t for t in self.tenants.values() for gid in t.gids}
+        self._tokens = [t for t in self.tenants.values() if t.token_digest]
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.tenants)
+
+    @classmethod
+    def from_config(cls, config: Config, read: bool = True) -> TenantDirectory:
+        """The directory of a (checked) config; ``read``: read the token files (raises
+        OSError when one cannot be used, see ``read_token_file``)."""
+        tenants = []
+        for i, tc in enumerate(config.tenants):
+            where = f"tenants[{i}]"
+            digest = _digest(read_token_file(tc.token_file)) if tc.token_file and read else b""
+            tenants.append(
+                Tenant(
+                    tc.name,
+                    tc.uid_set(where),
+                    tc.gid_set(where),
+                    digest,
+                    tc.admin,
+                    _quotas(tc.quotas.by_label()),
+                )
+            )
+        shared = [
+            SharedSpace(s.name, frozenset(s.tenants), _quotas(s.quotas.by_label()))
+            for s in config.shared_namespaces
+        ]
+        admins = {0, os.geteuid(), *config.server.admin_uid_set()}
+        return cls(tenants, shared, admins)
+
+    # --------------------------------------------------------------- binding
+
+    def bind(self, peer: PeerCred | None, token: bytes) -> Binding:
+        """The tenant of a new session (see the module rules); raises Unauthenticated or
+        PermissionDenied with what to do about it."""
+        if token:
+            return self._bind_token(peer, token)
+        if peer is None:
+            raise Unauthenticated(
+                "a session without peer credentials (over TCP) needs a tenant token "
+                "(OpenSessionRequest.token, the content of the tenant's token_file)"
+            )
+        admin = peer.uid in self.admin_uids
+        if not self.configured:
+            return Binding(DEFAULT_TENANT, admin, f"uid:{peer.uid}")
+        tenant = self._by_uid.get(peer.uid) or self._by_gid.get(peer.gid)
+        if tenant is not None:
+            return Binding(tenant.name, tenant.admin or admin, tenant.name)
+        if admin:
+            return Binding(ADMIN_TENANT, True, ADMIN_TENANT)
+        raise PermissionDenied(
+            f"uid {peer.uid} (gid {peer.gid}) belongs to no tenant: list it in a tenant's uids "
+            "or gids in the daemon's config, or present a tenant token"
+        )
+
+    def _bind_token(self, peer: PeerCred | None, token: bytes) -> Binding:
+        if len(token) > MAX_TOKEN_BYTES:
+            raise Unauthenticated(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
+        digest = _digest(token)
+        found: Tenant | None = None
+        for tenant in self._tokens:  # every one compared, whichever matches
+            if hmac.compare_digest(digest, tenant.token_digest):
+                found = tenant
+        if found is None:
+            raise Unauthenticated("the token is not any tenant's")
+        admin = found.admin
+        if peer is not None:
+            if found.by_credentials and peer.uid not in found.uids and peer.gid not in found.gids:
+                raise PermissionDenied(
+                    f"the token is tenant {found.name!r}'s, whose uids and gids do not include "
+                    f"this peer (uid {peer.uid}, gid {peer.gid})"
+                )
+            admin = admin or peer.uid in self.admin_uids
+        return Binding(found.name, admin, found.name)
+
+    # ------------------------------------------------------------ namespaces
+
+    def space(self, tenant: str, declared: str, *, admin: bool = False) -> Space:
+        """The namespace ``declared`` names for a session of ``tenant``: ``NAME`` inside the
+        tenant, or ``shared:SPACE[/NAME]`` inside a configured shared namespace the tenant
+        may use (an admin may name any)."""
+        if len(declared.encode("utf-8")) > MAX_NAMESPACE_BYTES:
+            raise InvalidArgument(
+                f"namespace names are at most {MAX_NAMESPACE_BYTES} bytes; this one has "
+                f"{len(declared.encode('utf-8'))}"
+            )
+        if not declared.startswith(SHARED_PREFIX):
+            return Space(namespace_id(f"tenant:{tenant}", declared), tenant, declared)
+        space_name, _, name = declared[len(SHARED_PREFIX) :].partition("/")
+        space = self.shared.get(space_name)
+        if space is None or not (admin or tenant in space.tenants):
+            shown = space_name if TENANT_NAME.match(space_name) else "named"
+            raise PermissionDenied(
+                f"tenant {tenant!r} may use no shared namespace {shown!r} (shared_namespaces "
+                "in the daemon's config lists who may use which)"
+            )
+        return Space(namespace_id(space.label, name), space.label, declared)
+
+    def describe(self) -> str:
+        """One log line: who may connect as what."""
+        if not self.configured:
+            return "tenants: none configured; every local peer is tenant 'default'"
+        parts = []
+        for t in self.tenants.values():
+            how = [f"uids {sorted(t.uids)}"] if t.uids else []
+            how += [f"gids {sorted(t.gids)}"] if t.gids else []
+            how += ["token"] if t.token_digest else []
+            how += ["admin"] if t.admin else []
+            quotas = ", ".join(f"{k.label} {b}" for k, b in t.quotas.items())
+            how += [f"quotas {quotas}"] if quotas else []
+            parts.append(f"{t.name} ({'; '.join(how)})")
+        shared = [f"{s.label} ({', '.join(sorted(s.tenants))})" for s in self.shared.values()]
+        return (
+            "tenants: "
+            + ", ".join(parts)
+            + ("; shared namespaces: " + ", ".join(shared) if shared else "")
+        )
+
+    # ------------------------------------------------------------ accounting
+
+    def labels(self) -> list[str]:
+        """Every owner label the config knows: tenants, then shared namespaces."""
+        names = list(self.tenants) or [DEFAULT_TENANT]
+        return names + [s.label for s in self.shared.values()]
+
+    def quotas(self) -> list[tuple[str, TierKind, int]]:
+        """(owner label, tier, bytes) of every configured quota."""
+        out = [(t.name, k, b) for t in self.tenants.values() for k, b in t.quotas.items()]
+        out += [(s.label, k, b) for s in self.shared.values() for k, b in s.quotas.items()]
+        return out
+
+    def visible_to(self, tenant: str, admin: bool) -> list[str] | None:
+        """The owner labels a session's stats show: its tenant and the shared namespaces it
+        may use; None (all) for an admin."""
+        if admin:
+            return None
+        return [tenant] + [s.label for s in self.shared.values() if tenant in s.tenants]
+
+
+def _quotas(by_label: Mapping[str, int]) -> dict[TierKind, int]:
+    return {TierKind.from_label(label): nbytes for label, nbytes in by_label.items()}
+
+
+def read_token_file(path: str) -> bytes:
+    """A tenant's secret: the file's content without surrounding whitespace. The file must be
+    a regular file that only its owner may read or write, and the secret at least
+    ``MIN_TOKEN_BYTES`` long; otherwise TokenFileError (or another OSError when it cannot be
+    read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise TokenFileError(f"cannot read token file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not (st.st_mode & 0o170000 == 0o100000):
+            raise TokenFileError(f"token file {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise TokenFileError(
+                f"token file {path} has mode {st.st_mode & 0o777:04o}: others may read it; "
+                "make it readable by its owner only (chmod 600)"
+            )
+        data = os.read(fd, MAX_TOKEN_BYTES + 64)
+    finally:
+        os.close(fd)
+    token = data.strip()
+    if len(token) < MIN_TOKEN_BYTES:
+        raise TokenFileError(
+            f"token file {path} holds {len(token)} bytes; a token has at least "
+            f"{MIN_TOKEN_BYTES} (e.g. `head -c 32 /dev/urandom | base64 > FILE`)"
+        )
+    return token

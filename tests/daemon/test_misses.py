@@ -1,0 +1,37 @@
+"""The miss-reason ledger (daemon/misses.py): a fixed table, oldest forgotten first."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.daemon.misses import ABSENT, DECLINED, EVICTED, MissLedger
+
+
+def test_reasons_are_recorded_updated_and_discarded():
+    ledger = MissLedger(capacity=1024)
+    keys = [int(k) for k in np.random.default_rng(0).integers(0, 2**63, 100, dtype=np.int64)]
+    ledger.record(keys[:40], EVICTED)
+    ledger.record(keys[40:60], DECLINED)
+    ledger.record(keys[:10], DECLINED)  # evicted, then declined on its way back
+    assert len(ledger) == 60
+    assert ledger.classify(keys) == {ABSENT: 40, EVICTED: 30, DECLINED: 30}
+    ledger.discard(keys[:20] + keys[90:])
+    assert len(ledger) == 40
+    assert ledger.classify(keys) == {ABSENT: 60, EVICTED: 20, DECLINED: 20}
+    assert ledger.classify([]) == {ABSENT: 0, EVICTED: 0, DECLINED: 0}
+
+
+def test_regression_the_ledger_grew_with_every_eviction_until_full():
+    """Found by the soak: a dict of Python ints took about 125 bytes per evicted block, up to
+    2**18 of them. The table is allocated once; a full bucket forgets its oldest entry."""
+    ledger = MissLedger(capacity=256)
+    nbytes = ledger._keys.nbytes + ledger._why.nbytes + ledger._stamp.nbytes
+    assert nbytes == 256 * 13
+    for start in range(0, 100_000, 1000):
+        ledger.record(range(start, start + 1000), EVICTED)
+    assert len(ledger) <= 256
+    assert ledger._keys.nbytes + ledger._why.nbytes + ledger._stamp.nbytes == nbytes
+    # The newest keys are the ones remembered.
+    recent = ledger.classify(range(99_900, 100_000))
+    old = ledger.classify(range(0, 100))
+    assert recent[EVICTED] > 60 and old[EVICTED] == 0

@@ -1,0 +1,219 @@
+"""Tenant binding and namespace derivation (daemon/tenants.py), and the tenants config."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvtier.daemon.config import load_config
+from kvtier.daemon.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
+from kvtier.daemon.sessions import PeerCred
+from kvtier.daemon.tenants import (
+    DEFAULT_NAMESPACE,
+    SharedSpace,
+    Tenant,
+    TenantDirectory,
+    TokenFileError,
+    _digest,
+    namespace_id,
+    read_token_file,
+)
+from kvtier.tiers.base import TierKind
+
+SECRET = b"bob-secret-0123456789"
+ROBOT = b"robot-secret-0123456789"
+
+
+def peer(uid: int, gid: int | None = None) -> PeerCred:
+    return PeerCred(pid=1, uid=uid, gid=uid if gid is None else gid)
+
+
+@pytest.fixture
+def directory() -> TenantDirectory:
+    return TenantDirectory(
+        [
+            Tenant("alice", uids=frozenset({1000})),
+            Tenant(
+                "bob", uids=frozenset({1001}), gids=frozenset({50}), token_digest=_digest(SECRET)
+            ),
+            Tenant("robot", token_digest=_digest(ROBOT)),  # by token only
+            Tenant("ops", uids=frozenset({7}), admin=True),
+        ],
+        [SharedSpace("common", frozenset({"alice", "bob"}))],
+        admin_uids={0},
+    )
+
+
+def test_namespace_ids_are_stable_64_bit_hashes_of_owner_and_name():
+    assert namespace_id("tenant:default", "") == DEFAULT_NAMESPACE == 0
+    ids = {
+        namespace_id(owner, name)
+        for owner in ("tenant:alice", "tenant:bob", "shared:alice", "tenant:default")
+        for name in ("", "m", "llama")
+    }
+    assert len(ids) == 12 and all(0 <= i < 2**64 for i in ids)
+    assert namespace_id("tenant:alice", "m") == namespace_id("tenant:alice", "m")
+    # Length-prefixed fields: moving a character from owner to name changes the id.
+    assert namespace_id("tenant:ab", "c") != namespace_id("tenant:a", "bc")
+
+
+def test_without_tenants_every_peer_is_default_and_limited_per_uid():
+    d = TenantDirectory(admin_uids={0})
+    b = d.bind(peer(1000), b"")
+    assert (b.tenant, b.admin, b.limit_key) == ("default", False, "uid:1000")
+    assert d.bind(peer(0), b"").admin
+    assert d.space("default", "").ns == 0
+    with pytest.raises(Unauthenticated, match="token"):
+        d.bind(None, b"")
+
+
+def test_peers_bind_by_uid_then_gid_and_the_unknown_are_refused(directory):
+    assert directory.bind(peer(1000), b"").tenant == "alice"
+    assert directory.bind(peer(1000, gid=50), b"").tenant == "alice"  # the uid wins
+    assert directory.bind(peer(4242, gid=50), b"").tenant == "bob"
+    ops = directory.bind(peer(7), b"")
+    assert (ops.tenant, ops.admin, ops.limit_key) == ("ops", True, "ops")
+    with pytest.raises(PermissionDenied, match=r"uid 4242 \(gid 4242\) belongs to no tenant"):
+        directory.bind(peer(4242), b"")
+    root = directory.bind(peer(0), b"")  # an admin uid in no tenant
+    assert (root.tenant, root.admin) == ("admin", True)
+
+
+def test_tokens_bind_their_tenant_where_the_peer_may_use_it(directory):
+    assert directory.bind(None, SECRET).tenant == "bob"  # TCP
+    assert directory.bind(None, ROBOT).tenant == "robot"
+    assert directory.bind(peer(1001), SECRET).tenant == "bob"
+    assert directory.bind(peer(1000), ROBOT).tenant == "robot"  # a token-only tenant
+    with pytest.raises(PermissionDenied, match="tenant 'bob'"):
+        directory.bind(peer(1000), SECRET)  # alice's uid with bob's token
+    with pytest.raises(Unauthenticated, match="not any tenant's"):
+        directory.bind(None, b"guess-0123456789")
+    assert directory.bind(peer(0), ROBOT).admin  # an admin uid keeps its rights
+
+
+def test_spaces_are_the_tenants_own_or_configured_shared_ones(directory):
+    mine = directory.space("alice", "m")
+    assert (mine.owner, mine.ns) == ("alice", namespace_id("tenant:alice", "m"))
+    assert directory.space("bob", "m").ns != mine.ns
+    shared = directory.space("alice", "shared:common/llama")
+    assert shared == directory.space("bob", "shared:common/llama")
+    assert shared.owner == "shared:common" and shared.ns == namespace_id("shared:common", "llama")
+    assert directory.space("alice", "shared:common").ns != shared.ns
+    with pytest.raises(PermissionDenied, match="shared_namespaces"):
+        directory.space("robot", "shared:common")
+    with pytest.raises(PermissionDenied):
+        directory.space("alice", "shared:secret")
+    assert directory.space("ops", "shared:common", admin=True).owner == "shared:common"
+    with pytest.raises(InvalidArgument, match="200 bytes"):
+        directory.space("alice", "x" * 201)
+
+
+def test_stats_show_a_tenant_its_own_and_its_shared_namespaces(directory):
+    assert directory.visible_to("alice", False) == ["alice", "shared:common"]
+    assert directory.visible_to("robot", False) == ["robot"]
+    assert directory.visible_to("ops", True) is None
+
+
+def test_token_files_must_be_private_regular_and_long_enough(tmp_path):
+    good = tmp_path / "good"
+    good.write_bytes(b"  " + SECRET + b"\n")
+    good.chmod(0o600)
+    assert read_token_file(str(good)) == SECRET
+    good.chmod(0o640)
+    with pytest.raises(TokenFileError, match="chmod 600"):
+        read_token_file(str(good))
+    short = tmp_path / "short"
+    short.write_bytes(b"abc")
+    short.chmod(0o600)
+    with pytest.raises(TokenFileError, match="at least 16"):
+        read_token_file(str(short))
+    link = tmp_path / "link"
+    os.symlink(short, link)
+    with pytest.raises(TokenFileError, match="cannot read"):
+        read_token_file(str(link))
+    with pytest.raises(TokenFileError, match="cannot read"):
+        read_token_file(str(tmp_path / "absent"))
+
+
+def test_the_directory_is_built_from_the_config(tmp_path):
+    token = tmp_path / "t"
+    token.write_bytes(SECRET)
+    token.chmod(0o600)
+    config = load_config(
+        None,
+        [
+            f"tenants=[{{name: a, uids: [1000, root], quotas: {{l1: 1MiB}}}}, "
+            f"{{name: b, gids: [0], token_file: {token}, admin: true}}]",
+            "shared_namespaces=[{name: s, tenants: [a, b], quotas: {l1: 2MiB}}]",
+            "server.admin_uids=[12]",
+        ],
+    )
+    d = TenantDirectory.from_config(config)
+    assert d.tenants["a"].uids == {1000, 0} and d.tenants["b"].gids == {0}
+    assert d.bind(None, SECRET).tenant == "b"
+    assert d.bind(peer(12), b"").admin
+    assert sorted(d.quotas()) == sorted(
+        [("a", TierKind.HOST, 1 << 20), ("shared:s", TierKind.HOST, 2 << 20)]
+    )
+    assert "a (uids [0, 1000]; quotas L1 1048576)" in d.describe()
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["tenants=[{name: a, uids: [1]}, {name: b, uids: [1]}]"], "uid 1 is already"),
+        (["tenants=[{name: a, gids: [5]}, {name: b, gids: [5]}]"], "gid 5 is already"),
+        (["tenants=[{name: a, uids: [1]}, {name: a, uids: [2]}]"], "appears twice"),
+        (["tenants=[{name: admin, uids: [1]}]"], "reserved"),
+        (["tenants=[{name: 'no spaces', uids: [1]}]"], r"tenants\[0\]\.name"),
+        (["tenants=[{name: a}]"], "no session could ever belong"),
+        (["tenants=[{name: a, uids: [no-such-user-here]}]"], r"tenants\[0\]\.uids"),
+        (["tenants=[{name: a, uids: [1], quota: {l1: 1}}]"], r"tenants\[0\]\.quota'"),
+        (["tenants=[{name: a, uids: [1], quotas: {l3: 1}}]"], r"tenants\[0\]\.quotas\.l3"),
+        (["tenants=[{name: a, uids: [1], quotas: {l2: 1GiB}}]"], "tiers.l2 is not enabled"),
+        (["tenants={name: a}"], "list of mappings"),
+        (
+            ["tenants=[{name: a, uids: [1]}]", "shared_namespaces=[{name: s, tenants: [z]}]"],
+            "no tenant 'z'",
+        ),
+        (["server.tcp_address=127.0.0.1:5000"], "need a tenant token"),
+        (["server.admin_uids=[no-such-user-here]"], r"server\.admin_uids"),
+    ],
+)
+def test_bad_tenant_configs_name_the_key(overrides, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, overrides)
+
+
+def test_tenants_print_and_load_back(tmp_path):
+    import yaml
+
+    config = load_config(
+        None,
+        [
+            "tenants=[{name: a, uids: [1, root], quotas: {l1: 1GiB}}]",
+            "shared_namespaces=[{name: s, tenants: [a]}]",
+        ],
+    )
+    path = tmp_path / "printed.yaml"
+    printed = config.printable()
+    assert printed["tenants"][0]["quotas"]["l1"] == "1GiB"
+    path.write_text(yaml.safe_dump(printed, sort_keys=False))
+    assert load_config(path) == config
+
+
+def test_preflight_names_a_token_file_the_daemon_must_not_use(tmp_path):
+    from kvtier.daemon.preflight import _tokens
+
+    token = tmp_path / "t"
+    token.write_bytes(SECRET)
+    token.chmod(0o644)
+    config = load_config(
+        None, [f"tenants=[{{name: a, uids: [1]}}, {{name: b, token_file: {token}}}]"]
+    )
+    problems = _tokens(config)
+    assert [p.key for p in problems] == ["tenants[1].token_file"]
+    assert "chmod 600" in problems[0].message
+    token.chmod(0o600)
+    assert _tokens(config) == []

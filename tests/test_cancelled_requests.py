@@ -1,0 +1,105 @@
+"""Requests whose clients cancel them (or whose deadline passes) still run to their end.
+
+Found by the fuzz test (tests/test_fuzz.py): a Delete cancelled while the disk tier was
+forgetting its blocks left their L2 slots allocated for good (the invariant check counted
+more slots than blocks) and their index rows in place, so the deleted blocks came back after
+a restart; Puts cancelled during their copies left L1 slots allocated that no block held.
+gRPC cancels a handler's coroutine at whatever await it is in; the servicer now lets
+the request finish and only drops its answer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from test_l2_daemon import l2_args
+
+from kvtier.client import PoolLayout, SharedMemoryPool, Tier
+from kvtier.proto import kvtier_pb2 as pb
+
+LAYOUT = PoolLayout.staging(
+    num_layers=2, num_pages=64, block_tokens=4, chunk_bytes=8192, kv_count=1, dtype="uint8"
+)
+BLOCK = LAYOUT.block_bytes
+
+
+def _small_daemon(daemon_factory, tmp_path, *extra: str):
+    return daemon_factory(
+        "policy.protect_s=0",
+        "tiers.l1.segment_bytes=1MiB",
+        *l2_args(tmp_path / "l2", "tiers.l2.capacity_bytes=8MiB", "tiers.l2.file_bytes=8MiB"),
+        *extra,
+        l1_bytes="2MiB",
+    )
+
+
+def test_regression_cancelled_deletes_leaked_l2_slots_and_the_blocks_came_back(
+    daemon_factory, tmp_path
+):
+    d = _small_daemon(daemon_factory, tmp_path)
+    deleted: list[bytes] = []
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        for r in range(40):
+            ks = [os.urandom(32) for _ in range(8)]
+            client.put(pool.pool_id, ks, range(8))
+            assert client.evict(ks, "L1").evicted == 8
+            call = client._stub.Delete.future(
+                pb.DeleteRequest(session_id=client.session_id, keys=ks)
+            )
+            time.sleep(0.0005 * (r % 5))  # cancelled at every step of the delete
+            call.cancel()
+            found = client.lookup(ks)
+            if found.prefix_len == 0:
+                deleted += ks
+        check = client.check(settle_s=5)
+        assert check.problems == [] and check.strict
+    assert len(deleted) >= 8 * 10  # most deletes reached the daemon
+    d.restart()  # SIGTERM, then a new process reads the disk tier's index
+    with d.client() as client:
+        assert client.lookup(deleted).tiers == [Tier.ABSENT] * len(deleted)
+        assert client.check(settle_s=5).problems == []
+
+
+def test_regression_cancelled_puts_left_slots_no_block_held(daemon_factory, tmp_path):
+    """Puts of one content are cancelled mid-copy while puts of another follow: the slots
+    add up afterwards (before the fix L1 had 128 slots allocated for 79 blocks), and every
+    block reads back exactly as stored."""
+    d = _small_daemon(daemon_factory, tmp_path)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        data = shm.array().reshape(LAYOUT.num_pages, BLOCK)
+        rng = np.random.default_rng(0)
+        data[:32] = 0xEE  # what cancelled puts copy
+        kept: dict[bytes, np.ndarray] = {}
+        for r in range(60):
+            doomed = [os.urandom(32) for _ in range(16)]
+            call = client._stub.Put.future(
+                pb.PutRequest(
+                    session_id=client.session_id,
+                    pool_id=pool.pool_id,
+                    keys=doomed,
+                    pages=list(range(16)),
+                )
+            )
+            time.sleep(0.0002 * (r % 7))
+            call.cancel()
+            ks = [os.urandom(32) for _ in range(8)]
+            data[32:40] = rng.integers(0, 255, (8, BLOCK), dtype=np.uint8)
+            assert client.put(pool.pool_id, ks, range(32, 40)).stored == 8
+            kept.update({k: data[32 + i].copy() for i, k in enumerate(ks)})
+            if len(kept) > 96:  # keep them in L1 (2 MiB) and L2 without pressure
+                old = list(kept)[:32]
+                client.delete(old)
+                for k in old:
+                    del kept[k]
+        keys = list(kept)
+        for start in range(0, len(keys), 16):
+            chunk = keys[start : start + 16]
+            got = client.get(pool.pool_id, chunk, range(40, 40 + len(chunk)))
+            assert all(got.loaded)
+            for i, k in enumerate(chunk):
+                assert np.array_equal(data[40 + i], kept[k]), "a block read back wrong"
+        assert client.check(settle_s=5).problems == []

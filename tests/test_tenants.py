@@ -1,0 +1,270 @@
+"""Tenants bound on the server (issue 9, items 3, 4 and 5), through the real daemon.
+
+Two real clients run as two users (uid 1 is tenant alice, uid 65534 tenant bob; neither is
+an admin) and use the same keys: neither can find, read, overwrite, delete, evict or
+prefetch the other's blocks, nor use the other's leases. Namespaces are shared only when the
+config says so; quotas bind per tenant and show in stats; admin calls need an admin.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from peer_client import PeerClient, PeerError
+from peers import NOBODY, NOGROUP, require_root
+
+from kvtier.client import PermissionDeniedError, Tier
+
+ALICE = (1, 1)  # uid, gid ("daemon" on Debian)
+BOB = (NOBODY, NOGROUP)
+BLOCK = 16 * 1024  # peer_client.LAYOUT: 2 layers x K,V x 4 KiB
+L1, L2 = int(Tier.L1_HOST), int(Tier.L2_DISK)
+STORED = 0
+
+TENANTS = (
+    f"tenants=[{{name: alice, uids: [{ALICE[0]}]}}, {{name: bob, uids: [{BOB[0]}]}}, "
+    "{name: ops, uids: [0], admin: true}]"
+)
+
+
+def keys(n: int, tag: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(tag)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+@pytest.fixture
+def tenant_daemon(daemon_factory, tmp_path):
+    """Tenants alice, bob and ops (root, admin); L1 and L2; sockets open to both uids."""
+    require_root()
+    os.chmod(daemon_factory._sockdir, 0o711)
+
+    def start(*extra: str):
+        return daemon_factory(
+            "server.socket_mode=0666",
+            "policy.protect_s=0",
+            "tiers.l1.segment_bytes=1MiB",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={tmp_path / 'l2'}",
+            "tiers.l2.capacity_bytes=16MiB",
+            "tiers.l2.segment_bytes=1MiB",
+            "tiers.l2.file_bytes=16MiB",
+            TENANTS,
+            *extra,
+            l1_bytes="8MiB",
+        )
+
+    return start
+
+
+@pytest.fixture
+def peers(tenant_daemon):
+    made: list[PeerClient] = []
+
+    def make(who: tuple[int, int], d, **kwargs) -> PeerClient:
+        made.append(PeerClient(d.address, *who, **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _err(fn, *args, **kwargs) -> PeerError:
+    with pytest.raises(PeerError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def test_a_tenant_cannot_find_read_overwrite_delete_evict_or_prefetch_anothers_blocks(
+    tenant_daemon, peers
+):
+    d = tenant_daemon()
+    alice, bob = peers(ALICE, d), peers(BOB, d)
+    assert alice("whoami") == {"tenant": "alice", "admin": False}
+    assert bob("whoami") == {"tenant": "bob", "admin": False}
+    ks = keys(4)
+    pages = [0, 1, 2, 3]
+    theirs = bob("fill", pages=pages, values=[0xB0, 0xB1, 0xB2, 0xB3])
+    assert bob("put", keys=ks, pages=pages) == [STORED] * 4
+    # Bob's first two blocks go down to L2 (his own evict), so a prefetch would move them.
+    assert bob("evict", keys=ks[:2], tier=L1) == [2, 0, 0]
+    assert bob("lookup", keys=ks)["tiers"] == [L2, L2, L1, L1]
+
+    # find
+    assert alice("lookup", keys=ks) == {"prefix": 0, "tiers": [0] * 4, "lease": 0}
+    assert alice("lookup", keys=ks, pin=True)["lease"] == 0
+    # read: nothing loads, alice's pages keep her bytes
+    mine = alice("fill", pages=pages, values=[0xA0, 0xA1, 0xA2, 0xA3])
+    got = alice("get", keys=ks, pages=pages)
+    assert got["loaded"] == [False] * 4 and got["pages"] == mine
+    # prefetch: nothing of bob's is found or moved
+    assert alice("prefetch", keys=ks) == [0, 0, 4]
+    # delete and evict: nothing of bob's is touched
+    assert alice("delete", keys=ks) == [0, 4, 0]
+    assert alice("evict", keys=ks, tier=L1) == [0, 4, 0]
+    assert alice("evict", keys=ks, tier=L2) == [0, 4, 0]
+    # overwrite: alice's put of the same keys stores her own blocks beside bob's
+    assert alice("put", keys=ks, pages=pages) == [STORED] * 4
+    other = alice("fill", pages=[4, 5, 6, 7], values=[0] * 4)
+    got = alice("get", keys=ks, pages=[4, 5, 6, 7])
+    assert got["loaded"] == [True] * 4 and got["pages"] == mine != other
+
+    # Bob's blocks are where he left them, byte for byte.
+    assert bob("lookup", keys=ks)["tiers"] == [L2, L2, L1, L1]
+    bob("fill", pages=[8, 9, 10, 11], values=[0] * 4)
+    got = bob("get", keys=ks, pages=[8, 9, 10, 11])
+    assert got["loaded"] == [True] * 4 and got["pages"] == theirs
+    # Alice's own delete removes only hers.
+    assert alice("delete", keys=ks) == [4, 0, 0]
+    assert bob("lookup", keys=ks)["prefix"] == 4
+    assert bob("stats")[0]["tenant"] == "bob"  # a tenant sees its own usage only
+
+
+def test_leases_serve_every_session_of_their_tenant_and_no_other_tenant(tenant_daemon, peers):
+    d = tenant_daemon()
+    bob, bob2, alice = peers(BOB, d), peers(BOB, d), peers(ALICE, d)
+    ks = keys(2, tag=1)
+    bob("fill", pages=[0, 1], values=[7, 8])
+    bob("put", keys=ks, pages=[0, 1])
+    lease = bob("lookup", keys=ks, pin=True)["lease"]
+    assert lease
+    # Another tenant may neither load under it nor release it.
+    err = _err(alice, "get", keys=ks, pages=[0, 1], lease_id=lease)
+    assert err.kind == "PermissionDeniedError" and "another tenant" in err.details
+    assert _err(alice, "release", lease_id=lease).kind == "PermissionDeniedError"
+    # Another session of the same tenant may load (an engine's scheduler pins, its worker
+    # loads); only the session that took it releases it.
+    assert bob2("get", keys=ks, pages=[2, 3], lease_id=lease)["loaded"] == [True, True]
+    assert _err(bob2, "release", lease_id=lease).kind == "PermissionDeniedError"
+    bob("release", lease_id=lease)
+    assert _err(bob, "release", lease_id=lease).kind == "NotFoundError"
+
+
+def test_namespaces_are_shared_only_when_the_config_says_so(tenant_daemon, peers):
+    d = tenant_daemon("shared_namespaces=[{name: common, tenants: [alice, bob]}]")
+    alice, bob = peers(ALICE, d), peers(BOB, d)
+    ks = keys(2, tag=2)
+    theirs = bob("fill", pages=[0, 1], values=[0x5A, 0x5B])
+    assert bob("put", keys=ks, pages=[0, 1], namespace="shared:common/llama") == [0, 0]
+    # The shared namespace is one namespace for both tenants...
+    got = alice("get", keys=ks, pages=[2, 3], namespace="shared:common/llama")
+    assert got["loaded"] == [True, True] and got["pages"] == theirs
+    # ...and distinct from each tenant's own namespaces and its other names.
+    assert alice("lookup", keys=ks)["prefix"] == 0
+    assert alice("lookup", keys=ks, namespace="llama")["prefix"] == 0
+    assert alice("lookup", keys=ks, namespace="shared:common/other")["prefix"] == 0
+    err = _err(alice, "lookup", keys=ks, namespace="shared:secret")
+    assert err.kind == "PermissionDeniedError" and "shared_namespaces" in err.details
+    # Each tenant's named namespaces are its own: the same name in another tenant is another.
+    bob("put", keys=ks, pages=[0, 1], namespace="llama")
+    assert alice("lookup", keys=ks, namespace="llama")["prefix"] == 0
+    assert bob("lookup", keys=ks, namespace="llama")["prefix"] == 2
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_blocks_and_stats_show_usage(tenant_daemon, peers):
+    quota = 8 * BLOCK
+    d = tenant_daemon(
+        f"tenants=[{{name: alice, uids: [{ALICE[0]}]}}, "
+        f"{{name: bob, uids: [{BOB[0]}], quotas: {{l1: {quota}}}}}, "
+        "{name: ops, uids: [0], admin: true}]"
+    )
+    alice, bob = peers(ALICE, d), peers(BOB, d)
+    hers = keys(4, tag=3)
+    alice("put", keys=hers, pages=[0, 1, 2, 3])
+    his = keys(24, tag=4)
+    for i in range(0, 24, 4):
+        assert bob("put", keys=his[i : i + 4], pages=[0, 1, 2, 3]) == [STORED] * 4
+    # Bob never holds more than his quota in L1: his older blocks went to L2, alice's stayed.
+    assert alice("lookup", keys=hers)["tiers"] == [L1] * 4
+    tiers = bob("lookup", keys=his)["tiers"]
+    assert tiers.count(L1) == 8 and tiers.count(L2) == 16
+    usage = {t["tenant"]: t for t in bob("stats")}
+    assert list(usage) == ["bob"]
+    assert usage["bob"]["tiers"]["L1_HOST"] == [quota, quota, 8]
+    assert usage["bob"]["tiers"]["L2_DISK"][2] == 16
+    with d.client() as admin:  # root: tenant ops, an admin, sees every tenant
+        by = {t.tenant: t for t in admin.stats().tenants}
+        assert set(by) >= {"alice", "bob", "ops"}
+        l1 = {t: next(u for u in by[t].tiers if u.tier == Tier.L1_HOST) for t in by}
+        assert (l1["alice"].used_bytes, l1["alice"].quota_bytes) == (4 * BLOCK, 0)
+        assert (l1["bob"].used_bytes, l1["bob"].quota_bytes) == (quota, quota)
+        assert by["bob"].sessions == 1 and by["alice"].sessions == 1
+        assert admin.stats().counter("quota_evictions", tenant="bob", tier="L1") == 16
+        assert admin.check().problems == []
+
+
+def test_admin_calls_need_an_admin(tenant_daemon, peers):
+    d = tenant_daemon()
+    alice, bob = peers(ALICE, d), peers(BOB, d)
+    ks = keys(2, tag=5)
+    bob("put", keys=ks, pages=[0, 1])
+    for op, kwargs in [
+        ("check", {}),
+        ("drain", {}),
+        ("delete", {"keys": ks, "tenant": "bob"}),
+        ("evict", {"keys": ks, "tier": L1, "tenant": "bob"}),
+    ]:
+        err = _err(alice, op, **kwargs)
+        assert err.kind == "PermissionDeniedError", (op, err)
+    assert bob("lookup", keys=ks)["prefix"] == 2
+    with d.client() as admin:
+        assert admin.tenant == "ops" and admin.admin
+        assert admin.evict(ks, "L1", tenant="bob").evicted == 2
+        assert bob("lookup", keys=ks)["tiers"] == [L2, L2]
+        assert admin.delete(ks, tenant="bob").deleted == 2
+        assert bob("lookup", keys=ks)["prefix"] == 0
+        assert admin.check().problems == []
+
+
+def test_drain_refuses_new_sessions_but_admins_and_lets_open_ones_finish(tenant_daemon, peers):
+    d = tenant_daemon()
+    bob = peers(BOB, d)
+    ks = keys(2, tag=6)
+    with d.client() as admin:
+        state = admin.drain()
+        assert state.draining and state.sessions == 1  # bob's
+        assert not admin.health()  # NOT_SERVING for load balancers and probes
+        # The open session carries on; a new one is refused, with the reason.
+        assert bob("put", keys=ks, pages=[0, 1]) == [STORED] * 2
+        with pytest.raises(PeerError) as info:
+            peers(ALICE, d)
+        assert info.value.kind == "UnavailableError" and "draining" in info.value.details
+        with d.client() as another_admin:
+            assert another_admin.stats().gauges["sessions"] >= 2
+        bob.close()
+        assert admin.drain().sessions == 0
+        assert not admin.drain(resume=True).draining
+        assert admin.health()
+    assert peers(ALICE, d)("whoami")["tenant"] == "alice"
+
+
+def test_a_peer_in_no_tenant_is_refused_and_root_is_the_admin_tenant(daemon_factory, peers):
+    require_root()
+    os.chmod(daemon_factory._sockdir, 0o711)
+    d = daemon_factory("server.socket_mode=0666", f"tenants=[{{name: bob, uids: [{NOBODY}]}}]")
+    with pytest.raises(PeerError) as info:
+        peers(ALICE, d)
+    assert info.value.kind == "PermissionDeniedError"
+    assert "uid 1 (gid 1) belongs to no tenant" in info.value.details
+    with d.client() as root:  # no tenant lists root: it is the admin tenant
+        assert (root.tenant, root.admin) == ("admin", True)
+        with pytest.raises(PermissionDeniedError, match="no shared namespace"):
+            root.lookup(keys(1), namespace="shared:x")
+
+
+def test_recovered_blocks_keep_their_tenant(tenant_daemon, peers):
+    d = tenant_daemon()
+    bob = peers(BOB, d)
+    ks = keys(3, tag=7)
+    theirs = bob("fill", pages=[0, 1, 2], values=[1, 2, 3])
+    bob("put", keys=ks, pages=[0, 1, 2], namespace="m")
+    bob.close()
+    d.restart()  # SIGTERM flushes L1 to L2; the new process reads L2's index
+    alice, bob = peers(ALICE, d, namespace="m"), peers(BOB, d, namespace="m")
+    assert alice("lookup", keys=ks)["prefix"] == 0
+    got = bob("get", keys=ks, pages=[3, 4, 5])
+    assert got["loaded"] == [True] * 3 and got["pages"] == theirs
+    usage = {t["tenant"]: t for t in bob("stats")}
+    assert usage["bob"]["tiers"]["L2_DISK"][2] == 3
