@@ -105,6 +105,9 @@ class ConnectorConfig:
     """After a failed call, kvtier is not asked again for this long (requests run as if
     nothing were cached, and nothing is saved)."""
     lease_ms: int = 30_000
+    hint_ms: int = 30_000
+    """A request vLLM leaves waiting in its queue has its hit protected from eviction (and
+    promoted from lower tiers) for this long, by a Prefetch with this deadline; 0: never."""
     staging_bytes: int = 512 << 20
     """Shared-memory staging pool of each worker (CPU); capped at the KV cache's size."""
     shutdown_timeout_s: float = 10.0
@@ -142,6 +145,8 @@ class ConnectorConfig:
         for name in ("layer_groups", "min_load_blocks", "lease_ms", "staging_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"kvtier connector: {name} must be at least 1")
+        if self.hint_ms < 0:
+            raise ValueError("kvtier connector: hint_ms must be at least 0")
         for name in (
             "lookup_timeout_s",
             "load_timeout_s",

@@ -62,6 +62,8 @@ class _Request:
     hit_blocks: int = 0  # ... and how many
     hit_tiers: list[int] = field(default_factory=list)
     leases: dict[int, int] = field(default_factory=dict)
+    lookups: int = 0  # get_num_new_matched_tokens calls: more than one, the request waited
+    hinted: bool = False
 
     def tokens(self) -> Any:
         return self.request.all_token_ids
@@ -101,6 +103,9 @@ class SchedulerSide:
             "pin_shortfall_blocks": 0,
             "save_blocks_planned": 0,
             "finish_save_requests": 0,
+            "hints": 0,
+            "hint_blocks": 0,
+            "hint_errors": 0,
         }
 
     # ---------------------------------------------------------------- lookups
@@ -143,8 +148,27 @@ class SchedulerSide:
             return 0, False
         if found < self.config.min_load_blocks:
             return 0, False
+        state.lookups += 1
+        if state.lookups > 1 and not state.hinted and self.config.hint_ms:
+            # vLLM asks again: the request is waiting in its queue. Name its hit to the daemon
+            # so the blocks stay (and come up from lower tiers) until it runs.
+            self._hint(state, start, found)
         state.hit_start, state.hit_blocks, state.hit_tiers = start, found, tiers[:found]
         return found * n, self.config.load_mode == "async"
+
+    def _hint(self, state: _Request, start: int, found: int) -> None:
+        state.hinted = True
+        keys = [
+            k for chain in state.chains for k in self._keys(state, chain, start + found)[start:]
+        ]
+        try:
+            self.client.prefetch(keys, deadline_ms=self.config.hint_ms)
+        except KvtierError as e:
+            self.stats["hint_errors"] += 1
+            self.breaker.trip(e)
+            return
+        self.stats["hints"] += 1
+        self.stats["hint_blocks"] += found
 
     def hit_tiers(self, request: Any) -> list[int]:
         """Wire tiers of the blocks of the last hit answered for ``request``."""

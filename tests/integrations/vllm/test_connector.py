@@ -314,6 +314,32 @@ def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):
         engine.close()
 
 
+def test_a_request_left_waiting_has_its_hit_protected_until_it_runs(model_dir, daemon):
+    """vLLM asks about a waiting request again at every step: from the second time on the
+    request is queued, and the connector hints its hit once (a Prefetch with a deadline)."""
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon), num_blocks=8)
+    side = engine.connector.scheduler_side
+    try:
+        # "x" takes 5 of the 7 usable blocks; "r" (4 blocks) waits until it finishes.
+        engine.add("x", prompts(13, 4 * BLOCK, [10])[0], max_tokens=20)
+        engine.step()
+        engine.add("r", PROMPT, max_tokens=2)
+        waited = 0
+        while engine.request("r").status == RequestStatus.WAITING:
+            engine.step()
+            waited += 1
+        assert waited >= 2
+        assert (side.stats["hints"], side.stats["hint_blocks"]) == (1, 3)
+        assert _counters(daemon)["hinted_blocks"] == 3
+        # It ran with its hit loaded from kvtier.
+        assert side.stats["hit_blocks"] == 3
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        engine.run()
+    finally:
+        engine.close()
+
+
 def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_factory, tmp_path):
     """The daemon restarts under a running engine: its session, its pools and L1 are gone,
     the blocks survive on L2. The next request reconnects, stages through a fresh pool (the
