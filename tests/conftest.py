@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import DaemonFactory, DaemonProcess
@@ -33,17 +34,33 @@ def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
     return daemon_factory()
 
 
+_NO_CUDA: list[str] = []
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need CUDA. Without it they are deselected, not skipped (they
+    cannot run on this machine, which is not a reason to report them as skipped work), and
+    the summary says how many; on a machine with CUDA the same ``make test`` runs them."""
     try:
         import torch
 
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
-    if not has_cuda:
-        skip = pytest.mark.skip(reason="needs CUDA")
-        for item in items:
-            # The marker, not `"gpu" in item.keywords`: keywords also hold the names of the
-            # folders above a test, so a checkout in a folder named gpu skipped everything.
-            if item.get_closest_marker("gpu") is not None:
-                item.add_marker(skip)
+    if has_cuda:
+        return
+    # The marker, not `"gpu" in item.keywords`: keywords also hold the names of the folders
+    # above a test, so a checkout in a folder named gpu would lose everything.
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+        _NO_CUDA.extend(item.nodeid for item in gpu)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _NO_CUDA:
+        terminalreporter.write_line(
+            f"{len(_NO_CUDA)} GPU tests deselected: no CUDA device here (they run where "
+            "torch.cuda.is_available(); `kvtier bench gpu` checks the data plane on a GPU)"
+        )

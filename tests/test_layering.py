@@ -52,3 +52,26 @@ def test_packages_import_only_what_the_design_allows(tops, forbidden):
         tops, skip=("kvtier.client.integrations.vllm", "kvtier.client.integrations.sglang")
     )
     assert [m for m in loaded if m.startswith(forbidden)] == []
+
+
+def test_no_policy_module_imports_the_registry():
+    """The registry names the built-in policies and imports them when asked: were a policy
+    module to import the registry back, the two would form an import cycle."""
+    import ast
+    from pathlib import Path
+
+    import kvtier.daemon.policy as policy
+
+    cycles = []
+    for path in Path(policy.__path__[0]).glob("*.py"):
+        if path.name == "registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith("kvtier.daemon.policy.registry") for n in names):
+                cycles.append(path.name)
+    assert cycles == []

@@ -36,7 +36,6 @@ import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
-from kvtier.daemon.policy.registry import register_policy
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,6 @@ class ARCStats:
     b2: int
 
 
-@register_policy("arc")
 class ARCPolicy(Hinted):
     """ARC over block ids.
 

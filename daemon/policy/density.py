@@ -68,7 +68,6 @@ import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted
-from kvtier.daemon.policy.registry import register_policy
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
 _CLOSED = 0
@@ -305,7 +304,6 @@ def _smoothed(a: np.ndarray) -> np.ndarray:
     return np.asarray(0.25 * padded[:, :-2] + 0.5 * padded[:, 1:-1] + 0.25 * padded[:, 2:])
 
 
-@register_policy("density")
 class DensityPolicy(Hinted):
     """Parameters (all optional; unknown ones are ignored):
 

@@ -88,7 +88,6 @@ import numpy as np
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
-from kvtier.daemon.policy.registry import register_policy
 
 # Segments, also the values of the per-block ``_seg`` array (0: not resident).
 _OUT = 0
@@ -160,7 +159,6 @@ class _Plan:
     new_eff: np.ndarray
 
 
-@register_policy("heat")
 class HeatPolicy(Hinted):
     """Parameters (all optional; unknown ones are ignored):
 

@@ -9,13 +9,11 @@ import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
-from kvtier.daemon.policy.registry import register_policy
 
 # Candidates are checked against the evictable mask in batches of this many.
 _SCAN_BATCH = 256
 
 
-@register_policy("lru")
 class LRUPolicy(Hinted):
     """Thread-safety: none; the owner serialises calls."""
 

@@ -23,12 +23,10 @@ import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
-from kvtier.daemon.policy.registry import register_policy
 
 NextUseFn = Callable[[int], float]
 
 
-@register_policy("opt")
 class BeladyPolicy(Hinted):
     """Parameters:
     next_use: the trace's future, see the module docstring. Required.

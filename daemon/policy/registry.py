@@ -1,5 +1,8 @@
-"""Policies by name. A policy module registers its class with ``@register_policy("name")``;
-the daemon and the replayer build one with ``make_policy(name, **params)``.
+"""Policies by name: the daemon and the replayer build one with ``make_policy(name, **params)``.
+
+The built-in policies are named here, each by its module and class, and imported only when
+first asked for; the policy modules import nothing of this one, so there is no import cycle.
+``register_policy(name, factory)`` adds another (a plugin, a test double).
 
 A policy class may name the admission rule it is designed to run with in a class attribute
 ``default_admission`` (see ``kvtier.daemon.policy.admission``); ``"always"`` otherwise. A
@@ -8,32 +11,34 @@ class with ``needs_future = True`` (Belady's optimum) only runs in the replayer.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from kvtier.daemon.policy.base import EvictionPolicy
 
-T = TypeVar("T")
+Factory = Callable[..., EvictionPolicy]
 
-_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {}
+_BUILTIN: dict[str, tuple[str, str]] = {
+    "arc": ("kvtier.daemon.policy.arc", "ARCPolicy"),
+    "density": ("kvtier.daemon.policy.density", "DensityPolicy"),
+    "heat": ("kvtier.daemon.policy.heat", "HeatPolicy"),
+    "lru": ("kvtier.daemon.policy.lru", "LRUPolicy"),
+    "opt": ("kvtier.daemon.policy.opt", "BeladyPolicy"),
+}
+_ADDED: dict[str, Factory] = {}
 
 
-def register_policy(name: str) -> Callable[[T], T]:
-    def decorate(cls: T) -> T:
-        if name in _POLICIES:
-            raise ValueError(f"policy {name!r} is registered twice")
-        _POLICIES[name] = cls  # type: ignore[assignment]
-        return cls
-
-    return decorate
+def register_policy(name: str, factory: Factory) -> None:
+    if name in _BUILTIN or name in _ADDED:
+        raise ValueError(f"policy {name!r} is registered twice")
+    _ADDED[name] = factory
 
 
 def policy_names(*, live: bool = False) -> list[str]:
     """Registered policies; with ``live``, only those a running daemon can use."""
-    _load_builtin()
-    return sorted(
-        n for n, f in _POLICIES.items() if not (live and getattr(f, "needs_future", False))
-    )
+    names = sorted({*_BUILTIN, *_ADDED})
+    return [n for n in names if not (live and getattr(_factory(n), "needs_future", False))]
 
 
 def make_policy(name: str, **params: Any) -> EvictionPolicy:
@@ -45,16 +50,12 @@ def default_admission(name: str) -> str:
     return str(getattr(_factory(name), "default_admission", "always"))
 
 
-def _factory(name: str) -> Callable[..., EvictionPolicy]:
-    _load_builtin()
+def _factory(name: str) -> Factory:
+    if name in _ADDED:
+        return _ADDED[name]
     try:
-        return _POLICIES[name]
+        module, cls = _BUILTIN[name]
     except KeyError:
-        raise ValueError(
-            f"unknown policy {name!r}; one of {', '.join(sorted(_POLICIES))}"
-        ) from None
-
-
-def _load_builtin() -> None:
-    # Importing the modules runs their @register_policy decorators.
-    from kvtier.daemon.policy import arc, density, heat, lru, opt  # noqa: F401
+        raise ValueError(f"unknown policy {name!r}; one of {', '.join(policy_names())}") from None
+    factory: Factory = getattr(importlib.import_module(module), cls)
+    return factory
