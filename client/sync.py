@@ -336,6 +336,25 @@ class Client:
         request = pb.UnregisterPoolRequest(session_id=session_id, pool_id=pool_id)
         self._stub.UnregisterPool.future(request, timeout=self.timeout_s)
 
+    def fence_pool(self, binding: PoolBinding, timeout_s: float | None = None) -> bool:
+        """Unregister the pool and wait for the daemon's answer, which comes once no copy
+        uses its memory any more: after a transfer that ended without an answer (a timeout),
+        True means the engine may reuse the pages; no late copy can land in them. False when
+        that could not be confirmed (no answer in time, the session is gone): a copy the
+        daemon started may still finish. The next call through ``binding`` registers the
+        memory again."""
+        pool_id, session_id = binding.pool_id, binding.session_id
+        binding.pool_id = 0
+        self._pools.pop(pool_id, None)
+        if not pool_id or session_id != self._session_id:
+            return False
+        request = pb.UnregisterPoolRequest(session_id=session_id, pool_id=pool_id)
+        try:
+            self._stub.UnregisterPool(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError:
+            return False
+        return True
+
     # ---------------------------------------------------------------- blocks
 
     def _ns(self, namespace: str | None) -> str:

@@ -312,6 +312,7 @@ class CudaPool(PoolChecks):
         if self._closed:
             return
         self._closed = True
+        self._mark_released()
         self.segments = []
         for handle in self.handles:
             self.table.release(handle)

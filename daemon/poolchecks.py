@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from kvtier.daemon.errors import InvalidArgument
@@ -14,6 +16,20 @@ class PoolChecks:
 
     pool_id: int
     layout: PoolLayout
+    _released: asyncio.Event | None = None
+
+    def _mark_released(self) -> None:
+        """The memory is let go: no copy uses it any more (called on the event loop)."""
+        if self._released is None:
+            self._released = asyncio.Event()
+        self._released.set()
+
+    async def released(self) -> None:
+        """Return once the pool is closed and the last copy using it has finished, so its
+        owner may reuse or free the memory. Called on the event loop, after ``close``."""
+        if self._released is None:
+            self._released = asyncio.Event()
+        await self._released.wait()
 
     @property
     def block_bytes(self) -> int:

@@ -129,6 +129,7 @@ class Pool(PoolChecks):
             self._unmap()
 
     def _unmap(self) -> None:
+        self._mark_released()
         self.array = np.empty(0, dtype=np.uint8)
         try:
             self.buffer.close()
@@ -249,7 +250,9 @@ class PoolRegistry:
             raise PermissionDenied(f"pool {pool_id} belongs to another session")
         return pool
 
-    def unregister(self, session_id: str, pool_id: int) -> None:
+    def unregister(self, session_id: str, pool_id: int) -> EnginePool:
+        """Close the pool (new copies are refused at once) and return it: ``released()``
+        answers once the copies still running on it are done."""
         pool = self.get(session_id, pool_id)
         del self._pools[pool_id]
         self._per_session[session_id] -= 1
@@ -257,6 +260,7 @@ class PoolRegistry:
             del self._per_session[session_id]
         pool.close()
         log.info("pool %d unregistered", pool_id)
+        return pool
 
     def drop_session(self, session_id: str) -> int:
         ids = [p.pool_id for p in self._pools.values() if p.session_id == session_id]

@@ -284,7 +284,7 @@ class KVTierServicer:
     async def UnregisterPool(
         self, request: pb.UnregisterPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.UnregisterPoolResponse:
-        self.service.unregister_pool(request.session_id, request.pool_id)
+        await self.service.unregister_pool(request.session_id, request.pool_id)
         return pb.UnregisterPoolResponse()
 
     @_rpc

@@ -263,9 +263,11 @@ class KVService:
             )
         return self.pools.register_cuda_ipc(session_id, region, layout)
 
-    def unregister_pool(self, session_id: str, pool_id: int) -> None:
+    async def unregister_pool(self, session_id: str, pool_id: int) -> None:
+        """Answers once no copy uses the pool's memory any more: the engine may then reuse
+        the pages of a request that timed out without a late copy landing in them."""
         self.sessions.get(session_id)
-        self.pools.unregister(session_id, pool_id)
+        await self.pools.unregister(session_id, pool_id).released()
 
     # ------------------------------------------------------------------ blocks
 

@@ -588,6 +588,26 @@ def test_client_errors_are_typed(daemon):
             b.put(pool.pool_id, [KEY], [0])
 
 
+def test_a_fenced_pool_is_confirmed_free_and_registers_again_on_next_use(daemon):
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        random_fill(shm, 3)
+        pool = client.register_pool(shm, layout)
+        first = pool.pool_id
+        assert client.put(first, [KEY], [0]).stored == 1
+        assert client.fence_pool(pool.binding, timeout_s=5) is True
+        assert client.stats().gauges["pools"] == 0
+        # The next call through the pool registers the memory again, under a new id.
+        assert client.get(client.pool_id_of(pool.binding), [KEY], [1]).loaded == [True]
+        assert pool.pool_id != first
+        # A daemon that cannot answer cannot confirm the fence.
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert client.fence_pool(pool.binding, timeout_s=0.5) is False
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+
+
 def test_pool_survives_daemon_restart_through_reregistration(daemon):
     layout = LAYOUTS["staging"]
     ns = Namespace(model="restart", kv_dtype="float16", block_tokens=BLOCK_TOKENS)

@@ -15,8 +15,8 @@ pages (``batch_get_v1``, or the legacy ``batch_get``) and stores pages it wrote 
 
 Invariants:
 - No call raises into SGLang and none waits longer than its timeout (``lookup_timeout_s``,
-  ``io_timeout_s``, plus ``late_copy_grace_s`` after a transfer that ended without an
-  answer): a failure, a daemon that is down or hung, or a bad argument is a miss (0 pages
+  ``io_timeout_s``, plus the fence's ``io_timeout_s`` or ``late_copy_grace_s`` after a
+  direct transfer that ended without an answer): a failure, a daemon that is down or hung, or a bad argument is a miss (0 pages
   found, ``False`` per page, ``None`` per legacy page), logged, and then kvtier is not asked
   again for ``retry_after_s`` (``Breaker``). Only a configuration that cannot work stops
   SGLang at start, with a ``ValueError`` naming the problem.
@@ -29,10 +29,12 @@ Invariants:
   calls, pages go through a shared-memory staging pool (``StagingPool``) with one tensor
   copy each way. The start-up log line says which.
 - A staged transfer that ended without an answer retires its staging pool (a late copy
-  lands in memory nobody reuses); a direct one waits ``late_copy_grace_s`` before SGLang
-  gets its pages back, so that a copy the daemon had started can finish. A daemon stopped
-  mid-copy (SIGSTOP) for longer than that can still finish it later: the daemon offers no
-  fence that would say it is done (see the README).
+  lands in memory nobody reuses). A direct one fences the host pool before SGLang gets its
+  pages back: it unregisters the pool and waits up to ``io_timeout_s`` for the daemon's
+  answer, which comes only once no copy uses that memory (the next transfer registers it
+  again). Only when that answer does not come either does it wait ``late_copy_grace_s``
+  instead; a daemon stopped mid-copy (SIGSTOP) for longer than both can still finish the
+  copy later (see the README).
 - Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start.
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
@@ -394,8 +396,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
         try:
             return call(pool_id)
         except Exception as e:
-            if unclean(e):
-                # SGLang reuses these pages once we return: give a copy the daemon had
+            if unclean(e) and not self.client.fence_pool(pool.binding, self.options.io_timeout_s):
+                # SGLang reuses these pages once we return. The daemon did not confirm that
+                # no copy uses them (it did not answer the fence in time): give a copy it had
                 # already started time to finish first.
                 time.sleep(self.options.late_copy_grace_s)
             raise

@@ -5,6 +5,8 @@ copies that prove a mapping right are the real kernels."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -312,7 +314,7 @@ def test_gpu_pools_follow_the_rules_of_every_pool(tmp_path):
     with pytest.raises(ResourceExhausted, match="max_pools_per_session"):
         service.register_cuda_ipc_pool(owner, _export(mapper, engine), engine.layout)
     with pytest.raises(PermissionDenied, match="another session"):
-        service.unregister_pool(other, pool.pool_id)
+        asyncio.run(service.unregister_pool(other, pool.pool_id))
     # A TCP session (a token's tenant, no peer credentials) registers no memory.
     from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
 
@@ -326,7 +328,7 @@ def test_gpu_pools_follow_the_rules_of_every_pool(tmp_path):
         service.register_cuda_ipc_pool(other, _export(mapper, big), big.layout)
     # Refused registrations left nothing open: only the one pool's two layers.
     assert len(mapper.mapped) == 2 and len(service.pools) == 1
-    service.unregister_pool(owner, pool.pool_id)
+    asyncio.run(service.unregister_pool(owner, pool.pool_id))
     assert not mapper.mapped and len(service.pools) == 0
     service.store.close()
 
@@ -340,3 +342,43 @@ def test_a_daemon_without_a_gpu_tier_refuses_gpu_pools_whatever_it_could_open(tm
         )
     assert mapper.opens == 0 and len(service.pools) == 0
     service.store.close()
+
+
+async def test_unregister_answers_once_no_copy_uses_the_pool(tmp_path):
+    """A copy still running when its pool is unregistered keeps the memory mapped; the
+    UnregisterPool answer waits for it, so the engine may then reuse the pages."""
+    from kvtier.daemon.errors import NotFound
+
+    service, tickets, mapper = _service(tmp_path)
+    engine = make_pool("mla", layers=2, pages=4)
+    owner = _session(service, tickets)
+    pool = service.register_cuda_ipc_pool(owner, _export(mapper, engine), engine.layout)
+    with pool.use():
+        done = asyncio.ensure_future(service.unregister_pool(owner, pool.pool_id))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not done.done() and len(mapper.mapped) == 2
+        with pytest.raises(NotFound, match="being unregistered"), pool.use():
+            pass
+    await asyncio.wait_for(done, 5)
+    assert not mapper.mapped
+    service.store.close()
+
+
+async def test_a_shared_memory_pool_is_released_after_its_last_copy():
+    import mmap
+
+    from kvtier.daemon.pools import Pool
+    from kvtier.kernels.layout import PoolLayout
+
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=4, block_tokens=1, chunk_bytes=4096, kv_count=1
+    )
+    pool = Pool(1, "s", "test", layout, mmap.mmap(-1, layout.extent_bytes))
+    with pool.use():
+        pool.close()
+        released = asyncio.ensure_future(pool.released())
+        await asyncio.sleep(0)
+        assert not released.done() and len(pool.array) == layout.extent_bytes
+    await asyncio.wait_for(released, 5)
+    assert len(pool.array) == 0
