@@ -33,12 +33,33 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
   a policy keeps what it knows of a block across its stays (the daemon's store reuses the id
   of a block with no copy left and calls ``forget``; ``forget_dropped=True`` does the same).
 
+**A cluster** (``ClusterConfig``, ``kvtier.sim.cluster``): N nodes, each the stack above with
+its own policy objects, and one L3 they share. A routing rule gives each request to a node;
+each node replays its own requests (its own clock, queue hints and, for ``opt``, its own
+future), interleaved in trace order through the shared L3:
+
+- **L3 hits.** At arrival, a block with no copy on the node is an L3 hit when the store
+  holds it (a ``GET``: most recently used there), and is promoted to the node's L1 as an
+  L2-only hit is (from there it moves on as any L1 block: demoted to L2, evicted).
+- **L3 writes** (the daemon's ``selective`` write-behind): after the request, each of its
+  blocks with a copy on the node, that the node does not know to be in L3, is offered to the
+  node's L3 admission (``tiers.l3.admission``, default ``second_hit``: a block this node saw
+  twice) and written when admitted. A node knows a block is in L3 once it wrote or read it,
+  and forgets it when a read finds it gone (its table's L3 column), so it does not write a
+  block again that it keeps reading from L1. Writes land before the next request (the
+  daemon's are asynchronous, milliseconds behind). L1 evictions never write to L3.
+- **Queue hints** also promote blocks the node knows to be in L3 (the daemon's prefetch
+  consults its table, not the store); the nodes' hints are processed in time order.
+- The daemon probes L3 only from the first local miss on, for the run present there; the
+  replay counts every block L3 holds as an L3 hit, as it counts L1 and L2 hits past a gap.
+
 ``--policy opt`` is Belady's optimum with bypass (``kvtier.daemon.policy.opt``), given the
 trace's future; with two tiers it runs Belady in each tier, which bounds nothing.
 
 Exactness: with one tier, admission ``always``, no protection, no hints and the ``all``
 semantics of ``kvtier.sim.trace`` this is the replayer published before the tier stack, step
-for step (its hit ratios are pinned by the tests).
+for step (its hit ratios are pinned by the tests). One node without L3 is that replay
+(``ClusterConfig()``, the default); N nodes without L3 are N independent replays.
 
 Thread-safety: none needed; a replay is a single-threaded batch job.
 """
@@ -48,7 +69,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,11 +79,13 @@ from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admissio
 from kvtier.daemon.policy.base import EvictableFn, EvictionPolicy
 from kvtier.daemon.policy.guard import EvictionGuard
 from kvtier.daemon.policy.registry import default_admission, make_policy
+from kvtier.sim.cluster import ClusterConfig, L3Stats, SharedStore, route_requests
 from kvtier.sim.trace import Trace, next_uses
 
 WRITE_POLICIES = ("write_back", "write_through", "selective")
-TIER_LABELS = ("l1", "l2")
-_L1, _L2 = 1, 2  # bits of a block's copies
+TIER_LABELS = ("l1", "l2", "l3")
+_L1, _L2 = 1, 2  # bits of a block's copies (L3 is shared: a node knows, ``_L3Level.known``)
+_L3_LABEL = TIER_LABELS[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +117,42 @@ class StackConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeResult:
+    """One node's share of a replay: its requests, and the hits of its own tiers (``l3``:
+    blocks it read from the shared L3)."""
+
+    requests: int
+    accesses: int
+    hits: int
+    prefix_hits: int
+    tier_hits: dict[str, int]
+    evictions: dict[str, int]
+    promotions: int
+    l3_writes: int
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "accesses": self.accesses,
+            "hits": self.hits,
+            "hit_ratio": self.hit_ratio,
+            "prefix_hits": self.prefix_hits,
+            "tier_hits": dict(self.tier_hits),
+            "evictions": dict(self.evictions),
+            "promotions": self.promotions,
+            "l3_writes": self.l3_writes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayResult:
+    """A replay's totals (over every node of a cluster; ``l1_blocks`` and ``l2_blocks`` are
+    each node's). ``promotions``: blocks copied up into L1 on a hit, from L2 or L3."""
+
     policy: str
     l1_blocks: int
     l2_blocks: int
@@ -112,6 +170,13 @@ class ReplayResult:
     l2_writes: int = 0
     hinted: int = 0
     semantics: str = "full"
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    per_node: tuple[NodeResult, ...] = ()
+    l3: L3Stats | None = None
+
+    @property
+    def misses(self) -> int:
+        return self.accesses - self.hits
 
     @property
     def hit_ratio(self) -> float:
@@ -144,6 +209,10 @@ class ReplayResult:
             "demotions": self.demotions,
             "l2_writes": self.l2_writes,
             "hinted": self.hinted,
+            "misses": self.misses,
+            **self.cluster.as_dict(),
+            "l3": self.l3.as_dict() if self.l3 is not None else None,
+            "per_node": [n.as_dict() for n in self.per_node],
         }
 
 
@@ -168,6 +237,20 @@ class _Tier:
     full_at: tuple[float, int] = (math.nan, -1)
 
 
+@dataclass(slots=True)
+class _L3Level:
+    """A node's side of the shared L3: its admission rule, and the blocks it knows to be in
+    the store (``known``: it wrote or read them, and no read found them gone since)."""
+
+    store: SharedStore
+    admission: Admission
+    admits_all: bool
+    known: bytearray
+    hits: int = 0
+    writes: int = 0
+    declined: Counter[str] = field(default_factory=Counter)
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -179,78 +262,139 @@ def replay(
     policy_params: Mapping[str, Any] | None = None,
     semantics: str = "full",
     stack: StackConfig | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` through ``policy``; see the module docstring for the semantics.
 
     ``semantics`` picks which blocks are cacheable (``kvtier.sim.trace``). ``admission`` /
     ``l2_admission`` default to the policy's own (``default_admission``). ``policy_params``
-    are passed to every tier's policy and admission, after ``capacity_blocks``.
+    are passed to every tier's policy and admission, after ``capacity_blocks``. ``cluster``:
+    how many nodes (each with ``l1_blocks`` and ``l2_blocks``) and the L3 they share; by
+    default one node without L3.
     """
     if l1_blocks < 1:
         raise ValueError("l1_blocks must be at least 1")
     if l2_blocks < 0:
         raise ValueError("l2_blocks must not be negative")
     stack = stack or StackConfig()
+    cluster = cluster or ClusterConfig()
     trace = trace.cacheable(semantics)
-    future: list[float] = [math.inf] * trace.unique_blocks
-    needs_future = policy == "opt" or "belady" in (admission, l2_admission)
-    per_access_next = next_uses(trace.blocks).tolist() if needs_future else []
-    shared: dict[str, Any] = {"next_use": future.__getitem__} if needs_future else {}
+    store = SharedStore(cluster.l3_blocks, cluster.l3_ttl_s) if cluster.l3_blocks else None
 
-    def tier(bit: int, capacity: int, adm_name: str | None) -> _Tier:
-        params = {**shared, "capacity_blocks": capacity, **(policy_params or {})}
-        pol = make_policy(policy, **params)
-        adm = make_admission(adm_name or default_admission(policy), policy=pol, **params)
-        return _Tier(
-            bit,
-            TIER_LABELS[bit - 1],
-            capacity,
-            pol,
-            adm,
-            isinstance(adm, AlwaysAdmit),
-            # A policy's own admission decides where blocks are stored (L1); a lower tier
-            # admits by its admission rule alone (measured: density's own admission on L2
-            # declined demoted blocks that were hit later).
-            getattr(pol, "admits", None) if bit == _L1 else None,
-            getattr(pol, "note_miss", None) if bit == _L1 else None,
-        )
+    def node(requests: Trace) -> _Engine:
+        future: list[float] = [math.inf] * requests.unique_blocks
+        needs_future = policy == "opt" or "belady" in (admission, l2_admission)
+        per_access_next = next_uses(requests.blocks).tolist() if needs_future else []
+        shared: dict[str, Any] = {"next_use": future.__getitem__} if needs_future else {}
 
-    tiers = [tier(_L1, l1_blocks, admission)]
-    if l2_blocks:
-        tiers.append(tier(_L2, l2_blocks, l2_admission))
-    engine = _Engine(trace, tiers, stack, future, per_access_next)
+        def tier(bit: int, capacity: int, adm_name: str | None) -> _Tier:
+            params = {**shared, "capacity_blocks": capacity, **(policy_params or {})}
+            pol = make_policy(policy, **params)
+            adm = make_admission(adm_name or default_admission(policy), policy=pol, **params)
+            return _Tier(
+                bit,
+                TIER_LABELS[bit - 1],
+                capacity,
+                pol,
+                adm,
+                isinstance(adm, AlwaysAdmit),
+                # A policy's own admission decides where blocks are stored (L1); a lower tier
+                # admits by its admission rule alone (measured: density's own admission on L2
+                # declined demoted blocks that were hit later).
+                getattr(pol, "admits", None) if bit == _L1 else None,
+                getattr(pol, "note_miss", None) if bit == _L1 else None,
+            )
+
+        tiers = [tier(_L1, l1_blocks, admission)]
+        if l2_blocks:
+            tiers.append(tier(_L2, l2_blocks, l2_admission))
+        l3 = None
+        if store is not None:
+            # As the daemon builds its L3 level: the rule with its default parameters.
+            adm3 = make_admission(cluster.l3_admission)
+            l3 = _L3Level(
+                store, adm3, isinstance(adm3, AlwaysAdmit), bytearray(trace.unique_blocks)
+            )
+        return _Engine(requests, tiers, stack, future, per_access_next, l3)
+
+    node_of = route_requests(trace, cluster)
+    members = [np.flatnonzero(node_of == k) for k in range(cluster.nodes)]
+    engines = [node(trace if cluster.nodes == 1 else trace.select(m)) for m in members]
     start = time.perf_counter()
-    engine.run()
+    if store is None:
+        for engine in engines:  # nothing shared: independent replays
+            engine.run()
+    else:
+        _run_cluster(engines, node_of, trace.timestamps_s)
     elapsed = time.perf_counter() - start
+
+    tier_hits: Counter[str] = Counter()
+    evictions: Counter[str] = Counter()
     declined: Counter[str] = Counter()
-    for t in tiers:
-        for reason, count in t.declined.items():
-            declined[f"{t.label}:{reason}"] += count
+    for engine in engines:
+        for t in engine.tiers:
+            tier_hits[t.label] += t.hits
+            evictions[t.label] += t.evictions
+            for reason, count in t.declined.items():
+                declined[f"{t.label}:{reason}"] += count
+        if engine.l3 is not None:
+            tier_hits[_L3_LABEL] += engine.l3.hits
+            for reason, count in engine.l3.declined.items():
+                declined[f"{_L3_LABEL}:{reason}"] += count
+    if cluster.nodes == 1:
+        hits_per_request = engines[0].hits_per_request
+    else:
+        hits_per_request = np.zeros(trace.requests, dtype=np.int32)
+        for engine, m in zip(engines, members, strict=True):
+            hits_per_request[m] = engine.hits_per_request
     return ReplayResult(
         policy=policy,
         l1_blocks=l1_blocks,
         l2_blocks=l2_blocks,
         accesses=trace.accesses,
-        hits=sum(t.hits for t in tiers),
-        prefix_hits=engine.prefix_hits,
-        tier_hits={t.label: t.hits for t in tiers},
+        hits=sum(tier_hits.values()),
+        prefix_hits=sum(e.prefix_hits for e in engines),
+        tier_hits=dict(tier_hits),
         declined=dict(declined),
-        evictions={t.label: t.evictions for t in tiers},
-        promotions=engine.promotions,
+        evictions=dict(evictions),
+        promotions=sum(e.promotions for e in engines),
         elapsed_s=elapsed,
-        hits_per_request=engine.hits_per_request,
-        prefetches=engine.prefetches,
-        demotions=engine.demotions,
-        l2_writes=engine.l2_writes,
-        hinted=engine.hinted,
+        hits_per_request=hits_per_request,
+        prefetches=sum(e.prefetches for e in engines),
+        demotions=sum(e.demotions for e in engines),
+        l2_writes=sum(e.l2_writes for e in engines),
+        hinted=sum(e.hinted for e in engines),
         semantics=semantics,
+        cluster=cluster,
+        per_node=tuple(e.result() for e in engines),
+        l3=store.stats() if store is not None else None,
     )
 
 
+def _run_cluster(engines: list[_Engine], node_of: np.ndarray, stamps: np.ndarray) -> None:
+    """Interleave the nodes' replays in trace order: request ``r`` is one step of node
+    ``node_of[r]``, after every node's hints due by then, in time order."""
+    steps = [engine.steps() for engine in engines]
+    hints = sorted((at, k) for k, engine in enumerate(engines) for at, _ in engine.hints)
+    h = 0
+    clock = -math.inf
+    for k, ts in zip(node_of.tolist(), stamps.tolist(), strict=True):
+        clock = max(clock, ts)
+        while h < len(hints) and hints[h][0] <= clock:
+            at, j = hints[h]
+            h += 1
+            engines[j].hints_until(at)
+        next(steps[k])
+    for rest in steps:
+        for _ in rest:
+            pass
+
+
 class _Engine:
-    """One replay's mutable state. ``copies[b]`` holds the bits of the tiers with a copy of
-    block ``b``; ``parent[b]`` the parent it was stored with (for its later placements);
-    ``last[b]`` its last read or write (protection)."""
+    """One node's replay: its mutable state. ``copies[b]`` holds the bits of the tiers with a
+    copy of block ``b``; ``parent[b]`` the parent it was stored with (for its later
+    placements); ``last[b]`` its last read or write (protection). ``l3``: the node's side of
+    the shared L3, if any."""
 
     def __init__(
         self,
@@ -259,14 +403,19 @@ class _Engine:
         stack: StackConfig,
         future: list[float],
         per_access_next: list[float],
+        l3: _L3Level | None = None,
     ) -> None:
         self.trace = trace
         self.tiers = tiers
         self.l1 = tiers[0]
         self.l2 = tiers[1] if len(tiers) > 1 else None
+        self.l3 = l3
         self.stack = stack
         self.future = future
         self.per_access_next = per_access_next
+        self.blocks: list[int] = trace.blocks.tolist()
+        self.offsets: list[int] = trace.offsets.tolist()
+        self.stamps: list[float] = trace.timestamps_s.tolist()
         self.copies = bytearray(trace.unique_blocks)
         self.parent = [-1] * trace.unique_blocks
         self.last = np.full(trace.unique_blocks, -math.inf)
@@ -279,6 +428,9 @@ class _Engine:
         self.hinted = 0
         self.hits_per_request = np.zeros(trace.requests, dtype=np.int32)
         self.mask: EvictableFn | None = None
+        # Queue hints: (time, request), in time order; those before ``next_hint`` are done.
+        self.hints = self._hint_events()
+        self.next_hint = 0
         # Whether blocks may be kept from eviction (protection or hints): a tier with no
         # victim then declines as "protected".
         self.protecting = stack.protect_s > 0 or stack.queue_window_s > 0
@@ -293,6 +445,7 @@ class _Engine:
     def run(self) -> None:
         simple = (
             self.l2 is None
+            and self.l3 is None
             and self.l1.admits_all
             and self.mask is None
             and self.stack.queue_window_s == 0
@@ -302,17 +455,33 @@ class _Engine:
         if simple:
             self._run_one_tier()
         else:
-            self._run_stack()
+            for _ in self.steps():
+                pass
+
+    def result(self) -> NodeResult:
+        hits = {t.label: t.hits for t in self.tiers}
+        if self.l3 is not None:
+            hits[_L3_LABEL] = self.l3.hits
+        return NodeResult(
+            requests=self.trace.requests,
+            accesses=self.trace.accesses,
+            hits=sum(hits.values()),
+            prefix_hits=self.prefix_hits,
+            tier_hits=hits,
+            evictions={t.label: t.evictions for t in self.tiers},
+            promotions=self.promotions,
+            l3_writes=self.l3.writes if self.l3 is not None else 0,
+        )
 
     # ------------------------------------------------------------ one plain tier
 
     def _run_one_tier(self) -> None:
         """One tier without an admission rule, nothing protected: the replayer's common case,
         spelled out, since it runs once per access and sets the replayer's speed. The same
-        steps as ``_run_stack``."""
-        blocks = self.trace.blocks.tolist()
-        offsets = self.trace.offsets.tolist()
-        stamps = self.trace.timestamps_s.tolist()
+        steps as ``steps``."""
+        blocks = self.blocks
+        offsets = self.offsets
+        stamps = self.stamps
         copies = self.copies
         l1 = self.l1
         touch = l1.policy.touch
@@ -377,21 +546,22 @@ class _Engine:
 
     # ----------------------------------------------------------- the tier stack
 
-    def _run_stack(self) -> None:
-        blocks = self.trace.blocks.tolist()
-        offsets = self.trace.offsets.tolist()
-        stamps = self.trace.timestamps_s.tolist()
+    def steps(self) -> Iterator[None]:
+        """Serve the node's requests in order, yielding after each (a cluster interleaves its
+        nodes' steps in trace order)."""
+        blocks, offsets, stamps = self.blocks, self.offsets, self.stamps
         copies, last = self.copies, self.last
-        l1, l2 = self.l1, self.l2
+        l1, l2, l3 = self.l1, self.l2, self.l3
         touch1 = l1.policy.touch
         touch2 = l2.policy.touch if l2 else None
         recorders = [t.admission.record for t in self.tiers if not t.admits_all]
+        if l3 is not None and not l3.admits_all:
+            recorders.append(l3.admission.record)
         future, per_access_next = self.future, self.per_access_next
         hits_per_request = self.hits_per_request
         protecting = self.mask is not None
         selective = l2 is not None and self.stack.write_policy == "selective"
-        hints = self._hint_events(stamps)
-        next_hint = 0
+        hinting = bool(self.hints)
         watermarks = self.stack.l1_watermarks
         high = low = 0
         if watermarks is not None:
@@ -402,11 +572,10 @@ class _Engine:
         for r, ts in enumerate(stamps):
             if ts > now:
                 now = ts
-            while next_hint < len(hints) and hints[next_hint][0] <= now:
-                at, q = hints[next_hint]
-                next_hint += 1
-                self.now = max(self.now, at)
-                self._hint(blocks[offsets[q] : offsets[q + 1]], stamps[q])
+            if hinting:
+                self.hints_until(now)
+                if self.now > now:  # hints a cluster ran ahead of this node's clock
+                    now = self.now
             self.now = now
             lo, hi = offsets[r], offsets[r + 1]
             req = blocks[lo:hi]
@@ -430,7 +599,11 @@ class _Engine:
                     hits2 += 1
                     touch2(b, now)  # type: ignore[misc]
                     promote.append(b)
+                elif l3 is not None and self._read_l3(l3, b):
+                    promote.append(b)
                 else:
+                    if l3 is not None and l3.known[b]:
+                        self._lost_from_l3(l3, b)
                     leading = False
                     missing.append(i)
                     continue
@@ -442,7 +615,12 @@ class _Engine:
             for t in self.tiers:
                 t.epoch += 1  # touched
             for b in promote:
-                if copies[b] == _L2 and self._offer(l1, b, self.parent[b]):
+                c = copies[b]
+                if c & _L1 or not (
+                    c or (l3 is not None and l3.known[b] and l3.store.holds(b, now))
+                ):
+                    continue  # promoted already, or its copy went meanwhile
+                if self._offer(l1, b, self.parent[b]):
                     self.promotions += 1
             for i in missing:
                 b = req[i]
@@ -455,22 +633,65 @@ class _Engine:
                 for b in req:
                     if copies[b] == _L1:
                         self._offer(l2, b, self.parent[b])  # type: ignore[arg-type]
+            if l3 is not None:
+                self._write_behind(l3, req)
             if watermarks is not None and l1.count > high:
                 while l1.count > low:
                     found = l1.policy.victims(1, now, self.mask)
                     if found is None:
                         break
                     self._evict(l1, int(found[0]))
+            yield
         l1.hits += hits1
         if l2 is not None:
             l2.hits += hits2
         self.prefix_hits = prefix_hits
 
-    def _hint_events(self, stamps: list[float]) -> list[tuple[float, int]]:
+    def _write_behind(self, l3: _L3Level, req: list[int]) -> None:
+        """Write to L3 the request's blocks the node holds, does not know to be there, and
+        its L3 admission admits (the daemon's ``selective`` write policy for L3)."""
+        copies, known, now = self.copies, l3.known, self.now
+        for b in req:
+            if not copies[b] or known[b]:
+                continue
+            if not l3.admits_all:
+                decision = l3.admission.decide(b, None, now)
+                if not decision.admit:
+                    l3.declined[decision.reason] += 1
+                    continue
+            l3.store.write(b, now)
+            l3.writes += 1
+            known[b] = 1
+
+    def _read_l3(self, l3: _L3Level, b: int) -> bool:
+        """Whether L3 serves ``b`` to this node now (an L3 hit, counted)."""
+        if not l3.store.read(b, self.now):
+            return False
+        l3.hits += 1
+        l3.known[b] = 1
+        return True
+
+    def _lost_from_l3(self, l3: _L3Level, b: int) -> None:
+        """A read found a block gone from L3 that the node thought was there."""
+        l3.known[b] = 0
+        if self.stack.forget_dropped and not self.copies[b]:
+            for t in self.tiers:
+                t.policy.forget(b)
+
+    def _hint_events(self) -> list[tuple[float, int]]:
         window = self.stack.queue_window_s
         if window <= 0:
             return []
-        return sorted(((t - window, q) for q, t in enumerate(stamps)), key=lambda e: e[0])
+        return sorted(((t - window, q) for q, t in enumerate(self.stamps)), key=lambda e: e[0])
+
+    def hints_until(self, t: float) -> None:
+        """Hint the queued requests announced by ``t``, each at its own time."""
+        hints, offsets = self.hints, self.offsets
+        while self.next_hint < len(hints) and hints[self.next_hint][0] <= t:
+            at, q = hints[self.next_hint]
+            self.next_hint += 1
+            self.now = max(self.now, at)
+            self._hint(self.blocks[offsets[q] : offsets[q + 1]], self.stamps[q])
 
     def _hint(self, req: list[int], deadline: float) -> None:
         if not req:
@@ -480,9 +701,21 @@ class _Engine:
         for t in self.tiers:
             t.policy.hint(ids, deadline, self.now)
             t.epoch += 1
-        if self.l2 is not None:
-            for b in req:
-                if self.copies[b] == _L2 and self._offer(self.l1, b, self.parent[b], access=False):
+        l3 = self.l3
+        if self.l2 is None and l3 is None:
+            return
+        copies = self.copies
+        for b in req:
+            c = copies[b]
+            if c == _L2:
+                if self._offer(self.l1, b, self.parent[b], access=False):
+                    self.prefetches += 1
+            elif not c and l3 is not None and l3.known[b]:
+                # The daemon prefetches what its table says L3 holds.
+                if not l3.store.holds(b, self.now):
+                    self._lost_from_l3(l3, b)
+                elif self._offer(self.l1, b, self.parent[b], access=False):
+                    l3.store.read(b, self.now)
                     self.prefetches += 1
 
     def _store(self, b: int, parent: int) -> None:
@@ -557,7 +790,13 @@ class _Engine:
                 l2, victim, self.parent[victim], ask_admission=not through, access=False
             ):
                 self.demotions += 1
-        if self.stack.forget_dropped and not self.copies[victim]:
+        l3 = self.l3
+        if (
+            self.stack.forget_dropped
+            and not self.copies[victim]
+            and not (l3 is not None and l3.known[victim])
+        ):
+            # The daemon's table keeps a block while any tier, L3 included, holds it.
             for t in self.tiers:
                 t.policy.forget(victim)
 

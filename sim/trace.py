@@ -13,10 +13,11 @@ Semantics (``Trace.cacheable``):
 - ``all`` (the replayer's semantics before the tier stack, kept for comparison with figures
   published under it): every id is a cacheable block.
 
-Invariants of ``Trace``: block ids are dense (``0 .. unique_blocks - 1``, numbered in order
-of the original ids), ``offsets`` has one more entry than there are requests and is
-non-decreasing, and timestamps follow the file's order (not necessarily sorted; the engine
-holds its clock back from going backwards).
+Invariants of ``Trace``: block ids are below ``unique_blocks`` and dense (every id in
+``0 .. unique_blocks - 1`` used, numbered in order of the original ids), except in a
+selection (``select``), which keeps its parent's ids; ``offsets`` has one more entry than
+there are requests and is non-decreasing, and timestamps follow the file's order (not
+necessarily sorted; the engine holds its clock back from going backwards).
 
 Thread-safety: traces are immutable values.
 """
@@ -91,6 +92,25 @@ class Trace:
 
     def request(self, r: int) -> np.ndarray:
         return self.blocks[self.offsets[r] : self.offsets[r + 1]]
+
+    def select(self, requests: np.ndarray) -> Trace:
+        """The requests ``requests`` (indices, ascending) as a trace of their own, keeping
+        this trace's block ids and ``unique_blocks`` (the nodes of a cluster agree on ids;
+        some ids are then unused)."""
+        requests = np.asarray(requests, dtype=np.int64)
+        lo, hi = self.offsets[requests], self.offsets[requests + 1]
+        lengths = hi - lo
+        starts = np.repeat(lo - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+        positions = starts + np.arange(int(lengths.sum()), dtype=np.int64)
+        return Trace(
+            name=self.name,
+            timestamps_s=self.timestamps_s[requests],
+            offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
+            blocks=self.blocks[positions],
+            unique_blocks=self.unique_blocks,
+            partial=self.partial[requests],
+            block_tokens=self.block_tokens,
+        )
 
 
 def load_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:

@@ -28,6 +28,24 @@ def test_ids_are_dense_and_requests_are_flat() -> None:
     assert trace.span_s == 2.0
 
 
+def test_a_selection_keeps_the_ids_of_the_whole_trace() -> None:
+    trace = trace_from_requests(
+        [
+            {"timestamp": 0, "input_length": 1030, "hash_ids": [90, 7, 8]},
+            {"timestamp": 1500, "hash_ids": []},
+            {"timestamp": 2000, "hash_ids": [7, 12, 90]},
+            {"timestamp": 3000, "hash_ids": [12]},
+        ]
+    )
+    part = trace.select(np.array([0, 1, 3]))
+    assert part.requests == 3 and part.accesses == 4 and part.unique_blocks == 4
+    assert part.blocks.tolist() == [3, 0, 1, 2]  # 7 -> 0, 8 -> 1, 12 -> 2, 90 -> 3
+    assert part.offsets.tolist() == [0, 3, 3, 4]
+    assert part.timestamps_s.tolist() == [0.0, 1.5, 3.0]
+    assert part.partial.tolist() == [True, False, False]
+    assert trace.select(np.array([], dtype=np.int64)).accesses == 0
+
+
 def test_full_semantics_drops_only_partial_last_blocks() -> None:
     trace = trace_from_requests(
         [
