@@ -17,11 +17,20 @@ from typing import Any
 
 from kvtier.daemon.policy.registry import policy_names
 from kvtier.sim import tracegen
+from kvtier.sim.cluster import (
+    DAEMON_L3_ADMISSION,
+    DAEMON_L3_TTL_S,
+    ROUTE_DOCS,
+    ROUTES,
+    ClusterConfig,
+    l3_admission_names,
+)
 from kvtier.sim.engine import WRITE_POLICIES, StackConfig, replay
 from kvtier.sim.report import (
     SWEEP_PERCENTS,
     SWEEP_POLICIES,
     PlotUnavailable,
+    describe_cluster,
     format_result,
     format_sweep,
     plot_run,
@@ -94,11 +103,45 @@ def add_replay_parser(subparsers: Any) -> None:
         help="policies forget a block that has no copy left, as the daemon reuses its id",
     )
     p.add_argument("--half-life", type=_positive_float, help="heat half-life in seconds")
+    c = p.add_argument_group(
+        "cluster",
+        "N nodes, each with the tiers above (--l1-blocks, --l2-blocks are per node), "
+        "requests spread over them by a routing rule, and one shared L3",
+    )
+    c.add_argument("--nodes", type=_count(1), default=1, help="number of nodes (1)")
+    c.add_argument(
+        "--route",
+        choices=ROUTES,
+        default="prefix",
+        help="which node serves each request (default prefix): "
+        + "; ".join(f"{name}: {doc}" for name, doc in ROUTE_DOCS.items()),
+    )
+    c.add_argument("--route-seed", type=_count(0), default=0, help="seed of --route random (0)")
+    c.add_argument(
+        "--l3-blocks",
+        type=_count(0),
+        default=0,
+        help="capacity in blocks of the L3 the nodes share (Redis maxmemory, allkeys-lru); "
+        "0: no L3 (default)",
+    )
+    c.add_argument(
+        "--l3-ttl-s",
+        type=_non_negative_float,
+        help="an L3 entry expires this long after its last write, in seconds of trace time "
+        f"(reads do not extend it; 0: never; default {DAEMON_L3_TTL_S:g}, the daemon's)",
+    )
+    c.add_argument(
+        "--l3-admission",
+        choices=l3_admission_names(),
+        help="each node's rule for writing a block to L3 (default "
+        f"{DAEMON_L3_ADMISSION}, the daemon's: a block the node saw twice)",
+    )
     p.add_argument(
         "--sweep",
         action="store_true",
         help="one tier at 1, 2, 5, 10, 20%% of the trace's unique blocks, for the policies "
-        f"of --policies (default {','.join(SWEEP_POLICIES)})",
+        f"of --policies (default {','.join(SWEEP_POLICIES)}); with the cluster options, "
+        "each node's L1 at those sizes, the cluster the same in every run",
     )
     p.add_argument("--policies", type=_policy_list, help="comma-separated policies of --sweep")
     p.add_argument(
@@ -161,6 +204,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         l1_watermarks=args.l1_watermarks,
         forget_dropped=args.forget_dropped,
     )
+    cluster = _cluster(args)
     trace = load_trace(args.trace, args.block_tokens)
     cacheable = trace.cacheable(args.semantics)  # the same trace once more if nothing is dropped
     print(
@@ -177,7 +221,10 @@ def _replay_command(args: argparse.Namespace) -> int:
             policy_params=params,
             semantics=args.semantics,
             stack=stack,
+            cluster=cluster,
         )
+        if not cluster.single:
+            print(describe_cluster(cluster))
         print(format_sweep(results, trace.unique_blocks, percents))
         if args.plot:
             plot_sweep(results, trace, args.plot)
@@ -194,6 +241,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         policy_params=params,
         semantics=args.semantics,
         stack=stack,
+        cluster=cluster,
     )
     print(format_result(result))
     if args.plot:
@@ -201,6 +249,21 @@ def _replay_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_dict()))
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> ClusterConfig:
+    if not args.l3_blocks:
+        for given, flag in ((args.l3_ttl_s, "--l3-ttl-s"), (args.l3_admission, "--l3-admission")):
+            if given is not None:
+                raise ValueError(f"{flag} needs an L3: give --l3-blocks")
+    return ClusterConfig(
+        nodes=args.nodes,
+        route=args.route,
+        route_seed=args.route_seed,
+        l3_blocks=args.l3_blocks,
+        l3_ttl_s=DAEMON_L3_TTL_S if args.l3_ttl_s is None else args.l3_ttl_s,
+        l3_admission=args.l3_admission or DAEMON_L3_ADMISSION,
+    )
 
 
 def _run_trace_gen(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.engine import ReplayResult, StackConfig, replay, sweep_capacities
 from kvtier.sim.trace import Trace
 
@@ -28,32 +29,70 @@ def sweep(
     *,
     semantics: str = "full",
     stack: StackConfig | None = None,
+    cluster: ClusterConfig | None = None,
 ) -> list[ReplayResult]:
     """One single-tier replay per capacity (``percents`` of the trace's unique ids) and
-    policy."""
+    policy; with ``cluster``, the capacity of each node's L1."""
     cacheable = trace.cacheable(semantics)
     return [
-        replay(cacheable, name, cap, policy_params=policy_params, semantics=semantics, stack=stack)
+        replay(
+            cacheable,
+            name,
+            cap,
+            policy_params=policy_params,
+            semantics=semantics,
+            stack=stack,
+            cluster=cluster,
+        )
         for cap in sweep_capacities(trace.unique_blocks, percents)
         for name in policies
     ]
 
 
+def describe_cluster(c: ClusterConfig) -> str:
+    """One line: the nodes, how requests reach them, the shared L3."""
+    nodes = f"{c.nodes} nodes, route {c.route}" if c.nodes > 1 else "1 node"
+    if c.nodes > 1 and c.route == "random":
+        nodes += f" (seed {c.route_seed})"
+    l3 = "no L3"
+    if c.l3_blocks:
+        ttl = f"ttl {c.l3_ttl_s:g} s" if c.l3_ttl_s else "no ttl"
+        l3 = f"shared L3 {c.l3_blocks} blocks ({ttl}, admission {c.l3_admission})"
+    return f"cluster: {nodes}; {l3}"
+
+
+def _tiers(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items())
+
+
 def format_result(r: ReplayResult) -> str:
-    tiers = ", ".join(f"{k} {v}" for k, v in r.tier_hits.items())
-    lines = [
-        f"policy {r.policy}: L1 {r.l1_blocks} blocks, L2 {r.l2_blocks} blocks",
+    each = " each" if r.cluster.nodes > 1 else ""
+    lines = [f"policy {r.policy}: L1 {r.l1_blocks} blocks, L2 {r.l2_blocks} blocks{each}"]
+    if not r.cluster.single:
+        lines.append(f"  {describe_cluster(r.cluster)}")
+    lines += [
         f"  hit ratio {100 * r.hit_ratio:.2f}% ({r.hits} of {r.accesses}), "
         f"prefix hit ratio {100 * r.prefix_hit_ratio:.2f}%",
-        f"  hits by tier: {tiers}; promotions {r.promotions}",
-        f"  evictions: {', '.join(f'{k} {v}' for k, v in r.evictions.items())}",
+        f"  hits by tier: {_tiers(r.tier_hits)}; misses {r.misses}; promotions {r.promotions}",
+        f"  evictions: {_tiers(r.evictions)}",
     ]
     if r.l2_blocks:
         lines.append(f"  L2 writes {r.l2_writes} (of them demotions {r.demotions})")
+    if r.l3 is not None:
+        lines.append(
+            f"  L3 writes {r.l3.writes}, evictions {r.l3.evictions}, expiries "
+            f"{r.l3.expiries}; {r.l3.held} blocks held at the end"
+        )
     if r.hinted:
         lines.append(f"  hinted blocks {r.hinted}; prefetched to L1 {r.prefetches}")
     if r.declined:
         lines.append("  declined: " + ", ".join(f"{k} {v}" for k, v in sorted(r.declined.items())))
+    if r.cluster.nodes > 1:
+        for k, n in enumerate(r.per_node):
+            lines.append(
+                f"  node {k}: {n.requests} requests, {n.accesses} accesses, hit ratio "
+                f"{100 * n.hit_ratio:.2f}% ({_tiers(n.tier_hits)})"
+            )
     lines.append(f"  speed: {r.accesses_per_s:,.0f} block accesses/s")
     return "\n".join(lines)
 

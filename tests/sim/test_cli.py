@@ -80,6 +80,58 @@ def test_the_stack_options_reach_the_engine(
     assert doc["l2_writes"] == 2 and doc["tier_hits"] == {"l1": 0, "l2": 1}
 
 
+def test_cluster_options_reach_the_engine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Three turns of a conversation on three nodes: L3 serves turn 2 two blocks and turn 3
+    # three (tests/sim/test_cluster.py works it out).
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3], [1, 2, 3, 4]))
+    args = ["replay", str(path), "--policy", "lru", "--l1-blocks", "10", "--nodes", "3"]
+    args += ["--route", "round-robin", "--l3-blocks", "10", "--l3-admission", "always"]
+    assert main([*args, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    cluster = "  cluster: 3 nodes, route round-robin; shared L3 10 blocks (ttl 3600 s, admission"
+    assert f"{cluster} always)" in out
+    assert "  hits by tier: l1 0, l3 5; misses 4; promotions 5" in out
+    assert any(line.startswith("  node 2: 1 requests, 4 accesses") for line in out)
+    doc = json.loads(out[-1])
+    assert (doc["nodes"], doc["route"], doc["l3_blocks"]) == (3, "round-robin", 10)
+    assert (doc["l3_ttl_s"], doc["l3_admission"]) == (3600.0, "always")
+    assert doc["tier_hits"] == {"l1": 0, "l3": 5} and doc["misses"] == 4
+    assert doc["l3"] == {"writes": 4, "reads": 5, "evictions": 0, "expiries": 0, "held": 4}
+    assert [n["l3_writes"] for n in doc["per_node"]] == [2, 1, 1]
+    assert [n["tier_hits"] for n in doc["per_node"]][2] == {"l1": 0, "l3": 3}
+    # The daemon's defaults: second_hit writes nothing a node saw once.
+    assert main([*args[:-2], "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (doc["l3_admission"], doc["tier_hits"]["l3"]) == ("second_hit", 0)
+    # One node without L3: no cluster to describe.
+    assert main(["replay", str(path), "--policy", "lru", "--l1-blocks", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "  cluster:" not in out and "  node 0:" not in out
+
+
+def test_sweep_with_a_cluster_sweeps_each_nodes_l1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, tracegen.scenario("chat", seed=1, duration_s=60.0))
+    args = ["replay", str(path), "--sweep", "--policies", "lru", "--percents", "5,20"]
+    assert main([*args, "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sweep"]
+    assert main([*args, "--nodes", "2", "--l3-blocks", "100", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert (
+        out[1]
+        == "cluster: 2 nodes, route prefix; shared L3 100 blocks (ttl 3600 s, admission second_hit)"
+    )
+    assert out[2].startswith("policy") and out[3].startswith("lru")
+    runs = json.loads(out[-1])["sweep"]
+    assert [r["l1_blocks"] for r in runs] == [r["l1_blocks"] for r in alone]
+    assert all(r["nodes"] == 2 and len(r["per_node"]) == 2 for r in runs)
+
+
 def test_semantics_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "t.jsonl"
     write_jsonl(
@@ -119,6 +171,25 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
     assert one.returncode == 0, one.stderr
     doc = json.loads(one.stdout.splitlines()[-1])
     assert doc["policy"] == "density" and doc["hits"] > 0 and doc["hinted"] > 0
+    cluster = run(
+        "replay",
+        SHIPPED,
+        "--l1-blocks",
+        "241",
+        "--nodes",
+        "4",
+        "--route",
+        "round-robin",
+        "--l3-blocks",
+        "2415",
+        "--l3-admission",
+        "always",
+        "--json",
+    )
+    assert cluster.returncode == 0, cluster.stderr
+    doc = json.loads(cluster.stdout.splitlines()[-1])
+    assert round(100 * doc["hit_ratio"], 2) == 32.09  # README's cluster table
+    assert len(doc["per_node"]) == 4 and doc["tier_hits"]["l3"] > 0
 
 
 @pytest.mark.parametrize(
@@ -134,6 +205,16 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
             '{"timestamp": 0, "input_length": 9000, "hash_ids": [1]}\n',
             ["--l1-blocks", "4"],
             "--block-tokens",
+        ),
+        (
+            '{"timestamp": 0, "hash_ids": [1]}\n',
+            ["--l1-blocks", "4", "--nodes", "2", "--l3-ttl-s", "60"],
+            "--l3-ttl-s needs an L3: give --l3-blocks",
+        ),
+        (
+            '{"timestamp": 0, "hash_ids": [1]}\n',
+            ["--l1-blocks", "4", "--l3-admission", "always"],
+            "--l3-admission needs an L3",
         ),
     ],
 )
@@ -163,6 +244,12 @@ def test_errors(
         ["--l1-blocks", "2", "--write-policy", "sometimes"],
         ["--sweep", "--policies", "lru,nope"],
         ["--sweep", "--percents", "0"],
+        ["--l1-blocks", "2", "--nodes", "0"],
+        ["--l1-blocks", "2", "--route", "nearest"],
+        ["--l1-blocks", "2", "--route-seed", "-1"],
+        ["--l1-blocks", "2", "--l3-blocks", "-1"],
+        ["--l1-blocks", "2", "--l3-blocks", "9", "--l3-ttl-s", "-5"],
+        ["--l1-blocks", "2", "--l3-blocks", "9", "--l3-admission", "belady"],
     ],
 )
 def test_bad_options_are_refused(
@@ -171,7 +258,9 @@ def test_bad_options_are_refused(
     with pytest.raises(SystemExit) as e:
         main(["replay", str(tmp_path / "t.jsonl"), *args])
     assert e.value.code == 2
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"argument {args[-2]}:" in err
 
 
 def test_exit_code_and_no_traceback_as_a_process(tmp_path: Path) -> None:
