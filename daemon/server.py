@@ -480,8 +480,6 @@ class Daemon:
         if ensure_fault_handler():
             log.warning("another SIGBUS handler had replaced the copy guard's; it is back in front")
         self.server = grpc.aio.server(
-            # Latency per method and status, and request ids in log lines (daemon/observe.py).
-            interceptors=[RpcObserver(self.store.latency)],
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -490,9 +488,14 @@ class Daemon:
                 ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
-        _add_handlers(self.server, SERVICE_NAME, _kvtier_handlers(self.servicer))
+        # Latency per method and status, and request ids in log lines (daemon/observe.py).
+        observer = RpcObserver(self.store.latency)
         _add_handlers(
-            self.server, HEALTH_SERVICE_NAME, _health_handlers(self.health, self.servicer)
+            self.server, SERVICE_NAME, observer.wrap(SERVICE_NAME, _kvtier_handlers(self.servicer))
+        )
+        health_handlers = _health_handlers(self.health, self.servicer)
+        _add_handlers(
+            self.server, HEALTH_SERVICE_NAME, observer.wrap(HEALTH_SERVICE_NAME, health_handlers)
         )
         access = SocketAccess.from_config(cfg)
         if cfg.socket:

@@ -37,7 +37,7 @@ from kvtier.daemon.stack import Level, TierStack
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
-from kvtier.tiers.base import BlockRef, Priority, TierKind
+from kvtier.tiers.base import Priority, TierKind
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ class SpaceManager:
             return
         # The source copy may have gone while we waited for room (a failed read elsewhere).
         still = table.slot[group, src.col] >= 0
-        refs = [BlockRef(int(table.ns[b]), table.key_bytes(b)) for b in group.tolist()]
+        refs = table.block_refs(group)
         src_failed: list[bool] = [False] * len(group)
         try:
             outcomes, src_failed = await self.transfers.copy(
@@ -453,11 +453,7 @@ class SpaceManager:
 
     @staticmethod
     def _allocate(level: Level, nbytes: int, count: int) -> list[int]:
-        alloc = level.slots.allocator
-        out: list[int] = []
-        while len(out) < count and (slot := alloc.allocate(nbytes)) is not None:
-            out.append(slot)
-        return out
+        return level.slots.allocator.allocate_many(nbytes, count)
 
     def _victims(self, level: Level, n: int, now: float, mask: EvictableFn) -> np.ndarray:
         """Exactly ``n`` victims, or all the evictable blocks there are when fewer."""
@@ -594,14 +590,15 @@ class SpaceManager:
         """A block that lost its last copy while held (a failed read) is forgotten once
         nobody holds it any more."""
         table = self.table
-        for b in np.unique(bids).tolist():
-            if (
-                table.state[b] == READY
-                and table.inflight[b] == 0
-                and table.pins[b] == 0
-                and not (table.slot[b] >= 0).any()
-            ):
-                table.remove(b)
+        bids = np.unique(bids)
+        orphans = bids[
+            (table.state[bids] == READY)
+            & (table.inflight[bids] == 0)
+            & (table.pins[bids] == 0)
+            & ~(table.slot[bids] >= 0).any(axis=1)
+        ]
+        for b in orphans.tolist():
+            table.remove(b)
 
     def _forget_in_policies(self, bid: int) -> None:
         for level in self.stack:

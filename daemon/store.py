@@ -961,8 +961,7 @@ class BlockStore:
             table.remove(bid)
 
     def _refs(self, bids: np.ndarray) -> list[BlockRef]:
-        table = self.table
-        return [BlockRef(int(table.ns[b]), table.key_bytes(b)) for b in bids.tolist()]
+        return self.table.block_refs(bids)
 
     def _volatile_only(self) -> np.ndarray:
         table = self.table

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.tiers.base import BlockRef
+
 KEY_BYTES = 32
 _KEY_WORDS = KEY_BYTES // 8
 
@@ -163,6 +165,16 @@ class BlockTable:
 
     def key_bytes(self, bid: int) -> bytes:
         return self.keys[bid].tobytes()
+
+    def block_refs(self, bids: np.ndarray) -> list[BlockRef]:
+        """The blocks' identities as tiers address them, ``(ns, key bytes)`` per row."""
+        bids = np.asarray(bids, dtype=np.int64)
+        raw = self.keys[bids].tobytes()
+        width = self.keys.shape[1] * self.keys.itemsize
+        return [
+            BlockRef(ns, raw[i * width : (i + 1) * width])
+            for i, ns in enumerate(self.ns[bids].tolist())
+        ]
 
     def ref(self, bid: int) -> int:
         """A reference to the block now in row ``bid`` that outlives the row's reuse."""

@@ -115,7 +115,9 @@ class HostArena:
         """The slots as host buffers of their full slot size (page-aligned, so a disk tier
         moves them without staging)."""
         size = self.allocator.slot_bytes_for(nbytes)
-        return HostBuffers([self.view(int(s), size) for s in slots])
+        starts = self.allocator.offsets(np.asarray(slots, dtype=np.int64)).tolist()
+        whole = memoryview(self.buffer)
+        return HostBuffers([whole[o : o + size] for o in starts])
 
     def write(self, batch: WriteBatch) -> list[WriteOutcome]:
         starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))

@@ -83,6 +83,16 @@ class SlabAllocator:
 
     def allocate(self, nbytes: int) -> int | None:
         """A free slot for a block of ``nbytes``, or None when the tier has none."""
+        got = self._take(nbytes, 1)
+        return got[0] if got else None
+
+    def allocate_many(self, nbytes: int, count: int) -> list[int]:
+        """Up to ``count`` free slots for blocks of ``nbytes``: fewer only when the tier has
+        no more. Slots of one segment are handed out together (a batch of a thousand blocks
+        costs a few dictionary operations, not a thousand allocations)."""
+        return self._take(nbytes, count)
+
+    def _take(self, nbytes: int, count: int) -> list[int]:
         slot_bytes = self.slot_bytes_for(nbytes)
         if slot_bytes > self.segment_bytes or nbytes <= 0:
             raise ValueError(
@@ -93,27 +103,37 @@ class SlabAllocator:
             cls = self._classes[slot_bytes] = _SizeClass(
                 slot_bytes, self.segment_bytes // slot_bytes
             )
-        if not cls.open_segments:
-            if not self._free_segments:
-                return None
-            seg = self._free_segments.pop()
-            self._seg_slot_bytes[seg] = slot_bytes
-            self._seg_fresh[seg] = 0
-            cls.segments.add(seg)
-            cls.open_segments[seg] = set()
-        seg = next(iter(cls.open_segments))
-        free = cls.open_segments[seg]
-        if free:
-            index = free.pop()
-        else:
-            index = int(self._seg_fresh[seg])
-            self._seg_fresh[seg] += 1
-        self._seg_used[seg] += 1
-        if self._seg_used[seg] == cls.slots_per_segment:
-            del cls.open_segments[seg]
-        self._used_bytes += slot_bytes
-        self._used_slots += 1
-        return seg * self.slots_cap + index
+        out: list[int] = []
+        while len(out) < count:
+            if not cls.open_segments:
+                if not self._free_segments:
+                    break
+                seg = self._free_segments.pop()
+                self._seg_slot_bytes[seg] = slot_bytes
+                self._seg_fresh[seg] = 0
+                cls.segments.add(seg)
+                cls.open_segments[seg] = set()
+            seg = next(iter(cls.open_segments))
+            free = cls.open_segments[seg]
+            base = seg * self.slots_cap
+            want = count - len(out)
+            taken = 0
+            # Freed slots first (as one at a time would), then slots never handed out.
+            while free and taken < want:
+                out.append(base + free.pop())
+                taken += 1
+            fresh = int(self._seg_fresh[seg])
+            more = min(want - taken, cls.slots_per_segment - fresh)
+            if more > 0:
+                out.extend(range(base + fresh, base + fresh + more))
+                self._seg_fresh[seg] = fresh + more
+                taken += more
+            self._seg_used[seg] += taken
+            if self._seg_used[seg] == cls.slots_per_segment:
+                del cls.open_segments[seg]
+            self._used_bytes += taken * slot_bytes
+            self._used_slots += taken
+        return out
 
     def claim(self, slot: int, nbytes: int) -> None:
         """Mark a specific slot as used (recovery of a persistent tier).
@@ -360,9 +380,9 @@ class LockedSlab(SlabAllocator):
         super().__init__(capacity_bytes, segment_bytes, align)
         self._lock = threading.Lock()
 
-    def allocate(self, nbytes: int) -> int | None:
+    def _take(self, nbytes: int, count: int) -> list[int]:
         with self._lock:
-            return super().allocate(nbytes)
+            return super()._take(nbytes, count)
 
     def can_allocate(self, nbytes: int) -> bool:
         with self._lock:

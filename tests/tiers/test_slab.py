@@ -123,3 +123,31 @@ def test_claim_many_matches_claim_one_by_one():
         many.free(slot)
         one.free(slot)
     assert many.stats() == one.stats() and many.used_bytes == 0
+
+
+def test_allocate_many_hands_out_what_one_at_a_time_would():
+    """A batch takes the same slots, in the same order, as as many single allocations,
+    across freed slots, fresh slots and segment boundaries, and stops where the tier is full."""
+    rng = np.random.default_rng(7)
+    one, many = SlabAllocator(4 * MiB, 1 * MiB), SlabAllocator(4 * MiB, 1 * MiB)
+    held: list[int] = []
+    for _ in range(60):
+        size = int(rng.choice([4096, 12_288, 65_536]))
+        count = int(rng.integers(1, 200))
+        singles = []
+        while len(singles) < count and (s := one.allocate(size)) is not None:
+            singles.append(s)
+        batch = many.allocate_many(size, count)
+        assert batch == singles
+        held += batch
+        assert one.stats() == many.stats()
+        # Free a random half of what is held, in both.
+        rng.shuffle(held)
+        for s in held[: len(held) // 2]:
+            one.free(s)
+            many.free(s)
+        held = held[len(held) // 2 :]
+    assert many.check() == []
+    assert many.allocate_many(4096, 0) == []
+    with pytest.raises(ValueError):
+        many.allocate_many(2 * MiB, 1)

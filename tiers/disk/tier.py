@@ -207,10 +207,10 @@ class _Slab(LockedSlab):
 
     recovering = False
 
-    def allocate(self, nbytes: int) -> int | None:
+    def _take(self, nbytes: int, count: int) -> list[int]:
         if self.recovering:
-            return None
-        return super().allocate(nbytes)
+            return []
+        return super()._take(nbytes, count)
 
     def can_allocate(self, nbytes: int) -> bool:
         return not self.recovering and super().can_allocate(nbytes)
