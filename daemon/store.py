@@ -509,14 +509,17 @@ class BlockStore:
         parent = -1
         if parent_words is not None:
             parent = int(table.lookup(ns, parent_words[None, :])[0])
-        for bid, i in zip(bids.tolist(), new_idx.tolist(), strict=True):
-            par = int(chain[i - 1]) if i > 0 else parent
-            if par >= 0 and table.state[par] != READY:
-                par = -1
-            table.link(bid, par)
-            for level in self.stack:
-                if table.slot[bid, level.col] >= 0:
-                    level.policy.insert(bid, now, par)
+        # Each new block's predecessor: the chain's previous block, or the request's parent.
+        pars = np.where(new_idx > 0, chain[np.maximum(new_idx - 1, 0)], parent)
+        pars[(pars >= 0) & (table.state[np.maximum(pars, 0)] != READY)] = -1
+        table.link_many(bids, pars)
+        held = table.slot[bids] >= 0
+        for level in self.stack:
+            mine = held[:, level.col]
+            if mine.any():
+                insert = level.policy.insert
+                for bid, par in zip(bids[mine].tolist(), pars[mine].tolist(), strict=True):
+                    insert(bid, now, par)
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
     # -------------------------------------------------------------------- reads

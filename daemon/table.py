@@ -216,6 +216,14 @@ class BlockTable:
         self.parent[bid] = self.ref(parent)
         self.child[parent] = bid
 
+    def link_many(self, bids: np.ndarray, parents: np.ndarray) -> None:
+        """``link`` for many blocks, in order (a parent named twice keeps the later child)."""
+        bids = np.asarray(bids, dtype=np.int64)
+        parents = np.asarray(parents, dtype=np.int64)
+        linked = parents >= 0
+        self.parent[bids] = np.where(linked, self.refs(np.maximum(parents, 0)), NO_REF)
+        self.child[parents[linked]] = bids[linked]
+
     def parent_of(self, bid: int) -> int:
         """The row of ``bid``'s parent while that block lives, else -1."""
         return self.resolve(int(self.parent[bid]))

@@ -82,8 +82,8 @@ class ConnectorConfig:
     """
 
     address: str = ""
-    """kvtierd's address (``unix:PATH`` or ``host:port``); empty: ``$KVTIER_ADDRESS`` or
-    ``unix:var/kvtierd.sock``."""
+    """kvtierd's address (``unix:PATH`` or ``host:port``); empty: ``$KVTIER_ADDRESS``, else
+    the default socket (``kvtier.paths``), as for ``Client``."""
     load: bool = True
     save: str = "all"
     """Which computed blocks are stored: ``all`` (prompt and generated), ``prompt``, ``none``."""
