@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser(
         "bench",
         add_help=False,
-        help="benchmarks (each starts its own daemon)",
+        help="benchmarks (each but l3 and policy_memory starts its own daemon)",
         description="Run a benchmark; `kvtier bench NAME --help` lists its options.",
     )
     b.add_argument("what", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")

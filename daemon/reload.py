@@ -133,7 +133,11 @@ class Reloader:
             level.guard = EvictionGuard(config.policy.protect_s, config.policy.warmup_s, high, low)
             if section is not None:
                 level.reads.rate = float(getattr(section, "read_bytes_s", level.reads.rate))
-                level.writes.rate = float(getattr(section, "write_bytes_s", level.writes.rate))
+                if level.keyed:
+                    # Its write budget is the tier's own (see daemon/stack.py).
+                    level.keys.set_write_rate(int(section.write_bytes_s))
+                else:
+                    level.writes.rate = float(getattr(section, "write_bytes_s", level.writes.rate))
         daemon.servicer.ping_interval_s = config.server.session_ping_s
         daemon.config = config
         daemon.service.config = config

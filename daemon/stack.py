@@ -224,7 +224,9 @@ def _level(
         admission=admission,
         write_policy=write_policy,
         reads=TokenBucket(getattr(section, "read_bytes_s", 0), clock),
-        writes=TokenBucket(getattr(section, "write_bytes_s", 0), clock),
+        # A key-addressed tier keeps its own write budget and drops what exceeds it (written
+        # behind, nothing waits for it); a wait here would only delay writes it then drops.
+        writes=TokenBucket(0 if keyed else getattr(section, "write_bytes_s", 0), clock),
     )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +38,7 @@ from kvtier.tiers.base import (
     WriteOutcome,
 )
 from kvtier.tiers.buffers import get_block, load_into, put_block, store_from
+from kvtier.tiers.remote.state import TokenBucket
 from kvtier.tiers.slab import LockedSlab
 
 
@@ -208,14 +209,20 @@ def _recovered(
 class MemoryKeyTier:
     """A key-addressed tier in process memory, standing in for L3 in tests: its own index
     of ``(ns, key) -> bytes``, asynchronous verbs, and faults the test switches on (``down``
-    makes every call a miss, as a remote store that cannot be reached)."""
+    makes every call a miss, as a remote store that cannot be reached). ``write_bytes_s``: a
+    write budget as L3's (blocks beyond it are dropped)."""
 
     kind = TierKind.REMOTE
 
-    def __init__(self) -> None:
+    def __init__(self, write_bytes_s: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.values: dict[tuple[int, bytes], bytes] = {}
         self.down = False
         self.counters: Counter[str] = Counter()
+        self._clock = clock
+        self._budget = TokenBucket(write_bytes_s, 0, clock())
+
+    def set_write_rate(self, bytes_s: int) -> None:
+        self._budget.set_rate(bytes_s, 0)
 
     async def probe(self, blocks: Sequence[BlockRef]) -> int:
         self.counters["probes"] += 1
@@ -240,10 +247,17 @@ class MemoryKeyTier:
     async def write(self, blocks: Sequence[BlockRef], nbytes: int, src: object) -> list[bool]:
         if self.down:
             return [False] * len(blocks)
+        now = self._clock()
+        out = []
         for j, ref in enumerate(blocks):
+            if not self._budget.take(nbytes, now):
+                out.append(False)
+                continue
             self.values[(ref.ns, bytes(ref.key))] = bytes(get_block(src, j, nbytes))  # type: ignore[arg-type]
-        self.counters["blocks_written"] += len(blocks)
-        return [True] * len(blocks)
+            out.append(True)
+        self.counters["blocks_written"] += sum(out)
+        self.counters["write_dropped_budget"] += len(out) - sum(out)
+        return out
 
     async def remove(self, blocks: Sequence[BlockRef]) -> None:
         for ref in blocks:

@@ -92,20 +92,21 @@ class _Save:
 
 
 def register_cuda_kv_caches(kv_caches: dict[str, torch.Tensor]) -> None:
-    """Register vLLM's GPU KV cache with kvtierd as CUDA IPC pools (not available yet).
+    """Register vLLM's GPU KV cache with kvtierd as CUDA IPC pools: not wired yet.
 
-    What it will do, once the daemon runs a GPU tier: export each layer's tensor with a CUDA
-    IPC handle, describe its blocks as a ``PoolLayout`` (one chunk per layer and block, page
-    stride ``tensor.stride(0)`` bytes) and register it, so the daemon copies blocks to and
-    from vLLM's cache directly, with no staging. Saves then read vLLM's blocks after the
-    step, so ``request_finished`` must keep a request's blocks until its save job ends
-    (``finished_sending``). Until then this raises, naming what is missing.
+    The pieces exist (``kvtier.client.cuda`` exports tensors as CUDA IPC pools; the daemon's
+    GPU tier, ``tiers.l0``, copies their pages), but the connector does not use them: it would
+    export each layer's tensor, describe its blocks as a ``PoolLayout`` (one chunk per layer
+    and block, page stride ``tensor.stride(0)`` bytes) and register it, and saves would then
+    read vLLM's blocks after the step, so ``request_finished`` would keep a request's blocks
+    until its save job ends (``finished_sending``). Until then this raises, naming what is
+    missing.
     """
     devices = sorted({str(t.device) for t in kv_caches.values()})
     raise NotImplementedError(
-        f"kvtier connector: vLLM's KV cache is on {', '.join(devices)}; registering GPU KV "
-        "caches needs CUDA IPC pools and kvtierd's GPU tier, which this release does not "
-        "have (CPU KV caches are staged through shared memory)"
+        f"kvtier connector: vLLM's KV cache is on {', '.join(devices)}; the connector does not "
+        "register GPU KV caches as CUDA IPC pools yet (CPU KV caches are staged through "
+        "shared memory)"
     )
 
 

@@ -5,6 +5,7 @@ selective writes, readahead, lost copies, durable puts, restart), with no wall-c
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 from collections.abc import AsyncIterator, Callable
@@ -720,3 +721,25 @@ async def test_recovered_blocks_keep_their_tenant(make_store):
     ids = again.table.lookup(77, a)
     assert (again.table.owner[ids] == again.owners["alice"]).all()
     assert again.table.usage[1, again.owners["alice"]] == 4 * 4096
+
+
+async def test_l3_writes_beyond_its_budget_are_dropped_never_waited_for(make_store):
+    """L3 is written behind: past tiers.l3.write_bytes_s the tier drops blocks; nothing in the
+    store waits for the budget (the clock here never moves, so a wait would never end)."""
+    clock = Clock()
+    shared = MemoryKeyTier(write_bytes_s=2 * 4096, clock=clock)  # room for two blocks
+    a = make_store(clock, l3=shared, sets=("tiers.l3.write_bytes_s=8192",))
+    assert a.stack[TierKind.REMOTE].writes.rate == 0
+    pool = make_pool()
+    chain = keys(6)
+    await put(a, pool, chain)
+    await a.lookup(0, chain[:4])  # a second access: L3's admission takes the first four
+    a.space.apply_touches()
+    await asyncio.wait_for(a.space.drain(), 5)
+    assert len(shared.values) == 2
+    assert shared.counters["write_dropped_budget"] == 2
+    shared.set_write_rate(0)  # unlimited (a reload): the next writes all land
+    await a.lookup(0, chain[4:])
+    a.space.apply_touches()
+    await asyncio.wait_for(a.space.drain(), 5)
+    assert len(shared.values) == 4

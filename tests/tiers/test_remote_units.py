@@ -105,6 +105,19 @@ def test_token_bucket_spends_refills_and_caps() -> None:
     assert all(unlimited.take(1 << 30, 0.0) for _ in range(10))
 
 
+def test_token_bucket_takes_a_new_rate_keeping_its_tokens_within_the_new_burst() -> None:
+    b = TokenBucket(1000, 1500, now=0.0)
+    assert b.take(1000, 0.0)  # 500 left
+    b.set_rate(4000, 1500)  # a reload: burst 4000 now, the 500 saved stay
+    assert b.take(500, 0.0) and not b.take(1, 0.0)
+    assert b.take(4000, 10.0)  # refills to the new burst at the new rate
+    b.set_rate(100, 200)  # smaller: refills at the new rate, up to the new burst
+    assert not b.take(1, 10.0)
+    assert b.take(200, 100.0) and not b.take(1, 100.0)
+    b.set_rate(0, 0)  # unlimited
+    assert b.take(1 << 30, 10.0)
+
+
 @pytest.mark.parametrize(
     "opts, match",
     [

@@ -119,6 +119,12 @@ class TokenBucket:
         self.tokens = self.burst
         self.stamp = now
 
+    def set_rate(self, rate_bytes_s: int, burst_bytes: int) -> None:
+        """A new rate (a reload); tokens saved so far stay, up to the new burst."""
+        self.rate = float(rate_bytes_s)
+        self.burst = float(max(burst_bytes, rate_bytes_s))
+        self.tokens = min(self.tokens, self.burst) if self.rate > 0 else self.burst
+
     def take(self, nbytes: int, now: float) -> bool:
         """Spend ``nbytes`` if the budget holds them; otherwise spend nothing."""
         if self.rate <= 0:

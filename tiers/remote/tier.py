@@ -414,6 +414,9 @@ class RemoteTier:
             if isinstance(reply, BaseException):
                 self._reply_error(reply, "remove_errors")
 
+    def set_write_rate(self, bytes_s: int) -> None:
+        self._budget.set_rate(bytes_s, self.options.max_value_bytes)
+
     def health(self) -> TierHealth:
         a = self._avail
         if a.state is Reach.DOWN:
