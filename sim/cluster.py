@@ -117,6 +117,7 @@ class ClusterConfig:
         return {
             "nodes": self.nodes,
             "route": self.route,
+            "route_seed": self.route_seed,
             "l3_blocks": self.l3_blocks,
             "l3_ttl_s": self.l3_ttl_s,
             "l3_admission": self.l3_admission,
