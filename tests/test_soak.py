@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from peers import NOBODY, NOGROUP, require_root
 from test_l2_daemon import l2_args
 
@@ -108,6 +109,7 @@ def _run(address: str, seconds: float, seeds: range, kill_at: float | None) -> l
     return workers
 
 
+@pytest.mark.soak
 def test_soak_two_tenants_with_clients_killed_midway(daemon_factory, tmp_path):
     require_root()
     os.chmod(daemon_factory._sockdir, 0o711)

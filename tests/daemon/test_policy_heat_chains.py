@@ -288,6 +288,7 @@ def drive(seed: int, steps: int, seen: Counter[str], *, large: bool = False) -> 
         assert_same_decisions(new, old, now, step)
 
 
+@pytest.mark.slow  # 30 random workloads against the eager reference: `make test-slow`
 def test_decisions_equal_the_eager_policy() -> None:
     seen: Counter[str] = Counter()
     for seed in range(24):

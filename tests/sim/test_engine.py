@@ -48,7 +48,10 @@ FIGURES: dict[tuple[str, str], dict[str, tuple[float, ...]]] = {
         "opt": (19.15, 26.98, 40.85, 52.25, 62.71),
     },
 }
-TRACES = [SHIPPED] + ([MOONCAKE] if MOONCAKE.exists() else [])
+# The public trace (outside the repository) takes seconds per sweep: `make test-slow`.
+TRACES = [SHIPPED] + (
+    [pytest.param(MOONCAKE, marks=pytest.mark.slow, id=MOONCAKE.name)] if MOONCAKE.exists() else []
+)
 
 
 def requests(*chains: list[int]) -> list[dict[str, object]]:
@@ -169,7 +172,7 @@ def test_admission_can_decline() -> None:
     assert r.hits == 1
 
 
-@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: getattr(p, "name", str(p)))
 @pytest.mark.parametrize("semantics", ["all", "full"])
 def test_published_figures(path: Path, semantics: str) -> None:
     """LRU, ARC and OPT, one tier, no protection: the README's tables, to the hundredth."""
@@ -185,7 +188,7 @@ def test_published_figures(path: Path, semantics: str) -> None:
     assert figures == FIGURES[(path.name, semantics)]
 
 
-@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: getattr(p, "name", str(p)))
 def test_heat_and_density_beat_lru_at_five_percent(path: Path) -> None:
     trace = load_trace(path)
     cap = sweep_capacities(trace.unique_blocks, [5])[0]
