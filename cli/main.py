@@ -110,10 +110,11 @@ def _stats(args: argparse.Namespace) -> int:
     )
     if fig.latency:
         print(f"latency {span}:")
-        print(f"  {'method':<16} {'calls':>8} {'errors':>7} {'mean':>10} {'p50':>10} {'p99':>10}")
+        w = max(16, *(len(row.method) for row in fig.latency))
+        print(f"  {'method':<{w}} {'calls':>8} {'errors':>7} {'mean':>10} {'p50':>10} {'p99':>10}")
         for row in fig.latency:
             print(
-                f"  {row.method:<16} {row.calls:>8} {row.errors:>7} "
+                f"  {row.method:<{w}} {row.calls:>8} {row.errors:>7} "
                 f"{human_seconds(row.mean_s):>10} {human_seconds(row.p50_s):>10} "
                 f"{human_seconds(row.p99_s):>10}"
             )
