@@ -136,6 +136,13 @@ class _Buffer:
     cur: int = 0
     bound: float = -math.inf
     complete: bool = False
+    # Entries from ``cur`` up to ``hinted_to`` were, at the last scan, each stale or hinted
+    # (protected until at least ``hinted_until``): a scan before that deadline starts past
+    # them instead of walking a waiting queue's worth of hinted blocks on every eviction.
+    # Any change of positions before ``hinted_to`` pulls it back (``_note_key``, trims,
+    # rebuilds); entries only go stale, never valid again, and deadlines only grow.
+    hinted_to: int = 0
+    hinted_until: float = -math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +247,8 @@ class HeatPolicy(Hinted):
         self._owed: dict[int, float] = {}  # every ancestor still lacking it is hidden
         # Ancestors looked at by the chain walks (``_propagate``, ``_pay``): a cost measure.
         self.chain_steps = 0
+        # Buffer entries looked at by victim scans under a mask or hints: a cost measure.
+        self.scan_steps = 0
         self._hints = HintTable()
         self._size = 0
         self._alloc(len(self.heat))
@@ -376,10 +385,10 @@ class HeatPolicy(Hinted):
         n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
         if n > n1 + n2:
             return None
-        evictable = self._hints.mask(evictable, now)
+        hinted = self._hints.live(now)
         if self._owed_new:
             self._defer_owed()
-        if n == 1 and evictable is None:
+        if n == 1 and evictable is None and not hinted:
             # The replayer's path: one victim, every block evictable.
             p, from_protected = self._p, False
             b = incoming[0] if len(incoming) == 1 else -1
@@ -389,8 +398,8 @@ class HeatPolicy(Hinted):
             return np.array([bid], dtype=np.int64) if bid >= 0 else None
         p, from_protected = self._adapted_target(incoming)
         scans = {
-            _PROBATION: self._candidates(_PROBATION, evictable),
-            _PROTECTED: self._candidates(_PROTECTED, evictable),
+            _PROBATION: self._candidates(_PROBATION, evictable, now if hinted else None),
+            _PROTECTED: self._candidates(_PROTECTED, evictable, now if hinted else None),
         }
         heads = {_PROBATION: -2, _PROTECTED: -2}  # -2: not looked at yet
 
@@ -821,12 +830,15 @@ class HeatPolicy(Hinted):
         """Keep the buffer invariant after ``bid`` got ``key`` in ``seg``."""
         buf = self._bufs[seg]
         if key <= buf.bound:
-            bisect.insort(buf.entries, (key, -depth, bid), lo=buf.cur)
+            entry = (key, -depth, bid)
+            at = bisect.bisect_right(buf.entries, entry, lo=buf.cur)
+            buf.entries.insert(at, entry)
+            buf.hinted_to = min(buf.hinted_to, at)
             if buf.complete and len(buf.entries) - buf.cur > 4 * _MIN_BUFFER:
                 buf.bound = -math.inf  # too big to keep whole; the next read rebuilds it
                 buf.complete = False
                 buf.entries.clear()
-                buf.cur = 0
+                buf.cur = buf.hinted_to = 0
 
     def _valid(self, seg: int, entry: tuple[float, int, int]) -> bool:
         bid = entry[2]
@@ -858,50 +870,94 @@ class HeatPolicy(Hinted):
         Called only where no scan of the buffer is in progress (``_coldest``)."""
         if cur > _MIN_BUFFER and 2 * cur >= len(buf.entries):
             del buf.entries[:cur]
+            buf.hinted_to = max(0, buf.hinted_to - cur)
             return 0
         return cur
 
-    def _candidates(self, seg: int, evictable: EvictableFn | None) -> Iterator[int]:
-        """Valid, evictable blocks of ``seg``, coldest first, each once."""
+    def _candidates(
+        self, seg: int, evictable: EvictableFn | None, now: float | None
+    ) -> Iterator[int]:
+        """Valid, evictable blocks of ``seg``, coldest first, each once. ``now``: hints are
+        live (a hinted block is not evictable while ``now`` is at most its deadline)."""
         buf = self._bufs[seg]
         if self._coldest(seg) < 0:
             return
         yielded: set[int] = set()
         pending: list[int] = []
+        at: list[int] = []  # each pending block's position in the buffer
         i = buf.cur
+        # The leading run of stale or hinted entries (see _Buffer.hinted_to) is still open
+        # while every entry this scan met was one of those.
+        leading = now is not None
+        if leading and buf.hinted_to > i and now <= buf.hinted_until:
+            i = buf.hinted_to
+        else:
+            buf.hinted_to, buf.hinted_until = i, math.inf
         want = _MASK_BATCH
-        while True:
-            if i >= len(buf.entries):
-                if pending:
-                    yield from self._passing(pending, evictable, yielded)
-                    pending = []
-                if buf.complete:
-                    return
-                # Rebuilding only re-sorts what the segment holds; the decisions it leads to
-                # are the ones a bigger buffer would have given.
-                self._rebuild(seg, 4 * max(len(buf.entries) - buf.cur, _MIN_BUFFER))
-                i = buf.cur
-                continue
-            entry = buf.entries[i]
-            i += 1
-            if entry[2] in yielded or not self._valid(seg, entry):
-                continue
-            if evictable is None:
-                yielded.add(entry[2])
-                yield entry[2]
-                continue
-            pending.append(entry[2])
-            if len(pending) >= want:
-                yield from self._passing(pending, evictable, yielded)
-                pending = []
-                want *= 2
+        steps = 0
+        try:
+            while True:
+                if i >= len(buf.entries):
+                    if pending:
+                        leading = self._note_hinted(buf, pending, at, now, leading)
+                        yield from self._passing(pending, evictable, now, yielded)
+                        pending, at = [], []
+                    if buf.complete:
+                        return
+                    # Rebuilding only re-sorts what the segment holds; the decisions it leads
+                    # to are the ones a bigger buffer would have given.
+                    self._rebuild(seg, 4 * max(len(buf.entries) - buf.cur, _MIN_BUFFER))
+                    i = buf.cur
+                    leading = now is not None
+                    buf.hinted_to, buf.hinted_until = i, math.inf
+                    continue
+                entry = buf.entries[i]
+                i += 1
+                steps += 1
+                if entry[2] in yielded or not self._valid(seg, entry):
+                    if leading and not pending:
+                        buf.hinted_to = i
+                    continue
+                if evictable is None and now is None:
+                    yielded.add(entry[2])
+                    yield entry[2]
+                    continue
+                pending.append(entry[2])
+                at.append(i - 1)
+                if len(pending) >= want:
+                    leading = self._note_hinted(buf, pending, at, now, leading)
+                    yield from self._passing(pending, evictable, now, yielded)
+                    pending, at = [], []
+                    want *= 2
+        finally:
+            self.scan_steps += steps
 
-    @staticmethod
+    def _note_hinted(
+        self, buf: _Buffer, bids: list[int], at: list[int], now: float | None, leading: bool
+    ) -> bool:
+        """Extend the buffer's leading run of hinted entries over the hinted head of
+        ``bids`` (found at positions ``at``); whether the run is still open after them."""
+        if not leading or now is None:
+            return False
+        until = self._hints.deadlines(np.asarray(bids, dtype=np.int64))
+        live = until >= now
+        run = len(bids) if live.all() else int(np.argmin(live))
+        if run:
+            buf.hinted_to = at[run - 1] + 1
+            buf.hinted_until = min(buf.hinted_until, float(until[:run].min()))
+        return run == len(bids)
+
     def _passing(
-        bids: list[int], evictable: EvictableFn | None, yielded: set[int]
+        self,
+        bids: list[int],
+        evictable: EvictableFn | None,
+        now: float | None,
+        yielded: set[int],
     ) -> Iterator[int]:
         arr = np.asarray(bids, dtype=np.int64)
-        ok = arr if evictable is None else arr[evictable(arr)]
+        if now is not None:
+            arr = arr[self._hints.deadlines(arr) < now]
+        ok = arr if evictable is None or len(arr) == 0 else arr[evictable(arr)]
         for bid in ok.tolist():
             yielded.add(bid)
             yield bid
@@ -931,7 +987,7 @@ class HeatPolicy(Hinted):
         buf.entries = list(
             zip(keys[order].tolist(), (-depth[order]).tolist(), ids[order].tolist(), strict=True)
         )
-        buf.cur = 0
+        buf.cur = buf.hinted_to = 0
 
     # ------------------------------------------------------------------- storage
 

@@ -65,6 +65,14 @@ class HintTable:
         """The block's deadline (-inf without a hint)."""
         return float(self._until[bid]) if 0 <= bid < len(self._until) else -math.inf
 
+    def deadlines(self, bids: np.ndarray) -> np.ndarray:
+        """Each id's deadline (-inf without a hint), vectorised."""
+        ids = np.asarray(bids, dtype=np.int64)
+        out = np.full(len(ids), -math.inf)
+        known = ids < len(self._until)
+        out[known] = self._until[ids[known]]
+        return out
+
     def mask(self, evictable: EvictableFn | None, now: float) -> EvictableFn | None:
         if not self.live(now):
             return evictable
