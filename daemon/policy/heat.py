@@ -889,7 +889,7 @@ class HeatPolicy(Hinted):
         # The leading run of stale or hinted entries (see _Buffer.hinted_to) is still open
         # while every entry this scan met was one of those.
         leading = now is not None
-        if leading and buf.hinted_to > i and now <= buf.hinted_until:
+        if now is not None and buf.hinted_to > i and now <= buf.hinted_until:
             i = buf.hinted_to
         else:
             buf.hinted_to, buf.hinted_until = i, math.inf
