@@ -397,7 +397,7 @@ class SpaceManager:
                 )
                 return []
         alloc = level.slots.allocator
-        slots = self._allocate(level, nbytes, count)
+        slots = alloc.allocate_many(nbytes, count)
         if len(slots) == count:
             return slots
         now = self._clock()
@@ -407,11 +407,11 @@ class SpaceManager:
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims):
                 await self.evict(level, victims, priority, clean_only=clean_only)
-            slots += self._allocate(level, nbytes, count - len(slots))
+            slots += alloc.allocate_many(nbytes, count - len(slots))
         while len(slots) < count:
             if not await self._reclaim_segment(level, now, priority, clean_only):
                 break
-            slots += self._allocate(level, nbytes, count - len(slots))
+            slots += alloc.allocate_many(nbytes, count - len(slots))
         if len(slots) < count:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
         return slots
@@ -450,10 +450,6 @@ class SpaceManager:
                 )
         room = (quota - int(table.usage[level.col, owner])) // nbytes
         return max(0, min(count, room))
-
-    @staticmethod
-    def _allocate(level: Level, nbytes: int, count: int) -> list[int]:
-        return level.slots.allocator.allocate_many(nbytes, count)
 
     def _victims(self, level: Level, n: int, now: float, mask: EvictableFn) -> np.ndarray:
         """Exactly ``n`` victims, or all the evictable blocks there are when fewer."""

@@ -460,7 +460,7 @@ class BlockStore:
                     outcomes = await self.transfers.from_pool(
                         level,
                         slots,
-                        self._refs(group),
+                        table.block_refs(group),
                         nbytes,
                         pool.batch(pages[done : done + len(group)], self._copy_threads),
                     )
@@ -609,7 +609,7 @@ class BlockStore:
         ok = await self.transfers.to_pool(
             level,
             table.slot[bids, level.col].tolist(),
-            self._refs(bids),
+            self.table.block_refs(bids),
             pool.block_bytes,
             table.checksums(bids, level.col).tolist(),
             pool.batch(pages[idx], self._copy_threads, layers),
@@ -962,9 +962,6 @@ class BlockStore:
                     level.slots.remove(slots)
         for bid in bids.tolist():
             table.remove(bid)
-
-    def _refs(self, bids: np.ndarray) -> list[BlockRef]:
-        return self.table.block_refs(bids)
 
     def _volatile_only(self) -> np.ndarray:
         table = self.table

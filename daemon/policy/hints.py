@@ -76,13 +76,10 @@ class HintTable:
     def mask(self, evictable: EvictableFn | None, now: float) -> EvictableFn | None:
         if not self.live(now):
             return evictable
-        until = self._until
 
         def unhinted(bids: np.ndarray) -> np.ndarray:
             ids = np.asarray(bids, dtype=np.int64)
-            ok = np.ones(len(ids), dtype=bool)
-            known = ids < len(until)
-            ok[known] = until[ids[known]] < now
+            ok = self.deadlines(ids) < now
             if evictable is not None and ok.any():
                 ok &= evictable(ids)
             return ok
