@@ -3,12 +3,13 @@
 Starts its own ``redis-server`` (or a 3-master cluster with ``--cluster``; or uses ``--url``)
 and measures, in one run, on one server, with the same concurrency on both sides:
 
-- put: ``RemoteTier.write`` of batches of 2 MiB blocks from host buffers (framing, checksum,
-  one pipelined SET per block with the TTL), against redis-py's own pipelined SET of values
-  of the same size (prepared in advance: no framing, no checksum);
+- put: ``RemoteTier.write`` of batches of 2 MiB blocks from host buffers (checksum and header
+  per block, the bytes sent from the buffer they are in, one pipelined SET per block with the
+  TTL), against redis-py's own pipelined SET of values of the same size (prepared in advance:
+  no header, no checksum);
 - get: ``RemoteTier.read`` into host buffers (pipelined GET, header and checksum verified,
-  bytes copied into place), against redis-py's pipelined GET of the same values (bytes
-  returned, nothing checked or copied);
+  bytes copied into place; batches of 1 MiB or more on the tier's codec threads), against
+  redis-py's pipelined GET of the same values (bytes returned, nothing checked or copied);
 - probe: latency of ``RemoteTier.probe`` of a 64-block chain (one pipelined round trip of
   EXISTS, prefix computed), against one pipelined round trip of 64 EXISTS through redis-py.
 

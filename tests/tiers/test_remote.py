@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,8 @@ from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, raw_client, 
 from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import BlockRef, Health, PoolPages, TierUnavailable
-from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
+from kvtier.tiers.remote import tier as tier_module
+from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, checksum, header
 from kvtier.tiers.remote.options import RemoteOptions
 from kvtier.tiers.remote.tier import COUNTERS, RemoteTier
 
@@ -69,6 +71,40 @@ async def test_host_buffers_round_trip_byte_exact(
         c = tier.stats().counters
         assert c["write_stored"] == 8 and c["read_hits"] == 8
         assert c["bytes_written"] == c["bytes_read"] == 8 * nbytes
+    # Header and bytes went out as separate chunks; stored, they are one value.
+    key = KeyNamer(l3_prefix).key(blocks[5].ns, blocks[5].key)
+    assert raw_client(redis_server).get(key) == header(nbytes, checksum(src[5]), key) + src[5]
+
+
+async def test_a_cancelled_read_unwinds_only_after_its_copies_end(
+    redis_server: RedisServer, l3_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large batches are verified and copied on a codec thread, into the caller's buffers:
+    a caller cancelled meanwhile must not get them back while the thread still writes."""
+    nbytes = 1 << 20
+    blocks = [ref(i) for i in range(2)]
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+    real = tier_module._unframe_all
+
+    def slow_unframe(*args: Any) -> Any:
+        started.set()
+        release.wait(10)
+        out = real(*args)
+        finished.set()
+        return out
+
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        assert await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(2)]))
+        monkeypatch.setattr(tier_module, "_unframe_all", slow_unframe)
+        reader = asyncio.ensure_future(tier.read(blocks, nbytes, host(empty(2, nbytes))))
+        await wait_for("the codec thread", started.is_set)
+        reader.cancel()
+        await asyncio.sleep(0.2)
+        assert not reader.done()  # held while the thread copies
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert finished.is_set()
 
 
 def _pool(layout: PoolLayout, seed: int) -> np.ndarray:

@@ -1,11 +1,14 @@
 """The L3 tier's pure parts: key naming, the value header, reachability with backoff, the
-write budget, option checks. No server needed."""
+write budget, option checks, how framed values are packed. No server needed."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 
 from kvtier.tiers.remote.codec import (
     FORMAT_VERSION,
@@ -14,18 +17,22 @@ from kvtier.tiers.remote.codec import (
     KeyNamer,
     Verdict,
     checksum,
-    pack_header,
+    header,
     verify,
 )
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket
+from kvtier.tiers.remote.wire import (
+    Framed,
+    FramedPackingUnavailable,
+    _framed_class,
+    _FramedPacking,
+    use_framed_packing,
+)
 
 
 def _value(payload: bytes, key: bytes) -> bytes:
-    buf = bytearray(HEADER_BYTES + len(payload))
-    buf[HEADER_BYTES:] = payload
-    pack_header(buf, len(payload), checksum(payload), key)
-    return bytes(buf)
+    return header(len(payload), checksum(payload), key) + payload
 
 
 def test_header_layout_is_the_documented_one() -> None:
@@ -146,3 +153,43 @@ def test_rediss_urls_turn_tls_on() -> None:
     opts.check()
     (e,) = opts.endpoints()
     assert (e.host, e.port, e.tls) == ("cache.example", 6380, True)
+
+
+# ------------------------------------------------------------------------- wire
+
+
+def test_a_framed_value_goes_out_as_the_bytes_of_one_joined_value() -> None:
+    body = bytes(range(256)) * 40  # over redis-py's 6,000-byte chunking cutoff
+    hdr = header(len(body), checksum(body), b"k")
+    joined = Connection().pack_commands([("SET", b"k", hdr + body, "EX", 600), ("GET", b"k")])
+    framed_conn = _framed_class(Connection)()
+    chunks = framed_conn.pack_commands(
+        [("SET", b"k", Framed(hdr, memoryview(body)), "EX", 600), ("GET", b"k")]
+    )
+    assert b"".join(chunks) == b"".join(joined)
+    # The block's bytes are passed on as they are, not copied into a joined chunk.
+    assert any(isinstance(c, memoryview) and c.obj is body for c in chunks)
+    # Commands without a Framed argument are redis-py's own packing.
+    assert framed_conn.pack_command("GET", b"k") == Connection().pack_command("GET", b"k")
+
+
+def test_framed_packing_reaches_every_connection_a_client_opens() -> None:
+    single = aioredis.Redis(host="127.0.0.1", port=1)
+    use_framed_packing(single)
+    assert issubclass(single.connection_pool.connection_class, Connection)
+    assert single.connection_pool.connection_class.__name__ == "FramedConnection"
+    tls = aioredis.Redis(host="127.0.0.1", port=1, ssl=True)
+    use_framed_packing(tls)
+    assert issubclass(tls.connection_pool.connection_class, SSLConnection)
+    use_framed_packing(tls)  # idempotent: not wrapped twice
+    assert tls.connection_pool.connection_class.__mro__.count(_FramedPacking) == 1
+    cluster = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", 1)])
+    use_framed_packing(cluster)
+    manager = cluster.nodes_manager
+    # Nodes discovered later are built from these kwargs; the startup nodes already exist.
+    assert issubclass(manager.connection_kwargs["connection_class"], _FramedPacking)
+    assert all(
+        issubclass(n.connection_class, _FramedPacking) for n in manager.startup_nodes.values()
+    )
+    with pytest.raises(FramedPackingUnavailable):
+        use_framed_packing(object())

@@ -88,9 +88,10 @@ class KeyNamer:
         return self.namespace(ns) + key.hex().encode()
 
 
-def pack_header(buf: memoryview | bytearray, nbytes: int, sum64: int, redis_key: bytes) -> None:
-    """Write the header into the first HEADER_BYTES of ``buf``."""
-    _HEADER.pack_into(buf, 0, MAGIC, FORMAT_VERSION, 0, 0, nbytes, sum64, checksum(redis_key))
+def header(nbytes: int, sum64: int, redis_key: bytes) -> bytes:
+    """The header of a block of ``nbytes`` with checksum ``sum64`` stored under
+    ``redis_key``."""
+    return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, nbytes, sum64, checksum(redis_key))
 
 
 def verify(value: bytes | None, nbytes: int, redis_key: bytes) -> Verdict:

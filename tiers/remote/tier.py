@@ -25,7 +25,13 @@ Invariants:
 
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
 
-Thread-safety: none; one event loop owns the tier.
+Values are sent from the caller's buffers without joining header and bytes (``wire``).
+Batches of ``_OFFLOAD_BYTES`` or more are checksummed (write) or verified and copied (read)
+on the tier's codec threads; a caller cancelled meanwhile unwinds only once they are done
+with its buffers.
+
+Thread-safety: one event loop owns the tier; the codec threads touch only the buffers of the
+call they work for.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import stat
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -54,7 +61,7 @@ from kvtier.tiers.base import (
     TierUnavailable,
 )
 from kvtier.tiers.buffers import put_block, store_from
-from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, Verdict, checksum, pack_header, verify
+from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, Verdict, checksum, header, verify
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
 
@@ -66,6 +73,9 @@ try:
     from redis.backoff import NoBackoff
 except ImportError as e:  # pragma: no cover - the extra is part of the dev environment
     raise ImportError("the L3 tier needs redis-py: pip install 'kvtier[redis]'") from e
+
+# After the check above: the wire module needs redis-py too.
+from kvtier.tiers.remote.wire import Framed, use_framed_packing
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +97,11 @@ _TIMEOUTS = (rx.TimeoutError, asyncio.TimeoutError, TimeoutError)
 # Value buffers kept for reuse between writes: enough for a few batches of 2 MiB blocks in
 # flight, small next to the host tier.
 _STAGING_RETAIN_BYTES = 128 << 20
-# Yield to the event loop after this many bytes of checksums and copies within one batch.
-_YIELD_BYTES = 8 << 20
+# Batches of at least this many bytes are framed (write) or verified and copied (read) on the
+# tier's codec threads, so that the event loop sends and receives other batches meanwhile;
+# smaller ones inline, where a thread hand-off would cost more than the work.
+_OFFLOAD_BYTES = 1 << 20
+_CODEC_THREADS = 2
 
 COUNTERS = (
     # probe
@@ -169,6 +182,7 @@ class RemoteTier:
         self._budget = TokenBucket(options.write_bytes_s, options.max_value_bytes, clock())
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._staging = _Staging(_STAGING_RETAIN_BYTES)
+        self._codec: ThreadPoolExecutor | None = None
         # Probes and removes keep a quarter of the connections (at least one) for themselves.
         small = max(1, options.pool_size // 4)
         self._small_ops = asyncio.Semaphore(small)
@@ -219,6 +233,8 @@ class RemoteTier:
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
+        if self._codec is not None:
+            self._codec.shutdown(wait=False, cancel_futures=True)
 
     # --------------------------------------------------------------------- verbs
 
@@ -285,25 +301,21 @@ class RemoteTier:
             replies = await self._pipeline(get, self._bulk_ops)
         except _Unreachable:
             return out
-        pending = 0
-        for j, (key, value) in enumerate(zip(keys, replies, strict=True)):
-            if isinstance(value, BaseException):
-                self._reply_error(value, "read_errors")
-                continue
-            verdict = verify(value, nbytes, key)
-            if verdict is not Verdict.OK:
+        if nbytes * n >= _OFFLOAD_BYTES:
+            verdicts = await self._off_loop(_unframe_all, keys, replies, nbytes, dest)
+        else:
+            verdicts = _unframe_all(keys, replies, nbytes, dest)
+        for j, (key, reply, verdict) in enumerate(zip(keys, replies, verdicts, strict=True)):
+            if verdict is None:
+                self._reply_error(reply, "read_errors")
+            elif verdict is Verdict.OK:
+                out[j] = True
+                c["read_hits"] += 1
+                c["bytes_read"] += nbytes
+            else:
                 c["read_" + verdict.value] += 1
                 if verdict is not Verdict.ABSENT:
                     log.debug("L3 value %r refused: %s", key, verdict.value)
-                continue
-            put_block(dest, j, memoryview(value)[HEADER_BYTES:], nbytes)
-            out[j] = True
-            c["read_hits"] += 1
-            c["bytes_read"] += nbytes
-            pending += nbytes
-            if pending >= _YIELD_BYTES:
-                pending = 0
-                await asyncio.sleep(0)
         return out
 
     async def write(
@@ -331,30 +343,29 @@ class RemoteTier:
         if not chosen:
             return out
         keys = [self._names.key(blocks[j].ns, blocks[j].key) for j in chosen]
-        buffers = [self._staging.take(size) for _ in chosen]
+        # A block in host memory is sent from where it is; pool pages are gathered first.
+        gathered = (
+            [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
+        )
         try:
-            return await self._write_framed(chosen, keys, buffers, nbytes, src, out)
+            return await self._write_framed(chosen, keys, gathered, nbytes, src, out)
         finally:
-            self._staging.give(buffers)
+            self._staging.give(gathered)
 
     async def _write_framed(
         self,
         chosen: list[int],
         keys: list[bytes],
-        buffers: list[bytearray],
+        gathered: list[bytearray],
         nbytes: int,
         src: HostBuffers | PoolPages,
         out: list[bool],
     ) -> list[bool]:
         c = self._counters
-        values = []
-        pending = 0
-        for j, key, buf in zip(chosen, keys, buffers, strict=True):
-            values.append(_frame(buf, src, j, nbytes, key))
-            pending += nbytes
-            if pending >= _YIELD_BYTES:
-                pending = 0
-                await asyncio.sleep(0)
+        if nbytes * len(chosen) >= _OFFLOAD_BYTES:
+            values = await self._off_loop(_frame_all, gathered, src, chosen, nbytes, keys)
+        else:
+            values = _frame_all(gathered, src, chosen, nbytes, keys)
         ttl = self.options.ttl_s
 
         async def put(pipe: Any) -> None:
@@ -467,6 +478,21 @@ class RemoteTier:
             self._adopt(task)
             raise asyncio.TimeoutError
         return task.result()
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a codec thread. If the caller is cancelled meanwhile, it still
+        waits for the thread to finish before unwinding: the thread reads or writes the
+        caller's buffers, which must not be handed back while it does."""
+        if self._codec is None:
+            self._codec = ThreadPoolExecutor(_CODEC_THREADS, thread_name_prefix="l3-codec")
+        fut = asyncio.get_running_loop().run_in_executor(self._codec, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({fut})
+            raise
 
     def _adopt(self, task: asyncio.Task[Any]) -> None:
         self._background.add(task)
@@ -628,11 +654,15 @@ class RemoteTier:
                 ssl_keyfile=o.tls_key_file or None,
                 ssl_cert_reqs="required",
             )
+        client: Any
         if o.mode == "cluster":
             nodes = [ClusterNode(e.host, e.port) for e in self._endpoints]
-            return RedisCluster(startup_nodes=nodes, **common)
-        e = self._endpoints[0]
-        return aioredis.Redis(host=e.host, port=e.port, **common)
+            client = RedisCluster(startup_nodes=nodes, **common)
+        else:
+            e = self._endpoints[0]
+            client = aioredis.Redis(host=e.host, port=e.port, **common)
+        use_framed_packing(client)
+        return client
 
 
 def _is_cluster(client: Any) -> bool:
@@ -640,9 +670,9 @@ def _is_cluster(client: Any) -> bool:
 
 
 class _Staging:
-    """Reusable value buffers, so that framing a block costs one copy and no allocation
-    (a fresh 2 MiB buffer is zero-filled and page-faulted every time). Buffers go back after
-    the pipeline that sent them has ended: by then the transport has sent or copied them.
+    """Reusable buffers for blocks gathered from pool pages before they are sent (a fresh
+    2 MiB buffer is zero-filled and page-faulted every time). Buffers go back after the
+    pipeline that sent them has ended: by then the transport has sent or copied them.
 
     Thread-safety: none; the event loop owns it."""
 
@@ -667,20 +697,49 @@ class _Staging:
 
 
 def _frame(
-    value: bytearray, src: HostBuffers | PoolPages, j: int, nbytes: int, key: bytes
-) -> memoryview:
-    """Fill ``value`` with block ``j``'s stored form: header, then the bytes, in one copy."""
-    arena = np.frombuffer(value, dtype=np.uint8)
+    src: HostBuffers | PoolPages, j: int, nbytes: int, key: bytes, gather: bytearray | None
+) -> Framed:
+    """Block ``j``'s stored form: its header, then its bytes where they are (pool pages:
+    gathered into ``gather`` first)."""
     if isinstance(src, HostBuffers):
-        view = memoryview(src.views[j]).cast("B")
-        if len(view) < nbytes:
-            raise ValueError(f"source buffer {j} holds {len(view)} bytes, fewer than {nbytes}")
-        arena[HEADER_BYTES:] = np.frombuffer(view[:nbytes], dtype=np.uint8)
+        body = memoryview(src.views[j]).cast("B")
+        if len(body) < nbytes:
+            raise ValueError(f"source buffer {j} holds {len(body)} bytes, fewer than {nbytes}")
+        body = body[:nbytes]
     else:
-        store_from(src, [j], arena, np.array([HEADER_BYTES], dtype=np.uint64), nbytes)
-    out = memoryview(value)
-    pack_header(out, nbytes, checksum(out[HEADER_BYTES:]), key)
-    return out
+        assert gather is not None and len(gather) == nbytes
+        store_from(src, [j], np.frombuffer(gather, dtype=np.uint8), np.zeros(1, np.uint64), nbytes)
+        body = memoryview(gather)
+    return Framed(header(nbytes, checksum(body), key), body)
+
+
+def _frame_all(
+    gathered: list[bytearray],
+    src: HostBuffers | PoolPages,
+    chosen: list[int],
+    nbytes: int,
+    keys: list[bytes],
+) -> list[Framed]:
+    return [
+        _frame(src, j, nbytes, key, gathered[i] if gathered else None)
+        for i, (j, key) in enumerate(zip(chosen, keys, strict=True))
+    ]
+
+
+def _unframe_all(
+    keys: list[bytes], replies: list[Any], nbytes: int, dest: HostBuffers | PoolPages
+) -> list[Verdict | None]:
+    """Each reply's verdict (None: a command error), the valid ones copied into ``dest``."""
+    verdicts: list[Verdict | None] = []
+    for j, (key, value) in enumerate(zip(keys, replies, strict=True)):
+        if isinstance(value, BaseException):
+            verdicts.append(None)
+            continue
+        verdict = verify(value, nbytes, key)
+        if verdict is Verdict.OK:
+            put_block(dest, j, memoryview(value)[HEADER_BYTES:], nbytes)
+        verdicts.append(verdict)
+    return verdicts
 
 
 def _check_len(buffers: HostBuffers | PoolPages, n: int) -> None:
