@@ -65,6 +65,13 @@ DEFAULT_OWNER = "default"
 # Index rows a persistent tier hands over at a time during recovery: requests are served
 # between chunks.
 RECOVERY_ROWS = 32768
+# A Get of more than this many bytes goes in parts of about this size, in chain order, each
+# promoted and then copied into the pages on its own: the copies of one part overlap the
+# reads of the next instead of all waiting for the last read.
+GET_PART_BYTES = 16 << 20
+# Likewise for durable puts: the copies into the top tier of one part overlap the writes of
+# the previous one to the persistent tier.
+PUT_PART_BYTES = 32 << 20
 
 
 class PutResult(enum.IntEnum):
@@ -371,12 +378,56 @@ class BlockStore:
         Keys form one chain (``words[i]`` follows ``words[i-1]``); when room runs out the
         leading new blocks are stored and the rest rejected, since a child is useless without
         its parent.
+
+        A durable put of more than ``PUT_PART_BYTES`` goes in parts of about that size, in
+        chain order, each one stored and committed as a put of its own (its parent: the key
+        before it) whose persistent copies are written while the next part is copied in; once
+        a part has rejected keys, the later parts store nothing new.
         """
         durable_level = self.stack.first_persistent()
         if durable and durable_level is None:
             raise FailedPrecondition(
                 "durable puts need a persistent tier (set tiers.l2.enabled=true)"
             )
+        n = len(words)
+        step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1)) if durable else n
+        results = np.full(n, PutResult.STORED, dtype=np.int32)
+        persisting: list[asyncio.Future[np.ndarray]] = []
+        full = False
+        try:
+            for s in range(0, max(n, 1), max(step, 1)):
+                e = min(n, s + step)
+                parent = parent_words if s == 0 else words[s - 1]
+                part, chain = await self._put_part(
+                    pool, ns, words[s:e], pages[s:e], parent, owner, store=not full
+                )
+                results[s:e] = part
+                full = full or bool((part == PutResult.REJECTED_FULL).any())
+                if durable_level is not None and durable:
+                    persisting.append(asyncio.ensure_future(self._persist(chain, durable_level)))
+        except BaseException:
+            # Parts already committed are stored; their persistent copies finish (or fail)
+            # before the error goes back.
+            await asyncio.gather(*persisting, return_exceptions=True)
+            raise
+        if not durable:
+            return results, None
+        done = await asyncio.gather(*persisting)
+        return results, np.concatenate(done) if done else np.zeros(0, dtype=bool)
+
+    async def _put_part(
+        self,
+        pool: EnginePool,
+        ns: int,
+        words: np.ndarray,
+        pages: np.ndarray,
+        parent_words: np.ndarray | None,
+        owner: int,
+        *,
+        store: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One put (see ``put``): a PutResult per key and the block of each key (-1: none).
+        Without ``store``, new keys are rejected (an earlier part of the chain was)."""
         table = self.table
         now = self._clock()
         n = len(words)
@@ -392,43 +443,49 @@ class BlockStore:
         if len(ready):
             self.space.touch(ready, now)
 
-        # Claim the new keys before awaiting anything (see the module invariants).
         new_idx = np.flatnonzero(is_new)
-        bids = table.add_many(ns, words[new_idx], block_bytes, owner=owner)
-        table.inflight[bids] = 1
-        try:
-            placed = await self._store_new(pool, bids, pages[new_idx], now, owner)
-        except BaseException:
-            self._abandon(bids)
-            raise
-        stored = bids[:placed]
-        self._abandon(bids[placed:])
-        results[new_idx[placed:]] = PutResult.REJECTED_FULL
-        self.space.misses.record(words[new_idx[placed:], 0].tolist(), DECLINED)
-        self.space.misses.discard(words[new_idx[:placed], 0].tolist())
-        new_idx = new_idx[:placed]
+        stored = np.zeros(0, dtype=np.int64)
+        if store and len(new_idx):
+            # Claim the new keys before awaiting anything (see the module invariants).
+            bids = table.add_many(ns, words[new_idx], block_bytes, owner=owner)
+            table.inflight[bids] = 1
+            try:
+                placed = await self._store_new(pool, bids, pages[new_idx], now, owner)
+            except BaseException:
+                self._abandon(bids)
+                raise
+            stored = bids[:placed]
+            self._abandon(bids[placed:])
+        rejected = new_idx[len(stored) :]
+        results[rejected] = PutResult.REJECTED_FULL
+        self.space.misses.record(words[rejected, 0].tolist(), DECLINED)
+        new_idx = new_idx[: len(stored)]
+        self.space.misses.discard(words[new_idx, 0].tolist())
         if len(stored):
             self._commit_new(stored, new_idx, existing, ns, parent_words)
         self.counters.inc("bytes_put", len(stored) * block_bytes)
         self._count_put(results)
+        chain = existing.copy()
+        chain[new_idx] = stored
+        return results, chain
 
-        persisted = None
-        if durable and durable_level is not None:
-            if durable_level.recovering:
-                # The disk tier allocates once its index is read: a durable put waits for
-                # that (seconds at most) rather than failing.
-                await self.recovered.wait()
-            chain = existing.copy()
-            chain[new_idx] = stored
-            held = chain[chain >= 0]
-            held = held[table.state[held] == READY]
-            need = held[table.slot[held, durable_level.col] < 0]
-            if len(need):
-                await self.space.place(need, durable_level, Priority.DEMAND)
-            persisted = np.zeros(n, dtype=bool)
-            live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
-            persisted[live] = table.slot[chain[live], durable_level.col] >= 0
-        return results, persisted
+    async def _persist(self, chain: np.ndarray, level: Level) -> np.ndarray:
+        """Give the blocks of ``chain`` (-1: none) a copy on the persistent ``level``;
+        whether each now has one."""
+        table = self.table
+        if level.recovering:
+            # The disk tier allocates once its index is read: a durable put waits for that
+            # (seconds at most) rather than failing.
+            await self.recovered.wait()
+        held = chain[chain >= 0]
+        held = held[table.state[held] == READY]
+        need = held[table.slot[held, level.col] < 0]
+        if len(need):
+            await self.space.place(need, level, Priority.DEMAND)
+        persisted = np.zeros(len(chain), dtype=bool)
+        live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
+        persisted[live] = table.slot[chain[live], level.col] >= 0
+        return persisted
 
     async def _store_new(
         self, pool: EnginePool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
@@ -558,28 +615,23 @@ class BlockStore:
         loaded = np.zeros(len(ids), dtype=bool)
         _mark(table.inflight, bids, 1)
         try:
-            lower = bids[table.slot[bids, self.top.col] < 0]
-            if len(lower):
-                # Promote what the top tier can take without waiting; the rest is read from
-                # below straight into the pages.
-                await self.space.place(lower, self.top, Priority.DEMAND, clean_only=True)
+            step = max(1, GET_PART_BYTES // max(pool.block_bytes, 1))
             with pool.use():
-                jobs = []
-                source = self._fastest_col(bids)
-                for level in self.stack:
-                    mine = np.flatnonzero(source == level.col)
-                    if len(mine):
-                        jobs.append(self._load(level, bids[mine], found[mine], pool, layers, pages))
+                parts = [
+                    self._get_part(bids[s : s + step], found[s : s + step], pool, layers, pages)
+                    for s in range(0, len(bids), step)
+                ]
                 # Every copy finishes before the pool may be unmapped, even when one fails.
-                if len(jobs) == 1:
-                    results: list[Any] = [await jobs[0]]
+                if len(parts) == 1:
+                    results: list[Any] = [await parts[0]]
                 else:
-                    results = await asyncio.gather(*jobs, return_exceptions=True)
+                    results = await asyncio.gather(*parts, return_exceptions=True)
                 for result in results:
                     if isinstance(result, BaseException):
                         raise result
-                for idx, ok in results:  # type: ignore[misc]
-                    loaded[idx] = ok
+                for part in results:
+                    for idx, ok in part:
+                        loaded[idx] = ok
         finally:
             _mark(table.inflight, bids, -1)
             if not loaded.all():
@@ -593,6 +645,34 @@ class BlockStore:
         if len(loaded_ids):
             self._read_ahead(int(loaded_ids[-1]))
         return loaded
+
+    async def _get_part(
+        self,
+        bids: np.ndarray,
+        idx: np.ndarray,
+        pool: EnginePool,
+        layers: tuple[int, int] | None,
+        pages: np.ndarray,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One part of a Get (inside ``pool.use()``): promote what the top tier can take
+        without waiting, then load each block from the fastest tier holding it (the rest is
+        read from below straight into the pages). Raises once all of its copies are done."""
+        lower = bids[self.table.slot[bids, self.top.col] < 0]
+        if len(lower):
+            await self.space.place(lower, self.top, Priority.DEMAND, clean_only=True)
+        jobs = []
+        source = self._fastest_col(bids)
+        for level in self.stack:
+            mine = np.flatnonzero(source == level.col)
+            if len(mine):
+                jobs.append(self._load(level, bids[mine], idx[mine], pool, layers, pages))
+        if len(jobs) == 1:
+            return [await jobs[0]]
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
 
     async def _load(
         self,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 import pytest
 
+from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
@@ -304,10 +305,16 @@ async def test_blocks_leaving_l1_are_demoted_and_read_back_exact(make_store):
     assert [page_bytes(pool, p) for p in range(48)] == want
 
 
-async def test_stored_means_loadable_when_l1_is_full_of_protected_blocks(make_store):
+@pytest.mark.parametrize("part_blocks", [None, 5])
+async def test_stored_means_loadable_when_l1_is_full_of_protected_blocks(
+    make_store, monkeypatch, part_blocks
+):
     """Regression: blocks on L2 were not loaded while L1 was full of blocks inside their
     protection period (one size class loaded 0 of 1,536 blocks on its first Get). A Get now
-    reads what L1 cannot take straight from L2 into the pages: one pass loads everything."""
+    reads what L1 cannot take straight from L2 into the pages: one pass loads everything,
+    whether it goes in one part or in several."""
+    if part_blocks:
+        monkeypatch.setattr(store_module, "GET_PART_BYTES", part_blocks * 4096)
     clock = Clock()
     store, pool = make_store(clock, segments=1, l2_segments=8, protect_s=60.0), make_pool()
     cold = keys(48)
@@ -437,6 +444,54 @@ async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
     pool.array[:] = 0
     assert await get(again, pool, np.concatenate([a, b]), range(20, 29)) == [True] * 9
     assert [page_bytes(pool, p) for p in range(20, 29)] == want
+
+
+async def test_a_durable_put_in_parts_is_one_chain_all_persistent(make_store, monkeypatch):
+    """A durable put larger than PUT_PART_BYTES goes in parts; what it stores is the chain a
+    single put would store: every block linked to the key before it, across part edges."""
+    monkeypatch.setattr(store_module, "PUT_PART_BYTES", 3 * 4096)
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, l2_segments=4), make_pool()
+    head = keys(1)
+    await put(store, pool, head, pages=[40])
+    chain = keys(10)
+    results, persisted = await put(store, pool, chain, parent=head[0], durable=True)
+    assert results == [PutResult.STORED] * 10 and persisted == [True] * 10
+    table = store.table
+    ids = table.lookup(0, np.concatenate([head, chain])).tolist()
+    assert [int(table.parent[b]) for b in ids[1:]] == [table.ref(b) for b in ids[:-1]]
+    assert where(store, chain) == ["L1"] * 10
+    assert all(table.slot[ids[1:], 1] >= 0)  # each has its L2 copy
+    assert store.counters.get("put_blocks", result="stored") == 11
+    # Keys already stored, anywhere in the chain, are reported as such.
+    again = np.concatenate([chain[:4], keys(3)])
+    results, persisted = await put(store, pool, again, durable=True)
+    assert results == [PutResult.EXISTS] * 4 + [PutResult.STORED] * 3
+    assert persisted == [True] * 7
+
+
+@pytest.mark.parametrize("part_blocks", [None, 3])
+async def test_a_durable_put_that_runs_out_of_room_stores_a_leading_run(
+    make_store, monkeypatch, part_blocks
+):
+    """L1 and L2 full of protected blocks partway through: the blocks stored are a leading
+    run of the chain and nothing after the first rejected key is stored, in one part or in
+    several; ``persisted`` names exactly the stored blocks that L2 holds."""
+    if part_blocks:
+        monkeypatch.setattr(store_module, "PUT_PART_BYTES", part_blocks * 4096)
+    clock = Clock()
+    store, pool = make_store(clock, segments=1, l2_segments=1, protect_s=60.0), make_pool()
+    chain = keys(40)
+    results, persisted = await put(store, pool, chain, durable=True)
+    stored = results.count(PutResult.STORED)
+    assert 0 < stored < 40
+    assert results == [PutResult.STORED] * stored + [PutResult.REJECTED_FULL] * (40 - stored)
+    # Durable says which stored blocks the persistent tier holds (it may fill up first).
+    ids = store.table.lookup(0, chain)
+    assert persisted == [b >= 0 and store.table.slot[b, 1] >= 0 for b in ids.tolist()]
+    assert any(persisted)
+    assert present(store, chain) == [True] * stored + [False] * (40 - stored)
+    assert store.counters.get("put_blocks", result="rejected") == 40 - stored
 
 
 async def test_watermarks_move_the_coldest_blocks_down(make_store):
