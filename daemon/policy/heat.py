@@ -59,7 +59,11 @@ checked on read. A block whose key becomes at most ``bound`` is inserted into th
 its place, so every resident block colder than ``bound`` is in the buffer. An exhausted
 buffer is rebuilt by one ``argpartition`` over the segment. A victim thus costs O(1) Python
 steps amortised plus a vectorised rebuild per buffer's worth of evictions; no per-eviction O(n)
-loop. ``touch_many`` (a Lookup's blocks) leaves exactly the state of a loop of ``touch`` but
+loop. Hinted blocks (an engine's waiting queue) are *parked*: a scan that meets one under a
+live hint takes its entry out of the buffer into a heap by deadline (a rebuild leaves them out
+likewise), and the first ``victims`` call past the deadline puts the entry back at its place
+if it is still current. So a waiting queue is walked once, not on every eviction, wherever
+its blocks sit in the order. ``touch_many`` (a Lookup's blocks) leaves exactly the state of a loop of ``touch`` but
 does the common steps (a protected block's key rising, a block leaving probation under a
 protected parent, a raise owed to that parent) as array operations, and only the rare ones
 (a key at or below a buffer's bound, a parent to protect) one by one.
@@ -77,6 +81,7 @@ Thread-safety: none; the owner serialises calls.
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -136,13 +141,9 @@ class _Buffer:
     cur: int = 0
     bound: float = -math.inf
     complete: bool = False
-    # Entries from ``cur`` up to ``hinted_to`` were, at the last scan, each stale or hinted
-    # (protected until at least ``hinted_until``): a scan before that deadline starts past
-    # them instead of walking a waiting queue's worth of hinted blocks on every eviction.
-    # Any change of positions before ``hinted_to`` pulls it back (``_note_key``, trims,
-    # rebuilds); entries only go stale, never valid again, and deadlines only grow.
-    hinted_to: int = 0
-    hinted_until: float = -math.inf
+    # Bumped whenever ``entries`` is replaced: an entry parked before then is not put back
+    # (the new entries already account for its block).
+    gen: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +251,8 @@ class HeatPolicy(Hinted):
         # Buffer entries looked at by victim scans under a mask or hints: a cost measure.
         self.scan_steps = 0
         self._hints = HintTable()
+        # Parked entries of hinted blocks: (deadline, bid, segment, buffer gen, entry).
+        self._parked: list[tuple[float, int, int, int, tuple[float, int, int]]] = []
         self._size = 0
         self._alloc(len(self.heat))
 
@@ -385,6 +388,8 @@ class HeatPolicy(Hinted):
         n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
         if n > n1 + n2:
             return None
+        if self._parked and self._parked[0][0] < now:
+            self._unpark(now)
         hinted = self._hints.live(now)
         if self._owed_new:
             self._defer_owed()
@@ -398,8 +403,8 @@ class HeatPolicy(Hinted):
             return np.array([bid], dtype=np.int64) if bid >= 0 else None
         p, from_protected = self._adapted_target(incoming)
         scans = {
-            _PROBATION: self._candidates(_PROBATION, evictable, now if hinted else None),
-            _PROTECTED: self._candidates(_PROTECTED, evictable, now if hinted else None),
+            seg: self._candidates(seg, evictable, now if hinted else None, min(n, _MASK_BATCH))
+            for seg in (_PROBATION, _PROTECTED)
         }
         heads = {_PROBATION: -2, _PROTECTED: -2}  # -2: not looked at yet
 
@@ -833,19 +838,20 @@ class HeatPolicy(Hinted):
             entry = (key, -depth, bid)
             at = bisect.bisect_right(buf.entries, entry, lo=buf.cur)
             buf.entries.insert(at, entry)
-            buf.hinted_to = min(buf.hinted_to, at)
             if buf.complete and len(buf.entries) - buf.cur > 4 * _MIN_BUFFER:
                 buf.bound = -math.inf  # too big to keep whole; the next read rebuilds it
                 buf.complete = False
-                buf.entries.clear()
-                buf.cur = buf.hinted_to = 0
+                buf.entries = []
+                buf.cur = 0
+                buf.gen += 1
 
     def _valid(self, seg: int, entry: tuple[float, int, int]) -> bool:
         bid = entry[2]
         return self._seg_v[bid] == seg and self._eff_v[bid] == entry[0]
 
-    def _coldest(self, seg: int) -> int:
-        """The coldest block of ``seg`` or -1; drops stale entries at the buffer's head."""
+    def _coldest(self, seg: int, now: float | None = None) -> int:
+        """The coldest block of ``seg`` or -1 (hinted or not); drops stale entries at the
+        buffer's head. ``now``: hints are live (a rebuild parks their blocks)."""
         buf = self._bufs[seg]
         seg_v, eff_v = self._seg_v, self._eff_v
         while True:
@@ -860,7 +866,7 @@ class HeatPolicy(Hinted):
             buf.cur = self._trimmed(buf, cur)
             if buf.complete or self._count[seg] == 0:
                 return -1
-            self._rebuild(seg, _MIN_BUFFER)
+            self._rebuild(seg, _MIN_BUFFER, now)
 
     @staticmethod
     def _trimmed(buf: _Buffer, cur: int) -> int:
@@ -870,53 +876,43 @@ class HeatPolicy(Hinted):
         Called only where no scan of the buffer is in progress (``_coldest``)."""
         if cur > _MIN_BUFFER and 2 * cur >= len(buf.entries):
             del buf.entries[:cur]
-            buf.hinted_to = max(0, buf.hinted_to - cur)
             return 0
         return cur
 
     def _candidates(
-        self, seg: int, evictable: EvictableFn | None, now: float | None
+        self, seg: int, evictable: EvictableFn | None, now: float | None, first: int
     ) -> Iterator[int]:
         """Valid, evictable blocks of ``seg``, coldest first, each once. ``now``: hints are
-        live (a hinted block is not evictable while ``now`` is at most its deadline)."""
+        live (a hinted block is not evictable while ``now`` is at most its deadline; the
+        entries of those met are parked). Blocks are checked in batches of ``first`` (what
+        the caller needs), then twice as many each time."""
         buf = self._bufs[seg]
-        if self._coldest(seg) < 0:
+        if self._coldest(seg, now) < 0:
             return
         yielded: set[int] = set()
         pending: list[int] = []
         at: list[int] = []  # each pending block's position in the buffer
         i = buf.cur
-        # The leading run of stale or hinted entries (see _Buffer.hinted_to) is still open
-        # while every entry this scan met was one of those.
-        leading = now is not None
-        if now is not None and buf.hinted_to > i and now <= buf.hinted_until:
-            i = buf.hinted_to
-        else:
-            buf.hinted_to, buf.hinted_until = i, math.inf
-        want = _MASK_BATCH
+        want = first
         steps = 0
         try:
             while True:
                 if i >= len(buf.entries):
                     if pending:
-                        leading = self._note_hinted(buf, pending, at, now, leading)
-                        yield from self._passing(pending, evictable, now, yielded)
+                        pending, i = self._park_hinted(seg, pending, at, i, now)
+                        yield from self._passing(pending, evictable, yielded)
                         pending, at = [], []
                     if buf.complete:
                         return
                     # Rebuilding only re-sorts what the segment holds; the decisions it leads
                     # to are the ones a bigger buffer would have given.
-                    self._rebuild(seg, 4 * max(len(buf.entries) - buf.cur, _MIN_BUFFER))
+                    self._rebuild(seg, 4 * max(len(buf.entries) - buf.cur, _MIN_BUFFER), now)
                     i = buf.cur
-                    leading = now is not None
-                    buf.hinted_to, buf.hinted_until = i, math.inf
                     continue
                 entry = buf.entries[i]
                 i += 1
                 steps += 1
                 if entry[2] in yielded or not self._valid(seg, entry):
-                    if leading and not pending:
-                        buf.hinted_to = i
                     continue
                 if evictable is None and now is None:
                     yielded.add(entry[2])
@@ -925,52 +921,76 @@ class HeatPolicy(Hinted):
                 pending.append(entry[2])
                 at.append(i - 1)
                 if len(pending) >= want:
-                    leading = self._note_hinted(buf, pending, at, now, leading)
-                    yield from self._passing(pending, evictable, now, yielded)
+                    pending, i = self._park_hinted(seg, pending, at, i, now)
+                    yield from self._passing(pending, evictable, yielded)
                     pending, at = [], []
                     want *= 2
         finally:
             self.scan_steps += steps
 
-    def _note_hinted(
-        self, buf: _Buffer, bids: list[int], at: list[int], now: float | None, leading: bool
-    ) -> bool:
-        """Extend the buffer's leading run of hinted entries over the hinted head of
-        ``bids`` (found at positions ``at``); whether the run is still open after them."""
-        if not leading or now is None:
-            return False
+    def _park_hinted(
+        self, seg: int, bids: list[int], at: list[int], i: int, now: float | None
+    ) -> tuple[list[int], int]:
+        """Park the entries (at positions ``at``, all before ``i``) of the blocks of ``bids``
+        that a hint protects at ``now``; returns the others and where the scan goes on."""
+        if now is None:
+            return bids, i
+        if len(bids) == 1 and self._hints.until(bids[0]) < now:
+            return bids, i  # the common batch of a single victim: no arrays
         until = self._hints.deadlines(np.asarray(bids, dtype=np.int64))
         live = until >= now
-        run = len(bids) if live.all() else int(np.argmin(live))
-        if run:
-            buf.hinted_to = at[run - 1] + 1
-            buf.hinted_until = min(buf.hinted_until, float(until[:run].min()))
-        return run == len(bids)
+        if not live.any():
+            return bids, i
+        buf = self._bufs[seg]
+        entries = buf.entries
+        lo = at[0]
+        gone = {at[j] for j in np.flatnonzero(live).tolist()}
+        for j in np.flatnonzero(live).tolist():
+            heapq.heappush(self._parked, (float(until[j]), bids[j], seg, buf.gen, entries[at[j]]))
+        entries[lo:i] = [e for k, e in enumerate(entries[lo:i], lo) if k not in gone]
+        return [b for b, keep in zip(bids, (~live).tolist(), strict=True) if keep], i - len(gone)
+
+    def _unpark(self, now: float) -> None:
+        """Put back the parked entries whose hint has passed by ``now`` and that are still
+        current; a block hinted again meanwhile waits for its new deadline."""
+        parked = self._parked
+        while parked and parked[0][0] < now:
+            _, bid, seg, gen, entry = heapq.heappop(parked)
+            until = self._hints.until(bid)
+            if until >= now:
+                heapq.heappush(parked, (until, bid, seg, gen, entry))
+                continue
+            buf = self._bufs[seg]
+            if gen == buf.gen and self._valid(seg, entry):
+                self._note_key(bid, seg, entry[0], -entry[1])
 
     def _passing(
-        self,
-        bids: list[int],
-        evictable: EvictableFn | None,
-        now: float | None,
-        yielded: set[int],
+        self, bids: list[int], evictable: EvictableFn | None, yielded: set[int]
     ) -> Iterator[int]:
         arr = np.asarray(bids, dtype=np.int64)
-        if now is not None:
-            arr = arr[self._hints.deadlines(arr) < now]
         ok = arr if evictable is None or len(arr) == 0 else arr[evictable(arr)]
         for bid in ok.tolist():
             yielded.add(bid)
             yield bid
 
-    def _rebuild(self, seg: int, want: int) -> None:
-        """Refill ``seg``'s buffer with its ``want`` coldest blocks (ties included)."""
+    def _rebuild(self, seg: int, want: int, now: float | None = None) -> None:
+        """Refill ``seg``'s buffer with its ``want`` coldest blocks (ties included); with
+        ``now``, blocks a hint protects then are parked instead (see the module docstring)."""
         # The bound may rise, past keys that lag: pay them first. Raising a lagging block
         # touches no buffer (it ranks above its cutoff), so a scan of the other segment
         # in progress stays valid.
         self._pay_owed()
         self._rebuilds += 1
         buf = self._bufs[seg]
+        buf.gen += 1
         ids = np.flatnonzero(self._seg[: self._size] == seg)
+        parked = np.zeros(0, dtype=np.int64)
+        if now is not None and self._hints.live(now) and len(ids):
+            until = self._hints.deadlines(ids)
+            live = until >= now
+            if live.any():
+                parked, until = ids[live], until[live]
+                ids = ids[~live]
         keys = self._eff[ids]
         want = max(want, _MIN_BUFFER, len(ids) // 16)
         if len(ids) <= want:
@@ -987,7 +1007,22 @@ class HeatPolicy(Hinted):
         buf.entries = list(
             zip(keys[order].tolist(), (-depth[order]).tolist(), ids[order].tolist(), strict=True)
         )
-        buf.cur = buf.hinted_to = 0
+        buf.cur = 0
+        if len(parked):
+            # Only those that would have an entry: a key at most the new bound.
+            pkeys = self._eff[parked]
+            near = pkeys <= buf.bound
+            parked, until, pkeys = parked[near], until[near], pkeys[near]
+            pdepth = -self._depth[parked].astype(np.int64)
+            gen = buf.gen
+            self._parked = [e for e in self._parked if e[2] != seg or e[3] == gen]
+            self._parked.extend(
+                (u, b, seg, gen, (k, d, b))
+                for u, b, k, d in zip(
+                    until.tolist(), parked.tolist(), pkeys.tolist(), pdepth.tolist(), strict=True
+                )
+            )
+            heapq.heapify(self._parked)
 
     # ------------------------------------------------------------------- storage
 
