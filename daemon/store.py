@@ -404,7 +404,10 @@ class BlockStore:
                 results[s:e] = part
                 full = full or bool((part == PutResult.REJECTED_FULL).any())
                 if durable_level is not None and durable:
-                    persisting.append(asyncio.ensure_future(self._persist(chain, durable_level)))
+                    # Refs, not rows: while the copies wait, a block may go and its row be
+                    # reused (by a later part, for one).
+                    refs = np.where(chain >= 0, self.table.refs(np.maximum(chain, 0)), -1)
+                    persisting.append(asyncio.ensure_future(self._persist(refs, durable_level)))
         except BaseException:
             # Parts already committed are stored; their persistent copies finish (or fail)
             # before the error goes back.
@@ -469,19 +472,21 @@ class BlockStore:
         chain[new_idx] = stored
         return results, chain
 
-    async def _persist(self, chain: np.ndarray, level: Level) -> np.ndarray:
-        """Give the blocks of ``chain`` (-1: none) a copy on the persistent ``level``;
-        whether each now has one."""
+    async def _persist(self, refs: np.ndarray, level: Level) -> np.ndarray:
+        """Give the blocks ``refs`` name (table refs, -1: none) a copy on the persistent
+        ``level``; whether each still has one."""
         table = self.table
         if level.recovering:
             # The disk tier allocates once its index is read: a durable put waits for that
             # (seconds at most) rather than failing.
             await self.recovered.wait()
+        chain = table.resolve_many(refs)
         held = chain[chain >= 0]
         held = held[table.state[held] == READY]
         need = held[table.slot[held, level.col] < 0]
         if len(need):
             await self.space.place(need, level, Priority.DEMAND)
+        chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
         persisted[live] = table.slot[chain[live], level.col] >= 0

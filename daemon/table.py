@@ -197,6 +197,14 @@ class BlockTable:
             return -1
         return bid
 
+    def resolve_many(self, refs: np.ndarray) -> np.ndarray:
+        """``resolve`` for many refs (-1 among them: none), vectorised."""
+        refs = np.asarray(refs, dtype=np.int64)
+        rows = np.where(refs >= 0, refs & _ROW_MASK, 0)
+        alive = (refs >= 0) & (self.state[rows] != FREE)
+        alive &= self.gen[rows].astype(np.int64) == (refs >> _ROW_BITS)
+        return np.where(alive, rows, -1)
+
     def checksums(self, bids: np.ndarray, col: int) -> np.ndarray:
         c = int(self._csum_col[col])
         if c < 0:

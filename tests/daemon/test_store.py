@@ -494,6 +494,34 @@ async def test_a_durable_put_that_runs_out_of_room_stores_a_leading_run(
     assert store.counters.get("put_blocks", result="rejected") == 40 - stored
 
 
+async def test_regression_a_durable_put_in_parts_reported_reused_rows_as_persisted(
+    make_store, monkeypatch
+):
+    """A durable put in parts while L2 is still recovering: each part's persistent copies
+    wait for recovery, and meanwhile the next parts' room in L1 is made by dropping the
+    earlier parts' blocks (L2 takes nothing yet), whose rows a later part reuses. Once
+    recovery ended, ``persisted`` named the rows' new blocks: a dropped key was reported
+    persisted. It must say exactly which keys' blocks L2 holds."""
+    monkeypatch.setattr(store_module, "PUT_PART_BYTES", 16 * 4096)
+    clock = Clock()
+    store, pool = make_store(clock, segments=1, l2_segments=4), make_pool()
+    l2 = store.stack.levels[1]
+    l2.slots.allocator.recovering = True  # as a disk tier reading its index
+    store.recovered.clear()
+    chain = keys(48)
+    putting = asyncio.ensure_future(put(store, pool, chain, durable=True))
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert not putting.done()  # waiting for recovery
+    l2.slots.allocator.recovering = False
+    store.recovered.set()
+    results, persisted = await putting
+    ids = store.table.lookup(0, chain)
+    held = [b >= 0 and store.table.slot[b, l2.col] >= 0 for b in ids.tolist()]
+    assert persisted == held
+    assert results == [PutResult.STORED] * 48
+
+
 async def test_watermarks_move_the_coldest_blocks_down(make_store):
     clock = Clock()
     store = make_store(
