@@ -404,10 +404,18 @@ class BlockStore:
                 results[s:e] = part
                 full = full or bool((part == PutResult.REJECTED_FULL).any())
                 if durable_level is not None and durable:
-                    # Refs, not rows: while the copies wait, a block may go and its row be
-                    # reused (by a later part, for one).
+                    # The part's blocks stay in flight until they are on the persistent tier:
+                    # a later part cannot push them out first (it is refused room instead,
+                    # as the tail of one put would be).
+                    held = chain[chain >= 0]
+                    held = held[self.table.state[held] == READY]
+                    _mark(self.table.inflight, held, 1)
+                    # Refs, not rows: a block still may go (a failed copy) and its row be
+                    # reused.
                     refs = np.where(chain >= 0, self.table.refs(np.maximum(chain, 0)), -1)
-                    persisting.append(asyncio.ensure_future(self._persist(refs, durable_level)))
+                    persisting.append(
+                        asyncio.ensure_future(self._persist(refs, held, durable_level))
+                    )
         except BaseException:
             # Parts already committed are stored; their persistent copies finish (or fail)
             # before the error goes back.
@@ -415,7 +423,10 @@ class BlockStore:
             raise
         if not durable:
             return results, None
-        done = await asyncio.gather(*persisting)
+        done = await asyncio.gather(*persisting, return_exceptions=True)
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return results, np.concatenate(done) if done else np.zeros(0, dtype=bool)
 
     async def _put_part(
@@ -470,22 +481,30 @@ class BlockStore:
         self._count_put(results)
         chain = existing.copy()
         chain[new_idx] = stored
+        # A key repeated within the part is the block its first occurrence stored.
+        again = (chain < 0) & (results == PutResult.EXISTS)
+        if again.any():
+            chain[again] = table.lookup(ns, words[again])
         return results, chain
 
-    async def _persist(self, refs: np.ndarray, level: Level) -> np.ndarray:
+    async def _persist(self, refs: np.ndarray, hold: np.ndarray, level: Level) -> np.ndarray:
         """Give the blocks ``refs`` name (table refs, -1: none) a copy on the persistent
-        ``level``; whether each still has one."""
+        ``level``; whether each still has one. Releases the in-flight mark of the rows
+        ``hold`` when done."""
         table = self.table
-        if level.recovering:
-            # The disk tier allocates once its index is read: a durable put waits for that
-            # (seconds at most) rather than failing.
-            await self.recovered.wait()
-        chain = table.resolve_many(refs)
-        held = chain[chain >= 0]
-        held = held[table.state[held] == READY]
-        need = held[table.slot[held, level.col] < 0]
-        if len(need):
-            await self.space.place(need, level, Priority.DEMAND)
+        try:
+            if level.recovering:
+                # The disk tier allocates once its index is read: a durable put waits for
+                # that (seconds at most) rather than failing.
+                await self.recovered.wait()
+            chain = table.resolve_many(refs)
+            held = chain[chain >= 0]
+            held = held[table.state[held] == READY]
+            need = held[table.slot[held, level.col] < 0]
+            if len(need):
+                await self.space.place(need, level, Priority.DEMAND)
+        finally:
+            _mark(table.inflight, hold, -1)
         chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)

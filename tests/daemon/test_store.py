@@ -501,7 +501,9 @@ async def test_regression_a_durable_put_in_parts_reported_reused_rows_as_persist
     wait for recovery, and meanwhile the next parts' room in L1 is made by dropping the
     earlier parts' blocks (L2 takes nothing yet), whose rows a later part reuses. Once
     recovery ended, ``persisted`` named the rows' new blocks: a dropped key was reported
-    persisted. It must say exactly which keys' blocks L2 holds."""
+    persisted. It must say exactly which keys' blocks L2 holds; and a part's blocks stay until
+    they are on L2, so a later part finding no room is refused, as the tail of one put is,
+    instead of dropping blocks already answered STORED."""
     monkeypatch.setattr(store_module, "PUT_PART_BYTES", 16 * 4096)
     clock = Clock()
     store, pool = make_store(clock, segments=1, l2_segments=4), make_pool()
@@ -519,7 +521,18 @@ async def test_regression_a_durable_put_in_parts_reported_reused_rows_as_persist
     ids = store.table.lookup(0, chain)
     held = [b >= 0 and store.table.slot[b, l2.col] >= 0 for b in ids.tolist()]
     assert persisted == held
-    assert results == [PutResult.STORED] * 48
+    assert results == [PutResult.STORED] * 16 + [PutResult.REJECTED_FULL] * 32
+    assert persisted == [True] * 16 + [False] * 32
+
+
+async def test_a_key_repeated_in_a_durable_put_reports_its_block_persisted(make_store):
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=2), make_pool()
+    a = keys(3)
+    chain = np.concatenate([a, a[1:2]])
+    results, persisted = await put(store, pool, chain, durable=True)
+    assert results == [PutResult.STORED] * 3 + [PutResult.EXISTS]
+    assert persisted == [True] * 4
 
 
 async def test_watermarks_move_the_coldest_blocks_down(make_store):

@@ -234,7 +234,8 @@ class RemoteTier:
             await asyncio.wait(tasks, timeout=grace)
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
         if self._codec is not None:
-            self._codec.shutdown(wait=False, cancel_futures=True)
+            # Jobs already handed over run to their end: their callers wait for them.
+            self._codec.shutdown(wait=False)
 
     # --------------------------------------------------------------------- verbs
 
@@ -483,6 +484,8 @@ class RemoteTier:
         """``fn(*args)`` on a codec thread. If the caller is cancelled meanwhile, it still
         waits for the thread to finish before unwinding: the thread reads or writes the
         caller's buffers, which must not be handed back while it does."""
+        if self._closed:
+            return fn(*args)  # no threads after close; a late call still gets its answer
         if self._codec is None:
             self._codec = ThreadPoolExecutor(_CODEC_THREADS, thread_name_prefix="l3-codec")
         fut = asyncio.get_running_loop().run_in_executor(self._codec, fn, *args)
