@@ -423,10 +423,12 @@ class BlockStore:
             raise
         if not durable:
             return results, None
-        done = await asyncio.gather(*persisting, return_exceptions=True)
-        for outcome in done:
+        outcomes = await asyncio.gather(*persisting, return_exceptions=True)
+        done: list[np.ndarray] = []
+        for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+            done.append(outcome)
         return results, np.concatenate(done) if done else np.zeros(0, dtype=bool)
 
     async def _put_part(
