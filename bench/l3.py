@@ -9,7 +9,9 @@ and measures, in one run, on one server, with the same concurrency on both sides
   no header, no checksum);
 - get: ``RemoteTier.read`` into host buffers (pipelined GET, header and checksum verified,
   bytes copied into place; batches of 1 MiB or more on the tier's codec threads), against
-  redis-py's pipelined GET of the same values (bytes returned, nothing checked or copied);
+  redis-py's pipelined GET of the same values (bytes returned, nothing checked or copied),
+  with redis-py's default socket reads and, separately, with the tier's larger ones (so that
+  the tier's own cost shows apart from its client settings);
 - probe: latency of ``RemoteTier.probe`` of a 64-block chain (one pipelined round trip of
   EXISTS, prefix computed), against one pipelined round trip of 64 EXISTS through redis-py.
 
@@ -41,7 +43,7 @@ from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.tiers.base import BlockRef, HostBuffers
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
 from kvtier.tiers.remote.options import RemoteOptions
-from kvtier.tiers.remote.tier import RemoteTier
+from kvtier.tiers.remote.tier import SOCKET_READ_BYTES, RemoteTier
 
 MiB = 1 << 20
 
@@ -117,8 +119,20 @@ async def _run(
     else:
         h, p = urls[0].removeprefix("redis://").split(":")
         raw = aioredis.Redis(host=h, port=int(p), max_connections=pool)
+    # The same, reading the socket as the tier's client does.
+    if args.cluster:
+        same: Any = RedisCluster(
+            startup_nodes=[ClusterNode(h, int(p)) for h, p in hosts],
+            max_connections=pool,
+            socket_read_size=SOCKET_READ_BYTES,
+        )
+    else:
+        same = aioredis.Redis(
+            host=h, port=int(p), max_connections=pool, socket_read_size=SOCKET_READ_BYTES
+        )
     try:
         await raw.ping()
+        await same.ping()
         arena = np.frombuffer(np.random.default_rng(0).bytes(n * B), dtype=np.uint8)
         src = HostBuffers([arena[i * B : (i + 1) * B].data for i in range(n)])
         dest_arena = np.zeros(n * B, dtype=np.uint8)
@@ -132,8 +146,8 @@ async def _run(
         def sub(buf: HostBuffers, idx: list[int]) -> HostBuffers:
             return HostBuffers([buf.views[i] for i in idx])
 
-        def pipe() -> Any:
-            return raw.pipeline() if args.cluster else raw.pipeline(transaction=False)
+        def pipe(client: Any = raw) -> Any:
+            return client.pipeline() if args.cluster else client.pipeline(transaction=False)
 
         async def tier_put(idx: list[int]) -> None:
             ok = await tier.write([blocks[i] for i in idx], B, sub(src, idx))
@@ -151,13 +165,16 @@ async def _run(
             if not all(ok):
                 raise RuntimeError(f"L3 read missed: {tier.health()} {tier.stats().counters}")
 
-        async def raw_get(idx: list[int]) -> None:
-            p = pipe()
+        async def raw_get(idx: list[int], client: Any = raw) -> None:
+            p = pipe(client)
             for i in idx:
                 p.execute_command("GET", raw_keys[i])
             values = await p.execute()
             if any(v is None for v in values):
                 raise RuntimeError("raw GET missed")
+
+        async def same_get(idx: list[int]) -> None:
+            await raw_get(idx, same)
 
         async def paired(
             tier_fn: Callable[[list[int]], Awaitable[None]],
@@ -175,15 +192,16 @@ async def _run(
             f"{batch}, {workers} calls in flight on each side"
         )
         await paired(tier_put, raw_put, 0)  # fill, unmeasured
-        res: dict[str, list[float]] = {"tp": [], "rp": [], "tg": [], "rg": []}
+        res: dict[str, list[float]] = {"tp": [], "rp": [], "tg": [], "rg": [], "sg": []}
         for r in range(args.rounds):
             tp, rp = await paired(tier_put, raw_put, r)
             tg, rg = await paired(tier_get, raw_get, r)
-            for k, v in (("tp", tp), ("rp", rp), ("tg", tg), ("rg", rg)):
+            sg = n * B / await _spread(batches, workers, same_get) / 1e9
+            for k, v in (("tp", tp), ("rp", rp), ("tg", tg), ("rg", rg), ("sg", sg)):
                 res[k].append(v)
             emit(
                 f"  round {r + 1}: put tier {tp:.2f} raw {rp:.2f} GB/s | "
-                f"get tier {tg:.2f} raw {rg:.2f} GB/s"
+                f"get tier {tg:.2f} raw {rg:.2f} raw with the tier's reads {sg:.2f} GB/s"
             )
         if not np.array_equal(dest_arena, arena):
             raise RuntimeError("the tier read back different bytes")
@@ -231,6 +249,9 @@ async def _run(
             "get_gbps": round(med["tg"], 3),
             "raw_get_gbps": round(med["rg"], 3),
             "get_ratio": round(med["tg"] / med["rg"], 3),
+            "socket_read_bytes": SOCKET_READ_BYTES,
+            "raw_get_same_reads_gbps": round(med["sg"], 3),
+            "get_ratio_same_reads": round(med["tg"] / med["sg"], 3),
             "chain": len(chain),
             "probe_us": round(statistics.median(tier_us), 1),
             "probe_p99_us": round(p99(tier_us), 1),
@@ -246,7 +267,9 @@ async def _run(
         )
         emit(
             f"get: tier {out['get_gbps']:.2f} GB/s, redis-py pipelined GET "
-            f"{out['raw_get_gbps']:.2f} GB/s, ratio {out['get_ratio']:.2f}"
+            f"{out['raw_get_gbps']:.2f} GB/s, ratio {out['get_ratio']:.2f}; with the tier's "
+            f"{SOCKET_READ_BYTES >> 10} KiB socket reads {out['raw_get_same_reads_gbps']:.2f} "
+            f"GB/s, ratio {out['get_ratio_same_reads']:.2f}"
         )
         emit(
             f"probe of a {len(chain)}-block chain: tier {out['probe_us']:.0f} us "
@@ -257,8 +280,9 @@ async def _run(
         return out
     finally:
         await tier.close()
-        close = getattr(raw, "aclose", None) or raw.close
-        await close()
+        for client in (raw, same):
+            close = getattr(client, "aclose", None) or client.close
+            await close()
 
 
 def main(argv: list[str], as_json: bool = False) -> int:

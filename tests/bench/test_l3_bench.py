@@ -32,12 +32,15 @@ def test_l3_bench_prints_figures_and_cleans_up(
         "get_gbps",
         "raw_get_gbps",
         "get_ratio",
+        "raw_get_same_reads_gbps",
+        "get_ratio_same_reads",
         "probe_us",
         "raw_exists_us",
         "probe_ratio",
     ):
         assert figures[name] > 0, name
     assert figures["chain"] == 64
+    assert figures["socket_read_bytes"] == 1 << 20
     assert figures["read_bad_checksum"] == 0 and figures["probe_late"] == 0
     assert not any(base.iterdir())
     assert _servers_under(base) == []

@@ -102,6 +102,9 @@ _STAGING_RETAIN_BYTES = 128 << 20
 # smaller ones inline, where a thread hand-off would cost more than the work.
 _OFFLOAD_BYTES = 1 << 20
 _CODEC_THREADS = 2
+# How much the client's parser asks of the socket at a time (redis-py's default is 64 KiB):
+# a 2 MiB value then takes a few reads and parser calls instead of dozens.
+SOCKET_READ_BYTES = 1 << 20
 
 COUNTERS = (
     # probe
@@ -648,6 +651,7 @@ class RemoteTier:
             # Room for the reconnection probe beyond the verbs' own share.
             "max_connections": o.pool_size + 2,
             "decode_responses": False,
+            "socket_read_size": SOCKET_READ_BYTES,
         }
         if self._endpoints[0].tls:
             common.update(
