@@ -7,13 +7,23 @@ import errno
 import logging
 import os
 import sqlite3
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from disk_faults import FaultyFiles
 
-from kvtier.tiers.base import Health, TierUnavailable
+from kvtier.tiers.base import (
+    BlockRef,
+    Health,
+    HostBuffers,
+    TierUnavailable,
+    WriteBatch,
+    WriteOutcome,
+)
 from kvtier.tiers.disk import (
     CommitEntry,
     DiskTier,
@@ -559,3 +569,50 @@ def test_misuse_raises(disk_dir: Path) -> None:
             tier.commit([CommitEntry(1, b"k" * 32, slot)])  # committed once is enough
     with pytest.raises(RuntimeError, match="closed"):
         tier.read([])
+
+
+def test_concurrent_writes_share_one_sync_and_one_commit(tmp_path: Path) -> None:
+    """Group commit: while one write's sync runs, three more finish their bytes; the next
+    group step syncs and commits the three together, and every block is served after a
+    restart."""
+    files = FaultyFiles()
+    tier = _open(tmp_path / "l2", backend=files)
+    nbytes = 64 * 1024
+    first_sync, release = threading.Event(), threading.Event()
+
+    def hold_first(*_: object) -> None:
+        if not first_sync.is_set():
+            first_sync.set()
+            assert release.wait(10)
+
+    files.faults["fdatasync"] = hold_first
+    data = [os.urandom(nbytes) for _ in range(4)]
+    refs = [BlockRef(1, os.urandom(32)) for _ in range(4)]
+    slots = [tier.allocator.allocate(nbytes) for _ in range(4)]
+
+    def write(i: int) -> list[WriteOutcome]:
+        batch = WriteBatch([slots[i]], [refs[i]], nbytes, HostBuffers([memoryview(data[i])]))
+        return tier.write(batch)
+
+    before = tier.stats().counters
+    with ThreadPoolExecutor(4) as pool:
+        leader = pool.submit(write, 0)
+        assert first_sync.wait(10)
+        followers = [pool.submit(write, i) for i in (1, 2, 3)]
+        deadline = time.monotonic() + 10
+        while tier.stats().counters["write_calls"] - before["write_calls"] < 4:
+            assert time.monotonic() < deadline, "the followers never wrote"
+            time.sleep(0.01)
+        release.set()
+        outcomes = [leader.result(), *(f.result() for f in followers)]
+    assert all(o[0].ok for o in outcomes)
+    after = tier.stats().counters
+    assert after["commits"] - before["commits"] == 2
+    assert after["syncs"] - before["syncs"] == 2
+    tier.close()
+    again = _open(tmp_path / "l2")
+    found = again.recover()
+    assert sorted(bytes(k) for k in found.keys) == sorted(r.key for r in refs)
+    blocks = {i: (refs[i].key, slots[i], data[i], checksum(data[i])) for i in range(4)}
+    assert _read(again, blocks) == {i: data[i] for i in range(4)}
+    again.close()

@@ -120,15 +120,17 @@ class BatchIO:
 
     # ------------------------------------------------------------------ writes
 
-    def write(self, blocks: list[Block], priority: Priority) -> None:
-        """Write and ``fdatasync`` the blocks; sets ``ok`` and ``checksum`` on each."""
+    def write(self, blocks: list[Block], priority: Priority, *, sync: bool = True) -> None:
+        """Write the blocks and, with ``sync``, ``fdatasync`` them; sets ``ok`` (written, and
+        durable with ``sync``) and ``checksum`` on each."""
         self._execute(
             self._plan(blocks, MAX_WRITE_RUN_BYTES),
             self._write_run,
             priority,
             lambda: self._checksum_sources(blocks),
         )
-        self._sync([b for b in blocks if b.ok], priority)
+        if sync:
+            self.sync([b for b in blocks if b.ok], priority)
 
     @staticmethod
     def _checksum_sources(blocks: list[Block]) -> None:
@@ -147,7 +149,7 @@ class BatchIO:
         for b in run.blocks:
             b.ok = True
 
-    def _sync(self, blocks: list[Block], priority: Priority) -> None:
+    def sync(self, blocks: list[Block], priority: Priority) -> None:
         """fdatasync the files the blocks went to; a file that fails fails its blocks."""
         files = sorted({b.file for b in blocks})
         if not files:

@@ -12,7 +12,9 @@ adjacent slots of a batch move with one vectored ``preadv``/``pwritev`` (``io.Ba
 
 Invariants:
 - A block's index row is committed only after its bytes are durable (``fdatasync`` of the data
-  file returned). A crash at any moment therefore loses at most blocks still in flight and
+  file returned). Concurrent ``write`` calls share these steps (group commit): one caller
+  syncs the files of every write finished so far, then commits all their rows in one
+  transaction, while the others wait for its answer. A crash at any moment therefore loses at most blocks still in flight and
   never makes a row point at a half-written slot. ``commit`` enforces the order: it accepts a
   slot only if this tier made a write to it durable and nothing has been committed or removed
   there since.
@@ -140,6 +142,56 @@ class ReadItem(NamedTuple):
     nbytes: int
     checksum: int
     key: bytes
+
+
+class _Ticket:
+    """One ``write`` call waiting for its group's durability step."""
+
+    __slots__ = ("batch", "blocks", "committed", "done", "error", "live")
+
+    def __init__(self, blocks: list[Block], live: list[Block] | None, batch: WriteBatch) -> None:
+        self.blocks = blocks
+        self.live = live  # written to, not yet synced (None: none attempted)
+        self.batch = batch
+        self.committed = False
+        self.done = False
+        self.error: BaseException | None = None
+
+
+class _GroupCommit:
+    """Leader and followers: a thread that finds no group step running takes every ticket
+    waiting (its own included) and runs the step for all of them; the others wait for its
+    answer, and one of those that arrived meanwhile leads the next step.
+
+    Thread-safety: ``join`` from any thread."""
+
+    def __init__(self, step: Callable[[list[_Ticket]], None]) -> None:
+        self._step = step
+        self._cond = threading.Condition()
+        self._waiting: list[_Ticket] = []
+        self._running = False
+
+    def join(self, ticket: _Ticket) -> None:
+        with self._cond:
+            self._waiting.append(ticket)
+            while not ticket.done:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                group, self._waiting = self._waiting, []
+                self._running = True
+                self._cond.release()
+                try:
+                    self._step(group)
+                except BaseException as e:
+                    for t in group:
+                        t.error = e
+                finally:
+                    self._cond.acquire()
+                    for t in group:
+                        t.done = True
+                    self._running = False
+                    self._cond.notify_all()
 
 
 def _as_bytes(data: BytesLike) -> memoryview:
@@ -291,6 +343,7 @@ class DiskTier:
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         # Slots whose last write is durable and not committed yet: slot -> (nbytes, checksum).
         self._durable: dict[int, tuple[int, int]] = {}
+        self._group = _GroupCommit(self._make_durable)
         self._pending_recovery: tuple[list[tuple[Path, int]], list[int], dict[int, str]] | None
         self._pending_recovery = None
         self._recovered: RecoveredBlocks | None = None
@@ -355,21 +408,38 @@ class DiskTier:
     # ------------------------------------------------------------------ tier verbs
 
     def write(self, batch: WriteBatch) -> list[WriteOutcome]:
-        """Write the batch's blocks, make them durable and commit them to the index in one
-        group (one ``fdatasync`` per data file, one transaction)."""
+        """Write the batch's blocks, make them durable and commit them to the index, sharing
+        the ``fdatasync`` of each data file and the transaction with the writes of other
+        threads that finish meanwhile (group commit)."""
         self._check_open()
         views = _host_views(batch.src, len(batch.slots), batch.nbytes)
-        outcomes = self._write_blocks(
-            self._blocks(batch.slots, views, batch.nbytes, True), batch.priority
-        )
-        done = [
-            CommitEntry(ref.ns, ref.key, o.slot)
-            for ref, o in zip(batch.blocks, outcomes, strict=True)
-            if o.ok
+        blocks = self._blocks(batch.slots, views, batch.nbytes, True)
+        ticket = _Ticket(blocks, self._write_unsynced(blocks, batch.priority), batch)
+        self._group.join(ticket)
+        if ticket.error is not None:
+            raise ticket.error
+        if not ticket.committed:
+            return [WriteOutcome(b.slot, False, 0) for b in blocks]
+        return [WriteOutcome(b.slot, b.ok, b.checksum if b.ok else 0) for b in blocks]
+
+    def _make_durable(self, tickets: list[_Ticket]) -> None:
+        """The group step of ``write``: sync the files of every ticket's written blocks,
+        record them durable, and commit their rows in one transaction."""
+        attempted = [t for t in tickets if t.live is not None]
+        written = [b for t in attempted for b in t.live or () if b.ok]
+        if written:
+            self._io.sync(written, min(t.batch.priority for t in attempted))
+        for t in attempted:
+            self._settle(t.blocks, t.live or [])
+        entries = [
+            CommitEntry(ref.ns, ref.key, b.slot)
+            for t in tickets
+            for ref, b in zip(t.batch.blocks, t.blocks, strict=True)
+            if b.ok
         ]
-        if not done or self.commit(done):
-            return outcomes
-        return [WriteOutcome(o.slot, False, 0) for o in outcomes]
+        committed = not entries or self.commit(entries)
+        for t in tickets:
+            t.committed = committed
 
     def read(self, batch: ReadBatch) -> list[bool]:
         """Read and verify the batch's blocks into its destination (host buffers directly;
@@ -558,18 +628,34 @@ class DiskTier:
         return self._write_blocks(blocks, priority)
 
     def _write_blocks(self, blocks: list[Block], priority: Priority) -> list[WriteOutcome]:
+        """Write the blocks and make them durable (``ok``), not committed."""
+        live = self._write_unsynced(blocks, priority)
+        if live is not None:
+            self._io.sync([b for b in live if b.ok], priority)
+            self._settle(blocks, live)
+        return [WriteOutcome(b.slot, b.ok, b.checksum if b.ok else 0) for b in blocks]
+
+    def _write_unsynced(self, blocks: list[Block], priority: Priority) -> list[Block] | None:
+        """Write the blocks' bytes, not yet synced; returns the blocks written to (``ok``
+        where the write succeeded), or None when none was attempted (degraded tier, or the
+        rows of rewritten slots could not be dropped)."""
         self._check_distinct(blocks)
         if not blocks:
             return []
         if not self.faults.admit_writes():
             self.faults.count(writes_refused_degraded=len(blocks))
-            return [WriteOutcome(b.slot, False, 0) for b in blocks]
+            return None
         with self._state_lock:
             live = [b for b in blocks if b.slot not in self._quarantined]
         self.faults.count(writes_refused_quarantined=len(blocks) - len(live))
         if not self._drop_rows_before_overwrite([b.slot for b in live]):
-            return [WriteOutcome(b.slot, False, 0) for b in blocks]
-        self._io.write(live, priority)
+            return None
+        self._io.write(live, priority, sync=False)
+        return live
+
+    def _settle(self, blocks: list[Block], live: list[Block]) -> None:
+        """Record the synced writes of ``live`` (part of ``blocks``) as durable, awaiting
+        commit, and count the batch."""
         ok = [b for b in live if b.ok]
         with self._state_lock:
             for b in ok:
@@ -579,7 +665,6 @@ class DiskTier:
             bytes_written=sum(b.nbytes for b in ok),
             write_failures=len(blocks) - len(ok),
         )
-        return [WriteOutcome(b.slot, b.ok, b.checksum if b.ok else 0) for b in blocks]
 
     def commit(self, entries: Sequence[CommitEntry]) -> bool:
         """Insert index rows for durably written slots, in one transaction.
