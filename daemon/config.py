@@ -488,8 +488,8 @@ class MoverConfig:
         metadata=_opt(
             "size",
             lo=4096,
-            doc="most bytes in one transfer between tiers (one fdatasync and one index commit "
-            "per group on the disk tier)",
+            doc="most bytes in one transfer between tiers (on the disk tier at most one "
+            "fdatasync and one index commit each; transfers finishing together share them)",
         ),
     )
     batch_blocks: int = field(

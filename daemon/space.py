@@ -221,7 +221,7 @@ class SpaceManager:
         jobs: list[Awaitable[None]] = []
         for (col, size, owner), idx in groups.items():
             src = self.stack.levels[col]
-            # Groups sized by bytes: one fdatasync and one index commit per group on a disk.
+            # Groups sized by bytes: at most one fdatasync and one index commit each on a disk.
             step = max(1, min(self.batch_blocks, self.batch_bytes // max(size, 1)))
             for start in range(0, len(idx), step):
                 part = np.asarray(idx[start : start + step], dtype=np.int64)
