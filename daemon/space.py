@@ -304,10 +304,8 @@ class SpaceManager:
         if dst.checksummed and outcomes is not None and len(good):
             sums = np.fromiter((o.checksum for o in outcomes), dtype=np.uint64, count=n)
             table.set_checksums(good, dst.col, sums[ok])
-        parents = table.parents_of(good).tolist()
-        insert = dst.policy.insert
-        for b, par in zip(good.tolist(), parents, strict=True):
-            insert(b, now, par)
+        if len(good):
+            dst.policy.insert_many(good, now, table.parents_of(good))
         done[part[ok]] = True
         if prefetch:
             for j, b in enumerate(group.tolist()):

@@ -600,9 +600,7 @@ class BlockStore:
         for level in self.stack:
             mine = held[:, level.col]
             if mine.any():
-                insert = level.policy.insert
-                for bid, par in zip(bids[mine].tolist(), pars[mine].tolist(), strict=True):
-                    insert(bid, now, par)
+                level.policy.insert_many(bids[mine], now, pars[mine])
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
     # -------------------------------------------------------------------- reads

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.base import EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted, HintTable
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class ARCStats:
     b2: int
 
 
-class ARCPolicy(Hinted):
+class ARCPolicy(InsertEach, Hinted):
     """ARC over block ids.
 
     Parameters:

@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.base import EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
@@ -304,7 +304,7 @@ def _smoothed(a: np.ndarray) -> np.ndarray:
     return np.asarray(0.25 * padded[:, :-2] + 0.5 * padded[:, 1:-1] + 0.25 * padded[:, 2:])
 
 
-class DensityPolicy(Hinted):
+class DensityPolicy(InsertEach, Hinted):
     """Parameters (all optional; unknown ones are ignored):
 
     capacity_blocks: the tier's size; sizes the ghost window and the statistics period.

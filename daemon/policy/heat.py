@@ -318,6 +318,95 @@ class HeatPolicy(Hinted):
             if len(self._owed_new) > _OWED_LIMIT:
                 self._defer_owed()
 
+    def insert_many(self, bids: np.ndarray, now: float, parents: np.ndarray) -> None:
+        """``insert`` each block of ``bids`` in order (``parents[i]`` its parent), leaving
+        exactly the loop's state. A batch whose every step is plain (a distinct block not
+        resident and without a ghost, whose parent, if linked, needs no raise: the blocks a
+        Put stored, a batch demoted) is applied as array operations; any other runs the
+        loop."""
+        ids = np.asarray(bids, dtype=np.int64).reshape(-1)
+        pars = np.asarray(parents, dtype=np.int64).reshape(-1)
+        if len(ids) != len(pars):
+            raise ValueError(f"{len(ids)} blocks but {len(pars)} parents")
+        if len(ids) < _VECTOR_MIN or not self._insert_in_bulk(ids, pars, now):
+            for bid, parent in zip(ids.tolist(), pars.tolist(), strict=True):
+                self.insert(bid, now, parent)
+
+    def _insert_in_bulk(self, ids: np.ndarray, pars: np.ndarray, now: float) -> bool:
+        """``insert_many``'s array path; False, having changed nothing the loop would see,
+        when some step is not plain."""
+        n = len(ids)
+        if ids.min() < 0:
+            return False
+        if ids.max() >= self._size:
+            self._grow(int(ids.max()) + 1)  # as the loop would (sizes do not decide)
+        if (self._seg[ids] != _OUT).any() or (self._ghost[ids] != _OUT).any():
+            return False
+        order = np.argsort(ids, kind="stable")
+        ranked = ids[order]
+        if (ranked[1:] == ranked[:-1]).any():
+            return False  # a repeat is a touch within the batch
+        step = np.arange(n)
+        # Each parent's place in the batch (-1: outside it); a parent is linked at a step if
+        # it came earlier in the batch, or is resident now (and outside it).
+        j = np.minimum(np.searchsorted(ranked, pars), n - 1)
+        ppos = np.where((pars >= 0) & (ranked[j] == pars), order[j], -1)
+        inside = (ppos >= 0) & (ppos < step)
+        safe = np.clip(pars, 0, self._size - 1)
+        outside = (ppos < 0) & (pars >= 0) & (pars < self._size) & (self._seg[safe] != _OUT)
+        linked = inside | outside
+        # The segment of each step, as ``insert`` decides it with the counts of that step.
+        acc = self._accesses + step + 1
+        if self._fixed_capacity:
+            cap = np.full(n, float(self._fixed_capacity))
+        else:
+            c0 = self._count[_PROBATION] + self._count[_PROTECTED]
+            cap = np.maximum(np.maximum(self._high_water, c0 + step), 1).astype(np.float64)
+        seen = self._seen[ids]
+        protected = (acc - seen) <= self._memory_factor * cap
+        seg = np.where(protected, _PROTECTED, _PROBATION).astype(self._seg.dtype)
+        saved = self.heat.heat[ids].copy(), self.heat.last_access[ids].copy()
+        keys = self.heat.record_distinct(ids, now)
+        # A step that would raise its parent (``_propagate``) is not plain.
+        pp = np.maximum(ppos, 0)
+        parent_key = np.where(inside, keys[pp], self._eff[safe])
+        parent_seg = np.where(inside, seg[pp], self._seg[safe])
+        raises = linked & ((parent_key < keys) | ((seg == _PROTECTED) & (parent_seg == _PROBATION)))
+        if raises.any():
+            self.heat.heat[ids], self.heat.last_access[ids] = saved
+            return False
+        self._accesses += n
+        self._seen[ids] = acc
+        self._ins[ids] = self._inserts + step + 1
+        self._inserts += n
+        self._kids[ids] = 0
+        kids_of = pars[linked & (seg == _PROBATION)]
+        if len(kids_of):
+            np.add.at(self._kids, kids_of, 1)
+        depth = np.zeros(n, dtype=np.int64)
+        out_depth = np.minimum(self._depth[safe].astype(np.int64) + 1, 1 << 30)
+        depth[outside] = out_depth[outside]
+        if inside.any():
+            at, of = np.flatnonzero(inside).tolist(), ppos.tolist()
+            d = depth.tolist()
+            for i in at:  # a parent comes before its child: one pass settles chains
+                d[i] = min(d[of[i]] + 1, 1 << 30)
+            depth = np.asarray(d, dtype=np.int64)
+        self._parent[ids] = np.where(linked, pars, -1)
+        self._depth[ids] = depth
+        self._seg[ids] = seg
+        n_protected = int(np.count_nonzero(protected))
+        self._count[_PROTECTED] += n_protected
+        self._count[_PROBATION] += n - n_protected
+        total = self._count[_PROBATION] + self._count[_PROTECTED]
+        if total > self._high_water:
+            self._high_water = total
+        self._eff[ids] = keys
+        bound = max(self._bufs[_PROBATION].bound, self._bufs[_PROTECTED].bound)
+        for i in np.flatnonzero(keys <= bound).tolist():
+            self._note_key(int(ids[i]), int(seg[i]), float(keys[i]), int(depth[i]))
+        return True
+
     def touch(self, bid: int, now: float) -> None:
         seg = self._seg_v[bid] if 0 <= bid < self._size else _OUT
         if seg == _OUT:

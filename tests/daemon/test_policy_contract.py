@@ -160,6 +160,23 @@ def test_touch_many_is_all_or_nothing(name: str) -> None:
     assert a.victims(5, 8.0, None).tolist() == b.victims(5, 8.0, None).tolist()
 
 
+def test_insert_many_equals_inserting_in_order(name: str) -> None:
+    """A batch of new blocks (a chain, a second chain under a resident parent, one block
+    coming back) leaves the policy deciding as a loop of ``insert`` would."""
+    a, b = build(name), build(name)
+    for p in (a, b):
+        fill(p, 6)
+        p.remove(2)
+    ids = np.array([*range(10, 40), 2, *range(40, 60)], dtype=np.int64)
+    parents = np.array([-1, *range(10, 39), 5, 2, *range(40, 59)], dtype=np.int64)
+    a.insert_many(ids, 9.0, parents)
+    for bid, parent in zip(ids.tolist(), parents.tolist(), strict=True):
+        b.insert(bid, 9.0, parent)
+    assert len(a) == len(b) == 56
+    for k in (1, 7, 28, 56):
+        assert a.victims(k, 10.0, None).tolist() == b.victims(k, 10.0, None).tolist()
+
+
 def _state(policy: object) -> object:
     """Everything a policy decides with, for the policies without numpy state."""
     names = ("_order", "_t1", "_t2", "_b1", "_b2", "_p", "_ghosted", "_high_water", "_next")

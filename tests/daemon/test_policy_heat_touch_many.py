@@ -391,3 +391,74 @@ def test_keys_are_bit_exact_where_numpy_rounds_differently() -> None:
         ref.touch(bid, 60.0)
     assert_same_state(vec, ref)
     assert not math.isinf(vec.effective_key(0))
+
+
+# ------------------------------------------------------------------ insert_many
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("fixed", [None, 300])
+def test_insert_many_equals_the_insert_loop(seed: int, fixed: int | None) -> None:
+    """Batches as the store inserts them (a Put's new chain, a demoted group) and the ones it
+    must leave to the loop (blocks with a ghost, repeats, children before parents, parents
+    that get raised): the state after ``insert_many`` is the loop's, bit for bit."""
+    rng = np.random.default_rng(seed)
+    vec, ref = HeatPolicy(capacity_blocks=fixed), HeatPolicy(capacity_blocks=fixed)
+    took: Counter[str] = Counter()
+    bulk = vec._insert_in_bulk
+
+    def counting(ids: np.ndarray, pars: np.ndarray, now: float) -> bool:
+        done = bulk(ids, pars, now)
+        took["bulk" if done else "loop"] += 1
+        return done
+
+    vec._insert_in_bulk = counting  # type: ignore[method-assign]
+    resident: list[int] = []
+    gone: list[int] = []
+    next_id, now = 0, 0.0
+    for step in range(160):
+        now += float(rng.exponential(2.0))
+        op = rng.random()
+        if op < 0.55 or len(resident) < 20:
+            n = int(rng.integers(1, 60))
+            fresh = list(range(next_id, next_id + n))
+            next_id += n
+            kind = rng.random()
+            if kind < 0.15 and gone:  # some blocks come back (ghosts, seen before)
+                back = rng.choice(gone, size=min(len(gone), int(rng.integers(1, 6))), replace=False)
+                fresh[: len(back)] = [int(b) for b in back]
+                for b in back:
+                    gone.remove(int(b))
+            if kind > 0.95:
+                fresh.append(fresh[0])  # a repeat
+            parent0 = resident[int(rng.integers(len(resident)))] if resident else -1
+            pars = [parent0 if rng.random() < 0.7 else -1, *fresh[:-1]]
+            if rng.random() < 0.1:
+                pars = pars[::-1]  # children before parents, odd links
+            if rng.random() < 0.1 and resident:
+                ref.touch(parent0, now)  # a resident parent hotter than its new child
+                vec.touch(parent0, now)
+            ids = np.asarray(fresh, dtype=np.int64)
+            parr = np.asarray(pars, dtype=np.int64)
+            vec.insert_many(ids, now, parr)
+            for b, p in zip(fresh, pars, strict=True):
+                ref.insert(b, now, p)
+            resident.extend(b for b in dict.fromkeys(fresh) if b not in resident)
+        elif op < 0.8:
+            k = int(rng.integers(1, max(2, len(resident) // 3)))
+            got, want = vec.victims(k, now, None), ref.victims(k, now, None)
+            assert got is not None and want is not None and got.tolist() == want.tolist()
+            for b in got.tolist():
+                vec.remove(b)
+                ref.remove(b)
+                resident.remove(b)
+                gone.append(b)
+        else:
+            batch = rng.choice(resident, size=min(len(resident), 8), replace=False)
+            for b in batch.tolist():
+                vec.touch(b, now)
+                ref.touch(b, now)
+        assert_same_state(vec, ref)
+        if step % 20 == 0:
+            assert_same_victims(vec, ref, now, step)
+    assert took["bulk"] >= 20 and took["loop"] >= 5, took
