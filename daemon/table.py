@@ -29,6 +29,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 
@@ -171,10 +172,10 @@ class BlockTable:
         bids = np.asarray(bids, dtype=np.int64)
         raw = self.keys[bids].tobytes()
         width = self.keys.shape[1] * self.keys.itemsize
-        return [
-            BlockRef(ns, raw[i * width : (i + 1) * width])
-            for i, ns in enumerate(self.ns[bids].tolist())
-        ]
+        keys = [raw[i : i + width] for i in range(0, len(raw), width)]
+        # Built by tuple.__new__ through map: no Python frame per block.
+        pairs = zip(self.ns[bids].tolist(), keys, strict=True)
+        return list(map(tuple.__new__, repeat(BlockRef), pairs))
 
     def ref(self, bid: int) -> int:
         """A reference to the block now in row ``bid`` that outlives the row's reuse."""
