@@ -1123,6 +1123,9 @@ def _repeats(words: np.ndarray) -> np.ndarray:
                 dup[i] = True
             seen.add(key)
         return dup
+    lead = np.sort(words[:, 0])
+    if not (lead[1:] == lead[:-1]).any():
+        return dup  # distinct first words: distinct keys (the usual batch, one sort)
     _, first = np.unique(words, axis=0, return_index=True)
     dup[:] = True
     dup[first] = False

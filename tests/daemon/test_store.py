@@ -839,3 +839,16 @@ async def test_l3_writes_beyond_its_budget_are_dropped_never_waited_for(make_sto
     a.space.apply_touches()
     await asyncio.wait_for(a.space.drain(), 5)
     assert len(shared.values) == 4
+
+
+@pytest.mark.parametrize("n", [10, 200])
+def test_repeated_keys_in_a_batch_are_found_past_their_first_word(n):
+    """Keys that repeat an earlier key of the batch are flagged; keys that only share their
+    first 8 bytes with another are not (the large-batch check sorts first words first)."""
+    words = keys(n)
+    twin = words[3].copy()
+    twin[1] ^= 1  # same first word as key 3, another key
+    batch = np.concatenate([words, words[[5, 0]], twin[None, :], words[[5]]])
+    dup = store_module._repeats(batch)
+    assert dup.tolist() == [False] * n + [True, True, False, True]
+    assert not store_module._repeats(words).any()
