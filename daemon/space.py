@@ -179,18 +179,19 @@ class SpaceManager:
             & (table.state[bids] == READY)
             & (table.nbytes[bids] > 0)
         ]
-        want = np.asarray(list(dict.fromkeys(want.tolist())), dtype=np.int64)
+        if len(want) > 1:
+            _, first = np.unique(want, return_index=True)
+            want = want[np.sort(first)]  # each once, in the order asked
         refs = table.refs(want).tolist() if len(want) else []
         mine_idx, waits = self.transfers.claim(refs, dst.kind) if refs else ([], [])
         mine = want[mine_idx]
         if len(mine):
             np.add.at(table.inflight, mine, 1)
-            done = np.zeros(len(mine), dtype=bool)
             try:
-                done = await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch)
+                await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch)
             finally:
                 self._release(mine)
-                self.transfers.settle([refs[i] for i in mine_idx], dst.kind, done.tolist())
+                self.transfers.settle([refs[i] for i in mine_idx], dst.kind)
         if waits:
             await asyncio.gather(*waits, return_exceptions=True)
         return table.slot[bids, dst.col] >= 0

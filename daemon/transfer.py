@@ -113,24 +113,29 @@ class TransferEngine:
         self, refs: Sequence[int], dst: TierKind
     ) -> tuple[list[int], list[asyncio.Future[bool]]]:
         """Of the blocks ``refs`` bound for ``dst``: the positions this caller now moves
-        (it must ``settle`` them), and the futures of those already moving."""
-        loop = asyncio.get_running_loop()
+        (it must ``settle`` them, all at once), and the futures of the moves already under
+        way that it must wait for (one per claim that holds any of the others)."""
+        moving = self._moving
         mine: list[int] = []
-        waits: list[asyncio.Future[bool]] = []
+        waits: dict[int, asyncio.Future[bool]] = {}
+        shared: asyncio.Future[bool] | None = None
         for i, ref in enumerate(refs):
-            fut = self._moving.get((ref, dst))
+            fut = moving.get((ref, dst))
             if fut is not None:
-                waits.append(fut)
-            else:
-                self._moving[(ref, dst)] = loop.create_future()
-                mine.append(i)
-        return mine, waits
+                waits[id(fut)] = fut
+                continue
+            if shared is None:
+                shared = asyncio.get_running_loop().create_future()
+            moving[(ref, dst)] = shared
+            mine.append(i)
+        return mine, list(waits.values())
 
-    def settle(self, refs: Sequence[int], dst: TierKind, ok: Sequence[bool]) -> None:
-        for ref, good in zip(refs, ok, strict=True):
+    def settle(self, refs: Sequence[int], dst: TierKind) -> None:
+        """The moves of ``refs`` (one claim's) ended, done or not: wake their waiters."""
+        for ref in refs:
             fut = self._moving.pop((ref, dst), None)
             if fut is not None and not fut.done():
-                fut.set_result(bool(good))
+                fut.set_result(True)
 
     def moving(self, ref: int, dst: TierKind) -> bool:
         return (ref, dst) in self._moving

@@ -25,13 +25,15 @@ async def test_a_block_moving_into_a_tier_is_moved_once():
     try:
         mine, waits = engine.claim([1, 2, 3], TierKind.HOST)
         assert (mine, waits) == ([0, 1, 2], [])
-        again, waits = engine.claim([2, 4], TierKind.HOST)
-        assert again == [1] and len(waits) == 1
+        again, waits = engine.claim([2, 4, 3], TierKind.HOST)
+        assert again == [1] and len(waits) == 1  # one wait for the one claim holding 2 and 3
         other, _ = engine.claim([2], TierKind.DISK)  # another destination is another move
         assert other == [0]
-        engine.settle([1, 2, 3], TierKind.HOST, [True, False, True])
-        assert await waits[0] is False
+        assert not waits[0].done()
+        engine.settle([1, 2, 3], TierKind.HOST)
+        assert await waits[0] is True  # settled (the waiter reads the table for the outcome)
         assert not engine.moving(2, TierKind.HOST) and engine.moving(2, TierKind.DISK)
+        assert engine.moving(4, TierKind.HOST)
     finally:
         engine.close()
 
