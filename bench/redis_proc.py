@@ -15,7 +15,6 @@ Thread-safety: none; one owner drives each object.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -27,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-_PR_SET_PDEATHSIG = 1
 
 
 class RedisProcError(RuntimeError):
@@ -87,12 +85,14 @@ def make_tls_files(folder: Path, name: str = "ca") -> TlsFiles:
     return TlsFiles(ca, cert, key)
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def _dying_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGKILL when this process dies (Linux parent-death
+    signal, set by util-linux's ``setpriv``; where it is missing, ``stop()`` and the fixtures
+    are the only cleanup). Not a ``preexec_fn``: running Python in the child of a threaded
+    process before ``exec`` can abort it (another thread held a lock at the fork), which is
+    how a cluster node restarted while client threads ran once died of SIGABRT."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", *argv] if setpriv else argv
 
 
 class RedisServer:
@@ -181,19 +181,21 @@ class RedisServer:
         for name in ("dump.rdb", "appendonly.aof"):
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / name).unlink()
-        self.proc = subprocess.Popen(
-            [self.server_bin, str(conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
+        # What the server says before its log file is open goes here.
+        with open(self.dir / "redis.stderr", "wb") as err:
+            self.proc = subprocess.Popen(
+                _dying_with_parent([self.server_bin, str(conf)]),
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
+                early = (self.dir / "redis.stderr").read_text(errors="replace").strip()
                 raise RedisProcError(
                     f"redis-server on port {self.port} exited with {self.proc.returncode}: "
-                    f"{self.log_tail()}"
+                    f"{early[-500:] or '(nothing on stderr)'}; log: {self.log_tail()}"
                 )
             if self.cli("PING", check=False).strip() == "PONG":
                 return

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -505,3 +508,37 @@ def test_regression_namespace_names_chosen_by_clients_grew_the_key_cache_without
     for ns in range(20_000):  # a client looking up under ever new namespace names
         assert namer.key(ns, b"\x01" * 32).startswith(f"kvtier:{ns}:".encode())
     assert len(namer._cache) <= 4096
+
+
+def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A test run that crashes leaves no redis-server behind (parent-death signal, set
+    without running Python between fork and exec)."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from kvtier.bench.redis_proc import RedisServer\n"
+        "server = RedisServer(Path(sys.argv[1]))\n"
+        "server.start()\n"
+        "print(server.proc.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    pid = int(owner.stdout.readline())
+    os.kill(pid, 0)  # running
+    owner.kill()
+    owner.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+    deadline = time.monotonic() + 10
+    while not gone():
+        assert time.monotonic() < deadline, "redis-server outlived the process that started it"
+        time.sleep(0.05)
