@@ -27,7 +27,6 @@ from pathlib import Path
 from types import TracebackType
 
 
-
 class RedisProcError(RuntimeError):
     """A server could not be started, or a cluster could not be formed."""
 
