@@ -14,10 +14,10 @@ Invariants:
 - A block's index row is committed only after its bytes are durable (``fdatasync`` of the data
   file returned). Concurrent ``write`` calls share these steps (group commit): one caller
   syncs the files of every write finished so far, then commits all their rows in one
-  transaction, while the others wait for its answer. A crash at any moment therefore loses at most blocks still in flight and
-  never makes a row point at a half-written slot. ``commit`` enforces the order: it accepts a
-  slot only if this tier made a write to it durable and nothing has been committed or removed
-  there since.
+  transaction, while the others wait for its answer. A crash at any moment therefore loses
+  at most blocks still in flight and never makes a row point at a half-written slot.
+  ``commit`` enforces the order: it accepts a slot only if this tier made a write to it
+  durable and nothing has been committed or removed there since.
 - A slot is given back to the allocator only after the deletion of its row is durable, and a
   slot rewritten in place loses its row (durably) before the new bytes go down, so no crash
   can leave a row over bytes it does not describe.
