@@ -616,3 +616,58 @@ def test_concurrent_writes_share_one_sync_and_one_commit(tmp_path: Path) -> None
     blocks = {i: (refs[i].key, slots[i], data[i], checksum(data[i])) for i in range(4)}
     assert _read(again, blocks) == {i: data[i] for i in range(4)}
     again.close()
+
+
+def test_a_failed_sync_in_a_group_commits_no_row_for_its_blocks(tmp_path: Path) -> None:
+    """Two writes in one group, to two data files; the second file's fdatasync fails (EIO).
+    Its block is reported not written and has no row; whatever the tier reports written is
+    served after a restart, and nothing else is."""
+    files = FaultyFiles()
+    tier = _open(tmp_path / "l2", backend=files)
+    nbytes = 64 * 1024
+    slots = [tier.allocator.allocate(nbytes)]
+    first_file = tier.slot_location(slots[0])[0]
+    while True:  # a slot in another data file
+        slot = tier.allocator.allocate(nbytes)
+        assert slot is not None
+        if tier.slot_location(slot)[0] != first_file:
+            slots.append(slot)
+            break
+    bad_file = str(tier.slot_location(slots[1])[0])
+    first_sync, release = threading.Event(), threading.Event()
+
+    def faults(fd: int) -> None:
+        if not first_sync.is_set():  # hold the first group's sync until both writes wait
+            first_sync.set()
+            assert release.wait(10)
+        if os.readlink(f"/proc/self/fd/{fd}") == bad_file:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    files.faults["fdatasync"] = faults
+    data = [os.urandom(nbytes) for _ in range(3)]
+    refs = [BlockRef(1, os.urandom(32)) for _ in range(3)]
+    slots.insert(0, tier.allocator.allocate(nbytes))  # the write that leads the first group
+
+    def write(i: int) -> list[WriteOutcome]:
+        batch = WriteBatch([slots[i]], [refs[i]], nbytes, HostBuffers([memoryview(data[i])]))
+        return tier.write(batch)
+
+    before = tier.stats().counters["write_calls"]
+    with ThreadPoolExecutor(3) as pool:
+        leader = pool.submit(write, 0)
+        assert first_sync.wait(10)
+        grouped = [pool.submit(write, i) for i in (1, 2)]
+        deadline = time.monotonic() + 10
+        while tier.stats().counters["write_calls"] - before < 3:
+            assert time.monotonic() < deadline, "the grouped writes never wrote"
+            time.sleep(0.01)
+        release.set()
+        ok = [leader.result()[0].ok, *(f.result()[0].ok for f in grouped)]
+    assert ok[2] is False  # its file's sync failed
+    tier.close()
+    again = _open(tmp_path / "l2")
+    found = {bytes(k) for k in again.recover().keys}
+    assert found == {refs[i].key for i in range(3) if ok[i]}
+    served = {i: (refs[i].key, slots[i], data[i], checksum(data[i])) for i in range(3) if ok[i]}
+    assert _read(again, served) == {i: data[i] for i in served}
+    again.close()
