@@ -65,9 +65,9 @@ DEFAULT_OWNER = "default"
 # Index rows a persistent tier hands over at a time during recovery: requests are served
 # between chunks.
 RECOVERY_ROWS = 32768
-# A Get of more than this many bytes goes in parts of about this size, in chain order, each
-# promoted and then copied into the pages on its own: the copies of one part overlap the
-# reads of the next instead of all waiting for the last read.
+# A Get of more than this many bytes, some of them below the top tier, goes in parts of about
+# this size, in chain order, each promoted and then copied into the pages on its own: the
+# copies of one part overlap the reads of the next instead of all waiting for the last read.
 GET_PART_BYTES = 16 << 20
 # Likewise for durable puts: the copies into the top tier of one part overlap the writes of
 # the previous one to the persistent tier.
@@ -639,7 +639,11 @@ class BlockStore:
         loaded = np.zeros(len(ids), dtype=bool)
         _mark(table.inflight, bids, 1)
         try:
-            step = max(1, GET_PART_BYTES // max(pool.block_bytes, 1))
+            # Parts only pay where there is something to overlap: blocks to promote first.
+            if (table.slot[bids, self.top.col] < 0).any():
+                step = max(1, GET_PART_BYTES // max(pool.block_bytes, 1))
+            else:
+                step = max(1, len(bids))
             with pool.use():
                 parts = [
                     self._get_part(bids[s : s + step], found[s : s + step], pool, layers, pages)
