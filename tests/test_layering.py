@@ -35,6 +35,7 @@ def _imported(tops: list[str], skip: tuple[str, ...] = ()) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh interpreter per package set, ~14 s: `make test-slow`
 @pytest.mark.parametrize(
     "tops, forbidden",
     [

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from benchjson import RunJson, assert_ratio
 
 
+@pytest.mark.slow  # a model and three daemon restarts, ~6 s: `make test-slow`
 def test_ttft_bench_interleaves_recompute_l1_and_cold_l2(tmp_path: Path, run_json: RunJson) -> None:
     threads = torch.get_num_threads()
     f = run_json(

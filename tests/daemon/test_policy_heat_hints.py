@@ -53,7 +53,7 @@ def mask_for(salt: int) -> EvictableFn:
 
 @pytest.mark.parametrize(
     "seed, caps, steps",
-    [(s, (40, 200), 1500) for s in range(6)] + [(s, (150, 400), 3000) for s in range(6, 9)],
+    [(s, (40, 200), 1500) for s in range(5)] + [(s, (150, 400), 2500) for s in range(6, 8)],
 )
 def test_skipping_hinted_blocks_decides_as_walking_them(
     seed: int, caps: tuple[int, int], steps: int

@@ -396,7 +396,7 @@ def test_keys_are_bit_exact_where_numpy_rounds_differently() -> None:
 # ------------------------------------------------------------------ insert_many
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("fixed", [None, 300])
 def test_insert_many_equals_the_insert_loop(seed: int, fixed: int | None) -> None:
     """Batches as the store inserts them (a Put's new chain, a demoted group) and the ones it
