@@ -32,9 +32,9 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -58,6 +58,8 @@ from kvtier.tiers.base import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The owner of blocks whose namespace no tenant claimed (a daemon without tenants).
 DEFAULT_OWNER = "default"
@@ -390,12 +392,12 @@ class BlockStore:
                 "durable puts need a persistent tier (set tiers.l2.enabled=true)"
             )
         n = len(words)
-        step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1)) if durable else n
+        step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1) if durable else n)
         results = np.full(n, PutResult.STORED, dtype=np.int32)
         persisting: list[asyncio.Future[np.ndarray]] = []
         full = False
         try:
-            for s in range(0, max(n, 1), max(step, 1)):
+            for s in range(0, max(n, 1), step):
                 e = min(n, s + step)
                 parent = parent_words if s == 0 else words[s - 1]
                 part, chain = await self._put_part(
@@ -423,12 +425,7 @@ class BlockStore:
             raise
         if not durable:
             return results, None
-        outcomes = await asyncio.gather(*persisting, return_exceptions=True)
-        done: list[np.ndarray] = []
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-            done.append(outcome)
+        done = await _all_done(persisting)
         return results, np.concatenate(done) if done else np.zeros(0, dtype=bool)
 
     async def _put_part(
@@ -645,19 +642,14 @@ class BlockStore:
             else:
                 step = max(1, len(bids))
             with pool.use():
-                parts = [
-                    self._get_part(bids[s : s + step], found[s : s + step], pool, layers, pages)
-                    for s in range(0, len(bids), step)
-                ]
                 # Every copy finishes before the pool may be unmapped, even when one fails.
-                if len(parts) == 1:
-                    results: list[Any] = [await parts[0]]
-                else:
-                    results = await asyncio.gather(*parts, return_exceptions=True)
-                for result in results:
-                    if isinstance(result, BaseException):
-                        raise result
-                for part in results:
+                parts = await _all_done(
+                    [
+                        self._get_part(bids[s : s + step], found[s : s + step], pool, layers, pages)
+                        for s in range(0, len(bids), step)
+                    ]
+                )
+                for part in parts:
                     for idx, ok in part:
                         loaded[idx] = ok
         finally:
@@ -694,13 +686,7 @@ class BlockStore:
             mine = np.flatnonzero(source == level.col)
             if len(mine):
                 jobs.append(self._load(level, bids[mine], idx[mine], pool, layers, pages))
-        if len(jobs) == 1:
-            return [await jobs[0]]
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results  # type: ignore[return-value]
+        return await _all_done(jobs)
 
     async def _load(
         self,
@@ -1134,6 +1120,18 @@ def _repeats(words: np.ndarray) -> np.ndarray:
     dup[:] = True
     dup[first] = False
     return dup
+
+
+async def _all_done(aws: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result of ``aws``, run together; a failure is raised once all of them ended
+    (their copies use buffers the caller may hand back only then)."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]
 
 
 def _mark(counts: np.ndarray, bids: np.ndarray, delta: int) -> None:

@@ -239,11 +239,7 @@ class BlockTable:
 
     def parents_of(self, bids: np.ndarray) -> np.ndarray:
         """``parent_of`` for many blocks, vectorised."""
-        refs = self.parent[bids]
-        rows = np.where(refs >= 0, refs & _ROW_MASK, 0)
-        alive = (refs >= 0) & (self.state[rows] != FREE)
-        alive &= self.gen[rows].astype(np.int64) == (refs >> _ROW_BITS)
-        return np.where(alive, rows, -1)
+        return self.resolve_many(self.parent[bids])
 
     def child_of(self, bid: int) -> int:
         """The row of the latest child stored after ``bid`` while it still names ``bid``."""

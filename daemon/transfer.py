@@ -117,18 +117,18 @@ class TransferEngine:
         way that it must wait for (one per claim that holds any of the others)."""
         moving = self._moving
         mine: list[int] = []
-        waits: dict[int, asyncio.Future[bool]] = {}
+        waits: dict[asyncio.Future[bool], None] = {}  # each once, in order
         shared: asyncio.Future[bool] | None = None
         for i, ref in enumerate(refs):
             fut = moving.get((ref, dst))
             if fut is not None:
-                waits[id(fut)] = fut
+                waits[fut] = None
                 continue
             if shared is None:
                 shared = asyncio.get_running_loop().create_future()
             moving[(ref, dst)] = shared
             mine.append(i)
-        return mine, list(waits.values())
+        return mine, list(waits)
 
     def settle(self, refs: Sequence[int], dst: TierKind) -> None:
         """The moves of ``refs`` (one claim's) ended, done or not: wake their waiters."""

@@ -924,9 +924,7 @@ class HeatPolicy(Hinted):
         """Keep the buffer invariant after ``bid`` got ``key`` in ``seg``."""
         buf = self._bufs[seg]
         if key <= buf.bound:
-            entry = (key, -depth, bid)
-            at = bisect.bisect_right(buf.entries, entry, lo=buf.cur)
-            buf.entries.insert(at, entry)
+            bisect.insort(buf.entries, (key, -depth, bid), lo=buf.cur)
             if buf.complete and len(buf.entries) - buf.cur > 4 * _MIN_BUFFER:
                 buf.bound = -math.inf  # too big to keep whole; the next read rebuilds it
                 buf.complete = False
@@ -1033,9 +1031,10 @@ class HeatPolicy(Hinted):
         buf = self._bufs[seg]
         entries = buf.entries
         lo = at[0]
-        gone = {at[j] for j in np.flatnonzero(live).tolist()}
-        for j in np.flatnonzero(live).tolist():
+        parked = np.flatnonzero(live).tolist()
+        for j in parked:
             heapq.heappush(self._parked, (float(until[j]), bids[j], seg, buf.gen, entries[at[j]]))
+        gone = {at[j] for j in parked}
         entries[lo:i] = [e for k, e in enumerate(entries[lo:i], lo) if k not in gone]
         return [b for b, keep in zip(bids, (~live).tolist(), strict=True) if keep], i - len(gone)
 
