@@ -195,8 +195,12 @@ async def _run(
         res: dict[str, list[float]] = {"tp": [], "rp": [], "tg": [], "rg": [], "sg": []}
         for r in range(args.rounds):
             tp, rp = await paired(tier_put, raw_put, r)
+            # The third get side takes turns first and last, as the other two alternate.
+            if r % 2 == 0:
+                sg = n * B / await _spread(batches, workers, same_get) / 1e9
             tg, rg = await paired(tier_get, raw_get, r)
-            sg = n * B / await _spread(batches, workers, same_get) / 1e9
+            if r % 2 == 1:
+                sg = n * B / await _spread(batches, workers, same_get) / 1e9
             for k, v in (("tp", tp), ("rp", rp), ("tg", tg), ("rg", rg), ("sg", sg)):
                 res[k].append(v)
             emit(
