@@ -47,6 +47,18 @@ class WalkingHeat(HeatPolicy):
             yield bid
 
 
+def hinted_pair(blocks: int, hinted: np.ndarray) -> tuple[HeatPolicy, WalkingHeat]:
+    """Both scans over ``blocks`` blocks inserted coldest first, ``hinted`` of them under a
+    hint until far ahead; scan costs counted from here."""
+    fast, walk = HeatPolicy(), WalkingHeat()
+    for p in (fast, walk):
+        for b in range(blocks):
+            p.insert(b, b * 1e-3)
+        p.hint(hinted, 1e9, 10.0)
+        p.scan_steps = 0
+    return fast, walk
+
+
 def mask_for(salt: int) -> EvictableFn:
     return lambda bids: (np.asarray(bids) * 2654435761 + salt) % 5 != 0
 
@@ -120,12 +132,7 @@ def test_a_waiting_queue_at_the_cold_end_is_walked_once_not_on_every_eviction() 
     """5,000 cold blocks hinted until a later deadline, then 300 evictions of fresh blocks:
     the scans walk the hinted run about once; the plain scan walks it every time."""
     hinted, rounds = 5000, 300
-    fast, walk = HeatPolicy(), WalkingHeat()
-    for p in (fast, walk):
-        for b in range(hinted + 100):
-            p.insert(b, b * 1e-3)
-        p.hint(np.arange(hinted), 1e9, 10.0)
-        p.scan_steps = 0
+    fast, walk = hinted_pair(hinted + 100, np.arange(hinted))
     for k in range(rounds):
         now = 11.0 + k * 1e-3
         got, want = fast.victims(1, now, None), walk.victims(1, now, None)
@@ -147,12 +154,7 @@ def test_hinted_blocks_spread_through_the_order_are_parked_not_walked() -> None:
     """Every other cold block hinted (a waiting queue does not sit in one run): 300
     evictions look at each hinted entry about once, and decide as the plain scan."""
     blocks, rounds = 4000, 300
-    fast, walk = HeatPolicy(), WalkingHeat()
-    for p in (fast, walk):
-        for b in range(blocks):
-            p.insert(b, b * 1e-3)
-        p.hint(np.arange(0, blocks, 2), 1e9, 10.0)
-        p.scan_steps = 0
+    fast, walk = hinted_pair(blocks, np.arange(0, blocks, 2))
     for k in range(rounds):
         now = 11.0 + k * 1e-3
         got, want = fast.victims(1, now, None), walk.victims(1, now, None)
