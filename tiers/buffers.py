@@ -59,14 +59,16 @@ def put_block(dest: HostBuffers | PoolPages, j: int, data: object, nbytes: int) 
     load_into(dest, [j], _as_bytes(data), np.zeros(1, dtype=np.uint64), nbytes)
 
 
-def get_block(src: HostBuffers | PoolPages, j: int, nbytes: int) -> memoryview:
+def get_block(
+    src: HostBuffers | PoolPages, j: int, nbytes: int, out: bytearray | None = None
+) -> memoryview:
     """Block ``j`` of ``src`` as contiguous bytes: a view of a host buffer, or a gathered copy
-    of a pool page."""
+    of a pool page (into ``out`` when given, ``nbytes`` long: a buffer the caller reuses)."""
     if isinstance(src, HostBuffers):
         return memoryview(src.views[j]).cast("B")[:nbytes]
-    out = np.empty(nbytes, dtype=np.uint8)
-    store_from(src, [j], out, np.zeros(1, dtype=np.uint64), nbytes)
-    return out.data
+    arena = np.empty(nbytes, dtype=np.uint8) if out is None else np.frombuffer(out, np.uint8)
+    store_from(src, [j], arena, np.zeros(1, dtype=np.uint64), nbytes)
+    return arena.data
 
 
 def copy_host(

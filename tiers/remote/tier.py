@@ -48,8 +48,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
-
 from kvtier.tiers.base import (
     BlockRef,
     Health,
@@ -60,7 +58,7 @@ from kvtier.tiers.base import (
     TierStats,
     TierUnavailable,
 )
-from kvtier.tiers.buffers import put_block, store_from
+from kvtier.tiers.buffers import get_block, put_block
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, Verdict, checksum, header, verify
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
@@ -708,15 +706,9 @@ def _frame(
 ) -> Framed:
     """Block ``j``'s stored form: its header, then its bytes where they are (pool pages:
     gathered into ``gather`` first)."""
-    if isinstance(src, HostBuffers):
-        body = memoryview(src.views[j]).cast("B")
-        if len(body) < nbytes:
-            raise ValueError(f"source buffer {j} holds {len(body)} bytes, fewer than {nbytes}")
-        body = body[:nbytes]
-    else:
-        assert gather is not None and len(gather) == nbytes
-        store_from(src, [j], np.frombuffer(gather, dtype=np.uint8), np.zeros(1, np.uint64), nbytes)
-        body = memoryview(gather)
+    body = get_block(src, j, nbytes, gather)
+    if len(body) < nbytes:
+        raise ValueError(f"source buffer {j} holds {len(body)} bytes, fewer than {nbytes}")
     return Framed(header(nbytes, checksum(body), key), body)
 
 
