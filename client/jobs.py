@@ -111,6 +111,8 @@ class JobStatus:
     """False while parts are in flight, or when one ended leaving the daemon possibly
     still copying (see the module docstring)."""
     elapsed_s: float
+    ended_at: float | None = None
+    """The ``time.monotonic()`` instant the job finished; None while it runs."""
 
     @property
     def finished(self) -> bool:
@@ -381,6 +383,7 @@ class TransferPlan:
             error=self.error,
             pages_reusable=self.finished and not self.dirty,
             elapsed_s=end - self.started,
+            ended_at=self.ended_at,
         )
 
 

@@ -3,12 +3,18 @@ without kvtier for a while instead of paying a timeout on every request.
 
 Invariant: while the breaker is open (``ok()`` is False) an integration sends nothing to the
 daemon; it answers what it would answer with an empty cache.
+
+Only failures that say the daemon is down, hung or overloaded open it. A NOT_FOUND answer (the
+daemon restarted and no longer knows our session, pool or lease) comes from a daemon that is up
+and fast: the next call opens a session again, so pausing would only throw hits away.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
+from kvtier.client.errors import NotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +35,18 @@ class Breaker:
     def ok(self) -> bool:
         return time.monotonic() >= self._closed_until
 
-    def trip(self, error: BaseException) -> None:
+    def trip(self, error: BaseException, at: float | None = None) -> None:
+        """Pause for ``retry_after_s`` from ``at`` (a ``time.monotonic()`` instant; now by
+        default): a failure noticed late, e.g. a background job reaped later, pauses from when
+        it happened, not from when it was seen."""
+        if isinstance(error, NotFoundError):
+            log.info("kvtier %s: %s; the next call registers again", self.what, error)
+            return
         self.trips += 1
-        if self.ok():
+        until = (time.monotonic() if at is None else at) + self.retry_after_s
+        if until <= self._closed_until:
+            return
+        if self.ok() and until > time.monotonic():
             log.warning(
                 "kvtier %s failed (%s: %s); running without kvtier for %.1fs",
                 self.what,
@@ -39,4 +54,4 @@ class Breaker:
                 error,
                 self.retry_after_s,
             )
-        self._closed_until = time.monotonic() + self.retry_after_s
+        self._closed_until = until

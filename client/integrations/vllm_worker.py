@@ -240,6 +240,10 @@ class WorkerSide:
         """Whether the current staging pool is registered in a live session (no RPC)."""
         return self._arena is not None and not self._arena.retired and self._arena.registered()
 
+    def saves_in_flight(self) -> int:
+        """Save jobs still running (no RPC; finished ones are reaped on the next step)."""
+        return sum(1 for save in self._save_jobs if save.job is not None and not save.job.done())
+
     def _staging(self) -> StagingPool | None:
         """The current staging pool, created on first use or after one was retired."""
         arena = self._arena
@@ -405,7 +409,7 @@ class WorkerSide:
 
     def _check_job(self, status: JobStatus, what: str, arena: StagingPool) -> None:
         if status.error is not None:
-            self.breaker.trip(status.error)
+            self.breaker.trip(status.error, at=status.ended_at)
         if not status.pages_reusable and not arena.retired:
             self.stats["staging_retired"] += 1
             arena.retire(f"a {what} job ended uncleanly ({status.state.value})")

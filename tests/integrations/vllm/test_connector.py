@@ -352,6 +352,9 @@ def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_facto
     try:
         engine.add("warm", prompts(8, BLOCK, [5])[0], max_tokens=1)
         engine.run()
+        # The restart comes after "warm"'s save: a save cut by it would pause kvtier for
+        # retry_after_s (the daemon was down), which is the breaker's test, not this one.
+        assert wait_until(lambda: engine.worker.saves_in_flight() == 0)
         daemon.restart()
         assert wait_until(lambda: not engine.worker.staging_registered())
         engine.add("r", PROMPT, max_tokens=2)
