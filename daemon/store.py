@@ -999,21 +999,29 @@ class BlockStore:
                     for ns, label in (await self.transfers.run(Priority.BACKGROUND, names)).items():
                         self.ns_owner.setdefault(ns, self.owner_of(label))
                 chunks = level.slots.recover_chunks(RECOVERY_ROWS)
+                repeated: list[np.ndarray] = []
                 while True:
                     chunk = await self.transfers.run(Priority.BACKGROUND, next, chunks, None)
                     if chunk is None:
                         break
-                    self._index_recovered(level, chunk)
+                    repeated.append(self._index_recovered(level, chunk))
                     total += len(chunk)
                     await asyncio.sleep(0)
+                await self._drop_repeated(level, np.concatenate([np.empty(0, np.int64), *repeated]))
         finally:
             self.recovered.set()
         if total:
             log.info("indexed %d recovered blocks in %.2fs", total, time.monotonic() - started)
 
-    def _index_recovered(self, level: Level, chunk: RecoveredBlocks) -> None:
+    def _index_recovered(self, level: Level, chunk: RecoveredBlocks) -> np.ndarray:
+        """Index a chunk of ``level``'s recovered blocks; returns the slots of rows that
+        repeat a key the level already holds (kept once: any copy holds the key's bytes)."""
         table = self.table
         now_mono, now_wall = self._clock(), time.time()
+        first = chunk.first_of_each_key()
+        repeated = [np.delete(chunk.slots, first)] if len(first) < len(chunk) else []
+        if repeated:
+            chunk = chunk.take(first)
         words = np.ascontiguousarray(chunk.keys).view(np.uint64).reshape(-1, 4)
         # Blocks another tier already has (recovered there, or put since this start) gain a
         # column, not a row.
@@ -1021,6 +1029,12 @@ class BlockStore:
         for space_ns in np.unique(chunk.ns).tolist():
             sel = np.flatnonzero(chunk.ns == space_ns)
             known[sel] = table.find_any(int(space_ns), words[sel])
+        held = known >= 0
+        held[held] = table.slot[known[held], level.col] >= 0
+        if held.any():
+            repeated.append(chunk.slots[held])
+            keep = np.flatnonzero(~held)
+            chunk, words, known = chunk.take(keep), words[keep], known[keep]
         new = np.flatnonzero(known < 0)
         bids = known.copy()
         owners = np.fromiter(
@@ -1036,6 +1050,20 @@ class BlockStore:
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
         for bid, when in zip(bids.tolist(), seen.tolist(), strict=True):
             level.policy.insert(bid, when, -1)
+        return np.concatenate(repeated) if repeated else np.empty(0, dtype=np.int64)
+
+    async def _drop_repeated(self, level: Level, slots: np.ndarray) -> None:
+        """Delete the rows (and free the slots) of recovered copies of a key ``level``
+        already indexed from another row (a fault between a key's two lives on the tier)."""
+        if not len(slots):
+            return
+        log.warning(
+            "%s: %d recovered rows repeat a key held in another slot; dropping those copies",
+            level.label,
+            len(slots),
+        )
+        self.counters.inc("recovered_repeats_dropped", len(slots), tier=level.label)
+        await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots.tolist())
 
     # ------------------------------------------------------------------ helpers
 

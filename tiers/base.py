@@ -246,6 +246,38 @@ class RecoveredBlocks:
                 float(self.written_at[i]),
             )
 
+    def take(self, rows: np.ndarray) -> RecoveredBlocks:
+        """The blocks at positions ``rows``."""
+        return RecoveredBlocks(*(getattr(self, f)[rows] for f in _RECOVERED_FIELDS))
+
+    def first_of_each_key(self) -> np.ndarray:
+        """Positions of the first row of each distinct ``(ns, key)``, in order (a tier whose
+        index does not enforce one row per key may, after a fault, hand over two). A mixed
+        64-bit hash of each row is sorted; only rows whose hashes repeat are compared in
+        full, so a chunk without duplicates costs one sort."""
+        n = len(self)
+        everything = np.arange(n)
+        if n < 2:
+            return everything
+        words = np.ascontiguousarray(self.keys).view(np.uint64).reshape(n, 4)
+        with np.errstate(over="ignore"):
+            mixed = self.ns.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            for i, mult in enumerate(_KEY_MIX):
+                mixed = (mixed ^ words[:, i]) * np.uint64(mult)
+        order = np.argsort(mixed, kind="stable")
+        repeats = mixed[order[1:]] == mixed[order[:-1]]
+        if not repeats.any():
+            return everything
+        suspects = np.unique(np.concatenate([order[1:][repeats], order[:-1][repeats]]))
+        seen: set[tuple[int, bytes]] = set()
+        keep = np.ones(n, dtype=bool)
+        for i in suspects.tolist():
+            key = (int(self.ns[i]), self.keys[i].tobytes())
+            if key in seen:
+                keep[i] = False
+            seen.add(key)
+        return np.flatnonzero(keep)
+
     @classmethod
     def of(cls, blocks: Sequence[RecoveredBlock]) -> RecoveredBlocks:
         n = len(blocks)
@@ -266,6 +298,8 @@ class RecoveredBlocks:
 
 
 _RECOVERED_FIELDS = ("ns", "keys", "slots", "nbytes", "checksums", "written_at")
+# Odd multipliers that spread each key word over the 64-bit row hash.
+_KEY_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD)
 
 
 # ----------------------------------------------------------------------------- tiers

@@ -6,6 +6,7 @@ selective writes, readahead, lost copies, durable puts, restart), with no wall-c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import mmap
 import os
 from collections.abc import AsyncIterator, Callable
@@ -736,9 +737,10 @@ async def test_a_restart_serves_while_the_disk_index_is_still_being_read(
     real = store._index_recovered
 
     def spy(level, chunk):
-        real(level, chunk)
+        repeated = real(level, chunk)
         seen.append(int((store.table.lookup(0, chain) >= 0).sum()))
         refused.append(disk.allocator.allocate(4096) is None)
+        return repeated
 
     store._index_recovered = spy  # type: ignore[method-assign]
     await store.recover()
@@ -817,6 +819,49 @@ async def test_recovered_blocks_keep_their_tenant(make_store):
     ids = again.table.lookup(77, a)
     assert (again.table.owner[ids] == again.owners["alice"]).all()
     assert again.table.usage[1, again.owners["alice"]] == 4 * 4096
+
+
+async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
+    make_store, monkeypatch
+):
+    """A tier whose index does not enforce one row per key (L2 keys rows by slot) may hand
+    over a key twice after a fault; recovery indexes one copy and gives the other slots
+    back, whether the repeat comes in the same chunk or a later one."""
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 3)
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(4)
+    _, persisted = await put(store, pool, a, durable=True)
+    assert persisted == [True] * 4
+    want = [page_bytes(pool, p) for p in range(4)]
+    reopened = l2.reopen()
+    rows = {r.key: r for r in reopened._recovered}
+    copies = []
+    for i in (0, 3):  # a[0]'s copy lands in the first chunk, a[3]'s in the second
+        row = rows[a[i].tobytes()]
+        slot = reopened.allocator.allocate(row.nbytes)
+        start = reopened.allocator.offset(slot)
+        src = reopened.allocator.offset(row.slot)
+        reopened._medium.arena[start : start + row.nbytes] = reopened._medium.arena[
+            src : src + row.nbytes
+        ]
+        copy = dataclasses.replace(row, slot=slot)
+        reopened._medium.index[slot] = copy
+        reopened._recovered.append(copy)
+        copies.append(slot)
+    reopened._recovered.sort(key=lambda r: r.slot)
+    used = reopened.allocator.used_bytes
+    again = make_store(clock, l2=reopened)
+    await again.recover()
+    assert again.counters.get("recovered_repeats_dropped", tier="L2") == 2
+    assert reopened.allocator.used_bytes == used - 2 * 4096
+    assert not set(copies) & set(reopened._medium.index)
+    ids = again.table.lookup(0, a)
+    assert (ids >= 0).all() and len(set(again.table.slot[ids, 1].tolist())) == 4
+    pool.array[:] = 0
+    assert await get(again, pool, a, range(10, 14)) == [True] * 4
+    assert [page_bytes(pool, p) for p in range(10, 14)] == want
 
 
 async def test_l3_writes_beyond_its_budget_are_dropped_never_waited_for(make_store):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 from disk_faults import FaultyFiles
 
@@ -20,6 +21,7 @@ from kvtier.tiers.base import (
     BlockRef,
     Health,
     HostBuffers,
+    RecoveredBlocks,
     TierUnavailable,
     WriteBatch,
     WriteOutcome,
@@ -386,6 +388,102 @@ def test_rows_that_do_not_fit_are_dropped(disk_dir: Path, make_block: Block) -> 
     with _open(disk_dir) as tier:
         assert {r.key for r in tier.recover()} == {blocks[1][0], blocks[2][0]}
         assert tier.stats().counters["recovery_dropped_rows"] == 2
+
+
+_FORMAT_1_BLOCKS = """
+CREATE TABLE blocks (
+    ns INTEGER NOT NULL,
+    key BLOB NOT NULL,
+    slot INTEGER NOT NULL UNIQUE,
+    nbytes INTEGER NOT NULL,
+    checksum INTEGER NOT NULL,
+    written_at REAL NOT NULL,
+    PRIMARY KEY (ns, key)
+) WITHOUT ROWID
+"""
+
+
+def _blocks_sql(db: sqlite3.Connection) -> str:
+    return db.execute("SELECT sql FROM sqlite_master WHERE name = 'blocks'").fetchone()[0]
+
+
+def test_an_index_of_the_first_format_is_upgraded_in_place(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An index written before blocks were keyed by slot (a (ns, key) primary key, no
+    user_version) keeps every block: it is rewritten at open, in one transaction."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(40)), 4096)
+    db = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+    db.execute("BEGIN")
+    db.execute("ALTER TABLE blocks RENAME TO blocks_now")
+    db.execute(_FORMAT_1_BLOCKS)
+    db.execute(
+        "INSERT INTO blocks SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks_now"
+    )
+    db.execute("DROP TABLE blocks_now")
+    db.execute("PRAGMA user_version = 0")
+    db.execute("COMMIT")
+    assert "WITHOUT ROWID" in _blocks_sql(db)
+    db.close()
+    with caplog.at_level(logging.INFO, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
+        assert not tier._index.moved_aside  # type: ignore[union-attr]
+        assert {(r.key, r.slot) for r in tier.recover()} == {(b[0], b[1]) for b in blocks.values()}
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+        more = _persist(tier, make_block, [100], 4096)
+    assert "upgraded to format 2" in caplog.text and "40 rows" in caplog.text
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert "WITHOUT ROWID" not in _blocks_sql(db)
+    db.close()
+    with _open(disk_dir) as tier:
+        assert len(tier.recover()) == 41 and not tier._index.moved_aside  # type: ignore[union-attr]
+        assert _read(tier, more) == {100: more[100][2]}
+
+
+def test_an_index_of_a_newer_format_is_moved_aside_as_old(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, [1, 2], 4096)
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    db.execute("PRAGMA user_version = 9")
+    db.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
+        assert len(tier.recover()) == 0
+        assert list(disk_dir.glob("index.sqlite3.old-*"))
+    assert "format 9, newer than this kvtier's 2" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_index_hands_over_every_row_of_a_repeated_key(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Rows are keyed by slot: two rows naming one key both come back (the consumer keeps
+    one, see RecoveredBlocks.first_of_each_key) rather than one silently replacing the other."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [1], 4096)
+        copy = _persist(tier, lambda i, n: (blocks[1][0], blocks[1][2]), [2], 4096)
+    with _open(disk_dir) as tier:
+        got = tier.recover()
+        assert sorted(r.slot for r in got) == sorted([blocks[1][1], copy[2][1]])
+        assert got.first_of_each_key().tolist() == [0]
+
+
+def test_first_of_each_key_keeps_the_first_row_of_each_namespace_and_key() -> None:
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, 256, size=(6, 32), dtype=np.uint8)
+    keys[3] = keys[0]  # the same key again in namespace 1: a repeat
+    keys[4] = keys[1]  # the same key in another namespace: distinct
+    keys[5] = keys[0]
+    ns = np.array([1, 1, 1, 1, 2, 1], dtype=np.uint64)
+    n = len(ns)
+    chunk = RecoveredBlocks(
+        ns, keys, np.arange(n), np.full(n, 4096), np.zeros(n, np.uint64), np.zeros(n)
+    )
+    assert chunk.first_of_each_key().tolist() == [0, 1, 2, 4]
+    assert chunk.take(np.array([2, 4])).slots.tolist() == [2, 4]
+    assert RecoveredBlocks.of([]).first_of_each_key().tolist() == []
 
 
 def test_second_open_of_a_directory_is_refused(disk_dir: Path) -> None:

@@ -4,7 +4,7 @@ Layout of the tier's directory (mode 0700; every file in it 0600)::
 
     lock                  flock()ed while a DiskTier has the directory open
     data-0000.bin ...     preallocated data files; each holds a whole number of segments
-    index.sqlite3         (+ -wal, -shm) the index: (ns, key) -> slot, nbytes, checksum, written_at
+    index.sqlite3         (+ -wal, -shm) the index: slot -> ns, key, nbytes, checksum, written_at
 
 Slots come from a SlabAllocator over the concatenated data files: a slot is one contiguous,
 4 KiB-aligned extent of one file, so a block moves with one aligned ``O_DIRECT`` transfer, and
