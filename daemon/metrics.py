@@ -159,6 +159,11 @@ COUNTERS: dict[str, MetricDef] = {
     "copies_lost": _c(
         "kvtier_copies_lost_total", ("tier",), "Copies a tier dropped after a failed read."
     ),
+    "recovered_repeats_dropped": _c(
+        "kvtier_recovered_repeats_dropped_total",
+        ("tier",),
+        "Recovered index rows that repeated a key the tier already held; dropped, slot freed.",
+    ),
     "leases_expired": _c(
         "kvtier_leases_expired_total", (), "Leases (pins) that ran out before their release."
     ),
