@@ -873,10 +873,12 @@ class BlockStore:
     # ------------------------------------------------------------------ checks
 
     def quiescent(self) -> bool:
-        """Nothing in flight: no transfer, background task or in-flight mark."""
+        """Nothing in flight: no transfer, background task or in-flight mark, and the
+        persistent tiers' blocks all indexed (recovery holds slots it has yet to sort out)."""
         live = self.table.state != 0
         return (
-            not self.space.background
+            self.recovered.is_set()
+            and not self.space.background
             and self.transfers.running == 0
             and not (live & (self.table.inflight > 0)).any()
         )
@@ -1062,8 +1064,10 @@ class BlockStore:
             level.label,
             len(slots),
         )
-        self.counters.inc("recovered_repeats_dropped", len(slots), tier=level.label)
-        await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots.tolist())
+        if await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots.tolist()):
+            self.counters.inc("recovered_repeats_dropped", len(slots), tier=level.label)
+        else:
+            self.counters.inc("remove_failures", len(slots), tier=level.label)
 
     # ------------------------------------------------------------------ helpers
 

@@ -6,7 +6,9 @@ daemon; it answers what it would answer with an empty cache.
 
 Only failures that say the daemon is down, hung or overloaded open it. A NOT_FOUND answer (the
 daemon restarted and no longer knows our session, pool or lease) comes from a daemon that is up
-and fast: the next call opens a session again, so pausing would only throw hits away.
+and fast: the next call opens a session again, so the first one does not pause. Another within
+``retry_after_s`` does: something else is missing (the daemon cannot see our shared-memory
+object, say), and retrying it at every step would only cost a registration each time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Breaker:
         self.retry_after_s = retry_after_s
         self.what = what
         self._closed_until = 0.0
+        self._forgiven_at = -retry_after_s  # when a NOT_FOUND last passed without a pause
         self.trips = 0
 
     def ok(self) -> bool:
@@ -39,19 +42,21 @@ class Breaker:
         """Pause for ``retry_after_s`` from ``at`` (a ``time.monotonic()`` instant; now by
         default): a failure noticed late, e.g. a background job reaped later, pauses from when
         it happened, not from when it was seen."""
-        if isinstance(error, NotFoundError):
+        now = time.monotonic()
+        if isinstance(error, NotFoundError) and now - self._forgiven_at >= self.retry_after_s:
+            self._forgiven_at = now
             log.info("kvtier %s: %s; the next call registers again", self.what, error)
             return
         self.trips += 1
-        until = (time.monotonic() if at is None else at) + self.retry_after_s
+        until = (now if at is None else at) + self.retry_after_s
         if until <= self._closed_until:
             return
-        if self.ok() and until > time.monotonic():
+        if self.ok() and until > now:
             log.warning(
                 "kvtier %s failed (%s: %s); running without kvtier for %.1fs",
                 self.what,
                 type(error).__name__,
                 error,
-                self.retry_after_s,
+                until - now,
             )
         self._closed_until = until

@@ -22,6 +22,15 @@ def test_a_daemon_that_lost_our_session_answers_so_nothing_pauses():
     assert breaker.ok() and breaker.trips == 0
 
 
+def test_a_second_not_found_within_the_period_pauses():
+    """Something that stays missing (a shared-memory object the daemon cannot see) must not
+    cost a registration at every engine step."""
+    breaker = Breaker(60.0, "transfer")
+    breaker.trip(NotFoundError("session 1234 is not open (it ended or never existed)"))
+    breaker.trip(NotFoundError("shared-memory object 'kvtier-x' does not exist"))
+    assert not breaker.ok() and breaker.trips == 1
+
+
 def test_a_failure_seen_late_pauses_from_when_it_happened():
     breaker = Breaker(5.0, "transfer")
     now = time.monotonic()

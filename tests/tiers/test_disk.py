@@ -34,6 +34,7 @@ from kvtier.tiers.disk import (
     WriteItem,
     checksum,
 )
+from kvtier.tiers.disk import index as index_module
 from kvtier.tiers.host import HostArena
 
 MiB = 1 << 20
@@ -414,16 +415,8 @@ def test_an_index_of_the_first_format_is_upgraded_in_place(
     user_version) keeps every block: it is rewritten at open, in one transaction."""
     with _open(disk_dir) as tier:
         blocks = _persist(tier, make_block, list(range(40)), 4096)
-    db = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
-    db.execute("BEGIN")
-    db.execute("ALTER TABLE blocks RENAME TO blocks_now")
-    db.execute(_FORMAT_1_BLOCKS)
-    db.execute(
-        "INSERT INTO blocks SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks_now"
-    )
-    db.execute("DROP TABLE blocks_now")
-    db.execute("PRAGMA user_version = 0")
-    db.execute("COMMIT")
+    _make_format_1(disk_dir / "index.sqlite3")
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
     assert "WITHOUT ROWID" in _blocks_sql(db)
     db.close()
     with caplog.at_level(logging.INFO, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
@@ -439,6 +432,57 @@ def test_an_index_of_the_first_format_is_upgraded_in_place(
     with _open(disk_dir) as tier:
         assert len(tier.recover()) == 41 and not tier._index.moved_aside  # type: ignore[union-attr]
         assert _read(tier, more) == {100: more[100][2]}
+
+
+def _make_format_1(path: Path) -> None:
+    """Rewrite the index at ``path`` as kvtier wrote it before format 2."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("BEGIN")
+    db.execute("ALTER TABLE blocks RENAME TO blocks_now")
+    db.execute(_FORMAT_1_BLOCKS)
+    db.execute(
+        "INSERT INTO blocks SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks_now"
+    )
+    db.execute("DROP TABLE blocks_now")
+    db.execute("PRAGMA user_version = 0")
+    db.execute("COMMIT")
+    db.close()
+
+
+def test_an_upgrade_leaves_out_rows_without_an_integer_slot(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [1, 2], 4096)
+    _make_format_1(disk_dir / "index.sqlite3")
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    with db:
+        db.execute("INSERT INTO blocks VALUES (1, ?, 'abc', 4096, 0, 0)", (b"z" * 32,))
+    db.close()
+    with caplog.at_level(logging.INFO, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[1][0], blocks[2][0]}
+    assert "2 rows in" in caplog.text and "1 rows without an integer slot left out" in caplog.text
+
+
+def test_a_failed_upgrade_leaves_the_old_index_as_it_was(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk or an I/O error during the rewrite must not cost the blocks: the open
+    fails, nothing is moved aside, and a later start upgrades it."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [1, 2, 3], 4096)
+    _make_format_1(disk_dir / "index.sqlite3")
+    monkeypatch.setattr(index_module, "_BLOCKS_V2", "CREATE TABLE blocks (x)")  # fails
+    with pytest.raises(TierUnavailable, match=r"could not be upgraded.*left as it was"):
+        _open(disk_dir)
+    assert not list(disk_dir.glob("index.sqlite3.*-*"))
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    assert "WITHOUT ROWID" in _blocks_sql(db)
+    assert db.execute("SELECT count(*) FROM blocks").fetchone()[0] == 3
+    db.close()
+    monkeypatch.undo()
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {b[0] for b in blocks.values()}
 
 
 def test_an_index_of_a_newer_format_is_moved_aside_as_old(

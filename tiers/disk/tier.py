@@ -79,7 +79,7 @@ from kvtier.tiers.disk.files import (
     layout,
 )
 from kvtier.tiers.disk.health import FaultState, classify
-from kvtier.tiers.disk.index import DiskIndex
+from kvtier.tiers.disk.index import DiskIndex, IndexUpgradeFailed
 from kvtier.tiers.disk.io import BatchIO, Block, checksum
 from kvtier.tiers.executor import PriorityExecutor
 from kvtier.tiers.slab import LockedSlab
@@ -326,8 +326,9 @@ class DiskTier:
         gives ``written_at``. ``backend`` makes the data files' system calls (tests inject
         faults through it).
 
-        Raises TierUnavailable when the directory cannot hold the capacity or is in use by
-        another DiskTier, ValueError for a bad geometry.
+        Raises TierUnavailable when the directory cannot hold the capacity, is in use by
+        another DiskTier or holds an index of an older format that could not be upgraded
+        (left as it was), ValueError for a bad geometry.
         """
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, not {io_threads}")
@@ -362,7 +363,10 @@ class DiskTier:
         try:
             self._make_directory()
             self._lock_directory()
-            self._index = DiskIndex(self.directory, self._geometry(), clock)
+            try:
+                self._index = DiskIndex(self.directory, self._geometry(), clock)
+            except IndexUpgradeFailed as e:
+                raise TierUnavailable(f"{e}: free space or mend the disk, then restart") from e
             if self._index.moved_aside:
                 self.faults.count(index_moved_aside=1)
                 if self._index.moved_aside != "was made for another layout":
