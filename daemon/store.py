@@ -163,6 +163,7 @@ class BlockStore:
         self._balancer: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
         self.recovered = asyncio.Event()
+        self._recovering = False  # recover() is between its first chunk and its end
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -873,11 +874,11 @@ class BlockStore:
     # ------------------------------------------------------------------ checks
 
     def quiescent(self) -> bool:
-        """Nothing in flight: no transfer, background task or in-flight mark, and the
-        persistent tiers' blocks all indexed (recovery holds slots it has yet to sort out)."""
+        """Nothing in flight: no transfer, background task or in-flight mark, and no
+        recovery running (it holds slots whose rows it has yet to sort out)."""
         live = self.table.state != 0
         return (
-            self.recovered.is_set()
+            not self._recovering
             and not self.space.background
             and self.transfers.running == 0
             and not (live & (self.table.inflight > 0)).any()
@@ -992,6 +993,7 @@ class BlockStore:
         last chunk is in."""
         started = time.monotonic()
         total = 0
+        self._recovering = True
         try:
             for level in reversed(self.stack.levels):
                 if level.keyed or not level.persistent:
@@ -1011,6 +1013,7 @@ class BlockStore:
                     await asyncio.sleep(0)
                 await self._drop_repeated(level, np.concatenate([np.empty(0, np.int64), *repeated]))
         finally:
+            self._recovering = False
             self.recovered.set()
         if total:
             log.info("indexed %d recovered blocks in %.2fs", total, time.monotonic() - started)
