@@ -47,19 +47,24 @@ LAYOUT_CHANGED = "was made for another layout"
 # Rows per statement when slots are listed in an IN (...) clause.
 _CHUNK = 500
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    name TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS blocks (
+# The index format this code writes, in ``PRAGMA user_version`` (0: format 1, made before it
+# was recorded: blocks keyed by (ns, key)).
+INDEX_FORMAT = 2
+# Format 2's blocks table, keyed by slot (the rowid).
+_BLOCK_COLUMNS = """(
     ns INTEGER NOT NULL,
     key BLOB NOT NULL,
     slot INTEGER PRIMARY KEY,
     nbytes INTEGER NOT NULL,
     checksum INTEGER NOT NULL,
     written_at REAL NOT NULL
-);
+)"""
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS meta (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS blocks {_BLOCK_COLUMNS};
 CREATE TABLE IF NOT EXISTS namespaces (
     ns INTEGER PRIMARY KEY,
     label TEXT NOT NULL
@@ -71,20 +76,8 @@ CREATE TABLE IF NOT EXISTS quarantine (
     at REAL NOT NULL
 );
 """
-
-# The index format this code writes, in ``PRAGMA user_version`` (0: format 1, made before it
-# was recorded: blocks keyed by (ns, key)).
-INDEX_FORMAT = 2
-_BLOCKS_V2 = """
-CREATE TABLE blocks_v2 (
-    ns INTEGER NOT NULL,
-    key BLOB NOT NULL,
-    slot INTEGER PRIMARY KEY,
-    nbytes INTEGER NOT NULL,
-    checksum INTEGER NOT NULL,
-    written_at REAL NOT NULL
-)
-"""
+# The table a format-1 index's rows are copied into before it takes the name ``blocks``.
+_BLOCKS_V2 = f"CREATE TABLE blocks_v2 {_BLOCK_COLUMNS}"
 
 
 class IndexUpgradeFailed(Exception):
