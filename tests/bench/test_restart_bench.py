@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from benchjson import RunJson, assert_ratio
 
 
+@pytest.mark.slow  # nine daemon starts and two fills, ~7 s: `make test-slow`
 def test_restart_bench_times_starts_against_their_baselines(
     tmp_path: Path, run_json: RunJson
 ) -> None:
