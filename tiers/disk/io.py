@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import operator
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, as_completed, wait
@@ -75,6 +76,10 @@ class Block:
     checksum: int = 0
     ok: bool = False
     error: str = ""
+
+
+# A block's place on the disk, to sort a batch by (cheaper than a lambda per block).
+_PLACE = operator.attrgetter("file", "offset")
 
 
 @dataclass(slots=True)
@@ -246,7 +251,7 @@ class BatchIO:
         target = max(_MIN_RUN_BYTES, min(max_run_bytes, -(-total // self.threads)))
         runs: list[_Run] = []
         run: _Run | None = None
-        for b in sorted(blocks, key=lambda b: (b.file, b.offset)):
+        for b in sorted(blocks, key=_PLACE):
             if (
                 run is None
                 or b.file != run.file

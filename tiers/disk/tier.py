@@ -662,8 +662,7 @@ class DiskTier:
         commit, and count the batch."""
         ok = [b for b in live if b.ok]
         with self._state_lock:
-            for b in ok:
-                self._durable[b.slot] = (b.nbytes, b.checksum)
+            self._durable.update([(b.slot, (b.nbytes, b.checksum)) for b in ok])
         self.faults.count(
             blocks_written=len(ok),
             bytes_written=sum(b.nbytes for b in ok),
@@ -684,18 +683,22 @@ class DiskTier:
         if not entries:
             return True
         now = self._clock()
-        rows = []
+        durable = self._durable
         with self._state_lock:
-            for ns, key, slot in entries:
-                written = self._durable.get(slot)
-                if written is None:
+            for _ns, key, slot in entries:
+                if slot not in durable:
                     raise ValueError(
                         f"L2 slot {slot} has no durable write awaiting commit "
                         f"(key {bytes(key).hex()})"
                     )
-                rows.append(
-                    (_to_i64(int(ns)), bytes(key), slot, written[0], _to_i64(written[1]), now)
-                )
+            written = [durable[slot] for _, _, slot in entries]
+        # SQLite integers are signed: namespaces and checksums (unsigned 64-bit) go in as
+        # their two's complement. A batch has few namespaces: each is converted once.
+        signed = {ns: _to_i64(int(ns)) for ns in {e[0] for e in entries}}
+        rows = [
+            (signed[ns], bytes(key), slot, nbytes, _to_i64(sum_), now)
+            for (ns, key, slot), (nbytes, sum_) in zip(entries, written, strict=True)
+        ]
         if self.faults.refuses_commits():
             self.faults.count(commits_refused_degraded=1)
             return False
@@ -704,10 +707,11 @@ class DiskTier:
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index commit")
             return False
+        slots = [e[2] for e in entries]
         with self._state_lock:
-            for row in rows:
-                self._durable.pop(row[2], None)
-            self._committed.add(row[2] for row in rows)
+            for slot in slots:
+                durable.pop(slot, None)
+            self._committed.add_array(np.asarray(slots, dtype=np.int64))
         self.faults.count(commits=1, committed_blocks=len(rows))
         self.faults.space_returned()
         return True
