@@ -128,6 +128,9 @@ class HostBuffers:
     tier transfer it without staging."""
 
     views: Sequence[memoryview]
+    addresses: Sequence[int] | None = None
+    """Each view's address, when its maker knows them cheaply (an arena's slots: base plus
+    offset); a disk tier then finds the page-aligned ones without asking each view."""
 
     def __len__(self) -> int:
         return len(self.views)

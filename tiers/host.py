@@ -115,9 +115,12 @@ class HostArena:
         """The slots as host buffers of their full slot size (page-aligned, so a disk tier
         moves them without staging)."""
         size = self.allocator.slot_bytes_for(nbytes)
-        starts = self.allocator.offsets(np.asarray(slots, dtype=np.int64)).tolist()
+        offsets = self.allocator.offsets(np.asarray(slots, dtype=np.int64))
+        starts = offsets.tolist()
         whole = memoryview(self.buffer)
-        return HostBuffers([whole[o : o + size] for o in starts])
+        return HostBuffers(
+            [whole[o : o + size] for o in starts], (offsets + self.array.ctypes.data).tolist()
+        )
 
     def write(self, batch: WriteBatch) -> list[WriteOutcome]:
         starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))

@@ -21,6 +21,7 @@ from kvtier.tiers.base import (
     BlockRef,
     Health,
     HostBuffers,
+    ReadBatch,
     RecoveredBlocks,
     TierUnavailable,
     WriteBatch,
@@ -201,6 +202,33 @@ def test_l1_slot_views_move_without_staging(disk_dir: Path) -> None:
         assert stats.counters["read_calls"] <= tier.io_threads
     for j, s in enumerate(l1):
         assert arena.view(s, nbytes) == bytes([j]) * nbytes
+    arena.close()
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["addresses known", "views only"])
+def test_an_arenas_buffers_go_straight_to_the_disk_and_back(disk_dir: Path, known: bool) -> None:
+    """A batch from (and into) L1 slots: with the arena's addresses or without them, the
+    same blocks go unstaged and come back byte for byte."""
+    arena = HostArena(16 * MiB, 16 * MiB)
+    src = [arena.allocator.allocate(4096) for _ in range(64)]
+    for j, s in enumerate(src):
+        arena.view(s, 4096)[:] = bytes([j]) * 4096
+
+    def buffers(slots: list[int]) -> HostBuffers:
+        bufs = arena.buffers(slots, 4096)
+        return bufs if known else HostBuffers(bufs.views)
+
+    refs = [BlockRef(1, bytes([j]) * 32) for j in range(64)]
+    with _open(disk_dir) as tier:
+        slots = [tier.allocator.allocate(4096) for _ in src]
+        outs = tier.write(WriteBatch(slots, refs, 4096, buffers(src)))
+        assert all(o.ok for o in outs)
+        dst = [arena.allocator.allocate(4096) for _ in src]
+        ok = tier.read(ReadBatch(slots, refs, 4096, buffers(dst), [o.checksum for o in outs]))
+        assert all(ok)
+        assert tier.stats().counters["bounced_blocks"] == 0
+    for j, s in enumerate(dst):
+        assert arena.view(s, 4096) == bytes([j]) * 4096
     arena.close()
 
 

@@ -23,3 +23,17 @@ def test_closing_stops_a_prefault_in_progress():
     arena.start_prefault()
     arena.close()  # joins the thread: nothing touches the mapping after it is closed
     assert arena._prefaulter is None
+
+
+def test_buffers_carry_each_views_own_address():
+    """A disk tier trusts these to decide which views the kernel takes without staging."""
+    import ctypes
+
+    arena = HostArena(16 << 20, 16 << 20)
+    slots = [arena.allocator.allocate(4096) for _ in range(5)]
+    bufs = arena.buffers(slots, 4096)
+    assert bufs.addresses is not None and len(bufs.addresses) == 5
+    for view, address in zip(bufs.views, bufs.addresses, strict=True):
+        assert ctypes.addressof(ctypes.c_char.from_buffer(view)) == address
+        assert address % 4096 == 0
+    arena.close()

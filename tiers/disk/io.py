@@ -22,7 +22,7 @@ import ctypes
 import mmap
 import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, as_completed, wait
 from dataclasses import dataclass, field
 
@@ -106,22 +106,29 @@ class BatchIO:
         self.threads = threads
         self._local = threading.local()
 
-    def make_block(
+    def make_blocks(
         self,
-        pos: int,
-        slot: int,
-        tier_offset: int,
+        slots: Sequence[int],
+        tier_offsets: np.ndarray,
         nbytes: int,
         padded: int,
-        buf: memoryview | None,
-        *,
-        expected: int = 0,
-        key: bytes = b"",
-        sink: Callable[[memoryview], None] | None = None,
-    ) -> Block:
-        direct = buf is not None and len(buf) >= padded and _address(buf) % ALIGN == 0
-        file, offset = self.files.locate(tier_offset)
-        return Block(pos, slot, file, offset, nbytes, padded, buf, direct, expected, key, sink)
+        bufs: Sequence[memoryview | None],
+        addresses: Sequence[int] | None = None,
+    ) -> list[Block]:
+        """The I/O blocks of a batch (``pos``: the index in it) at ``tier_offsets``.
+        ``addresses``, when the buffers' maker knows them (an arena's slots), say which
+        buffers the kernel can take as they are without asking each view for its own."""
+        files, offsets = np.divmod(np.asarray(tier_offsets, dtype=np.int64), self.files.file_bytes)
+        if addresses is None:
+            aligned = [buf is not None and _address(buf) % ALIGN == 0 for buf in bufs]
+        else:
+            aligned = (np.asarray(addresses, dtype=np.int64) % ALIGN == 0).tolist()
+        return [
+            Block(pos, slot, file, offset, nbytes, padded, buf, ok and len(buf) >= padded)  # type: ignore[arg-type]
+            for pos, (slot, file, offset, buf, ok) in enumerate(
+                zip(slots, files.tolist(), offsets.tolist(), bufs, aligned, strict=True)
+            )
+        ]
 
     # ------------------------------------------------------------------ writes
 

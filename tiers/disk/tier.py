@@ -417,7 +417,8 @@ class DiskTier:
         threads that finish meanwhile (group commit)."""
         self._check_open()
         views = _host_views(batch.src, len(batch.slots), batch.nbytes)
-        blocks = self._blocks(batch.slots, views, batch.nbytes, True)
+        addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
+        blocks = self._blocks(batch.slots, views, batch.nbytes, True, addresses)
         ticket = _Ticket(blocks, self._write_unsynced(blocks, batch.priority), batch)
         self._group.join(ticket)
         if ticket.error is not None:
@@ -456,7 +457,11 @@ class DiskTier:
         dest = batch.dest
         if isinstance(dest, HostBuffers):
             blocks = self._blocks(
-                batch.slots, [_as_bytes(v) for v in dest.views], batch.nbytes, False
+                batch.slots,
+                [_as_bytes(v) for v in dest.views],
+                batch.nbytes,
+                False,
+                dest.addresses,
             )
         else:
             blocks = self._blocks(batch.slots, [None] * n, batch.nbytes, False)
@@ -875,9 +880,11 @@ class DiskTier:
         bufs: Sequence[memoryview | None],
         nbytes: int,
         writing: bool,
+        addresses: Sequence[int] | None = None,
     ) -> list[Block]:
         """The I/O engine's blocks for a batch of one block size, every slot and buffer
-        checked first (vectorised): a misuse raises before any I/O."""
+        checked first (vectorised): a misuse raises before any I/O. ``addresses``: the
+        buffers' addresses, when known (``HostBuffers.addresses``)."""
         nbytes = int(nbytes)
         slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
         alloc = self.allocator
@@ -889,12 +896,7 @@ class DiskTier:
             raise ValueError(
                 f"L2 slot {bad} is not an allocated slot for a block of {nbytes} bytes"
             )
-        offsets = alloc.offsets(slot_arr).tolist()
-        out = []
-        make = self._io.make_block
-        for pos, (slot, offset, buf) in enumerate(
-            zip(slot_arr.tolist(), offsets, bufs, strict=True)
-        ):
+        for buf in bufs:
             if buf is not None:
                 if len(buf) < nbytes:
                     raise ValueError(
@@ -902,8 +904,9 @@ class DiskTier:
                     )
                 if not writing and buf.readonly:
                     raise ValueError("read buffer is read-only")
-            out.append(make(pos, slot, offset, nbytes, padded, buf))
-        return out
+        return self._io.make_blocks(
+            slot_arr.tolist(), alloc.offsets(slot_arr), nbytes, padded, bufs, addresses
+        )
 
     @staticmethod
     def _check_distinct(blocks: list[Block]) -> None:
