@@ -387,11 +387,16 @@ class HeatPolicy(Hinted):
         out_depth = np.minimum(self._depth[safe].astype(np.int64) + 1, 1 << 30)
         depth[outside] = out_depth[outside]
         if inside.any():
-            at, of = np.flatnonzero(inside).tolist(), ppos.tolist()
-            d = depth.tolist()
-            for i in at:  # a parent comes before its child: one pass settles chains
-                d[i] = min(d[of[i]] + 1, 1 << 30)
-            depth = np.asarray(d, dtype=np.int64)
+            # A block whose parent is earlier in the batch is one deeper than it: pointer
+            # jumping finds each block's first ancestor outside the batch's chains and the
+            # steps to it (log2 of the longest chain rounds; the depth saturates, so adding
+            # the steps at the end clamps as stepwise would).
+            anc = np.where(inside, ppos, step)
+            dist = inside.astype(np.int64)
+            while not np.array_equal(up := anc[anc], anc):
+                dist += dist[anc]
+                anc = up
+            depth = np.minimum(depth[anc] + dist, 1 << 30)
         self._parent[ids] = np.where(linked, pars, -1)
         self._depth[ids] = depth
         self._seg[ids] = seg

@@ -462,3 +462,41 @@ def test_insert_many_equals_the_insert_loop(seed: int, fixed: int | None) -> Non
         if step % 20 == 0:
             assert_same_victims(vec, ref, now, step)
     assert took["bulk"] >= 20 and took["loop"] >= 5, took
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_insert_many_sets_tree_depths_as_the_loop_does(seed: int) -> None:
+    """A batch whose blocks branch (each one's parent any earlier block of the batch, a
+    resident block, or none), as a batch of several requests' chains sharing a prefix is:
+    the bulk path's depths are the loop's."""
+    rng = np.random.default_rng(seed)
+    vec, ref = HeatPolicy(), HeatPolicy()
+    took: Counter[str] = Counter()
+    bulk = vec._insert_in_bulk
+
+    def counting(ids: np.ndarray, pars: np.ndarray, now: float) -> bool:
+        done = bulk(ids, pars, now)
+        took["bulk" if done else "loop"] += 1
+        return done
+
+    vec._insert_in_bulk = counting  # type: ignore[method-assign]
+    for p in (vec, ref):
+        for bid in range(10):
+            p.insert(bid, 0.0, bid - 1)  # a resident chain, depths 0..9
+    ids = np.arange(10, 400, dtype=np.int64)
+    pars = np.empty(len(ids), dtype=np.int64)
+    for i in range(len(ids)):
+        roll = rng.random()
+        if roll < 0.02:
+            pars[i] = -1
+        elif roll < 0.05 or i == 0:
+            pars[i] = int(rng.integers(0, 10))
+        else:
+            pars[i] = ids[int(rng.integers(max(0, i - 4), i))]
+    vec.insert_many(ids, 0.0, pars)
+    for b, p in zip(ids.tolist(), pars.tolist(), strict=True):
+        ref.insert(b, 0.0, p)
+    assert took == {"bulk": 1}
+    assert vec._depth[ids].tolist() == ref._depth[ids].tolist()
+    assert int(vec._depth[ids].max()) > 20  # chains within the batch, many deep
+    assert_same_state(vec, ref)
