@@ -201,10 +201,10 @@ class ReadBatch:
     priority: Priority = Priority.DEMAND
 
 
-@dataclass(frozen=True, slots=True)
-class WriteOutcome:
+class WriteOutcome(NamedTuple):
     """``ok``: the block is stored (durable and indexed on a persistent tier). ``checksum``
-    is valid only when ``ok`` and the tier checksums."""
+    is valid only when ``ok`` and the tier checksums. A named tuple: a batch makes one per
+    block (see ``BlockRef``)."""
 
     slot: int
     ok: bool

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 
 import numpy as np
 
@@ -127,7 +128,8 @@ class HostArena:
         store_from(batch.src, range(len(batch.slots)), self.array, starts, batch.nbytes)
         self._counters["blocks_written"] += len(batch.slots)
         self._counters["bytes_written"] += len(batch.slots) * batch.nbytes
-        return [WriteOutcome(int(s), True) for s in batch.slots]
+        stored = zip(np.asarray(batch.slots, dtype=np.int64).tolist(), repeat(True), repeat(0))
+        return list(map(tuple.__new__, repeat(WriteOutcome), stored))
 
     def read(self, batch: ReadBatch) -> list[bool]:
         starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))

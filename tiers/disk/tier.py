@@ -437,7 +437,7 @@ class DiskTier:
         for t in attempted:
             self._settle(t.blocks, t.live or [])
         entries = [
-            CommitEntry(ref.ns, ref.key, b.slot)
+            (ref[0], ref[1], b.slot)
             for t in tickets
             for ref, b in zip(t.batch.blocks, t.blocks, strict=True)
             if b.ok
@@ -674,8 +674,9 @@ class DiskTier:
             write_failures=len(blocks) - len(ok),
         )
 
-    def commit(self, entries: Sequence[CommitEntry]) -> bool:
-        """Insert index rows for durably written slots, in one transaction.
+    def commit(self, entries: Sequence[tuple[int, bytes, int]]) -> bool:
+        """Insert index rows for durably written slots, in one transaction (``entries``:
+        ``CommitEntry`` or plain ``(ns, key, slot)`` tuples).
 
         True means the rows are durable. False (index I/O fault, tier degraded by EIO) means
         none was inserted; the slots stay allocated and their bytes stay durable, so the call
@@ -1096,7 +1097,10 @@ class DiskTier:
 def _host_views(src: object, n: int, nbytes: int) -> list[memoryview]:
     """Contiguous bytes of each block of a batch's source."""
     if isinstance(src, HostBuffers):
-        return [_as_bytes(v) for v in src.views]
+        views = src.views
+        if all(type(v) is memoryview and v.format == "B" and v.ndim == 1 for v in views):
+            return list(views)  # already bytes (an arena's slots): no new view per block
+        return [_as_bytes(v) for v in views]
     return [get_block(src, j, nbytes) for j in range(n)]  # type: ignore[arg-type]
 
 
