@@ -510,8 +510,7 @@ class SpaceManager:
             # While the writes ran a request may have pinned, read or touched a victim: such
             # a block stays (and now has a clean lower copy).
             victims = victims[self.evictable(level, self._clock())(victims)]
-        released = [s for v in victims.tolist() if (s := self.drop_copy(v, level)) is not None]
-        await self.release(level, released)
+        await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
 
     async def _demote(self, level: Level, dirty: np.ndarray, priority: Priority) -> None:
@@ -540,22 +539,36 @@ class SpaceManager:
         """Remove ``level``'s copy of a block (forgetting the block once no copy is left).
         Returns the slot when the caller must ``release`` it (persistent tiers); other slots
         are freed here."""
+        slots = self.drop_copies(np.array([bid], dtype=np.int64), level)
+        return slots[0] if slots else None
+
+    def drop_copies(self, bids: np.ndarray, level: Level) -> list[int]:
+        """``drop_copy`` of distinct blocks, each of which has a copy in ``level``, as array
+        operations where the structures allow (an eviction drops thousands at once). Returns
+        the slots the caller must ``release`` (persistent tiers; others are freed here)."""
         self.apply_touches()
         table = self.table
+        bids = np.asarray(bids, dtype=np.int64)
         if level is self.stack.top and self.prefetches.outstanding:
-            self.prefetches.evict(int(table.keys[bid, 0]), self._clock())
-        level.policy.remove(bid)
-        slot = int(table.slot[bid, level.col])
-        table.clear_slots(bid, level.col)
-        if not (table.slot[bid] >= 0).any():
-            self.misses.record([int(table.keys[bid, 0])], EVICTED)  # a delete discards it
-            table.remove(bid)
+            now = self._clock()
+            for word in table.keys[bids, 0].tolist():
+                self.prefetches.evict(int(word), now)
+        remove = level.policy.remove
+        for bid in bids.tolist():
+            remove(bid)
+        slots = table.slot[bids, level.col].tolist()
+        table.clear_slots(bids, level.col)
+        gone = bids[~(table.slot[bids] >= 0).any(axis=1)]
+        if len(gone):
+            self.misses.record(table.keys[gone, 0].tolist(), EVICTED)  # a delete discards it
+            for bid in gone.tolist():
+                table.remove(bid)
         if level.keyed:
-            return None
+            return []
         if level.persistent:
-            return slot
-        level.slots.remove([slot])
-        return None
+            return slots
+        level.slots.remove(slots)
+        return []
 
     async def release(self, level: Level, slots: list[int]) -> None:
         """Give slots back to a tier: persistent tiers forget their blocks durably first

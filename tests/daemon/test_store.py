@@ -873,6 +873,42 @@ async def test_recovered_rows_that_repeat_a_key_are_dropped_once_one_is_indexed(
     assert [page_bytes(pool, p) for p in range(10, 14)] == want
 
 
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+async def test_dropping_copies_in_a_batch_is_dropping_them_one_by_one(make_store, policy):
+    """An eviction drops its victims' copies as arrays (``drop_copies``): blocks with a copy
+    elsewhere keep their rows, blocks left with none are forgotten and counted as evicted
+    misses, slots and per-owner usage are given back exactly as ``drop_copy`` in a loop
+    would."""
+    both, only_l1 = keys(12), keys(20)
+    stores = []
+    for _ in range(2):
+        store, pool = make_store(Clock(), segments=2, l2_segments=2, policy=policy), make_pool()
+        await put(store, pool, both, durable=True)  # in L1 and L2
+        await put(store, pool, only_l1, pages=range(20, 40))
+        stores.append(store)
+    batch, loop = stores
+    level = batch.stack[TierKind.HOST]
+    victims = batch.table.lookup(0, np.concatenate([both[::2], only_l1[::3]]))
+    assert batch.space.drop_copies(victims, level) == []
+    for bid in victims.tolist():
+        assert loop.space.drop_copy(bid, loop.stack[TierKind.HOST]) is None
+    for store in (batch, loop):
+        assert where(store, both) == ["L2", "L1"] * 6
+        assert present(store, only_l1) == [i % 3 != 0 for i in range(20)]
+        assert store.space.misses.classify(only_l1[::3, 0].tolist())["evicted"] == 7
+    t, u = batch.table, loop.table
+    live = t.state != 0
+    assert np.array_equal(live, u.state != 0)
+    assert np.array_equal(t.slot[live], u.slot[live])
+    assert np.array_equal(t.usage, u.usage)
+    assert level.slots.allocator.used_slots == loop.stack[TierKind.HOST].slots.allocator.used_slots
+    rows = range(len(live))
+    assert [b in level.policy for b in rows] == [
+        b in loop.stack[TierKind.HOST].policy for b in rows
+    ]
+    assert batch.check() == [] and loop.check() == []
+
+
 async def test_l3_writes_beyond_its_budget_are_dropped_never_waited_for(make_store):
     """L3 is written behind: past tiers.l3.write_bytes_s the tier drops blocks; nothing in the
     store waits for the budget (the clock here never moves, so a wait would never end)."""
