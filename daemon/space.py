@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.counts import add_at
 from kvtier.daemon.misses import EVICTED, MissLedger
 from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.stack import Level, TierStack
@@ -186,7 +187,7 @@ class SpaceManager:
         mine_idx, waits = self.transfers.claim(refs, dst.kind) if refs else ([], [])
         mine = want[mine_idx]
         if len(mine):
-            np.add.at(table.inflight, mine, 1)
+            add_at(table.inflight, mine, 1)
             try:
                 await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch)
             finally:
@@ -502,14 +503,16 @@ class SpaceManager:
         )
         dirty = victims[only_here]
         if len(dirty) and not clean_only:
-            np.add.at(table.inflight, victims, 1)
+            add_at(table.inflight, victims, 1)
             try:
                 await self._demote(level, dirty, priority)
             finally:
-                np.subtract.at(table.inflight, victims, 1)
+                add_at(table.inflight, victims, -1)
             # While the writes ran a request may have pinned, read or touched a victim: such
             # a block stays (and now has a clean lower copy).
+            # A victim may also have lost this copy meanwhile (a failed read drops it).
             victims = victims[self.evictable(level, self._clock())(victims)]
+            victims = victims[table.slot[victims, level.col] >= 0]
         await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
 
@@ -553,15 +556,18 @@ class SpaceManager:
             now = self._clock()
             for word in table.keys[bids, 0].tolist():
                 self.prefetches.evict(int(word), now)
-        remove = level.policy.remove
-        for bid in bids.tolist():
-            remove(bid)
         slots = table.slot[bids, level.col].tolist()
         table.clear_slots(bids, level.col)
-        gone = bids[~(table.slot[bids] >= 0).any(axis=1)]
-        if len(gone):
-            self.misses.record(table.keys[gone, 0].tolist(), EVICTED)  # a delete discards it
-            for bid in gone.tolist():
+        gone = ~(table.slot[bids] >= 0).any(axis=1)  # no copy left anywhere: forgotten
+        if gone.any():
+            self.misses.record(table.keys[bids[gone], 0].tolist(), EVICTED)  # a delete discards
+        # Each block leaves its policy before the next does, and is forgotten (its history
+        # dropped by every policy) right after: a policy that bounds its history on each
+        # removal (ARC's ghosts) keeps the same entries as removing them one by one.
+        remove = level.policy.remove
+        for bid, forgotten in zip(bids.tolist(), gone.tolist(), strict=True):
+            remove(bid)
+            if forgotten:
                 table.remove(bid)
         if level.keyed:
             return []
@@ -591,7 +597,7 @@ class SpaceManager:
 
     def _release(self, bids: np.ndarray) -> None:
         """End an in-flight mark."""
-        np.subtract.at(self.table.inflight, bids, 1)
+        add_at(self.table.inflight, bids, -1)
         self.forget_orphans(bids)
 
     def forget_orphans(self, bids: np.ndarray) -> None:

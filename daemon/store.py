@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvtier.daemon.config import Config
+from kvtier.daemon.counts import add_at
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED
@@ -412,7 +413,7 @@ class BlockStore:
                     # as the tail of one put would be).
                     held = chain[chain >= 0]
                     held = held[self.table.state[held] == READY]
-                    _mark(self.table.inflight, held, 1)
+                    add_at(self.table.inflight, held, 1)
                     # Refs, not rows: a block still may go (a failed copy) and its row be
                     # reused.
                     refs = np.where(chain >= 0, self.table.refs(np.maximum(chain, 0)), -1)
@@ -504,7 +505,7 @@ class BlockStore:
             if len(need):
                 await self.space.place(need, level, Priority.DEMAND)
         finally:
-            _mark(table.inflight, hold, -1)
+            add_at(table.inflight, hold, -1)
         chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
@@ -635,7 +636,7 @@ class BlockStore:
             # The pinning Lookup counted this access; only the protection clock restarts.
             table.last_access[bids] = now
         loaded = np.zeros(len(ids), dtype=bool)
-        _mark(table.inflight, bids, 1)
+        add_at(table.inflight, bids, 1)
         try:
             # Parts only pay where there is something to overlap: blocks to promote first.
             if (table.slot[bids, self.top.col] < 0).any():
@@ -654,7 +655,7 @@ class BlockStore:
                     for idx, ok in part:
                         loaded[idx] = ok
         finally:
-            _mark(table.inflight, bids, -1)
+            add_at(table.inflight, bids, -1)
             if not loaded.all():
                 self.space.forget_orphans(bids)
         loaded_ids = ids[loaded]
@@ -859,14 +860,14 @@ class BlockStore:
 
     def pin(self, bids: np.ndarray) -> np.ndarray:
         """Pin blocks; returns refs for ``unpin``."""
-        np.add.at(self.table.pins, bids, 1)
+        add_at(self.table.pins, bids, 1)
         return self.table.refs(bids)
 
     def unpin(self, refs: np.ndarray) -> None:
         bids = np.asarray(refs, dtype=np.int64) & 0xFFFFFFFF
         if any(self.table.resolve(int(r)) < 0 for r in np.asarray(refs).tolist()):
             raise AssertionError("a pinned block was freed: pins must keep blocks alive")
-        np.subtract.at(self.table.pins, bids, 1)
+        add_at(self.table.pins, bids, -1)
         if (self.table.pins[bids] < 0).any():
             raise AssertionError("pin count went below zero: a lease was released twice")
         self.space.forget_orphans(bids)
@@ -1167,11 +1168,3 @@ async def _all_done(aws: Sequence[Awaitable[T]]) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return results  # type: ignore[return-value]
-
-
-def _mark(counts: np.ndarray, bids: np.ndarray, delta: int) -> None:
-    """Add ``delta`` to ``counts`` once per occurrence of each id (ids may repeat)."""
-    if len(bids) == 1:
-        counts[int(bids[0])] += delta
-    elif len(bids) > 1:
-        np.add.at(counts, bids, delta)

@@ -90,6 +90,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.daemon.counts import add_at
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
@@ -382,7 +383,7 @@ class HeatPolicy(Hinted):
         self._kids[ids] = 0
         kids_of = pars[linked & (seg == _PROBATION)]
         if len(kids_of):
-            np.add.at(self._kids, kids_of, 1)
+            add_at(self._kids, kids_of, 1)
         depth = np.zeros(n, dtype=np.int64)
         out_depth = np.minimum(self._depth[safe].astype(np.int64) + 1, 1 << 30)
         depth[outside] = out_depth[outside]
@@ -772,7 +773,7 @@ class HeatPolicy(Hinted):
             self._count[_PROBATION] -= moved
             self._count[_PROTECTED] += moved
             # _drop_kid: siblings may share a parent, hence subtract.at.
-            np.subtract.at(self._kids, plan.parent[part][plan.drops[part]], 1)
+            add_at(self._kids, plan.parent[part][plan.drops[part]], -1)
         if plan.unlinks is not None:
             self._parent[bids[plan.unlinks[part]]] = -1
         if plan.owes is not None:
