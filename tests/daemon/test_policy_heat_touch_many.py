@@ -396,6 +396,20 @@ def test_keys_are_bit_exact_where_numpy_rounds_differently() -> None:
 # ------------------------------------------------------------------ insert_many
 
 
+def _count_paths(policy: HeatPolicy) -> Counter[str]:
+    """How many of ``policy``'s ``insert_many`` calls took the bulk path, how many the loop."""
+    took: Counter[str] = Counter()
+    bulk = policy._insert_in_bulk
+
+    def counting(ids: np.ndarray, pars: np.ndarray, now: float) -> bool:
+        done = bulk(ids, pars, now)
+        took["bulk" if done else "loop"] += 1
+        return done
+
+    policy._insert_in_bulk = counting  # type: ignore[method-assign]
+    return took
+
+
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("fixed", [None, 300])
 def test_insert_many_equals_the_insert_loop(seed: int, fixed: int | None) -> None:
@@ -404,15 +418,7 @@ def test_insert_many_equals_the_insert_loop(seed: int, fixed: int | None) -> Non
     that get raised): the state after ``insert_many`` is the loop's, bit for bit."""
     rng = np.random.default_rng(seed)
     vec, ref = HeatPolicy(capacity_blocks=fixed), HeatPolicy(capacity_blocks=fixed)
-    took: Counter[str] = Counter()
-    bulk = vec._insert_in_bulk
-
-    def counting(ids: np.ndarray, pars: np.ndarray, now: float) -> bool:
-        done = bulk(ids, pars, now)
-        took["bulk" if done else "loop"] += 1
-        return done
-
-    vec._insert_in_bulk = counting  # type: ignore[method-assign]
+    took = _count_paths(vec)
     resident: list[int] = []
     gone: list[int] = []
     next_id, now = 0, 0.0
@@ -471,15 +477,7 @@ def test_insert_many_sets_tree_depths_as_the_loop_does(seed: int) -> None:
     the bulk path's depths are the loop's."""
     rng = np.random.default_rng(seed)
     vec, ref = HeatPolicy(), HeatPolicy()
-    took: Counter[str] = Counter()
-    bulk = vec._insert_in_bulk
-
-    def counting(ids: np.ndarray, pars: np.ndarray, now: float) -> bool:
-        done = bulk(ids, pars, now)
-        took["bulk" if done else "loop"] += 1
-        return done
-
-    vec._insert_in_bulk = counting  # type: ignore[method-assign]
+    took = _count_paths(vec)
     for p in (vec, ref):
         for bid in range(10):
             p.insert(bid, 0.0, bid - 1)  # a resident chain, depths 0..9
