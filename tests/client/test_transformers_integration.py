@@ -133,6 +133,7 @@ def test_generated_blocks_are_stored_for_the_next_turn(daemon, model):
 # ---------------------------------------------------------------- (b) second process
 
 
+@pytest.mark.slow  # a second Python process loads the model, ~5 s: `make test-slow`
 def test_prefix_stored_by_another_process_is_reused(daemon, model):
     prompt = _prompt(100)
     child = subprocess.run(

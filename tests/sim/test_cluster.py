@@ -268,6 +268,7 @@ def shipped_cluster(route: str, l3_percent: int, admission: str, ttl_s: float) -
     return replay(trace, "heat", l1, cluster=cluster)
 
 
+@pytest.mark.slow  # four cluster replays of the shipped trace, ~3 s: `make test-slow`
 def test_the_readme_cluster_figures() -> None:
     figures = {key: round(100 * shipped_cluster(*key).hit_ratio, 2) for key in CLUSTER_FIGURES}
     assert figures == CLUSTER_FIGURES

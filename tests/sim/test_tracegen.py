@@ -44,6 +44,7 @@ def test_every_parameter_is_documented() -> None:
     assert set(tracegen.PARAMETER_DOCS) == {f.name for f in fields(tracegen.SyntheticTraceConfig)}
 
 
+@pytest.mark.slow  # generates and replays a long synthetic trace, ~3 s: `make test-slow`
 def test_conversations_keep_their_full_blocks_and_renew_the_partial_one() -> None:
     cfg = tracegen.SyntheticTraceConfig(
         duration_s=3600.0,
@@ -164,6 +165,7 @@ def test_conversations_reuse_their_history() -> None:
     assert 0.2 < infinite.hit_ratio < 0.8
 
 
+@pytest.mark.slow  # a sweep of two policies over a generated trace, ~3 s: `make test-slow`
 def test_heat_is_not_worse_than_lru_on_synthetic_chat() -> None:
     trace = trace_from_requests(tracegen.scenario("chat", seed=0))
     for cap in sweep_capacities(trace.cacheable().unique_blocks, (1, 2, 5, 10, 20)):
