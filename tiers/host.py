@@ -120,7 +120,7 @@ class HostArena:
         starts = offsets.tolist()
         whole = memoryview(self.buffer)
         return HostBuffers(
-            [whole[o : o + size] for o in starts], (offsets + self.array.ctypes.data).tolist()
+            [whole[o : o + size] for o in starts], (offsets + self._address()).tolist()
         )
 
     def write(self, batch: WriteBatch) -> list[WriteOutcome]:

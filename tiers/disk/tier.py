@@ -195,6 +195,8 @@ class _GroupCommit:
 
 
 def _as_bytes(data: BytesLike) -> memoryview:
+    if type(data) is memoryview and data.format == "B" and data.ndim == 1:
+        return data  # already bytes (an arena's slot views): no new view per block
     mv = memoryview(data)  # type: ignore[arg-type]
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
@@ -1097,10 +1099,7 @@ class DiskTier:
 def _host_views(src: object, n: int, nbytes: int) -> list[memoryview]:
     """Contiguous bytes of each block of a batch's source."""
     if isinstance(src, HostBuffers):
-        views = src.views
-        if all(type(v) is memoryview and v.format == "B" and v.ndim == 1 for v in views):
-            return list(views)  # already bytes (an arena's slots): no new view per block
-        return [_as_bytes(v) for v in views]
+        return [_as_bytes(v) for v in src.views]
     return [get_block(src, j, nbytes) for j in range(n)]  # type: ignore[arg-type]
 
 
