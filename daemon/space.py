@@ -576,17 +576,19 @@ class SpaceManager:
         level.slots.remove(slots)
         return []
 
-    async def release(self, level: Level, slots: list[int]) -> None:
+    async def release(self, level: Level, slots: list[int]) -> bool:
         """Give slots back to a tier: persistent tiers forget their blocks durably first
-        (background I/O; the slots are reusable once it is done)."""
+        (background I/O; the slots are reusable once it is done). False when the tier could
+        not forget them (counted as ``remove_failures``; the slots stay held)."""
         if not slots:
-            return
+            return True
         if not level.persistent:
             level.slots.remove(slots)
-            return
-        ok = await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots)
+            return True
+        ok = bool(await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots))
         if not ok:
             self.counters.inc("remove_failures", len(slots), tier=level.label)
+        return ok
 
     def lose_copy(self, bid: int, level: Level) -> None:
         """A tier dropped its copy of a block (a read failed verification): forget it."""

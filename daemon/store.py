@@ -1068,10 +1068,8 @@ class BlockStore:
             level.label,
             len(slots),
         )
-        if await self.transfers.run(Priority.BACKGROUND, level.slots.remove, slots.tolist()):
+        if await self.space.release(level, slots.tolist()):
             self.counters.inc("recovered_repeats_dropped", len(slots), tier=level.label)
-        else:
-            self.counters.inc("remove_failures", len(slots), tier=level.label)
 
     # ------------------------------------------------------------------ helpers
 
