@@ -44,6 +44,7 @@ from kvtier.daemon.credentials import (
     cred_socket_path,
 )
 from kvtier.daemon.cuda_pools import open_opener
+from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -125,8 +126,9 @@ def _rpc(
             if isinstance(request, Malformed):
                 raise self.malformed(method, request)
             # A client that cancels (or whose deadline passes) gets no answer, but the request
-            # runs to its end: the store's steps between awaits are not undone halfway.
-            work = asyncio.ensure_future(fn(self, request, context))
+            # runs to its end: the store's steps between awaits are not undone halfway. It
+            # starts at once and needs a task of its own only if it waits for something.
+            work = eager_future(fn(self, request, context))
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
