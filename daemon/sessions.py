@@ -120,9 +120,9 @@ class SessionRegistry:
     def get(self, session_id: str) -> Session:
         if not session_id:
             raise NotFound("this request needs a session; open one with OpenSession")
-        # Checked before it is echoed in a message: a client's text is never repeated unbounded.
-        session = self._sessions.get(session_id) if _SESSION_ID.match(session_id) else None
+        session = self._sessions.get(session_id)
         if session is None:
+            # Checked before it is echoed: a client's text is never repeated unbounded.
             shown = session_id if _SESSION_ID.match(session_id) else "named by session_id"
             raise NotFound(f"session {shown} is not open (it ended or never existed)")
         return session

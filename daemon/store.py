@@ -83,6 +83,11 @@ class PutResult(enum.IntEnum):
     REJECTED_FULL = 2
 
 
+# The same as plain ints, for numpy: an IntEnum operand makes a comparison or fill of a small
+# array several times slower (numpy converts the member on every call).
+_STORED, _EXISTS, _REJECTED_FULL = (int(r) for r in PutResult)
+
+
 @dataclass(frozen=True, slots=True)
 class TierUsage:
     kind: TierKind
@@ -271,9 +276,9 @@ class BlockStore:
     def _count_hits(self, words: np.ndarray, tiers: np.ndarray, found: np.ndarray) -> None:
         """hits{tier}: by the fastest tier holding the key; misses{reason}: why not held."""
         if found.any():
-            kinds, counts = np.unique(tiers[found], return_counts=True)
-            for kind, n in zip(kinds.tolist(), counts.tolist(), strict=True):
-                self.counters.inc("hits", n, tier=TierKind(kind).label)
+            for kind, n in enumerate(np.bincount(tiers[found]).tolist()):
+                if n:
+                    self.counters.inc("hits", n, tier=TierKind(kind).label)
         if not found.all():
             missing = words[~found, 0].tolist()
             for reason, n in self.space.misses.classify(missing).items():
@@ -395,7 +400,7 @@ class BlockStore:
             )
         n = len(words)
         step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1) if durable else n)
-        results = np.full(n, PutResult.STORED, dtype=np.int32)
+        results = np.full(n, _STORED, dtype=np.int32)
         persisting: list[asyncio.Future[np.ndarray]] = []
         full = False
         try:
@@ -406,7 +411,7 @@ class BlockStore:
                     pool, ns, words[s:e], pages[s:e], parent, owner, store=not full
                 )
                 results[s:e] = part
-                full = full or bool((part == PutResult.REJECTED_FULL).any())
+                full = full or bool((part == _REJECTED_FULL).any())
                 if durable_level is not None and durable:
                     # The part's blocks stay in flight until they are on the persistent tier:
                     # a later part cannot push them out first (it is refused room instead,
@@ -447,12 +452,12 @@ class BlockStore:
         now = self._clock()
         n = len(words)
         block_bytes = pool.block_bytes
-        results = np.full(n, PutResult.STORED, dtype=np.int32)
+        results = np.full(n, _STORED, dtype=np.int32)
         existing = table.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
         is_new = existing < 0
         is_new &= ~_repeats(words)  # a key repeated within the batch is stored once
-        results[~is_new] = PutResult.EXISTS
+        results[~is_new] = _EXISTS
         ready = existing[existing >= 0]
         ready = ready[table.state[ready] == READY]
         if len(ready):
@@ -472,7 +477,7 @@ class BlockStore:
             stored = bids[:placed]
             self._abandon(bids[placed:])
         rejected = new_idx[len(stored) :]
-        results[rejected] = PutResult.REJECTED_FULL
+        results[rejected] = _REJECTED_FULL
         self.space.misses.record(words[rejected, 0].tolist(), DECLINED)
         new_idx = new_idx[: len(stored)]
         self.space.misses.discard(words[new_idx, 0].tolist())
@@ -483,7 +488,7 @@ class BlockStore:
         chain = existing.copy()
         chain[new_idx] = stored
         # A key repeated within the part is the block its first occurrence stored.
-        again = (chain < 0) & (results == PutResult.EXISTS)
+        again = (chain < 0) & (results == _EXISTS)
         if again.any():
             chain[again] = table.lookup(ns, words[again])
         return results, chain
@@ -1128,10 +1133,10 @@ class BlockStore:
             )
 
     def _count_put(self, results: np.ndarray) -> None:
-        counts = np.bincount(results, minlength=3)
-        self.counters.inc("put_blocks", int(counts[PutResult.STORED]), result="stored")
-        self.counters.inc("put_blocks", int(counts[PutResult.EXISTS]), result="existing")
-        self.counters.inc("put_blocks", int(counts[PutResult.REJECTED_FULL]), result="rejected")
+        stored, existing, rejected = np.bincount(results, minlength=3).tolist()
+        self.counters.inc("put_blocks", stored, result="stored")
+        self.counters.inc("put_blocks", existing, result="existing")
+        self.counters.inc("put_blocks", rejected, result="rejected")
 
 
 def _repeats(words: np.ndarray) -> np.ndarray:

@@ -118,6 +118,9 @@ class Space:
     name: str
 
 
+_SPACES_KEPT = 4096
+
+
 class TenantDirectory:
     def __init__(
         self,
@@ -131,6 +134,9 @@ class TenantDirectory:
         self._by_uid = {uid: t for t in self.tenants.values() for uid in t.uids}
         self._by_gid = {gid: t for t in self.tenants.values() for gid in t.gids}
         self._tokens = [t for t in self.tenants.values() if t.token_digest]
+        # Namespaces already resolved (each costs a hash and checks per request otherwise);
+        # emptied when it reaches _SPACES_KEPT entries.
+        self._spaces: dict[tuple[str, str, bool], Space] = {}
 
     @property
     def configured(self) -> bool:
@@ -212,6 +218,16 @@ class TenantDirectory:
         """The namespace ``declared`` names for a session of ``tenant``: ``NAME`` inside the
         tenant, or ``shared:SPACE[/NAME]`` inside a configured shared namespace the tenant
         may use (an admin may name any)."""
+        key = (tenant, declared, admin)
+        space = self._spaces.get(key)
+        if space is None:
+            space = self._resolve(tenant, declared, admin)
+            if len(self._spaces) >= _SPACES_KEPT:
+                self._spaces.clear()
+            self._spaces[key] = space
+        return space
+
+    def _resolve(self, tenant: str, declared: str, admin: bool) -> Space:
         if len(declared.encode("utf-8")) > MAX_NAMESPACE_BYTES:
             raise InvalidArgument(
                 f"namespace names are at most {MAX_NAMESPACE_BYTES} bytes; this one has "

@@ -432,11 +432,22 @@ class HeatPolicy(Hinted):
         n = len(ids)
         if n == 0:
             return
+        if n < _VECTOR_MIN:
+            # A few ids (a single-block request): checked and touched one by one, which costs
+            # a fraction of the array checks below.
+            listed = ids.tolist()
+            seg_v, size = self._seg_v, self._size
+            for bid in listed:
+                if not 0 <= bid < size or seg_v[bid] == _OUT:
+                    raise KeyError(bid)
+            for bid in listed:
+                self.touch(bid, now)
+            return
         if ids.min() < 0 or ids.max() >= self._size or not self._seg[ids].all():  # 0: _OUT
             ok = (ids >= 0) & (ids < self._size)
             ok[ok] = self._seg[ids[ok]] != _OUT
             raise KeyError(int(ids[np.argmin(ok)]))
-        locate = self._locator(ids) if n >= _VECTOR_MIN else None
+        locate = self._locator(ids)
         if locate is None:
             for bid in ids.tolist():
                 self.touch(bid, now)

@@ -365,11 +365,12 @@ def test_unknown_ids_raise_before_anything_changes() -> None:
             p.insert(bid, 0.0, bid - 1)
         p.remove(7)
     for bad in (7, 20, 10**6, -1):
-        batch = np.array([0, 1, 2, bad, 3, *range(8, 20)])
-        with pytest.raises(KeyError) as info:
-            vec.touch_many(batch, 5.0)
-        assert info.value.args == (bad,)
-        assert_same_state(vec, ref)
+        # A batch for the array path, and a short one for the one-by-one path.
+        for batch in (np.array([0, 1, 2, bad, 3, *range(8, 20)]), np.array([0, 1, bad, 3])):
+            with pytest.raises(KeyError) as info:
+                vec.touch_many(batch, 5.0)
+            assert info.value.args == (bad,)
+            assert_same_state(vec, ref)
     vec.touch_many(np.array([], dtype=np.int64), 5.0)
     assert_same_state(vec, ref)
 

@@ -10,6 +10,7 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
 from kvtier.daemon.sessions import PeerCred
 from kvtier.daemon.tenants import (
+    _SPACES_KEPT,
     DEFAULT_NAMESPACE,
     SharedSpace,
     Tenant,
@@ -107,6 +108,23 @@ def test_spaces_are_the_tenants_own_or_configured_shared_ones(directory):
     assert directory.space("ops", "shared:common", admin=True).owner == "shared:common"
     with pytest.raises(InvalidArgument, match="200 bytes"):
         directory.space("alice", "x" * 201)
+
+
+def test_resolved_spaces_are_remembered_within_a_bound_and_refusals_are_not(directory):
+    first = directory.space("alice", "m")
+    assert directory.space("alice", "m") is first
+    # The same name as another tenant, or as an admin, is resolved on its own.
+    assert directory.space("bob", "m").ns != first.ns
+    for _ in range(2):
+        with pytest.raises(PermissionDenied):
+            directory.space("robot", "shared:common")
+    assert directory.space("robot", "shared:common", admin=True).owner == "shared:common"
+    with pytest.raises(PermissionDenied):
+        directory.space("robot", "shared:common")
+    for i in range(3 * _SPACES_KEPT):
+        assert directory.space("alice", f"n{i}").ns == namespace_id("tenant:alice", f"n{i}")
+    assert len(directory._spaces) <= _SPACES_KEPT
+    assert directory.space("alice", "m") == first
 
 
 def test_stats_show_a_tenant_its_own_and_its_shared_namespaces(directory):
