@@ -52,6 +52,8 @@ _ROW_MASK = (1 << _ROW_BITS) - 1
 
 _MAX_LOAD = 0.5
 _SCALAR_TAIL = 8
+# Probe positions per key that a batch lookup examines in one pass.
+_WINDOW = 4
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -424,25 +426,46 @@ class BlockTable:
                 pos = self._hash_one(int(ns), int(words[i, 0])) & mask
                 result[i] = self._probe(ns, words[i], pos)
             return result
-        pos = (self._hash(ns, words[:, 0]) & np.uint64(size - 1)).astype(np.int64)
+        mask = size - 1
+        pos = (self._hash(ns, words[:, 0]) & np.uint64(mask)).astype(np.int64)
+        # Probe positions are examined a window at a time for every key still looking: a key
+        # stops at the first slot holding a block of its namespace with its first key word,
+        # or at an empty slot. The first window settles nearly every key (the table is at
+        # most half full), a wider one the few left; a handful left after that, and a stop
+        # whose other key words differ (a 64-bit collision), probe on one by one. Where one
+        # slot per round took as many rounds as the longest probe chain of the batch.
+        flat_keys = self.keys.reshape(-1)
         todo = np.arange(n)
-        # Vectorised rounds settle most keys in one or two probes; the few keys on long probe
-        # chains are finished one by one rather than paying a full round each.
-        while len(todo) > _SCALAR_TAIL:
-            cand = self._table[pos]
-            live = cand >= 0
-            match = np.zeros(len(todo), dtype=bool)
-            if live.any():
-                li = np.flatnonzero(live)
-                ids = cand[li]
-                eq = (self.ns[ids] == ns) & np.all(self.keys[ids] == words[todo[li]], axis=1)
-                match[li[eq]] = True
-                result[todo[li[eq]]] = ids[eq]
-            keep = ~((cand == EMPTY) | match)
-            todo = todo[keep]
-            pos = (pos[keep] + 1) & (size - 1)
-        for i, p in zip(todo.tolist(), pos.tolist(), strict=True):
-            result[i] = self._probe(ns, words[i], p)
+        checked, width = 0, _WINDOW
+        again: list[int] = []
+        while len(todo) > _SCALAR_TAIL and checked < size:
+            width = min(width, size - checked)
+            steps = np.arange(checked, checked + width, dtype=np.int64)
+            cand = np.take(self._table, (pos[todo, None] + steps) & mask)
+            held = np.maximum(cand, 0)  # EMPTY and TOMBSTONE are negative
+            found = np.take(flat_keys, held * _KEY_WORDS) == words[todo, :1]  # keys[held, 0]
+            found &= cand >= 0
+            found &= np.take(self.ns, held) == ns
+            stop = found | (cand == EMPTY)
+            at = np.argmax(stop, axis=1)
+            rows = np.arange(len(todo))
+            hits = np.flatnonzero(found[rows, at])
+            ids = cand[hits, at[hits]].astype(np.int64)
+            have = np.take(self.keys, ids, axis=0)
+            want = np.take(words, todo[hits], axis=0)
+            same = have[:, 1] == want[:, 1]
+            for w in range(2, _KEY_WORDS):
+                same &= have[:, w] == want[:, w]
+            result[todo[hits[same]]] = ids[same]
+            again += todo[hits[~same]].tolist()
+            todo = todo[~stop[rows, at]]
+            checked += width
+            width *= 4
+        for i in todo.tolist():
+            # Positions below ``checked`` hold neither the key nor an empty slot.
+            result[i] = self._probe(ns, words[i], int(pos[i] + checked) & mask)
+        for i in again:
+            result[i] = self._probe(ns, words[i], int(pos[i]))
         return result
 
     def _probe(self, ns: int, key: np.ndarray, pos: int) -> int:

@@ -69,6 +69,34 @@ def test_colliding_first_words_are_told_apart():
     assert index.lookup(0, keys_to_words([prefix + bytes(24)])).tolist() == [-1]
 
 
+def test_probe_chains_longer_than_the_batch_windows_are_followed_to_their_end():
+    """Keys that hash to one slot make one long chain: a batch lookup finds each, past
+    tombstones, and misses absent keys of the same chain, in every namespace."""
+    index = BlockTable(initial_capacity=1024)
+    mask = np.uint64(len(index._table) - 1)
+    pool = keys_to_words([os.urandom(32) for _ in range(300_000)])
+    same = pool[(index._hash(0, pool[:, 0]) & mask) == (index._hash(0, pool[:1, 0]) & mask)]
+    assert len(same) >= 60
+    present, absent = same[:40], same[40:60]
+    ids = []
+    for w in present:
+        ids.append(index.add(0, w, 4096))
+        index.state[ids[-1]] = READY
+    assert len(index._table) - 1 == mask  # no rehash: the chain stayed one run of slots
+    for gone in (3, 17, 30):
+        index.remove(ids[gone])
+        ids[gone] = -1
+    batch = np.concatenate([present, absent])
+    assert index.lookup(0, batch).tolist() == ids + [-1] * 20
+    assert index.lookup(0, batch[::-1]).tolist() == (ids + [-1] * 20)[::-1]
+    assert index.lookup(1, batch).tolist() == [-1] * 60
+    # A few keys left deep in the chain once the others stopped: probed one by one from
+    # where the windows ended, the first of them right there.
+    few = [*range(9), *range(20, 25)]
+    batch = np.concatenate([present[few], absent[:2]])
+    assert index.lookup(0, batch).tolist() == [ids[i] for i in few] + [-1, -1]
+
+
 def test_bad_key_lengths():
     with pytest.raises(ValueError, match="key 1 has 31 bytes"):
         keys_to_words([bytes(32), bytes(31)])
