@@ -6,12 +6,16 @@ requests copy inline and answer without suspending once, and the extra task's st
 event loop more than the request's own work (0.25-0.3 ms of a 1.5 ms single-block Put here).
 ``eager_future`` runs the coroutine on the caller's stack up to its first suspension, as
 Python 3.12's eager task factory does for every task; only a coroutine that suspends goes on
-in a task, which takes it up exactly where it stopped.
+in a task, which takes it up exactly where it stopped. As with a task, the coroutine runs in
+a copy of the caller's context from its first step (a value it sets stays its own, and a token
+it takes before a wait resets after it); unlike a task, ``asyncio.current_task()`` is the
+caller's until the first wait, so ``asyncio.timeout`` and ``TaskGroup`` belong after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
@@ -23,8 +27,9 @@ def eager_future(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
     """The outcome of ``coro`` as a future: already done when it finished without suspending
     (its result, its exception, or cancelled), else a task running the rest of it."""
     loop = asyncio.get_running_loop()
+    context = contextvars.copy_context()
     try:
-        yielded = coro.send(None)
+        yielded = context.run(coro.send, None)
     except StopIteration as stop:
         done: asyncio.Future[T] = loop.create_future()
         done.set_result(stop.value)
@@ -39,34 +44,55 @@ def eager_future(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         done = loop.create_future()
         done.set_exception(e)
         return done
-    return loop.create_task(_Resumed(coro, yielded))
+    return loop.create_task(_Resumed(coro, yielded, context))
 
 
 class _Resumed(Coroutine[Any, Any, T]):
-    """A coroutine that was started and stopped at ``yielded`` (the future it waits on, or
-    None for a bare yield): to the task that drives it, its first step yields that again,
-    and every later step goes to the coroutine itself."""
+    """A coroutine that was started in ``context`` and stopped at ``yielded`` (the future it
+    waits on, or None for a bare yield): to the task that drives it, its first step yields
+    that again, and every later step goes to the coroutine itself, in that same context (a
+    task's own context could only be given on Python 3.11 and later)."""
 
-    __slots__ = ("_coro", "_pending")
+    __slots__ = ("_context", "_coro", "_pending")
 
-    def __init__(self, coro: Coroutine[Any, Any, T], yielded: Any) -> None:
+    def __init__(
+        self, coro: Coroutine[Any, Any, T], yielded: Any, context: contextvars.Context
+    ) -> None:
         self._coro = coro
         self._pending = yielded
+        self._context = context
 
     def send(self, value: Any) -> Any:
         if self._pending is not _NOTHING:
             pending, self._pending = self._pending, _NOTHING
             return pending
-        return self._coro.send(value)
+        return self._context.run(self._coro.send, value)
 
     def throw(self, *exc: Any) -> Any:  # type: ignore[override]
         # An exception before the first step (a cancel) reaches the coroutine where it waits.
         self._pending = _NOTHING
-        return self._coro.throw(*exc)
+        return self._context.run(self._coro.throw, *exc)
 
     def close(self) -> None:
         self._pending = _NOTHING
-        self._coro.close()
+        self._context.run(self._coro.close)
+
+    # What asyncio shows of a task (its repr, get_stack) is the coroutine's own.
+    @property
+    def __name__(self) -> str:
+        return self._coro.__qualname__  # type: ignore[attr-defined,no-any-return]
+
+    @property
+    def cr_code(self) -> Any:
+        return self._coro.cr_code  # type: ignore[attr-defined]
+
+    @property
+    def cr_frame(self) -> Any:
+        return self._coro.cr_frame  # type: ignore[attr-defined]
+
+    @property
+    def cr_running(self) -> bool:
+        return bool(self._coro.cr_running)  # type: ignore[attr-defined]
 
     def __await__(self) -> Generator[Any, None, T]:
         raise TypeError("a resumed coroutine is driven by its task only")

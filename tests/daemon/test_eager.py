@@ -150,3 +150,41 @@ def test_cancelling_the_task_reaches_the_coroutine_where_it_waits():
         assert gate2.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_context_variable_set_before_the_first_wait_is_the_coroutines_own():
+    """As with a task: the coroutine runs in a copy of the caller's context from its first
+    step, so a value it sets (and resets after a wait) never reaches the caller."""
+
+    async def work(gate: asyncio.Future[None]) -> str:
+        token = VAR.set("inside")
+        await gate
+        seen = VAR.get()
+        VAR.reset(token)  # a token of the context the coroutine started in
+        return seen
+
+    async def main() -> None:
+        VAR.set("caller")
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut = eager_future(work(gate))
+        assert VAR.get() == "caller"
+        gate.set_result(None)
+        assert await fut == "inside"
+        assert VAR.get() == "caller"
+
+    asyncio.run(main())
+
+
+def test_a_resumed_task_is_shown_by_its_coroutines_name_and_frame():
+    async def request_handler(gate: asyncio.Future[None]) -> None:
+        await gate
+
+    async def main() -> None:
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        task = eager_future(request_handler(gate))
+        assert "request_handler" in repr(task)
+        assert [f.f_code.co_name for f in task.get_stack()] == ["request_handler"]
+        gate.set_result(None)
+        await task
+
+    asyncio.run(main())
