@@ -26,8 +26,9 @@ programming errors (a slot that is not allocated, a buffer too short).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
@@ -209,6 +210,16 @@ class WriteOutcome(NamedTuple):
     slot: int
     ok: bool
     checksum: int = 0
+
+
+def write_outcomes(
+    slots: Iterable[int], oks: Iterable[bool], checksums: Iterable[int]
+) -> list[WriteOutcome]:
+    """One outcome per slot (``oks`` and ``checksums`` as long, or ``repeat(value)``), built
+    without a call of the named tuple's ``__new__`` each: a third of the cost, for the
+    thousands of blocks a batch of small ones has."""
+    rows = zip(slots, oks, checksums, strict=False)
+    return list(map(tuple.__new__, repeat(WriteOutcome), rows))
 
 
 @dataclass(frozen=True, slots=True)

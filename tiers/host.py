@@ -33,6 +33,7 @@ from kvtier.tiers.base import (
     TierStats,
     WriteBatch,
     WriteOutcome,
+    write_outcomes,
 )
 from kvtier.tiers.buffers import load_into, store_from
 from kvtier.tiers.slab import SlabAllocator
@@ -128,8 +129,9 @@ class HostArena:
         store_from(batch.src, range(len(batch.slots)), self.array, starts, batch.nbytes)
         self._counters["blocks_written"] += len(batch.slots)
         self._counters["bytes_written"] += len(batch.slots) * batch.nbytes
-        stored = zip(np.asarray(batch.slots, dtype=np.int64).tolist(), repeat(True), repeat(0))
-        return list(map(tuple.__new__, repeat(WriteOutcome), stored))
+        return write_outcomes(
+            np.asarray(batch.slots, dtype=np.int64).tolist(), repeat(True), repeat(0)
+        )
 
     def read(self, batch: ReadBatch) -> list[bool]:
         starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))

@@ -49,6 +49,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple, TypeAlias
 
@@ -66,6 +67,7 @@ from kvtier.tiers.base import (
     TierUnavailable,
     WriteBatch,
     WriteOutcome,
+    write_outcomes,
 )
 from kvtier.tiers.buffers import get_block, put_block
 from kvtier.tiers.disk.files import (
@@ -209,6 +211,13 @@ def _to_i64(value: int) -> int:
 
 def _from_i64(value: int) -> int:
     return value + _U64 if value < 0 else value
+
+
+def _outcomes(blocks: list[Block]) -> list[WriteOutcome]:
+    """Each block's outcome; its checksum only where it was written."""
+    oks = [b.ok for b in blocks]
+    sums = [b.checksum for b in blocks] if all(oks) else [b.checksum if b.ok else 0 for b in blocks]
+    return write_outcomes([b.slot for b in blocks], oks, sums)
 
 
 class _RowMap:
@@ -427,7 +436,7 @@ class DiskTier:
             raise ticket.error
         if not ticket.committed:
             return [WriteOutcome(b.slot, False, 0) for b in blocks]
-        return [WriteOutcome(b.slot, b.ok, b.checksum if b.ok else 0) for b in blocks]
+        return _outcomes(blocks)
 
     def _make_durable(self, tickets: list[_Ticket]) -> None:
         """The group step of ``write``: sync the files of every ticket's written blocks,
@@ -644,7 +653,7 @@ class DiskTier:
         if live is not None:
             self._io.sync([b for b in live if b.ok], priority)
             self._settle(blocks, live)
-        return [WriteOutcome(b.slot, b.ok, b.checksum if b.ok else 0) for b in blocks]
+        return _outcomes(blocks)
 
     def _write_unsynced(self, blocks: list[Block], priority: Priority) -> list[Block] | None:
         """Write the blocks' bytes, not yet synced; returns the blocks written to (``ok``
@@ -701,12 +710,22 @@ class DiskTier:
                     )
             written = [durable[slot] for _, _, slot in entries]
         # SQLite integers are signed: namespaces and checksums (unsigned 64-bit) go in as
-        # their two's complement. A batch has few namespaces: each is converted once.
-        signed = {ns: _to_i64(int(ns)) for ns in {e[0] for e in entries}}
-        rows = [
-            (signed[ns], bytes(key), slot, nbytes, _to_i64(sum_), now)
-            for (ns, key, slot), (nbytes, sum_) in zip(entries, written, strict=True)
-        ]
+        # their two's complement. A batch has few namespaces: each is converted once; the
+        # checksums as one array.
+        spaces, keys, slots = zip(*entries, strict=True)
+        sizes, sums = zip(*written, strict=True)
+        signed = {ns: _to_i64(int(ns)) for ns in set(spaces)}
+        rows = list(
+            zip(
+                map(signed.__getitem__, spaces),
+                map(bytes, keys),
+                slots,
+                sizes,
+                np.array(sums, dtype=np.uint64).view(np.int64).tolist(),
+                repeat(now),
+                strict=False,
+            )
+        )
         if self.faults.refuses_commits():
             self.faults.count(commits_refused_degraded=1)
             return False
@@ -715,7 +734,6 @@ class DiskTier:
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index commit")
             return False
-        slots = [e[2] for e in entries]
         with self._state_lock:
             for slot in slots:
                 durable.pop(slot, None)
