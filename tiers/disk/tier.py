@@ -446,14 +446,30 @@ class DiskTier:
         if written:
             self._io.sync(written, min(t.batch.priority for t in attempted))
         for t in attempted:
-            self._settle(t.blocks, t.live or [])
-        entries = [
-            (ref[0], ref[1], b.slot)
-            for t in tickets
-            for ref, b in zip(t.batch.blocks, t.blocks, strict=True)
-            if b.ok
-        ]
-        committed = not entries or self.commit(entries)
+            self._count_written(t.blocks, [b for b in t.live or () if b.ok])
+        # Rows straight from the blocks: the writes synced just now are committed by this
+        # same step, so they never wait in ``_durable`` as ``write_items`` writes do.
+        spaces: list[int] = []
+        keys: list[bytes] = []
+        done: list[Block] = []
+        for t in tickets:
+            if all(b.ok for b in t.blocks):
+                spaces += [ref[0] for ref in t.batch.blocks]
+                keys += [ref[1] for ref in t.batch.blocks]
+                done += t.blocks
+            else:
+                for ref, b in zip(t.batch.blocks, t.blocks, strict=True):
+                    if b.ok:
+                        spaces.append(ref[0])
+                        keys.append(ref[1])
+                        done.append(b)
+        committed = not done or self._insert_rows(
+            spaces,
+            keys,
+            [b.slot for b in done],
+            [b.nbytes for b in done],
+            [b.checksum for b in done],
+        )
         for t in tickets:
             t.committed = committed
 
@@ -679,6 +695,10 @@ class DiskTier:
         ok = [b for b in live if b.ok]
         with self._state_lock:
             self._durable.update([(b.slot, (b.nbytes, b.checksum)) for b in ok])
+        self._count_written(blocks, ok)
+
+    def _count_written(self, blocks: list[Block], ok: list[Block]) -> None:
+        """Count a batch of ``blocks`` of which ``ok`` were written."""
         self.faults.count(
             blocks_written=len(ok),
             bytes_written=sum(b.nbytes for b in ok),
@@ -699,7 +719,6 @@ class DiskTier:
         self._check_open()
         if not entries:
             return True
-        now = self._clock()
         durable = self._durable
         with self._state_lock:
             for _ns, key, slot in entries:
@@ -709,11 +728,29 @@ class DiskTier:
                         f"(key {bytes(key).hex()})"
                     )
             written = [durable[slot] for _, _, slot in entries]
+        spaces, keys, slots = zip(*entries, strict=True)
+        sizes, sums = zip(*written, strict=True)
+        if not self._insert_rows(spaces, keys, slots, sizes, sums):
+            return False
+        with self._state_lock:
+            for slot in slots:
+                durable.pop(slot, None)
+        return True
+
+    def _insert_rows(
+        self,
+        spaces: Sequence[int],
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        sizes: Sequence[int],
+        sums: Sequence[int],
+    ) -> bool:
+        """Insert the index rows of durably written slots in one transaction (``commit``'s
+        contract, columns given one list each)."""
+        now = self._clock()
         # SQLite integers are signed: namespaces and checksums (unsigned 64-bit) go in as
         # their two's complement. A batch has few namespaces: each is converted once; the
         # checksums as one array.
-        spaces, keys, slots = zip(*entries, strict=True)
-        sizes, sums = zip(*written, strict=True)
         signed = {ns: _to_i64(int(ns)) for ns in set(spaces)}
         rows = list(
             zip(
@@ -735,8 +772,6 @@ class DiskTier:
             self.faults.fault(classify(e), "index commit")
             return False
         with self._state_lock:
-            for slot in slots:
-                durable.pop(slot, None)
             self._committed.add_array(np.asarray(slots, dtype=np.int64))
         self.faults.count(commits=1, committed_blocks=len(rows))
         self.faults.space_returned()
