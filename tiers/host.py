@@ -141,8 +141,7 @@ class HostArena:
         return [True] * len(batch.slots)
 
     def remove(self, slots: Sequence[int]) -> bool:
-        for slot in slots:
-            self.allocator.free(int(slot))
+        self.allocator.free_many(slots)
         return True
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:

@@ -16,6 +16,7 @@ slot's byte offset is ``segment * segment_bytes + index * slot_bytes``, always a
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -263,6 +264,62 @@ class SlabAllocator:
         else:
             free.add(index)
 
+    def free_many(self, slots: Sequence[int] | np.ndarray) -> None:
+        """``free`` of every slot, a segment at a time (an eviction frees thousands of small
+        blocks). Raises ValueError, freeing none, when a slot is not allocated or is named
+        twice."""
+        arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if len(arr) == 0:
+            return
+        segs, idx = np.divmod(arr, self.slots_cap)
+        order = np.argsort(segs, kind="stable")
+        segs, idx = segs[order], idx[order]
+        cuts = np.flatnonzero(segs[1:] != segs[:-1]) + 1
+        starts = np.concatenate(([0], cuts))
+        # Where each segment's slots first and last appear in the batch: one by one, a
+        # segment joins the open ones at its first slot and empties at its last, and the
+        # order of those events decides which slots later allocations get.
+        firsts = order[starts].tolist()
+        lasts = order[np.append(cuts, len(order)) - 1].tolist()
+        groups: list[tuple[int, list[int]]] = []
+        for seg, part in zip(segs[starts].tolist(), np.split(idx, cuts), strict=True):
+            indices = part.tolist()
+            inside = 0 <= seg < self.num_segments
+            slot_bytes = int(self._seg_slot_bytes[seg]) if inside else 0
+            if slot_bytes == 0 or max(indices) >= self._seg_fresh[seg]:
+                bad = indices[0] if slot_bytes == 0 else max(indices)
+                raise ValueError(f"slot {seg * self.slots_cap + bad} is not allocated")
+            free = self._classes[slot_bytes].open_segments.get(seg, set())
+            if len(set(indices)) != len(indices) or not free.isdisjoint(indices):
+                seen: set[int] = set()
+                for i in indices:
+                    if i in seen or i in free:
+                        raise ValueError(f"slot {seg * self.slots_cap + i} is already free")
+                    seen.add(i)
+            groups.append((seg, indices))
+        emptied: list[tuple[int, int]] = []
+        opened: list[tuple[int, int, list[int]]] = []
+        for (seg, indices), first, last in zip(groups, firsts, lasts, strict=True):
+            slot_bytes = int(self._seg_slot_bytes[seg])
+            cls = self._classes[slot_bytes]
+            n = len(indices)
+            self._seg_used[seg] -= n
+            self._used_bytes -= n * slot_bytes
+            self._used_slots -= n
+            if self._seg_used[seg] == 0:
+                cls.open_segments.pop(seg, None)
+                cls.segments.discard(seg)
+                self._seg_slot_bytes[seg] = 0
+                self._seg_fresh[seg] = 0
+                emptied.append((last, seg))
+            elif seg in cls.open_segments:
+                cls.open_segments[seg].update(indices)
+            else:
+                opened.append((first, seg, indices))
+        for _, seg, indices in sorted(opened):
+            self._classes[int(self._seg_slot_bytes[seg])].open_segments[seg] = set(indices)
+        self._free_segments += [seg for _, seg in sorted(emptied)]
+
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot`` is currently handed out (or claimed)."""
         seg, index = divmod(slot, self.slots_cap)
@@ -395,6 +452,10 @@ class LockedSlab(SlabAllocator):
     def free(self, slot: int) -> None:
         with self._lock:
             super().free(slot)
+
+    def free_many(self, slots: Sequence[int] | np.ndarray) -> None:
+        with self._lock:
+            super().free_many(slots)
 
     def claim_many(self, slots: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         with self._lock:

@@ -151,3 +151,44 @@ def test_allocate_many_hands_out_what_one_at_a_time_would():
     assert many.allocate_many(4096, 0) == []
     with pytest.raises(ValueError):
         many.allocate_many(2 * MiB, 1)
+
+
+def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():
+    """A batch frees what as many single frees would, across sizes and segments (emptying
+    some), so both then hand out the same slots; a bad batch frees nothing."""
+    rng = np.random.default_rng(11)
+    one, many = SlabAllocator(8 * MiB, 1 * MiB), SlabAllocator(8 * MiB, 1 * MiB)
+    held: list[int] = []
+    for _ in range(40):
+        size = int(rng.choice([4096, 12_288, 65_536]))
+        count = int(rng.integers(1, 300))
+        got = one.allocate_many(size, count)
+        assert many.allocate_many(size, count) == got
+        held += got
+        rng.shuffle(held)
+        batch, held = held[: len(held) // 2], held[len(held) // 2 :]
+        for s in batch:
+            one.free(s)
+        many.free_many(np.array(batch, dtype=np.int64))
+        assert many.stats() == one.stats() and many.check() == []
+    # Refusals: a slot named twice, one already free, one never handed out, out of range.
+    before = many.stats()
+    live = held[:5]
+    freed = one.allocate(4096)
+    one.free(freed)
+    bad_batches = [
+        [*live, live[0]],
+        [*live, freed],
+        [*live, many.num_segments * many.slots_cap - 1],
+        [*live, -1],
+        [*live, many.num_segments * many.slots_cap],
+    ]
+    for bad in bad_batches:
+        with pytest.raises(ValueError, match="not allocated|already free"):
+            many.free_many(bad)
+        assert many.stats() == before
+    many.free_many([])
+    many.free_many(held)
+    for s in held:
+        one.free(s)
+    assert many.stats() == one.stats() and many.used_bytes == 0 and many.check() == []
