@@ -575,7 +575,7 @@ class KVService:
             raise InvalidArgument(f"{len(pages)} pages for {nkeys} keys; give one page per key")
         arr = np.asarray(pages, dtype=np.int64)
         pool.check_pages(arr)
-        if unique and len(np.unique(arr)) != len(arr):
+        if unique and len(arr) > 1 and len(np.unique(arr)) != len(arr):
             raise InvalidArgument("a page appears twice; each loaded block needs its own page")
         return arr
 
