@@ -125,15 +125,20 @@ def test_claim_many_matches_claim_one_by_one():
     assert many.stats() == one.stats() and many.used_bytes == 0
 
 
+def _random_requests(rng: np.random.Generator, rounds: int, most: int) -> list[tuple[int, int]]:
+    """(block size, count) of ``rounds`` allocations of mixed sizes."""
+    return [
+        (int(rng.choice([4096, 12_288, 65_536])), int(rng.integers(1, most))) for _ in range(rounds)
+    ]
+
+
 def test_allocate_many_hands_out_what_one_at_a_time_would():
     """A batch takes the same slots, in the same order, as as many single allocations,
     across freed slots, fresh slots and segment boundaries, and stops where the tier is full."""
     rng = np.random.default_rng(7)
     one, many = SlabAllocator(4 * MiB, 1 * MiB), SlabAllocator(4 * MiB, 1 * MiB)
     held: list[int] = []
-    for _ in range(60):
-        size = int(rng.choice([4096, 12_288, 65_536]))
-        count = int(rng.integers(1, 200))
+    for size, count in _random_requests(rng, 60, 200):
         singles = []
         while len(singles) < count and (s := one.allocate(size)) is not None:
             singles.append(s)
@@ -159,9 +164,7 @@ def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():
     rng = np.random.default_rng(11)
     one, many = SlabAllocator(8 * MiB, 1 * MiB), SlabAllocator(8 * MiB, 1 * MiB)
     held: list[int] = []
-    for _ in range(40):
-        size = int(rng.choice([4096, 12_288, 65_536]))
-        count = int(rng.integers(1, 300))
+    for size, count in _random_requests(rng, 40, 300):
         got = one.allocate_many(size, count)
         assert many.allocate_many(size, count) == got
         held += got
@@ -184,7 +187,7 @@ def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():
         [*live, many.num_segments * many.slots_cap],
     ]
     for bad in bad_batches:
-        with pytest.raises(ValueError, match="not allocated|already free"):
+        with pytest.raises(ValueError, match=r"not allocated|already free"):
             many.free_many(bad)
         assert many.stats() == before
     many.free_many([])
