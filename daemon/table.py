@@ -443,7 +443,8 @@ class BlockTable:
             steps = np.arange(checked, checked + width, dtype=np.int64)
             cand = np.take(self._table, (pos[todo, None] + steps) & mask)
             held = np.maximum(cand, 0)  # EMPTY and TOMBSTONE are negative
-            found = np.take(flat_keys, held * _KEY_WORDS) == words[todo, :1]  # keys[held, 0]
+            # keys[held, 0]; the offsets in int64, as a row id times 4 may pass 2**31.
+            found = np.take(flat_keys, held * np.int64(_KEY_WORDS)) == words[todo, :1]
             found &= cand >= 0
             found &= np.take(self.ns, held) == ns
             stop = found | (cand == EMPTY)

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from kvtier.tiers.slab import SlabAllocator
+from kvtier.tiers.slab import LockedSlab, SlabAllocator
 
 MiB = 1 << 20
 
@@ -160,9 +160,10 @@ def test_allocate_many_hands_out_what_one_at_a_time_would():
 
 def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():
     """A batch frees what as many single frees would, across sizes and segments (emptying
-    some), so both then hand out the same slots; a bad batch frees nothing."""
+    some), so both then hand out the same slots; a bad batch frees nothing. (The batch side
+    is a LockedSlab: its lock is taken once, around frees that take none.)"""
     rng = np.random.default_rng(11)
-    one, many = SlabAllocator(8 * MiB, 1 * MiB), SlabAllocator(8 * MiB, 1 * MiB)
+    one, many = SlabAllocator(8 * MiB, 1 * MiB), LockedSlab(8 * MiB, 1 * MiB)
     held: list[int] = []
     for size, count in _random_requests(rng, 40, 300):
         got = one.allocate_many(size, count)
@@ -174,22 +175,24 @@ def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():
             one.free(s)
         many.free_many(np.array(batch, dtype=np.int64))
         assert many.stats() == one.stats() and many.check() == []
-    # Refusals: a slot named twice, one already free, one never handed out, out of range.
+    # Refusals: a slot named twice, one already free, one never handed out, out of range;
+    # in a short batch (freed one by one) and a long one (a segment at a time).
     before = many.stats()
-    live = held[:5]
     freed = one.allocate(4096)
     one.free(freed)
-    bad_batches = [
-        [*live, live[0]],
-        [*live, freed],
-        [*live, many.num_segments * many.slots_cap - 1],
-        [*live, -1],
-        [*live, many.num_segments * many.slots_cap],
-    ]
-    for bad in bad_batches:
-        with pytest.raises(ValueError, match=r"not allocated|already free"):
-            many.free_many(bad)
-        assert many.stats() == before
+    assert len(held) > 40
+    for live in (held[:5], held[:40]):
+        bad_batches = [
+            [*live, live[0]],
+            [*live, freed],
+            [*live, many.num_segments * many.slots_cap - 1],
+            [*live, -1],
+            [*live, many.num_segments * many.slots_cap],
+        ]
+        for bad in bad_batches:
+            with pytest.raises(ValueError, match=r"not allocated|already free"):
+                many.free_many(bad)
+            assert many.stats() == before
     many.free_many([])
     many.free_many(held)
     for s in held:

@@ -440,7 +440,7 @@ class DiskTier:
 
     def _make_durable(self, tickets: list[_Ticket]) -> None:
         """The group step of ``write``: sync the files of every ticket's written blocks,
-        record them durable, and commit their rows in one transaction."""
+        count them, and commit their rows in one transaction."""
         attempted = [t for t in tickets if t.live is not None]
         written = [b for t in attempted for b in t.live or () if b.ok]
         if written:
