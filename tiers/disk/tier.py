@@ -215,9 +215,11 @@ def _from_i64(value: int) -> int:
 
 def _outcomes(blocks: list[Block]) -> list[WriteOutcome]:
     """Each block's outcome; its checksum only where it was written."""
-    oks = [b.ok for b in blocks]
-    sums = [b.checksum for b in blocks] if all(oks) else [b.checksum if b.ok else 0 for b in blocks]
-    return write_outcomes([b.slot for b in blocks], oks, sums)
+    return write_outcomes(
+        [b.slot for b in blocks],
+        [b.ok for b in blocks],
+        [b.checksum if b.ok else 0 for b in blocks],
+    )
 
 
 class _RowMap:
@@ -449,26 +451,18 @@ class DiskTier:
             self._count_written(t.blocks, [b for b in t.live or () if b.ok])
         # Rows straight from the blocks: the writes synced just now are committed by this
         # same step, so they never wait in ``_durable`` as ``write_items`` writes do.
-        spaces: list[int] = []
-        keys: list[bytes] = []
-        done: list[Block] = []
-        for t in tickets:
-            if all(b.ok for b in t.blocks):
-                spaces += [ref[0] for ref in t.batch.blocks]
-                keys += [ref[1] for ref in t.batch.blocks]
-                done += t.blocks
-            else:
-                for ref, b in zip(t.batch.blocks, t.blocks, strict=True):
-                    if b.ok:
-                        spaces.append(ref[0])
-                        keys.append(ref[1])
-                        done.append(b)
+        done = [
+            (ref, b)
+            for t in tickets
+            for ref, b in zip(t.batch.blocks, t.blocks, strict=True)
+            if b.ok
+        ]
         committed = not done or self._insert_rows(
-            spaces,
-            keys,
-            [b.slot for b in done],
-            [b.nbytes for b in done],
-            [b.checksum for b in done],
+            [ref[0] for ref, _ in done],
+            [ref[1] for ref, _ in done],
+            [b.slot for _, b in done],
+            [b.nbytes for _, b in done],
+            [b.checksum for _, b in done],
         )
         for t in tickets:
             t.committed = committed
