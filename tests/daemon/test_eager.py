@@ -95,10 +95,8 @@ def test_the_waited_futures_exception_is_raised_inside_the_coroutine():
 
 
 def test_a_shielded_eager_task_runs_to_its_end_when_its_caller_is_cancelled():
-    finished = asyncio.Event
-
     async def main() -> None:
-        done = finished()
+        done = asyncio.Event()
         gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def work() -> None:
