@@ -526,7 +526,7 @@ class _Engine:
                         if note_miss is not None:
                             note_miss(b, parent, now)
                         continue
-                    victim = int(found[0])
+                    victim = found.item(0)
                     if admits is not None and not admits(b, parent, victim, now):
                         declined["density"] += 1
                         if note_miss is not None:
@@ -767,7 +767,7 @@ class _Engine:
             if found is None:
                 tier.full_at = (now, tier.epoch)
                 return "protected" if self.protecting else "no_victim"
-            victim = int(found[0])
+            victim = found.item(0)
         if ask_admission:
             if not tier.admits_all:
                 decision = tier.admission.decide(b, victim if victim >= 0 else None, now)

@@ -675,12 +675,20 @@ class DensityPolicy(InsertEach, Hinted):
         classify = self._classify
         cnt_v = self._cnt_v
         if known and cnt_v[bid] > 0:
+            # ``classify(count, age_bucket(age), depth, turn)``, inline: the count is at least
+            # 2, so the gap counts.
             count = cnt_v[bid] + 1
             age = (now - self._last_v[bid]) / self._quantum
+            gap = 0 if age < 1.0 else min(1 + int(2.0 * math.log2(age)), AGE_BUCKETS - 1)
             depth, turn = self._depth_v[bid], self._turn_v[bid]
-            cls = classify(count, age_bucket(age), depth, turn)
+            cls = (
+                classify.count[count if count < 18 else 17]
+                + classify.gap[gap]
+                + classify.depth[depth if depth < 8 else 8]
+                + classify.turn[turn if turn < 6 else 6]
+            )
         elif 0 <= parent < size and cnt_v[parent] > 0:
-            # ``_lineage``, inline: this runs for every miss of a full tier.
+            # Its lineage as ``_access`` finds it, inline: this runs for every miss of a full tier.
             depth = self._depth_v[parent] + 1
             turn = self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0)
             cls = (
@@ -769,17 +777,6 @@ class DensityPolicy(InsertEach, Hinted):
             self._q = math.floor(now / self._quantum) * self._quantum
         return self._q
 
-    def _lineage(self, parent: int) -> tuple[int, int]:
-        """Depth and turn of a block first seen under ``parent``."""
-        if 0 <= parent < self._size:
-            count = self._cnt_v[parent]
-            if count > 0:
-                grew = 1 if count >= 2 else 0
-                return min(self._depth_v[parent] + 1, 1 << 30), min(
-                    self._turn_v[parent] + grew, 255
-                )
-        return 0, 0
-
     def _access(self, bid: int, now: float, parent: int) -> int:
         """End the block's open life (a reuse) and start a new one at ``now``; returns its
         class. The per-access path: locals and memoryviews keep it short."""
@@ -790,7 +787,12 @@ class DensityPolicy(InsertEach, Hinted):
         count = cnt_v[bid]
         classify = self._classify
         if count == 0:
-            depth, turn = self._lineage(parent)
+            depth = turn = 0
+            if 0 <= parent < self._size and cnt_v[parent] > 0:
+                # Its lineage: one deeper than its parent, and a turn later if the parent
+                # was read again before the chain grew (inline: once per block's first access).
+                depth = min(self._depth_v[parent] + 1, 1 << 30)
+                turn = min(self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0), 255)
             self._depth_v[bid] = depth
             self._turn_v[bid] = turn
             cnt_v[bid] = 1

@@ -101,6 +101,7 @@ _PROBATION = 1
 _PROTECTED = 2
 
 _NEVER_SEEN = -(1 << 62)
+_ONE = np.zeros(1, dtype=np.int64)
 _MIN_BUFFER = 64
 # Candidates are checked against the evictable mask in batches of at least this many.
 _MASK_BATCH = 32
@@ -277,7 +278,8 @@ class HeatPolicy(Hinted):
         ghost = ghost_v[bid]
         returning = False
         if ghost != _OUT:
-            returning = self._in_shadow(bid, ghost, cap)
+            # ``_in_shadow``, inline: most inserts of a full tier are of evicted blocks.
+            returning = self._evictions[ghost] - self._gseq_v[bid] < self._shadow_fraction * cap
             if returning:
                 if ghost == _PROBATION:
                     self._p = min(float(cap), self._p + self._gain)
@@ -496,7 +498,7 @@ class HeatPolicy(Hinted):
             return None
         if self._parked and self._parked[0][0] < now:
             self._unpark(now)
-        hinted = self._hints.live(now)
+        hinted = self._hints.latest >= now
         if self._owed_new:
             self._defer_owed()
         if n == 1 and evictable is None and not hinted:
@@ -506,25 +508,36 @@ class HeatPolicy(Hinted):
             if b < 0 or (b < self._size and self._ghost_v[b] != _OUT):
                 p, from_protected = self._adapted_target(incoming)
             _, bid = self._pick(n1, p, from_protected, self._coldest)
-            return np.array([bid], dtype=np.int64) if bid >= 0 else None
+            if bid < 0:
+                return None
+            one = _ONE.copy()  # cheaper than building an array from a list
+            one[0] = bid
+            return one
         p, from_protected = self._adapted_target(incoming)
         scans = {
             seg: self._candidates(seg, evictable, now if hinted else None, min(n, _MASK_BATCH))
             for seg in (_PROBATION, _PROTECTED)
         }
-        heads = {_PROBATION: -2, _PROTECTED: -2}  # -2: not looked at yet
+        # Per segment, the batch of candidates being taken and the position of its head.
+        ready: list[list[int]] = [[], [], []]
+        pos = [0, 0, 0]
 
         def head(seg: int) -> int:
-            if heads[seg] == -2:
-                heads[seg] = next(scans[seg], -1)
-            return heads[seg]
+            got, i = ready[seg], pos[seg]
+            while i >= len(got):
+                nxt = next(scans[seg], None)
+                if nxt is None:
+                    return -1
+                got, i = nxt, 0
+                ready[seg], pos[seg] = got, 0
+            return got[i]
 
         out: list[int] = []
         while len(out) < n:
             seg, bid = self._pick(n1, p, from_protected, head)
             if bid < 0:
                 return None
-            heads[seg] = -2
+            pos[seg] += 1
             if seg == _PROBATION:
                 n1 -= 1
             else:
@@ -592,7 +605,9 @@ class HeatPolicy(Hinted):
         if bid >= 0:
             if seg == _PROBATION:
                 other = head(_PROTECTED)
-                if other >= 0 and self._stale(other, bid):
+                # Protection runs out once the protected block's heat has decayed more
+                # than ``protection_halvings`` halvings below the probation block's.
+                if other >= 0 and self._eff_v[other] < self._eff_v[bid] - self._halvings:
                     return _PROTECTED, other
             elif self._kids_v[bid] > 0:
                 other = head(_PROBATION)
@@ -616,11 +631,6 @@ class HeatPolicy(Hinted):
         self._count[_PROBATION] -= 1
         self._count[_PROTECTED] += 1
 
-    def _stale(self, protected: int, probation: int) -> bool:
-        """Has the protected block's heat decayed below the probation block's by more than
-        ``protection_halvings`` halvings? Then it no longer earns its protection."""
-        return bool(self._eff_v[protected] < self._eff_v[probation] - self._halvings)
-
     def _returning_from(self, bid: int) -> int:
         """The segment whose shadow still holds ``bid``, or _OUT."""
         if not 0 <= bid < self._size or self._seg_v[bid] != _OUT:
@@ -636,10 +646,20 @@ class HeatPolicy(Hinted):
     def _adapted_target(self, incoming: Sequence[int]) -> tuple[float, bool]:
         """``p`` as it will be once ``incoming`` are inserted, and whether the first of them
         returns from protected's shadow; nothing is stored."""
-        p, cap = self._p, float(self.capacity)
+        p = self._p
+        if len(incoming) == 1:
+            # One block (the replayer's case, once per miss): ``_returning_from``, inline.
+            bid = incoming[0]
+            if not 0 <= bid < self._size or self._seg_v[bid] != _OUT:
+                return p, False
+            ghost = self._ghost_v[bid]
+            if ghost == _OUT or not self._in_shadow(bid, ghost, self.capacity):
+                return p, False
+            if ghost == _PROBATION:
+                return min(float(self.capacity), p + self._gain), False
+            return max(0.0, p - self._gain), True
+        cap = float(self.capacity)
         from_protected = False
-        if len(incoming) == 1 and not 0 <= incoming[0] < self._size:
-            return p, False
         for i, bid in enumerate(incoming):
             ghost = self._returning_from(bid)
             if ghost == _PROBATION:
@@ -958,6 +978,11 @@ class HeatPolicy(Hinted):
         buffer's head. ``now``: hints are live (a rebuild parks their blocks)."""
         buf = self._bufs[seg]
         seg_v, eff_v = self._seg_v, self._eff_v
+        entries, cur = buf.entries, buf.cur
+        if cur < len(entries):
+            key, _, bid = entries[cur]
+            if seg_v[bid] == seg and eff_v[bid] == key:
+                return bid  # the head is current (most calls): nothing to drop or trim
         while True:
             entries = buf.entries
             cur = buf.cur
@@ -985,17 +1010,19 @@ class HeatPolicy(Hinted):
 
     def _candidates(
         self, seg: int, evictable: EvictableFn | None, now: float | None, first: int
-    ) -> Iterator[int]:
-        """Valid, evictable blocks of ``seg``, coldest first, each once. ``now``: hints are
-        live (a hinted block is not evictable while ``now`` is at most its deadline; the
-        entries of those met are parked). Blocks are checked in batches of ``first`` (what
-        the caller needs), then twice as many each time."""
+    ) -> Iterator[list[int]]:
+        """Valid, evictable blocks of ``seg``, coldest first, each once, in the batches they
+        were checked in: ``first`` blocks (what the caller needs), then twice as many each
+        time (a caller takes from a batch what it needs, one by one, at a list's cost).
+        ``now``: hints are live (a hinted block is not evictable while ``now`` is at most its
+        deadline; the entries of those met are parked)."""
         buf = self._bufs[seg]
         if self._coldest(seg, now) < 0:
             return
-        yielded: set[int] = set()
+        seen: set[int] = set()
         pending: list[int] = []
         at: list[int] = []  # each pending block's position in the buffer
+        seg_v, eff_v = self._seg_v, self._eff_v
         i = buf.cur
         want = first
         steps = 0
@@ -1004,7 +1031,7 @@ class HeatPolicy(Hinted):
                 if i >= len(buf.entries):
                     if pending:
                         pending, i = self._park_hinted(seg, pending, at, i, now)
-                        yield from self._passing(pending, evictable, yielded)
+                        yield self._passing(pending, evictable)
                         pending, at = [], []
                     if buf.complete:
                         return
@@ -1016,17 +1043,18 @@ class HeatPolicy(Hinted):
                 entry = buf.entries[i]
                 i += 1
                 steps += 1
-                if entry[2] in yielded or not self._valid(seg, entry):
+                bid = entry[2]
+                # ``_valid``, inline: once per entry scanned.
+                if bid in seen or seg_v[bid] != seg or eff_v[bid] != entry[0]:
                     continue
-                if evictable is None and now is None:
-                    yielded.add(entry[2])
-                    yield entry[2]
-                    continue
-                pending.append(entry[2])
+                # Once per block: passing or not, the call decides the same for any other
+                # entry of it.
+                seen.add(bid)
+                pending.append(bid)
                 at.append(i - 1)
                 if len(pending) >= want:
                     pending, i = self._park_hinted(seg, pending, at, i, now)
-                    yield from self._passing(pending, evictable, yielded)
+                    yield self._passing(pending, evictable)
                     pending, at = [], []
                     want *= 2
         finally:
@@ -1069,14 +1097,13 @@ class HeatPolicy(Hinted):
             if gen == buf.gen and self._valid(seg, entry):
                 self._note_key(bid, seg, entry[0], -entry[1])
 
-    def _passing(
-        self, bids: list[int], evictable: EvictableFn | None, yielded: set[int]
-    ) -> Iterator[int]:
+    @staticmethod
+    def _passing(bids: list[int], evictable: EvictableFn | None) -> list[int]:
+        """Those of ``bids`` the caller's mask lets go."""
+        if evictable is None or not bids:
+            return bids
         arr = np.asarray(bids, dtype=np.int64)
-        ok = arr if evictable is None or len(arr) == 0 else arr[evictable(arr)]
-        for bid in ok.tolist():
-            yielded.add(bid)
-            yield bid
+        return arr[evictable(arr)].tolist()  # type: ignore[no-any-return]
 
     def _rebuild(self, seg: int, want: int, now: float | None = None) -> None:
         """Refill ``seg``'s buffer with its ``want`` coldest blocks (ties included); with

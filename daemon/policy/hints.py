@@ -30,11 +30,13 @@ from kvtier.daemon.policy.base import EvictableFn
 class HintTable:
     """Deadlines by block id (see the module docstring)."""
 
-    __slots__ = ("_latest", "_until")
+    __slots__ = ("_until", "latest")
 
     def __init__(self) -> None:
         self._until = np.full(0, -math.inf)
-        self._latest = -math.inf
+        # The latest deadline of any hint (-inf: none); read on per-victim paths, where
+        # ``live``'s call costs more than the comparison.
+        self.latest = -math.inf
 
     def add(self, bids: np.ndarray, until: float, now: float) -> None:
         if math.isnan(until):
@@ -50,8 +52,8 @@ class HintTable:
             grown[: len(self._until)] = self._until
             self._until = grown
         np.maximum.at(self._until, ids, until)
-        if until > self._latest:
-            self._latest = until
+        if until > self.latest:
+            self.latest = until
 
     def forget(self, bid: int) -> None:
         if 0 <= bid < len(self._until):
@@ -59,7 +61,7 @@ class HintTable:
 
     def live(self, now: float) -> bool:
         """Whether any hint may still protect a block at ``now``."""
-        return self._latest >= now
+        return self.latest >= now
 
     def until(self, bid: int) -> float:
         """The block's deadline (-inf without a hint)."""

@@ -20,7 +20,7 @@ class WalkingHeat(HeatPolicy):
 
     def _candidates(
         self, seg: int, evictable: EvictableFn | None, now: float | None, first: int
-    ) -> Iterator[int]:
+    ) -> Iterator[list[int]]:
         buf = self._bufs[seg]
         if self._coldest(seg) < 0:
             return
@@ -44,7 +44,7 @@ class WalkingHeat(HeatPolicy):
             if evictable is not None and not evictable(np.array([bid]))[0]:
                 continue
             yielded.add(bid)
-            yield bid
+            yield [bid]
 
 
 def hinted_pair(blocks: int, hinted: np.ndarray) -> tuple[HeatPolicy, WalkingHeat]:
