@@ -978,18 +978,18 @@ class HeatPolicy(Hinted):
         buffer's head. ``now``: hints are live (a rebuild parks their blocks)."""
         buf = self._bufs[seg]
         seg_v, eff_v = self._seg_v, self._eff_v
-        entries, cur = buf.entries, buf.cur
-        if cur < len(entries):
-            key, _, bid = entries[cur]
-            if seg_v[bid] == seg and eff_v[bid] == key:
-                return bid  # the head is current (most calls): nothing to drop or trim
         while True:
             entries = buf.entries
-            cur = buf.cur
-            while cur < len(entries):
+            start = cur = buf.cur
+            size = len(entries)
+            while cur < size:
                 key, _, bid = entries[cur]
                 if seg_v[bid] == seg and eff_v[bid] == key:
-                    buf.cur = self._trimmed(buf, cur)
+                    # ``_trimmed``'s test first: mostly the head did not move, or moved
+                    # little (one victim per call).
+                    if cur != start:
+                        trim = cur > _MIN_BUFFER and 2 * cur >= size
+                        buf.cur = self._trimmed(buf, cur) if trim else cur
                     return bid
                 cur += 1
             buf.cur = self._trimmed(buf, cur)
