@@ -24,7 +24,6 @@ Thread-safety: event loop only (see ``daemon/store.py``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -658,8 +657,9 @@ class SpaceManager:
             self.counters.inc("background_errors")
 
     async def drain(self) -> None:
-        """Wait for every background transfer started so far."""
+        """Wait for every background transfer started so far. A task leaves ``background``
+        in its done callback, which runs on the loop: ``asyncio.wait`` yields to it even when
+        every task has finished (awaiting a finished task does not, and a drain that only
+        did that spun forever)."""
         while self.background:
-            for task in list(self.background):
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await task
+            await asyncio.wait(list(self.background))

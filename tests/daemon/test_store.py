@@ -919,6 +919,23 @@ async def test_dropping_copies_in_a_batch_is_dropping_them_one_by_one(make_store
     assert batch.check() == [] and loop.check() == []
 
 
+@pytest.mark.timeout(30)  # the bug was a hang
+async def test_regression_drain_spun_forever_on_a_finished_task_not_yet_recorded(make_store):
+    """A background task that finished just before a drain, its done callback (which takes
+    it out of ``background``) still queued on the loop: the drain awaited the finished task,
+    which does not yield, and looped without ever letting the callback run."""
+    store = make_store(Clock())
+
+    async def nothing() -> None:
+        return None
+
+    store.space.spawn(nothing())
+    await asyncio.sleep(0)  # the task runs to its end; its done callback is queued after us
+    assert all(task.done() for task in store.space.background) and store.space.background
+    await store.space.drain()
+    assert not store.space.background
+
+
 async def test_l3_writes_beyond_its_budget_are_dropped_never_waited_for(make_store):
     """L3 is written behind: past tiers.l3.write_bytes_s the tier drops blocks; nothing in the
     store waits for the budget (the clock here never moves, so a wait would never end)."""
