@@ -85,6 +85,17 @@ class SlabAllocator:
         cls = self._classes.get(self.slot_bytes_for(nbytes))
         return bool(self._free_segments) or bool(cls and cls.open_segments)
 
+    def free_slots(self, nbytes: int) -> int:
+        """How many blocks of ``nbytes`` fit without freeing anything: the free slots of
+        their size and the slots of the free segments."""
+        slot_bytes = self.slot_bytes_for(nbytes)
+        n = len(self._free_segments) * (self.segment_bytes // slot_bytes)
+        cls = self._classes.get(slot_bytes)
+        if cls is not None and cls.open_segments:
+            segs = np.fromiter(cls.open_segments, dtype=np.int64, count=len(cls.open_segments))
+            n += len(segs) * cls.slots_per_segment - int(self._seg_used[segs].sum())
+        return n
+
     def allocate(self, nbytes: int) -> int | None:
         """A free slot for a block of ``nbytes``, or None when the tier has none."""
         got = self._take(nbytes, 1)
@@ -462,6 +473,10 @@ class LockedSlab(SlabAllocator):
     def can_allocate(self, nbytes: int) -> bool:
         with self._lock:
             return super().can_allocate(nbytes)
+
+    def free_slots(self, nbytes: int) -> int:
+        with self._lock:
+            return super().free_slots(nbytes)
 
     def claim(self, slot: int, nbytes: int) -> None:
         with self._lock:

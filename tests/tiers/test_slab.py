@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -156,6 +157,24 @@ def test_allocate_many_hands_out_what_one_at_a_time_would():
     assert many.allocate_many(4096, 0) == []
     with pytest.raises(ValueError):
         many.allocate_many(2 * MiB, 1)
+
+
+def test_free_slots_is_what_allocate_many_would_hand_out():
+    """Across sizes, freed slots, fresh slots and free segments, ``free_slots`` counts
+    exactly the slots a batch of that size gets before the tier is full."""
+    rng = np.random.default_rng(5)
+    alloc = SlabAllocator(4 * MiB, 1 * MiB)
+    held: list[int] = []
+    for size, count in _random_requests(rng, 40, 200):
+        held += alloc.allocate_many(size, count)
+        rng.shuffle(held)
+        for s in held[: len(held) // 3]:
+            alloc.free(s)
+        held = held[len(held) // 3 :]
+        for each in (4096, 12_288, 65_536):
+            room = alloc.free_slots(each)
+            assert room == len(copy.deepcopy(alloc).allocate_many(each, 10**6)), each
+    assert LockedSlab(MiB, MiB).free_slots(4096) == 256
 
 
 def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():

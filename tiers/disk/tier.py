@@ -280,6 +280,9 @@ class _Slab(LockedSlab):
     def can_allocate(self, nbytes: int) -> bool:
         return not self.recovering and super().can_allocate(nbytes)
 
+    def free_slots(self, nbytes: int) -> int:
+        return 0 if self.recovering else super().free_slots(nbytes)
+
     def free(self, slot: int) -> None:
         raise TypeError(
             f"L2 slot {slot}: free disk slots with DiskTier.remove(), which deletes their "
