@@ -35,8 +35,10 @@ least as its last child; a child the caller's mask keeps releases it as well, so
 leaf does not pin its chain). Atomic: exactly ``n`` or None, nothing changed.
 
 Admission (``admits``): a block missing from the tier is declined when its density at age 0
-is below the would-be victim's. ``note_miss`` records an access of a block the tier did not
-keep, so declined blocks still teach the statistics.
+is below the would-be victim's. ``admits_many`` asks for a batch in order, a block whose
+parent is earlier in the batch taking the lineage that parent will have. ``note_miss``
+records an access of a block the tier did not keep, so declined blocks still teach the
+statistics.
 
 Cost. A sorted buffer holds the keys of every leaf with density at or below ``bound`` for the
 current quantum and table; entries go stale when their block changes and are checked on read;
@@ -703,6 +705,50 @@ class DensityPolicy(InsertEach, Hinted):
         if b != victim or stamp != self._stamp_v[victim]:
             theirs = self._key(victim, self._quantise(now))[0]
         return bool(mine >= theirs)
+
+    def admits_many(
+        self, bids: Sequence[int], parents: Sequence[int], victim: int, now: float
+    ) -> list[bool]:
+        """``admits`` for each block of a batch, in order, each asked as it would be once
+        the blocks before it had been accessed (kept or noted with ``note_miss``): a parent
+        earlier in the batch lends the depth and turn it will have, though the policy has
+        not seen it yet (the daemon's store asks for a Put's new chain before it inserts any
+        of it). Pure."""
+        if not self._admission:
+            return [True] * len(bids)
+        size = self._size
+        cnt_v, depth_v, turn_v, until_v = self._cnt_v, self._depth_v, self._turn_v, self._until_v
+        classify = self._classify
+        # (access count, depth, turn) of the batch's blocks so far, once accessed.
+        lineage: dict[int, tuple[int, int, int]] = {}
+        out: list[bool] = []
+        for bid, parent in zip(bids, parents, strict=True):
+            known = 0 <= bid < size and cnt_v[bid] > 0
+            pending = lineage.get(parent)
+            if known or pending is None:
+                out.append(self.admits(bid, parent, victim, now))
+                if known:
+                    lineage[bid] = (cnt_v[bid] + 1, depth_v[bid], turn_v[bid])
+                else:
+                    lineage[bid] = (1, *self._lineage(parent))
+                continue
+            count, depth, turn = pending
+            depth, turn = min(depth + 1, 1 << 30), min(turn + (1 if count >= 2 else 0), 255)
+            lineage[bid] = (1, depth, turn)
+            if 0 <= bid < size and until_v[bid] >= now:
+                out.append(True)  # hinted
+                continue
+            mine = self._rows[classify(1, 0, depth, turn)][0]
+            out.append(bool(mine >= self._victim_density(victim, now)))
+        return out
+
+    def _victim_density(self, victim: int, now: float) -> float:
+        """``victim``'s density now (``admits`` inlines it: it runs for every miss of a
+        full tier in a replay)."""
+        b, stamp, theirs = self._pick
+        if b != victim or stamp != self._stamp_v[victim]:
+            theirs = self._key(victim, self._quantise(now))[0]
+        return theirs
 
     def note_miss(self, bid: int, parent: int, now: float) -> None:
         """``bid`` was read or stored but this tier does not keep it (declined, or no room):

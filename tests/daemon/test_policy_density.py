@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import pytest
+from density_training import roots_come_back
 
 from kvtier.daemon.policy.density import (
     AGE_BUCKETS,
@@ -328,6 +329,39 @@ def test_admission_follows_hints() -> None:
     assert not p.admits(5000, -1, hot[0], now)
     p.hint(np.array([5000]), now + 10.0, now)
     assert p.admits(5000, -1, hot[0], now)  # hinted: the engine reads it soon
+
+
+def test_admits_many_asks_a_new_chain_with_the_lineage_it_will_have() -> None:
+    """A Put's new chain is asked before any of it is in the policy: each block is asked as
+    it would be once the blocks before it were accessed (a sequential copy that notes each
+    one says the same), so the blocks under a new root are deep, not roots."""
+
+    def taught() -> DensityPolicy:
+        p = DensityPolicy(capacity_blocks=64)
+        roots_come_back(p, 1000, 0.0)
+        p.insert(1, 0.0)  # the victim: a root, just stored
+        p.hint(np.array([5]), 10.0, 0.0)
+        return p
+
+    p = taught()
+    chain, parents = [2, 3, 4, 5], [-1, 2, 3, 4]
+    answers = p.admits_many(chain, parents, 1, 0.0)
+    assert answers == [True, False, False, True]  # the root, two deep blocks, a hinted one
+    # Asked one by one, the unseen parents would make every block a root.
+    assert [p.admits(b, par, 1, 0.0) for b, par in zip(chain, parents, strict=True)] == [True] * 4
+    sequential = taught()
+    expected = []
+    for b, par in zip(chain, parents, strict=True):
+        expected.append(sequential.admits(b, par, 1, 0.0))
+        sequential.note_miss(b, par, 0.0)
+    assert expected == answers and sequential.stats().tables == p.stats().tables
+    # A block the policy knows is asked with its own history, whatever its parent.
+    p.note_miss(7, -1, -3.0)
+    p.note_miss(7, -1, -2.0)
+    assert p.admits_many([6, 7], [-1, 6], 1, 0.0)[1] == p.admits(7, -1, 1, 0.0)
+    off = DensityPolicy(capacity_blocks=64, admission=False)
+    off.insert(1, 0.0)
+    assert off.admits_many([2, 3], [-1, 2], 1, 0.0) == [True, True]
 
 
 # ----------------------------------------------------------------------- hints
