@@ -139,7 +139,8 @@ COUNTERS: dict[str, MetricDef] = {
     "admission": _c(
         "kvtier_admission_decisions_total",
         ("tier", "reason", "admitted"),
-        "Admission decisions of lower tiers, by reason; admitted=false are vetoes.",
+        "Admission decisions of lower tiers by their rule, and of the top tier by its policy's "
+        "own admission (reason: the policy, density), by reason; admitted=false are vetoes.",
     ),
     "prefetch_expired": _c(
         "kvtier_prefetch_expired_total",

@@ -17,6 +17,10 @@ Rules:
   does without (a Get then reads the block from the lower tier straight into its pages).
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``).
+- A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
+  ``density``) is asked before blocks that would have to evict enter it (``admit_own``); a
+  block it declines stays where it is, and an access it did not keep is told to its policy
+  (``missed``), as the replayer does.
 
 Thread-safety: event loop only (see ``daemon/store.py``).
 """
@@ -132,11 +136,26 @@ class SpaceManager:
             if len(admitted):
                 self.spawn(self.place(admitted, level, Priority.BACKGROUND))
 
-    def admit(self, level: Level, bids: np.ndarray, now: float) -> np.ndarray:
-        """Which of ``bids`` ``level``'s admission rule lets in, counting each reason."""
+    def admit(
+        self, level: Level, bids: np.ndarray, now: float, parents: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Which of ``bids`` ``level`` lets in, counting each reason: its admission rule,
+        then, for those the rule lets in, its policy's own admission (``admit_own``;
+        ``parents``: each block's chain predecessor, by default as the table links it)."""
         admit = np.ones(len(bids), dtype=bool)
-        if level.admits_all or len(bids) == 0:
+        if len(bids) == 0 or (level.admits_all and level.own_admission is None):
             return admit
+        if not level.admits_all:
+            self._admit_by_rule(level, bids, now, admit)
+        if level.own_admission is not None:
+            ok = np.flatnonzero(admit)
+            pars = self.table.parents_of(bids) if parents is None else parents
+            admit[ok] = self.admit_own(level, bids[ok], pars[ok], now)
+        return admit
+
+    def _admit_by_rule(self, level: Level, bids: np.ndarray, now: float, admit: np.ndarray) -> None:
+        """``level``'s admission rule on each of ``bids``, into ``admit``, counting each
+        reason."""
         victim_word: int | None = None
         if not level.keyed and not level.slots.allocator.can_allocate(
             int(self.table.nbytes[bids[0]])
@@ -153,7 +172,58 @@ class SpaceManager:
                 reason=decision.reason,
                 admitted="true" if decision.admit else "false",
             )
+
+    def admit_own(
+        self,
+        level: Level,
+        bids: np.ndarray,
+        parents: np.ndarray,
+        now: float,
+        *,
+        clean_only: bool = False,
+    ) -> np.ndarray:
+        """Which of ``bids`` (in chain order, none held by ``level``) ``level``'s policy's own
+        admission lets in: those the tier has room for without evicting, and of the rest
+        each one its policy finds worth more than the coldest block that making room would
+        evict (with ``clean_only``, of those with another copy, as such a reservation
+        evicts). All of them when the level has no own admission or nothing is evictable.
+        The decisions are counted with the policy's name as their reason."""
+        own = level.own_admission
+        admit = np.ones(len(bids), dtype=bool)
+        if own is None or level.keyed or len(bids) == 0:
+            return admit
+        nbytes = int(self.table.nbytes[bids[0]])
+        alloc = level.slots.allocator
+        room = alloc.free_slots(nbytes)
+        if room >= len(bids):
+            return admit
+        self.apply_touches()
+        mask = self.evictable(level, now, alloc.slot_bytes_for(nbytes), clean_only)
+        coldest = level.policy.victims(1, now, mask)
+        if coldest is None:
+            return admit
+        # The whole batch is asked, so that the blocks past the room take the lineage of
+        # those before them; only the answers past the room count.
+        answers = own.admits_many(bids.tolist(), parents.tolist(), int(coldest[0]), now)
+        admit[room:] = answers[room:]
+        taken = int(np.count_nonzero(admit[room:]))
+        label = level.label
+        self.counters.inc("admission", taken, tier=label, reason=own.reason, admitted="true")
+        declined = len(bids) - room - taken
+        self.counters.inc("admission", declined, tier=label, reason=own.reason, admitted="false")
         return admit
+
+    def missed(self, level: Level, bids: np.ndarray, parents: np.ndarray, now: float) -> None:
+        """``level`` did not keep blocks a request just read or stored (its policy's own
+        admission declined them, or it had no room): a policy with an own admission hears of
+        each access, in chain order, as the replayer tells it (``note_miss``)."""
+        own = level.own_admission
+        if own is None or len(bids) == 0:
+            return
+        self.apply_touches()
+        note = own.note_miss
+        for bid, parent in zip(bids.tolist(), parents.tolist(), strict=True):
+            note(bid, parent, now)
 
     # ------------------------------------------------------------------ placing
 
@@ -169,7 +239,9 @@ class SpaceManager:
     ) -> np.ndarray:
         """Give each of ``bids`` a copy in ``dst``, copied from the fastest other tier
         holding it; returns which now have one. A block already moving into ``dst`` is waited
-        for, not moved twice."""
+        for, not moved twice. Where ``dst`` has an own admission (``admit_own``), a block it
+        declines stays where it is; one a request reads (not a ``prefetch``) is told to its
+        policy as a miss."""
         table = self.table
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
@@ -182,6 +254,8 @@ class SpaceManager:
         if len(want) > 1:
             _, first = np.unique(want, return_index=True)
             want = want[np.sort(first)]  # each once, in the order asked
+        if dst.own_admission is not None and len(want):
+            want = self._admit_promotions(want, dst, clean_only, prefetch)
         refs = table.refs(want).tolist() if len(want) else []
         mine_idx, waits = self.transfers.claim(refs, dst.kind) if refs else ([], [])
         mine = want[mine_idx]
@@ -195,6 +269,24 @@ class SpaceManager:
         if waits:
             await asyncio.gather(*waits, return_exceptions=True)
         return table.slot[bids, dst.col] >= 0
+
+    def _admit_promotions(
+        self, bids: np.ndarray, dst: Level, clean_only: bool, prefetch: bool
+    ) -> np.ndarray:
+        """The blocks of ``bids`` ``dst``'s own admission takes; the others stay where they
+        are (a read of one is a miss of ``dst``'s policy; a prefetch of one is cancelled)."""
+        now = self._clock()
+        parents = self.table.parents_of(bids)
+        ok = self.admit_own(dst, bids, parents, now, clean_only=clean_only)
+        if ok.all():
+            return bids
+        declined = ~ok
+        if prefetch:
+            for word in self.table.keys[bids[declined], 0].tolist():
+                self.prefetches.evict(int(word), now)
+        else:
+            self.missed(dst, bids[declined], parents[declined], now)
+        return bids[ok]
 
     async def _place_owned(
         self,
@@ -271,6 +363,9 @@ class SpaceManager:
             )
             if len(slots) < len(group):
                 self.counters.inc("no_room", len(group) - len(slots), tier=dst.label)
+                if dst.own_admission is not None and not prefetch:
+                    left = group[len(slots) :]
+                    self.missed(dst, left, table.parents_of(left), self._clock())
             group, part = group[: len(slots)], part[: len(slots)]
         if len(group) == 0:
             return

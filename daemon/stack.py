@@ -4,7 +4,8 @@ A daemon runs any ordered subset of L0 (GPU), L1 (host), L2 (disk), L3 (remote);
 Tiers are addressed by ``TierKind``, never by list position: ``stack[kind]``, ``below(kind)``,
 ``above(kind)``. Each ``Level`` carries its tier, its column in the block table, its eviction
 policy and guard (pins, protection, warm-up, watermarks), the admission rule for blocks coming
-into it from above, how blocks reach it (``write_policy``) and its bandwidth limits.
+into it from above, the top tier's policy's own admission where it has one (``OwnAdmission``),
+how blocks reach it (``write_policy``) and its bandwidth limits.
 
 What the store may ask of a level is decided by the tier's capabilities, never by which tier it
 is: ``keyed`` (a key-addressed tier), ``persistent`` (survives restarts; removals are I/O),
@@ -56,6 +57,17 @@ class TokenBucket:
         return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
 
 
+@dataclass(frozen=True, slots=True)
+class OwnAdmission:
+    """A policy's own admission (hit density's ``admits_many`` and ``note_miss``), resolved
+    once when the level is built, so a level whose policy has none (``heat``) pays nothing
+    per request for it."""
+
+    admits_many: Callable[[Sequence[int], Sequence[int], int, float], list[bool]]
+    note_miss: Callable[[int, int, float], None]
+    reason: str  # the label of its decisions in the admission counter: the policy's name
+
+
 @dataclass(eq=False)
 class Level:
     kind: TierKind
@@ -67,6 +79,7 @@ class Level:
     write_policy: str  # how blocks reach this tier from above: write_back/write_through/selective
     reads: TokenBucket
     writes: TokenBucket
+    own_admission: OwnAdmission | None = None
 
     @property
     def label(self) -> str:
@@ -215,11 +228,20 @@ def _level(
         if not chosen:
             chosen = "second_hit" if write_policy == "selective" else default_admission(name)
         admission = make_admission(chosen)
+    policy = make_policy(name, half_life_s=pc.half_life_s)
+    own = None
+    admits_many = getattr(policy, "admits_many", None)
+    note_miss = getattr(policy, "note_miss", None)
+    # As in the replayer: a policy's own admission decides what the top tier keeps; a lower
+    # tier admits by its rule alone (there, density's own admission declined demoted blocks
+    # that were hit later).
+    if is_top and admits_many is not None and note_miss is not None:
+        own = OwnAdmission(admits_many, note_miss, name)
     return Level(
         kind=tier.kind,
         tier=tier,
         col=col,
-        policy=make_policy(name, half_life_s=pc.half_life_s),
+        policy=policy,
         guard=EvictionGuard(pc.protect_s, pc.warmup_s, high, low),
         admission=admission,
         write_policy=write_policy,
@@ -227,6 +249,7 @@ def _level(
         # A key-addressed tier keeps its own write budget and drops what exceeds it (written
         # behind, nothing waits for it); a wait here would only delay writes it then drops.
         writes=TokenBucket(0 if keyed else getattr(section, "write_bytes_s", 0), clock),
+        own_admission=own,
     )
 
 

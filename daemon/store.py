@@ -469,20 +469,33 @@ class BlockStore:
             # Claim the new keys before awaiting anything (see the module invariants).
             bids = table.add_many(ns, words[new_idx], block_bytes, owner=owner)
             table.inflight[bids] = 1
+            # The top tier's own admission weighs each block with its lineage, and hears of
+            # the blocks it did not keep.
+            own = self.top.own_admission is not None
             try:
-                placed = await self._store_new(pool, bids, pages[new_idx], now, owner)
+                pars = self._new_parents(bids, new_idx, existing, ns, parent_words) if own else None
+                placed = await self._store_new(pool, bids, pars, pages[new_idx], now, owner)
             except BaseException:
                 self._abandon(bids)
                 raise
             stored = bids[:placed]
+            if placed or own:
+                # The links as they stand now that the copies are done.
+                pars = self._new_parents(bids, new_idx, existing, ns, parent_words)
+                if placed:
+                    self._commit_new(stored, pars[:placed])
+                if own:
+                    # The top tier keeps a leading run; the rest are its policy's misses,
+                    # told in chain order once the blocks before them are in it, and before
+                    # the blocks stored nowhere are forgotten.
+                    kept = int(np.count_nonzero(table.slot[bids, self.top.col] >= 0))
+                    self.space.missed(self.top, bids[kept:], pars[kept:], self._clock())
             self._abandon(bids[placed:])
         rejected = new_idx[len(stored) :]
         results[rejected] = _REJECTED_FULL
         self.space.misses.record(words[rejected, 0].tolist(), DECLINED)
         new_idx = new_idx[: len(stored)]
         self.space.misses.discard(words[new_idx, 0].tolist())
-        if len(stored):
-            self._commit_new(stored, new_idx, existing, ns, parent_words)
         self.counters.inc("bytes_put", len(stored) * block_bytes)
         self._count_put(results)
         chain = existing.copy()
@@ -518,12 +531,21 @@ class BlockStore:
         return persisted
 
     async def _store_new(
-        self, pool: EnginePool, bids: np.ndarray, pages: np.ndarray, now: float, owner: int
+        self,
+        pool: EnginePool,
+        bids: np.ndarray,
+        pars: np.ndarray | None,
+        pages: np.ndarray,
+        now: float,
+        owner: int,
     ) -> int:
-        """Copy new blocks from the pool into the top tier; when it has no room for all of
-        them (everything evictable taken, the rest pinned or protected), the rest go straight
-        to the next slot tier below that takes writes and admits them. Blocks are placed in
-        chain order, so what is stored is always a leading run; returns its length."""
+        """Copy new blocks (``pars``: their predecessors, needed where the top tier has an
+        own admission) from the pool into the top tier; when it has no room for all of them
+        (everything evictable taken, the rest pinned or protected) or its policy's own
+        admission declines one, the rest go straight to the next slot tier below that takes
+        writes and admits them. Blocks are placed in chain order, so what each tier stores is
+        a leading run of what reached it, and what is stored is a leading run; returns its
+        length."""
         table = self.table
         nbytes = pool.block_bytes
         done = 0
@@ -533,10 +555,12 @@ class BlockStore:
             if level.keyed or not level.tier.health().accepts_writes:
                 continue
             todo = bids[done:]
-            if level is not self.top:
-                admitted = self.space.admit(level, todo, now)
-                todo = todo[: len(admitted) if admitted.all() else int(np.argmin(admitted))]
+            admitted = self.space.admit(level, todo, now, None if pars is None else pars[done:])
+            if not admitted.all():
+                todo = todo[: int(np.argmin(admitted))]
                 if len(todo) == 0:
+                    if level is self.top:
+                        continue
                     break
             slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND, owner=owner)
             if not slots:
@@ -577,28 +601,40 @@ class BlockStore:
                 break
         return done
 
-    def _commit_new(
+    def _new_parents(
         self,
         bids: np.ndarray,
         new_idx: np.ndarray,
         existing: np.ndarray,
         ns: int,
         parent_words: np.ndarray | None,
-    ) -> None:
+    ) -> np.ndarray:
+        """Each new block's predecessor: the block of the key before it in the put (stored
+        already, or new in this put), or for the first key the request's parent; -1 where
+        that block is not stored."""
+        table = self.table
+        chain = existing.copy()
+        chain[new_idx] = bids
+        parent = -1
+        if parent_words is not None:
+            parent = int(table.lookup(ns, parent_words[None, :])[0])
+        prev = np.maximum(new_idx - 1, 0)
+        pars = np.where(new_idx > 0, chain[prev], parent)
+        new = np.zeros(len(chain), dtype=bool)
+        new[new_idx] = True
+        ours = (new_idx > 0) & new[prev]
+        pars[~ours & (table.state[np.maximum(pars, 0)] != READY)] = -1
+        return pars
+
+    def _commit_new(self, bids: np.ndarray, pars: np.ndarray) -> None:
+        """New blocks (``pars``: their predecessors) become visible, linked and known to the
+        policies of the tiers holding them."""
         self.space.apply_touches()
         table = self.table
         now = self._clock()
         table.inflight[bids] = 0
         table.state[bids] = READY
         table.last_access[bids] = now
-        chain = existing.copy()
-        chain[new_idx] = bids
-        parent = -1
-        if parent_words is not None:
-            parent = int(table.lookup(ns, parent_words[None, :])[0])
-        # Each new block's predecessor: the chain's previous block, or the request's parent.
-        pars = np.where(new_idx > 0, chain[np.maximum(new_idx - 1, 0)], parent)
-        pars[(pars >= 0) & (table.state[np.maximum(pars, 0)] != READY)] = -1
         table.link_many(bids, pars)
         held = table.slot[bids] >= 0
         for level in self.stack:

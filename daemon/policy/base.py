@@ -14,6 +14,13 @@ Hints (``hint``): the engine names blocks it will read by a deadline (its waitin
 Every policy implements it with ``kvtier.daemon.policy.hints.HintTable``, so the rule is the
 same everywhere.
 
+Own admission (optional, ``density`` has one): ``admits(bid, parent, victim, now)`` says
+whether a block missing from the tier is worth more than the would-be ``victim``,
+``admits_many(bids, parents, victim, now)`` the same for a batch in order (a parent earlier in
+the batch counts as accessed), and ``note_miss(bid, parent, now)`` records an access the tier
+did not keep. The replayer asks ``admits`` for L1; the daemon asks ``admits_many`` for its top
+tier whenever a block would have to evict to get in, and calls ``note_miss``.
+
 Block ids are rows of the store's index and are reused once a block is forgotten. A policy
 must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see
 ``forget``.

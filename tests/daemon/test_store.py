@@ -13,9 +13,11 @@ from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
+from density_training import roots_come_back
 
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
+from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
@@ -956,6 +958,150 @@ async def test_l3_writes_beyond_its_budget_are_dropped_never_waited_for(make_sto
     a.space.apply_touches()
     await asyncio.wait_for(a.space.drain(), 5)
     assert len(shared.values) == 4
+
+
+# ------------------------------------------------------- the top tier's own admission
+
+
+def density_store(make_store, clock, **kw):
+    """A store whose L1 (16 slots) runs ``density``, taught that a chain's root comes back
+    within a second and deeper blocks never do (ids the store never uses), then filled with
+    16 roots stored now: its coldest block is a fresh root."""
+    store = make_store(clock, policy="density", **kw)
+    policy = store.top.policy
+    assert isinstance(policy, DensityPolicy) and store.top.own_admission is not None
+    roots_come_back(policy, 10_000, clock.now)
+    return store
+
+
+async def fill_with_roots(store, pool) -> np.ndarray:
+    roots = keys(16)
+    for i in range(16):
+        assert await put(store, pool, roots[i : i + 1], pages=[i]) == [PutResult.STORED]
+    assert where(store, roots) == ["L1"] * 16
+    return roots
+
+
+def own_admissions(store, admitted: bool) -> int:
+    return store.counters.get(
+        "admission", tier="L1", reason="density", admitted="true" if admitted else "false"
+    )
+
+
+async def test_density_declines_a_colder_chain_from_l1_and_l2_takes_it(make_store):
+    """L1 full of fresh roots: a new chain under one of them is deep, worth less than the
+    coldest root, so L1 declines it whole (its blocks are asked with the depth they will
+    have) and it lands on L2, loadable byte-exact; L1's policy heard of each block."""
+    clock = Clock()
+    store, pool = density_store(make_store, clock, l2_segments=4), make_pool()
+    roots = await fill_with_roots(store, pool)
+    deep = keys(4)
+    assert await put(store, pool, deep, pages=range(16, 20), parent=roots[0]) == (
+        [PutResult.STORED] * 4
+    )
+    assert where(store, deep) == ["L2"] * 4 and where(store, roots) == ["L1"] * 16
+    assert (own_admissions(store, True), own_admissions(store, False)) == (0, 4)
+    assert store.counters.get("evictions", tier="L1") == 0
+    policy = store.top.policy
+    seen = [policy.describe(int(b)) for b in store.table.lookup(0, deep).tolist()]
+    assert [(s.count, s.resident, s.open_life) for s in seen] == [(1, False, True)] * 4
+    assert [s.depth for s in seen] == [1, 2, 3, 4]  # told in chain order, under their root
+    want = [page_bytes(pool, p) for p in range(16, 20)]
+    pool.array[16 * 4096 : 20 * 4096] = 0
+    assert await get(store, pool, deep, range(16, 20)) == [True] * 4
+    assert [page_bytes(pool, p) for p in range(16, 20)] == want
+
+
+async def test_density_declined_without_l2_stores_nothing(make_store):
+    clock = Clock()
+    store, pool = density_store(make_store, clock), make_pool()
+    roots = await fill_with_roots(store, pool)
+    deep = keys(4)
+    results = await put(store, pool, deep, pages=range(16, 20), parent=roots[0])
+    assert results == [PutResult.REJECTED_FULL] * 4
+    assert store.counters.get("put_blocks", result="rejected") == 4
+    assert not any(present(store, deep)) and where(store, roots) == ["L1"] * 16
+    assert own_admissions(store, False) == 4
+
+
+async def test_density_admits_a_block_worth_more_than_the_victim_which_goes(make_store):
+    """L1 full of one chain: its leaf (deep) is the victim. A new root is worth more: L1
+    takes it and the leaf goes down to L2."""
+    clock = Clock()
+    store, pool = density_store(make_store, clock, l2_segments=4), make_pool()
+    chain = keys(16)
+    assert await put(store, pool, chain) == [PutResult.STORED] * 16
+    root = keys(1)
+    assert await put(store, pool, root, pages=[16]) == [PutResult.STORED]
+    assert where(store, root) == ["L1"]
+    assert where(store, chain) == ["L1"] * 15 + ["L2"]
+    assert (own_admissions(store, True), own_admissions(store, False)) == (1, 0)
+    assert store.counters.get("evictions", tier="L1") == 1
+
+
+async def test_density_weighs_a_new_chain_at_the_depth_each_block_will_have(make_store):
+    """L1 full of one chain, its deep leaf the victim: a new chain's root is worth more and
+    is taken; the blocks under it are as deep as they will be (not roots, as the policy, not
+    knowing their new parents yet, would take them alone), worth less: they go to L2."""
+    clock = Clock()
+    store, pool = density_store(make_store, clock, l2_segments=4), make_pool()
+    await put(store, pool, keys(16))
+    new = keys(4)
+    assert await put(store, pool, new, pages=range(16, 20)) == [PutResult.STORED] * 4
+    assert where(store, new) == ["L1", "L2", "L2", "L2"]
+    assert (own_admissions(store, True), own_admissions(store, False)) == (1, 3)
+    policy = store.top.policy
+    seen = [policy.describe(b) for b in store.table.lookup(0, new).tolist()]
+    assert [(s.depth, s.resident) for s in seen] == [(0, True), (1, False), (2, False), (3, False)]
+
+
+async def test_density_declines_a_promotion_the_get_still_loads_from_l2(make_store):
+    """A Get of blocks only L2 holds, with L1 full of roots that have L2 copies (clean room):
+    L1's policy declines to promote the deep blocks; they stay on L2 and load from there,
+    and the read is an access its policy hears of. A hinted block is always admitted."""
+    clock = Clock()
+    store = density_store(
+        make_store, clock, l2_segments=4, sets=("tiers.l2.write_policy=write_through",)
+    )
+    pool = make_pool()
+    roots = await fill_with_roots(store, pool)
+    deep = keys(4)
+    await put(store, pool, deep, pages=range(16, 20), parent=roots[0])
+    await store.space.drain()
+    assert where(store, deep) == ["L2"] * 4
+    declined = own_admissions(store, False)
+    want = [page_bytes(pool, p) for p in range(16, 20)]
+    pool.array[:] = 0
+    assert await get(store, pool, deep, range(20, 24)) == [True] * 4
+    assert [page_bytes(pool, p) for p in range(20, 24)] == want
+    assert where(store, deep) == ["L2"] * 4 and where(store, roots) == ["L1"] * 16
+    assert own_admissions(store, False) == declined + 4
+    assert store.counters.get("loaded_from", tier="L2") == 4
+    ids = store.table.lookup(0, deep).tolist()
+    assert [store.top.policy.describe(b).count for b in ids] == [2] * 4
+    # The engine will read the first two soon (a hint): promoted, evicting clean roots.
+    await store.prefetch(0, deep[:2], deadline_ms=5000, priority=0)
+    await store.space.drain()
+    assert where(store, deep) == ["L1", "L1", "L2", "L2"]
+    assert own_admissions(store, True) == 2
+
+
+@pytest.mark.parametrize("policy", ["heat", "lru", "arc"])
+async def test_policies_without_an_own_admission_take_every_block_as_before(make_store, policy):
+    """The same Put as above under a policy without ``admits``: L1 takes the chain,
+    evicting, and no admission is counted for it."""
+    clock = Clock()
+    store = make_store(clock, policy=policy, l2_segments=4)
+    assert all(level.own_admission is None for level in store.stack)
+    pool = make_pool()
+    roots = await fill_with_roots(store, pool)
+    deep = keys(4)
+    assert await put(store, pool, deep, pages=range(16, 20), parent=roots[0]) == (
+        [PutResult.STORED] * 4
+    )
+    assert where(store, deep) == ["L1"] * 4
+    assert store.counters.get("evictions", tier="L1") == 4
+    assert store.counters.get("admission") == 0
 
 
 @pytest.mark.parametrize("n", [10, 200])
