@@ -823,6 +823,18 @@ class DensityPolicy(InsertEach, Hinted):
             self._q = math.floor(now / self._quantum) * self._quantum
         return self._q
 
+    def _lineage(self, parent: int) -> tuple[int, int]:
+        """Depth and turn of a block first seen under ``parent``: one deeper, and a turn
+        later if the parent was read again before the chain grew (``_access`` inlines it)."""
+        if 0 <= parent < self._size:
+            count = self._cnt_v[parent]
+            if count > 0:
+                grew = 1 if count >= 2 else 0
+                return min(self._depth_v[parent] + 1, 1 << 30), min(
+                    self._turn_v[parent] + grew, 255
+                )
+        return 0, 0
+
     def _access(self, bid: int, now: float, parent: int) -> int:
         """End the block's open life (a reuse) and start a new one at ``now``; returns its
         class. The per-access path: locals and memoryviews keep it short."""
@@ -835,8 +847,7 @@ class DensityPolicy(InsertEach, Hinted):
         if count == 0:
             depth = turn = 0
             if 0 <= parent < self._size and cnt_v[parent] > 0:
-                # Its lineage: one deeper than its parent, and a turn later if the parent
-                # was read again before the chain grew (inline: once per block's first access).
+                # ``_lineage(parent)``, inline: once per block's first access.
                 depth = min(self._depth_v[parent] + 1, 1 << 30)
                 turn = min(self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0), 255)
             self._depth_v[bid] = depth
