@@ -721,7 +721,11 @@ class BlockStore:
         without waiting, then load each block from the fastest tier holding it (the rest is
         read from below straight into the pages). Raises once all of its copies are done."""
         lower = bids[self.table.slot[bids, self.top.col] < 0]
-        if len(lower):
+        # A Get past layer 0 is not an access (see ``get``). An own admission hears of
+        # every promotion it declines as an access, so there the Get of layer 0 decided
+        # for the whole read and a later layer's Get reads each block where it is.
+        asks = layers is None or layers[0] == 0 or self.top.own_admission is None
+        if len(lower) and asks:
             await self.space.place(lower, self.top, Priority.DEMAND, clean_only=True)
         jobs = []
         source = self._fastest_col(bids)

@@ -1086,6 +1086,40 @@ async def test_density_declines_a_promotion_the_get_still_loads_from_l2(make_sto
     assert own_admissions(store, True) == 2
 
 
+async def test_regression_a_layerwise_get_of_declined_blocks_was_an_access_per_layer(make_store):
+    """An engine reads layer by layer: one Get per layer range, only the first an access.
+    Each Get's promotion asked L1's own admission again and told its policy of every
+    decline, so one read of L2-only blocks counted as an access (a reuse at age 0, which
+    raises the block's class) per layer range. Now the Get of layer 0 decides for the read."""
+    clock = Clock()
+    store = density_store(
+        make_store, clock, l2_segments=4, sets=("tiers.l2.write_policy=write_through",)
+    )
+    layout = PoolLayout.staging(
+        num_layers=2, num_pages=64, block_tokens=1, chunk_bytes=2048, kv_count=1
+    )
+    pool = Pool(1, "s", "test", layout, mmap.mmap(-1, layout.extent_bytes))
+    pool.array[:] = np.random.default_rng(0).integers(0, 256, len(pool.array), dtype=np.uint8)
+    roots = await fill_with_roots(store, pool)
+    deep = keys(4)
+    await put(store, pool, deep, pages=range(16, 20), parent=roots[0])
+    await store.space.drain()
+    assert where(store, deep) == ["L2"] * 4
+    ids = store.table.lookup(0, deep).tolist()
+    policy = store.top.policy
+    assert [policy.describe(b).count for b in ids] == [1] * 4
+    declined = own_admissions(store, False)
+    want = [page_bytes(pool, p) for p in range(16, 20)]
+    pages = np.arange(20, 24)
+    # As the service issues one read: layer 0 touches, the later layers do not.
+    assert (await store.get(pool, 0, deep, pages, touch=True, layers=(0, 1))).all()
+    assert (await store.get(pool, 0, deep, pages, touch=False, layers=(1, 2))).all()
+    assert [page_bytes(pool, p) for p in range(20, 24)] == want
+    assert where(store, deep) == ["L2"] * 4
+    assert [policy.describe(b).count for b in ids] == [2] * 4
+    assert own_admissions(store, False) == declined + 4
+
+
 @pytest.mark.parametrize("policy", ["heat", "lru", "arc"])
 async def test_policies_without_an_own_admission_take_every_block_as_before(make_store, policy):
     """The same Put as above under a policy without ``admits``: L1 takes the chain,
