@@ -256,3 +256,18 @@ def test_regression_a_complete_candidate_buffer_kept_every_consumed_entry():
             parent = bid
     assert all(len(buf.entries) <= 4 * 64 + len(live) for buf in policy._bufs)
     assert sorted(policy.order().tolist()) == sorted(live)
+
+
+def test_regression_a_reused_id_was_a_victim_twice_under_a_mask():
+    """An id forgotten and inserted again at the same time and depth gets the key of its old
+    buffer entry, which becomes current again beside the new one: a scan under a mask (or
+    hints) checked both in one batch and handed the block out twice."""
+    policy = HeatPolicy()
+    for bid in range(5):
+        policy.insert(bid, 0.0)
+    assert policy.victims(1, 0.0, None).tolist() == [0]  # the buffer is built
+    policy.remove(3)
+    policy.forget(3)
+    policy.insert(3, 0.0)
+    every = policy.victims(5, 0.0, lambda b: np.ones(len(b), dtype=bool))
+    assert every is not None and sorted(every.tolist()) == [0, 1, 2, 3, 4]
