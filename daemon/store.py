@@ -479,18 +479,20 @@ class BlockStore:
                 self._abandon(bids)
                 raise
             stored = bids[:placed]
-            if placed or own:
-                # The links as they stand now that the copies are done.
-                pars = self._new_parents(bids, new_idx, existing, ns, parent_words)
-                if placed:
-                    self._commit_new(stored, pars[:placed])
-                if own:
-                    # The top tier keeps a leading run; the rest are its policy's misses,
-                    # told in chain order once the blocks before them are in it, and before
-                    # the blocks stored nowhere are forgotten.
-                    kept = int(np.count_nonzero(table.slot[bids, self.top.col] >= 0))
-                    self.space.missed(self.top, bids[kept:], pars[kept:], self._clock())
-            self._abandon(bids[placed:])
+            try:
+                if placed or own:
+                    # The links as they stand now that the copies are done.
+                    pars = self._new_parents(bids, new_idx, existing, ns, parent_words)
+                    if placed:
+                        self._commit_new(stored, pars[:placed])
+                    if own:
+                        # The top tier keeps a leading run; the rest are its policy's misses,
+                        # told in chain order once the blocks before them are in it, and
+                        # before the blocks stored nowhere are forgotten.
+                        kept = int(np.count_nonzero(table.slot[bids, self.top.col] >= 0))
+                        self.space.missed(self.top, bids[kept:], pars[kept:], self._clock())
+            finally:
+                self._abandon(bids[placed:])  # the rows of blocks stored nowhere, whatever
         rejected = new_idx[len(stored) :]
         results[rejected] = _REJECTED_FULL
         self.space.misses.record(words[rejected, 0].tolist(), DECLINED)
