@@ -41,7 +41,7 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def pct_ms(seconds: Sequence[float], q: float) -> float:
+def pct_ms(seconds: Sequence[float] | np.ndarray, q: float) -> float:
     """The ``q``-th percentile of ``seconds``, in milliseconds."""
     return float(np.percentile(np.asarray(seconds, dtype=np.float64), q) * 1e3)
 

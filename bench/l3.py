@@ -229,8 +229,8 @@ async def _run(
                         raise RuntimeError(f"probe found {found} of {len(chain)}")
                 else:
                     p = pipe()
-                    for k in chain_keys:
-                        p.execute_command("EXISTS", k)
+                    for chain_key in chain_keys:
+                        p.execute_command("EXISTS", chain_key)
                     await p.execute()
                 if i >= 10:  # warm-up
                     (tier_us if side == 0 else raw_us).append((time.perf_counter() - t0) * 1e6)

@@ -15,6 +15,7 @@ from kvtier import paths
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPES as _DTYPES
+from kvtier.proto.wire import tier_enum
 
 ADDRESS_ENV = paths.ADDRESS_ENV
 
@@ -207,14 +208,14 @@ def pages_list(pages: Sequence[int]) -> list[int]:
     return [int(p) for p in pages]
 
 
-def tier_value(tier: Tier | int | str) -> int:
+def tier_value(tier: Tier | int | str) -> pb.Tier:
     """A tier given as ``Tier``, its wire number or its label (``"L1"``)."""
     if isinstance(tier, str):
         for t in Tier:
             if t.name.startswith(tier.upper() + "_"):
-                return int(t)
+                return tier_enum(int(t))
         raise ValueError(f"unknown tier {tier!r}; one of L0, L1, L2, L3")
-    return int(tier)
+    return tier_enum(int(tier))
 
 
 # --------------------------------------------------------------------- responses

@@ -399,8 +399,8 @@ def families(snap: Snapshot) -> Iterator[Metric]:
             put("kvtier_tier_health", [tier, state.value], float(t.health.state is state))
         for name, value in sorted(t.counters.items()):
             put("kvtier_tier_events_total", [tier, name], value)
-        for name, value in sorted(t.gauges.items()):
-            put("kvtier_tier_gauge", [tier, name], value)
+        for gauge_name, level in sorted(t.gauges.items()):
+            put("kvtier_tier_gauge", [tier, gauge_name], level)
     for tier, reason, n in snap.unevictable:
         put("kvtier_tier_unevictable_blocks", [tier, reason], n)
 
@@ -412,13 +412,13 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     put("kvtier_prefetch_duplicates_total", [], pf.duplicates)
     put("kvtier_sessions", [], snap.sessions)
     put("kvtier_draining", [], float(snap.draining))
-    for t in snap.tenants:
-        put("kvtier_tenant_sessions", [t.tenant], t.sessions)
-        for u in t.tiers:
-            put("kvtier_tenant_used_bytes", [t.tenant, u.kind.label], u.used_bytes)
-            put("kvtier_tenant_blocks", [t.tenant, u.kind.label], u.blocks)
+    for ten in snap.tenants:
+        put("kvtier_tenant_sessions", [ten.tenant], ten.sessions)
+        for u in ten.tiers:
+            put("kvtier_tenant_used_bytes", [ten.tenant, u.kind.label], u.used_bytes)
+            put("kvtier_tenant_blocks", [ten.tenant, u.kind.label], u.blocks)
             if u.quota_bytes:
-                put("kvtier_tenant_quota_bytes", [t.tenant, u.kind.label], u.quota_bytes)
+                put("kvtier_tenant_quota_bytes", [ten.tenant, u.kind.label], u.quota_bytes)
     put("kvtier_pools", [], snap.pools)
     put("kvtier_leases", [], snap.leases)
     put("kvtier_index_blocks", [], snap.index_blocks)
@@ -444,10 +444,10 @@ def families(snap: Snapshot) -> Iterator[Metric]:
         if not d.labels and source not in seen:
             fam(d).add_metric([], 0)
 
-    for name, value in snap.store_gauges.items():
-        gauge = STORE_GAUGES.get(name)
+    for gauge_name, level in snap.store_gauges.items():
+        gauge = STORE_GAUGES.get(gauge_name)
         if gauge is not None:
-            fam(gauge).add_metric([], value)
+            fam(gauge).add_metric([], level)
 
     for d in HISTOGRAMS.values():
         fam(d)

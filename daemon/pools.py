@@ -171,7 +171,7 @@ class PoolRegistry:
     def session_pools(self, session_id: str) -> int:
         return self._per_session[session_id]
 
-    def all(self) -> list[Pool]:
+    def all(self) -> list[EnginePool]:
         return list(self._pools.values())
 
     def per_session_counts(self) -> dict[str, int]:

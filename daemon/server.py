@@ -28,7 +28,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -56,7 +56,7 @@ from kvtier.daemon.errors import (
     Unavailable,
 )
 from kvtier.daemon.observe import RpcObserver
-from kvtier.daemon.pools import PoolRegistry
+from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
@@ -66,7 +66,7 @@ from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_pa
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto.wire import DTYPE_NAMES
+from kvtier.proto.wire import DTYPE_NAMES, tier_enum
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
 
 
 def _rpc(
-    fn: Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]],
+    fn: Callable[[Any, Any, grpc.aio.ServicerContext], Coroutine[Any, Any, R]],
 ) -> Callable[..., Awaitable[R]]:
     """Answer malformed requests and errors with their status (see the module invariants)."""
     method = fn.__name__
@@ -263,6 +263,7 @@ class KVTierServicer:
     ) -> pb.RegisterPoolResponse:
         self.service.session(request.session_id)  # before anything else is looked at
         region = request.WhichOneof("region")
+        pool: EnginePool
         if region == "shm":
             layout = layout_from_pb(request.layout)
             pool = self.service.register_shm_pool(
@@ -413,7 +414,7 @@ class KVTierServicer:
         return pb.StatsResponse(
             tiers=[
                 pb.TierStats(
-                    tier=int(u.kind),
+                    tier=tier_enum(int(u.kind)),
                     capacity_bytes=u.capacity_bytes,
                     used_bytes=u.used_bytes,
                     blocks=u.blocks,
@@ -431,7 +432,7 @@ class KVTierServicer:
                     sessions=t.sessions,
                     tiers=[
                         pb.TenantTierStats(
-                            tier=int(u.kind),
+                            tier=tier_enum(int(u.kind)),
                             used_bytes=u.used_bytes,
                             quota_bytes=u.quota_bytes,
                             blocks=u.blocks,

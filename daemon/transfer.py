@@ -57,6 +57,7 @@ from kvtier.tiers.base import (
     WriteBatch,
     WriteOutcome,
 )
+from kvtier.tiers.buffers import host_side
 from kvtier.tiers.executor import PriorityExecutor
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class TransferEngine:
             if isinstance(pages, DevicePages) and not level.device_memory:
                 return await self._from_device_pool(level, slots, refs, nbytes, pages, priority)
             if level.keyed:
-                ok = await level.keys.write(refs, nbytes, pages)
+                ok = await level.keys.write(refs, nbytes, host_side(pages))
                 return [WriteOutcome(-1, bool(g)) for g in ok]
             if self._inline(level, len(slots) * nbytes):
                 return level.slots.write(batch)
@@ -189,7 +190,7 @@ class TransferEngine:
                 self._count_move(level.label, "pool", sum(got), nbytes)
             return got
         if level.keyed:
-            got = list(await level.keys.read(refs, nbytes, pages))
+            got = list(await level.keys.read(refs, nbytes, host_side(pages)))
             self._observe(started, f"{level.label}->pool")
             return got
         batch = ReadBatch(slots, refs, nbytes, pages, checksums, priority)

@@ -4,9 +4,11 @@ module of ``proto/``, kept next to the enums it mirrors so the two change togeth
 
 from __future__ import annotations
 
+from typing import cast
+
 from kvtier.proto import kvtier_pb2 as pb
 
-DTYPES: dict[str, int] = {
+DTYPES: dict[str, pb.DType] = {
     "float16": pb.DTYPE_FLOAT16,
     "bfloat16": pb.DTYPE_BFLOAT16,
     "float32": pb.DTYPE_FLOAT32,
@@ -18,3 +20,9 @@ DTYPES: dict[str, int] = {
 """dtype name (torch's spelling) -> ``kvtier.v1.DType``."""
 
 DTYPE_NAMES: dict[int, str] = {v: k for k, v in DTYPES.items()}
+
+
+def tier_enum(number: int) -> pb.Tier:
+    """A tier's wire number as the enum type protobuf's stubs give the message fields (at run
+    time it is the same int)."""
+    return cast("pb.Tier", number)

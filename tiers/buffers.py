@@ -14,21 +14,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.kernels.copy import blocks_to_pool, copy_ranges, pool_to_blocks
-from kvtier.tiers.base import HostBuffers, PoolPages
+from kvtier.tiers.base import Buffers, DevicePages, HostBuffers, PoolPages
 
 
 def _as_bytes(buf: object) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)  # type: ignore[call-overload]
 
 
+def host_side(buffers: Buffers) -> HostBuffers | PoolPages:
+    """``buffers`` when a host tier can copy them itself; a GPU pool's pages reach a host
+    tier only staged through host buffers by the transfer engine."""
+    if isinstance(buffers, DevicePages):
+        raise TypeError("a GPU pool's pages go through the transfer engine's staging")
+    return buffers
+
+
 def store_from(
-    src: HostBuffers | PoolPages,
+    src: Buffers,
     idx: Sequence[int] | np.ndarray,
     arena: np.ndarray,
     starts: np.ndarray,
     nbytes: int,
 ) -> None:
     """Copy blocks ``idx`` of ``src`` into ``arena`` at byte offsets ``starts`` (one each)."""
+    src = host_side(src)
     idx = np.asarray(idx, dtype=np.int64)
     if isinstance(src, PoolPages):
         pool_to_blocks(src.table, src.memory, src.pages[idx], arena, starts, src.threads)
@@ -38,13 +47,14 @@ def store_from(
 
 
 def load_into(
-    dest: HostBuffers | PoolPages,
+    dest: Buffers,
     idx: Sequence[int] | np.ndarray,
     arena: np.ndarray,
     starts: np.ndarray,
     nbytes: int,
 ) -> None:
     """Copy blocks at byte offsets ``starts`` of ``arena`` into blocks ``idx`` of ``dest``."""
+    dest = host_side(dest)
     idx = np.asarray(idx, dtype=np.int64)
     if isinstance(dest, PoolPages):
         blocks_to_pool(dest.table, arena, starts, dest.memory, dest.pages[idx], dest.threads)
@@ -53,7 +63,7 @@ def load_into(
         _as_bytes(dest.views[j])[:nbytes] = arena[start : start + nbytes]
 
 
-def put_block(dest: HostBuffers | PoolPages, j: int, data: object, nbytes: int) -> None:
+def put_block(dest: Buffers, j: int, data: object, nbytes: int) -> None:
     """Copy one block's contiguous bytes (``data``, at least ``nbytes`` long) into block ``j``
     of ``dest``."""
     load_into(dest, [j], _as_bytes(data), np.zeros(1, dtype=np.uint64), nbytes)
