@@ -677,20 +677,12 @@ class DensityPolicy(InsertEach, Hinted):
         classify = self._classify
         cnt_v = self._cnt_v
         if known and cnt_v[bid] > 0:
-            # ``classify(count, age_bucket(age), depth, turn)``, inline: the count is at least
-            # 2, so the gap counts.
             count = cnt_v[bid] + 1
             age = (now - self._last_v[bid]) / self._quantum
-            gap = 0 if age < 1.0 else min(1 + int(2.0 * math.log2(age)), AGE_BUCKETS - 1)
             depth, turn = self._depth_v[bid], self._turn_v[bid]
-            cls = (
-                classify.count[count if count < 18 else 17]
-                + classify.gap[gap]
-                + classify.depth[depth if depth < 8 else 8]
-                + classify.turn[turn if turn < 6 else 6]
-            )
+            cls = classify(count, age_bucket(age), depth, turn)
         elif 0 <= parent < size and cnt_v[parent] > 0:
-            # Its lineage as ``_access`` finds it, inline: this runs for every miss of a full tier.
+            # ``_lineage``, inline: this runs for every miss of a full tier.
             depth = self._depth_v[parent] + 1
             turn = self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0)
             cls = (
@@ -700,11 +692,7 @@ class DensityPolicy(InsertEach, Hinted):
             )
         else:
             cls = classify.count[1] + classify.depth[0] + classify.turn[0]
-        mine = self._rows[cls][0]
-        b, stamp, theirs = self._pick
-        if b != victim or stamp != self._stamp_v[victim]:
-            theirs = self._key(victim, self._quantise(now))[0]
-        return bool(mine >= theirs)
+        return bool(self._rows[cls][0] >= self._victim_density(victim, now))
 
     def admits_many(
         self, bids: Sequence[int], parents: Sequence[int], victim: int, now: float
@@ -743,8 +731,7 @@ class DensityPolicy(InsertEach, Hinted):
         return out
 
     def _victim_density(self, victim: int, now: float) -> float:
-        """``victim``'s density now (``admits`` inlines it: it runs for every miss of a
-        full tier in a replay)."""
+        """``victim``'s density now: the one ``victims`` just picked, else computed."""
         b, stamp, theirs = self._pick
         if b != victim or stamp != self._stamp_v[victim]:
             theirs = self._key(victim, self._quantise(now))[0]
@@ -825,7 +812,7 @@ class DensityPolicy(InsertEach, Hinted):
 
     def _lineage(self, parent: int) -> tuple[int, int]:
         """Depth and turn of a block first seen under ``parent``: one deeper, and a turn
-        later if the parent was read again before the chain grew (``_access`` inlines it)."""
+        later if the parent was read again before the chain grew."""
         if 0 <= parent < self._size:
             count = self._cnt_v[parent]
             if count > 0:
@@ -845,11 +832,7 @@ class DensityPolicy(InsertEach, Hinted):
         count = cnt_v[bid]
         classify = self._classify
         if count == 0:
-            depth = turn = 0
-            if 0 <= parent < self._size and cnt_v[parent] > 0:
-                # ``_lineage(parent)``, inline: once per block's first access.
-                depth = min(self._depth_v[parent] + 1, 1 << 30)
-                turn = min(self._turn_v[parent] + (1 if cnt_v[parent] >= 2 else 0), 255)
+            depth, turn = self._lineage(parent)
             self._depth_v[bid] = depth
             self._turn_v[bid] = turn
             cnt_v[bid] = 1

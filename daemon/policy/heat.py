@@ -648,16 +648,13 @@ class HeatPolicy(Hinted):
         returns from protected's shadow; nothing is stored."""
         p = self._p
         if len(incoming) == 1:
-            # One block (the replayer's case, once per miss): ``_returning_from``, inline.
-            bid = incoming[0]
-            if not 0 <= bid < self._size or self._seg_v[bid] != _OUT:
-                return p, False
-            ghost = self._ghost_v[bid]
-            if ghost == _OUT or not self._in_shadow(bid, ghost, self.capacity):
-                return p, False
+            # One block (the replayer's case, once per miss): the loop below, unrolled.
+            ghost = self._returning_from(incoming[0])
             if ghost == _PROBATION:
                 return min(float(self.capacity), p + self._gain), False
-            return max(0.0, p - self._gain), True
+            if ghost == _PROTECTED:
+                return max(0.0, p - self._gain), True
+            return p, False
         cap = float(self.capacity)
         from_protected = False
         for i, bid in enumerate(incoming):
