@@ -66,12 +66,19 @@ class Histograms:
     def __init__(self, bounds: tuple[float, ...] = BUCKETS_S) -> None:
         self.bounds = bounds
         self._series: dict[tuple[str, Labels], _Series] = {}
+        # Each series by (name, labels as passed): every RPC observes one, so the sorting and
+        # string conversion of its labels happen once per distinct series (as in Counters).
+        self._by_raw: dict[tuple[str, tuple[tuple[str, object], ...]], _Series] = {}
 
     def observe(self, name: str, seconds: float, **labels: object) -> None:
-        key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
-        series = self._series.get(key)
+        raw = (name, tuple(labels.items()))
+        series = self._by_raw.get(raw)
         if series is None:
-            series = self._series[key] = _Series(len(self.bounds) + 1)
+            key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = _Series(len(self.bounds) + 1)
+            self._by_raw[raw] = series
         series.counts[bisect.bisect_left(self.bounds, seconds)] += 1
         series.sum_s += seconds
 

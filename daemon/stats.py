@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 Labels = tuple[tuple[str, str], ...]
+CounterKey = tuple[str, Labels]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +37,18 @@ def flat_name(name: str, labels: Labels) -> str:
 
 class Counters:
     def __init__(self) -> None:
-        self._values: Counter[tuple[str, Labels]] = Counter()
+        self._values: Counter[CounterKey] = Counter()
         # The canonical key of each (name, labels as passed): counting is on every request's
         # path, so the sorting and string conversion happen once per distinct counter.
-        self._keys: dict[tuple[str, tuple[tuple[str, object], ...]], tuple[str, Labels]] = {}
+        self._keys: dict[tuple[str, tuple[tuple[str, object], ...]], CounterKey] = {}
 
     def inc(self, name: str, n: int = 1, **labels: object) -> None:
-        if not n:
-            return
+        if n:
+            self._values[self.key(name, **labels)] += n
+
+    def key(self, name: str, **labels: object) -> CounterKey:
+        """The counter ``name{labels}``, resolved once: a caller on a hot path keeps it and
+        counts with ``add``, which then costs one dictionary update."""
         raw = (name, tuple(labels.items()))
         key = self._keys.get(raw)
         if key is None:
@@ -51,7 +56,12 @@ class Counters:
                 name,
                 tuple(sorted((k, str(v)) for k, v in labels.items())),
             )
-        self._values[key] += n
+        return key
+
+    def add(self, key: CounterKey, n: int = 1) -> None:
+        """``inc`` of a counter resolved with ``key``."""
+        if n:
+            self._values[key] += n
 
     def get(self, name: str, **labels: object) -> int:
         """One counter's value; with no labels given, the sum over all of its labels."""

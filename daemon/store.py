@@ -140,6 +140,17 @@ class BlockStore:
             accounted=tuple(not lv.keyed for lv in self.stack),
         )
         self.counters = Counters()
+        c = self.counters
+        # Counters of every request's path, resolved once (Counters.key).
+        self._n_lookup_keys = c.key("lookup_keys")
+        self._n_lookup_hits = c.key("lookup_hits")
+        self._n_hits = {int(kind): c.key("hits", tier=kind.label) for kind in TierKind}
+        self._n_get = {r: c.key("get_blocks", result=r) for r in ("loaded", "missing")}
+        self._n_bytes_get = c.key("bytes_get")
+        self._n_bytes_put = c.key("bytes_put")
+        self._n_put = [c.key("put_blocks", result=r) for r in ("stored", "existing", "rejected")]
+        self._n_loaded_from = {lv.col: c.key("loaded_from", tier=lv.label) for lv in self.stack}
+        self._n_load_failures = {lv.col: c.key("load_failures", tier=lv.label) for lv in self.stack}
         # Latency histograms (transfers here; the RPC layer adds its own), for metrics.
         self.latency = Histograms()
         self.prefetches = PrefetchLedger()
@@ -262,27 +273,38 @@ class BlockStore:
             await self._discover(ns, words, ids, prefix)
             found = ids >= 0
             prefix = int(np.argmin(found)) if not found.all() else len(ids)
-        tiers = np.zeros(len(ids), dtype=np.int32)
-        if found.any():
-            fid = ids[found]
-            tiers[found] = self._fastest_kind(fid)
-            if touch:
-                self.space.touch(fid, self._clock())
-        self.counters.inc("lookup_keys", len(ids))
-        self.counters.inc("lookup_hits", int(found.sum()))
-        self._count_hits(words, tiers, found)
+        n = len(ids)
+        hits = n if prefix == n else int(np.count_nonzero(found))
+        if hits and hits == n:
+            fid, tiers = ids, self._fastest_kind(ids)
+        else:
+            tiers = np.zeros(n, dtype=np.int32)
+            if hits:
+                fid = ids[found]
+                tiers[found] = self._fastest_kind(fid)
+        if hits and touch:
+            self.space.touch(fid, self._clock())
+        self._count_hits(words, tiers, found, hits)
         return prefix, tiers, ids
 
-    def _count_hits(self, words: np.ndarray, tiers: np.ndarray, found: np.ndarray) -> None:
-        """hits{tier}: by the fastest tier holding the key; misses{reason}: why not held."""
-        if found.any():
-            for kind, n in enumerate(np.bincount(tiers[found]).tolist()):
-                if n:
-                    self.counters.inc("hits", n, tier=TierKind(kind).label)
-        if not found.all():
+    def _count_hits(
+        self, words: np.ndarray, tiers: np.ndarray, found: np.ndarray, hits: int
+    ) -> None:
+        """lookup_keys, lookup_hits, hits{tier} by the fastest tier holding the key, and
+        misses{reason}: why a key is not held."""
+        c = self.counters
+        c.add(self._n_lookup_keys, len(tiers))
+        if hits:
+            c.add(self._n_lookup_hits, hits)
+            if len(tiers) == 1:
+                c.add(self._n_hits[int(tiers[0])])
+            else:
+                for kind, k in enumerate(np.bincount(tiers).tolist()[1:], start=1):
+                    c.add(self._n_hits[kind], k)
+        if hits < len(tiers):
             missing = words[~found, 0].tolist()
-            for reason, n in self.space.misses.classify(missing).items():
-                self.counters.inc("misses", n, reason=reason)
+            for reason, k in self.space.misses.classify(missing).items():
+                c.inc("misses", k, reason=reason)
 
     async def _discover(self, ns: int, words: np.ndarray, ids: np.ndarray, start: int) -> None:
         """Probe the key-addressed tiers for ``words[start:]``; blocks of the present prefix
@@ -498,7 +520,7 @@ class BlockStore:
         self.space.misses.record(words[rejected, 0].tolist(), DECLINED)
         new_idx = new_idx[: len(stored)]
         self.space.misses.discard(words[new_idx, 0].tolist())
-        self.counters.inc("bytes_put", len(stored) * block_bytes)
+        self.counters.add(self._n_bytes_put, len(stored) * block_bytes)
         self._count_put(results)
         chain = existing.copy()
         chain[new_idx] = stored
@@ -704,9 +726,9 @@ class BlockStore:
         loaded_ids = ids[loaded]
         self._account_reads(loaded_ids)
         if layers is None or layers[0] == 0:
-            self.counters.inc("get_blocks", int(loaded.sum()), result="loaded")
-            self.counters.inc("get_blocks", len(ids) - int(loaded.sum()), result="missing")
-        self.counters.inc("bytes_get", int(loaded.sum()) * chunks.nbytes)
+            self.counters.add(self._n_get["loaded"], len(loaded_ids))
+            self.counters.add(self._n_get["missing"], len(ids) - len(loaded_ids))
+        self.counters.add(self._n_bytes_get, len(loaded_ids) * chunks.nbytes)
         if len(loaded_ids):
             self._read_ahead(int(loaded_ids[-1]))
         return loaded
@@ -760,8 +782,9 @@ class BlockStore:
         good = np.asarray(ok, dtype=bool)
         for b in bids[~good].tolist():
             self.space.lose_copy(b, level)
-        self.counters.inc("load_failures", int(np.count_nonzero(~good)), tier=level.label)
-        self.counters.inc("loaded_from", int(good.sum()), tier=level.label)
+        loaded = int(np.count_nonzero(good))
+        self.counters.add(self._n_loaded_from[level.col], loaded)
+        self.counters.add(self._n_load_failures[level.col], len(good) - loaded)
         return idx, good
 
     async def prefetch(
@@ -1175,10 +1198,8 @@ class BlockStore:
             )
 
     def _count_put(self, results: np.ndarray) -> None:
-        stored, existing, rejected = np.bincount(results, minlength=3).tolist()
-        self.counters.inc("put_blocks", stored, result="stored")
-        self.counters.inc("put_blocks", existing, result="existing")
-        self.counters.inc("put_blocks", rejected, result="rejected")
+        for key, k in zip(self._n_put, np.bincount(results, minlength=3).tolist(), strict=False):
+            self.counters.add(key, k)
 
 
 def _repeats(words: np.ndarray) -> np.ndarray:

@@ -154,6 +154,12 @@ class BlockTable:
         Blocks still being written count as absent.
         """
         ids = self._find(ns, words)
+        if len(ids) <= _SCALAR_TAIL:
+            state = self.state
+            for i, bid in enumerate(ids.tolist()):
+                if bid >= 0 and state[bid] != READY:
+                    ids[i] = -1
+            return ids
         present = ids >= 0
         if present.any():
             not_ready = self.state[ids[present]] != READY
@@ -416,16 +422,15 @@ class BlockTable:
 
     def _find(self, ns: int, words: np.ndarray) -> np.ndarray:
         n = len(words)
-        result = np.full(n, -1, dtype=np.int64)
-        if n == 0:
-            return result
         size = len(self._table)
         if n <= _SCALAR_TAIL:
+            result = np.empty(n, dtype=np.int64)
             mask = size - 1
             for i in range(n):
                 pos = self._hash_one(int(ns), int(words[i, 0])) & mask
                 result[i] = self._probe(ns, words[i], pos)
             return result
+        result = np.full(n, -1, dtype=np.int64)
         mask = size - 1
         pos = (self._hash(ns, words[:, 0]) & np.uint64(mask)).astype(np.int64)
         # Probe positions are examined a window at a time for every key still looking: a key

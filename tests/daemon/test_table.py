@@ -168,3 +168,18 @@ def test_batches_of_adds_and_removes_match_a_dict():
             got = table.lookup(5, keys_to_words(keys))
             assert got.tolist() == [ref.get(k, -1) for k in keys]
     assert len(table) == len(ref)
+
+
+@pytest.mark.parametrize("n", [1, 8, 9, 100])
+def test_blocks_being_written_are_absent_to_lookup_at_every_batch_size(n):
+    # Batches of up to _SCALAR_TAIL keys take the one-by-one path, larger ones the windows.
+    index = BlockTable()
+    keys = [os.urandom(32) for _ in range(n)]
+    words = keys_to_words(keys)
+    bids = [index.add(0, w, 4096) for w in words]
+    ready = [i for i in range(n) if i % 2 == 0]
+    index.state[[bids[i] for i in ready]] = READY
+    want = [bids[i] if i in ready else -1 for i in range(n)]
+    assert index.lookup(0, words).tolist() == want
+    assert index.find_any(0, words).tolist() == bids  # still found by the writers' view
+    assert index.lookup(1, words).tolist() == [-1] * n
