@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,8 +62,7 @@ log = logging.getLogger(__name__)
 MAX_SETTLE_MS = 60_000
 
 
-@dataclass(frozen=True, slots=True)
-class LookupOutcome:
+class LookupOutcome(NamedTuple):  # one per Lookup: a tuple costs a fraction of a dataclass
     prefix_len: int
     tiers: np.ndarray
     lease_id: int

@@ -267,14 +267,14 @@ class BlockStore:
         Keys past the locally held prefix are probed in the key-addressed tiers (one batch
         probe per tier for the rest of the chain); blocks found there join the table."""
         ids = self.table.lookup(ns, words)
-        found = ids >= 0
-        prefix = int(np.argmin(found)) if not found.all() else len(ids)
-        if prefix < len(ids) and self._keyed:
-            await self._discover(ns, words, ids, prefix)
-            found = ids >= 0
-            prefix = int(np.argmin(found)) if not found.all() else len(ids)
         n = len(ids)
-        hits = n if prefix == n else int(np.count_nonzero(found))
+        found = ids >= 0
+        hits = int(np.count_nonzero(found))
+        if hits < n and self._keyed:
+            await self._discover(ns, words, ids, int(np.argmin(found)))
+            found = ids >= 0
+            hits = int(np.count_nonzero(found))
+        prefix = n if hits == n else int(np.argmin(found))
         if hits and hits == n:
             fid, tiers = ids, self._fastest_kind(ids)
         else:
