@@ -490,7 +490,7 @@ class _Engine:
         prefix_hits = hits = 0
         now = self.now
         count, capacity, evictions = l1.count, l1.capacity, 0
-        victims, remove, insert = l1.policy.victims, l1.policy.remove, l1.policy.insert
+        victim, remove, insert = _one_victim(l1.policy), l1.policy.remove, l1.policy.insert
         admits, note_miss = l1.admits, l1.note_miss
         declined = l1.declined
         parents = self.parent
@@ -520,20 +520,19 @@ class _Engine:
                     continue  # a repeat within the request, already placed
                 parent = req[i - 1] if i else -1
                 if count >= capacity:
-                    found = victims(1, now, None, (b,))
-                    if found is None:
+                    out = victim(now, b)
+                    if out < 0:
                         declined["no_victim"] += 1
                         if note_miss is not None:
                             note_miss(b, parent, now)
                         continue
-                    victim = found.item(0)
-                    if admits is not None and not admits(b, parent, victim, now):
+                    if admits is not None and not admits(b, parent, out, now):
                         declined["density"] += 1
                         if note_miss is not None:
                             note_miss(b, parent, now)
                         continue
-                    remove(victim)
-                    copies[victim] = 0
+                    remove(out)
+                    copies[out] = 0
                     evictions += 1
                 else:
                     count += 1
@@ -799,6 +798,21 @@ class _Engine:
             # The daemon's table keeps a block while any tier, L3 included, holds it.
             for t in self.tiers:
                 t.policy.forget(victim)
+
+
+def _one_victim(policy: Any) -> Callable[[float, int], int]:
+    """The policy's ``victim(now, incoming)`` (one unmasked victim as an id, -1 for none),
+    or the same answer from ``victims`` for policies without it."""
+    own = getattr(policy, "victim", None)
+    if own is not None:
+        return own  # type: ignore[no-any-return]
+    victims = policy.victims
+
+    def victim(now: float, incoming: int) -> int:
+        found = victims(1, now, None, (incoming,))
+        return -1 if found is None else int(found[0])
+
+    return victim
 
 
 def sweep_capacities(unique_blocks: int, percents: Sequence[float]) -> list[int]:

@@ -21,6 +21,10 @@ the batch counts as accessed), and ``note_miss(bid, parent, now)`` records an ac
 did not keep. The replayer asks ``admits`` for L1; the daemon asks ``admits_many`` for its top
 tier whenever a block would have to evict to get in, and calls ``note_miss``.
 
+One victim as an id (optional, ``heat`` and ``density`` have one): ``victim(now, incoming)``
+answers as ``victims(1, now, None, (incoming,))`` would, with -1 for None. The replayer asks it
+once per miss; other policies are asked through ``victims``.
+
 Block ids are rows of the store's index and are reused once a block is forgotten. A policy
 must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see
 ``forget``.

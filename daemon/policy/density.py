@@ -631,20 +631,11 @@ class DensityPolicy(InsertEach, Hinted):
             self._rebuild(q, complete=False)
         if n == 1 and evictable is None and self._hinted_until < now:
             # The replayer's path: the lowest key, every block evictable, no live hint.
-            buf, i = self._buf, self._cur
-            state_v, stamp_v, kids_v = self._state_v, self._stamp_v, self._kids_v
-            while i < len(buf):
-                e = buf[i]
-                b = e[3]
-                if state_v[b] == _RESIDENT and stamp_v[b] == e[4] and kids_v[b] == 0:
-                    self._cur = i
-                    self._pick = (b, e[4], e[0])
-                    self._taken += 1
-                    out = _ONE.copy()  # cheaper than building an array from a list
-                    out[0] = b
-                    return out
-                i += 1
-            self._cur = i
+            b = self._first_in_buffer()
+            if b >= 0:
+                out = _ONE.copy()  # cheaper than building an array from a list
+                out[0] = b
+                return out
         chosen = self._select(n, now, evictable)
         if chosen is None:
             self._target = min(max(self._resident, _MIN_BUFFER), 4 * self._target)
@@ -653,6 +644,38 @@ class DensityPolicy(InsertEach, Hinted):
         if chosen is None or len(chosen) < n:
             return None
         return np.asarray(chosen, dtype=np.int64)
+
+    def victim(self, now: float, incoming: int = -1) -> int:
+        """``victims(1, now, None, (incoming,))`` as a block id, -1 for None: the replayer
+        asks once per miss, and an array per answer was a tenth of its cost."""
+        if self._resident == 0:
+            return -1
+        if self._hinted_until < now:
+            q = self._q if now == self._q_now else self._quantise(now)
+            if q != self._buf_q or self._buf_version != self._version:
+                self._rebuild(q, complete=False)
+            b = self._first_in_buffer()
+            if b >= 0:
+                return b
+        found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
+        return -1 if found is None else int(found[0])
+
+    def _first_in_buffer(self) -> int:
+        """The buffer's first live leaf from the cursor on (the lowest key when nothing is
+        masked or hinted), taken as the pick; -1 when the buffer ran out."""
+        buf, i = self._buf, self._cur
+        state_v, stamp_v, kids_v = self._state_v, self._stamp_v, self._kids_v
+        while i < len(buf):
+            e = buf[i]
+            b = e[3]
+            if state_v[b] == _RESIDENT and stamp_v[b] == e[4] and kids_v[b] == 0:
+                self._cur = i
+                self._pick = (b, e[4], e[0])
+                self._taken += 1
+                return int(b)
+            i += 1
+        self._cur = i
+        return -1
 
     def __len__(self) -> int:
         return self._resident

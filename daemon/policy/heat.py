@@ -502,12 +502,7 @@ class HeatPolicy(Hinted):
         if self._owed_new:
             self._defer_owed()
         if n == 1 and evictable is None and not hinted:
-            # The replayer's path: one victim, every block evictable.
-            p, from_protected = self._p, False
-            b = incoming[0] if len(incoming) == 1 else -1
-            if b < 0 or (b < self._size and self._ghost_v[b] != _OUT):
-                p, from_protected = self._adapted_target(incoming)
-            _, bid = self._pick(n1, p, from_protected, self._coldest)
+            bid = self._one(n1, incoming)
             if bid < 0:
                 return None
             one = _ONE.copy()  # cheaper than building an array from a list
@@ -589,6 +584,29 @@ class HeatPolicy(Hinted):
         return self.heat.bytes_per_block + own
 
     # ------------------------------------------------------------------- helpers
+
+    def victim(self, now: float, incoming: int = -1) -> int:
+        """``victims(1, now, None, (incoming,))`` (``()`` for -1) as a block id, -1 for None:
+        the replayer asks once per miss, and an array per answer was a tenth of its cost."""
+        n1 = self._count[_PROBATION]
+        if n1 + self._count[_PROTECTED] == 0:
+            return -1
+        if self._parked and self._parked[0][0] < now:
+            self._unpark(now)
+        if self._hints.latest >= now:
+            found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
+            return -1 if found is None else int(found[0])
+        if self._owed_new:
+            self._defer_owed()
+        return self._one(n1, (incoming,) if incoming >= 0 else ())
+
+    def _one(self, n1: int, incoming: Sequence[int]) -> int:
+        """The one victim when nothing is masked or hinted, -1 if none (owed raises paid)."""
+        p, from_protected = self._p, False
+        b = incoming[0] if len(incoming) == 1 else -1
+        if b < 0 or (b < self._size and self._ghost_v[b] != _OUT):
+            p, from_protected = self._adapted_target(incoming)
+        return self._pick(n1, p, from_protected, self._coldest)[1]
 
     def _pick(
         self, n1: int, p: float, from_protected: bool, head: Callable[[int], int]

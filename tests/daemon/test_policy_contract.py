@@ -269,3 +269,42 @@ def test_hints_protect_exactly_until_their_deadline(name: str) -> None:
     policy.forget(40)
     policy.insert(40, 31.0, -1)
     assert 40 in policy.victims(6, 32.0, None).tolist()
+
+
+def test_one_victim_answers_as_victims_does(name: str) -> None:
+    """``victim(now, incoming)`` (heat and density have one; the replayer's per-miss call)
+    names the block ``victims(1, now, None, (incoming,))`` would, -1 for None, through
+    misses, returning ghosts, reuse of ids, and a live hint."""
+    from kvtier.sim.engine import _one_victim
+
+    rng = np.random.default_rng(7)
+    a, b = build(name, capacity=32), build(name, capacity=32)
+    one = _one_victim(a)
+    resident: list[int] = []
+    now = 0.0
+    for step in range(3000):
+        now += float(rng.exponential(0.5))
+        if step == 1500:
+            for p in (a, b):
+                p.hint(np.array(resident[:4], dtype=np.int64), now + 20.0, now)
+        bid = int(rng.integers(0, 120))
+        if bid in resident:
+            a.touch(bid, now)
+            b.touch(bid, now)
+            continue
+        parent = bid - 1 if bid % 4 and bid - 1 in resident else -1
+        if len(resident) >= 32:
+            got = one(now, bid)
+            found = b.victims(1, now, None, (bid,))
+            assert got == (-1 if found is None else int(found[0])), step
+            if got < 0:
+                continue
+            for p in (a, b):
+                p.remove(got)
+                if step % 5 == 0:
+                    p.forget(got)  # the id may be reused for another block
+            resident.remove(got)
+        for p in (a, b):
+            p.insert(bid, now, parent)
+        resident.append(bid)
+    assert len(a) == len(b) == 32
