@@ -331,7 +331,11 @@ class BlockTable:
         n = len(words)
         if n == 0:
             return np.empty(0, dtype=np.int64)
-        if n <= _SCALAR_TAIL and np.ndim(ns) == 0 and np.ndim(nbytes) == 0:
+        if (
+            n <= _SCALAR_TAIL
+            and not isinstance(ns, np.ndarray)
+            and not isinstance(nbytes, np.ndarray)
+        ):
             return np.fromiter(
                 (self.add(int(ns), words[i], int(nbytes), owner) for i in range(n)), np.int64, n
             )
