@@ -278,6 +278,8 @@ class TransferEngine:
         else:
             wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority)
             outcomes = await self._run(priority, dst.slots.write, wbatch, deadline=deadline)
+        if all(good):  # a host-memory source, or staging that read everything
+            return outcomes, [False] * len(good)
         outcomes = [
             o if g else WriteOutcome(o.slot, False) for o, g in zip(outcomes, good, strict=True)
         ]
