@@ -704,18 +704,22 @@ class BlockStore:
         add_at(table.inflight, bids, 1)
         try:
             # Parts only pay where there is something to overlap: blocks to promote first.
-            if (table.slot[bids, self.top.col] < 0).any():
-                step = max(1, GET_PART_BYTES // max(pool.block_bytes, 1))
-            else:
-                step = max(1, len(bids))
+            in_top = not (table.slot[bids, self.top.col] < 0).any()
+            step = max(1, len(bids) if in_top else GET_PART_BYTES // max(pool.block_bytes, 1))
             with pool.use():
-                # Every copy finishes before the pool may be unmapped, even when one fails.
-                parts = await _all_done(
-                    [
-                        self._get_part(bids[s : s + step], found[s : s + step], pool, layers, pages)
-                        for s in range(0, len(bids), step)
-                    ]
-                )
+                if in_top and len(bids):
+                    # The top tier holds every block (an engine's common Get): one read.
+                    parts = [[await self._load(self.top, bids, found, pool, layers, pages)]]
+                else:
+                    # Every copy finishes before the pool may be unmapped, even when one fails.
+                    parts = await _all_done(
+                        [
+                            self._get_part(
+                                bids[s : s + step], found[s : s + step], pool, layers, pages
+                            )
+                            for s in range(0, len(bids), step)
+                        ]
+                    )
                 for part in parts:
                     for idx, ok in part:
                         loaded[idx] = ok
