@@ -274,7 +274,6 @@ class BlockStore:
             await self._discover(ns, words, ids, int(np.argmin(found)))
             found = ids >= 0
             hits = int(np.count_nonzero(found))
-        prefix = n if hits == n else int(np.argmin(found))
         if hits and hits == n:
             fid, tiers = ids, self._fastest_kind(ids)
         else:
@@ -282,6 +281,13 @@ class BlockStore:
             if hits:
                 fid = ids[found]
                 tiers[found] = self._fastest_kind(fid)
+        if hits and (held := int(np.count_nonzero(tiers))) < hits:
+            # Rows whose every copy is gone (a failed read of a block still pinned, kept
+            # until its lease ends) are misses: nothing could load them.
+            ids[found & (tiers == 0)] = -1
+            found = ids >= 0
+            fid, hits = ids[found], held
+        prefix = n if hits == n else int(np.argmin(found))
         if hits and touch:
             self.space.touch(fid, self._clock())
         self._count_hits(words, tiers, found, hits)
@@ -321,6 +327,11 @@ class BlockStore:
             except Exception:
                 log.exception("%s probe failed", level.label)
                 self.counters.inc("probe_failures", tier=level.label)
+                n = -1
+            # The probe waited: rows found before it may have been deleted (even reused for
+            # another block) meanwhile, and other requests may have stored some of the keys.
+            ids[:] = table.lookup(ns, words)
+            if n < 0:
                 continue
             self.counters.inc("probed_keys", len(refs), tier=level.label)
             self.counters.inc("probe_hits", n, tier=level.label)
@@ -1202,7 +1213,7 @@ class BlockStore:
             )
 
     def _count_put(self, results: np.ndarray) -> None:
-        for key, k in zip(self._n_put, np.bincount(results, minlength=3).tolist(), strict=False):
+        for key, k in zip(self._n_put, np.bincount(results, minlength=3).tolist(), strict=True):
             self.counters.add(key, k)
 
 

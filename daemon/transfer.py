@@ -278,7 +278,7 @@ class TransferEngine:
         else:
             wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority)
             outcomes = await self._run(priority, dst.slots.write, wbatch, deadline=deadline)
-        if all(good):  # a host-memory source, or staging that read everything
+        if all(good) and len(outcomes) == len(good):  # a host source, or all staged
             return outcomes, [False] * len(good)
         outcomes = [
             o if g else WriteOutcome(o.slot, False) for o, g in zip(outcomes, good, strict=True)

@@ -680,6 +680,67 @@ async def test_a_prefix_one_node_stored_is_found_and_loaded_by_another(make_stor
     assert b.counters.get("copies", direction="L3->L1") == 4
 
 
+class GatedKeyTier(MemoryKeyTier):
+    """A key-addressed tier whose probes wait until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def probe(self, blocks):
+        self.waiting.set()
+        await self.gate.wait()
+        return await super().probe(blocks)
+
+
+async def test_rows_deleted_or_reused_while_a_lookup_probes_l3_are_misses(make_store):
+    """A Lookup that probes L3 for the rest of its chain waits; a block of the prefix it found
+    before may be deleted meanwhile, and its row reused by another block: the answer names
+    neither (and a pin would not pin them)."""
+    clock = Clock()
+    shared = GatedKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    chain = keys(3)
+    await put(store, pool, chain[:2])  # the third key is held nowhere: the lookup probes L3
+    old = store.table.lookup(0, chain[:2]).tolist()
+    asking = asyncio.create_task(store.lookup(0, chain))
+    await shared.waiting.wait()
+    await store.delete(0, chain[:2])
+    stranger = keys(1)
+    await put(store, pool, stranger, pages=[5])
+    assert store.table.lookup(0, stranger)[0] in old  # a row of the old prefix, reused
+    shared.gate.set()
+    prefix, tiers, ids = await asking
+    assert (prefix, tiers.tolist(), ids.tolist()) == (0, [0, 0, 0], [-1, -1, -1])
+    assert store.counters.get("lookup_hits") == 0
+
+
+async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_store):
+    """A read that fails verification drops the copy; a block still pinned keeps its row until
+    the lease ends, held in no tier: Lookups report it missing, one key or several."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(20)
+    await put(store, pool, a[:16])
+    clock.now += 1
+    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
+    bad = next(i for i, t in enumerate(where(store, a)) if t == "L2")
+    bid = store.table.lookup(0, a[bad : bad + 1])[0]
+    refs = store.pin(np.asarray([bid]))
+    l2.corrupt(int(store.table.slot[bid, 1]))
+    assert await get(store, pool, a[bad : bad + 1], [30]) == [False]
+    assert present(store, a[bad : bad + 1]) == [True]  # the row stays while pinned
+    for words in (a[bad : bad + 1], a[bad : bad + 2]):
+        prefix, tiers, ids = await store.lookup(0, words)
+        assert prefix == 0 and tiers[0] == 0 and ids[0] == -1
+    hits = sum(s.value for s in store.counters.samples() if s.name == "hits")
+    assert hits == store.counters.get("lookup_hits")
+    store.unpin(refs)
+    assert present(store, a[bad : bad + 1]) == [False]
+
+
 async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_store):
     clock = Clock()
     shared = MemoryKeyTier()
