@@ -512,6 +512,10 @@ class BlockStore:
                 self._abandon(bids)
                 raise
             stored = bids[:placed]
+            # The copies waited: a block of an existing key may have been deleted meanwhile,
+            # its row even reused by another block.
+            if len(old := np.flatnonzero(existing >= 0)):
+                existing[old] = table.find_any(ns, words[old])
             try:
                 if placed or own:
                     # The links as they stand now that the copies are done.

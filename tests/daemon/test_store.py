@@ -540,6 +540,43 @@ async def test_a_key_repeated_in_a_durable_put_reports_its_block_persisted(make_
     assert persisted == [True] * 4
 
 
+async def test_rows_deleted_or_reused_while_a_put_copies_are_not_linked_or_persisted(
+    make_store, monkeypatch
+):
+    """A put awaits its copies with the blocks of its existing keys in hand; one may be
+    deleted meanwhile and its row reused by another block. The put must not link its new
+    block after that other block, nor report the deleted key persisted (by writing the other
+    block, which it never named, to L2)."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=2), make_pool()
+    a, new, stranger = keys(1), keys(1), keys(1)
+    await put(store, pool, a)
+    old = int(store.table.lookup(0, a)[0])
+    copying, gate = asyncio.Event(), asyncio.Event()
+    from_pool = store.transfers.from_pool
+
+    async def gated(*args, **kwargs):
+        if not copying.is_set():
+            copying.set()
+            await gate.wait()
+        return await from_pool(*args, **kwargs)
+
+    monkeypatch.setattr(store.transfers, "from_pool", gated)
+    putting = asyncio.ensure_future(
+        put(store, pool, np.concatenate([a, new]), pages=[1, 2], durable=True)
+    )
+    await copying.wait()
+    await store.delete(0, a)
+    await put(store, pool, stranger, pages=[3])
+    assert store.table.lookup(0, stranger)[0] == old  # the deleted block's row, reused
+    gate.set()
+    results, persisted = await putting
+    assert results == [PutResult.EXISTS, PutResult.STORED]
+    assert persisted == [False, True]
+    assert store.table.parent_of(int(store.table.lookup(0, new)[0])) == -1
+    assert store.table.slot[old, 1] < 0  # the stranger was not written to L2
+
+
 async def test_watermarks_move_the_coldest_blocks_down(make_store):
     clock = Clock()
     store = make_store(
