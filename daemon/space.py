@@ -79,6 +79,9 @@ class SpaceManager:
         self.background: set[asyncio.Task[Any]] = set()
         # Why keys are missing, for the lookup miss counts (metrics).
         self.misses = MissLedger()
+        # Copies tiers dropped so far (``lose_copy``): a holder of blocks that sees it change
+        # may be the last to hold one left with no copy.
+        self.copies_lost = 0
         table.on_free.append(self._forget_in_policies)
 
     # ------------------------------------------------------------------ accesses
@@ -689,6 +692,7 @@ class SpaceManager:
         if self.table.slot[bid, level.col] >= 0:
             level.policy.remove(bid)
             self.table.clear_slots(bid, level.col)
+            self.copies_lost += 1
             self.counters.inc("copies_lost", tier=level.label)
 
     def _release(self, bids: np.ndarray) -> None:

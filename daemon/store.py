@@ -563,6 +563,7 @@ class BlockStore:
                 await self.space.place(need, level, Priority.DEMAND)
         finally:
             add_at(table.inflight, hold, -1)
+            self.space.forget_orphans(hold)  # a block whose last copy failed meanwhile
         chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
@@ -716,6 +717,7 @@ class BlockStore:
             # The pinning Lookup counted this access; only the protection clock restarts.
             table.last_access[bids] = now
         loaded = np.zeros(len(ids), dtype=bool)
+        lost = self.space.copies_lost
         add_at(table.inflight, bids, 1)
         try:
             # Parts only pay where there is something to overlap: blocks to promote first.
@@ -740,7 +742,9 @@ class BlockStore:
                         loaded[idx] = ok
         finally:
             add_at(table.inflight, bids, -1)
-            if not loaded.all():
+            # A block whose last copy failed (a read of this Get's, or of another request
+            # while this one held the block) is forgotten once nobody holds it.
+            if not loaded.all() or self.space.copies_lost != lost:
                 self.space.forget_orphans(bids)
         loaded_ids = ids[loaded]
         self._account_reads(loaded_ids)

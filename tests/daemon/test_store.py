@@ -22,7 +22,7 @@ from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
-from kvtier.tiers.base import Health, TierKind
+from kvtier.tiers.base import BlockRef, Health, HostBuffers, TierKind
 from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
@@ -778,6 +778,73 @@ async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_st
     assert present(store, a[bad : bad + 1]) == [False]
 
 
+async def _held_only_in_l3(store, shared, pool, words) -> None:
+    """Make ``words``' blocks known to ``store`` only from L3, with an L1 full of blocks held
+    nowhere else (so a Get reads them from L3 rather than promoting them)."""
+    await put(store, pool, keys(16), pages=range(16))
+    blocks = [BlockRef(0, w.tobytes()) for w in words]
+    pages = HostBuffers([memoryview(page_bytes(pool, 40 + j)) for j in range(len(words))])
+    await shared.write(blocks, 4096, pages)
+    assert (await store.lookup(0, words))[0] == len(words)
+    assert where(store, words) == ["L3"] * len(words)
+
+
+class ReadGatedKeyTier(MemoryKeyTier):
+    """A key-addressed tier whose first read, once it has read its blocks, waits until the
+    test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def read(self, blocks, nbytes, dest):
+        got = await super().read(blocks, nbytes, dest)
+        if not self.waiting.is_set():
+            self.waiting.set()
+            await self.gate.wait()
+        return got
+
+
+async def test_a_block_whose_last_copy_failed_during_another_get_is_forgotten(make_store):
+    """Two Gets read a block from L3; L3 loses it between their reads, so the second one's
+    read fails and drops the block's last copy while the first (whose read succeeded) still
+    holds it. When the first ends the block is forgotten: its key is not left in the table
+    held nowhere, where a Put of it would answer EXISTS and store nothing."""
+    clock = Clock()
+    shared = ReadGatedKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    b = keys(1)
+    await _held_only_in_l3(store, shared, pool, b)
+    first = asyncio.ensure_future(get(store, pool, b, [30]))
+    await shared.waiting.wait()
+    await shared.remove([BlockRef(0, b[0].tobytes())])  # L3 evicted it on its own
+    assert await get(store, pool, b, [31]) == [False]
+    shared.gate.set()
+    assert await first == [True]
+    assert present(store, b) == [False]
+    assert await put(store, pool, b, pages=[32]) == [PutResult.STORED]
+
+
+async def test_a_durable_put_whose_block_lost_its_last_copy_forgets_it(make_store):
+    """A durable put of a key known only from L3 copies its block to L2; L3 lost it, so the
+    copy's read fails and drops the block's last copy while the put holds it. The put answers
+    it not persisted and forgets it: a Put of the key then stores it again."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l2_segments=2, l3=shared), make_pool()
+    b = keys(1)
+    await _held_only_in_l3(store, shared, pool, b)
+    assert await get(store, pool, b, [30]) == [True]  # its size is known from now on
+    await shared.remove([BlockRef(0, b[0].tobytes())])
+    assert await put(store, pool, b, pages=[31], durable=True) == (
+        [PutResult.EXISTS],
+        [False],
+    )
+    assert present(store, b) == [False]
+    assert await put(store, pool, b, pages=[32]) == [PutResult.STORED]
+
+
 async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_store):
     clock = Clock()
     shared = MemoryKeyTier()
@@ -785,8 +852,6 @@ async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_sto
     pool = make_pool()
     chain = keys(3)
     words = [w.tobytes() for w in chain]
-    from kvtier.tiers.base import BlockRef, HostBuffers
-
     await shared.write(
         [BlockRef(0, k) for k in words],
         4096,
