@@ -794,9 +794,15 @@ class BlockStore:
         """Read blocks ``level`` holds into their pages (the chunks of ``layers``, all when
         None; inside ``pool.use()``); a failed read drops that copy."""
         table = self.table
+        slots = table.slot[bids, level.col]
+        if slots.min(initial=0) < 0:
+            # A copy dropped since the read was planned (another request's read of it failed
+            # in between) is a miss here, not a read of no slot.
+            here = slots >= 0
+            bids, idx, slots = bids[here], idx[here], slots[here]
         ok = await self.transfers.to_pool(
             level,
-            table.slot[bids, level.col].tolist(),
+            slots.tolist(),
             self.table.block_refs(bids),
             pool.block_bytes,
             table.checksums(bids, level.col).tolist(),

@@ -432,6 +432,38 @@ async def test_a_corrupt_l2_copy_is_a_miss_and_is_dropped(make_store):
     assert store.counters.get("copies_lost", tier="L2") == 1
 
 
+async def test_a_copy_dropped_after_a_read_was_planned_is_a_miss_not_a_read_of_no_slot(
+    make_store,
+):
+    """A Get decides which tier each block is read from, and the reads start a loop turn
+    later; a copy another request's failed read dropped in between is a miss. The tier is
+    never asked for slot -1 (a disk tier would fail that read and quarantine a bogus slot)."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(20)
+    await put(store, pool, a[:16])
+    clock.now += 1
+    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
+    on_l2 = [i for i, t in enumerate(where(store, a)) if t == "L2"][:2]
+    bids = store.table.lookup(0, a[on_l2])
+    level = store.stack.levels[1]
+    l2.corrupt(int(store.table.slot[bids[0], level.col]))
+    asked: list[int] = []
+    read = l2.read
+    l2.read = lambda batch: (asked.extend(batch.slots), read(batch))[1]  # type: ignore[method-assign]
+    with pool.use():
+        # Another request's read of the first block fails and drops its copy...
+        await store._load(level, bids[:1], np.arange(1), pool, None, np.array([29]))
+        asked.clear()
+        # ... after this Get planned to read both from L2.
+        idx, good = await store._load(level, bids, np.arange(2), pool, None, np.array([30, 31]))
+    assert (idx.tolist(), good.tolist()) == ([1], [True])
+    assert asked == [int(store.table.slot[bids[1], level.col])]
+    store.space.forget_orphans(bids)
+    assert present(store, a[on_l2]) == [False, True]
+
+
 async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
