@@ -857,18 +857,39 @@ class BlockStore:
         if not fresh:
             return 0
         now = self._clock()
-        for word in self.table.keys[fresh, 0].tolist():
-            self.prefetches.issue(word, now)
-        self.space.spawn(
-            self.space.place(
-                np.asarray(fresh, dtype=np.int64),
-                top,
-                Priority.PREFETCH,
-                deadline=deadline,
-                prefetch=True,
-            )
-        )
+        bids = np.asarray(fresh, dtype=np.int64)
+        words = self.table.keys[bids, 0].tolist()
+        opened = [self.prefetches.issue(word, now) for word in words]
+        # Refs taken now: a block may go, and its row be reused, before the task starts.
+        refs = self.table.refs(bids)
+        self.space.spawn(self._promote(bids, refs, words, opened, deadline))
         return len(fresh)
+
+    async def _promote(
+        self,
+        bids: np.ndarray,
+        refs: np.ndarray,
+        words: list[int],
+        opened: list[bool],
+        deadline: float | None,
+    ) -> None:
+        """Promote prefetched blocks; then every prefetch this one opened that is still in
+        flight ends: arrived when its block is in the top tier, else cancelled (the tier had
+        no room, or the block went before its copy began)."""
+        top, table = self.top, self.table
+        try:
+            await self.space.place(bids, top, Priority.PREFETCH, deadline=deadline, prefetch=True)
+        finally:
+            rows = table.resolve_many(refs)
+            here = (rows >= 0) & (table.slot[np.maximum(rows, 0), top.col] >= 0)
+            now = self._clock()
+            for word, mine, arrived in zip(words, opened, here.tolist(), strict=True):
+                if not mine:
+                    continue
+                if arrived:
+                    self.prefetches.complete(word, now)
+                else:
+                    self.prefetches.evict(word, now)
 
     def _read_ahead(self, last: int) -> None:
         """Reading the end of a chain prefetches its next blocks from lower tiers."""

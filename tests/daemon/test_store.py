@@ -667,6 +667,31 @@ async def test_prefetch_promotes_ahead_of_use_and_counts_use(make_store):
     assert (stats.issued, stats.used, stats.outstanding) == (8, 4, 4)
 
 
+async def test_a_prefetch_that_finds_no_room_or_whose_block_went_ends_as_wasted(make_store):
+    """Every prefetch ends in one outcome. One whose block the top tier had no room for (all
+    pinned) and one whose block was deleted before its copy started were left outstanding
+    for ever: the ledger grew, and every later Get paid for the outstanding check."""
+    clock = Clock()
+    store = make_store(clock, l2_segments=4)
+    pool = make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    clock.now += 1
+    b = keys(16)
+    await put(store, pool, b, pages=range(16, 32))
+    assert where(store, a[:2]) == ["L2"] * 2
+    store.pin(store.table.lookup(0, b))  # L1 is full and nothing in it may go
+    await store.prefetch(0, a[:1], deadline_ms=0, priority=0)
+    await store.space.drain()
+    assert where(store, a[:1]) == ["L2"]
+    await store.prefetch(0, a[1:2], deadline_ms=0, priority=0)
+    assert (await store.delete(0, a[1:2])).deleted == 1  # before the prefetch's copy began
+    await store.space.drain()
+    stats = store.prefetches.stats()
+    assert (stats.issued, stats.wasted, stats.outstanding) == (2, 2, 0)
+    store.unpin(store.table.refs(store.table.lookup(0, b)))
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_a_prefetch_deadline_protects_its_blocks_exactly_until_it(make_store, policy):
     clock = Clock()
