@@ -370,10 +370,18 @@ class SpaceManager:
                     left = group[len(slots) :]
                     self.missed(dst, left, table.parents_of(left), self._clock())
             group, part = group[: len(slots)], part[: len(slots)]
-        if len(group) == 0:
-            return
-        # The source copy may have gone while we waited for room (a failed read elsewhere).
+        # The source copy may have gone while we waited for room (a failed read elsewhere):
+        # such a block is not copied (its source tier is never asked for slot -1).
         still = table.slot[group, src.col] >= 0
+        spare: list[int] = []
+        if not still.all():
+            if not dst.keyed:
+                spare = [s for s, k in zip(slots, still.tolist(), strict=True) if not k]
+            slots = [s for s, k in zip(slots, still.tolist(), strict=True) if k]
+            group, part = group[still], part[still]
+        if len(group) == 0:
+            await self.release(dst, spare)
+            return
         refs = table.block_refs(group)
         src_failed: list[bool] = [False] * len(group)
         try:
@@ -396,7 +404,7 @@ class SpaceManager:
             ok = np.zeros(n, dtype=bool)
         else:
             ok = np.fromiter((o.ok for o in outcomes), dtype=bool, count=n)
-        ok &= still & (table.state[group] == READY)
+        ok &= table.state[group] == READY
         slot_arr = np.asarray(slots, dtype=np.int64)
         good = group[ok]
         table.set_slots(good, dst.col, slot_arr[ok])
@@ -413,8 +421,8 @@ class SpaceManager:
                     self.prefetches.complete(word, now)
                 else:
                     self.prefetches.evict(word, now)
-        failed_slots = [] if dst.keyed else slot_arr[~ok].tolist()
-        for j in np.flatnonzero(~ok & still).tolist():
+        failed_slots = [] if dst.keyed else spare + slot_arr[~ok].tolist()
+        for j in np.flatnonzero(~ok).tolist():
             if src_failed[j]:
                 # The source's read failed verification: that tier dropped the block.
                 self.lose_copy(int(group[j]), src)

@@ -464,6 +464,41 @@ async def test_a_copy_dropped_after_a_read_was_planned_is_a_miss_not_a_read_of_n
     assert present(store, a[on_l2]) == [False, True]
 
 
+async def test_a_source_copy_dropped_while_a_move_waited_for_room_is_not_read(make_store):
+    """A move (promotion, prefetch, write-through, demotion) waits for room in its target;
+    a source copy another request's failed read dropped meanwhile is not copied. The source
+    tier was asked for slot -1 (a disk tier would fail that read and quarantine a bogus
+    slot)."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(20)
+    await put(store, pool, a[:16])
+    clock.now += 1
+    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
+    on_l2 = [i for i, t in enumerate(where(store, a)) if t == "L2"][:2]
+    bids = store.table.lookup(0, a[on_l2])
+    level = store.stack.levels[1]
+    l2.corrupt(int(store.table.slot[bids[0], level.col]))
+    asked: list[int] = []
+    read = l2.read
+    l2.read = lambda batch: (asked.extend(batch.slots), read(batch))[1]  # type: ignore[method-assign]
+    reserve = store.space.reserve
+
+    async def reserve_while_a_read_fails(*args, **kwargs):
+        slots = await reserve(*args, **kwargs)
+        with pool.use():  # another request's read of the first block fails and drops it
+            await store._load(level, bids[:1], np.arange(1), pool, None, np.array([29]))
+        asked.clear()
+        return slots
+
+    store.space.reserve = reserve_while_a_read_fails  # type: ignore[method-assign]
+    moved = await store.space.place(bids, store.top, store_module.Priority.BACKGROUND)
+    assert moved.tolist() == [False, True]
+    assert asked == [int(store.table.slot[bids[1], level.col])]
+    assert present(store, a[on_l2]) == [False, True]  # the block held nowhere is forgotten
+
+
 async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
