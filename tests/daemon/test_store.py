@@ -412,7 +412,9 @@ async def test_a_reused_row_never_inherits_a_chain_link(make_store):
     assert store.table.child_of(pid) == -1
 
 
-async def test_a_corrupt_l2_copy_is_a_miss_and_is_dropped(make_store):
+async def _four_blocks_on_l2(make_store):
+    """A store with L1 and L2 that took 20 blocks, 4 of them held only by L2: the store, its
+    pool, its L2, the keys and the positions of the four."""
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
     store, pool = make_store(clock, l2=l2), make_pool()
@@ -422,6 +424,11 @@ async def test_a_corrupt_l2_copy_is_a_miss_and_is_dropped(make_store):
     await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
     on_l2 = [i for i, t in enumerate(where(store, a)) if t == "L2"]
     assert len(on_l2) == 4
+    return store, pool, l2, a, on_l2
+
+
+async def test_a_corrupt_l2_copy_is_a_miss_and_is_dropped(make_store):
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
     bad = on_l2[0]
     l2.corrupt(int(store.table.slot[store.table.lookup(0, a[bad : bad + 1])[0], 1]))
     # The bad key twice in one Get: its row is forgotten once, after both reads failed.
@@ -432,26 +439,27 @@ async def test_a_corrupt_l2_copy_is_a_miss_and_is_dropped(make_store):
     assert store.counters.get("copies_lost", tier="L2") == 1
 
 
+async def _two_l2_blocks_the_first_corrupt(make_store):
+    """A store with L1 and L2, two blocks held only by L2, the first corrupt there; returns
+    the store, its pool, the two keys and the list of slots L2 is asked to read from now on."""
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
+    words = a[on_l2[:2]]
+    l2.corrupt(int(store.table.slot[store.table.lookup(0, words)[0], 1]))
+    asked: list[int] = []
+    read = l2.read
+    l2.read = lambda batch: (asked.extend(batch.slots), read(batch))[1]  # type: ignore[method-assign]
+    return store, pool, words, asked
+
+
 async def test_a_copy_dropped_after_a_read_was_planned_is_a_miss_not_a_read_of_no_slot(
     make_store,
 ):
     """A Get decides which tier each block is read from, and the reads start a loop turn
     later; a copy another request's failed read dropped in between is a miss. The tier is
     never asked for slot -1 (a disk tier would fail that read and quarantine a bogus slot)."""
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    a = keys(20)
-    await put(store, pool, a[:16])
-    clock.now += 1
-    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
-    on_l2 = [i for i, t in enumerate(where(store, a)) if t == "L2"][:2]
-    bids = store.table.lookup(0, a[on_l2])
+    store, pool, words, asked = await _two_l2_blocks_the_first_corrupt(make_store)
+    bids = store.table.lookup(0, words)
     level = store.stack.levels[1]
-    l2.corrupt(int(store.table.slot[bids[0], level.col]))
-    asked: list[int] = []
-    read = l2.read
-    l2.read = lambda batch: (asked.extend(batch.slots), read(batch))[1]  # type: ignore[method-assign]
     with pool.use():
         # Another request's read of the first block fails and drops its copy...
         await store._load(level, bids[:1], np.arange(1), pool, None, np.array([29]))
@@ -461,7 +469,7 @@ async def test_a_copy_dropped_after_a_read_was_planned_is_a_miss_not_a_read_of_n
     assert (idx.tolist(), good.tolist()) == ([1], [True])
     assert asked == [int(store.table.slot[bids[1], level.col])]
     store.space.forget_orphans(bids)
-    assert present(store, a[on_l2]) == [False, True]
+    assert present(store, words) == [False, True]
 
 
 async def test_a_source_copy_dropped_while_a_move_waited_for_room_is_not_read(make_store):
@@ -469,20 +477,9 @@ async def test_a_source_copy_dropped_while_a_move_waited_for_room_is_not_read(ma
     a source copy another request's failed read dropped meanwhile is not copied. The source
     tier was asked for slot -1 (a disk tier would fail that read and quarantine a bogus
     slot)."""
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    a = keys(20)
-    await put(store, pool, a[:16])
-    clock.now += 1
-    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
-    on_l2 = [i for i, t in enumerate(where(store, a)) if t == "L2"][:2]
-    bids = store.table.lookup(0, a[on_l2])
+    store, pool, words, asked = await _two_l2_blocks_the_first_corrupt(make_store)
+    bids = store.table.lookup(0, words)
     level = store.stack.levels[1]
-    l2.corrupt(int(store.table.slot[bids[0], level.col]))
-    asked: list[int] = []
-    read = l2.read
-    l2.read = lambda batch: (asked.extend(batch.slots), read(batch))[1]  # type: ignore[method-assign]
     reserve = store.space.reserve
 
     async def reserve_while_a_read_fails(*args, **kwargs):
@@ -496,7 +493,7 @@ async def test_a_source_copy_dropped_while_a_move_waited_for_room_is_not_read(ma
     moved = await store.space.place(bids, store.top, store_module.Priority.BACKGROUND)
     assert moved.tolist() == [False, True]
     assert asked == [int(store.table.slot[bids[1], level.col])]
-    assert present(store, a[on_l2]) == [False, True]  # the block held nowhere is forgotten
+    assert present(store, words) == [False, True]  # the block held nowhere is forgotten
 
 
 async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
@@ -848,14 +845,8 @@ async def test_rows_deleted_or_reused_while_a_lookup_probes_l3_are_misses(make_s
 async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_store):
     """A read that fails verification drops the copy; a block still pinned keeps its row until
     the lease ends, held in no tier: Lookups report it missing, one key or several."""
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    a = keys(20)
-    await put(store, pool, a[:16])
-    clock.now += 1
-    await put(store, pool, a[16:], pages=range(16, 20))  # 4 of them went to L2
-    bad = next(i for i, t in enumerate(where(store, a)) if t == "L2")
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
+    bad = on_l2[0]
     bid = store.table.lookup(0, a[bad : bad + 1])[0]
     refs = store.pin(np.asarray([bid]))
     l2.corrupt(int(store.table.slot[bid, 1]))
