@@ -216,6 +216,8 @@ class SlabAllocator:
         dup[first] = False
         ok[cand[dup]] = False
         cand = np.flatnonzero(ok)
+        if len(cand) == 0:
+            return ok  # nothing to claim (the grouping below needs one row at least)
         order = cand[np.argsort(seg[cand], kind="stable")]
         bounds = np.flatnonzero(np.r_[True, seg[order][1:] != seg[order][:-1], True])
         for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):

@@ -81,6 +81,17 @@ def test_bad_geometry():
     assert not alloc.fits(2 * MiB) and alloc.fits(MiB)
 
 
+def test_claim_many_of_nothing_claimable_changes_nothing():
+    """Regression: a batch with no claimable slot (a recovery chunk whose rows all lie in a
+    damaged data file) raised IndexError, which failed the tier's recovery."""
+    alloc = SlabAllocator(8 << 20, 1 << 20)
+    before = alloc.stats()
+    assert alloc.claim_many(np.empty(0, np.int64), np.empty(0, np.int64)).tolist() == []
+    refused = alloc.claim_many(np.array([-1, 8 * alloc.slots_cap]), np.array([4096, 4096]))
+    assert refused.tolist() == [False, False]
+    assert alloc.stats() == before
+
+
 def test_claim_many_matches_claim_one_by_one():
     rng = np.random.default_rng(3)
     one = SlabAllocator(64 << 20, 1 << 20)
