@@ -419,6 +419,38 @@ def test_rows_that_do_not_fit_are_dropped(disk_dir: Path, make_block: Block) -> 
         assert tier.stats().counters["recovery_dropped_rows"] == 2
 
 
+def test_a_slot_whose_row_recovery_drops_is_handed_out_only_once_the_row_is_gone(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Regression: recovery let the allocator hand out slots again before it deleted the rows
+    it dropped (those of a missing data file), so a block written meanwhile into such a slot,
+    its commit reported durable, lost its row to that deletion and was gone after a restart."""
+    with _open(disk_dir) as tier:
+        old = _persist(tier, make_block, [1], 65_536)[1]
+    (disk_dir / "data-0000.bin").unlink()
+    tier = _open(disk_dir, recover_later=True)
+    index = tier._idx()
+    real_drop = index.drop
+    new: dict[int, tuple] = {}
+
+    def write_then_drop(blocks: list[int], quarantine: list[int]) -> None:
+        # Another thread's write, let in between the end of the chunks and the deletion.
+        if blocks == [old[1]] and tier.allocator.can_allocate(65_536):
+            new.update(_persist(tier, make_block, [2], 65_536))
+            assert new[2][1] == old[1]  # the dropped row's slot
+        real_drop(blocks, quarantine)
+
+    index.drop = write_then_drop  # type: ignore[method-assign]
+    with tier:
+        assert len(RecoveredBlocks.concat(list(tier.recover_chunks()))) == 0
+        assert tier.stats().counters["recovery_dropped_rows"] == 1
+        if not new:
+            new.update(_persist(tier, make_block, [2], 65_536))
+    with _open(disk_dir) as tier:
+        assert [r.key for r in tier.recover()] == [new[2][0]]
+        assert _read(tier, new) == {2: make_block(2, 65_536)[1]}
+
+
 _FORMAT_1_BLOCKS = """
 CREATE TABLE blocks (
     ns INTEGER NOT NULL,

@@ -556,20 +556,24 @@ class DiskTier:
                 kept += len(blocks)
                 if len(blocks):
                     yield blocks
+            if drop:
+                log.warning(
+                    "L2 recovery dropped %d index rows (%s)%s",
+                    len(drop),
+                    ", ".join(f"{n} {r}" for r, n in sorted(lost.items())),
+                    f"; blocks lost with damaged data files: {dict(lost_files)}"
+                    if lost_files
+                    else "",
+                )
+                # Before the allocator hands their slots out: a block written there meanwhile
+                # would lose its row to this deletion.
+                try:
+                    self._idx().drop(drop, [])
+                except sqlite3.Error as e:
+                    self.faults.fault(classify(e), "index delete")
         finally:
             reader.close()
             self.allocator.recovering = False
-        if drop:
-            log.warning(
-                "L2 recovery dropped %d index rows (%s)%s",
-                len(drop),
-                ", ".join(f"{n} {r}" for r, n in sorted(lost.items())),
-                f"; blocks lost with damaged data files: {dict(lost_files)}" if lost_files else "",
-            )
-            try:
-                self._idx().drop(drop, [])
-            except sqlite3.Error as e:
-                self.faults.fault(classify(e), "index delete")
         damaged_total = sum(lost_files.values())
         if damaged_total:
             self.faults.note(
