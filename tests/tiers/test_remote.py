@@ -436,6 +436,49 @@ async def test_out_of_memory_pauses_writes_not_reads(tmp_path: Path, l3_prefix: 
             assert bytes(dest[0]) == data(first, nbytes)
 
 
+async def test_a_write_that_started_before_out_of_memory_does_not_resume_writes(
+    tmp_path: Path, l3_prefix: str
+) -> None:
+    """Regression: a write sent before another write's out-of-memory refusal, whose reply
+    was taken in after it, ended the pause at once (its success was read as room come back),
+    so the backoff never held while earlier writes were still in flight. A write sent after
+    the backoff still ends it."""
+    nbytes = 4096
+    now = [1000.0]
+    with RedisServer(tmp_path / "small", maxmemory_bytes=64 << 20) as server:
+        async with opened(
+            options(server, l3_prefix, backoff_initial_s=30.0, backoff_max_s=60.0),
+            clock=lambda: now[0],
+        ) as tier:
+            real = tier._pipeline
+            arrived, release = asyncio.Event(), asyncio.Event()
+
+            async def hold_first_reply(*args: Any) -> list[Any]:
+                replies = await real(*args)
+                if not arrived.is_set():  # the store took this write; its reply waits
+                    arrived.set()
+                    await release.wait()
+                return replies
+
+            tier._pipeline = hold_first_reply  # type: ignore[method-assign]
+            early = asyncio.create_task(tier.write([ref(1)], nbytes, host([data(1, nbytes)])))
+            await arrived.wait()
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 1)
+            assert await tier.write([ref(2)], nbytes, host([data(2, nbytes)])) == [False]
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            release.set()
+            assert await early == [True]
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            assert await tier.write([ref(3)], nbytes, host([data(3, nbytes)])) == [False]
+            assert tier.stats().counters["write_skipped_down"] == 1
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 64 << 20)
+            now[0] += 60.0
+            assert await tier.write([ref(4)], nbytes, host([data(4, nbytes)])) == [True]
+            assert tier.health().state is Health.OK
+
+
 # ------------------------------------------------------------------- credentials
 
 

@@ -349,8 +349,12 @@ class RemoteTier:
         gathered = (
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
         )
+        # Only a write sent during this out-of-memory pause (after its backoff) may end it: one
+        # sent before may have been stored before the refusal that began the pause.
+        a = self._avail
+        paused_since = a.since if a.state is Reach.NOSPACE else None
         try:
-            return await self._write_framed(chosen, keys, gathered, nbytes, src, out)
+            return await self._write_framed(chosen, keys, gathered, nbytes, src, out, paused_since)
         finally:
             self._staging.give(gathered)
 
@@ -362,6 +366,7 @@ class RemoteTier:
         nbytes: int,
         src: HostBuffers | PoolPages,
         out: list[bool],
+        paused_since: float | None,
     ) -> list[bool]:
         c = self._counters
         if nbytes * len(chosen) >= _OFFLOAD_BYTES:
@@ -398,7 +403,7 @@ class RemoteTier:
                 c["write_errors"] += 1
         if no_space:
             self._log_transition(self._avail.no_space(self._clock(), no_space))
-        elif any(out) and self._avail.state is Reach.NOSPACE:
+        elif any(out) and self._avail.state is Reach.NOSPACE and self._avail.since == paused_since:
             self._log_transition(self._avail.recovered(self._clock()))
         return out
 
