@@ -360,7 +360,7 @@ class WorkerSide:
             return False
         load.ok = np.zeros(len(load.block_ids), dtype=bool)
         load.ok[load.rows] = mask
-        rows = np.flatnonzero(mask)
+        rows = np.flatnonzero(load.ok)  # blocks (not job keys: a block may have no key)
         if len(rows):
             pages = [load.pages[i] for i in rows]
             blocks = torch.from_numpy(load.block_ids[rows])
