@@ -82,6 +82,11 @@ def error_for_code(code: grpc.StatusCode, details: str) -> KvtierError:
     return _BY_CODE.get(code, KvtierError)(details, code)
 
 
+def closed_error() -> UnavailableError:
+    """What a call gets once another thread closed its client."""
+    return UnavailableError("the client was closed")
+
+
 def from_rpc_error(err: grpc.RpcError) -> KvtierError:
     """The typed exception for a failed call."""
     code = err.code() if hasattr(err, "code") else None

@@ -36,7 +36,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from kvtier.client.errors import KvtierError, NotFoundError, UnavailableError, from_rpc_error
+from kvtier.client.errors import (
+    KvtierError,
+    NotFoundError,
+    UnavailableError,
+    closed_error,
+    from_rpc_error,
+)
 from kvtier.client.types import PutStatus, pages_list
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -483,11 +489,16 @@ class TransferJob:
             for part in parts:
                 self._ended(part, None, e)
             return
-        for part in parts:
+        for i, part in enumerate(parts):
             part.request.session_id = session_id
             part.request.pool_id = pool_id
             method = getattr(self._client.stub, part.method)
-            fut = method.future(part.request, timeout=self._timeout_s)
+            try:
+                fut = method.future(part.request, timeout=self._timeout_s)
+            except ValueError:  # the client was closed meanwhile: its channel sends nothing
+                for unsent in parts[i:]:
+                    self._ended(unsent, None, closed_error())
+                return
             with self._cond:
                 self._futures[part.index] = fut
             fut.add_done_callback(lambda f, part=part: self._on_done(part, f))

@@ -36,6 +36,7 @@ from kvtier.client.errors import (
     KvtierError,
     NotFoundError,
     UnavailableError,
+    closed_error,
     from_rpc_error,
 )
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
@@ -135,6 +136,7 @@ class Client:
             response_deserializer=hc.decode_response,
         )
         self._lock = threading.Lock()
+        self._closed = False
         self._session_id = ""
         self._session_call: Any = None
         self._pools: dict[int, PoolBinding] = {}
@@ -144,6 +146,7 @@ class Client:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             call, self._session_call, self._session_id = self._session_call, None, ""
         if call is not None:
             call.cancel()
@@ -159,6 +162,8 @@ class Client:
     def session_id(self) -> str:
         """The open session, opened on first use."""
         with self._lock:
+            if self._closed:
+                raise closed_error()
             if self._session_call is not None and not self._session_call.is_active():
                 self._session_id, self._session_call = "", None
             if not self._session_id:
@@ -243,6 +248,10 @@ class Client:
                 return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
+            except ValueError:  # grpc's answer to a call on a closed channel
+                if not self._closed:
+                    raise
+                raise closed_error() from None
             if binding is None or attempt or not isinstance(err, NotFoundError):
                 raise err
             # The daemon lost our session or pool (it restarted): register again, once.
