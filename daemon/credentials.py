@@ -25,7 +25,8 @@ Invariants:
   received fd that is not memory-backed (its close() may wait on a filesystem, FUSE's flush
   for one) is closed on the FdCloser's thread. While that thread is behind, no new
   connection is accepted, so a stuck close costs the credential socket, never the daemon.
-- One uid holds at most ``MAX_TICKETS_PER_UID`` unredeemed tickets.
+- One uid holds at most ``MAX_TICKETS_PER_UID`` unredeemed tickets; one connection holds
+  at most ``MAX_FDS_PER_MESSAGE`` received fds (one more refuses its request at once).
 
 Thread-safety: the event loop only, except FdCloser, whose methods any thread may call.
 """
@@ -346,7 +347,9 @@ class CredentialServer:
                 fds = array.array("i")
                 fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
                 conn.fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
+        # Counted over the whole request: one fd with each byte of a line not yet ended
+        # would otherwise hold hundreds per connection until the I/O timeout.
+        if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_FDS_PER_MESSAGE:
             self._reply(conn, InvalidArgument(f"at most {MAX_FDS_PER_MESSAGE} fds per request"))
             return
         if not data:

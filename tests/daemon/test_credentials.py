@@ -1,14 +1,28 @@
 from __future__ import annotations
 
+import array
+import asyncio
 import fcntl
 import os
+import shutil
+import socket
+import tempfile
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
-from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind, is_memory_backed
+from kvtier.daemon.credentials import (
+    MAX_FDS_PER_MESSAGE,
+    CredentialServer,
+    FdCloser,
+    TicketBook,
+    TicketKind,
+    is_memory_backed,
+)
 from kvtier.daemon.errors import ResourceExhausted, Unauthenticated
 from kvtier.daemon.sessions import PeerCred
+from kvtier.daemon.unixsock import SocketAccess
 
 ALICE = PeerCred(pid=10, uid=1000, gid=1000)
 BOB = PeerCred(pid=20, uid=1001, gid=1001)
@@ -119,3 +133,42 @@ def test_the_closer_closes_other_fds_on_its_thread():
             break
         time.sleep(0.01)
     assert closer.pending == 0 and not _open(r) and not _open(w)
+
+
+@pytest.fixture
+async def cred_server() -> AsyncIterator[CredentialServer]:
+    folder = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")  # short, as Unix socket paths must be
+    closer = FdCloser()
+    server = CredentialServer(
+        os.path.join(folder, "d.sock.cred"), TicketBook(closer), closer, lambda e: "REFUSED"
+    )
+    server.start(SocketAccess(0o600, None))
+    yield server
+    server.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_fds_sent_over_several_messages_of_one_request_are_refused_at_once(cred_server):
+    """The fd limit is per request: a client that sends a few fds with each byte of an
+    unfinished request line is refused as soon as it has sent more than the limit, its fds
+    closed, instead of the daemon holding hundreds of them per connection until the I/O
+    timeout."""
+    loop = asyncio.get_running_loop()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.setblocking(False)
+    memfds = [os.memfd_create("m") for _ in range(MAX_FDS_PER_MESSAGE)]
+    try:
+        await loop.sock_connect(client, cred_server.path)
+        for byte in b"KVT":
+            client.sendmsg(
+                [bytes([byte])],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", memfds))],
+            )
+        answer = await loop.sock_recv(client, 1024)
+        assert answer.startswith(b"ERR REFUSED"), answer
+        assert f"at most {MAX_FDS_PER_MESSAGE} fds per request".encode() in answer
+        assert cred_server.counters["refused"] == 1
+    finally:
+        client.close()
+        for fd in memfds:
+            os.close(fd)
