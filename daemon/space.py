@@ -15,6 +15,8 @@ Rules:
   holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
+- A tenant's quota on a tier counts its copies there and the slots reserved for its copies
+  in flight (``quota_held``), so puts racing to the quota store no more than it.
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -73,6 +76,9 @@ class SpaceManager:
         self.batch_blocks = batch_blocks
         # (owner, tier kind) -> bytes the owner (a tenant) may hold in that tier.
         self.quotas: dict[tuple[int, TierKind], int] = {}
+        # (owner, tier kind) -> bytes of slots reserved within a quota whose copies are not
+        # yet recorded in the table: they count against the quota until ``end_hold``.
+        self.quota_held: Counter[tuple[int, TierKind]] = Counter()
         # Owner index -> tenant label, for the quota counters' ``tenant`` label.
         self.owner_labels: dict[int, str] = {0: "default"}
         self._pending_touches: list[tuple[np.ndarray, float]] = []
@@ -358,12 +364,14 @@ class SpaceManager:
     ) -> None:
         table = self.table
         group = bids[part]
+        reserved = 0
         if dst.keyed:
             slots: list[int] = [0] * len(group)  # a key-addressed copy: present, no slot
         else:
             slots = await self.reserve(
                 dst, nbytes, len(group), priority, clean_only=clean_only, owner=owner
             )
+            reserved = len(slots) * nbytes
             if len(slots) < len(group):
                 self.counters.inc("no_room", len(group) - len(slots), tier=dst.label)
                 if dst.own_admission is not None and not prefetch:
@@ -380,6 +388,7 @@ class SpaceManager:
             slots = [s for s, k in zip(slots, still.tolist(), strict=True) if k]
             group, part = group[still], part[still]
         if len(group) == 0:
+            self.end_hold(dst, owner, reserved)
             await self.release(dst, spare)
             return
         refs = table.block_refs(group)
@@ -398,6 +407,9 @@ class SpaceManager:
             )
         except PrefetchExpired:
             outcomes = None
+        finally:
+            # What the copies stored counts in the table's usage from the set_slots below.
+            self.end_hold(dst, owner, reserved)
         now = self._clock()
         n = len(group)
         if outcomes is None:
@@ -487,20 +499,41 @@ class SpaceManager:
         (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
         coldest evictable blocks of that slot size, then by reclaiming whole segments of
         other sizes. A tenant with a quota on the tier that it would pass makes room among
-        its own blocks only, and gets no more than fits its quota."""
+        its own blocks only, and gets no more than fits its quota; the slots count against
+        it until the caller has recorded or released their copies and calls ``end_hold``."""
         self.apply_touches()
         if level.recovering:
             return []
         quota = self.quotas.get((owner, level.kind))
-        if quota is not None:
-            count = await self._within_quota(
-                level, owner, quota, nbytes, count, priority, clean_only
+        if quota is None:
+            return await self._take_slots(level, nbytes, count, priority, clean_only)
+        count = await self._within_quota(level, owner, quota, nbytes, count, priority, clean_only)
+        if count == 0:
+            self.counters.inc(
+                "quota_rejections", tier=level.label, tenant=self.owner_labels.get(owner, owner)
             )
-            if count == 0:
-                self.counters.inc(
-                    "quota_rejections", tier=level.label, tenant=self.owner_labels.get(owner, owner)
-                )
-                return []
+            return []
+        # Held before the next await: a put of the tenant reserving meanwhile counts them.
+        self.quota_held[(owner, level.kind)] += count * nbytes
+        slots: list[int] = []
+        try:
+            slots = await self._take_slots(level, nbytes, count, priority, clean_only)
+        finally:
+            self.end_hold(level, owner, (count - len(slots)) * nbytes)
+        return slots
+
+    def end_hold(self, level: Level, owner: int, nbytes: int) -> None:
+        """Stop counting ``nbytes`` of ``owner``'s reserved slots against its quota on
+        ``level``: their copies are recorded in the table, or the slots released."""
+        key = (owner, level.kind)
+        if key in self.quota_held:
+            self.quota_held[key] -= nbytes
+            if self.quota_held[key] <= 0:
+                del self.quota_held[key]
+
+    async def _take_slots(
+        self, level: Level, nbytes: int, count: int, priority: Priority, clean_only: bool
+    ) -> list[int]:
         alloc = level.slots.allocator
         slots = alloc.allocate_many(nbytes, count)
         if len(slots) == count:
@@ -535,7 +568,8 @@ class SpaceManager:
         (or demoting) the owner's own coldest evictable blocks to make room."""
         table = self.table
         table._fit_owner(owner)
-        over = int(table.usage[level.col, owner]) + count * nbytes - quota
+        held = self.quota_held[(owner, level.kind)]
+        over = int(table.usage[level.col, owner]) + held + count * nbytes - quota
         if over > 0:
             now = self._clock()
             base = self.evictable(level, now, clean_only=clean_only)
@@ -553,7 +587,8 @@ class SpaceManager:
                     tier=level.label,
                     tenant=self.owner_labels.get(owner, owner),
                 )
-        room = (quota - int(table.usage[level.col, owner])) // nbytes
+        held = self.quota_held[(owner, level.kind)]
+        room = (quota - int(table.usage[level.col, owner]) - held) // nbytes
         return max(0, min(count, room))
 
     def _victims(self, level: Level, n: int, now: float, mask: EvictableFn) -> np.ndarray:

@@ -621,6 +621,9 @@ class BlockStore:
                 else:
                     level.slots.remove(slots)
                 raise
+            finally:
+                # What the copies stored counts in the table's usage from the set_slots below.
+                self.space.end_hold(level, owner, len(slots) * nbytes)
             good = [o.ok for o in outcomes]
             ok = len(good) if all(good) else good.index(False)
             stored = group[:ok]
@@ -1063,6 +1066,8 @@ class BlockStore:
             np.add.at(want, table.owner[holders], table.nbytes[holders].astype(np.int64))
             if not np.array_equal(want, table.usage[col]):
                 problems.append(f"{label}: per-tenant usage does not add up to its blocks")
+            if quiet and (held := [o for o, k in self.space.quota_held if k == level.kind]):
+                problems.append(f"{label}: {len(held)} tenants' quotas hold slots no copy uses")
         if pins is not None:
             want_pins = np.zeros(table.capacity, dtype=np.int64)
             for bid, n in pins.items():

@@ -1397,3 +1397,32 @@ def test_repeated_keys_in_a_batch_are_found_past_their_first_word(n):
     dup = store_module._repeats(batch)
     assert dup.tolist() == [False] * n + [True, True, False, True]
     assert not store_module._repeats(words).any()
+
+
+async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
+    make_store, monkeypatch
+):
+    """A put reserves its slots within the quota, then awaits its copies before the blocks
+    count as the tenant's; a second put of the tenant reserving meanwhile must count the
+    first one's slots too, or the two together pass the quota."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2), make_pool()  # 32 slots of 4 KiB
+    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096
+    copying, gate = asyncio.Event(), asyncio.Event()
+    from_pool = store.transfers.from_pool
+
+    async def gated(*args, **kwargs):
+        if not copying.is_set():
+            copying.set()
+            await gate.wait()
+        return await from_pool(*args, **kwargs)
+
+    monkeypatch.setattr(store.transfers, "from_pool", gated)
+    first = asyncio.ensure_future(store.put(pool, 0, keys(6), np.arange(6), None, owner=1))
+    await copying.wait()
+    second, _ = await store.put(pool, 0, keys(6), np.arange(6, 12), None, owner=1)
+    gate.set()
+    first_res, _ = await first
+    assert first_res.tolist() == [PutResult.STORED] * 6
+    assert second.tolist() == [PutResult.STORED] * 2 + [PutResult.REJECTED_FULL] * 4
+    assert store.table.usage[0, 1] == 8 * 4096
