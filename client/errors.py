@@ -61,6 +61,24 @@ class InternalError(KvtierError):
     code = grpc.StatusCode.INTERNAL
 
 
+# Statuses the daemon answers after deciding a request: nothing of it is still running.
+_ANSWERED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+def unclean(error: BaseException) -> bool:
+    """Whether a failed transfer may have left the daemon still copying its pages."""
+    return not (isinstance(error, KvtierError) and error.code in _ANSWERED)
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KvtierError]] = {
     cls.code: cls  # type: ignore[misc]
     for cls in (

@@ -54,7 +54,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-import grpc
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -62,7 +61,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from kvtier.client.errors import KvtierError
+from kvtier.client.errors import KvtierError, unclean
 from kvtier.client.integrations.breaker import Breaker
 from kvtier.client.integrations.sglang_config import (
     PageFormat,
@@ -81,23 +80,7 @@ from kvtier.kernels.layout import PoolLayout
 
 log = logging.getLogger(__name__)
 
-# Statuses the daemon answers after deciding a request: nothing of it is still running.
-_ANSWERED = frozenset(
-    {
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.NOT_FOUND,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    }
-)
 _STAGING_MAX_PAGES = 256  # two of SGLang's 128-page storage batches
-
-
-def unclean(error: BaseException) -> bool:
-    """Whether a failed transfer may have left the daemon still copying its pages."""
-    return not (isinstance(error, KvtierError) and error.code in _ANSWERED)
 
 
 class KVTierHiCacheStorage(HiCacheStorage):

@@ -9,12 +9,12 @@ forward pass only on the remaining tokens, and stores the new full blocks back::
         out = kv.generate(input_ids, max_new_tokens=32)   # greedy; out.tokens, out.ttft_s
 
 Data path. Each instance owns one shared-memory staging pool, created and registered once and
-reused by every call. It is laid out ``[pages, layers, 2 (K, V), kv_heads, block_tokens,
-head_dim]`` in the model's dtype: page i holds one whole block, and each chunk is the
-``[kv_heads, block_tokens, head_dim]`` slice ("HND") of a ``DynamicCache`` layer tensor
-``[1, kv_heads, seq, head_dim]``, so moving a run of blocks between the cache and the pool is
-one strided tensor copy per layer and per K/V. Sequences longer than the pool move through it
-in chunks of ``staging_tokens``.
+reused by every call (it is replaced only after a transfer that ended without an answer). It
+is laid out ``[pages, layers, 2 (K, V), kv_heads, block_tokens, head_dim]`` in the model's
+dtype: page i holds one whole block, and each chunk is the ``[kv_heads, block_tokens,
+head_dim]`` slice ("HND") of a ``DynamicCache`` layer tensor ``[1, kv_heads, seq, head_dim]``,
+so moving a run of blocks between the cache and the pool is one strided tensor copy per layer
+and per K/V. Sequences longer than the pool move through it in chunks of ``staging_tokens``.
 
 Invariants:
 - At least one prompt token is always computed, so ``prefill`` has logits to return: when the
@@ -27,6 +27,10 @@ Invariants:
   and the prompt is computed as if nothing were stored. Errors of the model or of this
   module's arguments propagate, and so does a failure to register the pool when an instance
   is built (a wrong address fails fast; a daemon lost later is only a miss).
+- Staging pages hold one transfer's blocks at a time. A transfer that ended without an answer
+  (a timeout, a lost connection) may still be copied by the daemon later, so its memory takes
+  no other block: it is unregistered without waiting and replaced by fresh memory, which the
+  next transfer registers.
 
 Scope: batch size 1, decoder-only models whose layers are all plain full-attention
 ``DynamicLayer``s (Llama, Mistral without sliding window, Qwen2, ...), multi-head or
@@ -55,7 +59,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvtier.client.errors import KvtierError
+from kvtier.client.errors import KvtierError, unclean
+from kvtier.client.flows import PoolBinding
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
@@ -278,11 +283,7 @@ class KVTierPrefixCache:
         except BaseException:
             self._shm.close()
             raise
-        # [page, layer, kv, head, token, dim]: the staging layout above, as a tensor view.
-        self._staging: torch.Tensor | None = self._shm.tensor(
-            g.dtype,
-            (self.num_pages, g.num_layers, 2, g.num_kv_heads, block_tokens, g.head_dim),
-        )
+        self._staging: torch.Tensor | None = self._staging_view(self._shm)
         self._counters: Counter[str] = Counter()
         self._seconds: dict[str, float] = defaultdict(float)
         log.info(
@@ -415,6 +416,7 @@ class KVTierPrefixCache:
         except KvtierError as e:
             self._counters["store_errors"] += 1
             log.warning("kvtier store failed; continuing without it: %s", e)
+            self._after_error(e)
         self._counters["stored_blocks"] += held - first
         self._seconds["store"] += time.perf_counter() - t0
         return held * bt
@@ -485,6 +487,7 @@ class KVTierPrefixCache:
         except KvtierError as e:
             self._counters["load_errors"] += 1
             log.warning("kvtier load failed after %d blocks; computing the rest: %s", loaded, e)
+            self._after_error(e)
         self._counters["loaded_blocks"] += loaded
         if loaded == 0:
             return self._new_cache(None), 0
@@ -539,6 +542,27 @@ class KVTierPrefixCache:
             for kv, dst in enumerate((ks[layer_idx], vs[layer_idx])):
                 view = dst[0, :, lo * bt : hi * bt].unflatten(1, (m, bt))
                 view.copy_(staging[:m, layer_idx, kv].transpose(0, 1))
+
+    def _staging_view(self, shm: SharedMemoryPool) -> torch.Tensor:
+        """[page, layer, kv, head, token, dim]: the staging layout, as a tensor view."""
+        g = self.geometry
+        shape = (self.num_pages, g.num_layers, 2, g.num_kv_heads, self.block_tokens, g.head_dim)
+        return shm.tensor(g.dtype, shape)
+
+    def _after_error(self, error: KvtierError) -> None:
+        """Replace the staging memory when the failed transfer may still be copied by the
+        daemon (see the module invariants). The old memory stays mapped by the daemon for as
+        long as a copy uses it; the new one is registered by the next Put or Get."""
+        if not unclean(error) or self._shm is None:
+            return
+        shm = SharedMemoryPool.for_layout(self.layout)
+        with contextlib.suppress(KvtierError):
+            self.client.unregister_pool_nowait(self.pool.binding)
+        self._staging = None
+        self._shm.close()
+        self._shm, self._staging = shm, self._staging_view(shm)
+        self.pool = RegisteredPool(self.client, PoolBinding(shm, self.layout, self.namespace))
+        self._counters["staging_replaced"] += 1
 
     def _live_staging(self) -> torch.Tensor:
         if self._staging is None:

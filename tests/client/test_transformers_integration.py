@@ -14,7 +14,9 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import torch
 from hf_models import tiny_llama
@@ -193,6 +195,55 @@ def test_daemon_restart_under_a_live_integration_is_a_miss_not_an_error(daemon, 
         assert kv.prefill(prompt).reused_tokens == 0
         assert kv.stats().get("load_errors", 0) == 0
         _assert_matches_reference(kv, prompt, reused=4 * BLOCK)
+
+
+class _DeadlineExceeded(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "the daemon did not answer in time"
+
+
+class _FirstPutAnsweredLate:
+    """The client's stub, except that the first Put reaches the daemon only when the test
+    sends it (``late()``), after its caller got DEADLINE_EXCEEDED: what a daemon that was
+    paused or overloaded does with a request the client gave up on."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self.late: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    def Put(self, request: Any, timeout: float | None = None) -> Any:
+        if self.late is not None:
+            return self._stub.Put(request, timeout=timeout)
+        self.late = lambda: self._stub.Put(request, timeout=timeout)
+        raise _DeadlineExceeded()
+
+
+def test_a_store_answered_after_its_timeout_never_stores_another_prompts_kv(daemon, model):
+    """A Put that timed out can still copy from the staging pages later. The integration
+    reused those pages for the next store, so the late Put stored the second prompt's KV under
+    the first prompt's keys, and a later prefill of the first prompt loaded it: silently wrong
+    KV. A transfer that ended without an answer now moves the integration to fresh memory."""
+    first, second = _prompt(100, seed=4), _prompt(100, seed=5)
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        stub = _FirstPutAnsweredLate(client._stub)
+        client._stub = stub
+        kv.prefill(first)
+        assert kv.stats()["store_errors"] == 1 and stub.late is not None
+        kv.prefill(second)
+        assert kv.stats()["stored_blocks"] == 6
+        with contextlib.suppress(grpc.RpcError):
+            stub.late()  # the first prompt's Put, copying from the pages it was given
+    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+        tokens, logits = _reference(model, first)
+        first_logits, _, _ = kv.prefill(first, store=False)
+        assert torch.allclose(first_logits[0], logits, atol=LOGITS_ATOL, rtol=0)
+        assert kv.generate(first, NEW_TOKENS, store=False).tokens == tokens
 
 
 def test_unreachable_daemon_degrades_to_recompute(daemon, model):
