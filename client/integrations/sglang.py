@@ -495,6 +495,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         targets = list(target_locations) if target_locations is not None else [None] * n
         start = time.perf_counter()
         try:
+            if len(targets) != n:
+                raise ValueError(f"{len(targets)} target pages for {n} keys")
             for i, t in enumerate(targets):
                 if t is None:
                     targets[i] = torch.empty(self.page.page_numel, dtype=self._host_pool.dtype)
