@@ -616,16 +616,7 @@ async def test_rows_deleted_or_reused_while_a_put_copies_are_not_linked_or_persi
     a, new, stranger = keys(1), keys(1), keys(1)
     await put(store, pool, a)
     old = int(store.table.lookup(0, a)[0])
-    copying, gate = asyncio.Event(), asyncio.Event()
-    from_pool = store.transfers.from_pool
-
-    async def gated(*args, **kwargs):
-        if not copying.is_set():
-            copying.set()
-            await gate.wait()
-        return await from_pool(*args, **kwargs)
-
-    monkeypatch.setattr(store.transfers, "from_pool", gated)
+    copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
     putting = asyncio.ensure_future(
         put(store, pool, np.concatenate([a, new]), pages=[1, 2], durable=True)
     )
@@ -804,6 +795,22 @@ async def test_a_prefix_one_node_stored_is_found_and_loaded_by_another(make_stor
     # B promoted them into its own top tier on the way.
     assert where(b, chain[:4]) == ["L1"] * 4
     assert b.counters.get("copies", direction="L3->L1") == 4
+
+
+def _gate_first_call(monkeypatch, obj, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make the first call of the coroutine method ``obj.name`` wait: the first event is set
+    when it starts waiting, and it goes on once the test sets the second."""
+    started, gate = asyncio.Event(), asyncio.Event()
+    method = getattr(obj, name)
+
+    async def gated(*args, **kwargs):
+        if not started.is_set():
+            started.set()
+            await gate.wait()
+        return await method(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, gated)
+    return started, gate
 
 
 class GatedKeyTier(MemoryKeyTier):
@@ -1408,16 +1415,7 @@ async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
     clock = Clock()
     store, pool = make_store(clock, segments=2), make_pool()  # 32 slots of 4 KiB
     store.space.quotas[(1, TierKind.HOST)] = 8 * 4096
-    copying, gate = asyncio.Event(), asyncio.Event()
-    from_pool = store.transfers.from_pool
-
-    async def gated(*args, **kwargs):
-        if not copying.is_set():
-            copying.set()
-            await gate.wait()
-        return await from_pool(*args, **kwargs)
-
-    monkeypatch.setattr(store.transfers, "from_pool", gated)
+    copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
     first = asyncio.ensure_future(store.put(pool, 0, keys(6), np.arange(6), None, owner=1))
     await copying.wait()
     second, _ = await store.put(pool, 0, keys(6), np.arange(6, 12), None, owner=1)
