@@ -25,8 +25,8 @@ Invariants:
   received fd that is not memory-backed (its close() may wait on a filesystem, FUSE's flush
   for one) is closed on the FdCloser's thread. While that thread is behind, no new
   connection is accepted, so a stuck close costs the credential socket, never the daemon.
-- One uid holds at most ``MAX_TICKETS_PER_UID`` unredeemed tickets; one connection holds
-  at most ``MAX_FDS_PER_MESSAGE`` received fds (one more refuses its request at once).
+- One uid holds at most ``MAX_TICKETS_PER_UID`` unredeemed tickets; one request holds
+  at most ``MAX_FDS_PER_REQUEST`` received fds, over all its messages (one more refuses its request at once).
 
 Thread-safety: the event loop only, except FdCloser, whose methods any thread may call.
 """
@@ -73,7 +73,7 @@ MAX_TICKETS_PER_UID = 256
 MAX_CONNECTIONS = 64
 IO_TIMEOUT_S = 2.0
 MAX_REQUEST_BYTES = 128
-MAX_FDS_PER_MESSAGE = 4
+MAX_FDS_PER_REQUEST = 4
 # Received fds waiting for the closer thread beyond which accepting pauses.
 MAX_PENDING_CLOSES = 64
 
@@ -334,7 +334,7 @@ class CredentialServer:
         try:
             data, ancillary, flags, _ = conn.sock.recvmsg(
                 MAX_REQUEST_BYTES,
-                socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * 4),
+                socket.CMSG_SPACE(MAX_FDS_PER_REQUEST * 4),
                 socket.MSG_CMSG_CLOEXEC,
             )
         except (BlockingIOError, InterruptedError):
@@ -349,8 +349,8 @@ class CredentialServer:
                 conn.fds.extend(fds)
         # Counted over the whole request: one fd with each byte of a line not yet ended
         # would otherwise hold hundreds per connection until the I/O timeout.
-        if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_FDS_PER_MESSAGE:
-            self._reply(conn, InvalidArgument(f"at most {MAX_FDS_PER_MESSAGE} fds per request"))
+        if flags & socket.MSG_CTRUNC or len(conn.fds) > MAX_FDS_PER_REQUEST:
+            self._reply(conn, InvalidArgument(f"at most {MAX_FDS_PER_REQUEST} fds per request"))
             return
         if not data:
             self._drop(conn)  # closed before a whole request

@@ -274,22 +274,21 @@ class BlockStore:
             await self._discover(ns, words, ids, int(np.argmin(found)))
             found = ids >= 0
             hits = int(np.count_nonzero(found))
-        if hits and hits == n:
-            fid, tiers = ids, self._fastest_kind(ids)
+        if hits == n:
+            tiers = self._fastest_kind(ids)
         else:
             tiers = np.zeros(n, dtype=np.int32)
             if hits:
-                fid = ids[found]
-                tiers[found] = self._fastest_kind(fid)
+                tiers[found] = self._fastest_kind(ids[found])
         if hits and (held := int(np.count_nonzero(tiers))) < hits:
             # Rows whose every copy is gone (a failed read of a block still pinned, kept
             # until its lease ends) are misses: nothing could load them.
-            ids[found & (tiers == 0)] = -1
-            found = ids >= 0
-            fid, hits = ids[found], held
+            found = tiers > 0
+            ids[~found] = -1
+            hits = held
         prefix = n if hits == n else int(np.argmin(found))
         if hits and touch:
-            self.space.touch(fid, self._clock())
+            self.space.touch(ids if hits == n else ids[found], self._clock())
         self._count_hits(words, tiers, found, hits)
         return prefix, tiers, ids
 

@@ -626,9 +626,7 @@ class DensityPolicy(InsertEach, Hinted):
             return np.empty(0, dtype=np.int64)
         if n > self._resident:
             return None
-        q = self._q if now == self._q_now else self._quantise(now)
-        if q != self._buf_q or self._buf_version != self._version:
-            self._rebuild(q, complete=False)
+        q = self._current_buffer(now)
         if n == 1 and evictable is None and self._hinted_until < now:
             # The replayer's path: the lowest key, every block evictable, no live hint.
             b = self._first_in_buffer()
@@ -651,14 +649,20 @@ class DensityPolicy(InsertEach, Hinted):
         if self._resident == 0:
             return -1
         if self._hinted_until < now:
-            q = self._q if now == self._q_now else self._quantise(now)
-            if q != self._buf_q or self._buf_version != self._version:
-                self._rebuild(q, complete=False)
+            self._current_buffer(now)
             b = self._first_in_buffer()
             if b >= 0:
                 return b
         found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
         return -1 if found is None else int(found[0])
+
+    def _current_buffer(self, now: float) -> float:
+        """The quantum of ``now``, the victim buffer rebuilt (partly) if it is of another
+        quantum or the density table changed since."""
+        q = self._q if now == self._q_now else self._quantise(now)
+        if q != self._buf_q or self._buf_version != self._version:
+            self._rebuild(q, complete=False)
+        return q
 
     def _first_in_buffer(self) -> int:
         """The buffer's first live leaf from the cursor on (the lowest key when nothing is

@@ -496,11 +496,7 @@ class HeatPolicy(Hinted):
         n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
         if n > n1 + n2:
             return None
-        if self._parked and self._parked[0][0] < now:
-            self._unpark(now)
-        hinted = self._hints.latest >= now
-        if self._owed_new:
-            self._defer_owed()
+        hinted = self._prepare_pick(now)
         if n == 1 and evictable is None and not hinted:
             bid = self._one(n1, incoming)
             if bid < 0:
@@ -591,14 +587,20 @@ class HeatPolicy(Hinted):
         n1 = self._count[_PROBATION]
         if n1 + self._count[_PROTECTED] == 0:
             return -1
-        if self._parked and self._parked[0][0] < now:
-            self._unpark(now)
-        if self._hints.latest >= now:
+        if self._prepare_pick(now):
             found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
             return -1 if found is None else int(found[0])
+        return self._one(n1, (incoming,) if incoming >= 0 else ())
+
+    def _prepare_pick(self, now: float) -> bool:
+        """Before choosing victims at ``now``: unpark the blocks whose hints expired and pay
+        the raises owed; whether a hint is live (the one-victim path then does not apply)."""
+        if self._parked and self._parked[0][0] < now:
+            self._unpark(now)
+        hinted = self._hints.latest >= now
         if self._owed_new:
             self._defer_owed()
-        return self._one(n1, (incoming,) if incoming >= 0 else ())
+        return hinted
 
     def _one(self, n1: int, incoming: Sequence[int]) -> int:
         """The one victim when nothing is masked or hinted, -1 if none (owed raises paid)."""

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvtier.daemon.credentials import (
-    MAX_FDS_PER_MESSAGE,
+    MAX_FDS_PER_REQUEST,
     CredentialServer,
     FdCloser,
     TicketBook,
@@ -156,7 +156,7 @@ async def test_fds_sent_over_several_messages_of_one_request_are_refused_at_once
     loop = asyncio.get_running_loop()
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.setblocking(False)
-    memfds = [os.memfd_create("m") for _ in range(MAX_FDS_PER_MESSAGE)]
+    memfds = [os.memfd_create("m") for _ in range(MAX_FDS_PER_REQUEST)]
     try:
         await loop.sock_connect(client, cred_server.path)
         for byte in b"KVT":
@@ -166,7 +166,7 @@ async def test_fds_sent_over_several_messages_of_one_request_are_refused_at_once
             )
         answer = await loop.sock_recv(client, 1024)
         assert answer.startswith(b"ERR REFUSED"), answer
-        assert f"at most {MAX_FDS_PER_MESSAGE} fds per request".encode() in answer
+        assert f"at most {MAX_FDS_PER_REQUEST} fds per request".encode() in answer
         assert cred_server.counters["refused"] == 1
     finally:
         client.close()

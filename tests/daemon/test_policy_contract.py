@@ -271,15 +271,14 @@ def test_hints_protect_exactly_until_their_deadline(name: str) -> None:
     assert 40 in policy.victims(6, 32.0, None).tolist()
 
 
+@pytest.mark.parametrize("name", ["heat", "density"])
 def test_one_victim_answers_as_victims_does(name: str) -> None:
-    """``victim(now, incoming)`` (heat and density have one; the replayer's per-miss call)
-    names the block ``victims(1, now, None, (incoming,))`` would, -1 for None, through
-    misses, returning ghosts, reuse of ids, and a live hint."""
-    from kvtier.sim.engine import _one_victim
-
+    """``victim(now, incoming)`` (the replayer's per-miss call; the other policies are asked
+    through ``victims``) names the block ``victims(1, now, None, (incoming,))`` would, -1 for
+    None, through misses, returning ghosts, reuse of ids, and a live hint."""
     rng = np.random.default_rng(7)
     a, b = build(name, capacity=32), build(name, capacity=32)
-    one = _one_victim(a)
+    one = a.victim
     resident: list[int] = []
     now = 0.0
     for step in range(3000):
