@@ -27,11 +27,16 @@ def test_regression_the_ledger_grew_with_every_eviction_until_full():
     ledger = MissLedger(capacity=256)
     nbytes = ledger._keys.nbytes + ledger._why.nbytes + ledger._stamp.nbytes
     assert nbytes == 256 * 13
+    # Keys as the daemon's are: first words of hashes. (Consecutive integers, which this test
+    # used, fall unevenly into the buckets for some of the ledger's random multipliers: with
+    # about 3% of them fewer than 60 of the newest 100 stayed, and the test failed.)
+    rng = np.random.default_rng(0)
+    keys = [int(k) for k in rng.integers(0, 2**64, 100_000, dtype=np.uint64)]
     for start in range(0, 100_000, 1000):
-        ledger.record(range(start, start + 1000), EVICTED)
+        ledger.record(keys[start : start + 1000], EVICTED)
     assert len(ledger) <= 256
     assert ledger._keys.nbytes + ledger._why.nbytes + ledger._stamp.nbytes == nbytes
     # The newest keys are the ones remembered.
-    recent = ledger.classify(range(99_900, 100_000))
-    old = ledger.classify(range(0, 100))
+    recent = ledger.classify(keys[99_900:])
+    old = ledger.classify(keys[:100])
     assert recent[EVICTED] > 60 and old[EVICTED] == 0
