@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admission
-from kvtier.daemon.policy.base import EvictableFn, EvictionPolicy
+from kvtier.daemon.policy.base import NO_VICTIM, EvictableFn, EvictionPolicy
 from kvtier.daemon.policy.guard import EvictionGuard
 from kvtier.daemon.policy.registry import default_admission, make_policy
 from kvtier.sim.cluster import ClusterConfig, L3Stats, SharedStore, route_requests
@@ -492,6 +492,7 @@ class _Engine:
         count, capacity, evictions = l1.count, l1.capacity, 0
         victim, remove, insert = _one_victim(l1.policy), l1.policy.remove, l1.policy.insert
         admits, note_miss = l1.admits, l1.note_miss
+        replace = getattr(l1.policy, "replace", None)
         declined = l1.declined
         parents = self.parent
         for r, ts in enumerate(stamps):
@@ -519,6 +520,16 @@ class _Engine:
                 if copies[b]:
                     continue  # a repeat within the request, already placed
                 parent = req[i - 1] if i else -1
+                if count >= capacity and replace is not None:
+                    out = replace(b, parent, now)
+                    if out < 0:
+                        declined["no_victim" if out == NO_VICTIM else "density"] += 1
+                        continue
+                    copies[out] = 0
+                    evictions += 1
+                    copies[b] = _L1
+                    parents[b] = parent
+                    continue
                 if count >= capacity:
                     out = victim(now, b)
                     if out < 0:

@@ -25,6 +25,12 @@ One victim as an id (optional, ``heat`` and ``density`` have one): ``victim(now,
 answers as ``victims(1, now, None, (incoming,))`` would, with -1 for None. The replayer asks it
 once per miss; other policies are asked through ``victims``.
 
+A full tier's miss in one call (optional, ``density`` has one): ``replace(bid, parent, now)``
+takes ``victim(now, bid)``; with no victim it calls ``note_miss`` and returns ``NO_VICTIM``;
+if its own ``admits`` declines ``bid`` against that victim, ``note_miss`` and ``DECLINED``;
+else it removes the victim, inserts ``bid`` and returns the victim. The replayer calls it
+instead of those steps, one call where they were four.
+
 Block ids are rows of the store's index and are reused once a block is forgotten. A policy
 must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see
 ``forget``.
@@ -41,6 +47,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
+
+NO_VICTIM = -1  # ``replace``: no block may go
+DECLINED = -2  # ``replace``: the policy's own admission declined the incoming block
 
 EvictableFn = Callable[[np.ndarray], np.ndarray]
 """Maps an int64 array of block ids to a bool array: may each block be evicted now?"""

@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.daemon.policy.base import EvictableFn, InsertEach
+from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
@@ -656,6 +656,31 @@ class DensityPolicy(InsertEach, Hinted):
         found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
         return -1 if found is None else int(found[0])
 
+    def replace(self, bid: int, parent: int, now: float) -> int:
+        """A miss of a full tier in one call (the replayer's per-miss step, see the module
+        ``kvtier.daemon.policy.base``): as ``victim(now, bid)``, then ``admits`` and
+        ``remove`` plus ``insert``, or ``note_miss``, would answer and leave the policy."""
+        if self._resident and self._hinted_until < now:
+            q = self._q if now == self._q_now else self._quantise(now)
+            if q != self._buf_q or self._buf_version != self._version:
+                self._rebuild(q, complete=False)
+            out = self._first_in_buffer()
+        else:
+            out = -1
+        if out < 0:
+            out = self.victim(now, bid)
+            if out < 0:
+                self.note_miss(bid, parent, now)
+                return NO_VICTIM
+        if self._admission and self._incoming_density(bid, parent, now) < self._victim_density(
+            out, now
+        ):
+            self.note_miss(bid, parent, now)
+            return DECLINED
+        self.remove(out)
+        self.insert(bid, now, parent)
+        return out
+
     def _current_buffer(self, now: float) -> float:
         """The quantum of ``now``, the victim buffer rebuilt (partly) if it is of another
         quantum or the density table changed since."""
@@ -697,10 +722,15 @@ class DensityPolicy(InsertEach, Hinted):
         block is always worth it. Pure."""
         if not self._admission:
             return True
+        return self._incoming_density(bid, parent, now) >= self._victim_density(victim, now)
+
+    def _incoming_density(self, bid: int, parent: int, now: float) -> float:
+        """The density ``bid`` (not resident) would start its new life with (infinite for a
+        hinted block): what admission weighs against the victim's."""
         size = self._size
         known = 0 <= bid < size
         if known and self._until_v[bid] >= now:
-            return True
+            return math.inf
         classify = self._classify
         cnt_v = self._cnt_v
         if known and cnt_v[bid] > 0:
@@ -719,7 +749,7 @@ class DensityPolicy(InsertEach, Hinted):
             )
         else:
             cls = classify.count[1] + classify.depth[0] + classify.turn[0]
-        return bool(self._rows[cls][0] >= self._victim_density(victim, now))
+        return self._rows[cls][0]
 
     def admits_many(
         self, bids: Sequence[int], parents: Sequence[int], victim: int, now: float

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from kvtier.daemon.policy.base import DECLINED, NO_VICTIM
 from kvtier.daemon.policy.registry import make_policy, policy_names
 
 
@@ -307,3 +308,59 @@ def test_one_victim_answers_as_victims_does(name: str) -> None:
             p.insert(bid, now, parent)
         resident.append(bid)
     assert len(a) == len(b) == 32
+
+
+@pytest.mark.parametrize("name", ["density"])
+def test_replace_answers_and_acts_as_its_steps(name: str) -> None:
+    """``replace(bid, parent, now)`` (a full tier's miss in one call) returns what
+    ``victim``, then the policy's own ``admits``, would decide (the victim, ``NO_VICTIM`` or
+    ``DECLINED``) and leaves the policy as ``remove`` plus ``insert``, or ``note_miss``,
+    would: through declines, returning ghosts, reuse of ids, live hints (one on every block)
+    and density tables rebuilt along the way."""
+    rng = np.random.default_rng(11)
+    a, b = build(name, capacity=32), build(name, capacity=32)
+    resident: list[int] = []
+    outcomes: set[int] = set()
+    now = 0.0
+    for step in range(4000):
+        now += float(rng.exponential(0.5))
+        if step in (2000, 3000):
+            # At 3000 every resident block, for a while: no victim at all.
+            hinted = resident[:6] if step == 2000 else resident
+            for p in (a, b):
+                p.hint(np.array(hinted, dtype=np.int64), now + 30.0, now)
+        bid = int(rng.integers(0, 150))
+        if bid in resident:
+            a.touch(bid, now)
+            b.touch(bid, now)
+            continue
+        parent = bid - 1 if bid % 4 and bid - 1 in resident else -1
+        if len(resident) < 32:
+            for p in (a, b):
+                p.insert(bid, now, parent)
+            resident.append(bid)
+            continue
+        got = a.replace(bid, parent, now)
+        out = b.victim(now, bid)
+        if out < 0:
+            b.note_miss(bid, parent, now)
+            want = NO_VICTIM
+        elif not b.admits(bid, parent, out, now):
+            b.note_miss(bid, parent, now)
+            want = DECLINED
+        else:
+            b.remove(out)
+            b.insert(bid, now, parent)
+            want = out
+        assert got == want, step
+        outcomes.add(min(got, 0))
+        if got >= 0:
+            resident.remove(got)
+            resident.append(bid)
+            if step % 7 == 0:
+                for p in (a, b):
+                    p.forget(got)  # the id may be reused for another block
+    assert outcomes == {0, NO_VICTIM, DECLINED}  # every kind of answer was exercised
+    assert len(a) == len(b) == 32
+    assert a.victims(32, now, None).tolist() == b.victims(32, now, None).tolist()
+    assert np.array_equal(a.table, b.table)
