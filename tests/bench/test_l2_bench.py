@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from benchjson import RunJson, assert_ratio
 
 
+@pytest.mark.slow  # daemon restarts and raw O_DIRECT runs, ~4 s: `make test-slow`
 def test_l2_bench_measures_the_daemon_against_raw_io_and_cleans_up(
     tmp_path: Path, run_json: RunJson
 ) -> None:

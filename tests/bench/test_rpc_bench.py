@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from benchjson import RunJson, assert_ratio
 
 
+@pytest.mark.slow  # a daemon, a ping server and client processes, ~4 s: `make test-slow`
 def test_rpc_bench_reports_each_call_against_the_bare_ping(run_json: RunJson) -> None:
     f = run_json("rpc", "--ops", "20", "--warmup", "2", "--rounds", "1", "--clients", "2,1")
     assert f["clients"] == [1, 2]

@@ -91,6 +91,7 @@ class CountingEager(EagerHeatPolicy):
         super()._note_key(bid, seg, key, depth)
 
 
+@pytest.mark.slow  # long chains touched from the root, ~4 s: `make test-slow`
 @pytest.mark.parametrize("how", ["loop of touch", "touch_many"])
 def test_regression_quadratic_chain_touches(how: str) -> None:
     """Inserting a 1,024-block chain block by block, then touching it root first (a Lookup),

@@ -227,6 +227,7 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return str(request.param)
 
 
+@pytest.mark.slow  # long random workloads in two modes, ~9 s: `make test-slow`
 def test_touch_many_equals_the_scalar_loop(mode: str) -> None:
     seen: Counter[str] = Counter()
     for seed in range(60):
