@@ -9,7 +9,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -449,6 +449,79 @@ def test_a_slot_whose_row_recovery_drops_is_handed_out_only_once_the_row_is_gone
     with _open(disk_dir) as tier:
         assert [r.key for r in tier.recover()] == [new[2][0]]
         assert _read(tier, new) == {2: make_block(2, 65_536)[1]}
+
+
+class _ContendedLock:
+    """A lock that sets ``waited`` when a thread finds it held and has to wait."""
+
+    def __init__(self, waited: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._waited = waited
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _PausingDict(dict[int, int]):
+    """Once ``armed``, an iteration pauses after its first key (``paused`` set) until
+    ``resume`` is set."""
+
+    def __init__(
+        self,
+        items: dict[int, int],
+        armed: threading.Event,
+        paused: threading.Event,
+        resume: threading.Event,
+    ) -> None:
+        super().__init__(items)
+        self.armed, self.paused, self.resume = armed, paused, resume
+
+    def __iter__(self) -> Iterator[int]:
+        for n, key in enumerate(super().__iter__()):
+            yield key
+            if n == 0 and self.armed.is_set():
+                self.paused.set()
+                assert self.resume.wait(10)
+
+
+def test_recovery_reads_the_quarantine_while_a_failed_read_adds_to_it(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Regression: a recovery chunk read the quarantined slots without the state lock, so a
+    read of an already recovered block failing on another thread (a Get served between
+    chunks) grew the set mid-iteration and the chunk raised RuntimeError (dictionary changed
+    size during iteration), failing the rest of the recovery. Recovery pauses inside its
+    iteration of the quarantine; the failed read either runs to its end or waits for the
+    lock, and then recovery goes on."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 65_536)
+        for i in (2, 3):  # two slots held at the next open
+            _flip(tier, blocks[i][1])
+        assert _read(tier, {i: blocks[i] for i in (2, 3)}) == {2: None, 3: None}
+    armed, paused, resume = threading.Event(), threading.Event(), threading.Event()
+    with _open(disk_dir, recover_later=True) as tier:
+        tier._quarantined = _PausingDict(tier._quarantined, armed, paused, resume)
+        tier._state_lock = _ContendedLock(resume)  # type: ignore[assignment]
+        chunks = tier.recover_chunks(rows=1)
+        first = next(chunks)
+        bad = next(i for i in (0, 1) if blocks[i][0] == bytes(first.keys[0]))
+        _flip(tier, blocks[bad][1])
+        armed.set()
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(next, chunks)
+            assert paused.wait(10)
+            assert _read(tier, {bad: blocks[bad]}) == {bad: None}
+            resume.set()
+            rest = RecoveredBlocks.concat([second.result(), *chunks])
+        good = 1 - bad
+        assert [bytes(k) for k in rest.keys] == [blocks[good][0]]
+        assert tier.stats().gauges["quarantined_slots"] == 3
+        assert _read(tier, {good: blocks[good]}) == {good: blocks[good][2]}
 
 
 _FORMAT_1_BLOCKS = """

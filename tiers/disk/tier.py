@@ -1084,8 +1084,11 @@ class DiskTier:
             good &= ~hit
             if hit.any():
                 lost_files[before[f][0].name] += int(hit.sum())
-        if self._quarantined:
+        # Under the lock: a read failing on another thread (a Get served between chunks)
+        # quarantines a slot meanwhile.
+        with self._state_lock:
             held = np.fromiter(self._quarantined, np.int64, len(self._quarantined))
+        if len(held):
             reason[good & np.isin(slots, held)] = "quarantined"
             good &= ~np.isin(slots, held)
         claimed = np.zeros(n, dtype=bool)
