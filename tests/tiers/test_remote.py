@@ -479,6 +479,74 @@ async def test_a_write_that_started_before_out_of_memory_does_not_resume_writes(
             assert tier.health().state is Health.OK
 
 
+class _CountedWaits:
+    """A tier's connection share that counts the calls that had to wait for a connection."""
+
+    def __init__(self, share: asyncio.Semaphore) -> None:
+        self.share = share
+        self.waited = 0
+
+    async def __aenter__(self) -> None:
+        if self.share.locked():
+            self.waited += 1
+        await self.share.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.share.release()
+
+
+async def test_writes_waiting_for_a_connection_when_out_of_memory_begins_are_not_sent(
+    tmp_path: Path, l3_prefix: str
+) -> None:
+    """Regression: writes admitted before an out-of-memory pause began, still waiting for a
+    connection when it did, were sent anyway; each was refused and each refusal doubled the
+    backoff. Once a connection is free they are checked against the pause (skipped, no
+    network), the backoff stays at its first step, and a write after it ends the pause."""
+    nbytes = 4096
+    now = [1000.0]
+    with RedisServer(tmp_path / "small", maxmemory_bytes=64 << 20) as server:
+        # pool_size 2: one connection for writes, so the second and third wait for the first.
+        opts = options(server, l3_prefix, pool_size=2, backoff_initial_s=30.0, backoff_max_s=1000.0)
+        async with opened(opts, clock=lambda: now[0]) as tier:
+            tier._bulk_ops = _CountedWaits(tier._bulk_ops)  # type: ignore[assignment]
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 1)
+            writes = [tier.write([ref(i)], nbytes, host([data(i, nbytes)])) for i in range(3)]
+            assert await asyncio.gather(*writes) == [[False]] * 3
+            assert tier._bulk_ops.waited == 2
+            c = tier.stats().counters
+            assert (c["write_no_space"], c["write_skipped_down"]) == (1, 2)
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            assert tier.stats().gauges["retry_in_s"] <= 30.0  # one refusal's backoff
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 64 << 20)
+            now[0] += 30.0
+            assert await tier.write([ref(3)], nbytes, host([data(3, nbytes)])) == [True]
+            assert tier.health().state is Health.OK
+
+
+async def test_writes_in_flight_when_out_of_memory_begins_back_off_once(
+    tmp_path: Path, l3_prefix: str
+) -> None:
+    """Regression: of writes sent together before the store ran out of memory, the first
+    refusal began the pause and each later one doubled its backoff, as if it were a retry
+    refused after the backoff. Only a write sent during the pause backs it off further."""
+    nbytes = 4096
+    now = [1000.0]
+    with RedisServer(tmp_path / "small", maxmemory_bytes=64 << 20) as server:
+        opts = options(server, l3_prefix, backoff_initial_s=30.0, backoff_max_s=1000.0)
+        async with opened(opts, clock=lambda: now[0]) as tier:
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 1)
+            writes = [tier.write([ref(i)], nbytes, host([data(i, nbytes)])) for i in range(3)]
+            assert await asyncio.gather(*writes) == [[False]] * 3
+            assert tier.stats().counters["write_no_space"] == 3
+            assert tier.stats().gauges["retry_in_s"] <= 30.0  # one refusal's backoff
+            now[0] += 30.0
+            assert await tier.write([ref(3)], nbytes, host([data(3, nbytes)])) == [False]
+            assert tier.stats().gauges["retry_in_s"] > 30.0  # a retry refused: backed off
+
+
 # ------------------------------------------------------------------- credentials
 
 

@@ -148,6 +148,10 @@ class _Unreachable(Exception):
     """A call could not reach the store; the tier has been marked DOWN."""
 
 
+class _Paused(Exception):
+    """A write found writes paused (out of memory) once it had a connection; nothing sent."""
+
+
 class RemoteTier:
     """The L3 tier (see the module docstring). Construct, ``await start()``, use, ``await
     close()``.
@@ -349,12 +353,8 @@ class RemoteTier:
         gathered = (
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
         )
-        # Only a write sent during this out-of-memory pause (after its backoff) may end it: one
-        # sent before may have been stored before the refusal that began the pause.
-        a = self._avail
-        paused_since = a.since if a.state is Reach.NOSPACE else None
         try:
-            return await self._write_framed(chosen, keys, gathered, nbytes, src, out, paused_since)
+            return await self._write_framed(chosen, keys, gathered, nbytes, src, out)
         finally:
             self._staging.give(gathered)
 
@@ -366,7 +366,6 @@ class RemoteTier:
         nbytes: int,
         src: HostBuffers | PoolPages,
         out: list[bool],
-        paused_since: float | None,
     ) -> list[bool]:
         c = self._counters
         if nbytes * len(chosen) >= _OFFLOAD_BYTES:
@@ -374,8 +373,16 @@ class RemoteTier:
         else:
             values = _frame_all(gathered, src, chosen, nbytes, keys)
         ttl = self.options.ttl_s
+        paused_since: float | None = None  # the out-of-memory pause this write is sent in
 
         async def put(pipe: Any) -> None:
+            # Run once a connection is free: a pause may have begun (or a refusal extended
+            # it) while this write waited for one.
+            nonlocal paused_since
+            a = self._avail
+            if not a.takes_writes(self._clock()):
+                raise _Paused
+            paused_since = a.since if a.state is Reach.NOSPACE else None
             for k, v in zip(keys, values, strict=True):
                 if ttl:
                     pipe.execute_command("SET", k, v, "EX", ttl)
@@ -384,6 +391,9 @@ class RemoteTier:
 
         try:
             replies = await self._pipeline(put, self._bulk_ops)
+        except _Paused:
+            c["write_skipped_down"] += len(chosen)
+            return out
         except _Unreachable:
             return out
         no_space = ""
@@ -401,10 +411,16 @@ class RemoteTier:
                 c["bytes_written"] += nbytes
             else:
                 c["write_errors"] += 1
+        # Only a write sent during this out-of-memory pause (after its backoff) may extend or
+        # end it: one sent before was refused for the lack of memory that began the pause, or
+        # may have been stored before it.
+        a = self._avail
+        sent_in_pause = a.state is Reach.NOSPACE and a.since == paused_since
         if no_space:
-            self._log_transition(self._avail.no_space(self._clock(), no_space))
-        elif any(out) and self._avail.state is Reach.NOSPACE and self._avail.since == paused_since:
-            self._log_transition(self._avail.recovered(self._clock()))
+            if a.state is not Reach.NOSPACE or sent_in_pause:
+                self._log_transition(a.no_space(self._clock(), no_space))
+        elif any(out) and sent_in_pause:
+            self._log_transition(a.recovered(self._clock()))
         return out
 
     async def remove(self, blocks: Sequence[BlockRef]) -> None:
