@@ -79,6 +79,7 @@ class AsyncClient:
             response_deserializer=hc.decode_response,
         )
         self._lock = asyncio.Lock()
+        self._register_lock = asyncio.Lock()  # one registration at a time (see _pool_id)
         self._session_id = ""
         self._session_call: Any = None
         self._session_task: asyncio.Task[None] | None = None
@@ -160,9 +161,7 @@ class AsyncClient:
             if method in _SESSION_METHODS:
                 request.session_id = await self.session()
             if binding is not None:
-                if not binding.pool_id:
-                    await self._register(binding)
-                request.pool_id = binding.pool_id
+                request.pool_id = await self._pool_id(binding, request.session_id)
             try:
                 return await getattr(self._stub, method)(
                     request, timeout=timeout_s or self.timeout_s
@@ -171,7 +170,7 @@ class AsyncClient:
                 err = from_rpc_error(e)
             if binding is None or attempt or not isinstance(err, NotFoundError):
                 raise err
-            binding.pool_id = 0
+            self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
 
     async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
@@ -212,9 +211,21 @@ class AsyncClient:
 
     async def pool_id_of(self, binding: PoolBinding) -> int:
         """See ``Client.pool_id_of``."""
-        if not binding.pool_id or binding.session_id != await self.session():
-            await self._register(binding)
+        return await self._pool_id(binding, await self.session())
+
+    async def _pool_id(self, binding: PoolBinding, session_id: str) -> int:
+        """See ``Client._pool_id``: a coroutine that finds another registering the pool
+        takes that id."""
+        if not binding.pool_id or binding.session_id != session_id:
+            async with self._register_lock:
+                if not binding.pool_id or binding.session_id != session_id:
+                    await self._register(binding)
         return binding.pool_id
+
+    def forget_pool_id(self, binding: PoolBinding, pool_id: int) -> None:
+        """See ``Client.forget_pool_id``."""
+        if binding.pool_id == pool_id:
+            binding.pool_id = 0
 
     # ----------------------------------------------------------------- pools
 

@@ -516,7 +516,7 @@ class TransferJob:
     def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
         if isinstance(error, NotFoundError):
             # The daemon lost our session or pool (it restarted): register again next time.
-            self._binding.pool_id = 0
+            self._client.forget_pool_id(self._binding, part.request.pool_id)
         with self._cond:
             if error is None:
                 self._plan.complete(part, response)
@@ -642,7 +642,7 @@ class AsyncTransferJob:
 
     async def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
         if isinstance(error, NotFoundError):
-            self._binding.pool_id = 0
+            self._client.forget_pool_id(self._binding, part.request.pool_id)
         if error is None:
             self._plan.complete(part, response)
         else:

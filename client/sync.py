@@ -136,6 +136,9 @@ class Client:
             response_deserializer=hc.decode_response,
         )
         self._lock = threading.Lock()
+        # One registration at a time (see _pool_id); held across the RegisterPool call, so
+        # never taken with _lock held.
+        self._register_lock = threading.Lock()
         self._closed = False
         self._session_id = ""
         self._session_call: Any = None
@@ -241,9 +244,7 @@ class Client:
             if method in _SESSION_METHODS:
                 request.session_id = self.session_id
             if binding is not None:
-                if not binding.pool_id:
-                    self._register(binding)
-                request.pool_id = binding.pool_id
+                request.pool_id = self._pool_id(binding, request.session_id)
             try:
                 return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
@@ -255,7 +256,7 @@ class Client:
             if binding is None or attempt or not isinstance(err, NotFoundError):
                 raise err
             # The daemon lost our session or pool (it restarted): register again, once.
-            binding.pool_id = 0
+            self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
@@ -306,9 +307,26 @@ class Client:
 
     def pool_id_of(self, binding: PoolBinding) -> int:
         """The pool's id in the current session, registering it again if the daemon lost it."""
-        if not binding.pool_id or binding.session_id != self.session_id:
-            self._register(binding)
+        return self._pool_id(binding, self.session_id)
+
+    def _pool_id(self, binding: PoolBinding, session_id: str) -> int:
+        """The pool's id in session ``session_id``, registering it there first if it has none.
+        Checked again under the registration lock: a thread that finds another registering
+        the pool takes that id instead of registering the pool a second time (the daemon
+        would keep the extra registration, and its memory mapped, until the session ends)."""
+        if not binding.pool_id or binding.session_id != session_id:
+            with self._register_lock:
+                if not binding.pool_id or binding.session_id != session_id:
+                    self._register(binding)
         return binding.pool_id
+
+    def forget_pool_id(self, binding: PoolBinding, pool_id: int) -> None:
+        """The daemon answered NotFound for a call with ``pool_id``: register the pool again
+        on its next use, unless another thread already has (a late answer must not drop the
+        id it registered)."""
+        with self._register_lock:
+            if binding.pool_id == pool_id:
+                binding.pool_id = 0
 
     # ----------------------------------------------------------------- pools
 

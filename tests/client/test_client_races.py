@@ -1,13 +1,20 @@
-"""Races of the blocking client's calls and jobs with ``close()``.
+"""Races of the blocking client's calls and jobs with ``close()``, and of its threads (and an
+AsyncClient's coroutines) registering a pool again.
 
 Each test holds one side of the race at a fixed point, so the interleaving that once went
 wrong happens on every run."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import pytest
 
-from kvtier.client import JobState, SaveSegment, SharedMemoryPool, block_keys
+from kvtier.client import AsyncClient, JobState, SaveSegment, SharedMemoryPool, block_keys
 from kvtier.client.errors import UnavailableError
 from kvtier.client.keys import Namespace
 from kvtier.kernels.layout import PoolLayout
@@ -60,3 +67,130 @@ def test_calls_on_a_closed_client_raise_a_typed_error(daemon):
             pool.store_keys(keys_for(1, "closed"), [0])
         with pytest.raises(UnavailableError):
             client.submit_save(pool, [SaveSegment(keys_for(1, "closed"), [0])])
+
+
+class _ContendedLock:
+    """A lock that sets ``waited`` when a thread finds it held and has to wait."""
+
+    def __init__(self, waited: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._waited = waited
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_two_threads_registering_a_pool_again_after_a_restart_register_it_once(daemon):
+    """Regression: after a daemon restart, two threads each found the pool unregistered in
+    the new session and each registered it; the pool kept the last id and the daemon the
+    other registration (its memory mapped) until the session ended. The first thread's
+    RegisterPool is held until the second has registered too or waits for the first: the
+    pool is registered once and both threads get its id."""
+    client = daemon.client()
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        daemon.restart()
+        deadline = time.monotonic() + 10
+        while client.live_ids(pool.binding) is not None:  # the client saw its session end
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        held, moved, release = threading.Event(), threading.Event(), threading.Event()
+        registrations = []
+        invoke = client._invoke
+
+        def holding_invoke(method, request, *args, **kwargs):
+            if method == "RegisterPool":
+                registrations.append(request)
+                if len(registrations) == 1:
+                    held.set()
+                    assert release.wait(10)
+            return invoke(method, request, *args, **kwargs)
+
+        def second_thread() -> int:
+            pool_id = client.pool_id_of(pool.binding)
+            moved.set()
+            return pool_id
+
+        client._invoke = holding_invoke  # type: ignore[method-assign]
+        client._register_lock = _ContendedLock(moved)  # type: ignore[assignment]
+        with ThreadPoolExecutor(2) as threads:
+            first = threads.submit(client.pool_id_of, pool.binding)
+            assert held.wait(10)
+            second = threads.submit(second_thread)
+            assert moved.wait(10)
+            release.set()
+            ids = {first.result(), second.result()}
+        assert len(registrations) == 1
+        assert ids == {pool.binding.pool_id}
+        assert client.check().pools == 1
+        client.close()
+
+
+class _HeldPut:
+    """A client's stub whose first Put waits for ``release`` before it is sent."""
+
+    def __init__(self, stub: Any, sent: threading.Event, release: threading.Event) -> None:
+        self._stub, self._sent, self._release = stub, sent, release
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+    def Put(self, request: Any, **kwargs: Any) -> Any:
+        if not self._sent.is_set():
+            self._sent.set()
+            assert self._release.wait(10)
+        return self._stub.Put(request, **kwargs)
+
+
+def test_a_late_not_found_keeps_the_pool_id_another_thread_registered(daemon):
+    """Regression: a Put sent with the pool's old id (fenced meanwhile by another thread,
+    which then registered the pool again) came back NotFound and zeroed the new id; the
+    retry registered the pool a third time and the daemon kept the second registration
+    until the session ended. The retry now uses the new id."""
+    client = daemon.client()
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        sent, release = threading.Event(), threading.Event()
+        client._stub = _HeldPut(client._stub, sent, release)  # type: ignore[assignment]
+        with ThreadPoolExecutor(1) as threads:
+            stored = threads.submit(pool.store_keys, keys_for(2, "late"), [0, 1])
+            assert sent.wait(10)
+            assert client.fence_pool(pool.binding)
+            new_id = client.pool_id_of(pool.binding)
+            release.set()
+            assert stored.result() == 2
+        assert pool.binding.pool_id == new_id
+        assert client.check().pools == 1
+        client.close()
+
+
+async def test_async_stores_that_find_their_pool_gone_register_it_again_once(daemon):
+    """Regression, the AsyncClient's twin of the two above: two stores whose Puts came back
+    NotFound (the daemon had dropped the pool) each registered it again, or the later one
+    zeroed the id the earlier had just registered and registered a third time; either way
+    the daemon kept an extra registration until the session ended."""
+    async with AsyncClient(daemon.address) as client:
+        with SharedMemoryPool.for_layout(LAYOUT) as shm:
+            pool = await client.register_pool(shm, LAYOUT)
+            await client.unregister_pool(pool.pool_id)  # the binding keeps the old id
+            registrations = []
+            invoke = client._invoke
+
+            async def counting_invoke(method, request, *args, **kwargs):
+                if method == "RegisterPool":
+                    registrations.append(request)
+                return await invoke(method, request, *args, **kwargs)
+
+            client._invoke = counting_invoke  # type: ignore[method-assign]
+            held = await asyncio.gather(
+                pool.store_keys(keys_for(2, "async-a"), [0, 1]),
+                pool.store_keys(keys_for(2, "async-b"), [2, 3]),
+            )
+            assert held == [2, 2]
+            assert len(registrations) == 1
+            assert (await client.check()).pools == 1
