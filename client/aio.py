@@ -23,6 +23,7 @@ from kvtier.client.errors import (
     DeadlineExceededError,
     NotFoundError,
     UnavailableError,
+    closed_error,
     from_rpc_error,
 )
 from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
@@ -80,6 +81,7 @@ class AsyncClient:
         )
         self._lock = asyncio.Lock()
         self._register_lock = asyncio.Lock()  # one registration at a time (see _pool_id)
+        self._closed = False
         self._session_id = ""
         self._session_call: Any = None
         self._session_task: asyncio.Task[None] | None = None
@@ -89,6 +91,7 @@ class AsyncClient:
     # --------------------------------------------------------------- lifecycle
 
     async def close(self) -> None:
+        self._closed = True
         call, task = self._session_call, self._session_task
         self._session_id, self._session_call, self._session_task = "", None, None
         if call is not None:
@@ -108,6 +111,8 @@ class AsyncClient:
     async def session(self) -> str:
         """The open session, opened on first use."""
         async with self._lock:
+            if self._closed:
+                raise closed_error()
             if self._session_call is not None and self._session_call.done():
                 self._session_id, self._session_call = "", None
             if not self._session_id:
@@ -168,6 +173,10 @@ class AsyncClient:
                 )
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
+            except grpc.aio.UsageError:  # grpc's answer to a call on a closed channel
+                if not self._closed:
+                    raise
+                raise closed_error() from None
             if binding is None or attempt or not isinstance(err, NotFoundError):
                 raise err
             self.forget_pool_id(binding, request.pool_id)

@@ -637,6 +637,8 @@ class AsyncTransferJob:
             response = await method(part.request, timeout=self._timeout_s)
         except grpc.RpcError as e:
             await self._ended(part, None, from_rpc_error(e))
+        except grpc.aio.UsageError:  # the client was closed meanwhile: its channel sends nothing
+            await self._ended(part, None, closed_error())
         else:
             await self._ended(part, response, None)
 

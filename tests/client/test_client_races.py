@@ -1,4 +1,4 @@
-"""Races of the blocking client's calls and jobs with ``close()``, and of its threads (and an
+"""Races of the clients' calls and jobs with ``close()``, and of a client's threads (or an
 AsyncClient's coroutines) registering a pool again.
 
 Each test holds one side of the race at a fixed point, so the interleaving that once went
@@ -194,3 +194,44 @@ async def test_async_stores_that_find_their_pool_gone_register_it_again_once(dae
             assert held == [2, 2]
             assert len(registrations) == 1
             assert (await client.check()).pools == 1
+
+
+async def test_calls_on_a_closed_async_client_raise_a_typed_error(daemon):
+    """The AsyncClient's twin of the blocking client's: a coroutine still using the client
+    after another closed it gets UnavailableError."""
+    client = AsyncClient(daemon.address)
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = await client.register_pool(shm, LAYOUT)
+        await client.close()
+        with pytest.raises(UnavailableError):
+            await client.lookup(keys_for(1, "async-closed"))
+        with pytest.raises(UnavailableError):
+            await pool.store_keys(keys_for(1, "async-closed"), [0])
+        with pytest.raises(UnavailableError):
+            await client.submit_save(pool, [SaveSegment(keys_for(1, "async-closed"), [0])])
+
+
+async def test_an_async_job_submitted_while_the_client_closes_fails_with_a_typed_error(daemon):
+    """The AsyncClient's twin of the blocking client's: ``close()`` lands after
+    ``submit_save`` set up the session and the pool but before the job sent its RPCs; the job
+    ends FAILED with UnavailableError (its RPC tasks died of the closed channel's UsageError
+    and the job stayed RUNNING)."""
+    client = AsyncClient(daemon.address)
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = await client.register_pool(shm, LAYOUT)
+        pool_id_of = client.pool_id_of
+        calls = []
+
+        async def closing_pool_id_of(binding):
+            pool_id = await pool_id_of(binding)
+            calls.append(pool_id)
+            if len(calls) == 2:  # the job's own look-up, just before it sends
+                await client.close()
+            return pool_id
+
+        client.pool_id_of = closing_pool_id_of  # type: ignore[method-assign]
+        job = await client.submit_save(pool, [SaveSegment(keys_for(2, "async-close"), [0, 1])])
+        status = await job.wait(10)
+        assert status.state is JobState.FAILED
+        assert isinstance(status.error, UnavailableError)
+        assert not status.done.any()
