@@ -3,8 +3,11 @@ figure checked is the one the workload implies. Also: the request context in log
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import shutil
+import tempfile
 import urllib.request
 from collections import Counter
 
@@ -254,3 +257,62 @@ def test_log_lines_a_request_causes_carry_its_ids(daemon_factory):
     assert registered[1]["pool_id"] == pool.pool_id
     lifecycle = [e for e in entries if "listening on" in e["msg"]]
     assert lifecycle and "request_id" not in lifecycle[0]
+
+
+async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path, monkeypatch):
+    """kvtierd stops its metrics endpoint only once the daemon has stopped, so a scrape can
+    land after the store closed its tiers: it answers 200 with the figures the store ended
+    with (a tier's stats read what it holds in memory, never its closed files or index)."""
+    from kvtier.daemon import main as main_module
+    from kvtier.daemon import metrics as metrics_module
+    from kvtier.daemon import server as server_module
+    from kvtier.daemon.config import load_config
+
+    sockdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    overrides = [
+        f"server.socket={sockdir}/d.sock",
+        "tiers.l1.capacity_bytes=16MiB",
+        "tiers.l1.segment_bytes=1MiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
+        "metrics.address=127.0.0.1:0",
+    ]
+
+    def load():
+        return load_config(None, overrides, environ={})
+
+    daemons, urls, after_close = [], [], []
+    started = asyncio.Event()
+    start_daemon, start_metrics = server_module.Daemon.start, metrics_module.MetricsServer.start
+    stop_daemon = server_module.Daemon.stop
+
+    async def recording_start(self):
+        daemons.append(self)
+        await start_daemon(self)
+
+    def recording_metrics_start(self):
+        start_metrics(self)
+        urls.append(self.url)
+        started.set()
+
+    async def stop_then_scrape(self):
+        await stop_daemon(self)  # the store is closed when this returns
+        after_close.append(await asyncio.to_thread(scrape, urls[0]))
+
+    monkeypatch.setattr(server_module.Daemon, "start", recording_start)
+    monkeypatch.setattr(server_module.Daemon, "stop", stop_then_scrape)
+    monkeypatch.setattr(metrics_module.MetricsServer, "start", recording_metrics_start)
+    try:
+        served = asyncio.create_task(main_module._serve(load(), load))
+        await started.wait()
+        before = await asyncio.to_thread(scrape, urls[0])
+        daemons[0]._stopping.set()
+        await served
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
+    (m,) = after_close
+    assert value(m, "kvtier_tier_capacity_bytes", tier="L2") == 64 << 20
+    assert value(m, "kvtier_tier_capacity_bytes") == value(before, "kvtier_tier_capacity_bytes")
