@@ -372,6 +372,10 @@ class AsyncClient:
             status = await self._health(service, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except grpc.aio.UsageError:  # grpc's answer to a call on a closed channel
+            if not self._closed:
+                raise
+            raise closed_error() from None
         return bool(status == hc.SERVING)
 
     # ------------------------------------------------------------ high level

@@ -67,6 +67,8 @@ def test_calls_on_a_closed_client_raise_a_typed_error(daemon):
             pool.store_keys(keys_for(1, "closed"), [0])
         with pytest.raises(UnavailableError):
             client.submit_save(pool, [SaveSegment(keys_for(1, "closed"), [0])])
+        with pytest.raises(UnavailableError):
+            client.health()
 
 
 class _ContendedLock:
@@ -209,6 +211,8 @@ async def test_calls_on_a_closed_async_client_raise_a_typed_error(daemon):
             await pool.store_keys(keys_for(1, "async-closed"), [0])
         with pytest.raises(UnavailableError):
             await client.submit_save(pool, [SaveSegment(keys_for(1, "async-closed"), [0])])
+        with pytest.raises(UnavailableError):
+            await client.health()
 
 
 async def test_an_async_job_submitted_while_the_client_closes_fails_with_a_typed_error(daemon):
