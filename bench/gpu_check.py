@@ -797,7 +797,11 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def main(argv: list[str], *, as_json: bool) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvtier bench gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--batch", type=int, default=128, help="2 MiB blocks per bandwidth batch")
     p.add_argument("--rounds", type=int, default=9, help="timed repetitions of each transfer")
     p.add_argument("--streams", type=int, default=2, help="L0 pool streams")

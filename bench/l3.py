@@ -49,7 +49,11 @@ MiB = 1 << 20
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvtier bench l3", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="kvtier bench l3",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--block-bytes", type=int, default=2 * MiB, help="block size (2 MiB)")
     p.add_argument("--blocks", type=int, default=64, help="blocks in the working set (64)")
     p.add_argument("--batch", type=int, default=4, help="blocks per call (4)")

@@ -160,7 +160,11 @@ def _l1_blocks(address: str) -> int:
 
 
 def main(argv: list[str], *, as_json: bool) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench vllm")
+    p = argparse.ArgumentParser(
+        prog="kvtier bench vllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--prefix-tokens", type=int, default=2048, help="shared prefix (whole blocks)")
     p.add_argument("--suffix-tokens", type=int, default=64, help="each prompt's own tail")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (medians)")

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "health",
         help="probe a running daemon; the exit status says what it found",
         description="Exit status: 0 serving and every tier ok; 1 serving with a tier degraded "
-        "or down; 2 answering but not serving (starting or stopping); 3 unreachable.",
+        "or down; 2 answering but not serving (starting, stopping or draining); 3 unreachable.",
     )
     h.add_argument(
         "--degraded-ok",
