@@ -568,6 +568,11 @@ def split_host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str,
     return host, int(port)
 
 
+def http_url(host: str, port: int, path: str) -> str:
+    """``http://host:port/path``, an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     address: str = field(

@@ -35,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvtier import __version__
-from kvtier.daemon.config import split_host_port
+from kvtier.daemon.config import http_url, split_host_port
 from kvtier.daemon.latency import HistogramSample
 from kvtier.daemon.policy.prefetch import PrefetchStats
 from kvtier.daemon.service import TenantUsage
@@ -497,8 +497,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return http_url(self.host, self.port, "/metrics")
 
     def start(self) -> None:
         self._server, self._thread = start_http_server(self.port, self.host, self.registry)

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.daemon.config import Config, format_size, split_host_port
+from kvtier.daemon.config import Config, format_size, http_url, split_host_port
 from kvtier.tiers.disk.files import DATA_GLOB
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
@@ -91,11 +91,10 @@ def summary(config: Config, host: HostFacts | None = None) -> list[str]:
         lines.append(f"socket: {os.path.abspath(config.server.socket)}")
     if config.server.tcp_address:
         lines.append(f"tcp: {config.server.tcp_address}")
-    lines.append(
-        f"metrics: http://{config.metrics.address}/metrics"
-        if config.metrics.address
-        else "metrics: off"
-    )
+    if config.metrics.address:
+        lines.append("metrics: " + http_url(*split_host_port(config.metrics.address), "/metrics"))
+    else:
+        lines.append("metrics: off")
     return lines
 
 
@@ -295,6 +294,9 @@ def _metrics(config: Config) -> list[Problem]:
         return [Problem("metrics.address", f"cannot resolve {host}: {e.strerror}")]
     family, kind, proto, _, addr = infos[0]
     probe = socket.socket(family, kind, proto)
+    # As the endpoint's own server binds: a connection of the last daemon's lingering in
+    # TIME_WAIT (after a scrape) does not keep it from listening, only a live listener does.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind(addr)
     except OSError as e:

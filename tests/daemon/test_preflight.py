@@ -144,6 +144,42 @@ def test_metrics_port_in_use_is_refused(tmp_path):
         taken.close()
 
 
+def test_a_metrics_port_left_in_time_wait_by_a_scrape_is_free(tmp_path):
+    """Regression: a daemon stopped right after a scrape leaves the scrape's connection in
+    TIME_WAIT on its metrics port (the server closes first); the endpoint's own server binds
+    with SO_REUSEADDR and could listen, but the host check refused to start for a minute."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    scraper = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end waits in TIME_WAIT
+    scraper.recv(1)
+    scraper.close()
+    server.close()
+    config = load_config(
+        None, [f"server.socket={tmp_path}/s.sock", f"metrics.address=127.0.0.1:{port}"]
+    )
+    assert preflight.check(config, HOST) == []
+
+
+@pytest.mark.parametrize(
+    "address, url",
+    [
+        ("9464", "http://127.0.0.1:9464/metrics"),
+        ("0.0.0.0:9464", "http://0.0.0.0:9464/metrics"),
+        ("[::1]:9464", "http://[::1]:9464/metrics"),
+    ],
+)
+def test_the_summary_names_the_metrics_url(tmp_path, address, url):
+    """``kvtierd --check-config`` prints the URL the endpoint serves (a bare port printed as
+    ``http://9464/metrics`` before)."""
+    config = load_config(None, [f"server.socket={tmp_path}/s.sock", f"metrics.address={address}"])
+    assert f"metrics: {url}" in preflight.summary(config, HOST)
+
+
 # -------------------------------------------------------------------- default socket
 
 
