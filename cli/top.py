@@ -80,6 +80,18 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
         time.sleep(interval_s)
         console.print(render(derive(client.stats(), before), client.address))
         return 0
+    if not console.is_terminal:
+        # A pipe or a file: one frame after another, each flushed as it is drawn (``Live``
+        # redraws in place on a terminal only, and elsewhere prints nothing until it stops).
+        try:
+            while True:
+                time.sleep(interval_s)
+                now = client.stats()
+                console.print(render(derive(now, before), client.address))
+                console.file.flush()
+                before = now
+        except (KeyboardInterrupt, BrokenPipeError):
+            return 0
     with Live(console=console, auto_refresh=False, screen=False) as live:
         try:
             while True:

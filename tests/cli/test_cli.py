@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -118,6 +120,34 @@ def test_top_renders_tiers_ratios_rates_and_latency(daemon):
     for text in ("tiers", "L1_HOST", "hit ratio", "transfers per second", "RPC latency"):
         assert text in out.stdout, out.stdout
     assert "Stats" in out.stdout  # the frame's own first Stats call, timed
+
+
+def test_top_into_a_pipe_prints_a_frame_per_interval(daemon):
+    """Regression: with its output a pipe (``kvtier top | tee log``), ``top`` printed nothing
+    until it exited; each frame now comes out as it is drawn."""
+    command = ["-m", "kvtier.cli.main", "--address", daemon.address, "top", "--interval", "0.2"]
+    proc = subprocess.Popen(
+        [sys.executable, *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    frames: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "RPC latency" in line:
+                frames.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        for _ in range(2):
+            frames.get(timeout=30)  # queue.Empty: no frame while top ran
+        assert proc.poll() is None  # still running: the frames came out as drawn
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def test_health_is_0_when_serving(daemon):
