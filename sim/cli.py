@@ -279,6 +279,8 @@ def _run_trace_gen(args: argparse.Namespace) -> int:
                 sys.stdout.write(json.dumps(r, separators=(", ", ": ")) + "\n")
             return 0
         n = write_jsonl(args.output, requests)
+    except BrokenPipeError:
+        raise  # the reader of stdout went away (`| head`): kvtier's main ends quietly
     except (ValueError, OSError) as e:
         print(f"kvtier trace gen: error: {e}", file=sys.stderr)
         return 2

@@ -271,6 +271,22 @@ def test_exit_code_and_no_traceback_as_a_process(tmp_path: Path) -> None:
     assert ":2:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_trace_gen_into_a_pipe_its_reader_closes_ends_quietly() -> None:
+    """Regression: ``kvtier trace gen -o - | head`` ended with ``error: [Errno 32] Broken
+    pipe`` on stderr and exit status 2; like the other commands, it now ends quietly."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli.main", "trace", "gen", "--scenario", "chat", "-o", "-"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline())  # one request, then the reader goes away
+    proc.stdout.close()
+    assert proc.wait(120) == 0
+    assert proc.stderr.read() == b""
+
+
 def test_sweep_table_and_plot(tmp_path: Path) -> None:
     trace = trace_from_requests(tracegen.scenario("chat", seed=1, duration_s=120.0))
     results = sweep(trace, policies=("heat", "lru"), percents=(5, 20))
