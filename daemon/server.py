@@ -64,7 +64,7 @@ from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_path, private_umask
 from kvtier.kernels.copy import ensure_fault_handler
-from kvtier.kernels.layout import LayerLayout, PoolLayout
+from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPE_NAMES, tier_enum
 
@@ -149,6 +149,13 @@ def _rpc(
 def layout_from_pb(msg: pb.PoolLayout) -> PoolLayout:
     if msg.dtype not in DTYPE_NAMES:
         raise InvalidArgument("layout.dtype is unspecified or unknown")
+    # Counted before anything is built: millions of layers fit in one message, and turning
+    # them into objects on the event loop would hold up every other client for seconds.
+    if len(msg.layers) > MAX_LAYERS:
+        raise InvalidArgument(
+            f"layout does not fit the pool: layout has {len(msg.layers)} layers; at most "
+            f"{MAX_LAYERS}"
+        )
     layers = tuple(
         LayerLayout(x.offset, x.kv_count, x.kv_stride, x.page_stride, x.chunk_bytes)
         for x in msg.layers

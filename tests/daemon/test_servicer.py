@@ -9,7 +9,9 @@ from collections import Counter
 import grpc
 import pytest
 
-from kvtier.daemon.server import KVTierServicer, Malformed, _lenient
+from kvtier.daemon.errors import InvalidArgument
+from kvtier.daemon.server import KVTierServicer, Malformed, _lenient, layout_from_pb
+from kvtier.kernels.layout import MAX_LAYERS
 from kvtier.proto import kvtier_pb2 as pb
 
 
@@ -78,3 +80,17 @@ def test_a_malformed_request_is_invalid_argument_with_one_warning_per_interval(c
 def test_the_lenient_parser_returns_valid_messages_unchanged():
     request = pb.PutRequest(session_id="s", pool_id=3, keys=[b"k"], pages=[1])
     assert _lenient(pb.PutRequest)(request.SerializeToString()) == request
+
+
+def test_regression_a_layout_of_millions_of_layers_was_built_before_its_count_was_checked():
+    """A RegisterPool of 2.5 million layers (30 MB, under the message limit) held the event
+    loop for 8 s, stalling every client, while each layer became an object; only then did
+    the layout's validation refuse the count. The count is now refused first."""
+
+    def layout(n: int) -> pb.PoolLayout:
+        layer = pb.LayerLayout(offset=0, kv_count=1, page_stride=1, chunk_bytes=1)
+        return pb.PoolLayout(layers=[layer] * n, num_pages=1, block_tokens=1, dtype=pb.DTYPE_UINT8)
+
+    assert len(layout_from_pb(layout(MAX_LAYERS)).layers) == MAX_LAYERS
+    with pytest.raises(InvalidArgument, match=f"{MAX_LAYERS + 1} layers; at most {MAX_LAYERS}"):
+        layout_from_pb(layout(MAX_LAYERS + 1))
