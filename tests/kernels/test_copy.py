@@ -4,8 +4,15 @@ import numpy as np
 import pytest
 
 from kvtier.kernels import _copy
-from kvtier.kernels.copy import PARALLEL_MIN_BYTES, blocks_to_pool, copy_ranges, pool_to_blocks
-from kvtier.kernels.layout import PoolLayout
+from kvtier.kernels import copy as copy_module
+from kvtier.kernels.copy import (
+    MAX_RUNS_PER_CALL,
+    PARALLEL_MIN_BYTES,
+    blocks_to_pool,
+    copy_ranges,
+    pool_to_blocks,
+)
+from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
 
 
 def _reference(dst, src, doff, soff, lens):
@@ -91,3 +98,49 @@ def test_gather_and_scatter_through_a_layout_round_trip():
                 out[int(b + p * s) : int(b + p * s + n)],
                 pool[int(b + src_page * s) : int(b + src_page * s + n)],
             )
+
+
+def test_regression_a_batch_of_many_tiny_chunks_planned_all_its_offsets_at_once(monkeypatch):
+    """A layout of MAX_LAYERS layers of two one-byte chunks (8,192 chunks per block) made one
+    Put of 4,096 pages build 33 million offsets per side: 800 MB of the daemon's memory for
+    a 150 KB request, several GB for a few at once. A gather or scatter now plans at most
+    MAX_RUNS_PER_CALL chunk copies per kernel call, and the bytes are the same."""
+    npages = 300
+    layout = PoolLayout(
+        tuple(
+            LayerLayout(
+                offset=layer * 2 * npages,
+                kv_count=2,
+                kv_stride=npages,
+                page_stride=1,
+                chunk_bytes=1,
+            )
+            for layer in range(MAX_LAYERS)
+        ),
+        num_pages=npages,
+        block_tokens=1,
+        dtype="uint8",
+    )
+    table = layout.chunk_table
+    assert npages * len(table.length) > 2 * MAX_RUNS_PER_CALL
+    planned: list[int] = []
+
+    def recording(dst, src, dst_offsets, src_offsets, lengths, threads=1):
+        planned.append(len(dst_offsets))
+        return copy_ranges(dst, src, dst_offsets, src_offsets, lengths, threads)
+
+    monkeypatch.setattr(copy_module, "copy_ranges", recording)
+    rng = np.random.default_rng(2)
+    pool = rng.integers(0, 256, layout.extent_bytes, dtype=np.uint8)
+    pages = rng.permutation(npages).astype(np.int64)
+    starts = np.arange(npages, dtype=np.uint64) * layout.block_bytes
+    blocks = np.zeros(npages * layout.block_bytes, dtype=np.uint8)
+    pool_to_blocks(table, pool, pages, blocks, starts)
+    # One-byte chunks: byte c of the block of page p is the pool's byte at base[c] + p.
+    expected = pool[(table.pool_base[None, :] + pages.astype(np.uint64)[:, None]).ravel()]
+    assert np.array_equal(blocks, expected)
+    out = np.zeros_like(pool)
+    blocks_to_pool(table, blocks, starts, out, pages)
+    assert np.array_equal(out, pool)
+    assert sum(planned) == 2 * npages * len(table.length)
+    assert max(planned) <= MAX_RUNS_PER_CALL
