@@ -107,6 +107,10 @@ class ServerConfig:
     max_pools_per_session: int = field(
         default=64, metadata=_opt("int", lo=1, hi=1 << 16, doc="registered pools per session")
     )
+    max_leases_per_session: int = field(
+        default=16384,
+        metadata=_opt("int", lo=1, hi=1 << 24, doc="live leases (Lookup(pin=true)) per session"),
+    )
     max_sessions_per_tenant: int = field(
         default=256,
         metadata=_opt(

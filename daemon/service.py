@@ -279,17 +279,22 @@ class KVService:
         lease_ms: int,
         namespace: str = "",
     ) -> LookupOutcome:
-        space = self._space(self.sessions.get(session_id), namespace)
+        session = self.sessions.get(session_id)
+        space = self._space(session, namespace)
         words = self._words(keys)
-        lease_s = self._lease_s(lease_ms) if pin else 0.0
+        lease_s = 0.0
+        if pin:
+            lease_s = self._lease_s(lease_ms)
+            self._check_lease_room(session)
         prefix, tiers, ids = await self.store.lookup(space.ns, words)
         lease_id = 0
         if pin:
             found = np.unique(ids[ids >= 0])
             if len(found):
                 # The session may have ended while the lookup awaited; pinning for it then
-                # would leave pins no lease releases.
-                self.sessions.get(session_id)
+                # would leave pins no lease releases. Pinning lookups awaiting together
+                # passed the limit together: it is checked again.
+                self._check_lease_room(self.sessions.get(session_id))
                 refs = self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id
@@ -592,6 +597,16 @@ class KVService:
                 f"layer range [{begin}, {end}) is empty or beyond the pool's {nlayers} layers"
             )
         return None if (begin, end) == (0, nlayers) else (begin, end)
+
+    def _check_lease_room(self, session: Session) -> None:
+        """Refuse a new lease to a session at its limit: every lease holds its pinned block
+        refs (up to 32 KiB) until it ends, for up to ``lease_max_ms``."""
+        limit = self.config.server.max_leases_per_session
+        if len(session.leases) >= limit:
+            raise ResourceExhausted(
+                f"this session already holds {limit} leases, the most one session may hold "
+                "(server.max_leases_per_session); release some or let them expire"
+            )
 
     def _lease_s(self, lease_ms: int) -> float:
         if lease_ms == 0:

@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvtier.daemon.config import Config
+from kvtier.daemon.config import Config, load_config
 from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind
-from kvtier.daemon.errors import NotFound, PermissionDenied, Unauthenticated
+from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
@@ -47,10 +47,10 @@ class SlowStore:
         return 1 << 20
 
 
-def _service(store: object) -> tuple[KVService, TicketBook]:
+def _service(store: object, config: Config | None = None) -> tuple[KVService, TicketBook]:
     tickets = TicketBook(FdCloser())
     service = KVService(
-        Config(),
+        config or Config(),
         store,  # type: ignore[arg-type]
         PoolRegistry("/dev/shm"),
         SessionRegistry(),
@@ -96,3 +96,34 @@ def test_a_unix_socket_session_needs_a_ticket_and_tcp_sessions_register_no_memor
     # A peer that is in no tenant is refused, with what to do about it.
     with pytest.raises(PermissionDenied, match="belongs to no tenant"):
         service.open_session("t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True)
+
+
+def test_regression_a_session_could_hold_leases_without_bound():
+    """Pinning lookups of the longest lease in a loop grew the daemon by every lease's refs
+    (80 MB in 20 s from one client, up to gigabytes within lease_max_ms). A session now
+    holds at most server.max_leases_per_session, counting the pinning lookups that awaited
+    together, and gets a lease again once one ends."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        config = load_config(None, ["server.max_leases_per_session=3"])
+        service, tickets = _service(store, config)
+        session = _open(service, tickets)
+        keys = [bytes(32)] * 2
+        leases = [(await service.lookup(session, keys, True, 0)).lease_id for _ in range(2)]
+        store.release.clear()
+        racing = [asyncio.ensure_future(service.lookup(session, keys, True, 0)) for _ in range(2)]
+        await asyncio.sleep(0)
+        store.release.set()
+        outcomes = await asyncio.gather(*racing, return_exceptions=True)
+        assert sum(isinstance(x, ResourceExhausted) for x in outcomes) == 1
+        assert service.sessions.lease_count == 3 and store.pins == 3 * len(keys)
+        with pytest.raises(ResourceExhausted, match=r"server\.max_leases_per_session"):
+            await service.lookup(session, keys, True, 0)
+        assert (await service.lookup(session, keys, False, 0)).prefix_len == 2  # no pin: served
+        service.release(session, leases[0])
+        assert (await service.lookup(session, keys, True, 0)).lease_id
+        assert service.sessions.lease_count == 3
+
+    asyncio.run(run())
