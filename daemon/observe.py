@@ -26,12 +26,12 @@ import grpc
 
 from kvtier.daemon import logs
 from kvtier.daemon.latency import Histograms
+from kvtier.daemon.sessions import shown_id
 
 RPC_HISTOGRAM = "rpc_seconds"
 REQUEST_ID_HEADER = "x-request-id"
 _SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _KVTIER_SERVICE = "/kvtier.v1.KVTier/"
-SESSION_ID_CHARS = 8
 
 
 def method_label(full_method: str) -> str:
@@ -155,7 +155,7 @@ class _ObservedCall:
 def _ids(request: Any) -> tuple[str, int]:
     session = getattr(request, "session_id", "")
     pool = getattr(request, "pool_id", 0)
-    return (session[:SESSION_ID_CHARS] if isinstance(session, str) else "", int(pool or 0))
+    return (shown_id(session) if isinstance(session, str) else "", int(pool or 0))
 
 
 def _request_id_from(metadata: Any) -> str:

@@ -50,7 +50,7 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.poolchecks import PoolChecks
 from kvtier.daemon.ratelog import RateLimitedLog
-from kvtier.daemon.sessions import PeerCred
+from kvtier.daemon.sessions import PeerCred, shown_id
 from kvtier.kernels.copy import MemoryFault
 from kvtier.kernels.layout import LayoutError, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -285,7 +285,7 @@ class PoolRegistry:
             "pool fault",
             "pool %d of session %s is broken: %s",
             pool.pool_id,
-            pool.session_id,
+            shown_id(pool.session_id),
             pool.broken,
         )
 

@@ -48,7 +48,7 @@ from kvtier.daemon.errors import (
     Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
-from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
+from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry, shown_id
 from kvtier.daemon.store import BlockStore, DeleteResult, EvictResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words
 from kvtier.daemon.tenants import Space, TenantDirectory
@@ -178,7 +178,7 @@ class KVService:
         )
         log.info(
             "session %s opened by %r (tenant %s%s, uid %s, pid %s)",
-            session.session_id,
+            shown_id(session.session_id),
             session.client_name,
             session.tenant,
             ", admin" if session.admin else "",
@@ -198,7 +198,7 @@ class KVService:
         pools = self.pools.drop_session(session_id)
         log.info(
             "session %s closed: %d pools unregistered, %d leases released",
-            session_id,
+            shown_id(session_id),
             pools,
             len(leases),
         )
@@ -490,7 +490,7 @@ class KVService:
         for session in sessions.values():
             if stray := session.leases - lease_ids:
                 problems.append(
-                    f"session {session.session_id[:8]} lists {len(stray)} leases that do not exist"
+                    f"session {shown_id(session.session_id)} lists {len(stray)} leases that do not exist"
                 )
         counts = Counter(s.limit_key for s in sessions.values())
         if dict(counts) != self.sessions.per_tenant_counts():
@@ -511,7 +511,7 @@ class KVService:
             log.warning(
                 "%s by session %s: %s new sessions; %d open",
                 "resumed" if resume else "draining",
-                session.session_id[:8],
+                shown_id(session.session_id),
                 "taking" if resume else "refusing",
                 self.sessions.session_count,
             )

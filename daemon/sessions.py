@@ -30,6 +30,14 @@ import numpy as np
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
 
 _SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+# A session id is the session's secret: any request that names it acts as the session, from
+# any connection. Logs show only this many characters of it.
+SHOWN_ID_CHARS = 8
+
+
+def shown_id(session_id: str) -> str:
+    """The part of a session id that logs and messages may show."""
+    return session_id[:SHOWN_ID_CHARS]
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 
 import numpy as np
 import pytest
@@ -127,3 +129,30 @@ def test_regression_a_session_could_hold_leases_without_bound():
         assert service.sessions.lease_count == 3
 
     asyncio.run(run())
+
+
+def test_regression_logs_showed_whole_session_ids_which_let_their_readers_act_as_the_session(
+    caplog,
+):
+    """A session id is all a request needs to act as its session, from any connection (over
+    TCP too, by another tenant's client). The daemon logged the whole id of every session it
+    opened and of every session whose pool broke, so whoever read its log could act as any
+    live session, an admin's included. Only the first characters are logged now."""
+    service, tickets = _service(SlowStore())
+    with caplog.at_level(logging.INFO, logger="kvtier.daemon"):
+        session = _open(service, tickets)
+        layout = PoolLayout.staging(num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=64)
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, layout.extent_bytes)
+            pool = service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+        finally:
+            os.close(fd)
+        pool.broken = "a test says so"
+        pool.on_fault(pool)  # what a copy that faults in the pool's memory calls
+        service.close_session(session)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"session {session[:8]} opened" in x for x in lines), lines
+    assert any(f"of session {session[:8]} is broken" in x for x in lines), lines
+    assert any(f"session {session[:8]} closed" in x for x in lines), lines
+    assert not [x for x in lines if session in x]
