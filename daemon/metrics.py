@@ -18,20 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import numpy as np
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvtier import __version__
@@ -49,6 +52,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 5.0
+# Each connection to the endpoint holds a thread and a descriptor while it is open. Whoever
+# reaches the port (every local user; in a pod, the pod's network) must not be able to hold
+# them without bound: a connection that sends nothing for this long is closed, and beyond
+# this many open at once a new one is closed at once (a scraper needs one).
+HTTP_IDLE_TIMEOUT_S = 10.0
+HTTP_MAX_CONNECTIONS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -500,7 +509,7 @@ class MetricsServer:
         return http_url(self.host, self.port, "/metrics")
 
     def start(self) -> None:
-        self._server, self._thread = start_http_server(self.port, self.host, self.registry)
+        self._server, self._thread = serve_http(self.host, self.port, self.registry)
         if self.port == 0:
             self.port = int(self._server.server_address[1])
         log.info("metrics on %s", self.url)
@@ -513,3 +522,51 @@ class MetricsServer:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
+
+
+class _Handler(WSGIRequestHandler):
+    """Serves one connection; its reads and writes give up after ``HTTP_IDLE_TIMEOUT_S``."""
+
+    timeout = HTTP_IDLE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most ``HTTP_MAX_CONNECTIONS`` at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def serve_http(
+    host: str, port: int, registry: CollectorRegistry
+) -> tuple[_BoundedServer, threading.Thread]:
+    """Serve ``registry`` at ``http://host:port/metrics`` on a thread of its own."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Server(_BoundedServer):
+        address_family = family
+
+    server = make_server(host, port, make_wsgi_app(registry), Server, _Handler)
+    thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True)
+    thread.start()
+    return server, thread

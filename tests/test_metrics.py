@@ -7,15 +7,20 @@ import asyncio
 import json
 import re
 import shutil
+import socket
 import tempfile
+import time
+import urllib.error
 import urllib.request
 from collections import Counter
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 
 from kvtier.client import NotFoundError, PoolLayout, PutStatus, SharedMemoryPool, Tier
+from kvtier.daemon import metrics
 from kvtier.daemon.metrics import CATALOGUE
 
 BLOCK = 64 * 1024
@@ -316,3 +321,43 @@ async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path
     (m,) = after_close
     assert value(m, "kvtier_tier_capacity_bytes", tier="L2") == 64 << 20
     assert value(m, "kvtier_tier_capacity_bytes") == value(before, "kvtier_tier_capacity_bytes")
+
+
+def test_regression_idle_connections_to_the_metrics_port_held_a_thread_and_a_file_each(
+    monkeypatch,
+):
+    """Any local user (in a pod, anything on the pod's network) may connect to the metrics
+    port. Each connection kept a thread and a descriptor for as long as it stayed open,
+    sending nothing: 1,010 of them, opened by uid 65534, used up a daemon's 1,024 files, and
+    its credential socket then refused every new session. Now an idle connection is closed
+    after a while, and beyond HTTP_MAX_CONNECTIONS at once a new one is closed at once."""
+    monkeypatch.setattr(metrics._Handler, "timeout", 60.0)
+    server, thread = metrics.serve_http("127.0.0.1", 0, CollectorRegistry())
+    address = ("127.0.0.1", server.server_address[1])
+    url = f"http://127.0.0.1:{address[1]}/metrics"
+    idle = [socket.create_connection(address) for _ in range(metrics.HTTP_MAX_CONNECTIONS)]
+    try:
+        extra = socket.create_connection(address, timeout=30)
+        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        assert extra.recv(100) == b""  # closed unanswered: every slot is held
+        extra.close()
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + 30
+    while True:  # the slots come back as their threads see their connections end
+        try:
+            with urllib.request.urlopen(url, timeout=30) as answer:
+                assert answer.status == 200
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.2)
+    silent = socket.create_connection(address, timeout=30)
+    assert silent.recv(100) == b""  # closed by the server, having sent nothing
+    silent.close()
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
