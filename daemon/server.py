@@ -72,6 +72,12 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kvtier.v1.KVTier"
 HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
+# Requests a stream keeps for its whole life are held to sizes far below the message limit:
+# an open session, or a health watch (which needs no session), holding a 64 MiB request each
+# would let one client pin gigabytes. A session's name is kept to 200 characters and a token
+# is at most 4096 bytes; the health service knows two service names, both short.
+MAX_OPEN_SESSION_BYTES = 64 << 10
+MAX_HEALTH_SERVICE_CHARS = 1024
 R = TypeVar("R")
 
 # The one place where domain errors become gRPC status codes.
@@ -227,6 +233,10 @@ class KVTierServicer:
         try:
             if isinstance(request, Malformed):
                 raise self.malformed("OpenSession", request)
+            if (size := request.ByteSize()) > MAX_OPEN_SESSION_BYTES:
+                raise InvalidArgument(
+                    f"an OpenSession request of {size} bytes; at most {MAX_OPEN_SESSION_BYTES}"
+                )
             if self.closing.is_set():
                 raise Unavailable("the daemon is stopping")
             session = self.service.open_session(
@@ -624,18 +634,24 @@ def _health_handlers(
 ) -> dict[str, Any]:
     """The standard health service, with malformed requests answered like ours."""
 
-    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def refuse(method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Malformed):
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, str(servicer.malformed("Check", request))
+                grpc.StatusCode.INVALID_ARGUMENT, str(servicer.malformed(method, request))
             )
+        if len(request.service) > MAX_HEALTH_SERVICE_CHARS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a service name of {len(request.service)} characters; at most "
+                f"{MAX_HEALTH_SERVICE_CHARS}",
+            )
+
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await refuse("Check", request, context)
         return await health_servicer.Check(request, context)
 
     async def watch(request: Any, context: grpc.aio.ServicerContext) -> None:
-        if isinstance(request, Malformed):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, str(servicer.malformed("Watch", request))
-            )
+        await refuse("Watch", request, context)
         await health_servicer.Watch(request, context)
 
     serialize = health_pb2.HealthCheckResponse.SerializeToString

@@ -5,12 +5,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2
 
 from kvtier.daemon.errors import InvalidArgument
-from kvtier.daemon.server import KVTierServicer, Malformed, _lenient, layout_from_pb
+from kvtier.daemon.server import (
+    MAX_HEALTH_SERVICE_CHARS,
+    MAX_OPEN_SESSION_BYTES,
+    KVTierServicer,
+    Malformed,
+    _health_handlers,
+    _lenient,
+    layout_from_pb,
+)
 from kvtier.kernels.layout import MAX_LAYERS
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -94,3 +104,30 @@ def test_regression_a_layout_of_millions_of_layers_was_built_before_its_count_wa
     assert len(layout_from_pb(layout(MAX_LAYERS)).layers) == MAX_LAYERS
     with pytest.raises(InvalidArgument, match=f"{MAX_LAYERS + 1} layers; at most {MAX_LAYERS}"):
         layout_from_pb(layout(MAX_LAYERS + 1))
+
+
+def test_regression_streams_kept_requests_of_the_message_limit_for_their_whole_life():
+    """An OpenSession request and a health Watch (which needs no session) are held for as
+    long as their streams stay open: eight sessions named with 60 MB each kept 1.1 GB of the
+    daemon, eight watches of a 60 MB service name 2 GB. Both are now refused above a size
+    far below the message limit, before anything is held."""
+    servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
+    watch = _health_handlers(health.aio.HealthServicer(), servicer)["Watch"].unary_stream
+
+    def status(call: Any) -> tuple[grpc.StatusCode, str]:
+        context = FakeContext()
+
+        async def run() -> None:
+            with pytest.raises(grpc.aio.AbortError):
+                await call(context)
+
+        asyncio.run(run())
+        assert context.status is not None
+        return context.status
+
+    session = pb.OpenSessionRequest(client_name="x" * MAX_OPEN_SESSION_BYTES)
+    code, details = status(lambda c: servicer.OpenSession(session, c).__anext__())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "OpenSession request of" in details
+    name = health_pb2.HealthCheckRequest(service="x" * (MAX_HEALTH_SERVICE_CHARS + 1))
+    code, details = status(lambda c: watch(name, c))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "service name of" in details
