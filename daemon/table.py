@@ -19,7 +19,7 @@ Invariants:
   one block for good: ``resolve`` answers -1 once the row holds another block. Policies index
   by row and hear ``forget`` (through ``on_free``) before a row is reused.
 - The hash table is open addressing with linear probing and tombstones, keyed by a secret
-  per-process salt, so clients cannot aim keys at one probe chain.
+  per-process salt and by every word of a key, so clients cannot aim keys at one probe chain.
 
 Not thread-safe: owned by the store, which touches it from one thread.
 """
@@ -370,7 +370,7 @@ class BlockTable:
         """Place ``ids`` (not in the table yet) by vectorised linear probing."""
         table = self._table
         mask = np.uint64(len(table) - 1)
-        pos = self._hash(self.ns[ids], self.keys[ids, 0]) & mask
+        pos = self._hash(self.ns[ids], self.keys[ids]) & mask
         while len(ids):
             p = pos.astype(np.int64)
             free = table[p] < 0  # EMPTY or TOMBSTONE
@@ -404,25 +404,34 @@ class BlockTable:
 
     # ------------------------------------------------------------------ hash table
 
-    def _hash(self, ns: int | np.ndarray, first_words: np.ndarray) -> np.ndarray:
+    def _hash(self, ns: int | np.ndarray, words: np.ndarray) -> np.ndarray:
+        """Salted hash of ``(n, 4)`` key words. Every word goes in, each followed by a full
+        mix: keys are the client's bytes, and keys that share some words must not share a
+        probe chain (a hash of the first word alone put every key a client gave one first
+        word into one chain, whatever the salt)."""
         with np.errstate(over="ignore"):
-            h = first_words ^ self._salt ^ (np.asarray(ns, dtype=np.uint64) * _GOLDEN)
-            h ^= h >> _S33
-            h *= _M1
-            h ^= h >> _S33
-            h *= _M2
-            h ^= h >> _S33
+            h = self._salt ^ (np.asarray(ns, dtype=np.uint64) * _GOLDEN)
+            for w in range(_KEY_WORDS):
+                h = h ^ words[:, w]
+                h ^= h >> _S33
+                h *= _M1
+                h ^= h >> _S33
+                h *= _M2
+                h ^= h >> _S33
         return h
 
-    def _hash_one(self, ns: int, first_word: int) -> int:
-        """``_hash`` of one key in Python integers: a single-key request (the common small
-        RPC) pays no numpy call overhead."""
-        h = (first_word ^ self._salt_int ^ ((ns * _GOLDEN_INT) & _U64_MASK)) & _U64_MASK
-        h ^= h >> 33
-        h = (h * _M1_INT) & _U64_MASK
-        h ^= h >> 33
-        h = (h * _M2_INT) & _U64_MASK
-        return h ^ (h >> 33)
+    def _hash_one(self, ns: int, words: np.ndarray) -> int:
+        """``_hash`` of one key's words in Python integers: a single-key request (the common
+        small RPC) pays no numpy call overhead."""
+        h = self._salt_int ^ ((ns * _GOLDEN_INT) & _U64_MASK)
+        for word in words.tolist():
+            h ^= word
+            h ^= h >> 33
+            h = (h * _M1_INT) & _U64_MASK
+            h ^= h >> 33
+            h = (h * _M2_INT) & _U64_MASK
+            h ^= h >> 33
+        return h
 
     def _find(self, ns: int, words: np.ndarray) -> np.ndarray:
         n = len(words)
@@ -431,12 +440,12 @@ class BlockTable:
             result = np.empty(n, dtype=np.int64)
             mask = size - 1
             for i in range(n):
-                pos = self._hash_one(int(ns), int(words[i, 0])) & mask
+                pos = self._hash_one(int(ns), words[i]) & mask
                 result[i] = self._probe(ns, words[i], pos)
             return result
         result = np.full(n, -1, dtype=np.int64)
         mask = size - 1
-        pos = (self._hash(ns, words[:, 0]) & np.uint64(mask)).astype(np.int64)
+        pos = (self._hash(ns, words) & np.uint64(mask)).astype(np.int64)
         # Probe positions are examined a window at a time for every key still looking: a key
         # stops at the first slot holding a block of its namespace with its first key word,
         # or at an empty slot. The first window settles nearly every key (the table is at
@@ -493,7 +502,7 @@ class BlockTable:
 
     def _table_insert(self, ns: int, words: np.ndarray, bid: int) -> None:
         mask = len(self._table) - 1
-        pos = self._hash_one(int(ns), int(words[0])) & mask
+        pos = self._hash_one(int(ns), words) & mask
         while self._table[pos] >= 0:
             pos = (pos + 1) & mask
         if self._table[pos] == TOMBSTONE:
@@ -502,7 +511,7 @@ class BlockTable:
 
     def _table_position(self, ns: int, words: np.ndarray, bid: int) -> int:
         mask = len(self._table) - 1
-        pos = self._hash_one(int(ns), int(words[0])) & mask
+        pos = self._hash_one(int(ns), words) & mask
         for _ in range(len(self._table)):
             if self._table[pos] == bid:
                 return pos
@@ -516,7 +525,7 @@ class BlockTable:
         table = np.full(size, EMPTY, dtype=np.int32)
         mask = np.uint64(size - 1)
         ids = self.live_ids()
-        pos = self._hash(self.ns[ids], self.keys[ids, 0]) & mask
+        pos = self._hash(self.ns[ids], self.keys[ids]) & mask
         while len(ids):
             p = pos.astype(np.int64)
             free = table[p] == EMPTY
