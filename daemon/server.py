@@ -57,7 +57,7 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.observe import RpcObserver
 from kvtier.daemon.pools import EnginePool, PoolRegistry
-from kvtier.daemon.ratelog import RateLimitedLog
+from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
 from kvtier.daemon.store import BlockStore
@@ -494,11 +494,13 @@ class Daemon:
         self.addresses: list[str] = []
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._lost_answers = LostAnswerFilter(cfg.bad_request_log_interval_s)
 
     async def start(self) -> None:
         cfg = self.config.server
         if ensure_fault_handler():
             log.warning("another SIGBUS handler had replaced the copy guard's; it is back in front")
+        logging.getLogger(GRPC_CORE_LOGGER).addFilter(self._lost_answers)
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -584,6 +586,7 @@ class Daemon:
         if self.config.server.socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.abspath(self.config.server.socket))
+        logging.getLogger(GRPC_CORE_LOGGER).removeFilter(self._lost_answers)
         log.info("kvtierd stopped")
 
     async def _expire_leases(self) -> None:

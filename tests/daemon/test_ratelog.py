@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.daemon.ratelog import RateLimitedLog
+from kvtier.daemon.ratelog import LostAnswerFilter, RateLimitedLog
 
 
 class Clock:
@@ -38,3 +38,49 @@ def test_exceptions_carry_their_traceback_once_per_interval(caplog):
             except RuntimeError:
                 rl.exception("internal Put", "Put failed")
     assert len(caplog.records) == 1 and caplog.records[0].exc_info is not None
+
+
+def test_regression_grpc_logged_a_traceback_for_each_answer_a_client_deadline_cut_off(caplog):
+    """grpc's server core logs an ERROR with a traceback when an answer cannot be sent
+    because the call's deadline passed as it went out: one client with deadlines near the
+    answer time made the daemon log 76 tracebacks in 10 s. The daemon's filter on grpc's
+    logger makes that one WARNING line per interval without a traceback, then a count."""
+    clock = Clock()
+    grpc_core = logging.getLogger("kvtier.test.grpc_core")
+    lost = LostAnswerFilter(10.0, clock)
+    grpc_core.addFilter(lost)
+
+    def answer_lost() -> None:
+        try:
+            raise RuntimeError('Failed "execute_batch"')
+        except RuntimeError:
+            # As grpc's Cython layer logs it: the method already in the text.
+            grpc_core.exception(
+                "ExecuteBatchError raised in core by servicer method [/kvtier.v1.KVTier/Get]"
+            )
+
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.test.grpc_core"):
+            for _ in range(100):
+                answer_lost()
+            grpc_core.error("another failure in %s", "core")
+            clock.now += 10.0
+            answer_lost()
+    finally:
+        grpc_core.removeFilter(lost)
+    lines = [(r.levelname, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert lines == [
+        (
+            "WARNING",
+            "/kvtier.v1.KVTier/Get: an answer was not sent, its call had ended (the client's "
+            "deadline)",
+            None,
+        ),
+        ("ERROR", "another failure in core", None),
+        (
+            "WARNING",
+            "/kvtier.v1.KVTier/Get: an answer was not sent, its call had ended (the client's "
+            "deadline) (and 99 more like it in the last 10s)",
+            None,
+        ),
+    ]
