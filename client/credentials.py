@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import socket
+import time
 
 import grpc
 
@@ -53,10 +54,21 @@ def pool_ticket(path: str, fd: int, timeout_s: float = 10.0) -> bytes:
 
 def _request(path: str, verb: bytes, fd: int | None, timeout_s: float) -> bytes:
     line = PROTOCOL + b" " + verb + b"\n"
+    deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
+            while True:
+                try:
+                    sock.connect(path)
+                    break
+                except BlockingIOError:
+                    # The daemon's backlog is full for now (other clients are connecting):
+                    # try again until the timeout, as a blocking connect would wait.
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError from None
+                    time.sleep(0.005)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
             if fd is None:
                 sock.sendall(line)
             else:

@@ -21,7 +21,9 @@ Invariants:
   fd is closed). Only memory-backed fds are kept: memfds and tmpfs files, the files on which
   F_GET_SEALS succeeds. They cannot stall a page fault on a remote or user-space filesystem.
 - Nothing here blocks the event loop: sockets are non-blocking, a connection has
-  ``IO_TIMEOUT_S`` to send its request, at most ``MAX_CONNECTIONS`` are open at once, and a
+  ``IO_TIMEOUT_S`` to send its request, at most ``MAX_CONNECTIONS`` are open at once (one
+  more ends the oldest connection of the uid that holds the most, so a uid that connects and
+  says nothing over and over takes room from itself, never from the others), and a
   received fd that is not memory-backed (its close() may wait on a filesystem, FUSE's flush
   for one) is closed on the FdCloser's thread. While that thread is behind, no new
   connection is accepted, so a stuck close costs the credential socket, never the daemon.
@@ -71,6 +73,9 @@ CRED_SUFFIX = ".cred"
 TICKET_TTL_S = 10.0
 MAX_TICKETS_PER_UID = 256
 MAX_CONNECTIONS = 64
+# Connections accepted per wake-up of the event loop: clients connecting in a loop must not
+# keep the loop accepting while every other callback waits.
+ACCEPTS_PER_WAKEUP = 16
 IO_TIMEOUT_S = 2.0
 MAX_REQUEST_BYTES = 128
 MAX_FDS_PER_REQUEST = 4
@@ -255,7 +260,8 @@ class CredentialServer:
         self.counters: Counter[str] = Counter()
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._connections: set[_Connection] = set()
+        self._connections: dict[_Connection, None] = {}  # in the order they came
+        self._per_uid: Counter[int] = Counter()
         self._accepting = False
 
     def start(self, access: SocketAccess) -> None:
@@ -287,15 +293,13 @@ class CredentialServer:
 
     def _on_accept(self) -> None:
         assert self._sock is not None and self._loop is not None
-        while self._sock is not None:
-            if (
-                len(self._connections) >= MAX_CONNECTIONS
-                or self.closer.pending >= MAX_PENDING_CLOSES
-            ):
-                # The backlog holds the rest; accepting resumes when a connection ends.
+        for _ in range(ACCEPTS_PER_WAKEUP):
+            if self._sock is None:
+                return
+            if self.closer.pending >= MAX_PENDING_CLOSES:
+                # The backlog holds the rest until the closer thread catches up.
                 self._pause_accepting()
-                if self.closer.pending >= MAX_PENDING_CLOSES:
-                    self._loop.call_later(IO_TIMEOUT_S, self._resume_accepting)
+                self._loop.call_later(IO_TIMEOUT_S, self._resume_accepting)
                 return
             try:
                 sock, _ = self._sock.accept()
@@ -314,10 +318,25 @@ class CredentialServer:
             except OSError:
                 sock.close()
                 continue
+            if len(self._connections) >= MAX_CONNECTIONS:
+                self._make_room()
             conn = _Connection(sock, PeerCred(pid, uid, gid))
             conn.timer = self._loop.call_later(IO_TIMEOUT_S, self._drop, conn)
-            self._connections.add(conn)
+            self._connections[conn] = None
+            self._per_uid[uid] += 1
             self._loop.add_reader(sock.fileno(), self._on_readable, conn)
+
+    def _make_room(self) -> None:
+        """End the oldest connection of the uid that holds the most, answering it."""
+        busiest = self._per_uid.most_common(1)[0][0]
+        oldest = next(c for c in self._connections if c.peer.uid == busiest)
+        self._reply(
+            oldest,
+            ResourceExhausted(
+                f"the credential socket holds {MAX_CONNECTIONS} connections, the most of them "
+                f"uid {busiest}'s: its oldest was ended; send a request as soon as connected"
+            ),
+        )
 
     # ------------------------------------------------------------------ serve
 
@@ -404,7 +423,10 @@ class CredentialServer:
     def _drop(self, conn: _Connection) -> None:
         if conn not in self._connections:
             return
-        self._connections.discard(conn)
+        del self._connections[conn]
+        self._per_uid[conn.peer.uid] -= 1
+        if self._per_uid[conn.peer.uid] <= 0:
+            del self._per_uid[conn.peer.uid]
         if conn.timer is not None:
             conn.timer.cancel()
         if self._loop is not None:

@@ -19,6 +19,7 @@ import pytest
 from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier.client import (
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     PermissionDeniedError,
@@ -29,6 +30,7 @@ from kvtier.client import (
 )
 from kvtier.client import credentials as cred
 from kvtier.client.types import layout_to_pb
+from kvtier.daemon.credentials import MAX_CONNECTIONS
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
@@ -378,3 +380,49 @@ def test_credential_socket_answers_become_typed_errors():
     with pytest.raises(UnavailableError):
         cred._parse(b"HTTP/1.1 400 Bad Request\n", "x")
     assert cred._parse(b"OK " + b"ab" * 32 + b"\n", "x") == bytes.fromhex("ab" * 32)
+
+
+def test_regression_one_uid_holding_the_credential_socket_kept_every_other_uid_out(
+    shared_group_daemon,
+):
+    """The credential socket stopped accepting while it held 64 connections, whoever held
+    them: uid 65534 connecting in a loop and sending nothing (each connection held 2 s) left
+    every other client's ticket request to fail on the full backlog (0 tickets of 100 for
+    root). Now a connection beyond the limit ends the oldest of the uid that holds the most,
+    with an answer saying so, and a burst of one uid's requests is still served whole."""
+    path = _path(shared_group_daemon)
+    silent = [_connect(path) for _ in range(MAX_CONNECTIONS)]
+    try:
+        assert len(_nobody_session_ticket(shared_group_daemon)) == 32
+        assert silent[0].recv(200).startswith(b"ERR RESOURCE_EXHAUSTED the credential socket")
+    finally:
+        for s in silent:
+            s.close()
+    burst = [_connect(path) for _ in range(2 * MAX_CONNECTIONS // 3)]
+    for s in burst:
+        s.sendall(b"KVTIER-CRED/1 SESSION\n")
+    assert all(s.recv(200).startswith(b"OK ") for s in burst)
+    for s in burst:
+        s.close()
+
+
+def test_a_full_credential_backlog_is_waited_on_until_the_timeout(tmp_path):
+    """A connect that finds the daemon's backlog full (EAGAIN on a Unix socket) is tried
+    again until the request's timeout, as a blocking connect would wait; it failed at once."""
+    path = str(tmp_path / "c.sock.cred")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(path)
+        server.listen(0)  # never accepts: the backlog fills
+        queued = []
+        try:
+            while True:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.setblocking(False)
+                queued.append(s)
+                s.connect(path)
+        except BlockingIOError:
+            pass
+        with pytest.raises(DeadlineExceededError, match=r"within 0\.3s"):
+            cred.session_ticket(path, timeout_s=0.3)
+        for s in queued:
+            s.close()
