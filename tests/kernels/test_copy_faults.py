@@ -19,6 +19,14 @@ from kvtier.kernels.copy import MemoryFault, copy_ranges, ensure_fault_handler
 SIZE = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def guarded_copies():
+    """The kernel's SIGBUS handler is current, as the daemon makes it at start: pytest's
+    faulthandler, or a module a test imported, may have replaced it since the kernel was
+    imported (these tests then died of SIGBUS whenever ``tests/tiers`` ran with them)."""
+    ensure_fault_handler()
+
+
 @pytest.fixture
 def truncated():
     """A shared mapping of SIZE bytes whose file now has only its first page."""
