@@ -75,19 +75,7 @@ def pool_to_blocks(
 ) -> int:
     """Gather the chunks of ``pages`` into contiguous blocks starting at ``block_starts``.
     A range outside its buffer raises ValueError before its page range copies anything."""
-    parts = _page_parts(table, len(pages))
-    copied = 0
-    for first in parts:
-        part = slice(first, first + parts.step)
-        copied += copy_ranges(
-            blocks,
-            pool,
-            table.block_offsets(block_starts[part]),
-            table.pool_offsets(pages[part]),
-            table.lengths(len(pages[part])),
-            threads,
-        )
-    return copied
+    return _copy_pages(table, pool, pages, blocks, block_starts, threads, to_blocks=True)
 
 
 def blocks_to_pool(
@@ -100,16 +88,29 @@ def blocks_to_pool(
 ) -> int:
     """Scatter contiguous blocks starting at ``block_starts`` into the chunks of ``pages``.
     A range outside its buffer raises ValueError before its page range copies anything."""
+    return _copy_pages(table, pool, pages, blocks, block_starts, threads, to_blocks=False)
+
+
+def _copy_pages(
+    table: ChunkTable,
+    pool: object,
+    pages: np.ndarray,
+    blocks: object,
+    block_starts: np.ndarray,
+    threads: int,
+    to_blocks: bool,
+) -> int:
+    """Copy between ``pages`` and the blocks at ``block_starts``, page range by page range
+    (``_page_parts``): pool to blocks with ``to_blocks``, else blocks to pool."""
     parts = _page_parts(table, len(pages))
     copied = 0
     for first in parts:
         part = slice(first, first + parts.step)
-        copied += copy_ranges(
-            pool,
-            blocks,
-            table.pool_offsets(pages[part]),
-            table.block_offsets(block_starts[part]),
-            table.lengths(len(pages[part])),
-            threads,
-        )
+        at_pool = table.pool_offsets(pages[part])
+        at_blocks = table.block_offsets(block_starts[part])
+        lengths = table.lengths(len(pages[part]))
+        if to_blocks:
+            copied += copy_ranges(blocks, pool, at_blocks, at_pool, lengths, threads)
+        else:
+            copied += copy_ranges(pool, blocks, at_pool, at_blocks, lengths, threads)
     return copied

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from races import ContendedLock
 
 from kvtier.client import AsyncClient, JobState, SaveSegment, SharedMemoryPool, block_keys
 from kvtier.client.errors import UnavailableError
@@ -71,22 +72,6 @@ def test_calls_on_a_closed_client_raise_a_typed_error(daemon):
             client.health()
 
 
-class _ContendedLock:
-    """A lock that sets ``waited`` when a thread finds it held and has to wait."""
-
-    def __init__(self, waited: threading.Event) -> None:
-        self._lock = threading.Lock()
-        self._waited = waited
-
-    def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            self._waited.set()
-            self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
 def test_two_threads_registering_a_pool_again_after_a_restart_register_it_once(daemon):
     """Regression: after a daemon restart, two threads each found the pool unregistered in
     the new session and each registered it; the pool kept the last id and the daemon the
@@ -119,7 +104,7 @@ def test_two_threads_registering_a_pool_again_after_a_restart_register_it_once(d
             return pool_id
 
         client._invoke = holding_invoke  # type: ignore[method-assign]
-        client._register_lock = _ContendedLock(moved)  # type: ignore[assignment]
+        client._register_lock = ContendedLock(moved)  # type: ignore[assignment]
         with ThreadPoolExecutor(2) as threads:
             first = threads.submit(client.pool_id_of, pool.binding)
             assert held.wait(10)

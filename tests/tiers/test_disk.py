@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from disk_faults import FaultyFiles
+from races import ContendedLock
 
 from kvtier.tiers.base import (
     BlockRef,
@@ -451,22 +452,6 @@ def test_a_slot_whose_row_recovery_drops_is_handed_out_only_once_the_row_is_gone
         assert _read(tier, new) == {2: make_block(2, 65_536)[1]}
 
 
-class _ContendedLock:
-    """A lock that sets ``waited`` when a thread finds it held and has to wait."""
-
-    def __init__(self, waited: threading.Event) -> None:
-        self._lock = threading.Lock()
-        self._waited = waited
-
-    def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            self._waited.set()
-            self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
 class _PausingDict(dict[int, int]):
     """Once ``armed``, an iteration pauses after its first key (``paused`` set) until
     ``resume`` is set."""
@@ -506,7 +491,7 @@ def test_recovery_reads_the_quarantine_while_a_failed_read_adds_to_it(
     armed, paused, resume = threading.Event(), threading.Event(), threading.Event()
     with _open(disk_dir, recover_later=True) as tier:
         tier._quarantined = _PausingDict(tier._quarantined, armed, paused, resume)
-        tier._state_lock = _ContendedLock(resume)  # type: ignore[assignment]
+        tier._state_lock = ContendedLock(resume)  # type: ignore[assignment]
         chunks = tier.recover_chunks(rows=1)
         first = next(chunks)
         bad = next(i for i in (0, 1) if blocks[i][0] == bytes(first.keys[0]))

@@ -1,0 +1,21 @@
+"""Helpers for deterministic race tests: locks that tell a test when a thread had to wait."""
+
+from __future__ import annotations
+
+import threading
+
+
+class ContendedLock:
+    """A lock that sets ``waited`` when a thread finds it held and has to wait."""
+
+    def __init__(self, waited: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._waited = waited
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
