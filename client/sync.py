@@ -137,8 +137,12 @@ class Client:
         )
         self._lock = threading.Lock()
         # One registration at a time (see _pool_id); held across the RegisterPool call, so
-        # never taken with _lock held.
+        # never taken with _lock held, nor on gRPC's callback threads.
         self._register_lock = threading.Lock()
+        # A binding's pool id as a registration sets it and a late NotFound drops it
+        # (forget_pool_id, which jobs call on gRPC's callback thread); never held across a
+        # call: that thread delivers every answer of the channel, the session's included.
+        self._ids_lock = threading.Lock()
         self._closed = False
         self._session_id = ""
         self._session_call: Any = None
@@ -285,9 +289,10 @@ class Client:
             ticket = credentials.pool_ticket(path, binding.memfd, self.timeout_s)
         request = binding.register_request(ticket)
         resp = self._invoke("RegisterPool", request)
-        binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
-        binding.sealed = resp.sealed
-        binding.session_id = request.session_id
+        with self._ids_lock:
+            binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+            binding.sealed = resp.sealed
+            binding.session_id = request.session_id
         self._pools[resp.pool_id] = binding
 
     @property
@@ -323,8 +328,10 @@ class Client:
     def forget_pool_id(self, binding: PoolBinding, pool_id: int) -> None:
         """The daemon answered NotFound for a call with ``pool_id``: register the pool again
         on its next use, unless another thread already has (a late answer must not drop the
-        id it registered)."""
-        with self._register_lock:
+        id it registered). Never waits for a registration under way: a job calls it on
+        gRPC's callback thread, which a registration may itself wait for (a new session's
+        first answer)."""
+        with self._ids_lock:
             if binding.pool_id == pool_id:
                 binding.pool_id = 0
 

@@ -156,6 +156,42 @@ def test_a_late_not_found_keeps_the_pool_id_another_thread_registered(daemon):
         client.close()
 
 
+def test_a_job_answer_does_not_wait_for_a_registration_under_way(daemon):
+    """Regression: a job's part answered NotFound dropped the pool id under the lock that a
+    registration holds across its RegisterPool call, on gRPC's callback thread, which
+    delivers every answer of the client's channel: while another thread registered a pool,
+    no job of the client ended, and a registration that had to open a session waited for
+    that very thread until its timeout. Another pool's RegisterPool is held here until the
+    job has ended: the job ends (FAILED, its pool gone) while the registration waits."""
+    client = daemon.client()
+    with SharedMemoryPool.for_layout(LAYOUT) as shm, SharedMemoryPool.for_layout(LAYOUT) as shm2:
+        pool = client.register_pool(shm, LAYOUT)
+        other = client.register_pool(shm2, LAYOUT)
+        client.unregister_pool(pool.binding.pool_id)  # the binding keeps the id: NotFound
+        assert client.fence_pool(other.binding)  # its next use registers it again
+        held, release = threading.Event(), threading.Event()
+        invoke = client._invoke
+
+        def holding_invoke(method, request, *args, **kwargs):
+            if method == "RegisterPool":
+                held.set()
+                assert release.wait(30)
+            return invoke(method, request, *args, **kwargs)
+
+        client._invoke = holding_invoke  # type: ignore[method-assign]
+        with ThreadPoolExecutor(1) as threads:
+            registering = threads.submit(client.pool_id_of, other.binding)
+            assert held.wait(10)
+            job = client.submit_save(pool, [SaveSegment(keys_for(2, "held-register"), [0, 1])])
+            status = job.wait(10)
+            release.set()
+            assert status.state is JobState.FAILED
+            assert not status.done.any()
+            assert registering.result() == other.binding.pool_id
+        assert pool.binding.pool_id == 0  # registered again on its next use
+        client.close()
+
+
 async def test_async_stores_that_find_their_pool_gone_register_it_again_once(daemon):
     """Regression, the AsyncClient's twin of the two above: two stores whose Puts came back
     NotFound (the daemon had dropped the pool) each registered it again, or the later one
