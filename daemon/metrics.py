@@ -17,6 +17,7 @@ the event loop for a snapshot (``asyncio.run_coroutine_threadsafe``) and waits f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -54,8 +55,9 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 5.0
 # Each connection to the endpoint holds a thread and a descriptor while it is open. Whoever
 # reaches the port (every local user; in a pod, the pod's network) must not be able to hold
-# them without bound: a connection that sends nothing for this long is closed, and beyond
-# this many open at once a new one is closed at once (a scraper needs one).
+# them without bound: a connection that sends nothing for this long is closed, and one more
+# than this many open at once ends the oldest (a scrape lasts milliseconds, so connections
+# held open, trickling bytes, cannot keep a scraper out; closing the newest would let them).
 HTTP_IDLE_TIMEOUT_S = 10.0
 HTTP_MAX_CONNECTIONS = 16
 
@@ -534,27 +536,38 @@ class _Handler(WSGIRequestHandler):
 
 
 class _BoundedServer(ThreadingWSGIServer):
-    """A thread per connection, at most ``HTTP_MAX_CONNECTIONS`` at once."""
+    """A thread per connection; a connection beyond ``HTTP_MAX_CONNECTIONS`` open at once
+    ends the oldest (its socket shut down, so its thread's next read or write fails and the
+    thread ends at once)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(HTTP_MAX_CONNECTIONS)
+        self._open: dict[Any, None] = {}  # the connections being served, oldest first
+        self._open_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        with self._open_lock:
+            while len(self._open) >= HTTP_MAX_CONNECTIONS:
+                oldest = next(iter(self._open))
+                del self._open[oldest]
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._open[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._forget(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
 
 
 def serve_http(

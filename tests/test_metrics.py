@@ -330,30 +330,29 @@ def test_regression_idle_connections_to_the_metrics_port_held_a_thread_and_a_fil
     port. Each connection kept a thread and a descriptor for as long as it stayed open,
     sending nothing: 1,010 of them, opened by uid 65534, used up a daemon's 1,024 files, and
     its credential socket then refused every new session. Now an idle connection is closed
-    after a while, and beyond HTTP_MAX_CONNECTIONS at once a new one is closed at once."""
+    after a while, and one beyond HTTP_MAX_CONNECTIONS at once ends the oldest, so held
+    connections can neither use up the daemon's files nor keep a scrape out."""
     monkeypatch.setattr(metrics._Handler, "timeout", 60.0)
     server, thread = metrics.serve_http("127.0.0.1", 0, CollectorRegistry())
     address = ("127.0.0.1", server.server_address[1])
     url = f"http://127.0.0.1:{address[1]}/metrics"
-    idle = [socket.create_connection(address) for _ in range(metrics.HTTP_MAX_CONNECTIONS)]
+    held = [
+        socket.create_connection(address, timeout=30) for _ in range(metrics.HTTP_MAX_CONNECTIONS)
+    ]
     try:
-        extra = socket.create_connection(address, timeout=30)
-        extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-        assert extra.recv(100) == b""  # closed unanswered: every slot is held
-        extra.close()
+        for conn in held:  # each is being served (so counted) before the next test step
+            conn.sendall(b"G")
+        deadline = time.monotonic() + 30
+        while len(server._open) < metrics.HTTP_MAX_CONNECTIONS:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with urllib.request.urlopen(url, timeout=30) as answer:  # a scrape still answers
+            assert answer.status == 200
+        assert held[0].recv(100) == b""  # the oldest connection was ended for it
+        assert len(server._open) <= metrics.HTTP_MAX_CONNECTIONS
     finally:
-        for conn in idle:
+        for conn in held:
             conn.close()
-    deadline = time.monotonic() + 30
-    while True:  # the slots come back as their threads see their connections end
-        try:
-            with urllib.request.urlopen(url, timeout=30) as answer:
-                assert answer.status == 200
-            break
-        except (urllib.error.URLError, ConnectionError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
     monkeypatch.setattr(metrics._Handler, "timeout", 0.2)
     silent = socket.create_connection(address, timeout=30)
     assert silent.recv(100) == b""  # closed by the server, having sent nothing
