@@ -78,6 +78,9 @@ HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
 # is at most 4096 bytes; the health service knows two service names, both short.
 MAX_OPEN_SESSION_BYTES = 64 << 10
 MAX_HEALTH_SERVICE_CHARS = 1024
+# Health watches open at once. A watch needs no session (over TCP no token either) and holds a
+# few kilobytes for as long as it stays open; probes use Check, a watcher needs one stream.
+MAX_HEALTH_WATCHES = 256
 R = TypeVar("R")
 
 # The one place where domain errors become gRPC status codes.
@@ -653,9 +656,21 @@ def _health_handlers(
         await refuse("Check", request, context)
         return await health_servicer.Check(request, context)
 
+    watching = 0  # watches open now (the event loop's only)
+
     async def watch(request: Any, context: grpc.aio.ServicerContext) -> None:
+        nonlocal watching
         await refuse("Watch", request, context)
-        await health_servicer.Watch(request, context)
+        if watching >= MAX_HEALTH_WATCHES:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{watching} health watches are open; at most {MAX_HEALTH_WATCHES}",
+            )
+        watching += 1
+        try:
+            await health_servicer.Watch(request, context)
+        finally:
+            watching -= 1
 
     serialize = health_pb2.HealthCheckResponse.SerializeToString
     parse = _lenient(health_pb2.HealthCheckRequest)

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2
 
+from kvtier.daemon import server as server_module
 from kvtier.daemon.errors import InvalidArgument
 from kvtier.daemon.server import (
     MAX_HEALTH_SERVICE_CHARS,
@@ -131,3 +132,37 @@ def test_regression_streams_kept_requests_of_the_message_limit_for_their_whole_l
     name = health_pb2.HealthCheckRequest(service="x" * (MAX_HEALTH_SERVICE_CHARS + 1))
     code, details = status(lambda c: watch(name, c))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "service name of" in details
+
+
+def test_regression_health_watches_were_unbounded(monkeypatch):
+    """A health watch needs no session (over TCP no token either) and holds a few kilobytes
+    while it stays open: 20,000 of them grew a daemon by 130 MB. Beyond MAX_HEALTH_WATCHES
+    open at once a watch is RESOURCE_EXHAUSTED; one that ends makes room."""
+    monkeypatch.setattr(server_module, "MAX_HEALTH_WATCHES", 2)
+    servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
+    watch = _health_handlers(health.aio.HealthServicer(), servicer)["Watch"].unary_stream
+    request = health_pb2.HealthCheckRequest(service="")
+
+    class WatchContext(FakeContext):
+        async def write(self, message: object) -> None:
+            pass
+
+    async def run() -> None:
+        open_ = [asyncio.ensure_future(watch(request, WatchContext())) for _ in range(2)]
+        await asyncio.sleep(0)  # both are watching
+        refused = WatchContext()
+        with pytest.raises(grpc.aio.AbortError):
+            await watch(request, refused)
+        assert refused.status is not None
+        code, details = refused.status
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2" in details
+        open_[0].cancel()  # a watcher goes away
+        await asyncio.gather(open_[0], return_exceptions=True)
+        again = asyncio.ensure_future(watch(request, WatchContext()))
+        await asyncio.sleep(0)
+        assert not again.done()  # watching, not refused
+        for task in (open_[1], again):
+            task.cancel()
+        await asyncio.gather(open_[1], again, return_exceptions=True)
+
+    asyncio.run(run())
