@@ -18,6 +18,35 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+# Appended to the line that ends a quiet interval, with the count and the interval's length.
+_SKIPPED = " (and %d more like it in the last %.0fs)"
+
+
+class IntervalGate:
+    """At most one pass per kind per ``interval_s``; the attempts in between are counted."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    @property
+    def suppressed(self) -> int:
+        """Attempts counted but not (yet) reported by a pass."""
+        return sum(self._suppressed.values())
+
+    def passes(self, kind: str) -> tuple[int, float] | None:
+        """None inside the kind's quiet interval (counted); else how many attempts were
+        counted since the last pass and how long ago that was (0 and 0.0 for the first)."""
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[kind] += 1
+            return None
+        self._last[kind] = now
+        return self._suppressed.pop(kind, 0), (now - last if last is not None else 0.0)
+
 
 class RateLimitedLog:
     def __init__(
@@ -27,15 +56,16 @@ class RateLimitedLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._log = logger
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
+        self._gate = IntervalGate(interval_s, clock)
+
+    @property
+    def interval_s(self) -> float:
+        return self._gate.interval_s
 
     @property
     def suppressed(self) -> int:
         """Lines counted but not (yet) logged."""
-        return sum(self._suppressed.values())
+        return self._gate.suppressed
 
     def warning(self, kind: str, msg: str, *args: object) -> bool:
         return self._emit(logging.WARNING, kind, msg, args, False)
@@ -56,16 +86,13 @@ class RateLimitedLog:
         args: tuple[object, ...],
         exc: bool | BaseException,
     ) -> bool:
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[kind] += 1
+        passed = self._gate.passes(kind)
+        if passed is None:
             return False
-        self._last[kind] = now
-        skipped = self._suppressed.pop(kind, 0)
-        if skipped and last is not None:
-            msg += " (and %d more like it in the last %.0fs)"
-            args = (*args, skipped, now - last)
+        skipped, since = passed
+        if skipped:
+            msg += _SKIPPED
+            args = (*args, skipped, since)
         self._log.log(level, msg, *args, exc_info=exc)
         return True
 
@@ -85,27 +112,22 @@ class LostAnswerFilter(logging.Filter):
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: float | None = None
-        self.suppressed = 0
+        self._gate = IntervalGate(interval_s, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if not text.startswith(_LOST_ANSWER):
             return True
-        now = self._clock()
-        if self._last is not None and now - self._last < self.interval_s:
-            self.suppressed += 1
+        passed = self._gate.passes("lost answer")
+        if passed is None:
             return False
+        skipped, since = passed
         method = text.partition("[")[2].rstrip("]") or "an RPC"
         record.msg = "%s: an answer was not sent, its call had ended (the client's deadline)"
         record.args = (method,)
-        if self.suppressed:
-            record.msg += " (and %d more like it in the last %.0fs)"
-            record.args = (method, self.suppressed, now - self._last)  # type: ignore[operator]
+        if skipped:
+            record.msg += _SKIPPED
+            record.args = (method, skipped, since)
         record.levelno, record.levelname = logging.WARNING, "WARNING"
         record.exc_info, record.exc_text = None, None
-        self._last = now
-        self.suppressed = 0
         return True
