@@ -660,13 +660,10 @@ class DensityPolicy(InsertEach, Hinted):
         """A miss of a full tier in one call (the replayer's per-miss step, see the module
         ``kvtier.daemon.policy.base``): as ``victim(now, bid)``, then ``admits`` and
         ``remove`` plus ``insert``, or ``note_miss``, would answer and leave the policy."""
+        out = -1
         if self._resident and self._hinted_until < now:
-            q = self._q if now == self._q_now else self._quantise(now)
-            if q != self._buf_q or self._buf_version != self._version:
-                self._rebuild(q, complete=False)
+            self._current_buffer(now)
             out = self._first_in_buffer()
-        else:
-            out = -1
         if out < 0:
             out = self.victim(now, bid)
             if out < 0:
