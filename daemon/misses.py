@@ -11,8 +11,8 @@ buckets chosen by a salted hash of the key, the oldest entry of a full bucket fo
 first. So a miss long after the event reads "absent": the counts are a lower bound for
 evicted and declined. Its size never changes while the daemon runs (about 13 bytes per
 entry; a dict of Python ints took ten times that and grew with every eviction until full).
-Keys are the first 64 bits of a block key (``table.keys[:, 0]``), the stable identity
-admission uses too.
+Keys are block identities (``BlockTable.identities``: a salted hash of the namespace and the
+whole key), as admission uses too, so one tenant's keys never read as another's.
 
 Thread-safety: none; owned by the event loop.
 """

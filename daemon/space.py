@@ -116,7 +116,7 @@ class SpaceManager:
     def record_accesses(self, bids: np.ndarray, now: float) -> None:
         """Tell lower tiers' admission rules of an access; ``selective`` tiers then take
         the blocks their rule now admits."""
-        words = self.table.keys[bids, 0].tolist()
+        words = self.table.identities_of(bids)
         for level in self.stack.levels[1:]:
             if not level.admits_all:
                 for word in words:
@@ -171,8 +171,8 @@ class SpaceManager:
         ):
             coldest = level.policy.victims(1, now, self.evictable(level, now))
             if coldest is not None:
-                victim_word = int(self.table.keys[coldest[0], 0])
-        for j, word in enumerate(self.table.keys[bids, 0].tolist()):
+                victim_word = self.table.identities_of(coldest[:1])[0]
+        for j, word in enumerate(self.table.identities_of(bids)):
             decision = level.admission.decide(word, victim_word, now)
             admit[j] = decision.admit
             self.counters.inc(
@@ -291,8 +291,8 @@ class SpaceManager:
             return bids
         declined = ~ok
         if prefetch:
-            for word in self.table.keys[bids[declined], 0].tolist():
-                self.prefetches.evict(int(word), now)
+            for word in self.table.identities_of(bids[declined]):
+                self.prefetches.evict(word, now)
         else:
             self.missed(dst, bids[declined], parents[declined], now)
         return bids[ok]
@@ -427,8 +427,7 @@ class SpaceManager:
             dst.policy.insert_many(good, now, table.parents_of(good))
         done[part[ok]] = True
         if prefetch:
-            for j, b in enumerate(group.tolist()):
-                word = int(table.keys[b, 0])
+            for j, word in enumerate(table.identities_of(group)):
                 if ok[j]:
                     self.prefetches.complete(word, now)
                 else:
@@ -694,13 +693,13 @@ class SpaceManager:
         bids = np.asarray(bids, dtype=np.int64)
         if level is self.stack.top and self.prefetches.outstanding:
             now = self._clock()
-            for word in table.keys[bids, 0].tolist():
-                self.prefetches.evict(int(word), now)
+            for word in table.identities_of(bids):
+                self.prefetches.evict(word, now)
         slots = table.slot[bids, level.col].tolist()
         table.clear_slots(bids, level.col)
         gone = ~(table.slot[bids] >= 0).any(axis=1)  # no copy left anywhere: forgotten
         if gone.any():
-            self.misses.record(table.keys[bids[gone], 0].tolist(), EVICTED)  # a delete discards
+            self.misses.record(table.identities_of(bids[gone]), EVICTED)  # a delete discards
         # Each block leaves its policy before the next does, and is forgotten (its history
         # dropped by every policy) right after: a policy that bounds its history on each
         # removal (ARC's ghosts) keeps the same entries as removing them one by one.

@@ -289,11 +289,11 @@ class BlockStore:
         prefix = n if hits == n else int(np.argmin(found))
         if hits and touch:
             self.space.touch(ids if hits == n else ids[found], self._clock())
-        self._count_hits(words, tiers, found, hits)
+        self._count_hits(ns, words, tiers, found, hits)
         return prefix, tiers, ids
 
     def _count_hits(
-        self, words: np.ndarray, tiers: np.ndarray, found: np.ndarray, hits: int
+        self, ns: int, words: np.ndarray, tiers: np.ndarray, found: np.ndarray, hits: int
     ) -> None:
         """lookup_keys, lookup_hits, hits{tier} by the fastest tier holding the key, and
         misses{reason}: why a key is not held."""
@@ -307,7 +307,7 @@ class BlockStore:
                 for kind, k in enumerate(np.bincount(tiers).tolist()[1:], start=1):
                     c.add(self._n_hits[kind], k)
         if hits < len(tiers):
-            missing = words[~found, 0].tolist()
+            missing = self.table.identities(ns, words[~found])
             for reason, k in self.space.misses.classify(missing).items():
                 c.inc("misses", k, reason=reason)
 
@@ -531,9 +531,9 @@ class BlockStore:
                 self._abandon(bids[placed:])  # the rows of blocks stored nowhere, whatever
         rejected = new_idx[len(stored) :]
         results[rejected] = _REJECTED_FULL
-        self.space.misses.record(words[rejected, 0].tolist(), DECLINED)
+        self.space.misses.record(self.table.identities(ns, words[rejected]), DECLINED)
         new_idx = new_idx[: len(stored)]
-        self.space.misses.discard(words[new_idx, 0].tolist())
+        self.space.misses.discard(self.table.identities(ns, words[new_idx]))
         self.counters.add(self._n_bytes_put, len(stored) * block_bytes)
         self._count_put(results)
         chain = existing.copy()
@@ -860,7 +860,7 @@ class BlockStore:
             return 0
         now = self._clock()
         bids = np.asarray(fresh, dtype=np.int64)
-        words = self.table.keys[bids, 0].tolist()
+        words = self.table.identities_of(bids)
         opened = [self.prefetches.issue(word, now) for word in words]
         # Refs taken now: a block may go, and its row be reused, before the task starts.
         refs = self.table.refs(bids)
@@ -912,7 +912,7 @@ class BlockStore:
         if not self.prefetches.outstanding:
             return  # the common case: nothing prefetched is waiting for its read
         now = self._clock()
-        for word in self.table.keys[bids, 0].tolist():
+        for word in self.table.identities_of(bids):
             self.prefetches.demand(word, now)
 
     # ------------------------------------------------------------------- delete
@@ -944,7 +944,7 @@ class BlockStore:
                 with contextlib.suppress(Exception):
                     await level.keys.remove(refs)
         deleted = int(np.count_nonzero(~busy))
-        self.space.misses.discard(words[:, 0].tolist())  # deleted on purpose: "absent"
+        self.space.misses.discard(table.identities(ns, words))  # deleted on purpose: "absent"
         self.counters.inc("deleted_blocks", deleted)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
 

@@ -433,6 +433,22 @@ class BlockTable:
             h ^= h >> 33
         return h
 
+    def identities(self, ns: int, words: np.ndarray) -> list[int]:
+        """A 64-bit identity of each key of ``words`` (``(n, 4)`` uint64) in namespace ``ns``:
+        the salted hash of the namespace and every key word. The bounded memories keyed by
+        block (admission sketches, the miss ledger, the prefetch ledger) use it, so a tenant's
+        keys meet only its own namespace's entries there (keying on a key's first word let
+        one tenant's keys count for another's), and clients cannot aim keys at one counter."""
+        if len(words) <= _SCALAR_TAIL:
+            return [self._hash_one(ns, w) for w in words]
+        return self._hash(ns, words).tolist()  # type: ignore[no-any-return]
+
+    def identities_of(self, bids: np.ndarray) -> list[int]:
+        """``identities`` of the blocks ``bids`` (each in its own namespace)."""
+        if len(bids) <= _SCALAR_TAIL:
+            return [self._hash_one(int(self.ns[b]), self.keys[b]) for b in bids.tolist()]
+        return self._hash(self.ns[bids], self.keys[bids]).tolist()  # type: ignore[no-any-return]
+
     def _find(self, ns: int, words: np.ndarray) -> np.ndarray:
         n = len(words)
         size = len(self._table)

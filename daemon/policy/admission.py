@@ -5,7 +5,7 @@ A decision is pure: ``decide`` reads what was recorded and answers with an
 happened is recorded separately, by ``record``, once per block access, whether or not the
 block is then offered to a tier; so asking twice gives the same answer.
 
-Keys are *stable* block identities (the first 64 bits of a block key in the daemon, the
+Keys are *stable* block identities (``BlockTable.identities`` in the daemon, the
 trace's hash id in the replayer), not the store's block ids, which are reused: a frequency
 that outlives the block's residency must not pass to whichever block takes its row next.
 

@@ -27,7 +27,7 @@ def test_regression_the_ledger_grew_with_every_eviction_until_full():
     ledger = MissLedger(capacity=256)
     nbytes = ledger._keys.nbytes + ledger._why.nbytes + ledger._stamp.nbytes
     assert nbytes == 256 * 13
-    # Keys as the daemon's are: first words of hashes. (Consecutive integers, which this test
+    # Keys as the daemon's are: 64-bit hashes. (Consecutive integers, which this test
     # used, fall unevenly into the buckets for some of the ledger's random multipliers: with
     # about 3% of them fewer than 60 of the newest 100 stayed, and the test failed.)
     rng = np.random.default_rng(0)

@@ -1159,7 +1159,7 @@ async def test_dropping_copies_in_a_batch_is_dropping_them_one_by_one(make_store
     for store in (batch, loop):
         assert where(store, both) == ["L2"] * 12
         assert not any(present(store, only_l1))
-        assert store.space.misses.classify(only_l1[:, 0].tolist())["evicted"] == 20
+        assert store.space.misses.classify(store.table.identities(0, only_l1))["evicted"] == 20
     t, u = batch.table, loop.table
     live = t.state != 0
     assert np.array_equal(live, u.state != 0)
@@ -1424,3 +1424,23 @@ async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
     assert first_res.tolist() == [PutResult.STORED] * 6
     assert second.tolist() == [PutResult.STORED] * 2 + [PutResult.REJECTED_FULL] * 4
     assert store.table.usage[0, 1] == 8 * 4096
+
+
+async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
+    """Why a lookup missed (``misses{reason}``) is remembered by block identity: namespace and
+    every key word. The same keys in another namespace, and keys that share only their first
+    word with evicted ones, were never stored there: "absent", not "evicted" (the ledger keyed
+    a key's first word, so one tenant's evictions explained another's misses)."""
+    store, pool = make_store(Clock()), make_pool()
+    gone = keys(16)
+    await put(store, pool, gone)
+    await put(store, pool, keys(16), pages=range(16, 32))  # L1 holds 16: the first ones go
+    assert not any(present(store, gone))
+    twins = gone.copy()
+    twins[:, 1] ^= np.uint64(1)  # same first word, other keys
+    c = store.counters
+    await store.lookup(7, gone)
+    await store.lookup(0, twins)
+    assert (c.get("misses", reason="evicted"), c.get("misses", reason="absent")) == (0, 32)
+    await store.lookup(0, gone)
+    assert (c.get("misses", reason="evicted"), c.get("misses", reason="absent")) == (16, 32)
