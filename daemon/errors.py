@@ -37,5 +37,9 @@ class Unavailable(KvtierError):
     """The daemon is shutting down or a needed part is down."""
 
 
+class DeadlineExceeded(KvtierError):
+    """The request's deadline passed before its answer could go out; what it did is undone."""
+
+
 class ConfigError(ValueError):
     """A config file or override that the daemon cannot start with; names the key."""

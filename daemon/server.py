@@ -13,7 +13,9 @@ Invariants:
 - A request runs to its end even when its client cancels it or its deadline passes (the
   answer is dropped): the store's state is never left halfway between two awaits (slots
   freed while a copy still writes them, a delete that forgot blocks but not their slots).
-  Shutdown waits for such requests before it closes the store.
+  Shutdown waits for such requests before it closes the store. A RegisterPool whose
+  deadline has passed when it would answer unregisters its pool again: its client never
+  learns the pool's id.
 - Every RPC but OpenSession and the health service needs an open session; Check and Drain
   need an admin session. While draining, the health service answers NOT_SERVING.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
@@ -46,6 +48,7 @@ from kvtier.daemon.credentials import (
 from kvtier.daemon.cuda_pools import open_opener
 from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
@@ -92,6 +95,7 @@ STATUS: dict[type[KvtierError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -299,6 +303,17 @@ class KVTierServicer:
             pool = self.service.register_cuda_ipc_pool(request.session_id, request.cuda_ipc, layout)
         else:
             raise InvalidArgument("RegisterPool needs a region: fd, shm or cuda_ipc")
+        if context.time_remaining() == 0:
+            # The client gave up (mapping a large pool, or a busy event loop, outlasted its
+            # deadline): it never learns the pool's id, so only the session's end would
+            # unregister the pool. Registering never waits, so grpc cannot have told this
+            # handler of a cancel; a deadline it can check, in the step that registered the
+            # pool: no other request ran in between.
+            self.service.drop_unanswered_pool(request.session_id, pool)
+            raise DeadlineExceeded(
+                f"the deadline passed before pool {pool.pool_id} could be answered; it is "
+                "unregistered again"
+            )
         return pb.RegisterPoolResponse(
             pool_id=pool.pool_id, block_bytes=pool.block_bytes, sealed=pool.sealed
         )

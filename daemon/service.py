@@ -263,6 +263,12 @@ class KVService:
             )
         return self.pools.register_cuda_ipc(session_id, region, layout)
 
+    def drop_unanswered_pool(self, session_id: str, pool: EnginePool) -> None:
+        """Unregister ``pool``, just registered by a request whose answer cannot reach its
+        client. Called before anything awaited since the registration, so no copy uses it."""
+        self.pools.unregister(session_id, pool.pool_id)
+        log.debug("pool %d unregistered: its RegisterPool's deadline had passed", pool.pool_id)
+
     async def unregister_pool(self, session_id: str, pool_id: int) -> None:
         """Answers once no copy uses the pool's memory any more: the engine may then reuse
         the pages of a request that timed out without a late copy landing in them."""

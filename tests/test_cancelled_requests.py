@@ -10,13 +10,20 @@ the request finish and only drops its answer.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
+import tempfile
+import threading
 import time
+from typing import Any
 
+import grpc
 import numpy as np
+import pytest
 from test_l2_daemon import l2_args
 
-from kvtier.client import PoolLayout, SharedMemoryPool, Tier
+from kvtier.client import Client, PoolLayout, SharedMemoryPool, Tier
 from kvtier.proto import kvtier_pb2 as pb
 
 LAYOUT = PoolLayout.staging(
@@ -103,3 +110,74 @@ def test_regression_cancelled_puts_left_slots_no_block_held(daemon_factory, tmp_
             for i, k in enumerate(chunk):
                 assert np.array_equal(data[40 + i], kept[k]), "a block read back wrong"
         assert client.check(settle_s=5).problems == []
+
+
+async def test_regression_a_register_pool_past_its_deadline_left_the_pool_registered(monkeypatch):
+    """RegisterPool never waits, so a client that gives up on it (its deadline passes while
+    the daemon maps the memory or works through other requests) is not seen until grpc drops
+    the answer: the pool stayed mapped and counted toward the session's pools, under an id
+    the client never learned, until the session ended; with one pool allowed, registering
+    the memory again was RESOURCE_EXHAUSTED. Now a registration whose deadline passed before
+    the answer went out is undone at once. Runs a real gRPC server in this process, whose
+    registry holds the first registration until the client has given up and the call's
+    deadline (its arrival plus the timeout) has passed by the daemon's clock."""
+    from kvtier.client import credentials
+    from kvtier.client.flows import PoolBinding
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.pools import PoolRegistry
+    from kvtier.daemon.server import Daemon
+
+    timeout_s = 1.0
+    gave_up = threading.Event()
+    held: list[float] = []  # when the held registration began (it arrived before)
+    register_fd = PoolRegistry.register_fd
+
+    def held_register_fd(self: PoolRegistry, *args: Any) -> Any:
+        pool = register_fd(self, *args)
+        if not held and not gave_up.is_set():
+            held.append(time.time())
+            gave_up.wait(30)
+            while time.time() < held[0] + 2 * timeout_s:  # grpc's deadline is behind us
+                time.sleep(0.01)
+        return pool
+
+    monkeypatch.setattr(PoolRegistry, "register_fd", held_register_fd)
+
+    def client_side(address: str) -> None:
+        with Client(address) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+            cred = credentials.cred_socket_path(address)
+            assert cred is not None
+            request = PoolBinding(shm, LAYOUT, None).register_request(
+                credentials.pool_ticket(cred, shm.fd, 30.0)
+            )
+            request.session_id = client.session_id
+            with pytest.raises(grpc.RpcError) as lost:
+                client.stub.RegisterPool(request, timeout=timeout_s)
+            assert lost.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            gave_up.set()
+            pool = client.register_pool(shm, LAYOUT)  # the memory again, within the limit
+            check = client.check()
+            assert check.problems == [] and check.pools == 1
+            assert client.stats().gauges["pools"] == 1
+            client.unregister_pool(pool.pool_id)
+
+    sockdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    config = load_config(
+        None,
+        [
+            f"server.socket={sockdir}/d.sock",
+            "tiers.l1.capacity_bytes=8MiB",
+            "tiers.l1.segment_bytes=1MiB",
+            "server.max_pools_per_session=1",
+        ],
+        environ={},
+    )
+    daemon = Daemon(config)
+    await daemon.start()
+    try:
+        await asyncio.to_thread(client_side, daemon.addresses[0])
+    finally:
+        gave_up.set()
+        await daemon.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
+    assert held, "the first registration never reached the registry"
