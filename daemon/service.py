@@ -606,8 +606,12 @@ class KVService:
 
     def _check_lease_room(self, session: Session) -> None:
         """Refuse a new lease to a session at its limit: every lease holds its pinned block
-        refs (up to 32 KiB) until it ends, for up to ``lease_max_ms``."""
+        refs (up to 32 KiB) until it ends, for up to ``lease_max_ms``. Only live leases
+        count: at the limit, leases past their expiry that the reaper has not reached yet
+        are released first, by the reaper's own pass."""
         limit = self.config.server.max_leases_per_session
+        if len(session.leases) >= limit:
+            self.expire_leases()
         if len(session.leases) >= limit:
             raise ResourceExhausted(
                 f"this session already holds {limit} leases, the most one session may hold "

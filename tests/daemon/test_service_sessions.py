@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -49,7 +51,9 @@ class SlowStore:
         return 1 << 20
 
 
-def _service(store: object, config: Config | None = None) -> tuple[KVService, TicketBook]:
+def _service(
+    store: object, config: Config | None = None, clock: Callable[[], float] = time.monotonic
+) -> tuple[KVService, TicketBook]:
     tickets = TicketBook(FdCloser())
     service = KVService(
         config or Config(),
@@ -57,6 +61,7 @@ def _service(store: object, config: Config | None = None) -> tuple[KVService, Ti
         PoolRegistry("/dev/shm"),
         SessionRegistry(),
         tickets,
+        clock=clock,
     )
     return service, tickets
 
@@ -127,6 +132,44 @@ def test_regression_a_session_could_hold_leases_without_bound():
         service.release(session, leases[0])
         assert (await service.lookup(session, keys, True, 0)).lease_id
         assert service.sessions.lease_count == 3
+
+    asyncio.run(run())
+
+
+def test_regression_expired_leases_the_sweep_had_not_reached_counted_toward_the_lease_limit():
+    """A lease past its expiry stays in its session until the lease reaper's next pass
+    (every 0.25 s) and counted toward server.max_leases_per_session meanwhile: a client that
+    let its leases expire, as it may, was refused RESOURCE_EXHAUSTED while holding no live
+    lease. At the limit, expired leases are now released first, as the reaper releases them,
+    and each pin is released exactly once, whichever of the limit, the reaper or a Release
+    comes to an expired lease later."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        now = [100.0]
+        config = load_config(None, ["server.max_leases_per_session=2"])
+        service, tickets = _service(store, config, clock=lambda: now[0])
+        session = _open(service, tickets)
+        keys = [bytes(32)] * 3
+        short = (await service.lookup(session, keys, True, 1000)).lease_id
+        long = (await service.lookup(session, keys, True, 60_000)).lease_id
+        now[0] += 2.0  # the short lease expired; the reaper has not run
+        fresh = (await service.lookup(session, keys, True, 1000)).lease_id
+        assert fresh and service.sessions.lease_count == 2 and store.pins == 2 * len(keys)
+        assert store.counters.get("leases_expired") == 1
+        with pytest.raises(NotFound):  # released once, by the limit: not again
+            service.release(session, short)
+        assert service.expire_leases() == 0 and store.pins == 2 * len(keys)
+        with pytest.raises(ResourceExhausted):  # both leases live: the limit holds
+            await service.lookup(session, keys, True, 1000)
+        now[0] += 2.0  # fresh expired too; the reaper comes first this time
+        assert service.expire_leases() == 1 and store.pins == len(keys)
+        with pytest.raises(NotFound):
+            service.release(session, fresh)
+        service.release(session, long)
+        assert store.pins == 0 and service.sessions.lease_count == 0
+        assert store.counters.get("leases_expired") == 2
 
     asyncio.run(run())
 
