@@ -85,6 +85,7 @@ class _Bystander(threading.Thread):
 # The case: a named object truncated by path, through a whole GiB (~8 s, in `make
 # test-slow`), and through a quarter of that; an unsealed memfd (sealed ones cannot shrink)
 # through a quarter.
+@pytest.mark.slow  # a gibibyte of copies while a client truncates, ~6 s for both backings: `make test-slow`
 @pytest.mark.parametrize(
     "backing, total",
     [

@@ -300,6 +300,7 @@ def _connect(path: str) -> socket.socket:
     return s
 
 
+@pytest.mark.slow  # waits out silent clients, ~2 s: `make test-slow`
 def test_the_credential_socket_survives_silent_and_hostile_clients(daemon):
     path = _path(daemon)
     silent = [_connect(path) for _ in range(20)]

@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from kvtier.cli.main import main as kvtier_cli
 from kvtier.client import PoolLayout, SharedMemoryPool
@@ -67,6 +68,7 @@ def test_every_stored_block_loads_on_the_first_get(daemon_factory, tmp_path):
             shm.close()
 
 
+@pytest.mark.slow  # two daemon starts, ~2.5 s: `make test-slow`
 def test_a_truncated_data_file_loses_only_its_own_blocks(daemon_factory, tmp_path, capsys):
     """Regression: one truncated data file (of four) moved the whole L2 index aside: 0 of
     1,500 blocks survived, only an ERROR line said so and `kvtier stats` showed `ok`."""
@@ -115,6 +117,7 @@ def test_a_truncated_data_file_loses_only_its_own_blocks(daemon_factory, tmp_pat
     assert victim in disk_json["state"]
 
 
+@pytest.mark.slow  # a daemon start that imports torch, ~3 s: `make test-slow`
 def test_a_gpu_tier_without_cuda_stops_the_daemon_with_a_clear_error(tmp_path):
     import subprocess
     import sys

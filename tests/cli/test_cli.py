@@ -155,6 +155,7 @@ def test_health_is_0_when_serving(daemon):
     assert out.returncode == 0 and out.stdout.startswith("ok: "), out
 
 
+@pytest.mark.slow  # several CLI processes against a daemon, ~3 s: `make test-slow`
 def test_check_drain_and_tenant_usage_through_the_cli(daemon):
     """The tests run as root, an admin of any daemon."""
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
@@ -240,6 +241,7 @@ _DEGRADE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # two daemons and CLI processes, ~2 s: `make test-slow`
 def test_health_is_1_with_a_degraded_tier_and_0_when_that_is_allowed(tmp_path):
     """A real full disk: L2 on a small tmpfs (in a private mount namespace) filled up while
     the daemon runs, so the index cannot commit and the tier degrades."""
