@@ -41,6 +41,7 @@ from kvtier.client.sync import (
     _SESSION_METHODS,
     CHANNEL_OPTIONS,
     NAMESPACE_METHODS,
+    client_namespace,
     no_fd_transport,
     resolve_token,
 )
@@ -67,7 +68,7 @@ class AsyncClient:
         self.address = t.resolve_address(address)
         self.timeout_s = timeout_s
         self.max_batch_blocks = max_batch_blocks
-        self.namespace = namespace
+        self.namespace = client_namespace(namespace)
         self._token = resolve_token(token, token_file)
         self.tenant = ""  # the session's tenant, once it is open
         self.admin = False
@@ -76,7 +77,7 @@ class AsyncClient:
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._health = self._channel.unary_unary(
             hc.CHECK_METHOD,
-            request_serializer=hc.encode_request,
+            request_serializer=None,  # health() encodes its request before sending it
             response_deserializer=hc.decode_response,
         )
         self._lock = asyncio.Lock()
@@ -124,8 +125,11 @@ class AsyncClient:
         if (path := credentials.cred_socket_path(self.address)) is not None:
             ticket = await _off_loop(credentials.session_ticket, path, self.timeout_s)
         call = self._stub.OpenSession(
-            pb.OpenSessionRequest(
-                client_name=self.client_name, credential_ticket=ticket, token=self._token
+            t.build_request(
+                pb.OpenSessionRequest,
+                client_name=self.client_name,
+                credential_ticket=ticket,
+                token=self._token,
             )
         )
         try:
@@ -255,7 +259,9 @@ class AsyncClient:
         return AsyncRegisteredPool(self, binding)
 
     async def unregister_pool(self, pool_id: int) -> None:
-        await self._invoke("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
+        await self._invoke(
+            "UnregisterPool", t.build_request(pb.UnregisterPoolRequest, pool_id=pool_id)
+        )
         self._pools.pop(pool_id, None)
 
     # ---------------------------------------------------------------- blocks
@@ -273,8 +279,8 @@ class AsyncClient:
         namespace: str | None = None,
     ) -> t.LookupResult:
         """``timeout_s`` bounds this call instead of the client's timeout."""
-        req = pb.LookupRequest(
-            keys=list(keys), pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
+        req = t.build_request(
+            pb.LookupRequest, keys=keys, pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
         )
         return t.lookup_result(await self._invoke("Lookup", req, timeout_s=timeout_s))
 
@@ -288,10 +294,11 @@ class AsyncClient:
         durable: bool = False,
         namespace: str | None = None,
     ) -> t.PutResult:
-        req = pb.PutRequest(
+        req = t.build_request(
+            pb.PutRequest,
             pool_id=pool_id,
-            keys=list(keys),
-            pages=t.pages_list(pages),
+            keys=keys,
+            pages=pages,
             parent_key=parent_key,
             durable=durable,
             namespace=self._ns(namespace),
@@ -307,17 +314,18 @@ class AsyncClient:
         lease_id: int = 0,
         namespace: str | None = None,
     ) -> t.GetResult:
-        req = pb.GetRequest(
+        req = t.build_request(
+            pb.GetRequest,
             pool_id=pool_id,
-            keys=list(keys),
-            pages=t.pages_list(pages),
+            keys=keys,
+            pages=pages,
             lease_id=lease_id,
             namespace=self._ns(namespace),
         )
         return t.get_result(await self._invoke("Get", req))
 
     async def release(self, lease_id: int) -> None:
-        await self._invoke("Release", pb.ReleaseRequest(lease_id=lease_id))
+        await self._invoke("Release", t.build_request(pb.ReleaseRequest, lease_id=lease_id))
 
     async def prefetch(
         self,
@@ -327,8 +335,9 @@ class AsyncClient:
         priority: int = 0,
         namespace: str | None = None,
     ) -> t.PrefetchResult:
-        req = pb.PrefetchRequest(
-            keys=list(keys),
+        req = t.build_request(
+            pb.PrefetchRequest,
+            keys=keys,
             deadline_ms=deadline_ms,
             priority=priority,
             namespace=self._ns(namespace),
@@ -338,7 +347,9 @@ class AsyncClient:
     async def delete(
         self, keys: Sequence[bytes], *, namespace: str | None = None, tenant: str = ""
     ) -> t.DeleteResult:
-        req = pb.DeleteRequest(keys=list(keys), namespace=self._ns(namespace), tenant=tenant)
+        req = t.build_request(
+            pb.DeleteRequest, keys=keys, namespace=self._ns(namespace), tenant=tenant
+        )
         return t.delete_result(await self._invoke("Delete", req))
 
     async def evict(
@@ -350,26 +361,33 @@ class AsyncClient:
         tenant: str = "",
     ) -> t.EvictResult:
         """See ``Client.evict``."""
-        req = pb.EvictRequest(
-            keys=list(keys), tier=t.tier_value(tier), namespace=self._ns(namespace), tenant=tenant
+        req = t.build_request(
+            pb.EvictRequest,
+            keys=keys,
+            tier=t.tier_value(tier),
+            namespace=self._ns(namespace),
+            tenant=tenant,
         )
         return t.evict_result(await self._invoke("Evict", req))
 
     async def stats(self) -> t.Stats:
-        return t.stats_result(await self._invoke("Stats", pb.StatsRequest()))
+        return t.stats_result(await self._invoke("Stats", t.build_request(pb.StatsRequest)))
 
     async def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
         """See ``Client.check``."""
-        req = pb.CheckRequest(settle_ms=int(settle_s * 1000))
+        req = t.build_request(pb.CheckRequest, settle_ms=int(settle_s * 1000))
         return t.check_result(await self._invoke("Check", req))
 
     async def drain(self, *, resume: bool = False) -> t.DrainResult:
         """See ``Client.drain``."""
-        return t.drain_result(await self._invoke("Drain", pb.DrainRequest(resume=resume)))
+        return t.drain_result(
+            await self._invoke("Drain", t.build_request(pb.DrainRequest, resume=resume))
+        )
 
     async def health(self, service: str = "") -> bool:
+        request = hc.encode_request(service)
         try:
-            status = await self._health(service, timeout=self.timeout_s)
+            status = await self._health(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except grpc.aio.UsageError:  # grpc's answer to a call on a closed channel

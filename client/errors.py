@@ -1,7 +1,9 @@
 """Typed client exceptions, one per gRPC status the daemon returns.
 
 Every error raised by a client call is a KvtierError; callers that only want "use the cache if
-it works" catch that one type and treat it as a miss.
+it works" catch that one type and treat it as a miss. That includes wrong arguments: a value
+the request's protobuf message refuses (``kvtier.client.types.build_request``) and the
+client's own checks raise InvalidArgumentError before anything is sent.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ class KvtierError(Exception):
             self.code = code
 
 
-class InvalidArgumentError(KvtierError):
+class InvalidArgumentError(KvtierError, ValueError):
+    """The daemon refused an argument, or the client did before sending the request. Also a
+    ValueError, as the client's own argument checks raised before they raised this."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -4,7 +4,8 @@ A flow is a generator that yields ``(method, request)`` and receives the respons
 call's typed exception thrown into it); the sync client drives it with plain calls, the
 asyncio client with awaits. Flows never see session or pool ids: the driver fills those in
 when it sends a request, so a driver may re-open a session and re-register a pool behind a
-flow's back.
+flow's back. A flow builds every request it may send before it yields the first, so a bad
+argument in any batch raises InvalidArgumentError before the daemon has seen the call.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.client.cuda import CudaIpcExport
-from kvtier.client.errors import NotFoundError
+from kvtier.client.errors import InvalidArgumentError, NotFoundError
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.types import PutStatus, pages_list
+from kvtier.client.types import PutStatus, build_request, sequence_len
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -41,8 +42,13 @@ class PoolBinding:
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.namespace is None:
-            raise ValueError("this pool was registered without a namespace; pass keys explicitly")
-        return block_keys(self.namespace, token_ids)
+            raise InvalidArgumentError(
+                "this pool was registered without a namespace; pass keys explicitly"
+            )
+        try:
+            return block_keys(self.namespace, token_ids)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"token_ids: {e}") from None
 
     @property
     def memfd(self) -> int:
@@ -60,16 +66,14 @@ class PoolBinding:
 
         layout = layout_to_pb(self.layout)
         if isinstance(self.shm, CudaIpcExport):
-            return pb.RegisterPoolRequest(cuda_ipc=self.shm.region(), layout=layout)
+            return build_request(pb.RegisterPoolRequest, cuda_ipc=self.shm.region(), layout=layout)
         if self.hands_over_fd:
             if not ticket:
                 raise ValueError("a memfd pool is registered with the ticket of its descriptor")
-            return pb.RegisterPoolRequest(
-                fd=pb.FdRegion(ticket=ticket, size_bytes=self.shm.size_bytes), layout=layout
-            )
-        return pb.RegisterPoolRequest(
-            shm=pb.ShmRegion(name=self.shm.name, size_bytes=self.shm.size_bytes), layout=layout
-        )
+            region = build_request(pb.FdRegion, ticket=ticket, size_bytes=self.shm.size_bytes)
+            return build_request(pb.RegisterPoolRequest, fd=region, layout=layout)
+        shm = build_request(pb.ShmRegion, name=self.shm.name, size_bytes=self.shm.size_bytes)
+        return build_request(pb.RegisterPoolRequest, shm=shm, layout=layout)
 
 
 class PoolView:
@@ -114,22 +118,26 @@ def store_flow(
     ``parent_key`` is the key of the block before ``keys[0]`` when the chain continues one
     stored earlier (empty when ``keys[0]`` is the first block).
     """
-    if len(pages) < len(keys):
-        raise ValueError(f"{len(pages)} pages for {len(keys)} blocks")
-    held = 0
+    nkeys, npages = sequence_len(keys, "store: keys"), sequence_len(pages, "store: pages")
+    if npages < nkeys:
+        raise InvalidArgumentError(f"store: {npages} pages for {nkeys} keys")
+    puts: list[pb.PutRequest] = []
     parent = parent_key
-    pages = pages_list(pages)
-    for start in range(0, len(keys), max_batch):
-        chunk = list(keys[start : start + max_batch])
-        resp = yield (
-            "Put",
-            pb.PutRequest(keys=chunk, pages=pages[start : start + len(chunk)], parent_key=parent),
+    for start in range(0, nkeys, max_batch):
+        stop = min(nkeys, start + max_batch)
+        puts.append(
+            build_request(
+                pb.PutRequest, keys=keys[start:stop], pages=pages[start:stop], parent_key=parent
+            )
         )
+        parent = puts[-1].keys[-1]
+    held = 0
+    for put in puts:
+        resp = yield "Put", put
         for status in resp.results:
             if status == PutStatus.REJECTED_FULL:
                 return held
             held += 1
-        parent = chunk[-1]
     return held
 
 
@@ -139,35 +147,40 @@ def load_flow(
     """Load the longest stored prefix of a key chain into ``pages``; returns blocks loaded.
 
     Each batch is pinned by a Lookup so that no block is evicted between finding and loading
-    it, and the lease is released whatever happens to the Get.
+    it, and the lease is released whatever happens to the Get. A batch's Get is built with
+    its pages up front (so that a bad page is refused before the first Lookup) and given the
+    keys found once its Lookup has answered.
     """
-    n = min(len(keys), len(pages))
-    pages = pages_list(pages)
-    loaded = 0
+    n = min(sequence_len(keys, "load: keys"), sequence_len(pages, "load: pages"))
+    batches: list[tuple[pb.LookupRequest, pb.GetRequest]] = []
     for start in range(0, n, max_batch):
-        chunk = list(keys[start : min(n, start + max_batch)])
-        found = yield "Lookup", pb.LookupRequest(keys=chunk, pin=True, lease_ms=lease_ms)
+        stop = min(n, start + max_batch)
+        batches.append(
+            (
+                build_request(pb.LookupRequest, keys=keys[start:stop], pin=True, lease_ms=lease_ms),
+                build_request(pb.GetRequest, pages=pages[start:stop]),
+            )
+        )
+    loaded = 0
+    for lookup, get in batches:
+        found = yield "Lookup", lookup
         if found.prefix_len == 0:
             # Blocks found past a missing first one are pinned too: let them go.
             if found.lease_id:
                 with contextlib.suppress(NotFoundError):
-                    yield "Release", pb.ReleaseRequest(lease_id=found.lease_id)
+                    yield "Release", build_request(pb.ReleaseRequest, lease_id=found.lease_id)
             break
         try:
-            got = yield (
-                "Get",
-                pb.GetRequest(
-                    keys=chunk[: found.prefix_len],
-                    pages=pages[start : start + found.prefix_len],
-                    lease_id=found.lease_id,
-                ),
-            )
+            get.keys.extend(lookup.keys[: found.prefix_len])
+            del get.pages[found.prefix_len :]
+            get.lease_id = found.lease_id
+            got = yield "Get", get
         finally:
             if found.lease_id:
                 # A lease that already expired has left nothing pinned.
                 with contextlib.suppress(NotFoundError):
-                    yield "Release", pb.ReleaseRequest(lease_id=found.lease_id)
+                    yield "Release", build_request(pb.ReleaseRequest, lease_id=found.lease_id)
         loaded += got.prefix_len
-        if got.prefix_len < len(chunk):
+        if got.prefix_len < len(lookup.keys):
             break
     return loaded

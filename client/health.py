@@ -6,6 +6,8 @@ numpy only. Both messages have one field (``string service = 1`` and ``ServingSt
 
 from __future__ import annotations
 
+from kvtier.client.errors import InvalidArgumentError
+
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
 # grpc.health.v1.HealthCheckResponse.ServingStatus
 UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
@@ -38,6 +40,8 @@ def _read_varint(data: bytes, i: int) -> tuple[int, int]:
 
 def encode_request(service: str) -> bytes:
     """A HealthCheckRequest: field 1 (length-delimited) unless empty (proto3 default)."""
+    if not isinstance(service, str):
+        raise InvalidArgumentError(f"Health: service: expected str, not {type(service).__name__}")
     raw = service.encode()
     return b"\x0a" + _varint(len(raw)) + raw if raw else b""
 

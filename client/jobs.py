@@ -37,13 +37,14 @@ import grpc
 import numpy as np
 
 from kvtier.client.errors import (
+    InvalidArgumentError,
     KvtierError,
     NotFoundError,
     UnavailableError,
     closed_error,
     from_rpc_error,
 )
-from kvtier.client.types import PutStatus, pages_list
+from kvtier.client.types import PutStatus, build_request, sequence_len
 from kvtier.proto import kvtier_pb2 as pb
 
 if TYPE_CHECKING:
@@ -150,14 +151,15 @@ def layer_ranges(
     num_layers: int, groups: int | Sequence[tuple[int, int]] | None
 ) -> list[tuple[int, int]]:
     """Split ``num_layers`` into ``groups`` contiguous ranges (as even as possible), or check
-    explicit ranges: they must be non-empty and tile ``[0, num_layers)`` in order."""
+    explicit ranges: they must be non-empty and tile ``[0, num_layers)`` in order
+    (InvalidArgumentError otherwise)."""
     if num_layers < 1:
-        raise ValueError("a pool has at least one layer")
+        raise InvalidArgumentError("a pool has at least one layer")
     if groups is None:
         return [(0, num_layers)]
     if isinstance(groups, int):
         if groups < 1:
-            raise ValueError("layer groups must be at least 1")
+            raise InvalidArgumentError("layer groups must be at least 1")
         groups = min(groups, num_layers)
         bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
         return [(bounds[i], bounds[i + 1]) for i in range(groups)]
@@ -165,18 +167,32 @@ def layer_ranges(
     expect = 0
     for b, e in ranges:
         if b != expect or e <= b:
-            raise ValueError(f"layer ranges {ranges} must tile [0, {num_layers}) in order")
+            raise InvalidArgumentError(
+                f"layer ranges {ranges} must tile [0, {num_layers}) in order"
+            )
         expect = e
     if expect != num_layers:
-        raise ValueError(f"layer ranges {ranges} must tile [0, {num_layers}) in order")
+        raise InvalidArgumentError(f"layer ranges {ranges} must tile [0, {num_layers}) in order")
     return ranges
+
+
+def _segment_len(seg: LoadSegment | SaveSegment, index: int, kind: str) -> int:
+    """The number of keys of a segment, which must have as many pages."""
+    where = f"{kind} segment {index}"
+    nkeys = sequence_len(seg.keys, f"{where}: keys")
+    npages = sequence_len(seg.pages, f"{where}: pages")
+    if nkeys != npages:
+        raise InvalidArgumentError(f"{where}: {npages} pages for {nkeys} keys")
+    return nkeys
 
 
 class TransferPlan:
     """The RPCs of one job and the meaning of their answers; sans-IO.
 
     A driver asks ``take_ready()`` for parts to send, and reports each part's end with
-    ``complete`` or ``fail``; ``cancel`` gives up on every part not yet ended.
+    ``complete`` or ``fail``; ``cancel`` gives up on every part not yet ended. Every request
+    is built with the plan, so a bad argument (InvalidArgumentError) stops the job before
+    any part is sent.
 
     Thread-safety: none; the driver serialises calls (the blocking job holds a lock).
     """
@@ -226,14 +242,14 @@ class TransferPlan:
         parts: list[Part] = []
         first = 0
         whole = len(ranges) == 1
-        for seg in segments:
-            keys, pages = list(seg.keys), pages_list(seg.pages)
-            if len(keys) != len(pages):
-                raise ValueError(f"{len(pages)} pages for {len(keys)} keys in a load segment")
+        for i, seg in enumerate(segments):
+            keys, pages = seg.keys, seg.pages
+            nkeys = _segment_len(seg, i, "load")
             for r, (begin, end) in enumerate(ranges):
-                for start in range(0, len(keys), max_batch):
-                    n = min(max_batch, len(keys) - start)
-                    req = pb.GetRequest(
+                for start in range(0, nkeys, max_batch):
+                    n = min(max_batch, nkeys - start)
+                    req = build_request(
+                        pb.GetRequest,
                         keys=keys[start : start + n],
                         pages=pages[start : start + n],
                         lease_id=seg.lease_id,
@@ -241,7 +257,7 @@ class TransferPlan:
                         layer_end=0 if whole else end,
                     )
                     parts.append(Part(len(parts), "Get", req, first + start, n, layer_range=r))
-            first += len(keys)
+            first += nkeys
         return cls(JobKind.LOAD, parts, first, ranges)
 
     @classmethod
@@ -251,21 +267,21 @@ class TransferPlan:
         parts: list[Part] = []
         first = 0
         for chain, seg in enumerate(segments):
-            keys, pages = list(seg.keys), pages_list(seg.pages)
-            if len(keys) != len(pages):
-                raise ValueError(f"{len(pages)} pages for {len(keys)} keys in a save segment")
+            keys, pages = seg.keys, seg.pages
+            nkeys = _segment_len(seg, chain, "save")
             parent = seg.parent_key
-            for start in range(0, len(keys), max_batch):
-                n = min(max_batch, len(keys) - start)
-                req = pb.PutRequest(
+            for start in range(0, nkeys, max_batch):
+                n = min(max_batch, nkeys - start)
+                req = build_request(
+                    pb.PutRequest,
                     keys=keys[start : start + n],
                     pages=pages[start : start + n],
                     parent_key=parent,
                     durable=durable,
                 )
                 parts.append(Part(len(parts), "Put", req, first + start, n, chain=chain))
-                parent = keys[start + n - 1]
-            first += len(keys)
+                parent = req.keys[-1]
+            first += nkeys
         return cls(JobKind.SAVE, parts, first, [])
 
     # ------------------------------------------------------------------ driving

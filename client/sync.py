@@ -33,6 +33,7 @@ from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
+    InvalidArgumentError,
     KvtierError,
     NotFoundError,
     UnavailableError,
@@ -88,13 +89,21 @@ NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Ev
 def resolve_token(token: bytes | str | None, token_file: str | None) -> bytes:
     """A tenant token given as such, or read from a file (surrounding whitespace dropped)."""
     if token is not None and token_file is not None:
-        raise ValueError("give token or token_file, not both")
+        raise InvalidArgumentError("give token or token_file, not both")
     if token_file is not None:
         with open(token_file, "rb") as f:
             return f.read(4096).strip()
     if isinstance(token, str):
         return token.encode()
     return token or b""
+
+
+def client_namespace(namespace: str) -> str:
+    """A client's namespace, checked now: the drivers give it to the flows' and the jobs'
+    requests as they send them."""
+    if not isinstance(namespace, str):
+        raise InvalidArgumentError(f"namespace: expected str, not {type(namespace).__name__}")
+    return namespace
 
 
 def no_fd_transport(address: str) -> FailedPreconditionError:
@@ -123,7 +132,7 @@ class Client:
         self.address = t.resolve_address(address)
         self.timeout_s = timeout_s
         self.max_batch_blocks = max_batch_blocks
-        self.namespace = namespace
+        self.namespace = client_namespace(namespace)
         self._token = resolve_token(token, token_file)
         self._tenant = ""
         self._admin = False
@@ -132,7 +141,7 @@ class Client:
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._health = self._channel.unary_unary(
             hc.CHECK_METHOD,
-            request_serializer=hc.encode_request,
+            request_serializer=None,  # health() encodes its request before sending it
             response_deserializer=hc.decode_response,
         )
         self._lock = threading.Lock()
@@ -194,8 +203,11 @@ class Client:
         if (path := credentials.cred_socket_path(self.address)) is not None:
             ticket = credentials.session_ticket(path, self.timeout_s)
         call = self._stub.OpenSession(
-            pb.OpenSessionRequest(
-                client_name=self.client_name, credential_ticket=ticket, token=self._token
+            t.build_request(
+                pb.OpenSessionRequest,
+                client_name=self.client_name,
+                credential_ticket=ticket,
+                token=self._token,
             )
         )
         # The stream has no deadline (it lives as long as the session), but its first event
@@ -356,7 +368,7 @@ class Client:
         return RegisteredPool(self, binding)
 
     def unregister_pool(self, pool_id: int) -> None:
-        self._invoke("UnregisterPool", pb.UnregisterPoolRequest(pool_id=pool_id))
+        self._invoke("UnregisterPool", t.build_request(pb.UnregisterPoolRequest, pool_id=pool_id))
         self._pools.pop(pool_id, None)
 
     def unregister_pool_nowait(self, binding: PoolBinding) -> None:
@@ -367,7 +379,7 @@ class Client:
         self._pools.pop(pool_id, None)
         if not pool_id or session_id != self._session_id:
             return
-        request = pb.UnregisterPoolRequest(session_id=session_id, pool_id=pool_id)
+        request = t.build_request(pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id)
         self._stub.UnregisterPool.future(request, timeout=self.timeout_s)
 
     def fence_pool(self, binding: PoolBinding, timeout_s: float | None = None) -> bool:
@@ -382,7 +394,7 @@ class Client:
         self._pools.pop(pool_id, None)
         if not pool_id or session_id != self._session_id:
             return False
-        request = pb.UnregisterPoolRequest(session_id=session_id, pool_id=pool_id)
+        request = t.build_request(pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id)
         try:
             self._stub.UnregisterPool(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError:
@@ -405,8 +417,8 @@ class Client:
     ) -> t.LookupResult:
         """``timeout_s`` bounds this call instead of the client's timeout (opening a session
         first, if one is needed, still takes up to the client's)."""
-        req = pb.LookupRequest(
-            keys=list(keys), pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
+        req = t.build_request(
+            pb.LookupRequest, keys=keys, pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
         )
         return t.lookup_result(self._invoke("Lookup", req, timeout_s=timeout_s))
 
@@ -420,10 +432,11 @@ class Client:
         durable: bool = False,
         namespace: str | None = None,
     ) -> t.PutResult:
-        req = pb.PutRequest(
+        req = t.build_request(
+            pb.PutRequest,
             pool_id=pool_id,
-            keys=list(keys),
-            pages=t.pages_list(pages),
+            keys=keys,
+            pages=pages,
             parent_key=parent_key,
             durable=durable,
             namespace=self._ns(namespace),
@@ -439,17 +452,18 @@ class Client:
         lease_id: int = 0,
         namespace: str | None = None,
     ) -> t.GetResult:
-        req = pb.GetRequest(
+        req = t.build_request(
+            pb.GetRequest,
             pool_id=pool_id,
-            keys=list(keys),
-            pages=t.pages_list(pages),
+            keys=keys,
+            pages=pages,
             lease_id=lease_id,
             namespace=self._ns(namespace),
         )
         return t.get_result(self._invoke("Get", req))
 
     def release(self, lease_id: int) -> None:
-        self._invoke("Release", pb.ReleaseRequest(lease_id=lease_id))
+        self._invoke("Release", t.build_request(pb.ReleaseRequest, lease_id=lease_id))
 
     def prefetch(
         self,
@@ -459,8 +473,9 @@ class Client:
         priority: int = 0,
         namespace: str | None = None,
     ) -> t.PrefetchResult:
-        req = pb.PrefetchRequest(
-            keys=list(keys),
+        req = t.build_request(
+            pb.PrefetchRequest,
+            keys=keys,
             deadline_ms=deadline_ms,
             priority=priority,
             namespace=self._ns(namespace),
@@ -471,7 +486,9 @@ class Client:
         self, keys: Sequence[bytes], *, namespace: str | None = None, tenant: str = ""
     ) -> t.DeleteResult:
         """Remove blocks; ``tenant`` (admins only): in that tenant's namespace."""
-        req = pb.DeleteRequest(keys=list(keys), namespace=self._ns(namespace), tenant=tenant)
+        req = t.build_request(
+            pb.DeleteRequest, keys=keys, namespace=self._ns(namespace), tenant=tenant
+        )
         return t.delete_result(self._invoke("Delete", req))
 
     def evict(
@@ -485,29 +502,36 @@ class Client:
         """Take blocks out of ``tier`` (``"L1"``, ``Tier.L1_HOST``): a block only there moves
         down to the next tier that takes it, else leaves the store. ``tenant`` (admins
         only): in that tenant's namespace."""
-        req = pb.EvictRequest(
-            keys=list(keys), tier=t.tier_value(tier), namespace=self._ns(namespace), tenant=tenant
+        req = t.build_request(
+            pb.EvictRequest,
+            keys=keys,
+            tier=t.tier_value(tier),
+            namespace=self._ns(namespace),
+            tenant=tenant,
         )
         return t.evict_result(self._invoke("Evict", req))
 
     def stats(self) -> t.Stats:
-        return t.stats_result(self._invoke("Stats", pb.StatsRequest()))
+        return t.stats_result(self._invoke("Stats", t.build_request(pb.StatsRequest)))
 
     def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
         """The daemon's invariant check (admins only), after waiting up to ``settle_s`` for
         transfers in flight."""
-        req = pb.CheckRequest(settle_ms=int(settle_s * 1000))
+        req = t.build_request(pb.CheckRequest, settle_ms=int(settle_s * 1000))
         return t.check_result(self._invoke("Check", req))
 
     def drain(self, *, resume: bool = False) -> t.DrainResult:
         """Make the daemon refuse new sessions but admins' (or take them again, ``resume``);
         admins only."""
-        return t.drain_result(self._invoke("Drain", pb.DrainRequest(resume=resume)))
+        return t.drain_result(
+            self._invoke("Drain", t.build_request(pb.DrainRequest, resume=resume))
+        )
 
     def health(self, service: str = "") -> bool:
         """Whether the daemon reports SERVING."""
+        request = hc.encode_request(service)
         try:
-            status = self._health(service, timeout=self.timeout_s)
+            status = self._health(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except ValueError:  # grpc's answer to a call on a closed channel

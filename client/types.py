@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Iterable, MutableSequence, Sized
 from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
+
+from google.protobuf.message import Message
 
 from kvtier import paths
+from kvtier.client.errors import InvalidArgumentError
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPES as _DTYPES
@@ -183,13 +188,82 @@ def address_hint(address: str | None) -> str:
 
 # ---------------------------------------------------------------------- requests
 
+M = TypeVar("M", bound=Message)
+P = ParamSpec("P")
+# Some of protobuf's refusals start with the field's full name, which the error names anyway.
+_FIELD_PREFIX = re.compile(r"^Field [\w.]+: ")
+
+
+def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs) -> M:
+    """``message(**fields)``, or InvalidArgumentError for a value protobuf refuses: a wrong
+    type, an integer beyond its field's range ("Put: pages: value out of range: -1").
+
+    Every request the clients build goes through here. Protobuf checks each value as it
+    copies it in, so building the message is the only pass over the arguments; a call builds
+    all its requests before it sends the first, so a refused one leaves the daemon untouched.
+    Only a refused message is built again, field by field, to name what it refused."""
+    try:
+        return message(*args, **fields)
+    except (TypeError, ValueError) as e:
+        raise _refused(message, fields, e) from None
+
+
+def _refused(message: Any, fields: dict[str, Any], error: Exception) -> InvalidArgumentError:
+    call = message.DESCRIPTOR.name.removesuffix("Request")
+    for name, value in fields.items():
+        problem = _field_problem(message, name, value)
+        if problem is not None:
+            return InvalidArgumentError(f"{call}: {problem}")
+    return InvalidArgumentError(f"{call}: {_protobuf_text(error)}")
+
+
+def _field_problem(message: Any, name: str, value: object) -> str | None:
+    """What protobuf refuses in ``value`` for field ``name``; None when it takes the value."""
+    default = getattr(message(), name)
+    repeated = isinstance(default, MutableSequence)
+    if repeated and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
+        return f"{name}: expected a sequence, not {type(value).__name__}"
+    try:
+        message(**{name: value})
+    except TypeError as e:
+        if repeated:  # protobuf names the item's type
+            return f"{name}: {_protobuf_text(e)}"
+        return f"{name}: expected {type(default).__name__}, not {type(value).__name__}"
+    except ValueError as e:
+        return f"{name}: {_protobuf_text(e)}"
+    return None
+
+
+def _protobuf_text(error: Exception) -> str:
+    """Protobuf's reason, to follow a colon: its sentence case dropped ("value out of range:
+    -1"), not a value it starts with ("None has type ...")."""
+    text = _FIELD_PREFIX.sub("", str(error))
+    first = text.split(" ", 1)[0]
+    if first.isalpha() and first not in ("None", "True", "False"):
+        return text[:1].lower() + text[1:]
+    return text
+
+
+def sequence_len(values: Sized, what: str) -> int:
+    """``len(values)``; InvalidArgumentError naming ``what`` when it has no length."""
+    try:
+        return len(values)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{what}: expected a sequence, not {type(values).__name__}"
+        ) from None
+
 
 def layout_to_pb(layout: PoolLayout) -> pb.PoolLayout:
     if layout.dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {layout.dtype!r}; one of {sorted(_DTYPES)}")
-    return pb.PoolLayout(
+        raise InvalidArgumentError(
+            f"RegisterPool: layout: unknown dtype {layout.dtype!r}; one of {sorted(_DTYPES)}"
+        )
+    return build_request(
+        pb.PoolLayout,
         layers=[
-            pb.LayerLayout(
+            build_request(
+                pb.LayerLayout,
                 offset=layer.offset,
                 kv_count=layer.kv_count,
                 kv_stride=layer.kv_stride,
@@ -204,18 +278,15 @@ def layout_to_pb(layout: PoolLayout) -> pb.PoolLayout:
     )
 
 
-def pages_list(pages: Sequence[int]) -> list[int]:
-    return [int(p) for p in pages]
-
-
 def tier_value(tier: Tier | int | str) -> pb.Tier:
-    """A tier given as ``Tier``, its wire number or its label (``"L1"``)."""
+    """A tier given as ``Tier``, its wire number or its label (``"L1"``), for an Evict."""
     if isinstance(tier, str):
         for t in Tier:
             if t.name.startswith(tier.upper() + "_"):
                 return tier_enum(int(t))
-        raise ValueError(f"unknown tier {tier!r}; one of L0, L1, L2, L3")
-    return tier_enum(int(tier))
+        raise InvalidArgumentError(f"Evict: tier: unknown tier {tier!r}; one of L0, L1, L2, L3")
+    # As given: the request refuses what is not an integer.
+    return tier_enum(tier)
 
 
 # --------------------------------------------------------------------- responses
