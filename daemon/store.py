@@ -177,6 +177,8 @@ class BlockStore:
         # Owners (tenants) by label, and the owner of every namespace seen or recovered.
         self.owners: dict[str, int] = {DEFAULT_OWNER: 0}
         self.ns_owner: dict[int, int] = {}
+        # Namespaces whose owner is being recorded by a persistent tier: done when it is.
+        self._ns_recording: dict[int, asyncio.Future[None]] = {}
         self._balancer: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
         self.recovered = asyncio.Event()
@@ -1101,14 +1103,27 @@ class BlockStore:
 
     async def namespace(self, ns: int, label: str) -> int:
         """Bind namespace ``ns`` to the tenant ``label`` (recorded durably by persistent tiers
-        the first time, so recovered blocks keep their owner); returns the owner index."""
+        the first time, so recovered blocks keep their owner); returns the owner index. A put
+        that comes while another records the owner waits for that record: blocks it stored
+        before the record is durable would come back after a crash with no owner (their usage
+        counted to no tenant)."""
         owner = self.owner_of(label)
+        while (recording := self._ns_recording.get(ns)) is not None:
+            await asyncio.shield(recording)
         if self.ns_owner.get(ns) != owner:
             self.ns_owner[ns] = owner
-            for level in self.stack:
-                remember = getattr(level.tier, "remember_namespace", None)
-                if remember is not None:
-                    await self.transfers.run(Priority.DEMAND, remember, ns, label)
+            recorded = self._ns_recording[ns] = asyncio.get_running_loop().create_future()
+            try:
+                for level in self.stack:
+                    remember = getattr(level.tier, "remember_namespace", None)
+                    if remember is not None:
+                        await self.transfers.run(Priority.DEMAND, remember, ns, label)
+            except BaseException:
+                self.ns_owner.pop(ns, None)  # not recorded: the next put records it
+                raise
+            finally:
+                del self._ns_recording[ns]
+                recorded.set_result(None)
         return owner
 
     async def recover(self) -> None:

@@ -1444,3 +1444,56 @@ async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_
     assert (c.get("misses", reason="evicted"), c.get("misses", reason="absent")) == (0, 32)
     await store.lookup(0, gone)
     assert (c.get("misses", reason="evicted"), c.get("misses", reason="absent")) == (16, 32)
+
+
+async def test_a_second_put_to_a_new_namespace_waits_for_its_owner_to_be_recorded(make_store):
+    """The first put to a namespace records its owner with the persistent tier (so blocks
+    recovered after a crash keep their tenant); a second put to it that came meanwhile went on
+    at once and could persist blocks before that record existed. It waits for the record."""
+    import threading
+
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store = make_store(Clock(), l2=l2)
+    entered, release, calls = threading.Event(), threading.Event(), []
+    remember = l2.remember_namespace
+
+    def slow_remember(ns: int, label: str) -> None:
+        calls.append(ns)
+        entered.set()
+        release.wait(30)
+        remember(ns, label)
+
+    l2.remember_namespace = slow_remember  # type: ignore[method-assign]
+    first = asyncio.ensure_future(store.namespace(5, "tenant-a"))
+    while not entered.is_set():
+        await asyncio.sleep(0.001)
+    second = asyncio.ensure_future(store.namespace(5, "tenant-a"))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not second.done()
+    release.set()
+    assert await first == await second
+    assert calls == [5] and l2.namespaces() == {5: "tenant-a"}
+    assert await store.namespace(5, "tenant-a") == await first  # recorded: no wait, no call
+    assert calls == [5]
+
+
+async def test_a_namespace_whose_owner_could_not_be_recorded_is_recorded_by_the_next_put(
+    make_store,
+):
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store = make_store(Clock(), l2=l2)
+    remember, calls = l2.remember_namespace, []
+
+    def failing_once(ns: int, label: str) -> None:
+        calls.append(ns)
+        if len(calls) == 1:
+            raise OSError("index unwritable")
+        remember(ns, label)
+
+    l2.remember_namespace = failing_once  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        await store.namespace(6, "tenant-a")
+    assert 6 not in store.ns_owner and l2.namespaces() == {}
+    await store.namespace(6, "tenant-a")
+    assert calls == [6, 6] and l2.namespaces() == {6: "tenant-a"}
