@@ -115,10 +115,13 @@ class SpaceManager:
 
     def record_accesses(self, bids: np.ndarray, now: float) -> None:
         """Tell lower tiers' admission rules of an access; ``selective`` tiers then take
-        the blocks their rule now admits."""
-        words = self.table.identities_of(bids)
+        the blocks their rule now admits. The blocks' identities are hashed only for a rule
+        that records them: under the default (every tier admits all) an access hashes none."""
+        words: list[int] | None = None
         for level in self.stack.levels[1:]:
             if not level.admits_all:
+                if words is None:
+                    words = self.table.identities_of(bids)
                 for word in words:
                     level.admission.record(word, now)
             if level.write_policy == "selective":

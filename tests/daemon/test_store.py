@@ -380,6 +380,32 @@ async def test_selective_writes_a_block_on_its_second_access(make_store):
     assert (store.table.slot[ids, col] >= 0).tolist() == [True, True, False, False]
 
 
+@pytest.mark.parametrize("sets, hashed", [((), False), (("tiers.l2.admission=second_hit",), True)])
+async def test_accesses_hash_block_identities_only_for_a_tier_whose_rule_records_them(
+    make_store, monkeypatch, sets, hashed
+):
+    """Every Put and every hit tells lower tiers' admission rules of the access. The rules
+    key blocks by identity (a salted hash of namespace and key); with no rule to tell (every
+    lower tier admits all, the default) no identity is hashed: every Put and every hit
+    hashed its blocks' keys for nothing."""
+    store, pool = make_store(Clock(), l2_segments=4, sets=sets), make_pool()
+    hashed_bids: list[int] = []
+    identities_of = store.table.identities_of
+
+    def counting(bids: np.ndarray) -> list[int]:
+        hashed_bids.extend(bids.tolist())
+        return identities_of(bids)
+
+    monkeypatch.setattr(store.table, "identities_of", counting)
+    a = keys(12)
+    await put(store, pool, a)
+    await store.lookup(0, a)
+    store.space.apply_touches()
+    assert bool(hashed_bids) == hashed
+    if hashed:  # the rule heard of both accesses of each block
+        assert sorted(hashed_bids) == sorted(store.table.lookup(0, a).tolist() * 2)
+
+
 async def test_readahead_promotes_the_next_blocks_of_a_chain(make_store):
     clock = Clock()
     store = make_store(clock, segments=2, l2_segments=4, sets=("policy.readahead_blocks=3",))
