@@ -189,6 +189,7 @@ def address_hint(address: str | None) -> str:
 # ---------------------------------------------------------------------- requests
 
 M = TypeVar("M", bound=Message)
+Paged = TypeVar("Paged", pb.PutRequest, pb.GetRequest)
 P = ParamSpec("P")
 # Some of protobuf's refusals start with the field's full name, which the error names anyway.
 _FIELD_PREFIX = re.compile(r"^Field [\w.]+: ")
@@ -252,6 +253,16 @@ def sequence_len(values: Sized, what: str) -> int:
         raise InvalidArgumentError(
             f"{what}: expected a sequence, not {type(values).__name__}"
         ) from None
+
+
+def one_page_per_key(request: Paged) -> Paged:
+    """``request``, a Put or a Get, when it names one page per key (the daemon refuses any
+    other count); InvalidArgumentError before it is sent otherwise."""
+    nkeys, npages = len(request.keys), len(request.pages)
+    if npages != nkeys:
+        call = request.DESCRIPTOR.name.removesuffix("Request")
+        raise InvalidArgumentError(f"{call}: {npages} pages for {nkeys} keys")
+    return request
 
 
 def layout_to_pb(layout: PoolLayout) -> pb.PoolLayout:
