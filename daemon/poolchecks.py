@@ -38,7 +38,12 @@ class PoolChecks:
     def check_pages(self, pages: np.ndarray) -> None:
         if not len(pages):
             return
-        if int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_pages:
+        if len(pages) <= 8:  # a small request's pages: Python's min and max cost less
+            few = pages.tolist()
+            lo, hi = min(few), max(few)
+        else:
+            lo, hi = int(pages.min()), int(pages.max())
+        if lo < 0 or hi >= self.layout.num_pages:
             bad = int(pages[(pages < 0) | (pages >= self.layout.num_pages)][0])
             raise InvalidArgument(
                 f"page index {bad} is out of range for pool {self.pool_id} "

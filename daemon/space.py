@@ -106,11 +106,22 @@ class SpaceManager:
 
     def apply_touches(self) -> None:
         pending, self._pending_touches = self._pending_touches, []
+        table = self.table
         for bids, now in pending:
-            live = bids[self.table.state[bids] == READY]
+            if len(bids) == 1:
+                # A single-block request's touch, without array operations (``touch`` of one
+                # block is ``touch_many`` of it, by the policy contract).
+                bid = int(bids[0])
+                if table.state[bid] == READY:
+                    for level in self.stack:
+                        if not level.keyed and table.slot[bid, level.col] >= 0:
+                            level.policy.touch(bid, now)
+                    self.record_accesses(bids, now)
+                continue
+            live = bids[table.state[bids] == READY]
             for level in self.stack:
                 if not level.keyed:
-                    level.policy.touch_many(live[self.table.slot[live, level.col] >= 0], now)
+                    level.policy.touch_many(live[table.slot[live, level.col] >= 0], now)
             self.record_accesses(live, now)
 
     def record_accesses(self, bids: np.ndarray, now: float) -> None:

@@ -1246,6 +1246,11 @@ class BlockStore:
         return out
 
     def _fastest_kind(self, bids: np.ndarray) -> np.ndarray:
+        if len(bids) == 1:  # a single-key request: scalar reads, no array operations
+            bid = int(bids[0])
+            slot = self.table.slot
+            kind = next((lv.kind for lv in self.stack.levels if slot[bid, lv.col] >= 0), 0)
+            return np.array([int(kind)], dtype=np.int32)
         out = np.zeros(len(bids), dtype=np.int32)
         for level in reversed(self.stack.levels):
             out[self.table.slot[bids, level.col] >= 0] = int(level.kind)

@@ -1523,3 +1523,38 @@ async def test_a_namespace_whose_owner_could_not_be_recorded_is_recorded_by_the_
     assert 6 not in store.ns_owner and l2.namespaces() == {}
     await store.namespace(6, "tenant-a")
     assert calls == [6, 6] and l2.namespaces() == {6: "tenant-a"}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_single_key_touches_rank_blocks_as_one_batch_of_them_does(make_store, policy):
+    """A single-key Lookup or Get touches its block without array operations; touching keys
+    one request at a time leaves every tier's policy ranking the blocks exactly as one request
+    touching the same keys in the same order does (blocks held below L1 only, touched in L2).
+    Blocks are stored one durable put at a time, so both stores hold them in the same order."""
+    clock, order = Clock(), [5, 2, 9, 2, 0, 7, 11, 5]
+    rankings = []
+    words = keys(12)
+    for one_by_one in (True, False):
+        store, pool = make_store(clock, l2_segments=4, policy=policy), make_pool()
+        for i in range(12):
+            await put(store, pool, words[i : i + 1], pages=[i], durable=True)
+            clock.now += 0.5
+        for bid in store.table.lookup(0, words[9:12]).tolist():
+            store.space.drop_copy(bid, store.stack[TierKind.HOST])  # in L2 only
+        clock.now += 1.0
+        if one_by_one:
+            for i in order:
+                _, tiers, _ = await store.lookup(0, words[i : i + 1])
+                assert tiers.tolist() == [int(TierKind.DISK if i >= 9 else TierKind.HOST)]
+                store.space.apply_touches()
+        else:
+            await store.lookup(0, words[order])
+            store.space.apply_touches()
+        ranking = []
+        for level in store.stack:
+            n = int(np.count_nonzero(store.table.slot[:, level.col] >= 0))
+            mask = store.space.evictable(level, clock.now)
+            ranking.append(level.policy.victims(n, clock.now, mask).tolist())
+        rankings.append(ranking)
+        clock.now += 100.0
+    assert rankings[0] == rankings[1]
