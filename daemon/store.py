@@ -535,7 +535,8 @@ class BlockStore:
         results[rejected] = _REJECTED_FULL
         self.space.misses.record(self.table.identities(ns, words[rejected]), DECLINED)
         new_idx = new_idx[: len(stored)]
-        self.space.misses.discard(self.table.identities(ns, words[new_idx]))
+        if self.space.misses:  # nothing to forget in an empty ledger: no identities to hash
+            self.space.misses.discard(self.table.identities(ns, words[new_idx]))
         self.counters.add(self._n_bytes_put, len(stored) * block_bytes)
         self._count_put(results)
         chain = existing.copy()
@@ -1280,6 +1281,8 @@ def _repeats(words: np.ndarray) -> np.ndarray:
     """Which keys repeat an earlier key of the same batch."""
     n = len(words)
     dup = np.zeros(n, dtype=bool)
+    if n < 2:
+        return dup
     if n <= 64:
         raw = words.tobytes()
         seen: set[bytes] = set()

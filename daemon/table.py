@@ -177,6 +177,9 @@ class BlockTable:
 
     def block_refs(self, bids: np.ndarray) -> list[BlockRef]:
         """The blocks' identities as tiers address them, ``(ns, key bytes)`` per row."""
+        if len(bids) == 1:  # a single-key request: no array operations
+            bid = int(bids[0])
+            return [BlockRef(int(self.ns[bid]), self.keys[bid].tobytes())]
         bids = np.asarray(bids, dtype=np.int64)
         raw = self.keys[bids].tobytes()
         width = self.keys.shape[1] * self.keys.itemsize
