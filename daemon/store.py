@@ -179,6 +179,9 @@ class BlockStore:
         self.ns_owner: dict[int, int] = {}
         # Namespaces whose owner is being recorded by a persistent tier: done when it is.
         self._ns_recording: dict[int, asyncio.Future[None]] = {}
+        # The owner a namespace being recorded keeps should its record fail: the one it had,
+        # or the one recovery read meanwhile (recorded before this start).
+        self._ns_kept: dict[int, int] = {}
         self._balancer: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
         self.recovered = asyncio.Event()
@@ -1111,7 +1114,10 @@ class BlockStore:
         owner = self.owner_of(label)
         while (recording := self._ns_recording.get(ns)) is not None:
             await asyncio.shield(recording)
-        if self.ns_owner.get(ns) != owner:
+        before = self.ns_owner.get(ns)
+        if before != owner:
+            if before is not None:
+                self._ns_kept[ns] = before
             self.ns_owner[ns] = owner
             recorded = self._ns_recording[ns] = asyncio.get_running_loop().create_future()
             try:
@@ -1120,9 +1126,15 @@ class BlockStore:
                     if remember is not None:
                         await self.transfers.run(Priority.DEMAND, remember, ns, label)
             except BaseException:
-                self.ns_owner.pop(ns, None)  # not recorded: the next put records it
+                # Not recorded: the next put records it. The namespace keeps what it had.
+                kept = self._ns_kept.get(ns)
+                if kept is None:
+                    self.ns_owner.pop(ns, None)
+                else:
+                    self.ns_owner[ns] = kept
                 raise
             finally:
+                self._ns_kept.pop(ns, None)
                 del self._ns_recording[ns]
                 recorded.set_result(None)
         return owner
@@ -1142,7 +1154,10 @@ class BlockStore:
                 names = getattr(level.tier, "namespaces", None)
                 if names is not None:
                     for ns, label in (await self.transfers.run(Priority.BACKGROUND, names)).items():
-                        self.ns_owner.setdefault(ns, self.owner_of(label))
+                        owner = self.owner_of(label)
+                        self.ns_owner.setdefault(ns, owner)
+                        if ns in self._ns_recording:  # a put's: should it fail, this stays
+                            self._ns_kept.setdefault(ns, owner)
                 chunks = level.slots.recover_chunks(RECOVERY_ROWS)
                 repeated: list[np.ndarray] = []
                 while True:

@@ -1558,3 +1558,51 @@ async def test_single_key_touches_rank_blocks_as_one_batch_of_them_does(make_sto
         rankings.append(ranking)
         clock.now += 100.0
     assert rankings[0] == rankings[1]
+
+
+async def test_an_owner_record_that_fails_during_recovery_keeps_the_owner_recovery_read(
+    make_store,
+):
+    """A put's owner record was pending when recovery read the persistent tier's namespaces
+    row, so recovery left the namespace to the put; the record then failed and dropped the
+    namespace's owner, and recovery indexed the namespace's blocks as owned by no tenant
+    (the default's). The namespace keeps the owner recovery read."""
+    import threading
+
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    alice = await store.namespace(77, "alice")
+    a = keys(4)
+    _, persisted = await store.put(pool, 77, a, np.arange(4), None, durable=True, owner=alice)
+    assert persisted.all()
+    reopened = l2.reopen()
+    again = make_store(clock, l2=reopened)
+    again.owner_of("bob")  # alice's index here is not the default's
+    entered, release, failed = threading.Event(), threading.Event(), threading.Event()
+
+    def failing_remember(ns: int, label: str) -> None:
+        entered.set()
+        release.wait(30)
+        raise OSError("index unwritable")
+
+    chunks = reopened.recover_chunks
+
+    def chunks_after_the_failure(rows: int = 65536):
+        # The namespaces row is read by now; the record fails before any block is indexed.
+        release.set()
+        failed.wait(30)
+        yield from chunks(rows)
+
+    reopened.remember_namespace = failing_remember  # type: ignore[method-assign]
+    reopened.recover_chunks = chunks_after_the_failure  # type: ignore[method-assign]
+    binding = asyncio.ensure_future(again.namespace(77, "alice"))
+    binding.add_done_callback(lambda _: failed.set())
+    while not entered.is_set():
+        await asyncio.sleep(0.001)
+    await again.recover()
+    with pytest.raises(OSError):
+        await binding
+    ids = again.table.lookup(77, a)
+    assert (again.table.owner[ids] == again.owners["alice"]).all()
+    assert again.ns_owner.get(77) == again.owners["alice"]
