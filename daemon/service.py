@@ -543,21 +543,12 @@ class KVService:
 
     async def _bind(self, session: Session, space: Space) -> int:
         """The owner index of ``space`` for a put, binding the namespace to its owner in the
-        store (durably, where a tier records it) the first time this session stores there."""
+        store (durably, where a tier records it) the first time this session stores there; the
+        store refuses a namespace past the tenant's limit."""
         key = (space.name, space.owner)
         if (hit := session.bound.get(key)) is not None:
             return hit[1]
-        store = self.store
-        if space.ns not in store.ns_owner:
-            owner = store.owners.get(space.owner)
-            used = sum(1 for o in store.ns_owner.values() if o == owner) if owner is not None else 0
-            limit = self.config.server.max_namespaces_per_tenant
-            if used >= limit:
-                raise ResourceExhausted(
-                    f"{space.owner} already stores blocks in {used} namespaces, the most one "
-                    "tenant may use (server.max_namespaces_per_tenant)"
-                )
-        owner_idx = await store.namespace(space.ns, space.owner)
+        owner_idx = await self.store.namespace(space.ns, space.owner)
         session.bound[key] = (space.ns, owner_idx)
         return owner_idx
 

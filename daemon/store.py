@@ -40,7 +40,7 @@ import numpy as np
 
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
-from kvtier.daemon.errors import FailedPrecondition, InvalidArgument
+from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED
 from kvtier.daemon.policy.prefetch import PrefetchLedger
@@ -1110,13 +1110,17 @@ class BlockStore:
         the first time, so recovered blocks keep their owner); returns the owner index. A put
         that comes while another records the owner waits for that record: blocks it stored
         before the record is durable would come back after a crash with no owner (their usage
-        counted to no tenant)."""
+        counted to no tenant). A namespace new to the owner past
+        ``server.max_namespaces_per_tenant`` raises ResourceExhausted, checked in the step
+        that binds it (after any wait: a record that fails leaves room another put may take)."""
         owner = self.owner_of(label)
         while (recording := self._ns_recording.get(ns)) is not None:
             await asyncio.shield(recording)
         before = self.ns_owner.get(ns)
         if before != owner:
-            if before is not None:
+            if before is None:
+                self._check_namespace_room(owner, label)
+            else:
                 self._ns_kept[ns] = before
             self.ns_owner[ns] = owner
             recorded = self._ns_recording[ns] = asyncio.get_running_loop().create_future()
@@ -1138,6 +1142,14 @@ class BlockStore:
                 del self._ns_recording[ns]
                 recorded.set_result(None)
         return owner
+
+    def _check_namespace_room(self, owner: int, label: str) -> None:
+        used = sum(1 for o in self.ns_owner.values() if o == owner)
+        if used >= self.config.server.max_namespaces_per_tenant:
+            raise ResourceExhausted(
+                f"{label} already stores blocks in {used} namespaces, the most one tenant may "
+                "use (server.max_namespaces_per_tenant)"
+            )
 
     async def recover(self) -> None:
         """Index every block the persistent tiers hold from before this start, so a restart

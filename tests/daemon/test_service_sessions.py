@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -18,8 +19,12 @@ from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
 from kvtier.daemon.stats import Counters
+from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
 from kvtier.kernels.layout import PoolLayout
+from kvtier.tiers.base import TierKind
+from kvtier.tiers.host import HostArena
+from kvtier.tiers.memory import MemoryTier
 
 PEER = PeerCred(pid=1, uid=1000, gid=1000)
 
@@ -199,3 +204,55 @@ def test_regression_logs_showed_whole_session_ids_which_let_their_readers_act_as
     assert any(f"of session {session[:8]} is broken" in x for x in lines), lines
     assert any(f"session {session[:8]} closed" in x for x in lines), lines
     assert not [x for x in lines if session in x]
+
+
+def test_regression_a_put_that_waited_for_a_failed_owner_record_bound_past_the_namespace_limit():
+    """A put to a namespace whose owner another put is recording waits for that record; when
+    the record failed, the namespace was unbound and the waiter bound it again without the
+    tenant's namespace limit being checked, though another put had meanwhile taken the room
+    the failure left: the tenant held two namespaces under server.max_namespaces_per_tenant=1.
+    The limit is checked when a namespace is bound, after any wait."""
+    seg = 64 * 1024
+
+    async def run() -> None:
+        config = load_config(None, ["server.max_namespaces_per_tenant=1"])
+        l2 = MemoryTier(TierKind.DISK, 4 * seg, seg, persistent=True)
+        store = BlockStore(config, tiers=[HostArena(seg, seg), l2])
+        entered, release, calls = threading.Event(), threading.Event(), []
+        remember = l2.remember_namespace
+
+        def failing_once(ns: int, label: str) -> None:
+            calls.append(ns)
+            if len(calls) == 1:
+                entered.set()
+                release.wait(30)
+                raise OSError("index unwritable")
+            remember(ns, label)
+
+        l2.remember_namespace = failing_once  # type: ignore[method-assign]
+        try:
+            service, tickets = _service(store, config)
+            session = service.sessions.get(_open(service, tickets))
+            a, b = (service.tenants.space(session.tenant, name) for name in ("a", "b"))
+            first = asyncio.ensure_future(service._bind(session, a))
+            while not entered.is_set():
+                await asyncio.sleep(0.001)
+            waiting = asyncio.ensure_future(service._bind(session, a))
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert not waiting.done()
+            release.set()
+            with pytest.raises(OSError):
+                await first
+            # The failure left the room; the waiter has not taken it yet, another put does.
+            assert a.ns not in store.ns_owner and not waiting.done()
+            await service._bind(session, b)
+            with pytest.raises(ResourceExhausted, match=r"server\.max_namespaces_per_tenant"):
+                await waiting
+            owner = store.owners[session.tenant]
+            assert [ns for ns, o in store.ns_owner.items() if o == owner] == [b.ns]
+        finally:
+            await store.stop(flush=False)
+            store.close()
+
+    asyncio.run(run())
