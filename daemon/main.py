@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -27,13 +26,6 @@ from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 
 log = logging.getLogger("kvtier.daemon")
-
-# The cyclic garbage collector's thresholds. With the default first one (700 allocations) it
-# ran thousands of times a second under durable puts of 4 KiB blocks, which allocate a few
-# short-lived Python objects per block: 17% of the daemon's CPU there (perf), 1.6% with these.
-# Nearly everything the daemon allocates is freed by reference counting (its state lives in
-# numpy arrays), so collecting cycles less often holds little memory longer.
-GC_THRESHOLDS = (50_000, 10, 10)
 
 CONFIG_ENV = "KVTIER_CONFIG"
 
@@ -104,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     setup_logging(config.logging.level, config.logging.format)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
-
-    gc.set_threshold(*GC_THRESHOLDS)
 
     try:
         asyncio.run(_serve(config, load))
