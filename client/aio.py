@@ -294,16 +294,14 @@ class AsyncClient:
         durable: bool = False,
         namespace: str | None = None,
     ) -> t.PutResult:
-        req = t.one_page_per_key(
-            t.build_request(
-                pb.PutRequest,
-                pool_id=pool_id,
-                keys=keys,
-                pages=pages,
-                parent_key=parent_key,
-                durable=durable,
-                namespace=self._ns(namespace),
-            )
+        req = t.build_paged_request(
+            pb.PutRequest,
+            pool_id=pool_id,
+            keys=keys,
+            pages=pages,
+            parent_key=parent_key,
+            durable=durable,
+            namespace=self._ns(namespace),
         )
         return t.put_result(await self._invoke("Put", req))
 
@@ -316,15 +314,13 @@ class AsyncClient:
         lease_id: int = 0,
         namespace: str | None = None,
     ) -> t.GetResult:
-        req = t.one_page_per_key(
-            t.build_request(
-                pb.GetRequest,
-                pool_id=pool_id,
-                keys=keys,
-                pages=pages,
-                lease_id=lease_id,
-                namespace=self._ns(namespace),
-            )
+        req = t.build_paged_request(
+            pb.GetRequest,
+            pool_id=pool_id,
+            keys=keys,
+            pages=pages,
+            lease_id=lease_id,
+            namespace=self._ns(namespace),
         )
         return t.get_result(await self._invoke("Get", req))
 

@@ -255,9 +255,10 @@ def sequence_len(values: Sized, what: str) -> int:
         ) from None
 
 
-def one_page_per_key(request: Paged) -> Paged:
-    """``request``, a Put or a Get, when it names one page per key (the daemon refuses any
+def build_paged_request(message: Callable[P, Paged], /, *args: P.args, **fields: P.kwargs) -> Paged:
+    """``build_request`` of a Put or a Get that names one page per key (the daemon refuses any
     other count); InvalidArgumentError before it is sent otherwise."""
+    request = build_request(message, *args, **fields)
     nkeys, npages = len(request.keys), len(request.pages)
     if npages != nkeys:
         call = request.DESCRIPTOR.name.removesuffix("Request")
