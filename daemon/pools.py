@@ -20,11 +20,20 @@ Invariants:
   every later one on the pool answer FAILED_PRECONDITION, and only unregistering (or the
   session's end) is left. A memfd sealed against shrinking (F_SEAL_SHRINK) cannot fault.
 - Every check runs before anything is mapped; a refused registration leaves nothing open.
+- Mapping (populating a fully allocated object faults in every page: up to seconds for a
+  pool of gigabytes) runs on a worker thread, never on the event loop, and populates without
+  the GIL (``_populate``). A registration under way holds
+  its pool id and its place in the session's count from its checks on, so registrations in
+  flight together cannot pass the pools-per-session limit together; it registers nothing
+  when its session ends (or the registry closes) before the mapping does, and a mapping
+  nobody registers is closed, as is the descriptor it was made from.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -34,6 +43,7 @@ import secrets
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -45,8 +55,10 @@ from kvtier.daemon.cuda_pools import CudaPool, CudaPoolOpener, open_opener
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
+    KvtierError,
     NotFound,
     PermissionDenied,
+    Unavailable,
 )
 from kvtier.daemon.poolchecks import PoolChecks
 from kvtier.daemon.ratelog import RateLimitedLog
@@ -59,6 +71,9 @@ from kvtier.tiers.base import PoolPages
 log = logging.getLogger(__name__)
 
 _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+# Threads that map pools: registrations of several engines (one per TP rank, at start)
+# populate their memory in parallel, and none of them waits behind the copies' threads.
+MAP_THREADS = 4
 
 
 @dataclass(eq=False)
@@ -140,8 +155,20 @@ class Pool(PoolChecks):
 EnginePool: TypeAlias = "Pool | CudaPool"
 
 
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A registration whose memory is being mapped: it holds its pool id and a place in its
+    session's count; ``void`` is why it may no longer register (its session ended, or the
+    registry closed)."""
+
+    pool_id: int
+    session_id: str
+    void: KvtierError | None = None
+
+
 class PoolRegistry:
-    """Thread-safety: none; owned by the server's event loop."""
+    """Thread-safety: none; owned by the server's event loop. Only the mapping of a
+    registration runs on a worker thread, and it touches no state of the registry."""
 
     def __init__(
         self,
@@ -157,6 +184,10 @@ class PoolRegistry:
         self._cuda = cuda if cuda is not None else open_opener(False, 0)
         self._pools: dict[int, EnginePool] = {}
         self._per_session: Counter[str] = Counter()
+        self._pending: dict[int, _Pending] = {}  # by pool id: registrations being mapped
+        self._pending_per_session: Counter[str] = Counter()
+        self._mapper: ThreadPoolExecutor | None = None
+        self._closed = False
         self.counters: Counter[str] = Counter()
         # A client breaking its pools in a loop must not flood the log.
         self._ratelog = RateLimitedLog(log, log_interval_s)
@@ -169,7 +200,8 @@ class PoolRegistry:
         return sum(1 for p in self._pools.values() if p.broken)
 
     def session_pools(self, session_id: str) -> int:
-        return self._per_session[session_id]
+        """The session's pools, those being mapped included: the count its limit applies to."""
+        return self._per_session[session_id] + self._pending_per_session[session_id]
 
     def all(self) -> list[EnginePool]:
         return list(self._pools.values())
@@ -178,17 +210,19 @@ class PoolRegistry:
         """The pool counts the per-session limit keeps, for the invariant check."""
         return dict(self._per_session)
 
-    def register_shm(
+    async def register_shm(
         self, session_id: str, peer: PeerCred, name: str, size_bytes: int, layout: PoolLayout
     ) -> Pool:
         """Map the named shared-memory object ``name``, which ``peer`` must own (or be
-        granted by ``server.shm_share``)."""
+        granted by ``server.shm_share``). Every check runs, and the pool's place in the
+        session's count is taken, before the first await (see the module invariants)."""
         if not _SHM_NAME.match(name) or name.startswith("."):
             raise InvalidArgument(
                 f"shared-memory name {name[:64]!r} must be 1-200 characters of letters, "
                 "digits, '.', '_' or '-'"
             )
         _check_layout(size_bytes, layout)
+        self._check_open()
         path = os.path.join(self._shm_dir, name)
         try:
             # NONBLOCK: opening a FIFO planted under the name must not wait for a writer.
@@ -216,20 +250,27 @@ class PoolRegistry:
                 raise InvalidArgument(
                     f"shared-memory object {name!r} is not in memory (tmpfs); check server.shm_dir"
                 )
-            buffer = _map(fd, st, size_bytes, name)
-            sealed = _sealed(fd)
-        finally:
+            _check_size(st, size_bytes, name)
+        except BaseException:
             os.close(fd)
-        return self._add(Pool(self._new_id(), session_id, name, layout, buffer, sealed))
+            raise
+        return await self._map_and_add(session_id, name, layout, fd, st, size_bytes, name)
 
-    def register_fd(self, session_id: str, fd: int, size_bytes: int, layout: PoolLayout) -> Pool:
-        """Map a memory fd the client handed over (the caller closes ``fd``)."""
+    async def register_fd(
+        self, session_id: str, fd: int, size_bytes: int, layout: PoolLayout
+    ) -> Pool:
+        """Map a memory fd the client handed over (the caller closes ``fd``; the mapping is
+        made from a copy of it). Checked before the first await, as ``register_shm``."""
         _check_layout(size_bytes, layout)
+        self._check_open()
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or not is_memory_backed(fd):
             raise InvalidArgument("the handed-over descriptor is not a memory file")
-        buffer = _map(fd, st, size_bytes, "the memory file")
-        return self._add(Pool(self._new_id(), session_id, "memfd", layout, buffer, _sealed(fd)))
+        _check_size(st, size_bytes, "the memory file")
+        own = os.dup(fd)  # the worker's: the caller may close ``fd`` before it maps
+        return await self._map_and_add(
+            session_id, "memfd", layout, own, st, size_bytes, "the memory file"
+        )
 
     def register_cuda_ipc(
         self, session_id: str, region: pb.CudaIpcRegion, layout: PoolLayout
@@ -237,6 +278,7 @@ class PoolRegistry:
         """Open GPU memory the session's engine exported over CUDA IPC (every check is the
         opener's, before anything stays open). FailedPrecondition where this daemon cannot
         serve CUDA IPC pools, with the reason."""
+        self._check_open()
         pool = self._cuda.open(self._new_id(), session_id, region, layout)
         self._pools[pool.pool_id] = pool
         self._per_session[session_id] += 1
@@ -263,14 +305,30 @@ class PoolRegistry:
         return pool
 
     def drop_session(self, session_id: str) -> int:
+        """Unregister the session's pools; registrations of it still being mapped register
+        nothing when their mapping ends (it is closed)."""
+        for pending in self._pending.values():
+            if pending.session_id == session_id and pending.void is None:
+                pending.void = NotFound(
+                    f"session {shown_id(session_id)} ended while its pool was being mapped"
+                )
         ids = [p.pool_id for p in self._pools.values() if p.session_id == session_id]
         for pool_id in ids:
             self.unregister(session_id, pool_id)
         return len(ids)
 
     def close(self) -> None:
+        """Unregister every pool and refuse registrations from now on, those being mapped
+        included. A mapping still running finishes on its thread and is closed."""
+        self._closed = True
+        for pending in self._pending.values():
+            if pending.void is None:
+                pending.void = Unavailable("the daemon is stopping")
         for pool in list(self._pools.values()):
             self.unregister(pool.session_id, pool.pool_id)
+        if self._mapper is not None:
+            self._mapper.shutdown(wait=False)
+            self._mapper = None
 
     def _may_use(self, peer_uid: int, owner_uid: int) -> bool:
         return (
@@ -288,6 +346,53 @@ class PoolRegistry:
             shown_id(pool.session_id),
             pool.broken,
         )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the daemon is stopping")
+
+    async def _map_and_add(
+        self,
+        session_id: str,
+        name: str,
+        layout: PoolLayout,
+        fd: int,
+        st: os.stat_result,
+        size_bytes: int,
+        what: str,
+    ) -> Pool:
+        """Map ``fd`` (which this call owns and closes) on a worker thread, then register it,
+        unless the registration was voided meanwhile (see the module invariants)."""
+        try:
+            pending = _Pending(self._new_id(), session_id)
+            if self._mapper is None:
+                self._mapper = ThreadPoolExecutor(MAP_THREADS, thread_name_prefix="kvtier-map")
+            # Populate only memory that exists: faulting in a sparse object's holes would
+            # allocate them, charged to the daemon, however large the client declared it.
+            populate = st.st_blocks * 512 >= size_bytes
+            job = self._mapper.submit(_map_and_close, fd, size_bytes, populate, what)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._pending[pending.pool_id] = pending
+        self._pending_per_session[session_id] += 1
+        try:
+            try:
+                # Shielded: a cancel (only the loop's own end cancels a request, see
+                # ``server._rpc``) leaves the job running; the mapping is closed when it ends.
+                buffer, sealed = await asyncio.shield(asyncio.wrap_future(job))
+            except asyncio.CancelledError:
+                job.add_done_callback(_close_mapping)
+                raise
+        finally:
+            del self._pending[pending.pool_id]
+            self._pending_per_session[session_id] -= 1
+            if self._pending_per_session[session_id] <= 0:
+                del self._pending_per_session[session_id]
+        if pending.void is not None:
+            buffer.close()
+            raise pending.void
+        return self._add(Pool(pending.pool_id, session_id, name, layout, buffer, sealed))
 
     def _add(self, pool: Pool) -> Pool:
         pool.on_fault = self._faulted
@@ -309,7 +414,7 @@ class PoolRegistry:
     def _new_id(self) -> int:
         while True:
             pool_id = secrets.randbits(63) or 1
-            if pool_id not in self._pools:
+            if pool_id not in self._pools and pool_id not in self._pending:
                 return pool_id
 
 
@@ -322,18 +427,54 @@ def _check_layout(size_bytes: int, layout: PoolLayout) -> None:
         raise InvalidArgument(f"layout does not fit the pool: {e}") from None
 
 
-def _map(fd: int, st: os.stat_result, size_bytes: int, what: str) -> mmap.mmap:
+def _check_size(st: os.stat_result, size_bytes: int, what: str) -> None:
     if st.st_size < size_bytes:
         raise InvalidArgument(
             f"{what} has {st.st_size} bytes, fewer than the {size_bytes} declared"
         )
-    # Populate only memory that exists: faulting in a sparse object's holes would allocate
-    # them, charged to the daemon, however large the client declared it.
-    populate = _MAP_POPULATE if st.st_blocks * 512 >= size_bytes else 0
+
+
+def _map(fd: int, size_bytes: int, populate: bool, what: str) -> mmap.mmap:
+    """The slow part of a registration: with ``populate`` every page is faulted in before
+    this returns. On a worker thread."""
     try:
-        return mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED | populate)
+        buffer = mmap.mmap(fd, size_bytes, flags=mmap.MAP_SHARED)
     except (OSError, OverflowError, ValueError) as e:
         raise InvalidArgument(f"cannot map {what}: {e}") from None
+    if populate:
+        _populate(buffer)
+    return buffer
+
+
+def _populate(buffer: mmap.mmap) -> None:
+    """Fault in every page of ``buffer`` now, so that copies do not. Not with MAP_POPULATE
+    or ``mmap.madvise``: Python holds the GIL through both, which stalled the event loop on
+    another thread as long as populating on it did (0.5-1 s for 4 GiB); ctypes lets the GIL
+    go. Best effort, as MAP_POPULATE is: on a kernel before 5.14 (EINVAL) the copies fault
+    the pages in, and memory the owner truncated meanwhile (EFAULT) faults then, under the
+    copies' guard."""
+    view = np.frombuffer(buffer, dtype=np.uint8)
+    base = int(view.ctypes.data)
+    del view  # no export may outlive the mapping: whoever owns it closes it
+    if _madvise(base, len(buffer), _MADV_POPULATE_READ):
+        log.debug("a pool was not populated: %s", os.strerror(ctypes.get_errno()))
+
+
+def _map_and_close(fd: int, size_bytes: int, populate: bool, what: str) -> tuple[mmap.mmap, bool]:
+    """A registration's job on its worker thread: the mapping and whether the object is
+    sealed against shrinking; ``fd`` is closed whatever happens (the mapping keeps the
+    memory)."""
+    try:
+        return _map(fd, size_bytes, populate, what), _sealed(fd)
+    finally:
+        os.close(fd)
+
+
+def _close_mapping(job: Future[tuple[mmap.mmap, bool]]) -> None:
+    """Close the mapping of a job whose registration was abandoned (on whichever thread
+    ends the job)."""
+    if not job.cancelled() and job.exception() is None:
+        job.result()[0].close()
 
 
 def _sealed(fd: int) -> bool:
@@ -343,4 +484,7 @@ def _sealed(fd: int) -> bool:
         return False
 
 
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int

@@ -13,9 +13,11 @@ Invariants:
 - A request runs to its end even when its client cancels it or its deadline passes (the
   answer is dropped): the store's state is never left halfway between two awaits (slots
   freed while a copy still writes them, a delete that forgot blocks but not their slots).
-  Shutdown waits for such requests before it closes the store. A RegisterPool whose
-  deadline has passed when it would answer unregisters its pool again: its client never
-  learns the pool's id.
+  Shutdown waits for such requests before it closes the store. A RegisterPool whose client
+  cancelled it while the memory was mapped, or whose deadline passed by the time it would
+  answer, unregisters its pool again: its client never learns the pool's id.
+- A RegisterPool maps the client's memory on a worker thread (``daemon/pools.py``): other
+  clients are answered while a pool of gigabytes is populated.
 - Every RPC but OpenSession and the health service needs an open session; Check and Drain
   need an admin session. While draining, the health service answers NOT_SERVING.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
@@ -213,6 +215,12 @@ class KVTierServicer:
 
         work.add_done_callback(done)
 
+    def client_left(self) -> bool:
+        """Whether the client of the request running now has cancelled it, or its deadline
+        passed, while it awaited: grpc cancels the handler, ``_rpc`` detaches the request's
+        task (the current one, once it has awaited) and its answer will be dropped."""
+        return asyncio.current_task() in self.detached
+
     async def settle(self, timeout_s: float) -> None:
         """Wait for the requests whose clients left to finish."""
         if self.detached:
@@ -290,12 +298,12 @@ class KVTierServicer:
         pool: EnginePool
         if region == "shm":
             layout = layout_from_pb(request.layout)
-            pool = self.service.register_shm_pool(
+            pool = await self.service.register_shm_pool(
                 request.session_id, request.shm.name, request.shm.size_bytes, layout
             )
         elif region == "fd":
             layout = layout_from_pb(request.layout)
-            pool = self.service.register_fd_pool(
+            pool = await self.service.register_fd_pool(
                 request.session_id, request.fd.ticket, request.fd.size_bytes, layout
             )
         elif region == "cuda_ipc":
@@ -303,16 +311,15 @@ class KVTierServicer:
             pool = self.service.register_cuda_ipc_pool(request.session_id, request.cuda_ipc, layout)
         else:
             raise InvalidArgument("RegisterPool needs a region: fd, shm or cuda_ipc")
-        if context.time_remaining() == 0:
-            # The client gave up (mapping a large pool, or a busy event loop, outlasted its
-            # deadline): it never learns the pool's id, so only the session's end would
-            # unregister the pool. Registering never waits, so grpc cannot have told this
-            # handler of a cancel; a deadline it can check, in the step that registered the
-            # pool: no other request ran in between.
+        if self.client_left() or context.time_remaining() == 0:
+            # The client cancelled, or its deadline passed (while the memory was mapped, or
+            # while the event loop was busy): it never learns the pool's id, so only the
+            # session's end would unregister the pool. Both are checked in the step that
+            # registered it: no other request ran in between.
             self.service.drop_unanswered_pool(request.session_id, pool)
             raise DeadlineExceeded(
-                f"the deadline passed before pool {pool.pool_id} could be answered; it is "
-                "unregistered again"
+                f"the call was cancelled or its deadline passed before pool {pool.pool_id} "
+                "could be answered; it is unregistered again"
             )
         return pb.RegisterPoolResponse(
             pool_id=pool.pool_id, block_bytes=pool.block_bytes, sealed=pool.sealed

@@ -205,16 +205,21 @@ class KVService:
 
     # ------------------------------------------------------------------ pools
 
-    def register_shm_pool(
+    async def register_shm_pool(
         self, session_id: str, name: str, size_bytes: int, layout: PoolLayout
     ) -> Pool:
+        """Every rule is checked, and the pool counted in the session's, before the mapping
+        is awaited (it runs on a worker thread): registrations in flight together do not
+        pass the pools-per-session limit together. A session that ends before the mapping
+        does gets no pool (NotFound)."""
         session = self.sessions.get(session_id)
         peer = self._check_may_register(session, layout)
-        return self.pools.register_shm(session_id, peer, name, size_bytes, layout)
+        return await self.pools.register_shm(session_id, peer, name, size_bytes, layout)
 
-    def register_fd_pool(
+    async def register_fd_pool(
         self, session_id: str, ticket: bytes, size_bytes: int, layout: PoolLayout
     ) -> Pool:
+        """As ``register_shm_pool``, for a memory fd handed over with ``ticket``."""
         session = self.sessions.get(session_id)
         peer = self._check_may_register(session, layout)
         handed = self.tickets.redeem(ticket, TicketKind.POOL)
@@ -224,7 +229,7 @@ class KVService:
                     f"the memory was handed over by uid {handed.peer.uid}, not by this "
                     f"session's uid {peer.uid}"
                 )
-            return self.pools.register_fd(session_id, handed.fd, size_bytes, layout)
+            return await self.pools.register_fd(session_id, handed.fd, size_bytes, layout)
         finally:
             os.close(handed.fd)  # the mapping keeps the memory; a memfd closes at once
 
@@ -267,7 +272,10 @@ class KVService:
         """Unregister ``pool``, just registered by a request whose answer cannot reach its
         client. Called before anything awaited since the registration, so no copy uses it."""
         self.pools.unregister(session_id, pool.pool_id)
-        log.debug("pool %d unregistered: its RegisterPool's deadline had passed", pool.pool_id)
+        log.debug(
+            "pool %d unregistered: its RegisterPool's client left or its deadline passed",
+            pool.pool_id,
+        )
 
     async def unregister_pool(self, session_id: str, pool_id: int) -> None:
         """Answers once no copy uses the pool's memory any more: the engine may then reuse

@@ -113,14 +113,15 @@ def test_regression_cancelled_puts_left_slots_no_block_held(daemon_factory, tmp_
 
 
 async def test_regression_a_register_pool_past_its_deadline_left_the_pool_registered(monkeypatch):
-    """RegisterPool never waits, so a client that gives up on it (its deadline passes while
-    the daemon maps the memory or works through other requests) is not seen until grpc drops
-    the answer: the pool stayed mapped and counted toward the session's pools, under an id
-    the client never learned, until the session ended; with one pool allowed, registering
-    the memory again was RESOURCE_EXHAUSTED. Now a registration whose deadline passed before
+    """A client that gave up on a RegisterPool (its deadline passed while the daemon mapped
+    the memory or worked through other requests) was not seen until grpc dropped the
+    answer: the pool stayed mapped and counted toward the session's pools, under an id the
+    client never learned, until the session ended; with one pool allowed, registering the
+    memory again was RESOURCE_EXHAUSTED. Now a registration whose deadline passed before
     the answer went out is undone at once. Runs a real gRPC server in this process, whose
-    registry holds the first registration until the client has given up and the call's
-    deadline (its arrival plus the timeout) has passed by the daemon's clock."""
+    registry, once the first registration is made, holds the event loop (so grpc cannot
+    tell the handler of the cancel) until the client has given up and the call's deadline
+    (its arrival plus the timeout) has passed by the daemon's clock."""
     from kvtier.client import credentials
     from kvtier.client.flows import PoolBinding
     from kvtier.daemon.config import load_config
@@ -132,8 +133,8 @@ async def test_regression_a_register_pool_past_its_deadline_left_the_pool_regist
     held: list[float] = []  # when the held registration began (it arrived before)
     register_fd = PoolRegistry.register_fd
 
-    def held_register_fd(self: PoolRegistry, *args: Any) -> Any:
-        pool = register_fd(self, *args)
+    async def held_register_fd(self: PoolRegistry, *args: Any) -> Any:
+        pool = await register_fd(self, *args)
         if not held and not gave_up.is_set():
             held.append(time.time())
             gave_up.wait(30)

@@ -104,7 +104,7 @@ def test_a_unix_socket_session_needs_a_ticket_and_tcp_sessions_register_no_memor
     assert remote.peer is None and remote.tenant == "remote" and not remote.admin
     layout = PoolLayout.staging(num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=64)
     with pytest.raises(PermissionDenied, match="no peer credentials"):
-        service.register_shm_pool(remote.session_id, "x", 128, layout)
+        asyncio.run(service.register_shm_pool(remote.session_id, "x", 128, layout))
     # A peer that is in no tenant is refused, with what to do about it.
     with pytest.raises(PermissionDenied, match="belongs to no tenant"):
         service.open_session("t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True)
@@ -193,7 +193,7 @@ def test_regression_logs_showed_whole_session_ids_which_let_their_readers_act_as
         fd = os.memfd_create("kvtier-test")
         try:
             os.ftruncate(fd, layout.extent_bytes)
-            pool = service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+            pool = asyncio.run(service.pools.register_fd(session, fd, layout.extent_bytes, layout))
         finally:
             os.close(fd)
         pool.broken = "a test says so"

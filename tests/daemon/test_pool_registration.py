@@ -1,0 +1,319 @@
+"""RegisterPool maps the client's memory on a worker thread, not on the event loop.
+
+Each test runs a real gRPC server in this process and holds the daemon's mapping step
+(``pools._map``, where MAP_POPULATE faults in every page: seconds for a pool of several GiB)
+on a ``threading.Event``, so "a registration is being mapped" is a state the test controls,
+not a race it times. Clients run on a thread of their own, as an engine would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from kvtier.client import Client, PoolLayout, SharedMemoryPool, credentials
+from kvtier.client.flows import PoolBinding
+from kvtier.daemon import pools as pools_module
+from kvtier.daemon.config import load_config
+from kvtier.daemon.server import Daemon
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+LAYOUT = PoolLayout.staging(
+    num_layers=2, num_pages=64, block_tokens=4, chunk_bytes=8192, kv_count=1, dtype="uint8"
+)
+# Generous: only a daemon that does not answer (a blocked event loop) ever waits this long.
+WAIT_S = 20.0
+
+
+class HeldMaps:
+    """Stands in for the daemon's mapping step: each call counts itself, waits until the test
+    lets the mappings go, then maps as the daemon would, keeping the mapping to look at."""
+
+    def __init__(self, real: Callable[..., mmap.mmap]) -> None:
+        self.real = real
+        self.release = threading.Event()
+        self.buffers: list[mmap.mmap] = []
+        self._entered = 0
+        self._cv = threading.Condition()
+
+    def __call__(self, *args: Any) -> mmap.mmap:
+        with self._cv:
+            self._entered += 1
+            self._cv.notify_all()
+        if not self.release.wait(2 * WAIT_S):
+            raise TimeoutError("the test never let the mapping go")
+        buffer = self.real(*args)
+        self.buffers.append(buffer)
+        return buffer
+
+    def wait_entered(self, n: int = 1) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: self._entered >= n, WAIT_S), "no mapping began"
+
+
+@pytest.fixture
+def held(monkeypatch: pytest.MonkeyPatch) -> HeldMaps:
+    maps = HeldMaps(pools_module._map)
+    monkeypatch.setattr(pools_module, "_map", maps)
+    return maps
+
+
+@contextlib.asynccontextmanager
+async def running_daemon(held: HeldMaps, *overrides: str) -> AsyncIterator[Daemon]:
+    sockdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    config = load_config(
+        None,
+        [
+            f"server.socket={sockdir}/d.sock",
+            "tiers.l1.capacity_bytes=8MiB",
+            "tiers.l1.segment_bytes=1MiB",
+            *overrides,
+        ],
+        environ={},
+    )
+    daemon = Daemon(config)
+    await daemon.start()
+    try:
+        yield daemon
+    finally:
+        held.release.set()
+        if not daemon.servicer.closing.is_set():
+            await daemon.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def fd_request(client: Client, shm: SharedMemoryPool) -> pb.RegisterPoolRequest:
+    """A RegisterPool of ``shm``'s memfd for ``client``'s session, as the client builds it."""
+    cred = credentials.cred_socket_path(client.address)
+    assert cred is not None
+    request = PoolBinding(shm, LAYOUT, None).register_request(
+        credentials.pool_ticket(cred, shm.fd, 30.0)
+    )
+    request.session_id = client.session_id
+    return request
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.005)
+
+
+def left_in_this_process(name: str) -> list[str]:
+    """Mappings and descriptors of the memfd ``name`` this process (the daemon in it) holds."""
+    with open("/proc/self/maps") as f:
+        found = [line.strip() for line in f if f"/memfd:{name} " in line]
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
+                found.append(f"fd {fd}")
+    return found
+
+
+async def test_regression_registering_a_pool_held_every_other_client_until_it_was_mapped(held):
+    """The daemon mapped (and populated) a pool on its event loop: while a pool of several
+    GiB was faulted in, seconds, no other client got an answer, not even a health check.
+    Here another client's Lookup and health check are answered while the mapping is held."""
+
+    def clients(address: str) -> None:
+        with (
+            Client(address) as engine,
+            Client(address, timeout_s=WAIT_S) as other,
+            SharedMemoryPool.for_layout(LAYOUT) as shm,
+            ThreadPoolExecutor(1) as engine_thread,
+        ):
+            registering = engine_thread.submit(engine.register_pool, shm, LAYOUT)
+            try:
+                held.wait_entered()
+                assert other.lookup([bytes(32)]).prefix_len == 0
+                assert other.health()
+                assert not registering.done()
+            finally:
+                held.release.set()
+            pool = registering.result(WAIT_S)
+            check = engine.check()
+            assert check.problems == [] and check.pools == 1
+            engine.unregister_pool(pool.pool_id)
+
+    async with running_daemon(held) as daemon:
+        await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_a_session_that_ends_while_its_pool_is_mapped_gets_no_pool(held):
+    """The session ends while its registration is being mapped: the pool is not registered
+    (to a session that no longer exists), and its mapping and descriptor are closed. The
+    call runs on a connection of its own, so it outlives the session's."""
+
+    async with running_daemon(held) as daemon:
+
+        def clients(address: str) -> None:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                name = shm.name
+                engine = Client(address)
+                request = fd_request(engine, shm)
+                with grpc.insecure_channel(address) as channel:
+                    stub = pb_grpc.KVTierStub(channel)
+                    call = stub.RegisterPool.future(request, timeout=WAIT_S)
+                    try:
+                        held.wait_entered()
+                        engine.close()
+                        wait_until(lambda: daemon.sessions.session_count == 0, "session closed")
+                    finally:
+                        held.release.set()
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call.result()
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+                assert "ended while its pool was being mapped" in str(refused.value.details())
+                assert len(held.buffers) == 1 and held.buffers[0].closed
+            assert left_in_this_process(name) == []
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+        assert len(daemon.pools) == 0 and daemon.pools.per_session_counts() == {}
+
+
+async def test_a_register_pool_cancelled_while_mapped_leaves_no_pool(held):
+    """A client that cancels its RegisterPool while the memory is mapped never learns the
+    pool's id: the registration is undone once the mapping ends (it used to stay, counted
+    toward the session's pools, until the session ended), so the memory registers again
+    under a limit of one pool."""
+
+    async with running_daemon(held, "server.max_pools_per_session=1") as daemon:
+
+        def clients(address: str) -> None:
+            with Client(address) as engine, SharedMemoryPool.for_layout(LAYOUT) as shm:
+                call = engine.stub.RegisterPool.future(fd_request(engine, shm))
+                try:
+                    held.wait_entered()
+                    call.cancel()
+                    wait_until(
+                        lambda: daemon.service.counters["requests_detached"] >= 1,
+                        "the daemon saw the cancel",
+                    )
+                finally:
+                    held.release.set()
+                wait_until(lambda: bool(held.buffers) and held.buffers[0].closed, "unmapped")
+                pool = engine.register_pool(shm, LAYOUT)
+                check = engine.check()
+                assert check.problems == [] and check.pools == 1
+                engine.unregister_pool(pool.pool_id)
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_registrations_in_flight_together_count_toward_the_pool_limit(held):
+    """Two registrations of one session are mapped at once under a limit of two pools: a
+    third, sent meanwhile, is refused at once (it would pass the limit if only registered
+    pools counted); the two in flight end with pools of distinct ids."""
+
+    async with running_daemon(held, "server.max_pools_per_session=2") as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address) as engine,
+                SharedMemoryPool.for_layout(LAYOUT) as a,
+                SharedMemoryPool.for_layout(LAYOUT) as b,
+                SharedMemoryPool.for_layout(LAYOUT) as c,
+            ):
+                calls = [engine.stub.RegisterPool.future(fd_request(engine, s)) for s in (a, b)]
+                try:
+                    held.wait_entered(2)  # both passed their checks and are being mapped
+                    with pytest.raises(grpc.RpcError) as refused:
+                        engine.stub.RegisterPool(fd_request(engine, c), timeout=WAIT_S)
+                    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert "server.max_pools_per_session" in str(refused.value.details())
+                finally:
+                    held.release.set()
+                ids = {call.result(WAIT_S).pool_id for call in calls}
+                assert len(ids) == 2
+                check = engine.check()
+                assert check.problems == [] and check.pools == 2
+                for pool_id in ids:
+                    engine.unregister_pool(pool_id)
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_a_daemon_that_stops_while_a_pool_is_mapped_registers_nothing(held):
+    """Shutdown while a registration is being mapped: the session ends with the daemon's
+    streams, the registration registers nothing and its mapping is closed; shutdown waits
+    for the call to end (it is a request in flight)."""
+
+    async with running_daemon(held) as daemon:
+
+        def register(address: str) -> tuple[Client, SharedMemoryPool, Any]:
+            engine = Client(address)
+            shm = SharedMemoryPool.for_layout(LAYOUT)
+            call = engine.stub.RegisterPool.future(fd_request(engine, shm))
+            held.wait_entered()
+            return engine, shm, call
+
+        engine, shm, call = await asyncio.to_thread(register, daemon.addresses[0])
+        try:
+            stopping = asyncio.create_task(daemon.stop())
+            while daemon.sessions.session_count:
+                await asyncio.sleep(0.005)
+            held.release.set()
+            await asyncio.wait_for(stopping, WAIT_S)
+            with pytest.raises(grpc.RpcError) as refused:
+                await asyncio.to_thread(call.result, WAIT_S)
+            assert refused.value.code() in (
+                grpc.StatusCode.NOT_FOUND,
+                grpc.StatusCode.UNAVAILABLE,
+            )
+            assert len(held.buffers) == 1 and held.buffers[0].closed
+            assert len(daemon.pools) == 0
+        finally:
+            held.release.set()
+            await asyncio.to_thread(engine.close)
+            shm.close()
+
+
+def _resident_bytes(buffer: mmap.mmap) -> int:
+    """Rss of the mapping ``buffer``, as /proc/self/smaps counts it."""
+    view = np.frombuffer(buffer, dtype=np.uint8)
+    start = f"{int(view.ctypes.data):x}-"
+    del view
+    with open("/proc/self/smaps") as f:
+        lines = iter(f)
+        for line in lines:
+            if line.startswith(start):
+                for field in lines:
+                    if field.startswith("Rss:"):
+                        return int(field.split()[1]) * 1024
+    raise AssertionError("the mapping is not in /proc/self/smaps")
+
+
+def test_a_fully_allocated_pool_is_populated_when_it_is_mapped():
+    """The mapping step of a fully allocated object faults in every page (once with
+    MAP_POPULATE, now with a madvise that lets the GIL go, so that the event loop's thread
+    runs meanwhile); one that is not populated (a sparse object) faults in none."""
+    size = 8 << 20
+    fd = os.memfd_create("kvtier-test")
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        lazy = pools_module._map(fd, size, False, "the memory file")
+        populated = pools_module._map(fd, size, True, "the memory file")
+        try:
+            assert _resident_bytes(lazy) == 0
+            assert _resident_bytes(populated) == size
+        finally:
+            lazy.close()
+            populated.close()
+    finally:
+        os.close(fd)
