@@ -1,17 +1,25 @@
 """Prometheus metrics: the one module that knows Prometheus.
 
 Every metric kvtierd exports is declared in ``CATALOGUE`` below (name, type, labels, help);
-the README's metrics table is checked against it. Nothing is counted twice: at each scrape a
-typed snapshot of the daemon is taken on its event loop (``take_snapshot``: the store's
-``usage()``, its labelled counters' ``samples()``, latency histograms, the prefetch ledger,
-sessions, pools and leases) and translated here. Store counters map to metrics by name
-(``COUNTERS``); one the catalogue does not name yet is still exported, as
-``kvtier_store_events_total{event=...}``, so a new counter is never silently dropped.
+the README's metrics table is checked against it. The daemon's own figures are named
+``kvtier_*``; next to them the endpoint serves the process and runtime families that every
+Prometheus client exports (``STANDARD``: ``process_*`` and ``python_*``, from
+prometheus_client's own collectors, under the names that client gives them, so dashboards and
+alerts written for any Python service work unchanged).
+
+Nothing is counted twice: at each scrape a typed snapshot of the daemon is taken on its event
+loop (``take_snapshot``: the store's ``usage()``, its labelled counters' ``samples()``, latency
+histograms, the prefetch ledger, sessions, pools and leases) and translated here. Store
+counters map to metrics by name (``COUNTERS``); one the catalogue does not name yet is still
+exported, as ``kvtier_store_events_total{event=...}``, so a new counter is never silently
+dropped.
 
 The endpoint is off unless ``metrics.address`` is set; a bare port listens on 127.0.0.1 only.
 
 Thread-safety: the HTTP server runs on its own thread; it never touches daemon state, it asks
-the event loop for a snapshot (``asyncio.run_coroutine_threadsafe``) and waits for it.
+the event loop for a snapshot (``asyncio.run_coroutine_threadsafe``) and waits for it. The
+standard collectors read only ``/proc/self`` and the interpreter (``gc.get_stats()``) on that
+thread.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import numpy as np
-from prometheus_client import make_wsgi_app
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -305,12 +313,53 @@ FIXED: tuple[MetricDef, ...] = (
     _g("kvtier_build_info", ("version",), "Always 1; the version is the label."),
 )
 
+# What prometheus_client's ProcessCollector, GCCollector and PlatformCollector export, under
+# their names (see ``register_standard``). The process_* families come from /proc/self: where
+# there is no /proc they are absent, and the rest of the scrape is served as usual.
+STANDARD: tuple[MetricDef, ...] = (
+    _g("process_resident_memory_bytes", (), "Resident memory (RSS) of the daemon process."),
+    _g("process_virtual_memory_bytes", (), "Virtual memory size of the daemon process."),
+    _g("process_open_fds", (), "File descriptors the daemon process holds open."),
+    _g(
+        "process_max_fds",
+        (),
+        "The daemon process's limit on open file descriptors (RLIMIT_NOFILE, soft).",
+    ),
+    _c(
+        "process_cpu_seconds_total",
+        (),
+        "CPU time (user and system) the daemon process has used, all threads.",
+    ),
+    _g("process_start_time_seconds", (), "When the daemon process started, in Unix time."),
+    _c(
+        "python_gc_objects_collected_total",
+        ("generation",),
+        "Objects the cyclic garbage collector freed, by generation (0, 1, 2).",
+    ),
+    _c(
+        "python_gc_objects_uncollectable_total",
+        ("generation",),
+        "Objects the cyclic garbage collector found uncollectable, by generation.",
+    ),
+    _c(
+        "python_gc_collections_total",
+        ("generation",),
+        "Collections of each generation by the cyclic garbage collector.",
+    ),
+    _g(
+        "python_info",
+        ("version", "implementation", "major", "minor", "patchlevel"),
+        "Always 1; the Python interpreter running the daemon is in the labels.",
+    ),
+)
+
 CATALOGUE: tuple[MetricDef, ...] = (
     *FIXED,
     *COUNTERS.values(),
     OTHER_EVENTS,
     *STORE_GAUGES.values(),
     *HISTOGRAMS.values(),
+    *STANDARD,
 )
 
 
@@ -496,6 +545,15 @@ class DaemonCollector(Collector):
         return []  # registering must not call collect() (the loop may not be running)
 
 
+def register_standard(registry: CollectorRegistry, proc: str = "/proc") -> None:
+    """Add prometheus_client's process, garbage collector and platform collectors (the
+    ``STANDARD`` families) to ``registry``. ``proc`` is where procfs is mounted; without one
+    the process collector yields nothing (it looks once, here), and the scrape goes on."""
+    ProcessCollector(proc=proc, registry=registry)
+    GCCollector(registry=registry)  # CPython only; elsewhere it registers nothing
+    PlatformCollector(registry=registry)
+
+
 class MetricsServer:
     """The /metrics HTTP endpoint of one daemon. Start on the daemon's event loop."""
 
@@ -503,6 +561,7 @@ class MetricsServer:
         self.host, self.port = split_host_port(address)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(daemon, asyncio.get_running_loop()))
+        register_standard(self.registry)
         self._server: Any = None
         self._thread: threading.Thread | None = None
 

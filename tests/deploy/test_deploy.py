@@ -203,11 +203,13 @@ def test_the_probes_pass_against_a_serving_daemon(daemon):
 def test_every_dashboard_query_names_an_exported_metric():
     dash = json.loads((DEPLOY / "grafana" / "kvtier-dashboard.json").read_text())
     declared = {m.name for m in CATALOGUE}
+    # kvtier_, and the standard families' process_ and python_
+    prefixes = "|".join(sorted({m.name.split("_", 1)[0] for m in CATALOGUE}))
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 15
     for expr in exprs:
         assert expr.count("(") == expr.count(")"), expr
-        for name in re.findall(r"\bkvtier_[a-z0-9_]+", expr):
+        for name in re.findall(rf"\b(?:{prefixes})_[a-z0-9_]+", expr):
             base = re.sub(r"_(bucket|count|sum)$", "", name)
             assert name in declared or base in declared, name
     ids = [p["id"] for p in dash["panels"]]
@@ -215,10 +217,18 @@ def test_every_dashboard_query_names_an_exported_metric():
     assert all(p["gridPos"]["x"] + p["gridPos"]["w"] <= 24 for p in dash["panels"])
 
 
-def test_every_declared_metric_is_in_the_readme_table():
+def test_the_readme_tables_list_every_declared_metric_with_its_type_and_labels():
+    """The tables of README's Metrics section have one row per catalogue entry (the daemon's
+    own and the standard families), each with the entry's type and labels, and no other."""
     readme = (ROOT / "README.md").read_text()
-    missing = [m.name for m in CATALOGUE if f"`{m.name}`" not in readme]
-    assert missing == [], missing
+    section = readme.split("\n### Metrics\n", 1)[1].split("\n### ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.fullmatch(r"\| `([a-z0-9_]+)` \| (\w+) \| ([^|]*) \| .* \|", line)
+        if m:
+            assert m[1] not in rows, m[1]
+            rows[m[1]] = (m[2], m[3].strip())
+    assert rows == {m.name: (m.kind, ", ".join(m.labels)) for m in CATALOGUE}
 
 
 @pytest.mark.parametrize("name", ["kvtier.yaml", "kvtierd.service", "Dockerfile"])
