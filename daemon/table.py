@@ -321,8 +321,11 @@ class BlockTable:
         self.last_access[bid] = -np.inf
         self._count += 1
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
+            # Places every live row, this new one included: inserting it again would leave
+            # a second entry that outlives its removal.
             self._rehash(_pow2_at_least(int(2 * self._count / _MAX_LOAD)))
-        self._table_insert(ns, words, bid)
+        else:
+            self._table_insert(ns, words, bid)
         return bid
 
     def add_many(

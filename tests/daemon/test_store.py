@@ -287,6 +287,23 @@ async def test_delete_keeps_pinned_and_counts_missing(make_store, policy):
     assert store.top.slots.allocator.used_slots == 1
 
 
+async def test_regression_a_deleted_key_whose_put_grew_the_index_was_reported_existing(
+    make_store,
+):
+    """A single-key put whose new key made the block table rebuild its hash table entered
+    the block there twice; once the key was deleted, the entry left behind made the next put
+    of that key answer EXISTS and store nothing (a Get then missed it)."""
+    store, pool = make_store(Clock(), segments=65), make_pool()  # 1040 slots of 4 KiB
+    words = keys(1025)  # the table starts with room for 1024 blocks
+    for i in range(1025):
+        assert await put(store, pool, words[i : i + 1], pages=[i]) == [PutResult.STORED]
+    last = words[1024:]
+    assert (await store.delete(0, last)).deleted == 1
+    assert await put(store, pool, last, pages=[3]) == [PutResult.STORED]
+    assert await get(store, pool, last, [5]) == [True]
+    assert page_bytes(pool, 5) == page_bytes(pool, 3)
+
+
 # ------------------------------------------------------------------ two tiers
 
 

@@ -156,6 +156,21 @@ def test_add_many_matches_add_one_by_one():
     assert len(many) == len(one) == 4999
 
 
+def test_regression_a_single_add_that_grew_the_hash_table_entered_its_block_twice():
+    """``add`` rebuilt the hash table from every live row (its own new row among them) and
+    then inserted the new block again: two entries for one block. Removing it left the
+    second, so ``find_any`` (a put's view) still found the deleted key, in a freed row."""
+    table = BlockTable(initial_capacity=16)  # 32 slots: the 17th key rebuilds them
+    words = keys_to_words([os.urandom(32) for _ in range(17)])
+    bids = [table.add(0, w, 4096) for w in words]
+    table.state[bids] = READY
+    assert table.find_any(0, words).tolist() == bids
+    for bid in bids:
+        table.remove(bid)
+    assert table.find_any(0, words).tolist() == [-1] * 17
+    assert len(table) == 0
+
+
 def test_a_ref_outlives_the_reuse_of_its_row():
     table = BlockTable()
     bid = _ready(table, 0, os.urandom(32))
