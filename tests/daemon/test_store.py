@@ -22,7 +22,7 @@ from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
-from kvtier.tiers.base import BlockRef, Health, HostBuffers, TierKind
+from kvtier.tiers.base import BlockRef, Health, HostBuffers, Priority, TierKind
 from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
@@ -1623,3 +1623,110 @@ async def test_an_owner_record_that_fails_during_recovery_keeps_the_owner_recove
     ids = again.table.lookup(77, a)
     assert (again.table.owner[ids] == again.owners["alice"]).all()
     assert again.ns_owner.get(77) == again.owners["alice"]
+
+
+def _state_of(store, words) -> dict[str, object]:
+    """What a sequence of requests leaves behind: counters, where each key is held and
+    when it was last used, each tier's policy's ranking of its blocks and what the lower
+    tiers' admission rules would let in."""
+    ids = store.table.find_any(0, words)
+    rankings = []
+    for level in store.stack:
+        n = int(np.count_nonzero(store.table.slot[:, level.col] >= 0))
+        mask = store.space.evictable(level, store._clock())
+        rankings.append(level.policy.victims(n, store._clock(), mask).tolist())
+    return {
+        "counters": store.counters.flat(),
+        "ids": ids.tolist(),
+        "where": where(store, words),
+        "last_access": store.table.last_access[ids].tolist(),
+        "rankings": rankings,
+        "misses": store.space.misses.classify(store.table.identities(0, words)),
+        "admitted": [
+            level.admission.decide(word, None, store._clock()).admit
+            for level in store.stack.levels[1:]
+            for word in store.table.identities(0, words)
+        ],
+    }
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_single_key_requests_leave_the_store_as_one_batch_of_them_does(
+    make_store, policy, seed
+):
+    """Single-key requests take paths of their own (one-block touches, scalar reads of the
+    fastest tier, of a block's ref and offset, no repeat scan, a one-key table insert). A
+    sequence of single-key Puts (each naming the key before it as parent), Lookups and Gets
+    leaves the store exactly as the same keys in one request of each kind do: the same
+    answers, counters, miss reasons, tier of every key, protection clock, the ranking of
+    every tier's policy and L2's admissions. Lookups and Gets repeat keys and name keys never
+    stored; some blocks are held in L1 and L2, some in L2 only (loaded from there), and L2
+    admits a block on its second access."""
+    rng = np.random.default_rng(seed)
+    words = keys(24)
+    stored, absent = words[:20], words[20:]
+    asked = np.concatenate([stored, absent])
+    lookups = rng.integers(0, len(asked), 30)
+    # Blocks held in L1 (repeated, each into a page of its own), then L2-only ones: one Get
+    # of them all promotes those after it touched the others, as the Gets one by one do.
+    gets = rng.permutation(15)[:9]
+    gets = np.concatenate([gets, gets[:2], 15 + rng.permutation(5)[:3]])
+    gets_pages = 30 + np.arange(len(gets))
+    states, answers = [], []
+    for one_by_one in (True, False):
+        clock = Clock()
+        store = make_store(
+            clock,
+            segments=2,
+            l2_segments=4,
+            policy=policy,
+            sets=("tiers.l2.admission=second_hit", "policy.readahead_blocks=0"),
+        )
+        pool = make_pool()
+        got: list[object] = []
+        if one_by_one:
+            for i in range(len(stored)):
+                parent = stored[i - 1] if i else None
+                got += await put(store, pool, stored[i : i + 1], pages=[i], parent=parent)
+                await store.space.drain()
+        else:
+            got += await put(store, pool, stored)
+            await store.space.drain()
+        clock.now += 1.0
+        l1, l2 = store.stack[TierKind.HOST], store.stack[TierKind.DISK]
+        for i, bid in enumerate(store.table.lookup(0, stored[10:]).tolist()):
+            await store.space.place(np.array([bid]), l2, Priority.DEMAND)  # in L1 and L2
+            if i >= 5:
+                store.space.drop_copy(bid, l1)  # in L2 only
+        await store.space.drain()
+        clock.now += 1.0
+        if one_by_one:
+            for i in lookups.tolist():
+                _, tiers, _ = await store.lookup(0, asked[i : i + 1])
+                got += tiers.tolist()
+                store.space.apply_touches()
+                await store.space.drain()
+        else:
+            _, tiers, _ = await store.lookup(0, asked[lookups])
+            got += tiers.tolist()
+            store.space.apply_touches()
+            await store.space.drain()
+        clock.now += 1.0
+        if one_by_one:
+            for i, page in zip(gets.tolist(), gets_pages.tolist(), strict=True):
+                got += await get(store, pool, stored[i : i + 1], [page])
+                store.space.apply_touches()
+                await store.space.drain()
+        else:
+            got += await get(store, pool, stored[gets], gets_pages)
+            store.space.apply_touches()
+            await store.space.drain()
+        loads = zip(gets.tolist(), gets_pages.tolist(), strict=True)
+        got += [page_bytes(pool, p) == page_bytes(pool, i) for i, p in loads]
+        clock.now += 1.0
+        answers.append(got)
+        states.append(_state_of(store, asked))
+    assert answers[0] == answers[1]
+    for name in states[0]:
+        assert states[0][name] == states[1][name], name
