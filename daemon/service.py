@@ -300,7 +300,10 @@ class KVService:
         if pin:
             lease_s = self._lease_s(lease_ms)
             self._check_lease_room(session)
-        prefix, tiers, ids = await self.store.lookup(space.ns, words)
+        # Blocks found only in a key-addressed tier join the table as the namespace's
+        # tenant's, so their copies count to its usage and quotas.
+        owner = self.store.owner_of(space.owner)
+        prefix, tiers, ids = await self.store.lookup(space.ns, words, owner=owner)
         lease_id = 0
         if pin:
             found = np.unique(ids[ids >= 0])

@@ -265,18 +265,19 @@ class BlockStore:
         return f"tiers.{level.label.lower()}.segment_bytes"
 
     async def lookup(
-        self, ns: int, words: np.ndarray, *, touch: bool = True
+        self, ns: int, words: np.ndarray, *, touch: bool = True, owner: int = 0
     ) -> tuple[int, np.ndarray, np.ndarray]:
         """(prefix length, wire tier of each key (0: absent), block id of each key or -1).
 
         Keys past the locally held prefix are probed in the key-addressed tiers (one batch
-        probe per tier for the rest of the chain); blocks found there join the table."""
+        probe per tier for the rest of the chain); blocks found there join the table as
+        ``owner``'s (the tenant whose namespace ``ns`` is)."""
         ids = self.table.lookup(ns, words)
         n = len(ids)
         found = ids >= 0
         hits = int(np.count_nonzero(found))
         if hits < n and self._keyed:
-            await self._discover(ns, words, ids, int(np.argmin(found)))
+            await self._discover(ns, words, ids, int(np.argmin(found)), owner)
             found = ids >= 0
             hits = int(np.count_nonzero(found))
         if hits == n:
@@ -316,10 +317,12 @@ class BlockStore:
             for reason, k in self.space.misses.classify(missing).items():
                 c.inc("misses", k, reason=reason)
 
-    async def _discover(self, ns: int, words: np.ndarray, ids: np.ndarray, start: int) -> None:
+    async def _discover(
+        self, ns: int, words: np.ndarray, ids: np.ndarray, start: int, owner: int
+    ) -> None:
         """Probe the key-addressed tiers for ``words[start:]``; blocks of the present prefix
-        each reports gain that tier's column (new ones enter the table, size unknown until a
-        Get names it). Updates ``ids`` in place."""
+        each reports gain that tier's column (new ones enter the table as ``owner``'s, size
+        unknown until a Get names it). Updates ``ids`` in place."""
         table = self.table
         refs = [BlockRef(ns, w.tobytes()) for w in words[start:]]
         now = self._clock()
@@ -343,7 +346,7 @@ class BlockStore:
                 if ids[i] < 0:
                     if table.find_any(ns, words[i : i + 1])[0] >= 0:
                         continue  # being written right now
-                    bid = table.add(ns, words[i], 0)
+                    bid = table.add(ns, words[i], 0, owner)
                     table.state[bid] = READY
                     ids[i] = bid
                 bid = int(ids[i])

@@ -20,11 +20,12 @@ from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.store import BlockStore
+from kvtier.daemon.table import keys_to_words
 from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
 from kvtier.kernels.layout import PoolLayout
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.base import BlockRef, HostBuffers, TierKind
 from kvtier.tiers.host import HostArena
-from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
 PEER = PeerCred(pid=1, uid=1000, gid=1000)
 
@@ -37,7 +38,9 @@ class SlowStore:
         self.pins = 0
         self.counters = Counters()
 
-    async def lookup(self, ns: int, words: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    async def lookup(
+        self, ns: int, words: np.ndarray, owner: int = 0
+    ) -> tuple[int, np.ndarray, np.ndarray]:
         await self.release.wait()
         n = len(words)
         return n, np.full(n, 2, dtype=np.int32), np.arange(n, dtype=np.int64)
@@ -51,6 +54,9 @@ class SlowStore:
 
     def promote_in_background(self, bids: np.ndarray) -> None:
         pass
+
+    def owner_of(self, label: str) -> int:
+        return 0
 
     def max_block_bytes(self) -> int:
         return 1 << 20
@@ -252,6 +258,51 @@ def test_regression_a_put_that_waited_for_a_failed_owner_record_bound_past_the_n
             owner = store.owners[session.tenant]
             assert [ns for ns, o in store.ns_owner.items() if o == owner] == [b.ns]
         finally:
+            await store.stop(flush=False)
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_regression_blocks_a_lookup_found_in_l3_were_indexed_as_the_default_tenant_s():
+    """A Lookup that finds blocks only in a key-addressed tier (L3: stored there by another
+    node, or before a restart) indexes them. They were indexed as the default tenant's, not
+    as the tenant whose namespace holds them: once a Get promoted them into L1, they counted
+    to the default tenant's usage there, and to no quota of their own tenant's."""
+    seg = 64 * 1024
+
+    async def run() -> None:
+        config = Config()
+        shared = MemoryKeyTier()
+        store = BlockStore(config, tiers=[HostArena(seg, seg), shared])
+        tenants = TenantDirectory([Tenant("alice", uids=frozenset({PEER.uid}))])
+        tickets = TicketBook(FdCloser())
+        service = KVService(
+            config, store, PoolRegistry("/dev/shm"), SessionRegistry(), tickets, tenants
+        )
+        service.apply_quotas()
+        session = _open(service, tickets)
+        layout = PoolLayout.staging(
+            num_layers=1, num_pages=8, block_tokens=1, chunk_bytes=4096, kv_count=1
+        )
+        keys = [os.urandom(32) for _ in range(4)]
+        ns = service.tenants.space("alice", "").ns
+        blocks = [BlockRef(ns, k) for k in keys]
+        await shared.write(blocks, 4096, HostBuffers([memoryview(bytes(4096))] * 4))
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, layout.extent_bytes)
+            pool = service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+            assert (await service.lookup(session, keys, False, 0)).prefix_len == 4
+            loaded = await service.get(session, pool.pool_id, keys, [0, 1, 2, 3], 0)
+            assert loaded.tolist() == [True] * 4
+            ids = store.table.lookup(ns, keys_to_words(keys))
+            assert (store.table.owner[ids] == store.owners["alice"]).all()
+            l1 = {u.tenant: u.tiers[0].used_bytes for u in service.tenant_usage()}
+            assert l1 == {"alice": 4 * 4096, "default": 0}
+        finally:
+            os.close(fd)
+            service.close_session(session)
             await store.stop(flush=False)
             store.close()
 
