@@ -337,6 +337,8 @@ class KVService:
         parent = None
         if parent_key:
             parent = self._words([parent_key], what="parent_key")[0]
+        if durable:
+            self.store.check_durable()  # before the namespace is bound: refused means no change
         owner = await self._bind(session, space)
         return await self.store.put(
             pool, space.ns, words, page_arr, parent, durable=durable, owner=owner

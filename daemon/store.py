@@ -409,6 +409,14 @@ class BlockStore:
 
     # ------------------------------------------------------------------ writes
 
+    def check_durable(self) -> None:
+        """Refuse a durable put where no tier persists (``put`` checks it; the service checks
+        it before binding the put's namespace, so a refused put leaves nothing behind)."""
+        if self.stack.first_persistent() is None:
+            raise FailedPrecondition(
+                "durable puts need a persistent tier (set tiers.l2.enabled=true)"
+            )
+
     async def put(
         self,
         pool: EnginePool,
@@ -434,10 +442,8 @@ class BlockStore:
         a part has rejected keys, the later parts store nothing new.
         """
         durable_level = self.stack.first_persistent()
-        if durable and durable_level is None:
-            raise FailedPrecondition(
-                "durable puts need a persistent tier (set tiers.l2.enabled=true)"
-            )
+        if durable:
+            self.check_durable()
         n = len(words)
         step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1) if durable else n)
         results = np.full(n, _STORED, dtype=np.int32)

@@ -19,6 +19,7 @@ from kvtier.client import (
     AsyncClient,
     Client,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     Namespace,
     NotFoundError,
@@ -676,3 +677,18 @@ def test_a_lookup_timeout_bounds_that_call_only(daemon, asynchronous):
         os.kill(daemon.proc.pid, signal.SIGCONT)
     # The call's own bound, far below the client's 60 s (generous for a loaded machine).
     assert elapsed < 20
+
+
+def test_regression_a_refused_durable_put_bound_its_namespace(daemon_factory):
+    """A durable put to a daemon with no persistent tier is refused (FAILED_PRECONDITION); it
+    bound its namespace first, which then counted toward server.max_namespaces_per_tenant, so
+    the tenant's next namespace was refused though nothing had been stored."""
+    d = daemon_factory("server.max_namespaces_per_tenant=1")
+    layout = LAYOUTS["staging"]
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        with pytest.raises(FailedPreconditionError, match="persistent tier"):
+            client.put(pool.pool_id, [KEY], [0], durable=True, namespace="refused")
+        result = client.put(pool.pool_id, [KEY], [0], namespace="stored")
+        assert list(result.statuses) == [PutStatus.STORED]
+        assert client.lookup([KEY], namespace="stored").prefix_len == 1

@@ -292,7 +292,7 @@ def test_regression_blocks_a_lookup_found_in_l3_were_indexed_as_the_default_tena
         fd = os.memfd_create("kvtier-test")
         try:
             os.ftruncate(fd, layout.extent_bytes)
-            pool = service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+            pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
             assert (await service.lookup(session, keys, False, 0)).prefix_len == 4
             loaded = await service.get(session, pool.pool_id, keys, [0, 1, 2, 3], 0)
             assert loaded.tolist() == [True] * 4
