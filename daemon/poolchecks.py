@@ -25,8 +25,10 @@ class PoolChecks:
         self._released.set()
 
     async def released(self) -> None:
-        """Return once the pool is closed and the last copy using it has finished, so its
-        owner may reuse or free the memory. Called on the event loop, after ``close``."""
+        """Return once the pool is closed, the last copy using it has finished and the
+        daemon has let its memory go (a shared-memory pool's is unmapped on a worker
+        thread), so its owner may reuse or free the memory. Called on the event loop, after
+        ``close``."""
         if self._released is None:
             self._released = asyncio.Event()
         await self._released.wait()

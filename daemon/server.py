@@ -16,8 +16,9 @@ Invariants:
   Shutdown waits for such requests before it closes the store. A RegisterPool whose client
   cancelled it while the memory was mapped, or whose deadline passed by the time it would
   answer, unregisters its pool again: its client never learns the pool's id.
-- A RegisterPool maps the client's memory on a worker thread (``daemon/pools.py``): other
-  clients are answered while a pool of gigabytes is populated.
+- A RegisterPool maps the client's memory on a worker thread (``daemon/pools.py``), and an
+  UnregisterPool or a session's end unmaps it on one: other clients are answered while a
+  pool of gigabytes is populated or torn down.
 - Every RPC but OpenSession and the health service needs an open session; Check and Drain
   need an admin session. While draining, the health service answers NOT_SERVING.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
@@ -605,7 +606,7 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.store.stop(flush=self.config.tiers.l2.flush_on_stop)
-        self.pools.close()
+        await self.pools.stop()
         self.tickets.close()
         self.store.close()
         if self.config.server.socket:

@@ -1,9 +1,12 @@
-"""RegisterPool maps the client's memory on a worker thread, not on the event loop.
+"""RegisterPool maps the client's memory on a worker thread, not on the event loop, and
+unregistering a pool (or ending its session) unmaps it on one too.
 
 Each test runs a real gRPC server in this process and holds the daemon's mapping step
-(``pools._map``, where MAP_POPULATE faults in every page: seconds for a pool of several GiB)
-on a ``threading.Event``, so "a registration is being mapped" is a state the test controls,
-not a race it times. Clients run on a thread of their own, as an engine would.
+(``pools._map``, where populating faults in every page: seconds for a pool of several GiB),
+or the close of a pool's mapping (the last step of unmapping it, as slow when it does it
+all), on a ``threading.Event``, so "a registration is being mapped" or "a pool is being
+unmapped" is a state the test controls, not a race it times. Clients run on a thread of
+their own, as an engine would.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client import Client, PoolLayout, SharedMemoryPool, credentials
+from kvtier.client import Client, NotFoundError, PoolLayout, SharedMemoryPool, credentials
 from kvtier.client.flows import PoolBinding
 from kvtier.daemon import pools as pools_module
 from kvtier.daemon.config import load_config
+from kvtier.daemon.errors import NotFound
 from kvtier.daemon.server import Daemon
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -72,8 +76,59 @@ def held(monkeypatch: pytest.MonkeyPatch) -> HeldMaps:
     return maps
 
 
+class HeldMapping(mmap.mmap):
+    """A pool's mapping whose close waits until the test lets it go."""
+
+    held: HeldCloses
+
+    def close(self) -> None:
+        self.held.closing()
+        super().close()
+
+
+class HeldCloses:
+    """Stands in for the daemon's mapping step, mapping each pool as a ``HeldMapping``: the
+    close of its mapping, wherever the daemon runs it, counts itself and waits until the
+    test lets the closes go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self._entered = 0
+        self._cv = threading.Condition()
+
+    def __call__(self, fd: int, size_bytes: int, populate: bool, what: str) -> mmap.mmap:
+        buffer = HeldMapping(fd, size_bytes, flags=mmap.MAP_SHARED)
+        buffer.held = self
+        if populate:
+            pools_module._populate(buffer)
+        return buffer
+
+    def closing(self) -> None:
+        with self._cv:
+            self._entered += 1
+            self._cv.notify_all()
+        if not self.release.wait(2 * WAIT_S):
+            raise TimeoutError("the test never let the close go")
+
+    def wait_entered(self, n: int = 1) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: self._entered >= n, WAIT_S), "no close began"
+
+    @property
+    def entered(self) -> int:
+        with self._cv:
+            return self._entered
+
+
+@pytest.fixture
+def held_closes(monkeypatch: pytest.MonkeyPatch) -> HeldCloses:
+    closes = HeldCloses()
+    monkeypatch.setattr(pools_module, "_map", closes)
+    return closes
+
+
 @contextlib.asynccontextmanager
-async def running_daemon(held: HeldMaps, *overrides: str) -> AsyncIterator[Daemon]:
+async def running_daemon(held: HeldMaps | HeldCloses, *overrides: str) -> AsyncIterator[Daemon]:
     sockdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
     config = load_config(
         None,
@@ -114,10 +169,15 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.005)
 
 
+def mapped_in_this_process(name: str) -> list[str]:
+    """Mappings of the memfd ``name`` in this process (the client's and the daemon's)."""
+    with open("/proc/self/maps") as f:
+        return [line.strip() for line in f if f"/memfd:{name} " in line]
+
+
 def left_in_this_process(name: str) -> list[str]:
     """Mappings and descriptors of the memfd ``name`` this process (the daemon in it) holds."""
-    with open("/proc/self/maps") as f:
-        found = [line.strip() for line in f if f"/memfd:{name} " in line]
+    found = mapped_in_this_process(name)
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # closed meanwhile
             if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
@@ -317,3 +377,206 @@ def test_a_fully_allocated_pool_is_populated_when_it_is_mapped():
             populated.close()
     finally:
         os.close(fd)
+
+
+async def test_regression_unregistering_a_pool_held_every_other_client_until_it_was_unmapped(
+    held_closes,
+):
+    """UnregisterPool closed the pool's mapping on the event loop: the munmap of a
+    populated pool of 4 GiB took 0.25-0.7 s, during which no other client got an answer.
+    Here another client's Lookup and health check are answered while the unmapping is held;
+    the pool's id is gone at once, and the UnregisterPool answers once the daemon's mapping
+    is gone from the process (the engine may then free or reuse the memory)."""
+
+    def clients(address: str) -> None:
+        with (
+            Client(address) as engine,
+            Client(address, timeout_s=WAIT_S) as other,
+            SharedMemoryPool.for_layout(LAYOUT) as shm,
+            ThreadPoolExecutor(1) as engine_thread,
+        ):
+            pool = engine.register_pool(shm, LAYOUT)
+            assert len(mapped_in_this_process(shm.name)) == 2  # the client's and the daemon's
+            unregistering = engine_thread.submit(engine.unregister_pool, pool.pool_id)
+            try:
+                held_closes.wait_entered()
+                assert other.lookup([bytes(32)]).prefix_len == 0
+                assert other.health()
+                with pytest.raises(NotFoundError):
+                    engine.unregister_pool(pool.pool_id)
+                assert not unregistering.done()
+            finally:
+                held_closes.release.set()
+            unregistering.result(WAIT_S)
+            assert len(mapped_in_this_process(shm.name)) == 1  # the client's own
+            assert engine.check().pools == 0
+
+    async with running_daemon(held_closes) as daemon:
+        await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_regression_ending_a_session_held_other_clients_until_its_pools_were_unmapped(
+    held_closes,
+):
+    """The end of a session unmapped its pools on the event loop, as UnregisterPool did.
+    Here the engine's session ends with a pool registered: another client is answered while
+    the unmapping is held, the pool is gone from the registry at once, and the daemon's
+    mapping leaves the process when the unmapping is let go."""
+
+    def clients(address: str) -> None:
+        with (
+            Client(address, timeout_s=WAIT_S) as other,
+            SharedMemoryPool.for_layout(LAYOUT) as shm,
+        ):
+            engine = Client(address)
+            engine.register_pool(shm, LAYOUT)
+            assert len(mapped_in_this_process(shm.name)) == 2
+            try:
+                engine.close()
+                held_closes.wait_entered()
+                assert other.lookup([bytes(32)]).prefix_len == 0
+                assert other.health()
+                assert len(daemon.pools) == 0 and daemon.pools.per_session_counts() == {}
+                assert len(mapped_in_this_process(shm.name)) == 2
+            finally:
+                held_closes.release.set()
+            wait_until(lambda: len(mapped_in_this_process(shm.name)) == 1, "the pool unmapped")
+
+    async with running_daemon(held_closes) as daemon:
+        await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_regression_a_registration_voided_while_mapped_was_unmapped_on_the_event_loop(
+    monkeypatch,
+):
+    """A registration whose session ended while it was mapped closed its mapping on the
+    event loop when the mapping ended. Here the mapping, then its close, are held: another
+    client is answered while the close is, and the registration answers NOT_FOUND once the
+    mapping is gone."""
+    closes = HeldCloses()
+    maps = HeldMaps(closes)
+    monkeypatch.setattr(pools_module, "_map", maps)
+
+    async with running_daemon(maps) as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address, timeout_s=WAIT_S) as other,
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+            ):
+                assert other.session_id  # open: only the engine's session ends
+                engine = Client(address)
+                request = fd_request(engine, shm)
+                with grpc.insecure_channel(address) as channel:
+                    call = pb_grpc.KVTierStub(channel).RegisterPool.future(request, timeout=WAIT_S)
+                    try:
+                        maps.wait_entered()
+                        engine.close()
+                        wait_until(lambda: daemon.sessions.session_count == 1, "session closed")
+                        maps.release.set()
+                        closes.wait_entered()
+                        assert other.lookup([bytes(32)]).prefix_len == 0
+                        assert other.health()
+                        assert not call.done()
+                    finally:
+                        maps.release.set()
+                        closes.release.set()
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call.result()
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+                assert len(mapped_in_this_process(shm.name)) == 1
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+        assert len(daemon.pools) == 0
+
+
+async def test_a_stopped_daemon_has_unmapped_every_pool(held_closes):
+    """The daemon's stop unmaps every registered pool (on worker threads) and returns only
+    once they are gone."""
+    held_closes.release.set()
+    async with running_daemon(held_closes) as daemon:
+        engine = Client(daemon.addresses[0])
+        shm = SharedMemoryPool.for_layout(LAYOUT)
+        try:
+            for _ in range(2):
+                await asyncio.to_thread(engine.register_pool, shm, LAYOUT)
+            assert len(mapped_in_this_process(shm.name)) == 3
+            await daemon.stop()
+            assert held_closes.entered == 2
+            assert len(mapped_in_this_process(shm.name)) == 1
+        finally:
+            await asyncio.to_thread(engine.close)
+            shm.close()
+
+
+def test_a_pool_is_unmapped_only_after_its_last_copy(held_closes):
+    """Unregistering a pool a copy is using takes its id away at once and refuses new
+    copies, but the unmapping begins only when that copy ends; ``released()`` answers once
+    the mapping is gone."""
+    held_closes.release.set()
+
+    async def run() -> None:
+        registry = pools_module.PoolRegistry("/dev/shm")
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, LAYOUT.extent_bytes)
+            os.posix_fallocate(fd, 0, LAYOUT.extent_bytes)
+            pool = await registry.register_fd("s", fd, LAYOUT.extent_bytes, LAYOUT)
+        finally:
+            os.close(fd)
+        with pool.use() as memory:
+            registry.unregister("s", pool.pool_id)
+            with pytest.raises(NotFound):
+                registry.get("s", pool.pool_id)
+            with pytest.raises(NotFound), pool.use():
+                pass
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert held_closes.entered == 0 and not pool.buffer.closed
+            memory[:] = 7  # the copy still writes into the mapping
+            del memory
+        await asyncio.wait_for(pool.released(), WAIT_S)
+        assert held_closes.entered == 1 and pool.buffer.closed
+        assert mapped_in_this_process("kvtier-test") == []
+        await registry.stop()
+
+    asyncio.run(run())
+
+
+def test_unmapping_keeps_the_data_of_the_memory():
+    """``_unmap`` empties the daemon's mapping (madvise MADV_DONTNEED) before it closes it:
+    on a shared mapping that drops only the daemon's view of the pages, and what was written
+    through it stays in the object for its owner."""
+    size = 4 << 20
+    fd = os.memfd_create("kvtier-test")
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        owner = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        daemon = pools_module._map(fd, size, True, "the memory file")
+    finally:
+        os.close(fd)
+    try:
+        pattern = np.arange(size, dtype=np.uint64).view(np.uint8)[:size]
+        np.frombuffer(daemon, dtype=np.uint8)[:] = pattern
+        pools_module._unmap(daemon, "a test pool")
+        assert daemon.closed
+        assert len(mapped_in_this_process("kvtier-test")) == 1
+        assert np.array_equal(np.frombuffer(owner, dtype=np.uint8), pattern)
+    finally:
+        owner.close()
+
+
+def test_a_mapping_with_a_view_left_is_not_closed_and_keeps_its_data(caplog):
+    """A view of a pool's memory still alive at unmap (none should be) refuses the close:
+    the mapping stays, logged, until the view goes, and reads what it held."""
+    size = 1 << 20
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_SHARED)
+    view = np.frombuffer(buffer, dtype=np.uint8)
+    view[:] = 3
+    pools_module._unmap(buffer, "a test pool")
+    assert not buffer.closed
+    assert "a test pool still has views at unmap" in caplog.text
+    assert (view == 3).all()
+    del view
+    buffer.close()
