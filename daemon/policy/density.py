@@ -659,7 +659,133 @@ class DensityPolicy(InsertEach, Hinted):
     def replace(self, bid: int, parent: int, now: float) -> int:
         """A miss of a full tier in one call (the replayer's per-miss step, see the module
         ``kvtier.daemon.policy.base``): as ``victim(now, bid)``, then ``admits`` and
-        ``remove`` plus ``insert``, or ``note_miss``, would answer and leave the policy."""
+        ``remove`` plus ``insert``, or ``note_miss``, would answer and leave the policy.
+
+        The common case (the buffer's head is the victim, no live hint) is those steps
+        written out in one frame, as they set the replayer's speed: the incoming block's
+        class is computed once, for its admission and its new life, and the victim's
+        density is its buffer entry's. Anything else takes ``_replace_by_steps``."""
+        if bid >= self._size:
+            self._grow(bid + 1)
+        state_v = self._state_v
+        if not self._resident or self._hinted_until >= now or state_v[bid] == _RESIDENT:
+            return self._replace_by_steps(bid, parent, now)
+        q = self._q if now == self._q_now else self._quantise(now)
+        if q != self._buf_q or self._buf_version != self._version:
+            self._rebuild(q, complete=False)
+        # The victim: ``_first_in_buffer``.
+        buf = self._buf
+        stamp_v, kids_v = self._stamp_v, self._kids_v
+        i, end = self._cur, len(buf)
+        while i < end:
+            e = buf[i]
+            out = e[3]
+            if state_v[out] == _RESIDENT and stamp_v[out] == e[4] and kids_v[out] == 0:
+                break
+            i += 1
+        self._cur = i
+        if i == end:
+            return self._replace_by_steps(bid, parent, now)
+        self._pick = (out, e[4], e[0])
+        self._taken += 1
+        # The class of the life the access starts (``_access``), which admission weighs (no
+        # hint is live, so the incoming block's density is its class's at age 0).
+        cnt_v, depth_v, turn_v = self._cnt_v, self._depth_v, self._turn_v
+        classify = self._classify
+        count = cnt_v[bid]
+        if count:
+            age = (now - self._last_v[bid]) / self._quantum
+            if age < 1.0:
+                gap = 0
+            else:
+                gap = 1 + int(2.0 * math.log2(age))
+                if gap >= AGE_BUCKETS:
+                    gap = AGE_BUCKETS - 1
+            depth, turn = depth_v[bid], turn_v[bid]
+            new_count = count + 1 if count < _MAX_COUNT else count
+            cls = (
+                classify.count[new_count if new_count < 18 else 17]
+                + classify.gap[gap]
+                + classify.depth[depth if depth < 8 else 8]
+            )
+        else:
+            depth = turn = 0
+            if 0 <= parent < self._size:  # ``_lineage``
+                parent_count = cnt_v[parent]
+                if parent_count > 0:
+                    depth = min(depth_v[parent] + 1, 1 << 30)
+                    turn = min(turn_v[parent] + (1 if parent_count >= 2 else 0), 255)
+            cls = classify.count[1] + classify.depth[depth if depth < 8 else 8]
+        cls += classify.turn[turn if turn < 6 else 6]
+        dens = self._rows[cls][0]
+        # The access (``_access``), kept or not.
+        if now > self._now:
+            self._now = now
+        self._accesses += 1
+        if count:
+            if state_v[bid] != _CLOSED:
+                k = self._cls_v[bid] * AGE_BUCKETS + gap
+                self.model.hits[k] += 1
+                self.model.ends[k] += 1
+            if new_count != count:
+                cnt_v[bid] = new_count
+        else:
+            depth_v[bid] = depth
+            turn_v[bid] = turn
+            cnt_v[bid] = 1
+        self._cls_v[bid] = cls
+        self._last_v[bid] = now
+        self._decided += 1
+        if self._admission and dens < e[0]:
+            # Declined: ``note_miss``.
+            state_v[bid] = _GHOST
+            self._evseq_v[bid] = self._evictions
+            if self._accesses >= self._next_table and self._table_may_fall_due():
+                self._new_table(now)
+            return DECLINED
+        # ``remove(out)``.
+        quantum = self._quantum
+        until_v = self._until_v
+        state_v[out] = _GHOST
+        self._evictions += 1
+        self._evseq_v[out] = self._evictions
+        p = self._parent_v[out]
+        ins_v = self._ins_v
+        if p >= 0 and state_v[p] == _RESIDENT and ins_v[p] < ins_v[out]:
+            kids_v[p] -= 1
+            if kids_v[p] == 0 and until_v[p] < q + quantum:
+                # A new leaf (the buffer is current): held if it ranks at or below the bound.
+                last = self._last_v[p]
+                age = (q - last) / quantum
+                if age < 1.0:
+                    x = 0
+                else:
+                    x = 1 + int(2.0 * math.log2(age))
+                    if x >= AGE_BUCKETS:
+                        x = AGE_BUCKETS - 1
+                pdens = self._rows[self._cls_v[p]][x]
+                if pdens <= self._bound:
+                    bisect.insort(buf, (pdens, last, -depth_v[p], p, stamp_v[p]), lo=i)
+        # ``insert(bid, now, parent)``, with the class above.
+        state_v[bid] = _RESIDENT
+        self._seq += 1
+        seq = self._seq
+        ins_v[bid] = seq
+        stamp_v[bid] = seq
+        kids_v[bid] = 0
+        if 0 <= parent < self._size and parent != bid and state_v[parent] == _RESIDENT:
+            self._parent_v[bid] = parent
+            kids_v[parent] += 1
+        else:
+            self._parent_v[bid] = -1
+        if dens <= self._bound and until_v[bid] < q + quantum:
+            bisect.insort(buf, (dens, now, -depth, bid, seq), lo=i)
+        if self._accesses >= self._next_table and self._table_may_fall_due():
+            self._new_table(now)
+        return int(out)
+
+    def _replace_by_steps(self, bid: int, parent: int, now: float) -> int:
+        """``replace`` as the calls it stands for."""
         out = -1
         if self._resident and self._hinted_until < now:
             self._current_buffer(now)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from density_training import roots_come_back
 
+from kvtier.daemon.policy.base import DECLINED, NO_VICTIM
 from kvtier.daemon.policy.density import (
     AGE_BUCKETS,
     CLASSES,
@@ -554,3 +555,72 @@ def test_touch_many_equals_a_loop_of_touch(seed: int) -> None:
             assert np.array_equal(getattr(vec, name), getattr(ref, name)), name
         assert vec.victims(50, now, None).tolist() == ref.victims(50, now, None).tolist()
     assert vec.stats().tables > 5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(seed: int) -> None:
+    """``replace`` (written out for the replayer) leaves exactly the state the steps it
+    stands for do, where the contract test does not reach: ids past the per-id arrays (they
+    grow), ages past the last bucket, a buffer used up within one quantum (many misses per
+    quantum), and a victim that is the incoming block's parent."""
+    rng = np.random.default_rng(seed)
+    params = {"capacity_blocks": 300, "quantum_s": 100.0, "period": 600, "initial_ids": 8}
+    fused, steps = DensityPolicy(**params), DensityPolicy(**params)
+    resident: set[int] = set()
+    now = 0.0
+    outcomes: set[int] = set()
+    prev = -1
+    for step in range(6000):
+        now += float(rng.exponential(0.3)) if rng.random() > 0.002 else 1e7
+        bid = int(rng.integers(0, 400 + step // 3))
+        if bid in resident:
+            fused.touch(bid, now)
+            steps.touch(bid, now)
+            continue
+        # Chains: often the block before, which may well be the victim.
+        parent = prev if prev in resident and rng.random() < 0.5 else -1
+        prev = bid
+        if len(resident) < 300:
+            for p in (fused, steps):
+                p.insert(bid, now, parent)
+            resident.add(bid)
+            continue
+        got = fused.replace(bid, parent, now)
+        out = steps.victim(now, bid)
+        if out < 0:
+            steps.note_miss(bid, parent, now)
+            want = NO_VICTIM
+        elif not steps.admits(bid, parent, out, now):
+            steps.note_miss(bid, parent, now)
+            want = DECLINED
+        else:
+            steps.remove(out)
+            steps.insert(bid, now, parent)
+            want = out
+        assert got == want, step
+        outcomes.add(got if got < 0 else int(got == parent))
+        if got >= 0:
+            resident.discard(got)
+            resident.add(bid)
+    assert outcomes == {DECLINED, 0, 1}  # declines, and victims that were and were not the parent
+    assert fused.stats() == steps.stats()
+    assert fused.stats().buffer_rebuilds > 20
+    assert fused.model.hits == steps.model.hits and fused.model.ends == steps.model.ends
+    for name in (
+        "_state",
+        "_last",
+        "_cls",
+        "_cnt",
+        "_depth",
+        "_turn",
+        "_parent",
+        "_kids",
+        "_ins",
+        "_evseq",
+        "_stamp",
+        "_until",
+    ):
+        assert np.array_equal(getattr(fused, name), getattr(steps, name)), name
+    assert np.array_equal(fused.table, steps.table)
+    assert (fused._buf, fused._cur, fused._bound) == (steps._buf, steps._cur, steps._bound)
+    assert fused.victims(300, now, None).tolist() == steps.victims(300, now, None).tolist()
