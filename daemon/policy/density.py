@@ -97,13 +97,18 @@ def _onehot(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (groups[None, :] == np.arange(groups.max() + 1)[:, None]).astype(np.float64), groups
 
 
-_GROUPS = (
+_LEVELS = (
     _onehot(np.where(_FREQ_OF == 0, 0, 1 + (_FREQ_OF - 1) // 4)),
     _onehot(_FREQ_OF),
 )
-_FINEST = _GROUPS[-1][1]  # each class's finest group
+_FINEST = _LEVELS[-1][1]  # each class's finest group
 _FIRST_OF_FINEST = np.searchsorted(_FINEST, np.arange(_N_FREQ))  # classes run by group
+# Per level: the (group x class) matrix, and each finest group's group at that level.
+_GROUPS = tuple((onehot, groups[_FIRST_OF_FINEST]) for onehot, groups in _LEVELS)
 _MAX_COUNT = 65535
+# Density rows computed at once: more made temporaries large enough that allocating them (the
+# allocator hands their pages back each time) cost more than the arithmetic.
+_DENSITY_ROWS = 32
 _ONE = np.zeros(1, dtype=np.int64)
 # touch_many: below this many blocks the scalar loop is as fast.
 _VECTOR_MIN = 16
@@ -216,9 +221,15 @@ class ReuseModel:
         self.past_hits = np.zeros((CLASSES, AGE_BUCKETS))
         self.past_ends = np.zeros((CLASSES, AGE_BUCKETS))
         self._widths = bucket_widths()
-        # Horizons of at least ``min_horizon`` buckets (the last bucket always qualifies).
-        self._upper = np.triu(np.ones((AGE_BUCKETS, AGE_BUCKETS), dtype=bool), k=min_horizon - 1)
-        self._upper[:, -1] = True
+        # Horizons of at least ``min_horizon`` buckets (the last bucket always qualifies):
+        # the (age, horizon end) pairs by age, where each age's run starts, and the ages
+        # some horizon is too near for.
+        upper = np.triu(np.ones((AGE_BUCKETS, AGE_BUCKETS), dtype=bool), k=min_horizon - 1)
+        upper[:, -1] = True
+        age, horizon = np.nonzero(upper)
+        self._pairs = (age, horizon + 1)
+        self._first_pair = np.searchsorted(age, np.arange(AGE_BUCKETS))
+        self._near = ~upper.all(axis=1)
 
     def totals(self) -> tuple[np.ndarray, np.ndarray]:
         """Reuses and ended lives per class and age bucket: the decayed history plus the
@@ -233,57 +244,87 @@ class ReuseModel:
         """Densities (hits per block-quantum), shape (CLASSES, AGE_BUCKETS), given the open
         lives per class and bucket; then the counts fold into the history, aged by
         ``decay``."""
+        return self.table_rows(open_lives)[0]
+
+    def table_rows(self, open_lives: np.ndarray) -> tuple[np.ndarray, list[list[float]]]:
+        """``table``, and the same densities as a list of rows (``table.tolist()``, a class
+        without lives of its own sharing its group's row object)."""
         hits, ends = self.totals()
-        hazard, group = self._hazards(hits, ends, open_lives)
         # A class without lives of its own has its finest group's hazard: compute each
         # group's row once, and the rows of the classes with lives.
-        table = self._densities(group[_FIRST_OF_FINEST])[_FINEST]
         seen = np.flatnonzero((ends + open_lives).any(axis=1))
-        if len(seen):
-            table[seen] = self._densities(hazard[seen])
+        hazard, group = self._hazards(hits, ends, open_lives, seen)
+        densities = self._densities(np.concatenate((group, hazard)))
+        row_of = _FINEST.copy()
+        row_of[seen] = np.arange(_N_FREQ, _N_FREQ + len(seen))
+        distinct = densities.tolist()
+        rows = [distinct[r] for r in row_of.tolist()]
         self.past_hits = hits * self.decay
         self.past_ends = ends * self.decay
         self.hits = _counters()
         self.ends = _counters()
-        return np.asarray(table)
+        return densities[row_of], rows
 
     def hazard(self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray) -> np.ndarray:
         """Reuse hazard per class and age bucket: reuses over lives at risk, each class
         smoothed towards its coarser groups' hazard (all lives, then its access count, then
         its count and gap) by ``prior`` lives of evidence."""
-        return self._hazards(hits, ends, open_lives)[0]
+        return self._hazards(hits, ends, open_lives, np.arange(CLASSES))[0]
 
     def _hazards(
-        self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray
+        self, hits: np.ndarray, ends: np.ndarray, open_lives: np.ndarray, classes: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The classes' hazards and, per class, its finest group's."""
+        """The hazards of ``classes``, and each finest group's (one row per group)."""
         # At risk in bucket x: every life that reached x (ended at x or later, or still open
         # at an age of x or more).
         risk = np.cumsum((ends + open_lives)[:, ::-1], axis=1)[:, ::-1]
-        for _ in range(self.smooth):
-            hits, risk = _smoothed(hits), _smoothed(risk)
+        if self.smooth:
+            # A class without events stays 0 when smoothed: only the others are.
+            some = np.flatnonzero(hits.any(axis=1) | risk.any(axis=1))
+            some_hits, some_risk = hits[some], risk[some]
+            for _ in range(self.smooth):
+                some_hits, some_risk = _smoothed(some_hits), _smoothed(some_risk)
+            hits, risk = np.zeros(hits.shape), np.zeros(risk.shape)
+            hits[some], risk[some] = some_hits, some_risk
         k = self.prior
-        h = np.broadcast_to(_ratio(hits.sum(0), risk.sum(0) + k, 0.0), hits.shape)
-        for onehot, groups in _GROUPS:
-            h = _ratio((onehot @ hits)[groups] + k * h, (onehot @ risk)[groups] + k, h)
+        # Every class of a group has the group's hazard, so each level is computed once per
+        # finest group (row), and spread over the classes at the end.
+        h = np.broadcast_to(_ratio(hits.sum(0), risk.sum(0) + k, 0.0), (_N_FREQ, AGE_BUCKETS))
+        for onehot, of_finest in _GROUPS:
+            h = _ratio((onehot @ hits)[of_finest] + k * h, (onehot @ risk)[of_finest] + k, h)
         group = np.clip(h, 0.0, 1.0)
-        h = _ratio(hits + k * h, risk + k, h)
+        h = h[_FINEST[classes]]
+        h = _ratio(hits[classes] + k * h, risk[classes] + k, h)
         return np.clip(h, 0.0, 1.0), group
 
     def _densities(self, hazard: np.ndarray) -> np.ndarray:
         """Per row of reuse hazards by age bucket: for each age, the best ratio over horizons
         of the chance of a reuse before the horizon to the expected time held."""
+        if len(hazard) > _DENSITY_ROWS:
+            return np.concatenate(
+                [
+                    self._densities(hazard[i : i + _DENSITY_ROWS])
+                    for i in range(0, len(hazard), _DENSITY_ROWS)
+                ]
+            )
         rows = len(hazard)
         # survival[:, x]: alive at the start of bucket x
         survival = np.concatenate((np.ones((rows, 1)), np.cumprod(1.0 - hazard, axis=1)), axis=1)
         held = survival[:, :-1] * self._widths * (1.0 - hazard / 2.0)
         occupancy = np.concatenate((np.zeros((rows, 1)), np.cumsum(held, axis=1)), axis=1)
-        # density[c, i] = max over j >= i of (S_i - S_{j+1}) / (Occ_{j+1} - Occ_i)
-        num = survival[:, :-1, None] - survival[:, None, 1:]
-        den = occupancy[:, None, 1:] - occupancy[:, :-1, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(self._upper & (den > 0), num / den, 0.0)
-        return np.asarray(ratio.max(axis=2))
+        # density[c, i] = max over horizons j of (S_i - S_{j+1}) / (Occ_{j+1} - Occ_i), 0 where
+        # the time held is 0; ages with a horizon too near count 0 as well. Only the (i, j)
+        # pairs of horizons are computed.
+        age, end = self._pairs
+        num = survival[:, age]
+        num -= survival[:, end]
+        den = occupancy[:, end]
+        den -= occupancy[:, age]
+        ratio = np.zeros_like(num)
+        np.divide(num, den, out=ratio, where=den > 0)
+        best = np.maximum.reduceat(ratio, self._first_pair, axis=1)
+        np.maximum(best, 0.0, out=best, where=self._near)
+        return best
 
 
 def _counters() -> array[int]:
@@ -303,7 +344,10 @@ def _smoothed(a: np.ndarray) -> np.ndarray:
     """``a`` averaged along the age axis with its neighbours (weights 1/4, 1/2, 1/4; the
     ends reflect), so that a few events in one bucket do not make a spike."""
     padded = np.concatenate((a[:, :1], a, a[:, -1:]), axis=1)
-    return np.asarray(0.25 * padded[:, :-2] + 0.5 * padded[:, 1:-1] + 0.25 * padded[:, 2:])
+    out = 0.25 * padded[:, :-2]
+    out += 0.5 * padded[:, 1:-1]
+    out += 0.25 * padded[:, 2:]
+    return out
 
 
 class DensityPolicy(InsertEach, Hinted):
@@ -1090,8 +1134,7 @@ class DensityPolicy(InsertEach, Hinted):
             (now - self._last[live]) / self._quantum
         )
         open_lives = np.bincount(idx, minlength=CLASSES * AGE_BUCKETS).astype(np.float64)
-        self._table = self.model.table(open_lives.reshape(CLASSES, AGE_BUCKETS))
-        self._rows = self._table.tolist()
+        self._table, self._rows = self.model.table_rows(open_lives.reshape(CLASSES, AGE_BUCKETS))
         self._version += 1
         self._tables += 1
         self._next_table = self._period_now()

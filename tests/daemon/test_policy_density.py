@@ -624,3 +624,46 @@ def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(se
     assert np.array_equal(fused.table, steps.table)
     assert (fused._buf, fused._cur, fused._bound) == (steps._buf, steps._cur, steps._bound)
     assert fused.victims(300, now, None).tolist() == steps.victims(300, now, None).tolist()
+
+
+def _densities_by_definition(hazard: np.ndarray, min_horizon: int) -> list[float]:
+    """For each age bucket i, the best over horizon ends j + 1 (j >= i + min_horizon - 1, or
+    the last bucket) of (S_i - S_{j+1}) / (held from i to j + 1), 0 where nothing is held;
+    horizons too near count 0."""
+    widths = bucket_widths()
+    survival, occupancy = [1.0], [0.0]
+    for x in range(AGE_BUCKETS):
+        survival.append(survival[-1] * (1.0 - hazard[x]))
+        occupancy.append(occupancy[-1] + survival[x] * widths[x] * (1.0 - hazard[x] / 2.0))
+    out = []
+    for i in range(AGE_BUCKETS):
+        best = -math.inf
+        for j in range(AGE_BUCKETS):
+            held = occupancy[j + 1] - occupancy[i]
+            horizon = j >= i + min_horizon - 1 or j == AGE_BUCKETS - 1
+            ratio = (survival[i] - survival[j + 1]) / held if horizon and held > 0 else 0.0
+            best = max(best, ratio)
+        out.append(best)
+    return out
+
+
+@pytest.mark.parametrize("min_horizon", [1, 3])
+def test_table_rows_are_the_table_and_densities_by_definition(min_horizon: int) -> None:
+    """``table_rows``: the table, and its rows as lists (what the per-access path reads);
+    each class's row is the best reuse chance per block-time over its horizons, from its
+    hazards (a class without lives of its own: its group's)."""
+    rng = np.random.default_rng(5)
+    model = ReuseModel(prior=2.0, decay=1.0, smooth=1, min_horizon=min_horizon)
+    hits = rng.poisson(0.5, size=(CLASSES, AGE_BUCKETS)).astype(np.float64)
+    ends = hits + rng.poisson(1.0, size=hits.shape)
+    hits[::3] = ends[::3] = 0  # classes without lives of their own
+    open_lives = np.zeros_like(hits)
+    open_lives[1::5, 20] = 4
+    model.past_hits, model.past_ends = hits, ends
+    hazard = model.hazard(hits, ends, open_lives)
+    table, rows = model.table_rows(open_lives)
+    assert rows == table.tolist()
+    for cls in (0, 1, 2, 3, 121, CLASSES - 2, CLASSES - 1):
+        want = _densities_by_definition(hazard[cls], min_horizon)
+        assert table[cls].tolist() == pytest.approx(want, rel=1e-9, abs=1e-15), cls
+    assert len({tuple(r) for r in rows}) > 50  # the classes differ
