@@ -459,6 +459,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._q_now = math.nan
         self._q = math.nan
         self._size = 0
+        self._used = 0  # see ``_use``
         self._alloc(max(1, initial_ids))
 
     # ------------------------------------------------------------------ protocol
@@ -468,8 +469,8 @@ class DensityPolicy(InsertEach, Hinted):
         return self._fixed_capacity or max(self._high_water, 1)
 
     def insert(self, bid: int, now: float, parent: int = -1) -> None:
-        if bid >= self._size:
-            self._grow(bid + 1)
+        if bid >= self._used:
+            self._use(bid)
         state_v = self._state_v
         if state_v[bid] == _RESIDENT:
             self.touch(bid, now)
@@ -709,8 +710,8 @@ class DensityPolicy(InsertEach, Hinted):
         written out in one frame, as they set the replayer's speed: the incoming block's
         class is computed once, for its admission and its new life, and the victim's
         density is its buffer entry's. Anything else takes ``_replace_by_steps``."""
-        if bid >= self._size:
-            self._grow(bid + 1)
+        if bid >= self._used:
+            self._use(bid)
         state_v = self._state_v
         if not self._resident or self._hinted_until >= now or state_v[bid] == _RESIDENT:
             return self._replace_by_steps(bid, parent, now)
@@ -964,8 +965,8 @@ class DensityPolicy(InsertEach, Hinted):
     def note_miss(self, bid: int, parent: int, now: float) -> None:
         """``bid`` was read or stored but this tier does not keep it (declined, or no room):
         the access still ends its previous life and starts a new one."""
-        if bid >= self._size:
-            self._grow(bid + 1)
+        if bid >= self._used:
+            self._use(bid)
         if self._state_v[bid] == _RESIDENT:
             self.touch(bid, now)
             return
@@ -1118,7 +1119,7 @@ class DensityPolicy(InsertEach, Hinted):
 
     def _new_table(self, now: float) -> None:
         """Close expired ghosts, count the open lives, and rebuild the density table."""
-        size = self._size
+        size = self._used
         state = self._state[:size]
         window = self._ghost_factor * self.capacity
         ghosts = np.flatnonzero(state == _GHOST)
@@ -1144,7 +1145,7 @@ class DensityPolicy(InsertEach, Hinted):
         """The buffer for quantum ``q``: the lowest-keyed leaves (all with ``complete``),
         leaving out blocks hinted past the quantum."""
         self._rebuilds += 1
-        size = self._size
+        size = self._used
         live = (self._state[:size] == _RESIDENT) & (self._kids[:size] == 0)
         if self._hinted_until >= q + self._quantum:
             live &= self._until[:size] < q + self._quantum
@@ -1309,6 +1310,14 @@ class DensityPolicy(InsertEach, Hinted):
 
     def _grow(self, needed: int) -> None:
         self._alloc(max(needed, 2 * self._size))
+
+    def _use(self, bid: int) -> None:
+        """``bid`` is given a life: the ids below ``_used`` hold every block with a life,
+        where the scans of ``_rebuild`` and ``_new_table`` stop (a replay's ids are dense
+        and come in order)."""
+        if bid >= self._size:
+            self._grow(bid + 1)
+        self._used = bid + 1
 
 
 # Per-id arrays: name, dtype, value of an unknown id.
