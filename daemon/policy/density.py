@@ -46,7 +46,7 @@ a block that changes at or below the bound is inserted at its place; a parent th
 leaf likewise. The buffer is rebuilt (vectorised) when the quantum or table changes or it runs
 out. Per access: O(1) Python steps plus a log-time insert for low-density blocks.
 
-Memory: 51 bytes per id of per-block arrays, the buffer (a fraction of the leaves), and the
+Memory: 58 bytes per id of per-block arrays, the buffer (a fraction of the leaves), and the
 statistics (classes x buckets, fixed). Ghost lives are per-id entries too: no separate table.
 
 Id reuse: links are followed only while the parent is resident and was inserted before the

@@ -24,7 +24,7 @@ LAYOUT = PoolLayout.staging(
 
 def kvtier(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli.main", *args],
+        [sys.executable, "-m", "kvtier.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
