@@ -30,7 +30,8 @@ Invariants:
   nobody registers is closed, as is the descriptor it was made from.
 - A pool is unmapped only once no copy uses it (``use()``): unregistering takes its id away
   at once (new requests are NOT_FOUND), the unmapping starts when the last copy ends, and
-  ``released()`` answers when it is done. ``stop()`` waits for every unmapping under way.
+  ``released()`` answers when it is done. ``stop()`` waits for every unmapping under way,
+  and for every registration being mapped (which it voids) to unmap what it mapped.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -166,12 +167,13 @@ EnginePool: TypeAlias = "Pool | CudaPool"
 
 @dataclass(eq=False, slots=True)
 class _Pending:
-    """A registration whose memory is being mapped: it holds its pool id and a place in its
-    session's count; ``void`` is why it may no longer register (its session ended, or the
-    registry closed)."""
+    """A registration whose memory is being mapped (``mapped``: its job on a worker thread):
+    it holds its pool id and a place in its session's count; ``void`` is why it may no longer
+    register (its session ended, or the registry closed)."""
 
     pool_id: int
     session_id: str
+    mapped: asyncio.Future[tuple[mmap.mmap, bool]]
     void: KvtierError | None = None
 
 
@@ -341,11 +343,14 @@ class PoolRegistry:
 
     async def stop(self) -> None:
         """``close``, then wait until every pool it let go (and every other unmapping under
-        way) is unmapped, and end the worker threads. A pool a copy still uses is unmapped
-        when the copy ends."""
+        way) is unmapped, and every registration it voided has unmapped what it mapped, and
+        end the worker threads. A pool a copy still uses is unmapped when the copy ends."""
         self.close()
-        while self._unmapping:
-            await asyncio.wait(list(self._unmapping))
+        # A voided registration leaves ``_pending`` once its mapping ends, in the step that
+        # starts unmapping it.
+        while self._pending or self._unmapping:
+            waits: set[asyncio.Future[Any]] = {p.mapped for p in self._pending.values()}
+            await asyncio.wait(waits | self._unmapping)
         if self._workers is not None:
             self._workers.shutdown(wait=False)
             self._workers = None
@@ -384,7 +389,7 @@ class PoolRegistry:
         """Map ``fd`` (which this call owns and closes) on a worker thread, then register it,
         unless the registration was voided meanwhile (see the module invariants)."""
         try:
-            pending = _Pending(self._new_id(), session_id)
+            pool_id = self._new_id()
             # Populate only memory that exists: faulting in a sparse object's holes would
             # allocate them, charged to the daemon, however large the client declared it.
             populate = st.st_blocks * 512 >= size_bytes
@@ -392,13 +397,14 @@ class PoolRegistry:
         except BaseException:
             os.close(fd)
             raise
-        self._pending[pending.pool_id] = pending
+        pending = _Pending(pool_id, session_id, asyncio.wrap_future(job))
+        self._pending[pool_id] = pending
         self._pending_per_session[session_id] += 1
         try:
             try:
                 # Shielded: a cancel (only the loop's own end cancels a request, see
                 # ``server._rpc``) leaves the job running; the mapping is closed when it ends.
-                buffer, sealed = await asyncio.shield(asyncio.wrap_future(job))
+                buffer, sealed = await asyncio.shield(pending.mapped)
             except asyncio.CancelledError:
                 job.add_done_callback(_close_mapping)
                 raise

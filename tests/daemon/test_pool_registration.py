@@ -343,6 +343,49 @@ async def test_a_daemon_that_stops_while_a_pool_is_mapped_registers_nothing(held
             shm.close()
 
 
+async def test_regression_a_daemon_stop_returned_while_a_registration_was_still_being_mapped(held):
+    """The daemon's stop closed the registry (voiding the registration being mapped) and
+    ended its worker threads without waiting for that mapping: stop returned with the
+    registration still to be mapped, and its mapping was then made and unmapped after the
+    daemon had stopped, on worker threads started again for it and never ended. With no
+    time to drain (the call is cancelled at once), stop now waits for the registration:
+    when it returns the mapping is made, unmapped, and gone from the process."""
+
+    async with running_daemon(held, "server.drain_timeout_s=0") as daemon:
+
+        def register(address: str) -> tuple[Client, SharedMemoryPool, Any]:
+            engine = Client(address)
+            shm = SharedMemoryPool.for_layout(LAYOUT)
+            call = engine.stub.RegisterPool.future(fd_request(engine, shm))
+            held.wait_entered()
+            return engine, shm, call
+
+        engine, shm, call = await asyncio.to_thread(register, daemon.addresses[0])
+        closed = threading.Event()
+        close = daemon.pools.close
+
+        def closing() -> None:
+            close()
+            closed.set()
+
+        daemon.pools.close = closing  # type: ignore[method-assign]
+        try:
+            stopping = asyncio.create_task(daemon.stop())
+            while not closed.is_set():
+                await asyncio.sleep(0.005)
+            held.release.set()  # the registration is voided: its mapping may end now
+            await asyncio.wait_for(stopping, WAIT_S)
+            assert len(held.buffers) == 1 and held.buffers[0].closed
+            assert len(mapped_in_this_process(shm.name)) == 1  # the client's own
+            assert len(daemon.pools) == 0
+            with pytest.raises(grpc.RpcError):
+                await asyncio.to_thread(call.result, WAIT_S)
+        finally:
+            held.release.set()
+            await asyncio.to_thread(engine.close)
+            shm.close()
+
+
 def _resident_bytes(buffer: mmap.mmap) -> int:
     """Rss of the mapping ``buffer``, as /proc/self/smaps counts it."""
     view = np.frombuffer(buffer, dtype=np.uint8)
