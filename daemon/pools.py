@@ -200,6 +200,7 @@ class PoolRegistry:
         self._unmapping: set[asyncio.Future[None]] = set()
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
+        self._stopped = False  # its threads are ended: what is left is unmapped inline
         self.counters: Counter[str] = Counter()
         # A client breaking its pools in a loop must not flood the log.
         self._ratelog = RateLimitedLog(log, log_interval_s)
@@ -344,13 +345,15 @@ class PoolRegistry:
     async def stop(self) -> None:
         """``close``, then wait until every pool it let go (and every other unmapping under
         way) is unmapped, and every registration it voided has unmapped what it mapped, and
-        end the worker threads. A pool a copy still uses is unmapped when the copy ends."""
+        end the worker threads. A pool a copy still uses is unmapped when the copy ends, on
+        the thread that ends it."""
         self.close()
         # A voided registration leaves ``_pending`` once its mapping ends, in the step that
         # starts unmapping it.
         while self._pending or self._unmapping:
             waits: set[asyncio.Future[Any]] = {p.mapped for p in self._pending.values()}
             await asyncio.wait(waits | self._unmapping)
+        self._stopped = True
         if self._workers is not None:
             self._workers.shutdown(wait=False)
             self._workers = None
@@ -434,17 +437,21 @@ class PoolRegistry:
 
     def _unmap_pool(self, pool: Pool) -> None:
         """A registered pool's ``unmapper``: called (on the event loop) once no copy uses
-        the pool. Without a running loop (a registry driven outside the daemon) the pool is
+        the pool. Without a running loop (a registry driven outside the daemon), or once the
+        registry has stopped (its threads are ended: a copy outlasted the stop), the pool is
         unmapped here, at once."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            _unmap(pool.buffer, f"pool {pool.pool_id}")
-            pool._mark_released()
-            return
-        self._unmap_off_loop(pool.buffer, f"pool {pool.pool_id}").add_done_callback(
-            lambda _: pool._mark_released()
-        )
+        if not self._stopped:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass
+            else:
+                self._unmap_off_loop(pool.buffer, f"pool {pool.pool_id}").add_done_callback(
+                    lambda _: pool._mark_released()
+                )
+                return
+        _unmap(pool.buffer, f"pool {pool.pool_id}")
+        pool._mark_released()
 
     def _add(self, pool: Pool) -> Pool:
         pool.on_fault = self._faulted

@@ -586,6 +586,38 @@ def test_a_pool_is_unmapped_only_after_its_last_copy(held_closes):
     asyncio.run(run())
 
 
+def test_regression_a_pool_in_use_when_the_registry_stopped_started_its_threads_again(
+    held_closes,
+):
+    """A pool a copy still used when the registry stopped (a request that outlasted the
+    daemon's drain) was unmapped, once the copy ended, through a pool of worker threads
+    started again after the stop and never ended. Now the registry, once stopped, unmaps on
+    the caller's thread, as it does without an event loop: no thread of it is left."""
+    held_closes.release.set()
+
+    def map_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kvtier-map")}
+
+    async def run() -> None:
+        registry = pools_module.PoolRegistry("/dev/shm")
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, LAYOUT.extent_bytes)
+            pool = await registry.register_fd("s", fd, LAYOUT.extent_bytes, LAYOUT)
+        finally:
+            os.close(fd)
+        started = map_threads()
+        with pool.use():
+            await registry.stop()  # returns: the copy keeps the pool mapped
+            assert not pool.buffer.closed
+        await asyncio.wait_for(pool.released(), WAIT_S)
+        assert held_closes.entered == 1 and pool.buffer.closed
+        assert mapped_in_this_process("kvtier-test") == []
+        assert map_threads() <= started
+
+    asyncio.run(run())
+
+
 def test_unmapping_keeps_the_data_of_the_memory():
     """``_unmap`` empties the daemon's mapping (madvise MADV_DONTNEED) before it closes it:
     on a shared mapping that drops only the daemon's view of the pages, and what was written
