@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import gc
 import logging
 import mmap
 import os
@@ -546,8 +547,10 @@ def _unmap(buffer: mmap.mmap, what: str) -> None:
     too (CPython 3.11), but a munmap holds the address-space lock while it tears down, and
     the event loop's own mmap calls (large allocations) waited for all of it (Linux 6.18;
     madvise did not hold them up). Best effort, as populating: where madvise fails (locked
-    or huge pages) close does it all. A view of the memory still alive (none should be:
-    copies hold theirs only while they run) keeps the mapping until it is dropped."""
+    or huge pages) close does it all. A view of the memory still alive keeps the mapping
+    until it is dropped: copies hold theirs only while they run, but a copy that failed (a
+    fault in the pool) left its pages in its traceback, which a reference cycle keeps until
+    the collector runs; that garbage is collected here before the close is given up."""
     try:
         if buffer.closed:
             return
@@ -556,7 +559,11 @@ def _unmap(buffer: mmap.mmap, what: str) -> None:
         del view  # an export left alive would refuse the close
         if _madvise(base, len(buffer), mmap.MADV_DONTNEED):
             log.debug("%s was not emptied first: %s", what, os.strerror(ctypes.get_errno()))
-        buffer.close()
+        try:
+            buffer.close()
+        except BufferError:
+            gc.collect()
+            buffer.close()
     except BufferError:
         log.warning("%s still has views at unmap; leaving it to the OS", what)
     except Exception:

@@ -27,7 +27,14 @@ import grpc
 import numpy as np
 import pytest
 
-from kvtier.client import Client, NotFoundError, PoolLayout, SharedMemoryPool, credentials
+from kvtier.client import (
+    Client,
+    FailedPreconditionError,
+    NotFoundError,
+    PoolLayout,
+    SharedMemoryPool,
+    credentials,
+)
 from kvtier.client.flows import PoolBinding
 from kvtier.daemon import pools as pools_module
 from kvtier.daemon.config import load_config
@@ -453,6 +460,36 @@ async def test_regression_unregistering_a_pool_held_every_other_client_until_it_
             unregistering.result(WAIT_S)
             assert len(mapped_in_this_process(shm.name)) == 1  # the client's own
             assert engine.check().pools == 0
+
+    async with running_daemon(held_closes) as daemon:
+        await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_regression_a_pool_whose_copy_faulted_stayed_mapped_after_unregister_pool(
+    held_closes, caplog
+):
+    """A copy that faults in a pool's memory (its owner truncated it) fails its request,
+    whose traceback, kept in a reference cycle until the collector runs, holds a view of the
+    pool's mapping. Unregistering the pool then found the view: the close was refused ("still
+    has views at unmap"), UnregisterPool answered anyway, and the daemon kept the mapping
+    (and the memory behind it) until a collection came by. The unmapping now collects that
+    garbage and closes the mapping before UnregisterPool answers."""
+    held_closes.release.set()
+
+    def clients(address: str) -> None:
+        with (
+            Client(address) as engine,
+            SharedMemoryPool.for_layout(LAYOUT, seal=False) as shm,
+        ):
+            pool = engine.register_pool(shm, LAYOUT)
+            keys = [os.urandom(32) for _ in range(2)]
+            engine.put(pool.pool_id, keys, range(2))
+            os.ftruncate(shm.fd, 0)
+            with pytest.raises(FailedPreconditionError, match="is broken"):
+                engine.get(pool.pool_id, keys, range(2))
+            engine.unregister_pool(pool.pool_id)
+            assert len(mapped_in_this_process(shm.name)) == 1  # the client's own
+            assert "still has views" not in caplog.text
 
     async with running_daemon(held_closes) as daemon:
         await asyncio.to_thread(clients, daemon.addresses[0])
