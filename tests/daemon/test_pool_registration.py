@@ -282,6 +282,58 @@ async def test_a_register_pool_cancelled_while_mapped_leaves_no_pool(held):
         await asyncio.to_thread(clients, daemon.addresses[0])
 
 
+async def test_a_session_that_ends_with_two_registrations_in_flight_one_cancelled_gets_no_pool(
+    held,
+):
+    """Two registrations of one session are being mapped; the client cancels one, then the
+    session ends: both register nothing, and nothing of either memfd stays mapped or open
+    in the process; the session's count (those in flight included) is back to none, no
+    request failed inside the daemon, and the invariants hold."""
+
+    async with running_daemon(held) as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address) as other,
+                SharedMemoryPool.for_layout(LAYOUT) as a,
+                SharedMemoryPool.for_layout(LAYOUT) as b,
+            ):
+                names = (a.name, b.name)
+                assert other.lookup([bytes(32)]).prefix_len == 0  # its session is open
+                engine = Client(address)
+                session_id = engine.session_id
+                requests = [fd_request(engine, s) for s in (a, b)]
+                with grpc.insecure_channel(address) as channel:
+                    stub = pb_grpc.KVTierStub(channel)
+                    cancelled, voided = (
+                        stub.RegisterPool.future(r, timeout=WAIT_S) for r in requests
+                    )
+                    try:
+                        held.wait_entered(2)
+                        cancelled.cancel()
+                        wait_until(
+                            lambda: daemon.service.counters["requests_detached"] >= 1,
+                            "the daemon saw the cancel",
+                        )
+                        engine.close()
+                        wait_until(lambda: daemon.sessions.session_count == 1, "session closed")
+                    finally:
+                        held.release.set()
+                    with pytest.raises(grpc.RpcError) as refused:
+                        voided.result()
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+                wait_until(lambda: not daemon.servicer.detached, "the cancelled call ended")
+                check = other.check()
+                assert check.problems == [] and check.pools == 0
+            for name in names:
+                assert left_in_this_process(name) == []
+            assert daemon.pools.session_pools(session_id) == 0
+            assert daemon.service.counters["requests_internal_error"] == 0
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+        assert len(daemon.pools) == 0 and daemon.pools.per_session_counts() == {}
+
+
 async def test_registrations_in_flight_together_count_toward_the_pool_limit(held):
     """Two registrations of one session are mapped at once under a limit of two pools: a
     third, sent meanwhile, is refused at once (it would pass the limit if only registered
