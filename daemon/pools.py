@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import fcntl
 import gc
 import logging
@@ -72,6 +71,7 @@ from kvtier.daemon.sessions import PeerCred, shown_id
 from kvtier.kernels.copy import MemoryFault
 from kvtier.kernels.layout import LayoutError, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.advise import DONTNEED, POPULATE_READ, address, advise
 from kvtier.tiers.base import PoolPages
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,6 @@ class PoolRegistry:
         self._pools: dict[int, EnginePool] = {}
         self._per_session: Counter[str] = Counter()
         self._pending: dict[int, _Pending] = {}  # by pool id: registrations being mapped
-        self._pending_per_session: Counter[str] = Counter()
         self._unmapping: set[asyncio.Future[None]] = set()
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
@@ -215,7 +214,8 @@ class PoolRegistry:
 
     def session_pools(self, session_id: str) -> int:
         """The session's pools, those being mapped included: the count its limit applies to."""
-        return self._per_session[session_id] + self._pending_per_session[session_id]
+        pending = sum(1 for p in self._pending.values() if p.session_id == session_id)
+        return self._per_session[session_id] + pending
 
     def all(self) -> list[EnginePool]:
         return list(self._pools.values())
@@ -403,7 +403,6 @@ class PoolRegistry:
             raise
         pending = _Pending(pool_id, session_id, asyncio.wrap_future(job))
         self._pending[pool_id] = pending
-        self._pending_per_session[session_id] += 1
         try:
             try:
                 # Shielded: a cancel (only the loop's own end cancels a request, see
@@ -414,9 +413,6 @@ class PoolRegistry:
                 raise
         finally:
             del self._pending[pending.pool_id]
-            self._pending_per_session[session_id] -= 1
-            if self._pending_per_session[session_id] <= 0:
-                del self._pending_per_session[session_id]
         if pending.void is not None:
             # Answered once the mapping is gone, as an unregistration is; shielded as above.
             await asyncio.shield(self._unmap_off_loop(buffer, "a voided registration"))
@@ -510,15 +506,12 @@ def _map(fd: int, size_bytes: int, populate: bool, what: str) -> mmap.mmap:
 def _populate(buffer: mmap.mmap) -> None:
     """Fault in every page of ``buffer`` now, so that copies do not. Not with MAP_POPULATE
     or ``mmap.madvise``: Python holds the GIL through both, which stalled the event loop on
-    another thread as long as populating on it did (0.5-1 s for 4 GiB); ctypes lets the GIL
-    go. Best effort, as MAP_POPULATE is: on a kernel before 5.14 (EINVAL) the copies fault
+    another thread as long as populating on it did (0.5-1 s for 4 GiB); ``tiers.advise``
+    lets the GIL go. Best effort, as MAP_POPULATE is: on a kernel before 5.14 (EINVAL) the copies fault
     the pages in, and memory the owner truncated meanwhile (EFAULT) faults then, under the
     copies' guard."""
-    view = np.frombuffer(buffer, dtype=np.uint8)
-    base = int(view.ctypes.data)
-    del view  # no export may outlive the mapping: whoever owns it closes it
-    if _madvise(base, len(buffer), _MADV_POPULATE_READ):
-        log.debug("a pool was not populated: %s", os.strerror(ctypes.get_errno()))
+    if err := advise(address(buffer), len(buffer), POPULATE_READ):
+        log.debug("a pool was not populated: %s", os.strerror(err))
 
 
 def _map_and_close(fd: int, size_bytes: int, populate: bool, what: str) -> tuple[mmap.mmap, bool]:
@@ -541,7 +534,7 @@ def _close_mapping(job: Future[tuple[mmap.mmap, bool]]) -> None:
 def _unmap(buffer: mmap.mmap, what: str) -> None:
     """Unmap ``buffer``, which no copy uses any more; on a worker thread. The munmap of a
     populated pool costs about as much as populating it (0.1-0.9 s for 4 GiB here): its page
-    tables are torn down first with madvise(MADV_DONTNEED) through ctypes, which lets the
+    tables are torn down first with madvise(MADV_DONTNEED) (``tiers.advise``), which lets the
     GIL go and, on a shared mapping, drops only this process's view of the pages (the object
     keeps its data). ``mmap.close`` then has almost nothing left to do. It lets the GIL go
     too (CPython 3.11), but a munmap holds the address-space lock while it tears down, and
@@ -554,11 +547,8 @@ def _unmap(buffer: mmap.mmap, what: str) -> None:
     try:
         if buffer.closed:
             return
-        view = np.frombuffer(buffer, dtype=np.uint8)
-        base = int(view.ctypes.data)
-        del view  # an export left alive would refuse the close
-        if _madvise(base, len(buffer), mmap.MADV_DONTNEED):
-            log.debug("%s was not emptied first: %s", what, os.strerror(ctypes.get_errno()))
+        if err := advise(address(buffer), len(buffer), DONTNEED):
+            log.debug("%s was not emptied first: %s", what, os.strerror(err))
         try:
             buffer.close()
         except BufferError:
@@ -575,9 +565,3 @@ def _sealed(fd: int) -> bool:
         return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
     except OSError:
         return False
-
-
-_MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
-_madvise = ctypes.CDLL(None, use_errno=True).madvise
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_madvise.restype = ctypes.c_int

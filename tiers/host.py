@@ -12,7 +12,6 @@ copies run at full speed.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import threading
@@ -23,6 +22,7 @@ from itertools import repeat
 
 import numpy as np
 
+from kvtier.tiers.advise import CHUNK, POPULATE_WRITE, advise
 from kvtier.tiers.base import (
     HEALTHY,
     HostBuffers,
@@ -40,7 +40,6 @@ from kvtier.tiers.slab import SlabAllocator
 
 log = logging.getLogger(__name__)
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not exported by the mmap module
 _CUDA_HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 
@@ -202,22 +201,15 @@ class HostArena:
         stopping early when the arena closes."""
         started = time.monotonic()
         base, size = self._address(), len(self.buffer)
-        for start in range(0, size, _PREFAULT_CHUNK):
+        for start in range(0, size, CHUNK):
             if self._stop.is_set():
                 return
-            length = min(_PREFAULT_CHUNK, size - start)
-            if _LIBC.madvise(base + start, length, _MADV_POPULATE_WRITE) != 0:
+            length = min(CHUNK, size - start)
+            if advise(base + start, length, POPULATE_WRITE) != 0:
                 # Older kernels: touch one byte per page instead.
                 self.array[start : start + length : mmap.PAGESIZE] = 0
         self.prefaulted.set()
         log.info("L1 arena pre-faulted in %.2fs", time.monotonic() - started)
-
-
-# Each madvise call holds the memory-map lock; small chunks let other threads map memory.
-_PREFAULT_CHUNK = 8 << 20
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_LIBC.madvise.restype = ctypes.c_int
 
 
 def _thp_mode() -> str:
