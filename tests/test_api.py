@@ -624,19 +624,6 @@ def test_pool_survives_daemon_restart_through_reregistration(daemon):
         assert pool.load(tokens, range(3)) == 12
 
 
-def test_generated_protobuf_code_is_current(tmp_path):
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "gen"
-    out.mkdir()
-    subprocess.run(
-        ["make", "-s", "-C", repo, "proto", f"PROTO_OUT={out}"], check=True, capture_output=True
-    )
-    for name in ("kvtier_pb2.py", "kvtier_pb2.pyi", "kvtier_pb2_grpc.py"):
-        with open(os.path.join(repo, "proto", name)) as f:
-            committed = f.read()
-        assert (out / name).read_text() == committed, f"proto/{name} is stale: run `make proto`"
-
-
 def test_regression_stop_waited_out_the_drain_timeout_for_open_sessions(daemon_factory):
     """Session streams never end by themselves, so a graceful stop used to wait the whole
     drain timeout whenever a client was connected."""
