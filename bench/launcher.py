@@ -65,9 +65,10 @@ def bench_daemon(
     wait_recovered: bool = True,
 ) -> Iterator[BenchDaemon]:
     """A kvtierd with ``overrides`` (``section.key=value``), SERVING when yielded (and, with
-    ``wait_recovered``, done indexing what its disk tier held: it serves before that), stopped
-    with SIGTERM (and waited for) on exit. ``socket_path`` fixes its socket (so that a
-    restarted daemon keeps its clients' address); otherwise it gets a fresh one."""
+    ``wait_recovered``, done indexing what its disk tier held and faulting in its L1 arena: it
+    serves before either is done), stopped with SIGTERM (and waited for) on exit.
+    ``socket_path`` fixes its socket (so that a restarted daemon keeps its clients' address);
+    otherwise it gets a fresh one."""
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
     sock = socket_path or os.path.join(workdir, "d.sock")
     if len(sock.encode()) > _MAX_SOCKET_PATH:
@@ -144,8 +145,13 @@ def wait_until_serving(
 
 
 def _wait_recovered(address: str, deadline: float) -> None:
+    """Until the daemon has indexed its disk tier and faulted in its L1 arena: both run in the
+    background while it serves, and a figure taken meanwhile measures them (on a small
+    machine the pre-fault of a GiB takes seconds and a core), not steady-state serving."""
     with Client(address) as client:
-        while client.stats().gauges.get("recovering", 0):
+        while (gauges := client.stats().gauges).get("recovering", 0) or gauges.get(
+            "l1_prefaulting", 0
+        ):
             if time.perf_counter() > deadline:
-                raise TimeoutError("kvtierd still indexing its disk tier")
+                raise TimeoutError("kvtierd still indexing its disk tier or faulting in its L1")
             time.sleep(0.02)

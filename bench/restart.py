@@ -2,7 +2,8 @@
 index and with a large L1, next to the same start without them; and durable put rates.
 
 Setup (through the daemon, untimed except where said):
-- fill: a daemon with an L2 tier takes ``--rows`` blocks of 4 KiB in durable puts
+- fill: a daemon with an L2 tier, once it has faulted in its L1 (as every bench's daemon,
+  unless said otherwise), takes ``--rows`` blocks of 4 KiB in durable puts
   (``Client.put(..., durable=True)``) of ``--batch`` keys each, so its L2 index holds that
   many rows. The fill is timed as the durable 4 KiB put rate (blocks/s), each batch next to a
   raw ``O_DIRECT`` write of the same bytes (one contiguous write per thread,

@@ -156,7 +156,12 @@ class HostArena:
             self.allocator.capacity_bytes,
             self.allocator.used_bytes,
             dict(self._counters),
-            {"page_locked": float(self._cuda_registered)},
+            {
+                "page_locked": float(self._cuda_registered),
+                # 1 until every page of the arena is faulted in (a background pre-fault runs
+                # while the daemon serves; copies into pages not yet faulted in cost more).
+                "prefaulting": float(not self.prefaulted.is_set()),
+            },
         )
 
     def close(self) -> None:

@@ -8,12 +8,14 @@ from kvtier.tiers.host import HostArena
 def test_background_prefault_runs_once_started_and_the_arena_works_meanwhile():
     arena = HostArena(64 << 20, 16 << 20, prefault="background")
     assert not arena.prefaulted.is_set()  # nothing happens before start_prefault()
+    assert arena.stats().gauges["prefaulting"] == 1.0
     slot = arena.allocator.allocate(4096)
     assert slot is not None
     arena.view(slot, 4096)[:] = b"x" * 4096  # usable before its pages were faulted in
     arena.start_prefault()
     arena.start_prefault()  # idempotent
     assert arena.prefaulted.wait(30)
+    assert arena.stats().gauges["prefaulting"] == 0.0  # what a bench waits for
     assert arena.view(slot, 4096) == b"x" * 4096
     arena.close()
 
