@@ -387,7 +387,7 @@ class KVService:
     async def delete(
         self, session_id: str, keys: Sequence[bytes], namespace: str = "", tenant: str = ""
     ) -> DeleteResult:
-        space = self._space(self.sessions.get(session_id), namespace, tenant)
+        space = self._space(self.sessions.get(session_id), namespace, tenant, admin_call=True)
         return await self.store.delete(space.ns, self._words(keys))
 
     async def evict(
@@ -398,7 +398,7 @@ class KVService:
         namespace: str = "",
         tenant: str = "",
     ) -> EvictResult:
-        space = self._space(self.sessions.get(session_id), namespace, tenant)
+        space = self._space(self.sessions.get(session_id), namespace, tenant, admin_call=True)
         words = self._words(keys)
         try:
             kind = TierKind(tier)
@@ -539,9 +539,13 @@ class KVService:
 
     # ----------------------------------------------------------------- checks
 
-    def _space(self, session: Session, namespace: str, tenant: str = "") -> Space:
+    def _space(
+        self, session: Session, namespace: str, tenant: str = "", *, admin_call: bool = False
+    ) -> Space:
         """The namespace a request addresses: ``namespace`` inside the session's tenant, or
-        inside ``tenant`` for an admin."""
+        inside ``tenant`` for an admin. Only the admin calls (``admin_call``: delete, evict)
+        reach a shared namespace that does not list the session's tenant: an admin reads no
+        one's blocks, nor puts its own where other tenants would load them."""
         acting = session.tenant
         if tenant and tenant != session.tenant:
             if not session.admin:
@@ -552,7 +556,7 @@ class KVService:
             if not TENANT_NAME.match(tenant):
                 raise InvalidArgument("tenant is not a tenant's name")
             acting = tenant
-        return self.tenants.space(acting, namespace, admin=session.admin)
+        return self.tenants.space(acting, namespace, admin=session.admin and admin_call)
 
     async def _bind(self, session: Session, space: Space) -> int:
         """The owner index of ``space`` for a put, binding the namespace to its owner in the

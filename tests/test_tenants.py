@@ -12,10 +12,10 @@ import os
 
 import numpy as np
 import pytest
-from peer_client import PeerClient, PeerError
+from peer_client import LAYOUT, PeerClient, PeerError
 from peers import NOBODY, NOGROUP, require_root
 
-from kvtier.client import PermissionDeniedError, Tier
+from kvtier.client import PermissionDeniedError, SharedMemoryPool, Tier
 
 ALICE = (1, 1)  # uid, gid ("daemon" on Debian)
 BOB = (NOBODY, NOGROUP)
@@ -161,6 +161,37 @@ def test_namespaces_are_shared_only_when_the_config_says_so(tenant_daemon, peers
     bob("put", keys=ks, pages=[0, 1], namespace="llama")
     assert alice("lookup", keys=ks, namespace="llama")["prefix"] == 0
     assert bob("lookup", keys=ks, namespace="llama")["prefix"] == 2
+
+
+def test_an_admin_reads_and_writes_no_shared_namespace_it_is_not_listed_in(tenant_daemon, peers):
+    """Admins delete and evict in any namespace, shared ones included, but read no one's
+    blocks: a shared namespace that does not list the admin's tenant is closed to its
+    lookups, loads, prefetches and puts (a put there would hand its bytes to the tenants
+    that load from it)."""
+    d = tenant_daemon("shared_namespaces=[{name: common, tenants: [alice, bob]}]")
+    bob = peers(BOB, d)
+    ks = keys(2, tag=8)
+    bob("fill", pages=[0, 1], values=[0x5A, 0x5B])
+    shared = "shared:common"
+    assert bob("put", keys=ks, pages=[0, 1], namespace=shared) == [STORED] * 2
+    with d.client() as admin, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert admin.tenant == "ops" and admin.admin
+        pool = admin.register_pool(shm, LAYOUT)
+        shm.array()[:] = 0xEE
+        for call in (
+            lambda: admin.lookup(ks, namespace=shared),
+            lambda: admin.get(pool.pool_id, ks, [0, 1], namespace=shared),
+            lambda: admin.prefetch(ks, deadline_ms=1000, namespace=shared),
+            lambda: admin.put(pool.pool_id, [keys(1, tag=9)[0]], [2], namespace=shared),
+        ):
+            with pytest.raises(PermissionDeniedError, match="no shared namespace"):
+                call()
+        assert (shm.array() == 0xEE).all()  # nothing of bob's was loaded
+        assert bob("lookup", keys=[keys(1, tag=9)[0]], namespace=shared)["prefix"] == 0
+        # Deleting and evicting there stay admin calls.
+        assert admin.evict(ks[:1], "L1", namespace=shared).evicted == 1
+        assert admin.delete(ks[1:], namespace=shared).deleted == 1
+    assert bob("lookup", keys=ks, namespace=shared)["tiers"] == [L2, 0]
 
 
 def test_a_tenant_at_its_quota_evicts_its_own_blocks_and_stats_show_usage(tenant_daemon, peers):
