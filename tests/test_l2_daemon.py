@@ -11,7 +11,14 @@ import time
 import numpy as np
 import pytest
 
-from kvtier.client import FailedPreconditionError, PoolLayout, PutStatus, SharedMemoryPool, Tier
+from kvtier.client import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PoolLayout,
+    PutStatus,
+    SharedMemoryPool,
+    Tier,
+)
 from kvtier.tiers.disk import DiskTier
 
 BLOCK = 64 * 1024
@@ -268,3 +275,52 @@ def test_regression_idle_mover_kept_l1_arena_mapped(daemon_factory, tmp_path):
         client.put(pool.pool_id, keys(2, 9), range(2), durable=True)
     assert d.stop() == 0
     assert "still in use" not in d.log()
+
+
+def test_regression_a_get_naming_a_key_twice_is_invalid_argument_wherever_the_block_is(
+    daemon_factory, tmp_path
+):
+    """A Get whose blocks L1 cannot take without waiting reads them from L2 straight into
+    the pages; a key named twice was one L2 slot named twice in one read batch, which the
+    disk tier refuses, and the Get failed INTERNAL (from L1 it loaded). A Get now names each
+    key once, as each page, wherever the block is; the refused Get changes nothing."""
+    d = daemon_factory(
+        *SMALL_L1,
+        # No background demotion: L1's blocks stay its only copies, so a promotion finds no
+        # room it may take without waiting.
+        "tiers.l1.high_watermark=1.0",
+        "tiers.l1.low_watermark=1.0",
+        *l2_args(tmp_path / "l2"),
+        l1_bytes="1MiB",
+    )
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 9)
+        pool = client.register_pool(shm, LAYOUT)
+        mine, filler = keys(2, 90), keys(16, 91)
+        assert client.put(pool.pool_id, mine, [0, 1], durable=True).persisted == [True] * 2
+        assert client.evict(mine, "L1").evicted == 2
+        client.put(pool.pool_id, filler, range(2, 18))  # L1 full of blocks held only there
+        assert client.lookup(mine).tiers == [Tier.L2_DISK] * 2
+        shm.array()[:] = 0
+        wide = PoolLayout.staging(
+            num_layers=4, num_pages=128, block_tokens=16, chunk_bytes=BLOCK // 8, dtype="uint8"
+        )
+        with SharedMemoryPool.for_layout(wide) as big:
+            other = client.register_pool(big, wide)
+            for pid, ks in (
+                (pool.pool_id, [mine[0], mine[1], mine[0]]),  # from L2
+                (pool.pool_id, [filler[0], filler[0]]),  # from L1
+                (other.pool_id, [mine[0], *keys(98, 92), mine[0]]),  # among many keys
+            ):
+                with pytest.raises(InvalidArgumentError, match="a key appears twice"):
+                    client.get(pid, ks, range(len(ks)))
+            assert not big.array().any()
+        assert not shm.array().any()
+        assert client.lookup(mine).tiers == [Tier.L2_DISK] * 2
+        got = client.get(pool.pool_id, mine, [20, 21])
+        assert got.loaded == [True] * 2
+        assert [page(shm.array(), p) for p in (20, 21)] == [page(src, p) for p in (0, 1)]
+        stats = client.stats()
+        assert stats.counter("loaded_from", tier="L2") == 2
+        assert stats.counters.get("requests_internal_error", 0) == 0
+        assert client.check().problems == []
