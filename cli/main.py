@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from kvtier.client import Client, DeadlineExceededError, KvtierError, UnavailableError
 from kvtier.client.types import address_hint, resolve_address
@@ -32,6 +33,23 @@ from kvtier.client.types import address_hint, resolve_address
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
 # kvtier check: 0 every invariant holds, 1 some broken, 2 could not ask.
 CHECK_FAILED = 2
+
+
+def _seconds(*, zero: bool) -> Callable[[str], float]:
+    """An argparse type for a number of seconds: finite, not negative, and above 0 unless
+    ``zero`` (a NaN or negative timeout would reach the client as "cannot reach")."""
+    least = "a non-negative" if zero else "a positive"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"expected {least} number of seconds, got {text!r}")
+        return value
+
+    return parse
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -254,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         "else the default socket: /run/kvtier/kvtierd.sock for a system service, "
         "$XDG_RUNTIME_DIR/kvtier/kvtierd.sock for a user's daemon)",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    p.add_argument(
+        "--timeout", type=_seconds(zero=False), default=10.0, help="seconds per call (default 10)"
+    )
     p.add_argument(
         "--token-file",
         metavar="FILE",
@@ -273,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--json", action="store_true", help="one JSON object (raw and derived)")
     s.add_argument(
         "--interval",
-        type=float,
+        type=_seconds(zero=True),
         default=0.0,
         metavar="S",
         help="measure ratios, rates and latency over S seconds instead of since start",
@@ -286,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Tiers, hit ratios, transfer rates and RPC latency, refreshed every "
         "interval. Ctrl-C quits.",
     )
-    t.add_argument("--interval", type=float, default=1.0, metavar="S", help="refresh (1 s)")
+    t.add_argument(
+        "--interval", type=_seconds(zero=False), default=1.0, metavar="S", help="refresh (1 s)"
+    )
     t.add_argument("--once", action="store_true", help="print one frame and exit")
     t.set_defaults(func=_top)
 
@@ -313,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument(
         "--settle",
-        type=float,
+        type=_seconds(zero=True),
         default=1.0,
         metavar="S",
         help="wait up to S seconds for transfers in flight first (default 1)",
@@ -330,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument(
         "--wait",
-        type=float,
+        type=_seconds(zero=True),
         default=0.0,
         metavar="S",
         help="wait up to S seconds for the open sessions to end",

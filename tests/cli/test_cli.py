@@ -59,6 +59,26 @@ def test_every_command_has_help(capsys, command):
     assert out.startswith("usage: kvtier")
 
 
+@pytest.mark.parametrize(
+    ("args", "bad"),
+    [
+        (["--timeout", "nan", "stats"], "nan"),
+        (["--timeout", "0", "health"], "0"),
+        (["--timeout", "-1", "health"], "-1"),
+        (["stats", "--interval", "-1"], "-1"),
+        (["stats", "--interval", "inf"], "inf"),
+        (["top", "--interval", "0"], "0"),
+        (["check", "--settle", "-2"], "-2"),
+        (["drain", "--wait", "-1"], "-1"),
+        (["drain", "--wait", "soon"], "soon"),
+    ],
+)
+def test_a_bad_number_of_seconds_is_refused_before_anything_is_asked(capsys, args, bad):
+    code, _, err = run_main(capsys, "--address", "unix:/nonexistent/kvtierd.sock", *args)
+    assert code == 2, err  # argparse's usage error, not "cannot reach" (exit 1 or 3)
+    assert "seconds" in err and repr(bad) in err
+
+
 def test_an_unreachable_daemon_names_the_address_it_tried(tmp_path, capsys, monkeypatch):
     missing = f"unix:{tmp_path}/nobody.sock"
     for command, expected in (("stats", 1), ("top", 1), ("health", 3)):
