@@ -44,7 +44,7 @@ from kvtier.daemon.stack import Level, TierStack
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
-from kvtier.tiers.base import Priority, TierKind
+from kvtier.tiers.base import Priority, TierKind, WriteOutcomes
 
 log = logging.getLogger(__name__)
 
@@ -323,24 +323,15 @@ class SpaceManager:
         table = self.table
         done = np.zeros(len(bids), dtype=bool)
         src_col = self._fastest_other(bids, dst)
-        groups: dict[tuple[int, int, int], list[int]] = {}
-        for j, (col, size, owner) in enumerate(
-            zip(
-                src_col.tolist(),
-                table.nbytes[bids].tolist(),
-                table.owner[bids].tolist(),
-                strict=True,
-            )
-        ):
-            if col >= 0:
-                groups.setdefault((col, size, owner), []).append(j)
         jobs: list[Awaitable[None]] = []
-        for (col, size, owner), idx in groups.items():
+        for (col, size, owner), idx in _groups(
+            src_col, table.nbytes[bids].astype(np.int64), table.owner[bids].astype(np.int64)
+        ):
             src = self.stack.levels[col]
             # Groups sized by bytes: at most one fdatasync and one index commit each on a disk.
             step = max(1, min(self.batch_blocks, self.batch_bytes // max(size, 1)))
             for start in range(0, len(idx), step):
-                part = np.asarray(idx[start : start + step], dtype=np.int64)
+                part = idx[start : start + step]
                 jobs.append(
                     self._copy_group(
                         bids,
@@ -426,17 +417,14 @@ class SpaceManager:
             self.end_hold(dst, owner, reserved)
         now = self._clock()
         n = len(group)
-        if outcomes is None:
-            ok = np.zeros(n, dtype=bool)
-        else:
-            ok = np.fromiter((o.ok for o in outcomes), dtype=bool, count=n)
+        outs = None if outcomes is None else WriteOutcomes.of(outcomes)
+        ok = np.zeros(n, dtype=bool) if outs is None else outs.ok.copy()
         ok &= table.state[group] == READY
         slot_arr = np.asarray(slots, dtype=np.int64)
         good = group[ok]
         table.set_slots(good, dst.col, slot_arr[ok])
-        if dst.checksummed and outcomes is not None and len(good):
-            sums = np.fromiter((o.checksum for o in outcomes), dtype=np.uint64, count=n)
-            table.set_checksums(good, dst.col, sums[ok])
+        if dst.checksummed and outs is not None and len(good):
+            table.set_checksums(good, dst.col, outs.checksums[ok])
         if len(good):
             dst.policy.insert_many(good, now, table.parents_of(good))
         done[part[ok]] = True
@@ -819,3 +807,23 @@ class SpaceManager:
         did that spun forever)."""
         while self.background:
             await asyncio.wait(list(self.background))
+
+
+def _groups(
+    src_col: np.ndarray, sizes: np.ndarray, owners: np.ndarray
+) -> list[tuple[tuple[int, int, int], np.ndarray]]:
+    """The positions of the blocks with a source (``src_col >= 0``), grouped by (source
+    column, size, owner): each group's positions in order, the groups in the order of their
+    first block. One group, the usual case, costs no step per block."""
+    have = np.flatnonzero(src_col >= 0)
+    if len(have) == 0:
+        return []
+    cols = np.column_stack((src_col[have], sizes[have], owners[have]))
+    if (cols == cols[0]).all():
+        return [(tuple(cols[0].tolist()), have)]  # type: ignore[list-item]
+    uniq, first, inverse = np.unique(cols, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [
+        (tuple(uniq[g].tolist()), have[inverse == g])  # type: ignore[misc]
+        for g in np.argsort(first).tolist()
+    ]

@@ -56,6 +56,7 @@ from kvtier.tiers.base import (
     RecoveredBlocks,
     TierHealth,
     TierKind,
+    WriteOutcomes,
 )
 
 log = logging.getLogger(__name__)
@@ -638,19 +639,13 @@ class BlockStore:
             finally:
                 # What the copies stored counts in the table's usage from the set_slots below.
                 self.space.end_hold(level, owner, len(slots) * nbytes)
-            good = [o.ok for o in outcomes]
-            ok = len(good) if all(good) else good.index(False)
+            outs = WriteOutcomes.of(outcomes)
+            ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
             stored = group[:ok]
-            table.set_slots(
-                stored, level.col, np.fromiter((o.slot for o in outcomes[:ok]), np.int64, ok)
-            )
+            table.set_slots(stored, level.col, outs.slots[:ok])
             if level.checksummed:
-                table.set_checksums(
-                    stored,
-                    level.col,
-                    np.fromiter((o.checksum for o in outcomes[:ok]), np.uint64, ok),
-                )
-            await self.space.release(level, [o.slot for o in outcomes[ok:]])
+                table.set_checksums(stored, level.col, outs.checksums[:ok])
+            await self.space.release(level, outs.slots[ok:].tolist())
             if level is not self.top:
                 self.counters.inc("stored_below", ok, tier=level.label)
             done += ok

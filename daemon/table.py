@@ -27,13 +27,12 @@ Not thread-safe: owned by the store, which touches it from one thread.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
-from kvtier.tiers.base import BlockRef
+from kvtier.tiers.base import BlockRef, BlockRefs
 
 KEY_BYTES = 32
 _KEY_WORDS = KEY_BYTES // 8
@@ -175,18 +174,14 @@ class BlockTable:
     def key_bytes(self, bid: int) -> bytes:
         return self.keys[bid].tobytes()
 
-    def block_refs(self, bids: np.ndarray) -> list[BlockRef]:
-        """The blocks' identities as tiers address them, ``(ns, key bytes)`` per row."""
+    def block_refs(self, bids: np.ndarray) -> Sequence[BlockRef]:
+        """The blocks' identities as tiers address them, ``(ns, key bytes)`` per row: as
+        arrays (``BlockRefs``), so a tier that never looks at them costs nothing per block."""
         if len(bids) == 1:  # a single-key request: no array operations
             bid = int(bids[0])
             return [BlockRef(int(self.ns[bid]), self.keys[bid].tobytes())]
         bids = np.asarray(bids, dtype=np.int64)
-        raw = self.keys[bids].tobytes()
-        width = self.keys.shape[1] * self.keys.itemsize
-        keys = [raw[i : i + width] for i in range(0, len(raw), width)]
-        # Built by tuple.__new__ through map: no Python frame per block.
-        pairs = zip(self.ns[bids].tolist(), keys, strict=True)
-        return list(map(tuple.__new__, repeat(BlockRef), pairs))
+        return BlockRefs(self.ns[bids], self.keys[bids])
 
     def ref(self, bid: int) -> int:
         """A reference to the block now in row ``bid`` that outlives the row's reuse."""

@@ -37,6 +37,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ from kvtier.tiers.base import (
     TierKind,
     WriteBatch,
     WriteOutcome,
+    WriteOutcomes,
 )
 from kvtier.tiers.buffers import host_side
 from kvtier.tiers.executor import PriorityExecutor
@@ -92,7 +94,8 @@ class TransferEngine:
         self.executor = PriorityExecutor(
             background_workers + DEMAND_THREADS, "kvtier-xfer", reserved=DEMAND_THREADS
         )
-        self._moving: dict[tuple[int, TierKind], asyncio.Future[bool]] = {}
+        # Per destination: block ref -> the future of the claim moving it there.
+        self._moving: dict[TierKind, dict[int, asyncio.Future[bool]]] = {}
         self._running = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -113,36 +116,42 @@ class TransferEngine:
     def claim(
         self, refs: Sequence[int], dst: TierKind
     ) -> tuple[list[int], list[asyncio.Future[bool]]]:
-        """Of the blocks ``refs`` bound for ``dst``: the positions this caller now moves
-        (it must ``settle`` them, all at once), and the futures of the moves already under
-        way that it must wait for (one per claim that holds any of the others)."""
-        moving = self._moving
+        """Of the distinct blocks ``refs`` bound for ``dst``: the positions this caller now
+        moves (it must ``settle`` them, all at once), and the futures of the moves already
+        under way that it must wait for (one per claim that holds any of the others)."""
+        moving = self._moving.setdefault(dst, {})
+        if not refs:
+            return [], []
+        shared = asyncio.get_running_loop().create_future()
+        if not moving.keys() & refs:
+            # Nothing of it moves yet (a put's new blocks): claimed whole, without a Python
+            # step per block.
+            moving.update(dict.fromkeys(refs, shared))
+            return list(range(len(refs))), []
         mine: list[int] = []
         waits: dict[asyncio.Future[bool], None] = {}  # each once, in order
-        shared: asyncio.Future[bool] | None = None
         for i, ref in enumerate(refs):
-            fut = moving.get((ref, dst))
+            fut = moving.get(ref)
             if fut is not None:
                 waits[fut] = None
                 continue
-            if shared is None:
-                shared = asyncio.get_running_loop().create_future()
-            moving[(ref, dst)] = shared
+            moving[ref] = shared
             mine.append(i)
         return mine, list(waits)
 
     def settle(self, refs: Sequence[int], dst: TierKind) -> None:
         """The moves of ``refs`` (one claim's) ended, done or not: wake their waiters."""
-        for ref in refs:
-            fut = self._moving.pop((ref, dst), None)
+        moving = self._moving.get(dst, {})
+        # One claim's refs share one future: each distinct one is woken once.
+        for fut in set(map(moving.pop, refs, repeat(None))):
             if fut is not None and not fut.done():
                 fut.set_result(True)
 
     def moving(self, ref: int, dst: TierKind) -> bool:
-        return (ref, dst) in self._moving
+        return ref in self._moving.get(dst, ())
 
     def in_flight(self, dst: TierKind) -> int:
-        return sum(1 for _, kind in self._moving if kind == dst)
+        return len(self._moving.get(dst, ()))
 
     # ------------------------------------------------------------------- moves
 
@@ -154,7 +163,7 @@ class TransferEngine:
         nbytes: int,
         pages: PoolPages | DevicePages,
         priority: Priority = Priority.DEMAND,
-    ) -> list[WriteOutcome]:
+    ) -> Sequence[WriteOutcome]:
         """Copy pool pages into a level's slots (exceptions from the copy propagate: the
         caller abandons the blocks)."""
         batch = WriteBatch(slots, refs, nbytes, pages, priority)
@@ -237,7 +246,8 @@ class TransferEngine:
             log.exception("%s transfer of %d blocks failed", direction, n)
             self.counters.inc("transfer_failures", direction=direction)
             return [WriteOutcome(int(s), False) for s in dst_slots], [False] * n
-        self._count_move(src.label, dst.label, sum(o.ok for o in outcomes), nbytes)
+        ok = int(np.count_nonzero(WriteOutcomes.of(outcomes).ok))
+        self._count_move(src.label, dst.label, ok, nbytes)
         return outcomes, src_failed
 
     async def _copy(

@@ -178,6 +178,58 @@ class BlockRef(NamedTuple):
     key: bytes
 
 
+class BlockRefs(Sequence[BlockRef]):
+    """The identities of a batch's blocks as two arrays (namespace ids, key bytes), read as a
+    sequence of ``BlockRef``: a tier that wants the columns (the disk tier's index rows)
+    takes them whole, one that never looks (a host arena) costs nothing per block, and one
+    that goes block by block gets a ``BlockRef`` each as it asks."""
+
+    __slots__ = ("keys", "ns")
+
+    def __init__(self, ns: np.ndarray, keys: np.ndarray) -> None:
+        self.ns = np.asarray(ns, dtype=np.uint64)  # (n,)
+        self.keys = np.ascontiguousarray(keys)  # (n, ...): each row one key's bytes
+
+    def __len__(self) -> int:
+        return len(self.ns)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return BlockRefs(self.ns[i], self.keys[i])
+        return BlockRef(int(self.ns[i]), self.keys[i].tobytes())
+
+    def __iter__(self) -> Iterator[BlockRef]:
+        # Built by tuple.__new__ through map: no Python frame per block.
+        pairs = zip(self.ns.tolist(), self.key_bytes(), strict=True)
+        return map(tuple.__new__, repeat(BlockRef), pairs)  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def key_bytes(self, rows: np.ndarray | None = None) -> list[bytes]:
+        """Each key (of ``rows`` only, when given) as bytes."""
+        keys = self.keys if rows is None else self.keys[rows]
+        raw = keys.tobytes()
+        width = keys.itemsize * (keys.size // max(len(keys), 1))
+        return [raw[i : i + width] for i in range(0, len(raw), width)] if width else []
+
+
+def ref_columns(refs: Sequence[BlockRef], rows: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
+    """The namespace ids (uint64) and key bytes of ``refs[rows]``: straight from the arrays of
+    ``BlockRefs``, else block by block."""
+    if isinstance(refs, BlockRefs):
+        return refs.ns[rows], refs.key_bytes(rows)
+    picked = [refs[i] for i in rows.tolist()]
+    return (
+        np.fromiter((r[0] for r in picked), dtype=np.uint64, count=len(picked)),
+        [bytes(r[1]) for r in picked],
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class WriteBatch:
     """Write ``len(slots)`` blocks of ``nbytes`` each from ``src`` into ``slots``."""
@@ -210,6 +262,51 @@ class WriteOutcome(NamedTuple):
     slot: int
     ok: bool
     checksum: int = 0
+
+
+class WriteOutcomes(Sequence[WriteOutcome]):
+    """A batch's outcomes as three arrays (slots, ok, checksums), read as a sequence of
+    ``WriteOutcome``: the store takes the columns whole, so a batch of thousands of blocks
+    costs no object per block."""
+
+    __slots__ = ("checksums", "ok", "slots")
+
+    def __init__(self, slots: np.ndarray, ok: np.ndarray, checksums: np.ndarray) -> None:
+        self.slots = np.asarray(slots, dtype=np.int64)
+        self.ok = np.asarray(ok, dtype=bool)
+        self.checksums = np.where(self.ok, np.asarray(checksums, dtype=np.uint64), 0).astype(
+            np.uint64
+        )
+
+    @classmethod
+    def of(cls, outcomes: Sequence[WriteOutcome]) -> WriteOutcomes:
+        """The arrays of any tier's outcomes."""
+        if isinstance(outcomes, WriteOutcomes):
+            return outcomes
+        n = len(outcomes)
+        return cls(
+            np.fromiter((o[0] for o in outcomes), dtype=np.int64, count=n),
+            np.fromiter((o[1] for o in outcomes), dtype=bool, count=n),
+            np.fromiter((o[2] for o in outcomes), dtype=np.uint64, count=n),
+        )
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return WriteOutcomes(self.slots[i], self.ok[i], self.checksums[i])
+        return WriteOutcome(int(self.slots[i]), bool(self.ok[i]), int(self.checksums[i]))
+
+    def __iter__(self) -> Iterator[WriteOutcome]:
+        return iter(write_outcomes(self.slots.tolist(), self.ok.tolist(), self.checksums.tolist()))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def write_outcomes(
@@ -341,8 +438,9 @@ class SlotTier(Protocol):
     @property
     def allocator(self) -> SlabAllocator: ...
 
-    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
-        """Store the batch's blocks in their (allocated) slots. A failed block keeps its slot
+    def write(self, batch: WriteBatch) -> Sequence[WriteOutcome]:
+        """Store the batch's blocks in their (allocated) slots (``WriteOutcomes`` where the
+        tier has them as arrays). A failed block keeps its slot
         allocated: give it back with ``remove``."""
         ...
 

@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from itertools import repeat
 
 import numpy as np
 
@@ -32,8 +31,7 @@ from kvtier.tiers.base import (
     TierKind,
     TierStats,
     WriteBatch,
-    WriteOutcome,
-    write_outcomes,
+    WriteOutcomes,
 )
 from kvtier.tiers.buffers import load_into, store_from
 from kvtier.tiers.slab import SlabAllocator
@@ -123,13 +121,16 @@ class HostArena:
             [whole[o : o + size] for o in starts], (offsets + self._address()).tolist()
         )
 
-    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
+    def write(self, batch: WriteBatch) -> WriteOutcomes:
         starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
         store_from(batch.src, range(len(batch.slots)), self.array, starts, batch.nbytes)
         self._counters["blocks_written"] += len(batch.slots)
         self._counters["bytes_written"] += len(batch.slots) * batch.nbytes
-        return write_outcomes(
-            np.asarray(batch.slots, dtype=np.int64).tolist(), repeat(True), repeat(0)
+        n = len(batch.slots)
+        return WriteOutcomes(
+            np.asarray(batch.slots, dtype=np.int64),
+            np.ones(n, dtype=bool),
+            np.zeros(n, dtype=np.uint64),
         )
 
     def read(self, batch: ReadBatch) -> list[bool]:

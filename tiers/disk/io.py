@@ -25,6 +25,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, as_completed, wait
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -46,6 +48,8 @@ _MIN_RUN_BYTES = 256 << 10
 # A batch smaller than this runs in the calling thread: a hand-off to the pool costs more.
 _INLINE_BYTES = 1 << 20
 _ZEROS = bytes(ALIGN)
+
+R = TypeVar("R")
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -76,6 +80,27 @@ class Block:
     checksum: int = 0
     ok: bool = False
     error: str = ""
+
+
+@dataclass(slots=True)
+class WriteSet:
+    """A write batch of one block size as arrays (the tier's ``write``, thousands of small
+    blocks at a time): no Python object per block but its buffer. Position ``i`` of every
+    array is block ``i`` of the batch."""
+
+    slots: np.ndarray  # int64
+    files: np.ndarray  # int64
+    offsets: np.ndarray  # int64, in its file
+    nbytes: int
+    padded: int
+    bufs: list[memoryview]  # the caller's buffers as bytes, each at least ``nbytes`` long
+    direct: np.ndarray  # bool: the buffer itself can be handed to the kernel
+    exact: bool  # every buffer is ``padded`` bytes long: no slicing for the kernel
+    checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    ok: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
 
 # A block's place on the disk, to sort a batch by (cheaper than a lambda per block).
@@ -130,16 +155,70 @@ class BatchIO:
             )
         ]
 
+    def make_write_set(
+        self,
+        slots: np.ndarray,
+        tier_offsets: np.ndarray,
+        nbytes: int,
+        padded: int,
+        bufs: list[memoryview],
+        lengths: np.ndarray,
+        addresses: Sequence[int] | None = None,
+    ) -> WriteSet:
+        """``make_blocks`` for a write of one block size, as arrays (``lengths``: each
+        buffer's length)."""
+        files, offsets = np.divmod(np.asarray(tier_offsets, dtype=np.int64), self.files.file_bytes)
+        if addresses is None:
+            aligned = np.fromiter(
+                (_address(buf) % ALIGN == 0 for buf in bufs), dtype=bool, count=len(bufs)
+            )
+        else:
+            aligned = np.asarray(addresses, dtype=np.int64) % ALIGN == 0
+        n = len(slots)
+        return WriteSet(
+            np.asarray(slots, dtype=np.int64),
+            files,
+            offsets,
+            nbytes,
+            padded,
+            bufs,
+            aligned & (lengths >= padded),
+            bool(n) and int(lengths.min()) == int(lengths.max()) == padded,
+            np.zeros(n, dtype=np.uint64),
+            np.zeros(n, dtype=bool),
+        )
+
     # ------------------------------------------------------------------ writes
+
+    def write_set(self, ws: WriteSet, live: np.ndarray, priority: Priority) -> None:
+        """Write the blocks ``live`` (positions in ``ws``), not synced; sets ``ok`` (written)
+        and ``checksum`` of each. ``write`` for a ``WriteSet``."""
+
+        def checksums() -> None:
+            views = ws.bufs if ws.exact and ws.nbytes == ws.padded else None
+            if views is None:
+                views = [b[: ws.nbytes] for b in ws.bufs]
+            if len(live) < len(ws):
+                views = [views[i] for i in live.tolist()]
+            ws.checksums[live] = np.fromiter(
+                map(xxhash.xxh3_64_intdigest, views), dtype=np.uint64, count=len(live)
+            )
+
+        runs = self._plan_set(ws, live, MAX_WRITE_RUN_BYTES)
+        self._execute(
+            runs, partial(self._write_set_run, ws), priority, checksums, len(live) * ws.padded
+        )
 
     def write(self, blocks: list[Block], priority: Priority, *, sync: bool = True) -> None:
         """Write the blocks and, with ``sync``, ``fdatasync`` them; sets ``ok`` (written, and
         durable with ``sync``) and ``checksum`` on each."""
+        runs = self._plan(blocks, MAX_WRITE_RUN_BYTES)
         self._execute(
-            self._plan(blocks, MAX_WRITE_RUN_BYTES),
+            runs,
             self._write_run,
             priority,
             lambda: self._checksum_sources(blocks),
+            sum(r.nbytes for r in runs),
         )
         if sync:
             self.sync([b for b in blocks if b.ok], priority)
@@ -161,25 +240,45 @@ class BatchIO:
         for b in run.blocks:
             b.ok = True
 
+    def _write_set_run(self, ws: WriteSet, run: np.ndarray) -> None:
+        first = int(run[0])
+        try:
+            iovs = self._set_iovecs(ws, run)
+            self.faults.count(write_calls=1)
+            self.files.transfer(True, int(ws.files[first]), iovs, int(ws.offsets[first]))
+        except OSError as e:
+            ws.ok[run] = False
+            self._count_failed_run(
+                e, "write", len(run), int(ws.files[first]), int(ws.offsets[first])
+            )
+            return
+        ws.ok[run] = True
+
     def sync(self, blocks: list[Block], priority: Priority) -> None:
         """fdatasync the files the blocks went to; a file that fails fails its blocks."""
-        files = sorted({b.file for b in blocks})
-        if not files:
-            return
+        failed = self.sync_files(sorted({b.file for b in blocks}), priority)
+        for b in blocks:
+            if b.file in failed:
+                b.ok = False
+
+    def sync_files(self, files: Sequence[int], priority: Priority) -> set[int]:
+        """fdatasync ``files``; returns those that failed (their blocks are not durable)."""
+        if not len(files):
+            return set()
         if len(files) == 1:
             errors = [self.files.sync(files[0])]
         else:
             futures = [self.executor.submit(priority, self.files.sync, f) for f in files]
             errors = [f.result() for f in futures]
         self.faults.count(syncs=len(files))
+        failed: set[int] = set()
         for file, err in zip(files, errors, strict=True):
             if err is None:
                 continue
             self.faults.count(io_errors=1)
             self.faults.fault(classify(err), f"fdatasync of {self.files.paths[file].name}")
-            for b in blocks:
-                if b.file == file:
-                    b.ok = False
+            failed.add(file)
+        return failed
 
     # ------------------------------------------------------------------ reads
 
@@ -272,16 +371,37 @@ class BatchIO:
             run.nbytes += b.padded
         return runs
 
+    def _plan_set(self, ws: WriteSet, live: np.ndarray, max_run_bytes: int) -> list[np.ndarray]:
+        """``_plan`` for a ``WriteSet``: the positions ``live`` in runs, as index arrays in
+        disk order."""
+        n = len(live)
+        if n == 0:
+            return []
+        padded = ws.padded
+        order = live[np.lexsort((ws.offsets[live], ws.files[live]))]
+        files, offsets = ws.files[order], ws.offsets[order]
+        target = max(_MIN_RUN_BYTES, min(max_run_bytes, -(-n * padded // self.threads)))
+        per_run = max(1, min(_MAX_RUN_BLOCKS, target // padded))
+        # A run ends where the slots stop lying back to back, and every ``per_run`` blocks
+        # within such a stretch.
+        breaks = np.ones(n, dtype=bool)
+        breaks[1:] = (files[1:] != files[:-1]) | (offsets[1:] != offsets[:-1] + padded)
+        stretch = np.flatnonzero(breaks)
+        within = np.arange(n) - stretch[np.cumsum(breaks) - 1]
+        breaks |= within % per_run == 0
+        return np.split(order, np.flatnonzero(breaks)[1:])
+
     def _execute(
         self,
-        runs: list[_Run],
-        work: Callable[[_Run], None],
+        runs: Sequence[R],
+        work: Callable[[R], None],
         priority: Priority,
-        meanwhile: Callable[[], None] | None = None,
+        meanwhile: Callable[[], None] | None,
+        nbytes: int,
     ) -> None:
         """Run ``work`` on every run, in parallel on the I/O threads, and ``meanwhile`` in this
-        thread while they run. Returns when all of it is done."""
-        small = sum(r.nbytes for r in runs) < _INLINE_BYTES
+        thread while they run (``nbytes``: the runs' bytes). Returns when all of it is done."""
+        small = nbytes < _INLINE_BYTES
         if len(runs) <= 1 and (small or meanwhile is None):
             if meanwhile is not None:
                 meanwhile()
@@ -352,13 +472,51 @@ class BatchIO:
                     iovs.append(memoryview(_ZEROS)[:gap] if writing else self._pad_sink()[:gap])
         return iovs, views
 
+    def _set_iovecs(self, ws: WriteSet, run: np.ndarray) -> list[memoryview]:
+        """``_iovecs`` of a ``WriteSet``'s run (writing)."""
+        bufs, nbytes, padded = ws.bufs, ws.nbytes, ws.padded
+        ids = run.tolist()
+        if ws.direct[run].all():
+            # Aligned buffers of the slot's size (L1 slots): the common case, no staging.
+            if ws.exact:
+                return [bufs[i] for i in ids]
+            return [bufs[i][:padded] for i in ids]
+        direct = self.files.direct
+        bounced = ids if direct else []
+        if direct:
+            bounced = [i for i, d in zip(ids, ws.direct[run].tolist(), strict=True) if not d]
+        staging = self._staging(len(bounced) * padded) if bounced else None
+        if bounced:
+            self.faults.count(bounced_blocks=len(bounced))
+        iovs: list[memoryview] = []
+        pos = 0
+        last = ids[-1]
+        for i, d in zip(ids, ws.direct[run].tolist(), strict=True):
+            buf = bufs[i]
+            if d:
+                iovs.append(buf[:padded])
+            elif direct:
+                assert staging is not None
+                chunk = staging[pos : pos + padded]
+                pos += padded
+                chunk[:nbytes] = buf[:nbytes]
+                chunk[nbytes:] = _ZEROS[: padded - nbytes]
+                iovs.append(chunk)
+            else:
+                iovs.append(buf[:nbytes])
+                if padded > nbytes and i != last:
+                    iovs.append(memoryview(_ZEROS)[: padded - nbytes])
+        return iovs
+
     def _run_failed(self, run: _Run, exc: OSError, what: str) -> None:
-        fault = classify(exc)
+        detail = classify(exc).detail
         for b in run.blocks:
             b.ok = False
-            b.error = fault.detail
+            b.error = detail
+        self._count_failed_run(exc, what, len(run.blocks), run.file, run.offset)
+
+    def _count_failed_run(self, exc: OSError, what: str, n: int, file: int, offset: int) -> None:
         self.faults.count(io_errors=1)
         self.faults.fault(
-            fault,
-            f"{what} of {len(run.blocks)} blocks at {self.files.paths[run.file].name}+{run.offset}",
+            classify(exc), f"{what} of {n} blocks at {self.files.paths[file].name}+{offset}"
         )

@@ -67,6 +67,8 @@ from kvtier.tiers.base import (
     TierUnavailable,
     WriteBatch,
     WriteOutcome,
+    WriteOutcomes,
+    ref_columns,
     write_outcomes,
 )
 from kvtier.tiers.buffers import get_block, put_block
@@ -81,8 +83,8 @@ from kvtier.tiers.disk.files import (
     layout,
 )
 from kvtier.tiers.disk.health import FaultState, classify
-from kvtier.tiers.disk.index import DiskIndex, IndexUpgradeFailed
-from kvtier.tiers.disk.io import BatchIO, Block, checksum
+from kvtier.tiers.disk.index import BlockRow, DiskIndex, IndexUpgradeFailed
+from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
 from kvtier.tiers.executor import PriorityExecutor
 from kvtier.tiers.slab import LockedSlab
 
@@ -149,11 +151,11 @@ class ReadItem(NamedTuple):
 class _Ticket:
     """One ``write`` call waiting for its group's durability step."""
 
-    __slots__ = ("batch", "blocks", "committed", "done", "error", "live")
+    __slots__ = ("batch", "committed", "done", "error", "live", "ws")
 
-    def __init__(self, blocks: list[Block], live: list[Block] | None, batch: WriteBatch) -> None:
-        self.blocks = blocks
-        self.live = live  # written to, not yet synced (None: none attempted)
+    def __init__(self, ws: WriteSet, live: np.ndarray | None, batch: WriteBatch) -> None:
+        self.ws = ws
+        self.live = live  # positions written to, not yet synced (None: none attempted)
         self.batch = batch
         self.committed = False
         self.done = False
@@ -255,6 +257,15 @@ class _RowMap:
                 bits[idx] = False
 
     def present(self, slots: Iterable[int]) -> list[int]:
+        if isinstance(slots, np.ndarray):
+            segs, at = np.divmod(slots.astype(np.int64), self._cap)
+            hit = np.zeros(len(slots), dtype=bool)
+            for s in np.unique(segs).tolist():
+                seg_bits = self._segs.get(s)
+                if seg_bits is not None:
+                    mine = segs == s
+                    hit[mine] = seg_bits[at[mine]]
+            return slots[hit].astype(np.int64).tolist()  # type: ignore[no-any-return]
         out = []
         for slot in slots:
             seg, idx = divmod(int(slot), self._cap)
@@ -427,46 +438,62 @@ class DiskTier:
 
     # ------------------------------------------------------------------ tier verbs
 
-    def write(self, batch: WriteBatch) -> list[WriteOutcome]:
+    def write(self, batch: WriteBatch) -> WriteOutcomes:
         """Write the batch's blocks, make them durable and commit them to the index, sharing
         the ``fdatasync`` of each data file and the transaction with the writes of other
-        threads that finish meanwhile (group commit)."""
+        threads that finish meanwhile (group commit). The batch goes as arrays
+        (``WriteSet``), its outcomes too: thousands of small blocks cost no object each."""
         self._check_open()
         views = _host_views(batch.src, len(batch.slots), batch.nbytes)
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
-        blocks = self._blocks(batch.slots, views, batch.nbytes, True, addresses)
-        ticket = _Ticket(blocks, self._write_unsynced(blocks, batch.priority), batch)
+        ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
+        ticket = _Ticket(ws, self._write_set_unsynced(ws, batch.priority), batch)
         self._group.join(ticket)
         if ticket.error is not None:
             raise ticket.error
         if not ticket.committed:
-            return [WriteOutcome(b.slot, False, 0) for b in blocks]
-        return _outcomes(blocks)
+            return WriteOutcomes(ws.slots, np.zeros(len(ws), dtype=bool), ws.checksums)
+        return WriteOutcomes(ws.slots, ws.ok, ws.checksums)
 
     def _make_durable(self, tickets: list[_Ticket]) -> None:
         """The group step of ``write``: sync the files of every ticket's written blocks,
         count them, and commit their rows in one transaction."""
         attempted = [t for t in tickets if t.live is not None]
-        written = [b for t in attempted for b in t.live or () if b.ok]
-        if written:
-            self._io.sync(written, min(t.batch.priority for t in attempted))
+        written = [t.ws.files[t.ws.ok] for t in attempted]
+        files = np.unique(np.concatenate(written)).tolist() if written else []
+        if files:
+            failed = self._io.sync_files(files, min(t.batch.priority for t in attempted))
+            if failed:
+                lost = np.fromiter(failed, dtype=np.int64, count=len(failed))
+                for t in attempted:
+                    t.ws.ok &= ~np.isin(t.ws.files, lost)
         for t in attempted:
-            self._count_written(t.blocks, [b for b in t.live or () if b.ok])
-        # Rows straight from the blocks: the writes synced just now are committed by this
+            ok = int(np.count_nonzero(t.ws.ok))
+            self.faults.count(
+                blocks_written=ok,
+                bytes_written=ok * t.ws.nbytes,
+                write_failures=len(t.ws) - ok,
+            )
+        # Rows straight from the arrays: the writes synced just now are committed by this
         # same step, so they never wait in ``_durable`` as ``write_items`` writes do.
-        done = [
-            (ref, b)
-            for t in tickets
-            for ref, b in zip(t.batch.blocks, t.blocks, strict=True)
-            if b.ok
-        ]
-        committed = not done or self._insert_rows(
-            [ref[0] for ref, _ in done],
-            [ref[1] for ref, _ in done],
-            [b.slot for _, b in done],
-            [b.nbytes for _, b in done],
-            [b.checksum for _, b in done],
-        )
+        rows: list[BlockRow] = []
+        slots: list[np.ndarray] = []
+        now = self._clock()
+        for t in tickets:
+            good = np.flatnonzero(t.ws.ok)
+            if len(good):
+                ns, keys = ref_columns(t.batch.blocks, good)
+                slots.append(t.ws.slots[good])
+                rows += zip(
+                    ns.view(np.int64).tolist(),
+                    keys,
+                    t.ws.slots[good].tolist(),
+                    repeat(t.ws.nbytes),
+                    t.ws.checksums[good].view(np.int64).tolist(),
+                    repeat(now),
+                    strict=False,
+                )
+        committed = not rows or self._insert_rows(rows, np.concatenate(slots))
         for t in tickets:
             t.committed = committed
 
@@ -672,6 +699,45 @@ class DiskTier:
             self._settle(blocks, live)
         return _outcomes(blocks)
 
+    def _write_set(
+        self,
+        slots: Sequence[int],
+        bufs: list[memoryview],
+        nbytes: int,
+        addresses: Sequence[int] | None,
+    ) -> WriteSet:
+        """``_blocks`` for ``write``: the batch as arrays, every slot and buffer checked first
+        (vectorised): a misuse raises before any I/O."""
+        nbytes = int(nbytes)
+        slot_arr, padded = self._check_slots(slots, nbytes)
+        lengths = np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
+        if len(lengths) and int(lengths.min()) < nbytes:
+            raise ValueError(
+                f"buffer of {int(lengths.min())} bytes is shorter than the block ({nbytes})"
+            )
+        if len(np.unique(slot_arr)) != len(slot_arr):
+            raise ValueError("a batch names the same L2 slot twice")
+        return self._io.make_write_set(
+            slot_arr, self.allocator.offsets(slot_arr), nbytes, padded, bufs, lengths, addresses
+        )
+
+    def _write_set_unsynced(self, ws: WriteSet, priority: Priority) -> np.ndarray | None:
+        """``_write_unsynced`` of a ``WriteSet``: the positions written to (``ok`` where the
+        write succeeded), or None when none was attempted."""
+        if not len(ws):
+            return np.zeros(0, dtype=np.int64)
+        if not self.faults.admit_writes():
+            self.faults.count(writes_refused_degraded=len(ws))
+            return None
+        with self._state_lock:
+            held = np.fromiter(self._quarantined, dtype=np.int64, count=len(self._quarantined))
+        live = np.flatnonzero(~np.isin(ws.slots, held)) if len(held) else np.arange(len(ws))
+        self.faults.count(writes_refused_quarantined=len(ws) - len(live))
+        if not self._drop_rows_before_overwrite(ws.slots[live]):
+            return None
+        self._io.write_set(ws, live, priority)
+        return live
+
     def _write_unsynced(self, blocks: list[Block], priority: Priority) -> list[Block] | None:
         """Write the blocks' bytes, not yet synced; returns the blocks written to (``ok``
         where the write succeeded), or None when none was attempted (degraded tier, or the
@@ -731,23 +797,6 @@ class DiskTier:
             written = [durable[slot] for _, _, slot in entries]
         spaces, keys, slots = zip(*entries, strict=True)
         sizes, sums = zip(*written, strict=True)
-        if not self._insert_rows(spaces, keys, slots, sizes, sums):
-            return False
-        with self._state_lock:
-            for slot in slots:
-                durable.pop(slot, None)
-        return True
-
-    def _insert_rows(
-        self,
-        spaces: Sequence[int],
-        keys: Sequence[bytes],
-        slots: Sequence[int],
-        sizes: Sequence[int],
-        sums: Sequence[int],
-    ) -> bool:
-        """Insert the index rows of durably written slots in one transaction (``commit``'s
-        contract, columns given one list each)."""
         now = self._clock()
         # SQLite integers are signed: namespaces and checksums (unsigned 64-bit) go in as
         # their two's complement. A batch has few namespaces: each is converted once; the
@@ -764,6 +813,16 @@ class DiskTier:
                 strict=False,
             )
         )
+        if not self._insert_rows(rows, np.asarray(slots, dtype=np.int64)):
+            return False
+        with self._state_lock:
+            for slot in slots:
+                durable.pop(slot, None)
+        return True
+
+    def _insert_rows(self, rows: list[BlockRow], slots: np.ndarray) -> bool:
+        """Insert the index rows of durably written ``slots`` in one transaction
+        (``commit``'s contract; namespaces and checksums as SQLite's signed integers)."""
         if self.faults.refuses_commits():
             self.faults.count(commits_refused_degraded=1)
             return False
@@ -773,7 +832,7 @@ class DiskTier:
             self.faults.fault(classify(e), "index commit")
             return False
         with self._state_lock:
-            self._committed.add_array(np.asarray(slots, dtype=np.int64))
+            self._committed.add_array(slots)
         self.faults.count(commits=1, committed_blocks=len(rows))
         self.faults.space_returned()
         return True
@@ -884,11 +943,11 @@ class DiskTier:
             self._quarantine(failed)
         return [b.ok for b in blocks]
 
-    def _drop_rows_before_overwrite(self, slots: list[int]) -> bool:
+    def _drop_rows_before_overwrite(self, slots: list[int] | np.ndarray) -> bool:
         """Durably delete the rows of committed blocks in ``slots`` (a slot rewritten without
         ``remove``): a crash while the new bytes go down must not leave the old row over them.
         False when the index could not be updated."""
-        if not slots:
+        if not len(slots):
             return True
         with self._state_lock:
             stale = self._committed.present(slots)
@@ -943,16 +1002,8 @@ class DiskTier:
         checked first (vectorised): a misuse raises before any I/O. ``addresses``: the
         buffers' addresses, when known (``HostBuffers.addresses``)."""
         nbytes = int(nbytes)
-        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slot_arr, padded = self._check_slots(slots, nbytes)
         alloc = self.allocator
-        padded = alloc.slot_bytes_for(nbytes) if nbytes > 0 else 0
-        good = alloc.allocated(slot_arr)
-        good &= alloc.slot_sizes(np.where(good, slot_arr, 0)) == padded
-        if nbytes <= 0 or not good.all():
-            bad = int(slot_arr[int(np.argmin(good))]) if len(slot_arr) else -1
-            raise ValueError(
-                f"L2 slot {bad} is not an allocated slot for a block of {nbytes} bytes"
-            )
         for buf in bufs:
             if buf is not None:
                 if len(buf) < nbytes:
@@ -964,6 +1015,21 @@ class DiskTier:
         return self._io.make_blocks(
             slot_arr.tolist(), alloc.offsets(slot_arr), nbytes, padded, bufs, addresses
         )
+
+    def _check_slots(self, slots: Sequence[int], nbytes: int) -> tuple[np.ndarray, int]:
+        """The slots as an array, and the slot size of ``nbytes``; raises ValueError unless
+        every slot is allocated for a block of that size."""
+        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        alloc = self.allocator
+        padded = alloc.slot_bytes_for(nbytes) if nbytes > 0 else 0
+        good = alloc.allocated(slot_arr)
+        good &= alloc.slot_sizes(np.where(good, slot_arr, 0)) == padded
+        if nbytes <= 0 or not good.all():
+            bad = int(slot_arr[int(np.argmin(good))]) if len(slot_arr) else -1
+            raise ValueError(
+                f"L2 slot {bad} is not an allocated slot for a block of {nbytes} bytes"
+            )
+        return slot_arr, padded
 
     @staticmethod
     def _check_distinct(blocks: list[Block]) -> None:
@@ -1156,7 +1222,7 @@ class DiskTier:
 def _host_views(src: object, n: int, nbytes: int) -> list[memoryview]:
     """Contiguous bytes of each block of a batch's source."""
     if isinstance(src, HostBuffers):
-        return [_as_bytes(v) for v in src.views]
+        return list(map(_as_bytes, src.views))
     return [get_block(src, j, nbytes) for j in range(n)]  # type: ignore[arg-type]
 
 
