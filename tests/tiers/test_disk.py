@@ -20,6 +20,7 @@ from races import ContendedLock
 
 from kvtier.tiers.base import (
     BlockRef,
+    BlockRefs,
     Health,
     HostBuffers,
     ReadBatch,
@@ -931,3 +932,36 @@ def test_a_failed_sync_in_a_group_commits_no_row_for_its_blocks(tmp_path: Path) 
     served = {i: (refs[i].key, slots[i], data[i], checksum(data[i])) for i in range(3) if ok[i]}
     assert _read(again, served) == {i: data[i] for i in served}
     again.close()
+
+
+def test_a_write_of_block_ref_arrays_commits_each_block_under_its_key(tmp_path: Path) -> None:
+    """``write`` of a batch whose refs are arrays (``BlockRefs``, as the store sends them)
+    and whose buffers mix page-aligned slot views (written as they are) with unaligned bytes
+    (staged): every block's outcome carries the checksum of its bytes, and after a restart
+    each row holds its own key and slot and reads back its own bytes."""
+    n, nbytes = 40, 4096
+    arena = HostArena(1 * MiB, 1 * MiB)
+    slots_l1 = arena.allocator.allocate_many(nbytes, n // 2)
+    aligned = arena.buffers(slots_l1, nbytes)
+    data = [os.urandom(nbytes) for _ in range(n)]
+    for view, d in zip(aligned.views, data[: n // 2], strict=True):
+        view[:nbytes] = d
+    views = [*aligned.views, *(memoryview(d) for d in data[n // 2 :])]
+    ns = np.arange(n, dtype=np.uint64) + np.uint64(1 << 63)  # above the signed range too
+    keys = np.frombuffer(os.urandom(32 * n), dtype=np.uint8).reshape(n, 32)
+    refs = BlockRefs(ns, keys)
+    with _open(tmp_path / "l2") as tier:
+        slots = tier.allocator.allocate_many(nbytes, n)
+        out = tier.write(WriteBatch(slots, refs, nbytes, HostBuffers(views)))
+        assert [o.ok for o in out] == [True] * n
+        assert [o.checksum for o in out] == [checksum(d) for d in data]
+        assert [o.slot for o in out] == slots
+    with _open(tmp_path / "l2") as tier:
+        found = tier.recover()
+        rows = {
+            int(s): (int(a), bytes(k))
+            for s, a, k in zip(found.slots, found.ns, found.keys, strict=True)
+        }
+        assert rows == {s: (int(ns[j]), keys[j].tobytes()) for j, s in enumerate(slots)}
+        blocks = {j: (keys[j].tobytes(), slots[j], data[j], checksum(data[j])) for j in range(n)}
+        assert _read(tier, blocks) == dict(enumerate(data))
