@@ -230,6 +230,14 @@ def ref_columns(refs: Sequence[BlockRef], rows: np.ndarray) -> tuple[np.ndarray,
     )
 
 
+def ref_keys(refs: Sequence[BlockRef]) -> list[bytes]:
+    """Each ref's key bytes: straight from the arrays of ``BlockRefs`` (indexing one makes a
+    ``BlockRef``, microseconds a block), else block by block."""
+    if isinstance(refs, BlockRefs):
+        return refs.key_bytes()
+    return [bytes(r[1]) for r in refs]
+
+
 @dataclass(frozen=True, slots=True)
 class WriteBatch:
     """Write ``len(slots)`` blocks of ``nbytes`` each from ``src`` into ``slots``."""

@@ -69,6 +69,7 @@ from kvtier.tiers.base import (
     WriteOutcome,
     WriteOutcomes,
     ref_columns,
+    ref_keys,
     write_outcomes,
 )
 from kvtier.tiers.buffers import get_block, put_block
@@ -518,9 +519,10 @@ class DiskTier:
             blocks = self._blocks(batch.slots, [None] * n, batch.nbytes, False)
             for j, b in enumerate(blocks):
                 b.sink = lambda view, j=j: put_block(dest, j, view, batch.nbytes)  # type: ignore[misc]
-        for j, b in enumerate(blocks):
-            b.expected = int(sums[j])
-            b.key = batch.blocks[j].key if batch.blocks else b""
+        keys = ref_keys(batch.blocks) if batch.blocks else [b""] * n
+        for b, expected, key in zip(blocks, sums, keys, strict=True):
+            b.expected = int(expected)
+            b.key = key
         return self._read_blocks(blocks, batch.priority)
 
     def remove(self, slots: Iterable[int]) -> bool:
