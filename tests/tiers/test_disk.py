@@ -965,3 +965,28 @@ def test_a_write_of_block_ref_arrays_commits_each_block_under_its_key(tmp_path: 
         assert rows == {s: (int(ns[j]), keys[j].tobytes()) for j, s in enumerate(slots)}
         blocks = {j: (keys[j].tobytes(), slots[j], data[j], checksum(data[j])) for j in range(n)}
         assert _read(tier, blocks) == dict(enumerate(data))
+
+
+def test_a_write_whose_refs_or_buffers_do_not_match_its_slots_raises_before_any_io(
+    tmp_path: Path,
+) -> None:
+    """A batch with more or fewer refs (or buffers) than slots is the caller's bug: ``write``
+    raises ValueError before a byte is written, so it neither commits rows under refs that
+    are not its blocks' nor fails, from inside a group commit, the writes of other threads
+    that share it."""
+    nbytes = 4096
+    data = [os.urandom(nbytes) for _ in range(3)]
+    views = [memoryview(d) for d in data]
+    with _open(tmp_path / "l2") as tier:
+        slots = tier.allocator.allocate_many(nbytes, 3)
+        for refs, bufs in (
+            ([BlockRef(1, bytes([i]) * 32) for i in range(2)], views),
+            ([BlockRef(1, bytes([i]) * 32) for i in range(4)], views),
+            (BlockRefs(np.ones(4, np.uint64), np.zeros((4, 32), np.uint8)), views),
+            ([BlockRef(1, bytes([i]) * 32) for i in range(3)], views[:2]),
+        ):
+            with pytest.raises(ValueError, match="slots"):
+                tier.write(WriteBatch(slots, refs, nbytes, HostBuffers(bufs)))
+        assert tier.stats().counters["write_calls"] == 0
+    with _open(tmp_path / "l2") as tier:
+        assert len(tier.recover()) == 0

@@ -445,7 +445,14 @@ class DiskTier:
         threads that finish meanwhile (group commit). The batch goes as arrays
         (``WriteSet``), its outcomes too: thousands of small blocks cost no object each."""
         self._check_open()
-        views = _host_views(batch.src, len(batch.slots), batch.nbytes)
+        n = len(batch.slots)
+        views = _host_views(batch.src, n, batch.nbytes)
+        if not len(views) == len(batch.blocks) == n:
+            # Before any I/O: found in the group step, it would fail the other writers too.
+            raise ValueError(
+                f"a write batch of {n} slots has {len(views)} buffers and "
+                f"{len(batch.blocks)} refs"
+            )
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
         ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
         ticket = _Ticket(ws, self._write_set_unsynced(ws, batch.priority), batch)
