@@ -188,7 +188,14 @@ class BlockRefs(Sequence[BlockRef]):
 
     def __init__(self, ns: np.ndarray, keys: np.ndarray) -> None:
         self.ns = np.asarray(ns, dtype=np.uint64)  # (n,)
-        self.keys = np.ascontiguousarray(keys)  # (n, ...): each row one key's bytes
+        keys = np.ascontiguousarray(keys)
+        if len(keys) != len(self.ns):
+            raise ValueError(f"{len(self.ns)} namespaces but {len(keys)} keys")
+        # (n, key bytes) whatever the caller's dtype (the table's uint64 words, fixed-width
+        # bytes): a row is then its whole key, also where a bytes scalar would drop the
+        # trailing zeros.
+        width = keys.itemsize * int(np.prod(keys.shape[1:], dtype=np.int64))
+        self.keys = keys.view(np.uint8).reshape(len(keys), width)
 
     def __len__(self) -> int:
         return len(self.ns)
@@ -213,8 +220,7 @@ class BlockRefs(Sequence[BlockRef]):
     def key_bytes(self, rows: np.ndarray | None = None) -> list[bytes]:
         """Each key (of ``rows`` only, when given) as bytes."""
         keys = self.keys if rows is None else self.keys[rows]
-        raw = keys.tobytes()
-        width = keys.itemsize * (keys.size // max(len(keys), 1))
+        raw, width = keys.tobytes(), keys.shape[1]
         return [raw[i : i + width] for i in range(0, len(raw), width)] if width else []
 
 
