@@ -482,12 +482,10 @@ class BatchIO:
                 return [bufs[i] for i in ids]
             return [bufs[i][:padded] for i in ids]
         direct = self.files.direct
-        bounced = ids if direct else []
-        if direct:
-            bounced = [i for i, d in zip(ids, ws.direct[run].tolist(), strict=True) if not d]
-        staging = self._staging(len(bounced) * padded) if bounced else None
+        bounced = int(np.count_nonzero(~ws.direct[run])) if direct else 0
+        staging = self._staging(bounced * padded) if bounced else None
         if bounced:
-            self.faults.count(bounced_blocks=len(bounced))
+            self.faults.count(bounced_blocks=bounced)
         iovs: list[memoryview] = []
         pos = 0
         last = ids[-1]

@@ -152,11 +152,11 @@ class ReadItem(NamedTuple):
 class _Ticket:
     """One ``write`` call waiting for its group's durability step."""
 
-    __slots__ = ("batch", "committed", "done", "error", "live", "ws")
+    __slots__ = ("attempted", "batch", "committed", "done", "error", "ws")
 
-    def __init__(self, ws: WriteSet, live: np.ndarray | None, batch: WriteBatch) -> None:
+    def __init__(self, ws: WriteSet, attempted: bool, batch: WriteBatch) -> None:
         self.ws = ws
-        self.live = live  # positions written to, not yet synced (None: none attempted)
+        self.attempted = attempted  # written to (``ws.ok``), not yet synced
         self.batch = batch
         self.committed = False
         self.done = False
@@ -257,23 +257,16 @@ class _RowMap:
             if bits is not None:
                 bits[idx] = False
 
-    def present(self, slots: Iterable[int]) -> list[int]:
-        if isinstance(slots, np.ndarray):
-            segs, at = np.divmod(slots.astype(np.int64), self._cap)
-            hit = np.zeros(len(slots), dtype=bool)
-            for s in np.unique(segs).tolist():
-                seg_bits = self._segs.get(s)
-                if seg_bits is not None:
-                    mine = segs == s
-                    hit[mine] = seg_bits[at[mine]]
-            return slots[hit].astype(np.int64).tolist()  # type: ignore[no-any-return]
-        out = []
-        for slot in slots:
-            seg, idx = divmod(int(slot), self._cap)
-            bits = self._segs.get(seg)
-            if bits is not None and bits[idx]:
-                out.append(int(slot))
-        return out
+    def present(self, slots: Sequence[int] | np.ndarray) -> list[int]:
+        slot_arr = np.asarray(slots, dtype=np.int64)
+        segs, at = np.divmod(slot_arr, self._cap)
+        hit = np.zeros(len(slot_arr), dtype=bool)
+        for s in np.unique(segs).tolist():
+            seg_bits = self._segs.get(s)
+            if seg_bits is not None:
+                mine = segs == s
+                hit[mine] = seg_bits[at[mine]]
+        return slot_arr[hit].tolist()  # type: ignore[no-any-return]
 
 
 class _Slab(LockedSlab):
@@ -450,8 +443,7 @@ class DiskTier:
         if not len(views) == len(batch.blocks) == n:
             # Before any I/O: found in the group step, it would fail the other writers too.
             raise ValueError(
-                f"a write batch of {n} slots has {len(views)} buffers and "
-                f"{len(batch.blocks)} refs"
+                f"a write batch of {n} slots has {len(views)} buffers and {len(batch.blocks)} refs"
             )
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
         ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
@@ -466,7 +458,7 @@ class DiskTier:
     def _make_durable(self, tickets: list[_Ticket]) -> None:
         """The group step of ``write``: sync the files of every ticket's written blocks,
         count them, and commit their rows in one transaction."""
-        attempted = [t for t in tickets if t.live is not None]
+        attempted = [t for t in tickets if t.attempted]
         written = [t.ws.files[t.ws.ok] for t in attempted]
         files = np.unique(np.concatenate(written)).tolist() if written else []
         if files:
@@ -730,22 +722,22 @@ class DiskTier:
             slot_arr, self.allocator.offsets(slot_arr), nbytes, padded, bufs, lengths, addresses
         )
 
-    def _write_set_unsynced(self, ws: WriteSet, priority: Priority) -> np.ndarray | None:
-        """``_write_unsynced`` of a ``WriteSet``: the positions written to (``ok`` where the
-        write succeeded), or None when none was attempted."""
+    def _write_set_unsynced(self, ws: WriteSet, priority: Priority) -> bool:
+        """``_write_unsynced`` of a ``WriteSet``: sets ``ok`` where a write succeeded; False
+        when none was attempted."""
         if not len(ws):
-            return np.zeros(0, dtype=np.int64)
+            return True
         if not self.faults.admit_writes():
             self.faults.count(writes_refused_degraded=len(ws))
-            return None
+            return False
         with self._state_lock:
             held = np.fromiter(self._quarantined, dtype=np.int64, count=len(self._quarantined))
         live = np.flatnonzero(~np.isin(ws.slots, held)) if len(held) else np.arange(len(ws))
         self.faults.count(writes_refused_quarantined=len(ws) - len(live))
         if not self._drop_rows_before_overwrite(ws.slots[live]):
-            return None
+            return False
         self._io.write_set(ws, live, priority)
-        return live
+        return True
 
     def _write_unsynced(self, blocks: list[Block], priority: Priority) -> list[Block] | None:
         """Write the blocks' bytes, not yet synced; returns the blocks written to (``ok``
