@@ -5,17 +5,25 @@ Prints ``C <id>`` once block ``id`` is committed (its data durable, its row dura
 which blocks must survive a SIGKILL: every C not followed by a D. Block contents are the
 same functions of the id as in conftest.py, so the parent can check them byte for byte.
 
-Usage: crash_writer.py DIRECTORY CAPACITY_BYTES SEGMENT_BYTES
+``items`` writes with ``write_items`` then ``commit``; ``batches`` writes as the store does,
+``write`` batches of ``BlockRefs``, from two threads at once (their syncs and commits shared
+by the group commit).
+
+Usage: crash_writer.py DIRECTORY CAPACITY_BYTES SEGMENT_BYTES [items|batches]
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
+import threading
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
+from kvtier.tiers.base import BlockRefs, HostBuffers, WriteBatch
 from kvtier.tiers.disk import CommitEntry, DiskTier, WriteItem
 
 SIZES = (16_384, 100_000, 262_144)
@@ -32,31 +40,70 @@ def block_data(i: int, nbytes: int) -> bytes:
 
 def main() -> None:
     directory, capacity, segment = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    mode = sys.argv[4] if len(sys.argv) > 4 else "items"
     tier = DiskTier(directory, capacity, segment, file_bytes=segment * 4)
-    live: deque[tuple[int, int]] = deque()  # (id, slot), oldest first
-    i = 0
-    while True:
-        batch = []
-        for _ in range(BATCH):
-            nbytes = SIZES[i % len(SIZES)]
-            slot = tier.allocator.allocate(nbytes)
-            while slot is None:
-                victims = [live.popleft() for _ in range(min(BATCH, len(live)))]
-                for vid, _ in victims:
-                    print(f"D {vid}", flush=True)
-                if not tier.remove([s for _, s in victims]):
-                    raise SystemExit(f"remove failed: {tier.health()}")
+    if mode == "items":
+        write(tier, 0, 1, threading.Lock(), commit_items)
+        return
+    lock = threading.Lock()
+    for start in (0, 1):
+        threading.Thread(target=write, args=(tier, start, 2, lock, commit_batches)).start()
+
+
+def write(tier: DiskTier, first: int, step: int, lock: threading.Lock, commit: Commit) -> None:
+    """Write blocks ``first``, ``first + step``, ... until killed, removing the oldest to
+    make room."""
+    try:
+        live: deque[tuple[int, int]] = deque()  # (id, slot), oldest first
+        i = first
+        while True:
+            batch = []
+            for _ in range(BATCH):
+                nbytes = SIZES[i % len(SIZES)]
                 slot = tier.allocator.allocate(nbytes)
-            batch.append((i, slot, nbytes))
-            i += 1
-        outcomes = tier.write_items([WriteItem(s, block_data(b, n), n) for b, s, n in batch])
+                while slot is None:
+                    victims = [live.popleft() for _ in range(min(BATCH, len(live)))]
+                    with lock:
+                        for vid, _ in victims:
+                            print(f"D {vid}", flush=True)
+                    if not tier.remove([s for _, s in victims]):
+                        raise RuntimeError(f"remove failed: {tier.health()}")
+                    slot = tier.allocator.allocate(nbytes)
+                batch.append((i, slot, nbytes))
+                i += step
+            commit(tier, batch)
+            with lock:
+                for b, s, _ in batch:
+                    print(f"C {b}", flush=True)
+                    live.append((b, s))
+    except BaseException as e:
+        print(f"writer failed: {e!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def commit_items(tier: DiskTier, batch: list[tuple[int, int, int]]) -> None:
+    outcomes = tier.write_items([WriteItem(s, block_data(b, n), n) for b, s, n in batch])
+    if not all(o.ok for o in outcomes):
+        raise RuntimeError(f"write failed: {tier.health()}")
+    if not tier.commit([CommitEntry(1, block_key(b), s) for b, s, _ in batch]):
+        raise RuntimeError(f"commit failed: {tier.health()}")
+
+
+def commit_batches(tier: DiskTier, batch: list[tuple[int, int, int]]) -> None:
+    for nbytes in SIZES:
+        group = [(b, s) for b, s, n in batch if n == nbytes]
+        if not group:
+            continue
+        ids = [b for b, _ in group]
+        keys = np.frombuffer(b"".join(map(block_key, ids)), dtype=np.uint8).reshape(-1, 32)
+        refs = BlockRefs(np.ones(len(ids), dtype=np.uint64), keys)
+        views = HostBuffers([memoryview(block_data(b, nbytes)) for b in ids])
+        outcomes = tier.write(WriteBatch([s for _, s in group], refs, nbytes, views))
         if not all(o.ok for o in outcomes):
-            raise SystemExit(f"write failed: {tier.health()}")
-        if not tier.commit([CommitEntry(1, block_key(b), s) for b, s, _ in batch]):
-            raise SystemExit(f"commit failed: {tier.health()}")
-        for b, s, _ in batch:
-            print(f"C {b}", flush=True)
-            live.append((b, s))
+            raise RuntimeError(f"write failed: {tier.health()}")
+
+
+Commit = Callable[[DiskTier, list[tuple[int, int, int]]], None]
 
 
 if __name__ == "__main__":
