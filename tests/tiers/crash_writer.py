@@ -5,11 +5,10 @@ Prints ``C <id>`` once block ``id`` is committed (its data durable, its row dura
 which blocks must survive a SIGKILL: every C not followed by a D. Block contents are the
 same functions of the id as in conftest.py, so the parent can check them byte for byte.
 
-``items`` writes with ``write_items`` then ``commit``; ``batches`` writes as the store does,
-``write`` batches of ``BlockRefs``, from two threads at once (their syncs and commits shared
-by the group commit).
+It writes as the store does, ``write`` batches of ``BlockRefs``, from two threads at once
+(their syncs and commits shared by the group commit).
 
-Usage: crash_writer.py DIRECTORY CAPACITY_BYTES SEGMENT_BYTES [items|batches]
+Usage: crash_writer.py DIRECTORY CAPACITY_BYTES SEGMENT_BYTES
 """
 
 from __future__ import annotations
@@ -19,12 +18,11 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
 
 import numpy as np
 
 from kvtier.tiers.base import BlockRefs, HostBuffers, WriteBatch
-from kvtier.tiers.disk import CommitEntry, DiskTier, WriteItem
+from kvtier.tiers.disk import DiskTier
 
 SIZES = (16_384, 100_000, 262_144)
 BATCH = 8
@@ -40,17 +38,13 @@ def block_data(i: int, nbytes: int) -> bytes:
 
 def main() -> None:
     directory, capacity, segment = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    mode = sys.argv[4] if len(sys.argv) > 4 else "items"
     tier = DiskTier(directory, capacity, segment, file_bytes=segment * 4)
-    if mode == "items":
-        write(tier, 0, 1, threading.Lock(), commit_items)
-        return
     lock = threading.Lock()
     for start in (0, 1):
-        threading.Thread(target=write, args=(tier, start, 2, lock, commit_batches)).start()
+        threading.Thread(target=write, args=(tier, start, 2, lock)).start()
 
 
-def write(tier: DiskTier, first: int, step: int, lock: threading.Lock, commit: Commit) -> None:
+def write(tier: DiskTier, first: int, step: int, lock: threading.Lock) -> None:
     """Write blocks ``first``, ``first + step``, ... until killed, removing the oldest to
     make room."""
     try:
@@ -81,15 +75,7 @@ def write(tier: DiskTier, first: int, step: int, lock: threading.Lock, commit: C
         os._exit(1)
 
 
-def commit_items(tier: DiskTier, batch: list[tuple[int, int, int]]) -> None:
-    outcomes = tier.write_items([WriteItem(s, block_data(b, n), n) for b, s, n in batch])
-    if not all(o.ok for o in outcomes):
-        raise RuntimeError(f"write failed: {tier.health()}")
-    if not tier.commit([CommitEntry(1, block_key(b), s) for b, s, _ in batch]):
-        raise RuntimeError(f"commit failed: {tier.health()}")
-
-
-def commit_batches(tier: DiskTier, batch: list[tuple[int, int, int]]) -> None:
+def commit(tier: DiskTier, batch: list[tuple[int, int, int]]) -> None:
     for nbytes in SIZES:
         group = [(b, s) for b, s, n in batch if n == nbytes]
         if not group:
@@ -101,9 +87,6 @@ def commit_batches(tier: DiskTier, batch: list[tuple[int, int, int]]) -> None:
         outcomes = tier.write(WriteBatch([s for _, s in group], refs, nbytes, views))
         if not all(o.ok for o in outcomes):
             raise RuntimeError(f"write failed: {tier.health()}")
-
-
-Commit = Callable[[DiskTier, list[tuple[int, int, int]]], None]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from disk_faults import FaultyFiles
+from disk_writes import PersistItem, persist
 from races import ContendedLock
 
 from kvtier.tiers.base import (
@@ -29,14 +30,7 @@ from kvtier.tiers.base import (
     WriteBatch,
     WriteOutcome,
 )
-from kvtier.tiers.disk import (
-    CommitEntry,
-    DiskTier,
-    PersistItem,
-    ReadItem,
-    WriteItem,
-    checksum,
-)
+from kvtier.tiers.disk import DiskTier, ReadItem, checksum
 from kvtier.tiers.disk import index as index_module
 from kvtier.tiers.host import HostArena
 
@@ -58,7 +52,7 @@ def _persist(tier: DiskTier, make_block: Block, ids: list[int], nbytes: int) -> 
         assert slot is not None
         items.append(PersistItem(1, key, slot, data, nbytes))
         meta[i] = (key, slot, data)
-    outcomes = tier.persist(items)
+    outcomes = persist(tier, items)
     assert all(o.ok for o in outcomes), tier.health()
     return {i: (*meta[i], o.checksum) for i, o in zip(ids, outcomes, strict=True)}
 
@@ -120,14 +114,28 @@ def test_restart_serves_thousands_of_blocks(disk_dir: Path, make_block: Block) -
         assert tier.stats().counters["checksum_failures"] == 0
 
 
-def test_written_but_uncommitted_slot_is_reclaimed(disk_dir: Path, make_block: Block) -> None:
+def _fail_index_inserts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every index insert fails: a write's bytes go down and are synced, its rows never
+    land, as when the process dies between the two."""
+
+    def insert(self: object, rows: object) -> None:
+        raise sqlite3.OperationalError("injected: the process died before the commit")
+
+    monkeypatch.setattr(index_module.DiskIndex, "insert", insert)
+
+
+def test_written_but_uncommitted_slot_is_reclaimed(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with _open(disk_dir) as tier:
         kept = _persist(tier, make_block, [1], 4096)
         slot = tier.allocator.allocate(4096)
         assert slot is not None
-        out = tier.write_items([WriteItem(slot, make_block(2, 4096)[1], 4096)])
-        assert out[0].ok
-        assert tier.stats().gauges["uncommitted_slots"] == 1
+        _fail_index_inserts(monkeypatch)
+        key, data = make_block(2, 4096)
+        assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        assert tier.stats().counters["blocks_written"] == 2  # its bytes are on the disk
+        monkeypatch.undo()
     with _open(disk_dir) as tier:
         recovered = tier.recover()
         assert [r.key for r in recovered] == [kept[1][0]]
@@ -135,15 +143,19 @@ def test_written_but_uncommitted_slot_is_reclaimed(disk_dir: Path, make_block: B
 
 
 def test_overwrite_without_remove_drops_the_old_row_first(
-    disk_dir: Path, make_block: Block
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with _open(disk_dir) as tier:
         old = _persist(tier, make_block, [1, 2], 4096)
         slot = old[1][1]
-        out = tier.write_items([WriteItem(slot, make_block(3, 4096)[1], 4096)])
-        assert out[0].ok
-        assert tier.stats().counters["overwritten_blocks"] == 1
-        # Killed here, before the commit: the old row must not come back over new bytes.
+        # New bytes go down over block 1, then the commit of their row fails (as if killed
+        # before it): the old row must not come back over the new bytes.
+        _fail_index_inserts(monkeypatch)
+        key, data = make_block(3, 4096)
+        assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        monkeypatch.undo()
+        stats = tier.stats().counters
+        assert stats["overwritten_blocks"] == 1 and stats["blocks_written"] == 3
     with _open(disk_dir) as tier:
         assert [r.key for r in tier.recover()] == [old[2][0]]
         assert tier.stats().counters["checksum_failures"] == 0
@@ -181,11 +193,12 @@ def test_l1_slot_views_move_without_staging(disk_dir: Path) -> None:
         arena.view(s, nbytes)[:] = bytes([j]) * nbytes
     with _open(disk_dir) as tier:
         slots = [tier.allocator.allocate(nbytes) for _ in l1]
-        outs = tier.persist(
+        outs = persist(
+            tier,
             [
                 PersistItem(1, bytes([j]) * 32, s, arena.view(a, nbytes), nbytes)
                 for j, (s, a) in enumerate(zip(slots, l1, strict=True))
-            ]
+            ],
         )
         assert all(o.ok for o in outs)
         arena.array[:] = 0
@@ -734,7 +747,7 @@ def test_eio_on_write_degrades_without_raising(
                     PersistItem(1, make_block(100 + j, 8)[0], s, bytes(65_536), 65_536)
                     for j, s in enumerate(slots[k * 4 : k * 4 + 4])
                 ]
-                assert [o.ok for o in tier.persist(items)] == [False] * 4
+                assert [o.ok for o in persist(tier, items)] == [False] * 4
         faulty_files.clear()
         assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
         assert tier.health().state is Health.DEGRADED_IO
@@ -777,12 +790,14 @@ def test_fdatasync_failure_fails_the_batch(
         slot = tier.allocator.allocate(4096)
         assert slot is not None
         faulty_files.fail("fdatasync", errno.EIO)
-        out = tier.write_items([WriteItem(slot, bytes(4096), 4096)])
+        out = persist(tier, [PersistItem(1, b"k" * 32, slot, bytes(4096), 4096)])
         faulty_files.clear()
         assert not out[0].ok
-        assert tier.stats().gauges["uncommitted_slots"] == 0
-        with pytest.raises(ValueError, match="no durable write"):
-            tier.commit([CommitEntry(1, b"k" * 32, slot)])
+        stats = tier.stats().counters
+        assert stats["write_failures"] == 1 and stats["committed_blocks"] == 0
+    # Written but never durable: no row.
+    with _open(disk_dir) as tier:
+        assert len(tier.recover()) == 0
 
 
 def test_enospc_on_data_write_recovers_when_space_returns(
@@ -793,11 +808,11 @@ def test_enospc_on_data_write_recovers_when_space_returns(
         slot = tier.allocator.allocate(4096)
         assert slot is not None
         key, data = make_block(1, 4096)
-        assert not tier.persist([PersistItem(1, key, slot, data, 4096)])[0].ok
+        assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
         assert tier.health().state is Health.DEGRADED_NOSPACE
         assert tier.stats().counters["enospc"] == 1
         faulty_files.clear()
-        out = tier.persist([PersistItem(1, key, slot, data, 4096)])
+        out = persist(tier, [PersistItem(1, key, slot, data, 4096)])
         assert out[0].ok
         assert tier.health().state is Health.OK
 
@@ -812,22 +827,18 @@ def test_misuse_raises(disk_dir: Path) -> None:
         with pytest.raises(TypeError, match="remove"):
             tier.allocator.free(slot)
         with pytest.raises(ValueError, match="not an allocated slot"):
-            tier.write_items([WriteItem(slot + 1, bytes(4096), 4096)])
+            persist(tier, [PersistItem(1, b"k" * 32, slot + 1, bytes(4096), 4096)])
         with pytest.raises(ValueError, match="not an allocated slot"):
-            tier.write_items([WriteItem(slot, bytes(8192), 8192)])
+            persist(tier, [PersistItem(1, b"k" * 32, slot, bytes(8192), 8192)])
         with pytest.raises(ValueError, match="shorter"):
-            tier.write_items([WriteItem(slot, bytes(100), 4096)])
+            persist(tier, [PersistItem(1, b"k" * 32, slot, bytes(100), 4096)])
         with pytest.raises(ValueError, match="twice"):
-            tier.write_items([WriteItem(slot, bytes(4096), 4096)] * 2)
+            persist(tier, [PersistItem(1, b"k" * 32, slot, bytes(4096), 4096)] * 2)
         with pytest.raises(ValueError, match="read-only"):
             tier.read_items([ReadItem(slot, bytes(4096), 4096, 0, b"k")])
-        with pytest.raises(ValueError, match="no durable write"):
-            tier.commit([CommitEntry(1, b"k" * 32, slot)])
-        out = tier.write_items([WriteItem(slot, bytes(4096), 4096)])
-        assert out[0].checksum == checksum(bytes(4096))
-        assert tier.commit([CommitEntry(1, b"k" * 32, slot)])
-        with pytest.raises(ValueError, match="no durable write"):
-            tier.commit([CommitEntry(1, b"k" * 32, slot)])  # committed once is enough
+        assert tier.stats().counters["write_calls"] == 0  # every misuse raised before I/O
+        out = persist(tier, [PersistItem(1, b"k" * 32, slot, bytes(4096), 4096)])
+        assert out[0].ok and out[0].checksum == checksum(bytes(4096))
     with pytest.raises(RuntimeError, match="closed"):
         tier.read([])
 

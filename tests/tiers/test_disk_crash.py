@@ -24,10 +24,10 @@ WRITER = Path(__file__).with_name("crash_writer.py")
 Block = Callable[[int, int], tuple[bytes, bytes]]
 
 
-def _run_and_kill(directory: Path, commits: int, mode: str, timeout_s: float = 60.0) -> list[str]:
+def _run_and_kill(directory: Path, commits: int, timeout_s: float = 60.0) -> list[str]:
     """Start the writer, SIGKILL it once it reported ``commits`` commits, return its lines."""
     proc = subprocess.Popen(
-        [sys.executable, str(WRITER), str(directory), str(CAPACITY), str(SEGMENT), mode],
+        [sys.executable, str(WRITER), str(directory), str(CAPACITY), str(SEGMENT)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -64,13 +64,12 @@ def _run_and_kill(directory: Path, commits: int, mode: str, timeout_s: float = 6
     return lines
 
 
-@pytest.mark.parametrize("mode", ["items", "batches"])
 def test_sigkill_mid_write_loses_nothing_committed_and_serves_nothing_corrupt(
-    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture, mode: str
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``items``: write_items then commit; ``batches``: ``write`` of BlockRefs batches from
-    two threads sharing the group commit (the store's path)."""
-    lines = _run_and_kill(disk_dir, commits=600, mode=mode)
+    """The writer makes ``write`` batches of BlockRefs from two threads sharing the group
+    commit (the store's path)."""
+    lines = _run_and_kill(disk_dir, commits=600)
     committed = {int(x[2:]) for x in lines if x.startswith("C ")}
     dropped = {int(x[2:]) for x in lines if x.startswith("D ")}
     must_have = committed - dropped

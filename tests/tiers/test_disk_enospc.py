@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from disk_writes import PersistItem, persist
 
 from kvtier.tiers.base import Health, TierUnavailable
-from kvtier.tiers.disk import DiskTier, PersistItem, ReadItem
+from kvtier.tiers.disk import DiskTier, ReadItem
 
 MiB = 1 << 20
 Block = Callable[[int, int], tuple[bytes, bytes]]
@@ -58,7 +59,7 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
             slot = tier.allocator.allocate(65_536)
             assert slot is not None
             items.append(PersistItem(1, key, slot, data, 65_536))
-        outs = tier.persist(items)
+        outs = persist(tier, items)
         assert all(o.ok for o in outs)
         blocks.update({it.key: (it, o.checksum) for it, o in zip(items, outs, strict=True)})
 
@@ -71,7 +72,7 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
             key, data = make_block(1000 + attempt, 65_536)
             slot = tier.allocator.allocate(65_536)
             assert slot is not None
-            out = tier.persist([PersistItem(1, key, slot, data, 65_536)])  # never raises
+            out = persist(tier, [PersistItem(1, key, slot, data, 65_536)])  # never raises
             if not out[0].ok:
                 failed_at = attempt
                 pending.append(slot)
@@ -85,7 +86,7 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
             slot = tier.allocator.allocate(65_536)
             assert slot is not None
             pending.append(slot)
-            assert not tier.persist([PersistItem(1, key, slot, data, 65_536)])[0].ok
+            assert not persist(tier, [PersistItem(1, key, slot, data, 65_536)])[0].ok
     assert len([r for r in caplog.records if "degraded" in r.getMessage()]) == 1
     stats = tier.stats()
     assert stats.counters["enospc"] >= 2
@@ -108,7 +109,7 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
     key, data = make_block(3000, 65_536)
     slot = tier.allocator.allocate(65_536)
     assert slot is not None
-    out = tier.persist([PersistItem(1, key, slot, data, 65_536)])
+    out = persist(tier, [PersistItem(1, key, slot, data, 65_536)])
     assert out[0].ok, tier.health()
     assert tier.health().state is Health.OK
     blocks[key] = (PersistItem(1, key, slot, data, 65_536), out[0].checksum)

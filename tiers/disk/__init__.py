@@ -3,23 +3,13 @@
 
 from kvtier.tiers.disk.files import FileBackend, OsFiles
 from kvtier.tiers.disk.io import checksum
-from kvtier.tiers.disk.tier import (
-    CHECKSUM_NAME,
-    CommitEntry,
-    DiskTier,
-    PersistItem,
-    ReadItem,
-    WriteItem,
-)
+from kvtier.tiers.disk.tier import CHECKSUM_NAME, DiskTier, ReadItem
 
 __all__ = [
     "CHECKSUM_NAME",
-    "CommitEntry",
     "DiskTier",
     "FileBackend",
     "OsFiles",
-    "PersistItem",
     "ReadItem",
-    "WriteItem",
     "checksum",
 ]

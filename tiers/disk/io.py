@@ -12,7 +12,8 @@ block bound for an engine pool's pages is scattered there from that buffer only 
 verified. Unverified bytes never reach a buffer the caller may use, except a direct buffer,
 which the tier zero-fills when its block fails.
 
-Thread-safety: ``write`` and ``read`` may run concurrently on any threads for distinct slots.
+Thread-safety: ``write_set`` and ``read`` may run concurrently on any threads for distinct
+slots.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import xxhash
 
 from kvtier.tiers.base import Priority
 from kvtier.tiers.disk.files import ALIGN, SlotFiles
-from kvtier.tiers.disk.health import FaultState, classify
+from kvtier.tiers.disk.health import Fault, FaultState, classify
 from kvtier.tiers.executor import PriorityExecutor
 
 # Coalesced runs stop growing here, and a batch is spread over all I/O threads. Writes hash
@@ -65,6 +66,8 @@ def _address(mv: memoryview) -> int:
 
 @dataclass(slots=True)
 class Block:
+    """One block of a read batch, as the I/O engine moves and verifies it."""
+
     pos: int  # index in the caller's batch
     slot: int
     file: int
@@ -77,7 +80,6 @@ class Block:
     key: bytes = b""
     sink: Callable[[memoryview], None] | None = None  # reads: where verified bytes go
     staged: bool = False  # moved through the bounce buffer
-    checksum: int = 0
     ok: bool = False
     error: str = ""
 
@@ -96,8 +98,8 @@ class WriteSet:
     bufs: list[memoryview]  # the caller's buffers as bytes, each at least ``nbytes`` long
     direct: np.ndarray  # bool: the buffer itself can be handed to the kernel
     exact: bool  # every buffer is ``padded`` bytes long: no slicing for the kernel
-    checksums: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
-    ok: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    checksums: np.ndarray  # uint64, set where a block was written
+    ok: np.ndarray  # bool: written (then, once its file is synced, durable)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -165,8 +167,10 @@ class BatchIO:
         lengths: np.ndarray,
         addresses: Sequence[int] | None = None,
     ) -> WriteSet:
-        """``make_blocks`` for a write of one block size, as arrays (``lengths``: each
-        buffer's length)."""
+        """A write batch of one block size at ``tier_offsets``, as arrays (``lengths``: each
+        buffer's length). ``addresses``, when the buffers' maker knows them (an arena's
+        slots), say which buffers the kernel can take as they are without asking each view
+        for its own."""
         files, offsets = np.divmod(np.asarray(tier_offsets, dtype=np.int64), self.files.file_bytes)
         if addresses is None:
             aligned = np.fromiter(
@@ -191,8 +195,9 @@ class BatchIO:
     # ------------------------------------------------------------------ writes
 
     def write_set(self, ws: WriteSet, live: np.ndarray, priority: Priority) -> None:
-        """Write the blocks ``live`` (positions in ``ws``), not synced; sets ``ok`` (written)
-        and ``checksum`` of each. ``write`` for a ``WriteSet``."""
+        """Write the blocks ``live`` (positions in ``ws``), not synced (``sync_files`` makes
+        them durable); sets ``ok`` (written) and ``checksums`` of each. The source buffers are
+        hashed in this thread while the I/O threads write them."""
 
         def checksums() -> None:
             views = ws.bufs if ws.exact and ws.nbytes == ws.padded else None
@@ -209,37 +214,6 @@ class BatchIO:
             runs, partial(self._write_set_run, ws), priority, checksums, len(live) * ws.padded
         )
 
-    def write(self, blocks: list[Block], priority: Priority, *, sync: bool = True) -> None:
-        """Write the blocks and, with ``sync``, ``fdatasync`` them; sets ``ok`` (written, and
-        durable with ``sync``) and ``checksum`` on each."""
-        runs = self._plan(blocks, MAX_WRITE_RUN_BYTES)
-        self._execute(
-            runs,
-            self._write_run,
-            priority,
-            lambda: self._checksum_sources(blocks),
-            sum(r.nbytes for r in runs),
-        )
-        if sync:
-            self.sync([b for b in blocks if b.ok], priority)
-
-    @staticmethod
-    def _checksum_sources(blocks: list[Block]) -> None:
-        for b in blocks:
-            assert b.buf is not None
-            b.checksum = checksum(b.buf[: b.nbytes])
-
-    def _write_run(self, run: _Run) -> None:
-        try:
-            iovs, _ = self._iovecs(run, True)
-            self.faults.count(write_calls=1)
-            self.files.transfer(True, run.file, iovs, run.offset)
-        except OSError as e:
-            self._run_failed(run, e, "write")
-            return
-        for b in run.blocks:
-            b.ok = True
-
     def _write_set_run(self, ws: WriteSet, run: np.ndarray) -> None:
         first = int(run[0])
         try:
@@ -253,13 +227,6 @@ class BatchIO:
             )
             return
         ws.ok[run] = True
-
-    def sync(self, blocks: list[Block], priority: Priority) -> None:
-        """fdatasync the files the blocks went to; a file that fails fails its blocks."""
-        failed = self.sync_files(sorted({b.file for b in blocks}), priority)
-        for b in blocks:
-            if b.file in failed:
-                b.ok = False
 
     def sync_files(self, files: Sequence[int], priority: Priority) -> set[int]:
         """fdatasync ``files``; returns those that failed (their blocks are not durable)."""
@@ -306,7 +273,7 @@ class BatchIO:
         None when the run is settled here: failed, or staged (the bounce buffer belongs to
         this thread, so its blocks are verified before the thread takes another run)."""
         try:
-            iovs, views = self._iovecs(run, False)
+            iovs, views = self._iovecs(run)
             self.faults.count(read_calls=1)
             self.files.transfer(False, run.file, iovs, run.offset)
         except OSError as e:
@@ -372,8 +339,8 @@ class BatchIO:
         return runs
 
     def _plan_set(self, ws: WriteSet, live: np.ndarray, max_run_bytes: int) -> list[np.ndarray]:
-        """``_plan`` for a ``WriteSet``: the positions ``live`` in runs, as index arrays in
-        disk order."""
+        """The positions ``live`` of a ``WriteSet`` coalesced into runs of back-to-back slots,
+        as index arrays in disk order, sized so a batch spreads over the threads."""
         n = len(live)
         if n == 0:
             return []
@@ -433,9 +400,9 @@ class BatchIO:
             sink = self._local.pad = bytearray(ALIGN)
         return memoryview(sink)
 
-    def _iovecs(self, run: _Run, writing: bool) -> tuple[list[memoryview], list[memoryview]]:
-        """The run's iovecs, and per block where its ``nbytes`` sit on the disk side of the
-        transfer: the caller's buffer itself, or the block's place in the bounce buffer."""
+    def _iovecs(self, run: _Run) -> tuple[list[memoryview], list[memoryview]]:
+        """The iovecs that read a run, and per block where its ``nbytes`` land: the caller's
+        buffer itself, or the block's place in the bounce buffer."""
         direct = self.files.direct
         bounced = [b for b in run.blocks if not b.direct and (direct or b.buf is None)]
         staging = self._staging(sum(b.padded for b in bounced)) if bounced else None
@@ -456,10 +423,6 @@ class BatchIO:
                 assert staging is not None
                 chunk = staging[pos : pos + b.padded]
                 pos += b.padded
-                if writing:
-                    assert b.buf is not None
-                    chunk[: b.nbytes] = b.buf[: b.nbytes]
-                    chunk[b.nbytes :] = _ZEROS[: b.padded - b.nbytes]
                 iovs.append(chunk)
                 views.append(chunk[: b.nbytes])
                 b.staged = True
@@ -469,11 +432,13 @@ class BatchIO:
                 views.append(b.buf[: b.nbytes])
                 if b.padded > b.nbytes and b is not last:
                     gap = b.padded - b.nbytes
-                    iovs.append(memoryview(_ZEROS)[:gap] if writing else self._pad_sink()[:gap])
+                    iovs.append(self._pad_sink()[:gap])
         return iovs, views
 
     def _set_iovecs(self, ws: WriteSet, run: np.ndarray) -> list[memoryview]:
-        """``_iovecs`` of a ``WriteSet``'s run (writing)."""
+        """The iovecs that write a ``WriteSet``'s run: direct buffers as they are, the others
+        staged through this thread's bounce buffer under O_DIRECT, or (buffered I/O) taken as
+        they are with zero padding between blocks to keep the run contiguous on disk."""
         bufs, nbytes, padded = ws.bufs, ws.nbytes, ws.padded
         ids = run.tolist()
         if ws.direct[run].all():
@@ -507,14 +472,14 @@ class BatchIO:
         return iovs
 
     def _run_failed(self, run: _Run, exc: OSError, what: str) -> None:
-        detail = classify(exc).detail
+        fault = self._count_failed_run(exc, what, len(run.blocks), run.file, run.offset)
         for b in run.blocks:
             b.ok = False
-            b.error = detail
-        self._count_failed_run(exc, what, len(run.blocks), run.file, run.offset)
+            b.error = fault.detail
 
-    def _count_failed_run(self, exc: OSError, what: str, n: int, file: int, offset: int) -> None:
+    def _count_failed_run(self, exc: OSError, what: str, n: int, file: int, offset: int) -> Fault:
+        """Count and record a failed transfer of ``n`` blocks; returns its classification."""
+        fault = classify(exc)
         self.faults.count(io_errors=1)
-        self.faults.fault(
-            classify(exc), f"{what} of {n} blocks at {self.files.paths[file].name}+{offset}"
-        )
+        self.faults.fault(fault, f"{what} of {n} blocks at {self.files.paths[file].name}+{offset}")
+        return fault

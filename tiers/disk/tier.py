@@ -15,9 +15,8 @@ Invariants:
   file returned). Concurrent ``write`` calls share these steps (group commit): one caller
   syncs the files of every write finished so far, then commits all their rows in one
   transaction, while the others wait for its answer. A crash at any moment therefore loses
-  at most blocks still in flight and never makes a row point at a half-written slot.
-  ``commit`` enforces the order: it accepts a slot only if this tier made a write to it
-  durable and nothing has been committed or removed there since.
+  at most blocks still in flight and never makes a row point at a half-written slot. A
+  block whose write or sync failed gets no row.
 - A slot is given back to the allocator only after the deletion of its row is durable, and a
   slot rewritten in place loses its row (durably) before the new bytes go down, so no crash
   can leave a row over bytes it does not describe.
@@ -66,11 +65,9 @@ from kvtier.tiers.base import (
     TierStats,
     TierUnavailable,
     WriteBatch,
-    WriteOutcome,
     WriteOutcomes,
     ref_columns,
     ref_keys,
-    write_outcomes,
 )
 from kvtier.tiers.buffers import get_block, put_block
 from kvtier.tiers.disk.files import (
@@ -102,39 +99,9 @@ DEFAULT_FILE_BYTES = 4 << 30
 MAX_FILES = 256
 
 _LOGGED_FAILURES = 16
-_U64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
 
 
 # ---------------------------------------------------------------------------------- items
-
-
-class WriteItem(NamedTuple):
-    """Write ``data[:nbytes]`` into ``slot``. ``data`` must stay unchanged until the write
-    returns. A page-aligned buffer of at least the slot's size (``allocator.slot_bytes_for``),
-    such as an L1 slot view, goes straight to the disk; anything else is staged."""
-
-    slot: int
-    data: BytesLike
-    nbytes: int
-
-
-class PersistItem(NamedTuple):
-    """Write ``data[:nbytes]`` into ``slot`` and commit it as block ``(ns, key)``."""
-
-    ns: int
-    key: bytes
-    slot: int
-    data: BytesLike
-    nbytes: int
-
-
-class CommitEntry(NamedTuple):
-    """Make the durable write to ``slot`` visible as block ``(ns, key)``."""
-
-    ns: int
-    key: bytes
-    slot: int
 
 
 class ReadItem(NamedTuple):
@@ -208,23 +175,6 @@ def _as_bytes(data: BytesLike) -> memoryview:
     return mv
 
 
-def _to_i64(value: int) -> int:
-    return value - _U64 if value > _I64_MAX else value
-
-
-def _from_i64(value: int) -> int:
-    return value + _U64 if value < 0 else value
-
-
-def _outcomes(blocks: list[Block]) -> list[WriteOutcome]:
-    """Each block's outcome; its checksum only where it was written."""
-    return write_outcomes(
-        [b.slot for b in blocks],
-        [b.ok for b in blocks],
-        [b.checksum if b.ok else 0 for b in blocks],
-    )
-
-
 class _RowMap:
     """Which slots have a committed index row, as one bit array per segment in use (a
     million 4 KiB blocks cost about a megabyte), so a rewrite finds the rows it must drop
@@ -233,14 +183,6 @@ class _RowMap:
     def __init__(self, slots_cap: int) -> None:
         self._cap = slots_cap
         self._segs: dict[int, np.ndarray] = {}
-
-    def add(self, slots: Iterable[int]) -> None:
-        for slot in slots:
-            seg, idx = divmod(int(slot), self._cap)
-            bits = self._segs.get(seg)
-            if bits is None:
-                bits = self._segs[seg] = np.zeros(self._cap, dtype=bool)
-            bits[idx] = True
 
     def add_array(self, slots: np.ndarray) -> None:
         seg, idx = np.divmod(np.asarray(slots, dtype=np.int64), self._cap)
@@ -304,7 +246,7 @@ class _Slab(LockedSlab):
 class DiskTier:
     """The L2 tier: block slots in files on a local disk, and their durable index.
 
-    Thread-safety: the data verbs (``write``/``read``/``remove`` and their item forms),
+    Thread-safety: the data verbs (``write``/``read``/``read_items``/``remove``),
     ``stats`` and ``health`` may be called concurrently from any threads, and ``allocator``
     may be used from any thread, provided two calls in flight never name the same slot (the
     store's in-flight marks guarantee this). Index updates are serialised internally; data
@@ -312,10 +254,9 @@ class DiskTier:
     constructor, ``recover`` and ``close`` must not overlap any other call. Every data method
     blocks: call it from a worker thread, never from an event loop.
 
-    Ordering: when ``write_items`` returns ok for a slot, its bytes are durable; when
-    ``commit`` (or ``persist``, or ``write``) returns ok, the rows are durable and survive
-    SIGKILL and power loss; when ``remove`` returns True, the rows are durably gone and only
-    then are the slots free.
+    Ordering: when ``write`` returns ok for a block, its bytes and its row are durable and
+    survive SIGKILL and power loss; when ``remove`` returns True, the rows are durably gone
+    and only then are the slots free.
     """
 
     kind = TierKind.DISK
@@ -361,10 +302,8 @@ class DiskTier:
         self._file_bytes = self._choose_file_bytes(file_bytes)
         self._backend = backend or OsFiles()
         self.faults = FaultState(enospc_retry_s)
-        self._state_lock = threading.Lock()  # quarantine and durable-but-uncommitted slots
+        self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
-        # Slots whose last write is durable and not committed yet: slot -> (nbytes, checksum).
-        self._durable: dict[int, tuple[int, int]] = {}
         self._group = _GroupCommit(self._make_durable)
         self._pending_recovery: tuple[list[tuple[Path, int]], list[int], dict[int, str]] | None
         self._pending_recovery = None
@@ -474,8 +413,7 @@ class DiskTier:
                 bytes_written=ok * t.ws.nbytes,
                 write_failures=len(t.ws) - ok,
             )
-        # Rows straight from the arrays: the writes synced just now are committed by this
-        # same step, so they never wait in ``_durable`` as ``write_items`` writes do.
+        # Rows straight from the arrays, committed by the same step that synced their bytes.
         rows: list[BlockRow] = []
         slots: list[np.ndarray] = []
         now = self._clock()
@@ -497,6 +435,64 @@ class DiskTier:
         for t in tickets:
             t.committed = committed
 
+    def _write_set(
+        self,
+        slots: Sequence[int],
+        bufs: list[memoryview],
+        nbytes: int,
+        addresses: Sequence[int] | None,
+    ) -> WriteSet:
+        """The I/O engine's view of a write batch of one block size, as arrays, every slot
+        and buffer checked first (vectorised): a misuse raises before any I/O."""
+        nbytes = int(nbytes)
+        slot_arr, padded = self._check_slots(slots, nbytes)
+        lengths = np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
+        if len(lengths) and int(lengths.min()) < nbytes:
+            raise ValueError(
+                f"buffer of {int(lengths.min())} bytes is shorter than the block ({nbytes})"
+            )
+        if len(np.unique(slot_arr)) != len(slot_arr):
+            raise ValueError("a batch names the same L2 slot twice")
+        return self._io.make_write_set(
+            slot_arr, self.allocator.offsets(slot_arr), nbytes, padded, bufs, lengths, addresses
+        )
+
+    def _write_set_unsynced(self, ws: WriteSet, priority: Priority) -> bool:
+        """Write the set's bytes, not yet synced, skipping quarantined slots and first dropping
+        the rows of rewritten ones; sets ``ok`` where a write succeeded. False when none was
+        attempted (degraded tier, or the rows of rewritten slots could not be dropped)."""
+        if not len(ws):
+            return True
+        if not self.faults.admit_writes():
+            self.faults.count(writes_refused_degraded=len(ws))
+            return False
+        with self._state_lock:
+            held = np.fromiter(self._quarantined, dtype=np.int64, count=len(self._quarantined))
+        live = np.flatnonzero(~np.isin(ws.slots, held)) if len(held) else np.arange(len(ws))
+        self.faults.count(writes_refused_quarantined=len(ws) - len(live))
+        if not self._drop_rows_before_overwrite(ws.slots[live]):
+            return False
+        self._io.write_set(ws, live, priority)
+        return True
+
+    def _insert_rows(self, rows: list[BlockRow], slots: np.ndarray) -> bool:
+        """Insert the index rows of durably written ``slots`` in one transaction (namespaces
+        and checksums as SQLite's signed integers). True means the rows are durable; False
+        (index fault, or a tier degraded by EIO) means none was inserted."""
+        if self.faults.refuses_commits():
+            self.faults.count(commits_refused_degraded=1)
+            return False
+        try:
+            self._idx().insert(rows)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index commit")
+            return False
+        with self._state_lock:
+            self._committed.add_array(slots)
+        self.faults.count(commits=1, committed_blocks=len(rows))
+        self.faults.space_returned()
+        return True
+
     def read(self, batch: ReadBatch) -> list[bool]:
         """Read and verify the batch's blocks into its destination (host buffers directly;
         pool pages through a bounce buffer, scattered only once verified)."""
@@ -511,11 +507,10 @@ class DiskTier:
                 batch.slots,
                 [_as_bytes(v) for v in dest.views],
                 batch.nbytes,
-                False,
                 dest.addresses,
             )
         else:
-            blocks = self._blocks(batch.slots, [None] * n, batch.nbytes, False)
+            blocks = self._blocks(batch.slots, [None] * n, batch.nbytes)
             for j, b in enumerate(blocks):
                 b.sink = lambda view, j=j: put_block(dest, j, view, batch.nbytes)  # type: ignore[misc]
         keys = ref_keys(batch.blocks) if batch.blocks else [b""] * n
@@ -545,7 +540,6 @@ class DiskTier:
         with self._state_lock:
             self._committed.discard(slots)
             for slot in slots:
-                self._durable.pop(slot, None)
                 if slot in self._quarantined:
                     continue
                 self.allocator.release(slot)
@@ -640,14 +634,12 @@ class DiskTier:
             quarantined_bytes = sum(
                 self.allocator.slot_bytes_for(n) for n in self._quarantined.values()
             )
-            pending = len(self._durable)
         gauges = {
             "o_direct": float(self.files.direct),
             "used_slots": float(slab.used_slots),
             "free_segments": float(slab.free_segments),
             "quarantined_slots": float(quarantined),
             "quarantined_bytes": float(quarantined_bytes),
-            "uncommitted_slots": float(pending),
             "files": float(len(self.files.paths)),
         }
         return TierStats(
@@ -669,193 +661,6 @@ class DiskTier:
 
     # ------------------------------------------------------------------ item verbs
 
-    def write_items(
-        self, items: Sequence[WriteItem], priority: Priority = Priority.BACKGROUND
-    ) -> list[WriteOutcome]:
-        """Write blocks into their (allocated) slots and make them durable.
-
-        Returns one outcome per item, in order; ``ok`` means the bytes are on disk (data file
-        ``fdatasync``ed) and ``checksum`` is what ``read`` will verify. The blocks are not in
-        the index until ``commit``. A failed item's slot stays allocated: give it back with
-        ``remove``. While the tier is degraded every item fails without any I/O.
-        """
-        self._check_open()
-        blocks: list[Block] = []
-        for nbytes in sorted({int(it.nbytes) for it in items}):
-            group = [(i, it) for i, it in enumerate(items) if int(it.nbytes) == nbytes]
-            made = self._blocks(
-                [it.slot for _, it in group], [_as_bytes(it.data) for _, it in group], nbytes, True
-            )
-            for (i, _), b in zip(group, made, strict=True):
-                b.pos = i
-            blocks += made
-        blocks.sort(key=lambda b: b.pos)
-        return self._write_blocks(blocks, priority)
-
-    def _write_blocks(self, blocks: list[Block], priority: Priority) -> list[WriteOutcome]:
-        """Write the blocks and make them durable (``ok``), not committed."""
-        live = self._write_unsynced(blocks, priority)
-        if live is not None:
-            self._io.sync([b for b in live if b.ok], priority)
-            self._settle(blocks, live)
-        return _outcomes(blocks)
-
-    def _write_set(
-        self,
-        slots: Sequence[int],
-        bufs: list[memoryview],
-        nbytes: int,
-        addresses: Sequence[int] | None,
-    ) -> WriteSet:
-        """``_blocks`` for ``write``: the batch as arrays, every slot and buffer checked first
-        (vectorised): a misuse raises before any I/O."""
-        nbytes = int(nbytes)
-        slot_arr, padded = self._check_slots(slots, nbytes)
-        lengths = np.fromiter(map(len, bufs), dtype=np.int64, count=len(bufs))
-        if len(lengths) and int(lengths.min()) < nbytes:
-            raise ValueError(
-                f"buffer of {int(lengths.min())} bytes is shorter than the block ({nbytes})"
-            )
-        if len(np.unique(slot_arr)) != len(slot_arr):
-            raise ValueError("a batch names the same L2 slot twice")
-        return self._io.make_write_set(
-            slot_arr, self.allocator.offsets(slot_arr), nbytes, padded, bufs, lengths, addresses
-        )
-
-    def _write_set_unsynced(self, ws: WriteSet, priority: Priority) -> bool:
-        """``_write_unsynced`` of a ``WriteSet``: sets ``ok`` where a write succeeded; False
-        when none was attempted."""
-        if not len(ws):
-            return True
-        if not self.faults.admit_writes():
-            self.faults.count(writes_refused_degraded=len(ws))
-            return False
-        with self._state_lock:
-            held = np.fromiter(self._quarantined, dtype=np.int64, count=len(self._quarantined))
-        live = np.flatnonzero(~np.isin(ws.slots, held)) if len(held) else np.arange(len(ws))
-        self.faults.count(writes_refused_quarantined=len(ws) - len(live))
-        if not self._drop_rows_before_overwrite(ws.slots[live]):
-            return False
-        self._io.write_set(ws, live, priority)
-        return True
-
-    def _write_unsynced(self, blocks: list[Block], priority: Priority) -> list[Block] | None:
-        """Write the blocks' bytes, not yet synced; returns the blocks written to (``ok``
-        where the write succeeded), or None when none was attempted (degraded tier, or the
-        rows of rewritten slots could not be dropped)."""
-        self._check_distinct(blocks)
-        if not blocks:
-            return []
-        if not self.faults.admit_writes():
-            self.faults.count(writes_refused_degraded=len(blocks))
-            return None
-        with self._state_lock:
-            live = [b for b in blocks if b.slot not in self._quarantined]
-        self.faults.count(writes_refused_quarantined=len(blocks) - len(live))
-        if not self._drop_rows_before_overwrite([b.slot for b in live]):
-            return None
-        self._io.write(live, priority, sync=False)
-        return live
-
-    def _settle(self, blocks: list[Block], live: list[Block]) -> None:
-        """Record the synced writes of ``live`` (part of ``blocks``) as durable, awaiting
-        commit, and count the batch."""
-        ok = [b for b in live if b.ok]
-        with self._state_lock:
-            self._durable.update([(b.slot, (b.nbytes, b.checksum)) for b in ok])
-        self._count_written(blocks, ok)
-
-    def _count_written(self, blocks: list[Block], ok: list[Block]) -> None:
-        """Count a batch of ``blocks`` of which ``ok`` were written."""
-        self.faults.count(
-            blocks_written=len(ok),
-            bytes_written=sum(b.nbytes for b in ok),
-            write_failures=len(blocks) - len(ok),
-        )
-
-    def commit(self, entries: Sequence[tuple[int, bytes, int]]) -> bool:
-        """Insert index rows for durably written slots, in one transaction (``entries``:
-        ``CommitEntry`` or plain ``(ns, key, slot)`` tuples).
-
-        True means the rows are durable. False (index I/O fault, tier degraded by EIO) means
-        none was inserted; the slots stay allocated and their bytes stay durable, so the call
-        may be repeated, or the slots given back with ``remove``.
-
-        Raises ValueError when an entry's slot has no durable write awaiting commit: that
-        would make a row whose bytes nobody vouched for.
-        """
-        self._check_open()
-        if not entries:
-            return True
-        durable = self._durable
-        with self._state_lock:
-            for _ns, key, slot in entries:
-                if slot not in durable:
-                    raise ValueError(
-                        f"L2 slot {slot} has no durable write awaiting commit "
-                        f"(key {bytes(key).hex()})"
-                    )
-            written = [durable[slot] for _, _, slot in entries]
-        spaces, keys, slots = zip(*entries, strict=True)
-        sizes, sums = zip(*written, strict=True)
-        now = self._clock()
-        # SQLite integers are signed: namespaces and checksums (unsigned 64-bit) go in as
-        # their two's complement. A batch has few namespaces: each is converted once; the
-        # checksums as one array.
-        signed = {ns: _to_i64(int(ns)) for ns in set(spaces)}
-        rows = list(
-            zip(
-                map(signed.__getitem__, spaces),
-                map(bytes, keys),
-                slots,
-                sizes,
-                np.array(sums, dtype=np.uint64).view(np.int64).tolist(),
-                repeat(now),
-                strict=False,
-            )
-        )
-        if not self._insert_rows(rows, np.asarray(slots, dtype=np.int64)):
-            return False
-        with self._state_lock:
-            for slot in slots:
-                durable.pop(slot, None)
-        return True
-
-    def _insert_rows(self, rows: list[BlockRow], slots: np.ndarray) -> bool:
-        """Insert the index rows of durably written ``slots`` in one transaction
-        (``commit``'s contract; namespaces and checksums as SQLite's signed integers)."""
-        if self.faults.refuses_commits():
-            self.faults.count(commits_refused_degraded=1)
-            return False
-        try:
-            self._idx().insert(rows)
-        except sqlite3.Error as e:
-            self.faults.fault(classify(e), "index commit")
-            return False
-        with self._state_lock:
-            self._committed.add_array(slots)
-        self.faults.count(commits=1, committed_blocks=len(rows))
-        self.faults.space_returned()
-        return True
-
-    def persist(
-        self, items: Sequence[PersistItem], priority: Priority = Priority.BACKGROUND
-    ) -> list[WriteOutcome]:
-        """``write_items`` then ``commit`` of the blocks written: ``ok`` means the block is
-        durable and in the index (it will be served after a crash or restart). Failed items
-        keep their slots allocated; give them back with ``remove``."""
-        outcomes = self.write_items(
-            [WriteItem(it.slot, it.data, it.nbytes) for it in items], priority
-        )
-        done = [
-            CommitEntry(it.ns, it.key, it.slot)
-            for it, out in zip(items, outcomes, strict=True)
-            if out.ok
-        ]
-        if not done or self.commit(done):
-            return outcomes
-        return [WriteOutcome(o.slot, False, 0) for o in outcomes]
-
     def read_items(
         self, items: Sequence[ReadItem], priority: Priority = Priority.DEMAND
     ) -> list[bool]:
@@ -873,7 +678,7 @@ class DiskTier:
         for nbytes in sorted({int(it.nbytes) for it in items}):
             group = [(i, it) for i, it in enumerate(items) if int(it.nbytes) == nbytes]
             made = self._blocks(
-                [it.slot for _, it in group], [_as_bytes(it.out) for _, it in group], nbytes, False
+                [it.slot for _, it in group], [_as_bytes(it.out) for _, it in group], nbytes
             )
             for (i, it), b in zip(group, made, strict=True):
                 b.pos, b.expected, b.key = i, it.checksum, it.key
@@ -944,7 +749,7 @@ class DiskTier:
             self._quarantine(failed)
         return [b.ok for b in blocks]
 
-    def _drop_rows_before_overwrite(self, slots: list[int] | np.ndarray) -> bool:
+    def _drop_rows_before_overwrite(self, slots: np.ndarray) -> bool:
         """Durably delete the rows of committed blocks in ``slots`` (a slot rewritten without
         ``remove``): a crash while the new bytes go down must not leave the old row over them.
         False when the index could not be updated."""
@@ -968,7 +773,6 @@ class DiskTier:
         with self._state_lock:
             for b in blocks:
                 self._quarantined[b.slot] = b.nbytes
-                self._durable.pop(b.slot, None)
             self._committed.discard(b.slot for b in blocks)
         # One line per block, with its key, up to a bound: a dying disk fails whole batches.
         for n, b in enumerate(blocks):
@@ -996,10 +800,9 @@ class DiskTier:
         slots: Sequence[int],
         bufs: Sequence[memoryview | None],
         nbytes: int,
-        writing: bool,
         addresses: Sequence[int] | None = None,
     ) -> list[Block]:
-        """The I/O engine's blocks for a batch of one block size, every slot and buffer
+        """The I/O engine's blocks for a read batch of one block size, every slot and buffer
         checked first (vectorised): a misuse raises before any I/O. ``addresses``: the
         buffers' addresses, when known (``HostBuffers.addresses``)."""
         nbytes = int(nbytes)
@@ -1011,7 +814,7 @@ class DiskTier:
                     raise ValueError(
                         f"buffer of {len(buf)} bytes is shorter than the block ({nbytes})"
                     )
-                if not writing and buf.readonly:
+                if buf.readonly:
                     raise ValueError("read buffer is read-only")
         return self._io.make_blocks(
             slot_arr.tolist(), alloc.offsets(slot_arr), nbytes, padded, bufs, addresses
@@ -1261,11 +1064,8 @@ __all__ = [
     "ALIGN",
     "CHECKSUM_NAME",
     "BlockRef",
-    "CommitEntry",
     "DiskTier",
-    "PersistItem",
     "ReadItem",
-    "WriteItem",
     "checksum",
     "fsync_dir",
 ]
