@@ -223,7 +223,7 @@ class TransferEngine:
         checksums: Sequence[int],
         priority: Priority,
         deadline: float | None = None,
-    ) -> tuple[list[WriteOutcome], list[bool]]:
+    ) -> tuple[Sequence[WriteOutcome], list[bool]]:
         """Copy blocks from ``src`` into reserved ``dst_slots`` (ignored by a keyed ``dst``).
         Returns an outcome per block and whether the *source* failed it (its read missed: the
         source tier dropped the block), as opposed to the destination refusing it.
@@ -261,7 +261,7 @@ class TransferEngine:
         checksums: Sequence[int],
         priority: Priority,
         deadline: float | None,
-    ) -> tuple[list[WriteOutcome], list[bool]]:
+    ) -> tuple[Sequence[WriteOutcome], list[bool]]:
         into = None if dst.keyed else dst.buffers(dst_slots, nbytes)
         if into is not None:
             # The destination's slots are host memory: the source reads straight into them.
@@ -325,7 +325,7 @@ class TransferEngine:
         nbytes: int,
         pages: DevicePages,
         priority: Priority,
-    ) -> list[WriteOutcome]:
+    ) -> Sequence[WriteOutcome]:
         """GPU pool pages into a tier that cannot reach device memory: gathered by L0 into
         the tier's host slots, or into staging that the tier then writes."""
         bridge = self._bridge()

@@ -122,16 +122,12 @@ class HostArena:
         )
 
     def write(self, batch: WriteBatch) -> WriteOutcomes:
-        starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
-        store_from(batch.src, range(len(batch.slots)), self.array, starts, batch.nbytes)
-        self._counters["blocks_written"] += len(batch.slots)
-        self._counters["bytes_written"] += len(batch.slots) * batch.nbytes
-        n = len(batch.slots)
-        return WriteOutcomes(
-            np.asarray(batch.slots, dtype=np.int64),
-            np.ones(n, dtype=bool),
-            np.zeros(n, dtype=np.uint64),
-        )
+        slots = np.asarray(batch.slots, dtype=np.int64)
+        n = len(slots)
+        store_from(batch.src, range(n), self.array, self.allocator.offsets(slots), batch.nbytes)
+        self._counters["blocks_written"] += n
+        self._counters["bytes_written"] += n * batch.nbytes
+        return WriteOutcomes(slots, np.ones(n, dtype=bool), np.zeros(n, dtype=np.uint64))
 
     def read(self, batch: ReadBatch) -> list[bool]:
         starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
