@@ -713,6 +713,10 @@ class BlockStore:
         only the chunks of layers ``[begin, end)`` are copied (checked by the service); a
         block counts as loaded once, by the Get that copies its layer 0.
         """
+        if len(words) == 1:
+            one = await self._get_one(pool, ns, words[0], int(pages[0]), touch, layers)
+            if one is not None:
+                return one
         table = self.table
         chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = table.lookup(ns, words)
@@ -767,6 +771,83 @@ class BlockStore:
         if len(loaded_ids):
             self._read_ahead(int(loaded_ids[-1]))
         return loaded
+
+    async def _get_one(
+        self,
+        pool: EnginePool,
+        ns: int,
+        key: np.ndarray,
+        page: int,
+        touch: bool,
+        layers: tuple[int, int] | None,
+    ) -> np.ndarray | None:
+        """``get`` of one key whose block the top tier holds (an engine's commonest small
+        Get), in Python scalars: the same steps, marks and counts as the batch path, without
+        its array operations. None, having changed nothing, in every other case (the key
+        absent or still being written, held only below, a size to adopt or refuse): the
+        batch path takes those."""
+        table, top = self.table, self.top
+        bid = table.find_one(ns, key)
+        if bid < 0 or table.state[bid] != READY:
+            return None
+        slot = int(table.slot[bid, top.col])
+        if slot < 0 or int(table.nbytes[bid]) != pool.block_bytes:
+            return None
+        now = self._clock()
+        if touch:
+            self.space.touch(np.array([bid], dtype=np.int64), now)
+        else:
+            # The pinning Lookup counted this access; only the protection clock restarts.
+            table.last_access[bid] = now
+        lost = self.space.copies_lost
+        table.inflight[bid] += 1
+        ok = False
+        try:
+            with pool.use():
+                ok = await self._load_one(top, bid, slot, pool, page, layers)
+        finally:
+            table.inflight[bid] -= 1
+            if not ok or self.space.copies_lost != lost:
+                self.space.forget_orphans(np.array([bid], dtype=np.int64))
+        c = self.counters
+        if ok:
+            if self.prefetches.outstanding:
+                self._account_reads(np.array([bid], dtype=np.int64))
+            if layers is None or layers[0] == 0:
+                c.add(self._n_get["loaded"])
+            chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
+            c.add(self._n_bytes_get, chunks.nbytes)
+            self._read_ahead(bid)
+        elif layers is None or layers[0] == 0:
+            c.add(self._n_get["missing"])
+        return np.array([ok])
+
+    async def _load_one(
+        self,
+        level: Level,
+        bid: int,
+        slot: int,
+        pool: EnginePool,
+        page: int,
+        layers: tuple[int, int] | None,
+    ) -> bool:
+        """``_load`` of one block from ``slot`` of ``level`` into ``page``."""
+        table = self.table
+        ok = await self.transfers.to_pool(
+            level,
+            [slot],
+            [BlockRef(int(table.ns[bid]), table.keys[bid].tobytes())],
+            pool.block_bytes,
+            [table.checksum_of(bid, level.col)],
+            pool.batch(np.array([page], dtype=np.int64), self._copy_threads, layers),
+        )
+        c = self.counters
+        if ok[0]:
+            c.add(self._n_loaded_from[level.col])
+            return True
+        self.space.lose_copy(bid, level)
+        c.add(self._n_load_failures[level.col])
+        return False
 
     async def _get_part(
         self,

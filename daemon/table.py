@@ -171,6 +171,11 @@ class BlockTable:
         """Like lookup, but also returns blocks that are still being written."""
         return self._find(ns, words)
 
+    def find_one(self, ns: int, key: np.ndarray) -> int:
+        """``find_any`` of one key's words (``(4,)`` uint64), as an int: no array built."""
+        ns = int(ns)
+        return self._probe(ns, key, self._hash_one(ns, key) & (len(self._table) - 1))
+
     def key_bytes(self, bid: int) -> bytes:
         return self.keys[bid].tobytes()
 
@@ -217,6 +222,11 @@ class BlockTable:
         if c < 0:
             return np.zeros(len(bids), dtype=np.uint64)
         return self.checksum[bids, c]
+
+    def checksum_of(self, bid: int, col: int) -> int:
+        """``checksums`` of one block, as an int."""
+        c = int(self._csum_col[col])
+        return int(self.checksum[bid, c]) if c >= 0 else 0
 
     def set_checksums(self, bids: np.ndarray, col: int, values: np.ndarray) -> None:
         c = int(self._csum_col[col])

@@ -84,9 +84,9 @@ class ChunkTable:
             return self.uniform_length
         return np.tile(self.length, nblocks)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
-        """Bytes these chunks hold for one block."""
+        """Bytes these chunks hold for one block (asked on every Get: kept)."""
         return int(self.length.sum())
 
     def subset(self, first: int, stop: int) -> ChunkTable:
