@@ -442,10 +442,14 @@ class BlockStore:
         before it) whose persistent copies are written while the next part is copied in; once
         a part has rejected keys, the later parts store nothing new.
         """
+        n = len(words)
+        if n == 1 and not durable and self.top.own_admission is None:
+            one = await self._put_one(pool, ns, words[0], int(pages[0]), parent_words, owner)
+            if one is not None:
+                return one, None
         durable_level = self.stack.first_persistent()
         if durable:
             self.check_durable()
-        n = len(words)
         step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1) if durable else n)
         results = np.full(n, _STORED, dtype=np.int32)
         persisting: list[asyncio.Future[np.ndarray]] = []
@@ -559,6 +563,56 @@ class BlockStore:
         if again.any():
             chain[again] = table.lookup(ns, words[again])
         return results, chain
+
+    async def _put_one(
+        self,
+        pool: EnginePool,
+        ns: int,
+        key: np.ndarray,
+        page: int,
+        parent_words: np.ndarray | None,
+        owner: int,
+    ) -> np.ndarray | None:
+        """``put`` of one new key, not durable, where the top tier has no own admission (an
+        engine's commonest small Put), with Python scalars where ``_put_part`` uses arrays:
+        the same claim before any await, copies (``_store_new``), link to the parent as it
+        stands once they are done, commit, abandon, miss records and counts. None, having
+        changed nothing, for a key already present or being written: ``_put_part`` answers
+        those."""
+        table = self.table
+        if table.find_one(ns, key) >= 0:
+            return None
+        now = self._clock()
+        block_bytes = pool.block_bytes
+        # Claimed before awaiting anything (see the module invariants).
+        bid = table.add(ns, key, block_bytes, owner=owner)
+        table.inflight[bid] = 1
+        bids = np.array([bid], dtype=np.int64)
+        placed = 0
+        try:
+            placed = await self._store_new(
+                pool, bids, None, np.array([page], dtype=np.int64), now, owner
+            )
+            if placed:
+                parent = -1
+                if parent_words is not None:
+                    parent = table.find_one(ns, parent_words)
+                    if parent >= 0 and table.state[parent] != READY:
+                        parent = -1
+                self._commit_new(bids, np.array([parent], dtype=np.int64))
+        finally:
+            if not placed:
+                self._abandon(bids)  # the row of a block stored nowhere, whatever
+        c = self.counters
+        if placed:
+            if self.space.misses:  # nothing to forget in an empty ledger: no identity to hash
+                self.space.misses.discard(table.identities(ns, key[None, :]))
+            c.add(self._n_bytes_put, block_bytes)
+            c.add(self._n_put[_STORED])
+            return np.array([_STORED], dtype=np.int32)
+        self.space.misses.record(table.identities(ns, key[None, :]), DECLINED)
+        c.add(self._n_put[_REJECTED_FULL])
+        return np.array([_REJECTED_FULL], dtype=np.int32)
 
     async def _persist(self, refs: np.ndarray, hold: np.ndarray, level: Level) -> np.ndarray:
         """Give the blocks ``refs`` name (table refs, -1: none) a copy on the persistent
