@@ -357,9 +357,10 @@ class KVTierServicer:
             request.durable,
             request.namespace,
         )
+        codes = results.tolist()
         return pb.PutResponse(
-            results=results.tolist(),
-            stored=int((results == pb.PUT_STORED).sum()),
+            results=codes,
+            stored=codes.count(pb.PUT_STORED),
             persisted=persisted.tolist() if persisted is not None else [],
         )
 
@@ -377,8 +378,10 @@ class KVTierServicer:
             request.layer_end,
             request.namespace,
         )
-        prefix = int(loaded.argmin()) if not loaded.all() else len(loaded)
-        return pb.GetResponse(loaded=loaded.tolist(), prefix_len=prefix)
+        # As lists: numpy's reductions cost more than the scan for the few keys of most Gets.
+        flags = loaded.tolist()
+        prefix = flags.index(False) if False in flags else len(flags)
+        return pb.GetResponse(loaded=flags, prefix_len=prefix)
 
     @_rpc
     async def Release(

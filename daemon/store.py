@@ -665,7 +665,7 @@ class BlockStore:
                 continue
             todo = bids[done:]
             admitted = self.space.admit(level, todo, now, None if pars is None else pars[done:])
-            if not admitted.all():
+            if not (admitted[0] if len(admitted) == 1 else admitted.all()):
                 todo = todo[: int(np.argmin(admitted))]
                 if len(todo) == 0:
                     if level is self.top:
@@ -696,9 +696,14 @@ class BlockStore:
             outs = WriteOutcomes.of(outcomes)
             ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
             stored = group[:ok]
-            table.set_slots(stored, level.col, outs.slots[:ok])
-            if level.checksummed:
-                table.set_checksums(stored, level.col, outs.checksums[:ok])
+            if ok == 1:  # a single-key put: the slot and checksum as scalars
+                table.set_slots(stored, level.col, int(outs.slots[0]))
+                if level.checksummed:
+                    table.set_checksums(stored, level.col, int(outs.checksums[0]))
+            else:
+                table.set_slots(stored, level.col, outs.slots[:ok])
+                if level.checksummed:
+                    table.set_checksums(stored, level.col, outs.checksums[:ok])
             await self.space.release(level, outs.slots[ok:].tolist())
             if level is not self.top:
                 self.counters.inc("stored_below", ok, tier=level.label)
@@ -738,6 +743,9 @@ class BlockStore:
         self.space.apply_touches()
         table = self.table
         now = self._clock()
+        if len(bids) == 1:
+            self._commit_one(int(bids[0]), int(pars[0]), now)
+            return
         table.inflight[bids] = 0
         table.state[bids] = READY
         table.last_access[bids] = now
@@ -748,6 +756,20 @@ class BlockStore:
             if mine.any():
                 level.policy.insert_many(bids[mine], now, pars[mine])
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
+
+    def _commit_one(self, bid: int, parent: int, now: float) -> None:
+        """``_commit_new`` of one block, without array operations."""
+        table = self.table
+        table.inflight[bid] = 0
+        table.state[bid] = READY
+        table.last_access[bid] = now
+        table.link(bid, parent)
+        one = np.array([bid], dtype=np.int64)
+        pars = np.array([parent], dtype=np.int64)
+        for level in self.stack:
+            if table.slot[bid, level.col] >= 0:
+                level.policy.insert_many(one, now, pars)
+        self.space.after_store(one if table.slot[bid, self.top.col] >= 0 else one[:0], now)
 
     # -------------------------------------------------------------------- reads
 

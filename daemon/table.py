@@ -228,7 +228,7 @@ class BlockTable:
         c = int(self._csum_col[col])
         return int(self.checksum[bid, c]) if c >= 0 else 0
 
-    def set_checksums(self, bids: np.ndarray, col: int, values: np.ndarray) -> None:
+    def set_checksums(self, bids: np.ndarray, col: int, values: np.ndarray | int) -> None:
         c = int(self._csum_col[col])
         if c >= 0:
             self.checksum[bids, c] = values
@@ -243,6 +243,9 @@ class BlockTable:
 
     def link_many(self, bids: np.ndarray, parents: np.ndarray) -> None:
         """``link`` for many blocks, in order (a parent named twice keeps the later child)."""
+        if len(bids) == 1:  # a single-key put: no array operations
+            self.link(int(bids[0]), int(parents[0]))
+            return
         bids = np.asarray(bids, dtype=np.int64)
         parents = np.asarray(parents, dtype=np.int64)
         linked = parents >= 0
@@ -266,6 +269,15 @@ class BlockTable:
 
     def set_slots(self, bids: np.ndarray, col: int, slots: np.ndarray | int) -> None:
         """Record copies of ``bids`` (none there yet) in column ``col``."""
+        if len(bids) == 1 and not isinstance(slots, np.ndarray):
+            # A single-key request's copy, without array operations.
+            bid = int(bids[0])
+            self.slot[bid, col] = slots
+            if self._accounted[col]:
+                owner = int(self.owner[bid])
+                self._fit_owner(owner)
+                self.usage[col, owner] += int(self.nbytes[bid])
+            return
         bids = np.asarray(bids, dtype=np.int64)
         self.slot[bids, col] = slots
         if self._accounted[col] and len(bids):

@@ -102,6 +102,14 @@ def _copy_pages(
 ) -> int:
     """Copy between ``pages`` and the blocks at ``block_starts``, page range by page range
     (``_page_parts``): pool to blocks with ``to_blocks``, else blocks to pool."""
+    if len(pages) == 1:
+        # One block (a single-key request): its offsets in two array operations each.
+        at_pool = table.pool_base + np.uint64(pages[0]) * table.page_stride
+        at_blocks = table.block_offset + np.uint64(block_starts[0])
+        lengths = table.lengths(1)
+        if to_blocks:
+            return copy_ranges(blocks, pool, at_blocks, at_pool, lengths, threads)
+        return copy_ranges(pool, blocks, at_pool, at_blocks, lengths, threads)
     parts = _page_parts(table, len(pages))
     copied = 0
     for first in parts:

@@ -29,6 +29,12 @@ def host_side(buffers: Buffers) -> HostBuffers | PoolPages:
     return buffers
 
 
+def _every(idx: Sequence[int] | np.ndarray, n: int) -> bool:
+    """Whether ``idx`` names blocks ``0 .. n - 1`` in order as a range (a tier's whole
+    batch): its pages are then taken as they are, without an index array."""
+    return isinstance(idx, range) and idx == range(n)
+
+
 def store_from(
     src: Buffers,
     idx: Sequence[int] | np.ndarray,
@@ -38,10 +44,11 @@ def store_from(
 ) -> None:
     """Copy blocks ``idx`` of ``src`` into ``arena`` at byte offsets ``starts`` (one each)."""
     src = host_side(src)
-    idx = np.asarray(idx, dtype=np.int64)
     if isinstance(src, PoolPages):
-        pool_to_blocks(src.table, src.memory, src.pages[idx], arena, starts, src.threads)
+        pages = src.pages if _every(idx, len(src)) else src.pages[np.asarray(idx, dtype=np.int64)]
+        pool_to_blocks(src.table, src.memory, pages, arena, starts, src.threads)
         return
+    idx = np.asarray(idx, dtype=np.int64)
     for j, start in zip(idx.tolist(), np.asarray(starts).tolist(), strict=True):
         arena[start : start + nbytes] = _as_bytes(src.views[j])[:nbytes]
 
@@ -55,10 +62,12 @@ def load_into(
 ) -> None:
     """Copy blocks at byte offsets ``starts`` of ``arena`` into blocks ``idx`` of ``dest``."""
     dest = host_side(dest)
-    idx = np.asarray(idx, dtype=np.int64)
     if isinstance(dest, PoolPages):
-        blocks_to_pool(dest.table, arena, starts, dest.memory, dest.pages[idx], dest.threads)
+        every = _every(idx, len(dest))
+        pages = dest.pages if every else dest.pages[np.asarray(idx, dtype=np.int64)]
+        blocks_to_pool(dest.table, arena, starts, dest.memory, pages, dest.threads)
         return
+    idx = np.asarray(idx, dtype=np.int64)
     for j, start in zip(idx.tolist(), np.asarray(starts).tolist(), strict=True):
         _as_bytes(dest.views[j])[:nbytes] = arena[start : start + nbytes]
 

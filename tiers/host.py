@@ -130,7 +130,7 @@ class HostArena:
         return WriteOutcomes(slots, np.ones(n, dtype=bool), np.zeros(n, dtype=np.uint64))
 
     def read(self, batch: ReadBatch) -> list[bool]:
-        starts = self.allocator.offsets(np.asarray(batch.slots, dtype=np.int64))
+        starts = self.allocator.offsets(batch.slots)
         load_into(batch.dest, range(len(batch.slots)), self.array, starts, batch.nbytes)
         self._counters["blocks_read"] += len(batch.slots)
         self._counters["bytes_read"] += len(batch.slots) * batch.nbytes

@@ -418,7 +418,7 @@ class SlabAllocator:
         seg, index = divmod(slot, self.slots_cap)
         return seg * self.segment_bytes + index * int(self._seg_slot_bytes[seg])
 
-    def offsets(self, slots: np.ndarray) -> np.ndarray:
+    def offsets(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
         if len(slots) == 1:  # one block: Python arithmetic, one array
             return np.array([self.offset(int(slots[0]))], dtype=np.uint64)
         slots = np.asarray(slots, dtype=np.int64)
