@@ -1730,3 +1730,47 @@ async def test_single_key_requests_leave_the_store_as_one_batch_of_them_does(
     assert answers[0] == answers[1]
     for name in states[0]:
         assert states[0][name] == states[1][name], name
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat"])
+async def test_single_key_refused_puts_and_leased_gets_leave_the_store_as_one_batch_does(
+    make_store, policy
+):
+    """The single-key Put path also answers a put the top tier has no room for (every block
+    protected: REJECTED_FULL, its row abandoned, a DECLINED miss recorded), and the
+    single-key Get path also serves Gets under a lease (no touch: only the protection clock
+    restarts). Each leaves the store exactly as the same keys in one request do: answers,
+    counters, miss reasons, tiers, protection clock and every policy's ranking."""
+    words = keys(20)
+    order = [3, 0, 7, 3, 15, 9]
+    states, answers = [], []
+    for one_by_one in (True, False):
+        clock = Clock()
+        store, pool = make_store(clock, protect_s=100.0, policy=policy), make_pool()
+        got: list[object] = []
+        if one_by_one:
+            for i in range(20):  # 16 fit the one segment; the last 4 find every block protected
+                parent = words[i - 1] if i else None
+                got += await put(store, pool, words[i : i + 1], pages=[i], parent=parent)
+                store.space.apply_touches()
+        else:
+            got += await put(store, pool, words)
+            store.space.apply_touches()
+        clock.now += 1.0
+        pages = 30 + np.arange(len(order))
+        if one_by_one:
+            for i, page in zip(order, pages.tolist(), strict=True):
+                got += await get(store, pool, words[i : i + 1], [page], touch=False)
+                store.space.apply_touches()
+        else:
+            got += await get(store, pool, words[order], pages, touch=False)
+            store.space.apply_touches()
+        loads = zip(order, pages.tolist(), strict=True)
+        got += [page_bytes(pool, p) == page_bytes(pool, i) for i, p in loads]
+        answers.append(got)
+        clock.now += 200.0  # past the protection: every block ranked
+        states.append(_state_of(store, words))
+    assert answers[0][16:20] == [int(PutResult.REJECTED_FULL)] * 4
+    assert answers[0] == answers[1]
+    for name in states[0]:
+        assert states[0][name] == states[1][name], name
