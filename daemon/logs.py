@@ -29,21 +29,34 @@ pool_id: contextvars.ContextVar[int] = contextvars.ContextVar("pool_id", default
 CONTEXT_FIELDS = ("request_id", "session_id", "pool_id")
 
 
+Bound = tuple[contextvars.Token[str], contextvars.Token[str], contextvars.Token[int]]
+
+
+def bind(rid: str, session: str = "", pool: int = 0) -> Bound:
+    """Bind the ids of one request; ``unbind`` what this returns when it ends (the unary
+    RPC path calls the two itself: a context manager's generator costs as much again)."""
+    return (request_id.set(rid), session_id.set(session), pool_id.set(pool))
+
+
+def unbind(tokens: Bound) -> None:
+    try:
+        pool_id.reset(tokens[2])
+        session_id.reset(tokens[1])
+        request_id.reset(tokens[0])
+    except ValueError:
+        # A streaming handler's generator closed by asyncio's finalizer runs in another
+        # context, where these values were never set: nothing to undo there.
+        pass
+
+
 @contextmanager
 def request_context(rid: str, session: str = "", pool: int = 0) -> Iterator[None]:
     """Bind the ids of one request for the code that runs inside."""
-    tokens = (request_id.set(rid), session_id.set(session), pool_id.set(pool))
+    tokens = bind(rid, session, pool)
     try:
         yield
     finally:
-        try:
-            pool_id.reset(tokens[2])
-            session_id.reset(tokens[1])
-            request_id.reset(tokens[0])
-        except ValueError:
-            # A streaming handler's generator closed by asyncio's finalizer runs in another
-            # context, where these values were never set: nothing to undo there.
-            pass
+        unbind(tokens)
 
 
 class RequestContextFilter(logging.Filter):

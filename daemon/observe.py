@@ -87,15 +87,19 @@ class RpcObserver:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _ObservedCall(self.histograms, method, self._clock, context)
             given = _request_id_from(context.invocation_metadata())
+            session, pool = _ids(request)
+            tokens = logs.bind(given or new_request_id(), session, pool)
             try:
-                with logs.request_context(given or new_request_id(), *_ids(request)):
-                    result = await behavior(request, call)
+                result = await behavior(request, call)
             except asyncio.CancelledError:
+                logs.unbind(tokens)
                 call.done("CANCELLED")
                 raise
             except BaseException:
+                logs.unbind(tokens)
                 call.done(_code_of(context))
                 raise
+            logs.unbind(tokens)
             call.done("OK")
             return result
 
@@ -122,6 +126,8 @@ class _ObservedCall:
     """The servicer's context, which files the call's latency as its status is decided: an
     abort sends the status to the client before the handler's frame unwinds, so a client that
     reads the metrics right after an error must already find the call counted."""
+
+    __slots__ = ("_clock", "_context", "_done", "_histograms", "_method", "_started")
 
     def __init__(
         self,
