@@ -81,11 +81,13 @@ class Level:
     writes: TokenBucket
     own_admission: OwnAdmission | None = None
 
-    @property
+    # A level's kind and tier never change: what follows from them alone is kept (asked on
+    # every request's path).
+    @functools.cached_property
     def label(self) -> str:
         return self.kind.label
 
-    @property
+    @functools.cached_property
     def keyed(self) -> bool:
         return not hasattr(self.tier, "allocator")
 

@@ -704,7 +704,8 @@ class BlockStore:
                 table.set_slots(stored, level.col, outs.slots[:ok])
                 if level.checksummed:
                     table.set_checksums(stored, level.col, outs.checksums[:ok])
-            await self.space.release(level, outs.slots[ok:].tolist())
+            if ok < len(outs):
+                await self.space.release(level, outs.slots[ok:].tolist())
             if level is not self.top:
                 self.counters.inc("stored_below", ok, tier=level.label)
             done += ok
