@@ -67,6 +67,8 @@ def keys_to_words(keys: list[bytes] | tuple[bytes, ...]) -> np.ndarray:
     """Pack 32-byte keys into an ``(n, 4)`` uint64 array. Raises ValueError on a bad length."""
     if not keys:
         return np.empty((0, _KEY_WORDS), dtype=np.uint64)
+    if len(keys) == 1 and len(keys[0]) == KEY_BYTES:  # a single-key request: no join, no set
+        return np.frombuffer(keys[0], dtype=np.uint64).reshape(1, _KEY_WORDS)
     if set(map(len, keys)) != {KEY_BYTES}:
         i = next(i for i, k in enumerate(keys) if len(k) != KEY_BYTES)
         raise ValueError(f"key {i} has {len(keys[i])} bytes; keys are {KEY_BYTES} bytes")
