@@ -49,15 +49,8 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
 from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry, shown_id
-from kvtier.daemon.store import (
-    BlockStore,
-    DeleteResult,
-    EvictResult,
-    PrefetchResult,
-    TierUsage,
-    _repeats,
-)
-from kvtier.daemon.table import keys_to_words
+from kvtier.daemon.store import BlockStore, DeleteResult, EvictResult, PrefetchResult, TierUsage
+from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.daemon.tenants import Space, TenantDirectory
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -366,7 +359,7 @@ class KVService:
         pool = self._pool(session_id, pool_id)
         space = self._space(session, namespace)
         words = self._words(keys)
-        if len(keys) > 1 and _repeats_a_key(keys, words):
+        if len(keys) > 1 and repeats(words).any():
             # Like a page, a key is loaded once per Get: a tier's read batch names each slot
             # once (L0 and L2 refuse one that repeats a slot).
             raise InvalidArgument("a key appears twice; a Get loads each block once")
@@ -647,11 +640,3 @@ class KVService:
                 f"lease_ms {lease_ms} exceeds the maximum {self.config.server.lease_max_ms} (server.lease_max_ms)"
             )
         return lease_ms / 1000.0
-
-
-def _repeats_a_key(keys: Sequence[bytes], words: np.ndarray) -> bool:
-    """Whether a key appears twice among ``keys`` (``words``, their words): a set of the
-    few keys of a small request costs less than the store's sort of many."""
-    if len(keys) <= 64:
-        return len(set(keys)) != len(keys)
-    return bool(_repeats(words).any())

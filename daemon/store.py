@@ -48,7 +48,7 @@ from kvtier.daemon.pools import EnginePool
 from kvtier.daemon.space import SpaceManager
 from kvtier.daemon.stack import Level, TierStack, build_stack
 from kvtier.daemon.stats import Counters
-from kvtier.daemon.table import READY, BlockTable
+from kvtier.daemon.table import READY, BlockTable, repeats
 from kvtier.daemon.transfer import TransferEngine
 from kvtier.tiers.base import (
     BlockRef,
@@ -507,7 +507,7 @@ class BlockStore:
         existing = table.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
         is_new = existing < 0
-        is_new &= ~_repeats(words)  # a key repeated within the batch is stored once
+        is_new &= ~repeats(words)  # a key repeated within the batch is stored once
         results[~is_new] = _EXISTS
         ready = existing[existing >= 0]
         ready = ready[table.state[ready] == READY]
@@ -1464,30 +1464,6 @@ class BlockStore:
     def _count_put(self, results: np.ndarray) -> None:
         for key, k in zip(self._n_put, np.bincount(results, minlength=3).tolist(), strict=True):
             self.counters.add(key, k)
-
-
-def _repeats(words: np.ndarray) -> np.ndarray:
-    """Which keys repeat an earlier key of the same batch."""
-    n = len(words)
-    dup = np.zeros(n, dtype=bool)
-    if n < 2:
-        return dup
-    if n <= 64:
-        raw = words.tobytes()
-        seen: set[bytes] = set()
-        for i in range(n):
-            key = raw[32 * i : 32 * i + 32]
-            if key in seen:
-                dup[i] = True
-            seen.add(key)
-        return dup
-    lead = np.sort(words[:, 0])
-    if not (lead[1:] == lead[:-1]).any():
-        return dup  # distinct first words: distinct keys (the usual batch, one sort)
-    _, first = np.unique(words, axis=0, return_index=True)
-    dup[:] = True
-    dup[first] = False
-    return dup
 
 
 async def _all_done(aws: Sequence[Awaitable[T]]) -> list[T]:

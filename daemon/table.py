@@ -611,3 +611,27 @@ class BlockTable:
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(4, (n - 1).bit_length())
+
+
+def repeats(words: np.ndarray) -> np.ndarray:
+    """Which keys repeat an earlier key of the same batch."""
+    n = len(words)
+    dup = np.zeros(n, dtype=bool)
+    if n < 2:
+        return dup
+    if n <= 64:
+        raw = words.tobytes()
+        seen: set[bytes] = set()
+        for i in range(n):
+            key = raw[32 * i : 32 * i + 32]
+            if key in seen:
+                dup[i] = True
+            seen.add(key)
+        return dup
+    lead = np.sort(words[:, 0])
+    if not (lead[1:] == lead[:-1]).any():
+        return dup  # distinct first words: distinct keys (the usual batch, one sort)
+    _, first = np.unique(words, axis=0, return_index=True)
+    dup[:] = True
+    dup[first] = False
+    return dup

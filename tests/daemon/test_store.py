@@ -20,7 +20,7 @@ from kvtier.daemon.config import load_config
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
-from kvtier.daemon.table import keys_to_words
+from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import BlockRef, Health, HostBuffers, Priority, TierKind
 from kvtier.tiers.host import HostArena
@@ -1444,9 +1444,9 @@ def test_repeated_keys_in_a_batch_are_found_past_their_first_word(n):
     twin = words[3].copy()
     twin[1] ^= 1  # same first word as key 3, another key
     batch = np.concatenate([words, words[[5, 0]], twin[None, :], words[[5]]])
-    dup = store_module._repeats(batch)
+    dup = repeats(batch)
     assert dup.tolist() == [False] * n + [True, True, False, True]
-    assert not store_module._repeats(words).any()
+    assert not repeats(words).any()
 
 
 async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
