@@ -15,8 +15,8 @@ at the root), and its *turn*: how many times the chain grew past an already reus
 fixed when the block is first seen, from its parent.
 
 Statistics. Per class and age bucket (log-spaced, ``quantum_s`` then doubling every two
-buckets): reuses, and lives ended. Every ``period`` accesses (sooner while the policy is
-young, and only once the tier evicted or declined something since: a tier that is not full
+buckets): reuses, and lives ended. Every ``period`` accesses (a tier-full by default: at two
+tier-fulls, large tiers' tables lagged the traffic; sooner while the policy is young, and only once the tier evicted or declined something since: a tier that is not full
 needs no order) the counts are aged by ``decay``, the open lives are counted at their current
 age (censored), and a table of densities is rebuilt: per class, the reuse hazard of each bucket (Kaplan-Meier, smoothed
 towards all classes' pooled hazard by ``prior`` lives), the survival curve, and for each age
@@ -358,7 +358,7 @@ class DensityPolicy(InsertEach, Hinted):
     quantum_s: the age unit and the ranking's time step (1 s).
     ghost_factor: an evicted block's life stays open (its reuse is still learned from) for
         this many tier-fulls of evictions (4).
-    period: accesses between statistics tables (default: twice the capacity, at least
+    period: accesses between statistics tables (default: the capacity, at least
         2,048).
     decay: weight of the previous statistics at each table (0.9: about ten periods).
     prior: lives of pooled evidence a class's hazard starts from (8).
@@ -1019,7 +1019,7 @@ class DensityPolicy(InsertEach, Hinted):
     def _period_now(self) -> int:
         """When the next table is due: every ``period`` accesses, and sooner while the
         policy is young (after 256 accesses, then doubling), so a new tier learns fast."""
-        regular = self._period or max(2048, 2 * self.capacity)
+        regular = self._period or max(2048, self.capacity)
         period = min(regular, max(256, self._accesses))
         self._warming = period < regular
         return self._accesses + period

@@ -234,6 +234,29 @@ def test_the_counts_age_by_decay() -> None:
     assert model.hits[7] == 0  # folded into the history
 
 
+@pytest.mark.parametrize(("capacity", "period"), [(1000, 2048), (4096, 4096)])
+def test_a_warm_full_tier_builds_a_table_every_tier_full_of_accesses(
+    capacity: int, period: int
+) -> None:
+    """Past the young policy's tables (256 accesses, then doubling), one every ``capacity``
+    accesses, at least 2,048 apart."""
+    p = DensityPolicy(capacity_blocks=capacity)
+    due: list[int] = []
+    for bid in range(6 * period + capacity):
+        tables = p._tables
+        now = bid / 1000  # many accesses per quantum: few buffer rebuilds
+        if len(p) < capacity:
+            p.insert(bid, now)
+        else:
+            p.replace(bid, -1, now)  # evicts, or declines: either is a decision
+        if p._tables > tables:
+            due.append(bid + 1)
+    young = [a for a in due if a <= period]
+    assert young == [a for a in (256, 512, 1024, 2048, 4096) if a <= period]
+    gaps = np.diff(due[len(young) - 1 :])
+    assert len(gaps) >= 5 and (gaps == period).all()
+
+
 # ---------------------------------------------------------------- the ranking
 
 
