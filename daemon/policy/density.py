@@ -9,19 +9,21 @@ evictions after it left the tier), or its id was forgotten. A life still open is
 its current age, never counted as "not reused".
 
 Classes. A life's class combines signals known at its start: the block's access count
-(1, 2, 3-4, 5+), its depth in the prefix chain (0, 1-3, 4-15, 16+: shared system prompts sit
-at the root), and its *turn*: how many times the chain grew past an already reused block
-(0, 1, 2-3, 4+; a conversation's later turns are more likely to continue). Depth and turn are
-fixed when the block is first seen, from its parent.
+(1, 2, 3-4, 5-8, 9-16, 17+) and, from its second access on, the gap since the previous one
+(four buckets), its depth in the prefix chain (0, 1-7, 8+: shared system prompts sit at the
+root), and its *turn*: how many times the chain grew past an already reused block (0, 1, 2-4,
+5+; a conversation's later turns are more likely to continue). Depth and turn are fixed when
+the block is first seen, from its parent.
 
 Statistics. Per class and age bucket (log-spaced, ``quantum_s`` then doubling every two
 buckets): reuses, and lives ended. Every ``period`` accesses (a tier-full by default: at two
-tier-fulls, large tiers' tables lagged the traffic; sooner while the policy is young, and only once the tier evicted or declined something since: a tier that is not full
-needs no order) the counts are aged by ``decay``, the open lives are counted at their current
-age (censored), and a table of densities is rebuilt: per class, the reuse hazard of each bucket (Kaplan-Meier, smoothed
-towards all classes' pooled hazard by ``prior`` lives), the survival curve, and for each age
-``a`` the best ratio over horizons ``T > a`` of the chance of a reuse in ``(a, T]`` to the
-expected time held until the reuse or ``T``. That maximum is the block's hit density: the
+tier-fulls, large tiers' tables lagged the traffic; sooner while the policy is young, and only
+once the tier evicted or declined something since: a tier that is not full needs no order)
+the counts are aged by ``decay``, the open lives are counted at their current age (censored),
+and a table of densities is rebuilt: per class, the reuse hazard of each bucket (Kaplan-Meier,
+smoothed towards all classes' pooled hazard by ``prior`` lives), the survival curve, and for
+each age ``a`` the best ratio over horizons ``T > a`` of the chance of a reuse in ``(a, T]``
+to the expected time held until the reuse or ``T``. That maximum is the block's hit density: the
 most hits per block-second keeping it can still earn. A one-off document's block has little
 at every age; a shared prompt's root has much; a conversation's blocks fall off after the
 usual think time.
