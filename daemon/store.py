@@ -759,7 +759,8 @@ class BlockStore:
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
     def _commit_one(self, bid: int, parent: int, now: float) -> None:
-        """``_commit_new`` of one block, without array operations."""
+        """``_commit_new`` of one block: the table's marks and link as scalars (the policies
+        and ``after_store`` still take one-element arrays)."""
         table = self.table
         table.inflight[bid] = 0
         table.state[bid] = READY

@@ -623,7 +623,7 @@ def repeats(words: np.ndarray) -> np.ndarray:
         raw = words.tobytes()
         seen: set[bytes] = set()
         for i in range(n):
-            key = raw[32 * i : 32 * i + 32]
+            key = raw[KEY_BYTES * i : KEY_BYTES * (i + 1)]
             if key in seen:
                 dup[i] = True
             seen.add(key)
