@@ -211,7 +211,9 @@ class BlockRefs(Sequence[BlockRef]):
         return map(tuple.__new__, repeat(BlockRef), pairs)  # type: ignore[arg-type]
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
+        # Equal to the list (or tuple) of the same items it stands for; not to any sequence
+        # (a string is one).
+        if not isinstance(other, (list, tuple, type(self))):
             return NotImplemented
         return list(self) == list(other)
 
@@ -316,7 +318,9 @@ class WriteOutcomes(Sequence[WriteOutcome]):
         return iter(write_outcomes(self.slots.tolist(), self.ok.tolist(), self.checksums.tolist()))
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence):
+        # Equal to the list (or tuple) of the same items it stands for; not to any sequence
+        # (a string is one).
+        if not isinstance(other, (list, tuple, type(self))):
             return NotImplemented
         return list(self) == list(other)
 

@@ -51,6 +51,8 @@ def test_empty_block_refs_and_outcomes_are_empty_sequences() -> None:
     assert len(refs) == 0 and not refs and list(refs) == [] and refs.key_bytes() == []
     outs = WriteOutcomes.of([])
     assert len(outs) == 0 and not outs and list(outs) == []
+    # Equal to the empty list they stand for, not to every empty sequence.
+    assert refs == [] and outs == () and refs != "" and outs != "" and outs != range(0)
 
 
 def test_write_outcomes_read_as_the_list_of_their_outcomes() -> None:
