@@ -90,16 +90,16 @@ class RpcObserver:
             session, pool = _ids(request)
             tokens = logs.bind(given or new_request_id(), session, pool)
             try:
-                result = await behavior(request, call)
+                try:
+                    result = await behavior(request, call)
+                finally:
+                    logs.unbind(tokens)
             except asyncio.CancelledError:
-                logs.unbind(tokens)
                 call.done("CANCELLED")
                 raise
             except BaseException:
-                logs.unbind(tokens)
                 call.done(_code_of(context))
                 raise
-            logs.unbind(tokens)
             call.done("OK")
             return result
 
