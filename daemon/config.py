@@ -126,7 +126,8 @@ class ServerConfig:
             "int",
             lo=1,
             hi=1 << 20,
-            doc="namespaces one tenant may store blocks in (each is recorded durably)",
+            doc="namespaces one tenant may hold blocks in at once (each is recorded durably; "
+            "one left empty stops counting)",
         ),
     )
     admin_uids: tuple[str, ...] = field(

@@ -567,7 +567,9 @@ class KVService:
         store (durably, where a tier records it) the first time this session stores there; the
         store refuses a namespace past the tenant's limit."""
         key = (space.name, space.owner)
-        if (hit := session.bound.get(key)) is not None:
+        hit = session.bound.get(key)
+        # Still bound: the store unbinds a namespace left empty when its owner needs room.
+        if hit is not None and self.store.ns_owner.get(hit[0]) == hit[1]:
             return hit[1]
         owner_idx = await self.store.namespace(space.ns, space.owner)
         session.bound[key] = (space.ns, owner_idx)

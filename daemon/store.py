@@ -1183,13 +1183,16 @@ class BlockStore:
         Always: every slot of a tier belongs to at most one live block and is allocated;
         each tier's allocator is consistent; every block with a copy in a tier is known to
         that tier's policy and the policy knows nothing else; every live block is found by
-        its key; the bytes each tenant holds per tier add up; pin counts match the leases.
-        When nothing is in flight also: a tier's allocated slots are exactly its blocks'
+        its key; the blocks counted per namespace and the bytes each tenant holds per tier
+        add up; pin counts match the leases. When nothing is in flight also: a tier's allocated slots are exactly its blocks'
         (plus, on a disk, its quarantined slots)."""
         table = self.table
         problems: list[str] = []
         live = table.live_ids()
-        for ns in np.unique(table.ns[live]).tolist():
+        names, counts = np.unique(table.ns[live], return_counts=True)
+        if dict(zip(names.tolist(), counts.tolist(), strict=True)) != table.ns_blocks:
+            problems.append("the blocks counted per namespace differ from the live blocks'")
+        for ns in names.tolist():
             ids = live[table.ns[live] == ns]
             found = table.find_any(int(ns), table.keys[ids])
             if not np.array_equal(found, ids):
@@ -1307,8 +1310,22 @@ class BlockStore:
         return owner
 
     def _check_namespace_room(self, owner: int, label: str) -> None:
-        used = sum(1 for o in self.ns_owner.values() if o == owner)
-        if used >= self.config.server.max_namespaces_per_tenant:
+        """Refuse a new namespace to an owner at its limit. A namespace counts while the
+        store holds a block of it (or a put records its owner): one whose blocks have all
+        left is unbound here, when the limit is reached, so an owner that moves on from
+        namespaces (models, adapters) is not refused for good. While recovery runs, the
+        index does not yet know every block, so nothing is unbound. An unbound namespace's
+        record on a persistent tier stays (the next bind rewrites it)."""
+        limit = self.config.server.max_namespaces_per_tenant
+        mine = [ns for ns, o in self.ns_owner.items() if o == owner]
+        used = len(mine)
+        if used >= limit and not self._recovering:
+            holding = self.table.ns_blocks
+            for ns in mine:
+                if ns not in holding and ns not in self._ns_recording:
+                    del self.ns_owner[ns]
+                    used -= 1
+        if used >= limit:
             raise ResourceExhausted(
                 f"{label} already stores blocks in {used} namespaces, the most one tenant may "
                 "use (server.max_namespaces_per_tenant)"

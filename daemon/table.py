@@ -116,6 +116,9 @@ class BlockTable:
         # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
         # and across daemons sharing a remote tier.
         self.ns = np.empty(0, dtype=np.uint64)
+        # Live blocks per namespace id (only ids with some): whether a namespace still holds
+        # anything, without a pass over the rows (the store's namespace limit asks).
+        self.ns_blocks: dict[int, int] = {}
         self.state = np.empty(0, dtype=np.uint8)
         self.nbytes = np.empty(0, dtype=np.uint32)
         self.owner = np.empty(0, dtype=np.uint16)
@@ -339,6 +342,7 @@ class BlockTable:
         self.child[bid] = -1
         self.last_access[bid] = -np.inf
         self._count += 1
+        self.ns_blocks[ns] = self.ns_blocks.get(ns, 0) + 1
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
             # Places every live row, this new one included: inserting it again would leave
             # a second entry that outlives its removal.
@@ -385,6 +389,12 @@ class BlockTable:
         self.state[bids] = WRITING
         self.nbytes[bids] = nbytes
         self._count += n
+        if isinstance(ns, np.ndarray):
+            names, counts = np.unique(ns, return_counts=True)
+            for name, count in zip(names.tolist(), counts.tolist(), strict=True):
+                self.ns_blocks[name] = self.ns_blocks.get(name, 0) + count
+        else:
+            self.ns_blocks[int(ns)] = self.ns_blocks.get(int(ns), 0) + n
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
             self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
         else:
@@ -412,8 +422,13 @@ class BlockTable:
         """Forget a block: its key becomes absent and its id may be reused."""
         if self.state[bid] == FREE:
             raise KeyError(f"block {bid} is not live")
-        pos = self._table_position(int(self.ns[bid]), self.keys[bid], bid)
+        ns = int(self.ns[bid])
+        pos = self._table_position(ns, self.keys[bid], bid)
         self._table[pos] = TOMBSTONE
+        if (left := self.ns_blocks[ns] - 1) > 0:
+            self.ns_blocks[ns] = left
+        else:
+            del self.ns_blocks[ns]
         self._tombstones += 1
         for col in np.flatnonzero(self.slot[bid] >= 0).tolist():
             self.clear_slots(bid, col)

@@ -19,7 +19,7 @@ from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
 from kvtier.daemon.stats import Counters
-from kvtier.daemon.store import BlockStore
+from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
 from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
 from kvtier.kernels.layout import PoolLayout
@@ -300,6 +300,54 @@ def test_regression_blocks_a_lookup_found_in_l3_were_indexed_as_the_default_tena
             assert (store.table.owner[ids] == store.owners["alice"]).all()
             l1 = {u.tenant: u.tiers[0].used_bytes for u in service.tenant_usage()}
             assert l1 == {"alice": 4 * 4096, "default": 0}
+        finally:
+            os.close(fd)
+            service.close_session(session)
+            await store.stop(flush=False)
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_a_namespace_whose_blocks_all_left_the_store_stops_counting_toward_the_limit():
+    """A namespace counts toward ``server.max_namespaces_per_tenant`` while the store holds
+    blocks of it. It counted for the life of the daemon (and past restarts, since the disk
+    tier records it): a tenant that had stored into as many namespaces as the limit, one model
+    or adapter after another, was refused every new one long after the old ones' blocks were
+    all gone. A namespace that still holds a block keeps counting; a session that bound a
+    namespace since released binds it again (and is counted) before storing there."""
+    seg = 64 * 1024
+
+    async def run() -> None:
+        config = load_config(None, ["server.max_namespaces_per_tenant=1"])
+        store = BlockStore(config, tiers=[HostArena(8 * seg, seg)])
+        service, tickets = _service(store, config)
+        session = _open(service, tickets)
+        layout = PoolLayout.staging(
+            num_layers=1, num_pages=8, block_tokens=1, chunk_bytes=4096, kv_count=1
+        )
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, layout.extent_bytes)
+            pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+            key_a, key_b, key_c = os.urandom(32), os.urandom(32), os.urandom(32)
+            stored, _ = await service.put(session, pool.pool_id, [key_a], [0], b"", namespace="a")
+            assert stored.tolist() == [PutResult.STORED]
+            # "a" holds a block: "b" is refused, and "a" stays bound.
+            with pytest.raises(ResourceExhausted, match=r"server\.max_namespaces_per_tenant"):
+                await service.put(session, pool.pool_id, [key_b], [1], b"", namespace="b")
+            # Once "a" holds nothing, "b" takes its place.
+            assert (await service.delete(session, [key_a], namespace="a")).deleted == 1
+            stored, _ = await service.put(session, pool.pool_id, [key_b], [1], b"", namespace="b")
+            assert stored.tolist() == [PutResult.STORED]
+            owner = store.owners[service.sessions.get(session).tenant]
+            bound = [ns for ns, o in store.ns_owner.items() if o == owner]
+            assert bound == [service._space(service.sessions.get(session), "b").ns]
+            # The session had bound "a" before: it is counted again, so refused while "b"
+            # holds a block.
+            with pytest.raises(ResourceExhausted, match=r"server\.max_namespaces_per_tenant"):
+                await service.put(session, pool.pool_id, [key_c], [2], b"", namespace="a")
+            assert store.table.ns_blocks == {bound[0]: 1}
         finally:
             os.close(fd)
             service.close_session(session)

@@ -31,6 +31,25 @@ def test_matches_a_dict_through_inserts_removes_and_growth():
                 got = index.lookup(n, keys_to_words(keys))
                 assert got.tolist() == [ref.get((n, k), -1) for k in keys]
     assert len(index) == len(ref)
+    want: dict[int, int] = {}
+    for ns, _ in ref:
+        want[ns] = want.get(ns, 0) + 1
+    assert index.ns_blocks == want
+
+
+def test_live_blocks_are_counted_per_namespace_by_every_add_and_remove():
+    index = BlockTable(initial_capacity=16)
+    words = keys_to_words([os.urandom(32) for _ in range(41)])
+    one = index.add(7, words[0], 4096)
+    scalar = index.add_many(7, words[1:21], 4096)  # one namespace for the batch
+    mixed = index.add_many(np.array([7, 9] * 10, dtype=np.uint64), words[21:41], 4096)
+    assert index.ns_blocks == {7: 31, 9: 10}
+    for bid in [one, *scalar.tolist(), *mixed[1::2].tolist()]:
+        index.remove(bid)
+    assert index.ns_blocks == {7: 10}  # an emptied namespace is not listed
+    for bid in mixed[::2].tolist():
+        index.remove(bid)
+    assert index.ns_blocks == {}
 
 
 def test_namespaces_are_separate():
