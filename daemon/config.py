@@ -107,6 +107,18 @@ class ServerConfig:
     max_pools_per_session: int = field(
         default=64, metadata=_opt("int", lo=1, hi=1 << 16, doc="registered pools per session")
     )
+    max_pool_bytes_per_tenant: int = field(
+        default=1 << 40,
+        metadata=_opt(
+            "size",
+            lo=1,
+            hi=1 << 62,
+            doc="bytes of host memory pools (shared memory, memfd) one tenant (without "
+            "tenants configured: one peer uid) may have mapped in the daemon at once, "
+            "registrations being mapped or unmapped included; every registration counts its "
+            "whole size, however often the same memory is registered",
+        ),
+    )
     max_leases_per_session: int = field(
         default=16384,
         metadata=_opt("int", lo=1, hi=1 << 24, doc="live leases (Lookup(pin=true)) per session"),

@@ -28,6 +28,12 @@ Invariants:
   flight together cannot pass the pools-per-session limit together; it registers nothing
   when its session ends (or the registry closes) before the mapping does, and a mapping
   nobody registers is closed, as is the descriptor it was made from.
+- Every host pool's whole size counts toward its tenant's mapped bytes (``tenant_bytes``,
+  which ``server.max_pool_bytes_per_tenant`` bounds) from its checks on, as its place in the
+  session's count does, until its mapping is gone: while it is mapped, registered, or
+  unregistered and not yet unmapped. Registering one object many times counts it each time:
+  the daemon maps it (and holds page tables for it) each time. CUDA IPC pools do not count:
+  they open each GPU allocation once however many pools name it.
 - A pool is unmapped only once no copy uses it (``use()``): unregistering takes its id away
   at once (new requests are NOT_FOUND), the unmapping starts when the last copy ends, and
   ``released()`` answers when it is done. ``stop()`` waits for every unmapping under way,
@@ -169,8 +175,9 @@ EnginePool: TypeAlias = "Pool | CudaPool"
 @dataclass(eq=False, slots=True)
 class _Pending:
     """A registration whose memory is being mapped (``mapped``: its job on a worker thread):
-    it holds its pool id and a place in its session's count; ``void`` is why it may no longer
-    register (its session ended, or the registry closed)."""
+    it holds its pool id, a place in its session's count and its size in its tenant's
+    mapped bytes (``PoolRegistry._charges``); ``void`` is why it may no longer register (its
+    session ended, or the registry closed)."""
 
     pool_id: int
     session_id: str
@@ -198,6 +205,10 @@ class PoolRegistry:
         self._per_session: Counter[str] = Counter()
         self._pending: dict[int, _Pending] = {}  # by pool id: registrations being mapped
         self._unmapping: set[asyncio.Future[None]] = set()
+        # What counts toward each tenant's mapped bytes, and the sum by tenant: every
+        # registration being mapped, pool registered, and pool or mapping not yet unmapped.
+        self._charges: dict[_Pending | Pool, tuple[str, int]] = {}
+        self._tenant_bytes: Counter[str] = Counter()
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
         self._stopped = False  # its threads are ended: what is left is unmapped inline
@@ -224,8 +235,37 @@ class PoolRegistry:
         """The pool counts the per-session limit keeps, for the invariant check."""
         return dict(self._per_session)
 
+    def tenant_bytes(self, tenant: str) -> int:
+        """Bytes of host memory mapped for ``tenant`` (a session's limit key): registrations
+        being mapped, registered pools, and pools not yet unmapped. What
+        ``server.max_pool_bytes_per_tenant`` bounds."""
+        return self._tenant_bytes[tenant]
+
+    def check(self) -> list[str]:
+        """The mapped bytes per tenant against what they count: every registration being
+        mapped and every registered host pool is counted, and the sums match the parts."""
+        problems = []
+        held_now: list[_Pending | Pool] = [*self._pending.values()]
+        held_now += [p for p in self._pools.values() if isinstance(p, Pool)]
+        for held in held_now:
+            if held not in self._charges:
+                problems.append(f"pool {held.pool_id} is not counted in its tenant's mapped bytes")
+        sums: Counter[str] = Counter()
+        for tenant, nbytes in self._charges.values():
+            sums[tenant] += nbytes
+        if sums != self._tenant_bytes:
+            problems.append("the per-tenant mapped bytes differ from the pools they count")
+        return problems
+
     async def register_shm(
-        self, session_id: str, peer: PeerCred, name: str, size_bytes: int, layout: PoolLayout
+        self,
+        session_id: str,
+        peer: PeerCred,
+        name: str,
+        size_bytes: int,
+        layout: PoolLayout,
+        *,
+        tenant: str = "",
     ) -> Pool:
         """Map the named shared-memory object ``name``, which ``peer`` must own (or be
         granted by ``server.shm_share``). Every check runs, and the pool's place in the
@@ -268,10 +308,10 @@ class PoolRegistry:
         except BaseException:
             os.close(fd)
             raise
-        return await self._map_and_add(session_id, name, layout, fd, st, size_bytes, name)
+        return await self._map_and_add(session_id, tenant, name, layout, fd, st, size_bytes, name)
 
     async def register_fd(
-        self, session_id: str, fd: int, size_bytes: int, layout: PoolLayout
+        self, session_id: str, fd: int, size_bytes: int, layout: PoolLayout, *, tenant: str = ""
     ) -> Pool:
         """Map a memory fd the client handed over (the caller closes ``fd``; the mapping is
         made from a copy of it). Checked before the first await, as ``register_shm``."""
@@ -283,7 +323,7 @@ class PoolRegistry:
         _check_size(st, size_bytes, "the memory file")
         own = os.dup(fd)  # the worker's: the caller may close ``fd`` before it maps
         return await self._map_and_add(
-            session_id, "memfd", layout, own, st, size_bytes, "the memory file"
+            session_id, tenant, "memfd", layout, own, st, size_bytes, "the memory file"
         )
 
     def register_cuda_ipc(
@@ -383,6 +423,7 @@ class PoolRegistry:
     async def _map_and_add(
         self,
         session_id: str,
+        tenant: str,
         name: str,
         layout: PoolLayout,
         fd: int,
@@ -391,7 +432,8 @@ class PoolRegistry:
         what: str,
     ) -> Pool:
         """Map ``fd`` (which this call owns and closes) on a worker thread, then register it,
-        unless the registration was voided meanwhile (see the module invariants)."""
+        unless the registration was voided meanwhile (see the module invariants). Its size
+        counts toward ``tenant``'s mapped bytes from here until its mapping is gone."""
         try:
             pool_id = self._new_id()
             # Populate only memory that exists: faulting in a sparse object's holes would
@@ -403,6 +445,7 @@ class PoolRegistry:
             raise
         pending = _Pending(pool_id, session_id, asyncio.wrap_future(job))
         self._pending[pool_id] = pending
+        self._charge(pending, tenant, size_bytes)
         try:
             try:
                 # Shielded: a cancel (only the loop's own end cancels a request, see
@@ -411,13 +454,34 @@ class PoolRegistry:
             except asyncio.CancelledError:
                 job.add_done_callback(_close_mapping)
                 raise
+        except BaseException:
+            self._refund(pending)  # nothing mapped, or closed by the job's end (the loop's)
+            raise
         finally:
             del self._pending[pending.pool_id]
         if pending.void is not None:
             # Answered once the mapping is gone, as an unregistration is; shielded as above.
-            await asyncio.shield(self._unmap_off_loop(buffer, "a voided registration"))
+            unmapped = self._unmap_off_loop(buffer, "a voided registration")
+            unmapped.add_done_callback(lambda _: self._refund(pending))
+            await asyncio.shield(unmapped)
             raise pending.void
-        return self._add(Pool(pending.pool_id, session_id, name, layout, buffer, sealed))
+        pool = Pool(pending.pool_id, session_id, name, layout, buffer, sealed)
+        self._charges[pool] = self._charges.pop(pending)
+        return self._add(pool)
+
+    def _charge(self, holder: _Pending | Pool, tenant: str, nbytes: int) -> None:
+        self._charges[holder] = (tenant, nbytes)
+        self._tenant_bytes[tenant] += nbytes
+
+    def _refund(self, holder: _Pending | Pool) -> None:
+        """``holder``'s mapping is gone (or was never made): its bytes no longer count."""
+        charge = self._charges.pop(holder, None)
+        if charge is None:
+            return
+        tenant, nbytes = charge
+        self._tenant_bytes[tenant] -= nbytes
+        if self._tenant_bytes[tenant] <= 0:
+            del self._tenant_bytes[tenant]
 
     def _worker_pool(self) -> ThreadPoolExecutor:
         if self._workers is None:
@@ -443,11 +507,14 @@ class PoolRegistry:
             except RuntimeError:
                 pass
             else:
-                self._unmap_off_loop(pool.buffer, f"pool {pool.pool_id}").add_done_callback(
-                    lambda _: pool._mark_released()
-                )
+                unmapped = self._unmap_off_loop(pool.buffer, f"pool {pool.pool_id}")
+                unmapped.add_done_callback(lambda _: self._unmapped(pool))
                 return
         _unmap(pool.buffer, f"pool {pool.pool_id}")
+        self._unmapped(pool)
+
+    def _unmapped(self, pool: Pool) -> None:
+        self._refund(pool)
         pool._mark_released()
 
     def _add(self, pool: Pool) -> Pool:

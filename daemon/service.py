@@ -7,8 +7,8 @@ runs before any state changes, so a refused request leaves the daemon as it was.
 Every call but ``open_session`` names an open session. A session carries its peer's
 credentials when it was opened with a credential ticket (always, on the Unix socket); only
 such a session may register memory, and only memory its peer owns. The limits (keys per
-request, pools per session, sessions per tenant, namespaces per tenant) answer with an error
-naming their key.
+request, pools per session, bytes of pools mapped per tenant, sessions per tenant,
+namespaces per tenant) answer with an error naming their key.
 
 Tenants: a session is bound to one tenant when it opens (``daemon/tenants.py``), and every
 block request's namespace is derived here from that tenant and the name the request declares,
@@ -213,15 +213,17 @@ class KVService:
         pass the pools-per-session limit together. A session that ends before the mapping
         does gets no pool (NotFound)."""
         session = self.sessions.get(session_id)
-        peer = self._check_may_register(session, layout)
-        return await self.pools.register_shm(session_id, peer, name, size_bytes, layout)
+        peer = self._check_may_register(session, layout, size_bytes)
+        return await self.pools.register_shm(
+            session_id, peer, name, size_bytes, layout, tenant=session.limit_key
+        )
 
     async def register_fd_pool(
         self, session_id: str, ticket: bytes, size_bytes: int, layout: PoolLayout
     ) -> Pool:
         """As ``register_shm_pool``, for a memory fd handed over with ``ticket``."""
         session = self.sessions.get(session_id)
-        peer = self._check_may_register(session, layout)
+        peer = self._check_may_register(session, layout, size_bytes)
         handed = self.tickets.redeem(ticket, TicketKind.POOL)
         try:
             if handed.peer.uid != peer.uid:
@@ -229,11 +231,17 @@ class KVService:
                     f"the memory was handed over by uid {handed.peer.uid}, not by this "
                     f"session's uid {peer.uid}"
                 )
-            return await self.pools.register_fd(session_id, handed.fd, size_bytes, layout)
+            return await self.pools.register_fd(
+                session_id, handed.fd, size_bytes, layout, tenant=session.limit_key
+            )
         finally:
             os.close(handed.fd)  # the mapping keeps the memory; a memfd closes at once
 
-    def _check_may_register(self, session: Session, layout: PoolLayout) -> PeerCred:
+    def _check_may_register(
+        self, session: Session, layout: PoolLayout, size_bytes: int = 0
+    ) -> PeerCred:
+        """The rules of every registration; ``size_bytes``: the host memory it maps (none
+        for CUDA IPC), counted against the tenant's mapped bytes."""
         if session.peer is None:
             raise PermissionDenied(
                 "this session has no peer credentials (it was opened without a credential "
@@ -244,6 +252,21 @@ class KVService:
             raise ResourceExhausted(
                 f"this session already has {limit} pools registered, the most one session may "
                 "have (server.max_pools_per_session)"
+            )
+        cap = self.config.server.max_pool_bytes_per_tenant
+        mapped = self.pools.tenant_bytes(session.limit_key)
+        if size_bytes > cap - mapped:
+            key = session.limit_key
+            who = (
+                f"tenant {session.tenant}"
+                if key == session.tenant
+                else f"tenant {session.tenant} ({key})"
+            )
+            raise ResourceExhausted(
+                f"{who} has {mapped} bytes of pools mapped (registered, or being mapped or "
+                f"unmapped); {size_bytes} more would pass the {cap} one tenant may have "
+                "(server.max_pool_bytes_per_tenant); each registration counts in full, even "
+                "of memory already registered"
             )
         max_block = self.store.max_block_bytes()
         if layout.layers and layout.block_bytes > max_block:
@@ -524,6 +547,7 @@ class KVService:
                 problems.append(f"pool {pool.pool_id} outlives its session")
         if dict(Counter(p.session_id for p in pools)) != self.pools.per_session_counts():
             problems.append("the per-session pool counts differ from the registered pools")
+        problems += self.pools.check()
         problems += self.store.check(pins=dict(pins))
         return CheckReport(problems, strict, len(table), len(sessions), len(leases), len(pools))
 

@@ -133,8 +133,8 @@ async def test_regression_a_register_pool_past_its_deadline_left_the_pool_regist
     held: list[float] = []  # when the held registration began (it arrived before)
     register_fd = PoolRegistry.register_fd
 
-    async def held_register_fd(self: PoolRegistry, *args: Any) -> Any:
-        pool = await register_fd(self, *args)
+    async def held_register_fd(self: PoolRegistry, *args: Any, **kwargs: Any) -> Any:
+        pool = await register_fd(self, *args, **kwargs)
         if not held and not gave_up.is_set():
             held.append(time.time())
             gave_up.wait(30)

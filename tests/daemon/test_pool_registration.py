@@ -32,6 +32,7 @@ from kvtier.client import (
     FailedPreconditionError,
     NotFoundError,
     PoolLayout,
+    ResourceExhaustedError,
     SharedMemoryPool,
     credentials,
 )
@@ -744,3 +745,121 @@ def test_a_mapping_with_a_view_left_is_not_closed_and_keeps_its_data(caplog):
     assert (view == 3).all()
     del view
     buffer.close()
+
+
+# ------------------------------------------------------------- mapped bytes per tenant
+
+MIB = 1 << 20
+assert LAYOUT.extent_bytes == MIB
+
+
+def _refused_for_bytes(call: Callable[[], Any]) -> str:
+    """The message of ``call``'s RESOURCE_EXHAUSTED, which must name the bytes limit."""
+    with pytest.raises(ResourceExhaustedError) as refused:
+        call()
+    assert "server.max_pool_bytes_per_tenant" in str(refused.value)
+    return str(refused.value)
+
+
+async def test_regression_registering_one_memfd_many_times_mapped_it_each_time_without_limit(
+    held,
+):
+    """Every RegisterPool maps its memory, repeats of the same memfd included: 32
+    registrations of one 256 MiB memfd took the daemon's page tables (VmPTE) from 0.6 to
+    17 MB, and with 64 pools per session and 256 sessions per tenant nothing bounded what one
+    tenant could make the daemon hold. Now a tenant's mapped bytes are capped
+    (server.max_pool_bytes_per_tenant), each registration counted in full: under a cap of
+    three pools, the same memfd registers three times and a fourth is RESOURCE_EXHAUSTED
+    naming the limit and what is mapped, from this session or another of the tenant. An
+    unregistered pool, and the pools of a session that ended, count no more once unmapped."""
+    held.release.set()
+
+    async with running_daemon(held, f"server.max_pool_bytes_per_tenant={3 * MIB}") as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address) as engine,
+                Client(address) as sibling,
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+            ):
+                pools = [engine.register_pool(shm, LAYOUT) for _ in range(3)]
+                message = _refused_for_bytes(lambda: engine.register_pool(shm, LAYOUT))
+                assert f"has {3 * MIB} bytes of pools mapped" in message
+                assert f"pass the {3 * MIB}" in message
+                _refused_for_bytes(lambda: sibling.register_pool(shm, LAYOUT))
+                engine.unregister_pool(pools[0].pool_id)
+                pools[0] = sibling.register_pool(shm, LAYOUT)
+                check = engine.check()
+                assert check.problems == [] and check.pools == 3
+                engine.close()  # its two pools go with its session, once unmapped
+                wait_until(
+                    lambda: daemon.pools.tenant_bytes(tenant) == MIB, "the session's pools unmapped"
+                )
+                more = [sibling.register_pool(shm, LAYOUT) for _ in range(2)]
+                _refused_for_bytes(lambda: sibling.register_pool(shm, LAYOUT))
+                for pool in [pools[0], *more]:
+                    sibling.unregister_pool(pool.pool_id)
+                assert sibling.check().problems == []
+
+        tenant = f"uid:{os.getuid()}"
+        await asyncio.to_thread(clients, daemon.addresses[0])
+        assert daemon.pools.tenant_bytes(tenant) == 0 and daemon.pools.check() == []
+
+
+async def test_registrations_racing_for_a_tenants_mapped_bytes_are_counted_once(held):
+    """Twelve registrations from three sessions of one tenant are in flight together under
+    a cap of four pools while their mappings are held: exactly four pass (each counted from
+    its checks on, before it is mapped), the others are refused at once; then one session
+    ends with its registrations still being mapped. Once everything is let go and
+    unregistered, the tenant's mapped bytes are back to none and the invariants hold:
+    nothing was counted twice, nothing leaked."""
+
+    async with running_daemon(held, f"server.max_pool_bytes_per_tenant={4 * MIB}") as daemon:
+        tenant = f"uid:{os.getuid()}"
+
+        def clients(address: str) -> None:
+            engines = [Client(address) for _ in range(3)]
+            shms = [SharedMemoryPool.for_layout(LAYOUT) for _ in range(3)]
+            by_session = {e.session_id: e for e in engines}
+            try:
+                requests = [
+                    fd_request(e, s) for _ in range(4) for e, s in zip(engines, shms, strict=True)
+                ]
+                with grpc.insecure_channel(address) as channel:
+                    stub = pb_grpc.KVTierStub(channel)
+                    calls = [stub.RegisterPool.future(r, timeout=WAIT_S) for r in requests]
+                    wait_until(lambda: sum(c.done() for c in calls) == 8, "the refusals")
+                    for call in calls:
+                        if call.done():
+                            assert call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                            assert "server.max_pool_bytes_per_tenant" in call.details()
+                    assert daemon.pools.tenant_bytes(tenant) == 4 * MIB
+                    in_flight = [
+                        (c, r) for c, r in zip(calls, requests, strict=True) if not c.done()
+                    ]
+                    ending = engines[0].session_id
+                    engines[0].close()
+                    wait_until(lambda: daemon.sessions.session_count == 2, "session closed")
+                    held.release.set()
+                    registered = []
+                    for call, request in in_flight:
+                        if request.session_id == ending:
+                            assert call.exception(WAIT_S).code() == grpc.StatusCode.NOT_FOUND
+                        else:
+                            pool_id = call.result(WAIT_S).pool_id
+                            registered.append((by_session[request.session_id], pool_id))
+                check = engines[1].check()
+                assert check.problems == [] and check.pools == len(registered)
+                for engine, pool_id in registered:
+                    engine.unregister_pool(pool_id)
+                assert engines[1].check().problems == []
+            finally:
+                held.release.set()
+                for e in engines:
+                    e.close()
+                for s in shms:
+                    s.close()
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+        wait_until(lambda: daemon.pools.tenant_bytes(tenant) == 0, "every mapping gone")
+        assert daemon.pools.check() == []
