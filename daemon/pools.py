@@ -34,6 +34,9 @@ Invariants:
   unregistered and not yet unmapped. Registering one object many times counts it each time:
   the daemon maps it (and holds page tables for it) each time. CUDA IPC pools do not count:
   they open each GPU allocation once however many pools name it.
+- Mapping and unmapping share ``MAP_THREADS`` threads between tenants round robin, at most
+  ``MAP_THREADS_PER_TENANT`` of them for one tenant (``fairthreads``): a tenant that
+  registers a flood of large pools delays another's registration by at most one mapping.
 - A pool is unmapped only once no copy uses it (``use()``): unregistering takes its id away
   at once (new requests are NOT_FOUND), the unmapping starts when the last copy ends, and
   ``released()`` answers when it is done. ``stop()`` waits for every unmapping under way,
@@ -54,7 +57,7 @@ import secrets
 import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -71,6 +74,7 @@ from kvtier.daemon.errors import (
     PermissionDenied,
     Unavailable,
 )
+from kvtier.daemon.fairthreads import FairThreads
 from kvtier.daemon.poolchecks import PoolChecks
 from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.sessions import PeerCred, shown_id
@@ -86,6 +90,8 @@ _SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 # Threads that map and unmap pools: registrations of several engines (one per TP rank, at
 # start) populate their memory in parallel, and none of them waits behind the copies' threads.
 MAP_THREADS = 4
+# ...of which one tenant's jobs take at most this many at once: the others keep a thread.
+MAP_THREADS_PER_TENANT = MAP_THREADS - 1
 
 
 @dataclass(eq=False)
@@ -96,6 +102,7 @@ class Pool(PoolChecks):
     layout: PoolLayout
     buffer: mmap.mmap
     sealed: bool = False  # cannot shrink: no copy can fault
+    tenant: str = ""  # whose mapped bytes it counts toward (the session's limit key)
     broken: str = ""  # why the pool is unusable; empty while it works
     on_fault: Callable[[Pool], None] | None = None  # told once, when the pool breaks
     # Unmaps the pool off the event loop and marks it released when done (the registry's);
@@ -209,7 +216,7 @@ class PoolRegistry:
         # registration being mapped, pool registered, and pool or mapping not yet unmapped.
         self._charges: dict[_Pending | Pool, tuple[str, int]] = {}
         self._tenant_bytes: Counter[str] = Counter()
-        self._workers: ThreadPoolExecutor | None = None
+        self._workers: FairThreads | None = None
         self._closed = False
         self._stopped = False  # its threads are ended: what is left is unmapped inline
         self.counters: Counter[str] = Counter()
@@ -396,7 +403,7 @@ class PoolRegistry:
             await asyncio.wait(waits | self._unmapping)
         self._stopped = True
         if self._workers is not None:
-            self._workers.shutdown(wait=False)
+            self._workers.shutdown()
             self._workers = None
 
     def _may_use(self, peer_uid: int, owner_uid: int) -> bool:
@@ -439,7 +446,7 @@ class PoolRegistry:
             # Populate only memory that exists: faulting in a sparse object's holes would
             # allocate them, charged to the daemon, however large the client declared it.
             populate = st.st_blocks * 512 >= size_bytes
-            job = self._worker_pool().submit(_map_and_close, fd, size_bytes, populate, what)
+            job = self._worker_pool().submit(tenant, _map_and_close, fd, size_bytes, populate, what)
         except BaseException:
             os.close(fd)
             raise
@@ -461,11 +468,11 @@ class PoolRegistry:
             del self._pending[pending.pool_id]
         if pending.void is not None:
             # Answered once the mapping is gone, as an unregistration is; shielded as above.
-            unmapped = self._unmap_off_loop(buffer, "a voided registration")
+            unmapped = self._unmap_off_loop(buffer, "a voided registration", tenant)
             unmapped.add_done_callback(lambda _: self._refund(pending))
             await asyncio.shield(unmapped)
             raise pending.void
-        pool = Pool(pending.pool_id, session_id, name, layout, buffer, sealed)
+        pool = Pool(pending.pool_id, session_id, name, layout, buffer, sealed, tenant=tenant)
         self._charges[pool] = self._charges.pop(pending)
         return self._add(pool)
 
@@ -483,15 +490,15 @@ class PoolRegistry:
         if self._tenant_bytes[tenant] <= 0:
             del self._tenant_bytes[tenant]
 
-    def _worker_pool(self) -> ThreadPoolExecutor:
+    def _worker_pool(self) -> FairThreads:
         if self._workers is None:
-            self._workers = ThreadPoolExecutor(MAP_THREADS, thread_name_prefix="kvtier-map")
+            self._workers = FairThreads(MAP_THREADS, MAP_THREADS_PER_TENANT, "kvtier-map")
         return self._workers
 
-    def _unmap_off_loop(self, buffer: mmap.mmap, what: str) -> asyncio.Future[None]:
-        """Unmap ``buffer`` (``_unmap``) on a worker thread; the future ends when it is
-        gone."""
-        done = asyncio.wrap_future(self._worker_pool().submit(_unmap, buffer, what))
+    def _unmap_off_loop(self, buffer: mmap.mmap, what: str, tenant: str) -> asyncio.Future[None]:
+        """Unmap ``buffer`` (``_unmap``) on a worker thread, in ``tenant``'s turn; the
+        future ends when it is gone."""
+        done = asyncio.wrap_future(self._worker_pool().submit(tenant, _unmap, buffer, what))
         self._unmapping.add(done)
         done.add_done_callback(self._unmapping.discard)
         return done
@@ -507,7 +514,7 @@ class PoolRegistry:
             except RuntimeError:
                 pass
             else:
-                unmapped = self._unmap_off_loop(pool.buffer, f"pool {pool.pool_id}")
+                unmapped = self._unmap_off_loop(pool.buffer, f"pool {pool.pool_id}", pool.tenant)
                 unmapped.add_done_callback(lambda _: self._unmapped(pool))
                 return
         _unmap(pool.buffer, f"pool {pool.pool_id}")

@@ -747,7 +747,7 @@ def test_a_mapping_with_a_view_left_is_not_closed_and_keeps_its_data(caplog):
     buffer.close()
 
 
-# ------------------------------------------------------------- mapped bytes per tenant
+# ------------------------------------------------- mapped bytes per tenant, fair mapping
 
 MIB = 1 << 20
 assert LAYOUT.extent_bytes == MIB
@@ -863,3 +863,65 @@ async def test_registrations_racing_for_a_tenants_mapped_bytes_are_counted_once(
         await asyncio.to_thread(clients, daemon.addresses[0])
         wait_until(lambda: daemon.pools.tenant_bytes(tenant) == 0, "every mapping gone")
         assert daemon.pools.check() == []
+
+
+class HeldLargeMaps(HeldMaps):
+    """Holds only the mappings of pools of ``LAYOUT``'s size (the flood's); others map at
+    once."""
+
+    def __call__(self, fd: int, size_bytes: int, populate: bool, what: str) -> mmap.mmap:
+        if size_bytes != LAYOUT.extent_bytes:
+            return self.real(fd, size_bytes, populate, what)
+        return super().__call__(fd, size_bytes, populate, what)
+
+
+async def test_regression_a_tenants_flood_of_registrations_held_every_other_tenants_pools(
+    monkeypatch, tmp_path
+):
+    """The registry's four mapping threads took jobs first come, first served: a client
+    registering 1 GiB 32 times held another tenant's 4 KiB RegisterPool 3.4 s, and its
+    UnregisterPool 3.6 s, behind its queue. Now one tenant's jobs take at most
+    MAP_THREADS_PER_TENANT threads and the others take turns: with eight of a flooding
+    tenant's registrations in flight and their mappings held, another tenant registers,
+    uses and unregisters a pool."""
+    held = HeldLargeMaps(pools_module._map)
+    monkeypatch.setattr(pools_module, "_map", held)
+    tokens = {}
+    for name in ("flood", "other"):
+        path = tmp_path / f"{name}.token"
+        path.write_text(f"{name}-secret-0123456789")
+        path.chmod(0o600)
+        tokens[name] = str(path)
+    tenants = ", ".join(f"{{name: {n}, token_file: {p}}}" for n, p in tokens.items())
+    small = PoolLayout.staging(
+        num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=4096, kv_count=1, dtype="uint8"
+    )
+
+    async with running_daemon(held, f"tenants=[{tenants}]") as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address, token_file=tokens["flood"]) as flood,
+                Client(address, token_file=tokens["other"], timeout_s=WAIT_S) as other,
+                SharedMemoryPool.for_layout(LAYOUT) as big,
+                SharedMemoryPool.for_layout(small) as mine,
+            ):
+                calls = [flood.stub.RegisterPool.future(fd_request(flood, big)) for _ in range(8)]
+                try:
+                    held.wait_entered(pools_module.MAP_THREADS_PER_TENANT)
+                    pool = other.register_pool(mine, small)
+                    key = os.urandom(32)
+                    assert pool.store_keys([key], [0]) == 1
+                    assert pool.load_keys([key], [0]) == 1
+                    other.unregister_pool(pool.pool_id)
+                    assert not any(call.done() for call in calls)
+                    assert daemon.pools._worker_pool().running("flood") == (
+                        pools_module.MAP_THREADS_PER_TENANT
+                    )
+                finally:
+                    held.release.set()
+                for call in calls:
+                    flood.unregister_pool(call.result(WAIT_S).pool_id)
+                assert flood.check().problems == []
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
