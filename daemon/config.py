@@ -107,6 +107,17 @@ class ServerConfig:
     max_pools_per_session: int = field(
         default=64, metadata=_opt("int", lo=1, hi=1 << 16, doc="registered pools per session")
     )
+    max_pools: int = field(
+        default=16384,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 20,
+            doc="host memory pools (shared memory, memfd) the daemon maps at once, every "
+            "tenant's together, registrations being mapped or unmapped included: each is one "
+            "memory mapping, and past vm.max_map_count the daemon's own allocations fail",
+        ),
+    )
     max_pool_bytes_per_tenant: int = field(
         default=1 << 40,
         metadata=_opt(

@@ -242,6 +242,12 @@ class PoolRegistry:
         """The pool counts the per-session limit keeps, for the invariant check."""
         return dict(self._per_session)
 
+    @property
+    def mappings(self) -> int:
+        """Host pool mappings the daemon holds: registrations being mapped, registered
+        pools and pools not yet unmapped (what ``server.max_pools`` bounds)."""
+        return len(self._charges)
+
     def tenant_bytes(self, tenant: str) -> int:
         """Bytes of host memory mapped for ``tenant`` (a session's limit key): registrations
         being mapped, registered pools, and pools not yet unmapped. What

@@ -253,6 +253,13 @@ class KVService:
                 f"this session already has {limit} pools registered, the most one session may "
                 "have (server.max_pools_per_session)"
             )
+        most = self.config.server.max_pools
+        if size_bytes and self.pools.mappings >= most:
+            raise ResourceExhausted(
+                f"the daemon already holds {self.pools.mappings} pool mappings of all its "
+                f"clients, the most it holds (server.max_pools); retry once pools are "
+                "unregistered"
+            )
         cap = self.config.server.max_pool_bytes_per_tenant
         mapped = self.pools.tenant_bytes(session.limit_key)
         if size_bytes > cap - mapped:

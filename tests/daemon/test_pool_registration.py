@@ -925,3 +925,35 @@ async def test_regression_a_tenants_flood_of_registrations_held_every_other_tena
                 assert flood.check().problems == []
 
         await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_the_daemon_holds_at_most_server_max_pools_mappings_of_all_tenants_together(held):
+    """Each host pool is a memory mapping of the daemon's, and the kernel allows a process
+    vm.max_map_count of them (65,530 by default): the per-session and per-tenant limits let a
+    few tenants (or uids) with many small pools pass it, and then every mmap the daemon itself
+    makes fails (its large allocations, arrays, threads). So the registry holds at most
+    ``server.max_pools`` host mappings, every tenant's together (registrations being mapped
+    and pools not yet unmapped included): past it a registration is RESOURCE_EXHAUSTED naming
+    the limit, and room comes back once a pool is unmapped."""
+    held.release.set()
+
+    async with running_daemon(held, "server.max_pools=3") as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address) as one,
+                Client(address) as two,
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+            ):
+                pools = [one.register_pool(shm, LAYOUT), two.register_pool(shm, LAYOUT)]
+                pools.append(two.register_pool(shm, LAYOUT))
+                for client in (one, two):
+                    with pytest.raises(ResourceExhaustedError, match=r"server\.max_pools\b"):
+                        client.register_pool(shm, LAYOUT)
+                one.unregister_pool(pools[0].pool_id)
+                wait_until(lambda: daemon.pools.mappings == 2, "the pool unmapped")
+                pools[0] = one.register_pool(shm, LAYOUT)
+                check = one.check()
+                assert check.problems == [] and check.pools == 3
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
