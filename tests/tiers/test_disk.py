@@ -118,10 +118,11 @@ def _fail_index_inserts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every index insert fails: a write's bytes go down and are synced, its rows never
     land, as when the process dies between the two."""
 
-    def insert(self: object, rows: object) -> None:
+    def insert(self: object, rows: object, *_: object) -> bool:
         raise sqlite3.OperationalError("injected: the process died before the commit")
 
     monkeypatch.setattr(index_module.DiskIndex, "insert", insert)
+    monkeypatch.setattr(index_module.DiskIndex, "insert_when", insert)
 
 
 def test_written_but_uncommitted_slot_is_reclaimed(
@@ -942,6 +943,56 @@ def test_a_failed_sync_in_a_group_commits_no_row_for_its_blocks(tmp_path: Path) 
     assert found == {refs[i].key for i in range(3) if ok[i]}
     served = {i: (refs[i].key, slots[i], data[i], checksum(data[i])) for i in range(3) if ok[i]}
     assert _read(again, served) == {i: data[i] for i in served}
+    again.close()
+
+
+def test_rows_inserted_while_bytes_go_down_commit_only_for_the_blocks_written(
+    tmp_path: Path,
+) -> None:
+    """A write's rows go into the index while its bytes are still being written; none is
+    visible to another reader before the data file's sync, and the row of a block whose
+    write failed (ENOSPC, which leaves commits open) is not committed with the others."""
+    files = FaultyFiles()
+    tier = _open(tmp_path / "l2", backend=files)
+    nbytes = 64 * 1024
+    slots = [tier.allocator.allocate(nbytes)]
+    while True:  # a slot in another data file
+        slot = tier.allocator.allocate(nbytes)
+        assert slot is not None
+        if tier.slot_location(slot)[0] != tier.slot_location(slots[0])[0]:
+            slots.append(slot)
+            break
+    bad_file = str(tier.slot_location(slots[1])[0])
+    index_path = tmp_path / "l2" / "index.sqlite3"
+    seen_at_sync: list[int] = []
+
+    def fail_second_file(fd: int, offset: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == bad_file:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def count_rows(fd: int) -> None:
+        reader = sqlite3.connect(index_path)
+        try:
+            seen_at_sync.append(reader.execute("SELECT count(*) FROM blocks").fetchone()[0])
+        finally:
+            reader.close()
+
+    files.faults["pwritev"] = fail_second_file
+    files.faults["fdatasync"] = count_rows
+    data = [os.urandom(nbytes) for _ in range(2)]
+    refs = [BlockRef(1, os.urandom(32)) for _ in range(2)]
+    batch = WriteBatch(slots, refs, nbytes, HostBuffers([memoryview(d) for d in data]))
+    outcomes = tier.write(batch)
+    files.clear()
+    assert [o.ok for o in outcomes] == [True, False]
+    assert seen_at_sync == [0]  # the sync came first; the rows were not committed yet
+    stats = tier.stats().counters
+    assert stats["committed_blocks"] == 1 and stats["write_failures"] == 1
+    tier.close()
+    again = _open(tmp_path / "l2")
+    assert [bytes(k) for k in again.recover().keys] == [refs[0].key]
+    block = {0: (refs[0].key, slots[0], data[0], checksum(data[0]))}
+    assert _read(again, block) == {0: data[0]}
     again.close()
 
 

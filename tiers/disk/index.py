@@ -35,6 +35,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
 from pathlib import Path
 
 from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
@@ -46,6 +47,13 @@ INDEX_NAME = "index.sqlite3"
 LAYOUT_CHANGED = "was made for another layout"
 # Rows per statement when slots are listed in an IN (...) clause.
 _CHUNK = 500
+# Block rows per INSERT statement: binding rows one statement step each cost about 60% more
+# (4,096 rows: 6.6 vs 4.0 ms in memory, 14 ms on the disk thread of a durable 4 KiB put).
+# 128 rows are 768 parameters, under the 999 that SQLite before 3.32 allows.
+_INSERT_ROWS = 128
+_ROW_VALUES = "(?, ?, ?, ?, ?, ?)"
+_INSERT_ONE = f"INSERT OR REPLACE INTO blocks VALUES {_ROW_VALUES}"
+_INSERT_MANY = f"INSERT OR REPLACE INTO blocks VALUES {', '.join([_ROW_VALUES] * _INSERT_ROWS)}"
 
 # The index format this code writes, in ``PRAGMA user_version`` (0: format 1, made before it
 # was recorded: blocks keyed by (ns, key)).
@@ -78,6 +86,20 @@ CREATE TABLE IF NOT EXISTS quarantine (
 """
 # The table a format-1 index's rows are copied into before it takes the name ``blocks``.
 _BLOCKS_V2 = f"CREATE TABLE blocks_v2 {_BLOCK_COLUMNS}"
+
+
+def _insert(db: sqlite3.Connection, rows: Sequence[BlockRow]) -> None:
+    """Insert or replace block rows, ``_INSERT_ROWS`` per statement (in the caller's
+    transaction)."""
+    full = len(rows) // _INSERT_ROWS * _INSERT_ROWS
+    flat = list(chain.from_iterable(rows[:full]))
+    if len(flat) != 6 * full:
+        raise ValueError("a block row has 6 values")
+    width = 6 * _INSERT_ROWS
+    if full:
+        db.executemany(_INSERT_MANY, [flat[i : i + width] for i in range(0, len(flat), width)])
+    if full < len(rows):
+        db.executemany(_INSERT_ONE, rows[full:])
 
 
 class IndexUpgradeFailed(Exception):
@@ -145,8 +167,36 @@ class DiskIndex:
     # ------------------------------------------------------------------ writing
 
     def insert(self, rows: Sequence[BlockRow]) -> None:
+        """Insert or replace ``rows`` in one transaction."""
         with self.transaction() as db:
-            db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?)", rows)
+            _insert(db, rows)
+
+    def insert_when(
+        self, rows: Sequence[BlockRow], durable: Callable[[], Sequence[int] | None]
+    ) -> bool:
+        """Insert or replace ``rows`` in a transaction that commits only once ``durable``
+        returns, so that SQLite inserts while the rows' bytes are still going to disk.
+        ``durable`` runs inside the transaction, holding the index (it must not use it), and
+        returns the slots whose rows must not be committed after all, or None to commit
+        nothing. True when the rows, less those, are committed; what ``durable`` raises
+        rolls the rows back and propagates."""
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                _insert(db, rows)
+                drop = durable()
+                if drop is None:
+                    db.execute("ROLLBACK")
+                    return False
+                if len(drop):
+                    db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in drop])
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+        return True
 
     def delete(self, slots: Sequence[int]) -> None:
         with self.transaction() as db:

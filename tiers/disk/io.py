@@ -53,6 +53,10 @@ _ZEROS = bytes(ALIGN)
 R = TypeVar("R")
 
 
+def _done() -> None:
+    pass
+
+
 def checksum(data: bytes | bytearray | memoryview) -> int:
     """The checksum the tier stores and verifies: xxh3-64 of the bytes, as an unsigned int."""
     return int(xxhash.xxh3_64_intdigest(data))
@@ -198,6 +202,15 @@ class BatchIO:
         """Write the blocks ``live`` (positions in ``ws``), not synced (``sync_files`` makes
         them durable); sets ``ok`` (written) and ``checksums`` of each. The source buffers are
         hashed in this thread while the I/O threads write them."""
+        self.start_write_set(ws, live, priority)()
+
+    def start_write_set(
+        self, ws: WriteSet, live: np.ndarray, priority: Priority
+    ) -> Callable[[], None]:
+        """``write_set`` up to the checksums: returns once ``checksums`` is set for ``live``,
+        maybe with writes still going, and hands back the call that waits for them (it sets
+        ``ok`` and raises what a write raised). Until that call returns, the writes still read
+        the source buffers."""
 
         def checksums() -> None:
             views = ws.bufs if ws.exact and ws.nbytes == ws.padded else None
@@ -210,7 +223,7 @@ class BatchIO:
             )
 
         runs = self._plan_set(ws, live, MAX_WRITE_RUN_BYTES)
-        self._execute(
+        return self._start(
             runs, partial(self._write_set_run, ws), priority, checksums, len(live) * ws.padded
         )
 
@@ -358,32 +371,40 @@ class BatchIO:
         breaks |= within % per_run == 0
         return np.split(order, np.flatnonzero(breaks)[1:])
 
-    def _execute(
+    def _start(
         self,
         runs: Sequence[R],
         work: Callable[[R], None],
         priority: Priority,
         meanwhile: Callable[[], None] | None,
         nbytes: int,
-    ) -> None:
-        """Run ``work`` on every run, in parallel on the I/O threads, and ``meanwhile`` in this
-        thread while they run (``nbytes``: the runs' bytes). Returns when all of it is done."""
+    ) -> Callable[[], None]:
+        """Start ``work`` on every run, in parallel on the I/O threads, and run ``meanwhile``
+        in this thread while they run (``nbytes``: the runs' bytes). Returns once
+        ``meanwhile`` is done, with the call that waits for the runs and raises the first
+        error of one (a batch small enough is done here: then that call does nothing)."""
         small = nbytes < _INLINE_BYTES
         if len(runs) <= 1 and (small or meanwhile is None):
             if meanwhile is not None:
                 meanwhile()
             for run in runs:
                 work(run)
-            return
+            return _done
         futures = [self.executor.submit(priority, work, run) for run in runs]
+
+        def finish() -> None:
+            # Every run must finish before the batch's buffers go back to the caller.
+            wait(futures)
+            for f in futures:
+                f.result()
+
         try:
             if meanwhile is not None:
                 meanwhile()
-        finally:
-            # Every run must finish before the batch's buffers go back to the caller.
+        except BaseException:
             wait(futures)
-        for f in futures:
-            f.result()
+            raise
+        return finish
 
     def _staging(self, nbytes: int) -> memoryview:
         """This thread's page-aligned bounce buffer, at least ``nbytes`` long."""

@@ -13,10 +13,12 @@ adjacent slots of a batch move with one vectored ``preadv``/``pwritev`` (``io.Ba
 Invariants:
 - A block's index row is committed only after its bytes are durable (``fdatasync`` of the data
   file returned). Concurrent ``write`` calls share these steps (group commit): one caller
-  syncs the files of every write finished so far, then commits all their rows in one
-  transaction, while the others wait for its answer. A crash at any moment therefore loses
-  at most blocks still in flight and never makes a row point at a half-written slot. A
-  block whose write or sync failed gets no row.
+  inserts the rows of every write waiting so far in one transaction (their checksums are
+  known before their bytes are down, so SQLite works while the disk does), waits for those
+  writes, syncs their files and only then commits, while the others wait for its answer.
+  A crash at any moment therefore loses at most blocks still in flight (an uncommitted
+  transaction is rolled back) and never makes a row point at a half-written slot. A block
+  whose write or sync failed has its row deleted before the commit.
 - A slot is given back to the allocator only after the deletion of its row is durable, and a
   slot rewritten in place loses its row (durably) before the new bytes go down, so no crash
   can leave a row over bytes it does not describe.
@@ -117,17 +119,45 @@ class ReadItem(NamedTuple):
 
 
 class _Ticket:
-    """One ``write`` call waiting for its group's durability step."""
+    """One ``write`` call waiting for its group's durability step, its writes maybe still
+    going: ``finish_writes`` waits for them (the group's leader calls it, or the writer
+    itself once its step is over; never both at once)."""
 
-    __slots__ = ("attempted", "batch", "committed", "done", "error", "ws")
+    __slots__ = ("batch", "committed", "done", "error", "io_error", "live", "wait", "ws")
 
-    def __init__(self, ws: WriteSet, attempted: bool, batch: WriteBatch) -> None:
+    def __init__(
+        self,
+        ws: WriteSet,
+        started: tuple[np.ndarray, Callable[[], None]] | None,
+        batch: WriteBatch,
+    ) -> None:
         self.ws = ws
-        self.attempted = attempted  # written to (``ws.ok``), not yet synced
+        # The positions whose writes started (their checksums are set), and the call that
+        # waits for those writes; None: nothing was attempted.
+        self.live: np.ndarray | None = None
+        self.wait: Callable[[], None] | None = None
+        if started is not None:
+            self.live, self.wait = started
         self.batch = batch
         self.committed = False
         self.done = False
         self.error: BaseException | None = None
+        self.io_error: BaseException | None = None  # what a write raised: no block is ok
+
+    @property
+    def attempted(self) -> bool:
+        return self.live is not None
+
+    def finish_writes(self) -> None:
+        """Wait for the writes (``ws.ok`` is final after this); idempotent."""
+        wait, self.wait = self.wait, None
+        if wait is None:
+            return
+        try:
+            wait()
+        except BaseException as e:
+            self.io_error = e
+            self.ws.ok[:] = False
 
 
 class _GroupCommit:
@@ -249,8 +279,10 @@ class DiskTier:
     Thread-safety: the data verbs (``write``/``read``/``read_items``/``remove``),
     ``stats`` and ``health`` may be called concurrently from any threads, and ``allocator``
     may be used from any thread, provided two calls in flight never name the same slot (the
-    store's in-flight marks guarantee this). Index updates are serialised internally; data
-    transfers run in parallel on ``io_threads`` worker threads, most urgent first. The
+    store's in-flight marks guarantee this). Index updates are serialised internally (a
+    group commit holds the index from its insert to its commit, its writes and sync
+    included, so a ``remove`` or a quarantine meanwhile waits that long); data transfers
+    run in parallel on ``io_threads`` worker threads, most urgent first. The
     constructor, ``recover`` and ``close`` must not overlap any other call. Every data method
     blocks: call it from a worker thread, never from an event loop.
 
@@ -386,8 +418,13 @@ class DiskTier:
             )
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
         ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
-        ticket = _Ticket(ws, self._write_set_unsynced(ws, batch.priority), batch)
-        self._group.join(ticket)
+        ticket = _Ticket(ws, self._start_writes(ws, batch.priority), batch)
+        try:
+            self._group.join(ticket)
+        finally:
+            ticket.finish_writes()  # done by the group step, unless it failed first
+        if ticket.io_error is not None:
+            raise ticket.io_error
         if ticket.error is not None:
             raise ticket.error
         if not ticket.committed:
@@ -395,9 +432,71 @@ class DiskTier:
         return WriteOutcomes(ws.slots, ws.ok, ws.checksums)
 
     def _make_durable(self, tickets: list[_Ticket]) -> None:
-        """The group step of ``write``: sync the files of every ticket's written blocks,
-        count them, and commit their rows in one transaction."""
+        """The group step of ``write``: insert the rows of every ticket's blocks in one
+        transaction while their writes finish, then sync the files written, count, and commit
+        the rows of the blocks whose bytes are durable (those of the others are deleted
+        first). The rows are built from the checksums, known before the writes end; nothing
+        is committed before the sync of its bytes returned."""
         attempted = [t for t in tickets if t.attempted]
+        rows: list[BlockRow] = []
+        now = self._clock()
+        for t in attempted:
+            live = t.live
+            assert live is not None
+            if len(live):
+                ns, keys = ref_columns(t.batch.blocks, live)
+                rows += zip(
+                    ns.view(np.int64).tolist(),
+                    keys,
+                    t.ws.slots[live].tolist(),
+                    repeat(t.ws.nbytes),
+                    t.ws.checksums[live].view(np.int64).tolist(),
+                    repeat(now),
+                    strict=False,
+                )
+        ran = False
+
+        def durable() -> list[int] | None:
+            nonlocal ran
+            ran = True
+            self._sync_written(attempted)
+            if any(t.ws.ok.any() for t in attempted) and self.faults.refuses_commits():
+                self.faults.count(commits_refused_degraded=1)
+                return None
+            failed = [
+                t.ws.slots[live[~t.ws.ok[live]]] for t in attempted if (live := t.live) is not None
+            ]
+            return np.concatenate(failed).tolist() if failed else []
+
+        if not rows:
+            durable()
+            committed = True
+        elif self.faults.refuses_commits():
+            durable()  # counts the refusal if a block was written
+            committed = False
+        else:
+            try:
+                committed = self._idx().insert_when(rows, durable)
+            except sqlite3.Error as e:
+                self.faults.fault(classify(e), "index commit")
+                committed = False
+            finally:
+                if not ran:
+                    durable()  # the insert failed before the writes were waited for
+        good = np.concatenate([t.ws.slots[t.ws.ok] for t in attempted] or [_NO_SLOTS])
+        if committed and len(good):
+            with self._state_lock:
+                self._committed.add_array(good)
+            self.faults.count(commits=1, committed_blocks=len(good))
+            self.faults.space_returned()
+        for t in tickets:
+            t.committed = committed
+
+    def _sync_written(self, attempted: list[_Ticket]) -> None:
+        """Wait for the tickets' writes, sync the files they wrote (a block in a file whose
+        sync failed is not ok) and count the blocks written."""
+        for t in attempted:
+            t.finish_writes()
         written = [t.ws.files[t.ws.ok] for t in attempted]
         files = np.unique(np.concatenate(written)).tolist() if written else []
         if files:
@@ -413,27 +512,6 @@ class DiskTier:
                 bytes_written=ok * t.ws.nbytes,
                 write_failures=len(t.ws) - ok,
             )
-        # Rows straight from the arrays, committed by the same step that synced their bytes.
-        rows: list[BlockRow] = []
-        slots: list[np.ndarray] = []
-        now = self._clock()
-        for t in tickets:
-            good = np.flatnonzero(t.ws.ok)
-            if len(good):
-                ns, keys = ref_columns(t.batch.blocks, good)
-                slots.append(t.ws.slots[good])
-                rows += zip(
-                    ns.view(np.int64).tolist(),
-                    keys,
-                    t.ws.slots[good].tolist(),
-                    repeat(t.ws.nbytes),
-                    t.ws.checksums[good].view(np.int64).tolist(),
-                    repeat(now),
-                    strict=False,
-                )
-        committed = not rows or self._insert_rows(rows, np.concatenate(slots))
-        for t in tickets:
-            t.committed = committed
 
     def _write_set(
         self,
@@ -457,41 +535,26 @@ class DiskTier:
             slot_arr, self.allocator.offsets(slot_arr), nbytes, padded, bufs, lengths, addresses
         )
 
-    def _write_set_unsynced(self, ws: WriteSet, priority: Priority) -> bool:
-        """Write the set's bytes, not yet synced, skipping quarantined slots and first dropping
-        the rows of rewritten ones; sets ``ok`` where a write succeeded. False when none was
-        attempted (degraded tier, or the rows of rewritten slots could not be dropped)."""
+    def _start_writes(
+        self, ws: WriteSet, priority: Priority
+    ) -> tuple[np.ndarray, Callable[[], None]] | None:
+        """Start writing the set's bytes, not to be synced yet, skipping quarantined slots
+        and first dropping the rows of rewritten ones; returns once the checksums of the
+        blocks written are set, with their positions and the call that waits for the writes
+        (it sets ``ok`` where a write succeeded). None when none was attempted (degraded
+        tier, or the rows of rewritten slots could not be dropped)."""
         if not len(ws):
-            return True
+            return np.zeros(0, dtype=np.int64), _nothing
         if not self.faults.admit_writes():
             self.faults.count(writes_refused_degraded=len(ws))
-            return False
+            return None
         with self._state_lock:
             held = np.fromiter(self._quarantined, dtype=np.int64, count=len(self._quarantined))
         live = np.flatnonzero(~np.isin(ws.slots, held)) if len(held) else np.arange(len(ws))
         self.faults.count(writes_refused_quarantined=len(ws) - len(live))
         if not self._drop_rows_before_overwrite(ws.slots[live]):
-            return False
-        self._io.write_set(ws, live, priority)
-        return True
-
-    def _insert_rows(self, rows: list[BlockRow], slots: np.ndarray) -> bool:
-        """Insert the index rows of durably written ``slots`` in one transaction (namespaces
-        and checksums as SQLite's signed integers). True means the rows are durable; False
-        (index fault, or a tier degraded by EIO) means none was inserted."""
-        if self.faults.refuses_commits():
-            self.faults.count(commits_refused_degraded=1)
-            return False
-        try:
-            self._idx().insert(rows)
-        except sqlite3.Error as e:
-            self.faults.fault(classify(e), "index commit")
-            return False
-        with self._state_lock:
-            self._committed.add_array(slots)
-        self.faults.count(commits=1, committed_blocks=len(rows))
-        self.faults.space_returned()
-        return True
+            return None
+        return live, self._io.start_write_set(ws, live, priority)
 
     def read(self, batch: ReadBatch) -> list[bool]:
         """Read and verify the batch's blocks into its destination (host buffers directly;
@@ -1021,6 +1084,13 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+_NO_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _host_views(src: object, n: int, nbytes: int) -> list[memoryview]:
