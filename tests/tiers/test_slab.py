@@ -170,6 +170,30 @@ def test_allocate_many_hands_out_what_one_at_a_time_would():
         many.allocate_many(2 * MiB, 1)
 
 
+def test_allocated_matches_is_allocated_one_by_one():
+    """Across sizes, freed slots, fresh slots, free segments and slots out of range, the
+    vectorised ``allocated`` answers what ``is_allocated`` answers for each slot."""
+    rng = np.random.default_rng(11)
+    slab = SlabAllocator(4 * MiB, 1 * MiB)
+    held: list[int] = []
+    for size, count in _random_requests(rng, 40, 200):
+        held += slab.allocate_many(size, count)
+        rng.shuffle(held)
+        for s in held[: len(held) // 3]:
+            slab.free(s)
+        held = held[len(held) // 3 :]
+        probe = np.concatenate(
+            [
+                np.array(held, dtype=np.int64),
+                rng.integers(-2, 4 * slab.slots_cap + 2, 300),
+            ]
+        )
+        rng.shuffle(probe)
+        expect = [slab.is_allocated(int(s)) for s in probe]
+        assert slab.allocated(probe).tolist() == expect
+    assert slab.allocated(np.zeros(0, dtype=np.int64)).tolist() == []
+
+
 def test_free_slots_is_what_allocate_many_would_hand_out():
     """Across sizes, freed slots, fresh slots and free segments, ``free_slots`` counts
     exactly the slots a batch of that size gets before the tier is full."""
