@@ -79,6 +79,25 @@ async def test_host_buffers_round_trip_byte_exact(
     assert raw_client(redis_server).get(key) == header(nbytes, checksum(src[5]), key) + src[5]
 
 
+async def test_values_of_every_size_in_turn_round_trip_on_the_same_connections(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    """The tier's connections keep their reply buffers between values of a few MiB and free
+    larger ones (``wire``): values growing, shrinking and passing that size in turn, on the
+    same few connections, come back byte-exact."""
+    sizes = [2 << 20, 100, (3 << 20) + 7, 4096, 9 << 20, 2 << 20, 1, 5 << 20, 10_000]
+    async with opened(options(redis_server, l3_prefix, pool_size=4)) as tier:
+        for turn in range(2):
+            for i, nbytes in enumerate(sizes):
+                blocks = [ref(100 * turn + 10 * i + j) for j in range(3)]
+                src = [data(7 * i + j + turn, nbytes) for j in range(3)]
+                assert await tier.write(blocks, nbytes, host(src)) == [True] * 3
+                dest = empty(3, nbytes)
+                assert await tier.read(blocks, nbytes, host(dest)) == [True] * 3
+                assert [bytes(d) for d in dest] == src
+        assert tier.stats().counters["read_bad_checksum"] == 0
+
+
 async def test_a_cancelled_read_unwinds_only_after_its_copies_end(
     redis_server: RedisServer, l3_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,12 +1,16 @@
 """The L3 tier's pure parts: key naming, the value header, reachability with backoff, the
-write budget, option checks, how framed values are packed. No server needed."""
+write budget, option checks, how the tier's connections pack, send and read. No server
+needed."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 
@@ -23,11 +27,13 @@ from kvtier.tiers.remote.codec import (
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket
 from kvtier.tiers.remote.wire import (
+    READER_KEEP_BYTES,
+    STREAM_LIMIT_BYTES,
     Framed,
-    FramedPackingUnavailable,
-    _framed_class,
-    _FramedPacking,
-    use_framed_packing,
+    TierConnectionUnavailable,
+    _tier_class,
+    _TierConnection,
+    use_tier_connections,
 )
 
 
@@ -162,7 +168,7 @@ def test_a_framed_value_goes_out_as_the_bytes_of_one_joined_value() -> None:
     body = bytes(range(256)) * 40  # over redis-py's 6,000-byte chunking cutoff
     hdr = header(len(body), checksum(body), b"k")
     joined = Connection().pack_commands([("SET", b"k", hdr + body, "EX", 600), ("GET", b"k")])
-    framed_conn = _framed_class(Connection)()
+    framed_conn = _tier_class(Connection)()
     chunks = framed_conn.pack_commands(
         [("SET", b"k", Framed(hdr, memoryview(body)), "EX", 600), ("GET", b"k")]
     )
@@ -173,23 +179,84 @@ def test_a_framed_value_goes_out_as_the_bytes_of_one_joined_value() -> None:
     assert framed_conn.pack_command("GET", b"k") == Connection().pack_command("GET", b"k")
 
 
-def test_framed_packing_reaches_every_connection_a_client_opens() -> None:
+def test_tier_connections_reach_every_connection_a_client_opens() -> None:
     single = aioredis.Redis(host="127.0.0.1", port=1)
-    use_framed_packing(single)
+    use_tier_connections(single)
     assert issubclass(single.connection_pool.connection_class, Connection)
-    assert single.connection_pool.connection_class.__name__ == "FramedConnection"
+    assert single.connection_pool.connection_class.__name__ == "TierConnection"
     tls = aioredis.Redis(host="127.0.0.1", port=1, ssl=True)
-    use_framed_packing(tls)
+    use_tier_connections(tls)
     assert issubclass(tls.connection_pool.connection_class, SSLConnection)
-    use_framed_packing(tls)  # idempotent: not wrapped twice
-    assert tls.connection_pool.connection_class.__mro__.count(_FramedPacking) == 1
+    use_tier_connections(tls)  # idempotent: not wrapped twice
+    assert tls.connection_pool.connection_class.__mro__.count(_TierConnection) == 1
     cluster = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", 1)])
-    use_framed_packing(cluster)
+    use_tier_connections(cluster)
     manager = cluster.nodes_manager
     # Nodes discovered later are built from these kwargs; the startup nodes already exist.
-    assert issubclass(manager.connection_kwargs["connection_class"], _FramedPacking)
+    assert issubclass(manager.connection_kwargs["connection_class"], _TierConnection)
     assert all(
-        issubclass(n.connection_class, _FramedPacking) for n in manager.startup_nodes.values()
+        issubclass(n.connection_class, _TierConnection) for n in manager.startup_nodes.values()
     )
-    with pytest.raises(FramedPackingUnavailable):
-        use_framed_packing(object())
+    with pytest.raises(TierConnectionUnavailable):
+        use_tier_connections(object())
+
+
+class _Transport:
+    def __init__(self, closing_after: int = -1) -> None:
+        self.closing_after = closing_after
+        self.writes = 0
+
+    def is_closing(self) -> bool:
+        return self.writes == self.closing_after
+
+
+class _Writer:
+    """Records what a connection hands its stream: chunk by chunk, or joined."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+        self.chunks: list[Any] = []
+        self.drained = 0
+
+    def write(self, chunk: Any) -> None:
+        self.chunks.append(chunk)
+        self.transport.writes += 1
+
+    def writelines(self, chunks: Any) -> None:
+        self.write(b"".join(chunks))
+
+    async def drain(self) -> None:
+        self.drained += 1
+
+
+def test_a_pipeline_goes_to_the_stream_chunk_by_chunk_never_joined() -> None:
+    body = bytes(range(256)) * 40
+    conn = _tier_class(Connection)(socket_timeout=5.0)
+    command = conn.pack_commands(
+        [("SET", b"k", Framed(b"h" * 32, memoryview(body)), "EX", 600), ("GET", b"k")]
+    )
+    conn._reader, conn._writer = object(), (writer := _Writer(_Transport()))
+    asyncio.run(conn.send_packed_command(command, check_health=False))
+    # Each chunk as it was packed (the block's bytes still the caller's), then one drain.
+    assert writer.chunks == command and writer.drained == 1
+    assert any(isinstance(c, memoryview) and c.obj is body for c in writer.chunks)
+    # A transport lost meanwhile takes no more chunks (drain reports the loss).
+    conn._writer = writer = _Writer(_Transport(closing_after=1))
+    asyncio.run(conn._send_packed_command(command))
+    assert len(writer.chunks) == 1 and writer.drained == 1
+
+
+def test_tier_connections_read_with_a_larger_stream_buffer_and_a_kept_hiredis_buffer() -> None:
+    for base in (Connection, SSLConnection):
+        assert _tier_class(base)(port=1)._connection_arguments()["limit"] == STREAM_LIMIT_BYTES
+    conn = _tier_class(Connection)()
+    if not isinstance(conn._parser, _AsyncHiredisParser):
+        pytest.skip("hiredis is not installed: redis-py's own parser keeps no buffer")
+    conn._reader = object()
+    conn._parser.on_connect(conn)
+    assert conn._parser._reader.getmaxbuf() == READER_KEEP_BYTES
+    # Without the tier's connection, hiredis frees its buffer past its own small default.
+    plain = Connection()
+    plain._reader = object()
+    plain._parser.on_connect(plain)
+    assert plain._parser._reader.getmaxbuf() < READER_KEEP_BYTES

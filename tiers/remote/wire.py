@@ -1,30 +1,56 @@
-"""Sending a framed value without first copying it into one buffer.
+"""The L3 tier's redis-py connections: how values go out and replies come in.
 
-A stored value is a 32-byte header followed by the block's bytes (``codec``). The bytes live
-in the caller's buffer (an L1 slot); joining header and bytes into one contiguous value costs
-a full copy of the block before redis-py copies it again into its send buffer. Instead, a
-``Framed`` argument goes out as two chunks of one RESP bulk string (``$<len>\\r\\n``, the
-header, the bytes, ``\\r\\n``): on the wire it is the same value.
+Sending a framed value without first copying it into one buffer: a stored value is a 32-byte
+header followed by the block's bytes (``codec``). The bytes live in the caller's buffer (an
+L1 slot); joining header and bytes into one contiguous value costs a full copy of the block
+before redis-py copies it again into its send buffer. Instead, a ``Framed`` argument goes out
+as two chunks of one RESP bulk string (``$<len>\\r\\n``, the header, the bytes, ``\\r\\n``):
+on the wire it is the same value.
 
-redis-py packs commands in its connection class (``pack_command``; pipelines go through it
-too). ``use_framed_packing`` gives a client's connections a subclass that knows ``Framed``;
-every other argument is packed by redis-py itself. The client's internals it relies on are
-checked when it is installed (``FramedPackingUnavailable``), never guessed at on the wire.
+Sending a pipeline's chunks one by one: redis-py hands a command's chunks to the stream's
+``writelines``, which on Python 3.11 and earlier joins them into one new bytes object before
+the transport sends or buffers it: for a pipeline of 2 MiB values, a fresh allocation and a
+copy of every byte, on the event loop, before the first one leaves. Written one at a time,
+a chunk goes to the socket as it is, and only what the socket does not take is buffered.
 
-Thread-safety: ``Framed`` is immutable; ``use_framed_packing`` is called once per client,
+Receiving large replies with fewer steps: the stream buffers more before it pauses the
+socket (redis-py's streams pause at 128 KiB and resume at 64 KiB, two selector changes per
+socket read of a 2 MiB value), and hiredis keeps its reply buffer between replies of a few
+MiB instead of freeing it after each and growing it again, copy by copy, for the next.
+
+redis-py packs, sends and parses in its connection class (``pack_command``,
+``_send_packed_command``, ``_connection_arguments``, ``set_parser``; pipelines go through them
+too). ``use_tier_connections`` gives a client's connections a subclass that does the above;
+everything else is redis-py's own. The client's internals it relies on are checked when it is
+installed (``TierConnectionUnavailable``), never guessed at on the wire; of the send and
+receive steps, one that a redis-py version does not call through these methods is simply its
+own (slower, never wrong).
+
+Thread-safety: ``Framed`` is immutable; ``use_tier_connections`` is called once per client,
 before its first command.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection
 
+# What the stream of a connection holds before it pauses reading the socket (it pauses at
+# twice this): a pipeline's replies of 2 MiB values flow without a pause for each socket read.
+# Bounded by the replies being read, which become Python bytes anyway.
+STREAM_LIMIT_BYTES = 1 << 20
+# A connection's hiredis buffer is kept between replies while its free space is at most this
+# (hiredis frees it past 16 KiB): the buffer of a reply of 2 MiB is about 3 MiB. Costs at most
+# this much memory per connection (the tier opens pool_size + 2 per server).
+READER_KEEP_BYTES = 4 << 20
 
-class FramedPackingUnavailable(RuntimeError):
-    """This redis-py does not expose what ``use_framed_packing`` replaces."""
+
+class TierConnectionUnavailable(RuntimeError):
+    """This redis-py does not expose what ``use_tier_connections`` replaces."""
 
 
 class Framed:
@@ -41,11 +67,13 @@ class Framed:
         return len(self.header) + len(self.body)
 
 
-class _FramedPacking:
-    """Connection mixin: packs a command holding a ``Framed`` argument itself; any other
-    command is redis-py's."""
+class _TierConnection:
+    """Connection mixin: packs a command holding a ``Framed`` argument itself (any other
+    command is redis-py's), writes chunks without joining them, and reads with a larger stream
+    buffer and a kept hiredis buffer."""
 
     encoder: Any
+    _writer: Any
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
         if not any(type(a) is Framed for a in args):
@@ -65,37 +93,71 @@ class _FramedPacking:
         out.append(head)
         return out
 
+    async def _send_packed_command(self, command: Iterable[bytes | memoryview]) -> None:
+        # redis-py sends through here whenever a socket timeout is set (the tier always sets
+        # one); StreamWriter.writelines would join the chunks first (see the module docstring).
+        writer = self._writer
+        for chunk in command:
+            if writer.transport.is_closing():
+                break  # lost meanwhile: drain raises; more writes would only log warnings
+            writer.write(chunk)
+        await writer.drain()
+
+    def _connection_arguments(self) -> Mapping[str, Any]:
+        return {**super()._connection_arguments(), "limit": STREAM_LIMIT_BYTES}  # type: ignore[misc]
+
+    def set_parser(self, parser_class: type) -> None:
+        super().set_parser(_keeping_buffer(parser_class))  # type: ignore[misc]
+
+
+class _KeepingBuffer(_AsyncHiredisParser):
+    """hiredis, keeping its reply buffer between replies of a few MiB."""
+
+    def on_connect(self, connection: Any) -> None:
+        super().on_connect(connection)
+        setmaxbuf = getattr(getattr(self, "_reader", None), "setmaxbuf", None)
+        if setmaxbuf is not None:  # else an older hiredis: frees its buffer as before
+            setmaxbuf(READER_KEEP_BYTES)
+
+
+def _keeping_buffer(parser_class: type) -> type:
+    """``parser_class``, or its buffer-keeping subclass if it is redis-py's hiredis parser (the
+    pure-Python parsers keep no buffer of their own)."""
+    if parser_class is _AsyncHiredisParser:
+        return _KeepingBuffer
+    return parser_class
+
 
 _CLASSES: dict[type, type] = {}
 
 
-def _framed_class(base: type) -> type:
+def _tier_class(base: type) -> type:
     if not issubclass(base, Connection):
-        raise FramedPackingUnavailable(f"unexpected connection class {base!r}")
-    if issubclass(base, _FramedPacking):
+        raise TierConnectionUnavailable(f"unexpected connection class {base!r}")
+    if issubclass(base, _TierConnection):
         return base
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = type(f"Framed{base.__name__}", (_FramedPacking, base), {})
+        cls = type(f"Tier{base.__name__}", (_TierConnection, base), {})
         _CLASSES[base] = cls
     return cls
 
 
-def use_framed_packing(client: Any) -> None:
+def use_tier_connections(client: Any) -> None:
     """Make every connection ``client`` (a ``redis.asyncio.Redis`` or ``RedisCluster`` not
-    yet used) opens pack ``Framed`` arguments."""
+    yet used) opens a ``_TierConnection``."""
     if isinstance(client, RedisCluster):
         manager = getattr(client, "nodes_manager", None)
         kwargs = getattr(manager, "connection_kwargs", None)
         nodes = getattr(manager, "startup_nodes", None)
         if not isinstance(kwargs, dict) or not isinstance(nodes, dict):
-            raise FramedPackingUnavailable("RedisCluster without nodes_manager.connection_kwargs")
+            raise TierConnectionUnavailable("RedisCluster without nodes_manager.connection_kwargs")
         # Nodes found later are built from these kwargs; the startup nodes exist already.
-        kwargs["connection_class"] = _framed_class(kwargs.get("connection_class", Connection))
+        kwargs["connection_class"] = _tier_class(kwargs.get("connection_class", Connection))
         for node in nodes.values():
-            node.connection_class = _framed_class(node.connection_class)
+            node.connection_class = _tier_class(node.connection_class)
         return
     pool = getattr(client, "connection_pool", None)
     if pool is None or not hasattr(pool, "connection_class"):
-        raise FramedPackingUnavailable("client without connection_pool.connection_class")
-    pool.connection_class = _framed_class(pool.connection_class)
+        raise TierConnectionUnavailable("client without connection_pool.connection_class")
+    pool.connection_class = _tier_class(pool.connection_class)
