@@ -73,6 +73,12 @@ def _opt(
 AUTO_SOCKET = "auto"
 # In server.shm_share: a client of any uid may use the owner's objects.
 ANY_PEER = -1
+# What a request of N keys takes at most on the wire: a key is 34 bytes with its tag and
+# length, its page number up to 10 (a varint) plus one for the packed list, rounded up; the
+# base covers every other field (an OpenSession may carry up to 64 KiB). For the config's
+# check that ``server.max_message_bytes`` holds the largest batch.
+MESSAGE_BYTES_PER_KEY = 48
+MESSAGE_BYTES_BASE = 128 << 10
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,16 @@ class ServerConfig:
         metadata=_opt("str", doc="host:port for gRPC over TCP; empty (the default) disables TCP"),
     )
     max_batch_blocks: int = field(default=4096, metadata=_opt("int", lo=1, hi=1 << 20))
-    max_message_bytes: int = field(default=64 << 20, metadata=_opt("size", lo=1 << 20, hi=1 << 31))
+    max_message_bytes: int = field(
+        default=4 << 20,
+        metadata=_opt(
+            "size",
+            lo=1 << 20,
+            hi=1 << 31,
+            doc="largest gRPC message either way; a larger one is refused before it is parsed "
+            "(it is parsed on the event loop: keep it near what max_batch_blocks needs)",
+        ),
+    )
     max_pools_per_session: int = field(
         default=64, metadata=_opt("int", lo=1, hi=1 << 16, doc="registered pools per session")
     )
@@ -196,6 +211,13 @@ class ServerConfig:
             )
         if self.lease_default_ms > self.lease_max_ms:
             raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
+        need = self.max_batch_blocks * MESSAGE_BYTES_PER_KEY + MESSAGE_BYTES_BASE
+        if self.max_message_bytes < need:
+            raise ConfigError(
+                f"server.max_message_bytes ({self.max_message_bytes}) is too small for "
+                f"requests of server.max_batch_blocks={self.max_batch_blocks} keys: raise it "
+                f"to at least {need}"
+            )
         self.socket_gid()
         self.shm_share_pairs()
         self.admin_uid_set()

@@ -167,6 +167,22 @@ def test_keys_per_request_are_limited(daemon_factory):
             client.lookup([bytes(32)] * 9)
 
 
+def test_regression_a_request_of_tens_of_megabytes_was_parsed_before_being_refused(daemon_factory):
+    """The default message limit was 64 MiB, 400 times the largest request the daemon
+    answers (4,096 keys): a Lookup of 1.8 million keys was read and parsed on the event loop
+    before its key count was refused, and four of them at once stalled another client's
+    lookups for 0.7 s and took the daemon's peak memory from about 100 to 750 MB. The default
+    now holds the largest valid request with room to spare, and a larger message is refused
+    by gRPC before it is parsed."""
+    d = daemon_factory()
+    with d.client() as client:
+        with pytest.raises(ResourceExhaustedError, match="larger than max"):
+            client.lookup([bytes(32)] * 150_000)  # ~5 MB
+        keys = [bytes([i % 256]) * 32 for i in range(4096)]
+        assert client.lookup(keys).prefix_len == 0  # the largest batch still fits
+        assert client.health()
+
+
 def test_message_size_is_limited(daemon_factory):
     d = daemon_factory("server.max_message_bytes=1MiB")
     with d.client() as client:

@@ -75,6 +75,7 @@ def test_bad_sizes(value):
         ("tiers:\n  l1:\n    high_watermark: yes\n", "tiers.l1.high_watermark"),
         ("server:\n  max_batch_blocks: 0\n", "server.max_batch_blocks"),
         ("server:\n  max_batch_blocks: 2.5\n", "server.max_batch_blocks"),
+        ("server:\n  max_batch_blocks: 200000\n", "server.max_message_bytes"),
         ("logging:\n  level: LOUD\n", "logging.level"),
         ("tiers:\n  l1:\n    low_watermark: 0.99\n", "tiers.l1.low_watermark"),
         ("tiers:\n  l1:\n    segment_bytes: 1000\n", "tiers.l1.segment_bytes"),
@@ -155,7 +156,7 @@ def test_kvtierd_prints_its_effective_config():
     )
     assert proc.returncode == 0
     assert "capacity_bytes: 2GiB" in proc.stdout
-    assert "max_message_bytes: 64MiB" in proc.stdout
+    assert "max_message_bytes: 4MiB" in proc.stdout
 
 
 def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
