@@ -1284,14 +1284,22 @@ class BlockStore:
             await asyncio.shield(recording)
         before = self.ns_owner.get(ns)
         if before != owner:
+            unbound: list[int] = []
             if before is None:
-                self._check_namespace_room(owner, label)
+                unbound = self._check_namespace_room(owner, label)
             else:
                 self._ns_kept[ns] = before
             self.ns_owner[ns] = owner
             recorded = self._ns_recording[ns] = asyncio.get_running_loop().create_future()
+            # A bind of a namespace unbound here waits until its record is gone: forgotten
+            # after being recorded again, it would lose its owner.
+            for gone in unbound:
+                self._ns_recording[gone] = recorded
             try:
                 for level in self.stack:
+                    forget = getattr(level.tier, "forget_namespaces", None)
+                    if unbound and forget is not None:
+                        await self.transfers.run(Priority.DEMAND, forget, unbound)
                     remember = getattr(level.tier, "remember_namespace", None)
                     if remember is not None:
                         await self.transfers.run(Priority.DEMAND, remember, ns, label)
@@ -1305,31 +1313,36 @@ class BlockStore:
                 raise
             finally:
                 self._ns_kept.pop(ns, None)
-                del self._ns_recording[ns]
+                for done in (ns, *unbound):
+                    del self._ns_recording[done]
                 recorded.set_result(None)
         return owner
 
-    def _check_namespace_room(self, owner: int, label: str) -> None:
+    def _check_namespace_room(self, owner: int, label: str) -> list[int]:
         """Refuse a new namespace to an owner at its limit. A namespace counts while the
         store holds a block of it (or a put records its owner): one whose blocks have all
         left is unbound here, when the limit is reached, so an owner that moves on from
         namespaces (models, adapters) is not refused for good. While recovery runs, the
-        index does not yet know every block, so nothing is unbound. An unbound namespace's
-        record on a persistent tier stays (the next bind rewrites it)."""
+        index does not yet know every block, so nothing is unbound. Returns the namespaces
+        unbound: the caller forgets their records on the persistent tiers, which the limit
+        no longer bounds otherwise (one durable row per namespace ever used, all read back
+        at every start)."""
         limit = self.config.server.max_namespaces_per_tenant
         mine = [ns for ns, o in self.ns_owner.items() if o == owner]
         used = len(mine)
+        unbound: list[int] = []
         if used >= limit and not self._recovering:
             holding = self.table.ns_blocks
-            for ns in mine:
-                if ns not in holding and ns not in self._ns_recording:
-                    del self.ns_owner[ns]
-                    used -= 1
+            unbound = [ns for ns in mine if ns not in holding and ns not in self._ns_recording]
+            used -= len(unbound)
         if used >= limit:
             raise ResourceExhausted(
                 f"{label} already stores blocks in {used} namespaces, the most one tenant may "
                 "use (server.max_namespaces_per_tenant)"
             )
+        for ns in unbound:
+            del self.ns_owner[ns]
+        return unbound
 
     async def recover(self) -> None:
         """Index every block the persistent tiers hold from before this start, so a restart

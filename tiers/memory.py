@@ -173,6 +173,10 @@ class MemoryTier:
     def remember_namespace(self, ns: int, label: str) -> None:
         self._medium.names[ns] = label
 
+    def forget_namespaces(self, names: list[int]) -> None:
+        for ns in names:
+            self._medium.names.pop(ns, None)
+
     def recover(self) -> RecoveredBlocks:
         return RecoveredBlocks.concat(list(self.recover_chunks()))
 

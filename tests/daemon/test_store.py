@@ -1774,3 +1774,24 @@ async def test_single_key_refused_puts_and_leased_gets_leave_the_store_as_one_ba
     assert answers[0] == answers[1]
     for name in states[0]:
         assert states[0][name] == states[1][name], name
+
+
+async def test_regression_records_of_namespaces_left_empty_piled_up_on_the_persistent_tier(
+    make_store,
+):
+    """A namespace left empty stops counting toward ``server.max_namespaces_per_tenant`` and
+    is unbound when its owner needs room, but its record on the persistent tier stayed: one
+    durable row per namespace a tenant ever stored into, without bound (the limit was what
+    bounded them), every one read back into memory by recovery at each start. The bind that
+    unbinds them forgets their records; a namespace bound again is recorded again."""
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store = make_store(Clock(), l2=l2, sets=("server.max_namespaces_per_tenant=2",))
+    for ns in range(1, 41):
+        await store.namespace(ns, "tenant-a")
+        assert len(l2.namespaces()) <= 2
+    assert l2.namespaces() == {39: "tenant-a", 40: "tenant-a"}
+    # A namespace that holds a block keeps its record; one bound again is recorded again.
+    pool = make_pool()
+    await store.put(pool, 40, keys(1), np.zeros(1, dtype=np.int64), None, owner=1)
+    await store.namespace(1, "tenant-a")
+    assert l2.namespaces() == {40: "tenant-a", 1: "tenant-a"}

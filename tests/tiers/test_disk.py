@@ -1052,3 +1052,17 @@ def test_a_write_whose_refs_or_buffers_do_not_match_its_slots_raises_before_any_
         assert tier.stats().counters["write_calls"] == 0
     with _open(tmp_path / "l2") as tier:
         assert len(tier.recover()) == 0
+
+
+def test_namespace_records_forgotten_stay_forgotten_across_a_reopen(tmp_path):
+    tier = _open(tmp_path)
+    big = (1 << 64) - 5  # stored as SQLite's signed integer
+    for ns in (3, big, 7):
+        tier.remember_namespace(ns, f"tenant-{ns % 10}")
+    tier.forget_namespaces([big, 3, 11])  # 11 was never recorded
+    tier.close()
+    tier = _open(tmp_path)
+    try:
+        assert tier.namespaces() == {7: "tenant-7"}
+    finally:
+        tier.close()

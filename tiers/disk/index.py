@@ -152,6 +152,11 @@ class DiskIndex:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO namespaces VALUES (?, ?)", (signed, label))
 
+    def forget(self, names: Sequence[int]) -> None:
+        signed = [(ns - (1 << 64) if ns >= 1 << 63 else ns,) for ns in names]
+        with self.transaction() as db:
+            db.executemany("DELETE FROM namespaces WHERE ns = ?", signed)
+
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
         """Which of ``slots`` have a block row."""
         found: list[int] = []

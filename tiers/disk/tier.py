@@ -763,6 +763,14 @@ class DiskTier:
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index namespace update")
 
+    def forget_namespaces(self, names: list[int]) -> None:
+        """Drop the records of namespaces that hold no block any more (their owner moved on;
+        one recorded again when it is bound again)."""
+        try:
+            self._idx().forget(names)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index namespace update")
+
     def release_quarantined(self) -> int:
         """Return every quarantined slot to service (an operator's decision, e.g. after the
         disk was checked). Returns how many were released."""
