@@ -133,6 +133,17 @@ class ServerConfig:
             "memory mapping, and past vm.max_map_count the daemon's own allocations fail",
         ),
     )
+    max_pools_per_tenant: int = field(
+        default=1024,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 20,
+            doc="host memory pools one tenant (without tenants configured: one peer uid) may "
+            "have mapped at once, registrations being mapped or unmapped included: without "
+            "it one tenant could take every one of server.max_pools and refuse all others",
+        ),
+    )
     max_pool_bytes_per_tenant: int = field(
         default=1 << 40,
         metadata=_opt(

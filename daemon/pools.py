@@ -31,9 +31,11 @@ Invariants:
 - Every host pool's whole size counts toward its tenant's mapped bytes (``tenant_bytes``,
   which ``server.max_pool_bytes_per_tenant`` bounds) from its checks on, as its place in the
   session's count does, until its mapping is gone: while it is mapped, registered, or
-  unregistered and not yet unmapped. Registering one object many times counts it each time:
-  the daemon maps it (and holds page tables for it) each time. CUDA IPC pools do not count:
-  they open each GPU allocation once however many pools name it.
+  unregistered and not yet unmapped; so does its mapping toward the tenant's count
+  (``tenant_mappings``, which ``server.max_pools_per_tenant`` bounds). Registering one
+  object many times counts it each time: the daemon maps it (and holds page tables for it)
+  each time. CUDA IPC pools do not count: they open each GPU allocation once however many
+  pools name it.
 - Mapping and unmapping share ``MAP_THREADS`` threads between tenants round robin, at most
   ``MAP_THREADS_PER_TENANT`` of them for one tenant (``fairthreads``): a tenant that
   registers a flood of large pools delays another's registration by at most one mapping.
@@ -216,6 +218,7 @@ class PoolRegistry:
         # registration being mapped, pool registered, and pool or mapping not yet unmapped.
         self._charges: dict[_Pending | Pool, tuple[str, int]] = {}
         self._tenant_bytes: Counter[str] = Counter()
+        self._tenant_mappings: Counter[str] = Counter()
         self._workers: FairThreads | None = None
         self._closed = False
         self._stopped = False  # its threads are ended: what is left is unmapped inline
@@ -254,6 +257,11 @@ class PoolRegistry:
         ``server.max_pool_bytes_per_tenant`` bounds."""
         return self._tenant_bytes[tenant]
 
+    def tenant_mappings(self, tenant: str) -> int:
+        """Host pool mappings held for ``tenant``, counted as ``mappings`` is (what
+        ``server.max_pools_per_tenant`` bounds)."""
+        return self._tenant_mappings[tenant]
+
     def check(self) -> list[str]:
         """The mapped bytes per tenant against what they count: every registration being
         mapped and every registered host pool is counted, and the sums match the parts."""
@@ -268,6 +276,8 @@ class PoolRegistry:
             sums[tenant] += nbytes
         if sums != self._tenant_bytes:
             problems.append("the per-tenant mapped bytes differ from the pools they count")
+        if Counter(tenant for tenant, _ in self._charges.values()) != self._tenant_mappings:
+            problems.append("the per-tenant mappings differ from the pools they count")
         return problems
 
     async def register_shm(
@@ -485,6 +495,7 @@ class PoolRegistry:
     def _charge(self, holder: _Pending | Pool, tenant: str, nbytes: int) -> None:
         self._charges[holder] = (tenant, nbytes)
         self._tenant_bytes[tenant] += nbytes
+        self._tenant_mappings[tenant] += 1
 
     def _refund(self, holder: _Pending | Pool) -> None:
         """``holder``'s mapping is gone (or was never made): its bytes no longer count."""
@@ -495,6 +506,9 @@ class PoolRegistry:
         self._tenant_bytes[tenant] -= nbytes
         if self._tenant_bytes[tenant] <= 0:
             del self._tenant_bytes[tenant]
+        self._tenant_mappings[tenant] -= 1
+        if self._tenant_mappings[tenant] <= 0:
+            del self._tenant_mappings[tenant]
 
     def _worker_pool(self) -> FairThreads:
         if self._workers is None:

@@ -7,7 +7,7 @@ runs before any state changes, so a refused request leaves the daemon as it was.
 Every call but ``open_session`` names an open session. A session carries its peer's
 credentials when it was opened with a credential ticket (always, on the Unix socket); only
 such a session may register memory, and only memory its peer owns. The limits (keys per
-request, pools per session, bytes of pools mapped per tenant, sessions per tenant,
+request, pools per session, pools and bytes of pools mapped per tenant, sessions per tenant,
 namespaces per tenant) answer with an error naming their key.
 
 Tenants: a session is bound to one tenant when it opens (``daemon/tenants.py``), and every
@@ -253,6 +253,20 @@ class KVService:
                 f"this session already has {limit} pools registered, the most one session may "
                 "have (server.max_pools_per_session)"
             )
+        key = session.limit_key
+        who = (
+            f"tenant {session.tenant}"
+            if key == session.tenant
+            else f"tenant {session.tenant} ({key})"
+        )
+        # The tenant's own share first: without it one tenant could take every mapping the
+        # daemon holds (server.max_pools) and refuse every other tenant's registration.
+        most = self.config.server.max_pools_per_tenant
+        if size_bytes and (held := self.pools.tenant_mappings(key)) >= most:
+            raise ResourceExhausted(
+                f"{who} already has {held} pools mapped (registered, or being mapped or "
+                "unmapped), the most one tenant may have (server.max_pools_per_tenant)"
+            )
         most = self.config.server.max_pools
         if size_bytes and self.pools.mappings >= most:
             raise ResourceExhausted(
@@ -261,14 +275,8 @@ class KVService:
                 "unregistered"
             )
         cap = self.config.server.max_pool_bytes_per_tenant
-        mapped = self.pools.tenant_bytes(session.limit_key)
+        mapped = self.pools.tenant_bytes(key)
         if size_bytes > cap - mapped:
-            key = session.limit_key
-            who = (
-                f"tenant {session.tenant}"
-                if key == session.tenant
-                else f"tenant {session.tenant} ({key})"
-            )
             raise ResourceExhausted(
                 f"{who} has {mapped} bytes of pools mapped (registered, or being mapped or "
                 f"unmapped); {size_bytes} more would pass the {cap} one tenant may have "

@@ -957,3 +957,48 @@ async def test_the_daemon_holds_at_most_server_max_pools_mappings_of_all_tenants
                 assert check.problems == [] and check.pools == 3
 
         await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_regression_one_tenant_could_take_every_pool_mapping_and_refuse_all_others(
+    held, tmp_path
+):
+    """``server.max_pools`` bounds the mappings of every tenant together, and one tenant
+    could take all of them: 256 sessions of 64 pools each are exactly the default 16,384,
+    tiny pools pass any bytes cap, and every other tenant's RegisterPool was then
+    RESOURCE_EXHAUSTED. A tenant holds at most ``server.max_pools_per_tenant`` mappings:
+    past its own it is refused naming that key, and another tenant still registers."""
+    held.release.set()
+    tokens = {}
+    for name in ("flood", "other"):
+        path = tmp_path / f"{name}.token"
+        path.write_text(f"{name}-secret-0123456789")
+        path.chmod(0o600)
+        tokens[name] = str(path)
+    tenants = ", ".join(f"{{name: {n}, token_file: {p}}}" for n, p in tokens.items())
+    limits = ("server.max_pools=4", "server.max_pools_per_tenant=3")
+
+    async with running_daemon(held, f"tenants=[{tenants}]", *limits) as daemon:
+
+        def clients(address: str) -> None:
+            with (
+                Client(address, token_file=tokens["flood"]) as flood,
+                Client(address, token_file=tokens["flood"]) as sibling,
+                Client(address, token_file=tokens["other"]) as other,
+                SharedMemoryPool.for_layout(LAYOUT) as shm,
+            ):
+                pools = [flood.register_pool(shm, LAYOUT) for _ in range(2)]
+                pools.append(sibling.register_pool(shm, LAYOUT))
+                for client in (flood, sibling):
+                    with pytest.raises(
+                        ResourceExhaustedError, match=r"server\.max_pools_per_tenant"
+                    ):
+                        client.register_pool(shm, LAYOUT)
+                mine = other.register_pool(shm, LAYOUT)
+                assert daemon.pools.mappings == 4
+                other.unregister_pool(mine.pool_id)
+                flood.unregister_pool(pools[0].pool_id)
+                wait_until(lambda: daemon.pools.mappings == 2, "the pools unmapped")
+                pools[0] = flood.register_pool(shm, LAYOUT)
+                assert flood.check().problems == []
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
