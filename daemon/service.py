@@ -7,8 +7,8 @@ runs before any state changes, so a refused request leaves the daemon as it was.
 Every call but ``open_session`` names an open session. A session carries its peer's
 credentials when it was opened with a credential ticket (always, on the Unix socket); only
 such a session may register memory, and only memory its peer owns. The limits (keys per
-request, pools per session, pools and bytes of pools mapped per tenant, sessions per tenant,
-namespaces per tenant) answer with an error naming their key.
+request, pools per session, pools and bytes of pools mapped per tenant, pools mapped in all,
+sessions per tenant, namespaces per tenant) answer with an error naming their key.
 
 Tenants: a session is bound to one tenant when it opens (``daemon/tenants.py``), and every
 block request's namespace is derived here from that tenant and the name the request declares,
