@@ -22,6 +22,14 @@ for every client count (ping, health, put, get, lookup); ``--rounds`` rounds alt
 Reported ratios (the issue's targets: p50 <= 1.3x, throughput >= 0.7x):
 ``<op>_p50_vs_ping`` is the op's p50 over ping's p50 with the same number of clients;
 ``<op>_ops_vs_ping`` is the op's ops/s with the most clients over ping's ops/s with as many.
+
+CPU per call, on both sides of the socket (median over rounds), because on a small host the
+client processes and the server share the cores: a microsecond either spends beyond ping's is
+taken from the other. ``client_cpu_us``: the client processes' CPU time (every thread, gRPC's
+included) over their timed calls, per call; ``server_cpu_us``: the serving process's (the ping
+server for ping, else the daemon) from the barrier to the last call's end, per call, read
+from ``/proc`` (None where there is none). Both count in the kernel's clock ticks (10 ms at
+100 Hz), so a phase needs some hundreds of calls for them to mean much.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier, Event
 from pathlib import Path
@@ -157,19 +167,37 @@ def _worker(
                 keys = [os.urandom(32) for _ in range(nops)] if op == "put" else []
                 lat = np.empty(nops, dtype=np.float64)
                 barrier.wait(_TIMEOUT_S)
-                t0 = time.monotonic()
+                t0, cpu0 = time.monotonic(), time.process_time()
                 for i in range(nops):
                     t = time.perf_counter()
                     call(op, i, keys)
                     lat[i] = time.perf_counter() - t
-                t1 = time.monotonic()
+                t1, cpu1 = time.monotonic(), time.process_time()
                 if op == "put":
                     stored = keys
-                conn.send(("done", (lat.tobytes(), t0, t1)))
+                conn.send(("done", (lat.tobytes(), t0, t1, cpu1 - cpu0)))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         # Leave the others waiting no longer.
         barrier.abort()
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU time (user and system, every thread) process ``pid`` has used; None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class _Phase:
+    lat: np.ndarray  # every call's latency, s
+    ops_s: float  # calls per second over the phase
+    client_cpu_us: float  # the client processes' CPU per call
+    server_cpu_us: float | None  # the serving process's CPU per call
 
 
 class _Clients:
@@ -178,7 +206,8 @@ class _Clients:
     def __init__(self, count: int, daemon_address: str, ping_address: str, pages: int) -> None:
         ctx = mp.get_context("spawn")
         self.count = count
-        self.barrier = ctx.Barrier(count)
+        # The driving process is a party too: it reads the server's CPU time as calls start.
+        self.barrier = ctx.Barrier(count + 1)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         for i in range(count):
@@ -206,14 +235,27 @@ class _Clients:
         for conn in self.conns:
             self._recv(conn)
 
-    def phase(self, op: str, nops: int, warmup: int) -> tuple[np.ndarray, float]:
-        """Latencies of every call, and calls per second over the phase."""
+    def phase(self, op: str, nops: int, warmup: int, server_pid: int) -> _Phase:
+        """Latencies of every call, calls per second over the phase, and CPU per call of the
+        clients and of the server (process ``server_pid``)."""
         for conn in self.conns:
             conn.send((op, nops, warmup))
+        # A client that fails breaks the barrier; its error comes with its answer below.
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.barrier.wait(_TIMEOUT_S)
+        server0 = _cpu_s(server_pid)
         results = [self._recv(conn) for conn in self.conns]
+        server1 = _cpu_s(server_pid)
         lat = np.concatenate([np.frombuffer(r[0], dtype=np.float64) for r in results])
         span = max(r[2] for r in results) - min(r[1] for r in results)
-        return lat, len(lat) / span
+        calls = len(lat)
+        server = None if server0 is None or server1 is None else (server1 - server0) / calls
+        return _Phase(
+            lat,
+            calls / span,
+            sum(r[3] for r in results) / calls * 1e6,
+            None if server is None else server * 1e6,
+        )
 
     def close(self) -> None:
         for conn in self.conns:
@@ -237,6 +279,9 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
     l1_bytes = args.rounds * per_round * BLOCK_BYTES + (128 << 20)
     lat: dict[tuple[int, str], list[np.ndarray]] = {(k, op): [] for k in counts for op in OPS}
     rate: dict[tuple[int, str], list[float]] = {(k, op): [] for k in counts for op in OPS}
+    cpu: dict[tuple[int, str], list[tuple[float, float | None]]] = {
+        (k, op): [] for k in counts for op in OPS
+    }
 
     ctx = mp.get_context("spawn")
     with (
@@ -258,9 +303,12 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
             for _ in range(args.rounds):
                 for pool in pools:
                     for op in OPS:
-                        calls, per_s = pool.phase(op, args.ops, args.warmup)
-                        lat[pool.count, op].append(calls)
-                        rate[pool.count, op].append(per_s)
+                        pid = server.pid if op == "ping" else daemon.proc.pid
+                        assert pid is not None
+                        got = pool.phase(op, args.ops, args.warmup, pid)
+                        lat[pool.count, op].append(got.lat)
+                        rate[pool.count, op].append(got.ops_s)
+                        cpu[pool.count, op].append((got.client_cpu_us, got.server_cpu_us))
         finally:
             for pool in pools:
                 pool.close()
@@ -280,10 +328,13 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         per_op: dict[str, Any] = {}
         for op in OPS:
             calls = np.concatenate(lat[k, op])
+            server_cpu = [s for _, s in cpu[k, op] if s is not None]
             per_op[op] = {
                 "p50_ms": sig(pct_ms(calls, 50)),
                 "p99_ms": sig(pct_ms(calls, 99)),
                 "ops_s": sig(median(rate[k, op])),
+                "client_cpu_us": sig(median([c for c, _ in cpu[k, op]])),
+                "server_cpu_us": sig(median(server_cpu)) if server_cpu else None,
             }
         figures[f"clients_{k}"] = per_op
     ratios: dict[str, float | None] = {}
@@ -305,7 +356,7 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
     )
     print(
         f"{'clients':>7}  {'rpc':<7}{'p50 ms':>8}{'p99 ms':>9}{'ops/s':>10}"
-        f"{'p50/ping':>10}{f'ops/s / ping({top})':>20}"
+        f"{'p50/ping':>10}{f'ops/s / ping({top})':>20}{'client us':>11}{'server us':>11}"
     )
     for k in counts:
         ping = figures[f"clients_{k}"]["ping"]
@@ -313,13 +364,16 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
             f = figures[f"clients_{k}"][op]
             p50r = ratio(f["p50_ms"], ping["p50_ms"])
             opsr = ratio(f["ops_s"], ping_top) if k == top else None
+            server_us = f["server_cpu_us"]
             print(
                 f"{k:>7}  {op:<7}{f['p50_ms']:8.3f}{f['p99_ms']:9.3f}{f['ops_s']:10.0f}"
-                f"{p50r:10.2f}{'' if opsr is None else f'{opsr:20.2f}'}"
+                f"{p50r:10.2f}{'' if opsr is None else f'{opsr:.2f}':>20}"
+                f"{f['client_cpu_us']:11.0f}{'-' if server_us is None else f'{server_us:.0f}':>11}"
             )
     print(
         "ping: a bare grpc.aio unary echo server on a Unix socket; health: the daemon's gRPC "
-        f"health Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's"
+        f"health Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's. "
+        "client/server us: CPU per call of the client processes and of the serving process"
     )
     if as_json:
         print_json(figures)

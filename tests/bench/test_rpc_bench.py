@@ -17,6 +17,8 @@ def test_rpc_bench_reports_each_call_against_the_bare_ping(run_json: RunJson) ->
         for op, fig in per_op.items():
             assert 0 < fig["p50_ms"] <= fig["p99_ms"], op
             assert fig["ops_s"] > 0, op
+            # Counted in clock ticks: a phase this short may see none on either side.
+            assert fig["client_cpu_us"] >= 0 and fig["server_cpu_us"] >= 0, op
     r, one, two = f["ratios"], f["clients_1"], f["clients_2"]
     for op in ("health", "put", "get", "lookup"):
         assert_ratio(r, f"{op}_p50_vs_ping", one[op]["p50_ms"], one["ping"]["p50_ms"])
