@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -87,6 +88,13 @@ MAX_HEALTH_SERVICE_CHARS = 1024
 # Health watches open at once. A watch needs no session (over TCP no token either) and holds a
 # few kilobytes for as long as it stays open; probes use Check, a watcher needs one stream.
 MAX_HEALTH_WATCHES = 256
+# Calls whose request has not fully arrived. gRPC buffers a request until its last byte, and a
+# client may announce server.max_message_bytes and stall one byte short, on any number of
+# calls and connections: unbounded, ten connections of a hundred such calls held 4 GB. Past
+# this many the call that has waited longest ends (a request of a live client arrives within
+# milliseconds, so the oldest waiters are the stalled ones); each waits at most the timeout.
+MAX_RECEIVING_REQUESTS = 256
+REQUEST_RECEIVE_TIMEOUT_S = 10.0
 R = TypeVar("R")
 
 # The one place where domain errors become gRPC status codes.
@@ -524,6 +532,9 @@ class Daemon:
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lost_answers = LostAnswerFilter(cfg.bad_request_log_interval_s)
+        self.receiver = RequestReceiver(
+            MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S, self.service.counters
+        )
 
     async def start(self) -> None:
         cfg = self.config.server
@@ -541,13 +552,12 @@ class Daemon:
         )
         # Latency per method and status, and request ids in log lines (daemon/observe.py).
         observer = RpcObserver(self.store.latency)
-        _add_handlers(
-            self.server, SERVICE_NAME, observer.wrap(SERVICE_NAME, _kvtier_handlers(self.servicer))
-        )
+        receiver = self.receiver
+        kvtier_handlers = observer.wrap(SERVICE_NAME, _kvtier_handlers(self.servicer))
+        _add_handlers(self.server, SERVICE_NAME, receiver.wrap(kvtier_handlers))
         health_handlers = _health_handlers(self.health, self.servicer)
-        _add_handlers(
-            self.server, HEALTH_SERVICE_NAME, observer.wrap(HEALTH_SERVICE_NAME, health_handlers)
-        )
+        health_observed = observer.wrap(HEALTH_SERVICE_NAME, health_handlers)
+        _add_handlers(self.server, HEALTH_SERVICE_NAME, receiver.wrap(health_observed))
         access = SocketAccess.from_config(cfg)
         if cfg.socket:
             path = os.path.abspath(cfg.socket)
@@ -635,6 +645,106 @@ class Daemon:
 
 
 # ------------------------------------------------------------------ handlers
+
+
+class RequestReceiver:
+    """Reads each call's one request message itself, so that it can bound the calls waiting
+    for theirs (see ``MAX_RECEIVING_REQUESTS``) and end those that end their request without
+    one (gRPC's unary handling answers those nothing at all).
+
+    ``wrap`` turns a unary-request handler into the request-streaming one of the same method:
+    on the wire the two are the same, the client's stubs do not change.
+
+    Thread-safety: the event loop only.
+    """
+
+    def __init__(self, max_waiting: int, timeout_s: float, counters: Counter[str]) -> None:
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.counters = counters
+        # Calls waiting for their request, oldest first (a dict keeps insertion order).
+        self.waiting: dict[_Waiter, None] = {}
+
+    def wrap(self, handlers: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, h in handlers.items():
+            if h.unary_unary is not None:
+                out[name] = grpc.stream_unary_rpc_method_handler(
+                    self._unary(h.unary_unary),
+                    request_deserializer=h.request_deserializer,
+                    response_serializer=h.response_serializer,
+                )
+            elif h.unary_stream is not None:
+                out[name] = grpc.stream_stream_rpc_method_handler(
+                    self._stream(h.unary_stream),
+                    request_deserializer=h.request_deserializer,
+                    response_serializer=h.response_serializer,
+                )
+            else:
+                raise ValueError(f"{name}: only unary requests are received here")
+        return out
+
+    def _unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await self.receive(context), context)
+
+        return unary
+
+    def _stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in behavior(await self.receive(context), context):
+                yield response
+
+        return stream
+
+    async def receive(self, context: grpc.aio.ServicerContext) -> Any:
+        """The call's request, or the call ends with a status."""
+        if len(self.waiting) >= self.max_waiting:
+            self._end(next(iter(self.waiting)), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        task = asyncio.current_task()
+        assert task is not None
+        waiter = _Waiter(task)
+        timer = asyncio.get_running_loop().call_later(
+            self.timeout_s, self._end, waiter, grpc.StatusCode.DEADLINE_EXCEEDED
+        )
+        self.waiting[waiter] = None
+        try:
+            request = await context.read()
+        except asyncio.CancelledError:
+            if waiter.ended is None:
+                raise  # the client went away
+            if (uncancel := getattr(task, "uncancel", None)) is not None:
+                uncancel()  # Python 3.11+: this task goes on, to answer the status
+            await context.abort(waiter.ended, self._why(waiter.ended))
+        finally:
+            timer.cancel()
+            self.waiting.pop(waiter, None)
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+        return request
+
+    def _end(self, waiter: _Waiter, code: grpc.StatusCode) -> None:
+        if waiter in self.waiting:
+            del self.waiting[waiter]
+            waiter.ended = code
+            waiter.task.cancel()
+            self.counters["requests_unreceived"] += 1
+
+    def _why(self, code: grpc.StatusCode) -> str:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return (
+                f"{self.max_waiting} calls were waiting for the rest of their request; this "
+                "one had waited longest"
+            )
+        return f"the request did not arrive in full within {self.timeout_s:g}s"
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """A call waiting for its request, and the status it was ended with, if it was."""
+
+    task: asyncio.Task[Any]
+    ended: grpc.StatusCode | None = None
 
 
 def _add_handlers(server: grpc.aio.Server, service: str, handlers: dict[str, Any]) -> None:

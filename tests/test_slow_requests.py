@@ -1,0 +1,70 @@
+"""A request that never finishes arriving holds nothing for long.
+
+gRPC buffers a call's request until the whole message is in; a client may announce a request
+of ``server.max_message_bytes`` and send all of it but the last byte, on as many calls and
+connections as it likes. The daemon waits for at most ``MAX_RECEIVING_REQUESTS`` requests at
+once (one more ends the call that has waited longest, RESOURCE_EXHAUSTED) and for each at
+most ``REQUEST_RECEIVE_TIMEOUT_S`` (then DEADLINE_EXCEEDED). A call that ends its request
+without a message is INVALID_ARGUMENT. These tests speak HTTP/2 themselves (tests/h2_frames.py):
+no gRPC client sends half a request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from h2_frames import DATA, END_STREAM, RawConnection, frame, grpc_prefix
+
+from kvtier.daemon.server import MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S
+
+LOOKUP = "/kvtier.v1.KVTier/Lookup"
+
+
+def _wait_ended(conn: RawConnection, streams: list[int], count: int, timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and len(conn.reset & set(streams)) < count:
+        conn.pump(0.1)
+    return conn.reset & set(streams)
+
+
+def test_regression_half_sent_requests_held_their_buffers_without_bound(daemon):
+    """Calls that announced a large request and stalled were held for as long as the client
+    liked, each with what it had sent: ten connections of a hundred calls that each sent 4 MiB
+    less a byte took the daemon's RSS from 0.2 to 4.3 GB. Past the limit, the call that has
+    waited longest ends; the daemon keeps answering other clients."""
+    conn = RawConnection(daemon.socket)
+    extra = 16
+    streams = []
+    for _ in range(MAX_RECEIVING_REQUESTS + extra):
+        stream = conn.open_call(LOOKUP)
+        conn.send(stream, grpc_prefix(1 << 20) + b"\x0a")
+        streams.append(stream)
+        conn.pump(0.0)
+    ended = _wait_ended(conn, streams, extra, timeout_s=30.0)
+    assert len(ended) >= extra
+    assert set(streams[:extra]) <= ended  # the oldest
+    with daemon.client(timeout_s=10) as client:
+        assert client.lookup([b"k" * 32]).prefix_len == 0
+        assert client.stats().counters["requests_unreceived"] >= extra
+    conn.close()
+    assert "Traceback" not in daemon.log()
+
+
+def test_a_request_that_stalls_ends_after_the_receive_timeout(daemon):
+    conn = RawConnection(daemon.socket)
+    stream = conn.open_call(LOOKUP)
+    conn.send(stream, grpc_prefix(100) + b"\x0a")
+    assert _wait_ended(conn, [stream], 1, timeout_s=REQUEST_RECEIVE_TIMEOUT_S + 20.0)
+    conn.close()
+    with daemon.client(timeout_s=10) as client:
+        assert client.stats().counters["requests_unreceived"] == 1
+
+
+def test_a_call_that_ends_its_request_without_a_message_is_answered(daemon):
+    """It used to get no answer at all: the call stayed open until its client gave up."""
+    conn = RawConnection(daemon.socket)
+    streams = [conn.open_call(path) for path in (LOOKUP, "/kvtier.v1.KVTier/OpenSession")]
+    for stream in streams:
+        conn.sock.sendall(frame(DATA, END_STREAM, stream, b""))
+    assert _wait_ended(conn, streams, len(streams), timeout_s=30.0) == set(streams)
+    conn.close()
