@@ -52,6 +52,17 @@ def _seconds(*, zero: bool) -> Callable[[str], float]:
     return parse
 
 
+def _readable_file(text: str) -> str:
+    """An argparse type for a file the client reads later (``--token-file``): one it cannot
+    open is a usage error naming it, not a traceback from the client's constructor."""
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: {e.strerror}") from None
+    return text
+
+
 def _client(args: argparse.Namespace) -> Client:
     return Client(
         args.address,
@@ -277,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--token-file",
+        type=_readable_file,
         metavar="FILE",
         help="a tenant's token file, to act as that tenant (needed over TCP; an admin "
         "tenant's for the admin commands when this user is not an admin)",

@@ -79,6 +79,23 @@ def test_a_bad_number_of_seconds_is_refused_before_anything_is_asked(capsys, arg
     assert "seconds" in err and repr(bad) in err
 
 
+def test_regression_an_unreadable_token_file_ended_in_a_traceback(tmp_path, capsys):
+    """``--token-file`` naming a missing file (or a folder) raised FileNotFoundError out of
+    the client's constructor, a traceback; it is a usage error naming the file."""
+    for path in (tmp_path / "missing", tmp_path):
+        code, _, err = run_main(
+            capsys,
+            "--address",
+            "unix:/nonexistent/kvtierd.sock",
+            "--token-file",
+            str(path),
+            "stats",
+        )
+        assert code == 2, err
+        assert "--token-file" in err and f"cannot read {str(path)!r}" in err
+        assert "Traceback" not in err
+
+
 def test_an_unreachable_daemon_names_the_address_it_tried(tmp_path, capsys, monkeypatch):
     missing = f"unix:{tmp_path}/nobody.sock"
     for command, expected in (("stats", 1), ("top", 1), ("health", 3)):
