@@ -5,11 +5,13 @@ exactly one place (``_rpc``). The server runs on one asyncio event loop; copies 
 thread pool while the loop keeps answering.
 
 Invariants:
-- Every call is answered with a status, never UNKNOWN. Requests are parsed by the servicer's
-  own deserializers: bytes that are not a valid message become INVALID_ARGUMENT with at most
-  one WARNING line per method every ``server.bad_request_log_interval_s`` (no traceback);
-  domain errors map to their status; anything unexpected is INTERNAL with a traceback, at
-  most one per method per interval.
+- Every call is answered with a status, never UNKNOWN. At most ``MAX_RECEIVING_REQUESTS``
+  calls wait for their request message at once, each at most ``REQUEST_RECEIVE_TIMEOUT_S``
+  (``RequestReceiver``): a request stalled short of its end holds no buffer for long.
+  Requests are parsed by the servicer's own deserializers: bytes that are not a valid
+  message become INVALID_ARGUMENT with at most one WARNING line per method every
+  ``server.bad_request_log_interval_s`` (no traceback); domain errors map to their status;
+  anything unexpected is INTERNAL with a traceback, at most one per method per interval.
 - A request runs to its end even when its client cancels it or its deadline passes (the
   answer is dropped): the store's state is never left halfway between two awaits (slots
   freed while a copy still writes them, a delete that forgot blocks but not their slots).
@@ -34,7 +36,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -690,10 +692,13 @@ class RequestReceiver:
 
         return unary
 
-    def _stream(self, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+    def _stream(self, behavior: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., Any]:
         async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for response in behavior(await self.receive(context), context):
-                yield response
+            # aclosing: the handler's own cleanup (a session's end) runs when this stream
+            # is closed, not whenever the garbage collector finalizes it.
+            async with contextlib.aclosing(behavior(await self.receive(context), context)) as out:
+                async for response in out:
+                    yield response
 
         return stream
 
