@@ -666,6 +666,9 @@ class RequestReceiver:
         self.counters = counters
         # Calls waiting for their request, oldest first (a dict keeps insertion order).
         self.waiting: dict[_Waiter, None] = {}
+        # One timer for every waiter (a timer per call cost more than the rest of the wait):
+        # armed while some call waits, it ends those past the timeout, oldest first.
+        self._sweep: asyncio.TimerHandle | None = None
 
     def wrap(self, handlers: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -708,11 +711,11 @@ class RequestReceiver:
             self._end(next(iter(self.waiting)), grpc.StatusCode.RESOURCE_EXHAUSTED)
         task = asyncio.current_task()
         assert task is not None
-        waiter = _Waiter(task)
-        timer = asyncio.get_running_loop().call_later(
-            self.timeout_s, self._end, waiter, grpc.StatusCode.DEADLINE_EXCEEDED
-        )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(task, loop.time())
         self.waiting[waiter] = None
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.timeout_s, self._expire)
         try:
             request = await context.read()
         except asyncio.CancelledError:
@@ -722,11 +725,22 @@ class RequestReceiver:
                 uncancel()  # Python 3.11+: this task goes on, to answer the status
             await context.abort(waiter.ended, self._why(waiter.ended))
         finally:
-            timer.cancel()
             self.waiting.pop(waiter, None)
         if request is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         return request
+
+    def _expire(self) -> None:
+        """End the calls that have waited ``timeout_s``; re-armed for the oldest left."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() - self.timeout_s
+        while self.waiting:
+            oldest = next(iter(self.waiting))
+            if oldest.since > deadline:
+                self._sweep = loop.call_at(oldest.since + self.timeout_s, self._expire)
+                return
+            self._end(oldest, grpc.StatusCode.DEADLINE_EXCEEDED)
 
     def _end(self, waiter: _Waiter, code: grpc.StatusCode) -> None:
         if waiter in self.waiting:
@@ -749,6 +763,7 @@ class _Waiter:
     """A call waiting for its request, and the status it was ended with, if it was."""
 
     task: asyncio.Task[Any]
+    since: float  # loop time it began to wait
     ended: grpc.StatusCode | None = None
 
 
