@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         type=_seconds(zero=True),
         default=1.0,
         metavar="S",
-        help="wait up to S seconds for transfers in flight first (default 1)",
+        help="wait up to S seconds (at most 60) for transfers in flight first (default 1)",
     )
     c.add_argument("--json", action="store_true", help="one JSON object")
     c.set_defaults(func=_check)

@@ -375,8 +375,7 @@ class AsyncClient:
 
     async def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
         """See ``Client.check``."""
-        req = t.build_request(pb.CheckRequest, settle_ms=int(settle_s * 1000))
-        return t.check_result(await self._invoke("Check", req))
+        return t.check_result(await self._invoke("Check", t.check_request(settle_s)))
 
     async def drain(self, *, resume: bool = False) -> t.DrainResult:
         """See ``Client.drain``."""

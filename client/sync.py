@@ -517,8 +517,7 @@ class Client:
     def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
         """The daemon's invariant check (admins only), after waiting up to ``settle_s`` for
         transfers in flight."""
-        req = t.build_request(pb.CheckRequest, settle_ms=int(settle_s * 1000))
-        return t.check_result(self._invoke("Check", req))
+        return t.check_result(self._invoke("Check", t.check_request(settle_s)))
 
     def drain(self, *, resume: bool = False) -> t.DrainResult:
         """Make the daemon refuse new sessions but admins' (or take them again, ``resume``);

@@ -209,6 +209,19 @@ def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs)
         raise _refused(message, fields, e) from None
 
 
+# The daemon waits at most this long for transfers before a Check (longer settles are cut to
+# it); the wire's field is milliseconds in 32 bits.
+MAX_CHECK_SETTLE_S = 60.0
+
+
+def check_request(settle_s: float) -> pb.CheckRequest:
+    """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
+    does); a negative or NaN wait is InvalidArgumentError naming ``settle_s``."""
+    if not settle_s >= 0:  # NaN too
+        raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
+    return build_request(pb.CheckRequest, settle_ms=int(min(settle_s, MAX_CHECK_SETTLE_S) * 1000))
+
+
 def _refused(message: Any, fields: dict[str, Any], error: Exception) -> InvalidArgumentError:
     call = message.DESCRIPTOR.name.removesuffix("Request")
     for name, value in fields.items():

@@ -59,7 +59,7 @@ from kvtier.tiers.base import TierKind
 log = logging.getLogger(__name__)
 
 # The longest a Check waits for transfers in flight to finish.
-MAX_SETTLE_MS = 60_000
+MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
 
 
 class LookupOutcome(NamedTuple):  # one per Lookup: a tuple costs a fraction of a dataclass

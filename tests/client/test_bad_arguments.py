@@ -78,7 +78,8 @@ CASES: list[tuple[str, Call, str]] = [
     ("evict-unknown-tier", lambda c, p: c.evict([KEY], "L9"), r"^Evict: tier: unknown tier 'L9'"),
     ("evict-float-tier", lambda c, p: c.evict([KEY], 1.5), r"^Evict: tier: expected int, not float$"),
     ("unregister-negative-pool", lambda c, p: c.unregister_pool(-1), r"^UnregisterPool: pool_id: value out of range: -1$"),
-    ("check-negative-settle", lambda c, p: c.check(settle_s=-1), r"^Check: settle_ms: value out of range: -1000$"),
+    ("check-negative-settle", lambda c, p: c.check(settle_s=-1), r"^Check: settle_s must be a number >= 0 \(got -1\)$"),
+    ("check-nan-settle", lambda c, p: c.check(settle_s=float("nan")), r"^Check: settle_s must be a number >= 0 \(got nan\)$"),
     ("drain-str-resume", lambda c, p: c.drain(resume="yes"), r"^Drain: resume: expected bool, not str$"),
     ("health-int-service", lambda c, p: c.health(5), r"^Health: service: expected str, not int$"),
     # flows: the high-level pair and the pools' calls
@@ -195,3 +196,15 @@ def test_invalid_argument_errors_are_also_value_errors():
     """Callers that caught the ValueError of the client's own checks (a layer range, a page
     count) still catch them."""
     assert issubclass(InvalidArgumentError, ValueError)
+
+
+@pytest.mark.parametrize("settle_s", [61.0, 1e12, float("inf")])
+def test_a_check_settle_past_the_daemons_longest_wait_is_cut_to_it(settle_s):
+    """``kvtier check --settle 1e12`` was refused with the wire field's overflow ("settle_ms:
+    value out of range"); the daemon waits at most a minute, and so does such a request."""
+    from kvtier.client.types import MAX_CHECK_SETTLE_S, check_request
+    from kvtier.daemon.service import MAX_SETTLE_MS
+
+    assert MAX_SETTLE_MS == MAX_CHECK_SETTLE_S * 1000
+    assert check_request(settle_s).settle_ms == int(MAX_CHECK_SETTLE_S * 1000) == 60_000
+    assert check_request(0.25).settle_ms == 250
