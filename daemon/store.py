@@ -76,6 +76,11 @@ GET_PART_BYTES = 16 << 20
 # Likewise for durable puts: the copies into the top tier of one part overlap the writes of
 # the previous one to the persistent tier.
 PUT_PART_BYTES = 32 << 20
+# The first part of such a put is this small, and each next one twice the one before (up to
+# PUT_PART_BYTES): the persistent tier starts writing after one small copy instead of a whole
+# part's, and each copy into the top tier (several times faster than the disk) still ends
+# before the disk has written the part before it.
+PUT_FIRST_PART_BYTES = 4 << 20
 
 
 class PutResult(enum.IntEnum):
@@ -437,10 +442,11 @@ class BlockStore:
         leading new blocks are stored and the rest rejected, since a child is useless without
         its parent.
 
-        A durable put of more than ``PUT_PART_BYTES`` goes in parts of about that size, in
-        chain order, each one stored and committed as a put of its own (its parent: the key
-        before it) whose persistent copies are written while the next part is copied in; once
-        a part has rejected keys, the later parts store nothing new.
+        A durable put of more than ``PUT_FIRST_PART_BYTES`` goes in parts (``_parts``: that
+        size first, then each twice the one before, up to ``PUT_PART_BYTES``), in chain
+        order, each one stored and committed as a put of its own (its parent: the key before
+        it) whose persistent copies are written while the next part is copied in; once a part
+        has rejected keys, the later parts store nothing new.
         """
         n = len(words)
         if n == 1 and not durable and self.top.own_admission is None:
@@ -450,13 +456,11 @@ class BlockStore:
         durable_level = self.stack.first_persistent()
         if durable:
             self.check_durable()
-        step = max(1, PUT_PART_BYTES // max(pool.block_bytes, 1) if durable else n)
         results = np.full(n, _STORED, dtype=np.int32)
         persisting: list[asyncio.Future[np.ndarray]] = []
         full = False
         try:
-            for s in range(0, max(n, 1), step):
-                e = min(n, s + step)
+            for s, e in _parts(n, pool.block_bytes if durable else 0):
                 parent = parent_words if s == 0 else words[s - 1]
                 part, chain = await self._put_part(
                     pool, ns, words[s:e], pages[s:e], parent, owner, store=not full
@@ -1495,6 +1499,23 @@ class BlockStore:
     def _count_put(self, results: np.ndarray) -> None:
         for key, k in zip(self._n_put, np.bincount(results, minlength=3).tolist(), strict=True):
             self.counters.add(key, k)
+
+
+def _parts(n: int, block_bytes: int) -> list[tuple[int, int]]:
+    """The ``(start, end)`` key ranges a put of ``n`` keys goes in: one range without
+    ``block_bytes`` (not durable); else ``PUT_FIRST_PART_BYTES`` first, each next part twice
+    the one before, at most ``PUT_PART_BYTES`` (at least one block each)."""
+    if block_bytes <= 0 or n <= 1:
+        return [(0, n)]
+    most = max(1, PUT_PART_BYTES // block_bytes)
+    step = max(1, min(most, PUT_FIRST_PART_BYTES // block_bytes))
+    out: list[tuple[int, int]] = []
+    s = 0
+    while s < n:
+        out.append((s, min(n, s + step)))
+        s += step
+        step = min(most, 2 * step)
+    return out
 
 
 async def _all_done(aws: Sequence[Awaitable[T]]) -> list[T]:

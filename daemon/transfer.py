@@ -65,7 +65,11 @@ from kvtier.tiers.executor import PriorityExecutor
 log = logging.getLogger(__name__)
 
 # Threads held for demand jobs: a request never waits for background work to free a thread.
-DEMAND_THREADS = 2
+# A write to a persistent tier holds its thread until its group's fdatasync and commit, and a
+# durable put keeps several parts' writes going while it copies the next part in (store:
+# PUT_FIRST_PART_BYTES): with 2, the copy of a later part waited for a thread behind them
+# and the disk stood idle meanwhile.
+DEMAND_THREADS = 6
 # A copy between a pool and host memory smaller than this runs on the event loop itself: the
 # hand-off to a worker thread and back costs more than copying a few pages.
 INLINE_BYTES = 256 << 10

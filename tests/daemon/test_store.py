@@ -582,6 +582,36 @@ async def test_a_durable_put_in_parts_is_one_chain_all_persistent(make_store, mo
     assert persisted == [True] * 7
 
 
+def test_durable_put_parts_start_small_and_double(monkeypatch):
+    """A durable put's first part is PUT_FIRST_PART_BYTES (the disk starts after one small
+    copy), each next part twice the one before up to PUT_PART_BYTES; the parts cover every
+    key once, in order; a put that is not durable is one part."""
+    monkeypatch.setattr(store_module, "PUT_FIRST_PART_BYTES", 4 << 20)
+    monkeypatch.setattr(store_module, "PUT_PART_BYTES", 32 << 20)
+    parts = store_module._parts(64, 2 << 20)
+    assert [e - s for s, e in parts] == [2, 4, 8, 16, 16, 16, 2]
+    assert [s for s, _ in parts[1:]] == [e for _, e in parts[:-1]]
+    assert parts[0][0] == 0 and parts[-1][1] == 64
+    assert store_module._parts(64, 0) == [(0, 64)]
+    assert store_module._parts(0, 4096) == [(0, 0)]
+    # Blocks larger than the first part: one block a part, then doubling.
+    assert [e - s for s, e in store_module._parts(7, 8 << 20)] == [1, 2, 4]
+
+
+async def test_a_durable_put_in_growing_parts_is_one_chain_all_persistent(make_store, monkeypatch):
+    """Parts of 1, 2, 4, 4, ... blocks store the chain one put would, every block on L2."""
+    monkeypatch.setattr(store_module, "PUT_FIRST_PART_BYTES", 4096)
+    monkeypatch.setattr(store_module, "PUT_PART_BYTES", 4 * 4096)
+    store, pool = make_store(Clock(), segments=2, l2_segments=4), make_pool()
+    chain = keys(13)
+    results, persisted = await put(store, pool, chain, durable=True)
+    assert results == [PutResult.STORED] * 13 and persisted == [True] * 13
+    table = store.table
+    ids = table.lookup(0, chain).tolist()
+    assert [int(table.parent[b]) for b in ids[1:]] == [table.ref(b) for b in ids[:-1]]
+    assert all(table.slot[ids, 1] >= 0)
+
+
 @pytest.mark.parametrize("part_blocks", [None, 3])
 async def test_a_durable_put_that_runs_out_of_room_stores_a_leading_run(
     make_store, monkeypatch, part_blocks
