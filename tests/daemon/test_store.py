@@ -583,9 +583,9 @@ async def test_a_durable_put_in_parts_is_one_chain_all_persistent(make_store, mo
 
 
 def test_durable_put_parts_start_small_and_double(monkeypatch):
-    """A durable put's first part is PUT_FIRST_PART_BYTES (the disk starts after one small
-    copy), each next part twice the one before up to PUT_PART_BYTES; the parts cover every
-    key once, in order; a put that is not durable is one part."""
+    """A durable put of large blocks starts with a part of PUT_FIRST_PART_BYTES (the disk
+    starts after one small copy), each next part twice the one before up to PUT_PART_BYTES;
+    the parts cover every key once, in order; a put that is not durable is one part."""
     monkeypatch.setattr(store_module, "PUT_FIRST_PART_BYTES", 4 << 20)
     monkeypatch.setattr(store_module, "PUT_PART_BYTES", 32 << 20)
     parts = store_module._parts(64, 2 << 20)
@@ -596,10 +596,13 @@ def test_durable_put_parts_start_small_and_double(monkeypatch):
     assert store_module._parts(0, 4096) == [(0, 0)]
     # Blocks larger than the first part: one block a part, then doubling.
     assert [e - s for s, e in store_module._parts(7, 8 << 20)] == [1, 2, 4]
+    # Small blocks keep whole parts (each part costs a group commit more).
+    assert [e - s for s, e in store_module._parts(20000, 4096)] == [8192, 8192, 3616]
 
 
 async def test_a_durable_put_in_growing_parts_is_one_chain_all_persistent(make_store, monkeypatch):
     """Parts of 1, 2, 4, 4, ... blocks store the chain one put would, every block on L2."""
+    monkeypatch.setattr(store_module, "PUT_GROWING_MIN_BLOCK_BYTES", 4096)
     monkeypatch.setattr(store_module, "PUT_FIRST_PART_BYTES", 4096)
     monkeypatch.setattr(store_module, "PUT_PART_BYTES", 4 * 4096)
     store, pool = make_store(Clock(), segments=2, l2_segments=4), make_pool()
