@@ -81,18 +81,24 @@ class FairThreads:
 
     def _run(self, key: str, job: _Job) -> None:
         future, fn, args = job
+        # The future completes once the thread is counted free again, so that whoever waits
+        # on it sees the key's running count without this job.
+        outcome: tuple[bool, Any] | None = None
         try:
             if future.set_running_or_notify_cancel():
                 try:
-                    result = fn(*args)
+                    outcome = (True, fn(*args))
                 except BaseException as e:
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
+                    outcome = (False, e)
         finally:
             with self._lock:
                 self._done(key)
                 self._dispatch()
+            if outcome is not None:
+                if outcome[0]:
+                    future.set_result(outcome[1])
+                else:
+                    future.set_exception(outcome[1])
 
     def _done(self, key: str) -> None:
         self._busy -= 1
