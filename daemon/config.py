@@ -214,6 +214,18 @@ class ServerConfig:
         ),
     )
     drain_timeout_s: float = field(default=10.0, metadata=_opt("float", lo=0))
+    idle_connection_s: float = field(
+        default=60.0,
+        metadata=_opt(
+            "float",
+            lo=1.0,
+            hi=86400.0,
+            doc="a connection with no call open for this long is closed (an engine's client "
+            "keeps its session's call open, and a client whose idle connection was closed "
+            "connects again on its next call): connections left open by clients that "
+            "forgot them, or opened and never used, give their file descriptor back",
+        ),
+    )
 
     def check(self) -> None:
         if not self.socket and not self.tcp_address:

@@ -561,6 +561,7 @@ class Daemon:
                 # The same bound twice: no random drops below it (see MAX_PENDING_CALLS).
                 ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                ("grpc.max_connection_idle_ms", round(cfg.idle_connection_s * 1000)),
             ],
         )
         # Latency per method and status, and request ids in log lines (daemon/observe.py).

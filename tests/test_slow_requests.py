@@ -68,3 +68,28 @@ def test_a_call_that_ends_its_request_without_a_message_is_answered(daemon):
         conn.sock.sendall(frame(DATA, END_STREAM, stream, b""))
     assert _wait_ended(conn, streams, len(streams), timeout_s=30.0) == set(streams)
     conn.close()
+
+
+def test_regression_idle_connections_were_held_for_good(daemon_factory):
+    """A connection that opened no call (or whose calls all ended) stayed open for as long as
+    its client liked: 19,980 of them took the daemon to 19,996 of its 20,000 descriptors. One
+    idle for ``server.idle_connection_s`` is closed; a client with an open session keeps its
+    connection, and one whose idle connection was closed connects again on its next call."""
+    d = daemon_factory("server.idle_connection_s=1")
+    with d.client(timeout_s=10) as client:
+        session = client.session_id
+        raw = RawConnection(d.socket)
+        started = time.monotonic()
+        while not raw.closed and time.monotonic() < started + 30.0:
+            raw.pump(0.2)
+        assert raw.closed  # GOAWAY, or the socket closed
+        assert time.monotonic() - started >= 0.5  # by the idle timer, not at once
+        raw.close()
+        assert client.lookup([b"k" * 32]).prefix_len == 0
+        assert client.session_id == session  # the session's call kept its connection open
+    with d.client(timeout_s=10) as other:
+        # A client that used its channel only for unary calls (no session: health checks).
+        assert other.health()
+        time.sleep(3.0)
+        assert other.health()
+    assert "Traceback" not in d.log()
