@@ -77,7 +77,9 @@ class FairThreads:
                 self._executor.submit(self._run, key, job)
             except RuntimeError as e:  # shut down
                 self._done(key)
-                job[0].set_exception(e)
+                # A job cancelled while queued takes no exception (InvalidStateError).
+                if job[0].set_running_or_notify_cancel():
+                    job[0].set_exception(e)
 
     def _run(self, key: str, job: _Job) -> None:
         future, fn, args = job
@@ -91,14 +93,16 @@ class FairThreads:
                 except BaseException as e:
                     outcome = (False, e)
         finally:
-            with self._lock:
-                self._done(key)
-                self._dispatch()
-            if outcome is not None:
-                if outcome[0]:
-                    future.set_result(outcome[1])
-                else:
-                    future.set_exception(outcome[1])
+            try:
+                with self._lock:
+                    self._done(key)
+                    self._dispatch()
+            finally:  # whatever the dispatch raised, this job's waiter learns its outcome
+                if outcome is not None:
+                    if outcome[0]:
+                        future.set_result(outcome[1])
+                    else:
+                        future.set_exception(outcome[1])
 
     def _done(self, key: str) -> None:
         self._busy -= 1

@@ -82,3 +82,20 @@ def test_jobs_still_queued_at_shutdown_fail_instead_of_waiting_forever():
 def test_per_key_must_fit_the_threads():
     with pytest.raises(ValueError):
         FairThreads(2, 3, "test-fair")
+
+
+def test_a_job_cancelled_in_the_queue_at_shutdown_leaves_the_running_jobs_future_to_complete():
+    """A job cancelled while queued (its asyncio waiter went away) cannot take the
+    shutdown's RuntimeError; trying raised InvalidStateError out of the running job's
+    thread before that job's future was completed, so the running job's waiter hung."""
+    threads = FairThreads(1, 1, "test-fair")
+    gate = threading.Event()
+    running = threads.submit("a", gate.wait, WAIT_S)
+    cancelled = threads.submit("b", lambda: 1)
+    queued = threads.submit("c", lambda: 1)
+    assert cancelled.cancel()
+    threads.shutdown()
+    gate.set()
+    assert running.result(WAIT_S)
+    with pytest.raises(RuntimeError):
+        queued.result(WAIT_S)
