@@ -217,7 +217,11 @@ MAX_CHECK_SETTLE_S = 60.0
 def check_request(settle_s: float) -> pb.CheckRequest:
     """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
     does); a negative or NaN wait is InvalidArgumentError naming ``settle_s``."""
-    if not settle_s >= 0:  # NaN too
+    try:
+        ok = settle_s >= 0  # False for NaN
+    except TypeError:  # not a number (a str, None): refused as any other bad argument
+        ok = False
+    if not ok:
         raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
     return build_request(pb.CheckRequest, settle_ms=int(min(settle_s, MAX_CHECK_SETTLE_S) * 1000))
 

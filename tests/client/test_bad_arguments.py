@@ -80,6 +80,8 @@ CASES: list[tuple[str, Call, str]] = [
     ("unregister-negative-pool", lambda c, p: c.unregister_pool(-1), r"^UnregisterPool: pool_id: value out of range: -1$"),
     ("check-negative-settle", lambda c, p: c.check(settle_s=-1), r"^Check: settle_s must be a number >= 0 \(got -1\)$"),
     ("check-nan-settle", lambda c, p: c.check(settle_s=float("nan")), r"^Check: settle_s must be a number >= 0 \(got nan\)$"),
+    ("check-str-settle", lambda c, p: c.check(settle_s="1"), r"^Check: settle_s must be a number >= 0 \(got '1'\)$"),
+    ("check-none-settle", lambda c, p: c.check(settle_s=None), r"^Check: settle_s must be a number >= 0 \(got None\)$"),
     ("drain-str-resume", lambda c, p: c.drain(resume="yes"), r"^Drain: resume: expected bool, not str$"),
     ("health-int-service", lambda c, p: c.health(5), r"^Health: service: expected str, not int$"),
     # flows: the high-level pair and the pools' calls
