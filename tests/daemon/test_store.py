@@ -1828,3 +1828,35 @@ async def test_regression_records_of_namespaces_left_empty_piled_up_on_the_persi
     await store.put(pool, 40, keys(1), np.zeros(1, dtype=np.int64), None, owner=1)
     await store.namespace(1, "tenant-a")
     assert l2.namespaces() == {40: "tenant-a", 1: "tenant-a"}
+
+
+async def test_a_durable_put_whose_later_part_fails_keeps_the_earlier_parts_on_l2(
+    make_store, monkeypatch
+):
+    """The copy of the third part fails (the engine's pool went away): the put raises, the
+    two parts before it stay stored with their L2 copies, nothing of the third part or after
+    stays, and no block is left in flight or pinned."""
+    monkeypatch.setattr(store_module, "PUT_GROWING_MIN_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(store_module, "PUT_FIRST_PART_BYTES", 4096)
+    monkeypatch.setattr(store_module, "PUT_PART_BYTES", 4 * 4096)
+    store, pool = make_store(Clock(), segments=2, l2_segments=4), make_pool()
+    real = store._store_new
+    calls = 0
+
+    async def third_fails(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError("pool gone")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_store_new", third_fails)
+    chain = keys(13)  # parts of 1, 2, 4, 4, 2 blocks
+    with pytest.raises(OSError, match="pool gone"):
+        await put(store, pool, chain, durable=True)
+    assert present(store, chain) == [True] * 3 + [False] * 10
+    ids = store.table.lookup(0, chain[:3])
+    assert all(store.table.slot[ids, 1] >= 0)
+    live = store.table.live_ids()
+    assert not store.table.inflight[live].any() and not store.table.pins[live].any()
+    assert store.check() == []
