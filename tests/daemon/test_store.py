@@ -606,8 +606,16 @@ async def test_a_durable_put_in_growing_parts_is_one_chain_all_persistent(make_s
     monkeypatch.setattr(store_module, "PUT_FIRST_PART_BYTES", 4096)
     monkeypatch.setattr(store_module, "PUT_PART_BYTES", 4 * 4096)
     store, pool = make_store(Clock(), segments=2, l2_segments=4), make_pool()
+    real, sizes = store._put_part, []
+
+    async def spy(pool, ns, words, *args, **kwargs):
+        sizes.append(len(words))
+        return await real(pool, ns, words, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_put_part", spy)
     chain = keys(13)
     results, persisted = await put(store, pool, chain, durable=True)
+    assert sizes == [1, 2, 4, 4, 2]  # the put went in growing parts, not whole ones
     assert results == [PutResult.STORED] * 13 and persisted == [True] * 13
     table = store.table
     ids = table.lookup(0, chain).tolist()
