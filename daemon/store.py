@@ -446,11 +446,12 @@ class BlockStore:
         leading new blocks are stored and the rest rejected, since a child is useless without
         its parent.
 
-        A durable put of more than ``PUT_FIRST_PART_BYTES`` goes in parts (``_parts``: that
-        size first, then each twice the one before, up to ``PUT_PART_BYTES``), in chain
-        order, each one stored and committed as a put of its own (its parent: the key before
-        it) whose persistent copies are written while the next part is copied in; once a part
-        has rejected keys, the later parts store nothing new.
+        A durable put of more than ``PUT_PART_BYTES`` goes in parts of that size (``_parts``;
+        with blocks of ``PUT_GROWING_MIN_BLOCK_BYTES`` or more, from ``PUT_FIRST_PART_BYTES``
+        on, each part twice the one before, up to ``PUT_PART_BYTES``), in chain order, each
+        one stored and committed as a put of its own (its parent: the key before it) whose
+        persistent copies are written while the next part is copied in; once a part has
+        rejected keys, the later parts store nothing new.
         """
         n = len(words)
         if n == 1 and not durable and self.top.own_admission is None:
