@@ -227,6 +227,18 @@ class ServerConfig:
         ),
     )
 
+    memory_trim_bytes: int = field(
+        default=64 << 20,
+        metadata=_opt(
+            "size",
+            lo=0,
+            hi=1 << 62,
+            doc="when the C allocator holds more than this in freed memory (checked every "
+            "5 s), the daemon gives it back to the system (glibc's malloc_trim): a burst of "
+            "calls leaves no lasting growth; 0 turns it off",
+        ),
+    )
+
     def check(self) -> None:
         if not self.socket and not self.tcp_address:
             raise ConfigError(

@@ -214,6 +214,16 @@ COUNTERS: dict[str, MetricDef] = {
         ("reason",),
         "Sessions refused: tenant (no tenant for the peer, a bad token), draining.",
     ),
+    "memory_trims": _c(
+        "kvtier_memory_trims_total",
+        (),
+        "Times the daemon gave the C allocator's freed memory back to the system.",
+    ),
+    "memory_trimmed_bytes": _c(
+        "kvtier_memory_trimmed_bytes_total",
+        (),
+        "Resident memory those trims gave back, in bytes.",
+    ),
     "background_errors": _c(
         "kvtier_background_errors_total",
         (),

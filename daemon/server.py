@@ -64,6 +64,7 @@ from kvtier.daemon.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvtier.daemon.memtrim import MemoryTrimmer
 from kvtier.daemon.observe import RpcObserver
 from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
@@ -603,6 +604,8 @@ class Daemon:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._tasks.append(asyncio.create_task(self._expire_leases(), name="lease-reaper"))
+        trimmer = MemoryTrimmer(cfg.memory_trim_bytes, self.store.counters)
+        self._tasks.append(asyncio.create_task(trimmer.run(), name="memory-trimmer"))
         if (watchdog_s := systemd.watchdog_interval_s()) is not None:
             self._tasks.append(asyncio.create_task(self._watchdog(watchdog_s), name="watchdog"))
         log.info("kvtierd listening on %s", ", ".join(self.addresses))
