@@ -214,6 +214,34 @@ COUNTERS: dict[str, MetricDef] = {
         ("reason",),
         "Sessions refused: tenant (no tenant for the peer, a bad token), draining.",
     ),
+    "requests_malformed": _c(
+        "kvtier_requests_malformed_total",
+        (),
+        "Requests refused because they were not a valid message, or no message (INVALID_ARGUMENT).",
+    ),
+    "requests_internal_error": _c(
+        "kvtier_requests_internal_error_total",
+        (),
+        "Requests that failed inside the daemon (INTERNAL); each is logged.",
+    ),
+    "requests_detached": _c(
+        "kvtier_requests_detached_total",
+        (),
+        "Requests whose client cancelled them or whose deadline passed; they ran to their "
+        "end and their answers were dropped.",
+    ),
+    "requests_unreceived": _c(
+        "kvtier_requests_unreceived_total",
+        (),
+        "Calls ended before their request had arrived in full: too many waiting "
+        "(RESOURCE_EXHAUSTED) or waited too long (DEADLINE_EXCEEDED).",
+    ),
+    "pool_faults": _c(
+        "kvtier_pool_faults_total",
+        (),
+        "Pools broken by a copy that faulted in their memory (the client truncated or "
+        "unmapped it); every later request on such a pool is refused.",
+    ),
     "memory_trims": _c(
         "kvtier_memory_trims_total",
         (),
@@ -410,7 +438,13 @@ def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
         version=__version__,
         uptime_s=time.monotonic() - store.started_at,
         tiers=store.usage(),
-        counters=list(store.counters.samples()),
+        counters=[
+            *store.counters.samples(),
+            # The server's and the pool registry's own counts (malformed requests, pool
+            # faults, ...), plain names without labels.
+            *(Sample(k, (), v) for k, v in sorted(daemon.service.counters.items())),
+            *(Sample(k, (), v) for k, v in sorted(daemon.pools.counters.items())),
+        ],
         histograms=list(store.latency.samples()),
         prefetch=store.prefetches.stats(),
         store_gauges=store.gauges(),

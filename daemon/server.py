@@ -743,6 +743,7 @@ class RequestReceiver:
         finally:
             self.waiting.pop(waiter, None)
         if request is grpc.aio.EOF:
+            self.counters["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         return request
 

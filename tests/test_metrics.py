@@ -18,8 +18,10 @@ import urllib.error
 import urllib.request
 from collections import Counter
 
+import grpc
 import numpy as np
 import pytest
+from h2_frames import DATA, END_STREAM, RawConnection, frame
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
@@ -482,3 +484,32 @@ def test_regression_a_scrape_flood_slowed_every_client_of_the_daemon():
     now[0] += 2.0  # a scrape long after the last waits for nothing
     paced({}, lambda status, headers: None)
     assert slept == [0.5, 0.5]
+
+
+def test_regression_the_servers_own_counters_were_missing_from_the_metrics(daemon_factory):
+    """Malformed requests, calls ended before their request arrived, and pool faults were
+    only in ``kvtier stats``: an operator's dashboard could not see a client sending garbage.
+    They are counters of the metrics too, 0 before their first; a call that ends its request
+    without a message counts as malformed (it was counted nowhere)."""
+    d = daemon_factory(*L1_ONLY)
+    url = metrics_url(d)
+    before = scrape(url)
+    for name in ("requests_malformed", "requests_unreceived", "pool_faults"):
+        assert value(before, f"kvtier_{name}_total") == 0
+    channel = grpc.insecure_channel(d.address)
+    lookup = channel.unary_unary("/kvtier.v1.KVTier/Lookup")
+    with pytest.raises(grpc.RpcError) as e:
+        lookup(b"\xff\xff\xff", timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+    conn = RawConnection(d.socket)
+    stream = conn.open_call("/kvtier.v1.KVTier/Lookup")
+    conn.sock.sendall(frame(DATA, END_STREAM, stream, b""))  # a request without a message
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and stream not in conn.reset:
+        conn.pump(0.1)
+    conn.close()
+    after = scrape(url)
+    assert value(after, "kvtier_requests_malformed_total") == 2  # not one, and none
+    with d.client() as client:
+        assert client.stats().counters["requests_malformed"] == 2
