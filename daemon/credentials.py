@@ -250,6 +250,7 @@ class CredentialServer:
         closer: FdCloser,
         status_name: Callable[[KvtierError], str],
         log_interval_s: float = 10.0,
+        counters: Counter[str] | None = None,
     ) -> None:
         self.path = path
         self.tickets = tickets
@@ -257,7 +258,8 @@ class CredentialServer:
         # The server's mapping of errors to status names (ERR lines use gRPC's names).
         self._status_name = status_name
         self._ratelog = RateLimitedLog(log, log_interval_s)
-        self.counters: Counter[str] = Counter()
+        # The server's counters (``kvtier stats`` and the metrics show them), or its own.
+        self.counters: Counter[str] = Counter() if counters is None else counters
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: dict[_Connection, None] = {}  # in the order they came
@@ -345,7 +347,7 @@ class CredentialServer:
             self._read(conn)
         except Exception:
             # A client must not be able to make the event loop log tracebacks at will.
-            self.counters["internal_errors"] += 1
+            self.counters["credential_internal_errors"] += 1
             self._ratelog.exception("credential socket", "credential socket: request failed")
             self._drop(conn)
 
@@ -392,7 +394,7 @@ class CredentialServer:
         if verb == TicketKind.SESSION.value.encode():
             if conn.fds:
                 raise InvalidArgument("a session request carries no file descriptor")
-            self.counters["session_tickets"] += 1
+            self.counters["credential_session_tickets"] += 1
             return self.tickets.issue(TicketKind.SESSION, conn.peer)
         if verb == TicketKind.POOL.value.encode():
             if len(conn.fds) != 1:
@@ -403,13 +405,13 @@ class CredentialServer:
             _check_pool_fd(fd)
             secret = self.tickets.issue(TicketKind.POOL, conn.peer, fd)
             conn.fds.clear()  # the ticket owns it now
-            self.counters["pool_tickets"] += 1
+            self.counters["credential_pool_tickets"] += 1
             return secret
         raise InvalidArgument(f"unknown request {verb[:32]!r}; expected SESSION or POOL")
 
     def _reply(self, conn: _Connection, answer: bytes | KvtierError) -> None:
         if isinstance(answer, KvtierError):
-            self.counters["refused"] += 1
+            self.counters["credential_refused"] += 1
             text = str(answer).replace("\n", " ")
             line = f"ERR {self._status_name(answer)} {text}\n".encode()
         else:

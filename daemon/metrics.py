@@ -242,6 +242,26 @@ COUNTERS: dict[str, MetricDef] = {
         "Pools broken by a copy that faulted in their memory (the client truncated or "
         "unmapped it); every later request on such a pool is refused.",
     ),
+    "credential_session_tickets": _c(
+        "kvtier_credential_session_tickets_total",
+        (),
+        "Session tickets the credential socket issued (a peer's uid vouched for).",
+    ),
+    "credential_pool_tickets": _c(
+        "kvtier_credential_pool_tickets_total",
+        (),
+        "Pool tickets the credential socket issued (a file descriptor handed over).",
+    ),
+    "credential_refused": _c(
+        "kvtier_credential_refused_total",
+        (),
+        "Requests on the credential socket answered with an error.",
+    ),
+    "credential_internal_errors": _c(
+        "kvtier_credential_internal_errors_total",
+        (),
+        "Credential socket requests that failed inside the daemon; each is logged.",
+    ),
     "memory_trims": _c(
         "kvtier_memory_trims_total",
         (),

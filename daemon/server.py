@@ -590,6 +590,7 @@ class Daemon:
                 self.fd_closer,
                 lambda e: status_of(e).name,
                 cfg.bad_request_log_interval_s,
+                self.service.counters,
             )
             self.credentials.start(access)
             self.addresses.append(f"unix:{path}")

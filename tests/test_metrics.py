@@ -28,6 +28,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from kvtier.client import NotFoundError, PoolLayout, PutStatus, SharedMemoryPool, Tier
 from kvtier.daemon import metrics
+from kvtier.daemon.credentials import cred_socket_path
 from kvtier.daemon.metrics import CATALOGUE
 
 BLOCK = 64 * 1024
@@ -490,11 +491,12 @@ def test_regression_the_servers_own_counters_were_missing_from_the_metrics(daemo
     """Malformed requests, calls ended before their request arrived, and pool faults were
     only in ``kvtier stats``: an operator's dashboard could not see a client sending garbage.
     They are counters of the metrics too, 0 before their first; a call that ends its request
-    without a message counts as malformed (it was counted nowhere)."""
+    without a message counts as malformed (it was counted nowhere), and the credential
+    socket's counts (kept, shown nowhere) join them."""
     d = daemon_factory(*L1_ONLY)
     url = metrics_url(d)
     before = scrape(url)
-    for name in ("requests_malformed", "requests_unreceived", "pool_faults"):
+    for name in ("requests_malformed", "requests_unreceived", "pool_faults", "credential_refused"):
         assert value(before, f"kvtier_{name}_total") == 0
     channel = grpc.insecure_channel(d.address)
     lookup = channel.unary_unary("/kvtier.v1.KVTier/Lookup")
@@ -509,7 +511,14 @@ def test_regression_the_servers_own_counters_were_missing_from_the_metrics(daemo
     while time.monotonic() < deadline and stream not in conn.reset:
         conn.pump(0.1)
     conn.close()
+    cred = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    cred.settimeout(10)
+    cred.connect(cred_socket_path(d.socket))
+    cred.sendall(b"KVT/1 NONSENSE\n")
+    assert cred.recv(1024).startswith(b"ERR ")
+    cred.close()
     after = scrape(url)
+    assert value(after, "kvtier_credential_refused_total") == 1
     assert value(after, "kvtier_requests_malformed_total") == 2  # not one, and none
     with d.client() as client:
         assert client.stats().counters["requests_malformed"] == 2

@@ -167,7 +167,7 @@ async def test_fds_sent_over_several_messages_of_one_request_are_refused_at_once
         answer = await loop.sock_recv(client, 1024)
         assert answer.startswith(b"ERR REFUSED"), answer
         assert f"at most {MAX_FDS_PER_REQUEST} fds per request".encode() in answer
-        assert cred_server.counters["refused"] == 1
+        assert cred_server.counters["credential_refused"] == 1
     finally:
         client.close()
         for fd in memfds:
