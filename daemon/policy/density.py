@@ -28,6 +28,19 @@ most hits per block-second keeping it can still earn. A one-off document's block
 at every age; a shared prompt's root has much; a conversation's blocks fall off after the
 usual think time.
 
+The block's own heat. A class's density is what its blocks earn on average; blocks of one
+class differ (one of a popular prompt's blocks read ten times in the last minute, another
+read ten times an hour ago). Each block keeps its *heat*, its access count decayed with a
+half-life of ``own_half_life_s`` (``heat = heat * 2^(-gap/half-life) + 1`` at every access,
+the decay taken at the middle of the gap's age bucket, so that scalar and array code agree
+bit for bit), and its density is its class's times ``sqrt(heat)``: a block read often of
+late is kept longer than its class alone would keep it, and a new block (heat 1) ranks as
+its class. Measured on the shared Mooncake trace and on generated mixes, this raised the hit
+ratio at small tiers (the class statistics are coarsest there) and changed little at large
+ones. The heat itself as the weight (not its square root) lost hit ratio at 5-10% tiers;
+decaying the weight with the block's age, normalising it per class, or classing lives by
+heat instead of the access count did worse on the mixes.
+
 Ranking. A block's key is ``(density at its age, last access, -depth, id)``; ages are taken at
 ``now`` rounded down to ``quantum_s``, so every decision is a function of the policy's state
 and that quantum, and the order changes only when the quantum or the table changes.
@@ -48,7 +61,7 @@ a block that changes at or below the bound is inserted at its place; a parent th
 leaf likewise. The buffer is rebuilt (vectorised) when the quantum or table changes or it runs
 out. Per access: O(1) Python steps plus a log-time insert for low-density blocks.
 
-Memory: 58 bytes per id of per-block arrays, the buffer (a fraction of the leaves), and the
+Memory: 62 bytes per id of per-block arrays, the buffer (a fraction of the leaves), and the
 statistics (classes x buckets, fixed). Ghost lives are per-id entries too: no separate table.
 
 Id reuse: links are followed only while the parent is resident and was inserted before the
@@ -125,6 +138,7 @@ class BlockSignals:
     turn: int
     cls: int  # class of the current (or last) life
     last: float  # time of the last access
+    heat: float  # decayed access count as of the last access (1 without own_weight)
     resident: bool
     open_life: bool  # its last access has not been followed by a reuse or a censoring
 
@@ -192,6 +206,15 @@ def age_buckets(age_quanta: np.ndarray) -> np.ndarray:
     x = 1 + np.floor(2.0 * np.log2(a)).astype(np.int64)
     x[age_quanta < 1.0] = 0
     return np.minimum(x, AGE_BUCKETS - 1)
+
+
+def heat_decays(halvings_per_quantum: float) -> np.ndarray:
+    """The factor a block's heat decays by over a gap, per age bucket of the gap: ``2 **
+    -(age * halvings_per_quantum)`` at the bucket's middle (geometric; half a quantum for
+    bucket 0). By bucket rather than exact age so that scalar and array code compute the same
+    heat, bit for bit (``math`` and numpy may round ``2 ** x`` differently)."""
+    middle = np.concatenate(([0.5], 2.0 ** (np.arange(AGE_BUCKETS - 1) / 2.0 + 0.25)))
+    return np.asarray(2.0 ** (-middle * halvings_per_quantum), dtype=np.float64)
 
 
 def bucket_widths() -> np.ndarray:
@@ -365,6 +388,9 @@ class DensityPolicy(InsertEach, Hinted):
     decay: weight of the previous statistics at each table (0.9: about ten periods).
     prior: lives of pooled evidence a class's hazard starts from (8).
     admission: decline a block whose density is below the victim's (True).
+    own_weight: rank by the class's density times the square root of the block's own heat
+        (True; False ranks by the class's density alone).
+    own_half_life_s: half-life of that heat, the block's decayed access count (100 s).
     initial_ids: initial size of the per-id arrays (they grow by doubling).
     """
 
@@ -382,6 +408,7 @@ class DensityPolicy(InsertEach, Hinted):
     _evseq: np.ndarray
     _stamp: np.ndarray
     _until: np.ndarray
+    _heat: np.ndarray
     # Memoryviews of the arrays above, for scalar access (typed Any: memoryview's stubs
     # assume byte-sized integer items).
     _state_v: Any
@@ -396,6 +423,7 @@ class DensityPolicy(InsertEach, Hinted):
     _evseq_v: Any
     _stamp_v: Any
     _until_v: Any
+    _heat_v: Any
 
     def __init__(
         self,
@@ -409,6 +437,8 @@ class DensityPolicy(InsertEach, Hinted):
         signals: Sequence[str] | str = DEFAULT_SIGNALS,
         smooth: int = 3,
         min_horizon: int = 1,
+        own_weight: bool = True,
+        own_half_life_s: float = 100.0,
         initial_ids: int = 1024,
         **_: object,
     ) -> None:
@@ -416,8 +446,18 @@ class DensityPolicy(InsertEach, Hinted):
             raise ValueError("capacity_blocks must be at least 1")
         if not quantum_s > 0 or ghost_factor < 0 or (period is not None and period < 1):
             raise ValueError("quantum_s must be > 0, ghost_factor >= 0 and period >= 1")
+        if not own_half_life_s > 0:
+            raise ValueError("own_half_life_s must be > 0")
         self._fixed_capacity = capacity_blocks
         self._quantum = float(quantum_s)
+        # The heat's decay over a gap, by the gap's age bucket (``heat_decays``); without
+        # ``own_weight`` every factor is 0, so every heat is 1 and every weight 1.0.
+        self._decay_arr = (
+            heat_decays(self._quantum / own_half_life_s) if own_weight else np.zeros(AGE_BUCKETS)
+        )
+        # A float32 slot: rounds a heat as ``_heat`` stores it.
+        self._f32: Any = memoryview(np.zeros(1, dtype=np.float32))  # type: ignore[arg-type]
+        self._decay = self._decay_arr.tolist()
         self._ghost_factor = ghost_factor
         self._period = period
         self._admission = admission
@@ -498,7 +538,7 @@ class DensityPolicy(InsertEach, Hinted):
             if q != self._buf_q:
                 self._buf_version = -1
             else:
-                dens = self._rows[cls][0]
+                dens = self._rows[cls][0] * math.sqrt(self._heat_v[bid])
                 if dens <= self._bound and self._until_v[bid] < q + self._quantum:
                     bisect.insort(
                         self._buf, (dens, now, -self._depth_v[bid], bid, seq), lo=self._cur
@@ -550,6 +590,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._accesses += n
         age = (now - self._last[ids]) / self._quantum
         gap = age_buckets(age)
+        self._heat[ids] = self._heat[ids].astype(np.float64) * self._decay_arr[gap] + 1.0
         closing = self._cls[ids].astype(np.int64) * AGE_BUCKETS + gap
         where, times = np.unique(closing, return_counts=True)
         hits, ends = self.model.hits, self.model.ends
@@ -577,7 +618,7 @@ class DensityPolicy(InsertEach, Hinted):
         if q != self._buf_q:
             self._buf_version = -1
             return
-        dens = self._table[cls, 0]
+        dens = self._table[cls, 0] * np.sqrt(self._heat[ids].astype(np.float64))
         low = (
             (dens <= self._bound) & (self._kids[ids] == 0) & (self._until[ids] < q + self._quantum)
         )
@@ -626,7 +667,7 @@ class DensityPolicy(InsertEach, Hinted):
                         x = 1 + int(2.0 * math.log2(age))
                         if x >= AGE_BUCKETS:
                             x = AGE_BUCKETS - 1
-                    dens = self._rows[self._cls_v[parent]][x]
+                    dens = self._rows[self._cls_v[parent]][x] * math.sqrt(self._heat_v[parent])
                     if dens <= self._bound:
                         entry = (dens, last, -self._depth_v[parent], parent, self._stamp_v[parent])
                         bisect.insort(self._buf, entry, lo=self._cur)
@@ -640,6 +681,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._cnt_v[bid] = 0
         self._depth_v[bid] = 0
         self._turn_v[bid] = 0
+        self._heat_v[bid] = 0.0
         self._parent_v[bid] = -1
         self._until_v[bid] = -math.inf
 
@@ -749,6 +791,7 @@ class DensityPolicy(InsertEach, Hinted):
                 if gap >= AGE_BUCKETS:
                     gap = AGE_BUCKETS - 1
             depth, turn = depth_v[bid], turn_v[bid]
+            heat = self._heat_v[bid] * self._decay[gap] + 1.0
             new_count = count + 1 if count < _MAX_COUNT else count
             cls = (
                 classify.count[new_count if new_count < 18 else 17]
@@ -763,8 +806,11 @@ class DensityPolicy(InsertEach, Hinted):
                     depth = min(depth_v[parent] + 1, 1 << 30)
                     turn = min(turn_v[parent] + (1 if parent_count >= 2 else 0), 255)
             cls = classify.count[1] + classify.depth[depth if depth < 8 else 8]
+            heat = 1.0
         cls += classify.turn[turn if turn < 6 else 6]
-        dens = self._rows[cls][0]
+        heat_v = self._heat_v
+        heat_v[bid] = heat  # stored as float32: the density is the stored heat's
+        dens = self._rows[cls][0] * math.sqrt(heat_v[bid])
         # The access (``_access``), kept or not.
         if now > self._now:
             self._now = now
@@ -810,7 +856,7 @@ class DensityPolicy(InsertEach, Hinted):
                     x = 1 + int(2.0 * math.log2(age))
                     if x >= AGE_BUCKETS:
                         x = AGE_BUCKETS - 1
-                pdens = self._rows[self._cls_v[p]][x]
+                pdens = self._rows[self._cls_v[p]][x] * math.sqrt(heat_v[p])
                 if pdens <= self._bound:
                     bisect.insort(buf, (pdens, last, -depth_v[p], p, stamp_v[p]), lo=i)
         # ``insert(bid, now, parent)``, with the class above.
@@ -907,7 +953,11 @@ class DensityPolicy(InsertEach, Hinted):
             count = cnt_v[bid] + 1
             age = (now - self._last_v[bid]) / self._quantum
             depth, turn = self._depth_v[bid], self._turn_v[bid]
-            cls = classify(count, age_bucket(age), depth, turn)
+            gap = age_bucket(age)
+            cls = classify(count, gap, depth, turn)
+            f32 = self._f32
+            f32[0] = self._heat_v[bid] * self._decay[gap] + 1.0
+            return self._rows[cls][0] * math.sqrt(f32[0])
         elif 0 <= parent < size and cnt_v[parent] > 0:
             # ``_lineage``, inline: this runs for every miss of a full tier.
             depth = self._depth_v[parent] + 1
@@ -1003,6 +1053,7 @@ class DensityPolicy(InsertEach, Hinted):
             turn=int(self._turn_v[bid]),
             cls=int(self._cls_v[bid]),
             last=float(self._last_v[bid]),
+            heat=float(self._heat_v[bid]),
             resident=self._state_v[bid] == _RESIDENT,
             open_life=self._state_v[bid] != _CLOSED,
         )
@@ -1063,6 +1114,7 @@ class DensityPolicy(InsertEach, Hinted):
             self._depth_v[bid] = depth
             self._turn_v[bid] = turn
             cnt_v[bid] = 1
+            self._heat_v[bid] = 1.0
             cls = classify.count[1] + classify.depth[depth if depth < 8 else 8]
         else:
             age = (now - self._last_v[bid]) / self._quantum
@@ -1072,6 +1124,7 @@ class DensityPolicy(InsertEach, Hinted):
                 gap = 1 + int(2.0 * math.log2(age))
                 if gap >= AGE_BUCKETS:
                     gap = AGE_BUCKETS - 1
+            self._heat_v[bid] = self._heat_v[bid] * self._decay[gap] + 1.0
             if self._state_v[bid] != _CLOSED:
                 i = self._cls_v[bid] * AGE_BUCKETS + gap
                 self.model.hits[i] += 1
@@ -1098,7 +1151,8 @@ class DensityPolicy(InsertEach, Hinted):
         last = self._last_v[bid]
         age = (q - last) / self._quantum
         return (
-            self._rows[self._cls_v[bid]][age_bucket(age) if age >= 1.0 else 0],
+            self._rows[self._cls_v[bid]][age_bucket(age) if age >= 1.0 else 0]
+            * math.sqrt(self._heat_v[bid]),
             last,
             -self._depth_v[bid],
         )
@@ -1111,7 +1165,7 @@ class DensityPolicy(InsertEach, Hinted):
             self._buf_version = -1
             return
         if self._kids_v[bid] == 0 and self._until_v[bid] < q + self._quantum:
-            dens = self._rows[cls][0]
+            dens = self._rows[cls][0] * math.sqrt(self._heat_v[bid])
             if dens <= self._bound:
                 self._insort((dens, now, -self._depth_v[bid]), bid)
 
@@ -1154,6 +1208,7 @@ class DensityPolicy(InsertEach, Hinted):
         ids = np.flatnonzero(live)
         last = self._last[ids]
         dens = self._table[self._cls[ids], age_buckets((q - last) / self._quantum)]
+        dens *= np.sqrt(self._heat[ids].astype(np.float64))
         k = max(_MIN_BUFFER, self._target, 2 * self._taken)
         self._taken = 0
         if complete or k >= len(ids):
@@ -1336,4 +1391,5 @@ _ARRAYS: list[tuple[str, Any, float]] = [
     ("_evseq", np.int64, 0),
     ("_stamp", np.int64, 0),
     ("_until", np.float64, -math.inf),
+    ("_heat", np.float32, 0.0),
 ]

@@ -21,6 +21,7 @@ from kvtier.daemon.policy.density import (
     age_bucket,
     age_buckets,
     bucket_widths,
+    heat_decays,
 )
 from kvtier.daemon.policy.registry import make_policy
 
@@ -308,13 +309,75 @@ def test_trained_density_keeps_the_hot_class() -> None:
     assert set(p.victims(len(p) - len(hot), now, None).tolist()).isdisjoint(hot)
 
 
+# ------------------------------------------------------------- the block's own heat
+
+
+def test_heat_decays_halve_at_a_half_life_and_fall_with_the_gap() -> None:
+    decays = heat_decays(1 / 100)  # a half-life of 100 quanta
+    assert (np.diff(decays) < 0).all() and 0.99 < decays[0] < 1.0
+    at_half_life = decays[age_bucket(100.0)]
+    assert 0.4 < at_half_life < 0.6
+    assert decays[-1] < 1e-20
+
+
+def test_heat_is_the_decayed_access_count_and_forget_resets_it() -> None:
+    p = DensityPolicy(capacity_blocks=10, own_half_life_s=100.0)
+    decays = heat_decays(1 / 100)
+    p.insert(1, 0.0)
+    assert p.describe(1).heat == 1.0
+    p.touch(1, 0.5)
+    want = np.float32(1.0 * decays[0] + 1.0)
+    assert p.describe(1).heat == want
+    p.touch(1, 100.5)  # a half-life later: about half of it is left, plus this access
+    want = np.float32(float(want) * decays[age_bucket(100.0)] + 1.0)
+    assert p.describe(1).heat == want and 1.8 < want < 2.2
+    p.remove(1)
+    p.note_miss(1, -1, 101.0)  # an access the tier did not keep still counts
+    assert p.describe(1).heat > want
+    p.forget(1)
+    p.insert(1, 102.0)
+    assert p.describe(1).heat == 1.0
+
+
+def test_without_own_weight_the_heat_stays_one() -> None:
+    p = DensityPolicy(capacity_blocks=10, own_weight=False)
+    p.insert(1, 0.0)
+    for t in (0.1, 0.2, 0.3):
+        p.touch(1, t)
+    assert p.describe(1).heat == 1.0
+
+
+def test_of_two_blocks_of_one_class_and_age_the_hotter_ranks_above() -> None:
+    """Two hot blocks of one class, last read at the same time: the one read more often of
+    late has the higher heat, a density higher by the square root of the ratio, and goes
+    after the other."""
+    p, hot, now = trained_policy()
+    a, b = hot[0], hot[1]
+    for dt in (0.01, 0.02, 0.03):
+        p.touch(a, now + dt)
+    p.touch(b, now + 0.03)
+    now += 0.03
+    sa, sb = p.describe(a), p.describe(b)
+    assert sa.cls == sb.cls and sa.last == sb.last and sa.heat > sb.heat
+    ratio = p.density(a, now) / p.density(b, now)
+    assert ratio == pytest.approx(math.sqrt(sa.heat / sb.heat))
+    only = lambda bids: np.isin(bids, [a, b])  # noqa: E731
+    assert p.victims(2, now, only).tolist() == [b, a]
+    # Ranked by the class alone (no own weight), the two are level.
+    q, hot, now = trained_policy(own_weight=False)
+    for dt in (0.01, 0.02, 0.03):
+        q.touch(a, now + dt)
+    q.touch(b, now + 0.03)
+    assert q.density(a, now + 0.03) == q.density(b, now + 0.03)
+
+
 # ------------------------------------------------------------------- admission
 
 
-def trained_policy() -> tuple[DensityPolicy, list[int], float]:
+def trained_policy(**params: object) -> tuple[DensityPolicy, list[int], float]:
     """A policy that learned that blocks seen many times come back within seconds and
     blocks seen once never do; full, its hot blocks resident."""
-    p = DensityPolicy(capacity_blocks=32, period=128)
+    p = DensityPolicy(capacity_blocks=32, period=128, **params)
     hot = list(range(16))
     now = 0.0
     for b in hot:
@@ -574,7 +637,7 @@ def test_touch_many_equals_a_loop_of_touch(seed: int) -> None:
                     p.insert(b, now, -1)
         assert vec.model.hits == ref.model.hits and vec.model.ends == ref.model.ends
         assert np.array_equal(vec.model.past_hits, ref.model.past_hits)
-        for name in ("_cls", "_cnt", "_last", "_stamp", "_state", "_kids"):
+        for name in ("_cls", "_cnt", "_last", "_stamp", "_state", "_kids", "_heat"):
             assert np.array_equal(getattr(vec, name), getattr(ref, name)), name
         assert vec.victims(50, now, None).tolist() == ref.victims(50, now, None).tolist()
     assert vec.stats().tables > 5
@@ -642,6 +705,7 @@ def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(se
         "_evseq",
         "_stamp",
         "_until",
+        "_heat",
     ):
         assert np.array_equal(getattr(fused, name), getattr(steps, name)), name
     assert np.array_equal(fused.table, steps.table)
