@@ -590,7 +590,9 @@ class DensityPolicy(InsertEach, Hinted):
         self._accesses += n
         age = (now - self._last[ids]) / self._quantum
         gap = age_buckets(age)
-        self._heat[ids] = self._heat[ids].astype(np.float64) * self._decay_arr[gap] + 1.0
+        heat = self._heat[ids] * self._decay_arr[gap]  # in float64, as ``_access`` computes
+        heat += 1.0
+        self._heat[ids] = heat
         closing = self._cls[ids].astype(np.int64) * AGE_BUCKETS + gap
         where, times = np.unique(closing, return_counts=True)
         hits, ends = self.model.hits, self.model.ends
@@ -618,16 +620,21 @@ class DensityPolicy(InsertEach, Hinted):
         if q != self._buf_q:
             self._buf_version = -1
             return
-        dens = self._table[cls, 0] * np.sqrt(self._heat[ids].astype(np.float64))
+        # A heat is at least 1, so a block whose class alone ranks above the bound does too:
+        # the weights are computed only for the others.
+        dens = self._table[cls, 0]
         low = (
             (dens <= self._bound) & (self._kids[ids] == 0) & (self._until[ids] < q + self._quantum)
         )
         if not low.any():
             return
         ids = ids[low]
+        dens = dens[low] * np.sqrt(self._heat[ids].astype(np.float64))
+        low = dens <= self._bound
+        ids, dens = ids[low], dens[low]
         new = list(
             zip(
-                dens[low].tolist(),
+                dens.tolist(),
                 [now] * len(ids),
                 (-self._depth[ids].astype(np.int64)).tolist(),
                 ids.tolist(),
