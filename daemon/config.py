@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import grp
+import math
 import pwd
 import re
 from collections.abc import Mapping
@@ -932,13 +933,22 @@ def load_config(
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
         try:
-            loaded = yaml.safe_load(text)
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                f"{e.start})"
+            ) from None
+        try:
+            loaded = _load_yaml(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} nests too deeply to be a config") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         raw = loaded or {}
@@ -965,9 +975,42 @@ def _override_value(text: str) -> Any:
     if not text.strip():
         return ""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return _load_yaml(text)
+    except (yaml.YAMLError, RecursionError):
         return text
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: plain
+    YAML keeps the last value, so a key repeated further down a long file (or a section
+    repeated, which replaces every key of the first) would silently undo what the operator
+    sees written above it. Merge keys (``<<: *base``) are not repeats."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    line = first.get(key)
+                except TypeError:
+                    continue  # unhashable: the base constructor says so
+                if line is not None:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key!r} appears twice in one mapping (first on line {line + 1}); "
+                        "YAML would silently keep only the last",
+                        key_node.start_mark,
+                    )
+                first[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds plain data only
 
 
 # Sections that moved; naming the new place beats "unknown section".
@@ -1039,6 +1082,10 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"expected a number, got {value!r}")
             out = float(value)
+            if not math.isfinite(out):
+                # NaN passes every range check (each comparison is false) and then turns
+                # watermarks, timeouts and decay into nonsense; infinity is no better.
+                raise ValueError(f"expected a finite number, got {value!r}")
         elif kind == "bool":
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")

@@ -406,3 +406,68 @@ def test_shm_share_pairs():
     assert server.shm_share_pairs() == {(65534, 0), (ANY_PEER, 0)}
     one = load_config(None, ["server.shm_share=nobody=root"]).server
     assert one.shm_share_pairs() == {(65534, 0)}
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error_not_a_traceback(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"server:\n  socket: /run/caf\xe9.sock\n")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe9"):
+        load_config(path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--config", str(path), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "not UTF-8" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("server:\n  max_batch_blocks: 10\n  max_batch_blocks: 20\n", "'max_batch_blocks'"),
+        # A repeated section would replace every key of the first one.
+        ("server:\n  max_batch_blocks: 10\nserver:\n  lease_max_ms: 5\n", "'server'"),
+        ("tiers: {l1: {capacity_bytes: 1GiB, capacity_bytes: 2GiB}}\n", "'capacity_bytes'"),
+    ],
+)
+def test_a_key_given_twice_is_a_config_error(tmp_path, text, key):
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{key} appears twice"):
+        load_config(path)
+
+
+def test_yaml_merge_keys_are_not_repeats(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "tiers:\n  l1: &l1 {capacity_bytes: 64MiB, segment_bytes: 4MiB}\n"
+        "  l0:\n    <<: *l1\n    capacity_bytes: 32MiB\n"
+    )
+    config = load_config(path)
+    assert config.tiers.l0.capacity_bytes == 32 << 20
+    assert config.tiers.l0.segment_bytes == 4 << 20
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "policy.protect_s=.nan",
+        "tiers.l1.high_watermark=.nan",
+        "server.drain_timeout_s=.inf",
+        "policy.half_life_s=.inf",
+        "mover.balance_interval_s=.nan",
+    ],
+)
+def test_floats_must_be_finite(override):
+    # NaN passed every range check (comparisons with it are false).
+    with pytest.raises(ConfigError, match=f"'{override.split('=')[0]}'.*finite"):
+        load_config(None, [override])
+
+
+def test_a_config_nested_too_deeply_is_a_config_error(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("server: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config(path)
