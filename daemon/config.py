@@ -1026,11 +1026,18 @@ def build_config(raw: dict[str, Any]) -> Config:
         config = dataclasses.replace(
             config, server=dataclasses.replace(config.server, socket=paths.daemon_socket())
         )
+    check_config(config)
+    return config
+
+
+def check_config(config: Config) -> None:
+    """Every check across keys (each section's, then tenants and shared namespaces); a
+    ConfigError names the key at fault. ``build_config`` runs it, and a reload runs it again on
+    the config it would run with, which mixes new live keys with running ones."""
     for f in dataclasses.fields(Config):
         if _is_section(f):
             getattr(config, f.name).check()
     _check_access(config)
-    return config
 
 
 def _is_section(f: dataclasses.Field[Any]) -> bool:

@@ -4,7 +4,8 @@ The new config is loaded exactly as at start (file, ``KVTIER_*`` variables, ``--
 overrides) and compared key by key with the running one. Keys in ``LIVE`` take effect at once;
 any other changed key is listed as needing a restart and keeps its running value, so the
 daemon's config always says what it really does. A config that does not load (a bad value, a
-broken file) changes nothing and is logged as an error. Every reload logs one line of what it
+broken file), or whose live keys do not pass the config's checks beside the running values of
+the others, changes nothing and is logged as an error. Every reload logs one line of what it
 applied and one of what needs a restart.
 
 Live keys, and how each applies:
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.daemon.config import Config, config_keys
+from kvtier.daemon.config import Config, check_config, config_keys
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 from kvtier.daemon.policy.guard import EvictionGuard
@@ -103,6 +104,18 @@ class Reloader:
             log.error("SIGHUP: config not reloaded, the running one stays: %s", e)
             return ReloadReport([], [], str(e))
         effective, applied, restart = plan(self.daemon.config, loaded)
+        try:
+            # The live keys change, the others keep their running values: a pair checked
+            # together at load (server.max_batch_blocks against server.max_message_bytes) may
+            # not hold in that mix, and the daemon would run a config it refuses at start.
+            check_config(effective)
+        except ConfigError as e:
+            log.error(
+                "SIGHUP: config not reloaded, the running one stays: with the keys that need "
+                "a restart at their running values, the new live ones do not hold: %s",
+                e,
+            )
+            return ReloadReport([], [], str(e))
         try:
             self.apply(effective)
         except Exception as e:

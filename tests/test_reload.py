@@ -83,3 +83,24 @@ def test_the_reload_plan_keeps_restart_keys_at_their_running_value():
     assert [r.split(":")[0] for r in restart] == ["policy.name"]
     assert is_live("tiers.l1.high_watermark") and not is_live("tiers.l1.capacity_bytes")
     assert not is_live("server.socket") and is_live("logging.level")
+
+
+def test_a_reload_whose_live_keys_do_not_hold_beside_the_running_ones_changes_nothing():
+    """server.max_batch_blocks is live, server.max_message_bytes needs a restart: raising both
+    in the file loads, but the mix (new batch limit, old message limit) is a config the
+    daemon refuses at start. The reload applied it; now it changes nothing and says why."""
+    from types import SimpleNamespace
+
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.reload import Reloader
+
+    running = load_config(None, [])
+    loaded = load_config(None, ["server.max_batch_blocks=100000", "server.max_message_bytes=8MiB"])
+    daemon = SimpleNamespace(config=running)
+    applied: list[object] = []
+    reloader = Reloader(daemon, lambda: loaded)  # type: ignore[arg-type]
+    reloader.apply = applied.append  # type: ignore[method-assign]
+    report = reloader.reload()
+    assert applied == []
+    assert report.applied == [] and "server.max_message_bytes" in report.error
+    assert daemon.config is running
