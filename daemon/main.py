@@ -79,7 +79,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class _EarlyHangup:
+    """Holds a SIGHUP that arrives before the daemon serves. Its default action ends the
+    process, and the reload handler goes in only once the daemon is up (imports, L1 and L2
+    set-up and the sockets come first), so a reload sent to a daemon still starting killed it
+    without a word. Installed first thing in ``main``; the daemon reloads once it is up."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        signal.signal(signal.SIGHUP, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.seen = True
+
+
 def main(argv: list[str] | None = None) -> int:
+    early_hangup = _EarlyHangup()
     args = parse_args(argv)
 
     def load() -> Config:
@@ -111,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
     try:
-        asyncio.run(_serve(config, load))
+        asyncio.run(_serve(config, load, early_hangup))
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(config: Config, load: Any) -> None:
+async def _serve(config: Config, load: Any, early_hangup: _EarlyHangup) -> None:
     """Run the daemon with its operations around it: the metrics endpoint and SIGHUP."""
     from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.reload import Reloader
@@ -139,6 +154,9 @@ async def _serve(config: Config, load: Any) -> None:
         where = ", ".join(daemon.addresses)
         extra = f"; metrics on {metrics.url}" if metrics is not None else ""
         print(f"kvtierd {__version__} listening on {where}{extra}", flush=True)
+        if early_hangup.seen:
+            log.info("SIGHUP arrived while starting; reading the config again now")
+            reloader.reload()
 
     try:
         await serve(config, on_ready=ready)

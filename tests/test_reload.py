@@ -104,3 +104,39 @@ def test_a_reload_whose_live_keys_do_not_hold_beside_the_running_ones_changes_no
     assert applied == []
     assert report.applied == [] and "server.max_message_bytes" in report.error
     assert daemon.config is running
+
+
+def _catches(pid: int, signum: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_a_sighup_while_the_daemon_starts_does_not_kill_it(tmp_path, daemon_factory):
+    """SIGHUP's default action ends the process: before the daemon's reload handler went in
+    (once serving), a reload sent to a starting daemon killed it silently (exit 129)."""
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/early.sock",
+        [
+            "--set=tiers.l1.capacity_bytes=64MiB",
+            "--set=tiers.l2.enabled=true",
+            f"--set=tiers.l2.path={tmp_path / 'l2'}",
+            "--set=tiers.l2.capacity_bytes=64MiB",
+            "--set=tiers.l2.file_bytes=64MiB",
+        ],
+    )
+    daemon_factory._daemons.append(d)
+    d.start(wait=False)
+    assert d.proc is not None
+    # As early as the daemon catches SIGHUP, or as soon as it logs (it is starting).
+    deadline = time.monotonic() + 30
+    while not (_catches(d.proc.pid, signal.SIGHUP) or d.log()):
+        assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
+        time.sleep(0.001)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_ready()
+    _wait_for_log(d, "SIGHUP: applied")
+    assert d.running()
