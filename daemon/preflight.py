@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.daemon.config import Config, format_size, http_url, split_host_port
+from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.tiers.disk.files import DATA_GLOB
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
@@ -237,24 +238,48 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def _socket(config: Config) -> list[Problem]:
+    """The gRPC socket and the credential socket beside it (the same path plus ``.cred``),
+    by the rules the daemon applies when it binds them (``daemon/unixsock.py``)."""
     if not config.server.socket:
         return []
     path = os.path.abspath(config.server.socket)
     key = "server.socket"
+    cred = path + CRED_SUFFIX
     if len(path.encode()) > MAX_SOCKET_PATH:
         return [
             Problem(key, f"{path} is longer than the {MAX_SOCKET_PATH} bytes Unix sockets allow")
         ]
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None:
+    if len(cred.encode()) > MAX_SOCKET_PATH:
+        return [
+            Problem(
+                key,
+                f"the credential socket {cred} (the path plus {CRED_SUFFIX!r}) is longer than "
+                f"the {MAX_SOCKET_PATH} bytes Unix sockets allow: keep server.socket within "
+                f"{MAX_SOCKET_PATH - len(CRED_SUFFIX)} bytes",
+            )
+        ]
+    for each in (path, cred):
+        try:
+            mode = os.lstat(each).st_mode
+        except FileNotFoundError:
+            continue
         if not stat.S_ISSOCK(mode):
-            return [Problem(key, f"{path} exists and is not a socket; refusing to replace it")]
-        if _listening(path):
-            return [Problem(key, f"another process is listening on {path} (a kvtierd running?)")]
-    parent = _nearest_existing(Path(path).parent)
+            return [Problem(key, f"{each} exists and is not a socket; refusing to replace it")]
+        if _listening(each):
+            return [Problem(key, f"another process is listening on {each} (a kvtierd running?)")]
+    folder = Path(path).parent
+    if folder.is_dir():
+        st = folder.stat()
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return [
+                Problem(
+                    key,
+                    f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is "
+                    "writable by other users, who could replace the socket; use a folder only "
+                    "the daemon may write",
+                )
+            ]
+    parent = _nearest_existing(folder)
     if not os.access(parent, os.W_OK | os.X_OK):
         return [
             Problem(

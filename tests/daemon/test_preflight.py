@@ -253,3 +253,47 @@ def test_client_and_daemon_find_each_other_from_any_directory(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert f"listening on unix:{expected}" in result["daemon"], result
     assert result["client"] == f"unix:{expected} True", result
+
+
+def _path_of_length(tmp_path, n: int) -> str:
+    head = f"{tmp_path}/"
+    return head + "s" * (n - len(head) - len(".sock")) + ".sock"
+
+
+def test_a_socket_path_whose_credential_socket_is_too_long_is_refused(tmp_path):
+    """The credential socket is the path plus '.cred': a path of 103-107 bytes passed the
+    checks ('config ok'), then the daemon failed at start, after allocating L1."""
+    path = _path_of_length(tmp_path, 105)
+    problems = preflight.check(load_config(None, [f"server.socket={path}"]), HOST)
+    assert _keys(problems) == ["server.socket"]
+    assert "credential socket" in str(problems[0]) and "within 102 bytes" in str(problems[0])
+    ok = _path_of_length(tmp_path, 102)
+    assert preflight.check(load_config(None, [f"server.socket={ok}"]), HOST) == []
+
+
+def test_a_socket_folder_others_may_write_is_refused_by_the_checks_too(tmp_path):
+    """The daemon refuses such a folder when it binds; --check-config said 'config ok'."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o777)
+    config = load_config(None, [f"server.socket={folder}/s.sock"])
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["server.socket"] and "writable by other users" in str(problems[0])
+    folder.chmod(0o1777)  # sticky, as /tmp: others cannot replace the daemon's files
+    assert preflight.check(config, HOST) == []
+    proc = _kvtierd("--check-config", *_sets(f"server.socket={tmp_path}/s.sock"))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_live_listener_on_the_credential_socket_is_refused(tmp_path):
+    path = f"{tmp_path}/s.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".cred")
+    listener.listen()
+    try:
+        config = load_config(None, [f"server.socket={path}"])
+        problems = preflight.check(config, HOST)
+        assert _keys(problems) == ["server.socket"]
+        assert f"another process is listening on {path}.cred" in str(problems[0])
+    finally:
+        listener.close()
