@@ -161,6 +161,10 @@ def _rpc(
         try:
             if isinstance(request, Malformed):
                 raise self.malformed(method, request)
+            if self.closing.is_set():
+                # Sessions end as the daemon stops: without this a request that arrives now
+                # names a session already gone and is told NOT_FOUND, as if it never existed.
+                raise Unavailable("the daemon is stopping; it takes no new requests")
             # A client that cancels (or whose deadline passes) gets no answer, but the request
             # runs to its end: the store's steps between awaits are not undone halfway. It
             # starts at once and needs a task of its own only if it waits for something.

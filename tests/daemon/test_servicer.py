@@ -166,3 +166,12 @@ def test_regression_health_watches_were_unbounded(monkeypatch):
         await asyncio.gather(open_[1], again, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_regression_requests_after_sigterm_were_told_their_session_was_not_found():
+    """Once the daemon stops, sessions end; a request arriving then was NOT_FOUND ('session
+    ... is not open'), which reads as a lost session, not a daemon going away."""
+    servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
+    servicer.closing.set()
+    code, details = _call(servicer, "Lookup", pb.LookupRequest(session_id="gone"))
+    assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in details
