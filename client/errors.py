@@ -116,4 +116,14 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
     details = (err.details() if hasattr(err, "details") else None) or str(err)
     if code is None:
         return KvtierError(details)
+    if code == grpc.StatusCode.CANCELLED:
+        # The client never cancels a call whose error it turns into an exception (its own
+        # cancels end jobs and tasks otherwise), so the server's gRPC ended it unanswered: it
+        # is shutting down (calls it holds but has not handed to the daemon end so at
+        # SIGTERM), or it dropped the call past its queue. Either way, try again later.
+        return UnavailableError(
+            f"the daemon's gRPC server ended the call unanswered ({details}): the daemon is "
+            "stopping, or too many calls were waiting",
+            code,
+        )
     return error_for_code(code, details)
