@@ -35,9 +35,16 @@ HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
 CHECK_FAILED = 2
 
 
+# The most seconds any option takes (a week). Values past about 1e9 s overflow the sleeps,
+# socket timeouts and gRPC deadlines they become: `--timeout 1e10` was "cannot reach kvtierd:
+# Deadline Exceeded" (or an OverflowError traceback), `stats --interval 1e10` a traceback.
+MAX_SECONDS = 7 * 86400
+
+
 def _seconds(*, zero: bool) -> Callable[[str], float]:
     """An argparse type for a number of seconds: finite, not negative, and above 0 unless
-    ``zero`` (a NaN or negative timeout would reach the client as "cannot reach")."""
+    ``zero`` (a NaN or negative timeout would reach the client as "cannot reach"), at most
+    ``MAX_SECONDS``."""
     least = "a non-negative" if zero else "a positive"
 
     def parse(text: str) -> float:
@@ -45,8 +52,15 @@ def _seconds(*, zero: bool) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"expected {least} number of seconds, got {text!r}")
+        if (
+            not math.isfinite(value)
+            or value < 0
+            or (value == 0 and not zero)
+            or value > MAX_SECONDS
+        ):
+            raise argparse.ArgumentTypeError(
+                f"expected {least} number of seconds up to {MAX_SECONDS}, got {text!r}"
+            )
         return value
 
     return parse

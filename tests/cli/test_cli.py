@@ -71,6 +71,11 @@ def test_every_command_has_help(capsys, command):
         (["check", "--settle", "-2"], "-2"),
         (["drain", "--wait", "-1"], "-1"),
         (["drain", "--wait", "soon"], "soon"),
+        # Regression: overflowed the client's socket timeout and gRPC's deadline (a
+        # traceback, or "cannot reach kvtierd: Deadline Exceeded"), and time.sleep.
+        (["--timeout", "1e10", "stats"], "1e10"),
+        (["stats", "--interval", "1e10"], "1e10"),
+        (["top", "--interval", "1e12", "--once"], "1e12"),
     ],
 )
 def test_a_bad_number_of_seconds_is_refused_before_anything_is_asked(capsys, args, bad):
