@@ -1066,3 +1066,27 @@ def test_namespace_records_forgotten_stay_forgotten_across_a_reopen(tmp_path):
         assert tier.namespaces() == {7: "tenant-7"}
     finally:
         tier.close()
+
+
+def test_a_deleted_index_beside_data_files_is_reported_not_silent(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deleting index.sqlite3 between runs lost every block without a word: the tier logged
+    'recovered 0 blocks' and reported ok."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(50)), 4096)
+    (disk_dir / "index.sqlite3").unlink()
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir)
+    with tier:
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "index" in errors[0] and "missing" in errors[0]
+        assert "data-0000.bin" in errors[0] and "starting EMPTY" in errors[0]
+        assert "index was missing" in tier.health().detail
+        assert len(tier.recover()) == 0
+
+
+def test_a_first_start_has_no_missing_index(disk_dir: Path, caplog: pytest.LogCaptureFixture):
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
+        assert "missing" not in tier.health().detail
+    assert not [r for r in caplog.records if r.levelno == logging.ERROR]

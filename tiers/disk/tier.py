@@ -32,7 +32,8 @@ Invariants:
   needs or unreadable loses only the blocks whose slots lie in its damaged part (rows dropped,
   counted by reason in ``blocks_lost_at_recovery_*``, shown in the health detail), and the file
   is recreated; an index SQLite cannot use is moved aside (``index_moved_aside``, health
-  detail) and the tier starts empty.
+  detail) and the tier starts empty, as it does, saying so, when the index is missing beside
+  data files.
 
 The data path is POSIX ``preadv``/``pwritev`` on host memory (L1 slots, or a bounce buffer for
 an engine pool's pages). kvikio is not used: its gain is GPUDirect Storage for device buffers,
@@ -74,6 +75,7 @@ from kvtier.tiers.base import (
 from kvtier.tiers.buffers import get_block, put_block
 from kvtier.tiers.disk.files import (
     ALIGN,
+    DATA_GLOB,
     FILE_MODE,
     FileBackend,
     OsFiles,
@@ -83,7 +85,7 @@ from kvtier.tiers.disk.files import (
     layout,
 )
 from kvtier.tiers.disk.health import FaultState, classify
-from kvtier.tiers.disk.index import BlockRow, DiskIndex, IndexUpgradeFailed
+from kvtier.tiers.disk.index import INDEX_NAME, BlockRow, DiskIndex, IndexUpgradeFailed
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
 from kvtier.tiers.executor import PriorityExecutor
 from kvtier.tiers.slab import LockedSlab
@@ -355,6 +357,13 @@ class DiskTier:
         try:
             self._make_directory()
             self._lock_directory()
+            # The index is made before the data files, so data files without one mean it was
+            # deleted (by hand, or a clean-up script): their blocks cannot be found again.
+            orphans = (
+                sorted(p.name for p in self.directory.glob(DATA_GLOB))
+                if not (self.directory / INDEX_NAME).exists()
+                else []
+            )
             try:
                 self._index = DiskIndex(self.directory, self._geometry(), clock)
             except IndexUpgradeFailed as e:
@@ -366,6 +375,17 @@ class DiskTier:
                         f"index {self._index.moved_aside}: moved aside as {self._index.moved_to}"
                         ", started empty"
                     )
+            if orphans:
+                log.error(
+                    "L2 index %s is missing but %d data file(s) are there (%s); starting EMPTY: "
+                    "no block they held can be found without it",
+                    self.directory / INDEX_NAME,
+                    len(orphans),
+                    ", ".join(orphans),
+                )
+                self.faults.note(
+                    f"index was missing beside {len(orphans)} data file(s), started empty"
+                )
             capacity_before = self._index.previous_capacity or self.allocator.capacity_bytes
             before = layout(self.directory, capacity_before, self._file_bytes)
             sizes = self._file_sizes(before)
