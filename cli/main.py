@@ -201,7 +201,11 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _health(args: argparse.Namespace) -> int:
-    client = _client(args)
+    try:
+        client = _client(args)
+    except KvtierError as e:  # an address no daemon can have: a probe's "unreachable"
+        print(f"kvtier: {e.details}", file=sys.stderr)
+        return UNREACHABLE
     try:
         try:
             serving = client.health()

@@ -65,7 +65,7 @@ class AsyncClient:
         token_file: str | None = None,
     ) -> None:
         """See ``Client``."""
-        self.address = t.resolve_address(address)
+        self.address = t.checked_address(t.resolve_address(address))
         self.timeout_s = timeout_s
         self.max_batch_blocks = max_batch_blocks
         self.namespace = client_namespace(namespace)

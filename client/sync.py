@@ -129,7 +129,7 @@ class Client:
         not name its own; "shared:NAME[/SUB]" for a namespace the daemon's config shares.
         ``token`` (or ``token_file``): a tenant's secret, to be that tenant (over TCP the
         only way to open a session)."""
-        self.address = t.resolve_address(address)
+        self.address = t.checked_address(t.resolve_address(address))
         self.timeout_s = timeout_s
         self.max_batch_blocks = max_batch_blocks
         self.namespace = client_namespace(namespace)

@@ -177,6 +177,24 @@ def resolve_address(address: str | None) -> str:
     return address
 
 
+# sockaddr_un holds 108 bytes with the terminating NUL.
+MAX_UNIX_PATH_BYTES = 107
+
+
+def checked_address(address: str) -> str:
+    """``address``, or InvalidArgumentError when it names a Unix socket path that no socket can
+    have: gRPC took such a channel and failed each call with UNKNOWN 'Failed to create
+    channel', after its core printed a line of its own."""
+    if address.startswith("unix:") and not address.startswith("unix://"):
+        size = len(address[len("unix:") :].encode())
+        if size > MAX_UNIX_PATH_BYTES:
+            raise InvalidArgumentError(
+                f"address {address}: a Unix socket path holds at most {MAX_UNIX_PATH_BYTES} "
+                f"bytes, this one {size}"
+            )
+    return address
+
+
 def address_hint(address: str | None) -> str:
     """Where a resolved address came from, for an "unreachable" message."""
     if address:

@@ -301,3 +301,14 @@ def test_health_is_1_with_a_degraded_tier_and_0_when_that_is_allowed(tmp_path):
     code, text = result["after"]
     assert code == 1 and text.startswith("degraded: ") and "L2_DISK degraded_nospace" in text
     assert result["ok"][0] == 0
+
+
+def test_regression_an_address_too_long_for_a_unix_socket(capsys):
+    """gRPC accepted the channel, printed a line of its core's own and failed the call with
+    UNKNOWN: `kvtier health` exited 1 (degraded) with 'KvtierError: Failed to create
+    channel'. The client refuses the address, naming the limit; health says unreachable."""
+    address = "unix:/tmp/" + "x" * 120 + ".sock"
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and "at most 107 bytes" in err
+    code, _, err = run_main(capsys, "--address", address, "stats")
+    assert code == 1 and "InvalidArgumentError" in err and "at most 107 bytes" in err
