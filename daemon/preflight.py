@@ -11,6 +11,7 @@ socket's path) and changes nothing: no file is created, no socket is left bound.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import resource
 import socket
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from kvtier.daemon.config import Config, format_size, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
-from kvtier.tiers.disk.files import DATA_GLOB
+from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -209,6 +210,8 @@ def _disk(config: Config) -> list[Problem]:
                 f"uid {os.geteuid()}",
             )
         ]
+    if (in_use := _locked(directory / LOCK_NAME)) is not None:
+        return [Problem("tiers.l2.path", f"L2 directory {directory} is in use: {in_use}")]
     held = 0
     if directory.is_dir():
         for path in directory.glob(DATA_GLOB):
@@ -226,6 +229,22 @@ def _disk(config: Config) -> list[Problem]:
             )
         ]
     return []
+
+
+def _locked(lock: Path) -> str | None:
+    """Why the disk tier could not lock its directory now (another daemon holds it), or None.
+    The lock is taken and let go at once, on an existing file only: nothing is created."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # absent (a new directory) or unreadable: the daemon's own open says
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return f"another process holds its lock (a kvtierd running?): {e.strerror}"
+    finally:
+        os.close(fd)  # closing lets go of the lock
+    return None
 
 
 def _nearest_existing(path: Path) -> Path:

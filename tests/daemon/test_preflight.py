@@ -297,3 +297,22 @@ def test_a_live_listener_on_the_credential_socket_is_refused(tmp_path):
         assert f"another process is listening on {path}.cred" in str(problems[0])
     finally:
         listener.close()
+
+
+def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
+    tmp_path, daemon_factory
+):
+    """The second daemon refused to start ('in use by another process'), after allocating
+    L1, while --check-config said 'config ok'."""
+    l2 = [
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path}/l2",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.file_bytes=64MiB",
+    ]
+    d = daemon_factory(*l2)
+    config = load_config(None, [f"server.socket={tmp_path}/other.sock", *l2])
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["tiers.l2.path"] and "in use" in str(problems[0])
+    d.stop()
+    assert preflight.check(config, HOST) == []

@@ -29,6 +29,9 @@ log = logging.getLogger("kvtier.tiers.disk")
 ALIGN = 4096
 DATA_GLOB = "data-[0-9][0-9][0-9][0-9].bin"
 FILE_MODE = 0o600
+# The file a tier holds an exclusive flock on while it has the directory open (one tier, one
+# process, per directory).
+LOCK_NAME = "lock"
 
 
 class FileBackend(Protocol):

@@ -77,6 +77,7 @@ from kvtier.tiers.disk.files import (
     ALIGN,
     DATA_GLOB,
     FILE_MODE,
+    LOCK_NAME,
     FileBackend,
     OsFiles,
     SlotFiles,
@@ -97,7 +98,6 @@ BytesLike: TypeAlias = "bytes | bytearray | memoryview | np.ndarray"
 
 CHECKSUM_NAME = "xxh3_64"
 FORMAT_VERSION = 1
-LOCK_NAME = "lock"
 DIR_MODE = 0o700
 DEFAULT_FILE_BYTES = 4 << 30
 MAX_FILES = 256
