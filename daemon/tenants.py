@@ -296,7 +296,9 @@ def read_token_file(path: str) -> bytes:
     ``MIN_TOKEN_BYTES`` long; otherwise TokenFileError (or another OSError when it cannot be
     read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: opening a FIFO for reading waits for a writer, and the daemon (or
+        # --check-config) hung at start on one; it is refused below as not a regular file.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise TokenFileError(f"cannot read token file {path}: {e.strerror}") from None
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -235,3 +236,26 @@ def test_preflight_names_a_token_file_the_daemon_must_not_use(tmp_path):
     assert "chmod 600" in problems[0].message
     token.chmod(0o600)
     assert _tokens(config) == []
+
+
+def test_regression_a_fifo_token_file_hung_the_daemon_at_start(tmp_path):
+    """Opening a FIFO for reading waits for a writer: kvtierd (and --check-config) hung at
+    start on a tenant whose token_file was one. It is refused as not a regular file."""
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo, 0o600)
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(read_token_file(str(fifo)))
+        except BaseException as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # let the blocked open go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+        pytest.fail("read_token_file waited for a writer of the FIFO")
+    assert isinstance(outcome[0], TokenFileError) and "not a regular file" in str(outcome[0])
