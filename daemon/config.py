@@ -245,6 +245,13 @@ class ServerConfig:
             raise ConfigError(
                 "server.socket and server.tcp_address are both empty: nothing to listen on"
             )
+        if self.tcp_address:
+            try:
+                if ":" not in self.tcp_address:
+                    raise ValueError(f"{self.tcp_address!r} is not host:port")
+                split_host_port(self.tcp_address)
+            except ValueError as e:
+                raise ConfigError(f"config key 'server.tcp_address': {e}") from None
         if self.lease_default_ms > self.lease_max_ms:
             raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
         need = self.max_batch_blocks * MESSAGE_BYTES_PER_KEY + MESSAGE_BYTES_BASE

@@ -69,6 +69,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_memory(config, host),
         *_disk(config),
         *_socket(config),
+        *_tcp(config),
         *_shm(config),
         *_metrics(config),
         *_tokens(config),
@@ -329,23 +330,32 @@ def _shm(config: Config) -> list[Problem]:
 
 
 def _metrics(config: Config) -> list[Problem]:
-    if not config.metrics.address:
+    return _tcp_port("metrics.address", config.metrics.address)
+
+
+def _tcp(config: Config) -> list[Problem]:
+    return _tcp_port("server.tcp_address", config.server.tcp_address)
+
+
+def _tcp_port(key: str, address: str) -> list[Problem]:
+    """Whether a TCP listener can bind ``address`` now (the probe binds and lets go)."""
+    if not address:
         return []
-    host, port = split_host_port(config.metrics.address)
+    host, port = split_host_port(address)
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        return [Problem("metrics.address", f"cannot resolve {host}: {e.strerror}")]
+        return [Problem(key, f"cannot resolve {host}: {e.strerror}")]
     family, kind, proto, _, addr = infos[0]
     probe = socket.socket(family, kind, proto)
-    # As the endpoint's own server binds: a connection of the last daemon's lingering in
-    # TIME_WAIT (after a scrape) does not keep it from listening, only a live listener does.
+    # As the daemon's servers bind: a connection of the last daemon's lingering in TIME_WAIT
+    # (after a scrape) does not keep it from listening, only a live listener does.
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind(addr)
     except OSError as e:
         why = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror
-        return [Problem("metrics.address", f"cannot listen on {config.metrics.address}: {why}")]
+        return [Problem(key, f"cannot listen on {address}: {why}")]
     finally:
         probe.close()
     return []

@@ -568,6 +568,10 @@ class Daemon:
                 ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
                 ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
                 ("grpc.max_connection_idle_ms", round(cfg.idle_connection_s * 1000)),
+                # gRPC binds TCP ports with SO_REUSEPORT by default: a second daemon given the
+                # same server.tcp_address listened beside the first and the kernel split the
+                # connections between them. Off, the second one's bind fails.
+                ("grpc.so_reuseport", 0),
             ],
         )
         # Latency per method and status, and request ids in log lines (daemon/observe.py).
@@ -599,9 +603,15 @@ class Daemon:
             self.credentials.start(access)
             self.addresses.append(f"unix:{path}")
         if cfg.tcp_address:
-            port = self.server.add_insecure_port(cfg.tcp_address)
+            try:
+                port = self.server.add_insecure_port(cfg.tcp_address)
+            except RuntimeError:  # gRPC's way to say the bind failed
+                port = 0
             if port == 0:
-                raise OSError(f"cannot listen on {cfg.tcp_address}")
+                raise OSError(
+                    f"cannot listen on {cfg.tcp_address} (server.tcp_address): the port is in "
+                    "use or the address is not one of this host's"
+                )
             self.addresses.append(cfg.tcp_address)
         await self.store.open()
         await self.server.start()

@@ -471,3 +471,14 @@ def test_a_config_nested_too_deeply_is_a_config_error(tmp_path):
     path.write_text("server: " + "[" * 5000 + "]" * 5000 + "\n")
     with pytest.raises(ConfigError, match="nests too deeply"):
         load_config(path)
+
+
+@pytest.mark.parametrize("address", ["notaport", "[::1]:abc", "127.0.0.1:99999", "5000"])
+def test_a_tcp_address_that_is_not_host_port_is_a_config_error(address):
+    """Was 'config ok', then a RuntimeError traceback at start ('127.0.0.1:99999' even ran,
+    announcing a port that cannot exist)."""
+    with pytest.raises(ConfigError, match=r"server\.tcp_address"):
+        load_config(
+            None,
+            [f"server.tcp_address={address}", "tenants=[{name: r, token_file: r.token}]"],
+        )

@@ -316,3 +316,22 @@ def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
     assert _keys(problems) == ["tiers.l2.path"] and "in use" in str(problems[0])
     d.stop()
     assert preflight.check(config, HOST) == []
+
+
+def test_a_second_daemon_on_the_same_tcp_address_is_refused(tmp_path, daemon_factory):
+    """gRPC binds TCP with SO_REUSEPORT by default: a second daemon given the first one's
+    server.tcp_address started and listened beside it, and the kernel split the clients'
+    connections between the two."""
+    token = tmp_path / "t.token"
+    token.write_text("s" * 32)
+    token.chmod(0o600)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    tcp = [f"server.tcp_address=127.0.0.1:{port}", f"tenants=[{{name: r, token_file: {token}}}]"]
+    daemon_factory(*tcp)
+    proc = _kvtierd(*_sets(f"server.socket={tmp_path}/second.sock", *tcp))
+    assert proc.returncode == 1, proc.stderr
+    assert "server.tcp_address" in proc.stderr and "in use" in proc.stderr
+    assert "Traceback" not in proc.stderr
