@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -407,7 +408,8 @@ async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path
     monkeypatch.setattr(server_module.Daemon, "stop", stop_then_scrape)
     monkeypatch.setattr(metrics_module.MetricsServer, "start", recording_metrics_start)
     try:
-        served = asyncio.create_task(main_module._serve(load(), load))
+        no_hangup = SimpleNamespace(seen=False)  # main's SIGHUP holder, with none held
+        served = asyncio.create_task(main_module._serve(load(), load, no_hangup))
         await started.wait()
         before = await asyncio.to_thread(scrape, urls[0])
         daemons[0]._stopping.set()
