@@ -452,6 +452,18 @@ class L2Config:
         default=True,
         metadata=_opt("bool", doc="on SIGTERM, write every block only in L1 to L2 before exiting"),
     )
+    flush_timeout_s: float = field(
+        default=60.0,
+        metadata=_opt(
+            "float",
+            lo=0.0,
+            hi=86400.0,
+            doc="the flush at stop starts no write after this long (blocks not written by "
+            "then are lost, L2 stays consistent); keep server.drain_timeout_s plus this "
+            "below what the service manager waits for kvtierd to exit (the unit's "
+            "TimeoutStopSec, a pod's terminationGracePeriodSeconds)",
+        ),
+    )
     enospc_retry_s: float = field(default=30.0, metadata=_opt("float", lo=0.1))
     read_bytes_s: int = _rate("reads from this tier")
     write_bytes_s: int = _rate("writes into this tier")

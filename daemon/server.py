@@ -651,7 +651,8 @@ class Daemon:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self.store.stop(flush=self.config.tiers.l2.flush_on_stop)
+        l2 = self.config.tiers.l2
+        await self.store.stop(flush=l2.flush_on_stop, flush_timeout_s=l2.flush_timeout_s)
         await self.pools.stop()
         self.tickets.close()
         self.store.close()

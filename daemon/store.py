@@ -221,9 +221,10 @@ class BlockStore:
             if start_prefault is not None:
                 start_prefault()
 
-    async def stop(self, *, flush: bool) -> None:
+    async def stop(self, *, flush: bool, flush_timeout_s: float | None = None) -> None:
         """Stop background work; with ``flush``, first write every block held only in
-        volatile tiers to the first persistent tier, so that a restart serves it."""
+        volatile tiers to the first persistent tier, so that a restart serves it, starting
+        no write after ``flush_timeout_s``."""
         for task in (self._balancer, self._recovery):
             if task is not None and not task.done():
                 task.cancel()
@@ -232,29 +233,55 @@ class BlockStore:
         self._balancer = self._recovery = None
         await self.space.drain()
         if flush:
-            await self.flush()
+            await self.flush(flush_timeout_s)
         for level in self._keyed:
             await level.keys.close()
 
-    async def flush(self) -> int:
-        """Write every READY block held only in volatile tiers to the first persistent tier;
-        returns how many were written."""
+    async def flush(self, timeout_s: float | None = None) -> int:
+        """Write every READY block held only in volatile tiers to the first persistent tier,
+        parents before their children (a flush cut short keeps leading runs of chains, not
+        blocks a restart could not reach), starting no write after ``timeout_s``; returns
+        how many were written."""
         target = self.stack.first_persistent()
         if target is None:
             return 0
         dirty = self._volatile_only()
         if len(dirty) == 0:
             return 0
-        started = time.monotonic()
-        ok = await self.space.place(dirty, target, Priority.BACKGROUND)
-        written = int(np.count_nonzero(ok))
+        dirty = dirty[np.argsort(self.table.depths(dirty), kind="stable")]
+        nbytes = int(self.table.nbytes[dirty].sum())
+        bound = "" if timeout_s is None else f" (for at most {timeout_s:g}s)"
         log.info(
-            "flushed %d of %d volatile-only blocks to %s in %.2fs",
-            written,
+            "flushing %d volatile-only blocks (%.1f MiB) to %s%s",
             len(dirty),
+            nbytes / (1 << 20),
             target.label,
-            time.monotonic() - started,
+            bound,
         )
+        started = time.monotonic()
+        no_room = self.counters.get("no_room", tier=target.label)
+        deadline = None if timeout_s is None else self._clock() + timeout_s
+        ok = await self.space.place(dirty, target, Priority.BACKGROUND, deadline=deadline)
+        written = int(np.count_nonzero(ok))
+        line = (
+            f"flushed {written} of {len(dirty)} volatile-only blocks to {target.label} in "
+            f"{time.monotonic() - started:.2f}s"
+        )
+        if written == len(dirty):
+            log.info("%s", line)
+            return written
+        # Why the rest were not written: no room, else the timeout (or a failed write, which
+        # the transfer engine logged).
+        full = min(self.counters.get("no_room", tier=target.label) - no_room, len(dirty) - written)
+        why = [f"{full} found no room there"] if full else []
+        if len(dirty) - written - full:
+            late = len(dirty) - written - full
+            why.append(
+                f"{late} not written within tiers.l2.flush_timeout_s ({timeout_s:g}s)"
+                if deadline is not None
+                else f"{late} failed"
+            )
+        log.warning("%s; lost (held only in memory): %s", line, ", ".join(why))
         return written
 
     def close(self) -> None:

@@ -265,6 +265,25 @@ class BlockTable:
         """``parent_of`` for many blocks, vectorised."""
         return self.resolve_many(self.parent[bids])
 
+    def depths(self, bids: np.ndarray) -> np.ndarray:
+        """Each block's depth in its chain: how many live ancestors it has. By pointer
+        jumping over every live row (each step doubles how far a row sees up its chain), so
+        a table of n rows costs O(n log depth), not a step per ancestor."""
+        live = self.live_ids()
+        up = np.full(self._next_row, -1, dtype=np.int64)
+        up[live] = self.resolve_many(self.parent[live])
+        depth = (up >= 0).astype(np.int64)  # the distance from each row to ``up``
+        # A parent is committed before its child and a reused row gets a new generation, so
+        # chains never loop; the bound only keeps a broken invariant from spinning here.
+        for _ in range(64):
+            has = np.flatnonzero(up >= 0)
+            if len(has) == 0:
+                break
+            nxt = up[has]
+            depth[has] += depth[nxt]
+            up[has] = up[nxt]
+        return depth[np.asarray(bids, dtype=np.int64)]
+
     def child_of(self, bid: int) -> int:
         """The row of the latest child stored after ``bid`` while it still names ``bid``."""
         child = int(self.child[bid])

@@ -21,9 +21,10 @@ intact and must not be dropped.
 
 Priorities hold all the way down: jobs run on a ``PriorityExecutor`` in which DEMAND jobs have
 reserved threads, tiers are handed the batch's priority for their own I/O threads, and a
-prefetch whose deadline passed before it could start is dropped (``PrefetchExpired``).
-Between levels, each source's read limit and each destination's write limit (bytes/s) apply
-before a job starts. Moves of one block into one tier are de-duplicated while in flight:
+transfer whose deadline (a prefetch's, the stop flush's) passed before it could start is
+dropped (``PrefetchExpired``). Between levels, each source's read limit and each
+destination's write limit (bytes/s) apply before a job starts; one whose turn under them
+would come after its deadline is dropped at once. Moves of one block into one tier are de-duplicated while in flight:
 ``claim`` tells a caller which blocks it moves and which it waits for.
 
 Thread-safety: event loop only; the worker threads run only tier verbs on batches whose
@@ -38,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -76,7 +77,8 @@ INLINE_BYTES = 256 << 10
 
 
 class PrefetchExpired(Exception):
-    """The prefetch's deadline passed before it could start."""
+    """A transfer's deadline (a prefetch's, or the flush's at stop) passed before it could
+    start, or would pass while it waits for its turn under a tier's rate."""
 
 
 class TransferEngine:
@@ -235,9 +237,8 @@ class TransferEngine:
         before the copy could start."""
         n = len(refs)
         direction = f"{src.label}->{dst.label}"
-        await self._throttle(src.reads, n * nbytes, direction)
-        await self._throttle(dst.writes, n * nbytes, direction)
-        self._check_deadline(deadline)
+        await self._throttle(src.reads, dst.writes, n * nbytes, direction, priority, deadline)
+        self._check_deadline(deadline, priority)
         started = time.perf_counter()
         try:
             outcomes, src_failed = await self._copy(
@@ -423,7 +424,7 @@ class TransferEngine:
         context = contextvars.copy_context()
 
         def job() -> Any:
-            self._check_deadline(deadline)
+            self._check_deadline(deadline, priority)
             return context.run(fn, *args)
 
         self._running += 1
@@ -432,16 +433,39 @@ class TransferEngine:
         finally:
             self._running -= 1
 
-    def _check_deadline(self, deadline: float | None) -> None:
+    def _check_deadline(self, deadline: float | None, priority: Priority) -> None:
         if deadline is not None and self._clock() > deadline:
-            self.counters.inc("prefetch_expired")
-            raise PrefetchExpired()
+            self._expire(priority)
 
-    async def _throttle(self, bucket: TokenBucket, nbytes: int, direction: str) -> None:
-        delay = bucket.delay_for(nbytes)
-        if delay > 0:
-            self.counters.inc("throttled_ms", int(delay * 1000), direction=direction)
-            await asyncio.sleep(delay)
+    def _expire(self, priority: Priority) -> NoReturn:
+        # Only prefetches count here; the stop's flush, the other user of deadlines, logs
+        # what it left unwritten itself.
+        if priority == Priority.PREFETCH:
+            self.counters.inc("prefetch_expired")
+        raise PrefetchExpired()
+
+    async def _throttle(
+        self,
+        reads: TokenBucket,
+        writes: TokenBucket,
+        nbytes: int,
+        direction: str,
+        priority: Priority,
+        deadline: float | None,
+    ) -> None:
+        """Wait until both the source's read and the destination's write rate allow
+        ``nbytes``. A copy whose turn would come after its ``deadline`` expires now instead
+        of sleeping until then to be dropped: the flush at stop, bounded by
+        ``tiers.l2.flush_timeout_s``, lasted as long as its throttled writes. Its bytes stay
+        taken, so the turns of the copies after it keep growing and they expire too: a
+        smaller one given the room would be written past a hole in its chain."""
+        delay = max(reads.delay_for(nbytes), writes.delay_for(nbytes))
+        if delay <= 0:
+            return
+        if deadline is not None and self._clock() + delay > deadline:
+            self._expire(priority)
+        self.counters.inc("throttled_ms", int(delay * 1000), direction=direction)
+        await asyncio.sleep(delay)
 
     def _observe(self, started: float, direction: str) -> None:
         self.latency.observe("transfer_seconds", time.perf_counter() - started, direction=direction)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -324,3 +325,46 @@ def test_regression_a_get_naming_a_key_twice_is_invalid_argument_wherever_the_bl
         assert stats.counter("loaded_from", tier="L2") == 2
         assert stats.counters.get("requests_internal_error", 0) == 0
         assert client.check().problems == []
+
+
+def test_the_flush_at_stop_ends_at_its_timeout_keeping_leading_runs_of_chains(
+    daemon_factory, tmp_path
+):
+    """tiers.l2.flush_timeout_s bounds the flush: under a write limit that needs seconds for
+    all of it (8 MiB at 1 MiB/s), writes past the timeout are not started (they used to wait
+    their turn and the stop lasted as long as the whole flush), what was written is served
+    after a restart, and it is the chain's first blocks: parents are flushed first."""
+    l2 = l2_args(tmp_path / "l2", "tiers.l2.write_bytes_s=1MiB", "tiers.l2.flush_timeout_s=1")
+    # Copies of 256 KiB: a group larger than what the limit lets through in the timeout would
+    # never start.
+    d = daemon_factory(*l2, "mover.batch_bytes=256KiB", l1_bytes="64MiB")
+    n = 2000
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=n, block_tokens=1, chunk_bytes=4096, kv_count=1
+    )
+    ks = keys(n, 5)
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        fill(shm, 5)
+        pool = client.register_pool(shm, layout)
+        for start in range(0, n, 500):  # one chain, in four puts
+            parent = ks[start - 1] if start else b""
+            client.put(
+                pool.pool_id, ks[start : start + 500], range(start, start + 500), parent_key=parent
+            )
+    assert d.stop() == 0
+    log = d.log()
+    assert "flushing 2000 volatile-only blocks (7.8 MiB) to L2 (for at most 1s)" in log
+    found = re.search(
+        r"flushed (\d+) of 2000 volatile-only blocks to L2 in [\d.]+s; lost \(held only in "
+        r"memory\): (\d+) not written within tiers.l2.flush_timeout_s \(1s\)",
+        log,
+    )
+    assert found, log
+    written = int(found.group(1))
+    assert written + int(found.group(2)) == n
+    assert 0 < written < n
+    d.start()
+    with d.client() as client:
+        got = client.lookup(ks)
+        assert got.prefix_len == written
+        assert got.tiers[:written] == [Tier.L2_DISK] * written

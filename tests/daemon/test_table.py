@@ -259,3 +259,25 @@ def test_block_identities_cover_namespace_and_every_key_word():
     bids = np.array([_ready(table, 1, words[i].tobytes()) for i in range(40)])
     assert table.identities_of(bids) == table.identities(1, words)
     assert table.identities_of(bids[:3]) == table.identities(1, words[:3])
+
+
+def test_depths_count_live_ancestors_whatever_the_rows_order():
+    """The flush at stop writes parents first by these depths: rows are reused, so a child
+    can sit in a lower row than its parent."""
+    index = BlockTable(initial_capacity=16)
+    spare = [_ready(index, 0, os.urandom(32)) for _ in range(3)]
+    for bid in spare:
+        index.remove(bid)  # rows 0-2 free: the next adds reuse them, last freed first
+    root = _ready(index, 0, os.urandom(32))
+    chain = [root]
+    for _ in range(40):  # longer than a few doublings
+        child = _ready(index, 0, os.urandom(32))
+        index.link(child, chain[-1])
+        chain.append(child)
+    assert chain[1] < chain[0]  # a child in a lower row than its parent
+    alone = _ready(index, 0, os.urandom(32))
+    assert index.depths(np.array([*chain, alone])).tolist() == [*range(41), 0]
+    # A removed ancestor ends the chain above it: its children count from there.
+    index.remove(chain[10])
+    assert index.depths(np.array(chain[11:14])).tolist() == [0, 1, 2]
+    assert index.depths(np.array(chain[:3])).tolist() == [0, 1, 2]

@@ -68,12 +68,41 @@ async def test_a_limited_direction_waits_and_counts_the_wait():
     counters = Counters()
     engine = TransferEngine(counters)
     try:
+        unlimited = TokenBucket(0)
         bucket = TokenBucket(1 << 20)  # 1 MiB/s, 1 MiB burst
-        await engine._throttle(bucket, 1 << 20, "L1->L2")
+        await engine._throttle(unlimited, bucket, 1 << 20, "L1->L2", Priority.BACKGROUND, None)
         t0 = asyncio.get_running_loop().time()
-        await engine._throttle(bucket, 1 << 18, "L1->L2")
+        await engine._throttle(bucket, unlimited, 1 << 18, "L1->L2", Priority.BACKGROUND, None)
         assert asyncio.get_running_loop().time() - t0 >= 0.2
         assert counters.get("throttled_ms", direction="L1->L2") >= 200
+    finally:
+        engine.close()
+
+
+async def test_a_copy_whose_turn_comes_after_its_deadline_is_dropped_without_waiting():
+    """The flush at stop (tiers.l2.flush_timeout_s) and prefetches pass a deadline: a copy
+    the rate limit would start past it expires at once, instead of sleeping until its turn
+    only to be dropped (which made a throttled flush outlast any timeout). Its bytes stay
+    taken: a smaller copy after it expires too rather than slipping into its room."""
+    clock = Clock()
+    counters = Counters()
+    engine = TransferEngine(counters, clock=clock)
+    try:
+        reads, writes = TokenBucket(0, clock), TokenBucket(1 << 20, clock)
+        await engine._throttle(reads, writes, 1 << 20, "L1->L2", Priority.BACKGROUND, None)
+        for priority in (Priority.BACKGROUND, Priority.PREFETCH):
+            with pytest.raises(PrefetchExpired):  # its turn: in 4 s; its deadline: in 1 s
+                await engine._throttle(
+                    reads, writes, 4 << 20, "L1->L2", priority, deadline=clock.now + 1
+                )
+        # Neither waited (a wait is counted as it starts); only the prefetch counts as an
+        # expired prefetch.
+        assert counters.get("prefetch_expired") == 1
+        assert counters.get("throttled_ms", direction="L1->L2") == 0
+        with pytest.raises(PrefetchExpired):  # 256 KiB would have fitted before the 4 MiB
+            await engine._throttle(
+                reads, writes, 1 << 18, "L1->L2", Priority.BACKGROUND, deadline=clock.now + 1
+            )
     finally:
         engine.close()
 
