@@ -88,6 +88,9 @@ def _client(args: argparse.Namespace) -> Client:
 
 def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
     address = resolve_address(args.address)
+    if isinstance(error, UnavailableError) and error.answered:
+        # It is running: it said why it takes no such call now (draining, stopping).
+        return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
     return (
         f"kvtier: cannot reach kvtierd at {address} ({address_hint(args.address)}): "
         f"{error.details}\n"
@@ -267,7 +270,15 @@ def _drain(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.wait
         while state.sessions and time.monotonic() < deadline:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-            state = client.drain()
+            try:
+                state = client.drain()
+            except UnavailableError as e:
+                # It answered a moment ago: it is stopping (SIGTERM ends every session
+                # first) or gone, and no session is open on it either way.
+                print(
+                    f"stopped: kvtierd at {client.address} went away while draining ({e.details})"
+                )
+                return 0
         if args.wait > 0:
             if state.sessions:
                 print(f"{state.sessions} sessions still open after {args.wait:g}s")

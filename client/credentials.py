@@ -24,6 +24,7 @@ import grpc
 from kvtier.client.errors import (
     DeadlineExceededError,
     KvtierError,
+    PermissionDeniedError,
     UnavailableError,
     error_for_code,
 )
@@ -84,6 +85,12 @@ def _request(path: str, verb: bytes, fd: int | None, timeout_s: float) -> bytes:
         except TimeoutError:
             raise DeadlineExceededError(
                 f"the daemon's credential socket {path} did not answer within {timeout_s}s"
+            ) from None
+        except PermissionError as e:
+            # A daemon is listening there; this user may not connect to it.
+            raise PermissionDeniedError(
+                f"the daemon's credential socket {path} refused this user: {e.strerror or e} "
+                "(the daemon's server.socket_mode and server.socket_group say who may connect)"
             ) from None
         except OSError as e:
             raise UnavailableError(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import grpc
 
+from kvtier.proto.wire import ANSWERED_KEY
+
 
 class KvtierError(Exception):
     """Base of every client error. ``code`` is the gRPC status, ``details`` the daemon's text."""
@@ -53,9 +55,12 @@ class ResourceExhaustedError(KvtierError):
 
 
 class UnavailableError(KvtierError):
-    """The daemon is not reachable (not started, restarting, or shutting down)."""
+    """The daemon is not reachable (not started, restarting, or shutting down), or it
+    answered that it takes no such call now (draining, stopping, or a part it needs is
+    down): then ``answered`` is True."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    answered = False
 
 
 class DeadlineExceededError(KvtierError):
@@ -126,4 +131,16 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
             "stopping, or too many calls were waiting",
             code,
         )
-    return error_for_code(code, details)
+    error = error_for_code(code, details)
+    if isinstance(error, UnavailableError):
+        error.answered = _answered(err)
+    return error
+
+
+def _answered(err: grpc.RpcError) -> bool:
+    """Whether the daemon sent this status itself (see ``ANSWERED_KEY``)."""
+    try:
+        trailing = err.trailing_metadata() or ()  # type: ignore[attr-defined]
+    except Exception:  # an error that is no call: no metadata
+        return False
+    return any(item[0] == ANSWERED_KEY for item in trailing)

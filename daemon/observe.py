@@ -150,9 +150,11 @@ class _ObservedCall:
                 RPC_HISTOGRAM, self._clock() - self._started, method=self._method, code=code
             )
 
-    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", *args: Any, **kwargs: Any
+    ) -> None:
         self.done(str(code.name))
-        await self._context.abort(code, details, *args)
+        await self._context.abort(code, details, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)

@@ -38,7 +38,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -76,7 +76,7 @@ from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_pa
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto.wire import DTYPE_NAMES, tier_enum
+from kvtier.proto.wire import ANSWERED_KEY, DTYPE_NAMES, tier_enum
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,12 @@ class Malformed:
     size: int
 
 
+async def abort_with(context: grpc.aio.ServicerContext, error: KvtierError) -> NoReturn:
+    """End the call with ``error``'s status; an UNAVAILABLE says the daemon sent it."""
+    answered = ((ANSWERED_KEY, "1"),) if status_of(error) == grpc.StatusCode.UNAVAILABLE else ()
+    await context.abort(status_of(error), str(error), trailing_metadata=answered)
+
+
 def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
     """A deserializer that never raises: a payload that does not parse becomes Malformed."""
     name = message_cls.DESCRIPTOR.name
@@ -176,7 +182,7 @@ def _rpc(
                     self.detach(method, work)
                 raise
         except KvtierError as e:
-            await context.abort(status_of(e), str(e))
+            await abort_with(context, e)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception:
@@ -291,7 +297,7 @@ class KVTierServicer:
                 self.ratelog.warning(
                     f"session refused {type(e).__name__}", "session refused: %s", e
                 )
-            await context.abort(status_of(e), str(e))
+            await abort_with(context, e)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception:

@@ -26,3 +26,10 @@ def tier_enum(number: int) -> pb.Tier:
     """A tier's wire number as the enum type protobuf's stubs give the message fields (at run
     time it is the same int)."""
     return cast("pb.Tier", number)
+
+
+ANSWERED_KEY = "kvtier-answered"
+"""Trailing metadata on an UNAVAILABLE status the daemon sends itself (it is draining,
+stopping, or a part it needs is down). gRPC answers UNAVAILABLE for a daemon it cannot reach
+too; the key tells the two apart, so a client does not ask whether a daemon that just
+answered is running."""

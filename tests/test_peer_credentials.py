@@ -427,3 +427,15 @@ def test_a_full_credential_backlog_is_waited_on_until_the_timeout(tmp_path):
             cred.session_ticket(path, timeout_s=0.3)
         for s in queued:
             s.close()
+
+
+def test_a_user_the_socket_refuses_is_told_so_not_that_the_daemon_did_not_answer(daemon_factory):
+    """connect() refused for want of permission was UnavailableError '... did not answer:
+    Permission denied', which the CLI topped with 'Is the daemon running?'."""
+    require_root()
+    d = daemon_factory()  # server.socket_mode: owner and group only
+    os.chmod(daemon_factory._sockdir, 0o711)
+    got = run_as(NOBODY, NOGROUP, lambda: cred.session_ticket(_path(d)).hex())
+    assert got["error"].startswith("PermissionDeniedError: "), got
+    assert "refused this user: Permission denied" in got["error"]
+    assert "server.socket_mode" in got["error"]

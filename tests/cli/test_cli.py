@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import textwrap
@@ -312,3 +313,50 @@ def test_regression_an_address_too_long_for_a_unix_socket(capsys):
     assert code == 3 and "at most 107 bytes" in err
     code, _, err = run_main(capsys, "--address", address, "stats")
     assert code == 1 and "InvalidArgumentError" in err and "at most 107 bytes" in err
+
+
+def test_a_daemon_that_answers_unavailable_is_not_called_unreachable(daemon_factory, tmp_path):
+    """A tenant's `kvtier stats` against a draining daemon was told 'cannot reach kvtierd ...
+    Is the daemon running? Start it with `kvtierd`', under the daemon's own answer. The
+    daemon marks the UNAVAILABLE it sends (ANSWERED_KEY); gRPC's for a daemon it cannot
+    reach has no mark. (Over TCP with a tenant's token: the tests run as root, an admin on
+    the Unix socket, whom a drain does not turn away.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = tmp_path / "t.token"
+    token.write_text("a-long-enough-secret-for-tenant-t\n")
+    token.chmod(0o600)
+    d = daemon_factory(
+        f"server.tcp_address=127.0.0.1:{port}", f"tenants=[{{name: t, token_file: {token}}}]"
+    )
+    assert kvtier("--address", d.address, "drain").returncode == 0
+    tcp = f"127.0.0.1:{port}"
+    out = kvtier("--address", tcp, "--token-file", str(token), "stats")
+    assert out.returncode == 1
+    assert out.stderr.startswith(
+        f"kvtier: kvtierd at {tcp} is unavailable: the daemon is draining"
+    ), out.stderr
+    assert "cannot reach" not in out.stderr and "Is the daemon running" not in out.stderr
+    gone = kvtier("--address", f"unix:{tmp_path}/none.sock", "stats")
+    assert gone.returncode == 1 and "Is the daemon running?" in gone.stderr
+
+
+def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
+    """`kvtier drain --wait` while kvtierd gets SIGTERM ended 'cannot reach', exit 1: the
+    daemon ends every session as it stops, which is what the wait was for."""
+    d = daemon_factory()
+    with d.client() as client:
+        client.stats()  # a session the drain waits for
+        drain = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "--address", d.address, "drain", "--wait", "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert drain.stdout is not None
+        assert drain.stdout.readline().startswith("draining: ")
+        assert d.stop() == 0
+        out, err = drain.communicate(timeout=60)
+    assert drain.returncode == 0, (out, err)
+    assert out.startswith(f"stopped: kvtierd at {d.address} went away while draining"), out

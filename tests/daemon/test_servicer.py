@@ -24,14 +24,19 @@ from kvtier.daemon.server import (
 )
 from kvtier.kernels.layout import MAX_LAYERS
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto.wire import ANSWERED_KEY
 
 
 class FakeContext:
     def __init__(self) -> None:
         self.status: tuple[grpc.StatusCode, str] | None = None
+        self.trailing_metadata: tuple[tuple[str, str], ...] = ()
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(
+        self, code: grpc.StatusCode, details: str, trailing_metadata: tuple = ()
+    ) -> None:
         self.status = (code, details)
+        self.trailing_metadata = tuple(trailing_metadata)
         raise grpc.aio.AbortError()
 
     def peer(self) -> str:
@@ -57,6 +62,9 @@ def _call(servicer: KVTierServicer, method: str, request: object) -> tuple[grpc.
 
     asyncio.run(run())
     assert context.status is not None
+    # Only an UNAVAILABLE is marked as the daemon's own (clients tell it from gRPC's).
+    answered = (ANSWERED_KEY, "1") in context.trailing_metadata
+    assert answered == (context.status[0] == grpc.StatusCode.UNAVAILABLE)
     return context.status
 
 
