@@ -122,10 +122,11 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
     if code is None:
         return KvtierError(details)
     if code == grpc.StatusCode.CANCELLED:
-        # The client never cancels a call whose error it turns into an exception (its own
-        # cancels end jobs and tasks otherwise), so the server's gRPC ended it unanswered: it
-        # is shutting down (calls it holds but has not handed to the daemon end so at
-        # SIGTERM), or it dropped the call past its queue. Either way, try again later.
+        # The client's own cancels end jobs and tasks without turning the call's error into an
+        # exception, and a call its close() ended is closed_error() (Client.error_of), so the
+        # server's gRPC ended this one unanswered: it is shutting down (calls it holds but
+        # has not handed to the daemon end so at SIGTERM), or it dropped the call past its
+        # queue. Either way, try again later.
         return UnavailableError(
             f"the daemon's gRPC server ended the call unanswered ({details}): the daemon is "
             "stopping, or too many calls were waiting",

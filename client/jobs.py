@@ -525,7 +525,7 @@ class TransferJob:
         try:
             response = fut.result()
         except grpc.RpcError as e:
-            self._ended(part, None, from_rpc_error(e))
+            self._ended(part, None, self._client.error_of(e))
         else:
             self._ended(part, response, None)
 

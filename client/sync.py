@@ -264,7 +264,7 @@ class Client:
             try:
                 return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
-                err = from_rpc_error(e)
+                err = self.error_of(e)
             except ValueError:  # grpc's answer to a call on a closed channel
                 if not self._closed:
                     raise
@@ -311,6 +311,15 @@ class Client:
     def stub(self) -> pb_grpc.KVTierStub:
         """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
         return self._stub
+
+    def error_of(self, err: grpc.RpcError) -> KvtierError:
+        """The typed exception for a failed call. ``close()`` closes the channel, and gRPC
+        ends the calls still on it with CANCELLED, which ``from_rpc_error`` reads as the
+        daemon's server ending them: a call this client's own ``close()`` ended is
+        ``closed_error()``, not a daemon going away."""
+        if self._closed:
+            return closed_error()
+        return from_rpc_error(err)
 
     def live_ids(self, binding: PoolBinding) -> tuple[str, int] | None:
         """(session id, pool id) when the session is open and the pool registered in it;
@@ -532,7 +541,7 @@ class Client:
         try:
             status = self._health(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise self.error_of(e) from None
         except ValueError:  # grpc's answer to a call on a closed channel
             if not self._closed:
                 raise

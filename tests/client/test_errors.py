@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 
+from kvtier.client import Client
 from kvtier.client.errors import (
     InvalidArgumentError,
     KvtierError,
@@ -37,3 +41,47 @@ def test_other_codes_keep_their_types():
     err = from_rpc_error(_Failed(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
     assert isinstance(err, InvalidArgumentError) and str(err) == "bad"
     assert type(from_rpc_error(_Failed(grpc.StatusCode.UNKNOWN, "?"))) is KvtierError
+
+
+def test_regression_a_call_the_client_s_own_close_ended_read_as_the_daemon_stopping():
+    """``close()`` on another thread ends the calls in flight on the channel with CANCELLED,
+    which the client now reads as the daemon's server ending them: a blocked call got
+    UnavailableError 'the daemon is stopping', blaming the daemon for the caller's own close.
+    It is the closed client's error, as for a call made after the close."""
+    arrived, release = threading.Event(), threading.Event()
+
+    def check(request: bytes, context: object) -> bytes:
+        arrived.set()
+        release.wait(10)
+        return b""
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "grpc.health.v1.Health", {"Check": grpc.unary_unary_rpc_method_handler(check)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = Client(f"127.0.0.1:{port}", timeout_s=10)
+    errors: list[BaseException] = []
+
+    def probe() -> None:
+        try:
+            client.health()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=probe)
+    try:
+        thread.start()
+        assert arrived.wait(10)
+        client.close()
+        thread.join(10)
+    finally:
+        release.set()
+        server.stop(None)
+    assert len(errors) == 1 and isinstance(errors[0], UnavailableError)
+    assert str(errors[0]) == "the client was closed"
