@@ -185,8 +185,15 @@ def checked_address(address: str) -> str:
     """``address``, or InvalidArgumentError when it names a Unix socket path that no socket can
     have: gRPC took such a channel and failed each call with UNKNOWN 'Failed to create
     channel', after its core printed a line of its own."""
-    if address.startswith("unix:") and not address.startswith("unix://"):
-        size = len(address[len("unix:") :].encode())
+    # "unix:PATH" and "unix:///abs/path" (the URI form, which resolve_address leaves as is)
+    # name the same kind of socket; both are checked.
+    path = None
+    if address.startswith("unix://"):
+        path = address[len("unix://") :]
+    elif address.startswith("unix:"):
+        path = address[len("unix:") :]
+    if path is not None:
+        size = len(path.encode())
         if size > MAX_UNIX_PATH_BYTES:
             raise InvalidArgumentError(
                 f"address {address}: a Unix socket path holds at most {MAX_UNIX_PATH_BYTES} "

@@ -360,3 +360,11 @@ def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
         out, err = drain.communicate(timeout=60)
     assert drain.returncode == 0, (out, err)
     assert out.startswith(f"stopped: kvtierd at {d.address} went away while draining"), out
+
+
+def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(capsys):
+    """The check took only 'unix:PATH': the URI form 'unix:///PATH' of the same too-long path
+    went to gRPC as before (its core's line, UNKNOWN 'Failed to create channel', health 1)."""
+    address = "unix:///tmp/" + "x" * 120 + ".sock"
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and "at most 107 bytes" in err
