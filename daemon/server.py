@@ -141,6 +141,7 @@ async def abort_with(context: grpc.aio.ServicerContext, error: KvtierError) -> N
     """End the call with ``error``'s status; an UNAVAILABLE says the daemon sent it."""
     answered = ((ANSWERED_KEY, "1"),) if status_of(error) == grpc.StatusCode.UNAVAILABLE else ()
     await context.abort(status_of(error), str(error), trailing_metadata=answered)
+    raise AssertionError("unreachable: abort raises")
 
 
 def _lenient(message_cls: Any) -> Callable[[bytes], Any]:
