@@ -645,6 +645,17 @@ class PolicyConfig:
             "for at most this long (0: Prefetch protects nothing)",
         ),
     )
+    history_factor: float = field(
+        default=2.0,
+        metadata=_opt(
+            "float",
+            lo=0,
+            hi=64,
+            doc="the policies remember dropped blocks (their index rows: 170-250 bytes each "
+            "with the policy's, as much as a held block's) up to this many times the blocks "
+            "held, so a block that returns is known; 0 forgets a block as it goes",
+        ),
+    )
 
     def check(self) -> None:
         _check_policy("policy.name", self.name)

@@ -149,6 +149,7 @@ class BlockStore:
             checksummed=tuple(lv.checksummed for lv in self.stack),
             accounted=tuple(not lv.keyed for lv in self.stack),
         )
+        self.table.history_factor = config.policy.history_factor
         self.counters = Counters()
         c = self.counters
         # Counters of every request's path, resolved once (Counters.key).

@@ -17,7 +17,13 @@ Invariants:
 - A row carries a generation that grows each time the row is freed. A *ref* (``ref(bid)``:
   generation and row in one int64) held across an await, in a lease or a chain link, names
   one block for good: ``resolve`` answers -1 once the row holds another block. Policies index
-  by row and hear ``forget`` (through ``on_free``) before a row is reused.
+  by row and hear ``forget`` (through ``on_free``) before a row is reused for another key.
+- History. A removed block's row is kept for its key a while (``history_factor`` times the
+  live blocks, the oldest removal released first) before another key may take it: the same
+  key added again meanwhile gets the same row back, so the policies, which keep a block's
+  history by row (its heat, whether it was seen), recognise a block that returns after it
+  was dropped. Forgetting at once cost the heat policy half its hits at small capacities on
+  the public trace (``kvtier replay --forget-dropped --history-factor 0``).
 - The hash table is open addressing with linear probing and tombstones, keyed by a secret
   per-process salt and by every word of a key, so clients cannot aim keys at one probe chain.
 
@@ -51,6 +57,9 @@ _ROW_MASK = (1 << _ROW_BITS) - 1
 
 _MAX_LOAD = 0.5
 _SCALAR_TAIL = 8
+# History (see the module docstring) is kept for at least this many removed blocks, however
+# few are live.
+MIN_HISTORY_BASE = 1024
 # Probe positions per key that a batch lookup examines in one pass.
 _WINDOW = 4
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -111,6 +120,11 @@ class BlockTable:
         self._capacity = 0
         self._free_rows: list[int] = []
         self._next_row = 0
+        # Rows of removed blocks kept for their keys (see History): identity -> row, oldest
+        # removal first, and the way back.
+        self.history_factor = 0.0
+        self._dropped: dict[int, int] = {}
+        self._dropped_of: dict[int, int] = {}
         # Per-block fields.
         self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
         # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
@@ -341,7 +355,14 @@ class BlockTable:
 
     def add(self, ns: int, words: np.ndarray, nbytes: int, owner: int = 0) -> int:
         """Create a block in state WRITING and return its id. The key must be absent."""
-        if self._free_rows:
+        bid = -1
+        if self._dropped:
+            bid = self._dropped.pop(self._hash_one(ns, words), -1)
+            if bid >= 0:
+                del self._dropped_of[bid]  # its row again, with its history
+        if bid >= 0:
+            pass
+        elif self._free_rows:
             bid = self._free_rows.pop()
         else:
             if self._next_row == self._capacity:
@@ -387,12 +408,23 @@ class BlockTable:
             return np.fromiter(
                 (self.add(int(ns), words[i], int(nbytes), owner) for i in range(n)), np.int64, n
             )
-        reuse = self._free_rows[-n:][::-1] if self._free_rows else []
+        back = np.full(n, -1, dtype=np.int64)
+        if self._dropped:  # keys added again get their rows back (see History)
+            dropped, dropped_of = self._dropped, self._dropped_of
+            for i, ident in enumerate(self._hash(ns, words).tolist()):
+                row = dropped.pop(ident, -1)
+                if row >= 0:
+                    del dropped_of[row]
+                    back[i] = row
+        need = np.flatnonzero(back < 0)
+        m = len(need)
+        reuse = self._free_rows[-m:][::-1] if self._free_rows and m else []
         del self._free_rows[len(self._free_rows) - len(reuse) :]
-        fresh = n - len(reuse)
+        fresh = m - len(reuse)
         while self._next_row + fresh > self._capacity:
             self._grow(self._capacity * 2)
-        bids = np.concatenate(
+        bids = back
+        bids[need] = np.concatenate(
             [
                 np.asarray(reuse, dtype=np.int64),
                 np.arange(self._next_row, self._next_row + fresh, dtype=np.int64),
@@ -454,9 +486,33 @@ class BlockTable:
         self.state[bid] = FREE
         self.gen[bid] += 1
         self._count -= 1
+        if self.history_factor <= 0:
+            self._release(bid)
+            return
+        ident = self._hash_one(ns, self.keys[bid])
+        older = self._dropped.pop(ident, -1)
+        if older >= 0:  # not expected (an add takes the row back), but never leak a row
+            del self._dropped_of[older]
+            self._release(older)
+        self._dropped[ident] = bid
+        self._dropped_of[bid] = ident
+        limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
+        while len(self._dropped) > limit:
+            oldest = next(iter(self._dropped))
+            self._release(self._dropped.pop(oldest))
+            # (``_dropped_of`` is cleaned in ``_release``.)
+
+    def _release(self, bid: int) -> None:
+        """Free ``bid``'s row for any key; its history goes (``on_free``)."""
+        self._dropped_of.pop(bid, None)
         self._free_rows.append(bid)
         for listener in self.on_free:
             listener(bid)
+
+    @property
+    def history_rows(self) -> int:
+        """Rows kept for the keys of removed blocks (see History)."""
+        return len(self._dropped)
 
     def live_ids(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self._next_row] != FREE)

@@ -100,7 +100,15 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument(
         "--forget-dropped",
         action="store_true",
-        help="policies forget a block that has no copy left, as the daemon reuses its id",
+        help="policies forget a block that has no copy left once --history-factor times the "
+        "blocks held were dropped after it, as the daemon does (default: never forget)",
+    )
+    p.add_argument(
+        "--history-factor",
+        type=_non_negative_float,
+        default=2.0,
+        help="with --forget-dropped: how much history of dropped blocks is kept, times the "
+        "blocks held (default 2, the daemon's policy.history_factor; 0: none)",
     )
     p.add_argument("--half-life", type=_positive_float, help="heat half-life in seconds")
     c = p.add_argument_group(
@@ -203,6 +211,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         queue_window_s=args.queue_window,
         l1_watermarks=args.l1_watermarks,
         forget_dropped=args.forget_dropped,
+        history_factor=args.history_factor,
     )
     cluster = _cluster(args)
     trace = load_trace(args.trace, args.block_tokens)

@@ -30,8 +30,10 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
   policy with an ``admits`` method (hit density) is also asked, after the rule, and told of
   the accesses it did not keep (``note_miss``).
 - **Ids.** The trace's hash ids are renumbered densely and stay stable for the whole replay;
-  a policy keeps what it knows of a block across its stays (the daemon's store reuses the id
-  of a block with no copy left and calls ``forget``; ``forget_dropped=True`` does the same).
+  a policy keeps what it knows of a block across its stays. The daemon keeps a dropped
+  block's row, and so its history, only until ``history_factor`` times the blocks it holds
+  were dropped after it, then calls ``forget`` and reuses the row (``BlockTable``, History);
+  ``forget_dropped=True`` does the same.
 
 **A cluster** (``ClusterConfig``, ``kvtier.sim.cluster``): N nodes, each the stack above with
 its own policy objects, and one L3 they share. A routing rule gives each request to a node;
@@ -79,6 +81,7 @@ from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admissio
 from kvtier.daemon.policy.base import NO_VICTIM, EvictableFn, EvictionPolicy
 from kvtier.daemon.policy.guard import EvictionGuard
 from kvtier.daemon.policy.registry import default_admission, make_policy
+from kvtier.daemon.table import MIN_HISTORY_BASE
 from kvtier.sim.cluster import ClusterConfig, L3Stats, SharedStore, route_requests
 from kvtier.sim.trace import Trace, next_uses
 
@@ -101,6 +104,7 @@ class StackConfig:
     queue_window_s: float = 0.0
     l1_watermarks: tuple[float, float] | None = None
     forget_dropped: bool = False
+    history_factor: float = 2.0
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -417,6 +421,10 @@ class _Engine:
         self.offsets: list[int] = trace.offsets.tolist()
         self.stamps: list[float] = trace.timestamps_s.tolist()
         self.copies = bytearray(trace.unique_blocks)
+        # With ``forget_dropped``: blocks with a copy, and the dropped blocks whose history
+        # the daemon would still keep, oldest drop first (``_dropped``).
+        self.live = 0
+        self.history: dict[int, None] = {}
         self.parent = [-1] * trace.unique_blocks
         self.last = np.full(trace.unique_blocks, -math.inf)
         self.now = -math.inf
@@ -685,8 +693,7 @@ class _Engine:
         """A read found a block gone from L3 that the node thought was there."""
         l3.known[b] = 0
         if self.stack.forget_dropped and not self.copies[b]:
-            for t in self.tiers:
-                t.policy.forget(b)
+            self._dropped(b)
 
     def _hint_events(self) -> list[tuple[float, int]]:
         window = self.stack.queue_window_s
@@ -761,6 +768,9 @@ class _Engine:
         tier.policy.insert(b, now, parent)
         tier.epoch += 1
         tier.count += 1
+        if not self.copies[b] and not (self.l3 is not None and self.l3.known[b]):
+            self.live += 1
+            self.history.pop(b, None)  # held again: its row is no longer history
         self.copies[b] |= tier.bit
         if tier.bit == _L2:
             self.l2_writes += 1
@@ -807,8 +817,26 @@ class _Engine:
             and not (l3 is not None and l3.known[victim])
         ):
             # The daemon's table keeps a block while any tier, L3 included, holds it.
+            self._dropped(victim)
+
+    def _dropped(self, b: int) -> None:
+        """``b`` has no copy left. The daemon keeps its row, and so its history, for its key
+        until ``history_factor`` times the blocks held were dropped after it (``BlockTable``,
+        History); its policies forget it then, or at once with a factor of 0."""
+        self.live -= 1
+        factor = self.stack.history_factor
+        if factor <= 0:
             for t in self.tiers:
-                t.policy.forget(victim)
+                t.policy.forget(b)
+            return
+        history = self.history
+        history[b] = None
+        limit = int(factor * max(self.live, MIN_HISTORY_BASE))
+        while len(history) > limit:
+            oldest = next(iter(history))
+            del history[oldest]
+            for t in self.tiers:
+                t.policy.forget(oldest)
 
 
 def _one_victim(policy: Any) -> Callable[[float, int], int]:

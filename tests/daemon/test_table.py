@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from kvtier.daemon.table import READY, BlockTable, keys_to_words
+from kvtier.daemon.table import MIN_HISTORY_BASE, READY, BlockTable, keys_to_words
 
 
 def _ready(index: BlockTable, ns: int, key: bytes) -> int:
@@ -281,3 +281,52 @@ def test_depths_count_live_ancestors_whatever_the_rows_order():
     index.remove(chain[10])
     assert index.depths(np.array(chain[11:14])).tolist() == [0, 1, 2]
     assert index.depths(np.array(chain[:3])).tolist() == [0, 1, 2]
+
+
+def test_a_removed_key_added_again_gets_its_row_back_while_history_holds_it():
+    """The policies keep a block's history by row: a key dropped and stored again within
+    the history gets the same row and no forget; past the history its row goes to another
+    key, after a forget."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0
+    forgot: list[int] = []
+    index.on_free.append(forgot.append)
+    key = os.urandom(32)
+    first = _ready(index, 5, key)
+    gen = int(index.gen[first])
+    index.remove(first)
+    assert index.lookup(5, keys_to_words([key])).tolist() == [-1]  # absent meanwhile
+    assert forgot == [] and index.history_rows == 1
+    again = _ready(index, 5, key)
+    assert again == first and forgot == [] and index.history_rows == 0
+    assert int(index.gen[again]) == gen + 1  # refs to the dropped block stay dead
+    assert index.lookup(5, keys_to_words([key])).tolist() == [again]
+    # Another namespace's same key is another block: no row back.
+    assert _ready(index, 6, key) != first
+    # add_many takes rows back too, each its own, in the batch's order.
+    batch = [os.urandom(32) for _ in range(40)]
+    rows = index.add_many(5, keys_to_words(batch), 4096)
+    for bid in rows[::2].tolist():
+        index.remove(bid)
+    back = index.add_many(5, keys_to_words([*batch[::2], os.urandom(32)]), 4096)
+    assert back[:20].tolist() == rows[::2].tolist() and back[20] not in rows.tolist()
+    assert forgot == []
+
+
+def test_the_history_keeps_the_latest_removals_and_forgets_the_oldest_first():
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0  # at least MIN_HISTORY_BASE rows, however few are live
+    forgot: list[int] = []
+    index.on_free.append(forgot.append)
+    keys = [os.urandom(32) for _ in range(MIN_HISTORY_BASE + 3)]
+    rows = [_ready(index, 0, k) for k in keys]
+    for bid in rows:
+        index.remove(bid)
+    assert index.history_rows == MIN_HISTORY_BASE
+    assert forgot == rows[:3]  # the oldest three released, each told once
+    assert _ready(index, 0, keys[0]) in rows[:3]  # its row went to the free list
+    assert _ready(index, 0, keys[-1]) == rows[-1]  # still in history: its own row
+    index.history_factor = 0.0
+    bid = _ready(index, 0, os.urandom(32))
+    index.remove(bid)
+    assert forgot[-1] == bid  # no history: forgotten at once

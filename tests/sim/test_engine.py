@@ -364,19 +364,23 @@ def test_queue_hints_raise_the_hit_ratio_on_chat() -> None:
 # ------------------------------------------------------ forgetting, watermarks
 
 
-def test_forget_dropped_erases_what_policies_remember() -> None:
-    # ARC remembers evicted ids in its ghost lists; a daemon that reuses the id of a block
-    # with no copy left forgets it. On a trace with returns, the ghosts make a difference.
+def test_forget_dropped_erases_what_policies_remember_past_the_daemons_history() -> None:
+    # ARC remembers evicted ids in its ghost lists. The daemon keeps a dropped block's row
+    # (its history) until history_factor times the blocks held were dropped after it, then
+    # forgets it; with no history it forgets at once. On a trace with returns, the ghosts make
+    # a difference.
     trace = chat(8, 300.0)
     cap = sweep_capacities(trace.cacheable().unique_blocks, [2])[0]
     stable = replay(trace, "arc", cap)
-    forgetful = replay(trace, "arc", cap, stack=StackConfig(forget_dropped=True))
-    assert stable.hits != forgetful.hits
+    at_once = StackConfig(forget_dropped=True, history_factor=0.0)
+    assert replay(trace, "arc", cap, stack=at_once).hits != stable.hits
+    # A history longer than all the trace's drops forgets nothing.
+    assert trace.unique_blocks < 64 * 1024
+    long = StackConfig(forget_dropped=True, history_factor=64.0)
+    assert replay(trace, "arc", cap, stack=long).hits == stable.hits
+    assert replay(trace, "heat", cap, stack=long).hits == replay(trace, "heat", cap).hits
     # LRU keeps no history: nothing changes.
-    assert (
-        replay(trace, "lru", cap).hits
-        == replay(trace, "lru", cap, stack=StackConfig(forget_dropped=True)).hits
-    )
+    assert replay(trace, "lru", cap).hits == replay(trace, "lru", cap, stack=at_once).hits
 
 
 def test_watermarks_empty_l1_down_to_the_low_mark() -> None:
