@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -43,45 +44,55 @@ def test_other_codes_keep_their_types():
     assert type(from_rpc_error(_Failed(grpc.StatusCode.UNKNOWN, "?"))) is KvtierError
 
 
+# A health service whose Check never answers, in a process of its own: a gRPC server left in
+# the test process (its threads outlive stop()) made a later fork() in the same process hang
+# in gRPC's fork handler (tests/peers.py forks).
+_SILENT_SERVER = """
+import sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+import grpc
+
+def check(request, context):
+    print("arrived", flush=True)
+    time.sleep(60)
+    return b""
+
+server = grpc.server(ThreadPoolExecutor(2))
+server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+    "grpc.health.v1.Health", {"Check": grpc.unary_unary_rpc_method_handler(check)}),))
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+server.wait_for_termination()
+"""
+
+
 def test_regression_a_call_the_client_s_own_close_ended_read_as_the_daemon_stopping():
     """``close()`` on another thread ends the calls in flight on the channel with CANCELLED,
     which the client now reads as the daemon's server ending them: a blocked call got
     UnavailableError 'the daemon is stopping', blaming the daemon for the caller's own close.
     It is the closed client's error, as for a call made after the close."""
-    arrived, release = threading.Event(), threading.Event()
-
-    def check(request: bytes, context: object) -> bytes:
-        arrived.set()
-        release.wait(10)
-        return b""
-
-    server = grpc.server(ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "grpc.health.v1.Health", {"Check": grpc.unary_unary_rpc_method_handler(check)}
-            ),
-        )
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SILENT_SERVER], stdout=subprocess.PIPE, text=True
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    client = Client(f"127.0.0.1:{port}", timeout_s=10)
-    errors: list[BaseException] = []
-
-    def probe() -> None:
-        try:
-            client.health()
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=probe)
     try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = Client(f"127.0.0.1:{port}", timeout_s=10)
+        errors: list[BaseException] = []
+
+        def probe() -> None:
+            try:
+                client.health()
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=probe)
         thread.start()
-        assert arrived.wait(10)
+        assert server.stdout.readline().strip() == "arrived"
         client.close()
         thread.join(10)
     finally:
-        release.set()
-        server.stop(None)
+        server.kill()
+        server.wait()
     assert len(errors) == 1 and isinstance(errors[0], UnavailableError)
     assert str(errors[0]) == "the client was closed"
