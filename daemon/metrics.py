@@ -299,6 +299,12 @@ STORE_GAUGES: dict[str, MetricDef] = {
     "background_tasks": _g(
         "kvtier_background_tasks", (), "Background transfers (prefetch, write-back) in flight."
     ),
+    "blocks_remembered": _g(
+        "kvtier_blocks_remembered",
+        (),
+        "Dropped blocks whose index rows and policy history are kept for their keys "
+        "(policy.history_factor).",
+    ),
 }
 
 HISTOGRAMS: dict[str, MetricDef] = {

@@ -1895,7 +1895,9 @@ async def test_a_block_dropped_and_stored_again_keeps_its_heat_within_the_histor
     assert heat[bid] == pytest.approx(4.0)  # stored and read three times, no time passed
     await store.delete(0, key)
     assert present(store, key) == [False]
+    assert store.gauges()["blocks_remembered"] == (1 if history else 0)
     await put(store, pool, key)
+    assert store.gauges()["blocks_remembered"] == 0
     again = int(store.table.lookup(0, key)[0])
     if history:
         assert again == bid and heat[again] == pytest.approx(5.0)
