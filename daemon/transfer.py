@@ -34,6 +34,8 @@ slots the store has marked in flight.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import time
@@ -428,8 +430,16 @@ class TransferEngine:
             return context.run(fn, *args)
 
         self._running += 1
+        future = self.executor.submit(priority, job)
         try:
-            return await asyncio.wrap_future(self.executor.submit(priority, job))
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The cancel reached the job: one not started never runs. One running goes on (a
+            # thread cannot be stopped) copying into the caller's slots from its pool's
+            # memory, which the caller gives back as it unwinds: it waits for the job first.
+            if not future.cancelled():
+                await _until_done(future)
+            raise
         finally:
             self._running -= 1
 
@@ -474,3 +484,14 @@ class TransferEngine:
         direction = f"{src}->{dst}"
         self.counters.inc("transferred_blocks", blocks, direction=direction)
         self.counters.inc("transferred_bytes", blocks * nbytes, direction=direction)
+
+
+async def _until_done(future: concurrent.futures.Future[Any]) -> None:
+    """Wait for a worker thread's job to end, whatever it returns or raises, through any
+    number of cancels (the caller re-raises the first once the job is done)."""
+    done = asyncio.wrap_future(future)
+    while not done.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(done)
+    if not done.cancelled():
+        done.exception()  # retrieved: the caller's cancel is what goes on

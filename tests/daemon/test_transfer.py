@@ -134,3 +134,37 @@ async def test_gpu_pages_without_a_gpu_tier_are_refused_not_touched():
     finally:
         engine.close()
         stack.close()
+
+
+async def test_a_cancelled_transfer_ends_only_when_its_running_job_does():
+    """A put cancelled while its copy job ran (the daemon stopping) gave its slots back at
+    once, while the worker thread still copied into them from the engine's pool. Now the
+    cancelled caller waits for a job that already runs (through further cancels), and a job
+    that had not started never runs."""
+    import threading
+
+    engine = TransferEngine(Counters())
+    try:
+        started, release = threading.Event(), threading.Event()
+        ran: list[str] = []
+
+        def copy() -> None:
+            started.set()
+            release.wait(10)
+            ran.append("copy")
+
+        call = asyncio.ensure_future(engine.run(Priority.DEMAND, copy))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        call.cancel()
+        await asyncio.sleep(0.05)
+        assert not call.done()  # still waiting for the thread
+        call.cancel()  # a second cancel changes nothing
+        await asyncio.sleep(0.05)
+        assert not call.done() and ran == []
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert ran == ["copy"]
+    finally:
+        engine.close()
