@@ -651,9 +651,9 @@ class PolicyConfig:
             "float",
             lo=0,
             hi=64,
-            doc="the policies remember dropped blocks (their index rows: 170-250 bytes each "
-            "with the policy's, as much as a held block's) up to this many times the blocks "
-            "held, so a block that returns is known; 0 forgets a block as it goes",
+            doc="the policies remember dropped blocks (their index rows and policy state and "
+            "an entry of the history map: 250-350 bytes each) up to this many times the "
+            "blocks held, so a block that returns is known; 0 forgets a block as it goes",
         ),
     )
 

@@ -121,10 +121,9 @@ class BlockTable:
         self._free_rows: list[int] = []
         self._next_row = 0
         # Rows of removed blocks kept for their keys (see History): identity -> row, oldest
-        # removal first, and the way back.
+        # removal first (about 110 bytes an entry).
         self.history_factor = 0.0
         self._dropped: dict[int, int] = {}
-        self._dropped_of: dict[int, int] = {}
         # Per-block fields.
         self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
         # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
@@ -357,9 +356,8 @@ class BlockTable:
         """Create a block in state WRITING and return its id. The key must be absent."""
         bid = -1
         if self._dropped:
+            # Its row again, with its history (-1: none).
             bid = self._dropped.pop(self._hash_one(ns, words), -1)
-            if bid >= 0:
-                del self._dropped_of[bid]  # its row again, with its history
         if bid >= 0:
             pass
         elif self._free_rows:
@@ -410,12 +408,9 @@ class BlockTable:
             )
         back = np.full(n, -1, dtype=np.int64)
         if self._dropped:  # keys added again get their rows back (see History)
-            dropped, dropped_of = self._dropped, self._dropped_of
+            dropped = self._dropped
             for i, ident in enumerate(self._hash(ns, words).tolist()):
-                row = dropped.pop(ident, -1)
-                if row >= 0:
-                    del dropped_of[row]
-                    back[i] = row
+                back[i] = dropped.pop(ident, -1)
         need = np.flatnonzero(back < 0)
         m = len(need)
         reuse = self._free_rows[-m:][::-1] if self._free_rows and m else []
@@ -492,19 +487,15 @@ class BlockTable:
         ident = self._hash_one(ns, self.keys[bid])
         older = self._dropped.pop(ident, -1)
         if older >= 0:  # not expected (an add takes the row back), but never leak a row
-            del self._dropped_of[older]
             self._release(older)
         self._dropped[ident] = bid
-        self._dropped_of[bid] = ident
         limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
         while len(self._dropped) > limit:
             oldest = next(iter(self._dropped))
             self._release(self._dropped.pop(oldest))
-            # (``_dropped_of`` is cleaned in ``_release``.)
 
     def _release(self, bid: int) -> None:
         """Free ``bid``'s row for any key; its history goes (``on_free``)."""
-        self._dropped_of.pop(bid, None)
         self._free_rows.append(bid)
         for listener in self.on_free:
             listener(bid)
