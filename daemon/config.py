@@ -652,7 +652,7 @@ class PolicyConfig:
             lo=0,
             hi=64,
             doc="the policies remember dropped blocks (their index rows and policy state and "
-            "an entry of the history map: 250-350 bytes each) up to this many times the "
+            "an entry of the history map: 300-400 bytes each) up to this many times the "
             "blocks held, so a block that returns is known; 0 forgets a block as it goes",
         ),
     )

@@ -33,6 +33,7 @@ Not thread-safe: owned by the store, which touches it from one thread.
 from __future__ import annotations
 
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -121,9 +122,10 @@ class BlockTable:
         self._free_rows: list[int] = []
         self._next_row = 0
         # Rows of removed blocks kept for their keys (see History): identity -> row, oldest
-        # removal first (about 110 bytes an entry).
+        # removal first. An OrderedDict (about 160 bytes an entry): taking the oldest from a
+        # plain dict walks the deleted entries at its front, 74 us a removal at 400k rows.
         self.history_factor = 0.0
-        self._dropped: dict[int, int] = {}
+        self._dropped: OrderedDict[int, int] = OrderedDict()
         # Per-block fields.
         self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
         # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
@@ -491,8 +493,7 @@ class BlockTable:
         self._dropped[ident] = bid
         limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
         while len(self._dropped) > limit:
-            oldest = next(iter(self._dropped))
-            self._release(self._dropped.pop(oldest))
+            self._release(self._dropped.popitem(last=False)[1])
 
     def _release(self, bid: int) -> None:
         """Free ``bid``'s row for any key; its history goes (``on_free``)."""

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -424,7 +424,7 @@ class _Engine:
         # With ``forget_dropped``: blocks with a copy, and the dropped blocks whose history
         # the daemon would still keep, oldest drop first (``_dropped``).
         self.live = 0
-        self.history: dict[int, None] = {}
+        self.history: OrderedDict[int, None] = OrderedDict()
         self.parent = [-1] * trace.unique_blocks
         self.last = np.full(trace.unique_blocks, -math.inf)
         self.now = -math.inf
@@ -833,8 +833,7 @@ class _Engine:
         history[b] = None
         limit = int(factor * max(self.live, MIN_HISTORY_BASE))
         while len(history) > limit:
-            oldest = next(iter(history))
-            del history[oldest]
+            oldest, _ = history.popitem(last=False)
             for t in self.tiers:
                 t.policy.forget(oldest)
 
