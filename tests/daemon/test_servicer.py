@@ -18,6 +18,7 @@ from kvtier.daemon.server import (
     MAX_OPEN_SESSION_BYTES,
     KVTierServicer,
     Malformed,
+    RequestReceiver,
     _health_handlers,
     _lenient,
     layout_from_pb,
@@ -183,3 +184,34 @@ def test_regression_requests_after_sigterm_were_told_their_session_was_not_found
     servicer.closing.set()
     code, details = _call(servicer, "Lookup", pb.LookupRequest(session_id="gone"))
     assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in details
+
+
+def test_past_its_limit_the_receiver_ends_the_call_that_has_waited_longest():
+    """Calls waiting for their request are bounded: one more ends the oldest waiter with
+    RESOURCE_EXHAUSTED, the others keep waiting (the daemon-level test in
+    tests/test_slow_requests.py cannot tell which: gRPC starts handlers out of the order the
+    calls were opened in)."""
+    from collections import Counter
+
+    class Waiting(FakeContext):
+        async def read(self) -> object:
+            await asyncio.Event().wait()  # the rest of the request never comes
+
+    async def run() -> None:
+        counters: Counter[str] = Counter()
+        receiver = RequestReceiver(3, 100.0, counters)
+        contexts = [Waiting() for _ in range(4)]
+        tasks = []
+        for ctx in contexts:
+            tasks.append(asyncio.ensure_future(receiver.receive(ctx)))
+            await asyncio.sleep(0)  # each begins to wait before the next arrives
+        await asyncio.sleep(0.01)
+        assert contexts[0].status is not None
+        assert contexts[0].status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [c.status for c in contexts[1:]] == [None, None, None]
+        assert counters["requests_unreceived"] == 1
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
