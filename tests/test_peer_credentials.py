@@ -439,3 +439,23 @@ def test_a_user_the_socket_refuses_is_told_so_not_that_the_daemon_did_not_answer
     assert got["error"].startswith("PermissionDeniedError: "), got
     assert "refused this user: Permission denied" in got["error"]
     assert "server.socket_mode" in got["error"]
+
+
+def test_a_tcp_address_of_port_0_announces_the_port_it_took(daemon_factory, tmp_path):
+    """Port 0 takes a free port; the daemon announced '127.0.0.1:0', which no client can use."""
+    import re
+
+    token = tmp_path / "remote.token"
+    token.write_text("a-long-enough-secret-for-remote\n")
+    token.chmod(0o600)
+    d = daemon_factory(
+        "server.tcp_address=127.0.0.1:0", f"tenants=[{{name: remote, token_file: {token}}}]"
+    )
+    found = re.search(r"listening on unix:\S+, 127\.0\.0\.1:(\d+)", d.log())
+    assert found, d.log()
+    port = int(found.group(1))
+    assert port > 0
+    from kvtier.client import Client
+
+    with Client(f"127.0.0.1:{port}", token_file=str(token)) as client:
+        assert client.tenant == "remote"
