@@ -139,8 +139,9 @@ class Malformed:
 
 async def abort_with(context: grpc.aio.ServicerContext, error: KvtierError) -> NoReturn:
     """End the call with ``error``'s status; an UNAVAILABLE says the daemon sent it."""
-    answered = ((ANSWERED_KEY, "1"),) if status_of(error) == grpc.StatusCode.UNAVAILABLE else ()
-    await context.abort(status_of(error), str(error), trailing_metadata=answered)
+    code = status_of(error)
+    answered = ((ANSWERED_KEY, "1"),) if code == grpc.StatusCode.UNAVAILABLE else ()
+    await context.abort(code, str(error), trailing_metadata=answered)
     raise AssertionError("unreachable: abort raises")
 
 

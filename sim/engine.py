@@ -768,7 +768,11 @@ class _Engine:
         tier.policy.insert(b, now, parent)
         tier.epoch += 1
         tier.count += 1
-        if not self.copies[b] and not (self.l3 is not None and self.l3.known[b]):
+        if (
+            self.stack.forget_dropped
+            and not self.copies[b]
+            and not (self.l3 is not None and self.l3.known[b])
+        ):
             self.live += 1
             self.history.pop(b, None)  # held again: its row is no longer history
         self.copies[b] |= tier.bit
