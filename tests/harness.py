@@ -144,3 +144,12 @@ class DaemonFactory:
         for d in self._daemons:
             d.stop(timeout_s=15.0)  # kills the daemon if it does not stop in time
         shutil.rmtree(self._sockdir, ignore_errors=True)
+
+
+def tenant_token(folder: Path, name: str) -> tuple[Path, str]:
+    """A token file of tenant ``name`` in ``folder``, private to its owner as the daemon
+    requires, and the ``tenants=`` override that declares the tenant by it."""
+    token = folder / f"{name}.token"
+    token.write_text(f"a-long-enough-secret-for-tenant-{name}\n")
+    token.chmod(0o600)
+    return token, f"tenants=[{{name: {name}, token_file: {token}}}]"

@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+from harness import tenant_token
 from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier.client import (
@@ -338,13 +339,8 @@ def test_a_session_over_tcp_needs_a_token_and_registers_no_memory(daemon_factory
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    token = tmp_path / "remote.token"
-    token.write_text("a-long-enough-secret-for-remote\n")
-    token.chmod(0o600)
-    d = daemon_factory(
-        f"server.tcp_address=127.0.0.1:{port}",
-        f"tenants=[{{name: remote, token_file: {token}}}]",
-    )
+    token, tenants = tenant_token(tmp_path, "remote")
+    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
     from kvtier.client import Client
 
     with Client(f"127.0.0.1:{port}") as client, pytest.raises(UnauthenticatedError, match="token"):
@@ -445,12 +441,8 @@ def test_a_tcp_address_of_port_0_announces_the_port_it_took(daemon_factory, tmp_
     """Port 0 takes a free port; the daemon announced '127.0.0.1:0', which no client can use."""
     import re
 
-    token = tmp_path / "remote.token"
-    token.write_text("a-long-enough-secret-for-remote\n")
-    token.chmod(0o600)
-    d = daemon_factory(
-        "server.tcp_address=127.0.0.1:0", f"tenants=[{{name: remote, token_file: {token}}}]"
-    )
+    token, tenants = tenant_token(tmp_path, "remote")
+    d = daemon_factory("server.tcp_address=127.0.0.1:0", tenants)
     found = re.search(r"listening on unix:\S+, 127\.0\.0\.1:(\d+)", d.log())
     assert found, d.log()
     port = int(found.group(1))

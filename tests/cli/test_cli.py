@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 import pytest
+from harness import tenant_token
 
 from kvtier import paths
 from kvtier.client import PoolLayout, SharedMemoryPool
@@ -324,12 +325,8 @@ def test_a_daemon_that_answers_unavailable_is_not_called_unreachable(daemon_fact
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    token = tmp_path / "t.token"
-    token.write_text("a-long-enough-secret-for-tenant-t\n")
-    token.chmod(0o600)
-    d = daemon_factory(
-        f"server.tcp_address=127.0.0.1:{port}", f"tenants=[{{name: t, token_file: {token}}}]"
-    )
+    token, tenants = tenant_token(tmp_path, "t")
+    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
     assert kvtier("--address", d.address, "drain").returncode == 0
     tcp = f"127.0.0.1:{port}"
     out = kvtier("--address", tcp, "--token-file", str(token), "stats")
