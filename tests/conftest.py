@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The tests fork (peers.run_as) in a process that holds gRPC channels. With gRPC's fork
+# support, on by default, its handlers ran around each fork: a child aborted in them now and
+# then ("Check failed: next_worker->state == KICKED": 1 run in 5-13 of
+# test_peer_credentials.py) and once a fork waited in them for good. The children make plain
+# system calls only, so the handlers buy nothing here. Set before grpc is first imported
+# (harness imports the client).
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+
 from harness import DaemonFactory, DaemonProcess
 
 # Real redis-server fixtures for the L3 tier's tests.
