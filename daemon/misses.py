@@ -130,6 +130,23 @@ class MissLedger:
 
     def classify(self, keys: Iterable[int]) -> dict[str, int]:
         """How many of ``keys`` (all missing) are missing for each reason."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not self._count:
+            return {ABSENT: len(keys), EVICTED: 0, DECLINED: 0}
+        if len(keys) <= _SCALAR_MAX:
+            # A lookup's few missed keys: bucket by bucket, as discard does (numpy's unique
+            # and fancy indexing cost more than the probes for few keys).
+            out = dict.fromkeys(REASONS, 0)
+            keys_v, why_v = self._keys_v, self._why_v
+            for key in keys:
+                base = self._bucket(key)
+                for i in range(base, base + _WAYS):
+                    if why_v[i] and keys_v[i] == key:
+                        out[_NAMES[why_v[i]]] += 1
+                        break
+                else:
+                    out[ABSENT] += 1
+            return out
         arr, slots = self._find(keys)
         out = dict.fromkeys(REASONS, 0)
         known = slots[slots >= 0]

@@ -42,7 +42,7 @@ from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.daemon.latency import Histograms
-from kvtier.daemon.misses import DECLINED
+from kvtier.daemon.misses import DECLINED, REASONS
 from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.pools import EnginePool
 from kvtier.daemon.space import SpaceManager
@@ -155,6 +155,7 @@ class BlockStore:
         # Counters of every request's path, resolved once (Counters.key).
         self._n_lookup_keys = c.key("lookup_keys")
         self._n_lookup_hits = c.key("lookup_hits")
+        self._n_misses = {r: c.key("misses", reason=r) for r in REASONS}
         self._n_hits = {int(kind): c.key("hits", tier=kind.label) for kind in TierKind}
         self._n_get = {r: c.key("get_blocks", result=r) for r in ("loaded", "missing")}
         self._n_bytes_get = c.key("bytes_get")
@@ -310,7 +311,7 @@ class BlockStore:
         Keys past the locally held prefix are probed in the key-addressed tiers (one batch
         probe per tier for the rest of the chain); blocks found there join the table as
         ``owner``'s (the tenant whose namespace ``ns`` is)."""
-        ids = self.table.lookup(ns, words)
+        ids, identities = self.table.lookup_identified(ns, words)
         n = len(ids)
         found = ids >= 0
         hits = int(np.count_nonzero(found))
@@ -333,14 +334,19 @@ class BlockStore:
         prefix = n if hits == n else int(np.argmin(found))
         if hits and touch:
             self.space.touch(ids if hits == n else ids[found], self._clock())
-        self._count_hits(ns, words, tiers, found, hits)
+        self._count_hits(identities, tiers, found, hits)
         return prefix, tiers, ids
 
     def _count_hits(
-        self, ns: int, words: np.ndarray, tiers: np.ndarray, found: np.ndarray, hits: int
+        self,
+        identities: list[int] | np.ndarray,
+        tiers: np.ndarray,
+        found: np.ndarray,
+        hits: int,
     ) -> None:
         """lookup_keys, lookup_hits, hits{tier} by the fastest tier holding the key, and
-        misses{reason}: why a key is not held."""
+        misses{reason}: why a key is not held (``identities``: of every key, from the
+        table's lookup)."""
         c = self.counters
         c.add(self._n_lookup_keys, len(tiers))
         if hits:
@@ -351,9 +357,9 @@ class BlockStore:
                 for kind, k in enumerate(np.bincount(tiers).tolist()[1:], start=1):
                     c.add(self._n_hits[kind], k)
         if hits < len(tiers):
-            missing = self.table.identities(ns, words[~found])
+            missing = self.table.identities_where(identities, ~found)
             for reason, k in self.space.misses.classify(missing).items():
-                c.inc("misses", k, reason=reason)
+                c.add(self._n_misses[reason], k)
 
     async def _discover(
         self, ns: int, words: np.ndarray, ids: np.ndarray, start: int, owner: int

@@ -172,7 +172,27 @@ class BlockTable:
 
         Blocks still being written count as absent.
         """
-        ids = self._find(ns, words)
+        return self._ready(self._find(ns, words)[0])
+
+    def lookup_identified(
+        self, ns: int, words: np.ndarray
+    ) -> tuple[np.ndarray, list[int] | np.ndarray]:
+        """``lookup``, and the ``identities`` of the same keys (a list for a few keys, else a
+        uint64 array: ``identities_where`` picks some as a list): the probe hashes every key
+        with the very function ``identities`` uses, so a caller that needs both (a lookup
+        that classifies its misses) does not hash the keys twice."""
+        ids, hashes = self._find(ns, words)
+        return self._ready(ids), hashes
+
+    @staticmethod
+    def identities_where(hashes: list[int] | np.ndarray, mask: np.ndarray) -> list[int]:
+        """The identities of ``lookup_identified`` where ``mask`` is true."""
+        if isinstance(hashes, np.ndarray):
+            return hashes[mask].tolist()  # type: ignore[no-any-return]
+        return [h for h, m in zip(hashes, mask.tolist(), strict=True) if m]
+
+    def _ready(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` with the blocks not READY (being written) as -1, in place."""
         if len(ids) <= _SCALAR_TAIL:
             state = self.state
             for i, bid in enumerate(ids.tolist()):
@@ -189,7 +209,7 @@ class BlockTable:
 
     def find_any(self, ns: int, words: np.ndarray) -> np.ndarray:
         """Like lookup, but also returns blocks that are still being written."""
-        return self._find(ns, words)
+        return self._find(ns, words)[0]
 
     def find_one(self, ns: int, key: np.ndarray) -> int:
         """``find_any`` of one key's words (``(4,)`` uint64), as an int: no array built."""
@@ -556,19 +576,21 @@ class BlockTable:
             return [self._hash_one(int(self.ns[b]), self.keys[b]) for b in bids.tolist()]
         return self._hash(self.ns[bids], self.keys[bids]).tolist()  # type: ignore[no-any-return]
 
-    def _find(self, ns: int, words: np.ndarray) -> np.ndarray:
+    def _find(self, ns: int, words: np.ndarray) -> tuple[np.ndarray, list[int] | np.ndarray]:
+        """(block id of each key or -1, whatever its state; each key's hash, the identity)."""
         n = len(words)
         size = len(self._table)
         if n <= _SCALAR_TAIL:
             result = np.empty(n, dtype=np.int64)
             mask = size - 1
-            for i in range(n):
-                pos = self._hash_one(int(ns), words[i]) & mask
-                result[i] = self._probe(ns, words[i], pos)
-            return result
+            hashes = [self._hash_one(int(ns), w) for w in words]
+            for i, h in enumerate(hashes):
+                result[i] = self._probe(ns, words[i], h & mask)
+            return result, hashes
         result = np.full(n, -1, dtype=np.int64)
         mask = size - 1
-        pos = (self._hash(ns, words) & np.uint64(mask)).astype(np.int64)
+        hashed = self._hash(ns, words)
+        pos = (hashed & np.uint64(mask)).astype(np.int64)
         # Probe positions are examined a window at a time for every key still looking: a key
         # stops at the first slot holding a block of its namespace with its first key word,
         # or at an empty slot. The first window settles nearly every key (the table is at
@@ -608,7 +630,7 @@ class BlockTable:
             result[i] = self._probe(ns, words[i], int(pos[i] + checked) & mask)
         for i in again:
             result[i] = self._probe(ns, words[i], int(pos[i]))
-        return result
+        return result, hashed
 
     def _probe(self, ns: int, key: np.ndarray, pos: int) -> int:
         mask = len(self._table) - 1

@@ -21,6 +21,21 @@ def test_reasons_are_recorded_updated_and_discarded():
     assert ledger.classify([]) == {ABSENT: 0, EVICTED: 0, DECLINED: 0}
 
 
+def test_a_few_keys_are_classified_as_a_batch_of_many_is():
+    """classify takes a few keys one bucket at a time and many as arrays: the same answer."""
+    ledger = MissLedger(capacity=1024)
+    keys = [int(k) for k in np.random.default_rng(1).integers(0, 2**64, 300, dtype=np.uint64)]
+    assert ledger.classify(keys[:3]) == {ABSENT: 3, EVICTED: 0, DECLINED: 0}  # empty ledger
+    ledger.record(keys[:100], EVICTED)
+    ledger.record(keys[100:150], DECLINED)
+    one_by_one = {ABSENT: 0, EVICTED: 0, DECLINED: 0}
+    for key in keys:
+        for reason, n in ledger.classify([key]).items():
+            one_by_one[reason] += n
+    assert one_by_one == ledger.classify(keys) == {ABSENT: 150, EVICTED: 100, DECLINED: 50}
+    assert ledger.classify(iter(keys[95:105])) == {ABSENT: 0, EVICTED: 5, DECLINED: 5}
+
+
 def test_regression_the_ledger_grew_with_every_eviction_until_full():
     """Found by the soak: a dict of Python ints took about 125 bytes per evicted block, up to
     2**18 of them. The table is allocated once; a full bucket forgets its oldest entry."""
