@@ -625,12 +625,13 @@ class BlockStore:
         changed nothing, for a key already present or being written: ``_put_part`` answers
         those."""
         table = self.table
-        if table.find_one(ns, key) >= 0:
+        identity = table.identity(ns, key)  # hashed once: probe, insertion, miss ledger
+        if table.find_one(ns, key, identity) >= 0:
             return None
         now = self._clock()
         block_bytes = pool.block_bytes
         # Claimed before awaiting anything (see the module invariants).
-        bid = table.add(ns, key, block_bytes, owner=owner)
+        bid = table.add(ns, key, block_bytes, owner=owner, identity=identity)
         table.inflight[bid] = 1
         bids = np.array([bid], dtype=np.int64)
         placed = 0
@@ -650,12 +651,12 @@ class BlockStore:
                 self._abandon(bids)  # the row of a block stored nowhere, whatever
         c = self.counters
         if placed:
-            if self.space.misses:  # nothing to forget in an empty ledger: no identity to hash
-                self.space.misses.discard(table.identities(ns, key[None, :]))
+            if self.space.misses:  # nothing to forget in an empty ledger
+                self.space.misses.discard([identity])
             c.add(self._n_bytes_put, block_bytes)
             c.add(self._n_put[_STORED])
             return np.array([_STORED], dtype=np.int32)
-        self.space.misses.record(table.identities(ns, key[None, :]), DECLINED)
+        self.space.misses.record([identity], DECLINED)
         c.add(self._n_put[_REJECTED_FULL])
         return np.array([_REJECTED_FULL], dtype=np.int32)
 

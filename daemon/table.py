@@ -211,10 +211,18 @@ class BlockTable:
         """Like lookup, but also returns blocks that are still being written."""
         return self._find(ns, words)[0]
 
-    def find_one(self, ns: int, key: np.ndarray) -> int:
-        """``find_any`` of one key's words (``(4,)`` uint64), as an int: no array built."""
+    def find_one(self, ns: int, key: np.ndarray, identity: int | None = None) -> int:
+        """``find_any`` of one key's words (``(4,)`` uint64), as an int: no array built.
+        ``identity``: the key's, when the caller has it (``identity``), not hashed again."""
         ns = int(ns)
-        return self._probe(ns, key, self._hash_one(ns, key) & (len(self._table) - 1))
+        if identity is None:
+            identity = self._hash_one(ns, key)
+        return self._probe(ns, key, identity & (len(self._table) - 1))
+
+    def identity(self, ns: int, key: np.ndarray) -> int:
+        """``identities`` of one key's words (``(4,)`` uint64): a single-block put hashes its
+        key once for its probe, its insertion and the miss ledger."""
+        return self._hash_one(int(ns), key)
 
     def key_bytes(self, bid: int) -> bytes:
         return self.keys[bid].tobytes()
@@ -374,12 +382,17 @@ class BlockTable:
 
     # ---------------------------------------------------------------------- mutation
 
-    def add(self, ns: int, words: np.ndarray, nbytes: int, owner: int = 0) -> int:
-        """Create a block in state WRITING and return its id. The key must be absent."""
+    def add(
+        self, ns: int, words: np.ndarray, nbytes: int, owner: int = 0, identity: int | None = None
+    ) -> int:
+        """Create a block in state WRITING and return its id. The key must be absent.
+        ``identity``: the key's (``identity``), when the caller has it, not hashed again."""
+        if identity is None:
+            identity = self._hash_one(int(ns), words)
         bid = -1
         if self._dropped:
             # Its row again, with its history (-1: none).
-            bid = self._dropped.pop(self._hash_one(ns, words), -1)
+            bid = self._dropped.pop(identity, -1)
         if bid >= 0:
             pass
         elif self._free_rows:
@@ -408,7 +421,7 @@ class BlockTable:
             # a second entry that outlives its removal.
             self._rehash(_pow2_at_least(int(2 * self._count / _MAX_LOAD)))
         else:
-            self._table_insert(ns, words, bid)
+            self._table_insert(ns, words, bid, identity)
         return bid
 
     def add_many(
@@ -645,9 +658,11 @@ class BlockTable:
             pos = (pos + 1) & mask
         return -1
 
-    def _table_insert(self, ns: int, words: np.ndarray, bid: int) -> None:
+    def _table_insert(
+        self, ns: int, words: np.ndarray, bid: int, identity: int | None = None
+    ) -> None:
         mask = len(self._table) - 1
-        pos = self._hash_one(int(ns), words) & mask
+        pos = (self._hash_one(int(ns), words) if identity is None else identity) & mask
         while self._table[pos] >= 0:
             pos = (pos + 1) & mask
         if self._table[pos] == TOMBSTONE:
