@@ -740,7 +740,10 @@ class BlockStore:
                 # What the copies stored counts in the table's usage from the set_slots below.
                 self.space.end_hold(level, owner, len(slots) * nbytes)
             outs = WriteOutcomes.of(outcomes)
-            ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
+            if len(outs) == 1:  # a single-key put: no array reduction for one flag
+                ok = int(bool(outs.ok[0]))
+            else:
+                ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
             stored = group[:ok]
             if ok == 1:  # a single-key put: the slot and checksum as scalars
                 table.set_slots(stored, level.col, int(outs.slots[0]))

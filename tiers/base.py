@@ -295,6 +295,17 @@ class WriteOutcomes(Sequence[WriteOutcome]):
         )
 
     @classmethod
+    def all_stored(cls, slots: np.ndarray) -> WriteOutcomes:
+        """Every block of ``slots`` (int64) stored, without checksums: a host-memory tier's
+        batch, which cannot fail block by block. Built without the masking of checksums
+        that ``__init__`` does (half the cost of a single-block put's copy into L1)."""
+        out = cls.__new__(cls)
+        out.slots = slots
+        out.ok = np.ones(len(slots), dtype=bool)
+        out.checksums = np.zeros(len(slots), dtype=np.uint64)
+        return out
+
+    @classmethod
     def of(cls, outcomes: Sequence[WriteOutcome]) -> WriteOutcomes:
         """The arrays of any tier's outcomes."""
         if isinstance(outcomes, WriteOutcomes):

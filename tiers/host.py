@@ -127,7 +127,7 @@ class HostArena:
         store_from(batch.src, range(n), self.array, self.allocator.offsets(slots), batch.nbytes)
         self._counters["blocks_written"] += n
         self._counters["bytes_written"] += n * batch.nbytes
-        return WriteOutcomes(slots, np.ones(n, dtype=bool), np.zeros(n, dtype=np.uint64))
+        return WriteOutcomes.all_stored(slots)
 
     def read(self, batch: ReadBatch) -> list[bool]:
         starts = self.allocator.offsets(batch.slots)

@@ -72,3 +72,17 @@ def test_write_outcomes_read_as_the_list_of_their_outcomes() -> None:
     assert list(outs[1:]) == listed[1:] and list(outs[::-1]) == listed[::-1]
     assert all(type(o.ok) is bool and type(o.slot) is int for o in outs)
     assert all(type(outs[i].ok) is bool and type(outs[i].checksum) is int for i in range(3))
+
+
+def test_all_stored_outcomes_are_those_of_every_block_stored_without_a_checksum() -> None:
+    slots = np.array([7, 2, 9], dtype=np.int64)
+    built = WriteOutcomes(slots, np.ones(3, dtype=bool), np.zeros(3, dtype=np.uint64))
+    outs = WriteOutcomes.all_stored(slots)
+    assert (
+        outs
+        == built
+        == [WriteOutcome(7, True, 0), WriteOutcome(2, True, 0), WriteOutcome(9, True, 0)]
+    )
+    assert outs.slots.dtype == np.int64 and outs.ok.dtype == bool
+    assert outs.checksums.dtype == np.uint64
+    assert len(WriteOutcomes.all_stored(slots[:0])) == 0
