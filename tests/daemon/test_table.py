@@ -261,6 +261,28 @@ def test_block_identities_cover_namespace_and_every_key_word():
     assert table.identities_of(bids[:3]) == table.identities(1, words[:3])
 
 
+@pytest.mark.parametrize("n", [1, 8, 9, 100])
+def test_a_lookup_hands_back_the_identities_of_its_keys(n):
+    """``lookup_identified`` answers ``lookup`` and, from its own probe's hashes, the keys'
+    ``identities`` (the miss ledger's keys), on the per-key path and the vectorised one;
+    ``identity`` of one key, which ``find_one`` and ``add`` take, is the same."""
+    table = BlockTable()
+    words = keys_to_words([os.urandom(32) for _ in range(n)])
+    for i in range(0, n, 2):
+        _ready(table, 3, words[i].tobytes())
+    ids, hashes = table.lookup_identified(3, words)
+    assert ids.tolist() == table.lookup(3, words).tolist()
+    assert table.identities_where(hashes, np.ones(n, dtype=bool)) == table.identities(3, words)
+    missing = ids < 0
+    assert table.identities_where(hashes, missing) == table.identities(3, words[missing])
+    assert [table.identity(3, w) for w in words] == table.identities(3, words)
+    assert [table.find_one(3, w, table.identity(3, w)) for w in words] == ids.tolist()
+    # Added again with its identity given, a removed key gets its row back (the history).
+    table.remove(int(ids[0]))
+    assert table.add(3, words[0], 4096, identity=table.identity(3, words[0])) == ids[0]
+    assert table.find_one(3, words[0]) == ids[0]
+
+
 def test_depths_count_live_ancestors_whatever_the_rows_order():
     """The flush at stop writes parents first by these depths: rows are reused, so a child
     can sit in a lower row than its parent."""
