@@ -459,7 +459,9 @@ class L2Config:
             lo=0.0,
             hi=86400.0,
             doc="the flush at stop starts no write after this long (blocks not written by "
-            "then are lost, L2 stays consistent); keep server.drain_timeout_s plus this "
+            "then are lost, L2 stays consistent; under write_bytes_s it goes in groups of an "
+            "eighth of what that limit lets through in this time, so the part that fits is "
+            "written); keep server.drain_timeout_s plus this "
             "below what the service manager waits for kvtierd to exit (the unit's "
             "TimeoutStopSec, a pod's terminationGracePeriodSeconds)",
         ),

@@ -329,7 +329,8 @@ class SpaceManager:
         ):
             src = self.stack.levels[col]
             # Groups sized by bytes: at most one fdatasync and one index commit each on a disk.
-            step = max(1, min(self.batch_blocks, self.batch_bytes // max(size, 1)))
+            group_bytes = self._group_bytes(src, dst, deadline)
+            step = max(1, min(self.batch_blocks, group_bytes // max(size, 1)))
             for start in range(0, len(idx), step):
                 part = idx[start : start + step]
                 jobs.append(
@@ -352,6 +353,19 @@ class SpaceManager:
             if isinstance(r, BaseException) and not isinstance(r, PrefetchExpired):
                 raise r
         return done
+
+    def _group_bytes(self, src: Level, dst: Level, deadline: float | None) -> int:
+        """The most bytes of one copy group from ``src`` into ``dst``: ``mover.batch_bytes``,
+        and for a copy with a deadline (the flush at stop, a prefetch) under a rate limit, an
+        eighth of what the slowest limit on the way lets through before it. A group starts
+        whole or not at all (``TransferEngine._throttle``): one larger than that budget never
+        started, and a throttled flush wrote nothing although part of it fitted; with
+        eighths, what is left unwritten at the deadline is at most about one group."""
+        rates = [b.rate for b in (src.reads, dst.writes) if b.rate > 0]
+        if deadline is None or not rates:
+            return self.batch_bytes
+        budget = min(rates) * max(deadline - self._clock(), 0.0)
+        return max(1, min(self.batch_bytes, int(budget / 8)))
 
     async def _copy_group(
         self,

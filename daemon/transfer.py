@@ -468,7 +468,9 @@ class TransferEngine:
         of sleeping until then to be dropped: the flush at stop, bounded by
         ``tiers.l2.flush_timeout_s``, lasted as long as its throttled writes. Its bytes stay
         taken, so the turns of the copies after it keep growing and they expire too: a
-        smaller one given the room would be written past a hole in its chain."""
+        smaller one given the room would be written past a hole in its chain. A copy starts
+        whole or not at all: the space manager sizes the groups of a copy with a deadline to
+        what the limits let through before it (``SpaceManager._group_bytes``)."""
         delay = max(reads.delay_for(nbytes), writes.delay_for(nbytes))
         if delay <= 0:
             return

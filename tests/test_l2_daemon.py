@@ -335,9 +335,9 @@ def test_the_flush_at_stop_ends_at_its_timeout_keeping_leading_runs_of_chains(
     their turn and the stop lasted as long as the whole flush), what was written is served
     after a restart, and it is the chain's first blocks: parents are flushed first."""
     l2 = l2_args(tmp_path / "l2", "tiers.l2.write_bytes_s=1MiB", "tiers.l2.flush_timeout_s=1")
-    # Copies of 256 KiB: a group larger than what the limit lets through in the timeout would
-    # never start.
-    d = daemon_factory(*l2, "mover.batch_bytes=256KiB", l1_bytes="64MiB")
+    # With the default mover.batch_bytes (64 MiB, more than the limit lets through in the
+    # timeout): the flush's groups are sized to its budget, or none would start.
+    d = daemon_factory(*l2, l1_bytes="64MiB")
     n = 2000
     layout = PoolLayout.staging(
         num_layers=1, num_pages=n, block_tokens=1, chunk_bytes=4096, kv_count=1

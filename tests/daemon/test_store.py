@@ -540,6 +540,26 @@ async def test_a_source_copy_dropped_while_a_move_waited_for_room_is_not_read(ma
     assert present(store, words) == [False, True]  # the block held nowhere is forgotten
 
 
+async def test_a_throttled_flush_writes_the_part_that_fits_in_its_timeout(make_store):
+    """Regression: the flush at stop copied in groups of mover.batch_bytes, and a group
+    larger than tiers.l2.write_bytes_s x tiers.l2.flush_timeout_s never started, so under a
+    slow limit the flush wrote nothing although part of it fitted. Its groups now fit the
+    budget: what fits is written, parents first. (The clock stands still: the limit's
+    one-second burst is all the bucket gives, two blocks.)"""
+    clock = Clock()
+    store = make_store(
+        clock, l2_segments=4, sets=("tiers.l2.write_bytes_s=8KiB", "mover.batch_bytes=64MiB")
+    )
+    pool = make_pool()
+    chain = keys(8)  # 8 blocks of 4 KiB; a group of mover.batch_blocks (8) is 32 KiB
+    await put(store, pool, chain)  # one chain: each block the parent of the next
+    assert await store.flush(timeout_s=0.4) == 2
+    assert where(store, chain) == ["L1"] * 8
+    l2 = store.stack.levels[1]
+    bids = store.table.lookup(0, chain)
+    assert (store.table.slot[bids, l2.col] >= 0).tolist() == [True] * 2 + [False] * 6
+
+
 async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
