@@ -11,7 +11,6 @@ socket's path) and changes nothing: no file is created, no socket is left bound.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import resource
 import socket
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from kvtier.daemon.config import Config, format_size, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
-from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME
+from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -234,17 +233,14 @@ def _disk(config: Config) -> list[Problem]:
 
 def _locked(lock: Path) -> str | None:
     """Why the disk tier could not lock its directory now (another daemon holds it), or None.
-    The lock is taken and let go at once, on an existing file only: nothing is created."""
+    Only a shared lock is taken, and let go at once, on an existing file only: nothing is
+    created, and a daemon opening the directory meanwhile is not refused (``probe_lock``)."""
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        held = probe_lock(lock)
     except OSError:
         return None  # absent (a new directory) or unreadable: the daemon's own open says
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        return f"another process holds its lock (a kvtierd running?): {e.strerror}"
-    finally:
-        os.close(fd)  # closing lets go of the lock
+    if held is not None:
+        return f"another process holds its lock (a kvtierd running?): {held.strerror}"
     return None
 
 

@@ -318,6 +318,76 @@ def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
     assert preflight.check(config, HOST) == []
 
 
+def test_a_daemon_starting_while_check_config_probes_its_l2_lock_starts(tmp_path, monkeypatch):
+    """Regression: --check-config took the L2 directory's lock for a moment, and a daemon
+    opening the directory in that moment failed ('in use by another process'). The probe
+    now holds it shared, as no tier does, and a tier that finds only such holders tries
+    again. Deterministic: the tier's first attempt is made while the probe holds the lock,
+    and the probe lets go only after that attempt failed."""
+    import fcntl
+    import threading
+
+    from kvtier.tiers.base import TierUnavailable
+    from kvtier.tiers.disk.tier import DiskTier
+
+    directory = tmp_path / "l2"
+    DiskTier(directory, 8 << 20, 1 << 20, file_bytes=8 << 20, direct_io=False).close()
+    real_flock = fcntl.flock
+    probe_thread = threading.get_ident()
+    tier_tried = threading.Event()
+    opened: list[object] = []
+
+    def open_tier() -> None:
+        try:
+            opened.append(DiskTier(directory, 8 << 20, 1 << 20, file_bytes=8 << 20))
+        except TierUnavailable as e:
+            opened.append(e)
+            tier_tried.set()
+
+    def flock(fd: int, op: int) -> None:
+        if threading.get_ident() != probe_thread:  # the tier's
+            try:
+                real_flock(fd, op)
+            except OSError:
+                tier_tried.set()
+                raise
+            return
+        real_flock(fd, op)
+        if op & fcntl.LOCK_UN:
+            return
+        starting = threading.Thread(target=open_tier)
+        starting.start()  # while the probe holds the lock
+        assert tier_tried.wait(30)
+        monkeypatch.setattr(fcntl, "flock", real_flock)  # the probe goes on, lets go
+        starting_threads.append(starting)
+
+    starting_threads: list[threading.Thread] = []
+    monkeypatch.setattr(fcntl, "flock", flock)
+    config = load_config(
+        None,
+        [
+            f"server.socket={tmp_path}/d.sock",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={directory}",
+            "tiers.l2.capacity_bytes=8MiB",
+            "tiers.l2.segment_bytes=1MiB",
+            "tiers.l2.file_bytes=8MiB",
+        ],
+    )
+    assert preflight.check(config, HOST) == []
+    assert len(starting_threads) == 1
+    starting_threads[0].join(30)
+    assert len(opened) == 1 and isinstance(opened[0], DiskTier), opened
+    tier = opened[0]
+    try:  # and while it holds the directory, the probe says so, and a second tier is refused
+        problems = preflight.check(config, HOST)
+        assert _keys(problems) == ["tiers.l2.path"] and "in use" in str(problems[0])
+        with pytest.raises(TierUnavailable, match="in use"):
+            DiskTier(directory, 8 << 20, 1 << 20, file_bytes=8 << 20)
+    finally:
+        tier.close()
+
+
 def test_a_second_daemon_on_the_same_tcp_address_is_refused(tmp_path, daemon_factory):
     """gRPC binds TCP with SO_REUSEPORT by default: a second daemon given the first one's
     server.tcp_address started and listened beside it, and the kernel split the clients'

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -30,8 +31,27 @@ ALIGN = 4096
 DATA_GLOB = "data-[0-9][0-9][0-9][0-9].bin"
 FILE_MODE = 0o600
 # The file a tier holds an exclusive flock on while it has the directory open (one tier, one
-# process, per directory).
+# process, per directory). A check (``kvtierd --check-config``) takes it shared for a moment,
+# to learn whether a tier holds it; a tier that finds only shared holders tries again
+# (``probe_lock``).
 LOCK_NAME = "lock"
+
+
+def probe_lock(path: Path) -> OSError | None:
+    """Whether a tier holds the lock ``path`` now: the error of a shared, non-blocking flock
+    of it (a tier's exclusive lock refuses it), or None (the lock is free, or held only by
+    other probes; it was taken shared and let go at once). Never exclusive, so a tier opening
+    the directory meanwhile is not refused because of a probe (it was: ``--check-config``
+    took it exclusively for a moment). Raises OSError when ``path`` cannot be opened; it is
+    never created."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)  # closing lets go of the lock
+    return None
 
 
 class FileBackend(Protocol):

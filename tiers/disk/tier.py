@@ -2,7 +2,8 @@
 
 Layout of the tier's directory (mode 0700; every file in it 0600)::
 
-    lock                  flock()ed while a DiskTier has the directory open
+    lock                  flock()ed while a DiskTier has the directory open (shared, for a
+                          moment, by ``kvtierd --check-config``)
     data-0000.bin ...     preallocated data files; each holds a whole number of segments
     index.sqlite3         (+ -wal, -shm) the index: slot -> ns, key, nbytes, checksum, written_at
 
@@ -84,6 +85,7 @@ from kvtier.tiers.disk.files import (
     damage,
     fsync_dir,
     layout,
+    probe_lock,
 )
 from kvtier.tiers.disk.health import FaultState, classify
 from kvtier.tiers.disk.index import INDEX_NAME, BlockRow, DiskIndex, IndexUpgradeFailed
@@ -101,6 +103,10 @@ FORMAT_VERSION = 1
 DIR_MODE = 0o700
 DEFAULT_FILE_BYTES = 4 << 30
 MAX_FILES = 256
+# How long opening a directory whose lock only checks hold (``kvtierd --check-config``, each
+# for a moment) keeps trying, and how often: probes one after another without a gap.
+PROBE_WAIT_S = 2.0
+PROBE_RETRY_S = 0.01
 
 _LOGGED_FAILURES = 16
 
@@ -961,16 +967,24 @@ class DiskTier:
                     os.chmod(path, FILE_MODE)
 
     def _lock_directory(self) -> None:
-        self._lock_fd = os.open(
-            self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE
-        )
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            raise TierUnavailable(
-                f"L2 directory {self.directory} is in use by another process or DiskTier "
-                f"({e.strerror})"
-            ) from None
+        """Lock the directory exclusively. Refused at once while another tier holds it; while
+        only checks hold it (``probe_lock``: shared, for a moment), tried again for up to
+        ``PROBE_WAIT_S``."""
+        path = self.directory / LOCK_NAME
+        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        give_up = time.monotonic() + PROBE_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except OSError as e:
+                refused = e
+            if probe_lock(path) is not None or time.monotonic() > give_up:
+                raise TierUnavailable(
+                    f"L2 directory {self.directory} is in use by another process or DiskTier "
+                    f"({refused.strerror})"
+                ) from None
+            time.sleep(PROBE_RETRY_S)
 
     def _geometry(self) -> dict[str, str]:
         return {
