@@ -57,6 +57,14 @@ def format_size(nbytes: int) -> str:
     return str(nbytes)
 
 
+# The longest any duration in the config may be (a year), whatever its own maximum: a value
+# past it is a typo or a stand-in for "never" (a key that means never says so with 0), and
+# values such as 1e300 were accepted and then overflowed the timers, deadlines and service
+# manager messages they reach.
+MAX_DURATION_S = 365 * 86400
+_UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
+
+
 def _opt(
     kind: str,
     *,
@@ -65,10 +73,23 @@ def _opt(
     choices: tuple[str, ...] | None = None,
     doc: str = "",
     record: Any = None,
+    unit: str = "",
 ) -> dict[str, Any]:
     """A key's metadata. ``record``: for kind ``records`` (a list of mappings), the dataclass
-    each mapping is built into, as strictly as a section."""
-    return {"kind": kind, "lo": lo, "hi": hi, "choices": choices, "doc": doc, "record": record}
+    each mapping is built into, as strictly as a section. ``unit``: a duration's (``s``,
+    ``ms``); its maximum is at most ``MAX_DURATION_S``."""
+    if unit:
+        longest = MAX_DURATION_S * _UNIT_S[unit]
+        hi = longest if hi is None else min(hi, longest)
+    return {
+        "kind": kind,
+        "lo": lo,
+        "hi": hi,
+        "choices": choices,
+        "doc": doc,
+        "record": record,
+        "unit": unit,
+    }
 
 
 AUTO_SOCKET = "auto"
@@ -189,9 +210,9 @@ class ServerConfig:
             "and the members of admin tenants",
         ),
     )
-    lease_default_ms: int = field(default=30_000, metadata=_opt("int", lo=1))
-    lease_max_ms: int = field(default=600_000, metadata=_opt("int", lo=1))
-    session_ping_s: int = field(default=10, metadata=_opt("int", lo=1, hi=3600))
+    lease_default_ms: int = field(default=30_000, metadata=_opt("int", unit="ms", lo=1))
+    lease_max_ms: int = field(default=600_000, metadata=_opt("int", unit="ms", lo=1))
+    session_ping_s: int = field(default=10, metadata=_opt("int", unit="s", lo=1, hi=3600))
     copy_threads: int = field(default=2, metadata=_opt("int", lo=1, hi=64))
     shm_dir: str = field(
         default="/dev/shm", metadata=_opt("str", doc="where POSIX shared-memory objects live")
@@ -209,16 +230,28 @@ class ServerConfig:
         default=10.0,
         metadata=_opt(
             "float",
+            unit="s",
             lo=0.0,
             hi=86400.0,
             doc="malformed requests and unexpected errors log one line per kind this often",
         ),
     )
-    drain_timeout_s: float = field(default=10.0, metadata=_opt("float", lo=0))
+    drain_timeout_s: float = field(
+        default=10.0,
+        metadata=_opt(
+            "float",
+            unit="s",
+            lo=0,
+            hi=86400.0,
+            doc="on SIGTERM, how long requests in progress may take to finish (then the "
+            "flush at stop, tiers.l2.flush_timeout_s)",
+        ),
+    )
     idle_connection_s: float = field(
         default=60.0,
         metadata=_opt(
             "float",
+            unit="s",
             lo=1.0,
             hi=86400.0,
             doc="a connection with no call open for this long is closed (an engine's client "
@@ -456,6 +489,7 @@ class L2Config:
         default=60.0,
         metadata=_opt(
             "float",
+            unit="s",
             lo=0.0,
             hi=86400.0,
             doc="the flush at stop starts no write after this long (blocks not written by "
@@ -466,7 +500,7 @@ class L2Config:
             "TimeoutStopSec, a pod's terminationGracePeriodSeconds)",
         ),
     )
-    enospc_retry_s: float = field(default=30.0, metadata=_opt("float", lo=0.1))
+    enospc_retry_s: float = field(default=30.0, metadata=_opt("float", unit="s", lo=0.1))
     read_bytes_s: int = _rate("reads from this tier")
     write_bytes_s: int = _rate("writes into this tier")
     policy: str = _tier_policy()
@@ -513,7 +547,9 @@ class L3Config:
     tls_key_file: str = field(default="", metadata=_opt("str", doc="client certificate's key"))
     ttl_s: int = field(
         default=3600,
-        metadata=_opt("int", lo=0, doc="expiry of every block written, s; 0: never expires"),
+        metadata=_opt(
+            "int", unit="s", lo=0, doc="expiry of every block written, s; 0: never expires"
+        ),
     )
     max_value_bytes: int = field(
         default=64 << 20,
@@ -522,19 +558,29 @@ class L3Config:
     pool_size: int = field(
         default=16, metadata=_opt("int", lo=2, hi=1024, doc="connections per server")
     )
-    connect_timeout_s: float = field(default=1.0, metadata=_opt("float", lo=0.001, hi=600))
+    connect_timeout_s: float = field(
+        default=1.0, metadata=_opt("float", unit="s", lo=0.001, hi=600)
+    )
     op_timeout_s: float = field(
         default=2.0,
         metadata=_opt(
-            "float", lo=0.001, hi=600, doc="longest wait for one batch; then the tier is DOWN"
+            "float",
+            unit="s",
+            lo=0.001,
+            hi=600,
+            doc="longest wait for one batch; then the tier is DOWN",
         ),
     )
     probe_deadline_ms: float = field(
         default=50.0,
-        metadata=_opt("float", lo=0.01, hi=60_000, doc="a Lookup waits this long for L3"),
+        metadata=_opt(
+            "float", unit="ms", lo=0.01, hi=60_000, doc="a Lookup waits this long for L3"
+        ),
     )
-    backoff_initial_s: float = field(default=0.5, metadata=_opt("float", lo=0.001, hi=3600))
-    backoff_max_s: float = field(default=30.0, metadata=_opt("float", lo=0.001, hi=3600))
+    backoff_initial_s: float = field(
+        default=0.5, metadata=_opt("float", unit="s", lo=0.001, hi=3600)
+    )
+    backoff_max_s: float = field(default=30.0, metadata=_opt("float", unit="s", lo=0.001, hi=3600))
     write_bytes_s: int = field(
         default=0,
         metadata=_opt("size", lo=0, doc="write budget, bytes/s; writes beyond it are dropped"),
@@ -604,7 +650,8 @@ class MoverConfig:
         metadata=_opt("int", lo=1, hi=65536, doc="most blocks in one transfer between tiers"),
     )
     balance_interval_s: float = field(
-        default=0.1, metadata=_opt("float", lo=0.001, hi=60, doc="how often watermarks are checked")
+        default=0.1,
+        metadata=_opt("float", unit="s", lo=0.001, hi=60, doc="how often watermarks are checked"),
     )
 
     def check(self) -> None:
@@ -620,12 +667,14 @@ class PolicyConfig:
     protect_s: float = field(
         default=2.0,
         metadata=_opt(
-            "float", lo=0, doc="a block just written or read is not evicted for this long"
+            "float", unit="s", lo=0, doc="a block just written or read is not evicted for this long"
         ),
     )
     warmup_s: float = field(
         default=0.0,
-        metadata=_opt("float", lo=0, doc="after start, evict only at the hard capacity limit"),
+        metadata=_opt(
+            "float", unit="s", lo=0, doc="after start, evict only at the hard capacity limit"
+        ),
     )
     readahead_blocks: int = field(
         default=4,
@@ -635,12 +684,15 @@ class PolicyConfig:
     )
     half_life_s: float = field(
         default=30.0,
-        metadata=_opt("float", lo=0.001, doc="heat half-life: how fast past accesses fade"),
+        metadata=_opt(
+            "float", unit="s", lo=0.001, doc="heat half-life: how fast past accesses fade"
+        ),
     )
     hint_max_s: float = field(
         default=60.0,
         metadata=_opt(
             "float",
+            unit="s",
             lo=0,
             hi=3600,
             doc="a Prefetch deadline protects the blocks it names from eviction until then, "

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -464,6 +465,46 @@ def test_floats_must_be_finite(override):
     # NaN passed every range check (comparisons with it are false).
     with pytest.raises(ConfigError, match=f"'{override.split('=')[0]}'.*finite"):
         load_config(None, [override])
+
+
+def _time_keys() -> list[tuple[str, dataclasses.Field]]:
+    """Every duration in the config, by its unit in the name (``_s``, ``_ms``; a rate such as
+    ``write_bytes_s`` is not one), sections and records alike."""
+    found: list[tuple[str, dataclasses.Field]] = []
+
+    def walk(prefix: str, cls: type) -> None:
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
+                walk(f"{key}.", f.default_factory)  # a section
+            elif f.metadata.get("record") is not None:
+                walk(f"{key}[0].", f.metadata["record"])
+            elif re.search(r"_m?s$", f.name) and not f.name.endswith("_bytes_s"):
+                found.append((key, f))
+
+    walk("", Config)
+    return found
+
+
+def test_every_duration_has_a_bounded_range():
+    keys = _time_keys()
+    assert {"server.drain_timeout_s", "tiers.l2.flush_timeout_s", "server.lease_max_ms"} <= {
+        k for k, _ in keys
+    }
+    for key, f in keys:
+        assert f.metadata.get("unit") in ("s", "ms"), key
+        hi = f.metadata["hi"]
+        assert hi is not None and hi <= 366 * 86400 * (1000 if f.name.endswith("_ms") else 1), key
+
+
+@pytest.mark.parametrize("key", [k for k, _ in _time_keys() if "[" not in k])
+@pytest.mark.parametrize("value", ["1.0e+300", "100000000000000000000"])
+def test_a_huge_duration_is_refused_naming_its_key(key, value):
+    """Regression: server.drain_timeout_s=1e300 (and other durations: protect_s, warmup_s,
+    half_life_s, lease_max_ms, tiers.l3.ttl_s, ...) was accepted: only some durations had a
+    maximum. Every duration has one now, from one rule (``_opt(..., unit=)``)."""
+    with pytest.raises(ConfigError, match=rf"'{re.escape(key)}'"):
+        load_config(None, [f"{key}={value}"])
 
 
 def test_a_config_nested_too_deeply_is_a_config_error(tmp_path):
