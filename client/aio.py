@@ -103,6 +103,21 @@ class AsyncClient:
                 await task
         await self._channel.close()
 
+    def closed_error_for_cancel(self) -> UnavailableError | None:
+        """What a call that ended in ``asyncio.CancelledError`` raises instead: when this
+        client's ``close()`` ended it (grpc.aio cancels the calls still on a closed channel)
+        and the caller's own task is not being cancelled, ``closed_error()``, as the
+        blocking client says (``Client.error_of``); else None, and the cancel goes on. Before
+        Python 3.11 a task does not tell whether it is being cancelled: None there, as a
+        cancel of the caller's task must never be swallowed."""
+        if not self._closed:
+            return None
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)
+        if cancelling is None or cancelling():
+            return None
+        return closed_error()
+
     async def __aenter__(self) -> AsyncClient:
         return self
 
@@ -142,6 +157,10 @@ class AsyncClient:
             ) from None
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except asyncio.CancelledError:
+            if (closed := self.closed_error_for_cancel()) is None:
+                raise
+            raise closed from None
         if first is grpc.aio.EOF:
             raise UnavailableError("the daemon closed the session at once")
         self._session_id, self._session_call = first.session_id, call
@@ -181,6 +200,10 @@ class AsyncClient:
                 if not self._closed:
                     raise
                 raise closed_error() from None
+            except asyncio.CancelledError:  # the caller's cancel, or close() during the call
+                if (closed := self.closed_error_for_cancel()) is None:
+                    raise
+                raise closed from None
             if binding is None or attempt or not isinstance(err, NotFoundError):
                 raise err
             self.forget_pool_id(binding, request.pool_id)
@@ -393,6 +416,10 @@ class AsyncClient:
             if not self._closed:
                 raise
             raise closed_error() from None
+        except asyncio.CancelledError:  # the caller's cancel, or close() during the call
+            if (closed := self.closed_error_for_cancel()) is None:
+                raise
+            raise closed from None
         return bool(status == hc.SERVING)
 
     # ------------------------------------------------------------ high level

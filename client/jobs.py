@@ -655,6 +655,10 @@ class AsyncTransferJob:
             await self._ended(part, None, from_rpc_error(e))
         except grpc.aio.UsageError:  # the client was closed meanwhile: its channel sends nothing
             await self._ended(part, None, closed_error())
+        except asyncio.CancelledError:  # the job's cancel, or the client's close() ending it
+            if (closed := self._client.closed_error_for_cancel()) is None:
+                raise
+            await self._ended(part, None, closed)
         else:
             await self._ended(part, response, None)
 

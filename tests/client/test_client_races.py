@@ -260,3 +260,41 @@ async def test_an_async_job_submitted_while_the_client_closes_fails_with_a_typed
         assert status.state is JobState.FAILED
         assert isinstance(status.error, UnavailableError)
         assert not status.done.any()
+
+
+async def test_an_async_call_or_job_in_flight_when_the_client_closes_gets_a_typed_error(daemon):
+    """Regression: ``close()`` while an AsyncClient call was in flight gave the caller a bare
+    ``asyncio.CancelledError`` (grpc.aio cancels the calls on a closed channel), and a job's
+    RPC task died of it, leaving its part unended. Both get the closed client's
+    UnavailableError now, as the blocking client's calls do. Each RPC is sent, then held
+    until the close is done, then awaited."""
+    client = AsyncClient(daemon.address)
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = await client.register_pool(shm, LAYOUT)
+        sent, closed = asyncio.Event(), asyncio.Event()
+        stub = client._stub
+
+        class HeldStub:
+            def __getattr__(self, method: str) -> Any:
+                rpc = getattr(stub, method)
+
+                async def held(request: Any, **kwargs: Any) -> Any:
+                    call = rpc(request, **kwargs)
+                    sent.set()
+                    await closed.wait()
+                    return await call
+
+                return held
+
+        client._stub = HeldStub()  # type: ignore[assignment]
+        job = await client.submit_save(pool, [SaveSegment(keys_for(2, "inflight"), [0, 1])])
+        lookup = asyncio.ensure_future(client.lookup(keys_for(1, "inflight")))
+        await sent.wait()
+        await client.close()
+        closed.set()
+        with pytest.raises(UnavailableError, match=r"^the client was closed$"):
+            await lookup
+        status = await job.wait(10)
+        assert status.state is JobState.FAILED
+        assert isinstance(status.error, UnavailableError)
+        assert str(status.error) == "the client was closed"

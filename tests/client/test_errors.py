@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import threading
 
 import grpc
+import pytest
 
-from kvtier.client import Client
+from kvtier.client import AsyncClient, Client
 from kvtier.client.errors import (
     InvalidArgumentError,
     KvtierError,
@@ -96,3 +98,41 @@ def test_regression_a_call_the_client_s_own_close_ended_read_as_the_daemon_stopp
         server.wait()
     assert len(errors) == 1 and isinstance(errors[0], UnavailableError)
     assert str(errors[0]) == "the client was closed"
+
+
+async def test_regression_an_async_call_its_client_s_close_ended_was_a_bare_cancellation():
+    """The AsyncClient's twin of the blocking client's: ``close()`` while a call was in
+    flight gave the caller a bare ``asyncio.CancelledError`` (grpc.aio cancels the calls on
+    a closed channel), which reads as its own task being cancelled. It is the closed client's
+    UnavailableError; a cancel of the caller's own task stays a CancelledError."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SILENT_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        loop = asyncio.get_running_loop()
+
+        async def arrived() -> None:
+            line = await loop.run_in_executor(None, server.stdout.readline)
+            assert line.strip() == "arrived"
+
+        client = AsyncClient(f"127.0.0.1:{port}", timeout_s=10)
+        call = asyncio.ensure_future(client.health())
+        await arrived()
+        await client.close()
+        with pytest.raises(UnavailableError, match=r"^the client was closed$"):
+            await call
+
+        client = AsyncClient(f"127.0.0.1:{port}", timeout_s=10)
+        try:
+            call = asyncio.ensure_future(client.health())
+            await arrived()
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        finally:
+            await client.close()
+    finally:
+        server.kill()
+        server.wait()
