@@ -1,5 +1,5 @@
 import sys
 
-from kvtier.daemon.main import main
+from kvtier.daemon.entry import main
 
 sys.exit(main())

@@ -4,7 +4,9 @@ The effective config is the embedded defaults, then ``--config FILE`` (or ``$KVT
 then ``KVTIER_*`` environment variables, then ``--set`` overrides. Before anything is
 allocated the host checks of ``daemon/preflight.py`` run (memory, disk space, the socket), so a
 config that cannot run here fails at once with the key named. SIGHUP loads the config again
-the same way and applies what can change live (``daemon/reload.py``).
+the same way and applies what can change live (``daemon/reload.py``); one that arrives while
+the daemon starts is held (from the entry point on, ``daemon/entry.py``) and honoured once it
+serves.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import yaml
 from kvtier import __version__
 from kvtier.daemon import preflight
 from kvtier.daemon.config import Config, load_config
+from kvtier.daemon.entry import EarlyHangup
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 
@@ -79,22 +82,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class _EarlyHangup:
-    """Holds a SIGHUP that arrives before the daemon serves. Its default action ends the
-    process, and the reload handler goes in only once the daemon is up (imports, L1 and L2
-    set-up and the sockets come first), so a reload sent to a daemon still starting killed it
-    without a word. Installed first thing in ``main``; the daemon reloads once it is up."""
-
-    def __init__(self) -> None:
-        self.seen = False
-        signal.signal(signal.SIGHUP, self._note)
-
-    def _note(self, signum: int, frame: object) -> None:
-        self.seen = True
-
-
-def main(argv: list[str] | None = None) -> int:
-    early_hangup = _EarlyHangup()
+def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None) -> int:
+    """Run ``kvtierd``. ``early_hangup``: the SIGHUP holder the entry point installed before
+    importing this module (``kvtier.daemon.entry``); one is installed now without it."""
+    if early_hangup is None:
+        early_hangup = EarlyHangup()
     args = parse_args(argv)
 
     def load() -> Config:
@@ -135,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(config: Config, load: Any, early_hangup: _EarlyHangup) -> None:
+async def _serve(config: Config, load: Any, early_hangup: EarlyHangup) -> None:
     """Run the daemon with its operations around it: the metrics endpoint and SIGHUP."""
     from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.reload import Reloader

@@ -29,6 +29,9 @@ class DaemonProcess:
     socket: str
     overrides: list[str]
     proc: subprocess.Popen[bytes] | None = None
+    # What runs the daemon, after the interpreter: ``-m kvtier.daemon`` unless a test says
+    # otherwise (``-c CODE``).
+    entry: tuple[str, ...] = ("-m", "kvtier.daemon")
     log_path: Path = field(init=False)
     _log_file: object = None
 
@@ -42,8 +45,7 @@ class DaemonProcess:
     def start(self, wait: bool = True) -> DaemonProcess:
         cmd = [
             sys.executable,
-            "-m",
-            "kvtier.daemon",
+            *self.entry,
             "--set",
             f"server.socket={self.socket}",
             *self.overrides,

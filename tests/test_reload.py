@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from harness import DaemonProcess
@@ -139,4 +140,46 @@ def test_a_sighup_while_the_daemon_starts_does_not_kill_it(tmp_path, daemon_fact
     d.proc.send_signal(signal.SIGHUP)
     d.wait_ready()
     _wait_for_log(d, "SIGHUP: applied")
+    assert d.running()
+
+
+# Runs the console script ``kvtierd`` as pip's wrapper does (the entry point named in
+# pyproject.toml), with a SIGHUP sent to the process as ``kvtier.daemon.main`` starts to be
+# imported: inside the window of the imports, on every run.
+_ENTRY_HANGING_UP_ON_IMPORT = """
+import importlib, os, signal, sys, tomllib
+from pathlib import Path
+
+class HangUpOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvtier.daemon.main":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGHUP)
+        return None
+
+scripts = tomllib.loads(Path(sys.argv.pop(1)).read_text())["project"]["scripts"]
+module, func = scripts["kvtierd"].split(":")
+sys.meta_path.insert(0, HangUpOnImport())
+sys.exit(getattr(importlib.import_module(module), func)())
+"""
+
+
+def test_a_sighup_while_the_daemon_imports_its_modules_is_a_reload_once_it_serves(
+    tmp_path, daemon_factory
+):
+    """Regression: the handler that holds an early SIGHUP went in only once
+    ``kvtier.daemon.main`` was imported (~240 ms after exec), and a SIGHUP in that window
+    killed the daemon (its default action). The console script's entry point now holds
+    SIGHUP before importing anything heavy; the daemon reloads once it serves."""
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/import.sock",
+        ["--set=tiers.l1.capacity_bytes=64MiB"],
+        entry=("-c", _ENTRY_HANGING_UP_ON_IMPORT, str(pyproject)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    log = _wait_for_log(d, "SIGHUP: applied")
+    assert "SIGHUP arrived while starting" in log
     assert d.running()
