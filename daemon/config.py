@@ -8,12 +8,14 @@ relative to the daemon's working directory.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import grp
 import math
 import pwd
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,7 +311,7 @@ class ServerConfig:
         if not self.socket_group:
             return None
         try:
-            return _resolve_id(self.socket_group, grp.getgrnam, lambda g: g.gr_gid)
+            return _resolve_id(self.socket_group, "group")
         except KeyError:
             raise ConfigError(
                 f"config key 'server.socket_group': no group {self.socket_group!r} on this host"
@@ -325,12 +327,8 @@ class ServerConfig:
                     f"config key 'server.shm_share': {item!r} is not of the form CLIENT=OWNER"
                 )
             try:
-                owner_uid = _resolve_id(owner, pwd.getpwnam, lambda u: u.pw_uid)
-                client_uid = (
-                    ANY_PEER
-                    if client == "any"
-                    else _resolve_id(client, pwd.getpwnam, lambda u: u.pw_uid)
-                )
+                owner_uid = _resolve_id(owner, "user")
+                client_uid = ANY_PEER if client == "any" else _resolve_id(client, "user")
             except KeyError as e:
                 raise ConfigError(
                     f"config key 'server.shm_share': no user {e.args[0]!r} on this host"
@@ -339,27 +337,54 @@ class ServerConfig:
         return frozenset(pairs)
 
 
-def _resolve_id(name: str, lookup: Any, number: Any) -> int:
-    """A uid or gid from a number or a name (KeyError(name) when the name is unknown)."""
+# While set (``ids_from``): the uids and gids names resolve to, by ("user" or "group", name).
+# A name found here is not looked up on the host; one looked up is added.
+_KNOWN_IDS: contextvars.ContextVar[dict[tuple[str, str], int] | None] = contextvars.ContextVar(
+    "kvtier_known_ids", default=None
+)
+
+
+@contextlib.contextmanager
+def ids_from(known: dict[tuple[str, str], int]) -> Iterator[None]:
+    """Resolve the config's user and group names through ``known`` inside: a name it holds
+    gives its id without asking the host, one it lacks is looked up and added. ``kvtierd``
+    loads its config at start with an empty book and reloads with a copy of that book: a
+    name the running config has resolves as it did at start (the daemon runs with those ids),
+    even once the host has lost it (a group deleted, a directory service unreachable),
+    which refused every reload; a name the reload brings in is looked up as at start."""
+    token = _KNOWN_IDS.set(known)
+    try:
+        yield
+    finally:
+        _KNOWN_IDS.reset(token)
+
+
+def _resolve_id(name: str, kind: str) -> int:
+    """A uid (``kind`` "user") or gid ("group") from a number or a name (KeyError(name) when
+    the name is unknown)."""
     if name.isdigit():
         return int(name)
+    known = _KNOWN_IDS.get()
+    if known is not None and (kind, name) in known:
+        return known[kind, name]
     try:
-        return int(number(lookup(name)))
+        found = pwd.getpwnam(name).pw_uid if kind == "user" else grp.getgrnam(name).gr_gid
     except KeyError:
         raise KeyError(name) from None
+    if known is not None:
+        known[kind, name] = found
+    return int(found)
 
 
 def _resolve_ids(key: str, names: tuple[str, ...], *, user: bool) -> frozenset[int]:
     """uids (``user``) or gids from names or numbers; an unknown name is a ConfigError."""
-    lookup: Any = pwd.getpwnam if user else grp.getgrnam
-    number: Any = (lambda u: u.pw_uid) if user else (lambda g: g.gr_gid)
+    kind = "user" if user else "group"
     out = set()
     for name in names:
         try:
-            out.add(_resolve_id(name, lookup, number))
+            out.add(_resolve_id(name, kind))
         except KeyError:
-            what = "user" if user else "group"
-            raise ConfigError(f"config key '{key}': no {what} {name!r} on this host") from None
+            raise ConfigError(f"config key '{key}': no {kind} {name!r} on this host") from None
     return frozenset(out)
 
 

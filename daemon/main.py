@@ -24,7 +24,7 @@ import yaml
 
 from kvtier import __version__
 from kvtier.daemon import preflight
-from kvtier.daemon.config import Config, load_config
+from kvtier.daemon.config import Config, ids_from, load_config
 from kvtier.daemon.entry import EarlyHangup
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
@@ -92,8 +92,12 @@ def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None)
     def load() -> Config:
         return load_config(args.config, args.overrides, environ=os.environ)
 
+    # The uids and gids the config's user and group names resolve to now: a reload resolves
+    # the same names to the same ids (see config.ids_from).
+    known_ids: dict[tuple[str, str], int] = {}
     try:
-        config = load()
+        with ids_from(known_ids):
+            config = load()
     except ConfigError as e:
         print(f"kvtierd: config error: {e}", file=sys.stderr)
         return 2
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
     try:
-        asyncio.run(_serve(config, load, early_hangup))
+        asyncio.run(_serve(config, load, early_hangup, known_ids))
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -127,7 +131,12 @@ def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None)
     return 0
 
 
-async def _serve(config: Config, load: Any, early_hangup: EarlyHangup) -> None:
+async def _serve(
+    config: Config,
+    load: Any,
+    early_hangup: EarlyHangup,
+    known_ids: dict[tuple[str, str], int],
+) -> None:
     """Run the daemon with its operations around it: the metrics endpoint and SIGHUP."""
     from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.reload import Reloader
@@ -141,7 +150,7 @@ async def _serve(config: Config, load: Any, early_hangup: EarlyHangup) -> None:
         if config.metrics.address:
             metrics = MetricsServer(daemon, config.metrics.address)
             metrics.start()
-        reloader = Reloader(daemon, load)
+        reloader = Reloader(daemon, load, known_ids)
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
         where = ", ".join(daemon.addresses)
         extra = f"; metrics on {metrics.url}" if metrics is not None else ""

@@ -6,7 +6,9 @@ any other changed key is listed as needing a restart and keeps its running value
 daemon's config always says what it really does. A config that does not load (a bad value, a
 broken file), or whose live keys do not pass the config's checks beside the running values of
 the others, changes nothing and is logged as an error. Every reload logs one line of what it
-applied and one of what needs a restart.
+applied and one of what needs a restart. The user and group names the running config has
+resolve to the ids they had at start, without asking the host again (the daemon runs with
+those ids, and a name since gone from the host refused every reload); new names are looked up.
 
 Live keys, and how each applies:
 
@@ -31,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.daemon.config import Config, check_config, config_keys
+from kvtier.daemon.config import Config, check_config, config_keys, ids_from
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 from kvtier.daemon.policy.guard import EvictionGuard
@@ -93,11 +95,25 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
 
 
 class Reloader:
-    def __init__(self, daemon: Daemon, load: Callable[[], Config]) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        load: Callable[[], Config],
+        known_ids: dict[tuple[str, str], int] | None = None,
+    ) -> None:
+        """``known_ids``: the uids and gids the running config's user and group names
+        resolved to at start (``config.ids_from``); a reload resolves those names from it,
+        not the host."""
         self.daemon = daemon
         self.load = load
+        self.known_ids = known_ids if known_ids is not None else {}
 
     def reload(self) -> ReloadReport:
+        # A copy: the names only this reload brings in are not the running config's.
+        with ids_from(dict(self.known_ids)):
+            return self._reload()
+
+    def _reload(self) -> ReloadReport:
         try:
             loaded = self.load()
         except ConfigError as e:

@@ -183,3 +183,48 @@ def test_a_sighup_while_the_daemon_imports_its_modules_is_a_reload_once_it_serve
     log = _wait_for_log(d, "SIGHUP: applied")
     assert "SIGHUP arrived while starting" in log
     assert d.running()
+
+
+def test_a_reload_keeps_the_ids_the_running_config_s_names_resolved_to(monkeypatch):
+    """Regression: a reload resolved every user and group name of the config again, so once
+    a name the daemon started with was gone from the host (a group deleted, a directory
+    service unreachable) every reload was refused, even one that changed nothing of it. The
+    names the running config has resolve as they did at start; a name the reload brings in
+    is still looked up, and refused naming its key."""
+    import grp
+    import pwd
+    from types import SimpleNamespace
+
+    from kvtier.daemon.config import ids_from, load_config
+    from kvtier.daemon.reload import Reloader
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    user = pwd.getpwuid(os.getuid()).pw_name
+    names = [
+        f"server.socket_group={group}",
+        f"server.admin_uids=[{user}]",
+        f"server.shm_share=[any={user}]",
+        f"tenants=[{{name: a, uids: [{user}], gids: [{group}]}}]",
+    ]
+    known: dict[tuple[str, str], int] = {}
+    with ids_from(known):
+        running = load_config(None, names)
+    assert known == {("group", group): os.getgid(), ("user", user): os.getuid()}
+
+    def gone(name: str) -> None:
+        raise KeyError(name)
+
+    monkeypatch.setattr(grp, "getgrnam", gone)
+    monkeypatch.setattr(pwd, "getpwnam", gone)
+    daemon = SimpleNamespace(config=running)
+    applied: list[object] = []
+    reloader = Reloader(daemon, lambda: load_config(None, [*names, "policy.protect_s=5"]), known)  # type: ignore[arg-type]
+    reloader.apply = applied.append  # type: ignore[method-assign]
+    report = reloader.reload()
+    assert report.error == "" and [a.split(":")[0] for a in report.applied] == ["policy.protect_s"]
+    assert len(applied) == 1
+    reloader.load = lambda: load_config(None, [*names, "server.socket_group=kvtier-nosuchgroup"])
+    report = reloader.reload()
+    assert "server.socket_group" in report.error and "kvtier-nosuchgroup" in report.error
+    assert len(applied) == 1
+    assert known == {("group", group): os.getgid(), ("user", user): os.getuid()}
