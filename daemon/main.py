@@ -160,7 +160,10 @@ async def _serve(
             reloader.reload()
 
     try:
-        await serve(config, on_ready=ready)
+        # The daemon's own use of the names (the sockets' group, tenants, admins, shm_share)
+        # takes the ids the config was checked with.
+        with ids_from(known_ids):
+            await serve(config, on_ready=ready)
     finally:
         if metrics is not None:
             # Off the loop: a scrape in progress waits for the loop to answer it.

@@ -103,8 +103,9 @@ FORMAT_VERSION = 1
 DIR_MODE = 0o700
 DEFAULT_FILE_BYTES = 4 << 30
 MAX_FILES = 256
-# How long opening a directory whose lock only checks hold (``kvtierd --check-config``, each
-# for a moment) keeps trying, and how often: probes one after another without a gap.
+# How long a tier opening a directory whose lock only checks hold (``kvtierd --check-config``,
+# each for a moment) keeps trying, and how often it tries: only checks run back to back for
+# that long make the open fail.
 PROBE_WAIT_S = 2.0
 PROBE_RETRY_S = 0.01
 
