@@ -26,7 +26,14 @@ from kvtier.client.errors import (
     closed_error,
     from_rpc_error,
 )
-from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
+from kvtier.client.flows import (
+    Flow,
+    PoolBinding,
+    PoolView,
+    load_flow,
+    new_binding,
+    store_flow,
+)
 from kvtier.client.jobs import (
     AsyncTransferJob,
     JobStatus,
@@ -42,6 +49,7 @@ from kvtier.client.sync import (
     CHANNEL_OPTIONS,
     NAMESPACE_METHODS,
     client_namespace,
+    client_settings,
     no_fd_transport,
     resolve_token,
 )
@@ -66,8 +74,9 @@ class AsyncClient:
     ) -> None:
         """See ``Client``."""
         self.address = t.checked_address(t.resolve_address(address))
-        self.timeout_s = timeout_s
-        self.max_batch_blocks = max_batch_blocks
+        self.timeout_s, self.max_batch_blocks, client_name = client_settings(
+            timeout_s, max_batch_blocks, client_name
+        )
         self.namespace = client_namespace(namespace)
         self._token = resolve_token(token, token_file)
         self.tenant = ""  # the session's tenant, once it is open
@@ -268,7 +277,7 @@ class AsyncClient:
     async def register_pool(
         self, shm: SharedMemoryPool, layout: PoolLayout, namespace: Namespace | None = None
     ) -> AsyncRegisteredPool:
-        binding = PoolBinding(shm, layout, namespace)
+        binding = new_binding(shm, SharedMemoryPool, layout, namespace)
         await self._register(binding)
         return AsyncRegisteredPool(self, binding)
 
@@ -277,7 +286,7 @@ class AsyncClient:
     ) -> AsyncRegisteredPool:
         """Register GPU memory exported over CUDA IPC (``kvtier.client.cuda``); the daemon
         needs its GPU tier (``tiers.l0``) on the same device, else FailedPreconditionError."""
-        binding = PoolBinding(export, layout, namespace)
+        binding = new_binding(export, CudaIpcExport, layout, namespace)
         await self._register(binding)
         return AsyncRegisteredPool(self, binding)
 
@@ -305,6 +314,7 @@ class AsyncClient:
         req = t.build_request(
             pb.LookupRequest, keys=keys, pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
         )
+        timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
         return t.lookup_result(await self._invoke("Lookup", req, timeout_s=timeout_s))
 
     async def put(
@@ -427,7 +437,7 @@ class AsyncClient:
     async def store(
         self, pool: AsyncRegisteredPool, token_ids: Sequence[int], pages: Sequence[int]
     ) -> int:
-        blocks = await self.store_keys(pool, pool.keys(token_ids), pages)
+        blocks = await self.store_keys(pool, _pool(pool).keys(token_ids), pages)
         return blocks * pool.layout.block_tokens
 
     async def load(
@@ -438,7 +448,8 @@ class AsyncClient:
         *,
         lease_ms: int = 0,
     ) -> int:
-        blocks = await self.load_keys(pool, pool.keys(token_ids), pages, lease_ms=lease_ms)
+        keys = _pool(pool).keys(token_ids)
+        blocks = await self.load_keys(pool, keys, pages, lease_ms=lease_ms)
         return blocks * pool.layout.block_tokens
 
     async def store_keys(
@@ -450,8 +461,9 @@ class AsyncClient:
         parent_key: bytes = b"",
     ) -> int:
         """See ``Client.store_keys``."""
+        binding = _pool(pool).binding
         return await self._drive(
-            store_flow(pool.binding, keys, pages, self.max_batch_blocks, parent_key), pool.binding
+            store_flow(binding, keys, pages, self.max_batch_blocks, parent_key), binding
         )
 
     async def load_keys(
@@ -463,8 +475,9 @@ class AsyncClient:
         lease_ms: int = 0,
     ) -> int:
         """See ``Client.load_keys``."""
+        binding = _pool(pool).binding
         return await self._drive(
-            load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
+            load_flow(binding, keys, pages, self.max_batch_blocks, lease_ms), binding
         )
 
     # ------------------------------------------------------- transfer jobs
@@ -479,7 +492,7 @@ class AsyncClient:
     ) -> AsyncTransferJob:
         """See ``Client.submit_load``."""
         plan = TransferPlan.for_load(
-            segments, len(pool.layout.layers), self.max_batch_blocks, layer_groups
+            segments, len(_pool(pool).layout.layers), self.max_batch_blocks, layer_groups
         )
         return await self._start_job(pool, plan, timeout_s)
 
@@ -492,12 +505,14 @@ class AsyncClient:
         timeout_s: float | None = None,
     ) -> AsyncTransferJob:
         """See ``Client.submit_save``."""
+        _pool(pool)
         plan = TransferPlan.for_save(segments, self.max_batch_blocks, durable)
         return await self._start_job(pool, plan, timeout_s)
 
     async def _start_job(
         self, pool: AsyncRegisteredPool, plan: TransferPlan, timeout_s: float | None
     ) -> AsyncTransferJob:
+        timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         for part in plan.parts:  # the client's namespace, as for its other calls
             part.request.namespace = self.namespace
         await self.session()
@@ -538,6 +553,10 @@ class AsyncClient:
 async def _off_loop(fn: Any, *args: Any) -> Any:
     """Run a short blocking exchange (the credential socket) without stalling the loop."""
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
+def _pool(pool: AsyncRegisteredPool) -> AsyncRegisteredPool:
+    return t.checked_type(pool, AsyncRegisteredPool, "pool")
 
 
 class AsyncRegisteredPool(PoolView):

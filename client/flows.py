@@ -19,7 +19,7 @@ from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import InvalidArgumentError, NotFoundError
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.types import PutStatus, build_request, sequence_len
+from kvtier.client.types import PutStatus, build_request, checked_type, sequence_len
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -45,6 +45,7 @@ class PoolBinding:
             raise InvalidArgumentError(
                 "this pool was registered without a namespace; pass keys explicitly"
             )
+        sequence_len(token_ids, "token_ids")
         try:
             return block_keys(self.namespace, token_ids)
         except (TypeError, ValueError) as e:
@@ -74,6 +75,26 @@ class PoolBinding:
             return build_request(pb.RegisterPoolRequest, fd=region, layout=layout)
         shm = build_request(pb.ShmRegion, name=self.shm.name, size_bytes=self.shm.size_bytes)
         return build_request(pb.RegisterPoolRequest, shm=shm, layout=layout)
+
+
+def new_binding(
+    memory: SharedMemoryPool | CudaIpcExport,
+    kind: type[SharedMemoryPool] | type[CudaIpcExport],
+    layout: PoolLayout,
+    namespace: Namespace | None,
+) -> PoolBinding:
+    """The binding of a pool to register, its arguments checked (both clients): a wrong
+    object failed deep inside with an AttributeError, a namespace that is no ``Namespace``
+    was taken and failed at the first store by tokens, and a closed pool was registered by
+    its gone name (the daemon answered NotFound)."""
+    what = "shm" if kind is SharedMemoryPool else "export"
+    checked_type(memory, kind, what)
+    if isinstance(memory, SharedMemoryPool) and memory.closed:
+        raise InvalidArgumentError(f"shm: the pool {memory.name!r} was closed")
+    checked_type(layout, PoolLayout, "layout")
+    if namespace is not None:
+        checked_type(namespace, Namespace, "namespace")
+    return PoolBinding(memory, layout, namespace)
 
 
 class PoolView:

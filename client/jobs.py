@@ -44,7 +44,14 @@ from kvtier.client.errors import (
     closed_error,
     from_rpc_error,
 )
-from kvtier.client.types import PutStatus, build_request, sequence_len
+from kvtier.client.types import (
+    PutStatus,
+    build_request,
+    checked_int,
+    checked_seconds,
+    checked_type,
+    sequence_len,
+)
 from kvtier.proto import kvtier_pb2 as pb
 
 if TYPE_CHECKING:
@@ -157,28 +164,37 @@ def layer_ranges(
         raise InvalidArgumentError("a pool has at least one layer")
     if groups is None:
         return [(0, num_layers)]
-    if isinstance(groups, int):
-        if groups < 1:
-            raise InvalidArgumentError("layer groups must be at least 1")
-        groups = min(groups, num_layers)
-        bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
-        return [(bounds[i], bounds[i + 1]) for i in range(groups)]
-    ranges = [(int(b), int(e)) for b, e in groups]
+    if not isinstance(groups, (list, tuple)):  # a count (any integer), or refused by name
+        count = min(checked_int(groups, "layer_groups", minimum=1), num_layers)
+        bounds = [round(i * num_layers / count) for i in range(count + 1)]
+        return [(bounds[i], bounds[i + 1]) for i in range(count)]
+    ranges = []
+    for i, pair in enumerate(groups):
+        # Each bound an integer as given: int() truncated floats and parsed strs.
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise InvalidArgumentError(
+                f"layer_groups: range {i}: expected a (begin, end) pair, not {pair!r}"
+            )
+        ranges.append(tuple(checked_int(b, f"layer_groups: range {i}") for b in pair))
     expect = 0
     for b, e in ranges:
         if b != expect or e <= b:
             raise InvalidArgumentError(
-                f"layer ranges {ranges} must tile [0, {num_layers}) in order"
+                f"layer_groups: ranges {ranges} must tile [0, {num_layers}) in order"
             )
         expect = e
     if expect != num_layers:
-        raise InvalidArgumentError(f"layer ranges {ranges} must tile [0, {num_layers}) in order")
-    return ranges
+        raise InvalidArgumentError(
+            f"layer_groups: ranges {ranges} must tile [0, {num_layers}) in order"
+        )
+    return ranges  # type: ignore[return-value]
 
 
 def _segment_len(seg: LoadSegment | SaveSegment, index: int, kind: str) -> int:
-    """The number of keys of a segment, which must have as many pages."""
+    """The number of keys of a segment, which must be of the job's kind and have as many
+    pages (a tuple, or the other kind, failed on a missing attribute)."""
     where = f"{kind} segment {index}"
+    checked_type(seg, LoadSegment if kind == "load" else SaveSegment, where)
     nkeys = sequence_len(seg.keys, f"{where}: keys")
     npages = sequence_len(seg.pages, f"{where}: pages")
     if nkeys != npages:
@@ -239,12 +255,13 @@ class TransferPlan:
         groups: int | Sequence[tuple[int, int]] | None = None,
     ) -> TransferPlan:
         ranges = layer_ranges(num_layers, groups)
+        sequence_len(segments, "segments")
         parts: list[Part] = []
         first = 0
         whole = len(ranges) == 1
         for i, seg in enumerate(segments):
-            keys, pages = seg.keys, seg.pages
             nkeys = _segment_len(seg, i, "load")
+            keys, pages = seg.keys, seg.pages
             for r, (begin, end) in enumerate(ranges):
                 for start in range(0, nkeys, max_batch):
                     n = min(max_batch, nkeys - start)
@@ -264,11 +281,12 @@ class TransferPlan:
     def for_save(
         cls, segments: Sequence[SaveSegment], max_batch: int, durable: bool = False
     ) -> TransferPlan:
+        sequence_len(segments, "segments")
         parts: list[Part] = []
         first = 0
         for chain, seg in enumerate(segments):
-            keys, pages = seg.keys, seg.pages
             nkeys = _segment_len(seg, chain, "save")
+            keys, pages = seg.keys, seg.pages
             parent = seg.parent_key
             for start in range(0, nkeys, max_batch):
                 n = min(max_batch, nkeys - start)
@@ -462,6 +480,7 @@ class TransferJob:
 
     def wait(self, timeout_s: float | None = None) -> JobStatus:
         """Wait until every part ended (or ``timeout_s`` passed); returns the status."""
+        timeout_s = checked_seconds(timeout_s, "timeout_s", forever=True)
         with self._cond:
             self._cond.wait_for(lambda: self._plan.finished, timeout_s)
             return self._plan.status()
@@ -469,6 +488,8 @@ class TransferJob:
     def wait_layers(self, end_layer: int, timeout_s: float | None = None) -> np.ndarray | None:
         """Wait until layers ``[0, end_layer)`` are complete; returns which keys they loaded,
         or None when ``timeout_s`` passed first (the job goes on)."""
+        end_layer = checked_int(end_layer, "end_layer", minimum=0)
+        timeout_s = checked_seconds(timeout_s, "timeout_s", forever=True)
         with self._cond:
             if not self._cond.wait_for(lambda: self._plan.layers_ready(end_layer), timeout_s):
                 return None
@@ -600,6 +621,7 @@ class AsyncTransferJob:
 
     async def wait(self, timeout_s: float | None = None) -> JobStatus:
         """Wait until every part ended (or ``timeout_s`` passed); returns the status."""
+        timeout_s = checked_seconds(timeout_s, "timeout_s", forever=True)
         await self._wait_for(lambda: self._plan.finished, timeout_s)
         return self._plan.status()
 
@@ -607,6 +629,8 @@ class AsyncTransferJob:
         self, end_layer: int, timeout_s: float | None = None
     ) -> np.ndarray | None:
         """See ``TransferJob.wait_layers``."""
+        end_layer = checked_int(end_layer, "end_layer", minimum=0)
+        timeout_s = checked_seconds(timeout_s, "timeout_s", forever=True)
         if not await self._wait_for(lambda: self._plan.layers_ready(end_layer), timeout_s):
             return None
         return self._plan.done_mask(end_layer)
@@ -711,6 +735,7 @@ class JobTable:
                 self.jobs.pop(old, None)
 
     def get(self, job_id: int) -> Any:
+        job_id = checked_int(job_id, "job_id")
         with self.lock:
             job = self.jobs.get(job_id)
         if job is None:

@@ -102,6 +102,8 @@ def block_keys(
     """Keys of every full block of ``token_ids``, chained from the namespace seed."""
     n = namespace.block_tokens
     tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:  # a batch of sequences ([[...]]) had no full block: no keys, no error
+        raise ValueError(f"token ids must be one-dimensional, not of shape {tokens.shape}")
     nblocks = len(tokens) // n
     if extras is not None and len(extras) < nblocks:
         raise ValueError(f"extras has {len(extras)} entries for {nblocks} blocks")

@@ -129,6 +129,12 @@ class SharedMemoryPool:
         self._finalizer = weakref.finalize(self, _close_quietly, dup)
         return self
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` (or, for a named object, ``unlink()``) ran: the memory can no
+        longer be registered (its descriptor or its name is gone)."""
+        return not self._finalizer.alive
+
     def array(self) -> np.ndarray:
         """The whole region as a uint8 numpy array (shares memory)."""
         return np.frombuffer(self.buffer, dtype=np.uint8)

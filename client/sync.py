@@ -36,11 +36,19 @@ from kvtier.client.errors import (
     InvalidArgumentError,
     KvtierError,
     NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
     closed_error,
     from_rpc_error,
 )
-from kvtier.client.flows import Flow, PoolBinding, PoolView, load_flow, store_flow
+from kvtier.client.flows import (
+    Flow,
+    PoolBinding,
+    PoolView,
+    load_flow,
+    new_binding,
+    store_flow,
+)
 from kvtier.client.jobs import (
     JobStatus,
     JobTable,
@@ -86,16 +94,46 @@ _SESSION_METHODS = frozenset(
 NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Evict"})
 
 
-def resolve_token(token: bytes | str | None, token_file: str | None) -> bytes:
-    """A tenant token given as such, or read from a file (surrounding whitespace dropped)."""
+def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] | None) -> bytes:
+    """A tenant token given as such, or read from a file (surrounding whitespace dropped).
+    A file that cannot be read, or holds no token, is a typed error naming it at
+    construction: PermissionDeniedError when this user may not read it, InvalidArgumentError
+    otherwise (a bare OSError escaped, and an empty file opened a session with no token)."""
     if token is not None and token_file is not None:
         raise InvalidArgumentError("give token or token_file, not both")
     if token_file is not None:
-        with open(token_file, "rb") as f:
-            return f.read(4096).strip()
+        # Not an int: open() takes one as a descriptor and would read whatever it is.
+        t.checked_type(token_file, (str, os.PathLike), "token_file")
+        try:
+            with open(token_file, "rb") as f:
+                token = f.read(4096).strip()
+        except PermissionError as e:
+            raise PermissionDeniedError(
+                f"token_file {token_file}: cannot be read: {e.strerror}"
+            ) from None
+        except OSError as e:
+            raise InvalidArgumentError(
+                f"token_file {token_file}: cannot be read: {e.strerror or e}"
+            ) from None
+        if not token:
+            raise InvalidArgumentError(f"token_file {token_file}: holds no token")
+        return token
     if isinstance(token, str):
         return token.encode()
     return token or b""
+
+
+def client_settings(
+    timeout_s: float, max_batch_blocks: int, client_name: str
+) -> tuple[float, int, str]:
+    """A client's own settings, checked at construction (both clients): a str timeout failed
+    each call inside gRPC with a TypeError, a zero batch size failed each store with
+    Python's ValueError of range()."""
+    timeout = t.checked_seconds(timeout_s, "timeout_s", optional=False)
+    if not timeout:
+        raise InvalidArgumentError(f"timeout_s: must be more than 0 (got {timeout_s!r})")
+    batch = t.checked_int(max_batch_blocks, "max_batch_blocks", minimum=1)
+    return timeout, batch, t.checked_type(client_name, str, "client_name")
 
 
 def client_namespace(namespace: str) -> str:
@@ -130,8 +168,9 @@ class Client:
         ``token`` (or ``token_file``): a tenant's secret, to be that tenant (over TCP the
         only way to open a session)."""
         self.address = t.checked_address(t.resolve_address(address))
-        self.timeout_s = timeout_s
-        self.max_batch_blocks = max_batch_blocks
+        self.timeout_s, self.max_batch_blocks, client_name = client_settings(
+            timeout_s, max_batch_blocks, client_name
+        )
         self.namespace = client_namespace(namespace)
         self._token = resolve_token(token, token_file)
         self._tenant = ""
@@ -363,7 +402,7 @@ class Client:
     ) -> RegisteredPool:
         """Register a shared-memory pool laid out as ``layout``. With a namespace, the returned
         pool can store and load by token ids."""
-        binding = PoolBinding(shm, layout, namespace)
+        binding = new_binding(shm, SharedMemoryPool, layout, namespace)
         self._register(binding)
         return RegisteredPool(self, binding)
 
@@ -372,7 +411,7 @@ class Client:
     ) -> RegisteredPool:
         """Register GPU memory exported over CUDA IPC (``kvtier.client.cuda``); the daemon
         needs its GPU tier (``tiers.l0``) on the same device, else FailedPreconditionError."""
-        binding = PoolBinding(export, layout, namespace)
+        binding = new_binding(export, CudaIpcExport, layout, namespace)
         self._register(binding)
         return RegisteredPool(self, binding)
 
@@ -429,6 +468,7 @@ class Client:
         req = t.build_request(
             pb.LookupRequest, keys=keys, pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
         )
+        timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
         return t.lookup_result(self._invoke("Lookup", req, timeout_s=timeout_s))
 
     def put(
@@ -553,7 +593,8 @@ class Client:
     def store(self, pool: RegisteredPool, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         """Store the full blocks of ``token_ids`` from ``pages`` (page i holds block i).
         Returns the number of leading tokens the daemon now holds."""
-        return self.store_keys(pool, pool.keys(token_ids), pages) * pool.layout.block_tokens
+        keys = _pool(pool).keys(token_ids)
+        return self.store_keys(pool, keys, pages) * pool.layout.block_tokens
 
     def load(
         self,
@@ -564,7 +605,7 @@ class Client:
         lease_ms: int = 0,
     ) -> int:
         """Load the longest stored prefix of ``token_ids`` into ``pages``; returns tokens loaded."""
-        blocks = self.load_keys(pool, pool.keys(token_ids), pages, lease_ms=lease_ms)
+        blocks = self.load_keys(pool, _pool(pool).keys(token_ids), pages, lease_ms=lease_ms)
         return blocks * pool.layout.block_tokens
 
     def store_keys(
@@ -580,8 +621,9 @@ class Client:
         For engines that store a long sequence piece by piece through a smaller pool:
         ``parent_key`` is the key before ``keys[0]`` when the chain continues an earlier store.
         Returns the number of leading blocks of ``keys`` the daemon now holds."""
+        binding = _pool(pool).binding
         return self._drive(
-            store_flow(pool.binding, keys, pages, self.max_batch_blocks, parent_key), pool.binding
+            store_flow(binding, keys, pages, self.max_batch_blocks, parent_key), binding
         )
 
     def load_keys(
@@ -594,8 +636,9 @@ class Client:
     ) -> int:
         """Load the longest stored prefix of a key chain into ``pages`` (page i receives the
         block of ``keys[i]``); returns blocks loaded."""
+        binding = _pool(pool).binding
         return self._drive(
-            load_flow(pool.binding, keys, pages, self.max_batch_blocks, lease_ms), pool.binding
+            load_flow(binding, keys, pages, self.max_batch_blocks, lease_ms), binding
         )
 
     # ------------------------------------------------------- transfer jobs
@@ -616,7 +659,7 @@ class Client:
         Raises KvtierError only if the session or the pool cannot be set up; failures of
         the transfer itself end up in the job's status."""
         plan = TransferPlan.for_load(
-            segments, len(pool.layout.layers), self.max_batch_blocks, layer_groups
+            segments, len(_pool(pool).layout.layers), self.max_batch_blocks, layer_groups
         )
         return self._start_job(pool, plan, timeout_s)
 
@@ -631,12 +674,14 @@ class Client:
         """Start storing key chains from ``pool`` in the background; returns the job at once.
         Chains are stored concurrently, each batch after batch; with ``durable`` each Put
         answers once its blocks are on the daemon's disk tier."""
+        _pool(pool)
         plan = TransferPlan.for_save(segments, self.max_batch_blocks, durable)
         return self._start_job(pool, plan, timeout_s)
 
     def _start_job(
         self, pool: RegisteredPool, plan: TransferPlan, timeout_s: float | None
     ) -> TransferJob:
+        timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         for part in plan.parts:  # the client's namespace, as for its other calls
             part.request.namespace = self.namespace
         # Set up the session and the pool now, so that their errors reach the caller.
@@ -673,6 +718,10 @@ class Client:
         job.cancel()
         self._jobs.forget(job_id)
         return job.poll()
+
+
+def _pool(pool: RegisteredPool) -> RegisteredPool:
+    return t.checked_type(pool, RegisteredPool, "pool")
 
 
 class RegisteredPool(PoolView):

@@ -7,16 +7,21 @@ so the two share every rule and differ only in how they wait.
 from __future__ import annotations
 
 import enum
+import math
+import numbers
+import operator
 import os
 import re
-from collections.abc import Callable, Iterable, MutableSequence, Sized
+from collections.abc import Callable, Iterable, MutableSequence, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
+import numpy as np
 from google.protobuf.message import Message
 
 from kvtier import paths
 from kvtier.client.errors import InvalidArgumentError
+from kvtier.client.keys import KEY_BYTES
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.wire import DTYPES as _DTYPES
@@ -214,6 +219,7 @@ def address_hint(address: str | None) -> str:
 # ---------------------------------------------------------------------- requests
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 Paged = TypeVar("Paged", pb.PutRequest, pb.GetRequest)
 P = ParamSpec("P")
 # Some of protobuf's refusals start with the field's full name, which the error names anyway.
@@ -222,16 +228,97 @@ _FIELD_PREFIX = re.compile(r"^Field [\w.]+: ")
 
 def build_request(message: Callable[P, M], /, *args: P.args, **fields: P.kwargs) -> M:
     """``message(**fields)``, or InvalidArgumentError for a value protobuf refuses: a wrong
-    type, an integer beyond its field's range ("Put: pages: value out of range: -1").
+    type, an integer beyond its field's range ("Put: pages: value out of range: -1"), None
+    (which protobuf takes as "unset": ``release(None)`` asked the daemon to release lease 0,
+    ``put(None, ...)`` named pool 0, and it answered NotFound for ids the caller never
+    gave), a key that is not ``KEY_BYTES`` long or an empty key list (both of which the
+    daemon refuses too).
 
     Every request the clients build goes through here. Protobuf checks each value as it
     copies it in, so building the message is the only pass over the arguments; a call builds
     all its requests before it sends the first, so a refused one leaves the daemon untouched.
     Only a refused message is built again, field by field, to name what it refused."""
+    for value in fields.values():
+        if value is None:
+            raise _refused(message, fields, None)
     try:
-        return message(*args, **fields)
+        request = message(*args, **fields)
     except (TypeError, ValueError) as e:
         raise _refused(message, fields, e) from None
+    if "keys" in fields:
+        keys: Any = fields["keys"]
+        # The caller's list when it is one (its items are the bytes protobuf took): reading
+        # them back out of the message costs twice as much.
+        _check_keys(message, keys if type(keys) in (list, tuple) else request.keys)  # type: ignore[attr-defined]
+    parent: Any = fields.get("parent_key")
+    if parent:
+        _check_keys(message, [parent], "parent_key")
+    return request
+
+
+def _check_keys(message: Any, keys: Sequence[bytes], name: str = "keys") -> None:
+    """The daemon's own rule (``daemon.table``): every key is ``KEY_BYTES`` long, and a call
+    names at least one."""
+    if len(keys) == 1 and len(keys[0]) == KEY_BYTES:  # the common single key: no set
+        return
+    if set(map(len, keys)) == {KEY_BYTES}:
+        return
+    call = message.DESCRIPTOR.name.removesuffix("Request")
+    if not keys:
+        raise InvalidArgumentError(f"{call}: {name}: empty; a call names at least one key")
+    i = next(i for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+    where = f"{name}: key {i}" if name == "keys" else name
+    raise InvalidArgumentError(
+        f"{call}: {where} has {len(keys[i])} bytes; keys are {KEY_BYTES} bytes"
+    )
+
+
+def checked_int(value: object, what: str, minimum: int | None = None) -> int:
+    """``value`` as an int: Python's, NumPy's or anything else with ``__index__``, but not a
+    bool (protobuf's rule for every integer field, kept for the client's own arguments) nor
+    a float, which ``int()`` would truncate; InvalidArgumentError naming ``what`` otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{what}: expected int, not bool")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: expected int, not {type(value).__name__}") from None
+    if minimum is not None and number < minimum:
+        raise InvalidArgumentError(f"{what}: must be at least {minimum} (got {number})")
+    return number
+
+
+def checked_seconds(
+    value: object, what: str, *, optional: bool = True, forever: bool = False
+) -> float | None:
+    """A duration in seconds: a real number >= 0, finite unless ``forever`` (then infinity
+    is None: no limit); None passes when ``optional``. InvalidArgumentError naming ``what``
+    otherwise: gRPC failed a call with a negative, NaN or infinite timeout as
+    DEADLINE_EXCEEDED and a str one with a TypeError of its own, and a job's wait treated
+    NaN one way in the sync client and another in the asyncio one."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise InvalidArgumentError(f"{what}: expected a number of seconds, not {value!r}")
+    seconds = float(value)
+    if forever and seconds == math.inf:
+        return None
+    if not 0 <= seconds < math.inf:  # False for NaN
+        finite = "" if forever else "finite "
+        raise InvalidArgumentError(
+            f"{what}: expected a {finite}number of seconds >= 0, not {value!r}"
+        )
+    return seconds
+
+
+def checked_type(value: T, types: type | tuple[type, ...], what: str) -> T:
+    """``value`` if it is one of ``types``; InvalidArgumentError naming ``what`` otherwise (the
+    calls that take an object use its attributes, and a wrong one failed deep inside with an
+    AttributeError)."""
+    if not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise InvalidArgumentError(f"{what}: expected {names}, not {type(value).__name__}")
+    return value
 
 
 # The daemon waits at most this long for transfers before a Check (longer settles are cut to
@@ -241,22 +328,25 @@ MAX_CHECK_SETTLE_S = 60.0
 
 def check_request(settle_s: float) -> pb.CheckRequest:
     """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
-    does); a negative or NaN wait is InvalidArgumentError naming ``settle_s``."""
-    try:
+    does); a negative or NaN wait, or one that is not a number, is InvalidArgumentError
+    naming ``settle_s``."""
+    if isinstance(settle_s, (bool, np.bool_)) or not isinstance(settle_s, numbers.Real):
+        ok = False  # a str, None, True: refused as any other bad argument
+    else:
         ok = settle_s >= 0  # False for NaN
-    except TypeError:  # not a number (a str, None): refused as any other bad argument
-        ok = False
     if not ok:
         raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
     return build_request(pb.CheckRequest, settle_ms=int(min(settle_s, MAX_CHECK_SETTLE_S) * 1000))
 
 
-def _refused(message: Any, fields: dict[str, Any], error: Exception) -> InvalidArgumentError:
+def _refused(message: Any, fields: dict[str, Any], error: Exception | None) -> InvalidArgumentError:
     call = message.DESCRIPTOR.name.removesuffix("Request")
     for name, value in fields.items():
         problem = _field_problem(message, name, value)
         if problem is not None:
             return InvalidArgumentError(f"{call}: {problem}")
+    # Every None is named by its field above.
+    assert error is not None
     return InvalidArgumentError(f"{call}: {_protobuf_text(error)}")
 
 
@@ -264,6 +354,9 @@ def _field_problem(message: Any, name: str, value: object) -> str | None:
     """What protobuf refuses in ``value`` for field ``name``; None when it takes the value."""
     default = getattr(message(), name)
     repeated = isinstance(default, MutableSequence)
+    if value is None:
+        expected = "a sequence" if repeated else type(default).__name__
+        return f"{name}: expected {expected}, not NoneType"
     if repeated and (isinstance(value, (str, bytes)) or not isinstance(value, Iterable)):
         return f"{name}: expected a sequence, not {type(value).__name__}"
     try:
@@ -288,7 +381,10 @@ def _protobuf_text(error: Exception) -> str:
 
 
 def sequence_len(values: Sized, what: str) -> int:
-    """``len(values)``; InvalidArgumentError naming ``what`` when it has no length."""
+    """``len(values)``; InvalidArgumentError naming ``what`` unless ``values`` is a sequence
+    (a list, a range, an array: what the flows slice into batches), not a str or bytes."""
+    if isinstance(values, (str, bytes)) or not hasattr(type(values), "__getitem__"):
+        raise InvalidArgumentError(f"{what}: expected a sequence, not {type(values).__name__}")
     try:
         return len(values)
     except TypeError:
@@ -333,14 +429,17 @@ def layout_to_pb(layout: PoolLayout) -> pb.PoolLayout:
 
 
 def tier_value(tier: Tier | int | str) -> pb.Tier:
-    """A tier given as ``Tier``, its wire number or its label (``"L1"``), for an Evict."""
+    """A tier given as ``Tier``, its wire number or its label (``"L1"``), for an Evict; one
+    that names no tier is refused here (the daemon refuses it too, but the client can tell)."""
     if isinstance(tier, str):
         for t in Tier:
             if t.name.startswith(tier.upper() + "_"):
                 return tier_enum(int(t))
         raise InvalidArgumentError(f"Evict: tier: unknown tier {tier!r}; one of L0, L1, L2, L3")
-    # As given: the request refuses what is not an integer.
-    return tier_enum(tier)
+    number = checked_int(tier, "Evict: tier")
+    if number not in _TIER_BY_VALUE or number == Tier.ABSENT:
+        raise InvalidArgumentError(f"Evict: tier: unknown tier {number}; one of L0, L1, L2, L3")
+    return tier_enum(number)
 
 
 # --------------------------------------------------------------------- responses

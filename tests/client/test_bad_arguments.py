@@ -12,10 +12,14 @@ and then that the same client still works.
 from __future__ import annotations
 
 import inspect
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
+from peers import NOBODY, NOGROUP, run_as
 
 from kvtier.client import (
     AsyncClient,
@@ -24,11 +28,14 @@ from kvtier.client import (
     KvtierError,
     LoadSegment,
     Namespace,
+    PermissionDeniedError,
     PoolLayout,
     SaveSegment,
     SharedMemoryPool,
+    Tier,
     block_keys,
 )
+from kvtier.client.sync import resolve_token
 
 NS = Namespace(model="bad-arguments", kv_dtype="uint8", block_tokens=4)
 TOKENS = list(range(12))
@@ -84,6 +91,54 @@ CASES: list[tuple[str, Call, str]] = [
     ("check-none-settle", lambda c, p: c.check(settle_s=None), r"^Check: settle_s must be a number >= 0 \(got None\)$"),
     ("drain-str-resume", lambda c, p: c.drain(resume="yes"), r"^Drain: resume: expected bool, not str$"),
     ("health-int-service", lambda c, p: c.health(5), r"^Health: service: expected str, not int$"),
+    # None is no "unset": protobuf took it as the field's default (lease 0, pool 0, no pin)
+    ("release-none-lease", lambda c, p: c.release(None), r"^Release: lease_id: expected int, not NoneType$"),
+    ("put-none-pool", lambda c, p: c.put(None, [KEY], [0]), r"^Put: pool_id: expected int, not NoneType$"),
+    ("put-none-parent", lambda c, p: c.put(p.pool_id, [KEY], [0], parent_key=None), r"^Put: parent_key: expected bytes, not NoneType$"),
+    ("lookup-none-keys", lambda c, p: c.lookup(None), r"^Lookup: keys: expected a sequence, not NoneType$"),
+    ("lookup-none-lease", lambda c, p: c.lookup([KEY], lease_ms=None), r"^Lookup: lease_ms: expected int, not NoneType$"),
+    ("lookup-none-pin", lambda c, p: c.lookup([KEY], pin=None), r"^Lookup: pin: expected bool, not NoneType$"),
+    ("get-none-lease", lambda c, p: c.get(p.pool_id, [KEY], [0], lease_id=None), r"^Get: lease_id: expected int, not NoneType$"),
+    ("prefetch-none-priority", lambda c, p: c.prefetch([KEY], priority=None), r"^Prefetch: priority: expected int, not NoneType$"),
+    ("delete-none-tenant", lambda c, p: c.delete([KEY], tenant=None), r"^Delete: tenant: expected str, not NoneType$"),
+    ("drain-none-resume", lambda c, p: c.drain(resume=None), r"^Drain: resume: expected bool, not NoneType$"),
+    ("unregister-none-pool", lambda c, p: c.unregister_pool(None), r"^UnregisterPool: pool_id: expected int, not NoneType$"),
+    # keys the daemon refuses, refused before sending
+    ("lookup-short-key", lambda c, p: c.lookup([KEY, b"x"]), r"^Lookup: keys: key 1 has 1 bytes; keys are 32 bytes$"),
+    ("lookup-long-key", lambda c, p: c.lookup([KEY + b"x"]), r"^Lookup: keys: key 0 has 33 bytes; keys are 32 bytes$"),
+    ("lookup-no-keys", lambda c, p: c.lookup([]), r"^Lookup: keys: empty; a call names at least one key$"),
+    ("put-short-key", lambda c, p: c.put(p.pool_id, [b"x"], [0]), r"^Put: keys: key 0 has 1 bytes; keys are 32 bytes$"),
+    ("put-no-keys", lambda c, p: c.put(p.pool_id, [], []), r"^Put: keys: empty; a call names at least one key$"),
+    ("put-short-parent", lambda c, p: c.put(p.pool_id, [KEY], [0], parent_key=b"x"), r"^Put: parent_key has 1 bytes; keys are 32 bytes$"),
+    ("get-short-key", lambda c, p: c.get(p.pool_id, [b"x"], [0]), r"^Get: keys: key 0 has 1 bytes; keys are 32 bytes$"),
+    ("prefetch-short-key", lambda c, p: c.prefetch([b"x"]), r"^Prefetch: keys: key 0 has 1 bytes; keys are 32 bytes$"),
+    ("delete-short-key", lambda c, p: c.delete([b"x"]), r"^Delete: keys: key 0 has 1 bytes; keys are 32 bytes$"),
+    ("evict-short-key", lambda c, p: c.evict([b"x"], "L1"), r"^Evict: keys: key 0 has 1 bytes; keys are 32 bytes$"),
+    ("store-keys-short-parent", lambda c, p: c.store_keys(p, KEYS, [0, 1, 2], parent_key=b"x"), r"^Put: parent_key has 1 bytes; keys are 32 bytes$"),
+    ("submit-save-short-key", lambda c, p: c.submit_save(p, [SaveSegment([KEY, b"x"], [0, 1])]), r"^Put: keys: key 1 has 1 bytes; keys are 32 bytes$"),
+    # tiers the client can tell are none
+    ("evict-none-tier", lambda c, p: c.evict([KEY], None), r"^Evict: tier: expected int, not NoneType$"),
+    ("evict-tier-99", lambda c, p: c.evict([KEY], 99), r"^Evict: tier: unknown tier 99; one of L0, L1, L2, L3$"),
+    ("evict-tier-absent", lambda c, p: c.evict([KEY], 0), r"^Evict: tier: unknown tier 0; one of L0, L1, L2, L3$"),
+    # numbers of seconds
+    ("check-bool-settle", lambda c, p: c.check(settle_s=True), r"^Check: settle_s must be a number >= 0 \(got True\)$"),
+    ("lookup-negative-timeout", lambda c, p: c.lookup([KEY], timeout_s=-1), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not -1$"),
+    ("lookup-nan-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("nan")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not nan$"),
+    ("lookup-inf-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("inf")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not inf$"),
+    ("lookup-str-timeout", lambda c, p: c.lookup([KEY], timeout_s="1"), r"^Lookup: timeout_s: expected a number of seconds, not '1'$"),
+    # objects of the wrong kind
+    ("register-str-shm", lambda c, p: c.register_pool("name", LAYOUT), r"^shm: expected SharedMemoryPool, not str$"),
+    ("register-none-shm", lambda c, p: c.register_pool(None, LAYOUT), r"^shm: expected SharedMemoryPool, not NoneType$"),
+    ("register-none-layout", lambda c, p: c.register_pool(p.binding.shm, None), r"^layout: expected PoolLayout, not NoneType$"),
+    ("register-str-namespace", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, "ns"), r"^namespace: expected Namespace, not str$"),
+    ("register-closed-shm", lambda c, p: c.register_pool(closed_pool(), LAYOUT), r"^shm: the pool 'closed' was closed$"),
+    ("register-cuda-shm", lambda c, p: c.register_cuda_pool(p.binding.shm, LAYOUT), r"^export: expected CudaIpcExport, not SharedMemoryPool$"),
+    ("store-none-pool", lambda c, p: c.store(None, TOKENS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
+    ("load-int-pool", lambda c, p: c.load(p.pool_id, TOKENS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not int$"),
+    ("store-keys-str-pool", lambda c, p: c.store_keys("pool", KEYS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not str$"),
+    ("load-keys-none-pool", lambda c, p: c.load_keys(None, KEYS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
+    ("submit-load-none-pool", lambda c, p: c.submit_load(None, [LoadSegment([KEY], [0])]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
+    ("submit-save-none-pool", lambda c, p: c.submit_save(None, [SaveSegment([KEY], [0])]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
     # flows: the high-level pair and the pools' calls
     ("store-keys-negative-page", lambda c, p: c.store_keys(p, KEYS, [0, 1, -1]), r"^Put: pages: value out of range: -1$"),
     ("store-keys-str-key", lambda c, p: c.store_keys(p, [*KEYS[:2], "key"], [0, 1, 2]), r"^Put: keys: .*\bstr\b"),
@@ -96,6 +151,10 @@ CASES: list[tuple[str, Call, str]] = [
     ("load-keys-float-page", lambda c, p: c.load_keys(p, KEYS, [0.5, 1, 2]), r"^Get: pages: .*float"),
     ("load-keys-str-key", lambda c, p: c.load_keys(p, [*KEYS[:2], "key"], [0, 1, 2]), r"^Lookup: keys: .*\bstr\b"),
     ("load-keys-pages-not-a-list", lambda c, p: c.load_keys(p, KEYS, 5), r"^load: pages: expected a sequence, not int$"),
+    ("store-keys-set-of-keys", lambda c, p: c.store_keys(p, set(KEYS), [0, 1, 2]), r"^store: keys: expected a sequence, not set$"),
+    ("store-none-tokens", lambda c, p: c.store(p, None, [0, 1, 2]), r"^token_ids: expected a sequence, not NoneType$"),
+    ("store-str-tokens", lambda c, p: c.store(p, "tokens", [0, 1, 2]), r"^token_ids: expected a sequence, not str$"),
+    ("store-nested-tokens", lambda c, p: c.store(p, [TOKENS], [0, 1, 2]), r"^token_ids: token ids must be one-dimensional, not of shape \(1, 12\)$"),
     ("store-negative-token", lambda c, p: c.store(p, [-1, *TOKENS[1:]], [0, 1, 2]), r"^token_ids: token ids must lie in \[0, 2\*\*32\)$"),
     ("store-negative-page", lambda c, p: c.store(p, TOKENS, [0, 1, -1]), r"^Put: pages: value out of range: -1$"),
     ("load-negative-lease", lambda c, p: c.load(p, TOKENS, [0, 1, 2], lease_ms=-1), r"^Lookup: lease_ms: value out of range: -1$"),
@@ -108,7 +167,22 @@ CASES: list[tuple[str, Call, str]] = [
     ("submit-load-str-key", lambda c, p: c.submit_load(p, [LoadSegment(["key"], [0])]), r"^Get: keys: .*\bstr\b"),
     ("submit-load-negative-lease", lambda c, p: c.submit_load(p, [LoadSegment([KEY], [0], lease_id=-1)]), r"^Get: lease_id: value out of range: -1$"),
     ("submit-load-page-count", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0])]), r"^load segment 0: 1 pages for 3 keys$"),
-    ("submit-load-no-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment([KEY], [0])], layer_groups=0), r"^layer groups must be at least 1$"),
+    ("submit-load-no-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment([KEY], [0])], layer_groups=0), r"^layer_groups: must be at least 1 \(got 0\)$"),
+    ("submit-load-float-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=1.5), r"^layer_groups: expected int, not float$"),
+    ("submit-load-bool-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=True), r"^layer_groups: expected int, not bool$"),
+    ("submit-load-str-layer-groups", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups="2"), r"^layer_groups: expected int, not str$"),
+    ("submit-load-float-layer-range", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=[(0, 1.5), (1.5, 2)]), r"^layer_groups: range 0: expected int, not float$"),
+    ("submit-load-str-layer-range", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=[("0", "1"), ("1", "2")]), r"^layer_groups: range 0: expected int, not str$"),
+    ("submit-load-triple-layer-range", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=[(0, 1, 2)]), r"^layer_groups: range 0: expected a \(begin, end\) pair, not \(0, 1, 2\)$"),
+    ("submit-load-none-layer-range", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=[None]), r"^layer_groups: range 0: expected a \(begin, end\) pair, not None$"),
+    ("submit-load-none-segments", lambda c, p: c.submit_load(p, None), r"^segments: expected a sequence, not NoneType$"),
+    ("submit-load-tuple-segment", lambda c, p: c.submit_load(p, [(KEYS, [0, 1, 2])]), r"^load segment 0: expected LoadSegment, not tuple$"),
+    ("submit-load-save-segment", lambda c, p: c.submit_load(p, [SaveSegment(KEYS, [0, 1, 2])]), r"^load segment 0: expected LoadSegment, not SaveSegment$"),
+    ("submit-load-none-lease", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2], lease_id=None)]), r"^Get: lease_id: expected int, not NoneType$"),
+    ("submit-load-negative-timeout", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], timeout_s=-1), r"^timeout_s: expected a finite number of seconds >= 0, not -1$"),
+    ("submit-load-str-timeout", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 2])], timeout_s="1"), r"^timeout_s: expected a number of seconds, not '1'$"),
+    ("submit-save-load-segment", lambda c, p: c.submit_save(p, [LoadSegment(KEYS, [0, 1, 2])]), r"^save segment 0: expected SaveSegment, not LoadSegment$"),
+    ("submit-save-none-parent", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 2], parent_key=None)]), r"^Put: parent_key: expected bytes, not NoneType$"),
     ("submit-save-negative-page", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, -1])]), r"^Put: pages: value out of range: -1$"),
     ("submit-save-none-key", lambda c, p: c.submit_save(p, [SaveSegment([*KEYS[:2], None], [0, 1, 2])]), r"^Put: keys: .*NoneType"),
     ("submit-save-str-parent", lambda c, p: c.submit_save(p, [SaveSegment([KEY], [0], parent_key="k")]), r"^Put: parent_key: expected bytes, not str$"),
@@ -137,6 +211,12 @@ SENDING = (
 def rpcs_sent(stats: Any) -> int:
     """Requests of the calls above that the daemon has answered, whatever the answer."""
     return sum(stats.counter("rpc_seconds_count", method=m) for m in SENDING)
+
+
+def closed_pool() -> SharedMemoryPool:
+    shm = SharedMemoryPool(4096, name="closed", backing="memfd")
+    shm.close()
+    return shm
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +290,135 @@ def test_a_check_settle_past_the_daemons_longest_wait_is_cut_to_it(settle_s):
     assert MAX_SETTLE_MS == MAX_CHECK_SETTLE_S * 1000
     assert check_request(settle_s).settle_ms == int(MAX_CHECK_SETTLE_S * 1000) == 60_000
     assert check_request(0.25).settle_ms == 250
+
+
+# ------------------------------------------------------------ construction
+
+
+@pytest.mark.parametrize("client_type", [Client, AsyncClient])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"timeout_s": "30"}, r"^timeout_s: expected a number of seconds, not '30'$"),
+        ({"timeout_s": -1.0}, r"^timeout_s: expected a finite number of seconds >= 0, not -1.0$"),
+        ({"timeout_s": float("nan")}, r"^timeout_s: expected a finite number .*, not nan$"),
+        ({"timeout_s": 0}, r"^timeout_s: must be more than 0 \(got 0\)$"),
+        ({"max_batch_blocks": 0}, r"^max_batch_blocks: must be at least 1 \(got 0\)$"),
+        ({"max_batch_blocks": 2.5}, r"^max_batch_blocks: expected int, not float$"),
+        ({"max_batch_blocks": True}, r"^max_batch_blocks: expected int, not bool$"),
+        ({"client_name": 5}, r"^client_name: expected str, not int$"),
+        ({"token_file": 0}, r"^token_file: expected str or PathLike, not int$"),
+    ],
+    ids=lambda v: "-".join(f"{k}={v[k]!r}" for k in v) if isinstance(v, dict) else "",
+)
+def test_a_clients_own_settings_are_checked_at_construction(client_type, kwargs, message):
+    """A str timeout failed every call inside gRPC with a TypeError, a zero batch size every
+    store with range()'s ValueError, and a token_file of 0 read the process's stdin."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        client_type("unix:/nonexistent.sock", **kwargs)
+
+
+@pytest.mark.parametrize("client_type", [Client, AsyncClient])
+def test_a_token_file_that_cannot_be_read_is_a_typed_error_naming_it(tmp_path, client_type):
+    missing = tmp_path / "missing.token"
+    with pytest.raises(InvalidArgumentError, match=rf"^token_file {missing}: cannot be read: "):
+        client_type("unix:/nonexistent.sock", token_file=str(missing))
+    with pytest.raises(InvalidArgumentError, match=rf"^token_file {tmp_path}: cannot be read: "):
+        client_type("unix:/nonexistent.sock", token_file=tmp_path)  # a folder
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    with pytest.raises(InvalidArgumentError, match=rf"^token_file {empty}: holds no token$"):
+        client_type("unix:/nonexistent.sock", token_file=str(empty))
+
+
+def test_a_token_file_this_user_may_not_read_is_permission_denied(tmp_path):
+    """Open raised a bare PermissionError (an OSError, no KvtierError) from the constructor."""
+    secret = tmp_path / "secret.token"
+    secret.write_text("a-token\n")
+    secret.chmod(0)
+
+    def read() -> str:
+        try:
+            resolve_token(None, str(secret))
+        except PermissionDeniedError as e:
+            return str(e)
+        return "read"
+
+    # Root reads any file: the reading is done as another user (a child of this process,
+    # which makes plain system calls only, before any client exists).
+    text = run_as(NOBODY, NOGROUP, read) if os.geteuid() == 0 else read()
+    assert re.match(rf"^token_file {secret}: cannot be read: Permission denied$", text)
+
+
+# ------------------------------------------------------------------- jobs
+
+WAITS: list[tuple[str, Callable[[Any, Any], Any], str]] = [
+    ("wait-str-timeout", lambda c, j: j.wait("1"), r"^timeout_s: expected a number of seconds, not '1'$"),
+    ("wait-negative-timeout", lambda c, j: j.wait(-1), r"^timeout_s: expected a number of seconds >= 0, not -1$"),
+    ("wait-nan-timeout", lambda c, j: j.wait(float("nan")), r"^timeout_s: expected a number of seconds >= 0, not nan$"),
+    ("client-wait-str-timeout", lambda c, j: c.wait(j.job_id, "1"), r"^timeout_s: expected a number of seconds, not '1'$"),
+    ("wait-layers-str", lambda c, j: j.wait_layers("1"), r"^end_layer: expected int, not str$"),
+    ("wait-layers-none", lambda c, j: j.wait_layers(None), r"^end_layer: expected int, not NoneType$"),
+    ("wait-layers-negative", lambda c, j: j.wait_layers(-1), r"^end_layer: must be at least 0 \(got -1\)$"),
+    ("wait-layers-str-timeout", lambda c, j: j.wait_layers(1, "1"), r"^timeout_s: expected a number of seconds, not '1'$"),
+    ("job-none-id", lambda c, j: c.job(None), r"^job_id: expected int, not NoneType$"),
+    ("poll-str-id", lambda c, j: c.poll("1"), r"^job_id: expected int, not str$"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "message"), [w[1:] for w in WAITS], ids=[w[0] for w in WAITS])
+def test_a_jobs_waits_refuse_bad_arguments(shared_daemon, shm, call, message):
+    """A str timeout or layer failed inside threading with a TypeError; a NaN timeout waited
+    for the whole job in the sync client and not at all in the asyncio one."""
+    with Client(shared_daemon.address) as client:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        job = client.submit_load(pool, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=2)
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(client, job)
+        assert job.wait(float("inf")).finished  # no limit, as None
+        assert job.wait_layers(2) is not None
+
+
+@pytest.mark.parametrize(("call", "message"), [w[1:] for w in WAITS], ids=[w[0] for w in WAITS])
+async def test_an_async_jobs_waits_refuse_bad_arguments(shared_daemon, shm, call, message):
+    async with AsyncClient(shared_daemon.address) as client:
+        pool = await client.register_pool(shm, LAYOUT, NS)
+        job = await client.submit_load(pool, [LoadSegment(KEYS, [0, 1, 2])], layer_groups=2)
+        with pytest.raises(InvalidArgumentError, match=message):
+            result = call(client, job)
+            if inspect.isawaitable(result):
+                await result
+        assert (await job.wait(float("inf"))).finished
+        assert await job.wait_layers(2) is not None
+
+
+# ------------------------------------------------- what works where ints go
+
+
+def test_numpy_integers_and_torch_pages_work_where_ints_do(shared_daemon, shm):
+    """NumPy integers are integers everywhere an int goes (``layer_groups=np.int64(2)`` was
+    a TypeError: it is not an int, so it was taken for a list of ranges), and a torch tensor
+    of page indices is a page list in every call that takes one."""
+    torch = pytest.importorskip("torch")
+    with Client(shared_daemon.address) as client:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        pages = torch.tensor([0, 1, 2])
+        assert client.store_keys(pool, KEYS, pages) == 3
+        assert client.put(np.uint64(pool.pool_id), KEYS, pages).prefix_len == 3
+        found = client.lookup(KEYS, pin=True, lease_ms=np.int64(5000))
+        assert client.get(pool.pool_id, KEYS, pages, lease_id=found.lease_id).prefix_len == 3
+        client.release(np.uint64(found.lease_id))
+        assert client.load_keys(pool, KEYS, pages) == 3
+        assert client.load(pool, np.arange(12), torch.tensor([0, 1, 2])) == 12
+        job = client.submit_load(
+            pool, [LoadSegment(KEYS, pages)], layer_groups=np.int64(2), timeout_s=np.float64(5)
+        )
+        assert job.wait_layers(np.int64(1), timeout_s=np.float32(10)) is not None
+        assert client.wait(np.int64(job.job_id)).done.all()
+        saved = client.submit_save(pool, [SaveSegment(KEYS, pages)]).wait()
+        assert saved.done.all()
+        ranges = [(np.int64(0), np.int32(1)), (np.uint8(1), np.int64(2))]
+        job = client.submit_load(pool, [LoadSegment(KEYS, pages)], layer_groups=ranges)
+        assert job.wait().done.all()
+        assert client.evict(KEYS, np.int64(Tier.L1_HOST)).missing == 0
+        assert client.check(settle_s=np.float64(0.1)).ok
