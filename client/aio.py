@@ -30,6 +30,7 @@ from kvtier.client.flows import (
     Flow,
     PoolBinding,
     PoolView,
+    check_pages,
     load_flow,
     new_binding,
     store_flow,
@@ -336,6 +337,7 @@ class AsyncClient:
             durable=durable,
             namespace=self._ns(namespace),
         )
+        check_pages(self._pools.get(req.pool_id), req)
         return t.put_result(await self._invoke("Put", req))
 
     async def get(
@@ -355,6 +357,7 @@ class AsyncClient:
             lease_id=lease_id,
             namespace=self._ns(namespace),
         )
+        check_pages(self._pools.get(req.pool_id), req)
         return t.get_result(await self._invoke("Get", req))
 
     async def release(self, lease_id: int) -> None:
@@ -514,6 +517,7 @@ class AsyncClient:
     ) -> AsyncTransferJob:
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         for part in plan.parts:  # the client's namespace, as for its other calls
+            check_pages(pool.binding, part.request)
             part.request.namespace = self.namespace
         await self.session()
         await self.pool_id_of(pool.binding)

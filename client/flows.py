@@ -97,6 +97,20 @@ def new_binding(
     return PoolBinding(memory, layout, namespace)
 
 
+def check_pages(binding: PoolBinding | None, request: pb.PutRequest | pb.GetRequest) -> None:
+    """Refuse a page past the pool's last before the request is sent (the daemon refuses it
+    too, but the client knows the pool's layout); nothing to check without the binding (a
+    ``put`` or ``get`` by the id of a pool another client registered)."""
+    if binding is None or not len(request.pages):
+        return
+    last, num_pages = max(request.pages), binding.layout.num_pages
+    if last >= num_pages:
+        call = request.DESCRIPTOR.name.removesuffix("Request")
+        raise InvalidArgumentError(
+            f"{call}: pages: page {last} is past the pool's last ({num_pages} pages)"
+        )
+
+
 class PoolView:
     """What both clients' registered pools show: ids, geometry and keys by tokens."""
 
@@ -151,6 +165,7 @@ def store_flow(
                 pb.PutRequest, keys=keys[start:stop], pages=pages[start:stop], parent_key=parent
             )
         )
+        check_pages(binding, puts[-1])
         parent = puts[-1].keys[-1]
     held = 0
     for put in puts:
@@ -182,6 +197,7 @@ def load_flow(
                 build_request(pb.GetRequest, pages=pages[start:stop]),
             )
         )
+        check_pages(binding, batches[-1][1])
     loaded = 0
     for lookup, get in batches:
         found = yield "Lookup", lookup

@@ -45,6 +45,7 @@ from kvtier.client.flows import (
     Flow,
     PoolBinding,
     PoolView,
+    check_pages,
     load_flow,
     new_binding,
     store_flow,
@@ -437,6 +438,8 @@ class Client:
         that could not be confirmed (no answer in time, the session is gone): a copy the
         daemon started may still finish. The next call through ``binding`` registers the
         memory again."""
+        t.checked_type(binding, PoolBinding, "binding")
+        timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         pool_id, session_id = binding.pool_id, binding.session_id
         binding.pool_id = 0
         self._pools.pop(pool_id, None)
@@ -490,6 +493,7 @@ class Client:
             durable=durable,
             namespace=self._ns(namespace),
         )
+        check_pages(self._pools.get(req.pool_id), req)
         return t.put_result(self._invoke("Put", req))
 
     def get(
@@ -509,6 +513,7 @@ class Client:
             lease_id=lease_id,
             namespace=self._ns(namespace),
         )
+        check_pages(self._pools.get(req.pool_id), req)
         return t.get_result(self._invoke("Get", req))
 
     def release(self, lease_id: int) -> None:
@@ -683,6 +688,7 @@ class Client:
     ) -> TransferJob:
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         for part in plan.parts:  # the client's namespace, as for its other calls
+            check_pages(pool.binding, part.request)
             part.request.namespace = self.namespace
         # Set up the session and the pool now, so that their errors reach the caller.
         self.session_id  # noqa: B018 - opens the session

@@ -116,6 +116,13 @@ CASES: list[tuple[str, Call, str]] = [
     ("evict-short-key", lambda c, p: c.evict([b"x"], "L1"), r"^Evict: keys: key 0 has 1 bytes; keys are 32 bytes$"),
     ("store-keys-short-parent", lambda c, p: c.store_keys(p, KEYS, [0, 1, 2], parent_key=b"x"), r"^Put: parent_key has 1 bytes; keys are 32 bytes$"),
     ("submit-save-short-key", lambda c, p: c.submit_save(p, [SaveSegment([KEY, b"x"], [0, 1])]), r"^Put: keys: key 1 has 1 bytes; keys are 32 bytes$"),
+    # pages past the pool's last, which the client knows from its layout
+    ("put-page-past-pool", lambda c, p: c.put(p.pool_id, [KEY], [8]), r"^Put: pages: page 8 is past the pool's last \(8 pages\)$"),
+    ("get-page-past-pool", lambda c, p: c.get(p.pool_id, KEYS, [0, 1, 99]), r"^Get: pages: page 99 is past the pool's last \(8 pages\)$"),
+    ("store-keys-page-past-pool", lambda c, p: c.store_keys(p, KEYS, [0, 1, 8]), r"^Put: pages: page 8 is past the pool's last \(8 pages\)$"),
+    ("load-keys-page-past-pool", lambda c, p: c.load_keys(p, KEYS, [0, 1, 8]), r"^Get: pages: page 8 is past the pool's last \(8 pages\)$"),
+    ("submit-load-page-past-pool", lambda c, p: c.submit_load(p, [LoadSegment(KEYS, [0, 1, 8])]), r"^Get: pages: page 8 is past the pool's last \(8 pages\)$"),
+    ("submit-save-page-past-pool", lambda c, p: c.submit_save(p, [SaveSegment(KEYS, [0, 1, 8])]), r"^Put: pages: page 8 is past the pool's last \(8 pages\)$"),
     # tiers the client can tell are none
     ("evict-none-tier", lambda c, p: c.evict([KEY], None), r"^Evict: tier: expected int, not NoneType$"),
     ("evict-tier-99", lambda c, p: c.evict([KEY], 99), r"^Evict: tier: unknown tier 99; one of L0, L1, L2, L3$"),
@@ -422,3 +429,16 @@ def test_numpy_integers_and_torch_pages_work_where_ints_do(shared_daemon, shm):
         assert job.wait().done.all()
         assert client.evict(KEYS, np.int64(Tier.L1_HOST)).missing == 0
         assert client.check(settle_s=np.float64(0.1)).ok
+
+
+def test_fence_pool_refuses_what_is_no_binding_or_no_timeout(shared_daemon, shm):
+    """A RegisteredPool for its binding failed on a missing attribute, a str timeout inside
+    gRPC with a TypeError; the pool stays registered."""
+    with Client(shared_daemon.address) as client:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        with pytest.raises(InvalidArgumentError, match=r"^binding: expected PoolBinding, not "):
+            client.fence_pool(pool)
+        with pytest.raises(InvalidArgumentError, match=r"^timeout_s: expected a number of "):
+            client.fence_pool(pool.binding, timeout_s="1")
+        assert client.store_keys(pool, KEYS, [0, 1, 2]) == len(KEYS)
+        assert client.fence_pool(pool.binding) is True

@@ -255,11 +255,14 @@ def test_chains_longer_than_a_batch_go_batch_after_batch(daemon):
         assert [page_bytes(data, p) for p in range(10, 15)] == expect
 
 
-def test_bad_requests_fail_the_job_with_typed_errors(daemon):
+def test_bad_requests_fail_the_job_with_typed_errors(daemon_factory):
+    """A request only the daemon can refuse (more keys than its server.max_batch_blocks; a
+    page past the pool's last the client refuses itself, at submit)."""
+    daemon = daemon_factory("server.max_batch_blocks=1")
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         keys = keys_for(2, "bad")
-        job = client.submit_load(pool, [LoadSegment(keys, [0, LAYOUT.num_pages])])
+        job = client.submit_load(pool, [LoadSegment(keys, [0, 1])])
         status = job.wait(timeout_s=10)
         assert status.state is JobState.FAILED
         assert isinstance(status.error, InvalidArgumentError)
