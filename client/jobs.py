@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 
 from kvtier.client.errors import (
+    InternalError,
     InvalidArgumentError,
     KvtierError,
     NotFoundError,
@@ -324,10 +325,22 @@ class TransferPlan:
         if part.ended:
             return
         sl = slice(part.first_key, part.first_key + part.nkeys)
+        answers = response.loaded if self.kind is JobKind.LOAD else response.results
+        if len(answers) != part.nkeys:
+            # Not this client's daemon (another version, or not kvtierd): the part ends failed
+            # rather than the job's driver dying on the answer and the job never ending.
+            self.fail(
+                part,
+                InternalError(
+                    f"{part.method}: the daemon answered {len(answers)} results for "
+                    f"{part.nkeys} keys"
+                ),
+            )
+            return
         if self.kind is JobKind.LOAD:
-            self._done[part.layer_range, sl] = np.asarray(response.loaded, dtype=bool)
+            self._done[part.layer_range, sl] = np.asarray(answers, dtype=bool)
         else:
-            statuses = np.asarray(response.results, dtype=np.int64)
+            statuses = np.asarray(answers, dtype=np.int64)
             held = statuses != int(PutStatus.REJECTED_FULL)
             self._done[0, sl] = held
             chain = self._blocked[part.chain]
@@ -536,6 +549,10 @@ class TransferJob:
                 for unsent in parts[i:]:
                     self._ended(unsent, None, closed_error())
                 return
+            except Exception as e:  # on a callback thread nobody would see it
+                for unsent in parts[i:]:
+                    self._ended(unsent, None, _client_side_error(unsent, e))
+                return
             with self._cond:
                 self._futures[part.index] = fut
             fut.add_done_callback(lambda f, part=part: self._on_done(part, f))
@@ -547,6 +564,8 @@ class TransferJob:
             response = fut.result()
         except grpc.RpcError as e:
             self._ended(part, None, self._client.error_of(e))
+        except Exception as e:  # not a gRPC status: the job must still end
+            self._ended(part, None, _client_side_error(part, e))
         else:
             self._ended(part, response, None)
 
@@ -572,6 +591,12 @@ class TransferJob:
             self._notified = True
         if self._on_finish is not None:
             self._on_finish(self)
+
+
+def _client_side_error(part: Part, error: Exception) -> InternalError:
+    """A part's RPC that raised something other than a gRPC status (a request that did not
+    encode, an answer that did not decode): the part fails with it, so the job ends."""
+    return InternalError(f"{part.method} failed in the client: {error!r}")
 
 
 # --------------------------------------------------------------- asyncio client
@@ -683,6 +708,8 @@ class AsyncTransferJob:
             if (closed := self._client.closed_error_for_cancel()) is None:
                 raise
             await self._ended(part, None, closed)
+        except Exception as e:  # not a gRPC status: the job must still end
+            await self._ended(part, None, _client_side_error(part, e))
         else:
             await self._ended(part, response, None)
 

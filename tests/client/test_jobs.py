@@ -30,7 +30,7 @@ from kvtier.client import (
     UnavailableError,
     block_keys,
 )
-from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError
+from kvtier.client.errors import DeadlineExceededError, InternalError, InvalidArgumentError
 from kvtier.client.jobs import TransferPlan, layer_ranges
 from kvtier.proto import kvtier_pb2 as pb
 
@@ -114,6 +114,22 @@ def test_load_plan_tracks_layers_and_failures():
     assert status.state is JobState.FAILED and isinstance(status.error, DeadlineExceededError)
     assert status.done.tolist() == [False, False, False]  # layers 2-3 never arrived
     assert not status.pages_reusable  # the daemon may still be copying those layers
+
+
+def test_an_answer_of_the_wrong_length_fails_its_part_not_the_driver():
+    """A daemon that answers a part with more or fewer results than it had keys (another
+    version, or not kvtierd) fails that part with InternalError; the job ends."""
+    keys = keys_for(3, "short")
+    plan = TransferPlan.for_load([LoadSegment(keys, [0, 1, 2])], 4, max_batch=8)
+    (part,) = plan.take_ready()
+    plan.complete(part, pb.GetResponse(loaded=[True, True]))
+    status = plan.status()
+    assert status.state is JobState.FAILED and isinstance(status.error, InternalError)
+    assert "2 results for 3 keys" in str(status.error)
+    save = TransferPlan.for_save([SaveSegment(keys, [0, 1, 2])], max_batch=8)
+    (part,) = save.take_ready()
+    save.complete(part, pb.PutResponse(results=[pb.PUT_STORED] * 4))
+    assert save.status().state is JobState.FAILED and save.status().done.sum() == 0
 
 
 def test_a_plan_for_all_layers_sends_plain_gets():
@@ -347,6 +363,37 @@ async def test_async_client_jobs(daemon):
             assert other.poll().finished
             assert await client.health()
             await asyncio.sleep(0)
+
+
+def _raising(error: Exception):
+    def call(*args, **kwargs):
+        raise error
+
+    call.future = call  # the blocking job sends with ``.future``
+    return call
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_an_rpc_that_raises_outside_grpc_ends_the_job_failed(daemon, kind):
+    """A part whose RPC raises something that is not a gRPC status (a request that does not
+    encode, an answer that does not decode) fails with InternalError and the job ends; the
+    asyncio job's task died with it and the job stayed RUNNING."""
+    keys = keys_for(2, f"raise-{kind}")
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        if kind == "sync":
+            with Client(daemon.address) as client:
+                pool = client.register_pool(shm, LAYOUT)
+                client.stub.Put = _raising(RuntimeError("broken encoder"))
+                job = client.submit_save(pool, [SaveSegment(keys, range(2))])
+                status = job.wait(timeout_s=10)
+        else:
+            async with AsyncClient(daemon.address) as aclient:
+                pool = await aclient.register_pool(shm, LAYOUT)
+                aclient.stub.Put = _raising(RuntimeError("broken encoder"))
+                job = await aclient.submit_save(pool, [SaveSegment(keys, range(2))])
+                status = await job.wait(timeout_s=10)
+    assert status.state is JobState.FAILED and isinstance(status.error, InternalError)
+    assert "broken encoder" in str(status.error)
 
 
 # ------------------------------------------------------------- hung daemon
