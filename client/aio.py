@@ -149,14 +149,20 @@ class AsyncClient:
         ticket = b""
         if (path := credentials.cred_socket_path(self.address)) is not None:
             ticket = await _off_loop(credentials.session_ticket, path, self.timeout_s)
-        call = self._stub.OpenSession(
-            t.build_request(
-                pb.OpenSessionRequest,
-                client_name=self.client_name,
-                credential_ticket=ticket,
-                token=self._token,
-            )
+        request = t.build_request(
+            pb.OpenSessionRequest,
+            client_name=self.client_name,
+            credential_ticket=ticket,
+            token=self._token,
         )
+        try:
+            # close() may have run while the ticket was fetched off the loop: grpc.aio's
+            # answer on the closed channel is its UsageError, the closed client's error here.
+            call = self._stub.OpenSession(request)
+        except grpc.aio.UsageError:
+            if not self._closed:
+                raise
+            raise closed_error() from None
         try:
             # The first event must come within the client's timeout (see the sync client).
             first = await asyncio.wait_for(call.read(), self.timeout_s)

@@ -298,3 +298,32 @@ async def test_an_async_call_or_job_in_flight_when_the_client_closes_gets_a_type
         assert status.state is JobState.FAILED
         assert isinstance(status.error, UnavailableError)
         assert str(status.error) == "the client was closed"
+
+
+async def test_an_async_call_opening_its_session_when_the_client_closes_gets_a_typed_error(
+    daemon, monkeypatch
+):
+    """Regression: a call whose session was being opened when ``close()`` ran (the credential
+    ticket is fetched off the loop first, on every Unix socket) sent OpenSession on the closed
+    channel and gave the caller grpc.aio's bare ``UsageError('Channel is closed.')``, not the
+    closed client's UnavailableError. The close lands while the ticket is being fetched."""
+    from kvtier.client import aio
+
+    fetching, go_on = threading.Event(), threading.Event()
+    session_ticket = aio.credentials.session_ticket
+
+    def held_ticket(path: str, timeout_s: float = 10.0) -> bytes:
+        ticket = session_ticket(path, timeout_s)
+        fetching.set()
+        assert go_on.wait(10)
+        return ticket
+
+    monkeypatch.setattr(aio.credentials, "session_ticket", held_ticket)
+    client = AsyncClient(daemon.address)
+    lookup = asyncio.ensure_future(client.lookup(keys_for(1, "opening")))
+    loop = asyncio.get_running_loop()
+    assert await loop.run_in_executor(None, fetching.wait, 10)
+    await client.close()
+    go_on.set()
+    with pytest.raises(UnavailableError, match=r"^the client was closed$"):
+        await lookup
