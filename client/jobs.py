@@ -165,6 +165,8 @@ def layer_ranges(
         raise InvalidArgumentError("a pool has at least one layer")
     if groups is None:
         return [(0, num_layers)]
+    if isinstance(groups, np.ndarray) and groups.ndim == 2:
+        groups = groups.tolist()  # pairs as an (n, 2) array: checked bound by bound below
     if not isinstance(groups, (list, tuple)):  # a count (any integer), or refused by name
         count = min(checked_int(groups, "layer_groups", minimum=1), num_layers)
         bounds = [round(i * num_layers / count) for i in range(count + 1)]

@@ -74,6 +74,9 @@ def test_layer_ranges_split_evenly_and_check_explicit_ranges():
     assert layer_ranges(5, 2) == [(0, 2), (2, 5)] or layer_ranges(5, 2) == [(0, 3), (3, 5)]
     assert layer_ranges(3, 10) == [(0, 1), (1, 2), (2, 3)]
     assert layer_ranges(4, [(0, 3), (3, 4)]) == [(0, 3), (3, 4)]
+    assert layer_ranges(4, np.array([[0, 3], [3, 4]])) == [(0, 3), (3, 4)]
+    with pytest.raises(InvalidArgumentError, match="range 0"):
+        layer_ranges(4, np.array([[0.0, 3.5], [3.5, 4.0]]))  # bounds are integers
     for bad in ([(0, 2)], [(1, 4)], [(0, 2), (3, 4)], [(0, 0), (0, 4)]):
         with pytest.raises(ValueError):
             layer_ranges(4, bad)
