@@ -71,16 +71,23 @@ def pip(python: Path, *args: str) -> None:
     say(f"  done in {time.monotonic() - started:.0f}s")
 
 
+def installed_extras(stamp: dict[str, object], digest: str) -> set[str] | None:
+    """The extras the venv's stamp says are installed from these inputs for this checkout
+    (None: install again). The editable install names one checkout: a venv that another
+    checkout (a git worktree) installed itself into imports that checkout's code."""
+    recorded = stamp.get("extras")
+    if stamp.get("hash") != digest or stamp.get("root") != str(ROOT):
+        return None
+    return {str(x) for x in recorded} if isinstance(recorded, list) else None
+
+
 def ensure(venv_dir: Path, profile: str) -> None:
     python = venv_dir / "bin" / "python"
     stamp_path = venv_dir / ".kvtier-installed"
     want = set(PROFILES[profile])
     digest = inputs_hash()
     stamp = read_stamp(stamp_path)
-    recorded = stamp.get("extras")
-    have: set[str] | None = None
-    if stamp.get("hash") == digest and isinstance(recorded, list):
-        have = {str(x) for x in recorded}
+    have = installed_extras(stamp, digest)
     if have is not None and want <= have and python.exists():
         return
     if not python.exists():
@@ -109,7 +116,7 @@ def ensure(venv_dir: Path, profile: str) -> None:
     what = "runtime dependencies only" if not extras else f"extras {', '.join(extras)}"
     say(f"installing kvtier (editable) with {what}")
     pip(python, "install", "--progress-bar", "on", "-e", spec)
-    stamp_path.write_text(json.dumps({"hash": digest, "extras": extras}))
+    stamp_path.write_text(json.dumps({"hash": digest, "root": str(ROOT), "extras": extras}))
     say(f"{venv_dir} is ready for `make {profile if profile != 'dev' else 'test'}`")
 
 

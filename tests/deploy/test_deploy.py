@@ -237,3 +237,27 @@ def test_deploy_files_name_no_machine_specific_paths(name):
     text = (DEPLOY / name).read_text()
     for here in {str(ROOT.resolve()), str(Path.home())}:
         assert len(here) < 2 or here + "/" not in text, here
+
+
+def _bootstrap():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvtier_bootstrap", DEPLOY / "bootstrap.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bootstrap_installs_again_for_another_checkout_or_other_inputs():
+    """The venv's stamp counts only for the checkout that wrote it and the inputs it hashed: a
+    git worktree's `make` that installed itself into the same venv left it importing the
+    worktree's code, and the main checkout's next `make` believed the venv ready."""
+    boot = _bootstrap()
+    digest = boot.inputs_hash()
+    mine = {"hash": digest, "root": str(boot.ROOT), "extras": ["dev"]}
+    assert boot.installed_extras(mine, digest) == {"dev"}
+    assert boot.installed_extras({**mine, "root": "/elsewhere/kvtier"}, digest) is None
+    assert boot.installed_extras({k: v for k, v in mine.items() if k != "root"}, digest) is None
+    assert boot.installed_extras(mine, "other inputs") is None
+    assert boot.installed_extras({**mine, "extras": "dev"}, digest) is None
