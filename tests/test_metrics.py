@@ -409,7 +409,7 @@ async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path
     monkeypatch.setattr(metrics_module.MetricsServer, "start", recording_metrics_start)
     try:
         no_hangup = SimpleNamespace(seen=False)  # main's SIGHUP holder, with none held
-        served = asyncio.create_task(main_module._serve(load(), load, no_hangup))
+        served = asyncio.create_task(main_module._serve(load(), load, no_hangup, {}))
         await started.wait()
         before = await asyncio.to_thread(scrape, urls[0])
         daemons[0]._stopping.set()
