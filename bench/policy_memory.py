@@ -11,7 +11,15 @@ over the live blocks). A policy is measured with ``tracemalloc`` while it is fil
 density policies' candidate buffers exist), which counts its Python objects too; the
 ``_hinted`` figures add one hint covering every block (the hint deadlines are per id).
 The density policy's statistics (its ghosts are per-id entries, its tables fixed in size)
-are part of its figure. Takes a minute or two.
+are part of its figure.
+
+History (``history_<policy>_B``): what remembering dropped blocks costs at the default
+``policy.history_factor``, per resident block: a block table and a policy wired as the store
+wires them, filled with ``blocks`` resident blocks and then churned (each step drops the oldest
+block and stores a new one) until ``history_factor`` times ``blocks`` were dropped, against
+the same churn with no history; both measured with ``tracemalloc`` (numpy's arrays included),
+so the growth by doubling of whatever the history keeps counts too. ``_per_remembered_B``
+divides the same difference by the blocks remembered. Takes a minute or two.
 """
 
 from __future__ import annotations
@@ -24,11 +32,14 @@ import tracemalloc
 
 import numpy as np
 
+from kvtier.daemon.config import PolicyConfig
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.registry import make_policy
 from kvtier.daemon.table import BlockTable
 
 _CHAIN = 32
+# The churn of ``history_bytes`` runs in batches of this many blocks.
+_CHURN_BATCH = 4096
 
 
 def table_bytes(blocks: int, num_tiers: int) -> int:
@@ -61,26 +72,81 @@ def policy_bytes(name: str, blocks: int, hinted: bool = False) -> int:
     return used
 
 
+def history_bytes(name: str, blocks: int) -> tuple[float, int]:
+    """Bytes that remembering dropped blocks adds (see the module docstring) and how many
+    are remembered, for policy ``name`` with two tiers' block table."""
+    factor = PolicyConfig().history_factor
+    with_history, remembered = _churned(name, blocks, factor)
+    without, _ = _churned(name, blocks, 0.0)
+    return with_history - without, remembered
+
+
+def _churned(name: str, blocks: int, factor: float) -> tuple[int, int]:
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    table = BlockTable(2, initial_capacity=blocks)
+    table.history_factor = factor
+    policy = make_policy(name, capacity_blocks=blocks, initial_ids=blocks)
+    wire_history(table, policy)
+    rng = np.random.default_rng(1)
+    now = 0.0
+    live: list[np.ndarray] = []
+    total = blocks + int(PolicyConfig().history_factor * blocks)
+    stored = 0
+    while stored < total:
+        n = min(_CHURN_BATCH, total - stored)
+        if stored >= blocks:  # full: drop the oldest batch first
+            for bid in live.pop(0).tolist():
+                policy.remove(bid)
+                table.remove(bid)
+        words = rng.integers(0, 2**63, size=(n, 4), dtype=np.int64).view(np.uint64)
+        bids = table.add_many(0, words, 4096)
+        parents = np.where(np.arange(n) % _CHAIN, np.roll(bids, 1), -1)
+        policy.insert_many(bids, now, parents)
+        live.append(bids)
+        stored += n
+        now += 1.0
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    remembered = table.history_rows
+    del table, policy, live
+    return used, remembered
+
+
+def wire_history(table: BlockTable, policy: object) -> None:
+    """Hook ``policy`` to ``table`` as the store does (``kvtier.daemon.space``)."""
+    table.on_free.append(policy.forget)  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:
     p = argparse.ArgumentParser(
         prog="kvtier bench policy_memory", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--blocks", type=int, default=1_000_000)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--history-only", action="store_true", help="measure the history alone")
     args = p.parse_args(argv)
     args.json = args.json or as_json
     n = args.blocks
     start = time.perf_counter()
     out: dict[str, float] = {}
-    # One tier (L1), two (L1 + L2), and the design's maximum of four.
-    for tiers in (1, 2, 4):
+    for tiers in (1, 2, 4) if not args.history_only else ():
+        # One tier (L1), two (L1 + L2), and the design's maximum of four.
         out[f"index_{tiers}_tier_B"] = table_bytes(n, tiers) / n
-    out["heat_table_B"] = heat_bytes(n) / n
-    for tiers in (1, 2, 4):
-        out[f"index_{tiers}_tier_plus_heat_B"] = out[f"index_{tiers}_tier_B"] + out["heat_table_B"]
-    for name in ("heat", "density", "lru", "arc"):
-        out[f"policy_{name}_B"] = policy_bytes(name, n) / n
-        out[f"policy_{name}_hinted_B"] = policy_bytes(name, n, hinted=True) / n
+    if not args.history_only:
+        out["heat_table_B"] = heat_bytes(n) / n
+        for tiers in (1, 2, 4):
+            out[f"index_{tiers}_tier_plus_heat_B"] = (
+                out[f"index_{tiers}_tier_B"] + out["heat_table_B"]
+            )
+        for name in ("heat", "density", "lru", "arc"):
+            out[f"policy_{name}_B"] = policy_bytes(name, n) / n
+            out[f"policy_{name}_hinted_B"] = policy_bytes(name, n, hinted=True) / n
+    for name in ("heat", "density"):
+        extra, remembered = history_bytes(name, n)
+        out[f"history_{name}_B"] = extra / n
+        out[f"history_{name}_per_remembered_B"] = extra / max(remembered, 1)
     print(f"bytes per block at {n:,} blocks")
     for key, value in out.items():
         print(f"  {key:<32} {value:8.1f}")
