@@ -76,6 +76,7 @@ def history_bytes(name: str, blocks: int) -> tuple[float, int]:
     """Bytes that remembering dropped blocks adds (see the module docstring) and how many
     are remembered, for policy ``name`` with two tiers' block table."""
     factor = PolicyConfig().history_factor
+    _churned(name, _CHURN_BATCH, factor)  # modules imported on first use count nowhere
     with_history, remembered = _churned(name, blocks, factor)
     without, _ = _churned(name, blocks, 0.0)
     return with_history - without, remembered
@@ -91,22 +92,28 @@ def _churned(name: str, blocks: int, factor: float) -> tuple[int, int]:
     wire_history(table, policy)
     rng = np.random.default_rng(1)
     now = 0.0
-    live: list[np.ndarray] = []
+    live: list[np.ndarray] = []  # resident rows, oldest first
+    held = 0
     total = blocks + int(PolicyConfig().history_factor * blocks)
     stored = 0
     while stored < total:
         n = min(_CHURN_BATCH, total - stored)
-        if stored >= blocks:  # full: drop the oldest batch first
-            for bid in live.pop(0).tolist():
-                policy.remove(bid)
-                table.remove(bid)
         words = rng.integers(0, 2**63, size=(n, 4), dtype=np.int64).view(np.uint64)
         bids = table.add_many(0, words, 4096)
         parents = np.where(np.arange(n) % _CHAIN, np.roll(bids, 1), -1)
         policy.insert_many(bids, now, parents)
         live.append(bids)
+        held += n
         stored += n
         now += 1.0
+        while held > blocks:  # full: the oldest go, as many as came
+            out, live[0] = live[0][: held - blocks], live[0][held - blocks :]
+            if not len(live[0]):
+                live.pop(0)
+            for bid in out.tolist():
+                policy.remove(bid)
+                table.remove(bid)
+            held -= len(out)
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     remembered = table.history_rows
@@ -117,6 +124,13 @@ def _churned(name: str, blocks: int, factor: float) -> tuple[int, int]:
 def wire_history(table: BlockTable, policy: object) -> None:
     """Hook ``policy`` to ``table`` as the store does (``kvtier.daemon.space``)."""
     table.on_free.append(policy.forget)  # type: ignore[attr-defined]
+    for hooks, name in (
+        (table.on_remember, "remember"),
+        (table.on_revive, "revive"),
+        (table.on_expire, "expire"),
+    ):
+        if (hook := getattr(policy, name, None)) is not None:
+            hooks.append(hook)
 
 
 def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:

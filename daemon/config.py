@@ -730,9 +730,10 @@ class PolicyConfig:
             "float",
             lo=0,
             hi=64,
-            doc="the policies remember dropped blocks (their index rows and policy state and "
-            "an entry of the history map: 300-400 bytes each) up to this many times the "
-            "blocks held, so a block that returns is known; 0 forgets a block as it goes",
+            doc="the policies remember dropped blocks (the few values of their policy state "
+            "that make up a block's history and the key's identity: about 60 bytes each) up "
+            "to this many times the blocks held, so a block that returns is known; 0 forgets "
+            "a block as it goes",
         ),
     )
 

@@ -302,8 +302,7 @@ STORE_GAUGES: dict[str, MetricDef] = {
     "blocks_remembered": _g(
         "kvtier_blocks_remembered",
         (),
-        "Dropped blocks whose index rows and policy history are kept for their keys "
-        "(policy.history_factor).",
+        "Dropped blocks whose policy history is kept for their keys (policy.history_factor).",
     ),
 }
 

@@ -89,6 +89,9 @@ class SpaceManager:
         # may be the last to hold one left with no copy.
         self.copies_lost = 0
         table.on_free.append(self._forget_in_policies)
+        table.on_remember.append(self._remember_in_policies)
+        table.on_revive.append(self._revive_in_policies)
+        table.on_expire.append(self._expire_in_policies)
 
     # ------------------------------------------------------------------ accesses
 
@@ -776,6 +779,24 @@ class SpaceManager:
     def _forget_in_policies(self, bid: int) -> None:
         for level in self.stack:
             level.policy.forget(bid)
+
+    # A dropped block's history, kept by the policies that keep one per row (``heat``,
+    # ``density``; see ``kvtier.daemon.policy.memento``); the others forget it as it goes.
+
+    def _remember_in_policies(self, bid: int, slot: int) -> None:
+        for level in self.stack:
+            if (remember := getattr(level.policy, "remember", None)) is not None:
+                remember(bid, slot)
+
+    def _revive_in_policies(self, slot: int, bid: int) -> None:
+        for level in self.stack:
+            if (revive := getattr(level.policy, "revive", None)) is not None:
+                revive(slot, bid)
+
+    def _expire_in_policies(self, slot: int) -> None:
+        for level in self.stack:
+            if (expire := getattr(level.policy, "expire", None)) is not None:
+                expire(slot)
 
     # ------------------------------------------------------------- watermarks
 

@@ -425,7 +425,7 @@ class BlockStore:
             "transfers_queued": self.transfers.queued,
             "transfers_running": self.transfers.running,
             "background_tasks": len(self.space.background),
-            # Dropped blocks whose rows (and policy history) are kept for their keys.
+            # Dropped blocks whose policy history is kept for their keys (mementos).
             "blocks_remembered": self.table.history_rows,
             # 1 while the persistent tiers' blocks from before this start are still being
             # indexed (the daemon serves meanwhile; lookups find what is indexed so far).

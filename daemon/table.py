@@ -18,12 +18,19 @@ Invariants:
   generation and row in one int64) held across an await, in a lease or a chain link, names
   one block for good: ``resolve`` answers -1 once the row holds another block. Policies index
   by row and hear ``forget`` (through ``on_free``) before a row is reused for another key.
-- History. A removed block's row is kept for its key a while (``history_factor`` times the
-  live blocks, the oldest removal released first) before another key may take it: the same
-  key added again meanwhile gets the same row back, so the policies, which keep a block's
-  history by row (its heat, whether it was seen), recognise a block that returns after it
-  was dropped. Forgetting at once cost the heat policy half its hits at small capacities on
-  the public trace (``kvtier replay --forget-dropped --history-factor 0``).
+- History. A removed block's row is freed at once (``on_free`` before any other key may take
+  it), but its key is remembered a while (``history_factor`` times the live blocks, the
+  oldest removal forgotten first) by a *memento*: a slot numbered by the table, keyed by the
+  key's 64-bit identity. Listeners save the row's history into the slot before the row is
+  freed (``on_remember(row, slot)``), write it into the new row when the key is added again
+  (``on_revive(slot, row)``) and drop it when the memento is forgotten (``on_expire(slot)``):
+  the policies keep a block's history by row (its heat, whether it was seen) and so
+  recognise a block that returns after it was dropped. Forgetting at once cost the heat
+  policy half its hits at small capacities on the public trace (``kvtier replay
+  --forget-dropped --history-factor 0``). A revived block gets a new row and generation like
+  any added block, so refs to the dropped one stay dead. Two keys of one identity (a 64-bit
+  collision) share a memento: the later removal's replaces the earlier's, and either key
+  added again takes it, a wrong history for one block, never a wrong row.
 - The hash table is open addressing with linear probing and tombstones, keyed by a secret
   per-process salt and by every word of a key, so clients cannot aim keys at one probe chain.
 
@@ -33,7 +40,6 @@ Not thread-safe: owned by the store, which touches it from one thread.
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +63,7 @@ _ROW_BITS = 32
 _ROW_MASK = (1 << _ROW_BITS) - 1
 
 _MAX_LOAD = 0.5
+_FREE_SLOT = -2  # a free memento slot's ``_prev``
 _SCALAR_TAIL = 8
 # History (see the module docstring) is kept for at least this many removed blocks, however
 # few are live.
@@ -121,11 +128,12 @@ class BlockTable:
         self._capacity = 0
         self._free_rows: list[int] = []
         self._next_row = 0
-        # Rows of removed blocks kept for their keys (see History): identity -> row, oldest
-        # removal first. An OrderedDict (about 160 bytes an entry): taking the oldest from a
-        # plain dict walks the deleted entries at its front, 74 us a removal at 400k rows.
+        # Mementos of removed blocks (see History) and their listeners.
         self.history_factor = 0.0
-        self._dropped: OrderedDict[int, int] = OrderedDict()
+        self.mementos = Mementos()
+        self.on_remember: list[Callable[[int, int], None]] = []
+        self.on_revive: list[Callable[[int, int], None]] = []
+        self.on_expire: list[Callable[[int], None]] = []
         # Per-block fields.
         self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
         # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
@@ -371,7 +379,7 @@ class BlockTable:
         return np.flatnonzero(self.slot[: self._next_row, col] >= 0)
 
     def stats(self) -> IndexStats:
-        arrays = (*self._fields(), self._table)
+        arrays = (*self._fields(), self._table, *self.mementos.arrays())
         return IndexStats(
             blocks=self._count,
             capacity=self._capacity,
@@ -389,13 +397,10 @@ class BlockTable:
         ``identity``: the key's (``identity``), when the caller has it, not hashed again."""
         if identity is None:
             identity = self._hash_one(int(ns), words)
-        bid = -1
-        if self._dropped:
-            # Its row again, with its history (-1: none).
-            bid = self._dropped.pop(identity, -1)
-        if bid >= 0:
-            pass
-        elif self._free_rows:
+        memento = -1
+        if self.mementos.count:
+            memento = self.mementos.take(identity)
+        if self._free_rows:
             bid = self._free_rows.pop()
         else:
             if self._next_row == self._capacity:
@@ -422,6 +427,8 @@ class BlockTable:
             self._rehash(_pow2_at_least(int(2 * self._count / _MAX_LOAD)))
         else:
             self._table_insert(ns, words, bid, identity)
+        if memento >= 0:
+            self._revive(memento, bid)
         return bid
 
     def add_many(
@@ -441,20 +448,15 @@ class BlockTable:
             return np.fromiter(
                 (self.add(int(ns), words[i], int(nbytes), owner) for i in range(n)), np.int64, n
             )
-        back = np.full(n, -1, dtype=np.int64)
-        if self._dropped:  # keys added again get their rows back (see History)
-            dropped = self._dropped
-            for i, ident in enumerate(self._hash(ns, words).tolist()):
-                back[i] = dropped.pop(ident, -1)
-        need = np.flatnonzero(back < 0)
-        m = len(need)
-        reuse = self._free_rows[-m:][::-1] if self._free_rows and m else []
+        back = None
+        if self.mementos.count:  # keys added again get their history back (see History)
+            back = self.mementos.take_many(self._hash(ns, words))
+        reuse = self._free_rows[-n:][::-1] if self._free_rows else []
         del self._free_rows[len(self._free_rows) - len(reuse) :]
-        fresh = m - len(reuse)
+        fresh = n - len(reuse)
         while self._next_row + fresh > self._capacity:
             self._grow(self._capacity * 2)
-        bids = back
-        bids[need] = np.concatenate(
+        bids = np.concatenate(
             [
                 np.asarray(reuse, dtype=np.int64),
                 np.arange(self._next_row, self._next_row + fresh, dtype=np.int64),
@@ -480,6 +482,9 @@ class BlockTable:
             self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
         else:
             self._insert_many(bids)
+        if back is not None:
+            for i in np.flatnonzero(back >= 0).tolist():
+                self._revive(int(back[i]), int(bids[i]))
         return bids
 
     def _insert_many(self, ids: np.ndarray) -> None:
@@ -516,28 +521,36 @@ class BlockTable:
         self.state[bid] = FREE
         self.gen[bid] += 1
         self._count -= 1
-        if self.history_factor <= 0:
-            self._release(bid)
-            return
-        ident = self._hash_one(ns, self.keys[bid])
-        older = self._dropped.pop(ident, -1)
-        if older >= 0:  # not expected (an add takes the row back), but never leak a row
-            self._release(older)
-        self._dropped[ident] = bid
-        limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
-        while len(self._dropped) > limit:
-            self._release(self._dropped.popitem(last=False)[1])
-
-    def _release(self, bid: int) -> None:
-        """Free ``bid``'s row for any key; its history goes (``on_free``)."""
+        mementos = self.mementos
+        if self.history_factor > 0:
+            ident = self._hash_one(ns, self.keys[bid])
+            older = mementos.take(ident)
+            if older >= 0:  # a collision (an add takes its memento back): the later wins
+                self._expire(older)
+            slot = mementos.put(ident)
+            for remember in self.on_remember:
+                remember(bid, slot)
         self._free_rows.append(bid)
         for listener in self.on_free:
             listener(bid)
+        limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
+        while mementos.count > max(limit, 0):
+            self._expire(mementos.take_oldest())
+
+    def _revive(self, slot: int, bid: int) -> None:
+        for revive in self.on_revive:
+            revive(slot, bid)
+        self.mementos.free(slot)
+
+    def _expire(self, slot: int) -> None:
+        for expire in self.on_expire:
+            expire(slot)
+        self.mementos.free(slot)
 
     @property
     def history_rows(self) -> int:
-        """Rows kept for the keys of removed blocks (see History)."""
-        return len(self._dropped)
+        """Removed blocks remembered for their keys (see History)."""
+        return self.mementos.count
 
     def live_ids(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self._next_row] != FREE)
@@ -726,6 +739,170 @@ class BlockTable:
             out[: len(a)] = a
             setattr(self, name, out)
         self._capacity = capacity
+
+
+class Mementos:
+    """The table's mementos (see History): slots keyed by a 64-bit identity, forgotten oldest
+    first. Per slot 16 bytes (identity, links of the removal order) and, in the map from
+    identity to slot (open addressing, linear probing, at most half full), 8 to 16 more. Free
+    slots are chained through ``_next``; slots are reused before new ones are numbered, so a
+    listener's per-slot arrays (``slots_for``) stay as long as the most mementos ever held.
+    """
+
+    __slots__ = ("_free", "_head", "_ident", "_map", "_next", "_prev", "_tail", "_top", "count")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._ident = np.zeros(0, dtype=np.uint64)
+        # Removal order, oldest first: ``_head`` ... ``_tail``, -1 at either end.
+        self._prev = np.zeros(0, dtype=np.int32)
+        self._next = np.zeros(0, dtype=np.int32)
+        self._map = np.full(16, -1, dtype=np.int32)
+        self._head = self._tail = -1
+        self._free = -1  # free slots, chained through ``_next``
+        self._top = 0  # slots ever numbered
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return self._ident, self._prev, self._next, self._map
+
+    def put(self, ident: int) -> int:
+        """A new memento for ``ident`` (absent), the newest; returns its slot."""
+        slot = self._free
+        if slot >= 0:
+            self._free = int(self._next[slot])
+        else:
+            if self._top == len(self._ident):
+                self._grow(slots_for(self._top + 1))
+            slot = self._top
+            self._top += 1
+        self._ident[slot] = ident
+        self._prev[slot] = self._tail
+        self._next[slot] = -1
+        if self._tail >= 0:
+            self._next[self._tail] = slot
+        else:
+            self._head = slot
+        self._tail = slot
+        self.count += 1
+        if 2 * self.count > len(self._map):
+            self._remap(2 * len(self._map))
+        else:
+            self._place(slot, ident)
+        return slot
+
+    def take(self, ident: int) -> int:
+        """The slot of ``ident``'s memento, taken out of the map and the order (the caller
+        then ``free``s it), or -1 if none."""
+        table, idents = self._map, self._ident
+        mask = len(table) - 1
+        pos = ident & mask
+        while True:
+            slot = int(table[pos])
+            if slot < 0:
+                return -1
+            if int(idents[slot]) == ident:
+                self._unmap(pos)
+                self._unlink(slot)
+                return slot
+            pos = (pos + 1) & mask
+
+    def take_many(self, idents: np.ndarray) -> np.ndarray:
+        """``take`` for each of ``idents`` (uint64; distinct keys): slots, -1 where none.
+        Which are present is found by vectorised probing (a round per probe step; the map is
+        at most half full, so a few rounds settle all), then each present one is taken."""
+        table, known = self._map, self._ident
+        mask = len(table) - 1
+        pos = (idents & np.uint64(mask)).astype(np.int64)
+        todo = np.arange(len(idents))
+        present: list[int] = []
+        while len(todo):
+            slot = table[pos]
+            occupied = slot >= 0
+            hit = occupied & (known[np.maximum(slot, 0)] == idents[todo])
+            present += todo[hit].tolist()
+            going = occupied & ~hit
+            todo, pos = todo[going], (pos[going] + 1) & mask
+        slots = np.full(len(idents), -1, dtype=np.int64)
+        for i in present:
+            slots[i] = self.take(int(idents[i]))
+        return slots
+
+    def take_oldest(self) -> int:
+        slot = self._head
+        self.take(int(self._ident[slot]))
+        return slot
+
+    def free(self, slot: int) -> None:
+        """``slot`` (taken) may be reused."""
+        self._prev[slot] = _FREE_SLOT
+        self._next[slot] = self._free
+        self._free = slot
+        self.count -= 1
+
+    def _unlink(self, slot: int) -> None:
+        prev, nxt = int(self._prev[slot]), int(self._next[slot])
+        if prev >= 0:
+            self._next[prev] = nxt
+        else:
+            self._head = nxt
+        if nxt >= 0:
+            self._prev[nxt] = prev
+        else:
+            self._tail = prev
+
+    def _place(self, slot: int, ident: int) -> None:
+        table = self._map
+        mask = len(table) - 1
+        pos = ident & mask
+        while table[pos] >= 0:
+            pos = (pos + 1) & mask
+        table[pos] = slot
+
+    def _unmap(self, pos: int) -> None:
+        """Empty map position ``pos``, shifting back the entries after it that probed past
+        it (linear probing's deletion without tombstones)."""
+        table, idents = self._map, self._ident
+        mask = len(table) - 1
+        hole, pos = pos, (pos + 1) & mask
+        while (slot := int(table[pos])) >= 0:
+            home = int(idents[slot]) & mask
+            # The entry may fill the hole unless its home lies cyclically in (hole, pos].
+            if (pos - home) & mask >= (pos - hole) & mask:
+                table[hole] = slot
+                hole = pos
+            pos = (pos + 1) & mask
+        table[hole] = -1
+
+    def _remap(self, size: int) -> None:
+        """The map at ``size`` positions, every held slot placed in vectorised rounds."""
+        table = np.full(size, -1, dtype=np.int32)
+        mask = size - 1
+        slots = np.flatnonzero(self._prev[: self._top] != _FREE_SLOT)
+        pos = (self._ident[slots] & np.uint64(mask)).astype(np.int64)
+        while len(slots):
+            free = table[pos] < 0
+            # Of several slots probing one free position, the first takes it.
+            _, first = np.unique(pos[free], return_index=True)
+            winners = np.flatnonzero(free)[first]
+            table[pos[winners]] = slots[winners]
+            placed = np.zeros(len(slots), dtype=bool)
+            placed[winners] = True
+            slots, pos = slots[~placed], (pos[~placed] + 1) & mask
+        self._map = table
+
+    def _grow(self, size: int) -> None:
+        for name in ("_ident", "_prev", "_next"):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype=old.dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+
+
+def slots_for(n: int) -> int:
+    """Length of a per-slot array that must hold ``n`` slots: grown by a quarter at a time,
+    not doubled, as the history is most of what the table adds per block and a doubled array
+    is up to half empty."""
+    return max(64, n, n + n // 4)
 
 
 def _pow2_at_least(n: int) -> int:

@@ -30,10 +30,11 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
   policy with an ``admits`` method (hit density) is also asked, after the rule, and told of
   the accesses it did not keep (``note_miss``).
 - **Ids.** The trace's hash ids are renumbered densely and stay stable for the whole replay;
-  a policy keeps what it knows of a block across its stays. The daemon keeps a dropped
-  block's row, and so its history, only until ``history_factor`` times the blocks it holds
-  were dropped after it, then calls ``forget`` and reuses the row (``BlockTable``, History);
-  ``forget_dropped=True`` does the same.
+  a policy keeps what it knows of a block across its stays. The daemon frees a dropped
+  block's row at once but keeps its history (a memento) only until ``history_factor`` times
+  the blocks it holds were dropped after it (``BlockTable``, History); ``forget_dropped=True``
+  models that by calling ``forget`` then (``tests/daemon/test_history.py`` checks that both
+  decide alike).
 
 **A cluster** (``ClusterConfig``, ``kvtier.sim.cluster``): N nodes, each the stack above with
 its own policy objects, and one L3 they share. A routing rule gives each request to a node;
@@ -774,7 +775,7 @@ class _Engine:
             and not (self.l3 is not None and self.l3.known[b])
         ):
             self.live += 1
-            self.history.pop(b, None)  # held again: its row is no longer history
+            self.history.pop(b, None)  # held again: its history is its own again
         self.copies[b] |= tier.bit
         if tier.bit == _L2:
             self.l2_writes += 1
@@ -824,8 +825,8 @@ class _Engine:
             self._dropped(victim)
 
     def _dropped(self, b: int) -> None:
-        """``b`` has no copy left. The daemon keeps its row, and so its history, for its key
-        until ``history_factor`` times the blocks held were dropped after it (``BlockTable``,
+        """``b`` has no copy left. The daemon keeps its history for its key until
+        ``history_factor`` times the blocks held were dropped after it (``BlockTable``,
         History); its policies forget it then, or at once with a factor of 0."""
         self.live -= 1
         factor = self.stack.history_factor

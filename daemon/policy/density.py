@@ -67,6 +67,8 @@ statistics (classes x buckets, fixed). Ghost lives are per-id entries too: no se
 Id reuse: links are followed only while the parent is resident and was inserted before the
 child. History (count, depth, turn, the open life) outlives residency on purpose; the store
 must call ``forget`` when it frees an id, which censors the open life and starts the id cold.
+A history the store keeps for a dropped block's key (``remember``) keeps its open life open
+at the memento slot, counted by the tables as a row's, until it returns or expires.
 
 Thread-safety: none; the owner serialises calls.
 """
@@ -85,6 +87,7 @@ import numpy as np
 
 from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted
+from kvtier.daemon.policy.memento import Kept
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
 _CLOSED = 0
@@ -503,6 +506,10 @@ class DensityPolicy(InsertEach, Hinted):
         self._size = 0
         self._used = 0  # see ``_use``
         self._alloc(max(1, initial_ids))
+        # Histories of dropped blocks by memento slot (``remember``), and their hints (the
+        # few with one).
+        self._kept = Kept(_KEPT)
+        self._kept_until: dict[int, float] = {}
 
     # ------------------------------------------------------------------ protocol
 
@@ -678,6 +685,46 @@ class DensityPolicy(InsertEach, Hinted):
                     if dens <= self._bound:
                         entry = (dens, last, -self._depth_v[parent], parent, self._stamp_v[parent])
                         bisect.insort(self._buf, entry, lo=self._cur)
+
+    def remember(self, bid: int, slot: int) -> None:
+        """Keep the history of ``bid`` (not resident; ``forget`` follows) at memento
+        ``slot`` (see ``kvtier.daemon.policy.memento``): its signals, heat, hint and open
+        life. The open life stays open there (``_new_table`` counts it and closes it when
+        its ghost expires) until the block returns or ``expire`` censors it."""
+        kept = self._kept
+        kept.fit(slot)
+        self._kept_until.pop(slot, None)
+        if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:
+            # Never known here (a forgotten row's values), or still resident, which the
+            # store does not do (``forget`` leaves a resident block alone too).
+            kept.clear(slot)
+            return
+        for name in kept.fields:
+            kept[name][slot] = getattr(self, name)[bid]
+        if (until := self._until_v[bid]) > -math.inf:
+            self._kept_until[slot] = until
+        self._state_v[bid] = _CLOSED  # its life moved to the slot: ``forget`` censors none
+
+    def revive(self, slot: int, bid: int) -> None:
+        """The history kept at ``slot`` becomes that of ``bid`` (a new row, forgotten)."""
+        if bid >= self._used:
+            self._use(bid)
+        kept = self._kept
+        for name in kept.fields:
+            getattr(self, name)[bid] = kept[name][slot]
+        kept["_state"][slot] = _CLOSED
+        if (until := self._kept_until.pop(slot, None)) is not None:
+            self._until_v[bid] = until
+
+    def expire(self, slot: int) -> None:
+        """The history kept at ``slot`` is forgotten: ``forget``'s censoring of an open
+        life, at the slot."""
+        kept = self._kept
+        self._kept_until.pop(slot, None)
+        if slot < len(kept) and kept["_state"][slot] == _GHOST:
+            age = max(0.0, self._now - float(kept["_last"][slot])) / self._quantum
+            self.model.ends[int(kept["_cls"][slot]) * AGE_BUCKETS + age_bucket(age)] += 1
+            kept["_state"][slot] = _CLOSED
 
     def forget(self, bid: int) -> None:
         if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:
@@ -1040,6 +1087,7 @@ class DensityPolicy(InsertEach, Hinted):
 
     def stats(self) -> DensityStats:
         ghosts = int(np.count_nonzero(self._state[: self._size] == _GHOST))
+        ghosts += int(np.count_nonzero(self._kept["_state"] == _GHOST))
         return DensityStats(
             self.capacity, self._resident, ghosts, self._tables, self._rebuilds, len(self._buf)
         )
@@ -1181,23 +1229,29 @@ class DensityPolicy(InsertEach, Hinted):
         bisect.insort(self._buf, entry, lo=self._cur)
 
     def _new_table(self, now: float) -> None:
-        """Close expired ghosts, count the open lives, and rebuild the density table."""
+        """Close expired ghosts, count the open lives, and rebuild the density table. The
+        lives kept for dropped blocks (``remember``) count as the rows' do."""
         size = self._used
-        state = self._state[:size]
-        window = self._ghost_factor * self.capacity
-        ghosts = np.flatnonzero(state == _GHOST)
-        expired = ghosts[self._evseq[ghosts] <= self._evictions - window]
-        if len(expired):
-            idx = self._cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
-                (now - self._last[expired]) / self._quantum
+        open_lives = np.zeros(CLASSES * AGE_BUCKETS, dtype=np.float64)
+        kept = self._kept
+        for state, cls, last, evseq in (
+            (self._state[:size], self._cls, self._last, self._evseq),
+            (kept["_state"], kept["_cls"], kept["_last"], kept["_evseq"]),
+        ):
+            window = self._ghost_factor * self.capacity
+            ghosts = np.flatnonzero(state == _GHOST)
+            expired = ghosts[evseq[ghosts] <= self._evictions - window]
+            if len(expired):
+                idx = cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
+                    (now - last[expired]) / self._quantum
+                )
+                np.add.at(np.frombuffer(self.model.ends, dtype=np.int64), idx, 1)
+                state[expired] = _CLOSED
+            live = np.flatnonzero(state != _CLOSED)
+            idx = cls[live].astype(np.int64) * AGE_BUCKETS + age_buckets(
+                (now - last[live]) / self._quantum
             )
-            np.add.at(np.frombuffer(self.model.ends, dtype=np.int64), idx, 1)
-            self._state[expired] = _CLOSED
-        live = np.flatnonzero(state != _CLOSED)
-        idx = self._cls[live].astype(np.int64) * AGE_BUCKETS + age_buckets(
-            (now - self._last[live]) / self._quantum
-        )
-        open_lives = np.bincount(idx, minlength=CLASSES * AGE_BUCKETS).astype(np.float64)
+            open_lives += np.bincount(idx, minlength=CLASSES * AGE_BUCKETS)
         self._table, self._rows = self.model.table_rows(open_lives.reshape(CLASSES, AGE_BUCKETS))
         self._version += 1
         self._tables += 1
@@ -1399,4 +1453,11 @@ _ARRAYS: list[tuple[str, Any, float]] = [
     ("_stamp", np.int64, 0),
     ("_until", np.float64, -math.inf),
     ("_heat", np.float32, 0.0),
+]
+
+# A dropped block's history (``remember``): the per-id arrays above that make it up.
+_KEPT = [
+    a
+    for a in _ARRAYS
+    if a[0] in ("_state", "_last", "_cls", "_cnt", "_depth", "_turn", "_evseq", "_heat")
 ]

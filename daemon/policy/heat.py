@@ -73,7 +73,7 @@ followed only while the parent is resident and was inserted before the child (a 
 removed and re-inserted, or a freed id reused, is newer than its old children). Heat history
 and the "seen" record outlive residency on purpose (that is how a returning block is
 recognised); the store must call ``forget`` when it frees an id so the next block on that row
-starts cold.
+starts cold, after ``remember`` where it keeps the dropped block's history for its key.
 
 Thread-safety: none; the owner serialises calls.
 """
@@ -94,6 +94,7 @@ from kvtier.daemon.counts import add_at
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
+from kvtier.daemon.policy.memento import Kept
 
 # Segments, also the values of the per-block ``_seg`` array (0: not resident).
 _OUT = 0
@@ -120,6 +121,15 @@ _OWED_LIMIT = 4096
 _SORT_IN_NUMPY = 64
 
 DEFAULT_HALF_LIFE_S = 30.0
+
+# A dropped block's history (``remember``): name, dtype, value of a forgotten row.
+_KEPT: list[tuple[str, Any, float]] = [
+    ("_ghost", np.int8, _OUT),
+    ("_gseq", np.int64, 0),
+    ("_seen", np.int64, _NEVER_SEEN),
+    ("heat", np.float32, 0.0),
+    ("last_access", np.float64, -math.inf),
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +267,10 @@ class HeatPolicy(Hinted):
         self._parked: list[tuple[float, int, int, int, tuple[float, int, int]]] = []
         self._size = 0
         self._alloc(len(self.heat))
+        # Histories of dropped blocks by memento slot (``remember``), and their hints (the
+        # few with one).
+        self._kept = Kept(_KEPT)
+        self._kept_hints: dict[int, float] = {}
 
     # ------------------------------------------------------------------ protocol
 
@@ -483,6 +497,42 @@ class HeatPolicy(Hinted):
         self._ghost_v[bid] = _OUT
         self._seen_v[bid] = _NEVER_SEEN
         self.heat.reset(bid)
+
+    def remember(self, bid: int, slot: int) -> None:
+        """Keep the history of ``bid`` (not resident; ``forget`` follows) at memento
+        ``slot`` (see ``kvtier.daemon.policy.memento``): the segment it left, when, its last
+        access's sequence number, its heat and its hint."""
+        kept = self._kept
+        kept.fit(slot)
+        if 0 <= bid < self._size:
+            kept["_ghost"][slot] = self._ghost_v[bid]
+            kept["_gseq"][slot] = self._gseq_v[bid]
+            kept["_seen"][slot] = self._seen_v[bid]
+            kept["heat"][slot] = self.heat.heat[bid]
+            kept["last_access"][slot] = self.heat.last_access[bid]
+        else:
+            kept.clear(slot)  # never known here: a forgotten row's values
+        self._kept_hints.pop(slot, None)
+        if (until := self._hints.until(bid)) > -math.inf:
+            self._kept_hints[slot] = until
+
+    def revive(self, slot: int, bid: int) -> None:
+        """The history kept at ``slot`` becomes that of ``bid`` (a new row, forgotten)."""
+        if bid >= self._size:
+            self._grow(bid + 1)
+        kept = self._kept
+        self._ghost_v[bid] = int(kept["_ghost"][slot])
+        self._gseq_v[bid] = int(kept["_gseq"][slot])
+        self._seen_v[bid] = int(kept["_seen"][slot])
+        self.heat.heat[bid] = kept["heat"][slot]
+        self.heat.last_access[bid] = kept["last_access"][slot]
+        if (until := self._kept_hints.pop(slot, None)) is not None:
+            self._hints.add(np.array([bid]), until, -math.inf)
+
+    def expire(self, slot: int) -> None:
+        """The history kept at ``slot`` is forgotten (its values are overwritten when the
+        slot is next remembered)."""
+        self._kept_hints.pop(slot, None)
 
     def victims(
         self,

@@ -1920,6 +1920,6 @@ async def test_a_block_dropped_and_stored_again_keeps_its_heat_within_the_histor
     assert store.gauges()["blocks_remembered"] == 0
     again = int(store.table.lookup(0, key)[0])
     if history:
-        assert again == bid and heat[again] == pytest.approx(5.0)
+        assert heat[again] == pytest.approx(5.0)  # in whatever row it got
     else:
         assert heat[again] == pytest.approx(1.0)  # a stranger's start

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import os
 import random
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 
-from kvtier.daemon.table import MIN_HISTORY_BASE, READY, BlockTable, keys_to_words
+from kvtier.daemon.table import MIN_HISTORY_BASE, READY, BlockTable, Mementos, keys_to_words
 
 
 def _ready(index: BlockTable, ns: int, key: bytes) -> int:
@@ -305,50 +306,139 @@ def test_depths_count_live_ancestors_whatever_the_rows_order():
     assert index.depths(np.array(chain[:3])).tolist() == [0, 1, 2]
 
 
-def test_a_removed_key_added_again_gets_its_row_back_while_history_holds_it():
-    """The policies keep a block's history by row: a key dropped and stored again within
-    the history gets the same row and no forget; past the history its row goes to another
-    key, after a forget."""
+class _Listener:
+    """Records a table's history events; ``kept[slot]`` is the key remembered there."""
+
+    def __init__(self, index: BlockTable) -> None:
+        self.index = index
+        self.freed: list[int] = []
+        self.kept: dict[int, bytes] = {}
+        self.revived: list[tuple[bytes, int]] = []  # (key remembered, row revived into)
+        self.expired: list[bytes] = []
+        index.on_free.append(self.freed.append)
+        index.on_remember.append(self.remember)
+        index.on_revive.append(self.revive)
+        index.on_expire.append(self.expire)
+
+    def remember(self, bid: int, slot: int) -> None:
+        assert bid not in self.freed[-1:]  # before the row is freed
+        assert slot not in self.kept
+        self.kept[slot] = self.index.key_bytes(bid)
+
+    def revive(self, slot: int, bid: int) -> None:
+        self.revived.append((self.kept.pop(slot), bid))
+
+    def expire(self, slot: int) -> None:
+        self.expired.append(self.kept.pop(slot))
+
+
+def test_a_removed_key_added_again_gets_its_history_back_while_remembered():
+    """The policies keep a block's history by row: a dropped block's row is freed at once
+    (after its history was saved at a memento slot), and its key stored again within the
+    history gets the saved history written into its new row."""
     index = BlockTable(initial_capacity=16)
     index.history_factor = 1.0
-    forgot: list[int] = []
-    index.on_free.append(forgot.append)
+    seen = _Listener(index)
     key = os.urandom(32)
     first = _ready(index, 5, key)
-    gen = int(index.gen[first])
+    old = index.ref(first)
     index.remove(first)
     assert index.lookup(5, keys_to_words([key])).tolist() == [-1]  # absent meanwhile
-    assert forgot == [] and index.history_rows == 1
+    assert seen.freed == [first] and list(seen.kept.values()) == [key]
+    assert index.history_rows == 1
     again = _ready(index, 5, key)
-    assert again == first and forgot == [] and index.history_rows == 0
-    assert int(index.gen[again]) == gen + 1  # refs to the dropped block stay dead
+    assert seen.revived == [(key, again)] and index.history_rows == 0
+    assert index.resolve(old) == -1  # a ref to the dropped block never names the revived one
     assert index.lookup(5, keys_to_words([key])).tolist() == [again]
-    # Another namespace's same key is another block: no row back.
-    assert _ready(index, 6, key) != first
-    # add_many takes rows back too, each its own, in the batch's order.
+    # Another namespace's same key is another block: nothing revived.
+    _ready(index, 6, key)
+    assert len(seen.revived) == 1
+    # add_many revives too, each key's history into its own row.
     batch = [os.urandom(32) for _ in range(40)]
     rows = index.add_many(5, keys_to_words(batch), 4096)
     for bid in rows[::2].tolist():
         index.remove(bid)
+    assert index.history_rows == 20
     back = index.add_many(5, keys_to_words([*batch[::2], os.urandom(32)]), 4096)
-    assert back[:20].tolist() == rows[::2].tolist() and back[20] not in rows.tolist()
-    assert forgot == []
+    assert seen.revived[1:] == list(zip(batch[::2], back[:20].tolist(), strict=True))
+    assert index.history_rows == 0 and seen.expired == [] and seen.kept == {}
 
 
 def test_the_history_keeps_the_latest_removals_and_forgets_the_oldest_first():
     index = BlockTable(initial_capacity=16)
-    index.history_factor = 1.0  # at least MIN_HISTORY_BASE rows, however few are live
-    forgot: list[int] = []
-    index.on_free.append(forgot.append)
+    index.history_factor = 1.0  # at least MIN_HISTORY_BASE removals, however few are live
+    seen = _Listener(index)
     keys = [os.urandom(32) for _ in range(MIN_HISTORY_BASE + 3)]
     rows = [_ready(index, 0, k) for k in keys]
     for bid in rows:
         index.remove(bid)
     assert index.history_rows == MIN_HISTORY_BASE
-    assert forgot == rows[:3]  # the oldest three released, each told once
-    assert _ready(index, 0, keys[0]) in rows[:3]  # its row went to the free list
-    assert _ready(index, 0, keys[-1]) == rows[-1]  # still in history: its own row
+    assert seen.expired == keys[:3]  # the oldest three, each told once
+    assert seen.freed == rows  # every row at once
+    first = _ready(index, 0, keys[0])
+    assert seen.revived == []  # forgotten: nothing to revive
+    bid = _ready(index, 0, keys[3])
+    assert seen.revived == [(keys[3], bid)]  # the oldest still remembered
+    index.remove(bid)  # dropped again: now the newest
+    index.remove(first)  # one over the bound: the oldest goes, the revived one stays
+    assert seen.expired == [*keys[:3], keys[4]] and index.history_rows == MIN_HISTORY_BASE
     index.history_factor = 0.0
     bid = _ready(index, 0, os.urandom(32))
     index.remove(bid)
-    assert forgot[-1] == bid  # no history: forgotten at once
+    assert seen.freed[-1] == bid and index.history_rows == 0  # none kept, the rest expired
+    assert seen.kept == {}
+
+
+def test_an_identity_shared_by_two_keys_mixes_histories_never_rows(monkeypatch):
+    """Mementos are keyed by a 64-bit identity. Two keys of one identity share a memento:
+    the later removal's replaces the earlier's and either key takes it, a wrong history for
+    one block, while lookups, refs and counts stay right."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0
+    seen = _Listener(index)
+    monkeypatch.setattr(index, "_hash_one", lambda ns, words: 7)
+    monkeypatch.setattr(index, "_hash", lambda ns, words: np.full(len(words), 7, np.uint64))
+    a, b, c = (os.urandom(32) for _ in range(3))
+    ra, rb = _ready(index, 0, a), _ready(index, 0, b)
+    refs = [index.ref(ra), index.ref(rb)]
+    index.remove(ra)
+    index.remove(rb)
+    assert seen.expired == [a] and list(seen.kept.values()) == [b]
+    again = _ready(index, 0, a)
+    assert seen.revived == [(b, again)] and index.history_rows == 0
+    rc = index.add_many(0, keys_to_words([b, c]), 4096)
+    index.state[rc] = READY
+    assert len(seen.revived) == 1 and len(index) == 3
+    assert index.lookup(0, keys_to_words([a, b, c])).tolist() == [again, *rc.tolist()]
+    assert index.resolve_many(np.array(refs)).tolist() == [-1, -1]
+
+
+def test_mementos_match_an_ordered_dict_through_puts_takes_and_growth():
+    rng = random.Random(3)
+    m = Mementos()
+    ref: OrderedDict[int, int] = OrderedDict()
+    for _ in range(30000):
+        r = rng.random()
+        if r < 0.5 or not ref:
+            # A few small identities, so that probe chains meet and wrap.
+            ident = rng.getrandbits(64) if rng.random() < 0.9 else rng.getrandbits(6)
+            if ident not in ref:
+                ref[ident] = m.put(ident)
+        elif r < 0.7:
+            ident, slot = ref.popitem(last=False)
+            assert m.take_oldest() == slot
+            m.free(slot)
+        elif r < 0.85:
+            ident = rng.choice(list(ref))
+            slot = m.take(ident)
+            assert slot == ref.pop(ident)
+            m.free(slot)
+        else:
+            idents = [*rng.sample(list(ref), min(6, len(ref))), rng.getrandbits(64)]
+            got = m.take_many(np.array(idents, dtype=np.uint64)).tolist()
+            assert got == [ref.pop(i, -1) for i in idents]
+            for slot in got:
+                if slot >= 0:
+                    m.free(slot)
+        assert m.count == len(ref)
+    assert [m.take_oldest() for _ in range(len(ref))] == list(ref.values())

@@ -1,0 +1,60 @@
+"""Kept histories: a policy's per-block history of dropped blocks, by memento slot.
+
+The block table frees a dropped block's row at once but remembers its key a while by a
+*memento slot* (``kvtier.daemon.table``, History). A policy whose history is per row
+(``heat``, ``density``) copies the few per-row values that make up that history into a
+``Kept`` at the slot (``remember``), writes them into the block's new row when its key
+returns (``revive``) and forgets them when the table does (``expire``). Only those values are
+kept, a few tens of bytes a block, where keeping the row held every per-block array.
+
+Not thread-safe: owned by a policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvtier.daemon.table import slots_for
+
+
+class Kept:
+    """Per slot, one value of each named field; a slot never written holds each field's
+    fill. Arrays grow as the table's (``slots_for``) to the highest slot written: the table
+    numbers slots densely (reused before new ones are numbered)."""
+
+    __slots__ = ("_fills", "arrays", "fields")
+
+    def __init__(self, fields: Sequence[tuple[str, Any, float]]) -> None:
+        self.fields = [name for name, _, _ in fields]
+        self._fills = {name: (dtype, fill) for name, dtype, fill in fields}
+        self.arrays: dict[str, np.ndarray] = {
+            name: np.full(0, fill, dtype=dtype) for name, dtype, fill in fields
+        }
+
+    def __len__(self) -> int:
+        return len(self.arrays[self.fields[0]])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+    def fit(self, slot: int) -> None:
+        """Room for ``slot``."""
+        size = len(self)
+        if slot < size:
+            return
+        grown = slots_for(max(slot + 1, size + 1))
+        for name, (dtype, fill) in self._fills.items():
+            arr = np.full(grown, fill, dtype=dtype)
+            arr[:size] = self.arrays[name]
+            self.arrays[name] = arr
+
+    def clear(self, slot: int) -> None:
+        """``slot`` holds each field's fill (a row the policy never knew)."""
+        for name, (_, fill) in self._fills.items():
+            self.arrays[name][slot] = fill
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())

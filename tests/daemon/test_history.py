@@ -1,0 +1,172 @@
+"""The daemon's history of dropped blocks (``BlockTable`` mementos and the policies'
+``remember``/``revive``/``expire``) against the replayer's model of it (``kvtier replay
+--forget-dropped``): ids that never change, and ``forget`` delayed until ``history_factor``
+times the blocks held were dropped after a block. Both must decide alike, victim for victim,
+or the replayer's figures would not be the daemon's."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from kvtier.bench.policy_memory import history_bytes, wire_history
+from kvtier.daemon import table as table_module
+from kvtier.daemon.policy.registry import make_policy
+from kvtier.daemon.table import READY, BlockTable, keys_to_words
+
+_BASE = 16  # MIN_HISTORY_BASE for these tests, so that a short run forgets too
+
+
+def _requests(seed: int, n: int) -> list[list[int]]:
+    """Chains of key numbers: conversations that grow by a block or two a turn and return
+    after a while, and one-off chains."""
+    rng = random.Random(seed)
+    convs: list[list[int]] = []
+    fresh = iter(range(10**9))
+    out = []
+    for _ in range(n):
+        if convs and rng.random() < 0.7:
+            chain = rng.choice(convs)
+            chain += [next(fresh) for _ in range(rng.randint(1, 2))]
+        else:
+            chain = [next(fresh) for _ in range(rng.randint(1, 5))]
+            if rng.random() < 0.5:
+                convs.append(chain)
+        out.append(list(chain))
+    return out
+
+
+class _Model:
+    """The replayer's way: a block's id is its key number, for good."""
+
+    def __init__(self, policy: str, capacity: int, factor: float) -> None:
+        self.policy = make_policy(policy, capacity_blocks=capacity)
+        self.factor = factor
+        self.history: OrderedDict[int, None] = OrderedDict()
+        self.live = 0
+
+    def access(self, key: int, parent: int, now: float, capacity: int) -> int:
+        p = self.policy
+        if key in p:
+            p.touch(key, now)
+            return -1
+        self.live += 1  # the daemon adds the row before it makes room
+        self.history.pop(key, None)
+        victim = -1
+        if len(p) >= capacity:
+            victim = int(p.victims(1, now, None, (key,))[0])
+            p.remove(victim)
+            self.live -= 1
+            self.history[victim] = None
+            limit = int(self.factor * max(self.live, _BASE))
+            while len(self.history) > limit:
+                p.forget(self.history.popitem(last=False)[0])
+        p.insert(key, now, parent if parent in p else -1)
+        return victim
+
+
+class _Daemon:
+    """The daemon's way: rows of a block table, reused; history kept by mementos."""
+
+    def __init__(self, policy: str, capacity: int, factor: float) -> None:
+        self.policy = make_policy(policy, capacity_blocks=capacity)
+        self.table = BlockTable(1, initial_capacity=16)
+        self.table.history_factor = factor
+        wire_history(self.table, self.policy)
+        self.keys: dict[int, bytes] = {}
+        self.key_of: dict[int, int] = {}  # row -> key number
+
+    def access(self, key: int, parent: int, now: float, capacity: int) -> int:
+        p, table = self.policy, self.table
+        words = keys_to_words([self.keys.setdefault(key, os.urandom(32))])
+        bid = int(table.lookup(0, words)[0])
+        if bid >= 0:
+            p.touch(bid, now)
+            return -1
+        bid = table.add(0, words[0], 4096)
+        table.state[bid] = READY
+        self.key_of[bid] = key
+        victim = -1
+        if len(p) >= capacity:
+            row = int(p.victims(1, now, None, (bid,))[0])
+            victim = self.key_of.pop(row)
+            p.remove(row)
+            table.remove(row)
+        prow = -1
+        if parent in self.keys:
+            prow = int(table.lookup(0, keys_to_words([self.keys[parent]]))[0])
+        p.insert(bid, now, prow)
+        return victim
+
+
+@pytest.mark.parametrize("policy", ["heat", "density"])
+@pytest.mark.parametrize("factor", [2.0, 0.5, 0.0])
+def test_the_daemons_history_decides_as_the_replayers_model(monkeypatch, policy, factor):
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
+    capacity = 24
+    model, daemon = _Model(policy, capacity, factor), _Daemon(policy, capacity, factor)
+    rng = random.Random(5)
+    now = 0.0
+    evictions = 0
+    for chain in _requests(7, 700):
+        for i, key in enumerate(chain):
+            now += rng.uniform(0.01, 2.0)  # distinct times: no ties broken by id
+            parent = chain[i - 1] if i else -1
+            want = model.access(key, parent, now, capacity)
+            assert daemon.access(key, parent, now, capacity) == want
+            evictions += want >= 0
+    assert evictions > 1000
+    assert daemon.table.history_rows == len(model.history)
+    if policy == "density":  # the learned statistics too
+        assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
+        assert list(daemon.policy.model.ends) == list(model.policy.model.ends)
+    else:
+        assert daemon.policy.stats() == model.policy.stats()
+
+
+def test_a_remembered_block_costs_a_few_tens_of_bytes():
+    """Issue 13 bounds ghost and statistics memory at 128 bytes per resident block all in;
+    at the default history factor (2) that leaves 64 per remembered block. Measured as the
+    bench does (``history_bytes``), growth by doubling included."""
+    blocks = 4096
+    for policy in ("heat", "density"):
+        extra, remembered = history_bytes(policy, blocks)
+        assert remembered == 2 * blocks
+        assert extra / remembered < 64, policy
+        assert extra / blocks < 128, policy
+
+
+def test_revived_history_is_the_dropped_blocks_own():
+    """heat: a block dropped and stored again keeps its heat and returns to the protected
+    segment (it was seen lately); density: its access count and open life (a reuse)."""
+    for name in ("heat", "density"):
+        policy = make_policy(name, capacity_blocks=4)
+        table = BlockTable(1, initial_capacity=16)
+        table.history_factor = 2.0
+        wire_history(table, policy)
+        key = keys_to_words([os.urandom(32)])[0]
+        bid = table.add(0, key, 4096)
+        policy.insert(bid, 1.0)
+        policy.touch(bid, 2.0)
+        policy.remove(bid)
+        table.remove(bid)
+        for other in range(3):  # the row goes to other keys meanwhile
+            policy.insert(table.add(0, keys_to_words([os.urandom(32)])[0], 4096), 3.0 + other)
+        again = table.add(0, key, 4096)
+        assert again != bid
+        if name == "heat":
+            assert policy.heat.heat[again] == pytest.approx(2.0, rel=0.1)
+            policy.insert(again, 2.5)
+            assert policy.stats().protected == 1
+        else:
+            signals = policy.describe(again)
+            assert signals.count == 2 and signals.open_life and not signals.resident
+            hits = sum(policy.model.hits)
+            policy.insert(again, 10.0)
+            assert sum(policy.model.hits) == hits + 1  # its open life ended in a reuse
+            assert policy.describe(again).count == 3
+        assert np.all(table.resolve_many(np.array([table.ref(again)])) == again)
