@@ -780,8 +780,8 @@ class SpaceManager:
         for level in self.stack:
             level.policy.forget(bid)
 
-    # A dropped block's history, kept by the policies that keep one per row (``heat``,
-    # ``density``; see ``kvtier.daemon.policy.memento``); the others forget it as it goes.
+    # A dropped block's history, kept by the policies that keep one (``heat``, ``density``,
+    # ``arc``; see ``kvtier.daemon.policy.memento``); the others forget it as it goes.
 
     def _remember_in_policies(self, bid: int, slot: int) -> None:
         for level in self.stack:

@@ -18,9 +18,12 @@ caller's business (it evicts before inserting); ``|B1| + |B2| <= c`` always. Wit
 ``evictable`` mask, ``REPLACE`` skips blocks that may not go and takes the next LRU block of
 the same list, then of the other list.
 
-Ghost lists remember block ids. The daemon reuses the ids of forgotten blocks, so the store
-must call ``forget`` when it frees an index row, or a new block on that row would count as a
-ghost hit. The replayer's ids are stable.
+Ghost lists remember blocks by a token each, mapped to the block's id (``_ghost_of``). The
+daemon reuses the ids of forgotten blocks, so the store must call ``forget`` when it frees an
+index row, or a new block on that row would count as a ghost hit. The replayer's ids are
+stable. A dropped block the store remembers for its key (``remember``, see
+``kvtier.daemon.policy.memento``) keeps its ghost entry, in place, under its memento slot
+until the key returns (``revive``) or the store forgets it (``expire``).
 
 Thread-safety: none; the owner serialises calls.
 """
@@ -71,8 +74,12 @@ class ARCPolicy(InsertEach, Hinted):
         self._high_water = 0
         self._t1: OrderedDict[int, None] = OrderedDict()
         self._t2: OrderedDict[int, None] = OrderedDict()
-        self._b1: OrderedDict[int, None] = OrderedDict()
-        self._b2: OrderedDict[int, None] = OrderedDict()
+        # Ghost lists: token -> its block's id, or ``-1 - slot`` for a memento slot's.
+        self._b1: OrderedDict[int, int] = OrderedDict()
+        self._b2: OrderedDict[int, int] = OrderedDict()
+        self._ghost_of: dict[int, int] = {}  # id -> token, for the ids in a ghost list
+        self._kept_ghost: dict[int, int] = {}  # memento slot -> token
+        self._tokens = 0
         self._p = 0.0
         # Blocks moved into B1/B2 by remove() since the last insert.
         self._ghosted = [0, 0]
@@ -95,13 +102,14 @@ class ARCPolicy(InsertEach, Hinted):
         n1 = len(b1) - self._ghosted[0]
         n2 = len(b2) - self._ghosted[1]
         self._ghosted = [0, 0]
-        if bid in b1:
+        tok = self._ghost_of.pop(bid, None)
+        if tok is not None and tok in b1:
             self._p = min(float(c), self._p + max(n2 / max(n1, 1), 1.0))
-            del b1[bid]
+            del b1[tok]
             self._t2[bid] = None
-        elif bid in b2:
+        elif tok is not None:
             self._p = max(0.0, self._p - max(n1 / max(n2, 1), 1.0))
-            del b2[bid]
+            del b2[tok]
             self._t2[bid] = None
         else:
             # Case IV of the paper. Its REPLACE already ran (victims + remove), which leaves
@@ -110,9 +118,9 @@ class ARCPolicy(InsertEach, Hinted):
             # dropped again here, as the paper drops it without a ghost.
             if len(self._t1) + len(b1) >= c:
                 if b1:
-                    b1.popitem(last=False)
+                    self._drop_oldest(b1)
             elif len(self._t1) + len(self._t2) + len(b1) + len(b2) >= 2 * c and b2:
-                b2.popitem(last=False)
+                self._drop_oldest(b2)
             self._t1[bid] = None
         self._high_water = max(self._high_water, len(self._t1) + len(self._t2))
         self._bound_ghosts(self.capacity)
@@ -136,22 +144,46 @@ class ARCPolicy(InsertEach, Hinted):
     def remove(self, bid: int) -> None:
         if bid in self._t1:
             del self._t1[bid]
-            self._b1[bid] = None
+            ghosts = self._b1
             self._ghosted[0] += 1
         elif bid in self._t2:
             del self._t2[bid]
-            self._b2[bid] = None
+            ghosts = self._b2
             self._ghosted[1] += 1
         else:
             raise KeyError(bid)
+        self._tokens += 1
+        ghosts[self._tokens] = bid
+        self._ghost_of[bid] = self._tokens
         # One over the bound is the paper's transient state between REPLACE and the trim in
         # the following insert; trimming it here would drop a different ghost than the paper.
         self._bound_ghosts(self.capacity + 1)
 
     def forget(self, bid: int) -> None:
         self._hints.forget(bid)
-        self._b1.pop(bid, None)
-        self._b2.pop(bid, None)
+        if (tok := self._ghost_of.pop(bid, None)) is not None:
+            self._b1.pop(tok, None)
+            self._b2.pop(tok, None)
+
+    def remember(self, bid: int, slot: int) -> None:
+        """Keep the ghost entry of ``bid`` (dropped; ``forget`` follows) for memento
+        ``slot``, at its place in its list."""
+        self._kept_ghost.pop(slot, None)
+        if (tok := self._ghost_of.pop(bid, None)) is not None:
+            (self._b1 if tok in self._b1 else self._b2)[tok] = -1 - slot
+            self._kept_ghost[slot] = tok
+
+    def revive(self, slot: int, bid: int) -> None:
+        """The ghost entry kept for ``slot`` becomes that of ``bid`` (a new row)."""
+        if (tok := self._kept_ghost.pop(slot, None)) is not None:
+            (self._b1 if tok in self._b1 else self._b2)[tok] = bid
+            self._ghost_of[bid] = tok
+
+    def expire(self, slot: int) -> None:
+        """The ghost entry kept for ``slot`` goes."""
+        if (tok := self._kept_ghost.pop(slot, None)) is not None:
+            self._b1.pop(tok, None)
+            self._b2.pop(tok, None)
 
     def victims(
         self,
@@ -208,9 +240,12 @@ class ARCPolicy(InsertEach, Hinted):
         b1, b2 = self._b1, self._b2
         from_b2 = False
         for i, bid in enumerate(incoming):
-            if bid in b1:
+            tok = self._ghost_of.get(bid)
+            if tok is None:
+                continue
+            if tok in b1:
                 p = min(c, p + max(len(b2) / len(b1), 1.0))
-            elif bid in b2:
+            elif tok in b2:
                 p = max(0.0, p - max(len(b1) / len(b2), 1.0))
                 from_b2 = from_b2 or i == 0
         return p, from_b2
@@ -219,8 +254,14 @@ class ARCPolicy(InsertEach, Hinted):
         # The paper keeps |B1|+|B2| <= c while the cache is full; removals by the caller
         # (deletes) can break that, so bound the memory here as well.
         while len(self._b1) + len(self._b2) > limit:
-            longer = self._b1 if len(self._b1) >= len(self._b2) else self._b2
-            longer.popitem(last=False)
+            self._drop_oldest(self._b1 if len(self._b1) >= len(self._b2) else self._b2)
+
+    def _drop_oldest(self, ghosts: OrderedDict[int, int]) -> None:
+        _, owner = ghosts.popitem(last=False)
+        if owner >= 0:
+            del self._ghost_of[owner]
+        else:
+            del self._kept_ghost[-1 - owner]
 
 
 def _scan(order: OrderedDict[int, None], evictable: EvictableFn | None) -> Iterator[int]:

@@ -35,13 +35,12 @@ Block ids are rows of the store's index and are reused once a block is forgotten
 must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see
 ``forget``.
 
-Kept history (optional, ``heat`` and ``density`` have one): the store frees a dropped block's
+Kept history (optional, ``heat``, ``density`` and ``arc`` have one): the store frees a dropped block's
 row at once and remembers its key by a memento slot a while (``BlockTable``, History).
 ``remember(bid, slot)`` saves the history of ``bid`` at ``slot`` just before ``forget(bid)``,
 ``revive(slot, bid)`` writes it into the new row of the same key stored again, and
 ``expire(slot)`` drops it (see ``kvtier.daemon.policy.memento``). A policy without them keeps
-no history of dropped blocks in the daemon (``arc``'s ghost lists forget a block as it is
-dropped; the replayer's stable ids keep them).
+no history of dropped blocks in the daemon (``lru`` has none to keep).
 
 Constructor parameters: every policy is built by ``make_policy(name, **params)`` and must
 accept and ignore parameters it does not use, so that one parameter set serves all of them.

@@ -103,7 +103,7 @@ class _Daemon:
         return victim
 
 
-@pytest.mark.parametrize("policy", ["heat", "density"])
+@pytest.mark.parametrize("policy", ["heat", "density", "arc"])
 @pytest.mark.parametrize("factor", [2.0, 0.5, 0.0])
 def test_the_daemons_history_decides_as_the_replayers_model(monkeypatch, policy, factor):
     monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
@@ -124,7 +124,7 @@ def test_the_daemons_history_decides_as_the_replayers_model(monkeypatch, policy,
     if policy == "density":  # the learned statistics too
         assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
         assert list(daemon.policy.model.ends) == list(model.policy.model.ends)
-    else:
+    else:  # heat: segments, p; arc: list sizes (its ghosts), p
         assert daemon.policy.stats() == model.policy.stats()
 
 
