@@ -42,6 +42,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -749,7 +750,18 @@ class Mementos:
     listener's per-slot arrays (``slots_for``) stay as long as the most mementos ever held.
     """
 
-    __slots__ = ("_free", "_head", "_ident", "_map", "_next", "_prev", "_tail", "_top", "count")
+    __slots__ = (
+        "_free",
+        "_head",
+        "_ident",
+        "_map",
+        "_next",
+        "_prev",
+        "_tail",
+        "_top",
+        "_v",
+        "count",
+    )
 
     def __init__(self) -> None:
         self.count = 0
@@ -761,6 +773,7 @@ class Mementos:
         self._head = self._tail = -1
         self._free = -1  # free slots, chained through ``_next``
         self._top = 0  # slots ever numbered
+        self._views()
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         return self._ident, self._prev, self._next, self._map
@@ -769,17 +782,18 @@ class Mementos:
         """A new memento for ``ident`` (absent), the newest; returns its slot."""
         slot = self._free
         if slot >= 0:
-            self._free = int(self._next[slot])
+            self._free = self._v[2][slot]
         else:
             if self._top == len(self._ident):
                 self._grow(slots_for(self._top + 1))
             slot = self._top
             self._top += 1
-        self._ident[slot] = ident
-        self._prev[slot] = self._tail
-        self._next[slot] = -1
+        idents, prev, nxt, _ = self._v
+        idents[slot] = ident
+        prev[slot] = self._tail
+        nxt[slot] = -1
         if self._tail >= 0:
-            self._next[self._tail] = slot
+            nxt[self._tail] = slot
         else:
             self._head = slot
         self._tail = slot
@@ -793,14 +807,14 @@ class Mementos:
     def take(self, ident: int) -> int:
         """The slot of ``ident``'s memento, taken out of the map and the order (the caller
         then ``free``s it), or -1 if none."""
-        table, idents = self._map, self._ident
+        idents, _, _, table = self._v
         mask = len(table) - 1
         pos = ident & mask
         while True:
-            slot = int(table[pos])
+            slot = table[pos]
             if slot < 0:
                 return -1
-            if int(idents[slot]) == ident:
+            if idents[slot] == ident:
                 self._unmap(pos)
                 self._unlink(slot)
                 return slot
@@ -829,29 +843,30 @@ class Mementos:
 
     def take_oldest(self) -> int:
         slot = self._head
-        self.take(int(self._ident[slot]))
+        self.take(self._v[0][slot])
         return slot
 
     def free(self, slot: int) -> None:
         """``slot`` (taken) may be reused."""
-        self._prev[slot] = _FREE_SLOT
-        self._next[slot] = self._free
+        self._v[1][slot] = _FREE_SLOT
+        self._v[2][slot] = self._free
         self._free = slot
         self.count -= 1
 
     def _unlink(self, slot: int) -> None:
-        prev, nxt = int(self._prev[slot]), int(self._next[slot])
+        _, prevs, nexts, _ = self._v
+        prev, nxt = prevs[slot], nexts[slot]
         if prev >= 0:
-            self._next[prev] = nxt
+            nexts[prev] = nxt
         else:
             self._head = nxt
         if nxt >= 0:
-            self._prev[nxt] = prev
+            prevs[nxt] = prev
         else:
             self._tail = prev
 
     def _place(self, slot: int, ident: int) -> None:
-        table = self._map
+        table = self._v[3]
         mask = len(table) - 1
         pos = ident & mask
         while table[pos] >= 0:
@@ -861,11 +876,11 @@ class Mementos:
     def _unmap(self, pos: int) -> None:
         """Empty map position ``pos``, shifting back the entries after it that probed past
         it (linear probing's deletion without tombstones)."""
-        table, idents = self._map, self._ident
+        idents, _, _, table = self._v
         mask = len(table) - 1
         hole, pos = pos, (pos + 1) & mask
-        while (slot := int(table[pos])) >= 0:
-            home = int(idents[slot]) & mask
+        while (slot := table[pos]) >= 0:
+            home = idents[slot] & mask
             # The entry may fill the hole unless its home lies cyclically in (hole, pos].
             if (pos - home) & mask >= (pos - hole) & mask:
                 table[hole] = slot
@@ -889,6 +904,7 @@ class Mementos:
             placed[winners] = True
             slots, pos = slots[~placed], (pos[~placed] + 1) & mask
         self._map = table
+        self._views()
 
     def _grow(self, size: int) -> None:
         for name in ("_ident", "_prev", "_next"):
@@ -896,6 +912,17 @@ class Mementos:
             new = np.zeros(size, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
+        self._views()
+
+    def _views(self) -> None:
+        # Scalar steps read and write through memoryviews (Python ints at a fraction of the
+        # cost of numpy's scalar indexing), re-taken whenever an array is replaced.
+        self._v: tuple[Any, Any, Any, Any] = (
+            self._ident.data,
+            self._prev.data,
+            self._next.data,
+            self._map.data,
+        )
 
 
 def slots_for(n: int) -> int:

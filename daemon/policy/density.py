@@ -699,8 +699,9 @@ class DensityPolicy(InsertEach, Hinted):
             # store does not do (``forget`` leaves a resident block alone too).
             kept.clear(slot)
             return
+        views = kept.views
         for name in kept.fields:
-            kept[name][slot] = getattr(self, name)[bid]
+            views[name][slot] = getattr(self, name + "_v")[bid]
         if (until := self._until_v[bid]) > -math.inf:
             self._kept_until[slot] = until
         self._state_v[bid] = _CLOSED  # its life moved to the slot: ``forget`` censors none
@@ -709,22 +710,22 @@ class DensityPolicy(InsertEach, Hinted):
         """The history kept at ``slot`` becomes that of ``bid`` (a new row, forgotten)."""
         if bid >= self._used:
             self._use(bid)
-        kept = self._kept
-        for name in kept.fields:
-            getattr(self, name)[bid] = kept[name][slot]
-        kept["_state"][slot] = _CLOSED
+        views = self._kept.views
+        for name in self._kept.fields:
+            getattr(self, name + "_v")[bid] = views[name][slot]
+        views["_state"][slot] = _CLOSED
         if (until := self._kept_until.pop(slot, None)) is not None:
             self._until_v[bid] = until
 
     def expire(self, slot: int) -> None:
         """The history kept at ``slot`` is forgotten: ``forget``'s censoring of an open
         life, at the slot."""
-        kept = self._kept
+        views = self._kept.views
         self._kept_until.pop(slot, None)
-        if slot < len(kept) and kept["_state"][slot] == _GHOST:
-            age = max(0.0, self._now - float(kept["_last"][slot])) / self._quantum
-            self.model.ends[int(kept["_cls"][slot]) * AGE_BUCKETS + age_bucket(age)] += 1
-            kept["_state"][slot] = _CLOSED
+        if slot < len(self._kept) and views["_state"][slot] == _GHOST:
+            age = max(0.0, self._now - views["_last"][slot]) / self._quantum
+            self.model.ends[views["_cls"][slot] * AGE_BUCKETS + age_bucket(age)] += 1
+            views["_state"][slot] = _CLOSED
 
     def forget(self, bid: int) -> None:
         if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:

@@ -505,11 +505,12 @@ class HeatPolicy(Hinted):
         kept = self._kept
         kept.fit(slot)
         if 0 <= bid < self._size:
-            kept["_ghost"][slot] = self._ghost_v[bid]
-            kept["_gseq"][slot] = self._gseq_v[bid]
-            kept["_seen"][slot] = self._seen_v[bid]
-            kept["heat"][slot] = self.heat.heat[bid]
-            kept["last_access"][slot] = self.heat.last_access[bid]
+            views = kept.views
+            views["_ghost"][slot] = self._ghost_v[bid]
+            views["_gseq"][slot] = self._gseq_v[bid]
+            views["_seen"][slot] = self._seen_v[bid]
+            views["heat"][slot] = self.heat._heat_mv[bid]
+            views["last_access"][slot] = self.heat._last_mv[bid]
         else:
             kept.clear(slot)  # never known here: a forgotten row's values
         self._kept_hints.pop(slot, None)
@@ -520,12 +521,12 @@ class HeatPolicy(Hinted):
         """The history kept at ``slot`` becomes that of ``bid`` (a new row, forgotten)."""
         if bid >= self._size:
             self._grow(bid + 1)
-        kept = self._kept
-        self._ghost_v[bid] = int(kept["_ghost"][slot])
-        self._gseq_v[bid] = int(kept["_gseq"][slot])
-        self._seen_v[bid] = int(kept["_seen"][slot])
-        self.heat.heat[bid] = kept["heat"][slot]
-        self.heat.last_access[bid] = kept["last_access"][slot]
+        views = self._kept.views
+        self._ghost_v[bid] = views["_ghost"][slot]
+        self._gseq_v[bid] = views["_gseq"][slot]
+        self._seen_v[bid] = views["_seen"][slot]
+        self.heat._heat_mv[bid] = views["heat"][slot]
+        self.heat._last_mv[bid] = views["last_access"][slot]
         if (until := self._kept_hints.pop(slot, None)) is not None:
             self._hints.add(np.array([bid]), until, -math.inf)
 
