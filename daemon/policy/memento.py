@@ -37,6 +37,14 @@ class Kept:
         # numpy's scalar indexing (re-taken when the arrays grow).
         self.views: dict[str, Any] = {name: a.data for name, a in self.arrays.items()}
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Kept:
+        """A copy with its own arrays (memoryviews do not copy): policies are cloned whole
+        to compare their decisions."""
+        other = Kept([(name, dtype, fill) for name, (dtype, fill) in self._fills.items()])
+        other.arrays = {name: a.copy() for name, a in self.arrays.items()}
+        other.views = {name: a.data for name, a in other.arrays.items()}
+        return other
+
     def __len__(self) -> int:
         return len(self.arrays[self.fields[0]])
 
