@@ -167,20 +167,23 @@ class ARCPolicy(InsertEach, Hinted):
 
     def remember(self, bid: int, slot: int) -> None:
         """Keep the ghost entry of ``bid`` (dropped; ``forget`` follows) for memento
-        ``slot``, at its place in its list."""
+        ``slot``, at its place in its list, and its hint."""
+        self._hints.remember(bid, slot)
         self._kept_ghost.pop(slot, None)
         if (tok := self._ghost_of.pop(bid, None)) is not None:
             (self._b1 if tok in self._b1 else self._b2)[tok] = -1 - slot
             self._kept_ghost[slot] = tok
 
     def revive(self, slot: int, bid: int) -> None:
-        """The ghost entry kept for ``slot`` becomes that of ``bid`` (a new row)."""
+        """The ghost entry and hint kept for ``slot`` become those of ``bid`` (a new row)."""
+        self._hints.revive(slot, bid)
         if (tok := self._kept_ghost.pop(slot, None)) is not None:
             (self._b1 if tok in self._b1 else self._b2)[tok] = bid
             self._ghost_of[bid] = tok
 
     def expire(self, slot: int) -> None:
-        """The ghost entry kept for ``slot`` goes."""
+        """The ghost entry and hint kept for ``slot`` go."""
+        self._hints.expire(slot)
         if (tok := self._kept_ghost.pop(slot, None)) is not None:
             self._b1.pop(tok, None)
             self._b2.pop(tok, None)

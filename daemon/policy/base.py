@@ -39,8 +39,8 @@ Kept history (optional, ``heat``, ``density`` and ``arc`` have one): the store f
 row at once and remembers its key by a memento slot a while (``BlockTable``, History).
 ``remember(bid, slot)`` saves the history of ``bid`` at ``slot`` just before ``forget(bid)``,
 ``revive(slot, bid)`` writes it into the new row of the same key stored again, and
-``expire(slot)`` drops it (see ``kvtier.daemon.policy.memento``). A policy without them keeps
-no history of dropped blocks in the daemon (``lru`` has none to keep).
+``expire(slot)`` drops it (see ``kvtier.daemon.policy.memento``). Every policy keeps a dropped
+block's hint so (``Hinted``; ``lru`` has no other history to keep).
 
 Constructor parameters: every policy is built by ``make_policy(name, **params)`` and must
 accept and ignore parameters it does not use, so that one parameter set serves all of them.

@@ -267,10 +267,9 @@ class HeatPolicy(Hinted):
         self._parked: list[tuple[float, int, int, int, tuple[float, int, int]]] = []
         self._size = 0
         self._alloc(len(self.heat))
-        # Histories of dropped blocks by memento slot (``remember``), and their hints (the
-        # few with one).
+        # Histories of dropped blocks by memento slot (``remember``; their hints are kept
+        # by ``_hints``).
         self._kept = Kept(_KEPT)
-        self._kept_hints: dict[int, float] = {}
 
     # ------------------------------------------------------------------ protocol
 
@@ -513,9 +512,7 @@ class HeatPolicy(Hinted):
             views["last_access"][slot] = self.heat._last_mv[bid]
         else:
             kept.clear(slot)  # never known here: a forgotten row's values
-        self._kept_hints.pop(slot, None)
-        if (until := self._hints.until(bid)) > -math.inf:
-            self._kept_hints[slot] = until
+        self._hints.remember(bid, slot)
 
     def revive(self, slot: int, bid: int) -> None:
         """The history kept at ``slot`` becomes that of ``bid`` (a new row, forgotten)."""
@@ -527,13 +524,12 @@ class HeatPolicy(Hinted):
         self._seen_v[bid] = views["_seen"][slot]
         self.heat._heat_mv[bid] = views["heat"][slot]
         self.heat._last_mv[bid] = views["last_access"][slot]
-        if (until := self._kept_hints.pop(slot, None)) is not None:
-            self._hints.add(np.array([bid]), until, -math.inf)
+        self._hints.revive(slot, bid)
 
     def expire(self, slot: int) -> None:
         """The history kept at ``slot`` is forgotten (its values are overwritten when the
         slot is next remembered)."""
-        self._kept_hints.pop(slot, None)
+        self._hints.expire(slot)
 
     def victims(
         self,

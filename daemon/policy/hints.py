@@ -13,6 +13,9 @@ everywhere:
 - ``mask(evictable, now)``: the caller's ``evictable`` mask narrowed by the live hints; the
   mask itself when no hint is live, so a policy pays nothing without hints.
 - ``forget(bid)``: the id names another block now; its hint is dropped.
+- ``remember(bid, slot)``, ``revive(slot, bid)``, ``expire(slot)``: a dropped block's hint is
+  kept by its memento slot while the store remembers its key (``BlockTable``, History), and
+  given to the key's new row when it returns: a hint names a block, not a row.
 
 Deadlines are kept in an array indexed by block id (8 bytes per id up to the largest id
 ever hinted), so the mask is one vector operation per batch of candidates.
@@ -30,10 +33,12 @@ from kvtier.daemon.policy.base import EvictableFn
 class HintTable:
     """Deadlines by block id (see the module docstring)."""
 
-    __slots__ = ("_until", "latest")
+    __slots__ = ("_kept", "_until", "latest")
 
     def __init__(self) -> None:
         self._until = np.full(0, -math.inf)
+        # Deadlines of dropped blocks by memento slot (``remember``): the few with a hint.
+        self._kept: dict[int, float] = {}
         # The latest deadline of any hint (-inf: none); read on per-victim paths, where
         # ``live``'s call costs more than the comparison.
         self.latest = -math.inf
@@ -58,6 +63,20 @@ class HintTable:
     def forget(self, bid: int) -> None:
         if 0 <= bid < len(self._until):
             self._until[bid] = -math.inf
+
+    def remember(self, bid: int, slot: int) -> None:
+        """Keep the deadline of ``bid`` (dropped; ``forget`` follows) for memento ``slot``."""
+        self._kept.pop(slot, None)
+        if (until := self.until(bid)) > -math.inf:
+            self._kept[slot] = until
+
+    def revive(self, slot: int, bid: int) -> None:
+        """The deadline kept for ``slot`` becomes that of ``bid`` (a new row)."""
+        if (until := self._kept.pop(slot, None)) is not None:
+            self.add(np.array([bid]), until, -math.inf)
+
+    def expire(self, slot: int) -> None:
+        self._kept.pop(slot, None)
 
     def live(self, now: float) -> bool:
         """Whether any hint may still protect a block at ``now``."""
@@ -96,9 +115,19 @@ class HintTable:
 class Hinted:
     """Mixin giving a policy the protocol's ``hint`` verb over its ``self._hints`` table; the
     policy creates the table, narrows ``victims``' mask with ``self._hints.mask`` and calls
-    ``self._hints.forget`` from its ``forget``."""
+    ``self._hints.forget`` from its ``forget``. Its ``remember``/``revive``/``expire`` keep
+    the hints of dropped blocks (a policy with more history to keep calls the table's)."""
 
     _hints: HintTable
 
     def hint(self, bids: np.ndarray, until: float, now: float) -> None:
         self._hints.add(bids, until, now)
+
+    def remember(self, bid: int, slot: int) -> None:
+        self._hints.remember(bid, slot)
+
+    def revive(self, slot: int, bid: int) -> None:
+        self._hints.revive(slot, bid)
+
+    def expire(self, slot: int) -> None:
+        self._hints.expire(slot)

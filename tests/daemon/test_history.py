@@ -170,3 +170,39 @@ def test_revived_history_is_the_dropped_blocks_own():
             assert sum(policy.model.hits) == hits + 1  # its open life ended in a reuse
             assert policy.describe(again).count == 3
         assert np.all(table.resolve_many(np.array([table.ref(again)])) == again)
+
+
+@pytest.mark.parametrize("name", ["heat", "density", "arc", "lru"])
+def test_a_dropped_blocks_hint_holds_when_it_returns(name):
+    """A hint names a block, not a row: one dropped while hinted and stored again before the
+    deadline is protected as a block that was never dropped is (the replayer's ids never
+    change, so its hints stay), under every policy, not only those that keep other
+    history."""
+    policy = make_policy(name, capacity_blocks=4)
+    table = BlockTable(1, initial_capacity=16)
+    table.history_factor = 2.0
+    wire_history(table, policy)
+    key = keys_to_words([os.urandom(32)])[0]
+    bid = table.add(0, key, 4096)
+    policy.insert(bid, 1.0)
+    policy.hint(np.array([bid]), 100.0, 1.0)
+    policy.remove(bid)
+    table.remove(bid)
+    again = table.add(0, key, 4096)
+    policy.insert(again, 2.0)
+    others = [table.add(0, keys_to_words([os.urandom(32)])[0], 4096) for _ in range(3)]
+    for i, other in enumerate(others):
+        policy.insert(other, 3.0 + i)
+    for i, other in enumerate(others):
+        policy.touch(other, 6.0 + i)
+    assert policy.victims(1, 200.0, None).tolist() == [again]  # the coldest, unhinted
+    assert again not in policy.victims(3, 10.0, None).tolist()
+    assert policy.victims(4, 10.0, None) is None
+    # A memento forgotten takes its hint with it: the key's next row is not protected.
+    table.history_factor = 0.0
+    policy.remove(again)
+    policy.hint(np.array([again]), 100.0, 10.0)
+    table.remove(again)
+    fresh = table.add(0, key, 4096)
+    policy.insert(fresh, 11.0)
+    assert fresh in policy.victims(4, 12.0, None).tolist()
