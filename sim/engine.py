@@ -741,12 +741,22 @@ class _Engine:
         self.parent[b] = parent
         stored = self._offer(self.l1, b, parent)
         l2 = self.l2
-        if l2 is None:
-            return
-        if self.stack.write_policy == "write_through":
-            self._offer(l2, b, parent, ask_admission=False)
-        elif not stored:
-            self._offer(l2, b, parent)
+        if l2 is not None:
+            if self.stack.write_policy == "write_through":
+                self._offer(l2, b, parent, ask_admission=False)
+            elif not stored:
+                self._offer(l2, b, parent)
+        l3 = self.l3
+        if (
+            self.stack.forget_dropped
+            and not self.copies[b]
+            and not (l3 is not None and l3.known[b])
+        ):
+            # Stored nowhere: the daemon's put added a row for it and abandoned it, so its
+            # key is remembered (and later forgotten) as a dropped block's is.
+            self.live += 1
+            self.history.pop(b, None)
+            self._dropped(b)
 
     def _offer(
         self, tier: _Tier, b: int, parent: int, ask_admission: bool = True, access: bool = True

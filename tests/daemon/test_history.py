@@ -206,3 +206,84 @@ def test_a_dropped_blocks_hint_holds_when_it_returns(name):
     fresh = table.add(0, key, 4096)
     policy.insert(fresh, 11.0)
     assert fresh in policy.victims(4, 12.0, None).tolist()
+
+
+class _DecliningModel(_Model):
+    """``_Model`` where the policy's own admission (density's) may decline a block: the
+    replayer's ``note_miss``, and the block's history kept as a dropped block's (the daemon's
+    put added a row for it and abandoned it)."""
+
+    def access(self, key: int, parent: int, now: float, capacity: int) -> int:
+        p = self.policy
+        if key not in p and len(p) >= capacity:
+            par = parent if parent in p else -1
+            victim = int(p.victims(1, now, None, (key,))[0])
+            if not p.admits(key, par, victim, now):
+                p.note_miss(key, par, now)
+                self.history.pop(key, None)
+                if self.factor <= 0:
+                    p.forget(key)
+                    return -2
+                self.history[key] = None
+                limit = int(self.factor * max(self.live, _BASE))
+                while len(self.history) > limit:
+                    p.forget(self.history.popitem(last=False)[0])
+                return -2
+        return super().access(key, parent, now, capacity)
+
+
+class _DecliningDaemon(_Daemon):
+    """``_Daemon`` where the policy's own admission may decline a block: the store's put adds
+    its row, asks, tells the policy of the miss and abandons the row."""
+
+    def access(self, key: int, parent: int, now: float, capacity: int) -> int:
+        p, table = self.policy, self.table
+        words = keys_to_words([self.keys.setdefault(key, os.urandom(32))])
+        bid = int(table.lookup(0, words)[0])
+        if bid >= 0:
+            p.touch(bid, now)
+            return -1
+        prow = -1
+        if parent in self.keys:
+            prow = int(table.lookup(0, keys_to_words([self.keys[parent]]))[0])
+            prow = prow if prow in p else -1
+        bid = table.add(0, words[0], 4096)
+        table.state[bid] = READY
+        victim = -1
+        if len(p) >= capacity:
+            row = int(p.victims(1, now, None, (bid,))[0])
+            if not p.admits(bid, prow, row, now):
+                p.note_miss(bid, prow, now)
+                table.remove(bid)
+                return -2
+            victim = self.key_of.pop(row)
+            p.remove(row)
+            table.remove(row)
+        self.key_of[bid] = key
+        p.insert(bid, now, prow)
+        return victim
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5, 0.0])
+def test_a_declined_blocks_history_is_kept_as_a_dropped_ones(monkeypatch, factor):
+    """density's own admission declines blocks; the daemon remembers a declined block's key
+    (its row was added, then abandoned) and the replayer models the same
+    (``tests/sim/test_engine.py``): both decide alike, statistics included."""
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
+    capacity = 24
+    model = _DecliningModel("density", capacity, factor)
+    daemon = _DecliningDaemon("density", capacity, factor)
+    rng = random.Random(5)
+    now = 0.0
+    declines = 0
+    for chain in _requests(7, 700):
+        for i, key in enumerate(chain):
+            now += rng.uniform(0.01, 2.0)
+            parent = chain[i - 1] if i else -1
+            want = model.access(key, parent, now, capacity)
+            assert daemon.access(key, parent, now, capacity) == want
+            declines += want == -2
+    assert declines > 100
+    assert daemon.table.history_rows == len(model.history)
+    assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
+    assert list(daemon.policy.model.ends) == list(model.policy.model.ends)

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.sim import tracegen
-from kvtier.sim.engine import StackConfig, replay, sweep_capacities
+from kvtier.sim.engine import StackConfig, _Engine, replay, sweep_capacities
 from kvtier.sim.trace import Trace, load_trace, trace_from_requests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -381,6 +382,34 @@ def test_forget_dropped_erases_what_policies_remember_past_the_daemons_history()
     assert replay(trace, "heat", cap, stack=long).hits == replay(trace, "heat", cap).hits
     # LRU keeps no history: nothing changes.
     assert replay(trace, "lru", cap).hits == replay(trace, "lru", cap, stack=at_once).hits
+
+
+def test_forget_dropped_remembers_a_block_stored_nowhere_as_a_dropped_one(monkeypatch) -> None:
+    # A put the top tier declines (density's own admission, or no victim) still adds a row in
+    # the daemon, which abandons it: its key is remembered like a dropped block's (note_miss
+    # recorded the access) and forgotten at the history bound, at once with a factor of 0.
+    forgotten: list[int] = []
+    forget = DensityPolicy.forget
+
+    def recording_forget(self: DensityPolicy, bid: int) -> None:
+        forgotten.append(bid)
+        forget(self, bid)
+
+    nowhere: list[tuple[int, int]] = []  # (block, forgets by the time it was stored nowhere)
+    store = _Engine._store
+
+    def recording_store(self: _Engine, b: int, parent: int) -> None:
+        store(self, b, parent)
+        if not self.copies[b]:
+            nowhere.append((b, len(forgotten)))
+
+    monkeypatch.setattr(DensityPolicy, "forget", recording_forget)
+    monkeypatch.setattr(_Engine, "_store", recording_store)
+    trace = chat(8, 300.0)
+    cap = sweep_capacities(trace.cacheable().unique_blocks, [2])[0]
+    replay(trace, "density", cap, stack=StackConfig(forget_dropped=True, history_factor=0.0))
+    assert len(nowhere) > 10
+    assert all(n > 0 and forgotten[n - 1] == b for b, n in nowhere)
 
 
 def test_watermarks_empty_l1_down_to_the_low_mark() -> None:
