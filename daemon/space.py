@@ -40,7 +40,7 @@ import numpy as np
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.misses import EVICTED, MissLedger
 from kvtier.daemon.policy.prefetch import PrefetchLedger
-from kvtier.daemon.stack import Level, TierStack
+from kvtier.daemon.stack import Level, TierStack, TokenBucket
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
@@ -327,6 +327,8 @@ class SpaceManager:
         done = np.zeros(len(bids), dtype=bool)
         src_col = self._fastest_other(bids, dst)
         jobs: list[Awaitable[None]] = []
+        # Bytes planned against each rate limit on the way (a copy with a deadline only).
+        planned: dict[int, int] = {}
         for (col, size, owner), idx in _groups(
             src_col, table.nbytes[bids].astype(np.int64), table.owner[bids].astype(np.int64)
         ):
@@ -336,6 +338,10 @@ class SpaceManager:
             step = max(1, min(self.batch_blocks, group_bytes // max(size, 1)))
             for start in range(0, len(idx), step):
                 part = idx[start : start + step]
+                if not self._fits_before(
+                    planned, (src.reads, dst.writes), len(part) * size, deadline
+                ):
+                    break  # this group and the rest of its run could not start in time
                 jobs.append(
                     self._copy_group(
                         bids,
@@ -369,6 +375,30 @@ class SpaceManager:
             return self.batch_bytes
         budget = min(rates) * max(deadline - self._clock(), 0.0)
         return max(1, min(self.batch_bytes, int(budget / 8)))
+
+    def _fits_before(
+        self,
+        planned: dict[int, int],
+        buckets: tuple[TokenBucket, TokenBucket],
+        nbytes: int,
+        deadline: float | None,
+    ) -> bool:
+        """Whether a copy group of ``nbytes`` could start before ``deadline`` through the
+        rate limits ``buckets``, after what ``planned`` (bytes per bucket, updated when it
+        fits) already takes: at most a limit's rate times the time left, plus its one-second
+        burst. A group past that expires in the throttle anyway, but it reserved its room
+        first, and in a full L2 that evicted persistent blocks for nothing (a throttled flush
+        at stop could leave a restart with less than it had); nor is a copy made per block
+        of a long flush that cannot be written."""
+        limited = [b for b in buckets if b.rate > 0]
+        if deadline is None or not limited:
+            return True
+        left = max(deadline - self._clock(), 0.0)
+        if any(planned.get(id(b), 0) + nbytes > b.rate * (left + 1.0) for b in limited):
+            return False
+        for b in {id(b): b for b in limited}.values():
+            planned[id(b)] = planned.get(id(b), 0) + nbytes
+        return True
 
     async def _copy_group(
         self,

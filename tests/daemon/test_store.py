@@ -19,6 +19,7 @@ from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
+from kvtier.daemon.stack import TokenBucket
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.kernels.layout import PoolLayout
@@ -558,6 +559,26 @@ async def test_a_throttled_flush_writes_the_part_that_fits_in_its_timeout(make_s
     l2 = store.stack.levels[1]
     bids = store.table.lookup(0, chain)
     assert (store.table.slot[bids, l2.col] >= 0).tolist() == [True] * 2 + [False] * 6
+
+
+async def test_a_throttled_flush_evicts_from_l2_only_for_what_it_can_write(make_store):
+    """Regression: every group of a throttled flush reserved its room in L2 before the limit
+    said it was too late, so a flush that could write two of its eight blocks into a full L2
+    evicted five there, three for nothing: persistent blocks a restart would have served.
+    Groups that cannot start in time are not made."""
+    clock = Clock()
+    store = make_store(clock, segments=1, l2_segments=1)  # 16 blocks of 4 KiB each tier
+    pool = make_pool()
+    kept = keys(16)
+    await put(store, pool, kept, durable=True)  # L2 full of persistent blocks
+    fresh = keys(8)
+    await put(store, pool, fresh, pages=range(16, 24))  # in L1 only
+    l2 = store.stack.levels[1]
+    assert (store.table.slot[store.table.lookup(0, kept), l2.col] >= 0).all()
+    l2.writes = TokenBucket(8192, clock)  # from here on: 8 KiB/s, the clock standing still
+    assert await store.flush(timeout_s=0.4) == 2
+    on_l2 = store.table.slot[store.table.lookup(0, kept), l2.col] >= 0
+    assert int(on_l2.sum()) == 14  # two evicted for the two written (it was 11)
 
 
 async def test_durable_puts_persist_and_a_restart_serves_them(make_store):
