@@ -80,12 +80,24 @@ class _Daemon:
         self.keys: dict[int, bytes] = {}
         self.key_of: dict[int, int] = {}  # row -> key number
 
+    def held(self, key: int, now: float) -> tuple[np.ndarray, int]:
+        """The key's words, and its row touched if it is held (-1: not held)."""
+        words = keys_to_words([self.keys.setdefault(key, os.urandom(32))])
+        bid = int(self.table.lookup(0, words)[0])
+        if bid >= 0:
+            self.policy.touch(bid, now)
+        return words, bid
+
+    def row_of(self, key: int) -> int:
+        """The row of a key seen before (-1: none, or never seen)."""
+        if key not in self.keys:
+            return -1
+        return int(self.table.lookup(0, keys_to_words([self.keys[key]]))[0])
+
     def access(self, key: int, parent: int, now: float, capacity: int) -> int:
         p, table = self.policy, self.table
-        words = keys_to_words([self.keys.setdefault(key, os.urandom(32))])
-        bid = int(table.lookup(0, words)[0])
+        words, bid = self.held(key, now)
         if bid >= 0:
-            p.touch(bid, now)
             return -1
         bid = table.add(0, words[0], 4096)
         table.state[bid] = READY
@@ -96,10 +108,7 @@ class _Daemon:
             victim = self.key_of.pop(row)
             p.remove(row)
             table.remove(row)
-        prow = -1
-        if parent in self.keys:
-            prow = int(table.lookup(0, keys_to_words([self.keys[parent]]))[0])
-        p.insert(bid, now, prow)
+        p.insert(bid, now, self.row_of(parent))
         return victim
 
 
@@ -238,15 +247,11 @@ class _DecliningDaemon(_Daemon):
 
     def access(self, key: int, parent: int, now: float, capacity: int) -> int:
         p, table = self.policy, self.table
-        words = keys_to_words([self.keys.setdefault(key, os.urandom(32))])
-        bid = int(table.lookup(0, words)[0])
+        words, bid = self.held(key, now)
         if bid >= 0:
-            p.touch(bid, now)
             return -1
-        prow = -1
-        if parent in self.keys:
-            prow = int(table.lookup(0, keys_to_words([self.keys[parent]]))[0])
-            prow = prow if prow in p else -1
+        prow = self.row_of(parent)
+        prow = prow if prow in p else -1
         bid = table.add(0, words[0], 4096)
         table.state[bid] = READY
         victim = -1
