@@ -449,9 +449,10 @@ class BlockTable:
             return np.fromiter(
                 (self.add(int(ns), words[i], int(nbytes), owner) for i in range(n)), np.int64, n
             )
-        back = None
+        back = hashed = None
         if self.mementos.count:  # keys added again get their history back (see History)
-            back = self.mementos.take_many(self._hash(ns, words))
+            hashed = self._hash(ns, words)
+            back = self.mementos.take_many(hashed)
         reuse = self._free_rows[-n:][::-1] if self._free_rows else []
         del self._free_rows[len(self._free_rows) - len(reuse) :]
         fresh = n - len(reuse)
@@ -482,17 +483,20 @@ class BlockTable:
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
             self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
         else:
-            self._insert_many(bids)
+            self._insert_many(bids, hashed)
         if back is not None:
             for i in np.flatnonzero(back >= 0).tolist():
                 self._revive(int(back[i]), int(bids[i]))
         return bids
 
-    def _insert_many(self, ids: np.ndarray) -> None:
-        """Place ``ids`` (not in the table yet) by vectorised linear probing."""
+    def _insert_many(self, ids: np.ndarray, hashed: np.ndarray | None = None) -> None:
+        """Place ``ids`` (not in the table yet) by vectorised linear probing; ``hashed``: their
+        keys' identities when the caller has them."""
         table = self._table
         mask = np.uint64(len(table) - 1)
-        pos = self._hash(self.ns[ids], self.keys[ids]) & mask
+        if hashed is None:
+            hashed = self._hash(self.ns[ids], self.keys[ids])
+        pos = hashed & mask
         while len(ids):
             p = pos.astype(np.int64)
             free = table[p] < 0  # EMPTY or TOMBSTONE
@@ -510,8 +514,8 @@ class BlockTable:
         if self.state[bid] == FREE:
             raise KeyError(f"block {bid} is not live")
         ns = int(self.ns[bid])
-        pos = self._table_position(ns, self.keys[bid], bid)
-        self._table[pos] = TOMBSTONE
+        ident = self._hash_one(ns, self.keys[bid])  # its place, and its memento's key
+        self._table[self._table_position(ident, bid)] = TOMBSTONE
         if (left := self.ns_blocks[ns] - 1) > 0:
             self.ns_blocks[ns] = left
         else:
@@ -524,7 +528,6 @@ class BlockTable:
         self._count -= 1
         mementos = self.mementos
         if self.history_factor > 0:
-            ident = self._hash_one(ns, self.keys[bid])
             older = mementos.take(ident)
             if older >= 0:  # a collision (an add takes its memento back): the later wins
                 self._expire(older)
@@ -683,9 +686,10 @@ class BlockTable:
             self._tombstones -= 1
         self._table[pos] = bid
 
-    def _table_position(self, ns: int, words: np.ndarray, bid: int) -> int:
+    def _table_position(self, identity: int, bid: int) -> int:
+        """Where the hash table holds ``bid``, whose key's identity (hash) is ``identity``."""
         mask = len(self._table) - 1
-        pos = self._hash_one(int(ns), words) & mask
+        pos = identity & mask
         for _ in range(len(self._table)):
             if self._table[pos] == bid:
                 return pos
