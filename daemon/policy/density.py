@@ -1235,11 +1235,11 @@ class DensityPolicy(InsertEach, Hinted):
         size = self._used
         open_lives = np.zeros(CLASSES * AGE_BUCKETS, dtype=np.float64)
         kept = self._kept
+        window = self._ghost_factor * self.capacity
         for state, cls, last, evseq in (
             (self._state[:size], self._cls, self._last, self._evseq),
             (kept["_state"], kept["_cls"], kept["_last"], kept["_evseq"]),
         ):
-            window = self._ghost_factor * self.capacity
             ghosts = np.flatnonzero(state == _GHOST)
             expired = ghosts[evseq[ghosts] <= self._evictions - window]
             if len(expired):

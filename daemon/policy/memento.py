@@ -67,6 +67,3 @@ class Kept:
         """``slot`` holds each field's fill (a row the policy never knew)."""
         for name, (_, fill) in self._fills.items():
             self.views[name][slot] = fill
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())

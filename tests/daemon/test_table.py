@@ -278,7 +278,8 @@ def test_a_lookup_hands_back_the_identities_of_its_keys(n):
     assert table.identities_where(hashes, missing) == table.identities(3, words[missing])
     assert [table.identity(3, w) for w in words] == table.identities(3, words)
     assert [table.find_one(3, w, table.identity(3, w)) for w in words] == ids.tolist()
-    # Added again with its identity given, a removed key gets its row back (the history).
+    # Added again with its identity given, a removed key is found at its place (the row is
+    # the same only because freed rows are reused last in, first out).
     table.remove(int(ids[0]))
     assert table.add(3, words[0], 4096, identity=table.identity(3, words[0])) == ids[0]
     assert table.find_one(3, words[0]) == ids[0]
