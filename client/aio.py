@@ -113,19 +113,20 @@ class AsyncClient:
                 await task
         await self._channel.close()
 
-    def closed_error_for_cancel(self) -> UnavailableError | None:
-        """What a call that ended in ``asyncio.CancelledError`` raises instead: when this
-        client's ``close()`` ended it (grpc.aio cancels the calls still on a closed channel)
-        and the caller's own task is not being cancelled, ``closed_error()``, as the
-        blocking client says (``Client.error_of``); else None, and the cancel goes on. Before
-        Python 3.11 a task does not tell whether it is being cancelled: None there, as a
+    def closed_error_for(self, error: BaseException) -> UnavailableError | None:
+        """What a call that ended in ``error`` raises instead when this client's ``close()``
+        ended it: ``closed_error()``, as the blocking client says (``Client.error_of``), for
+        grpc.aio's ``UsageError`` (a call made on the closed channel) and for
+        ``asyncio.CancelledError`` (grpc.aio cancels the calls still on it) unless the
+        caller's own task is being cancelled; else None, and ``error`` goes on. Before Python
+        3.11 a task does not tell whether it is being cancelled: None there for a cancel, as a
         cancel of the caller's task must never be swallowed."""
         if not self._closed:
             return None
-        task = asyncio.current_task()
-        cancelling = getattr(task, "cancelling", None)
-        if cancelling is None or cancelling():
-            return None
+        if isinstance(error, asyncio.CancelledError):
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
+            if cancelling is None or cancelling():
+                return None
         return closed_error()
 
     async def __aenter__(self) -> AsyncClient:
@@ -159,10 +160,10 @@ class AsyncClient:
             # close() may have run while the ticket was fetched off the loop: grpc.aio's
             # answer on the closed channel is its UsageError, the closed client's error here.
             call = self._stub.OpenSession(request)
-        except grpc.aio.UsageError:
-            if not self._closed:
+        except grpc.aio.UsageError as e:
+            if (closed := self.closed_error_for(e)) is None:
                 raise
-            raise closed_error() from None
+            raise closed from None
         try:
             # The first event must come within the client's timeout (see the sync client).
             first = await asyncio.wait_for(call.read(), self.timeout_s)
@@ -173,8 +174,8 @@ class AsyncClient:
             ) from None
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
-        except asyncio.CancelledError:
-            if (closed := self.closed_error_for_cancel()) is None:
+        except asyncio.CancelledError as e:
+            if (closed := self.closed_error_for(e)) is None:
                 raise
             raise closed from None
         if first is grpc.aio.EOF:
@@ -212,12 +213,8 @@ class AsyncClient:
                 )
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
-            except grpc.aio.UsageError:  # grpc's answer to a call on a closed channel
-                if not self._closed:
-                    raise
-                raise closed_error() from None
-            except asyncio.CancelledError:  # the caller's cancel, or close() during the call
-                if (closed := self.closed_error_for_cancel()) is None:
+            except (grpc.aio.UsageError, asyncio.CancelledError) as e:  # see closed_error_for
+                if (closed := self.closed_error_for(e)) is None:
                     raise
                 raise closed from None
             if binding is None or attempt or not isinstance(err, NotFoundError):
@@ -431,12 +428,8 @@ class AsyncClient:
             status = await self._health(request, timeout=self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
-        except grpc.aio.UsageError:  # grpc's answer to a call on a closed channel
-            if not self._closed:
-                raise
-            raise closed_error() from None
-        except asyncio.CancelledError:  # the caller's cancel, or close() during the call
-            if (closed := self.closed_error_for_cancel()) is None:
+        except (grpc.aio.UsageError, asyncio.CancelledError) as e:  # see closed_error_for
+            if (closed := self.closed_error_for(e)) is None:
                 raise
             raise closed from None
         return bool(status == hc.SERVING)
@@ -523,7 +516,8 @@ class AsyncClient:
     ) -> AsyncTransferJob:
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         for part in plan.parts:  # the client's namespace, as for its other calls
-            check_pages(pool.binding, part.request)
+            if part.layer_range == 0:  # a load's other layer ranges send the same pages
+                check_pages(pool.binding, part.request)
             part.request.namespace = self.namespace
         await self.session()
         await self.pool_id_of(pool.binding)

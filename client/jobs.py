@@ -706,8 +706,8 @@ class AsyncTransferJob:
             await self._ended(part, None, from_rpc_error(e))
         except grpc.aio.UsageError:  # the client was closed meanwhile: its channel sends nothing
             await self._ended(part, None, closed_error())
-        except asyncio.CancelledError:  # the job's cancel, or the client's close() ending it
-            if (closed := self._client.closed_error_for_cancel()) is None:
+        except asyncio.CancelledError as e:  # the job's cancel, or the client's close() ending it
+            if (closed := self._client.closed_error_for(e)) is None:
                 raise
             await self._ended(part, None, closed)
         except Exception as e:  # not a gRPC status: the job must still end

@@ -688,7 +688,8 @@ class Client:
     ) -> TransferJob:
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         for part in plan.parts:  # the client's namespace, as for its other calls
-            check_pages(pool.binding, part.request)
+            if part.layer_range == 0:  # a load's other layer ranges send the same pages
+                check_pages(pool.binding, part.request)
             part.request.namespace = self.namespace
         # Set up the session and the pool now, so that their errors reach the caller.
         self.session_id  # noqa: B018 - opens the session
