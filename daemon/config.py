@@ -764,9 +764,14 @@ def split_host_port(address: str, default_host: str = "127.0.0.1") -> tuple[str,
     return host, int(port)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``split_host_port``'s inverse)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def http_url(host: str, port: int, path: str) -> str:
     """``http://host:port/path``, an IPv6 host in brackets."""
-    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
+    return f"http://{join_host_port(host, port)}{path}"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from kvtier.daemon import systemd
-from kvtier.daemon.config import Config, split_host_port
+from kvtier.daemon.config import Config, join_host_port, split_host_port
 from kvtier.daemon.credentials import (
     CredentialServer,
     FdCloser,
@@ -622,8 +622,7 @@ class Daemon:
                 )
             host, wanted = split_host_port(cfg.tcp_address)
             # Port 0 takes a free port: announce the one gRPC took, which clients need.
-            shown = f"[{host}]" if ":" in host else host
-            self.addresses.append(cfg.tcp_address if wanted else f"{shown}:{port}")
+            self.addresses.append(cfg.tcp_address if wanted else join_host_port(host, port))
         await self.store.open()
         await self.server.start()
         self.store.start()
