@@ -34,6 +34,7 @@ import numpy as np
 
 from kvtier.daemon.config import PolicyConfig
 from kvtier.daemon.heat import HeatTable
+from kvtier.daemon.policy.base import EvictionPolicy
 from kvtier.daemon.policy.registry import make_policy
 from kvtier.daemon.table import BlockTable
 
@@ -121,16 +122,12 @@ def _churned(name: str, blocks: int, factor: float) -> tuple[int, int]:
     return used, remembered
 
 
-def wire_history(table: BlockTable, policy: object) -> None:
+def wire_history(table: BlockTable, policy: EvictionPolicy) -> None:
     """Hook ``policy`` to ``table`` as the store does (``kvtier.daemon.space``)."""
-    table.on_free.append(policy.forget)  # type: ignore[attr-defined]
-    for hooks, name in (
-        (table.on_remember, "remember"),
-        (table.on_revive, "revive"),
-        (table.on_expire, "expire"),
-    ):
-        if (hook := getattr(policy, name, None)) is not None:
-            hooks.append(hook)
+    table.on_free.append(policy.forget)
+    table.on_remember.append(policy.remember)
+    table.on_revive.append(policy.revive)
+    table.on_expire.append(policy.expire)
 
 
 def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:

@@ -810,23 +810,20 @@ class SpaceManager:
         for level in self.stack:
             level.policy.forget(bid)
 
-    # A dropped block's history, kept by the policies that keep one (``heat``, ``density``,
-    # ``arc``; see ``kvtier.daemon.policy.memento``); the others forget it as it goes.
+    # A dropped block's history, kept by every policy (its hint at least; heat, density and
+    # arc their ranking state too; see ``kvtier.daemon.policy.memento``).
 
     def _remember_in_policies(self, bid: int, slot: int) -> None:
         for level in self.stack:
-            if (remember := getattr(level.policy, "remember", None)) is not None:
-                remember(bid, slot)
+            level.policy.remember(bid, slot)
 
     def _revive_in_policies(self, slot: int, bid: int) -> None:
         for level in self.stack:
-            if (revive := getattr(level.policy, "revive", None)) is not None:
-                revive(slot, bid)
+            level.policy.revive(slot, bid)
 
     def _expire_in_policies(self, slot: int) -> None:
         for level in self.stack:
-            if (expire := getattr(level.policy, "expire", None)) is not None:
-                expire(slot)
+            level.policy.expire(slot)
 
     # ------------------------------------------------------------- watermarks
 

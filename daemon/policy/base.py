@@ -109,6 +109,16 @@ class EvictionPolicy(Protocol):
         reused): drop any history kept for it, and its hint. A no-op for ids the policy does
         not know."""
 
+    def remember(self, bid: int, slot: int) -> None:
+        """``bid`` was dropped and ``forget`` follows: keep what makes up its history (its
+        hint at least) at memento ``slot`` (``kvtier.daemon.policy.memento``)."""
+
+    def revive(self, slot: int, bid: int) -> None:
+        """The history kept at ``slot`` becomes that of ``bid``, a new row of its key."""
+
+    def expire(self, slot: int) -> None:
+        """The table forgot the key of ``slot``: drop what was kept there."""
+
     def hint(self, bids: np.ndarray, until: float, now: float) -> None:
         """The engine will read ``bids`` by ``until``: ``victims`` proposes none of them
         while its ``now <= until``. Ids need not be resident yet (the hint holds for a block
