@@ -328,20 +328,20 @@ class SpaceManager:
         src_col = self._fastest_other(bids, dst)
         jobs: list[Awaitable[None]] = []
         # Bytes planned against each rate limit on the way (a copy with a deadline only).
-        planned: dict[int, int] = {}
+        planned: dict[TokenBucket, int] = {}
         for (col, size, owner), idx in _groups(
             src_col, table.nbytes[bids].astype(np.int64), table.owner[bids].astype(np.int64)
         ):
             src = self.stack.levels[col]
-            # Groups sized by bytes: at most one fdatasync and one index commit each on a disk.
-            group_bytes = self._group_bytes(src, dst, deadline)
+            group_bytes, caps = self._budget(src, dst, deadline)
             step = max(1, min(self.batch_blocks, group_bytes // max(size, 1)))
             for start in range(0, len(idx), step):
                 part = idx[start : start + step]
-                if not self._fits_before(
-                    planned, (src.reads, dst.writes), len(part) * size, deadline
-                ):
-                    break  # this group and the rest of its run could not start in time
+                nbytes = len(part) * size
+                if any(planned.get(b, 0) + nbytes > cap for b, cap in caps.items()):
+                    break  # this group could not start in time, nor could any after it
+                for b in caps:
+                    planned[b] = planned.get(b, 0) + nbytes
                 jobs.append(
                     self._copy_group(
                         bids,
@@ -357,48 +357,36 @@ class SpaceManager:
                         owner,
                     )
                 )
+            else:
+                continue
+            break  # later groups would be written past the hole this one leaves
         results = await asyncio.gather(*jobs, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, PrefetchExpired):
                 raise r
         return done
 
-    def _group_bytes(self, src: Level, dst: Level, deadline: float | None) -> int:
-        """The most bytes of one copy group from ``src`` into ``dst``: ``mover.batch_bytes``,
-        and for a copy with a deadline (the flush at stop, a prefetch) under a rate limit, an
-        eighth of what the slowest limit on the way lets through before it. A group starts
-        whole or not at all (``TransferEngine._throttle``): one larger than that budget never
-        started, and a throttled flush wrote nothing although part of it fitted; with
-        eighths, what is left unwritten at the deadline is at most about one group."""
-        rates = [b.rate for b in (src.reads, dst.writes) if b.rate > 0]
-        if deadline is None or not rates:
-            return self.batch_bytes
-        budget = min(rates) * max(deadline - self._clock(), 0.0)
-        return max(1, min(self.batch_bytes, int(budget / 8)))
-
-    def _fits_before(
-        self,
-        planned: dict[int, int],
-        buckets: tuple[TokenBucket, TokenBucket],
-        nbytes: int,
-        deadline: float | None,
-    ) -> bool:
-        """Whether a copy group of ``nbytes`` could start before ``deadline`` through the
-        rate limits ``buckets``, after what ``planned`` (bytes per bucket, updated when it
-        fits) already takes: at most a limit's rate times the time left, plus its one-second
-        burst. A group past that expires in the throttle anyway, but it reserved its room
-        first, and in a full L2 that evicted persistent blocks for nothing (a throttled flush
-        at stop could leave a restart with less than it had); nor is a copy made per block
-        of a long flush that cannot be written."""
-        limited = [b for b in buckets if b.rate > 0]
+    def _budget(
+        self, src: Level, dst: Level, deadline: float | None
+    ) -> tuple[int, dict[TokenBucket, float]]:
+        """The most bytes of one copy group from ``src`` into ``dst``, and the most bytes a
+        copy may plan against each rate limit on the way (none without a deadline or a
+        limit). Groups are ``mover.batch_bytes`` (at most one fdatasync and one index commit
+        each on a disk); for a copy with a deadline (the flush at stop, a prefetch) under a
+        rate limit, an eighth of what the slowest limit lets through before it: a group
+        starts whole or not at all (``TransferEngine._throttle``), and one larger than that
+        never started, so a throttled flush wrote nothing although part of it fitted. A
+        limit lets through its rate times the time left plus its one-second burst; groups
+        past that would expire in the throttle, but they reserved their room first, and in a
+        full L2 that evicted persistent blocks for nothing, so they are not made."""
+        limited = [b for b in (src.reads, dst.writes) if b.rate > 0]
         if deadline is None or not limited:
-            return True
+            return self.batch_bytes, {}
         left = max(deadline - self._clock(), 0.0)
-        if any(planned.get(id(b), 0) + nbytes > b.rate * (left + 1.0) for b in limited):
-            return False
-        for b in {id(b): b for b in limited}.values():
-            planned[id(b)] = planned.get(id(b), 0) + nbytes
-        return True
+        group = min(b.rate for b in limited) * left / 8
+        return max(1, min(self.batch_bytes, int(group))), {
+            b: b.rate * (left + 1.0) for b in limited
+        }
 
     async def _copy_group(
         self,

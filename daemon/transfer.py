@@ -470,7 +470,7 @@ class TransferEngine:
         taken, so the turns of the copies after it keep growing and they expire too: a
         smaller one given the room would be written past a hole in its chain. A copy starts
         whole or not at all: the space manager sizes the groups of a copy with a deadline to
-        what the limits let through before it (``SpaceManager._group_bytes``)."""
+        what the limits let through before it (``SpaceManager._budget``)."""
         delay = max(reads.delay_for(nbytes), writes.delay_for(nbytes))
         if delay <= 0:
             return
