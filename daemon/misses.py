@@ -119,14 +119,19 @@ class MissLedger:
             self._why[slots] = 0
             self._count -= len(slots)
             return
-        keys_v, why_v = self._keys_v, self._why_v
         for key in keys:  # a put's few keys: cheaper one by one than as arrays
-            base = self._bucket(key)
-            for i in range(base, base + _WAYS):
-                if why_v[i] and keys_v[i] == key:
-                    why_v[i] = 0
-                    self._count -= 1
-                    break
+            if (i := self._slot(key)) >= 0:
+                self._why_v[i] = 0
+                self._count -= 1
+
+    def _slot(self, key: int) -> int:
+        """The slot holding ``key`` (-1: none), probed in Python: for a few keys."""
+        keys_v, why_v = self._keys_v, self._why_v
+        base = self._bucket(key)
+        for i in range(base, base + _WAYS):
+            if why_v[i] and keys_v[i] == key:
+                return i
+        return -1
 
     def classify(self, keys: Iterable[int]) -> dict[str, int]:
         """How many of ``keys`` (all missing) are missing for each reason."""
@@ -137,15 +142,9 @@ class MissLedger:
             # A lookup's few missed keys: bucket by bucket, as discard does (numpy's unique
             # and fancy indexing cost more than the probes for few keys).
             out = dict.fromkeys(REASONS, 0)
-            keys_v, why_v = self._keys_v, self._why_v
             for key in keys:
-                base = self._bucket(key)
-                for i in range(base, base + _WAYS):
-                    if why_v[i] and keys_v[i] == key:
-                        out[_NAMES[why_v[i]]] += 1
-                        break
-                else:
-                    out[ABSENT] += 1
+                i = self._slot(key)
+                out[_NAMES[self._why_v[i]] if i >= 0 else ABSENT] += 1
             return out
         arr, slots = self._find(keys)
         out = dict.fromkeys(REASONS, 0)
