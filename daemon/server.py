@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from kvtier.daemon import systemd
 from kvtier.daemon.config import Config, join_host_port, split_host_port
@@ -64,6 +64,7 @@ from kvtier.daemon.errors import (
     Unauthenticated,
     Unavailable,
 )
+from kvtier.daemon.health import NOT_SERVING, SERVING, HealthService
 from kvtier.daemon.memtrim import MemoryTrimmer
 from kvtier.daemon.observe import RpcObserver
 from kvtier.daemon.pools import EnginePool, PoolRegistry
@@ -219,7 +220,7 @@ class KVTierServicer:
         service: KVService,
         ping_interval_s: int,
         log_interval_s: float = 10.0,
-        health_servicer: health.aio.HealthServicer | None = None,
+        health_servicer: HealthService | None = None,
     ) -> None:
         self.service = service
         self.ping_interval_s = ping_interval_s
@@ -475,13 +476,9 @@ class KVTierServicer:
     ) -> pb.DrainResponse:
         out = self.service.drain(request.session_id, request.resume)
         if self.health is not None and not self.closing.is_set():
-            status = (
-                health_pb2.HealthCheckResponse.NOT_SERVING
-                if out.draining
-                else health_pb2.HealthCheckResponse.SERVING
-            )
+            status = NOT_SERVING if out.draining else SERVING
             for name in ("", SERVICE_NAME):
-                await self.health.set(name, status)
+                self.health.set(name, status)
         return pb.DrainResponse(draining=out.draining, sessions=out.sessions)
 
     @_rpc
@@ -546,7 +543,7 @@ class Daemon:
             config, self.store, self.pools, self.sessions, self.tickets, self.tenants
         )
         self.service.apply_quotas()
-        self.health = health.aio.HealthServicer()
+        self.health = HealthService()
         self.servicer = KVTierServicer(
             self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s, self.health
         )
@@ -627,7 +624,7 @@ class Daemon:
         await self.server.start()
         self.store.start()
         for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self.health.set(name, SERVING)
         self._tasks.append(asyncio.create_task(self._expire_leases(), name="lease-reaper"))
         trimmer = MemoryTrimmer(cfg.memory_trim_bytes, self.store.counters)
         self._tasks.append(asyncio.create_task(trimmer.run(), name="memory-trimmer"))
@@ -650,7 +647,7 @@ class Daemon:
             self.config.server.drain_timeout_s,
         )
         systemd.notify("STOPPING=1")
-        await self.health.enter_graceful_shutdown()
+        self.health.enter_graceful_shutdown()
         self.servicer.closing.set()
         if self.credentials is not None:
             self.credentials.close()
@@ -834,9 +831,7 @@ def _kvtier_handlers(servicer: KVTierServicer) -> dict[str, Any]:
     return handlers
 
 
-def _health_handlers(
-    health_servicer: health.aio.HealthServicer, servicer: KVTierServicer
-) -> dict[str, Any]:
+def _health_handlers(health_servicer: HealthService, servicer: KVTierServicer) -> dict[str, Any]:
     """The standard health service, with malformed requests answered like ours."""
 
     async def refuse(method: str, request: Any, context: grpc.aio.ServicerContext) -> None:

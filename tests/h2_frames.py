@@ -50,9 +50,11 @@ def grpc_prefix(message_bytes: int) -> bytes:
 
 
 class RawConnection:
-    """One HTTP/2 connection to a Unix socket. Not thread-safe."""
+    """One HTTP/2 connection to a Unix socket. Not thread-safe. ``initial_window``: the
+    flow-control window this client grants the server on each of its streams (0: the server
+    may send no message at all, as from a client that reads nothing)."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, initial_window: int | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX)
         deadline = time.monotonic() + 10.0
         while True:
@@ -63,7 +65,10 @@ class RawConnection:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
-        self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0))
+        settings = b""
+        if initial_window is not None:
+            settings = struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, initial_window)
+        self.sock.sendall(PREFACE + frame(SETTINGS, 0, 0, settings))
         self._buffer = b""
         self._initial_window = 65535
         self.connection_window = 65535

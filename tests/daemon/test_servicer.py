@@ -9,10 +9,11 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from kvtier.daemon import server as server_module
 from kvtier.daemon.errors import InvalidArgument
+from kvtier.daemon.health import HealthService
 from kvtier.daemon.server import (
     MAX_HEALTH_SERVICE_CHARS,
     MAX_OPEN_SESSION_BYTES,
@@ -122,7 +123,7 @@ def test_regression_streams_kept_requests_of_the_message_limit_for_their_whole_l
     daemon, eight watches of a 60 MB service name 2 GB. Both are now refused above a size
     far below the message limit, before anything is held."""
     servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
-    watch = _health_handlers(health.aio.HealthServicer(), servicer)["Watch"].unary_stream
+    watch = _health_handlers(HealthService(), servicer)["Watch"].unary_stream
 
     def status(call: Any) -> tuple[grpc.StatusCode, str]:
         context = FakeContext()
@@ -149,7 +150,7 @@ def test_regression_health_watches_were_unbounded(monkeypatch):
     open at once a watch is RESOURCE_EXHAUSTED; one that ends makes room."""
     monkeypatch.setattr(server_module, "MAX_HEALTH_WATCHES", 2)
     servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
-    watch = _health_handlers(health.aio.HealthServicer(), servicer)["Watch"].unary_stream
+    watch = _health_handlers(HealthService(), servicer)["Watch"].unary_stream
     request = health_pb2.HealthCheckRequest(service="")
 
     class WatchContext(FakeContext):
