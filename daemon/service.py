@@ -611,7 +611,14 @@ class KVService:
         if hit is not None and self.store.ns_owner.get(hit[0]) == hit[1]:
             return hit[1]
         owner_idx = await self.store.namespace(space.ns, space.owner)
-        session.bound[key] = (space.ns, owner_idx)
+        bound = session.bound
+        if len(bound) >= 2 * self.config.server.max_namespaces_per_tenant:
+            # Namespaces the store has unbound since (emptied, then passed over at the limit)
+            # go: a session that moves through namespaces one after another would otherwise
+            # keep every one it ever bound. What is still bound is at most the limit per owner.
+            owners = self.store.ns_owner
+            session.bound = bound = {k: v for k, v in bound.items() if owners.get(v[0]) == v[1]}
+        bound[key] = (space.ns, owner_idx)
         return owner_idx
 
     def _words(self, keys: Sequence[bytes], what: str = "keys") -> np.ndarray:

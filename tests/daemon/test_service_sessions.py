@@ -355,3 +355,48 @@ def test_a_namespace_whose_blocks_all_left_the_store_stops_counting_toward_the_l
             store.close()
 
     asyncio.run(run())
+
+
+def test_regression_a_session_kept_every_namespace_it_had_ever_bound():
+    """A session remembers the namespaces it bound for its puts (one bind each, not one per
+    put), and remembered them all for its life: a tenant that stored into and emptied one
+    namespace after another (the limit unbinds empty ones) grew the daemon by about 500 bytes
+    per namespace without bound (20,000 in one session: +10 MB). Entries the store no longer
+    binds are dropped as new ones come, so a session holds about as many as the limit."""
+    seg = 64 * 1024
+    limit = 4
+
+    async def run() -> None:
+        config = load_config(None, [f"server.max_namespaces_per_tenant={limit}"])
+        store = BlockStore(config, tiers=[HostArena(8 * seg, seg)])
+        service, tickets = _service(store, config)
+        session = _open(service, tickets)
+        layout = PoolLayout.staging(
+            num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=4096, kv_count=1
+        )
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, layout.extent_bytes)
+            pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+            key = os.urandom(32)
+            for i in range(10 * limit):
+                stored, _ = await service.put(
+                    session, pool.pool_id, [key], [0], b"", namespace=f"m{i}"
+                )
+                assert stored.tolist() == [PutResult.STORED]
+                assert (await service.delete(session, [key], namespace=f"m{i}")).deleted == 1
+            assert len(service.sessions.get(session).bound) <= 2 * limit
+            # The last one is still bound; storing there again needs no new bind.
+            await service.put(
+                session, pool.pool_id, [key], [0], b"", namespace=f"m{10 * limit - 1}"
+            )
+            assert store.table.ns_blocks == {
+                service._space(service.sessions.get(session), f"m{10 * limit - 1}").ns: 1
+            }
+        finally:
+            os.close(fd)
+            service.close_session(session)
+            await store.stop(flush=False)
+            store.close()
+
+    asyncio.run(run())
