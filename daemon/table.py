@@ -398,9 +398,6 @@ class BlockTable:
         ``identity``: the key's (``identity``), when the caller has it, not hashed again."""
         if identity is None:
             identity = self._hash_one(int(ns), words)
-        memento = -1
-        if self.mementos.count:
-            memento = self.mementos.take(identity)
         if self._free_rows:
             bid = self._free_rows.pop()
         else:
@@ -428,7 +425,9 @@ class BlockTable:
             self._rehash(_pow2_at_least(int(2 * self._count / _MAX_LOAD)))
         else:
             self._table_insert(ns, words, bid, identity)
-        if memento >= 0:
+        # The memento is taken only once nothing above can raise: a taken one is out of
+        # the map and the order, and only ``_revive`` frees its slot.
+        if self.mementos.count and (memento := self.mementos.take(identity)) >= 0:
             self._revive(memento, bid)
         return bid
 
@@ -449,15 +448,12 @@ class BlockTable:
             return np.fromiter(
                 (self.add(int(ns), words[i], int(nbytes), owner) for i in range(n)), np.int64, n
             )
-        back = hashed = None
-        if self.mementos.count:  # keys added again get their history back (see History)
-            hashed = self._hash(ns, words)
-            back = self.mementos.take_many(hashed)
+        hashed = self._hash(ns, words) if self.mementos.count else None
+        fresh = n - min(n, len(self._free_rows))
+        while self._next_row + fresh > self._capacity:  # before any row is taken
+            self._grow(self._capacity * 2)
         reuse = self._free_rows[-n:][::-1] if self._free_rows else []
         del self._free_rows[len(self._free_rows) - len(reuse) :]
-        fresh = n - len(reuse)
-        while self._next_row + fresh > self._capacity:
-            self._grow(self._capacity * 2)
         bids = np.concatenate(
             [
                 np.asarray(reuse, dtype=np.int64),
@@ -484,7 +480,9 @@ class BlockTable:
             self._rehash(_pow2_at_least(int(max(16, 2 * self._count) / _MAX_LOAD)))
         else:
             self._insert_many(bids, hashed)
-        if back is not None:
+        if hashed is not None:  # keys added again get their history back (see History)
+            # Taken last, as in ``add``: nothing between the take and the revive can raise.
+            back = self.mementos.take_many(hashed)
             for i in np.flatnonzero(back >= 0).tolist():
                 self._revive(int(back[i]), int(bids[i]))
         return bids
@@ -542,14 +540,18 @@ class BlockTable:
             self._expire(mementos.take_oldest())
 
     def _revive(self, slot: int, bid: int) -> None:
-        for revive in self.on_revive:
-            revive(slot, bid)
-        self.mementos.free(slot)
+        try:
+            for revive in self.on_revive:
+                revive(slot, bid)
+        finally:  # a taken slot is freed here or never (a listener's error must not leak it)
+            self.mementos.free(slot)
 
     def _expire(self, slot: int) -> None:
-        for expire in self.on_expire:
-            expire(slot)
-        self.mementos.free(slot)
+        try:
+            for expire in self.on_expire:
+                expire(slot)
+        finally:
+            self.mementos.free(slot)
 
     @property
     def history_rows(self) -> int:

@@ -443,3 +443,49 @@ def test_mementos_match_an_ordered_dict_through_puts_takes_and_growth():
                     m.free(slot)
         assert m.count == len(ref)
     assert [m.take_oldest() for _ in range(len(ref))] == list(ref.values())
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_regression_an_add_that_raised_after_taking_a_memento_leaked_its_slot(
+    monkeypatch, batch
+):
+    """``add`` and ``add_many`` took a returning key's memento out of the map and the order
+    before growing the table: a growth that raised (out of memory) left the slot taken and
+    never freed, counted as remembered for good and its history never revived. A
+    listener that raises in ``revive`` must not leak the slot either."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0
+    seen = _Listener(index)
+    keys = [os.urandom(32) for _ in range(16)]
+    rows = [_ready(index, 0, k) for k in keys]
+    for bid in rows[:9]:
+        index.remove(bid)
+    index.add_many(0, keys_to_words([os.urandom(32) for _ in range(9)]), 4096)
+    assert index.history_rows == 9 and index.stats().capacity == 16  # full: adds must grow
+
+    def no_memory(capacity: int) -> None:
+        raise MemoryError
+
+    grow = index._grow
+    monkeypatch.setattr(index, "_grow", no_memory)
+    back = keys[:9] if batch else keys[:1]
+    with pytest.raises(MemoryError):
+        index.add_many(0, keys_to_words(back), 4096) if batch else _ready(index, 0, back[0])
+    assert index.history_rows == 9 and seen.revived == []
+    monkeypatch.setattr(index, "_grow", grow)
+    if batch:
+        bids = index.add_many(0, keys_to_words(back), 4096).tolist()
+    else:
+        bids = [_ready(index, 0, back[0])]
+    assert seen.revived == list(zip(back, bids, strict=True))
+    assert index.history_rows == 9 - len(back) and len(index) == 16 + len(back)
+
+    def broken(slot: int, bid: int) -> None:
+        raise RuntimeError("listener")
+
+    index.on_revive.insert(0, broken)
+    remembered = index.history_rows
+    index.remove(bids[0])
+    with pytest.raises(RuntimeError):
+        _ready(index, 0, back[0])
+    assert index.history_rows == remembered
