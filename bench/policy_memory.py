@@ -128,6 +128,7 @@ def wire_history(table: BlockTable, policy: EvictionPolicy) -> None:
     table.on_remember.append(policy.remember)
     table.on_revive.append(policy.revive)
     table.on_expire.append(policy.expire)
+    table.on_renumber.append(policy.renumber)
 
 
 def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:

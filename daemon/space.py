@@ -92,6 +92,7 @@ class SpaceManager:
         table.on_remember.append(self._remember_in_policies)
         table.on_revive.append(self._revive_in_policies)
         table.on_expire.append(self._expire_in_policies)
+        table.on_renumber.append(self._renumber_in_policies)
 
     # ------------------------------------------------------------------ accesses
 
@@ -812,6 +813,10 @@ class SpaceManager:
     def _expire_in_policies(self, slot: int) -> None:
         for level in self.stack:
             level.policy.expire(slot)
+
+    def _renumber_in_policies(self, order: np.ndarray) -> None:
+        for level in self.stack:
+            level.policy.renumber(order)
 
     # ------------------------------------------------------------- watermarks
 

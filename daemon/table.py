@@ -25,7 +25,10 @@ Invariants:
   freed (``on_remember(row, slot)``), write it into the new row when the key is added again
   (``on_revive(slot, row)``) and drop it when the memento is forgotten (``on_expire(slot)``):
   the policies keep a block's history by row (its heat, whether it was seen) and so
-  recognise a block that returns after it was dropped. Forgetting at once cost the heat
+  recognise a block that returns after it was dropped. When far fewer mementos are held
+  than slots were numbered (a burst of drops expired), the table renumbers the held ones
+  densely to give the memory back, and listeners move what they keep the same way
+  (``on_renumber(order)``). Forgetting at once cost the heat
   policy half its hits at small capacities on the public trace (``kvtier replay
   --forget-dropped --history-factor 0``). A revived block gets a new row and generation like
   any added block, so refs to the dropped one stay dead. Two keys of one identity (a 64-bit
@@ -69,6 +72,8 @@ _SCALAR_TAIL = 8
 # History (see the module docstring) is kept for at least this many removed blocks, however
 # few are live.
 MIN_HISTORY_BASE = 1024
+# Memento arrays shorter than this are never shrunk (``Mementos.compact``).
+MIN_COMPACT_SLOTS = 4096
 # Probe positions per key that a batch lookup examines in one pass.
 _WINDOW = 4
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -135,6 +140,7 @@ class BlockTable:
         self.on_remember: list[Callable[[int, int], None]] = []
         self.on_revive: list[Callable[[int, int], None]] = []
         self.on_expire: list[Callable[[int], None]] = []
+        self.on_renumber: list[Callable[[np.ndarray], None]] = []
         # Per-block fields.
         self.keys = np.empty((0, _KEY_WORDS), dtype=np.uint64)
         # Namespace ids are 64-bit hashes of (tenant, namespace name): stable across restarts
@@ -429,6 +435,7 @@ class BlockTable:
         # the map and the order, and only ``_revive`` frees its slot.
         if self.mementos.count and (memento := self.mementos.take(identity)) >= 0:
             self._revive(memento, bid)
+            self._compact_history()
         return bid
 
     def add_many(
@@ -485,6 +492,7 @@ class BlockTable:
             back = self.mementos.take_many(hashed)
             for i in np.flatnonzero(back >= 0).tolist():
                 self._revive(int(back[i]), int(bids[i]))
+            self._compact_history()
         return bids
 
     def _insert_many(self, ids: np.ndarray, hashed: np.ndarray | None = None) -> None:
@@ -538,6 +546,7 @@ class BlockTable:
         limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
         while mementos.count > max(limit, 0):
             self._expire(mementos.take_oldest())
+        self._compact_history()
 
     def _revive(self, slot: int, bid: int) -> None:
         try:
@@ -552,6 +561,14 @@ class BlockTable:
                 expire(slot)
         finally:
             self.mementos.free(slot)
+
+    def _compact_history(self) -> None:
+        """Give back the memory of mementos no longer held (see ``Mementos.compact``); the
+        listeners renumber what they keep by slot the same way."""
+        order = self.mementos.compact()
+        if order is not None:
+            for renumber in self.on_renumber:
+                renumber(order)
 
     @property
     def history_rows(self) -> int:
@@ -752,8 +769,10 @@ class Mementos:
     """The table's mementos (see History): slots keyed by a 64-bit identity, forgotten oldest
     first. Per slot 16 bytes (identity, links of the removal order) and, in the map from
     identity to slot (open addressing, linear probing, at most half full), 8 to 16 more. Free
-    slots are chained through ``_next``; slots are reused before new ones are numbered, so a
-    listener's per-slot arrays (``slots_for``) stay as long as the most mementos ever held.
+    slots are chained through ``_next``; slots are reused before new ones are numbered, so
+    the per-slot arrays (here and a listener's, ``slots_for``) grow only to the most
+    mementos held at once. When far fewer are held (a burst of drops has expired),
+    ``compact`` renumbers the held ones densely and shrinks the arrays to them.
     """
 
     __slots__ = (
@@ -858,6 +877,38 @@ class Mementos:
         self._v[2][slot] = self._free
         self._free = slot
         self.count -= 1
+
+    def compact(self) -> np.ndarray | None:
+        """When the per-slot arrays are over twice what the held mementos need (and past
+        ``MIN_COMPACT_SLOTS``), renumber the held ones ``0 .. count - 1`` and shrink the
+        arrays and the map to fit them; returns ``order`` (``order[i]``: the old slot of
+        new slot ``i``; a listener moves what it kept by slot the same way), or None when
+        nothing moved. The gap between growing at ``count`` past the length and shrinking
+        below ``length / 2.5`` keeps a count that wavers from re-allocating."""
+        size = len(self._ident)
+        if size <= max(MIN_COMPACT_SLOTS, 2 * slots_for(self.count)):
+            return None
+        top = self._top
+        order = np.flatnonzero(self._prev[:top] != _FREE_SLOT)
+        renum = np.full(top, -1, dtype=np.int64)
+        renum[order] = np.arange(len(order))
+        links = []
+        for old in (self._prev, self._next):
+            held = old[order].astype(np.int64)
+            links.append(np.where(held >= 0, renum[np.maximum(held, 0)], held))
+        grown = slots_for(len(order))
+        for name, values in zip(
+            ("_ident", "_prev", "_next"), (self._ident[order], *links), strict=True
+        ):
+            new = np.zeros(grown, dtype=getattr(self, name).dtype)
+            new[: len(order)] = values
+            setattr(self, name, new)
+        if self._head >= 0:
+            self._head, self._tail = int(renum[self._head]), int(renum[self._tail])
+        self._free = -1
+        self._top = len(order)
+        self._remap(_pow2_at_least(max(16, 2 * len(order))))
+        return order
 
     def _unlink(self, slot: int) -> None:
         _, prevs, nexts, _ = self._v

@@ -39,6 +39,7 @@ import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted, HintTable
+from kvtier.daemon.policy.memento import renumbered
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,14 @@ class ARCPolicy(InsertEach, Hinted):
         if (tok := self._kept_ghost.pop(slot, None)) is not None:
             self._b1.pop(tok, None)
             self._b2.pop(tok, None)
+
+    def renumber(self, order: np.ndarray) -> None:
+        """The table renumbered its memento slots (new slot ``i``: old ``order[i]``): the
+        kept ghost entries name their new slots, in place in their lists."""
+        self._hints.renumber(order)
+        self._kept_ghost = renumbered(self._kept_ghost, order)
+        for slot, tok in self._kept_ghost.items():
+            (self._b1 if tok in self._b1 else self._b2)[tok] = -1 - slot
 
     def victims(
         self,

@@ -39,7 +39,8 @@ Kept history (optional, ``heat``, ``density`` and ``arc`` have one): the store f
 row at once and remembers its key by a memento slot a while (``BlockTable``, History).
 ``remember(bid, slot)`` saves the history of ``bid`` at ``slot`` just before ``forget(bid)``,
 ``revive(slot, bid)`` writes it into the new row of the same key stored again, and
-``expire(slot)`` drops it (see ``kvtier.daemon.policy.memento``). Every policy keeps a dropped
+``expire(slot)`` drops it, and ``renumber(order)`` moves what is kept when the table
+compacts its slots (see ``kvtier.daemon.policy.memento``). Every policy keeps a dropped
 block's hint so (``Hinted``; ``lru`` has no other history to keep).
 
 Constructor parameters: every policy is built by ``make_policy(name, **params)`` and must
@@ -118,6 +119,10 @@ class EvictionPolicy(Protocol):
 
     def expire(self, slot: int) -> None:
         """The table forgot the key of ``slot``: drop what was kept there."""
+
+    def renumber(self, order: np.ndarray) -> None:
+        """The table renumbered its memento slots to give back memory (``Mementos.compact``):
+        what was kept at slot ``order[i]`` is now at slot ``i``, and no other slot is held."""
 
     def hint(self, bids: np.ndarray, until: float, now: float) -> None:
         """The engine will read ``bids`` by ``until``: ``victims`` proposes none of them

@@ -87,7 +87,7 @@ import numpy as np
 
 from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted
-from kvtier.daemon.policy.memento import Kept
+from kvtier.daemon.policy.memento import Kept, renumbered
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
 _CLOSED = 0
@@ -726,6 +726,11 @@ class DensityPolicy(InsertEach, Hinted):
             age = max(0.0, self._now - views["_last"][slot]) / self._quantum
             self.model.ends[views["_cls"][slot] * AGE_BUCKETS + age_bucket(age)] += 1
             views["_state"][slot] = _CLOSED
+
+    def renumber(self, order: np.ndarray) -> None:
+        """The table renumbered its memento slots (new slot ``i``: old ``order[i]``)."""
+        self._kept.renumber(order)
+        self._kept_until = renumbered(self._kept_until, order)
 
     def forget(self, bid: int) -> None:
         if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:

@@ -531,6 +531,11 @@ class HeatPolicy(Hinted):
         slot is next remembered)."""
         self._hints.expire(slot)
 
+    def renumber(self, order: np.ndarray) -> None:
+        """The table renumbered its memento slots (new slot ``i``: old ``order[i]``)."""
+        self._kept.renumber(order)
+        self._hints.renumber(order)
+
     def victims(
         self,
         n: int,

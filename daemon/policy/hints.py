@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.memento import renumbered
 
 
 class HintTable:
@@ -77,6 +78,10 @@ class HintTable:
 
     def expire(self, slot: int) -> None:
         self._kept.pop(slot, None)
+
+    def renumber(self, order: np.ndarray) -> None:
+        """The table renumbered its memento slots (new slot ``i``: old ``order[i]``)."""
+        self._kept = renumbered(self._kept, order)
 
     def live(self, now: float) -> bool:
         """Whether any hint may still protect a block at ``now``."""
@@ -131,3 +136,6 @@ class Hinted:
 
     def expire(self, slot: int) -> None:
         self._hints.expire(slot)
+
+    def renumber(self, order: np.ndarray) -> None:
+        self._hints.renumber(order)

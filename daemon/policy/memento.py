@@ -13,11 +13,13 @@ Not thread-safe: owned by a policy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from kvtier.daemon.table import slots_for
+
+V = TypeVar("V")
 
 
 class Kept:
@@ -63,7 +65,31 @@ class Kept:
             self.arrays[name] = arr
             self.views[name] = arr.data
 
+    def renumber(self, order: np.ndarray) -> None:
+        """The table renumbered its slots (``Mementos.compact``): new slot ``i`` holds
+        what old slot ``order[i]`` held; the arrays shrink as the table's."""
+        n, size = len(order), len(self)
+        known = order < size
+        for name, (dtype, fill) in self._fills.items():
+            arr = np.full(slots_for(n), fill, dtype=dtype)
+            arr[:n][known] = self.arrays[name][order[known]]
+            self.arrays[name] = arr
+            self.views[name] = arr.data
+
     def clear(self, slot: int) -> None:
         """``slot`` holds each field's fill (a row the policy never knew)."""
         for name, (_, fill) in self._fills.items():
             self.views[name][slot] = fill
+
+
+def renumbered(kept: dict[int, V], order: np.ndarray) -> dict[int, V]:
+    """``kept`` (values by memento slot) as the table renumbered its slots (``new slot i``:
+    old slot ``order[i]``). The few slots a policy keeps in a dict (hints) are looked up
+    in the inverse of ``order``."""
+    if not kept:
+        return kept
+    old = np.fromiter(kept, np.int64, len(kept))
+    new = np.searchsorted(order, old)  # ``order`` is ascending (``Mementos.compact``)
+    held = (new < len(order)) & (order[np.minimum(new, len(order) - 1)] == old)
+    values = list(kept.values())
+    return {int(n): values[i] for i, n in enumerate(new.tolist()) if held[i]}

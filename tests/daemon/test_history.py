@@ -137,6 +137,38 @@ def test_the_daemons_history_decides_as_the_replayers_model(monkeypatch, policy,
         assert daemon.policy.stats() == model.policy.stats()
 
 
+@pytest.mark.parametrize("policy", ["heat", "density", "arc"])
+def test_history_compacted_as_it_shrinks_decides_as_the_replayers_model(monkeypatch, policy):
+    """Mementos renumbered to give back memory (``Mementos.compact``, the policies'
+    ``renumber``) keep every history where it was: a history cut from 16 to 0.5 times the
+    blocks held (so the table compacts) decides as the model still."""
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
+    capacity = 24
+    model, daemon = _Model(policy, capacity, 16.0), _Daemon(policy, capacity, 16.0)
+    compactions = []
+    daemon.table.on_renumber.append(compactions.append)
+    rng = random.Random(6)
+    now = 0.0
+    for n, chain in enumerate(_requests(8, 700)):
+        if n == 350:
+            model.factor = daemon.table.history_factor = 0.5
+        for i, key in enumerate(chain):
+            now += rng.uniform(0.01, 2.0)
+            parent = chain[i - 1] if i else -1
+            want = model.access(key, parent, now, capacity)
+            assert daemon.access(key, parent, now, capacity) == want
+    assert compactions and len(daemon.table.mementos.arrays()[0]) < 4 * capacity
+    if policy != "arc":  # the policy's per-slot arrays came back with the table's
+        assert len(daemon.policy._kept) < 4 * capacity
+    assert daemon.table.history_rows == len(model.history)
+    if policy == "density":
+        assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
+        assert list(daemon.policy.model.ends) == list(model.policy.model.ends)
+    else:
+        assert daemon.policy.stats() == model.policy.stats()
+
+
 def test_a_remembered_block_costs_a_few_tens_of_bytes():
     """Issue 13 bounds ghost and statistics memory at 128 bytes per resident block all in;
     at the default history factor (2) that leaves 64 per remembered block. Measured as the

@@ -7,7 +7,14 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from kvtier.daemon.table import MIN_HISTORY_BASE, READY, BlockTable, Mementos, keys_to_words
+from kvtier.daemon.table import (
+    MIN_COMPACT_SLOTS,
+    MIN_HISTORY_BASE,
+    READY,
+    BlockTable,
+    Mementos,
+    keys_to_words,
+)
 
 
 def _ready(index: BlockTable, ns: int, key: bytes) -> int:
@@ -320,6 +327,13 @@ class _Listener:
         index.on_remember.append(self.remember)
         index.on_revive.append(self.revive)
         index.on_expire.append(self.expire)
+        index.on_renumber.append(self.renumber)
+        self.renumbered = 0
+
+    def renumber(self, order: np.ndarray) -> None:
+        assert sorted(self.kept) == order.tolist()  # every held slot, and no other
+        self.kept = {new: self.kept[old] for new, old in enumerate(order.tolist())}
+        self.renumbered += 1
 
     def remember(self, bid: int, slot: int) -> None:
         assert bid not in self.freed[-1:]  # before the row is freed
@@ -446,9 +460,7 @@ def test_mementos_match_an_ordered_dict_through_puts_takes_and_growth():
 
 
 @pytest.mark.parametrize("batch", [False, True])
-def test_regression_an_add_that_raised_after_taking_a_memento_leaked_its_slot(
-    monkeypatch, batch
-):
+def test_regression_an_add_that_raised_after_taking_a_memento_leaked_its_slot(monkeypatch, batch):
     """``add`` and ``add_many`` took a returning key's memento out of the map and the order
     before growing the table: a growth that raised (out of memory) left the slot taken and
     never freed, counted as remembered for good and its history never revived. A
@@ -489,3 +501,37 @@ def test_regression_an_add_that_raised_after_taking_a_memento_leaked_its_slot(
     with pytest.raises(RuntimeError):
         _ready(index, 0, back[0])
     assert index.history_rows == remembered
+
+
+def test_memento_memory_comes_back_once_fewer_are_held():
+    """A burst of drops grows the memento arrays; once fewer are remembered (here the live
+    blocks fall, and the history with them) the table compacts them, renumbering what the
+    listeners keep by slot, so a history brought back still revives the right keys. A
+    count that wavers about one size afterwards does not re-allocate."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0
+    seen = _Listener(index)
+    keys = [os.urandom(32) for _ in range(6 * MIN_COMPACT_SLOTS)]
+    rows = index.add_many(0, keys_to_words(keys), 4096).tolist()
+    half = len(rows) // 2
+    for bid in rows[:half]:
+        index.remove(bid)
+    assert index.history_rows == half and seen.renumbered == 0
+    burst = sum(a.nbytes for a in index.mementos.arrays())
+    for bid in rows[half:]:
+        index.remove(bid)
+    assert index.history_rows == MIN_HISTORY_BASE and seen.renumbered
+    assert len(index.mementos.arrays()[0]) <= MIN_COMPACT_SLOTS
+    assert sum(a.nbytes for a in index.mementos.arrays()) < burst / 4
+    assert sorted(seen.kept.values()) == sorted(keys[-MIN_HISTORY_BASE:])
+    back = keys[-10:]
+    bids = index.add_many(0, keys_to_words(back), 4096).tolist()
+    assert seen.revived == list(zip(back, bids, strict=True))
+    compactions = seen.renumbered
+    held = _ready(index, 0, os.urandom(32))
+    seen.freed.clear()  # ``remember`` checks the last row freed was another
+    for _ in range(3 * MIN_COMPACT_SLOTS):  # one in, one out: the count stays put
+        new = _ready(index, 0, os.urandom(32))
+        index.remove(held)
+        held = new
+    assert seen.renumbered == compactions
