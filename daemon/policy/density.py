@@ -87,7 +87,7 @@ import numpy as np
 
 from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted
-from kvtier.daemon.policy.memento import Kept, renumbered
+from kvtier.daemon.policy.memento import Kept, renumbered, seq_ages, seq_back, seq_keep
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
 _CLOSED = 0
@@ -700,8 +700,10 @@ class DensityPolicy(InsertEach, Hinted):
             kept.clear(slot)
             return
         views = kept.views
-        for name in kept.fields:
+        for name in _KEPT_AS_IS:
             views[name][slot] = getattr(self, name + "_v")[bid]
+        # Read only while a ghost, which ``_new_table`` closes within its window.
+        views["_evseq"][slot] = seq_keep(self._evseq_v[bid])
         if (until := self._until_v[bid]) > -math.inf:
             self._kept_until[slot] = until
         self._state_v[bid] = _CLOSED  # its life moved to the slot: ``forget`` censors none
@@ -711,8 +713,10 @@ class DensityPolicy(InsertEach, Hinted):
         if bid >= self._used:
             self._use(bid)
         views = self._kept.views
-        for name in self._kept.fields:
+        for name in _KEPT_AS_IS:
             getattr(self, name + "_v")[bid] = views[name][slot]
+        evseq = views["_evseq"][slot]
+        self._evseq_v[bid] = seq_back(evseq, self._evictions) if evseq else 0
         views["_state"][slot] = _CLOSED
         if (until := self._kept_until.pop(slot, None)) is not None:
             self._until_v[bid] = until
@@ -1241,12 +1245,17 @@ class DensityPolicy(InsertEach, Hinted):
         open_lives = np.zeros(CLASSES * AGE_BUCKETS, dtype=np.float64)
         kept = self._kept
         window = self._ghost_factor * self.capacity
-        for state, cls, last, evseq in (
-            (self._state[:size], self._cls, self._last, self._evseq),
-            (kept["_state"], kept["_cls"], kept["_last"], kept["_evseq"]),
+        for state, cls, last, ages in (
+            (self._state[:size], self._cls, self._last, lambda g: self._evictions - self._evseq[g]),
+            (
+                kept["_state"],
+                kept["_cls"],
+                kept["_last"],
+                lambda g: seq_ages(kept["_evseq"][g], self._evictions),
+            ),
         ):
             ghosts = np.flatnonzero(state == _GHOST)
-            expired = ghosts[evseq[ghosts] <= self._evictions - window]
+            expired = ghosts[ages(ghosts) >= window]
             if len(expired):
                 idx = cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
                     (now - last[expired]) / self._quantum
@@ -1461,9 +1470,11 @@ _ARRAYS: list[tuple[str, Any, float]] = [
     ("_heat", np.float32, 0.0),
 ]
 
-# A dropped block's history (``remember``): the per-id arrays above that make it up.
+# A dropped block's history (``remember``): the per-id arrays above that make it up, the
+# eviction sequence number as ``seq_keep`` keeps it (0: none).
 _KEPT = [
-    a
+    a if a[0] != "_evseq" else ("_evseq", np.uint32, 0)
     for a in _ARRAYS
     if a[0] in ("_state", "_last", "_cls", "_cnt", "_depth", "_turn", "_evseq", "_heat")
 ]
+_KEPT_AS_IS = [a[0] for a in _KEPT if a[0] != "_evseq"]

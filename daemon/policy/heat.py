@@ -94,7 +94,7 @@ from kvtier.daemon.counts import add_at
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
-from kvtier.daemon.policy.memento import Kept
+from kvtier.daemon.policy.memento import Kept, seq_back, seq_keep
 
 # Segments, also the values of the per-block ``_seg`` array (0: not resident).
 _OUT = 0
@@ -125,8 +125,8 @@ DEFAULT_HALF_LIFE_S = 30.0
 # A dropped block's history (``remember``): name, dtype, value of a forgotten row.
 _KEPT: list[tuple[str, Any, float]] = [
     ("_ghost", np.int8, _OUT),
-    ("_gseq", np.int64, 0),
-    ("_seen", np.int64, _NEVER_SEEN),
+    ("_gseq", np.uint32, 0),  # ``seq_keep``: 0 none
+    ("_seen", np.uint32, 0),
     ("heat", np.float32, 0.0),
     ("last_access", np.float64, -math.inf),
 ]
@@ -505,9 +505,11 @@ class HeatPolicy(Hinted):
         kept.fit(slot)
         if 0 <= bid < self._size:
             views = kept.views
-            views["_ghost"][slot] = self._ghost_v[bid]
-            views["_gseq"][slot] = self._gseq_v[bid]
-            views["_seen"][slot] = self._seen_v[bid]
+            views["_ghost"][slot] = ghost = self._ghost_v[bid]
+            # A sequence number is read only with its state (a ghost's, a seen block's).
+            views["_gseq"][slot] = seq_keep(self._gseq_v[bid]) if ghost != _OUT else 0
+            seen = self._seen_v[bid]
+            views["_seen"][slot] = seq_keep(seen) if seen != _NEVER_SEEN else 0
             views["heat"][slot] = self.heat._heat_mv[bid]
             views["last_access"][slot] = self.heat._last_mv[bid]
         else:
@@ -519,9 +521,10 @@ class HeatPolicy(Hinted):
         if bid >= self._size:
             self._grow(bid + 1)
         views = self._kept.views
-        self._ghost_v[bid] = views["_ghost"][slot]
-        self._gseq_v[bid] = views["_gseq"][slot]
-        self._seen_v[bid] = views["_seen"][slot]
+        self._ghost_v[bid] = ghost = views["_ghost"][slot]
+        gseq, seen = views["_gseq"][slot], views["_seen"][slot]
+        self._gseq_v[bid] = seq_back(gseq, self._evictions[ghost]) if gseq else 0
+        self._seen_v[bid] = seq_back(seen, self._accesses) if seen else _NEVER_SEEN
         self.heat._heat_mv[bid] = views["heat"][slot]
         self.heat._last_mv[bid] = views["last_access"][slot]
         self._hints.revive(slot, bid)

@@ -5,7 +5,8 @@ The block table frees a dropped block's row at once but remembers its key a whil
 (``heat``, ``density``) copies the few per-row values that make up that history into a
 ``Kept`` at the slot (``remember``), writes them into the block's new row when its key
 returns (``revive``) and forgets them when the table does (``expire``). Only those values are
-kept, a few tens of bytes a block, where keeping the row held every per-block array.
+kept, a few tens of bytes a block, where keeping the row held every per-block array;
+sequence numbers in half their width (``seq_keep``).
 
 Not thread-safe: owned by a policy.
 """
@@ -20,6 +21,29 @@ import numpy as np
 from kvtier.daemon.table import slots_for
 
 V = TypeVar("V")
+
+# A policy's sequence numbers (counts of its accesses or evictions: they only grow, and a
+# kept one is compared with the count of the day) are kept as their residue modulo
+# ``SEQ_MOD`` plus one in a uint32, 0 meaning none: half the bytes of an int64, and read back
+# exact while fewer than ``SEQ_MOD`` (four billion) counts pass in one memento's life.
+SEQ_MOD = (1 << 32) - 1
+
+
+def seq_keep(seq: int) -> int:
+    """``seq`` (>= 0) as kept in a uint32 field (``seq_back`` reads it back)."""
+    return seq % SEQ_MOD + 1
+
+
+def seq_back(kept: int, count: int) -> int:
+    """The sequence number ``seq_keep`` kept as ``kept`` (not 0), given the count it was
+    taken from now stands at ``count``: the latest number not above ``count`` with that
+    residue."""
+    return count - (count - kept + 1) % SEQ_MOD
+
+
+def seq_ages(kept: np.ndarray, count: int) -> np.ndarray:
+    """``count - seq_back(k, count)`` for each of ``kept`` (none 0), vectorised."""
+    return (count - kept.astype(np.int64) + 1) % SEQ_MOD
 
 
 class Kept:

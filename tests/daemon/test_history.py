@@ -15,6 +15,7 @@ import pytest
 
 from kvtier.bench.policy_memory import history_bytes, wire_history
 from kvtier.daemon import table as table_module
+from kvtier.daemon.policy.memento import SEQ_MOD, seq_ages, seq_back, seq_keep
 from kvtier.daemon.policy.registry import make_policy
 from kvtier.daemon.table import READY, BlockTable, keys_to_words
 
@@ -324,3 +325,35 @@ def test_a_declined_blocks_history_is_kept_as_a_dropped_ones(monkeypatch, factor
     assert daemon.table.history_rows == len(model.history)
     assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
     assert list(daemon.policy.model.ends) == list(model.policy.model.ends)
+
+
+def test_sequence_numbers_kept_in_half_width_read_back_exact_past_the_wrap():
+    """Mementos keep a policy's sequence numbers as uint32 residues (``seq_keep``): read
+    back against the count of the day, they are exact for any age below ``SEQ_MOD``,
+    wherever the count stands, 0 staying free for "none"."""
+    for count in (0, 5, SEQ_MOD - 1, SEQ_MOD, SEQ_MOD + 1, 2**40 + 7):
+        for age in (0, 1, 12345, SEQ_MOD - 1):
+            if age > count:
+                continue
+            kept = seq_keep(count - age)
+            assert 0 < kept < 2**32
+            assert seq_back(kept, count) == count - age
+            assert seq_ages(np.array([kept], dtype=np.uint32), count).tolist() == [age]
+
+
+def test_a_revived_heat_block_is_seen_lately_past_four_billion_accesses():
+    """heat keeps a dropped block's last access number in 32 bits: with the policy's count
+    past 2**32 it still reads back as seen lately (the block returns protected)."""
+    policy = make_policy("heat", capacity_blocks=4)
+    policy._accesses = 3 * 2**32 + 5
+    table = BlockTable(1, initial_capacity=16)
+    table.history_factor = 2.0
+    wire_history(table, policy)
+    key = keys_to_words([os.urandom(32)])[0]
+    bid = table.add(0, key, 4096)
+    policy.insert(bid, 1.0)
+    policy.remove(bid)
+    table.remove(bid)
+    again = table.add(0, key, 4096)
+    policy.insert(again, 2.0)
+    assert policy.stats().protected == 1
