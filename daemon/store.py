@@ -808,18 +808,18 @@ class BlockStore:
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
     def _commit_one(self, bid: int, parent: int, now: float) -> None:
-        """``_commit_new`` of one block: the table's marks and link as scalars (the policies
-        and ``after_store`` still take one-element arrays)."""
+        """``_commit_new`` of one block: the table's marks, link and the policies' insert as
+        scalars (``insert_many`` of one block is that insert, after converting its arrays
+        back; ``after_store`` still takes a one-element array)."""
         table = self.table
         table.inflight[bid] = 0
         table.state[bid] = READY
         table.last_access[bid] = now
         table.link(bid, parent)
-        one = np.array([bid], dtype=np.int64)
-        pars = np.array([parent], dtype=np.int64)
         for level in self.stack:
             if table.slot[bid, level.col] >= 0:
-                level.policy.insert_many(one, now, pars)
+                level.policy.insert(bid, now, parent)
+        one = np.array([bid], dtype=np.int64)
         self.space.after_store(one if table.slot[bid, self.top.col] >= 0 else one[:0], now)
 
     # -------------------------------------------------------------------- reads
