@@ -20,11 +20,13 @@ from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
+    REFUSED_PAUSE_S,
     DeadlineExceededError,
     NotFoundError,
     UnavailableError,
     closed_error,
     from_rpc_error,
+    refused_stream,
 )
 from kvtier.client.flows import (
     Flow,
@@ -208,9 +210,7 @@ class AsyncClient:
             if binding is not None:
                 request.pool_id = await self._pool_id(binding, request.session_id)
             try:
-                return await getattr(self._stub, method)(
-                    request, timeout=timeout_s or self.timeout_s
-                )
+                return await self._call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
             except (grpc.aio.UsageError, asyncio.CancelledError) as e:  # see closed_error_for
@@ -221,6 +221,21 @@ class AsyncClient:
                 raise err
             self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
+
+    async def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+        """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
+        this connection has many calls open) and its time allows."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pause, most = REFUSED_PAUSE_S
+        while True:
+            try:
+                return await getattr(self._stub, method)(request, timeout=timeout_s)
+            except grpc.RpcError as e:
+                if not refused_stream(e) or deadline - loop.time() <= pause:
+                    raise
+            await asyncio.sleep(pause)
+            timeout_s, pause = deadline - loop.time(), min(2 * pause, most)
 
     async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         try:

@@ -138,6 +138,24 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
     return error
 
 
+# A refused call is sent again after the first pause, doubling up to the second, within
+# its timeout: the daemon's other calls on that connection end within milliseconds.
+REFUSED_PAUSE_S = (0.001, 0.05)
+
+
+def refused_stream(err: grpc.RpcError) -> bool:
+    """Whether the server's HTTP/2 layer refused the call before running it (REFUSED_STREAM:
+    its connection had ``MAX_STREAMS_PER_CONNECTION`` calls open), so that sending it again
+    cannot do anything twice. gRPC reports it only as UNAVAILABLE with these words."""
+    try:
+        if err.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            return False
+        details = err.details() or ""  # type: ignore[attr-defined]
+    except Exception:  # an error that is no call
+        return False
+    return "RST_STREAM" in details and "error code 7" in details
+
+
 def _answered(err: grpc.RpcError) -> bool:
     """Whether the daemon sent this status itself (see ``ANSWERED_KEY``)."""
     try:

@@ -31,6 +31,7 @@ from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
+    REFUSED_PAUSE_S,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -40,6 +41,7 @@ from kvtier.client.errors import (
     UnavailableError,
     closed_error,
     from_rpc_error,
+    refused_stream,
 )
 from kvtier.client.flows import (
     Flow,
@@ -302,7 +304,7 @@ class Client:
             if binding is not None:
                 request.pool_id = self._pool_id(binding, request.session_id)
             try:
-                return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
+                return self._call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = self.error_of(e)
             except ValueError:  # grpc's answer to a call on a closed channel
@@ -314,6 +316,20 @@ class Client:
             # The daemon lost our session or pool (it restarted): register again, once.
             self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
+
+    def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+        """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
+        this connection has many calls open) and its time allows."""
+        deadline = time.monotonic() + timeout_s
+        pause, most = REFUSED_PAUSE_S
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=timeout_s)
+            except grpc.RpcError as e:
+                if not refused_stream(e) or deadline - time.monotonic() <= pause:
+                    raise
+            time.sleep(pause)
+            timeout_s, pause = deadline - time.monotonic(), min(2 * pause, most)
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         try:

@@ -74,6 +74,7 @@ class RawConnection:
         self.connection_window = 65535
         self.stream_windows: dict[int, int] = {}
         self.reset: set[int] = set()
+        self.reset_codes: dict[int, int] = {}  # stream -> the server's RST_STREAM error code
         self.closed = False
         self._next_stream = 1
 
@@ -143,6 +144,8 @@ class RawConnection:
             elif kind == PING and not flags & ACK:
                 self.sock.sendall(frame(PING, ACK, 0, payload))
             elif kind == RST_STREAM or (kind == HEADERS and flags & END_STREAM):
+                if kind == RST_STREAM:
+                    self.reset_codes[stream] = int.from_bytes(payload[:4], "big")
                 self.reset.add(stream)
                 self.stream_windows.pop(stream, None)
             elif kind == GOAWAY:

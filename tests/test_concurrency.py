@@ -124,3 +124,21 @@ def test_regression_a_burst_of_calls_lost_some_to_a_bare_cancelled(daemon):
     failed = [r for r in results if isinstance(r, BaseException)]
     assert not failed, f"{len(failed)} of {burst} failed, e.g. {failed[0]!r}"
     assert all(r.prefix_len == 0 for r in results)  # type: ignore[union-attr]
+
+
+def test_a_blocking_client_shared_by_more_threads_than_a_connection_takes(daemon):
+    """A ``Client`` shared by threads opens as many calls at once on its one connection as
+    it has threads; past the daemon's bound per connection (256) gRPC refuses the excess
+    unrun, and the client sends those again: every call is answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.client import Client
+
+    threads, calls = 300, 900
+    with Client(daemon.address, timeout_s=120) as client:
+        client.health()
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(
+                pool.map(lambda i: client.lookup([KEYS[i % len(KEYS)]]).prefix_len, range(calls))
+            )
+    assert results == [0] * calls

@@ -1,0 +1,43 @@
+"""One connection cannot hold the daemon's calls for everyone.
+
+gRPC queues every call the event loop has not taken up yet, all connections' together
+(``MAX_PENDING_CALLS``, daemon/server.py). Without a bound per connection, one connection that
+opened calls and reset each at once (a "rapid reset" flood, which needs no session) filled that
+queue with calls its own client had given up, and every other client's calls waited behind
+them for seconds or were dropped. Each connection now has at most
+``MAX_STREAMS_PER_CONNECTION`` calls open; gRPC refuses the rest before any work
+(RST_STREAM), and kvtier's client sends a refused call again (tests/test_concurrency.py's
+burst of 5,000 calls from one client). These tests speak HTTP/2 themselves
+(tests/h2_frames.py): a gRPC client keeps to the bound the server advertises.
+"""
+
+from __future__ import annotations
+
+import time
+
+from h2_frames import RawConnection
+
+from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
+
+LOOKUP = "/kvtier.v1.KVTier/Lookup"
+# RST_STREAM error codes: REFUSED_STREAM for a stream the server did not run, and
+# ENHANCE_YOUR_CALM, which gRPC sends a client that opens more than the bound it advertised.
+REFUSED = {7, 11}
+
+
+def test_regression_one_connection_could_open_calls_without_bound(daemon):
+    """Calls past the bound on one connection are refused at once, unrun; the first ones,
+    and other connections, are not."""
+    extra = 40
+    conn = RawConnection(daemon.socket)
+    streams = [conn.open_call(LOOKUP) for _ in range(MAX_STREAMS_PER_CONNECTION + extra)]
+    deadline = time.monotonic() + 10
+    while len(conn.reset) < extra and time.monotonic() < deadline and not conn.closed:
+        conn.pump(0.1)
+    refused = {s for s, code in conn.reset_codes.items() if code in REFUSED}
+    assert len(refused) >= extra, f"{len(refused)} refused of {len(streams)} opened"
+    assert streams[0] not in conn.reset  # still waiting for its request
+    with daemon.client(timeout_s=5) as client:  # another connection is served meanwhile
+        assert client.health()
+        assert client.lookup([b"k" * 32]).prefix_len == 0
+    conn.close()
