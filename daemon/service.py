@@ -612,12 +612,16 @@ class KVService:
             return hit[1]
         owner_idx = await self.store.namespace(space.ns, space.owner)
         bound = session.bound
-        if len(bound) >= 2 * self.config.server.max_namespaces_per_tenant:
+        floor = 2 * self.config.server.max_namespaces_per_tenant
+        if len(bound) >= max(session.bound_trim_at, floor):
             # Namespaces the store has unbound since (emptied, then passed over at the limit)
             # go: a session that moves through namespaces one after another would otherwise
-            # keep every one it ever bound. What is still bound is at most the limit per owner.
+            # keep every one it ever bound. What is still bound is at most the limit per owner,
+            # but a session may bind for many owners (an admin, shared namespaces): the next
+            # trim waits for twice what this one kept, or each bind would rebuild them all.
             owners = self.store.ns_owner
             session.bound = bound = {k: v for k, v in bound.items() if owners.get(v[0]) == v[1]}
+            session.bound_trim_at = max(floor, 2 * len(bound))
         bound[key] = (space.ns, owner_idx)
         return owner_idx
 

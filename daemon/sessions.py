@@ -71,6 +71,9 @@ class Session:
     # Namespaces (declared name, tenant acted for) -> (id, owner index) this session has
     # bound for its puts (``store.namespace`` ran for each once).
     bound: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    # ``bound``'s length at which the next trim runs (0: twice the namespace limit); twice
+    # what the last trim kept, so binds that all stay bound rebuild it only as it doubles.
+    bound_trim_at: int = 0
 
 
 class SessionRegistry:

@@ -17,11 +17,11 @@ from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
-from kvtier.daemon.sessions import PeerCred, SessionRegistry
+from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
-from kvtier.daemon.tenants import Tenant, TenantDirectory, _digest
+from kvtier.daemon.tenants import Space, Tenant, TenantDirectory, _digest
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import BlockRef, HostBuffers, TierKind
 from kvtier.tiers.host import HostArena
@@ -396,6 +396,38 @@ def test_regression_a_session_kept_every_namespace_it_had_ever_bound():
         finally:
             os.close(fd)
             service.close_session(session)
+            await store.stop(flush=False)
+            store.close()
+
+    asyncio.run(run())
+
+
+def test_regression_an_admin_session_bound_in_many_tenants_rebuilt_its_binds_each_time():
+    """Trimming the namespaces a session bound keeps those the store still binds, up to the
+    limit per owner: an admin putting for many tenants (or a session in many shared
+    namespaces) holds more than twice the limit while all are bound, and the trim rebuilt
+    the whole dict at every new bind, each finding nothing to drop. A trim that drops
+    little waits until the dict has doubled again."""
+    limit = 4
+    tenants = 25
+
+    async def run() -> None:
+        config = load_config(None, [f"server.max_namespaces_per_tenant={limit}"])
+        store = BlockStore(config, tiers=[HostArena(8 * 4096, 4096)])
+        service, _ = _service(store, config)
+        session = Session("s", "admin", 0.0, tenant="ops", admin=True)
+        rebuilds = 0
+        try:
+            for t in range(tenants):
+                for i in range(limit):
+                    space = Space(ns=1000 * t + i, owner=f"tenant{t}", name=f"m{i}")
+                    before = session.bound
+                    assert await service._bind(session, space) == store.owner_of(f"tenant{t}")
+                    rebuilds += session.bound is not before
+            # Every one is still bound, and each bind is remembered.
+            assert len(session.bound) == tenants * limit
+            assert rebuilds <= 6  # doubling: log2(100 / 8) + 1; each bind's rebuild: 92
+        finally:
             await store.stop(flush=False)
             store.close()
 
