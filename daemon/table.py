@@ -493,8 +493,16 @@ class BlockTable:
         if hashed is not None:  # keys added again get their history back (see History)
             # Taken last, as in ``add``: nothing between the take and the revive can raise.
             back = self.mementos.take_many(hashed)
+            error: BaseException | None = None
             for i in np.flatnonzero(back >= 0).tolist():
-                self._revive(int(back[i]), int(bids[i]))
+                # Every taken slot is revived (and freed) even when a listener raised for an
+                # earlier one: stopping would leave the rest taken for good.
+                try:
+                    self._revive(int(back[i]), int(bids[i]))
+                except BaseException as exc:  # raised once every slot is freed
+                    error = error or exc
+            if error is not None:
+                raise error
             self._compact_history()
         return bids
 

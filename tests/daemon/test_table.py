@@ -535,3 +535,36 @@ def test_memento_memory_comes_back_once_fewer_are_held():
         index.remove(held)
         held = new
     assert seen.renumbered == compactions
+
+
+def test_regression_a_listener_raising_in_a_batch_revive_leaked_the_batchs_other_slots():
+    """``add_many`` takes every returning key's memento, then revives them one by one: a
+    listener that raised while reviving the first left the others taken, never freed nor
+    revived, counted as remembered for good (and, still marked held, placed back in the map
+    at its next resize). Each is revived, and the first error raised after."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 4.0
+    seen = _Listener(index)
+    keys = [os.urandom(32) for _ in range(16)]
+    for bid in index.add_many(0, keys_to_words(keys), 4096).tolist():
+        index.remove(bid)
+    assert index.history_rows == 16
+    calls = []
+
+    def broken(slot: int, bid: int) -> None:
+        calls.append(bid)
+        if len(calls) == 1:
+            raise RuntimeError("listener")
+
+    index.on_revive.append(broken)
+    back = keys[:12]  # past the scalar tail: taken as a batch
+    with pytest.raises(RuntimeError):
+        index.add_many(0, keys_to_words(back), 4096)
+    assert index.history_rows == 4 and len(calls) == 12
+    assert [k for k, _ in seen.revived] == back
+    assert sorted(seen.kept.values()) == sorted(keys[12:])
+    # What is left is remembered as before: each key returns to its own history.
+    index.on_revive.remove(broken)
+    rest = index.add_many(0, keys_to_words(keys[:11:-1]), 4096).tolist()
+    assert seen.revived[12:] == list(zip(keys[:11:-1], rest, strict=True))
+    assert index.history_rows == 0 and seen.kept == {}
