@@ -7,6 +7,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
+from kvtier.daemon import table as table_module
+from kvtier.daemon.policy.memento import Kept, renumbered
 from kvtier.daemon.table import (
     MIN_COMPACT_SLOTS,
     MIN_HISTORY_BASE,
@@ -568,3 +570,81 @@ def test_regression_a_listener_raising_in_a_batch_revive_leaked_the_batchs_other
     rest = index.add_many(0, keys_to_words(keys[:11:-1]), 4096).tolist()
     assert seen.revived[12:] == list(zip(keys[:11:-1], rest, strict=True))
     assert index.history_rows == 0 and seen.kept == {}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_history_through_compactions_matches_an_ordered_dict(monkeypatch, seed):
+    """Random adds (one at a time and in batches), removes and history factors, with
+    ``Mementos.compact`` allowed from 64 slots: the keys remembered, revived and expired are
+    those of a plain ordered dict kept oldest first, and what a listener keeps by slot (in a
+    dict and in a ``Kept`` array, renumbered as the policies do) is the key's own."""
+    base = 8
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", base)
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 64)
+    rng = random.Random(seed)
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 4.0
+    by_slot: dict[int, bytes] = {}
+    kept = Kept([("word", np.uint64, 0)])
+    revived: list[bytes] = []
+    expired: list[bytes] = []
+    compactions = 0
+
+    def word(key: bytes) -> int:
+        return int.from_bytes(key[:8], "little")
+
+    def remember(bid: int, slot: int) -> None:
+        assert slot not in by_slot
+        by_slot[slot] = index.key_bytes(bid)
+        kept.fit(slot)
+        kept.views["word"][slot] = word(by_slot[slot])
+
+    def revive(slot: int, bid: int) -> None:
+        key = by_slot.pop(slot)
+        assert key == index.key_bytes(bid) and kept.views["word"][slot] == word(key)
+        revived.append(key)
+
+    def renumber(order: np.ndarray) -> None:
+        nonlocal by_slot, compactions
+        assert sorted(by_slot) == order.tolist()
+        by_slot = renumbered(by_slot, order)
+        kept.renumber(order)
+        compactions += 1
+
+    index.on_remember.append(remember)
+    index.on_revive.append(revive)
+    index.on_expire.append(lambda slot: expired.append(by_slot.pop(slot)))
+    index.on_renumber.append(renumber)
+    ref: OrderedDict[bytes, None] = OrderedDict()  # remembered keys, oldest first
+    live: dict[bytes, int] = {}
+    keys = [os.urandom(32) for _ in range(1500)]
+    removing = False
+    for step in range(5000):
+        if step % 300 == 0:  # phases of drops and of adds: the history swells and shrinks
+            removing = not removing
+        revived.clear()
+        expired.clear()
+        r = rng.random()
+        if r < 0.02:
+            index.history_factor = rng.choice([0.0, 0.5, 1.0, 4.0, 16.0])
+        elif live and (r < 0.45 or (removing and r < 0.8)):
+            key = rng.choice(list(live))
+            index.remove(live.pop(key))
+            if index.history_factor > 0:
+                ref[key] = None
+            limit = int(index.history_factor * max(len(live), base))
+            gone = [ref.popitem(last=False)[0] for _ in range(len(ref) - max(limit, 0))]
+            assert expired == gone
+        else:
+            batch = [
+                k for k in rng.sample(keys, rng.choice([1, rng.randint(2, 80)])) if k not in live
+            ]
+            if not batch:
+                continue
+            rows = index.add_many(0, keys_to_words(batch), 4096).tolist()
+            live.update(zip(batch, rows, strict=True))
+            assert revived == [k for k in batch if k in ref]
+            for key in revived:
+                del ref[key]
+        assert index.history_rows == len(ref) and sorted(by_slot.values()) == sorted(ref)
+    assert compactions
