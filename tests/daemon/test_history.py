@@ -170,6 +170,96 @@ def test_history_compacted_as_it_shrinks_decides_as_the_replayers_model(monkeypa
         assert daemon.policy.stats() == model.policy.stats()
 
 
+@pytest.mark.parametrize("policy", ["heat", "density", "arc", "lru"])
+def test_hinted_history_through_swinging_factors_decides_as_the_replayers_model(
+    monkeypatch, policy
+):
+    """The history factor swings every few requests (so the table compacts its mementos
+    again and again) while some resident blocks are hinted and then deleted: the daemon,
+    which keeps a deleted block's history (ARC's ghost, density's open life, heat's
+    segment) by memento slot, renumbered at each compaction, decides as the model that
+    keeps it by key."""
+
+    def _delete(model: _Model, key: int) -> None:
+        model.policy.remove(key)
+        model.live -= 1
+        model.history.pop(key, None)
+        model.history[key] = None
+        limit = int(model.factor * max(model.live, _BASE))
+        while len(model.history) > limit:
+            model.policy.forget(model.history.popitem(last=False)[0])
+
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
+    capacity = 24
+    model, daemon = _Model(policy, capacity, 16.0), _Daemon(policy, capacity, 16.0)
+    compactions = []
+    daemon.table.on_renumber.append(compactions.append)
+    rng = random.Random(9)
+    now = 0.0
+    for n, chain in enumerate(_requests(9, 600)):
+        if n % 25 == 0:
+            model.factor = daemon.table.history_factor = rng.choice([0.25, 0.5, 1, 4, 8, 16])
+        for i, key in enumerate(chain):
+            now += rng.uniform(0.01, 2.0)
+            parent = chain[i - 1] if i else -1
+            want = model.access(key, parent, now, capacity)
+            assert daemon.access(key, parent, now, capacity) == want
+            if rng.random() < 0.04:  # a hint on a resident block, which is often deleted
+                held = rng.choice(list(daemon.key_of.values()))
+                until = now + rng.uniform(1.0, 100.0)
+                row = daemon.row_of(held)
+                model.policy.hint(np.array([held]), until, now)
+                daemon.policy.hint(np.array([row]), until, now)
+                if rng.random() < 0.5 and held not in chain:
+                    _delete(model, held)
+                    daemon.key_of.pop(row)
+                    daemon.policy.remove(row)
+                    daemon.table.remove(row)
+    assert len(compactions) > 3
+    assert daemon.table.history_rows == len(model.history)
+    if policy == "density":
+        assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
+        assert list(daemon.policy.model.ends) == list(model.policy.model.ends)
+    elif policy != "lru":
+        assert daemon.policy.stats() == model.policy.stats()
+
+
+@pytest.mark.parametrize("policy", ["heat", "density", "arc", "lru"])
+def test_a_dropped_blocks_hint_comes_back_through_a_compaction(monkeypatch, policy):
+    """Hints of dropped blocks are kept by memento slot (``HintTable``, density's own): a
+    compaction between the drop and the return renumbers them with the slots, so each
+    returning block gets its own hint back."""
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", 8)
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
+    p = make_policy(policy, capacity_blocks=1000)
+    table = BlockTable(1, initial_capacity=16)
+    table.history_factor = 100.0
+    wire_history(table, p)
+    keys = [os.urandom(32) for _ in range(400)]
+    rows = table.add_many(0, keys_to_words(keys), 4096).tolist()
+    for i, bid in enumerate(rows):
+        p.insert(bid, float(i))
+    deadlines = [1e9 + i for i in range(5)]
+    for bid, until in zip(rows[-5:], deadlines, strict=True):
+        p.hint(np.array([bid]), until, 500.0)
+    for bid in rows:
+        p.remove(bid)
+        table.remove(bid)
+    compactions = []
+    table.on_renumber.append(compactions.append)
+    table.history_factor = 1.0  # the newest 8 stay: the table compacts at the next drop
+    bid = table.add(0, keys_to_words([os.urandom(32)])[0], 4096)
+    p.insert(bid, 600.0)
+    p.remove(bid)
+    table.remove(bid)
+    assert compactions and table.history_rows == 8
+    back = table.add_many(0, keys_to_words(keys[-5:][::-1]), 4096).tolist()
+    hints = p._hints if policy != "density" else None
+    got = [hints.until(b) if hints else float(p._until[b]) for b in back]
+    assert got == deadlines[::-1]
+
+
 def test_a_remembered_block_costs_a_few_tens_of_bytes():
     """Issue 13 bounds ghost and statistics memory at 128 bytes per resident block all in;
     at the default history factor (2) that leaves 64 per remembered block. Measured as the
