@@ -544,16 +544,18 @@ class BlockTable:
         self.gen[bid] += 1
         self._count -= 1
         mementos = self.mementos
-        if self.history_factor > 0:
-            older = mementos.take(ident)
-            if older >= 0:  # a collision (an add takes its memento back): the later wins
-                self._expire(older)
-            slot = mementos.put(ident)
-            for remember in self.on_remember:
-                remember(bid, slot)
-        self._free_rows.append(bid)
-        for listener in self.on_free:
-            listener(bid)
+        try:
+            if self.history_factor > 0:
+                older = mementos.take(ident)
+                if older >= 0:  # a collision (an add takes its memento back): the later wins
+                    self._expire(older)
+                slot = mementos.put(ident)
+                for remember in self.on_remember:
+                    remember(bid, slot)
+        finally:  # the row is marked free above: a listener's error must not lose it
+            self._free_rows.append(bid)
+            for listener in self.on_free:
+                listener(bid)
         limit = int(self.history_factor * max(self._count, MIN_HISTORY_BASE))
         while mementos.count > max(limit, 0):
             self._expire(mementos.take_oldest())

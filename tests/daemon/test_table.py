@@ -648,3 +648,24 @@ def test_history_through_compactions_matches_an_ordered_dict(monkeypatch, seed):
                 del ref[key]
         assert index.history_rows == len(ref) and sorted(by_slot.values()) == sorted(ref)
     assert compactions
+
+
+def test_regression_a_listener_raising_in_remove_lost_the_row():
+    """``remove`` marks the row free, then keeps its history: a ``remember`` listener that
+    raised (or an ``expire`` one, for an older memento of the same identity) skipped
+    putting the row on the free list and telling ``on_free``, so the row was never reused
+    and the policies never heard ``forget`` for it."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0
+    freed: list[int] = []
+    index.on_free.append(freed.append)
+    bid = _ready(index, 0, os.urandom(32))
+
+    def broken(bid: int, slot: int) -> None:
+        raise RuntimeError("listener")
+
+    index.on_remember.append(broken)
+    with pytest.raises(RuntimeError):
+        index.remove(bid)
+    assert freed == [bid]
+    assert _ready(index, 0, os.urandom(32)) == bid  # the row is reused
