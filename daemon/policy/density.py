@@ -41,8 +41,10 @@ ones. The heat itself as the weight (not its square root) lost hit ratio at 5-10
 decaying the weight with the block's age, normalising it per class, or classing lives by
 heat instead of the access count did worse on the mixes.
 
-Ranking. A block's key is ``(density at its age, last access, -depth, id)``; ages are taken at
-``now`` rounded down to ``quantum_s``, so every decision is a function of the policy's state
+Ranking. A block's key is ``(density at its age, last access, -depth, insertion number)``
+(never the id: the daemon's ids are reused rows, whose order means nothing, so ties broken by
+id made it decide otherwise than the replayer, whose ids are first-seen order). Ages are
+taken at ``now`` rounded down to ``quantum_s``, so every decision is a function of the policy's state
 and that quantum, and the order changes only when the quantum or the table changes.
 ``victims`` takes the lowest keys under the chain rule: a block is a candidate only once its
 resident children are (each releases its parent at the child's key, so a parent ranks at
@@ -483,7 +485,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._now = -math.inf
         self._tables = 0
         # The candidate buffer (see the module docstring).
-        self._buf: list[tuple[float, float, int, int, int]] = []
+        self._buf: list[tuple[float, float, int, int, int, int]] = []
         self._cur = 0
         self._bound = -math.inf
         self._complete = False
@@ -494,7 +496,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._memo_mask: EvictableFn | None = None
         self._memo_tag: tuple[float, float, int] = (math.nan, math.nan, -1)
         self._memo_allowed: dict[int, tuple[int, bool]] = {}
-        self._memo_keys: dict[int, tuple[int, tuple[float, float, int]]] = {}
+        self._memo_keys: dict[int, tuple[int, tuple[float, float, int, int]]] = {}
         self._taken = 0  # victims proposed since the last rebuild (sizes the next buffer)
         self._rebuilds = 0
         # The last single victim proposed and its density, for ``admits``.
@@ -548,7 +550,7 @@ class DensityPolicy(InsertEach, Hinted):
                 dens = self._rows[cls][0] * math.sqrt(self._heat_v[bid])
                 if dens <= self._bound and self._until_v[bid] < q + self._quantum:
                     bisect.insort(
-                        self._buf, (dens, now, -self._depth_v[bid], bid, seq), lo=self._cur
+                        self._buf, (dens, now, -self._depth_v[bid], seq, bid, seq), lo=self._cur
                     )
         if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
@@ -644,6 +646,7 @@ class DensityPolicy(InsertEach, Hinted):
                 dens.tolist(),
                 [now] * len(ids),
                 (-self._depth[ids].astype(np.int64)).tolist(),
+                self._ins[ids].tolist(),
                 ids.tolist(),
                 self._stamp[ids].tolist(),
                 strict=True,
@@ -683,7 +686,14 @@ class DensityPolicy(InsertEach, Hinted):
                             x = AGE_BUCKETS - 1
                     dens = self._rows[self._cls_v[parent]][x] * math.sqrt(self._heat_v[parent])
                     if dens <= self._bound:
-                        entry = (dens, last, -self._depth_v[parent], parent, self._stamp_v[parent])
+                        entry = (
+                            dens,
+                            last,
+                            -self._depth_v[parent],
+                            self._ins_v[parent],
+                            parent,
+                            self._stamp_v[parent],
+                        )
                         bisect.insort(self._buf, entry, lo=self._cur)
 
     def remember(self, bid: int, slot: int) -> None:
@@ -832,14 +842,14 @@ class DensityPolicy(InsertEach, Hinted):
         i, end = self._cur, len(buf)
         while i < end:
             e = buf[i]
-            out = e[3]
-            if state_v[out] == _RESIDENT and stamp_v[out] == e[4] and kids_v[out] == 0:
+            out = e[4]
+            if state_v[out] == _RESIDENT and stamp_v[out] == e[5] and kids_v[out] == 0:
                 break
             i += 1
         self._cur = i
         if i == end:
             return self._replace_by_steps(bid, parent, now)
-        self._pick = (out, e[4], e[0])
+        self._pick = (out, e[5], e[0])
         self._taken += 1
         # The class of the life the access starts (``_access``), which admission weighs (no
         # hint is live, so the incoming block's density is its class's at age 0).
@@ -922,7 +932,7 @@ class DensityPolicy(InsertEach, Hinted):
                         x = AGE_BUCKETS - 1
                 pdens = self._rows[self._cls_v[p]][x] * math.sqrt(heat_v[p])
                 if pdens <= self._bound:
-                    bisect.insort(buf, (pdens, last, -depth_v[p], p, stamp_v[p]), lo=i)
+                    bisect.insort(buf, (pdens, last, -depth_v[p], ins_v[p], p, stamp_v[p]), lo=i)
         # ``insert(bid, now, parent)``, with the class above.
         state_v[bid] = _RESIDENT
         self._seq += 1
@@ -936,7 +946,7 @@ class DensityPolicy(InsertEach, Hinted):
         else:
             self._parent_v[bid] = -1
         if dens <= self._bound and until_v[bid] < q + quantum:
-            bisect.insort(buf, (dens, now, -depth, bid, seq), lo=i)
+            bisect.insort(buf, (dens, now, -depth, seq, bid, seq), lo=i)
         if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
         return int(out)
@@ -976,10 +986,10 @@ class DensityPolicy(InsertEach, Hinted):
         state_v, stamp_v, kids_v = self._state_v, self._stamp_v, self._kids_v
         while i < len(buf):
             e = buf[i]
-            b = e[3]
-            if state_v[b] == _RESIDENT and stamp_v[b] == e[4] and kids_v[b] == 0:
+            b = e[4]
+            if state_v[b] == _RESIDENT and stamp_v[b] == e[5] and kids_v[b] == 0:
                 self._cur = i
-                self._pick = (b, e[4], e[0])
+                self._pick = (b, e[5], e[0])
                 self._taken += 1
                 return int(b)
             i += 1
@@ -1212,7 +1222,7 @@ class DensityPolicy(InsertEach, Hinted):
         age = max(0.0, now - self._last_v[bid]) / self._quantum
         self.model.ends[self._cls_v[bid] * AGE_BUCKETS + age_bucket(age)] += 1
 
-    def _key(self, bid: int, q: float) -> tuple[float, float, int]:
+    def _key(self, bid: int, q: float) -> tuple[float, float, int, int]:
         last = self._last_v[bid]
         age = (q - last) / self._quantum
         return (
@@ -1220,6 +1230,7 @@ class DensityPolicy(InsertEach, Hinted):
             * math.sqrt(self._heat_v[bid]),
             last,
             -self._depth_v[bid],
+            self._ins_v[bid],
         )
 
     def _note(self, bid: int, cls: int, now: float) -> None:
@@ -1232,10 +1243,10 @@ class DensityPolicy(InsertEach, Hinted):
         if self._kids_v[bid] == 0 and self._until_v[bid] < q + self._quantum:
             dens = self._rows[cls][0] * math.sqrt(self._heat_v[bid])
             if dens <= self._bound:
-                self._insort((dens, now, -self._depth_v[bid]), bid)
+                self._insort((dens, now, -self._depth_v[bid], self._ins_v[bid]), bid)
 
-    def _insort(self, key: tuple[float, float, int], bid: int) -> None:
-        entry = (key[0], key[1], key[2], bid, self._stamp_v[bid])
+    def _insort(self, key: tuple[float, float, int, int], bid: int) -> None:
+        entry = (*key, bid, self._stamp_v[bid])
         bisect.insort(self._buf, entry, lo=self._cur)
 
     def _new_table(self, now: float) -> None:
@@ -1296,13 +1307,15 @@ class DensityPolicy(InsertEach, Hinted):
             ids, last, dens = ids[keep], last[keep], dens[keep]
             self._complete = False
         depth = -self._depth[ids].astype(np.int64)
-        order = np.lexsort((ids, depth, last, dens))
+        ins = self._ins[ids]
+        order = np.lexsort((ins, depth, last, dens))
         ids = ids[order]
         self._buf = list(
             zip(
                 dens[order].tolist(),
                 last[order].tolist(),
                 depth[order].tolist(),
+                ins[order].tolist(),
                 ids.tolist(),
                 self._stamp[ids].tolist(),
                 strict=True,
@@ -1322,7 +1335,7 @@ class DensityPolicy(InsertEach, Hinted):
         hints_live = self._hinted_until >= now
         i = self._cur
         advance = True
-        revived: list[tuple[tuple[float, float, int], int]] = []
+        revived: list[tuple[tuple[float, float, int, int], int]] = []
         released: dict[int, int] = {}
         seen: set[int] = set()
         chosen: list[int] = []
@@ -1340,8 +1353,8 @@ class DensityPolicy(InsertEach, Hinted):
         while len(chosen) < n:
             while i < len(buf):
                 e = buf[i]
-                b = e[3]
-                if state_v[b] != _RESIDENT or stamp_v[b] != e[4] or kids_v[b] > 0:
+                b = e[4]
+                if state_v[b] != _RESIDENT or stamp_v[b] != e[5] or kids_v[b] > 0:
                     i += 1  # stale, or not a leaf (re-entered when it becomes one)
                     if advance:
                         self._cur = i
@@ -1351,12 +1364,12 @@ class DensityPolicy(InsertEach, Hinted):
                     continue
                 break
             head = buf[i] if i < len(buf) else None
-            if revived and (head is None or revived[0] < (head[:3], head[3])):
+            if revived and (head is None or revived[0] < (head[:4], head[4])):
                 if head is None and revived[0][0][0] > self._bound and not self._complete:
                     return None
                 key, b = heapq.heappop(revived)
             elif head is not None:
-                key, b = head[:3], head[3]
+                key, b = head[:4], head[4]
                 i += 1
                 advance = False
             elif self._complete:
@@ -1393,7 +1406,7 @@ class DensityPolicy(InsertEach, Hinted):
     def _ask_mask(
         self,
         b: int,
-        buf: list[tuple[float, float, int, int, int]],
+        buf: list[tuple[float, float, int, int, int, int]],
         i: int,
         evictable: EvictableFn,
         memo: dict[int, tuple[int, bool]],
@@ -1413,7 +1426,7 @@ class DensityPolicy(InsertEach, Hinted):
             return m is None or m[0] != stamp_v[x]
 
         batch = [b]
-        batch += [e[3] for e in buf[i : i + 31] if fresh(e[3])]
+        batch += [e[4] for e in buf[i : i + 31] if fresh(e[4])]
         x = b
         for _ in range(32):
             p = parent_v[x]

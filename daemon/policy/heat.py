@@ -10,7 +10,8 @@ parent must never rank colder than a child: each block's *effective* key is the 
 its own key and its resident descendants' (propagated up when a key grows; a parent whose
 child left keeps the higher key, which errs on the safe side), and a block's segment is never
 below its child's (protecting a block protects its ancestors). Equal effective keys rank the
-deeper block colder, so a chain is eaten from its leaf.
+deeper block colder, so a chain is eaten from its leaf, then the one inserted first (not the
+lower id: the daemon reuses rows, so the replayer's ids would order ties otherwise).
 
 Owed raises. Raising the ancestors at once walks to the root whenever a deeper block ranks
 above them, which is the common case (a conversation's blocks are stored one by one, each a
@@ -143,13 +144,16 @@ class HeatStats:
 
 @dataclass(slots=True)
 class _Buffer:
-    """Coldest-first ``(effective key, -depth, bid)`` entries of one segment from ``cur`` on.
+    """Coldest-first ``(effective key, -depth, insertion number, bid)`` entries of one
+    segment from ``cur`` on. Ties go to the block inserted first, never to the lower id: the
+    daemon's ids are reused rows, whose order means nothing (the replayer's are first-seen
+    order), so an id tie-break made the two decide differently.
 
     Invariant: every block of the segment whose effective key is at most ``bound`` has a
     current entry here (``bound`` is +inf when the buffer covers the whole segment).
     """
 
-    entries: list[tuple[float, int, int]] = field(default_factory=list)
+    entries: list[tuple[float, int, int, int]] = field(default_factory=list)
     cur: int = 0
     bound: float = -math.inf
     complete: bool = False
@@ -264,7 +268,7 @@ class HeatPolicy(Hinted):
         self.scan_steps = 0
         self._hints = HintTable()
         # Parked entries of hinted blocks: (deadline, bid, segment, buffer gen, entry).
-        self._parked: list[tuple[float, int, int, int, tuple[float, int, int]]] = []
+        self._parked: list[tuple[float, int, int, int, tuple[float, int, int, int]]] = []
         self._size = 0
         self._alloc(len(self.heat))
         # Histories of dropped blocks by memento slot (``remember``; their hints are kept
@@ -625,7 +629,7 @@ class HeatPolicy(Hinted):
         parts = []
         for seg in (_PROBATION, _PROTECTED):
             ids = np.flatnonzero(self._seg[: self._size] == seg)
-            parts.append(ids[np.lexsort((ids, -self._depth[ids], self._eff[ids]))])
+            parts.append(ids[np.lexsort((self._ins[ids], -self._depth[ids], self._eff[ids]))])
         return np.concatenate(parts)
 
     @property
@@ -1033,7 +1037,7 @@ class HeatPolicy(Hinted):
         """Keep the buffer invariant after ``bid`` got ``key`` in ``seg``."""
         buf = self._bufs[seg]
         if key <= buf.bound:
-            bisect.insort(buf.entries, (key, -depth, bid), lo=buf.cur)
+            bisect.insort(buf.entries, (key, -depth, self._ins_v[bid], bid), lo=buf.cur)
             if buf.complete and len(buf.entries) - buf.cur > 4 * _MIN_BUFFER:
                 buf.bound = -math.inf  # too big to keep whole; the next read rebuilds it
                 buf.complete = False
@@ -1041,22 +1045,26 @@ class HeatPolicy(Hinted):
                 buf.cur = 0
                 buf.gen += 1
 
-    def _valid(self, seg: int, entry: tuple[float, int, int]) -> bool:
-        bid = entry[2]
-        return self._seg_v[bid] == seg and self._eff_v[bid] == entry[0]
+    def _valid(self, seg: int, entry: tuple[float, int, int, int]) -> bool:
+        bid = entry[3]
+        return (
+            self._seg_v[bid] == seg
+            and self._eff_v[bid] == entry[0]
+            and self._ins_v[bid] == entry[2]
+        )
 
     def _coldest(self, seg: int, now: float | None = None) -> int:
         """The coldest block of ``seg`` or -1 (hinted or not); drops stale entries at the
         buffer's head. ``now``: hints are live (a rebuild parks their blocks)."""
         buf = self._bufs[seg]
-        seg_v, eff_v = self._seg_v, self._eff_v
+        seg_v, eff_v, ins_v = self._seg_v, self._eff_v, self._ins_v
         while True:
             entries = buf.entries
             start = cur = buf.cur
             size = len(entries)
             while cur < size:
-                key, _, bid = entries[cur]
-                if seg_v[bid] == seg and eff_v[bid] == key:
+                key, _, ins, bid = entries[cur]
+                if seg_v[bid] == seg and eff_v[bid] == key and ins_v[bid] == ins:
                     # ``_trimmed``'s test first: mostly the head did not move, or moved
                     # little (one victim per call).
                     if cur != start:
@@ -1094,7 +1102,7 @@ class HeatPolicy(Hinted):
         seen: set[int] = set()
         pending: list[int] = []
         at: list[int] = []  # each pending block's position in the buffer
-        seg_v, eff_v = self._seg_v, self._eff_v
+        seg_v, eff_v, ins_v = self._seg_v, self._eff_v, self._ins_v
         i = buf.cur
         want = first
         steps = 0
@@ -1115,9 +1123,14 @@ class HeatPolicy(Hinted):
                 entry = buf.entries[i]
                 i += 1
                 steps += 1
-                bid = entry[2]
+                bid = entry[3]
                 # ``_valid``, inline: once per entry scanned.
-                if bid in seen or seg_v[bid] != seg or eff_v[bid] != entry[0]:
+                if (
+                    bid in seen
+                    or seg_v[bid] != seg
+                    or eff_v[bid] != entry[0]
+                    or ins_v[bid] != entry[2]
+                ):
                     continue
                 # Once per block: passing or not, the call decides the same for any other
                 # entry of it.
@@ -1207,9 +1220,16 @@ class HeatPolicy(Hinted):
             buf.bound = kth
             buf.complete = False
         depth = self._depth[ids].astype(np.int64)
-        order = np.lexsort((ids, -depth, keys))
+        ins = self._ins[ids]
+        order = np.lexsort((ins, -depth, keys))
         buf.entries = list(
-            zip(keys[order].tolist(), (-depth[order]).tolist(), ids[order].tolist(), strict=True)
+            zip(
+                keys[order].tolist(),
+                (-depth[order]).tolist(),
+                ins[order].tolist(),
+                ids[order].tolist(),
+                strict=True,
+            )
         )
         buf.cur = 0
         if len(parked):
@@ -1218,12 +1238,18 @@ class HeatPolicy(Hinted):
             near = pkeys <= buf.bound
             parked, until, pkeys = parked[near], until[near], pkeys[near]
             pdepth = -self._depth[parked].astype(np.int64)
+            pins = self._ins[parked]
             gen = buf.gen
             self._parked = [e for e in self._parked if e[2] != seg or e[3] == gen]
             self._parked.extend(
-                (u, b, seg, gen, (k, d, b))
-                for u, b, k, d in zip(
-                    until.tolist(), parked.tolist(), pkeys.tolist(), pdepth.tolist(), strict=True
+                (u, b, seg, gen, (k, d, n, b))
+                for u, b, k, d, n in zip(
+                    until.tolist(),
+                    parked.tolist(),
+                    pkeys.tolist(),
+                    pdepth.tolist(),
+                    pins.tolist(),
+                    strict=True,
                 )
             )
             heapq.heapify(self._parked)

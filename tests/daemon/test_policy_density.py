@@ -516,8 +516,9 @@ class Mirror:
 
 
 def brute_force(p: DensityPolicy, m: Mirror, n: int, now: float, mask) -> list[int] | None:
-    def key(b: int) -> tuple[float, float, int]:
-        return (p.density(b, now), p.describe(b).last, -p.describe(b).depth)
+    def key(b: int) -> tuple[float, float, int, int]:
+        # Ties: the block inserted first (the policy's insertion numbers run as the mirror's).
+        return (p.density(b, now), p.describe(b).last, -p.describe(b).depth, m.resident[b])
 
     kids: dict[int, int] = {}
     for b in m.resident:

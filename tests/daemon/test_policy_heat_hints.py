@@ -36,7 +36,7 @@ class WalkingHeat(HeatPolicy):
             entry = buf.entries[i]
             i += 1
             self.scan_steps += 1
-            bid = entry[2]
+            bid = entry[3]
             if bid in yielded or not self._valid(seg, entry):
                 continue
             if now is not None and self._hints.until(bid) >= now:
