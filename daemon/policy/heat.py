@@ -95,14 +95,25 @@ from kvtier.daemon.counts import add_at
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
-from kvtier.daemon.policy.memento import Kept, seq_back, seq_keep
+from kvtier.daemon.policy.memento import SEQ_MOD, Kept, seq_ages
 
 # Segments, also the values of the per-block ``_seg`` array (0: not resident).
 _OUT = 0
 _PROBATION = 1
 _PROTECTED = 2
 
-_NEVER_SEEN = -(1 << 62)
+# Per-row sequence numbers (``_seen``, ``_gseq``) are uint32 residues (``seq_keep``, 0: none),
+# read only as ages against the count of the day (``seq_ages``), which is exact while the age
+# is below ``SEQ_MOD``. Every ``_AGE_OUT_EVERY`` accesses the rows whose age reached
+# ``_AGE_OUT`` forget it (never seen, no ghost), so no stored age ever reaches ``SEQ_MOD``
+# (evictions are never more than accesses). Decisions compare ages with
+# ``memory_factor * capacity`` and ``shadow_fraction * capacity``: an age past ``_AGE_OUT`` is
+# beyond both, and forgetting it decides alike, at any capacity below 400 million blocks.
+_AGE_OUT = 1 << 31
+_AGE_OUT_EVERY = 1 << 30
+# ``_ins`` is a uint32: before the insertion count passes it, the resident blocks' numbers are
+# renumbered densely in their order (only residents' are compared: ``_renumber_inserts``).
+_INS_LIMIT = (1 << 32) - 1
 _ONE = np.zeros(1, dtype=np.int64)
 _MIN_BUFFER = 64
 # Candidates are checked against the evictable mask in batches of at least this many.
@@ -126,7 +137,7 @@ DEFAULT_HALF_LIFE_S = 30.0
 # A dropped block's history (``remember``): name, dtype, value of a forgotten row.
 _KEPT: list[tuple[str, Any, float]] = [
     ("_ghost", np.int8, _OUT),
-    ("_gseq", np.uint32, 0),  # ``seq_keep``: 0 none
+    ("_gseq", np.uint32, 0),  # ``seq_keep``, as the rows keep them: 0 none
     ("_seen", np.uint32, 0),
     ("heat", np.float32, 0.0),
     ("last_access", np.float64, -math.inf),
@@ -215,9 +226,9 @@ class HeatPolicy(Hinted):
     _ghost: np.ndarray  # segment the block was last evicted from, while not resident
     _depth: np.ndarray  # position in its resident chain (0: no resident parent)
     _parent: np.ndarray  # parent id, -1 once the link is known dead
-    _ins: np.ndarray  # insertion sequence number: tells a parent from a reused id
-    _seen: np.ndarray  # access sequence number of the last access
-    _gseq: np.ndarray  # the segment's eviction count when the block was evicted
+    _ins: np.ndarray  # insertion number (uint32): tells a parent from a reused id
+    _seen: np.ndarray  # access count at the last access (``seq_keep``; 0: never)
+    _gseq: np.ndarray  # its segment's eviction count when evicted (``seq_keep``)
     _kids: np.ndarray  # resident children in probation (linked)
     _eff_v: Any
     _seg_v: Any
@@ -256,6 +267,7 @@ class HeatPolicy(Hinted):
         self._evictions = [0, 0, 0]
         self._accesses = 0
         self._inserts = 0
+        self._age_out_at = _AGE_OUT_EVERY  # access count of the next ``_age_out``
         self._rebuilds = 0
         self._bufs = [_Buffer(), _Buffer(), _Buffer()]
         # Owed raises, block -> key its resident ancestors owe (see the module docstring).
@@ -291,12 +303,15 @@ class HeatPolicy(Hinted):
         # Per-access path: locals and memoryviews keep it to a few microseconds.
         cap = self._fixed_capacity or max(self._high_water, 1)
         self._accesses += 1
+        if self._accesses >= self._age_out_at:
+            self._age_out()
         ghost_v = self._ghost_v
         ghost = ghost_v[bid]
         returning = False
         if ghost != _OUT:
             # ``_in_shadow``, inline: most inserts of a full tier are of evicted blocks.
-            returning = self._evictions[ghost] - self._gseq_v[bid] < self._shadow_fraction * cap
+            gseq = self._gseq_v[bid]
+            returning = (self._evictions[ghost] - gseq + 1) % SEQ_MOD < self._shadow_fraction * cap
             if returning:
                 if ghost == _PROBATION:
                     self._p = min(float(cap), self._p + self._gain)
@@ -304,13 +319,17 @@ class HeatPolicy(Hinted):
                     self._p = max(0.0, self._p - self._gain)
             ghost_v[bid] = _OUT
         seen_v = self._seen_v
+        seen = seen_v[bid]
+        acc = self._accesses
         linked = 0 <= parent < self._size and seg_v[parent] != _OUT
-        if returning or self._accesses - seen_v[bid] <= self._memory_factor * cap:
+        if returning or (seen and (acc - seen + 1) % SEQ_MOD <= self._memory_factor * cap):
             seg = _PROTECTED
         else:
             seg = _PROBATION
-        seen_v[bid] = self._accesses
+        seen_v[bid] = acc % SEQ_MOD + 1  # seq_keep, inline
         key = self.heat.record_one(bid, now)
+        if self._inserts >= _INS_LIMIT:
+            self._renumber_inserts()
         self._inserts += 1
         self._ins_v[bid] = self._inserts
         depth = 0
@@ -360,6 +379,8 @@ class HeatPolicy(Hinted):
             return False
         if ids.max() >= self._size:
             self._grow(int(ids.max()) + 1)  # as the loop would (sizes do not decide)
+        if self._accesses + n >= self._age_out_at:
+            self._age_out()  # as the loop would, in advance (it decides nothing)
         if (self._seg[ids] != _OUT).any() or (self._ghost[ids] != _OUT).any():
             return False
         order = np.argsort(ids, kind="stable")
@@ -383,7 +404,9 @@ class HeatPolicy(Hinted):
             c0 = self._count[_PROBATION] + self._count[_PROTECTED]
             cap = np.maximum(np.maximum(self._high_water, c0 + step), 1).astype(np.float64)
         seen = self._seen[ids]
-        protected = (acc - seen) <= self._memory_factor * cap
+        protected = (seen != 0) & (
+            (acc - seen.astype(np.int64) + 1) % SEQ_MOD <= self._memory_factor * cap
+        )
         seg = np.where(protected, _PROTECTED, _PROBATION).astype(self._seg.dtype)
         saved = self.heat.heat[ids].copy(), self.heat.last_access[ids].copy()
         keys = self.heat.record_distinct(ids, now)
@@ -396,7 +419,9 @@ class HeatPolicy(Hinted):
             self.heat.heat[ids], self.heat.last_access[ids] = saved
             return False
         self._accesses += n
-        self._seen[ids] = acc
+        self._seen[ids] = acc % SEQ_MOD + 1
+        if self._inserts + n >= _INS_LIMIT:
+            self._renumber_inserts()
         self._ins[ids] = self._inserts + step + 1
         self._inserts += n
         self._kids[ids] = 0
@@ -437,7 +462,9 @@ class HeatPolicy(Hinted):
         if seg == _OUT:
             raise KeyError(bid)
         self._accesses += 1
-        self._seen_v[bid] = self._accesses
+        if self._accesses >= self._age_out_at:
+            self._age_out()
+        self._seen_v[bid] = self._accesses % SEQ_MOD + 1
         self._rekey(bid, self.heat.record_one(bid, now))
         if len(self._owed_new) > _OWED_LIMIT:
             self._defer_owed()
@@ -471,7 +498,9 @@ class HeatPolicy(Hinted):
             for bid in ids.tolist():
                 self.touch(bid, now)
             return
-        self._seen[ids] = np.arange(self._accesses + 1, self._accesses + n + 1)
+        if self._accesses + n >= self._age_out_at:
+            self._age_out()
+        self._seen[ids] = np.arange(self._accesses + 1, self._accesses + n + 1) % SEQ_MOD + 1
         self._accesses += n
         self._settle(ids, self.heat.record_distinct(ids, now), locate)
         if len(self._owed_new) > _OWED_LIMIT:
@@ -491,14 +520,14 @@ class HeatPolicy(Hinted):
         self._count[seg] -= 1
         self._evictions[seg] += 1
         self._ghost_v[bid] = seg
-        self._gseq_v[bid] = self._evictions[seg]
+        self._gseq_v[bid] = self._evictions[seg] % SEQ_MOD + 1  # seq_keep, inline
 
     def forget(self, bid: int) -> None:
         self._hints.forget(bid)
         if not 0 <= bid < self._size or self._seg_v[bid] != _OUT:
             return
         self._ghost_v[bid] = _OUT
-        self._seen_v[bid] = _NEVER_SEEN
+        self._seen_v[bid] = 0
         self.heat.reset(bid)
 
     def remember(self, bid: int, slot: int) -> None:
@@ -510,10 +539,9 @@ class HeatPolicy(Hinted):
         if 0 <= bid < self._size:
             views = kept.views
             views["_ghost"][slot] = ghost = self._ghost_v[bid]
-            # A sequence number is read only with its state (a ghost's, a seen block's).
-            views["_gseq"][slot] = seq_keep(self._gseq_v[bid]) if ghost != _OUT else 0
-            seen = self._seen_v[bid]
-            views["_seen"][slot] = seq_keep(seen) if seen != _NEVER_SEEN else 0
+            # Kept as the row keeps them; a ghost's number is read only with the ghost.
+            views["_gseq"][slot] = self._gseq_v[bid] if ghost != _OUT else 0
+            views["_seen"][slot] = self._seen_v[bid]
             views["heat"][slot] = self.heat._heat_mv[bid]
             views["last_access"][slot] = self.heat._last_mv[bid]
         else:
@@ -525,10 +553,9 @@ class HeatPolicy(Hinted):
         if bid >= self._size:
             self._grow(bid + 1)
         views = self._kept.views
-        self._ghost_v[bid] = ghost = views["_ghost"][slot]
-        gseq, seen = views["_gseq"][slot], views["_seen"][slot]
-        self._gseq_v[bid] = seq_back(gseq, self._evictions[ghost]) if gseq else 0
-        self._seen_v[bid] = seq_back(seen, self._accesses) if seen else _NEVER_SEEN
+        self._ghost_v[bid] = views["_ghost"][slot]
+        self._gseq_v[bid] = views["_gseq"][slot]
+        self._seen_v[bid] = views["_seen"][slot]
         self.heat._heat_mv[bid] = views["heat"][slot]
         self.heat._last_mv[bid] = views["last_access"][slot]
         self._hints.revive(slot, bid)
@@ -720,7 +747,8 @@ class HeatPolicy(Hinted):
         return int(ghost)
 
     def _in_shadow(self, bid: int, ghost: int, cap: int) -> bool:
-        return self._evictions[ghost] - self._gseq_v[bid] < self._shadow_fraction * cap
+        age = (self._evictions[ghost] - self._gseq_v[bid] + 1) % SEQ_MOD
+        return age < self._shadow_fraction * cap
 
     def _adapted_target(self, incoming: Sequence[int]) -> tuple[float, bool]:
         """``p`` as it will be once ``incoming`` are inserted, and whether the first of them
@@ -1277,9 +1305,9 @@ class HeatPolicy(Hinted):
             "_ghost": np.zeros(size, dtype=np.int8),
             "_depth": np.zeros(size, dtype=np.int32),
             "_parent": np.full(size, -1, dtype=np.int32),
-            "_ins": np.zeros(size, dtype=np.int64),
-            "_seen": np.full(size, _NEVER_SEEN, dtype=np.int64),
-            "_gseq": np.zeros(size, dtype=np.int64),
+            "_ins": np.zeros(size, dtype=np.uint32),
+            "_seen": np.zeros(size, dtype=np.uint32),
+            "_gseq": np.zeros(size, dtype=np.uint32),
             "_kids": np.zeros(size, dtype=np.int32),
         }
         for name, arr in fresh.items():
@@ -1290,6 +1318,32 @@ class HeatPolicy(Hinted):
             # fraction of the cost of numpy's scalar indexing.
             setattr(self, name + "_v", arr.data)
         self._size = size
+
+    def _age_out(self) -> None:
+        """Forget the sequence numbers whose age reached ``_AGE_OUT`` (a block never seen,
+        a ghost gone), before any can reach ``SEQ_MOD``; next due ``_AGE_OUT_EVERY`` accesses
+        on (see ``_AGE_OUT``)."""
+        size = self._size
+        seen = self._seen[:size]
+        old = (seen != 0) & (seq_ages(seen, self._accesses) >= _AGE_OUT)
+        seen[old] = 0
+        ghost = self._ghost[:size]
+        for seg in (_PROBATION, _PROTECTED):
+            rows = np.flatnonzero(ghost == seg)
+            gone = rows[seq_ages(self._gseq[rows], self._evictions[seg]) >= _AGE_OUT]
+            ghost[gone] = _OUT
+            self._gseq[gone] = 0
+        self._age_out_at = self._accesses + _AGE_OUT_EVERY
+
+    def _renumber_inserts(self) -> None:
+        """Number the resident blocks 1.. in their insertion order, and go on from there:
+        only residents' numbers are compared (a link whose parent left is dead whatever the
+        numbers say), and a block inserted later is numbered above all of them."""
+        resident = np.flatnonzero(self._seg[: self._size] != _OUT)
+        ranked = resident[np.argsort(self._ins[resident], kind="stable")]
+        self._ins[:] = 0
+        self._ins[ranked] = np.arange(1, len(ranked) + 1)
+        self._inserts = len(ranked)
 
     def _grow(self, need: int) -> None:
         size = max(need, 2 * self._size)

@@ -7,7 +7,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+import kvtier.daemon.policy.heat as heat_module
 from kvtier.daemon.policy.heat import HeatPolicy
+from kvtier.daemon.policy.memento import SEQ_MOD
 
 
 def order_of(policy: HeatPolicy, n: int | None = None) -> list[int]:
@@ -271,3 +273,75 @@ def test_regression_a_reused_id_was_a_victim_twice_under_a_mask():
     policy.insert(3, 0.0)
     every = policy.victims(5, 0.0, lambda b: np.ones(len(b), dtype=bool))
     assert every is not None and sorted(every.tolist()) == [0, 1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------ 32-bit counts
+
+
+def _churn(policies: list[HeatPolicy], steps: int, seed: int) -> None:
+    """The same random traffic for each of ``policies`` (chains, returns past and within
+    the shadows and the memory window, batched touches, forgotten ids); their victims must
+    agree at every step."""
+    rng = np.random.default_rng(seed)
+    now = 0.0
+    for step in range(steps):
+        now += float(rng.exponential(0.5))
+        bid = int(rng.integers(0, 160))
+        if bid in policies[0]:
+            for p in policies:
+                p.touch(bid, now)
+            continue
+        if len(policies[0]) >= 40:
+            outs = [p.victim(now, bid) for p in policies]
+            assert len(set(outs)) == 1, step
+            forget = rng.random() < 0.1
+            for p in policies:
+                p.remove(outs[0])
+                if forget:
+                    p.forget(outs[0])
+        parent = bid - 1 if bid % 8 and bid - 1 in policies[0] else -1
+        for p in policies:
+            p.insert(bid, now, parent)
+        if step % 97 == 0:
+            chain = np.asarray([b for b in range(160) if b in policies[0]][:24], dtype=np.int64)
+            for p in policies:
+                p.touch_many(chain, now)
+    for p in policies[1:]:
+        assert p.order().tolist() == policies[0].order().tolist()
+        assert (p._count, p._p) == (policies[0]._count, policies[0]._p)
+
+
+def test_counts_kept_in_32_bits_decide_as_from_zero_across_their_wraps() -> None:
+    """Per-row counts are uint32 (``_seen`` and ``_gseq`` residues, ``_ins`` numbers): a
+    policy whose access, eviction and insertion counts start just below their wraps (the
+    residues' modulus, ``_ins``'s renumbering, an ``_age_out`` due) decides as one from 0."""
+    plain = HeatPolicy(capacity_blocks=40)
+    shifted = HeatPolicy(capacity_blocks=40)
+    shifted._accesses = 5 * heat_module._AGE_OUT_EVERY - 700
+    shifted._age_out_at = shifted._accesses + 300
+    shifted._evictions = [0, SEQ_MOD - 150, 3 * SEQ_MOD - 90]
+    shifted._inserts = heat_module._INS_LIMIT - 500
+    _churn([plain, shifted], 3000, seed=5)
+    assert shifted._inserts < 3000  # renumbered
+    assert shifted._evictions[1] > SEQ_MOD and shifted._evictions[2] > 3 * SEQ_MOD
+
+
+def test_an_access_older_than_the_residues_reach_is_forgotten_not_read_as_recent() -> None:
+    """A last access (or an eviction) over ``SEQ_MOD`` counts ago would read back, modulo,
+    as a recent one; ``_age_out`` forgets it long before: such a block returns in
+    probation, and its shadow moves nothing, as with exact counts."""
+    policy = HeatPolicy(capacity_blocks=4)
+    policy.insert(0, 0.0)
+    policy.insert(1, 0.0)
+    policy.remove(0)  # a probation ghost, seen at access 1
+    p_before = policy._p
+    left = SEQ_MOD + 1  # ages past the modulus by 2: would read back as 2
+    while left:  # as traffic would, never more than an _age_out's interval at a time
+        jump = min(left, heat_module._AGE_OUT_EVERY // 2)
+        policy._accesses += jump
+        policy._evictions[1] += jump
+        left -= jump
+        policy.touch(1, 1.0)
+    policy.insert(0, 2.0)
+    assert policy._p == p_before  # not a shadow hit
+    assert policy.stats().probation == 1  # not seen lately
