@@ -63,8 +63,10 @@ a block that changes at or below the bound is inserted at its place; a parent th
 leaf likewise. The buffer is rebuilt (vectorised) when the quantum or table changes or it runs
 out. Per access: O(1) Python steps plus a log-time insert for low-density blocks.
 
-Memory: 62 bytes per id of per-block arrays, the buffer (a fraction of the leaves), and the
-statistics (classes x buckets, fixed). Ghost lives are per-id entries too: no separate table.
+Memory: 42 bytes per id of per-block arrays (50 once hints are given), the buffer (a
+fraction of the leaves), and the statistics (classes x buckets, fixed). Ghost lives are per-id
+entries too: no separate table. Counts kept per id are 32-bit (see ``_STAMPS``,
+``_INS_LIMIT``, ``seq_keep``).
 
 Id reuse: links are followed only while the parent is resident and was inserted before the
 child. History (count, depth, turn, the open life) outlives residency on purpose; the store
@@ -89,7 +91,7 @@ import numpy as np
 
 from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach
 from kvtier.daemon.policy.hints import Hinted
-from kvtier.daemon.policy.memento import Kept, renumbered, seq_ages, seq_back, seq_keep
+from kvtier.daemon.policy.memento import SEQ_MOD, Kept, renumbered, seq_ages
 
 # Block states (``_state``): no open life, resident, open life but not resident (a ghost).
 _CLOSED = 0
@@ -134,6 +136,14 @@ _ONE = np.zeros(1, dtype=np.int64)
 _VECTOR_MIN = 16
 _MIN_BUFFER = 64
 _EXHAUSTED = None
+# Stamps (``_stamp``, and the buffer entries and memos that carry one) count modulo 2**32:
+# they are only compared for equality, with entries and memos that a new quantum or table
+# replaces (tables come every ``period`` accesses once the tier decides anything), long
+# before the count comes round.
+_STAMPS = 1 << 32
+# ``_ins`` is a uint32: before the insertion count passes it, the resident blocks' numbers are
+# renumbered densely in their order (only residents' are compared: ``_renumber_inserts``).
+_INS_LIMIT = (1 << 32) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -473,7 +483,8 @@ class DensityPolicy(InsertEach, Hinted):
         self._version = 0
         self._resident = 0
         self._high_water = 0
-        self._seq = 0
+        self._seq = 0  # the last stamp given (modulo ``_STAMPS``)
+        self._inserts = 0  # the last insertion number given (``_ins``)
         self._evictions = 0
         self._accesses = 0
         self._warming = True
@@ -503,6 +514,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._pick = (-1, -1, -1.0)
         # Hints: the latest deadline ever given (none is live past it).
         self._hinted_until = -math.inf
+        self._hinted = False  # ``_until`` is its own array (see ``_alloc``)
         self._q_now = math.nan
         self._q = math.nan
         self._size = 0
@@ -531,10 +543,12 @@ class DensityPolicy(InsertEach, Hinted):
         self._resident += 1
         if self._resident > self._high_water:
             self._high_water = self._resident
-        self._seq += 1
-        seq = self._seq
-        self._ins_v[bid] = seq
+        self._seq = seq = (self._seq + 1) % _STAMPS
         self._stamp_v[bid] = seq
+        if self._inserts >= _INS_LIMIT:
+            self._renumber_inserts()
+        self._inserts += 1
+        self._ins_v[bid] = self._inserts
         self._kids_v[bid] = 0
         if 0 <= parent < self._size and parent != bid and state_v[parent] == _RESIDENT:
             self._parent_v[bid] = parent
@@ -559,7 +573,7 @@ class DensityPolicy(InsertEach, Hinted):
         if not 0 <= bid < self._size or self._state_v[bid] != _RESIDENT:
             raise KeyError(bid)
         cls = self._access(bid, now, -1)
-        self._seq += 1
+        self._seq = (self._seq + 1) % _STAMPS
         self._stamp_v[bid] = self._seq
         if self._buf_version == self._version:
             self._note(bid, cls, now)
@@ -620,9 +634,8 @@ class DensityPolicy(InsertEach, Hinted):
         )
         self._cls[ids] = cls
         self._last[ids] = now
-        stamps = np.arange(self._seq + 1, self._seq + n + 1)
-        self._seq += n
-        self._stamp[ids] = stamps
+        self._stamp[ids] = np.arange(self._seq + 1, self._seq + n + 1) % _STAMPS
+        self._seq = (self._seq + n) % _STAMPS
         if self._buf_version != self._version:
             return
         q = self._quantise(now)
@@ -667,7 +680,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._resident -= 1
         self._evictions += 1
         self._decided += 1
-        self._evseq_v[bid] = self._evictions
+        self._evseq_v[bid] = self._evictions % SEQ_MOD + 1  # seq_keep, inline
         parent = self._parent_v[bid]
         if parent >= 0 and state_v[parent] == _RESIDENT and self._ins_v[parent] < self._ins_v[bid]:
             kids_v = self._kids_v
@@ -710,10 +723,8 @@ class DensityPolicy(InsertEach, Hinted):
             kept.clear(slot)
             return
         views = kept.views
-        for name in _KEPT_AS_IS:
+        for name in kept.fields:
             views[name][slot] = getattr(self, name + "_v")[bid]
-        # Read only while a ghost, which ``_new_table`` closes within its window.
-        views["_evseq"][slot] = seq_keep(self._evseq_v[bid])
         if (until := self._until_v[bid]) > -math.inf:
             self._kept_until[slot] = until
         self._state_v[bid] = _CLOSED  # its life moved to the slot: ``forget`` censors none
@@ -723,13 +734,11 @@ class DensityPolicy(InsertEach, Hinted):
         if bid >= self._used:
             self._use(bid)
         views = self._kept.views
-        for name in _KEPT_AS_IS:
+        for name in self._kept.fields:
             getattr(self, name + "_v")[bid] = views[name][slot]
-        evseq = views["_evseq"][slot]
-        self._evseq_v[bid] = seq_back(evseq, self._evictions) if evseq else 0
         views["_state"][slot] = _CLOSED
         if (until := self._kept_until.pop(slot, None)) is not None:
-            self._until_v[bid] = until
+            self._until_v[bid] = until  # kept only where hints were given: its own array
 
     def expire(self, slot: int) -> None:
         """The history kept at ``slot`` is forgotten: ``forget``'s censoring of an open
@@ -757,7 +766,8 @@ class DensityPolicy(InsertEach, Hinted):
         self._turn_v[bid] = 0
         self._heat_v[bid] = 0.0
         self._parent_v[bid] = -1
-        self._until_v[bid] = -math.inf
+        if self._hinted:
+            self._until_v[bid] = -math.inf
 
     def hint(self, bids: np.ndarray, until: float, now: float) -> None:
         if math.isnan(until):
@@ -769,14 +779,18 @@ class DensityPolicy(InsertEach, Hinted):
             raise KeyError(int(ids[np.argmin(ids)]))
         if ids.max() >= self._size:
             self._grow(int(ids.max()) + 1)
+        if not self._hinted:
+            self._hinted = True
+            self._alloc(self._size)  # ``_until`` becomes an array of its own
         self._until[ids] = np.maximum(self._until[ids], until)
         self._hinted_until = max(self._hinted_until, until)
         if self._buf_version == self._version and until >= self._buf_q + self._quantum:
             # Protected for the rest of the buffer's quantum: out of the buffer (new stamps).
             held = ids[self._state[ids] == _RESIDENT]
             if len(held):
-                self._stamp[held] = np.arange(self._seq + 1, self._seq + 1 + len(held))
-                self._seq += len(held)
+                stamps = np.arange(self._seq + 1, self._seq + 1 + len(held)) % _STAMPS
+                self._stamp[held] = stamps
+                self._seq = (self._seq + len(held)) % _STAMPS
 
     def victims(
         self,
@@ -906,7 +920,7 @@ class DensityPolicy(InsertEach, Hinted):
         if self._admission and dens < e[0]:
             # Declined: ``note_miss``.
             state_v[bid] = _GHOST
-            self._evseq_v[bid] = self._evictions
+            self._evseq_v[bid] = self._evictions % SEQ_MOD + 1
             if self._accesses >= self._next_table and self._table_may_fall_due():
                 self._new_table(now)
             return DECLINED
@@ -915,7 +929,7 @@ class DensityPolicy(InsertEach, Hinted):
         until_v = self._until_v
         state_v[out] = _GHOST
         self._evictions += 1
-        self._evseq_v[out] = self._evictions
+        self._evseq_v[out] = self._evictions % SEQ_MOD + 1
         p = self._parent_v[out]
         ins_v = self._ins_v
         if p >= 0 and state_v[p] == _RESIDENT and ins_v[p] < ins_v[out]:
@@ -935,10 +949,12 @@ class DensityPolicy(InsertEach, Hinted):
                     bisect.insort(buf, (pdens, last, -depth_v[p], ins_v[p], p, stamp_v[p]), lo=i)
         # ``insert(bid, now, parent)``, with the class above.
         state_v[bid] = _RESIDENT
-        self._seq += 1
-        seq = self._seq
-        ins_v[bid] = seq
+        self._seq = seq = (self._seq + 1) % _STAMPS
         stamp_v[bid] = seq
+        if self._inserts >= _INS_LIMIT:
+            self._renumber_inserts()
+        self._inserts += 1
+        ins_v[bid] = self._inserts
         kids_v[bid] = 0
         if 0 <= parent < self._size and parent != bid and state_v[parent] == _RESIDENT:
             self._parent_v[bid] = parent
@@ -1098,7 +1114,7 @@ class DensityPolicy(InsertEach, Hinted):
             return
         self._access(bid, now, parent)
         self._state_v[bid] = _GHOST
-        self._evseq_v[bid] = self._evictions
+        self._evseq_v[bid] = self._evictions % SEQ_MOD + 1
         self._decided += 1
         if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
@@ -1140,7 +1156,8 @@ class DensityPolicy(InsertEach, Hinted):
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(a.itemsize for a in self._arrays())
+        """Bytes of per-id arrays (``_until`` counts once a hint gave it an array)."""
+        return sum(a.itemsize for a in self._arrays() if a.flags.writeable)
 
     # ------------------------------------------------------------------- helpers
 
@@ -1256,17 +1273,12 @@ class DensityPolicy(InsertEach, Hinted):
         open_lives = np.zeros(CLASSES * AGE_BUCKETS, dtype=np.float64)
         kept = self._kept
         window = self._ghost_factor * self.capacity
-        for state, cls, last, ages in (
-            (self._state[:size], self._cls, self._last, lambda g: self._evictions - self._evseq[g]),
-            (
-                kept["_state"],
-                kept["_cls"],
-                kept["_last"],
-                lambda g: seq_ages(kept["_evseq"][g], self._evictions),
-            ),
+        for state, cls, last, evseq in (
+            (self._state[:size], self._cls, self._last, self._evseq),
+            (kept["_state"], kept["_cls"], kept["_last"], kept["_evseq"]),
         ):
             ghosts = np.flatnonzero(state == _GHOST)
-            expired = ghosts[ages(ghosts) >= window]
+            expired = ghosts[seq_ages(evseq[ghosts], self._evictions) >= window]
             if len(expired):
                 idx = cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
                     (now - last[expired]) / self._quantum
@@ -1447,12 +1459,27 @@ class DensityPolicy(InsertEach, Hinted):
     def _alloc(self, size: int) -> None:
         old = self._size
         for name, dtype, fill in _ARRAYS:
-            arr = np.full(size, fill, dtype=dtype)
-            if old:
-                arr[:old] = getattr(self, name)[:old]
+            if name == "_until" and not self._hinted:
+                # No hint yet: every deadline -inf, one value seen at every index (read-only;
+                # ``hint`` gives it an array of its own).
+                arr = np.broadcast_to(np.array(fill, dtype=dtype), (size,))
+            else:
+                arr = np.full(size, fill, dtype=dtype)
+                if old:
+                    arr[:old] = getattr(self, name)[:old]
             setattr(self, name, arr)
             setattr(self, name + "_v", memoryview(arr))  # type: ignore[arg-type]
         self._size = size
+
+    def _renumber_inserts(self) -> None:
+        """Number the resident blocks 1.. in their insertion order, and go on from there:
+        only residents' numbers are compared (a link whose parent left is dead whatever the
+        numbers say), and a block inserted later is numbered above all of them."""
+        resident = np.flatnonzero(self._state[: self._size] == _RESIDENT)
+        ranked = resident[np.argsort(self._ins[resident], kind="stable")]
+        self._ins[:] = 0
+        self._ins[ranked] = np.arange(1, len(ranked) + 1)
+        self._inserts = len(ranked)
 
     def _grow(self, needed: int) -> None:
         self._alloc(max(needed, 2 * self._size))
@@ -1476,18 +1503,18 @@ _ARRAYS: list[tuple[str, Any, float]] = [
     ("_turn", np.uint8, 0),
     ("_parent", np.int32, -1),
     ("_kids", np.int32, 0),
-    ("_ins", np.int64, 0),
-    ("_evseq", np.int64, 0),
-    ("_stamp", np.int64, 0),
+    ("_ins", np.uint32, 0),  # insertion number: tells a parent from a reused id
+    ("_evseq", np.uint32, 0),  # eviction count when it became a ghost (``seq_keep``)
+    ("_stamp", np.uint32, 0),  # changes at every access (modulo ``_STAMPS``)
     ("_until", np.float64, -math.inf),
     ("_heat", np.float32, 0.0),
 ]
 
-# A dropped block's history (``remember``): the per-id arrays above that make it up, the
-# eviction sequence number as ``seq_keep`` keeps it (0: none).
+# A dropped block's history (``remember``): the per-id arrays above that make it up, kept as
+# the rows keep them (the eviction count read only while a ghost, which ``_new_table``
+# closes within its window, so its age stays far below ``SEQ_MOD``).
 _KEPT = [
-    a if a[0] != "_evseq" else ("_evseq", np.uint32, 0)
+    a
     for a in _ARRAYS
     if a[0] in ("_state", "_last", "_cls", "_cnt", "_depth", "_turn", "_evseq", "_heat")
 ]
-_KEPT_AS_IS = [a[0] for a in _KEPT if a[0] != "_evseq"]

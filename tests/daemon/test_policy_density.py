@@ -23,6 +23,7 @@ from kvtier.daemon.policy.density import (
     bucket_widths,
     heat_decays,
 )
+from kvtier.daemon.policy.memento import SEQ_MOD
 from kvtier.daemon.policy.registry import make_policy
 
 # ------------------------------------------------------------------ age buckets
@@ -755,3 +756,46 @@ def test_table_rows_are_the_table_and_densities_by_definition(min_horizon: int) 
         want = _densities_by_definition(hazard[cls], min_horizon)
         assert table[cls].tolist() == pytest.approx(want, rel=1e-9, abs=1e-15), cls
     assert len({tuple(r) for r in rows}) > 50  # the classes differ
+
+
+def test_counts_kept_in_32_bits_decide_as_from_zero_across_their_wraps() -> None:
+    """Per-id counts are uint32 (stamps modulo 2**32, ``_evseq`` residues, ``_ins``
+    numbers renumbered before they overflow): a policy whose stamp, eviction and insertion
+    counts start just below their wraps decides as one from 0, hints (which give ``_until``
+    an array of its own) included."""
+    params = {"capacity_blocks": 60, "quantum_s": 1.0, "period": 150, "ghost_factor": 2.0}
+    plain, shifted = DensityPolicy(**params), DensityPolicy(**params)
+    shifted._seq = (1 << 32) - 300
+    shifted._evictions = SEQ_MOD - 200
+    shifted._inserts = (1 << 32) - 1 - 400
+    assert not shifted._until.flags.writeable  # no hint yet: no array
+    rng = np.random.default_rng(3)
+    now = 0.0
+    resident: set[int] = set()
+    for step in range(5000):
+        now += float(rng.exponential(0.2))
+        bid = int(rng.integers(0, 200))
+        if step % 500 == 250:
+            held = np.asarray(sorted(resident)[:5], dtype=np.int64)
+            for p in (plain, shifted):
+                p.hint(held, now + 3.0, now)
+        if bid in resident:
+            for p in (plain, shifted):
+                p.touch(bid, now)
+            continue
+        parent = bid - 1 if bid % 6 and bid - 1 in resident else -1
+        if len(resident) < 60:
+            for p in (plain, shifted):
+                p.insert(bid, now, parent)
+            resident.add(bid)
+            continue
+        got = [p.replace(bid, parent, now) for p in (plain, shifted)]
+        assert got[0] == got[1], step
+        if got[0] >= 0:
+            resident.discard(got[0])
+            resident.add(bid)
+    assert np.array_equal(plain.table, shifted.table)
+    assert plain.stats() == shifted.stats()
+    assert shifted._seq < 10_000 and shifted._inserts < 5000  # both came round
+    assert shifted._evictions > SEQ_MOD and plain.stats().tables > 10
+    assert shifted._until.flags.writeable
