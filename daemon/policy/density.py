@@ -780,8 +780,10 @@ class DensityPolicy(InsertEach, Hinted):
         if ids.max() >= self._size:
             self._grow(int(ids.max()) + 1)
         if not self._hinted:
+            # ``_until`` becomes an array of its own (see ``_alloc``).
             self._hinted = True
-            self._alloc(self._size)  # ``_until`` becomes an array of its own
+            self._until = np.full(self._size, -math.inf)
+            self._until_v = memoryview(self._until)  # type: ignore[arg-type]
         self._until[ids] = np.maximum(self._until[ids], until)
         self._hinted_until = max(self._hinted_until, until)
         if self._buf_version == self._version and until >= self._buf_q + self._quantum:
