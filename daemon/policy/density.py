@@ -564,7 +564,9 @@ class DensityPolicy(InsertEach, Hinted):
                 dens = self._rows[cls][0] * math.sqrt(self._heat_v[bid])
                 if dens <= self._bound and self._until_v[bid] < q + self._quantum:
                     bisect.insort(
-                        self._buf, (dens, now, -self._depth_v[bid], seq, bid, seq), lo=self._cur
+                        self._buf,
+                        (dens, now, -self._depth_v[bid], self._inserts, bid, seq),
+                        lo=self._cur,
                     )
         if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
@@ -964,7 +966,7 @@ class DensityPolicy(InsertEach, Hinted):
         else:
             self._parent_v[bid] = -1
         if dens <= self._bound and until_v[bid] < q + quantum:
-            bisect.insort(buf, (dens, now, -depth, seq, bid, seq), lo=i)
+            bisect.insort(buf, (dens, now, -depth, self._inserts, bid, seq), lo=i)
         if self._accesses >= self._next_table and self._table_may_fall_due():
             self._new_table(now)
         return int(out)
@@ -1482,6 +1484,9 @@ class DensityPolicy(InsertEach, Hinted):
         self._ins[:] = 0
         self._ins[ranked] = np.arange(1, len(ranked) + 1)
         self._inserts = len(ranked)
+        # The buffer's entries and the memo's keys carry the old numbers: both are rebuilt.
+        self._buf_version = -1
+        self._memo_tag = (math.nan, math.nan, -1)
 
     def _grow(self, needed: int) -> None:
         self._alloc(max(needed, 2 * self._size))

@@ -1344,6 +1344,15 @@ class HeatPolicy(Hinted):
         self._ins[:] = 0
         self._ins[ranked] = np.arange(1, len(ranked) + 1)
         self._inserts = len(ranked)
+        # Buffered and parked entries carry the old numbers (``_valid`` would drop them all
+        # as stale): the next read rebuilds each buffer, and parked entries of an older
+        # generation are not put back.
+        for buf in self._bufs:
+            buf.bound = -math.inf
+            buf.complete = False
+            buf.entries = []
+            buf.cur = 0
+            buf.gen += 1
 
     def _grow(self, need: int) -> None:
         size = max(need, 2 * self._size)
