@@ -210,7 +210,7 @@ class AsyncClient:
             if binding is not None:
                 request.pool_id = await self._pool_id(binding, request.session_id)
             try:
-                return await self._call(method, request, timeout_s or self.timeout_s)
+                return await self.call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = from_rpc_error(e)
             except (grpc.aio.UsageError, asyncio.CancelledError) as e:  # see closed_error_for
@@ -222,9 +222,10 @@ class AsyncClient:
             self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
 
-    async def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+    async def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
-        this connection has many calls open) and its time allows."""
+        this connection has many calls open) and its time allows; raises grpc.RpcError
+        (the transfer jobs send their parts through it too)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         pause, most = REFUSED_PAUSE_S

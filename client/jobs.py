@@ -37,6 +37,7 @@ import grpc
 import numpy as np
 
 from kvtier.client.errors import (
+    REFUSED_PAUSE_S,
     InternalError,
     InvalidArgumentError,
     KvtierError,
@@ -44,6 +45,7 @@ from kvtier.client.errors import (
     UnavailableError,
     closed_error,
     from_rpc_error,
+    refused_stream,
 )
 from kvtier.client.types import (
     PutStatus,
@@ -466,6 +468,10 @@ class TransferJob:
         self._on_finish = on_finish
         self._cond = threading.Condition()
         self._futures: dict[int, Any] = {}
+        # Per part: when its time ends, and the pause before sending it again if the
+        # daemon's gRPC refuses it unrun (see ``_resend_later``).
+        self._deadlines: dict[int, float] = {}
+        self._pauses: dict[int, float] = {}
         self._notified = False
 
     @property
@@ -545,8 +551,9 @@ class TransferJob:
             part.request.session_id = session_id
             part.request.pool_id = pool_id
             method = getattr(self._client.stub, part.method)
+            deadline = self._deadlines.setdefault(part.index, time.monotonic() + self._timeout_s)
             try:
-                fut = method.future(part.request, timeout=self._timeout_s)
+                fut = method.future(part.request, timeout=deadline - time.monotonic())
             except ValueError:  # the client was closed meanwhile: its channel sends nothing
                 for unsent in parts[i:]:
                     self._ended(unsent, None, closed_error())
@@ -565,11 +572,36 @@ class TransferJob:
         try:
             response = fut.result()
         except grpc.RpcError as e:
-            self._ended(part, None, self._client.error_of(e))
+            if not (refused_stream(e) and self._resend_later(part)):
+                self._ended(part, None, self._client.error_of(e))
         except Exception as e:  # not a gRPC status: the job must still end
             self._ended(part, None, _client_side_error(part, e))
         else:
             self._ended(part, response, None)
+
+    def _resend_later(self, part: Part) -> bool:
+        """Send a part the daemon's gRPC refused unrun again after a pause, as the client's
+        own calls are (``Client.call``): a load job sends all its parts at once, past the
+        daemon's calls per connection once it has a few hundred. False when the part's time
+        would end first, or the job was cancelled. On a gRPC callback thread: never sleeps."""
+        with self._cond:
+            if self._plan.cancelled or part.ended:
+                return False
+            pause = self._pauses.get(part.index, REFUSED_PAUSE_S[0])
+            if self._deadlines[part.index] - time.monotonic() <= pause:
+                return False
+            self._pauses[part.index] = min(2 * pause, REFUSED_PAUSE_S[1])
+            self._futures.pop(part.index, None)
+        timer = threading.Timer(pause, self._resend, args=(part,))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _resend(self, part: Part) -> None:
+        with self._cond:
+            if self._plan.cancelled or part.ended:
+                return
+        self._send([part], may_block=False)
 
     def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
         if isinstance(error, NotFoundError):
@@ -699,9 +731,10 @@ class AsyncTransferJob:
             self._tasks[part.index] = asyncio.create_task(self._run(part))
 
     async def _run(self, part: Part) -> None:
-        method = getattr(self._client.stub, part.method)
         try:
-            response = await method(part.request, timeout=self._timeout_s)
+            # Through the client's own call: a part refused unrun is sent again (the job
+            # sends all its parts at once, past the daemon's calls per connection).
+            response = await self._client.call(part.method, part.request, self._timeout_s)
         except grpc.RpcError as e:
             await self._ended(part, None, from_rpc_error(e))
         except grpc.aio.UsageError:  # the client was closed meanwhile: its channel sends nothing

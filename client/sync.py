@@ -304,7 +304,7 @@ class Client:
             if binding is not None:
                 request.pool_id = self._pool_id(binding, request.session_id)
             try:
-                return self._call(method, request, timeout_s or self.timeout_s)
+                return self.call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = self.error_of(e)
             except ValueError:  # grpc's answer to a call on a closed channel
@@ -317,9 +317,9 @@ class Client:
             self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
 
-    def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+    def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
-        this connection has many calls open) and its time allows."""
+        this connection has many calls open) and its time allows; raises grpc.RpcError."""
         deadline = time.monotonic() + timeout_s
         pause, most = REFUSED_PAUSE_S
         while True:

@@ -424,3 +424,22 @@ def test_a_hung_daemon_fails_a_new_session_within_the_client_timeout(daemon):
         os.kill(daemon.proc.pid, signal.SIGCONT)
     with daemon.client() as client:
         assert client.health()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_job_with_more_parts_than_a_connection_takes_at_once(daemon, kind):
+    """A load job sends all its parts at once; past the daemon's bound per connection (256)
+    gRPC refuses the excess unrun (UNAVAILABLE), and the job sends those again as the
+    client's own calls do: the job ends done, not failed with UnavailableError."""
+    segments = [LoadSegment(keys_for(1, f"wide-{i}"), [i % 32]) for i in range(400)]
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        if kind == "sync":
+            with Client(daemon.address, timeout_s=60) as client:
+                pool = client.register_pool(shm, LAYOUT)
+                status = client.submit_load(pool, segments).wait(timeout_s=60)
+        else:
+            async with AsyncClient(daemon.address, timeout_s=60) as client:
+                pool = await client.register_pool(shm, LAYOUT)
+                status = await (await client.submit_load(pool, segments)).wait(timeout_s=60)
+    assert status.error is None, status.error
+    assert status.state is JobState.DONE and not status.done.any()
