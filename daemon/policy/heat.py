@@ -1321,18 +1321,23 @@ class HeatPolicy(Hinted):
 
     def _age_out(self) -> None:
         """Forget the sequence numbers whose age reached ``_AGE_OUT`` (a block never seen,
-        a ghost gone), before any can reach ``SEQ_MOD``; next due ``_AGE_OUT_EVERY`` accesses
-        on (see ``_AGE_OUT``)."""
+        a ghost gone), in the rows and the kept histories, before any can reach
+        ``SEQ_MOD``; next due ``_AGE_OUT_EVERY`` accesses on (see ``_AGE_OUT``)."""
         size = self._size
-        seen = self._seen[:size]
-        old = (seen != 0) & (seq_ages(seen, self._accesses) >= _AGE_OUT)
-        seen[old] = 0
-        ghost = self._ghost[:size]
-        for seg in (_PROBATION, _PROTECTED):
-            rows = np.flatnonzero(ghost == seg)
-            gone = rows[seq_ages(self._gseq[rows], self._evictions[seg]) >= _AGE_OUT]
-            ghost[gone] = _OUT
-            self._gseq[gone] = 0
+        # The rows, and the histories kept at memento slots: a kept one may wait there any
+        # number of accesses (the table expires mementos only as blocks are dropped).
+        kept = self._kept
+        for seen, ghost, gseq in (
+            (self._seen[:size], self._ghost[:size], self._gseq[:size]),
+            (kept["_seen"], kept["_ghost"], kept["_gseq"]),
+        ):
+            old = (seen != 0) & (seq_ages(seen, self._accesses) >= _AGE_OUT)
+            seen[old] = 0
+            for seg in (_PROBATION, _PROTECTED):
+                rows = np.flatnonzero(ghost == seg)
+                gone = rows[seq_ages(gseq[rows], self._evictions[seg]) >= _AGE_OUT]
+                ghost[gone] = _OUT
+                gseq[gone] = 0
         self._age_out_at = self._accesses + _AGE_OUT_EVERY
 
     def _renumber_inserts(self) -> None:

@@ -345,3 +345,27 @@ def test_an_access_older_than_the_residues_reach_is_forgotten_not_read_as_recent
     policy.insert(0, 2.0)
     assert policy._p == p_before  # not a shadow hit
     assert policy.stats().probation == 1  # not seen lately
+
+
+def test_a_kept_history_older_than_the_residues_reach_is_forgotten_not_read_as_recent() -> None:
+    """As above, with the block's history kept at a memento slot meanwhile (the table
+    dropped its row): the kept residues age as the rows' do, so when its key returns the
+    block comes back in probation and its shadow moves nothing."""
+    policy = HeatPolicy(capacity_blocks=4)
+    policy.insert(0, 0.0)
+    policy.insert(1, 0.0)
+    policy.remove(0)  # a probation ghost, seen at access 1
+    policy.remember(0, 0)
+    policy.forget(0)
+    p_before = policy._p
+    left = SEQ_MOD + 1
+    while left:
+        jump = min(left, heat_module._AGE_OUT_EVERY // 2)
+        policy._accesses += jump
+        policy._evictions[1] += jump
+        left -= jump
+        policy.touch(1, 1.0)
+    policy.revive(0, 0)
+    policy.insert(0, 2.0)
+    assert policy._p == p_before  # not a shadow hit
+    assert policy.stats().probation == 1  # not seen lately
