@@ -226,12 +226,16 @@ class AsyncClient:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
         this connection has many calls open) and its time allows; raises grpc.RpcError
         (the transfer jobs send their parts through it too)."""
+        return await self._until_run(getattr(self._stub, method), request, timeout_s)
+
+    async def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
+        """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         pause, most = REFUSED_PAUSE_S
         while True:
             try:
-                return await getattr(self._stub, method)(request, timeout=timeout_s)
+                return await rpc(request, timeout=timeout_s)
             except grpc.RpcError as e:
                 if not refused_stream(e) or deadline - loop.time() <= pause:
                     raise
@@ -441,7 +445,7 @@ class AsyncClient:
     async def health(self, service: str = "") -> bool:
         request = hc.encode_request(service)
         try:
-            status = await self._health(request, timeout=self.timeout_s)
+            status = await self._until_run(self._health, request, self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         except (grpc.aio.UsageError, asyncio.CancelledError) as e:  # see closed_error_for

@@ -320,11 +320,15 @@ class Client:
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
         this connection has many calls open) and its time allows; raises grpc.RpcError."""
+        return self._until_run(getattr(self._stub, method), request, timeout_s)
+
+    def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
+        """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
         deadline = time.monotonic() + timeout_s
         pause, most = REFUSED_PAUSE_S
         while True:
             try:
-                return getattr(self._stub, method)(request, timeout=timeout_s)
+                return rpc(request, timeout=timeout_s)
             except grpc.RpcError as e:
                 if not refused_stream(e) or deadline - time.monotonic() <= pause:
                     raise
@@ -600,7 +604,7 @@ class Client:
         """Whether the daemon reports SERVING."""
         request = hc.encode_request(service)
         try:
-            status = self._health(request, timeout=self.timeout_s)
+            status = self._until_run(self._health, request, self.timeout_s)
         except grpc.RpcError as e:
             raise self.error_of(e) from None
         except ValueError:  # grpc's answer to a call on a closed channel

@@ -142,3 +142,35 @@ def test_a_blocking_client_shared_by_more_threads_than_a_connection_takes(daemon
                 pool.map(lambda i: client.lookup([KEYS[i % len(KEYS)]]).prefix_len, range(calls))
             )
     assert results == [0] * calls
+
+
+def test_health_checks_from_more_threads_than_a_connection_takes(daemon):
+    """``health`` bypasses the calls' common path; past the daemon's bound per connection
+    gRPC refuses the excess checks unrun, and the client sends those again too (a refused
+    check is no answer about the daemon's health)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.client import Client
+
+    threads, calls = 300, 900
+    with Client(daemon.address, timeout_s=120) as client:
+        client.health()
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(lambda _: client.health(), range(calls)))
+    assert results == [True] * calls
+
+
+def test_a_burst_of_health_checks_from_one_async_client(daemon):
+    """As above, from an ``AsyncClient``: 2,000 checks at once, every one answered SERVING."""
+    burst = 2000
+
+    async def run() -> list[object]:
+        async with AsyncClient(daemon.address, timeout_s=120) as client:
+            return await asyncio.gather(
+                *(client.health() for _ in range(burst)), return_exceptions=True
+            )
+
+    results = asyncio.run(run())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} of {burst} failed, e.g. {failed[0]!r}"
+    assert results == [True] * burst
