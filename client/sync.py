@@ -467,7 +467,7 @@ class Client:
             return False
         request = t.build_request(pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id)
         try:
-            self._stub.UnregisterPool(request, timeout=timeout_s or self.timeout_s)
+            self.call("UnregisterPool", request, timeout_s or self.timeout_s)
         except grpc.RpcError:
             return False
         return True

@@ -609,6 +609,36 @@ def test_a_fenced_pool_is_confirmed_free_and_registers_again_on_next_use(daemon)
             daemon.proc.send_signal(signal.SIGCONT)
 
 
+class _Refused(grpc.RpcError):
+    """What gRPC raises for a call the daemon's HTTP/2 layer refused unrun."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "Stream removed (RST_STREAM (Received RST_STREAM with error code 7))"
+
+
+def test_a_fence_refused_unrun_is_sent_again_and_confirmed(daemon):
+    """A fence's UnregisterPool refused unrun (the connection had 256 calls open) ran
+    nothing: the client sends it again as its other calls, and the fence is confirmed, not
+    reported unconfirmed (pages the engine would then hold back for good)."""
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        real, refused = client.stub.UnregisterPool, []
+
+        def once_refused(request, timeout=None):
+            if not refused:
+                refused.append(request.pool_id)
+                raise _Refused()
+            return real(request, timeout=timeout)
+
+        client.stub.UnregisterPool = once_refused
+        assert client.fence_pool(pool.binding, timeout_s=5) is True
+        assert refused and client.stats().gauges["pools"] == 0
+
+
 def test_pool_survives_daemon_restart_through_reregistration(daemon):
     layout = LAYOUTS["staging"]
     ns = Namespace(model="restart", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
