@@ -163,17 +163,26 @@ def test_ties_of_same_time_requests_break_alike_in_daemon_and_model(monkeypatch,
     assert evictions > 300
 
 
+def _compacting(
+    monkeypatch: pytest.MonkeyPatch, policy: str, capacity: int
+) -> tuple[_Model, _Daemon, list[np.ndarray]]:
+    """A model and a daemon with a history of 16x the blocks held, whose table compacts its
+    mementos from 16 slots on; the list collects each compaction's renumbering."""
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
+    model, daemon = _Model(policy, capacity, 16.0), _Daemon(policy, capacity, 16.0)
+    compactions: list[np.ndarray] = []
+    daemon.table.on_renumber.append(compactions.append)
+    return model, daemon, compactions
+
+
 @pytest.mark.parametrize("policy", ["heat", "density", "arc"])
 def test_history_compacted_as_it_shrinks_decides_as_the_replayers_model(monkeypatch, policy):
     """Mementos renumbered to give back memory (``Mementos.compact``, the policies'
     ``renumber``) keep every history where it was: a history cut from 16 to 0.5 times the
     blocks held (so the table compacts) decides as the model still."""
-    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
-    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
     capacity = 24
-    model, daemon = _Model(policy, capacity, 16.0), _Daemon(policy, capacity, 16.0)
-    compactions = []
-    daemon.table.on_renumber.append(compactions.append)
+    model, daemon, compactions = _compacting(monkeypatch, policy, capacity)
     rng = random.Random(6)
     now = 0.0
     for n, chain in enumerate(_requests(8, 700)):
@@ -214,12 +223,8 @@ def test_hinted_history_through_swinging_factors_decides_as_the_replayers_model(
         while len(model.history) > limit:
             model.policy.forget(model.history.popitem(last=False)[0])
 
-    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
-    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
     capacity = 24
-    model, daemon = _Model(policy, capacity, 16.0), _Daemon(policy, capacity, 16.0)
-    compactions = []
-    daemon.table.on_renumber.append(compactions.append)
+    model, daemon, compactions = _compacting(monkeypatch, policy, capacity)
     rng = random.Random(9)
     now = 0.0
     for n, chain in enumerate(_requests(9, 600)):
