@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from h2_frames import DATA, END_STREAM, RawConnection, frame, grpc_prefix
 
 from kvtier.daemon.server import MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S
@@ -59,6 +60,7 @@ def test_regression_half_sent_requests_held_their_buffers_without_bound(daemon):
     assert "Traceback" not in daemon.log()
 
 
+@pytest.mark.slow  # waits out the 10 s receive timeout: `make test-slow`
 def test_a_request_that_stalls_ends_after_the_receive_timeout(daemon):
     conn = RawConnection(daemon.socket)
     stream = conn.open_call(LOOKUP)

@@ -290,6 +290,7 @@ def test_a_dropped_blocks_hint_comes_back_through_a_compaction(monkeypatch, poli
     assert got == deadlines[::-1]
 
 
+@pytest.mark.slow  # measures allocations under tracemalloc, ~7 s: `make test-slow`
 def test_a_remembered_block_costs_a_few_tens_of_bytes():
     """Issue 13 bounds ghost and statistics memory at 128 bytes per resident block all in;
     at the default history factor (2) that leaves 64 per remembered block. Measured as the
