@@ -3,8 +3,9 @@
 
 It raises every ancestor at once when a key rises (``_propagate`` walks up the chain), which
 costs O(n^2) for a chain of n blocks touched root first, but is simple enough to trust. Only
-the registration is taken out and the class renamed; keep the rest as it was. Its own
-module docstring follows.
+the registration is taken out and the class renamed, and equal keys go to the block inserted
+first, as in the policy since 8db06db (they went to the lower id, which in the daemon is a
+reused row); keep the rest as it was. Its own module docstring follows.
 
 The ``heat`` policy (the daemon's default): decayed heat, prefix chains, and an adaptive
 split between blocks seen once and blocks seen again.
@@ -99,13 +100,14 @@ class HeatStats:
 
 @dataclass(slots=True)
 class _Buffer:
-    """Coldest-first ``(effective key, -depth, bid)`` entries of one segment from ``cur`` on.
+    """Coldest-first ``(effective key, -depth, insertion number, bid)`` entries of one
+    segment from ``cur`` on.
 
     Invariant: every block of the segment whose effective key is at most ``bound`` has a
     current entry here (``bound`` is +inf when the buffer covers the whole segment).
     """
 
-    entries: list[tuple[float, int, int]] = field(default_factory=list)
+    entries: list[tuple[float, int, int, int]] = field(default_factory=list)
     cur: int = 0
     bound: float = -math.inf
     complete: bool = False
@@ -395,7 +397,7 @@ class EagerHeatPolicy:
         parts = []
         for seg in (_PROBATION, _PROTECTED):
             ids = np.flatnonzero(self._seg[: self._size] == seg)
-            parts.append(ids[np.lexsort((ids, -self._depth[ids], self._eff[ids]))])
+            parts.append(ids[np.lexsort((self._ins[ids], -self._depth[ids], self._eff[ids]))])
         return np.concatenate(parts)
 
     @property
@@ -664,27 +666,31 @@ class EagerHeatPolicy:
         """Keep the buffer invariant after ``bid`` got ``key`` in ``seg``."""
         buf = self._bufs[seg]
         if key <= buf.bound:
-            bisect.insort(buf.entries, (key, -depth, bid), lo=buf.cur)
+            bisect.insort(buf.entries, (key, -depth, self._ins_v[bid], bid), lo=buf.cur)
             if buf.complete and len(buf.entries) - buf.cur > 4 * _MIN_BUFFER:
                 buf.bound = -math.inf  # too big to keep whole; the next read rebuilds it
                 buf.complete = False
                 buf.entries.clear()
                 buf.cur = 0
 
-    def _valid(self, seg: int, entry: tuple[float, int, int]) -> bool:
-        bid = entry[2]
-        return self._seg_v[bid] == seg and self._eff_v[bid] == entry[0]
+    def _valid(self, seg: int, entry: tuple[float, int, int, int]) -> bool:
+        bid = entry[3]
+        return (
+            self._seg_v[bid] == seg
+            and self._eff_v[bid] == entry[0]
+            and self._ins_v[bid] == entry[2]
+        )
 
     def _coldest(self, seg: int) -> int:
         """The coldest block of ``seg`` or -1; drops stale entries at the buffer's head."""
         buf = self._bufs[seg]
-        seg_v, eff_v = self._seg_v, self._eff_v
+        seg_v, eff_v, ins_v = self._seg_v, self._eff_v, self._ins_v
         while True:
             entries = buf.entries
             cur = buf.cur
             while cur < len(entries):
-                key, _, bid = entries[cur]
-                if seg_v[bid] == seg and eff_v[bid] == key:
+                key, _, ins, bid = entries[cur]
+                if seg_v[bid] == seg and eff_v[bid] == key and ins_v[bid] == ins:
                     buf.cur = cur
                     return bid
                 cur += 1
@@ -716,13 +722,13 @@ class EagerHeatPolicy:
                 continue
             entry = buf.entries[i]
             i += 1
-            if entry[2] in yielded or not self._valid(seg, entry):
+            if entry[3] in yielded or not self._valid(seg, entry):
                 continue
             if evictable is None:
-                yielded.add(entry[2])
-                yield entry[2]
+                yielded.add(entry[3])
+                yield entry[3]
                 continue
-            pending.append(entry[2])
+            pending.append(entry[3])
             if len(pending) >= want:
                 yield from self._passing(pending, evictable, yielded)
                 pending = []
@@ -755,9 +761,16 @@ class EagerHeatPolicy:
             buf.bound = kth
             buf.complete = False
         depth = self._depth[ids].astype(np.int64)
-        order = np.lexsort((ids, -depth, keys))
+        ins = self._ins[ids]
+        order = np.lexsort((ins, -depth, keys))
         buf.entries = list(
-            zip(keys[order].tolist(), (-depth[order]).tolist(), ids[order].tolist(), strict=True)
+            zip(
+                keys[order].tolist(),
+                (-depth[order]).tolist(),
+                ins[order].tolist(),
+                ids[order].tolist(),
+                strict=True,
+            )
         )
         buf.cur = 0
 
