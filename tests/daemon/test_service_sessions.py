@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
@@ -80,6 +81,33 @@ def _service(
 def _open(service: KVService, tickets: TicketBook) -> str:
     ticket = tickets.issue(TicketKind.SESSION, PEER)
     return service.open_session("t", ticket, unix_socket=True).session_id
+
+
+@contextlib.asynccontextmanager
+async def _putting_session(
+    overrides: list[str], pages: int
+) -> AsyncIterator[tuple[BlockStore, KVService, str, int]]:
+    """A store with an L1 of 8 blocks of 64 KiB under ``overrides``, its service, and one
+    session with a registered memfd pool of ``pages`` 4 KiB pages (store, service, session,
+    pool id); all closed on exit."""
+    seg = 64 * 1024
+    config = load_config(None, overrides)
+    store = BlockStore(config, tiers=[HostArena(8 * seg, seg)])
+    service, tickets = _service(store, config)
+    session = _open(service, tickets)
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=pages, block_tokens=1, chunk_bytes=4096, kv_count=1
+    )
+    fd = os.memfd_create("kvtier-test")
+    try:
+        os.ftruncate(fd, layout.extent_bytes)
+        pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+        yield store, service, session, pool.pool_id
+    finally:
+        os.close(fd)
+        service.close_session(session)
+        await store.stop(flush=False)
+        store.close()
 
 
 def test_regression_a_session_ending_during_a_pinning_lookup_left_its_pins():
@@ -316,29 +344,19 @@ def test_a_namespace_whose_blocks_all_left_the_store_stops_counting_toward_the_l
     or adapter after another, was refused every new one long after the old ones' blocks were
     all gone. A namespace that still holds a block keeps counting; a session that bound a
     namespace since released binds it again (and is counted) before storing there."""
-    seg = 64 * 1024
 
     async def run() -> None:
-        config = load_config(None, ["server.max_namespaces_per_tenant=1"])
-        store = BlockStore(config, tiers=[HostArena(8 * seg, seg)])
-        service, tickets = _service(store, config)
-        session = _open(service, tickets)
-        layout = PoolLayout.staging(
-            num_layers=1, num_pages=8, block_tokens=1, chunk_bytes=4096, kv_count=1
-        )
-        fd = os.memfd_create("kvtier-test")
-        try:
-            os.ftruncate(fd, layout.extent_bytes)
-            pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+        opened = _putting_session(["server.max_namespaces_per_tenant=1"], 8)
+        async with opened as (store, service, session, pool_id):
             key_a, key_b, key_c = os.urandom(32), os.urandom(32), os.urandom(32)
-            stored, _ = await service.put(session, pool.pool_id, [key_a], [0], b"", namespace="a")
+            stored, _ = await service.put(session, pool_id, [key_a], [0], b"", namespace="a")
             assert stored.tolist() == [PutResult.STORED]
             # "a" holds a block: "b" is refused, and "a" stays bound.
             with pytest.raises(ResourceExhausted, match=r"server\.max_namespaces_per_tenant"):
-                await service.put(session, pool.pool_id, [key_b], [1], b"", namespace="b")
+                await service.put(session, pool_id, [key_b], [1], b"", namespace="b")
             # Once "a" holds nothing, "b" takes its place.
             assert (await service.delete(session, [key_a], namespace="a")).deleted == 1
-            stored, _ = await service.put(session, pool.pool_id, [key_b], [1], b"", namespace="b")
+            stored, _ = await service.put(session, pool_id, [key_b], [1], b"", namespace="b")
             assert stored.tolist() == [PutResult.STORED]
             owner = store.owners[service.sessions.get(session).tenant]
             bound = [ns for ns, o in store.ns_owner.items() if o == owner]
@@ -346,13 +364,8 @@ def test_a_namespace_whose_blocks_all_left_the_store_stops_counting_toward_the_l
             # The session had bound "a" before: it is counted again, so refused while "b"
             # holds a block.
             with pytest.raises(ResourceExhausted, match=r"server\.max_namespaces_per_tenant"):
-                await service.put(session, pool.pool_id, [key_c], [2], b"", namespace="a")
+                await service.put(session, pool_id, [key_c], [2], b"", namespace="a")
             assert store.table.ns_blocks == {bound[0]: 1}
-        finally:
-            os.close(fd)
-            service.close_session(session)
-            await store.stop(flush=False)
-            store.close()
 
     asyncio.run(run())
 
@@ -363,41 +376,22 @@ def test_regression_a_session_kept_every_namespace_it_had_ever_bound():
     namespace after another (the limit unbinds empty ones) grew the daemon by about 500 bytes
     per namespace without bound (20,000 in one session: +10 MB). Entries the store no longer
     binds are dropped as new ones come, so a session holds about as many as the limit."""
-    seg = 64 * 1024
     limit = 4
 
     async def run() -> None:
-        config = load_config(None, [f"server.max_namespaces_per_tenant={limit}"])
-        store = BlockStore(config, tiers=[HostArena(8 * seg, seg)])
-        service, tickets = _service(store, config)
-        session = _open(service, tickets)
-        layout = PoolLayout.staging(
-            num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=4096, kv_count=1
-        )
-        fd = os.memfd_create("kvtier-test")
-        try:
-            os.ftruncate(fd, layout.extent_bytes)
-            pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+        opened = _putting_session([f"server.max_namespaces_per_tenant={limit}"], 1)
+        async with opened as (store, service, session, pool_id):
             key = os.urandom(32)
             for i in range(10 * limit):
-                stored, _ = await service.put(
-                    session, pool.pool_id, [key], [0], b"", namespace=f"m{i}"
-                )
+                stored, _ = await service.put(session, pool_id, [key], [0], b"", namespace=f"m{i}")
                 assert stored.tolist() == [PutResult.STORED]
                 assert (await service.delete(session, [key], namespace=f"m{i}")).deleted == 1
             assert len(service.sessions.get(session).bound) <= 2 * limit
             # The last one is still bound; storing there again needs no new bind.
-            await service.put(
-                session, pool.pool_id, [key], [0], b"", namespace=f"m{10 * limit - 1}"
-            )
+            await service.put(session, pool_id, [key], [0], b"", namespace=f"m{10 * limit - 1}")
             assert store.table.ns_blocks == {
                 service._space(service.sessions.get(session), f"m{10 * limit - 1}").ns: 1
             }
-        finally:
-            os.close(fd)
-            service.close_session(session)
-            await store.stop(flush=False)
-            store.close()
 
     asyncio.run(run())
 
