@@ -113,6 +113,13 @@ class _Daemon:
         return victim
 
 
+def _agree(model: _Model, daemon: _Daemon, key: int, parent: int, now: float, capacity: int) -> int:
+    """One access to both; the victim each evicted for it must be the same (returned)."""
+    want = model.access(key, parent, now, capacity)
+    assert daemon.access(key, parent, now, capacity) == want
+    return want
+
+
 @pytest.mark.parametrize("policy", ["heat", "density", "arc"])
 @pytest.mark.parametrize("factor", [2.0, 0.5, 0.0])
 def test_the_daemons_history_decides_as_the_replayers_model(monkeypatch, policy, factor):
@@ -124,10 +131,9 @@ def test_the_daemons_history_decides_as_the_replayers_model(monkeypatch, policy,
     evictions = 0
     for chain in _requests(7, 700):
         for i, key in enumerate(chain):
-            now += rng.uniform(0.01, 2.0)  # distinct times: no ties broken by id
+            now += rng.uniform(0.01, 2.0)  # distinct times (equal ones: the ties test)
             parent = chain[i - 1] if i else -1
-            want = model.access(key, parent, now, capacity)
-            assert daemon.access(key, parent, now, capacity) == want
+            want = _agree(model, daemon, key, parent, now, capacity)
             evictions += want >= 0
     assert evictions > 1000
     assert daemon.table.history_rows == len(model.history)
@@ -157,8 +163,7 @@ def test_ties_of_same_time_requests_break_alike_in_daemon_and_model(monkeypatch,
             now += rng.uniform(0.01, 2.0)  # else: the same time as the request before
         for i, key in enumerate(chain):
             parent = chain[i - 1] if i else -1
-            want = model.access(key, parent, now, capacity)
-            assert daemon.access(key, parent, now, capacity) == want
+            want = _agree(model, daemon, key, parent, now, capacity)
             evictions += want >= 0
     assert evictions > 300
 
@@ -191,8 +196,7 @@ def test_history_compacted_as_it_shrinks_decides_as_the_replayers_model(monkeypa
         for i, key in enumerate(chain):
             now += rng.uniform(0.01, 2.0)
             parent = chain[i - 1] if i else -1
-            want = model.access(key, parent, now, capacity)
-            assert daemon.access(key, parent, now, capacity) == want
+            _agree(model, daemon, key, parent, now, capacity)
     assert compactions and len(daemon.table.mementos.arrays()[0]) < 4 * capacity
     if policy != "arc":  # the policy's per-slot arrays came back with the table's
         assert len(daemon.policy._kept) < 4 * capacity
@@ -233,8 +237,7 @@ def test_hinted_history_through_swinging_factors_decides_as_the_replayers_model(
         for i, key in enumerate(chain):
             now += rng.uniform(0.01, 2.0)
             parent = chain[i - 1] if i else -1
-            want = model.access(key, parent, now, capacity)
-            assert daemon.access(key, parent, now, capacity) == want
+            _agree(model, daemon, key, parent, now, capacity)
             if rng.random() < 0.04:  # a hint on a resident block, which is often deleted
                 held = rng.choice(list(daemon.key_of.values()))
                 until = now + rng.uniform(1.0, 100.0)
@@ -439,8 +442,7 @@ def test_a_declined_blocks_history_is_kept_as_a_dropped_ones(monkeypatch, factor
         for i, key in enumerate(chain):
             now += rng.uniform(0.01, 2.0)
             parent = chain[i - 1] if i else -1
-            want = model.access(key, parent, now, capacity)
-            assert daemon.access(key, parent, now, capacity) == want
+            want = _agree(model, daemon, key, parent, now, capacity)
             declines += want == -2
     assert declines > 100
     assert daemon.table.history_rows == len(model.history)
