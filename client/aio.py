@@ -20,9 +20,9 @@ from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
-    REFUSED_PAUSE_S,
     DeadlineExceededError,
     NotFoundError,
+    Resends,
     UnavailableError,
     closed_error,
     from_rpc_error,
@@ -158,6 +158,21 @@ class AsyncClient:
             credential_ticket=ticket,
             token=self._token,
         )
+        # Sent again, as every call, while the daemon's gRPC refuses it unrun: the daemon
+        # never saw it, so its ticket is unspent.
+        resends, opened = Resends(self.timeout_s), None
+        while opened is None:
+            opened = await self._send_open_session(request, resends)
+        first, call = opened
+        if first is grpc.aio.EOF:
+            raise UnavailableError("the daemon closed the session at once")
+        self._session_id, self._session_call = first.session_id, call
+        self.tenant, self.admin = first.tenant, first.admin
+        self._session_task = asyncio.create_task(self._watch_session(call, first.session_id))
+
+    async def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:
+        """(first event, call) of one OpenSession, or None after a pause when the daemon's
+        gRPC refused it unrun and the client's timeout leaves time to send it again."""
         try:
             # close() may have run while the ticket was fetched off the loop: grpc.aio's
             # answer on the closed channel is its UsageError, the closed client's error here.
@@ -168,23 +183,21 @@ class AsyncClient:
             raise closed from None
         try:
             # The first event must come within the client's timeout (see the sync client).
-            first = await asyncio.wait_for(call.read(), self.timeout_s)
+            return await asyncio.wait_for(call.read(), resends.left_s()), call
         except asyncio.TimeoutError:
             call.cancel()
             raise DeadlineExceededError(
                 f"the daemon did not open a session within {self.timeout_s}s"
             ) from None
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            if not refused_stream(e) or (pause := resends.pause_s()) is None:
+                raise from_rpc_error(e) from None
         except asyncio.CancelledError as e:
             if (closed := self.closed_error_for(e)) is None:
                 raise
             raise closed from None
-        if first is grpc.aio.EOF:
-            raise UnavailableError("the daemon closed the session at once")
-        self._session_id, self._session_call = first.session_id, call
-        self.tenant, self.admin = first.tenant, first.admin
-        self._session_task = asyncio.create_task(self._watch_session(call, first.session_id))
+        await asyncio.sleep(pause)
+        return None
 
     async def _watch_session(self, call: Any, session_id: str) -> None:
         # read(), not async iteration: grpc forbids mixing the two on one call.
@@ -230,17 +243,14 @@ class AsyncClient:
 
     async def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        pause, most = REFUSED_PAUSE_S
+        resends = Resends(timeout_s)
         while True:
             try:
-                return await rpc(request, timeout=timeout_s)
+                return await rpc(request, timeout=resends.left_s())
             except grpc.RpcError as e:
-                if not refused_stream(e) or deadline - loop.time() <= pause:
+                if not refused_stream(e) or (pause := resends.pause_s()) is None:
                     raise
             await asyncio.sleep(pause)
-            timeout_s, pause = deadline - loop.time(), min(2 * pause, most)
 
     async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         try:

@@ -8,6 +8,8 @@ client's own checks raise InvalidArgumentError before anything is sent.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from kvtier.proto.wire import ANSWERED_KEY
@@ -141,6 +143,35 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
 # A refused call is sent again after the first pause, doubling up to the second, within
 # its timeout: the daemon's other calls on that connection end within milliseconds.
 REFUSED_PAUSE_S = (0.001, 0.05)
+
+
+class Resends:
+    """The time of one call that may be sent again while the daemon's gRPC refuses it unrun
+    (``refused_stream``): every send of it shares the call's one timeout, and the pauses
+    between them double from ``REFUSED_PAUSE_S[0]`` up to ``REFUSED_PAUSE_S[1]``. The
+    blocking and asyncio clients' calls, their session streams, the transfer jobs' parts and
+    the unanswered unregistrations all pace their resends with it.
+
+    Thread-safety: none; one call's sends run one after another."""
+
+    __slots__ = ("_pause", "deadline")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + timeout_s
+        self._pause = REFUSED_PAUSE_S[0]
+
+    def left_s(self) -> float:
+        """The call's time left: the timeout of its next send."""
+        return self.deadline - time.monotonic()
+
+    def pause_s(self) -> float | None:
+        """The pause before sending the refused call again, or None when its time would end
+        first (the refusal is then the call's answer)."""
+        pause = self._pause
+        if self.left_s() <= pause:
+            return None
+        self._pause = min(2 * pause, REFUSED_PAUSE_S[1])
+        return pause
 
 
 def refused_stream(err: grpc.RpcError) -> bool:

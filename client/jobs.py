@@ -37,11 +37,11 @@ import grpc
 import numpy as np
 
 from kvtier.client.errors import (
-    REFUSED_PAUSE_S,
     InternalError,
     InvalidArgumentError,
     KvtierError,
     NotFoundError,
+    Resends,
     UnavailableError,
     closed_error,
     from_rpc_error,
@@ -468,10 +468,9 @@ class TransferJob:
         self._on_finish = on_finish
         self._cond = threading.Condition()
         self._futures: dict[int, Any] = {}
-        # Per part: when its time ends, and the pause before sending it again if the
-        # daemon's gRPC refuses it unrun (see ``_resend_later``).
-        self._deadlines: dict[int, float] = {}
-        self._pauses: dict[int, float] = {}
+        # Per part: its time, shared by its sends while the daemon's gRPC refuses it unrun
+        # (see ``_resend_later``).
+        self._resends: dict[int, Resends] = {}
         self._notified = False
 
     @property
@@ -551,9 +550,9 @@ class TransferJob:
             part.request.session_id = session_id
             part.request.pool_id = pool_id
             method = getattr(self._client.stub, part.method)
-            deadline = self._deadlines.setdefault(part.index, time.monotonic() + self._timeout_s)
+            resends = self._resends.setdefault(part.index, Resends(self._timeout_s))
             try:
-                fut = method.future(part.request, timeout=deadline - time.monotonic())
+                fut = method.future(part.request, timeout=resends.left_s())
             except ValueError:  # the client was closed meanwhile: its channel sends nothing
                 for unsent in parts[i:]:
                     self._ended(unsent, None, closed_error())
@@ -587,10 +586,8 @@ class TransferJob:
         with self._cond:
             if self._plan.cancelled or part.ended:
                 return False
-            pause = self._pauses.get(part.index, REFUSED_PAUSE_S[0])
-            if self._deadlines[part.index] - time.monotonic() <= pause:
+            if (pause := self._resends[part.index].pause_s()) is None:
                 return False
-            self._pauses[part.index] = min(2 * pause, REFUSED_PAUSE_S[1])
             self._futures.pop(part.index, None)
         timer = threading.Timer(pause, self._resend, args=(part,))
         timer.daemon = True

@@ -31,13 +31,13 @@ from kvtier.client import health as hc
 from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
-    REFUSED_PAUSE_S,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     KvtierError,
     NotFoundError,
     PermissionDeniedError,
+    Resends,
     UnavailableError,
     closed_error,
     from_rpc_error,
@@ -244,31 +244,18 @@ class Client:
         ticket = b""
         if (path := credentials.cred_socket_path(self.address)) is not None:
             ticket = credentials.session_ticket(path, self.timeout_s)
-        call = self._stub.OpenSession(
-            t.build_request(
-                pb.OpenSessionRequest,
-                client_name=self.client_name,
-                credential_ticket=ticket,
-                token=self._token,
-            )
+        request = t.build_request(
+            pb.OpenSessionRequest,
+            client_name=self.client_name,
+            credential_ticket=ticket,
+            token=self._token,
         )
-        # The stream has no deadline (it lives as long as the session), but its first event
-        # must come within the client's timeout: a daemon that is hung must not hang us.
-        timer = threading.Timer(self.timeout_s, call.cancel)
-        timer.daemon = True
-        timer.start()
-        try:
-            first = next(call)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED:
-                raise DeadlineExceededError(
-                    f"the daemon did not open a session within {self.timeout_s}s"
-                ) from None
-            raise from_rpc_error(e) from None
-        except StopIteration:
-            raise UnavailableError("the daemon closed the session at once") from None
-        finally:
-            timer.cancel()
+        # Sent again, as every call, while the daemon's gRPC refuses it unrun: the daemon
+        # never saw it, so its ticket is unspent.
+        resends, opened = Resends(self.timeout_s), None
+        while opened is None:
+            opened = self._send_open_session(request, resends)
+        first, call = opened
         self._session_id, self._session_call = first.session_id, call
         self._tenant, self._admin = first.tenant, first.admin
         threading.Thread(
@@ -277,6 +264,31 @@ class Client:
             name="kvtier-session",
             daemon=True,
         ).start()
+
+    def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:
+        """(first event, call) of one OpenSession, or None after a pause when the daemon's
+        gRPC refused it unrun and the client's timeout leaves time to send it again."""
+        call = self._stub.OpenSession(request)
+        # The stream has no deadline (it lives as long as the session), but its first event
+        # must come within the client's timeout: a daemon that is hung must not hang us.
+        timer = threading.Timer(resends.left_s(), call.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            return next(call), call
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.CANCELLED:
+                raise DeadlineExceededError(
+                    f"the daemon did not open a session within {self.timeout_s}s"
+                ) from None
+            if not refused_stream(e) or (pause := resends.pause_s()) is None:
+                raise from_rpc_error(e) from None
+        except StopIteration:
+            raise UnavailableError("the daemon closed the session at once") from None
+        finally:
+            timer.cancel()
+        time.sleep(pause)
+        return None
 
     def _watch_session(self, call: Any, session_id: str) -> None:
         try:
@@ -324,16 +336,14 @@ class Client:
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
-        deadline = time.monotonic() + timeout_s
-        pause, most = REFUSED_PAUSE_S
+        resends = Resends(timeout_s)
         while True:
             try:
-                return rpc(request, timeout=timeout_s)
+                return rpc(request, timeout=resends.left_s())
             except grpc.RpcError as e:
-                if not refused_stream(e) or deadline - time.monotonic() <= pause:
+                if not refused_stream(e) or (pause := resends.pause_s()) is None:
                     raise
             time.sleep(pause)
-            timeout_s, pause = deadline - time.monotonic(), min(2 * pause, most)
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         try:
@@ -449,7 +459,30 @@ class Client:
         if not pool_id or session_id != self._session_id:
             return
         request = t.build_request(pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id)
-        self._stub.UnregisterPool.future(request, timeout=self.timeout_s)
+        self._unregister_nowait(request, Resends(self.timeout_s))
+
+    def _unregister_nowait(self, request: Any, resends: Resends) -> None:
+        """Send an UnregisterPool whose answer nobody waits for, and send it again while the
+        daemon's gRPC refuses it unrun (else the daemon keeps the pool, and its memory
+        mapped, until the session ends). The answer comes on gRPC's callback thread, which
+        must not sleep: a timer sends it again."""
+        try:
+            fut = self._stub.UnregisterPool.future(request, timeout=resends.left_s())
+        except ValueError:  # the client was closed meanwhile: the session ends with it
+            return
+
+        def answered(fut: Any) -> None:
+            if fut.cancelled() or self._closed:
+                return
+            error = fut.exception()
+            if not isinstance(error, grpc.RpcError) or not refused_stream(error):
+                return
+            if (pause := resends.pause_s()) is not None:
+                timer = threading.Timer(pause, self._unregister_nowait, args=(request, resends))
+                timer.daemon = True
+                timer.start()
+
+        fut.add_done_callback(answered)
 
     def fence_pool(self, binding: PoolBinding, timeout_s: float | None = None) -> bool:
         """Unregister the pool and wait for the daemon's answer, which comes once no copy

@@ -639,6 +639,90 @@ def test_a_fence_refused_unrun_is_sent_again_and_confirmed(daemon):
         assert refused and client.stats().gauges["pools"] == 0
 
 
+class _RefusedCall:
+    """An OpenSession stream (blocking or asyncio) that the daemon's HTTP/2 layer refused."""
+
+    def __next__(self) -> object:
+        raise _Refused()
+
+    async def read(self) -> object:
+        raise _Refused()
+
+    def cancel(self) -> bool:
+        return False
+
+
+class _RefusedFuture:
+    """A ``.future()`` of a call the daemon's HTTP/2 layer refused, already done."""
+
+    def cancelled(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException:
+        return _Refused()
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+
+def _refused_first(real, calls: list[object]):
+    """``real``, except that its first call (of any number of those below) is refused."""
+
+    def send(request, *args, **kwargs):
+        calls.append(request)
+        if len(calls) == 1:
+            return _RefusedCall()
+        return real(request, *args, **kwargs)
+
+    return send
+
+
+def test_regression_a_session_refused_unrun_was_not_opened_again(daemon):
+    """The client sent every call again that the daemon's gRPC refused unrun (the connection
+    had 256 calls open; a process's clients share one), but not OpenSession, a stream: the
+    refusal became the caller's UnavailableError ("RST_STREAM ... error code 7", 12 of 54
+    sessions opened beside 300 threads of lookups on the same connection). It is sent again,
+    ticket and all: the daemon never saw it."""
+    with daemon.client(timeout_s=5) as client:
+        calls: list[object] = []
+        client.stub.OpenSession = _refused_first(client.stub.OpenSession, calls)
+        assert client.session_id and len(calls) == 2
+        assert client.lookup([KEY]).prefix_len == 0
+
+    async def run() -> int:
+        async with AsyncClient(daemon.address, timeout_s=5) as client:
+            calls.clear()
+            client.stub.OpenSession = _refused_first(client.stub.OpenSession, calls)
+            assert await client.session()
+            return (await client.lookup([KEY])).prefix_len
+
+    assert asyncio.run(run()) == 0 and len(calls) == 2
+
+
+def test_regression_an_unregistration_not_waited_for_was_lost_when_refused_unrun(daemon):
+    """``unregister_pool_nowait`` sent its UnregisterPool once: refused unrun, the daemon kept
+    the pool, and its memory mapped, until the session ended. It is sent again as the
+    client's other calls are."""
+    layout = LAYOUTS["staging"]
+    with daemon.client(timeout_s=5) as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        assert client.stats().gauges["pools"] == 1
+        real, sent = client.stub.UnregisterPool, []
+
+        class OnceRefused:
+            def future(self, request, timeout=None):
+                sent.append(request.pool_id)
+                return _RefusedFuture() if len(sent) == 1 else real.future(request, timeout=timeout)
+
+        client.stub.UnregisterPool = OnceRefused()
+        pool_id = pool.pool_id
+        client.unregister_pool_nowait(pool.binding)
+        deadline = time.monotonic() + 5
+        while client.stats().gauges["pools"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stats().gauges["pools"] == 0 and sent == [pool_id] * 2
+
+
 def test_pool_survives_daemon_restart_through_reregistration(daemon):
     layout = LAYOUTS["staging"]
     ns = Namespace(model="restart", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
