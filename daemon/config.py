@@ -25,7 +25,7 @@ import yaml
 from kvtier import paths
 from kvtier.daemon.errors import ConfigError
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*", re.IGNORECASE)
 _POWERS = {"K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 
 
@@ -37,7 +37,7 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
+        m = _SIZE_RE.fullmatch(value)
         if m:
             number, prefix, binary, _ = m.groups()
             scale = 1
@@ -793,7 +793,7 @@ class MetricsConfig:
                 raise ConfigError(f"config key 'metrics.address': {e}") from None
 
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # The tenant of an admin peer (root, the daemon's user, server.admin_uids) that belongs to no
 # configured tenant; no configured tenant may take the name.
 ADMIN_TENANT = "admin"
@@ -884,7 +884,7 @@ def _check_access(config: Config) -> None:
     owner_of_gid: dict[int, str] = {}
     for i, tenant in enumerate(config.tenants):
         where = f"tenants[{i}]"
-        if not TENANT_NAME.match(tenant.name):
+        if not TENANT_NAME.fullmatch(tenant.name):
             raise ConfigError(
                 f"config key '{where}.name': {tenant.name!r} is not 1-64 letters, digits, "
                 "'.', '_' or '-' (starting with a letter or digit)"
@@ -926,7 +926,7 @@ def _check_access(config: Config) -> None:
     shared: set[str] = set()
     for i, space in enumerate(config.shared_namespaces):
         where = f"shared_namespaces[{i}]"
-        if not TENANT_NAME.match(space.name):
+        if not TENANT_NAME.fullmatch(space.name):
             raise ConfigError(
                 f"config key '{where}.name': {space.name!r} is not 1-64 letters, digits, "
                 "'.', '_' or '-' (starting with a letter or digit)"

@@ -30,7 +30,7 @@ from kvtier.daemon.sessions import shown_id
 
 RPC_HISTOGRAM = "rpc_seconds"
 REQUEST_ID_HEADER = "x-request-id"
-_SANE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _KVTIER_SERVICE = "/kvtier.v1.KVTier/"
 
 
@@ -168,7 +168,7 @@ def _ids(request: Any) -> tuple[str, int]:
 
 def _request_id_from(metadata: Any) -> str:
     for key, value in metadata or ():
-        if key == REQUEST_ID_HEADER and isinstance(value, str) and _SANE_ID.match(value):
+        if key == REQUEST_ID_HEADER and isinstance(value, str) and _SANE_ID.fullmatch(value):
             return value
     return ""
 

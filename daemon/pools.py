@@ -88,7 +88,7 @@ from kvtier.tiers.base import PoolPages
 
 log = logging.getLogger(__name__)
 
-_SHM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 # Threads that map and unmap pools: registrations of several engines (one per TP rank, at
 # start) populate their memory in parallel, and none of them waits behind the copies' threads.
 MAP_THREADS = 4
@@ -293,7 +293,7 @@ class PoolRegistry:
         """Map the named shared-memory object ``name``, which ``peer`` must own (or be
         granted by ``server.shm_share``). Every check runs, and the pool's place in the
         session's count is taken, before the first await (see the module invariants)."""
-        if not _SHM_NAME.match(name) or name.startswith("."):
+        if not _SHM_NAME.fullmatch(name) or name.startswith("."):
             raise InvalidArgument(
                 f"shared-memory name {name[:64]!r} must be 1-200 characters of letters, "
                 "digits, '.', '_' or '-'"

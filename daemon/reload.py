@@ -49,11 +49,11 @@ LIVE_PATTERNS = (
     r"server\.(max_batch_blocks|lease_default_ms|lease_max_ms|drain_timeout_s|session_ping_s)",
     r"logging\.(level|format)",
 )
-_LIVE = re.compile("|".join(f"(?:{p})" for p in LIVE_PATTERNS) + "$")
+_LIVE = re.compile("|".join(f"(?:{p})" for p in LIVE_PATTERNS))
 
 
 def is_live(key: str) -> bool:
-    return _LIVE.match(key) is not None
+    return _LIVE.fullmatch(key) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -596,7 +596,7 @@ class KVService:
                     "only an admin session may act in another tenant's namespace (tenant "
                     "is an admin field)"
                 )
-            if not TENANT_NAME.match(tenant):
+            if not TENANT_NAME.fullmatch(tenant):
                 raise InvalidArgument("tenant is not a tenant's name")
             acting = tenant
         return self.tenants.space(acting, namespace, admin=session.admin and admin_call)

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
 
-_SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")
 # A session id is the session's secret: any request that names it acts as the session, from
 # any connection. Logs show only this many characters of it.
 SHOWN_ID_CHARS = 8
@@ -134,7 +134,7 @@ class SessionRegistry:
         session = self._sessions.get(session_id)
         if session is None:
             # Checked before it is echoed: a client's text is never repeated unbounded.
-            shown = session_id if _SESSION_ID.match(session_id) else "named by session_id"
+            shown = session_id if _SESSION_ID.fullmatch(session_id) else "named by session_id"
             raise NotFound(f"session {shown} is not open (it ended or never existed)")
         return session
 

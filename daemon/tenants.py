@@ -238,7 +238,7 @@ class TenantDirectory:
         space_name, _, name = declared[len(SHARED_PREFIX) :].partition("/")
         space = self.shared.get(space_name)
         if space is None or not (admin or tenant in space.tenants):
-            shown = space_name if TENANT_NAME.match(space_name) else "named"
+            shown = space_name if TENANT_NAME.fullmatch(space_name) else "named"
             raise PermissionDenied(
                 f"tenant {tenant!r} may use no shared namespace {shown!r} (shared_namespaces "
                 "in the daemon's config lists who may use which)"

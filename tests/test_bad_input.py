@@ -202,3 +202,21 @@ def test_message_size_is_limited(daemon_factory):
         with pytest.raises(ResourceExhaustedError, match="larger than max"):
             client.lookup([bytes(32)] * 40_000)  # ~1.4 MB
         assert client.health()
+
+
+def test_regression_names_ending_in_a_newline_passed_the_daemons_checks(daemon):
+    """The daemon's name checks were regular expressions anchored with ``$``, which also
+    matches before a final newline: an admin's ``tenant`` of "default\\n" acted as a tenant's
+    name, and a shared-memory object named with a trailing newline was mapped. Both are
+    INVALID_ARGUMENT now (the whole name must match)."""
+    with daemon.client() as client:
+        assert client.admin  # the default config's sessions may name a tenant
+        with pytest.raises(InvalidArgumentError, match="not a tenant's name"):
+            client.delete([bytes(32)], tenant="default\n")
+        name = f"kvtier-newline-{id(client)}\n"
+        with (
+            SharedMemoryPool.for_layout(LAYOUT, name=name) as shm,
+            pytest.raises(InvalidArgumentError, match="shared-memory name"),
+        ):
+            client.register_pool(shm, LAYOUT)
+        assert client.stats().gauges["pools"] == 0

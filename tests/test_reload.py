@@ -84,6 +84,7 @@ def test_the_reload_plan_keeps_restart_keys_at_their_running_value():
     assert [r.split(":")[0] for r in restart] == ["policy.name"]
     assert is_live("tiers.l1.high_watermark") and not is_live("tiers.l1.capacity_bytes")
     assert not is_live("server.socket") and is_live("logging.level")
+    assert not is_live("logging.level\n")  # the whole key must match, as the others
 
 
 def test_a_reload_whose_live_keys_do_not_hold_beside_the_running_ones_changes_nothing():

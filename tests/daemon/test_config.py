@@ -83,6 +83,9 @@ def test_bad_sizes(value):
         ("tiers:\n  l1: [1, 2]\n", "'tiers.l1'"),
         ("- just a list\n", "mapping"),
         ("tiers: {l1: {capacity_bytes: 1GiB\n", "not valid YAML"),
+        # A name ending in a newline: "$" matched before it (the whole name must match now).
+        ('tenants: [{name: "alice\\n", uids: [1000]}]\n', "tenants[0].name"),
+        ('shared_namespaces: [{name: "common\\n", tenants: []}]\n', "shared_namespaces[0].name"),
     ],
 )
 def test_bad_files_name_the_key(tmp_path, text, key):

@@ -73,7 +73,7 @@ def test_key_names_are_injective_and_carry_no_hash_tag() -> None:
     tokens = KeyNamer("kv:", {1: "acme", 2: "acme.eu"}.__getitem__)
     assert tokens.key(1, b"\x01") == b"kv:acme:01"
     assert tokens.key(2, b"\x01") == b"kv:acme.eu:01"
-    for bad in ("a:b", "{t}", "", "a b", "x" * 129):
+    for bad in ("a:b", "{t}", "", "a b", "x" * 129, "acme\n"):
         with pytest.raises(ValueError, match="namespace token"):
             KeyNamer("kv:", lambda ns, bad=bad: bad).key(1, b"\x01")
 

@@ -38,7 +38,7 @@ _HEADER = struct.Struct("<4sBBHQQQ")
 HEADER_BYTES = _HEADER.size  # 32
 
 _MAX_CACHED_NAMESPACES = 4096
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -72,7 +72,7 @@ class KeyNamer:
         head = self._cache.get(ns)
         if head is None:
             token = str(ns) if self._token is None else self._token(ns)
-            if not _TOKEN_RE.match(token):
+            if not _TOKEN_RE.fullmatch(token):
                 raise ValueError(
                     f"namespace token {token!r} for namespace {ns} must be 1-128 characters "
                     "of letters, digits, '_', '.', '-'"
