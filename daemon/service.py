@@ -48,7 +48,7 @@ from kvtier.daemon.errors import (
     Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
-from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry, shown_id
+from kvtier.daemon.sessions import Lease, PeerCred, Session, SessionRegistry, shown_id
 from kvtier.daemon.store import BlockStore, DeleteResult, EvictResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.daemon.tenants import Space, TenantDirectory
@@ -406,14 +406,23 @@ class KVService:
         # A Get under a live lease of this tenant is the same access as its pinning Lookup:
         # counted once (an engine pins in its scheduler process and loads in its workers).
         # Another tenant's lease is refused.
-        leased = bool(lease_id) and self.sessions.lease_for(session_id, lease_id) is not None
+        leased = bool(lease_id) and self._lease_for(session_id, lease_id) is not None
         # Gets of one block's other layer ranges are the same access as the one of layer 0.
         touch = not leased and (layers is None or layers[0] == 0)
         return await self.store.get(pool, space.ns, words, page_arr, touch=touch, layers=layers)
 
     def release(self, session_id: str, lease_id: int) -> None:
+        self.expire_leases()  # see _lease_for
         lease = self.sessions.pop_lease(session_id, lease_id)
         self.store.unpin(lease.refs)
+
+    def _lease_for(self, session_id: str, lease_id: int) -> Lease | None:
+        """``SessionRegistry.lease_for`` once the leases past their deadline are released,
+        as the reaper releases them: a lease is gone at its deadline, not when the reaper
+        (every 0.25 s, daemon/server.py) comes to it, so that what a call naming it gets
+        does not depend on the reaper's timing."""
+        self.expire_leases()
+        return self.sessions.lease_for(session_id, lease_id)
 
     async def prefetch(
         self,

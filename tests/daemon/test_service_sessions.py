@@ -38,6 +38,7 @@ class SlowStore:
         self.release = asyncio.Event()
         self.pins = 0
         self.counters = Counters()
+        self.touched: list[object] = []  # each get's touch
 
     async def lookup(
         self, ns: int, words: np.ndarray, owner: int = 0
@@ -61,6 +62,12 @@ class SlowStore:
 
     def max_block_bytes(self) -> int:
         return 1 << 20
+
+    async def get(
+        self, pool: object, ns: int, words: np.ndarray, pages: np.ndarray, **kwargs: object
+    ) -> np.ndarray:
+        self.touched.append(kwargs["touch"])
+        return np.ones(len(words), dtype=bool)
 
 
 def _service(
@@ -209,6 +216,45 @@ def test_regression_expired_leases_the_sweep_had_not_reached_counted_toward_the_
         service.release(session, long)
         assert store.pins == 0 and service.sessions.lease_count == 0
         assert store.counters.get("leases_expired") == 2
+
+    asyncio.run(run())
+
+
+def test_regression_a_lease_past_its_deadline_served_until_the_reaper_came():
+    """A lease past its deadline stayed in force until the reaper's next pass (every 0.25 s):
+    a Release of it succeeded, and a Get under it was counted as its pinning Lookup's
+    access (no touch), where a moment later the lease was gone (NotFound; a Get of its own).
+    It is now gone at its deadline: either call releases it first, as the reaper would."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        now = [100.0]
+        service, tickets = _service(store, clock=lambda: now[0])
+        session = _open(service, tickets)
+        layout = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=4096)
+        fd = os.memfd_create("kvtier-test")
+        try:
+            os.ftruncate(fd, layout.extent_bytes)
+            pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
+            keys = [bytes(32)]
+            for call in ("release", "get"):
+                lease = (await service.lookup(session, keys, True, 1000)).lease_id
+                await service.get(session, pool.pool_id, keys, [0], lease)
+                assert store.touched[-1] is False  # live: the lookup's access
+                now[0] += 1.0  # at its deadline; the reaper has not run
+                if call == "release":
+                    with pytest.raises(NotFound, match="does not exist"):
+                        service.release(session, lease)
+                else:
+                    await service.get(session, pool.pool_id, keys, [0], lease)
+                    assert store.touched[-1] is True  # an access of its own
+                assert store.pins == 0 and service.sessions.lease_count == 0
+                assert service.expire_leases() == 0  # the reaper finds nothing left
+            assert store.counters.get("leases_expired") == 2
+        finally:
+            os.close(fd)
+            service.close_session(session)
 
     asyncio.run(run())
 
