@@ -343,19 +343,26 @@ class SpaceManager:
                     break  # this group could not start in time, nor could any after it
                 for b in caps:
                     planned[b] = planned.get(b, 0) + nbytes
+                # Each group's blocks are woken for their waiters as the group ends.
+                group_refs = table.refs(bids[part]).tolist()
+                self.transfers.regroup(group_refs, dst.kind)
                 jobs.append(
-                    self._copy_group(
-                        bids,
-                        part,
-                        src,
+                    self._settling(
+                        self._copy_group(
+                            bids,
+                            part,
+                            src,
+                            dst,
+                            size,
+                            priority,
+                            clean_only,
+                            deadline,
+                            prefetch,
+                            done,
+                            owner,
+                        ),
+                        group_refs,
                         dst,
-                        size,
-                        priority,
-                        clean_only,
-                        deadline,
-                        prefetch,
-                        done,
-                        owner,
                     )
                 )
             else:
@@ -366,6 +373,12 @@ class SpaceManager:
             if isinstance(r, BaseException) and not isinstance(r, PrefetchExpired):
                 raise r
         return done
+
+    async def _settling(self, job: Awaitable[None], refs: list[int], dst: Level) -> None:
+        try:
+            await job
+        finally:
+            self.transfers.settle(refs, dst.kind)
 
     def _budget(
         self, src: Level, dst: Level, deadline: float | None

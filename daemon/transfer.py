@@ -147,6 +147,25 @@ class TransferEngine:
             mine.append(i)
         return mine, list(waits)
 
+    def regroup(self, refs: Sequence[int], dst: TierKind) -> None:
+        """Some refs of one claim, moved by one copy group of it, get a future of their
+        own, which their ``settle`` wakes as that group ends: a caller that needs a few
+        blocks of a large move (a Get behind a prefetch of hundreds) waits for the group
+        holding them, not for the whole claim. A waiter that already holds the claim's
+        future is woken with the first group that ends (early, which is safe: a waiter reads
+        the table for what arrived, and reads what did not from where it is)."""
+        moving = self._moving.get(dst)
+        if not moving or not refs:
+            return
+        old = moving.get(refs[0])
+        if old is None:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        for ref in refs:
+            if moving.get(ref) is old:
+                moving[ref] = fut
+        fut.add_done_callback(lambda _: old.done() or old.set_result(True))
+
     def settle(self, refs: Sequence[int], dst: TierKind) -> None:
         """The moves of ``refs`` (one claim's) ended, done or not: wake their waiters."""
         moving = self._moving.get(dst, {})

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import mmap
 import os
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
@@ -841,6 +842,40 @@ async def test_a_prefetch_that_finds_no_room_or_whose_block_went_ends_as_wasted(
     stats = store.prefetches.stats()
     assert (stats.issued, stats.wasted, stats.outstanding) == (2, 2, 0)
     store.unpin(store.table.refs(store.table.lookup(0, b)))
+
+
+async def test_a_get_behind_a_large_prefetch_waits_for_its_own_copy_group_only(make_store):
+    """A Get of blocks a prefetch is promoting waited for the prefetch's whole move (every
+    copy group of it): a Get of the first blocks behind a prefetch of hundreds waited for all
+    of them. Here the prefetch's second group of 8 cannot read from L2 until the Get of two
+    blocks of its first group has returned."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store = make_store(clock, l2=l2)
+    pool = make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    clock.now += 1
+    await put(store, pool, keys(16), pages=range(16, 32))
+    assert where(store, a) == ["L2"] * 16
+    late = {store.table.keys[b].tobytes() for b in store.table.lookup(0, a[8:]).tolist()}
+    gate = threading.Event()
+
+    def hold_the_second_group(batch) -> None:
+        if any(ref.key in late for ref in batch.blocks):
+            gate.wait(10)
+
+    l2.read_hook = hold_the_second_group
+    try:
+        res = await store.prefetch(0, a, deadline_ms=0, priority=0)
+        assert res.scheduled == 16
+        got = await asyncio.wait_for(get(store, pool, a[:2], [40, 41]), 5)
+        assert got == [True, True]
+        assert not gate.is_set()
+    finally:
+        gate.set()
+    await store.space.drain()
+    assert where(store, a) == ["L1"] * 16
 
 
 @pytest.mark.parametrize("policy", POLICIES)

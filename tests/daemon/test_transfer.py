@@ -38,6 +38,28 @@ async def test_a_block_moving_into_a_tier_is_moved_once():
         engine.close()
 
 
+async def test_a_regrouped_claims_blocks_are_woken_by_their_own_group():
+    engine = TransferEngine(Counters())
+    try:
+        engine.claim([1, 2, 3, 4], TierKind.HOST)
+        _, early = engine.claim([4], TierKind.HOST)  # took the claim's own future
+        engine.regroup([1, 2], TierKind.HOST)
+        engine.regroup([3], TierKind.HOST)
+        _, first = engine.claim([1], TierKind.HOST)
+        _, second = engine.claim([3], TierKind.HOST)
+        _, rest = engine.claim([4], TierKind.HOST)  # in no group: the claim's future
+        assert rest == early
+        engine.settle([1, 2], TierKind.HOST)  # the first group ends
+        await asyncio.sleep(0)
+        assert first[0].done() and not second[0].done()
+        assert early[0].done()  # woken early by the first group: it rereads the table
+        assert not engine.moving(1, TierKind.HOST) and engine.moving(3, TierKind.HOST)
+        engine.settle([1, 2, 3, 4], TierKind.HOST)  # the claim ends
+        assert second[0].done() and engine.in_flight(TierKind.HOST) == 0
+    finally:
+        engine.close()
+
+
 async def test_a_prefetch_past_its_deadline_is_dropped_before_it_runs():
     clock = Clock()
     counters = Counters()
