@@ -164,7 +164,12 @@ class TransferEngine:
         for ref in refs:
             if moving.get(ref) is old:
                 moving[ref] = fut
-        fut.add_done_callback(lambda _: old.done() or old.set_result(True))
+
+        def wake_the_claims_waiters(_: asyncio.Future[bool]) -> None:
+            if not old.done():
+                old.set_result(True)
+
+        fut.add_done_callback(wake_the_claims_waiters)
 
     def settle(self, refs: Sequence[int], dst: TierKind) -> None:
         """The moves of ``refs`` (one claim's) ended, done or not: wake their waiters."""
