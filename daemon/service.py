@@ -30,7 +30,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +60,13 @@ log = logging.getLogger(__name__)
 
 # The longest a Check waits for transfers in flight to finish.
 MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
+
+
+# Gauges a non-admin session of a daemon with tenants sees (KVService._tenant_stats): the
+# daemon's set-up and start, nothing that counts anyone's blocks, pools or calls.
+_DAEMON_GAUGES = frozenset(
+    {"recovering", "l1_page_locked", "l1_prefaulting", "l2_o_direct", "l2_files", "l0_l2_gds"}
+)
 
 
 class LookupOutcome(NamedTuple):  # one per Lookup: a tuple costs a fraction of a dataclass
@@ -468,6 +475,10 @@ class KVService:
 
     def stats(self, session_id: str) -> StatsSnapshot:
         session = self.sessions.get(session_id)
+        visible = self.tenants.visible_to(session.tenant, session.admin)
+        tenants = self.tenant_usage(visible)
+        if visible is not None and self.tenants.configured:
+            return self._tenant_stats(tenants)
         index = self.store.table.stats()
         return StatsSnapshot(
             tiers=self.store.usage(),
@@ -484,7 +495,38 @@ class KVService:
             },
             uptime_s=self._clock() - self._started,
             version=__version__,
-            tenants=self.tenant_usage(self.tenants.visible_to(session.tenant, session.admin)),
+            tenants=tenants,
+        )
+
+    def _tenant_stats(self, tenants: list[TenantUsage]) -> StatsSnapshot:
+        """Stats for a non-admin session of a daemon with tenants: the daemon-wide figures
+        would tell it the others' usage (a tier's total minus its own), their traffic as it
+        happens (hits, puts, sessions) and their names (counters labelled by tenant), so it
+        gets each tier's capacity and health with the usage of what it may see, and the
+        gauges that describe the daemon rather than anyone's work."""
+        own: Counter[tuple[TierKind, str]] = Counter()
+        for t in tenants:
+            for u in t.tiers:
+                own[u.kind, "bytes"] += u.used_bytes
+                own[u.kind, "blocks"] += u.blocks
+        tiers = [
+            replace(
+                u,
+                used_bytes=own[u.kind, "bytes"],
+                blocks=own[u.kind, "blocks"],
+                counters={},
+                gauges={},
+            )
+            for u in self.store.usage()
+        ]
+        gauges = {k: v for k, v in self.store.gauges().items() if k in _DAEMON_GAUGES}
+        return StatsSnapshot(
+            tiers=tiers,
+            counters={},
+            gauges=gauges,
+            uptime_s=self._clock() - self._started,
+            version=__version__,
+            tenants=tenants,
         )
 
     def tenant_usage(self, visible: list[str] | None = None) -> list[TenantUsage]:

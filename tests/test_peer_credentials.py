@@ -355,7 +355,8 @@ def test_a_session_over_tcp_needs_a_token_and_registers_no_memory(daemon_factory
         SharedMemoryPool.for_layout(LAYOUT) as shm,
     ):
         assert client.tenant == "remote"
-        assert client.stats().gauges["sessions"] == 1
+        # Its own tenant's sessions (the daemon's gauges are an admin's).
+        assert [(t.tenant, t.sessions) for t in client.stats().tenants] == [("remote", 1)]
         with pytest.raises(FailedPreconditionError, match="Unix socket"):
             client.register_pool(shm, LAYOUT)
     named = SharedMemoryPool.for_layout(LAYOUT, backing="shm")

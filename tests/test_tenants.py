@@ -299,3 +299,32 @@ def test_recovered_blocks_keep_their_tenant(tenant_daemon, peers):
     assert got["loaded"] == [True] * 3 and got["pages"] == theirs
     usage = {t["tenant"]: t for t in bob("stats")}
     assert usage["bob"]["tiers"]["L2_DISK"][2] == 3
+
+
+def test_stats_show_a_tenant_nothing_of_another_tenants_blocks_or_traffic(tenant_daemon, peers):
+    # Regression: Stats answered every session the daemon-wide tier usage, counters and
+    # gauges, so bob read alice's bytes and blocks (tier total minus his own), her hits and
+    # puts as they happened, and counters labelled with her name (quota evictions).
+    d = tenant_daemon(
+        f"tenants=[{{name: alice, uids: [{ALICE[0]}], quotas: {{l1: {4 * BLOCK}}}}}, "
+        f"{{name: bob, uids: [{BOB[0]}]}}, {{name: ops, uids: [0], admin: true}}]"
+    )
+    alice, bob = peers(ALICE, d), peers(BOB, d)
+    hers = keys(8, tag=5)
+    for i in (0, 4):  # the second four evict the first (her quota) down to L2
+        assert alice("put", keys=hers[i : i + 4], pages=[0, 1, 2, 3]) == [STORED] * 4
+    assert alice("lookup", keys=hers)["prefix"] == 8
+    assert bob("put", keys=keys(2, tag=6), pages=[0, 1]) == [STORED] * 2
+
+    seen = bob("daemon_stats")
+    assert seen["tiers"] == {"L1_HOST": [2 * BLOCK, 2], "L2_DISK": [0, 0]}
+    assert not [name for name in seen["counters"] if "alice" in name]
+    assert seen["counters"].get("lookup_hits", 0) == 0
+    assert seen["gauges"].get("blocks", 0) == 0 and seen["gauges"].get("sessions", 0) == 0
+    # An admin still sees the whole daemon.
+    with d.client() as admin:
+        s = admin.stats()
+        l1 = next(u for u in s.tiers if u.tier == Tier.L1_HOST)
+        assert (l1.used_bytes, l1.blocks) == (6 * BLOCK, 6)
+        assert s.counter("lookup_hits") == 8 and s.gauges["sessions"] >= 3
+        assert s.counter("quota_evictions", tenant="alice", tier="L1") == 4
