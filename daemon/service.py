@@ -502,8 +502,15 @@ class KVService:
         """Stats for a non-admin session of a daemon with tenants: the daemon-wide figures
         would tell it the others' usage (a tier's total minus its own), their traffic as it
         happens (hits, puts, sessions) and their names (counters labelled by tenant), so it
-        gets each tier's capacity and health with the usage of what it may see, and the
-        gauges that describe the daemon rather than anyone's work."""
+        gets each tier's capacity and health with the usage of what it may see, the counters
+        labelled with what it may see (its quota evictions), and the gauges that describe
+        the daemon rather than anyone's work."""
+        labels = {t.tenant for t in tenants}
+        counters = {
+            c.key: c.value
+            for c in self.store.counters.samples()
+            if any(k == "tenant" and v in labels for k, v in c.labels)
+        }
         own: Counter[tuple[TierKind, str]] = Counter()
         for t in tenants:
             for u in t.tiers:
@@ -522,7 +529,7 @@ class KVService:
         gauges = {k: v for k, v in self.store.gauges().items() if k in _DAEMON_GAUGES}
         return StatsSnapshot(
             tiers=tiers,
-            counters={},
+            counters=counters,
             gauges=gauges,
             uptime_s=self._clock() - self._started,
             version=__version__,

@@ -320,6 +320,7 @@ def test_stats_show_a_tenant_nothing_of_another_tenants_blocks_or_traffic(tenant
     assert seen["tiers"] == {"L1_HOST": [2 * BLOCK, 2], "L2_DISK": [0, 0]}
     assert not [name for name in seen["counters"] if "alice" in name]
     assert seen["counters"].get("lookup_hits", 0) == 0
+    assert alice("daemon_stats")["counters"] == {'quota_evictions{tenant="alice",tier="L1"}': 4}
     assert seen["gauges"].get("blocks", 0) == 0 and seen["gauges"].get("sessions", 0) == 0
     # An admin still sees the whole daemon.
     with d.client() as admin:
