@@ -205,7 +205,10 @@ class AsyncClient:
             while await call.read() is not grpc.aio.EOF:
                 pass
         if self._session_id == session_id:
-            log.warning("kvtier session %s ended (daemon stopped or unreachable)", session_id)
+            log.warning(
+                "kvtier session %s ended (daemon stopped or unreachable)",
+                credentials.shown_id(session_id),
+            )
             self._session_id, self._session_call = "", None
 
     # ------------------------------------------------------------------ calls

@@ -32,6 +32,14 @@ from kvtier.client.errors import (
 PROTOCOL = b"KVTIER-CRED/1"
 CRED_SUFFIX = ".cred"
 _MAX_REPLY_BYTES = 1024
+# A session id is the session's secret: any request naming it acts as that session, whichever
+# process sends it. Logs show this many of its characters, as the daemon's do.
+SHOWN_ID_CHARS = 8
+
+
+def shown_id(session_id: str) -> str:
+    """The part of a session id that logs may show."""
+    return session_id[:SHOWN_ID_CHARS]
 
 
 def cred_socket_path(address: str) -> str | None:

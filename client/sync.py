@@ -298,7 +298,10 @@ class Client:
             pass
         with self._lock:
             if self._session_id == session_id:
-                log.warning("kvtier session %s ended (daemon stopped or unreachable)", session_id)
+                log.warning(
+                    "kvtier session %s ended (daemon stopped or unreachable)",
+                    credentials.shown_id(session_id),
+                )
                 self._session_id, self._session_call = "", None
 
     # ------------------------------------------------------------------ calls

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -136,3 +138,25 @@ async def test_regression_an_async_call_its_client_s_close_ended_was_a_bare_canc
     finally:
         server.kill()
         server.wait()
+
+
+async def test_regression_the_clients_logged_their_whole_session_id_when_it_ended(daemon, caplog):
+    """The session id is the session's secret: any request naming it acts as that session,
+    from any process that may open the socket, of any uid (it can look up, delete and evict
+    the tenant's blocks). The daemon logs only its first 8 characters, but both clients logged
+    all of it when the session ended, so whoever read an engine's log could take its
+    session. They log the same first 8 characters as the daemon."""
+    caplog.set_level(logging.WARNING, logger="kvtier.client")
+    client, aclient = daemon.client(), AsyncClient(daemon.address)
+    try:
+        ids = [client.session_id, await aclient.session()]
+        daemon.kill()
+        deadline = time.monotonic() + 10
+        while sum("ended" in r.getMessage() for r in caplog.records) < 2:
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.02)
+    finally:
+        client.close()
+        await aclient.close()
+    for sid in ids:
+        assert sid not in caplog.text and f"session {sid[:8]} ended" in caplog.text
