@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.cuda import CudaIpcExport
@@ -38,7 +38,9 @@ class PoolBinding:
     pool_id: int = 0
     block_bytes: int = 0
     sealed: bool = False  # the daemon found the memory sealed against shrinking
-    session_id: str = ""  # the session the pool was registered in
+    # The session the pool was registered in: its secret (any request naming it acts as the
+    # session), kept out of the repr, which engines log and error reporters record.
+    session_id: str = field(default="", repr=False)
 
     def keys(self, token_ids: Sequence[int]) -> list[bytes]:
         if self.namespace is None:

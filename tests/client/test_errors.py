@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from kvtier.client import AsyncClient, Client
+from kvtier.client import AsyncClient, Client, PoolLayout, SharedMemoryPool
 from kvtier.client.errors import (
     InvalidArgumentError,
     KvtierError,
@@ -160,3 +160,14 @@ async def test_regression_the_clients_logged_their_whole_session_id_when_it_ende
         await aclient.close()
     for sid in ids:
         assert sid not in caplog.text and f"session {sid[:8]} ended" in caplog.text
+
+
+def test_regression_a_pool_binding_s_repr_showed_its_session_s_whole_id(daemon):
+    """``pool.binding`` (what ``fence_pool`` takes) is a dataclass whose repr held the session
+    id, so an engine that logged it, or an error reporter that records locals, wrote the
+    session's secret down."""
+    layout = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=4, chunk_bytes=4096)
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        assert pool.binding.session_id == client.session_id
+        assert client.session_id not in repr(pool.binding)
