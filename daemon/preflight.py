@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kvtier.daemon.config import Config, format_size, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
+from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
@@ -284,17 +285,8 @@ def _socket(config: Config) -> list[Problem]:
         if _listening(each):
             return [Problem(key, f"another process is listening on {each} (a kvtierd running?)")]
     folder = Path(path).parent
-    if folder.is_dir():
-        st = folder.stat()
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-            return [
-                Problem(
-                    key,
-                    f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is "
-                    "writable by other users, who could replace the socket; use a folder only "
-                    "the daemon may write",
-                )
-            ]
+    if folder.is_dir() and (problem := folder_problem(str(folder), folder.stat())) is not None:
+        return [Problem(key, problem)]
     parent = _nearest_existing(folder)
     if not os.access(parent, os.W_OK | os.X_OK):
         return [

@@ -7,8 +7,9 @@ given its group and mode, and only then does it listen. Connecting to a Unix soc
 write permission on it, so the mode is the whole access rule (plus traversal of its folders).
 
 Invariants:
-- A socket path in a folder that other users may write (without the sticky bit) is refused:
-  anyone who can write there could replace the socket and receive the clients' requests.
+- A socket path in a folder that other users may write (without the sticky bit), or that
+  belongs to a user other than root and the daemon's, is refused: anyone who can write there
+  could replace the socket and receive the clients' requests.
 - A stale socket (nobody listening) is removed at start; a live one stops the daemon.
 """
 
@@ -43,6 +44,24 @@ class SocketAccess:
         return cls(cfg.socket_mode_bits(), cfg.socket_gid())
 
 
+def folder_problem(folder: str, st: os.stat_result) -> str | None:
+    """Why the daemon's sockets may not live in ``folder`` (``st``: its stat), or None. Whoever
+    may write the folder can remove a socket and listen in its place, receiving the clients'
+    requests and the memory files they hand the credential socket: so may its owner, whatever
+    its mode, and its group or others where the mode lets them (unless it is sticky)."""
+    if st.st_uid not in (0, os.geteuid()):
+        return (
+            f"the socket's folder {folder} belongs to uid {st.st_uid}, who could replace the "
+            "socket; use a folder of root or of the daemon's user"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return (
+            f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
+            "other users, who could replace the socket; use a folder only the daemon may write"
+        )
+    return None
+
+
 def prepare_socket_path(path: str, access: SocketAccess) -> None:
     """Check the socket's folder (creating it if needed); remove a stale socket, refuse a live
     one. Raises OSError with a message that names the problem."""
@@ -55,12 +74,8 @@ def prepare_socket_path(path: str, access: SocketAccess) -> None:
     if not os.path.isdir(folder):
         _create_folder(folder, access)
     st = os.stat(folder)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise OSError(
-            errno.EPERM,
-            f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
-            "other users, who could replace the socket; use a folder only the daemon may write",
-        )
+    if (problem := folder_problem(folder, st)) is not None:
+        raise OSError(errno.EPERM, problem)
     _warn_if_untraversable(folder, st, access)
     if not os.path.lexists(path):
         return

@@ -18,7 +18,9 @@ from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier.client import credentials as cred
 from kvtier.client import wait_until_serving
+from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
+from kvtier.daemon.unixsock import SocketAccess, prepare_socket_path
 
 REPO = Path(__file__).resolve().parent.parent
 USERS_GID = 100  # a group that is not the sockets' group
@@ -103,6 +105,25 @@ def test_a_socket_folder_that_others_may_write_is_refused():
         assert os.listdir(folder) == []
     finally:
         shutil.rmtree(folder)
+
+
+def test_regression_a_socket_folder_of_another_user_was_taken(tmp_path):
+    """Only the mode was checked, not the owner: in a folder that another user had made (say
+    /tmp/kvtier, made before the daemon first started), the daemon bound its sockets, and
+    that user could remove them and listen there himself, receiving the clients' requests
+    and the memory files they hand the credential socket. The daemon now refuses it."""
+    require_root()
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o755)
+    os.chown(folder, NOBODY, NOGROUP)
+    config = load_config(None, [f"server.socket={folder}/d.sock"])
+    # The checks (kvtierd --check-config, and before a start) and the bind itself.
+    problems = preflight.check(config, preflight.HostFacts(8 << 30, 16 << 30, None))
+    assert [p.key for p in problems] == ["server.socket"]
+    assert f"belongs to uid {NOBODY}" in str(problems[0])
+    with pytest.raises(OSError, match=f"belongs to uid {NOBODY}"):
+        prepare_socket_path(str(folder / "d.sock"), SocketAccess.from_config(config.server))
+    assert os.listdir(folder) == []
 
 
 def test_a_missing_folder_is_created_traversable_by_the_socket_group_only():
