@@ -7,9 +7,10 @@ given its group and mode, and only then does it listen. Connecting to a Unix soc
 write permission on it, so the mode is the whole access rule (plus traversal of its folders).
 
 Invariants:
-- A socket path in a folder that other users may write (without the sticky bit), or that
-  belongs to a user other than root and the daemon's, is refused: anyone who can write there
-  could replace the socket and receive the clients' requests.
+- A socket path in a folder that other users may write (sticky or not), or that belongs to
+  a user other than root and the daemon's, is refused: anyone who can write there could
+  replace the socket, or take its name while the daemon is stopped, and receive the clients'
+  requests.
 - A stale socket (nobody listening) is removed at start; a live one stops the daemon.
 """
 
@@ -48,13 +49,16 @@ def folder_problem(folder: str, st: os.stat_result) -> str | None:
     """Why the daemon's sockets may not live in ``folder`` (``st``: its stat), or None. Whoever
     may write the folder can remove a socket and listen in its place, receiving the clients'
     requests and the memory files they hand the credential socket: so may its owner, whatever
-    its mode, and its group or others where the mode lets them (unless it is sticky)."""
+    its mode, and its group or others where the mode lets them. A sticky folder (/tmp) is no
+    exception: the sticky bit only keeps others from removing the daemon's sockets, and the
+    daemon removes them itself when it stops, so its names are anyone's to take until it starts
+    again (a squatter there also keeps it from starting)."""
     if st.st_uid not in (0, os.geteuid()):
         return (
             f"the socket's folder {folder} belongs to uid {st.st_uid}, who could replace the "
             "socket; use a folder of root or of the daemon's user"
         )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return (
             f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
             "other users, who could replace the socket; use a folder only the daemon may write"

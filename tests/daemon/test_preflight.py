@@ -279,8 +279,12 @@ def test_a_socket_folder_others_may_write_is_refused_by_the_checks_too(tmp_path)
     config = load_config(None, [f"server.socket={folder}/s.sock"])
     problems = preflight.check(config, HOST)
     assert _keys(problems) == ["server.socket"] and "writable by other users" in str(problems[0])
-    folder.chmod(0o1777)  # sticky, as /tmp: others cannot replace the daemon's files
-    assert preflight.check(config, HOST) == []
+    # Regression: a sticky folder (as /tmp) was accepted. Others cannot remove the daemon's
+    # sockets there, but the daemon removes them when it stops: a user who then listened on
+    # their names received the clients' requests (and kept the daemon from starting).
+    folder.chmod(0o1777)
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["server.socket"] and "writable by other users" in str(problems[0])
     proc = _kvtierd("--check-config", *_sets(f"server.socket={tmp_path}/s.sock"))
     assert proc.returncode == 0, proc.stderr
 
