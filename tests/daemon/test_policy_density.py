@@ -803,3 +803,40 @@ def test_counts_kept_in_32_bits_decide_as_from_zero_across_their_wraps() -> None
     assert shifted._seq < 10_000 and shifted._inserts < 5000  # both came round
     assert shifted._evictions > SEQ_MOD and plain.stats().tables > 10
     assert shifted._until.flags.writeable
+
+
+def rarely_hit_policy(**params: object) -> tuple[DensityPolicy, float]:
+    """A full tier of 32 blocks whose accesses are mostly new blocks: one access in 25
+    reads a block again, a hit ratio of 4%."""
+    p = DensityPolicy(capacity_blocks=32, period=128, **params)
+    now = 0.0
+    for bid in range(1000):
+        now += 0.25
+        if bid % 25 == 0 and bid in p:
+            p.touch(bid, now)
+        else:
+            p.replace(bid, -1, now) if len(p) >= 32 else p.insert(bid, now)
+        if bid % 25 == 24 and bid - 1 in p:
+            p.touch(bid - 1, now)
+    return p, now
+
+
+@pytest.mark.parametrize("below", [0.085, 0.0])
+def test_a_rarely_hit_tier_weighs_the_heat_itself(below: float) -> None:
+    """Below ``full_heat_below`` hits per access (decayed over the tables), a block's own
+    weight is its heat, not the square root: two blocks of one class and age rank by the
+    ratio of their heats. With the threshold at 0 the square root stays."""
+    p, now = rarely_hit_policy(full_heat_below=below)
+    x, y = 5000, 5001
+    p.insert(x, now)
+    p.insert(y, now)
+    for dt in (0.01, 0.03):
+        p.touch(x, now + dt)
+    for dt in (0.01, 0.02, 0.03):
+        p.touch(y, now + dt)
+    now += 0.03
+    sx, sy = p.describe(x), p.describe(y)
+    assert sx.cls == sy.cls and sx.last == sy.last and sy.heat > sx.heat
+    assert p.density(x, now) > 0
+    ratio = p.density(y, now) / p.density(x, now)
+    assert ratio == pytest.approx(sy.heat / sx.heat if below else math.sqrt(sy.heat / sx.heat))
