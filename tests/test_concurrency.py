@@ -9,6 +9,7 @@ import hashlib
 import time
 
 import numpy as np
+import pytest
 
 from kvtier.client import AsyncClient, PoolLayout, SharedMemoryPool
 
@@ -106,6 +107,7 @@ def test_concurrent_clients_keep_blocks_exact_and_leave_nothing_pinned(daemon_fa
     assert "Traceback" not in d.log() and "failed" not in d.log()
 
 
+@pytest.mark.slow  # 5,000 calls at once, ~4-8 s: `make test-slow`
 def test_regression_a_burst_of_calls_lost_some_to_a_bare_cancelled(daemon):
     """gRPC's defaults drop calls that arrive faster than the event loop takes them up (at
     random past 1,000 waiting, all past 3,000), each with a bare CANCELLED: 3,000 Lookups sent

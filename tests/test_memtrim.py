@@ -8,6 +8,8 @@ import ctypes
 import ctypes.util
 import time
 
+import pytest
+
 from kvtier.client import AsyncClient
 from kvtier.daemon.memtrim import MemoryTrimmer, _rss_bytes
 from kvtier.daemon.stats import Counters
@@ -85,6 +87,7 @@ def test_a_threshold_of_zero_never_trims():
     assert counters.get("memory_trims") == 0
 
 
+@pytest.mark.slow  # a burst of calls against a real daemon, ~3-6 s: `make test-slow`
 def test_the_daemon_trims_after_a_burst_of_calls(daemon_factory):
     """A burst of 3,000 calls leaves freed memory in the daemon's heaps; within a few checks
     the daemon has given it back (the threshold set low so that any burst passes it)."""

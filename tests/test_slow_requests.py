@@ -81,6 +81,7 @@ def test_a_call_that_ends_its_request_without_a_message_is_answered(daemon):
     conn.close()
 
 
+@pytest.mark.slow  # waits out the idle-connection timeout, ~5 s: `make test-slow`
 def test_regression_idle_connections_were_held_for_good(daemon_factory):
     """A connection that opened no call (or whose calls all ended) stayed open for as long as
     its client liked: 19,980 of them took the daemon to 19,996 of its 20,000 descriptors. One
