@@ -108,7 +108,12 @@ class SharedMemoryPool:
         The pool keeps its own duplicate of ``fd`` (registering hands it to the daemon;
         ``close()`` closes only the duplicate) and its own mapping of the whole file. It is
         ``sealed`` only if the creator sealed it against shrinking; if not, the creator can
-        truncate it under a copy, which the daemon survives by marking the pool broken."""
+        truncate it under a copy, which the daemon survives by marking the pool broken.
+
+        The daemon registers it only if its memory is allocated in full (posix_fallocate, or
+        every page written; else FAILED_PRECONDITION): pages the daemon's copies allocated
+        in its holes would be charged to the daemon's memory, not to their owner's. Nothing
+        is checked here: the creator may allocate it after wrapping it."""
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
             raise ValueError(f"descriptor {fd} is not a non-empty memory file")

@@ -122,7 +122,7 @@ def serve_tickets() -> None:
             print(cred.session_ticket(path).hex(), flush=True)
         else:
             fd = os.memfd_create("kvtier-peer", os.MFD_CLOEXEC)
-            os.ftruncate(fd, int(line.split()[1]))
+            os.posix_fallocate(fd, 0, int(line.split()[1]))  # registered only if allocated
             print(cred.pool_ticket(path, fd).hex(), flush=True)
             os.close(fd)
 

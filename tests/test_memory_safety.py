@@ -33,10 +33,17 @@ def _keys(tag: str, n: int) -> list[bytes]:
 
 
 def _resize(shm: SharedMemoryPool, size: int) -> None:
-    if shm.path is not None:
-        os.truncate(shm.path, size)
-    else:
-        os.ftruncate(shm.fd, size)
+    """Shrink ``shm`` to ``size``, or grow it allocated (posix_fallocate sets the new size
+    once the pages are there): the daemon refuses to register memory that is not."""
+    fd = os.open(shm.path, os.O_RDWR) if shm.path is not None else shm.fd
+    try:
+        if size < os.fstat(fd).st_size:
+            os.ftruncate(fd, size)
+        else:
+            os.posix_fallocate(fd, 0, size)
+    finally:
+        if shm.path is not None:
+            os.close(fd)
 
 
 def _register_when_whole(client, shm, layout, deadline: float):
@@ -308,3 +315,60 @@ def test_an_adopted_unsealed_memfd_round_trips_and_faults_safely(daemon):
         del engine_view
     finally:
         os.close(fd)
+
+
+def _shared_rss_bytes(pid: int) -> int:
+    """The shared memory (pools, L1) resident in ``pid``: its own heap, which grows by
+    megabytes as it serves its first requests, is not counted."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssShmem for pid {pid}")
+
+
+def _maps_memfd(pid: int, name: str) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any(f"/memfd:{name} " in line for line in f)
+
+
+def test_regression_a_sparse_pool_made_the_daemon_allocate_its_pages(daemon):
+    """A memfd truncated to 1 GiB but never allocated was registered, and every Get into it
+    wrote into a hole: the kernel allocated those pages charged to the daemon's memory
+    cgroup (its RSS 91 -> 347 MB after 4,096 Gets; OOM-killed under a 400 MiB limit). Now
+    a pool not allocated in full is refused with FAILED_PRECONDITION saying how to allocate
+    it, nothing is mapped or counted, and the daemon's RSS stays; allocated, the same memfd
+    registers and round-trips."""
+    size = BIG.extent_bytes  # 32 MiB
+    fd = os.memfd_create("engine-sparse", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        shm = SharedMemoryPool.from_fd(fd)
+        with daemon.client() as client, shm:
+            assert daemon.proc is not None
+            pid = daemon.proc.pid
+            rss = _shared_rss_bytes(pid)
+            with pytest.raises(FailedPreconditionError, match="posix_fallocate"):
+                client.register_pool(shm, BIG)
+            assert not _maps_memfd(pid, "engine-sparse")
+            # Far less than the pool: a daemon that mapped and populated it would hold it all.
+            assert _shared_rss_bytes(pid) - rss < size // 2
+            check = client.check()
+            assert check.problems == [] and check.pools == 0
+            assert client.stats().gauges["pools"] == 0
+
+            os.posix_fallocate(fd, 0, size)
+            data = shm.array()
+            data[:BLOCK] = np.random.default_rng(5).integers(0, 256, BLOCK, dtype=np.uint8)
+            pool = client.register_pool(shm, BIG)
+            key = _keys("allocated", 1)
+            assert client.put(pool.pool_id, key, [0]).stored == 1
+            assert client.get(pool.pool_id, key, [BIG.num_pages - 1]).prefix_len == 1
+            assert np.array_equal(data[-BLOCK:], data[:BLOCK])
+            assert _maps_memfd(pid, "engine-sparse")
+            del data
+            client.unregister_pool(pool.pool_id)
+            assert client.check().problems == []
+    finally:
+        os.close(fd)
+    assert daemon.running()

@@ -250,7 +250,7 @@ def test_memory_handed_over_by_another_uid_is_refused_to_this_session(
 
     def hand_over() -> str:
         fd = os.memfd_create("kvtier-nobody", os.MFD_CLOEXEC)
-        os.ftruncate(fd, LAYOUT.extent_bytes)
+        os.posix_fallocate(fd, 0, LAYOUT.extent_bytes)
         return cred.pool_ticket(_path(d), fd).hex()
 
     tickets = [bytes.fromhex(run_as(NOBODY, NOGROUP, hand_over)) for _ in range(2)]

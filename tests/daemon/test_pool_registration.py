@@ -39,8 +39,9 @@ from kvtier.client import (
 from kvtier.client.flows import PoolBinding
 from kvtier.daemon import pools as pools_module
 from kvtier.daemon.config import load_config
-from kvtier.daemon.errors import NotFound
+from kvtier.daemon.errors import FailedPrecondition, NotFound
 from kvtier.daemon.server import Daemon
+from kvtier.daemon.sessions import PeerCred
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
@@ -104,11 +105,10 @@ class HeldCloses:
         self._entered = 0
         self._cv = threading.Condition()
 
-    def __call__(self, fd: int, size_bytes: int, populate: bool, what: str) -> mmap.mmap:
+    def __call__(self, fd: int, size_bytes: int, what: str) -> mmap.mmap:
         buffer = HeldMapping(fd, size_bytes, flags=mmap.MAP_SHARED)
         buffer.held = self
-        if populate:
-            pools_module._populate(buffer)
+        pools_module._populate(buffer)
         return buffer
 
     def closing(self) -> None:
@@ -461,25 +461,98 @@ def _resident_bytes(buffer: mmap.mmap) -> int:
     raise AssertionError("the mapping is not in /proc/self/smaps")
 
 
-def test_a_fully_allocated_pool_is_populated_when_it_is_mapped():
-    """The mapping step of a fully allocated object faults in every page (once with
+def test_a_pool_is_populated_when_it_is_mapped():
+    """The mapping step faults in every page of the (fully allocated) object: once with
     MAP_POPULATE, now with a madvise that lets the GIL go, so that the event loop's thread
-    runs meanwhile); one that is not populated (a sparse object) faults in none."""
+    runs meanwhile."""
     size = 8 << 20
     fd = os.memfd_create("kvtier-test")
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
-        lazy = pools_module._map(fd, size, False, "the memory file")
-        populated = pools_module._map(fd, size, True, "the memory file")
+        populated = pools_module._map(fd, size, "the memory file")
         try:
-            assert _resident_bytes(lazy) == 0
             assert _resident_bytes(populated) == size
         finally:
-            lazy.close()
             populated.close()
     finally:
         os.close(fd)
+
+
+def test_a_pool_not_allocated_in_full_is_refused_and_nothing_is_mapped_or_counted():
+    """A sparse object (a memfd or a /dev/shm object truncated to its size, or allocated
+    only in part) is refused with FAILED_PRECONDITION before anything is mapped: the
+    daemon's writes into its holes would allocate pages charged to the daemon. The refusal
+    says what to do; the tenant's mapped bytes and mappings stay as they were. Allocated,
+    the same objects register."""
+    peer = PeerCred(os.getpid(), os.getuid(), os.getgid())
+    tenant = "t"
+    size = LAYOUT.extent_bytes
+
+    async def run() -> None:
+        registry = pools_module.PoolRegistry("/dev/shm")
+        memfd = os.memfd_create("kvtier-sparse")
+        name = f"kvtier-sparse-{os.getpid()}"
+        shm = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            for fd in (memfd, shm):
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size // 2)  # allocated in part: refused as well
+            with pytest.raises(FailedPrecondition, match="posix_fallocate") as refused:
+                await registry.register_fd("s", memfd, size, LAYOUT, tenant=tenant)
+            assert f"has {size // 2} of its {size} bytes allocated" in str(refused.value)
+            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
+                await registry.register_shm("s", peer, name, size, LAYOUT, tenant=tenant)
+            assert len(registry) == 0 and registry.check() == []
+            assert registry.tenant_bytes(tenant) == 0 and registry.tenant_mappings(tenant) == 0
+            assert mapped_in_this_process("kvtier-sparse") == []
+            for fd in (memfd, shm):
+                os.posix_fallocate(fd, 0, size)
+            await registry.register_fd("s", memfd, size, LAYOUT, tenant=tenant)
+            await registry.register_shm("s", peer, name, size, LAYOUT, tenant=tenant)
+            assert len(registry) == 2 and registry.tenant_bytes(tenant) == 2 * size
+        finally:
+            os.close(memfd)
+            os.close(shm)
+            os.unlink(f"/dev/shm/{name}")
+            await registry.stop()
+
+    asyncio.run(run())
+
+
+def _free_huge_pages() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("HugePages_Free:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_free_huge_pages() < 1, reason="no free huge page (vm.nr_hugepages)")
+def test_a_hugetlb_memfd_is_refused_until_it_is_allocated():
+    """hugetlbfs counts allocated huge pages in st_blocks as tmpfs counts pages, so an
+    MFD_HUGETLB memfd is checked the same way: sparse, refused; allocated, registered."""
+    size = 2 << 20  # one huge page of the common size
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=size // 2, kv_count=1
+    )
+
+    async def run() -> None:
+        registry = pools_module.PoolRegistry("/dev/shm")
+        fd = os.memfd_create("kvtier-huge", os.MFD_HUGETLB)
+        try:
+            os.ftruncate(fd, size)
+            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
+                await registry.register_fd("s", fd, size, layout)
+            assert registry.tenant_bytes("") == 0
+            os.posix_fallocate(fd, 0, size)
+            await registry.register_fd("s", fd, size, layout)
+            assert len(registry) == 1 and registry.check() == []
+        finally:
+            os.close(fd)
+            await registry.stop()
+
+    asyncio.run(run())
 
 
 async def test_regression_unregistering_a_pool_held_every_other_client_until_it_was_unmapped(
@@ -693,6 +766,7 @@ def test_regression_a_pool_in_use_when_the_registry_stopped_started_its_threads_
         fd = os.memfd_create("kvtier-test")
         try:
             os.ftruncate(fd, LAYOUT.extent_bytes)
+            os.posix_fallocate(fd, 0, LAYOUT.extent_bytes)
             pool = await registry.register_fd("s", fd, LAYOUT.extent_bytes, LAYOUT)
         finally:
             os.close(fd)
@@ -718,7 +792,7 @@ def test_unmapping_keeps_the_data_of_the_memory():
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)
         owner = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        daemon = pools_module._map(fd, size, True, "the memory file")
+        daemon = pools_module._map(fd, size, "the memory file")
     finally:
         os.close(fd)
     try:
@@ -869,10 +943,10 @@ class HeldLargeMaps(HeldMaps):
     """Holds only the mappings of pools of ``LAYOUT``'s size (the flood's); others map at
     once."""
 
-    def __call__(self, fd: int, size_bytes: int, populate: bool, what: str) -> mmap.mmap:
+    def __call__(self, fd: int, size_bytes: int, what: str) -> mmap.mmap:
         if size_bytes != LAYOUT.extent_bytes:
-            return self.real(fd, size_bytes, populate, what)
-        return super().__call__(fd, size_bytes, populate, what)
+            return self.real(fd, size_bytes, what)
+        return super().__call__(fd, size_bytes, what)
 
 
 async def test_regression_a_tenants_flood_of_registrations_held_every_other_tenants_pools(

@@ -108,6 +108,7 @@ async def _putting_session(
     fd = os.memfd_create("kvtier-test")
     try:
         os.ftruncate(fd, layout.extent_bytes)
+        os.posix_fallocate(fd, 0, layout.extent_bytes)
         pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
         yield store, service, session, pool.pool_id
     finally:
@@ -236,6 +237,7 @@ def test_regression_a_lease_past_its_deadline_served_until_the_reaper_came():
         fd = os.memfd_create("kvtier-test")
         try:
             os.ftruncate(fd, layout.extent_bytes)
+            os.posix_fallocate(fd, 0, layout.extent_bytes)
             pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
             keys = [bytes(32)]
             for call in ("release", "get"):
@@ -273,6 +275,7 @@ def test_regression_logs_showed_whole_session_ids_which_let_their_readers_act_as
         fd = os.memfd_create("kvtier-test")
         try:
             os.ftruncate(fd, layout.extent_bytes)
+            os.posix_fallocate(fd, 0, layout.extent_bytes)
             pool = asyncio.run(service.pools.register_fd(session, fd, layout.extent_bytes, layout))
         finally:
             os.close(fd)
@@ -366,6 +369,7 @@ def test_regression_blocks_a_lookup_found_in_l3_were_indexed_as_the_default_tena
         fd = os.memfd_create("kvtier-test")
         try:
             os.ftruncate(fd, layout.extent_bytes)
+            os.posix_fallocate(fd, 0, layout.extent_bytes)
             pool = await service.pools.register_fd(session, fd, layout.extent_bytes, layout)
             assert (await service.lookup(session, keys, False, 0)).prefix_len == 4
             loaded = await service.get(session, pool.pool_id, keys, [0, 1, 2, 3], 0)
