@@ -520,41 +520,6 @@ def test_a_pool_not_allocated_in_full_is_refused_and_nothing_is_mapped_or_counte
     asyncio.run(run())
 
 
-def _free_huge_pages() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("HugePages_Free:"):
-                return int(line.split()[1])
-    return 0
-
-
-@pytest.mark.skipif(_free_huge_pages() < 1, reason="no free huge page (vm.nr_hugepages)")
-def test_a_hugetlb_memfd_is_refused_until_it_is_allocated():
-    """hugetlbfs counts allocated huge pages in st_blocks as tmpfs counts pages, so an
-    MFD_HUGETLB memfd is checked the same way: sparse, refused; allocated, registered."""
-    size = 2 << 20  # one huge page of the common size
-    layout = PoolLayout.staging(
-        num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=size // 2, kv_count=1
-    )
-
-    async def run() -> None:
-        registry = pools_module.PoolRegistry("/dev/shm")
-        fd = os.memfd_create("kvtier-huge", os.MFD_HUGETLB)
-        try:
-            os.ftruncate(fd, size)
-            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
-                await registry.register_fd("s", fd, size, layout)
-            assert registry.tenant_bytes("") == 0
-            os.posix_fallocate(fd, 0, size)
-            await registry.register_fd("s", fd, size, layout)
-            assert len(registry) == 1 and registry.check() == []
-        finally:
-            os.close(fd)
-            await registry.stop()
-
-    asyncio.run(run())
-
-
 async def test_regression_unregistering_a_pool_held_every_other_client_until_it_was_unmapped(
     held_closes,
 ):
