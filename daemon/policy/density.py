@@ -117,6 +117,7 @@ _DEPTH_BUCKET = (0, 1, 1, 1, 1, 1, 1, 1, 2)  # by depth 0..8+
 _TURN_BUCKET = (0, 1, 2, 2, 2, 3)  # by turn 0..5+
 _N_FREQ, _N_DEPTH, _N_TURN = 21, 3, 4
 CLASSES = _N_FREQ * _N_DEPTH * _N_TURN
+assert CLASSES <= 256, "a block's class is kept in a uint8 (_ARRAYS)"
 AGE_BUCKETS = 28  # quantum, then doubling every two buckets: 2**13 quanta at the last edge
 
 # Coarser groups a class's statistics are smoothed towards, coarsest first: its access count
@@ -1538,7 +1539,7 @@ class DensityPolicy(InsertEach, Hinted):
 _ARRAYS: list[tuple[str, Any, float]] = [
     ("_state", np.uint8, _CLOSED),
     ("_last", np.float64, -math.inf),
-    ("_cls", np.int16, 0),
+    ("_cls", np.uint8, 0),  # below CLASSES (asserted where CLASSES is set)
     ("_cnt", np.uint16, 0),
     ("_depth", np.int32, 0),
     ("_turn", np.uint8, 0),

@@ -116,6 +116,11 @@ _AGE_OUT_EVERY = 1 << 30
 _INS_LIMIT = (1 << 32) - 1
 _ONE = np.zeros(1, dtype=np.int64)
 _MIN_BUFFER = 64
+# A rebuilt buffer holds at least this fraction of its segment (``1 / _BUFFER_SHARE``): each
+# entry is a Python tuple of about 180 bytes, so a sixteenth of the segment (the first
+# choice) cost 11 bytes per resident block; a sixty-fourth costs 3, for a vectorised rebuild
+# every 64th of the segment's evictions instead of every 16th.
+_BUFFER_SHARE = 64
 # Candidates are checked against the evictable mask in batches of at least this many.
 _MASK_BATCH = 32
 
@@ -1237,7 +1242,7 @@ class HeatPolicy(Hinted):
                 parked, until = ids[live], until[live]
                 ids = ids[~live]
         keys = self._eff[ids]
-        want = max(want, _MIN_BUFFER, len(ids) // 16)
+        want = max(want, _MIN_BUFFER, len(ids) // _BUFFER_SHARE)
         if len(ids) <= want:
             buf.bound = math.inf
             buf.complete = True
