@@ -25,10 +25,11 @@ Invariants:
   freed (``on_remember(row, slot)``), write it into the new row when the key is added again
   (``on_revive(slot, row)``) and drop it when the memento is forgotten (``on_expire(slot)``):
   the policies keep a block's history by row (its heat, whether it was seen) and so
-  recognise a block that returns after it was dropped. When far fewer mementos are held
-  than slots were numbered (a burst of drops expired), the table renumbers the held ones
-  densely to give the memory back, and listeners move what they keep the same way
-  (``on_renumber(order)``). Forgetting at once cost the heat
+  recognise a block that returns after it was dropped. Slots are numbered in removal
+  order and not reused; once numbering reaches the arrays' end, or far fewer mementos are
+  held than slots were numbered (a burst of drops expired), the table renumbers the held
+  ones densely to give the memory of the others back, and listeners move what they keep the
+  same way (``on_renumber(order)``). Forgetting at once cost the heat
   policy half its hits at small capacities on the public trace (``kvtier replay
   --forget-dropped --history-factor 0``). A revived block gets a new row and generation like
   any added block, so refs to the dropped one stay dead. Two keys of one identity (a 64-bit
@@ -67,7 +68,10 @@ _ROW_BITS = 32
 _ROW_MASK = (1 << _ROW_BITS) - 1
 
 _MAX_LOAD = 0.5
-_FREE_SLOT = -2  # a free memento slot's ``_prev``
+# A taken memento's identity (``Mementos``); a key whose identity is 0 is kept as 1 (a
+# collision, as any two keys of one identity: they share a memento).
+_HOLE = 0
+_IDENT_OF_ZERO = 1
 # A memento map is grown (``map_size``) once more than this fraction of it is taken: linear
 # probing's misses, the common probe (a new key added), cost 3.6 positions on average there.
 _MAP_MAX_LOAD = 0.6
@@ -780,61 +784,39 @@ class BlockTable:
 
 class Mementos:
     """The table's mementos (see History): slots keyed by a 64-bit identity, forgotten oldest
-    first. Per slot 16 bytes (identity, links of the removal order) and, in the map from
-    identity to slot (open addressing, linear probing, half to 0.6 full), 6 to 8 more. Free
-    slots are chained through ``_next``; slots are reused before new ones are numbered, so
-    the per-slot arrays (here and a listener's, ``slots_for``) grow only to the most
-    mementos held at once. When far fewer are held (a burst of drops has expired),
-    ``compact`` renumbers the held ones densely and shrinks the arrays to them.
+    first. Slots are numbered in the order mementos are put, so the removal order is the
+    slots' own and needs no links: per slot only its identity (8 bytes; 0 once taken, a
+    *hole*) and, in the map from identity to slot (open addressing, linear probing, half to
+    0.6 full), 6 to 8 more. The oldest is the first slot from ``_head`` on that is no hole.
+    Once numbering reaches the arrays' end (or far fewer are held than the arrays' length),
+    ``compact`` renumbers the held ones densely in their order, which gives back the holes,
+    and sizes the arrays to them plus an eighth (``slots_for``): the per-slot arrays (here and
+    a listener's) stay within an eighth of the held count, at one renumbering per eighth of
+    it put, each a few vectorised passes.
     """
 
-    __slots__ = (
-        "_free",
-        "_head",
-        "_ident",
-        "_map",
-        "_next",
-        "_prev",
-        "_tail",
-        "_top",
-        "_v",
-        "count",
-    )
+    __slots__ = ("_head", "_ident", "_map", "_top", "_v", "count")
 
     def __init__(self) -> None:
         self.count = 0
         self._ident = np.zeros(0, dtype=np.uint64)
-        # Removal order, oldest first: ``_head`` ... ``_tail``, -1 at either end.
-        self._prev = np.zeros(0, dtype=np.int32)
-        self._next = np.zeros(0, dtype=np.int32)
         self._map = np.full(16, -1, dtype=np.int32)
-        self._head = self._tail = -1
-        self._free = -1  # free slots, chained through ``_next``
-        self._top = 0  # slots ever numbered
+        self._head = 0  # the slots below are holes
+        self._top = 0  # slots numbered since the last ``compact``
         self._views()
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        return self._ident, self._prev, self._next, self._map
+        return self._ident, self._map
 
     def put(self, ident: int) -> int:
         """A new memento for ``ident`` (absent), the newest; returns its slot."""
-        slot = self._free
-        if slot >= 0:
-            self._free = self._v[2][slot]
-        else:
-            if self._top == len(self._ident):
-                self._grow(slots_for(self._top + 1))
-            slot = self._top
-            self._top += 1
-        idents, prev, nxt, _ = self._v
-        idents[slot] = ident
-        prev[slot] = self._tail
-        nxt[slot] = -1
-        if self._tail >= 0:
-            nxt[self._tail] = slot
-        else:
-            self._head = slot
-        self._tail = slot
+        ident = ident or _IDENT_OF_ZERO
+        if self._top == len(self._ident):
+            # Grown in place, holes and all: the table ``compact``s first (``full``).
+            self._grow(slots_for(self._top + 1))
+        slot = self._top
+        self._top += 1
+        self._v[0][slot] = ident
         self.count += 1
         if self.count > _MAP_MAX_LOAD * len(self._map):
             self._remap(map_size(self.count))
@@ -845,7 +827,8 @@ class Mementos:
     def take(self, ident: int) -> int:
         """The slot of ``ident``'s memento, taken out of the map and the order (the caller
         then ``free``s it), or -1 if none."""
-        idents, _, _, table = self._v
+        ident = ident or _IDENT_OF_ZERO
+        idents, table = self._v
         size = len(table)
         pos = ident % size
         while True:
@@ -854,7 +837,7 @@ class Mementos:
                 return -1
             if idents[slot] == ident:
                 self._unmap(pos)
-                self._unlink(slot)
+                idents[slot] = _HOLE
                 return slot
             pos = pos + 1 if pos + 1 < size else 0
 
@@ -862,6 +845,7 @@ class Mementos:
         """``take`` for each of ``idents`` (uint64; distinct keys): slots, -1 where none.
         Which are present is found by vectorised probing (a round per probe step; the map is
         at most half full, so a few rounds settle all), then each present one is taken."""
+        idents = np.where(idents == _HOLE, np.uint64(_IDENT_OF_ZERO), idents)
         table, known = self._map, self._ident
         size = len(table)
         pos = (idents % np.uint64(size)).astype(np.int64)
@@ -880,63 +864,54 @@ class Mementos:
         return slots
 
     def take_oldest(self) -> int:
+        idents = self._v[0]
         slot = self._head
-        self.take(self._v[0][slot])
+        while idents[slot] == _HOLE:
+            slot += 1
+        self._head = slot + 1
+        self.take(idents[slot])
         return slot
 
     def free(self, slot: int) -> None:
-        """``slot`` (taken) may be reused."""
-        self._v[1][slot] = _FREE_SLOT
-        self._v[2][slot] = self._free
-        self._free = slot
+        """``slot`` (taken) is done with; it stays a hole until the next ``compact``."""
         self.count -= 1
 
+    def full(self) -> bool:
+        """Numbering has reached the arrays' end: the next ``put`` grows them in place
+        unless the table ``compact``s first."""
+        return self._top == len(self._ident)
+
     def compact(self) -> np.ndarray | None:
-        """When the per-slot arrays are over twice what the held mementos need (and past
-        ``MIN_COMPACT_SLOTS``), renumber the held ones ``0 .. count - 1`` and shrink the
-        arrays and the map to fit them; returns ``order`` (``order[i]``: the old slot of
-        new slot ``i``; a listener moves what it kept by slot the same way), or None when
-        nothing moved. The gap between growing at ``count`` past the length and shrinking
-        below ``length / 2.5`` keeps a count that wavers from re-allocating."""
+        """When numbering has reached the arrays' end, or the arrays are over twice what
+        the held mementos need (and past ``MIN_COMPACT_SLOTS``), renumber the held ones
+        ``0 .. count - 1`` in their order and size the arrays to them (``slots_for``), the
+        map too if it is over twice their need; returns ``order`` (``order[i]``: the old
+        slot of new slot ``i``, ascending; a listener moves what it kept by slot the same
+        way), or None when nothing moved."""
         size = len(self._ident)
-        if size <= max(MIN_COMPACT_SLOTS, 2 * slots_for(self.count)):
+        full = 0 < self._top == size
+        if not full and size <= max(MIN_COMPACT_SLOTS, 2 * slots_for(self.count)):
             return None
-        top = self._top
-        order = np.flatnonzero(self._prev[:top] != _FREE_SLOT)
-        renum = np.full(top, -1, dtype=np.int64)
-        renum[order] = np.arange(len(order))
-        links = []
-        for old in (self._prev, self._next):
-            held = old[order].astype(np.int64)
-            links.append(np.where(held >= 0, renum[np.maximum(held, 0)], held))
-        grown = slots_for(len(order))
-        for name, values in zip(
-            ("_ident", "_prev", "_next"), (self._ident[order], *links), strict=True
-        ):
-            new = np.zeros(grown, dtype=getattr(self, name).dtype)
-            new[: len(order)] = values
-            setattr(self, name, new)
-        if self._head >= 0:
-            self._head, self._tail = int(renum[self._head]), int(renum[self._tail])
-        self._free = -1
-        self._top = len(order)
-        self._remap(map_size(len(order)))
+        head, top = self._head, self._top
+        order = np.flatnonzero(self._ident[head:top] != _HOLE) + head
+        n = len(order)
+        ident = np.zeros(slots_for(n), dtype=np.uint64)
+        ident[:n] = self._ident[order]
+        self._ident = ident
+        self._head, self._top = 0, n
+        if len(self._map) > 2 * map_size(n):
+            self._remap(map_size(n))
+        else:
+            # Positions go by identity, which did not change: only the slots they name do.
+            renum = np.zeros(top, dtype=np.int32)
+            renum[order] = np.arange(n, dtype=np.int32)
+            held = self._map >= 0
+            self._map[held] = renum[self._map[held]]
+            self._views()
         return order
 
-    def _unlink(self, slot: int) -> None:
-        _, prevs, nexts, _ = self._v
-        prev, nxt = prevs[slot], nexts[slot]
-        if prev >= 0:
-            nexts[prev] = nxt
-        else:
-            self._head = nxt
-        if nxt >= 0:
-            prevs[nxt] = prev
-        else:
-            self._tail = prev
-
     def _place(self, slot: int, ident: int) -> None:
-        table = self._v[3]
+        table = self._v[1]
         size = len(table)
         pos = ident % size
         while table[pos] >= 0:
@@ -946,7 +921,7 @@ class Mementos:
     def _unmap(self, pos: int) -> None:
         """Empty map position ``pos``, shifting back the entries after it that probed past
         it (linear probing's deletion without tombstones)."""
-        idents, _, _, table = self._v
+        idents, table = self._v
         size = len(table)
         hole, pos = pos, (pos + 1) % size
         while (slot := table[pos]) >= 0:
@@ -961,7 +936,7 @@ class Mementos:
     def _remap(self, size: int) -> None:
         """The map at ``size`` positions, every held slot placed in vectorised rounds."""
         table = np.full(size, -1, dtype=np.int32)
-        slots = np.flatnonzero(self._prev[: self._top] != _FREE_SLOT)
+        slots = np.flatnonzero(self._ident[: self._top] != _HOLE)
         pos = (self._ident[slots] % np.uint64(size)).astype(np.int64)
         while len(slots):
             free = table[pos] < 0
@@ -976,22 +951,15 @@ class Mementos:
         self._views()
 
     def _grow(self, size: int) -> None:
-        for name in ("_ident", "_prev", "_next"):
-            old = getattr(self, name)
-            new = np.zeros(size, dtype=old.dtype)
-            new[: len(old)] = old
-            setattr(self, name, new)
+        new = np.zeros(size, dtype=np.uint64)
+        new[: len(self._ident)] = self._ident
+        self._ident = new
         self._views()
 
     def _views(self) -> None:
         # Scalar steps read and write through memoryviews (Python ints at a fraction of the
         # cost of numpy's scalar indexing), re-taken whenever an array is replaced.
-        self._v: tuple[Any, Any, Any, Any] = (
-            self._ident.data,
-            self._prev.data,
-            self._next.data,
-            self._map.data,
-        )
+        self._v: tuple[Any, Any] = (self._ident.data, self._map.data)
 
 
 def map_size(n: int) -> int:
@@ -1002,10 +970,11 @@ def map_size(n: int) -> int:
 
 
 def slots_for(n: int) -> int:
-    """Length of a per-slot array that must hold ``n`` slots: grown by a quarter at a time,
-    not doubled, as the history is most of what the table adds per block and a doubled array
-    is up to half empty."""
-    return max(64, n, n + n // 4)
+    """Length of a per-slot array that must hold ``n`` slots: an eighth more, not double, as
+    the history is most of what the table adds per block and a doubled array is up to half
+    empty; ``Mementos.compact`` sizes the arrays so at each renumbering, once per eighth of
+    the held mementos put."""
+    return max(64, n + n // 8)
 
 
 def _pow2_at_least(n: int) -> int:

@@ -48,8 +48,8 @@ def seq_ages(kept: np.ndarray, count: int) -> np.ndarray:
 
 class Kept:
     """Per slot, one value of each named field; a slot never written holds each field's
-    fill. Arrays grow as the table's (``slots_for``) to the highest slot written: the table
-    numbers slots densely (reused before new ones are numbered)."""
+    fill. Arrays grow as the table's (``slots_for``) to the highest slot written, and are
+    sized as the table's again at each renumbering (``renumber``)."""
 
     __slots__ = ("_fills", "arrays", "fields", "views")
 

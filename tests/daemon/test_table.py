@@ -16,6 +16,7 @@ from kvtier.daemon.table import (
     BlockTable,
     Mementos,
     keys_to_words,
+    slots_for,
 )
 
 
@@ -509,7 +510,8 @@ def test_memento_memory_comes_back_once_fewer_are_held():
     """A burst of drops grows the memento arrays; once fewer are remembered (here the live
     blocks fall, and the history with them) the table compacts them, renumbering what the
     listeners keep by slot, so a history brought back still revives the right keys. A
-    count that wavers about one size afterwards does not re-allocate."""
+    count that wavers about one size afterwards keeps the arrays at their size, renumbered
+    once per eighth of it put (``slots_for``)."""
     index = BlockTable(initial_capacity=16)
     index.history_factor = 1.0
     seen = _Listener(index)
@@ -518,7 +520,7 @@ def test_memento_memory_comes_back_once_fewer_are_held():
     half = len(rows) // 2
     for bid in rows[:half]:
         index.remove(bid)
-    assert index.history_rows == half and seen.renumbered == 0
+    assert index.history_rows == half
     burst = sum(a.nbytes for a in index.mementos.arrays())
     for bid in rows[half:]:
         index.remove(bid)
@@ -532,11 +534,54 @@ def test_memento_memory_comes_back_once_fewer_are_held():
     compactions = seen.renumbered
     held = _ready(index, 0, os.urandom(32))
     seen.freed.clear()  # ``remember`` checks the last row freed was another
-    for _ in range(3 * MIN_COMPACT_SLOTS):  # one in, one out: the count stays put
+    size = len(index.mementos.arrays()[0])
+    puts = 3 * MIN_COMPACT_SLOTS
+    for _ in range(puts):  # one in, one out: the count stays put
         new = _ready(index, 0, os.urandom(32))
         index.remove(held)
         held = new
-    assert seen.renumbered == compactions
+        assert len(index.mementos.arrays()[0]) == size
+    assert seen.renumbered - compactions <= puts // (MIN_HISTORY_BASE // 8) + 1
+
+
+def test_regression_revived_mementos_left_holes_that_grew_the_arrays():
+    """Slots are numbered in the order mementos are put and a revived one leaves a hole
+    (``Mementos``): keys that keep coming back (dropped and stored again, the count steady)
+    leave a hole per return, which ``compact`` gives back once numbering reaches the
+    arrays' end, so the arrays stay within an eighth of the count (``slots_for``) and the
+    listeners' slots follow."""
+    index = BlockTable(initial_capacity=16)
+    index.history_factor = 1.0
+    seen = _Listener(index)
+    keys = [os.urandom(32) for _ in range(2 * MIN_HISTORY_BASE)]
+    rows = dict(zip(keys, index.add_many(0, keys_to_words(keys), 4096).tolist(), strict=True))
+    for key in keys[:MIN_HISTORY_BASE]:
+        index.remove(rows.pop(key))
+    rng = random.Random(5)
+    before = seen.renumbered
+    for _ in range(4 * MIN_HISTORY_BASE):
+        back = rng.choice([k for k in keys if k not in rows][:64])  # remembered: revived
+        rows[back] = _ready(index, 0, back)
+        assert seen.revived[-1] == (back, rows[back])
+        gone = rng.choice(list(rows))
+        seen.freed.clear()  # ``remember`` checks the last row freed was another
+        index.remove(rows.pop(gone))
+        assert seen.kept[max(seen.kept)] == gone
+        assert len(index.mementos.arrays()[0]) <= slots_for(index.history_rows)
+    assert seen.renumbered > before
+
+
+def test_regression_an_identity_of_zero_was_taken_for_a_hole():
+    """A taken memento's identity reads 0 (a hole, skipped by ``take_oldest``); a key whose
+    identity is 0 is kept as 1, so it is remembered, found and forgotten like any other."""
+    m = Mementos()
+    zero, seven = m.put(0), m.put(7)
+    assert m.take_oldest() == zero
+    m.free(zero)
+    again = m.put(0)
+    assert m.take_many(np.array([0, 5], dtype=np.uint64)).tolist() == [again, -1]
+    m.free(again)
+    assert m.take_oldest() == seven
 
 
 def test_regression_a_listener_raising_in_a_batch_revive_leaked_the_batchs_other_slots():
