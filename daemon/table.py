@@ -73,8 +73,9 @@ _MAX_LOAD = 0.5
 _HOLE = 0
 _IDENT_OF_ZERO = 1
 # A memento map is grown (``map_size``) once more than this fraction of it is taken: linear
-# probing's misses, the common probe (a new key added), cost 3.6 positions on average there.
-_MAP_MAX_LOAD = 0.6
+# probing's misses, the common probe (a new key added), cost 5 positions on average at two
+# thirds full (``map_size``) and 8.5 there.
+_MAP_MAX_LOAD = 0.75
 _SCALAR_TAIL = 8
 # History (see the module docstring) is kept for at least this many removed blocks, however
 # few are live.
@@ -786,13 +787,13 @@ class Mementos:
     """The table's mementos (see History): slots keyed by a 64-bit identity, forgotten oldest
     first. Slots are numbered in the order mementos are put, so the removal order is the
     slots' own and needs no links: per slot only its identity (8 bytes; 0 once taken, a
-    *hole*) and, in the map from identity to slot (open addressing, linear probing, half to
-    0.6 full), 6 to 8 more. The oldest is the first slot from ``_head`` on that is no hole.
+    *hole*) and, in the map from identity to slot (open addressing, linear probing, two thirds
+    to three quarters full), 5.3 to 6 more. The oldest is the first slot from ``_head`` on that is no hole.
     Once numbering reaches the arrays' end (or far fewer are held than the arrays' length),
     ``compact`` renumbers the held ones densely in their order, which gives back the holes,
-    and sizes the arrays to them plus an eighth (``slots_for``): the per-slot arrays (here and
-    a listener's) stay within an eighth of the held count, at one renumbering per eighth of
-    it put, each a few vectorised passes.
+    and sizes the arrays to them plus a sixteenth (``slots_for``): the per-slot arrays (here
+    and a listener's) stay within a sixteenth of the held count, at one renumbering per
+    sixteenth of it put, each a few vectorised passes.
     """
 
     __slots__ = ("_head", "_ident", "_map", "_top", "_v", "count")
@@ -844,7 +845,7 @@ class Mementos:
     def take_many(self, idents: np.ndarray) -> np.ndarray:
         """``take`` for each of ``idents`` (uint64; distinct keys): slots, -1 where none.
         Which are present is found by vectorised probing (a round per probe step; the map is
-        at most half full, so a few rounds settle all), then each present one is taken."""
+        at most three quarters full, so a few rounds settle most), then each present one is taken."""
         idents = np.where(idents == _HOLE, np.uint64(_IDENT_OF_ZERO), idents)
         table, known = self._map, self._ident
         size = len(table)
@@ -963,18 +964,19 @@ class Mementos:
 
 
 def map_size(n: int) -> int:
-    """Positions of a memento map for ``n`` mementos: half full, grown again past
-    ``_MAP_MAX_LOAD``; any size (a position is the identity modulo the size), where a power
-    of two left it a quarter to half full, 8 to 16 bytes a memento instead of 6 to 8."""
-    return max(16, 2 * n)
+    """Positions of a memento map for ``n`` mementos: two thirds full, grown again past
+    ``_MAP_MAX_LOAD`` (5.3 to 6 bytes a memento; half full to 0.6 cost 6.7 to 8, a tenth of
+    a held block's history); any size (a position is the identity modulo the size), where a
+    power of two left it a quarter to half full, 8 to 16 bytes a memento."""
+    return max(16, n + n // 2)
 
 
 def slots_for(n: int) -> int:
-    """Length of a per-slot array that must hold ``n`` slots: an eighth more, not double, as
-    the history is most of what the table adds per block and a doubled array is up to half
-    empty; ``Mementos.compact`` sizes the arrays so at each renumbering, once per eighth of
-    the held mementos put."""
-    return max(64, n + n // 8)
+    """Length of a per-slot array that must hold ``n`` slots: a sixteenth more, not double,
+    as the history is most of what the table adds per block and a doubled array is up to
+    half empty; ``Mementos.compact`` sizes the arrays so at each renumbering, once per
+    sixteenth of the held mementos put."""
+    return max(64, n + n // 16)
 
 
 def _pow2_at_least(n: int) -> int:

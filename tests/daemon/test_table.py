@@ -511,7 +511,7 @@ def test_memento_memory_comes_back_once_fewer_are_held():
     blocks fall, and the history with them) the table compacts them, renumbering what the
     listeners keep by slot, so a history brought back still revives the right keys. A
     count that wavers about one size afterwards keeps the arrays at their size, renumbered
-    once per eighth of it put (``slots_for``)."""
+    once per sixteenth of it put (``slots_for``)."""
     index = BlockTable(initial_capacity=16)
     index.history_factor = 1.0
     seen = _Listener(index)
@@ -541,14 +541,14 @@ def test_memento_memory_comes_back_once_fewer_are_held():
         index.remove(held)
         held = new
         assert len(index.mementos.arrays()[0]) == size
-    assert seen.renumbered - compactions <= puts // (MIN_HISTORY_BASE // 8) + 1
+    assert seen.renumbered - compactions <= puts // (MIN_HISTORY_BASE // 16) + 1
 
 
 def test_regression_revived_mementos_left_holes_that_grew_the_arrays():
     """Slots are numbered in the order mementos are put and a revived one leaves a hole
     (``Mementos``): keys that keep coming back (dropped and stored again, the count steady)
     leave a hole per return, which ``compact`` gives back once numbering reaches the
-    arrays' end, so the arrays stay within an eighth of the count (``slots_for``) and the
+    arrays' end, so the arrays stay within a sixteenth of the count (``slots_for``) and the
     listeners' slots follow."""
     index = BlockTable(initial_capacity=16)
     index.history_factor = 1.0
