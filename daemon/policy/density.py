@@ -549,6 +549,8 @@ class DensityPolicy(InsertEach, Hinted):
         # few with one).
         self._kept = Kept(_KEPT)
         self._kept_until: dict[int, float] = {}
+        # Per capped kept field (``_KEPT_CAPPED``), the values at or past its cap by slot.
+        self._kept_big: dict[str, dict[int, int]] = {name: {} for name in _KEPT_CAPPED}
 
     # ------------------------------------------------------------------ protocol
 
@@ -746,14 +748,23 @@ class DensityPolicy(InsertEach, Hinted):
         kept = self._kept
         kept.fit(slot)
         self._kept_until.pop(slot, None)
+        for big in self._kept_big.values():
+            big.pop(slot, None)
         if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:
             # Never known here (a forgotten row's values), or still resident, which the
             # store does not do (``forget`` leaves a resident block alone too).
             kept.clear(slot)
             return
         views = kept.views
-        for name in kept.fields:
+        for name in _KEPT_SAME:
             views[name][slot] = getattr(self, name + "_v")[bid]
+        # The life is open (a ghost) where the eviction count is kept, never 0 (``seq_keep``).
+        views["_evseq"][slot] = self._evseq_v[bid] if self._state_v[bid] == _GHOST else 0
+        for name, cap in _KEPT_CAPPED.items():
+            if (value := getattr(self, name + "_v")[bid]) >= cap:
+                self._kept_big[name][slot] = value
+                value = cap
+            views[name][slot] = value
         if (until := self._until_v[bid]) > -math.inf:
             self._kept_until[slot] = until
         self._state_v[bid] = _CLOSED  # its life moved to the slot: ``forget`` censors none
@@ -765,7 +776,11 @@ class DensityPolicy(InsertEach, Hinted):
         views = self._kept.views
         for name in self._kept.fields:
             getattr(self, name + "_v")[bid] = views[name][slot]
-        views["_state"][slot] = _CLOSED
+        for name, cap in _KEPT_CAPPED.items():
+            if views[name][slot] == cap:
+                getattr(self, name + "_v")[bid] = self._kept_big[name].pop(slot)
+        self._state_v[bid] = _GHOST if views["_evseq"][slot] else _CLOSED
+        views["_evseq"][slot] = 0  # the slot's life is closed (it is freed, left a hole)
         if (until := self._kept_until.pop(slot, None)) is not None:
             self._until_v[bid] = until  # kept only where hints were given: its own array
 
@@ -774,15 +789,18 @@ class DensityPolicy(InsertEach, Hinted):
         life, at the slot."""
         views = self._kept.views
         self._kept_until.pop(slot, None)
-        if slot < len(self._kept) and views["_state"][slot] == _GHOST:
+        for big in self._kept_big.values():
+            big.pop(slot, None)
+        if slot < len(self._kept) and views["_evseq"][slot]:  # a ghost's open life
             age = max(0.0, self._now - views["_last"][slot]) / self._quantum
             self.model.ends[views["_cls"][slot] * AGE_BUCKETS + age_bucket(age)] += 1
-            views["_state"][slot] = _CLOSED
+            views["_evseq"][slot] = 0
 
     def renumber(self, order: np.ndarray) -> None:
         """The table renumbered its memento slots (new slot ``i``: old ``order[i]``)."""
         self._kept.renumber(order)
         self._kept_until = renumbered(self._kept_until, order)
+        self._kept_big = {name: renumbered(big, order) for name, big in self._kept_big.items()}
 
     def forget(self, bid: int) -> None:
         if not 0 <= bid < self._size or self._state_v[bid] == _RESIDENT:
@@ -1154,7 +1172,7 @@ class DensityPolicy(InsertEach, Hinted):
 
     def stats(self) -> DensityStats:
         ghosts = int(np.count_nonzero(self._state[: self._size] == _GHOST))
-        ghosts += int(np.count_nonzero(self._kept["_state"] == _GHOST))
+        ghosts += int(np.count_nonzero(self._kept["_evseq"]))
         return DensityStats(
             self.capacity, self._resident, ghosts, self._tables, self._rebuilds, len(self._buf)
         )
@@ -1306,17 +1324,22 @@ class DensityPolicy(InsertEach, Hinted):
         window = self._ghost_factor * self.capacity
         for state, cls, last, evseq in (
             (self._state[:size], self._cls, self._last, self._evseq),
-            (kept["_state"], kept["_cls"], kept["_last"], kept["_evseq"]),
+            (None, kept["_cls"], kept["_last"], kept["_evseq"]),
         ):
-            ghosts = np.flatnonzero(state == _GHOST)
-            expired = ghosts[seq_ages(evseq[ghosts], self._evictions) >= window]
+            # A kept life is open (a ghost) where its eviction count is kept (``_KEPT``).
+            ghosts = np.flatnonzero(evseq) if state is None else np.flatnonzero(state == _GHOST)
+            going = seq_ages(evseq[ghosts], self._evictions) >= window
+            expired = ghosts[going]
             if len(expired):
                 idx = cls[expired].astype(np.int64) * AGE_BUCKETS + age_buckets(
                     (now - last[expired]) / self._quantum
                 )
                 np.add.at(np.frombuffer(self.model.ends, dtype=np.int64), idx, 1)
-                state[expired] = _CLOSED
-            live = np.flatnonzero(state != _CLOSED)
+                if state is None:
+                    evseq[expired] = 0
+                else:
+                    state[expired] = _CLOSED
+            live = ghosts[~going] if state is None else np.flatnonzero(state != _CLOSED)
             idx = cls[live].astype(np.int64) * AGE_BUCKETS + age_buckets(
                 (now - last[live]) / self._quantum
             )
@@ -1554,9 +1577,16 @@ _ARRAYS: list[tuple[str, Any, float]] = [
 
 # A dropped block's history (``remember``): the per-id arrays above that make it up, kept as
 # the rows keep them (the eviction count read only while a ghost, which ``_new_table``
-# closes within its window, so its age stays far below ``SEQ_MOD``).
+# closes within its window, so its age stays far below ``SEQ_MOD``), with 4 bytes per
+# remembered block less: no state (the life is open, a ghost, where the eviction count is
+# kept, 0 where closed: ``seq_keep`` never gives 0), and the depth and the access count in
+# narrower arrays (``_KEPT_CAPPED``): a value at or past the cap (chains 65535 deep, blocks
+# read 255 times, both rare) is kept as the cap there and in full in a dict by slot.
+_KEPT_SAME = ("_last", "_cls", "_turn", "_heat")
+_KEPT_CAPPED = {"_depth": (1 << 16) - 1, "_cnt": (1 << 8) - 1}
 _KEPT = [
-    a
-    for a in _ARRAYS
-    if a[0] in ("_state", "_last", "_cls", "_cnt", "_depth", "_turn", "_evseq", "_heat")
+    *(a for a in _ARRAYS if a[0] in _KEPT_SAME),
+    ("_evseq", np.uint32, 0),
+    ("_depth", np.uint16, 0),
+    ("_cnt", np.uint8, 0),
 ]

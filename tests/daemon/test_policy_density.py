@@ -14,6 +14,9 @@ from density_training import roots_come_back
 
 from kvtier.daemon.policy.base import DECLINED, NO_VICTIM
 from kvtier.daemon.policy.density import (
+    _CLOSED,
+    _GHOST,
+    _KEPT_CAPPED,
     AGE_BUCKETS,
     CLASSES,
     Classifier,
@@ -840,3 +843,37 @@ def test_a_rarely_hit_tier_weighs_the_heat_itself(below: float) -> None:
     assert p.density(x, now) > 0
     ratio = p.density(y, now) / p.density(x, now)
     assert ratio == pytest.approx(sy.heat / sx.heat if below else math.sqrt(sy.heat / sx.heat))
+
+
+def test_regression_kept_depths_and_counts_past_their_caps_came_back_cut():
+    """A dropped block's depth and access count are kept in narrow arrays
+    (``_KEPT_CAPPED``); a value at or past the cap is kept beside them by slot, so it comes
+    back whole, through a renumbering too; an expired slot drops it. The state is not kept:
+    a ghost's open life comes back open, a closed one closed."""
+    policy = DensityPolicy(capacity_blocks=16)
+    deep, many = _KEPT_CAPPED["_depth"], _KEPT_CAPPED["_cnt"]
+    cases = ((70_000, 300), (deep, many), (12, 3))
+    for bid, (depth, count) in enumerate(cases):
+        policy.insert(bid, 1.0, -1)
+        policy._depth_v[bid], policy._cnt_v[bid] = depth, count
+        policy.remove(bid)
+        if bid == 2:
+            policy.forget(bid)  # a closed life: forgotten, then dropped
+        policy.remember(bid, 10 + bid)
+        policy.forget(bid)
+    policy.renumber(np.array([10, 11, 12]))  # new slot i: old slot 10 + i
+    for slot, (depth, count) in enumerate(cases):
+        bid = 5 + slot
+        policy.revive(slot, bid)
+        if slot == 2:  # forgotten before it was dropped: a forgotten row's values
+            assert (policy._depth_v[bid], policy._cnt_v[bid]) == (0, 0)
+            assert policy._state_v[bid] == _CLOSED
+        else:
+            assert (policy._depth_v[bid], policy._cnt_v[bid]) == (depth, count)
+            assert policy._state_v[bid] == _GHOST
+    policy.insert(8, 2.0, -1)
+    policy._depth_v[8] = 80_000
+    policy.remove(8)
+    policy.remember(8, 3)
+    policy.expire(3)
+    assert not any(policy._kept_big.values())
