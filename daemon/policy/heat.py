@@ -118,9 +118,10 @@ _ONE = np.zeros(1, dtype=np.int64)
 _MIN_BUFFER = 64
 # A rebuilt buffer holds at least this fraction of its segment (``1 / _BUFFER_SHARE``): each
 # entry is a Python tuple of about 180 bytes, so a sixteenth of the segment (the first
-# choice) cost 11 bytes per resident block; a sixty-fourth costs 3, for a vectorised rebuild
-# every 64th of the segment's evictions instead of every 16th.
-_BUFFER_SHARE = 64
+# choice) cost 11 bytes per resident block; a thirty-second costs 5.5, for a vectorised
+# rebuild every 32nd of the segment's evictions instead of every 16th (a 64th, 3 bytes, made
+# the replay sweep a few per cent slower, within the machine's noise).
+_BUFFER_SHARE = 32
 # Candidates are checked against the evictable mask in batches of at least this many.
 _MASK_BATCH = 32
 
