@@ -378,7 +378,7 @@ class SpaceManager:
         try:
             await job
         finally:
-            self.transfers.settle(refs, dst.kind)
+            self.transfers.wake(refs, dst.kind)
 
     def _budget(
         self, src: Level, dst: Level, deadline: float | None

@@ -149,11 +149,12 @@ class TransferEngine:
 
     def regroup(self, refs: Sequence[int], dst: TierKind) -> None:
         """Some refs of one claim, moved by one copy group of it, get a future of their
-        own, which their ``settle`` wakes as that group ends: a caller that needs a few
-        blocks of a large move (a Get behind a prefetch of hundreds) waits for the group
-        holding them, not for the whole claim. A waiter that already holds the claim's
-        future is woken with the first group that ends (early, which is safe: a waiter reads
-        the table for what arrived, and reads what did not from where it is)."""
+        own, which ``wake`` resolves as that group ends: a caller that needs a few blocks of
+        a large move (a Get behind a prefetch of hundreds) waits for the group holding them,
+        not for the whole claim. A waiter that already holds the claim's future is woken with
+        the first group that ends (early, which is safe: a waiter reads the table for what
+        arrived, and reads what did not from where it is). The refs stay the claim's until
+        its ``settle``."""
         moving = self._moving.get(dst)
         if not moving or not refs:
             return
@@ -170,6 +171,18 @@ class TransferEngine:
                 old.set_result(True)
 
         fut.add_done_callback(wake_the_claims_waiters)
+
+    def wake(self, refs: Sequence[int], dst: TierKind) -> None:
+        """A copy group of a claim (``regroup``) ended: wake its waiters, but keep its refs
+        claimed until the claim's ``settle``. Were they forgotten here, a caller could claim
+        a block the group failed to move, and the claim's ``settle`` would then forget that
+        caller's move too, and a third caller would move the block again (two copies in
+        ``dst``, one slot leaked). A newcomer meanwhile gets the resolved future: it reads
+        the table at once."""
+        moving = self._moving.get(dst, {})
+        for fut in {moving.get(ref) for ref in refs}:
+            if fut is not None and not fut.done():
+                fut.set_result(True)
 
     def settle(self, refs: Sequence[int], dst: TierKind) -> None:
         """The moves of ``refs`` (one claim's) ended, done or not: wake their waiters."""

@@ -878,6 +878,70 @@ async def test_a_get_behind_a_large_prefetch_waits_for_its_own_copy_group_only(m
     assert where(store, a) == ["L1"] * 16
 
 
+async def test_a_block_whose_copy_group_failed_is_moved_by_one_claim_at_a_time(make_store):
+    """A prefetch's copy group that ends gave its blocks back to ``moving`` while the rest of
+    the prefetch still ran; a Get that then moved a block of a failed group had its move
+    forgotten when the prefetch's whole claim ended (its settle popped the Get's entries),
+    and a second Get moved the same block again: two copies in L1, one slot leaked. Here
+    the prefetch's first group fails its read and its second is held; a Get of two blocks of
+    the first group is held in its read while the prefetch ends and a second Get comes."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store = make_store(clock, l2=l2)
+    pool = make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    clock.now += 1
+    await put(store, pool, keys(16), pages=range(16, 32))
+    assert where(store, a) == ["L2"] * 16
+
+    def key_set(words) -> set[bytes]:
+        return {store.table.keys[b].tobytes() for b in store.table.lookup(0, words).tolist()}
+
+    first, second, wanted = key_set(a[:8]), key_set(a[8:]), key_set(a[:2])
+    failed, second_held, get_held = threading.Event(), threading.Event(), threading.Event()
+    release_second, release_get = threading.Event(), threading.Event()
+
+    def hook(batch) -> None:
+        batch_keys = {ref.key for ref in batch.blocks}
+        if batch_keys & first and not failed.is_set():
+            failed.set()
+            raise OSError("the first group's read fails")
+        if batch_keys & second:
+            second_held.set()
+            release_second.wait(10)
+        elif batch_keys & wanted and not get_held.is_set():
+            get_held.set()
+            release_get.wait(10)
+
+    async def until(event: threading.Event) -> None:
+        for _ in range(500):
+            if event.is_set():
+                return
+            await asyncio.sleep(0.01)
+
+    l2.read_hook = hook
+    try:
+        res = await store.prefetch(0, a, deadline_ms=0, priority=0)
+        assert res.scheduled == 16
+        await until(failed)
+        await until(second_held)
+        await asyncio.sleep(0.05)  # the first group has ended
+        first_get = asyncio.create_task(get(store, pool, a[:2], [40, 41]))
+        await until(get_held)
+        release_second.set()  # the prefetch ends while the first Get's copy is held
+        await asyncio.sleep(0.05)
+        second_get = asyncio.create_task(get(store, pool, a[:2], [42, 43]))
+        await asyncio.sleep(0.05)
+    finally:
+        release_second.set()
+        release_get.set()
+    assert await asyncio.wait_for(first_get, 5) == [True, True]
+    assert await asyncio.wait_for(second_get, 5) == [True, True]
+    await store.space.drain()
+    assert store.check() == []
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_a_prefetch_deadline_protects_its_blocks_exactly_until_it(make_store, policy):
     clock = Clock()

@@ -49,11 +49,14 @@ async def test_a_regrouped_claims_blocks_are_woken_by_their_own_group():
         _, second = engine.claim([3], TierKind.HOST)
         _, rest = engine.claim([4], TierKind.HOST)  # in no group: the claim's future
         assert rest == early
-        engine.settle([1, 2], TierKind.HOST)  # the first group ends
+        engine.wake([1, 2], TierKind.HOST)  # the first group ends
         await asyncio.sleep(0)
         assert first[0].done() and not second[0].done()
         assert early[0].done()  # woken early by the first group: it rereads the table
-        assert not engine.moving(1, TierKind.HOST) and engine.moving(3, TierKind.HOST)
+        # Still the claim's until it ends: a newcomer waits (not at all), never moves it.
+        assert engine.moving(1, TierKind.HOST)
+        mine, again = engine.claim([1], TierKind.HOST)
+        assert mine == [] and again == first
         engine.settle([1, 2, 3, 4], TierKind.HOST)  # the claim ends
         assert second[0].done() and engine.in_flight(TierKind.HOST) == 0
     finally:
