@@ -594,10 +594,14 @@ def _check_allocated(st: os.stat_result, size_bytes: int, what: str) -> None:
     would allocate that page charged to the daemon, up to the pool's declared size (a 1 GiB
     sparse memfd took the daemon's RSS from 91 to 347 MB in 4,096 Gets, and a daemon under
     a 400 MiB limit was OOM-killed). Allocated by its owner, every page is the owner's.
-    st_blocks counts what is allocated on tmpfs, memfd and hugetlbfs alike."""
-    if st.st_blocks * 512 < size_bytes:
+    st_blocks counts what is allocated on tmpfs, memfd and hugetlbfs alike, but in the whole
+    object, so the whole object must be allocated: one larger than declared could hold its
+    allocated bytes past the declared size and holes within it (SEEK_HOLE cannot tell: tmpfs
+    reports pages allocated by fallocate and never written as holes)."""
+    need = max(size_bytes, st.st_size)
+    if st.st_blocks * 512 < need:
         raise FailedPrecondition(
-            f"{what} has {st.st_blocks * 512} of its {size_bytes} bytes allocated: allocate "
+            f"{what} has {st.st_blocks * 512} of its {need} bytes allocated: allocate "
             "all of it before registering it (posix_fallocate, or write every page), or the "
             "daemon would be charged for the pages it writes"
         )

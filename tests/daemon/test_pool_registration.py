@@ -520,6 +520,42 @@ def test_a_pool_not_allocated_in_full_is_refused_and_nothing_is_mapped_or_counte
     asyncio.run(run())
 
 
+def test_a_pool_whose_object_is_allocated_only_past_the_declared_size_is_refused():
+    """The allocation check counted the whole object's allocated bytes (st_blocks) against
+    the declared size: an object twice as large, allocated only past the declared size,
+    passed, and populating its mapping then allocated the registered range in the daemon's
+    memory. The whole object must be allocated."""
+    peer = PeerCred(os.getpid(), os.getuid(), os.getgid())
+    size = LAYOUT.extent_bytes
+
+    async def run() -> None:
+        registry = pools_module.PoolRegistry("/dev/shm")
+        memfd = os.memfd_create("kvtier-tail")
+        name = f"kvtier-tail-{os.getpid()}"
+        shm = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            for fd in (memfd, shm):
+                os.ftruncate(fd, 2 * size)
+                os.posix_fallocate(fd, size, size)  # the tail only: as many bytes as declared
+            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
+                await registry.register_fd("s", memfd, size, LAYOUT, tenant="t")
+            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
+                await registry.register_shm("s", peer, name, size, LAYOUT, tenant="t")
+            assert len(registry) == 0 and registry.tenant_bytes("t") == 0
+            for fd in (memfd, shm):
+                os.posix_fallocate(fd, 0, size)
+            await registry.register_fd("s", memfd, size, LAYOUT, tenant="t")
+            await registry.register_shm("s", peer, name, size, LAYOUT, tenant="t")
+            assert len(registry) == 2
+        finally:
+            os.close(memfd)
+            os.close(shm)
+            os.unlink(f"/dev/shm/{name}")
+            await registry.stop()
+
+    asyncio.run(run())
+
+
 async def test_regression_unregistering_a_pool_held_every_other_client_until_it_was_unmapped(
     held_closes,
 ):
