@@ -347,7 +347,7 @@ class SpaceManager:
                 group_refs = table.refs(bids[part]).tolist()
                 self.transfers.regroup(group_refs, dst.kind)
                 jobs.append(
-                    self._settling(
+                    self._waking(
                         self._copy_group(
                             bids,
                             part,
@@ -374,7 +374,7 @@ class SpaceManager:
                 raise r
         return done
 
-    async def _settling(self, job: Awaitable[None], refs: list[int], dst: Level) -> None:
+    async def _waking(self, job: Awaitable[None], refs: list[int], dst: Level) -> None:
         try:
             await job
         finally:
