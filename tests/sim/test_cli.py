@@ -148,6 +148,7 @@ def test_semantics_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert (doc["semantics"], doc["accesses"], doc["hits"]) == (semantics, accesses, 1)
 
 
+@pytest.mark.slow  # every replay command of the README, ~5-8 s: `make test-slow`
 def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
     """The README's replay commands, verbatim from the repository root."""
     sweep_run = run("replay", SHIPPED, "--sweep", "--policies", "density,lru,opt")

@@ -33,6 +33,7 @@ def spread(nodes: int, **kwargs: object) -> ClusterConfig:
 # ----------------------------------------------------------------- one node
 
 
+@pytest.mark.slow  # the whole shipped trace twice over, ~3-4 s: `make test-slow`
 def test_one_node_without_l3_is_the_replay_of_one_daemon() -> None:
     """The README's lru row of the shipped trace, through a one-node cluster (whose route
     is moot); and the whole result of a two-tier stack with protection and hints."""
