@@ -6,6 +6,8 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier.daemon import table as table_module
 from kvtier.daemon.policy.memento import Kept, renumbered
@@ -459,6 +461,67 @@ def test_mementos_match_an_ordered_dict_through_puts_takes_and_growth():
                 if slot >= 0:
                     m.free(slot)
         assert m.count == len(ref)
+    assert [m.take_oldest() for _ in range(len(ref))] == list(ref.values())
+
+
+_MEMENTO_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "put", "put", "take", "oldest", "many", "compact"]),
+        st.integers(0, (1 << 64) - 1),
+        st.integers(0, 7),  # below 3: the identity is that (0, the hole's, and 1, its stand-in)
+    ),
+    max_size=400,
+)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    # The one fixture sets the same value for every example.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(ops=_MEMENTO_OPS)
+def test_mementos_match_an_ordered_dict_through_compactions(monkeypatch, ops):
+    """Hypothesis drives ``Mementos`` through puts, takes (one, oldest, a batch) and
+    ``compact`` (asked for, and whenever numbering reaches the arrays' end, as the table
+    does), with identities 0 and 1 among them (0 is kept as 1: one identity, as a
+    collision). The held slots stay those of an ordered dict in removal order, renumbered
+    as ``compact``'s ``order`` says, and the oldest is always taken first."""
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
+    m = Mementos()
+    ref: OrderedDict[int, int] = OrderedDict()  # identity as kept (0 as 1) -> slot
+    for op, ident, small in ops:
+        if small < 3:
+            ident = small
+        kept = ident or 1
+        if op == "put":
+            if kept not in ref:
+                ref[kept] = m.put(ident)
+        elif op == "take" and ref:
+            key = list(ref)[ident % len(ref)]
+            # The identity kept as 1 is asked for as 0 too (either finds it).
+            assert m.take(0 if key == 1 and small % 2 else key) == ref.pop(key)
+            m.free(-1)
+        elif op == "oldest" and ref:
+            slot = ref.popitem(last=False)[1]
+            assert m.take_oldest() == slot
+            m.free(slot)
+        elif op == "many" and ref:
+            idents = list(dict.fromkeys([*list(ref)[: small + 1], ident]))
+            got = m.take_many(np.array(idents, dtype=np.uint64)).tolist()
+            assert got == [ref.pop(i or 1, -1) for i in idents]
+            for slot in got:
+                if slot >= 0:
+                    m.free(slot)
+        elif op == "compact" or m.full():
+            order = m.compact()
+            if order is not None:
+                assert order.tolist() == sorted(ref.values())
+                new = {old: i for i, old in enumerate(order.tolist())}
+                ref = OrderedDict((k, new[s]) for k, s in ref.items())
+                assert len(m.arrays()[0]) == slots_for(len(ref))
+        assert m.count == len(ref)
+        assert list(ref.values()) == sorted(ref.values())  # numbered in removal order
     assert [m.take_oldest() for _ in range(len(ref))] == list(ref.values())
 
 
