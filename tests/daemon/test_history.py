@@ -12,9 +12,12 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier.bench.policy_memory import history_bytes, wire_history
 from kvtier.daemon import table as table_module
+from kvtier.daemon.policy import density as density_module
 from kvtier.daemon.policy.memento import SEQ_MOD, seq_ages, seq_back, seq_keep
 from kvtier.daemon.policy.registry import make_policy
 from kvtier.daemon.table import READY, BlockTable, keys_to_words
@@ -480,3 +483,71 @@ def test_a_revived_heat_block_is_seen_lately_past_four_billion_accesses():
     again = table.add(0, key, 4096)
     policy.insert(again, 2.0)
     assert policy.stats().protected == 1
+
+
+_KEPT_FIELDS = ("_last", "_cls", "_turn", "_heat", "_depth", "_cnt", "_state")
+
+
+def _row(policy, bid: int) -> tuple:
+    """A density row's kept history, the eviction count only while a ghost."""
+    values = tuple(getattr(policy, name + "_v")[bid] for name in _KEPT_FIELDS)
+    ghost = policy._state_v[bid] == density_module._GHOST
+    return (*values, policy._evseq_v[bid] if ghost else 0)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    # The one fixture sets the same values for every example.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 40),  # key
+            st.sampled_from([None, 0.0, 0.5, 1.0, 4.0, 16.0]),  # a new history factor
+            st.sampled_from([None, "depth", "cnt", "both", "at"]),  # capped values poked
+        ),
+        min_size=150,
+        max_size=400,
+    )
+)
+def test_density_history_through_caps_and_compactions_is_the_models(monkeypatch, steps):
+    """Hypothesis drives the daemon's density history (table mementos, ``remember`` /
+    ``revive`` / ``expire`` / ``renumber``, compacting from 16 slots) and the replayer's model
+    (ids for good, ``forget`` oldest first) through accesses, swinging history factors and
+    depths and counts at or past the kept fields' caps (``_KEPT_CAPPED``): every decision
+    agrees, every returning row's history is the model's, and the values kept past the caps
+    are only those of held mementos."""
+    monkeypatch.setattr(table_module, "MIN_HISTORY_BASE", _BASE)
+    monkeypatch.setattr(table_module, "MIN_COMPACT_SLOTS", 16)
+    capacity = 6
+    model, daemon = _Model("density", capacity, 2.0), _Daemon("density", capacity, 2.0)
+    caps = density_module._KEPT_CAPPED
+    now = 0.0
+    for key, factor, poke in steps:
+        if factor is not None:
+            model.factor = daemon.table.history_factor = factor
+        now += 0.5
+        _agree(model, daemon, key, key - 1 if key % 3 else -1, now, capacity)
+        bid = daemon.row_of(key)
+        assert _row(daemon.policy, bid) == _row(model.policy, key)
+        if poke is not None:
+            depth = caps["_depth"] + (0 if poke == "at" else 5000)
+            count = caps["_cnt"] + (0 if poke == "at" else 700)
+            for p, i in ((daemon.policy, bid), (model.policy, key)):
+                if poke != "cnt":
+                    p._depth_v[i] = depth
+                if poke != "depth":
+                    p._cnt_v[i] = count
+        held = daemon.table.history_rows
+        assert held == len(model.history)
+        mementos = daemon.table.mementos
+        held_slots = set(np.flatnonzero(mementos.arrays()[0][: mementos._top]).tolist())
+        for name, cap in caps.items():
+            big = daemon.policy._kept_big[name]
+            assert set(big) <= held_slots  # none left behind by a slot let go
+            past = [k for k in model.history if getattr(model.policy, name + "_v")[k] >= cap]
+            assert len(big) == len(past)
+    assert list(daemon.policy.model.ends) == list(model.policy.model.ends)
+    assert list(daemon.policy.model.hits) == list(model.policy.model.hits)
