@@ -791,7 +791,7 @@ class Mementos:
     to three quarters full), 5.3 to 6 more. The oldest is the first slot from ``_head`` on that is no hole.
     Once numbering reaches the arrays' end (or far fewer are held than the arrays' length),
     ``compact`` renumbers the held ones densely in their order, which gives back the holes,
-    and sizes the arrays to them plus a sixteenth (``slots_for``): the per-slot arrays (here
+    and sizes the arrays to them plus a sixteenth, 64 at least (``slots_for``): the per-slot arrays (here
     and a listener's) stay within a sixteenth of the held count, at one renumbering per
     sixteenth of it put, each a few vectorised passes.
     """
@@ -975,8 +975,9 @@ def slots_for(n: int) -> int:
     """Length of a per-slot array that must hold ``n`` slots: a sixteenth more, not double,
     as the history is most of what the table adds per block and a doubled array is up to
     half empty; ``Mementos.compact`` sizes the arrays so at each renumbering, once per
-    sixteenth of the held mementos put."""
-    return max(64, n + n // 16)
+    sixteenth of the held mementos put. At least 64 spare: a small history held near a
+    fixed size would otherwise renumber every few puts (63 held in 64 slots: every one)."""
+    return n + max(n // 16, 64)
 
 
 def _pow2_at_least(n: int) -> int:

@@ -607,6 +607,24 @@ def test_memento_memory_comes_back_once_fewer_are_held():
     assert seen.renumbered - compactions <= puts // (MIN_HISTORY_BASE // 16) + 1
 
 
+def test_regression_a_small_steady_history_renumbered_on_nearly_every_put():
+    """A history held near a fixed small size (a small store, or a low
+    ``policy.history_factor``) had arrays sized a sixteenth over, at least 64 slots: 63
+    held in 64 reached the arrays' end at every put, so every drop renumbered the mementos
+    and every listener's arrays. At least 64 spare slots: one renumbering per 64 puts."""
+    mementos = Mementos()
+    for ident in range(1, 64):
+        mementos.put(ident)
+    compactions, puts = 0, 640
+    for ident in range(64, 64 + puts):
+        mementos.free(mementos.take_oldest())
+        if mementos.full():
+            compactions += mementos.compact() is not None
+        mementos.put(ident)
+        assert mementos.count == 63
+    assert compactions <= puts // 64 + 1
+
+
 def test_regression_revived_mementos_left_holes_that_grew_the_arrays():
     """Slots are numbered in the order mementos are put and a revived one leaves a hole
     (``Mementos``): keys that keep coming back (dropped and stored again, the count steady)
