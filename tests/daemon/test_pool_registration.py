@@ -479,15 +479,30 @@ def test_a_pool_is_populated_when_it_is_mapped():
         os.close(fd)
 
 
-def test_a_pool_not_allocated_in_full_is_refused_and_nothing_is_mapped_or_counted():
-    """A sparse object (a memfd or a /dev/shm object truncated to its size, or allocated
-    only in part) is refused with FAILED_PRECONDITION before anything is mapped: the
-    daemon's writes into its holes would allocate pages charged to the daemon. The refusal
-    says what to do; the tenant's mapped bytes and mappings stay as they were. Allocated,
-    the same objects register."""
+@pytest.mark.parametrize(
+    ("object_pages", "allocated", "said"),
+    [
+        # A sparse object allocated in part.
+        (1, (0, 1 / 2), "has {half} of its {size} bytes allocated"),
+        # Regression: the check counted the whole object's allocated bytes (st_blocks)
+        # against the declared size, so an object twice as large allocated only past the
+        # declared size passed, and populating its mapping then allocated the registered
+        # range in the daemon's memory. The whole object must be allocated.
+        (2, (1, 1), None),
+    ],
+    ids=["in part", "only past the declared size"],
+)
+def test_a_pool_not_allocated_in_full_is_refused_and_nothing_is_mapped_or_counted(
+    object_pages: int, allocated: tuple[float, float], said: str | None
+):
+    """A sparse object (a memfd or a /dev/shm object not allocated in full) is refused with
+    FAILED_PRECONDITION before anything is mapped: the daemon's writes into its holes would
+    allocate pages charged to the daemon. The refusal says what to do; the tenant's mapped
+    bytes and mappings stay as they were. Allocated, the same objects register."""
     peer = PeerCred(os.getpid(), os.getuid(), os.getgid())
     tenant = "t"
     size = LAYOUT.extent_bytes
+    start, length = (int(f * size) for f in allocated)
 
     async def run() -> None:
         registry = pools_module.PoolRegistry("/dev/shm")
@@ -496,57 +511,22 @@ def test_a_pool_not_allocated_in_full_is_refused_and_nothing_is_mapped_or_counte
         shm = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             for fd in (memfd, shm):
-                os.ftruncate(fd, size)
-                os.posix_fallocate(fd, 0, size // 2)  # allocated in part: refused as well
+                os.ftruncate(fd, object_pages * size)
+                os.posix_fallocate(fd, start, length)
             with pytest.raises(FailedPrecondition, match="posix_fallocate") as refused:
                 await registry.register_fd("s", memfd, size, LAYOUT, tenant=tenant)
-            assert f"has {size // 2} of its {size} bytes allocated" in str(refused.value)
+            if said is not None:
+                assert said.format(half=size // 2, size=size) in str(refused.value)
             with pytest.raises(FailedPrecondition, match="posix_fallocate"):
                 await registry.register_shm("s", peer, name, size, LAYOUT, tenant=tenant)
             assert len(registry) == 0 and registry.check() == []
             assert registry.tenant_bytes(tenant) == 0 and registry.tenant_mappings(tenant) == 0
             assert mapped_in_this_process("kvtier-sparse") == []
             for fd in (memfd, shm):
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, object_pages * size)
             await registry.register_fd("s", memfd, size, LAYOUT, tenant=tenant)
             await registry.register_shm("s", peer, name, size, LAYOUT, tenant=tenant)
             assert len(registry) == 2 and registry.tenant_bytes(tenant) == 2 * size
-        finally:
-            os.close(memfd)
-            os.close(shm)
-            os.unlink(f"/dev/shm/{name}")
-            await registry.stop()
-
-    asyncio.run(run())
-
-
-def test_a_pool_whose_object_is_allocated_only_past_the_declared_size_is_refused():
-    """The allocation check counted the whole object's allocated bytes (st_blocks) against
-    the declared size: an object twice as large, allocated only past the declared size,
-    passed, and populating its mapping then allocated the registered range in the daemon's
-    memory. The whole object must be allocated."""
-    peer = PeerCred(os.getpid(), os.getuid(), os.getgid())
-    size = LAYOUT.extent_bytes
-
-    async def run() -> None:
-        registry = pools_module.PoolRegistry("/dev/shm")
-        memfd = os.memfd_create("kvtier-tail")
-        name = f"kvtier-tail-{os.getpid()}"
-        shm = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            for fd in (memfd, shm):
-                os.ftruncate(fd, 2 * size)
-                os.posix_fallocate(fd, size, size)  # the tail only: as many bytes as declared
-            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
-                await registry.register_fd("s", memfd, size, LAYOUT, tenant="t")
-            with pytest.raises(FailedPrecondition, match="posix_fallocate"):
-                await registry.register_shm("s", peer, name, size, LAYOUT, tenant="t")
-            assert len(registry) == 0 and registry.tenant_bytes("t") == 0
-            for fd in (memfd, shm):
-                os.posix_fallocate(fd, 0, size)
-            await registry.register_fd("s", memfd, size, LAYOUT, tenant="t")
-            await registry.register_shm("s", peer, name, size, LAYOUT, tenant="t")
-            assert len(registry) == 2
         finally:
             os.close(memfd)
             os.close(shm)

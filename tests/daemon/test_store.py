@@ -844,11 +844,9 @@ async def test_a_prefetch_that_finds_no_room_or_whose_block_went_ends_as_wasted(
     store.unpin(store.table.refs(store.table.lookup(0, b)))
 
 
-async def test_a_get_behind_a_large_prefetch_waits_for_its_own_copy_group_only(make_store):
-    """A Get of blocks a prefetch is promoting waited for the prefetch's whole move (every
-    copy group of it): a Get of the first blocks behind a prefetch of hundreds waited for all
-    of them. Here the prefetch's second group of 8 cannot read from L2 until the Get of two
-    blocks of its first group has returned."""
+async def _sixteen_blocks_on_l2(make_store):
+    """A full L1 of 16 slots above an in-memory L2, and 16 blocks only L2 holds (a prefetch
+    of them moves two copy groups of 8: the factory's ``mover.batch_blocks``)."""
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
     store = make_store(clock, l2=l2)
@@ -858,6 +856,15 @@ async def test_a_get_behind_a_large_prefetch_waits_for_its_own_copy_group_only(m
     clock.now += 1
     await put(store, pool, keys(16), pages=range(16, 32))
     assert where(store, a) == ["L2"] * 16
+    return store, l2, pool, a
+
+
+async def test_a_get_behind_a_large_prefetch_waits_for_its_own_copy_group_only(make_store):
+    """A Get of blocks a prefetch is promoting waited for the prefetch's whole move (every
+    copy group of it): a Get of the first blocks behind a prefetch of hundreds waited for all
+    of them. Here the prefetch's second group of 8 cannot read from L2 until the Get of two
+    blocks of its first group has returned."""
+    store, l2, pool, a = await _sixteen_blocks_on_l2(make_store)
     late = {store.table.keys[b].tobytes() for b in store.table.lookup(0, a[8:]).tolist()}
     gate = threading.Event()
 
@@ -885,15 +892,7 @@ async def test_a_block_whose_copy_group_failed_is_moved_by_one_claim_at_a_time(m
     and a second Get moved the same block again: two copies in L1, one slot leaked. Here
     the prefetch's first group fails its read and its second is held; a Get of two blocks of
     the first group is held in its read while the prefetch ends and a second Get comes."""
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store = make_store(clock, l2=l2)
-    pool = make_pool()
-    a = keys(16)
-    await put(store, pool, a)
-    clock.now += 1
-    await put(store, pool, keys(16), pages=range(16, 32))
-    assert where(store, a) == ["L2"] * 16
+    store, l2, pool, a = await _sixteen_blocks_on_l2(make_store)
 
     def key_set(words) -> set[bytes]:
         return {store.table.keys[b].tobytes() for b in store.table.lookup(0, words).tolist()}
