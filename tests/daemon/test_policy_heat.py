@@ -326,6 +326,19 @@ def test_counts_kept_in_32_bits_decide_as_from_zero_across_their_wraps() -> None
     assert shifted._evictions[1] > SEQ_MOD and shifted._evictions[2] > 3 * SEQ_MOD
 
 
+def _age_past_the_residues(policy: HeatPolicy) -> None:
+    """Accesses and probation evictions past the 32-bit residues' modulus by 2 (a residue of
+    the start would read back as 2), as traffic would bring them: never more than an
+    ``_age_out``'s interval at a time, block 1 touched in between."""
+    left = SEQ_MOD + 1
+    while left:
+        jump = min(left, heat_module._AGE_OUT_EVERY // 2)
+        policy._accesses += jump
+        policy._evictions[1] += jump
+        left -= jump
+        policy.touch(1, 1.0)
+
+
 def test_an_access_older_than_the_residues_reach_is_forgotten_not_read_as_recent() -> None:
     """A last access (or an eviction) over ``SEQ_MOD`` counts ago would read back, modulo,
     as a recent one; ``_age_out`` forgets it long before: such a block returns in
@@ -335,13 +348,7 @@ def test_an_access_older_than_the_residues_reach_is_forgotten_not_read_as_recent
     policy.insert(1, 0.0)
     policy.remove(0)  # a probation ghost, seen at access 1
     p_before = policy._p
-    left = SEQ_MOD + 1  # ages past the modulus by 2: would read back as 2
-    while left:  # as traffic would, never more than an _age_out's interval at a time
-        jump = min(left, heat_module._AGE_OUT_EVERY // 2)
-        policy._accesses += jump
-        policy._evictions[1] += jump
-        left -= jump
-        policy.touch(1, 1.0)
+    _age_past_the_residues(policy)
     policy.insert(0, 2.0)
     assert policy._p == p_before  # not a shadow hit
     assert policy.stats().probation == 1  # not seen lately
@@ -358,13 +365,7 @@ def test_a_kept_history_older_than_the_residues_reach_is_forgotten_not_read_as_r
     policy.remember(0, 0)
     policy.forget(0)
     p_before = policy._p
-    left = SEQ_MOD + 1
-    while left:
-        jump = min(left, heat_module._AGE_OUT_EVERY // 2)
-        policy._accesses += jump
-        policy._evictions[1] += jump
-        left -= jump
-        policy.touch(1, 1.0)
+    _age_past_the_residues(policy)
     policy.revive(0, 0)
     policy.insert(0, 2.0)
     assert policy._p == p_before  # not a shadow hit
