@@ -1,9 +1,11 @@
 """Worker threads that always take the most urgent job first.
 
 Every byte a tier moves moves on one of these pools, so the mover's priorities hold all the way
-down: a job waits in a heap ordered by ``(priority, submission order)``, and jobs that are not
-DEMAND may occupy at most ``threads - reserved`` workers, so a read a request waits on never
-queues behind background writes or removals that took every thread.
+down: a job waits in a heap ordered by ``(priority, -rank, submission order)``, and jobs that
+are not DEMAND may occupy at most ``threads - reserved`` workers, so a read a request waits on
+never queues behind background writes or removals that took every thread. The rank orders jobs
+within one priority class only (a prefetch's ``priority`` from the engine: higher sooner, equal
+ranks in submission order); no rank moves a job into or past another class.
 
 Thread-safety: ``submit`` and ``shutdown`` may be called from any thread.
 """
@@ -24,6 +26,7 @@ from kvtier.tiers.base import Priority
 @dataclass(order=True)
 class _Job:
     priority: int
+    behind: int  # minus the rank: a higher rank sorts first within its class
     seq: int
     fn: Callable[..., Any] = field(compare=False)
     args: tuple[Any, ...] = field(compare=False)
@@ -49,12 +52,17 @@ class PriorityExecutor:
         for w in self._workers:
             w.start()
 
-    def submit(self, priority: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    def submit(
+        self, priority: int, fn: Callable[..., Any], *args: Any, rank: int = 0
+    ) -> Future[Any]:
+        """Queue ``fn(*args)`` at ``priority`` (a ``Priority`` class), and within the class at
+        ``rank`` (higher sooner; equal ranks in submission order)."""
         future: Future[Any] = Future()
         with self._cv:
             if self._closed:
                 raise RuntimeError("executor is shut down")
-            heapq.heappush(self._heap, _Job(int(priority), next(self._seq), fn, args, future))
+            job = _Job(int(priority), -rank, next(self._seq), fn, args, future)
+            heapq.heappush(self._heap, job)
             self._cv.notify()
         return future
 

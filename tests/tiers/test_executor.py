@@ -65,3 +65,37 @@ def test_exceptions_reach_the_caller_and_the_pool_carries_on():
     pool.shutdown()
     with pytest.raises(RuntimeError):
         pool.submit(Priority.DEMAND, lambda: 1)
+
+
+def test_within_a_class_a_higher_rank_goes_first_and_never_crosses_a_class():
+    """A prefetch's rank orders it among the queued prefetches (higher first, equal ranks in
+    submission order); the extremes of int32 still leave a demand job ahead of every
+    prefetch and a background job behind them."""
+    pool = PriorityExecutor(1, "t", reserved=0)
+    gate = threading.Event()
+    order: list[str] = []
+    blocker = pool.submit(Priority.BACKGROUND, gate.wait)
+    jobs = [
+        pool.submit(Priority.PREFETCH, order.append, "prefetch 0", rank=0),
+        pool.submit(Priority.BACKGROUND, order.append, "background", rank=2**31 - 1),
+        pool.submit(Priority.PREFETCH, order.append, "prefetch 5", rank=5),
+        pool.submit(Priority.PREFETCH, order.append, "prefetch -3", rank=-3),
+        pool.submit(Priority.PREFETCH, order.append, "prefetch 0 again"),
+        pool.submit(Priority.DEMAND, order.append, "demand", rank=-(2**31)),
+        pool.submit(Priority.PREFETCH, order.append, "prefetch max", rank=2**31 - 1),
+        pool.submit(Priority.PREFETCH, order.append, "prefetch min", rank=-(2**31)),
+    ]
+    gate.set()
+    for j in [blocker, *jobs]:
+        j.result(5)
+    assert order == [
+        "demand",
+        "prefetch max",
+        "prefetch 5",
+        "prefetch 0",
+        "prefetch 0 again",
+        "prefetch -3",
+        "prefetch min",
+        "background",
+    ]
+    pool.shutdown()
