@@ -62,7 +62,12 @@ _LABELS = {TierKind.GPU: "L0", TierKind.HOST: "L1", TierKind.DISK: "L2", TierKin
 
 
 class Priority(enum.IntEnum):
-    """How urgent a transfer is; lower goes first, down to the threads that move bytes."""
+    """How urgent a transfer is; lower goes first, down to the threads that move bytes.
+
+    Within a class, a transfer also has a rank (an int, 0 by default): a higher rank goes
+    first among the waiting transfers of its class, equal ranks in the order they came. Only
+    prefetches are ranked (the engine's ``Prefetch.priority``); no rank moves a transfer
+    ahead of a more urgent class or behind a less urgent one."""
 
     DEMAND = 0  # a request waits on it
     PREFETCH = 1  # ahead of use
@@ -255,6 +260,7 @@ class WriteBatch:
     nbytes: int
     src: HostBuffers | PoolPages | DevicePages
     priority: Priority = Priority.BACKGROUND
+    rank: int = 0  # within ``priority``: higher sooner (see ``Priority``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +274,7 @@ class ReadBatch:
     dest: HostBuffers | PoolPages | DevicePages
     checksums: Sequence[int] = ()
     priority: Priority = Priority.DEMAND
+    rank: int = 0  # within ``priority``: higher sooner (see ``Priority``)
 
 
 class WriteOutcome(NamedTuple):

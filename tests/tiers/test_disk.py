@@ -24,6 +24,7 @@ from kvtier.tiers.base import (
     BlockRefs,
     Health,
     HostBuffers,
+    Priority,
     ReadBatch,
     RecoveredBlocks,
     TierUnavailable,
@@ -889,6 +890,54 @@ def test_concurrent_writes_share_one_sync_and_one_commit(tmp_path: Path) -> None
     blocks = {i: (refs[i].key, slots[i], data[i], checksum(data[i])) for i in range(4)}
     assert _read(again, blocks) == {i: data[i] for i in range(4)}
     again.close()
+
+
+def test_waiting_reads_go_by_class_then_rank(tmp_path: Path, make_block: Block) -> None:
+    """A batch's rank reaches the tier's I/O threads: with the one thread held by a read,
+    a prefetch read of rank 0, then one of rank 5, then a demand read wait; they run demand
+    first, then the rank-5 prefetch, then the rank-0 one."""
+    files = FaultyFiles()
+    tier = _open(tmp_path / "l2", backend=files, io_threads=1, file_bytes=32 * MiB)
+    nbytes = 1 * MiB  # a read of one block is one run, never read inline
+    blocks = _persist(tier, make_block, [0, 1, 2, 3], nbytes)
+    offsets = {tier.slot_location(b[1])[1]: i for i, b in blocks.items()}
+    held, release = threading.Event(), threading.Event()
+    order: list[int] = []
+
+    def hold_the_first(fd: int, offset: int) -> None:
+        order.append(offsets[offset])
+        if not held.is_set():
+            held.set()
+            assert release.wait(10)
+
+    files.faults["preadv"] = hold_the_first
+
+    def read(i: int, priority: Priority, rank: int = 0) -> bytes | None:
+        key, slot, _, csum = blocks[i]
+        buf = bytearray(nbytes)
+        dest = HostBuffers([memoryview(buf)])
+        batch = ReadBatch([slot], [BlockRef(1, key)], nbytes, dest, [csum], priority, rank)
+        return bytes(buf) if tier.read(batch)[0] else None
+
+    def queued(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while tier.stats().gauges["io_queued"] < n:
+            assert time.monotonic() < deadline, f"{n} reads never queued"
+            time.sleep(0.005)
+
+    with ThreadPoolExecutor(4) as pool:
+        reads = [pool.submit(read, 0, Priority.PREFETCH)]
+        assert held.wait(10)
+        reads.append(pool.submit(read, 1, Priority.PREFETCH, 0))
+        queued(1)
+        reads.append(pool.submit(read, 2, Priority.PREFETCH, 5))
+        queued(2)
+        reads.append(pool.submit(read, 3, Priority.DEMAND))
+        queued(3)
+        release.set()
+        assert [r.result() for r in reads] == [blocks[i][2] for i in range(4)]
+    assert order == [0, 3, 2, 1]
+    tier.close()
 
 
 def test_a_failed_sync_in_a_group_commits_no_row_for_its_blocks(tmp_path: Path) -> None:

@@ -2,9 +2,9 @@
 
 A batch of blocks is planned into *runs*: blocks that lie back to back in one data file move
 with one vectored ``preadv``/``pwritev``. Runs are spread over the tier's I/O threads (a
-priority pool: a demand read never waits behind background writes). Writes hash the source
-buffers in the calling thread while the I/O threads write those same (unchanging) buffers;
-reads are verified run by run as they land.
+priority pool: a demand read never waits behind background writes, and within a class a
+higher rank goes first). Writes hash the source buffers in the calling thread while the I/O
+threads write those same (unchanging) buffers; reads are verified run by run as they land.
 
 Buffers: a page-aligned buffer of at least the slot's size (an L1 slot view) is handed to the
 kernel as it is; anything else moves through the thread's page-aligned bounce buffer, and a
@@ -198,14 +198,14 @@ class BatchIO:
 
     # ------------------------------------------------------------------ writes
 
-    def write_set(self, ws: WriteSet, live: np.ndarray, priority: Priority) -> None:
+    def write_set(self, ws: WriteSet, live: np.ndarray, priority: Priority, rank: int = 0) -> None:
         """Write the blocks ``live`` (positions in ``ws``), not synced (``sync_files`` makes
         them durable); sets ``ok`` (written) and ``checksums`` of each. The source buffers are
         hashed in this thread while the I/O threads write them."""
-        self.start_write_set(ws, live, priority)()
+        self.start_write_set(ws, live, priority, rank)()
 
     def start_write_set(
-        self, ws: WriteSet, live: np.ndarray, priority: Priority
+        self, ws: WriteSet, live: np.ndarray, priority: Priority, rank: int = 0
     ) -> Callable[[], None]:
         """``write_set`` up to the checksums: returns once ``checksums`` is set for ``live``,
         maybe with writes still going, and hands back the call that waits for them (it sets
@@ -224,7 +224,12 @@ class BatchIO:
 
         runs = self._plan_set(ws, live, MAX_WRITE_RUN_BYTES)
         return self._start(
-            runs, partial(self._write_set_run, ws), priority, checksums, len(live) * ws.padded
+            runs,
+            partial(self._write_set_run, ws),
+            priority,
+            checksums,
+            len(live) * ws.padded,
+            rank,
         )
 
     def _write_set_run(self, ws: WriteSet, run: np.ndarray) -> None:
@@ -241,14 +246,14 @@ class BatchIO:
             return
         ws.ok[run] = True
 
-    def sync_files(self, files: Sequence[int], priority: Priority) -> set[int]:
+    def sync_files(self, files: Sequence[int], priority: Priority, rank: int = 0) -> set[int]:
         """fdatasync ``files``; returns those that failed (their blocks are not durable)."""
         if not len(files):
             return set()
         if len(files) == 1:
             errors = [self.files.sync(files[0])]
         else:
-            futures = [self.executor.submit(priority, self.files.sync, f) for f in files]
+            futures = [self.executor.submit(priority, self.files.sync, f, rank=rank) for f in files]
             errors = [f.result() for f in futures]
         self.faults.count(syncs=len(files))
         failed: set[int] = set()
@@ -262,7 +267,7 @@ class BatchIO:
 
     # ------------------------------------------------------------------ reads
 
-    def read(self, blocks: list[Block], priority: Priority) -> None:
+    def read(self, blocks: list[Block], priority: Priority, rank: int = 0) -> None:
         """Read the blocks and verify each; sets ``ok`` and ``error``."""
         runs = self._plan(blocks, MAX_READ_RUN_BYTES)
         if len(runs) == 1 and runs[0].nbytes < _INLINE_BYTES:
@@ -271,7 +276,7 @@ class BatchIO:
                 self._verify_run(runs[0], views)
             return
         futures: dict[Future[list[memoryview] | None], _Run] = {
-            self.executor.submit(priority, self._read_run, run): run for run in runs
+            self.executor.submit(priority, self._read_run, run, rank=rank): run for run in runs
         }
         try:
             for future in as_completed(futures):
@@ -378,6 +383,7 @@ class BatchIO:
         priority: Priority,
         meanwhile: Callable[[], None] | None,
         nbytes: int,
+        rank: int = 0,
     ) -> Callable[[], None]:
         """Start ``work`` on every run, in parallel on the I/O threads, and run ``meanwhile``
         in this thread while they run (``nbytes``: the runs' bytes). Returns once
@@ -390,7 +396,7 @@ class BatchIO:
             for run in runs:
                 work(run)
             return _done
-        futures = [self.executor.submit(priority, work, run) for run in runs]
+        futures = [self.executor.submit(priority, work, run, rank=rank) for run in runs]
 
         def finish() -> None:
             # Every run must finish before the batch's buffers go back to the caller.

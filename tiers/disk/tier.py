@@ -445,7 +445,7 @@ class DiskTier:
             )
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
         ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
-        ticket = _Ticket(ws, self._start_writes(ws, batch.priority), batch)
+        ticket = _Ticket(ws, self._start_writes(ws, batch.priority, batch.rank), batch)
         try:
             self._group.join(ticket)
         finally:
@@ -527,7 +527,9 @@ class DiskTier:
         written = [t.ws.files[t.ws.ok] for t in attempted]
         files = np.unique(np.concatenate(written)).tolist() if written else []
         if files:
-            failed = self._io.sync_files(files, min(t.batch.priority for t in attempted))
+            # At the most urgent class among the writers, and the highest rank within it.
+            first = min(attempted, key=lambda t: (t.batch.priority, -t.batch.rank)).batch
+            failed = self._io.sync_files(files, first.priority, first.rank)
             if failed:
                 lost = np.fromiter(failed, dtype=np.int64, count=len(failed))
                 for t in attempted:
@@ -565,7 +567,7 @@ class DiskTier:
         )
 
     def _start_writes(
-        self, ws: WriteSet, priority: Priority
+        self, ws: WriteSet, priority: Priority, rank: int
     ) -> tuple[np.ndarray, Callable[[], None]] | None:
         """Start writing the set's bytes, not to be synced yet, skipping quarantined slots
         and first dropping the rows of rewritten ones; returns once the checksums of the
@@ -583,7 +585,7 @@ class DiskTier:
         self.faults.count(writes_refused_quarantined=len(ws) - len(live))
         if not self._drop_rows_before_overwrite(ws.slots[live]):
             return None
-        return live, self._io.start_write_set(ws, live, priority)
+        return live, self._io.start_write_set(ws, live, priority, rank)
 
     def read(self, batch: ReadBatch) -> list[bool]:
         """Read and verify the batch's blocks into its destination (host buffers directly;
@@ -609,7 +611,7 @@ class DiskTier:
         for b, expected, key in zip(blocks, sums, keys, strict=True):
             b.expected = int(expected)
             b.key = key
-        return self._read_blocks(blocks, batch.priority)
+        return self._read_blocks(blocks, batch.priority, batch.rank)
 
     def remove(self, slots: Iterable[int]) -> bool:
         """Delete the index rows of these slots (one transaction) and free the slots.
@@ -733,6 +735,8 @@ class DiskTier:
             "quarantined_slots": float(quarantined),
             "quarantined_bytes": float(quarantined_bytes),
             "files": float(len(self.files.paths)),
+            # I/O jobs (read and write runs, syncs) waiting for an I/O thread.
+            "io_queued": float(self._executor.queued if self._executor is not None else 0),
         }
         return TierStats(
             self.kind, self.health(), slab.capacity_bytes, slab.used_bytes, counters, gauges
@@ -829,7 +833,7 @@ class DiskTier:
 
     # ------------------------------------------------------------------ internals
 
-    def _read_blocks(self, blocks: list[Block], priority: Priority) -> list[bool]:
+    def _read_blocks(self, blocks: list[Block], priority: Priority, rank: int = 0) -> list[bool]:
         self._check_distinct(blocks)
         live = []
         with self._state_lock:
@@ -839,7 +843,7 @@ class DiskTier:
                 else:
                     live.append(b)
         self.faults.count(reads_refused_quarantined=len(blocks) - len(live))
-        self._io.read(live, priority)
+        self._io.read(live, priority, rank)
         ok = [b for b in live if b.ok]
         failed = [b for b in live if not b.ok]
         self.faults.count(
