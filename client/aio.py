@@ -407,6 +407,9 @@ class AsyncClient:
         priority: int = 0,
         namespace: str | None = None,
     ) -> t.PrefetchResult:
+        """``Client.prefetch``: ``priority`` (int32, default 0) orders it among the prefetches
+        waiting in the daemon, higher first, always behind demand reads and ahead of
+        background writes."""
         req = t.build_request(
             pb.PrefetchRequest,
             keys=keys,

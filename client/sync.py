@@ -583,6 +583,12 @@ class Client:
         priority: int = 0,
         namespace: str | None = None,
     ) -> t.PrefetchResult:
+        """Start moving the keys' blocks that only lower tiers hold up to the top tier,
+        without waiting for them. ``deadline_ms``: the engine reads them within it (0: no
+        deadline); they are kept until then (at most the daemon's ``policy.hint_max_s``).
+        ``priority`` (int32, default 0) orders this prefetch among those still waiting in the
+        daemon: higher first, equal priorities in arrival order; whatever its priority, a
+        prefetch waits behind demand reads (a ``get``) and goes ahead of background writes."""
         req = t.build_request(
             pb.PrefetchRequest,
             keys=keys,

@@ -263,12 +263,15 @@ class SpaceManager:
         clean_only: bool = False,
         deadline: float | None = None,
         prefetch: bool = False,
+        rank: int = 0,
     ) -> np.ndarray:
         """Give each of ``bids`` a copy in ``dst``, copied from the fastest other tier
         holding it; returns which now have one. A block already moving into ``dst`` is waited
-        for, not moved twice. Where ``dst`` has an own admission (``admit_own``), a block it
-        declines stays where it is; one a request reads (not a ``prefetch``) is told to its
-        policy as a miss."""
+        for, not moved twice (at the rank of the move under way). Where ``dst`` has an own
+        admission (``admit_own``), a block it declines stays where it is; one a request reads
+        (not a ``prefetch``) is told to its policy as a miss. ``rank`` orders the copies, and
+        the demotions that make room for them, among the waiting transfers of ``priority``
+        (higher sooner; see ``Priority``)."""
         table = self.table
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
@@ -289,7 +292,7 @@ class SpaceManager:
         if len(mine):
             add_at(table.inflight, mine, 1)
             try:
-                await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch)
+                await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch, rank)
             finally:
                 self._release(mine)
                 self.transfers.settle([refs[i] for i in mine_idx], dst.kind)
@@ -323,6 +326,7 @@ class SpaceManager:
         clean_only: bool,
         deadline: float | None,
         prefetch: bool,
+        rank: int,
     ) -> np.ndarray:
         table = self.table
         done = np.zeros(len(bids), dtype=bool)
@@ -360,6 +364,7 @@ class SpaceManager:
                             prefetch,
                             done,
                             owner,
+                            rank,
                         ),
                         group_refs,
                         dst,
@@ -415,6 +420,7 @@ class SpaceManager:
         prefetch: bool,
         done: np.ndarray,
         owner: int = 0,
+        rank: int = 0,
     ) -> None:
         table = self.table
         group = bids[part]
@@ -423,7 +429,7 @@ class SpaceManager:
             slots: list[int] = [0] * len(group)  # a key-addressed copy: present, no slot
         else:
             slots = await self.reserve(
-                dst, nbytes, len(group), priority, clean_only=clean_only, owner=owner
+                dst, nbytes, len(group), priority, clean_only=clean_only, owner=owner, rank=rank
             )
             reserved = len(slots) * nbytes
             if len(slots) < len(group):
@@ -458,6 +464,7 @@ class SpaceManager:
                 table.checksums(group, src.col).tolist(),
                 priority,
                 deadline,
+                rank,
             )
         except PrefetchExpired:
             outcomes = None
@@ -544,6 +551,7 @@ class SpaceManager:
         *,
         clean_only: bool = False,
         owner: int = 0,
+        rank: int = 0,
     ) -> list[int]:
         """Up to ``count`` free slots of ``level`` for blocks of ``nbytes`` that ``owner``
         (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
@@ -556,8 +564,10 @@ class SpaceManager:
             return []
         quota = self.quotas.get((owner, level.kind))
         if quota is None:
-            return await self._take_slots(level, nbytes, count, priority, clean_only)
-        count = await self._within_quota(level, owner, quota, nbytes, count, priority, clean_only)
+            return await self._take_slots(level, nbytes, count, priority, clean_only, rank)
+        count = await self._within_quota(
+            level, owner, quota, nbytes, count, priority, clean_only, rank
+        )
         if count == 0:
             self.counters.inc(
                 "quota_rejections", tier=level.label, tenant=self.owner_labels.get(owner, owner)
@@ -567,7 +577,7 @@ class SpaceManager:
         self.quota_held[(owner, level.kind)] += count * nbytes
         slots: list[int] = []
         try:
-            slots = await self._take_slots(level, nbytes, count, priority, clean_only)
+            slots = await self._take_slots(level, nbytes, count, priority, clean_only, rank)
         finally:
             self.end_hold(level, owner, (count - len(slots)) * nbytes)
         return slots
@@ -582,7 +592,13 @@ class SpaceManager:
                 del self.quota_held[key]
 
     async def _take_slots(
-        self, level: Level, nbytes: int, count: int, priority: Priority, clean_only: bool
+        self,
+        level: Level,
+        nbytes: int,
+        count: int,
+        priority: Priority,
+        clean_only: bool,
+        rank: int = 0,
     ) -> list[int]:
         alloc = level.slots.allocator
         slots = alloc.allocate_many(nbytes, count)
@@ -594,10 +610,10 @@ class SpaceManager:
             mask = self.evictable(level, now, slot_bytes, clean_only)
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims):
-                await self.evict(level, victims, priority, clean_only=clean_only)
+                await self.evict(level, victims, priority, clean_only=clean_only, rank=rank)
             slots += alloc.allocate_many(nbytes, count - len(slots))
         while len(slots) < count:
-            if not await self._reclaim_segment(level, now, priority, clean_only):
+            if not await self._reclaim_segment(level, now, priority, clean_only, rank):
                 break
             slots += alloc.allocate_many(nbytes, count - len(slots))
         if len(slots) < count:
@@ -613,6 +629,7 @@ class SpaceManager:
         count: int,
         priority: Priority,
         clean_only: bool,
+        rank: int = 0,
     ) -> int:
         """How many of ``count`` blocks fit ``owner``'s quota on ``level`` after evicting
         (or demoting) the owner's own coldest evictable blocks to make room."""
@@ -630,7 +647,7 @@ class SpaceManager:
             n = min(-(-over // nbytes), len(level.policy))
             victims = self._victims(level, n, now, mine)
             if len(victims):
-                await self.evict(level, victims, priority, clean_only=clean_only)
+                await self.evict(level, victims, priority, clean_only=clean_only, rank=rank)
                 self.counters.inc(
                     "quota_evictions",
                     len(victims),
@@ -650,7 +667,7 @@ class SpaceManager:
         return np.asarray(victims if victims is not None else [], dtype=np.int64)
 
     async def _reclaim_segment(
-        self, level: Level, now: float, priority: Priority, clean_only: bool
+        self, level: Level, now: float, priority: Priority, clean_only: bool, rank: int = 0
     ) -> bool:
         """Free one whole segment: the one whose blocks are all evictable and were least
         recently used. False when no segment can be freed."""
@@ -669,14 +686,20 @@ class SpaceManager:
         newest = np.maximum.reduceat(self.table.last_access[holders[order]], starts)
         newest[~all_ok] = np.inf
         seg = int(segs_sorted[starts[int(np.argmin(newest))]])
-        await self.evict(level, holders[segs == seg], priority, clean_only=clean_only)
+        await self.evict(level, holders[segs == seg], priority, clean_only=clean_only, rank=rank)
         self.counters.inc("segment_reclaims", tier=level.label)
         return bool(alloc.stats().free_segments)
 
     # ----------------------------------------------------------------- evicting
 
     async def evict(
-        self, level: Level, victims: np.ndarray, priority: Priority, *, clean_only: bool = False
+        self,
+        level: Level,
+        victims: np.ndarray,
+        priority: Priority,
+        *,
+        clean_only: bool = False,
+        rank: int = 0,
     ) -> None:
         """Take ``victims`` out of ``level``. A victim whose only copy is here is first
         demoted to the first lower tier that takes it (unless ``clean_only``, whose victims
@@ -695,7 +718,7 @@ class SpaceManager:
         if len(dirty) and not clean_only:
             add_at(table.inflight, victims, 1)
             try:
-                await self._demote(level, dirty, priority)
+                await self._demote(level, dirty, priority, rank)
             finally:
                 add_at(table.inflight, victims, -1)
             # While the writes ran a request may have pinned, read or touched a victim: such
@@ -706,7 +729,9 @@ class SpaceManager:
         await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
 
-    async def _demote(self, level: Level, dirty: np.ndarray, priority: Priority) -> None:
+    async def _demote(
+        self, level: Level, dirty: np.ndarray, priority: Priority, rank: int = 0
+    ) -> None:
         todo = dirty
         now = self._clock()
         for lower in self.stack.lower(level.kind):
@@ -722,7 +747,7 @@ class SpaceManager:
                 todo_admit = todo
             if len(todo_admit) == 0:
                 continue
-            ok = await self.place(todo_admit, lower, priority)
+            ok = await self.place(todo_admit, lower, priority, rank=rank)
             self.counters.inc("demoted_blocks", int(np.count_nonzero(ok)), tier=lower.label)
             self.counters.inc("demotion_failures", int(np.count_nonzero(~ok)), tier=lower.label)
             placed = set(todo_admit[ok].tolist())

@@ -1037,11 +1037,15 @@ class BlockStore:
         return idx, good
 
     async def prefetch(
-        self, ns: int, words: np.ndarray, deadline_ms: int, priority: int
+        self, ns: int, words: np.ndarray, deadline_ms: int, priority: int = 0
     ) -> PrefetchResult:
         """Start promoting the keys' blocks that only lower tiers hold; never waits for them.
         With a deadline, the blocks found are also protected from eviction in every tier until
-        it passes (capped at ``policy.hint_max_s``)."""
+        it passes (capped at ``policy.hint_max_s``). ``priority`` is the promotions' rank
+        within ``Priority.PREFETCH``: it orders them among the prefetches still waiting for a
+        thread or for room, higher sooner, equal ones in arrival order, always behind demand
+        reads and ahead of background writes. A block some earlier prefetch is already moving
+        keeps that move and its rank."""
         ids = self.table.lookup(ns, words)
         found = ids[ids >= 0]
         lower = found[self.table.slot[found, self.top.col] < 0] if len(found) else found
@@ -1054,7 +1058,7 @@ class BlockStore:
             for level in self.stack:
                 level.policy.hint(found, now + hint_s, now)
             self.counters.inc("hinted_blocks", len(found))
-        started = self._start_promotions(lower, deadline)
+        started = self._start_promotions(lower, deadline, priority)
         return PrefetchResult(
             resident=len(found) - len(lower),
             scheduled=started,
@@ -1067,7 +1071,7 @@ class BlockStore:
         if len(bids):
             self._start_promotions(bids[self.table.slot[bids, self.top.col] < 0], None)
 
-    def _start_promotions(self, bids: np.ndarray, deadline: float | None) -> int:
+    def _start_promotions(self, bids: np.ndarray, deadline: float | None, rank: int = 0) -> int:
         top = self.top
         fresh = [
             b
@@ -1082,7 +1086,7 @@ class BlockStore:
         opened = [self.prefetches.issue(word, now) for word in words]
         # Refs taken now: a block may go, and its row be reused, before the task starts.
         refs = self.table.refs(bids)
-        self.space.spawn(self._promote(bids, refs, words, opened, deadline))
+        self.space.spawn(self._promote(bids, refs, words, opened, deadline, rank))
         return len(fresh)
 
     async def _promote(
@@ -1092,13 +1096,16 @@ class BlockStore:
         words: list[int],
         opened: list[bool],
         deadline: float | None,
+        rank: int,
     ) -> None:
         """Promote prefetched blocks; then every prefetch this one opened that is still in
         flight ends: arrived when its block is in the top tier, else cancelled (the tier had
         no room, or the block went before its copy began)."""
         top, table = self.top, self.table
         try:
-            await self.space.place(bids, top, Priority.PREFETCH, deadline=deadline, prefetch=True)
+            await self.space.place(
+                bids, top, Priority.PREFETCH, deadline=deadline, prefetch=True, rank=rank
+            )
         finally:
             rows = table.resolve_many(refs)
             here = (rows >= 0) & (table.slot[np.maximum(rows, 0), top.col] >= 0)

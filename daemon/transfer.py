@@ -20,7 +20,8 @@ tier without host slots comes from L0 too. A device fault on the bridge is an er
 intact and must not be dropped.
 
 Priorities hold all the way down: jobs run on a ``PriorityExecutor`` in which DEMAND jobs have
-reserved threads, tiers are handed the batch's priority for their own I/O threads, and a
+reserved threads, tiers are handed the batch's priority (and rank: a prefetch's, ordering it
+among the other prefetches waiting) for their own I/O threads, and a
 transfer whose deadline (a prefetch's, the stop flush's) passed before it could start is
 dropped (``PrefetchExpired``). Between levels, each source's read limit and each
 destination's write limit (bytes/s) apply before a job starts; one whose turn under them
@@ -268,8 +269,10 @@ class TransferEngine:
         checksums: Sequence[int],
         priority: Priority,
         deadline: float | None = None,
+        rank: int = 0,
     ) -> tuple[Sequence[WriteOutcome], list[bool]]:
-        """Copy blocks from ``src`` into reserved ``dst_slots`` (ignored by a keyed ``dst``).
+        """Copy blocks from ``src`` into reserved ``dst_slots`` (ignored by a keyed ``dst``),
+        at ``priority`` and, within it, ``rank`` (higher sooner).
         Returns an outcome per block and whether the *source* failed it (its read missed: the
         source tier dropped the block), as opposed to the destination refusing it.
         Never raises for a tier's failure. Raises PrefetchExpired when ``deadline`` passed
@@ -281,7 +284,7 @@ class TransferEngine:
         started = time.perf_counter()
         try:
             outcomes, src_failed = await self._copy(
-                src, dst, src_slots, dst_slots, refs, nbytes, checksums, priority, deadline
+                src, dst, src_slots, dst_slots, refs, nbytes, checksums, priority, deadline, rank
             )
             self._observe(started, direction)
         except PrefetchExpired:
@@ -305,6 +308,7 @@ class TransferEngine:
         checksums: Sequence[int],
         priority: Priority,
         deadline: float | None,
+        rank: int,
     ) -> tuple[Sequence[WriteOutcome], list[bool]]:
         into = None if dst.keyed else dst.buffers(dst_slots, nbytes)
         if into is not None:
@@ -312,8 +316,8 @@ class TransferEngine:
             if src.keyed:
                 ok = list(await src.keys.read(refs, nbytes, into))
             else:
-                batch = ReadBatch(src_slots, refs, nbytes, into, checksums, priority)
-                ok = await self._run(priority, src.slots.read, batch, deadline=deadline)
+                batch = ReadBatch(src_slots, refs, nbytes, into, checksums, priority, rank)
+                ok = await self._run(priority, src.slots.read, batch, deadline=deadline, rank=rank)
             outcomes = [WriteOutcome(int(s), bool(g)) for s, g in zip(dst_slots, ok, strict=True)]
             return outcomes, [not g for g in ok]
         source = self._source_buffers(src, src_slots, nbytes)
@@ -324,14 +328,16 @@ class TransferEngine:
             device = dst if dst.device_memory else src if src.device_memory else None
             bridge = device.bridge if device is not None else None
             source, good = await self._stage(
-                src, src_slots, refs, nbytes, checksums, priority, bridge
+                src, src_slots, refs, nbytes, checksums, priority, bridge, rank
             )
         if dst.keyed:
             written = await dst.keys.write(refs, nbytes, source)
             outcomes = [WriteOutcome(-1, bool(w)) for w in written]
         else:
-            wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority)
-            outcomes = await self._run(priority, dst.slots.write, wbatch, deadline=deadline)
+            wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority, rank)
+            outcomes = await self._run(
+                priority, dst.slots.write, wbatch, deadline=deadline, rank=rank
+            )
         if all(good) and len(outcomes) == len(good):  # a host source, or all staged
             return outcomes, [False] * len(good)
         outcomes = [
@@ -426,19 +432,22 @@ class TransferEngine:
         checksums: Sequence[int],
         priority: Priority,
         bridge: DeviceBridge | None = None,
+        rank: int = 0,
     ) -> tuple[HostBuffers, list[bool]]:
         """Read blocks of a tier without host-memory slots into fresh host buffers (the
         GPU tier's page-locked staging when ``bridge`` is given: one side is device
         memory)."""
         if bridge is not None:
-            bufs: HostBuffers = await self._run(priority, bridge.host_buffers, len(refs), nbytes)
+            bufs: HostBuffers = await self._run(
+                priority, bridge.host_buffers, len(refs), nbytes, rank=rank
+            )
         else:
             bufs = HostBuffers([np.empty(nbytes, dtype=np.uint8).data for _ in refs])
         if src.keyed:
             ok = await src.keys.read(refs, nbytes, bufs)
         else:
-            batch = ReadBatch(slots, refs, nbytes, bufs, checksums, priority)
-            ok = await self._run(priority, src.slots.read, batch)
+            batch = ReadBatch(slots, refs, nbytes, bufs, checksums, priority, rank)
+            ok = await self._run(priority, src.slots.read, batch, rank=rank)
         return bufs, [bool(g) for g in ok]
 
     # ----------------------------------------------------------------- plumbing
@@ -458,6 +467,7 @@ class TransferEngine:
         fn: Callable[..., Any],
         *args: Any,
         deadline: float | None = None,
+        rank: int = 0,
     ) -> Any:
         # The request's log context (request, session, pool ids) follows it onto the thread.
         context = contextvars.copy_context()
@@ -467,7 +477,7 @@ class TransferEngine:
             return context.run(fn, *args)
 
         self._running += 1
-        future = self.executor.submit(priority, job)
+        future = self.executor.submit(priority, job, rank=rank)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

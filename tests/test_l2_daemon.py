@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from harness import DaemonProcess
 
 from kvtier.client import (
     FailedPreconditionError,
@@ -370,3 +371,87 @@ def test_the_flush_at_stop_ends_at_its_timeout_keeping_leading_runs_of_chains(
         got = client.lookup(ks)
         assert got.prefix_len == written
         assert got.tiers[:written] == [Tier.L2_DISK] * written
+
+
+# Runs kvtierd with every disk read run held while the file ``gate`` exists; each run first
+# writes the hex keys of its blocks, one run a line, to the file ``log``: the order in which
+# the disk tier's threads took the runs.
+_ENTRY_HOLDING_L2_READS = """
+import os, sys, time
+from kvtier.daemon.entry import main
+from kvtier.tiers.disk.io import BatchIO
+
+gate, log = sys.argv.pop(1), sys.argv.pop(1)
+read_run = BatchIO._read_run
+
+def held_read_run(self, run):
+    with open(log, "a") as f:
+        f.write(" ".join(b.key.hex() for b in run.blocks) + "\\n")
+    while os.path.exists(gate):
+        time.sleep(0.002)
+    return read_run(self, run)
+
+BatchIO._read_run = held_read_run
+sys.exit(main(sys.argv[1:]))
+"""
+# One 1 MiB block per page: a prefetch of one key is one disk read run, never read inline.
+BIG = 1 << 20
+BIG_LAYOUT = PoolLayout.staging(
+    num_layers=4, num_pages=4, block_tokens=16, chunk_bytes=BIG // 8, dtype="uint8"
+)
+
+
+@pytest.mark.parametrize(
+    ("held", "waiting"),
+    [
+        # The one transfer thread for non-demand work waits for the held read; the two
+        # prefetches wait for it in the transfer engine's queue.
+        (("mover.workers=1",), "transfers_queued"),
+        # The disk tier's one I/O thread runs the held read; the two prefetches' reads wait
+        # for it in the tier's queue (each on a transfer thread of its own).
+        (("tiers.l2.io_threads=1", "mover.workers=3"), "l2_io_queued"),
+    ],
+    ids=["transfer-threads", "disk-threads"],
+)
+def test_a_later_prefetch_of_higher_priority_overtakes_a_waiting_one(
+    daemon_factory, tmp_path, held, waiting
+):
+    """Prefetch priority orders the prefetches that wait, wherever they wait: with the
+    disk's reads held, a prefetch of priority 0 and then one of priority 7 queue behind a
+    first one; once the reads go on, the disk reads the priority-7 block first."""
+    gate, log = tmp_path / "gate", tmp_path / "reads.log"
+    overrides = [
+        "tiers.l1.capacity_bytes=64MiB",
+        "policy.protect_s=0",
+        *l2_args(tmp_path / "l2"),
+        *held,
+    ]
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/held.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_L2_READS, str(gate), str(log)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    first, low, high = keys(3, 70)
+    try:
+        with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
+            fill(shm, 7)
+            pool = client.register_pool(shm, BIG_LAYOUT)
+            for p, key in enumerate((first, low, high)):
+                client.put(pool.pool_id, [key], [p])
+                client.evict([key], "L1")  # its one copy is now on the disk
+            assert client.lookup([first, low, high]).tiers == [Tier.L2_DISK] * 3
+            gate.touch()
+            assert client.prefetch([first]).scheduled == 1
+            wait_for(lambda: log.exists() and log.read_text().count("\n") == 1)
+            assert client.prefetch([low]).scheduled == 1  # priority 0, the default
+            wait_for(lambda: client.stats().gauges[waiting] == 1)
+            assert client.prefetch([high], priority=7).scheduled == 1
+            wait_for(lambda: client.stats().gauges[waiting] == 2)
+            gate.unlink()
+            wait_for(lambda: client.lookup([first, low, high]).tiers == [Tier.L1_HOST] * 3)
+        assert log.read_text().split() == [first.hex(), high.hex(), low.hex()]
+    finally:
+        gate.unlink(missing_ok=True)
