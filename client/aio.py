@@ -36,6 +36,7 @@ from kvtier.client.flows import (
     load_flow,
     new_binding,
     store_flow,
+    unregistration,
 )
 from kvtier.client.jobs import (
     AsyncTransferJob,
@@ -100,6 +101,9 @@ class AsyncClient:
         self._session_task: asyncio.Task[None] | None = None
         self._pools: dict[int, PoolBinding] = {}
         self._jobs = JobTable()
+        # unregister_pool_nowait's calls, held here until they end (the loop keeps only a
+        # weak reference to a task).
+        self._unanswered: set[asyncio.Task[None]] = set()
 
     # --------------------------------------------------------------- lifecycle
 
@@ -109,6 +113,8 @@ class AsyncClient:
         self._session_id, self._session_call, self._session_task = "", None, None
         if call is not None:
             call.cancel()
+        for unanswered in list(self._unanswered):
+            unanswered.cancel()
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -332,6 +338,23 @@ class AsyncClient:
             "UnregisterPool", t.build_request(pb.UnregisterPoolRequest, pool_id=pool_id)
         )
         self._pools.pop(pool_id, None)
+
+    def unregister_pool_nowait(self, binding: PoolBinding) -> None:
+        """See ``Client.unregister_pool_nowait``. Not a coroutine (as ``Queue.put_nowait``):
+        a synchronous close path may call it, from this client's event loop; the
+        UnregisterPool goes out as a task of that loop, sent again while the daemon's gRPC
+        refuses it unrun, and ``close()`` cancels it (the session's end frees the pool)."""
+        request = unregistration(binding, self._pools, self._session_id)
+        if request is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._unregister_nowait(request))
+        self._unanswered.add(task)
+        task.add_done_callback(self._unanswered.discard)
+
+    async def _unregister_nowait(self, request: pb.UnregisterPoolRequest) -> None:
+        # Nobody waits for the answer: a failure is the session's end's to clean up.
+        with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError):
+            await self.call("UnregisterPool", request, self.timeout_s)
 
     # ---------------------------------------------------------------- blocks
 

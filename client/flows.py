@@ -99,6 +99,23 @@ def new_binding(
     return PoolBinding(memory, layout, namespace)
 
 
+def unregistration(
+    binding: PoolBinding, pools: dict[int, PoolBinding], session_id: str
+) -> pb.UnregisterPoolRequest | None:
+    """Forget ``binding``'s pool in the client (its next use registers the memory again) and
+    build the UnregisterPool that frees it in the daemon; None when there is nothing to
+    free: no pool, or one of a session other than ``session_id``, the open one (the daemon
+    dropped it with its session). Both clients' ``unregister_pool_nowait`` and
+    ``fence_pool`` start so."""
+    checked_type(binding, PoolBinding, "binding")
+    pool_id, pool_session = binding.pool_id, binding.session_id
+    binding.pool_id = 0
+    pools.pop(pool_id, None)
+    if not pool_id or pool_session != session_id:
+        return None
+    return build_request(pb.UnregisterPoolRequest, session_id=pool_session, pool_id=pool_id)
+
+
 def check_pages(binding: PoolBinding | None, request: pb.PutRequest | pb.GetRequest) -> None:
     """Refuse a page past the pool's last before the request is sent (the daemon refuses it
     too, but the client knows the pool's layout); nothing to check without the binding (a

@@ -51,6 +51,7 @@ from kvtier.client.flows import (
     load_flow,
     new_binding,
     store_flow,
+    unregistration,
 )
 from kvtier.client.jobs import (
     JobStatus,
@@ -455,14 +456,12 @@ class Client:
 
     def unregister_pool_nowait(self, binding: PoolBinding) -> None:
         """Unregister a pool without waiting for the answer (a pool of a session that has
-        ended needs nothing: the daemon dropped it with the session)."""
-        pool_id, session_id = binding.pool_id, binding.session_id
-        binding.pool_id = 0
-        self._pools.pop(pool_id, None)
-        if not pool_id or session_id != self._session_id:
-            return
-        request = t.build_request(pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id)
-        self._unregister_nowait(request, Resends(self.timeout_s))
+        ended needs nothing: the daemon dropped it with the session). The next call through
+        ``binding`` registers the memory again. Raises nothing but InvalidArgumentError for
+        what is no binding; a failure of the call itself goes unreported."""
+        request = unregistration(binding, self._pools, self._session_id)
+        if request is not None:
+            self._unregister_nowait(request, Resends(self.timeout_s))
 
     def _unregister_nowait(self, request: Any, resends: Resends) -> None:
         """Send an UnregisterPool whose answer nobody waits for, and send it again while the
@@ -496,12 +495,9 @@ class Client:
         memory again."""
         t.checked_type(binding, PoolBinding, "binding")
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
-        pool_id, session_id = binding.pool_id, binding.session_id
-        binding.pool_id = 0
-        self._pools.pop(pool_id, None)
-        if not pool_id or session_id != self._session_id:
+        request = unregistration(binding, self._pools, self._session_id)
+        if request is None:
             return False
-        request = t.build_request(pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id)
         try:
             self.call("UnregisterPool", request, timeout_s or self.timeout_s)
         except grpc.RpcError:

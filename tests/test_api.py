@@ -723,6 +723,52 @@ def test_regression_an_unregistration_not_waited_for_was_lost_when_refused_unrun
         assert client.stats().gauges["pools"] == 0 and sent == [pool_id] * 2
 
 
+async def _pools_gauge_drops(client: AsyncClient) -> bool:
+    deadline = time.monotonic() + 5
+    while (await client.stats()).gauges["pools"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return (await client.stats()).gauges["pools"] == 0
+
+
+async def test_an_async_client_unregisters_a_pool_without_waiting_as_the_blocking_one(daemon):
+    """``AsyncClient`` had no ``unregister_pool_nowait``: an asyncio engine's close path
+    could only await the answer (a hung daemon stalled it) or leave the pool to the
+    session's end. It is a plain call, as the blocking client's: it forgets the pool id (the
+    next use registers the memory again), sends UnregisterPool (again while refused unrun)
+    and waits for nothing; what is no binding is refused by both clients alike."""
+    layout = LAYOUTS["staging"]
+    async with AsyncClient(daemon.address, timeout_s=5) as client:
+        with SharedMemoryPool.for_layout(layout) as shm:
+            pool = await client.register_pool(shm, layout)
+            assert client.unregister_pool_nowait(pool.binding) is None
+            assert pool.pool_id == 0
+            assert await _pools_gauge_drops(client)
+            assert await client.pool_id_of(pool.binding) == pool.pool_id != 0
+            assert (await client.stats()).gauges["pools"] == 1
+
+            real, sent = client.stub.UnregisterPool, []
+
+            def once_refused(request, timeout=None):
+                sent.append(request.pool_id)
+                if len(sent) == 1:
+
+                    async def refused():
+                        raise _Refused()
+
+                    return refused()
+                return real(request, timeout=timeout)
+
+            client.stub.UnregisterPool = once_refused
+            pool_id = pool.pool_id
+            client.unregister_pool_nowait(pool.binding)
+            assert await _pools_gauge_drops(client) and sent == [pool_id] * 2
+
+            with pytest.raises(InvalidArgumentError, match="binding"):
+                client.unregister_pool_nowait(pool)
+    with daemon.client() as blocking, pytest.raises(InvalidArgumentError, match="binding"):
+        blocking.unregister_pool_nowait(pool)
+
+
 def test_pool_survives_daemon_restart_through_reregistration(daemon):
     layout = LAYOUTS["staging"]
     ns = Namespace(model="restart", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
