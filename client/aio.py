@@ -155,20 +155,17 @@ class AsyncClient:
             return self._session_id
 
     async def _open_session(self) -> None:
-        ticket = b""
-        if (path := credentials.cred_socket_path(self.address)) is not None:
-            ticket = await _off_loop(credentials.session_ticket, path, self.timeout_s)
+        tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
         request = t.build_request(
-            pb.OpenSessionRequest,
-            client_name=self.client_name,
-            credential_ticket=ticket,
-            token=self._token,
+            pb.OpenSessionRequest, client_name=self.client_name, token=self._token
         )
-        # Sent again, as every call, while the daemon's gRPC refuses it unrun: the daemon
-        # never saw it, so its ticket is unspent.
-        resends, opened = Resends(self.timeout_s), None
-        while opened is None:
-            opened = await self._send_open_session(request, resends)
+        if tickets.due():
+            request.credential_ticket = await _off_loop(tickets.fetch, self.timeout_s)
+        # Sent again as the blocking client's, with a new ticket past the held one's age.
+        resends = Resends(self.timeout_s)
+        while (opened := await self._send_open_session(request, resends)) is None:
+            if tickets.due():
+                request.credential_ticket = await _off_loop(tickets.fetch, resends.left_s())
         first, call = opened
         if first is grpc.aio.EOF:
             raise UnavailableError("the daemon closed the session at once")

@@ -32,6 +32,11 @@ from kvtier.client.errors import (
 PROTOCOL = b"KVTIER-CRED/1"
 CRED_SUFFIX = ".cred"
 _MAX_REPLY_BYTES = 1024
+# The daemon keeps a ticket for 10 s (its TICKET_TTL_S). An OpenSession that the daemon's gRPC
+# keeps refusing unrun is sent again for up to the client's timeout (30 s by default), ticket
+# and all: one held this long is replaced before the next send, leaving the daemon the rest of
+# its 10 s to redeem the ticket it gets.
+TICKET_REUSE_S = 5.0
 # A session id is the session's secret: any request naming it acts as that session, whichever
 # process sends it. Logs show this many of its characters, as the daemon's do.
 SHOWN_ID_CHARS = 8
@@ -54,6 +59,34 @@ def cred_socket_path(address: str) -> str | None:
 def session_ticket(path: str, timeout_s: float = 10.0) -> bytes:
     """A ticket for OpenSession, bound to this process's credentials."""
     return _request(path, b"SESSION", None, timeout_s)
+
+
+class SessionTickets:
+    """The ticket of one OpenSession, however many times it is sent: ``due()`` says whether
+    the next send needs a new one (the first, or the held one is ``TICKET_REUSE_S`` old),
+    ``fetch()`` gets it. None are needed off a Unix socket (``path`` None). A replaced
+    ticket is left to expire in the daemon: at most one per ``TICKET_REUSE_S``.
+
+    Thread-safety: none; one OpenSession's sends run one after another."""
+
+    __slots__ = ("_asked_at", "path")
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._asked_at: float | None = None
+
+    def due(self) -> bool:
+        if self.path is None:
+            return False
+        return self._asked_at is None or time.monotonic() - self._asked_at >= TICKET_REUSE_S
+
+    def fetch(self, timeout_s: float) -> bytes:
+        assert self.path is not None
+        # Its age counts from the request: the daemon's 10 s start later.
+        asked_at = time.monotonic()
+        ticket = session_ticket(self.path, max(timeout_s, 0.001))
+        self._asked_at = asked_at
+        return ticket
 
 
 def pool_ticket(path: str, fd: int, timeout_s: float = 10.0) -> bytes:

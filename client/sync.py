@@ -242,20 +242,18 @@ class Client:
         return self._admin
 
     def _open_session(self) -> None:
-        ticket = b""
-        if (path := credentials.cred_socket_path(self.address)) is not None:
-            ticket = credentials.session_ticket(path, self.timeout_s)
+        tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
         request = t.build_request(
-            pb.OpenSessionRequest,
-            client_name=self.client_name,
-            credential_ticket=ticket,
-            token=self._token,
+            pb.OpenSessionRequest, client_name=self.client_name, token=self._token
         )
+        if tickets.due():
+            request.credential_ticket = tickets.fetch(self.timeout_s)
         # Sent again, as every call, while the daemon's gRPC refuses it unrun: the daemon
-        # never saw it, so its ticket is unspent.
-        resends, opened = Resends(self.timeout_s), None
-        while opened is None:
-            opened = self._send_open_session(request, resends)
+        # never saw it, so its ticket is unspent, but it expires (a new one past its age).
+        resends = Resends(self.timeout_s)
+        while (opened := self._send_open_session(request, resends)) is None:
+            if tickets.due():
+                request.credential_ticket = tickets.fetch(resends.left_s())
         first, call = opened
         self._session_id, self._session_call = first.session_id, call
         self._tenant, self._admin = first.tenant, first.admin

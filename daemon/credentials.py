@@ -69,7 +69,8 @@ log = logging.getLogger(__name__)
 PROTOCOL = b"KVTIER-CRED/1"
 CRED_SUFFIX = ".cred"
 # Long enough for a loaded client to get from the ticket to its RPC; short enough that a
-# leaked ticket is soon worthless.
+# leaked ticket is soon worthless. Clients replace a session ticket they have held for half
+# of it (the client's TICKET_REUSE_S) before sending a refused OpenSession again.
 TICKET_TTL_S = 10.0
 MAX_TICKETS_PER_UID = 256
 MAX_CONNECTIONS = 64

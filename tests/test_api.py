@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from harness import DaemonProcess
 
 from kvtier.client import (
     AsyncClient,
@@ -697,6 +698,68 @@ def test_regression_a_session_refused_unrun_was_not_opened_again(daemon):
             return (await client.lookup([KEY])).prefix_len
 
     assert asyncio.run(run()) == 0 and len(calls) == 2
+
+
+# A daemon whose credential tickets live as many seconds as its first argument says.
+_ENTRY_SHORT_TICKETS = """
+import functools, sys
+from kvtier.daemon import server
+server.TicketBook = functools.partial(server.TicketBook, ttl_s=float(sys.argv.pop(1)))
+from kvtier.daemon.entry import main
+sys.exit(main())
+"""
+
+
+def _refused_for(real, seconds: float, tickets: list[bytes]):
+    """``real``, except that every call within ``seconds`` of the first is refused unrun;
+    ``tickets`` gets each call's credential ticket."""
+    first: list[float] = []
+
+    def send(request, *args, **kwargs):
+        tickets.append(request.credential_ticket)
+        first.append(time.monotonic())
+        if first[-1] - first[0] < seconds:
+            return _RefusedCall()
+        return real(request, *args, **kwargs)
+
+    return send
+
+
+def test_regression_a_session_refused_unrun_past_its_tickets_life_was_unauthenticated(
+    tmp_path, daemon_factory, monkeypatch
+):
+    """OpenSession went out again with the ticket it first got for as long as the daemon's
+    gRPC refused it unrun (up to the client's timeout, 30 s by default), but the daemon keeps
+    a ticket 10 s: refusals that outlasted it ended in UnauthenticatedError ("the credential
+    ticket is unknown, already used or expired"), which said nothing of the refusals. A
+    ticket held ``TICKET_REUSE_S`` is replaced before the next send; the daemon's check of
+    it is unchanged. Here the daemon keeps tickets 2 s, the client replaces them at 0.5 s,
+    and the refusals outlast the first ticket."""
+    ttl_s = 2.0
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/tickets.sock",
+        ["--set", "tiers.l1.capacity_bytes=64MiB"],
+        entry=("-c", _ENTRY_SHORT_TICKETS, str(ttl_s)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    monkeypatch.setattr(credentials, "TICKET_REUSE_S", 0.5)
+    tickets: list[bytes] = []
+    with d.client(timeout_s=10) as client:
+        client.stub.OpenSession = _refused_for(client.stub.OpenSession, ttl_s + 0.3, tickets)
+        assert client.session_id and client.lookup([KEY]).prefix_len == 0
+    assert len(tickets) > 2 and tickets[-1] != tickets[0]
+
+    async def run() -> int:
+        async with AsyncClient(d.address, timeout_s=10) as client:
+            tickets.clear()
+            client.stub.OpenSession = _refused_for(client.stub.OpenSession, ttl_s + 0.3, tickets)
+            assert await client.session()
+            return (await client.lookup([KEY])).prefix_len
+
+    assert asyncio.run(run()) == 0
+    assert len(tickets) > 2 and tickets[-1] != tickets[0]
 
 
 def test_regression_an_unregistration_not_waited_for_was_lost_when_refused_unrun(daemon):
