@@ -16,6 +16,7 @@ from kvtier.client.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    UntrustedSocketError,
 )
 from kvtier.client.jobs import (
     AsyncTransferJob,
@@ -89,6 +90,7 @@ __all__ = [
     "TransferJob",
     "UnauthenticatedError",
     "UnavailableError",
+    "UntrustedSocketError",
     "block_key",
     "block_keys",
     "wait_until_serving",

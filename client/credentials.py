@@ -10,13 +10,23 @@ connection::
     "KVTIER-CRED/1 POOL\\n" + one fd (SCM_RIGHTS)   -> "OK <64 hex digits>\\n"
     on refusal                                     -> "ERR <STATUS> <text>\\n"
 
+Before it sends anything, the client checks who listens there: SO_PEERCRED on its connection
+must name the uid that owns the gRPC socket (the daemon binds both, so that is the daemon's
+user, root's for a daemon run as root), else ``UntrustedSocketError``. The daemon refuses a
+socket folder that others may write, but a client cannot know that the folder it finds is
+one a daemon checked; a process of another user that took the credential socket's place would
+otherwise receive the engine's memory files. A root client of another user's daemon passes:
+what counts is who owns the socket, not who connects.
+
 Thread-safety: the functions share nothing; call them from any thread.
 """
 
 from __future__ import annotations
 
 import array
+import os
 import socket
+import struct
 import time
 
 import grpc
@@ -26,6 +36,7 @@ from kvtier.client.errors import (
     KvtierError,
     PermissionDeniedError,
     UnavailableError,
+    UntrustedSocketError,
     error_for_code,
 )
 
@@ -110,6 +121,7 @@ def _request(path: str, verb: bytes, fd: int | None, timeout_s: float) -> bytes:
                     if time.monotonic() >= deadline:
                         raise TimeoutError from None
                     time.sleep(0.005)
+            _check_listener(sock, path)
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             if fd is None:
                 sock.sendall(line)
@@ -138,6 +150,28 @@ def _request(path: str, verb: bytes, fd: int | None, timeout_s: float) -> bytes:
                 f"the daemon's credential socket {path} did not answer: {e.strerror or e}"
             ) from None
     return _parse(reply, path)
+
+
+def _check_listener(sock: socket.socket, path: str) -> None:
+    """Refuse the credential socket ``path`` (connected as ``sock``) unless its listener runs
+    as the owner of the daemon's gRPC socket beside it (see the module's docstring)."""
+    _pid, uid, _gid = struct.unpack(
+        "iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    )
+    grpc_socket = path.removesuffix(CRED_SUFFIX)
+    try:
+        owner = os.stat(grpc_socket).st_uid
+    except OSError as e:
+        raise UntrustedSocketError(
+            f"the credential socket {path} has no daemon's socket {grpc_socket} beside it "
+            f"({e.strerror or e}) to show whose it is; nothing was sent to it"
+        ) from None
+    if uid != owner:
+        raise UntrustedSocketError(
+            f"the credential socket {path} is held by uid {uid}, but the daemon's socket "
+            f"{grpc_socket} belongs to uid {owner}: another user's process may have taken "
+            "the credential socket's place; nothing was sent to it"
+        )
 
 
 def _parse(reply: bytes, path: str) -> bytes:

@@ -1,4 +1,6 @@
-"""Typed client exceptions, one per gRPC status the daemon returns.
+"""Typed client exceptions, one per gRPC status the daemon returns, and
+``UntrustedSocketError``, the client's own refusal of a credential socket (a
+PermissionDeniedError).
 
 Every error raised by a client call is a KvtierError; callers that only want "use the cache if
 it works" catch that one type and treat it as a miss. That includes wrong arguments: a value
@@ -46,6 +48,13 @@ class UnauthenticatedError(KvtierError):
 
 class PermissionDeniedError(KvtierError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class UntrustedSocketError(PermissionDeniedError):
+    """Raised by the client itself, never answered by a daemon: the process listening on the
+    daemon's credential socket runs as another user than the one who owns the daemon's
+    gRPC socket beside it (the daemon binds both), so it may have taken the daemon's place.
+    The client sent it nothing: no ticket request, no memory file."""
 
 
 class FailedPreconditionError(KvtierError):

@@ -4,6 +4,7 @@ item 6)."""
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import shutil
 import socket
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 from peers import NOBODY, NOGROUP, require_root, run_as
 
+from kvtier.client import Client, PermissionDeniedError, UntrustedSocketError, wait_until_serving
 from kvtier.client import credentials as cred
-from kvtier.client import wait_until_serving
 from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
 from kvtier.daemon.unixsock import SocketAccess, prepare_socket_path
@@ -124,6 +125,122 @@ def test_regression_a_socket_folder_of_another_user_was_taken(tmp_path):
     with pytest.raises(OSError, match=f"belongs to uid {NOBODY}"):
         prepare_socket_path(str(folder / "d.sock"), SocketAccess.from_config(config.server))
     assert os.listdir(folder) == []
+
+
+# Listens on each path given, as whoever runs it, and answers every request as the daemon's
+# credential socket would (a ticket of random bytes); on stdin's end it prints what it was
+# sent, as JSON. It stops by itself after 60 s without a connection.
+_LISTENER = r"""
+import json, os, selectors, socket, sys
+selector = selectors.DefaultSelector()
+for path in sys.argv[1:]:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    selector.register(listener, selectors.EVENT_READ)
+selector.register(sys.stdin, selectors.EVENT_READ)
+print("ready", flush=True)
+seen = {"requests": 0, "fds": 0}
+while events := selector.select(timeout=60):
+    for key, _ in events:
+        if key.fileobj is sys.stdin:
+            print(json.dumps(seen), flush=True)
+            sys.exit(0)
+        conn, _ = key.fileobj.accept()
+        try:
+            conn.settimeout(5)
+            data, ancillary, _, _ = conn.recvmsg(128, socket.CMSG_SPACE(16))
+            seen["requests"] += bool(data)
+            seen["fds"] += sum(len(payload) // 4 for _, _, payload in ancillary)
+            conn.sendall(b"OK " + os.urandom(32).hex().encode() + b"\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+"""
+
+
+class _Listener:
+    """``_LISTENER`` run as uid/gid nobody on ``paths``."""
+
+    def __init__(self, *paths: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LISTENER, *paths],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            user=NOBODY,
+            group=NOGROUP,
+            extra_groups=[],
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+
+    def seen(self) -> dict[str, int]:
+        """What it was sent; it stops."""
+        out, _ = self.proc.communicate(timeout=30)
+        return json.loads(out)
+
+    def __enter__(self) -> _Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+@pytest.fixture
+def nobodys_folder():
+    """A folder of uid nobody's (as one another user made under /tmp), reachable by all."""
+    require_root()
+    top = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    os.chmod(top, 0o755)
+    folder = os.path.join(top, "theirs")
+    os.mkdir(folder, 0o755)
+    os.chown(folder, NOBODY, NOGROUP)
+    yield folder
+    shutil.rmtree(top)
+
+
+def test_regression_a_credential_socket_held_by_another_user_got_the_clients_requests(
+    nobodys_folder,
+):
+    """The client proved who it was to whoever listened on the credential socket, and
+    handed a pool's memfd to him, without asking who that was: in a folder another user
+    could write (made before the daemon checked folders, or never checked by one), he could
+    remove the daemon's credential socket and listen in its place. The client now checks
+    that the listener runs as the owner of the daemon's gRPC socket, and sends nothing
+    otherwise. Here root's "daemon" socket sits in nobody's folder, nobody holds the
+    credential socket, and root's client asks for a session and hands over memory."""
+    address = f"unix:{nobodys_folder}/d.sock"
+    path = cred.cred_socket_path(address)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as daemons:
+        daemons.bind(f"{nobodys_folder}/d.sock")  # root's, as a root daemon would bind it
+        with _Listener(path) as impostor:
+            with pytest.raises(UntrustedSocketError, match=f"held by uid {NOBODY}, but") as info:
+                cred.session_ticket(path, timeout_s=5)
+            assert isinstance(info.value, PermissionDeniedError)
+            memfd = os.memfd_create("kvtier-test")
+            try:
+                with pytest.raises(UntrustedSocketError, match="nothing was sent to it"):
+                    cred.pool_ticket(path, memfd, timeout_s=5)
+            finally:
+                os.close(memfd)
+            with Client(address, timeout_s=5) as client, pytest.raises(UntrustedSocketError):
+                client.session_id  # noqa: B018 - opens the session
+            assert impostor.seen() == {"requests": 0, "fds": 0}
+
+
+def test_a_root_client_takes_tickets_from_a_daemon_of_another_user(nobodys_folder):
+    """The check is against the socket's owner, not the client's own uid: a root client of
+    a daemon that runs as another user (nobody here, holding both sockets) gets its ticket.
+    The users' clients of a daemon run as root pass too
+    (test_members_of_the_socket_group_connect_and_no_one_else)."""
+    address = f"unix:{nobodys_folder}/d.sock"
+    path = cred.cred_socket_path(address)
+    with _Listener(f"{nobodys_folder}/d.sock", path) as daemon:
+        assert len(cred.session_ticket(path, timeout_s=5)) == 32
+        assert daemon.seen() == {"requests": 1, "fds": 0}
 
 
 def test_a_missing_folder_is_created_traversable_by_the_socket_group_only():
