@@ -184,6 +184,18 @@ class ServerConfig:
         default=16384,
         metadata=_opt("int", lo=1, hi=1 << 24, doc="live leases (Lookup(pin=true)) per session"),
     )
+    max_lease_bytes_per_tenant: int = field(
+        default=64 << 20,
+        metadata=_opt(
+            "size",
+            lo=1 << 10,
+            hi=1 << 40,
+            doc="memory the live leases of one tenant's sessions (without tenants configured: "
+            "one peer uid's) may hold in the daemon together, each lease counted as 512 bytes "
+            "plus 8 per block it pins; server.max_leases_per_session bounds one session, "
+            "this the sum of all of a tenant's sessions",
+        ),
+    )
     max_sessions_per_tenant: int = field(
         default=256,
         metadata=_opt(

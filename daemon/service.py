@@ -8,7 +8,8 @@ Every call but ``open_session`` names an open session. A session carries its pee
 credentials when it was opened with a credential ticket (always, on the Unix socket); only
 such a session may register memory, and only memory its peer owns. The limits (keys per
 request, pools per session, pools and bytes of pools mapped per tenant, pools mapped in all,
-sessions per tenant, namespaces per tenant) answer with an error naming their key.
+sessions per tenant, namespaces per tenant, leases per session and the memory a tenant's
+leases hold) answer with an error naming their key.
 
 Tenants: a session is bound to one tenant when it opens (``daemon/tenants.py``), and every
 block request's namespace is derived here from that tenant and the name the request declares,
@@ -48,7 +49,15 @@ from kvtier.daemon.errors import (
     Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
-from kvtier.daemon.sessions import Lease, PeerCred, Session, SessionRegistry, shown_id
+from kvtier.daemon.sessions import (
+    LEASE_BYTES,
+    Lease,
+    PeerCred,
+    Session,
+    SessionRegistry,
+    lease_bytes,
+    shown_id,
+)
 from kvtier.daemon.store import BlockStore, DeleteResult, EvictResult, PrefetchResult, TierUsage
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.daemon.tenants import Space, TenantDirectory
@@ -114,6 +123,15 @@ class CheckReport:
 class DrainState:
     draining: bool
     sessions: int  # open sessions besides the caller's
+
+
+def _who(session: Session) -> str:
+    """The session's tenant as a limit's message names it (with the uid it is counted by,
+    without tenants configured)."""
+    key = session.limit_key
+    return (
+        f"tenant {session.tenant}" if key == session.tenant else f"tenant {session.tenant} ({key})"
+    )
 
 
 class KVService:
@@ -261,11 +279,7 @@ class KVService:
                 "have (server.max_pools_per_session)"
             )
         key = session.limit_key
-        who = (
-            f"tenant {session.tenant}"
-            if key == session.tenant
-            else f"tenant {session.tenant} ({key})"
-        )
+        who = _who(session)
         # The tenant's own share first: without it one tenant could take every mapping the
         # daemon holds (server.max_pools) and refuse every other tenant's registration.
         most = self.config.server.max_pools_per_tenant
@@ -355,8 +369,8 @@ class KVService:
             if len(found):
                 # The session may have ended while the lookup awaited; pinning for it then
                 # would leave pins no lease releases. Pinning lookups awaiting together
-                # passed the limit together: it is checked again.
-                self._check_lease_room(self.sessions.get(session_id))
+                # passed the limits together: they are checked again.
+                self._check_lease_room(self.sessions.get(session_id), len(found))
                 refs = self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id
@@ -616,6 +630,12 @@ class KVService:
         counts = Counter(s.limit_key for s in sessions.values())
         if dict(counts) != self.sessions.per_tenant_counts():
             problems.append("the per-tenant session counts differ from the open sessions")
+        held: Counter[str] = Counter()
+        for lease in leases:
+            if (owner := sessions.get(lease.session_id)) is not None:
+                held[owner.limit_key] += lease_bytes(len(lease.refs))
+        if dict(held) != self.sessions.per_tenant_lease_bytes():
+            problems.append("the per-tenant lease bytes differ from the live leases")
         pools = self.pools.all()
         for pool in pools:
             if pool.session_id not in sessions:
@@ -730,18 +750,30 @@ class KVService:
             )
         return None if (begin, end) == (0, nlayers) else (begin, end)
 
-    def _check_lease_room(self, session: Session) -> None:
-        """Refuse a new lease to a session at its limit: every lease holds its pinned block
-        refs (up to 32 KiB) until it ends, for up to ``lease_max_ms``. Only live leases
-        count: at the limit, leases past their expiry that the reaper has not reached yet
-        are released first, by the reaper's own pass."""
+    def _check_lease_room(self, session: Session, blocks: int = 0) -> None:
+        """Refuse a new lease of ``blocks`` pinned blocks to a session at its limit, or whose
+        tenant's leases would pass theirs: every lease holds its pinned block refs (up to
+        32 KiB) until it ends, for up to ``lease_max_ms``, and a tenant may open
+        ``max_sessions_per_tenant`` sessions. Only live leases count: at a limit, leases
+        past their expiry that the reaper has not reached yet are released first, by the
+        reaper's own pass."""
         limit = self.config.server.max_leases_per_session
-        if len(session.leases) >= limit:
+        cap = self.config.server.max_lease_bytes_per_tenant
+        need = lease_bytes(blocks)
+        key = session.limit_key
+        if len(session.leases) >= limit or self.sessions.tenant_lease_bytes(key) + need > cap:
             self.expire_leases()
         if len(session.leases) >= limit:
             raise ResourceExhausted(
                 f"this session already holds {limit} leases, the most one session may hold "
                 "(server.max_leases_per_session); release some or let them expire"
+            )
+        if (held := self.sessions.tenant_lease_bytes(key)) + need > cap:
+            raise ResourceExhausted(
+                f"the leases of {_who(session)} hold {held} bytes of the daemon's memory "
+                f"({LEASE_BYTES} a lease, 8 a pinned block); {need} more would pass the {cap} "
+                "one tenant's leases may hold (server.max_lease_bytes_per_tenant); release "
+                "some or let them expire"
             )
 
     def _lease_s(self, lease_ms: int) -> float:

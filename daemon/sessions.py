@@ -12,7 +12,9 @@ counted by the binding's ``limit_key``.
 
 A lease belongs to the session that took it and dies with it, and only that session may
 release it; any session of the same tenant may load under it (an engine's scheduler pins,
-its workers load), another tenant's session may not.
+its workers load), another tenant's session may not. What a tenant's live leases hold in the
+daemon's memory (``lease_bytes``: ``LEASE_BYTES`` a lease plus 8 bytes a pinned block) is
+kept per ``limit_key``, for the limit the service enforces.
 
 Thread-safety: none; owned by the server's event loop.
 """
@@ -33,6 +35,17 @@ _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 # A session id is the session's secret: any request that names it acts as the session, from
 # any connection. Logs show only this many characters of it.
 SHOWN_ID_CHARS = 8
+
+
+# What one lease holds in the daemon's memory besides its refs (8 bytes a pinned block): the
+# Lease, its refs array's header, its entries in the lease table, its session's set and the
+# expiry heap: about 450 bytes with a one-block refs array (tracemalloc), rounded up.
+LEASE_BYTES = 512
+
+
+def lease_bytes(blocks: int) -> int:
+    """What a lease pinning ``blocks`` blocks holds in the daemon's memory."""
+    return LEASE_BYTES + 8 * blocks
 
 
 def shown_id(session_id: str) -> str:
@@ -83,6 +96,8 @@ class SessionRegistry:
         self._per_tenant: Counter[str] = Counter()
         self._leases: dict[int, Lease] = {}
         self._expiry: list[tuple[float, int]] = []
+        # limit_key -> bytes the live leases of its sessions hold (``lease_bytes``).
+        self._lease_bytes: Counter[str] = Counter()
 
     @property
     def session_count(self) -> int:
@@ -95,6 +110,14 @@ class SessionRegistry:
     def tenant_sessions(self, limit_key: str) -> int:
         """Open sessions counted against ``limit_key`` (a tenant, or ``uid:<n>``)."""
         return self._per_tenant[limit_key]
+
+    def tenant_lease_bytes(self, limit_key: str) -> int:
+        """Bytes the live leases of the sessions counted against ``limit_key`` hold."""
+        return self._lease_bytes[limit_key]
+
+    def per_tenant_lease_bytes(self) -> dict[str, int]:
+        """The lease bytes the limit keeps, for the invariant check."""
+        return dict(self._lease_bytes)
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())
@@ -147,6 +170,8 @@ class SessionRegistry:
         if self._per_tenant[session.limit_key] <= 0:
             del self._per_tenant[session.limit_key]
         leases = [self._leases.pop(lid) for lid in session.leases]
+        for lease in leases:
+            self._unaccount(session, lease)
         self._compact_expiry()
         return leases
 
@@ -158,6 +183,7 @@ class SessionRegistry:
         lease = Lease(lease_id, session_id, refs, expires_at, session.tenant)
         self._leases[lease_id] = lease
         session.leases.add(lease_id)
+        self._lease_bytes[session.limit_key] += lease_bytes(len(refs))
         heapq.heappush(self._expiry, (expires_at, lease_id))
         return lease
 
@@ -182,9 +208,17 @@ class SessionRegistry:
                 "release it"
             )
         del self._leases[lease_id]
-        self._sessions[lease.session_id].leases.discard(lease_id)
+        session = self._sessions[lease.session_id]
+        session.leases.discard(lease_id)
+        self._unaccount(session, lease)
         self._compact_expiry()
         return lease
+
+    def _unaccount(self, session: Session, lease: Lease) -> None:
+        key = session.limit_key
+        self._lease_bytes[key] -= lease_bytes(len(lease.refs))
+        if self._lease_bytes[key] <= 0:
+            del self._lease_bytes[key]
 
     def _compact_expiry(self) -> None:
         # Released leases stay in the heap until their deadline; a client that pins and
@@ -199,6 +233,8 @@ class SessionRegistry:
             _, lease_id = heapq.heappop(self._expiry)
             lease = self._leases.pop(lease_id, None)
             if lease is not None:
-                self._sessions[lease.session_id].leases.discard(lease_id)
+                session = self._sessions[lease.session_id]
+                session.leases.discard(lease_id)
+                self._unaccount(session, lease)
                 expired.append(lease)
         return expired

@@ -18,7 +18,7 @@ from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
-from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry
+from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry, lease_bytes
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
@@ -179,6 +179,48 @@ def test_regression_a_session_could_hold_leases_without_bound():
         service.release(session, leases[0])
         assert (await service.lookup(session, keys, True, 0)).lease_id
         assert service.sessions.lease_count == 3
+
+    asyncio.run(run())
+
+
+def test_regression_a_tenants_sessions_together_could_hold_leases_without_bound():
+    """server.max_leases_per_session bounds one session; a tenant opens up to
+    server.max_sessions_per_tenant (256) of them, and pinning lookups of 4,096 keys in each
+    made the daemon hold up to 256 x 16,384 leases of 32 KiB of refs: 128 GiB for one
+    tenant (one session's 4,000 such leases, taken in 24 s: +136 MB of RSS). The leases of one
+    tenant's sessions together now hold at most server.max_lease_bytes_per_tenant, counted
+    per lease as sessions.lease_bytes; another tenant still pins, and what a lease's end
+    gives back can be leased again."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        keys = [bytes(32)] * 100  # SlowStore finds 100 blocks
+        cost = lease_bytes(100)
+        config = load_config(None, [f"server.max_lease_bytes_per_tenant={3 * cost}"])
+        service, tickets = _service(store, config)
+        first, second = _open(service, tickets), _open(service, tickets)
+        other = service.open_session(
+            "o",
+            tickets.issue(TicketKind.SESSION, PeerCred(pid=2, uid=2000, gid=2000)),
+            unix_socket=True,
+        ).session_id
+        held = [(await service.lookup(first, keys, True, 0)).lease_id for _ in range(2)]
+        held.append((await service.lookup(second, keys, True, 0)).lease_id)
+        for session in (first, second):  # under its own session limit, not its tenant's
+            with pytest.raises(ResourceExhausted, match=r"server\.max_lease_bytes_per_tenant"):
+                await service.lookup(session, keys, True, 0)
+        assert store.pins == 3 * 100 and service.sessions.lease_count == 3
+        assert (await service.lookup(first, keys, False, 0)).prefix_len == 100  # no pin
+        assert (await service.lookup(other, keys, True, 0)).lease_id  # another tenant's
+        service.release(first, held[0])
+        assert (await service.lookup(second, keys, True, 0)).lease_id
+        service.close_session(first)  # its leases end with it
+        assert service.sessions.tenant_lease_bytes(f"uid:{PEER.uid}") == 2 * cost
+        assert (await service.lookup(second, keys, True, 0)).lease_id
+        service.close_session(second)
+        service.close_session(other)
+        assert service.sessions.per_tenant_lease_bytes() == {} and store.pins == 0
 
     asyncio.run(run())
 
