@@ -275,6 +275,21 @@ class ServerConfig:
         ),
     )
 
+    max_connections: int = field(
+        default=4096,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 20,
+            doc="gRPC connections open at once, every client's together; one more is closed as "
+            "it is accepted. Each holds a file descriptor; server.idle_connection_s bounds how "
+            "long an idle one is held, not how many are open: without this bound, connections "
+            "opened faster than they idled out took every descriptor the daemon may open, and "
+            "it accepted no one, not even on its credential socket. Keep it well below the "
+            "daemon's RLIMIT_NOFILE",
+        ),
+    )
+
     memory_trim_bytes: int = field(
         default=64 << 20,
         metadata=_opt(

@@ -33,6 +33,7 @@ import contextlib
 import functools
 import logging
 import os
+import resource
 import signal
 import time
 from collections import Counter
@@ -117,6 +118,10 @@ MAX_PENDING_CALLS = 8192
 # beside such a flood: p50 2.4 s with some dropped -> 0.07-0.14 s, none dropped). An engine
 # keeps a few calls open per connection, far under the bound.
 MAX_STREAMS_PER_CONNECTION = 256
+# File descriptors the daemon keeps for its own use beside server.max_connections (its files,
+# the credential socket's connections, memfds handed over with their tickets): fewer under
+# RLIMIT_NOFILE is warned of at start.
+FD_RESERVE = 1024
 R = TypeVar("R")
 
 # The one place where domain errors become gRPC status codes.
@@ -571,6 +576,17 @@ class Daemon:
         if ensure_fault_handler():
             log.warning("another SIGBUS handler had replaced the copy guard's; it is back in front")
         logging.getLogger(GRPC_CORE_LOGGER).addFilter(self._lost_answers)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < cfg.max_connections + FD_RESERVE:
+            log.warning(
+                "server.max_connections=%d leaves fewer than %d of the %d file descriptors "
+                "RLIMIT_NOFILE allows for the daemon's own use: clients that keep that many "
+                "connections open can keep it from accepting anyone; lower the key or raise "
+                "the limit (LimitNOFILE= in the systemd unit)",
+                cfg.max_connections,
+                FD_RESERVE,
+                soft,
+            )
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -587,6 +603,10 @@ class Daemon:
                 # same server.tcp_address listened beside the first and the kernel split the
                 # connections between them. Off, the second one's bind fails.
                 ("grpc.so_reuseport", 0),
+                # Connections in all (see server.max_connections): gRPC closes one more as it
+                # accepts it, so the daemon keeps descriptors for its credential socket, the
+                # memfds clients hand over and its files.
+                ("grpc.max_allowed_incoming_connections", cfg.max_connections),
             ],
         )
         # Latency per method and status, and request ids in log lines (daemon/observe.py).

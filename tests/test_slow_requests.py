@@ -11,11 +11,13 @@ no gRPC client sends half a request.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 from h2_frames import DATA, END_STREAM, RawConnection, frame, grpc_prefix
 
+from kvtier.client import credentials
 from kvtier.daemon.server import MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S
 
 LOOKUP = "/kvtier.v1.KVTier/Lookup"
@@ -105,3 +107,43 @@ def test_regression_idle_connections_were_held_for_good(daemon_factory):
         time.sleep(3.0)
         assert other.health()
     assert "Traceback" not in d.log()
+
+
+def test_regression_connections_kept_busy_took_every_descriptor(daemon_factory):
+    """An idle connection is closed after server.idle_connection_s, which bounds how long a
+    connection is held, not how many are: a client that opened them faster (700 in seconds,
+    each with a call whose answer it never read) or kept each busy with a call a minute held
+    as many as it opened. Under a limit of 600 descriptors (prlimit), 700 connections held
+    the daemon at 600 and it accepted no one: a new client's ticket request
+    to the credential socket timed out, and the log filled with gRPC's "File descriptor limit
+    reached. Retrying." At most server.max_connections are open now (one more is closed as
+    it is accepted): the daemon keeps its descriptors, its credential socket answers, and
+    the session of a client that was connected carries on."""
+    d = daemon_factory("server.max_connections=8")
+    fds = f"/proc/{d.proc.pid}/fd"
+    with d.client(timeout_s=10) as client:
+        assert client.lookup([b"k" * 32]).prefix_len == 0  # its connection: one of the 8
+        before = len(os.listdir(fds))
+        conns: list[RawConnection] = []
+        refused = 0
+        for _ in range(40):  # each closed as it was accepted, or holding a call open
+            try:
+                conn = RawConnection(d.socket, initial_window=0)
+            except OSError:
+                refused += 1
+                continue
+            conns.append(conn)
+            try:
+                conn.send(conn.open_call("/grpc.health.v1.Health/Check"), grpc_prefix(0), end=True)
+            except OSError:
+                conn.closed = True
+        for conn in conns:
+            conn.pump(0.05)
+        try:
+            assert len(os.listdir(fds)) - before <= 8
+            assert refused + sum(conn.closed for conn in conns) >= 40 - 7
+            assert credentials.session_ticket(d.socket + ".cred", timeout_s=5)
+            assert client.lookup([b"k" * 32]).prefix_len == 0
+        finally:
+            for conn in conns:
+                conn.close()
