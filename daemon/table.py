@@ -161,7 +161,9 @@ class BlockTable:
         self.nbytes = np.empty(0, dtype=np.uint32)
         self.owner = np.empty(0, dtype=np.uint16)
         self.pins = np.empty(0, dtype=np.int32)
-        self.inflight = np.empty(0, dtype=np.int16)
+        # Copies and moves in flight per block: int32 like pins (int16 wrapped negative after
+        # 32,767 overlapping reads, and a block read by that many looked idle).
+        self.inflight = np.empty(0, dtype=np.int32)
         self.gen = np.empty(0, dtype=np.uint32)
         # slot[id, col] is the block's slot in the tier of column col, or -1; checksum[id,
         # col] is what that tier returned when it wrote the copy (0 for tiers that do not

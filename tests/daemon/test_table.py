@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.daemon import table as table_module
+from kvtier.daemon.counts import add_at
 from kvtier.daemon.policy.memento import Kept, renumbered
 from kvtier.daemon.table import (
     MIN_COMPACT_SLOTS,
@@ -79,6 +80,19 @@ def test_blocks_being_written_are_invisible_to_lookup():
     bid = index.add(0, keys_to_words([key])[0], 4096)
     assert index.lookup(0, keys_to_words([key])).tolist() == [-1]
     assert index.find_any(0, keys_to_words([key])).tolist() == [bid]
+
+
+def test_in_flight_marks_count_past_int16_and_survive_growth():
+    """Overlapping reads of one block each mark it in flight; 40,000 of them (more than an
+    int16 holds) must leave it in flight, not wrapped negative and so evictable."""
+    index = BlockTable(initial_capacity=16)
+    bid = _ready(index, 0, os.urandom(32))
+    add_at(index.inflight, np.full(40_000, bid, dtype=np.int64), 1)
+    for _ in range(64):  # the per-block arrays are reallocated as the table grows
+        _ready(index, 0, os.urandom(32))
+    assert int(index.inflight[bid]) == 40_000
+    add_at(index.inflight, np.full(40_000, bid, dtype=np.int64), -1)
+    assert int(index.inflight[bid]) == 0
 
 
 def test_ids_are_reused_and_stay_dense():
