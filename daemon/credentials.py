@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import enum
 import fcntl
 import hashlib
@@ -62,7 +61,7 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.ratelog import RateLimitedLog
 from kvtier.daemon.sessions import PeerCred
-from kvtier.daemon.unixsock import SocketAccess, bind_unix
+from kvtier.daemon.unixsock import SocketAccess, SocketIdentity, bind_unix, remove_socket
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +261,7 @@ class CredentialServer:
         # The server's counters (``kvtier stats`` and the metrics show them), or its own.
         self.counters: Counter[str] = Counter() if counters is None else counters
         self._sock: socket.socket | None = None
+        self._identity: SocketIdentity = (0, 0)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: dict[_Connection, None] = {}  # in the order they came
         self._per_uid: Counter[int] = Counter()
@@ -269,7 +269,7 @@ class CredentialServer:
 
     def start(self, access: SocketAccess) -> None:
         self._loop = asyncio.get_running_loop()
-        self._sock = bind_unix(self.path, access)
+        self._sock, self._identity = bind_unix(self.path, access)
         self._resume_accepting()
 
     def close(self) -> None:
@@ -277,8 +277,7 @@ class CredentialServer:
             self._pause_accepting()
             self._sock.close()
             self._sock = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            remove_socket(self.path, self._identity)
         for conn in list(self._connections):
             self._drop(conn)
 

@@ -74,7 +74,14 @@ from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
 from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import TenantDirectory
-from kvtier.daemon.unixsock import SocketAccess, apply_access, prepare_socket_path, private_umask
+from kvtier.daemon.unixsock import (
+    SocketAccess,
+    SocketIdentity,
+    apply_access,
+    prepare_socket_path,
+    private_umask,
+    remove_socket,
+)
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -562,6 +569,8 @@ class Daemon:
             self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s, self.health
         )
         self.credentials: CredentialServer | None = None
+        # The gRPC socket this daemon bound (removed at stop only while still this one).
+        self._socket_identity: SocketIdentity | None = None
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
         self._stopping = asyncio.Event()
@@ -626,7 +635,7 @@ class Daemon:
             # Bound private, given its mode and group, and only then listening (start()).
             with private_umask():
                 self.server.add_insecure_port(f"unix:{path}")
-            apply_access(path, access)
+            self._socket_identity = apply_access(path, access)
             self.credentials = CredentialServer(
                 cred_path,
                 self.tickets,
@@ -693,9 +702,8 @@ class Daemon:
         await self.pools.stop()
         self.tickets.close()
         self.store.close()
-        if self.config.server.socket:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.abspath(self.config.server.socket))
+        if self._socket_identity is not None:
+            remove_socket(os.path.abspath(self.config.server.socket), self._socket_identity)
         logging.getLogger(GRPC_CORE_LOGGER).removeFilter(self._lost_answers)
         log.info("kvtierd stopped")
 

@@ -107,8 +107,12 @@ def private_umask() -> Iterator[None]:
         os.umask(old)
 
 
-def apply_access(path: str, access: SocketAccess) -> None:
-    """Give a freshly bound socket its group and mode (before it listens)."""
+SocketIdentity = tuple[int, int]  # (st_dev, st_ino) of a socket the daemon bound
+
+
+def apply_access(path: str, access: SocketAccess) -> SocketIdentity:
+    """Give a freshly bound socket its group and mode (before it listens); returns its
+    identity for ``remove_socket``."""
     st = os.lstat(path)
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
         raise OSError(errno.EPERM, f"{path} is no longer the socket the daemon bound")
@@ -122,15 +126,32 @@ def apply_access(path: str, access: SocketAccess) -> None:
                 "may only choose a group it is a member of",
             ) from None
     os.chmod(path, access.mode)
+    return (st.st_dev, st.st_ino)
 
 
-def bind_unix(path: str, access: SocketAccess, backlog: int = 64) -> socket.socket:
-    """A non-blocking listening Unix stream socket at ``path`` with ``access`` applied."""
+def remove_socket(path: str, identity: SocketIdentity) -> None:
+    """Remove the socket the daemon bound at ``path``, unless another has taken the path since:
+    a daemon started while this one drained finds the path no longer listening, binds its own
+    socket there, and must keep it when this one stops."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == identity:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def bind_unix(
+    path: str, access: SocketAccess, backlog: int = 64
+) -> tuple[socket.socket, SocketIdentity]:
+    """A non-blocking listening Unix stream socket at ``path`` with ``access`` applied, and
+    its identity for ``remove_socket``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         with private_umask():
             sock.bind(path)
-        apply_access(path, access)
+        identity = apply_access(path, access)
         sock.listen(backlog)
         sock.setblocking(False)
     except BaseException:
@@ -138,7 +159,7 @@ def bind_unix(path: str, access: SocketAccess, backlog: int = 64) -> socket.sock
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         raise
-    return sock
+    return sock, identity
 
 
 def _create_folder(folder: str, access: SocketAccess) -> None:

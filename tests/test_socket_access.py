@@ -7,17 +7,27 @@ import configparser
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from harness import DaemonProcess
 from peers import NOBODY, NOGROUP, require_root, run_as
 
-from kvtier.client import Client, PermissionDeniedError, UntrustedSocketError, wait_until_serving
+from kvtier.client import (
+    Client,
+    PermissionDeniedError,
+    PoolLayout,
+    SharedMemoryPool,
+    UntrustedSocketError,
+    wait_until_serving,
+)
 from kvtier.client import credentials as cred
 from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
@@ -200,6 +210,54 @@ def nobodys_folder():
     os.chown(folder, NOBODY, NOGROUP)
     yield folder
     shutil.rmtree(top)
+
+
+def _refuses(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_regression_a_daemon_still_stopping_removed_its_successors_socket(daemon_factory, tmp_path):
+    """A daemon stops listening as it drains, then flushes L1 to L2 and only then exits. A
+    daemon started in that time finds the path not listening and binds its own socket there;
+    the old one's exit removed it, and the new daemon was unreachable."""
+    old = daemon_factory(
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.file_bytes=64MiB",
+        "tiers.l2.segment_bytes=4MiB",
+        "tiers.l2.write_bytes_s=1MiB",  # the flush at stop takes seconds
+        "tiers.l2.flush_timeout_s=60",
+    )
+    layout = PoolLayout.staging(
+        num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=(1 << 20) // 8, dtype="uint8"
+    )
+    with old.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        assert client.put(pool.pool_id, [os.urandom(32) for _ in range(8)], range(8)).stored == 8
+    assert old.proc is not None
+    old.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not _refuses(old.socket):
+        assert time.monotonic() < deadline, "the stopping daemon kept listening"
+        time.sleep(0.01)
+    new = DaemonProcess(tmp_path, old.socket, ["--set", "tiers.l1.capacity_bytes=64MiB"])
+    try:
+        new.start()
+        assert old.running(), "the old daemon ended before the new one bound: no overlap"
+        assert old.proc.wait(60) == 0
+        for path in _both(new):
+            assert stat.S_ISSOCK(os.lstat(path).st_mode), path
+        with new.client() as client:
+            assert client.health()
+    finally:
+        new.stop()
 
 
 def test_regression_a_credential_socket_held_by_another_user_got_the_clients_requests(
