@@ -811,6 +811,14 @@ class MetricsConfig:
             "empty (the default) serves no metrics",
         ),
     )
+    token_file: str = field(
+        default="",
+        metadata=_opt(
+            "str",
+            doc="file holding a bearer token (readable by its owner only) that every scrape "
+            "must present; empty: anyone who reaches the address may scrape",
+        ),
+    )
 
     def check(self) -> None:
         if self.address:

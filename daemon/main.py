@@ -141,6 +141,7 @@ async def _serve(
     from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.reload import Reloader
     from kvtier.daemon.server import Daemon, serve
+    from kvtier.daemon.tenants import read_token_file
 
     _tune_collector()
     metrics: MetricsServer | None = None
@@ -148,7 +149,16 @@ async def _serve(
     def ready(daemon: Daemon) -> None:
         nonlocal metrics
         if config.metrics.address:
-            metrics = MetricsServer(daemon, config.metrics.address)
+            token = None
+            if config.metrics.token_file:
+                token = read_token_file(config.metrics.token_file)
+            elif config.tenants:
+                log.warning(
+                    "metrics.address without metrics.token_file: anyone who reaches %s may "
+                    "read every tenant's name, usage and traffic there",
+                    config.metrics.address,
+                )
+            metrics = MetricsServer(daemon, config.metrics.address, token)
             metrics.start()
         reloader = Reloader(daemon, load, known_ids)
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import socket
 import threading
@@ -631,8 +632,9 @@ def register_standard(registry: CollectorRegistry, proc: str = "/proc") -> None:
 class MetricsServer:
     """The /metrics HTTP endpoint of one daemon. Start on the daemon's event loop."""
 
-    def __init__(self, daemon: Daemon, address: str) -> None:
+    def __init__(self, daemon: Daemon, address: str, token: bytes | None = None) -> None:
         self.host, self.port = split_host_port(address)
+        self.token = token
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(daemon, asyncio.get_running_loop()))
         register_standard(self.registry)
@@ -644,7 +646,7 @@ class MetricsServer:
         return http_url(self.host, self.port, "/metrics")
 
     def start(self) -> None:
-        self._server, self._thread = serve_http(self.host, self.port, self.registry)
+        self._server, self._thread = serve_http(self.host, self.port, self.registry, self.token)
         if self.port == 0:
             self.port = int(self._server.server_address[1])
         log.info("metrics on %s", self.url)
@@ -731,16 +733,45 @@ class PacedApp:
             return list(self.app(environ, start_response))
 
 
+class BearerApp:
+    """A WSGI app that starts ``app`` only for a request carrying ``Authorization: Bearer
+    TOKEN`` (compared in constant time), and answers 401 otherwise, before ``app`` (a
+    ``PacedApp``) gives it a turn. Thread-safety: any thread."""
+
+    def __init__(self, app: Callable[..., Iterable[bytes]], token: bytes) -> None:
+        self.app = app
+        self.token = token
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        scheme, _, given = str(environ.get("HTTP_AUTHORIZATION", "")).partition(" ")
+        # WSGI hands header values over as latin-1 strings: every one encodes back.
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode("latin-1"), self.token
+        ):
+            return self.app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", 'Bearer realm="kvtier metrics"'),
+            ],
+        )
+        return [b"this endpoint needs the bearer token of metrics.token_file\n"]
+
+
 def serve_http(
-    host: str, port: int, registry: CollectorRegistry
+    host: str, port: int, registry: CollectorRegistry, token: bytes | None = None
 ) -> tuple[_BoundedServer, threading.Thread]:
-    """Serve ``registry`` at ``http://host:port/metrics`` on a thread of its own."""
+    """Serve ``registry`` at ``http://host:port/metrics`` on a thread of its own; with a
+    ``token``, only to requests that carry it."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
 
     class Server(_BoundedServer):
         address_family = family
 
-    app = PacedApp(make_wsgi_app(registry), SCRAPE_INTERVAL_S)
+    app: Callable[..., Iterable[bytes]] = PacedApp(make_wsgi_app(registry), SCRAPE_INTERVAL_S)
+    if token is not None:
+        app = BearerApp(app, token)
     server = make_server(host, port, app, Server, _Handler)
     thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True)
     thread.start()

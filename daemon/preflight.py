@@ -318,7 +318,15 @@ def _shm(config: Config) -> list[Problem]:
 
 
 def _metrics(config: Config) -> list[Problem]:
-    return _tcp_port("metrics.address", config.metrics.address)
+    from kvtier.daemon.tenants import read_token_file
+
+    out = _tcp_port("metrics.address", config.metrics.address)
+    if config.metrics.address and config.metrics.token_file:
+        try:
+            read_token_file(config.metrics.token_file)
+        except OSError as e:
+            out.append(Problem("metrics.token_file", str(e)))
+    return out
 
 
 def _tcp(config: Config) -> list[Problem]:

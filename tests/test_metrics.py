@@ -335,6 +335,34 @@ def test_a_host_without_proc_serves_the_scrape_without_the_process_families(tmp_
     assert names == {d.name for d in metrics.STANDARD if not d.name.startswith("process_")}
 
 
+def test_with_a_token_file_only_scrapes_that_carry_the_token_are_answered(daemon_factory, tmp_path):
+    """The figures name every tenant and its usage; a token keeps other local users out."""
+    token = tmp_path / "metrics.token"
+    token.write_text("t0ken-" * 6 + "\n")
+    token.chmod(0o600)
+    d = daemon_factory(*L1_ONLY, f"metrics.token_file={token}")
+    url = metrics_url(d)
+    for header in (None, "Bearer " + "x" * 36, "Basic " + "t0ken-" * 6, "Bearer"):
+        request = urllib.request.Request(url)
+        if header is not None:
+            request.add_header("Authorization", header)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401, header
+        assert refused.value.headers["WWW-Authenticate"].startswith("Bearer")
+        assert b"kvtier_" not in refused.value.read()
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer " + "t0ken-" * 6})
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert "kvtier_tier_capacity_bytes" in declared_families(resp.read().decode())
+
+
+def test_tenants_with_metrics_and_no_token_get_a_warning_at_start(daemon_factory):
+    d = daemon_factory(*L1_ONLY, "tenants=[{name: ops, uids: [0]}]")
+    assert "without metrics.token_file" in d.log()
+    quiet = daemon_factory(*L1_ONLY)
+    assert "without metrics.token_file" not in quiet.log()
+
+
 def test_metrics_are_off_by_default(daemon):
     assert "metrics on" not in daemon.log()
 

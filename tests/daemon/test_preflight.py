@@ -409,3 +409,19 @@ def test_a_second_daemon_on_the_same_tcp_address_is_refused(tmp_path, daemon_fac
     assert proc.returncode == 1, proc.stderr
     assert "server.tcp_address" in proc.stderr and "in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_metrics_token_file_others_may_read_is_refused(tmp_path):
+    token = tmp_path / "metrics.token"
+    token.write_text("m" * 32)
+    token.chmod(0o644)
+    sets = [
+        f"server.socket={tmp_path}/s.sock",
+        "metrics.address=127.0.0.1:0",
+        f"metrics.token_file={token}",
+    ]
+    problems = preflight.check(load_config(None, sets), HOST)
+    assert _keys(problems) == ["metrics.token_file"]
+    assert "chmod 600" in str(problems[0])
+    token.chmod(0o600)
+    assert preflight.check(load_config(None, sets), HOST) == []
