@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -11,11 +12,26 @@ from kvtier.tiers.base import Priority
 from kvtier.tiers.executor import PriorityExecutor
 
 
+def _hold_the_thread(pool: PriorityExecutor, gate: threading.Event) -> Future[bool]:
+    """A background job that holds the pool's one thread until ``gate``; returns once it
+    runs, so that every job submitted after it queues (had the thread not taken it yet, it
+    would pop whichever job was most urgent at that moment: the order under test)."""
+    running = threading.Event()
+
+    def hold() -> bool:
+        running.set()
+        return gate.wait(10)
+
+    blocker = pool.submit(Priority.BACKGROUND, hold)
+    assert running.wait(5)
+    return blocker
+
+
 def test_queued_jobs_run_most_urgent_first():
     pool = PriorityExecutor(1, "t", reserved=0)
     gate = threading.Event()
     order: list[str] = []
-    blocker = pool.submit(Priority.BACKGROUND, gate.wait)
+    blocker = _hold_the_thread(pool, gate)
     jobs = [
         pool.submit(Priority.BACKGROUND, order.append, "background-1"),
         pool.submit(Priority.PREFETCH, order.append, "prefetch"),
@@ -74,7 +90,7 @@ def test_within_a_class_a_higher_rank_goes_first_and_never_crosses_a_class():
     pool = PriorityExecutor(1, "t", reserved=0)
     gate = threading.Event()
     order: list[str] = []
-    blocker = pool.submit(Priority.BACKGROUND, gate.wait)
+    blocker = _hold_the_thread(pool, gate)
     jobs = [
         pool.submit(Priority.PREFETCH, order.append, "prefetch 0", rank=0),
         pool.submit(Priority.BACKGROUND, order.append, "background", rank=2**31 - 1),
