@@ -219,16 +219,17 @@ def test_every_dashboard_query_names_an_exported_metric():
 
 def test_the_readme_tables_list_every_declared_metric_with_its_type_and_labels():
     """The tables of README's Metrics section have one row per catalogue entry (the daemon's
-    own and the standard families), each with the entry's type and labels, and no other."""
+    own and the standard families), each with the entry's type, labels and help text (the
+    HELP a scrape shows; README may quote a name with backticks), and no other."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n### Metrics\n", 1)[1].split("\n### ", 1)[0]
     rows = {}
     for line in section.splitlines():
-        m = re.fullmatch(r"\| `([a-z0-9_]+)` \| (\w+) \| ([^|]*) \| .* \|", line)
+        m = re.fullmatch(r"\| `([a-z0-9_]+)` \| (\w+) \| ([^|]*) \| (.*) \|", line)
         if m:
             assert m[1] not in rows, m[1]
-            rows[m[1]] = (m[2], m[3].strip())
-    assert rows == {m.name: (m.kind, ", ".join(m.labels)) for m in CATALOGUE}
+            rows[m[1]] = (m[2], m[3].strip(), m[4].strip().replace("`", ""))
+    assert rows == {m.name: (m.kind, ", ".join(m.labels), m.help) for m in CATALOGUE}
 
 
 @pytest.mark.parametrize("name", ["kvtier.yaml", "kvtierd.service", "Dockerfile"])
