@@ -342,7 +342,12 @@ FIXED: tuple[MetricDef, ...] = (
         ("tier", "event"),
         "A tier's own counters (blocks_read, checksum_failures, io_errors, ...), by name.",
     ),
-    _g("kvtier_tier_gauge", ("tier", "gauge"), "A tier's own point-in-time values, by name."),
+    _g(
+        "kvtier_tier_gauge",
+        ("tier", "gauge"),
+        "A tier's own point-in-time values, by name (e.g. L2's io_queued: its I/O jobs "
+        "waiting for a thread).",
+    ),
     _c(
         "kvtier_prefetch_issued_total",
         (),
