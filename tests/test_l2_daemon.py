@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -453,5 +454,61 @@ def test_a_later_prefetch_of_higher_priority_overtakes_a_waiting_one(
             gate.unlink()
             wait_for(lambda: client.lookup([first, low, high]).tiers == [Tier.L1_HOST] * 3)
         assert log.read_text().split() == [first.hex(), high.hex(), low.hex()]
+    finally:
+        gate.unlink(missing_ok=True)
+
+
+def test_a_get_waiting_for_a_low_prefetch_raises_its_move(daemon_factory, tmp_path):
+    """A Get of a block that a prefetch of priority -5 is moving waits for that move, and
+    the move goes at once, ahead of the later prefetches of priority 10 that wait too: the
+    Get's wait is a demand read's. Regression: the move kept its rank, so the Get waited for
+    every prefetch ranked above it, however many kept coming."""
+    gate, log = tmp_path / "gate", tmp_path / "reads.log"
+    overrides = [
+        "tiers.l1.capacity_bytes=64MiB",
+        "policy.protect_s=0",
+        *l2_args(tmp_path / "l2"),
+        "mover.workers=1",
+    ]
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/held.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_L2_READS, str(gate), str(log)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    first, low, *high = keys(5, 71)
+    got: list[list[str]] = []
+    try:
+        with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
+            fill(shm, 7)
+            pool = client.register_pool(shm, BIG_LAYOUT)
+            for p, key in enumerate((first, low, *high)):
+                client.put(pool.pool_id, [key], [p % 4])
+                client.evict([key], "L1")  # its one copy is now on the disk
+            gate.touch()
+            assert client.prefetch([first]).scheduled == 1
+            wait_for(lambda: log.exists() and log.read_text().count("\n") == 1)
+            # The one transfer thread for non-demand work is held by the first's read.
+            assert client.prefetch([low], priority=-5).scheduled == 1
+            for n, key in enumerate(high, start=2):
+                assert client.prefetch([key], priority=10).scheduled == 1
+                wait_for(lambda n=n: client.stats().gauges["transfers_queued"] == n)
+
+            def get() -> None:
+                with d.client() as reader:
+                    reads = reader.register_pool(shm, BIG_LAYOUT)
+                    assert reader.get(reads.pool_id, [low], [3]).loaded == [True]
+                got.append(log.read_text().split())
+
+            reader = threading.Thread(target=get)
+            reader.start()
+            wait_for(lambda: client.stats().gauges["transfers_queued"] == 3)  # low's move went
+            gate.unlink()
+            reader.join(20)
+            assert got, "the Get never returned"
+        # The Get returned once low arrived, whatever the prefetches ranked above it did.
+        assert got[0][:2] == [first.hex(), low.hex()]
     finally:
         gate.unlink(missing_ok=True)
