@@ -45,6 +45,7 @@ from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
 from kvtier.tiers.base import Priority, TierKind, WriteOutcomes
+from kvtier.tiers.executor import Urgency
 
 log = logging.getLogger(__name__)
 
@@ -264,14 +265,18 @@ class SpaceManager:
         deadline: float | None = None,
         prefetch: bool = False,
         rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> np.ndarray:
         """Give each of ``bids`` a copy in ``dst``, copied from the fastest other tier
         holding it; returns which now have one. A block already moving into ``dst`` is waited
-        for, not moved twice (at the rank of the move under way). Where ``dst`` has an own
-        admission (``admit_own``), a block it declines stays where it is; one a request reads
-        (not a ``prefetch``) is told to its policy as a miss. ``rank`` orders the copies, and
-        the demotions that make room for them, among the waiting transfers of ``priority``
-        (higher sooner; see ``Priority``)."""
+        for, not moved twice; a caller more urgent than that move (a Get behind a prefetch)
+        raises it to its own ``priority`` and ``rank``, what of it still waits for a thread
+        and what it has yet to start. Where ``dst`` has an own admission (``admit_own``), a
+        block it declines stays where it is; one a request reads (not a ``prefetch``) is told
+        to its policy as a miss. ``rank`` orders the copies, and the demotions that make room
+        for them, among the waiting transfers of ``priority`` (higher sooner; see
+        ``Priority``). ``urgency``: the move this one is part of (a demotion making room for
+        it), raised with it; by default the move's own."""
         table = self.table
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
@@ -287,12 +292,18 @@ class SpaceManager:
         if dst.own_admission is not None and len(want):
             want = self._admit_promotions(want, dst, clean_only, prefetch)
         refs = table.refs(want).tolist() if len(want) else []
-        mine_idx, waits = self.transfers.claim(refs, dst.kind) if refs else ([], [])
+        if urgency is None and refs and priority > Priority.DEMAND:
+            urgency = Urgency(priority, rank)  # demand moves have nothing more urgent
+        mine_idx, waits = self.transfers.claim(refs, dst.kind, urgency) if refs else ([], [])
         mine = want[mine_idx]
+        if waits:
+            self.transfers.hurry(waits, *(urgency.now() if urgency else (priority, rank)))
         if len(mine):
             add_at(table.inflight, mine, 1)
             try:
-                await self._place_owned(mine, dst, priority, clean_only, deadline, prefetch, rank)
+                await self._place_owned(
+                    mine, dst, priority, clean_only, deadline, prefetch, urgency
+                )
             finally:
                 self._release(mine)
                 self.transfers.settle([refs[i] for i in mine_idx], dst.kind)
@@ -326,7 +337,7 @@ class SpaceManager:
         clean_only: bool,
         deadline: float | None,
         prefetch: bool,
-        rank: int,
+        urgency: Urgency | None,
     ) -> np.ndarray:
         table = self.table
         done = np.zeros(len(bids), dtype=bool)
@@ -364,7 +375,7 @@ class SpaceManager:
                             prefetch,
                             done,
                             owner,
-                            rank,
+                            urgency,
                         ),
                         group_refs,
                         dst,
@@ -420,7 +431,7 @@ class SpaceManager:
         prefetch: bool,
         done: np.ndarray,
         owner: int = 0,
-        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> None:
         table = self.table
         group = bids[part]
@@ -429,7 +440,13 @@ class SpaceManager:
             slots: list[int] = [0] * len(group)  # a key-addressed copy: present, no slot
         else:
             slots = await self.reserve(
-                dst, nbytes, len(group), priority, clean_only=clean_only, owner=owner, rank=rank
+                dst,
+                nbytes,
+                len(group),
+                priority,
+                clean_only=clean_only,
+                owner=owner,
+                urgency=urgency,
             )
             reserved = len(slots) * nbytes
             if len(slots) < len(group):
@@ -464,7 +481,7 @@ class SpaceManager:
                 table.checksums(group, src.col).tolist(),
                 priority,
                 deadline,
-                rank,
+                urgency=urgency,
             )
         except PrefetchExpired:
             outcomes = None
@@ -551,7 +568,7 @@ class SpaceManager:
         *,
         clean_only: bool = False,
         owner: int = 0,
-        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> list[int]:
         """Up to ``count`` free slots of ``level`` for blocks of ``nbytes`` that ``owner``
         (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
@@ -564,9 +581,9 @@ class SpaceManager:
             return []
         quota = self.quotas.get((owner, level.kind))
         if quota is None:
-            return await self._take_slots(level, nbytes, count, priority, clean_only, rank)
+            return await self._take_slots(level, nbytes, count, priority, clean_only, urgency)
         count = await self._within_quota(
-            level, owner, quota, nbytes, count, priority, clean_only, rank
+            level, owner, quota, nbytes, count, priority, clean_only, urgency
         )
         if count == 0:
             self.counters.inc(
@@ -577,7 +594,7 @@ class SpaceManager:
         self.quota_held[(owner, level.kind)] += count * nbytes
         slots: list[int] = []
         try:
-            slots = await self._take_slots(level, nbytes, count, priority, clean_only, rank)
+            slots = await self._take_slots(level, nbytes, count, priority, clean_only, urgency)
         finally:
             self.end_hold(level, owner, (count - len(slots)) * nbytes)
         return slots
@@ -598,7 +615,7 @@ class SpaceManager:
         count: int,
         priority: Priority,
         clean_only: bool,
-        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> list[int]:
         alloc = level.slots.allocator
         slots = alloc.allocate_many(nbytes, count)
@@ -610,10 +627,10 @@ class SpaceManager:
             mask = self.evictable(level, now, slot_bytes, clean_only)
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims):
-                await self.evict(level, victims, priority, clean_only=clean_only, rank=rank)
+                await self.evict(level, victims, priority, clean_only=clean_only, urgency=urgency)
             slots += alloc.allocate_many(nbytes, count - len(slots))
         while len(slots) < count:
-            if not await self._reclaim_segment(level, now, priority, clean_only, rank):
+            if not await self._reclaim_segment(level, now, priority, clean_only, urgency):
                 break
             slots += alloc.allocate_many(nbytes, count - len(slots))
         if len(slots) < count:
@@ -629,7 +646,7 @@ class SpaceManager:
         count: int,
         priority: Priority,
         clean_only: bool,
-        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> int:
         """How many of ``count`` blocks fit ``owner``'s quota on ``level`` after evicting
         (or demoting) the owner's own coldest evictable blocks to make room."""
@@ -647,7 +664,7 @@ class SpaceManager:
             n = min(-(-over // nbytes), len(level.policy))
             victims = self._victims(level, n, now, mine)
             if len(victims):
-                await self.evict(level, victims, priority, clean_only=clean_only, rank=rank)
+                await self.evict(level, victims, priority, clean_only=clean_only, urgency=urgency)
                 self.counters.inc(
                     "quota_evictions",
                     len(victims),
@@ -667,7 +684,12 @@ class SpaceManager:
         return np.asarray(victims if victims is not None else [], dtype=np.int64)
 
     async def _reclaim_segment(
-        self, level: Level, now: float, priority: Priority, clean_only: bool, rank: int = 0
+        self,
+        level: Level,
+        now: float,
+        priority: Priority,
+        clean_only: bool,
+        urgency: Urgency | None = None,
     ) -> bool:
         """Free one whole segment: the one whose blocks are all evictable and were least
         recently used. False when no segment can be freed."""
@@ -686,7 +708,9 @@ class SpaceManager:
         newest = np.maximum.reduceat(self.table.last_access[holders[order]], starts)
         newest[~all_ok] = np.inf
         seg = int(segs_sorted[starts[int(np.argmin(newest))]])
-        await self.evict(level, holders[segs == seg], priority, clean_only=clean_only, rank=rank)
+        await self.evict(
+            level, holders[segs == seg], priority, clean_only=clean_only, urgency=urgency
+        )
         self.counters.inc("segment_reclaims", tier=level.label)
         return bool(alloc.stats().free_segments)
 
@@ -699,7 +723,7 @@ class SpaceManager:
         priority: Priority,
         *,
         clean_only: bool = False,
-        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> None:
         """Take ``victims`` out of ``level``. A victim whose only copy is here is first
         demoted to the first lower tier that takes it (unless ``clean_only``, whose victims
@@ -718,7 +742,7 @@ class SpaceManager:
         if len(dirty) and not clean_only:
             add_at(table.inflight, victims, 1)
             try:
-                await self._demote(level, dirty, priority, rank)
+                await self._demote(level, dirty, priority, urgency)
             finally:
                 add_at(table.inflight, victims, -1)
             # While the writes ran a request may have pinned, read or touched a victim: such
@@ -730,7 +754,7 @@ class SpaceManager:
         self.counters.inc("evictions", len(victims), tier=level.label)
 
     async def _demote(
-        self, level: Level, dirty: np.ndarray, priority: Priority, rank: int = 0
+        self, level: Level, dirty: np.ndarray, priority: Priority, urgency: Urgency | None = None
     ) -> None:
         todo = dirty
         now = self._clock()
@@ -747,7 +771,7 @@ class SpaceManager:
                 todo_admit = todo
             if len(todo_admit) == 0:
                 continue
-            ok = await self.place(todo_admit, lower, priority, rank=rank)
+            ok = await self.place(todo_admit, lower, priority, urgency=urgency)
             self.counters.inc("demoted_blocks", int(np.count_nonzero(ok)), tier=lower.label)
             self.counters.inc("demotion_failures", int(np.count_nonzero(~ok)), tier=lower.label)
             placed = set(todo_admit[ok].tolist())

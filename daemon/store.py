@@ -1045,7 +1045,8 @@ class BlockStore:
         within ``Priority.PREFETCH``: it orders them among the prefetches still waiting for a
         thread or for room, higher sooner, equal ones in arrival order, always behind demand
         reads and ahead of background writes. A block some earlier prefetch is already moving
-        keeps that move and its rank."""
+        keeps that move and its rank, unless a request waits for it (``SpaceManager.place``
+        raises the move to the request's urgency)."""
         ids = self.table.lookup(ns, words)
         found = ids[ids >= 0]
         lower = found[self.table.slot[found, self.top.col] < 0] if len(found) else found

@@ -26,7 +26,9 @@ transfer whose deadline (a prefetch's, the stop flush's) passed before it could 
 dropped (``PrefetchExpired``). Between levels, each source's read limit and each
 destination's write limit (bytes/s) apply before a job starts; one whose turn under them
 would come after its deadline is dropped at once. Moves of one block into one tier are de-duplicated while in flight:
-``claim`` tells a caller which blocks it moves and which it waits for.
+``claim`` tells a caller which blocks it moves and which it waits for, and ``hurry`` raises
+the moves it waits for to its own priority and rank where it is the more urgent (a Get
+behind a prefetch's move): their queued jobs move up in every pool (``Urgency``).
 
 Thread-safety: event loop only; the worker threads run only tier verbs on batches whose
 slots the store has marked in flight.
@@ -64,7 +66,7 @@ from kvtier.tiers.base import (
     WriteOutcomes,
 )
 from kvtier.tiers.buffers import host_side
-from kvtier.tiers.executor import PriorityExecutor
+from kvtier.tiers.executor import PriorityExecutor, Urgency
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ class TransferEngine:
         )
         # Per destination: block ref -> the future of the claim moving it there.
         self._moving: dict[TierKind, dict[int, asyncio.Future[bool]]] = {}
+        # A claim's (and its groups') future -> the urgency of its move, for ``hurry``.
+        self._urgency: dict[asyncio.Future[bool], Urgency] = {}
         self._running = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -123,11 +127,13 @@ class TransferEngine:
     # ------------------------------------------------------------ de-duplication
 
     def claim(
-        self, refs: Sequence[int], dst: TierKind
+        self, refs: Sequence[int], dst: TierKind, urgency: Urgency | None = None
     ) -> tuple[list[int], list[asyncio.Future[bool]]]:
         """Of the distinct blocks ``refs`` bound for ``dst``: the positions this caller now
         moves (it must ``settle`` them, all at once), and the futures of the moves already
-        under way that it must wait for (one per claim that holds any of the others)."""
+        under way that it must wait for (one per claim that holds any of the others).
+        ``urgency``: the caller's move's, which a later, more urgent waiter raises
+        (``hurry``)."""
         moving = self._moving.setdefault(dst, {})
         if not refs:
             return [], []
@@ -136,6 +142,7 @@ class TransferEngine:
             # Nothing of it moves yet (a put's new blocks): claimed whole, without a Python
             # step per block.
             moving.update(dict.fromkeys(refs, shared))
+            self._follow(shared, urgency)
             return list(range(len(refs))), []
         mine: list[int] = []
         waits: dict[asyncio.Future[bool], None] = {}  # each once, in order
@@ -146,7 +153,27 @@ class TransferEngine:
                 continue
             moving[ref] = shared
             mine.append(i)
+        if mine:
+            self._follow(shared, urgency)
         return mine, list(waits)
+
+    def hurry(self, waits: Sequence[asyncio.Future[bool]], priority: int, rank: int) -> None:
+        """A caller of ``priority`` and ``rank`` waits for the moves of ``waits`` (``claim``'s):
+        each that is less urgent goes at least as urgently from now on, both its jobs still
+        queued and those it has yet to submit."""
+        for fut in waits:
+            urgency = self._urgency.get(fut)
+            if urgency is not None:
+                urgency.raise_to(priority, rank)
+
+    def _follow(self, fut: asyncio.Future[bool], urgency: Urgency | None) -> None:
+        """``hurry`` raises ``urgency`` for the waiters of ``fut``, until it is done."""
+        if urgency is not None:
+            self._urgency[fut] = urgency
+            fut.add_done_callback(self._forget_urgency)
+
+    def _forget_urgency(self, fut: asyncio.Future[bool]) -> None:
+        self._urgency.pop(fut, None)
 
     def regroup(self, refs: Sequence[int], dst: TierKind) -> None:
         """Some refs of one claim, moved by one copy group of it, get a future of their
@@ -163,6 +190,7 @@ class TransferEngine:
         if old is None:
             return
         fut = asyncio.get_running_loop().create_future()
+        self._follow(fut, self._urgency.get(old))
         for ref in refs:
             if moving.get(ref) is old:
                 moving[ref] = fut
@@ -270,9 +298,11 @@ class TransferEngine:
         priority: Priority,
         deadline: float | None = None,
         rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> tuple[Sequence[WriteOutcome], list[bool]]:
         """Copy blocks from ``src`` into reserved ``dst_slots`` (ignored by a keyed ``dst``),
-        at ``priority`` and, within it, ``rank`` (higher sooner).
+        at ``priority`` and, within it, ``rank`` (higher sooner), or as ``urgency`` (the
+        move's) says where that is more urgent.
         Returns an outcome per block and whether the *source* failed it (its read missed: the
         source tier dropped the block), as opposed to the destination refusing it.
         Never raises for a tier's failure. Raises PrefetchExpired when ``deadline`` passed
@@ -284,7 +314,17 @@ class TransferEngine:
         started = time.perf_counter()
         try:
             outcomes, src_failed = await self._copy(
-                src, dst, src_slots, dst_slots, refs, nbytes, checksums, priority, deadline, rank
+                src,
+                dst,
+                src_slots,
+                dst_slots,
+                refs,
+                nbytes,
+                checksums,
+                priority,
+                deadline,
+                rank,
+                urgency,
             )
             self._observe(started, direction)
         except PrefetchExpired:
@@ -309,6 +349,7 @@ class TransferEngine:
         priority: Priority,
         deadline: float | None,
         rank: int,
+        urgency: Urgency | None,
     ) -> tuple[Sequence[WriteOutcome], list[bool]]:
         into = None if dst.keyed else dst.buffers(dst_slots, nbytes)
         if into is not None:
@@ -316,8 +357,10 @@ class TransferEngine:
             if src.keyed:
                 ok = list(await src.keys.read(refs, nbytes, into))
             else:
-                batch = ReadBatch(src_slots, refs, nbytes, into, checksums, priority, rank)
-                ok = await self._run(priority, src.slots.read, batch, deadline=deadline, rank=rank)
+                batch = ReadBatch(src_slots, refs, nbytes, into, checksums, priority, rank, urgency)
+                ok = await self._run(
+                    priority, src.slots.read, batch, deadline=deadline, rank=rank, urgency=urgency
+                )
             outcomes = [WriteOutcome(int(s), bool(g)) for s, g in zip(dst_slots, ok, strict=True)]
             return outcomes, [not g for g in ok]
         source = self._source_buffers(src, src_slots, nbytes)
@@ -328,15 +371,15 @@ class TransferEngine:
             device = dst if dst.device_memory else src if src.device_memory else None
             bridge = device.bridge if device is not None else None
             source, good = await self._stage(
-                src, src_slots, refs, nbytes, checksums, priority, bridge, rank
+                src, src_slots, refs, nbytes, checksums, priority, bridge, rank, urgency
             )
         if dst.keyed:
             written = await dst.keys.write(refs, nbytes, source)
             outcomes = [WriteOutcome(-1, bool(w)) for w in written]
         else:
-            wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority, rank)
+            wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority, rank, urgency)
             outcomes = await self._run(
-                priority, dst.slots.write, wbatch, deadline=deadline, rank=rank
+                priority, dst.slots.write, wbatch, deadline=deadline, rank=rank, urgency=urgency
             )
         if all(good) and len(outcomes) == len(good):  # a host source, or all staged
             return outcomes, [False] * len(good)
@@ -433,21 +476,22 @@ class TransferEngine:
         priority: Priority,
         bridge: DeviceBridge | None = None,
         rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> tuple[HostBuffers, list[bool]]:
         """Read blocks of a tier without host-memory slots into fresh host buffers (the
         GPU tier's page-locked staging when ``bridge`` is given: one side is device
         memory)."""
         if bridge is not None:
             bufs: HostBuffers = await self._run(
-                priority, bridge.host_buffers, len(refs), nbytes, rank=rank
+                priority, bridge.host_buffers, len(refs), nbytes, rank=rank, urgency=urgency
             )
         else:
             bufs = HostBuffers([np.empty(nbytes, dtype=np.uint8).data for _ in refs])
         if src.keyed:
             ok = await src.keys.read(refs, nbytes, bufs)
         else:
-            batch = ReadBatch(slots, refs, nbytes, bufs, checksums, priority, rank)
-            ok = await self._run(priority, src.slots.read, batch, rank=rank)
+            batch = ReadBatch(slots, refs, nbytes, bufs, checksums, priority, rank, urgency)
+            ok = await self._run(priority, src.slots.read, batch, rank=rank, urgency=urgency)
         return bufs, [bool(g) for g in ok]
 
     # ----------------------------------------------------------------- plumbing
@@ -468,6 +512,7 @@ class TransferEngine:
         *args: Any,
         deadline: float | None = None,
         rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> Any:
         # The request's log context (request, session, pool ids) follows it onto the thread.
         context = contextvars.copy_context()
@@ -477,7 +522,7 @@ class TransferEngine:
             return context.run(fn, *args)
 
         self._running += 1
-        future = self.executor.submit(priority, job, rank=rank)
+        future = self.executor.submit(priority, job, rank=rank, urgency=urgency)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:

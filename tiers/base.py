@@ -29,13 +29,16 @@ import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import numpy as np
 
 from kvtier.kernels.layout import ChunkTable
 from kvtier.kernels.runs import SegmentMap
 from kvtier.tiers.slab import SlabAllocator
+
+if TYPE_CHECKING:
+    from kvtier.tiers.executor import Urgency
 
 
 class TierKind(enum.IntEnum):
@@ -67,7 +70,8 @@ class Priority(enum.IntEnum):
     Within a class, a transfer also has a rank (an int, 0 by default): a higher rank goes
     first among the waiting transfers of its class, equal ranks in the order they came. Only
     prefetches are ranked (the engine's ``Prefetch.priority``); no rank moves a transfer
-    ahead of a more urgent class or behind a less urgent one."""
+    ahead of a more urgent class or behind a less urgent one. A move that a more urgent
+    caller waits for is raised to that caller's class and rank (``executor.Urgency``)."""
 
     DEMAND = 0  # a request waits on it
     PREFETCH = 1  # ahead of use
@@ -261,6 +265,7 @@ class WriteBatch:
     src: HostBuffers | PoolPages | DevicePages
     priority: Priority = Priority.BACKGROUND
     rank: int = 0  # within ``priority``: higher sooner (see ``Priority``)
+    urgency: Urgency | None = None  # the move's, when a waiter may raise it (``Urgency``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +280,7 @@ class ReadBatch:
     checksums: Sequence[int] = ()
     priority: Priority = Priority.DEMAND
     rank: int = 0  # within ``priority``: higher sooner (see ``Priority``)
+    urgency: Urgency | None = None  # the move's, when a waiter may raise it (``Urgency``)
 
 
 class WriteOutcome(NamedTuple):

@@ -7,6 +7,11 @@ never queues behind background writes or removals that took every thread. The ra
 within one priority class only (a prefetch's ``priority`` from the engine: higher sooner, equal
 ranks in submission order); no rank moves a job into or past another class.
 
+A job may also follow an ``Urgency``: the urgency of the move it is part of, which a more
+urgent caller waiting for that move raises (``Urgency.raise_to``); the job's queued entry is
+then moved up, in whichever pool it waits, so that the waiter does not wait at the move's
+first, lower place (a Get behind a prefetch's claim waits as a demand read).
+
 Thread-safety: ``submit`` and ``shutdown`` may be called from any thread.
 """
 
@@ -17,7 +22,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.tiers.base import Priority
@@ -31,6 +36,44 @@ class _Job:
     fn: Callable[..., Any] = field(compare=False)
     args: tuple[Any, ...] = field(compare=False)
     future: Future[Any] = field(compare=False)
+    # Replaced in the heap by a more urgent entry (``Urgency.raise_to``), or taken off it.
+    gone: bool = field(default=False, compare=False)
+
+
+class Urgency:
+    """The class and rank of one move, which may only rise; every job of the move submitted
+    with it runs at least this urgently, and raising it moves up the ones still queued.
+
+    Thread-safety: any thread (lock order: an urgency, then a pool's)."""
+
+    def __init__(self, priority: int, rank: int = 0) -> None:
+        self.key = (int(priority), -rank)
+        self._lock = threading.Lock()
+        self._queued: list[tuple[PriorityExecutor, _Job]] = []
+
+    def now(self) -> tuple[int, int]:
+        """The class and rank it stands at."""
+        return self.key[0], -self.key[1]
+
+    def raise_to(self, priority: int, rank: int = 0) -> None:
+        """At least ``priority`` and, within it, ``rank`` from now on."""
+        key = (int(priority), -rank)
+        with self._lock:
+            if key >= self.key:
+                return
+            self.key = key
+            queued, self._queued = self._queued, []
+            for pool, job in queued:
+                entry = pool._lift(job, key)
+                if entry is not None:
+                    self._queued.append((pool, entry))
+
+    def _submit(self, pool: PriorityExecutor, job: _Job) -> None:
+        with self._lock:
+            if self.key < (job.priority, job.behind):
+                job.priority, job.behind = self.key
+            pool._push(job)
+            self._queued.append((pool, job))  # those gone are dropped by ``raise_to``
 
 
 class PriorityExecutor:
@@ -44,6 +87,7 @@ class PriorityExecutor:
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._busy_other = 0
+        self._stale = 0  # heap entries a raised urgency replaced
         self._closed = False
         self._workers = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
@@ -53,23 +97,49 @@ class PriorityExecutor:
             w.start()
 
     def submit(
-        self, priority: int, fn: Callable[..., Any], *args: Any, rank: int = 0
+        self,
+        priority: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> Future[Any]:
         """Queue ``fn(*args)`` at ``priority`` (a ``Priority`` class), and within the class at
-        ``rank`` (higher sooner; equal ranks in submission order)."""
+        ``rank`` (higher sooner; equal ranks in submission order), or as ``urgency`` says
+        where that is more urgent, now or once raised while the job waits."""
         future: Future[Any] = Future()
+        job = _Job(int(priority), -rank, next(self._seq), fn, args, future)
+        if urgency is None:
+            self._push(job)
+        else:
+            urgency._submit(self, job)
+        return future
+
+    def _push(self, job: _Job) -> None:
         with self._cv:
             if self._closed:
                 raise RuntimeError("executor is shut down")
-            job = _Job(int(priority), -rank, next(self._seq), fn, args, future)
             heapq.heappush(self._heap, job)
             self._cv.notify()
-        return future
+
+    def _lift(self, job: _Job, key: tuple[int, int]) -> _Job | None:
+        """Queue ``job``, if it still waits, at ``key`` where that is more urgent; the
+        job's entry now (None: it no longer waits)."""
+        with self._cv:
+            if job.gone:
+                return None
+            if key < (job.priority, job.behind):
+                job.gone = True
+                self._stale += 1
+                job = replace(job, priority=key[0], behind=key[1], gone=False)
+                heapq.heappush(self._heap, job)
+                self._cv.notify_all()
+            return job
 
     @property
     def queued(self) -> int:
         with self._cv:
-            return len(self._heap)
+            return len(self._heap) - self._stale
 
     def shutdown(self, wait: bool = True) -> None:
         """Run what is queued, then stop the workers."""
@@ -81,6 +151,9 @@ class PriorityExecutor:
                 w.join()
 
     def _runnable(self) -> bool:
+        while self._heap and self._heap[0].gone:
+            heapq.heappop(self._heap)
+            self._stale -= 1
         if not self._heap:
             return False
         if self._heap[0].priority <= Priority.DEMAND:
@@ -95,6 +168,7 @@ class PriorityExecutor:
                         return
                     self._cv.wait()
                 job = heapq.heappop(self._heap)
+                job.gone = True  # taken: no urgency moves it now
                 other = job.priority > Priority.DEMAND
                 if other:
                     self._busy_other += 1

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 import pytest
 
 from kvtier.tiers.base import Priority
-from kvtier.tiers.executor import PriorityExecutor
+from kvtier.tiers.executor import PriorityExecutor, Urgency
 
 
 def _hold_the_thread(pool: PriorityExecutor, gate: threading.Event) -> Future[bool]:
@@ -114,4 +114,64 @@ def test_within_a_class_a_higher_rank_goes_first_and_never_crosses_a_class():
         "prefetch min",
         "background",
     ]
+    pool.shutdown()
+
+
+def test_a_raised_urgency_moves_its_queued_jobs_up_and_its_later_ones_start_there():
+    """A move's jobs follow its urgency: raised to DEMAND while one of them waits behind
+    prefetches of a higher rank, that job runs next, on the thread held for demand work;
+    a job of the move submitted afterwards queues as DEMAND too; jobs of other moves keep
+    their places, and the replaced entry is not counted as queued."""
+    pool = PriorityExecutor(2, "t", reserved=1)
+    gate = threading.Event()
+    order: list[str] = []
+    running = threading.Event()
+
+    def hold() -> bool:
+        running.set()
+        return gate.wait(10)
+
+    blocker = pool.submit(Priority.PREFETCH, hold)  # the one thread for non-demand work
+    assert running.wait(5)
+    move = Urgency(Priority.PREFETCH, -5)
+    low = pool.submit(Priority.PREFETCH, order.append, "low", rank=-5, urgency=move)
+    high = [pool.submit(Priority.PREFETCH, order.append, f"high {i}", rank=10) for i in range(3)]
+    assert pool.queued == 4
+    move.raise_to(Priority.DEMAND)
+    low.result(5)  # on the demand thread, the non-demand one still held
+    assert order == ["low"]
+    assert pool.queued == 3
+    move.raise_to(Priority.PREFETCH, 99)  # less urgent than it stands: no change
+    assert move.now() == (Priority.DEMAND, 0)
+    later = pool.submit(Priority.PREFETCH, order.append, "later", urgency=move)
+    later.result(5)
+    assert order == ["low", "later"]
+    gate.set()
+    for f in [blocker, *high]:
+        f.result(5)
+    assert order == ["low", "later", "high 0", "high 1", "high 2"]
+    assert pool.queued == 0
+    pool.shutdown()
+
+
+def test_raising_an_urgency_only_ever_moves_a_job_up_and_never_reruns_one():
+    """A job already running or done is left alone; a raise within the job's own class
+    reorders it among the waiting ones by rank; every job runs once."""
+    pool = PriorityExecutor(1, "t", reserved=0)
+    gate = threading.Event()
+    order: list[str] = []
+    blocker = _hold_the_thread(pool, gate)
+    done = Urgency(Priority.PREFETCH)
+    first = pool.submit(Priority.PREFETCH, order.append, "first", rank=3, urgency=done)
+    move = Urgency(Priority.PREFETCH)
+    mine = pool.submit(Priority.PREFETCH, order.append, "mine", urgency=move)
+    other = pool.submit(Priority.PREFETCH, order.append, "other", rank=5)
+    background = pool.submit(Priority.BACKGROUND, order.append, "background", urgency=move)
+    move.raise_to(Priority.PREFETCH, 7)  # mine and the background job: to prefetch 7
+    gate.set()
+    for f in [blocker, first, mine, other, background]:
+        f.result(5)
+    done.raise_to(Priority.DEMAND)  # its job ran: nothing to move, nothing run again
+    assert order == ["mine", "background", "other", "first"]
+    assert pool.queued == 0
     pool.shutdown()

@@ -35,7 +35,7 @@ import xxhash
 from kvtier.tiers.base import Priority
 from kvtier.tiers.disk.files import ALIGN, SlotFiles
 from kvtier.tiers.disk.health import Fault, FaultState, classify
-from kvtier.tiers.executor import PriorityExecutor
+from kvtier.tiers.executor import PriorityExecutor, Urgency
 
 # Coalesced runs stop growing here, and a batch is spread over all I/O threads. Writes hash
 # in the calling thread alongside the I/O, so they take long runs; reads are verified run by
@@ -198,14 +198,26 @@ class BatchIO:
 
     # ------------------------------------------------------------------ writes
 
-    def write_set(self, ws: WriteSet, live: np.ndarray, priority: Priority, rank: int = 0) -> None:
+    def write_set(
+        self,
+        ws: WriteSet,
+        live: np.ndarray,
+        priority: Priority,
+        rank: int = 0,
+        urgency: Urgency | None = None,
+    ) -> None:
         """Write the blocks ``live`` (positions in ``ws``), not synced (``sync_files`` makes
         them durable); sets ``ok`` (written) and ``checksums`` of each. The source buffers are
         hashed in this thread while the I/O threads write them."""
-        self.start_write_set(ws, live, priority, rank)()
+        self.start_write_set(ws, live, priority, rank, urgency)()
 
     def start_write_set(
-        self, ws: WriteSet, live: np.ndarray, priority: Priority, rank: int = 0
+        self,
+        ws: WriteSet,
+        live: np.ndarray,
+        priority: Priority,
+        rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> Callable[[], None]:
         """``write_set`` up to the checksums: returns once ``checksums`` is set for ``live``,
         maybe with writes still going, and hands back the call that waits for them (it sets
@@ -230,6 +242,7 @@ class BatchIO:
             checksums,
             len(live) * ws.padded,
             rank,
+            urgency,
         )
 
     def _write_set_run(self, ws: WriteSet, run: np.ndarray) -> None:
@@ -267,7 +280,13 @@ class BatchIO:
 
     # ------------------------------------------------------------------ reads
 
-    def read(self, blocks: list[Block], priority: Priority, rank: int = 0) -> None:
+    def read(
+        self,
+        blocks: list[Block],
+        priority: Priority,
+        rank: int = 0,
+        urgency: Urgency | None = None,
+    ) -> None:
         """Read the blocks and verify each; sets ``ok`` and ``error``."""
         runs = self._plan(blocks, MAX_READ_RUN_BYTES)
         if len(runs) == 1 and runs[0].nbytes < _INLINE_BYTES:
@@ -276,7 +295,8 @@ class BatchIO:
                 self._verify_run(runs[0], views)
             return
         futures: dict[Future[list[memoryview] | None], _Run] = {
-            self.executor.submit(priority, self._read_run, run, rank=rank): run for run in runs
+            self.executor.submit(priority, self._read_run, run, rank=rank, urgency=urgency): run
+            for run in runs
         }
         try:
             for future in as_completed(futures):
@@ -384,6 +404,7 @@ class BatchIO:
         meanwhile: Callable[[], None] | None,
         nbytes: int,
         rank: int = 0,
+        urgency: Urgency | None = None,
     ) -> Callable[[], None]:
         """Start ``work`` on every run, in parallel on the I/O threads, and run ``meanwhile``
         in this thread while they run (``nbytes``: the runs' bytes). Returns once
@@ -396,7 +417,9 @@ class BatchIO:
             for run in runs:
                 work(run)
             return _done
-        futures = [self.executor.submit(priority, work, run, rank=rank) for run in runs]
+        futures = [
+            self.executor.submit(priority, work, run, rank=rank, urgency=urgency) for run in runs
+        ]
 
         def finish() -> None:
             # Every run must finish before the batch's buffers go back to the caller.

@@ -90,7 +90,7 @@ from kvtier.tiers.disk.files import (
 from kvtier.tiers.disk.health import FaultState, classify
 from kvtier.tiers.disk.index import INDEX_NAME, BlockRow, DiskIndex, IndexUpgradeFailed
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
-from kvtier.tiers.executor import PriorityExecutor
+from kvtier.tiers.executor import PriorityExecutor, Urgency
 from kvtier.tiers.slab import LockedSlab
 
 log = logging.getLogger("kvtier.tiers.disk")
@@ -445,7 +445,7 @@ class DiskTier:
             )
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
         ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
-        ticket = _Ticket(ws, self._start_writes(ws, batch.priority, batch.rank), batch)
+        ticket = _Ticket(ws, self._start_writes(ws, batch), batch)
         try:
             self._group.join(ticket)
         finally:
@@ -567,7 +567,7 @@ class DiskTier:
         )
 
     def _start_writes(
-        self, ws: WriteSet, priority: Priority, rank: int
+        self, ws: WriteSet, batch: WriteBatch
     ) -> tuple[np.ndarray, Callable[[], None]] | None:
         """Start writing the set's bytes, not to be synced yet, skipping quarantined slots
         and first dropping the rows of rewritten ones; returns once the checksums of the
@@ -585,7 +585,7 @@ class DiskTier:
         self.faults.count(writes_refused_quarantined=len(ws) - len(live))
         if not self._drop_rows_before_overwrite(ws.slots[live]):
             return None
-        return live, self._io.start_write_set(ws, live, priority, rank)
+        return live, self._io.start_write_set(ws, live, batch.priority, batch.rank, batch.urgency)
 
     def read(self, batch: ReadBatch) -> list[bool]:
         """Read and verify the batch's blocks into its destination (host buffers directly;
@@ -611,7 +611,7 @@ class DiskTier:
         for b, expected, key in zip(blocks, sums, keys, strict=True):
             b.expected = int(expected)
             b.key = key
-        return self._read_blocks(blocks, batch.priority, batch.rank)
+        return self._read_blocks(blocks, batch.priority, batch.rank, batch.urgency)
 
     def remove(self, slots: Iterable[int]) -> bool:
         """Delete the index rows of these slots (one transaction) and free the slots.
@@ -833,7 +833,13 @@ class DiskTier:
 
     # ------------------------------------------------------------------ internals
 
-    def _read_blocks(self, blocks: list[Block], priority: Priority, rank: int = 0) -> list[bool]:
+    def _read_blocks(
+        self,
+        blocks: list[Block],
+        priority: Priority,
+        rank: int = 0,
+        urgency: Urgency | None = None,
+    ) -> list[bool]:
         self._check_distinct(blocks)
         live = []
         with self._state_lock:
@@ -843,7 +849,7 @@ class DiskTier:
                 else:
                     live.append(b)
         self.faults.count(reads_refused_quarantined=len(blocks) - len(live))
-        self._io.read(live, priority, rank)
+        self._io.read(live, priority, rank, urgency)
         ok = [b for b in live if b.ok]
         failed = [b for b in live if not b.ok]
         self.faults.count(
