@@ -109,10 +109,14 @@ class PriorityExecutor:
         where that is more urgent, now or once raised while the job waits."""
         future: Future[Any] = Future()
         job = _Job(int(priority), -rank, next(self._seq), fn, args, future)
-        if urgency is None:
-            self._push(job)
-        else:
+        if urgency is not None:
             urgency._submit(self, job)
+            return future
+        with self._cv:  # ``_push``, inline: every transfer and disk run comes this way
+            if self._closed:
+                raise RuntimeError("executor is shut down")
+            heapq.heappush(self._heap, job)
+            self._cv.notify()
         return future
 
     def _push(self, job: _Job) -> None:
