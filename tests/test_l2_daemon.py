@@ -402,6 +402,26 @@ BIG_LAYOUT = PoolLayout.staging(
 )
 
 
+def _daemon_holding_l2_reads(daemon_factory, tmp_path, gate, log, *overrides: str):
+    """A started daemon (64 MiB L1, no protection, an L2, ``overrides``) run by
+    ``_ENTRY_HOLDING_L2_READS`` with ``gate`` and ``log``."""
+    overrides = (
+        "tiers.l1.capacity_bytes=64MiB",
+        "policy.protect_s=0",
+        *l2_args(tmp_path / "l2"),
+        *overrides,
+    )
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/held.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_L2_READS, str(gate), str(log)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    return d
+
+
 @pytest.mark.parametrize(
     ("held", "waiting"),
     [
@@ -421,20 +441,7 @@ def test_a_later_prefetch_of_higher_priority_overtakes_a_waiting_one(
     disk's reads held, a prefetch of priority 0 and then one of priority 7 queue behind a
     first one; once the reads go on, the disk reads the priority-7 block first."""
     gate, log = tmp_path / "gate", tmp_path / "reads.log"
-    overrides = [
-        "tiers.l1.capacity_bytes=64MiB",
-        "policy.protect_s=0",
-        *l2_args(tmp_path / "l2"),
-        *held,
-    ]
-    d = DaemonProcess(
-        tmp_path,
-        f"{daemon_factory._sockdir}/held.sock",
-        [arg for o in overrides for arg in ("--set", o)],
-        entry=("-c", _ENTRY_HOLDING_L2_READS, str(gate), str(log)),
-    )
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _daemon_holding_l2_reads(daemon_factory, tmp_path, gate, log, *held)
     first, low, high = keys(3, 70)
     try:
         with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
@@ -464,20 +471,7 @@ def test_a_get_waiting_for_a_low_prefetch_raises_its_move(daemon_factory, tmp_pa
     Get's wait is a demand read's. Regression: the move kept its rank, so the Get waited for
     every prefetch ranked above it, however many kept coming."""
     gate, log = tmp_path / "gate", tmp_path / "reads.log"
-    overrides = [
-        "tiers.l1.capacity_bytes=64MiB",
-        "policy.protect_s=0",
-        *l2_args(tmp_path / "l2"),
-        "mover.workers=1",
-    ]
-    d = DaemonProcess(
-        tmp_path,
-        f"{daemon_factory._sockdir}/held.sock",
-        [arg for o in overrides for arg in ("--set", o)],
-        entry=("-c", _ENTRY_HOLDING_L2_READS, str(gate), str(log)),
-    )
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _daemon_holding_l2_reads(daemon_factory, tmp_path, gate, log, "mover.workers=1")
     first, low, *high = keys(5, 71)
     got: list[list[str]] = []
     try:
