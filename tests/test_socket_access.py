@@ -31,7 +31,7 @@ from kvtier.client import (
 from kvtier.client import credentials as cred
 from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
-from kvtier.daemon.unixsock import SocketAccess, prepare_socket_path
+from kvtier.daemon.unixsock import SocketAccess, bind_unix, prepare_socket_path, remove_socket
 
 REPO = Path(__file__).resolve().parent.parent
 USERS_GID = 100  # a group that is not the sockets' group
@@ -258,6 +258,30 @@ def test_regression_a_daemon_still_stopping_removed_its_successors_socket(daemon
             assert client.health()
     finally:
         new.stop()
+
+
+def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_removed(tmp_path):
+    """A stopping daemon removes its socket only while the path holds the one it bound, known
+    by (device, inode). The successor removes the stale socket and binds its own, and a disk
+    filesystem gives the new one the inode number just freed (ext4: 20 times in 20), so the
+    old daemon's exit removed the new daemon's socket after all. A socket someone listens on
+    is not removed now, whatever its identity (the second part holds on any filesystem)."""
+    access = SocketAccess(mode=0o600, gid=None)
+    path = str(tmp_path / "d.sock")
+    old, identity = bind_unix(path, access)
+    old.close()  # the old daemon stopped listening; it flushes before it exits
+    prepare_socket_path(path, access)  # the new daemon removes the stale socket
+    new, _ = bind_unix(path, access)
+    try:
+        remove_socket(path, identity)  # the old daemon exits
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        st = os.lstat(path)
+        remove_socket(path, (st.st_dev, st.st_ino))  # the same identity, still listening
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        new.close()
+    remove_socket(path, (st.st_dev, st.st_ino))  # stale and its own: removed
+    assert not os.path.lexists(path)
 
 
 def test_regression_a_credential_socket_held_by_another_user_got_the_clients_requests(
