@@ -130,16 +130,32 @@ def apply_access(path: str, access: SocketAccess) -> SocketIdentity:
 
 
 def remove_socket(path: str, identity: SocketIdentity) -> None:
-    """Remove the socket the daemon bound at ``path``, unless another has taken the path since:
-    a daemon started while this one drained finds the path no longer listening, binds its own
-    socket there, and must keep it when this one stops."""
+    """Remove the socket the daemon bound at ``path`` (it no longer listens there), unless
+    another has taken the path since: a daemon started while this one drained finds the path
+    no longer listening, binds its own socket there, and must keep it when this one stops.
+    The identity alone does not tell: a disk filesystem gives the successor's socket the
+    inode number the stale one freed, so a socket someone listens on is kept too."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if (st.st_dev, st.st_ino) == identity:
+    if (st.st_dev, st.st_ino) == identity and not _listening(path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _listening(path: str) -> bool:
+    """Whether a process listens on the Unix socket ``path`` (a connection is opened and
+    closed at once; a full backlog counts as listening)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:  # EAGAIN: a full backlog; anything else: not ours to judge
+            return True
+    return True
 
 
 def bind_unix(
