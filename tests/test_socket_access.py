@@ -284,6 +284,16 @@ def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_remov
     assert not os.path.lexists(path)
 
 
+def test_a_daemon_removes_both_its_sockets_when_it_stops(daemon_factory):
+    """What remove_socket's checks must still allow: the daemon's own sockets, which it no
+    longer listens on when it removes them."""
+    d = daemon_factory()
+    with d.client() as client:
+        assert client.health()
+    assert d.stop() == 0
+    assert [p for p in _both(d) if os.path.lexists(p)] == []
+
+
 def test_regression_a_credential_socket_held_by_another_user_got_the_clients_requests(
     nobodys_folder,
 ):
