@@ -323,6 +323,38 @@ def test_regression_a_credential_socket_held_by_another_user_got_the_clients_req
             assert impostor.seen() == {"requests": 0, "fds": 0}
 
 
+@pytest.mark.parametrize("mode", [0o1777, 0o777, 0o775])
+def test_regression_another_user_holding_both_sockets_in_a_folder_others_may_write_got_them(
+    mode,
+):
+    """The check above compares the credential socket's listener with the gRPC socket's
+    owner, and whoever may write the folder can hold both: in a folder like /tmp (sticky:
+    names anyone's to take while the daemon is stopped) or one writable by a group or by
+    all (the old sockets removed), another user bound both and root's client handed him its
+    requests and memory. The client now also refuses sockets in a folder that users other
+    than root and the socket's owner may write, as the daemon refuses to bind there."""
+    require_root()
+    top = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    try:
+        os.chown(top, 0, NOGROUP)  # root's, as /tmp is; the group is nobody's
+        os.chmod(top, mode)
+        address = f"unix:{top}/d.sock"
+        path = cred.cred_socket_path(address)
+        with _Listener(f"{top}/d.sock", path) as impostor:
+            with pytest.raises(UntrustedSocketError, match=f"{top} .*may write") as info:
+                cred.session_ticket(path, timeout_s=5)
+            assert "nothing was sent to it" in str(info.value)
+            memfd = os.memfd_create("kvtier-test")
+            try:
+                with pytest.raises(UntrustedSocketError):
+                    cred.pool_ticket(path, memfd, timeout_s=5)
+            finally:
+                os.close(memfd)
+            assert impostor.seen() == {"requests": 0, "fds": 0}
+    finally:
+        shutil.rmtree(top)
+
+
 def test_a_root_client_takes_tickets_from_a_daemon_of_another_user(nobodys_folder):
     """The check is against the socket's owner, not the client's own uid: a root client of
     a daemon that runs as another user (nobody here, holding both sockets) gets its ticket.
