@@ -12,11 +12,14 @@ connection::
 
 Before it sends anything, the client checks who listens there: SO_PEERCRED on its connection
 must name the uid that owns the gRPC socket (the daemon binds both, so that is the daemon's
-user, root's for a daemon run as root), else ``UntrustedSocketError``. The daemon refuses a
-socket folder that others may write, but a client cannot know that the folder it finds is
-one a daemon checked; a process of another user that took the credential socket's place would
-otherwise receive the engine's memory files. A root client of another user's daemon passes:
-what counts is who owns the socket, not who connects.
+user, root's for a daemon run as root), and the socket's folder (as named, and where the
+path leads) may be written by no one but root and that owner, else ``UntrustedSocketError``.
+The daemon refuses a socket folder that others may write, but a client cannot know that the
+folder it finds is one a daemon checked; a process of another user that took the credential
+socket's place, or both sockets' in a folder he may write (/tmp while the daemon is stopped),
+would otherwise receive the engine's memory files. A root client of another user's daemon
+passes: what counts is who owns the socket, not who connects. Left: in a folder of his own,
+another user's sockets are his daemon's, whatever address the client was given.
 
 Thread-safety: the functions share nothing; call them from any thread.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import array
 import os
 import socket
+import stat
 import struct
 import time
 
@@ -172,6 +176,24 @@ def _check_listener(sock: socket.socket, path: str) -> None:
             f"{grpc_socket} belongs to uid {owner}: another user's process may have taken "
             "the credential socket's place; nothing was sent to it"
         )
+    # The owner tells whose the sockets are only where no one else could have put them.
+    named = (grpc_socket, os.path.realpath(grpc_socket))
+    folders = {os.path.dirname(name) or "." for name in named}
+    for folder in sorted(folders):
+        try:
+            st = os.stat(folder)
+        except OSError as e:
+            raise UntrustedSocketError(
+                f"the daemon's socket's folder {folder} cannot be checked ({e.strerror or e}); "
+                "nothing was sent to it"
+            ) from None
+        if st.st_uid not in (0, owner) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UntrustedSocketError(
+                f"the daemon's socket {grpc_socket} is in {folder} (uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o}), which users other than root and the "
+                f"socket's owner (uid {owner}) may write: they could have bound both sockets "
+                "there (a daemon refuses such a folder); nothing was sent to it"
+            )
 
 
 def _parse(reply: bytes, path: str) -> bytes:

@@ -53,7 +53,8 @@ class PermissionDeniedError(KvtierError):
 class UntrustedSocketError(PermissionDeniedError):
     """Raised by the client itself, never answered by a daemon: the process listening on the
     daemon's credential socket runs as another user than the one who owns the daemon's
-    gRPC socket beside it (the daemon binds both), so it may have taken the daemon's place.
+    gRPC socket beside it (the daemon binds both), or the sockets' folder may be written by
+    users other than root and that owner, so another user may have taken the daemon's place.
     The client sent it nothing: no ticket request, no memory file."""
 
 
