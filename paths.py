@@ -13,7 +13,9 @@ The rule:
   ``/tmp/kvtier-$UID/kvtierd.sock`` where no ``$XDG_RUNTIME_DIR`` is set;
 - a client with no address (and no ``$KVTIER_ADDRESS``) connects to the first of those two
   sockets (its own user's first, unless it runs as root) that exists, and otherwise names the
-  one its own daemon would use.
+  one its own daemon would use. Its own user's socket counts only in a folder that user (or
+  root) owns: anyone may make ``/tmp/kvtier-$UID`` first and listen there, and that user's
+  daemon would refuse such a folder too.
 """
 
 from __future__ import annotations
@@ -58,9 +60,26 @@ def client_candidates(env: Mapping[str, str] | None = None, uid: int | None = No
     return list(dict.fromkeys(order))
 
 
+def foreign_folder(path: str, uid: int) -> int | None:
+    """The owner of ``path``'s folder when that is neither ``uid`` nor root (None otherwise,
+    and when there is no folder)."""
+    try:
+        owner = os.stat(os.path.dirname(path)).st_uid
+    except OSError:
+        return None
+    return None if owner in (0, uid) else owner
+
+
 def default_client_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
-    """The first candidate that is a socket; the first candidate when none is."""
-    candidates = client_candidates(env, uid)
+    """The first candidate that is a socket, leaving out the user's own in another user's
+    folder; else the first candidate not left out."""
+    uid = os.geteuid() if uid is None else uid
+    mine = user_socket(env, uid)
+    candidates = [
+        path
+        for path in client_candidates(env, uid)
+        if path != mine or foreign_folder(path, uid) is None
+    ]
     for path in candidates:
         try:
             if stat.S_ISSOCK(os.stat(path).st_mode):

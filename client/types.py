@@ -213,7 +213,11 @@ def address_hint(address: str | None) -> str:
         return "the address given"
     if os.environ.get(ADDRESS_ENV):
         return f"from ${ADDRESS_ENV}"
-    return "the default; looked for " + " and ".join(paths.client_candidates())
+    hint = "the default; looked for " + " and ".join(paths.client_candidates())
+    mine = paths.user_socket()
+    if (owner := paths.foreign_folder(mine, os.geteuid())) is not None:
+        hint += f" (left out {mine}: its folder belongs to uid {owner}, not to this user)"
+    return hint
 
 
 # ---------------------------------------------------------------------- requests

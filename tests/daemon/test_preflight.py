@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from peers import NOBODY, require_root
 
 from kvtier import paths
 from kvtier.daemon import preflight
@@ -201,6 +202,23 @@ def test_the_default_socket_rule():
         # With no daemon anywhere a client names the socket its own daemon would use.
         if not os.path.exists(paths.SYSTEM_SOCKET):
             assert paths.default_client_socket(env, uid) == paths.daemon_socket(env, uid)
+
+
+def test_the_users_default_socket_in_another_users_folder_is_left_out(tmp_path):
+    """Anyone may make /tmp/kvtier-$UID before its user does and listen there; a client with
+    no address would have handed that listener its requests and its pools' memory."""
+    require_root()
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    mine = paths.user_socket(env, uid=1000)
+    os.makedirs(os.path.dirname(mine))
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(mine)
+        os.chown(os.path.dirname(mine), NOBODY, -1)
+        assert paths.foreign_folder(mine, 1000) == NOBODY
+        assert paths.default_client_socket(env, uid=1000) == paths.SYSTEM_SOCKET
+        os.chown(os.path.dirname(mine), 1000, -1)  # the user's own folder
+        assert paths.foreign_folder(mine, 1000) is None
+        assert paths.default_client_socket(env, uid=1000) == mine
 
 
 _FIND_EACH_OTHER = """
