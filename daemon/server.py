@@ -585,8 +585,17 @@ class Daemon:
         if ensure_fault_handler():
             log.warning("another SIGBUS handler had replaced the copy guard's; it is back in front")
         logging.getLogger(GRPC_CORE_LOGGER).addFilter(self._lost_answers)
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY and soft < cfg.max_connections + FD_RESERVE:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = cfg.max_connections + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < want:
+            # The soft limit is the process's own to raise, up to the hard one; 1,024, a
+            # common default, is below the default bound on connections alone.
+            raised = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            if raised > soft:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                log.info("raised the soft RLIMIT_NOFILE from %d to %d", soft, raised)
+                soft = raised
+        if soft != resource.RLIM_INFINITY and soft < want:
             log.warning(
                 "server.max_connections=%d leaves fewer than %d of the %d file descriptors "
                 "RLIMIT_NOFILE allows for the daemon's own use: clients that keep that many "

@@ -12,13 +12,15 @@ no gRPC client sends half a request.
 from __future__ import annotations
 
 import os
+import resource
 import time
 
 import pytest
 from h2_frames import DATA, END_STREAM, RawConnection, frame, grpc_prefix
+from harness import DaemonProcess
 
 from kvtier.client import credentials
-from kvtier.daemon.server import MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S
+from kvtier.daemon.server import FD_RESERVE, MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S
 
 LOOKUP = "/kvtier.v1.KVTier/Lookup"
 
@@ -147,3 +149,33 @@ def test_regression_connections_kept_busy_took_every_descriptor(daemon_factory):
         finally:
             for conn in conns:
                 conn.close()
+
+
+_ENTRY_WITH_NOFILE = """
+import resource, sys
+soft, hard = int(sys.argv.pop(1)), int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+from kvtier.daemon.entry import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(("hard", "soft_after"), [(8192, 4096 + FD_RESERVE), (2048, 2048)])
+def test_the_soft_descriptor_limit_is_raised_for_the_connections_bound(
+    daemon_factory, tmp_path, hard, soft_after
+):
+    """1,024 descriptors, a common soft default, is below the default bound on connections
+    alone: the daemon raises its soft limit toward max_connections + FD_RESERVE, as far as the
+    hard limit allows, and warns only where that is still short."""
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/nofile-{hard}.sock",
+        ["--set", "tiers.l1.capacity_bytes=64MiB"],
+        entry=("-c", _ENTRY_WITH_NOFILE, "1024", str(hard)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    assert d.proc is not None
+    assert resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE) == (soft_after, hard)
+    short = "leaves fewer than" in d.log()
+    assert short == (soft_after < 4096 + FD_RESERVE)
