@@ -341,10 +341,11 @@ class AsyncClient:
         a synchronous close path may call it, from this client's event loop; the
         UnregisterPool goes out as a task of that loop, sent again while the daemon's gRPC
         refuses it unrun, and ``close()`` cancels it (the session's end frees the pool)."""
+        loop = asyncio.get_running_loop()  # off the loop: RuntimeError, the pool kept
         request = unregistration(binding, self._pools, self._session_id)
         if request is None:
             return
-        task = asyncio.get_running_loop().create_task(self._unregister_nowait(request))
+        task = loop.create_task(self._unregister_nowait(request))
         self._unanswered.add(task)
         task.add_done_callback(self._unanswered.discard)
 

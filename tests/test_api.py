@@ -803,6 +803,10 @@ async def test_an_async_client_unregisters_a_pool_without_waiting_as_the_blockin
     async with AsyncClient(daemon.address, timeout_s=5) as client:
         with SharedMemoryPool.for_layout(layout) as shm:
             pool = await client.register_pool(shm, layout)
+            # Off the loop it cannot send, and forgets nothing (it forgot the pool first).
+            with pytest.raises(RuntimeError, match="event loop"):
+                await asyncio.to_thread(client.unregister_pool_nowait, pool.binding)
+            assert pool.pool_id != 0
             assert client.unregister_pool_nowait(pool.binding) is None
             assert pool.pool_id == 0
             assert await _pools_gauge_drops(client)
