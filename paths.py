@@ -13,9 +13,9 @@ The rule:
   ``/tmp/kvtier-$UID/kvtierd.sock`` where no ``$XDG_RUNTIME_DIR`` is set;
 - a client with no address (and no ``$KVTIER_ADDRESS``) connects to the first of those two
   sockets (its own user's first, unless it runs as root) that exists, and otherwise names the
-  one its own daemon would use. Its own user's socket counts only in a folder that user (or
-  root) owns: anyone may make ``/tmp/kvtier-$UID`` first and listen there, and that user's
-  daemon would refuse such a folder too.
+  one its own daemon would use. Its own user's socket counts only in a folder no one but that
+  user and root may write (``writers_problem``): anyone may make ``/tmp/kvtier-$UID`` first
+  and listen there, and that user's daemon would refuse such a folder too.
 """
 
 from __future__ import annotations
@@ -60,25 +60,39 @@ def client_candidates(env: Mapping[str, str] | None = None, uid: int | None = No
     return list(dict.fromkeys(order))
 
 
-def foreign_folder(path: str, uid: int) -> int | None:
-    """The owner of ``path``'s folder when that is neither ``uid`` nor root (None otherwise,
-    and when there is no folder)."""
+def writers_problem(st: os.stat_result, owner: int) -> str | None:
+    """Why users other than root and ``owner`` may write the folder ``st`` describes, and so
+    replace a socket in it, or None. The daemon keeps its sockets only in a folder without
+    one (``owner``: its own uid); a client trusts sockets only there (``owner``: theirs)."""
+    if st.st_uid not in (0, owner):
+        return f"belongs to uid {st.st_uid}, who could replace the socket"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (
+            f"(mode {stat.S_IMODE(st.st_mode):04o}) is writable by other users, who could "
+            "replace the socket"
+        )
+    return None
+
+
+def untrusted_folder(path: str, uid: int) -> str | None:
+    """``writers_problem`` of ``path``'s folder for sockets of ``uid`` (None where there is no
+    folder)."""
     try:
-        owner = os.stat(os.path.dirname(path)).st_uid
+        st = os.stat(os.path.dirname(path))
     except OSError:
         return None
-    return None if owner in (0, uid) else owner
+    return writers_problem(st, uid)
 
 
 def default_client_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
-    """The first candidate that is a socket, leaving out the user's own in another user's
-    folder; else the first candidate not left out."""
+    """The first candidate that is a socket, leaving out the user's own in a folder others
+    may write; else the first candidate not left out."""
     uid = os.geteuid() if uid is None else uid
     mine = user_socket(env, uid)
     candidates = [
         path
         for path in client_candidates(env, uid)
-        if path != mine or foreign_folder(path, uid) is None
+        if path != mine or untrusted_folder(path, uid) is None
     ]
     for path in candidates:
         try:

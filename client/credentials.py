@@ -29,7 +29,6 @@ from __future__ import annotations
 import array
 import os
 import socket
-import stat
 import struct
 import time
 
@@ -43,6 +42,7 @@ from kvtier.client.errors import (
     UntrustedSocketError,
     error_for_code,
 )
+from kvtier.paths import writers_problem
 
 PROTOCOL = b"KVTIER-CRED/1"
 CRED_SUFFIX = ".cred"
@@ -187,12 +187,11 @@ def _check_listener(sock: socket.socket, path: str) -> None:
                 f"the daemon's socket's folder {folder} cannot be checked ({e.strerror or e}); "
                 "nothing was sent to it"
             ) from None
-        if st.st_uid not in (0, owner) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if (problem := writers_problem(st, owner)) is not None:
             raise UntrustedSocketError(
-                f"the daemon's socket {grpc_socket} is in {folder} (uid {st.st_uid}, mode "
-                f"{stat.S_IMODE(st.st_mode):04o}), which users other than root and the "
-                f"socket's owner (uid {owner}) may write: they could have bound both sockets "
-                "there (a daemon refuses such a folder); nothing was sent to it"
+                f"the daemon's socket {grpc_socket} is in {folder} that users other than "
+                f"root and the socket's owner (uid {owner}) may write: the folder {problem} "
+                "(a daemon refuses such a folder); nothing was sent to it"
             )
 
 

@@ -215,8 +215,8 @@ def address_hint(address: str | None) -> str:
         return f"from ${ADDRESS_ENV}"
     hint = "the default; looked for " + " and ".join(paths.client_candidates())
     mine = paths.user_socket()
-    if (owner := paths.foreign_folder(mine, os.geteuid())) is not None:
-        hint += f" (left out {mine}: its folder belongs to uid {owner}, not to this user)"
+    if (problem := paths.untrusted_folder(mine, os.geteuid())) is not None:
+        hint += f" (left out {mine}: its folder {problem})"
     return hint
 
 

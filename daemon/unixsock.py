@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier.daemon.config import ServerConfig
+from kvtier.paths import writers_problem
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +54,10 @@ def folder_problem(folder: str, st: os.stat_result) -> str | None:
     exception: the sticky bit only keeps others from removing the daemon's sockets, and the
     daemon removes them itself when it stops, so its names are anyone's to take until it starts
     again (a squatter there also keeps it from starting)."""
-    if st.st_uid not in (0, os.geteuid()):
-        return (
-            f"the socket's folder {folder} belongs to uid {st.st_uid}, who could replace the "
-            "socket; use a folder of root or of the daemon's user"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (
-            f"the socket's folder {folder} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
-            "other users, who could replace the socket; use a folder only the daemon may write"
-        )
-    return None
+    problem = writers_problem(st, os.geteuid())
+    if problem is None:
+        return None
+    return f"the socket's folder {folder} {problem}; use a folder only the daemon may write"
 
 
 def prepare_socket_path(path: str, access: SocketAccess) -> None:

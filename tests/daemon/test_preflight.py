@@ -204,7 +204,7 @@ def test_the_default_socket_rule():
             assert paths.default_client_socket(env, uid) == paths.daemon_socket(env, uid)
 
 
-def test_the_users_default_socket_in_another_users_folder_is_left_out(tmp_path):
+def test_the_users_default_socket_in_a_folder_others_may_write_is_left_out(tmp_path):
     """Anyone may make /tmp/kvtier-$UID before its user does and listen there; a client with
     no address would have handed that listener its requests and its pools' memory."""
     require_root()
@@ -213,11 +213,16 @@ def test_the_users_default_socket_in_another_users_folder_is_left_out(tmp_path):
     os.makedirs(os.path.dirname(mine))
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(mine)
-        os.chown(os.path.dirname(mine), NOBODY, -1)
-        assert paths.foreign_folder(mine, 1000) == NOBODY
+        folder = os.path.dirname(mine)
+        os.chown(folder, NOBODY, -1)
+        assert f"belongs to uid {NOBODY}" in paths.untrusted_folder(mine, 1000)
         assert paths.default_client_socket(env, uid=1000) == paths.SYSTEM_SOCKET
-        os.chown(os.path.dirname(mine), 1000, -1)  # the user's own folder
-        assert paths.foreign_folder(mine, 1000) is None
+        os.chown(folder, 1000, -1)  # the user's own folder, but others may write it
+        os.chmod(folder, 0o777)
+        assert "writable by other users" in paths.untrusted_folder(mine, 1000)
+        assert paths.default_client_socket(env, uid=1000) == paths.SYSTEM_SOCKET
+        os.chmod(folder, 0o700)  # the user's own, private folder
+        assert paths.untrusted_folder(mine, 1000) is None
         assert paths.default_client_socket(env, uid=1000) == mine
 
 
