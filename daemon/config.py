@@ -807,8 +807,8 @@ class MetricsConfig:
         default="",
         metadata=_opt(
             "str",
-            doc="where Prometheus scrapes /metrics: host:port, or a port on 127.0.0.1; "
-            "empty (the default) serves no metrics",
+            doc="where Prometheus scrapes /metrics (and probes ask /healthz and /readyz): "
+            "host:port, or a port on 127.0.0.1; empty (the default) serves neither",
         ),
     )
     token_file: str = field(

@@ -39,6 +39,10 @@ class HealthService:
         self._changed = asyncio.Event()
         self._final = False
 
+    def status(self, service: str = "") -> int:
+        """The status of ``service`` now (SERVICE_UNKNOWN for a name never set)."""
+        return self._status.get(service, SERVICE_UNKNOWN)
+
     def set(self, service: str, status: int) -> None:
         if self._final:
             return

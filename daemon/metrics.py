@@ -15,6 +15,7 @@ exported, as ``kvtier_store_events_total{event=...}``, so a new counter is never
 dropped.
 
 The endpoint is off unless ``metrics.address`` is set; a bare port listens on 127.0.0.1 only.
+It also answers the health probes ``/healthz`` and ``/readyz`` (``kvtier.daemon.probes``).
 
 Thread-safety: the HTTP server runs on its own thread; it never touches daemon state, it asks
 the event loop for a snapshot (``asyncio.run_coroutine_threadsafe``) and waits for it. The
@@ -51,6 +52,8 @@ from kvtier import __version__
 from kvtier.daemon.config import http_url, split_host_port
 from kvtier.daemon.latency import HistogramSample
 from kvtier.daemon.policy.prefetch import PrefetchStats
+from kvtier.daemon.probes import PATHS as PROBE_PATHS
+from kvtier.daemon.probes import HealthProbe, probe_state
 from kvtier.daemon.service import TenantUsage
 from kvtier.daemon.stats import Sample
 from kvtier.daemon.store import BlockStore, TierUsage
@@ -635,14 +638,17 @@ def register_standard(registry: CollectorRegistry, proc: str = "/proc") -> None:
 
 
 class MetricsServer:
-    """The /metrics HTTP endpoint of one daemon. Start on the daemon's event loop."""
+    """The /metrics HTTP endpoint of one daemon, with its health probes. Start on the
+    daemon's event loop."""
 
     def __init__(self, daemon: Daemon, address: str, token: bytes | None = None) -> None:
         self.host, self.port = split_host_port(address)
         self.token = token
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(DaemonCollector(daemon, asyncio.get_running_loop()))
+        loop = asyncio.get_running_loop()
+        self.registry.register(DaemonCollector(daemon, loop))
         register_standard(self.registry)
+        self.probe = HealthProbe(lambda: probe_state(daemon), loop)
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -651,7 +657,9 @@ class MetricsServer:
         return http_url(self.host, self.port, "/metrics")
 
     def start(self) -> None:
-        self._server, self._thread = serve_http(self.host, self.port, self.registry, self.token)
+        self._server, self._thread = serve_http(
+            self.host, self.port, self.registry, self.token, self.probe
+        )
         if self.port == 0:
             self.port = int(self._server.server_address[1])
         log.info("metrics on %s", self.url)
@@ -764,11 +772,32 @@ class BearerApp:
         return [b"this endpoint needs the bearer token of metrics.token_file\n"]
 
 
+class ProbeRouter:
+    """A WSGI app that hands ``probes.PATHS`` to ``probe`` and every other path to ``app``
+    (the scrape: token-checked and paced, which the probes are not)."""
+
+    def __init__(
+        self, app: Callable[..., Iterable[bytes]], probe: Callable[..., Iterable[bytes]]
+    ) -> None:
+        self.app = app
+        self.probe = probe
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") in PROBE_PATHS:
+            return self.probe(environ, start_response)
+        return self.app(environ, start_response)
+
+
 def serve_http(
-    host: str, port: int, registry: CollectorRegistry, token: bytes | None = None
+    host: str,
+    port: int,
+    registry: CollectorRegistry,
+    token: bytes | None = None,
+    probe: Callable[..., Iterable[bytes]] | None = None,
 ) -> tuple[_BoundedServer, threading.Thread]:
     """Serve ``registry`` at ``http://host:port/metrics`` on a thread of its own; with a
-    ``token``, only to requests that carry it."""
+    ``token``, only to requests that carry it. With a ``probe``, ``/healthz`` and ``/readyz``
+    go to it, without the token (see ``kvtier.daemon.probes``)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
 
     class Server(_BoundedServer):
@@ -777,6 +806,8 @@ def serve_http(
     app: Callable[..., Iterable[bytes]] = PacedApp(make_wsgi_app(registry), SCRAPE_INTERVAL_S)
     if token is not None:
         app = BearerApp(app, token)
+    if probe is not None:
+        app = ProbeRouter(app, probe)
     server = make_server(host, port, app, Server, _Handler)
     thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True)
     thread.start()

@@ -1,0 +1,158 @@
+"""Health probes over HTTP, on the metrics endpoint: ``/healthz`` and ``/readyz``.
+
+An orchestrator that probes through ``kvtier health`` starts a Python process and opens a gRPC
+connection to the daemon each time: a second of CPU per probe on the node, and one of
+``server.max_connections``, so a client that holds every connection makes the liveness probe
+fail and the daemon be restarted (losing L1). These two paths need neither: the HTTP server's
+own thread answers them, asking the event loop as a scrape does.
+
+- ``GET /healthz`` (liveness): 200 when the event loop runs a no-op within
+  ``HEALTH_TIMEOUT_S``; 503 when it does not (a loop that stopped answering serves nobody).
+  Draining or degraded is still alive.
+- ``GET /readyz`` (readiness): 200 while the health service says SERVING, even with a tier
+  degraded (as ``kvtier health --degraded-ok``); 503 while draining or stopping, or when the
+  loop does not answer. The body names each tier's state either way.
+
+Neither needs ``metrics.token_file``'s token: they tell whether the daemon serves and each
+tier's state, nothing about tenants or traffic. Answers are reused for ``HEALTH_REUSE_S``, so
+probes from whoever reaches the port cost the loop at most one snapshot per interval.
+
+Thread-safety: ``HealthProbe`` is called on the HTTP server's threads; it touches daemon state
+only on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.daemon.health import SERVING
+
+if TYPE_CHECKING:
+    from kvtier.daemon.server import Daemon
+
+# How long a probe waits for the event loop before answering 503. Below the probes'
+# timeouts in deploy/kubernetes (5 s), so the orchestrator sees the 503, not its own timeout.
+HEALTH_TIMEOUT_S = 2.0
+# An answer is reused by the probes that come within this long of it.
+HEALTH_REUSE_S = 0.2
+
+PATHS = ("/healthz", "/readyz")
+
+log = logging.getLogger(__name__)
+
+
+class ProbeFailed(Exception):
+    """The daemon's state could not be read (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeState:
+    """What the event loop answered: whether the daemon serves, and (tier, state) each."""
+
+    serving: bool
+    tiers: tuple[tuple[str, str], ...]
+
+
+def probe_state(daemon: Daemon) -> ProbeState:
+    """Read the daemon's state. Call on its event loop."""
+    return ProbeState(
+        serving=daemon.health.status("") == SERVING,
+        tiers=tuple((lv.kind.label, str(lv.tier.health())) for lv in daemon.store.stack),
+    )
+
+
+class HealthProbe:
+    """A WSGI app for ``PATHS``. ``ask`` returns the state, run on the event loop ``loop``."""
+
+    def __init__(
+        self,
+        ask: Callable[[], ProbeState],
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float = HEALTH_TIMEOUT_S,
+        reuse_s: float = HEALTH_REUSE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.ask = ask
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.reuse_s = reuse_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: ProbeState | None = None
+        self._last_at = -float("inf")
+
+    def state(self) -> ProbeState:
+        """The daemon's state; ``ProbeFailed`` when its event loop did not answer in time,
+        has stopped, or the reading failed. Probes that come while one waits for the loop
+        wait with it."""
+        with self._lock:
+            if self._last is not None and self._clock() - self._last_at < self.reuse_s:
+                return self._last
+            self._last = None
+            future: concurrent.futures.Future[ProbeState] = concurrent.futures.Future()
+
+            def run() -> None:  # on the loop
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(self.ask())
+                    except Exception as e:
+                        future.set_exception(e)
+
+            try:
+                self.loop.call_soon_threadsafe(run)
+            except RuntimeError:
+                raise ProbeFailed("the daemon's event loop has stopped") from None
+            try:
+                state = future.result(self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                raise ProbeFailed(
+                    f"the daemon's event loop did not answer within {self.timeout_s:g} s"
+                ) from None
+            except Exception as e:
+                log.warning("health probe failed: %r", e)
+                raise ProbeFailed(f"reading the daemon's state failed: {e!r}") from None
+            self._last, self._last_at = state, self._clock()
+            return state
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            return _answer(start_response, "405 Method Not Allowed", "GET or HEAD only\n")
+        path = environ.get("PATH_INFO", "")
+        try:
+            state = self.state()
+        except ProbeFailed as e:
+            return _answer(start_response, "503 Service Unavailable", f"{e}\n")
+        tiers = ", ".join(f"{name} {health}" for name, health in state.tiers)
+        if path == "/healthz":
+            return _answer(start_response, "200 OK", f"alive; {tiers}\n")
+        if not state.serving:
+            return _answer(
+                start_response,
+                "503 Service Unavailable",
+                f"not serving (draining or stopping); {tiers}\n",
+            )
+        ok = all(health == "ok" for _, health in state.tiers)
+        return _answer(
+            start_response, "200 OK", f"{'ok' if ok else 'degraded'}: serving; {tiers}\n"
+        )
+
+
+def _answer(start_response: Any, status: str, text: str) -> list[bytes]:
+    body = text.encode()
+    start_response(
+        status,
+        [
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+        ],
+    )
+    return [body]

@@ -1,0 +1,183 @@
+"""The HTTP health probes on the metrics endpoint: /healthz (the event loop answers) and
+/readyz (the daemon serves), without the metrics token and without a gRPC connection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from h2_frames import RawConnection, grpc_prefix
+
+from kvtier.daemon.probes import HealthProbe, ProbeState
+
+
+def base_url(daemon) -> str:
+    m = re.search(r"metrics on (http://\S+)/metrics", daemon.log())
+    assert m, daemon.log()
+    return m.group(1)
+
+
+def get(url: str, method: str = "GET", token: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, method=method)
+    if token is not None:
+        request.add_header("Authorization", "Bearer " + token)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def call(app: HealthProbe, path: str, method: str = "GET") -> tuple[str, str]:
+    got: list[str] = []
+    body = b"".join(app({"PATH_INFO": path, "REQUEST_METHOD": method}, lambda s, h: got.append(s)))
+    return got[0], body.decode()
+
+
+def test_probes_answer_without_the_metrics_token(daemon_factory, tmp_path):
+    """The token keeps tenants' figures private; the probes tell only whether the daemon
+    serves and each tier's state, and an orchestrator's probe carries no secret."""
+    token = tmp_path / "metrics.token"
+    token.write_text("s3cret-" * 6)
+    token.chmod(0o600)
+    d = daemon_factory(f"metrics.token_file={token}", "metrics.address=127.0.0.1:0")
+    url = base_url(d)
+    assert get(url + "/healthz") == (200, "alive; L1 ok\n")
+    assert get(url + "/readyz") == (200, "ok: serving; L1 ok\n")
+    code, body = get(url + "/metrics")
+    assert code == 401 and "kvtier_" not in body
+    assert get(url + "/metrics", token="s3cret-" * 6)[0] == 200
+    assert get(url + "/healthz", method="POST")[0] == 405
+    assert get(url + "/readyz", method="HEAD")[0] == 200
+
+
+def test_readyz_answers_503_while_the_daemon_drains(daemon_factory):
+    d = daemon_factory("metrics.address=127.0.0.1:0")
+    url = base_url(d)
+    with d.client() as admin:
+        admin.drain()
+        time.sleep(0.3)  # past the reuse interval
+        assert get(url + "/readyz") == (503, "not serving (draining or stopping); L1 ok\n")
+        assert get(url + "/healthz") == (200, "alive; L1 ok\n")  # draining is alive
+        admin.drain(resume=True)
+        time.sleep(0.3)
+        assert get(url + "/readyz") == (200, "ok: serving; L1 ok\n")
+
+
+def test_probes_answer_while_a_client_holds_every_grpc_connection(daemon_factory):
+    """`kvtier health` needs one of server.max_connections: a client that holds them all made
+    an exec probe fail, and a liveness probe restart a daemon that was serving."""
+    d = daemon_factory("server.max_connections=4", "metrics.address=127.0.0.1:0")
+    url = base_url(d)
+    conns: list[RawConnection] = []
+    try:
+        for _ in range(40):  # until four are held (one more is closed as it is accepted)
+            if sum(not conn.closed for conn in conns) >= 4:
+                break
+            try:
+                conn = RawConnection(d.socket, initial_window=0)
+                conn.send(conn.open_call("/grpc.health.v1.Health/Check"), grpc_prefix(0), end=True)
+            except OSError:
+                continue
+            conns.append(conn)
+            for conn in conns:
+                conn.pump(0.05)
+        assert sum(not conn.closed for conn in conns) == 4
+        env = {**os.environ, "KVTIER_ADDRESS": d.address}
+        cli = [sys.executable, "-m", "kvtier.cli.main", "--timeout", "3", "health"]
+        out = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 3, (out.stdout, out.stderr)  # unreachable over gRPC
+        assert get(url + "/healthz") == (200, "alive; L1 ok\n")
+        assert get(url + "/readyz") == (200, "ok: serving; L1 ok\n")
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+@pytest.fixture
+def loop_thread():
+    """An event loop running on a thread of its own, as the daemon's is to the HTTP server."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+    loop.close()
+
+
+SERVING = ProbeState(serving=True, tiers=(("L1", "ok"), ("L2", "ok")))
+
+
+def test_a_loop_that_does_not_answer_fails_both_probes(loop_thread):
+    probe = HealthProbe(lambda: SERVING, loop_thread, timeout_s=0.2, reuse_s=0.0)
+    assert call(probe, "/healthz") == ("200 OK", "alive; L1 ok, L2 ok\n")
+    release = threading.Event()
+    loop_thread.call_soon_threadsafe(release.wait, 10)  # the loop stuck in a call
+    try:
+        start = time.monotonic()
+        for path in ("/healthz", "/readyz"):
+            status, body = call(probe, path)
+            assert status == "503 Service Unavailable"
+            assert body == "the daemon's event loop did not answer within 0.2 s\n"
+        assert time.monotonic() - start < 2.0
+    finally:
+        release.set()
+    assert call(probe, "/healthz")[0] == "200 OK"
+
+
+def test_a_closed_loop_fails_the_probes():
+    loop = asyncio.new_event_loop()
+    loop.close()
+    probe = HealthProbe(lambda: SERVING, loop, timeout_s=0.2)
+    assert call(probe, "/healthz") == (
+        "503 Service Unavailable",
+        "the daemon's event loop has stopped\n",
+    )
+
+
+def test_a_state_that_cannot_be_read_fails_the_probes(loop_thread):
+    def broken() -> ProbeState:
+        raise OSError(5, "Input/output error")
+
+    probe = HealthProbe(broken, loop_thread)
+    status, body = call(probe, "/healthz")
+    assert status == "503 Service Unavailable"
+    assert body.startswith("reading the daemon's state failed: OSError(5,")
+
+
+def test_readyz_names_a_degraded_tier_and_stays_ready(loop_thread):
+    state = ProbeState(serving=True, tiers=(("L1", "ok"), ("L2", "degraded_io: disk faults")))
+    probe = HealthProbe(lambda: state, loop_thread)
+    assert call(probe, "/readyz") == (
+        "200 OK",
+        "degraded: serving; L1 ok, L2 degraded_io: disk faults\n",
+    )
+
+
+def test_an_answer_is_reused_within_the_reuse_interval_only(loop_thread):
+    now = [0.0]
+    asked = []
+
+    def ask() -> ProbeState:
+        asked.append(now[0])
+        return SERVING
+
+    probe = HealthProbe(ask, loop_thread, reuse_s=0.2, clock=lambda: now[0])
+    for t in (0.0, 0.1, 0.19, 0.2, 0.3, 0.5):
+        now[0] = t
+        assert call(probe, "/readyz")[0] == "200 OK"
+    assert asked == [0.0, 0.2, 0.5]
+
+
+def test_probes_refuse_other_methods(loop_thread):
+    probe = HealthProbe(lambda: SERVING, loop_thread)
+    assert call(probe, "/healthz", method="DELETE")[0] == "405 Method Not Allowed"
