@@ -123,26 +123,26 @@ class HealthProbe:
             return state
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+        method = environ.get("REQUEST_METHOD")
+        if method not in ("GET", "HEAD"):
             return _answer(start_response, "405 Method Not Allowed", "GET or HEAD only\n")
-        path = environ.get("PATH_INFO", "")
+        status, text = self.answer(environ.get("PATH_INFO", ""))
+        body = _answer(start_response, status, text)
+        return [] if method == "HEAD" else body  # a HEAD answer is its headers
+
+    def answer(self, path: str) -> tuple[str, str]:
+        """The HTTP status and text for ``path`` (one of ``PATHS``)."""
         try:
             state = self.state()
         except ProbeFailed as e:
-            return _answer(start_response, "503 Service Unavailable", f"{e}\n")
+            return "503 Service Unavailable", f"{e}\n"
         tiers = ", ".join(f"{name} {health}" for name, health in state.tiers)
         if path == "/healthz":
-            return _answer(start_response, "200 OK", f"alive; {tiers}\n")
+            return "200 OK", f"alive; {tiers}\n"
         if not state.serving:
-            return _answer(
-                start_response,
-                "503 Service Unavailable",
-                f"not serving (draining or stopping); {tiers}\n",
-            )
+            return "503 Service Unavailable", f"not serving (draining or stopping); {tiers}\n"
         ok = all(health == "ok" for _, health in state.tiers)
-        return _answer(
-            start_response, "200 OK", f"{'ok' if ok else 'degraded'}: serving; {tiers}\n"
-        )
+        return "200 OK", f"{'ok' if ok else 'degraded'}: serving; {tiers}\n"
 
 
 def _answer(start_response: Any, status: str, text: str) -> list[bytes]:

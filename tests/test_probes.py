@@ -56,7 +56,7 @@ def test_probes_answer_without_the_metrics_token(daemon_factory, tmp_path):
     assert code == 401 and "kvtier_" not in body
     assert get(url + "/metrics", token="s3cret-" * 6)[0] == 200
     assert get(url + "/healthz", method="POST")[0] == 405
-    assert get(url + "/readyz", method="HEAD")[0] == 200
+    assert get(url + "/readyz", method="HEAD") == (200, "")
 
 
 def test_readyz_answers_503_while_the_daemon_drains(daemon_factory):
