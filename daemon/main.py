@@ -160,7 +160,7 @@ async def _serve(
                 )
             metrics = MetricsServer(daemon, config.metrics.address, token)
             metrics.start()
-        reloader = Reloader(daemon, load, known_ids)
+        reloader = Reloader(daemon, load, known_ids, metrics)
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
         where = ", ".join(daemon.addresses)
         extra = f"; metrics on {metrics.url}" if metrics is not None else ""

@@ -649,6 +649,7 @@ class MetricsServer:
         self.registry.register(DaemonCollector(daemon, loop))
         register_standard(self.registry)
         self.probe = HealthProbe(lambda: probe_state(daemon), loop)
+        self.scrape: Callable[..., Iterable[bytes]] | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -657,12 +658,21 @@ class MetricsServer:
         return http_url(self.host, self.port, "/metrics")
 
     def start(self) -> None:
+        self.scrape = scrape_app(self.registry, self.token)
         self._server, self._thread = serve_http(
-            self.host, self.port, self.registry, self.token, self.probe
+            self.host, self.port, ProbeRouter(self.scrape, self.probe)
         )
         if self.port == 0:
             self.port = int(self._server.server_address[1])
         log.info("metrics on %s", self.url)
+
+    def set_token(self, token: bytes) -> bool:
+        """Scrapes need ``token`` from now on (metrics.token_file read again); False, changing
+        nothing, when the endpoint was started without a token."""
+        if not isinstance(self.scrape, BearerApp):
+            return False
+        self.token = self.scrape.token = token
+        return True
 
     def close(self) -> None:
         if self._server is not None:
@@ -749,7 +759,8 @@ class PacedApp:
 class BearerApp:
     """A WSGI app that starts ``app`` only for a request carrying ``Authorization: Bearer
     TOKEN`` (compared in constant time), and answers 401 otherwise, before ``app`` (a
-    ``PacedApp``) gives it a turn. Thread-safety: any thread."""
+    ``PacedApp``) gives it a turn. Thread-safety: any thread; ``token`` may be replaced from
+    any thread (a request compares against one or the other, whole)."""
 
     def __init__(self, app: Callable[..., Iterable[bytes]], token: bytes) -> None:
         self.app = app
@@ -788,26 +799,25 @@ class ProbeRouter:
         return self.app(environ, start_response)
 
 
+def scrape_app(
+    registry: CollectorRegistry, token: bytes | None = None
+) -> Callable[..., Iterable[bytes]]:
+    """The scrape of ``registry``, paced (``PacedApp``); with a ``token``, answered only to
+    requests that carry it (a ``BearerApp``, whose token may be replaced later)."""
+    app: Callable[..., Iterable[bytes]] = PacedApp(make_wsgi_app(registry), SCRAPE_INTERVAL_S)
+    return app if token is None else BearerApp(app, token)
+
+
 def serve_http(
-    host: str,
-    port: int,
-    registry: CollectorRegistry,
-    token: bytes | None = None,
-    probe: Callable[..., Iterable[bytes]] | None = None,
+    host: str, port: int, app: Callable[..., Iterable[bytes]]
 ) -> tuple[_BoundedServer, threading.Thread]:
-    """Serve ``registry`` at ``http://host:port/metrics`` on a thread of its own; with a
-    ``token``, only to requests that carry it. With a ``probe``, ``/healthz`` and ``/readyz``
-    go to it, without the token (see ``kvtier.daemon.probes``)."""
+    """Serve the WSGI ``app`` at ``http://host:port/`` on a thread of its own, with the
+    connection bounds of ``_BoundedServer`` and ``_Handler``."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
 
     class Server(_BoundedServer):
         address_family = family
 
-    app: Callable[..., Iterable[bytes]] = PacedApp(make_wsgi_app(registry), SCRAPE_INTERVAL_S)
-    if token is not None:
-        app = BearerApp(app, token)
-    if probe is not None:
-        app = ProbeRouter(app, probe)
     server = make_server(host, port, app, Server, _Handler)
     thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics", daemon=True)
     thread.start()

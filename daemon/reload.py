@@ -20,6 +20,12 @@ Live keys, and how each applies:
 - ``server.session_ping_s``: for sessions opened from now on;
 - ``logging.level``, ``logging.format``: the handler is set up again.
 
+Token files are read again too (the running config's tenants' ``token_file`` and
+``metrics.token_file``, the paths unchanged): a file whose content changed gives its tenant
+(or the metrics endpoint) the new token from then on, the old one no longer binds a session
+(sessions already open stay); a file that cannot be used now (gone, readable by others, too
+short) is logged and its token stays the one read before. Tokens are never logged.
+
 Thread-safety: call on the daemon's event loop (the signal handler is installed with
 ``loop.add_signal_handler``).
 """
@@ -37,8 +43,10 @@ from kvtier.daemon.config import Config, check_config, config_keys, ids_from
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 from kvtier.daemon.policy.guard import EvictionGuard
+from kvtier.daemon.tenants import read_token_digests, read_token_file
 
 if TYPE_CHECKING:
+    from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.server import Daemon
 
 log = logging.getLogger(__name__)
@@ -61,6 +69,8 @@ class ReloadReport:
     applied: list[str]  # "key: old -> new"
     needs_restart: list[str]
     error: str = ""
+    new_tokens: list[str] = dataclasses.field(default_factory=list)  # "tenant 'x'", "metrics"
+    token_problems: list[str] = dataclasses.field(default_factory=list)
 
 
 def get_key(config: Any, key: str) -> Any:
@@ -100,13 +110,15 @@ class Reloader:
         daemon: Daemon,
         load: Callable[[], Config],
         known_ids: dict[tuple[str, str], int] | None = None,
+        metrics: MetricsServer | None = None,
     ) -> None:
         """``known_ids``: the uids and gids the running config's user and group names
         resolved to at start (``config.ids_from``); a reload resolves those names from it,
-        not the host."""
+        not the host. ``metrics``: the running endpoint, whose token a reload reads again."""
         self.daemon = daemon
         self.load = load
         self.known_ids = known_ids if known_ids is not None else {}
+        self.metrics = metrics
 
     def reload(self) -> ReloadReport:
         # A copy: the names only this reload brings in are not the running config's.
@@ -143,7 +155,28 @@ class Reloader:
                 "SIGHUP: these changes need a restart and were not applied: %s",
                 "; ".join(restart),
             )
-        return ReloadReport(applied, restart)
+        new_tokens, problems = self.reread_tokens()
+        return ReloadReport(applied, restart, new_tokens=new_tokens, token_problems=problems)
+
+    def reread_tokens(self) -> tuple[list[str], list[str]]:
+        """Read the running config's token files again (see the module docstring); what
+        took a new token, and what could not be read."""
+        config = self.daemon.config
+        digests, problems = read_token_digests(config)
+        changed = [f"tenant {name!r}" for name in self.daemon.tenants.set_tokens(digests)]
+        if self.metrics is not None and self.metrics.token is not None:
+            try:
+                token = read_token_file(config.metrics.token_file)
+            except OSError as e:
+                problems.append(f"metrics: {e}")
+            else:
+                if token != self.metrics.token and self.metrics.set_token(token):
+                    changed.append("metrics")
+        if changed:
+            log.info("SIGHUP: new token for %s", ", ".join(changed))
+        for problem in problems:
+            log.error("SIGHUP: token file not read again, its token stays: %s", problem)
+        return changed, problems
 
     def apply(self, config: Config) -> None:
         """Make ``config`` (which differs from the running one only in live keys) current."""

@@ -26,11 +26,16 @@ Rules:
   tenant). The default tenant's unnamed namespace is 0, the id every block had before
   tenants existed, so an older disk index keeps serving.
 
-Thread-safety: immutable after construction.
+- Tokens are read from their files at start and again at each SIGHUP (``set_tokens``): a
+  replaced file's token binds new sessions from then on and the old one no longer does;
+  sessions already open stay bound.
+
+Thread-safety: the event loop only (``set_tokens`` is the one change after construction).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -131,16 +136,32 @@ class TenantDirectory:
         self.tenants = {t.name: t for t in tenants}
         self.shared = {s.name: s for s in shared}
         self.admin_uids = frozenset(admin_uids)
-        self._by_uid = {uid: t for t in self.tenants.values() for uid in t.uids}
-        self._by_gid = {gid: t for t in self.tenants.values() for gid in t.gids}
-        self._tokens = [t for t in self.tenants.values() if t.token_digest]
+        self._index()
         # Namespaces already resolved (each costs a hash and checks per request otherwise);
         # emptied when it reaches _SPACES_KEPT entries.
         self._spaces: dict[tuple[str, str, bool], Space] = {}
 
+    def _index(self) -> None:
+        self._by_uid = {uid: t for t in self.tenants.values() for uid in t.uids}
+        self._by_gid = {gid: t for t in self.tenants.values() for gid in t.gids}
+        self._tokens = [t for t in self.tenants.values() if t.token_digest]
+
     @property
     def configured(self) -> bool:
         return bool(self.tenants)
+
+    def set_tokens(self, digests: Mapping[str, bytes]) -> list[str]:
+        """Give each tenant named in ``digests`` that token digest (its token file, read
+        again); returns the names whose token changed. Open sessions stay bound."""
+        changed = []
+        for name, digest in digests.items():
+            tenant = self.tenants[name]
+            if tenant.token_digest != digest:
+                self.tenants[name] = dataclasses.replace(tenant, token_digest=digest)
+                changed.append(name)
+        if changed:
+            self._index()
+        return changed
 
     @classmethod
     def from_config(cls, config: Config, read: bool = True) -> TenantDirectory:
@@ -288,6 +309,21 @@ class TenantDirectory:
 
 def _quotas(by_label: Mapping[str, int]) -> dict[TierKind, int]:
     return {TierKind.from_label(label): nbytes for label, nbytes in by_label.items()}
+
+
+def read_token_digests(config: Config) -> tuple[dict[str, bytes], list[str]]:
+    """The token digest of every tenant of ``config`` with a token file that can be used,
+    and a line for each that cannot (see ``read_token_file``)."""
+    digests: dict[str, bytes] = {}
+    problems = []
+    for tc in config.tenants:
+        if not tc.token_file:
+            continue
+        try:
+            digests[tc.name] = _digest(read_token_file(tc.token_file))
+        except OSError as e:
+            problems.append(f"tenant {tc.name!r}: {e}")
+    return digests, problems
 
 
 def read_token_file(path: str) -> bytes:

@@ -459,7 +459,7 @@ def test_regression_idle_connections_to_the_metrics_port_held_a_thread_and_a_fil
     after a while, and one beyond HTTP_MAX_CONNECTIONS at once ends the oldest, so held
     connections can neither use up the daemon's files nor keep a scrape out."""
     monkeypatch.setattr(metrics._Handler, "timeout", 60.0)
-    server, thread = metrics.serve_http("127.0.0.1", 0, CollectorRegistry())
+    server, thread = metrics.serve_http("127.0.0.1", 0, metrics.scrape_app(CollectorRegistry()))
     address = ("127.0.0.1", server.server_address[1])
     url = f"http://127.0.0.1:{address[1]}/metrics"
     held = [

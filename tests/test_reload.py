@@ -1,18 +1,22 @@
 """SIGHUP on a real daemon: live keys apply at once, the others are named as needing a
-restart, and a config that does not load changes nothing."""
+restart, a config that does not load changes nothing, and token files are read again."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
-from harness import DaemonProcess
+from harness import DaemonProcess, tenant_token
 
-from kvtier.client import InvalidArgumentError
+from kvtier.client import InvalidArgumentError, UnauthenticatedError
 from kvtier.daemon.reload import is_live, plan
+from kvtier.daemon.tenants import TenantDirectory
 
 CONFIG = """
 server:
@@ -98,7 +102,7 @@ def test_a_reload_whose_live_keys_do_not_hold_beside_the_running_ones_changes_no
 
     running = load_config(None, [])
     loaded = load_config(None, ["server.max_batch_blocks=100000", "server.max_message_bytes=8MiB"])
-    daemon = SimpleNamespace(config=running)
+    daemon = SimpleNamespace(config=running, tenants=TenantDirectory.from_config(running))
     applied: list[object] = []
     reloader = Reloader(daemon, lambda: loaded)  # type: ignore[arg-type]
     reloader.apply = applied.append  # type: ignore[method-assign]
@@ -210,6 +214,7 @@ def test_a_reload_keeps_the_ids_the_running_config_s_names_resolved_to(monkeypat
     known: dict[tuple[str, str], int] = {}
     with ids_from(known):
         running = load_config(None, names)
+        tenants = TenantDirectory.from_config(running)
     assert known == {("group", group): os.getgid(), ("user", user): os.getuid()}
 
     def gone(name: str) -> None:
@@ -217,7 +222,7 @@ def test_a_reload_keeps_the_ids_the_running_config_s_names_resolved_to(monkeypat
 
     monkeypatch.setattr(grp, "getgrnam", gone)
     monkeypatch.setattr(pwd, "getpwnam", gone)
-    daemon = SimpleNamespace(config=running)
+    daemon = SimpleNamespace(config=running, tenants=tenants)
     applied: list[object] = []
     reloader = Reloader(daemon, lambda: load_config(None, [*names, "policy.protect_s=5"]), known)  # type: ignore[arg-type]
     reloader.apply = applied.append  # type: ignore[method-assign]
@@ -229,3 +234,57 @@ def test_a_reload_keeps_the_ids_the_running_config_s_names_resolved_to(monkeypat
     assert "server.socket_group" in report.error and "kvtier-nosuchgroup" in report.error
     assert len(applied) == 1
     assert known == {("group", group): os.getgid(), ("user", user): os.getuid()}
+
+
+def _rotate(path: Path, secret: str) -> None:
+    """Replace a token file the way an operator's tooling does: a new file renamed over it."""
+    fresh = path.with_suffix(".new")
+    fresh.write_text(secret + "\n")
+    fresh.chmod(0o600)
+    fresh.rename(path)
+
+
+def test_sighup_reads_token_files_again(tmp_path, daemon_factory):
+    """A rotated secret binds new sessions from the reload on and the old one no longer does;
+    sessions opened with the old one carry on. A token file that cannot be used at the
+    reload (readable by others) keeps the token read before, and the log says why."""
+    token, tenants = tenant_token(tmp_path, "bob")
+    metrics_token = tmp_path / "metrics.token"
+    metrics_token.write_text("metrics-secret-one\n")
+    metrics_token.chmod(0o600)
+    d = daemon_factory(
+        tenants, "metrics.address=127.0.0.1:0", f"metrics.token_file={metrics_token}"
+    )
+    (url,) = set(re.findall(r"metrics on (http://\S+/metrics)", d.log()))
+    old = token.read_text().strip()
+    with d.client(token=old) as before:
+        assert before.tenant == "bob"
+        _rotate(token, "the-second-secret-of-bob")
+        _rotate(metrics_token, "metrics-secret-two")
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: new token for")
+        assert "new token for tenant 'bob', metrics" in log
+        assert "the-second-secret" not in log and "metrics-secret" not in log
+        with d.client(token=old) as stale, pytest.raises(UnauthenticatedError):
+            stale.stats()
+        with d.client(token="the-second-secret-of-bob") as fresh:
+            assert fresh.tenant == "bob"
+        assert before.stats().tenants[0].tenant == "bob"  # the open session stays
+        assert _scrape_status(url, "metrics-secret-one") == 401
+        assert _scrape_status(url, "metrics-secret-two") == 200
+
+        token.chmod(0o644)
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "token file not read again")
+        assert "tenant 'bob'" in log.split("token file not read again")[-1]
+        with d.client(token="the-second-secret-of-bob") as fresh:
+            assert fresh.tenant == "bob"
+
+
+def _scrape_status(url: str, token: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return e.code

@@ -94,6 +94,18 @@ def test_tokens_bind_their_tenant_where_the_peer_may_use_it(directory):
     assert directory.bind(peer(0), ROBOT).admin  # an admin uid keeps its rights
 
 
+def test_set_tokens_replaces_a_tenants_token_and_keeps_the_rest(directory):
+    fresh = b"bob-second-secret-0123"
+    assert directory.set_tokens({"bob": _digest(fresh), "robot": _digest(ROBOT)}) == ["bob"]
+    assert directory.bind(None, fresh).tenant == "bob"
+    with pytest.raises(Unauthenticated, match="not any tenant's"):
+        directory.bind(None, SECRET)
+    assert directory.bind(None, ROBOT).tenant == "robot"
+    assert directory.bind(peer(1001), b"").tenant == "bob"  # its uids and gids unchanged
+    assert directory.bind(peer(50 + 1, 50), b"").tenant == "bob"
+    assert directory.set_tokens({"bob": _digest(fresh)}) == []
+
+
 def test_spaces_are_the_tenants_own_or_configured_shared_ones(directory):
     mine = directory.space("alice", "m")
     assert (mine.owner, mine.ns) == ("alice", namespace_id("tenant:alice", "m"))
