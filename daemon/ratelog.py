@@ -97,6 +97,59 @@ class RateLimitedLog:
         return True
 
 
+class BurstGate:
+    """Per key, up to ``burst`` passes at once and ``rate_s`` a second after that (a token
+    bucket); the attempts beyond are counted, and the next pass of that key says how many.
+    For lines that every client causes in normal use (a session opened), where one line per
+    interval would hide most of a burst of engines starting, yet one client must not fill
+    the log: keys are a client's uid or tenant, never text from a request. At most
+    ``max_keys`` keys are kept; beyond, the ones whose bucket is full again are forgotten
+    (they would pass anyway), or all of them."""
+
+    def __init__(
+        self,
+        burst: int,
+        rate_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 4096,
+    ) -> None:
+        self.burst = burst
+        self.rate_s = rate_s
+        self.max_keys = max_keys
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, as of)
+        self._suppressed: Counter[str] = Counter()
+
+    @property
+    def suppressed(self) -> int:
+        """Attempts counted but not (yet) reported by a pass."""
+        return sum(self._suppressed.values())
+
+    def passes(self, key: str) -> int | None:
+        """None when ``key`` is over its budget (counted); else how many of its attempts were
+        counted since its last pass."""
+        now = self._clock()
+        tokens, then = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate_s)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            self._suppressed[key] += 1
+            return None
+        if key not in self._buckets and len(self._buckets) >= self.max_keys:
+            self._forget(now)
+        self._buckets[key] = (tokens - 1.0, now)
+        return self._suppressed.pop(key, 0)
+
+    def _forget(self, now: float) -> None:
+        full = [
+            k
+            for k, (tokens, then) in self._buckets.items()
+            if tokens + (now - then) * self.rate_s >= self.burst and k not in self._suppressed
+        ]
+        for k in full or list(self._buckets):
+            del self._buckets[k]
+
+
 # The logger of grpc's asyncio server core, and what it logs, with a traceback, when sending
 # an answer fails because the call ended meanwhile without grpc seeing the client leave: a
 # deadline that passes just as the answer goes out.

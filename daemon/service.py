@@ -26,6 +26,7 @@ Thread-safety: none; called from the server's event loop only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -43,12 +44,14 @@ from kvtier.daemon.cuda_pools import CudaPool
 from kvtier.daemon.errors import (
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
+from kvtier.daemon.ratelog import BurstGate
 from kvtier.daemon.sessions import (
     LEASE_BYTES,
     Lease,
@@ -69,6 +72,17 @@ log = logging.getLogger(__name__)
 
 # The longest a Check waits for transfers in flight to finish.
 MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
+# Lines about sessions opened and closed, per uid (tenant, with tenants configured): this many
+# at once, then this many a second; the next line says how many were left out. Any local
+# user who may connect opens and closes sessions at will, about 1,000 a second, and each
+# was two lines (~500 bytes) in the log; a node's engines starting together stay in the burst.
+SESSION_LOG_BURST = 64
+SESSION_LOG_RATE_S = 2.0
+
+
+def _left_out(count: int, key: str) -> str:
+    """What a session line says of the lines of ``key`` left out before it."""
+    return f" ({count} more session lines of {key} left out before this one)" if count else ""
 
 
 # Gauges a non-admin session of a daemon with tenants sees (KVService._tenant_stats): the
@@ -156,6 +170,7 @@ class KVService:
         self._clock = clock
         self._started = clock()
         self.draining = False
+        self._session_lines = BurstGate(SESSION_LOG_BURST, SESSION_LOG_RATE_S, clock)
 
     def apply_quotas(self) -> None:
         """Put the configured quotas into the store (each tenant's owner index is made
@@ -201,15 +216,18 @@ class KVService:
             admin=binding.admin,
             limit_key=binding.limit_key,
         )
-        log.info(
-            "session %s opened by %r (tenant %s%s, uid %s, pid %s)",
-            shown_id(session.session_id),
-            session.client_name,
-            session.tenant,
-            ", admin" if session.admin else "",
-            peer.uid if peer else "-",
-            peer.pid if peer else "-",
-        )
+        left_out = self._session_lines.passes(binding.limit_key)
+        if left_out is not None:
+            log.info(
+                "session %s opened by %r (tenant %s%s, uid %s, pid %s)%s",
+                shown_id(session.session_id),
+                session.client_name,
+                session.tenant,
+                ", admin" if session.admin else "",
+                peer.uid if peer else "-",
+                peer.pid if peer else "-",
+                _left_out(left_out, binding.limit_key),
+            )
         return session
 
     def session(self, session_id: str) -> Session:
@@ -217,16 +235,22 @@ class KVService:
         return self.sessions.get(session_id)
 
     def close_session(self, session_id: str) -> None:
+        key = ""
+        with contextlib.suppress(NotFound):
+            key = self.sessions.get(session_id).limit_key
         leases = self.sessions.close(session_id)
         for lease in leases:
             self.store.unpin(lease.refs)
         pools = self.pools.drop_session(session_id)
-        log.info(
-            "session %s closed: %d pools unregistered, %d leases released",
-            shown_id(session_id),
-            pools,
-            len(leases),
-        )
+        left_out = self._session_lines.passes(key)
+        if left_out is not None:
+            log.info(
+                "session %s closed: %d pools unregistered, %d leases released%s",
+                shown_id(session_id),
+                pools,
+                len(leases),
+                _left_out(left_out, key),
+            )
 
     # ------------------------------------------------------------------ pools
 

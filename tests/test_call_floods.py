@@ -13,11 +13,13 @@ burst of 5,000 calls from one client). These tests speak HTTP/2 themselves
 
 from __future__ import annotations
 
+import re
 import time
 
 from h2_frames import RawConnection
 
 from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
+from kvtier.daemon.service import SESSION_LOG_BURST, SESSION_LOG_RATE_S
 
 LOOKUP = "/kvtier.v1.KVTier/Lookup"
 # RST_STREAM error codes: REFUSED_STREAM for a stream the server did not run, and
@@ -41,3 +43,26 @@ def test_regression_one_connection_could_open_calls_without_bound(daemon):
         assert client.health()
         assert client.lookup([b"k" * 32]).prefix_len == 0
     conn.close()
+
+
+def test_regression_a_client_opening_sessions_in_a_loop_filled_the_log(daemon):
+    """Each session opened and closed was two INFO lines, whoever opened it: one local user
+    looping over sessions wrote ~500 bytes of log per session. Past a burst, the lines of one
+    uid (tenant) come at SESSION_LOG_RATE_S, and the next one logged counts those left out."""
+    start = time.monotonic()
+    for _ in range(SESSION_LOG_BURST):  # two lines each: twice the burst
+        with daemon.client() as client:
+            client.lookup([b"k" * 32])  # a session opens with the first call that needs one
+    elapsed = time.monotonic() - start
+    log = daemon.log()
+    lines = log.count(" opened by ") + log.count(" closed: ")
+    assert lines <= SESSION_LOG_BURST + SESSION_LOG_RATE_S * elapsed + 2  # + the fixture's
+    time.sleep(1.5 / SESSION_LOG_RATE_S)
+    with daemon.client() as client:
+        client.lookup([b"k" * 32])
+    deadline = time.monotonic() + 5
+    while "left out before this one" not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (noted,) = re.findall(r"\((\d+) more session lines of uid:\d+ left out", daemon.log())
+    logged = daemon.log().count(" opened by ") + daemon.log().count(" closed: ")
+    assert int(noted) + logged >= 2 * SESSION_LOG_BURST  # every line logged or counted

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.daemon.ratelog import LostAnswerFilter, RateLimitedLog
+from kvtier.daemon.ratelog import BurstGate, LostAnswerFilter, RateLimitedLog
 
 
 class Clock:
@@ -84,3 +84,30 @@ def test_regression_grpc_logged_a_traceback_for_each_answer_a_client_deadline_cu
             None,
         ),
     ]
+
+
+def test_a_burst_gate_passes_a_burst_then_its_rate_and_counts_the_rest():
+    now = [0.0]
+    gate = BurstGate(burst=3, rate_s=2.0, clock=lambda: now[0])
+    assert [gate.passes("uid:1") for _ in range(5)] == [0, 0, 0, None, None]
+    assert gate.passes("uid:2") == 0  # each key has its own bucket
+    assert gate.suppressed == 2
+    now[0] = 0.4  # 0.8 of a pass earned: still short
+    assert gate.passes("uid:1") is None
+    now[0] = 0.6  # one more pass, which reports the three left out
+    assert gate.passes("uid:1") == 3
+    assert gate.passes("uid:1") is None
+    now[0] = 100.0  # refilled to the burst, no more
+    assert [gate.passes("uid:1") for _ in range(4)] == [1, 0, 0, None]
+
+
+def test_a_burst_gate_keeps_at_most_max_keys_and_forgets_full_buckets_first():
+    now = [0.0]
+    gate = BurstGate(burst=2, rate_s=1.0, clock=lambda: now[0], max_keys=3)
+    for key in ("a", "b"):
+        gate.passes(key)
+    assert [gate.passes("c") for _ in range(3)] == [0, 0, None]
+    now[0] = 5.0  # a and b are full again; c is still owed its count
+    assert gate.passes("d") == 0
+    assert sorted(gate._buckets) == ["c", "d"]
+    assert gate.passes("c") == 1
