@@ -83,7 +83,7 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.fairthreads import FairThreads
 from kvtier.daemon.poolchecks import PoolChecks
-from kvtier.daemon.ratelog import RateLimitedLog
+from kvtier.daemon.ratelog import BurstGate, RateLimitedLog
 from kvtier.daemon.sessions import PeerCred, shown_id
 from kvtier.kernels.copy import MemoryFault
 from kvtier.kernels.layout import LayoutError, PoolLayout
@@ -99,6 +99,12 @@ _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 MAP_THREADS = 4
 # ...of which one tenant's jobs take at most this many at once: the others keep a thread.
 MAP_THREADS_PER_TENANT = MAP_THREADS - 1
+# Lines about pools registered and unregistered, all sessions' together: this many at once,
+# then this many a second; the next line says how many were left out. A client registering
+# and dropping pools in a loop wrote two lines each; a node's engines starting together stay
+# in the burst.
+POOL_LOG_BURST = 256
+POOL_LOG_RATE_S = 4.0
 
 
 @dataclass(eq=False)
@@ -230,6 +236,7 @@ class PoolRegistry:
         self.counters: Counter[str] = Counter()
         # A client breaking its pools in a loop must not flood the log.
         self._ratelog = RateLimitedLog(log, log_interval_s)
+        self._lines = BurstGate(POOL_LOG_BURST, POOL_LOG_RATE_S)
 
     def __len__(self) -> int:
         return len(self._pools)
@@ -386,8 +393,18 @@ class PoolRegistry:
         if self._per_session[session_id] <= 0:
             del self._per_session[session_id]
         pool.close()
-        log.info("pool %d unregistered", pool_id)
+        self._info("pool %d unregistered", pool_id)
         return pool
+
+    def _info(self, msg: str, *args: object) -> None:
+        """An INFO line about a pool, at the rates of POOL_LOG_BURST and POOL_LOG_RATE_S."""
+        left_out = self._lines.passes("pools")
+        if left_out is None:
+            return
+        if left_out:
+            msg += " (%d more pool lines left out before this one)"
+            args = (*args, left_out)
+        log.info(msg, *args)
 
     def drop_session(self, session_id: str) -> int:
         """Unregister the session's pools; registrations of it still being mapped register
@@ -553,7 +570,7 @@ class PoolRegistry:
         self._pools[pool.pool_id] = pool
         self._per_session[pool.session_id] += 1
         layout = pool.layout
-        log.info(
+        self._info(
             "pool %d registered: %s, %d MiB%s, %d pages of %d-byte blocks, %d layers",
             pool.pool_id,
             pool.name,

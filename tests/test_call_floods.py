@@ -18,6 +18,8 @@ import time
 
 from h2_frames import RawConnection
 
+from kvtier.client import PoolLayout, SharedMemoryPool
+from kvtier.daemon.pools import POOL_LOG_BURST, POOL_LOG_RATE_S
 from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
 from kvtier.daemon.service import SESSION_LOG_BURST, SESSION_LOG_RATE_S
 
@@ -66,3 +68,25 @@ def test_regression_a_client_opening_sessions_in_a_loop_filled_the_log(daemon):
     (noted,) = re.findall(r"\((\d+) more session lines of uid:\d+ left out", daemon.log())
     logged = daemon.log().count(" opened by ") + daemon.log().count(" closed: ")
     assert int(noted) + logged >= 2 * SESSION_LOG_BURST  # every line logged or counted
+
+
+def test_regression_a_client_registering_pools_in_a_loop_filled_the_log(daemon):
+    """Pools registered and unregistered were two INFO lines each; past a burst they come at
+    POOL_LOG_RATE_S, and the next one logged counts those left out."""
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=1, block_tokens=16, chunk_bytes=4096, dtype="uint8"
+    )
+    rounds = POOL_LOG_BURST // 2 + 40
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        start = time.monotonic()
+        for _ in range(rounds):
+            client.unregister_pool(client.register_pool(shm, layout).pool_id)
+        elapsed = time.monotonic() - start
+        log = daemon.log()
+        lines = log.count(" registered: ") + log.count(" unregistered")
+        assert lines <= POOL_LOG_BURST + POOL_LOG_RATE_S * elapsed + 1
+        time.sleep(1.5 / POOL_LOG_RATE_S)
+        client.unregister_pool(client.register_pool(shm, layout).pool_id)
+    (noted,) = re.findall(r"\((\d+) more pool lines left out", daemon.log())
+    log = daemon.log()
+    assert int(noted) + log.count(" registered: ") + log.count(" unregistered") >= 2 * rounds
