@@ -12,6 +12,7 @@ copies run at full speed.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import threading
@@ -176,8 +177,16 @@ class HostArena:
         try:
             self.buffer.close()
         except BufferError:
-            # A view is still exported (a copy in flight at shutdown); the OS reclaims it.
-            log.warning("L1 arena still in use at close; leaving it to the OS")
+            # Views of the arena held only by garbage not yet collected (reference cycles,
+            # e.g. the frames of a finished transfer: kvtierd collects rarely, see
+            # kvtier.daemon.main) are freed by a collection; every stop after an L2 flush
+            # warned without it.
+            gc.collect()
+            try:
+                self.buffer.close()
+            except BufferError:
+                # A view is still exported (a copy in flight at shutdown); the OS reclaims it.
+                log.warning("L1 arena still in use at close; leaving it to the OS")
 
     def _address(self) -> int:
         return int(self.array.ctypes.data)
