@@ -18,7 +18,8 @@ tier's state, nothing about tenants or traffic. Answers are reused for ``HEALTH_
 probes from whoever reaches the port cost the loop at most one snapshot per interval.
 
 Thread-safety: ``HealthProbe`` is called on the HTTP server's threads; it touches daemon state
-only on the event loop.
+only on the event loop. Probes that come while one waits for the loop share its request, so
+each answers within ``HEALTH_TIMEOUT_S`` and holds its thread no longer, however many come.
 """
 
 from __future__ import annotations
@@ -87,40 +88,64 @@ class HealthProbe:
         self._lock = threading.Lock()
         self._last: ProbeState | None = None
         self._last_at = -float("inf")
+        # The request to the loop that probes wait for now, if any.
+        self._asking: concurrent.futures.Future[ProbeState] | None = None
 
     def state(self) -> ProbeState:
         """The daemon's state; ``ProbeFailed`` when its event loop did not answer in time,
         has stopped, or the reading failed. Probes that come while one waits for the loop
-        wait with it."""
+        wait for the same answer: each waits ``timeout_s`` at most, and the loop is asked
+        once for them all."""
         with self._lock:
             if self._last is not None and self._clock() - self._last_at < self.reuse_s:
                 return self._last
-            self._last = None
-            future: concurrent.futures.Future[ProbeState] = concurrent.futures.Future()
-
-            def run() -> None:  # on the loop
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(self.ask())
-                    except Exception as e:
-                        future.set_exception(e)
-
-            try:
-                self.loop.call_soon_threadsafe(run)
-            except RuntimeError:
-                raise ProbeFailed("the daemon's event loop has stopped") from None
-            try:
-                state = future.result(self.timeout_s)
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                raise ProbeFailed(
-                    f"the daemon's event loop did not answer within {self.timeout_s:g} s"
-                ) from None
-            except Exception as e:
+            future = self._asking
+            if future is None:
+                future = self._ask_loop()
+                self._asking = future
+        try:
+            state = future.result(self.timeout_s)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            # Cancelled: the probe that asked first gave up waiting, for the same loop.
+            future.cancel()
+            self._done(future)
+            raise ProbeFailed(
+                f"the daemon's event loop did not answer within {self.timeout_s:g} s"
+            ) from None
+        except Exception as e:
+            if self._done(future):
                 log.warning("health probe failed: %r", e)
-                raise ProbeFailed(f"reading the daemon's state failed: {e!r}") from None
-            self._last, self._last_at = state, self._clock()
-            return state
+            raise ProbeFailed(f"reading the daemon's state failed: {e!r}") from None
+        with self._lock:
+            if self._asking is future:
+                self._asking = None
+                self._last, self._last_at = state, self._clock()
+        return state
+
+    def _ask_loop(self) -> concurrent.futures.Future[ProbeState]:
+        """A request to the event loop for the state. Call holding ``_lock``."""
+        future: concurrent.futures.Future[ProbeState] = concurrent.futures.Future()
+
+        def run() -> None:  # on the loop
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.ask())
+                except Exception as e:
+                    future.set_exception(e)
+
+        try:
+            self.loop.call_soon_threadsafe(run)
+        except RuntimeError:
+            raise ProbeFailed("the daemon's event loop has stopped") from None
+        return future
+
+    def _done(self, future: concurrent.futures.Future[ProbeState]) -> bool:
+        """Forget ``future`` as the request in flight; False when another probe did."""
+        with self._lock:
+            if self._asking is not future:
+                return False
+            self._asking = None
+            return True
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -181,3 +182,34 @@ def test_an_answer_is_reused_within_the_reuse_interval_only(loop_thread):
 def test_probes_refuse_other_methods(loop_thread):
     probe = HealthProbe(lambda: SERVING, loop_thread)
     assert call(probe, "/healthz", method="DELETE")[0] == "405 Method Not Allowed"
+
+
+def test_regression_probes_that_came_together_waited_for_the_loop_one_after_another(loop_thread):
+    """A probe that came while another waited for the event loop waited for the lock, then
+    asked the loop again and waited its own timeout: the n-th of n probes at a stuck loop
+    answered after n timeouts (the third one after the kubelet's own 5 s), and each held a
+    thread of the HTTP server that long. Those that come together share one request to the
+    loop, and its answer."""
+    probe = HealthProbe(lambda: SERVING, loop_thread, timeout_s=2.0, reuse_s=0.0)
+    release = threading.Event()
+    loop_thread.call_soon_threadsafe(release.wait, 30)  # the loop stuck in a call
+    together = threading.Barrier(4)
+    answers: queue.Queue[tuple[str, str]] = queue.Queue()
+
+    def ask() -> None:
+        together.wait()
+        answers.put(call(probe, "/healthz"))
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        first = answers.get(timeout=30)
+    finally:
+        release.set()  # the loop answers again once the first probe has its 503
+    for thread in threads:
+        thread.join(30)
+    rest = [answers.get_nowait() for _ in range(3)]
+    expected = ("503 Service Unavailable", "the daemon's event loop did not answer within 2 s\n")
+    assert [first, *rest] == [expected] * 4
+    assert call(probe, "/healthz")[0] == "200 OK"
