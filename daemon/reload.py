@@ -20,11 +20,12 @@ Live keys, and how each applies:
 - ``server.session_ping_s``: for sessions opened from now on;
 - ``logging.level``, ``logging.format``: the handler is set up again.
 
-Token files are read again too (the running config's tenants' ``token_file`` and
-``metrics.token_file``, the paths unchanged): a file whose content changed gives its tenant
-(or the metrics endpoint) the new token from then on, the old one no longer binds a session
-(sessions already open stay); a file that cannot be used now (gone, readable by others, too
-short) is logged and its token stays the one read before. Tokens are never logged.
+Token files are read again too, even when the new config does not load or apply (the running
+config's tenants' ``token_file`` and ``metrics.token_file``, the paths unchanged): a file
+whose content changed gives its tenant (or the metrics endpoint) the new token from then on,
+the old one no longer binds a session (sessions already open stay); a file that cannot be
+used now (gone, readable by others, too short) is logged and its token stays the one read
+before. Tokens are never logged.
 
 Thread-safety: call on the daemon's event loop (the signal handler is installed with
 ``loop.add_signal_handler``).
@@ -123,7 +124,11 @@ class Reloader:
     def reload(self) -> ReloadReport:
         # A copy: the names only this reload brings in are not the running config's.
         with ids_from(dict(self.known_ids)):
-            return self._reload()
+            report = self._reload()
+        # The running config's files: read again whether or not the new config loaded, so
+        # that a secret rotated out stops binding even while the config file is wrong.
+        new_tokens, problems = self.reread_tokens()
+        return dataclasses.replace(report, new_tokens=new_tokens, token_problems=problems)
 
     def _reload(self) -> ReloadReport:
         try:
@@ -155,8 +160,7 @@ class Reloader:
                 "SIGHUP: these changes need a restart and were not applied: %s",
                 "; ".join(restart),
             )
-        new_tokens, problems = self.reread_tokens()
-        return ReloadReport(applied, restart, new_tokens=new_tokens, token_problems=problems)
+        return ReloadReport(applied, restart)
 
     def reread_tokens(self) -> tuple[list[str], list[str]]:
         """Read the running config's token files again (see the module docstring); what

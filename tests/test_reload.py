@@ -288,3 +288,26 @@ def _scrape_status(url: str, token: str) -> int:
             return int(resp.status)
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def test_regression_a_config_that_did_not_load_kept_the_rotated_out_token(tmp_path, daemon_factory):
+    """The token files read again are the running config's, whatever the new config holds;
+    but a SIGHUP whose config did not load stopped before reading them, so a secret rotated
+    out (leaked, say) still bound new sessions while an unrelated key of the file was wrong."""
+    token, tenants = tenant_token(tmp_path, "bob")
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(CONFIG.format(batch=8, l1="64MiB", protect=2.0, level="info"))
+    sock = f"{daemon_factory._sockdir}/rotate.sock"
+    d = DaemonProcess(tmp_path, sock, ["--config", str(path), "--set", tenants])
+    daemon_factory._daemons.append(d)
+    d.start()
+    old = token.read_text().strip()
+    path.write_text("server:\n  max_batch_blocks: lots\n")
+    _rotate(token, "the-second-secret-of-bob")
+    d.proc.send_signal(signal.SIGHUP)
+    _wait_for_log(d, "config not reloaded")
+    assert "new token for tenant 'bob'" in _wait_for_log(d, "SIGHUP: new token for")
+    with d.client(token=old) as stale, pytest.raises(UnauthenticatedError):
+        stale.stats()
+    with d.client(token="the-second-secret-of-bob") as fresh:
+        assert fresh.tenant == "bob"
