@@ -25,7 +25,8 @@ config's tenants' ``token_file`` and ``metrics.token_file``, the paths unchanged
 whose content changed gives its tenant (or the metrics endpoint) the new token from then on,
 the old one no longer binds a session (sessions already open stay); a file that cannot be
 used now (gone, readable by others, too short) is logged and its token stays the one read
-before. Tokens are never logged.
+before; tenants whose files now hold the same token are logged too (such a token binds none
+of them). Tokens are never logged.
 
 Thread-safety: call on the daemon's event loop (the signal handler is installed with
 ``loop.add_signal_handler``).
@@ -168,6 +169,11 @@ class Reloader:
         config = self.daemon.config
         digests, problems = read_token_digests(config)
         changed = [f"tenant {name!r}" for name in self.daemon.tenants.set_tokens(digests)]
+        clashes = [
+            f"tenants {', '.join(map(repr, names))}: their token files hold the same token, "
+            "which binds none of them"
+            for names in self.daemon.tenants.token_clashes()
+        ]
         if self.metrics is not None and self.metrics.token is not None:
             try:
                 token = read_token_file(config.metrics.token_file)
@@ -180,7 +186,9 @@ class Reloader:
             log.info("SIGHUP: new token for %s", ", ".join(changed))
         for problem in problems:
             log.error("SIGHUP: token file not read again, its token stays: %s", problem)
-        return changed, problems
+        for clash in clashes:
+            log.error("SIGHUP: %s; give each its own", clash)
+        return changed, problems + clashes
 
     def apply(self, config: Config) -> None:
         """Make ``config`` (which differs from the running one only in live keys) current."""

@@ -14,7 +14,7 @@ Rules:
   peer that matches none is refused, unless it is an admin peer, which then gets the tenant
   ``admin``.
 - A token binds the session to the tenant whose token it is (compared in constant time
-  against every tenant's). Over TCP a token is the only way in. On the Unix socket the token's
+  against every tenant's); one that is more than one tenant's binds none. Over TCP a token is the only way in. On the Unix socket the token's
   tenant must be one the peer may use: its own, or a tenant that lists no uids and gids.
 - Admin rights: the sessions of an ``admin: true`` tenant, and of root, the daemon's own user
   and ``server.admin_uids`` (root and the daemon's user could read the daemon's memory
@@ -163,6 +163,14 @@ class TenantDirectory:
             self._index()
         return changed
 
+    def token_clashes(self) -> list[list[str]]:
+        """The names of the tenants that share a token, in groups (a token of more than one
+        tenant binds none of them)."""
+        by_digest: dict[bytes, list[str]] = {}
+        for t in self._tokens:
+            by_digest.setdefault(t.token_digest, []).append(t.name)
+        return [names for names in by_digest.values() if len(names) > 1]
+
     @classmethod
     def from_config(cls, config: Config, read: bool = True) -> TenantDirectory:
         """The directory of a (checked) config; ``read``: read the token files (raises
@@ -217,12 +225,19 @@ class TenantDirectory:
         if len(token) > MAX_TOKEN_BYTES:
             raise Unauthenticated(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         digest = _digest(token)
-        found: Tenant | None = None
-        for tenant in self._tokens:  # every one compared, whichever matches
-            if hmac.compare_digest(digest, tenant.token_digest):
-                found = tenant
-        if found is None:
+        matches = [
+            tenant
+            for tenant in self._tokens  # every one compared, whichever matches
+            if hmac.compare_digest(digest, tenant.token_digest)
+        ]
+        if not matches:
             raise Unauthenticated("the token is not any tenant's")
+        if len(matches) > 1:
+            raise Unauthenticated(
+                "the token is more than one tenant's (their token files hold the same "
+                "secret), so it binds none: the daemon's operator must give each its own"
+            )
+        (found,) = matches
         admin = found.admin
         if peer is not None:
             if found.by_credentials and peer.uid not in found.uids and peer.gid not in found.gids:

@@ -311,3 +311,24 @@ def test_regression_a_config_that_did_not_load_kept_the_rotated_out_token(tmp_pa
         stale.stats()
     with d.client(token="the-second-secret-of-bob") as fresh:
         assert fresh.tenant == "bob"
+
+
+def test_a_reload_names_tenants_whose_token_files_came_to_hold_the_same_token(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from kvtier.daemon.config import load_config
+    from kvtier.daemon.reload import Reloader
+
+    bob, _ = tenant_token(tmp_path, "bob")
+    robot, _ = tenant_token(tmp_path, "robot")
+    tenants = f"tenants=[{{name: bob, token_file: {bob}}}, {{name: robot, token_file: {robot}}}]"
+    running = load_config(None, [tenants])
+    daemon = SimpleNamespace(config=running, tenants=TenantDirectory.from_config(running))
+    reloader = Reloader(daemon, lambda: running)  # type: ignore[arg-type]
+    _rotate(bob, robot.read_text().strip())
+    changed, problems = reloader.reread_tokens()
+    assert changed == ["tenant 'bob'"]
+    assert problems == [
+        "tenants 'bob', 'robot': their token files hold the same token, which binds none of them"
+    ]
+    assert "give each its own" in caplog.text and "secret-for-tenant" not in caplog.text

@@ -106,6 +106,23 @@ def test_set_tokens_replaces_a_tenants_token_and_keeps_the_rest(directory):
     assert directory.set_tokens({"bob": _digest(fresh)}) == []
 
 
+def test_regression_a_token_of_two_tenants_bound_whichever_came_last(directory):
+    """bob's file rotated to robot's secret (a copy slip at a SIGHUP; two files of the same
+    content at start did it too): a session presenting it bound the last tenant of the
+    config that matched, so one of the two got the other's namespaces. A token that is more
+    than one tenant's binds none, and the directory names the tenants that share one."""
+    assert directory.token_clashes() == []
+    directory.set_tokens({"bob": _digest(ROBOT)})
+    assert directory.token_clashes() == [["bob", "robot"]]
+    for who in (None, peer(1001)):
+        with pytest.raises(Unauthenticated, match="more than one tenant's"):
+            directory.bind(who, ROBOT)
+    assert directory.bind(peer(1001), b"").tenant == "bob"  # its uid still binds it
+    directory.set_tokens({"bob": _digest(SECRET)})
+    assert directory.bind(None, ROBOT).tenant == "robot"
+    assert directory.token_clashes() == []
+
+
 def test_spaces_are_the_tenants_own_or_configured_shared_ones(directory):
     mine = directory.space("alice", "m")
     assert (mine.owner, mine.ns) == ("alice", namespace_id("tenant:alice", "m"))
