@@ -15,7 +15,8 @@ exported, as ``kvtier_store_events_total{event=...}``, so a new counter is never
 dropped.
 
 The endpoint is off unless ``metrics.address`` is set; a bare port listens on 127.0.0.1 only.
-It also answers the health probes ``/healthz`` and ``/readyz`` (``kvtier.daemon.probes``).
+It also answers the health probes ``/healthz`` and ``/readyz`` (``kvtier.daemon.probes``);
+any other path is 404.
 
 Thread-safety: the HTTP server runs on its own thread; it never touches daemon state, it asks
 the event loop for a snapshot (``asyncio.run_coroutine_threadsafe``) and waits for it. The
@@ -784,8 +785,10 @@ class BearerApp:
 
 
 class ProbeRouter:
-    """A WSGI app that hands ``probes.PATHS`` to ``probe`` and every other path to ``app``
-    (the scrape: token-checked and paced, which the probes are not)."""
+    """A WSGI app that hands ``probes.PATHS`` to ``probe``, ``/metrics`` to ``app`` (the
+    scrape: token-checked and paced, which the probes are not), and answers 404 to every
+    other path. prometheus_client's app serves the scrape at any path: a probe set to a path
+    slightly off (``/readyz/``) got the scrape's 200 whatever the daemon's state."""
 
     def __init__(
         self, app: Callable[..., Iterable[bytes]], probe: Callable[..., Iterable[bytes]]
@@ -794,9 +797,13 @@ class ProbeRouter:
         self.probe = probe
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        if environ.get("PATH_INFO", "") in PROBE_PATHS:
+        path = environ.get("PATH_INFO", "")
+        if path in PROBE_PATHS:
             return self.probe(environ, start_response)
-        return self.app(environ, start_response)
+        if path == "/metrics":
+            return self.app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: this endpoint serves /metrics, /healthz and /readyz\n"]
 
 
 def scrape_app(

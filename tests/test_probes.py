@@ -16,7 +16,9 @@ import urllib.request
 
 import pytest
 from h2_frames import RawConnection, grpc_prefix
+from prometheus_client import CollectorRegistry
 
+from kvtier.daemon import metrics
 from kvtier.daemon.probes import HealthProbe, ProbeState
 
 
@@ -213,3 +215,29 @@ def test_regression_probes_that_came_together_waited_for_the_loop_one_after_anot
     expected = ("503 Service Unavailable", "the daemon's event loop did not answer within 2 s\n")
     assert [first, *rest] == [expected] * 4
     assert call(probe, "/healthz")[0] == "200 OK"
+
+
+def test_regression_a_probe_at_a_path_slightly_off_was_answered_by_the_scrape(loop_thread):
+    """Every path but the probes' went to the scrape, which prometheus_client serves at any
+    path: without metrics.token_file, a readiness probe set to /readyz/ (or /ready) got 200
+    while the daemon drained. Paths other than /metrics and the probes' are 404."""
+    draining = ProbeState(serving=False, tiers=(("L1", "ok"),))
+    probe = HealthProbe(lambda: draining, loop_thread)
+    server, thread = metrics.serve_http(
+        "127.0.0.1", 0, metrics.ProbeRouter(metrics.scrape_app(CollectorRegistry()), probe)
+    )
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert get(url + "/readyz")[0] == 503
+        assert get(url + "/readyz?verbose=1")[0] == 503  # the query is not the path
+        assert get(url + "/metrics")[0] == 200
+        for path in ("/readyz/", "/ready", "/", "/healthz/x", "/metrics/"):
+            code, body = get(url + path)
+            assert (code, body) == (
+                404,
+                "not found: this endpoint serves /metrics, /healthz and /readyz\n",
+            ), path
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
