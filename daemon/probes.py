@@ -150,7 +150,12 @@ class HealthProbe:
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD")
         if method not in ("GET", "HEAD"):
-            return _answer(start_response, "405 Method Not Allowed", "GET or HEAD only\n")
+            return _answer(
+                start_response,
+                "405 Method Not Allowed",
+                "GET or HEAD only\n",
+                [("Allow", "GET, HEAD")],
+            )
         status, text = self.answer(environ.get("PATH_INFO", ""))
         body = _answer(start_response, status, text)
         return [] if method == "HEAD" else body  # a HEAD answer is its headers
@@ -170,7 +175,9 @@ class HealthProbe:
         return "200 OK", f"{'ok' if ok else 'degraded'}: serving; {tiers}\n"
 
 
-def _answer(start_response: Any, status: str, text: str) -> list[bytes]:
+def _answer(
+    start_response: Any, status: str, text: str, extra: list[tuple[str, str]] | None = None
+) -> list[bytes]:
     body = text.encode()
     start_response(
         status,
@@ -178,6 +185,7 @@ def _answer(start_response: Any, status: str, text: str) -> list[bytes]:
             ("Content-Type", "text/plain; charset=utf-8"),
             ("Content-Length", str(len(body))),
             ("Cache-Control", "no-store"),
+            *(extra or []),
         ],
     )
     return [body]

@@ -241,3 +241,14 @@ def test_regression_a_probe_at_a_path_slightly_off_was_answered_by_the_scrape(lo
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_a_refused_method_is_told_which_are_allowed(loop_thread):
+    """HTTP requires an Allow header on a 405 answer."""
+    probe = HealthProbe(lambda: SERVING, loop_thread)
+    got: list[tuple[str, list[tuple[str, str]]]] = []
+    environ = {"PATH_INFO": "/readyz", "REQUEST_METHOD": "POST"}
+    b"".join(probe(environ, lambda status, headers: got.append((status, headers))))
+    ((status, headers),) = got
+    assert status == "405 Method Not Allowed"
+    assert ("Allow", "GET, HEAD") in headers
