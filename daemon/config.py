@@ -816,7 +816,8 @@ class MetricsConfig:
         metadata=_opt(
             "str",
             doc="file holding a bearer token (readable by its owner only) that every scrape "
-            "must present; empty: anyone who reaches the address may scrape",
+            "must present, read again at SIGHUP; empty: anyone who reaches the address may "
+            "scrape",
         ),
     )
 
@@ -879,8 +880,9 @@ class TenantConfig:
         default="",
         metadata=_opt(
             "str",
-            doc="file holding the tenant's secret token (readable by its owner only); a "
-            "session that presents it belongs to the tenant (required over TCP)",
+            doc="file holding the tenant's secret token (readable by its owner only), read "
+            "again at SIGHUP; a session that presents it belongs to the tenant (required over "
+            "TCP)",
         ),
     )
     admin: bool = field(
