@@ -52,10 +52,10 @@ from kvtier.client.sync import (
     _SESSION_METHODS,
     CHANNEL_OPTIONS,
     NAMESPACE_METHODS,
+    SessionToken,
     client_namespace,
     client_settings,
     no_fd_transport,
-    resolve_token,
 )
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -82,7 +82,7 @@ class AsyncClient:
             timeout_s, max_batch_blocks, client_name
         )
         self.namespace = client_namespace(namespace)
-        self._token = resolve_token(token, token_file)
+        self._token = SessionToken(token, token_file)
         self.tenant = ""  # the session's tenant, once it is open
         self.admin = False
         self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
@@ -157,7 +157,7 @@ class AsyncClient:
     async def _open_session(self) -> None:
         tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
         request = t.build_request(
-            pb.OpenSessionRequest, client_name=self.client_name, token=self._token
+            pb.OpenSessionRequest, client_name=self.client_name, token=self._token.current()
         )
         if tickets.due():
             request.credential_ticket = await _off_loop(tickets.fetch, self.timeout_s)

@@ -17,6 +17,7 @@ Thread-safety: a Client may be shared by threads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -127,6 +128,26 @@ def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] 
     return token or b""
 
 
+class SessionToken:
+    """A client's tenant token, presented at each session it opens: given as such, or read
+    from ``token_file`` at construction (see ``resolve_token``) and again at each session
+    the client opens, so that a token rotated in the file (and in the daemon, at a SIGHUP)
+    serves the next session without a new client. A file that cannot be read then keeps the
+    token read before."""
+
+    def __init__(
+        self, token: bytes | str | None, token_file: str | os.PathLike[str] | None
+    ) -> None:
+        self.value = resolve_token(token, token_file)
+        self.file = token_file
+
+    def current(self) -> bytes:
+        if self.file is not None:
+            with contextlib.suppress(InvalidArgumentError, PermissionDeniedError):
+                self.value = resolve_token(None, self.file)
+        return self.value
+
+
 def client_settings(
     timeout_s: float, max_batch_blocks: int, client_name: str
 ) -> tuple[float, int, str]:
@@ -169,14 +190,14 @@ class Client:
     ) -> None:
         """``namespace``: the namespace (inside this client's tenant) of every call that does
         not name its own; "shared:NAME[/SUB]" for a namespace the daemon's config shares.
-        ``token`` (or ``token_file``): a tenant's secret, to be that tenant (over TCP the
-        only way to open a session)."""
+        ``token`` (or ``token_file``, read again at each session the client opens): a
+        tenant's secret, to be that tenant (over TCP the only way to open a session)."""
         self.address = t.checked_address(t.resolve_address(address))
         self.timeout_s, self.max_batch_blocks, client_name = client_settings(
             timeout_s, max_batch_blocks, client_name
         )
         self.namespace = client_namespace(namespace)
-        self._token = resolve_token(token, token_file)
+        self._token = SessionToken(token, token_file)
         self._tenant = ""
         self._admin = False
         self.client_name = client_name or f"pid {os.getpid()}"
@@ -244,7 +265,7 @@ class Client:
     def _open_session(self) -> None:
         tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
         request = t.build_request(
-            pb.OpenSessionRequest, client_name=self.client_name, token=self._token
+            pb.OpenSessionRequest, client_name=self.client_name, token=self._token.current()
         )
         if tickets.due():
             request.credential_ticket = tickets.fetch(self.timeout_s)

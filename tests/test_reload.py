@@ -332,3 +332,57 @@ def test_a_reload_names_tenants_whose_token_files_came_to_hold_the_same_token(tm
         "tenants 'bob', 'robot': their token files hold the same token, which binds none of them"
     ]
     assert "give each its own" in caplog.text and "secret-for-tenant" not in caplog.text
+
+
+def test_regression_a_client_opened_its_next_session_with_the_token_rotated_out(
+    tmp_path, daemon_factory
+):
+    """A client made with token_file read the file once, at construction: after a rotation,
+    the next session it opened (its session ended: a daemon restart, a lapse of pings)
+    presented the old token, refused until the engine's process made a new client. It reads
+    the file again at each session it opens; a file it cannot read then keeps the token
+    read before."""
+    import asyncio
+    import threading
+
+    from kvtier.client import AsyncClient, Client
+
+    token, tenants = tenant_token(tmp_path, "bob")
+    d = daemon_factory(tenants)
+    mine = tmp_path / "engine.token"  # the engine's copy of the secret
+    _rotate(mine, token.read_text().strip())
+    # The asyncio client's loop runs all along, as an engine's does: it sees its session end.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    async def connect() -> AsyncClient:
+        return AsyncClient(d.address, token_file=str(mine))
+
+    async def tenant_of(client: AsyncClient) -> str:
+        return (await client.stats()).tenants[0].tenant
+
+    with Client(d.address, token_file=str(mine)) as client:
+        aclient = on_loop(connect())
+        try:
+            assert client.stats().tenants[0].tenant == "bob"
+            assert on_loop(tenant_of(aclient)) == "bob"
+            for path in (token, mine):
+                _rotate(path, "the-second-secret-of-bob")
+            d.proc.send_signal(signal.SIGHUP)
+            _wait_for_log(d, "SIGHUP: new token for tenant 'bob'")
+            assert client.stats().tenants[0].tenant == "bob"  # the open session carries on
+            d.restart()  # every session ends
+            assert client.stats().tenants[0].tenant == "bob"
+            assert on_loop(tenant_of(aclient)) == "bob"
+            mine.unlink()
+            d.restart()
+            assert client.stats().tenants[0].tenant == "bob"  # the token read before
+        finally:
+            on_loop(aclient.close())
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
