@@ -358,16 +358,27 @@ def _tcp_port(key: str, address: str) -> list[Problem]:
 
 
 def _tokens(config: Config) -> list[Problem]:
-    """Every tenant's token file can be read, is private to its owner and holds a token."""
+    """Every tenant's token file can be read, is private to its owner and holds a token, and
+    no two tenants' files hold the same one (such a token would bind neither)."""
     from kvtier.daemon.tenants import read_token_file
 
     out = []
+    owner_of: dict[bytes, str] = {}
     for i, tenant in enumerate(config.tenants):
         if tenant.token_file:
             try:
-                read_token_file(tenant.token_file)
+                token = read_token_file(tenant.token_file)
             except OSError as e:
                 out.append(Problem(f"tenants[{i}].token_file", str(e)))
+                continue
+            if (other := owner_of.setdefault(token, tenant.name)) != tenant.name:
+                out.append(
+                    Problem(
+                        f"tenants[{i}].token_file",
+                        f"{tenant.token_file} holds the same token as tenant {other!r}'s "
+                        "token file; give each tenant a token of its own",
+                    )
+                )
     return out
 
 

@@ -13,13 +13,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from h2_frames import RawConnection, grpc_prefix
 from prometheus_client import CollectorRegistry
 
 from kvtier.daemon import metrics
-from kvtier.daemon.probes import HealthProbe, ProbeState
+from kvtier.daemon.health import HealthService
+from kvtier.daemon.probes import HealthProbe, ProbeState, probe_state
+from kvtier.tiers.base import HEALTHY, Health, TierHealth, TierKind
 
 
 def base_url(daemon) -> str:
@@ -156,12 +159,20 @@ def test_a_state_that_cannot_be_read_fails_the_probes(loop_thread):
 
 
 def test_readyz_names_a_degraded_tier_and_stays_ready(loop_thread):
-    state = ProbeState(serving=True, tiers=(("L1", "ok"), ("L2", "degraded_io: disk faults")))
+    state = ProbeState(serving=True, tiers=(("L1", "ok"), ("L2", "degraded_io")))
     probe = HealthProbe(lambda: state, loop_thread)
-    assert call(probe, "/readyz") == (
-        "200 OK",
-        "degraded: serving; L1 ok, L2 degraded_io: disk faults\n",
-    )
+    assert call(probe, "/readyz") == ("200 OK", "degraded: serving; L1 ok, L2 degraded_io\n")
+
+
+def test_the_probes_show_each_tier_s_state_without_its_detail():
+    """A tier's detail may name its files or its remote store; the probes answer whoever
+    reaches the port, so they say the state only."""
+    l1 = SimpleNamespace(kind=TierKind.HOST, tier=SimpleNamespace(health=lambda: HEALTHY))
+    sick = TierHealth(Health.DOWN, "redis://10.0.0.7:6379 unreachable")
+    l3 = SimpleNamespace(kind=TierKind.REMOTE, tier=SimpleNamespace(health=lambda: sick))
+    health = HealthService()
+    daemon = SimpleNamespace(health=health, store=SimpleNamespace(stack=[l1, l3]))
+    assert probe_state(daemon) == ProbeState(True, (("L1", "ok"), ("L3", "down")))
 
 
 def test_an_answer_is_reused_within_the_reuse_interval_only(loop_thread):

@@ -448,3 +448,19 @@ def test_a_metrics_token_file_others_may_read_is_refused(tmp_path):
     assert "chmod 600" in str(problems[0])
     token.chmod(0o600)
     assert preflight.check(load_config(None, sets), HOST) == []
+
+
+def test_two_tenants_with_the_same_token_are_refused(tmp_path):
+    """Such a token binds neither tenant (it is refused as ambiguous): say so at start."""
+    files = []
+    for name, secret in (("a", "one-secret-of-both"), ("b", "one-secret-of-both"), ("c", "c" * 20)):
+        path = tmp_path / f"{name}.token"
+        path.write_text(secret + "\n")
+        path.chmod(0o600)
+        files.append(f"{{name: {name}, token_file: {path}}}")
+    sets = [f"server.socket={tmp_path}/s.sock", f"tenants=[{', '.join(files)}]"]
+    problems = preflight.check(load_config(None, sets), HOST)
+    assert _keys(problems) == ["tenants[1].token_file"]
+    assert "same token as tenant 'a'" in str(problems[0])
+    (tmp_path / "b.token").write_text("b" * 20)
+    assert preflight.check(load_config(None, sets), HOST) == []
