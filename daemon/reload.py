@@ -18,7 +18,11 @@ Live keys, and how each applies:
 - ``policy.readahead_blocks``, ``server.max_batch_blocks``, ``server.lease_default_ms``,
   ``server.lease_max_ms``, ``server.drain_timeout_s``: read from the config on every use;
 - ``server.session_ping_s``: for sessions opened from now on;
-- ``logging.level``, ``logging.format``: the handler is set up again.
+- ``logging.level``, ``logging.format``: the handler is set up again;
+- the ``quotas`` of ``tenants`` and ``shared_namespaces``, where nothing else of those lists
+  changed (names, members, tokens' paths, admin rights need a restart): the store's quotas
+  are set again; a tenant above a lowered quota makes room among its own blocks at its next
+  put, as at the quota, and keeps what it holds until then.
 
 Token files are read again too, even when the new config does not load or apply (the running
 config's tenants' ``token_file`` and ``metrics.token_file``, the paths unchanged): a file
@@ -60,6 +64,8 @@ LIVE_PATTERNS = (
     r"logging\.(level|format)",
 )
 _LIVE = re.compile("|".join(f"(?:{p})" for p in LIVE_PATTERNS))
+# Config lists whose records' quotas are live (the rest of each record needs a restart).
+QUOTA_LISTS = ("tenants", "shared_namespaces")
 
 
 def is_live(key: str) -> bool:
@@ -97,13 +103,30 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
         old, new = get_key(running, key), get_key(loaded, key)
         if old == new:
             continue
-        change = f"{key}: {old!r} -> {new!r}"
         if is_live(key):
             effective = with_key(effective, key, new)
-            applied.append(change)
+            applied.append(f"{key}: {old!r} -> {new!r}")
+        elif (quotas := quota_changes(key, old, new)) is not None:
+            effective = with_key(effective, key, new)
+            applied += quotas
         else:
-            restart.append(change)
+            restart.append(f"{key}: {old!r} -> {new!r}")
     return effective, applied, restart
+
+
+def quota_changes(key: str, old: Any, new: Any) -> list[str] | None:
+    """The quota changes between two values of ``tenants`` or ``shared_namespaces`` that
+    differ in their records' quotas only ("tenants[bob].quotas: {...} -> {...}"); None for
+    any other key or change."""
+    if key not in QUOTA_LISTS or len(old) != len(new):
+        return None
+    out = []
+    for a, b in zip(old, new, strict=True):
+        if dataclasses.replace(a, quotas=b.quotas) != b:
+            return None
+        if a.quotas != b.quotas:
+            out.append(f"{key}[{a.name}].quotas: {a.quotas.by_label()} -> {b.quotas.by_label()}")
+    return out
 
 
 class Reloader:
@@ -213,6 +236,9 @@ class Reloader:
                 else:
                     level.writes.rate = float(getattr(section, "write_bytes_s", level.writes.rate))
         daemon.servicer.ping_interval_s = config.server.session_ping_s
+        if (config.tenants, config.shared_namespaces) != (old.tenants, old.shared_namespaces):
+            daemon.tenants.set_quotas(config)
+            daemon.service.apply_quotas()
         daemon.config = config
         daemon.service.config = config
         store.config = config

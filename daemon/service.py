@@ -173,10 +173,11 @@ class KVService:
         self._session_lines = BurstGate(SESSION_LOG_BURST, SESSION_LOG_RATE_S, clock)
 
     def apply_quotas(self) -> None:
-        """Put the configured quotas into the store (each tenant's owner index is made
-        here, so tenants appear in stats before they store anything)."""
+        """Put the configured quotas into the store, in place of those it had (each tenant's
+        owner index is made here, so tenants appear in stats before they store anything)."""
         for label in self.tenants.labels():
             self.store.owner_of(label)
+        self.store.space.quotas.clear()
         for label, kind, nbytes in self.tenants.quotas():
             if kind in self.store.stack:
                 self.store.space.quotas[(self.store.owner_of(label), kind)] = nbytes

@@ -150,6 +150,19 @@ class TenantDirectory:
     def configured(self) -> bool:
         return bool(self.tenants)
 
+    def set_quotas(self, config: Config) -> None:
+        """Take the quotas of ``config``'s tenants and shared namespaces (a reload whose
+        tenants and shared namespaces differ in their quotas only)."""
+        for tc in config.tenants:
+            tenant = self.tenants[tc.name]
+            self.tenants[tc.name] = dataclasses.replace(
+                tenant, quotas=_quotas(tc.quotas.by_label())
+            )
+        for sc in config.shared_namespaces:
+            space = self.shared[sc.name]
+            self.shared[sc.name] = dataclasses.replace(space, quotas=_quotas(sc.quotas.by_label()))
+        self._index()
+
     def set_tokens(self, digests: Mapping[str, bytes]) -> list[str]:
         """Give each tenant named in ``digests`` that token digest (its token file, read
         again); returns the names whose token changed. Open sessions stay bound."""

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 from harness import DaemonProcess, tenant_token
+from peers import require_root
 
-from kvtier.client import InvalidArgumentError, UnauthenticatedError
+from kvtier.client import (
+    InvalidArgumentError,
+    PoolLayout,
+    SharedMemoryPool,
+    Tier,
+    UnauthenticatedError,
+)
 from kvtier.daemon.reload import is_live, plan
 from kvtier.daemon.tenants import TenantDirectory
 
@@ -386,3 +393,83 @@ def test_regression_a_client_opened_its_next_session_with_the_token_rotated_out(
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
             loop.close()
+
+
+QUOTA_CONFIG = """
+tiers:
+  l1:
+    capacity_bytes: 64MiB
+    segment_bytes: 1MiB
+policy:
+  protect_s: 0
+tenants:
+  - name: ops
+    uids: [0]
+    admin: true
+    quotas: {{l1: {quota}}}
+"""
+
+
+def test_sighup_applies_a_tenants_new_quota(tmp_path, daemon_factory):
+    """Quotas change live (the rest of a tenant's record needs a restart): a tenant above a
+    lowered quota makes room among its own blocks at its next put."""
+    require_root()
+    block = 64 << 10
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=16, block_tokens=16, chunk_bytes=block, dtype="uint8"
+    )
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(QUOTA_CONFIG.format(quota=8 * block))
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/quota.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    d.start()
+
+    def l1_of_ops(client):
+        (ops,) = [t for t in client.stats().tenants if t.tenant == "ops"]
+        (l1,) = [u for u in ops.tiers if u.tier == Tier.L1_HOST]
+        return l1.used_bytes, l1.quota_bytes
+
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout).pool_id
+        client.put(pool, [os.urandom(32) for _ in range(8)], range(8))
+        assert l1_of_ops(client) == (8 * block, 8 * block)
+        path.write_text(QUOTA_CONFIG.format(quota=2 * block))
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: applied")
+        assert "tenants[ops].quotas: {'L1': 524288} -> {'L1': 131072}" in log
+        assert l1_of_ops(client) == (8 * block, 2 * block)  # held until its next put
+        client.put(pool, [os.urandom(32)], [8])
+        assert l1_of_ops(client) == (2 * block, 2 * block)
+        assert client.check().problems == []
+
+        path.write_text(QUOTA_CONFIG.format(quota=2 * block).replace("admin: true", "admin: false"))
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "need a restart")
+        assert "tenants: " in log.split("need a restart")[-1]  # not only a quota: restart
+
+
+def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_only():
+    from kvtier.daemon.config import load_config
+
+    def config(alice_l1: str, shared_l2: str, bob_gids: str = "[]"):
+        return load_config(
+            None,
+            [
+                f"tenants=[{{name: alice, uids: [1000], quotas: {{l1: {alice_l1}}}}},"
+                f" {{name: bob, uids: [1001], gids: {bob_gids}}}]",
+                f"shared_namespaces=[{{name: s, tenants: [alice, bob], quotas: {{l2: {shared_l2}}}}}]",
+                "tiers.l2.enabled=true",
+                "tiers.l2.capacity_bytes=64GiB",
+            ],
+        )
+
+    running = config("1GiB", "2GiB")
+    effective, applied, restart = plan(running, config("512MiB", "4GiB"))
+    assert applied == [
+        "tenants[alice].quotas: {'L1': 1073741824} -> {'L1': 536870912}",
+        "shared_namespaces[s].quotas: {'L2': 2147483648} -> {'L2': 4294967296}",
+    ]
+    assert restart == [] and effective == config("512MiB", "4GiB")
+    effective, applied, restart = plan(running, config("512MiB", "2GiB", bob_gids="[50]"))
+    assert applied == [] and [r.split(":")[0] for r in restart] == ["tenants"]
+    assert effective.tenants == running.tenants
