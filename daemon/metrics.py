@@ -370,6 +370,12 @@ FIXED: tuple[MetricDef, ...] = (
         "Prefetches of a block already being prefetched (nothing new started).",
     ),
     _g("kvtier_sessions", (), "Open client sessions."),
+    _g(
+        "kvtier_connections",
+        (),
+        "gRPC connections open, Unix socket and TCP together, counted every 5 s "
+        "(server.max_connections bounds them).",
+    ),
     _g("kvtier_tenant_sessions", ("tenant",), "Open client sessions per tenant."),
     _g(
         "kvtier_tenant_used_bytes",
@@ -463,6 +469,7 @@ class Snapshot:
     unevictable: list[tuple[str, str, int]] = field(default_factory=list)
     tenants: list[TenantUsage] = field(default_factory=list)
     draining: bool = False
+    connections: int = -1  # -1: not known
 
 
 def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
@@ -491,6 +498,7 @@ def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
         unevictable=unevictable(store, time.monotonic() if now is None else now),
         tenants=daemon.service.tenant_usage(),
         draining=daemon.service.draining,
+        connections=daemon.connections.count if daemon.connections is not None else -1,
     )
 
 
@@ -555,6 +563,8 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     put("kvtier_prefetch_outstanding", [], pf.outstanding)
     put("kvtier_prefetch_duplicates_total", [], pf.duplicates)
     put("kvtier_sessions", [], snap.sessions)
+    if snap.connections >= 0:
+        put("kvtier_connections", [], snap.connections)
     put("kvtier_draining", [], float(snap.draining))
     for ten in snap.tenants:
         put("kvtier_tenant_sessions", [ten.tenant], ten.sessions)

@@ -46,6 +46,7 @@ from grpc_health.v1 import health_pb2
 
 from kvtier.daemon import systemd
 from kvtier.daemon.config import Config, join_host_port, split_host_port
+from kvtier.daemon.connections import ConnectionWatch
 from kvtier.daemon.credentials import (
     CredentialServer,
     FdCloser,
@@ -569,6 +570,8 @@ class Daemon:
             self.service, cfg.session_ping_s, cfg.bad_request_log_interval_s, self.health
         )
         self.credentials: CredentialServer | None = None
+        # Counts the gRPC connections once the server listens (see server.max_connections).
+        self.connections: ConnectionWatch | None = None
         # The gRPC socket this daemon bound (removed at stop only while still this one).
         self._socket_identity: SocketIdentity | None = None
         self.server: grpc.aio.Server | None = None
@@ -636,6 +639,7 @@ class Daemon:
         health_observed = observer.wrap(HEALTH_SERVICE_NAME, health_handlers)
         _add_handlers(self.server, HEALTH_SERVICE_NAME, receiver.wrap(health_observed))
         access = SocketAccess.from_config(cfg)
+        unix_path, tcp_port = "", 0
         if cfg.socket:
             path = os.path.abspath(cfg.socket)
             cred_path = cred_socket_path(path)
@@ -655,6 +659,7 @@ class Daemon:
             )
             self.credentials.start(access)
             self.addresses.append(f"unix:{path}")
+            unix_path = path
         if cfg.tcp_address:
             try:
                 port = self.server.add_insecure_port(cfg.tcp_address)
@@ -668,12 +673,16 @@ class Daemon:
             host, wanted = split_host_port(cfg.tcp_address)
             # Port 0 takes a free port: announce the one gRPC took, which clients need.
             self.addresses.append(cfg.tcp_address if wanted else join_host_port(host, port))
+            tcp_port = port
         await self.store.open()
         await self.server.start()
         self.store.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, SERVING)
         self._tasks.append(asyncio.create_task(self._expire_leases(), name="lease-reaper"))
+        self.connections = ConnectionWatch(unix_path, tcp_port, cfg.max_connections)
+        self.service.connections = self.connections
+        self._tasks.append(asyncio.create_task(self.connections.run(), name="connection-watch"))
         trimmer = MemoryTrimmer(cfg.memory_trim_bytes, self.store.counters)
         self._tasks.append(asyncio.create_task(trimmer.run(), name="memory-trimmer"))
         if (watchdog_s := systemd.watchdog_interval_s()) is not None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from kvtier import __version__
 from kvtier.daemon.config import TENANT_NAME, Config
+from kvtier.daemon.connections import ConnectionWatch
 from kvtier.daemon.credentials import TicketBook, TicketKind
 from kvtier.daemon.cuda_pools import CudaPool
 from kvtier.daemon.errors import (
@@ -171,6 +172,8 @@ class KVService:
         self._started = clock()
         self.draining = False
         self._session_lines = BurstGate(SESSION_LOG_BURST, SESSION_LOG_RATE_S, clock)
+        # The daemon's count of its gRPC connections, once it listens.
+        self.connections: ConnectionWatch | None = None
 
     def apply_quotas(self) -> None:
         """Put the configured quotas into the store, in place of those it had (each tenant's
@@ -530,6 +533,7 @@ class KVService:
                 "pools_broken": self.pools.broken_count,
                 "leases": self.sessions.lease_count,
                 "credential_tickets": len(self.tickets),
+                **({"connections": self.connections.count} if self.connections else {}),
                 "blocks": index.blocks,
                 "index_bytes": index.nbytes,
                 **self.store.gauges(),

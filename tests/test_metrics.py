@@ -552,3 +552,21 @@ def test_regression_the_servers_own_counters_were_missing_from_the_metrics(daemo
     assert value(after, "kvtier_requests_malformed_total") == 2  # not one, and none
     with d.client() as client:
         assert client.stats().counters["requests_malformed"] == 2
+
+
+def test_stats_count_the_daemons_grpc_connections(daemon):
+    """gRPC enforces server.max_connections without telling the daemon; the daemon counts
+    its connections from the kernel's socket tables (every CHECK_INTERVAL_S)."""
+    from kvtier.daemon.connections import CHECK_INTERVAL_S
+
+    # A process's gRPC channels to one address share a connection: three more of our own.
+    raw = [RawConnection(daemon.socket) for _ in range(3)]
+    try:
+        with daemon.client() as client:
+            deadline = time.monotonic() + 3 * CHECK_INTERVAL_S
+            while client.stats().gauges["connections"] < 4 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert client.stats().gauges["connections"] == 4
+    finally:
+        for conn in raw:
+            conn.close()

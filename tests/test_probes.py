@@ -20,6 +20,7 @@ from h2_frames import RawConnection, grpc_prefix
 from prometheus_client import CollectorRegistry
 
 from kvtier.daemon import metrics
+from kvtier.daemon.connections import CHECK_INTERVAL_S
 from kvtier.daemon.health import HealthService
 from kvtier.daemon.probes import HealthProbe, ProbeState, probe_state
 from kvtier.tiers.base import HEALTHY, Health, TierHealth, TierKind
@@ -103,6 +104,13 @@ def test_probes_answer_while_a_client_holds_every_grpc_connection(daemon_factory
         assert out.returncode == 3, (out.stdout, out.stderr)  # unreachable over gRPC
         assert get(url + "/healthz") == (200, "alive; L1 ok\n")
         assert get(url + "/readyz") == (200, "ok: serving; L1 ok\n")
+        # gRPC refuses the rest without telling the daemon, which counts its connections.
+        deadline = time.monotonic() + 3 * CHECK_INTERVAL_S
+        while "server.max_connections is 4" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "4 gRPC connections open, server.max_connections is 4" in d.log()
+        code, text = get(url + "/metrics")
+        assert code == 200 and "\nkvtier_connections 4.0\n" in text
     finally:
         for conn in conns:
             conn.close()
