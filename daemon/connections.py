@@ -11,7 +11,8 @@ port), shows the count as the ``connections`` gauge, and logs a WARNING, at most
 The tables are the network namespace's: in a container, the container's. Where procfs is not
 mounted the count is unknown (-1) and nothing is logged.
 
-Thread-safety: the event loop only.
+Thread-safety: ``check`` runs on one thread at a time (``run`` calls it on a worker
+thread); ``count`` may be read from any.
 """
 
 from __future__ import annotations
@@ -113,5 +114,7 @@ class ConnectionWatch:
 
     async def run(self) -> None:
         while True:
-            self.check()
+            # Off the loop: a host's table may hold tens of thousands of sockets (a line a
+            # microsecond, parsed).
+            await asyncio.to_thread(self.check)
             await asyncio.sleep(CHECK_INTERVAL_S)
