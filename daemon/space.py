@@ -16,7 +16,8 @@ Rules:
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
 - A tenant's quota on a tier counts its copies there and the slots reserved for its copies
-  in flight (``quota_held``), so puts racing to the quota store no more than it.
+  in flight (``quota_held``, kept for every tenant, as a reload may set a quota while they
+  are in flight), so puts racing to the quota store no more than it.
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
@@ -77,8 +78,9 @@ class SpaceManager:
         self.batch_blocks = batch_blocks
         # (owner, tier kind) -> bytes the owner (a tenant) may hold in that tier.
         self.quotas: dict[tuple[int, TierKind], int] = {}
-        # (owner, tier kind) -> bytes of slots reserved within a quota whose copies are not
-        # yet recorded in the table: they count against the quota until ``end_hold``.
+        # (owner, tier kind) -> bytes of slots reserved whose copies are not yet recorded in
+        # the table: they count against the owner's quota until ``end_hold``. Every owner's,
+        # with a quota or not: a reload may set one while they are in flight.
         self.quota_held: Counter[tuple[int, TierKind]] = Counter()
         # Owner index -> tenant label, for the quota counters' ``tenant`` label.
         self.owner_labels: dict[int, str] = {0: "default"}
@@ -580,17 +582,19 @@ class SpaceManager:
         if level.recovering:
             return []
         quota = self.quotas.get((owner, level.kind))
-        if quota is None:
-            return await self._take_slots(level, nbytes, count, priority, clean_only, urgency)
-        count = await self._within_quota(
-            level, owner, quota, nbytes, count, priority, clean_only, urgency
-        )
-        if count == 0:
-            self.counters.inc(
-                "quota_rejections", tier=level.label, tenant=self.owner_labels.get(owner, owner)
+        if quota is not None:
+            count = await self._within_quota(
+                level, owner, quota, nbytes, count, priority, clean_only, urgency
             )
-            return []
+            if count == 0:
+                self.counters.inc(
+                    "quota_rejections",
+                    tier=level.label,
+                    tenant=self.owner_labels.get(owner, owner),
+                )
+                return []
         # Held before the next await: a put of the tenant reserving meanwhile counts them.
+        # Held without a quota too: a reload may set one before the copies are recorded.
         self.quota_held[(owner, level.kind)] += count * nbytes
         slots: list[int] = []
         try:

@@ -1295,7 +1295,7 @@ class BlockStore:
             if not np.array_equal(want, table.usage[col]):
                 problems.append(f"{label}: per-tenant usage does not add up to its blocks")
             if quiet and (held := [o for o, k in self.space.quota_held if k == level.kind]):
-                problems.append(f"{label}: {len(held)} tenants' quotas hold slots no copy uses")
+                problems.append(f"{label}: {len(held)} tenants hold reserved slots no copy uses")
         if pins is not None:
             want_pins = np.zeros(table.capacity, dtype=np.int64)
             for bid, n in pins.items():

@@ -1654,6 +1654,27 @@ async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
     assert store.table.usage[0, 1] == 8 * 4096
 
 
+async def test_regression_a_put_in_flight_when_a_reload_set_a_quota_was_not_counted_in_it(
+    make_store, monkeypatch
+):
+    """SIGHUP sets quotas while puts run. A put that reserved its slots before its tenant
+    had a quota held none of them against it, so a second put reserving meanwhile saw room
+    that the first one's copies were taking: the two stored 12 blocks against a quota of 8
+    (and the first one's end of hold took the second one's bytes off the count)."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2), make_pool()  # 32 slots of 4 KiB
+    copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
+    first = asyncio.ensure_future(store.put(pool, 0, keys(6), np.arange(6), None, owner=1))
+    await copying.wait()
+    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096  # what apply_quotas does at a reload
+    second, _ = await store.put(pool, 0, keys(6), np.arange(6, 12), None, owner=1)
+    gate.set()
+    first_res, _ = await first
+    assert first_res.tolist() == [PutResult.STORED] * 6
+    assert second.tolist() == [PutResult.STORED] * 2 + [PutResult.REJECTED_FULL] * 4
+    assert store.table.usage[0, 1] == 8 * 4096
+
+
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
     """Why a lookup missed (``misses{reason}``) is remembered by block identity: namespace and
     every key word. The same keys in another namespace, and keys that share only their first
