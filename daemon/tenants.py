@@ -28,9 +28,10 @@ Rules:
 
 - Tokens are read from their files at start and again at each SIGHUP (``set_tokens``): a
   replaced file's token binds new sessions from then on and the old one no longer does;
-  sessions already open stay bound.
+  sessions already open stay bound. A SIGHUP sets the quotas again too (``set_quotas``).
 
-Thread-safety: the event loop only (``set_tokens`` is the one change after construction).
+Thread-safety: the event loop only (``set_tokens`` and ``set_quotas`` are the changes after
+construction).
 """
 
 from __future__ import annotations
