@@ -65,9 +65,11 @@ def test_regression_a_client_opening_sessions_in_a_loop_filled_the_log(daemon):
     deadline = time.monotonic() + 5
     while "left out before this one" not in daemon.log() and time.monotonic() < deadline:
         time.sleep(0.05)
-    (noted,) = re.findall(r"\((\d+) more session lines of uid:\d+ left out", daemon.log())
+    # One line with a count past the burst, or more where the loop took longer than a
+    # pass's worth of time (each line that passes counts those left out since the last).
+    noted = re.findall(r"\((\d+) more session lines of uid:\d+ left out", daemon.log())
     logged = daemon.log().count(" opened by ") + daemon.log().count(" closed: ")
-    assert int(noted) + logged >= 2 * SESSION_LOG_BURST  # every line logged or counted
+    assert noted and sum(map(int, noted)) + logged >= 2 * SESSION_LOG_BURST  # all accounted
 
 
 def test_regression_a_client_registering_pools_in_a_loop_filled_the_log(daemon):
@@ -87,6 +89,7 @@ def test_regression_a_client_registering_pools_in_a_loop_filled_the_log(daemon):
         assert lines <= POOL_LOG_BURST + POOL_LOG_RATE_S * elapsed + 1
         time.sleep(1.5 / POOL_LOG_RATE_S)
         client.unregister_pool(client.register_pool(shm, layout).pool_id)
-    (noted,) = re.findall(r"\((\d+) more pool lines left out", daemon.log())
+    noted = re.findall(r"\((\d+) more pool lines left out", daemon.log())  # one or more
     log = daemon.log()
-    assert int(noted) + log.count(" registered: ") + log.count(" unregistered") >= 2 * rounds
+    logged = log.count(" registered: ") + log.count(" unregistered")
+    assert noted and sum(map(int, noted)) + logged >= 2 * rounds
