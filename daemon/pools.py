@@ -62,6 +62,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -99,10 +100,11 @@ _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 MAP_THREADS = 4
 # ...of which one tenant's jobs take at most this many at once: the others keep a thread.
 MAP_THREADS_PER_TENANT = MAP_THREADS - 1
-# Lines about pools registered and unregistered, all sessions' together: this many at once,
-# then this many a second; the next line says how many were left out. A client registering
-# and dropping pools in a loop wrote two lines each; a node's engines starting together stay
-# in the burst.
+# Lines about pools registered and unregistered, per tenant (a session's limit key: the uid
+# without tenants): this many at once, then this many a second; the next line says how many
+# were left out. A client registering and dropping pools in a loop wrote two lines each; a
+# node's engines starting together stay in the burst, and another tenant's pools are logged
+# whatever one does (with one budget for all, a loop kept it spent).
 POOL_LOG_BURST = 256
 POOL_LOG_RATE_S = 4.0
 
@@ -215,9 +217,11 @@ class PoolRegistry:
         shm_share: frozenset[tuple[int, int]] = frozenset(),
         log_interval_s: float = 10.0,
         cuda: CudaPoolOpener | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``cuda``: opens CUDA IPC pools (``open_opener``, built once at start); by default
-        one that refuses them, saying that the GPU tier is not enabled."""
+        one that refuses them, saying that the GPU tier is not enabled. ``clock``: the log
+        rates' (seconds)."""
         self._shm_dir = shm_dir
         self._shm_share = shm_share
         self._cuda = cuda if cuda is not None else open_opener(False, 0)
@@ -235,8 +239,8 @@ class PoolRegistry:
         self._stopped = False  # its threads are ended: what is left is unmapped inline
         self.counters: Counter[str] = Counter()
         # A client breaking its pools in a loop must not flood the log.
-        self._ratelog = RateLimitedLog(log, log_interval_s)
-        self._lines = BurstGate(POOL_LOG_BURST, POOL_LOG_RATE_S)
+        self._ratelog = RateLimitedLog(log, log_interval_s, clock)
+        self._lines = BurstGate(POOL_LOG_BURST, POOL_LOG_RATE_S, clock)
 
     def __len__(self) -> int:
         return len(self._pools)
@@ -393,12 +397,13 @@ class PoolRegistry:
         if self._per_session[session_id] <= 0:
             del self._per_session[session_id]
         pool.close()
-        self._info("pool %d unregistered", pool_id)
+        self._info(pool, "pool %d unregistered", pool_id)
         return pool
 
-    def _info(self, msg: str, *args: object) -> None:
-        """An INFO line about a pool, at the rates of POOL_LOG_BURST and POOL_LOG_RATE_S."""
-        left_out = self._lines.passes("pools")
+    def _info(self, pool: EnginePool, msg: str, *args: object) -> None:
+        """An INFO line about a pool, at the rates of POOL_LOG_BURST and POOL_LOG_RATE_S for
+        its tenant (GPU pools, which carry none, share one budget)."""
+        left_out = self._lines.passes(pool.tenant if isinstance(pool, Pool) else "")
         if left_out is None:
             return
         if left_out:
@@ -571,6 +576,7 @@ class PoolRegistry:
         self._per_session[pool.session_id] += 1
         layout = pool.layout
         self._info(
+            pool,
             "pool %d registered: %s, %d MiB%s, %d pages of %d-byte blocks, %d layers",
             pool.pool_id,
             pool.name,

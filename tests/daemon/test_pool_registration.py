@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import mmap
 import os
 import shutil
@@ -1057,3 +1058,33 @@ async def test_regression_one_tenant_could_take_every_pool_mapping_and_refuse_al
                 assert flood.check().problems == []
 
         await asyncio.to_thread(clients, daemon.addresses[0])
+
+
+async def test_regression_a_tenant_registering_pools_in_a_loop_hid_other_tenants_pool_lines(
+    caplog,
+):
+    """The lines of pools registered and unregistered had one budget for all sessions: a
+    client registering and dropping pools in a loop kept it spent, and the pools another
+    tenant's engines registered meanwhile went unlogged. Each tenant (a session's limit key)
+    has a budget of its own."""
+    now = [0.0]
+    registry = pools_module.PoolRegistry("/dev/shm", clock=lambda: now[0])
+    small = PoolLayout.staging(
+        num_layers=1, num_pages=1, block_tokens=1, chunk_bytes=4096, kv_count=1, dtype="uint8"
+    )
+    size = small.extent_bytes
+    fd = os.memfd_create("kvtier-test-pool", os.MFD_CLOEXEC)
+    caplog.set_level(logging.INFO, logger=pools_module.__name__)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        for _ in range(pools_module.POOL_LOG_BURST // 2):  # two lines each: the burst
+            pool = await registry.register_fd("flood", fd, size, small, tenant="uid:1001")
+            registry.unregister("flood", pool.pool_id)
+        caplog.clear()
+        flooding = await registry.register_fd("flood", fd, size, small, tenant="uid:1001")
+        assert f"pool {flooding.pool_id} registered" not in caplog.text  # its budget is spent
+        other = await registry.register_fd("engine", fd, size, small, tenant="uid:1002")
+        assert f"pool {other.pool_id} registered" in caplog.text
+    finally:
+        os.close(fd)
+        await registry.stop()
