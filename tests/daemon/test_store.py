@@ -1634,39 +1634,25 @@ def test_repeated_keys_in_a_batch_are_found_past_their_first_word(n):
     assert not repeats(words).any()
 
 
+@pytest.mark.parametrize("quota_set", ["before the puts", "while the first one copies"])
 async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
-    make_store, monkeypatch
+    make_store, monkeypatch, quota_set
 ):
     """A put reserves its slots within the quota, then awaits its copies before the blocks
     count as the tenant's; a second put of the tenant reserving meanwhile must count the
-    first one's slots too, or the two together pass the quota."""
+    first one's slots too, or the two together pass the quota. Also when the quota came
+    while the first one copied (a SIGHUP sets quotas while puts run): a put that reserved
+    before its tenant had a quota held nothing against it, and the two stored 12 blocks
+    against a quota of 8."""
     clock = Clock()
     store, pool = make_store(clock, segments=2), make_pool()  # 32 slots of 4 KiB
-    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096
+    quota = {(1, TierKind.HOST): 8 * 4096}  # what apply_quotas sets, at start or a reload
+    if quota_set == "before the puts":
+        store.space.quotas.update(quota)
     copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
     first = asyncio.ensure_future(store.put(pool, 0, keys(6), np.arange(6), None, owner=1))
     await copying.wait()
-    second, _ = await store.put(pool, 0, keys(6), np.arange(6, 12), None, owner=1)
-    gate.set()
-    first_res, _ = await first
-    assert first_res.tolist() == [PutResult.STORED] * 6
-    assert second.tolist() == [PutResult.STORED] * 2 + [PutResult.REJECTED_FULL] * 4
-    assert store.table.usage[0, 1] == 8 * 4096
-
-
-async def test_regression_a_put_in_flight_when_a_reload_set_a_quota_was_not_counted_in_it(
-    make_store, monkeypatch
-):
-    """SIGHUP sets quotas while puts run. A put that reserved its slots before its tenant
-    had a quota held none of them against it, so a second put reserving meanwhile saw room
-    that the first one's copies were taking: the two stored 12 blocks against a quota of 8
-    (and the first one's end of hold took the second one's bytes off the count)."""
-    clock = Clock()
-    store, pool = make_store(clock, segments=2), make_pool()  # 32 slots of 4 KiB
-    copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
-    first = asyncio.ensure_future(store.put(pool, 0, keys(6), np.arange(6), None, owner=1))
-    await copying.wait()
-    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096  # what apply_quotas does at a reload
+    store.space.quotas.update(quota)
     second, _ = await store.put(pool, 0, keys(6), np.arange(6, 12), None, owner=1)
     gate.set()
     first_res, _ = await first
