@@ -163,7 +163,7 @@ def test_a_state_that_cannot_be_read_fails_the_probes(loop_thread):
     probe = HealthProbe(broken, loop_thread)
     status, body = call(probe, "/healthz")
     assert status == "503 Service Unavailable"
-    assert body.startswith("reading the daemon's state failed: OSError(5,")
+    assert body == "reading the daemon's state failed (OSError)\n"  # no path, no message
 
 
 def test_readyz_names_a_degraded_tier_and_stays_ready(loop_thread):
