@@ -14,8 +14,9 @@ Rules:
   peer that matches none is refused, unless it is an admin peer, which then gets the tenant
   ``admin``.
 - A token binds the session to the tenant whose token it is (compared in constant time
-  against every tenant's); one that is more than one tenant's binds none. Over TCP a token is the only way in. On the Unix socket the token's
-  tenant must be one the peer may use: its own, or a tenant that lists no uids and gids.
+  against every tenant's); one that is more than one tenant's binds none. Over TCP a token is
+  the only way in. On the Unix socket the token's tenant must be one the peer may use: its
+  own, or a tenant that lists no uids and gids.
 - Admin rights: the sessions of an ``admin: true`` tenant, and of root, the daemon's own user
   and ``server.admin_uids`` (root and the daemon's user could read the daemon's memory
   anyway). Admins may check, drain, and delete or evict in any tenant's namespace; they read
