@@ -1,10 +1,11 @@
 """Health probes over HTTP, on the metrics endpoint: ``/healthz`` and ``/readyz``.
 
 An orchestrator that probes through ``kvtier health`` starts a Python process and opens a gRPC
-connection to the daemon each time: a second of CPU per probe on the node, and one of
-``server.max_connections``, so a client that holds every connection makes the liveness probe
-fail and the daemon be restarted (losing L1). These two paths need neither: the HTTP server's
-own thread answers them, asking the event loop as a scrape does.
+connection to the daemon each time: about a third of a second of CPU per probe on the node
+(its imports), and one of ``server.max_connections``, so a client that holds every
+connection makes the liveness probe fail and the daemon be restarted (losing L1). These two
+paths need neither: the HTTP server's own thread answers them, asking the event loop as a
+scrape does.
 
 - ``GET /healthz`` (liveness): 200 when the event loop runs a no-op within
   ``HEALTH_TIMEOUT_S``; 503 when it does not (a loop that stopped answering serves nobody).
