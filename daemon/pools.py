@@ -84,7 +84,7 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.fairthreads import FairThreads
 from kvtier.daemon.poolchecks import PoolChecks
-from kvtier.daemon.ratelog import BurstGate, RateLimitedLog
+from kvtier.daemon.ratelog import BurstGate, BurstLog, RateLimitedLog
 from kvtier.daemon.sessions import PeerCred, shown_id
 from kvtier.kernels.copy import MemoryFault
 from kvtier.kernels.layout import LayoutError, PoolLayout
@@ -240,7 +240,11 @@ class PoolRegistry:
         self.counters: Counter[str] = Counter()
         # A client breaking its pools in a loop must not flood the log.
         self._ratelog = RateLimitedLog(log, log_interval_s, clock)
-        self._lines = BurstGate(POOL_LOG_BURST, POOL_LOG_RATE_S, clock)
+        self._lines = BurstLog(
+            log,
+            BurstGate(POOL_LOG_BURST, POOL_LOG_RATE_S, clock),
+            " ({count} more pool lines left out before this one)",
+        )
 
     def __len__(self) -> int:
         return len(self._pools)
@@ -403,13 +407,7 @@ class PoolRegistry:
     def _info(self, pool: EnginePool, msg: str, *args: object) -> None:
         """An INFO line about a pool, at the rates of POOL_LOG_BURST and POOL_LOG_RATE_S for
         its tenant (GPU pools, which carry none, share one budget)."""
-        left_out = self._lines.passes(pool.tenant if isinstance(pool, Pool) else "")
-        if left_out is None:
-            return
-        if left_out:
-            msg += " (%d more pool lines left out before this one)"
-            args = (*args, left_out)
-        log.info(msg, *args)
+        self._lines.info(pool.tenant if isinstance(pool, Pool) else "", msg, *args)
 
     def drop_session(self, session_id: str) -> int:
         """Unregister the session's pools; registrations of it still being mapped register

@@ -150,6 +150,32 @@ class BurstGate:
             del self._buckets[k]
 
 
+class BurstLog:
+    """INFO lines through a ``BurstGate`` per key: a line over its key's budget is counted,
+    and the next one of that key that passes ends with ``suffix`` (formatted with ``count``
+    and ``key``). Thread-safety: as ``BurstGate``."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        gate: BurstGate,
+        suffix: str = " ({count} more lines of {key} left out before this one)",
+    ) -> None:
+        self._log = logger
+        self.gate = gate
+        self.suffix = suffix
+
+    def info(self, key: str, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``key`` is over its budget; whether it was logged."""
+        left_out = self.gate.passes(key)
+        if left_out is None:
+            return False
+        if left_out:
+            msg += self.suffix.format(count=left_out, key=key).replace("%", "%%")
+        self._log.info(msg, *args)
+        return True
+
+
 # The logger of grpc's asyncio server core, and what it logs, with a traceback, when sending
 # an answer fails because the call ended meanwhile without grpc seeing the client leave: a
 # deadline that passes just as the answer goes out.

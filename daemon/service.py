@@ -52,7 +52,7 @@ from kvtier.daemon.errors import (
     Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
-from kvtier.daemon.ratelog import BurstGate
+from kvtier.daemon.ratelog import BurstGate, BurstLog
 from kvtier.daemon.sessions import (
     LEASE_BYTES,
     Lease,
@@ -79,11 +79,6 @@ MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
 # was two lines (~500 bytes) in the log; a node's engines starting together stay in the burst.
 SESSION_LOG_BURST = 64
 SESSION_LOG_RATE_S = 2.0
-
-
-def _left_out(count: int, key: str) -> str:
-    """What a session line says of the lines of ``key`` left out before it."""
-    return f" ({count} more session lines of {key} left out before this one)" if count else ""
 
 
 # Gauges a non-admin session of a daemon with tenants sees (KVService._tenant_stats): the
@@ -171,7 +166,11 @@ class KVService:
         self._clock = clock
         self._started = clock()
         self.draining = False
-        self._session_lines = BurstGate(SESSION_LOG_BURST, SESSION_LOG_RATE_S, clock)
+        self._session_lines = BurstLog(
+            log,
+            BurstGate(SESSION_LOG_BURST, SESSION_LOG_RATE_S, clock),
+            " ({count} more session lines of {key} left out before this one)",
+        )
         # The daemon's count of its gRPC connections, once it listens.
         self.connections: ConnectionWatch | None = None
 
@@ -220,18 +219,16 @@ class KVService:
             admin=binding.admin,
             limit_key=binding.limit_key,
         )
-        left_out = self._session_lines.passes(binding.limit_key)
-        if left_out is not None:
-            log.info(
-                "session %s opened by %r (tenant %s%s, uid %s, pid %s)%s",
-                shown_id(session.session_id),
-                session.client_name,
-                session.tenant,
-                ", admin" if session.admin else "",
-                peer.uid if peer else "-",
-                peer.pid if peer else "-",
-                _left_out(left_out, binding.limit_key),
-            )
+        self._session_lines.info(
+            binding.limit_key,
+            "session %s opened by %r (tenant %s%s, uid %s, pid %s)",
+            shown_id(session.session_id),
+            session.client_name,
+            session.tenant,
+            ", admin" if session.admin else "",
+            peer.uid if peer else "-",
+            peer.pid if peer else "-",
+        )
         return session
 
     def session(self, session_id: str) -> Session:
@@ -246,15 +243,13 @@ class KVService:
         for lease in leases:
             self.store.unpin(lease.refs)
         pools = self.pools.drop_session(session_id)
-        left_out = self._session_lines.passes(key)
-        if left_out is not None:
-            log.info(
-                "session %s closed: %d pools unregistered, %d leases released%s",
-                shown_id(session_id),
-                pools,
-                len(leases),
-                _left_out(left_out, key),
-            )
+        self._session_lines.info(
+            key,
+            "session %s closed: %d pools unregistered, %d leases released",
+            shown_id(session_id),
+            pools,
+            len(leases),
+        )
 
     # ------------------------------------------------------------------ pools
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.daemon.ratelog import BurstGate, LostAnswerFilter, RateLimitedLog
+from kvtier.daemon.ratelog import BurstGate, BurstLog, LostAnswerFilter, RateLimitedLog
 
 
 class Clock:
@@ -111,3 +111,23 @@ def test_a_burst_gate_keeps_at_most_max_keys_and_forgets_full_buckets_first():
     assert gate.passes("d") == 0
     assert sorted(gate._buckets) == ["c", "d"]
     assert gate.passes("c") == 1
+
+
+def test_a_burst_log_logs_within_its_keys_budget_and_counts_the_rest(caplog):
+    now = [0.0]
+    lines = BurstLog(
+        logging.getLogger("kvtier.test.burst"),
+        BurstGate(burst=1, rate_s=1.0, clock=lambda: now[0]),
+        " ({count} more of {key} left out)",
+    )
+    with caplog.at_level(logging.INFO, logger="kvtier.test.burst"):
+        assert lines.info("uid:7", "opened %d%%", 1)
+        assert not lines.info("uid:7", "opened %d%%", 2)
+        assert lines.info("uid:8", "opened %d%%", 3)  # its own budget
+        now[0] = 1.0
+        assert lines.info("uid:7", "opened %d%%", 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "opened 1%",
+        "opened 3%",
+        "opened 4% (1 more of uid:7 left out)",
+    ]
