@@ -10,7 +10,11 @@ socket, from 1 and from 4 client processes (``--clients``), each process with it
 Baselines, measured in the same run by the same client processes, one call at a time:
 - ``ping``: a minimal ``grpc.aio`` server in a process of its own with one unary echo RPC
   (64 bytes each way, about the size of a one-key request) on a Unix socket of the same kind,
-  called through a plain gRPC channel: the floor any unary RPC over this transport pays;
+  called through a plain gRPC channel: the floor any unary RPC over this transport pays (the
+  issue's baseline: on asyncio's own event loop);
+- ``ping_uv``: the same server on uvloop, the daemon's default event loop
+  (``server.event_loop``): what the loop alone is worth, so that the daemon's figures can be
+  read against a floor on either loop;
 - ``health``: the daemon's own gRPC health Check on its socket (``Client.health``).
 
 Each phase runs one kind of call: the client processes (real processes, spawned) warm up,
@@ -21,7 +25,8 @@ for every client count (ping, health, put, get, lookup); ``--rounds`` rounds alt
 
 Reported ratios (the issue's targets: p50 <= 1.3x, throughput >= 0.7x):
 ``<op>_p50_vs_ping`` is the op's p50 over ping's p50 with the same number of clients;
-``<op>_ops_vs_ping`` is the op's ops/s with the most clients over ping's ops/s with as many.
+``<op>_ops_vs_ping`` is the op's ops/s with the most clients over ping's ops/s with as many;
+``<op>_p50_vs_ping_uvloop`` and ``<op>_ops_vs_ping_uvloop`` the same against ``ping_uv``.
 
 CPU per call, on both sides of the socket (median over rounds), because on a small host the
 client processes and the server share the cores: a microsecond either spends beyond ping's is
@@ -35,10 +40,10 @@ from ``/proc`` (None where there is none). Both count in the kernel's clock tick
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import threading
 import time
 import traceback
@@ -52,11 +57,15 @@ import numpy as np
 
 from kvtier.bench.common import arg_parser, median, pct_ms, print_json, ratio, scratch_dir, sig
 from kvtier.bench.launcher import bench_daemon
+from kvtier.daemon.config import ServerConfig
+from kvtier.daemon.loops import EVENT_LOOPS
 
 BLOCK_BYTES = 4096
 PING_METHOD = "/kvtier.bench.Ping/Echo"
 PING_PAYLOAD = 64
-OPS = ("ping", "health", "put", "get", "lookup")
+OPS = ("ping", "ping_uv", "health", "put", "get", "lookup")
+# The baselines, and the event loop each ping server runs on.
+PINGS = {"ping": "asyncio", "ping_uv": "uvloop"}
 DAEMON_OPS = ("put", "get", "lookup")
 _TIMEOUT_S = 300.0
 
@@ -68,6 +77,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of every phase (2)")
     p.add_argument("--clients", default="1,4", help="client process counts, comma separated (1,4)")
     p.add_argument("--pages", type=int, default=64, help="pages of each client's pool (64)")
+    p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=ServerConfig.event_loop,
+        help=f"the daemon's server.event_loop ({ServerConfig.event_loop})",
+    )
     args = p.parse_args(argv)
     try:
         args.client_counts = sorted({int(c) for c in args.clients.split(",")})
@@ -81,9 +96,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 # ------------------------------------------------------------------ the ping server
 
 
-def _ping_server(path: str, ready: Event) -> None:
-    """A separate process: a grpc.aio server with one unary echo method on ``path``."""
+def _ping_server(path: str, ready: Event, loop: str) -> None:
+    """A separate process: a grpc.aio server with one unary echo method on ``path``, on the
+    event loop ``loop`` ('asyncio' or 'uvloop')."""
     import grpc
+
+    from kvtier.daemon import loops
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
@@ -105,7 +123,7 @@ def _ping_server(path: str, ready: Event) -> None:
         ready.set()
         await server.wait_for_termination()
 
-    asyncio.run(serve())
+    loops.run(serve(), loop)
 
 
 # ---------------------------------------------------------------- client processes
@@ -115,7 +133,7 @@ def _worker(
     conn: Connection,
     barrier: Barrier,
     daemon_address: str,
-    ping_address: str,
+    ping_addresses: dict[str, str],
     pages: int,
 ) -> None:
     """A client process: connects to both servers, then runs the phases it is sent."""
@@ -129,18 +147,21 @@ def _worker(
         with (
             Client(daemon_address) as client,
             SharedMemoryPool.for_layout(layout) as shm,
-            grpc.insecure_channel(ping_address) as channel,
+            contextlib.ExitStack() as channels,
         ):
             shm.array()[:] = np.frombuffer(os.urandom(layout.extent_bytes), np.uint8)
             pool_id = client.register_pool(shm, layout).pool_id
-            echo = channel.unary_unary(PING_METHOD)
+            echoes = {
+                op: channels.enter_context(grpc.insecure_channel(address)).unary_unary(PING_METHOD)
+                for op, address in ping_addresses.items()
+            }
             payload = os.urandom(PING_PAYLOAD)
             stored: list[bytes] = []
 
             def call(op: str, i: int, keys: list[bytes]) -> None:
                 page = i % pages
-                if op == "ping":
-                    if len(echo(payload, timeout=30)) != PING_PAYLOAD:
+                if op in echoes:
+                    if len(echoes[op](payload, timeout=30)) != PING_PAYLOAD:
                         raise RuntimeError("ping echoed a short reply")
                 elif op == "health":
                     if not client.health():
@@ -203,7 +224,9 @@ class _Phase:
 class _Clients:
     """``count`` spawned client processes, driven phase by phase."""
 
-    def __init__(self, count: int, daemon_address: str, ping_address: str, pages: int) -> None:
+    def __init__(
+        self, count: int, daemon_address: str, ping_addresses: dict[str, str], pages: int
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.count = count
         # The driving process is a party too: it reads the server's CPU time as calls start.
@@ -214,7 +237,7 @@ class _Clients:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker,
-                args=(child, self.barrier, daemon_address, ping_address, pages),
+                args=(child, self.barrier, daemon_address, ping_addresses, pages),
                 name=f"kvtier-bench-rpc-{count}-{i}",
                 daemon=True,
             )
@@ -286,34 +309,48 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
     ctx = mp.get_context("spawn")
     with (
         scratch_dir(None, "kvtier-bench-rpc-") as work,
-        bench_daemon(f"tiers.l1.capacity_bytes={l1_bytes}") as daemon,
+        bench_daemon(
+            f"tiers.l1.capacity_bytes={l1_bytes}", f"server.event_loop={args.event_loop}"
+        ) as daemon,
     ):
-        ping_path = str(Path(work) / "ping.sock")
-        ready = ctx.Event()
-        server = ctx.Process(target=_ping_server, args=(ping_path, ready), daemon=True)
-        server.start()
+        servers: dict[str, Any] = {}
+        addresses: dict[str, str] = {}
         pools: list[_Clients] = []
         try:
-            if not ready.wait(120):
-                raise RuntimeError("the ping server did not start")
+            for op, loop in PINGS.items():
+                path = str(Path(work) / f"{op}.sock")
+                ready = ctx.Event()
+                servers[op] = ctx.Process(
+                    target=_ping_server, args=(path, ready, loop), daemon=True
+                )
+                servers[op].start()
+                if not ready.wait(120):
+                    raise RuntimeError(f"the {op} server did not start")
+                addresses[op] = f"unix:{path}"
             for k in counts:
-                pools.append(_Clients(k, daemon.address, f"unix:{ping_path}", args.pages))
+                pools.append(_Clients(k, daemon.address, addresses, args.pages))
             for pool in pools:
                 pool.wait_ready()
             for _ in range(args.rounds):
                 for pool in pools:
                     for op in OPS:
-                        pid = server.pid if op == "ping" else daemon.proc.pid
+                        pid = servers[op].pid if op in servers else daemon.proc.pid
                         assert pid is not None
                         got = pool.phase(op, args.ops, args.warmup, pid)
                         lat[pool.count, op].append(got.lat)
                         rate[pool.count, op].append(got.ops_s)
                         cpu[pool.count, op].append((got.client_cpu_us, got.server_cpu_us))
+            # What the daemon says it ran on, not what it was asked to.
+            announced = re.search(r"\((\w+)[^()]* event loop\)", daemon.log())
+            if announced is None:
+                raise RuntimeError(f"the daemon did not name its event loop:\n{daemon.log()}")
+            daemon_loop = announced.group(1)
         finally:
             for pool in pools:
                 pool.close()
-            server.terminate()
-            server.join(30)
+            for server in servers.values():
+                server.terminate()
+                server.join(30)
 
     top = counts[-1]
     figures: dict[str, Any] = {
@@ -338,41 +375,51 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
             }
         figures[f"clients_{k}"] = per_op
     ratios: dict[str, float | None] = {}
-    for k in counts:
-        ping = figures[f"clients_{k}"]["ping"]
+    for base, name in (("ping", "ping"), ("ping_uv", "ping_uvloop")):
+        for k in counts:
+            ping = figures[f"clients_{k}"][base]
+            for op in ("health", *DAEMON_OPS):
+                suffix = "" if k == counts[0] else f"_{k}clients"
+                ratios[f"{op}_p50_vs_{name}{suffix}"] = ratio(
+                    figures[f"clients_{k}"][op]["p50_ms"], ping["p50_ms"]
+                )
+        ping_top = figures[f"clients_{top}"][base]["ops_s"]
         for op in ("health", *DAEMON_OPS):
-            suffix = "" if k == counts[0] else f"_{k}clients"
-            ratios[f"{op}_p50_vs_ping{suffix}"] = ratio(
-                figures[f"clients_{k}"][op]["p50_ms"], ping["p50_ms"]
-            )
-    ping_top = figures[f"clients_{top}"]["ping"]["ops_s"]
-    for op in ("health", *DAEMON_OPS):
-        ratios[f"{op}_ops_vs_ping"] = ratio(figures[f"clients_{top}"][op]["ops_s"], ping_top)
+            ratios[f"{op}_ops_vs_{name}"] = ratio(figures[f"clients_{top}"][op]["ops_s"], ping_top)
     figures["ratios"] = ratios
+    figures["daemon_event_loop"] = daemon_loop
 
     print(
         f"single-block RPCs, {BLOCK_BYTES} B blocks: {args.ops} timed calls per client process "
-        f"per phase, {args.rounds} rounds, client processes: {', '.join(map(str, counts))}"
+        f"per phase, {args.rounds} rounds, client processes: {', '.join(map(str, counts))}; "
+        f"the daemon on {daemon_loop}"
     )
     print(
-        f"{'clients':>7}  {'rpc':<7}{'p50 ms':>8}{'p99 ms':>9}{'ops/s':>10}"
-        f"{'p50/ping':>10}{f'ops/s / ping({top})':>20}{'client us':>11}{'server us':>11}"
+        f"{'clients':>7}  {'rpc':<8}{'p50 ms':>8}{'p99 ms':>9}{'ops/s':>10}"
+        f"{'p50/ping':>10}{'p50/uv':>8}{f'ops/ping({top})':>15}{f'ops/uv({top})':>13}"
+        f"{'client us':>11}{'server us':>11}"
     )
     for k in counts:
-        ping = figures[f"clients_{k}"]["ping"]
+        row = figures[f"clients_{k}"]
         for op in OPS:
-            f = figures[f"clients_{k}"][op]
-            p50r = ratio(f["p50_ms"], ping["p50_ms"])
-            opsr = ratio(f["ops_s"], ping_top) if k == top else None
+            f = row[op]
+            p50r = [ratio(f["p50_ms"], row[b]["p50_ms"]) for b in PINGS]
+            opsr = [
+                f"{ratio(f['ops_s'], figures[f'clients_{top}'][b]['ops_s']):.2f}"
+                if k == top
+                else ""
+                for b in PINGS
+            ]
             server_us = f["server_cpu_us"]
             print(
-                f"{k:>7}  {op:<7}{f['p50_ms']:8.3f}{f['p99_ms']:9.3f}{f['ops_s']:10.0f}"
-                f"{p50r:10.2f}{'' if opsr is None else f'{opsr:.2f}':>20}"
+                f"{k:>7}  {op:<8}{f['p50_ms']:8.3f}{f['p99_ms']:9.3f}{f['ops_s']:10.0f}"
+                f"{p50r[0]:10.2f}{p50r[1]:8.2f}{opsr[0]:>15}{opsr[1]:>13}"
                 f"{f['client_cpu_us']:11.0f}{'-' if server_us is None else f'{server_us:.0f}':>11}"
             )
     print(
-        "ping: a bare grpc.aio unary echo server on a Unix socket; health: the daemon's gRPC "
-        f"health Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's. "
+        "ping: a bare grpc.aio unary echo server on a Unix socket, on asyncio's event loop (the "
+        "issue's baseline); ping_uv (uv): the same on uvloop; health: the daemon's gRPC health "
+        f"Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's. "
         "client/server us: CPU per call of the client processes and of the serving process"
     )
     if as_json:

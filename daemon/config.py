@@ -24,6 +24,7 @@ import yaml
 
 from kvtier import paths
 from kvtier.daemon.errors import ConfigError
+from kvtier.daemon.loops import EVENT_LOOPS
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*", re.IGNORECASE)
 _POWERS = {"K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
@@ -290,6 +291,15 @@ class ServerConfig:
         ),
     )
 
+    event_loop: str = field(
+        default="uvloop",
+        metadata=_opt(
+            "str",
+            choices=EVENT_LOOPS,
+            doc="the event loop the daemon runs on: uvloop (libuv, the loop in C: less CPU "
+            "per request) or asyncio (the standard library's); a restart applies a change",
+        ),
+    )
     memory_trim_bytes: int = field(
         default=64 << 20,
         metadata=_opt(

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from kvtier import __version__
-from kvtier.daemon import preflight
+from kvtier.daemon import loops, preflight
 from kvtier.daemon.config import Config, ids_from, load_config
 from kvtier.daemon.entry import EarlyHangup
 from kvtier.daemon.errors import ConfigError
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
     try:
-        asyncio.run(_serve(config, load, early_hangup, known_ids))
+        loops.run(_serve(config, load, early_hangup, known_ids), config.server.event_loop)
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -164,7 +164,11 @@ async def _serve(
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
         where = ", ".join(daemon.addresses)
         extra = f"; metrics on {metrics.url}" if metrics is not None else ""
-        print(f"kvtierd {__version__} listening on {where}{extra}", flush=True)
+        print(
+            f"kvtierd {__version__} listening on {where}{extra} "
+            f"({loops.describe(loops.running())} event loop)",
+            flush=True,
+        )
         if early_hangup.seen:
             log.info("SIGHUP arrived while starting; reading the config again now")
             reloader.reload()

@@ -50,6 +50,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvtier import __version__
+from kvtier.daemon import loops
 from kvtier.daemon.config import http_url, split_host_port
 from kvtier.daemon.latency import HistogramSample
 from kvtier.daemon.policy.prefetch import PrefetchStats
@@ -394,7 +395,11 @@ FIXED: tuple[MetricDef, ...] = (
     _g("kvtier_index_blocks", (), "Blocks in the block table."),
     _g("kvtier_index_bytes", (), "Memory of the block table."),
     _g("kvtier_uptime_seconds", (), "Seconds since the daemon started."),
-    _g("kvtier_build_info", ("version",), "Always 1; the version is the label."),
+    _g(
+        "kvtier_build_info",
+        ("version", "event_loop"),
+        "Always 1; the labels are the version and the event loop (server.event_loop).",
+    ),
 )
 
 # What prometheus_client's ProcessCollector, GCCollector and PlatformCollector export, under
@@ -470,6 +475,7 @@ class Snapshot:
     tenants: list[TenantUsage] = field(default_factory=list)
     draining: bool = False
     connections: int = -1  # -1: not known
+    event_loop: str = ""  # the running loop's kind (daemon/loops.py)
 
 
 def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
@@ -478,6 +484,7 @@ def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
     index = store.table.stats()
     return Snapshot(
         version=__version__,
+        event_loop=loops.running(),
         uptime_s=time.monotonic() - store.started_at,
         tiers=store.usage(),
         counters=[
@@ -578,7 +585,7 @@ def families(snap: Snapshot) -> Iterator[Metric]:
     put("kvtier_index_blocks", [], snap.index_blocks)
     put("kvtier_index_bytes", [], snap.index_bytes)
     put("kvtier_uptime_seconds", [], snap.uptime_s)
-    put("kvtier_build_info", [snap.version], 1)
+    put("kvtier_build_info", [snap.version, snap.event_loop], 1)
 
     seen: set[str] = set()
     for s in snap.counters:

@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.daemon import loops
 from kvtier.daemon.config import Config, format_size, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.daemon.unixsock import folder_problem
@@ -73,6 +74,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_shm(config),
         *_metrics(config),
         *_tokens(config),
+        *_event_loop(config),
     ]
 
 
@@ -94,6 +96,8 @@ def summary(config: Config, host: HostFacts | None = None) -> list[str]:
         lines.append(f"socket: {os.path.abspath(config.server.socket)}")
     if config.server.tcp_address:
         lines.append(f"tcp: {config.server.tcp_address}")
+    if not loops.problem(config.server.event_loop):
+        lines.append(f"event loop: {loops.describe(config.server.event_loop)}")
     if config.metrics.address:
         lines.append("metrics: " + http_url(*split_host_port(config.metrics.address), "/metrics"))
     else:
@@ -380,6 +384,11 @@ def _tokens(config: Config) -> list[Problem]:
                     )
                 )
     return out
+
+
+def _event_loop(config: Config) -> list[Problem]:
+    why = loops.problem(config.server.event_loop)
+    return [Problem("server.event_loop", why)] if why else []
 
 
 def _gib(nbytes: int) -> str:

@@ -1,0 +1,112 @@
+"""The daemon's event loop (``server.event_loop``, daemon/loops.py): uvloop by default,
+asyncio's own on request, and a configured loop that cannot be imported stops the daemon
+before it starts rather than running on the other one."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+
+import pytest
+import uvloop
+
+from kvtier.daemon import loops
+from kvtier.daemon.config import load_config
+from kvtier.daemon.errors import ConfigError
+
+# A Python in which uvloop cannot be imported, running kvtierd with the given arguments.
+NO_UVLOOP = (
+    "import sys; sys.modules['uvloop'] = None; "
+    "from kvtier.daemon.main import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def _metrics_url(log: str) -> str:
+    m = re.search(r"metrics on (http://\S+/metrics)", log)
+    assert m, log
+    return m.group(1)
+
+
+def _build_info(url: str) -> dict[str, str]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "kvtier_build_info":
+            (sample,) = fam.samples
+            assert sample.value == 1
+            return dict(sample.labels)
+    raise AssertionError("no kvtier_build_info in the scrape")
+
+
+def test_uvloop_is_the_default_and_other_names_are_refused():
+    assert load_config(None, []).server.event_loop == "uvloop"
+    assert load_config(None, ["server.event_loop=asyncio"]).server.event_loop == "asyncio"
+    with pytest.raises(ConfigError, match=r"server\.event_loop"):
+        load_config(None, ["server.event_loop=trio"])
+
+
+def test_run_takes_the_named_loop():
+    async def kind() -> str:
+        return loops.running()
+
+    assert loops.run(kind(), "uvloop") == "uvloop"
+    assert loops.run(kind(), "asyncio") == "asyncio"
+    assert loops.describe("uvloop") == f"uvloop {uvloop.__version__}"
+    assert loops.describe("asyncio") == "asyncio"
+
+
+def test_run_refuses_an_unknown_loop_and_closes_the_coroutine():
+    async def never() -> None:
+        raise AssertionError("ran")
+
+    coro = never()
+    with pytest.raises(ValueError, match="'trio'"):
+        loops.run(coro, "trio")
+    assert coro.cr_frame is None  # closed: no 'never awaited' warning, nothing ran
+
+
+def test_a_missing_uvloop_stops_the_daemon_naming_the_key():
+    assert loops.problem("uvloop") is None
+    assert loops.problem("asyncio") is None
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_UVLOOP, "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "server.event_loop: uvloop is not installed" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_UVLOOP, "--check-config", "--set", "server.event_loop=asyncio"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "event loop: asyncio" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_the_daemon_serves_on_either_loop_and_says_which(daemon_factory, kind):
+    d = daemon_factory(f"server.event_loop={kind}", "metrics.address=127.0.0.1:0")
+    with d.client() as client:
+        assert client.health()
+        assert client.lookup([b"k" * 32]).prefix_len == 0
+    shown = loops.describe(kind)
+    assert f"({shown} event loop)" in d.log()
+    assert _build_info(_metrics_url(d.log()))["event_loop"] == kind
+    assert d.stop() == 0
+
+
+def test_the_running_loop_is_named_from_inside():
+    async def kind() -> str:
+        return loops.running()
+
+    assert asyncio.run(kind()) == "asyncio"
+    assert uvloop.run(kind()) == "uvloop"
