@@ -55,7 +55,7 @@ from kvtier.daemon.config import http_url, split_host_port
 from kvtier.daemon.latency import HistogramSample
 from kvtier.daemon.policy.prefetch import PrefetchStats
 from kvtier.daemon.probes import PATHS as PROBE_PATHS
-from kvtier.daemon.probes import HealthProbe, probe_state
+from kvtier.daemon.probes import HealthProbe, probe_state, text_answer
 from kvtier.daemon.service import TenantUsage
 from kvtier.daemon.stats import Sample
 from kvtier.daemon.store import BlockStore, TierUsage
@@ -816,11 +816,29 @@ class ProbeRouter:
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path in PROBE_PATHS:
-            return self.probe(environ, start_response)
+            return self.probe(environ, start_response)  # which answers methods as below
+        method = environ.get("REQUEST_METHOD")
+        if method not in ("GET", "HEAD"):
+            allow = [("Allow", "GET, HEAD")]
+            return text_answer(
+                start_response, "405 Method Not Allowed", "GET or HEAD only\n", allow
+            )
         if path == "/metrics":
-            return self.app(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: this endpoint serves /metrics, /healthz and /readyz\n"]
+            # A HEAD is answered as the GET would be (token, pace, headers), without the
+            # body; prometheus_client's app answers a HEAD 405, with a body.
+            body = self.app({**environ, "REQUEST_METHOD": "GET"}, start_response)
+        else:
+            body = text_answer(
+                start_response,
+                "404 Not Found",
+                "not found: this endpoint serves /metrics, /healthz and /readyz\n",
+            )
+        if method == "GET":
+            return body
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
+        return []
 
 
 def scrape_app(

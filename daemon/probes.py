@@ -154,14 +154,14 @@ class HealthProbe:
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD")
         if method not in ("GET", "HEAD"):
-            return _answer(
+            return text_answer(
                 start_response,
                 "405 Method Not Allowed",
                 "GET or HEAD only\n",
                 [("Allow", "GET, HEAD")],
             )
         status, text = self.answer(environ.get("PATH_INFO", ""))
-        body = _answer(start_response, status, text)
+        body = text_answer(start_response, status, text)
         return [] if method == "HEAD" else body  # a HEAD answer is its headers
 
     def answer(self, path: str) -> tuple[str, str]:
@@ -179,7 +179,7 @@ class HealthProbe:
         return "200 OK", f"{'ok' if ok else 'degraded'}: serving; {tiers}\n"
 
 
-def _answer(
+def text_answer(
     start_response: Any, status: str, text: str, extra: list[tuple[str, str]] | None = None
 ) -> list[bytes]:
     body = text.encode()

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 from h2_frames import RawConnection, grpc_prefix
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from kvtier.daemon import metrics
 from kvtier.daemon.connections import CHECK_INTERVAL_S
@@ -254,6 +254,40 @@ def test_regression_a_probe_at_a_path_slightly_off_was_answered_by_the_scrape(lo
                 404,
                 "not found: this endpoint serves /metrics, /healthz and /readyz\n",
             ), path
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_regression_head_on_the_scrape_was_answered_405_with_a_body(loop_thread):
+    """prometheus_client's app answers only GET (and OPTIONS): a HEAD of /metrics got 405
+    with a body, a POST was served its 405 through the token check and the scrape's pace.
+    Every path answers GET and HEAD, a HEAD with the GET's status and headers and no body,
+    and any other method 405 with the methods allowed."""
+    probe = HealthProbe(lambda: SERVING, loop_thread)
+    registry = CollectorRegistry()
+    Gauge("kvtier_example", "A gauge to scrape.", registry=registry).set(1)
+    router = metrics.ProbeRouter(metrics.scrape_app(registry), probe)
+    server, thread = metrics.serve_http("127.0.0.1", 0, router)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code, scrape = get(url + "/metrics")
+        assert code == 200 and "kvtier_example 1.0" in scrape
+        request = urllib.request.Request(url + "/metrics", method="HEAD")
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain")
+            assert resp.read() == b""
+        assert get(url + "/nowhere", method="HEAD") == (404, "")
+        for method in ("POST", "OPTIONS", "DELETE"):
+            for path in ("/metrics", "/nowhere"):
+                request = urllib.request.Request(url + path, method=method)
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(request, timeout=10)
+                assert refused.value.code == 405, (method, path)
+                assert refused.value.headers["Allow"] == "GET, HEAD"
+                assert refused.value.read() == b"GET or HEAD only\n"
     finally:
         server.shutdown()
         server.server_close()
