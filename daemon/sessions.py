@@ -167,7 +167,7 @@ class SessionRegistry:
         if session is None:
             return []
         self._per_tenant[session.limit_key] -= 1
-        if self._per_tenant[session.limit_key] <= 0:
+        if self._per_tenant[session.limit_key] == 0:  # a negative count stays, for Check
             del self._per_tenant[session.limit_key]
         leases = [self._leases.pop(lid) for lid in session.leases]
         for lease in leases:
@@ -217,7 +217,7 @@ class SessionRegistry:
     def _unaccount(self, session: Session, lease: Lease) -> None:
         key = session.limit_key
         self._lease_bytes[key] -= lease_bytes(len(lease.refs))
-        if self._lease_bytes[key] <= 0:
+        if self._lease_bytes[key] == 0:  # a negative count stays, for Check to report
             del self._lease_bytes[key]
 
     def _compact_expiry(self) -> None:

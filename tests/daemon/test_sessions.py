@@ -89,3 +89,28 @@ def test_released_leases_do_not_pile_up_in_the_expiry_heap():
         lease = reg.add_lease(s.session_id, np.array([1]), 600.0)
         reg.pop_lease(s.session_id, lease.lease_id)
     assert len(reg._expiry) <= 2048
+
+
+def test_regression_a_count_gone_negative_was_dropped_where_check_could_not_see_it():
+    """The per-tenant counts of sessions and lease bytes dropped a tenant's entry once it
+    fell to zero or below: a count gone negative (a lease unaccounted for more than it was
+    accounted) vanished, and `kvtier check`, which compares these counts with the live
+    sessions and leases, saw them agree. A negative count now stays."""
+    import dataclasses
+
+    from kvtier.daemon.sessions import lease_bytes
+
+    reg = SessionRegistry()
+    s = reg.open("a", 0.0, tenant="alice")
+    lease = reg.add_lease(s.session_id, np.array([1, 2]), expires_at=10.0)
+    reg._leases[lease.lease_id] = dataclasses.replace(lease, refs=np.arange(5))  # a fault
+    reg.pop_lease(s.session_id, lease.lease_id)
+    assert reg.per_tenant_lease_bytes() == {"alice": lease_bytes(2) - lease_bytes(5)}
+    reg._per_tenant["alice"] -= 1  # another fault: a close counted twice
+    reg.close(s.session_id)
+    assert reg.per_tenant_counts() == {"alice": -1}
+    # Counts that return to zero are dropped as before.
+    t = reg.open("b", 0.0, tenant="bob")
+    reg.pop_lease(t.session_id, reg.add_lease(t.session_id, np.array([7]), 10.0).lease_id)
+    reg.close(t.session_id)
+    assert "bob" not in reg.per_tenant_lease_bytes() and "bob" not in reg.per_tenant_counts()
