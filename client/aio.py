@@ -27,6 +27,7 @@ from kvtier.client.errors import (
     closed_error,
     from_rpc_error,
     refused_stream,
+    session_end,
 )
 from kvtier.client.flows import (
     Flow,
@@ -204,13 +205,15 @@ class AsyncClient:
 
     async def _watch_session(self, call: Any, session_id: str) -> None:
         # read(), not async iteration: grpc forbids mixing the two on one call.
-        with contextlib.suppress(grpc.RpcError):
+        error = None
+        try:
             while await call.read() is not grpc.aio.EOF:
                 pass
+        except grpc.RpcError as e:
+            error = e
         if self._session_id == session_id:
             log.warning(
-                "kvtier session %s ended (daemon stopped or unreachable)",
-                credentials.shown_id(session_id),
+                "kvtier session %s ended (%s)", credentials.shown_id(session_id), session_end(error)
             )
             self._session_id, self._session_call = "", None
 

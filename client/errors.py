@@ -122,6 +122,15 @@ def error_for_code(code: grpc.StatusCode, details: str) -> KvtierError:
     return _BY_CODE.get(code, KvtierError)(details, code)
 
 
+def session_end(error: grpc.RpcError | None) -> str:
+    """Why a session's stream ended (``error``: how, None for its plain end), for the client's
+    log line: the daemon ends a session itself only when a reload of its tenants would bind
+    it otherwise (PERMISSION_DENIED, saying so)."""
+    if error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED:
+        return f"the daemon ended it: {error.details()}"
+    return "daemon stopped or unreachable"
+
+
 def closed_error() -> UnavailableError:
     """What a call gets once another thread closed its client."""
     return UnavailableError("the client was closed")

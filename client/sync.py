@@ -43,6 +43,7 @@ from kvtier.client.errors import (
     closed_error,
     from_rpc_error,
     refused_stream,
+    session_end,
 )
 from kvtier.client.flows import (
     Flow,
@@ -311,16 +312,18 @@ class Client:
         return None
 
     def _watch_session(self, call: Any, session_id: str) -> None:
+        error = None
         try:
             for _ in call:
                 pass
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as e:
+            error = e
         with self._lock:
             if self._session_id == session_id:
                 log.warning(
-                    "kvtier session %s ended (daemon stopped or unreachable)",
+                    "kvtier session %s ended (%s)",
                     credentials.shown_id(session_id),
+                    session_end(error),
                 )
                 self._session_id, self._session_call = "", None
 

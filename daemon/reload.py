@@ -19,10 +19,22 @@ Live keys, and how each applies:
   ``server.lease_max_ms``, ``server.drain_timeout_s``: read from the config on every use;
 - ``server.session_ping_s``: for sessions opened from now on;
 - ``logging.level``, ``logging.format``: the handler is set up again;
-- the ``quotas`` of ``tenants`` and ``shared_namespaces``, where nothing else of those lists
-  changed (names, members, tokens' paths, admin rights need a restart): the store's quotas
-  are set again; a tenant above a lowered quota makes room among its own blocks at its next
-  put, as at the quota, and keeps what it holds until then.
+- ``tenants``, ``shared_namespaces`` and ``server.admin_uids``, unless the change turns
+  tenants on or off (from none configured to some, or back: that needs a restart, as the
+  sessions of the default tenant are counted per uid): who may connect as which tenant,
+  which shared namespaces each may use, and the quotas change at once. A tenant added or
+  given a new token path has its token file read now (one that cannot be used refuses the
+  whole reload); a tenant that keeps its path keeps the token read before (read again below).
+  Every open session is bound again as it would be now (``TenantDirectory.rebind``): one
+  whose tenant or admin right would differ, or that would be refused (its tenant removed,
+  its uid or gid no longer listed, its tenant's token dropped), ends at once with
+  PERMISSION_DENIED saying why, its leases and pools released; its client's next call opens
+  a session bound as the tenants are now. Sessions that still bind as before go on, and a
+  tenant's access to a shared namespace it lost is refused from its next request. A removed
+  tenant's blocks stay (counted under its name, evicted as any other, deletable by an admin
+  with ``tenant``) until they are evicted; they come back into its use if it is configured
+  again. A tenant above a lowered quota makes room among its own blocks at its next put, as
+  at the quota, and keeps what it holds until then.
 
 Token files are read again too, even when the new config does not load or apply (the running
 config's tenants' ``token_file`` and ``metrics.token_file``, the paths unchanged): a file
@@ -46,10 +58,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.daemon.config import Config, check_config, config_keys, ids_from
-from kvtier.daemon.errors import ConfigError
+from kvtier.daemon.errors import ConfigError, PermissionDenied, Unauthenticated
 from kvtier.daemon.logs import setup_logging
 from kvtier.daemon.policy.guard import EvictionGuard
-from kvtier.daemon.tenants import read_token_digests, read_token_file
+from kvtier.daemon.sessions import shown_id
+from kvtier.daemon.tenants import TenantDirectory, read_token_digests, read_token_file
 
 if TYPE_CHECKING:
     from kvtier.daemon.metrics import MetricsServer
@@ -66,6 +79,8 @@ LIVE_PATTERNS = (
 _LIVE = re.compile("|".join(f"(?:{p})" for p in LIVE_PATTERNS))
 # Config lists whose records' quotas are live (the rest of each record needs a restart).
 QUOTA_LISTS = ("tenants", "shared_namespaces")
+# Who may connect as what: live while tenants stay configured (or stay off).
+TENANT_KEYS = (*QUOTA_LISTS, "server.admin_uids")
 
 
 def is_live(key: str) -> bool:
@@ -109,9 +124,29 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
         elif (quotas := quota_changes(key, old, new)) is not None:
             effective = with_key(effective, key, new)
             applied += quotas
+        elif key in TENANT_KEYS and bool(running.tenants) == bool(loaded.tenants):
+            effective = with_key(effective, key, new)
+            applied.append(tenant_change(key, old, new))
         else:
             restart.append(f"{key}: {old!r} -> {new!r}")
     return effective, applied, restart
+
+
+def tenant_change(key: str, old: Any, new: Any) -> str:
+    """One line of what changed in ``tenants`` or ``shared_namespaces`` (by name: added,
+    removed, changed) or in ``server.admin_uids``."""
+    if key not in QUOTA_LISTS:
+        return f"{key}: {old!r} -> {new!r}"
+    before, after = {r.name: r for r in old}, {r.name: r for r in new}
+    parts = []
+    for what, names in (
+        ("added", [n for n in after if n not in before]),
+        ("removed", [n for n in before if n not in after]),
+        ("changed", [n for n in after if n in before and before[n] != after[n]]),
+    ):
+        if names:
+            parts.append(f"{what} {', '.join(names)}")
+    return f"{key}: {'; '.join(parts) or 'reordered'}"
 
 
 def quota_changes(key: str, old: Any, new: Any) -> list[str] | None:
@@ -173,8 +208,16 @@ class Reloader:
                 e,
             )
             return ReloadReport([], [], str(e))
+        directory = None
+        if _tenants_of(effective) != _tenants_of(self.daemon.config):
+            try:
+                # Before anything changes: a token file that cannot be used refuses it all.
+                directory = self.daemon.tenants.reloaded(self.daemon.config, effective)
+            except OSError as e:
+                log.error("SIGHUP: config not reloaded, the running one stays: %s", e)
+                return ReloadReport([], [], str(e))
         try:
-            self.apply(effective)
+            self.apply(effective, directory)
         except Exception as e:
             log.exception("SIGHUP: applying the new config failed; the running one stays")
             return ReloadReport([], [], str(e))
@@ -185,6 +228,34 @@ class Reloader:
                 "; ".join(restart),
             )
         return ReloadReport(applied, restart)
+
+    def end_rebound_sessions(self) -> list[str]:
+        """End the open sessions whose binding the tenants as they are now would change or
+        refuse (see the module docstring); the ids of those ended."""
+        daemon = self.daemon
+        ended = []
+        for session in daemon.sessions.sessions():
+            try:
+                now = daemon.tenants.rebind(session.peer, session.tenant, session.by_token)
+            except (Unauthenticated, PermissionDenied) as e:
+                why = f"the daemon's tenants changed, and this session would now be refused: {e}"
+            else:
+                if (now.tenant, now.admin, now.limit_key) == (
+                    session.tenant,
+                    session.admin,
+                    session.limit_key,
+                ):
+                    continue
+                admin = " (admin)" if now.admin else ""
+                why = (
+                    f"the daemon's tenants changed: this session would now be bound to tenant "
+                    f"{now.tenant!r}{admin}, not {session.tenant!r}"
+                    f"{' (admin)' if session.admin else ''}; open another"
+                )
+            daemon.servicer.end_session(session.session_id, why)
+            ended.append(session.session_id)
+            log.warning("SIGHUP: session %s ended: %s", shown_id(session.session_id), why)
+        return ended
 
     def reread_tokens(self) -> tuple[list[str], list[str]]:
         """Read the running config's token files again (see the module docstring); what
@@ -213,8 +284,9 @@ class Reloader:
             log.error("SIGHUP: %s; give each its own", clash)
         return changed, problems + clashes
 
-    def apply(self, config: Config) -> None:
-        """Make ``config`` (which differs from the running one only in live keys) current."""
+    def apply(self, config: Config, directory: TenantDirectory | None = None) -> None:
+        """Make ``config`` (which differs from the running one only in live keys) current;
+        ``directory``: its tenants, where they changed (``TenantDirectory.reloaded``)."""
         daemon = self.daemon
         old = daemon.config
         if (config.logging.level, config.logging.format) != (
@@ -236,9 +308,15 @@ class Reloader:
                 else:
                     level.writes.rate = float(getattr(section, "write_bytes_s", level.writes.rate))
         daemon.servicer.ping_interval_s = config.server.session_ping_s
-        if (config.tenants, config.shared_namespaces) != (old.tenants, old.shared_namespaces):
-            daemon.tenants.set_quotas(config)
+        if directory is not None:
+            daemon.tenants.replace_with(directory)
+            self.end_rebound_sessions()
             daemon.service.apply_quotas()
         daemon.config = config
         daemon.service.config = config
         store.config = config
+
+
+def _tenants_of(config: Config) -> tuple[Any, ...]:
+    """What a ``TenantDirectory`` is made of."""
+    return (config.tenants, config.shared_namespaces, config.server.admin_uids)

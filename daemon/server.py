@@ -38,7 +38,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -250,6 +250,8 @@ class KVTierServicer:
         self.health = health_servicer
         # Set at shutdown: session streams end, so draining waits only for real requests.
         self.closing = asyncio.Event()
+        # The open sessions' streams by session id (``end_session`` ends one).
+        self._streams: dict[str, _SessionStream] = {}
         # Requests whose client went away before they ended (see the module invariants).
         self.detached: set[asyncio.Future[Any]] = set()
 
@@ -270,6 +272,23 @@ class KVTierServicer:
                 )
 
         work.add_done_callback(done)
+
+    def close_streams(self) -> None:
+        """At shutdown: no new session, and every session stream ends (its session with it)."""
+        self.closing.set()
+        for stream in self._streams.values():
+            stream.ended.set()
+
+    def end_session(self, session_id: str, why: str) -> None:
+        """End an open session from the daemon's side (a reload changed the tenants so that
+        its binding no longer holds): its leases and pools go now, requests naming it are
+        NOT_FOUND from now on, and its stream ends with PERMISSION_DENIED and ``why`` (the
+        client opens another session, bound as the tenants are now, at its next call)."""
+        self.service.close_session(session_id)
+        stream = self._streams.get(session_id)
+        if stream is not None:
+            stream.why = why
+            stream.ended.set()
 
     def client_left(self) -> bool:
         """Whether the client of the request running now has cancelled it, or its deadline
@@ -327,6 +346,7 @@ class KVTierServicer:
             raise
         except Exception:
             await context.abort(grpc.StatusCode.INTERNAL, self.internal_error("OpenSession"))
+        stream = self._streams[session.session_id] = _SessionStream()
         try:
             yield pb.SessionEvent(
                 session_id=session.session_id,
@@ -337,12 +357,15 @@ class KVTierServicer:
             ping = pb.SessionEvent(
                 session_id=session.session_id, ping_interval_s=self.ping_interval_s
             )
-            while not self.closing.is_set():
+            while not stream.ended.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.closing.wait(), self.ping_interval_s)
-                if not self.closing.is_set():
+                    await asyncio.wait_for(stream.ended.wait(), self.ping_interval_s)
+                if not stream.ended.is_set():
                     yield ping
+            if stream.why:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, stream.why)
         finally:
+            self._streams.pop(session.session_id, None)
             self.service.close_session(session.session_id)
 
     @_rpc
@@ -705,7 +728,7 @@ class Daemon:
         )
         systemd.notify("STOPPING=1")
         self.health.enter_graceful_shutdown()
-        self.servicer.closing.set()
+        self.servicer.close_streams()
         if self.credentials is not None:
             self.credentials.close()
         if self.server is not None:
@@ -852,6 +875,14 @@ class RequestReceiver:
                 "one had waited longest"
             )
         return f"the request did not arrive in full within {self.timeout_s:g}s"
+
+
+@dataclass(slots=True, eq=False)
+class _SessionStream:
+    """An open session's stream: set ``ended`` to end it, with ``why`` (empty at shutdown)."""
+
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    why: str = ""
 
 
 @dataclass(slots=True, eq=False)

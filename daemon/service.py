@@ -26,7 +26,6 @@ Thread-safety: none; called from the server's event loop only.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -218,6 +217,7 @@ class KVService:
             binding.tenant,
             admin=binding.admin,
             limit_key=binding.limit_key,
+            by_token=binding.by_token,
         )
         self._session_lines.info(
             binding.limit_key,
@@ -236,9 +236,12 @@ class KVService:
         return self.sessions.get(session_id)
 
     def close_session(self, session_id: str) -> None:
-        key = ""
-        with contextlib.suppress(NotFound):
+        """End a session, releasing its leases and pools; nothing for one not open (the
+        daemon may have ended it before its stream ends, see ``KVTierServicer.end_session``)."""
+        try:
             key = self.sessions.get(session_id).limit_key
+        except NotFound:
+            return
         leases = self.sessions.close(session_id)
         for lease in leases:
             self.store.unpin(lease.refs)

@@ -29,9 +29,11 @@ Rules:
 
 - Tokens are read from their files at start and again at each SIGHUP (``set_tokens``): a
   replaced file's token binds new sessions from then on and the old one no longer does;
-  sessions already open stay bound. A SIGHUP sets the quotas again too (``set_quotas``).
+  sessions already open stay bound. A SIGHUP that changes the tenants, shared namespaces or
+  admin uids replaces them (``reloaded``, ``replace_with``); the reload then ends the open
+  sessions that would not be bound as they are (``rebind``, daemon/reload.py).
 
-Thread-safety: the event loop only (``set_tokens`` and ``set_quotas`` are the changes after
+Thread-safety: the event loop only (``set_tokens`` and ``replace_with`` are the changes after
 construction).
 """
 
@@ -113,6 +115,7 @@ class Binding:
     admin: bool
     # What the per-tenant session limit counts: the tenant, or the uid without tenants.
     limit_key: str
+    by_token: bool = False  # bound by the tenant's token, not the peer's credentials
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,19 +154,6 @@ class TenantDirectory:
     @property
     def configured(self) -> bool:
         return bool(self.tenants)
-
-    def set_quotas(self, config: Config) -> None:
-        """Take the quotas of ``config``'s tenants and shared namespaces (a reload whose
-        tenants and shared namespaces differ in their quotas only)."""
-        for tc in config.tenants:
-            tenant = self.tenants[tc.name]
-            self.tenants[tc.name] = dataclasses.replace(
-                tenant, quotas=_quotas(tc.quotas.by_label())
-            )
-        for sc in config.shared_namespaces:
-            space = self.shared[sc.name]
-            self.shared[sc.name] = dataclasses.replace(space, quotas=_quotas(sc.quotas.by_label()))
-        self._index()
 
     def set_tokens(self, digests: Mapping[str, bytes]) -> list[str]:
         """Give each tenant named in ``digests`` that token digest (its token file, read
@@ -211,6 +201,28 @@ class TenantDirectory:
         admins = {0, os.geteuid(), *config.server.admin_uid_set()}
         return cls(tenants, shared, admins)
 
+    def reloaded(self, running: Config, config: Config) -> TenantDirectory:
+        """The directory of ``config`` for a reload from ``running`` (this directory's
+        config): a tenant whose token file is the one it had keeps the token read before
+        (the reload reads every token file again after, as for any reload); an added tenant's
+        file, or a tenant's new path, is read now, and raises OSError when it cannot be used
+        (``read_token_file``)."""
+        fresh = TenantDirectory.from_config(config, read=False)
+        paths = {tc.name: tc.token_file for tc in running.tenants}
+        for tc in config.tenants:
+            if not tc.token_file:
+                continue
+            before = self.tenants.get(tc.name)
+            if paths.get(tc.name) == tc.token_file and before is not None and before.token_digest:
+                digest = before.token_digest
+            else:
+                digest = _digest(read_token_file(tc.token_file))
+            fresh.tenants[tc.name] = dataclasses.replace(
+                fresh.tenants[tc.name], token_digest=digest
+            )
+        fresh._index()
+        return fresh
+
     # --------------------------------------------------------------- binding
 
     def bind(self, peer: PeerCred | None, token: bytes) -> Binding:
@@ -253,6 +265,11 @@ class TenantDirectory:
                 "secret), so it binds none: the daemon's operator must give each its own"
             )
         (found,) = matches
+        return self._token_binding(found, peer)
+
+    def _token_binding(self, found: Tenant, peer: PeerCred | None) -> Binding:
+        """The binding of a session of ``peer`` (None over TCP) that presented ``found``'s
+        token."""
         admin = found.admin
         if peer is not None:
             if found.by_credentials and peer.uid not in found.uids and peer.gid not in found.gids:
@@ -261,7 +278,27 @@ class TenantDirectory:
                     f"this peer (uid {peer.uid}, gid {peer.gid})"
                 )
             admin = admin or peer.uid in self.admin_uids
-        return Binding(found.name, admin, found.name)
+        return Binding(found.name, admin, found.name, by_token=True)
+
+    def rebind(self, peer: PeerCred | None, tenant: str, by_token: bool) -> Binding:
+        """What an open session (of ``peer``, bound to ``tenant``, by its token or not) would
+        be bound to now: after a reload changed the tenants, a session whose binding differs
+        ends. A token-bound session is checked against its tenant as it stands (the token
+        itself is not kept: a rotated token leaves the sessions it opened bound, see
+        ``set_tokens``). Raises as ``bind`` does when it would bind none."""
+        if not by_token:
+            return self.bind(peer, b"")
+        found = self.tenants.get(tenant)
+        if found is None or not found.token_digest:
+            raise Unauthenticated(f"tenant {tenant!r} has no token any more (or is gone)")
+        return self._token_binding(found, peer)
+
+    def replace_with(self, other: TenantDirectory) -> None:
+        """Take ``other``'s tenants, shared namespaces and admin uids (a reload that changed
+        them); the namespaces resolved so far are resolved again."""
+        self.tenants, self.shared, self.admin_uids = other.tenants, other.shared, other.admin_uids
+        self._index()
+        self._spaces.clear()
 
     # ------------------------------------------------------------ namespaces
 

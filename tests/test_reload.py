@@ -112,7 +112,7 @@ def test_a_reload_whose_live_keys_do_not_hold_beside_the_running_ones_changes_no
     daemon = SimpleNamespace(config=running, tenants=TenantDirectory.from_config(running))
     applied: list[object] = []
     reloader = Reloader(daemon, lambda: loaded)  # type: ignore[arg-type]
-    reloader.apply = applied.append  # type: ignore[method-assign]
+    reloader.apply = lambda config, directory=None: applied.append(config)  # type: ignore[method-assign]
     report = reloader.reload()
     assert applied == []
     assert report.applied == [] and "server.max_message_bytes" in report.error
@@ -232,7 +232,7 @@ def test_a_reload_keeps_the_ids_the_running_config_s_names_resolved_to(monkeypat
     daemon = SimpleNamespace(config=running, tenants=tenants)
     applied: list[object] = []
     reloader = Reloader(daemon, lambda: load_config(None, [*names, "policy.protect_s=5"]), known)  # type: ignore[arg-type]
-    reloader.apply = applied.append  # type: ignore[method-assign]
+    reloader.apply = lambda config, directory=None: applied.append(config)  # type: ignore[method-assign]
     report = reloader.reload()
     assert report.error == "" and [a.split(":")[0] for a in report.applied] == ["policy.protect_s"]
     assert len(applied) == 1
@@ -411,8 +411,8 @@ tenants:
 
 
 def test_sighup_applies_a_tenants_new_quota(tmp_path, daemon_factory):
-    """Quotas change live (the rest of a tenant's record needs a restart): a tenant above a
-    lowered quota makes room among its own blocks at its next put."""
+    """Quotas change live: a tenant above a lowered quota makes room among its own blocks at
+    its next put."""
     require_root()
     block = 64 << 10
     layout = PoolLayout.staging(
@@ -442,10 +442,12 @@ def test_sighup_applies_a_tenants_new_quota(tmp_path, daemon_factory):
         assert l1_of_ops(client) == (2 * block, 2 * block)
         assert client.check().problems == []
 
+        # More than a quota changes live too; root stays an admin, so its session goes on.
         path.write_text(QUOTA_CONFIG.format(quota=2 * block).replace("admin: true", "admin: false"))
         d.proc.send_signal(signal.SIGHUP)
-        log = _wait_for_log(d, "need a restart")
-        assert "tenants: " in log.split("need a restart")[-1]  # not only a quota: restart
+        log = _wait_for_log(d, "SIGHUP: applied tenants: changed ops")
+        assert "need a restart" not in log and "ended" not in log
+        assert client.check().problems == []
 
 
 def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_only():
@@ -471,5 +473,115 @@ def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_on
     ]
     assert restart == [] and effective == config("512MiB", "4GiB")
     effective, applied, restart = plan(running, config("512MiB", "2GiB", bob_gids="[50]"))
+    assert applied == ["tenants: changed alice, bob"] and restart == []
+    assert effective.tenants == config("512MiB", "2GiB", bob_gids="[50]").tenants
+
+
+def test_the_reload_plan_takes_tenant_changes_unless_tenants_go_on_or_off():
+    from kvtier.daemon.config import load_config
+
+    def config(*tenants: str, admins: str = "[]"):
+        return load_config(None, [f"tenants=[{', '.join(tenants)}]", f"server.admin_uids={admins}"])
+
+    alice, bob = "{name: alice, uids: [1000]}", "{name: bob, uids: [1001]}"
+    running = config(alice, bob)
+    loaded = config("{name: alice, uids: [1000], admin: true}", "{name: carol, gids: [77]}")
+    effective, applied, restart = plan(running, loaded)
+    assert applied == ["tenants: added carol; removed bob; changed alice"] and restart == []
+    assert effective == loaded
+    effective, applied, restart = plan(running, config(alice, bob, admins="[1002]"))
+    assert applied == ["server.admin_uids: () -> ('1002',)"] and restart == []
+    # Turning tenants off (or on) changes what a session is counted by: a restart.
+    effective, applied, restart = plan(running, config())
     assert applied == [] and [r.split(":")[0] for r in restart] == ["tenants"]
-    assert effective.tenants == running.tenants
+    assert effective == running
+    effective, applied, restart = plan(config(), running)
+    assert applied == [] and [r.split(":")[0] for r in restart] == ["tenants"]
+
+
+TENANTS_CONFIG = """
+tiers:
+  l1:
+    capacity_bytes: 64MiB
+    segment_bytes: 1MiB
+tenants:
+{tenants}
+"""
+
+
+def _tenants_config(path: Path, tokens: dict[str, Path]) -> None:
+    lines = [f"  - {{name: {name}, token_file: {file}}}" for name, file in tokens.items()]
+    path.write_text(TENANTS_CONFIG.format(tenants="\n".join(lines)))
+
+
+def test_sighup_adds_and_removes_tenants_and_ends_the_sessions_it_no_longer_binds(
+    tmp_path, daemon_factory, caplog
+):
+    """Tenants change at SIGHUP without a restart: an added tenant's token binds sessions at
+    once; a removed tenant's open session ends then (PERMISSION_DENIED, with why), its client's
+    next session is refused, and its blocks stay; the other tenants' sessions go on. A tenant
+    whose token file cannot be used refuses the whole reload."""
+    require_root()  # root's sessions are admins', which see every tenant's usage
+    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob", "carol")}
+    secret = {name: file.read_text().strip() for name, file in tokens.items()}
+    path = tmp_path / "kvtier.yaml"
+    _tenants_config(path, {"alice": tokens["alice"], "bob": tokens["bob"]})
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/tenants.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    d.start()
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=4, block_tokens=16, chunk_bytes=4096, dtype="uint8"
+    )
+    with (
+        d.client(token=secret["alice"]) as alice,
+        d.client(token=secret["bob"]) as bob,
+        SharedMemoryPool.for_layout(layout) as shm,
+    ):
+        keys = {}
+        for name, client in (("alice", alice), ("bob", bob)):
+            pool = client.register_pool(shm, layout).pool_id
+            keys[name] = [os.urandom(32) for _ in range(2)]
+            assert client.put(pool, keys[name], [0, 1]).stored == 2
+        with d.client(token=secret["carol"]) as carol, pytest.raises(UnauthenticatedError):
+            carol.stats()
+        alice_session, bob_session = alice.session_id, bob.session_id
+
+        _tenants_config(path, {"alice": tokens["alice"], "carol": tokens["carol"]})
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: applied tenants: added carol; removed bob")
+        assert log.count("SIGHUP: session") == 1
+        assert "would now be refused: tenant 'bob' has no token any more" in log
+        with d.client(token=secret["carol"]) as carol:
+            assert carol.tenant == "carol" and carol.lookup(keys["alice"]).prefix_len == 0
+        assert alice.lookup(keys["alice"]).prefix_len == 2
+        assert alice.session_id == alice_session  # the same session went on
+        # Bob's client sees its session end, and says why.
+        deadline = time.monotonic() + 10
+        while not (
+            ended := [r.getMessage() for r in caplog.records if "ended (" in r.getMessage()]
+        ):
+            assert time.monotonic() < deadline, "bob's client did not log its session's end"
+            time.sleep(0.02)
+        assert ended == [
+            f"kvtier session {bob_session[:8]} ended (the daemon ended it: the daemon's tenants "
+            "changed, and this session would now be refused: tenant 'bob' has no token any "
+            "more (or is gone))"
+        ]
+        with pytest.raises(UnauthenticatedError, match="not any tenant's"):
+            bob.lookup(keys["bob"])
+        # Root's sessions are admins': every tenant's usage. Bob's blocks stay, under its name.
+        assert alice.admin and alice.check().problems == []
+        usage = {t.tenant: t for t in alice.stats().tenants}
+        (l1,) = [u for u in usage["bob"].tiers if u.tier == Tier.L1_HOST]
+        assert l1.blocks == 2 and usage["bob"].sessions == 0
+
+        # An added tenant whose token file others may read: nothing of the reload applies.
+        dave, _ = tenant_token(tmp_path, "dave")
+        dave.chmod(0o644)
+        _tenants_config(path, {"alice": tokens["alice"], "dave": dave})
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: config not reloaded")
+        assert "dave.token" in log.split("SIGHUP: config not reloaded")[-1]
+        with d.client(token=secret["carol"]) as carol:
+            assert carol.tenant == "carol"  # carol was not removed
+        assert alice.session_id == alice_session

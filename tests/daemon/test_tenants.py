@@ -157,6 +157,71 @@ def test_resolved_spaces_are_remembered_within_a_bound_and_refusals_are_not(dire
     assert directory.space("alice", "m") == first
 
 
+def test_rebind_says_what_an_open_session_would_be_bound_to_now(directory):
+    """After a reload replaced the tenants, each open session is bound again as it would be
+    (the reload ends those that differ): by its peer's credentials, or, for one bound by a
+    token, by its tenant as it stands (the token itself is not kept)."""
+    assert directory.rebind(peer(1000), "alice", False) == directory.bind(peer(1000), b"")
+    assert directory.rebind(peer(1001), "bob", True).by_token
+    assert directory.rebind(None, "robot", True).tenant == "robot"
+    changed = TenantDirectory(
+        [
+            Tenant("alice", uids=frozenset({1001})),  # bob's uid moved to alice
+            Tenant("bob", gids=frozenset({50})),  # no token any more
+            Tenant("ops", uids=frozenset({7})),  # no longer admin
+        ],
+        [SharedSpace("common", frozenset({"bob"}))],  # alice left it
+        admin_uids={0},
+    )
+    assert directory.space("alice", "shared:common").owner == "shared:common"  # resolved, kept
+    directory.replace_with(changed)
+    assert directory.rebind(peer(1001), "bob", False).tenant == "alice"
+    with pytest.raises(PermissionDenied, match="uid 1000"):
+        directory.rebind(peer(1000), "alice", False)
+    with pytest.raises(Unauthenticated, match="tenant 'bob' has no token"):
+        directory.rebind(peer(1001, 50), "bob", True)
+    with pytest.raises(Unauthenticated, match="tenant 'robot'"):
+        directory.rebind(None, "robot", True)
+    assert not directory.rebind(peer(7), "ops", False).admin
+    assert directory.rebind(peer(0), "ops", False).admin  # root is an admin anyway
+    with pytest.raises(PermissionDenied, match="shared_namespaces"):
+        directory.space("alice", "shared:common")  # resolved again, not from before
+    with pytest.raises(Unauthenticated, match="not any tenant's"):
+        directory.bind(peer(1001), SECRET)
+
+
+def test_a_reloaded_directory_keeps_the_tokens_of_unchanged_paths_and_reads_new_ones(tmp_path):
+    """A reload that changes the tenants reads the token files of added tenants and of
+    changed paths, and keeps the token read before for a path that stayed (every file is
+    read again by the reload after that); a file that cannot be used raises, so that the
+    reload is refused whole."""
+
+    def token(name: str, secret: str) -> str:
+        path = tmp_path / f"{name}.token"
+        path.write_text(secret)
+        path.chmod(0o600)
+        return str(path)
+
+    def config(*tenants: tuple[str, str]):
+        listed = ", ".join(f"{{name: {n}, token_file: {f}}}" for n, f in tenants)
+        return load_config(None, [f"tenants=[{listed}]"])
+
+    a, b = token("a", "secret-of-a-0123456789"), token("b", "secret-of-b-0123456789")
+    running = config(("a", a))
+    directory = TenantDirectory.from_config(running)
+    with open(a, "w") as f:
+        f.write("a-second-secret-0123456789")  # read again by the reload, not here
+    fresh = directory.reloaded(running, config(("a", a), ("b", b)))
+    assert fresh.bind(None, b"secret-of-a-0123456789").tenant == "a"
+    assert fresh.bind(None, b"secret-of-b-0123456789").tenant == "b"
+    fresh = directory.reloaded(running, config(("a", b)))  # a's new path: read now
+    assert fresh.bind(None, b"secret-of-b-0123456789").tenant == "a"
+    os.chmod(b, 0o644)
+    with pytest.raises(TokenFileError, match="others"):
+        directory.reloaded(running, config(("a", a), ("b", b)))
+    assert directory.bind(None, b"secret-of-a-0123456789").tenant == "a"  # unchanged
+
+
 def test_stats_show_a_tenant_its_own_and_its_shared_namespaces(directory):
     assert directory.visible_to("alice", False) == ["alice", "shared:common"]
     assert directory.visible_to("robot", False) == ["robot"]
