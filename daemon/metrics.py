@@ -823,22 +823,53 @@ class ProbeRouter:
             return text_answer(
                 start_response, "405 Method Not Allowed", "GET or HEAD only\n", allow
             )
-        if path == "/metrics":
-            # A HEAD is answered as the GET would be (token, pace, headers), without the
-            # body; prometheus_client's app answers a HEAD 405, with a body.
-            body = self.app({**environ, "REQUEST_METHOD": "GET"}, start_response)
-        else:
-            body = text_answer(
-                start_response,
-                "404 Not Found",
-                "not found: this endpoint serves /metrics, /healthz and /readyz\n",
-            )
-        if method == "GET":
-            return body
+        if method == "HEAD":
+            # Answered as the GET would be (token, pace, headers), without the body;
+            # prometheus_client's app answers a HEAD 405, with a body.
+            return _head(self._get, {**environ, "REQUEST_METHOD": "GET"}, start_response)
+        return self._get(environ, start_response)
+
+    def _get(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") == "/metrics":
+            return self.app(environ, start_response)
+        return text_answer(
+            start_response,
+            "404 Not Found",
+            "not found: this endpoint serves /metrics, /healthz and /readyz\n",
+        )
+
+
+def _head(
+    app: Callable[..., Iterable[bytes]], environ: dict[str, Any], start_response: Any
+) -> Iterable[bytes]:
+    """``app``'s answer to the GET ``environ`` without its body: its status and headers, and a
+    Content-Length of the body left out where ``app`` did not give one (wsgiref would send
+    ``Content-Length: 0`` for an empty body, which HTTP forbids on a HEAD answer unless the
+    GET's body is empty too)."""
+    answer: list[Any] = []
+    written = 0
+
+    def started(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        answer[:] = [status, headers, exc_info]
+
+        def write(data: bytes) -> None:
+            nonlocal written
+            written += len(data)
+
+        return write
+
+    body = app(environ, started)
+    try:
+        size = sum(len(chunk) for chunk in body) + written  # written by then, if at all
+    finally:
         close = getattr(body, "close", None)
         if close is not None:
             close()
-        return []
+    status, headers, exc_info = answer
+    if not any(name.lower() == "content-length" for name, _ in headers):
+        headers = [*headers, ("Content-Length", str(size))]
+    start_response(status, headers, exc_info)
+    return []
 
 
 def scrape_app(

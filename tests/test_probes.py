@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import queue
 import re
@@ -288,6 +289,46 @@ def test_regression_head_on_the_scrape_was_answered_405_with_a_body(loop_thread)
                 assert refused.value.code == 405, (method, path)
                 assert refused.value.headers["Allow"] == "GET, HEAD"
                 assert refused.value.read() == b"GET or HEAD only\n"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _length(url: str, method: str, headers: dict[str, str]) -> tuple[int, str | None, int]:
+    """The status, Content-Length header and body length of one request."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(method, "/metrics", headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Length"), len(resp.read())
+    finally:
+        conn.close()
+
+
+def test_regression_head_on_the_scrape_claimed_an_empty_body(loop_thread):
+    """A HEAD of /metrics was answered with ``Content-Length: 0`` (wsgiref's default for an
+    answer without a body and without the header), a 401 as well, while the GET's body was
+    thousands of bytes: HTTP forbids a Content-Length on a HEAD answer other than the GET's.
+    The HEAD's is the GET's, for the scrape (plain or gzip) and for a refused token."""
+    probe = HealthProbe(lambda: SERVING, loop_thread)
+    registry = CollectorRegistry()
+    Gauge("kvtier_example", "A gauge to scrape.", registry=registry).set(1)
+    token = "t" * 32
+    router = metrics.ProbeRouter(metrics.scrape_app(registry, token.encode()), probe)
+    server, thread = metrics.serve_http("127.0.0.1", 0, router)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        bearer = {"Authorization": "Bearer " + token}
+        for headers, status in (
+            (bearer, 200),
+            ({**bearer, "Accept-Encoding": "gzip"}, 200),
+            ({}, 401),
+        ):
+            code, length, size = _length(url, "GET", headers)
+            assert (code, length) == (status, str(size)) and size > 0, headers
+            assert _length(url, "HEAD", headers) == (status, length, 0), headers
     finally:
         server.shutdown()
         server.server_close()
