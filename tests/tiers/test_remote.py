@@ -21,6 +21,8 @@ import pytest
 from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, raw_client, ref, wait_for
 
 from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
+from kvtier.daemon import loops
+from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import BlockRef, Health, PoolPages, TierUnavailable
 from kvtier.tiers.remote import tier as tier_module
@@ -419,6 +421,45 @@ async def test_a_hung_server_costs_one_op_timeout(fresh_redis: RedisServer, l3_p
         await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
         dest = empty(4, nbytes)
         assert await tier.read(blocks, nbytes, host(dest)) == [True] * 4
+
+
+@pytest.mark.parametrize("kind", EVENT_LOOPS)
+def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
+    fresh_redis: RedisServer, l3_prefix: str, kind: str
+) -> None:
+    """uvloop's transports keep a reference to what they have not sent yet (asyncio's own
+    copies it): a write that timed out against a hung store handed its buffers back (L1
+    slots, staging buffers) while its connection, closed gracefully, still held them, and
+    once the store read again their new bytes were stored under the old keys and headers. A
+    failed write aborts the connections that took its bodies: what the store gets is each
+    block as it was, or nothing."""
+    nbytes = 8 << 20  # far more than the socket buffers take while the store is hung
+    blocks = [ref(i) for i in range(4)]
+    orig = [data(i, nbytes) for i in range(4)]
+    raw = raw_client(fresh_redis)
+
+    def others() -> set[str]:
+        return {c["id"] for c in raw.client_list()} - {str(raw.client_id())}
+
+    async def run() -> None:
+        async with opened(options(fresh_redis, l3_prefix)) as tier:
+            assert await tier.write([ref(99)], 4096, host([data(99, 4096)])) == [True]
+            before = others()  # the tier's connections, the write's among them
+            src = [bytearray(b) for b in orig]
+            fresh_redis.pause()
+            try:
+                assert await tier.write(blocks, nbytes, host(src)) == [False] * 4
+                for buf in src:
+                    buf[:] = bytes(nbytes)  # the caller's again, and rewritten
+            finally:
+                fresh_redis.resume()
+            await wait_for("the write's connection to end", lambda: not before & others())
+
+    loops.run(run(), kind)
+    namer = KeyNamer(l3_prefix)
+    for i, block in enumerate(blocks):
+        key = namer.key(block.ns, block.key)
+        assert raw.get(key) in (None, header(nbytes, checksum(orig[i]), key) + orig[i]), i
 
 
 async def test_an_unreachable_store_at_start_is_not_fatal(tmp_path: Path, l3_prefix: str) -> None:

@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - the extra is part of the dev envi
     raise ImportError("the L3 tier needs redis-py: pip install 'kvtier[redis]'") from e
 
 # After the check above: the wire module needs redis-py too.
-from kvtier.tiers.remote.wire import Framed, use_tier_connections
+from kvtier.tiers.remote.wire import Framed, releasing_bodies, use_tier_connections
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +392,8 @@ class RemoteTier:
                     pipe.execute_command("SET", k, v)
 
         try:
-            replies = await self._pipeline(put, self._bulk_ops)
+            with releasing_bodies():  # the values' bodies are the caller's buffers
+                replies = await self._pipeline(put, self._bulk_ops)
         except _Paused:
             c["write_skipped_down"] += len(chosen)
             return out
@@ -700,7 +701,8 @@ def _is_cluster(client: Any) -> bool:
 class _Staging:
     """Reusable buffers for blocks gathered from pool pages before they are sent (a fresh
     2 MiB buffer is zero-filled and page-faulted every time). Buffers go back after the
-    pipeline that sent them has ended: by then the transport has sent or copied them.
+    pipeline that sent them has ended: by then the store has them whole, or the connections
+    that held them were aborted (``wire.releasing_bodies``).
 
     Thread-safety: none; the event loop owns it."""
 

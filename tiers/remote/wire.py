@@ -13,6 +13,14 @@ the transport sends or buffers it: for a pipeline of 2 MiB values, a fresh alloc
 copy of every byte, on the event loop, before the first one leaves. Written one at a time,
 a chunk goes to the socket as it is, and only what the socket does not take is buffered.
 
+Not sending a body after its call has ended: a transport may hold what the socket has not
+taken yet by reference (uvloop's do; asyncio's own copies it), and a pipeline that fails (a
+timeout against a hung store, a cancel) hands its buffers back while its connection still
+holds them: once the store read again, their new bytes (another block's, another tenant's)
+went out under the old key and header. ``releasing_bodies`` aborts, when the pipeline it
+wraps fails, every transport a ``Framed`` body was written to, so that none of it goes out
+later.
+
 Receiving large replies with fewer steps: the stream buffers more before it pauses the
 socket (redis-py's streams pause at 128 KiB and resume at 64 KiB, two selector changes per
 socket read of a 2 MiB value), and hiredis keeps its reply buffer between replies of a few
@@ -32,7 +40,10 @@ before its first command.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import socket
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from redis._parsers import _AsyncHiredisParser
@@ -67,6 +78,40 @@ class Framed:
         return len(self.header) + len(self.body)
 
 
+# The transports that took a ``Framed`` body in the pipeline ``releasing_bodies`` wraps (the
+# pipeline's tasks see the list of the task that started them, their contexts being copies).
+_TAKEN: ContextVar[list[Any] | None] = ContextVar("kvtier_l3_taken", default=None)
+
+
+@contextlib.contextmanager
+def releasing_bodies() -> Iterator[None]:
+    """Within: a pipeline whose ``Framed`` bodies are the caller's until it is left. Left by
+    an exception, every transport a body was written to is aborted before the exception goes
+    on, so that no byte of a body it still held is sent after the caller has its buffers back
+    (see the module docstring). Left normally, every reply has come: the store has it all."""
+    taken: list[Any] = []
+    token = _TAKEN.set(taken)
+    try:
+        yield
+    except BaseException:
+        for transport in dict.fromkeys(taken):
+            # Shut at once: uvloop's abort closes the socket only on a later turn of the
+            # loop, and a socket that became writable meanwhile took more of the bodies.
+            # (The transport's socket has no shutdown of its own; one of a dup of its fd
+            # shuts the connection all the same.)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with (
+                    contextlib.suppress(OSError),
+                    socket.fromfd(sock.fileno(), sock.family, sock.type) as dup,
+                ):
+                    dup.shutdown(socket.SHUT_WR)
+            transport.abort()
+        raise
+    finally:
+        _TAKEN.reset(token)
+
+
 class _TierConnection:
     """Connection mixin: packs a command holding a ``Framed`` argument itself (any other
     command is redis-py's), writes chunks without joining them, and reads with a larger stream
@@ -97,9 +142,12 @@ class _TierConnection:
         # redis-py sends through here whenever a socket timeout is set (the tier always sets
         # one); StreamWriter.writelines would join the chunks first (see the module docstring).
         writer = self._writer
+        taken = _TAKEN.get()
         for chunk in command:
             if writer.transport.is_closing():
                 break  # lost meanwhile: drain raises; more writes would only log warnings
+            if taken is not None and type(chunk) is not bytes:
+                taken.append(writer.transport)  # a body (see releasing_bodies)
             writer.write(chunk)
         await writer.drain()
 
