@@ -44,6 +44,16 @@ def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
     return daemon_factory()
 
 
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Async tests run on the daemon's default event loop (``server.event_loop: uvloop``):
+    uvloop differs where it matters (its transports hold unsent bytes by reference, where
+    asyncio's copy them: see tiers/remote/wire.py). Tests that call ``asyncio.run`` keep the
+    standard library's loop, the other choice."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
+
+
 _NO_CUDA: list[str] = []
 
 

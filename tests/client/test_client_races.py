@@ -7,6 +7,8 @@ wrong happens on every run."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -267,37 +269,46 @@ async def test_an_async_call_or_job_in_flight_when_the_client_closes_gets_a_type
     ``asyncio.CancelledError`` (grpc.aio cancels the calls on a closed channel), and a job's
     RPC task died of it, leaving its part unended. Both get the closed client's
     UnavailableError now, as the blocking client's calls do. Each RPC is sent, then held
-    until the close is done, then awaited."""
+    until the close is done, then awaited; the daemon is paused meanwhile, so that no answer
+    can come before the close (on uvloop one did, now and then, and the job was DONE)."""
     client = AsyncClient(daemon.address)
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = await client.register_pool(shm, LAYOUT)
-        sent, closed = asyncio.Event(), asyncio.Event()
-        stub = client._stub
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            await _close_with_calls_in_flight(client, pool)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
 
-        class HeldStub:
-            def __getattr__(self, method: str) -> Any:
-                rpc = getattr(stub, method)
 
-                async def held(request: Any, **kwargs: Any) -> Any:
-                    call = rpc(request, **kwargs)
-                    sent.set()
-                    await closed.wait()
-                    return await call
+async def _close_with_calls_in_flight(client: AsyncClient, pool: Any) -> None:
+    sent, closed = asyncio.Event(), asyncio.Event()
+    stub = client._stub
 
-                return held
+    class HeldStub:
+        def __getattr__(self, method: str) -> Any:
+            rpc = getattr(stub, method)
 
-        client._stub = HeldStub()  # type: ignore[assignment]
-        job = await client.submit_save(pool, [SaveSegment(keys_for(2, "inflight"), [0, 1])])
-        lookup = asyncio.ensure_future(client.lookup(keys_for(1, "inflight")))
-        await sent.wait()
-        await client.close()
-        closed.set()
-        with pytest.raises(UnavailableError, match=r"^the client was closed$"):
-            await lookup
-        status = await job.wait(10)
-        assert status.state is JobState.FAILED
-        assert isinstance(status.error, UnavailableError)
-        assert str(status.error) == "the client was closed"
+            async def held(request: Any, **kwargs: Any) -> Any:
+                call = rpc(request, **kwargs)
+                sent.set()
+                await closed.wait()
+                return await call
+
+            return held
+
+    client._stub = HeldStub()  # type: ignore[assignment]
+    job = await client.submit_save(pool, [SaveSegment(keys_for(2, "inflight"), [0, 1])])
+    lookup = asyncio.ensure_future(client.lookup(keys_for(1, "inflight")))
+    await sent.wait()
+    await client.close()
+    closed.set()
+    with pytest.raises(UnavailableError, match=r"^the client was closed$"):
+        await lookup
+    status = await job.wait(10)
+    assert status.state is JobState.FAILED
+    assert isinstance(status.error, UnavailableError)
+    assert str(status.error) == "the client was closed"
 
 
 async def test_an_async_call_opening_its_session_when_the_client_closes_gets_a_typed_error(
