@@ -27,9 +27,10 @@ Live keys, and how each applies:
   whole reload); a tenant that keeps its path keeps the token read before (read again below).
   Every open session is bound again as it would be now (``TenantDirectory.rebind``): one
   whose tenant or admin right would differ, or that would be refused (its tenant removed,
-  its uid or gid no longer listed, its tenant's token dropped), ends at once with
-  PERMISSION_DENIED saying why, its leases and pools released; its client's next call opens
-  a session bound as the tenants are now. Sessions that still bind as before go on, and a
+  its uid or gid no longer listed, its tenant's token dropped; the token it opened with
+  now another tenant's, or more than one's, as when token files move between tenants), ends
+  at once with PERMISSION_DENIED saying why, its leases and pools released; its client's
+  next call opens a session bound as the tenants are now. Sessions that still bind as before go on, and a
   tenant's access to a shared namespace it lost is refused from its next request. A removed
   tenant's blocks stay (counted under its name, evicted as any other, deletable by an admin
   with ``tenant``) until they are evicted; they come back into its use if it is configured
@@ -236,7 +237,7 @@ class Reloader:
         ended = []
         for session in daemon.sessions.sessions():
             try:
-                now = daemon.tenants.rebind(session.peer, session.tenant, session.by_token)
+                now = daemon.tenants.rebind(session.peer, session.tenant, session.token_digest)
             except (Unauthenticated, PermissionDenied) as e:
                 why = f"the daemon's tenants changed, and this session would now be refused: {e}"
             else:

@@ -217,7 +217,7 @@ class KVService:
             binding.tenant,
             admin=binding.admin,
             limit_key=binding.limit_key,
-            by_token=binding.by_token,
+            token_digest=binding.token_digest,
         )
         self._session_lines.info(
             binding.limit_key,

@@ -81,7 +81,7 @@ class Session:
     admin: bool = False
     limit_key: str = ""
     leases: set[int] = field(default_factory=set)
-    by_token: bool = False  # bound to its tenant by the tenant's token (see tenants.rebind)
+    token_digest: bytes = b""  # of the token that bound it, if one did (see tenants.rebind)
     # Namespaces (declared name, tenant acted for) -> (id, owner index) this session has
     # bound for its puts (``store.namespace`` ran for each once).
     bound: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -139,7 +139,7 @@ class SessionRegistry:
         *,
         admin: bool = False,
         limit_key: str = "",
-        by_token: bool = False,
+        token_digest: bytes = b"",
     ) -> Session:
         key = limit_key or tenant
         if self._per_tenant[key] >= self.max_per_tenant:
@@ -149,7 +149,14 @@ class SessionRegistry:
                 "may hold (server.max_sessions_per_tenant)"
             )
         session = Session(
-            secrets.token_hex(16), client_name, now, peer, tenant, admin, key, by_token=by_token
+            secrets.token_hex(16),
+            client_name,
+            now,
+            peer,
+            tenant,
+            admin,
+            key,
+            token_digest=token_digest,
         )
         self._sessions[session.session_id] = session
         self._per_tenant[key] += 1

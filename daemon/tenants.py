@@ -115,7 +115,9 @@ class Binding:
     admin: bool
     # What the per-tenant session limit counts: the tenant, or the uid without tenants.
     limit_key: str
-    by_token: bool = False  # bound by the tenant's token, not the peer's credentials
+    # The digest of the token it was bound by (empty: by the peer's credentials), which a
+    # reload binds it by again (``rebind``).
+    token_digest: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,24 +254,30 @@ class TenantDirectory:
         if len(token) > MAX_TOKEN_BYTES:
             raise Unauthenticated(f"the token is longer than {MAX_TOKEN_BYTES} bytes")
         digest = _digest(token)
+        matches = self._token_owners(digest)
+        if not matches:
+            raise Unauthenticated("the token is not any tenant's")
+        (found,) = matches
+        return self._token_binding(found, peer, digest)
+
+    def _token_owners(self, digest: bytes) -> list[Tenant]:
+        """The tenant whose token has ``digest`` (none, or one); Unauthenticated when the
+        token is more than one tenant's."""
         matches = [
             tenant
             for tenant in self._tokens  # every one compared, whichever matches
             if hmac.compare_digest(digest, tenant.token_digest)
         ]
-        if not matches:
-            raise Unauthenticated("the token is not any tenant's")
         if len(matches) > 1:
             raise Unauthenticated(
                 "the token is more than one tenant's (their token files hold the same "
                 "secret), so it binds none: the daemon's operator must give each its own"
             )
-        (found,) = matches
-        return self._token_binding(found, peer)
+        return matches
 
-    def _token_binding(self, found: Tenant, peer: PeerCred | None) -> Binding:
+    def _token_binding(self, found: Tenant, peer: PeerCred | None, digest: bytes) -> Binding:
         """The binding of a session of ``peer`` (None over TCP) that presented ``found``'s
-        token."""
+        token (of ``digest``)."""
         admin = found.admin
         if peer is not None:
             if found.by_credentials and peer.uid not in found.uids and peer.gid not in found.gids:
@@ -278,20 +286,23 @@ class TenantDirectory:
                     f"this peer (uid {peer.uid}, gid {peer.gid})"
                 )
             admin = admin or peer.uid in self.admin_uids
-        return Binding(found.name, admin, found.name, by_token=True)
+        return Binding(found.name, admin, found.name, token_digest=digest)
 
-    def rebind(self, peer: PeerCred | None, tenant: str, by_token: bool) -> Binding:
-        """What an open session (of ``peer``, bound to ``tenant``, by its token or not) would
-        be bound to now: after a reload changed the tenants, a session whose binding differs
-        ends. A token-bound session is checked against its tenant as it stands (the token
-        itself is not kept: a rotated token leaves the sessions it opened bound, see
-        ``set_tokens``). Raises as ``bind`` does when it would bind none."""
-        if not by_token:
+    def rebind(self, peer: PeerCred | None, tenant: str, token_digest: bytes) -> Binding:
+        """What an open session (of ``peer``, bound to ``tenant``, by the token of
+        ``token_digest`` or, when empty, by its credentials) would be bound to now: after a
+        reload changed the tenants, a session whose binding differs ends. A token-bound
+        session is bound by its token again where that is a tenant's now (another tenant's,
+        when token files moved between tenants); a token no tenant has now (rotated, see
+        ``set_tokens``) leaves it bound to its tenant as that stands, while it has a token.
+        Raises as ``bind`` does when it would bind none."""
+        if not token_digest:
             return self.bind(peer, b"")
-        found = self.tenants.get(tenant)
+        owners = self._token_owners(token_digest)
+        found = owners[0] if owners else self.tenants.get(tenant)
         if found is None or not found.token_digest:
             raise Unauthenticated(f"tenant {tenant!r} has no token any more (or is gone)")
-        return self._token_binding(found, peer)
+        return self._token_binding(found, peer, token_digest)
 
     def replace_with(self, other: TenantDirectory) -> None:
         """Take ``other``'s tenants, shared namespaces and admin uids (a reload that changed

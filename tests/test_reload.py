@@ -585,3 +585,33 @@ def test_sighup_adds_and_removes_tenants_and_ends_the_sessions_it_no_longer_bind
         with d.client(token=secret["carol"]) as carol:
             assert carol.tenant == "carol"  # carol was not removed
         assert alice.session_id == alice_session
+
+
+def test_sighup_ends_a_token_session_whose_token_is_now_another_tenant_s(tmp_path, daemon_factory):
+    """Token files moved between tenants (alice's path given to bob, bob's to alice): a
+    session opened with alice's old token would now be bound to bob, so it ends; it must not
+    go on acting as alice (reading her blocks) with what is now bob's token."""
+    require_root()
+    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob")}
+    secret = {name: file.read_text().strip() for name, file in tokens.items()}
+    path = tmp_path / "kvtier.yaml"
+    _tenants_config(path, {"alice": tokens["alice"], "bob": tokens["bob"]})
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/swap.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    d.start()
+    with d.client(token=secret["alice"]) as client, d.client(token=secret["bob"]) as other:
+        assert client.tenant == "alice" and other.tenant == "bob"
+        first = client.session_id
+        _tenants_config(path, {"alice": tokens["bob"], "bob": tokens["alice"]})
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: applied tenants: changed alice, bob")
+        assert log.count("SIGHUP: session") == 2
+        assert "would now be bound to tenant 'bob' (admin), not 'alice' (admin)" in log
+        # The client sees its session end (a call made before it does is NOT_FOUND), then
+        # opens a new one, bound as the tokens are now.
+        deadline = time.monotonic() + 10
+        while client.session_id == first:
+            assert time.monotonic() < deadline, "the client did not see its session end"
+            time.sleep(0.02)
+        assert client.tenant == "bob"
+        assert client.check().problems == []

@@ -161,9 +161,13 @@ def test_rebind_says_what_an_open_session_would_be_bound_to_now(directory):
     """After a reload replaced the tenants, each open session is bound again as it would be
     (the reload ends those that differ): by its peer's credentials, or, for one bound by a
     token, by its tenant as it stands (the token itself is not kept)."""
-    assert directory.rebind(peer(1000), "alice", False) == directory.bind(peer(1000), b"")
-    assert directory.rebind(peer(1001), "bob", True).by_token
-    assert directory.rebind(None, "robot", True).tenant == "robot"
+    assert directory.rebind(peer(1000), "alice", b"") == directory.bind(peer(1000), b"")
+    assert directory.rebind(peer(1001), "bob", _digest(SECRET)) == directory.bind(
+        peer(1001), SECRET
+    )
+    assert directory.rebind(None, "robot", _digest(ROBOT)).tenant == "robot"
+    # A token no tenant has now (rotated): bound to its tenant as that stands.
+    assert directory.rebind(None, "robot", _digest(b"rotated-out-0123456789")).tenant == "robot"
     changed = TenantDirectory(
         [
             Tenant("alice", uids=frozenset({1001})),  # bob's uid moved to alice
@@ -175,19 +179,37 @@ def test_rebind_says_what_an_open_session_would_be_bound_to_now(directory):
     )
     assert directory.space("alice", "shared:common").owner == "shared:common"  # resolved, kept
     directory.replace_with(changed)
-    assert directory.rebind(peer(1001), "bob", False).tenant == "alice"
+    assert directory.rebind(peer(1001), "bob", b"").tenant == "alice"
     with pytest.raises(PermissionDenied, match="uid 1000"):
-        directory.rebind(peer(1000), "alice", False)
+        directory.rebind(peer(1000), "alice", b"")
     with pytest.raises(Unauthenticated, match="tenant 'bob' has no token"):
-        directory.rebind(peer(1001, 50), "bob", True)
+        directory.rebind(peer(1001, 50), "bob", _digest(SECRET))
     with pytest.raises(Unauthenticated, match="tenant 'robot'"):
-        directory.rebind(None, "robot", True)
-    assert not directory.rebind(peer(7), "ops", False).admin
-    assert directory.rebind(peer(0), "ops", False).admin  # root is an admin anyway
+        directory.rebind(None, "robot", _digest(ROBOT))
+    assert not directory.rebind(peer(7), "ops", b"").admin
+    assert directory.rebind(peer(0), "ops", b"").admin  # root is an admin anyway
     with pytest.raises(PermissionDenied, match="shared_namespaces"):
         directory.space("alice", "shared:common")  # resolved again, not from before
     with pytest.raises(Unauthenticated, match="not any tenant's"):
         directory.bind(peer(1001), SECRET)
+
+
+def test_rebind_follows_a_token_that_moved_to_another_tenant(directory):
+    """Token files moved between tenants: a session opened with bob's token is bound again
+    by that token, now robot's (so the reload ends it), not left bob's; a token that is
+    now more than one tenant's binds none."""
+    directory.replace_with(
+        TenantDirectory(
+            [
+                Tenant("bob", token_digest=_digest(ROBOT)),
+                Tenant("robot", token_digest=_digest(SECRET)),
+                Tenant("ops", token_digest=_digest(SECRET)),
+            ]
+        )
+    )
+    assert directory.rebind(None, "robot", _digest(ROBOT)).tenant == "bob"
+    with pytest.raises(Unauthenticated, match="more than one tenant's"):
+        directory.rebind(None, "bob", _digest(SECRET))
 
 
 def test_a_reloaded_directory_keeps_the_tokens_of_unchanged_paths_and_reads_new_ones(tmp_path):
