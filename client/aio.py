@@ -25,6 +25,7 @@ from kvtier.client.errors import (
     Resends,
     UnavailableError,
     closed_error,
+    ended_by_daemon,
     from_rpc_error,
     refused_stream,
     session_end,
@@ -211,10 +212,18 @@ class AsyncClient:
                 pass
         except grpc.RpcError as e:
             error = e
-        if self._session_id == session_id:
+        ours = self._session_id == session_id
+        if ours:
+            self._session_id, self._session_call = "", None
+        # A session the daemon ended may be gone here already (see the sync client): said too.
+        if ours or ended_by_daemon(error):
             log.warning(
                 "kvtier session %s ended (%s)", credentials.shown_id(session_id), session_end(error)
             )
+
+    def forget_session(self, session_id: str) -> None:
+        """As the sync client's."""
+        if self._session_id == session_id:
             self._session_id, self._session_call = "", None
 
     # ------------------------------------------------------------------ calls
@@ -239,9 +248,15 @@ class AsyncClient:
                 if (closed := self.closed_error_for(e)) is None:
                     raise
                 raise closed from None
-            if binding is None or attempt or not isinstance(err, NotFoundError):
+            if attempt or not isinstance(err, NotFoundError):
                 raise err
-            self.forget_pool_id(binding, request.pool_id)
+            if err.session_gone and method in _SESSION_METHODS:
+                # Sent again, once, in a new session (see the sync client).
+                self.forget_session(request.session_id)
+            elif binding is None:
+                raise err
+            if binding is not None:
+                self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
 
     async def call(self, method: str, request: Any, timeout_s: float) -> Any:

@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from kvtier.proto.wire import ANSWERED_KEY
+from kvtier.proto.wire import ANSWERED_KEY, SESSION_GONE_KEY
 
 
 class KvtierError(Exception):
@@ -37,7 +37,12 @@ class InvalidArgumentError(KvtierError, ValueError):
 
 
 class NotFoundError(KvtierError):
+    """What the call names does not exist; ``session_gone``: its session (the daemon ended
+    it, or restarted), and nothing of the call was done (the clients then send it again, once,
+    in a new session)."""
+
     code = grpc.StatusCode.NOT_FOUND
+    session_gone = False
 
 
 class UnauthenticatedError(KvtierError):
@@ -122,11 +127,16 @@ def error_for_code(code: grpc.StatusCode, details: str) -> KvtierError:
     return _BY_CODE.get(code, KvtierError)(details, code)
 
 
+def ended_by_daemon(error: grpc.RpcError | None) -> bool:
+    """Whether a session's stream ended (``error``: how, None for its plain end) because the
+    daemon ended the session itself, which it does only when a reload of its tenants would
+    bind it otherwise (PERMISSION_DENIED, saying so)."""
+    return error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
 def session_end(error: grpc.RpcError | None) -> str:
-    """Why a session's stream ended (``error``: how, None for its plain end), for the client's
-    log line: the daemon ends a session itself only when a reload of its tenants would bind
-    it otherwise (PERMISSION_DENIED, saying so)."""
-    if error is not None and error.code() == grpc.StatusCode.PERMISSION_DENIED:
+    """Why a session's stream ended (see ``ended_by_daemon``), for the client's log line."""
+    if error is not None and ended_by_daemon(error):
         return f"the daemon ended it: {error.details()}"
     return "daemon stopped or unreachable"
 
@@ -155,7 +165,9 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
         )
     error = error_for_code(code, details)
     if isinstance(error, UnavailableError):
-        error.answered = _answered(err)
+        error.answered = _has_key(err, ANSWERED_KEY)
+    elif isinstance(error, NotFoundError):
+        error.session_gone = _has_key(err, SESSION_GONE_KEY)
     return error
 
 
@@ -206,10 +218,12 @@ def refused_stream(err: grpc.RpcError) -> bool:
     return "RST_STREAM" in details and "error code 7" in details
 
 
-def _answered(err: grpc.RpcError) -> bool:
-    """Whether the daemon sent this status itself (see ``ANSWERED_KEY``)."""
+def _has_key(err: grpc.RpcError, key: str) -> bool:
+    """Whether the daemon marked this status with trailing metadata ``key`` (``ANSWERED_KEY``:
+    it sent the status itself; ``SESSION_GONE_KEY``: the session the call named is not
+    open)."""
     try:
         trailing = err.trailing_metadata() or ()  # type: ignore[attr-defined]
     except Exception:  # an error that is no call: no metadata
         return False
-    return any(item[0] == ANSWERED_KEY for item in trailing)
+    return any(item[0] == key for item in trailing)

@@ -602,7 +602,10 @@ class TransferJob:
 
     def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
         if isinstance(error, NotFoundError):
-            # The daemon lost our session or pool (it restarted): register again next time.
+            # The daemon lost our session or pool (it restarted, or ended the session at a
+            # reload): register again, in a new session if so, next time.
+            if error.session_gone:
+                self._client.forget_session(part.request.session_id)
             self._client.forget_pool_id(self._binding, part.request.pool_id)
         with self._cond:
             if error is None:
@@ -747,6 +750,8 @@ class AsyncTransferJob:
 
     async def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
         if isinstance(error, NotFoundError):
+            if error.session_gone:
+                self._client.forget_session(part.request.session_id)
             self._client.forget_pool_id(self._binding, part.request.pool_id)
         if error is None:
             self._plan.complete(part, response)

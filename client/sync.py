@@ -41,6 +41,7 @@ from kvtier.client.errors import (
     Resends,
     UnavailableError,
     closed_error,
+    ended_by_daemon,
     from_rpc_error,
     refused_stream,
     session_end,
@@ -319,12 +320,21 @@ class Client:
         except grpc.RpcError as e:
             error = e
         with self._lock:
+            ours = self._session_id == session_id
+            if ours:
+                self._session_id, self._session_call = "", None
+        # A session the daemon ended may be gone here already (``forget_session``): said too.
+        if ours or ended_by_daemon(error):
+            log.warning(
+                "kvtier session %s ended (%s)", credentials.shown_id(session_id), session_end(error)
+            )
+
+    def forget_session(self, session_id: str) -> None:
+        """Forget ``session_id``, which the daemon answered is not open (``session_gone``),
+        if it is still this client's: the next call opens another. Its stream ends too, but
+        a call may come before the watcher sees that."""
+        with self._lock:
             if self._session_id == session_id:
-                log.warning(
-                    "kvtier session %s ended (%s)",
-                    credentials.shown_id(session_id),
-                    session_end(error),
-                )
                 self._session_id, self._session_call = "", None
 
     # ------------------------------------------------------------------ calls
@@ -349,10 +359,17 @@ class Client:
                 if not self._closed:
                     raise
                 raise closed_error() from None
-            if binding is None or attempt or not isinstance(err, NotFoundError):
+            if attempt or not isinstance(err, NotFoundError):
                 raise err
-            # The daemon lost our session or pool (it restarted): register again, once.
-            self.forget_pool_id(binding, request.pool_id)
+            if err.session_gone and method in _SESSION_METHODS:
+                # The daemon ended the session (a reload of its tenants) or restarted, and did
+                # nothing of the call: sent again, once, in a new session.
+                self.forget_session(request.session_id)
+            elif binding is None:
+                raise err
+            if binding is not None:
+                # The daemon lost our session or pool (it restarted): register again, once.
+                self.forget_pool_id(binding, request.pool_id)
         raise AssertionError("unreachable")
 
     def call(self, method: str, request: Any, timeout_s: float) -> Any:

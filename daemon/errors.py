@@ -17,6 +17,11 @@ class NotFound(KvtierError):
     """The session, pool, lease or object the request names does not exist."""
 
 
+class SessionGone(NotFound):
+    """The session the request names is not open (it ended, or never was); nothing of the
+    request was done (see ``proto.wire.SESSION_GONE_KEY``)."""
+
+
 class Unauthenticated(KvtierError):
     """The request carries no valid credential (a missing, spent or expired ticket)."""
 

@@ -80,6 +80,7 @@ from kvtier.daemon.errors import (
     KvtierError,
     NotFound,
     PermissionDenied,
+    SessionGone,
     Unavailable,
 )
 from kvtier.daemon.fairthreads import FairThreads
@@ -414,7 +415,7 @@ class PoolRegistry:
         nothing when their mapping ends (it is closed)."""
         for pending in self._pending.values():
             if pending.session_id == session_id and pending.void is None:
-                pending.void = NotFound(
+                pending.void = SessionGone(
                     f"session {shown_id(session_id)} ended while its pool was being mapped"
                 )
         ids = [p.pool_id for p in self._pools.values() if p.session_id == session_id]

@@ -63,6 +63,7 @@ from kvtier.daemon.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    SessionGone,
     Unauthenticated,
     Unavailable,
 )
@@ -86,7 +87,7 @@ from kvtier.daemon.unixsock import (
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto.wire import ANSWERED_KEY, DTYPE_NAMES, tier_enum
+from kvtier.proto.wire import ANSWERED_KEY, DTYPE_NAMES, SESSION_GONE_KEY, tier_enum
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,12 @@ class Malformed:
 async def abort_with(context: grpc.aio.ServicerContext, error: KvtierError) -> NoReturn:
     """End the call with ``error``'s status; an UNAVAILABLE says the daemon sent it."""
     code = status_of(error)
-    answered = ((ANSWERED_KEY, "1"),) if code == grpc.StatusCode.UNAVAILABLE else ()
-    await context.abort(code, str(error), trailing_metadata=answered)
+    trailing: tuple[tuple[str, str], ...] = ()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        trailing = ((ANSWERED_KEY, "1"),)
+    elif isinstance(error, SessionGone):
+        trailing = ((SESSION_GONE_KEY, "1"),)
+    await context.abort(code, str(error), trailing_metadata=trailing)
     raise AssertionError("unreachable: abort raises")
 
 

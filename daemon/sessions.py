@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
+from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, SessionGone
 
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 # A session id is the session's secret: any request that names it acts as the session, from
@@ -164,12 +164,12 @@ class SessionRegistry:
 
     def get(self, session_id: str) -> Session:
         if not session_id:
-            raise NotFound("this request needs a session; open one with OpenSession")
+            raise SessionGone("this request needs a session; open one with OpenSession")
         session = self._sessions.get(session_id)
         if session is None:
             # Checked before it is echoed: a client's text is never repeated unbounded.
             shown = session_id if _SESSION_ID.fullmatch(session_id) else "named by session_id"
-            raise NotFound(f"session {shown} is not open (it ended or never existed)")
+            raise SessionGone(f"session {shown} is not open (it ended or never existed)")
         return session
 
     def close(self, session_id: str) -> list[Lease]:

@@ -28,6 +28,13 @@ def tier_enum(number: int) -> pb.Tier:
     return cast("pb.Tier", number)
 
 
+SESSION_GONE_KEY = "kvtier-session-gone"
+"""Trailing metadata on a NOT_FOUND status for a request naming a session that is not open
+(the daemon ended it at a reload of its tenants, or restarted since), which the daemon
+answers before anything of the request is done: the client may open another session and
+send the request again. The session's stream ends too, but its client may make a call
+before it sees that end."""
+
 ANSWERED_KEY = "kvtier-answered"
 """Trailing metadata on an UNAVAILABLE status the daemon sends itself (it is draining,
 stopping, or a part it needs is down). gRPC answers UNAVAILABLE for a daemon it cannot reach

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -615,3 +616,49 @@ def test_sighup_ends_a_token_session_whose_token_is_now_another_tenant_s(tmp_pat
             time.sleep(0.02)
         assert client.tenant == "bob"
         assert client.check().problems == []
+
+
+def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
+    tmp_path, daemon_factory
+):
+    """A session a reload ends answers NOT_FOUND at once, while its client may not have seen
+    its stream end yet: the client's calls made in that moment open a new session and are
+    sent again (once), as its next call would be, rather than failing with NotFoundError."""
+    require_root()
+    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob")}
+    secret = tokens["alice"].read_text().strip()
+    path = tmp_path / "kvtier.yaml"
+    orders = [
+        {"alice": tokens["alice"], "bob": tokens["bob"]},
+        {"alice": tokens["bob"], "bob": tokens["alice"]},
+    ]
+    _tenants_config(path, orders[0])
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/gone.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    d.start()
+    keys = [os.urandom(32)]
+    errors: list[Exception] = []
+    stop = threading.Event()
+    with d.client(token=secret) as client:
+        assert client.tenant == "alice"  # its session is open before the reloads
+
+        def calls() -> None:
+            while not stop.is_set():
+                try:
+                    client.lookup(keys)
+                except Exception as e:
+                    errors.append(e)
+
+        caller = threading.Thread(target=calls)
+        caller.start()
+        try:
+            for i in range(1, 9):
+                _tenants_config(path, orders[i % 2])
+                d.proc.send_signal(signal.SIGHUP)
+                _wait_for_log(d, "SIGHUP: session", count=i)
+                time.sleep(0.05)  # the caller's calls meet the ended session, or the new one
+        finally:
+            stop.set()
+            caller.join()
+        assert errors == []
+        assert client.tenant == "alice" and client.check().problems == []
