@@ -40,7 +40,8 @@ Live keys, and how each applies:
 Token files are read again too, even when the new config does not load or apply (the running
 config's tenants' ``token_file`` and ``metrics.token_file``, the paths unchanged): a file
 whose content changed gives its tenant (or the metrics endpoint) the new token from then on,
-the old one no longer binds a session (sessions already open stay); a file that cannot be
+the old one no longer binds a session (sessions already open stay, but those whose token is
+now another tenant's, or more than one's, end as above); a file that cannot be
 used now (gone, readable by others, too short) is logged and its token stays the one read
 before; tenants whose files now hold the same token are logged too (such a token binds none
 of them). Tokens are never logged.
@@ -263,7 +264,12 @@ class Reloader:
         took a new token, and what could not be read."""
         config = self.daemon.config
         digests, problems = read_token_digests(config)
-        changed = [f"tenant {name!r}" for name in self.daemon.tenants.set_tokens(digests)]
+        renewed = self.daemon.tenants.set_tokens(digests)
+        if renewed:
+            # A token a session opened with may be another tenant's now (files' contents
+            # swapped), or more than one's: bound otherwise, those sessions end.
+            self.end_rebound_sessions()
+        changed = [f"tenant {name!r}" for name in renewed]
         clashes = [
             f"tenants {', '.join(map(repr, names))}: their token files hold the same token, "
             "which binds none of them"

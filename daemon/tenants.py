@@ -29,9 +29,11 @@ Rules:
 
 - Tokens are read from their files at start and again at each SIGHUP (``set_tokens``): a
   replaced file's token binds new sessions from then on and the old one no longer does;
-  sessions already open stay bound. A SIGHUP that changes the tenants, shared namespaces or
-  admin uids replaces them (``reloaded``, ``replace_with``); the reload then ends the open
-  sessions that would not be bound as they are (``rebind``, daemon/reload.py).
+  sessions already open stay bound (but those whose token is now another tenant's or more
+  than one's, which the reload ends, see ``rebind``). A SIGHUP that changes the tenants,
+  shared namespaces or admin uids replaces them (``reloaded``, ``replace_with``); the reload
+  then ends the open sessions that would not be bound as they are (``rebind``,
+  daemon/reload.py).
 
 Thread-safety: the event loop only (``set_tokens`` and ``replace_with`` are the changes after
 construction).

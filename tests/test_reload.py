@@ -326,12 +326,15 @@ def test_a_reload_names_tenants_whose_token_files_came_to_hold_the_same_token(tm
 
     from kvtier.daemon.config import load_config
     from kvtier.daemon.reload import Reloader
+    from kvtier.daemon.sessions import SessionRegistry
 
     bob, _ = tenant_token(tmp_path, "bob")
     robot, _ = tenant_token(tmp_path, "robot")
     tenants = f"tenants=[{{name: bob, token_file: {bob}}}, {{name: robot, token_file: {robot}}}]"
     running = load_config(None, [tenants])
-    daemon = SimpleNamespace(config=running, tenants=TenantDirectory.from_config(running))
+    daemon = SimpleNamespace(
+        config=running, tenants=TenantDirectory.from_config(running), sessions=SessionRegistry()
+    )
     reloader = Reloader(daemon, lambda: running)  # type: ignore[arg-type]
     _rotate(bob, robot.read_text().strip())
     changed, problems = reloader.reread_tokens()
@@ -662,3 +665,38 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
             caller.join()
         assert errors == []
         assert client.tenant == "alice" and client.check().problems == []
+
+
+def test_sighup_ends_a_token_session_whose_token_file_content_went_to_another_tenant(
+    tmp_path, daemon_factory
+):
+    """The token files' contents swapped (paths and config unchanged): the token a session
+    of alice opened with is now bob's, so the re-read tokens end that session as a changed
+    config would; a token rotated out (no tenant's now) leaves its sessions open."""
+    require_root()
+    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob", "carol")}
+    secret = {name: file.read_text() for name, file in tokens.items()}
+    path = tmp_path / "kvtier.yaml"
+    _tenants_config(path, tokens)
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/content.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    d.start()
+    with (
+        d.client(token=secret["alice"].strip()) as client,
+        d.client(token=secret["carol"].strip()) as carol,
+    ):
+        assert client.tenant == "alice" and carol.tenant == "carol"
+        first, carols = client.session_id, carol.session_id
+        tokens["alice"].write_text(secret["bob"])
+        tokens["bob"].write_text(secret["alice"])
+        tokens["carol"].write_text("a-new-secret-for-tenant-carol-0123456789")
+        d.proc.send_signal(signal.SIGHUP)
+        log = _wait_for_log(d, "SIGHUP: session")
+        assert "would now be bound to tenant 'bob' (admin), not 'alice' (admin)" in log
+        deadline = time.monotonic() + 10
+        while client.session_id == first:
+            assert time.monotonic() < deadline, "the client did not see its session end"
+            time.sleep(0.02)
+        assert client.tenant == "bob"
+        assert carol.session_id == carols  # rotated out: still carol's session
+        assert client.check().problems == []
