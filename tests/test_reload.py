@@ -51,9 +51,7 @@ def _wait_for_log(d: DaemonProcess, text: str, count: int = 1, timeout_s: float 
 def test_sighup_applies_live_keys_and_names_the_rest(tmp_path, daemon_factory):
     path = tmp_path / "kvtier.yaml"
     path.write_text(CONFIG.format(batch=8, l1="64MiB", protect=2.0, level="info"))
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/reload.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "reload")
     ten = [os.urandom(32) for _ in range(10)]
     with d.client() as client:
         with pytest.raises(InvalidArgumentError, match="max_batch_blocks"):
@@ -424,9 +422,7 @@ def test_sighup_applies_a_tenants_new_quota(tmp_path, daemon_factory):
     )
     path = tmp_path / "kvtier.yaml"
     path.write_text(QUOTA_CONFIG.format(quota=8 * block))
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/quota.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "quota")
 
     def l1_of_ops(client):
         (ops,) = [t for t in client.stats().tenants if t.tenant == "ops"]
@@ -518,6 +514,13 @@ def _tenants_config(path: Path, tokens: dict[str, Path]) -> None:
     path.write_text(TENANTS_CONFIG.format(tenants="\n".join(lines)))
 
 
+def _start_with(path: Path, tmp_path: Path, daemon_factory, name: str) -> DaemonProcess:
+    """A daemon of the config file ``path`` (which a test rewrites, then sends SIGHUP)."""
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/{name}.sock", ["--config", str(path)])
+    daemon_factory._daemons.append(d)
+    return d.start()
+
+
 def test_sighup_adds_and_removes_tenants_and_ends_the_sessions_it_no_longer_binds(
     tmp_path, daemon_factory, caplog
 ):
@@ -530,9 +533,7 @@ def test_sighup_adds_and_removes_tenants_and_ends_the_sessions_it_no_longer_bind
     secret = {name: file.read_text().strip() for name, file in tokens.items()}
     path = tmp_path / "kvtier.yaml"
     _tenants_config(path, {"alice": tokens["alice"], "bob": tokens["bob"]})
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/tenants.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "tenants")
     layout = PoolLayout.staging(
         num_layers=1, num_pages=4, block_tokens=16, chunk_bytes=4096, dtype="uint8"
     )
@@ -600,9 +601,7 @@ def test_sighup_ends_a_token_session_whose_token_is_now_another_tenant_s(tmp_pat
     secret = {name: file.read_text().strip() for name, file in tokens.items()}
     path = tmp_path / "kvtier.yaml"
     _tenants_config(path, {"alice": tokens["alice"], "bob": tokens["bob"]})
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/swap.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "swap")
     with d.client(token=secret["alice"]) as client, d.client(token=secret["bob"]) as other:
         assert client.tenant == "alice" and other.tenant == "bob"
         first = client.session_id
@@ -631,9 +630,7 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
         {"alice": tokens["bob"], "bob": tokens["alice"]},
     ]
     _tenants_config(path, orders[0])
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/gone.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "gone")
     keys = [os.urandom(32)]
     errors: list[Exception] = []
     stop = threading.Event()
@@ -673,9 +670,7 @@ def test_sighup_ends_a_token_session_whose_token_file_content_went_to_another_te
     secret = {name: file.read_text() for name, file in tokens.items()}
     path = tmp_path / "kvtier.yaml"
     _tenants_config(path, tokens)
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/content.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "content")
     with (
         d.client(token=secret["alice"].strip()) as client,
         d.client(token=secret["carol"].strip()) as carol,
@@ -707,9 +702,7 @@ def test_an_async_client_s_call_of_a_session_a_reload_ended_goes_to_a_new_sessio
     tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob")}
     path = tmp_path / "kvtier.yaml"
     _tenants_config(path, tokens)
-    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/aio.sock", ["--config", str(path)])
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _start_with(path, tmp_path, daemon_factory, "aio")
 
     async def main() -> tuple[str, str, str]:
         async with AsyncClient(d.address, token=tokens["alice"].read_text().strip()) as client:
