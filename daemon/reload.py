@@ -315,13 +315,15 @@ class Reloader:
                 else:
                     level.writes.rate = float(getattr(section, "write_bytes_s", level.writes.rate))
         daemon.servicer.ping_interval_s = config.server.session_ping_s
-        if directory is not None:
-            daemon.tenants.replace_with(directory)
-            self.end_rebound_sessions()
-            daemon.service.apply_quotas()
         daemon.config = config
         daemon.service.config = config
         store.config = config
+        if directory is not None:
+            # After the config: the tenants and the config that names them change together
+            # (the token re-read after this reads the new config's tenants' files).
+            daemon.tenants.replace_with(directory)
+            daemon.service.apply_quotas()
+            self.end_rebound_sessions()
 
 
 def _tenants_of(config: Config) -> tuple[Any, ...]:
