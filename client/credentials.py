@@ -40,7 +40,9 @@ from kvtier.client.errors import (
     PermissionDeniedError,
     UnavailableError,
     UntrustedSocketError,
+    ended_by_daemon,
     error_for_code,
+    session_end,
 )
 from kvtier.paths import writers_problem
 
@@ -60,6 +62,15 @@ SHOWN_ID_CHARS = 8
 def shown_id(session_id: str) -> str:
     """The part of a session id that logs may show."""
     return session_id[:SHOWN_ID_CHARS]
+
+
+def session_end_line(session_id: str, error: grpc.RpcError | None, ours: bool) -> str | None:
+    """The log line of a session's stream that ended (``error``: how), or None: said when the
+    session was still the client's (``ours``), or when the daemon ended it (a call may have
+    forgotten it first, see ``Client.forget_session``)."""
+    if not (ours or ended_by_daemon(error)):
+        return None
+    return f"kvtier session {shown_id(session_id)} ended ({session_end(error)})"
 
 
 def cred_socket_path(address: str) -> str | None:

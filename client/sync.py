@@ -41,10 +41,8 @@ from kvtier.client.errors import (
     Resends,
     UnavailableError,
     closed_error,
-    ended_by_daemon,
     from_rpc_error,
     refused_stream,
-    session_end,
 )
 from kvtier.client.flows import (
     Flow,
@@ -323,11 +321,8 @@ class Client:
             ours = self._session_id == session_id
             if ours:
                 self._session_id, self._session_call = "", None
-        # A session the daemon ended may be gone here already (``forget_session``): said too.
-        if ours or ended_by_daemon(error):
-            log.warning(
-                "kvtier session %s ended (%s)", credentials.shown_id(session_id), session_end(error)
-            )
+        if (line := credentials.session_end_line(session_id, error, ours)) is not None:
+            log.warning("%s", line)
 
     def forget_session(self, session_id: str) -> None:
         """Forget ``session_id``, which the daemon answered is not open (``session_gone``),
