@@ -805,7 +805,8 @@ class ProbeRouter:
     """A WSGI app that hands ``probes.PATHS`` to ``probe``, ``/metrics`` to ``app`` (the
     scrape: token-checked and paced, which the probes are not), and answers 404 to every
     other path. prometheus_client's app serves the scrape at any path: a probe set to a path
-    slightly off (``/readyz/``) got the scrape's 200 whatever the daemon's state."""
+    slightly off (``/readyz/``) got the scrape's 200 whatever the daemon's state. Every path
+    takes GET and HEAD (the GET's answer without its body), any other method is 405."""
 
     def __init__(
         self, app: Callable[..., Iterable[bytes]], probe: Callable[..., Iterable[bytes]]
@@ -814,9 +815,6 @@ class ProbeRouter:
         self.probe = probe
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        path = environ.get("PATH_INFO", "")
-        if path in PROBE_PATHS:
-            return self.probe(environ, start_response)  # which answers methods as below
         method = environ.get("REQUEST_METHOD")
         if method not in ("GET", "HEAD"):
             allow = [("Allow", "GET, HEAD")]
@@ -830,7 +828,10 @@ class ProbeRouter:
         return self._get(environ, start_response)
 
     def _get(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        if environ.get("PATH_INFO", "") == "/metrics":
+        path = environ.get("PATH_INFO", "")
+        if path in PROBE_PATHS:
+            return self.probe(environ, start_response)
+        if path == "/metrics":
             return self.app(environ, start_response)
         return text_answer(
             start_response,

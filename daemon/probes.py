@@ -152,17 +152,10 @@ class HealthProbe:
             return True
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        method = environ.get("REQUEST_METHOD")
-        if method not in ("GET", "HEAD"):
-            return text_answer(
-                start_response,
-                "405 Method Not Allowed",
-                "GET or HEAD only\n",
-                [("Allow", "GET, HEAD")],
-            )
+        """The WSGI answer to a GET of a probe path (``metrics.ProbeRouter`` takes the
+        methods: a HEAD is this without the body, any other is 405)."""
         status, text = self.answer(environ.get("PATH_INFO", ""))
-        body = text_answer(start_response, status, text)
-        return [] if method == "HEAD" else body  # a HEAD answer is its headers
+        return text_answer(start_response, status, text)
 
     def answer(self, path: str) -> tuple[str, str]:
         """The HTTP status and text for ``path`` (one of ``PATHS``)."""

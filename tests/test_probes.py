@@ -44,7 +44,7 @@ def get(url: str, method: str = "GET", token: str | None = None) -> tuple[int, s
         return e.code, e.read().decode()
 
 
-def call(app: HealthProbe, path: str, method: str = "GET") -> tuple[str, str]:
+def call(app: HealthProbe | metrics.ProbeRouter, path: str, method: str = "GET") -> tuple[str, str]:
     got: list[str] = []
     body = b"".join(app({"PATH_INFO": path, "REQUEST_METHOD": method}, lambda s, h: got.append(s)))
     return got[0], body.decode()
@@ -199,9 +199,14 @@ def test_an_answer_is_reused_within_the_reuse_interval_only(loop_thread):
     assert asked == [0.0, 0.2, 0.5]
 
 
+def routed(probe: HealthProbe) -> metrics.ProbeRouter:
+    """``probe`` behind the endpoint's router, which takes the methods for every path."""
+    return metrics.ProbeRouter(metrics.scrape_app(CollectorRegistry()), probe)
+
+
 def test_probes_refuse_other_methods(loop_thread):
     probe = HealthProbe(lambda: SERVING, loop_thread)
-    assert call(probe, "/healthz", method="DELETE")[0] == "405 Method Not Allowed"
+    assert call(routed(probe), "/healthz", method="DELETE")[0] == "405 Method Not Allowed"
 
 
 def test_regression_probes_that_came_together_waited_for_the_loop_one_after_another(loop_thread):
@@ -337,7 +342,7 @@ def test_regression_head_on_the_scrape_claimed_an_empty_body(loop_thread):
 
 def test_a_refused_method_is_told_which_are_allowed(loop_thread):
     """HTTP requires an Allow header on a 405 answer."""
-    probe = HealthProbe(lambda: SERVING, loop_thread)
+    probe = routed(HealthProbe(lambda: SERVING, loop_thread))
     got: list[tuple[str, list[tuple[str, str]]]] = []
     environ = {"PATH_INFO": "/readyz", "REQUEST_METHOD": "POST"}
     b"".join(probe(environ, lambda status, headers: got.append((status, headers))))
