@@ -136,7 +136,8 @@ def ended_by_daemon(error: grpc.RpcError | None) -> bool:
 
 def session_end(error: grpc.RpcError | None) -> str:
     """Why a session's stream ended (see ``ended_by_daemon``), for the client's log line."""
-    if error is not None and ended_by_daemon(error):
+    if ended_by_daemon(error):
+        assert error is not None
         return f"the daemon ended it: {error.details()}"
     return "daemon stopped or unreachable"
 

@@ -3,8 +3,9 @@
 Every small request is a handful of event loop iterations (gRPC's completion callbacks, the
 handler's steps, the answer's write), so the loop's own cost per iteration is part of every
 call. uvloop runs the same asyncio programs on libuv with the loop written in C: in ``kvtier
-bench rpc`` the daemon spends about 25-35 us less CPU per single-block call on it, which moved
-the p50 of a Put, Get and Lookup 5-8% closer to a bare gRPC ping (README, "Performance").
+bench rpc --event-loop asyncio|uvloop`` the daemon spent 25-70 us less CPU per single-block
+call on it (Put least, Get most), which moved the p50 of a Put, Get and Lookup 3-8% closer to
+a bare gRPC ping (README, "Running the daemon").
 ``server.event_loop: asyncio`` runs on the standard library's loop instead (for a Python where
 uvloop does not install, or to rule the loop out while debugging); nothing else differs.
 

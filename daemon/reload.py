@@ -27,24 +27,24 @@ Live keys, and how each applies:
   whole reload); a tenant that keeps its path keeps the token read before (read again below).
   Every open session is bound again as it would be now (``TenantDirectory.rebind``): one
   whose tenant or admin right would differ, or that would be refused (its tenant removed,
-  its uid or gid no longer listed, its tenant's token dropped; the token it opened with
-  now another tenant's, or more than one's, as when token files move between tenants), ends
-  at once with PERMISSION_DENIED saying why, its leases and pools released; its client's
-  next call opens a session bound as the tenants are now. Sessions that still bind as before go on, and a
-  tenant's access to a shared namespace it lost is refused from its next request. A removed
-  tenant's blocks stay (counted under its name, evicted as any other, deletable by an admin
-  with ``tenant``) until they are evicted; they come back into its use if it is configured
-  again. A tenant above a lowered quota makes room among its own blocks at its next put, as
-  at the quota, and keeps what it holds until then.
+  its uid or gid no longer listed, its tenant's token dropped; the token it opened with now
+  another tenant's, or more than one's, as when token files move between tenants), ends at
+  once with PERMISSION_DENIED saying why, its leases and pools released; its client's next
+  call opens a session bound as the tenants are now. Sessions that still bind as before go
+  on, and a tenant's access to a shared namespace it lost is refused from its next request.
+  A removed tenant's blocks stay (counted under its name, evicted as any other, deletable by
+  an admin with ``tenant``) until they are evicted; they come back into its use if it is
+  configured again. A tenant above a lowered quota makes room among its own blocks at its
+  next put, as at the quota, and keeps what it holds until then.
 
 Token files are read again too, even when the new config does not load or apply (the running
 config's tenants' ``token_file`` and ``metrics.token_file``, the paths unchanged): a file
 whose content changed gives its tenant (or the metrics endpoint) the new token from then on,
 the old one no longer binds a session (sessions already open stay, but those whose token is
-now another tenant's, or more than one's, end as above); a file that cannot be
-used now (gone, readable by others, too short) is logged and its token stays the one read
-before; tenants whose files now hold the same token are logged too (such a token binds none
-of them). Tokens are never logged.
+now another tenant's, or more than one's, end as above); a file that cannot be used now
+(gone, readable by others, too short) is logged and its token stays the one read before;
+tenants whose files now hold the same token are logged too (such a token binds none of
+them). Tokens are never logged.
 
 Thread-safety: call on the daemon's event loop (the signal handler is installed with
 ``loop.add_signal_handler``).
@@ -231,11 +231,10 @@ class Reloader:
             )
         return ReloadReport(applied, restart)
 
-    def end_rebound_sessions(self) -> list[str]:
+    def end_rebound_sessions(self) -> None:
         """End the open sessions whose binding the tenants as they are now would change or
-        refuse (see the module docstring); the ids of those ended."""
+        refuse (see the module docstring)."""
         daemon = self.daemon
-        ended = []
         for session in daemon.sessions.sessions():
             try:
                 now = daemon.tenants.rebind(session.peer, session.tenant, session.token_digest)
@@ -255,9 +254,7 @@ class Reloader:
                     f"{' (admin)' if session.admin else ''}; open another"
                 )
             daemon.servicer.end_session(session.session_id, why)
-            ended.append(session.session_id)
             log.warning("SIGHUP: session %s ended: %s", shown_id(session.session_id), why)
-        return ended
 
     def reread_tokens(self) -> tuple[list[str], list[str]]:
         """Read the running config's token files again (see the module docstring); what
