@@ -210,16 +210,16 @@ class AsyncClient:
                 pass
         except grpc.RpcError as e:
             error = e
-        ours = self._session_id == session_id
-        if ours:
-            self._session_id, self._session_call = "", None
+        ours = self.forget_session(session_id)
         if (line := credentials.session_end_line(session_id, error, ours)) is not None:
             log.warning("%s", line)
 
-    def forget_session(self, session_id: str) -> None:
+    def forget_session(self, session_id: str) -> bool:
         """As the sync client's."""
-        if self._session_id == session_id:
-            self._session_id, self._session_call = "", None
+        if self._session_id != session_id:
+            return False
+        self._session_id, self._session_call = "", None
+        return True
 
     # ------------------------------------------------------------------ calls
 

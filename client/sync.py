@@ -317,20 +317,19 @@ class Client:
                 pass
         except grpc.RpcError as e:
             error = e
-        with self._lock:
-            ours = self._session_id == session_id
-            if ours:
-                self._session_id, self._session_call = "", None
+        ours = self.forget_session(session_id)
         if (line := credentials.session_end_line(session_id, error, ours)) is not None:
             log.warning("%s", line)
 
-    def forget_session(self, session_id: str) -> None:
-        """Forget ``session_id``, which the daemon answered is not open (``session_gone``),
-        if it is still this client's: the next call opens another. Its stream ends too, but
-        a call may come before the watcher sees that."""
+    def forget_session(self, session_id: str) -> bool:
+        """Forget ``session_id`` (its stream ended, or the daemon answered it is not open:
+        ``session_gone``, which a call may see before the watcher sees the end) if it is still
+        this client's, so that the next call opens another; whether it was."""
         with self._lock:
-            if self._session_id == session_id:
-                self._session_id, self._session_call = "", None
+            if self._session_id != session_id:
+                return False
+            self._session_id, self._session_call = "", None
+            return True
 
     # ------------------------------------------------------------------ calls
 
