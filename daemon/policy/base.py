@@ -25,7 +25,8 @@ One victim as an id (optional, ``heat`` and ``density`` have one): ``victim(now,
 answers as ``victims(1, now, None, (incoming,))`` would, with -1 for None. The replayer asks it
 once per miss; other policies are asked through ``victims``.
 
-A full tier's miss in one call (optional, ``density`` has one): ``replace(bid, parent, now)``
+A full tier's miss in one call (optional, ``heat`` and ``density`` have one):
+``replace(bid, parent, now)``
 takes ``victim(now, bid)``; with no victim it calls ``note_miss`` and returns ``NO_VICTIM``;
 if its own ``admits`` declines ``bid`` against that victim, ``note_miss`` and ``DECLINED``;
 else it removes the victim, inserts ``bid`` and returns the victim. The replayer calls it

@@ -93,7 +93,7 @@ import numpy as np
 
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.heat import HeatTable
-from kvtier.daemon.policy.base import EvictableFn
+from kvtier.daemon.policy.base import NO_VICTIM, EvictableFn
 from kvtier.daemon.policy.hints import Hinted, HintTable
 from kvtier.daemon.policy.memento import SEQ_MOD, Kept, seq_ages
 
@@ -683,6 +683,77 @@ class HeatPolicy(Hinted):
             found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
             return -1 if found is None else int(found[0])
         return self._one(n1, (incoming,) if incoming >= 0 else ())
+
+    def replace(self, bid: int, parent: int, now: float) -> int:
+        """A miss of a full tier in one call (the replayer's per-miss step, see
+        ``kvtier.daemon.policy.base``): ``victim(now, bid)``, then ``remove`` of the victim
+        and ``insert`` of ``bid``; ``NO_VICTIM`` (nothing changed) when there is none.
+
+        The common case (nothing hinted, parked or owed, ``bid`` not resident) is the
+        victim's choice and its removal written out in one frame, as they set the
+        replayer's speed; anything else takes the steps themselves."""
+        if bid >= self._size:
+            self._grow(bid + 1)
+        seg_v, count = self._seg_v, self._count
+        n1 = count[_PROBATION]
+        if seg_v[bid] != _OUT or self._parked or self._hints.latest >= now:
+            return self._replace_by_steps(bid, parent, now)
+        if n1 + count[_PROTECTED] == 0:
+            return NO_VICTIM
+        if self._owed_new:
+            self._defer_owed()
+        # ``_one``: ARC's target as it will be once ``bid`` is in (``_adapted_target``).
+        p, from_protected = self._p, False
+        ghost = self._ghost_v[bid]
+        if ghost != _OUT:
+            cap = self._fixed_capacity or max(self._high_water, 1)
+            if (self._evictions[ghost] - self._gseq_v[bid] + 1) % SEQ_MOD < (
+                self._shadow_fraction * cap
+            ):
+                if ghost == _PROBATION:
+                    p = min(float(cap), p + self._gain)
+                else:
+                    p, from_protected = max(0.0, p - self._gain), True
+        # ``_pick`` with ``_coldest`` as the heads.
+        coldest, eff_v = self._coldest, self._eff_v
+        seg = _PROBATION if n1 >= 1 and (n1 > p or (from_protected and n1 == p)) else _PROTECTED
+        out = coldest(seg)
+        if out >= 0:
+            if seg == _PROBATION:
+                other = coldest(_PROTECTED)
+                if other >= 0 and eff_v[other] < eff_v[out] - self._halvings:
+                    seg, out = _PROTECTED, other
+            elif self._kids_v[out] > 0:
+                other = coldest(_PROBATION)
+                if other >= 0:
+                    seg, out = _PROBATION, other
+        else:
+            seg = 3 - seg
+            out = coldest(seg)
+            if out < 0:
+                return NO_VICTIM
+        # ``remove(out)``.
+        if self._owed:
+            self._owed_leaving(out, seg)
+        if seg == _PROBATION:
+            self._drop_kid(out)
+        seg_v[out] = _OUT
+        count[seg] -= 1
+        evictions = self._evictions
+        evictions[seg] += 1
+        self._ghost_v[out] = seg
+        self._gseq_v[out] = evictions[seg] % SEQ_MOD + 1  # seq_keep, inline
+        self.insert(bid, now, parent)
+        return out
+
+    def _replace_by_steps(self, bid: int, parent: int, now: float) -> int:
+        """``replace`` as the calls it stands for."""
+        out = self.victim(now, bid)
+        if out < 0:
+            return NO_VICTIM
+        self.remove(out)
+        self.insert(bid, now, parent)
+        return out
 
     def _prepare_pick(self, now: float) -> bool:
         """Before choosing victims at ``now``: unpark the blocks whose hints expired and pay
