@@ -581,17 +581,27 @@ class KVService:
 
     def tenant_usage(self, visible: list[str] | None = None) -> list[TenantUsage]:
         """Bytes, blocks and quota per tenant (and shared namespace) per slot tier, and open
-        sessions per tenant; only the labels in ``visible`` unless it is None."""
+        sessions per tenant; only the labels in ``visible`` unless it is None.
+
+        The labels are the configured ones, those with sessions, and owners no longer
+        configured (a tenant a reload removed) while they still hold blocks: once their last
+        block is gone they drop out, so tenants churned through reloads do not leave a
+        series each behind."""
         store, table = self.store, self.store.table
         sessions = Counter(s.tenant for s in self.sessions.sessions())
-        labels = list(dict.fromkeys([*self.tenants.labels(), *store.owners, *sessions]))
-        if visible is not None:
-            labels = [x for x in labels if x in visible]
         levels = [lv for lv in store.stack if not lv.keyed]
         blocks = {}
         for level in levels:
             holders = table.holders(level.col)
             blocks[level.kind] = np.bincount(table.owner[holders], minlength=table.usage.shape[1])
+        n = table.usage.shape[1]
+        holding = np.zeros(n, dtype=bool)
+        for level in levels:
+            holding |= (blocks[level.kind][:n] != 0) | (table.usage[level.col] != 0)
+        owning = [x for x, o in store.owners.items() if o < n and holding[o]]
+        labels = list(dict.fromkeys([*self.tenants.labels(), *owning, *sessions]))
+        if visible is not None:
+            labels = [x for x in labels if x in visible]
         out = []
         for label in labels:
             owner = store.owners.get(label)

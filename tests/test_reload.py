@@ -579,6 +579,9 @@ def test_sighup_adds_and_removes_tenants_and_ends_the_sessions_it_no_longer_bind
         usage = {t.tenant: t for t in alice.stats().tenants}
         (l1,) = [u for u in usage["bob"].tiers if u.tier == Tier.L1_HOST]
         assert l1.blocks == 2 and usage["bob"].sessions == 0
+        # Once they are gone, so is bob's name from the usage (and the metrics' labels).
+        assert alice.delete(keys["bob"], tenant="bob").deleted == 2
+        assert "bob" not in {t.tenant for t in alice.stats().tenants}
 
         # An added tenant whose token file others may read: nothing of the reload applies.
         dave, _ = tenant_token(tmp_path, "dave")
