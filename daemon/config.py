@@ -2,7 +2,8 @@
 
 The defaults are the dataclass defaults below; ``deploy/kvtier.yaml`` spells every one of them
 out (a test keeps the two equal). Loading is strict: an unknown key, a value of the wrong type
-or out of range stops the daemon with a ConfigError that names the key. Relative paths are
+or out of range, or settings for a tier that runs only when enabled without its ``enabled``,
+stops the daemon with a ConfigError that names the key or section. Relative paths are
 relative to the daemon's working directory.
 """
 
@@ -1189,7 +1190,23 @@ def build_config(raw: dict[str, Any]) -> Config:
             config, server=dataclasses.replace(config.server, socket=paths.daemon_socket())
         )
     check_config(config)
+    _check_enabled_said(raw.get("tiers"))
     return config
+
+
+def _check_enabled_said(tiers: Any) -> None:
+    """A tier that runs only when enabled, given settings but not ``enabled``, is refused: the
+    operator who wrote them (``tiers: l2: path: ...``) means it to run, and would otherwise find
+    it off with nothing said. ``enabled: false`` keeps settings for later, as
+    deploy/kvtier.yaml does. Run after the values' own checks, which name a bad value first."""
+    for name, tier in dataclasses.asdict(TiersConfig()).items():
+        given = tiers.get(name) if isinstance(tiers, dict) else None
+        if "enabled" in tier and given and "enabled" not in given:
+            raise ConfigError(
+                f"config section 'tiers.{name}' sets {', '.join(map(str, given))} but not "
+                f"'enabled', and this tier runs only when enabled: add 'tiers.{name}.enabled: "
+                "true' to run it, or 'enabled: false' to keep it off"
+            )
 
 
 def check_config(config: Config) -> None:

@@ -79,9 +79,17 @@ def test_sighup_applies_live_keys_and_names_the_rest(tmp_path, daemon_factory):
 def test_the_reload_plan_keeps_restart_keys_at_their_running_value():
     from kvtier.daemon.config import load_config
 
-    running = load_config(None, ["policy.readahead_blocks=4", "tiers.l2.read_bytes_s=0"])
+    running = load_config(
+        None, ["policy.readahead_blocks=4", "tiers.l2.enabled=true", "tiers.l2.read_bytes_s=0"]
+    )
     loaded = load_config(
-        None, ["policy.readahead_blocks=8", "tiers.l2.read_bytes_s=1GiB", "policy.name=lru"]
+        None,
+        [
+            "policy.readahead_blocks=8",
+            "tiers.l2.enabled=true",
+            "tiers.l2.read_bytes_s=1GiB",
+            "policy.name=lru",
+        ],
     )
     effective, applied, restart = plan(running, loaded)
     assert effective.policy.readahead_blocks == 8

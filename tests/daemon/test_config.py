@@ -228,7 +228,9 @@ def test_l3_urls_take_a_list_or_one_string(tmp_path):
     config = load_config(path)
     assert config.tiers.l3.urls == ("redis://10.0.0.1:7000", "redis://10.0.0.2:7000")
     assert config.tiers.l3.tier_options().mode == "cluster"
-    one = load_config(None, ["tiers.l3.urls=rediss://cache:6380", "tiers.l3.ttl_s=60"])
+    one = load_config(
+        None, ["tiers.l3.enabled=false", "tiers.l3.urls=rediss://cache:6380", "tiers.l3.ttl_s=60"]
+    )
     assert one.tiers.l3.urls == ("rediss://cache:6380",)
     assert one.tiers.l3.tier_options().ttl_s == 60
 
@@ -266,7 +268,10 @@ def test_sizes_print_in_units_that_read_back_exactly(nbytes):
 def test_printed_config_loads_back_to_the_same_config(tmp_path):
     import yaml
 
-    config = load_config(None, ["tiers.l1.capacity_bytes=1536MiB", "tiers.l2.capacity_bytes=3G"])
+    config = load_config(
+        None,
+        ["tiers.l1.capacity_bytes=1536MiB", "tiers.l2.enabled=true", "tiers.l2.capacity_bytes=3G"],
+    )
     path = tmp_path / "printed.yaml"
     path.write_text(yaml.safe_dump(config.printable(), sort_keys=False))
     assert load_config(path) == config
@@ -274,7 +279,10 @@ def test_printed_config_loads_back_to_the_same_config(tmp_path):
 
 @pytest.mark.parametrize("level", ["debug", "Debug", "DEBUG"])
 def test_levels_and_other_choices_ignore_case(level):
-    config = load_config(None, [f"logging.level={level}", "tiers.l2.write_policy=WRITE_THROUGH"])
+    config = load_config(
+        None,
+        [f"logging.level={level}", "tiers.l2.enabled=false", "tiers.l2.write_policy=WRITE_THROUGH"],
+    )
     assert config.logging.level == "DEBUG"
     assert config.tiers.l2.write_policy == "write_through"
 
@@ -443,11 +451,35 @@ def test_a_key_given_twice_is_a_config_error(tmp_path, text, key):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    "tier, key", [("l0", "streams=4"), ("l2", "path=/srv/l2"), ("l3", "ttl_s=60")]
+)
+def test_a_tier_given_settings_but_not_enabled_is_refused(tmp_path, tier, key):
+    # The tier is off unless enabled: settings alone would leave it off without a word.
+    with pytest.raises(
+        ConfigError, match=rf"'tiers\.{tier}' sets {key.split('=')[0]} but not 'enabled'"
+    ):
+        load_config(None, [f"tiers.{tier}.{key}"])
+    name, value = key.split("=")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"tiers:\n  {tier}:\n    {name}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"add 'tiers\.{tier}\.enabled: true'"):
+        load_config(path)
+    # Said either way, the settings load; an empty section says nothing and is fine.
+    off = load_config(None, [f"tiers.{tier}.enabled=false", f"tiers.{tier}.{key}"])
+    assert getattr(off.tiers, tier).enabled is False
+    path.write_text(f"tiers:\n  {tier}:\n")
+    assert getattr(load_config(path).tiers, tier).enabled is False
+    # A bad value is named before the missing switch.
+    with pytest.raises(ConfigError, match=rf"tiers\.{tier}\.{name}"):
+        load_config(None, [f"tiers.{tier}.{name}=[1, 2]"])
+
+
 def test_yaml_merge_keys_are_not_repeats(tmp_path):
     path = tmp_path / "merge.yaml"
     path.write_text(
         "tiers:\n  l1: &l1 {capacity_bytes: 64MiB, segment_bytes: 4MiB}\n"
-        "  l0:\n    <<: *l1\n    capacity_bytes: 32MiB\n"
+        "  l0:\n    <<: *l1\n    enabled: false\n    capacity_bytes: 32MiB\n"
     )
     config = load_config(path)
     assert config.tiers.l0.capacity_bytes == 32 << 20

@@ -425,7 +425,8 @@ async def test_lookup_reports_l0_and_stats_show_it(make_node):
 def _l0_after_choice(tmp_path, *sets: str) -> DeviceTier:
     from kvtier.daemon.stack import choose_l2_path
 
-    config = load_config(None, [f"tiers.l2.path={tmp_path}", *sets])
+    base = ["tiers.l0.enabled=true", "tiers.l2.enabled=false", f"tiers.l2.path={tmp_path}"]
+    config = load_config(None, [*base, *sets])
     l0 = DeviceTier(1 << 20, 1 << 20, ops=CpuOps())
     choose_l2_path(config, l0)
     return l0

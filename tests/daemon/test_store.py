@@ -65,6 +65,9 @@ async def make_store() -> AsyncIterator[Factory]:
                 f"policy.protect_s={protect_s}",
                 f"policy.name={policy}",
                 "mover.batch_blocks=8",
+                # The config says which tiers run, as the daemon's does (the tiers come below).
+                f"tiers.l2.enabled={str(l2 is not None or l2_segments > 0).lower()}",
+                f"tiers.l3.enabled={str(l3 is not None).lower()}",
                 *sets,
             ],
         )
