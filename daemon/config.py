@@ -1128,19 +1128,26 @@ def load_config(
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"'{'.'.join(path_parts[: depth + 1])}' must be a mapping")
-        node[path_parts[-1]] = _override_value(value)
+        node[path_parts[-1]] = _override_value(key.strip(), value)
     return build_config(raw)
 
 
-def _override_value(text: str) -> Any:
+def _override_value(key: str, text: str) -> Any:
     """A ``--set`` or environment value, read as YAML (``true``, ``2``, ``0.5``); text YAML
-    cannot read (``[::1]:5000``) stays the string given."""
+    cannot read (``[::1]:5000``) stays the string given, but a mapping in it that names a key
+    twice is refused as a file's is (taken as a string, it was refused as not a mapping)."""
     if not text.strip():
         return ""
     try:
         return _load_yaml(text)
+    except _RepeatedKey as e:
+        raise ConfigError(f"config key '{key}': {e.problem}") from None
     except (yaml.YAMLError, RecursionError):
         return text
+
+
+class _RepeatedKey(yaml.constructor.ConstructorError):
+    """A key given twice in one mapping (``_StrictLoader``)."""
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -1161,7 +1168,7 @@ class _StrictLoader(yaml.SafeLoader):
                 except TypeError:
                     continue  # unhashable: the base constructor says so
                 if line is not None:
-                    raise yaml.constructor.ConstructorError(
+                    raise _RepeatedKey(
                         None,
                         None,
                         f"key {key!r} appears twice in one mapping (first on line {line + 1}); "

@@ -451,6 +451,17 @@ def test_a_key_given_twice_is_a_config_error(tmp_path, text, key):
         load_config(path)
 
 
+def test_a_key_given_twice_in_a_set_or_variable_value_is_named():
+    # Read as a string it was refused as "expected a list of mappings", the repeat unnamed.
+    twice = "[{name: a, uids: [1], name: b}]"
+    with pytest.raises(ConfigError, match=r"config key 'tenants': key 'name' appears twice"):
+        load_config(None, [f"tenants={twice}"])
+    with pytest.raises(ConfigError, match=r"'tiers\.l1\.capacity_bytes': key 'a' appears twice"):
+        load_config(None, environ={"KVTIER_TIERS_L1_CAPACITY_BYTES": "{a: 1, a: 2}"})
+    with pytest.raises(ConfigError, match=r"'logging\.level': '\[a' is not one of"):
+        load_config(None, ["logging.level=[a"])  # not YAML at all: still taken as the text
+
+
 @pytest.mark.parametrize(
     "tier, key", [("l0", "streams=4"), ("l2", "path=/srv/l2"), ("l3", "ttl_s=60")]
 )
