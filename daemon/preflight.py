@@ -23,6 +23,7 @@ from kvtier.daemon.config import Config, format_size, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
+from kvtier.tiers.disk.index import INDEX_NAME
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -215,6 +216,8 @@ def _disk(config: Config) -> list[Problem]:
                 f"uid {os.geteuid()}",
             )
         ]
+    if (odd := _not_a_file(directory)) is not None:
+        return [Problem("tiers.l2.path", odd)]
     if (in_use := _locked(directory / LOCK_NAME)) is not None:
         return [Problem("tiers.l2.path", f"L2 directory {directory} is in use: {in_use}")]
     held = 0
@@ -234,6 +237,28 @@ def _disk(config: Config) -> list[Problem]:
             )
         ]
     return []
+
+
+def _not_a_file(directory: Path) -> str | None:
+    """Why the disk tier could not open one of its own files in ``directory`` (its lock, index
+    or a data file is there as something else, a folder say), or None."""
+    if not directory.is_dir():
+        return None
+    index = (INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
+    for path in [*(directory / n for n in (LOCK_NAME, *index)), *directory.glob(DATA_GLOB)]:
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return f"L2 file {path} cannot be examined: {e.strerror}"
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            return (
+                f"L2 file {path} is {kind}; the disk tier keeps its lock, index and data files "
+                f"in {directory} as regular files: move it away"
+            )
+    return None
 
 
 def _locked(lock: Path) -> str | None:

@@ -326,6 +326,34 @@ def test_a_live_listener_on_the_credential_socket_is_refused(tmp_path):
         listener.close()
 
 
+@pytest.mark.parametrize("name", ["index.sqlite3", "index.sqlite3-wal", "lock", "data-0001.bin"])
+def test_an_l2_file_that_is_a_directory_is_refused_by_the_checks(tmp_path, name):
+    """--check-config said 'config ok' for an L2 folder whose index or a data file had been
+    replaced by a directory; the daemon then refused at start, the index with a bare
+    'Is a directory'. The check names the file; a folder holding only files passes."""
+    directory = tmp_path / "l2"
+    directory.mkdir(mode=0o700)
+    config = load_config(
+        None,
+        [
+            f"server.socket={tmp_path}/s.sock",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={directory}",
+            "tiers.l2.capacity_bytes=8MiB",
+            "tiers.l2.file_bytes=4MiB",
+            "tiers.l2.segment_bytes=1MiB",
+        ],
+    )
+    for other in ("index.sqlite3", "lock", "data-0000.bin", "data-0001.bin"):
+        (directory / other).write_bytes(b"")
+    assert preflight.check(config, HOST) == []
+    (directory / name).unlink(missing_ok=True)
+    (directory / name).mkdir()
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["tiers.l2.path"]
+    assert f"L2 file {directory / name} is a directory" in str(problems[0])
+
+
 def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
     tmp_path, daemon_factory
 ):
