@@ -16,10 +16,14 @@ Protocol (one request per connection, ASCII lines)::
 
 Invariants:
 - A ticket is redeemed at most once, only for its kind, and only before it expires. The
-  table is keyed by the ticket's SHA-256, so no lookup compares a guess with a secret.
+  table is keyed by the ticket's SHA-256, so no lookup compares a guess with a secret. The
+  one exception: a pool ticket whose registration the daemon undid because it ended the
+  session meanwhile (``SessionEnded``: a reload) is given back, good until it expires as
+  before, since the client sends the same request with it again in a new session.
 - A pool ticket owns its fd until it is redeemed (the caller then owns it) or expires (the
-  fd is closed). Only memory-backed fds are kept: memfds and tmpfs files, the files on which
-  F_GET_SEALS succeeds. They cannot stall a page fault on a remote or user-space filesystem.
+  fd is closed); given back, it owns it again. Only memory-backed fds are kept: memfds and
+  tmpfs files, the files on which F_GET_SEALS succeeds. They cannot stall a page fault on a
+  remote or user-space filesystem.
 - Nothing here blocks the event loop: sockets are non-blocking, a connection has
   ``IO_TIMEOUT_S`` to send its request, at most ``MAX_CONNECTIONS`` are open at once (one
   more ends the oldest connection of the uid that holds the most, so a uid that connects and
@@ -166,6 +170,7 @@ class TicketBook:
         self._clock = clock
         self._tickets: dict[bytes, Ticket] = {}
         self._per_uid: Counter[int] = Counter()
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -201,6 +206,18 @@ class TicketBook:
             )
         return ticket
 
+    def give_back(self, secret: bytes, ticket: Ticket) -> None:
+        """Make ``ticket``, redeemed with ``secret``, good again until it expires as it would
+        have (see the module invariants), with its fd: the book owns the fd again, and the
+        caller must not close it. One that has expired meanwhile, or given back to a closed
+        book, is dropped (its fd closed) at once. Counted to its uid again, even beyond
+        ``max_per_uid``: it was counted when it was issued."""
+        if self._closed or ticket.expires_at <= self._clock():
+            self._drop_fd(ticket)
+            return
+        self._tickets[_digest(secret)] = ticket
+        self._per_uid[ticket.peer.uid] += 1
+
     def expire(self) -> int:
         now = self._clock()
         stale = [d for d, t in self._tickets.items() if t.expires_at <= now]
@@ -211,6 +228,7 @@ class TicketBook:
         return len(stale)
 
     def close(self) -> None:
+        self._closed = True
         for ticket in self._tickets.values():
             self._drop_fd(ticket)
         self._tickets.clear()

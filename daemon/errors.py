@@ -22,6 +22,12 @@ class SessionGone(NotFound):
     request was done (see ``proto.wire.SESSION_GONE_KEY``)."""
 
 
+class SessionEnded(SessionGone):
+    """The daemon ended the session while the request ran (a reload bound it otherwise), and
+    nothing of the request was done: its client sends it again in a new session, so what the
+    request had spent (a pool's credential ticket) is given back."""
+
+
 class Unauthenticated(KvtierError):
     """The request carries no valid credential (a missing, spent or expired ticket)."""
 

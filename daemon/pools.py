@@ -80,6 +80,7 @@ from kvtier.daemon.errors import (
     KvtierError,
     NotFound,
     PermissionDenied,
+    SessionEnded,
     SessionGone,
     Unavailable,
 )
@@ -410,12 +411,15 @@ class PoolRegistry:
         its tenant (GPU pools, which carry none, share one budget)."""
         self._lines.info(pool.tenant if isinstance(pool, Pool) else "", msg, *args)
 
-    def drop_session(self, session_id: str) -> int:
+    def drop_session(self, session_id: str, *, by_daemon: bool = False) -> int:
         """Unregister the session's pools; registrations of it still being mapped register
-        nothing when their mapping ends (it is closed)."""
+        nothing when their mapping ends (it is closed) and answer SessionGone, or
+        SessionEnded where the daemon ended the session (``by_daemon``: its client sends
+        them again in a new session)."""
+        gone = SessionEnded if by_daemon else SessionGone
         for pending in self._pending.values():
             if pending.session_id == session_id and pending.void is None:
-                pending.void = SessionGone(
+                pending.void = gone(
                     f"session {shown_id(session_id)} ended while its pool was being mapped"
                 )
         ids = [p.pool_id for p in self._pools.values() if p.session_id == session_id]

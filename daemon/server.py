@@ -289,7 +289,7 @@ class KVTierServicer:
         its binding no longer holds): its leases and pools go now, requests naming it are
         NOT_FOUND from now on, and its stream ends with PERMISSION_DENIED and ``why`` (the
         client opens another session, bound as the tenants are now, at its next call)."""
-        self.service.close_session(session_id)
+        self.service.close_session(session_id, by_daemon=True)
         stream = self._streams.get(session_id)
         if stream is not None:
             stream.why = why

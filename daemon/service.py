@@ -47,6 +47,7 @@ from kvtier.daemon.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    SessionEnded,
     Unauthenticated,
     Unavailable,
 )
@@ -235,9 +236,10 @@ class KVService:
         """The open session ``session_id`` (NotFound otherwise)."""
         return self.sessions.get(session_id)
 
-    def close_session(self, session_id: str) -> None:
+    def close_session(self, session_id: str, *, by_daemon: bool = False) -> None:
         """End a session, releasing its leases and pools; nothing for one not open (the
-        daemon may have ended it before its stream ends, see ``KVTierServicer.end_session``)."""
+        daemon may have ended it before its stream ends, see ``KVTierServicer.end_session``).
+        ``by_daemon``: the daemon ends it, not its client (see ``PoolRegistry.drop_session``)."""
         try:
             key = self.sessions.get(session_id).limit_key
         except NotFound:
@@ -245,7 +247,7 @@ class KVService:
         leases = self.sessions.close(session_id)
         for lease in leases:
             self.store.unpin(lease.refs)
-        pools = self.pools.drop_session(session_id)
+        pools = self.pools.drop_session(session_id, by_daemon=by_daemon)
         self._session_lines.info(
             key,
             "session %s closed: %d pools unregistered, %d leases released",
@@ -272,7 +274,10 @@ class KVService:
     async def register_fd_pool(
         self, session_id: str, ticket: bytes, size_bytes: int, layout: PoolLayout
     ) -> Pool:
-        """As ``register_shm_pool``, for a memory fd handed over with ``ticket``."""
+        """As ``register_shm_pool``, for a memory fd handed over with ``ticket``. Where the
+        daemon ends the session while the memory is mapped (SessionEnded: a reload), the
+        ticket is given back with its fd: the client sends this request again, with the
+        same ticket, in a new session."""
         session = self.sessions.get(session_id)
         peer = self._check_may_register(session, layout, size_bytes)
         handed = self.tickets.redeem(ticket, TicketKind.POOL)
@@ -282,11 +287,17 @@ class KVService:
                     f"the memory was handed over by uid {handed.peer.uid}, not by this "
                     f"session's uid {peer.uid}"
                 )
-            return await self.pools.register_fd(
+            pool = await self.pools.register_fd(
                 session_id, handed.fd, size_bytes, layout, tenant=session.limit_key
             )
-        finally:
-            os.close(handed.fd)  # the mapping keeps the memory; a memfd closes at once
+        except SessionEnded:
+            self.tickets.give_back(ticket, handed)  # the book owns the fd again
+            raise
+        except BaseException:
+            os.close(handed.fd)
+            raise
+        os.close(handed.fd)  # the mapping keeps the memory; a memfd closes at once
+        return pool
 
     def _check_may_register(
         self, session: Session, layout: PoolLayout, size_bytes: int = 0

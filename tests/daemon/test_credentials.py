@@ -85,6 +85,52 @@ def test_a_redeemed_pool_ticket_hands_its_fd_to_the_caller():
     os.close(fd)
 
 
+def test_a_pool_ticket_given_back_is_good_once_more_until_it_expires_with_its_fd():
+    """``give_back`` (a registration whose session a reload ended, see service.py): the
+    ticket redeems again, once, and the book owns its fd again: expiry or the book's close
+    closes it, and only once."""
+    clock = Clock()
+    book = TicketBook(FdCloser(), ttl_s=10.0, clock=clock)
+    fd = os.memfd_create("t")
+    secret = book.issue(TicketKind.POOL, ALICE, fd)
+    book.give_back(secret, book.redeem(secret, TicketKind.POOL))
+    assert len(book) == 1 and _open(fd)
+    again = book.redeem(secret, TicketKind.POOL)
+    assert again.fd == fd and again.peer == ALICE
+    with pytest.raises(Unauthenticated, match="already used"):
+        book.redeem(secret, TicketKind.POOL)
+
+    book.give_back(secret, again)
+    clock.now = 9.9
+    assert book.expire() == 0 and _open(fd)
+    clock.now = 10.0  # its first expiry still holds
+    assert book.expire() == 1 and not _open(fd)
+    with pytest.raises(Unauthenticated):
+        book.redeem(secret, TicketKind.POOL)
+
+    # Given back at or after its expiry, or to a closed book: its fd is closed at once.
+    for late in (True, False):
+        fd = os.memfd_create("t")
+        secret = book.issue(TicketKind.POOL, ALICE, fd)
+        ticket = book.redeem(secret, TicketKind.POOL)
+        if late:
+            clock.now += 10.0
+        else:
+            book.close()
+        book.give_back(secret, ticket)
+        assert len(book) == 0 and not _open(fd) and ticket.fd == -1
+
+
+def test_a_given_back_ticket_counts_to_its_uid_again():
+    book = TicketBook(FdCloser(), max_per_uid=1)
+    secret = book.issue(TicketKind.SESSION, ALICE)
+    book.give_back(secret, book.redeem(secret, TicketKind.SESSION))
+    with pytest.raises(ResourceExhausted):
+        book.issue(TicketKind.SESSION, ALICE)
+    book.redeem(secret, TicketKind.SESSION)
+    book.issue(TicketKind.SESSION, ALICE)
+
+
 def test_a_pool_ticket_spent_on_a_session_closes_its_fd():
     book = TicketBook(FdCloser())
     fd = os.memfd_create("t")

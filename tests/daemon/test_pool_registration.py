@@ -255,6 +255,46 @@ async def test_a_session_that_ends_while_its_pool_is_mapped_gets_no_pool(held):
         assert len(daemon.pools) == 0 and daemon.pools.per_session_counts() == {}
 
 
+async def test_regression_a_register_pool_whose_session_a_reload_ended_while_mapped_was_refused(
+    held,
+):
+    """A reload ends the session (``KVTierServicer.end_session``, as ``Reloader`` calls it)
+    while its memfd pool is being mapped. The daemon had spent the pool's credential ticket,
+    so the client's retry in a new session, which sends the same ticket, was refused
+    UNAUTHENTICATED ("the credential ticket is unknown, already used or expired"; 92-141 of
+    ~9,000 registrations in 20 s of reloads every 0.1 s). The ticket is given back with its
+    memfd: the retry registers the pool, and nothing of the memfd is left once it is
+    unregistered."""
+    loop = asyncio.get_running_loop()
+
+    async with running_daemon(held) as daemon:
+
+        def clients(address: str) -> None:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                name = shm.name
+                with Client(address) as engine, ThreadPoolExecutor(1) as engine_thread:
+                    first = engine.session_id
+                    registering = engine_thread.submit(engine.register_pool, shm, LAYOUT)
+                    try:
+                        held.wait_entered()
+                        loop.call_soon_threadsafe(
+                            daemon.servicer.end_session, first, "the daemon's tenants changed"
+                        )
+                        wait_until(lambda: daemon.sessions.session_count == 0, "session ended")
+                    finally:
+                        held.release.set()
+                    pool = registering.result(WAIT_S)
+                    assert engine.session_id != first
+                    check = engine.check()
+                    assert check.problems == [] and check.pools == 1
+                    engine.unregister_pool(pool.pool_id)
+                assert len(held.buffers) == 2 and all(b.closed for b in held.buffers)
+            assert left_in_this_process(name) == []
+
+        await asyncio.to_thread(clients, daemon.addresses[0])
+        assert len(daemon.pools) == 0 and len(daemon.tickets) == 0
+
+
 async def test_a_register_pool_cancelled_while_mapped_leaves_no_pool(held):
     """A client that cancels its RegisterPool while the memory is mapped never learns the
     pool's id: the registration is undone once the mapping ends (it used to stay, counted
