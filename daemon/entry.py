@@ -1,12 +1,16 @@
-"""``kvtierd``'s entry point (the console script, ``python -m kvtier.daemon``): it holds SIGHUP
-before anything heavy is imported.
+"""``kvtierd``'s entry point (the console script, ``python -m kvtier.daemon``): it holds SIGHUP,
+SIGINT and SIGTERM before anything heavy is imported.
 
-SIGHUP's default action ends the process, and the daemon's reload handler goes in only once it
-serves; the imports of ``kvtier.daemon.main`` alone take ~240 ms, so a reload sent just after a
-(re)start killed the daemon without a word. This module imports nothing but ``signal`` and
-``sys`` before it notes SIGHUP; a SIGHUP that arrives from then until the daemon serves is
-honoured as a reload once it does (``kvtier.daemon.main``). Only the interpreter's own start,
-before this module runs, is left to SIGHUP's default action.
+The daemon's own handlers go in only once it serves (the reload's, and the stop's of
+``Daemon.stop_on_signals``), and the imports of ``kvtier.daemon.main`` alone take ~240 ms.
+Before this module held them, a reload sent just after a (re)start killed the daemon without
+a word (SIGHUP's default action), a SIGTERM did too, leaving its sockets behind, and a SIGINT
+raised KeyboardInterrupt wherever the daemon was (a traceback, or an event loop torn down
+under a half-started server). This module imports nothing but ``signal`` and ``sys`` before it
+notes them; one that arrives from then until the daemon serves is honoured once it does
+(``kvtier.daemon.main``): a SIGHUP as a reload, a SIGINT or SIGTERM as the stop of a serving
+daemon (drained, its sockets removed, exit status 0). Only the interpreter's own start,
+before this module runs, is left to the signals' default actions.
 """
 
 from __future__ import annotations
@@ -15,23 +19,32 @@ import signal
 import sys
 
 
-class EarlyHangup:
-    """Notes a SIGHUP that arrives before the daemon serves (``seen``), in place of its
-    default action. Installed on construction; the daemon's reload handler replaces it."""
+class EarlySignals:
+    """Notes, in place of their default actions, the signals that arrive before the daemon
+    serves: a SIGHUP (``hangup``) and the first SIGINT or SIGTERM (``stop``). Installed on
+    construction; the daemon's own handlers replace it once it serves. Its handler runs on
+    the main thread, between two bytecodes, and only sets an attribute."""
+
+    HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self) -> None:
-        self.seen = False
-        signal.signal(signal.SIGHUP, self._note)
+        self.hangup = False
+        self.stop: signal.Signals | None = None
+        for signum in self.HELD:
+            signal.signal(signum, self._note)
 
     def _note(self, signum: int, frame: object) -> None:
-        self.seen = True
+        if signum == signal.SIGHUP:
+            self.hangup = True
+        elif self.stop is None:
+            self.stop = signal.Signals(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
-    early_hangup = EarlyHangup()
-    from kvtier.daemon.main import main as run  # the heavy imports, SIGHUP held
+    early_signals = EarlySignals()
+    from kvtier.daemon.main import main as run  # the heavy imports, the signals held
 
-    return run(argv, early_hangup=early_hangup)
+    return run(argv, early_signals=early_signals)
 
 
 if __name__ == "__main__":

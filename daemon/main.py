@@ -4,9 +4,10 @@ The effective config is the embedded defaults, then ``--config FILE`` (or ``$KVT
 then ``KVTIER_*`` environment variables, then ``--set`` overrides. Before anything is
 allocated the host checks of ``daemon/preflight.py`` run (memory, disk space, the socket), so a
 config that cannot run here fails at once with the key named. SIGHUP loads the config again
-the same way and applies what can change live (``daemon/reload.py``); one that arrives while
-the daemon starts is held (from the entry point on, ``daemon/entry.py``) and honoured once it
-serves.
+the same way and applies what can change live (``daemon/reload.py``); SIGINT and SIGTERM stop
+it (drained, its sockets removed). One that arrives while the daemon starts is held
+(from the entry point on, ``daemon/entry.py``) and honoured once it serves: a stop then wins
+over a reload.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import yaml
 from kvtier import __version__
 from kvtier.daemon import loops, preflight
 from kvtier.daemon.config import Config, ids_from, load_config
-from kvtier.daemon.entry import EarlyHangup
+from kvtier.daemon.entry import EarlySignals
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
 
@@ -82,11 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None) -> int:
-    """Run ``kvtierd``. ``early_hangup``: the SIGHUP holder the entry point installed before
+def main(argv: list[str] | None = None, early_signals: EarlySignals | None = None) -> int:
+    """Run ``kvtierd``. ``early_signals``: the signal holder the entry point installed before
     importing this module (``kvtier.daemon.entry``); one is installed now without it."""
-    if early_hangup is None:
-        early_hangup = EarlyHangup()
+    if early_signals is None:
+        early_signals = EarlySignals()
     args = parse_args(argv)
 
     def load() -> Config:
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
     try:
-        loops.run(_serve(config, load, early_hangup, known_ids), config.server.event_loop)
+        loops.run(_serve(config, load, early_signals, known_ids), config.server.event_loop)
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -134,10 +135,11 @@ def main(argv: list[str] | None = None, early_hangup: EarlyHangup | None = None)
 async def _serve(
     config: Config,
     load: Any,
-    early_hangup: EarlyHangup,
+    early_signals: EarlySignals,
     known_ids: dict[tuple[str, str], int],
 ) -> None:
-    """Run the daemon with its operations around it: the metrics endpoint and SIGHUP."""
+    """Run the daemon with its operations around it: the metrics endpoint and SIGHUP; a stop
+    signal held while it started stops it as soon as it serves."""
     from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.reload import Reloader
     from kvtier.daemon.server import Daemon, serve
@@ -148,6 +150,16 @@ async def _serve(
 
     def ready(daemon: Daemon) -> None:
         nonlocal metrics
+        # The daemon's stop handlers are in (``serve``): a stop signal is either held here
+        # or the daemon's own.
+        if early_signals.stop is not None:
+            log.info(
+                "%s arrived while starting; stopping now%s",
+                early_signals.stop.name,
+                " (a SIGHUP did too: no reload)" if early_signals.hangup else "",
+            )
+            daemon.request_stop()
+            return
         if config.metrics.address:
             token = None
             if config.metrics.token_file:
@@ -169,7 +181,7 @@ async def _serve(
             f"({loops.describe(loops.running())} event loop)",
             flush=True,
         )
-        if early_hangup.seen:
+        if early_signals.hangup:
             log.info("SIGHUP arrived while starting; reading the config again now")
             reloader.reload()
 

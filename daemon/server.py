@@ -719,10 +719,17 @@ class Daemon:
         log.info("%s", self.tenants.describe())
         systemd.notify("READY=1\nSTATUS=serving")
 
-    async def run_until_stopped(self) -> None:
+    def stop_on_signals(self) -> None:
+        """From now on SIGTERM and SIGINT stop the daemon (``request_stop``)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stopping.set)
+            loop.add_signal_handler(sig, self.request_stop)
+
+    def request_stop(self) -> None:
+        """Stop as SIGTERM does: ``run_until_stopped`` stops the daemon, then returns."""
+        self._stopping.set()
+
+    async def run_until_stopped(self) -> None:
         await self._stopping.wait()
         await self.stop()
 
@@ -978,6 +985,9 @@ async def serve(config: Config, *, on_ready: Callable[[Daemon], None] | None = N
     daemon = Daemon(config)
     await daemon.start()
     log.info("started in %.2fs", time.monotonic() - started)
+    # Before ``on_ready``: a stop signal that arrived while starting, held until now
+    # (``daemon/entry.py``), is honoured there, and every later one is the daemon's own.
+    daemon.stop_on_signals()
     if on_ready is not None:
         on_ready(daemon)
     await daemon.run_until_stopped()

@@ -436,11 +436,11 @@ async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path
     monkeypatch.setattr(server_module.Daemon, "stop", stop_then_scrape)
     monkeypatch.setattr(metrics_module.MetricsServer, "start", recording_metrics_start)
     try:
-        no_hangup = SimpleNamespace(seen=False)  # main's SIGHUP holder, with none held
-        served = asyncio.create_task(main_module._serve(load(), load, no_hangup, {}))
+        none_held = SimpleNamespace(hangup=False, stop=None)  # main's signal holder, empty
+        served = asyncio.create_task(main_module._serve(load(), load, none_held, {}))
         await started.wait()
         before = await asyncio.to_thread(scrape, urls[0])
-        daemons[0]._stopping.set()
+        daemons[0].request_stop()
         await served
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
