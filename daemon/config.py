@@ -762,6 +762,17 @@ class PolicyConfig:
             "for at most this long (0: Prefetch protects nothing)",
         ),
     )
+    hint_max_share: float = field(
+        default=0.5,
+        metadata=_opt(
+            "float",
+            lo=0,
+            hi=1,
+            doc="where tenants are configured, the blocks one tenant's hints protect at once "
+            "hold at most this share of the top tier's capacity (without tenants, the whole "
+            "tier); a hint's blocks past it are promoted, not protected",
+        ),
+    )
     history_factor: float = field(
         default=2.0,
         metadata=_opt(

@@ -137,6 +137,12 @@ COUNTERS: dict[str, MetricDef] = {
         "Blocks a Prefetch with a deadline protected from eviction until it (hints of an "
         "engine's queued requests).",
     ),
+    "hints_over_budget_blocks": _c(
+        "kvtier_hints_over_budget_blocks_total",
+        (),
+        "Blocks a Prefetch with a deadline found but did not protect: their owner's hinted "
+        "blocks already held policy.hint_max_share of the top tier.",
+    ),
     "bytes_put": _c("kvtier_put_bytes_total", (), "Bytes stored by Put requests."),
     "bytes_get": _c("kvtier_get_bytes_total", (), "Bytes loaded into engine pools by Get."),
     "transferred_blocks": _c(

@@ -41,6 +41,7 @@ import numpy as np
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvtier.daemon.hintbudget import HintBudget
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED, REASONS
 from kvtier.daemon.policy.prefetch import PrefetchLedger
@@ -166,6 +167,11 @@ class BlockStore:
         # Latency histograms (transfers here; the RPC layer adds its own), for metrics.
         self.latency = Histograms()
         self.prefetches = PrefetchLedger()
+        # What one owner's hints may protect at once (hintbudget): a share of the top tier
+        # where tenants share it, else all of it (tenants are turned on or off by a restart).
+        top_bytes = self.stack.top.tier.stats().capacity_bytes
+        share = config.policy.hint_max_share if config.tenants else 1.0
+        self.hint_budget = HintBudget(int(share * top_bytes))
         self.transfers = TransferEngine(
             self.counters,
             background_workers=config.mover.workers,
@@ -1055,10 +1061,19 @@ class BlockStore:
         hint_s = min(deadline_ms / 1000.0, self.config.policy.hint_max_s)
         if hint_s > 0 and len(found):
             # A hint: the engine will read these blocks by the deadline (a queued request).
-            # Every tier keeps them until then, whichever of them holds a copy.
-            for level in self.stack:
-                level.policy.hint(found, now + hint_s, now)
-            self.counters.inc("hinted_blocks", len(found))
+            # Every tier keeps them until then, whichever of them holds a copy, as far as
+            # their owner's hint budget goes (the rest are only promoted).
+            table = self.table
+            ok = self.hint_budget.admit(
+                found, table.owner[found], table.nbytes[found], now + hint_s, now
+            )
+            hinted = found if ok.all() else found[ok]
+            if len(hinted):
+                for level in self.stack:
+                    level.policy.hint(hinted, now + hint_s, now)
+                self.counters.inc("hinted_blocks", len(hinted))
+            if len(hinted) < len(found):
+                self.counters.inc("hints_over_budget_blocks", len(found) - len(hinted))
         started = self._start_promotions(lower, deadline, priority)
         return PrefetchResult(
             resident=len(found) - len(lower),

@@ -986,6 +986,41 @@ async def test_a_hint_is_capped_and_can_be_turned_off(make_store):
     assert off.counters.get("hinted_blocks") == 0
 
 
+async def test_one_owners_hints_protect_at_most_its_share_of_the_top_tier(make_store):
+    """A tenant that hinted every block it held, again before each deadline, kept them all:
+    another tenant's puts found no victim and were rejected. Hints now protect at most
+    policy.hint_max_share of the top tier's bytes per owner (the blocks first named), the
+    rest is promoted only; renewing a hint charges nothing new; a passed deadline frees it."""
+    clock = Clock()
+    tenants = "tenants=[{name: a, uids: [1000]}, {name: b, uids: [1001]}]"
+    store = make_store(clock, policy="heat", sets=(tenants, "policy.hint_max_share=0.5"))
+    pool = make_pool()  # 4 KiB blocks: L1 holds 16
+    mine, theirs = keys(16), keys(8)
+    await store.put(pool, 0, mine, np.arange(16), None, owner=1)
+    clock.now += 1
+    for _ in range(2):  # the engine hints its queue again before the deadline
+        await store.prefetch(0, mine, deadline_ms=30_000)
+        clock.now += 1
+    assert store.counters.get("hinted_blocks") == 16  # eight, twice
+    assert store.counters.get("hints_over_budget_blocks") == 16
+    assert store.hint_budget.charged(1, clock.now) == 8 * 4096
+    res, _ = await store.put(pool, 0, theirs, np.arange(16, 24), None, owner=2)
+    assert res.tolist() == [PutResult.STORED] * 8
+    assert present(store, mine) == [True] * 8 + [False] * 8  # the chain's first half kept
+    clock.now += 30  # past the deadline: nothing protected, nothing charged
+    assert store.hint_budget.charged(1, clock.now) == 0
+    await store.put(pool, 0, keys(8), np.arange(24, 32), None, owner=2)
+    assert present(store, mine).count(True) < 8
+    # Another owner's budget is its own.
+    await store.prefetch(0, theirs, deadline_ms=30_000)
+    assert store.hint_budget.charged(2, clock.now) == 8 * 4096
+    # Without tenants there is nobody to wall off: the whole tier may be hinted.
+    alone = make_store(clock, policy="heat", sets=("policy.hint_max_share=0.5",))
+    await alone.put(pool, 0, mine, np.arange(16), None)
+    await alone.prefetch(0, mine, deadline_ms=30_000)
+    assert alone.counters.get("hinted_blocks") == 16
+
+
 async def test_a_sick_l2_takes_no_demotions_and_blocks_are_dropped(make_store):
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)

@@ -1,0 +1,68 @@
+"""The hint budget: what one owner's hints may protect at once (kvtier.daemon.hintbudget)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.daemon.hintbudget import HintBudget
+
+
+def admit(budget, bids, owner=1, nbytes=10, until=100.0, now=0.0):
+    bids = np.asarray(bids, dtype=np.int64)
+    owners = np.full(len(bids), owner)
+    sizes = np.full(len(bids), nbytes) if np.isscalar(nbytes) else np.asarray(nbytes)
+    return budget.admit(bids, owners, sizes, until, now).tolist()
+
+
+def test_the_blocks_first_named_are_protected_up_to_the_budget():
+    budget = HintBudget(limit_bytes=35)
+    assert admit(budget, [5, 6, 7, 8]) == [True, True, True, False]
+    assert budget.charged(1, 0.0) == 30
+    # A prefix only: a small block after one that did not fit is not taken either.
+    assert admit(budget, [9, 10], nbytes=[10, 1]) == [False, False]
+    assert admit(budget, [11], nbytes=5) == [True]
+    assert budget.charged(1, 0.0) == 35
+
+
+def test_a_renewed_hint_costs_nothing_and_moves_the_deadline():
+    budget = HintBudget(limit_bytes=20)
+    assert admit(budget, [1, 2], until=10.0) == [True, True]
+    for t in range(1, 50):  # renewed every second, each time to 10 s ahead
+        assert admit(budget, [1, 2], until=t + 10.0, now=float(t)) == [True, True]
+        assert budget.charged(1, float(t)) == 20
+    assert len(budget._heap) == 2  # one entry per charged block, however often renewed
+    assert budget.charged(1, 58.9) == 20
+    assert budget.charged(1, 59.0) == 0  # the last deadline passed: charge gone
+    assert admit(budget, [3, 4], now=59.0) == [True, True]
+
+
+def test_a_later_shorter_hint_keeps_the_longer_deadline():
+    budget = HintBudget(limit_bytes=10)
+    admit(budget, [1], until=50.0)
+    admit(budget, [1], until=5.0, now=1.0)
+    assert budget.charged(1, 20.0) == 10
+    assert admit(budget, [2], now=20.0) == [False]
+
+
+def test_owners_have_budgets_of_their_own():
+    budget = HintBudget(limit_bytes=10)
+    assert admit(budget, [1], owner=1) == [True]
+    assert admit(budget, [2], owner=1) == [False]
+    assert admit(budget, [2], owner=3) == [True]
+    mixed = budget.admit(np.array([4, 5]), np.array([1, 4]), np.array([10, 10]), 100.0, 0.0)
+    assert mixed.tolist() == [False, True]
+    assert [budget.charged(o, 0.0) for o in (1, 2, 3, 4)] == [10, 0, 10, 10]
+
+
+def test_a_block_named_twice_counts_once():
+    budget = HintBudget(limit_bytes=20)
+    assert admit(budget, [7, 7, 8, 7]) == [True, True, True, True]
+    assert budget.charged(1, 0.0) == 20
+    assert admit(budget, [9, 9]) == [False, False]
+
+
+def test_a_zero_budget_protects_nothing_and_an_empty_hint_is_nothing():
+    budget = HintBudget(limit_bytes=0)
+    assert admit(budget, [1, 2]) == [False, False]
+    assert admit(budget, []) == []
+    assert budget.charged(1, 0.0) == 0 and budget.charged(99, 0.0) == 0
