@@ -702,7 +702,10 @@ class SpaceManager:
         if len(holders) == 0:
             return False
         segs = alloc.segments_of(self.table.slot[holders, level.col])
-        ok = self.evictable(level, now, clean_only=clean_only)(holders)
+        mask = self.evictable(level, now, clean_only=clean_only)
+        # A hinted block stays, as the policy's own victims would leave it (Hinted).
+        unhinted = getattr(level.policy, "unhinted", None)
+        ok = (mask if unhinted is None else unhinted(mask, now))(holders)
         order = np.argsort(segs, kind="stable")
         segs_sorted, ok_sorted = segs[order], ok[order]
         starts = np.flatnonzero(np.r_[True, segs_sorted[1:] != segs_sorted[:-1]])

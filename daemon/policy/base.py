@@ -12,7 +12,8 @@ none, and changes nothing; the caller then ``remove``s the ones it actually evic
 Hints (``hint``): the engine names blocks it will read by a deadline (its waiting queue);
 ``victims`` proposes none of them until the deadline has passed, on top of the caller's mask.
 Every policy implements it with ``kvtier.daemon.policy.hints.HintTable``, so the rule is the
-same everywhere.
+same everywhere; its ``Hinted`` mixin's ``unhinted(mask, now)`` gives the rule to the store's
+segment reclaim, which frees a whole segment without asking ``victims``.
 
 Own admission (optional, ``density`` has one): ``admits(bid, parent, victim, now)`` says
 whether a block missing from the tier is worth more than the would-be ``victim``,

@@ -841,6 +841,22 @@ class DensityPolicy(InsertEach, Hinted):
                 self._stamp[held] = stamps
                 self._seq = (self._seq + len(held)) % _STAMPS
 
+    def unhinted(self, evictable: EvictableFn, now: float) -> EvictableFn:
+        """``Hinted.unhinted`` over this policy's own deadlines (``_until``)."""
+        if self._hinted_until < now:
+            return evictable
+
+        def mask(bids: np.ndarray) -> np.ndarray:
+            ids = np.asarray(bids, dtype=np.int64)
+            ok = np.ones(len(ids), dtype=bool)
+            known = ids < len(self._until)
+            ok[known] = self._until[ids[known]] < now
+            if ok.any():
+                ok &= evictable(ids)
+            return ok
+
+        return mask
+
     def victims(
         self,
         n: int,

@@ -128,6 +128,11 @@ class Hinted:
     def hint(self, bids: np.ndarray, until: float, now: float) -> None:
         self._hints.add(bids, until, now)
 
+    def unhinted(self, evictable: EvictableFn, now: float) -> EvictableFn:
+        """``evictable`` narrowed to the blocks no live hint protects: the rule ``victims``
+        follows, for callers that drop blocks without asking it (a whole segment's)."""
+        return self._hints.mask(evictable, now) or evictable
+
     def remember(self, bid: int, slot: int) -> None:
         self._hints.remember(bid, slot)
 

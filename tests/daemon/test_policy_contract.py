@@ -273,6 +273,22 @@ def test_hints_protect_exactly_until_their_deadline(name: str) -> None:
     assert 40 in policy.victims(6, 32.0, None).tolist()
 
 
+def test_unhinted_masks_exactly_the_blocks_hints_protect(name: str) -> None:
+    """``unhinted(mask, now)`` (for the store's segment reclaim, which frees blocks without
+    asking ``victims``) refuses a block while a hint protects it, and then defers to
+    ``mask``."""
+    policy = build(name)
+    for bid in range(6):
+        policy.insert(bid, float(bid))
+    ids = np.arange(6)
+    assert policy.unhinted(lambda b: np.ones(len(b), bool), 10.0)(ids).all()
+    policy.hint(np.array([1, 4]), 20.0, 10.0)
+    odd_only = policy.unhinted(lambda b: np.asarray(b) % 2 == 1, 15.0)
+    assert odd_only(ids).tolist() == [False, False, False, True, False, True]
+    later = policy.unhinted(lambda b: np.ones(len(b), bool), math.nextafter(20.0, math.inf))
+    assert later(ids).all()
+
+
 @pytest.mark.parametrize("name", ["heat", "density"])
 def test_one_victim_answers_as_victims_does(name: str) -> None:
     """``victim(now, incoming)`` (the replayer's per-miss call; the other policies are asked

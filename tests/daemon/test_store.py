@@ -986,6 +986,23 @@ async def test_a_hint_is_capped_and_can_be_turned_off(make_store):
     assert off.counters.get("hinted_blocks") == 0
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_a_segment_reclaim_leaves_hinted_blocks_as_victims_does(make_store, policy):
+    """With every block of a full L1 hinted, the policy proposed no victim and the put then
+    freed a whole segment, hinted blocks and all (16 dropped to store 8). Hints now hold
+    there too: the put is refused until the deadline, then goes through."""
+    clock = Clock()
+    store, pool = make_store(clock, policy=policy), make_pool()
+    mine = keys(16)
+    await put(store, pool, mine)
+    clock.now += 1
+    await store.prefetch(0, mine, deadline_ms=10_000)
+    assert await put(store, pool, keys(8), pages=range(16, 24)) == [PutResult.REJECTED_FULL] * 8
+    assert present(store, mine) == [True] * 16
+    clock.now += 10.5
+    assert await put(store, pool, keys(8), pages=range(16, 24)) == [PutResult.STORED] * 8
+
+
 async def test_one_owners_hints_protect_at_most_its_share_of_the_top_tier(make_store):
     """A tenant that hinted every block it held, again before each deadline, kept them all:
     another tenant's puts found no victim and were rejected. Hints now protect at most
