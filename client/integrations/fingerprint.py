@@ -1,14 +1,19 @@
-"""Cheap fingerprints of a model checkpoint folder, for namespaces.
+"""Fingerprints of the files that decide a KV cache: model checkpoints and adapters.
 
 A namespace that names a model by its path alone would let a checkpoint rewritten in place
 share blocks with its predecessor; the fingerprint binds the weight files themselves, at the
 cost of a few hundred KiB read once at engine start.
+
+An adapter (LoRA) is named in block keys, and an engine's own name for it (a number it
+hands out) means nothing to another engine; ``AdapterDigests`` binds its files instead, read
+whole (adapters are small) and once per folder while its files stay as they were.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLES = 16
@@ -32,3 +37,65 @@ def weights_dir_fingerprint(path: str, tag: bytes) -> str:
                 f.seek(offset)
                 h.update(f.read(SAMPLE_BYTES))
     return h.hexdigest()[:32]
+
+
+def adapter_dir_digest(path: str, tag: bytes) -> str:
+    """Every file directly in the adapter folder ``path`` (hidden ones aside): its name, size
+    and whole content, hashed after ``tag``; 32 hex digits. Read whole, unlike a model's
+    weights: two adapters of the same shape that differ in one value must differ here, and a
+    file vLLM may read (weights in any format, configs) is never left out by its suffix."""
+    h = hashlib.sha256(tag)
+    for name, _ in _adapter_files(path):
+        file = os.path.join(path, name)
+        h.update(f"{name}|{os.path.getsize(file)}|".encode())
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def _adapter_files(path: str) -> list[tuple[str, tuple[int, int]]]:
+    """(name, (size, mtime_ns)) of the regular files directly in ``path``, by name."""
+    out = []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.is_file():
+                continue
+            st = entry.stat()
+            out.append((entry.name, (st.st_size, st.st_mtime_ns)))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class _Digest:
+    files: list[tuple[str, tuple[int, int]]]
+    digest: str
+
+
+class AdapterDigests:
+    """``adapter_dir_digest`` per folder, read once and again only when a file of the folder
+    is added, removed, or changes size or modification time (one ``stat`` per file a call).
+    The first call for a folder reads it whole in the caller's thread (a few ms for an
+    adapter of a few MiB).
+
+    Thread-safety: none; one per user thread (the vLLM connector's scheduler side).
+    """
+
+    def __init__(self, tag: bytes) -> None:
+        self._tag = tag
+        self._digests: dict[str, _Digest] = {}
+
+    def digest(self, path: str) -> str | None:
+        """The folder's digest, or None when ``path`` is not a readable local folder."""
+        try:
+            files = _adapter_files(path)
+            known = self._digests.get(path)
+            if known is not None and known.files == files:
+                return known.digest
+            digest = adapter_dir_digest(path, self._tag)
+        except OSError:
+            return None
+        # Stamped with the listing taken before the read: a file rewritten during the read
+        # differs from it next time, and is read again.
+        self._digests[path] = _Digest(files, digest)
+        return digest

@@ -14,6 +14,11 @@ Invariants:
 - A request's keys follow kvtier's block-key spec over its token ids; a LoRA adapter and a
   cache salt go into the first block's extra bytes and multimodal items into the extra bytes
   of every block they overlap, so the chain never matches a request that differs in them.
+- A LoRA adapter is keyed by its name, its folder and a digest of the folder's files, never
+  by vLLM's ``lora_int_id``: that number is the engine's own, and another engine (or this
+  one after a restart) may give it to another adapter. An adapter that is not a local folder
+  (a hub id vLLM downloads itself) has no key: what the download holds cannot be known here,
+  so such requests are neither looked up nor saved.
 
 This module imports vLLM only inside functions that need a live ``VllmConfig``.
 """
@@ -29,13 +34,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client.integrations.fingerprint import weights_dir_fingerprint
+from kvtier.client.integrations.fingerprint import AdapterDigests, weights_dir_fingerprint
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
 
 log = logging.getLogger(__name__)
 
 KEY_SCHEME = "vllm-v1"
 """Version of how this connector derives namespaces and keys; part of every namespace."""
+LORA_TAG = b"kvtier-vllm-lora-v1"
 
 _SAVE_POLICIES = ("all", "prompt", "none")
 _LOAD_MODES = ("layerwise", "async")
@@ -362,13 +368,36 @@ def weights_fingerprint(vllm_config: Any) -> str:
 # ----------------------------------------------------------------------- keys
 
 
-def request_extras(request: Any, block_tokens: int, nblocks: int) -> list[bytes] | None:
-    """Per-block extra bytes of a request (LoRA, cache salt, multimodal items), or None when
-    it has none."""
+def lora_key(lora: Any, digests: AdapterDigests) -> str | None:
+    """What keys a request's LoRA adapter (``LoRARequest``): its name, its folder as vLLM
+    resolves a local path, and the digest of the folder's files; None when it is not a local
+    folder. ``lora_int_id`` is left out (see the module docstring). An adapter rewritten in
+    place under a running engine is keyed by its new files from then on, while vLLM may go
+    on with the weights it loaded: replace an adapter with a new folder, not in place."""
+    path = str(getattr(lora, "lora_path", "") or "")
+    if not path:
+        return None
+    # As vLLM's get_adapter_absolute_path, less its download of a path that does not exist.
+    folder = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(folder):
+        return None
+    digest = digests.digest(folder)
+    if digest is None:
+        return None
+    key = f"{getattr(lora, 'lora_name', '')}|{folder}|{digest}"
+    if getattr(lora, "is_3d_lora_weight", False):
+        key += "|3d"  # the same files read in another layout
+    return key
+
+
+def request_extras(
+    request: Any, block_tokens: int, nblocks: int, lora: str = ""
+) -> list[bytes] | None:
+    """Per-block extra bytes of a request (its LoRA adapter's ``lora_key``, cache salt,
+    multimodal items), or None when it has none."""
     first: list[str] = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        first.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+    if lora:
+        first.append(f"lora={lora}")
     salt = getattr(request, "cache_salt", None)
     if salt:
         first.append(f"salt={salt}")

@@ -19,6 +19,8 @@ Invariants:
   expires in the daemon; it never outlives ``shutdown``.
 - A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``): meanwhile
   requests are scheduled as if nothing were cached and nothing is saved.
+- A request whose LoRA adapter has no key (not a local folder; see ``vllm_config``) is never
+  looked up nor saved.
 
 Thread-safety: none; vLLM calls the scheduler connector from one thread.
 """
@@ -33,10 +35,13 @@ from typing import Any
 
 from kvtier.client.errors import KvtierError
 from kvtier.client.integrations.breaker import Breaker
+from kvtier.client.integrations.fingerprint import AdapterDigests
 from kvtier.client.integrations.vllm_config import (
+    LORA_TAG,
     ConnectorConfig,
     KeyChain,
     ModelIdentity,
+    lora_key,
     request_extras,
 )
 from kvtier.client.integrations.vllm_meta import (
@@ -56,6 +61,7 @@ class _Request:
 
     request: Any
     chains: list[KeyChain]
+    lora: str = ""  # lora_key of its adapter; empty without one
     block_ids: list[int] = field(default_factory=list)
     saved: int | None = None  # blocks [0, saved) need no store; None until first scheduled
     hit_start: int = 0  # the last answer of get_num_new_matched_tokens: first block ...
@@ -95,6 +101,8 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._finish_saves: list[SaveSpec] = []
         self._lease_owner: dict[int, str] = {}
+        self._adapters = AdapterDigests(LORA_TAG)
+        self._unkeyed_adapters: set[str] = set()  # warned about once each
         self.stats: dict[str, int] = {
             "lookups": 0,
             "lookup_errors": 0,
@@ -327,11 +335,30 @@ class SchedulerSide:
         if state is None:
             if getattr(request, "prompt_embeds", None) is not None:
                 return None  # token ids are placeholders: nothing to key by
-            state = _Request(request, [KeyChain(ns) for ns in self.namespaces])
+            lora = ""
+            adapter = getattr(request, "lora_request", None)
+            if adapter is not None:
+                lora = lora_key(adapter, self._adapters) or ""
+                if not lora:
+                    self._warn_unkeyed(adapter)
+                    return None
+            state = _Request(request, [KeyChain(ns) for ns in self.namespaces], lora)
             self._requests[request.request_id] = state
         return state
 
+    def _warn_unkeyed(self, adapter: Any) -> None:
+        path = str(getattr(adapter, "lora_path", "") or "")
+        if path in self._unkeyed_adapters:
+            return
+        self._unkeyed_adapters.add(path)
+        log.warning(
+            "kvtier connector: LoRA adapter %r (%r) is not a local folder whose files can be "
+            "read here; its requests are not cached (pass a local path to cache them)",
+            getattr(adapter, "lora_name", ""),
+            path,
+        )
+
     def _keys(self, state: _Request, chain: KeyChain, nblocks: int) -> list[bytes]:
         tokens = state.tokens()
-        extras = request_extras(state.request, self.block_tokens, nblocks)
+        extras = request_extras(state.request, self.block_tokens, nblocks, state.lora)
         return chain.extend(tokens, nblocks, extras)

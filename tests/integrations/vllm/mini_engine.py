@@ -31,6 +31,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -146,9 +147,13 @@ class MiniEngine:
 
     # -------------------------------------------------------------- requests
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> Request:
+    def add(
+        self, req_id: str, prompt: list[int], max_tokens: int, lora: LoRARequest | None = None
+    ) -> Request:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        request = Request(req_id, prompt, params, None, block_hasher=self._hasher)
+        request = Request(
+            req_id, prompt, params, None, lora_request=lora, block_hasher=self._hasher
+        )
         self.scheduler.add_request(request)
         self.outputs[req_id] = []
         return request

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from mini_engine import BLOCK, MiniEngine, wait_until
+from vllm.lora.request import LoRARequest
 from vllm.v1.request import RequestStatus
 from vllm_harness import make_checkpoint, prompts
 
@@ -104,6 +105,43 @@ def test_the_namespace_binds_model_config_and_ranks(model_dir, tmp_path, daemon)
     finally:
         for e in (a, a2, b):
             e.close()
+
+
+def test_lora_adapters_are_keyed_by_their_files_not_the_engines_int_id(model_dir, tmp_path, daemon):
+    """Engines number their LoRA adapters themselves: another engine (or this one after a
+    restart) may give the same name and ``lora_int_id`` to another adapter, whose requests
+    must never load the blocks computed with the first; the same adapter under another
+    number must."""
+    folders = {}
+    for name, weights in (("a", b"\x01" * 4096), ("b", b"\x01" * 4095 + b"\x02")):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "adapter_config.json").write_text('{"r": 8}')
+        (folders[name] / "adapter_model.safetensors").write_bytes(weights)
+    writer = MiniEngine(model_dir, _options(daemon))
+    try:
+        writer.add("r", PROMPT, max_tokens=1, lora=LoRARequest("tuned", 1, str(folders["a"])))
+        writer.run()
+    finally:
+        writer.close()
+    with daemon.client() as client:
+        assert wait_until(lambda: client.stats().counter("put_blocks", result="stored") >= 3)
+    reader = MiniEngine(model_dir, _options(daemon))
+    side = reader.connector.scheduler_side
+    try:
+        other = reader.add("b", PROMPT, 1, lora=LoRARequest("tuned", 1, str(folders["b"])))
+        assert side.get_num_new_matched_tokens(other, 0) == (0, False)
+        same = reader.add("a", PROMPT, 1, lora=LoRARequest("tuned", 7, str(folders["a"])))
+        assert side.get_num_new_matched_tokens(same, 0) == (3 * BLOCK, False)
+        plain = reader.add("p", PROMPT, 1)
+        assert side.get_num_new_matched_tokens(plain, 0) == (0, False)
+        # A hub id's files are vLLM's download: its requests are not even looked up.
+        lookups = side.stats["lookups"]
+        hub = reader.add("h", PROMPT, 1, lora=LoRARequest("hub", 2, "some-org/some-adapter"))
+        assert side.get_num_new_matched_tokens(hub, 0) == (0, False)
+        assert side.stats["lookups"] == lookups
+    finally:
+        reader.close()
 
 
 # ------------------------------------------------------------- loads, saves
