@@ -7,9 +7,16 @@ which blocks to load and which to store.
 Invariants:
 - ``get_num_new_matched_tokens`` changes nothing in kvtier (a plain Lookup, no pin) and
   only memoises per request (keys, the last answer), so vLLM may call it again and again.
-- A hit never covers a request's last token (vLLM needs one token to compute), never more
-  blocks than a worker's staging pool holds, and stops at the first block that is absent
-  from any rank or held only in a tier the configuration excludes.
+- A hit never covers a request's last token (vLLM needs one token to compute), and stops at
+  the first block that is absent from any rank or held only in a tier the configuration
+  excludes.
+- The loads handed to the workers never need more staging pages than a worker's pool has:
+  a hit is cut to the pages that this step's loads planned so far and the async loads still
+  in flight leave free (a worker stages each block of a load in a page of its own, and the
+  pages of a step's loads are taken all at once, or none are: the whole step's loads then
+  fail). A step's loads hold their pages until its forward pass ends; an async load, until
+  the workers report its request in ``finished_recving``, which vLLM passes here even for a
+  request aborted meanwhile, so its pages are counted as long as a worker holds them.
 - Every block of a request that this engine computed is offered for storing exactly once:
   during the step whose forward pass completes it (``SaveSpec``), or, for blocks whose token
   ids were not known in time, when the request finishes (``request_finished`` returns True
@@ -87,8 +94,8 @@ class SchedulerSide:
         self.identity = identity
         self.block_tokens = identity.block_tokens
         self.namespaces = [identity.namespace(t, p) for t, p in identity.ranks()]
-        # A worker can stage this many blocks at once; a hit larger than that is cut.
-        self.max_load_blocks = max(
+        # Pages of a worker's staging pool (as the worker sizes it): one block each.
+        self.staging_pages = max(
             0, min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
         )
         self.client = client or Client(
@@ -98,7 +105,8 @@ class SchedulerSide:
         )
         self.breaker = Breaker(config.retry_after_s, "lookup")
         self._requests: dict[str, _Request] = {}
-        self._loads: list[LoadSpec] = []
+        self._loads: list[LoadSpec] = []  # this step's, until build_connector_meta
+        self._async_loading: dict[str, int] = {}  # request id: pages its async load holds
         self._finish_saves: list[SaveSpec] = []
         self._lease_owner: dict[int, str] = {}
         self._adapters = AdapterDigests(LORA_TAG)
@@ -129,8 +137,9 @@ class SchedulerSide:
             return 0, False
         n = self.block_tokens
         start = num_computed_tokens // n
-        # At least one token must be computed, and a worker must be able to stage the hit.
-        limit = min((request.num_tokens - 1) // n, start + self.max_load_blocks)
+        # At least one token must be computed, and a worker must be able to stage the hit
+        # beside the other loads it runs meanwhile.
+        limit = min((request.num_tokens - 1) // n, start + self._staging_left())
         if limit <= start:
             return 0, False
         found = limit - start
@@ -226,6 +235,18 @@ class SchedulerSide:
         self._loads.append(
             LoadSpec(request.request_id, list(block_ids[start : start + nblocks]), keys, leases)
         )
+        if self.config.load_mode == "async":
+            self._async_loading[request.request_id] = (
+                self._async_loading.get(request.request_id, 0) + nblocks
+            )
+
+    def _staging_left(self) -> int:
+        """Staging pages of a worker that no planned load holds (see the module docstring)."""
+        if self.config.load_mode == "async":
+            held = sum(self._async_loading.values())  # this step's loads among them
+        else:
+            held = sum(len(spec.block_ids) for spec in self._loads)
+        return max(0, self.staging_pages - held)
 
     # ------------------------------------------------------------------ steps
 
@@ -307,6 +328,9 @@ class SchedulerSide:
         return True, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        # Every worker has freed these requests' staging pages before reporting them.
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            self._async_loading.pop(req_id, None)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVTierWorkerMetadata):
             for lease in meta.done_leases:

@@ -276,6 +276,99 @@ def test_async_load_mode_waits_outside_the_batch(model_dir, daemon):
         engine.close()
 
 
+STAGED = [prompts(21 + i, 3 * BLOCK, [10])[0] for i in range(3)]  # 3-block hits each
+LAYER_BLOCK_BYTES = 2 * BLOCK * 2 * 64 * 2  # MiniEngine: K and V, 2 heads of 64, bf16
+
+
+def _small_staging_engine(model_dir, daemon, load_mode, pages=4):
+    for prompt in STAGED:
+        _store_prompt(model_dir, daemon, prompt)
+    options = _options(daemon, load_mode=load_mode, staging_bytes=pages * 4 * LAYER_BLOCK_BYTES)
+    engine = MiniEngine(model_dir, options)
+    assert engine.worker.staging_pages == pages
+    return engine
+
+
+def _run_checking_kv(engine, prompts_by_id, max_steps=200):
+    """Step until every request has finished; each request's KV is checked once it has
+    computed its whole prompt. Returns the loads each step planned."""
+    checked: set[str] = set()
+    loads = []
+    for _ in range(max_steps):
+        if not engine.scheduler.has_requests():
+            return loads
+        out = engine.step()
+        loads.append({spec.req_id: len(spec.block_ids) for spec in out.kv_connector_metadata.loads})
+        for req_id, prompt in prompts_by_id.items():
+            request = engine.scheduler.requests.get(req_id)
+            if req_id in checked or request is None:
+                continue
+            if request.num_computed_tokens >= len(prompt) and req_id in out.num_scheduled_tokens:
+                assert engine.blocks_hold_their_prefix(req_id, len(prompt)), req_id
+                checked.add(req_id)
+        time.sleep(0.005)  # async loads finish in the daemon meanwhile
+    raise AssertionError(f"requests still running after {max_steps} steps: {loads[-3:]}")
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_hits_of_one_step_never_need_more_staging_pages_than_the_pool_has(
+    model_dir, daemon, load_mode
+):
+    """Two requests with 3-block hits arrive together at a worker whose staging pool has 4
+    pages. Each hit fits alone; together they do not, and the worker takes a step's pages
+    all at once or not at all. Before, both hits were reported: layer-wise, all 6 blocks
+    failed to load and were recomputed; async, both loads failed, vLLM put both requests
+    back in the queue, the same hits were reported again, and so on forever. Now the second
+    hit is cut to the page left (4 blocks load, none fails)."""
+    engine = _small_staging_engine(model_dir, daemon, load_mode)
+    try:
+        engine.add("a", STAGED[0], max_tokens=2)
+        engine.add("b", STAGED[1], max_tokens=2)
+        loads = _run_checking_kv(engine, {"a": STAGED[0], "b": STAGED[1]})
+        assert loads[0] == {"a": 3, "b": 1}
+        assert engine.invalid_reported == set()
+        assert engine.worker.stats["load_blocks_failed"] == 0
+        assert engine.connector.scheduler_side.stats["hit_blocks"] == 4
+        assert [len(engine.outputs[r]) for r in "ab"] == [2, 2]
+        # Every page is free again: a later request gets its whole hit.
+        engine.add("c", STAGED[2], max_tokens=1)
+        loads = _run_checking_kv(engine, {"c": STAGED[2]})
+        assert loads[0] == {"c": 3} and engine.invalid_reported == set()
+    finally:
+        engine.close()
+
+
+def test_an_aborted_async_load_holds_its_pages_until_the_worker_lets_them_go(model_dir, daemon):
+    """vLLM may abort a request whose async load is in flight; the worker still holds its
+    staging pages until the load ends, so they stay counted until the worker reports the
+    request in finished_recving, and are free for the next hit after that."""
+    engine = _small_staging_engine(model_dir, daemon, "async")
+    side = engine.connector.scheduler_side
+    try:
+        engine.add("a", STAGED[0], max_tokens=2)
+
+        def abort(out):
+            assert [s.req_id for s in out.kv_connector_metadata.loads] == ["a"]
+            engine.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+            # Still held: a hit asked for now gets the one page left.
+            late = engine.add("b", STAGED[1], max_tokens=1)
+            assert side.get_num_new_matched_tokens(late, 0) == (BLOCK, True)
+            engine.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+
+        engine.step(before_forward=abort)
+        for _ in range(100):
+            if "a" not in engine.scheduler.requests:
+                break
+            engine.step()
+            time.sleep(0.01)
+        assert "a" not in engine.scheduler.requests  # vLLM freed it: the worker reported it
+        engine.add("c", STAGED[2], max_tokens=1)
+        loads = _run_checking_kv(engine, {"c": STAGED[2]})
+        assert loads[0] == {"c": 3} and engine.invalid_reported == set()
+    finally:
+        engine.close()
+
+
 def test_blocks_not_saved_in_time_are_saved_when_the_request_finishes(model_dir, daemon):
     """A daemon hiccup pauses saves while a prompt is computed; when the request finishes,
     its computed blocks are saved then, and vLLM keeps them until the worker has copied
