@@ -155,3 +155,13 @@ def tenant_token(folder: Path, name: str) -> tuple[Path, str]:
     token.write_text(f"a-long-enough-secret-for-tenant-{name}\n")
     token.chmod(0o600)
     return token, f"tenants=[{{name: {name}, token_file: {token}}}]"
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler in for ``signum`` now (its SigCgt mask): how a
+    test knows a starting daemon has reached the point where a signal is held."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from harness import DaemonProcess, tenant_token
+from harness import DaemonProcess, catches_signal, tenant_token
 from peers import require_root
 
 from kvtier.client import (
@@ -128,14 +128,6 @@ def test_a_reload_whose_live_keys_do_not_hold_beside_the_running_ones_changes_no
     assert daemon.config is running
 
 
-def _catches(pid: int, signum: int) -> bool:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    return False
-
-
 def test_a_sighup_while_the_daemon_starts_does_not_kill_it(tmp_path, daemon_factory):
     """SIGHUP's default action ends the process: before the daemon's reload handler went in
     (once serving), a reload sent to a starting daemon killed it silently (exit 129)."""
@@ -155,7 +147,7 @@ def test_a_sighup_while_the_daemon_starts_does_not_kill_it(tmp_path, daemon_fact
     assert d.proc is not None
     # As early as the daemon catches SIGHUP, or as soon as it logs (it is starting).
     deadline = time.monotonic() + 30
-    while not (_catches(d.proc.pid, signal.SIGHUP) or d.log()):
+    while not (catches_signal(d.proc.pid, signal.SIGHUP) or d.log()):
         assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
         time.sleep(0.001)
     d.proc.send_signal(signal.SIGHUP)
@@ -628,6 +620,20 @@ def test_sighup_ends_a_token_session_whose_token_is_now_another_tenant_s(tmp_pat
         assert client.session_id != first and client.tenant == "bob"
 
 
+def _swapping_tokens(tmp_path: Path) -> tuple[Path, str, list[dict[str, Path]]]:
+    """Tenants alice and bob with token files, configured in ``path``; ``orders`` gives them
+    their own files and each other's in turn (each swap ends alice's sessions), and ``secret``
+    is the one alice's file holds at first."""
+    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob")}
+    path = tmp_path / "kvtier.yaml"
+    orders = [
+        {"alice": tokens["alice"], "bob": tokens["bob"]},
+        {"alice": tokens["bob"], "bob": tokens["alice"]},
+    ]
+    _tenants_config(path, orders[0])
+    return path, tokens["alice"].read_text().strip(), orders
+
+
 def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
     tmp_path, daemon_factory
 ):
@@ -635,14 +641,7 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
     its stream end yet: the client's calls made in that moment open a new session and are
     sent again (once), as its next call would be, rather than failing with NotFoundError."""
     require_root()
-    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob")}
-    secret = tokens["alice"].read_text().strip()
-    path = tmp_path / "kvtier.yaml"
-    orders = [
-        {"alice": tokens["alice"], "bob": tokens["bob"]},
-        {"alice": tokens["bob"], "bob": tokens["alice"]},
-    ]
-    _tenants_config(path, orders[0])
+    path, secret, orders = _swapping_tokens(tmp_path)
     d = _start_with(path, tmp_path, daemon_factory, "gone")
     keys = [os.urandom(32)]
     errors: list[Exception] = []
@@ -748,14 +747,7 @@ def test_memfd_pools_register_while_reloads_end_their_sessions(tmp_path, daemon_
     56 of 5,149 registrations here were UNAUTHENTICATED; the deterministic case is in
     tests/daemon/test_pool_registration.py). Nothing of the memfds stays open in the daemon."""
     require_root()
-    tokens = {name: tenant_token(tmp_path, name)[0] for name in ("alice", "bob")}
-    secret = tokens["alice"].read_text().strip()
-    path = tmp_path / "kvtier.yaml"
-    orders = [
-        {"alice": tokens["alice"], "bob": tokens["bob"]},
-        {"alice": tokens["bob"], "bob": tokens["alice"]},
-    ]
-    _tenants_config(path, orders[0])
+    path, secret, orders = _swapping_tokens(tmp_path)
     d = _start_with(path, tmp_path, daemon_factory, "memfd")
     layout = PoolLayout.staging(
         num_layers=1, num_pages=64, block_tokens=16, chunk_bytes=64 << 10, dtype="uint8"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import DaemonProcess
+from harness import DaemonProcess, catches_signal
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -71,14 +71,6 @@ sys.exit(getattr(importlib.import_module(module), func)())
 START_S = 60.0
 
 
-def _catches(pid: int, signum: int) -> bool:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("SigCgt:"):
-                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
-    return False
-
-
 def _start(tmp_path: Path, daemon_factory, point: str, signals: str, *overrides: str):
     d = DaemonProcess(
         tmp_path,
@@ -127,7 +119,7 @@ def test_a_stop_signal_as_soon_as_the_entry_point_holds_signals_stops_the_daemon
     d = _start(tmp_path, daemon_factory, "held", sig.name)
     assert d.proc is not None
     deadline = time.monotonic() + START_S
-    while not _catches(d.proc.pid, signal.SIGHUP):
+    while not catches_signal(d.proc.pid, signal.SIGHUP):
         assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
         time.sleep(0.001)
     d.proc.send_signal(sig)
