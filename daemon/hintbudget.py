@@ -20,9 +20,11 @@ to the later one at no new cost.
 
 Bookkeeping: one deadline, charged size and owner per block id, and a heap with one entry per
 charged block (an entry whose block's deadline moved on since is pushed again with the new
-one when it comes up, so renewals do not grow the heap). A block id the store reuses while
-its old block's charge runs keeps that charge until the deadline (at most
-``policy.hint_max_s``): the budget is conservative, never more generous.
+one when it comes up, so renewals do not grow the heap). A block the store drops while it is
+charged (``forget``, before its id is reused) leaves its charge with its owner until the
+deadline (at most ``policy.hint_max_s``), detached from the id: the block that takes the id
+next is new here, charged to its own owner when hinted. The budget is conservative, never
+more generous.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import numpy as np
 class HintBudget:
     """Protected bytes per owner, against a limit. Thread-safety: none; the event loop's."""
 
-    __slots__ = ("_bytes", "_heap", "_owner", "_until", "limit_bytes", "used")
+    __slots__ = ("_bytes", "_detached", "_heap", "_owner", "_until", "limit_bytes", "used")
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
@@ -44,6 +46,8 @@ class HintBudget:
         self._bytes = np.zeros(0, dtype=np.int64)
         self._owner = np.zeros(0, dtype=np.int64)
         self._heap: list[tuple[float, int]] = []
+        # Charges of dropped blocks, until their deadlines: (until, owner, bytes).
+        self._detached: list[tuple[float, int, int]] = []
         # Bytes charged per owner index (grown as owners appear).
         self.used = np.zeros(0, dtype=np.int64)
 
@@ -86,7 +90,25 @@ class HintBudget:
         self._expire(now)
         return int(self.used[owner]) if owner < len(self.used) else 0
 
+    def forget(self, bid: int) -> None:
+        """The store dropped block ``bid`` (its id may now be reused for another block): a
+        charge it holds stays with its owner until its deadline, no longer with the id.
+        Before, the block that took the id next was "already protected" when hinted, at no
+        charge to its own owner, and kept the first owner charged for as long as it was
+        hinted again."""
+        if bid < len(self._bytes) and self._bytes[bid]:
+            heapq.heappush(
+                self._detached,
+                (float(self._until[bid]), int(self._owner[bid]), int(self._bytes[bid])),
+            )
+            self._until[bid] = -math.inf
+            self._bytes[bid] = 0  # its heap entry, when it comes up, releases nothing
+
     def _expire(self, now: float) -> None:
+        detached = self._detached
+        while detached and detached[0][0] <= now:
+            _, owner, nbytes = heapq.heappop(detached)
+            self.used[owner] -= nbytes
         heap, until = self._heap, self._until
         while heap and heap[0][0] <= now:
             _, bid = heapq.heappop(heap)

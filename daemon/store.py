@@ -172,6 +172,7 @@ class BlockStore:
         top_bytes = self.stack.top.tier.stats().capacity_bytes
         share = config.policy.hint_max_share if config.tenants else 1.0
         self.hint_budget = HintBudget(int(share * top_bytes))
+        self.table.on_free.append(self.hint_budget.forget)
         self.transfers = TransferEngine(
             self.counters,
             background_workers=config.mover.workers,

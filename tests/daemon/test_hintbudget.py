@@ -66,3 +66,22 @@ def test_a_zero_budget_protects_nothing_and_an_empty_hint_is_nothing():
     assert admit(budget, [1, 2]) == [False, False]
     assert admit(budget, []) == []
     assert budget.charged(1, 0.0) == 0 and budget.charged(99, 0.0) == 0
+
+
+def test_a_dropped_blocks_charge_stays_with_its_owner_not_its_id():
+    """A block the store dropped while charged, its id reused for another owner's block: that
+    block was taken as already protected, at no charge to its owner, and each of its hints
+    kept the first owner charged past its own deadline."""
+    budget = HintBudget(limit_bytes=10)
+    assert admit(budget, [3], owner=1, until=30.0) == [True]
+    budget.forget(3)  # dropped; id 3 now holds owner 2's block
+    assert budget.charged(1, 1.0) == 10  # until its deadline, as before
+    for t in range(1, 100, 20):  # owner 2 hints its block again and again
+        assert admit(budget, [3], owner=2, until=t + 30.0, now=float(t)) == [True]
+        assert budget.charged(2, float(t)) == 10
+    assert budget.charged(1, 30.0) == 0  # the first owner's deadline passed
+    assert admit(budget, [4], owner=2, now=90.0) == [False]  # owner 2's budget is spent
+    assert budget.charged(2, 200.0) == 0
+    budget.forget(3)  # dropping an uncharged block changes nothing
+    budget.forget(10**6)
+    assert [budget.charged(o, 200.0) for o in (1, 2)] == [0, 0]

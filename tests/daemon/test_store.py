@@ -2104,3 +2104,27 @@ async def test_a_block_dropped_and_stored_again_keeps_its_heat_within_the_histor
         assert heat[again] == pytest.approx(5.0)  # in whatever row it got
     else:
         assert heat[again] == pytest.approx(1.0)  # a stranger's start
+
+
+async def test_a_deleted_hinted_blocks_charge_does_not_pass_to_the_block_reusing_its_id(
+    make_store,
+):
+    """Tenant 1's hinted block was deleted and its row reused for tenant 2's block: tenant 2's
+    hints of it were protected at no charge to tenant 2, and kept tenant 1 charged for it as
+    long as tenant 2 hinted it again (past tenant 1's own deadline)."""
+    clock = Clock()
+    tenants = "tenants=[{name: a, uids: [1000]}, {name: b, uids: [1001]}]"
+    store = make_store(clock, policy="heat", sets=(tenants, "policy.hint_max_share=0.5"))
+    pool = make_pool()
+    first, second = keys(1), keys(1)
+    await store.put(pool, 0, first, np.arange(1), None, owner=1)
+    await store.prefetch(0, first, deadline_ms=30_000)
+    row = store.table.lookup(0, first).tolist()
+    await store.delete(0, first)
+    await store.put(pool, 0, second, np.arange(1, 2), None, owner=2)
+    assert store.table.lookup(0, second).tolist() == row  # the row reused
+    for _ in range(4):
+        await store.prefetch(0, second, deadline_ms=30_000)
+        assert store.hint_budget.charged(2, clock.now) == 4096
+        clock.now += 20
+    assert store.hint_budget.charged(1, clock.now) == 0
