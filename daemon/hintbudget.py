@@ -11,7 +11,8 @@ hits: replaying the public trace with a 30 s queue window and every hinted block
 cap at half of L1 took heat at 1% of the unique blocks from 14.7% to 6.7% hits, at 0.9 to 7.9;
 the replayer models a node without tenants). Blocks are charged to their owner (the tenant
 that stored them, whoever names them in a hint), each once however often it is hinted, until
-its latest deadline passes.
+its latest deadline has passed (``now > until``, as a policy's hint protects a block while
+``now <= until``).
 
 A hint past the budget protects the blocks that fit, in the order named (an engine names a
 prompt's chain root first, and a chain's head is what a later request reuses most), and the
@@ -66,7 +67,7 @@ class HintBudget:
         u, u_owner = bids[first], np.asarray(owners, dtype=np.int64)[first]
         u_bytes = np.asarray(nbytes, dtype=np.int64)[first]
         self._fit(int(u.max()) + 1, int(u_owner.max()) + 1)
-        live = self._until[u] > now
+        live = self._until[u] >= now  # protected up to its deadline, as the policies' hints
         self._until[u[live]] = np.maximum(self._until[u[live]], until)
         new = ~live
         admit = live.copy()
@@ -106,13 +107,13 @@ class HintBudget:
 
     def _expire(self, now: float) -> None:
         detached = self._detached
-        while detached and detached[0][0] <= now:
+        while detached and detached[0][0] < now:
             _, owner, nbytes = heapq.heappop(detached)
             self.used[owner] -= nbytes
         heap, until = self._heap, self._until
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] < now:
             _, bid = heapq.heappop(heap)
-            if until[bid] > now:  # renewed since: its entry goes back with the new deadline
+            if until[bid] >= now:  # renewed since: its entry goes back with the new deadline
                 heapq.heappush(heap, (float(until[bid]), bid))
                 continue
             self.used[self._owner[bid]] -= self._bytes[bid]

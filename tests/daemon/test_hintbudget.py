@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvtier.daemon.hintbudget import HintBudget
@@ -32,8 +34,10 @@ def test_a_renewed_hint_costs_nothing_and_moves_the_deadline():
         assert budget.charged(1, float(t)) == 20
     assert len(budget._heap) == 2  # one entry per charged block, however often renewed
     assert budget.charged(1, 58.9) == 20
-    assert budget.charged(1, 59.0) == 0  # the last deadline passed: charge gone
-    assert admit(budget, [3, 4], now=59.0) == [True, True]
+    assert budget.charged(1, 59.0) == 20  # protected up to its deadline, so charged
+    past = math.nextafter(59.0, math.inf)
+    assert budget.charged(1, past) == 0  # the last deadline passed: charge gone
+    assert admit(budget, [3, 4], now=past) == [True, True]
 
 
 def test_a_later_shorter_hint_keeps_the_longer_deadline():
@@ -79,9 +83,28 @@ def test_a_dropped_blocks_charge_stays_with_its_owner_not_its_id():
     for t in range(1, 100, 20):  # owner 2 hints its block again and again
         assert admit(budget, [3], owner=2, until=t + 30.0, now=float(t)) == [True]
         assert budget.charged(2, float(t)) == 10
-    assert budget.charged(1, 30.0) == 0  # the first owner's deadline passed
+    assert budget.charged(1, 30.5) == 0  # the first owner's deadline passed
     assert admit(budget, [4], owner=2, now=90.0) == [False]  # owner 2's budget is spent
     assert budget.charged(2, 200.0) == 0
     budget.forget(3)  # dropping an uncharged block changes nothing
     budget.forget(10**6)
     assert [budget.charged(o, 200.0) for o in (1, 2)] == [0, 0]
+
+
+def test_a_block_is_charged_exactly_while_its_hint_protects_it():
+    """A policy's hint protects a block while ``now <= until`` (the contract suite's
+    ``test_hints_protect_exactly_until_their_deadline``); the budget freed the charge at
+    ``now == until``, so at that instant the owner's new hints were charged on top of blocks
+    still protected: two 10-byte blocks protected at once on a 10-byte budget."""
+    budget = HintBudget(limit_bytes=10)
+    assert admit(budget, [1], until=10.0) == [True]
+    assert budget.charged(1, 10.0) == 10
+    assert admit(budget, [2], until=20.0, now=10.0) == [False]
+    assert admit(budget, [1], until=20.0, now=10.0) == [True]  # a renewal at the deadline
+    assert budget.charged(1, 20.0) == 10
+    assert budget.charged(1, math.nextafter(20.0, math.inf)) == 0
+    budget.forget(1)
+    assert admit(budget, [1], until=30.0, now=25.0) == [True]
+    budget.forget(1)  # a dropped block's charge also runs up to its deadline
+    assert budget.charged(1, 30.0) == 10
+    assert budget.charged(1, math.nextafter(30.0, math.inf)) == 0
