@@ -769,8 +769,8 @@ class PolicyConfig:
             lo=0,
             hi=1,
             doc="where tenants are configured, the blocks one tenant's hints protect at once "
-            "hold at most this share of the top tier's capacity (without tenants, the whole "
-            "tier); a hint's blocks past it are promoted, not protected",
+            "hold at most this share of the top tier's capacity (without tenants, no limit); "
+            "a hint's blocks past it are promoted, not protected",
         ),
     )
     history_factor: float = field(

@@ -5,11 +5,12 @@ until the deadline, capped at ``policy.hint_max_s`` and renewable. Leases are bo
 tenant (``server.max_lease_bytes_per_tenant``); hints were not, so a tenant that hinted every
 block it held, again before each deadline, kept them all and left the other tenants no room
 to put in. The budget bounds the bytes of the blocks an owner's hints protect at once to
-``policy.hint_max_share`` of the top tier's capacity where tenants are configured, and to the
-whole tier where they are not (one tenant: nobody to wall off, and a cap would only cost it
-hits: replaying the public trace with a 30 s queue window and every hinted block charged, a
-cap at half of L1 took heat at 1% of the unique blocks from 14.7% to 6.7% hits, at 0.9 to 7.9;
-the replayer models a node without tenants). Blocks are charged to their owner (the tenant
+``policy.hint_max_share`` of the top tier's capacity where tenants are configured, and not at
+all where they are not (``UNLIMITED``; one tenant: nobody to wall off, and a cap would only
+cost it hits: replaying the public trace with a 30 s queue window and every hinted block
+charged, a cap at half of L1 took heat at 1% of the unique blocks from 14.7% to 6.7% hits, at
+0.9 to 7.9; the replayer models a node without tenants. Nor at the top tier's size: a hint's
+blocks held only in lower tiers are charged too, and the top tier may be the GPU's). Blocks are charged to their owner (the tenant
 that stored them, whoever names them in a hint), each once however often it is hinted, until
 its latest deadline has passed (``now > until``, as a policy's hint protects a block while
 ``now <= until``).
@@ -34,6 +35,9 @@ import heapq
 import math
 
 import numpy as np
+
+UNLIMITED = 1 << 62
+"""A limit no owner's hinted bytes reach: every block named is protected."""
 
 
 class HintBudget:

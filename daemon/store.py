@@ -41,7 +41,7 @@ import numpy as np
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvtier.daemon.hintbudget import HintBudget
+from kvtier.daemon.hintbudget import UNLIMITED, HintBudget
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED, REASONS
 from kvtier.daemon.policy.prefetch import PrefetchLedger
@@ -168,10 +168,13 @@ class BlockStore:
         self.latency = Histograms()
         self.prefetches = PrefetchLedger()
         # What one owner's hints may protect at once (hintbudget): a share of the top tier
-        # where tenants share it, else all of it (tenants are turned on or off by a restart).
+        # where tenants share it, else no limit (tenants are turned on or off by a restart).
+        # Not the whole top tier then: a hint's blocks in lower tiers count too, and the top
+        # tier may be the GPU's, far smaller than the host's.
         top_bytes = self.stack.top.tier.stats().capacity_bytes
-        share = config.policy.hint_max_share if config.tenants else 1.0
-        self.hint_budget = HintBudget(int(share * top_bytes))
+        self.hint_budget = HintBudget(
+            int(config.policy.hint_max_share * top_bytes) if config.tenants else UNLIMITED
+        )
         self.table.on_free.append(self.hint_budget.forget)
         self.transfers = TransferEngine(
             self.counters,

@@ -2128,3 +2128,28 @@ async def test_a_deleted_hinted_blocks_charge_does_not_pass_to_the_block_reusing
         assert store.hint_budget.charged(2, clock.now) == 4096
         clock.now += 20
     assert store.hint_budget.charged(1, clock.now) == 0
+
+
+async def test_without_tenants_a_hint_protects_every_block_it_names_in_every_tier(make_store):
+    """Without tenants the budget was still the top tier's capacity (L1 here; L0's, 4 GiB by
+    default, where the GPU tier runs): a queue's hints naming more than that, the rest held
+    in L2, left those past it unprotected in L2 (16 of 32 here), though with nobody to wall
+    off a cap only costs hits (see daemon/hintbudget.py)."""
+    clock = Clock()
+    store = make_store(clock, policy="heat", l2_segments=4)
+    pool = make_pool()  # 4 KiB blocks: L1 holds 16
+    mine = keys(32)
+    for i in range(0, 32, 8):
+        await put(store, pool, mine[i : i + 8], pages=range(i, i + 8))
+        clock.now += 1
+    await store.flush()
+    assert set(where(store, mine)) == {"L1", "L2"}
+    await store.prefetch(0, mine, deadline_ms=30_000)
+    assert store.counters.get("hinted_blocks") == 32
+    assert store.counters.get("hints_over_budget_blocks") == 0
+    l2 = store.stack.levels[1]
+    named = store.table.lookup(0, mine)
+    held = named[store.table.slot[named, l2.col] >= 0]
+    assert len(held) >= 16
+    unhinted = l2.policy.unhinted(lambda b: np.ones(len(b), bool), clock.now)(held)
+    assert not unhinted.any()
