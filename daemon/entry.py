@@ -9,19 +9,22 @@ raised KeyboardInterrupt wherever the daemon was (a traceback, or an event loop 
 under a half-started server). This module imports nothing but ``signal`` and ``sys`` before it
 notes them; one that arrives from then until the daemon serves is honoured once it does
 (``kvtier.daemon.main``): a SIGHUP as a reload, a SIGINT or SIGTERM as the stop of a serving
-daemon (drained, its sockets removed, exit status 0). Only the interpreter's own start,
+daemon (drained, its sockets removed, exit status 0); a second SIGINT or SIGTERM takes the
+signal's default action at once, for a start that hangs. Only the interpreter's own start,
 before this module runs, is left to the signals' default actions.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 
 class EarlySignals:
     """Notes, in place of their default actions, the signals that arrive before the daemon
-    serves: a SIGHUP (``hangup``) and the first SIGINT or SIGTERM (``stop``). Installed on
+    serves: a SIGHUP (``hangup``) and the first SIGINT or SIGTERM (``stop``); a second SIGINT
+    or SIGTERM ends the process by its default action. Installed on
     construction; the daemon's own handlers replace it once it serves. Its handler runs on
     the main thread, between two bytecodes, and only sets an attribute."""
 
@@ -38,6 +41,13 @@ class EarlySignals:
             self.hangup = True
         elif self.stop is None:
             self.stop = signal.Signals(signum)
+        else:
+            # A second one: the operator will not wait for a start that may hang (Ctrl-C
+            # twice). The signal's own action, now, as before this module held it.
+            name = signal.Signals(signum).name
+            os.write(2, f"kvtierd: a second {name} while starting: stopping at once\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,19 @@ def test_a_stop_signal_while_the_daemon_starts_on_asyncio_s_loop_stops_it_cleanl
     _assert_stopped_cleanly(d)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_second_stop_signal_while_the_daemon_starts_ends_it_at_once(
+    tmp_path, daemon_factory, sig
+):
+    """The first stop signal is held until the daemon has started; a second is the operator
+    not waiting for a start that may hang (Ctrl-C twice): the signal's default action then."""
+    d = _start(tmp_path, daemon_factory, "bound", f"{sig.name}+{sig.name}")
+    assert d.proc is not None
+    assert d.proc.wait(START_S) == -sig, d.log()
+    assert f"a second {sig.name} while starting: stopping at once" in d.log()
+    assert "kvtierd stopped" not in d.log()
+
+
 def test_a_sighup_and_a_sigterm_while_the_daemon_starts_stop_it_without_a_reload(
     tmp_path, daemon_factory
 ):
