@@ -687,6 +687,13 @@ class SpaceManager:
             victims = level.policy.victims(possible, now, mask) if possible else None
         return np.asarray(victims if victims is not None else [], dtype=np.int64)
 
+    def _droppable(self, level: Level, now: float, clean_only: bool = False) -> EvictableFn:
+        """``evictable``, less the blocks a live hint protects: for the paths that drop blocks
+        without asking the policy's ``victims`` (which leaves hinted blocks by itself)."""
+        mask = self.evictable(level, now, clean_only=clean_only)
+        unhinted = getattr(level.policy, "unhinted", None)
+        return mask if unhinted is None else unhinted(mask, now)
+
     async def _reclaim_segment(
         self,
         level: Level,
@@ -702,10 +709,7 @@ class SpaceManager:
         if len(holders) == 0:
             return False
         segs = alloc.segments_of(self.table.slot[holders, level.col])
-        mask = self.evictable(level, now, clean_only=clean_only)
-        # A hinted block stays, as the policy's own victims would leave it (Hinted).
-        unhinted = getattr(level.policy, "unhinted", None)
-        ok = (mask if unhinted is None else unhinted(mask, now))(holders)
+        ok = self._droppable(level, now, clean_only)(holders)
         order = np.argsort(segs, kind="stable")
         segs_sorted, ok_sorted = segs[order], ok[order]
         starts = np.flatnonzero(np.r_[True, segs_sorted[1:] != segs_sorted[:-1]])
@@ -752,10 +756,10 @@ class SpaceManager:
                 await self._demote(level, dirty, priority, urgency)
             finally:
                 add_at(table.inflight, victims, -1)
-            # While the writes ran a request may have pinned, read or touched a victim: such
-            # a block stays (and now has a clean lower copy).
+            # While the writes ran a request may have pinned, read, touched or hinted a
+            # victim: such a block stays (and now has a clean lower copy).
             # A victim may also have lost this copy meanwhile (a failed read drops it).
-            victims = victims[self.evictable(level, self._clock())(victims)]
+            victims = victims[self._droppable(level, self._clock())(victims)]
             victims = victims[table.slot[victims, level.col] >= 0]
         await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)

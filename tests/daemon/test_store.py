@@ -1003,6 +1003,31 @@ async def test_a_segment_reclaim_leaves_hinted_blocks_as_victims_does(make_store
     assert await put(store, pool, keys(8), pages=range(16, 24)) == [PutResult.STORED] * 8
 
 
+async def test_a_victim_hinted_while_its_demotion_is_written_keeps_its_l1_copy(make_store):
+    """The eviction checks its victims again once their demotion is written (a request may
+    have pinned or read one meanwhile); a hint that arrived meanwhile was not checked, and
+    the hinted block lost its L1 copy."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=4), make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    clock.now += 1
+    demote = store.space._demote
+    hinted: list[int] = []
+
+    async def hinted_meanwhile(level, dirty, *args, **kwargs):
+        victim = int(dirty[0])
+        hinted.append(victim)
+        ids = store.table.lookup(0, a)
+        await store.prefetch(0, a[ids == victim], deadline_ms=10_000)
+        return await demote(level, dirty, *args, **kwargs)
+
+    store.space._demote = hinted_meanwhile
+    await put(store, pool, keys(4), pages=range(16, 20))
+    assert hinted and store.counters.get("hinted_blocks") >= 1
+    assert store.table.slot[hinted[0], store.top.col] >= 0  # still in L1
+
+
 async def test_one_owners_hints_protect_at_most_its_share_of_the_top_tier(make_store):
     """A tenant that hinted every block it held, again before each deadline, kept them all:
     another tenant's puts found no victim and were rejected. Hints now protect at most
