@@ -249,6 +249,13 @@ class ModelIdentity:
         return self.num_layers * self.layer_block_bytes
 
 
+def staging_pages(config: ConnectorConfig, identity: ModelIdentity, num_engine_blocks: int) -> int:
+    """Pages of a worker's staging pool, one block each: ``staging_bytes`` worth, no more than
+    the engine's own blocks, at least one. The worker sizes its pool so and the scheduler
+    counts loads against it, so both ask here."""
+    return max(1, min(config.staging_bytes // identity.block_bytes, num_engine_blocks))
+
+
 def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) -> ModelIdentity:
     """The namespace fields of this engine (identical in the scheduler and the workers)."""
     groups = kv_cache_config.kv_cache_groups

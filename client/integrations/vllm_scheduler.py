@@ -50,6 +50,7 @@ from kvtier.client.integrations.vllm_config import (
     ModelIdentity,
     lora_key,
     request_extras,
+    staging_pages,
 )
 from kvtier.client.integrations.vllm_meta import (
     KVTierConnectorMetadata,
@@ -94,10 +95,8 @@ class SchedulerSide:
         self.identity = identity
         self.block_tokens = identity.block_tokens
         self.namespaces = [identity.namespace(t, p) for t, p in identity.ranks()]
-        # Pages of a worker's staging pool (as the worker sizes it): one block each.
-        self.staging_pages = max(
-            0, min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
-        )
+        # Pages of a worker's staging pool, as the worker sizes it.
+        self.staging_pages = staging_pages(config, identity, num_engine_blocks)
         self.client = client or Client(
             config.address or None,
             timeout_s=config.lookup_timeout_s,

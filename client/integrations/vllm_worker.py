@@ -47,6 +47,7 @@ from kvtier.client.integrations.staging import StagingPool
 from kvtier.client.integrations.vllm_config import (
     ConnectorConfig,
     ModelIdentity,
+    staging_pages,
 )
 from kvtier.client.integrations.vllm_meta import (
     KVTierConnectorMetadata,
@@ -138,9 +139,7 @@ class WorkerSide:
         )
         self.breaker = Breaker(config.retry_after_s, "transfer")
         self.ranges = layer_ranges(self.num_layers, min(config.layer_groups, self.num_layers))
-        self.staging_pages = max(
-            1, min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
-        )
+        self.staging_pages = staging_pages(config, identity, num_engine_blocks)
         self.kv: list[torch.Tensor] = []
         self.block_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
