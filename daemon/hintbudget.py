@@ -6,7 +6,7 @@ tenant (``server.max_lease_bytes_per_tenant``); hints were not, so a tenant that
 block it held, again before each deadline, kept them all and left the other tenants no room
 to put in. The budget bounds the bytes of the blocks an owner's hints protect at once to
 ``policy.hint_max_share`` of the top tier's capacity where tenants are configured, and not at
-all where they are not (``UNLIMITED``): one tenant has nobody to wall off, and a cap would only
+all where they are not (the store keeps no budget then): one tenant has nobody to wall off, and a cap would only
 cost it hits (replaying the public trace with a 30 s queue window and every hinted block
 charged, a cap at half of L1 took heat at 1% of the unique blocks from 14.7% to 6.7% hits, at
 0.9 of it to 7.9; the replayer models a node without tenants); nor is the top tier's size a
@@ -35,9 +35,6 @@ import heapq
 import math
 
 import numpy as np
-
-UNLIMITED = 1 << 62
-"""A limit no owner's hinted bytes reach: every block named is protected."""
 
 
 class HintBudget:

@@ -41,7 +41,7 @@ import numpy as np
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvtier.daemon.hintbudget import UNLIMITED, HintBudget
+from kvtier.daemon.hintbudget import HintBudget
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED, REASONS
 from kvtier.daemon.policy.prefetch import PrefetchLedger
@@ -168,14 +168,14 @@ class BlockStore:
         self.latency = Histograms()
         self.prefetches = PrefetchLedger()
         # What one owner's hints may protect at once (hintbudget): a share of the top tier
-        # where tenants share it, else no limit (tenants are turned on or off by a restart).
-        # Not the whole top tier then: a hint's blocks in lower tiers count too, and the top
-        # tier may be the GPU's, far smaller than the host's.
-        top_bytes = self.stack.top.tier.stats().capacity_bytes
-        self.hint_budget = HintBudget(
-            int(config.policy.hint_max_share * top_bytes) if config.tenants else UNLIMITED
-        )
-        self.table.on_free.append(self.hint_budget.forget)
+        # where tenants share it, else no limit and no bookkeeping on the hint's path (tenants
+        # are turned on or off by a restart). Not the whole top tier then: a hint's blocks in
+        # lower tiers count too, and the top tier may be the GPU's, far smaller than the host's.
+        self.hint_budget: HintBudget | None = None
+        if config.tenants:
+            top_bytes = self.stack.top.tier.stats().capacity_bytes
+            self.hint_budget = HintBudget(int(config.policy.hint_max_share * top_bytes))
+            self.table.on_free.append(self.hint_budget.forget)
         self.transfers = TransferEngine(
             self.counters,
             background_workers=config.mover.workers,
@@ -1067,11 +1067,11 @@ class BlockStore:
             # A hint: the engine will read these blocks by the deadline (a queued request).
             # Every tier keeps them until then, whichever of them holds a copy, as far as
             # their owner's hint budget goes (the rest are only promoted).
-            table = self.table
-            ok = self.hint_budget.admit(
-                found, table.owner[found], table.nbytes[found], now + hint_s, now
-            )
-            hinted = found if ok.all() else found[ok]
+            hinted = found
+            if (budget := self.hint_budget) is not None:
+                table = self.table
+                ok = budget.admit(found, table.owner[found], table.nbytes[found], now + hint_s, now)
+                hinted = found if ok.all() else found[ok]
             if len(hinted):
                 for level in self.stack:
                     level.policy.hint(hinted, now + hint_s, now)
