@@ -773,6 +773,17 @@ class PolicyConfig:
             "a hint's blocks past it are promoted, not protected",
         ),
     )
+    hint_max_total_share: float = field(
+        default=0.8,
+        metadata=_opt(
+            "float",
+            lo=0,
+            hi=1,
+            doc="where tenants are configured, the blocks every tenant's hints protect at "
+            "once hold at most this share of the top tier's capacity together (the rest of "
+            "the tier stays open to eviction, so puts find room); without tenants, no limit",
+        ),
+    )
     history_factor: float = field(
         default=2.0,
         metadata=_opt(

@@ -15,6 +15,13 @@ may be the GPU's. Blocks are charged to their owner (the tenant that stored them
 names them in a hint), each once however often it is hinted, until its latest deadline has
 passed (``now > until``, as a policy's hint protects a block while ``now <= until``).
 
+Every owner's charges together are bounded too, to ``policy.hint_max_total_share`` of the top
+tier (``total_limit_bytes``): with one owner's share alone, two tenants at half each (or more
+at smaller shares) could still protect the whole tier between them, and a tier wholly
+protected refuses every put until the deadlines pass. Whatever the owners hint, that much of
+the tier stays open to eviction. The total is first come, first served: an owner under its
+own share gets no protection once the others have taken the total (its hints still promote).
+
 A hint past the budget protects the blocks that fit, in the order named (an engine names a
 prompt's chain root first, and a chain's head is what a later request reuses most), and the
 rest not; they are still promoted. A block already protected stays so, its deadline moved
@@ -40,10 +47,22 @@ import numpy as np
 class HintBudget:
     """Protected bytes per owner, against a limit. Thread-safety: none; the event loop's."""
 
-    __slots__ = ("_bytes", "_detached", "_heap", "_owner", "_until", "limit_bytes", "used")
+    __slots__ = (
+        "_bytes",
+        "_detached",
+        "_heap",
+        "_owner",
+        "_until",
+        "limit_bytes",
+        "total_limit_bytes",
+        "used",
+    )
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, total_limit_bytes: int | None = None) -> None:
+        """``limit_bytes``: what one owner's hints may protect; ``total_limit_bytes``: what
+        every owner's together may (None: ``limit_bytes`` times the owners, no bound)."""
         self.limit_bytes = limit_bytes
+        self.total_limit_bytes = total_limit_bytes
         self._until = np.full(0, -math.inf)
         self._bytes = np.zeros(0, dtype=np.int64)
         self._owner = np.zeros(0, dtype=np.int64)
@@ -58,7 +77,8 @@ class HintBudget:
     ) -> np.ndarray:
         """The mask of ``bids`` a hint until ``until`` may protect: those already protected
         (their deadline moves to ``until`` if later) and, in order, the new ones that fit
-        their owner's budget (charged from now). A block named twice counts once."""
+        their owner's budget and the total (charged from now). A block named twice counts
+        once."""
         self._expire(now)
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
@@ -72,12 +92,19 @@ class HintBudget:
         self._until[u[live]] = np.maximum(self._until[u[live]], until)
         new = ~live
         admit = live.copy()
+        total = self.total_limit_bytes
+        left = None if total is None else total - int(self.used.sum())
         for owner in np.unique(u_owner[new]).tolist():
             mine = np.flatnonzero(new & (u_owner == owner))
             room = self.limit_bytes - int(self.used[owner])
+            if left is not None:
+                room = min(room, left)
             fits = mine[np.cumsum(u_bytes[mine]) <= room]  # a prefix: sizes are positive
             admit[fits] = True
-            self.used[owner] += int(u_bytes[fits].sum())
+            took = int(u_bytes[fits].sum())
+            self.used[owner] += took
+            if left is not None:
+                left -= took
         took = admit & new
         charged = u[took]
         self._until[charged] = until
@@ -91,6 +118,11 @@ class HintBudget:
         """Bytes ``owner``'s protected blocks hold against the budget now."""
         self._expire(now)
         return int(self.used[owner]) if owner < len(self.used) else 0
+
+    def charged_total(self, now: float) -> int:
+        """Bytes every owner's protected blocks hold together now."""
+        self._expire(now)
+        return int(self.used.sum())
 
     def forget(self, bid: int) -> None:
         """The store dropped block ``bid`` (its id may now be reused for another block): a

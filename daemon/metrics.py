@@ -141,7 +141,8 @@ COUNTERS: dict[str, MetricDef] = {
         "kvtier_hints_over_budget_blocks_total",
         (),
         "Blocks a Prefetch with a deadline found but did not protect: their owner's hinted "
-        "blocks already held policy.hint_max_share of the top tier.",
+        "blocks already held policy.hint_max_share of the top tier, or every owner's together "
+        "policy.hint_max_total_share.",
     ),
     "bytes_put": _c("kvtier_put_bytes_total", (), "Bytes stored by Put requests."),
     "bytes_get": _c("kvtier_get_bytes_total", (), "Bytes loaded into engine pools by Get."),

@@ -174,7 +174,10 @@ class BlockStore:
         self.hint_budget: HintBudget | None = None
         if config.tenants:
             top_bytes = self.stack.top.tier.stats().capacity_bytes
-            self.hint_budget = HintBudget(int(config.policy.hint_max_share * top_bytes))
+            self.hint_budget = HintBudget(
+                int(config.policy.hint_max_share * top_bytes),
+                int(config.policy.hint_max_total_share * top_bytes),
+            )
             self.table.on_free.append(self.hint_budget.forget)
         self.transfers = TransferEngine(
             self.counters,

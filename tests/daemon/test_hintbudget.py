@@ -108,3 +108,28 @@ def test_a_block_is_charged_exactly_while_its_hint_protects_it():
     budget.forget(1)  # a dropped block's charge also runs up to its deadline
     assert budget.charged(1, 30.0) == 10
     assert budget.charged(1, math.nextafter(30.0, math.inf)) == 0
+
+
+def test_every_owners_charges_together_stay_within_the_total():
+    """Two owners at half the tier each protected all of it between them; the total bounds
+    them together, first come, first served, and frees as deadlines pass."""
+    budget = HintBudget(limit_bytes=50, total_limit_bytes=80)
+    assert admit(budget, [1, 2, 3, 4, 5], owner=1) == [True] * 5
+    assert admit(budget, [6, 7, 8, 9, 10], owner=2) == [True, True, True, False, False]
+    assert budget.charged_total(0.0) == 80
+    assert admit(budget, [11], owner=3) == [False]  # under its own share, over the total
+    # One call naming two owners' blocks: the total is shared in owner order.
+    late = HintBudget(limit_bytes=50, total_limit_bytes=30)
+    mixed = late.admit(np.array([1, 2, 3, 4]), np.array([2, 1, 2, 1]), np.full(4, 10), 5.0, 0.0)
+    assert mixed.tolist() == [True, True, False, True]
+    assert late.charged(1, 0.0) == 20 and late.charged(2, 0.0) == 10
+    # Past the deadlines, room again.
+    assert late.charged_total(6.0) == 0
+    assert admit(late, [9, 10, 11, 12], owner=2, now=6.0) == [True, True, True, False]
+
+
+def test_without_a_total_each_owner_has_its_share():
+    budget = HintBudget(limit_bytes=50)
+    for owner in (1, 2, 3):
+        assert admit(budget, [10 * owner + i for i in range(5)], owner=owner) == [True] * 5
+    assert budget.charged_total(0.0) == 150

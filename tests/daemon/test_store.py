@@ -1063,6 +1063,43 @@ async def test_one_owners_hints_protect_at_most_its_share_of_the_top_tier(make_s
     assert alone.counters.get("hinted_blocks") == 16
 
 
+async def test_tenants_hints_together_leave_the_top_tier_room_for_puts(make_store):
+    """Two tenants, each hinting its half of L1 (policy.hint_max_share 0.5), protected the
+    whole tier between them: a put found no victim and was rejected until the deadlines
+    passed. policy.hint_max_total_share bounds them together."""
+    clock = Clock()
+    tenants = "tenants=[{name: a, uids: [1000]}, {name: b, uids: [1001]}]"
+    share = ("policy.hint_max_share=0.5", "policy.hint_max_total_share=0.75")
+    store = make_store(clock, policy="heat", sets=(tenants, *share))
+    pool = make_pool()  # 4 KiB blocks: L1 holds 16
+    a, b = keys(8), keys(8)
+    await store.put(pool, 0, a, np.arange(8), None, owner=1)
+    await store.put(pool, 0, b, np.arange(8, 16), None, owner=2)
+    clock.now += 10  # past the protection period
+    await store.prefetch(0, a, deadline_ms=30_000)
+    await store.prefetch(0, b, deadline_ms=30_000)
+    assert store.hint_budget.charged(1, clock.now) == 8 * 4096
+    assert store.hint_budget.charged(2, clock.now) == 4 * 4096  # the total's last 4 blocks
+    assert store.counters.get("hints_over_budget_blocks") == 4
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert present(store, a) == [True] * 8
+    assert present(store, b) == [True] * 4 + [False] * 4  # its unprotected tail made room
+    # With the total at 1, the two shares protect the whole tier and the put finds no room.
+    full = make_store(
+        clock,
+        policy="heat",
+        sets=(tenants, "policy.hint_max_share=0.5", "policy.hint_max_total_share=1"),
+    )
+    await full.put(pool, 0, a, np.arange(8), None, owner=1)
+    await full.put(pool, 0, b, np.arange(8, 16), None, owner=2)
+    clock.now += 10
+    await full.prefetch(0, a, deadline_ms=30_000)
+    await full.prefetch(0, b, deadline_ms=30_000)
+    res, _ = await full.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert PutResult.STORED not in res.tolist()
+
+
 async def test_a_sick_l2_takes_no_demotions_and_blocks_are_dropped(make_store):
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
