@@ -216,6 +216,16 @@ def _replay_command(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     trace = load_trace(args.trace, args.block_tokens)
     cacheable = trace.cacheable(args.semantics)  # the same trace once more if nothing is dropped
+    # Nothing to replay is an error, not a report of 0% hits (and a sweep's sizes, percents
+    # of the trace's blocks, would divide by zero).
+    if trace.requests == 0:
+        raise ValueError(f"{trace.name}: the trace holds no requests")
+    if cacheable.accesses == 0:
+        raise ValueError(
+            f"{trace.name}: no request holds a full block of {args.block_tokens} tokens, so "
+            f"nothing is cacheable under --semantics {args.semantics} (the daemon stores full "
+            "blocks only); is --block-tokens right? (--semantics all counts partial blocks)"
+        )
     print(
         f"{trace.name}: {trace.requests} requests, {cacheable.accesses} cacheable block "
         f"accesses ({cacheable.unique_blocks} unique) of {trace.accesses} "

@@ -207,6 +207,18 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
             ["--l1-blocks", "4"],
             "--block-tokens",
         ),
+        ("", ["--l1-blocks", "4"], "the trace holds no requests"),
+        ("\n\n", ["--sweep"], "the trace holds no requests"),
+        (
+            '{"timestamp": 0, "input_length": 100, "hash_ids": [1]}\n',
+            ["--sweep"],
+            "no request holds a full block of 512 tokens",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 100, "hash_ids": [1]}\n',
+            ["--l1-blocks", "4"],
+            "nothing is cacheable under --semantics full",
+        ),
         (
             '{"timestamp": 0, "hash_ids": [1]}\n',
             ["--l1-blocks", "4", "--nodes", "2", "--l3-ttl-s", "60"],
