@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import fields
@@ -199,6 +200,9 @@ def _run_replay(args: argparse.Namespace) -> int:
     except (TraceError, ValueError, PlotUnavailable) as e:
         print(f"kvtier replay: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the plot could not be written after all (a full disk)
+        print(f"kvtier replay: error: --plot {args.plot}: {e}", file=sys.stderr)
+        return 1
 
 
 def _replay_command(args: argparse.Namespace) -> int:
@@ -214,6 +218,11 @@ def _replay_command(args: argparse.Namespace) -> int:
         history_factor=args.history_factor,
     )
     cluster = _cluster(args)
+    if args.plot:
+        # Before the replay, which may take minutes: its figure would have nowhere to go.
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--plot {args.plot}: {folder} is not a folder this user can write")
     trace = load_trace(args.trace, args.block_tokens)
     cacheable = trace.cacheable(args.semantics)  # the same trace once more if nothing is dropped
     # Nothing to replay is an error, not a report of 0% hits (and a sweep's sizes, percents

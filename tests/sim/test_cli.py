@@ -208,6 +208,11 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
             "--block-tokens",
         ),
         ("", ["--l1-blocks", "4"], "the trace holds no requests"),
+        (
+            '{"timestamp": 0, "hash_ids": [1]}\n',
+            ["--l1-blocks", "4", "--plot", "/nonexistent-kvtier-dir/x.png"],
+            "is not a folder this user can write",
+        ),
         ("\n\n", ["--sweep"], "the trace holds no requests"),
         (
             '{"timestamp": 0, "input_length": 100, "hash_ids": [1]}\n',
