@@ -68,7 +68,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--url", default="", help="use this server instead of starting one")
     p.add_argument("--dir", default="", help="where the server's folder goes (a temp dir)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    counts = ("block_bytes", "blocks", "batch", "concurrency", "rounds", "chain", "probes")
+    if min(getattr(args, c) for c in counts) < 1:
+        p.error("counts must be at least 1")
+    return args
 
 
 def _keys(n: int, salt: int) -> list[bytes]:

@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--history-only", action="store_true", help="measure the history alone")
     args = p.parse_args(argv)
+    if args.blocks < 1:
+        p.error("--blocks must be at least 1")
     args.json = args.json or as_json
     n = args.blocks
     start = time.perf_counter()
