@@ -87,6 +87,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -589,8 +590,8 @@ class HeatPolicy(Hinted):
         if n > n1 + n2:
             return None
         hinted = self._prepare_pick(now)
-        if n == 1 and evictable is None and not hinted:
-            bid = self._one(n1, incoming)
+        if n == 1 and evictable is None:
+            bid = self._one(n1, incoming, now if hinted else None)
             if bid < 0:
                 return None
             one = _ONE.copy()  # cheaper than building an array from a list
@@ -679,10 +680,8 @@ class HeatPolicy(Hinted):
         n1 = self._count[_PROBATION]
         if n1 + self._count[_PROTECTED] == 0:
             return -1
-        if self._prepare_pick(now):
-            found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
-            return -1 if found is None else int(found[0])
-        return self._one(n1, (incoming,) if incoming >= 0 else ())
+        hinted = self._prepare_pick(now)
+        return self._one(n1, (incoming,) if incoming >= 0 else (), now if hinted else None)
 
     def replace(self, bid: int, parent: int, now: float) -> int:
         """A miss of a full tier in one call (the replayer's per-miss step, see
@@ -765,13 +764,36 @@ class HeatPolicy(Hinted):
             self._defer_owed()
         return hinted
 
-    def _one(self, n1: int, incoming: Sequence[int]) -> int:
-        """The one victim when nothing is masked or hinted, -1 if none (owed raises paid)."""
+    def _one(self, n1: int, incoming: Sequence[int], now: float | None = None) -> int:
+        """The one victim when nothing is masked, -1 if none (owed raises paid); ``now``:
+        hints are live (``_coldest_unhinted`` gives the heads)."""
         p, from_protected = self._p, False
         b = incoming[0] if len(incoming) == 1 else -1
         if b < 0 or (b < self._size and self._ghost_v[b] != _OUT):
             p, from_protected = self._adapted_target(incoming)
-        return self._pick(n1, p, from_protected, self._coldest)[1]
+        if now is None:
+            return self._pick(n1, p, from_protected, self._coldest)[1]
+        return self._pick(n1, p, from_protected, partial(self._coldest_unhinted, now=now))[1]
+
+    def _coldest_unhinted(self, seg: int, now: float) -> int:
+        """The coldest block of ``seg`` that no hint protects at ``now``, or -1; the hinted
+        ones met at the buffer's head are parked on the way, as ``_candidates`` parks those
+        it meets (the same victim, without a generator and a batch per call: a replay with
+        a queue window asks this once per miss)."""
+        hints, parked = self._hints, self._parked
+        while True:
+            bid = self._coldest(seg, now)
+            if bid < 0:
+                return -1
+            self.scan_steps += 1
+            until = hints.until(bid)
+            if until < now:
+                return bid
+            # ``_coldest`` left the buffer's cursor on this block's entry: parked, it is
+            # passed over (the consumed head is trimmed later).
+            buf = self._bufs[seg]
+            heapq.heappush(parked, (until, bid, seg, buf.gen, buf.entries[buf.cur]))
+            buf.cur += 1
 
     def _pick(
         self, n1: int, p: float, from_protected: bool, head: Callable[[int], int]

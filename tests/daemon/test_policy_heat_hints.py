@@ -46,6 +46,10 @@ class WalkingHeat(HeatPolicy):
             yielded.add(bid)
             yield [bid]
 
+    def _coldest_unhinted(self, seg: int, now: float) -> int:
+        # The one-victim path's head, by the same plain scan.
+        return next(iter(self._candidates(seg, None, now, 1)), [-1])[0]
+
 
 def hinted_pair(blocks: int, hinted: np.ndarray) -> tuple[HeatPolicy, WalkingHeat]:
     """Both scans over ``blocks`` blocks inserted coldest first, ``hinted`` of them under a
