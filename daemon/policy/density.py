@@ -535,6 +535,10 @@ class DensityPolicy(InsertEach, Hinted):
         self._memo_keys: dict[int, tuple[int, tuple[float, float, int, int]]] = {}
         self._taken = 0  # victims proposed since the last rebuild (sizes the next buffer)
         self._rebuilds = 0
+        # Buffer entries of hinted blocks met at its head, taken out until their deadline
+        # (``_select``), as ``(until, entry)``; put back in order when it passes, unless the
+        # buffer was rebuilt meanwhile (a rebuild places every block itself).
+        self._parked: list[tuple[float, tuple[float, float, int, int, int, int]]] = []
         # The last single victim proposed and its density, for ``admits``.
         self._pick = (-1, -1, -1.0)
         # Hints: the latest deadline ever given (none is live past it).
@@ -915,6 +919,8 @@ class DensityPolicy(InsertEach, Hinted):
         q = self._q if now == self._q_now else self._quantise(now)
         if q != self._buf_q or self._buf_version != self._version:
             self._rebuild(q, complete=False)
+        elif self._parked and self._parked[0][0] < now:
+            self._unpark(now)
         # The victim: ``_first_in_buffer``.
         buf = self._buf
         stamp_v, kids_v = self._stamp_v, self._kids_v
@@ -1058,6 +1064,8 @@ class DensityPolicy(InsertEach, Hinted):
         q = self._q if now == self._q_now else self._quantise(now)
         if q != self._buf_q or self._buf_version != self._version:
             self._rebuild(q, complete=False)
+        elif self._parked and self._parked[0][0] < now:
+            self._unpark(now)
         return q
 
     def _first_in_buffer(self) -> int:
@@ -1378,6 +1386,7 @@ class DensityPolicy(InsertEach, Hinted):
         """The buffer for quantum ``q``: the lowest-keyed leaves (all with ``complete``),
         leaving out blocks hinted past the quantum."""
         self._rebuilds += 1
+        self._parked.clear()
         size = self._used
         live = (self._state[:size] == _RESIDENT) & (self._kids[:size] == 0)
         if self._hinted_until >= q + self._quantum:
@@ -1425,6 +1434,7 @@ class DensityPolicy(InsertEach, Hinted):
         hints_live = self._hinted_until >= now
         i = self._cur
         advance = True
+        from_head = False
         revived: list[tuple[tuple[float, float, int, int], int]] = []
         released: dict[int, int] = {}
         seen: set[int] = set()
@@ -1458,10 +1468,11 @@ class DensityPolicy(InsertEach, Hinted):
                 if head is None and revived[0][0][0] > self._bound and not self._complete:
                     return None
                 key, b = heapq.heappop(revived)
+                from_head = False
             elif head is not None:
                 key, b = head[:4], head[4]
                 i += 1
-                advance = False
+                from_head, advance = advance, False
             elif self._complete:
                 return chosen
             else:
@@ -1470,7 +1481,15 @@ class DensityPolicy(InsertEach, Hinted):
                 continue
             seen.add(b)
             if hints_live and until_v[b] >= now:
-                continue  # hinted: the engine reads its chain soon, ancestors included
+                # Hinted: the engine reads its chain soon, ancestors included. At the
+                # buffer's head (nothing before it left) its entry is parked, so that the
+                # next calls do not walk it again (a queue window's blocks sit at the cold
+                # end for its whole length).
+                if from_head:
+                    heapq.heappush(self._parked, (float(until_v[b]), buf[i - 1]))
+                    self._cur = i
+                    advance = True
+                continue
             if evictable is None:
                 chosen.append(b)
             else:
@@ -1492,6 +1511,22 @@ class DensityPolicy(InsertEach, Hinted):
                     heapq.heappush(revived, (max(known[1], key), p))
         self._taken += len(chosen)
         return chosen
+
+    def _unpark(self, now: float) -> None:
+        """Put the parked entries whose hint passed by ``now`` back in the buffer, in order,
+        where their block is still as the entry says (a block hinted again meanwhile waits
+        for its new deadline)."""
+        parked, until_v = self._parked, self._until_v
+        state_v, stamp_v = self._state_v, self._stamp_v
+        while parked and parked[0][0] < now:
+            _, entry = heapq.heappop(parked)
+            b = entry[4]
+            if state_v[b] != _RESIDENT or stamp_v[b] != entry[5]:
+                continue
+            if until_v[b] >= now:
+                heapq.heappush(parked, (float(until_v[b]), entry))
+                continue
+            bisect.insort(self._buf, entry, lo=self._cur)
 
     def _ask_mask(
         self,

@@ -501,6 +501,34 @@ def test_a_hint_during_a_quantum_removes_the_block_from_the_buffer() -> None:
     assert p.victims(4, 20.5, None).tolist() == [0, 1, 2, 3]
 
 
+def test_hinted_blocks_at_the_head_are_parked_not_walked_again() -> None:
+    """Blocks hinted until a deadline within the buffer's quantum stay in the buffer (a
+    later one takes them out): at its cold end each eviction walked them again. Met at the
+    head they are parked until their deadline, and then come back in their place (the
+    coldest go first); one hinted again meanwhile waits for its new deadline."""
+    p = DensityPolicy(capacity_blocks=256)  # a quantum of 1 s
+    for bid in range(200):
+        p.insert(bid, float(bid) * 1e-3)
+    assert p.victims(1, 1.0, None).tolist() == [0]  # the buffer of quantum [1, 2) is built
+    p.remove(0)
+    p.hint(np.arange(1, 51), 1.9, 1.0)  # the 50 coldest left, until within the quantum
+    taken = []
+    for k in range(20):
+        got = p.victims(1, 1.0 + k * 1e-3, None)
+        assert got is not None and int(got[0]) > 50
+        taken.append(int(got[0]))
+        p.remove(int(got[0]))
+        if k == 0:
+            assert len(p._parked) == 50  # every hinted entry met once, on the first call
+    assert taken == list(range(51, 71))
+    assert len(p._parked) == 50  # not walked (nor parked) again
+    p.hint(np.arange(1, 6), 1.99, 1.5)  # renewed, still within the quantum
+    got = p.victims(5, 1.95, None)
+    assert got is not None and got.tolist() == [6, 7, 8, 9, 10]  # past 1.9, back first
+    got = p.victims(6, 1.995, None)
+    assert got is not None and got.tolist() == [1, 2, 3, 4, 5, 6]
+
+
 # ------------------------------------------------------- exact against brute force
 
 
