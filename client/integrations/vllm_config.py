@@ -14,6 +14,11 @@ Invariants:
 - A request's keys follow kvtier's block-key spec over its token ids; a LoRA adapter and a
   cache salt go into the first block's extra bytes and multimodal items into the extra bytes
   of every block they overlap, so the chain never matches a request that differs in them.
+- Those extra bytes are an injective encoding: every free-text field (an adapter's name and
+  folder, a cache salt, a multimodal item's identifier) has the characters that delimit
+  fields (``%``, ``;``, ``|``) percent-escaped, so no field can end early or pose as another
+  (an adapter named ``x;salt=y`` is not adapter ``x`` with salt ``y``). Text without them is
+  written as is: the keys of requests whose names and salts never held them are unchanged.
 - A LoRA adapter is keyed by its name, its folder and a digest of the folder's files, never
   by vLLM's ``lora_int_id``: that number is the engine's own, and another engine (or this
   one after a restart) may give it to another adapter. An adapter that is not a local folder
@@ -42,6 +47,9 @@ log = logging.getLogger(__name__)
 KEY_SCHEME = "vllm-v1"
 """Version of how this connector derives namespaces and keys; part of every namespace."""
 LORA_TAG = b"kvtier-vllm-lora-v1"
+# Percent-escapes of the characters that delimit a request's extra-byte fields: ";" between
+# fields, "|" inside a LoRA key, and "%" itself, so the escaping can be undone.
+_FIELD_ESCAPES = str.maketrans({"%": "%25", ";": "%3B", "|": "%7C"})
 
 _SAVE_POLICIES = ("all", "prompt", "none")
 _LOAD_MODES = ("layerwise", "async")
@@ -391,7 +399,7 @@ def lora_key(lora: Any, digests: AdapterDigests) -> str | None:
     digest = digests.digest(folder)
     if digest is None:
         return None
-    key = f"{getattr(lora, 'lora_name', '')}|{folder}|{digest}"
+    key = f"{_field(str(getattr(lora, 'lora_name', '')))}|{_field(folder)}|{digest}"
     if getattr(lora, "is_3d_lora_weight", False):
         key += "|3d"  # the same files read in another layout
     return key
@@ -407,14 +415,15 @@ def request_extras(
         first.append(f"lora={lora}")
     salt = getattr(request, "cache_salt", None)
     if salt:
-        first.append(f"salt={salt}")
+        first.append(f"salt={_field(str(salt))}")
     per_block: dict[int, list[str]] = {}
     for feature in getattr(request, "mm_features", None) or []:
         pos = feature.mm_position
         lo = pos.offset // block_tokens
         hi = (pos.offset + max(pos.length, 1) - 1) // block_tokens
         for b in range(lo, min(hi, nblocks - 1) + 1):
-            per_block.setdefault(b, []).append(f"mm={feature.identifier}@{pos.offset}+{pos.length}")
+            item = f"mm={_field(str(feature.identifier))}@{pos.offset}+{pos.length}"
+            per_block.setdefault(b, []).append(item)
     if not first and not per_block:
         return None
     extras = []
@@ -422,6 +431,11 @@ def request_extras(
         parts = (first if b == 0 else []) + per_block.get(b, [])
         extras.append(";".join(parts).encode())
     return extras
+
+
+def _field(text: str) -> str:
+    """``text`` as one field of a request's extra bytes (see the module docstring)."""
+    return text.translate(_FIELD_ESCAPES)
 
 
 class KeyChain:

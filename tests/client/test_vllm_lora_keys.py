@@ -1,7 +1,9 @@
-"""The vLLM connector keys a LoRA adapter by its files, not by the engine's number for it."""
+"""The vLLM connector keys a LoRA adapter by its files, not by the engine's number for it,
+and no adapter name, folder, cache salt or multimodal identifier can forge another's key."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -103,3 +105,55 @@ def test_adapter_digests_read_a_folder_once_while_its_files_stay(tmp_path):
     # A copy elsewhere has the same digest: the folder's path is not part of it.
     shutil.copytree(a, tmp_path / "copy")
     assert digests.digest(str(tmp_path / "copy")) == digests.digest(str(a))
+
+
+def _mm(identifier: str, offset: int, length: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length)
+    )
+
+
+def _first_extra(lora: str, salt: str | None, mm: list[SimpleNamespace]) -> bytes:
+    request = SimpleNamespace(cache_salt=salt, mm_features=mm)
+    extras = request_extras(request, NS.block_tokens, 3, lora)
+    return extras[0] if extras is not None else b""
+
+
+def test_crafted_adapter_names_and_salts_cannot_collide(tmp_path):
+    """Regression: the fields were joined as text ("lora=NAME|FOLDER|DIGEST;salt=SALT"), so
+    adapter ``n`` with salt ``x|F2|D2`` and an adapter named ``n|F|D;salt=x`` in folder F2
+    without a salt gave the same bytes: one request could load the other's KV. Every pair
+    of different (adapter, salt, multimodal items) below must give different bytes."""
+    digests = AdapterDigests(LORA_TAG)
+    plain = _adapter(tmp_path / "plain", b"\x01" * 64)
+    odd = _adapter(tmp_path / "odd;salt=x|y%3B", b"\x02" * 64)
+    dp, do = digests.digest(str(plain)), digests.digest(str(odd))
+    assert dp is not None and do is not None
+    names = ["n", f"n|{plain}|{dp}", f"n|{plain}|{dp};salt=x", "n;salt=x", "n%3Bsalt=x", "n|"]
+    salts = [None, "x", f"x|{odd}|{do}", f"x|{plain}|{dp}", "x;mm=i@0+1", "x%3Bmm=i@0+1", "%"]
+    mms = [[], [_mm("i", 0, 1)], [_mm("i@0+1;mm=i", 0, 1)], [_mm("i", 0, 1), _mm("i", 0, 1)]]
+    loras = [""] + [
+        key
+        for name, folder in itertools.product(names, (plain, odd))
+        if (key := lora_key(_lora(name, 1, folder), digests)) is not None
+    ]
+    assert len(loras) == 1 + 2 * len(names)
+    seen: dict[bytes, tuple[object, ...]] = {}
+    for case in itertools.product(range(len(loras)), salts, range(len(mms))):
+        extra = _first_extra(loras[case[0]], case[1], mms[case[2]])
+        assert seen.setdefault(extra, case) == case, (extra, seen[extra], case)
+
+
+def test_keys_of_names_and_salts_without_delimiters_are_unchanged(tmp_path):
+    """The escaping leaves ordinary text as it was: keys stored before it stay valid."""
+    digests = AdapterDigests(LORA_TAG)
+    folder = _adapter(tmp_path / "tuned-adapter", b"\x01" * 64)
+    digest = digests.digest(str(folder))
+    key = lora_key(_lora("tuned v2", 1, folder), digests)
+    assert key == f"tuned v2|{folder}|{digest}"
+    mm = [_mm("0a1b2c", 1, 2)]
+    assert _first_extra(key, "tenant-7=blue", mm) == (
+        f"lora={key};salt=tenant-7=blue;mm=0a1b2c@1+2".encode()
+    )
+    assert _first_extra("", "s", []) == b"salt=s"
+    assert _first_extra("", None, mm) == b"mm=0a1b2c@1+2"
