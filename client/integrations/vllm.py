@@ -10,7 +10,8 @@ or ``KVTransferConfig(...)`` with the same fields for ``vllm.LLM``. Options go i
 ``kv_connector_extra_config`` (see ``ConnectorConfig``): ``address``, ``namespace``
 (``model``, ``revision``, ``tenant``, ``extra``, ``weights_fingerprint``), ``load``,
 ``save`` (``all``/``prompt``/``none``), ``load_mode`` (``layerwise``/``async``),
-``load_tiers``, ``save_durable``, ``layer_groups``, timeouts, ``staging_bytes``.
+``load_tiers``, ``save_durable``, ``layer_groups``, timeouts, ``staging_bytes``,
+``staging_save_share``.
 
 What it does. For each new request, vLLM's scheduler asks how many tokens past its own
 prefix cache kvtier holds (one Lookup of the request's block keys; kvtier's block-key spec

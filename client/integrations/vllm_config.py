@@ -124,6 +124,9 @@ class ConnectorConfig:
     promoted from lower tiers) for this long, by a Prefetch with this deadline; 0: never."""
     staging_bytes: int = 512 << 20
     """Shared-memory staging pool of each worker (CPU); capped at the KV cache's size."""
+    staging_save_share: float = 0.5
+    """The part of the staging pool that saves in flight may hold; loads have the rest to
+    themselves (see ``StagingPages``)."""
     shutdown_timeout_s: float = 10.0
     """How long shutdown waits for saves in flight."""
     namespace: NamespaceOptions = field(default_factory=NamespaceOptions)
@@ -159,6 +162,8 @@ class ConnectorConfig:
         for name in ("layer_groups", "min_load_blocks", "lease_ms", "staging_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"kvtier connector: {name} must be at least 1")
+        if not 0 < self.staging_save_share < 1:
+            raise ValueError("kvtier connector: staging_save_share must be between 0 and 1")
         if self.hint_ms < 0:
             raise ValueError("kvtier connector: hint_ms must be at least 0")
         for name in (
@@ -257,11 +262,33 @@ class ModelIdentity:
         return self.num_layers * self.layer_block_bytes
 
 
-def staging_pages(config: ConnectorConfig, identity: ModelIdentity, num_engine_blocks: int) -> int:
-    """Pages of a worker's staging pool, one block each: ``staging_bytes`` worth, no more than
-    the engine's own blocks, at least one. The worker sizes its pool so and the scheduler
-    counts loads against it, so both ask here."""
-    return max(1, min(config.staging_bytes // identity.block_bytes, num_engine_blocks))
+@dataclass(frozen=True)
+class StagingPages:
+    """A worker's staging pool in pages of one block each, in two shares.
+
+    The scheduler admits loads only as far as ``loads`` pages go (counting the loads still in
+    flight), and the worker never lets saves in flight hold more than ``saves`` pages (a save
+    that does not fit is not stored). Saves run in the background for as long as the daemon
+    takes, so without a share of their own they could hold pages the scheduler counted as
+    free, and a load it admitted would fail for want of pages."""
+
+    loads: int
+    saves: int
+
+    @property
+    def total(self) -> int:
+        return self.loads + self.saves
+
+
+def staging_pages(
+    config: ConnectorConfig, identity: ModelIdentity, num_engine_blocks: int
+) -> StagingPages:
+    """A worker's staging pages: ``staging_bytes`` worth, no more than the engine's own
+    blocks, split by ``staging_save_share``, at least one page each. The worker sizes its pool
+    so and the scheduler counts loads against it, so both ask here."""
+    pages = min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
+    saves = int(pages * config.staging_save_share)
+    return StagingPages(loads=max(1, pages - saves), saves=max(1, saves))
 
 
 def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) -> ModelIdentity:

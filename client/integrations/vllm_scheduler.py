@@ -10,11 +10,12 @@ Invariants:
 - A hit never covers a request's last token (vLLM needs one token to compute), and stops at
   the first block that is absent from any rank or held only in a tier the configuration
   excludes.
-- The loads handed to the workers never need more staging pages than a worker's pool has:
-  a hit is cut to the pages that this step's loads planned so far and the async loads still
-  in flight leave free (a worker stages each block of a load in a page of its own, and the
-  pages of a step's loads are taken all at once, or none are: the whole step's loads then
-  fail). A step's loads hold their pages until its forward pass ends; an async load, until
+- The loads handed to the workers never need more staging pages than a worker keeps for
+  loads (``StagingPages.loads``; saves have pages of their own, so saves in flight never
+  take them): a hit is cut to the pages that this step's loads planned so far and the async
+  loads still in flight leave free (a worker stages each block of a load in a page of its
+  own, and the pages of a step's loads are taken all at once, or none are: the whole step's
+  loads then fail). A step's loads hold their pages until its forward pass ends; an async load, until
   the workers report its request in ``finished_recving``, which vLLM passes here even for a
   request aborted meanwhile, so its pages are counted as long as a worker holds them.
 - Every block of a request that this engine computed is offered for storing exactly once:
@@ -95,8 +96,8 @@ class SchedulerSide:
         self.identity = identity
         self.block_tokens = identity.block_tokens
         self.namespaces = [identity.namespace(t, p) for t, p in identity.ranks()]
-        # Pages of a worker's staging pool, as the worker sizes it.
-        self.staging_pages = staging_pages(config, identity, num_engine_blocks)
+        # Pages a worker keeps for loads, as the worker sizes its pool.
+        self.load_pages = staging_pages(config, identity, num_engine_blocks).loads
         self.client = client or Client(
             config.address or None,
             timeout_s=config.lookup_timeout_s,
@@ -245,7 +246,7 @@ class SchedulerSide:
             held = sum(self._async_loading.values())  # this step's loads among them
         else:
             held = sum(len(spec.block_ids) for spec in self._loads)
-        return max(0, self.staging_pages - held)
+        return max(0, self.load_pages - held)
 
     # ------------------------------------------------------------------ steps
 

@@ -19,6 +19,9 @@ Invariants:
   in every layer, in time, is reported through ``get_block_ids_with_load_errors`` in the same
   step (layer-wise loads) or before its request is reported in ``finished_recving`` (async
   loads), and vLLM recomputes it.
+- Saves in flight hold at most ``StagingPages.saves`` pages of the current staging pool (a
+  save that does not fit is not stored), so the pages the scheduler counts as free for loads
+  are free: a load it admitted never fails for want of a page.
 - A staging page is reused only after its transfer ended cleanly; a transfer that timed out
   or lost its daemon retires the whole staging pool (see ``staging``).
 - Saves never hold vLLM's blocks past the step that copies them to staging, so a request's
@@ -202,14 +205,15 @@ class WorkerSide:
         log.info(
             "kvtier connector (worker rank %d): %d layers, %d blocks of %d tokens, %s; "
             "KV cache in private CPU memory: staged through a %d-page shared-memory pool "
-            "(%d MiB); loads %s in %d layer ranges; namespace %s %s",
+            "(%d MiB, %d pages of it for saves); loads %s in %d layer ranges; namespace %s %s",
             self.rank,
             self.num_layers,
             self.num_engine_blocks,
             self.identity.block_tokens,
             self.identity.kv_dtype,
-            self.staging_pages,
-            self.staging_pages * self.identity.block_bytes >> 20,
+            self.staging_pages.total,
+            self.staging_pages.total * self.identity.block_bytes >> 20,
+            self.staging_pages.saves,
             self.config.load_mode,
             len(self.ranges),
             self.namespace.model,
@@ -257,7 +261,7 @@ class WorkerSide:
         self._arena = StagingPool(
             self.client,
             num_layers=self.num_layers,
-            num_pages=self.staging_pages,
+            num_pages=self.staging_pages.total,
             block_tokens=self.identity.block_tokens,
             block_shape=self.block_shape,
             dtype=self.dtype,
@@ -266,7 +270,9 @@ class WorkerSide:
         )
         return self._arena
 
-    def _alloc(self, n: int) -> tuple[StagingPool, list[int]] | None:
+    def _alloc(self, n: int, *, save: bool = False) -> tuple[StagingPool, list[int]] | None:
+        """``n`` pages of the current staging pool; for a save, only within the saves' share
+        (the rest is the loads', which the scheduler counts on)."""
         self._reap_saves()
         try:
             arena = self._staging()
@@ -275,8 +281,15 @@ class WorkerSide:
             return None
         if arena is None:
             return None
+        if save and self._save_pages(arena) + n > self.staging_pages.saves:
+            return None
         pages = arena.alloc(n)
         return (arena, pages) if pages is not None else None
+
+    def _save_pages(self, arena: StagingPool) -> int:
+        """Pages of ``arena`` that saves hold (this step's, and the jobs in flight)."""
+        saves = [*self._save_jobs, self._step_save]
+        return sum(len(s.pages) for s in saves if s is not None and s.arena is arena)
 
     # ------------------------------------------------------------------ loads
 
@@ -440,9 +453,9 @@ class WorkerSide:
         if not self.breaker.ok():
             self.stats["save_blocks_dropped"] += nblocks
             return None
-        got = self._alloc(nblocks)
+        got = self._alloc(nblocks, save=True)
         if got is None:
-            # Staging is full of saves in flight: these blocks are simply not stored.
+            # The saves' share is full of saves in flight: these blocks are simply not stored.
             self.stats["save_blocks_dropped"] += nblocks
             return None
         arena, pages = got

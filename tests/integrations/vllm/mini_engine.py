@@ -7,7 +7,8 @@ tensors of vLLM's CPU shape. ``step()`` does what vLLM's model runner does aroun
 pass, in the same order: bind the metadata, ``start_load_kv``; per layer: write this step's
 KV (a marker per token that encodes the layer, the position and every token before it),
 ``wait_for_layer_load``, ``save_kv_layer``; then ``wait_for_save``, ``get_finished``,
-``get_block_ids_with_load_errors``, and hands vLLM a ``ModelRunnerOutput``. A block that
+``get_block_ids_with_load_errors``, and hands vLLM a ``ModelRunnerOutput`` (as vLLM, a step
+without layer-wise loads calls ``start_load_kv`` after the layers instead). A block that
 holds the right markers therefore holds exactly the KV of its own prefix, wherever it came
 from (computed here, or loaded from kvtier after another engine computed it).
 
@@ -181,12 +182,16 @@ class MiniEngine:
         worker = self.worker
         sampled: dict[str, list[int]] = {}
         writes = self._writes(out)
-        worker.start_load_kv(meta)
+        # vLLM starts a step's async loads after its forward pass has been launched.
+        if out.has_sync_kv_loads:
+            worker.start_load_kv(meta)
         for layer, name in enumerate(self.layer_names):
             for block, offset, code in writes:
                 self.kv[name][block, :, offset, :] = float((code + 17 * layer) % MARK_MOD)
             worker.wait_for_layer_load(name)
             worker.save_kv_layer(name, self.kv[name], meta)
+        if not out.has_sync_kv_loads:
+            worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         sending, recving = worker.get_finished(out.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()

@@ -8,6 +8,7 @@ wrong key, layer or page, or computed with a missing prefix, fails it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -20,6 +21,7 @@ from vllm.v1.request import RequestStatus
 from vllm_harness import make_checkpoint, prompts
 
 from kvtier.client.integrations.vllm_config import ConnectorConfig
+from kvtier.client.jobs import JobState
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -281,12 +283,42 @@ LAYER_BLOCK_BYTES = 2 * BLOCK * 2 * 64 * 2  # MiniEngine: K and V, 2 heads of 64
 
 
 def _small_staging_engine(model_dir, daemon, load_mode, pages=4):
+    """An engine whose workers keep ``pages`` staging pages for loads (and as many for saves)."""
     for prompt in STAGED:
         _store_prompt(model_dir, daemon, prompt)
-    options = _options(daemon, load_mode=load_mode, staging_bytes=pages * 4 * LAYER_BLOCK_BYTES)
-    engine = MiniEngine(model_dir, options)
-    assert engine.worker.staging_pages == pages
+    staging_bytes = 2 * pages * 4 * LAYER_BLOCK_BYTES
+    engine = MiniEngine(
+        model_dir, _options(daemon, load_mode=load_mode, staging_bytes=staging_bytes)
+    )
+    assert (engine.worker.staging_pages.loads, engine.worker.staging_pages.saves) == (pages, pages)
     return engine
+
+
+def _hold_saves(monkeypatch, worker):
+    """The worker's save jobs look in flight to it (the daemon stores them at once) until the
+    returned function is called."""
+    held = [True]
+    submit = worker.client.submit_save
+
+    class Held:
+        def __init__(self, job):
+            self.job = job
+
+        def poll(self):
+            status = self.job.poll()
+            return dataclasses.replace(status, state=JobState.RUNNING) if held[0] else status
+
+        def wait(self, timeout_s=None):
+            return self.poll() if held[0] else self.job.wait(timeout_s)
+
+        def done(self):
+            return not held[0] and self.job.done()
+
+        def cancel(self):
+            self.job.cancel()
+
+    monkeypatch.setattr(worker.client, "submit_save", lambda *a, **kw: Held(submit(*a, **kw)))
+    return lambda: held.__setitem__(0, False)
 
 
 def _run_checking_kv(engine, prompts_by_id, max_steps=200):
@@ -314,8 +346,8 @@ def _run_checking_kv(engine, prompts_by_id, max_steps=200):
 def test_hits_of_one_step_never_need_more_staging_pages_than_the_pool_has(
     model_dir, daemon, load_mode
 ):
-    """Two requests with 3-block hits arrive together at a worker whose staging pool has 4
-    pages. Each hit fits alone; together they do not, and the worker takes a step's pages
+    """Two requests with 3-block hits arrive together at a worker that keeps 4 staging pages
+    for loads. Each hit fits alone; together they do not, and the worker takes a step's pages
     all at once or not at all. Before, both hits were reported: layer-wise, all 6 blocks
     failed to load and were recomputed; async, both loads failed, vLLM put both requests
     back in the queue, the same hits were reported again, and so on forever. Now the second
@@ -335,6 +367,35 @@ def test_hits_of_one_step_never_need_more_staging_pages_than_the_pool_has(
         loads = _run_checking_kv(engine, {"c": STAGED[2]})
         assert loads[0] == {"c": 3} and engine.invalid_reported == set()
     finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_saves_in_flight_never_take_the_pages_of_a_load_the_scheduler_admitted(
+    model_dir, daemon, load_mode, monkeypatch
+):
+    """Regression: the scheduler cut hits to the staging pages it counted free, while saves of
+    earlier steps, still running in the background, held pages it did not count. With a
+    4-block save in flight on an 8-page pool, 3- and 3-block hits were admitted and the step's
+    loads found 4 free pages: layer-wise all 6 blocks failed and were recomputed; async both
+    loads failed and vLLM queued both requests again. Now saves have a share of the pool of
+    their own (4 of the 8 pages) and loads the rest, whatever the saves in flight hold."""
+    engine = _small_staging_engine(model_dir, daemon, load_mode)
+    release = _hold_saves(monkeypatch, engine.worker)
+    try:
+        engine.add("w", prompts(31, 4 * BLOCK, [10])[0], max_tokens=1)
+        engine.step()
+        assert engine.worker.saves_in_flight() == 1  # its 4 blocks' pages
+        engine.add("a", STAGED[0], max_tokens=2)
+        engine.add("b", STAGED[1], max_tokens=2)
+        loads = _run_checking_kv(engine, {"a": STAGED[0], "b": STAGED[1]})
+        assert engine.worker.saves_in_flight() == 1  # held throughout
+        assert engine.invalid_reported == set()
+        assert engine.worker.stats["load_blocks_failed"] == 0
+        assert loads[0] == {"a": 3, "b": 1}
+        assert [len(engine.outputs[r]) for r in "ab"] == [2, 2]
+    finally:
+        release()
         engine.close()
 
 

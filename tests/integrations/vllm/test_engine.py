@@ -14,7 +14,7 @@ Five engine processes run one after the other against one kvtierd, each a fresh 
    stores the same token prefixes under model B's namespace.
 3. ``first``: model A with the connector, on that daemon: it must load nothing (d), produce
    the reference outputs (a), and store its blocks.
-4. ``small_staging``: model A with async loads and a staging pool of 6 blocks, on two
+4. ``small_staging``: model A with async loads and 6 staging blocks for loads, on two
    prompts of different prefixes (one of each group) that find 5 and 3 blocks in kvtier:
    a hit that comes while another load holds the pages must be cut to the pages left
    (before, its load failed, and vLLM queued the request to ask again) (e).
@@ -111,7 +111,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 "connector": {
                     **connector,
                     "load_mode": "async",
-                    "staging_bytes": STAGING_BLOCKS * BLOCK_BYTES,
+                    # Half the pool is for saves.
+                    "staging_bytes": 2 * STAGING_BLOCKS * BLOCK_BYTES,
                 },
                 "phases": [_phase("mixed", MIXED, 16)],
             },
