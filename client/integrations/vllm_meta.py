@@ -48,10 +48,15 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Leases whose loads a worker has finished with: the scheduler releases them."""
+    """What workers tell the scheduler side after a step: leases whose loads they have
+    finished with (the scheduler releases them), and requests whose load failed in part on
+    some worker (the scheduler offers those no hit again)."""
 
     done_leases: set[int] = field(default_factory=set)
+    failed_loads: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
-        return KVTierWorkerMetadata(self.done_leases | other.done_leases)
+        return KVTierWorkerMetadata(
+            self.done_leases | other.done_leases, self.failed_loads | other.failed_loads
+        )

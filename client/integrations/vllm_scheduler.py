@@ -29,6 +29,11 @@ Invariants:
   requests are scheduled as if nothing were cached and nothing is saved.
 - A request whose LoRA adapter has no key (not a local folder; see ``vllm_config``) is never
   looked up nor saved.
+- A request whose load failed (a worker names it in ``KVTierWorkerMetadata.failed_loads``)
+  is offered no hit again; it recomputes. An async load that fails puts the request back in
+  vLLM's queue with nothing computed, and vLLM asks here again: offered the same hit, a load
+  that keeps failing for a reason of its own (data lost behind an index that still lists it,
+  a worker that cannot stage) would go round forever.
 
 Thread-safety: none; vLLM calls the scheduler connector from one thread.
 """
@@ -79,6 +84,7 @@ class _Request:
     leases: dict[int, int] = field(default_factory=dict)
     lookups: int = 0  # get_num_new_matched_tokens calls: more than one, the request waited
     hinted: bool = False
+    load_failed: bool = False  # a worker reported its load failed: no hit is offered again
 
     def tokens(self) -> Any:
         return self.request.all_token_ids
@@ -122,6 +128,7 @@ class SchedulerSide:
             "hints": 0,
             "hint_blocks": 0,
             "hint_errors": 0,
+            "failed_load_requests": 0,
         }
 
     # ---------------------------------------------------------------- lookups
@@ -133,7 +140,7 @@ class SchedulerSide:
         if state is None:
             return 0, False
         state.hit_start, state.hit_blocks, state.hit_tiers = 0, 0, []
-        if not self.config.load or not self.breaker.ok():
+        if not self.config.load or state.load_failed or not self.breaker.ok():
             return 0, False
         n = self.block_tokens
         start = num_computed_tokens // n
@@ -335,6 +342,11 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMetadata):
             for lease in meta.done_leases:
                 self._release(lease)
+            for req_id in meta.failed_loads:
+                state = self._requests.get(req_id)
+                if state is not None and not state.load_failed:
+                    state.load_failed = True
+                    self.stats["failed_load_requests"] += 1
 
     def _release(self, lease: int) -> None:
         req_id = self._lease_owner.pop(lease, None)

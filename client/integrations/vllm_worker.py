@@ -18,7 +18,8 @@ Invariants:
 - vLLM never computes with KV this side did not check: a block whose load did not complete
   in every layer, in time, is reported through ``get_block_ids_with_load_errors`` in the same
   step (layer-wise loads) or before its request is reported in ``finished_recving`` (async
-  loads), and vLLM recomputes it.
+  loads), and vLLM recomputes it. Its request is named to the scheduler side in the same
+  step (``KVTierWorkerMetadata.failed_loads``), which then offers it no hit again.
 - Saves in flight hold at most ``StagingPages.saves`` pages of the current staging pool (a
   save that does not fit is not stored), so the pages the scheduler counts as free for loads
   are free: a load it admitted never fails for want of a page.
@@ -154,6 +155,7 @@ class WorkerSide:
         self._save_jobs: list[_Save] = []
         self._invalid: set[int] = set()
         self._done_leases: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed, to report
         self._sending: set[str] = set()  # finish-saves copied, to report
         self._finished_seen: set[str] = set()
         self._recving: set[str] = set()
@@ -395,7 +397,12 @@ class WorkerSide:
             self._check_job(load.job.poll(), "load", load.arena)
         if load.arena is not None:
             load.arena.free(load.pages)
+        offset = 0
         for spec in load.specs:
+            n = len(spec.block_ids)
+            if not load.ok[offset : offset + n].all():
+                self._failed_loads.add(spec.req_id)
+            offset += n
             lease = spec.leases.get(self.rank)
             if lease:
                 self._done_leases.add(lease)
@@ -563,10 +570,11 @@ class WorkerSide:
         return invalid
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
-        if not self._done_leases:
+        if not self._done_leases and not self._failed_loads:
             return None
-        done, self._done_leases = self._done_leases, set()
-        return KVTierWorkerMetadata(done)
+        meta = KVTierWorkerMetadata(self._done_leases, self._failed_loads)
+        self._done_leases, self._failed_loads = set(), set()
+        return meta
 
     def shutdown(self) -> None:
         """Let saves in flight finish (up to ``shutdown_timeout_s``), then let go."""

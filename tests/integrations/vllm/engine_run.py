@@ -1,6 +1,7 @@
 """One real vLLM engine run, as a subprocess of the tests: ``python engine_run.py SPEC OUT``.
 
-SPEC (JSON) names the model, the connector options (null: no connector) and phases; each
+SPEC (JSON) names the model, the connector options (null: no connector), optionally the
+connector's class (``connector_class``: [module, name]; kvtier's by default) and phases; each
 phase generates greedily from token-id prompts. OUT (JSON) gets, per phase, the outputs,
 each request's cached-token count, vLLM's prefix-cache counters and (with a connector) the
 kvtier daemon's counters after the phase. A phase may SIGKILL a process (the daemon) a
@@ -65,9 +66,12 @@ def main() -> int:
     kwargs: dict[str, Any] = {}
     connector = spec.get("connector")
     if connector is not None:
+        module, name = spec.get(
+            "connector_class", ["kvtier.client.integrations.vllm", "KVTierConnector"]
+        )
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.client.integrations.vllm",
+            kv_connector=name,
+            kv_connector_module_path=module,
             kv_role="kv_both",
             kv_connector_extra_config=connector,
         )

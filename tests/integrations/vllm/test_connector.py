@@ -21,7 +21,7 @@ from vllm.v1.request import RequestStatus
 from vllm_harness import make_checkpoint, prompts
 
 from kvtier.client.integrations.vllm_config import ConnectorConfig
-from kvtier.client.jobs import JobState
+from kvtier.client.jobs import JobState, LoadSegment
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -208,6 +208,45 @@ def test_blocks_that_fail_to_load_are_reported_and_recomputed(model_dir, daemon)
         assert engine.blocks_hold_their_prefix("r", len(PROMPT))
         engine.run()
         assert len(engine.outputs["r"]) == 3
+    finally:
+        engine.close()
+
+
+def _lose_blocks(monkeypatch, worker):
+    """The daemon has lost the data of every block the worker loads while its index still
+    lists them (lookups find them): each load's keys are swapped for keys it never held."""
+    submit = worker.client.submit_load
+
+    def lost(pool, segments, **kwargs):
+        gone = [LoadSegment([os.urandom(32) for _ in s.keys], s.pages) for s in segments]
+        return submit(pool, gone, **kwargs)
+
+    monkeypatch.setattr(worker.client, "submit_load", lost)
+
+
+def test_a_request_whose_async_load_failed_is_not_offered_its_hit_again(
+    model_dir, daemon, monkeypatch
+):
+    """Regression: a failed async load puts the request back in vLLM's queue with nothing
+    computed, vLLM asks the connector again, and the same hit came back: a load that kept
+    failing went round forever (50 MiniEngine steps without an end, one failed load each).
+    The worker now names the request whose load failed, and the scheduler offers it no hit
+    again, so it recomputes after one failure; other requests are still offered theirs."""
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon, load_mode="async"))
+    side = engine.connector.scheduler_side
+    _lose_blocks(monkeypatch, engine.worker)
+    try:
+        request = engine.add("r", PROMPT, max_tokens=2)
+        loads = _run_checking_kv(engine, {"r": PROMPT}, max_steps=50)
+        assert [step for step in loads if step] == [{"r": 3}]
+        assert engine.worker.stats["load_blocks_failed"] == 3 and len(engine.invalid_reported) == 3
+        assert side.stats["failed_load_requests"] == 1
+        assert len(engine.outputs["r"]) == 2 and request.num_computed_tokens > len(PROMPT)
+        # The hit is the request's to lose, not the prefix's.
+        other = engine.add("s", PROMPT, max_tokens=1)
+        assert side.get_num_new_matched_tokens(other, 0) == (3 * BLOCK, True)
+        engine.scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
     finally:
         engine.close()
 

@@ -1,6 +1,6 @@
 """kvtier behind real vLLM engines (vLLM's CPU build, a tiny random Llama, token-id prompts).
 
-Five engine processes run one after the other against one kvtierd, each a fresh vLLM
+Six engine processes run one after the other against one kvtierd, each a fresh vLLM
 (``engine_run.py``):
 
 1. ``reference``: model A, no connector: the outputs every other run must reproduce. Each
@@ -18,7 +18,11 @@ Five engine processes run one after the other against one kvtierd, each a fresh 
    prompts of different prefixes (one of each group) that find 5 and 3 blocks in kvtier:
    a hit that comes while another load holds the pages must be cut to the pages left
    (before, its load failed, and vLLM queued the request to ask again) (e).
-5. ``second``: model A again, after ``first`` exited: it loads the shared prefixes from
+5. ``lossy``: model A with async loads through a connector whose every load misses (the
+   daemon seems to have lost what its index lists): each request whose load failed is
+   recomputed, once (before, vLLM queued it again, the same hit came back, and the engine
+   went round for good) (f).
+6. ``second``: model A again, after ``first`` exited: it loads the shared prefixes from
    kvtier, vLLM's and kvtier's counters agree on how many tokens (b), and outputs match
    (a); then the daemon is killed mid-phase and later requests still complete with the
    reference outputs (c).
@@ -118,6 +122,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
             },
             timeout_s=300,
         )
+        out["lossy"] = run_engine(
+            work,
+            "lossy",
+            {
+                "model": str(model_a),
+                "connector": {**connector, "load_mode": "async"},
+                "connector_class": ["lossy_connector", "LossyConnector"],
+                "phases": [_phase("first", GROUP_FIRST, 16)],
+            },
+            timeout_s=300,
+        )
         assert daemon.proc is not None
         out["second"] = run_engine(
             work,
@@ -177,7 +192,7 @@ def test_d_another_model_config_never_loads(runs):
 def test_b_a_second_engine_loads_the_shared_prefix_from_kvtier(runs):
     second = runs["second"]
     # The daemon's counters when the run before `second` ended.
-    before = runs["small_staging"]["phases"]["mixed"]["kvtier"]
+    before = runs["lossy"]["phases"]["first"]["kvtier"]
     phase = second["phases"]["first"]
     loaded_blocks = phase["kvtier"]["get_blocks_loaded"] - before.get("get_blocks_loaded", 0)
     external_tokens = _delta(second, "first", None, "vllm:external_prefix_cache_hits")
@@ -226,3 +241,16 @@ def test_e_async_hits_are_cut_to_the_staging_pages_left(runs):
     first, kill = _outputs(run, "mixed")
     assert first == _outputs(ref, "first_warm")[0]
     assert kill in (_outputs(ref, "kill")[0][:16], _outputs(ref, "kill_warm")[0][:16])
+
+
+def test_f_a_request_whose_async_load_failed_is_recomputed_once(runs):
+    """Every load of the ``lossy`` run misses; each request that was offered a hit recomputes
+    after its one failed load, with vLLM's own outputs, and the run ends."""
+    run = runs["lossy"]
+    phase = run["phases"]["first"]
+    before = runs["small_staging"]["phases"]["mixed"]["kvtier"]
+    assert phase["kvtier"]["get_blocks_loaded"] == before.get("get_blocks_loaded", 0)
+    assert "did not load" in run["log"]
+    ref = runs["reference"]
+    for i, got in enumerate(_outputs(run, "first")):
+        assert got in (_outputs(ref, "first")[i], _outputs(ref, "first_warm")[i]), i

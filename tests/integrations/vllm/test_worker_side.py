@@ -65,6 +65,9 @@ def test_a_block_without_a_key_does_not_shift_the_blocks_after_it(daemon):
         ]
         invalid = run_step(loader, KVTierConnectorMetadata(loads=loads))
         assert 1 in invalid
+        # Only the request whose load failed is named to the scheduler side.
+        meta = loader.build_connector_worker_meta()
+        assert meta is not None and meta.failed_loads == {"short"}
         expected = {0: 0, 2: 1, 3: 2}  # engine block: the stored block its key names
         for layer, t in enumerate(kv):
             for block, source in expected.items():
