@@ -24,6 +24,7 @@ from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME
+from kvtier.tiers.disk.tier import space_shortfall
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -220,22 +221,9 @@ def _disk(config: Config) -> list[Problem]:
         return [Problem("tiers.l2.path", odd)]
     if (in_use := _locked(directory / LOCK_NAME)) is not None:
         return [Problem("tiers.l2.path", f"L2 directory {directory} is in use: {in_use}")]
-    held = 0
-    if directory.is_dir():
-        for path in directory.glob(DATA_GLOB):
-            # Preallocated data files are reused: the blocks they hold already count.
-            held += path.stat().st_blocks * 512
-    vfs = os.statvfs(existing)
-    free = vfs.f_bavail * vfs.f_frsize
-    missing = max(0, l2.capacity_bytes - held)
-    if missing > free:
-        return [
-            Problem(
-                "tiers.l2.capacity_bytes",
-                f"L2 directory {directory} cannot hold {format_size(l2.capacity_bytes)}: it "
-                f"needs {missing >> 20} MiB more and the filesystem has {free >> 20} MiB free",
-            )
-        ]
+    shortfall = space_shortfall(directory, l2.capacity_bytes, l2.segment_bytes, l2.file_bytes)
+    if shortfall is not None:
+        return [Problem("tiers.l2.capacity_bytes", str(shortfall))]
     return []
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def test_an_l2_larger_than_the_disk_is_refused(tmp_path):
     )
     problems = preflight.check(config, HOST)
     assert _keys(problems) == ["tiers.l2.capacity_bytes"]
-    assert "cannot hold 100TiB" in str(problems[0])
+    assert "cannot hold tiers.l2.capacity_bytes=100TiB" in str(problems[0])
     assert not (tmp_path / "l2").exists()  # nothing was created
 
 
@@ -352,6 +353,55 @@ def test_an_l2_file_that_is_a_directory_is_refused_by_the_checks(tmp_path, name)
     problems = preflight.check(config, HOST)
     assert _keys(problems) == ["tiers.l2.path"]
     assert f"L2 file {directory / name} is a directory" in str(problems[0])
+
+
+def test_regression_an_l2_within_its_index_of_the_free_space_passed_the_check(
+    tmp_path, monkeypatch
+):
+    """--check-config (and the daemon's own preflight) said ok for an L2 capacity within
+    ~20 KiB of the filesystem's free space; the disk tier then refused to start, its index
+    having taken those bytes before it checked. One rule (``space_shortfall``) now answers
+    both, on a filesystem whose free space is ``total`` less what the tier's files hold."""
+    from kvtier.tiers.base import TierUnavailable
+    from kvtier.tiers.disk import DiskTier
+
+    real_statvfs = os.statvfs
+    total = 0
+
+    def statvfs(path):
+        if not str(path).startswith(str(tmp_path)):
+            return real_statvfs(path)
+        held = sum(p.lstat().st_blocks * 512 for p in tmp_path.rglob("*"))
+        free = max(0, total - held) // 4096
+        return os.statvfs_result((4096, 4096, total // 4096, free, free, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    data = 4 << 20
+    outcomes = []
+    for total in [data + (k << 10) for k in (-4, 0, 4, 20, 40, 1020, 1024, 1028, 2048)]:
+        directory = tmp_path / f"l2-{total}"
+        config = load_config(
+            None,
+            [
+                f"server.socket={tmp_path}/s.sock",
+                "tiers.l2.enabled=true",
+                f"tiers.l2.path={directory}",
+                "tiers.l2.capacity_bytes=4MiB",
+                "tiers.l2.segment_bytes=1MiB",
+            ],
+        )
+        problems = preflight.check(config, HOST)
+        try:
+            DiskTier(directory, 4 << 20, 1 << 20).close()
+            started = True
+        except TierUnavailable as e:
+            assert "cannot hold" in str(e)
+            started = False
+        assert started == (problems == []), (total, problems)
+        outcomes.append(started)
+        shutil.rmtree(directory)
+    # Room for the data files alone is refused: the tier's index needs some too.
+    assert outcomes == [False] * 6 + [True] * 3
 
 
 def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(

@@ -195,21 +195,8 @@ class SlotFiles:
         return divmod(offset, self.file_bytes)
 
     def prepare(self, capacity_bytes: int) -> None:
-        """Create and preallocate the data files; TierUnavailable when they do not fit."""
-        missing = 0
-        for path, size in zip(self.paths, self.sizes, strict=True):
-            try:
-                missing += max(0, size - path.stat().st_blocks * 512)
-            except FileNotFoundError:
-                missing += size
-        vfs = os.statvfs(self.directory)
-        free = vfs.f_bavail * vfs.f_frsize
-        if missing > free:
-            raise TierUnavailable(
-                f"L2 directory {self.directory} cannot hold tiers.l2.capacity_bytes="
-                f"{capacity_bytes}: it needs {missing >> 20} MiB more and the filesystem has "
-                f"{free >> 20} MiB free"
-            )
+        """Create and preallocate the data files; TierUnavailable when that fails (the tier
+        checks the space first: ``tier.space_shortfall``)."""
         created: list[Path] = []
         path = self.paths[0]
         try:

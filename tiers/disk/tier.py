@@ -108,8 +108,93 @@ MAX_FILES = 256
 # that long make the open fail.
 PROBE_WAIT_S = 2.0
 PROBE_RETRY_S = 0.01
+# Room a directory must have, beside its data files, for the tier's other files (the index,
+# its -wal and -shm, the lock) and the folder itself: a new index alone takes ~20 KiB, made
+# after the space is checked. Counted less what those files already hold, so the check before
+# anything exists (``kvtierd --check-config``, the daemon's preflight) and the tier's own give
+# the same answer (a capacity within ~20 KiB of the free space passed the first and failed
+# the second).
+AUX_RESERVE_BYTES = 1 << 20
 
 _LOGGED_FAILURES = 16
+
+
+# ---------------------------------------------------------------------------------- space
+
+
+def choose_file_bytes(capacity_bytes: int, segment_bytes: int, file_bytes: int | None) -> int:
+    """The size of each data file: ``file_bytes`` (default ``DEFAULT_FILE_BYTES``) rounded up
+    to whole segments, and large enough that at most ``MAX_FILES`` files hold the capacity."""
+    want = DEFAULT_FILE_BYTES if file_bytes is None else file_bytes
+    if want <= 0:
+        raise ValueError(f"file_bytes must be positive, not {want}")
+    want = max(want, -(-capacity_bytes // MAX_FILES))
+    return -(-want // segment_bytes) * segment_bytes
+
+
+class SpaceShortfall(NamedTuple):
+    """What an L2 directory lacks: the bytes its files still need and the filesystem's free
+    bytes (fewer than needed)."""
+
+    directory: Path
+    capacity_bytes: int
+    needed_bytes: int
+    free_bytes: int
+
+    def __str__(self) -> str:
+        return (
+            f"L2 directory {self.directory} cannot hold tiers.l2.capacity_bytes="
+            f"{_exact_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} more "
+            f"(the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and lock) and the "
+            f"filesystem has {_mib(self.free_bytes)} free"
+        )
+
+
+def space_shortfall(
+    directory: str | os.PathLike[str],
+    capacity_bytes: int,
+    segment_bytes: int,
+    file_bytes: int | None = None,
+) -> SpaceShortfall | None:
+    """Whether the filesystem of ``directory`` (made or not) lacks room for a tier of this
+    geometry: the data files' bytes not yet allocated, plus ``AUX_RESERVE_BYTES`` less what the
+    tier's other files and the folder already hold. The one rule of the daemon's preflight and
+    of ``DiskTier``'s open. Reads only; creates nothing."""
+    directory = Path(os.path.abspath(directory))
+    capacity = capacity_bytes // segment_bytes * segment_bytes  # as the allocator rounds it
+    files = layout(directory, capacity, choose_file_bytes(capacity, segment_bytes, file_bytes))
+    needed = sum(max(0, size - _allocated(path)) for path, size in files)
+    aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
+    held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
+    needed += max(0, AUX_RESERVE_BYTES - held)
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    vfs = os.statvfs(existing)
+    free = vfs.f_bavail * vfs.f_frsize
+    if needed <= free:
+        return None
+    return SpaceShortfall(directory, capacity, needed, free)
+
+
+def _allocated(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
+
+
+def _mib(nbytes: int) -> str:
+    if nbytes >= 10 << 30:
+        return f"{nbytes / (1 << 30):.1f} GiB"
+    return f"{nbytes / (1 << 20):.2f} MiB"
+
+
+def _exact_size(nbytes: int) -> str:
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if nbytes and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
 
 
 # ---------------------------------------------------------------------------------- items
@@ -340,7 +425,9 @@ class DiskTier:
         self.allocator = _Slab(capacity_bytes, segment_bytes)
         self.io_threads = io_threads
         self._clock = clock
-        self._file_bytes = self._choose_file_bytes(file_bytes)
+        self._file_bytes = choose_file_bytes(
+            self.allocator.capacity_bytes, self.allocator.segment_bytes, file_bytes
+        )
         self._backend = backend or OsFiles()
         self.faults = FaultState(enospc_retry_s)
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
@@ -364,6 +451,14 @@ class DiskTier:
         try:
             self._make_directory()
             self._lock_directory()
+            shortfall = space_shortfall(
+                self.directory,
+                self.allocator.capacity_bytes,
+                self.allocator.segment_bytes,
+                self._file_bytes,
+            )
+            if shortfall is not None:
+                raise TierUnavailable(str(shortfall))
             # The index is made before the data files, so data files without one mean it was
             # deleted (by hand, or a clean-up script): their blocks cannot be found again.
             orphans = (
@@ -960,14 +1055,6 @@ class DiskTier:
             raise RuntimeError("the L2 tier is closed")
 
     # ------------------------------------------------------------- opening and recovery
-
-    def _choose_file_bytes(self, file_bytes: int | None) -> int:
-        seg = self.allocator.segment_bytes
-        want = DEFAULT_FILE_BYTES if file_bytes is None else file_bytes
-        if want <= 0:
-            raise ValueError(f"file_bytes must be positive, not {want}")
-        want = max(want, -(-self.allocator.capacity_bytes // MAX_FILES))
-        return -(-want // seg) * seg
 
     def _make_directory(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
