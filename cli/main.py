@@ -12,7 +12,8 @@ draining), 3 unreachable.
 The admin commands need an admin session (root, the daemon's user, ``server.admin_uids``,
 or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every invariant holds,
 1 with the list of what is broken, 2 when it could not ask; ``kvtier drain`` stops the daemon
-taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain) and
+taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain;
+0 if the daemon stops meanwhile, which ends them all, so a rollout's next step may follow) and
 ``kvtier drain --resume`` takes them again.
 """
 
@@ -27,8 +28,23 @@ import sys
 import time
 from collections.abc import Callable
 
-from kvtier.client import Client, DeadlineExceededError, KvtierError, UnavailableError
-from kvtier.client.types import address_hint, resolve_address
+import grpc
+
+from kvtier.client import (
+    Client,
+    DeadlineExceededError,
+    KvtierError,
+    NotFoundError,
+    UnavailableError,
+)
+from kvtier.client.types import (
+    DrainResult,
+    address_hint,
+    build_request,
+    drain_result,
+    resolve_address,
+)
+from kvtier.proto import kvtier_pb2 as pb
 
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
 # kvtier check: 0 every invariant holds, 1 some broken, 2 could not ask.
@@ -259,6 +275,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        asked = time.monotonic()  # the daemon that answers started before this
         state = client.drain(resume=args.resume)
         if args.resume:
             print(f"resumed: kvtierd at {client.address} takes new sessions again")
@@ -267,11 +284,14 @@ def _drain(args: argparse.Namespace) -> int:
             f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
             f"{state.sessions} other sessions open"
         )
+        if args.wait <= 0:
+            return 0
+        session = client.session_id
         deadline = time.monotonic() + args.wait
         while state.sessions and time.monotonic() < deadline:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
             try:
-                state = client.drain()
+                state = _drain_state(client, session)
             except UnavailableError as e:
                 # It answered a moment ago: it is stopping (SIGTERM ends every session
                 # first) or gone, and no session is open on it either way.
@@ -279,12 +299,49 @@ def _drain(args: argparse.Namespace) -> int:
                     f"stopped: kvtierd at {client.address} went away while draining ({e.details})"
                 )
                 return 0
-        if args.wait > 0:
-            if state.sessions:
-                print(f"{state.sessions} sessions still open after {args.wait:g}s")
-                return 1
-            print("drained: no other session is open")
+            except NotFoundError as e:
+                if not e.session_gone:
+                    raise
+                # The session that drained is gone: the daemon restarted, or a reload of its
+                # tenants ended the session. Only the daemon that was drained is drained again;
+                # one that started after it answered is another.
+                try:
+                    restarted = _started_at(client) > asked
+                except UnavailableError as gone:
+                    print(
+                        f"stopped: kvtierd at {client.address} went away while draining "
+                        f"({gone.details})"
+                    )
+                    return 0
+                if restarted:
+                    print(
+                        f"stopped: kvtierd at {client.address} restarted while draining; the "
+                        "daemon serving there now was not drained"
+                    )
+                    return 0
+                state, session = client.drain(), client.session_id
+        if state.sessions:
+            print(f"{state.sessions} sessions still open after {args.wait:g}s")
+            return 1
+        print("drained: no other session is open")
     return 0
+
+
+def _started_at(client: Client) -> float:
+    """When the daemon at the client's address started, on this host's monotonic clock (a
+    little later: its answer's way back counts as uptime it did not have)."""
+    return time.monotonic() - client.stats().uptime_s
+
+
+def _drain_state(client: Client, session_id: str) -> DrainResult:
+    """The drain's state, asked in the session ``session_id`` only: ``Client.drain`` sends a
+    call whose session is gone again in a new one, which drains whatever daemon now serves
+    the address."""
+    request = build_request(pb.DrainRequest, session_id=session_id)
+    try:
+        return drain_result(client.call("Drain", request, client.timeout_s))
+    except grpc.RpcError as e:
+        raise client.error_of(e) from None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -389,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         help="stop a daemon taking new sessions, e.g. before maintenance (admin)",
         description="The daemon refuses new sessions (but admins') and reports NOT_SERVING "
         "to health checks; open sessions carry on. Exit status with --wait: 0 once no other "
-        "session is open, 1 if some still are after S seconds.",
+        "session is open, or once the daemon stops (SIGTERM ends every session: 'stopped: "
+        "... went away while draining'); 1 if some still are open after S seconds.",
     )
     d.add_argument(
         "--wait",

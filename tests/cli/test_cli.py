@@ -359,6 +359,53 @@ def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
     assert out.startswith(f"stopped: kvtierd at {d.address} went away while draining"), out
 
 
+def test_regression_drain_wait_drained_the_daemon_that_restarted_meanwhile(
+    daemon_factory, capsys, monkeypatch
+):
+    """`kvtier drain --wait` polled by sending Drain again, in a new session when its own had
+    gone: a daemon restarted while it waited (systemd's Restart=, another operator) was
+    drained by the poll, and turned engines away until someone resumed it. The poll now asks
+    in the session that drained; that session gone with a new daemon at the address, the
+    wait ends (exit 0) and the new daemon serves."""
+    from kvtier.cli import main as cli
+
+    d = daemon_factory()
+    asleep, gate = threading.Event(), threading.Event()
+
+    class Clock:
+        monotonic = staticmethod(cli.time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            asleep.set()
+            assert gate.wait(60)
+
+    monkeypatch.setattr(cli, "time", Clock)
+    result: queue.Queue[int] = queue.Queue()
+    with d.client() as holder:
+        holder.stats()  # a session the drain waits for
+        waiter = threading.Thread(
+            target=lambda: result.put(cli.main(["--address", d.address, "drain", "--wait", "60"]))
+        )
+        waiter.start()
+        assert asleep.wait(60)  # it drained, and waits to ask again
+        d.stop()
+        d.start()
+        gate.set()
+        waiter.join(60)
+    assert result.get_nowait() == 0
+    out = capsys.readouterr().out
+    assert "restarted while draining" in out, out
+    with d.client() as client:
+        assert client.health()  # serving: not drained
+        assert not client.drain(resume=True).draining
+
+
+def test_drain_help_says_how_a_stop_ends_the_wait(capsys):
+    code, out, _ = run_main(capsys, "drain", "--help")
+    assert code == 0 and "once the daemon stops" in " ".join(out.split())
+
+
 def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(capsys):
     """The check took only 'unix:PATH': the URI form 'unix:///PATH' of the same too-long path
     went to gRPC as before (its core's line, UNKNOWN 'Failed to create channel', health 1)."""
