@@ -107,6 +107,10 @@ def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
     if isinstance(error, UnavailableError) and error.answered:
         # It is running: it said why it takes no such call now (draining, stopping).
         return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
+    if error.code == grpc.StatusCode.CANCELLED:
+        # Its gRPC server took the call and ended it unanswered (stopping, or too busy): it
+        # was reached, and the details say so.
+        return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
     return (
         f"kvtier: cannot reach kvtierd at {address} ({address_hint(args.address)}): "
         f"{error.details}\n"
@@ -234,7 +238,18 @@ def _health(args: argparse.Namespace) -> int:
         if not serving:
             print(f"not serving: kvtierd at {client.address} is starting, stopping or draining")
             return NOT_SERVING
-        stats = client.stats()
+        try:
+            stats = client.stats()
+        except (UnavailableError, DeadlineExceededError) as e:
+            # It was serving a moment ago: it began to stop or drain since (it said so, or its
+            # server ended the call), or it went away.
+            if isinstance(e, UnavailableError) and (
+                e.answered or e.code == grpc.StatusCode.CANCELLED
+            ):
+                print(f"not serving: kvtierd at {client.address}: {e.details}")
+                return NOT_SERVING
+            print(_unreachable(args, e), file=sys.stderr)
+            return UNREACHABLE
     finally:
         client.close()
     bad = [t for t in stats.tiers if t.state != "ok"]

@@ -406,6 +406,62 @@ def test_drain_help_says_how_a_stop_ends_the_wait(capsys):
     assert code == 0 and "once the daemon stops" in " ".join(out.split())
 
 
+def _cancelled() -> Exception:
+    """What a client gets for a call the daemon's gRPC server ended unanswered (its stop)."""
+    import grpc
+
+    from kvtier.client.errors import from_rpc_error
+
+    class Failed(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.CANCELLED
+
+        def details(self):
+            return "CANCELLED"
+
+    return from_rpc_error(Failed())
+
+
+def test_regression_a_call_the_stopping_daemon_ended_was_called_unreachable(
+    daemon, capsys, monkeypatch
+):
+    """`kvtier stats` whose call the daemon's gRPC server ended unanswered (CANCELLED, as at
+    its stop) said 'cannot reach kvtierd ... Is the daemon running? Start it with kvtierd'
+    under 'the daemon is stopping': it was reached."""
+    from kvtier.client import Client
+
+    def stats(self):
+        raise _cancelled()
+
+    monkeypatch.setattr(Client, "stats", stats)
+    code, _, err = run_main(capsys, "--address", daemon.address, "stats")
+    assert code == 1
+    assert err.startswith(f"kvtier: kvtierd at {daemon.address} is unavailable: "), err
+    assert "stopping" in err and "cannot reach" not in err and "Is the daemon" not in err
+
+
+@pytest.mark.parametrize("answered", [True, False])
+def test_regression_health_said_degraded_for_a_daemon_that_began_to_stop(
+    daemon, capsys, monkeypatch, answered
+):
+    """`kvtier health` asks the health service, then stats: a daemon that began to stop (or
+    drain) between the two made stats fail UNAVAILABLE, which ended the probe with exit 1,
+    'degraded'. It is 2, not serving."""
+    from kvtier.client import Client, UnavailableError
+
+    def stats(self):
+        if not answered:
+            raise _cancelled()
+        error = UnavailableError("the daemon is stopping; it takes no new requests")
+        error.answered = True
+        raise error
+
+    monkeypatch.setattr(Client, "stats", stats)
+    code, out, err = run_main(capsys, "--address", daemon.address, "health")
+    assert code == 2, (out, err)
+    assert out.startswith(f"not serving: kvtierd at {daemon.address}: ") and "stopping" in out
+
+
 def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(capsys):
     """The check took only 'unix:PATH': the URI form 'unix:///PATH' of the same too-long path
     went to gRPC as before (its core's line, UNKNOWN 'Failed to create channel', health 1)."""
