@@ -866,6 +866,8 @@ def wait_until_serving(
             with Client(address, timeout_s=2.0) as client:
                 if client.health():
                     return
+        except InvalidArgumentError:
+            raise  # an address no daemon can have: waiting will not mend it
         except KvtierError:
             pass
         time.sleep(0.05)

@@ -176,7 +176,10 @@ def resolve_address(address: str | None) -> str:
     Unix socket paths are made absolute."""
     address = address or os.environ.get(ADDRESS_ENV) or "unix:" + paths.default_client_socket()
     if address.startswith("unix:") and not address.startswith("unix://"):
-        return "unix:" + os.path.abspath(address[len("unix:") :])
+        # An empty path stays empty (``checked_address`` refuses it): abspath made it the
+        # working directory.
+        path = address[len("unix:") :]
+        return "unix:" + os.path.abspath(path) if path else address
     if address.startswith("/") or address.startswith("."):
         return "unix:" + os.path.abspath(address)
     return address
@@ -186,10 +189,17 @@ def resolve_address(address: str | None) -> str:
 MAX_UNIX_PATH_BYTES = 107
 
 
+# "host:port", "[v6]:port", "dns:[//authority/]host:port" and one "ipv4:"/"ipv6:" address:
+# the TCP forms whose port is checked (gRPC's other target forms are left to gRPC).
+_HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):(\d+)")
+
+
 def checked_address(address: str) -> str:
-    """``address``, or InvalidArgumentError when it names a Unix socket path that no socket can
-    have: gRPC took such a channel and failed each call with UNKNOWN 'Failed to create
-    channel', after its core printed a line of its own."""
+    """``address``, or InvalidArgumentError when no daemon can have it: a Unix socket path
+    that no socket can have (gRPC took such a channel and failed each call with UNKNOWN
+    'Failed to create channel', after its core printed a line of its own), or none at all; a
+    TCP port past 65535 (gRPC took it modulo 65536: ``localhost:99999`` connected to port
+    34463, and sent a tenant's token to whatever listened there)."""
     # "unix:PATH" and "unix:///abs/path" (the URI form, which resolve_address leaves as is)
     # name the same kind of socket; both are checked.
     path = None
@@ -197,7 +207,15 @@ def checked_address(address: str) -> str:
         path = address[len("unix://") :]
     elif address.startswith("unix:"):
         path = address[len("unix:") :]
+    elif (tcp := _HOST_PORT.fullmatch(address)) is not None:
+        port = int(tcp.group(1))
+        if not 0 < port < 65536:
+            raise InvalidArgumentError(
+                f"address {address}: port {port} is not a TCP port (1 to 65535)"
+            )
     if path is not None:
+        if not path:
+            raise InvalidArgumentError(f"address {address!r} names no Unix socket path")
         size = len(path.encode())
         if size > MAX_UNIX_PATH_BYTES:
             raise InvalidArgumentError(

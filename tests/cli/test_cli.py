@@ -468,3 +468,29 @@ def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(ca
     address = "unix:///tmp/" + "x" * 120 + ".sock"
     code, _, err = run_main(capsys, "--address", address, "health")
     assert code == 3 and "at most 107 bytes" in err
+
+
+@pytest.mark.parametrize(
+    "address, says",
+    [
+        ("unix:", "names no Unix socket path"),
+        ("unix://", "names no Unix socket path"),
+        ("localhost:99999", "port 99999 is not a TCP port"),
+        ("[::1]:70000", "port 70000 is not a TCP port"),
+        ("dns:///localhost:65536", "port 65536 is not a TCP port"),
+        ("ipv4:127.0.0.1:0", "port 0 is not a TCP port"),
+    ],
+)
+def test_regression_an_address_no_daemon_can_have_was_taken(capsys, address, says):
+    """'unix:' named the working directory (made absolute), and a port past 65535 was taken
+    modulo 65536 by gRPC: `localhost:99999` connected to port 34463 (and would send a
+    tenant's token to whatever listened there). Both are refused before anything is sent."""
+    from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(InvalidArgumentError, match=says):
+            make(address)
+    with pytest.raises(InvalidArgumentError, match=says):
+        wait_until_serving(address, timeout_s=30)  # at once, not after 30 s
+    code, _, err = run_main(capsys, "--address", address, "health")
+    assert code == 3 and says in err
