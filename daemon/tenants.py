@@ -339,9 +339,10 @@ class TenantDirectory:
         space_name, _, name = declared[len(SHARED_PREFIX) :].partition("/")
         space = self.shared.get(space_name)
         if space is None or not (admin or tenant in space.tenants):
-            shown = space_name if TENANT_NAME.fullmatch(space_name) else "named"
+            # A name that is no shared namespace's is not echoed (it is the client's text).
+            shown = repr(space_name) if TENANT_NAME.fullmatch(space_name) else "of that name"
             raise PermissionDenied(
-                f"tenant {tenant!r} may use no shared namespace {shown!r} (shared_namespaces "
+                f"tenant {tenant!r} may use no shared namespace {shown} (shared_namespaces "
                 "in the daemon's config lists who may use which)"
             )
         return Space(namespace_id(space.label, name), space.label, declared)

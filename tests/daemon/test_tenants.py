@@ -140,6 +140,16 @@ def test_spaces_are_the_tenants_own_or_configured_shared_ones(directory):
         directory.space("alice", "x" * 201)
 
 
+@pytest.mark.parametrize("declared", ["shared:", "shared:/x", "shared:a b", "shared:\n"])
+def test_regression_a_shared_namespace_of_no_valid_name_was_called_named(directory, declared):
+    """'shared:' (or any name no shared namespace can have) was refused as "no shared
+    namespace 'named'", which reads as a namespace of that name."""
+    with pytest.raises(PermissionDenied) as info:
+        directory.space("alice", declared)
+    assert "no shared namespace of that name" in str(info.value)
+    assert "'named'" not in str(info.value)
+
+
 def test_resolved_spaces_are_remembered_within_a_bound_and_refusals_are_not(directory):
     first = directory.space("alice", "m")
     assert directory.space("alice", "m") is first
