@@ -66,6 +66,10 @@ def format_size(nbytes: int) -> str:
 # values such as 1e300 were accepted and then overflowed the timers, deadlines and service
 # manager messages they reach.
 MAX_DURATION_S = 365 * 86400
+# The most a config file may hold (a config is a few KiB; thousands of tenants fit well
+# within it): read whole, ``--config /dev/zero`` (or a log passed by mistake) took memory
+# until the kernel killed kvtierd, and a SIGHUP would do so to a running daemon.
+MAX_CONFIG_FILE_BYTES = 16 << 20
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 
 
@@ -1118,9 +1122,15 @@ def load_config(
     raw: dict[str, Any] = {}
     if path is not None:
         try:
-            data = Path(path).read_bytes()
+            with open(path, "rb") as f:
+                data = f.read(MAX_CONFIG_FILE_BYTES + 1)
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        if len(data) > MAX_CONFIG_FILE_BYTES:
+            raise ConfigError(
+                f"config file {path} holds more than {MAX_CONFIG_FILE_BYTES >> 20} MiB; a "
+                "config is a few KiB: is it the right file?"
+            )
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:

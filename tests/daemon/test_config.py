@@ -64,6 +64,27 @@ def test_bad_sizes(value):
         parse_size(value)
 
 
+def test_regression_a_config_file_of_no_end_took_memory_until_the_daemon_was_killed(tmp_path):
+    """The file was read whole: `kvtierd --config /dev/zero --check-config` grew until the
+    kernel killed it (and a SIGHUP would have done so to a running daemon). A file past
+    MAX_CONFIG_FILE_BYTES is refused after reading that much."""
+    from kvtier.daemon.config import MAX_CONFIG_FILE_BYTES
+
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(MAX_CONFIG_FILE_BYTES + 1)
+    with pytest.raises(ConfigError, match="holds more than 16 MiB"):
+        load_config(big)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--config", "/dev/zero", "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "/dev/zero holds more than 16 MiB" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "text, key",
     [
