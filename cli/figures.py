@@ -4,7 +4,9 @@ The Stats RPC carries raw, ever-growing counters (``hits{tier="L1"}``, ``misses{
 ``transferred_bytes{direction=...}``, the latency histograms ``rpc_seconds_bucket{...}``).
 ``derive(now, before)`` turns one snapshot into what an operator reads: ratios over the
 daemon's lifetime, and, given an earlier snapshot, ratios, rates and latency quantiles over
-the interval between the two (without one, rates are averages since the start).
+the interval between the two (without one, rates are averages since the start). An earlier
+snapshot of a daemon that has restarted since (its uptime or its ever-growing counters went
+back) is not subtracted: the figures then cover the new daemon's life (``restarted``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Figures:
     moved_bytes_per_s: dict[str, float]  # direction -> bytes/s
     latency: list[LatencyFigures]
     gauges: dict[str, float] = field(default_factory=dict)
+    # The earlier snapshot was of a daemon that has restarted since: the window is the new
+    # one's uptime.
+    restarted: bool = False
 
 
 def is_histogram(key: str) -> bool:
@@ -88,7 +93,29 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else float("nan")
 
 
-def derive(now: Stats, before: Stats | None = None) -> Figures:
+# How much less a daemon's uptime may grow between two snapshots than the time between their
+# answers (their ways back differ) before the two are taken for two runs of the daemon.
+UPTIME_SLACK_S = 1.0
+# Counters every daemon has and never lowers: one that went back means a restart.
+_EVER_GROWING = ("lookup_keys", "bytes_put", "bytes_get", "rpc_seconds_count")
+
+
+def restarted_between(before: Stats, now: Stats, elapsed_s: float | None = None) -> bool:
+    """Whether ``now`` is of a daemon that started after ``before`` was taken (a restart at
+    the same address): its uptime grew less than ``elapsed_s`` (the time between the two
+    answers, when known), or went back, or so did a counter that only grows."""
+    grown = now.uptime_s - before.uptime_s
+    if grown < 0 or (elapsed_s is not None and grown < elapsed_s - UPTIME_SLACK_S):
+        return True
+    return any(_sum(now.counters, name) < _sum(before.counters, name) for name in _EVER_GROWING)
+
+
+def derive(now: Stats, before: Stats | None = None, elapsed_s: float | None = None) -> Figures:
+    """The figures of ``now``, over the interval since ``before`` (taken ``elapsed_s``
+    before ``now``, when known) or, without it or across a restart, since the start."""
+    restarted = before is not None and restarted_between(before, now, elapsed_s)
+    if restarted:
+        before = None
     c1 = now.counters
     c0 = before.counters if before is not None else {}
     window = now.uptime_s - before.uptime_s if before is not None else now.uptime_s
@@ -132,6 +159,7 @@ def derive(now: Stats, before: Stats | None = None) -> Figures:
         },
         latency=_latency(c1, c0, window),
         gauges=dict(now.gauges),
+        restarted=restarted,
     )
 
 

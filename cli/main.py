@@ -123,13 +123,15 @@ def _stats(args: argparse.Namespace) -> int:
     from kvtier.cli.figures import derive, human_bytes, human_seconds, is_histogram, percent
 
     with _client(args) as client:
-        before = None
+        before, taken = None, 0.0
         if args.interval > 0:
             before = client.stats()
+            taken = time.monotonic()
             time.sleep(args.interval)
         stats = client.stats()
+        elapsed = time.monotonic() - taken
         address = client.address
-    fig = derive(stats, before)
+    fig = derive(stats, before, elapsed)
     if args.json:
         print(
             json.dumps(
@@ -155,7 +157,10 @@ def _stats(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    span = f"over the last {fig.window_s:.1f} s" if before else "since start"
+    if fig.restarted:
+        span = f"since it restarted during the interval, {fig.window_s:.1f} s ago"
+    else:
+        span = f"over the last {fig.window_s:.1f} s" if before else "since start"
     print(f"kvtierd {stats.version} at {address}, up {stats.uptime_s:.0f}s")
     print("tiers:")
     for t in fig.tiers:

@@ -43,7 +43,8 @@ def render(fig: Figures, address: str) -> Any:
     misses = ", ".join(f"{k} {v:,}" for k, v in sorted(fig.misses.items()) if v) or "none"
     ratios = Text(
         f"hit ratio {percent(fig.hit_ratio)} of {fig.lookups:,} keys in the last "
-        f"{fig.window_s:.1f} s (lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
+        f"{fig.window_s:.1f} s{' (since it restarted)' if fig.restarted else ''} (lifetime "
+        f"{percent(fig.lifetime_hit_ratio)}); misses: {misses}"
     )
     rates = Table(title="transfers per second", title_justify="left", expand=True)
     rates.add_column("what")
@@ -75,10 +76,18 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
     from rich.live import Live
 
     console = Console()
-    before = client.stats()
+    before, taken = client.stats(), time.monotonic()
+
+    def frame() -> Figures:
+        nonlocal before, taken
+        now, at = client.stats(), time.monotonic()
+        fig = derive(now, before, at - taken)
+        before, taken = now, at
+        return fig
+
     if once:
         time.sleep(interval_s)
-        console.print(render(derive(client.stats(), before), client.address))
+        console.print(render(frame(), client.address))
         return 0
     if not console.is_terminal:
         # A pipe or a file: one frame after another, each flushed as it is drawn (``Live``
@@ -86,19 +95,15 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
         try:
             while True:
                 time.sleep(interval_s)
-                now = client.stats()
-                console.print(render(derive(now, before), client.address))
+                console.print(render(frame(), client.address))
                 console.file.flush()
-                before = now
         except (KeyboardInterrupt, BrokenPipeError):
             return 0
     with Live(console=console, auto_refresh=False, screen=False) as live:
         try:
             while True:
                 time.sleep(interval_s)
-                now = client.stats()
-                live.update(render(derive(now, before), client.address), refresh=True)
-                before = now
+                live.update(render(frame(), client.address), refresh=True)
         except KeyboardInterrupt:
             return 0
 

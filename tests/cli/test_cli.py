@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -145,6 +146,56 @@ def test_stats_derives_hit_ratios_rates_and_latency(daemon):
         # Over an interval with no traffic the window's ratio is undefined, not 75%.
         idle = kvtier("--address", daemon.address, "stats", "--interval", "0.2").stdout
         assert "0 keys, hit ratio -" in idle and "(lifetime 75.0%)" in idle
+
+
+def test_regression_stats_over_an_interval_with_a_restart_showed_negative_rates(
+    daemon_factory, capsys, monkeypatch
+):
+    """`kvtier stats --interval S` across a restart of the daemon subtracted the old daemon's
+    counters from the new one's: '-4164 keys', 'put -61035.2 TiB/s ... over the last 0.0 s'.
+    Across a restart the figures cover the new daemon's life, and say so."""
+    from kvtier.cli import main as cli
+
+    d = daemon_factory()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        keys = _keys(8, seed=5)
+        client.put(pool.pool_id, keys, range(8))
+        client.lookup(keys)
+
+    class Clock:
+        monotonic = staticmethod(cli.time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            d.restart()
+
+    monkeypatch.setattr(cli, "time", Clock)
+    code, out, _ = run_main(capsys, "--address", d.address, "stats", "--interval", "5")
+    assert code == 0
+    assert "since it restarted during the interval" in out, out
+    assert not re.search(r"(?<![\w.])-\d", out), out  # no negative figure
+    code, out, _ = run_main(capsys, "--address", d.address, "stats", "--interval", "5", "--json")
+    derived = json.loads(out)["derived"]
+    assert derived["restarted"] and derived["lookups"] >= 0 and derived["put_bytes_per_s"] >= 0
+
+
+def test_a_restart_is_told_from_an_interval_by_uptime_and_counters():
+    from kvtier.cli.figures import derive, restarted_between
+    from kvtier.client import Stats
+
+    def stats(uptime_s: float, lookups: int) -> Stats:
+        return Stats([], {"lookup_keys": lookups}, {}, uptime_s, "0.1.0")
+
+    old = stats(100.0, 50)
+    assert not restarted_between(old, stats(110.0, 60), 10.2)  # the answers' way back
+    assert not restarted_between(old, stats(110.0, 60))
+    assert restarted_between(old, stats(3.0, 5), 10.0)  # uptime went back
+    assert restarted_between(old, stats(103.0, 70), 10.0)  # grew less than the time passed
+    assert restarted_between(old, stats(110.0, 5))  # a counter went back
+    fig = derive(stats(3.0, 5), old, 10.0)
+    assert fig.restarted and fig.lookups == 5 and fig.window_s == 3.0
+    assert derive(stats(110.0, 60), old, 10.0).lookups == 10
 
 
 def test_top_renders_tiers_ratios_rates_and_latency(daemon):
