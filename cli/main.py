@@ -295,6 +295,9 @@ def _check(args: argparse.Namespace) -> int:
 
 def _drain(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        # The session the drain is asked in, and the polls after it: read again later, the
+        # property would open another one if the daemon had stopped meanwhile.
+        session = client.session_id
         asked = time.monotonic()  # the daemon that answers started before this
         state = client.drain(resume=args.resume)
         if args.resume:
@@ -306,7 +309,6 @@ def _drain(args: argparse.Namespace) -> int:
         )
         if args.wait <= 0:
             return 0
-        session = client.session_id
         deadline = time.monotonic() + args.wait
         while state.sessions and time.monotonic() < deadline:
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -339,7 +341,8 @@ def _drain(args: argparse.Namespace) -> int:
                         "daemon serving there now was not drained"
                     )
                     return 0
-                state, session = client.drain(), client.session_id
+                session = client.session_id  # the one _started_at opened
+                state = _drain_state(client, session)
         if state.sessions:
             print(f"{state.sessions} sessions still open after {args.wait:g}s")
             return 1
@@ -354,9 +357,9 @@ def _started_at(client: Client) -> float:
 
 
 def _drain_state(client: Client, session_id: str) -> DrainResult:
-    """The drain's state, asked in the session ``session_id`` only: ``Client.drain`` sends a
-    call whose session is gone again in a new one, which drains whatever daemon now serves
-    the address."""
+    """Drain again and return the state, asked in the session ``session_id`` only:
+    ``Client.drain`` sends a call whose session is gone again in a new one, which drains
+    whatever daemon now serves the address."""
     request = build_request(pb.DrainRequest, session_id=session_id)
     try:
         return drain_result(client.call("Drain", request, client.timeout_s))
