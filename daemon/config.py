@@ -14,8 +14,10 @@ import contextvars
 import dataclasses
 import grp
 import math
+import os
 import pwd
 import re
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1108,6 +1110,22 @@ def env_overrides(environ: Mapping[str, str]) -> list[str]:
                 f"tiers.l1.capacity_bytes is {env_name('tiers.l1.capacity_bytes')})"
             )
     return out
+
+
+def not_rereadable(path: str | Path) -> str | None:
+    """Why the config file ``path`` cannot be read again as it was at start (it is a pipe, a
+    FIFO or a device, not a regular file), or None; a file that cannot be opened is for
+    ``load_config`` to name."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return (
+        f"config file {path} is not a regular file (a pipe, a FIFO or a device): it was read "
+        "once at start and cannot be read again; restart kvtierd to change its config"
+    )
 
 
 def load_config(

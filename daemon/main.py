@@ -25,7 +25,7 @@ import yaml
 
 from kvtier import __version__
 from kvtier.daemon import loops, preflight
-from kvtier.daemon.config import Config, ids_from, load_config
+from kvtier.daemon.config import Config, ids_from, load_config, not_rereadable
 from kvtier.daemon.entry import EarlySignals
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.logs import setup_logging
@@ -93,6 +93,14 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     def load() -> Config:
         return load_config(args.config, args.overrides, environ=os.environ)
 
+    def load_again() -> Config:
+        """``load`` at a SIGHUP: a config file that is no regular file cannot be read again
+        (a pipe, ``--config <(...)``, is empty once read: the reload applied the defaults;
+        a FIFO without a writer held the event loop until one came)."""
+        if args.config is not None and (problem := not_rereadable(args.config)) is not None:
+            raise ConfigError(problem)
+        return load()
+
     # The uids and gids the config's user and group names resolve to now: a reload resolves
     # the same names to the same ids (see config.ids_from).
     known_ids: dict[tuple[str, str], int] = {}
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
     try:
-        loops.run(_serve(config, load, early_signals, known_ids), config.server.event_loop)
+        loops.run(_serve(config, load_again, early_signals, known_ids), config.server.event_loop)
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return 1

@@ -78,6 +78,28 @@ def test_sighup_applies_live_keys_and_names_the_rest(tmp_path, daemon_factory):
         assert client.health()
 
 
+def test_regression_a_sighup_read_a_config_given_through_a_pipe_again(tmp_path, daemon_factory):
+    """A config given as a pipe or FIFO (`--config <(...)`, `--config /dev/stdin`) is read
+    once: at a SIGHUP the daemon opened it again, and a pipe read empty, so the reload
+    applied the defaults (protect_s 7 -> 2, restart keys named as changed to theirs), while a
+    FIFO with no writer held the event loop (no call answered) until one came. Such a config
+    is not reloaded now, saying why; the token files are still read again."""
+    fifo = tmp_path / "kvtier.fifo"
+    os.mkfifo(fifo)
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/fifo.sock", ["--config", str(fifo)])
+    daemon_factory._daemons.append(d)
+    d.start(wait=False)
+    with open(fifo, "w") as f:  # waits for the daemon to open it
+        f.write(CONFIG.format(batch=8, l1="64MiB", protect=7.0, level="info"))
+    d.wait_ready()
+    d.proc.send_signal(signal.SIGHUP)
+    log = _wait_for_log(d, "config not reloaded")
+    assert f"config file {fifo} is not a regular file" in log, log
+    with d.client(timeout_s=10) as client:
+        assert client.health()
+    assert "SIGHUP: applied" not in d.log()
+
+
 def test_the_reload_plan_keeps_restart_keys_at_their_running_value():
     from kvtier.daemon.config import load_config
 
