@@ -25,6 +25,7 @@ from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME
 from kvtier.tiers.disk.tier import space_shortfall
+from kvtier.tiers.remote.options import RemoteOptionsError, read_password
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -76,6 +77,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_shm(config),
         *_metrics(config),
         *_tokens(config),
+        *_l3_password(config),
         *_event_loop(config),
     ]
 
@@ -397,6 +399,19 @@ def _tokens(config: Config) -> list[Problem]:
                     )
                 )
     return out
+
+
+def _l3_password(config: Config) -> list[Problem]:
+    """The L3 password file, read as the tier reads it at start: one that is not UTF-8 text
+    stopped the start with a traceback, after --check-config said 'config ok'."""
+    l3 = config.tiers.l3
+    if not l3.enabled:
+        return []
+    try:
+        read_password(l3.password_file)
+    except RemoteOptionsError as e:
+        return [Problem("tiers.l3.password_file", str(e))]
+    return []
 
 
 def _event_loop(config: Config) -> list[Problem]:

@@ -404,6 +404,24 @@ def test_regression_an_l2_within_its_index_of_the_free_space_passed_the_check(
     assert outcomes == [False] * 6 + [True] * 3
 
 
+def test_an_l3_password_file_the_tier_cannot_read_is_refused_by_the_checks(tmp_path):
+    """--check-config said 'config ok' for an L3 password file of bytes that are not UTF-8;
+    the start then ended with a traceback. The check reads it as the tier does."""
+    pw = tmp_path / "l3.password"
+    pw.write_bytes(b"\xff\xfe\n")
+    pw.chmod(0o600)
+    sets = [
+        f"server.socket={tmp_path}/s.sock",
+        "tiers.l3.enabled=true",
+        f"tiers.l3.password_file={pw}",
+    ]
+    problems = preflight.check(load_config(None, sets), HOST)
+    assert _keys(problems) == ["tiers.l3.password_file"]
+    assert "is not UTF-8 text" in str(problems[0])
+    pw.write_text("s3cret\n")
+    assert preflight.check(load_config(None, sets), HOST) == []
+
+
 def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
     tmp_path, daemon_factory
 ):

@@ -5,6 +5,7 @@ needed."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from typing import Any
 
@@ -24,7 +25,7 @@ from kvtier.tiers.remote.codec import (
     header,
     verify,
 )
-from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
+from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError, read_password
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket
 from kvtier.tiers.remote.wire import (
     READER_KEEP_BYTES,
@@ -260,3 +261,35 @@ def test_tier_connections_read_with_a_larger_stream_buffer_and_a_kept_hiredis_bu
     plain._reader = object()
     plain._parser.on_connect(plain)
     assert plain._parser._reader.getmaxbuf() < READER_KEEP_BYTES
+
+
+def test_regression_a_password_file_of_no_text_ended_the_start_with_a_traceback(tmp_path):
+    """The tier read the file whole as UTF-8: bytes that are not UTF-8 raised
+    UnicodeDecodeError through the daemon's start (a traceback, after --check-config said
+    'config ok'), and /dev/zero was read until the memory ran out. Each is refused naming
+    the file; a good one gives the password and whether everyone may read it."""
+    from kvtier.tiers.base import TierUnavailable
+    from kvtier.tiers.remote.tier import RemoteTier
+
+    good = tmp_path / "good"
+    good.write_text("s3cret\n")
+    good.chmod(0o600)
+    assert read_password(str(good)) == ("s3cret", False)
+    assert read_password("") is None
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfepw\n")
+    long = tmp_path / "long"
+    long.write_bytes(b"x" * (1 << 20))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, says in [
+        (binary, "is not UTF-8 text"),
+        (long, "on one line"),
+        (fifo, "is not a regular file"),  # not waited on for a writer
+        ("/dev/zero", "is not a regular file"),
+        (tmp_path / "absent", "No such file"),
+    ]:
+        with pytest.raises(RemoteOptionsError, match=says):
+            read_password(str(path))
+        with pytest.raises(TierUnavailable, match=f"L3 password_file .*{says}"):
+            RemoteTier(RemoteOptions(password_file=str(path)))

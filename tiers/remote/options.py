@@ -11,15 +11,51 @@ holds it (``password_file``), read when the tier starts.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 MODES = ("single", "cluster")
 SCHEMES = ("redis", "rediss")
+# A password file holds one line; a file of more is not one (``/dev/zero`` was read until the
+# memory ran out).
+MAX_PASSWORD_FILE_BYTES = 64 << 10
 
 
 class RemoteOptionsError(ValueError):
     """Options that cannot describe a reachable store (bad URL, missing field)."""
+
+
+def read_password(path: str) -> tuple[str, bool] | None:
+    """The password in ``path`` (one line of UTF-8; the trailing newline ignored) and whether
+    every user may read the file, or None without a path. RemoteOptionsError, naming the
+    file, when it cannot be read or holds no such line. The one reading of the tier's start
+    and of the daemon's preflight (``--check-config``)."""
+    if not path:
+        return None
+    try:
+        # O_NONBLOCK: opening a FIFO for reading would wait for a writer; refused below.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise RemoteOptionsError(f"password_file {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RemoteOptionsError(f"password_file {path} is not a regular file")
+        data = os.read(fd, MAX_PASSWORD_FILE_BYTES + 1)
+    except OSError as e:
+        raise RemoteOptionsError(f"password_file {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RemoteOptionsError(f"password_file {path} is not UTF-8 text") from None
+    password = text.rstrip("\r\n")
+    if len(data) > MAX_PASSWORD_FILE_BYTES or not password or "\n" in password:
+        raise RemoteOptionsError(f"password_file {path} must hold the password on one line")
+    return password, bool(st.st_mode & stat.S_IROTH)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,9 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import stat
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -61,7 +59,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.buffers import get_block, put_block
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, Verdict, checksum, header, verify
-from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError
+from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError, read_password
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
 
 try:
@@ -182,7 +180,7 @@ class RemoteTier:
         except RemoteOptionsError as e:
             raise TierUnavailable(f"L3: {e}") from None
         self.options = options
-        self._password = _read_password(options.password_file)
+        self._password = _password(options.password_file)
         self._clock = clock
         self._names = KeyNamer(options.key_prefix, namespace_token)
         self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, rng)
@@ -785,19 +783,15 @@ async def _close_client(client: Any) -> None:
         await close()
 
 
-def _read_password(path: str) -> str | None:
-    """The password in ``path`` (one line; trailing newline ignored), None without a path."""
-    if not path:
-        return None
+def _password(path: str) -> str | None:
+    """The password in ``path`` (``read_password``), None without a path."""
     try:
-        st = os.stat(path)
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise TierUnavailable(f"L3 password_file {path}: {e.strerror}") from None
-    password = text.rstrip("\r\n")
-    if not password or "\n" in password:
-        raise TierUnavailable(f"L3 password_file {path} must hold the password on one line")
-    if st.st_mode & stat.S_IROTH:
+        found = read_password(path)
+    except RemoteOptionsError as e:
+        raise TierUnavailable(f"L3 {e}") from None
+    if found is None:
+        return None
+    password, everyone_reads = found
+    if everyone_reads:
         log.warning("L3 password_file %s is readable by every user; chmod o-r it", path)
     return password
