@@ -144,9 +144,9 @@ class SpaceShortfall(NamedTuple):
     def __str__(self) -> str:
         return (
             f"L2 directory {self.directory} cannot hold tiers.l2.capacity_bytes="
-            f"{_exact_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} more "
-            f"(the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and lock) and the "
-            f"filesystem has {_mib(self.free_bytes)} free"
+            f"{_exact_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} "
+            f"more (the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and "
+            f"lock) and the filesystem has {_mib(self.free_bytes)} free"
         )
 
 
@@ -174,7 +174,7 @@ def space_shortfall(
     free = vfs.f_bavail * vfs.f_frsize
     if needed <= free:
         return None
-    return SpaceShortfall(directory, capacity, needed, free)
+    return SpaceShortfall(directory, capacity_bytes, needed, free)
 
 
 def _allocated(path: Path) -> int:
@@ -191,9 +191,12 @@ def _mib(nbytes: int) -> str:
 
 
 def _exact_size(nbytes: int) -> str:
-    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
-        if nbytes and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
+    """The shortest exact spelling of a size, as the config takes it (``100TiB``, ``2GB``)."""
+    for power, prefix in ((4, "T"), (3, "G"), (2, "M"), (1, "K")):
+        if nbytes and nbytes % (1 << (10 * power)) == 0:
+            return f"{nbytes >> (10 * power)}{prefix}iB"
+        if nbytes and nbytes % (10 ** (3 * power)) == 0:
+            return f"{nbytes // 10 ** (3 * power)}{prefix}B"
     return str(nbytes)
 
 
@@ -453,7 +456,7 @@ class DiskTier:
             self._lock_directory()
             shortfall = space_shortfall(
                 self.directory,
-                self.allocator.capacity_bytes,
+                capacity_bytes,
                 self.allocator.segment_bytes,
                 self._file_bytes,
             )
