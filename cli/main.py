@@ -47,6 +47,8 @@ from kvtier.client.types import (
 from kvtier.proto import kvtier_pb2 as pb
 
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
+# Ended by Ctrl-C (SIGINT), as shells report a command that SIGINT ended.
+INTERRUPTED = 130
 # kvtier check: 0 every invariant holds, 1 some broken, 2 could not ask.
 CHECK_FAILED = 2
 
@@ -311,7 +313,15 @@ def _drain(args: argparse.Namespace) -> int:
             return 0
         deadline = time.monotonic() + args.wait
         while state.sessions and time.monotonic() < deadline:
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            try:
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            except KeyboardInterrupt:
+                print(
+                    f"interrupted: kvtierd at {client.address} is still draining "
+                    "(`kvtier drain --resume` takes new sessions again)",
+                    file=sys.stderr,
+                )
+                return INTERRUPTED
             try:
                 state = _drain_state(client, session)
             except UnavailableError as e:
@@ -503,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:
+        # Ctrl-C (`stats --interval`, a slow call): a line, not a traceback.
+        print("kvtier: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`kvtier stats | head`): end quietly, as other tools do.
         # Not by resetting SIGPIPE: main() also runs inside other programs (tests).

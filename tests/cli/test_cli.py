@@ -452,6 +452,30 @@ def test_regression_drain_wait_drained_the_daemon_that_restarted_meanwhile(
         assert not client.drain(resume=True).draining
 
 
+def test_regression_ctrl_c_while_waiting_ended_in_a_traceback(daemon, capsys, monkeypatch):
+    """Ctrl-C during `kvtier stats --interval S` or `kvtier drain --wait S` printed a
+    KeyboardInterrupt traceback (and the drain's left the daemon draining without a word).
+    Both end with a line and status 130; the drain's says the daemon is still draining."""
+    from kvtier.cli import main as cli
+
+    class Clock:
+        monotonic = staticmethod(cli.time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "time", Clock)
+    code, _, err = run_main(capsys, "--address", daemon.address, "stats", "--interval", "5")
+    assert (code, err) == (130, "kvtier: interrupted\n")
+    with daemon.client() as holder:
+        holder.stats()  # a session the drain waits for
+        code, _, err = run_main(capsys, "--address", daemon.address, "drain", "--wait", "9")
+        assert code == 130 and "Traceback" not in err
+        assert err.startswith(f"interrupted: kvtierd at {daemon.address} is still draining")
+        assert not holder.drain(resume=True).draining
+
+
 def test_drain_help_says_how_a_stop_ends_the_wait(capsys):
     code, out, _ = run_main(capsys, "drain", "--help")
     assert code == 0 and "once the daemon stops" in " ".join(out.split())
