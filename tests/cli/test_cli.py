@@ -390,6 +390,24 @@ def test_a_daemon_that_answers_unavailable_is_not_called_unreachable(daemon_fact
     assert gone.returncode == 1 and "Is the daemon running?" in gone.stderr
 
 
+def test_regression_health_said_degraded_to_a_user_the_daemon_opens_no_session(
+    daemon_factory, tmp_path
+):
+    """`kvtier health` asks the health service (no session), then Stats for the tiers'
+    states: a user the daemon opens no session (in no tenant; over TCP without a token)
+    exited 1, which says a tier is degraded. The daemon serves: 0, saying the states went
+    unread and why."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, tenants = tenant_token(tmp_path, "t")
+    daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    out = kvtier("--address", f"127.0.0.1:{port}", "health")
+    assert out.returncode == 0, out
+    assert out.stdout.startswith(f"ok: kvtierd at 127.0.0.1:{port} serving; its tiers' states")
+    assert "UnauthenticatedError" in out.stdout
+
+
 def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
     """`kvtier drain --wait` while kvtierd gets SIGTERM ended 'cannot reach', exit 1: the
     daemon ends every session as it stops, which is what the wait was for."""
