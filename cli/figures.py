@@ -19,6 +19,10 @@ from kvtier.client.types import split_counter
 from kvtier.daemon.latency import quantile
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum_us")
+# A gauge every Stats carries that shows the daemon-wide figures (an admin's, or any
+# session's without tenants): without it they were withheld (``Figures.withheld``).
+DAEMON_WIDE_GAUGE = "sessions"
+WITHHELD = "daemon-wide figures, which a daemon with tenants shows admins only"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class Figures:
     # The earlier snapshot was of a daemon that has restarted since: the window is the new
     # one's uptime.
     restarted: bool = False
+    # The daemon-wide figures were not sent: a daemon with tenants shows a non-admin session
+    # its own tenant's usage only, and its lookups, rates and latency would read as zeros.
+    withheld: bool = False
 
 
 def is_histogram(key: str) -> bool:
@@ -160,6 +167,7 @@ def derive(now: Stats, before: Stats | None = None, elapsed_s: float | None = No
         latency=_latency(c1, c0, window),
         gauges=dict(now.gauges),
         restarted=restarted,
+        withheld=DAEMON_WIDE_GAUGE not in now.gauges,
     )
 
 

@@ -122,7 +122,14 @@ def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kvtier.cli.figures import derive, human_bytes, human_seconds, is_histogram, percent
+    from kvtier.cli.figures import (
+        WITHHELD,
+        derive,
+        human_bytes,
+        human_seconds,
+        is_histogram,
+        percent,
+    )
 
     with _client(args) as client:
         before, taken = None, 0.0
@@ -172,15 +179,18 @@ def _stats(args: argparse.Namespace) -> int:
             f"({pct:5.1f}%)  {t.blocks} blocks  hits {percent(t.hit_ratio):>6}  {t.state}"
         )
     misses = ", ".join(f"{k} {v}" for k, v in sorted(fig.misses.items()) if v) or "none"
-    print(
-        f"lookups {span}: {fig.lookups} keys, hit ratio {percent(fig.hit_ratio)} "
-        f"(lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
-    )
-    moved = "".join(f", {d} {human_bytes(r)}/s" for d, r in fig.moved_bytes_per_s.items() if r)
-    print(
-        f"rates {span}: put {human_bytes(fig.put_bytes_per_s)}/s, get "
-        f"{human_bytes(fig.get_bytes_per_s)}/s, lookups {fig.lookups_per_s:.1f} keys/s{moved}"
-    )
+    if fig.withheld:
+        print(f"lookups, rates and latency: {WITHHELD} (this tenant's usage: below)")
+    else:
+        print(
+            f"lookups {span}: {fig.lookups} keys, hit ratio {percent(fig.hit_ratio)} "
+            f"(lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
+        )
+        moved = "".join(f", {d} {human_bytes(r)}/s" for d, r in fig.moved_bytes_per_s.items() if r)
+        print(
+            f"rates {span}: put {human_bytes(fig.put_bytes_per_s)}/s, get "
+            f"{human_bytes(fig.get_bytes_per_s)}/s, lookups {fig.lookups_per_s:.1f} keys/s{moved}"
+        )
     if fig.latency:
         print(f"latency {span}:")
         w = max(16, *(len(row.method) for row in fig.latency))

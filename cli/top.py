@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvtier.cli.figures import Figures, derive, human_bytes, human_seconds, percent
+from kvtier.cli.figures import WITHHELD, Figures, derive, human_bytes, human_seconds, percent
 from kvtier.client import Client
 
 
@@ -18,12 +18,15 @@ def render(fig: Figures, address: str) -> Any:
     from rich.table import Table
     from rich.text import Text
 
+    counts = (
+        ""
+        if fig.withheld
+        else f"sessions {fig.gauges.get('sessions', 0):.0f}, pools "
+        f"{fig.gauges.get('pools', 0):.0f}, leases {fig.gauges.get('leases', 0):.0f}, pinned "
+        f"{fig.gauges.get('blocks_pinned', 0):.0f}"
+    )
     head = Text.assemble(
-        (f"kvtierd {fig.version}", "bold"),
-        f" at {address}, up {_uptime(fig.uptime_s)}  ",
-        f"sessions {fig.gauges.get('sessions', 0):.0f}, pools {fig.gauges.get('pools', 0):.0f}, "
-        f"leases {fig.gauges.get('leases', 0):.0f}, pinned "
-        f"{fig.gauges.get('blocks_pinned', 0):.0f}",
+        (f"kvtierd {fig.version}", "bold"), f" at {address}, up {_uptime(fig.uptime_s)}  ", counts
     )
     tiers = Table(title="tiers", title_justify="left", expand=True)
     for col in ("tier", "used", "capacity", "fill", "blocks", "hits", "state"):
@@ -68,6 +71,8 @@ def render(fig: Figures, address: str) -> Any:
         )
     if not fig.latency:
         lat.add_row("(no calls)", "", "", "", "", "")
+    if fig.withheld:
+        return Group(head, tiers, Text(f"hit ratio, transfers and RPC latency: {WITHHELD}"))
     return Group(head, tiers, ratios, rates, lat)
 
 

@@ -408,6 +408,29 @@ def test_regression_health_said_degraded_to_a_user_the_daemon_opens_no_session(
     assert "UnauthenticatedError" in out.stdout
 
 
+def test_regression_a_tenant_was_shown_zero_lookups_and_rates_it_may_not_read(
+    daemon_factory, tmp_path
+):
+    """A daemon with tenants sends a non-admin session its tenant's usage, not the daemon's
+    counters; `kvtier stats` and `top` derived 'lookups since start: 0 keys ... put 0 B/s'
+    from their absence, whatever the traffic. They say the figures are an admin's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token, tenants = tenant_token(tmp_path, "t")
+    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
+    out = kvtier(*tenant, "stats")
+    assert out.returncode == 0, out
+    assert "lookups, rates and latency: daemon-wide figures" in out.stdout
+    assert "0 keys" not in out.stdout and "0 B/s" not in out.stdout
+    out = kvtier(*tenant, "top", "--once", "--interval", "0.1")
+    assert out.returncode == 0 and "daemon-wide figures" in out.stdout
+    assert "0 keys" not in out.stdout and "sessions 0" not in out.stdout
+    admin = kvtier("--address", d.address, "stats")  # root: an admin, shown everything
+    assert "lookups since start" in admin.stdout and "daemon-wide" not in admin.stdout
+
+
 def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
     """`kvtier drain --wait` while kvtierd gets SIGTERM ended 'cannot reach', exit 1: the
     daemon ends every session as it stops, which is what the wait was for."""
