@@ -359,6 +359,15 @@ def _drain(args: argparse.Namespace) -> int:
                 try:
                     restarted = _started_at(client) > asked
                 except UnavailableError as gone:
+                    if gone.draining:
+                        # It runs, and drains, but no longer opens this user a session (a
+                        # reload took its admin right).
+                        print(
+                            f"kvtier: kvtierd at {client.address} ended this command's "
+                            f"session and, draining, opens it no new one: {gone.details}",
+                            file=sys.stderr,
+                        )
+                        return 1
                     print(
                         f"stopped: kvtierd at {client.address} went away while draining "
                         f"({gone.details})"

@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from kvtier.proto.wire import ANSWERED_KEY, SESSION_GONE_KEY
+from kvtier.proto.wire import ANSWERED_KEY, DRAINING_KEY, SESSION_GONE_KEY
 
 
 class KvtierError(Exception):
@@ -78,6 +78,8 @@ class UnavailableError(KvtierError):
 
     code = grpc.StatusCode.UNAVAILABLE
     answered = False
+    # The daemon turned a new session away because it is draining: it runs.
+    draining = False
 
 
 class DeadlineExceededError(KvtierError):
@@ -167,6 +169,7 @@ def from_rpc_error(err: grpc.RpcError) -> KvtierError:
     error = error_for_code(code, details)
     if isinstance(error, UnavailableError):
         error.answered = _has_key(err, ANSWERED_KEY)
+        error.draining = _has_key(err, DRAINING_KEY)
     elif isinstance(error, NotFoundError):
         error.session_gone = _has_key(err, SESSION_GONE_KEY)
     return error

@@ -48,6 +48,11 @@ class Unavailable(KvtierError):
     """The daemon is shutting down or a needed part is down."""
 
 
+class Draining(Unavailable):
+    """The daemon is draining (``kvtier drain``) and opens this peer no new session: it runs
+    (see ``proto.wire.DRAINING_KEY``)."""
+
+
 class DeadlineExceeded(KvtierError):
     """The request's deadline passed before its answer could go out; what it did is undone."""
 

@@ -57,6 +57,7 @@ from kvtier.daemon.cuda_pools import open_opener
 from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import (
     DeadlineExceeded,
+    Draining,
     FailedPrecondition,
     InvalidArgument,
     KvtierError,
@@ -87,7 +88,13 @@ from kvtier.daemon.unixsock import (
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto.wire import ANSWERED_KEY, DTYPE_NAMES, SESSION_GONE_KEY, tier_enum
+from kvtier.proto.wire import (
+    ANSWERED_KEY,
+    DRAINING_KEY,
+    DTYPE_NAMES,
+    SESSION_GONE_KEY,
+    tier_enum,
+)
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +174,8 @@ async def abort_with(context: grpc.aio.ServicerContext, error: KvtierError) -> N
     trailing: tuple[tuple[str, str], ...] = ()
     if code == grpc.StatusCode.UNAVAILABLE:
         trailing = ((ANSWERED_KEY, "1"),)
+        if isinstance(error, Draining):
+            trailing += ((DRAINING_KEY, "1"),)
     elif isinstance(error, SessionGone):
         trailing = ((SESSION_GONE_KEY, "1"),)
     await context.abort(code, str(error), trailing_metadata=trailing)

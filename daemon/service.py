@@ -42,6 +42,7 @@ from kvtier.daemon.connections import ConnectionWatch
 from kvtier.daemon.credentials import TicketBook, TicketKind
 from kvtier.daemon.cuda_pools import CudaPool
 from kvtier.daemon.errors import (
+    Draining,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -49,7 +50,6 @@ from kvtier.daemon.errors import (
     ResourceExhausted,
     SessionEnded,
     Unauthenticated,
-    Unavailable,
 )
 from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
 from kvtier.daemon.ratelog import BurstGate, BurstLog
@@ -207,7 +207,7 @@ class KVService:
             raise
         if self.draining and not binding.admin:
             self.store.counters.inc("sessions_refused", reason="draining")
-            raise Unavailable(
+            raise Draining(
                 "the daemon is draining (kvtier drain): it takes no new sessions until an "
                 "admin resumes it; treat this as a miss, or use another daemon"
             )

@@ -35,6 +35,10 @@ answers before anything of the request is done: the client may open another sess
 send the request again. The session's stream ends too, but its client may make a call
 before it sees that end."""
 
+DRAINING_KEY = "kvtier-draining"
+"""Trailing metadata on an UNAVAILABLE status (with ``ANSWERED_KEY``) that turns a new
+session away because the daemon is draining: it runs, unlike one that is stopping."""
+
 ANSWERED_KEY = "kvtier-answered"
 """Trailing metadata on an UNAVAILABLE status the daemon sends itself (it is draining,
 stopping, or a part it needs is down). gRPC answers UNAVAILABLE for a daemon it cannot reach

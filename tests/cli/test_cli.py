@@ -7,11 +7,13 @@ import json
 import os
 import queue
 import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -515,6 +517,72 @@ def test_regression_ctrl_c_while_waiting_ended_in_a_traceback(daemon, capsys, mo
         assert code == 130 and "Traceback" not in err
         assert err.startswith(f"interrupted: kvtierd at {daemon.address} is still draining")
         assert not holder.drain(resume=True).draining
+
+
+def test_regression_drain_wait_said_stopped_when_a_reload_took_its_admin_right(
+    daemon_factory, tmp_path, capsys, monkeypatch
+):
+    """A reload that took the admin right of the tenant `kvtier drain --wait` acted as ended
+    its session; its next poll, in a new session, was turned away by the drain itself, and
+    the command said 'stopped: ... went away while draining', exit 0, of a daemon that was
+    running and draining. The daemon marks that refusal (UnavailableError.draining): exit 1,
+    saying so."""
+    from harness import DaemonProcess
+
+    from kvtier.cli import main as cli
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ops, _ = tenant_token(tmp_path, "ops")
+    user, _ = tenant_token(tmp_path, "user")
+    config = tmp_path / "kvtier.yaml"
+    text = textwrap.dedent(
+        f"""
+        server:
+          tcp_address: 127.0.0.1:{port}
+        tiers:
+          l1:
+            capacity_bytes: 128MiB
+        tenants:
+          - name: ops
+            token_file: {ops}
+            admin: true
+          - name: user
+            token_file: {user}
+        """
+    )
+    config.write_text(text)
+    d = DaemonProcess(tmp_path, f"{daemon_factory._sockdir}/reload.sock", ["--config", str(config)])
+    daemon_factory._daemons.append(d)
+    d.start()
+    address = f"127.0.0.1:{port}"
+
+    class Clock:
+        monotonic = staticmethod(cli.time.monotonic)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            config.write_text(text.replace("admin: true", "admin: false"))
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGHUP)
+            deadline = Clock.monotonic() + 20
+            while "SIGHUP: applied" not in d.log():
+                assert Clock.monotonic() < deadline, d.log()
+                time.sleep(0.05)
+
+    monkeypatch.setattr(cli, "time", Clock)
+    from kvtier.client import Client
+
+    with Client(address, token_file=user) as holder:
+        holder.stats()  # a session the drain waits for
+        code, out, err = run_main(
+            capsys, "--address", address, "--token-file", str(ops), "drain", "--wait", "30"
+        )
+    assert code == 1, (out, err)
+    assert "stopped" not in out
+    assert "ended this command's session and, draining, opens it no new one" in err
+    assert d.running()
 
 
 def test_drain_help_says_how_a_stop_ends_the_wait(capsys):
