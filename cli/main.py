@@ -35,6 +35,9 @@ from kvtier.client import (
     DeadlineExceededError,
     KvtierError,
     NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from kvtier.client.types import (
@@ -267,10 +270,10 @@ def _health(args: argparse.Namespace) -> int:
                 return NOT_SERVING
             print(_unreachable(args, e), file=sys.stderr)
             return UNREACHABLE
-        except KvtierError as e:
-            # It serves, but not this user a session (in no tenant, at its tenant's session
-            # limit): its tiers' states are not this probe's to read, and 1 would say that
-            # a tier is degraded.
+        except (PermissionDeniedError, UnauthenticatedError, ResourceExhaustedError) as e:
+            # It serves, but opens this user no session (in no tenant, at its tenant's
+            # session limit): its tiers' states are not this probe's to read, and 1 would
+            # say that a tier is degraded.
             print(
                 f"ok: kvtierd at {client.address} serving; its tiers' states unread: "
                 f"{type(e).__name__}: {e.details}"
