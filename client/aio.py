@@ -484,7 +484,9 @@ class AsyncClient:
 
     async def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
         """See ``Client.check``."""
-        return t.check_result(await self._invoke("Check", t.check_request(settle_s)))
+        request = t.check_request(settle_s)
+        timeout_s = t.check_timeout_s(request, self.timeout_s)
+        return t.check_result(await self._invoke("Check", request, timeout_s=timeout_s))
 
     async def drain(self, *, resume: bool = False) -> t.DrainResult:
         """See ``Client.drain``."""

@@ -661,8 +661,10 @@ class Client:
 
     def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
         """The daemon's invariant check (admins only), after waiting up to ``settle_s`` for
-        transfers in flight."""
-        return t.check_result(self._invoke("Check", t.check_request(settle_s)))
+        transfers in flight: the call may take that much longer than the client's timeout."""
+        request = t.check_request(settle_s)
+        timeout_s = t.check_timeout_s(request, self.timeout_s)
+        return t.check_result(self._invoke("Check", request, timeout_s=timeout_s))
 
     def drain(self, *, resume: bool = False) -> t.DrainResult:
         """Make the daemon refuse new sessions but admins' (or take them again, ``resume``);

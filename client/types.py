@@ -348,6 +348,13 @@ def checked_type(value: T, types: type | tuple[type, ...], what: str) -> T:
 MAX_CHECK_SETTLE_S = 60.0
 
 
+def check_timeout_s(request: pb.CheckRequest, timeout_s: float) -> float:
+    """How long a Check may take: the client's timeout for the check itself, after the wait
+    for transfers in flight that the request asks the daemon for (a client timeout shorter
+    than that wait ended the call DEADLINE_EXCEEDED while transfers ran)."""
+    return timeout_s + request.settle_ms / 1000.0
+
+
 def check_request(settle_s: float) -> pb.CheckRequest:
     """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
     does); a negative or NaN wait, or one that is not a number, is InvalidArgumentError

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import grpc
@@ -891,6 +892,41 @@ def test_a_lookup_timeout_bounds_that_call_only(daemon, asynchronous):
         os.kill(daemon.proc.pid, signal.SIGCONT)
     # The call's own bound, far below the client's 60 s (generous for a loaded machine).
     assert elapsed < 20
+
+
+def test_regression_a_check_waiting_for_transfers_past_the_clients_timeout_timed_out(
+    daemon_factory, tmp_path
+):
+    """`check(settle_s=S)` asks the daemon to wait up to S for transfers in flight, but the
+    call ran under the client's timeout alone: with a durable put held up by L2's write
+    rate, a client of timeout 1 s got DeadlineExceededError after 1 s (and `kvtier --timeout
+    1 check --settle 3`, 'cannot reach kvtierd ... Is the daemon running?'). The call's
+    timeout is the client's plus the wait."""
+    d = daemon_factory(
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.write_bytes_s=256KiB",
+    )
+    layout = PoolLayout.staging(num_layers=1, num_pages=16, block_tokens=1, chunk_bytes=64 << 10)
+    keys = [os.urandom(32) for _ in range(16)]
+    with d.client() as writer, SharedMemoryPool.for_layout(layout) as shm:
+        pool = writer.register_pool(shm, layout)
+        put = threading.Thread(
+            target=lambda: writer.put(pool.pool_id, keys, range(16), durable=True)
+        )
+        put.start()  # 1 MiB at 256 KiB/s: about 4 s in flight
+        deadline = time.monotonic() + 10
+        with d.client(timeout_s=1.0) as admin:
+            while not admin.stats().gauges.get("blocks_in_flight"):
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            started = time.monotonic()
+            result = admin.check(settle_s=2.0)
+            assert 1.5 < time.monotonic() - started < 3.5
+            assert not result.strict and result.ok
+        put.join(30)
 
 
 def test_regression_a_refused_durable_put_bound_its_namespace(daemon_factory):
