@@ -20,7 +20,8 @@ tier (``total_limit_bytes``): with one owner's share alone, two tenants at half 
 at smaller shares) could still protect the whole tier between them, and a tier wholly
 protected refuses every put until the deadlines pass. Whatever the owners hint, that much of
 the tier stays open to eviction. The total is first come, first served: an owner under its
-own share gets no protection once the others have taken the total (its hints still promote).
+own share gets no protection once the others have taken the total (its hints still promote);
+within one hint it goes to the blocks in the order named, whoever owns them.
 
 A hint past the budget protects the blocks that fit, in the order named (an engine names a
 prompt's chain root first, and a chain's head is what a later request reuses most), and the
@@ -92,20 +93,19 @@ class HintBudget:
         self._until[u[live]] = np.maximum(self._until[u[live]], until)
         new = ~live
         admit = live.copy()
-        total = self.total_limit_bytes
-        left = None if total is None else total - int(self.used.sum())
         for owner in np.unique(u_owner[new]).tolist():
             mine = np.flatnonzero(new & (u_owner == owner))
             room = self.limit_bytes - int(self.used[owner])
-            if left is not None:
-                room = min(room, left)
             fits = mine[np.cumsum(u_bytes[mine]) <= room]  # a prefix: sizes are positive
             admit[fits] = True
-            took = int(u_bytes[fits].sum())
-            self.used[owner] += took
-            if left is not None:
-                left -= took
+        if self.total_limit_bytes is not None:
+            # What every owner's share admits, cut to the total in the order named (``u`` is
+            # in first-named order): a chain's head before its descendants, whoever owns them.
+            left = self.total_limit_bytes - int(self.used.sum())
+            cand = np.flatnonzero(admit & new)
+            admit[cand[np.cumsum(u_bytes[cand]) > left]] = False
         took = admit & new
+        np.add.at(self.used, u_owner[took], u_bytes[took])
         charged = u[took]
         self._until[charged] = until
         self._bytes[charged] = u_bytes[took]

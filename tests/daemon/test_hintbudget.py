@@ -118,11 +118,16 @@ def test_every_owners_charges_together_stay_within_the_total():
     assert admit(budget, [6, 7, 8, 9, 10], owner=2) == [True, True, True, False, False]
     assert budget.charged_total(0.0) == 80
     assert admit(budget, [11], owner=3) == [False]  # under its own share, over the total
-    # One call naming two owners' blocks: the total is shared in owner order.
+    # One call naming two owners' blocks (a chain stored by two tenants in a shared
+    # namespace): the total goes in the order named, the chain's head first.
     late = HintBudget(limit_bytes=50, total_limit_bytes=30)
-    mixed = late.admit(np.array([1, 2, 3, 4]), np.array([2, 1, 2, 1]), np.full(4, 10), 5.0, 0.0)
-    assert mixed.tolist() == [True, True, False, True]
-    assert late.charged(1, 0.0) == 20 and late.charged(2, 0.0) == 10
+    mixed = late.admit(np.array([1, 2, 3, 4]), np.array([2, 2, 1, 1]), np.full(4, 10), 5.0, 0.0)
+    assert mixed.tolist() == [True, True, True, False]
+    assert late.charged(1, 0.0) == 10 and late.charged(2, 0.0) == 20
+    # Each owner's own share still applies first.
+    shares = HintBudget(limit_bytes=10, total_limit_bytes=30)
+    mixed = shares.admit(np.array([5, 6, 7]), np.array([1, 1, 2]), np.full(3, 10), 5.0, 0.0)
+    assert mixed.tolist() == [True, False, True]
     # Past the deadlines, room again.
     assert late.charged_total(6.0) == 0
     assert admit(late, [9, 10, 11, 12], owner=2, now=6.0) == [True, True, True, False]
