@@ -36,6 +36,7 @@ from kvtier.sim.report import (
     format_sweep,
     plot_run,
     plot_sweep,
+    require_plotting,
     sweep,
 )
 from kvtier.sim.trace import DEFAULT_BLOCK_TOKENS, SEMANTICS, TraceError, load_trace, write_jsonl
@@ -200,8 +201,10 @@ def _run_replay(args: argparse.Namespace) -> int:
     except (TraceError, ValueError, PlotUnavailable) as e:
         print(f"kvtier replay: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # the plot could not be written after all (a full disk)
-        print(f"kvtier replay: error: --plot {args.plot}: {e}", file=sys.stderr)
+    except BrokenPipeError:
+        raise  # the reader of stdout went away (`| head`): kvtier's main ends quietly
+    except OSError as e:  # writing the report (stdout on a full device)
+        print(f"kvtier replay: error: {e}", file=sys.stderr)
         return 1
 
 
@@ -223,6 +226,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"--plot {args.plot}: {folder} is not a folder this user can write")
+        require_plotting()  # matplotlib missing: refused now, not after the replay
     trace = load_trace(args.trace, args.block_tokens)
     cacheable = trace.cacheable(args.semantics)  # the same trace once more if nothing is dropped
     # Nothing to replay is an error, not a report of 0% hits (and a sweep's sizes, percents
@@ -255,7 +259,7 @@ def _replay_command(args: argparse.Namespace) -> int:
             print(describe_cluster(cluster))
         print(format_sweep(results, trace.unique_blocks, percents))
         if args.plot:
-            plot_sweep(results, trace, args.plot)
+            _saved(plot_sweep, results, trace, args.plot)
         if args.json:
             print(json.dumps({"sweep": [r.as_dict() for r in results]}))
         return 0
@@ -273,10 +277,18 @@ def _replay_command(args: argparse.Namespace) -> int:
     )
     print(format_result(result))
     if args.plot:
-        plot_run(result, trace, args.plot)
+        _saved(plot_run, result, trace, args.plot)
     if args.json:
         print(json.dumps(result.as_dict()))
     return 0
+
+
+def _saved(plot: Callable[..., None], *args: Any) -> None:
+    """``plot(*args)`` (its last argument: the path), a failed save an error naming it."""
+    try:
+        plot(*args)
+    except OSError as e:  # after the check above: a full disk, a folder gone meanwhile
+        raise ValueError(f"--plot {args[-1]}: {e}") from None
 
 
 def _cluster(args: argparse.Namespace) -> ClusterConfig:

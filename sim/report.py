@@ -131,6 +131,11 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
+def require_plotting() -> None:
+    """Raise PlotUnavailable now where ``--plot`` could not draw (before a long replay)."""
+    _pyplot()
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib

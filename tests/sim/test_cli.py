@@ -281,6 +281,24 @@ def test_bad_options_are_refused(
     assert f"argument {args[-2]}:" in err
 
 
+def test_an_output_error_is_not_called_a_plot_error(tmp_path: Path) -> None:
+    """Only a failed save of the figure is a --plot error; stdout on a full device is
+    Python's own error, not "--plot None: No space left on device"."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1]}\n')
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "replay", str(path), "--l1-blocks", "2"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1
+    assert "--plot" not in proc.stderr and "Traceback" not in proc.stderr
+    assert "kvtier replay: error: [Errno 28] No space left on device" in proc.stderr
+
+
 def test_exit_code_and_no_traceback_as_a_process(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": 3}\n')
