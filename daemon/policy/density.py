@@ -1060,7 +1060,8 @@ class DensityPolicy(InsertEach, Hinted):
 
     def _current_buffer(self, now: float) -> float:
         """The quantum of ``now``, the victim buffer rebuilt (partly) if it is of another
-        quantum or the density table changed since."""
+        quantum or the density table changed since, else with the parked entries whose hint
+        passed put back (``_unpark``)."""
         q = self._q if now == self._q_now else self._quantise(now)
         if q != self._buf_q or self._buf_version != self._version:
             self._rebuild(q, complete=False)

@@ -756,7 +756,8 @@ class HeatPolicy(Hinted):
 
     def _prepare_pick(self, now: float) -> bool:
         """Before choosing victims at ``now``: unpark the blocks whose hints expired and pay
-        the raises owed; whether a hint is live (the one-victim path then does not apply)."""
+        the raises owed; whether a hint is live (the one-victim path then passes over the
+        blocks hints protect, ``_coldest_unhinted``)."""
         if self._parked and self._parked[0][0] < now:
             self._unpark(now)
         hinted = self._hints.latest >= now
