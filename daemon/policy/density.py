@@ -873,9 +873,10 @@ class DensityPolicy(InsertEach, Hinted):
         if n > self._resident:
             return None
         q = self._current_buffer(now)
-        if n == 1 and evictable is None and self._hinted_until < now:
-            # The replayer's path: the lowest key, every block evictable, no live hint.
-            b = self._first_in_buffer()
+        if n == 1 and evictable is None:
+            # The replayer's path: the lowest key, every block evictable (the lowest no hint
+            # protects where one is live).
+            b = self._first_in_buffer() if self._hinted_until < now else self._first_unhinted(now)
             if b >= 0:
                 out = _ONE.copy()  # cheaper than building an array from a list
                 out[0] = b
@@ -894,11 +895,10 @@ class DensityPolicy(InsertEach, Hinted):
         asks once per miss, and an array per answer was a tenth of its cost."""
         if self._resident == 0:
             return -1
-        if self._hinted_until < now:
-            self._current_buffer(now)
-            b = self._first_in_buffer()
-            if b >= 0:
-                return b
+        self._current_buffer(now)
+        b = self._first_in_buffer() if self._hinted_until < now else self._first_unhinted(now)
+        if b >= 0:
+            return b
         found = self.victims(1, now, None, (incoming,) if incoming >= 0 else ())
         return -1 if found is None else int(found[0])
 
@@ -1082,6 +1082,31 @@ class DensityPolicy(InsertEach, Hinted):
                 self._pick = (b, e[5], e[0])
                 self._taken += 1
                 return int(b)
+            i += 1
+        self._cur = i
+        return -1
+
+    def _first_unhinted(self, now: float) -> int:
+        """``_select(1, now, None)`` where a hint is live: the buffer's first live leaf that
+        no hint protects, the hinted ones met before it parked; -1 when the buffer ran out
+        (``_select`` then rebuilds it). As ``_select``, it leaves ``_pick`` alone."""
+        buf, i = self._buf, self._cur
+        state_v, stamp_v, kids_v, until_v = (
+            self._state_v,
+            self._stamp_v,
+            self._kids_v,
+            self._until_v,
+        )
+        parked = self._parked
+        while i < len(buf):
+            e = buf[i]
+            b = e[4]
+            if state_v[b] == _RESIDENT and stamp_v[b] == e[5] and kids_v[b] == 0:
+                if until_v[b] < now:
+                    self._cur = i
+                    self._taken += 1
+                    return int(b)
+                heapq.heappush(parked, (float(until_v[b]), e))
             i += 1
         self._cur = i
         return -1

@@ -529,6 +529,39 @@ def test_hinted_blocks_at_the_head_are_parked_not_walked_again() -> None:
     assert got is not None and got.tolist() == [1, 2, 3, 4, 5, 6]
 
 
+def test_the_one_victim_path_with_live_hints_chooses_as_the_general_one() -> None:
+    """``victims(1, now, None)`` with a hint live takes the buffer's first unhinted leaf
+    (``_first_unhinted``); a twin asked the same through the general path (a mask that lets
+    everything go) must choose the same victims over a run of inserts, hints and evictions
+    with time moving on."""
+    rng = np.random.default_rng(7)
+    fast, general = (DensityPolicy(capacity_blocks=120) for _ in range(2))
+    everything = lambda bids: np.ones(len(bids), dtype=bool)  # noqa: E731
+    nxt, now, parents = 0, 0.0, {}
+    for step in range(3000):
+        now += float(rng.choice([0.0, 0.01, 0.3, 1.7]))
+        if len(fast) < 100 or rng.random() < 0.5:
+            parent = int(rng.integers(0, nxt)) if nxt and rng.random() < 0.6 else -1
+            parent = parent if parent in fast else -1
+            for p in (fast, general):
+                p.insert(nxt, now, parent)
+            parents[nxt] = parent
+            nxt += 1
+        if rng.random() < 0.2 and len(fast):
+            bids = rng.integers(max(0, nxt - 150), nxt, size=int(rng.integers(1, 12)))
+            until = now + float(rng.choice([0.0, 0.2, 0.9, 3.0, 30.0]))
+            for p in (fast, general):
+                p.hint(bids, until, now)
+        if len(fast) > 80:
+            got = fast.victims(1, now, None)
+            want = general.victims(1, now, everything)
+            assert (got is None) == (want is None), step
+            if got is not None:
+                assert got.tolist() == want.tolist(), step
+                for p in (fast, general):
+                    p.remove(int(got[0]))
+
+
 # ------------------------------------------------------- exact against brute force
 
 
