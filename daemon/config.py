@@ -28,9 +28,9 @@ import yaml
 from kvtier import paths
 from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.loops import EVENT_LOOPS
+from kvtier.tiers.sizes import POWERS, format_size
 
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*", re.IGNORECASE)
-_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 
 
 def parse_size(value: object) -> int:
@@ -46,21 +46,10 @@ def parse_size(value: object) -> int:
             number, prefix, binary, _ = m.groups()
             scale = 1
             if prefix:
-                power = _POWERS[prefix.upper()]
+                power = POWERS[prefix.upper()]
                 scale = 1 << (10 * power) if binary else 10 ** (3 * power)
             return int(float(number) * scale)
     raise ValueError(f"expected a size such as 1073741824, '1GiB', '1Gi' or '1G', got {value!r}")
-
-
-def format_size(nbytes: int) -> str:
-    """The shortest exact spelling of a size that ``parse_size`` reads back: ``"1GiB"``,
-    ``"2GB"``, ``"1000"``."""
-    for power, prefix in sorted(((p, k) for k, p in _POWERS.items()), reverse=True):
-        if nbytes and nbytes % (1 << (10 * power)) == 0:
-            return f"{nbytes >> (10 * power)}{prefix}iB"
-        if nbytes and nbytes % (10 ** (3 * power)) == 0:
-            return f"{nbytes // 10 ** (3 * power)}{prefix}B"
-    return str(nbytes)
 
 
 # The longest any duration in the config may be (a year), whatever its own maximum: a value

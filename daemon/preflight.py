@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.daemon import loops
-from kvtier.daemon.config import Config, format_size, http_url, split_host_port
+from kvtier.daemon.config import Config, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME
 from kvtier.tiers.disk.tier import space_shortfall
 from kvtier.tiers.remote.options import RemoteOptionsError, read_password
+from kvtier.tiers.sizes import format_size
 
 # Unix socket paths hold at most 107 bytes and a terminating NUL.
 MAX_SOCKET_PATH = 107

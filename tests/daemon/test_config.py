@@ -279,7 +279,7 @@ def test_bad_l3_settings_name_the_key(override, key):
 
 @pytest.mark.parametrize("nbytes", [0, 1, 1000, 1024, 3 << 29, 2 * 10**9, 1 << 40, 123456789])
 def test_sizes_print_in_units_that_read_back_exactly(nbytes):
-    from kvtier.daemon.config import format_size
+    from kvtier.tiers.sizes import format_size
 
     text = format_size(nbytes)
     assert parse_size(text) == nbytes

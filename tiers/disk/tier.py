@@ -91,6 +91,7 @@ from kvtier.tiers.disk.health import FaultState, classify
 from kvtier.tiers.disk.index import INDEX_NAME, BlockRow, DiskIndex, IndexUpgradeFailed
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
 from kvtier.tiers.executor import PriorityExecutor, Urgency
+from kvtier.tiers.sizes import format_size
 from kvtier.tiers.slab import LockedSlab
 
 log = logging.getLogger("kvtier.tiers.disk")
@@ -144,7 +145,7 @@ class SpaceShortfall(NamedTuple):
     def __str__(self) -> str:
         return (
             f"L2 directory {self.directory} cannot hold tiers.l2.capacity_bytes="
-            f"{_exact_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} "
+            f"{format_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} "
             f"more (the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and "
             f"lock) and the filesystem has {_mib(self.free_bytes)} free"
         )
@@ -188,16 +189,6 @@ def _mib(nbytes: int) -> str:
     if nbytes >= 10 << 30:
         return f"{nbytes / (1 << 30):.1f} GiB"
     return f"{nbytes / (1 << 20):.2f} MiB"
-
-
-def _exact_size(nbytes: int) -> str:
-    """The shortest exact spelling of a size, as the config takes it (``100TiB``, ``2GB``)."""
-    for power, prefix in ((4, "T"), (3, "G"), (2, "M"), (1, "K")):
-        if nbytes and nbytes % (1 << (10 * power)) == 0:
-            return f"{nbytes >> (10 * power)}{prefix}iB"
-        if nbytes and nbytes % (10 ** (3 * power)) == 0:
-            return f"{nbytes // 10 ** (3 * power)}{prefix}B"
-    return str(nbytes)
 
 
 # ---------------------------------------------------------------------------------- items
