@@ -107,14 +107,17 @@ def _client(args: argparse.Namespace) -> Client:
     )
 
 
+def _reached(error: KvtierError) -> bool:
+    """Whether the daemon was reached and turned the call away: it said why (draining,
+    stopping), or its gRPC server took the call and ended it unanswered (stopping, or too
+    busy)."""
+    answered = isinstance(error, UnavailableError) and error.answered
+    return answered or error.code == grpc.StatusCode.CANCELLED
+
+
 def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
     address = resolve_address(args.address)
-    if isinstance(error, UnavailableError) and error.answered:
-        # It is running: it said why it takes no such call now (draining, stopping).
-        return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
-    if error.code == grpc.StatusCode.CANCELLED:
-        # Its gRPC server took the call and ended it unanswered (stopping, or too busy): it
-        # was reached, and the details say so.
+    if _reached(error):
         return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
     return (
         f"kvtier: cannot reach kvtierd at {address} ({address_hint(args.address)}): "
@@ -263,9 +266,7 @@ def _health(args: argparse.Namespace) -> int:
         except (UnavailableError, DeadlineExceededError) as e:
             # It was serving a moment ago: it began to stop or drain since (it said so, or its
             # server ended the call), or it went away.
-            if isinstance(e, UnavailableError) and (
-                e.answered or e.code == grpc.StatusCode.CANCELLED
-            ):
+            if isinstance(e, UnavailableError) and _reached(e):
                 print(f"not serving: kvtierd at {client.address}: {e.details}")
                 return NOT_SERVING
             print(_unreachable(args, e), file=sys.stderr)
