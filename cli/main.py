@@ -7,7 +7,9 @@ when it cannot be reached, say which address they tried and how to change it.
 ``kvtier health`` is meant for probes; its exit status says what it found:
 0 serving with every tier ok (or serving, with tier states this user may not read, as one in
 no tenant), 1 serving with a tier degraded or down (0 with ``--degraded-ok``), 2 the daemon
-answers but is not serving (starting, stopping or draining), 3 unreachable.
+answers but is not serving (starting, stopping or draining), 3 unreachable. A draining daemon
+is alive but not ready: ``--draining-ok`` counts it as serving (liveness checks, such as the
+image's HEALTHCHECK), without it is 2 (readiness checks).
 
 The admin commands need an admin session (root, the daemon's user, ``server.admin_uids``,
 or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every invariant holds,
@@ -258,16 +260,19 @@ def _health(args: argparse.Namespace) -> int:
         except (UnavailableError, DeadlineExceededError) as e:
             print(_unreachable(args, e), file=sys.stderr)
             return UNREACHABLE
-        if not serving:
-            print(f"not serving: kvtierd at {client.address} is starting, stopping or draining")
-            return NOT_SERVING
         try:
             stats = client.stats()
         except (UnavailableError, DeadlineExceededError) as e:
-            # It was serving a moment ago: it began to stop or drain since (it said so, or its
-            # server ended the call), or it went away.
+            # Not serving, or serving a moment ago: it drains (it turned this new session
+            # away, saying so), it stops (it said so, or its server ended the call), or it
+            # went away.
+            if isinstance(e, UnavailableError) and e.draining:
+                return _draining(args, client.address, "it opens this user no session")
             if isinstance(e, UnavailableError) and _reached(e):
                 print(f"not serving: kvtierd at {client.address}: {e.details}")
+                return NOT_SERVING
+            if not serving:
+                print(_not_serving(client.address))
                 return NOT_SERVING
             print(_unreachable(args, e), file=sys.stderr)
             return UNREACHABLE
@@ -275,6 +280,9 @@ def _health(args: argparse.Namespace) -> int:
             # It serves, but opens this user no session (in no tenant, at its tenant's
             # session limit): its tiers' states are not this probe's to read, and 1 would
             # say that a tier is degraded.
+            if not serving:
+                print(_not_serving(client.address))
+                return NOT_SERVING
             print(
                 f"ok: kvtierd at {client.address} serving; its tiers' states unread: "
                 f"{type(e).__name__}: {e.details}"
@@ -284,11 +292,30 @@ def _health(args: argparse.Namespace) -> int:
         client.close()
     bad = [t for t in stats.tiers if t.state != "ok"]
     tiers = ", ".join(f"{t.tier.name} {t.state}" for t in stats.tiers)
+    if not serving:
+        # Not serving, yet it opened a session: a draining daemon opens admins' (a stopping
+        # one opens none, and ends every call with UNAVAILABLE).
+        code = _draining(args, client.address, tiers)
+        return DEGRADED if code == HEALTHY and bad and not args.degraded_ok else code
     if bad:
         print(f"degraded: kvtierd {stats.version} at {client.address} serving; {tiers}")
         return HEALTHY if args.degraded_ok else DEGRADED
     print(f"ok: kvtierd {stats.version} at {client.address} serving; {tiers}")
     return HEALTHY
+
+
+def _not_serving(address: str) -> str:
+    return f"not serving: kvtierd at {address} is starting, stopping or draining"
+
+
+def _draining(args: argparse.Namespace, address: str, detail: str) -> int:
+    """The exit status for a daemon that drains: alive (0) with ``--draining-ok``, for
+    liveness checks, else not serving (2), for readiness checks."""
+    if args.draining_ok:
+        print(f"alive: kvtierd at {address} draining (takes no new sessions); {detail}")
+        return HEALTHY
+    print(f"not serving: kvtierd at {address} draining (takes no new sessions); {detail}")
+    return NOT_SERVING
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -480,12 +507,20 @@ def main(argv: list[str] | None = None) -> int:
         help="probe a running daemon; the exit status says what it found",
         description="Exit status: 0 serving and every tier ok (or serving, with tier states "
         "this user may not read: no session for it); 1 serving with a tier degraded or down; 2 "
-        "answering but not serving (starting, stopping or draining); 3 unreachable.",
+        "answering but not serving (starting, stopping or draining; draining counts as "
+        "serving with --draining-ok); 3 unreachable.",
     )
     h.add_argument(
         "--degraded-ok",
         action="store_true",
         help="exit 0 while serving even with a tier degraded (for liveness/readiness probes)",
+    )
+    h.add_argument(
+        "--draining-ok",
+        action="store_true",
+        help="count a draining daemon as alive: 0 (1 with a tier degraded, unless "
+        "--degraded-ok) instead of 2; for liveness checks (Docker's HEALTHCHECK), not "
+        "readiness ones: a draining daemon takes no new sessions",
     )
     h.set_defaults(func=_health)
 

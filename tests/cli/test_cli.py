@@ -399,6 +399,47 @@ def test_a_daemon_that_answers_unavailable_is_not_called_unreachable(daemon_fact
     assert gone.returncode == 1 and "Is the daemon running?" in gone.stderr
 
 
+def test_health_counts_draining_as_alive_only_with_draining_ok(daemon_factory, tmp_path):
+    """A draining daemon is alive but not ready: `health` exits 2, `health --draining-ok` (a
+    liveness check) 0, also for a tenant the drain turns away (over TCP with its token: the
+    tests run as root, an admin on the Unix socket, whom a drain does not turn away)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token, tenants = tenant_token(tmp_path, "t")
+    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
+    assert kvtier(*tenant, "health", "--draining-ok").returncode == 0
+    assert kvtier("--address", d.address, "drain").returncode == 0
+    out = kvtier(*tenant, "health")
+    assert out.returncode == 2 and "draining" in out.stdout, out
+    out = kvtier(*tenant, "health", "--draining-ok")
+    assert out.returncode == 0, out
+    assert out.stdout == (
+        f"alive: kvtierd at 127.0.0.1:{port} draining (takes no new sessions); "
+        "it opens this user no session\n"
+    )
+    out = kvtier("--address", d.address, "health", "--draining-ok")
+    assert out.returncode == 0 and out.stdout.startswith(f"alive: kvtierd at {d.address} ")
+
+
+def test_a_stopping_daemon_is_not_alive_to_draining_ok(daemon, capsys, monkeypatch):
+    """--draining-ok passes a daemon that drains, not one that stops (it says so to every
+    call) or whose server ends the call unanswered."""
+    from kvtier.client import Client, UnavailableError
+
+    def stopping(self):
+        error = UnavailableError("the daemon is stopping; it takes no new requests")
+        error.answered = True
+        raise error
+
+    monkeypatch.setattr(Client, "health", lambda self: False)
+    for stats in (stopping, lambda self: (_ for _ in ()).throw(_cancelled())):
+        monkeypatch.setattr(Client, "stats", stats)
+        code, out, err = run_main(capsys, "--address", daemon.address, "health", "--draining-ok")
+        assert code == 2 and out.startswith("not serving: "), (out, err)
+
+
 def test_regression_health_said_degraded_to_a_user_the_daemon_opens_no_session(
     daemon_factory, tmp_path
 ):

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -196,6 +197,50 @@ def test_the_probes_pass_against_a_serving_daemon(daemon_factory):
         url = f"http://127.0.0.1:{port}{container[probe]['httpGet']['path']}"
         with urllib.request.urlopen(url, timeout=10) as resp:
             assert resp.status == 200, probe
+
+
+def test_a_draining_daemon_is_alive_to_liveness_checks_and_not_ready(daemon_factory):
+    """A daemon that drains (`kvtier drain`) runs and answers, but takes no new sessions: the
+    image's HEALTHCHECK exited 2 then, so Docker marked a draining container unhealthy (and
+    an orchestrator could restart it mid-drain). The liveness checks (HEALTHCHECK, the
+    livenessProbe) pass while it drains, the readiness ones (the readinessProbe, plain
+    `kvtier health`) fail; after `drain --resume` all pass."""
+    import sys
+
+    (ds,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    d = daemon_factory("metrics.address=127.0.0.1:0")
+    (port,) = set(re.findall(r"metrics on http://[^/]*:(\d+)/metrics", d.log()))
+    health = next(rest for word, rest in _dockerfile() if word == "HEALTHCHECK")
+    command = json.loads(health[health.index("CMD") + 3 :])
+    assert command[0] == "kvtier"
+    cli = [sys.executable, "-m", "kvtier.cli", "--address", d.address]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=60)
+
+    def probe(name: str) -> int:
+        url = f"http://127.0.0.1:{port}{container[name]['httpGet']['path']}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert run(*command[1:]).returncode == 0
+    assert run("drain").returncode == 0
+    # The tests run as root, an admin whom a drain does not turn away: the probe reads the
+    # tiers' states in a session of its own.
+    alive = run(*command[1:])
+    assert alive.returncode == 0, alive
+    assert alive.stdout.startswith(f"alive: kvtierd at {d.address} draining"), alive.stdout
+    assert probe("livenessProbe") == 200
+    ready = run("health")
+    assert ready.returncode == 2 and "draining" in ready.stdout, ready
+    assert probe("readinessProbe") == 503
+    assert run("drain", "--resume").returncode == 0
+    assert run(*command[1:]).returncode == 0 and run("health").returncode == 0
+    assert probe("livenessProbe") == probe("readinessProbe") == 200
 
 
 # -------------------------------------------------------------------------- grafana
