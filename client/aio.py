@@ -397,7 +397,10 @@ class AsyncClient:
         parent_key: bytes = b"",
         durable: bool = False,
         namespace: str | None = None,
+        timeout_s: float | None = None,
     ) -> t.PutResult:
+        """See ``Client.put``: ``timeout_s`` bounds this call instead of the client's timeout."""
+        timeout_s = t.checked_seconds(timeout_s, "Put: timeout_s")
         req = t.build_paged_request(
             pb.PutRequest,
             pool_id=pool_id,
@@ -408,7 +411,7 @@ class AsyncClient:
             namespace=self._ns(namespace),
         )
         check_pages(self._pools.get(req.pool_id), req)
-        return t.put_result(await self._invoke("Put", req))
+        return t.put_result(await self._invoke("Put", req, timeout_s=timeout_s))
 
     async def get(
         self,
@@ -418,7 +421,10 @@ class AsyncClient:
         *,
         lease_id: int = 0,
         namespace: str | None = None,
+        timeout_s: float | None = None,
     ) -> t.GetResult:
+        """See ``Client.get``: ``timeout_s`` bounds this call instead of the client's timeout."""
+        timeout_s = t.checked_seconds(timeout_s, "Get: timeout_s")
         req = t.build_paged_request(
             pb.GetRequest,
             pool_id=pool_id,
@@ -428,7 +434,7 @@ class AsyncClient:
             namespace=self._ns(namespace),
         )
         check_pages(self._pools.get(req.pool_id), req)
-        return t.get_result(await self._invoke("Get", req))
+        return t.get_result(await self._invoke("Get", req, timeout_s=timeout_s))
 
     async def release(self, lease_id: int) -> None:
         await self._invoke("Release", t.build_request(pb.ReleaseRequest, lease_id=lease_id))
@@ -468,8 +474,10 @@ class AsyncClient:
         *,
         namespace: str | None = None,
         tenant: str = "",
+        timeout_s: float | None = None,
     ) -> t.EvictResult:
         """See ``Client.evict``."""
+        timeout_s = t.checked_seconds(timeout_s, "Evict: timeout_s")
         req = t.build_request(
             pb.EvictRequest,
             keys=keys,
@@ -477,7 +485,7 @@ class AsyncClient:
             namespace=self._ns(namespace),
             tenant=tenant,
         )
-        return t.evict_result(await self._invoke("Evict", req))
+        return t.evict_result(await self._invoke("Evict", req, timeout_s=timeout_s))
 
     async def stats(self) -> t.Stats:
         return t.stats_result(await self._invoke("Stats", t.build_request(pb.StatsRequest)))

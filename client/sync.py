@@ -568,7 +568,12 @@ class Client:
         parent_key: bytes = b"",
         durable: bool = False,
         namespace: str | None = None,
+        timeout_s: float | None = None,
     ) -> t.PutResult:
+        """Copy pages into the store. ``timeout_s`` bounds this call instead of the client's
+        timeout (a durable put waits for the disk tier's writes: give it the time they take;
+        opening a session or registering the pool first still takes up to the client's)."""
+        timeout_s = t.checked_seconds(timeout_s, "Put: timeout_s")
         req = t.build_paged_request(
             pb.PutRequest,
             pool_id=pool_id,
@@ -579,7 +584,7 @@ class Client:
             namespace=self._ns(namespace),
         )
         check_pages(self._pools.get(req.pool_id), req)
-        return t.put_result(self._invoke("Put", req))
+        return t.put_result(self._invoke("Put", req, timeout_s=timeout_s))
 
     def get(
         self,
@@ -589,7 +594,11 @@ class Client:
         *,
         lease_id: int = 0,
         namespace: str | None = None,
+        timeout_s: float | None = None,
     ) -> t.GetResult:
+        """Copy stored blocks into pages. ``timeout_s`` bounds this call instead of the
+        client's timeout (as for ``put``)."""
+        timeout_s = t.checked_seconds(timeout_s, "Get: timeout_s")
         req = t.build_paged_request(
             pb.GetRequest,
             pool_id=pool_id,
@@ -599,7 +608,7 @@ class Client:
             namespace=self._ns(namespace),
         )
         check_pages(self._pools.get(req.pool_id), req)
-        return t.get_result(self._invoke("Get", req))
+        return t.get_result(self._invoke("Get", req, timeout_s=timeout_s))
 
     def release(self, lease_id: int) -> None:
         self._invoke("Release", t.build_request(pb.ReleaseRequest, lease_id=lease_id))
@@ -643,10 +652,13 @@ class Client:
         *,
         namespace: str | None = None,
         tenant: str = "",
+        timeout_s: float | None = None,
     ) -> t.EvictResult:
         """Take blocks out of ``tier`` (``"L1"``, ``Tier.L1_HOST``): a block only there moves
         down to the next tier that takes it, else leaves the store. ``tenant`` (admins
-        only): in that tenant's namespace."""
+        only): in that tenant's namespace. ``timeout_s`` bounds this call instead of the
+        client's timeout (a move down writes the blocks into the next tier)."""
+        timeout_s = t.checked_seconds(timeout_s, "Evict: timeout_s")
         req = t.build_request(
             pb.EvictRequest,
             keys=keys,
@@ -654,7 +666,7 @@ class Client:
             namespace=self._ns(namespace),
             tenant=tenant,
         )
-        return t.evict_result(self._invoke("Evict", req))
+        return t.evict_result(self._invoke("Evict", req, timeout_s=timeout_s))
 
     def stats(self) -> t.Stats:
         return t.stats_result(self._invoke("Stats", t.build_request(pb.StatsRequest)))

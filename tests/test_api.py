@@ -894,6 +894,66 @@ def test_a_lookup_timeout_bounds_that_call_only(daemon, asynchronous):
     assert elapsed < 20
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, asynchronous):
+    """A durable put answers once the disk tier holds its blocks; on a rate-limited L2 a
+    large one needed the client's timeout raised for every call. `put(timeout_s=...)` bounds
+    that call only, both ways: 1 MiB at 256 KiB/s (3 s at least: the rate's burst is one
+    second's worth) is stored by a client whose timeout is 1 s, and a durable put of 512 KiB
+    given 0.5 s by a client of 60 s ends DeadlineExceededError. The daemon serves on: every
+    invariant holds and the first blocks load back as stored."""
+    d = daemon_factory(
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.write_bytes_s=256KiB",
+    )
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=24, block_tokens=1, chunk_bytes=64 << 10, kv_count=1
+    )
+    first = [os.urandom(32) for _ in range(16)]
+    second = [os.urandom(32) for _ in range(8)]
+
+    async def puts_async(shm: SharedMemoryPool) -> tuple[list[bool], type[Exception]]:
+        async with AsyncClient(d.address, timeout_s=1.0) as short:
+            pool = await short.register_pool(shm, layout)
+            stored = await short.put(pool.pool_id, first, range(16), durable=True, timeout_s=60)
+        async with AsyncClient(d.address, timeout_s=60.0) as long:
+            pool = await long.register_pool(shm, layout)
+            try:
+                await long.put(pool.pool_id, second, range(16, 24), durable=True, timeout_s=0.5)
+            except DeadlineExceededError as e:
+                return stored.persisted, type(e)
+        raise AssertionError("the put outlived its 0.5 s")
+
+    def puts_sync(shm: SharedMemoryPool) -> tuple[list[bool], type[Exception]]:
+        with Client(d.address, timeout_s=1.0) as short:
+            pool = short.register_pool(shm, layout)
+            stored = short.put(pool.pool_id, first, range(16), durable=True, timeout_s=60)
+        with Client(d.address, timeout_s=60.0) as long:
+            pool = long.register_pool(shm, layout)
+            with pytest.raises(DeadlineExceededError) as caught:
+                long.put(pool.pool_id, second, range(16, 24), durable=True, timeout_s=0.5)
+        return stored.persisted, caught.type
+
+    with SharedMemoryPool.for_layout(layout) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(7).integers(0, 256, data.size, dtype=np.uint8)
+        end = 16 * layout.block_bytes  # pages 0..15, page after page
+        sent = data[:end].copy()
+        persisted, error = asyncio.run(puts_async(shm)) if asynchronous else puts_sync(shm)
+        assert persisted == [True] * 16 and error is DeadlineExceededError
+        with d.client(timeout_s=60.0) as client:
+            result = client.check(settle_s=30.0)  # the cut-off put's writes may still run
+            assert result.ok, result.problems
+            pool = client.register_pool(shm, layout)
+            data[:end] = 0
+            assert client.get(pool.pool_id, first, range(16), timeout_s=30).prefix_len == 16
+            assert np.array_equal(data[:end], sent)
+        del data
+
+
 def test_regression_a_check_waiting_for_transfers_past_the_clients_timeout_timed_out(
     daemon_factory, tmp_path
 ):

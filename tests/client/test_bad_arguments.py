@@ -133,6 +133,10 @@ CASES: list[tuple[str, Call, str]] = [
     ("lookup-nan-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("nan")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("lookup-inf-timeout", lambda c, p: c.lookup([KEY], timeout_s=float("inf")), r"^Lookup: timeout_s: expected a finite number of seconds >= 0, not inf$"),
     ("lookup-str-timeout", lambda c, p: c.lookup([KEY], timeout_s="1"), r"^Lookup: timeout_s: expected a number of seconds, not '1'$"),
+    ("put-negative-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], durable=True, timeout_s=-1), r"^Put: timeout_s: expected a finite number of seconds >= 0, not -1$"),
+    ("put-nan-timeout", lambda c, p: c.put(p.pool_id, [KEY], [0], timeout_s=float("nan")), r"^Put: timeout_s: expected a finite number of seconds >= 0, not nan$"),
+    ("get-inf-timeout", lambda c, p: c.get(p.pool_id, [KEY], [0], timeout_s=float("inf")), r"^Get: timeout_s: expected a finite number of seconds >= 0, not inf$"),
+    ("evict-str-timeout", lambda c, p: c.evict([KEY], "L1", timeout_s="1"), r"^Evict: timeout_s: expected a number of seconds, not '1'$"),
     # objects of the wrong kind
     ("register-str-shm", lambda c, p: c.register_pool("name", LAYOUT), r"^shm: expected SharedMemoryPool, not str$"),
     ("register-none-shm", lambda c, p: c.register_pool(None, LAYOUT), r"^shm: expected SharedMemoryPool, not NoneType$"),
