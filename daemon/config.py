@@ -286,6 +286,30 @@ class ServerConfig:
             "daemon's RLIMIT_NOFILE",
         ),
     )
+    max_health_watches: int = field(
+        default=256,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 16,
+            doc="health watches (grpc.health.v1.Health/Watch streams) open at once, every "
+            "client's together; one more is RESOURCE_EXHAUSTED. A watch needs no session (over "
+            "TCP no token either) and holds memory for as long as it stays open; probes use "
+            "Check",
+        ),
+    )
+    max_health_watches_per_peer: int = field(
+        default=32,
+        metadata=_opt(
+            "int",
+            lo=1,
+            hi=1 << 16,
+            doc="health watches open at once from one TCP client host, so that one host cannot "
+            "take every watch; one more is RESOURCE_EXHAUSTED. gRPC does not say who is at the "
+            "other end of a Unix socket connection: watches there count toward "
+            "server.max_health_watches only",
+        ),
+    )
 
     event_loop: str = field(
         default="uvloop",

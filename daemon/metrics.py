@@ -249,6 +249,12 @@ COUNTERS: dict[str, MetricDef] = {
         "Calls ended before their request had arrived in full: too many waiting "
         "(RESOURCE_EXHAUSTED) or waited too long (DEADLINE_EXCEEDED).",
     ),
+    "health_watches_refused": _c(
+        "kvtier_health_watches_refused_total",
+        (),
+        "Health watches refused (RESOURCE_EXHAUSTED): server.max_health_watches open, or "
+        "server.max_health_watches_per_peer from the watch's TCP client host.",
+    ),
     "pool_faults": _c(
         "kvtier_pool_faults_total",
         (),

@@ -106,9 +106,6 @@ HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
 # is at most 4096 bytes; the health service knows two service names, both short.
 MAX_OPEN_SESSION_BYTES = 64 << 10
 MAX_HEALTH_SERVICE_CHARS = 1024
-# Health watches open at once. A watch needs no session (over TCP no token either) and holds a
-# few kilobytes for as long as it stays open; probes use Check, a watcher needs one stream.
-MAX_HEALTH_WATCHES = 256
 # Calls whose request has not fully arrived. gRPC buffers a request until its last byte, and a
 # client may announce server.max_message_bytes and stall one byte short, on any number of
 # calls and connections: unbounded, ten connections of a hundred such calls held 4 GB. Past
@@ -672,7 +669,11 @@ class Daemon:
         receiver = self.receiver
         kvtier_handlers = observer.wrap(SERVICE_NAME, _kvtier_handlers(self.servicer))
         _add_handlers(self.server, SERVICE_NAME, receiver.wrap(kvtier_handlers))
-        health_handlers = _health_handlers(self.health, self.servicer)
+        health_handlers = _health_handlers(
+            self.health,
+            self.servicer,
+            WatchLimits(cfg.max_health_watches, cfg.max_health_watches_per_peer),
+        )
         health_observed = observer.wrap(HEALTH_SERVICE_NAME, health_handlers)
         _add_handlers(self.server, HEALTH_SERVICE_NAME, receiver.wrap(health_observed))
         access = SocketAccess.from_config(cfg)
@@ -942,8 +943,65 @@ def _kvtier_handlers(servicer: KVTierServicer) -> dict[str, Any]:
     return handlers
 
 
-def _health_handlers(health_servicer: HealthService, servicer: KVTierServicer) -> dict[str, Any]:
-    """The standard health service, with malformed requests answered like ours."""
+def watch_peer(peer: str) -> str | None:
+    """Whom a watch counts against beyond the total: the host of a TCP peer
+    (``ipv4:10.0.0.5`` of ``ipv4:10.0.0.5:41234``), or None for a Unix socket peer, whose
+    every connection gRPC names ``unix:`` alone."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, colon, _ = rest.rpartition(":")
+    return f"{kind}:{host}" if colon else peer
+
+
+class WatchLimits:
+    """Health watches open at once, every client's together (``server.max_health_watches``)
+    and per TCP client host (``server.max_health_watches_per_peer``). A watch needs no
+    session (over TCP no token either) and holds a few kilobytes for as long as it stays
+    open: unbounded, 20,000 of them grew a daemon by 130 MB; bounded in total only, one
+    client took every watch. Unix socket peers cannot be told apart (gRPC's server names
+    none), so there the total is the bound.
+
+    Thread-safety: the event loop only."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total = total
+        self.per_peer = per_peer
+        self.open = 0
+        self._by_peer: Counter[str] = Counter()
+
+    def refusal(self, peer: str | None) -> str | None:
+        """Why one more watch from ``peer`` is refused, or None if it may open."""
+        if self.open >= self.total:
+            return (
+                f"{self.open} health watches are open; at most {self.total} "
+                "(server.max_health_watches)"
+            )
+        if peer is not None and self._by_peer[peer] >= self.per_peer:
+            return (
+                f"{self._by_peer[peer]} health watches are open from {peer}; at most "
+                f"{self.per_peer} per client host (server.max_health_watches_per_peer)"
+            )
+        return None
+
+    def opened(self, peer: str | None) -> None:
+        self.open += 1
+        if peer is not None:
+            self._by_peer[peer] += 1
+
+    def closed(self, peer: str | None) -> None:
+        self.open -= 1
+        if peer is not None:
+            self._by_peer[peer] -= 1
+            if not self._by_peer[peer]:
+                del self._by_peer[peer]
+
+
+def _health_handlers(
+    health_servicer: HealthService, servicer: KVTierServicer, limits: WatchLimits
+) -> dict[str, Any]:
+    """The standard health service, with malformed requests answered like ours and watches
+    bounded by ``limits``."""
 
     async def refuse(method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Malformed):
@@ -961,21 +1019,17 @@ def _health_handlers(health_servicer: HealthService, servicer: KVTierServicer) -
         await refuse("Check", request, context)
         return await health_servicer.Check(request, context)
 
-    watching = 0  # watches open now (the event loop's only)
-
     async def watch(request: Any, context: grpc.aio.ServicerContext) -> None:
-        nonlocal watching
         await refuse("Watch", request, context)
-        if watching >= MAX_HEALTH_WATCHES:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{watching} health watches are open; at most {MAX_HEALTH_WATCHES}",
-            )
-        watching += 1
+        peer = watch_peer(context.peer())
+        if (refusal := limits.refusal(peer)) is not None:
+            servicer.service.counters["health_watches_refused"] += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        limits.opened(peer)
         try:
             await health_servicer.Watch(request, context)
         finally:
-            watching -= 1
+            limits.closed(peer)
 
     serialize = health_pb2.HealthCheckResponse.SerializeToString
     parse = _lenient(health_pb2.HealthCheckRequest)

@@ -11,7 +11,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from kvtier.daemon import server as server_module
 from kvtier.daemon.errors import InvalidArgument
 from kvtier.daemon.health import HealthService
 from kvtier.daemon.server import (
@@ -20,9 +19,11 @@ from kvtier.daemon.server import (
     KVTierServicer,
     Malformed,
     RequestReceiver,
+    WatchLimits,
     _health_handlers,
     _lenient,
     layout_from_pb,
+    watch_peer,
 )
 from kvtier.kernels.layout import MAX_LAYERS
 from kvtier.proto import kvtier_pb2 as pb
@@ -123,7 +124,7 @@ def test_regression_streams_kept_requests_of_the_message_limit_for_their_whole_l
     daemon, eight watches of a 60 MB service name 2 GB. Both are now refused above a size
     far below the message limit, before anything is held."""
     servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
-    watch = _health_handlers(HealthService(), servicer)["Watch"].unary_stream
+    watch = _health_handlers(HealthService(), servicer, WatchLimits(256, 32))["Watch"].unary_stream
 
     def status(call: Any) -> tuple[grpc.StatusCode, str]:
         context = FakeContext()
@@ -144,13 +145,13 @@ def test_regression_streams_kept_requests_of_the_message_limit_for_their_whole_l
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "service name of" in details
 
 
-def test_regression_health_watches_were_unbounded(monkeypatch):
+def test_regression_health_watches_were_unbounded():
     """A health watch needs no session (over TCP no token either) and holds a few kilobytes
-    while it stays open: 20,000 of them grew a daemon by 130 MB. Beyond MAX_HEALTH_WATCHES
-    open at once a watch is RESOURCE_EXHAUSTED; one that ends makes room."""
-    monkeypatch.setattr(server_module, "MAX_HEALTH_WATCHES", 2)
+    while it stays open: 20,000 of them grew a daemon by 130 MB. Beyond the bound
+    (server.max_health_watches) open at once a watch is RESOURCE_EXHAUSTED; one that ends
+    makes room."""
     servicer = KVTierServicer(BrokenService(), 10)  # type: ignore[arg-type]
-    watch = _health_handlers(HealthService(), servicer)["Watch"].unary_stream
+    watch = _health_handlers(HealthService(), servicer, WatchLimits(2, 2))["Watch"].unary_stream
     request = health_pb2.HealthCheckRequest(service="")
 
     class WatchContext(FakeContext):
@@ -176,6 +177,82 @@ def test_regression_health_watches_were_unbounded(monkeypatch):
         await asyncio.gather(open_[1], again, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_one_tcp_host_gets_its_share_of_watches_and_unix_peers_the_total():
+    """Per TCP client host at most server.max_health_watches_per_peer watches, each host
+    counted apart; Unix socket peers, which gRPC does not name, only count toward the
+    total. Refusals are counted (health_watches_refused) and name the bound met."""
+    service = BrokenService()
+    servicer = KVTierServicer(service, 10)  # type: ignore[arg-type]
+    limits = WatchLimits(5, 2)
+    watch = _health_handlers(HealthService(), servicer, limits)["Watch"].unary_stream
+    request = health_pb2.HealthCheckRequest(service="")
+
+    class WatchContext(FakeContext):
+        def __init__(self, peer: str) -> None:
+            super().__init__()
+            self._peer = peer
+
+        def peer(self) -> str:
+            return self._peer
+
+        async def write(self, message: object) -> None:
+            pass
+
+    async def attempt(peer: str, tasks: list[asyncio.Future[None]]) -> str | None:
+        """Opens a watch from ``peer``; the refusal's details, or None if it is watching."""
+        context = WatchContext(peer)
+        task = asyncio.ensure_future(watch(request, context))
+        await asyncio.sleep(0)
+        if task.done():
+            with pytest.raises(grpc.aio.AbortError):
+                task.result()
+            assert context.status is not None
+            assert context.status[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            return context.status[1]
+        tasks.append(task)
+        return None
+
+    async def run() -> None:
+        tasks: list[asyncio.Future[None]] = []
+        assert await attempt("ipv4:10.0.0.5:40001", tasks) is None
+        assert await attempt("ipv4:10.0.0.5:40002", tasks) is None  # another connection
+        refused = await attempt("ipv4:10.0.0.5:40003", tasks)
+        assert refused == (
+            "2 health watches are open from ipv4:10.0.0.5; at most 2 per client host "
+            "(server.max_health_watches_per_peer)"
+        )
+        assert await attempt("ipv6:[::1]:40004", tasks) is None  # another host
+        assert await attempt("unix:", tasks) is None
+        assert await attempt("unix:", tasks) is None  # five open: the total
+        refused = await attempt("ipv4:10.0.0.6:40005", tasks)
+        assert refused == "5 health watches are open; at most 5 (server.max_health_watches)"
+        assert service.counters["health_watches_refused"] == 2
+        tasks[0].cancel()  # one of 10.0.0.5's ends: that host may open one again
+        await asyncio.gather(tasks.pop(0), return_exceptions=True)
+        assert await attempt("ipv4:10.0.0.5:40006", tasks) is None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert limits.open == 0 and limits.refusal("ipv4:10.0.0.5") is None
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "peer, host",
+    [
+        ("ipv4:127.0.0.1:53434", "ipv4:127.0.0.1"),
+        ("ipv6:[::1]:8080", "ipv6:[::1]"),
+        ("ipv6:%5B::1%5D:8080", "ipv6:%5B::1%5D"),
+        ("unix:", None),
+        ("unix:/run/kvtier/kvtierd.sock", None),
+        ("", None),
+    ],
+)
+def test_a_watch_counts_against_its_tcp_host_only(peer, host):
+    assert watch_peer(peer) == host
 
 
 def test_regression_requests_after_sigterm_were_told_their_session_was_not_found():
