@@ -2,7 +2,9 @@
 
 Commands that talk to a daemon (``stats``, ``top``, ``health``) find it as every client does
 (``--address``, else ``$KVTIER_ADDRESS``, else the default socket of ``kvtier.paths``) and,
-when it cannot be reached, say which address they tried and how to change it.
+when it cannot be reached, say which address they tried and how to change it. One that goes
+away after answering (under ``top``, ``stats --interval``, ``drain --wait``) is told in one
+line of the command's own; the client's session-end warning is not shown.
 
 ``kvtier health`` is meant for probes; its exit status says what it found:
 0 serving with every tier ok (or serving, with tier states this user may not read, as one in
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -42,6 +45,7 @@ from kvtier.client import (
     UnauthenticatedError,
     UnavailableError,
 )
+from kvtier.client.credentials import SESSION_LOGGER
 from kvtier.client.types import (
     DrainResult,
     address_hint,
@@ -145,7 +149,13 @@ def _stats(args: argparse.Namespace) -> int:
             before = client.stats()
             taken = time.monotonic()
             time.sleep(args.interval)
-        stats = client.stats()
+            try:
+                stats = client.stats()
+            except (UnavailableError, DeadlineExceededError) as e:
+                print(_went_away(client.address, "stats", e), file=sys.stderr)
+                return 1
+        else:
+            stats = client.stats()
         elapsed = time.monotonic() - taken
         address = client.address
     fig = derive(stats, before, elapsed)
@@ -245,7 +255,20 @@ def _top(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         client.stats()  # fail fast, with the address, before the screen is taken
-        return run(client, args.interval, once=args.once)
+        try:
+            return run(client, args.interval, once=args.once)
+        except (UnavailableError, DeadlineExceededError) as e:
+            print(_went_away(client.address, "top", e), file=sys.stderr)
+            return 1
+
+
+def _went_away(address: str, command: str, error: KvtierError) -> str:
+    """The one line for a daemon that answered this command and then stopped answering (it
+    stopped, or can no longer be reached): not the unreachable message's advice to start
+    one."""
+    return f"kvtier {command}: kvtierd at {address} went away (stopped or unreachable): " + (
+        error.details
+    )
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -579,6 +602,13 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "bench":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    # The client logs a WARNING when its session ends other than by close() (the daemon
+    # stopped or restarted under `top`, `stats --interval` or `drain --wait`), which Python
+    # prints on stderr where no logging is set up: the commands say in a line of their own what
+    # became of the daemon.
+    session_log = logging.getLogger(SESSION_LOGGER)
+    quiet = session_log.disabled
+    session_log.disabled = True
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
@@ -596,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     except KvtierError as e:
         print(f"kvtier: {type(e).__name__}: {e.details}", file=sys.stderr)
         return 1
+    finally:
+        session_log.disabled = quiet
 
 
 if __name__ == "__main__":

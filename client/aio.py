@@ -61,7 +61,7 @@ from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
+session_log = logging.getLogger(credentials.SESSION_LOGGER)
 
 
 class AsyncClient:
@@ -212,7 +212,7 @@ class AsyncClient:
             error = e
         ours = self.forget_session(session_id)
         if (line := credentials.session_end_line(session_id, error, ours)) is not None:
-            log.warning("%s", line)
+            session_log.warning("%s", line)
 
     def forget_session(self, session_id: str) -> bool:
         """As the sync client's."""

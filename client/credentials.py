@@ -64,6 +64,12 @@ def shown_id(session_id: str) -> str:
     return session_id[:SHOWN_ID_CHARS]
 
 
+# The logger of the WARNING a client writes when its session ends (``session_end_line``). A
+# program that tells its user itself what became of the daemon (the ``kvtier`` CLI) silences
+# it: with no logging configured, Python writes such a line to stderr.
+SESSION_LOGGER = "kvtier.client.session"
+
+
 def session_end_line(session_id: str, error: grpc.RpcError | None, ours: bool) -> str | None:
     """The log line of a session's stream that ended (``error``: how), or None: said when the
     session was still the client's (``ours``), or when the daemon ended it (a call may have

@@ -69,7 +69,7 @@ from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
+session_log = logging.getLogger(credentials.SESSION_LOGGER)
 
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -319,7 +319,7 @@ class Client:
             error = e
         ours = self.forget_session(session_id)
         if (line := credentials.session_end_line(session_id, error, ours)) is not None:
-            log.warning("%s", line)
+            session_log.warning("%s", line)
 
     def forget_session(self, session_id: str) -> bool:
         """Forget ``session_id`` (its stream ended, or the daemon answered it is not open:

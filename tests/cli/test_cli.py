@@ -499,6 +499,57 @@ def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
         out, err = drain.communicate(timeout=60)
     assert drain.returncode == 0, (out, err)
     assert out.startswith(f"stopped: kvtierd at {d.address} went away while draining"), out
+    assert err == ""  # not the client's "kvtier session ... ended" warning besides
+
+
+def test_regression_top_showed_the_clients_session_warning_when_the_daemon_stopped(
+    daemon_factory,
+):
+    """`kvtier top` under a daemon that stopped printed the client's WARNING 'kvtier session
+    ... ended (daemon stopped or unreachable)', then 'cannot reach kvtierd ... Is the daemon
+    running? Start it with `kvtierd`'. It ends with one line of its own, exit 1."""
+    d = daemon_factory()
+    top = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "--address", d.address, "top", "--interval", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert top.stdout is not None
+    assert top.stdout.readline().startswith("kvtierd ")  # a frame: its session is open
+    assert d.stop() == 0
+    _, err = top.communicate(timeout=60)
+    assert top.returncode == 1, err
+    (line,) = err.splitlines()
+    assert line.startswith(
+        f"kvtier top: kvtierd at {d.address} went away (stopped or unreachable): "
+    )
+
+
+def test_stats_over_an_interval_says_in_one_line_that_the_daemon_went_away(
+    daemon, capsys, monkeypatch
+):
+    """The daemon stops during `stats --interval`: one line, not the advice to start a
+    daemon that 'cannot reach' gives."""
+    from kvtier.client import Client, UnavailableError
+
+    first = Client.stats
+    calls = []
+
+    def stats(self):
+        calls.append(1)
+        if len(calls) == 1:
+            return first(self)
+        raise UnavailableError("failed to connect to all addresses")
+
+    monkeypatch.setattr(Client, "stats", stats)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    code, out, err = run_main(capsys, "--address", daemon.address, "stats", "--interval", "5")
+    assert code == 1 and out == "", (out, err)
+    assert err == (
+        f"kvtier stats: kvtierd at {daemon.address} went away (stopped or unreachable): "
+        "failed to connect to all addresses\n"
+    )
 
 
 def test_regression_drain_wait_drained_the_daemon_that_restarted_meanwhile(
