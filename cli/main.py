@@ -283,6 +283,11 @@ def _health(args: argparse.Namespace) -> int:
         except (UnavailableError, DeadlineExceededError) as e:
             print(_unreachable(args, e), file=sys.stderr)
             return UNREACHABLE
+        if not serving and not args.draining_ok:
+            # Whether it drains or stops makes no difference here: asking (a session that a
+            # drain refuses, counted and logged by the daemon) would be for nothing.
+            print(_not_serving(client.address))
+            return NOT_SERVING
         try:
             stats = client.stats()
         except (UnavailableError, DeadlineExceededError) as e:

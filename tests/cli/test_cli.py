@@ -411,10 +411,15 @@ def test_health_counts_draining_as_alive_only_with_draining_ok(daemon_factory, t
     tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
     assert kvtier(*tenant, "health", "--draining-ok").returncode == 0
     assert kvtier("--address", d.address, "drain").returncode == 0
-    out = kvtier(*tenant, "health")
-    assert out.returncode == 2 and "draining" in out.stdout, out
-    out = kvtier(*tenant, "health", "--draining-ok")
-    assert out.returncode == 0, out
+    refused = 'sessions_refused{reason="draining"}'
+    with d.client() as admin:
+        out = kvtier(*tenant, "health")
+        assert out.returncode == 2 and "draining" in out.stdout, out
+        # Plain health asks for no session a drain would refuse (and the daemon log).
+        assert admin.stats().counters.get(refused, 0) == 0
+        out = kvtier(*tenant, "health", "--draining-ok")
+        assert out.returncode == 0, out
+        assert admin.stats().counters[refused] == 1
     assert out.stdout == (
         f"alive: kvtierd at 127.0.0.1:{port} draining (takes no new sessions); "
         "it opens this user no session\n"
