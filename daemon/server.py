@@ -23,6 +23,9 @@ Invariants:
   pool of gigabytes is populated or torn down.
 - Every RPC but OpenSession and the health service needs an open session; Check and Drain
   need an admin session. While draining, the health service answers NOT_SERVING.
+- At most ``server.max_health_watches`` health watches are open at once, and
+  ``server.max_health_watches_per_peer`` from one TCP client host (``WatchLimits``); one more
+  is RESOURCE_EXHAUSTED before it watches.
 - Both sockets have ``server.socket_mode`` and ``server.socket_group`` before they listen.
 """
 
