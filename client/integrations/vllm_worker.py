@@ -20,9 +20,14 @@ Invariants:
   step (layer-wise loads) or before its request is reported in ``finished_recving`` (async
   loads), and vLLM recomputes it. Its request is named to the scheduler side in the same
   step (``KVTierWorkerMetadata.failed_loads``), which then offers it no hit again.
-- Saves in flight hold at most ``StagingPages.saves`` pages of the current staging pool (a
-  save that does not fit is not stored), so the pages the scheduler counts as free for loads
-  are free: a load it admitted never fails for want of a page.
+- Saves in flight hold at most ``StagingPages.saves`` pages of the current staging pool, so
+  the pages the scheduler counts as free for loads are free: a load it admitted never fails
+  for want of a page. A step's saves that do not fit keep the head of each chain, in the
+  order vLLM scheduled them (the first blocks: later ones are useless without them); the
+  rest is counted in ``save_blocks_dropped``.
+- A request whose block this worker did not store (cut, paused, failed) has a gap in its
+  chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
+  finished the request).
 - A staging page is reused only after its transfer ended cleanly; a transfer that timed out
   or lost its daemon retires the whole staging pool (see ``staging``).
 - Saves never hold vLLM's blocks past the step that copies them to staging, so a request's
@@ -96,6 +101,12 @@ class _Save:
     job: TransferJob | None = None
 
 
+def _head(spec: SaveSpec, n: int) -> SaveSpec:
+    """``spec`` cut to its first ``n`` blocks."""
+    keys = {rank: keys[:n] for rank, keys in spec.keys.items()}
+    return SaveSpec(spec.req_id, spec.block_ids[:n], keys, spec.parents, spec.at_finish)
+
+
 def register_cuda_kv_caches(kv_caches: dict[str, torch.Tensor]) -> None:
     """Register vLLM's GPU KV cache with kvtierd as CUDA IPC pools: not wired yet.
 
@@ -156,6 +167,8 @@ class WorkerSide:
         self._invalid: set[int] = set()
         self._done_leases: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed, to report
+        self._broken: set[str] = set()  # requests with a block not stored: store no more
+        self._warned_dropped = False
         self._sending: set[str] = set()  # finish-saves copied, to report
         self._finished_seen: set[str] = set()
         self._recving: set[str] = set()
@@ -273,8 +286,9 @@ class WorkerSide:
         return self._arena
 
     def _alloc(self, n: int, *, save: bool = False) -> tuple[StagingPool, list[int]] | None:
-        """``n`` pages of the current staging pool; for a save, only within the saves' share
-        (the rest is the loads', which the scheduler counts on)."""
+        """``n`` pages of the current staging pool (none for ``n`` 0); for a save, as many as
+        the saves' share has free, up to ``n`` (the rest of the pool is the loads', which the
+        scheduler counts on)."""
         self._reap_saves()
         try:
             arena = self._staging()
@@ -283,7 +297,9 @@ class WorkerSide:
             return None
         if arena is None:
             return None
-        if save and self._save_pages(arena) + n > self.staging_pages.saves:
+        if save:
+            n = min(n, self.staging_pages.saves - self._save_pages(arena))
+        if n <= 0:
             return None
         pages = arena.alloc(n)
         return (arena, pages) if pages is not None else None
@@ -456,18 +472,67 @@ class WorkerSide:
         save.layers_copied.add(layer)
 
     def _start_save(self, specs: list[SaveSpec]) -> _Save | None:
+        """Take staging pages for ``specs``' blocks, or for the longest prefix of each chain
+        that the saves' share has room for (see ``_fit``); the rest is dropped."""
+        specs = self._skip_broken(specs)
         nblocks = sum(len(s.block_ids) for s in specs)
-        if not self.breaker.ok():
-            self.stats["save_blocks_dropped"] += nblocks
+        if not nblocks:
             return None
-        got = self._alloc(nblocks, save=True)
+        got = self._alloc(nblocks, save=True) if self.breaker.ok() else None
         if got is None:
-            # The saves' share is full of saves in flight: these blocks are simply not stored.
-            self.stats["save_blocks_dropped"] += nblocks
+            # Paused, or the saves' share is full of saves in flight: nothing is stored.
+            self._drop(specs, [0] * len(specs))
             return None
         arena, pages = got
+        if len(pages) < nblocks:
+            kept = self._fit(specs, len(pages))
+            self._drop(specs, kept)
+            specs = [_head(s, k) for s, k in zip(specs, kept, strict=True) if k]
         blocks = torch.as_tensor([b for s in specs for b in s.block_ids], dtype=torch.long)
         return _Save(specs, arena, pages, blocks)
+
+    @staticmethod
+    def _fit(specs: list[SaveSpec], pages: int) -> list[int]:
+        """How many of each spec's first blocks ``pages`` pages store, in the order vLLM
+        scheduled them: a chain's later blocks are of no use without its first ones, so a
+        spec that is cut keeps its head, and the specs after it get nothing."""
+        kept = []
+        for spec in specs:
+            k = min(len(spec.block_ids), pages)
+            kept.append(k)
+            pages -= k
+        return kept
+
+    def _drop(self, specs: list[SaveSpec], kept: list[int]) -> None:
+        """Count the blocks of ``specs`` past their first ``kept`` as dropped; their
+        requests' chains now have a gap here, so nothing more of them is stored."""
+        dropped = 0
+        for spec, k in zip(specs, kept, strict=True):
+            if k < len(spec.block_ids):
+                dropped += len(spec.block_ids) - k
+                self._broken.add(spec.req_id)
+        if not dropped:
+            return
+        self.stats["save_blocks_dropped"] += dropped
+        if not self._warned_dropped and self.breaker.ok():
+            self._warned_dropped = True
+            log.warning(
+                "kvtier connector: saves outgrew their %d staging pages; %d blocks not stored "
+                "(raise staging_bytes or staging_save_share to store more)",
+                self.staging_pages.saves,
+                dropped,
+            )
+        else:
+            log.debug("kvtier connector: %d blocks not stored", dropped)
+
+    def _skip_broken(self, specs: list[SaveSpec]) -> list[SaveSpec]:
+        """Drop the specs that continue a chain this worker already failed to store a block
+        of: stored after that gap, a block can never be found."""
+        broken = [s for s in specs if s.req_id in self._broken]
+        if not broken:
+            return specs
+        self.stats["save_blocks_dropped"] += sum(len(s.block_ids) for s in broken)
+        return [s for s in specs if s.req_id not in self._broken]
 
     def wait_for_save(self, meta: KVTierConnectorMetadata) -> None:
         load = self._load
@@ -483,8 +548,7 @@ class WorkerSide:
             if len(save.layers_copied) == self.num_layers:
                 self._submit_save(save)
             else:
-                self.stats["save_blocks_dropped"] += len(save.block_ids)
-                save.arena.free(save.pages)
+                self._lost(save)
         finish = [s for s in meta.saves if s.at_finish]
         if finish:
             self._save_finished_requests(finish)
@@ -522,11 +586,16 @@ class WorkerSide:
             )
         except KvtierError as e:
             self.breaker.trip(e)
-            self.stats["save_blocks_dropped"] += len(save.block_ids)
-            save.arena.free(save.pages)
+            self._lost(save)
             return
         self.stats["save_blocks"] += len(save.block_ids)
         self._save_jobs.append(save)
+
+    def _lost(self, save: _Save) -> None:
+        """A save that had its pages and is not stored after all: counted, pages freed."""
+        self.stats["save_blocks_dropped"] += len(save.block_ids)
+        self._broken.update(spec.req_id for spec in save.specs)
+        save.arena.free(save.pages)
 
     def _reap_saves(self, wait_s: float = 0.0) -> None:
         deadline = time.monotonic() + wait_s
@@ -541,6 +610,7 @@ class WorkerSide:
                 continue
             if status.error is not None:
                 self.stats["save_jobs_failed"] += 1
+                self._broken.update(spec.req_id for spec in save.specs)
             self._check_job(status, "save", save.arena)
             save.arena.free(save.pages)
         self._save_jobs = running
@@ -563,6 +633,7 @@ class WorkerSide:
         self._sending -= sending
         self._finished_seen = seen - sending if self._sending else set()
         recving, self._recving = self._recving, set()
+        self._broken -= finished_req_ids
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

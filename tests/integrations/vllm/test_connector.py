@@ -438,6 +438,33 @@ def test_saves_in_flight_never_take_the_pages_of_a_load_the_scheduler_admitted(
         engine.close()
 
 
+def test_a_prompt_larger_than_the_saves_share_stores_its_first_blocks(model_dir, daemon):
+    """A 6-block prompt computed in one step by a worker with 4 staging pages for saves: the
+    first 4 blocks are stored (before, the whole save was dropped and nothing was), and a
+    second engine loads those 4 with the right KV and computes the rest."""
+    prompt = prompts(41, 6 * BLOCK, [10])[0]
+    staging_bytes = 2 * 4 * 4 * LAYER_BLOCK_BYTES
+    writer = MiniEngine(model_dir, _options(daemon, staging_bytes=staging_bytes))
+    try:
+        assert writer.worker.staging_pages.saves == 4
+        writer.add("w", prompt, max_tokens=2)
+        writer.run()
+        assert writer.worker.stats["save_blocks"] == 4
+        assert writer.worker.stats["save_blocks_dropped"] == 2
+    finally:
+        writer.close()
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add("r", prompt, max_tokens=2)
+        out = reader.step()
+        assert [len(spec.block_ids) for spec in out.kv_connector_metadata.loads] == [4]
+        assert out.num_scheduled_tokens["r"] == len(prompt) - 4 * BLOCK
+        assert reader.blocks_hold_their_prefix("r", len(prompt))
+        assert reader.invalid_reported == set()
+    finally:
+        reader.close()
+
+
 def test_an_aborted_async_load_holds_its_pages_until_the_worker_lets_them_go(model_dir, daemon):
     """vLLM may abort a request whose async load is in flight; the worker still holds its
     staging pages until the load ends, so they stay counted until the worker reports the

@@ -3,7 +3,10 @@ engine; the metadata is built by hand so that cases vLLM rarely produces are rea
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from mini_engine import wait_until
 
 from kvtier.client.integrations.vllm_config import ConnectorConfig, KeyChain, ModelIdentity
 from kvtier.client.integrations.vllm_meta import KVTierConnectorMetadata, LoadSpec, SaveSpec
@@ -27,8 +30,8 @@ IDENTITY = ModelIdentity(
 )
 
 
-def worker(address: str) -> tuple[WorkerSide, list[torch.Tensor]]:
-    config = ConnectorConfig(address=address, layer_groups=1)
+def worker(address: str, **options: Any) -> tuple[WorkerSide, list[torch.Tensor]]:
+    config = ConnectorConfig(address=address, layer_groups=1, **options)
     side = WorkerSide(config, IDENTITY, LAYERS, BLOCKS, tp_rank=0, pp_rank=0)
     kv = [torch.zeros((BLOCKS, *BLOCK_SHAPE), dtype=torch.float32) for _ in LAYERS]
     side.register_kv_caches(dict(zip(LAYERS, kv, strict=True)))
@@ -38,8 +41,9 @@ def worker(address: str) -> tuple[WorkerSide, list[torch.Tensor]]:
 def run_step(side: WorkerSide, meta: KVTierConnectorMetadata) -> set[int]:
     """What the model runner does around one forward pass; returns the blocks to recompute."""
     side.start_load_kv(meta)
-    for name in LAYERS:
+    for name, kv in zip(LAYERS, side.kv, strict=True):
         side.wait_for_layer_load(name)
+        side.save_kv_layer(name, kv, meta)
     side.wait_for_save(meta)
     return side.get_block_ids_with_load_errors()
 
@@ -75,3 +79,86 @@ def test_a_block_without_a_key_does_not_shift_the_blocks_after_it(daemon):
                     assert torch.equal(t[block], saved_kv[layer][source]), (layer, block)
     finally:
         loader.shutdown()
+
+
+# 8 pages of 128 bytes (2 layers of 64): 4 for loads, 4 for saves.
+SMALL_STAGING = {"staging_bytes": 8 * 128, "staging_save_share": 0.5}
+
+
+def _fill(kv: list[torch.Tensor], base: int) -> None:
+    for layer, t in enumerate(kv):
+        for block in range(BLOCKS):
+            t[block] = base + 100 * layer + block + 1
+
+
+def _stored(side: WorkerSide, keys: list[bytes]) -> int:
+    """How many of ``keys``' first blocks the daemon holds, once the side's saves ended."""
+    assert wait_until(lambda: side.saves_in_flight() == 0)
+    return side.client.lookup(keys).prefix_len
+
+
+def test_a_save_larger_than_the_saves_share_stores_the_head_of_its_chain(daemon):
+    """A step's save of 6 blocks meets a saves' share of 4 pages: its first 4 blocks are
+    stored (a chain's later blocks are useless without its first ones; before, all 6 were
+    dropped), the other 2 are counted dropped, and the request's later blocks, which would
+    follow the gap, are dropped too while another request's are stored. The 4 stored blocks
+    hold the saver's KV: another worker loads them."""
+    chain = KeyChain(IDENTITY.namespace(0, 0))
+    keys = chain.extend(list(range(32)), 8, None)
+    other = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(1000, 1032)), 1, None)
+    saver, saved_kv = worker(daemon.address, **SMALL_STAGING)
+    loader, kv = worker(daemon.address)
+    try:
+        assert saver.staging_pages.saves == 4
+        _fill(saved_kv, 0)
+        run_step(
+            saver,
+            KVTierConnectorMetadata(saves=[SaveSpec("r", list(range(6)), {0: keys[:6]}, {0: b""})]),
+        )
+        assert saver.stats["save_blocks"] == 4 and saver.stats["save_blocks_dropped"] == 2
+        assert _stored(saver, keys[:6]) == 4
+
+        later = SaveSpec("r", [6, 7], {0: keys[6:8]}, {0: keys[5]})
+        another = SaveSpec("s", [6], {0: other}, {0: b""})
+        run_step(saver, KVTierConnectorMetadata(saves=[later, another]))
+        assert saver.stats["save_blocks"] == 5 and saver.stats["save_blocks_dropped"] == 4
+        assert _stored(saver, keys[6:8]) == 0 and _stored(saver, other) == 1
+
+        # Once vLLM has finished the request, its id carries no gap any more.
+        saver.get_finished({"r"})
+        run_step(saver, KVTierConnectorMetadata(saves=[later]))
+        assert _stored(saver, keys[6:8]) == 2
+
+        invalid = run_step(
+            loader, KVTierConnectorMetadata(loads=[LoadSpec("r", [4, 5, 6, 7], {0: keys[:4]})])
+        )
+        assert invalid == set()
+        for layer, t in enumerate(kv):
+            for block, source in zip([4, 5, 6, 7], range(4), strict=True):
+                assert torch.equal(t[block], saved_kv[layer][source]), (layer, block)
+    finally:
+        saver.shutdown()
+        loader.shutdown()
+
+
+def test_saves_cut_to_the_share_keep_the_head_of_each_chain_in_order(daemon):
+    """Two requests' saves of 3 blocks each in one step, 4 pages: the first is stored whole,
+    the second keeps its first block (its chain's head), and its last 2 are dropped. The same
+    holds for requests that finish (their blocks are copied when vLLM finishes them)."""
+    for round, at_finish in enumerate((False, True)):
+        a = KeyChain(IDENTITY.namespace(0, 0)).extend([round] * 12, 3, None)
+        b = KeyChain(IDENTITY.namespace(0, 0)).extend([round + 10] * 12, 3, None)
+        saver, _ = worker(daemon.address, **SMALL_STAGING)
+        try:
+            specs = [
+                SaveSpec("a", [0, 1, 2], {0: a}, {0: b""}, at_finish),
+                SaveSpec("b", [3, 4, 5], {0: b}, {0: b""}, at_finish),
+            ]
+            run_step(saver, KVTierConnectorMetadata(saves=specs))
+            assert (saver.stats["save_blocks"], saver.stats["save_blocks_dropped"]) == (4, 2)
+            assert _stored(saver, a) == 3 and _stored(saver, b) == 1
+            if at_finish:  # vLLM may free both requests' blocks: both were copied
+                sending, _ = saver.get_finished({"a", "b"})
+                assert sending == {"a", "b"}
+        finally:
+            saver.shutdown()
