@@ -50,7 +50,8 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """What workers tell the scheduler side after a step: leases whose loads they have
     finished with (the scheduler releases them), and requests whose load failed in part on
-    some worker (the scheduler offers those no hit again)."""
+    some worker (after an async load, the scheduler offers those no hit until vLLM has
+    scheduled them again)."""
 
     done_leases: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)

@@ -29,11 +29,16 @@ Invariants:
   requests are scheduled as if nothing were cached and nothing is saved.
 - A request whose LoRA adapter has no key (not a local folder; see ``vllm_config``) is never
   looked up nor saved.
-- A request whose load failed (a worker names it in ``KVTierWorkerMetadata.failed_loads``)
-  is offered no hit again; it recomputes. An async load that fails puts the request back in
-  vLLM's queue with nothing computed, and vLLM asks here again: offered the same hit, a load
-  that keeps failing for a reason of its own (data lost behind an index that still lists it,
-  a worker that cannot stage) would go round forever.
+- A request whose async load failed (a worker names it in
+  ``KVTierWorkerMetadata.failed_loads``) is offered no hit until vLLM has scheduled it again:
+  the failure puts it back in vLLM's queue with its valid prefix computed, and vLLM asks here
+  at once; offered the same hit, a load that keeps failing for a reason of its own (data
+  lost behind an index that still lists it, a worker that cannot stage) would go round
+  forever. Once it has run, a later ask (after a preemption) is answered afresh, as any
+  other (as vLLM's own offloading connector answers every ask): each such ask follows a
+  preemption, which kvtier does not cause, so it cannot loop.
+  A layer-wise load that fails leaves the request running (vLLM recomputes its failed
+  blocks in place and never asks again for it), so it changes no later answer.
 
 Thread-safety: none; vLLM calls the scheduler connector from one thread.
 """
@@ -84,7 +89,7 @@ class _Request:
     leases: dict[int, int] = field(default_factory=dict)
     lookups: int = 0  # get_num_new_matched_tokens calls: more than one, the request waited
     hinted: bool = False
-    load_failed: bool = False  # a worker reported its load failed: no hit is offered again
+    load_failed: bool = False  # its async load failed: no hit until vLLM schedules it again
 
     def tokens(self) -> Any:
         return self.request.all_token_ids
@@ -265,6 +270,7 @@ class SchedulerSide:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
+            state.load_failed = False  # it runs: a later ask is answered afresh
             state.block_ids = list(new.block_ids[0])
             # What vLLM found cached (its own prefix cache or kvtier) is not stored again.
             state.saved = new.num_computed_tokens // self.block_tokens
@@ -274,6 +280,7 @@ class SchedulerSide:
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            state.load_failed = False
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 # Resumed after preemption: these are all of its blocks now.
@@ -344,9 +351,11 @@ class SchedulerSide:
                 self._release(lease)
             for req_id in meta.failed_loads:
                 state = self._requests.get(req_id)
-                if state is not None and not state.load_failed:
+                if state is None:
+                    continue
+                self.stats["failed_load_requests"] += 1
+                if self.config.load_mode == "async":
                     state.load_failed = True
-                    self.stats["failed_load_requests"] += 1
 
     def _release(self, lease: int) -> None:
         req_id = self._lease_owner.pop(lease, None)

@@ -19,7 +19,7 @@ Invariants:
   in every layer, in time, is reported through ``get_block_ids_with_load_errors`` in the same
   step (layer-wise loads) or before its request is reported in ``finished_recving`` (async
   loads), and vLLM recomputes it. Its request is named to the scheduler side in the same
-  step (``KVTierWorkerMetadata.failed_loads``), which then offers it no hit again.
+  step (``KVTierWorkerMetadata.failed_loads``); see the scheduler side for what it does.
 - Saves in flight hold at most ``StagingPages.saves`` pages of the current staging pool, so
   the pages the scheduler counts as free for loads are free: a load it admitted never fails
   for want of a page. A step's saves that do not fit keep the head of each chain, in the

@@ -251,6 +251,66 @@ def test_a_request_whose_async_load_failed_is_not_offered_its_hit_again(
         engine.close()
 
 
+def _lose_first_load(monkeypatch, worker):
+    """As ``_lose_blocks``, for the worker's first load only; later loads find their data."""
+    submit = worker.client.submit_load
+    calls = [0]
+
+    def lost_once(pool, segments, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            segments = [LoadSegment([os.urandom(32) for _ in s.keys], s.pages) for s in segments]
+        return submit(pool, segments, **kwargs)
+
+    monkeypatch.setattr(worker.client, "submit_load", lost_once)
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_a_preempted_request_whose_load_failed_is_offered_its_hit_again(
+    model_dir, daemon, monkeypatch, load_mode
+):
+    """Regression: a request whose load had failed was offered no hit for the rest of its
+    life, so after a preemption (vLLM frees its blocks and asks the connector again) it
+    recomputed what kvtier held. A layer-wise failure never puts the request back in vLLM's
+    queue (vLLM recomputes the failed blocks in place), and an async one only until it runs
+    again; a preemption is not a retry of the failed load, so it is answered afresh, as
+    vLLM's own offloading connector answers every ask."""
+    a, b = prompts(11, 3 * BLOCK, [10])[0], prompts(12, 3 * BLOCK, [2])[0]
+    _store_prompt(model_dir, daemon, b)
+    # Both fit when admitted (8 of 9 usable blocks); growing to 6 + 6 blocks they do not, so
+    # vLLM preempts "b", the later one.
+    engine = MiniEngine(model_dir, _options(daemon, load_mode=load_mode), num_blocks=10)
+    side = engine.connector.scheduler_side
+    _lose_first_load(monkeypatch, engine.worker)
+    try:
+        engine.add("a", a, max_tokens=300)
+        engine.add("b", b, max_tokens=300)
+        loads_b: list[tuple[bool, int]] = []  # (after a preemption of "b", blocks)
+        preempted = False
+        for _ in range(1000):
+            if not engine.scheduler.has_requests():
+                break
+            out = engine.step()
+            preempted |= "b" in out.preempted_req_ids
+            loads_b += [
+                (preempted, len(s.block_ids))
+                for s in out.kv_connector_metadata.loads
+                if s.req_id == "b"
+            ]
+            if load_mode == "async":
+                time.sleep(0.005)  # async loads finish in the daemon meanwhile
+        assert preempted
+        assert loads_b[0] == (False, 3)  # its first load: lost, so recomputed
+        assert engine.worker.stats["load_blocks_failed"] == 3
+        assert side.stats["failed_load_requests"] == 1
+        # After its preemption, "b" was offered a hit again, and what it loaded was right.
+        assert any(after and n for after, n in loads_b), loads_b
+        assert engine.worker.stats["load_blocks_failed"] == 3
+        assert len(engine.outputs["a"]) == 300 and len(engine.outputs["b"]) == 300
+    finally:
+        engine.close()
+
+
 def test_a_hung_daemon_costs_one_timeout_then_is_skipped(model_dir, daemon):
     _store_prompt(model_dir, daemon)
     engine = MiniEngine(model_dir, _options(daemon, load_timeout_s=1.0, retry_after_s=30.0))
