@@ -22,7 +22,9 @@ Invariants:
   during the step whose forward pass completes it (``SaveSpec``), or, for blocks whose token
   ids were not known in time, when the request finishes (``request_finished`` returns True
   and vLLM keeps the blocks until the worker reports the request in ``finished_sending``).
-  Blocks loaded from kvtier or found in vLLM's own prefix cache are not stored again.
+  Blocks loaded from kvtier or found in vLLM's own prefix cache are not stored again;
+  blocks that failed to load and were recomputed are (kvtier may have lost them: a block
+  evicted after the lookup, or unreadable, which the daemon drops).
 - A lease is released by this side (its owner) once a worker reports its load done, or
   expires in the daemon; it never outlives ``shutdown``.
 - A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``): meanwhile
@@ -356,6 +358,11 @@ class SchedulerSide:
                 self.stats["failed_load_requests"] += 1
                 if self.config.load_mode == "async":
                     state.load_failed = True
+                else:
+                    # vLLM recomputes from its first failed block on; those blocks are stored
+                    # once recomputed (kvtier may have lost them), from what vLLM's next step
+                    # says it computed (see build_connector_meta).
+                    state.saved = None
 
     def _release(self, lease: int) -> None:
         req_id = self._lease_owner.pop(lease, None)

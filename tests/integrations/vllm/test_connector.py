@@ -212,6 +212,51 @@ def test_blocks_that_fail_to_load_are_reported_and_recomputed(model_dir, daemon)
         engine.close()
 
 
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_blocks_that_failed_to_load_are_stored_once_recomputed(model_dir, daemon, load_mode):
+    """The daemon loses a request's hit between the lookup and the load (evicted; or unreadable,
+    which it drops): the load fails, vLLM recomputes the blocks, and the connector stores them
+    again. Regression (layer-wise): the blocks of a hit were never stored by the request that
+    was offered it, so they stayed lost, and every later request recomputed them."""
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon, load_mode=load_mode))
+    side = engine.connector.scheduler_side
+    keys: list[bytes] = []
+
+    def lose(out):
+        for spec in out.kv_connector_metadata.loads:
+            for lease in spec.leases.values():
+                side.client.release(lease)
+            keys.extend(spec.keys[0])
+        assert side.client.delete(keys) is not None
+        assert side.client.lookup(keys).prefix_len == 0
+
+    try:
+        engine.add("r", PROMPT, max_tokens=2)
+        engine.step(before_forward=lose)
+        assert len(keys) == 3
+        for _ in range(100):
+            if not engine.scheduler.has_requests():
+                break
+            engine.step()
+            time.sleep(0.005)  # async loads finish in the daemon meanwhile
+        assert engine.worker.stats["load_blocks_failed"] == 3
+    finally:
+        engine.close()  # waits for its saves
+    with daemon.client() as client:
+        assert client.lookup(keys).prefix_len == 3
+    # What was stored again is the right KV: another engine loads and checks it.
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add("r", PROMPT, max_tokens=2)
+        out = reader.step()
+        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
+        assert reader.blocks_hold_their_prefix("r", len(PROMPT))
+        assert reader.invalid_reported == set()
+    finally:
+        reader.close()
+
+
 def _lose_blocks(monkeypatch, worker):
     """The daemon has lost the data of every block the worker loads while its index still
     lists them (lookups find them): each load's keys are swapped for keys it never held."""
