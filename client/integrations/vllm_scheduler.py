@@ -7,6 +7,8 @@ which blocks to load and which to store.
 Invariants:
 - ``get_num_new_matched_tokens`` changes nothing in kvtier (a plain Lookup, no pin) and
   only memoises per request (keys, the last answer), so vLLM may call it again and again.
+  A request that must not read cached KV (``skip_reading_prefix_cache``: prompt logprobs,
+  or asked for) is not looked up, nor hinted: vLLM would drop its hit.
 - A hit never covers a request's last token (vLLM needs one token to compute), and stops at
   the first block that is absent from any rank or held only in a tier the configuration
   excludes.
@@ -149,6 +151,8 @@ class SchedulerSide:
         state.hit_start, state.hit_blocks, state.hit_tiers = 0, 0, []
         if not self.config.load or state.load_failed or not self.breaker.ok():
             return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # vLLM computes its whole prompt (it would set the hit to 0)
         n = self.block_tokens
         start = num_computed_tokens // n
         # At least one token must be computed, and a worker must be able to stage the hit

@@ -149,11 +149,17 @@ class MiniEngine:
     # -------------------------------------------------------------- requests
 
     def add(
-        self, req_id: str, prompt: list[int], max_tokens: int, lora: LoRARequest | None = None
+        self,
+        req_id: str,
+        prompt: list[int],
+        max_tokens: int,
+        lora: LoRARequest | None = None,
+        **params: Any,
     ) -> Request:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        """``params``: more ``SamplingParams`` fields."""
+        sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
         request = Request(
-            req_id, prompt, params, None, lora_request=lora, block_hasher=self._hasher
+            req_id, prompt, sampling, None, lora_request=lora, block_hasher=self._hasher
         )
         self.scheduler.add_request(request)
         self.outputs[req_id] = []

@@ -703,6 +703,35 @@ def test_a_request_left_waiting_has_its_hit_protected_until_it_runs(model_dir, d
         engine.close()
 
 
+def test_a_request_that_skips_cached_kv_is_neither_looked_up_nor_hinted(model_dir, daemon):
+    """vLLM computes the whole prompt of a request that must not read cached KV (prompt
+    logprobs, or ``skip_reading_prefix_cache``), whatever the connector answers. Before, the
+    connector looked it up at every ask and, as it waited, hinted its hit: the daemon kept
+    3 blocks from eviction for a request that never loads them."""
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon), num_blocks=8)
+    side = engine.connector.scheduler_side
+    try:
+        # "x" takes 5 of the 7 usable blocks; "r" (4 blocks) waits until it finishes.
+        engine.add("x", prompts(13, 4 * BLOCK, [10])[0], max_tokens=20)
+        engine.step()
+        lookups = side.stats["lookups"]
+        engine.add("r", PROMPT, max_tokens=2, skip_reading_prefix_cache=True)
+        waited = 0
+        while engine.request("r").status == RequestStatus.WAITING:
+            out = engine.step()
+            waited += 1
+        assert waited >= 2
+        assert out.num_scheduled_tokens["r"] == len(PROMPT)
+        assert not out.kv_connector_metadata.loads
+        assert side.stats["lookups"] == lookups and side.stats["hints"] == 0
+        assert _counters(daemon).get("hinted_blocks", 0) == 0
+        assert engine.blocks_hold_their_prefix("r", len(PROMPT))
+        engine.run()
+    finally:
+        engine.close()
+
+
 def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_factory, tmp_path):
     """The daemon restarts under a running engine: its session, its pools and L1 are gone,
     the blocks survive on L2. The next request reconnects, stages through a fresh pool (the
