@@ -163,6 +163,7 @@ class WorkerSide:
         self._load: _Load | None = None  # this step's layer-wise load
         self._async_loads: list[_Load] = []
         self._step_save: _Save | None = None
+        self._step_save_tried = False  # this step's saves were taken up at its first layer
         self._save_jobs: list[_Save] = []
         self._invalid: set[int] = set()
         self._done_leases: set[int] = set()
@@ -459,6 +460,9 @@ class WorkerSide:
             return
         save = self._step_save
         if save is None:
+            if self._step_save_tried:
+                return  # dropped at the first layer: a later layer cannot start it
+            self._step_save_tried = True
             specs = [s for s in meta.saves if not s.at_finish]
             if not specs:
                 return
@@ -544,6 +548,7 @@ class WorkerSide:
                 self._give_up(load, "not waited for")
             self._load = None
         save, self._step_save = self._step_save, None
+        self._step_save_tried = False
         if save is not None:
             if len(save.layers_copied) == self.num_layers:
                 self._submit_save(save)

@@ -124,6 +124,10 @@ def test_a_save_larger_than_the_saves_share_stores_the_head_of_its_chain(daemon)
         assert saver.stats["save_blocks"] == 5 and saver.stats["save_blocks_dropped"] == 4
         assert _stored(saver, keys[6:8]) == 0 and _stored(saver, other) == 1
 
+        # A step whose only save is dropped counts its blocks once, not once per layer.
+        run_step(saver, KVTierConnectorMetadata(saves=[later]))
+        assert saver.stats["save_blocks"] == 5 and saver.stats["save_blocks_dropped"] == 6
+
         # Once vLLM has finished the request, its id carries no gap any more.
         saver.get_finished({"r"})
         run_step(saver, KVTierConnectorMetadata(saves=[later]))
