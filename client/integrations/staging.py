@@ -127,7 +127,10 @@ class StagingPool:
             return [int(p) for p in pages]
 
     def free(self, pages: Sequence[int]) -> None:
-        """Give back one transfer's pages; closes a retired pool after its last transfer."""
+        """Give back one transfer's pages; closes a retired pool after its last transfer.
+        No pages is no transfer (``alloc(0)`` counts none)."""
+        if not len(pages):
+            return
         with self._lock:
             self._free[list(pages)] = True
             self._users -= 1
