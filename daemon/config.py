@@ -787,9 +787,10 @@ class PolicyConfig:
             "float",
             lo=0,
             hi=1,
-            doc="where tenants are configured, the blocks one tenant's hints protect at once "
-            "hold at most this share of the top tier's capacity (without tenants, no limit); "
-            "a hint's blocks past it are promoted, not protected",
+            doc="where tenants are configured, the blocks one tenant's hints and pins "
+            "(Lookup(pin=true)) protect at once hold at most this share of the top tier's "
+            "capacity, each block counted once (without tenants, no limit); a hint's blocks "
+            "past it are promoted, not protected, and a pin past it is RESOURCE_EXHAUSTED",
         ),
     )
     hint_max_total_share: float = field(
@@ -798,9 +799,10 @@ class PolicyConfig:
             "float",
             lo=0,
             hi=1,
-            doc="where tenants are configured, the blocks every tenant's hints protect at "
-            "once hold at most this share of the top tier's capacity together (the rest of "
-            "the tier stays open to eviction, so puts find room); without tenants, no limit",
+            doc="where tenants are configured, the blocks every tenant's hints and pins "
+            "protect at once hold at most this share of the top tier's capacity together (the "
+            "rest of the tier stays open to eviction, so puts find room); without tenants, no "
+            "limit",
         ),
     )
     history_factor: float = field(

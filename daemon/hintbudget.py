@@ -1,12 +1,11 @@
-"""How much of the top tier one owner's hints may protect.
+"""How much of the top tier one owner's hints and pins may protect.
 
 A hint (``Prefetch`` with a deadline) protects the blocks it names from eviction in every tier
-until the deadline, capped at ``policy.hint_max_s`` and renewable. Leases are bounded per
-tenant (``server.max_lease_bytes_per_tenant``); hints were not, so a tenant that hinted every
-block it held, again before each deadline, kept them all and left the other tenants no room
-to put in. The budget bounds the bytes of the blocks an owner's hints protect at once to
-``policy.hint_max_share`` of the top tier's capacity where tenants are configured, and not at
-all where they are not (the store keeps no budget then): one tenant has nobody to wall off, and a cap would only
+until the deadline, capped at ``policy.hint_max_s`` and renewable. Unbounded, a tenant that
+hinted every block it held, again before each deadline, kept them all and left the other
+tenants no room to put in. The budget bounds the bytes of the blocks an owner's hints (and
+pins, below) protect at once to ``policy.hint_max_share`` of the top tier's capacity where
+tenants are configured, and not at all where they are not (the store keeps no budget then): one tenant has nobody to wall off, and a cap would only
 cost it hits (replaying the public trace with a 30 s queue window and every hinted block
 charged, a cap at half of L1 took heat at 1% of the unique blocks from 14.7% to 6.7% hits, at
 0.9 of it to 7.9; the replayer models a node without tenants); nor is the top tier's size a
@@ -28,7 +27,17 @@ prompt's chain root first, and a chain's head is what a later request reuses mos
 rest not; they are still promoted. A block already protected stays so, its deadline moved
 to the later one at no new cost.
 
-Bookkeeping: one deadline, charged size and owner per block id, and a heap with one entry per
+Pins (``Lookup(pin=true)``: a lease's blocks, until it is released, expires or its session
+ends) take their room in the same budget: each pinned block is charged to its owner once,
+however many leases pin it and whether a hint protects it too, until the last pin is gone and
+its hint's deadline has passed. Leases were bounded only by the memory of their records, so
+one tenant that pinned every block it held, again before each lease expired, left every other
+tenant's put REJECTED_FULL; and with budgets of their own, a tenant pinning half the tier and
+hinting the other half held all of it. A pin is all or nothing (``pin``): a lease whose new
+blocks do not fit is refused, which the service answers RESOURCE_EXHAUSTED, rather than one
+that pins only some of what the lookup found.
+
+Bookkeeping: one deadline, pin count, charged size and owner per block id, and a heap with one entry per
 charged block (an entry whose block's deadline moved on since is pushed again with the new
 one when it comes up, so renewals do not grow the heap). A block the store drops while it is
 charged (``forget``, before its id is reused) leaves its charge with its owner until the
@@ -53,6 +62,7 @@ class HintBudget:
         "_detached",
         "_heap",
         "_owner",
+        "_pins",
         "_until",
         "limit_bytes",
         "total_limit_bytes",
@@ -67,6 +77,7 @@ class HintBudget:
         self._until = np.full(0, -math.inf)
         self._bytes = np.zeros(0, dtype=np.int64)
         self._owner = np.zeros(0, dtype=np.int64)
+        self._pins = np.zeros(0, dtype=np.int64)
         self._heap: list[tuple[float, int]] = []
         # Charges of dropped blocks, until their deadlines: (until, owner, bytes).
         self._detached: list[tuple[float, int, int]] = []
@@ -89,7 +100,11 @@ class HintBudget:
         u, u_owner = bids[first], np.asarray(owners, dtype=np.int64)[first]
         u_bytes = np.asarray(nbytes, dtype=np.int64)[first]
         self._fit(int(u.max()) + 1, int(u_owner.max()) + 1)
-        live = self._until[u] >= now  # protected up to its deadline, as the policies' hints
+        hinted = self._until[u] >= now  # protected up to its deadline, as policies' hints
+        live = hinted | (self._pins[u] > 0)
+        # A block charged by its pins alone needs a heap entry for its deadline now.
+        for bid in u[live & ~hinted].tolist():
+            heapq.heappush(self._heap, (until, bid))
         self._until[u[live]] = np.maximum(self._until[u[live]], until)
         new = ~live
         admit = live.copy()
@@ -114,6 +129,49 @@ class HintBudget:
             heapq.heappush(self._heap, (until, bid))
         return admit if len(u) == len(bids) else np.isin(bids, u[admit])
 
+    def pin(self, bids: np.ndarray, owners: np.ndarray, nbytes: np.ndarray, now: float) -> bool:
+        """Pin ``bids`` (distinct ids) if their owners' budgets and the total take the blocks
+        not yet charged; False, changing nothing, if not."""
+        self._expire(now)
+        bids = np.asarray(bids, dtype=np.int64)
+        if len(bids) == 0:
+            return True
+        owners = np.asarray(owners, dtype=np.int64)
+        nbytes = np.asarray(nbytes, dtype=np.int64)
+        self._fit(int(bids.max()) + 1, int(owners.max()) + 1)
+        new = (self._until[bids] < now) & (self._pins[bids] == 0)
+        need = np.zeros(len(self.used), dtype=np.int64)
+        np.add.at(need, owners[new], nbytes[new])
+        if ((need > 0) & (self.used + need > self.limit_bytes)).any():
+            return False
+        total = self.total_limit_bytes
+        if total is not None and need.any() and int(need.sum() + self.used.sum()) > total:
+            return False
+        self._pins[bids] += 1
+        np.add.at(self.used, owners[new], nbytes[new])
+        charged = bids[new]
+        self._bytes[charged] = nbytes[new]
+        self._owner[charged] = owners[new]
+        return True
+
+    def unpin(self, bids: np.ndarray, now: float) -> None:
+        """Take one pin off each of ``bids`` (distinct ids, pinned); a block left with neither
+        a pin nor a live hint gives its charge back."""
+        bids = np.asarray(bids, dtype=np.int64)
+        bids = bids[bids < len(self._pins)]
+        self._pins[bids] -= 1
+        free = bids[(self._pins[bids] == 0) & (self._until[bids] < now)]
+        np.subtract.at(self.used, self._owner[free], self._bytes[free])
+        self._until[free] = -math.inf
+        self._bytes[free] = 0
+
+    def pins(self, rows: int) -> np.ndarray:
+        """The pin count of the first ``rows`` ids, for the store's invariant check."""
+        out = np.zeros(rows, dtype=np.int64)
+        n = min(rows, len(self._pins))
+        out[:n] = self._pins[:n]
+        return out
+
     def charged(self, owner: int, now: float) -> int:
         """Bytes ``owner``'s protected blocks hold against the budget now."""
         self._expire(now)
@@ -137,6 +195,8 @@ class HintBudget:
             )
             self._until[bid] = -math.inf
             self._bytes[bid] = 0  # its heap entry, when it comes up, releases nothing
+        if bid < len(self._pins):
+            self._pins[bid] = 0  # pins keep their blocks, so none should be left
 
     def _expire(self, now: float) -> None:
         detached = self._detached
@@ -149,6 +209,9 @@ class HintBudget:
             if until[bid] >= now:  # renewed since: its entry goes back with the new deadline
                 heapq.heappush(heap, (float(until[bid]), bid))
                 continue
+            if self._pins[bid] > 0:  # pinned still: charged until the last unpin
+                until[bid] = -math.inf
+                continue
             self.used[self._owner[bid]] -= self._bytes[bid]
             until[bid] = -math.inf
             self._bytes[bid] = 0
@@ -159,5 +222,6 @@ class HintBudget:
             self._until = np.concatenate([self._until, np.full(n - len(self._until), -math.inf)])
             self._bytes = np.concatenate([self._bytes, np.zeros(n - len(self._bytes), np.int64)])
             self._owner = np.concatenate([self._owner, np.zeros(n - len(self._owner), np.int64)])
+            self._pins = np.concatenate([self._pins, np.zeros(n - len(self._pins), np.int64)])
         if owners > len(self.used):
             self.used = np.concatenate([self.used, np.zeros(owners - len(self.used), np.int64)])

@@ -1229,15 +1229,29 @@ class BlockStore:
     # --------------------------------------------------------------------- pins
 
     def pin(self, bids: np.ndarray) -> np.ndarray:
-        """Pin blocks; returns refs for ``unpin``."""
-        add_at(self.table.pins, bids, 1)
-        return self.table.refs(bids)
+        """Pin blocks (distinct ids); returns refs for ``unpin``. Where a hint budget is kept
+        (tenants), the blocks not yet protected must fit their owners' share of it and the
+        total, else ResourceExhausted and nothing is pinned (``HintBudget.pin``)."""
+        table = self.table
+        if (budget := self.hint_budget) is not None and not budget.pin(
+            bids, table.owner[bids], table.nbytes[bids], self._clock()
+        ):
+            raise ResourceExhausted(
+                f"pinning these {len(bids)} blocks would pass what their owner's hints and "
+                "pins may protect at once (policy.hint_max_share of the top tier), or what "
+                "every tenant's may together (policy.hint_max_total_share); release leases, "
+                "let them or hints expire, or pin fewer blocks"
+            )
+        add_at(table.pins, bids, 1)
+        return table.refs(bids)
 
     def unpin(self, refs: np.ndarray) -> None:
         bids = np.asarray(refs, dtype=np.int64) & 0xFFFFFFFF
         if any(self.table.resolve(int(r)) < 0 for r in np.asarray(refs).tolist()):
             raise AssertionError("a pinned block was freed: pins must keep blocks alive")
         add_at(self.table.pins, bids, -1)
+        if (budget := self.hint_budget) is not None:
+            budget.unpin(bids, self._clock())
         if (self.table.pins[bids] < 0).any():
             raise AssertionError("pin count went below zero: a lease was released twice")
         self.space.forget_orphans(bids)
@@ -1324,6 +1338,11 @@ class BlockStore:
                 want_pins[bid] = n
             if (bad := np.flatnonzero(want_pins != table.pins)).size:
                 problems.append(f"{len(bad)} blocks' pin counts differ from their live leases")
+        if (budget := self.hint_budget) is not None:
+            live = table.state != 0
+            budgeted = budget.pins(table.capacity)
+            if (bad := np.flatnonzero(live & (budgeted != table.pins))).size:
+                problems.append(f"{len(bad)} blocks' pin counts differ from the hint budget's")
         return problems
 
     # ------------------------------------------------------------- watermarks

@@ -15,7 +15,13 @@ import pytest
 from peer_client import LAYOUT, PeerClient, PeerError
 from peers import NOBODY, NOGROUP, require_root
 
-from kvtier.client import PermissionDeniedError, SharedMemoryPool, Tier
+from kvtier.client import (
+    PermissionDeniedError,
+    PoolLayout,
+    ResourceExhaustedError,
+    SharedMemoryPool,
+    Tier,
+)
 
 ALICE = (1, 1)  # uid, gid ("daemon" on Debian)
 BOB = (NOBODY, NOGROUP)
@@ -329,3 +335,106 @@ def test_stats_show_a_tenant_nothing_of_another_tenants_blocks_or_traffic(tenant
         assert (l1.used_bytes, l1.blocks) == (6 * BLOCK, 6)
         assert s.counter("lookup_hits") == 8 and s.gauges["sessions"] >= 3
         assert s.counter("quota_evictions", tenant="alice", tier="L1") == 4
+
+
+PIN_LAYOUT = PoolLayout.staging(num_layers=1, num_pages=32, block_tokens=1, chunk_bytes=64 << 10)
+PIN_BLOCK = 2 * (64 << 10)  # K and V of one layer
+
+
+def _token_tenants(daemon_factory, tmp_path, *names: str):
+    """A daemon with an L1 of 32 blocks of PIN_LAYOUT and tenants ``names`` known by their
+    tokens (so one uid acts as each), and a client factory for each tenant."""
+    tenants = []
+    for name in names:
+        token = tmp_path / f"{name}.token"
+        token.write_text(f"a-long-enough-secret-for-tenant-{name}\n")
+        token.chmod(0o600)
+        tenants.append(f"{{name: {name}, token_file: {token}}}")
+    d = daemon_factory(
+        "policy.protect_s=0",
+        "tiers.l1.segment_bytes=1MiB",
+        f"tenants=[{', '.join(tenants)}]",
+        l1_bytes="4MiB",
+    )
+    return d, lambda name: d.client(token_file=str(tmp_path / f"{name}.token"))
+
+
+def test_regression_one_tenants_pins_held_every_block_and_refused_every_other_tenants_puts(
+    daemon_factory, tmp_path
+):
+    # Regression: leases were bounded by the memory their records take (512 bytes a lease,
+    # 8 a block), not by the blocks they pin: alice pinned every block she held (the whole
+    # L1, lease after lease) and bob's every put was REJECTED_FULL for as long as she renewed
+    # her leases. What her leases pin now counts, with what her hints protect, against
+    # policy.hint_max_share of the top tier.
+    d, as_tenant = _token_tenants(daemon_factory, tmp_path, "alice", "bob")
+    with (
+        as_tenant("alice") as alice,
+        as_tenant("bob") as bob,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
+    ):
+        pool = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        held = keys(32, tag=20)  # 4 MiB: all of L1
+        assert alice.put(pool, held, range(32)).stored == 32
+        with pytest.raises(ResourceExhaustedError, match=r"policy\.hint_max_share"):
+            alice.lookup(held, pin=True, lease_ms=600_000)
+        leases = []
+        for i in range(0, 32, 4):  # as much as she may, four blocks a lease
+            try:
+                leases.append(alice.lookup(held[i : i + 4], pin=True, lease_ms=600_000).lease_id)
+            except ResourceExhaustedError:
+                break
+        assert len(leases) * 4 * PIN_BLOCK == 2 << 20  # half of L1 (the default share)
+        assert admin.stats().gauges["blocks_pinned"] == len(leases) * 4
+
+        mine = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
+        assert bob.put(mine, keys(16, tag=21), range(16)).stored == 16  # her unpinned half went
+        assert alice.lookup(held).prefix_len == 16  # her pinned half stayed
+        for lease in leases:
+            alice.release(lease)
+        assert alice.lookup(held[16:], pin=True).lease_id == 0  # evicted: nothing to pin
+        assert admin.stats().gauges["blocks_pinned"] == 0
+        assert admin.check().problems == []
+
+
+def test_regression_a_tenants_pins_and_hints_together_held_the_whole_top_tier(
+    daemon_factory, tmp_path
+):
+    # Regression (of a pin budget apart from the hint budget, half of the top tier each):
+    # alice pinned half of L1 and hinted the other half, and bob's puts were REJECTED_FULL
+    # (no tier below). Pins and hints share one budget, a block counted once.
+    d, as_tenant = _token_tenants(daemon_factory, tmp_path, "alice", "bob")
+    with (
+        as_tenant("alice") as alice,
+        as_tenant("bob") as bob,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
+    ):
+        pool = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        held = keys(32, tag=22)
+        assert alice.put(pool, held, range(32)).stored == 32
+        lease = alice.lookup(held[:16], pin=True, lease_ms=600_000).lease_id
+        assert lease
+        alice.prefetch(held[16:], deadline_ms=60_000)  # her share is taken: protects nothing
+        assert admin.stats().counter("hints_over_budget_blocks") == 16
+        mine = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
+        assert bob.put(mine, keys(8, tag=23), range(8)).stored == 8
+
+        # The other way round: what her hints protect leaves her pins no room but on the
+        # hinted blocks themselves, which cost nothing more.
+        alice.release(lease)
+        assert alice.prefetch(held[:16], deadline_ms=60_000).resident == 16
+        assert admin.stats().counter("hinted_blocks") == 16
+        again = alice.lookup(held[:16], pin=True).lease_id
+        assert again
+        tiers = alice.lookup(held[16:]).tiers
+        rest = [k for k, t in zip(held[16:], tiers, strict=True) if t != Tier.ABSENT]
+        assert len(rest) == 8  # bob's puts took the other eight
+        with pytest.raises(ResourceExhaustedError, match=r"hints and pins"):
+            alice.lookup(rest[:1], pin=True)
+        alice.release(again)
+        assert admin.stats().gauges["blocks_pinned"] == 0
+        assert admin.check().problems == []

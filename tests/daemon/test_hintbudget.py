@@ -138,3 +138,44 @@ def test_without_a_total_each_owner_has_its_share():
     for owner in (1, 2, 3):
         assert admit(budget, [10 * owner + i for i in range(5)], owner=owner) == [True] * 5
     assert budget.charged_total(0.0) == 150
+
+
+def pin(budget, bids, owner=1, nbytes=10, now=0.0):
+    bids = np.asarray(bids, dtype=np.int64)
+    return budget.pin(bids, np.full(len(bids), owner), np.full(len(bids), nbytes), now)
+
+
+def test_pins_and_hints_share_the_budget_each_block_charged_once():
+    budget = HintBudget(limit_bytes=30)
+    assert pin(budget, [1, 2])
+    assert budget.charged(1, 0.0) == 20
+    assert pin(budget, [1])  # pinned again (another lease): no new charge
+    assert admit(budget, [2, 3, 4], until=10.0) == [True, True, False]  # 2 is pinned already
+    assert budget.charged(1, 0.0) == 30
+    assert not pin(budget, [4, 1])  # all or nothing: 4 does not fit, 1 gets no pin either
+    assert budget.pins(3).tolist() == [0, 2, 1]
+    budget.unpin(np.array([1]), 1.0)
+    budget.unpin(np.array([1, 2]), 1.0)
+    assert budget.charged(1, 1.0) == 20  # 1 is free; 2 and 3 keep their hint to 10 s
+    past = math.nextafter(10.0, math.inf)
+    assert budget.charged(1, past) == 0
+
+
+def test_a_pinned_block_stays_charged_past_its_hints_deadline_until_unpinned():
+    budget = HintBudget(limit_bytes=10)
+    assert admit(budget, [1], until=5.0) == [True]
+    assert pin(budget, [1], now=1.0)
+    assert budget.charged(1, 20.0) == 10  # the hint expired, the pin holds it
+    assert not pin(budget, [2], now=20.0)
+    budget.unpin(np.array([1]), 20.0)
+    assert budget.charged(1, 20.0) == 0
+    assert pin(budget, [2], now=20.0)
+
+
+def test_pins_count_against_the_total_of_every_owner():
+    budget = HintBudget(limit_bytes=30, total_limit_bytes=40)
+    assert pin(budget, [1, 2, 3], owner=1)
+    assert not pin(budget, [4, 5], owner=2)  # its own 30 would take them; the total not
+    assert pin(budget, [4], owner=2)
+    assert admit(budget, [6], owner=2) == [False]
+    assert budget.charged_total(0.0) == 40
