@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.cuda import CudaIpcExport
-from kvtier.client.errors import InvalidArgumentError, NotFoundError
+from kvtier.client.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.types import PutStatus, build_request, checked_type, sequence_len
@@ -204,7 +204,10 @@ def load_flow(
     Each batch is pinned by a Lookup so that no block is evicted between finding and loading
     it, and the lease is released whatever happens to the Get. A batch's Get is built with
     its pages up front (so that a bad page is refused before the first Lookup) and given the
-    keys found once its Lookup has answered.
+    keys found once its Lookup has answered. A pin the daemon refuses for a limit (the
+    session's or tenant's leases, or what the tenant's pins and hints may protect:
+    RESOURCE_EXHAUSTED) is no reason to load nothing: the batch is looked up unpinned and
+    loaded as far as its blocks are still there.
     """
     n = min(sequence_len(keys, "load: keys"), sequence_len(pages, "load: pages"))
     batches: list[tuple[pb.LookupRequest, pb.GetRequest]] = []
@@ -219,7 +222,11 @@ def load_flow(
         check_pages(binding, batches[-1][1])
     loaded = 0
     for lookup, get in batches:
-        found = yield "Lookup", lookup
+        try:
+            found = yield "Lookup", lookup
+        except ResourceExhaustedError:
+            unpinned = build_request(pb.LookupRequest, keys=lookup.keys)
+            found = yield "Lookup", unpinned
         if found.prefix_len == 0:
             # Blocks found past a missing first one are pinned too: let them go.
             if found.lease_id:

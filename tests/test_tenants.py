@@ -375,7 +375,8 @@ def test_regression_one_tenants_pins_held_every_block_and_refused_every_other_te
         SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
         SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
     ):
-        pool = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        registered = alice.register_pool(hers, PIN_LAYOUT)
+        pool = registered.binding.pool_id
         held = keys(32, tag=20)  # 4 MiB: all of L1
         assert alice.put(pool, held, range(32)).stored == 32
         with pytest.raises(ResourceExhaustedError, match=r"policy\.hint_max_share"):
@@ -387,6 +388,9 @@ def test_regression_one_tenants_pins_held_every_block_and_refused_every_other_te
             except ResourceExhaustedError:
                 break
         assert len(leases) * 4 * PIN_BLOCK == 2 << 20  # half of L1 (the default share)
+        assert admin.stats().gauges["blocks_pinned"] == len(leases) * 4
+        # Her pins at the budget, a load (pin, then get) loads unpinned rather than nothing.
+        assert registered.load_keys(held[16:24], range(24, 32)) == 8
         assert admin.stats().gauges["blocks_pinned"] == len(leases) * 4
 
         mine = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
