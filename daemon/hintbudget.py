@@ -138,32 +138,51 @@ class HintBudget:
             return True
         owners = np.asarray(owners, dtype=np.int64)
         nbytes = np.asarray(nbytes, dtype=np.int64)
-        self._fit(int(bids.max()) + 1, int(owners.max()) + 1)
+        top = int(owners.max())
+        self._fit(int(bids.max()) + 1, top + 1)
         new = (self._until[bids] < now) & (self._pins[bids] == 0)
-        need = np.zeros(len(self.used), dtype=np.int64)
-        np.add.at(need, owners[new], nbytes[new])
-        if ((need > 0) & (self.used + need > self.limit_bytes)).any():
-            return False
-        total = self.total_limit_bytes
-        if total is not None and need.any() and int(need.sum() + self.used.sum()) > total:
-            return False
+        if new.any():
+            new_owners, new_bytes = owners[new], nbytes[new]
+            if top == int(owners.min()):  # one owner (a lookup names one namespace)
+                need_total = int(new_bytes.sum())
+                if int(self.used[top]) + need_total > self.limit_bytes:
+                    return False
+            else:
+                need = np.zeros(len(self.used), dtype=np.int64)
+                np.add.at(need, new_owners, new_bytes)
+                if ((need > 0) & (self.used + need > self.limit_bytes)).any():
+                    return False
+                need_total = int(need.sum())
+            total = self.total_limit_bytes
+            if total is not None and need_total + int(self.used.sum()) > total:
+                return False
+            if top == int(owners.min()):
+                self.used[top] += need_total
+            else:
+                np.add.at(self.used, new_owners, new_bytes)
+            charged = bids[new]
+            self._bytes[charged] = new_bytes
+            self._owner[charged] = new_owners
         self._pins[bids] += 1
-        np.add.at(self.used, owners[new], nbytes[new])
-        charged = bids[new]
-        self._bytes[charged] = nbytes[new]
-        self._owner[charged] = owners[new]
         return True
 
     def unpin(self, bids: np.ndarray, now: float) -> None:
         """Take one pin off each of ``bids`` (distinct ids, pinned); a block left with neither
         a pin nor a live hint gives its charge back."""
         bids = np.asarray(bids, dtype=np.int64)
-        bids = bids[bids < len(self._pins)]
-        self._pins[bids] -= 1
-        free = bids[(self._pins[bids] == 0) & (self._until[bids] < now)]
-        np.subtract.at(self.used, self._owner[free], self._bytes[free])
-        self._until[free] = -math.inf
-        self._bytes[free] = 0
+        if len(bids) and int(bids.max()) >= len(self._pins):
+            bids = bids[bids < len(self._pins)]
+        pins = self._pins[bids] - 1
+        self._pins[bids] = pins
+        free = bids[(pins == 0) & (self._until[bids] < now)]
+        if len(free):
+            owners = self._owner[free]
+            if (first := int(owners[0])) == int(owners.max()) == int(owners.min()):
+                self.used[first] -= int(self._bytes[free].sum())
+            else:
+                np.subtract.at(self.used, owners, self._bytes[free])
+            self._until[free] = -math.inf
+            self._bytes[free] = 0
 
     def pins(self, rows: int) -> np.ndarray:
         """The pin count of the first ``rows`` ids, for the store's invariant check."""

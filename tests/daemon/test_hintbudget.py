@@ -179,3 +179,16 @@ def test_pins_count_against_the_total_of_every_owner():
     assert pin(budget, [4], owner=2)
     assert admit(budget, [6], owner=2) == [False]
     assert budget.charged_total(0.0) == 40
+
+
+def test_a_pin_of_several_owners_blocks_fits_each_owners_budget_or_pins_nothing():
+    budget = HintBudget(limit_bytes=20)
+    assert pin(budget, [1, 2], owner=1)
+    mixed = np.array([3, 4]), np.array([2, 1]), np.array([10, 10])
+    assert not budget.pin(*mixed, 0.0)  # owner 1 is full: owner 2's block is not pinned either
+    assert budget.pins(5).tolist() == [0, 1, 1, 0, 0]
+    budget.unpin(np.array([1, 2]), 0.0)
+    assert budget.pin(*mixed, 0.0)
+    assert [budget.charged(o, 0.0) for o in (1, 2)] == [10, 10]
+    budget.unpin(np.array([3, 4]), 0.0)
+    assert budget.charged_total(0.0) == 0
