@@ -221,6 +221,11 @@ def _rpc(
                     self.detach(method, work)
                 raise
         except KvtierError as e:
+            if isinstance(e, NotFound) and self.closing.is_set():
+                # A request that ran into its session's end as the daemon stops (its pool or
+                # lease gone with it) is told why, as one that arrives now is, not that it
+                # named something that never was.
+                e = Unavailable(f"the daemon is stopping ({e})")
             await abort_with(context, e)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise

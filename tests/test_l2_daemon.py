@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,10 +18,12 @@ from harness import DaemonProcess
 from kvtier.client import (
     FailedPreconditionError,
     InvalidArgumentError,
+    KvtierError,
     PoolLayout,
     PutStatus,
     SharedMemoryPool,
     Tier,
+    UnavailableError,
 )
 from kvtier.tiers.disk import DiskTier
 
@@ -506,5 +509,77 @@ def test_a_get_waiting_for_a_low_prefetch_raises_its_move(daemon_factory, tmp_pa
             assert got, "the Get never returned"
         # The Get returned once low arrived, whatever the prefetches ranked above it did.
         assert got[0][:2] == [first.hex(), low.hex()]
+    finally:
+        gate.unlink(missing_ok=True)
+
+
+# Runs kvtierd with every disk write run held while the file ``gate`` exists; the file
+# ``log`` gets a line as each run comes to the gate.
+_ENTRY_HOLDING_L2_WRITES = """
+import os, sys, time
+from kvtier.daemon.entry import main
+from kvtier.tiers.disk.io import BatchIO
+
+gate, log = sys.argv.pop(1), sys.argv.pop(1)
+write_run = BatchIO._write_set_run
+
+def held_write_run(self, ws, run):
+    with open(log, "a") as f:
+        f.write("write\\n")
+    while os.path.exists(gate):
+        time.sleep(0.002)
+    return write_run(self, ws, run)
+
+BatchIO._write_set_run = held_write_run
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_a_put_cut_short_by_the_stop_was_told_its_pool_was_not_found(
+    daemon_factory, tmp_path
+):
+    """SIGTERM ends the sessions at once, and their pools with them; a durable put still
+    storing its later parts then found its pool unregistering and was answered NOT_FOUND
+    ('pool ... is being unregistered'), as if it had named a pool that never was. It is
+    UNAVAILABLE, the daemon stopping, as a request arriving then is."""
+    gate, log = tmp_path / "gate", tmp_path / "writes.log"
+    overrides = ("tiers.l1.capacity_bytes=8MiB", *SMALL_L1, *l2_args(tmp_path / "l2"))
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/held.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_L2_WRITES, str(gate), str(log)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    # 36 blocks of 1 MiB: a durable put in parts (4, 8, 16 and 8 blocks), whose later parts
+    # find L1 held by the earlier ones (in flight until on the disk) and go to the disk.
+    layout = PoolLayout.staging(
+        num_layers=4, num_pages=36, block_tokens=16, chunk_bytes=BIG // 8, dtype="uint8"
+    )
+    outcome: list[object] = []
+    try:
+        with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+            fill(shm, 8)
+            pool = client.register_pool(shm, layout)
+            gate.touch()
+
+            def put() -> None:
+                try:
+                    outcome.append(client.put(pool.pool_id, keys(36, 72), range(36), durable=True))
+                except KvtierError as e:
+                    outcome.append(e)
+
+            writer = threading.Thread(target=put)
+            writer.start()
+            wait_for(log.exists)  # a write of the put is held
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "pools unregistered" in d.log())  # its session has ended
+            gate.unlink()
+            writer.join(30)
+        assert d.proc.wait(30) == 0
+        assert len(outcome) == 1 and isinstance(outcome[0], UnavailableError), outcome
+        assert "stopping" in str(outcome[0])
     finally:
         gate.unlink(missing_ok=True)
