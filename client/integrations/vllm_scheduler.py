@@ -55,7 +55,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client.errors import KvtierError
+from kvtier.client.errors import KvtierError, ResourceExhaustedError
 from kvtier.client.integrations.breaker import Breaker
 from kvtier.client.integrations.fingerprint import AdapterDigests
 from kvtier.client.integrations.vllm_config import (
@@ -131,6 +131,7 @@ class SchedulerSide:
             "lookup_errors": 0,
             "hit_blocks": 0,
             "pin_errors": 0,
+            "pin_refused": 0,
             "pin_shortfall_blocks": 0,
             "save_blocks_planned": 0,
             "finish_save_requests": 0,
@@ -237,6 +238,13 @@ class SchedulerSide:
                 continue  # the load will fail and vLLM recomputes: nothing to pin
             try:
                 pinned = self.client.lookup(keys[rank], pin=True, lease_ms=self.config.lease_ms)
+            except ResourceExhaustedError:
+                # A limit, not a fault: the session's or tenant's leases, or what the tenant
+                # may protect (policy.hint_max_share). The blocks load unpinned; any evicted
+                # meanwhile are reported missing and recomputed. Tripping the breaker here
+                # ran the engine without kvtier for retry_after_s at every busy step.
+                self.stats["pin_refused"] += 1
+                continue
             except KvtierError as e:
                 self.stats["pin_errors"] += 1
                 self.breaker.trip(e)

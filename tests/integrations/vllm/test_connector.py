@@ -174,6 +174,37 @@ def test_a_second_engine_loads_what_the_first_stored(model_dir, daemon):
     assert counters["get_blocks_loaded"] == 3 and counters["get_blocks_missing"] == 0
 
 
+def test_a_pin_refused_for_a_limit_loads_unpinned_and_keeps_kvtier_on(model_dir, daemon_factory):
+    """The daemon refuses a pinning Lookup past a limit (here one live lease a session; with
+    tenants also what a tenant may protect, policy.hint_max_share) with RESOURCE_EXHAUSTED.
+    That is not a fault: the second hit of the step loads unpinned. Before, it tripped the
+    breaker: the hit was loaded anyway, but every later lookup ran without kvtier for
+    retry_after_s."""
+    daemon = daemon_factory("server.max_leases_per_session=1")
+    first, second, third = (prompts(40 + i, 3 * BLOCK, [20])[0] for i in range(3))
+    for p in (first, second, third):
+        _store_prompt(model_dir, daemon, p)
+    engine = MiniEngine(model_dir, _options(daemon, retry_after_s=600.0))
+    side = engine.connector.scheduler_side
+    try:
+        engine.add("a", first, max_tokens=2)
+        engine.add("b", second, max_tokens=2)
+        out = engine.step()
+        assert {r: out.num_scheduled_tokens[r] for r in "ab"} == {"a": 20, "b": 20}
+        assert side.stats["pin_refused"] == 1 and side.stats["pin_errors"] == 0
+        assert sorted(len(load.leases) for load in out.kv_connector_metadata.loads) == [0, 1]
+        assert engine.blocks_hold_their_prefix("a", len(first))
+        assert engine.blocks_hold_their_prefix("b", len(second))
+        assert engine.invalid_reported == set()
+        engine.run()
+        # kvtier is still on: the next request is looked up and gets its hit.
+        request = engine.add("c", third, max_tokens=1)
+        assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+    finally:
+        engine.close()
+    assert _counters(daemon)["leases"] == 0
+
+
 def test_lookup_is_side_effect_free(model_dir, daemon):
     _store_prompt(model_dir, daemon)
     engine = MiniEngine(model_dir, _options(daemon))
