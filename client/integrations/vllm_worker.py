@@ -25,6 +25,9 @@ Invariants:
   for want of a page. A step's saves that do not fit keep the head of each chain, in the
   order vLLM scheduled them (the first blocks: later ones are useless without them); the
   rest is counted in ``save_blocks_dropped``.
+- A step's saves of a request whose load failed in that step are not stored: vLLM computed
+  them with attention over the failed blocks, and recomputes them (the scheduler side plans
+  them again from its first failed block; ``save_blocks_withheld``).
 - A request whose block this worker did not store (cut, paused, failed) has a gap in its
   chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
   finished the request).
@@ -178,6 +181,7 @@ class WorkerSide:
             "load_blocks_failed": 0,
             "save_blocks": 0,
             "save_blocks_dropped": 0,
+            "save_blocks_withheld": 0,
             "save_jobs_failed": 0,
             "staging_retired": 0,
         }
@@ -551,7 +555,7 @@ class WorkerSide:
         self._step_save_tried = False
         if save is not None:
             if len(save.layers_copied) == self.num_layers:
-                self._submit_save(save)
+                self._submit_save(save, withhold=self._failed_loads)
             else:
                 self._lost(save)
         finish = [s for s in meta.saves if s.at_finish]
@@ -569,19 +573,33 @@ class WorkerSide:
             self._submit_save(save)
         self._sending.update(s.req_id for s in specs)
 
-    def _submit_save(self, save: _Save) -> None:
+    def _submit_save(self, save: _Save, withhold: set[str] | frozenset[str] = frozenset()) -> None:
+        """Store ``save``'s blocks, but those of the requests in ``withhold`` (whose load failed
+        in the step that computed them: see ``wait_for_save``)."""
         segments = []
         offset = 0
+        stored = 0
         for spec in save.specs:
             n = len(spec.block_ids)
-            segments.append(
-                SaveSegment(
-                    spec.keys[self.rank],
-                    save.pages[offset : offset + n],
-                    spec.parents.get(self.rank, b""),
+            if spec.req_id in withhold:
+                # Computed by attention over blocks that failed to load: wrong KV, which vLLM
+                # recomputes (it rewinds the request to its first failed block); the
+                # scheduler side plans these blocks again from there. Stored now, they would
+                # be kept over the right ones (a block already held is not stored again).
+                self.stats["save_blocks_withheld"] += n
+            else:
+                segments.append(
+                    SaveSegment(
+                        spec.keys[self.rank],
+                        save.pages[offset : offset + n],
+                        spec.parents.get(self.rank, b""),
+                    )
                 )
-            )
+                stored += n
             offset += n
+        if not segments:
+            save.arena.free(save.pages)
+            return
         try:
             save.job = self.client.submit_save(
                 save.arena.pool,
@@ -591,9 +609,12 @@ class WorkerSide:
             )
         except KvtierError as e:
             self.breaker.trip(e)
-            self._lost(save)
+            self.stats["save_blocks_dropped"] += stored
+            self._broken.update(s.req_id for s in save.specs if s.req_id not in withhold)
+            save.arena.free(save.pages)
             return
-        self.stats["save_blocks"] += len(save.block_ids)
+        self.stats["save_blocks"] += stored
+        save.specs = [s for s in save.specs if s.req_id not in withhold]  # what a failure breaks
         self._save_jobs.append(save)
 
     def _lost(self, save: _Save) -> None:

@@ -4,9 +4,11 @@ driven in one process without a model.
 ``MiniEngine`` builds vLLM's ``Scheduler`` (which loads the connector through vLLM's own
 factory, from ``kv_connector_module_path``) and a worker-side connector over real CPU KV
 tensors of vLLM's CPU shape. ``step()`` does what vLLM's model runner does around a forward
-pass, in the same order: bind the metadata, ``start_load_kv``; per layer: write this step's
-KV (a marker per token that encodes the layer, the position and every token before it),
-``wait_for_layer_load``, ``save_kv_layer``; then ``wait_for_save``, ``get_finished``,
+pass, in the same order: bind the metadata, ``start_load_kv``; per layer:
+``wait_for_layer_load``, write this step's KV (a marker per token that encodes the layer,
+the position and every token before it; a wrong one where the prefix's KV in that layer
+lacks its markers, as attention over a block that failed to load computes wrong KV),
+``save_kv_layer``; then ``wait_for_save``, ``get_finished``,
 ``get_block_ids_with_load_errors``, and hands vLLM a ``ModelRunnerOutput`` (as vLLM, a step
 without layer-wise loads calls ``start_load_kv`` after the layers instead). A block that
 holds the right markers therefore holds exactly the KV of its own prefix, wherever it came
@@ -192,9 +194,13 @@ class MiniEngine:
         if out.has_sync_kv_loads:
             worker.start_load_kv(meta)
         for layer, name in enumerate(self.layer_names):
-            for block, offset, code in writes:
-                self.kv[name][block, :, offset, :] = float((code + 17 * layer) % MARK_MOD)
             worker.wait_for_layer_load(name)
+            for req_id, start, slots in writes:
+                # Attention reads the prefix's KV: over a slot that lacks its marker (a block
+                # that failed to load), this step's KV is wrong too, as a model's would be.
+                bad = 0 if self._prefix_holds(req_id, start, layer) else 1
+                for block, offset, code in slots:
+                    self.kv[name][block, :, offset, :] = float((code + 17 * layer + bad) % MARK_MOD)
             worker.save_kv_layer(name, self.kv[name], meta)
         if not out.has_sync_kv_loads:
             worker.start_load_kv(meta)
@@ -225,17 +231,31 @@ class MiniEngine:
                 self.outputs[o.request_id].extend(o.new_token_ids)
         return out
 
-    def _writes(self, out: SchedulerOutput) -> list[tuple[int, int, int]]:
-        """(block, offset, code) of every token this step computes."""
+    def _writes(self, out: SchedulerOutput) -> list[tuple[str, int, list[tuple[int, int, int]]]]:
+        """Per request: (id, first position, (block, offset, code) of every token this step
+        computes)."""
         writes = []
         for req_id, n in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = request.num_computed_tokens - n
             (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             codes = self._prefix_codes(req_id, request.all_token_ids, start + n)
-            for p in range(start, start + n):
-                writes.append((blocks[p // BLOCK], p % BLOCK, codes[p]))
+            slots = [(blocks[p // BLOCK], p % BLOCK, codes[p]) for p in range(start, start + n)]
+            writes.append((req_id, start, slots))
         return writes
+
+    def _prefix_holds(self, req_id: str, n: int, layer: int) -> bool:
+        """Whether the request's first ``n`` tokens' KV slots of ``layer`` hold their markers."""
+        if n == 0:
+            return True
+        request = self.scheduler.requests[req_id]
+        (blocks,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        codes = self._prefix_codes(req_id, request.all_token_ids, n)
+        pos = torch.arange(n)
+        rows = torch.as_tensor([blocks[p // BLOCK] for p in range(n)])
+        got = self.kv[self.layer_names[layer]][rows, :, pos % BLOCK, :].float()
+        want = torch.tensor([float((c + 17 * layer) % MARK_MOD) for c in codes[:n]])
+        return bool((got == want.view(n, 1, 1)).all())
 
     def _prefix_codes(self, req_id: str, tokens: Any, n: int) -> list[int]:
         codes = self._codes.setdefault(req_id, [])

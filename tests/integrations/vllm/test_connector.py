@@ -288,6 +288,45 @@ def test_blocks_that_failed_to_load_are_stored_once_recomputed(model_dir, daemon
         reader.close()
 
 
+def test_blocks_computed_over_a_failed_load_are_not_stored(model_dir, daemon):
+    """A layer-wise load fails in the step that also computes the rest of the prompt: that
+    step's KV was computed with attention over the failed blocks (wrong), so its blocks are
+    not stored then; they are stored once vLLM has recomputed them. Regression: they were
+    stored from the failing step, and the recomputed ones, being already held, were not,
+    so every later hit on them loaded wrong KV."""
+    _store_prompt(model_dir, daemon)
+    longer = PROMPT[: 3 * BLOCK] + prompts(6, 0, [BLOCK + 50])[0]  # 4 full blocks, 3 stored
+    engine = MiniEngine(model_dir, _options(daemon))
+    side = engine.connector.scheduler_side
+    keys: list[bytes] = []
+
+    def lose(out):
+        for spec in out.kv_connector_metadata.loads:
+            for lease in spec.leases.values():
+                side.client.release(lease)
+            keys.extend(spec.keys[0])
+        assert side.client.delete(keys) is not None
+
+    try:
+        engine.add("r", longer, max_tokens=2)
+        out = engine.step(before_forward=lose)
+        assert len(keys) == 3 and out.num_scheduled_tokens["r"] == len(longer) - 3 * BLOCK
+        assert engine.worker.stats["save_blocks_withheld"] == 1  # the 4th block, computed then
+        engine.run()
+        assert engine.worker.stats["load_blocks_failed"] == 3
+    finally:
+        engine.close()  # waits for its saves
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add("r", longer, max_tokens=2)
+        out = reader.step()
+        assert out.num_scheduled_tokens["r"] == len(longer) - 4 * BLOCK
+        assert reader.invalid_reported == set()
+        assert reader.blocks_hold_their_prefix("r", len(longer))
+    finally:
+        reader.close()
+
+
 def _lose_blocks(monkeypatch, worker):
     """The daemon has lost the data of every block the worker loads while its index still
     lists them (lookups find them): each load's keys are swapped for keys it never held."""
