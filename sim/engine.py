@@ -457,7 +457,6 @@ class _Engine:
             and self.l3 is None
             and self.l1.admits_all
             and self.mask is None
-            and self.stack.queue_window_s == 0
             and self.stack.l1_watermarks is None
             and not self.stack.forget_dropped
         )
@@ -485,9 +484,11 @@ class _Engine:
     # ------------------------------------------------------------ one plain tier
 
     def _run_one_tier(self) -> None:
-        """One tier without an admission rule, nothing protected: the replayer's common case,
-        spelled out, since it runs once per access and sets the replayer's speed. The same
-        steps as ``steps``."""
+        """One tier without an admission rule, nothing protected but by queue hints: the
+        replayer's common case, spelled out, since it runs once per access and sets the
+        replayer's speed. The same steps as ``steps``, its declines included: with hints, a
+        tier with no victim declines as ``protected``, and (as ``_refusal``'s ``full_at``)
+        is not asked again within the request until something changed in it."""
         blocks = self.blocks
         offsets = self.offsets
         stamps = self.stamps
@@ -504,9 +505,14 @@ class _Engine:
         replace = getattr(l1.policy, "replace", None)
         declined = l1.declined
         parents = self.parent
+        hinting = bool(self.hints)
+        no_victim = "protected" if hinting else "no_victim"
         for r, ts in enumerate(stamps):
             if ts > now:
                 now = ts
+            if hinting:
+                self.hints_until(now)
+                self.now = now
             lo, hi = offsets[r], offsets[r + 1]
             req = blocks[lo:hi]
             if per_access_next:
@@ -524,15 +530,23 @@ class _Engine:
                     leading = False
                     missing.append(i)
             hits_per_request[r] = hi - lo - len(missing)
+            stuck = False  # no victim, and nothing changed in the tier since
             for i in missing:
                 b = req[i]
                 if copies[b]:
                     continue  # a repeat within the request, already placed
+                if stuck:
+                    declined["protected"] += 1
+                    continue
                 parent = req[i - 1] if i else -1
                 if count >= capacity and replace is not None:
                     out = replace(b, parent, now)
                     if out < 0:
-                        declined["no_victim" if out == NO_VICTIM else "density"] += 1
+                        if out == NO_VICTIM:
+                            declined[no_victim] += 1
+                            stuck = hinting and note_miss is None
+                        else:
+                            declined["density"] += 1
                         continue
                     copies[out] = 0
                     evictions += 1
@@ -542,9 +556,11 @@ class _Engine:
                 if count >= capacity:
                     out = victim(now, b)
                     if out < 0:
-                        declined["no_victim"] += 1
+                        declined[no_victim] += 1
                         if note_miss is not None:
                             note_miss(b, parent, now)
+                        else:
+                            stuck = hinting
                         continue
                     if admits is not None and not admits(b, parent, out, now):
                         declined["density"] += 1

@@ -362,6 +362,27 @@ def test_queue_hints_raise_the_hit_ratio_on_chat() -> None:
         assert hinted > plain, policy
 
 
+@pytest.mark.parametrize("policy", ["heat", "density", "lru", "arc"])
+def test_one_tier_with_queue_hints_replays_as_the_tier_stack(policy: str, monkeypatch) -> None:
+    # One tier with queue hints takes the one-tier path (``_run_one_tier``); the same replay
+    # through the general tier stack (``steps``) must give every figure alike, the blocks
+    # declined for want of a victim ("protected") included. A tier of 1% with a 30 s queue
+    # declines many.
+    trace = chat(8, 300.0)
+    stack = StackConfig(queue_window_s=30.0)
+    results = []
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(_Engine, "_run_one_tier", lambda e: [None for _ in e.steps()])
+        for cap in sweep_capacities(trace.cacheable().unique_blocks, [1, 5]):
+            r = replay(trace, policy, cap, stack=stack)
+            figures = r.as_dict()
+            del figures["accesses_per_s"]
+            results.append((figures, r.hits_per_request.tolist()))
+    assert results[:2] == results[2:]
+    assert results[0][0]["declined"].get("l1:protected", 0) > 0
+
+
 # ------------------------------------------------------ forgetting, watermarks
 
 
