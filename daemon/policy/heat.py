@@ -688,17 +688,26 @@ class HeatPolicy(Hinted):
         ``kvtier.daemon.policy.base``): ``victim(now, bid)``, then ``remove`` of the victim
         and ``insert`` of ``bid``; ``NO_VICTIM`` (nothing changed) when there is none.
 
-        The common case (nothing hinted, parked or owed, ``bid`` not resident) is the
-        victim's choice and its removal written out in one frame, as they set the
-        replayer's speed; anything else takes the steps themselves."""
+        The common case (``bid`` not resident) is the victim's choice and its removal
+        written out in one frame, as they set the replayer's speed, live hints included
+        (the heads are then ``_coldest_unhinted``'s); a resident ``bid`` takes the steps
+        themselves."""
         if bid >= self._size:
             self._grow(bid + 1)
         seg_v, count = self._seg_v, self._count
         n1 = count[_PROBATION]
-        if seg_v[bid] != _OUT or self._parked or self._hints.latest >= now:
+        if seg_v[bid] != _OUT:
             return self._replace_by_steps(bid, parent, now)
         if n1 + count[_PROTECTED] == 0:
             return NO_VICTIM
+        # ``_prepare_pick``.
+        parked = self._parked
+        if parked and parked[0][0] < now:
+            self._unpark(now)
+        at: Any = None  # the heads' ``now``: None while no hint is live
+        coldest: Callable[[int, Any], int] = self._coldest
+        if self._hints.latest >= now:
+            coldest, at = self._coldest_unhinted, now
         if self._owed_new:
             self._defer_owed()
         # ``_one``: ARC's target as it will be once ``bid`` is in (``_adapted_target``).
@@ -713,22 +722,22 @@ class HeatPolicy(Hinted):
                     p = min(float(cap), p + self._gain)
                 else:
                     p, from_protected = max(0.0, p - self._gain), True
-        # ``_pick`` with ``_coldest`` as the heads.
-        coldest, eff_v = self._coldest, self._eff_v
+        # ``_pick`` with ``coldest`` as the heads.
+        eff_v = self._eff_v
         seg = _PROBATION if n1 >= 1 and (n1 > p or (from_protected and n1 == p)) else _PROTECTED
-        out = coldest(seg)
+        out = coldest(seg, at)
         if out >= 0:
             if seg == _PROBATION:
-                other = coldest(_PROTECTED)
+                other = coldest(_PROTECTED, at)
                 if other >= 0 and eff_v[other] < eff_v[out] - self._halvings:
                     seg, out = _PROTECTED, other
             elif self._kids_v[out] > 0:
-                other = coldest(_PROBATION)
+                other = coldest(_PROBATION, at)
                 if other >= 0:
                     seg, out = _PROBATION, other
         else:
             seg = 3 - seg
-            out = coldest(seg)
+            out = coldest(seg, at)
             if out < 0:
                 return NO_VICTIM
         # ``remove(out)``.
