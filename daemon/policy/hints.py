@@ -24,6 +24,7 @@ ever hinted), so the mask is one vector operation per batch of candidates.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -34,10 +35,13 @@ from kvtier.daemon.policy.memento import renumbered
 class HintTable:
     """Deadlines by block id (see the module docstring)."""
 
-    __slots__ = ("_kept", "_until", "latest")
+    __slots__ = ("_kept", "_until", "_until_v", "latest")
 
     def __init__(self) -> None:
         self._until = np.full(0, -math.inf)
+        # ``until`` reads one deadline per victim scanned: through a memoryview, a Python
+        # float without a NumPy scalar in between.
+        self._until_v = self._until.data
         # Deadlines of dropped blocks by memento slot (``remember``): the few with a hint.
         self._kept: dict[int, float] = {}
         # The latest deadline of any hint (-inf: none); read on per-victim paths, where
@@ -57,9 +61,20 @@ class HintTable:
             grown = np.full(max(top + 1, 2 * len(self._until), 1024), -math.inf)
             grown[: len(self._until)] = self._until
             self._until = grown
+            self._until_v = grown.data
         np.maximum.at(self._until, ids, until)
         if until > self.latest:
             self.latest = until
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HintTable:
+        """A copy with its own deadlines (a memoryview does not copy): policies are cloned
+        whole to compare their decisions."""
+        other = HintTable()
+        other._until = self._until.copy()
+        other._until_v = other._until.data
+        other._kept = dict(self._kept)
+        other.latest = self.latest
+        return other
 
     def forget(self, bid: int) -> None:
         if 0 <= bid < len(self._until):
@@ -89,7 +104,8 @@ class HintTable:
 
     def until(self, bid: int) -> float:
         """The block's deadline (-inf without a hint)."""
-        return float(self._until[bid]) if 0 <= bid < len(self._until) else -math.inf
+        until_v = self._until_v
+        return until_v[bid] if 0 <= bid < len(until_v) else -math.inf  # type: ignore[no-any-return]
 
     def deadlines(self, bids: np.ndarray) -> np.ndarray:
         """Each id's deadline (-inf without a hint), vectorised."""
