@@ -907,35 +907,56 @@ class DensityPolicy(InsertEach, Hinted):
         ``kvtier.daemon.policy.base``): as ``victim(now, bid)``, then ``admits`` and
         ``remove`` plus ``insert``, or ``note_miss``, would answer and leave the policy.
 
-        The common case (the buffer's head is the victim, no live hint) is those steps
-        written out in one frame, as they set the replayer's speed: the incoming block's
-        class is computed once, for its admission and its new life, and the victim's
-        density is its buffer entry's. Anything else takes ``_replace_by_steps``."""
+        The common case (the victim is in the buffer) is those steps written out in one
+        frame, as they set the replayer's speed: the incoming block's class is computed
+        once, for its admission and its new life. Without a live hint the victim is the
+        buffer's first live leaf and its density is its entry's; with one, the first leaf no
+        hint protects (``_first_unhinted``: the hinted ones met before it parked), its
+        density ``_victim_density``'s and a hinted incoming block always admitted, as the
+        steps decide. A victim the buffer does not hold takes ``_replace_by_steps``."""
         if bid >= self._used:
             self._use(bid)
         state_v = self._state_v
-        if not self._resident or self._hinted_until >= now or state_v[bid] == _RESIDENT:
+        if not self._resident or state_v[bid] == _RESIDENT:
             return self._replace_by_steps(bid, parent, now)
         q = self._q if now == self._q_now else self._quantise(now)
         if q != self._buf_q or self._buf_version != self._version:
             self._rebuild(q, complete=False)
         elif self._parked and self._parked[0][0] < now:
             self._unpark(now)
-        # The victim: ``_first_in_buffer``.
         buf = self._buf
-        stamp_v, kids_v = self._stamp_v, self._kids_v
+        stamp_v, kids_v, until_v = self._stamp_v, self._kids_v, self._until_v
         i, end = self._cur, len(buf)
-        while i < end:
-            e = buf[i]
-            out = e[4]
-            if state_v[out] == _RESIDENT and stamp_v[out] == e[5] and kids_v[out] == 0:
-                break
-            i += 1
+        hinted = self._hinted_until >= now
+        if hinted:
+            # The victim: ``_first_unhinted``.
+            parked = self._parked
+            while i < end:
+                e = buf[i]
+                out = e[4]
+                if state_v[out] == _RESIDENT and stamp_v[out] == e[5] and kids_v[out] == 0:
+                    if until_v[out] < now:
+                        break
+                    heapq.heappush(parked, (float(until_v[out]), e))
+                i += 1
+        else:
+            # The victim: ``_first_in_buffer``.
+            while i < end:
+                e = buf[i]
+                out = e[4]
+                if state_v[out] == _RESIDENT and stamp_v[out] == e[5] and kids_v[out] == 0:
+                    break
+                i += 1
         self._cur = i
         if i == end:
             return self._replace_by_steps(bid, parent, now)
-        self._pick = (out, e[5], e[0])
         self._taken += 1
+        if hinted:
+            theirs = self._victim_density(out, now)  # ``_first_unhinted`` leaves ``_pick``
+            admit_all = until_v[bid] >= now  # ``_incoming_density``: infinite
+        else:
+            self._pick = (out, e[5], e[0])
+            theirs, admit_all = e[0], False
         # The class of the life the access starts (``_access``), which admission weighs (no
         # hint is live, so the incoming block's density is its class's at age 0).
         cnt_v, depth_v, turn_v = self._cnt_v, self._depth_v, self._turn_v
@@ -988,7 +1009,7 @@ class DensityPolicy(InsertEach, Hinted):
         self._cls_v[bid] = cls
         self._last_v[bid] = now
         self._decided += 1
-        if self._admission and dens < e[0]:
+        if self._admission and not admit_all and dens < theirs:
             # Declined: ``note_miss``.
             state_v[bid] = _GHOST
             self._evseq_v[bid] = self._evictions % SEQ_MOD + 1
@@ -997,7 +1018,6 @@ class DensityPolicy(InsertEach, Hinted):
             return DECLINED
         # ``remove(out)``.
         quantum = self._quantum
-        until_v = self._until_v
         state_v[out] = _GHOST
         self._evictions += 1
         self._evseq_v[out] = self._evictions % SEQ_MOD + 1

@@ -710,12 +710,18 @@ def test_touch_many_equals_a_loop_of_touch(seed: int) -> None:
     assert vec.stats().tables > 5
 
 
+@pytest.mark.parametrize("hinting", [False, True], ids=["", "hints"])
 @pytest.mark.parametrize("seed", range(3))
-def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(seed: int) -> None:
+def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(
+    seed: int, hinting: bool
+) -> None:
     """``replace`` (written out for the replayer) leaves exactly the state the steps it
     stands for do, where the contract test does not reach: ids past the per-id arrays (they
     grow), ages past the last bucket, a buffer used up within one quantum (many misses per
-    quantum), and a victim that is the incoming block's parent."""
+    quantum), and a victim that is the incoming block's parent. ``hinting``: a queue's hints
+    all along (some blocks, resident or not, for a few seconds), as a replay with a queue
+    window gives: the victims are then the first leaves no hint protects, hinted incoming
+    blocks are admitted, and the hinted leaves met are parked and put back."""
     rng = np.random.default_rng(seed)
     params = {"capacity_blocks": 300, "quantum_s": 100.0, "period": 600, "initial_ids": 8}
     fused, steps = DensityPolicy(**params), DensityPolicy(**params)
@@ -723,8 +729,14 @@ def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(se
     now = 0.0
     outcomes: set[int] = set()
     prev = -1
+    parked = False
     for step in range(6000):
         now += float(rng.exponential(0.3)) if rng.random() > 0.002 else 1e7
+        if hinting and step % 10 == 0:
+            hinted = rng.integers(0, 400 + step // 3, size=8)
+            until = now + float(rng.exponential(5.0))
+            for p in (fused, steps):
+                p.hint(hinted, until, now)
         bid = int(rng.integers(0, 400 + step // 3))
         if bid in resident:
             fused.touch(bid, now)
@@ -739,6 +751,7 @@ def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(se
             resident.add(bid)
             continue
         got = fused.replace(bid, parent, now)
+        parked = parked or bool(fused._parked)
         out = steps.victim(now, bid)
         if out < 0:
             steps.note_miss(bid, parent, now)
@@ -777,7 +790,11 @@ def test_replace_equals_its_steps_through_growth_long_gaps_and_a_spent_buffer(se
         assert np.array_equal(getattr(fused, name), getattr(steps, name)), name
     assert np.array_equal(fused.table, steps.table)
     assert (fused._buf, fused._cur, fused._bound) == (steps._buf, steps._cur, steps._bound)
-    assert fused.victims(300, now, None).tolist() == steps.victims(300, now, None).tolist()
+    assert fused._parked == steps._parked
+    assert parked == hinting  # the hinted path ran, parking leaves it met
+    # Past the hints' deadlines every block may go again.
+    later = now + 1e3 if hinting else now
+    assert fused.victims(300, later, None).tolist() == steps.victims(300, later, None).tolist()
 
 
 def _densities_by_definition(hazard: np.ndarray, min_horizon: int) -> list[float]:
