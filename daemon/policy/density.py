@@ -952,7 +952,14 @@ class DensityPolicy(InsertEach, Hinted):
             return self._replace_by_steps(bid, parent, now)
         self._taken += 1
         if hinted:
-            theirs = self._victim_density(out, now)  # ``_first_unhinted`` leaves ``_pick``
+            # ``_victim_density`` (``_first_unhinted`` leaves ``_pick`` alone).
+            pick, stamp, theirs = self._pick
+            if pick != out or stamp != stamp_v[out]:
+                last = self._last_v[out]  # ``_key``
+                age = (q - last) / self._quantum
+                theirs = self._rows[self._cls_v[out]][
+                    age_bucket(age) if age >= 1.0 else 0
+                ] * self._weigh(self._heat_v[out])
             admit_all = until_v[bid] >= now  # ``_incoming_density``: infinite
         else:
             self._pick = (out, e[5], e[0])
