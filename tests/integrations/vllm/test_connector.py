@@ -414,7 +414,13 @@ def test_a_preempted_request_whose_load_failed_is_offered_its_hit_again(
             ]
             if load_mode == "async":
                 time.sleep(0.005)  # async loads finish in the daemon meanwhile
+            # Each step's saves end before the next step's start: with saves of earlier steps
+            # still holding the saves' staging share (5 pages here), a later save of "b" was
+            # cut, its chain had a gap, and whether "b" had blocks past vLLM's own cache to be
+            # offered after its preemption depended on the daemon's speed.
+            assert wait_until(lambda: engine.worker.saves_in_flight() == 0)
         assert preempted
+        assert engine.worker.stats["save_blocks_dropped"] == 0
         assert loads_b[0] == (False, 3)  # its first load: lost, so recomputed
         assert engine.worker.stats["load_blocks_failed"] == 3
         assert side.stats["failed_load_requests"] == 1
