@@ -39,6 +39,7 @@ def test_the_driver_agrees_with_torch():
     assert rng.base <= t.data_ptr() and inner.data_ptr() + inner.numel() <= rng.base + rng.size
     assert drv.pointer_device(inner.data_ptr()) == torch.cuda.current_device()
     assert len(drv.ipc_get_handle(rng.base)) == 64
-    assert drv.device_uuid(0) == torch.cuda.get_device_properties(0).uuid.bytes
+    # torch gives the UUID as a list of ints (torch 2.11), or bytes in other versions.
+    assert drv.device_uuid(0) == bytes(torch.cuda.get_device_properties(0).uuid.bytes)
     with pytest.raises(cudadrv.CudaError):
         drv.ipc_open(b"\0" * 64)  # not a handle
