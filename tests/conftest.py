@@ -55,12 +55,14 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 
 
 _NO_CUDA: list[str] = []
+_HAS_CUDA: list[str] = []
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` need CUDA. Without it they are deselected, not skipped (they
     cannot run on this machine, which is not a reason to report them as skipped work), and
-    the summary says how many; on a machine with CUDA the same ``make test`` runs them."""
+    the summary says how many; on a machine with CUDA the same ``make test`` runs them, and
+    deselects instead the tests marked ``no_cuda`` (what a host without CUDA does)."""
     try:
         import torch
 
@@ -68,6 +70,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     except ImportError:
         has_cuda = False
     if has_cuda:
+        # Tests of what a host without CUDA does cannot run here; the same bookkeeping.
+        cpu = [item for item in items if item.get_closest_marker("no_cuda") is not None]
+        if cpu:
+            config.hook.pytest_deselected(items=cpu)
+            items[:] = [item for item in items if item.get_closest_marker("no_cuda") is None]
+            _HAS_CUDA.extend(item.nodeid for item in cpu)
         return
     # The marker, not `"gpu" in item.keywords`: keywords also hold the names of the folders
     # above a test, so a checkout in a folder named gpu would lose everything.
@@ -79,6 +87,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _HAS_CUDA:
+        terminalreporter.write_line(
+            f"{len(_HAS_CUDA)} tests of a host without CUDA deselected: this one has CUDA"
+        )
     if _NO_CUDA:
         terminalreporter.write_line(
             f"{len(_NO_CUDA)} GPU tests deselected: no CUDA device here (they run where "

@@ -21,6 +21,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostArena
 
 
+@pytest.mark.no_cuda
 def test_without_cuda_it_fails_fast_with_the_reason(capsys):
     assert not torch.cuda.is_available()
     assert main([], as_json=True) == 2

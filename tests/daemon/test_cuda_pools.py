@@ -202,6 +202,7 @@ def test_the_single_allocation_form_is_one_buffer_at_pool_offset_zero():
     assert spec.extent == 4096 and spec.device == 2
 
 
+@pytest.mark.no_cuda
 def test_without_cuda_or_the_gpu_tier_registration_is_a_failed_precondition():
     region = pb.CudaIpcRegion(handle=b"h" * 64, size_bytes=4096)
     layout = make_pool("mla", layers=1, pages=2).layout
