@@ -11,6 +11,11 @@ a tier's arena. Two executors:
 - **triton** (CUDA only, ``kernels/triton_copy.py``): one launch for the whole plan, whatever
   the number of segments, one pass over the data.
 
+``copy_pages`` is the same copies between an engine pool's pages and block slots, given as
+the pool's ``SegmentMap`` and the pages rather than as runs: the triton executor computes
+every chunk's address on the GPU (the host's work grows with the blocks of a batch, not
+with blocks times chunks), the torch executor builds the runs.
+
 Every plan is bounds-checked on the host before it runs (``CopyRuns.check``): a device
 kernel checks nothing, and one stray address would poison the CUDA context for every pool.
 """
@@ -23,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvtier.kernels.runs import CopyRuns
+from kvtier.kernels.runs import CopyRuns, SegmentMap, gather_runs, scatter_runs
 
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
@@ -56,6 +61,57 @@ def copy_runs(
     else:
         raise ValueError(f"unknown executor {executor!r}")
     return executor
+
+
+def copy_pages(
+    smap: SegmentMap,
+    segments: Sequence[torch.Tensor],
+    pages: np.ndarray,
+    slots: torch.Tensor,
+    starts: np.ndarray,
+    block_bytes: int,
+    *,
+    gather: bool,
+    executor: str = "auto",
+) -> str:
+    """Gather the chunks of ``pages[j]`` (laid out in ``segments`` as ``smap`` says) into
+    ``slots[starts[j] : starts[j] + block_bytes]``, or with ``gather=False`` scatter those
+    blocks back into the pages; returns the executor that did it.
+
+    The same copies as ``copy_runs`` of ``gather_runs``/``scatter_runs``, checked as
+    strictly but in time that grows with the blocks, not blocks times chunks: the page
+    indices, the slot extents, and each segment against the furthest byte any page's chunk
+    reaches in it (``SegmentMap.build`` proved the rest when the pool was registered). The
+    triton executor then makes the plan on the GPU in the same launch that copies.
+    Raises IndexError (copying nothing) when a page or slot is out of range.
+    """
+    _check_segments(segments, [slots])
+    pages = np.asarray(pages, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    if len(pages) != len(starts):
+        raise ValueError(f"{len(pages)} pages for {len(starts)} blocks")
+    if block_bytes != smap.block_bytes:
+        raise ValueError(f"blocks of {block_bytes} bytes, the layout's are {smap.block_bytes}")
+    if not len(pages):
+        return "none"
+    smap.check_pages(pages)
+    if int(starts.min()) < 0 or int(starts.max()) + block_bytes > slots.numel():
+        raise IndexError(f"a block slot lies outside the {slots.numel()}-byte buffer")
+    reach = smap.base + (smap.num_pages - 1) * smap.page_stride + smap.length
+    sizes = np.array([t.numel() for t in segments], dtype=np.int64)
+    outside = (smap.base < 0) | (reach > sizes[np.minimum(smap.segment, len(sizes) - 1)])
+    if int(smap.segment.max()) >= len(sizes) or bool(outside.any()):
+        raise IndexError("a page's chunk lies outside its segment")
+    if executor == "auto":
+        executor = "triton" if slots.is_cuda and _triton_ready() else "torch"
+    if executor == "triton":
+        from kvtier.kernels.triton_copy import copy_pages_triton
+
+        copy_pages_triton(smap, segments, pages, slots, starts, gather=gather)
+        return executor
+    if gather:
+        return copy_runs(gather_runs(smap, pages, 0, starts), segments, [slots], executor=executor)
+    return copy_runs(scatter_runs(smap, 0, starts, pages), [slots], segments, executor=executor)
 
 
 def copy_runs_torch(

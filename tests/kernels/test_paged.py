@@ -4,13 +4,18 @@ tensor indexing and against offsets computed with the layout's ChunkTable and nu
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 from kv_pools import DTYPES, LAYOUTS, make_pool
 
 from kvtier.kernels.layout import LayoutError
-from kvtier.kernels.paged import copy_runs
+from kvtier.kernels.paged import copy_pages, copy_runs
 from kvtier.kernels.runs import (
     Buffer,
     CopyRuns,
@@ -88,6 +93,109 @@ def test_gather_then_scatter_is_bit_exact(kind, dtype, executor, monkeypatch):
         assert bool((pool.block(page) == 0xA5).all()), f"page {page} was written"
 
 
+PAGE_CASES = [(d, ex) for d in ("float16", "float8_e4m3fn") for ex in ("torch", "triton")] + [
+    ("float32", "triton")
+]
+
+
+@pytest.mark.parametrize(("dtype", "executor"), PAGE_CASES)
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_copy_pages_gathers_and_scatters_what_the_runs_do(kind, dtype, executor, monkeypatch):
+    """``copy_pages`` (the plan made per column on the device) against the runs built on the
+    host, byte for byte: the whole arena after a gather, the whole pool after a scatter."""
+    if executor == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = np.random.default_rng(hash((kind, dtype, 7)) & 0xFFFF)
+    pool = make_pool(kind, dtype=dtype, gap=4096 if kind != "staging" else 0)
+    pool.fill_random(4)
+    smap = SegmentMap.build(pool.layout, pool.buffers)
+    nbytes = pool.layout.block_bytes
+    pages = rng.permutation(pool.layout.num_pages)[:5].astype(np.int64)
+    starts, arena_bytes = _slots(len(pages), nbytes, rng)
+    want = torch.full((arena_bytes,), 0x5A, dtype=torch.uint8)
+    copy_runs(gather_runs(smap, pages, 0, starts), pool.segments, [want], executor="torch")
+    arena = torch.full((arena_bytes,), 0x5A, dtype=torch.uint8)
+    used = copy_pages(
+        smap, pool.segments, pages, arena, starts, nbytes, gather=True, executor=executor
+    )
+    assert used == executor
+    assert torch.equal(arena, want)
+
+    targets = rng.permutation(pool.layout.num_pages)[: len(pages)].astype(np.int64)
+    pool.poison()
+    copy_runs(scatter_runs(smap, 0, starts, targets), [arena], pool.segments, executor="torch")
+    expected = [seg.clone() for seg in pool.segments]
+    pool.poison()
+    copy_pages(smap, pool.segments, targets, arena, starts, nbytes, gather=False, executor=executor)
+    for seg, exp in zip(pool.segments, expected, strict=True):
+        assert torch.equal(seg, exp)
+    for j, page in enumerate(targets):
+        start = int(starts[j])
+        assert torch.equal(pool.block(int(page)), arena[start : start + nbytes])
+
+
+@pytest.mark.parametrize("executor", ["torch", "triton"])
+def test_copy_pages_of_some_layers_touch_only_their_chunks(executor, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pool = make_pool("vllm", layers=4, pages=6, dtype="float16")
+    pool.fill_random(6)
+    full = SegmentMap.build(pool.layout, pool.buffers)
+    cols = slice(2, 6)  # layers 1 and 2, K and V
+    smap = dataclasses.replace(
+        full,
+        segment=full.segment[cols],
+        base=full.base[cols],
+        page_stride=full.page_stride[cols],
+        length=full.length[cols],
+        block_offset=full.block_offset[cols],
+    )
+    nbytes = pool.layout.block_bytes
+    arena = torch.full((2 * nbytes,), 0x5A, dtype=torch.uint8)
+    starts = np.array([nbytes, 0], dtype=np.int64)
+    copy_pages(
+        smap, pool.segments, np.array([3, 1]), arena, starts, nbytes, gather=True, executor=executor
+    )
+    want = torch.full_like(arena, 0x5A)
+    for j, page in enumerate([3, 1]):
+        block = pool.block(page)
+        for c in range(2, 6):
+            a, n = int(full.block_offset[c]), int(full.length[c])
+            want[starts[j] + a : starts[j] + a + n] = block[a : a + n]
+    assert torch.equal(arena, want)
+
+
+def test_copy_pages_outside_a_page_slot_or_segment_copy_nothing():
+    pool = make_pool("vllm", layers=2, pages=4, dtype="float16")
+    pool.fill_random(8)
+    smap = SegmentMap.build(pool.layout, pool.buffers)
+    nbytes = pool.layout.block_bytes
+    arena = torch.zeros(2 * nbytes, dtype=torch.uint8)
+
+    def gather(pages, starts, segments=pool.segments, n=nbytes):
+        copy_pages(smap, segments, np.array(pages), arena, np.array(starts), n, gather=True)
+
+    with pytest.raises(IndexError, match="page index"):
+        gather([0, 4], [0, nbytes])
+    with pytest.raises(IndexError, match="page index"):
+        gather([-1], [0])
+    with pytest.raises(IndexError, match="outside the"):
+        gather([0], [nbytes + 1])
+    with pytest.raises(IndexError, match="outside the"):
+        gather([0], [-1])
+    short = [pool.segments[0], pool.segments[1][:-1]]
+    with pytest.raises(IndexError, match="outside its segment"):
+        gather([0], [0], short)
+    with pytest.raises(IndexError, match="outside its segment"):
+        gather([0], [0], pool.segments[:1])
+    with pytest.raises(ValueError, match="2 pages for 1 blocks"):
+        gather([0, 1], [0])
+    with pytest.raises(ValueError, match="the layout's are"):
+        gather([0], [0], n=nbytes - 2)
+    assert not arena.any()
+
+
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_many_blocks_and_all_layers_take_one_call_per_buffer_pair(kind, monkeypatch):
     pool = make_pool(kind, layers=8, pages=64, dtype="bfloat16")
@@ -131,6 +239,34 @@ def test_triton_plan_words_use_the_widest_common_word(monkeypatch):
     assert n.tolist() == [8, 8]
     odd = block_runs(0, np.array([3]), 0, np.array([0]), 6)
     assert plan_words(odd, [a], [b])[0] == 1
+
+
+@pytest.fixture(scope="module")
+def compiled_kernels() -> dict[str, dict[str, object]]:
+    """Every variant of the Triton kernels compiled for sm_80 and sm_90, in a child process
+    (``triton_compile.py`` says why)."""
+    script = os.path.join(os.path.dirname(__file__), "triton_compile.py")
+    done = subprocess.run(
+        [sys.executable, script], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# The interpreter runs the kernel's Python and ignores what only the compiler reads (its
+# annotations once failed to compile on the first GPU it met, while every interpreted test
+# passed), so the kernels are also compiled here, to the machine code of the GPUs kvtier
+# runs on: Triton's compiler and ptxas need no GPU.
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize(("word", "align_words"), [("i64", 2), ("i64", 1), ("u8", 1)])
+@pytest.mark.parametrize("kernel", ["runs", "pages gather", "pages scatter"])
+def test_the_triton_kernels_compile_for_the_gpu(compiled_kernels, arch, word, align_words, kernel):
+    got = compiled_kernels[f"{kernel}/{word}/{align_words}/sm_{arch}"]
+    assert got["targets_arch"]
+    assert got["cubin_bytes"] > 0
+    # 16-byte vector accesses where the plan is 16-byte aligned (scalar 8-byte ones moved a
+    # sixth of a device-to-device copy's bytes on an H200), plain ones elsewhere.
+    assert (got["vector_accesses"] > 0) == (word == "i64" and align_words == 2)
 
 
 @pytest.mark.parametrize("executor", ["torch", "triton"])
