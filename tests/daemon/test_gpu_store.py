@@ -50,9 +50,9 @@ class FaultyOps(CpuOps):
 
     broken = False
 
-    def copy_runs(self, runs, src, dst):  # type: ignore[no-untyped-def]
+    def copy_pages(self, pages, slots, starts, *, gather):  # type: ignore[no-untyped-def]
         self._check()
-        return super().copy_runs(runs, src, dst)
+        return super().copy_pages(pages, slots, starts, gather=gather)
 
     def copy(self, dst, src):  # type: ignore[no-untyped-def]
         self._check()

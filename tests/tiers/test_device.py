@@ -126,6 +126,65 @@ def test_shared_memory_pools_are_staged_through_the_host():
             assert np.array_equal(back[off_t : off_t + n], space[off_p : off_p + n])
 
 
+class _CountingOps(CpuOps):
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[int] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copies.append(dst.numel())
+        super().copy(dst, src)
+
+
+def test_blocks_next_to_each_other_on_both_sides_move_as_one_copy():
+    from kvtier.tiers.host import HostArena
+
+    ops = _CountingOps()
+    tier = _tier(ops)
+    l1 = HostArena(4 << 20, 1 << 20, pin_cuda=False)
+    nbytes = 64 << 10
+    try:
+        slots = _alloc(tier, 8, nbytes)  # in a row in L0
+        host = [l1.allocator.allocate(nbytes) for _ in range(8)]  # and in L1
+        rng = np.random.default_rng(4)
+        for h in host:
+            l1.view(h, nbytes)[:] = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+        want = [bytes(l1.view(h, nbytes)) for h in host]
+        # The batch in another order than the slots: still one copy each way.
+        order = [3, 0, 1, 2, 7, 4, 5, 6]
+        views = HostBuffers([l1.view(host[j], nbytes) for j in order])
+        batch_slots = [slots[j] for j in order]
+        assert all(o.ok for o in tier.write(WriteBatch(batch_slots, _refs(8), nbytes, views)))
+        assert ops.copies == [8 * nbytes]
+        for h in host:
+            l1.view(h, nbytes)[:] = b"\x00" * nbytes
+        ops.copies.clear()
+        assert tier.read(ReadBatch(batch_slots, _refs(8), nbytes, views)) == [True] * 8
+        assert ops.copies == [8 * nbytes]
+        assert [bytes(l1.view(h, nbytes)) for h in host] == want
+        # L1 slots apart from each other (every other one): a copy per block, bytes right.
+        ops.copies.clear()
+        apart = HostBuffers([l1.view(host[j], nbytes) for j in (0, 2, 4, 6)])
+        assert tier.read(ReadBatch(slots[:4], _refs(4), nbytes, apart)) == [True] * 4
+        assert ops.copies == [nbytes] * 4
+        assert [bytes(l1.view(host[j], nbytes)) for j in (0, 2, 4, 6)] == want[:4]
+        # Through a scratch buffer (a GPU pool's pages to and from L1, no L0 slot).
+        pool = make_pool("vllm", layers=2, pages=6, tokens=16, head_dim=32, dtype="float16")
+        pool.fill_random(5)
+        block = pool.layout.block_bytes  # 8 KiB: whole pages, so L1's slots follow each other
+        dest = [l1.allocator.allocate(block) for _ in range(3)]
+        ops.copies.clear()
+        bufs = HostBuffers([l1.view(d, block) for d in dest])
+        assert tier.pool_to_host(_pages(pool, [4, 1, 2]), bufs, block)
+        assert ops.copies == [3 * block]
+        for d, p in zip(dest, [4, 1, 2], strict=True):
+            assert bytes(l1.view(d, block)) == pool.block(p).numpy().tobytes()
+        del views, apart, bufs
+    finally:
+        tier.close()
+        l1.close()
+
+
 def test_pool_and_host_without_an_l0_slot():
     tier = _tier()
     pool = make_pool("mla", layers=3, pages=8, dtype="float32")
@@ -196,10 +255,10 @@ class FailingOps(CpuOps):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         super().copy(dst, src)
 
-    def copy_runs(self, runs, src, dst) -> str:
+    def copy_pages(self, pages, slots, starts, *, gather) -> str:
         if self.fail:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return super().copy_runs(runs, src, dst)
+        return super().copy_pages(pages, slots, starts, gather=gather)
 
 
 def test_a_device_fault_fails_the_batch_and_takes_the_tier_down():
@@ -249,6 +308,7 @@ def test_concurrent_batches_on_distinct_slots():
     assert tier.stats().counters["blocks_written_d2d"] == 64
 
 
+@pytest.mark.no_cuda
 def test_without_cuda_the_tier_cannot_start():
     assert not torch.cuda.is_available()
     with pytest.raises(TierUnavailable, match="no CUDA device"):
