@@ -31,6 +31,7 @@ def test_without_cuda_it_fails_fast_with_the_reason(capsys):
     assert "torch.cuda.is_available() is False" in err
 
 
+@pytest.mark.no_cuda
 def test_kvtier_bench_runs_it_as_gpu():
     from kvtier.bench import BENCHMARKS, run_bench
 

@@ -11,6 +11,7 @@ import torch
 from kvtier.kernels import cudadrv
 
 
+@pytest.mark.no_cuda
 def test_a_host_without_the_driver_gets_cuda_unavailable():
     try:
         ctypes.CDLL("libcuda.so.1")
