@@ -572,7 +572,8 @@ class Client:
     ) -> t.PutResult:
         """Copy pages into the store. ``timeout_s`` bounds this call instead of the client's
         timeout (a durable put waits for the disk tier's writes: give it the time they take;
-        opening a session or registering the pool first still takes up to the client's)."""
+        opening a session or registering the pool first still takes up to the client's);
+        ``None`` or 0 means the client's timeout."""
         timeout_s = t.checked_seconds(timeout_s, "Put: timeout_s")
         req = t.build_paged_request(
             pb.PutRequest,
@@ -657,7 +658,8 @@ class Client:
         """Take blocks out of ``tier`` (``"L1"``, ``Tier.L1_HOST``): a block only there moves
         down to the next tier that takes it, else leaves the store. ``tenant`` (admins
         only): in that tenant's namespace. ``timeout_s`` bounds this call instead of the
-        client's timeout (a move down writes the blocks into the next tier)."""
+        client's timeout (a move down writes the blocks into the next tier; ``None`` or 0:
+        the client's)."""
         timeout_s = t.checked_seconds(timeout_s, "Evict: timeout_s")
         req = t.build_request(
             pb.EvictRequest,
