@@ -22,7 +22,10 @@ data and poisoned destinations at every stage:
    filler Puts pushing the blocks to L1 and then L2 (Lookup confirming each step), a Get
    from L2 into poisoned engine pages through L0 (L0 full), and after the filler
    is deleted a Get that promotes them into L0 first; the engine checks its pages after
-   each Get (``daemon_round_trip``).
+   each Get (``daemon_round_trip``);
+5. **concurrent clients through a kvtierd**: four client threads, each its own session and
+   registration of one engine's pool, put and get their own pages at once while L0 demotes
+   under them; every Get checked by the engine (``_concurrent_stage``).
 
 Which paths go through a real kvtierd is printed with every result (``through_daemon``).
 
@@ -703,6 +706,78 @@ def _daemon_stage(engine: Engine, report: Report, l2_dir: str, shape: dict[str, 
             report.results.setdefault("errors", {})["kvtierd log"] = daemon.log()[-8000:]
 
 
+def _concurrent_stage(
+    engine: Engine, report: Report, l2_dir: str, threads: int = 4, rounds: int = 25
+) -> None:
+    """Client threads, each its own session and registration of one engine's CUDA IPC pool,
+    put and get their own pages at once (fresh keys each round) while the daemon's small L0
+    demotes to L1 and L2 under them; every Get loads every block and the engine checks its
+    pages after each."""
+    import threading
+
+    from kvtier.bench.launcher import bench_daemon
+    from kvtier.client import Client, PutStatus
+    from kvtier.client.cuda import CudaIpcExport
+    from kvtier.daemon.server import layout_from_pb
+    from kvtier.proto import kvtier_pb2 as pb
+
+    shape = {"layers": 8, "pages": 32 * threads, "tokens": 16, "heads": 8, "dim": 128, "latent": 0}
+    lock = threading.Lock()  # one engine, one pipe
+
+    def call(*msg: Any) -> Any:
+        with lock:
+            return engine.call(*msg)
+
+    _, data, _ = call("alloc", "conc", "vllm", shape, [], [], 7)
+    req = pb.RegisterPoolRequest.FromString(data)
+    export, layout = CudaIpcExport.from_region(req.cuda_ipc), layout_from_pb(req.layout)
+    counts = {"puts": 0, "gets": 0, "not stored": 0, "not loaded": 0, "pages that differ": 0}
+    errors: list[str] = []
+    try:
+        with bench_daemon(*daemon_overrides(os.path.join(l2_dir, "conc"))) as daemon:
+
+            def worker(i: int) -> None:
+                src = list(range(32 * i, 32 * i + 8))
+                dst = list(range(32 * i + 16, 32 * i + 24))
+                try:
+                    with Client(daemon.address) as client:
+                        pool = client.register_cuda_pool(export, layout)
+                        for _ in range(rounds):
+                            keys = [os.urandom(32) for _ in src]
+                            stored = client.put(pool.pool_id, keys, src).statuses
+                            call("poison", "conc", dst)
+                            got = client.get(pool.pool_id, keys, dst)
+                            bad = call("verify", "conc", src, dst)[1]
+                            with lock:
+                                counts["puts"] += 1
+                                counts["gets"] += 1
+                                counts["not stored"] += sum(s != PutStatus.STORED for s in stored)
+                                counts["not loaded"] += sum(not ok for ok in got.loaded)
+                                counts["pages that differ"] += len(bad)
+                        pool.unregister()
+                except Exception as e:  # reported below; the other threads go on
+                    errors.append(f"thread {i}: {type(e).__name__}: {e}")
+
+            workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            if errors or any(counts[k] for k in ("not stored", "not loaded", "pages that differ")):
+                report.results.setdefault("errors", {})["kvtierd log"] = daemon.log()[-8000:]
+    finally:
+        call("free", "conc")
+    report.results["concurrent clients"] = {
+        "threads": threads,
+        "through_daemon": True,
+        **counts,
+        "errors": errors,
+    }
+    report.check("concurrent clients: no thread failed", not errors, "; ".join(errors))
+    for k in ("not stored", "not loaded", "pages that differ"):
+        report.check(f"concurrent clients: {k}", counts[k] == 0, f"{counts[k]}")
+
+
 def _stage(report: Report, name: str, fn: Callable[..., None], *args: Any) -> None:
     """Run one stage; an exception fails it (with its traceback in the results) and the
     next stages still run, so one GPU session answers as much as it can."""
@@ -816,6 +891,8 @@ def run(args: argparse.Namespace) -> Report:
         # 4. Every layout through a real kvtierd (its GPU tier, pinned L1 and disk tier).
         if not args.skip_daemon:
             _stage(report, "daemon round trips", _daemon_stage, engine, report, l2_dir, small)
+            # 5. Several clients at once through a kvtierd.
+            _stage(report, "concurrent clients", _concurrent_stage, engine, report, l2_dir)
     finally:
         engine.close()
         stack.close()
@@ -899,6 +976,8 @@ def _print_table(report: Report) -> None:
         print(f"quant {name:22s} {json.dumps(v)}")
     if "daemon" in r:
         print(f"daemon: {json.dumps(r['daemon'])}")
+    if "concurrent clients" in r:
+        print(f"concurrent clients: {json.dumps(r['concurrent clients'])}")
     for name, tb in r.get("errors", {}).items():
         print(f"--- {name} raised:\n{tb}", file=sys.stderr)
     print("OK" if not report.failures else "FAILED:\n  " + "\n  ".join(report.failures))
