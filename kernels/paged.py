@@ -80,10 +80,10 @@ def copy_pages(
 
     The same copies as ``copy_runs`` of ``gather_runs``/``scatter_runs``, checked as
     strictly but in time that grows with the blocks, not blocks times chunks: the page
-    indices, the slot extents, and each segment against the furthest byte any page's chunk
-    reaches in it (``SegmentMap.build`` proved the rest when the pool was registered). The
-    triton executor then makes the plan on the GPU in the same launch that copies.
-    Raises IndexError (copying nothing) when a page or slot is out of range.
+    indices, the slot extents, and every column's chunks for its first and last page against
+    its segment and its place against the block (``_check_columns``). The triton executor
+    then makes the plan on the GPU in the same launch that copies.
+    Raises IndexError (copying nothing) when a page, slot or chunk is out of range.
     """
     _check_segments(segments, [slots])
     pages = np.asarray(pages, dtype=np.int64)
@@ -97,11 +97,7 @@ def copy_pages(
     smap.check_pages(pages)
     if int(starts.min()) < 0 or int(starts.max()) + block_bytes > slots.numel():
         raise IndexError(f"a block slot lies outside the {slots.numel()}-byte buffer")
-    reach = smap.base + (smap.num_pages - 1) * smap.page_stride + smap.length
-    sizes = np.array([t.numel() for t in segments], dtype=np.int64)
-    outside = (smap.base < 0) | (reach > sizes[np.minimum(smap.segment, len(sizes) - 1)])
-    if int(smap.segment.max()) >= len(sizes) or bool(outside.any()):
-        raise IndexError("a page's chunk lies outside its segment")
+    _check_columns(smap, [t.numel() for t in segments])
     if executor == "auto":
         executor = "triton" if slots.is_cuda and _triton_ready() else "torch"
     if executor == "triton":
@@ -112,6 +108,26 @@ def copy_pages(
     if gather:
         return copy_runs(gather_runs(smap, pages, 0, starts), segments, [slots], executor=executor)
     return copy_runs(scatter_runs(smap, 0, starts, pages), [slots], segments, executor=executor)
+
+
+def _check_columns(smap: SegmentMap, sizes: Sequence[int]) -> None:
+    """IndexError unless every page's chunk of every column lies inside its segment and
+    inside its block, whatever the map (a pool's registration proves this for the maps it
+    builds; the kernel checks nothing, and would copy a hand-made map's stray chunks). Per
+    column, so the time grows with the chunks of one block, never with the pages."""
+    seg = smap.segment
+    if int(seg.min()) < 0 or int(seg.max()) >= len(sizes):
+        raise IndexError("a page's chunk lies outside its segment (a segment that does not exist)")
+    # A chunk's first and last page bound it either way a stride runs (or none, stride 0).
+    last = smap.base + (smap.num_pages - 1) * smap.page_stride
+    low = np.minimum(smap.base, last)
+    high = np.maximum(smap.base, last) + smap.length
+    limits = np.asarray(sizes, dtype=np.int64)[seg]
+    if bool(((smap.length < 0) | (low < 0) | (high > limits)).any()):
+        raise IndexError("a page's chunk lies outside its segment")
+    end = smap.block_offset + smap.length
+    if bool(((smap.block_offset < 0) | (end > smap.block_bytes)).any()):
+        raise IndexError(f"a chunk lies outside its {smap.block_bytes}-byte block")
 
 
 def copy_runs_torch(

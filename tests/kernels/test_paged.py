@@ -196,6 +196,83 @@ def test_copy_pages_outside_a_page_slot_or_segment_copy_nothing():
     assert not arena.any()
 
 
+# Columns a pool's registration never builds (it proves a validated layout), made by hand:
+# the checks must not rest on that proof. ``memory`` holds the segment and the slots with
+# guard bytes around both, so a copy that strays lands in a guard (and the test sees it).
+BENT_COLUMNS = {
+    # Pages in reverse: page 0's chunk at the segment's end, past it ([64, 96) of 64 bytes);
+    # the furthest byte of the last page stays inside.
+    "negative stride": {"base": [64], "page_stride": [-32]},
+    # A chunk reaching past its block (the block is 32 bytes, the chunk ends at 48).
+    "chunk past its block": {"block_offset": [16]},
+    "negative block offset": {"block_offset": [-16]},
+    "negative length": {"length": [-32]},
+    # Segment -1: numpy's last one, which the runs refuse as not existing.
+    "negative segment": {"segment": [-1]},
+}
+
+
+@pytest.mark.parametrize("bend", sorted(BENT_COLUMNS))
+@pytest.mark.parametrize("gather", [True, False], ids=["gather", "scatter"])
+@pytest.mark.parametrize("executor", ["torch", "triton"])
+def test_copy_pages_refuses_columns_that_leave_their_segment_or_block(
+    executor, gather, bend, monkeypatch
+):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    memory = torch.zeros(512, dtype=torch.uint8)
+    segment, slots = memory[128:192], memory[320:384]  # 64 bytes each
+    segment.fill_(7)
+    slots.fill_(9)
+    fields = {
+        "segment": [0],
+        "base": [0],
+        "page_stride": [32],
+        "length": [32],
+        "block_offset": [0],
+    }
+    fields |= BENT_COLUMNS[bend]
+    smap = SegmentMap(
+        **{k: np.array(v, dtype=np.int64) for k, v in fields.items()},
+        num_pages=2,
+        block_bytes=32,
+    )
+    before = memory.clone()
+    with pytest.raises(IndexError):
+        copy_pages(
+            smap,
+            [segment],
+            np.array([0, 1]),
+            slots,
+            np.array([32, 0]),
+            32,
+            gather=gather,
+            executor=executor,
+        )
+    assert torch.equal(memory, before)
+
+
+@pytest.mark.parametrize("executor", ["torch", "triton"])
+def test_copy_pages_takes_pages_laid_out_in_reverse(executor, monkeypatch):
+    """A negative stride that stays inside the segment is a layout like any other."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    segment = torch.arange(64, dtype=torch.uint8)
+    slots = torch.zeros(64, dtype=torch.uint8)
+    smap = SegmentMap(
+        *(np.array([v], dtype=np.int64) for v in (0, 32, -32, 32, 0)), num_pages=2, block_bytes=32
+    )
+    copy_pages(
+        smap,
+        [segment],
+        np.array([0, 1]),
+        slots,
+        np.array([0, 32]),
+        32,
+        gather=True,
+        executor=executor,
+    )
+    assert torch.equal(slots, torch.cat([segment[32:], segment[:32]]))
+
+
 @pytest.mark.parametrize("kind", LAYOUTS)
 def test_many_blocks_and_all_layers_take_one_call_per_buffer_pair(kind, monkeypatch):
     pool = make_pool(kind, layers=8, pages=64, dtype="bfloat16")
