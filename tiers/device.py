@@ -548,10 +548,15 @@ def _coalesced(
 
 
 def _continues(first: torch.Tensor, length: int, t: torch.Tensor) -> bool:
-    """Whether ``t`` starts where ``length`` bytes from ``first`` end, in the same storage."""
+    """Whether ``t`` starts where ``length`` bytes from ``first`` end and ends inside
+    ``first``'s storage. Storages are told apart by address, and two may share one (a
+    tensor over the first bytes of a map, and one over the whole map): the joined copy is a
+    view of ``first``'s storage, so it must hold ``t``'s bytes too."""
+    storage = first.untyped_storage()
     return (
-        t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        t.untyped_storage().data_ptr() == storage.data_ptr()
         and t.storage_offset() == first.storage_offset() + length
+        and t.storage_offset() + t.numel() <= storage.nbytes()
         and t.device == first.device
     )
 

@@ -185,6 +185,36 @@ def test_blocks_next_to_each_other_on_both_sides_move_as_one_copy():
         l1.close()
 
 
+def test_a_view_of_the_map_from_elsewhere_is_not_joined_past_its_own_buffer():
+    """A host buffer over L1's first bytes that is not a memoryview of the map (a numpy
+    array's) has a tensor of its own, over those bytes only, that starts where the map's
+    tensor starts; the next slot, a view of the map, then seems to continue it. Joined, the
+    copy would reach past that tensor's buffer (torch refuses: a RuntimeError, which the
+    tier takes for a device fault)."""
+    from kvtier.tiers.host import HostArena
+
+    ops = _CountingOps()
+    tier = _tier(ops)
+    l1 = HostArena(1 << 20, 1 << 20, pin_cuda=False)
+    nbytes = 64 << 10
+    try:
+        slots = _alloc(tier, 2, nbytes)
+        host = [l1.allocator.allocate(nbytes) for _ in range(2)]
+        assert l1.allocator.offsets(np.array(host)).tolist() == [0, nbytes]
+        l1.array[: 2 * nbytes] = np.random.default_rng(3).integers(0, 256, 2 * nbytes, np.uint8)
+        want = l1.array[: 2 * nbytes].copy()
+        views = HostBuffers([l1.array[:nbytes].data, l1.view(host[1], nbytes)])
+        assert all(o.ok for o in tier.write(WriteBatch(slots, _refs(2), nbytes, views)))
+        assert tier.health().state is Health.OK
+        l1.array[: 2 * nbytes] = 0
+        assert tier.read(ReadBatch(slots, _refs(2), nbytes, views)) == [True] * 2
+        assert np.array_equal(l1.array[: 2 * nbytes], want)
+        del views
+    finally:
+        tier.close()
+        l1.close()
+
+
 def test_pool_and_host_without_an_l0_slot():
     tier = _tier()
     pool = make_pool("mla", layers=3, pages=8, dtype="float32")
