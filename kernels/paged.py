@@ -31,6 +31,7 @@ import torch
 from kvtier.kernels.runs import CopyRuns, SegmentMap, gather_runs, scatter_runs
 
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+_DTYPE_OF_WORD = dict(_WORD_DTYPES)
 
 
 def copy_runs(
@@ -140,8 +141,9 @@ def copy_runs_torch(
         src_off, dst_off, length = runs.src_off[idx], runs.dst_off[idx], runs.length[idx]
         # Rows of `unit` bytes, viewed as the widest integer that divides them, so each
         # copied row is a few wide loads rather than `unit` byte loads.
-        src_rows = _rows(src[s], unit)
-        dst_rows = _rows(dst[d], unit)
+        size = _word(unit, src[s], dst[d])
+        src_rows = _rows(src[s], unit, size)
+        dst_rows = _rows(dst[d], unit, size)
         per_run = length // unit
         src_idx = _expand(src_off // unit, per_run)
         dst_idx = _expand(dst_off // unit, per_run)
@@ -150,16 +152,21 @@ def copy_runs_torch(
         dst_rows.index_copy_(0, dst_t, src_rows.index_select(0, src_t))
 
 
-def _rows(seg: torch.Tensor, unit: int) -> torch.Tensor:
+def _word(unit: int, *segs: torch.Tensor) -> int:
+    """The widest integer size that divides ``unit`` and where every segment (its address
+    and its offset in its storage, which a view as that type needs) starts: one for both
+    sides of a copy, whose rows must be of one type."""
+    for size, _ in _WORD_DTYPES:
+        if unit % size == 0 and all(
+            t.data_ptr() % size == 0 and t.storage_offset() % size == 0 for t in segs
+        ):
+            return size
+    return 1
+
+
+def _rows(seg: torch.Tensor, unit: int, size: int) -> torch.Tensor:
     n = seg.numel() // unit
-    rows = seg[: n * unit]
-    for size, dtype in _WORD_DTYPES:
-        if unit % size == 0 and seg.data_ptr() % size == 0:
-            try:
-                return rows.view(dtype).view(n, unit // size)
-            except RuntimeError:
-                continue  # a storage offset the wider type cannot start at
-    return rows.view(n, unit)
+    return seg[: n * unit].view(_DTYPE_OF_WORD[size]).view(n, unit // size)
 
 
 def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -366,6 +366,26 @@ def test_odd_sizes_and_offsets(executor, monkeypatch):
     assert np.array_equal(dst.numpy(), ref)
 
 
+@pytest.mark.parametrize("executor", ["torch", "triton"])
+@pytest.mark.parametrize("shift", [1, 2, 4, 3])
+def test_segments_at_addresses_of_different_alignment(executor, shift, monkeypatch):
+    """Offsets and lengths all multiples of 8 while one segment starts ``shift`` bytes past
+    an 8-byte boundary and the other on one: the words must suit both (the torch executor
+    once viewed each segment with its own widest word, and index_copy_ refused the pair)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rng = np.random.default_rng(shift)
+    memory = torch.from_numpy(rng.integers(0, 256, 4096 + 8, dtype=np.uint8))
+    src = memory[shift : shift + 4096]
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    runs = block_runs(0, np.array([0, 1024, 2048]), 0, np.array([2048, 0, 3072]), 1024)
+    for a, b in ((src, dst), (dst, src)):
+        ref = b.clone()
+        copy_runs(runs, [a], [b], executor=executor)
+        for s_off, d_off in ((0, 2048), (1024, 0), (2048, 3072)):
+            ref[d_off : d_off + 1024] = a[s_off : s_off + 1024]
+        assert torch.equal(b, ref)
+
+
 def test_runs_outside_a_segment_copy_nothing():
     src = torch.arange(100, dtype=torch.uint8)
     dst = torch.zeros(100, dtype=torch.uint8)
