@@ -93,7 +93,7 @@ def copy_pages(
         raise ValueError(f"{len(pages)} pages for {len(starts)} blocks")
     if block_bytes != smap.block_bytes:
         raise ValueError(f"blocks of {block_bytes} bytes, the layout's are {smap.block_bytes}")
-    if not len(pages):
+    if not len(pages) or not smap.columns:
         return "none"
     smap.check_pages(pages)
     if int(starts.min()) < 0 or int(starts.max()) + block_bytes > slots.numel():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from collections.abc import Sequence
 from math import gcd
 from typing import Any
@@ -34,6 +35,11 @@ import torch
 from kvtier.kernels.runs import CopyRuns, SegmentMap
 
 BLOCK_WORDS = 1024  # words one program moves per step: 8 KiB of int64
+# Launches are taken one at a time: the first launch of each specialisation compiles it, and
+# the GPU tier launches from several worker threads (one per pool stream); Triton's compiler
+# is not documented as safe to enter from several threads at once. The launch path holds the
+# GIL for nearly all of its few tens of microseconds anyway.
+_LAUNCH = threading.Lock()
 MAX_TILE_PROGRAMS = 1 << 15  # grid dimension 1 is limited to 65535
 
 _WORD = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -154,16 +160,17 @@ def copy_pages_triton(
     base = slots[: slots.numel() // word * word].view(_WORD[word])
     tiles = max(1, min(-(-int(smap.length.max()) // (word * BLOCK_WORDS)), MAX_TILE_PROGRAMS))
     kernel = _pages_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
-    kernel[(n * c, tiles)](
-        base,
-        dev[: 4 * c],
-        dev[4 * c : 4 * c + n],
-        dev[4 * c + n :],
-        c,
-        BLOCK=BLOCK_WORDS,
-        ALIGN_WORDS=2 if align >= 16 else 1,
-        GATHER=gather,
-    )
+    with _LAUNCH:
+        kernel[(n * c, tiles)](
+            base,
+            dev[: 4 * c],
+            dev[4 * c : 4 * c + n],
+            dev[4 * c + n :],
+            c,
+            BLOCK=BLOCK_WORDS,
+            ALIGN_WORDS=2 if align >= 16 else 1,
+            GATHER=gather,
+        )
 
 
 def plan_words(
@@ -204,7 +211,10 @@ def copy_runs_triton(
     args = [torch.from_numpy(a).to(device, non_blocking=True) for a in (s, d, n)]
     tiles = max(1, min(-(-int(n.max()) // BLOCK_WORDS), MAX_TILE_PROGRAMS))
     kernel = _kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
-    kernel[(len(runs), tiles)](base, *args, BLOCK=BLOCK_WORDS, ALIGN_WORDS=2 if aligned16 else 1)
+    with _LAUNCH:
+        kernel[(len(runs), tiles)](
+            base, *args, BLOCK=BLOCK_WORDS, ALIGN_WORDS=2 if aligned16 else 1
+        )
 
 
 def _all_multiples(

@@ -166,6 +166,29 @@ def test_copy_pages_of_some_layers_touch_only_their_chunks(executor, monkeypatch
     assert torch.equal(arena, want)
 
 
+@pytest.mark.parametrize("executor", ["torch", "triton"])
+def test_copy_pages_of_a_map_without_columns_copy_nothing(executor, monkeypatch):
+    import dataclasses
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pool = make_pool("vllm", layers=2, pages=4, dtype="float16")
+    full = SegmentMap.build(pool.layout, pool.buffers)
+    none = slice(0, 0)
+    empty = dataclasses.replace(
+        full,
+        segment=full.segment[none],
+        base=full.base[none],
+        page_stride=full.page_stride[none],
+        length=full.length[none],
+        block_offset=full.block_offset[none],
+    )
+    arena = torch.zeros(pool.layout.block_bytes, dtype=torch.uint8)
+    nbytes = pool.layout.block_bytes
+    args = (empty, pool.segments, np.array([1]), arena, np.array([0]), nbytes)
+    assert copy_pages(*args, gather=True, executor=executor) == "none"
+    assert not arena.any()
+
+
 def test_copy_pages_outside_a_page_slot_or_segment_copy_nothing():
     pool = make_pool("vllm", layers=2, pages=4, dtype="float16")
     pool.fill_random(8)
