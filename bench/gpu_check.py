@@ -590,12 +590,15 @@ def daemon_round_trip(
             client.put(pool_id, batch, pages)
             filler.extend(batch)
 
+    exact = [True]  # every Get loaded every block, and every page came back right
+
     def load(step: str) -> None:
         poison(dst)
         got = client.get(pool_id, keys, dst)
         report.check(f"{name}: {step}", all(got.loaded), f"{sum(got.loaded)} of {len(keys)}")
         bad = verify(src, dst)
         report.check(f"{name}: engine pages after {step}", not bad, f"pages {bad} differ")
+        exact[0] = exact[0] and all(got.loaded) and not bad
 
     stored = client.put(pool_id, keys, src).statuses
     report.check(f"{name}: put", all(s == PutStatus.STORED for s in stored), f"{stored}")
@@ -612,7 +615,7 @@ def daemon_round_trip(
         client.delete(filler[start : start + FILL_BATCH])
     load("get with room on top")
     where("after that get", slot_tiers[0].tier)
-    return {"tiers seen": seen, "filler blocks": len(filler)}
+    return {"tiers seen": seen, "filler blocks": len(filler), "bit_exact": exact[0]}
 
 
 def daemon_overrides(l2_dir: str) -> list[str]:
@@ -672,7 +675,7 @@ def _daemon_stage(engine: Engine, report: Report, l2_dir: str, shape: dict[str, 
             before = len(report.failures)
             src, dst = list(range(8)), list(range(8, 16))
             _, data, _ = engine.call("alloc", name, kind, shape, src, dst, 300 + i)
-            out: dict[str, Any] = {"through_daemon": True, "path": path}
+            out: dict[str, Any] = {"through_daemon": True, "path": path, "bit_exact": False}
             try:
                 req = pb.RegisterPoolRequest.FromString(data)
                 export = CudaIpcExport.from_region(req.cuda_ipc)
@@ -699,9 +702,11 @@ def _daemon_stage(engine: Engine, report: Report, l2_dir: str, shape: dict[str, 
                 out["error"] = f"{type(e).__name__}: {e}"
             finally:
                 engine.call("free", name)
-                out["bit_exact"] = len(report.failures) == before
+                # Bytes apart from placement: a block in another tier than expected fails
+                # the check, not bit_exact.
+                out["all checks passed"] = len(report.failures) == before
                 report.results.setdefault("round trips", {})[kind] = out
-        if any(not v["bit_exact"] for v in report.results["round trips"].values()):
+        if any(not v["all checks passed"] for v in report.results["round trips"].values()):
             # What the daemon said about it: its log goes with its temp folder on exit.
             report.results.setdefault("errors", {})["kvtierd log"] = daemon.log()[-8000:]
 
