@@ -38,6 +38,7 @@ import itertools
 import logging
 import mmap
 import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 
 from kvtier.kernels.paged import copy_pages
+from kvtier.kernels.runs import SegmentMap
 from kvtier.tiers.base import (
     HEALTHY,
     DeviceBridge,
@@ -272,14 +274,73 @@ class DeviceTier:
         self.gds_usable = False
         self.l2_path = "pinned_l1"
         self.l2_path_reason = "not chosen"
+        started = time.monotonic()
+        executor = self._self_test()
         log.info(
-            "L0 device arena: %d MiB on %s in %d segments of %d MiB, %d pool streams",
+            "L0 device arena: %d MiB on %s in %d segments of %d MiB, %d pool streams; "
+            "its copy kernel (%s) passed its self-test in %.2f s",
             self.allocator.capacity_bytes >> 20,
             ops.device,
             self.allocator.num_segments,
             segment_bytes >> 20,
             streams,
+            executor,
+            time.monotonic() - started,
         )
+
+    def _self_test(self) -> str:
+        """Gather a page into the arena and scatter it back into another buffer, checking the
+        bytes, for two pool shapes (2 and 16 chunk columns: Triton compiles an integer
+        argument divisible by 16 as its own variant). On a GPU the first launch of each
+        variant compiles it (and, the first time on a host, Triton's launcher, which needs
+        a C compiler): here at start rather than in the first request, and a kernel that
+        cannot compile or copies wrong stops the start with the reason instead of taking
+        the tier down at its first batch. Runs before any slot is handed out; returns the
+        executor's name."""
+        chunk = ALIGN  # whole 4 KiB chunks: 16-byte words, as real pools have
+        executor = "none"
+        for columns in (2, 16):
+            block = columns * chunk
+            if block > self.arena.numel():
+                continue
+            cols = np.arange(columns, dtype=np.int64)
+            # Column-major like a pool of per-layer tensors: page p's chunk of column c at
+            # c * 2 * chunk + p * chunk; in a block, column c at c * chunk.
+            smap = SegmentMap(
+                segment=np.zeros(columns, dtype=np.int64),
+                base=cols * 2 * chunk,
+                page_stride=np.full(columns, chunk, dtype=np.int64),
+                length=np.full(columns, chunk, dtype=np.int64),
+                block_offset=cols * chunk,
+                num_pages=2,
+                block_bytes=block,
+            )
+            pattern = np.random.default_rng(columns).integers(0, 256, 2 * block, dtype=np.uint8)
+            try:
+                src, back = self._ops.empty(2 * block), self._ops.empty(2 * block)
+                host = self._ops.host_empty(2 * block)
+                at = np.zeros(1, dtype=np.int64)
+                with self._ops.lane(self._pool_lanes[0]):
+                    self._ops.copy(src, torch.from_numpy(pattern))
+                    page1 = DevicePages(smap, [src], np.ones(1, dtype=np.int64))
+                    executor = self._ops.copy_pages(page1, self.arena, at, gather=True)
+                    page0 = DevicePages(smap, [back], np.zeros(1, dtype=np.int64))
+                    self._ops.copy_pages(page0, self.arena, at, gather=False)
+                    self._ops.copy(host, back)
+                    self._ops.wait(self._ops.record())
+                got = host.numpy().reshape(columns, 2, chunk)[:, 0]
+                ok = np.array_equal(got, pattern.reshape(columns, 2, chunk)[:, 1])
+            except Exception as e:  # a compiler's error, a launch's, a CUDA fault: all stop
+                raise TierUnavailable(
+                    f"the GPU tier's copy kernel failed its self-test on {self._ops.device} "
+                    f"({columns} columns): {type(e).__name__}: {e}"
+                ) from None
+            if not ok:
+                raise TierUnavailable(
+                    f"the GPU tier's copy kernel ({executor}) copied wrong bytes in its "
+                    f"self-test on {self._ops.device} ({columns} columns)"
+                )
+        return executor
 
     # ----------------------------------------------------------- capabilities
 

@@ -30,7 +30,13 @@ CAP, SEG = 8 << 20, 1 << 20
 
 
 def _tier(ops: CpuOps | None = None, **kw) -> DeviceTier:
-    return DeviceTier(CAP, SEG, streams=kw.pop("streams", 3), ops=ops or CpuOps(), **kw)
+    """A tier on ``ops``, whose records start after the tier's self-test at start."""
+    ops = ops or CpuOps()
+    tier = DeviceTier(CAP, SEG, streams=kw.pop("streams", 3), ops=ops, **kw)
+    ops.lanes_used.clear()
+    if isinstance(ops, _CountingOps):
+        ops.copies.clear()
+    return tier
 
 
 def _refs(n: int) -> list[BlockRef]:
@@ -124,6 +130,43 @@ def test_shared_memory_pools_are_staged_through_the_host():
             strict=True,
         ):
             assert np.array_equal(back[off_t : off_t + n], space[off_p : off_p + n])
+
+
+class _KernelOps(CpuOps):
+    """Records each copy_pages launch; ``fault`` breaks them: ``raise`` fails the launch (a
+    kernel that does not compile), ``flip`` corrupts a scattered byte (one that copies wrong)."""
+
+    def __init__(self, fault: str = "") -> None:
+        super().__init__()
+        self.fault = fault
+        self.launches: list[tuple[int, bool]] = []
+
+    def copy_pages(self, pages, slots, starts, *, gather) -> str:
+        self.launches.append((pages.smap.columns, gather))
+        if self.fault == "raise":
+            raise RuntimeError("Failed to find C compiler. Please specify via CC")
+        used = super().copy_pages(pages, slots, starts, gather=gather)
+        if self.fault == "flip" and not gather:
+            pages.segments[0][7] ^= 0xFF
+        return used
+
+
+def test_at_start_the_tier_checks_its_copy_kernel_for_two_pool_shapes():
+    ops = _KernelOps()
+    DeviceTier(CAP, SEG, ops=ops)
+    assert ops.launches == [(2, True), (2, False), (16, True), (16, False)]
+
+
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("raise", r"failed its self-test .*RuntimeError: Failed to find C compiler"),
+        ("flip", r"copied wrong bytes in its self-test"),
+    ],
+)
+def test_a_copy_kernel_that_fails_or_copies_wrong_stops_the_start(fault, message):
+    with pytest.raises(TierUnavailable, match=message):
+        DeviceTier(CAP, SEG, ops=_KernelOps(fault))
 
 
 class _CountingOps(CpuOps):
