@@ -548,9 +548,10 @@ class DeviceTier:
 
     def _to_arena(self, hosts: Sequence[object], starts: np.ndarray, nbytes: int) -> Any:
         """Copy host blocks (views or tensors) into the slots at ``starts``; an event."""
+        maps: dict[int, tuple[torch.Tensor, int]] = {}
         with self._ops.lane(H2D):
             for g in range(0, len(hosts), HOST_GROUP):
-                src = _host_tensors(hosts[g : g + HOST_GROUP], nbytes)
+                src = _host_tensors(hosts[g : g + HOST_GROUP], nbytes, maps=maps)
                 dst = [self.arena[s : s + nbytes] for s in starts[g : g + HOST_GROUP].tolist()]
                 for d, s in _coalesced(list(zip(dst, src, strict=True))):
                     self._ops.copy(d, s)
@@ -558,9 +559,10 @@ class DeviceTier:
 
     def _from_arena(self, hosts: Sequence[object], starts: np.ndarray, nbytes: int) -> Any:
         """Copy the slots at ``starts`` out into host blocks (views or tensors); an event."""
+        maps: dict[int, tuple[torch.Tensor, int]] = {}
         with self._ops.lane(D2H):
             for g in range(0, len(hosts), HOST_GROUP):
-                dst = _host_tensors(hosts[g : g + HOST_GROUP], nbytes, writable=True)
+                dst = _host_tensors(hosts[g : g + HOST_GROUP], nbytes, writable=True, maps=maps)
                 src = [self.arena[s : s + nbytes] for s in starts[g : g + HOST_GROUP].tolist()]
                 for d, s in _coalesced(list(zip(dst, src, strict=True))):
                     self._ops.copy(d, s)
@@ -632,13 +634,18 @@ def _extent(dst: torch.Tensor, src: torch.Tensor, length: int) -> tuple[torch.Te
 
 
 def _host_tensors(
-    views: Sequence[object], nbytes: int, *, writable: bool = False
+    views: Sequence[object],
+    nbytes: int,
+    *,
+    writable: bool = False,
+    maps: dict[int, tuple[torch.Tensor, int]] | None = None,
 ) -> list[torch.Tensor]:
     """A tensor on the first ``nbytes`` of each view (tensors pass as they are). Views into
     one memory map (L1's arena) become slices of one tensor over the whole map, so that
-    ``_coalesced`` can join neighbours; other views get a tensor each."""
+    ``_coalesced`` can join neighbours; other views get a tensor each. ``maps`` keeps the
+    tensors over whole maps from one call to the next (a batch's groups share them)."""
     out: list[torch.Tensor] = []
-    maps: dict[int, tuple[torch.Tensor, int]] = {}
+    maps = {} if maps is None else maps
     for v in views:
         if isinstance(v, torch.Tensor):
             out.append(v)
