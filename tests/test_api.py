@@ -894,6 +894,17 @@ def test_a_lookup_timeout_bounds_that_call_only(daemon, asynchronous):
     assert elapsed < 20
 
 
+def _rate_limited_l2(tmp_path) -> tuple[str, ...]:
+    """An L2 of 64 MiB that writes 256 KiB/s: durable puts wait seconds for it."""
+    return (
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.write_bytes_s=256KiB",
+    )
+
+
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, asynchronous):
     """A durable put answers once the disk tier holds its blocks; on a rate-limited L2 a
@@ -902,13 +913,7 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
     second's worth) is stored by a client whose timeout is 1 s, and a durable put of 512 KiB
     given 0.5 s by a client of 60 s ends DeadlineExceededError. The daemon serves on: every
     invariant holds and the first blocks load back as stored."""
-    d = daemon_factory(
-        "tiers.l2.enabled=true",
-        f"tiers.l2.path={tmp_path / 'l2'}",
-        "tiers.l2.capacity_bytes=64MiB",
-        "tiers.l2.segment_bytes=1MiB",
-        "tiers.l2.write_bytes_s=256KiB",
-    )
+    d = daemon_factory(*_rate_limited_l2(tmp_path))
     layout = PoolLayout.staging(
         num_layers=1, num_pages=24, block_tokens=1, chunk_bytes=64 << 10, kv_count=1
     )
@@ -962,13 +967,7 @@ def test_regression_a_check_waiting_for_transfers_past_the_clients_timeout_timed
     rate, a client of timeout 1 s got DeadlineExceededError after 1 s (and `kvtier --timeout
     1 check --settle 3`, 'cannot reach kvtierd ... Is the daemon running?'). The call's
     timeout is the client's plus the wait."""
-    d = daemon_factory(
-        "tiers.l2.enabled=true",
-        f"tiers.l2.path={tmp_path / 'l2'}",
-        "tiers.l2.capacity_bytes=64MiB",
-        "tiers.l2.segment_bytes=1MiB",
-        "tiers.l2.write_bytes_s=256KiB",
-    )
+    d = daemon_factory(*_rate_limited_l2(tmp_path))
     layout = PoolLayout.staging(num_layers=1, num_pages=16, block_tokens=1, chunk_bytes=64 << 10)
     keys = [os.urandom(32) for _ in range(16)]
     with d.client() as writer, SharedMemoryPool.for_layout(layout) as shm:

@@ -407,24 +407,30 @@ BIG_LAYOUT = PoolLayout.staging(
 )
 
 
+def _held_daemon(daemon_factory, tmp_path, entry: str, gate, log, overrides) -> DaemonProcess:
+    """A started daemon with ``overrides``, run by ``entry`` (a ``_ENTRY_HOLDING_*`` script)
+    with ``gate`` and ``log``, stopped with the factory's."""
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/held.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", entry, str(gate), str(log)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    return d
+
+
 def _daemon_holding_l2_reads(daemon_factory, tmp_path, gate, log, *overrides: str):
-    """A started daemon (64 MiB L1, no protection, an L2, ``overrides``) run by
-    ``_ENTRY_HOLDING_L2_READS`` with ``gate`` and ``log``."""
+    """A started daemon (64 MiB L1, no protection, an L2, ``overrides``) whose disk reads
+    wait while ``gate`` exists."""
     overrides = (
         "tiers.l1.capacity_bytes=64MiB",
         "policy.protect_s=0",
         *l2_args(tmp_path / "l2"),
         *overrides,
     )
-    d = DaemonProcess(
-        tmp_path,
-        f"{daemon_factory._sockdir}/held.sock",
-        [arg for o in overrides for arg in ("--set", o)],
-        entry=("-c", _ENTRY_HOLDING_L2_READS, str(gate), str(log)),
-    )
-    daemon_factory._daemons.append(d)
-    d.start()
-    return d
+    return _held_daemon(daemon_factory, tmp_path, _ENTRY_HOLDING_L2_READS, gate, log, overrides)
 
 
 @pytest.mark.parametrize(
@@ -544,14 +550,7 @@ def test_regression_a_put_cut_short_by_the_stop_was_told_its_pool_was_not_found(
     UNAVAILABLE, the daemon stopping, as a request arriving then is."""
     gate, log = tmp_path / "gate", tmp_path / "writes.log"
     overrides = ("tiers.l1.capacity_bytes=8MiB", *SMALL_L1, *l2_args(tmp_path / "l2"))
-    d = DaemonProcess(
-        tmp_path,
-        f"{daemon_factory._sockdir}/held.sock",
-        [arg for o in overrides for arg in ("--set", o)],
-        entry=("-c", _ENTRY_HOLDING_L2_WRITES, str(gate), str(log)),
-    )
-    daemon_factory._daemons.append(d)
-    d.start()
+    d = _held_daemon(daemon_factory, tmp_path, _ENTRY_HOLDING_L2_WRITES, gate, log, overrides)
     # 36 blocks of 1 MiB: a durable put in parts (4, 8, 16 and 8 blocks), whose later parts
     # find L1 held by the earlier ones (in flight until on the disk) and go to the disk.
     layout = PoolLayout.staging(

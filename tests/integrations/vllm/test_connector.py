@@ -243,16 +243,11 @@ def test_blocks_that_fail_to_load_are_reported_and_recomputed(model_dir, daemon)
         engine.close()
 
 
-@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
-def test_blocks_that_failed_to_load_are_stored_once_recomputed(model_dir, daemon, load_mode):
-    """The daemon loses a request's hit between the lookup and the load (evicted; or unreadable,
-    which it drops): the load fails, vLLM recomputes the blocks, and the connector stores them
-    again. Regression (layer-wise): the blocks of a hit were never stored by the request that
-    was offered it, so they stayed lost, and every later request recomputed them."""
-    _store_prompt(model_dir, daemon)
-    engine = MiniEngine(model_dir, _options(daemon, load_mode=load_mode))
+def _losing_the_loads(engine: MiniEngine, keys: list[bytes]):
+    """A ``before_forward`` hook that makes the daemon lose the blocks this step loads: their
+    leases released and the blocks deleted between the lookup and the load (their keys go
+    into ``keys``)."""
     side = engine.connector.scheduler_side
-    keys: list[bytes] = []
 
     def lose(out):
         for spec in out.kv_connector_metadata.loads:
@@ -261,6 +256,20 @@ def test_blocks_that_failed_to_load_are_stored_once_recomputed(model_dir, daemon
             keys.extend(spec.keys[0])
         assert side.client.delete(keys) is not None
         assert side.client.lookup(keys).prefix_len == 0
+
+    return lose
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_blocks_that_failed_to_load_are_stored_once_recomputed(model_dir, daemon, load_mode):
+    """The daemon loses a request's hit between the lookup and the load (evicted; or unreadable,
+    which it drops): the load fails, vLLM recomputes the blocks, and the connector stores them
+    again. Regression (layer-wise): the blocks of a hit were never stored by the request that
+    was offered it, so they stayed lost, and every later request recomputed them."""
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon, load_mode=load_mode))
+    keys: list[bytes] = []
+    lose = _losing_the_loads(engine, keys)
 
     try:
         engine.add("r", PROMPT, max_tokens=2)
@@ -297,15 +306,8 @@ def test_blocks_computed_over_a_failed_load_are_not_stored(model_dir, daemon):
     _store_prompt(model_dir, daemon)
     longer = PROMPT[: 3 * BLOCK] + prompts(6, 0, [BLOCK + 50])[0]  # 4 full blocks, 3 stored
     engine = MiniEngine(model_dir, _options(daemon))
-    side = engine.connector.scheduler_side
     keys: list[bytes] = []
-
-    def lose(out):
-        for spec in out.kv_connector_metadata.loads:
-            for lease in spec.leases.values():
-                side.client.release(lease)
-            keys.extend(spec.keys[0])
-        assert side.client.delete(keys) is not None
+    lose = _losing_the_loads(engine, keys)
 
     try:
         engine.add("r", longer, max_tokens=2)
