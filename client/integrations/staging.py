@@ -1,15 +1,23 @@
-"""Shared-memory staging for engines whose KV cache lives in private memory.
+"""Staging pages for engines whose KV cache the daemon cannot address directly.
 
 The daemon copies blocks only into and out of memory the client registered, and an engine
-on the CPU allocates its KV cache itself (ordinary, unshared memory). A ``StagingPool`` is a
-registered shared-memory region of ``num_pages`` pages laid out layer-major
-(``[layers, pages, layer_block]``): the engine copies a block's layers between its own cache
-and a page with plain tensor copies, and the daemon copies between the page and its tiers.
-One page holds one whole block (every layer), so a block of layer ``l`` is the chunk
-``(l, page)``, and a Get of a layer range fills exactly those layers' chunks.
+allocates its KV cache itself. A ``StagingPool`` is a registered region of ``num_pages``
+pages laid out layer-major (``[layers, pages, layer_block]``): the engine copies a block's
+layers between its own cache and a page with plain tensor copies, and the daemon copies
+between the page and its tiers. One page holds one whole block (every layer), so a block of
+layer ``l`` is the chunk ``(l, page)``, and a Get of a layer range fills exactly those
+layers' chunks. The region is shared memory for a KV cache in host memory, and GPU memory
+on the cache's device, exported over CUDA IPC, for a KV cache on a GPU (``new_memory``):
+the daemon's GPU tier copies into and out of it, and the engine's copies are device copies
+on its current stream.
 
 Invariants:
 - A page belongs to at most one transfer at a time (``alloc``/``free``).
+- On a GPU the engine's copies run later than they are issued: a page read by a copy into
+  the engine's cache goes back to the free pages only once that copy has run (``free``
+  records an event; ``alloc`` takes such pages once their event has fired, waiting for it
+  when no other page is free), and the daemon reads pages the engine filled only after
+  ``ready()`` (the engine's copies so far have run).
 - The region's name exists only until the daemon has mapped it, so it cannot outlive the
   engine; a daemon that lost the pool (restart) cannot map it again, and the pool is
   replaced (``registered``).
@@ -17,7 +25,9 @@ Invariants:
   ``kvtier.client.jobs``) is *retired*: it takes no new transfer, and it is unregistered and
   unmapped once its last transfer has ended on the client's side. Its memory is never reused
   for other blocks, so a late copy can neither corrupt a block the engine reads nor store a
-  wrong block under a key.
+  wrong block under a key. GPU memory would go back to the engine's allocator, so it is
+  freed only once the daemon has answered the unregistration (which it does once no copy
+  uses the pool); without that answer it is kept until the process exits.
 
 Thread-safety: ``alloc``, ``free`` and ``retire`` take a lock; the tensor copies are the
 caller's (one engine thread).
@@ -59,6 +69,146 @@ def layer_major_layout(
     return PoolLayout(layers, num_pages, block_tokens, dtype)
 
 
+class StagingMemory:
+    """Where a staging pool's pages live: the tensor the engine copies with, how the daemon
+    is given it, and how the engine's copies are ordered with the daemon's."""
+
+    description = ""  # for log lines
+
+    tensor: torch.Tensor  # [layers, pages, *block_shape]
+
+    def register(
+        self, client: Client, layout: PoolLayout, namespace: Namespace | None
+    ) -> RegisteredPool:
+        raise NotImplementedError
+
+    def mark(self) -> object | None:
+        """A mark after the engine's copies issued so far, or None when they have all run."""
+        return None
+
+    def passed(self, mark: object) -> bool:
+        """Whether the copies before ``mark`` have run."""
+        return True
+
+    def wait(self, mark: object) -> None:
+        """Block until the copies before ``mark`` have run."""
+
+    def release(self, client: Client, pool: RegisteredPool, unclean: bool) -> None:
+        """Unregister and give the memory back; ``unclean``: the daemon may still copy."""
+        raise NotImplementedError
+
+
+class HostMemory(StagingMemory):
+    """A shared-memory region (the engine's copies are synchronous CPU copies)."""
+
+    description = "shared memory"
+
+    def __init__(self, layout: PoolLayout, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self._layout = layout
+        self._dtype = dtype
+        self._shape = shape
+        self.shm = SharedMemoryPool.for_layout(layout)
+
+    def register(
+        self, client: Client, layout: PoolLayout, namespace: Namespace | None
+    ) -> RegisteredPool:
+        try:
+            pool = client.register_pool(self.shm, layout, namespace)
+        except BaseException:
+            self.shm.close()
+            raise
+        # The daemon has mapped it: drop the name now, so that an engine killed before it
+        # can clean up (vLLM kills workers that outlive its shutdown grace period) leaves
+        # no region behind in /dev/shm. A daemon that loses the pool (restart) gets a new one.
+        self.shm.unlink()
+        self.tensor = self.shm.tensor(self._dtype, self._shape)
+        return pool
+
+    def release(self, client: Client, pool: RegisteredPool, unclean: bool) -> None:
+        # Without waiting: a hung daemon must not stall the engine; the session's end
+        # unregisters it anyway. The daemon keeps its own mapping of the region until then,
+        # so a late copy lands in memory nothing else uses.
+        with contextlib.suppress(KvtierError):
+            client.unregister_pool_nowait(pool.binding)
+        del self.tensor
+        self.shm.close()
+
+
+# GPU staging memory the daemon may still write into (its unregistration was not answered):
+# kept until the process exits rather than handed back to the caching allocator.
+_KEPT: list[torch.Tensor] = []
+
+
+class CudaMemory(StagingMemory):
+    """GPU memory on the engine's device, exported over CUDA IPC (``kvtier.client.cuda``);
+    the engine's copies run on its current stream, ordered with the daemon's by events."""
+
+    def __init__(
+        self, layout: PoolLayout, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+    ) -> None:
+        from kvtier.client.cuda import export_tensors
+
+        self.device = device
+        self.tensor = torch.empty(shape, dtype=dtype, device=device)
+        self.export = export_tensors([self.tensor], [0])
+        self.export.check_layout(layout)
+        self.description = f"GPU memory on {device}, over CUDA IPC"
+
+    def register(
+        self, client: Client, layout: PoolLayout, namespace: Namespace | None
+    ) -> RegisteredPool:
+        return client.register_cuda_pool(self.export, layout, namespace)
+
+    def mark(self) -> object | None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def passed(self, mark: object) -> bool:
+        return bool(mark.query())  # type: ignore[attr-defined]
+
+    def wait(self, mark: object) -> None:
+        mark.synchronize()  # type: ignore[attr-defined]
+
+    def release(self, client: Client, pool: RegisteredPool, unclean: bool) -> None:
+        tensor = self.tensor
+        del self.tensor
+        if not unclean:
+            with contextlib.suppress(KvtierError):
+                client.unregister_pool_nowait(pool.binding)
+            return
+
+        # The daemon may still copy into this memory: hand it back to the allocator only
+        # once the daemon has answered the unregistration (it answers once no copy uses
+        # the pool). Off the engine's thread: a hung daemon must not stall it.
+        def fence() -> None:
+            try:
+                fenced = client.fence_pool(pool.binding)
+            except KvtierError:
+                fenced = False
+            if not fenced:
+                _KEPT.append(tensor)
+                log.warning(
+                    "kvtier staging: the daemon did not confirm it stopped using %d MiB of "
+                    "GPU staging memory; kept until the process exits",
+                    tensor.numel() * tensor.element_size() >> 20,
+                )
+
+        threading.Thread(target=fence, name="kvtier-staging-fence", daemon=True).start()
+
+
+def new_memory(
+    layout: PoolLayout, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> StagingMemory:
+    """Staging memory for an engine cache on ``device``: shared memory for host memory, GPU
+    memory over CUDA IPC for a CUDA device."""
+    if device.type == "cpu":
+        return HostMemory(layout, dtype, shape)
+    if device.type == "cuda":
+        return CudaMemory(layout, dtype, shape, device)
+    raise ValueError(f"kvtier staging: a KV cache on {device} is not supported (cpu or cuda)")
+
+
 class StagingPool:
     """One registered staging region; see the module docstring."""
 
@@ -73,6 +223,7 @@ class StagingPool:
         dtype: torch.dtype,
         namespace: Namespace | None = None,
         generation: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.block_shape = block_shape
@@ -85,22 +236,18 @@ class StagingPool:
             num_layers, num_pages, block_tokens, self.layer_block_bytes, dtype_name
         )
         self._client = client
-        self.shm = SharedMemoryPool.for_layout(self.layout)
-        try:
-            self.pool: RegisteredPool = client.register_pool(self.shm, self.layout, namespace)
-        except BaseException:
-            self.shm.close()
-            raise
-        # The daemon has mapped it: drop the name now, so that an engine killed before it
-        # can clean up (vLLM kills workers that outlive its shutdown grace period) leaves
-        # no region behind in /dev/shm. A daemon that loses the pool (restart) gets a new one.
-        self.shm.unlink()
-        # [layers, pages, *block_shape] over the shared memory.
-        self.tensor = self.shm.tensor(dtype, (num_layers, num_pages, *block_shape))
+        self.memory = new_memory(
+            self.layout, dtype, (num_layers, num_pages, *block_shape), torch.device(device)
+        )
+        self.pool: RegisteredPool = self.memory.register(client, self.layout, namespace)
+        self.tensor = self.memory.tensor
         self._lock = threading.Lock()
         self._free = np.ones(num_pages, dtype=bool)
+        # Pages given back while engine copies that read them may not have run yet.
+        self._pending: list[tuple[object, list[int]]] = []
         self._users = 0  # transfers holding pages
         self.retired = False
+        self._unclean = False
         self.closed = False
 
     def registered(self) -> bool:
@@ -109,13 +256,17 @@ class StagingPool:
 
     @property
     def free_pages(self) -> int:
+        """Pages ``alloc`` can hand out (some perhaps once the engine's copies have run)."""
         with self._lock:
-            return int(self._free.sum())
+            return int(self._free.sum()) + sum(len(p) for _, p in self._pending)
 
     def alloc(self, n: int) -> list[int] | None:
         """``n`` free pages (a contiguous run when there is one), or None."""
         with self._lock:
-            if self.retired or n > int(self._free.sum()):
+            if self.retired:
+                return None
+            self._settle(n)
+            if n > int(self._free.sum()):
                 return None
             if n == 0:
                 return []
@@ -126,21 +277,60 @@ class StagingPool:
             self._users += 1
             return [int(p) for p in pages]
 
+    def _settle(self, n: int) -> None:
+        """Free the pending pages whose copies have run, and wait for the oldest others
+        while fewer than ``n`` pages are free. Holds the lock."""
+        still = []
+        for mark, pages in self._pending:
+            if self.memory.passed(mark):
+                self._free[pages] = True
+            else:
+                still.append((mark, pages))
+        while still and int(self._free.sum()) < n:
+            mark, pages = still.pop(0)
+            self.memory.wait(mark)
+            self._free[pages] = True
+        self._pending = still
+
+    def mark(self) -> object | None:
+        """A mark after the engine's copies issued so far (None in host memory, where they
+        have all run): the daemon may read pages they filled once it has ``passed``."""
+        return self.memory.mark()
+
+    def passed(self, mark: object) -> bool:
+        return self.memory.passed(mark)
+
+    def wait(self, mark: object) -> None:
+        self.memory.wait(mark)
+
+    def ready(self) -> None:
+        """Wait until the engine's copies into pages so far have run."""
+        mark = self.memory.mark()
+        if mark is not None:
+            self.memory.wait(mark)
+
     def free(self, pages: Sequence[int]) -> None:
         """Give back one transfer's pages; closes a retired pool after its last transfer.
         No pages is no transfer (``alloc(0)`` counts none)."""
         if not len(pages):
             return
+        mark = self.memory.mark()
         with self._lock:
-            self._free[list(pages)] = True
+            if mark is None:
+                self._free[list(pages)] = True
+            else:
+                self._pending.append((mark, list(pages)))
             self._users -= 1
             close = self.retired and self._users == 0
         if close:
             self.close()
 
-    def retire(self, why: str) -> None:
-        """Take no new transfers; close once the transfers holding pages have ended."""
+    def retire(self, why: str, *, unclean: bool = True) -> None:
+        """Take no new transfers; close once the transfers holding pages have ended.
+        ``unclean``: a transfer ended without the daemon's answer, so a copy may still run
+        (False when the pool goes for another reason, e.g. the daemon dropped it)."""
         with self._lock:
+            self._unclean |= unclean
             if self.retired:
                 return
             self.retired = True
@@ -159,10 +349,8 @@ class StagingPool:
         if self.closed:
             return
         self.closed = True
-        with contextlib.suppress(KvtierError):
-            self._client.unregister_pool_nowait(self.pool.binding)
         del self.tensor
-        self.shm.close()
+        self.memory.release(self._client, self.pool, self._unclean)
 
     # ------------------------------------------------------------ tensor copies
 
@@ -173,28 +361,29 @@ class StagingPool:
     def gather(
         self, layer: int, pages: Sequence[int], src: torch.Tensor, blocks: torch.Tensor
     ) -> None:
-        """``staging[layer][pages] = src[blocks]`` (engine cache to staging)."""
+        """``staging[layer][pages] = src[blocks]`` (engine cache to staging; ``src`` in any
+        stride order, the page gets the block in its logical order)."""
         dst = self.tensor[layer]
+        blocks = blocks.to(dst.device)
         run = _as_run(pages)
         if run is not None:
             torch.index_select(src, 0, blocks, out=dst[run[0] : run[1]])
         else:
-            dst.index_copy_(
-                0, torch.as_tensor(pages, dtype=torch.long), src.index_select(0, blocks)
-            )
+            index = torch.as_tensor(pages, dtype=torch.long, device=dst.device)
+            dst.index_copy_(0, index, src.index_select(0, blocks))
 
     def scatter(
         self, layer: int, pages: Sequence[int], dst: torch.Tensor, blocks: torch.Tensor
     ) -> None:
         """``dst[blocks] = staging[layer][pages]`` (staging to engine cache)."""
         src = self.tensor[layer]
+        blocks = blocks.to(src.device)
         run = _as_run(pages)
         if run is not None:
             dst.index_copy_(0, blocks, src[run[0] : run[1]])
         else:
-            dst.index_copy_(
-                0, blocks, src.index_select(0, torch.as_tensor(pages, dtype=torch.long))
-            )
+            index = torch.as_tensor(pages, dtype=torch.long, device=src.device)
+            dst.index_copy_(0, blocks, src.index_select(0, index))
 
 
 def _first_run(free: np.ndarray, n: int) -> np.ndarray | None:

@@ -3,9 +3,14 @@ daemon: transfers hold it open once retired, and an empty transfer holds nothing
 
 from __future__ import annotations
 
+import threading
+
+import pytest
+import shm_ipc
 import torch
 
-from kvtier.client import Client
+from kvtier.client import Client, Tier
+from kvtier.client.integrations import staging
 from kvtier.client.integrations.staging import StagingPool
 
 
@@ -35,3 +40,184 @@ def test_an_empty_transfer_holds_the_pool_open_for_nobody(daemon):
         pool.free(held)
         assert pool.closed
         assert pool.free_pages == 4
+
+
+# ------------------------------------------------- staging in (stand-in) GPU memory
+
+GPU_BLOCK = (2, 16, 8)  # float16: 512 bytes per layer block, 1 KiB per page of 2 layers
+
+
+@pytest.fixture
+def gpu_daemon(daemon_factory, tmp_path):
+    """A daemon whose GPU tier runs on CpuOps and opens /dev/shm "IPC handles"."""
+    return shm_ipc.start_daemon(daemon_factory, tmp_path)
+
+
+def _gpu_pool(client: Client, monkeypatch, num_pages: int = 4):
+    made: list[shm_ipc.ShmGpuMemory] = []
+    shm_ipc.use_shm_gpu_staging(monkeypatch, made)
+    pool = StagingPool(
+        client,
+        num_layers=2,
+        num_pages=num_pages,
+        block_tokens=16,
+        block_shape=GPU_BLOCK,
+        dtype=torch.float16,
+        device="cuda",
+    )
+    return pool, made[0]
+
+
+def test_a_gpu_staging_pool_is_registered_over_cuda_ipc_and_round_trips_blocks(
+    gpu_daemon, monkeypatch
+):
+    """Pages in GPU memory (the stand-in) are registered as a CUDA IPC pool: the daemon's
+    GPU tier stores them and loads them back into other pages, byte-exact."""
+    with gpu_daemon.client() as client:
+        pool, memory = _gpu_pool(client, monkeypatch)
+        engine = torch.randn((2, 2, *GPU_BLOCK)).to(torch.float16)  # [layers, blocks, ...]
+        pages = pool.alloc(2)
+        assert pages is not None
+        for layer in range(2):
+            pool.gather(layer, pages, engine[layer], torch.tensor([1, 0]))
+        pool.ready()
+        assert not memory.busy_pages()
+        keys = [bytes([9, i]) * 16 for i in range(2)]
+        assert pool.pool.store_keys(keys, pages) == 2
+        assert client.lookup(keys).tiers == [Tier.L0_GPU] * 2
+        pool.free(pages)
+        back = pool.alloc(2)
+        assert back is not None and set(back) == set(pages)  # waited for: nothing issued
+        pool.tensor.zero_()
+        assert pool.pool.load_keys(keys, back[::-1]) == 2
+        out = torch.zeros_like(engine)
+        for layer in range(2):
+            pool.scatter(layer, back[::-1], out[layer], torch.tensor([1, 0]))
+        assert torch.equal(out, engine)
+        pool.retire("test", unclean=False)
+        pool.free(back)
+        assert pool.closed and memory.released == [False]
+
+
+def test_pages_freed_before_the_copies_out_of_them_ran_are_taken_last(gpu_daemon, monkeypatch):
+    """On a GPU the engine's copy out of a page runs later than it is issued: a page given
+    back before then goes to another transfer only once that copy has run; other free
+    pages come first, and when none is left ``alloc`` waits for the copies."""
+    with gpu_daemon.client() as client:
+        pool, memory = _gpu_pool(client, monkeypatch)
+        kv = torch.zeros((4, *GPU_BLOCK), dtype=torch.float16)
+        first = pool.alloc(2)
+        assert first is not None
+        for layer in range(2):
+            pool.scatter(layer, first, kv, torch.tensor([0, 1]))
+        pool.free(first)
+        assert memory.busy_pages() == set(first)
+        assert pool.free_pages == 4
+        second = pool.alloc(2)
+        assert second is not None and not set(second) & set(first)
+        assert memory.busy_pages() == set(first)  # not waited for: other pages were free
+        third = pool.alloc(2)
+        assert third is not None and set(third) == set(first)
+        assert not memory.busy_pages()  # waited for the copies out of them
+        assert pool.alloc(1) is None  # every page taken
+        pool.free(second)
+        pool.free(third)
+
+
+def test_a_retired_gpu_pool_is_released_as_unclean_after_a_transfer_without_an_answer(
+    gpu_daemon, monkeypatch
+):
+    """GPU staging memory goes back to the engine's allocator only when no late copy can
+    land in it: a pool retired for a transfer that ended without the daemon's answer is
+    released as unclean (``CudaMemory`` then waits for the daemon to fence it)."""
+    with gpu_daemon.client() as client:
+        pool, memory = _gpu_pool(client, monkeypatch)
+        pages = pool.alloc(1)
+        assert pages is not None
+        pool.retire("a job timed out")
+        assert not pool.closed
+        pool.free(pages)
+        assert pool.closed and memory.released == [True]
+
+
+def _fence_threads_done() -> None:
+    for t in threading.enumerate():
+        if t.name == "kvtier-staging-fence":
+            t.join(30)
+
+
+def test_unclean_gpu_staging_memory_is_freed_once_fenced_and_kept_when_it_cannot_be(
+    gpu_daemon, monkeypatch
+):
+    """``CudaMemory.release`` (run here over the stand-in's memory): after a transfer that
+    ended without an answer, the memory goes back to the allocator once the daemon has
+    answered the unregistration, and is kept for the life of the process when the daemon
+    cannot answer (it is gone), never handed back while a late copy could land in it."""
+    monkeypatch.setattr(staging, "_KEPT", [])
+    with gpu_daemon.client(timeout_s=2.0) as client:
+        pool, memory = _gpu_pool(client, monkeypatch)
+        cuda = staging.CudaMemory.__new__(staging.CudaMemory)
+        cuda.tensor = memory.tensor
+        cuda.release(client, pool.pool, unclean=True)
+        _fence_threads_done()
+        assert staging._KEPT == []
+        assert client.stats().gauges["pools"] == 0  # unregistered, and answered
+
+        second, memory = _gpu_pool(client, monkeypatch)
+        gpu_daemon.kill()
+        cuda = staging.CudaMemory.__new__(staging.CudaMemory)
+        cuda.tensor = memory.tensor
+        cuda.release(client, second.pool, unclean=True)
+        _fence_threads_done()
+        assert len(staging._KEPT) == 1 and staging._KEPT[0] is memory.tensor
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_staging_pages_in_device_memory_round_trip_through_kvtierd(daemon_factory):
+    """On a GPU, through a kvtierd running its GPU tier: a staging pool in device memory
+    (``CudaMemory``, registered over CUDA IPC) takes blocks gathered from strided per-layer
+    views of one allocation (each block's layers together), the daemon stores them in L0
+    and loads them into other pages, and they are scattered into views of another stride
+    order: every block as it was, with the engine's copies ordered by events only."""
+    d = daemon_factory(
+        "tiers.l0.enabled=true", "tiers.l0.capacity_bytes=256MiB", "tiers.l0.segment_bytes=4MiB"
+    )
+    layers, blocks, shape = 4, 64, (8, 16, 128)  # [heads, tokens, K|V]: 32 KiB in bf16
+    with d.client() as client:
+        pool = StagingPool(
+            client,
+            num_layers=layers,
+            num_pages=32,
+            block_tokens=16,
+            block_shape=shape,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
+        assert isinstance(pool.memory, staging.CudaMemory) and pool.tensor.is_cuda
+        engine = torch.randn((blocks, layers, *shape), device="cuda").to(torch.bfloat16)
+        kv = [engine[:, i] for i in range(layers)]  # strided
+        src = torch.tensor([3, 17, 40, 63, 5, 9, 11, 12], device="cuda")
+        pages = pool.alloc(8)
+        assert pages is not None
+        for layer in range(layers):
+            pool.gather(layer, pages, kv[layer], src)
+        pool.ready()
+        keys = [bytes([7, i]) * 16 for i in range(8)]
+        assert pool.pool.store_keys(keys, pages) == 8
+        assert client.lookup(keys).tiers == [Tier.L0_GPU] * 8
+        pool.free(pages)
+        into = pool.alloc(8)
+        assert into is not None
+        pool.tensor.zero_()
+        torch.cuda.synchronize()
+        assert pool.pool.load_keys(keys, into[::-1]) == 8
+        out = torch.zeros((layers, blocks, *shape), device="cuda", dtype=torch.bfloat16)
+        dst = torch.tensor([0, 1, 2, 3, 60, 61, 62, 63], device="cuda")
+        for layer in range(layers):
+            pool.scatter(layer, into[::-1], out[layer], dst)
+        pool.free(into)
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            assert torch.equal(out[layer][dst], kv[layer][src]), layer
+        pool.retire("test", unclean=False)
+        assert pool.closed
