@@ -25,9 +25,9 @@ vLLM runs as if nothing were cached for ``retry_after_s``. No request fails beca
 ``kv_load_failure_policy`` to ``recompute`` (and says so) unless the option
 ``allow_failing_requests`` is set, in which case vLLM's own policy stands.
 
-On the CPU the KV cache is ordinary memory, so transfers are staged through a shared-memory
-pool (one line at start says so); GPU KV caches need CUDA IPC pools, which are not there yet
-(``vllm_worker.register_cuda_kv_caches`` raises a clear error).
+Transfers are staged through a pool of pages the daemon can address: shared memory for a KV
+cache on the CPU, GPU memory exported over CUDA IPC for a KV cache on a GPU (the daemon
+needs its GPU tier, ``tiers.l0``, on that device); one line at start says which.
 
 Scope: decoder-only models whose layers share one full-attention KV cache (Llama, Qwen,
 Mistral without sliding window, ...). Hybrid, sliding-window and MLA caches are refused at
@@ -61,7 +61,7 @@ from kvtier.client.integrations.vllm_meta import (
     SaveSpec,
 )
 from kvtier.client.integrations.vllm_scheduler import SchedulerSide
-from kvtier.client.integrations.vllm_worker import WorkerSide, register_cuda_kv_caches
+from kvtier.client.integrations.vllm_worker import WorkerSide
 from kvtier.client.types import Tier
 
 if TYPE_CHECKING:
@@ -80,7 +80,6 @@ __all__ = [
     "KVTierWorkerMetadata",
     "LoadSpec",
     "SaveSpec",
-    "register_cuda_kv_caches",
 ]
 
 log = logging.getLogger(__name__)

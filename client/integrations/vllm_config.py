@@ -350,7 +350,10 @@ def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) 
 
 def kv_layout_name(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:
     """The byte order of one per-layer block: platform, vLLM's layout name and, on CPU, the
-    attention kernel's ISA (the ``vec`` and ``amx`` kernels lay a block out differently)."""
+    attention kernel's ISA (the ``vec`` and ``amx`` kernels lay a block out differently); on
+    a GPU, the attention backend the engine was told to use (backends may order a block's
+    K and V differently; ``auto`` when vLLM chooses, so engines that share a namespace on a
+    GPU should name their backend, or let vLLM choose on the same hardware)."""
     from vllm.platforms import current_platform
 
     device = str(current_platform.device_type)
@@ -358,7 +361,17 @@ def kv_layout_name(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:
     parts = [f"vllm/{device}", layout]
     if device == "cpu":
         parts.append(f"isa={cpu_attention_isa(vllm_config, spec)}")
+    else:
+        parts.append(f"backend={attention_backend_name(vllm_config)}")
     return "/".join(parts)
+
+
+def attention_backend_name(vllm_config: Any) -> str:
+    """The attention backend named in vLLM's config, or ``auto``."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if backend is None:
+        return "auto"
+    return str(getattr(backend, "name", backend)).lower()
 
 
 def cpu_attention_isa(vllm_config: Any, spec: Any) -> str:

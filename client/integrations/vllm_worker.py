@@ -5,14 +5,20 @@ scheduler side's metadata and calls, in order: ``start_load_kv``; per attention 
 ``wait_for_layer_load`` before and ``save_kv_layer`` after it; ``wait_for_save``; then
 ``get_finished`` and ``get_block_ids_with_load_errors``.
 
-Data path on the CPU. vLLM's KV tensors are ordinary process memory, which the daemon cannot
-map, so every transfer goes through a shared-memory ``StagingPool`` (layer-major pages,
-one block per page): a load is a kvtier job that fills staging pages, layer range by layer
-range, and each range is copied into vLLM's blocks with ``index_copy_`` just before the
-first of its layers computes; a save copies each layer's newly complete blocks into
-staging right after the layer's attention wrote them, and one kvtier job stores them after
-the forward pass, in the background. GPU KV caches (CUDA IPC pools) are not supported yet:
-``register_cuda_kv_caches`` says so.
+Data path. vLLM's KV tensors are memory the daemon cannot address (private host memory;
+on a GPU, blocks vLLM frees and reuses at its own pace), so every transfer goes through a
+``StagingPool`` (layer-major pages, one block per page): shared memory for a KV cache on
+the CPU, GPU memory on the cache's device exported over CUDA IPC for a KV cache on a GPU,
+which the daemon's GPU tier (L0) copies into and out of. A load is a kvtier job that fills
+staging pages, layer range by layer range, and each range is copied into vLLM's blocks
+with ``index_copy_`` just before the first of its layers computes; a save copies each
+layer's newly complete blocks into staging right after the layer's attention wrote them,
+and one kvtier job stores them after the forward pass, in the background. On a GPU the
+copies are device copies on vLLM's stream: a save's job starts once they have run (seen at
+the next step's calls, so vLLM's thread never waits for the GPU here), and a load's pages
+are reused once the copies out of them have run (see ``staging``). vLLM's
+per-layer tensors are views of ``[blocks, ...]`` in any stride order: a staged block is
+the block in its logical order, whatever vLLM's physical layout.
 
 Invariants:
 - vLLM never computes with KV this side did not check: a block whose load did not complete
@@ -102,31 +108,16 @@ class _Save:
     block_ids: torch.Tensor
     layers_copied: set[int] = field(default_factory=set)
     job: TransferJob | None = None
+    # On a GPU, until the copies into staging have run: the mark after them, and the
+    # requests whose blocks are withheld (see ``_submit_save``).
+    mark: object | None = None
+    withhold: frozenset[str] = frozenset()
 
 
 def _head(spec: SaveSpec, n: int) -> SaveSpec:
     """``spec`` cut to its first ``n`` blocks."""
     keys = {rank: keys[:n] for rank, keys in spec.keys.items()}
     return SaveSpec(spec.req_id, spec.block_ids[:n], keys, spec.parents, spec.at_finish)
-
-
-def register_cuda_kv_caches(kv_caches: dict[str, torch.Tensor]) -> None:
-    """Register vLLM's GPU KV cache with kvtierd as CUDA IPC pools: not wired yet.
-
-    The pieces exist (``kvtier.client.cuda`` exports tensors as CUDA IPC pools; the daemon's
-    GPU tier, ``tiers.l0``, copies their pages), but the connector does not use them: it would
-    export each layer's tensor, describe its blocks as a ``PoolLayout`` (one chunk per layer
-    and block, page stride ``tensor.stride(0)`` bytes) and register it, and saves would then
-    read vLLM's blocks after the step, so ``request_finished`` would keep a request's blocks
-    until its save job ends (``finished_sending``). Until then this raises, naming what is
-    missing.
-    """
-    devices = sorted({str(t.device) for t in kv_caches.values()})
-    raise NotImplementedError(
-        f"kvtier connector: vLLM's KV cache is on {', '.join(devices)}; the connector does not "
-        "register GPU KV caches as CUDA IPC pools yet (CPU KV caches are staged through "
-        "shared memory)"
-    )
 
 
 class WorkerSide:
@@ -161,6 +152,7 @@ class WorkerSide:
         self.kv: list[torch.Tensor] = []
         self.block_shape: tuple[int, ...] = ()
         self.dtype: torch.dtype | None = None
+        self.device = torch.device("cpu")
         self._arena: StagingPool | None = None
         self._generation = 0
         self._load: _Load | None = None  # this step's layer-wise load
@@ -168,6 +160,7 @@ class WorkerSide:
         self._step_save: _Save | None = None
         self._step_save_tried = False  # this step's saves were taken up at its first layer
         self._save_jobs: list[_Save] = []
+        self._copying: list[_Save] = []  # saves whose copies into staging have not run yet
         self._invalid: set[int] = set()
         self._done_leases: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed, to report
@@ -189,8 +182,13 @@ class WorkerSide:
     # ----------------------------------------------------------- registration
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if any(t.device.type != "cpu" for t in kv_caches.values()):
-            register_cuda_kv_caches(kv_caches)
+        devices = sorted({str(t.device) for t in kv_caches.values()})
+        if len(devices) > 1:
+            raise ValueError(f"kvtier connector: the KV cache is on several devices: {devices}")
+        if devices and torch.device(devices[0]).type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"kvtier connector: a KV cache on {devices[0]} is not supported (CPU or CUDA)"
+            )
         missing = sorted(set(self.layer_names) - set(kv_caches))
         if missing:
             raise ValueError(f"kvtier connector: no KV cache tensor for layers {missing}")
@@ -200,10 +198,12 @@ class WorkerSide:
         for name, t in zip(self.layer_names, tensors, strict=True):
             if t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(f"kvtier connector: layer {name} has a KV cache of another shape")
-            if not t.is_contiguous() or t.shape[0] != self.num_engine_blocks:
+            if t.dim() < 2 or t.shape[0] != self.num_engine_blocks:
+                # Any stride order will do (vLLM views one allocation per its KV cache
+                # layout): blocks are copied with index ops along dimension 0.
                 raise ValueError(
                     f"kvtier connector: layer {name}'s KV cache {tuple(t.shape)} is not "
-                    f"[{self.num_engine_blocks} blocks, ...] contiguous"
+                    f"[{self.num_engine_blocks} blocks, ...]"
                 )
             if t.data_ptr() in seen:
                 raise ValueError("kvtier connector: layers sharing one KV cache are not supported")
@@ -218,19 +218,33 @@ class WorkerSide:
         self.kv = tensors
         self.block_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
+        self.device = first.device
         try:
             self._staging()
         except KvtierError as e:
             self.breaker.trip(e)
+        except torch.OutOfMemoryError as e:
+            raise RuntimeError(
+                f"kvtier connector: no room on {self.device} for "
+                f"{self.staging_pages.total * self.identity.block_bytes >> 20} MiB of staging "
+                "pages (set the connector's staging_bytes lower, or vLLM's "
+                f"gpu_memory_utilization): {e}"
+            ) from None
+        where = (
+            "in private CPU memory: staged through a shared-memory pool"
+            if self.device.type == "cpu"
+            else f"on {self.device}: staged through a GPU memory pool registered over CUDA IPC"
+        )
         log.info(
             "kvtier connector (worker rank %d): %d layers, %d blocks of %d tokens, %s; "
-            "KV cache in private CPU memory: staged through a %d-page shared-memory pool "
-            "(%d MiB, %d pages of it for saves); loads %s in %d layer ranges; namespace %s %s",
+            "KV cache %s of %d pages (%d MiB, %d pages of it for saves); loads %s in %d layer "
+            "ranges; namespace %s %s",
             self.rank,
             self.num_layers,
             self.num_engine_blocks,
             self.identity.block_tokens,
             self.identity.kv_dtype,
+            where,
             self.staging_pages.total,
             self.staging_pages.total * self.identity.block_bytes >> 20,
             self.staging_pages.saves,
@@ -264,8 +278,11 @@ class WorkerSide:
         return self._arena is not None and not self._arena.retired and self._arena.registered()
 
     def saves_in_flight(self) -> int:
-        """Save jobs still running (no RPC; finished ones are reaped on the next step)."""
-        return sum(1 for save in self._save_jobs if save.job is not None and not save.job.done())
+        """Saves not yet stored: copies into staging not yet run on the GPU (their jobs start
+        at the next step's calls), and save jobs still running (no RPC; finished ones are
+        reaped on the next step)."""
+        running = sum(1 for s in self._save_jobs if s.job is not None and not s.job.done())
+        return running + len(self._copying)
 
     def _staging(self) -> StagingPool | None:
         """The current staging pool, created on first use or after one was retired."""
@@ -273,7 +290,7 @@ class WorkerSide:
         if arena is not None and not arena.retired:
             if arena.registered():
                 return arena
-            arena.retire("the daemon no longer holds it (its session ended)")
+            arena.retire("the daemon no longer holds it (its session ended)", unclean=False)
         if not self.kv or not self.breaker.ok():
             return None
         assert self.dtype is not None
@@ -287,6 +304,7 @@ class WorkerSide:
             dtype=self.dtype,
             namespace=self.namespace,
             generation=self._generation,
+            device=self.device,
         )
         return self._arena
 
@@ -297,7 +315,9 @@ class WorkerSide:
         self._reap_saves()
         try:
             arena = self._staging()
-        except KvtierError as e:
+        except (KvtierError, torch.OutOfMemoryError) as e:
+            # No daemon, or (a later generation, on a GPU) no room for the pages: kvtier
+            # pauses for retry_after_s rather than failing vLLM's step.
             self.breaker.trip(e)
             return None
         if arena is None:
@@ -311,7 +331,7 @@ class WorkerSide:
 
     def _save_pages(self, arena: StagingPool) -> int:
         """Pages of ``arena`` that saves hold (this step's, and the jobs in flight)."""
-        saves = [*self._save_jobs, self._step_save]
+        saves = [*self._save_jobs, *self._copying, self._step_save]
         return sum(len(s.pages) for s in saves if s is not None and s.arena is arena)
 
     # ------------------------------------------------------------------ loads
@@ -398,7 +418,7 @@ class WorkerSide:
         rows = np.flatnonzero(load.ok)  # blocks (not job keys: a block may have no key)
         if len(rows):
             pages = [load.pages[i] for i in rows]
-            blocks = torch.from_numpy(load.block_ids[rows])
+            blocks = torch.from_numpy(load.block_ids[rows]).to(self.device)
             for layer in range(load.copied_upto, end):
                 load.arena.scatter(layer, pages, self.kv[layer], blocks)
         load.copied_upto = end
@@ -496,7 +516,9 @@ class WorkerSide:
             kept = self._fit(specs, len(pages))
             self._drop(specs, kept)
             specs = [_head(s, k) for s, k in zip(specs, kept, strict=True) if k]
-        blocks = torch.as_tensor([b for s in specs for b in s.block_ids], dtype=torch.long)
+        blocks = torch.as_tensor(
+            [b for s in specs for b in s.block_ids], dtype=torch.long, device=self.device
+        )
         return _Save(specs, arena, pages, blocks)
 
     @staticmethod
@@ -575,7 +597,31 @@ class WorkerSide:
 
     def _submit_save(self, save: _Save, withhold: set[str] | frozenset[str] = frozenset()) -> None:
         """Store ``save``'s blocks, but those of the requests in ``withhold`` (whose load failed
-        in the step that computed them: see ``wait_for_save``)."""
+        in the step that computed them: see ``wait_for_save``). On a GPU the copies into
+        staging run after this returns: the job starts once they have (``_submit_copied``,
+        at the next step's calls), so vLLM's thread never waits for its forward pass here."""
+        save.withhold = frozenset(withhold)
+        save.mark = save.arena.mark()
+        if save.mark is not None and not save.arena.passed(save.mark):
+            self._copying.append(save)
+            return
+        self._start_save_job(save)
+
+    def _submit_copied(self, wait: bool = False) -> None:
+        """Start the jobs of the saves whose copies into staging have run (all of them, once
+        run, with ``wait``), in the order they were made."""
+        while self._copying:
+            save = self._copying[0]
+            assert save.mark is not None
+            if wait:
+                save.arena.wait(save.mark)
+            elif not save.arena.passed(save.mark):
+                return
+            self._copying.pop(0)
+            self._start_save_job(save)
+
+    def _start_save_job(self, save: _Save) -> None:
+        withhold = save.withhold
         segments = []
         offset = 0
         stored = 0
@@ -624,6 +670,7 @@ class WorkerSide:
         save.arena.free(save.pages)
 
     def _reap_saves(self, wait_s: float = 0.0) -> None:
+        self._submit_copied(wait=bool(wait_s))
         deadline = time.monotonic() + wait_s
         running = []
         for save in self._save_jobs:
@@ -644,6 +691,7 @@ class WorkerSide:
     # --------------------------------------------------------------- results
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._submit_copied()
         for load in list(self._async_loads):
             if load.job is not None and not load.finished:
                 if load.job.done():
@@ -675,7 +723,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Let saves in flight finish (up to ``shutdown_timeout_s``), then let go."""
-        if self._save_jobs:
+        if self._save_jobs or self._copying:
             self._reap_saves(wait_s=self.config.shutdown_timeout_s)
         for save in self._save_jobs:
             assert save.job is not None

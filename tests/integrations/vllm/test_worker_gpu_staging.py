@@ -1,0 +1,143 @@
+"""The worker side with its staging pool in GPU memory, against a real daemon: the engine's
+GPU memory and CUDA IPC are stood in for by /dev/shm (tests/shm_ipc.py: the daemon's GPU
+tier runs on CpuOps and opens the stand-in's handles; the engine's copies are counted as
+stream operations that run only once waited for). vLLM's per-layer KV tensors are views of
+one allocation in two stride orders, as vLLM's KV cache layouts make them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import shm_ipc
+import torch
+from mini_engine import wait_until
+from test_worker_side import BLOCK_SHAPE, BLOCKS, IDENTITY, LAYERS, run_step
+
+from kvtier.client import Tier
+from kvtier.client.integrations.vllm_config import ConnectorConfig, KeyChain
+from kvtier.client.integrations.vllm_meta import KVTierConnectorMetadata, LoadSpec, SaveSpec
+from kvtier.client.integrations.vllm_worker import WorkerSide
+
+
+@pytest.fixture
+def gpu_daemon(daemon_factory, tmp_path):
+    return shm_ipc.start_daemon(daemon_factory, tmp_path)
+
+
+def _views(order: str) -> list[torch.Tensor]:
+    """Per-layer ``[blocks, *BLOCK_SHAPE]`` views of one allocation: ``layer-outer`` (each
+    layer's blocks together) or ``block-outer`` (each block's layers together: strided)."""
+    if order == "layer-outer":
+        buf = torch.zeros((len(LAYERS), BLOCKS, *BLOCK_SHAPE))
+        return [buf[i] for i in range(len(LAYERS))]
+    buf = torch.zeros((BLOCKS, len(LAYERS), *BLOCK_SHAPE))
+    return [buf[:, i] for i in range(len(LAYERS))]
+
+
+def _worker(
+    address: str, order: str, made: list[Any]
+) -> tuple[WorkerSide, list[torch.Tensor], shm_ipc.ShmGpuMemory]:
+    side = WorkerSide(
+        ConnectorConfig(address=address, layer_groups=2),
+        IDENTITY,
+        LAYERS,
+        BLOCKS,
+        tp_rank=0,
+        pp_rank=0,
+    )
+    kv = _views(order)
+    side.register_kv_caches(dict(zip(LAYERS, kv, strict=True)))
+    memory = made[-1]
+    real_save, real_load = side.client.submit_save, side.client.submit_load
+
+    # The daemon must never touch a page an engine copy issued before has not yet run.
+    def submit_save(pool, segments, **kw):  # type: ignore[no-untyped-def]
+        assert not memory.busy_pages() & {p for s in segments for p in s.pages}
+        return real_save(pool, segments, **kw)
+
+    def submit_load(pool, segments, **kw):  # type: ignore[no-untyped-def]
+        assert not memory.busy_pages() & {p for s in segments for p in s.pages}
+        return real_load(pool, segments, **kw)
+
+    side.client.submit_save = submit_save  # type: ignore[method-assign]
+    side.client.submit_load = submit_load  # type: ignore[method-assign]
+    return side, kv, memory
+
+
+@pytest.mark.parametrize(
+    ("saved_as", "loaded_as"), [("block-outer", "layer-outer"), ("layer-outer", "block-outer")]
+)
+def test_blocks_saved_and_loaded_through_gpu_staging_are_the_engines_blocks(
+    gpu_daemon, monkeypatch, saved_as, loaded_as
+):
+    """A worker stores a request's blocks from GPU staging (the daemon's GPU tier takes
+    them), and another worker, whose KV cache is laid out in the other stride order, loads
+    them layer range by layer range: each block is what the first engine computed, and no
+    transfer touched a page while an engine copy of it was pending."""
+    made: list[shm_ipc.ShmGpuMemory] = []
+    shm_ipc.use_shm_gpu_staging(monkeypatch, made)
+    keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(16)), 4, None)
+    saver, saved, device = _worker(gpu_daemon.address, saved_as, made)
+    loader, kv, _ = _worker(gpu_daemon.address, loaded_as, made)
+    try:
+        assert not saved[0].is_contiguous() or not kv[0].is_contiguous()
+        for layer, t in enumerate(saved):
+            for block in range(BLOCKS):
+                t[block] = torch.arange(16, dtype=torch.float32).view(BLOCK_SHAPE) + (
+                    1000 * layer + 100 * block
+                )
+        blocks = [5, 2, 7, 0]
+        run_step(saver, KVTierConnectorMetadata(saves=[SaveSpec("r", blocks, {0: keys}, {0: b""})]))
+        # The step did not wait for the copies into staging: the job starts once they ran.
+        assert saver.stats["save_blocks"] == 0 and saver.saves_in_flight() == 1
+        device.run()
+        saver.get_finished(set())  # the next step's call starts the job
+        assert wait_until(lambda: saver.saves_in_flight() == 0)
+        assert saver.stats["save_blocks"] == 4
+        assert saver.client.lookup(keys).tiers == [Tier.L0_GPU] * 4
+
+        into = [1, 3, 4, 6]
+        invalid = run_step(loader, KVTierConnectorMetadata(loads=[LoadSpec("q", into, {0: keys})]))
+        assert not invalid and loader.stats["load_blocks_failed"] == 0
+        for layer in range(len(LAYERS)):
+            for src, dst in zip(blocks, into, strict=True):
+                assert torch.equal(kv[layer][dst], saved[layer][src]), (layer, src, dst)
+            for untouched in set(range(BLOCKS)) - set(into):
+                assert not kv[layer][untouched].any()
+        # The load's pages wait for the copies out of them; a second load gets pages anyway.
+        again = run_step(
+            loader, KVTierConnectorMetadata(loads=[LoadSpec("q2", [0, 2, 5, 7], {0: keys})])
+        )
+        assert not again
+        assert torch.equal(kv[1][7], saved[1][0])
+    finally:
+        saver.shutdown()
+        loader.shutdown()
+
+
+def test_a_daemon_without_a_gpu_tier_refuses_gpu_staging_and_vllm_runs_without_kvtier(
+    daemon, monkeypatch, caplog
+):
+    """A daemon that does not run its GPU tier refuses a CUDA IPC registration: the worker
+    starts anyway, says why, and reports its loads failed (vLLM recomputes) rather than
+    failing a step."""
+    shm_ipc.use_shm_gpu_staging(monkeypatch, [])
+    side = WorkerSide(
+        ConnectorConfig(address=daemon.address, layer_groups=2),
+        IDENTITY,
+        LAYERS,
+        BLOCKS,
+        tp_rank=0,
+        pp_rank=0,
+    )
+    try:
+        with caplog.at_level("WARNING", logger="kvtier"):
+            side.register_kv_caches(dict(zip(LAYERS, _views("layer-outer"), strict=True)))
+        assert "FailedPreconditionError" in caplog.text and "GPU tier (L0)" in caplog.text
+        assert not side.staging_registered() and not side.breaker.ok()
+        keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(8)), 2, None)
+        invalid = run_step(side, KVTierConnectorMetadata(loads=[LoadSpec("q", [1, 2], {0: keys})]))
+        assert invalid == {1, 2}
+    finally:
+        side.shutdown()
