@@ -25,7 +25,11 @@ data and poisoned destinations at every stage:
    each Get (``daemon_round_trip``);
 5. **concurrent clients through a kvtierd**: four client threads, each its own session and
    registration of one engine's pool, put and get their own pages at once while L0 demotes
-   under them; every Get checked by the engine (``_concurrent_stage``).
+   under them; every Get checked by the engine (``_concurrent_stage``);
+6. **the vLLM connector's GPU staging through a kvtierd** (``_staging_stage``): a worker's
+   staging pool in GPU memory registered over CUDA IPC, between a KV cache viewed as vLLM
+   0.32 views it (strided per-layer views of one allocation) and the daemon's GPU tier:
+   gather + Put, Get + scatter, bit-exact, with a device copy of the same bytes beside them.
 
 Which paths go through a real kvtierd is printed with every result (``through_daemon``).
 
@@ -783,6 +787,97 @@ def _concurrent_stage(
         report.check(f"concurrent clients: {k}", counts[k] == 0, f"{counts[k]}")
 
 
+def _staging_stage(report: Report, l2_dir: str, blocks: int = 64, rounds: int = 5) -> None:
+    """The vLLM connector's GPU data path through a kvtierd (``client/integrations/staging``):
+    a staging pool in GPU memory (``CudaMemory``, registered over CUDA IPC) between a KV cache
+    laid out as vLLM 0.32 views it (per-layer ``[blocks, heads, tokens, K|V]`` views of one
+    allocation, each block's layers together, so strided) and the daemon's GPU tier. A save
+    gathers every layer of ``blocks`` 2 MiB blocks into staging and Puts them; a load Gets
+    them into other pages and scatters them into other, zeroed blocks: bit-exact each round,
+    and the seconds of each step beside a device-to-device copy of the same bytes."""
+    import torch
+
+    from kvtier.bench.launcher import bench_daemon
+    from kvtier.client import Client, Tier
+    from kvtier.client.integrations.staging import CudaMemory, StagingPool
+
+    layers, shape = 32, (8, 16, 256)  # bf16: 64 KiB per layer block, 2 MiB per block
+    nbytes = blocks * layers * int(np.prod(shape)) * 2
+    overrides = [
+        *daemon_overrides(os.path.join(l2_dir, "staging")),
+        f"tiers.l0.capacity_bytes={(rounds + 1) * nbytes >> 20}MiB",
+        f"tiers.l1.capacity_bytes={(rounds + 1) * nbytes >> 20}MiB",
+    ]
+    steps: dict[str, list[float]] = {"gather": [], "put": [], "get": [], "scatter": []}
+    sync = torch.cuda.synchronize
+    with bench_daemon(*overrides) as daemon, Client(daemon.address) as client:
+        pool = StagingPool(
+            client,
+            num_layers=layers,
+            num_pages=2 * blocks,
+            block_tokens=16,
+            block_shape=shape,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
+        report.check("vllm staging: GPU memory over CUDA IPC", isinstance(pool.memory, CudaMemory))
+        engine = torch.randn((2 * blocks, layers, *shape), device="cuda").to(torch.bfloat16)
+        kv = [engine[:, i] for i in range(layers)]
+        src = torch.arange(blocks, device="cuda")
+        dst = torch.arange(blocks, 2 * blocks, device="cuda")
+        for r in range(rounds + 1):  # the first round warms up
+            keys = [os.urandom(32) for _ in range(blocks)]
+            pages = pool.alloc(blocks)
+            assert pages is not None
+            sync()
+            t0 = time.perf_counter()
+            for layer in range(layers):
+                pool.gather(layer, pages, kv[layer], src)
+            pool.ready()
+            t1 = time.perf_counter()
+            stored = pool.pool.store_keys(keys, pages)
+            t2 = time.perf_counter()
+            pool.free(pages)
+            where = client.lookup(keys).tiers
+            into = pool.alloc(blocks)
+            assert into is not None
+            engine[blocks:].zero_()
+            sync()
+            t3 = time.perf_counter()
+            loaded = pool.pool.load_keys(keys, into[::-1])
+            t4 = time.perf_counter()
+            for layer in range(layers):
+                pool.scatter(layer, into[::-1], kv[layer], dst)
+            sync()
+            t5 = time.perf_counter()
+            pool.free(into)
+            exact = bool(torch.equal(engine[blocks:], engine[:blocks]))
+            report.check(
+                f"vllm staging round {r}: stored, in L0, loaded, bit-exact",
+                stored == blocks and where == [Tier.L0_GPU] * blocks and loaded == blocks and exact,
+                f"stored {stored}, tiers {sorted({t.name for t in where})}, loaded {loaded}, "
+                f"bit-exact {exact}",
+            )
+            if r:
+                for name, t in zip(steps, (t1 - t0, t2 - t1, t4 - t3, t5 - t4), strict=True):
+                    steps[name].append(t)
+        pool.retire("done", unclean=False)
+    d2d = _ceilings(nbytes, rounds)[0]
+    med = {name: statistics.median(ts) for name, ts in steps.items()}
+    save_s, load_s = med["gather"] + med["put"], med["get"] + med["scatter"]
+    report.results["vllm staging"] = {
+        "through_daemon": True,
+        "blocks": blocks,
+        "bytes": nbytes,
+        **{f"{name}_ms": round(v * 1e3, 3) for name, v in med.items()},
+        "save_GBps": round(nbytes / save_s / 1e9, 1),
+        "load_GBps": round(nbytes / load_s / 1e9, 1),
+        "d2d_copy_GBps": round(nbytes / d2d / 1e9, 1),
+        "save_vs_d2d": round(d2d / save_s, 3),
+        "load_vs_d2d": round(d2d / load_s, 3),
+    }
+
+
 def _stage(report: Report, name: str, fn: Callable[..., None], *args: Any) -> None:
     """Run one stage; an exception fails it (with its traceback in the results) and the
     next stages still run, so one GPU session answers as much as it can."""
@@ -898,6 +993,8 @@ def run(args: argparse.Namespace) -> Report:
             _stage(report, "daemon round trips", _daemon_stage, engine, report, l2_dir, small)
             # 5. Several clients at once through a kvtierd.
             _stage(report, "concurrent clients", _concurrent_stage, engine, report, l2_dir)
+            # 6. The vLLM connector's GPU staging through a kvtierd.
+            _stage(report, "vllm staging", _staging_stage, report, l2_dir)
     finally:
         engine.close()
         stack.close()

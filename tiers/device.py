@@ -66,7 +66,7 @@ from kvtier.tiers.base import (
     WriteOutcome,
 )
 from kvtier.tiers.buffers import load_into, store_from
-from kvtier.tiers.slab import SlabAllocator
+from kvtier.tiers.slab import LockedSlab
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,9 @@ class DeviceTier:
                 )
             ops = CudaOps(device, streams)
         self._ops = ops
-        self.allocator = SlabAllocator(capacity_bytes, segment_bytes, ALIGN)
+        # Locked: the store allocates and frees on its thread while the verbs check their
+        # slots (``_starts``) on worker threads.
+        self.allocator = LockedSlab(capacity_bytes, segment_bytes, ALIGN)
         try:
             self.arena = ops.empty(self.allocator.capacity_bytes)
         except RuntimeError as e:  # torch.OutOfMemoryError is a RuntimeError

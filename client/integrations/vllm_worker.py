@@ -198,6 +198,14 @@ class WorkerSide:
         for name, t in zip(self.layer_names, tensors, strict=True):
             if t.shape != first.shape or t.dtype != first.dtype:
                 raise ValueError(f"kvtier connector: layer {name} has a KV cache of another shape")
+            n = self.num_engine_blocks
+            if t.dim() >= 2 and t.shape[0] > n > 0 and t.shape[0] % n == 0:
+                raise ValueError(
+                    f"kvtier connector: vLLM splits each of its {n} KV blocks into "
+                    f"{t.shape[0] // n} attention kernel blocks (the attention backend's "
+                    "block size is smaller than --block-size); the connector stores whole "
+                    "blocks: set --block-size to the kernel's block size"
+                )
             if t.dim() < 2 or t.shape[0] != self.num_engine_blocks:
                 # Any stride order will do (vLLM views one allocation per its KV cache
                 # layout): blocks are copied with index ops along dimension 0.

@@ -141,3 +141,19 @@ def test_a_daemon_without_a_gpu_tier_refuses_gpu_staging_and_vllm_runs_without_k
         assert invalid == {1, 2}
     finally:
         side.shutdown()
+
+
+def test_kv_caches_split_into_kernel_blocks_or_of_another_shape_are_refused_at_start(daemon):
+    """vLLM may view its blocks as smaller attention-kernel blocks; the connector stores whole
+    blocks, so it stops at start naming the setting to change, as for any other shape."""
+    side = WorkerSide(ConnectorConfig(address=daemon.address), IDENTITY, LAYERS, BLOCKS, 0, 0)
+    try:
+        split = [torch.zeros((2 * BLOCKS, 2, 2, 2)) for _ in LAYERS]  # kernel blocks of 2 tokens
+        with pytest.raises(ValueError, match="splits each of its 8 KV blocks into 2 attention"):
+            side.register_kv_caches(dict(zip(LAYERS, split, strict=True)))
+        short = [torch.zeros((BLOCKS - 1, *BLOCK_SHAPE)) for _ in LAYERS]
+        with pytest.raises(ValueError, match=r"is not \[8 blocks, \.\.\.\]"):
+            side.register_kv_caches(dict(zip(LAYERS, short, strict=True)))
+        assert not side.kv
+    finally:
+        side.shutdown()
