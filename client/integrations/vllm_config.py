@@ -52,7 +52,7 @@ LORA_TAG = b"kvtier-vllm-lora-v1"
 _FIELD_ESCAPES = str.maketrans({"%": "%25", ";": "%3B", "|": "%7C"})
 
 _SAVE_POLICIES = ("all", "prompt", "none")
-_LOAD_MODES = ("layerwise", "async")
+_LOAD_MODES = ("auto", "layerwise", "async")
 _TIER_NAMES = {"l0": 1, "l1": 2, "l2": 3, "l3": 4}
 # hf_config entries that change nothing in the KV cache.
 _CONFIG_KEYS_IGNORED = frozenset(
@@ -101,10 +101,11 @@ class ConnectorConfig:
     load: bool = True
     save: str = "all"
     """Which computed blocks are stored: ``all`` (prompt and generated), ``prompt``, ``none``."""
-    load_mode: str = "layerwise"
+    load_mode: str = "auto"
     """``layerwise``: the load runs during the forward pass that uses it, each layer waited
     for just before its attention; ``async``: the request waits (outside the batch) until
-    its blocks are in, then joins a later step."""
+    its blocks are in, then joins a later step; ``auto``: layerwise with one worker, async
+    with several (``resolve_load_mode``)."""
     load_tiers: tuple[str, ...] = ("l0", "l1", "l2", "l3")
     """Tiers a load may come from; a block found only in another tier ends the hit."""
     save_durable: bool = False
@@ -289,6 +290,31 @@ def staging_pages(
     pages = min(config.staging_bytes // identity.block_bytes, num_engine_blocks)
     saves = int(pages * config.staging_save_share)
     return StagingPages(loads=max(1, pages - saves), saves=max(1, saves))
+
+
+def resolve_load_mode(config: ConnectorConfig, identity: ModelIdentity) -> ConnectorConfig:
+    """``config`` with ``auto`` resolved (same on the scheduler and every worker).
+
+    With several workers (tensor or pipeline parallel) a layer-wise load that fails on one
+    of them can make the others store wrong KV: vLLM computes the rest of the step over the
+    failed blocks on that worker, and the next layers of every worker mix its heads (tensor
+    parallel) or its hidden states (pipeline parallel), while each worker knows only its own
+    failure when it stores the step's blocks. An async load ends, on every worker, before its
+    request computes anything, and vLLM recomputes a block any worker failed on all of them:
+    so ``auto`` is ``async`` there and ``layerwise`` (faster: the load overlaps the forward
+    pass) with one worker. An explicit ``layerwise`` with several workers stands, with a
+    warning at start."""
+    workers = identity.tp_size * identity.pp_size
+    if config.load_mode == "auto":
+        return dataclasses.replace(config, load_mode="layerwise" if workers == 1 else "async")
+    if config.load_mode == "layerwise" and workers > 1:
+        log.warning(
+            "kvtier connector: load_mode 'layerwise' with %d workers: a load that fails on one "
+            "worker mid-step can make the others store blocks computed over it (wrong KV for "
+            "later hits); 'auto' uses 'async' here",
+            workers,
+        )
+    return config
 
 
 def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) -> ModelIdentity:
