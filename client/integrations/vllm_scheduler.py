@@ -65,6 +65,7 @@ from kvtier.client.integrations.vllm_config import (
     ModelIdentity,
     lora_key,
     request_extras,
+    resolve_load_mode,
     staging_pages,
 )
 from kvtier.client.integrations.vllm_meta import (
@@ -107,7 +108,7 @@ class SchedulerSide:
         num_engine_blocks: int,
         client: Client | None = None,
     ) -> None:
-        self.config = config
+        self.config = resolve_load_mode(config, identity)  # ``auto`` decided
         self.identity = identity
         self.block_tokens = identity.block_tokens
         self.namespaces = [identity.namespace(t, p) for t, p in identity.ranks()]
@@ -121,6 +122,7 @@ class SchedulerSide:
         self.breaker = Breaker(config.retry_after_s, "lookup")
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []  # this step's, until build_connector_meta
+        self._loading: set[int] = set()  # engine blocks the step being built loads layer-wise
         self._async_loading: dict[str, int] = {}  # request id: pages its async load holds
         self._finish_saves: list[SaveSpec] = []
         self._lease_owner: dict[int, str] = {}
@@ -279,6 +281,12 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
         meta = KVTierConnectorMetadata(loads=self._loads, saves=self._finish_saves)
         self._loads, self._finish_saves = [], []
+        # Blocks this step loads while it computes: a save computed over one must say so.
+        self._loading = (
+            {b for spec in meta.loads for b in spec.block_ids}
+            if self.config.load_mode == "layerwise"
+            else set()
+        )
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -340,7 +348,10 @@ class SchedulerSide:
             parents[rank] = chain.parent_of(start)
         state.saved = limit
         self.stats["save_blocks_planned"] += limit - start
-        return SaveSpec(request.request_id, list(block_ids[start:limit]), keys, parents, at_finish)
+        reads = [b for b in block_ids[:start] if b in self._loading] if not at_finish else []
+        return SaveSpec(
+            request.request_id, list(block_ids[start:limit]), keys, parents, at_finish, reads
+        )
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -31,9 +31,11 @@ Invariants:
   for want of a page. A step's saves that do not fit keep the head of each chain, in the
   order vLLM scheduled them (the first blocks: later ones are useless without them); the
   rest is counted in ``save_blocks_dropped``.
-- A step's saves of a request whose load failed in that step are not stored: vLLM computed
-  them with attention over the failed blocks, and recomputes them (the scheduler side plans
-  them again from its first failed block; ``save_blocks_withheld``).
+- A step's saves of a request whose load failed in that step, or that read a block whose
+  load failed (another request's, shared through vLLM's prefix cache: ``SaveSpec.reads``),
+  are not stored: vLLM computed them with attention over the failed blocks, and recomputes
+  them (the scheduler side plans them again from its first failed block;
+  ``save_blocks_withheld``).
 - A request whose block this worker did not store (cut, paused, failed) has a gap in its
   chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
   finished the request).
@@ -65,6 +67,7 @@ from kvtier.client.integrations.staging import StagingPool
 from kvtier.client.integrations.vllm_config import (
     ConnectorConfig,
     ModelIdentity,
+    resolve_load_mode,
     staging_pages,
 )
 from kvtier.client.integrations.vllm_meta import (
@@ -132,7 +135,7 @@ class WorkerSide:
         vllm_config: Any = None,
         client: Client | None = None,
     ) -> None:
-        self.config = config
+        self.config = resolve_load_mode(config, identity)  # ``auto`` decided
         self.identity = identity
         self.layer_names = list(layer_names)
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
@@ -585,6 +588,7 @@ class WorkerSide:
         self._step_save_tried = False
         if save is not None:
             if len(save.layers_copied) == self.num_layers:
+                self._taint(save.specs)
                 self._submit_save(save, withhold=self._failed_loads)
             else:
                 self._lost(save)
@@ -592,6 +596,17 @@ class WorkerSide:
         if finish:
             self._save_finished_requests(finish)
         self._reap_saves()
+
+    def _taint(self, specs: list[SaveSpec]) -> None:
+        """Requests that read a block whose load failed in this step (through vLLM's prefix
+        cache: ``SaveSpec.reads``) computed this step's blocks over it: vLLM rewinds them too,
+        and here they count as failed loads (their blocks withheld, the scheduler side told
+        to plan them again)."""
+        if not self._invalid:
+            return
+        for spec in specs:
+            if spec.req_id not in self._failed_loads and self._invalid.intersection(spec.reads):
+                self._failed_loads.add(spec.req_id)
 
     def _save_finished_requests(self, specs: list[SaveSpec]) -> None:
         """Copy finished requests' blocks to staging now; vLLM may free them right after."""

@@ -329,6 +329,40 @@ def test_blocks_computed_over_a_failed_load_are_not_stored(model_dir, daemon):
         reader.close()
 
 
+def test_blocks_computed_over_another_requests_failed_load_are_not_stored(model_dir, daemon):
+    """Request "a" loads a stored prefix layer by layer and request "b", scheduled in the
+    same step, shares those blocks through vLLM's own prefix cache (it gets them from "a"'s
+    allocation) and computes its next block over them. The load fails: vLLM rewinds both, and
+    neither stores the block it computed over the failed ones then. Regression: "b"'s was
+    stored (only the request whose load failed was withheld), and being already held, its
+    recomputed KV never was, so a later hit on it loaded wrong KV."""
+    _store_prompt(model_dir, daemon)
+    shared = PROMPT[: 3 * BLOCK]
+    a, b = (shared + p for p in prompts(7, 0, [BLOCK + 50, BLOCK + 60]))
+    engine = MiniEngine(model_dir, _options(daemon))
+    keys: list[bytes] = []
+    lose = _losing_the_loads(engine, keys)
+    try:
+        engine.add("a", a, max_tokens=2)
+        engine.add("b", b, max_tokens=2)
+        out = engine.step(before_forward=lose)
+        assert len(keys) == 3  # only "a" loads; "b" finds the blocks in vLLM's cache
+        assert out.num_scheduled_tokens["b"] == len(b) - 3 * BLOCK
+        assert engine.worker.stats["save_blocks_withheld"] == 2  # each one's 4th block
+        engine.run()
+    finally:
+        engine.close()  # waits for its saves
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add("b", b, max_tokens=2)
+        out = reader.step()
+        assert out.num_scheduled_tokens["b"] == len(b) - 4 * BLOCK
+        assert reader.invalid_reported == set()
+        assert reader.blocks_hold_their_prefix("b", len(b))
+    finally:
+        reader.close()
+
+
 def _lose_blocks(monkeypatch, worker):
     """The daemon has lost the data of every block the worker loads while its index still
     lists them (lookups find them): each load's keys are swapped for keys it never held."""

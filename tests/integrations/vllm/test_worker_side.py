@@ -166,3 +166,30 @@ def test_saves_cut_to_the_share_keep_the_head_of_each_chain_in_order(daemon):
                 assert sending == {"a", "b"}
         finally:
             saver.shutdown()
+
+
+def test_a_save_computed_over_another_requests_failed_load_is_withheld(daemon):
+    """Request A's layer-wise load of blocks 0 and 1 fails (the daemon has neither); request
+    B, in the same step, shares block 0 through vLLM's prefix cache (its save says it
+    ``reads`` it) and computes block 2 over it; request C reads nothing loaded. B's block is
+    not stored and B is named to the scheduler side with A (vLLM rewinds both); C's is."""
+    keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(8)), 2, None)
+    b_key, c_key = (KeyChain(IDENTITY.namespace(0, 0)).extend([t] * 4, 1, None)[0] for t in (5, 6))
+    side, kv = worker(daemon.address)
+    try:
+        _fill(kv, 0)
+        meta = KVTierConnectorMetadata(
+            loads=[LoadSpec("A", [0, 1], {0: keys})],
+            saves=[
+                SaveSpec("B", [2], {0: [b_key]}, {0: b""}, reads=[0]),
+                SaveSpec("C", [3], {0: [c_key]}, {0: b""}),
+            ],
+        )
+        assert run_step(side, meta) == {0, 1}
+        worker_meta = side.build_connector_worker_meta()
+        assert worker_meta is not None and worker_meta.failed_loads == {"A", "B"}
+        assert side.stats["save_blocks_withheld"] == 1 and side.stats["save_blocks"] == 1
+        assert _stored(side, [c_key]) == 1
+        assert _stored(side, [b_key]) == 0
+    finally:
+        side.shutdown()
