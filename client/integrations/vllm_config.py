@@ -393,8 +393,12 @@ def kv_layout_name(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:
 
 
 def attention_backend_name(vllm_config: Any) -> str:
-    """The attention backend named in vLLM's config, or ``auto``."""
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    """The attention backend vLLM's config names for full-attention layers, or ``auto``: a
+    ``backend_per_kind`` entry for them overrides ``backend``, as in vLLM's selector."""
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    per_kind = getattr(attention, "backend_per_kind", None) or {}
+    backend = per_kind.get("full_attention", backend)
     if backend is None:
         return "auto"
     return str(getattr(backend, "name", backend)).lower()

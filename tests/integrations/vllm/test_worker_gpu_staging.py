@@ -157,3 +157,27 @@ def test_kv_caches_split_into_kernel_blocks_or_of_another_shape_are_refused_at_s
         assert not side.kv
     finally:
         side.shutdown()
+
+
+def test_the_gpu_namespace_names_the_backend_full_attention_layers_run():
+    """vLLM's selector lets ``backend_per_kind`` override ``backend`` per kind of layer: an
+    engine that sets it for full attention runs that backend, and its namespace says so (not
+    ``auto``, which another engine letting vLLM choose would share, whatever it runs)."""
+    from types import SimpleNamespace
+
+    from vllm.config import AttentionConfig
+
+    from kvtier.client.integrations.vllm_config import attention_backend_name
+
+    def name(**kw: Any) -> str:
+        return attention_backend_name(SimpleNamespace(attention_config=AttentionConfig(**kw)))
+
+    assert name() == "auto"
+    assert name(backend="FLASH_ATTN") == "flash_attn"
+    assert name(backend_per_kind={"full_attention": "FLASHINFER"}) == "flashinfer"
+    assert (
+        name(backend="FLASH_ATTN", backend_per_kind={"full_attention": "TRITON_ATTN"})
+        == "triton_attn"
+    )
+    # Overrides for other kinds of layer leave full attention's backend as it was.
+    assert name(backend_per_kind={"mla_attention": "FLASHINFER_MLA"}) == "auto"
