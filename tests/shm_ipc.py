@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,6 +135,7 @@ class ShmGpuMemory(StagingMemory):
         self.ops: list[set[int]] = []  # pages each engine copy touches, in issue order
         self.ran = 0  # operations that have run
         self.released: list[bool] = []  # ``unclean`` of each release
+        self.waiters: list[threading.Thread] = []  # the threads that waited for a mark
 
     def issue(self, pages: list[int]) -> None:
         self.ops.append(set(pages))
@@ -160,6 +162,7 @@ class ShmGpuMemory(StagingMemory):
 
     def wait(self, mark: object) -> None:
         assert isinstance(mark, Mark)
+        self.waiters.append(threading.current_thread())
         self.ran = max(self.ran, mark.upto)
 
     def release(self, client: Any, pool: Any, unclean: bool) -> None:

@@ -160,7 +160,8 @@ class CudaMemory(StagingMemory):
         return client.register_cuda_pool(self.export, layout, namespace)
 
     def mark(self) -> object | None:
-        event = torch.cuda.Event()
+        # Blocking: a thread waiting for it sleeps instead of spinning on a CPU core.
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 

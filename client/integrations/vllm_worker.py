@@ -14,8 +14,9 @@ staging pages, layer range by layer range, and each range is copied into vLLM's 
 with ``index_copy_`` just before the first of its layers computes; a save copies each
 layer's newly complete blocks into staging right after the layer's attention wrote them,
 and one kvtier job stores them after the forward pass, in the background. On a GPU the
-copies are device copies on vLLM's stream: a save's job starts once they have run (seen at
-the next step's calls, so vLLM's thread never waits for the GPU here), and a load's pages
+copies are device copies on vLLM's stream: a save's job starts once they have run (a
+thread of the worker waits for them, so vLLM's thread never waits for the GPU here, and the
+blocks are stored even when vLLM has nothing more to run), and a load's pages
 are reused once the copies out of them have run (see ``staging``). vLLM's
 per-layer tensors are views of ``[blocks, ...]`` in any stride order: a staged block is
 the block in its logical order, whatever vLLM's physical layout.
@@ -46,13 +47,16 @@ Invariants:
 - A failing or slow daemon costs one timeout per ``retry_after_s``; meanwhile loads are
   reported failed at once and nothing is saved.
 
-Thread-safety: none; vLLM calls the worker connector from its model-runner thread.
+Thread-safety: none; vLLM calls the worker connector from its model-runner thread. The one
+thread of the worker's own (on a GPU) touches only the saves handed to it and the client.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -111,10 +115,14 @@ class _Save:
     block_ids: torch.Tensor
     layers_copied: set[int] = field(default_factory=set)
     job: TransferJob | None = None
-    # On a GPU, until the copies into staging have run: the mark after them, and the
-    # requests whose blocks are withheld (see ``_submit_save``).
+    segments: list[SaveSegment] = field(default_factory=list)  # what the job stores
+    stored: int = 0  # blocks in ``segments``
+    # On a GPU: the mark after the copies into staging; the worker's submitting thread
+    # submits the job once it has passed, then sets ``submitted`` (``error`` if it failed).
     mark: object | None = None
-    withhold: frozenset[str] = frozenset()
+    error: BaseException | None = None
+    failed_at: float | None = None
+    submitted: threading.Event = field(default_factory=threading.Event)
 
 
 def _head(spec: SaveSpec, n: int) -> SaveSpec:
@@ -163,7 +171,10 @@ class WorkerSide:
         self._step_save: _Save | None = None
         self._step_save_tried = False  # this step's saves were taken up at its first layer
         self._save_jobs: list[_Save] = []
-        self._copying: list[_Save] = []  # saves whose copies into staging have not run yet
+        # Saves whose jobs the submitting thread starts once their copies into staging ran.
+        self._copying: list[_Save] = []
+        self._submit_queue: queue.SimpleQueue[_Save | None] | None = None
+        self._shutting_down = False
         self._invalid: set[int] = set()
         self._done_leases: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed, to report
@@ -289,7 +300,7 @@ class WorkerSide:
         return self._arena is not None and not self._arena.retired and self._arena.registered()
 
     def saves_in_flight(self) -> int:
-        """Saves not yet stored: copies into staging not yet run on the GPU (their jobs start
+        """Saves not yet stored: on a GPU, saves handed to the submitting thread (seen again
         at the next step's calls), and save jobs still running (no RPC; finished ones are
         reaped on the next step)."""
         running = sum(1 for s in self._save_jobs if s.job is not None and not s.job.done())
@@ -621,33 +632,31 @@ class WorkerSide:
     def _submit_save(self, save: _Save, withhold: set[str] | frozenset[str] = frozenset()) -> None:
         """Store ``save``'s blocks, but those of the requests in ``withhold`` (whose load failed
         in the step that computed them: see ``wait_for_save``). On a GPU the copies into
-        staging run after this returns: the job starts once they have (``_submit_copied``,
-        at the next step's calls), so vLLM's thread never waits for its forward pass here."""
-        save.withhold = frozenset(withhold)
-        save.mark = save.arena.mark()
-        if save.mark is not None and not save.arena.passed(save.mark):
-            self._copying.append(save)
+        staging run after this returns: the worker's submitting thread starts the job once
+        they have, so vLLM's thread never waits for its forward pass here, and the blocks are
+        stored even if vLLM calls the worker no more (it stops when it has nothing to run)."""
+        if not self._prepare(save, withhold):
             return
-        self._start_save_job(save)
+        save.mark = save.arena.mark()
+        if save.mark is None or save.arena.passed(save.mark):
+            self._submit_job(save)
+            self._started(save)
+            return
+        self._copying.append(save)
+        if self._submit_queue is None:
+            self._submit_queue = queue.SimpleQueue()
+            threading.Thread(
+                target=self._submit_when_copied,
+                args=(self._submit_queue,),
+                name="kvtier-save-submit",
+                daemon=True,
+            ).start()
+        self._submit_queue.put(save)
 
-    def _submit_copied(self, wait: bool = False) -> None:
-        """Start the jobs of the saves whose copies into staging have run (all of them, once
-        run, with ``wait``), in the order they were made."""
-        while self._copying:
-            save = self._copying[0]
-            assert save.mark is not None
-            if wait:
-                save.arena.wait(save.mark)
-            elif not save.arena.passed(save.mark):
-                return
-            self._copying.pop(0)
-            self._start_save_job(save)
-
-    def _start_save_job(self, save: _Save) -> None:
-        withhold = save.withhold
-        segments = []
+    def _prepare(self, save: _Save, withhold: set[str] | frozenset[str]) -> bool:
+        """The job's segments: ``save``'s blocks but those of ``withhold``'s requests; False
+        (pages freed) when none is left."""
         offset = 0
-        stored = 0
         for spec in save.specs:
             n = len(spec.block_ids)
             if spec.req_id in withhold:
@@ -657,34 +666,73 @@ class WorkerSide:
                 # be kept over the right ones (a block already held is not stored again).
                 self.stats["save_blocks_withheld"] += n
             else:
-                segments.append(
+                save.segments.append(
                     SaveSegment(
                         spec.keys[self.rank],
                         save.pages[offset : offset + n],
                         spec.parents.get(self.rank, b""),
                     )
                 )
-                stored += n
+                save.stored += n
             offset += n
-        if not segments:
+        save.specs = [s for s in save.specs if s.req_id not in withhold]  # what a failure breaks
+        if not save.segments:
             save.arena.free(save.pages)
-            return
+            return False
+        return True
+
+    def _submit_job(self, save: _Save) -> None:
+        """Start ``save``'s job (on vLLM's thread, or the submitting thread: it touches only
+        ``save`` and the client, which threads may share)."""
         try:
             save.job = self.client.submit_save(
                 save.arena.pool,
-                segments,
+                save.segments,
                 durable=self.config.save_durable,
                 timeout_s=self.config.save_timeout_s,
             )
-        except KvtierError as e:
-            self.breaker.trip(e)
-            self.stats["save_blocks_dropped"] += stored
-            self._broken.update(s.req_id for s in save.specs if s.req_id not in withhold)
-            save.arena.free(save.pages)
+        except Exception as e:  # KvtierError; anything else is not to kill the thread
+            save.error, save.failed_at = e, time.monotonic()
+        save.submitted.set()
+
+    def _submit_when_copied(self, saves: queue.SimpleQueue[_Save | None]) -> None:
+        """The submitting thread: each save's job, in order, once its copies have run."""
+        while (save := saves.get()) is not None:
+            try:
+                save.arena.wait(save.mark)
+                if self._shutting_down:
+                    raise RuntimeError("the worker shut down before the save's copies ran")
+            except Exception as e:
+                save.error, save.failed_at = e, time.monotonic()
+                save.submitted.set()
+                continue
+            self._submit_job(save)
+
+    def _started(self, save: _Save) -> None:
+        """Account for a save whose submission has ended (on vLLM's thread)."""
+        if save.error is None:
+            self.stats["save_blocks"] += save.stored
+            self._save_jobs.append(save)
             return
-        self.stats["save_blocks"] += stored
-        save.specs = [s for s in save.specs if s.req_id not in withhold]  # what a failure breaks
-        self._save_jobs.append(save)
+        if not isinstance(save.error, KvtierError):
+            log.error("kvtier connector: a save job could not start", exc_info=save.error)
+        self.breaker.trip(save.error, at=save.failed_at)
+        self.stats["save_blocks_dropped"] += save.stored
+        self._broken.update(s.req_id for s in save.specs)
+        save.arena.free(save.pages)
+
+    def _submit_copied(self, wait_s: float | None = None) -> None:
+        """Account for the saves the submitting thread has submitted, in the order they were
+        made; with ``wait_s``, wait up to that long for the others."""
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while self._copying:
+            save = self._copying[0]
+            if not save.submitted.is_set() and (
+                deadline is None or not save.submitted.wait(max(0.0, deadline - time.monotonic()))
+            ):
+                return
+            self._copying.pop(0)
+            self._started(save)
 
     def _lost(self, save: _Save) -> None:
         """A save that had its pages and is not stored after all: counted, pages freed."""
@@ -693,8 +741,8 @@ class WorkerSide:
         save.arena.free(save.pages)
 
     def _reap_saves(self, wait_s: float = 0.0) -> None:
-        self._submit_copied(wait=bool(wait_s))
         deadline = time.monotonic() + wait_s
+        self._submit_copied(wait_s if wait_s else None)
         running = []
         for save in self._save_jobs:
             assert save.job is not None
@@ -748,6 +796,9 @@ class WorkerSide:
         """Let saves in flight finish (up to ``shutdown_timeout_s``), then let go."""
         if self._save_jobs or self._copying:
             self._reap_saves(wait_s=self.config.shutdown_timeout_s)
+        self._shutting_down = True  # the submitting thread starts no more jobs
+        if self._submit_queue is not None:
+            self._submit_queue.put(None)
         for save in self._save_jobs:
             assert save.job is not None
             save.job.cancel()
@@ -755,7 +806,7 @@ class WorkerSide:
             if load.job is not None:
                 load.job.cancel()
         if self._arena is not None:
-            if self._save_jobs or self._async_loads:
+            if self._save_jobs or self._async_loads or self._copying:
                 self._arena.retire("shutdown with transfers in flight")
             else:
                 self._arena.close()

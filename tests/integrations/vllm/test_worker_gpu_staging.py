@@ -6,6 +6,7 @@ one allocation in two stride orders, as vLLM's KV cache layouts make them."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from mini_engine import wait_until
 from test_worker_side import BLOCK_SHAPE, BLOCKS, IDENTITY, LAYERS, run_step
 
-from kvtier.client import Tier
+from kvtier.client import Client, Tier
 from kvtier.client.integrations.vllm_config import ConnectorConfig, KeyChain
 from kvtier.client.integrations.vllm_meta import KVTierConnectorMetadata, LoadSpec, SaveSpec
 from kvtier.client.integrations.vllm_worker import WorkerSide
@@ -89,13 +90,15 @@ def test_blocks_saved_and_loaded_through_gpu_staging_are_the_engines_blocks(
                 )
         blocks = [5, 2, 7, 0]
         run_step(saver, KVTierConnectorMetadata(saves=[SaveSpec("r", blocks, {0: keys}, {0: b""})]))
-        # The step did not wait for the copies into staging: the job starts once they ran.
-        assert saver.stats["save_blocks"] == 0 and saver.saves_in_flight() == 1
+        saver.get_finished(set())
+        # vLLM's thread did not wait for the copies into staging: the job starts once they
+        # ran (the worker's submitting thread waits for them).
+        assert threading.main_thread() not in device.waiters
         device.run()
-        saver.get_finished(set())  # the next step's call starts the job
+        assert wait_until(lambda: saver.client.lookup(keys).tiers == [Tier.L0_GPU] * 4)
+        saver.get_finished(set())
         assert wait_until(lambda: saver.saves_in_flight() == 0)
         assert saver.stats["save_blocks"] == 4
-        assert saver.client.lookup(keys).tiers == [Tier.L0_GPU] * 4
 
         into = [1, 3, 4, 6]
         invalid = run_step(loader, KVTierConnectorMetadata(loads=[LoadSpec("q", into, {0: keys})]))
@@ -114,6 +117,46 @@ def test_blocks_saved_and_loaded_through_gpu_staging_are_the_engines_blocks(
     finally:
         saver.shutdown()
         loader.shutdown()
+
+
+def test_a_save_is_stored_once_its_copies_ran_though_vllm_calls_the_worker_no_more(
+    gpu_daemon, monkeypatch
+):
+    """vLLM stops calling the worker once it has nothing to run (its last request finished,
+    with no finish-save to wait for): a step's save whose copies into staging had not run at
+    the step's end is stored all the same once they have, not at some later request's step
+    (which comes after that request's lookup, a miss)."""
+    made: list[shm_ipc.ShmGpuMemory] = []
+    shm_ipc.use_shm_gpu_staging(monkeypatch, made)
+    keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(16)), 4, None)
+    saver, _, device = _worker(gpu_daemon.address, "layer-outer", made)
+    try:
+        run_step(
+            saver, KVTierConnectorMetadata(saves=[SaveSpec("r", [3, 1, 4, 5], {0: keys}, {0: b""})])
+        )
+        saver.get_finished({"r"})  # the last call vLLM makes
+        device.run()  # the GPU catches up by itself
+        assert wait_until(lambda: saver.client.lookup(keys).tiers == [Tier.L0_GPU] * 4)
+    finally:
+        saver.shutdown()
+
+
+def test_shutdown_stores_the_saves_whose_copies_were_pending(gpu_daemon, monkeypatch):
+    """A worker shut down right after a step (its copies into staging still pending) waits
+    for them, then for the save job: the blocks are stored, and the pool is let go cleanly
+    (no transfer left in flight)."""
+    made: list[shm_ipc.ShmGpuMemory] = []
+    shm_ipc.use_shm_gpu_staging(monkeypatch, made)
+    keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(16)), 4, None)
+    saver, _, device = _worker(gpu_daemon.address, "block-outer", made)
+    meta = KVTierConnectorMetadata(saves=[SaveSpec("r", [6, 0, 2, 1], {0: keys}, {0: b""})])
+    run_step(saver, meta)
+    namespace = saver.client.namespace
+    saver.shutdown()
+    assert saver.stats["save_blocks"] == 4 and saver.saves_in_flight() == 0
+    assert device.released == [False]
+    with Client(gpu_daemon.address) as client:
+        assert client.lookup(keys, namespace=namespace).tiers == [Tier.L0_GPU] * 4
 
 
 def test_a_daemon_without_a_gpu_tier_refuses_gpu_staging_and_vllm_runs_without_kvtier(
