@@ -27,7 +27,10 @@ Invariants:
   for other blocks, so a late copy can neither corrupt a block the engine reads nor store a
   wrong block under a key. GPU memory would go back to the engine's allocator, so it is
   freed only once the daemon has answered the unregistration (which it does once no copy
-  uses the pool); without that answer it is kept until the process exits.
+  uses the pool; waited for up to ``FENCE_TIMEOUT_S``); without that answer it is kept
+  until the process exits. While the daemon's answer is awaited, the vLLM worker makes no
+  new GPU pool (``fencing_gpu_staging``), so a slow daemon holds one pool's GPU memory, not
+  one more per retirement.
 
 Thread-safety: ``alloc``, ``free`` and ``retire`` take a lock; the tensor copies are the
 caller's (one engine thread).
@@ -137,6 +140,28 @@ class HostMemory(StagingMemory):
 # GPU staging memory the daemon may still write into (its unregistration was not answered):
 # kept until the process exits rather than handed back to the caching allocator.
 _KEPT: list[torch.Tensor] = []
+# How long the daemon may take to answer the unregistration of a pool released as unclean:
+# it answers once no copy uses the pool, and a copy that outlived the transfer's timeout is
+# slow, not necessarily stuck. Past this the memory is kept (``_KEPT``).
+FENCE_TIMEOUT_S = 120.0
+# GPU staging regions released as unclean whose fence is under way.
+_fencing = 0
+_fencing_lock = threading.Lock()
+
+
+def fencing_gpu_staging() -> int:
+    """GPU staging regions whose fence is under way (the daemon has not answered yet, and
+    may still copy into them). A worker makes no new GPU pool while there is one, so a slow
+    daemon holds one pool's memory, not one more per retirement. A fence that failed (no
+    answer in time; the session gone, e.g. the daemon restarted) ends it too: that memory
+    is kept, and a new pool may be made."""
+    return _fencing
+
+
+def _count_fencing(delta: int) -> None:
+    global _fencing
+    with _fencing_lock:
+        _fencing += delta
 
 
 class CudaMemory(StagingMemory):
@@ -182,11 +207,15 @@ class CudaMemory(StagingMemory):
         # The daemon may still copy into this memory: hand it back to the allocator only
         # once the daemon has answered the unregistration (it answers once no copy uses
         # the pool). Off the engine's thread: a hung daemon must not stall it.
+        _count_fencing(1)
+
         def fence() -> None:
             try:
-                fenced = client.fence_pool(pool.binding)
+                fenced = client.fence_pool(pool.binding, FENCE_TIMEOUT_S)
             except KvtierError:
                 fenced = False
+            finally:
+                _count_fencing(-1)
             if not fenced:
                 _KEPT.append(tensor)
                 log.warning(

@@ -41,7 +41,9 @@ Invariants:
   chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
   finished the request).
 - A staging page is reused only after its transfer ended cleanly; a transfer that timed out
-  or lost its daemon retires the whole staging pool (see ``staging``).
+  or lost its daemon retires the whole staging pool (see ``staging``). On a GPU, the next
+  pool is made only once the daemon's fence of the retired one's memory has ended (kvtier is
+  off for this worker until then).
 - Saves never hold vLLM's blocks past the step that copies them to staging, so a request's
   blocks are released as soon as its last copy ran (``finished_sending`` in the same step).
 - A failing or slow daemon costs one timeout per ``retry_after_s``; meanwhile loads are
@@ -67,7 +69,7 @@ import torch
 
 from kvtier.client.errors import KvtierError
 from kvtier.client.integrations.breaker import Breaker
-from kvtier.client.integrations.staging import StagingPool
+from kvtier.client.integrations.staging import StagingPool, fencing_gpu_staging
 from kvtier.client.integrations.vllm_config import (
     ConnectorConfig,
     ModelIdentity,
@@ -314,6 +316,11 @@ class WorkerSide:
                 return arena
             arena.retire("the daemon no longer holds it (its session ended)", unclean=False)
         if not self.kv or not self.breaker.ok():
+            return None
+        if fencing_gpu_staging():
+            # A retired pool's GPU memory waits for the daemon's fence: no second pool
+            # meanwhile (loads fail at once, saves are dropped), so a slow daemon holds one
+            # pool's memory rather than one more per retirement.
             return None
         assert self.dtype is not None
         self._generation += 1

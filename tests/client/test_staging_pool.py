@@ -154,13 +154,14 @@ def test_unclean_gpu_staging_memory_is_freed_once_fenced_and_kept_when_it_cannot
     answered the unregistration, and is kept for the life of the process when the daemon
     cannot answer (it is gone), never handed back while a late copy could land in it."""
     monkeypatch.setattr(staging, "_KEPT", [])
+    monkeypatch.setattr(staging, "_fencing", 0)
     with gpu_daemon.client(timeout_s=2.0) as client:
         pool, memory = _gpu_pool(client, monkeypatch)
         cuda = staging.CudaMemory.__new__(staging.CudaMemory)
         cuda.tensor = memory.tensor
         cuda.release(client, pool.pool, unclean=True)
         _fence_threads_done()
-        assert staging._KEPT == []
+        assert staging._KEPT == [] and staging.fencing_gpu_staging() == 0
         assert client.stats().gauges["pools"] == 0  # unregistered, and answered
 
         second, memory = _gpu_pool(client, monkeypatch)
@@ -170,6 +171,37 @@ def test_unclean_gpu_staging_memory_is_freed_once_fenced_and_kept_when_it_cannot
         cuda.release(client, second.pool, unclean=True)
         _fence_threads_done()
         assert len(staging._KEPT) == 1 and staging._KEPT[0] is memory.tensor
+        # The fence has ended (kept): a worker may make a new pool (the daemon restarted).
+        assert staging.fencing_gpu_staging() == 0
+
+
+def test_a_slow_fence_is_waited_for_past_the_clients_timeout(gpu_daemon, monkeypatch):
+    """The daemon answers the unregistration of an unclean pool once its last copy ended,
+    which may be long after the transfer timed out: the fence waits ``FENCE_TIMEOUT_S``, not
+    the client's timeout, and the memory goes back to the allocator when the answer
+    comes (a worker makes no new pool until then)."""
+    monkeypatch.setattr(staging, "_KEPT", [])
+    monkeypatch.setattr(staging, "_fencing", 0)
+    with gpu_daemon.client(timeout_s=0.2) as client:
+        pool, memory = _gpu_pool(client, monkeypatch)
+        answer = threading.Event()
+        fence_pool = client.fence_pool
+        timeouts = []
+
+        def slow_fence(binding, timeout_s=None):  # type: ignore[no-untyped-def]
+            timeouts.append(timeout_s)
+            answer.wait(30)  # a copy still running in the daemon
+            return fence_pool(binding, timeout_s)
+
+        monkeypatch.setattr(client, "fence_pool", slow_fence)
+        cuda = staging.CudaMemory.__new__(staging.CudaMemory)
+        cuda.tensor = memory.tensor
+        cuda.release(client, pool.pool, unclean=True)
+        assert staging.fencing_gpu_staging() == 1  # a worker makes no new GPU pool
+        answer.set()
+        _fence_threads_done()
+        assert timeouts == [staging.FENCE_TIMEOUT_S] and staging.FENCE_TIMEOUT_S > 0.2
+        assert staging._KEPT == [] and staging.fencing_gpu_staging() == 0
 
 
 @pytest.mark.gpu

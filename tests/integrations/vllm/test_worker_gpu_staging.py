@@ -159,6 +159,30 @@ def test_shutdown_stores_the_saves_whose_copies_were_pending(gpu_daemon, monkeyp
         assert client.lookup(keys, namespace=namespace).tiers == [Tier.L0_GPU] * 4
 
 
+def test_no_new_gpu_pool_while_a_retired_ones_memory_waits_for_its_fence(gpu_daemon, monkeypatch):
+    """A pool retired after a transfer without an answer keeps its GPU memory until the
+    daemon fences it (``CudaMemory``). While it waits, the worker makes no new pool: its loads
+    fail at once (vLLM recomputes) rather than each retirement holding one more pool of GPU
+    memory; once the fence came, the next step has a fresh pool."""
+    import kvtier.client.integrations.staging as staging
+
+    made: list[shm_ipc.ShmGpuMemory] = []
+    shm_ipc.use_shm_gpu_staging(monkeypatch, made)
+    keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(8)), 2, None)
+    side, _, _ = _worker(gpu_daemon.address, "layer-outer", made)
+    try:
+        monkeypatch.setattr(staging, "_fencing", 1)  # the retired pool's fence, pending
+        side._arena.retire("a load timed out")  # type: ignore[union-attr]
+        load = KVTierConnectorMetadata(loads=[LoadSpec("q", [1, 2], {0: keys})])
+        assert run_step(side, load) == {1, 2}
+        assert side.staging_generation == 1 and len(made) == 1 and side.breaker.ok()
+        monkeypatch.setattr(staging, "_fencing", 0)  # the daemon answered
+        run_step(side, load)
+        assert side.staging_generation == 2 and len(made) == 2 and side.staging_registered()
+    finally:
+        side.shutdown()
+
+
 def test_a_daemon_without_a_gpu_tier_refuses_gpu_staging_and_vllm_runs_without_kvtier(
     daemon, monkeypatch, caplog
 ):
