@@ -357,6 +357,9 @@ def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) 
         f"heads={spec.num_kv_heads}x{spec.head_size}",
         f"layers={len(groups[0].layer_names)}",
     ]
+    packing = page_packing(spec)
+    if packing:
+        extra_parts.append(f"packing={packing}")
     if options.extra:
         extra_parts.append(f"user={options.extra}")
     return ModelIdentity(
@@ -372,6 +375,20 @@ def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) 
         num_layers=len(groups[0].layer_names),
         layer_block_bytes=layer_block_bytes,
     )
+
+
+def page_packing(spec: Any) -> str:
+    """How the attention backend packs a block's K and V, when it says it does
+    (``num_head_slots``, ``state_content_bytes`` of vLLM's spec: the ``H`` and ``C`` of the
+    logical ``[H, N, C]`` page); empty for the dense layout (one slot per KV head, K then V),
+    so that the namespaces of dense caches stay as they were. Two backends that pack a page
+    differently lay out the same bytes differently: this keeps their blocks apart, whatever
+    the backend's name (``auto`` picks one per machine)."""
+    slots = getattr(spec, "num_head_slots", None)
+    content = getattr(spec, "state_content_bytes", None)
+    if slots is None and content is None:
+        return ""
+    return f"{slots if slots is not None else spec.num_kv_heads}x{content or 'dense'}"
 
 
 def kv_layout_name(vllm_config: Any, kv_cache_config: Any, spec: Any) -> str:

@@ -248,3 +248,28 @@ def test_the_gpu_namespace_names_the_backend_full_attention_layers_run():
     )
     # Overrides for other kinds of layer leave full attention's backend as it was.
     assert name(backend_per_kind={"mla_attention": "FLASHINFER_MLA"}) == "auto"
+
+
+def test_a_backend_that_packs_its_pages_has_a_namespace_of_its_own():
+    """vLLM's spec says when a backend packs a page's K and V into other head slots or
+    content sizes (B12X: a K plane and a V plane, two slots of every head's K or V; FlashInfer
+    with nvfp4: twice the heads): B12X's page has the dense page's size and another byte
+    order, so the namespace names the packing; a dense spec's namespace field stays absent
+    (its blocks keep their keys)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.client.integrations.vllm_config import page_packing
+
+    def spec(**kw: Any) -> Any:
+        return FullAttentionSpec(
+            block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16, **kw
+        )
+
+    dense = page_packing(spec())
+    flashinfer = page_packing(spec(num_head_slots=16, state_content_bytes=72))
+    b12x = page_packing(spec(num_head_slots=2, state_content_bytes=8 * 128 * 2))
+    assert spec(num_head_slots=2, state_content_bytes=8 * 128 * 2).page_size_bytes == (
+        spec().page_size_bytes
+    )
+    assert dense == ""
+    assert flashinfer and b12x and flashinfer != b12x
