@@ -525,7 +525,9 @@ class WorkerSide:
             self._step_save = save
         if layer in save.layers_copied:
             return
-        save.arena.gather(layer, save.pages, kv_layer, save.block_ids)
+        # The registered view (checked at start), not ``kv_layer``: vLLM may hand the
+        # attention a view of other (kernel) blocks.
+        save.arena.gather(layer, save.pages, self.kv[layer], save.block_ids)
         save.layers_copied.add(layer)
 
     def _start_save(self, specs: list[SaveSpec]) -> _Save | None:
