@@ -172,6 +172,12 @@ def main(argv: list[str], *, as_json: bool) -> int:
     p.add_argument("--batch", type=int, default=4, help="prompts of a throughput run")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens of a throughput run")
     p.add_argument(
+        "--load-mode",
+        choices=("auto", "layerwise", "async"),
+        default="auto",
+        help="the connector's load_mode (auto: layerwise here, one worker)",
+    )
+    p.add_argument(
         "--l2-dir",
         default=None,
         help="where the L2 slot files go (a temporary folder inside; default: the system temp "
@@ -211,7 +217,12 @@ def main(argv: list[str], *, as_json: bool) -> int:
     try:
         _checkpoint(model)
         daemon = stack.enter_context(_daemon(socket_path, l2_dir, l1_bytes))
-        connector = {"address": daemon.address, "retry_after_s": 0.5, "load_timeout_s": 30.0}
+        connector = {
+            "address": daemon.address,
+            "retry_after_s": 0.5,
+            "load_timeout_s": 30.0,
+            "load_mode": args.load_mode,
+        }
         spec = {"model": model, "max_model_len": max_model_len}
         t = time.perf_counter()
         plain = Engine("vllm", {**spec, "connector": None}, work)
@@ -314,6 +325,7 @@ def main(argv: list[str], *, as_json: bool) -> int:
         "batch": args.batch,
         "max_tokens": args.max_tokens,
         "reps": args.reps,
+        "load_mode": args.load_mode,
         "kv_bytes_per_token": kv_bytes_per_token,
         "outputs_identical": True,  # to plain vLLM with the prefix cached (checked)
         "recompute_matches_cached": recompute_matches,

@@ -27,6 +27,7 @@ def test_bench_vllm_checks_outputs_and_reports_every_case(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["outputs_identical"] is True
     assert result["prefix_tokens"] == 512 and result["reps"] == 2
+    assert result["load_mode"] == "auto"
     for case in ("kvtier_l1", "kvtier_l2", "vllm_cached"):
         assert result["ttft_speedup"][case] > 0 and result["throughput_ratio"][case] > 0
         assert len(result["runs"]["ttft_s"][case]) == 2
