@@ -47,8 +47,14 @@ class SaveSpec:
 
 @dataclass
 class KVTierConnectorMetadata(KVConnectorMetadata):
+    """``rewound``: the requests that workers named in ``failed_loads`` and the scheduler side
+    has seen since its previous step: from this step on their saves are planned again from
+    where vLLM rewound them. Until then a worker withholds their saves (a step scheduled
+    before vLLM saw the failure, as its async scheduling does, computes them over it)."""
+
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    rewound: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -125,6 +125,7 @@ class SchedulerSide:
         self._loading: set[int] = set()  # engine blocks the step being built loads layer-wise
         self._async_loading: dict[str, int] = {}  # request id: pages its async load holds
         self._finish_saves: list[SaveSpec] = []
+        self._rewound: set[str] = set()  # failed_loads seen since the last step's metadata
         self._lease_owner: dict[int, str] = {}
         self._adapters = AdapterDigests(LORA_TAG)
         self._unkeyed_adapters: set[str] = set()  # warned about once each
@@ -279,8 +280,10 @@ class SchedulerSide:
     # ------------------------------------------------------------------ steps
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        meta = KVTierConnectorMetadata(loads=self._loads, saves=self._finish_saves)
-        self._loads, self._finish_saves = [], []
+        meta = KVTierConnectorMetadata(
+            loads=self._loads, saves=self._finish_saves, rewound=self._rewound
+        )
+        self._loads, self._finish_saves, self._rewound = [], [], set()
         # Blocks this step loads while it computes: a save computed over one must say so.
         self._loading = (
             {b for spec in meta.loads for b in spec.block_ids}
@@ -374,6 +377,9 @@ class SchedulerSide:
         if isinstance(meta, KVTierWorkerMetadata):
             for lease in meta.done_leases:
                 self._release(lease)
+            # The workers withhold these requests' saves until told that the steps
+            # planned from here on know of the failure (see KVTierConnectorMetadata).
+            self._rewound |= meta.failed_loads
             for req_id in meta.failed_loads:
                 state = self._requests.get(req_id)
                 if state is None:

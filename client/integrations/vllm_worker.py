@@ -36,7 +36,9 @@ Invariants:
   load failed (another request's, shared through vLLM's prefix cache: ``SaveSpec.reads``),
   are not stored: vLLM computed them with attention over the failed blocks, and recomputes
   them (the scheduler side plans them again from its first failed block;
-  ``save_blocks_withheld``).
+  ``save_blocks_withheld``). So are their saves in later steps until the scheduler side
+  says it has seen the failure (``KVTierConnectorMetadata.rewound``): with vLLM's async
+  scheduling the next step is planned, and runs, before vLLM has rewound them.
 - A request whose block this worker did not store (cut, paused, failed) has a gap in its
   chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
   finished the request).
@@ -180,6 +182,9 @@ class WorkerSide:
         self._invalid: set[int] = set()
         self._done_leases: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed, to report
+        # Requests reported in failed_loads whose rewind the scheduler side has not yet
+        # confirmed (meta.rewound): their saves are withheld meanwhile.
+        self._tainted: set[str] = set()
         self._broken: set[str] = set()  # requests with a block not stored: store no more
         self._warned_dropped = False
         self._sending: set[str] = set()  # finish-saves copied, to report
@@ -606,15 +611,18 @@ class WorkerSide:
             self._load = None
         save, self._step_save = self._step_save, None
         self._step_save_tried = False
+        self._tainted -= meta.rewound  # planned again from where vLLM rewound them
         if save is not None:
             if len(save.layers_copied) == self.num_layers:
                 self._taint(save.specs)
-                self._submit_save(save, withhold=self._failed_loads)
+                self._submit_save(save, withhold=self._failed_loads | self._tainted)
             else:
                 self._lost(save)
         finish = [s for s in meta.saves if s.at_finish]
         if finish:
             self._save_finished_requests(finish)
+        # The next step may have been planned before vLLM sees these failures.
+        self._tainted |= self._failed_loads
         self._reap_saves()
 
     def _taint(self, specs: list[SaveSpec]) -> None:
@@ -635,7 +643,7 @@ class WorkerSide:
             for layer in range(self.num_layers):
                 save.arena.gather(layer, save.pages, self.kv[layer], save.block_ids)
             save.layers_copied = set(range(self.num_layers))
-            self._submit_save(save)
+            self._submit_save(save, withhold=self._tainted)
         self._sending.update(s.req_id for s in specs)
 
     def _submit_save(self, save: _Save, withhold: set[str] | frozenset[str] = frozenset()) -> None:
@@ -788,6 +796,7 @@ class WorkerSide:
         self._finished_seen = seen - sending if self._sending else set()
         recving, self._recving = self._recving, set()
         self._broken -= finished_req_ids
+        self._tainted -= finished_req_ids
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

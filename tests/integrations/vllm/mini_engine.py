@@ -68,6 +68,7 @@ class MiniEngine:
         *,
         num_blocks: int = 64,
         kv_load_failure_policy: str = "fail",
+        max_num_batched_tokens: int = 4096,
     ) -> None:
         model_config = ModelConfig(
             model=str(model_dir),
@@ -82,7 +83,7 @@ class MiniEngine:
             cache_config=CacheConfig(block_size=BLOCK),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=16,
-                max_num_batched_tokens=4096,
+                max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=2048,
                 is_encoder_decoder=False,
             ),
@@ -186,6 +187,27 @@ class MiniEngine:
         out = self.scheduler.schedule()
         if before_forward is not None:
             before_forward(out)
+        self._update(out, self._forward(out))
+        return out
+
+    def overlapped_steps(
+        self, before_forward: Callable[[SchedulerOutput], None] | None = None
+    ) -> tuple[SchedulerOutput, SchedulerOutput]:
+        """Two steps as vLLM's async scheduling runs them: the second is scheduled (and its
+        forward pass run) before the scheduler has seen the first one's output.
+        ``before_forward`` runs before the first one's forward pass."""
+        first = self.scheduler.schedule()
+        if before_forward is not None:
+            before_forward(first)
+        first_output = self._forward(first)
+        second = self.scheduler.schedule()
+        second_output = self._forward(second)
+        self._update(first, first_output)
+        self._update(second, second_output)
+        return first, second
+
+    def _forward(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The worker's side of one step: its connector calls around the forward pass."""
         meta = out.kv_connector_metadata
         worker = self.worker
         sampled: dict[str, list[int]] = {}
@@ -214,7 +236,7 @@ class MiniEngine:
             request = self.scheduler.requests[req_id]
             done = request.num_computed_tokens >= request.num_tokens
             sampled[req_id] = [self._sample(request)] if done else []
-        mro = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids],
@@ -225,11 +247,12 @@ class MiniEngine:
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             ),
         )
+
+    def _update(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         outputs = self.scheduler.update_from_output(out, mro)
         for engine_outputs in outputs.values():
             for o in engine_outputs.outputs:
                 self.outputs[o.request_id].extend(o.new_token_ids)
-        return out
 
     def _writes(self, out: SchedulerOutput) -> list[tuple[str, int, list[tuple[int, int, int]]]]:
         """Per request: (id, first position, (block, offset, code) of every token this step

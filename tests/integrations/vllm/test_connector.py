@@ -869,3 +869,35 @@ def test_an_engine_keeps_working_across_a_daemon_restart(model_dir, daemon_facto
         engine.run()
     finally:
         engine.close()
+
+
+def test_a_step_scheduled_before_a_failed_loads_output_stores_nothing_of_it(model_dir, daemon):
+    """vLLM's async scheduling (its default) schedules and runs a step before it has seen the
+    previous step's output. Request "a" loads a stored prefix layer by layer and computes the
+    first chunk of the rest of its prompt; the load fails, and the step after it (already
+    running when vLLM learns of the failure and rewinds "a") computes the next chunk over the
+    failed blocks too. Regression: that chunk's block was stored, and being already held, its
+    recomputed KV never was, so a later hit on it loaded wrong KV."""
+    _store_prompt(model_dir, daemon)
+    a = PROMPT[: 3 * BLOCK] + prompts(8, 0, [2 * BLOCK + 50])[0]
+    engine = MiniEngine(model_dir, _options(daemon), max_num_batched_tokens=BLOCK)
+    keys: list[bytes] = []
+    try:
+        engine.add("a", a, max_tokens=2)
+        first, second = engine.overlapped_steps(before_forward=_losing_the_loads(engine, keys))
+        assert len(keys) == 3
+        assert first.num_scheduled_tokens["a"] == BLOCK  # the 4th block, over the failed ones
+        assert second.num_scheduled_tokens["a"] == BLOCK  # the 5th, scheduled before the failure
+        assert engine.worker.stats["save_blocks_withheld"] == 2
+        engine.run()
+    finally:
+        engine.close()  # waits for its saves
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add("a", a, max_tokens=2)
+        out = reader.step()
+        assert out.num_scheduled_tokens["a"] == len(a) - 5 * BLOCK
+        assert reader.invalid_reported == set()
+        assert reader.blocks_hold_their_prefix("a", len(a))
+    finally:
+        reader.close()
