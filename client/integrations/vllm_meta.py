@@ -24,6 +24,13 @@ class LoadSpec:
     leases: dict[int, int] = field(default_factory=dict)
 
 
+RECENT_STEPS = 4
+"""Steps after a layer-wise load during which a block it filled counts as read by a save
+(``SaveSpec.reads``), and a failure of it taints saves that read it: vLLM's async
+scheduling plans up to two steps before it learns a step's outcome, and the failing
+request is recomputed in the step after it does."""
+
+
 @dataclass
 class SaveSpec:
     """Store engine blocks ``block_ids`` of one request as ``keys[rank]``, continuing the
@@ -33,9 +40,11 @@ class SaveSpec:
     reports it in ``finished_sending``; otherwise the blocks are copied during this step's
     forward pass (``save_kv_layer``), right after each layer's attention wrote them.
 
-    ``reads``: the engine blocks before ``block_ids`` in the request's block table that this
-    step loads layer by layer (for another request: vLLM's prefix cache shares them). These
-    blocks are computed over them, so a load of one that fails taints them too."""
+    ``reads``: the engine blocks of the request's block table, up to the last one stored,
+    that a layer-wise load filled in this step or in the ``RECENT_STEPS`` before it (for
+    another request, vLLM's prefix cache shares them: with async scheduling a step is
+    planned before vLLM has seen whether an earlier step's load failed). These blocks are
+    computed over them, so a load of one that fails taints them too."""
 
     req_id: str
     block_ids: list[int]

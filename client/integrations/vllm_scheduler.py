@@ -49,6 +49,7 @@ Thread-safety: none; vLLM calls the scheduler connector from one thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -69,6 +70,7 @@ from kvtier.client.integrations.vllm_config import (
     staging_pages,
 )
 from kvtier.client.integrations.vllm_meta import (
+    RECENT_STEPS,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadSpec,
@@ -122,7 +124,10 @@ class SchedulerSide:
         self.breaker = Breaker(config.retry_after_s, "lookup")
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []  # this step's, until build_connector_meta
-        self._loading: set[int] = set()  # engine blocks the step being built loads layer-wise
+        # The engine blocks each of the last RECENT_STEPS steps loaded layer-wise, and all
+        # of them (see SaveSpec.reads).
+        self._recent_loads: collections.deque[set[int]] = collections.deque(maxlen=RECENT_STEPS + 1)
+        self._recently_loaded: set[int] = set()
         self._async_loading: dict[str, int] = {}  # request id: pages its async load holds
         self._finish_saves: list[SaveSpec] = []
         self._rewound: set[str] = set()  # failed_loads seen since the last step's metadata
@@ -284,12 +289,13 @@ class SchedulerSide:
             loads=self._loads, saves=self._finish_saves, rewound=self._rewound
         )
         self._loads, self._finish_saves, self._rewound = [], [], set()
-        # Blocks this step loads while it computes: a save computed over one must say so.
-        self._loading = (
-            {b for spec in meta.loads for b in spec.block_ids}
-            if self.config.load_mode == "layerwise"
-            else set()
-        )
+        # Blocks recent steps load while they compute: a save computed over one says so.
+        loading = set()
+        if self.config.load_mode == "layerwise":
+            loading = {b for spec in meta.loads for b in spec.block_ids}
+        if loading or self._recently_loaded:
+            self._recent_loads.append(loading)
+            self._recently_loaded = set().union(*self._recent_loads)
         num_scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -351,7 +357,8 @@ class SchedulerSide:
             parents[rank] = chain.parent_of(start)
         state.saved = limit
         self.stats["save_blocks_planned"] += limit - start
-        reads = [b for b in block_ids[:start] if b in self._loading] if not at_finish else []
+        loaded = self._recently_loaded
+        reads = sorted(loaded.intersection(block_ids[:limit])) if loaded and not at_finish else []
         return SaveSpec(
             request.request_id, list(block_ids[start:limit]), keys, parents, at_finish, reads
         )

@@ -38,7 +38,10 @@ Invariants:
   them (the scheduler side plans them again from its first failed block;
   ``save_blocks_withheld``). So are their saves in later steps until the scheduler side
   says it has seen the failure (``KVTierConnectorMetadata.rewound``): with vLLM's async
-  scheduling the next step is planned, and runs, before vLLM has rewound them.
+  scheduling the next step is planned, and runs, before vLLM has rewound them. A request
+  planned then that reads another's failed blocks (``SaveSpec.reads``: blocks loaded in the
+  last ``RECENT_STEPS`` steps) is never rewound by vLLM: nothing more of it is stored. A
+  failed block is fresh again once a step has computed it for a request not tainted.
 - A request whose block this worker did not store (cut, paused, failed) has a gap in its
   chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
   finished the request).
@@ -79,6 +82,7 @@ from kvtier.client.integrations.vllm_config import (
     staging_pages,
 )
 from kvtier.client.integrations.vllm_meta import (
+    RECENT_STEPS,
     KVTierConnectorMetadata,
     KVTierWorkerMetadata,
     LoadSpec,
@@ -180,6 +184,12 @@ class WorkerSide:
         self._submit_queue: queue.SimpleQueue[_Save | None] | None = None
         self._shutting_down = False
         self._invalid: set[int] = set()
+        # Engine blocks whose layer-wise load failed in an earlier step and that no step has
+        # computed since: block -> (the request that loaded it, the step it failed in, a
+        # count of wait_for_save calls); kept RECENT_STEPS steps at most.
+        self._stale: dict[int, tuple[str, int]] = {}
+        self._failed_owner: dict[int, str] = {}  # this step's failed blocks: their request
+        self._steps = 0
         self._done_leases: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed, to report
         # Requests reported in failed_loads whose rewind the scheduler side has not yet
@@ -477,6 +487,9 @@ class WorkerSide:
             n = len(spec.block_ids)
             if not load.ok[offset : offset + n].all():
                 self._failed_loads.add(spec.req_id)
+                if not load.asynchronous:
+                    for b in np.asarray(spec.block_ids)[~load.ok[offset : offset + n]]:
+                        self._failed_owner[int(b)] = spec.req_id
             offset += n
             lease = spec.leases.get(self.rank)
             if lease:
@@ -614,8 +627,8 @@ class WorkerSide:
         self._tainted -= meta.rewound  # planned again from where vLLM rewound them
         if save is not None:
             if len(save.layers_copied) == self.num_layers:
-                self._taint(save.specs)
-                self._submit_save(save, withhold=self._failed_loads | self._tainted)
+                unrewound = self._taint(save.specs)
+                self._submit_save(save, withhold=self._failed_loads | self._tainted | unrewound)
             else:
                 self._lost(save)
         finish = [s for s in meta.saves if s.at_finish]
@@ -623,18 +636,50 @@ class WorkerSide:
             self._save_finished_requests(finish)
         # The next step may have been planned before vLLM sees these failures.
         self._tainted |= self._failed_loads
+        self._age_stale()
         self._reap_saves()
 
-    def _taint(self, specs: list[SaveSpec]) -> None:
-        """Requests that read a block whose load failed in this step (through vLLM's prefix
-        cache: ``SaveSpec.reads``) computed this step's blocks over it: vLLM rewinds them too,
-        and here they count as failed loads (their blocks withheld, the scheduler side told
-        to plan them again)."""
-        if not self._invalid:
-            return
+    def _taint(self, specs: list[SaveSpec]) -> set[str]:
+        """Requests that read a block whose load failed (through vLLM's prefix cache:
+        ``SaveSpec.reads``) computed this step's blocks over it. Failed in this step: vLLM
+        rewinds them too, and here they count as failed loads (their blocks withheld, the
+        scheduler side told to plan them again). Failed in an earlier step (async scheduling
+        planned this one before vLLM saw it): vLLM does not rewind them, so nothing more of
+        them is stored (``_broken``); returned, to withhold this step's blocks. A failed
+        block this step computes for a request not tainted (a rewound request recomputing
+        it) is fresh again: each layer writes the step's KV before its attention reads any."""
+        unrewound: set[str] = set()
+        if not self._invalid and not self._stale:
+            return unrewound
         for spec in specs:
             if spec.req_id not in self._failed_loads and self._invalid.intersection(spec.reads):
                 self._failed_loads.add(spec.req_id)
+        tainted = self._failed_loads | self._tainted
+        if self._stale:
+            for spec in specs:
+                if spec.req_id not in tainted:
+                    for b in spec.block_ids:
+                        self._stale.pop(b, None)
+        for spec in specs:
+            if spec.req_id in tainted or not spec.reads or not self._stale:
+                continue
+            # (A request's own failed blocks are what it recomputes once rewound.)
+            if any(self._stale.get(b, (spec.req_id,))[0] != spec.req_id for b in spec.reads):
+                unrewound.add(spec.req_id)
+                self._broken.add(spec.req_id)
+        return unrewound
+
+    def _age_stale(self) -> None:
+        """At a step's end: this step's failed layer-wise blocks become stale, blocks this
+        step computed (saved now) are fresh again, and stale blocks older than RECENT_STEPS
+        steps are forgotten."""
+        self._steps += 1
+        for b, req_id in self._failed_owner.items():
+            self._stale[b] = (req_id, self._steps)
+        self._failed_owner = {}
+        if self._stale:
+            oldest = self._steps - RECENT_STEPS
+            self._stale = {b: v for b, v in self._stale.items() if v[1] > oldest}
 
     def _save_finished_requests(self, specs: list[SaveSpec]) -> None:
         """Copy finished requests' blocks to staging now; vLLM may free them right after."""

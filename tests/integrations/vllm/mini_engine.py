@@ -191,15 +191,20 @@ class MiniEngine:
         return out
 
     def overlapped_steps(
-        self, before_forward: Callable[[SchedulerOutput], None] | None = None
+        self,
+        before_forward: Callable[[SchedulerOutput], None] | None = None,
+        between: Callable[[], None] | None = None,
     ) -> tuple[SchedulerOutput, SchedulerOutput]:
         """Two steps as vLLM's async scheduling runs them: the second is scheduled (and its
         forward pass run) before the scheduler has seen the first one's output.
-        ``before_forward`` runs before the first one's forward pass."""
+        ``before_forward`` runs before the first one's forward pass, ``between`` after it
+        (before the second is scheduled: a request arriving then)."""
         first = self.scheduler.schedule()
         if before_forward is not None:
             before_forward(first)
         first_output = self._forward(first)
+        if between is not None:
+            between()
         second = self.scheduler.schedule()
         second_output = self._forward(second)
         self._update(first, first_output)

@@ -901,3 +901,42 @@ def test_a_step_scheduled_before_a_failed_loads_output_stores_nothing_of_it(mode
         assert reader.blocks_hold_their_prefix("a", len(a))
     finally:
         reader.close()
+
+
+def test_a_request_scheduled_before_a_failed_load_was_seen_stores_nothing_over_it(
+    model_dir, daemon
+):
+    """Request "c" arrives while "a"'s failing layer-wise load runs, and async scheduling
+    plans it before vLLM has seen the failure, with "a"'s blocks from vLLM's own prefix cache
+    (a layer-wise load caches them at allocation). vLLM never rewinds "c" (its output is
+    computed over the failed blocks: vLLM's own doing), and the connector stores nothing of
+    it since; "a" stores its blocks once recomputed. Regression: "c"'s next block was stored,
+    and a later hit on it loaded wrong KV."""
+    _store_prompt(model_dir, daemon)
+    a = PROMPT[: 3 * BLOCK] + prompts(8, 0, [BLOCK + 50])[0]
+    c = a[: 4 * BLOCK] + prompts(9, 0, [BLOCK + 10])[0]
+    engine = MiniEngine(model_dir, _options(daemon), max_num_batched_tokens=2 * BLOCK)
+    keys: list[bytes] = []
+    try:
+        engine.add("a", a, max_tokens=2)
+        _, second = engine.overlapped_steps(
+            before_forward=_losing_the_loads(engine, keys),
+            between=lambda: engine.add("c", c, max_tokens=2),
+        )
+        assert len(keys) == 3
+        # "c" computes its 5th block over "a"'s four, found in vLLM's cache.
+        assert dict(second.num_scheduled_tokens) == {"c": len(c) - 4 * BLOCK}
+        engine.run()
+    finally:
+        engine.close()  # waits for its saves
+    for req_id, prompt in (("a", a), ("c", c)):
+        reader = MiniEngine(model_dir, _options(daemon))
+        try:
+            reader.add(req_id, prompt, max_tokens=2)
+            out = reader.step()
+            # "a"'s four blocks, recomputed, and nothing of "c"'s own.
+            assert out.num_scheduled_tokens[req_id] == len(prompt) - 4 * BLOCK
+            assert reader.invalid_reported == set()
+            assert reader.blocks_hold_their_prefix(req_id, len(prompt))
+        finally:
+            reader.close()
