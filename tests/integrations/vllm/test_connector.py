@@ -43,6 +43,21 @@ def _options(daemon, **extra):
     }
 
 
+def _reader_loads(model_dir, daemon, prompt, blocks: int, req_id: str = "r"):
+    """Another engine, asked ``prompt``, loads its first ``blocks`` blocks from kvtier, none
+    failing, and they hold the right KV (what a later hit gets); its first step's output."""
+    reader = MiniEngine(model_dir, _options(daemon))
+    try:
+        reader.add(req_id, prompt, max_tokens=2)
+        out = reader.step()
+        assert out.num_scheduled_tokens[req_id] == len(prompt) - blocks * BLOCK
+        assert reader.invalid_reported == set()
+        assert reader.blocks_hold_their_prefix(req_id, len(prompt))
+        return out
+    finally:
+        reader.close()
+
+
 def _store_prompt(model_dir, daemon, prompt=PROMPT) -> None:
     """A first engine computes ``prompt`` and stores its full blocks."""
     engine = MiniEngine(model_dir, _options(daemon))
@@ -286,15 +301,7 @@ def test_blocks_that_failed_to_load_are_stored_once_recomputed(model_dir, daemon
     with daemon.client() as client:
         assert client.lookup(keys).prefix_len == 3
     # What was stored again is the right KV: another engine loads and checks it.
-    reader = MiniEngine(model_dir, _options(daemon))
-    try:
-        reader.add("r", PROMPT, max_tokens=2)
-        out = reader.step()
-        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
-        assert reader.blocks_hold_their_prefix("r", len(PROMPT))
-        assert reader.invalid_reported == set()
-    finally:
-        reader.close()
+    _reader_loads(model_dir, daemon, PROMPT, 3)
 
 
 def test_blocks_computed_over_a_failed_load_are_not_stored(model_dir, daemon):
@@ -318,15 +325,7 @@ def test_blocks_computed_over_a_failed_load_are_not_stored(model_dir, daemon):
         assert engine.worker.stats["load_blocks_failed"] == 3
     finally:
         engine.close()  # waits for its saves
-    reader = MiniEngine(model_dir, _options(daemon))
-    try:
-        reader.add("r", longer, max_tokens=2)
-        out = reader.step()
-        assert out.num_scheduled_tokens["r"] == len(longer) - 4 * BLOCK
-        assert reader.invalid_reported == set()
-        assert reader.blocks_hold_their_prefix("r", len(longer))
-    finally:
-        reader.close()
+    _reader_loads(model_dir, daemon, longer, 4)
 
 
 def test_blocks_computed_over_another_requests_failed_load_are_not_stored(model_dir, daemon):
@@ -352,15 +351,7 @@ def test_blocks_computed_over_another_requests_failed_load_are_not_stored(model_
         engine.run()
     finally:
         engine.close()  # waits for its saves
-    reader = MiniEngine(model_dir, _options(daemon))
-    try:
-        reader.add("b", b, max_tokens=2)
-        out = reader.step()
-        assert out.num_scheduled_tokens["b"] == len(b) - 4 * BLOCK
-        assert reader.invalid_reported == set()
-        assert reader.blocks_hold_their_prefix("b", len(b))
-    finally:
-        reader.close()
+    _reader_loads(model_dir, daemon, b, 4, "b")
 
 
 def _lose_blocks(monkeypatch, worker):
@@ -670,16 +661,8 @@ def test_a_prompt_larger_than_the_saves_share_stores_its_first_blocks(model_dir,
         assert writer.worker.stats["save_blocks_dropped"] == 2
     finally:
         writer.close()
-    reader = MiniEngine(model_dir, _options(daemon))
-    try:
-        reader.add("r", prompt, max_tokens=2)
-        out = reader.step()
-        assert [len(spec.block_ids) for spec in out.kv_connector_metadata.loads] == [4]
-        assert out.num_scheduled_tokens["r"] == len(prompt) - 4 * BLOCK
-        assert reader.blocks_hold_their_prefix("r", len(prompt))
-        assert reader.invalid_reported == set()
-    finally:
-        reader.close()
+    out = _reader_loads(model_dir, daemon, prompt, 4)
+    assert [len(spec.block_ids) for spec in out.kv_connector_metadata.loads] == [4]
 
 
 def test_an_aborted_async_load_holds_its_pages_until_the_worker_lets_them_go(model_dir, daemon):
@@ -747,14 +730,7 @@ def test_blocks_not_saved_in_time_are_saved_when_the_request_finishes(model_dir,
     with daemon.client() as client:
         assert wait_until(lambda: client.stats().counter("put_blocks", result="stored") >= 3)
     # What was saved at the finish is the right KV: another engine loads and checks it.
-    reader = MiniEngine(model_dir, _options(daemon))
-    try:
-        reader.add("r", PROMPT, max_tokens=2)
-        out = reader.step()
-        assert out.num_scheduled_tokens["r"] == len(PROMPT) - 3 * BLOCK
-        assert reader.blocks_hold_their_prefix("r", len(PROMPT))
-    finally:
-        reader.close()
+    _reader_loads(model_dir, daemon, PROMPT, 3)
 
 
 def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):
@@ -892,15 +868,7 @@ def test_a_step_scheduled_before_a_failed_loads_output_stores_nothing_of_it(mode
         engine.run()
     finally:
         engine.close()  # waits for its saves
-    reader = MiniEngine(model_dir, _options(daemon))
-    try:
-        reader.add("a", a, max_tokens=2)
-        out = reader.step()
-        assert out.num_scheduled_tokens["a"] == len(a) - 5 * BLOCK
-        assert reader.invalid_reported == set()
-        assert reader.blocks_hold_their_prefix("a", len(a))
-    finally:
-        reader.close()
+    _reader_loads(model_dir, daemon, a, 5, "a")
 
 
 def test_a_request_scheduled_before_a_failed_load_was_seen_stores_nothing_over_it(
@@ -929,14 +897,6 @@ def test_a_request_scheduled_before_a_failed_load_was_seen_stores_nothing_over_i
         engine.run()
     finally:
         engine.close()  # waits for its saves
-    for req_id, prompt in (("a", a), ("c", c)):
-        reader = MiniEngine(model_dir, _options(daemon))
-        try:
-            reader.add(req_id, prompt, max_tokens=2)
-            out = reader.step()
-            # "a"'s four blocks, recomputed, and nothing of "c"'s own.
-            assert out.num_scheduled_tokens[req_id] == len(prompt) - 4 * BLOCK
-            assert reader.invalid_reported == set()
-            assert reader.blocks_hold_their_prefix(req_id, len(prompt))
-        finally:
-            reader.close()
+    # "a"'s four blocks, recomputed, and nothing of "c"'s own.
+    _reader_loads(model_dir, daemon, a, 4, "a")
+    _reader_loads(model_dir, daemon, c, 4, "c")
