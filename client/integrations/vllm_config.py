@@ -334,9 +334,22 @@ def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) 
         )
     if getattr(spec, "head_size_v", spec.head_size) not in (None, spec.head_size):
         raise ValueError("kvtier connector: K and V of different head sizes are not supported")
+    parallel = vllm_config.parallel_config
+    cp = {
+        name: int(getattr(parallel, name, 1) or 1)
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size")
+    }
+    if any(size > 1 for size in cp.values()):
+        # Each rank would hold some of a block's tokens, under a namespace that names only
+        # its tensor and pipeline ranks: an engine without context parallelism would load
+        # one rank's share as the whole block.
+        raise ValueError(
+            "kvtier connector: context parallelism ("
+            + ", ".join(f"{k}={v}" for k, v in cp.items())
+            + ") splits a block's tokens across ranks; not supported"
+        )
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
     kv_dtype = str(spec.dtype).removeprefix("torch.")
     itemsize = spec.dtype.itemsize
     layer_block_bytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * itemsize

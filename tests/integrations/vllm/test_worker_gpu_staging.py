@@ -273,3 +273,32 @@ def test_a_backend_that_packs_its_pages_has_a_namespace_of_its_own():
     )
     assert dense == ""
     assert flashinfer and b12x and flashinfer != b12x
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [{"decode_context_parallel_size": 2}, {"prefill_context_parallel_size": 2}],
+)
+def test_context_parallelism_is_refused_at_start(sizes):
+    """Context parallelism splits a block's tokens across ranks, which the namespace (tensor
+    and pipeline ranks) does not name: an engine without it would load one rank's share as
+    the whole block. Refused at start, naming the setting."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.client.integrations.vllm_config import NamespaceOptions, identify
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+    parallel = SimpleNamespace(
+        tensor_parallel_size=2,
+        pipeline_parallel_size=1,
+        decode_context_parallel_size=1,
+        prefill_context_parallel_size=1,
+    )
+    for name, size in sizes.items():
+        setattr(parallel, name, size)
+    vllm_config = SimpleNamespace(parallel_config=parallel)
+    with pytest.raises(ValueError, match=f"context parallelism .*{next(iter(sizes))}=2"):
+        identify(vllm_config, kv_cache_config, NamespaceOptions())
