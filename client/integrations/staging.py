@@ -107,7 +107,6 @@ class HostMemory(StagingMemory):
     description = "shared memory"
 
     def __init__(self, layout: PoolLayout, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        self._layout = layout
         self._dtype = dtype
         self._shape = shape
         self.shm = SharedMemoryPool.for_layout(layout)
