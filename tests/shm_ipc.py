@@ -118,8 +118,6 @@ class Mark:
 class ShmGpuMemory(StagingMemory):
     """``StagingMemory`` standing in for ``CudaMemory`` (engine side); see the module."""
 
-    description = "a /dev/shm stand-in of GPU memory over CUDA IPC"
-
     def __init__(self, layout: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         self.name = f"kvtier-test-ipc-{os.getpid()}-{secrets.token_hex(6)}"
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()

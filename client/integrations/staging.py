@@ -76,8 +76,6 @@ class StagingMemory:
     """Where a staging pool's pages live: the tensor the engine copies with, how the daemon
     is given it, and how the engine's copies are ordered with the daemon's."""
 
-    description = ""  # for log lines
-
     tensor: torch.Tensor  # [layers, pages, *block_shape]
 
     def register(
@@ -103,8 +101,6 @@ class StagingMemory:
 
 class HostMemory(StagingMemory):
     """A shared-memory region (the engine's copies are synchronous CPU copies)."""
-
-    description = "shared memory"
 
     def __init__(self, layout: PoolLayout, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
         self._dtype = dtype
@@ -176,7 +172,6 @@ class CudaMemory(StagingMemory):
         self.tensor = torch.empty(shape, dtype=dtype, device=device)
         self.export = export_tensors([self.tensor], [0])
         self.export.check_layout(layout)
-        self.description = f"GPU memory on {device}, over CUDA IPC"
 
     def register(
         self, client: Client, layout: PoolLayout, namespace: Namespace | None
