@@ -627,12 +627,20 @@ class SpaceManager:
             return slots
         now = self._clock()
         slot_bytes = alloc.slot_bytes_for(nbytes)
-        if alloc.stats().size_classes.get(slot_bytes):
+        # A victim's slot is free once its eviction is done (a disk tier deletes its index row
+        # first, on a thread), and a reservation that ran meanwhile may have taken it: the
+        # coldest evictable blocks left are then evicted in turn, so that a caller is short
+        # only where no block of the size is evictable.
+        while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
             mask = self.evictable(level, now, slot_bytes, clean_only)
             victims = self._victims(level, count - len(slots), now, mask)
-            if len(victims):
-                await self.evict(level, victims, priority, clean_only=clean_only, urgency=urgency)
+            if len(victims) == 0:
+                break
+            await self.evict(level, victims, priority, clean_only=clean_only, urgency=urgency)
             slots += alloc.allocate_many(nbytes, count - len(slots))
+            if (self.table.slot[victims, level.col] >= 0).all():
+                break  # every victim stayed (pinned or read meanwhile): nothing more to gain
+            now = self._clock()
         while len(slots) < count:
             if not await self._reclaim_segment(level, now, priority, clean_only, urgency):
                 break

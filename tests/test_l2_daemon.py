@@ -114,6 +114,63 @@ def test_durable_put_reports_persistence(daemon_factory, tmp_path):
         assert client.stats().counters["l2_committed_blocks"] == 4
 
 
+def durable_puts(d: DaemonProcess, chains: list[list[bytes]], durable: bool = True) -> list:
+    """Put ``chains`` one after another through a client and pool of their own, key i of a
+    chain from page i, which holds ``page_of(key)``; returns their PutResults."""
+    out = []
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        data = shm.array()
+        for chain in chains:
+            for p, k in enumerate(chain):
+                data[p * BLOCK : (p + 1) * BLOCK] = page_of(k)
+            out.append(client.put(pool.pool_id, chain, range(len(chain)), durable=durable))
+    return out
+
+
+def page_of(key: bytes) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(list(key)).bytes(BLOCK), dtype=np.uint8)
+
+
+def run_threads(*targets) -> list:
+    results: list = [None] * len(targets)
+    errors: list[BaseException] = []
+
+    def run(i: int, target) -> None:
+        try:
+            results[i] = target()
+        except BaseException as e:  # raised in the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, t)) for i, t in enumerate(targets)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_regression_concurrent_durable_puts_into_a_full_l2_all_persist(daemon_factory, tmp_path):
+    # L2 holds 64 blocks, at most 16 of them in flight (4 clients, 4 keys a put): every other
+    # block is evictable, so each durable put finds room. The slots an eviction freed could
+    # be taken by a concurrent reservation before the evicting one allocated, which then
+    # came back short: STORED with persisted=False while L2 had evictable blocks.
+    d = daemon_factory(
+        *l2_args(tmp_path / "l2", "tiers.l2.capacity_bytes=4MiB", "tiers.l2.file_bytes=4MiB"),
+        *SMALL_L1,
+        l1_bytes="2MiB",
+    )
+    per_client = [[keys(4, 1000 * c + i) for i in range(30)] for c in range(4)]
+    results = run_threads(*(lambda chains=chains: durable_puts(d, chains) for chains in per_client))
+    for res in (r for client in results for r in client):
+        assert res.statuses == [PutStatus.STORED] * 4
+        assert res.persisted == [True] * 4
+    with d.client() as client:
+        assert client.stats().counter("full_rejections", tier="L2") == 0
+
+
 def test_restart_serves_everything_flushed_at_stop(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2"), l1_bytes="64MiB")
     n = 2000
