@@ -49,7 +49,7 @@ from kvtier.daemon.pools import EnginePool
 from kvtier.daemon.space import SpaceManager
 from kvtier.daemon.stack import Level, TierStack, build_stack
 from kvtier.daemon.stats import Counters
-from kvtier.daemon.table import READY, BlockTable, repeats
+from kvtier.daemon.table import READY, WRITING, BlockTable, repeats
 from kvtier.daemon.transfer import TransferEngine
 from kvtier.tiers.base import (
     BlockRef,
@@ -210,6 +210,9 @@ class BlockStore:
         self._balancer: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
         self.recovered = asyncio.Event()
+        # Resolved (and dropped) when a new block is committed or abandoned: a durable put
+        # whose chain has a block another put is still writing waits on it (``_written``).
+        self._write_settled: asyncio.Future[None] | None = None
         self._recovering = False  # recover() is between its first chunk and its end
 
     # ---------------------------------------------------------------- lifecycle
@@ -678,25 +681,51 @@ class BlockStore:
         ``level``; whether each still has one. Releases the in-flight mark of the rows
         ``hold`` when done."""
         table = self.table
+        held = hold[:0]
         try:
             if level.recovering:
                 # The disk tier allocates once its index is read: a durable put waits for
                 # that (seconds at most) rather than failing.
                 await self.recovered.wait()
+            await self._written(refs)
             chain = table.resolve_many(refs)
             held = chain[chain >= 0]
             held = held[table.state[held] == READY]
+            # In flight until counted, as ``hold`` is: a block another put was writing is
+            # not in it, and an eviction must not take the copy made here.
+            add_at(table.inflight, held, 1)
             need = held[table.slot[held, level.col] < 0]
             if len(need):
                 await self.space.place(need, level, Priority.DEMAND)
         finally:
             add_at(table.inflight, hold, -1)
-            self.space.forget_orphans(hold)  # a block whose last copy failed meanwhile
+            add_at(table.inflight, held, -1)
+            # A block whose last copy failed meanwhile.
+            self.space.forget_orphans(np.concatenate((hold, held)))
         chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
         persisted[live] = table.slot[chain[live], level.col] >= 0
         return persisted
+
+    async def _written(self, refs: np.ndarray) -> None:
+        """Wait until none of the blocks ``refs`` name (-1: none) is still being written by
+        another put (a key of a durable put found ``EXISTS`` while that put copies it in):
+        each is then stored (READY) or gone, and is persisted or reported as it is."""
+        table = self.table
+        while True:
+            chain = table.resolve_many(refs)
+            if not (table.state[chain[chain >= 0]] == WRITING).any():
+                return
+            if self._write_settled is None:
+                self._write_settled = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._write_settled)
+
+    def _writes_settled(self) -> None:
+        """Wake the durable puts waiting for blocks being written (``_written``)."""
+        if self._write_settled is not None:
+            self._write_settled.set_result(None)
+            self._write_settled = None
 
     async def _store_new(
         self,
@@ -804,6 +833,7 @@ class BlockStore:
         """New blocks (``pars``: their predecessors) become visible, linked and known to the
         policies of the tiers holding them."""
         self.space.apply_touches()
+        self._writes_settled()
         table = self.table
         now = self._clock()
         if len(bids) == 1:
@@ -1535,6 +1565,8 @@ class BlockStore:
         """Forget new blocks whose copy failed or found no room, giving back any slot they
         took (a copy into one tier may fail after an earlier tier stored part of the batch)."""
         table = self.table
+        if len(bids):
+            self._writes_settled()
         for level in self.stack:
             if level.keyed or len(bids) == 0:
                 continue

@@ -171,6 +171,42 @@ def test_regression_concurrent_durable_puts_into_a_full_l2_all_persist(daemon_fa
         assert client.stats().counter("full_rejections", tier="L2") == 0
 
 
+def test_regression_a_durable_put_of_keys_another_put_is_writing_persists_them(
+    daemon_factory, tmp_path
+):
+    # Two clients put the same chains at once, one durably, the other alternately durably
+    # and not: a key found EXISTS while the other put still copied it in was reported
+    # persisted=False without being written. A durable put waits for such a block and
+    # persists it; a SIGKILL then loses none of them.
+    d = daemon_factory(*l2_args(tmp_path / "l2"))
+    chains = [keys(16, 2000 + i) for i in range(40)]
+    gate = threading.Barrier(2)
+
+    def writer(durable_every: int) -> list:
+        out = []
+        for i, chain in enumerate(chains):
+            gate.wait()
+            durable = i % durable_every == 0
+            out.append((durable, durable_puts(d, [chain], durable)[0]))
+        return out
+
+    results = run_threads(lambda: writer(1), lambda: writer(2))
+    statuses = [s for out in results for _, res in out for s in res.statuses]
+    assert set(statuses) == {PutStatus.STORED, PutStatus.EXISTS}
+    for durable, res in (r for out in results for r in out):
+        assert res.persisted == ([True] * 16 if durable else None)
+    d.kill()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        for chain in chains:
+            got = client.get(pool.pool_id, chain, range(16))
+            assert got.loaded == [True] * 16
+            data = shm.array()
+            for p, k in enumerate(chain):
+                assert np.array_equal(data[p * BLOCK : (p + 1) * BLOCK], page_of(k))
+
+
 def test_restart_serves_everything_flushed_at_stop(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2"), l1_bytes="64MiB")
     n = 2000
