@@ -520,7 +520,7 @@ class BlockStore:
             for s, e in _parts(n, pool.block_bytes if durable else 0):
                 parent = parent_words if s == 0 else words[s - 1]
                 part, chain = await self._put_part(
-                    pool, ns, words[s:e], pages[s:e], parent, owner, store=not full
+                    pool, ns, words[s:e], pages[s:e], parent, owner, store=not full, hold=durable
                 )
                 results[s:e] = part
                 full = full or bool((part == _REJECTED_FULL).any())
@@ -557,9 +557,13 @@ class BlockStore:
         owner: int,
         *,
         store: bool,
+        hold: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One put (see ``put``): a PutResult per key and the block of each key (-1: none).
-        Without ``store``, new keys are rejected (an earlier part of the chain was)."""
+        Without ``store``, new keys are rejected (an earlier part of the chain was). With
+        ``hold`` (a durable put), the blocks of keys already stored stay in flight while the
+        new ones are copied in, so that no eviction takes one of them before the caller holds
+        the part."""
         table = self.table
         now = self._clock()
         n = len(words)
@@ -584,12 +588,18 @@ class BlockStore:
             # The top tier's own admission weighs each block with its lineage, and hears of
             # the blocks it did not keep.
             own = self.top.own_admission is not None
+            kept = ready if hold else ready[:0]
+            add_at(table.inflight, kept, 1)
             try:
                 pars = self._new_parents(bids, new_idx, existing, ns, parent_words) if own else None
                 placed = await self._store_new(pool, bids, pars, pages[new_idx], now, owner)
             except BaseException:
                 self._abandon(bids)
                 raise
+            finally:
+                # Nothing below awaits: the caller holds the part before anything else runs.
+                add_at(table.inflight, kept, -1)
+                self.space.forget_orphans(kept)
             stored = bids[:placed]
             # The copies waited: a block of an existing key may have been deleted meanwhile,
             # its row even reused by another block.

@@ -207,6 +207,32 @@ def test_regression_a_durable_put_of_keys_another_put_is_writing_persists_them(
                 assert np.array_equal(data[p * BLOCK : (p + 1) * BLOCK], page_of(k))
 
 
+def test_regression_durable_puts_of_overlapping_chains_into_a_churning_l2_all_persist(
+    daemon_factory, tmp_path
+):
+    # Four clients put overlapping chains of one key space durably into an L2 of 128 blocks
+    # that turns over many times. A key found EXISTS was not held while the put copied its
+    # new keys in: the eviction those copies caused could drop it, and the put answered
+    # EXISTS, persisted=False.
+    d = daemon_factory(
+        *l2_args(tmp_path / "l2", "tiers.l2.capacity_bytes=8MiB", "tiers.l2.file_bytes=4MiB"),
+        *SMALL_L1,
+        l1_bytes="2MiB",
+    )
+    space = keys(300, 4000)
+
+    def chains(seed: int) -> list[list[bytes]]:
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(space) - 8, 100)
+        return [space[s : s + int(rng.integers(1, 9))] for s in starts]
+
+    results = run_threads(*(lambda c=c: durable_puts(d, chains(c)) for c in range(4)))
+    statuses = [s for out in results for res in out for s in res.statuses]
+    assert set(statuses) == {PutStatus.STORED, PutStatus.EXISTS}
+    for res in (r for out in results for r in out):
+        assert res.persisted == [True] * len(res.statuses)
+
+
 def test_restart_serves_everything_flushed_at_stop(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2"), l1_bytes="64MiB")
     n = 2000

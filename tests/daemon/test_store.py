@@ -734,13 +734,10 @@ async def test_a_key_repeated_in_a_durable_put_reports_its_block_persisted(make_
     assert persisted == [True] * 4
 
 
-async def test_rows_deleted_or_reused_while_a_put_copies_are_not_linked_or_persisted(
-    make_store, monkeypatch
-):
+async def test_rows_deleted_or_reused_while_a_put_copies_are_not_linked(make_store, monkeypatch):
     """A put awaits its copies with the blocks of its existing keys in hand; one may be
     deleted meanwhile and its row reused by another block. The put must not link its new
-    block after that other block, nor report the deleted key persisted (by writing the other
-    block, which it never named, to L2)."""
+    block after that other block."""
     clock = Clock()
     # Rows taken at once by other keys (no history kept for dropped keys).
     store = make_store(clock, l2_segments=2, sets=("policy.history_factor=0",))
@@ -749,19 +746,38 @@ async def test_rows_deleted_or_reused_while_a_put_copies_are_not_linked_or_persi
     await put(store, pool, a)
     old = int(store.table.lookup(0, a)[0])
     copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
+    putting = asyncio.ensure_future(put(store, pool, np.concatenate([a, new]), pages=[1, 2]))
+    await copying.wait()
+    assert (await store.delete(0, a)).deleted == 1
+    await put(store, pool, stranger, pages=[3])
+    assert store.table.lookup(0, stranger)[0] == old  # the deleted block's row, reused
+    gate.set()
+    assert await putting == [PutResult.EXISTS, PutResult.STORED]
+    assert store.table.parent_of(int(store.table.lookup(0, new)[0])) == -1
+
+
+async def test_a_durable_put_holds_its_existing_blocks_while_it_copies(make_store, monkeypatch):
+    """A durable put keeps the blocks of its existing keys in flight while it copies the new
+    ones in: a delete meanwhile finds them busy, and the put persists and links them."""
+    clock = Clock()
+    store = make_store(clock, l2_segments=2, sets=("policy.history_factor=0",))
+    pool = make_pool()
+    a, new = keys(1), keys(1)
+    await put(store, pool, a)
+    old = int(store.table.lookup(0, a)[0])
+    copying, gate = _gate_first_call(monkeypatch, store.transfers, "from_pool")
     putting = asyncio.ensure_future(
         put(store, pool, np.concatenate([a, new]), pages=[1, 2], durable=True)
     )
     await copying.wait()
-    await store.delete(0, a)
-    await put(store, pool, stranger, pages=[3])
-    assert store.table.lookup(0, stranger)[0] == old  # the deleted block's row, reused
+    assert (await store.delete(0, a)).busy == 1
     gate.set()
     results, persisted = await putting
     assert results == [PutResult.EXISTS, PutResult.STORED]
-    assert persisted == [False, True]
-    assert store.table.parent_of(int(store.table.lookup(0, new)[0])) == -1
-    assert store.table.slot[old, 1] < 0  # the stranger was not written to L2
+    assert persisted == [True, True]
+    assert store.table.parent_of(int(store.table.lookup(0, new)[0])) == old
+    assert store.table.slot[old, 1] >= 0
+    assert store.table.inflight[old] == 0
 
 
 async def test_watermarks_move_the_coldest_blocks_down(make_store):
