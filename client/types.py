@@ -55,7 +55,10 @@ class LookupResult:
 class PutResult:
     statuses: list[PutStatus]
     stored: int
-    persisted: list[bool] | None = None  # with durable=True: each block on the disk tier
+    # With durable=True: each key's block on the disk tier. False: L2 had no evictable room
+    # for it or could not write it (the key still looks up), or the block is gone (it does
+    # not: REJECTED_FULL, or an EXISTS key that another put writing it did not store).
+    persisted: list[bool] | None = None
 
     @property
     def prefix_len(self) -> int:
