@@ -109,6 +109,9 @@ MAP_THREADS_PER_TENANT = MAP_THREADS - 1
 # whatever one does (with one budget for all, a loop kept it spent).
 POOL_LOG_BURST = 256
 POOL_LOG_RATE_S = 4.0
+# The largest size a host pool may declare: a file's size and a mapping's length are signed
+# 64-bit (off_t), so nothing larger can be a memory file's real size.
+MAX_POOL_BYTES = (1 << 63) - 1
 
 
 @dataclass(eq=False)
@@ -315,12 +318,8 @@ class PoolRegistry:
         """Map the named shared-memory object ``name``, which ``peer`` must own (or be
         granted by ``server.shm_share``). Every check runs, and the pool's place in the
         session's count is taken, before the first await (see the module invariants)."""
-        if not _SHM_NAME.fullmatch(name) or name.startswith("."):
-            raise InvalidArgument(
-                f"shared-memory name {name[:64]!r} must be 1-200 characters of letters, "
-                "digits, '.', '_' or '-'"
-            )
-        _check_layout(size_bytes, layout)
+        check_shm_name(name)
+        check_host_region(size_bytes, layout)
         self._check_open()
         path = os.path.join(self._shm_dir, name)
         try:
@@ -361,7 +360,7 @@ class PoolRegistry:
     ) -> Pool:
         """Map a memory fd the client handed over (the caller closes ``fd``; the mapping is
         made from a copy of it). Checked before the first await, as ``register_shm``."""
-        _check_layout(size_bytes, layout)
+        check_host_region(size_bytes, layout)
         self._check_open()
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or not is_memory_backed(fd):
@@ -598,9 +597,27 @@ class PoolRegistry:
                 return pool_id
 
 
-def _check_layout(size_bytes: int, layout: PoolLayout) -> None:
+def check_shm_name(name: str) -> None:
+    """Refuse a shared-memory name that is not a plain file name (a path, a hidden name)."""
+    if not _SHM_NAME.fullmatch(name) or name.startswith("."):
+        raise InvalidArgument(
+            f"shared-memory name {name[:64]!r} must be 1-200 characters of letters, "
+            "digits, '.', '_' or '-'"
+        )
+
+
+def check_host_region(size_bytes: int, layout: PoolLayout) -> None:
+    """The checks of a host pool's request on its own content (its declared size and
+    layout), which no limit and no state changes: the service runs them before the limits,
+    so that a request that can never succeed is INVALID_ARGUMENT, not RESOURCE_EXHAUSTED
+    (told to retry once room is made)."""
     if size_bytes <= 0:
         raise InvalidArgument("size_bytes must be positive")
+    if size_bytes > MAX_POOL_BYTES:
+        raise InvalidArgument(
+            f"size_bytes {size_bytes} is beyond the largest memory file or mapping "
+            f"({MAX_POOL_BYTES} bytes)"
+        )
     try:
         layout.validate(size_bytes)
     except LayoutError as e:

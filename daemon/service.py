@@ -51,7 +51,13 @@ from kvtier.daemon.errors import (
     SessionEnded,
     Unauthenticated,
 )
-from kvtier.daemon.pools import EnginePool, Pool, PoolRegistry
+from kvtier.daemon.pools import (
+    EnginePool,
+    Pool,
+    PoolRegistry,
+    check_host_region,
+    check_shm_name,
+)
 from kvtier.daemon.ratelog import BurstGate, BurstLog
 from kvtier.daemon.sessions import (
     LEASE_BYTES,
@@ -266,6 +272,8 @@ class KVService:
         pass the pools-per-session limit together. A session that ends before the mapping
         does gets no pool (NotFound)."""
         session = self.sessions.get(session_id)
+        check_shm_name(name)
+        check_host_region(size_bytes, layout)
         peer = self._check_may_register(session, layout, size_bytes)
         return await self.pools.register_shm(
             session_id, peer, name, size_bytes, layout, tenant=session.limit_key
@@ -279,6 +287,7 @@ class KVService:
         ticket is given back with its fd: the client sends this request again, with the
         same ticket, in a new session."""
         session = self.sessions.get(session_id)
+        check_host_region(size_bytes, layout)
         peer = self._check_may_register(session, layout, size_bytes)
         handed = self.tickets.redeem(ticket, TicketKind.POOL)
         try:
@@ -303,11 +312,20 @@ class KVService:
         self, session: Session, layout: PoolLayout, size_bytes: int = 0
     ) -> PeerCred:
         """The rules of every registration; ``size_bytes``: the host memory it maps (none
-        for CUDA IPC), counted against the tenant's mapped bytes."""
+        for CUDA IPC), counted against the tenant's mapped bytes. A host pool's request has
+        passed ``check_host_region`` first."""
         if session.peer is None:
             raise PermissionDenied(
                 "this session has no peer credentials (it was opened without a credential "
                 "ticket, e.g. over TCP); only sessions on the Unix socket may register memory"
+            )
+        # What the request cannot change comes before the limits (RESOURCE_EXHAUSTED says
+        # to retry once there is room).
+        max_block = self.store.max_block_bytes()
+        if layout.layers and layout.block_bytes > max_block:
+            raise InvalidArgument(
+                f"blocks of this layout have {layout.block_bytes} bytes, more than the "
+                f"{max_block} a tier slot holds (raise {self.store.max_block_key()})"
             )
         limit = self.config.server.max_pools_per_session
         if self.pools.session_pools(session.session_id) >= limit:
@@ -340,12 +358,6 @@ class KVService:
                 f"unmapped); {size_bytes} more would pass the {cap} one tenant may have "
                 "(server.max_pool_bytes_per_tenant); each registration counts in full, even "
                 "of memory already registered"
-            )
-        max_block = self.store.max_block_bytes()
-        if layout.layers and layout.block_bytes > max_block:
-            raise InvalidArgument(
-                f"blocks of this layout have {layout.block_bytes} bytes, more than the "
-                f"{max_block} a tier slot holds (raise {self.store.max_block_key()})"
             )
         return session.peer
 

@@ -23,6 +23,8 @@ from kvtier.client import (
     ResourceExhaustedError,
     SharedMemoryPool,
 )
+from kvtier.client import credentials as cred
+from kvtier.client.types import layout_to_pb
 from kvtier.proto import kvtier_pb2 as pb
 
 LAYOUT = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=4096)
@@ -147,6 +149,52 @@ def test_pools_per_session_are_limited(daemon_factory):
         finally:
             for shm in shms:
                 shm.close()
+
+
+def _register_fd(client: Any, ticket: bytes, size_bytes: int, layout: pb.PoolLayout) -> Any:
+    request = pb.RegisterPoolRequest(
+        session_id=client.session_id,
+        fd=pb.FdRegion(ticket=ticket, size_bytes=size_bytes),
+        layout=layout,
+    )
+    return client.stub.RegisterPool(request, timeout=10)
+
+
+def test_regression_a_pool_beyond_int64_or_malformed_was_told_to_wait_for_room(daemon_factory):
+    """A memfd pool declared at 2**63 bytes or more (past int64, which no memory file nor
+    mapping reaches) was RESOURCE_EXHAUSTED, "would pass server.max_pool_bytes_per_tenant",
+    and so was a malformed layout from a session at its pool limit: told to retry once
+    room is made for a request that can never succeed. The request's own content is
+    checked first (INVALID_ARGUMENT), and the ticket stays good for a right request."""
+    d = daemon_factory("server.max_pools_per_session=1")
+    with (
+        d.client() as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+        SharedMemoryPool.for_layout(LAYOUT) as other,
+    ):
+        path = cred.cred_socket_path(d.address)
+        assert path is not None
+        ticket = cred.pool_ticket(path, shm.fd)
+        for size in (2**63, 2**64 - 1):
+            with pytest.raises(grpc.RpcError) as info:
+                _register_fd(client, ticket, size, layout_to_pb(LAYOUT))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert "size_bytes" in info.value.details()
+        # Refused before the ticket was spent: it registers the memory at its real size.
+        pool = _register_fd(client, ticket, LAYOUT.extent_bytes, layout_to_pb(LAYOUT))
+        # At the pool limit now: a malformed layout is still the request's own fault.
+        ticket = cred.pool_ticket(path, other.fd)
+        bad = layout_to_pb(LAYOUT)
+        bad.layers[0].kv_count = 3
+        with pytest.raises(grpc.RpcError) as info:
+            _register_fd(client, ticket, LAYOUT.extent_bytes, bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert "kv_count" in info.value.details()
+        with pytest.raises(ResourceExhaustedError, match=r"server\.max_pools_per_session"):
+            client.register_pool(other, LAYOUT)
+        client.unregister_pool(pool.pool_id)
+        check = client.check()
+        assert check.problems == [] and check.pools == 0
 
 
 def test_sessions_per_tenant_are_limited(daemon_factory):
