@@ -23,7 +23,8 @@ Invariants:
 - A pool ticket owns its fd until it is redeemed (the caller then owns it) or expires (the
   fd is closed); given back, it owns it again. Only memory-backed fds are kept: memfds and
   tmpfs files, the files on which F_GET_SEALS succeeds. They cannot stall a page fault on a
-  remote or user-space filesystem.
+  remote or user-space filesystem. They must be open for reading and writing, and not sealed
+  against writing (the daemon writes loaded blocks into them).
 - Nothing here blocks the event loop: sockets are non-blocking, a connection has
   ``IO_TIMEOUT_S`` to send its request, at most ``MAX_CONNECTIONS`` are open at once (one
   more ends the oldest connection of the uid that holds the most, so a uid that connects and
@@ -89,6 +90,24 @@ MAX_PENDING_CLOSES = 64
 
 def cred_socket_path(socket_path: str) -> str:
     return socket_path + CRED_SUFFIX
+
+
+# Seals under which a file can no longer be written through a new shared mapping: the daemon
+# writes loaded blocks into a pool. F_SEAL_FUTURE_WRITE (Linux 5.1) is not in Python's fcntl.
+WRITE_SEALS = fcntl.F_SEAL_WRITE | 0x10
+WRITE_SEALED = (
+    "the memory file is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE); the "
+    "daemon writes loaded blocks into a pool, so seal it against shrinking and growing only"
+)
+
+
+def write_sealed(fd: int) -> bool:
+    """Whether memory file ``fd`` is sealed against writing (``WRITE_SEALS``), which makes
+    the daemon's mapping of it fail; False for a file that takes no seals."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & WRITE_SEALS)
+    except OSError:
+        return False
 
 
 def is_memory_backed(fd: int) -> bool:
@@ -469,3 +488,5 @@ def _check_pool_fd(fd: int) -> None:
         raise InvalidArgument("the file descriptor is not a regular memory file")
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         raise InvalidArgument("the file descriptor must be open for reading and writing")
+    if write_sealed(fd):
+        raise InvalidArgument(WRITE_SEALED)

@@ -72,7 +72,7 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from kvtier.daemon.config import ANY_PEER
-from kvtier.daemon.credentials import is_memory_backed
+from kvtier.daemon.credentials import WRITE_SEALED, is_memory_backed, write_sealed
 from kvtier.daemon.cuda_pools import CudaPool, CudaPoolOpener, open_opener
 from kvtier.daemon.errors import (
     FailedPrecondition,
@@ -365,6 +365,8 @@ class PoolRegistry:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or not is_memory_backed(fd):
             raise InvalidArgument("the handed-over descriptor is not a memory file")
+        if write_sealed(fd):  # sealed after its ticket was answered: mapping it would fail
+            raise InvalidArgument(WRITE_SEALED)
         _check_size(st, size_bytes, "the memory file")
         _check_allocated(st, size_bytes, "the memory file")
         own = os.dup(fd)  # the worker's: the caller may close ``fd`` before it maps

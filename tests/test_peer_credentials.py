@@ -10,6 +10,7 @@ Tests act as uid 65534 through a forked child (tests/peers.py).
 from __future__ import annotations
 
 import array
+import fcntl
 import os
 import socket
 import time
@@ -292,6 +293,41 @@ def test_only_writable_memory_files_are_taken(daemon):
             os.close(fd)
         a.close()
         b.close()
+
+
+# F_SEAL_FUTURE_WRITE (Linux 5.1), which Python's fcntl does not name.
+F_SEAL_FUTURE_WRITE = 0x10
+
+
+@pytest.mark.parametrize("seal", [fcntl.F_SEAL_WRITE, F_SEAL_FUTURE_WRITE])
+def test_regression_a_memfd_sealed_against_writing_was_refused_as_operation_not_permitted(
+    daemon, seal
+):
+    """A memfd sealed against writing cannot be mapped for the daemon's writes: it got a
+    ticket, and its RegisterPool failed on the mapping with "cannot map the memory file:
+    [Errno 1] Operation not permitted". Refused on the credential socket now, saying why;
+    a seal added after the ticket is refused, saying so, before anything is mapped."""
+    path = _path(daemon)
+    memfd = os.memfd_create("kvtier-sealed", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(memfd, LAYOUT.extent_bytes)
+        os.posix_fallocate(memfd, 0, LAYOUT.extent_bytes)
+        ticket = cred.pool_ticket(path, memfd)  # writable still: a ticket
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS, seal)
+        with pytest.raises(InvalidArgumentError, match="sealed against writing"):
+            cred.pool_ticket(path, memfd)
+        with daemon.client() as client:
+            request = pb.RegisterPoolRequest(
+                session_id=client.session_id,
+                fd=pb.FdRegion(ticket=ticket, size_bytes=LAYOUT.extent_bytes),
+                layout=layout_to_pb(LAYOUT),
+            )
+            code, details = _code(client.stub.RegisterPool, request, timeout=10)
+            assert code == C.INVALID_ARGUMENT and "sealed against writing" in details, details
+            check = client.check()
+            assert check.problems == [] and check.pools == 0
+    finally:
+        os.close(memfd)
 
 
 def _connect(path: str) -> socket.socket:
