@@ -24,7 +24,8 @@ cannot fault the daemon.
 
 All CUDA calls go through ``IpcMapper``: ``DriverMapper`` on a GPU host; tests put a CPU
 implementation there. On a host without CUDA ``CudaPoolOpener`` has no mapper and every
-registration is FAILED_PRECONDITION with the reason.
+registration is FAILED_PRECONDITION with the reason (the service has refused a malformed one
+first with steps 1 and 2, INVALID_ARGUMENT on any host).
 
 Thread-safety: the opener and its handle table are owned by the event loop; a pool's
 ``use()`` counts copies running on worker threads.

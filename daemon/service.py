@@ -40,7 +40,7 @@ from kvtier import __version__
 from kvtier.daemon.config import TENANT_NAME, Config
 from kvtier.daemon.connections import ConnectionWatch
 from kvtier.daemon.credentials import TicketBook, TicketKind
-from kvtier.daemon.cuda_pools import CudaPool
+from kvtier.daemon.cuda_pools import CudaPool, parse_region, plan_region
 from kvtier.daemon.errors import (
     Draining,
     FailedPrecondition,
@@ -364,10 +364,12 @@ class KVService:
     def register_cuda_ipc_pool(
         self, session_id: str, region: pb.CudaIpcRegion, layout: PoolLayout
     ) -> CudaPool:
-        """GPU memory over CUDA IPC: the rules of every pool (credentials, pools per
-        session, block size against every tier's slots, L0's included), then the GPU tier
-        must run: only it reaches GPU memory."""
+        """GPU memory over CUDA IPC: the region and layout well formed (INVALID_ARGUMENT on
+        any host, as a host pool's own content is), the rules of every pool (credentials,
+        pools per session, block size against every tier's slots, L0's included), then the
+        GPU tier must run: only it reaches GPU memory."""
         session = self.sessions.get(session_id)
+        plan_region(parse_region(region), layout)
         self._check_may_register(session, layout)
         if self.store.stack.device is None:
             raise FailedPrecondition(

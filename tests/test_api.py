@@ -479,6 +479,12 @@ def test_bad_block_requests_get_typed_status(raw, case, expected):
         ("no_dtype", C.INVALID_ARGUMENT),
         ("no_region", C.INVALID_ARGUMENT),
         ("cuda_ipc_without_gpu", C.FAILED_PRECONDITION),
+        # Malformed CUDA IPC regions are the request's fault on any host, one without a GPU
+        # tier included (they were FAILED_PRECONDITION here, "need the GPU tier").
+        ("cuda_ipc_truncated_handle", C.INVALID_ARGUMENT),
+        ("cuda_ipc_overlapping_buffers", C.INVALID_ARGUMENT),
+        ("cuda_ipc_layout_beyond_buffers", C.INVALID_ARGUMENT),
+        ("cuda_ipc_size_beyond_2_62", C.INVALID_ARGUMENT),
         ("block_larger_than_slot", C.INVALID_ARGUMENT),
     ],
 )
@@ -519,7 +525,27 @@ def test_bad_registrations_get_typed_status(raw, case, expected):
         ),
         "no_region": pb.RegisterPoolRequest(layout=good),
         "cuda_ipc_without_gpu": pb.RegisterPoolRequest(
+            cuda_ipc=pb.CudaIpcRegion(handle=b"x" * 64, size_bytes=layout.extent_bytes),
+            layout=good,
+        ),
+        "cuda_ipc_truncated_handle": pb.RegisterPoolRequest(
+            cuda_ipc=pb.CudaIpcRegion(handle=b"x" * 3, size_bytes=layout.extent_bytes),
+            layout=good,
+        ),
+        "cuda_ipc_overlapping_buffers": pb.RegisterPoolRequest(
+            cuda_ipc=pb.CudaIpcRegion(
+                buffers=[
+                    pb.CudaIpcBuffer(handle=b"x" * 64, size_bytes=layout.extent_bytes),
+                    pb.CudaIpcBuffer(handle=b"y" * 64, size_bytes=4096, pool_offset=4096),
+                ]
+            ),
+            layout=good,
+        ),
+        "cuda_ipc_layout_beyond_buffers": pb.RegisterPoolRequest(
             cuda_ipc=pb.CudaIpcRegion(handle=b"x" * 64, size_bytes=4096), layout=good
+        ),
+        "cuda_ipc_size_beyond_2_62": pb.RegisterPoolRequest(
+            cuda_ipc=pb.CudaIpcRegion(handle=b"x" * 64, size_bytes=2**64 - 1), layout=good
         ),
         "block_larger_than_slot": pb.RegisterPoolRequest(
             shm=pb.ShmRegion(name=shm.name, size_bytes=shm.size_bytes),
