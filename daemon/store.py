@@ -1314,8 +1314,9 @@ class BlockStore:
         block id -> how many live leases hold it (the sessions know), when known.
 
         Always: every slot of a tier belongs to at most one live block and is allocated;
-        each tier's allocator is consistent; every block with a copy in a tier is known to
-        that tier's policy and the policy knows nothing else; every live block is found by
+        each tier's allocator is consistent; every committed block (READY) with a copy in a
+        tier is known to that tier's policy and the policy knows nothing else (a block being
+        written joins the policies when it is committed); every live block is found by
         its key; the blocks counted per namespace and the bytes each tenant holds per tier
         add up; pin counts match the leases. When nothing is in flight also: a tier's allocated slots are exactly its blocks'
         (plus, on a disk, its quarantined slots)."""
@@ -1339,12 +1340,16 @@ class BlockStore:
             if len(dead := holders[table.state[holders] == 0]):
                 problems.append(f"{label}: {len(dead)} freed rows still hold a copy")
             policy = level.policy
-            strays = [b for b in holders.tolist() if b not in policy]
+            # A new block joins the policies when it is committed: a put that fills this tier
+            # and goes on to the next holds the copies made here (state WRITING) meanwhile.
+            committed = holders[table.state[holders] == READY]
+            strays = [b for b in committed.tolist() if b not in policy]
             if strays:
                 problems.append(f"{label}: {len(strays)} blocks with a copy unknown to the policy")
-            if len(policy) != len(holders):
+            if len(policy) != len(committed):
                 problems.append(
-                    f"{label}: the policy knows {len(policy)} blocks, {len(holders)} have a copy"
+                    f"{label}: the policy knows {len(policy)} blocks, {len(committed)} stored "
+                    "ones have a copy"
                 )
             if level.keyed:
                 continue
