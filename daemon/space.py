@@ -630,14 +630,20 @@ class SpaceManager:
         # A victim's slot is free once its eviction is done (a disk tier deletes its index row
         # first, on a thread), and a reservation that ran meanwhile may have taken it: the
         # coldest evictable blocks left are then evicted in turn, so that a caller is short
-        # only where no block of the size is evictable.
+        # only where no block of the size is evictable. Not where the tier could not free
+        # the victims' slots (they stay held): every further victim would be lost for nothing.
         while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
             mask = self.evictable(level, now, slot_bytes, clean_only)
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims) == 0:
                 break
-            await self.evict(level, victims, priority, clean_only=clean_only, urgency=urgency)
+            freed = await self.evict(
+                level, victims, priority, clean_only=clean_only, urgency=urgency
+            )
             slots += alloc.allocate_many(nbytes, count - len(slots))
+            if not freed:
+                self.counters.inc("full_rejections", count - len(slots), tier=level.label)
+                return slots  # nor would a segment's blocks free theirs
             if (self.table.slot[victims, level.col] >= 0).all():
                 break  # every victim stayed (pinned or read meanwhile): nothing more to gain
             now = self._clock()
@@ -711,7 +717,8 @@ class SpaceManager:
         urgency: Urgency | None = None,
     ) -> bool:
         """Free one whole segment: the one whose blocks are all evictable and were least
-        recently used. False when no segment can be freed."""
+        recently used. False when no segment can be freed (or the tier could not free its
+        blocks' slots)."""
         alloc = level.slots.allocator
         holders = self.table.holders(level.col)
         if len(holders) == 0:
@@ -727,11 +734,11 @@ class SpaceManager:
         newest = np.maximum.reduceat(self.table.last_access[holders[order]], starts)
         newest[~all_ok] = np.inf
         seg = int(segs_sorted[starts[int(np.argmin(newest))]])
-        await self.evict(
+        freed = await self.evict(
             level, holders[segs == seg], priority, clean_only=clean_only, urgency=urgency
         )
         self.counters.inc("segment_reclaims", tier=level.label)
-        return bool(alloc.stats().free_segments)
+        return freed and bool(alloc.stats().free_segments)
 
     # ----------------------------------------------------------------- evicting
 
@@ -743,10 +750,11 @@ class SpaceManager:
         *,
         clean_only: bool = False,
         urgency: Urgency | None = None,
-    ) -> None:
+    ) -> bool:
         """Take ``victims`` out of ``level``. A victim whose only copy is here is first
         demoted to the first lower tier that takes it (unless ``clean_only``, whose victims
-        all have other copies)."""
+        all have other copies). False when the tier could not free the victims' slots
+        (``release``)."""
         table = self.table
         victims = np.asarray(victims, dtype=np.int64)
         # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
@@ -769,8 +777,9 @@ class SpaceManager:
             # A victim may also have lost this copy meanwhile (a failed read drops it).
             victims = victims[self._droppable(level, self._clock())(victims)]
             victims = victims[table.slot[victims, level.col] >= 0]
-        await self.release(level, self.drop_copies(victims, level))
+        freed = await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
+        return freed
 
     async def _demote(
         self, level: Level, dirty: np.ndarray, priority: Priority, urgency: Urgency | None = None

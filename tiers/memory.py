@@ -6,7 +6,8 @@ It behaves as the interface says a tier of its capabilities behaves, without a d
 instance (a daemon restart in process), a ``checksummed`` one returns and verifies xxh3
 checksums, and a non-``addressable`` one exposes no buffers (like a disk: bytes reach host
 memory only through ``read``). Faults are injected by the test: reads of chosen slots fail
-(the block is then dropped, as a disk tier quarantines it), writes fail, health changes.
+(the block is then dropped, as a disk tier quarantines it), writes or removes fail, health
+changes.
 
 Thread-safety: ``write``, ``read`` and ``remove`` may run on any threads for distinct slots;
 the allocator is thread-safe.
@@ -76,6 +77,10 @@ class MemoryTier:
         # Fault injection, set by tests.
         self.fail_reads: set[int] = set()
         self.fail_writes = False
+        # While set, ``remove`` fails as a disk tier's index delete can: nothing is freed
+        # (the slots it was given are kept in ``unremoved``).
+        self.fail_removes = False
+        self.unremoved: list[int] = []
         self.forced_health: TierHealth | None = None
         self.read_hook: object = None  # called with the batch before a read (tests block on it)
         self.quarantined: set[int] = set()
@@ -152,6 +157,10 @@ class MemoryTier:
         return ok
 
     def remove(self, slots: Sequence[int]) -> bool:
+        if self.fail_removes:
+            self.counters["remove_failures"] += len(slots)
+            self.unremoved += [int(s) for s in slots]
+            return False
         with self._lock:
             for slot in slots:
                 self._medium.index.pop(int(slot), None)

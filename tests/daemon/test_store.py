@@ -2231,3 +2231,31 @@ async def test_without_tenants_a_hint_protects_every_block_it_names_in_every_tie
     assert len(held) >= 16
     unhinted = l2.policy.unhinted(lambda b: np.ones(len(b), bool), clock.now)(held)
     assert not unhinted.any()
+
+
+# ---------------------------------------------------------- faults on the put path
+
+
+async def test_an_l2_that_cannot_free_slots_loses_one_victim_per_reservation_not_all(make_store):
+    """A reservation short after its eviction evicts again (or reclaims a segment) only where
+    the eviction freed its victims' slots: where the tier could not forget them (its index
+    delete failed; the slots stay held) every further victim would be lost for nothing. It
+    dropped every block on such an L2 to make room for one."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(81)
+    for start in range(0, 80, 8):  # 16 in L1, the 64 before them demoted to a full L2
+        assert (
+            await put(store, pool, a[start : start + 8], pages=range(start, start + 8))
+            == [PutResult.STORED] * 8
+        )
+        clock.now += 1
+    assert where(store, a[:80]) == ["L2"] * 64 + ["L1"] * 16
+    l2.fail_removes = True
+    await put(store, pool, a[80:], pages=[80])  # one L1 victim to demote: one L2 victim
+    l2.fail_removes = False
+    lost = where(store, a[:64]).count("-")
+    assert lost == 1, f"{lost} L2 blocks dropped to make room for one"
+    assert l2.counters["remove_failures"] == 1
+    assert await store.space.release(store.stack.levels[1], l2.unremoved)  # works again
