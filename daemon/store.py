@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -534,9 +535,11 @@ class BlockStore:
                     # Refs, not rows: a block still may go (a failed copy) and its row be
                     # reused.
                     refs = np.where(chain >= 0, self.table.refs(np.maximum(chain, 0)), -1)
-                    persisting.append(
-                        asyncio.ensure_future(self._persist(refs, held, durable_level))
-                    )
+                    task = asyncio.ensure_future(self._persist(refs, durable_level))
+                    # Released when the task ends, however: cancelled before its first step
+                    # (the put cancelled meanwhile), its body never runs.
+                    task.add_done_callback(functools.partial(self._persisted, held))
+                    persisting.append(task)
         except BaseException:
             # Parts already committed are stored; their persistent copies finish (or fail)
             # before the error goes back.
@@ -686,12 +689,12 @@ class BlockStore:
         c.add(self._n_put[_REJECTED_FULL])
         return np.array([_REJECTED_FULL], dtype=np.int32)
 
-    async def _persist(self, refs: np.ndarray, hold: np.ndarray, level: Level) -> np.ndarray:
+    async def _persist(self, refs: np.ndarray, level: Level) -> np.ndarray:
         """Give the blocks ``refs`` name (table refs, -1: none) a copy on the persistent
-        ``level``; whether each still has one. Releases the in-flight mark of the rows
-        ``hold`` when done."""
+        ``level``; whether each still has one. (``put`` holds them in flight until this
+        task has ended.)"""
         table = self.table
-        held = hold[:0]
+        held = np.zeros(0, dtype=np.int64)
         try:
             if level.recovering:
                 # The disk tier allocates once its index is read: a durable put waits for
@@ -701,22 +704,24 @@ class BlockStore:
             chain = table.resolve_many(refs)
             held = chain[chain >= 0]
             held = held[table.state[held] == READY]
-            # In flight until counted, as ``hold`` is: a block another put was writing is
-            # not in it, and an eviction must not take the copy made here.
+            # In flight until counted, as ``put``'s are: a block another put was writing is
+            # not among those, and an eviction must not take the copy made here.
             add_at(table.inflight, held, 1)
             need = held[table.slot[held, level.col] < 0]
             if len(need):
                 await self.space.place(need, level, Priority.DEMAND)
         finally:
-            add_at(table.inflight, hold, -1)
-            add_at(table.inflight, held, -1)
-            # A block whose last copy failed meanwhile.
-            self.space.forget_orphans(np.concatenate((hold, held)))
+            self.space._release(held)  # a block whose last copy failed meanwhile is forgotten
         chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
         persisted[live] = table.slot[chain[live], level.col] >= 0
         return persisted
+
+    def _persisted(self, held: np.ndarray, _: asyncio.Future[np.ndarray]) -> None:
+        """A ``_persist`` task ended (or was cancelled before it ran): end ``put``'s
+        in-flight mark of the rows ``held``."""
+        self.space._release(held)
 
     async def _written(self, refs: np.ndarray) -> None:
         """Wait until none of the blocks ``refs`` name (-1: none) is still being written by

@@ -2259,3 +2259,24 @@ async def test_an_l2_that_cannot_free_slots_loses_one_victim_per_reservation_not
     assert lost == 1, f"{lost} L2 blocks dropped to make room for one"
     assert l2.counters["remove_failures"] == 1
     assert await store.space.release(store.stack.levels[1], l2.unremoved)  # works again
+
+
+async def test_a_durable_put_cancelled_before_its_persist_ran_leaves_nothing_in_flight(
+    make_store,
+):
+    """A durable put holds its blocks in flight for the task that persists them; cancelled
+    before that task took its first step, the put must still let go of them (else they stay
+    in flight for good: never evicted, and a Check never sees the store quiet)."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=2), make_pool()
+    a = keys(4)
+    assert await put(store, pool, a) == [PutResult.STORED] * 4
+    # Every key exists: the put reaches its wait for the persist task without awaiting.
+    putting = asyncio.ensure_future(put(store, pool, a, durable=True))
+    await asyncio.sleep(0)  # the put's first step: it starts the persist task, awaits it
+    putting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await putting
+    await asyncio.sleep(0)
+    bids = store.table.lookup(0, a)
+    assert store.table.inflight[bids].tolist() == [0] * 4
