@@ -1562,7 +1562,10 @@ class BlockStore:
         table.set_slots(bids, level.col, chunk.slots)
         table.set_checksums(bids, level.col, chunk.checksums)
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
-        for bid, when in zip(bids.tolist(), seen.tolist(), strict=True):
+        # A block a put is still writing joins the policies when that put commits it (and
+        # its copy here goes with its row if the put fails), as a new block does.
+        ready = table.state[bids] == READY
+        for bid, when in zip(bids[ready].tolist(), seen[ready].tolist(), strict=True):
             level.policy.insert(bid, when, -1)
         return np.concatenate(repeated) if repeated else np.empty(0, dtype=np.int64)
 

@@ -2280,3 +2280,37 @@ async def test_a_durable_put_cancelled_before_its_persist_ran_leaves_nothing_in_
     await asyncio.sleep(0)
     bids = store.table.lookup(0, a)
     assert store.table.inflight[bids].tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+async def test_a_key_recovered_while_a_put_writes_it_joins_the_policy_with_that_put(
+    make_store, monkeypatch, cancel
+):
+    """Recovery gives a block a put is still writing (same key) its recovered L2 copy; the
+    block joins L2's policy when the put commits it. It joined at once: a put that failed
+    then (here cancelled) left L2's policy knowing 2 blocks that were gone."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(2)
+    assert await put(store, pool, a, durable=True) == ([PutResult.STORED] * 2, [True] * 2)
+    again = make_store(clock, l2=l2.reopen())
+    copying, gate = _gate_first_call(monkeypatch, again.transfers, "from_pool")
+    putting = asyncio.ensure_future(put(again, pool, a))
+    await copying.wait()
+    await again.recover()
+    assert again.check() == []
+    if cancel:
+        putting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await putting
+        assert len(again.stack.levels[1].policy) == len(again.table.holders(1))
+    else:
+        gate.set()
+        assert await putting == [PutResult.STORED] * 2
+        assert where(again, a) == ["L1", "L1"]
+        ids = again.table.lookup(0, a)
+        assert (again.table.slot[ids, 1] >= 0).all()
+        policy = again.stack.levels[1].policy
+        assert len(policy) == 2 and all(b in policy for b in ids.tolist())
+    assert again.check() == []
