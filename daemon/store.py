@@ -523,8 +523,6 @@ class BlockStore:
                 part, chain = await self._put_part(
                     pool, ns, words[s:e], pages[s:e], parent, owner, store=not full, hold=durable
                 )
-                results[s:e] = part
-                full = full or bool((part == _REJECTED_FULL).any())
                 if durable_level is not None and durable:
                     # The part's blocks stay in flight until they are on the persistent tier:
                     # a later part cannot push them out first (it is refused room instead,
@@ -532,6 +530,34 @@ class BlockStore:
                     held = chain[chain >= 0]
                     held = held[self.table.state[held] == READY]
                     add_at(self.table.inflight, held, 1)
+                    # A key found present whose block went while the part was copied in (an
+                    # eviction under way when the part looked, or the put writing it did not
+                    # store it) is stored from the caller's page after all, else it could not
+                    # persist.
+                    try:
+                        for j in np.flatnonzero((part == _EXISTS) & (chain < 0)).tolist():
+                            k = s + j
+                            again, row = await self._put_part(
+                                pool,
+                                ns,
+                                words[k : k + 1],
+                                pages[k : k + 1],
+                                parent_words if k == 0 else words[k - 1],
+                                owner,
+                                store=not full,
+                                hold=True,
+                            )
+                            part[j], chain[j] = again[0], row[0]
+                            full = full or bool(again[0] == _REJECTED_FULL)
+                            if row[0] >= 0 and self.table.state[row[0]] == READY:
+                                add_at(self.table.inflight, row, 1)
+                                held = np.concatenate((held, row))
+                    except BaseException:
+                        self.space._release(held)  # no persist task will
+                        raise
+                results[s:e] = part
+                full = full or bool((part == _REJECTED_FULL).any())
+                if durable_level is not None and durable:
                     # Refs, not rows: a block still may go (a failed copy) and its row be
                     # reused.
                     refs = np.where(chain >= 0, self.table.refs(np.maximum(chain, 0)), -1)

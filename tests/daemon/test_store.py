@@ -780,6 +780,49 @@ async def test_a_durable_put_holds_its_existing_blocks_while_it_copies(make_stor
     assert store.table.inflight[old] == 0
 
 
+async def test_a_durable_put_stores_an_existing_key_again_when_its_writer_gives_it_up(
+    make_store, monkeypatch
+):
+    """A durable put that finds a key another put is writing, and whose block that put then
+    gives up (its copy failed) while this one copies its own new keys in, stores the key
+    from its own page: it was reported EXISTS and persisted=False, the key absent."""
+    store = make_store(Clock(), l2_segments=2, sets=("policy.history_factor=0",))
+    pool = make_pool()
+    a, new = keys(1), keys(1)
+    calls: list[tuple[asyncio.Event, asyncio.Event]] = []
+    method = store.transfers.from_pool
+
+    async def gated(*args, **kwargs):
+        if len(calls) < 2:
+            started, gate = asyncio.Event(), asyncio.Event()
+            calls.append((started, gate))
+            started.set()
+            await gate.wait()
+            if len(calls) and calls[0][0] is started:
+                raise OSError("the first put's copy failed")
+        return await method(*args, **kwargs)
+
+    monkeypatch.setattr(store.transfers, "from_pool", gated)
+    first = asyncio.ensure_future(put(store, pool, a, pages=[0]))
+    while not calls:
+        await asyncio.sleep(0)
+    second = asyncio.ensure_future(
+        put(store, pool, np.concatenate([a, new]), pages=[1, 2], durable=True)
+    )
+    while len(calls) < 2:
+        await asyncio.sleep(0)
+    calls[0][1].set()  # the first put's copy fails: it gives up ``a``
+    with pytest.raises(OSError):
+        await first
+    calls[1][1].set()
+    results, persisted = await second
+    assert results == [PutResult.STORED, PutResult.STORED]
+    assert persisted == [True, True]
+    row = int(store.table.lookup(0, a)[0])
+    assert row >= 0 and store.table.slot[row, 1] >= 0
+    assert int(store.table.inflight.sum()) == 0
+
+
 async def test_watermarks_move_the_coldest_blocks_down(make_store):
     clock = Clock()
     store = make_store(
