@@ -523,6 +523,7 @@ class BlockStore:
                 part, chain = await self._put_part(
                     pool, ns, words[s:e], pages[s:e], parent, owner, store=not full, hold=durable
                 )
+                full = full or bool((part == _REJECTED_FULL).any())
                 if durable_level is not None and durable:
                     # The part's blocks stay in flight until they are on the persistent tier:
                     # a later part cannot push them out first (it is refused room instead,
@@ -530,34 +531,16 @@ class BlockStore:
                     held = chain[chain >= 0]
                     held = held[self.table.state[held] == READY]
                     add_at(self.table.inflight, held, 1)
-                    # A key found present whose block went while the part was copied in (an
-                    # eviction under way when the part looked, or the put writing it did not
-                    # store it) is stored from the caller's page after all, else it could not
-                    # persist.
                     try:
-                        for j in np.flatnonzero((part == _EXISTS) & (chain < 0)).tolist():
-                            k = s + j
-                            again, row = await self._put_part(
-                                pool,
-                                ns,
-                                words[k : k + 1],
-                                pages[k : k + 1],
-                                parent_words if k == 0 else words[k - 1],
-                                owner,
-                                store=not full,
-                                hold=True,
+                        if not full:
+                            again = await self._put_gone(
+                                pool, ns, words, pages, parent_words, owner, s, part, chain
                             )
-                            part[j], chain[j] = again[0], row[0]
-                            full = full or bool(again[0] == _REJECTED_FULL)
-                            if row[0] >= 0 and self.table.state[row[0]] == READY:
-                                add_at(self.table.inflight, row, 1)
-                                held = np.concatenate((held, row))
+                            held = np.concatenate((held, again))
+                            full = bool((part == _REJECTED_FULL).any())
                     except BaseException:
                         self.space._release(held)  # no persist task will
                         raise
-                results[s:e] = part
-                full = full or bool((part == _REJECTED_FULL).any())
-                if durable_level is not None and durable:
                     # Refs, not rows: a block still may go (a failed copy) and its row be
                     # reused.
                     refs = np.where(chain >= 0, self.table.refs(np.maximum(chain, 0)), -1)
@@ -566,6 +549,7 @@ class BlockStore:
                     # (the put cancelled meanwhile), its body never runs.
                     task.add_done_callback(functools.partial(self._persisted, held))
                     persisting.append(task)
+                results[s:e] = part
         except BaseException:
             # Parts already committed are stored; their persistent copies finish (or fail)
             # before the error goes back.
@@ -575,6 +559,42 @@ class BlockStore:
             return results, None
         done = await _all_done(persisting)
         return results, np.concatenate(done) if done else np.zeros(0, dtype=bool)
+
+    async def _put_gone(
+        self,
+        pool: EnginePool,
+        ns: int,
+        words: np.ndarray,
+        pages: np.ndarray,
+        parent_words: np.ndarray | None,
+        owner: int,
+        s: int,
+        part: np.ndarray,
+        chain: np.ndarray,
+    ) -> np.ndarray:
+        """Store again, from the caller's pages, each key of a durable put's part starting at
+        ``s`` that was found present but whose block is gone once the part is copied in (an
+        eviction under way when the part looked, or the put writing it did not store it):
+        else it could not persist. Updates ``part`` and ``chain`` in place; returns the rows
+        stored, held in flight as the part's are (released here if this raises)."""
+        held: list[int] = []
+        try:
+            for j in np.flatnonzero((part == _EXISTS) & (chain < 0)).tolist():
+                k = s + j
+                up = parent_words if k == 0 else words[k - 1]
+                again, row = await self._put_part(
+                    pool, ns, words[k : k + 1], pages[k : k + 1], up, owner, store=True, hold=True
+                )
+                part[j], chain[j] = again[0], row[0]
+                if again[0] == _REJECTED_FULL:
+                    break  # the chain's later keys would have no parent
+                if row[0] >= 0 and self.table.state[row[0]] == READY:
+                    add_at(self.table.inflight, row, 1)
+                    held.append(int(row[0]))
+        except BaseException:
+            self.space._release(np.array(held, dtype=np.int64))
+            raise
+        return np.array(held, dtype=np.int64)
 
     async def _put_part(
         self,
