@@ -185,8 +185,8 @@ class WorkerSide:
         self._shutting_down = False
         self._invalid: set[int] = set()
         # Engine blocks whose layer-wise load failed in an earlier step and that no step has
-        # computed since: block -> (the request that loaded it, the step it failed in, a
-        # count of wait_for_save calls); kept RECENT_STEPS steps at most.
+        # computed since: block -> (the request that loaded it, the step it failed in, as
+        # ``_steps`` counts them); kept RECENT_STEPS steps at most.
         self._stale: dict[int, tuple[str, int]] = {}
         self._failed_owner: dict[int, str] = {}  # this step's failed blocks: their request
         self._steps = 0
