@@ -1150,7 +1150,11 @@ class BlockStore:
         thread or for room, higher sooner, equal ones in arrival order, always behind demand
         reads and ahead of background writes. A block some earlier prefetch is already moving
         keeps that move and its rank, unless a request waits for it (``SpaceManager.place``
-        raises the move to the request's urgency)."""
+        raises the move to the request's urgency).
+
+        A key named twice is prefetched, hinted and counted once, as Evict and Delete count
+        each block once."""
+        words = _distinct(words)  # in first-named order: a chain's head goes first
         ids = self.table.lookup(ns, words)
         found = ids[ids >= 0]
         lower = found[self.table.slot[found, self.top.col] < 0] if len(found) else found
@@ -1694,6 +1698,11 @@ class BlockStore:
     def _count_put(self, results: np.ndarray) -> None:
         for key, k in zip(self._n_put, np.bincount(results, minlength=3).tolist(), strict=True):
             self.counters.add(key, k)
+
+
+def _distinct(words: np.ndarray) -> np.ndarray:
+    """The keys of a batch, each once, in the order first named."""
+    return words[~repeats(words)] if len(words) > 1 else words
 
 
 def _parts(n: int, block_bytes: int) -> list[tuple[int, int]]:

@@ -282,6 +282,25 @@ def test_prefetch_promotes_ahead_of_use(daemon_factory, tmp_path):
         assert counters["prefetch_issued"] >= 8 and counters["prefetch_used"] >= 8
 
 
+def test_regression_a_prefetch_counted_a_key_named_twice_twice(daemon_factory, tmp_path):
+    """Prefetch counts distinct keys, as Evict and Delete count distinct blocks: a key named
+    4,093 times is one resident block, and its hint protects (and is counted for) one block.
+    Regression: the answer was resident=4093 and hinted_blocks grew by 4,095."""
+    d = daemon_factory(*SMALL_L1, *l2_args(tmp_path / "l2"), l1_bytes="1MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        fill(shm, 8)
+        pool = client.register_pool(shm, LAYOUT)
+        here, down, absent = keys(3, 52)
+        client.put(pool.pool_id, [here, down], [0, 1])
+        client.evict([down], "L1")  # its one copy is now on the disk
+        assert client.lookup([here, down]).tiers == [Tier.L1_HOST, Tier.L2_DISK]
+        res = client.prefetch([here] * 4093 + [down] * 2 + [absent], deadline_ms=5000)
+        assert (res.resident, res.scheduled, res.missing) == (1, 1, 1)
+        assert client.stats().counters["hinted_blocks"] == 2
+        wait_for(lambda: client.lookup([here, down]).tiers == [Tier.L1_HOST] * 2)
+        assert client.prefetch([absent] * 3).missing == 1
+
+
 def test_write_through_puts_every_block_on_disk(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2", "tiers.l2.write_policy=write_through"))
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
