@@ -1152,8 +1152,8 @@ class BlockStore:
         keeps that move and its rank, unless a request waits for it (``SpaceManager.place``
         raises the move to the request's urgency).
 
-        A key named twice is prefetched, hinted and counted once, as Evict and Delete count
-        each block once."""
+        Counts name distinct keys, as Delete's and Evict's do: a key named twice is
+        prefetched, hinted and counted once."""
         words = _distinct(words)  # in first-named order: a chain's head goes first
         ids = self.table.lookup(ns, words)
         found = ids[ids >= 0]
@@ -1261,6 +1261,9 @@ class BlockStore:
     # ------------------------------------------------------------------- delete
 
     async def delete(self, ns: int, words: np.ndarray) -> DeleteResult:
+        """Remove the keys' blocks from every tier, but those pinned, in flight or still being
+        written (busy). Counts name distinct keys."""
+        words = _distinct(words)
         if self._recovery is not None:
             # A key whose row was not read yet would come back after its delete.
             await self.recovered.wait()
@@ -1295,7 +1298,8 @@ class BlockStore:
         """Take the keys' blocks out of tier ``kind`` as eviction would: a block whose only
         copy is there moves down to the first lower tier that takes it, else it leaves the
         store. Pinned and in-flight blocks stay (busy), and so does a block only there that
-        was used within ``policy.protect_s`` (it keeps the lower copy just made)."""
+        was used within ``policy.protect_s`` (it keeps the lower copy just made). Counts name
+        distinct keys."""
         if kind not in self.stack or self.stack[kind].keyed:
             raise InvalidArgument(
                 f"this daemon has no slot tier {kind.label} to evict from "
@@ -1303,7 +1307,7 @@ class BlockStore:
             )
         level = self.stack[kind]
         table = self.table
-        ids = table.lookup(ns, words)
+        ids = table.lookup(ns, _distinct(words))
         found = np.unique(ids[ids >= 0])
         held = found[table.slot[found, level.col] >= 0]
         busy = (table.pins[held] > 0) | (table.inflight[held] > 0)

@@ -145,6 +145,25 @@ def test_lookup_reports_prefix_tiers_and_pins(daemon):
             client.release(pinned.lease_id)
 
 
+def test_regression_delete_and_evict_counted_a_missing_key_named_twice_twice(daemon_factory):
+    """Delete, Evict and Prefetch count distinct keys: a key named three times is one block,
+    or one missing key. Regression: blocks were counted once but a missing key once per
+    naming (missing=3 below, where Prefetch answers 1)."""
+    layout = LAYOUTS["staging"]
+    d = daemon_factory("policy.protect_s=0")
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        random_fill(shm, 5)
+        pool = client.register_pool(shm, layout)
+        a, b, absent = keys_for(3, "named-twice")
+        client.put(pool.pool_id, [a, b], [0, 1])
+        ev = client.evict([a] * 3 + [absent] * 3, "L1")
+        assert (ev.evicted, ev.missing, ev.busy) == (1, 1, 0)
+        assert client.prefetch([absent] * 3 + [b] * 3).missing == 1
+        de = client.delete([b] * 3 + [a] * 3 + [absent] * 3)
+        assert (de.deleted, de.missing, de.busy) == (1, 2, 0)
+        assert client.lookup([a, b]).tiers == [Tier.ABSENT] * 2
+
+
 def test_put_of_existing_keys_copies_nothing(daemon):
     layout = LAYOUTS["staging"]
     with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
