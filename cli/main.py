@@ -18,7 +18,9 @@ or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every inva
 1 with the list of what is broken, 2 when it could not ask; ``kvtier drain`` stops the daemon
 taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain;
 0 if the daemon stops meanwhile, which ends them all, so a rollout's next step may follow) and
-``kvtier drain --resume`` takes them again.
+``kvtier drain --resume`` takes them again; either exits 2 when the daemon refuses (it
+answered and did not drain: not an admin, or it is stopping) and 3 when it cannot be reached,
+as ``health``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
 INTERRUPTED = 130
 # kvtier check: 0 every invariant holds, 1 some broken, 2 could not ask.
 CHECK_FAILED = 2
+# kvtier drain: 0 draining (with --wait: drained, or the daemon stopped), 1 sessions still
+# open after --wait, 2 refused (the daemon answered and did not drain: check's "could not
+# ask"), 3 (health's UNREACHABLE) no answer: no daemon at the address, or none in --timeout.
+DRAIN_BUSY, DRAIN_REFUSED = 1, 2
 
 
 # The most seconds any option takes (a week). Values past about 1e9 s overflow the sleeps,
@@ -374,76 +380,92 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        # The session the drain is asked in, and the polls after it: read again later, the
-        # property would open another one if the daemon had stopped meanwhile.
-        session = client.session_id
-        asked = time.monotonic()  # the daemon that answers started before this
-        state = client.drain(resume=args.resume)
-        if args.resume:
-            print(f"resumed: kvtierd at {client.address} takes new sessions again")
+    try:
+        client = _client(args)
+    except KvtierError as e:  # an address no daemon can have
+        print(f"kvtier: {e.details}", file=sys.stderr)
+        return UNREACHABLE
+    try:
+        with client:
+            return _drain_with(args, client)
+    except (UnavailableError, DeadlineExceededError) as e:
+        print(_unreachable(args, e), file=sys.stderr)
+        return DRAIN_REFUSED if _reached(e) else UNREACHABLE
+    except KvtierError as e:
+        print(f"kvtier drain: {type(e).__name__}: {e.details}", file=sys.stderr)
+        return DRAIN_REFUSED
+
+
+def _drain_with(args: argparse.Namespace, client: Client) -> int:
+    """``kvtier drain`` once the client is made; a call the daemon refuses or cannot be
+    reached for raises (``_drain`` gives its exit status)."""
+    # The session the drain is asked in, and the polls after it: read again later, the
+    # property would open another one if the daemon had stopped meanwhile.
+    session = client.session_id
+    asked = time.monotonic()  # the daemon that answers started before this
+    state = client.drain(resume=args.resume)
+    if args.resume:
+        print(f"resumed: kvtierd at {client.address} takes new sessions again")
+        return 0
+    print(
+        f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
+        f"{state.sessions} other sessions open"
+    )
+    if args.wait <= 0:
+        return 0
+    deadline = time.monotonic() + args.wait
+    while state.sessions and time.monotonic() < deadline:
+        try:
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        except KeyboardInterrupt:
+            print(
+                f"interrupted: kvtierd at {client.address} is still draining "
+                "(`kvtier drain --resume` takes new sessions again)",
+                file=sys.stderr,
+            )
+            return INTERRUPTED
+        try:
+            state = _drain_state(client, session)
+        except UnavailableError as e:
+            # It answered a moment ago: it is stopping (SIGTERM ends every session
+            # first) or gone, and no session is open on it either way.
+            print(f"stopped: kvtierd at {client.address} went away while draining ({e.details})")
             return 0
-        print(
-            f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
-            f"{state.sessions} other sessions open"
-        )
-        if args.wait <= 0:
-            return 0
-        deadline = time.monotonic() + args.wait
-        while state.sessions and time.monotonic() < deadline:
+        except NotFoundError as e:
+            if not e.session_gone:
+                raise
+            # The session that drained is gone: the daemon restarted, or a reload of its
+            # tenants ended the session. Only the daemon that was drained is drained again;
+            # one that started after it answered is another.
             try:
-                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-            except KeyboardInterrupt:
+                restarted = _started_at(client) > asked
+            except UnavailableError as gone:
+                if gone.draining:
+                    # It runs, and drains, but no longer opens this user a session (a
+                    # reload took its admin right).
+                    print(
+                        f"kvtier: kvtierd at {client.address} ended this command's "
+                        f"session and, draining, opens it no new one: {gone.details}",
+                        file=sys.stderr,
+                    )
+                    return DRAIN_REFUSED
                 print(
-                    f"interrupted: kvtierd at {client.address} is still draining "
-                    "(`kvtier drain --resume` takes new sessions again)",
-                    file=sys.stderr,
-                )
-                return INTERRUPTED
-            try:
-                state = _drain_state(client, session)
-            except UnavailableError as e:
-                # It answered a moment ago: it is stopping (SIGTERM ends every session
-                # first) or gone, and no session is open on it either way.
-                print(
-                    f"stopped: kvtierd at {client.address} went away while draining ({e.details})"
+                    f"stopped: kvtierd at {client.address} went away while draining "
+                    f"({gone.details})"
                 )
                 return 0
-            except NotFoundError as e:
-                if not e.session_gone:
-                    raise
-                # The session that drained is gone: the daemon restarted, or a reload of its
-                # tenants ended the session. Only the daemon that was drained is drained again;
-                # one that started after it answered is another.
-                try:
-                    restarted = _started_at(client) > asked
-                except UnavailableError as gone:
-                    if gone.draining:
-                        # It runs, and drains, but no longer opens this user a session (a
-                        # reload took its admin right).
-                        print(
-                            f"kvtier: kvtierd at {client.address} ended this command's "
-                            f"session and, draining, opens it no new one: {gone.details}",
-                            file=sys.stderr,
-                        )
-                        return 1
-                    print(
-                        f"stopped: kvtierd at {client.address} went away while draining "
-                        f"({gone.details})"
-                    )
-                    return 0
-                if restarted:
-                    print(
-                        f"stopped: kvtierd at {client.address} restarted while draining; the "
-                        "daemon serving there now was not drained"
-                    )
-                    return 0
-                session = client.session_id  # the one _started_at opened
-                state = _drain_state(client, session)
-        if state.sessions:
-            print(f"{state.sessions} sessions still open after {args.wait:g}s")
-            return 1
-        print("drained: no other session is open")
+            if restarted:
+                print(
+                    f"stopped: kvtierd at {client.address} restarted while draining; the "
+                    "daemon serving there now was not drained"
+                )
+                return 0
+            session = client.session_id  # the one _started_at opened
+            state = _drain_state(client, session)
+    if state.sessions:
+        print(f"{state.sessions} sessions still open after {args.wait:g}s")
+        return DRAIN_BUSY
+    print("drained: no other session is open")
     return 0
 
 
@@ -576,7 +598,9 @@ def main(argv: list[str] | None = None) -> int:
         description="The daemon refuses new sessions (but admins') and reports NOT_SERVING "
         "to health checks; open sessions carry on. Exit status with --wait: 0 once no other "
         "session is open, or once the daemon stops (SIGTERM ends every session: 'stopped: "
-        "... went away while draining'); 1 if some still are open after S seconds.",
+        "... went away while draining'); 1 if some still are open after S seconds. Exit "
+        "status with or without --wait: 2 the daemon refused (it answered and did not "
+        "drain, e.g. not an admin, or it is stopping), 3 it could not be reached.",
     )
     d.add_argument(
         "--wait",

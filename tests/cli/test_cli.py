@@ -301,6 +301,41 @@ def test_check_exits_2_when_it_cannot_ask(tmp_path, capsys):
     assert code == 2 and "cannot reach kvtierd" in err
 
 
+def test_drain_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
+    """Regression: drain exited 1 for a daemon it could not reach, as for sessions still open
+    after --wait; 3 is health's "unreachable"."""
+    for extra in ((), ("--resume",), ("--wait", "5")):
+        missing = f"unix:{tmp_path}/none.sock"
+        code, out, err = run_main(capsys, "--address", missing, "--timeout", "2", "drain", *extra)
+        assert code == 3, (extra, out, err)
+        assert f"cannot reach kvtierd at {missing}" in err and out == ""
+
+
+def test_drain_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
+    """A tenant that is not an admin is refused (PERMISSION_DENIED): 2, not 1 (sessions
+    still open after --wait), and the daemon does not drain. Over TCP with the tenant's
+    token: the tests run as root, an admin on the Unix socket."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token, tenants = tenant_token(tmp_path, "t")
+    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
+    for extra in ((), ("--resume",), ("--wait", "5")):
+        out = kvtier(*tenant, "drain", *extra)
+        assert out.returncode == 2, (extra, out)
+        assert out.stderr.startswith("kvtier drain: PermissionDeniedError: "), out.stderr
+    assert kvtier("--address", d.address, "health").returncode == 0  # serving: not drained
+
+
+def test_drain_exits_1_when_sessions_are_still_open_after_its_wait(daemon, capsys):
+    with daemon.client() as holder:
+        holder.stats()  # a session the drain waits for
+        code, out, _ = run_main(capsys, "--address", daemon.address, "drain", "--wait", "0.3")
+        assert code == 1 and "1 sessions still open after 0.3s" in out, out
+        assert not holder.drain(resume=True).draining
+
+
 _DEGRADE = textwrap.dedent(
     """
     import json, os, subprocess, sys
@@ -629,8 +664,8 @@ def test_regression_drain_wait_said_stopped_when_a_reload_took_its_admin_right(
     """A reload that took the admin right of the tenant `kvtier drain --wait` acted as ended
     its session; its next poll, in a new session, was turned away by the drain itself, and
     the command said 'stopped: ... went away while draining', exit 0, of a daemon that was
-    running and draining. The daemon marks that refusal (UnavailableError.draining): exit 1,
-    saying so."""
+    running and draining. The daemon marks that refusal (UnavailableError.draining): exit 2
+    (refused), saying so."""
     from harness import DaemonProcess
 
     from kvtier.cli import main as cli
@@ -683,7 +718,7 @@ def test_regression_drain_wait_said_stopped_when_a_reload_took_its_admin_right(
         code, out, err = run_main(
             capsys, "--address", address, "--token-file", str(ops), "drain", "--wait", "30"
         )
-    assert code == 1, (out, err)
+    assert code == 2, (out, err)
     assert "stopped" not in out
     assert "ended this command's session and, draining, opens it no new one" in err
     assert d.running()
