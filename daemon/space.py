@@ -307,7 +307,7 @@ class SpaceManager:
                     mine, dst, priority, clean_only, deadline, prefetch, urgency
                 )
             finally:
-                self._release(mine)
+                self.end_in_flight(mine)
                 self.transfers.settle([refs[i] for i in mine_idx], dst.kind)
         if waits:
             await asyncio.gather(*waits, return_exceptions=True)
@@ -865,8 +865,11 @@ class SpaceManager:
             self.copies_lost += 1
             self.counters.inc("copies_lost", tier=level.label)
 
-    def _release(self, bids: np.ndarray) -> None:
-        """End an in-flight mark."""
+    def end_in_flight(self, bids: np.ndarray) -> None:
+        """End one in-flight hold of each of ``bids`` (``table.inflight``, raised by whoever
+        kept the blocks from eviction and deletion while it copied or persisted them; a block
+        named twice loses two). A block that lost its last copy meanwhile, and is held by
+        nobody now, is forgotten (``forget_orphans``)."""
         add_at(self.table.inflight, bids, -1)
         self.forget_orphans(bids)
 

@@ -539,7 +539,7 @@ class BlockStore:
                             held = np.concatenate((held, again))
                             full = bool((part == _REJECTED_FULL).any())
                     except BaseException:
-                        self.space._release(held)  # no persist task will
+                        self.space.end_in_flight(held)  # no persist task will
                         raise
                     # Refs, not rows: a block still may go (a failed copy) and its row be
                     # reused.
@@ -592,7 +592,7 @@ class BlockStore:
                     add_at(self.table.inflight, row, 1)
                     held.append(int(row[0]))
         except BaseException:
-            self.space._release(np.array(held, dtype=np.int64))
+            self.space.end_in_flight(np.array(held, dtype=np.int64))
             raise
         return np.array(held, dtype=np.int64)
 
@@ -757,7 +757,7 @@ class BlockStore:
             if len(need):
                 await self.space.place(need, level, Priority.DEMAND)
         finally:
-            self.space._release(held)  # a block whose last copy failed meanwhile is forgotten
+            self.space.end_in_flight(held)
         chain = table.resolve_many(refs)
         persisted = np.zeros(len(chain), dtype=bool)
         live = (chain >= 0) & (table.state[np.maximum(chain, 0)] == READY)
@@ -767,7 +767,7 @@ class BlockStore:
     def _persisted(self, held: np.ndarray, _: asyncio.Future[np.ndarray]) -> None:
         """A ``_persist`` task ended (or was cancelled before it ran): end ``put``'s
         in-flight mark of the rows ``held``."""
-        self.space._release(held)
+        self.space.end_in_flight(held)
 
     async def _written(self, refs: np.ndarray) -> None:
         """Wait until none of the blocks ``refs`` name (-1: none) is still being written by
