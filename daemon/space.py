@@ -667,30 +667,43 @@ class SpaceManager:
         urgency: Urgency | None = None,
     ) -> int:
         """How many of ``count`` blocks fit ``owner``'s quota on ``level`` after evicting
-        (or demoting) the owner's own coldest evictable blocks to make room."""
+        (or demoting) the owner's own coldest evictable blocks to make room.
+
+        The room an eviction makes counts for the owner's reservation that comes first, and
+        another put of the owner may reserve while this one awaits its eviction (a disk
+        tier frees the slots on a thread, after the copies stopped counting): the owner's
+        coldest evictable blocks left are then evicted in turn, as ``_take_slots`` does, so
+        that a caller is short only where none of the owner's blocks is evictable."""
         table = self.table
         table._fit_owner(owner)
-        held = self.quota_held[(owner, level.kind)]
-        over = int(table.usage[level.col, owner]) + held + count * nbytes - quota
-        if over > 0:
+        key = (owner, level.kind)
+        while True:
+            over = int(table.usage[level.col, owner]) + self.quota_held[key] + count * nbytes
+            over -= quota
+            if over <= 0:
+                break
             now = self._clock()
             base = self.evictable(level, now, clean_only=clean_only)
 
-            def mine(bids: np.ndarray) -> np.ndarray:
+            def mine(bids: np.ndarray, base: EvictableFn = base) -> np.ndarray:
                 return base(bids) & (table.owner[bids] == owner)
 
             n = min(-(-over // nbytes), len(level.policy))
             victims = self._victims(level, n, now, mine)
-            if len(victims):
-                await self.evict(level, victims, priority, clean_only=clean_only, urgency=urgency)
-                self.counters.inc(
-                    "quota_evictions",
-                    len(victims),
-                    tier=level.label,
-                    tenant=self.owner_labels.get(owner, owner),
-                )
-        held = self.quota_held[(owner, level.kind)]
-        room = (quota - int(table.usage[level.col, owner]) - held) // nbytes
+            if len(victims) == 0:
+                break
+            freed = await self.evict(
+                level, victims, priority, clean_only=clean_only, urgency=urgency
+            )
+            self.counters.inc(
+                "quota_evictions",
+                len(victims),
+                tier=level.label,
+                tenant=self.owner_labels.get(owner, owner),
+            )
+            if not freed or (table.slot[victims, level.col] >= 0).all():
+                break  # the tier kept the slots, or every victim stayed: no more to gain
+        room = (quota - int(table.usage[level.col, owner]) - self.quota_held[key]) // nbytes
         return max(0, min(count, room))
 
     def _victims(self, level: Level, n: int, now: float, mask: EvictableFn) -> np.ndarray:

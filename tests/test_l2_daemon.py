@@ -171,6 +171,32 @@ def test_regression_concurrent_durable_puts_into_a_full_l2_all_persist(daemon_fa
         assert client.stats().counter("full_rejections", tier="L2") == 0
 
 
+def test_regression_durable_puts_of_one_tenant_at_its_l2_quota_all_persist(
+    daemon_factory, tmp_path
+):
+    # Two clients of one tenant (root's) put one block at a time durably against an L2 quota
+    # of 8 blocks: at most one other block of the tenant is in flight, so each put finds room
+    # among the tenant's own evictable blocks. The room one put's eviction made (its slot
+    # freed on a disk thread) could be taken by the other put first, and the evicting one was
+    # refused: persisted=False, a quota rejection (72 of 400 puts).
+    quota = 8 * BLOCK
+    d = daemon_factory(
+        *l2_args(tmp_path / "l2"),
+        *SMALL_L1,
+        f"tenants=[{{name: ops, uids: [0], admin: true, quotas: {{l2: {quota}}}}}]",
+        l1_bytes="32MiB",  # holds every block: no demotions
+    )
+    per_client = [[keys(1, 5000 + 1000 * c + i) for i in range(100)] for c in range(2)]
+    results = run_threads(*(lambda chains=chains: durable_puts(d, chains) for chains in per_client))
+    persisted = [p for client in results for res in client for p in res.persisted]
+    assert persisted.count(False) == 0 and len(persisted) == 200
+    with d.client() as client:
+        stats = client.stats()
+        assert stats.counter("quota_rejections", tier="L2", tenant="ops") == 0
+        assert stats.counter("quota_evictions", tier="L2", tenant="ops") == 200 - 8
+        assert client.check().problems == []
+
+
 def test_regression_a_durable_put_of_keys_another_put_is_writing_persists_them(
     daemon_factory, tmp_path
 ):

@@ -1837,6 +1837,45 @@ async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
     assert store.table.usage[0, 1] == 8 * 4096
 
 
+async def test_regression_a_put_at_its_quota_was_refused_the_room_its_eviction_made(
+    make_store, monkeypatch
+):
+    """A put of a tenant at its L2 quota evicts one of the tenant's blocks; the disk tier
+    frees the slot on a thread, after the block stopped counting against the quota, and a
+    second put of the tenant reserving meanwhile takes that room. The first one then found
+    no room left and was refused (persisted=False, a quota rejection) while the tenant had
+    3 more evictable blocks on L2; it evicts the next one in turn. With two clients of one
+    tenant putting durably into a quota of 8 blocks, 72 of 400 puts were not persisted."""
+    store, pool = make_store(Clock(), l2_segments=1), make_pool()  # 16 slots in each tier
+    store.space.quotas[(1, TierKind.DISK)] = 4 * 4096
+    l2 = store.stack[TierKind.DISK]
+
+    async def durable_put(n: int, page: int) -> tuple[list[int], list[bool]]:
+        res, persisted = await store.put(
+            pool, 0, keys(n), np.arange(page, page + n), None, durable=True, owner=1
+        )
+        return res.tolist(), persisted.tolist()
+
+    assert await durable_put(4, 0) == ([PutResult.STORED] * 4, [True] * 4)  # at the quota
+    freeing, gate = asyncio.Event(), asyncio.Event()
+    release = store.space.release
+
+    async def slow_release(level, slots):
+        if level is l2 and not freeing.is_set():
+            freeing.set()
+            await gate.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", slow_release)
+    first = asyncio.ensure_future(durable_put(1, 4))
+    await freeing.wait()  # its victim no longer counts; its slot is not free yet
+    assert await durable_put(1, 5) == ([PutResult.STORED], [True])  # took that room
+    gate.set()
+    assert await first == ([PutResult.STORED], [True])
+    assert store.table.usage[l2.col, 1] == 4 * 4096
+    assert store.counters.get("quota_rejections", tier="L2", tenant=1) == 0
+
+
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
     """Why a lookup missed (``misses{reason}``) is remembered by block identity: namespace and
     every key word. The same keys in another namespace, and keys that share only their first
