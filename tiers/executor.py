@@ -40,6 +40,10 @@ class _Job:
     gone: bool = field(default=False, compare=False)
 
 
+def _ran() -> None:
+    """What a job that ran, or moved up, holds in place of its callable."""
+
+
 class Urgency:
     """The class and rank of one move, which may only rise; every job of the move submitted
     with it runs at least this urgently, and raising it moves up the ones still queued.
@@ -135,7 +139,9 @@ class PriorityExecutor:
             if key < (job.priority, job.behind):
                 job.gone = True
                 self._stale += 1
-                job = replace(job, priority=key[0], behind=key[1], gone=False)
+                moved = replace(job, priority=key[0], behind=key[1], gone=False)
+                job.fn, job.args = _ran, ()  # the entry left behind holds nothing either
+                job = moved
                 heapq.heappush(self._heap, job)
                 self._cv.notify_all()
             return job
@@ -176,12 +182,24 @@ class PriorityExecutor:
                 other = job.priority > Priority.DEMAND
                 if other:
                     self._busy_other += 1
+            # An Urgency lists the jobs it submitted for as long as it lives (a finished
+            # move's, until a callback of its claim runs): a job lets go of what it holds
+            # (a batch and its buffers, views of a tier's memory) before its caller hears
+            # that it ran, or a stop right after a flush found the L1 arena still in use.
+            fn, args = job.fn, job.args
+            job.fn, job.args = _ran, ()
             try:
-                if job.future.set_running_or_notify_cancel():
+                if not job.future.set_running_or_notify_cancel():
+                    del fn, args
+                else:
                     try:
-                        job.future.set_result(job.fn(*job.args))
+                        result = fn(*args)
                     except BaseException as e:
+                        del fn, args
                         job.future.set_exception(e)
+                    else:
+                        del fn, args
+                        job.future.set_result(result)
             finally:
                 del job
                 with self._cv:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -174,4 +175,30 @@ def test_raising_an_urgency_only_ever_moves_a_job_up_and_never_reruns_one():
     done.raise_to(Priority.DEMAND)  # its job ran: nothing to move, nothing run again
     assert order == ["mine", "background", "other", "first"]
     assert pool.queued == 0
+    pool.shutdown()
+
+
+def test_regression_an_urgency_kept_what_its_jobs_held_after_they_ran():
+    """An Urgency lists its jobs while it lives; a job that ran, and the entry a raise left
+    behind, hold nothing of their arguments once the caller hears that the job ran: they
+    held a copy's batch, views of the L1 arena, until the Urgency went a loop turn after
+    its move (a stop right after a flush awaited without that turn found the arena still
+    in use)."""
+
+    class Batch:
+        pass
+
+    pool = PriorityExecutor(1, "t", reserved=0)
+    gate = threading.Event()
+    blocker = _hold_the_thread(pool, gate)
+    move = Urgency(Priority.BACKGROUND)
+    batches = [Batch(), Batch()]
+    alive = [weakref.ref(b) for b in batches]
+    jobs = [pool.submit(Priority.BACKGROUND, id, b, urgency=move) for b in batches]
+    move.raise_to(Priority.PREFETCH)  # both entries replaced while they wait
+    del batches
+    gate.set()
+    for f in [blocker, *jobs]:
+        f.result(5)
+    assert [ref() for ref in alive] == [None, None]
     pool.shutdown()
