@@ -15,9 +15,12 @@ Rules:
   holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
-- A tenant's quota on a tier counts its copies there and the slots reserved for its copies
-  in flight (``quota_held``, kept for every tenant, as a reload may set a quota while they
-  are in flight), so puts racing to the quota store no more than it.
+- A tenant's quota on a tier counts its copies there, the slots reserved for its copies
+  in flight and the slots of its evicted copies a persistent tier is still freeing
+  (``quota_held``, kept for every tenant, as a reload may set a quota while they are in
+  flight), so puts racing to the quota store no more than it, and the room an eviction
+  makes is taken only once its slots are free (a put that found room but no free slot
+  would evict another tenant's block for one).
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
@@ -79,8 +82,9 @@ class SpaceManager:
         # (owner, tier kind) -> bytes the owner (a tenant) may hold in that tier.
         self.quotas: dict[tuple[int, TierKind], int] = {}
         # (owner, tier kind) -> bytes of slots reserved whose copies are not yet recorded in
-        # the table: they count against the owner's quota until ``end_hold``. Every owner's,
-        # with a quota or not: a reload may set one while they are in flight.
+        # the table, and of evicted copies whose slots a persistent tier is still freeing
+        # (``hold_copies``): they count against the owner's quota until ``end_hold``. Every
+        # owner's, with a quota or not: a reload may set one while they are in flight.
         self.quota_held: Counter[tuple[int, TierKind]] = Counter()
         # Owner index -> tenant label, for the quota counters' ``tenant`` label.
         self.owner_labels: dict[int, str] = {0: "default"}
@@ -669,11 +673,12 @@ class SpaceManager:
         """How many of ``count`` blocks fit ``owner``'s quota on ``level`` after evicting
         (or demoting) the owner's own coldest evictable blocks to make room.
 
-        The room an eviction makes counts for the owner's reservation that comes first, and
-        another put of the owner may reserve while this one awaits its eviction (a disk
-        tier frees the slots on a thread, after the copies stopped counting): the owner's
-        coldest evictable blocks left are then evicted in turn, as ``_take_slots`` does, so
-        that a caller is short only where none of the owner's blocks is evictable."""
+        The victims count against the owner until their slots are free (``evict`` holds
+        them while a disk tier frees them on a thread), so another put of the owner cannot
+        take the room they make. Where the room is still short after an eviction (a victim
+        stayed: pinned or read while it was demoted), the owner's coldest evictable blocks
+        left are evicted in turn, as ``_take_slots`` does, so that a caller is short only
+        where none of the owner's blocks is evictable."""
         table = self.table
         table._fit_owner(owner)
         key = (owner, level.kind)
@@ -790,9 +795,37 @@ class SpaceManager:
             # A victim may also have lost this copy meanwhile (a failed read drops it).
             victims = victims[self._droppable(level, self._clock())(victims)]
             victims = victims[table.slot[victims, level.col] >= 0]
-        freed = await self.release(level, self.drop_copies(victims, level))
+        # A persistent tier frees the slots on a thread, after the copies stopped counting
+        # against their owners' quotas: they are held against them until then, or a put of
+        # an owner at its quota would take that room, find no free slot, and evict another
+        # tenant's block for one.
+        holds = self.hold_copies(level, victims) if level.persistent and not level.keyed else []
+        try:
+            freed = await self.release(level, self.drop_copies(victims, level))
+        finally:
+            self.end_holds(level, holds)
         self.counters.inc("evictions", len(victims), tier=level.label)
         return freed
+
+    def hold_copies(self, level: Level, bids: np.ndarray) -> list[tuple[int, int]]:
+        """Hold the bytes of ``bids``' copies in ``level`` against their owners' quotas
+        (``quota_held``) while their slots are given back; the ``(owner, bytes)`` held, for
+        ``end_holds``."""
+        table = self.table
+        if len(bids) == 0:
+            return []
+        owners = table.owner[bids].astype(np.int64)
+        per_owner = np.zeros(int(owners.max()) + 1, dtype=np.int64)
+        np.add.at(per_owner, owners, table.nbytes[bids].astype(np.int64))
+        holds = [(int(o), int(per_owner[o])) for o in np.flatnonzero(per_owner)]
+        for owner, nbytes in holds:
+            self.quota_held[(owner, level.kind)] += nbytes
+        return holds
+
+    def end_holds(self, level: Level, holds: list[tuple[int, int]]) -> None:
+        """``end_hold`` of each ``(owner, bytes)`` that ``hold_copies`` held."""
+        for owner, nbytes in holds:
+            self.end_hold(level, owner, nbytes)
 
     async def _demote(
         self, level: Level, dirty: np.ndarray, priority: Priority, urgency: Urgency | None = None

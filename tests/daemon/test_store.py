@@ -1876,6 +1876,52 @@ async def test_regression_a_put_at_its_quota_was_refused_the_room_its_eviction_m
     assert store.counters.get("quota_rejections", tier="L2", tenant=1) == 0
 
 
+async def test_regression_a_put_at_its_quota_evicted_another_tenant_s_block_on_a_full_l2(
+    make_store, monkeypatch
+):
+    """A put of a tenant at its L2 quota evicts one of its blocks; the disk tier frees the
+    slot on a thread, and the block stopped counting against the quota before that. A second
+    put of the tenant took that room, found no free slot in the full L2, and evicted another
+    tenant's block for one (tenant 2 lost the disk copy of a durable put; 3 evictions for 2
+    blocks). The victim now counts until its slot is free: each put evicts its own."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()  # L2: 16 slots
+    store.space.quotas[(1, TierKind.DISK)] = 4 * 4096
+    l2 = store.stack[TierKind.DISK]
+
+    async def durable_put(words: np.ndarray, page: int, owner: int = 1) -> list[bool]:
+        pages = np.arange(page, page + len(words))
+        _, persisted = await store.put(pool, 0, words, pages, None, durable=True, owner=owner)
+        return persisted.tolist()
+
+    theirs = keys(12)
+    assert await durable_put(theirs, 0, owner=2) == [True] * 12
+    clock.now += 1  # colder than tenant 1's blocks
+    assert await durable_put(keys(4), 12) == [True] * 4  # L2 full, tenant 1 at its quota
+    clock.now += 1
+    freeing, gate = asyncio.Event(), asyncio.Event()
+    release = store.space.release
+
+    async def slow_release(level, slots):
+        if level is l2 and not freeing.is_set():
+            freeing.set()
+            await gate.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", slow_release)
+    first = asyncio.ensure_future(durable_put(keys(1), 16))
+    await freeing.wait()  # its victim's slot is not free yet
+    assert await durable_put(keys(1), 17) == [True]
+    gate.set()
+    assert await first == [True]
+    ids = store.table.lookup(0, theirs)
+    assert (store.table.slot[ids, l2.col] >= 0).all()  # tenant 2 kept every disk copy
+    assert store.counters.get("evictions", tier="L2") == 2
+    assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 2
+    assert store.table.usage[l2.col, 1] == 4 * 4096
+    assert not store.space.quota_held
+
+
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
     """Why a lookup missed (``misses{reason}``) is remembered by block identity: namespace and
     every key word. The same keys in another namespace, and keys that share only their first
