@@ -1272,15 +1272,27 @@ class BlockStore:
         missing = int(np.count_nonzero(found < 0))
         ids = np.unique(found[found >= 0])
         busy = (table.state[ids] != READY) | (table.pins[ids] > 0) | (table.inflight[ids] > 0)
+        gone = ids[~busy]
+        # Held against their owners' quotas until a persistent tier has freed their slots,
+        # as evicted copies are (``SpaceManager.evict``).
+        holds = [
+            (level, self.space.hold_copies(level, gone[table.slot[gone, level.col] >= 0]))
+            for level in self.stack
+            if level.persistent and not level.keyed
+        ]
         released: dict[TierKind, list[int]] = {}
-        for bid in ids[~busy].tolist():
-            for level in self.stack:
-                if table.slot[bid, level.col] >= 0:
-                    slot = self.space.drop_copy(bid, level)
-                    if slot is not None:
-                        released.setdefault(level.kind, []).append(slot)
-        for kind, slots in released.items():
-            await self.space.release(self.stack[kind], slots)
+        try:
+            for bid in gone.tolist():
+                for level in self.stack:
+                    if table.slot[bid, level.col] >= 0:
+                        slot = self.space.drop_copy(bid, level)
+                        if slot is not None:
+                            released.setdefault(level.kind, []).append(slot)
+            for kind, slots in released.items():
+                await self.space.release(self.stack[kind], slots)
+        finally:
+            for level, held in holds:
+                self.space.end_holds(level, held)
         if self._keyed:
             # Whatever the local table knew, the keys leave the shared tiers too, except the
             # ones kept here as busy.

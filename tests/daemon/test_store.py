@@ -1922,6 +1922,45 @@ async def test_regression_a_put_at_its_quota_evicted_another_tenant_s_block_on_a
     assert not store.space.quota_held
 
 
+async def test_regression_a_put_at_its_quota_took_a_delete_s_room_and_another_s_slot(
+    make_store, monkeypatch
+):
+    """As above with a Delete: the deleted block stopped counting against its tenant's L2
+    quota before the disk tier freed its slot, a put of the tenant at its quota took that
+    room, found the L2 full, and evicted another tenant's block. It now evicts its own."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()  # L2: 16 slots
+    store.space.quotas[(1, TierKind.DISK)] = 4 * 4096
+    l2 = store.stack[TierKind.DISK]
+    theirs, mine = keys(12), keys(4)
+    _, persisted = await store.put(pool, 0, theirs, np.arange(12), None, durable=True, owner=2)
+    clock.now += 1
+    _, persisted = await store.put(pool, 0, mine, np.arange(12, 16), None, durable=True, owner=1)
+    assert persisted.all()  # L2 full, tenant 1 at its quota
+    clock.now += 1
+    freeing, gate = asyncio.Event(), asyncio.Event()
+    release = store.space.release
+
+    async def slow_release(level, slots):
+        if level is l2 and not freeing.is_set():
+            freeing.set()
+            await gate.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", slow_release)
+    deleting = asyncio.ensure_future(store.delete(0, mine[:1]))
+    await freeing.wait()  # the deleted block's slot is not free yet
+    _, persisted = await store.put(pool, 0, keys(1), np.arange(16, 17), None, durable=True, owner=1)
+    assert persisted.tolist() == [True]
+    gate.set()
+    assert (await deleting).deleted == 1
+    ids = store.table.lookup(0, theirs)
+    assert (store.table.slot[ids, l2.col] >= 0).all()  # tenant 2 kept every disk copy
+    assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 1
+    assert store.table.usage[l2.col, 1] == 3 * 4096
+    assert not store.space.quota_held
+
+
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
     """Why a lookup missed (``misses{reason}``) is remembered by block identity: namespace and
     every key word. The same keys in another namespace, and keys that share only their first
