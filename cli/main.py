@@ -19,8 +19,9 @@ or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every inva
 taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain;
 0 if the daemon stops meanwhile, which ends them all, so a rollout's next step may follow) and
 ``kvtier drain --resume`` takes them again; either exits 2 when the daemon refuses (it
-answered and did not drain: not an admin, or it is stopping) and 3 when it cannot be reached,
-as ``health``.
+answered and did not drain: not an admin, or it is stopping; or, during ``--wait``, it drains
+but ended the command's session and opens it no new one, as after a reload that took its
+admin right) and 3 when it cannot be reached, as ``health``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ INTERRUPTED = 130
 CHECK_FAILED = 2
 # kvtier drain: 0 draining (with --wait: drained, or the daemon stopped), 1 sessions still
 # open after --wait, 2 refused (the daemon answered and did not drain: check's "could not
-# ask"), 3 (health's UNREACHABLE) no answer: no daemon at the address, or none in --timeout.
+# ask"; or, during --wait, it drains but ended this command's session and opens it no new
+# one: a reload took its admin right), 3 (health's UNREACHABLE) no answer: no daemon at the
+# address, or none in --timeout.
 DRAIN_BUSY, DRAIN_REFUSED = 1, 2
 
 
@@ -600,7 +603,9 @@ def main(argv: list[str] | None = None) -> int:
         "session is open, or once the daemon stops (SIGTERM ends every session: 'stopped: "
         "... went away while draining'); 1 if some still are open after S seconds. Exit "
         "status with or without --wait: 2 the daemon refused (it answered and did not "
-        "drain, e.g. not an admin, or it is stopping), 3 it could not be reached.",
+        "drain, e.g. not an admin, or it is stopping; or, during --wait, it drains but ended "
+        "this command's session and opens it no new one: a reload took its admin right), 3 "
+        "it could not be reached.",
     )
     d.add_argument(
         "--wait",

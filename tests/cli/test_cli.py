@@ -729,6 +729,15 @@ def test_drain_help_says_how_a_stop_ends_the_wait(capsys):
     assert code == 0 and "once the daemon stops" in " ".join(out.split())
 
 
+def test_drain_help_says_which_refusal_during_its_wait_exits_2(capsys):
+    """A reload that takes the admin right of `drain --wait` exits 2, 'refused', of a daemon
+    that drains (test_regression_drain_wait_said_stopped_when_a_reload_took_its_admin_right);
+    the help said 2 was only a daemon that 'answered and did not drain'."""
+    code, out, _ = run_main(capsys, "drain", "--help")
+    help_text = " ".join(out.split())
+    assert code == 0 and "during --wait, it drains but ended this command's session" in help_text
+
+
 def _cancelled() -> Exception:
     """What a client gets for a call the daemon's gRPC server ended unanswered (its stop)."""
     import grpc
