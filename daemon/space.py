@@ -676,9 +676,10 @@ class SpaceManager:
         The victims count against the owner until their slots are free (``evict`` holds
         them while a disk tier frees them on a thread), so another put of the owner cannot
         take the room they make. Where the room is still short after an eviction (a victim
-        stayed: pinned or read while it was demoted), the owner's coldest evictable blocks
-        left are evicted in turn, as ``_take_slots`` does, so that a caller is short only
-        where none of the owner's blocks is evictable."""
+        stayed, pinned or read while it was demoted, or the victims were smaller than the
+        blocks to come), the owner's coldest evictable blocks left are evicted in turn, as
+        ``_take_slots`` does, so that a caller is short only where none of the owner's
+        blocks is evictable."""
         table = self.table
         table._fit_owner(owner)
         key = (owner, level.kind)
