@@ -604,7 +604,9 @@ class SpaceManager:
         try:
             slots = await self._take_slots(level, nbytes, count, priority, clean_only, urgency)
         finally:
-            self.end_hold(level, owner, (count - len(slots)) * nbytes)
+            # Nothing to give back when every slot came (a zero count still clears its key).
+            if not slots or len(slots) < count:
+                self.end_hold(level, owner, (count - len(slots)) * nbytes)
         return slots
 
     def end_hold(self, level: Level, owner: int, nbytes: int) -> None:

@@ -720,7 +720,7 @@ class BlockStore:
                     parent = table.find_one(ns, parent_words)
                     if parent >= 0 and table.state[parent] != READY:
                         parent = -1
-                self._commit_new(bids, np.array([parent], dtype=np.int64))
+                self._commit_one(bid, parent)
         finally:
             if not placed:
                 self._abandon(bids)  # the row of a block stored nowhere, whatever
@@ -813,13 +813,17 @@ class BlockStore:
             if level.keyed or not level.tier.health().accepts_writes:
                 continue
             todo = bids[done:]
-            admitted = self.space.admit(level, todo, now, None if pars is None else pars[done:])
-            if not (admitted[0] if len(admitted) == 1 else admitted.all()):
-                todo = todo[: int(np.argmin(admitted))]
-                if len(todo) == 0:
-                    if level is self.top:
-                        continue
-                    break
+            # A level that admits everything (the default) is not asked: ``admit`` would
+            # build an array of True for it.
+            if not (level.admits_all and level.own_admission is None):
+                pars_left = None if pars is None else pars[done:]
+                admitted = self.space.admit(level, todo, now, pars_left)
+                if not (admitted[0] if len(admitted) == 1 else admitted.all()):
+                    todo = todo[: int(np.argmin(admitted))]
+                    if len(todo) == 0:
+                        if level is self.top:
+                            continue
+                        break
             slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND, owner=owner)
             if not slots:
                 continue
@@ -893,13 +897,13 @@ class BlockStore:
     def _commit_new(self, bids: np.ndarray, pars: np.ndarray) -> None:
         """New blocks (``pars``: their predecessors) become visible, linked and known to the
         policies of the tiers holding them."""
+        if len(bids) == 1:
+            self._commit_one(int(bids[0]), int(pars[0]))
+            return
         self.space.apply_touches()
         self._writes_settled()
         table = self.table
         now = self._clock()
-        if len(bids) == 1:
-            self._commit_one(int(bids[0]), int(pars[0]), now)
-            return
         table.inflight[bids] = 0
         table.state[bids] = READY
         table.last_access[bids] = now
@@ -911,11 +915,14 @@ class BlockStore:
                 level.policy.insert_many(bids[mine], now, pars[mine])
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
-    def _commit_one(self, bid: int, parent: int, now: float) -> None:
+    def _commit_one(self, bid: int, parent: int) -> None:
         """``_commit_new`` of one block: the table's marks, link and the policies' insert as
         scalars (``insert_many`` of one block is that insert, after converting its arrays
         back; ``after_store`` still takes a one-element array)."""
+        self.space.apply_touches()
+        self._writes_settled()
         table = self.table
+        now = self._clock()
         table.inflight[bid] = 0
         table.state[bid] = READY
         table.last_access[bid] = now
@@ -923,8 +930,9 @@ class BlockStore:
         for level in self.stack:
             if table.slot[bid, level.col] >= 0:
                 level.policy.insert(bid, now, parent)
-        one = np.array([bid], dtype=np.int64)
-        self.space.after_store(one if table.slot[bid, self.top.col] >= 0 else one[:0], now)
+        if len(self.stack) > 1:  # only tiers below the top hear of new blocks
+            one = np.array([bid], dtype=np.int64)
+            self.space.after_store(one if table.slot[bid, self.top.col] >= 0 else one[:0], now)
 
     # -------------------------------------------------------------------- reads
 
