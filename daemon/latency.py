@@ -54,33 +54,45 @@ class HistogramSample:
         return self.cumulative[-1]
 
 
-class _Series:
-    __slots__ = ("counts", "sum_s")
+class Series:
+    """One histogram series (a name and its labels): ``Histograms.series`` resolves it once
+    for a caller on a hot path, which then files each duration with ``add``."""
 
-    def __init__(self, n: int) -> None:
-        self.counts = [0] * n
+    __slots__ = ("bounds", "counts", "sum_s")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
         self.sum_s = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum_s += seconds
 
 
 class Histograms:
     def __init__(self, bounds: tuple[float, ...] = BUCKETS_S) -> None:
         self.bounds = bounds
-        self._series: dict[tuple[str, Labels], _Series] = {}
+        self._series: dict[tuple[str, Labels], Series] = {}
         # Each series by (name, labels as passed): every RPC observes one, so the sorting and
         # string conversion of its labels happen once per distinct series (as in Counters).
-        self._by_raw: dict[tuple[str, tuple[tuple[str, object], ...]], _Series] = {}
+        self._by_raw: dict[tuple[str, tuple[tuple[str, object], ...]], Series] = {}
 
     def observe(self, name: str, seconds: float, **labels: object) -> None:
+        self.series(name, **labels).add(seconds)
+
+    def series(self, name: str, **labels: object) -> Series:
+        """The series ``name{labels}``, resolved once: a caller on a hot path keeps it and
+        files durations with ``Series.add``, which then costs no label handling."""
         raw = (name, tuple(labels.items()))
         series = self._by_raw.get(raw)
         if series is None:
             key = (name, tuple(sorted((k, str(v)) for k, v in labels.items())))
             series = self._series.get(key)
             if series is None:
-                series = self._series[key] = _Series(len(self.bounds) + 1)
+                series = self._series[key] = Series(self.bounds)
             self._by_raw[raw] = series
-        series.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        series.sum_s += seconds
+        return series
 
     def samples(self) -> Iterator[HistogramSample]:
         for (name, labels), series in sorted(self._series.items()):

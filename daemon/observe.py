@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from kvtier.daemon import logs
-from kvtier.daemon.latency import Histograms
+from kvtier.daemon.latency import Histograms, Series
 from kvtier.daemon.sessions import shown_id
 
 RPC_HISTOGRAM = "rpc_seconds"
@@ -59,6 +59,9 @@ class RpcObserver:
     def __init__(self, histograms: Histograms, clock: Callable[[], float] = time.perf_counter):
         self.histograms = histograms
         self._clock = clock
+        # Each method's series for code OK, the common outcome, once a call has filed in it
+        # (``Histograms.series``: no label handling per call).
+        self._ok: dict[str, Series] = {}
 
     def wrap(self, service: str, handlers: dict[str, Any]) -> dict[str, Any]:
         """``handlers`` (method name -> grpc.RpcMethodHandler) of ``service``, observed."""
@@ -85,7 +88,7 @@ class RpcObserver:
         self, behavior: Callable[[Any, Any], Awaitable[Any]], method: str
     ) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call = _ObservedCall(self.histograms, method, self._clock, context)
+            call = _ObservedCall(self.histograms, method, self._clock, context, self._ok)
             given = _request_id_from(context.invocation_metadata())
             session, pool = _ids(request)
             tokens = logs.bind(given or new_request_id(), session, pool)
@@ -127,7 +130,7 @@ class _ObservedCall:
     abort sends the status to the client before the handler's frame unwinds, so a client that
     reads the metrics right after an error must already find the call counted."""
 
-    __slots__ = ("_clock", "_context", "_done", "_histograms", "_method", "_started")
+    __slots__ = ("_clock", "_context", "_done", "_histograms", "_method", "_ok", "_started")
 
     def __init__(
         self,
@@ -135,20 +138,29 @@ class _ObservedCall:
         method: str,
         clock: Callable[[], float],
         context: grpc.aio.ServicerContext,
+        ok: dict[str, Series],
     ) -> None:
         self._histograms = histograms
         self._method = method
         self._clock = clock
         self._context = context
+        self._ok = ok  # the observer's OK series by method
         self._started = clock()
         self._done = False
 
     def done(self, code: str) -> None:
         if not self._done:
             self._done = True
-            self._histograms.observe(
-                RPC_HISTOGRAM, self._clock() - self._started, method=self._method, code=code
-            )
+            seconds = self._clock() - self._started
+            if code != "OK":
+                self._histograms.observe(RPC_HISTOGRAM, seconds, method=self._method, code=code)
+                return
+            series = self._ok.get(self._method)
+            if series is None:
+                series = self._ok[self._method] = self._histograms.series(
+                    RPC_HISTOGRAM, method=self._method, code=code
+                )
+            series.add(seconds)
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", *args: Any, **kwargs: Any

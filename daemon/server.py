@@ -214,6 +214,9 @@ def _rpc(
             # runs to its end: the store's steps between awaits are not undone halfway. It
             # starts at once and needs a task of its own only if it waits for something.
             work = eager_future(fn(self, request, context))
+            if work.done():
+                # It never waited (most small requests): nothing to shield, nor to await.
+                return work.result()
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:

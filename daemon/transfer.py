@@ -49,7 +49,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from kvtier.daemon.errors import FailedPrecondition
-from kvtier.daemon.latency import Histograms
+from kvtier.daemon.latency import Histograms, Series
 from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.stats import Counters
 from kvtier.tiers.base import (
@@ -101,6 +101,8 @@ class TransferEngine:
         self.device = device
         # transfer_seconds{direction}: one observation per batch, for metrics.
         self.latency = latency if latency is not None else Histograms()
+        # Its series for copies from a pool, per tier label (``_observe_from_pool``).
+        self._from_pool_series: dict[str, Series] = {}
         self._clock = clock
         self.executor = PriorityExecutor(
             background_workers + DEMAND_THREADS, "kvtier-xfer", reserved=DEMAND_THREADS
@@ -252,7 +254,7 @@ class TransferEngine:
                 return level.slots.write(batch)
             return await self._run(priority, level.slots.write, batch)  # type: ignore[no-any-return]
         finally:
-            self._observe(started, f"pool->{level.label}")
+            self._observe_from_pool(started, level.label)
 
     async def to_pool(
         self,
@@ -573,6 +575,16 @@ class TransferEngine:
 
     def _observe(self, started: float, direction: str) -> None:
         self.latency.observe("transfer_seconds", time.perf_counter() - started, direction=direction)
+
+    def _observe_from_pool(self, started: float, label: str) -> None:
+        """``_observe`` of a copy from a pool into the tier labelled ``label``: every Put
+        makes one, so its series is resolved once per tier."""
+        series = self._from_pool_series.get(label)
+        if series is None:
+            series = self._from_pool_series[label] = self.latency.series(
+                "transfer_seconds", direction=f"pool->{label}"
+            )
+        series.add(time.perf_counter() - started)
 
     def _count_move(self, src: str, dst: str, blocks: int, nbytes: int) -> None:
         direction = f"{src}->{dst}"
