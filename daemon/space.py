@@ -802,13 +802,31 @@ class SpaceManager:
         # against their owners' quotas: they are held against them until then, or a put of
         # an owner at its quota would take that room, find no free slot, and evict another
         # tenant's block for one.
-        holds = self.hold_copies(level, victims) if level.persistent and not level.keyed else []
-        try:
+        if level.persistent and not level.keyed:
+            holds = self.hold_copies(level, victims)
+            slots = self.drop_copies(victims, level)
+            freed = await asyncio.shield(self.free_held(level, slots, holds))
+        else:
             freed = await self.release(level, self.drop_copies(victims, level))
-        finally:
-            self.end_holds(level, holds)
         self.counters.inc("evictions", len(victims), tier=level.label)
         return freed
+
+    def free_held(
+        self, level: Level, slots: list[int], holds: list[tuple[int, int]]
+    ) -> asyncio.Task[bool]:
+        """``release`` of ``slots`` (dropped copies' slots of a persistent tier), then
+        ``end_holds`` of ``holds``, as a background task (``spawn``) that a caller awaits
+        shielded: cancelled with its caller while it waited for a thread, the slots were
+        never freed (taken for good, the tier's rows kept) and the holds ended while nothing
+        was free."""
+
+        async def free() -> bool:
+            try:
+                return await self.release(level, slots)
+            finally:
+                self.end_holds(level, holds)
+
+        return self.spawn(free())
 
     def hold_copies(self, level: Level, bids: np.ndarray) -> list[tuple[int, int]]:
         """Hold the bytes of ``bids``' copies in ``level`` against their owners' quotas
@@ -986,10 +1004,11 @@ class SpaceManager:
 
     # --------------------------------------------------------------- background
 
-    def spawn(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self._background_done)
+        return task
 
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self.background.discard(task)

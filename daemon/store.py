@@ -1289,18 +1289,21 @@ class BlockStore:
             if level.persistent and not level.keyed
         ]
         released: dict[TierKind, list[int]] = {}
-        try:
-            for bid in gone.tolist():
-                for level in self.stack:
-                    if table.slot[bid, level.col] >= 0:
-                        slot = self.space.drop_copy(bid, level)
-                        if slot is not None:
-                            released.setdefault(level.kind, []).append(slot)
-            for kind, slots in released.items():
-                await self.space.release(self.stack[kind], slots)
-        finally:
-            for level, held in holds:
-                self.space.end_holds(level, held)
+        for bid in gone.tolist():
+            for level in self.stack:
+                if table.slot[bid, level.col] >= 0:
+                    slot = self.space.drop_copy(bid, level)
+                    if slot is not None:
+                        released.setdefault(level.kind, []).append(slot)
+        # Every tier's slots are on their way back before the first await: a Delete
+        # cancelled meanwhile leaves none taken, and each hold lasts until its slots are free.
+        freeing = [
+            self.space.free_held(level, released[level.kind], held)
+            for level, held in holds
+            if level.kind in released
+        ]
+        for task in freeing:
+            await asyncio.shield(task)
         if self._keyed:
             # Whatever the local table knew, the keys leave the shared tiers too, except the
             # ones kept here as busy.

@@ -2481,3 +2481,80 @@ async def test_a_key_recovered_while_a_put_writes_it_joins_the_policy_with_that_
         policy = again.stack.levels[1].policy
         assert len(policy) == 2 and all(b in policy for b in ids.tolist())
     assert again.check() == []
+
+
+async def test_regression_a_delete_cancelled_while_its_slots_waited_to_be_freed_leaked_them(
+    make_store,
+):
+    """A Delete gives its blocks' L2 slots back on the transfer threads. Cancelled while that
+    job still waited for a thread (every one busy), the job was cancelled with it: the slots
+    were never freed (L2 lost them for good; the tier kept the rows) and the hold on the
+    tenant's quota ended at once, while nothing was free. The slots are now freed all the
+    same, and the hold lasts until they are."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()
+    l2 = store.stack[TierKind.DISK]
+    mine = keys(4)
+    _, persisted = await store.put(pool, 0, mine, np.arange(4), None, durable=True, owner=1)
+    assert persisted.all()
+    executor = store.transfers.executor
+    gate = threading.Event()
+    busy = [executor.submit(Priority.DEMAND, gate.wait) for _ in range(executor.threads)]
+    try:
+        while executor.queued:  # every thread takes one
+            await asyncio.sleep(0.001)
+        deleting = asyncio.ensure_future(store.delete(0, mine[:2]))
+        while not executor.queued:  # the slot free waits for a thread
+            await asyncio.sleep(0)
+        assert store.space.quota_held[(1, TierKind.DISK)] == 2 * 4096
+        deleting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await deleting
+        held = store.space.quota_held[(1, TierKind.DISK)]
+    finally:
+        gate.set()
+    assert held == 2 * 4096  # the slots were not free yet
+    for f in busy:
+        await asyncio.wrap_future(f)
+    await store.space.drain()
+    assert l2.slots.allocator.used_slots == 2  # the deleted blocks' slots are free
+    assert not store.space.quota_held
+    assert store.check() == []
+
+
+async def test_regression_an_eviction_cancelled_while_its_slots_waited_to_be_freed_leaked_them(
+    make_store,
+):
+    """As above with an eviction from L2 (a put's, cancelled with it): its victims' slots
+    were never freed and the hold on their owner's quota ended at once."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()
+    l2 = store.stack[TierKind.DISK]
+    mine = keys(4)
+    _, persisted = await store.put(pool, 0, mine, np.arange(4), None, durable=True, owner=1)
+    assert persisted.all()
+    victims = store.table.lookup(0, mine[:2])
+    executor = store.transfers.executor
+    gate = threading.Event()
+    busy = [executor.submit(Priority.DEMAND, gate.wait) for _ in range(executor.threads)]
+    try:
+        while executor.queued:  # every thread takes one
+            await asyncio.sleep(0.001)
+        evicting = asyncio.ensure_future(
+            store.space.evict(l2, victims, Priority.DEMAND, clean_only=True)
+        )
+        while not executor.queued:  # the slot free waits for a thread
+            await asyncio.sleep(0)
+        evicting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await evicting
+        held = store.space.quota_held[(1, TierKind.DISK)]
+    finally:
+        gate.set()
+    assert held == 2 * 4096  # the slots were not free yet
+    for f in busy:
+        await asyncio.wrap_future(f)
+    await store.space.drain()
+    assert l2.slots.allocator.used_slots == 2  # the victims' slots are free
+    assert not store.space.quota_held
+    assert store.check() == []
