@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -42,6 +43,21 @@ class _Job:
 
 def _ran() -> None:
     """What a job that ran, or moved up, holds in place of its callable."""
+
+
+def _drop_locals(exc: BaseException) -> None:
+    """Clear the finished frames of ``exc``'s traceback, and of the exceptions it chains: the
+    caller gets it with every line of its traceback, but its frames no longer hold the job's
+    arguments (an Urgency keeps the job's future, and so the exception, while it lives)."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # the frame still running is left as it is
+        todo += [e.__cause__, e.__context__]
 
 
 class Urgency:
@@ -196,6 +212,7 @@ class PriorityExecutor:
                         result = fn(*args)
                     except BaseException as e:
                         del fn, args
+                        _drop_locals(e)
                         job.future.set_exception(e)
                     else:
                         del fn, args

@@ -202,3 +202,28 @@ def test_regression_an_urgency_kept_what_its_jobs_held_after_they_ran():
         f.result(5)
     assert [ref() for ref in alive] == [None, None]
     pool.shutdown()
+
+
+def test_regression_an_urgency_kept_what_a_job_that_raised_held():
+    """A job that raised hands its caller the exception, whose traceback held the job's
+    frames and in them its arguments (a copy's batch, views of the L1 arena) for as long as
+    the Urgency that lists the job lived. The exception still reaches the caller, with its
+    traceback, but its frames hold nothing."""
+
+    class Batch:
+        pass
+
+    def copy(batch: Batch) -> None:
+        raise OSError("the copy failed")
+
+    pool = PriorityExecutor(1, "t", reserved=0)
+    move = Urgency(Priority.BACKGROUND)
+    batch = Batch()
+    alive = weakref.ref(batch)
+    job = pool.submit(Priority.BACKGROUND, copy, batch, urgency=move)
+    del batch
+    with pytest.raises(OSError, match="the copy failed") as raised:
+        job.result(5)
+    assert raised.value.__traceback__ is not None
+    assert alive() is None
+    pool.shutdown()
