@@ -1837,6 +1837,22 @@ async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
     assert store.table.usage[0, 1] == 8 * 4096
 
 
+def _hold_first_release(store, monkeypatch, tier_level) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make the store's first slot release on ``tier_level`` wait: ``freeing`` is set once it
+    waits, and it goes on once ``gate`` is set."""
+    freeing, gate = asyncio.Event(), asyncio.Event()
+    release = store.space.release
+
+    async def slow_release(level, slots):
+        if level is tier_level and not freeing.is_set():
+            freeing.set()
+            await gate.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", slow_release)
+    return freeing, gate
+
+
 async def test_regression_a_put_at_its_quota_was_refused_the_room_its_eviction_made(
     make_store, monkeypatch
 ):
@@ -1857,16 +1873,7 @@ async def test_regression_a_put_at_its_quota_was_refused_the_room_its_eviction_m
         return res.tolist(), persisted.tolist()
 
     assert await durable_put(4, 0) == ([PutResult.STORED] * 4, [True] * 4)  # at the quota
-    freeing, gate = asyncio.Event(), asyncio.Event()
-    release = store.space.release
-
-    async def slow_release(level, slots):
-        if level is l2 and not freeing.is_set():
-            freeing.set()
-            await gate.wait()
-        return await release(level, slots)
-
-    monkeypatch.setattr(store.space, "release", slow_release)
+    freeing, gate = _hold_first_release(store, monkeypatch, l2)
     first = asyncio.ensure_future(durable_put(1, 4))
     await freeing.wait()  # its victim no longer counts; its slot is not free yet
     assert await durable_put(1, 5) == ([PutResult.STORED], [True])  # took that room
@@ -1899,16 +1906,7 @@ async def test_regression_a_put_at_its_quota_evicted_another_tenant_s_block_on_a
     clock.now += 1  # colder than tenant 1's blocks
     assert await durable_put(keys(4), 12) == [True] * 4  # L2 full, tenant 1 at its quota
     clock.now += 1
-    freeing, gate = asyncio.Event(), asyncio.Event()
-    release = store.space.release
-
-    async def slow_release(level, slots):
-        if level is l2 and not freeing.is_set():
-            freeing.set()
-            await gate.wait()
-        return await release(level, slots)
-
-    monkeypatch.setattr(store.space, "release", slow_release)
+    freeing, gate = _hold_first_release(store, monkeypatch, l2)
     first = asyncio.ensure_future(durable_put(keys(1), 16))
     await freeing.wait()  # its victim's slot is not free yet
     assert await durable_put(keys(1), 17) == [True]
@@ -1938,16 +1936,7 @@ async def test_regression_a_put_at_its_quota_took_a_delete_s_room_and_another_s_
     _, persisted = await store.put(pool, 0, mine, np.arange(12, 16), None, durable=True, owner=1)
     assert persisted.all()  # L2 full, tenant 1 at its quota
     clock.now += 1
-    freeing, gate = asyncio.Event(), asyncio.Event()
-    release = store.space.release
-
-    async def slow_release(level, slots):
-        if level is l2 and not freeing.is_set():
-            freeing.set()
-            await gate.wait()
-        return await release(level, slots)
-
-    monkeypatch.setattr(store.space, "release", slow_release)
+    freeing, gate = _hold_first_release(store, monkeypatch, l2)
     deleting = asyncio.ensure_future(store.delete(0, mine[:1]))
     await freeing.wait()  # the deleted block's slot is not free yet
     _, persisted = await store.put(pool, 0, keys(1), np.arange(16, 17), None, durable=True, owner=1)
