@@ -6,6 +6,7 @@ selective writes, readahead, lost copies, durable puts, restart), with no wall-c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -20,11 +21,12 @@ from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
-from kvtier.daemon.stack import TokenBucket
+from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import BlockRef, Health, HostBuffers, Priority, TierKind
+from kvtier.tiers.executor import PriorityExecutor
 from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
@@ -2472,6 +2474,34 @@ async def test_a_key_recovered_while_a_put_writes_it_joins_the_policy_with_that_
     assert again.check() == []
 
 
+@contextlib.asynccontextmanager
+async def _transfer_threads_busy(store: BlockStore) -> AsyncIterator[PriorityExecutor]:
+    """Every transfer thread of ``store`` busy (each running a job that waits on a gate) while
+    the block runs, so that jobs submitted meanwhile wait in the queue; the threads are let
+    go at its end, and their jobs awaited."""
+    executor = store.transfers.executor
+    gate = threading.Event()
+    busy = [executor.submit(Priority.DEMAND, gate.wait) for _ in range(executor.threads)]
+    try:
+        while executor.queued:  # every thread takes one
+            await asyncio.sleep(0.001)
+        yield executor
+    finally:
+        gate.set()
+    for f in busy:
+        await asyncio.wrap_future(f)
+
+
+async def _four_durable_blocks(make_store) -> tuple[BlockStore, Level, np.ndarray]:
+    """A store with an L2 of 16 slots holding 4 blocks of tenant 1 put durably: the store,
+    its L2 and the 4 keys."""
+    store, pool = make_store(Clock(), segments=2, l2_segments=1), make_pool()
+    mine = keys(4)
+    _, persisted = await store.put(pool, 0, mine, np.arange(4), None, durable=True, owner=1)
+    assert persisted.all()
+    return store, store.stack[TierKind.DISK], mine
+
+
 async def test_regression_a_delete_cancelled_while_its_slots_waited_to_be_freed_leaked_them(
     make_store,
 ):
@@ -2480,18 +2510,8 @@ async def test_regression_a_delete_cancelled_while_its_slots_waited_to_be_freed_
     were never freed (L2 lost them for good; the tier kept the rows) and the hold on the
     tenant's quota ended at once, while nothing was free. The slots are now freed all the
     same, and the hold lasts until they are."""
-    clock = Clock()
-    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()
-    l2 = store.stack[TierKind.DISK]
-    mine = keys(4)
-    _, persisted = await store.put(pool, 0, mine, np.arange(4), None, durable=True, owner=1)
-    assert persisted.all()
-    executor = store.transfers.executor
-    gate = threading.Event()
-    busy = [executor.submit(Priority.DEMAND, gate.wait) for _ in range(executor.threads)]
-    try:
-        while executor.queued:  # every thread takes one
-            await asyncio.sleep(0.001)
+    store, l2, mine = await _four_durable_blocks(make_store)
+    async with _transfer_threads_busy(store) as executor:
         deleting = asyncio.ensure_future(store.delete(0, mine[:2]))
         while not executor.queued:  # the slot free waits for a thread
             await asyncio.sleep(0)
@@ -2500,11 +2520,7 @@ async def test_regression_a_delete_cancelled_while_its_slots_waited_to_be_freed_
         with pytest.raises(asyncio.CancelledError):
             await deleting
         held = store.space.quota_held[(1, TierKind.DISK)]
-    finally:
-        gate.set()
     assert held == 2 * 4096  # the slots were not free yet
-    for f in busy:
-        await asyncio.wrap_future(f)
     await store.space.drain()
     assert l2.slots.allocator.used_slots == 2  # the deleted blocks' slots are free
     assert not store.space.quota_held
@@ -2516,19 +2532,9 @@ async def test_regression_an_eviction_cancelled_while_its_slots_waited_to_be_fre
 ):
     """As above with an eviction from L2 (a put's, cancelled with it): its victims' slots
     were never freed and the hold on their owner's quota ended at once."""
-    clock = Clock()
-    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()
-    l2 = store.stack[TierKind.DISK]
-    mine = keys(4)
-    _, persisted = await store.put(pool, 0, mine, np.arange(4), None, durable=True, owner=1)
-    assert persisted.all()
+    store, l2, mine = await _four_durable_blocks(make_store)
     victims = store.table.lookup(0, mine[:2])
-    executor = store.transfers.executor
-    gate = threading.Event()
-    busy = [executor.submit(Priority.DEMAND, gate.wait) for _ in range(executor.threads)]
-    try:
-        while executor.queued:  # every thread takes one
-            await asyncio.sleep(0.001)
+    async with _transfer_threads_busy(store) as executor:
         evicting = asyncio.ensure_future(
             store.space.evict(l2, victims, Priority.DEMAND, clean_only=True)
         )
@@ -2538,11 +2544,7 @@ async def test_regression_an_eviction_cancelled_while_its_slots_waited_to_be_fre
         with pytest.raises(asyncio.CancelledError):
             await evicting
         held = store.space.quota_held[(1, TierKind.DISK)]
-    finally:
-        gate.set()
     assert held == 2 * 4096  # the slots were not free yet
-    for f in busy:
-        await asyncio.wrap_future(f)
     await store.space.drain()
     assert l2.slots.allocator.used_slots == 2  # the victims' slots are free
     assert not store.space.quota_held
