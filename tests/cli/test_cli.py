@@ -311,15 +311,22 @@ def test_drain_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
         assert f"cannot reach kvtierd at {missing}" in err and out == ""
 
 
-def test_drain_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
-    """A tenant that is not an admin is refused (PERMISSION_DENIED): 2, not 1 (sessions
-    still open after --wait), and the daemon does not drain. Over TCP with the tenant's
-    token: the tests run as root, an admin on the Unix socket."""
+def _daemon_with_tenant_over_tcp(daemon_factory, tmp_path):
+    """A daemon with one tenant, ``t``, that also listens on a free TCP port of 127.0.0.1:
+    the daemon, the port and the tenant's token file (the tests run as root, an admin on the
+    Unix socket; a tenant is reached over TCP with its token)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     token, tenants = tenant_token(tmp_path, "t")
-    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    return daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants), port, token
+
+
+def test_drain_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
+    """A tenant that is not an admin is refused (PERMISSION_DENIED): 2, not 1 (sessions
+    still open after --wait), and the daemon does not drain. Over TCP with the tenant's
+    token: the tests run as root, an admin on the Unix socket."""
+    d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
     tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
     for extra in ((), ("--resume",), ("--wait", "5")):
         out = kvtier(*tenant, "drain", *extra)
@@ -417,11 +424,7 @@ def test_a_daemon_that_answers_unavailable_is_not_called_unreachable(daemon_fact
     daemon marks the UNAVAILABLE it sends (ANSWERED_KEY); gRPC's for a daemon it cannot
     reach has no mark. (Over TCP with a tenant's token: the tests run as root, an admin on
     the Unix socket, whom a drain does not turn away.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token, tenants = tenant_token(tmp_path, "t")
-    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
     assert kvtier("--address", d.address, "drain").returncode == 0
     tcp = f"127.0.0.1:{port}"
     out = kvtier("--address", tcp, "--token-file", str(token), "stats")
@@ -438,11 +441,7 @@ def test_health_counts_draining_as_alive_only_with_draining_ok(daemon_factory, t
     """A draining daemon is alive but not ready: `health` exits 2, `health --draining-ok` (a
     liveness check) 0, also for a tenant the drain turns away (over TCP with its token: the
     tests run as root, an admin on the Unix socket, whom a drain does not turn away)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token, tenants = tenant_token(tmp_path, "t")
-    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
     tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
     assert kvtier(*tenant, "health", "--draining-ok").returncode == 0
     assert kvtier("--address", d.address, "drain").returncode == 0
@@ -504,11 +503,7 @@ def test_regression_a_tenant_was_shown_zero_lookups_and_rates_it_may_not_read(
     """A daemon with tenants sends a non-admin session its tenant's usage, not the daemon's
     counters; `kvtier stats` and `top` derived 'lookups since start: 0 keys ... put 0 B/s'
     from their absence, whatever the traffic. They say the figures are an admin's."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token, tenants = tenant_token(tmp_path, "t")
-    d = daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants)
+    d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
     tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
     out = kvtier(*tenant, "stats")
     assert out.returncode == 0, out
