@@ -16,11 +16,12 @@ Rules:
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
 - A tenant's quota on a tier counts its copies there, the slots reserved for its copies
-  in flight and the slots of its evicted copies a persistent tier is still freeing
-  (``quota_held``, kept for every tenant, as a reload may set a quota while they are in
-  flight), so puts racing to the quota store no more than it, and the room an eviction
-  makes is taken only once its slots are free (a put that found room but no free slot
-  would evict another tenant's block for one).
+  in flight and the slots of its dropped copies (evicted or deleted)
+  a persistent tier is still freeing or could not free (``quota_held``, kept for every
+  tenant, as a reload may set a quota while they are in flight), so puts racing to the
+  quota store no more than it, and the room an eviction makes is taken only once its slots
+  are free (a put that found room but no free slot would evict another tenant's block for
+  one).
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
@@ -82,9 +83,10 @@ class SpaceManager:
         # (owner, tier kind) -> bytes the owner (a tenant) may hold in that tier.
         self.quotas: dict[tuple[int, TierKind], int] = {}
         # (owner, tier kind) -> bytes of slots reserved whose copies are not yet recorded in
-        # the table, and of evicted copies whose slots a persistent tier is still freeing
-        # (``hold_copies``): they count against the owner's quota until ``end_hold``. Every
-        # owner's, with a quota or not: a reload may set one while they are in flight.
+        # the table, and of dropped copies whose slots a persistent tier is still freeing or
+        # could not free (``free_held``): they count against the owner's quota until
+        # ``end_hold``. Every owner's, with a quota or not: a reload may set one while they
+        # are in flight.
         self.quota_held: Counter[tuple[int, TierKind]] = Counter()
         # Owner index -> tenant label, for the quota counters' ``tenant`` label.
         self.owner_labels: dict[int, str] = {0: "default"}
@@ -818,13 +820,16 @@ class SpaceManager:
         ``end_holds`` of ``holds``, as a background task (``spawn``) that a caller awaits
         shielded: cancelled with its caller while it waited for a thread, the slots were
         never freed (taken for good, the tier's rows kept) and the holds ended while nothing
-        was free."""
+        was free. The holds end only once the tier has freed the slots: where it could not
+        (``release`` False, or raised) the slots stay taken, and so does the room they hold
+        in their owners' quotas (a put of an owner at its quota would take it, find no free
+        slot, and evict another tenant's block for one)."""
 
         async def free() -> bool:
-            try:
-                return await self.release(level, slots)
-            finally:
+            freed = await self.release(level, slots)
+            if freed:
                 self.end_holds(level, holds)
+            return freed
 
         return self.spawn(free())
 

@@ -1952,6 +1952,56 @@ async def test_regression_a_put_at_its_quota_took_a_delete_s_room_and_another_s_
     assert not store.space.quota_held
 
 
+@pytest.mark.parametrize("fault", ["raises", "refused"])
+async def test_regression_a_slot_free_that_failed_ended_its_quota_hold(
+    make_store, monkeypatch, fault
+):
+    """A Delete holds the deleted copy against its tenant's L2 quota until the disk tier has
+    freed its slot. Where that free failed (the tier's remove raised, or answered False: its
+    index delete failed; the slot stays taken) the hold ended all the same: the room counted
+    free while no slot was, and a put of the tenant at its quota found the full L2 and
+    evicted another tenant's block. The hold now lasts while the slot is taken: the put
+    evicts one of the tenant's own blocks."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)  # 16 slots
+    store, pool = make_store(clock, segments=2, l2=l2), make_pool()
+    store.space.quotas[(1, TierKind.DISK)] = 4 * 4096
+    level = store.stack[TierKind.DISK]
+    theirs, mine = keys(12), keys(4)
+    await store.put(pool, 0, theirs, np.arange(12), None, durable=True, owner=2)
+    clock.now += 1
+    _, persisted = await store.put(pool, 0, mine, np.arange(12, 16), None, durable=True, owner=1)
+    assert persisted.all()  # L2 full, tenant 1 at its quota
+    clock.now += 1
+    if fault == "raises":
+        kept: list[int] = []
+
+        def remove(slots):
+            kept.extend(int(s) for s in slots)
+            raise OSError("the disk went away")
+
+        monkeypatch.setattr(l2, "remove", remove)
+        with pytest.raises(OSError, match="the disk went away"):
+            await store.delete(0, mine[:1])
+        monkeypatch.undo()
+    else:
+        l2.fail_removes = True
+        assert (await store.delete(0, mine[:1])).deleted == 1
+        l2.fail_removes = False
+        kept = l2.unremoved
+    assert level.slots.allocator.used_slots == 16  # the deleted copy's slot is still taken
+    assert store.space.quota_held[(1, TierKind.DISK)] == 4096
+    _, persisted = await store.put(pool, 0, keys(1), np.arange(16, 17), None, durable=True, owner=1)
+    assert persisted.tolist() == [True]
+    ids = store.table.lookup(0, theirs)
+    assert (store.table.slot[ids, level.col] >= 0).all()  # tenant 2 kept every disk copy
+    assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 1
+    # The daemon does not try the free again: here it is done by hand, and the hold ended,
+    # for the store's check at the end.
+    assert await store.space.release(level, kept)
+    store.space.end_hold(level, 1, 4096)
+
+
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
     """Why a lookup missed (``misses{reason}``) is remembered by block identity: namespace and
     every key word. The same keys in another namespace, and keys that share only their first
@@ -2416,7 +2466,11 @@ async def test_an_l2_that_cannot_free_slots_loses_one_victim_per_reservation_not
     lost = where(store, a[:64]).count("-")
     assert lost == 1, f"{lost} L2 blocks dropped to make room for one"
     assert l2.counters["remove_failures"] == 1
+    # The victim's slot stays taken, and so does its room in its owner's quota (the daemon
+    # does not try the free again): both given back by hand, for the check at the end.
+    assert store.space.quota_held[(0, TierKind.DISK)] == 4096
     assert await store.space.release(store.stack.levels[1], l2.unremoved)  # works again
+    store.space.end_hold(store.stack.levels[1], 0, 4096)
 
 
 async def test_a_durable_put_cancelled_before_its_persist_ran_leaves_nothing_in_flight(
