@@ -16,7 +16,7 @@ Rules:
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
 - A tenant's quota on a tier counts its copies there, the slots reserved for its copies
-  in flight and the slots of its dropped copies (evicted or deleted)
+  in flight and the slots of its dropped copies (evicted, deleted, or of a put that failed)
   a persistent tier is still freeing or could not free (``quota_held``, kept for every
   tenant, as a reload may set a quota while they are in flight), so puts racing to the
   quota store no more than it, and the room an eviction makes is taken only once its slots
@@ -473,8 +473,7 @@ class SpaceManager:
             slots = [s for s, k in zip(slots, still.tolist(), strict=True) if k]
             group, part = group[still], part[still]
         if len(group) == 0:
-            self.end_hold(dst, owner, reserved)
-            await self.release(dst, spare)
+            await self.give_back(dst, owner, spare, nbytes)
             return
         refs = table.block_refs(group)
         src_failed: list[bool] = [False] * len(group)
@@ -493,9 +492,9 @@ class SpaceManager:
             )
         except PrefetchExpired:
             outcomes = None
-        finally:
-            # What the copies stored counts in the table's usage from the set_slots below.
+        except BaseException:
             self.end_hold(dst, owner, reserved)
+            raise
         now = self._clock()
         n = len(group)
         outs = None if outcomes is None else WriteOutcomes.of(outcomes)
@@ -503,6 +502,10 @@ class SpaceManager:
         ok &= table.state[group] == READY
         slot_arr = np.asarray(slots, dtype=np.int64)
         good = group[ok]
+        if not dst.keyed:
+            # What the copies stored counts in the table's usage from the set_slots below;
+            # the other slots stay held until they are free (``give_back``).
+            self.end_hold(dst, owner, len(good) * nbytes)
         table.set_slots(good, dst.col, slot_arr[ok])
         if dst.checksummed and outs is not None and len(good):
             table.set_checksums(good, dst.col, outs.checksums[ok])
@@ -521,7 +524,7 @@ class SpaceManager:
                 # The source's read failed verification: that tier dropped the block.
                 self.lose_copy(int(group[j]), src)
         if failed_slots:
-            await self.release(dst, failed_slots)
+            await self.give_back(dst, owner, failed_slots, nbytes)
         self.counters.inc(
             "copies", int(np.count_nonzero(done[part])), direction=f"{src.label}->{dst.label}"
         )
@@ -832,6 +835,21 @@ class SpaceManager:
             return freed
 
         return self.spawn(free())
+
+    async def give_back(self, level: Level, owner: int, slots: list[int], nbytes: int) -> None:
+        """Release ``slots`` of ``level`` that ``reserve`` gave ``owner`` for blocks of
+        ``nbytes`` and that no copy uses (it failed, or was not made), their hold on the
+        owner's quota ending once they are free: a persistent tier frees them on a thread
+        (``free_held``, awaited shielded), and until then a put of the owner at its quota
+        taking their room would find no free slot and evict another tenant's block."""
+        if not slots:
+            return
+        held = (owner, len(slots) * nbytes)
+        if level.persistent:
+            await asyncio.shield(self.free_held(level, slots, [held]))
+        else:
+            await self.release(level, slots)
+            self.end_hold(level, *held)
 
     def hold_copies(self, level: Level, bids: np.ndarray) -> list[tuple[int, int]]:
         """Hold the bytes of ``bids``' copies in ``level`` against their owners' quotas

@@ -838,20 +838,23 @@ class BlockStore:
                         pool.batch(pages[done : done + len(group)], self._copy_threads),
                     )
             except BaseException:
+                # The reservation's hold lasts until the slots are free: a persistent tier
+                # frees them on a thread (``free_held``).
                 if level.persistent:
-                    self.space.spawn(self.space.release(level, slots))
+                    self.space.free_held(level, slots, [(owner, len(slots) * nbytes)])
                 else:
                     level.slots.remove(slots)
+                    self.space.end_hold(level, owner, len(slots) * nbytes)
                 raise
-            finally:
-                # What the copies stored counts in the table's usage from the set_slots below.
-                self.space.end_hold(level, owner, len(slots) * nbytes)
             outs = WriteOutcomes.of(outcomes)
             if len(outs) == 1:  # a single-key put: no array reduction for one flag
                 ok = int(bool(outs.ok[0]))
             else:
                 ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
             stored = group[:ok]
+            # What the copies stored counts in the table's usage from the set_slots below;
+            # the slots of the copies that failed stay held until they are free.
+            self.space.end_hold(level, owner, ok * nbytes)
             if ok == 1:  # a single-key put: the slot and checksum as scalars
                 table.set_slots(stored, level.col, int(outs.slots[0]))
                 if level.checksummed:
@@ -861,7 +864,7 @@ class BlockStore:
                 if level.checksummed:
                     table.set_checksums(stored, level.col, outs.checksums[:ok])
             if ok < len(outs):
-                await self.space.release(level, outs.slots[ok:].tolist())
+                await self.space.give_back(level, owner, outs.slots[ok:].tolist(), nbytes)
             if level is not self.top:
                 self.counters.inc("stored_below", ok, tier=level.label)
             done += ok
@@ -1673,10 +1676,14 @@ class BlockStore:
             held = bids[table.slot[bids, level.col] >= 0]
             if len(held):
                 slots = table.slot[held, level.col].tolist()
-                table.clear_slots(held, level.col)
                 if level.persistent:
-                    self.space.spawn(self.space.release(level, slots))
+                    # Held against their owners' quotas until the tier has freed the
+                    # slots, as evicted copies are (``SpaceManager.evict``).
+                    holds = self.space.hold_copies(level, held)
+                    table.clear_slots(held, level.col)
+                    self.space.free_held(level, slots, holds)
                 else:
+                    table.clear_slots(held, level.col)
                     level.slots.remove(slots)
         for bid in bids.tolist():
             table.remove(bid)

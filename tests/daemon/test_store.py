@@ -25,7 +25,7 @@ from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.kernels.layout import PoolLayout
-from kvtier.tiers.base import BlockRef, Health, HostBuffers, Priority, TierKind
+from kvtier.tiers.base import BlockRef, Health, HostBuffers, Priority, TierKind, WriteOutcome
 from kvtier.tiers.executor import PriorityExecutor
 from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
@@ -2000,6 +2000,177 @@ async def test_regression_a_slot_free_that_failed_ended_its_quota_hold(
     # for the store's check at the end.
     assert await store.space.release(level, kept)
     store.space.end_hold(level, 1, 4096)
+
+
+def _hold_releases(
+    store, monkeypatch, tier_level, n: int
+) -> tuple[list[asyncio.Event], asyncio.Event]:
+    """Make the store's first ``n`` slot releases on ``tier_level`` wait: the i-th event is
+    set once the i-th waits, and they go on once ``gate`` is set."""
+    waiting, gate = [asyncio.Event() for _ in range(n)], asyncio.Event()
+    release = store.space.release
+    held = 0
+
+    async def slow_release(level, slots):
+        nonlocal held
+        if level is tier_level and held < n:
+            held += 1
+            waiting[held - 1].set()
+            await gate.wait()
+        return await release(level, slots)
+
+    monkeypatch.setattr(store.space, "release", slow_release)
+    return waiting, gate
+
+
+async def _l2_below_a_pinned_l1(
+    make_store, theirs_n: int, mine_n: int, quota_blocks: int
+) -> tuple[BlockStore, Pool, MemoryTier, np.ndarray, np.ndarray]:
+    """A store whose L1 (16 slots) is full of pinned blocks and whose L2 (16 slots) holds
+    ``theirs_n`` blocks of tenant 2 and then ``mine_n`` of tenant 1 (quota: ``quota_blocks``
+    blocks), their only copies: a put goes straight to L2. The store, its pool, its L2 and
+    the two tenants' keys."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    store.space.quotas[(1, TierKind.DISK)] = quota_blocks * 4096
+    theirs, mine = keys(theirs_n), keys(mine_n)
+    await store.put(pool, 0, theirs, np.arange(theirs_n), None, durable=True, owner=2)
+    clock.now += 1
+    await store.put(pool, 0, mine, np.arange(mine_n), None, durable=True, owner=1)
+    clock.now += 1
+    both = np.concatenate([theirs, mine])
+    assert (await store.evict(0, both, TierKind.HOST)).evicted == len(both)
+    pinned = keys(16)
+    assert await put(store, pool, pinned, pages=range(32, 48)) == [PutResult.STORED] * 16
+    store.pin(store.table.lookup(0, pinned))
+    assert where(store, both) == ["L2"] * len(both)
+    return store, pool, l2, theirs, mine
+
+
+@pytest.mark.parametrize("fault", ["write-fails", "copy-raises"])
+async def test_regression_a_failed_put_gave_back_its_l2_slot_without_a_quota_hold(
+    make_store, monkeypatch, fault
+):
+    """A put whose copy into L2 failed gives its slot back on a thread, and the slot's room
+    in its tenant's quota was given back at once: another put of the tenant, at its quota,
+    found room but the full L2, and evicted another tenant's block (as Evict and Delete did
+    before their holds). The room is now held until the slot is free."""
+    store, pool, l2, theirs, _ = await _l2_below_a_pinned_l1(make_store, 12, 3, 4)
+    level = store.stack[TierKind.DISK]
+    (freeing,), gate = _hold_releases(store, monkeypatch, level, 1)
+    try:
+        if fault == "write-fails":
+            l2.fail_writes = True
+        else:
+            from_pool, failed = store.transfers.from_pool, []
+
+            async def raising(lv, *args):
+                if lv is level and not failed:
+                    failed.append(lv)
+                    raise OSError("the copy failed")
+                return await from_pool(lv, *args)
+
+            monkeypatch.setattr(store.transfers, "from_pool", raising)
+        first = asyncio.ensure_future(store.put(pool, 0, keys(1), np.arange(1), None, owner=1))
+        await freeing.wait()  # its slot is not free yet
+        l2.fail_writes = False
+        assert store.space.quota_held[(1, TierKind.DISK)] == 4096
+        res, _ = await store.put(pool, 0, keys(1), np.arange(1, 2), None, owner=1)
+        assert res.tolist() == [PutResult.STORED]
+        ids = store.table.lookup(0, theirs)
+        assert (store.table.slot[ids, level.col] >= 0).all()  # tenant 2 kept every disk copy
+        assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 1
+    finally:
+        gate.set()  # else the store's stop waits for the held frees
+    if fault == "write-fails":
+        res, _ = await first
+        assert res.tolist() == [PutResult.REJECTED_FULL]
+    else:
+        with pytest.raises(OSError, match="the copy failed"):
+            await first
+    await store.space.drain()
+    assert not store.space.quota_held
+    assert level.slots.allocator.used_slots == 15
+
+
+async def test_regression_a_put_abandoned_its_l2_copies_without_a_quota_hold(
+    make_store, monkeypatch
+):
+    """A put that fails after some of its blocks got an L2 copy (here: cancelled while the
+    slot of a copy that failed was given back) forgets those blocks, their slots given
+    back on a thread (``_abandon``); their room in the tenant's quota was given back at once,
+    and another put of the tenant found room but the full L2 and evicted another tenant's
+    block. The room is now held until the slots are free."""
+    store, pool, l2, theirs, _ = await _l2_below_a_pinned_l1(make_store, 11, 3, 5)
+    level = store.stack[TierKind.DISK]
+    write = l2.write
+
+    def second_fails(batch):
+        out = write(batch)
+        return [*out[:-1], WriteOutcome(out[-1].slot, False)]
+
+    monkeypatch.setattr(l2, "write", second_fails)
+    (failed, abandoned), gate = _hold_releases(store, monkeypatch, level, 2)
+    try:
+        putting = asyncio.ensure_future(store.put(pool, 0, keys(2), np.arange(2), None, owner=1))
+        await failed.wait()  # the second copy failed; its slot waits to be freed
+        monkeypatch.setattr(l2, "write", write)
+        putting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await putting
+        await abandoned.wait()  # and so does the first one's, the put forgetting its block
+        assert store.space.quota_held[(1, TierKind.DISK)] == 2 * 4096
+        res, _ = await store.put(pool, 0, keys(1), np.arange(2, 3), None, owner=1)
+        assert res.tolist() == [PutResult.STORED]
+        ids = store.table.lookup(0, theirs)
+        assert (store.table.slot[ids, level.col] >= 0).all()  # tenant 2 kept every disk copy
+        assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 1
+    finally:
+        gate.set()  # else the store's stop waits for the held frees
+    await store.space.drain()
+    assert not store.space.quota_held
+    assert level.slots.allocator.used_slots == 14
+
+
+async def test_regression_a_failed_persist_gave_back_its_l2_slot_without_a_quota_hold(
+    make_store, monkeypatch
+):
+    """As above for a durable put's copy to L2 (``place``): its write failed, its slot was
+    given back on a thread and its room in the quota at once, and another durable put of
+    the tenant at its quota evicted another tenant's disk copy."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, l2_segments=1), make_pool()  # L2: 16 slots
+    store.space.quotas[(1, TierKind.DISK)] = 4 * 4096
+    l2, level = store.stack[TierKind.DISK].tier, store.stack[TierKind.DISK]
+    theirs = keys(12)
+    await store.put(pool, 0, theirs, np.arange(12), None, durable=True, owner=2)
+    clock.now += 1
+    _, persisted = await store.put(pool, 0, keys(3), np.arange(12, 15), None, durable=True, owner=1)
+    assert persisted.all()  # one L2 slot left, tenant 1 a block below its quota
+    clock.now += 1
+    (freeing,), gate = _hold_releases(store, monkeypatch, level, 1)
+    try:
+        l2.fail_writes = True
+        first = asyncio.ensure_future(
+            store.put(pool, 0, keys(1), np.arange(15, 16), None, durable=True, owner=1)
+        )
+        await freeing.wait()  # its slot is not free yet
+        l2.fail_writes = False
+        assert store.space.quota_held[(1, TierKind.DISK)] == 4096
+        _, persisted = await store.put(
+            pool, 0, keys(1), np.arange(16, 17), None, durable=True, owner=1
+        )
+        assert persisted.tolist() == [True]
+        ids = store.table.lookup(0, theirs)
+        assert (store.table.slot[ids, level.col] >= 0).all()  # tenant 2 kept every disk copy
+        assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 1
+    finally:
+        gate.set()  # else the store's stop waits for the held frees
+    _, persisted = await first
+    assert persisted.tolist() == [False]
+    await store.space.drain()
+    assert not store.space.quota_held
 
 
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
