@@ -45,6 +45,10 @@ def _ran() -> None:
     """What a job that ran, or moved up, holds in place of its callable."""
 
 
+# What a job that was taken holds in place of its future (never completed, never awaited).
+_HANDED: Future[Any] = Future()
+
+
 def _drop_locals(exc: BaseException) -> None:
     """Clear the finished frames of ``exc``'s traceback, and of the exceptions it chains: the
     caller gets it with every line of its traceback, but its frames no longer hold the job's
@@ -198,14 +202,16 @@ class PriorityExecutor:
                 other = job.priority > Priority.DEMAND
                 if other:
                     self._busy_other += 1
-            # An Urgency lists the jobs it submitted for as long as it lives (a finished
-            # move's, until a callback of its claim runs): a job lets go of what it holds
-            # (a batch and its buffers, views of a tier's memory) before its caller hears
-            # that it ran, or a stop right after a flush found the L1 arena still in use.
-            fn, args = job.fn, job.args
-            job.fn, job.args = _ran, ()
+            # An Urgency lists the jobs it submitted for as long as it lives (a move's, for
+            # the whole move, and a finished one's until a callback of its claim runs): a
+            # job lets go of what it holds (a batch and its buffers, views of a tier's
+            # memory) before its caller hears that it ran, or a stop right after a flush
+            # found the L1 arena still in use; and of its future, which holds the result
+            # (a copy group's staging buffers) once the caller is done with it.
+            fn, args, future = job.fn, job.args, job.future
+            job.fn, job.args, job.future = _ran, (), _HANDED
             try:
-                if not job.future.set_running_or_notify_cancel():
+                if not future.set_running_or_notify_cancel():
                     del fn, args
                 else:
                     try:
@@ -213,12 +219,13 @@ class PriorityExecutor:
                     except BaseException as e:
                         del fn, args
                         _drop_locals(e)
-                        job.future.set_exception(e)
+                        future.set_exception(e)
                     else:
                         del fn, args
-                        job.future.set_result(result)
+                        future.set_result(result)
+                        del result
             finally:
-                del job
+                del job, future
                 with self._cv:
                     if other:
                         self._busy_other -= 1

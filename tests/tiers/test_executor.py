@@ -227,3 +227,22 @@ def test_regression_an_urgency_kept_what_a_job_that_raised_held():
     assert raised.value.__traceback__ is not None
     assert alive() is None
     pool.shutdown()
+
+
+def test_regression_an_urgency_kept_a_job_s_result_after_its_caller_had_it():
+    """An Urgency lists its jobs while it lives (a move's, for the whole move), and each
+    listed job kept its future and so its result: on a GPU host the page-locked staging
+    buffers ``bridge.host_buffers`` made for one copy group lived until the move's last
+    group was done. Once the caller has the result and lets it go, nothing keeps it."""
+
+    class Buffers:
+        pass
+
+    pool = PriorityExecutor(1, "t", reserved=0)
+    move = Urgency(Priority.PREFETCH)
+    job = pool.submit(Priority.PREFETCH, Buffers, urgency=move)
+    alive = weakref.ref(job.result(5))
+    del job
+    assert alive() is None
+    move.raise_to(Priority.DEMAND)  # the move goes on, listing the job that ran
+    pool.shutdown()
