@@ -15,7 +15,9 @@ image's HEALTHCHECK), without it is 2 (readiness checks).
 
 The admin commands need an admin session (root, the daemon's user, ``server.admin_uids``,
 or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every invariant holds,
-1 with the list of what is broken, 2 when it could not ask; ``kvtier drain`` stops the daemon
+1 with the list of what is broken, 2 when the daemon refused (it answered and did not check:
+not an admin, or it is stopping), 3 when it cannot be reached, as ``health``; ``kvtier drain``
+stops the daemon
 taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain;
 0 if the daemon stops meanwhile, which ends them all, so a rollout's next step may follow) and
 ``kvtier drain --resume`` takes them again; either exits 2 when the daemon refuses (it
@@ -61,12 +63,13 @@ from kvtier.proto import kvtier_pb2 as pb
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
 # Ended by Ctrl-C (SIGINT), as shells report a command that SIGINT ended.
 INTERRUPTED = 130
-# kvtier check: 0 every invariant holds, 1 some broken, 2 could not ask.
-CHECK_FAILED = 2
+# kvtier check: 0 every invariant holds, 1 some broken, 2 refused (the daemon answered and
+# did not check: not an admin, or stopping), 3 (health's UNREACHABLE) no answer.
+CHECK_REFUSED = 2
 # kvtier drain: 0 draining (with --wait: drained, or the daemon stopped), 1 sessions still
-# open after --wait, 2 refused (the daemon answered and did not drain: check's "could not
-# ask"; or, during --wait, it drains but ended this command's session and opens it no new
-# one: a reload took its admin right), 3 (health's UNREACHABLE) no answer: no daemon at the
+# open after --wait, 2 refused (the daemon answered and did not drain, as check's 2; or,
+# during --wait, it drains but ended this command's session and opens it no new one: a
+# reload took its admin right), 3 (health's UNREACHABLE) no answer: no daemon at the
 # address, or none in --timeout.
 DRAIN_BUSY, DRAIN_REFUSED = 1, 2
 
@@ -357,15 +360,20 @@ def _draining(args: argparse.Namespace, address: str, detail: str) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        with _client(args) as client:
+        client = _client(args)
+    except KvtierError as e:  # an address no daemon can have
+        print(f"kvtier: {e.details}", file=sys.stderr)
+        return UNREACHABLE
+    try:
+        with client:
             result = client.check(settle_s=args.settle)
             address = client.address
     except (UnavailableError, DeadlineExceededError) as e:
         print(_unreachable(args, e), file=sys.stderr)
-        return CHECK_FAILED
+        return CHECK_REFUSED if _reached(e) else UNREACHABLE
     except KvtierError as e:
         print(f"kvtier check: {type(e).__name__}: {e.details}", file=sys.stderr)
-        return CHECK_FAILED
+        return CHECK_REFUSED
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:
@@ -583,7 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         description="The daemon's invariant check: every slot owned by one block and "
         "allocated, allocators consistent, policies and index agree with the copies, "
         "per-tenant usage adds up, pins match live leases, every lease and pool has an open "
-        "session. Exit status: 0 all hold, 1 some broken (listed), 2 could not ask.",
+        "session. Exit status: 0 all hold, 1 some broken (listed), 2 the daemon refused (it "
+        "answered and did not check: not an admin, or it is stopping), 3 unreachable (no "
+        "daemon at the address, or no answer in --timeout), as health's 3.",
     )
     c.add_argument(
         "--settle",

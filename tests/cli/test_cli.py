@@ -296,9 +296,24 @@ def test_check_lists_what_is_broken_and_exits_1(capsys, monkeypatch):
     ]
 
 
-def test_check_exits_2_when_it_cannot_ask(tmp_path, capsys):
-    code, _, err = run_main(capsys, "--address", f"unix:{tmp_path}/none.sock", "check")
-    assert code == 2 and "cannot reach kvtierd" in err
+def test_check_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
+    """Regression: check exited 2 for a daemon it could not reach, as for one that refused
+    it; 3 is health's and drain's "unreachable"."""
+    missing = f"unix:{tmp_path}/none.sock"
+    code, out, err = run_main(capsys, "--address", missing, "--timeout", "2", "check")
+    assert code == 3, (out, err)
+    assert f"cannot reach kvtierd at {missing}" in err and out == ""
+
+
+def test_check_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
+    """A tenant that is not an admin is refused (PERMISSION_DENIED): 2, not 3 (unreachable)
+    nor 1 (broken). Over TCP with the tenant's token: the tests run as root, an admin on the
+    Unix socket, where the same check passes."""
+    d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
+    out = kvtier("--address", f"127.0.0.1:{port}", "--token-file", str(token), "check")
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("kvtier check: PermissionDeniedError: "), out.stderr
+    assert kvtier("--address", d.address, "check").returncode == 0
 
 
 def test_drain_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
