@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -1046,3 +1047,95 @@ def test_regression_a_refused_durable_put_bound_its_namespace(daemon_factory):
         result = client.put(pool.pool_id, [KEY], [0], namespace="stored")
         assert list(result.statuses) == [PutStatus.STORED]
         assert client.lookup([KEY], namespace="stored").prefix_len == 1
+
+
+def test_a_pinning_lookup_naming_a_key_more_than_once_pins_its_block_once(daemon_factory):
+    """A pinning Lookup that names a key more than once pins its block once, and its
+    Release lets go of it: the block is evictable again (a pin per naming, with one Release,
+    would keep it for good), and the daemon's check finds the pins matching the leases."""
+    layout = LAYOUTS["staging"]
+    d = daemon_factory("policy.protect_s=0")
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        random_fill(shm, 6)
+        pool = client.register_pool(shm, layout)
+        a, b = keys_for(2, "pinned-twice")
+        client.put(pool.pool_id, [a, b], [0, 1])
+        pinned = client.lookup([a, a, b, a], pin=True, lease_ms=60_000)
+        assert pinned.lease_id != 0 and pinned.prefix_len == 4
+        assert pinned.tiers == [Tier.L1_HOST] * 4
+        assert client.check().problems == []
+        assert client.evict([a], "L1").busy == 1
+        client.release(pinned.lease_id)
+        assert client.check().problems == []
+        ev = client.evict([a, b], "L1")
+        assert (ev.evicted, ev.missing, ev.busy) == (2, 0, 0)
+
+
+# Runs kvtierd with every L1 write held while the file ``gate`` exists; a write touches the
+# file ``started`` first.
+_ENTRY_HOLDING_L1_WRITES = """
+import os, sys, time
+from pathlib import Path
+from kvtier.daemon.entry import main
+from kvtier.tiers.host import HostArena
+
+gate, started = sys.argv.pop(1), sys.argv.pop(1)
+write = HostArena.write
+
+def held_write(self, batch):
+    Path(started).touch()
+    while os.path.exists(gate):
+        time.sleep(0.002)
+    return write(self, batch)
+
+HostArena.write = held_write
+sys.exit(main(sys.argv[1:]))
+"""
+# One 1 MiB block per page: a put's copy into L1 runs on a transfer thread, not inline.
+BIG_LAYOUT = PoolLayout.staging(
+    num_layers=4, num_pages=4, block_tokens=16, chunk_bytes=(1 << 20) // 8, dtype="uint8"
+)
+
+
+def test_a_key_a_put_still_writes_is_missing_to_prefetch_and_evict_and_busy_to_delete(
+    daemon_factory, tmp_path
+):
+    """While a Put writes a new key (not stored yet, as Lookup says), Prefetch and Evict
+    count it missing (not stored anywhere; no block in the tier) and Delete busy (kept: the
+    key is there once the Put is done), as the proto says; the Put then stores it."""
+    gate, started = tmp_path / "gate", tmp_path / "started"
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/writes.sock",
+        ["--set", "tiers.l1.capacity_bytes=64MiB", "--set", "policy.protect_s=0"],
+        entry=("-c", _ENTRY_HOLDING_L1_WRITES, str(gate), str(started)),
+    )
+    daemon_factory._daemons.append(d)
+    d.start()
+    key = keys_for(1, "being-written")[0]
+    gate.touch()
+    try:
+        with (
+            d.client() as writer,
+            d.client() as other,
+            SharedMemoryPool.for_layout(BIG_LAYOUT) as shm,
+            concurrent.futures.ThreadPoolExecutor(1) as threads,
+        ):
+            pool = writer.register_pool(shm, BIG_LAYOUT)
+            putting = threads.submit(writer.put, pool.pool_id, [key], [0])
+            deadline = time.monotonic() + 10
+            while not started.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert started.exists()  # the put's copy into L1 waits
+            assert other.lookup([key]).tiers == [Tier.ABSENT]
+            pf = other.prefetch([key])
+            assert (pf.resident, pf.scheduled, pf.missing) == (0, 0, 1)
+            ev = other.evict([key], "L1")
+            assert (ev.evicted, ev.missing, ev.busy) == (0, 1, 0)
+            de = other.delete([key])
+            assert (de.deleted, de.missing, de.busy) == (0, 0, 1)
+            gate.unlink()
+            assert putting.result(30).statuses == [PutStatus.STORED]
+            assert other.lookup([key]).tiers == [Tier.L1_HOST]
+    finally:
+        gate.unlink(missing_ok=True)
