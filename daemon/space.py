@@ -443,7 +443,6 @@ class SpaceManager:
     ) -> None:
         table = self.table
         group = bids[part]
-        reserved = 0
         if dst.keyed:
             slots: list[int] = [0] * len(group)  # a key-addressed copy: present, no slot
         else:
@@ -456,7 +455,6 @@ class SpaceManager:
                 owner=owner,
                 urgency=urgency,
             )
-            reserved = len(slots) * nbytes
             if len(slots) < len(group):
                 self.counters.inc("no_room", len(group) - len(slots), tier=dst.label)
                 if dst.own_admission is not None and not prefetch:
@@ -493,7 +491,10 @@ class SpaceManager:
         except PrefetchExpired:
             outcomes = None
         except BaseException:
-            self.end_hold(dst, owner, reserved)
+            # Cancelled (the copy raises nothing else but PrefetchExpired): the slots go
+            # back as the group unwinds; the copy's thread, if it ran, is done with them.
+            if not dst.keyed:
+                self.give_back_soon(dst, owner, spare + slots, nbytes)
             raise
         now = self._clock()
         n = len(group)
@@ -842,14 +843,25 @@ class SpaceManager:
         owner's quota ending once they are free: a persistent tier frees them on a thread
         (``free_held``, awaited shielded), and until then a put of the owner at its quota
         taking their room would find no free slot and evict another tenant's block."""
+        freeing = self.give_back_soon(level, owner, slots, nbytes)
+        if freeing is not None:
+            await asyncio.shield(freeing)
+
+    def give_back_soon(
+        self, level: Level, owner: int, slots: list[int], nbytes: int
+    ) -> asyncio.Task[bool] | None:
+        """``give_back`` without awaiting, for a caller that is unwinding (cancelled while
+        it copied into the slots): a persistent tier's slots are freed by a background task
+        (``free_held``, returned), other tiers' at once. Nothing else gives such slots back
+        (the transfer engine frees none): not given back here, they were lost for good."""
         if not slots:
-            return
+            return None
         held = (owner, len(slots) * nbytes)
         if level.persistent:
-            await asyncio.shield(self.free_held(level, slots, [held]))
-        else:
-            await self.release(level, slots)
-            self.end_hold(level, *held)
+            return self.free_held(level, slots, [held])
+        level.slots.remove(slots)
+        self.end_hold(level, *held)
+        return None
 
     def hold_copies(self, level: Level, bids: np.ndarray) -> list[tuple[int, int]]:
         """Hold the bytes of ``bids``' copies in ``level`` against their owners' quotas

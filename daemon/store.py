@@ -840,11 +840,7 @@ class BlockStore:
             except BaseException:
                 # The reservation's hold lasts until the slots are free: a persistent tier
                 # frees them on a thread (``free_held``).
-                if level.persistent:
-                    self.space.free_held(level, slots, [(owner, len(slots) * nbytes)])
-                else:
-                    level.slots.remove(slots)
-                    self.space.end_hold(level, owner, len(slots) * nbytes)
+                self.space.give_back_soon(level, owner, slots, nbytes)
                 raise
             outs = WriteOutcomes.of(outcomes)
             if len(outs) == 1:  # a single-key put: no array reduction for one flag

@@ -2774,3 +2774,66 @@ async def test_regression_an_eviction_cancelled_while_its_slots_waited_to_be_fre
     assert l2.slots.allocator.used_slots == 2  # the victims' slots are free
     assert not store.space.quota_held
     assert store.check() == []
+
+
+async def test_regression_a_promotion_cancelled_while_its_copy_waited_leaked_its_l1_slots(
+    make_store,
+):
+    """A move's copy group reserves its destination slots, then copies. Cancelled during
+    the copy (here while the L2 read waited for a thread), the group ended its quota hold
+    but never gave the slots back, and nothing else does (the transfer engine frees no
+    slot): L1 lost them for good. They are now freed as the group unwinds."""
+    store, _, mine = await _four_durable_blocks(make_store)
+    l1 = store.top
+    bids = store.table.lookup(0, mine)
+    assert await store.space.evict(l1, bids, Priority.DEMAND, clean_only=True)
+    assert where(store, mine) == ["L2"] * 4
+    async with _transfer_threads_busy(store) as executor:
+        promoting = asyncio.ensure_future(store.space.place(bids, l1, Priority.PREFETCH))
+        while not executor.queued:  # the L2 read waits for a thread
+            await asyncio.sleep(0)
+        assert l1.slots.allocator.used_slots == 4  # reserved for the copy
+        promoting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await promoting
+    assert where(store, mine) == ["L2"] * 4
+    assert l1.slots.allocator.used_slots == 0
+    assert not store.space.quota_held
+    assert store.check() == []
+
+
+async def test_regression_a_demotion_cancelled_while_its_copy_waited_leaked_its_l2_slots(
+    make_store,
+):
+    """As above into L2, as the daemon's stop does it: the store's stop cancels the
+    watermark balancer, here while its demotion's L2 write waited for a thread. The
+    reserved L2 slots were never freed; they now are, and count against their owner's quota
+    until the disk tier has freed them, as every dropped L2 slot does."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        segments=1,
+        l2_segments=2,
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    a = keys(12)
+    for i in range(12):
+        await put(store, pool, a[i : i + 1], pages=[i])
+        clock.now += 1
+    l2 = store.stack[TierKind.DISK]
+    async with _transfer_threads_busy(store) as executor:
+        balancing = asyncio.ensure_future(store.balance())
+        while not executor.queued:  # the demotion's L2 write waits for a thread
+            await asyncio.sleep(0)
+        assert l2.slots.allocator.used_slots == 8  # reserved for the copy
+        balancing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await balancing
+        held = store.space.quota_held[(0, TierKind.DISK)]
+    assert held == 8 * 4096  # the slots were not free yet
+    await store.space.drain()
+    assert where(store, a) == ["L1"] * 12
+    assert l2.slots.allocator.used_slots == 0
+    assert not store.space.quota_held
+    assert store.check() == []
