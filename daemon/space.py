@@ -608,11 +608,15 @@ class SpaceManager:
         self.quota_held[(owner, level.kind)] += count * nbytes
         slots: list[int] = []
         try:
-            slots = await self._take_slots(level, nbytes, count, priority, clean_only, urgency)
-        finally:
-            # Nothing to give back when every slot came (a zero count still clears its key).
-            if not slots or len(slots) < count:
-                self.end_hold(level, owner, (count - len(slots)) * nbytes)
+            await self._take_slots(level, nbytes, count, priority, clean_only, urgency, slots)
+        except BaseException:
+            # Cancelled while it evicted: the slots it had taken go back (held until free).
+            self.give_back_soon(level, owner, slots, nbytes)
+            self.end_hold(level, owner, (count - len(slots)) * nbytes)
+            raise
+        # Nothing to give back when every slot came (a zero count still clears its key).
+        if not slots or len(slots) < count:
+            self.end_hold(level, owner, (count - len(slots)) * nbytes)
         return slots
 
     def end_hold(self, level: Level, owner: int, nbytes: int) -> None:
@@ -631,12 +635,16 @@ class SpaceManager:
         count: int,
         priority: Priority,
         clean_only: bool,
-        urgency: Urgency | None = None,
-    ) -> list[int]:
+        urgency: Urgency | None,
+        slots: list[int],
+    ) -> None:
+        """Up to ``count`` free slots (``reserve``), into ``slots`` as they are taken: a
+        caller cancelled while the slots it is short of are made free (an eviction's
+        demotion written) still has those it got, to give back."""
         alloc = level.slots.allocator
-        slots = alloc.allocate_many(nbytes, count)
+        slots += alloc.allocate_many(nbytes, count)
         if len(slots) == count:
-            return slots
+            return
         now = self._clock()
         slot_bytes = alloc.slot_bytes_for(nbytes)
         # A victim's slot is free once its eviction is done (a disk tier deletes its index row
@@ -655,7 +663,7 @@ class SpaceManager:
             slots += alloc.allocate_many(nbytes, count - len(slots))
             if not freed:
                 self.counters.inc("full_rejections", count - len(slots), tier=level.label)
-                return slots  # nor would a segment's blocks free theirs
+                return  # nor would a segment's blocks free theirs
             if (self.table.slot[victims, level.col] >= 0).all():
                 break  # every victim stayed (pinned or read meanwhile): nothing more to gain
             now = self._clock()
@@ -665,7 +673,6 @@ class SpaceManager:
             slots += alloc.allocate_many(nbytes, count - len(slots))
         if len(slots) < count:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
-        return slots
 
     async def _within_quota(
         self,

@@ -2837,3 +2837,43 @@ async def test_regression_a_demotion_cancelled_while_its_copy_waited_leaked_its_
     assert l2.slots.allocator.used_slots == 0
     assert not store.space.quota_held
     assert store.check() == []
+
+
+async def test_regression_a_reservation_cancelled_while_it_evicted_leaked_the_free_slots_it_took(
+    make_store,
+):
+    """A reservation takes the free slots first, then evicts for the rest. Cancelled while
+    the eviction freed its victims' slots (the store's stop cancelling the watermark
+    balancer, whose demotion into a nearly full L2 evicted there), the free slots it had
+    taken were lost with it: nobody held them any more, and L2 never had them back."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        segments=1,
+        l2_segments=1,
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    l1, l2 = store.top, store.stack[TierKind.DISK]
+    old = keys(14)
+    await put(store, pool, old, durable=True)
+    assert await store.space.evict(l1, store.table.lookup(0, old), Priority.DEMAND)
+    assert where(store, old) == ["L2"] * 14  # L2 has 16 slots: 2 left free
+    clock.now += 1
+    a = keys(12)
+    for i in range(12):
+        await put(store, pool, a[i : i + 1], pages=[i])
+        clock.now += 1
+    async with _transfer_threads_busy(store) as executor:
+        balancing = asyncio.ensure_future(store.balance())
+        while not executor.queued:  # the L2 victims' slots wait to be freed
+            await asyncio.sleep(0)
+        assert l2.slots.allocator.used_slots == 16  # the 2 free slots are taken
+        balancing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await balancing
+    await store.space.drain()
+    assert where(store, a) == ["L1"] * 12
+    assert l2.slots.allocator.used_slots == len(store.table.holders(l2.col))
+    assert not store.space.quota_held
+    assert store.check() == []
