@@ -45,7 +45,8 @@ def _ran() -> None:
     """What a job that ran, or moved up, holds in place of its callable."""
 
 
-# What a job that was taken holds in place of its future (never completed, never awaited).
+# What a job that was taken, or the entry a raised urgency left behind, holds in place of its
+# future (never completed, never awaited).
 _HANDED: Future[Any] = Future()
 
 
@@ -160,7 +161,9 @@ class PriorityExecutor:
                 job.gone = True
                 self._stale += 1
                 moved = replace(job, priority=key[0], behind=key[1], gone=False)
-                job.fn, job.args = _ran, ()  # the entry left behind holds nothing either
+                # The entry left behind holds nothing either: it waits in the heap until it
+                # reaches the top, and its future would hold the result of the job run here.
+                job.fn, job.args, job.future = _ran, (), _HANDED
                 job = moved
                 heapq.heappush(self._heap, job)
                 self._cv.notify_all()

@@ -246,3 +246,29 @@ def test_regression_an_urgency_kept_a_job_s_result_after_its_caller_had_it():
     assert alive() is None
     move.raise_to(Priority.DEMAND)  # the move goes on, listing the job that ran
     pool.shutdown()
+
+
+def test_regression_a_raised_job_s_old_entry_kept_its_result_while_it_waited_in_the_heap():
+    """A raised urgency queues a job again, at its new place, and leaves the old entry in
+    the heap (marked gone) until it reaches the top. That entry let go of the callable and
+    its arguments but kept the future, and so the result once the job had run at its new
+    place: behind a job that could not run yet, the result (a copy group's staging
+    buffers) outlived its caller's use of it."""
+
+    class Buffers:
+        pass
+
+    pool = PriorityExecutor(2, "t", reserved=1)  # one thread for non-demand jobs
+    gate = threading.Event()
+    blocker = _hold_the_thread(pool, gate)
+    ahead = pool.submit(Priority.PREFETCH, int)  # waits: the non-demand thread is taken
+    move = Urgency(Priority.BACKGROUND)
+    job = pool.submit(Priority.BACKGROUND, Buffers, urgency=move)
+    move.raise_to(Priority.DEMAND)  # runs on the demand thread; its old entry stays queued
+    alive = weakref.ref(job.result(5))
+    del job
+    assert alive() is None
+    gate.set()
+    for f in (blocker, ahead):
+        f.result(5)
+    pool.shutdown()
