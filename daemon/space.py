@@ -652,19 +652,21 @@ class SpaceManager:
         # coldest evictable blocks left are then evicted in turn, so that a caller is short
         # only where no block of the size is evictable. Not where the tier could not free
         # the victims' slots (they stay held): every further victim would be lost for nothing.
+        # Nor where every victim stayed (``_evict`` counts them: a victim's row does not tell,
+        # as one left with no copy is forgotten and a new block may have its row by then).
         while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
             mask = self.evictable(level, now, slot_bytes, clean_only)
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims) == 0:
                 break
-            freed = await self.evict(
+            freed, kept = await self._evict(
                 level, victims, priority, clean_only=clean_only, urgency=urgency
             )
             slots += alloc.allocate_many(nbytes, count - len(slots))
             if not freed:
                 self.counters.inc("full_rejections", count - len(slots), tier=level.label)
                 return  # nor would a segment's blocks free theirs
-            if (self.table.slot[victims, level.col] >= 0).all():
+            if kept == len(victims):
                 break  # every victim stayed (pinned or read meanwhile): nothing more to gain
             now = self._clock()
         while len(slots) < count:
@@ -713,7 +715,7 @@ class SpaceManager:
             victims = self._victims(level, n, now, mine)
             if len(victims) == 0:
                 break
-            freed = await self.evict(
+            freed, kept = await self._evict(
                 level, victims, priority, clean_only=clean_only, urgency=urgency
             )
             self.counters.inc(
@@ -722,7 +724,7 @@ class SpaceManager:
                 tier=level.label,
                 tenant=self.owner_labels.get(owner, owner),
             )
-            if not freed or (table.slot[victims, level.col] >= 0).all():
+            if not freed or kept == len(victims):
                 break  # the tier kept the slots, or every victim stayed: no more to gain
         room = (quota - int(table.usage[level.col, owner]) - self.quota_held[key]) // nbytes
         return max(0, min(count, room))
@@ -789,6 +791,24 @@ class SpaceManager:
         demoted to the first lower tier that takes it (unless ``clean_only``, whose victims
         all have other copies). False when the tier could not free the victims' slots
         (``release``)."""
+        freed, _ = await self._evict(
+            level, victims, priority, clean_only=clean_only, urgency=urgency
+        )
+        return freed
+
+    async def _evict(
+        self,
+        level: Level,
+        victims: np.ndarray,
+        priority: Priority,
+        *,
+        clean_only: bool = False,
+        urgency: Urgency | None = None,
+    ) -> tuple[bool, int]:
+        """``evict``, and how many of the victims stayed (pinned, read, touched or hinted
+        while they were demoted). A reservation asks this rather than looking at the
+        victims' rows once it is done: a victim left with no copy is forgotten and its row
+        freed, and a new block may have it, with a copy in ``level``, by then."""
         table = self.table
         victims = np.asarray(victims, dtype=np.int64)
         # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
@@ -800,6 +820,7 @@ class SpaceManager:
             else np.ones(len(victims), bool)
         )
         dirty = victims[only_here]
+        kept = 0
         if len(dirty) and not clean_only:
             add_at(table.inflight, victims, 1)
             try:
@@ -809,8 +830,10 @@ class SpaceManager:
             # While the writes ran a request may have pinned, read, touched or hinted a
             # victim: such a block stays (and now has a clean lower copy).
             # A victim may also have lost this copy meanwhile (a failed read drops it).
-            victims = victims[self._droppable(level, self._clock())(victims)]
-            victims = victims[table.slot[victims, level.col] >= 0]
+            here = table.slot[victims, level.col] >= 0
+            stay = here & ~self._droppable(level, self._clock())(victims)
+            kept = int(np.count_nonzero(stay))
+            victims = victims[here & ~stay]
         # A persistent tier frees the slots on a thread, after the copies stopped counting
         # against their owners' quotas: they are held against them until then, or a put of
         # an owner at its quota would take that room, find no free slot, and evict another
@@ -822,7 +845,7 @@ class SpaceManager:
         else:
             freed = await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
-        return freed
+        return freed, kept
 
     def free_held(
         self, level: Level, slots: list[int], holds: list[tuple[int, int]]

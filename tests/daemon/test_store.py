@@ -11,7 +11,7 @@ import dataclasses
 import mmap
 import os
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -1839,9 +1839,12 @@ async def test_two_puts_of_a_tenant_racing_to_its_quota_store_no_more_than_it(
     assert store.table.usage[0, 1] == 8 * 4096
 
 
-def _hold_first_release(store, monkeypatch, tier_level) -> tuple[asyncio.Event, asyncio.Event]:
+def _hold_first_release(
+    store, monkeypatch, tier_level, then: Callable[[], Awaitable[object]] | None = None
+) -> tuple[asyncio.Event, asyncio.Event]:
     """Make the store's first slot release on ``tier_level`` wait: ``freeing`` is set once it
-    waits, and it goes on once ``gate`` is set."""
+    waits, and it goes on once ``gate`` is set. ``then`` runs once that release is done,
+    before the evicting caller resumes (a reservation that takes the slots first)."""
     freeing, gate = asyncio.Event(), asyncio.Event()
     release = store.space.release
 
@@ -1849,6 +1852,10 @@ def _hold_first_release(store, monkeypatch, tier_level) -> tuple[asyncio.Event, 
         if level is tier_level and not freeing.is_set():
             freeing.set()
             await gate.wait()
+            ok = await release(level, slots)
+            if then is not None:
+                await then()
+            return ok
         return await release(level, slots)
 
     monkeypatch.setattr(store.space, "release", slow_release)
@@ -2171,6 +2178,50 @@ async def test_regression_a_failed_persist_gave_back_its_l2_slot_without_a_quota
     assert persisted.tolist() == [False]
     await store.space.drain()
     assert not store.space.quota_held
+
+
+async def test_regression_a_put_whose_victim_s_row_was_reused_meanwhile_was_refused_room(
+    make_store, monkeypatch
+):
+    """A durable put evicts a block only L2 holds: the block is forgotten, its table row
+    freed, and the disk tier frees its slot on a thread. Meanwhile a new block takes that
+    row (rows are reused last freed first) and, its put taking the freed slot first, an L2
+    copy. The evicting put, finding no free slot, read the victim's row holding an L2 copy
+    as the victim having stayed (pinned or read meanwhile), stopped evicting and was
+    refused: STORED, persisted=False, a full rejection, while 15 of the 16 blocks on L2
+    were evictable (in four clients' durable puts into a churning L2 beside a busy CPU,
+    1 run in about 50: 100 of 101 blocks evictable). It evicts the next one in turn."""
+    clock = Clock()
+    # L1: 32 slots, L2: 16; a block written within 10 s is protected.
+    store, pool = make_store(clock, segments=2, l2_segments=1, protect_s=10.0), make_pool()
+    l2 = store.stack[TierKind.DISK]
+    old = keys(16)
+    assert await put(store, pool, old, durable=True) == ([PutResult.STORED] * 16, [True] * 16)
+    assert (await store.evict(0, old, TierKind.HOST)).evicted == 16  # only L2 holds them
+    clock.now += 60  # past their protection: each is evictable
+    rows = store.table.lookup(0, old)
+    new = keys(2)
+    took = []
+
+    async def another_put_takes_the_row_and_the_slot() -> None:
+        victim_row = int(rows[~np.array(present(store, old))][0])  # freed, its slot now too
+        took.append(await put(store, pool, new[1:], pages=[17], durable=True))
+        assert int(store.table.lookup(0, new[1:])[0]) == victim_row
+        assert store.table.slot[victim_row, l2.col] >= 0
+
+    freeing, gate = _hold_first_release(
+        store, monkeypatch, l2, then=another_put_takes_the_row_and_the_slot
+    )
+    first = asyncio.ensure_future(put(store, pool, new[:1], pages=[16], durable=True))
+    await freeing.wait()  # the victim is forgotten, its slot not free yet
+    gate.set()
+    assert await first == ([PutResult.STORED], [True])
+    assert took == [([PutResult.STORED], [True])]
+    ids = store.table.lookup(0, new)
+    assert (store.table.slot[ids, l2.col] >= 0).all()
+    assert store.counters.get("evictions", tier="L2") == 2
+    assert store.counters.get("full_rejections", tier="L2") == 0
+    assert present(store, old).count(False) == 2
 
 
 async def test_a_miss_is_explained_only_by_its_own_namespace_and_whole_key(make_store):
