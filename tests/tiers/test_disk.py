@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 import time
@@ -1139,3 +1140,65 @@ def test_a_first_start_has_no_missing_index(disk_dir: Path, caplog: pytest.LogCa
     with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"), _open(disk_dir) as tier:
         assert "missing" not in tier.health().detail
     assert not [r for r in caplog.records if r.levelno == logging.ERROR]
+
+
+def _crash_image(directory: Path, to: Path) -> Path:
+    """The files of ``directory`` as a crash would leave them to the next start: what their
+    paths name now (a file removed while open is gone with the process)."""
+    shutil.copytree(directory, to)
+    return to
+
+
+def test_regression_a_wal_removed_while_open_loses_no_committed_block(
+    disk_dir: Path, make_block: Block, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator removing index.sqlite3-wal (and -shm) while the tier ran: SQLite kept
+    committing to the unlinked WAL, every write after it was reported ok, and a crash then
+    lost every block, those committed before the removal too (the index file alone had no
+    metadata and was moved aside). Now the commit that finds its WAL gone checkpoints it into
+    the index file and starts a new one."""
+    tier = _open(disk_dir)
+    try:
+        before = _persist(tier, make_block, list(range(10)), 4096)
+        for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
+            (disk_dir / name).unlink()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            after = _persist(tier, make_block, list(range(10, 20)), 4096)
+        assert any("WAL was removed" in r.getMessage() for r in caplog.records)
+        more = _persist(tier, make_block, list(range(20, 25)), 4096)
+        assert tier.health().state == Health.OK
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        recovered = again.recover()
+        assert len(recovered) == 25
+        blocks = {**before, **after, **more}
+        got = _read(again, blocks)
+        assert all(got[i] == blocks[i][2] for i in blocks)
+
+
+def test_regression_an_index_removed_while_open_fails_the_commits_after_it(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An index file removed (or replaced) while the tier ran: its commits went to the
+    unlinked file and were reported ok, lost at the next start. Now such a commit fails and
+    degrades the tier (counted, logged once), which keeps serving what it holds."""
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        (disk_dir / "index.sqlite3").unlink()
+        items = []
+        for i in range(5, 10):
+            key, data = make_block(i, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            items.append(PersistItem(1, key, slot, data, 4096))
+        with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+            outcomes = persist(tier, items)
+        assert not any(o.ok for o in outcomes)
+        health = tier.health()
+        assert health.state == Health.DEGRADED_IO and "removed or replaced" in health.detail
+        assert tier.faults.snapshot()["index_errors"] == 1
+        assert [r for r in caplog.records if "removed or replaced" in r.getMessage()]
+        assert _read(tier, before) == {i: b[2] for i, b in before.items()}

@@ -23,6 +23,12 @@ made for another geometry (segment or file size, format, checksum), since its sl
 would mean other bytes. A changed capacity alone keeps the index: the rows beyond it are dropped
 by recovery. What happened is reported (``moved_aside``), not only logged.
 
+While open, a block commit checks that the index file and its WAL are still the ones its path
+names (device and inode): SQLite keeps writing to files removed or replaced under it, and a
+restart would not find those commits. A removed WAL is checkpointed (from the open, unlinked
+file) into the index file and a new one started, so the commits stand; a removed or replaced
+index file fails the commit (``IndexFilesReplaced``), which degrades the tier.
+
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
 
@@ -106,6 +112,13 @@ class IndexUpgradeFailed(Exception):
     """An index of an older format could not be rewritten; it is left untouched."""
 
 
+class IndexFilesReplaced(sqlite3.OperationalError):
+    """The index file was removed or replaced while open: commits no longer reach it."""
+
+
+FileId = tuple[int, int] | None  # (st_dev, st_ino) of a file, None when there is none
+
+
 BlockRow = tuple[int, bytes, int, int, int, float]  # ns, key, slot, nbytes, checksum, written_at
 
 
@@ -124,6 +137,7 @@ class DiskIndex:
         self.moved_to = ""
         self.previous_capacity: int | None = None  # the stored capacity when it differs
         self._db = self._open()
+        self._ids = self._file_ids()
 
     # ------------------------------------------------------------------ reading
 
@@ -197,6 +211,7 @@ class DiskIndex:
                 if len(drop):
                     db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in drop])
                 db.execute("COMMIT")
+                self._check_files(db)
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
@@ -247,6 +262,48 @@ class DiskIndex:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.close()
                 self._db = None
+
+    def _file_ids(self) -> tuple[FileId, FileId]:
+        """(device, inode) of the index file and of its WAL as their paths name them now."""
+        ids: list[FileId] = []
+        for path in (self.path, self.path.with_name(self.path.name + "-wal")):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                ids.append(None)
+            else:
+                ids.append((st.st_dev, st.st_ino))
+        return ids[0], ids[1]
+
+    def _check_files(self, db: sqlite3.Connection) -> None:
+        """After a commit: that it reached the files the index's path names. A removed or
+        replaced WAL (an operator cleaning up ``-wal`` files) is checkpointed into the index
+        file, then the connection is reopened with a new WAL; a removed or replaced index
+        file raises ``IndexFilesReplaced``. Called holding ``_lock``."""
+        ids = self._file_ids()
+        if ids == self._ids:
+            return
+        if ids[0] is None or ids[0] != self._ids[0]:
+            raise IndexFilesReplaced(
+                f"{self.path} was removed or replaced while open: its commits would be lost "
+                "at the next start"
+            )
+        busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise IndexFilesReplaced(
+                f"the WAL of {self.path} was removed or replaced while open and its commits "
+                "could not be checkpointed into the index (another process holds it)"
+            )
+        self._db = None
+        with contextlib.suppress(sqlite3.Error):
+            db.close()
+        self._db = self._connect()
+        self._ids = self._file_ids()
+        log.warning(
+            "L2 index %s: its WAL was removed or replaced while open; its commits were "
+            "checkpointed into the index file and a new WAL started",
+            self.path,
+        )
 
     # ------------------------------------------------------------------ opening
 
