@@ -1202,3 +1202,28 @@ def test_regression_an_index_removed_while_open_fails_the_commits_after_it(
         assert tier.faults.snapshot()["index_errors"] == 1
         assert [r for r in caplog.records if "removed or replaced" in r.getMessage()]
         assert _read(tier, before) == {i: b[2] for i, b in before.items()}
+
+
+def test_regression_a_data_file_removed_while_open_fails_the_writes_to_it(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A data file removed while the tier ran: writes went to the unlinked file and were
+    reported ok (a real daemon answered persisted=True for 32 blocks lost at the next start,
+    as l2_blocks_lost_at_recovery_missing_file). Now its sync fails them and degrades the
+    tier, which keeps serving what it holds."""
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        (disk_dir / "data-0000.bin").unlink()
+        items = []
+        for i in range(5, 10):
+            key, data = make_block(i, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None and tier.slot_location(slot)[0].name == "data-0000.bin"
+            items.append(PersistItem(1, key, slot, data, 4096))
+        with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+            outcomes = persist(tier, items)
+        assert not any(o.ok for o in outcomes)
+        health = tier.health()
+        assert health.state == Health.DEGRADED_IO and "removed or replaced" in health.detail
+        assert [r for r in caplog.records if "data-0000.bin was removed" in r.getMessage()]
+        assert _read(tier, before) == {i: b[2] for i, b in before.items()}

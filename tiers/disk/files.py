@@ -75,6 +75,8 @@ class FileBackend(Protocol):
 
     def size(self, fd: int) -> int: ...
 
+    def same_file(self, fd: int, path: str) -> bool: ...
+
 
 class OsFiles:
     """The real system calls."""
@@ -105,6 +107,17 @@ class OsFiles:
 
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
+
+    def same_file(self, fd: int, path: str) -> bool:
+        """Whether ``fd`` is still the file ``path`` names (not removed, not replaced)."""
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            return False
+        try:
+            named = os.stat(path)
+        except FileNotFoundError:
+            return False
+        return (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
 
 
 def fsync_dir(path: Path) -> None:
@@ -270,8 +283,17 @@ class SlotFiles:
             transfer_all(call, self.fds[file], iovs, offset)
 
     def sync(self, file: int) -> OSError | None:
+        """fdatasync ``file``; the error, or None when its writes are durable under its name
+        (a file removed or replaced while open, by hand or a clean-up script, is synced to
+        nowhere the next start would look: an error too)."""
         try:
             self.backend.fdatasync(self.fds[file])
+            if not self.backend.same_file(self.fds[file], str(self.paths[file])):
+                return OSError(
+                    errno.ENOENT,
+                    f"{self.paths[file].name} was removed or replaced while open: its blocks "
+                    "would be lost at the next start",
+                )
         except OSError as e:
             return e
         return None
