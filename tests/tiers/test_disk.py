@@ -1227,3 +1227,32 @@ def test_regression_a_data_file_removed_while_open_fails_the_writes_to_it(
         assert health.state == Health.DEGRADED_IO and "removed or replaced" in health.detail
         assert [r for r in caplog.records if "data-0000.bin was removed" in r.getMessage()]
         assert _read(tier, before) == {i: b[2] for i, b in before.items()}
+
+
+def test_regression_an_index_locked_by_another_process_degrades_only_until_it_is_let_go(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's sqlite3 shell holding a write transaction on the index past the busy
+    timeout: the commit failed with SQLITE_BUSY, rightly, but the tier stayed degraded
+    (refusing every write) until the daemon restarted, long after the lock was let go. Now a
+    locked index is retried like a full disk: the first write batch after enospc_retry_s
+    finds out, and its commit makes the tier whole again."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.1) as tier:
+        _persist(tier, make_block, [0], 4096)
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            key, data = make_block(1, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+            health = tier.health()
+            assert health.state == Health.DEGRADED_IO and "locked" in health.detail
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        time.sleep(0.2)
+        blocks = _persist(tier, make_block, [2, 3], 4096)
+        assert tier.health().state == Health.OK
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}

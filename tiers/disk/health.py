@@ -1,9 +1,10 @@
 """The disk tier's fault state: what went wrong, whether the tier takes writes, and counters.
 
 A fault never raises out of the tier; it is counted and may degrade the tier. ENOSPC (a full
-disk) degrades it until a write gets through again (one write batch per ``enospc_retry_s`` is
-let through to find out); EIO and other faults degrade it until it is reopened. Reads are
-served while degraded.
+disk) and an index locked by another process past the busy timeout (SQLITE_BUSY: an operator's
+``sqlite3`` shell left in a write transaction) degrade it until a write gets through again (one
+write batch per ``enospc_retry_s`` is let through to find out); EIO and other faults degrade it
+until it is reopened. Reads are served while degraded.
 
 Thread-safety: every method may be called from any thread.
 """
@@ -23,6 +24,8 @@ from kvtier.tiers.base import Health, TierHealth
 log = logging.getLogger("kvtier.tiers.disk")
 
 # SQLite primary result codes (the sqlite3 module exports them from Python 3.11 on).
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
 _SQLITE_IOERR = 10
 _SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
@@ -30,8 +33,12 @@ _SQLITE_NOTADB = 26
 
 
 class Fault(NamedTuple):
-    kind: str  # "enospc", "eio", "corrupt" or "io"
+    kind: str  # "enospc", "locked", "eio", "corrupt" or "io"
     detail: str
+
+
+# Fault kinds that may clear by themselves: the tier lets a write through now and then to see.
+_PASSING = ("enospc", "locked")
 
 
 def classify(exc: BaseException) -> Fault:
@@ -46,6 +53,8 @@ def classify(exc: BaseException) -> Fault:
         name = getattr(exc, "sqlite_errorname", type(exc).__name__)
         if code == _SQLITE_FULL:
             return Fault("enospc", f"index: {name}: {exc}")
+        if code in (_SQLITE_BUSY, _SQLITE_LOCKED):
+            return Fault("locked", f"index: {name}: {exc}")
         if code == _SQLITE_IOERR:
             return Fault("eio", f"index: {name}: {exc}")
         if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB):
@@ -91,8 +100,9 @@ class FaultState:
             if what.startswith("index"):
                 self.counters["index_errors"] += 1
             before = self._degraded
-            # A full disk may clear up; anything else keeps the tier degraded until reopened.
-            changed = before is None or (before.kind == "enospc" and fault.kind != "enospc")
+            # A full disk or a lock may clear up; anything else keeps the tier degraded until
+            # reopened.
+            changed = before is None or (before.kind in _PASSING and fault.kind != before.kind)
             if changed:
                 self._degraded = Fault(fault.kind, f"{what}: {fault.detail}")
                 self._next_probe = time.monotonic() + self._enospc_retry_s
@@ -101,27 +111,27 @@ class FaultState:
                 "L2 tier degraded: %s failed (%s); it refuses writes%s and keeps serving reads",
                 what,
                 fault.detail,
-                f" (retrying every {self._enospc_retry_s:g}s)" if fault.kind == "enospc" else "",
+                f" (retrying every {self._enospc_retry_s:g}s)" if fault.kind in _PASSING else "",
             )
 
     def admit_writes(self) -> bool:
         with self._lock:
             if self._degraded is None:
                 return True
-            if self._degraded.kind == "enospc" and time.monotonic() >= self._next_probe:
+            if self._degraded.kind in _PASSING and time.monotonic() >= self._next_probe:
                 self._next_probe = time.monotonic() + self._enospc_retry_s
                 return True
             return False
 
     def refuses_commits(self) -> bool:
-        """Index commits stop on faults other than a full disk (a commit is how a full disk
-        is found to have room again)."""
+        """Index commits stop on faults other than a full disk or a locked index (a commit
+        is how either is found to have cleared)."""
         with self._lock:
-            return self._degraded is not None and self._degraded.kind != "enospc"
+            return self._degraded is not None and self._degraded.kind not in _PASSING
 
     def space_returned(self) -> None:
         with self._lock:
-            if self._degraded is None or self._degraded.kind != "enospc":
+            if self._degraded is None or self._degraded.kind not in _PASSING:
                 return
             self._degraded = None
         log.warning("L2 tier admits writes again: an index commit succeeded")

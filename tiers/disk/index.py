@@ -51,6 +51,9 @@ log = logging.getLogger("kvtier.tiers.disk")
 
 INDEX_NAME = "index.sqlite3"
 LAYOUT_CHANGED = "was made for another layout"
+# How long a statement waits for a lock another process holds on the index (an operator's
+# ``sqlite3`` shell in a write transaction) before it fails with SQLITE_BUSY.
+BUSY_TIMEOUT_S = 30.0
 # Rows per statement when slots are listed in an IN (...) clause.
 _CHUNK = 500
 # Block rows per INSERT statement: binding rows one statement step each cost about 60% more
@@ -437,7 +440,9 @@ class DiskIndex:
         # Create the file owner-only before SQLite does (its journal files take its mode).
         os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
         os.chmod(self.path, FILE_MODE)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        db = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
+        )
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise sqlite3.OperationalError(f"cannot switch the index to WAL mode (got {mode})")

@@ -403,8 +403,8 @@ class DiskTier:
 
         ``file_bytes``: size of each data file (rounded up to whole segments; default
         ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files). ``direct_io=False``
-        forces buffered I/O. ``enospc_retry_s``: while degraded by a full disk, one write batch
-        per this many seconds is let through to find out whether space came back. ``clock``
+        forces buffered I/O. ``enospc_retry_s``: while degraded by a full disk or a locked index,
+        one write batch per this many seconds is let through to find out whether it cleared. ``clock``
         gives ``written_at``. ``backend`` makes the data files' system calls (tests inject
         faults through it).
 
