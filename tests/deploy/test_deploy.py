@@ -147,6 +147,25 @@ def test_the_dockerfile_copies_every_package_and_runs_the_daemon():
     assert "torch" not in (DEPLOY / "Dockerfile").read_text().lower().split("#")[0]
 
 
+def test_the_image_runs_l2_only_once_enabled_and_then_in_var_lib_kvtier():
+    """The image's config is deploy/kvtier.yaml plus its ENV: its L2 path alone leaves L2 off
+    (the README and the Dockerfile say so), and enabling L2 puts it in the volume."""
+    instructions = _dockerfile()
+    env = dict(
+        re.findall(r"(\w+)=(\S+)", next(rest for word, rest in instructions if word == "ENV"))
+    )
+    copied = [rest.split() for word, rest in instructions if word == "COPY"]
+    assert ["deploy/kvtier.yaml", env.pop("KVTIER_CONFIG")] in copied
+    volumes = json.loads(next(rest for word, rest in instructions if word == "VOLUME"))
+    config = load_config(DEPLOY / "kvtier.yaml", environ=env)
+    assert not config.tiers.l2.enabled
+    env |= {"KVTIER_TIERS_L2_ENABLED": "true", "KVTIER_TIERS_L2_CAPACITY_BYTES": "1GiB"}
+    config = load_config(DEPLOY / "kvtier.yaml", environ=env)
+    assert config.tiers.l2.enabled
+    assert str(config.tiers.l2.path) == "/var/lib/kvtier/l2"
+    assert any(str(config.tiers.l2.path).startswith(volume + "/") for volume in volumes)
+
+
 # ------------------------------------------------------------------------ kubernetes
 
 
