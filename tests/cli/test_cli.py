@@ -576,6 +576,35 @@ def test_regression_top_showed_the_clients_session_warning_when_the_daemon_stopp
     )
 
 
+def test_ctrl_c_quits_top_with_status_0_and_no_traceback(daemon):
+    """Ctrl-C is how `kvtier top` is quit (its help and the README say so), so it ends with
+    status 0, not the 130 of a command that Ctrl-C interrupts (`stats --interval`, `drain
+    --wait`), and leaves the daemon as it was."""
+    top = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "--address",
+            daemon.address,
+            "top",
+            "--interval",
+            "0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert top.stdout is not None
+    assert top.stdout.readline().startswith("kvtierd ")  # a frame: it runs
+    top.send_signal(signal.SIGINT)
+    _, err = top.communicate(timeout=60)
+    assert top.returncode == 0, err
+    assert "Traceback" not in err
+    with daemon.client() as client:
+        assert client.health()
+
+
 def test_stats_over_an_interval_says_in_one_line_that_the_daemon_went_away(
     daemon, capsys, monkeypatch
 ):
