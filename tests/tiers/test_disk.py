@@ -1256,3 +1256,30 @@ def test_regression_an_index_locked_by_another_process_degrades_only_until_it_is
         blocks = _persist(tier, make_block, [2, 3], 4096)
         assert tier.health().state == Health.OK
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+def test_regression_a_delete_after_a_wal_removed_while_open_loses_no_committed_block(
+    disk_dir: Path, make_block: Block, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The WAL removed while open, then only deletes (no put) before a crash: the delete's
+    commit went to the unlinked WAL unchecked (only a put's commit looked), so the crash lost
+    the delete and every block committed before the removal (the index file alone had no
+    metadata and was moved aside). Every commit now checks its files, a delete's too."""
+    tier = _open(disk_dir)
+    try:
+        blocks = _persist(tier, make_block, list(range(10)), 4096)
+        for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
+            (disk_dir / name).unlink()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            assert tier.remove([blocks[0][1]])
+        assert any("WAL was removed" in r.getMessage() for r in caplog.records)
+        assert tier.health().state == Health.OK
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    del blocks[0]
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        assert len(again.recover()) == 9
+        got = _read(again, blocks)
+        assert all(got[i] == blocks[i][2] for i in blocks)

@@ -23,9 +23,9 @@ made for another geometry (segment or file size, format, checksum), since its sl
 would mean other bytes. A changed capacity alone keeps the index: the rows beyond it are dropped
 by recovery. What happened is reported (``moved_aside``), not only logged.
 
-While open, a block commit checks that the index file and its WAL are still the ones its path
-names (device and inode): SQLite keeps writing to files removed or replaced under it, and a
-restart would not find those commits. A removed WAL is checkpointed (from the open, unlinked
+While open, every commit (a block's, a delete's, a quarantine's) checks that the index file
+and its WAL are still the ones its path names (device and inode): SQLite keeps writing to files
+removed or replaced under it, and a restart would not find those commits. A removed WAL is checkpointed (from the open, unlinked
 file) into the index file and a new one started, so the commits stand; a removed or replaced
 index file fails the commit (``IndexFilesReplaced``), which degrades the tier.
 
@@ -254,6 +254,7 @@ class DiskIndex:
             try:
                 yield db
                 db.execute("COMMIT")
+                self._check_files(db)
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
