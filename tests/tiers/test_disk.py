@@ -1283,3 +1283,35 @@ def test_regression_a_delete_after_a_wal_removed_while_open_loses_no_committed_b
         assert len(again.recover()) == 9
         got = _read(again, blocks)
         assert all(got[i] == blocks[i][2] for i in blocks)
+
+
+def test_regression_an_index_that_cannot_be_checked_fails_the_commit_not_the_writer(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check of the index's files after a commit (``stat`` of index.sqlite3 and -wal)
+    failing other than with ENOENT (EACCES: the directory's permissions changed under a
+    daemon that is not root) raised an OSError out of the index commit, past the tier's
+    ``sqlite3.Error`` handler, into the writer. Now it fails the commit and degrades the tier,
+    which keeps serving what it holds."""
+
+    class Os:
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        def stat(self, path: object) -> os.stat_result:
+            if "index.sqlite3" in str(path):
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return os.stat(path)  # type: ignore[arg-type]
+
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(3)), 4096)
+        monkeypatch.setattr(index_module, "os", Os())
+        key, data = make_block(3, 4096)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        outcomes = persist(tier, [PersistItem(1, key, slot, data, 4096)])
+        assert not outcomes[0].ok
+        health = tier.health()
+        assert health.state == Health.DEGRADED_IO and "cannot be checked" in health.detail
+        monkeypatch.undo()
+        assert _read(tier, before) == {i: b[2] for i, b in before.items()}

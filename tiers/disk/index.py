@@ -283,8 +283,16 @@ class DiskIndex:
         """After a commit: that it reached the files the index's path names. A removed or
         replaced WAL (an operator cleaning up ``-wal`` files) is checkpointed into the index
         file, then the connection is reopened with a new WAL; a removed or replaced index
-        file raises ``IndexFilesReplaced``. Called holding ``_lock``."""
-        ids = self._file_ids()
+        file raises ``IndexFilesReplaced``, and files that cannot be looked at (EACCES) an
+        ``sqlite3.OperationalError``: either fails the commit and degrades the tier rather
+        than reach its writer as an OSError. Called holding ``_lock``."""
+        try:
+            ids = self._file_ids()
+        except OSError as e:
+            raise sqlite3.OperationalError(
+                f"{self.path} cannot be checked after a commit ({e.strerror}): a restart may "
+                "not find its commits"
+            ) from e
         if ids == self._ids:
             return
         if ids[0] is None or ids[0] != self._ids[0]:
