@@ -1315,3 +1315,33 @@ def test_regression_an_index_that_cannot_be_checked_fails_the_commit_not_the_wri
         assert health.state == Health.DEGRADED_IO and "cannot be checked" in health.detail
         monkeypatch.undo()
         assert _read(tier, before) == {i: b[2] for i, b in before.items()}
+
+
+def test_regression_slots_a_locked_index_kept_from_a_put_are_freed_without_a_commit(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put failed on an index another process held locked, and its slots were given back:
+    ``remove`` deleted their rows (none: nothing was committed) in a write transaction that
+    the lock failed too, so they stayed allocated for good. Once the lock was let go the tier
+    was whole again, but those slots and their owners' quota stayed taken until a restart (a
+    real daemon: `kvtier check` exit 1, "16 slots allocated, ... held by blocks" after a 60 s
+    lock). Slots without a row are now freed without a write transaction."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.1) as tier:
+        blocks = _persist(tier, make_block, [0], 4096)
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            key, data = make_block(1, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+            used = tier.allocator.used_bytes
+            assert tier.remove([slot])
+            assert tier.allocator.used_bytes == used - 4096
+            # A committed block's row still needs the index: its removal waits for the lock.
+            assert not tier.remove([blocks[0][1]])
+        finally:
+            other.close()
+        assert tier.remove([blocks[0][1]])
+        assert tier.allocator.used_bytes == 0

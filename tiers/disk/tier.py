@@ -707,14 +707,22 @@ class DiskTier:
 
         Works for committed blocks and for slots whose write or commit failed. Quarantined
         slots lose their row but stay held. Returns False when the index could not be
-        updated: then nothing was freed and the rows may still exist.
+        updated: then nothing was freed and the rows may still exist. Slots the index holds
+        no row for (a put that failed or was refused) take no write transaction, so an index
+        another process keeps locked does not keep them taken after it is let go.
         """
         self._check_open()
         slots = [int(s) for s in slots]
         if not slots:
             return True
         try:
-            self._idx().delete(slots)
+            with self._state_lock:
+                rows = self._committed.present(slots)
+            if len(rows) < len(slots):
+                known = set(rows)
+                rows += self._idx().committed_slots([s for s in slots if s not in known])
+            if rows:
+                self._idx().delete(rows)
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index delete")
             self.faults.count(remove_failures=len(slots))
