@@ -2928,3 +2928,50 @@ async def test_regression_a_reservation_cancelled_while_it_evicted_leaked_the_fr
     assert l2.slots.allocator.used_slots == len(store.table.holders(l2.col))
     assert not store.space.quota_held
     assert store.check() == []
+
+
+async def test_a_tenant_at_its_quota_whose_victim_s_row_was_reused_evicts_its_own_next(
+    make_store, monkeypatch
+):
+    """A tenant at its L2 quota puts a block twice the size of its own: its coldest block
+    goes (one victim frees half the room needed), only L2 held it, so it is forgotten and
+    its row freed. While the disk tier frees its slot, another tenant's put takes that row
+    with an L2 copy. The quota reservation read the victim's row holding an L2 copy as the
+    victim having stayed, stopped, and refused the put (a quota rejection) while three of
+    the tenant's blocks were evictable. It evicts the tenant's next block, and never the
+    other tenant's."""
+    clock = Clock()
+    store = make_store(clock, segments=2, l2_segments=2)
+    small, big = make_pool(4096), make_pool(8192)
+    store.space.quotas[(1, TierKind.DISK)] = 4 * 4096
+    l2 = store.stack[TierKind.DISK]
+
+    async def durable_put(pool, words, page: int, owner: int) -> tuple[list[int], list[bool]]:
+        pages = np.arange(page, page + len(words))
+        res, persisted = await store.put(pool, 0, words, pages, None, durable=True, owner=owner)
+        return res.tolist(), persisted.tolist()
+
+    mine, theirs = keys(4), keys(2)
+    assert await durable_put(small, mine, 0, 1) == ([PutResult.STORED] * 4, [True] * 4)
+    assert await durable_put(small, theirs, 4, 2) == ([PutResult.STORED] * 2, [True] * 2)
+    assert (await store.evict(0, mine, TierKind.HOST)).evicted == 4  # only L2 holds them
+    clock.now += 10  # the other tenant's blocks are the newest, but evictable too
+    rows = store.table.lookup(0, mine)
+    other = keys(1)
+
+    async def another_tenant_takes_the_row() -> None:
+        victim_row = int(rows[~np.array(present(store, mine))][0])
+        assert await durable_put(small, other, 6, 2) == ([PutResult.STORED], [True])
+        assert int(store.table.lookup(0, other)[0]) == victim_row
+        assert store.table.slot[victim_row, l2.col] >= 0
+
+    freeing, gate = _hold_first_release(store, monkeypatch, l2, then=another_tenant_takes_the_row)
+    first = asyncio.ensure_future(durable_put(big, keys(1), 0, 1))
+    await freeing.wait()
+    gate.set()
+    assert await first == ([PutResult.STORED], [True])
+    assert present(store, mine) == [False, False, True, True]  # its own two coldest
+    assert all(present(store, theirs)) and all(present(store, other))
+    assert store.table.usage[l2.col, 1] == 4 * 4096
+    assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 2
+    assert store.counters.get("quota_rejections", tier="L2", tenant=1) == 0
