@@ -652,10 +652,13 @@ class SpaceManager:
         # coldest evictable blocks left are then evicted in turn, so that a caller is short
         # only where no block of the size is evictable. Not where the tier could not free
         # the victims' slots (they stay held): every further victim would be lost for nothing.
-        # Nor where every victim stayed (``_evict`` counts them: a victim's row does not tell,
-        # as one left with no copy is forgotten and a new block may have its row by then).
+        # A victim that stayed (pinned, read or taken in flight while it was demoted:
+        # ``_evict`` names them, as a victim's row does not tell once a new block may have
+        # it) is not picked again by this reservation, which goes on with the others: it
+        # ends once a round finds no victim, so each round takes new ones.
+        stayed = np.empty(0, dtype=np.int64)
         while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
-            mask = self.evictable(level, now, slot_bytes, clean_only)
+            mask = _without(self.evictable(level, now, slot_bytes, clean_only), stayed)
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims) == 0:
                 break
@@ -666,8 +669,7 @@ class SpaceManager:
             if not freed:
                 self.counters.inc("full_rejections", count - len(slots), tier=level.label)
                 return  # nor would a segment's blocks free theirs
-            if kept == len(victims):
-                break  # every victim stayed (pinned or read meanwhile): nothing more to gain
+            stayed = np.r_[stayed, kept]
             now = self._clock()
         while len(slots) < count:
             if not await self._reclaim_segment(level, now, priority, clean_only, urgency):
@@ -696,10 +698,11 @@ class SpaceManager:
         stayed, pinned or read while it was demoted, or the victims were smaller than the
         blocks to come), the owner's coldest evictable blocks left are evicted in turn, as
         ``_take_slots`` does, so that a caller is short only where none of the owner's
-        blocks is evictable."""
+        blocks is evictable (a victim that stayed is not picked again)."""
         table = self.table
         table._fit_owner(owner)
         key = (owner, level.kind)
+        stayed = np.empty(0, dtype=np.int64)
         while True:
             over = int(table.usage[level.col, owner]) + self.quota_held[key] + count * nbytes
             over -= quota
@@ -712,7 +715,7 @@ class SpaceManager:
                 return base(bids) & (table.owner[bids] == owner)
 
             n = min(-(-over // nbytes), len(level.policy))
-            victims = self._victims(level, n, now, mine)
+            victims = self._victims(level, n, now, _without(mine, stayed))
             if len(victims) == 0:
                 break
             freed, kept = await self._evict(
@@ -724,8 +727,9 @@ class SpaceManager:
                 tier=level.label,
                 tenant=self.owner_labels.get(owner, owner),
             )
-            if not freed or kept == len(victims):
-                break  # the tier kept the slots, or every victim stayed: no more to gain
+            if not freed:
+                break  # the tier kept the slots: no more to gain
+            stayed = np.r_[stayed, kept]
         room = (quota - int(table.usage[level.col, owner]) - self.quota_held[key]) // nbytes
         return max(0, min(count, room))
 
@@ -804,9 +808,9 @@ class SpaceManager:
         *,
         clean_only: bool = False,
         urgency: Urgency | None = None,
-    ) -> tuple[bool, int]:
-        """``evict``, and how many of the victims stayed (pinned, read, touched or hinted
-        while they were demoted). A reservation asks this rather than looking at the
+    ) -> tuple[bool, np.ndarray]:
+        """``evict``, and the victims that stayed (pinned, read, touched, hinted or taken
+        in flight while they were demoted). A reservation asks this rather than looking at the
         victims' rows once it is done: a victim left with no copy is forgotten and its row
         freed, and a new block may have it, with a copy in ``level``, by then."""
         table = self.table
@@ -820,7 +824,7 @@ class SpaceManager:
             else np.ones(len(victims), bool)
         )
         dirty = victims[only_here]
-        kept = 0
+        kept = victims[:0]
         if len(dirty) and not clean_only:
             add_at(table.inflight, victims, 1)
             try:
@@ -832,7 +836,7 @@ class SpaceManager:
             # A victim may also have lost this copy meanwhile (a failed read drops it).
             here = table.slot[victims, level.col] >= 0
             stay = here & ~self._droppable(level, self._clock())(victims)
-            kept = int(np.count_nonzero(stay))
+            kept = victims[stay]
             victims = victims[here & ~stay]
         # A persistent tier frees the slots on a thread, after the copies stopped counting
         # against their owners' quotas: they are held against them until then, or a put of
@@ -1088,6 +1092,13 @@ class SpaceManager:
         did that spun forever)."""
         while self.background:
             await asyncio.wait(list(self.background))
+
+
+def _without(mask: EvictableFn, bids: np.ndarray) -> EvictableFn:
+    """``mask``, less ``bids``."""
+    if len(bids) == 0:
+        return mask
+    return lambda cand: mask(cand) & ~np.isin(cand, bids)
 
 
 def _groups(

@@ -19,6 +19,7 @@ from density_training import roots_come_back
 
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
+from kvtier.daemon.counts import add_at
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.stack import Level, TokenBucket
@@ -2975,3 +2976,78 @@ async def test_a_tenant_at_its_quota_whose_victim_s_row_was_reused_evicts_its_ow
     assert store.table.usage[l2.col, 1] == 4 * 4096
     assert store.counters.get("quota_evictions", tier="L2", tenant=1) == 2
     assert store.counters.get("quota_rejections", tier="L2", tenant=1) == 0
+
+
+async def test_a_put_whose_one_victim_was_taken_in_flight_meanwhile_evicts_the_next(
+    make_store, monkeypatch
+):
+    """A put into a full L1 evicts its coldest block, demoting it to L2; while that copy is
+    written, another request (a durable put of that block, persisting it) holds the block
+    in flight, so it stays. ``_victims`` never picks a block in flight, but this one became
+    so only after it was picked. The put stopped there ("every victim stayed"), was refused
+    L1 room and went to L2, while 15 evictable blocks were in L1. It evicts the next one."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=2), make_pool()
+    l1, l2 = store.stack[TierKind.HOST], store.stack[TierKind.DISK]
+    old = keys(16)
+    await put(store, pool, old)  # L1 full, no other copy
+    clock.now += 10
+    place = store.space.place
+    held: list[int] = []
+
+    async def place_while_another_holds_it(bids, dst, *args, **kwargs):
+        if dst is l2 and not held:
+            held.extend(bids.tolist())
+            add_at(store.table.inflight, bids, 1)  # as a durable put persisting it does
+            assert not store.space.evictable(l1, clock.now)(bids).any()
+        return await place(bids, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "place", place_while_another_holds_it)
+    new = keys(1)
+    assert await put(store, pool, new, pages=[20]) == [PutResult.STORED]
+    assert held == [int(store.table.lookup(0, old[:1])[0])]
+    assert where(store, new) == ["L1"]
+    assert where(store, old[:2]) == ["L1", "L2"]  # the held one stays; the next went down
+    assert store.counters.get("full_rejections", tier="L1") == 0
+    store.space.end_in_flight(np.asarray(held, dtype=np.int64))
+
+
+async def test_a_tenant_whose_one_victim_was_taken_in_flight_evicts_its_own_next(
+    make_store, monkeypatch
+):
+    """A tenant at its L1 quota puts a block: its coldest block is demoted to L2, and while
+    that copy is written another request holds the block in flight, so it stays. The quota
+    reservation stopped there ("every victim stayed") and refused the tenant L1 room while
+    three of its blocks were evictable. It evicts the tenant's next block, and never the
+    other tenant's."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=1), make_pool()
+    store.space.quotas[(1, TierKind.HOST)] = 4 * 4096
+    l1, l2 = store.stack[TierKind.HOST], store.stack[TierKind.DISK]
+    theirs, mine = keys(2), keys(4)
+    assert await put(store, pool, theirs, pages=[4, 5]) == [PutResult.STORED] * 2  # colder
+    clock.now += 1
+    res, _ = await store.put(pool, 0, mine, np.arange(4), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4  # at its quota, in L1 only
+    clock.now += 10
+    place = store.space.place
+    held: list[int] = []
+
+    async def place_while_another_holds_it(bids, dst, *args, **kwargs):
+        if dst is l2 and not held:
+            held.extend(bids.tolist())
+            add_at(store.table.inflight, bids, 1)  # as a durable put persisting it does
+            assert not store.space.evictable(l1, clock.now)(bids).any()
+        return await place(bids, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "place", place_while_another_holds_it)
+    new = keys(1)
+    res, _ = await store.put(pool, 0, new, np.array([20]), None, owner=1)
+    assert res.tolist() == [PutResult.STORED]
+    assert held == [int(store.table.lookup(0, mine[:1])[0])]
+    assert where(store, new) == ["L1"]
+    assert where(store, mine[:2]) == ["L1", "L2"]  # the held one stays; the next went down
+    assert where(store, theirs) == ["L1", "L1"]
+    assert store.counters.get("quota_evictions", tier="L1", tenant=1) == 2
+    assert store.counters.get("quota_rejections", tier="L1", tenant=1) == 0
+    store.space.end_in_flight(np.asarray(held, dtype=np.int64))
