@@ -671,10 +671,16 @@ class SpaceManager:
                 return  # nor would a segment's blocks free theirs
             stayed = np.r_[stayed, kept]
             now = self._clock()
+        # A reclaim may free no whole segment (a slot came to be held meanwhile), yet the
+        # slots it freed may be of the size: they are taken, and the next segment tried.
         while len(slots) < count:
-            if not await self._reclaim_segment(level, now, priority, clean_only, urgency):
-                break
+            dropped = await self._reclaim_segment(
+                level, now, priority, clean_only, urgency, slot_bytes
+            )
             slots += alloc.allocate_many(nbytes, count - len(slots))
+            if not dropped:
+                break
+            now = self._clock()
         if len(slots) < count:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
 
@@ -755,10 +761,17 @@ class SpaceManager:
         priority: Priority,
         clean_only: bool,
         urgency: Urgency | None = None,
+        slot_bytes: int | None = None,
     ) -> bool:
         """Free one whole segment: the one whose blocks are all evictable and were least
-        recently used. False when no segment can be freed (or the tier could not free its
-        blocks' slots)."""
+        recently used, among those whose every slot in use is such a block's where there is
+        one. A slot that a copy in progress holds (reserved, not yet recorded) keeps its
+        segment taken: such a segment goes only where its slots are of ``slot_bytes`` (the
+        size wanted), as evicting its blocks frees no segment. True when it dropped
+        blocks whose slots the tier freed, whether or not a whole segment came free (a
+        reservation takes the freed slots of its size and tries again); False when no
+        segment's blocks can all go, every one stayed, or the tier could not free their
+        slots."""
         alloc = level.slots.allocator
         holders = self.table.holders(level.col)
         if len(holders) == 0:
@@ -771,14 +784,24 @@ class SpaceManager:
         all_ok = np.logical_and.reduceat(ok_sorted, starts)
         if not all_ok.any():
             return False
+        # A segment with a slot that no block holds comes free only once that is given
+        # back: it goes last, and only where its slots are of the size wanted.
+        first = holders[order][starts]
+        whole = np.diff(np.r_[starts, len(order)]) == alloc.segment_used(segs_sorted[starts])
+        if slot_bytes is not None:
+            size = alloc.slot_sizes(self.table.slot[first, level.col])
+            all_ok &= whole | (size == slot_bytes)
+            if not all_ok.any():
+                return False
         newest = np.maximum.reduceat(self.table.last_access[holders[order]], starts)
-        newest[~all_ok] = np.inf
-        seg = int(segs_sorted[starts[int(np.argmin(newest))]])
-        freed = await self.evict(
-            level, holders[segs == seg], priority, clean_only=clean_only, urgency=urgency
+        pick = np.lexsort((newest, ~whole, ~all_ok))[0]
+        seg = int(segs_sorted[starts[int(pick)]])
+        victims = holders[segs == seg]
+        freed, kept = await self._evict(
+            level, victims, priority, clean_only=clean_only, urgency=urgency
         )
         self.counters.inc("segment_reclaims", tier=level.label)
-        return freed and bool(alloc.stats().free_segments)
+        return freed and len(kept) < len(victims)
 
     # ----------------------------------------------------------------- evicting
 

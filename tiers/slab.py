@@ -438,6 +438,10 @@ class SlabAllocator:
     def segments_of(self, slots: np.ndarray) -> np.ndarray:
         return np.asarray(slots, dtype=np.int64) // self.slots_cap
 
+    def segment_used(self, segs: np.ndarray) -> np.ndarray:
+        """How many slots of each segment are handed out (0 for a free segment)."""
+        return self._seg_used[np.asarray(segs, dtype=np.int64)].copy()
+
     def slot_size(self, slot: int) -> int:
         return int(self._seg_slot_bytes[slot // self.slots_cap])
 
@@ -519,3 +523,7 @@ class LockedSlab(SlabAllocator):
     def is_allocated(self, slot: int) -> bool:
         with self._lock:
             return super().is_allocated(slot)
+
+    def segment_used(self, segs: np.ndarray) -> np.ndarray:
+        with self._lock:
+            return super().segment_used(segs)

@@ -3051,3 +3051,73 @@ async def test_a_tenant_whose_one_victim_was_taken_in_flight_evicts_its_own_next
     assert store.counters.get("quota_evictions", tier="L1", tenant=1) == 2
     assert store.counters.get("quota_rejections", tier="L1", tenant=1) == 0
     store.space.end_in_flight(np.asarray(held, dtype=np.int64))
+
+
+async def test_a_reclaim_that_frees_no_whole_segment_still_lets_the_put_take_a_slot(make_store):
+    """A put of a size with no segment of its own reclaims a whole segment of another size.
+    The coldest such segment has a slot that a copy in progress holds (reserved, not yet in
+    the table): evicting its blocks frees no whole segment. The put then stopped, refused,
+    those blocks dropped for nothing, while another segment could go as a whole. It takes
+    that one (and leaves the one a copy holds alone)."""
+    clock = Clock()
+    store = make_store(clock, segments=3, protect_s=10.0)
+    big, small = make_pool(8192), make_pool(4096)
+    held_seg, other_seg = keys(7), keys(8)
+    await put(store, big, held_seg)  # seven of one segment's eight 8 KiB slots
+    top = store.space.stack.top
+    in_progress = top.slots.allocator.allocate_many(8192, 1)  # the eighth: a copy's
+    try:
+        clock.now += 5
+        await put(store, big, other_seg)  # a second 8 KiB segment, used more recently
+        hot = keys(16)
+        clock.now += 11  # both 8 KiB segments unprotected
+        await put(store, small, hot)  # the third segment: 4 KiB slots, full and protected
+        assert await put(store, small, keys(2)) == [PutResult.STORED] * 2
+        assert all(present(store, hot))
+        assert all(present(store, held_seg))  # the coldest, but it would not have come free
+        assert not any(present(store, other_seg))
+        assert store.counters.get("segment_reclaims", tier="L1") == 1
+        assert store.counters.get("full_rejections", tier="L1") == 0
+    finally:
+        top.slots.remove(in_progress)
+
+
+async def test_a_segment_reclaim_that_another_put_cut_short_goes_on_to_the_next_segment(
+    make_store, monkeypatch
+):
+    """A durable put of a size L2 has no segment of reclaims L2's coldest segment; while the
+    disk tier frees its slots, a durable put of the segment's size takes one of them, so no
+    whole segment comes free. The reclaim then answered False and the put was refused L2
+    room (persisted=False) with a second segment whose blocks could all go. It goes on to
+    that one."""
+    clock = Clock()
+    store = make_store(clock, segments=4, l2_segments=2)
+    small, big = make_pool(4096), make_pool(8192)
+    l2 = store.stack[TierKind.DISK]
+    old, newer = keys(16), keys(16)
+    assert await put(store, small, old, durable=True) == ([PutResult.STORED] * 16, [True] * 16)
+    clock.now += 1
+    assert await put(store, small, newer, pages=np.arange(16, 32), durable=True) == (
+        [PutResult.STORED] * 16,
+        [True] * 16,
+    )
+    clock.now += 1
+    alloc = l2.slots.allocator
+    old_seg = alloc.segment_of(int(store.table.slot[store.table.lookup(0, old[:1])[0], l2.col]))
+    late = keys(1)
+    took = []
+
+    async def a_small_put_takes_a_freed_slot() -> None:
+        took.append(await put(store, small, late, pages=[40], durable=True))
+        slot = int(store.table.slot[store.table.lookup(0, late)[0], l2.col])
+        assert alloc.segment_of(slot) == old_seg  # the reclaimed segment is taken again
+        assert not alloc.stats().free_segments
+
+    freeing, gate = _hold_first_release(store, monkeypatch, l2, then=a_small_put_takes_a_freed_slot)
+    first = asyncio.ensure_future(put(store, big, keys(1), pages=[0], durable=True))
+    await freeing.wait()
+    gate.set()
+    assert await first == ([PutResult.STORED], [True])
+    assert took == [([PutResult.STORED], [True])]
+    assert store.counters.get("segment_reclaims", tier="L2") == 2
+    assert store.counters.get("full_rejections", tier="L2") == 0

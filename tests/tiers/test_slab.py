@@ -252,3 +252,16 @@ def test_free_many_matches_free_one_by_one_and_refuses_without_freeing():
     for s in held:
         one.free(s)
     assert many.stats() == one.stats() and many.used_bytes == 0 and many.check() == []
+
+
+@pytest.mark.parametrize("cls", [SlabAllocator, LockedSlab])
+def test_segment_used_counts_the_slots_handed_out_in_each_segment(cls):
+    alloc = cls(4 * MiB, 1 * MiB)
+    small = alloc.allocate_many(4096, 300)  # one full segment and 44 of the next
+    big = alloc.allocate_many(MiB, 1)
+    segs = alloc.segments_of(np.array([small[0], small[-1], big[0]]))
+    assert alloc.segment_used(segs).tolist() == [256, 44, 1]
+    alloc.free_many(small[:10])
+    alloc.free(big[0])
+    assert alloc.segment_used(segs).tolist() == [246, 44, 0]  # the big one's is free again
+    assert alloc.segment_used(np.arange(4)).sum() == alloc.used_slots
