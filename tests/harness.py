@@ -134,10 +134,16 @@ class DaemonFactory:
         self._daemons: list[DaemonProcess] = []
 
     def __call__(
-        self, *overrides: str, l1_bytes: str = "128MiB", wait: bool = True
+        self,
+        *overrides: str,
+        l1_bytes: str = "128MiB",
+        wait: bool = True,
+        entry: tuple[str, ...] = ("-m", "kvtier.daemon"),
     ) -> DaemonProcess:
         sock = os.path.join(self._sockdir, f"d{len(self._daemons)}.sock")
-        d = DaemonProcess(self.workdir, sock, [f"tiers.l1.capacity_bytes={l1_bytes}", *overrides])
+        d = DaemonProcess(
+            self.workdir, sock, [f"tiers.l1.capacity_bytes={l1_bytes}", *overrides], entry=entry
+        )
         d.overrides = [arg for o in d.overrides for arg in ("--set", o)]
         self._daemons.append(d)
         return d.start(wait)
@@ -146,6 +152,20 @@ class DaemonFactory:
         for d in self._daemons:
             d.stop(timeout_s=15.0)  # kills the daemon if it does not stop in time
         shutil.rmtree(self._sockdir, ignore_errors=True)
+
+
+def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:
+    """A daemon entry that sets module constants before kvtierd starts, for intervals that
+    are not configuration (``{"kvtier.daemon.connections.CHECK_INTERVAL_S": 0.2}``): a test
+    that waits for a periodic check then waits a fraction of the default's period."""
+    lines = ["import importlib, sys"]
+    for dotted, value in constants.items():
+        module, name = dotted.rsplit(".", 1)
+        lines.append(f"module = importlib.import_module({module!r})")
+        lines.append(f"assert hasattr(module, {name!r}), {dotted!r}")
+        lines.append(f"setattr(module, {name!r}, {value!r})")
+    lines += ["from kvtier.daemon.entry import main", "sys.exit(main())"]
+    return ("-c", "\n".join(lines))
 
 
 def tenant_token(folder: Path, name: str) -> tuple[Path, str]:
