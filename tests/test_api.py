@@ -780,9 +780,9 @@ def test_regression_a_session_refused_unrun_past_its_tickets_life_was_unauthenti
     a ticket 10 s: refusals that outlasted it ended in UnauthenticatedError ("the credential
     ticket is unknown, already used or expired"), which said nothing of the refusals. A
     ticket held ``TICKET_REUSE_S`` is replaced before the next send; the daemon's check of
-    it is unchanged. Here the daemon keeps tickets 2 s, the client replaces them at 0.5 s,
+    it is unchanged. Here the daemon keeps tickets 1 s, the client replaces them at 0.25 s,
     and the refusals outlast the first ticket."""
-    ttl_s = 2.0
+    ttl_s = 1.0
     d = DaemonProcess(
         tmp_path,
         f"{daemon_factory._sockdir}/tickets.sock",
@@ -791,7 +791,7 @@ def test_regression_a_session_refused_unrun_past_its_tickets_life_was_unauthenti
     )
     daemon_factory._daemons.append(d)
     d.start()
-    monkeypatch.setattr(credentials, "TICKET_REUSE_S", 0.5)
+    monkeypatch.setattr(credentials, "TICKET_REUSE_S", 0.25)
     tickets: list[bytes] = []
     with d.client(timeout_s=10) as client:
         client.stub.OpenSession = _refused_for(client.stub.OpenSession, ttl_s + 0.3, tickets)
@@ -940,14 +940,14 @@ def test_a_lookup_timeout_bounds_that_call_only(daemon, asynchronous):
     assert elapsed < 20
 
 
-def _rate_limited_l2(tmp_path) -> tuple[str, ...]:
-    """An L2 of 64 MiB that writes 256 KiB/s: durable puts wait seconds for it."""
+def _rate_limited_l2(tmp_path, rate: str = "256KiB") -> tuple[str, ...]:
+    """An L2 of 64 MiB that writes ``rate`` a second: durable puts wait seconds for it."""
     return (
         "tiers.l2.enabled=true",
         f"tiers.l2.path={tmp_path / 'l2'}",
         "tiers.l2.capacity_bytes=64MiB",
         "tiers.l2.segment_bytes=1MiB",
-        "tiers.l2.write_bytes_s=256KiB",
+        f"tiers.l2.write_bytes_s={rate}",
     )
 
 
@@ -955,16 +955,17 @@ def _rate_limited_l2(tmp_path) -> tuple[str, ...]:
 def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, asynchronous):
     """A durable put answers once the disk tier holds its blocks; on a rate-limited L2 a
     large one needed the client's timeout raised for every call. `put(timeout_s=...)` bounds
-    that call only, both ways: 1 MiB at 256 KiB/s (3 s at least: the rate's burst is one
-    second's worth) is stored by a client whose timeout is 1 s, and a durable put of 512 KiB
-    given 0.5 s by a client of 60 s ends DeadlineExceededError. The daemon serves on: every
-    invariant holds and the first blocks load back as stored."""
-    d = daemon_factory(*_rate_limited_l2(tmp_path))
+    that call only, both ways: 1 MiB at 384 KiB/s (1.67 s at least: the rate's burst is one
+    second's worth) is stored by a client whose timeout is 1 s, and a durable put of 768 KiB
+    (1 s at least, even from a full burst) given 0.5 s by a client of 60 s ends
+    DeadlineExceededError. The daemon serves on: every invariant holds and the first blocks
+    load back as stored."""
+    d = daemon_factory(*_rate_limited_l2(tmp_path, "384KiB"))
     layout = PoolLayout.staging(
-        num_layers=1, num_pages=24, block_tokens=1, chunk_bytes=64 << 10, kv_count=1
+        num_layers=1, num_pages=28, block_tokens=1, chunk_bytes=64 << 10, kv_count=1
     )
     first = [os.urandom(32) for _ in range(16)]
-    second = [os.urandom(32) for _ in range(8)]
+    second = [os.urandom(32) for _ in range(12)]
 
     async def puts_async(shm: SharedMemoryPool) -> tuple[list[bool], type[Exception]]:
         async with AsyncClient(d.address, timeout_s=1.0) as short:
@@ -973,7 +974,7 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
         async with AsyncClient(d.address, timeout_s=60.0) as long:
             pool = await long.register_pool(shm, layout)
             try:
-                await long.put(pool.pool_id, second, range(16, 24), durable=True, timeout_s=0.5)
+                await long.put(pool.pool_id, second, range(16, 28), durable=True, timeout_s=0.5)
             except DeadlineExceededError as e:
                 return stored.persisted, type(e)
         raise AssertionError("the put outlived its 0.5 s")
@@ -985,7 +986,7 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
         with Client(d.address, timeout_s=60.0) as long:
             pool = long.register_pool(shm, layout)
             with pytest.raises(DeadlineExceededError) as caught:
-                long.put(pool.pool_id, second, range(16, 24), durable=True, timeout_s=0.5)
+                long.put(pool.pool_id, second, range(16, 28), durable=True, timeout_s=0.5)
         return stored.persisted, caught.type
 
     with SharedMemoryPool.for_layout(layout) as shm:
@@ -1014,14 +1015,16 @@ def test_regression_a_check_waiting_for_transfers_past_the_clients_timeout_timed
     1 check --settle 3`, 'cannot reach kvtierd ... Is the daemon running?'). The call's
     timeout is the client's plus the wait."""
     d = daemon_factory(*_rate_limited_l2(tmp_path))
-    layout = PoolLayout.staging(num_layers=1, num_pages=16, block_tokens=1, chunk_bytes=64 << 10)
-    keys = [os.urandom(32) for _ in range(16)]
+    layout = PoolLayout.staging(num_layers=1, num_pages=12, block_tokens=1, chunk_bytes=64 << 10)
+    keys = [os.urandom(32) for _ in range(12)]
     with d.client() as writer, SharedMemoryPool.for_layout(layout) as shm:
         pool = writer.register_pool(shm, layout)
         put = threading.Thread(
-            target=lambda: writer.put(pool.pool_id, keys, range(16), durable=True)
+            target=lambda: writer.put(pool.pool_id, keys, range(12), durable=True)
         )
-        put.start()  # 1 MiB at 256 KiB/s: about 4 s in flight
+        # 768 KiB at 256 KiB/s: 2 s in flight at least (the first second's worth at once),
+        # past the 1.5 s the check must wait.
+        put.start()
         deadline = time.monotonic() + 10
         with d.client(timeout_s=1.0) as admin:
             while not admin.stats().gauges.get("blocks_in_flight"):
