@@ -370,7 +370,8 @@ def test_sigkill_during_heavy_writes_loses_no_persisted_block(daemon_factory, tm
     )
     acked: dict[bytes, tuple[str, int]] = {}
     try:
-        while len(acked) < 600:
+        # 320 blocks of 64 KiB: 20 MiB, past the first 16 MiB L2 file, with more in flight.
+        while len(acked) < 320:
             line = writer.stdout.readline()
             assert line, writer.stderr.read()
             key, head, total = line.split()
