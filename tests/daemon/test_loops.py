@@ -71,11 +71,14 @@ def test_run_refuses_an_unknown_loop_and_closes_the_coroutine():
     assert coro.cr_frame is None  # closed: no 'never awaited' warning, nothing ran
 
 
-def test_a_missing_uvloop_stops_the_daemon_naming_the_key():
+def test_a_missing_uvloop_stops_the_daemon_naming_the_key(tmp_path):
     assert loops.problem("uvloop") is None
     assert loops.problem("asyncio") is None
+    # A socket of its own: the default one may be a daemon the user runs (`make run`), and
+    # the check refuses a socket another daemon listens on.
+    own = ["--set", f"server.socket={tmp_path}/s.sock"]
     proc = subprocess.run(
-        [sys.executable, "-c", NO_UVLOOP, "--check-config"],
+        [sys.executable, "-c", NO_UVLOOP, "--check-config", *own],
         capture_output=True,
         text=True,
         timeout=60,
@@ -83,7 +86,15 @@ def test_a_missing_uvloop_stops_the_daemon_naming_the_key():
     assert proc.returncode == 1, proc.stderr
     assert "server.event_loop: uvloop is not installed" in proc.stderr
     proc = subprocess.run(
-        [sys.executable, "-c", NO_UVLOOP, "--check-config", "--set", "server.event_loop=asyncio"],
+        [
+            sys.executable,
+            "-c",
+            NO_UVLOOP,
+            "--check-config",
+            *own,
+            "--set",
+            "server.event_loop=asyncio",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
