@@ -662,7 +662,7 @@ class SpaceManager:
             victims = self._victims(level, count - len(slots), now, mask)
             if len(victims) == 0:
                 break
-            freed, kept = await self._evict(
+            freed, kept, _ = await self._evict(
                 level, victims, priority, clean_only=clean_only, urgency=urgency
             )
             slots += alloc.allocate_many(nbytes, count - len(slots))
@@ -724,12 +724,12 @@ class SpaceManager:
             victims = self._victims(level, n, now, _without(mine, stayed))
             if len(victims) == 0:
                 break
-            freed, kept = await self._evict(
+            freed, kept, evicted = await self._evict(
                 level, victims, priority, clean_only=clean_only, urgency=urgency
             )
             self.counters.inc(
                 "quota_evictions",
-                len(victims),
+                evicted,  # not the victims that stayed
                 tier=level.label,
                 tenant=self.owner_labels.get(owner, owner),
             )
@@ -797,7 +797,7 @@ class SpaceManager:
         pick = np.lexsort((newest, ~whole, ~all_ok))[0]
         seg = int(segs_sorted[starts[int(pick)]])
         victims = holders[segs == seg]
-        freed, kept = await self._evict(
+        freed, kept, _ = await self._evict(
             level, victims, priority, clean_only=clean_only, urgency=urgency
         )
         self.counters.inc("segment_reclaims", tier=level.label)
@@ -818,7 +818,7 @@ class SpaceManager:
         demoted to the first lower tier that takes it (unless ``clean_only``, whose victims
         all have other copies). False when the tier could not free the victims' slots
         (``release``)."""
-        freed, _ = await self._evict(
+        freed, _, _ = await self._evict(
             level, victims, priority, clean_only=clean_only, urgency=urgency
         )
         return freed
@@ -831,11 +831,13 @@ class SpaceManager:
         *,
         clean_only: bool = False,
         urgency: Urgency | None = None,
-    ) -> tuple[bool, np.ndarray]:
-        """``evict``, and the victims that stayed (pinned, read, touched, hinted or taken
-        in flight while they were demoted). A reservation asks this rather than looking at the
-        victims' rows once it is done: a victim left with no copy is forgotten and its row
-        freed, and a new block may have it, with a copy in ``level``, by then."""
+    ) -> tuple[bool, np.ndarray, int]:
+        """``evict``, the victims that stayed (pinned, read, touched, hinted or taken
+        in flight while they were demoted), and how many victims it evicted (``evictions``:
+        neither those nor any that lost this copy meanwhile). A reservation asks this rather
+        than looking at the victims' rows once it is done: a victim left with no copy is
+        forgotten and its row freed, and a new block may have it, with a copy in ``level``,
+        by then."""
         table = self.table
         victims = np.asarray(victims, dtype=np.int64)
         # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
@@ -872,7 +874,7 @@ class SpaceManager:
         else:
             freed = await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
-        return freed, kept
+        return freed, kept, len(victims)
 
     def free_held(
         self, level: Level, slots: list[int], holds: list[tuple[int, int]]
