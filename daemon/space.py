@@ -675,7 +675,7 @@ class SpaceManager:
         # slots it freed may be of the size: they are taken, and the next segment tried.
         while len(slots) < count:
             dropped = await self._reclaim_segment(
-                level, now, priority, clean_only, urgency, slot_bytes
+                level, now, priority, clean_only, urgency, slot_bytes, count - len(slots)
             )
             slots += alloc.allocate_many(nbytes, count - len(slots))
             if not dropped:
@@ -762,12 +762,14 @@ class SpaceManager:
         clean_only: bool,
         urgency: Urgency | None = None,
         slot_bytes: int | None = None,
+        need: int | None = None,
     ) -> bool:
         """Free one whole segment: the one whose blocks are all evictable and were least
         recently used, among those whose every slot in use is such a block's where there is
         one. A slot that a copy in progress holds (reserved, not yet recorded) keeps its
         segment taken: such a segment goes only where its slots are of ``slot_bytes`` (the
-        size wanted), as evicting its blocks frees no segment. True when it dropped
+        size wanted), as evicting its blocks frees no segment. From a segment of that size
+        only ``need`` blocks go (as many slots as the caller is short of). True when it dropped
         blocks whose slots the tier freed, whether or not a whole segment came free (a
         reservation takes the freed slots of its size and tries again); False when no
         segment's blocks can all go, every one stayed, or the tier could not free their
@@ -794,9 +796,21 @@ class SpaceManager:
             if not all_ok.any():
                 return False
         newest = np.maximum.reduceat(self.table.last_access[holders[order]], starts)
-        pick = np.lexsort((newest, ~whole, ~all_ok))[0]
-        seg = int(segs_sorted[starts[int(pick)]])
+        pick = int(np.lexsort((newest, ~whole, ~all_ok))[0])
+        seg = int(segs_sorted[starts[pick]])
         victims = holders[segs == seg]
+        if slot_bytes is not None and need is not None and size[pick] == slot_bytes:
+            # Its freed slots serve the put as they are (no whole segment need come free, and
+            # one a copy in progress holds a slot of would not): only as many blocks as the
+            # put is short of go, the policy's coldest of them.
+            droppable = self._droppable(level, now, clean_only)
+
+            def in_seg(bids: np.ndarray) -> np.ndarray:
+                return droppable(bids) & (
+                    alloc.segments_of(self.table.slot[bids, level.col]) == seg
+                )
+
+            victims = self._victims(level, need, now, in_seg)
         freed, kept, _ = await self._evict(
             level, victims, priority, clean_only=clean_only, urgency=urgency
         )

@@ -3124,3 +3124,44 @@ async def test_a_segment_reclaim_that_another_put_cut_short_goes_on_to_the_next_
     assert took == [([PutResult.STORED], [True])]
     assert store.counters.get("segment_reclaims", tier="L2") == 2
     assert store.counters.get("full_rejections", tier="L2") == 0
+
+
+async def test_a_reclaim_of_a_segment_of_the_size_wanted_evicts_only_the_blocks_it_needs(
+    make_store, monkeypatch
+):
+    """A put of 15 blocks into a full L1 (one segment, 16 blocks) evicts its 15 coldest,
+    demoting them; while they are written two are held in flight, so they stay. It evicts
+    the one block left (the two that stayed are not picked again), and the hold ends while
+    that one is demoted. One slot short, it reclaims the segment of the size it wants, which
+    a copy in progress (its own 14 slots) keeps from coming free: it evicted both blocks
+    that had stayed for its one slot, one for nothing. It evicts only the one it needs."""
+    clock = Clock()
+    store, pool = make_store(clock, l2_segments=2), make_pool()
+    l2 = store.stack[TierKind.DISK]
+    old = keys(16)
+    await put(store, pool, old)  # L1 full, no other copy
+    clock.now += 10
+    place = store.space.place
+    held: list[int] = []
+    calls: list[int] = []
+
+    async def place_while_another_holds_two(bids, dst, *args, **kwargs):
+        if dst is l2:
+            calls.append(len(bids))
+            if len(calls) == 1:
+                held.extend(bids[:2].tolist())
+                add_at(store.table.inflight, np.asarray(held, dtype=np.int64), 1)
+            elif len(calls) == 2:
+                store.space.end_in_flight(np.asarray(held, dtype=np.int64))
+        return await place(bids, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "place", place_while_another_holds_two)
+    new = keys(15)
+    assert await put(store, pool, new, pages=np.arange(16, 31)) == [PutResult.STORED] * 15
+    assert calls == [15, 1]
+    assert held == store.table.lookup(0, old[:2]).tolist()
+    assert where(store, new) == ["L1"] * 15
+    assert sorted(where(store, old[:2])) == ["L1", "L2"]  # one of the two went, not both
+    assert where(store, old[2:]) == ["L2"] * 14
+    assert store.counters.get("evictions", tier="L1") == 15
+    assert store.counters.get("full_rejections", tier="L1") == 0
