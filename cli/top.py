@@ -6,7 +6,11 @@ usage and state, hit ratios, transfer rates by direction, and RPC latency per me
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvtier.cli.figures import WITHHELD, Figures, derive, human_bytes, human_seconds, percent
@@ -94,23 +98,46 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
         time.sleep(interval_s)
         console.print(render(frame(), client.address))
         return 0
-    if not console.is_terminal:
-        # A pipe or a file: one frame after another, each flushed as it is drawn (``Live``
-        # redraws in place on a terminal only, and elsewhere prints nothing until it stops).
-        try:
-            while True:
-                time.sleep(interval_s)
-                console.print(render(frame(), client.address))
-                console.file.flush()
-        except (KeyboardInterrupt, BrokenPipeError):
-            return 0
-    with Live(console=console, auto_refresh=False, screen=False) as live:
-        try:
-            while True:
-                time.sleep(interval_s)
-                live.update(render(frame(), client.address), refresh=True)
-        except KeyboardInterrupt:
-            return 0
+    with _until_ctrl_c() as stop:
+        if not console.is_terminal:
+            # A pipe or a file: one frame after another, each flushed as it is drawn (``Live``
+            # redraws in place on a terminal only, and elsewhere prints nothing until it stops).
+            with contextlib.suppress(BrokenPipeError):
+                while not stop.wait(interval_s):
+                    console.print(render(frame(), client.address))
+                    console.file.flush()
+        else:
+            with Live(console=console, auto_refresh=False, screen=False) as live:
+                while not stop.wait(interval_s):
+                    live.update(render(frame(), client.address), refresh=True)
+    return 0
+
+
+@contextlib.contextmanager
+def _until_ctrl_c() -> Iterator[threading.Event]:
+    """An event Ctrl-C sets, for a loop that ends between frames: a KeyboardInterrupt raised
+    wherever the main thread happens to be (inside a gRPC call or a half-written frame) is
+    not the way to end a loop that Ctrl-C is the way to quit. A second Ctrl-C interrupts at
+    once. Outside the main thread (where no signal handler can be set) the loop runs until
+    its caller's KeyboardInterrupt, as before."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        with contextlib.suppress(KeyboardInterrupt):
+            yield stop
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield stop
+    except KeyboardInterrupt:  # the second Ctrl-C
+        pass
+    finally:
+        if previous is not None:  # None: a handler not set from Python, not restorable
+            signal.signal(signal.SIGINT, previous)
 
 
 def _bar(fill: float, width: int = 10) -> str:
