@@ -74,7 +74,7 @@ def prepare_socket_path(path: str, access: SocketAccess) -> None:
     st = os.stat(folder)
     if (problem := folder_problem(folder, st)) is not None:
         raise OSError(errno.EPERM, problem)
-    _warn_if_untraversable(folder, st, access)
+    _warn_if_untraversable(path, folder, st, access)
     if not os.path.lexists(path):
         return
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -186,14 +186,19 @@ def _create_folder(folder: str, access: SocketAccess) -> None:
     os.chmod(folder, mode)
 
 
-def _warn_if_untraversable(folder: str, st: os.stat_result, access: SocketAccess) -> None:
+def _warn_if_untraversable(
+    path: str, folder: str, st: os.stat_result, access: SocketAccess
+) -> None:
+    """Warn, naming the socket ``path``, when the group its mode admits cannot traverse its
+    folder (each socket is checked: the gRPC socket and its ``.cred`` credential socket)."""
     gid = access.gid if access.gid is not None else os.getegid()
     if access.mode & 0o060 and not (
         st.st_mode & stat.S_IXOTH or (st.st_mode & stat.S_IXGRP and st.st_gid == gid)
     ):
         log.warning(
-            "the socket admits group %d but its folder %s (mode %04o, group %d) does not let "
-            "that group through; its members cannot connect",
+            "the socket %s admits group %d but its folder %s (mode %04o, group %d) does not "
+            "let that group through; its members cannot connect",
+            path,
             gid,
             folder,
             stat.S_IMODE(st.st_mode),

@@ -284,6 +284,17 @@ def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_remov
     assert not os.path.lexists(path)
 
 
+def test_regression_the_untraversable_folder_warning_names_each_socket(daemon_factory):
+    """Sockets that admit their group in a folder that group cannot traverse: the daemon
+    warned twice in the same words, once for the gRPC socket and once for its credential
+    socket, without saying which. Each line now names its socket."""
+    d = daemon_factory()  # its folder is 0700: the default mode 0660 admits the group
+    lines = [line for line in d.log().splitlines() if "does not let that group" in line]
+    assert len(lines) == 2, d.log()
+    for path, line in zip(_both(d), lines, strict=True):
+        assert f"the socket {path} admits group" in line, line
+
+
 def test_a_daemon_removes_both_its_sockets_when_it_stops(daemon_factory):
     """What remove_socket's checks must still allow: the daemon's own sockets, which it no
     longer listens on when it removes them."""
