@@ -6,9 +6,10 @@ any other changed key is listed as needing a restart and keeps its running value
 daemon's config always says what it really does. A config that does not load (a bad value, a
 broken file), or whose live keys do not pass the config's checks beside the running values of
 the others, changes nothing and is logged as an error. Every reload logs one line of what it
-applied and one of what needs a restart. The user and group names the running config has
-resolve to the ids they had at start, without asking the host again (the daemon runs with
-those ids, and a name since gone from the host refused every reload); new names are looked up.
+applied and one of what needs a restart, sizes in units on both (``64MiB -> 128MiB``). The
+user and group names the running config has resolve to the ids they had at start, without
+asking the host again (the daemon runs with those ids, and a name since gone from the host
+refused every reload); new names are looked up.
 
 Live keys, and how each applies:
 
@@ -65,6 +66,7 @@ from kvtier.daemon.logs import setup_logging
 from kvtier.daemon.policy.guard import EvictionGuard
 from kvtier.daemon.sessions import shown_id
 from kvtier.daemon.tenants import TenantDirectory, read_token_digests, read_token_file
+from kvtier.tiers.sizes import format_size
 
 if TYPE_CHECKING:
     from kvtier.daemon.metrics import MetricsServer
@@ -104,6 +106,22 @@ def get_key(config: Any, key: str) -> Any:
     return config
 
 
+def is_size(config: Any, key: str) -> bool:
+    """Whether ``key`` (dotted) is a size (``capacity_bytes``, ``read_bytes_s``)."""
+    *sections, name = key.split(".")
+    for part in sections:
+        config = getattr(config, part)
+    meta = {f.name: f.metadata for f in dataclasses.fields(config)}[name]
+    return bool(meta) and meta["kind"] == "size"
+
+
+def change(config: Any, key: str, old: Any, new: Any) -> str:
+    """``"key: old -> new"``, sizes in units (``64MiB``) as the config spells them."""
+    if is_size(config, key):
+        return f"{key}: {format_size(old)} -> {format_size(new)}"
+    return f"{key}: {old!r} -> {new!r}"
+
+
 def with_key(config: Any, key: str, value: Any) -> Any:
     head, _, rest = key.partition(".")
     if not rest:
@@ -122,7 +140,7 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
             continue
         if is_live(key):
             effective = with_key(effective, key, new)
-            applied.append(f"{key}: {old!r} -> {new!r}")
+            applied.append(change(running, key, old, new))
         elif (quotas := quota_changes(key, old, new)) is not None:
             effective = with_key(effective, key, new)
             applied += quotas
@@ -130,7 +148,7 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
             effective = with_key(effective, key, new)
             applied.append(tenant_change(key, old, new))
         else:
-            restart.append(f"{key}: {old!r} -> {new!r}")
+            restart.append(change(running, key, old, new))
     return effective, applied, restart
 
 
@@ -162,7 +180,11 @@ def quota_changes(key: str, old: Any, new: Any) -> list[str] | None:
         if dataclasses.replace(a, quotas=b.quotas) != b:
             return None
         if a.quotas != b.quotas:
-            out.append(f"{key}[{a.name}].quotas: {a.quotas.by_label()} -> {b.quotas.by_label()}")
+            before, after = (
+                {label: format_size(n) for label, n in q.by_label().items()}
+                for q in (a.quotas, b.quotas)
+            )
+            out.append(f"{key}[{a.name}].quotas: {before} -> {after}")
     return out
 
 

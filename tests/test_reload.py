@@ -66,7 +66,10 @@ def test_sighup_applies_live_keys_and_names_the_rest(tmp_path, daemon_factory):
         assert "server.max_batch_blocks: 16" in log.replace("8 -> ", "")
         assert "policy.protect_s: 2.0 -> 0.5" in log
         assert "logging.level: 'INFO' -> 'DEBUG'" in log
-        assert "need a restart" in log and "tiers.l1.capacity_bytes" in log
+        # Sizes in units on both lines, as the config spells them (not 67108864 -> ...).
+        assert (
+            "need a restart and were not applied: tiers.l1.capacity_bytes: 64MiB -> 128MiB" in log
+        )
         assert client.lookup(ten).prefix_len == 0  # the new limit holds
         assert client.stats().tiers[0].capacity_bytes == 64 << 20  # L1 keeps its size
 
@@ -460,7 +463,7 @@ def test_sighup_applies_a_tenants_new_quota(tmp_path, daemon_factory):
         path.write_text(QUOTA_CONFIG.format(quota=2 * block))
         d.proc.send_signal(signal.SIGHUP)
         log = _wait_for_log(d, "SIGHUP: applied")
-        assert "tenants[ops].quotas: {'L1': 524288} -> {'L1': 131072}" in log
+        assert "tenants[ops].quotas: {'L1': '512KiB'} -> {'L1': '128KiB'}" in log
         assert l1_of_ops(client) == (8 * block, 2 * block)  # held until its next put
         client.put(pool, [os.urandom(32)], [8])
         assert l1_of_ops(client) == (2 * block, 2 * block)
@@ -492,13 +495,36 @@ def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_on
     running = config("1GiB", "2GiB")
     effective, applied, restart = plan(running, config("512MiB", "4GiB"))
     assert applied == [
-        "tenants[alice].quotas: {'L1': 1073741824} -> {'L1': 536870912}",
-        "shared_namespaces[s].quotas: {'L2': 2147483648} -> {'L2': 4294967296}",
+        "tenants[alice].quotas: {'L1': '1GiB'} -> {'L1': '512MiB'}",
+        "shared_namespaces[s].quotas: {'L2': '2GiB'} -> {'L2': '4GiB'}",
     ]
     assert restart == [] and effective == config("512MiB", "4GiB")
     effective, applied, restart = plan(running, config("512MiB", "2GiB", bob_gids="[50]"))
     assert applied == ["tenants: changed alice, bob"] and restart == []
     assert effective.tenants == config("512MiB", "2GiB", bob_gids="[50]").tenants
+
+
+def test_the_reload_plan_spells_sizes_in_units_on_both_lines():
+    """Regression: the keys that need a restart showed their sizes in bytes
+    ("tiers.l2.capacity_bytes: 68719476736 -> 34359738368"); both the live changes and those
+    that need a restart now spell sizes as the config does, and other values as they are."""
+    from kvtier.daemon.config import load_config
+
+    def config(capacity: str, rate: str, protect: float):
+        return load_config(
+            None,
+            [
+                "tiers.l2.enabled=true",
+                f"tiers.l2.capacity_bytes={capacity}",
+                f"tiers.l2.write_bytes_s={rate}",
+                f"policy.protect_s={protect}",
+            ],
+        )
+
+    effective, applied, restart = plan(config("64GiB", "0", 2.0), config("32GiB", "100MB", 0.5))
+    assert applied == ["tiers.l2.write_bytes_s: 0 -> 100MB", "policy.protect_s: 2.0 -> 0.5"]
+    assert restart == ["tiers.l2.capacity_bytes: 64GiB -> 32GiB"]
+    assert effective == config("64GiB", "100MB", 0.5)
 
 
 def test_the_reload_plan_takes_tenant_changes_unless_tenants_go_on_or_off():
