@@ -1258,6 +1258,54 @@ def test_regression_an_index_locked_by_another_process_degrades_only_until_it_is
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
 
+def test_regression_a_wal_removed_while_a_reader_holds_it_is_retried_not_lasting(
+    disk_dir: Path,
+    make_block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The WAL removed while another process (an operator's sqlite3 shell) held a read
+    transaction on the index: the commit that found the WAL gone could not checkpoint it
+    (busy) and raised IndexFilesReplaced, a lasting fault, so the tier refused writes until
+    restarted, long after the reader let go. A busy checkpoint is now retried like a locked
+    index: the tier is degraded while the reader holds on, and the first write batch after
+    enospc_retry_s once it let go checkpoints the WAL and makes the tier whole again."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir, enospc_retry_s=0.1)
+    try:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        reader = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            reader.execute("BEGIN")
+            assert reader.execute("SELECT count(*) FROM blocks").fetchone() == (5,)
+            for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
+                (disk_dir / name).unlink()
+            key, data = make_block(5, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+            health = tier.health()
+            assert health.state == Health.DEGRADED_IO, health
+            assert "locked" in health.detail and "checkpointed" in health.detail
+            assert not tier.faults.refuses_commits()
+            reader.execute("COMMIT")
+        finally:
+            reader.close()
+        time.sleep(0.2)
+        after = _persist(tier, make_block, [6, 7], 4096)
+        assert tier.health().state == Health.OK
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        # The failed put's row reached the index too, with the WAL checkpointed later.
+        assert len(again.recover()) >= 7
+        blocks = {**before, **after}
+        got = _read(again, blocks)
+        assert all(got[i] == blocks[i][2] for i in blocks)
+
+
 def test_regression_a_delete_after_a_wal_removed_while_open_loses_no_committed_block(
     disk_dir: Path, make_block: Block, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

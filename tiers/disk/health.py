@@ -2,7 +2,8 @@
 
 A fault never raises out of the tier; it is counted and may degrade the tier. ENOSPC (a full
 disk) and an index locked by another process past the busy timeout (SQLITE_BUSY: an operator's
-``sqlite3`` shell left in a write transaction) degrade it until a write gets through again (one
+``sqlite3`` shell left in a write transaction; or, its WAL removed, one in a read transaction
+that keeps the checkpoint from finishing) degrade it until a write gets through again (one
 write batch per ``enospc_retry_s`` is let through to find out); EIO and other faults degrade it
 until it is reopened. Reads are served while degraded.
 

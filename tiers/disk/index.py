@@ -25,9 +25,12 @@ by recovery. What happened is reported (``moved_aside``), not only logged.
 
 While open, every commit (a block's, a delete's, a quarantine's) checks that the index file
 and its WAL are still the ones its path names (device and inode): SQLite keeps writing to files
-removed or replaced under it, and a restart would not find those commits. A removed WAL is checkpointed (from the open, unlinked
-file) into the index file and a new one started, so the commits stand; a removed or replaced
-index file fails the commit (``IndexFilesReplaced``), which degrades the tier.
+removed or replaced under it, and a restart would not find those commits. A removed WAL is
+checkpointed (from the open, unlinked file) into the index file and a new one started, so the
+commits stand; while another process's read transaction keeps that checkpoint from finishing,
+the commit fails as busy (``IndexCheckpointBusy``, SQLITE_BUSY), which the tier retries as it
+does a locked index, and the next commit tries the checkpoint again. A removed or replaced
+index file fails the commit (``IndexFilesReplaced``), which degrades the tier for good.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
@@ -117,6 +120,15 @@ class IndexUpgradeFailed(Exception):
 
 class IndexFilesReplaced(sqlite3.OperationalError):
     """The index file was removed or replaced while open: commits no longer reach it."""
+
+
+class IndexCheckpointBusy(sqlite3.OperationalError):
+    """The WAL was removed or replaced while open, and another connection's read transaction
+    kept its checkpoint into the index file from finishing: transient, so it carries
+    SQLITE_BUSY's code, as a lock held past the busy timeout does (``health.classify``)."""
+
+    sqlite_errorcode = 5  # SQLITE_BUSY
+    sqlite_errorname = "SQLITE_BUSY"
 
 
 FileId = tuple[int, int] | None  # (st_dev, st_ino) of a file, None when there is none
@@ -283,8 +295,9 @@ class DiskIndex:
         """After a commit: that it reached the files the index's path names. A removed or
         replaced WAL (an operator cleaning up ``-wal`` files) is checkpointed into the index
         file, then the connection is reopened with a new WAL; a removed or replaced index
-        file raises ``IndexFilesReplaced``, and files that cannot be looked at (EACCES) an
-        ``sqlite3.OperationalError``: either fails the commit and degrades the tier rather
+        file raises ``IndexFilesReplaced``, a checkpoint another reader keeps from finishing
+        ``IndexCheckpointBusy``, and files that cannot be looked at (EACCES) an
+        ``sqlite3.OperationalError``: each fails the commit and degrades the tier rather
         than reach its writer as an OSError. Called holding ``_lock``."""
         try:
             ids = self._file_ids()
@@ -302,9 +315,11 @@ class DiskIndex:
             )
         busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         if busy:
-            raise IndexFilesReplaced(
+            # The files keep their ids until the checkpoint gets through, so the next commit
+            # (once the reader lets go) finds them changed and tries it again.
+            raise IndexCheckpointBusy(
                 f"the WAL of {self.path} was removed or replaced while open and its commits "
-                "could not be checkpointed into the index (another process holds it)"
+                "could not be checkpointed into the index yet (another process holds it)"
             )
         self._db = None
         with contextlib.suppress(sqlite3.Error):
