@@ -2978,6 +2978,25 @@ async def test_a_tenant_at_its_quota_whose_victim_s_row_was_reused_evicts_its_ow
     assert store.counters.get("quota_rejections", tier="L2", tenant=1) == 0
 
 
+def _hold_first_demoted_in_flight(store, monkeypatch, clock) -> list[int]:
+    """Make the store's first demotion from L1 to L2 take its blocks in flight while their
+    copy is written (as a durable put persisting them does), so that they stay in L1: the
+    list it returns gets their ids (the test ends their flight)."""
+    l1, l2 = store.stack[TierKind.HOST], store.stack[TierKind.DISK]
+    place = store.space.place
+    held: list[int] = []
+
+    async def place_while_another_holds_it(bids, dst, *args, **kwargs):
+        if dst is l2 and not held:
+            held.extend(bids.tolist())
+            add_at(store.table.inflight, bids, 1)
+            assert not store.space.evictable(l1, clock.now)(bids).any()
+        return await place(bids, dst, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "place", place_while_another_holds_it)
+    return held
+
+
 async def test_a_put_whose_one_victim_was_taken_in_flight_meanwhile_evicts_the_next(
     make_store, monkeypatch
 ):
@@ -2988,21 +3007,10 @@ async def test_a_put_whose_one_victim_was_taken_in_flight_meanwhile_evicts_the_n
     L1 room and went to L2, while 15 evictable blocks were in L1. It evicts the next one."""
     clock = Clock()
     store, pool = make_store(clock, l2_segments=2), make_pool()
-    l1, l2 = store.stack[TierKind.HOST], store.stack[TierKind.DISK]
     old = keys(16)
     await put(store, pool, old)  # L1 full, no other copy
     clock.now += 10
-    place = store.space.place
-    held: list[int] = []
-
-    async def place_while_another_holds_it(bids, dst, *args, **kwargs):
-        if dst is l2 and not held:
-            held.extend(bids.tolist())
-            add_at(store.table.inflight, bids, 1)  # as a durable put persisting it does
-            assert not store.space.evictable(l1, clock.now)(bids).any()
-        return await place(bids, dst, *args, **kwargs)
-
-    monkeypatch.setattr(store.space, "place", place_while_another_holds_it)
+    held = _hold_first_demoted_in_flight(store, monkeypatch, clock)
     new = keys(1)
     assert await put(store, pool, new, pages=[20]) == [PutResult.STORED]
     assert held == [int(store.table.lookup(0, old[:1])[0])]
@@ -3023,24 +3031,13 @@ async def test_a_tenant_whose_one_victim_was_taken_in_flight_evicts_its_own_next
     clock = Clock()
     store, pool = make_store(clock, l2_segments=1), make_pool()
     store.space.quotas[(1, TierKind.HOST)] = 4 * 4096
-    l1, l2 = store.stack[TierKind.HOST], store.stack[TierKind.DISK]
     theirs, mine = keys(2), keys(4)
     assert await put(store, pool, theirs, pages=[4, 5]) == [PutResult.STORED] * 2  # colder
     clock.now += 1
     res, _ = await store.put(pool, 0, mine, np.arange(4), None, owner=1)
     assert res.tolist() == [PutResult.STORED] * 4  # at its quota, in L1 only
     clock.now += 10
-    place = store.space.place
-    held: list[int] = []
-
-    async def place_while_another_holds_it(bids, dst, *args, **kwargs):
-        if dst is l2 and not held:
-            held.extend(bids.tolist())
-            add_at(store.table.inflight, bids, 1)  # as a durable put persisting it does
-            assert not store.space.evictable(l1, clock.now)(bids).any()
-        return await place(bids, dst, *args, **kwargs)
-
-    monkeypatch.setattr(store.space, "place", place_while_another_holds_it)
+    held = _hold_first_demoted_in_flight(store, monkeypatch, clock)
     new = keys(1)
     res, _ = await store.put(pool, 0, new, np.array([20]), None, owner=1)
     assert res.tolist() == [PutResult.STORED]

@@ -45,18 +45,26 @@ def _open(directory: Path, **kw: object) -> DiskTier:
     return DiskTier(directory, 32 * MiB, 1 * MiB, **kw)  # type: ignore[arg-type]
 
 
-def _persist(tier: DiskTier, make_block: Block, ids: list[int], nbytes: int) -> dict[int, tuple]:
-    """Persist blocks ``ids``; returns id -> (key, slot, data, checksum)."""
-    items, meta = [], {}
+def _items(tier: DiskTier, make_block: Block, ids: list[int], nbytes: int) -> list[PersistItem]:
+    """Blocks ``ids`` to persist, each in a slot allocated for it."""
+    items = []
     for i in ids:
         key, data = make_block(i, nbytes)
         slot = tier.allocator.allocate(nbytes)
         assert slot is not None
         items.append(PersistItem(1, key, slot, data, nbytes))
-        meta[i] = (key, slot, data)
+    return items
+
+
+def _persist(tier: DiskTier, make_block: Block, ids: list[int], nbytes: int) -> dict[int, tuple]:
+    """Persist blocks ``ids``; returns id -> (key, slot, data, checksum)."""
+    items = _items(tier, make_block, ids, nbytes)
     outcomes = persist(tier, items)
     assert all(o.ok for o in outcomes), tier.health()
-    return {i: (*meta[i], o.checksum) for i, o in zip(ids, outcomes, strict=True)}
+    return {
+        i: (it.key, it.slot, it.data, o.checksum)
+        for i, it, o in zip(ids, items, outcomes, strict=True)
+    }
 
 
 def _read(tier: DiskTier, blocks: dict[int, tuple]) -> dict[int, bytes | None]:
@@ -1188,12 +1196,7 @@ def test_regression_an_index_removed_while_open_fails_the_commits_after_it(
     with _open(disk_dir) as tier:
         before = _persist(tier, make_block, list(range(5)), 4096)
         (disk_dir / "index.sqlite3").unlink()
-        items = []
-        for i in range(5, 10):
-            key, data = make_block(i, 4096)
-            slot = tier.allocator.allocate(4096)
-            assert slot is not None
-            items.append(PersistItem(1, key, slot, data, 4096))
+        items = _items(tier, make_block, list(range(5, 10)), 4096)
         with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
             outcomes = persist(tier, items)
         assert not any(o.ok for o in outcomes)
@@ -1214,12 +1217,8 @@ def test_regression_a_data_file_removed_while_open_fails_the_writes_to_it(
     with _open(disk_dir) as tier:
         before = _persist(tier, make_block, list(range(5)), 4096)
         (disk_dir / "data-0000.bin").unlink()
-        items = []
-        for i in range(5, 10):
-            key, data = make_block(i, 4096)
-            slot = tier.allocator.allocate(4096)
-            assert slot is not None and tier.slot_location(slot)[0].name == "data-0000.bin"
-            items.append(PersistItem(1, key, slot, data, 4096))
+        items = _items(tier, make_block, list(range(5, 10)), 4096)
+        assert all(tier.slot_location(it.slot)[0].name == "data-0000.bin" for it in items)
         with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
             outcomes = persist(tier, items)
         assert not any(o.ok for o in outcomes)
