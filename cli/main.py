@@ -125,6 +125,16 @@ def _client(args: argparse.Namespace) -> Client:
     )
 
 
+def _probe_client(args: argparse.Namespace) -> Client | None:
+    """``_client`` for the commands whose exit status tells an unreachable daemon apart
+    (health, check, drain): None, said on stderr, for an address no daemon can have."""
+    try:
+        return _client(args)
+    except KvtierError as e:
+        print(f"kvtier: {e.details}", file=sys.stderr)
+        return None
+
+
 def _reached(error: KvtierError) -> bool:
     """Whether the daemon was reached and turned the call away: it said why (draining,
     stopping), or its gRPC server took the call and ended it unanswered (stopping, or too
@@ -284,10 +294,8 @@ def _went_away(address: str, command: str, error: KvtierError) -> str:
 
 
 def _health(args: argparse.Namespace) -> int:
-    try:
-        client = _client(args)
-    except KvtierError as e:  # an address no daemon can have: a probe's "unreachable"
-        print(f"kvtier: {e.details}", file=sys.stderr)
+    client = _probe_client(args)
+    if client is None:
         return UNREACHABLE
     try:
         try:
@@ -359,10 +367,8 @@ def _draining(args: argparse.Namespace, address: str, detail: str) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    try:
-        client = _client(args)
-    except KvtierError as e:  # an address no daemon can have
-        print(f"kvtier: {e.details}", file=sys.stderr)
+    client = _probe_client(args)
+    if client is None:
         return UNREACHABLE
     try:
         with client:
@@ -391,10 +397,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    try:
-        client = _client(args)
-    except KvtierError as e:  # an address no daemon can have
-        print(f"kvtier: {e.details}", file=sys.stderr)
+    client = _probe_client(args)
+    if client is None:
         return UNREACHABLE
     try:
         with client:
