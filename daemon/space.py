@@ -17,8 +17,9 @@ Rules:
   does without (a Get then reads the block from the lower tier straight into its pages).
 - A tenant's quota on a tier counts its copies there, the slots reserved for its copies
   in flight and the slots of its dropped copies (evicted, deleted, or of a put that failed)
-  a persistent tier is still freeing or could not free (``quota_held``, kept for every
-  tenant, as a reload may set a quota while they are in flight), so puts racing to the
+  a persistent tier is still freeing or could not free yet (``quota_held``, kept for every
+  tenant, as a reload may set a quota while they are in flight; a free that failed is tried
+  again, ``retry_frees``, and the hold ends once it succeeds), so puts racing to the
   quota store no more than it, and the room an eviction makes is taken only once its slots
   are free (a put that found room but no free slot would evict another tenant's block for
   one).
@@ -36,8 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,7 +57,27 @@ from kvtier.tiers.executor import Urgency
 
 log = logging.getLogger(__name__)
 
+# How long dropped copies' slots that a persistent tier could not free (its index locked,
+# full, or its WAL's checkpoint held up) wait before they are tried again: at first, and at
+# most (the wait doubles after each failed try). A successful free of the same tier tries
+# them at once. A lasting fault fails each try at once (counted as a remove failure), hence
+# the backoff.
+FREE_RETRY_S = 1.0
+FREE_RETRY_MAX_S = 60.0
+
 EvictableFn = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(slots=True)
+class _Unfreed:
+    """A persistent tier's slots whose free failed, and the quota holds that end with it."""
+
+    slots: list[int] = field(default_factory=list)
+    holds: list[tuple[int, int]] = field(default_factory=list)
+    since: float = 0.0  # monotonic time of the first failure
+    next_try: float = 0.0
+    delay_s: float = FREE_RETRY_S
+    retrying: bool = False
 
 
 class SpaceManager:
@@ -97,6 +120,9 @@ class SpaceManager:
         # Copies tiers dropped so far (``lose_copy``): a holder of blocks that sees it change
         # may be the last to hold one left with no copy.
         self.copies_lost = 0
+        # Tier kind -> the slots of a persistent tier whose free failed, tried again later
+        # (``retry_frees``) with their quota holds.
+        self.unfreed: dict[TierKind, _Unfreed] = {}
         table.on_free.append(self._forget_in_policies)
         table.on_remember.append(self._remember_in_policies)
         table.on_revive.append(self._revive_in_policies)
@@ -900,15 +926,95 @@ class SpaceManager:
         was free. The holds end only once the tier has freed the slots: where it could not
         (``release`` False, or raised) the slots stay taken, and so does the room they hold
         in their owners' quotas (a put of an owner at its quota would take it, find no free
-        slot, and evict another tenant's block for one)."""
+        slot, and evict another tenant's block for one), until ``retry_frees`` frees them."""
 
         async def free() -> bool:
-            freed = await self.release(level, slots)
+            try:
+                freed = await self.release(level, slots)
+            except Exception:
+                log.exception("%s: freeing %d slots failed", level.label, len(slots))
+                self.counters.inc("background_errors")
+                freed = False
             if freed:
                 self.end_holds(level, holds)
+                self.retry_frees(level, now=True)
+            else:
+                self._defer_free(level, slots, holds)
             return freed
 
         return self.spawn(free())
+
+    def _defer_free(self, level: Level, slots: list[int], holds: list[tuple[int, int]]) -> None:
+        """Keep slots the tier could not free (and their owners' quota holds) for
+        ``retry_frees``; the first of a run is logged."""
+        if not slots:
+            self.end_holds(level, holds)
+            return
+        pending = self.unfreed.get(level.kind)
+        if pending is None:
+            now = time.monotonic()
+            pending = self.unfreed[level.kind] = _Unfreed(since=now, next_try=now + FREE_RETRY_S)
+            log.warning(
+                "%s: %d slots could not be freed (see the tier's health); tried again on "
+                "its next successful free and every %g-%gs, their tenants' quota held until then",
+                level.label,
+                len(slots),
+                FREE_RETRY_S,
+                FREE_RETRY_MAX_S,
+            )
+        pending.slots += slots
+        pending.holds += holds
+        self.counters.inc("frees_deferred", len(slots), tier=level.label)
+
+    def retry_frees(self, level: Level | None = None, *, now: bool = False) -> None:
+        """Try again to free the slots a persistent tier could not (``level``'s, or every
+        tier's), in the background: those whose wait is over, or all of them with ``now``
+        (the tier has just freed others). Freed, their quota holds end; failed again, they
+        wait twice as long (up to ``FREE_RETRY_MAX_S``)."""
+        levels = [level] if level is not None else list(self.stack)
+        clock = time.monotonic()
+        for lv in levels:
+            pending = self.unfreed.get(lv.kind)
+            if pending is None or pending.retrying or not (now or clock >= pending.next_try):
+                continue
+            pending.retrying = True
+            self.spawn(self._retry_free(lv, pending))
+
+    async def _retry_free(self, level: Level, pending: _Unfreed) -> None:
+        slots, holds = pending.slots, pending.holds
+        pending.slots, pending.holds = [], []
+        try:
+            freed = await self.release(level, slots)
+        except Exception:
+            log.exception("%s: freeing %d slots again failed", level.label, len(slots))
+            self.counters.inc("background_errors")
+            freed = False
+        except BaseException:  # cancelled (the daemon stops): they stay for the next try
+            freed = False
+            raise
+        finally:
+            pending.retrying = False
+            if not freed:
+                pending.slots = slots + pending.slots
+                pending.holds = holds + pending.holds
+        self.counters.inc("free_retries", tier=level.label)
+        if not freed:
+            pending.delay_s = min(2 * pending.delay_s, FREE_RETRY_MAX_S)
+            pending.next_try = time.monotonic() + pending.delay_s
+            return
+        self.end_holds(level, holds)
+        self.counters.inc("frees_retried", len(slots), tier=level.label)
+        if pending.slots:  # deferred while this try ran: try them at once
+            self.retry_frees(level, now=True)
+            return
+        del self.unfreed[level.kind]
+        log.warning(
+            "%s: %d slots that could not be freed are free now (after %.1fs); their "
+            "tenants' quota is given back",
+            level.label,
+            len(slots),
+            time.monotonic() - pending.since,
+        )
 
     async def give_back(self, level: Level, owner: int, slots: list[int], nbytes: int) -> None:
         """Release ``slots`` of ``level`` that ``reserve`` gave ``owner`` for blocks of
@@ -1093,6 +1199,8 @@ class SpaceManager:
         below the low watermark. During warm-up nothing moves before the hard limit. A lone
         top tier is left alone: dropping early would only waste capacity."""
         self.apply_touches()
+        if self.unfreed:
+            self.retry_frees()
         now = self._clock()
         for level in self.stack:
             if level.keyed or (level is self.stack.top and len(self.stack) == 1):
