@@ -69,3 +69,51 @@ def test_regression_slots_a_locked_index_kept_from_a_delete_are_freed_once_it_is
         assert client.lookup(ks).tiers == [Tier.ABSENT] * 4 + [Tier.L2_DISK] * 4
         _read_back(client, pool.pool_id, ks[4:], shm, [page(src, p) for p in range(4, 8)])
         assert client.check().problems == []
+
+
+def test_regression_a_durable_put_failed_by_a_busy_wal_checkpoint_leaves_nothing_behind(
+    daemon_factory, tmp_path
+):
+    """index.sqlite3-wal removed while an operator's sqlite3 shell held a read transaction:
+    a durable put failed (persisted False), but its rows had gone into the removed WAL, so
+    giving its slots back failed the same way and they stayed taken (`kvtier check`: "L2: 8
+    slots allocated, 4 held by blocks") while the shell held on. Now the put fails before its
+    rows go in: its slots are free at once, the tier takes writes again once the shell lets
+    go, and a restart serves exactly the blocks reported persisted."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2, "tiers.l2.enospc_retry_s=0.1"), entry=FAST_FAULTS)
+    ks = keys(12, 461)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 461)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks[:4], range(4), durable=True).persisted == [True] * 4
+        reader = sqlite3.connect(l2 / "index.sqlite3", isolation_level=None)
+        try:
+            reader.execute("BEGIN")
+            assert reader.execute("SELECT count(*) FROM blocks").fetchone() == (4,)
+            for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
+                (l2 / name).unlink()
+            res = client.put(pool.pool_id, ks[4:8], range(4, 8), durable=True)
+            assert res.persisted == [False] * 4
+            assert client.check().problems == []
+        finally:
+            reader.close()
+
+        def persisted_again() -> bool:
+            res = client.put(pool.pool_id, ks[8:], range(8, 12), durable=True)
+            return res.persisted == [True] * 4
+
+        wait_for(persisted_again)
+        assert client.check().problems == []
+    d.kill()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert (
+            client.lookup(ks).tiers == [Tier.L2_DISK] * 4 + [Tier.ABSENT] * 4 + [Tier.L2_DISK] * 4
+        )
+        kept = ks[:4] + ks[8:]
+        _read_back(
+            client, pool.pool_id, kept, shm, [page(src, p) for p in (0, 1, 2, 3, 8, 9, 10, 11)]
+        )
+        assert client.check().problems == []

@@ -29,8 +29,13 @@ removed or replaced under it, and a restart would not find those commits. A remo
 checkpointed (from the open, unlinked file) into the index file and a new one started, so the
 commits stand; while another process's read transaction keeps that checkpoint from finishing,
 the commit fails as busy (``IndexCheckpointBusy``, SQLITE_BUSY), which the tier retries as it
-does a locked index, and the next commit tries the checkpoint again. A removed or replaced
-index file fails the commit (``IndexFilesReplaced``), which degrades the tier for good.
+does a locked index, and the next commit tries the checkpoint again. The files are checked
+before each write transaction too, so that nothing goes into a WAL removed since the last
+commit (a busy checkpoint fails the write before it starts); a block commit that found the WAL
+removed during its transaction deletes its rows again, in that same WAL, before it fails, so a
+later checkpoint brings the rows to the index file with their deletion or not at all: a block
+whose write was reported failed never comes back at a restart. A removed or replaced index
+file fails the commit (``IndexFilesReplaced``), which degrades the tier for good.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
@@ -215,7 +220,7 @@ class DiskIndex:
         nothing. True when the rows, less those, are committed; what ``durable`` raises
         rolls the rows back and propagates."""
         with self._lock:
-            db = self._conn()
+            db = self._checked_conn()
             db.execute("BEGIN IMMEDIATE")
             try:
                 _insert(db, rows)
@@ -226,10 +231,18 @@ class DiskIndex:
                 if len(drop):
                     db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in drop])
                 db.execute("COMMIT")
-                self._check_files(db)
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
+                raise
+            try:
+                self._check_files(db)
+            except sqlite3.Error:
+                # The rows are committed, maybe only into a WAL that was removed meanwhile: a
+                # later checkpoint would bring them to the index file, and a restart would
+                # serve blocks whose write failed. Deleted again in the same WAL, they reach
+                # the index file with their deletion or not at all.
+                self._undo_insert(db, rows, drop)
                 raise
         return True
 
@@ -261,7 +274,7 @@ class DiskIndex:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            db = self._conn()
+            db = self._checked_conn()
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
@@ -291,10 +304,45 @@ class DiskIndex:
                 ids.append((st.st_dev, st.st_ino))
         return ids[0], ids[1]
 
+    def _checked_conn(self) -> sqlite3.Connection:
+        """The connection, once its files are checked (``_check_files``) before a write
+        transaction: a WAL removed since the last commit is checkpointed first, or, while
+        another reader holds that up, the write fails as busy before anything goes into the
+        removed WAL. Called holding ``_lock``."""
+        self._check_files(self._conn())
+        return self._conn()  # reopened when the WAL was replaced
+
+    def _undo_insert(
+        self, db: sqlite3.Connection, rows: Sequence[BlockRow], dropped: Sequence[int]
+    ) -> None:
+        """Delete the rows of a committed insert whose file check failed, in the connection
+        that committed them (its WAL, removed or not), without checking the files again.
+        Best effort: the commit's failure is what the caller reports."""
+        gone = set(dropped)
+        slots = [(row[2],) for row in rows if row[2] not in gone]
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany("DELETE FROM blocks WHERE slot = ?", slots)
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as e:
+            log.error(
+                "L2 index %s: the rows of %d blocks whose commit failed could not be deleted "
+                "again (%s); a restart may find them",
+                self.path,
+                len(slots),
+                classify(e).detail,
+            )
+
     def _check_files(self, db: sqlite3.Connection) -> None:
-        """After a commit: that it reached the files the index's path names. A removed or
-        replaced WAL (an operator cleaning up ``-wal`` files) is checkpointed into the index
-        file, then the connection is reopened with a new WAL; a removed or replaced index
+        """Before a write transaction and after its commit: that commits reach the files the
+        index's path names. A removed or replaced WAL (an operator cleaning up ``-wal``
+        files) is checkpointed into the index file, then the connection is reopened with a
+        new WAL; a removed or replaced index
         file raises ``IndexFilesReplaced``, a checkpoint another reader keeps from finishing
         ``IndexCheckpointBusy``, and files that cannot be looked at (EACCES) an
         ``sqlite3.OperationalError``: each fails the commit and degrades the tier rather
