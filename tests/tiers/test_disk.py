@@ -1157,6 +1157,15 @@ def _crash_image(directory: Path, to: Path) -> Path:
     return to
 
 
+def _unlink_wal(directory: Path) -> None:
+    for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
+        (directory / name).unlink()
+
+
+def _recovered_keys(tier: DiskTier) -> set[bytes]:
+    return {bytes(k) for k in tier.recover().keys}
+
+
 def test_regression_a_wal_removed_while_open_loses_no_committed_block(
     disk_dir: Path, make_block: Block, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1187,23 +1196,99 @@ def test_regression_a_wal_removed_while_open_loses_no_committed_block(
         assert all(got[i] == blocks[i][2] for i in blocks)
 
 
-def test_regression_an_index_removed_while_open_fails_the_commits_after_it(
+@pytest.mark.parametrize("removed", [("index.sqlite3",), ("index.sqlite3", "-wal", "-shm")])
+def test_regression_an_index_removed_while_open_is_written_back_and_loses_no_block(
+    disk_dir: Path,
+    make_block: Block,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    removed: tuple[str, ...],
+) -> None:
+    """An index file removed while the tier ran (alone, or with its -wal and -shm): the
+    commits after it failed and degraded the tier for good, and the blocks committed before
+    the removal were lost at the next start too (the open database was no longer reachable
+    by its path: the restart found data files without an index and started empty). The
+    commit that finds it gone now writes the open index back to its path and goes on."""
+    tier = _open(disk_dir)
+    try:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        for name in removed:
+            (disk_dir / ("index.sqlite3" + name if name.startswith("-") else name)).unlink()
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            after = _persist(tier, make_block, list(range(5, 10)), 4096)
+        assert tier.health().state == Health.OK
+        assert tier.faults.snapshot()["index_restored"] == 1
+        assert [r for r in caplog.records if "written back" in r.getMessage()]
+        assert not (disk_dir / "index.sqlite3.restore").exists()
+        gone = _persist(tier, make_block, [10], 4096)
+        assert tier.remove([gone[10][1]])
+        more = _persist(tier, make_block, list(range(11, 15)), 4096)
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        blocks = {**before, **after, **more}
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+        assert _read(again, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+def test_an_index_removed_after_the_last_commit_is_written_back_at_close(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """With no commit after the removal to notice it, closing the tier (the daemon's stop)
+    writes the index back."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(5)), 4096)
+        (disk_dir / "index.sqlite3").unlink()
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+        assert again.faults.snapshot().get("index_moved_aside", 0) == 0
+
+
+def test_an_index_removed_while_open_that_cannot_be_written_back_fails_the_commits(
     disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An index file removed (or replaced) while the tier ran: its commits went to the
-    unlinked file and were reported ok, lost at the next start. Now such a commit fails and
-    degrades the tier (counted, logged once), which keeps serving what it holds."""
+    """Where the open index cannot be written back (here its temporary copy's name is taken
+    by a folder) the commits fail and the tier refuses writes until restarted (counted,
+    logged), and keeps serving what it holds. Closing it tries once more."""
+    in_the_way = disk_dir / "index.sqlite3.restore"
     with _open(disk_dir) as tier:
         before = _persist(tier, make_block, list(range(5)), 4096)
         (disk_dir / "index.sqlite3").unlink()
+        in_the_way.mkdir()
+        (in_the_way / "file").touch()
         items = _items(tier, make_block, list(range(5, 10)), 4096)
         with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
             outcomes = persist(tier, items)
         assert not any(o.ok for o in outcomes)
         health = tier.health()
-        assert health.state == Health.DEGRADED_IO and "removed or replaced" in health.detail
-        assert tier.faults.snapshot()["index_errors"] == 1
-        assert [r for r in caplog.records if "removed or replaced" in r.getMessage()]
+        assert health.state == Health.DEGRADED_IO and "could not be written back" in health.detail
+        assert tier.faults.refuses_commits()
+        assert tier.faults.snapshot()["index_restore_failures"] == 1
+        assert [r for r in caplog.records if "could not be written back" in r.getMessage()]
+        assert _read(tier, before) == {i: b[2] for i, b in before.items()}
+        assert not tier.remove([before[0][1]])  # a delete's commit fails too
+        assert tier.faults.snapshot()["index_restore_failures"] == 1  # not tried again
+        shutil.rmtree(in_the_way)
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {b[0] for b in before.values()}
+
+
+def test_an_index_replaced_while_open_fails_the_commits_after_it(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Another file put in the index's place (a copy restored by hand) is not overwritten:
+    the commits fail and the tier refuses writes until restarted."""
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        shutil.copy(disk_dir / "index.sqlite3", tmp := disk_dir / "copy")
+        tmp.replace(disk_dir / "index.sqlite3")
+        outcomes = persist(tier, _items(tier, make_block, list(range(5, 10)), 4096))
+        assert not any(o.ok for o in outcomes)
+        health = tier.health()
+        assert health.state == Health.DEGRADED_IO and "replaced while open" in health.detail
+        assert tier.faults.refuses_commits()
         assert _read(tier, before) == {i: b[2] for i, b in before.items()}
 
 
@@ -1303,15 +1388,6 @@ def test_regression_a_wal_removed_while_a_reader_holds_it_is_retried_not_lasting
         blocks = {**before, **after}
         got = _read(again, blocks)
         assert all(got[i] == blocks[i][2] for i in blocks)
-
-
-def _unlink_wal(directory: Path) -> None:
-    for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
-        (directory / name).unlink()
-
-
-def _recovered_keys(tier: DiskTier) -> set[bytes]:
-    return {bytes(k) for k in tier.recover().keys}
 
 
 @pytest.mark.parametrize("removed", ["before the put", "while its bytes go down"])

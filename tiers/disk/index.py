@@ -34,8 +34,13 @@ before each write transaction too, so that nothing goes into a WAL removed since
 commit (a busy checkpoint fails the write before it starts); a block commit that found the WAL
 removed during its transaction deletes its rows again, in that same WAL, before it fails, so a
 later checkpoint brings the rows to the index file with their deletion or not at all: a block
-whose write was reported failed never comes back at a restart. A removed or replaced index
-file fails the commit (``IndexFilesReplaced``), which degrades the tier for good.
+whose write was reported failed never comes back at a restart. A removed index file is
+written back from the open connection (SQLite's backup API, into ``index.sqlite3.restore``,
+synced, then renamed into place, the old WAL and shared memory removed first so they are not
+replayed onto it), and commits go on into it: a restart finds every block committed before and
+after the removal (counted as ``index_restored``); so does ``close``, for a removal after the
+last commit. Where it cannot be written back, and where the index file was replaced by
+another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
@@ -58,6 +63,8 @@ from kvtier.tiers.disk.health import classify
 log = logging.getLogger("kvtier.tiers.disk")
 
 INDEX_NAME = "index.sqlite3"
+# The copy of an index removed while open is written here, then renamed to ``INDEX_NAME``.
+RESTORE_SUFFIX = ".restore"
 LAYOUT_CHANGED = "was made for another layout"
 # How long a statement waits for a lock another process holds on the index (an operator's
 # ``sqlite3`` shell in a write transaction) before it fails with SQLITE_BUSY.
@@ -119,6 +126,10 @@ def _insert(db: sqlite3.Connection, rows: Sequence[BlockRow]) -> None:
         db.executemany(_INSERT_ONE, rows[full:])
 
 
+def _count_nothing(**_: int) -> None:
+    pass
+
+
 class IndexUpgradeFailed(Exception):
     """An index of an older format could not be rewritten; it is left untouched."""
 
@@ -144,14 +155,21 @@ BlockRow = tuple[int, bytes, int, int, int, float]  # ns, key, slot, nbytes, che
 
 class DiskIndex:
     def __init__(
-        self, directory: Path, geometry: dict[str, str], clock: Callable[[], float] = time.time
+        self,
+        directory: Path,
+        geometry: dict[str, str],
+        clock: Callable[[], float] = time.time,
+        count: Callable[..., None] | None = None,
     ) -> None:
         """Open (or create) the index of ``directory`` for ``geometry`` (name -> value; the
-        key ``capacity_bytes`` may differ from the stored one)."""
+        key ``capacity_bytes`` may differ from the stored one). ``count`` is called with
+        counter increments (``index_restored=1``) for what the index mends by itself."""
         self.path = directory / INDEX_NAME
         self._directory = directory
         self._geometry = geometry
         self._clock = clock
+        self._count: Callable[..., None] = count or _count_nothing
+        self._unrestorable = ""  # why an index removed while open could not be written back
         self._lock = threading.Lock()
         self.moved_aside = ""  # why the index found at open was moved aside, if it was
         self.moved_to = ""
@@ -237,6 +255,8 @@ class DiskIndex:
                 raise
             try:
                 self._check_files(db)
+            except IndexFilesReplaced:
+                raise  # committed into a file that no restart reads
             except sqlite3.Error:
                 # The rows are committed, maybe only into a WAL that was removed meanwhile: a
                 # later checkpoint would bring them to the index file, and a restart would
@@ -286,7 +306,13 @@ class DiskIndex:
                 raise
 
     def close(self) -> None:
+        """Close the connection; an index file removed since the last commit is first
+        written back (``_restore``), so that the next start finds its blocks."""
         with self._lock:
+            if self._db is not None:
+                self._unrestorable = ""  # the last chance to save its blocks
+                with contextlib.suppress(sqlite3.Error):
+                    self._check_files(self._db)
             if self._db is not None:
                 with contextlib.suppress(sqlite3.Error):
                     self._db.close()
@@ -342,11 +368,11 @@ class DiskIndex:
         """Before a write transaction and after its commit: that commits reach the files the
         index's path names. A removed or replaced WAL (an operator cleaning up ``-wal``
         files) is checkpointed into the index file, then the connection is reopened with a
-        new WAL; a removed or replaced index
-        file raises ``IndexFilesReplaced``, a checkpoint another reader keeps from finishing
-        ``IndexCheckpointBusy``, and files that cannot be looked at (EACCES) an
-        ``sqlite3.OperationalError``: each fails the commit and degrades the tier rather
-        than reach its writer as an OSError. Called holding ``_lock``."""
+        new WAL; a removed index file is written back (``_restore``); a replaced one, or
+        one that cannot be written back, raises ``IndexFilesReplaced``, a checkpoint another
+        reader keeps from finishing ``IndexCheckpointBusy``, and files that cannot be looked
+        at (EACCES) an ``sqlite3.OperationalError``: each fails the commit and degrades the
+        tier rather than reach its writer as an OSError. Called holding ``_lock``."""
         try:
             ids = self._file_ids()
         except OSError as e:
@@ -356,10 +382,12 @@ class DiskIndex:
             ) from e
         if ids == self._ids:
             return
-        if ids[0] is None or ids[0] != self._ids[0]:
+        if ids[0] is None:
+            self._restore(db)
+            return
+        if ids[0] != self._ids[0]:
             raise IndexFilesReplaced(
-                f"{self.path} was removed or replaced while open: its commits would be lost "
-                "at the next start"
+                f"{self.path} was replaced while open: its commits would be lost at the next start"
             )
         busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         if busy:
@@ -378,6 +406,69 @@ class DiskIndex:
             "L2 index %s: its WAL was removed or replaced while open; its commits were "
             "checkpointed into the index file and a new WAL started",
             self.path,
+        )
+
+    def _restore(self, db: sqlite3.Connection) -> None:
+        """The index file was removed while open: write the open database (its WAL's
+        commits included) back to its path, through a temporary file renamed into place once
+        synced, and go on with a connection to it, so that a restart finds every block
+        committed before and after. Raises ``IndexFilesReplaced`` when it cannot be written
+        (the tier then refuses writes until restarted), and again without another try at the
+        later commits (``close`` tries once more). Called holding ``_lock``."""
+        if self._unrestorable:
+            raise IndexFilesReplaced(self._unrestorable)  # tried once: a lasting fault
+        tmp = self.path.with_name(self.path.name + RESTORE_SUFFIX)
+        wal, shm = (self.path.with_name(self.path.name + end) for end in ("-wal", "-shm"))
+        started = time.monotonic()
+        try:
+            for stale in (tmp, tmp.with_name(tmp.name + "-journal")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+            os.close(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
+            copy = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                db.backup(copy)
+            finally:
+                copy.close()
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except (OSError, sqlite3.Error) as e:
+            self._count(index_restore_failures=1)
+            detail = e.strerror if isinstance(e, OSError) else classify(e).detail
+            self._unrestorable = (
+                f"{self.path} was removed while open and could not be written back ({detail}): "
+                "its commits would be lost at the next start"
+            )
+            raise IndexFilesReplaced(self._unrestorable) from e
+        # The old WAL (if still named) is the open database's, all in the copy now: left
+        # beside the copy, it would be replayed onto it at the next open.
+        self._db = None
+        with contextlib.suppress(sqlite3.Error):
+            db.close()
+        try:
+            for old in (wal, shm):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(old)
+            os.replace(tmp, self.path)
+            fsync_dir(self._directory)
+            self._db = self._connect()
+        except (OSError, sqlite3.Error) as e:
+            self._count(index_restore_failures=1)
+            self._unrestorable = (
+                f"{self.path} was removed while open and could not be written back: its copy "
+                f"{tmp.name} could not be put in its place ({e})"
+            )
+            raise IndexFilesReplaced(self._unrestorable) from e
+        self._ids = self._file_ids()
+        self._count(index_restored=1)
+        log.warning(
+            "L2 index %s was removed while open; the open index was written back to its "
+            "path in %.2fs (every committed block kept) and the tier goes on",
+            self.path,
+            time.monotonic() - started,
         )
 
     # ------------------------------------------------------------------ opening

@@ -461,7 +461,9 @@ class DiskTier:
                 else []
             )
             try:
-                self._index = DiskIndex(self.directory, self._geometry(), clock)
+                self._index = DiskIndex(
+                    self.directory, self._geometry(), clock, count=self.faults.count
+                )
             except IndexUpgradeFailed as e:
                 raise TierUnavailable(f"{e}: free space or mend the disk, then restart") from e
             if self._index.moved_aside:
@@ -1259,6 +1261,8 @@ _COUNTERS = (
     "enospc",
     "index_errors",
     "index_moved_aside",
+    "index_restored",
+    "index_restore_failures",
     "commits",
     "committed_blocks",
     "commits_refused_degraded",
