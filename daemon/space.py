@@ -1127,7 +1127,8 @@ class SpaceManager:
     async def release(self, level: Level, slots: list[int]) -> bool:
         """Give slots back to a tier: persistent tiers forget their blocks durably first
         (background I/O; the slots are reusable once it is done). False when the tier could
-        not forget them (counted as ``remove_failures``; the slots stay held)."""
+        not forget them (counted as ``remove_failures``; the slots stay held, and ``free_held``
+        has them tried again)."""
         if not slots:
             return True
         if not level.persistent:
@@ -1197,7 +1198,9 @@ class SpaceManager:
     async def balance(self) -> None:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
         below the low watermark. During warm-up nothing moves before the hard limit. A lone
-        top tier is left alone: dropping early would only waste capacity."""
+        top tier is left alone: dropping early would only waste capacity. First, frees a
+        persistent tier could not do whose wait is over are tried again (``retry_frees``:
+        the balancer's period is their timer)."""
         self.apply_touches()
         if self.unfreed:
             self.retry_frees()
