@@ -1275,6 +1275,35 @@ def test_an_index_removed_while_open_that_cannot_be_written_back_fails_the_commi
         assert _recovered_keys(again) == {b[0] for b in before.values()}
 
 
+def test_regression_a_put_failed_as_its_index_could_not_be_written_back_stays_failed(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """The index file removed while a durable put's transaction ran, and the open index
+    could not be written back (its temporary copy's name taken by a folder): the put was
+    reported failed, but its rows stayed committed in the open database, and ``close``,
+    which tries the write-back once more, wrote them into the index file: a restart served
+    the failed put's blocks (7 recovered, 5 persisted). Its rows are now deleted again, as
+    for a removed WAL, before the put fails."""
+    in_the_way = disk_dir / "index.sqlite3.restore"
+
+    def remove_index(*_: object) -> None:
+        faulty_files.clear()
+        (disk_dir / "index.sqlite3").unlink()
+        in_the_way.mkdir()
+        (in_the_way / "file").touch()
+
+    with _open(disk_dir, backend=faulty_files) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        faulty_files.faults["fdatasync"] = remove_index  # inside the put's transaction
+        items = _items(tier, make_block, [5, 6], 4096)
+        assert not any(o.ok for o in persist(tier, items))
+        assert "could not be written back" in tier.health().detail
+        shutil.rmtree(in_the_way)  # close writes the index back
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {b[0] for b in before.values()}
+        assert _read(again, before) == {i: b[2] for i, b in before.items()}
+
+
 def test_an_index_replaced_while_open_fails_the_commits_after_it(
     disk_dir: Path, make_block: Block
 ) -> None:

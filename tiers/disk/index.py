@@ -40,7 +40,8 @@ synced, then renamed into place, the old WAL and shared memory removed first so 
 replayed onto it), and commits go on into it: a restart finds every block committed before and
 after the removal (counted as ``index_restored``); so does ``close``, for a removal after the
 last commit. Where it cannot be written back, and where the index file was replaced by
-another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good.
+another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good; a block
+commit's rows are deleted again first, as ``close`` may yet write the index back.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
@@ -255,13 +256,13 @@ class DiskIndex:
                 raise
             try:
                 self._check_files(db)
-            except IndexFilesReplaced:
-                raise  # committed into a file that no restart reads
             except sqlite3.Error:
-                # The rows are committed, maybe only into a WAL that was removed meanwhile: a
-                # later checkpoint would bring them to the index file, and a restart would
-                # serve blocks whose write failed. Deleted again in the same WAL, they reach
-                # the index file with their deletion or not at all.
+                # The rows are committed, maybe only into a WAL that was removed meanwhile (a
+                # later checkpoint would bring them to the index file), or into an index file
+                # removed meanwhile that could not be written back yet (``close`` tries
+                # again): a restart would serve blocks whose write failed. Deleted again in
+                # the same connection, they reach the index file with their deletion or not
+                # at all.
                 self._undo_insert(db, rows, drop)
                 raise
         return True
@@ -343,7 +344,11 @@ class DiskIndex:
     ) -> None:
         """Delete the rows of a committed insert whose file check failed, in the connection
         that committed them (its WAL, removed or not), without checking the files again.
-        Best effort: the commit's failure is what the caller reports."""
+        Best effort: the commit's failure is what the caller reports. Nothing to do where
+        that connection was closed (an index file that could not be put back in place): no
+        restart reads what it committed."""
+        if self._db is not db:
+            return
         gone = set(dropped)
         slots = [(row[2],) for row in rows if row[2] not in gone]
         try:
