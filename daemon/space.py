@@ -1016,6 +1016,24 @@ class SpaceManager:
             time.monotonic() - pending.since,
         )
 
+    async def settle_frees(self) -> None:
+        """At the stop, once nothing else will free slots: every background task waited for
+        (frees, and the retries they start), then the frees a persistent tier could not do
+        tried once more, whatever their wait, and waited for. The index of a tier that still
+        cannot free them keeps their rows, and the next start serves those blocks again
+        (deleted or evicted ones): said once per tier."""
+        await self.drain()
+        self.retry_frees(now=True)
+        await self.drain()
+        for kind, pending in self.unfreed.items():
+            log.warning(
+                "%s: %d slots could not be freed before the stop; its index keeps their "
+                "rows, so the blocks that held them (deleted or evicted) are served again "
+                "after the restart",
+                self.stack[kind].label,
+                len(pending.slots),
+            )
+
     async def give_back(self, level: Level, owner: int, slots: list[int], nbytes: int) -> None:
         """Release ``slots`` of ``level`` that ``reserve`` gave ``owner`` for blocks of
         ``nbytes`` and that no copy uses (it failed, or was not made), their hold on the

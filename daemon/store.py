@@ -243,7 +243,9 @@ class BlockStore:
     async def stop(self, *, flush: bool, flush_timeout_s: float | None = None) -> None:
         """Stop background work; with ``flush``, first write every block held only in
         volatile tiers to the first persistent tier, so that a restart serves it, starting
-        no write after ``flush_timeout_s``."""
+        no write after ``flush_timeout_s``. Then the slots a persistent tier could not free
+        are tried once more (``SpaceManager.settle_frees``): their rows left in its index
+        would bring deleted blocks back at the restart."""
         for task in (self._balancer, self._recovery):
             if task is not None and not task.done():
                 task.cancel()
@@ -253,6 +255,9 @@ class BlockStore:
         await self.space.drain()
         if flush:
             await self.flush(flush_timeout_s)
+        # Last, as the flush's evictions free slots too: a free still failed is tried once
+        # more, and nothing frees after the tiers close.
+        await self.space.settle_frees()
         for level in self._keyed:
             await level.keys.close()
 

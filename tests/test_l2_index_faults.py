@@ -149,3 +149,40 @@ def test_regression_an_index_removed_while_the_daemon_runs_loses_no_persisted_bl
         assert client.lookup(ks).tiers == [Tier.L2_DISK] * 8
         _read_back(client, pool.pool_id, ks, shm, [page(src, p) for p in range(8)])
         assert client.check().problems == []
+
+
+def test_regression_blocks_deleted_under_a_locked_index_stay_deleted_across_a_stop(
+    daemon_factory, tmp_path
+):
+    """A Delete while another process held the index locked, the lock let go, then SIGTERM
+    before the retry's wait was over (up to 60 s once a few tries failed): the stop did not
+    try the frees again, the index kept the deleted blocks' rows, and the restart served
+    the 4 deleted blocks. The stop now tries them once more before the tiers close."""
+    l2 = tmp_path / "l2"
+    slow_retry = entry_setting(
+        {
+            "kvtier.tiers.disk.index.BUSY_TIMEOUT_S": 0.2,
+            "kvtier.daemon.space.FREE_RETRY_S": 3600.0,
+        }
+    )
+    d = daemon_factory(*l2_args(l2), entry=slow_retry)
+    ks = keys(8, 463)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 463)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(8), durable=True).persisted == [True] * 8
+        other = sqlite3.connect(l2 / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            assert client.delete(ks[:4]).deleted == 4
+        finally:
+            other.close()
+        assert client.stats().counters['frees_deferred{tier="L2"}'] == 4
+    assert d.stop() == 0
+    assert "slots that could not be freed are free now" in d.log()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.lookup(ks).tiers == [Tier.ABSENT] * 4 + [Tier.L2_DISK] * 4
+        _read_back(client, pool.pool_id, ks[4:], shm, [page(src, p) for p in range(4, 8)])
+        assert client.check().problems == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import mmap
 import os
 import threading
@@ -2005,6 +2006,35 @@ async def test_regression_a_slot_free_that_failed_ended_its_quota_hold(
     assert not store.space.unfreed and not store.space.quota_held
     assert level.slots.allocator.used_slots == 15  # 16, less the slot freed by the retry
     assert store.counters.get("frees_retried", tier="L2") == 1
+
+
+async def test_regression_the_stop_tries_the_frees_a_persistent_tier_could_not_do(
+    make_store, caplog
+):
+    """Slots whose free failed waited for their retry's timer, which the stop cancelled:
+    their rows stayed in the index and the deleted blocks came back at the restart. The stop
+    now tries them once more; where the tier still refuses, it says so once."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    level = store.stack[TierKind.DISK]
+    ks = keys(4)
+    _, persisted = await store.put(pool, 0, ks, np.arange(4), None, durable=True)
+    assert persisted.all()
+    l2.fail_removes = True
+    assert (await store.delete(0, ks[:2])).deleted == 2
+    await store.space.drain()
+    assert len(store.space.unfreed[TierKind.DISK].slots) == 2
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon.space"):
+        await store.stop(flush=False)  # the fault lasts
+    said = [r for r in caplog.records if "could not be freed before the stop" in r.getMessage()]
+    assert len(said) == 1 and "L2: 2 slots" in said[0].getMessage()
+    assert level.slots.allocator.used_slots == 4
+    l2.fail_removes = False
+    await store.stop(flush=False)  # the fault is gone: freed, though their wait is not over
+    assert not store.space.unfreed and not store.space.quota_held
+    assert level.slots.allocator.used_slots == 2
+    assert store.counters.get("frees_retried", tier="L2") == 2
 
 
 def _hold_releases(
