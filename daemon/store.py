@@ -1652,7 +1652,8 @@ class BlockStore:
 
     async def _drop_repeated(self, level: Level, slots: np.ndarray) -> None:
         """Delete the rows (and free the slots) of recovered copies of a key ``level``
-        already indexed from another row (a fault between a key's two lives on the tier)."""
+        already indexed from another row (a fault between a key's two lives on the tier);
+        counted once freed, and where the tier refuses, tried again (``free_held``)."""
         if not len(slots):
             return
         log.warning(
@@ -1660,7 +1661,9 @@ class BlockStore:
             level.label,
             len(slots),
         )
-        if await self.space.release(level, slots.tolist()):
+        # Through ``free_held`` (no quota holds: the copies never joined the table), so that
+        # a free the tier refuses (its index locked) is tried again, as every other is.
+        if await asyncio.shield(self.space.free_held(level, slots.tolist(), [])):
             self.counters.inc("recovered_repeats_dropped", len(slots), tier=level.label)
 
     # ------------------------------------------------------------------ helpers
