@@ -1021,7 +1021,9 @@ class SpaceManager:
         (frees, and the retries they start), then the frees a persistent tier could not do
         tried once more, whatever their wait, and waited for. The index of a tier that still
         cannot free them keeps their rows, and the next start serves those blocks again
-        (deleted or evicted ones): said once per tier."""
+        (deleted or evicted ones): said once per tier. An index another process still keeps
+        locked holds the stop up for one busy timeout (``index.BUSY_TIMEOUT_S``), as a free
+        in flight at the stop already did."""
         await self.drain()
         self.retry_frees(now=True)
         await self.drain()
