@@ -1246,6 +1246,53 @@ def test_an_index_removed_after_the_last_commit_is_written_back_at_close(
         assert again.faults.snapshot().get("index_moved_aside", 0) == 0
 
 
+def test_regression_a_write_back_cut_short_before_its_rename_is_finished_at_the_next_open(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's end between the write-back's synced copy and its rename (here the
+    rename fails, leaving the files as a crash at that moment does: the copy whole, the old
+    WAL gone, no index file): the next start found no index and started empty, losing every
+    block the copy held. It now puts the copy in the index's place."""
+    real_replace = os.replace
+
+    def no_rename_of_the_copy(src: object, dst: object) -> None:
+        if str(src).endswith(index_module.RESTORE_SUFFIX):
+            raise OSError(errno.EIO, "cut short")
+        real_replace(src, dst)  # type: ignore[arg-type]
+
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+        (disk_dir / "index.sqlite3").unlink()
+        monkeypatch.setattr(index_module.os, "replace", no_rename_of_the_copy)
+        items = _items(tier, make_block, [5, 6], 4096)
+        assert not any(o.ok for o in persist(tier, items))
+    monkeypatch.undo()
+    assert (disk_dir / "index.sqlite3.restore").is_file()
+    assert not (disk_dir / "index.sqlite3").exists()
+    (disk_dir / "index.sqlite3-wal").write_bytes(b"\0" * 4096)  # a stale WAL is dropped
+    with _open(disk_dir) as again:
+        assert again.faults.snapshot().get("index_restored") == 1
+        assert not again.faults.snapshot().get("index_moved_aside")
+        assert _recovered_keys(again) == {b[0] for b in before.values()}
+        assert _read(again, before) == {i: b[2] for i, b in before.items()}
+    assert not (disk_dir / "index.sqlite3.restore").exists()
+
+
+def test_a_leftover_write_back_copy_beside_an_index_is_removed_at_open(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """A copy beside a whole index (a write-back cut short before its copy was synced, or
+    one whose index came back) is not used, and goes, so no later start can take an old
+    copy for the index."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(3)), 4096)
+    (disk_dir / "index.sqlite3.restore").write_bytes(b"old")
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+        assert not again.faults.snapshot().get("index_restored")
+    assert not (disk_dir / "index.sqlite3.restore").exists()
+
+
 def test_an_index_removed_while_open_that_cannot_be_written_back_fails_the_commits(
     disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
 ) -> None:

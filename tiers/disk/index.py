@@ -39,7 +39,8 @@ written back from the open connection (SQLite's backup API, into ``index.sqlite3
 synced, then renamed into place, the old WAL and shared memory removed first so they are not
 replayed onto it), and commits go on into it: a restart finds every block committed before and
 after the removal (counted as ``index_restored``); so does ``close``, for a removal after the
-last commit. Where it cannot be written back, and where the index file was replaced by
+last commit; a write-back that the daemon's end cut short after its copy was synced is
+finished at the next open (``_finish_restore``). Where it cannot be written back, and where the index file was replaced by
 another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good; a block
 commit's rows are deleted again first, as ``close`` may yet write the index back.
 
@@ -484,6 +485,7 @@ class DiskIndex:
         return self._db
 
     def _open(self) -> sqlite3.Connection | None:
+        self._finish_restore()
         problem = ""
         if self.path.exists():
             db = None
@@ -507,6 +509,37 @@ class DiskIndex:
         self._write_meta(db)
         fsync_dir(self._directory)
         return db
+
+    def _finish_restore(self) -> None:
+        """A write-back (``_restore``) that the daemon's end interrupted left its copy
+        beside the index. Without an index file, the copy is what the last run wrote back,
+        synced and whole unless its own journal says the backup was cut short (SQLite rolls
+        such a copy back to empty at its open, so it is not used): it is put in the index's
+        place, any WAL and shared memory beside it being the removed index's, all in the copy
+        (replayed onto it they would write old pages over it). Beside an index file the copy
+        is a leftover and goes. So a crash between the copy's sync and its rename no longer
+        starts the tier empty, and no old copy stays to be taken by a later start."""
+        tmp = self.path.with_name(self.path.name + RESTORE_SUFFIX)
+        journal = tmp.with_name(tmp.name + "-journal")
+        if not tmp.is_file():
+            return
+        if self.path.exists() or journal.exists():
+            for stale in (tmp, journal):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stale)
+            return
+        for old in (self.path.name + "-wal", self.path.name + "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path.with_name(old))
+        os.replace(tmp, self.path)
+        fsync_dir(self._directory)
+        self._count(index_restored=1)
+        log.warning(
+            "L2 index %s: the last run's write-back of the removed index was cut short before "
+            "its copy took the index's place; the copy (%s) is used",
+            self.path,
+            tmp.name,
+        )
 
     def _check(self, db: sqlite3.Connection) -> str:
         """Why the index cannot be used as it is, or ''."""
