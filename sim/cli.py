@@ -50,7 +50,8 @@ def add_replay_parser(subparsers: Any) -> None:
         description=(
             "Replay a trace (JSONL: timestamp ms, input_length, hash_ids) through the daemon's "
             "tier stack and eviction policies on the trace's clock, and report block hit "
-            "ratios. No daemon is involved."
+            "ratios. No daemon is involved. With --json, stdout holds the JSON object alone "
+            "and the text report goes to stderr."
         ),
     )
     p.add_argument("trace", help="trace file, one JSON object a line")
@@ -157,7 +158,12 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument(
         "--percents", type=_percent_list, help="comma-separated capacities of --sweep, in %%"
     )
-    p.add_argument("--json", action="store_true", help="end with one JSON object line")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout, and nothing else there: the text report "
+        "goes to stderr",
+    )
     p.add_argument("--plot", metavar="PNG", help="draw the result (needs matplotlib)")
     p.set_defaults(func=_run_replay)
 
@@ -239,10 +245,14 @@ def _replay_command(args: argparse.Namespace) -> int:
             f"nothing is cacheable under --semantics {args.semantics} (the daemon stores full "
             "blocks only); is --block-tokens right? (--semantics all counts partial blocks)"
         )
+    # With --json, stdout is the JSON object alone (a script parses it); the report goes
+    # to stderr, where a person running the command still reads it.
+    report = sys.stderr if args.json else sys.stdout
     print(
         f"{trace.name}: {trace.requests} requests, {cacheable.accesses} cacheable block "
         f"accesses ({cacheable.unique_blocks} unique) of {trace.accesses} "
-        f"({trace.unique_blocks} unique); semantics {args.semantics}"
+        f"({trace.unique_blocks} unique); semantics {args.semantics}",
+        file=report,
     )
     if args.sweep:
         percents = args.percents or SWEEP_PERCENTS
@@ -256,8 +266,8 @@ def _replay_command(args: argparse.Namespace) -> int:
             cluster=cluster,
         )
         if not cluster.single:
-            print(describe_cluster(cluster))
-        print(format_sweep(results, trace.unique_blocks, percents))
+            print(describe_cluster(cluster), file=report)
+        print(format_sweep(results, trace.unique_blocks, percents), file=report)
         if args.plot:
             _saved(plot_sweep, results, trace, args.plot)
         if args.json:
@@ -275,7 +285,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         stack=stack,
         cluster=cluster,
     )
-    print(format_result(result))
+    print(format_result(result), file=report)
     if args.plot:
         _saved(plot_run, result, trace, args.plot)
     if args.json:

@@ -33,13 +33,16 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_json_is_the_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_is_all_of_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --json stdout is the JSON object alone (a script pipes it into a parser); the
+    text report goes to stderr. It printed the report first, so ``json.loads`` of stdout
+    failed."""
     path = tmp_path / "t.jsonl"
     write_jsonl(path, requests([1, 2], [1, 2, 3], [4], [1, 2, 3]))
     rc = main(["replay", str(path), "--policy", "lru", "--l1-blocks", "3", "--json"])
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
     assert rc == 0
-    doc = json.loads(out[-1])
+    doc = json.loads(captured.out)
     assert {
         "policy",
         "semantics",
@@ -60,7 +63,21 @@ def test_json_is_the_last_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert (doc["policy"], doc["l1_blocks"], doc["l2_blocks"]) == ("lru", 3, 0)
     assert (doc["accesses"], doc["hits"]) == (9, 4)
     assert doc["tier_hits"] == {"l1": 4}
-    assert "block accesses/s" in "\n".join(out)
+    assert "block accesses/s" in captured.err and "4 requests" in captured.err
+    # Without --json the report is stdout's, and stderr stays empty.
+    assert main(["replay", str(path), "--policy", "lru", "--l1-blocks", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "block accesses/s" in captured.out and captured.err == ""
+
+
+def test_sweep_json_is_all_of_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, tracegen.scenario("chat", seed=1, duration_s=20.0))
+    args = ["replay", str(path), "--sweep", "--policies", "lru", "--percents", "5,20"]
+    assert main([*args, "--nodes", "2", "--l3-blocks", "100", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert [r["policy"] for r in json.loads(captured.out)["sweep"]] == ["lru", "lru"]
+    assert "cluster: 2 nodes" in captured.err and "\nlru " in captured.err
 
 
 def test_the_stack_options_reach_the_engine(
@@ -70,13 +87,13 @@ def test_the_stack_options_reach_the_engine(
     write_jsonl(path, [*requests([1], [2]), {"timestamp": 5000, "hash_ids": [1]}])
     common = ["replay", str(path), "--policy", "lru", "--l1-blocks", "1", "--json"]
     assert main([*common, "--queue-window", "10"]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = json.loads(capsys.readouterr().out)
     assert doc["hits"] == 1 and doc["hinted"] == 3
     assert main([*common, "--protect-s", "100"]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = json.loads(capsys.readouterr().out)
     assert doc["declined"] == {"l1:protected": 1} and doc["hits"] == 1
     assert main([*common, "--l2-blocks", "4", "--write-policy", "write_through"]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = json.loads(capsys.readouterr().out)
     assert doc["l2_writes"] == 2 and doc["tier_hits"] == {"l1": 0, "l2": 1}
 
 
@@ -90,12 +107,13 @@ def test_cluster_options_reach_the_engine(
     args = ["replay", str(path), "--policy", "lru", "--l1-blocks", "10", "--nodes", "3"]
     args += ["--route", "round-robin", "--l3-blocks", "10", "--l3-admission", "always"]
     assert main([*args, "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    out = captured.err.strip().splitlines()
     cluster = "  cluster: 3 nodes, route round-robin; shared L3 10 blocks (ttl 3600 s, admission"
     assert f"{cluster} always)" in out
     assert "  hits by tier: l1 0, l3 5; misses 4; promotions 5" in out
     assert any(line.startswith("  node 2: 1 requests, 4 accesses") for line in out)
-    doc = json.loads(out[-1])
+    doc = json.loads(captured.out)
     assert (doc["nodes"], doc["route"], doc["l3_blocks"]) == (3, "round-robin", 10)
     assert (doc["l3_ttl_s"], doc["l3_admission"]) == (3600.0, "always")
     assert doc["tier_hits"] == {"l1": 0, "l3": 5} and doc["misses"] == 4
@@ -104,7 +122,7 @@ def test_cluster_options_reach_the_engine(
     assert [n["tier_hits"] for n in doc["per_node"]][2] == {"l1": 0, "l3": 3}
     # The daemon's defaults: second_hit writes nothing a node saw once.
     assert main([*args[:-2], "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = json.loads(capsys.readouterr().out)
     assert (doc["l3_admission"], doc["tier_hits"]["l3"]) == ("second_hit", 0)
     # One node without L3: no cluster to describe.
     assert main(["replay", str(path), "--policy", "lru", "--l1-blocks", "10"]) == 0
@@ -119,15 +137,16 @@ def test_sweep_with_a_cluster_sweeps_each_nodes_l1(
     write_jsonl(path, tracegen.scenario("chat", seed=1, duration_s=60.0))
     args = ["replay", str(path), "--sweep", "--policies", "lru", "--percents", "5,20"]
     assert main([*args, "--json"]) == 0
-    alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["sweep"]
+    alone = json.loads(capsys.readouterr().out)["sweep"]
     assert main([*args, "--nodes", "2", "--l3-blocks", "100", "--json"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    out = captured.err.strip().splitlines()
     assert (
         out[1]
         == "cluster: 2 nodes, route prefix; shared L3 100 blocks (ttl 3600 s, admission second_hit)"
     )
     assert out[2].startswith("policy") and out[3].startswith("lru")
-    runs = json.loads(out[-1])["sweep"]
+    runs = json.loads(captured.out)["sweep"]
     assert [r["l1_blocks"] for r in runs] == [r["l1_blocks"] for r in alone]
     assert all(r["nodes"] == 2 and len(r["per_node"]) == 2 for r in runs)
 
@@ -144,7 +163,7 @@ def test_semantics_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for semantics, accesses in (("full", 2), ("all", 4)):
         args = ["replay", str(path), "--l1-blocks", "4", "--json", "--semantics", semantics]
         assert main(args) == 0
-        doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        doc = json.loads(capsys.readouterr().out)
         assert (doc["semantics"], doc["accesses"], doc["hits"]) == (semantics, accesses, 1)
 
 
@@ -170,7 +189,7 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
         "--json",
     )
     assert one.returncode == 0, one.stderr
-    doc = json.loads(one.stdout.splitlines()[-1])
+    doc = json.loads(one.stdout)
     assert doc["policy"] == "density" and doc["hits"] > 0 and doc["hinted"] > 0
     cluster = run(
         "replay",
@@ -188,7 +207,7 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
         "--json",
     )
     assert cluster.returncode == 0, cluster.stderr
-    doc = json.loads(cluster.stdout.splitlines()[-1])
+    doc = json.loads(cluster.stdout)
     assert round(100 * doc["hit_ratio"], 2) == 32.09  # README's cluster table
     assert len(doc["per_node"]) == 4 and doc["tier_hits"]["l3"] > 0
 
