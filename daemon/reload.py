@@ -171,20 +171,22 @@ def tenant_change(key: str, old: Any, new: Any) -> str:
 
 def quota_changes(key: str, old: Any, new: Any) -> list[str] | None:
     """The quota changes between two values of ``tenants`` or ``shared_namespaces`` that
-    differ in their records' quotas only ("tenants[bob].quotas: {...} -> {...}"); None for
-    any other key or change."""
+    differ in their records' quotas only, one per changed tier and in sizes as the other
+    changes ("tenants[bob].quotas.l1: 1GiB -> 512MiB"; 0 is no quota, as in the config);
+    None for any other key or change."""
     if key not in QUOTA_LISTS or len(old) != len(new):
         return None
     out = []
     for a, b in zip(old, new, strict=True):
         if dataclasses.replace(a, quotas=b.quotas) != b:
             return None
-        if a.quotas != b.quotas:
-            before, after = (
-                {label: format_size(n) for label, n in q.by_label().items()}
-                for q in (a.quotas, b.quotas)
-            )
-            out.append(f"{key}[{a.name}].quotas: {before} -> {after}")
+        for tier in dataclasses.fields(a.quotas):
+            before, after = getattr(a.quotas, tier.name), getattr(b.quotas, tier.name)
+            if before != after:
+                out.append(
+                    f"{key}[{a.name}].quotas.{tier.name}: "
+                    f"{format_size(before)} -> {format_size(after)}"
+                )
     return out
 
 

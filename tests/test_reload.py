@@ -463,7 +463,9 @@ def test_sighup_applies_a_tenants_new_quota(tmp_path, daemon_factory):
         path.write_text(QUOTA_CONFIG.format(quota=2 * block))
         d.proc.send_signal(signal.SIGHUP)
         log = _wait_for_log(d, "SIGHUP: applied")
-        assert "tenants[ops].quotas: {'L1': '512KiB'} -> {'L1': '128KiB'}" in log
+        # Sizes spelled as the rest of the line, not a dict's repr ({'L1': '512KiB'} -> ...).
+        line = next(x for x in log.splitlines() if "SIGHUP: applied" in x)
+        assert line.endswith("SIGHUP: applied tenants[ops].quotas.l1: 512KiB -> 128KiB")
         assert l1_of_ops(client) == (8 * block, 2 * block)  # held until its next put
         client.put(pool, [os.urandom(32)], [8])
         assert l1_of_ops(client) == (2 * block, 2 * block)
@@ -495,13 +497,21 @@ def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_on
     running = config("1GiB", "2GiB")
     effective, applied, restart = plan(running, config("512MiB", "4GiB"))
     assert applied == [
-        "tenants[alice].quotas: {'L1': '1GiB'} -> {'L1': '512MiB'}",
-        "shared_namespaces[s].quotas: {'L2': '2GiB'} -> {'L2': '4GiB'}",
+        "tenants[alice].quotas.l1: 1GiB -> 512MiB",
+        "shared_namespaces[s].quotas.l2: 2GiB -> 4GiB",
     ]
     assert restart == [] and effective == config("512MiB", "4GiB")
     effective, applied, restart = plan(running, config("512MiB", "2GiB", bob_gids="[50]"))
     assert applied == ["tenants: changed alice, bob"] and restart == []
     assert effective.tenants == config("512MiB", "2GiB", bob_gids="[50]").tenants
+    # One entry per tier whose quota changed, a quota added or removed from or to 0 (none).
+    effective, applied, restart = plan(running, config("1GiB, l2: 3GB", "2GiB"))
+    assert applied == ["tenants[alice].quotas.l2: 0 -> 3GB"] and restart == []
+    effective, applied, restart = plan(config("1GiB, l2: 3GB", "2GiB"), config("2GiB", "2GiB"))
+    assert applied == [
+        "tenants[alice].quotas.l1: 1GiB -> 2GiB",
+        "tenants[alice].quotas.l2: 3GB -> 0",
+    ]
 
 
 def test_the_reload_plan_spells_sizes_in_units_on_both_lines():
