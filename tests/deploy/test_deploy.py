@@ -34,21 +34,23 @@ def _systemd_analyze() -> str:
     return tool
 
 
-def _unit() -> dict[str, list[str]]:
-    """The [Service] section; repeated keys keep every value."""
+def _section(name: str) -> dict[str, list[str]]:
+    """One section of the unit (``[Unit]``); repeated keys keep every value."""
     values: dict[str, list[str]] = {}
     section = ""
     for line in UNIT.read_text().splitlines():
         line = line.strip()
-        if not line or line.startswith("#"):
-            continue
         if line.startswith("["):
             section = line
-            continue
-        if section == "[Service]":
+        elif line and not line.startswith("#") and section == name:
             key, _, value = line.partition("=")
             values.setdefault(key, []).append(value)
     return values
+
+
+def _unit() -> dict[str, list[str]]:
+    """The [Service] section."""
+    return _section("[Service]")
 
 
 def test_the_unit_passes_systemd_analyze_verify(tmp_path):
@@ -91,6 +93,31 @@ def test_the_unit_is_rated_ok_by_systemd_analyze_security():
     m = re.search(r"Overall exposure level for kvtierd.service: ([\d.]+)", out.stdout)
     assert m, out.stdout + out.stderr
     assert float(m.group(1)) <= MAX_EXPOSURE, out.stdout
+
+
+def test_the_units_documentation_is_a_file_the_install_puts_there():
+    """Regression: Documentation=file:///opt/kvtier/README.md named a file that nothing
+    installs (`pip install .` into /opt/kvtier/.venv, as the README's install steps do).
+    Every file: URI of the unit is one of the package's data files, under the prefix of the
+    venv that ExecStart runs."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    data_files = setuptools.get("data-files", {})
+    exe = Path(_unit()["ExecStart"][0].split()[0])
+    assert exe.parent.name == "bin", exe
+    prefix = exe.parent.parent  # /opt/kvtier/.venv
+    installed = {
+        prefix / folder / Path(source).name: ROOT / source
+        for folder, sources in data_files.items()
+        for source in sources
+    }
+    docs = " ".join(_section("[Unit]")["Documentation"]).split()
+    files = [Path(uri.removeprefix("file://")) for uri in docs if uri.startswith("file:")]
+    assert files, docs
+    for path in files:
+        assert path in installed, f"{path}: no install puts it there ({sorted(installed)})"
+        assert installed[path].is_file(), installed[path]
 
 
 def test_the_sandbox_still_reaches_the_socket_shared_memory_and_l2():
