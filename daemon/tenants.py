@@ -53,6 +53,7 @@ from kvtier.daemon.config import ADMIN_TENANT, DEFAULT_TENANT, TENANT_NAME, Conf
 from kvtier.daemon.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvtier.daemon.sessions import PeerCred
 from kvtier.tiers.base import TierKind
+from kvtier.tiers.sizes import format_size
 
 SHARED_PREFIX = "shared:"
 # Namespace 0: the default tenant's unnamed namespace (see the module docstring).
@@ -357,10 +358,13 @@ class TenantDirectory:
             how += [f"gids {sorted(t.gids)}"] if t.gids else []
             how += ["token"] if t.token_digest else []
             how += ["admin"] if t.admin else []
-            quotas = ", ".join(f"{k.label} {b}" for k, b in t.quotas.items())
-            how += [f"quotas {quotas}"] if quotas else []
+            how += [f"quotas {_shown(t.quotas)}"] if t.quotas else []
             parts.append(f"{t.name} ({'; '.join(how)})")
-        shared = [f"{s.label} ({', '.join(sorted(s.tenants))})" for s in self.shared.values()]
+        shared = [
+            f"{s.label} ({', '.join(sorted(s.tenants))}"
+            + (f"; quotas {_shown(s.quotas)})" if s.quotas else ")")
+            for s in self.shared.values()
+        ]
         return (
             "tenants: "
             + ", ".join(parts)
@@ -390,6 +394,11 @@ class TenantDirectory:
 
 def _quotas(by_label: Mapping[str, int]) -> dict[TierKind, int]:
     return {TierKind.from_label(label): nbytes for label, nbytes in by_label.items()}
+
+
+def _shown(quotas: Mapping[TierKind, int]) -> str:
+    """``"L1 8GiB, L2 100GiB"``: sizes as the config spells them."""
+    return ", ".join(f"{kind.label} {format_size(nbytes)}" for kind, nbytes in quotas.items())
 
 
 def read_token_digests(config: Config) -> tuple[dict[str, bytes], list[str]]:

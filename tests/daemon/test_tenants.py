@@ -301,7 +301,12 @@ def test_the_directory_is_built_from_the_config(tmp_path):
     assert sorted(d.quotas()) == sorted(
         [("a", TierKind.HOST, 1 << 20), ("shared:s", TierKind.HOST, 2 << 20)]
     )
-    assert "a (uids [0, 1000]; quotas L1 1048576)" in d.describe()
+    # Sizes in units as the config spells them (the start line said "quotas L1 1048576"),
+    # and a shared namespace's quotas too (they were left out).
+    assert d.describe() == (
+        "tenants: a (uids [0, 1000]; quotas L1 1MiB), b (gids [0]; token; admin); "
+        "shared namespaces: shared:s (a, b; quotas L1 2MiB)"
+    )
 
 
 @pytest.mark.parametrize(
