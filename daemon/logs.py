@@ -112,6 +112,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+def as_logged(message: str, fmt: str, logger: str, level: str = "INFO") -> str:
+    """``message``, a line kvtierd writes itself rather than through ``logging`` (the start
+    line, which shows at any log level; a start refused before logging is set up), in the
+    log's format: as is for ``text``, else one JSON object with the log's keys, so that a
+    pipeline that parses the JSON log (a pod's, where stdout and stderr are one stream)
+    takes every line."""
+    if fmt != "json":
+        return message
+    record = logging.makeLogRecord(
+        {"name": logger, "levelname": level, "levelno": logging.getLevelName(level)}
+    )
+    record.msg = message
+    return JsonFormatter().format(record)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     """Install the one stderr handler (replacing any), at ``level`` (any case)."""
     handler = logging.StreamHandler(sys.stderr)

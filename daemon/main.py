@@ -28,7 +28,7 @@ from kvtier.daemon import loops, preflight
 from kvtier.daemon.config import Config, ids_from, load_config, not_rereadable
 from kvtier.daemon.entry import EarlySignals
 from kvtier.daemon.errors import ConfigError
-from kvtier.daemon.logs import setup_logging
+from kvtier.daemon.logs import as_logged, setup_logging
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
         return 0
     if problems:
         for problem in problems:
-            print(f"kvtierd: cannot start: {problem}", file=sys.stderr)
+            refused = f"kvtierd: cannot start: {problem}"
+            print(as_logged(refused, config.logging.format, log.name, "ERROR"), file=sys.stderr)
         return 1
     setup_logging(config.logging.level, config.logging.format)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
@@ -184,11 +185,11 @@ async def _serve(
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
         where = ", ".join(daemon.addresses)
         extra = f"; metrics on {metrics.url}" if metrics is not None else ""
-        print(
+        started = (
             f"kvtierd {__version__} listening on {where}{extra} "
-            f"({loops.describe(loops.running())} event loop)",
-            flush=True,
+            f"({loops.describe(loops.running())} event loop)"
         )
+        print(as_logged(started, config.logging.format, log.name), flush=True)
         if early_signals.hangup:
             log.info("SIGHUP arrived while starting; reading the config again now")
             reloader.reload()

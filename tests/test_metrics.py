@@ -11,7 +11,10 @@ import platform
 import re
 import resource
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -388,6 +391,44 @@ def test_log_lines_a_request_causes_carry_its_ids(daemon_factory):
     assert registered[1]["pool_id"] == pool.pool_id
     lifecycle = [e for e in entries if "listening on" in e["msg"]]
     assert lifecycle and "request_id" not in lifecycle[0]
+
+
+def test_a_json_log_is_one_json_object_on_every_line(daemon_factory, tmp_path):
+    """With logging.format json, every line kvtierd writes, on stdout and stderr alike (a
+    pod's log is both), parses as the log's JSON: the start line, printed at any log level,
+    was plain text on stdout, and so was a start the host checks refused."""
+    d = daemon_factory("logging.format=json", "metrics.address=127.0.0.1:0")
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, keys(2, 7), range(2))
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while "SIGHUP: applied" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.stop() == 0
+    lines = d.log().splitlines()
+    entries = [json.loads(line) for line in lines]  # each one, or JSONDecodeError
+    assert all({"ts", "level", "logger", "msg"} <= set(e) for e in entries)
+    (start,) = [e for e in entries if e["msg"].startswith("kvtierd 0")]
+    assert start["level"] == "INFO" and f"metrics on {metrics_url(d)}" in start["msg"]
+    assert any(e["msg"].startswith("SIGHUP: applied") for e in entries)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            *("--set", "logging.format=json", "--set", f"server.socket={tmp_path}/s.sock"),
+            *("--set", "tiers.l2.enabled=true", "--set", f"tiers.l2.path={tmp_path}/l2"),
+            *("--set", "tiers.l2.capacity_bytes=1000TiB", "--set", "tiers.l2.file_bytes=4TiB"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1
+    (problem,) = [json.loads(line) for line in refused.stderr.splitlines()]
+    assert problem["level"] == "ERROR" and "cannot start" in problem["msg"], problem
+    assert "cannot hold" in problem["msg"] and refused.stdout == ""
 
 
 async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path, monkeypatch):
