@@ -185,7 +185,8 @@ def test_capacity_change_keeps_the_blocks_that_fit(
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
         tier = DiskTier(disk_dir, 8 * MiB, 1 * MiB, file_bytes=8 * MiB)
     with tier:
-        assert "capacity changes" in caplog.text
+        # In units, as the config spells the size (it said "from 67108864 to 8388608 bytes").
+        assert "L2 capacity changes from 64MiB to 8MiB;" in caplog.text
         kept = {r.key: r for r in tier.recover()}
         assert len(kept) == 8 * 256  # eight 1 MiB segments of 4 KiB slots
         assert sorted(p.name for p in disk_dir.glob("data-*.bin")) == ["data-0000.bin"]

@@ -61,6 +61,7 @@ from pathlib import Path
 
 from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
 from kvtier.tiers.disk.health import classify
+from kvtier.tiers.sizes import format_size
 
 log = logging.getLogger("kvtier.tiers.disk")
 
@@ -574,10 +575,9 @@ class DiskIndex:
         if int(old) != int(self._geometry["capacity_bytes"]):
             self.previous_capacity = int(old)
             log.warning(
-                "L2 capacity changes from %s to %s bytes; blocks beyond the new capacity are "
-                "dropped",
-                old,
-                self._geometry["capacity_bytes"],
+                "L2 capacity changes from %s to %s; blocks beyond the new capacity are dropped",
+                format_size(int(old)),
+                format_size(int(self._geometry["capacity_bytes"])),
             )
             self._write_meta(db)
         return ""
