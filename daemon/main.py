@@ -173,14 +173,15 @@ async def _serve(
             token = None
             if config.metrics.token_file:
                 token = read_token_file(config.metrics.token_file)
-            elif config.tenants:
+            metrics = MetricsServer(daemon, config.metrics.address, token)
+            metrics.start()
+            if token is None and config.tenants:
+                # The URL it listens on: metrics.address may be a port alone, or port 0.
                 log.warning(
                     "metrics.address without metrics.token_file: anyone who reaches %s may "
                     "read every tenant's name, usage and traffic there",
-                    config.metrics.address,
+                    metrics.url,
                 )
-            metrics = MetricsServer(daemon, config.metrics.address, token)
-            metrics.start()
         reloader = Reloader(daemon, load, known_ids, metrics)
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader.reload)
         where = ", ".join(daemon.addresses)
