@@ -135,6 +135,51 @@ def test_the_sandbox_still_reaches_the_socket_shared_memory_and_l2():
     assert unit["Type"] == ["notify"] and unit["KillSignal"] == ["SIGTERM"]
 
 
+def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
+    """Type=notify and WatchdogSec=: kvtierd tells systemd READY=1 once it serves (systemd
+    would otherwise fail the start after TimeoutStartSec), pings WATCHDOG=1 at half of
+    WATCHDOG_USEC from its event loop (else systemd kills it as hung), and says STOPPING=1
+    when SIGTERM starts its drain."""
+    import os
+    import signal
+    import socket
+    import sys
+    import tempfile
+
+    from kvtier.client import Client
+
+    short = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))  # within AF_UNIX's 108 bytes
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(short / "notify"))
+    notify.settimeout(30)
+    sock = str(short / "k.sock")
+    env = dict(os.environ, NOTIFY_SOCKET=str(short / "notify"), WATCHDOG_USEC="200000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.daemon", "--set", f"server.socket={sock}"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        ready = notify.recv(4096).decode()
+        assert ready.splitlines()[0] == "READY=1", ready
+        with Client(f"unix:{sock}") as client:  # serving when it says so
+            assert client.health()
+        # Every 0.1 s here: five come well within the socket's timeout.
+        assert {notify.recv(4096).decode() for _ in range(5)} == {"WATCHDOG=1"}
+        proc.send_signal(signal.SIGTERM)
+        while (message := notify.recv(4096).decode()) == "WATCHDOG=1":
+            pass
+        assert message == "STOPPING=1"
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        notify.close()
+        shutil.rmtree(short, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------- container
 
 
