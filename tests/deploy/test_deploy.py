@@ -180,6 +180,32 @@ def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
         shutil.rmtree(short, ignore_errors=True)
 
 
+def _stop_bound_s(config) -> float:
+    """The longest a SIGTERM keeps the daemon, but for the last flush write under way: the
+    server's drain, then the requests whose clients left (each up to
+    server.drain_timeout_s), then the flush of L1 to L2 (tiers.l2.flush_timeout_s; counted
+    where L2 is still off, as in deploy/kvtier.yaml, since turning it on changes no timeout)."""
+    flush = config.tiers.l2.flush_timeout_s if config.tiers.l2.flush_on_stop else 0.0
+    return 2 * config.server.drain_timeout_s + flush
+
+
+def test_the_deployments_wait_for_the_daemons_stop_before_killing_it():
+    """systemd's TimeoutStopSec and the DaemonSet's terminationGracePeriodSeconds outlast the
+    stop of the config each runs (past them the daemon is SIGKILLed mid-flush and the L1
+    blocks not yet written are lost); so does the `docker run --stop-timeout` the image
+    asks for."""
+    unit = _unit()
+    assert int(unit["TimeoutStopSec"][0]) > _stop_bound_s(load_config(DEPLOY / "kvtier.yaml"))
+    (ds,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    config = load_config(None, environ=env)
+    assert config.tiers.l2.enabled and config.tiers.l2.flush_on_stop
+    assert pod["terminationGracePeriodSeconds"] > _stop_bound_s(config)
+    asked = re.search(r"--stop-timeout (\d+)", (DEPLOY / "Dockerfile").read_text())
+    assert asked and int(asked[1]) > _stop_bound_s(load_config(DEPLOY / "kvtier.yaml"))
+
+
 # ------------------------------------------------------------------------- container
 
 
