@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
 import json
 import logging
 import math
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -147,11 +149,43 @@ def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
     address = resolve_address(args.address)
     if _reached(error):
         return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
+    hint = _socket_refusal(address) or (
+        "Is the daemon running? Start it with `kvtierd` (or `make run`); point kvtier at "
+        "another one with --address unix:/path/to.sock or KVTIER_ADDRESS."
+    )
     return (
         f"kvtier: cannot reach kvtierd at {address} ({address_hint(args.address)}): "
-        f"{error.details}\n"
-        "  Is the daemon running? Start it with `kvtierd` (or `make run`); point kvtier at "
-        "another one with --address unix:/path/to.sock or KVTIER_ADDRESS."
+        f"{error.details}\n  {hint}"
+    )
+
+
+def _socket_refusal(address: str) -> str | None:
+    """Why this user may not connect to the Unix socket of ``address``, where that keeps it
+    from the daemon (a socket whose mode and group leave this user out, or a folder it may
+    not enter): gRPC says only "Permission denied", and a daemon runs there. None otherwise."""
+    if not address.startswith("unix:") or address.startswith("unix://"):
+        return None
+    path = address[len("unix:") :]
+    try:
+        st = os.stat(path)
+    except PermissionError:
+        return (
+            f"this user may not enter the folder of {path}: the daemon's socket folder lets "
+            "through those its sockets admit (server.socket_mode and server.socket_group)"
+        )
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or os.access(path, os.W_OK):
+        return None
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return (
+        f"{path} is there, but its mode ({stat.S_IMODE(st.st_mode):04o}) and group ({group}) "
+        "do not let this user connect: the daemon's server.socket_mode and "
+        "server.socket_group say who may (join that group, or ask for the daemon's "
+        "socket_group to be one of yours)"
     )
 
 
