@@ -65,6 +65,8 @@ def test_the_unit_passes_systemd_analyze_verify(tmp_path):
     shutil.copy(UNIT, root / "etc/systemd/system/kvtierd.service")
     (root / "usr/lib").mkdir(parents=True)
     (root / "usr/lib/systemd").symlink_to("/usr/lib/systemd")
+    (root / "bin").mkdir()
+    shutil.copy("/bin/kill", root / "bin/kill")  # ExecReload's, as on the host
     out = subprocess.run(
         [_systemd_analyze(), "verify", f"--root={root}", "kvtierd.service"],
         capture_output=True,
@@ -133,6 +135,12 @@ def test_the_sandbox_still_reaches_the_socket_shared_memory_and_l2():
     # Page-locked L1 needs the limit, not a capability (the bounding set is empty).
     assert unit["LimitMEMLOCK"] == ["infinity"] and unit["CapabilityBoundingSet"] == [""]
     assert unit["Type"] == ["notify"] and unit["KillSignal"] == ["SIGTERM"]
+
+
+def test_systemctl_reload_sends_the_daemon_sighup():
+    """`systemctl reload kvtierd` said "Job type reload is not applicable": the unit had no
+    ExecReload, though SIGHUP is how kvtierd reloads its config."""
+    assert _unit()["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
 
 
 def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
