@@ -302,6 +302,10 @@ def test_the_daemonset_shares_socket_dir_l2_and_shm_with_the_node():
     assert container["image"].endswith(f":{__version__}")
     port = int(config.metrics.address.rsplit(":", 1)[1])
     assert {p["containerPort"] for p in container["ports"]} == {port}
+    # The port Prometheus's pod discovery scrapes, by the annotations.
+    annotations = ds["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == port
     (named,) = [p["name"] for p in container["ports"]]
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         assert container[probe]["httpGet"]["port"] == named
