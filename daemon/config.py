@@ -1174,7 +1174,7 @@ def load_config(
         try:
             loaded = _load_yaml(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+            raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
         except RecursionError:
             raise ConfigError(f"config file {path} nests too deeply to be a config") from None
         if loaded is not None and not isinstance(loaded, dict):
@@ -1209,6 +1209,17 @@ def _override_value(key: str, text: str) -> Any:
         raise ConfigError(f"config key '{key}': {e.problem}") from None
     except (yaml.YAMLError, RecursionError):
         return text
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """One line for what YAML could not read, with where: PyYAML's own text spans lines (the
+    spot quoted under a caret), and a reload's error is one line of the daemon's log."""
+    if not isinstance(error, yaml.MarkedYAMLError):
+        return " ".join(str(error).split())
+    mark = error.problem_mark
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = f" ({error.context})" if error.context else ""
+    return f"{where}{error.problem or 'not YAML'}{context}"
 
 
 class _RepeatedKey(yaml.constructor.ConstructorError):

@@ -472,6 +472,31 @@ def test_a_key_given_twice_is_a_config_error(tmp_path, text, key):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "server:\n  max_batch_blocks: [1,\n tiers: {\n",
+            "line 4, column 1: expected the node content, but found '<stream end>' "
+            "(while parsing a flow node)",
+        ),
+        (
+            "server:\n  max_batch_blocks: 10\n  max_batch_blocks: 20\n",
+            "line 3, column 3: key 'max_batch_blocks' appears twice in one mapping (first on "
+            "line 2); YAML would silently keep only the last",
+        ),
+    ],
+)
+def test_a_file_that_is_not_yaml_is_refused_in_one_line_naming_where(tmp_path, text, message):
+    """The log says one line per event: a SIGHUP whose file YAML could not read logged
+    PyYAML's own text, four lines with the spot under a caret, under '"<unicode string>"'."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert str(refused.value) == f"config file {path} is not valid YAML: {message}"
+
+
 def test_a_key_given_twice_in_a_set_or_variable_value_is_named():
     # Read as a string it was refused as "expected a list of mappings", the repeat unnamed.
     twice = "[{name: a, uids: [1], name: b}]"
