@@ -1,7 +1,8 @@
-"""Deployment files: the systemd unit (verified and rated by systemd-analyze), the container
-image definition, the Kubernetes DaemonSet (validated against the Kubernetes schemas, its
-probe run against a real daemon) and the Grafana dashboard (every query names a metric the
-daemon exports)."""
+"""Deployment files: the systemd unit (verified and rated by systemd-analyze, its notify
+protocol spoken by a real daemon, its Documentation= installed), the container image
+definition, the Kubernetes DaemonSet (validated against the Kubernetes schemas, its probe run
+against a real daemon), the stop timeouts of all three against the config's, and the Grafana
+dashboard (every query names a metric the daemon exports)."""
 
 from __future__ import annotations
 
