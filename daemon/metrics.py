@@ -378,7 +378,12 @@ FIXED: tuple[MetricDef, ...] = (
         "How prefetches ended: used (arrived before the read), late (the read came first), "
         "wasted (evicted or cancelled unread).",
     ),
-    _g("kvtier_prefetch_outstanding", (), "Prefetches issued and not settled yet."),
+    _g(
+        "kvtier_prefetch_outstanding",
+        (),
+        "Prefetches issued and not settled yet: a prefetched block counts until it is read "
+        "or leaves the top tier, so one never read keeps this above 0 after traffic stops.",
+    ),
     _c(
         "kvtier_prefetch_duplicates_total",
         (),
