@@ -31,6 +31,7 @@ import contextlib
 import hmac
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -753,6 +754,15 @@ class _BoundedServer(ThreadingWSGIServer):
         except BaseException:
             self._forget(request)
             raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that fails as connections do (it stayed silent past its timeout, its
+        peer reset it, or it was ended to make room) ends without a word: socketserver's own
+        handler printed a traceback on stderr for each, outside the log's format and as
+        often as any peer that reaches the port liked. Anything else is logged."""
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        log.exception("metrics endpoint: serving a connection from %s failed", client_address[0])
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

@@ -531,6 +531,42 @@ def test_regression_idle_connections_to_the_metrics_port_held_a_thread_and_a_fil
     thread.join(5)
 
 
+def test_regression_connections_that_end_badly_printed_a_traceback_each(monkeypatch, capfd):
+    """A connection to the metrics port that stayed silent until its timeout, or that one
+    beyond HTTP_MAX_CONNECTIONS ended, printed socketserver's 20-line traceback on stderr:
+    plain text inside a JSON log, and as many as any peer that reaches the port cared to
+    cause. Such connections now end without a word; the endpoint answers as before."""
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.2)
+    server, thread = metrics.serve_http("127.0.0.1", 0, metrics.scrape_app(CollectorRegistry()))
+    address = ("127.0.0.1", server.server_address[1])
+    try:
+        silent = [socket.create_connection(address, timeout=30) for _ in range(2)]
+        half = socket.create_connection(address, timeout=30)
+        half.sendall(b"GET /metr")  # a request line never finished
+        assert all(conn.recv(100) == b"" for conn in [*silent, half])  # timed out, closed
+        held = [
+            socket.create_connection(address, timeout=30)
+            for _ in range(metrics.HTTP_MAX_CONNECTIONS + 2)
+        ]
+        for conn in held:
+            conn.sendall(b"G")
+        assert held[0].recv(100) == b"" and held[1].recv(100) == b""  # ended to make room
+        url = f"http://127.0.0.1:{address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            assert answer.status == 200
+        for conn in held:
+            conn.close()
+        deadline = time.monotonic() + 30
+        while server._open and time.monotonic() < deadline:  # every handler thread done
+            time.sleep(0.01)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+
+
 def test_regression_a_scrape_flood_slowed_every_client_of_the_daemon():
     """Anyone who reaches the metrics port may scrape it back to back. Eight local scrapers
     (290 scrapes/s, each a snapshot on the event loop and a render holding the GIL) took
