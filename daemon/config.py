@@ -346,6 +346,17 @@ class ServerConfig:
                 raise ConfigError(f"config key 'server.tcp_address': {e}") from None
         if self.lease_default_ms > self.lease_max_ms:
             raise ConfigError("server.lease_default_ms exceeds server.lease_max_ms")
+        if self.max_health_watches_per_peer > self.max_health_watches:
+            raise ConfigError(
+                f"server.max_health_watches_per_peer ({self.max_health_watches_per_peer}) "
+                f"exceeds server.max_health_watches ({self.max_health_watches}): one host "
+                "could take every watch"
+            )
+        if not os.path.isabs(self.shm_dir):
+            raise ConfigError(
+                f"config key 'server.shm_dir': {self.shm_dir!r} is not an absolute path (the "
+                "daemon resolves shared-memory names there whatever its working folder)"
+            )
         need = self.max_batch_blocks * MESSAGE_BYTES_PER_KEY + MESSAGE_BYTES_BASE
         if self.max_message_bytes < need:
             raise ConfigError(
@@ -820,6 +831,12 @@ class PolicyConfig:
 
     def check(self) -> None:
         _check_policy("policy.name", self.name)
+        if self.hint_max_share > self.hint_max_total_share:
+            raise ConfigError(
+                f"policy.hint_max_share ({self.hint_max_share:g}) exceeds "
+                f"policy.hint_max_total_share ({self.hint_max_total_share:g}): one tenant's "
+                "bound would be above every tenant's together"
+            )
 
 
 @dataclass(frozen=True)

@@ -432,6 +432,29 @@ def test_bad_socket_and_sharing_keys_name_the_key(override, words):
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (
+            ["server.max_health_watches=8", "server.max_health_watches_per_peer=9"],
+            "server.max_health_watches_per_peer (9) exceeds server.max_health_watches (8)",
+        ),
+        (
+            ["policy.hint_max_share=0.6", "policy.hint_max_total_share=0.5"],
+            "policy.hint_max_share (0.6) exceeds policy.hint_max_total_share (0.5)",
+        ),
+        (["server.shm_dir=dev/shm"], "'server.shm_dir': 'dev/shm' is not an absolute path"),
+    ],
+)
+def test_settings_that_contradict_each_other_or_depend_on_the_folder_are_refused(overrides, words):
+    """Each was taken before: a per-host bound above the total bound it is part of, one
+    tenant's share above every tenant's together (neither can take effect as written), and
+    a shared-memory folder read relative to wherever the daemon was started."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert words in str(info.value)
+
+
 def test_shm_share_pairs():
     from kvtier.daemon.config import ANY_PEER
 
