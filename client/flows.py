@@ -87,8 +87,11 @@ def new_binding(
 ) -> PoolBinding:
     """The binding of a pool to register, its arguments checked (both clients): a wrong
     object failed deep inside with an AttributeError, a namespace that is no ``Namespace``
-    was taken and failed at the first store by tokens, and a closed pool was registered by
-    its gone name (the daemon answered NotFound)."""
+    was taken and failed at the first store by tokens, a closed pool was registered by its
+    gone name (the daemon answered NotFound), and a namespace of another block size than
+    the layout's was taken: its keys then named blocks of other tokens than the pages hold
+    (with fewer tokens, a key named a page whose later tokens it never hashed, so another
+    prompt sharing only the key's tokens loaded KV computed over different ones)."""
     what = "shm" if kind is SharedMemoryPool else "export"
     checked_type(memory, kind, what)
     if isinstance(memory, SharedMemoryPool) and memory.closed:
@@ -96,6 +99,11 @@ def new_binding(
     checked_type(layout, PoolLayout, "layout")
     if namespace is not None:
         checked_type(namespace, Namespace, "namespace")
+        if namespace.block_tokens != layout.block_tokens:
+            raise InvalidArgumentError(
+                f"namespace: block_tokens {namespace.block_tokens} is not the layout's "
+                f"{layout.block_tokens}: a page holds one block of the layout's tokens"
+            )
     return PoolBinding(memory, layout, namespace)
 
 

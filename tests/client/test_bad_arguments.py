@@ -142,6 +142,7 @@ CASES: list[tuple[str, Call, str]] = [
     ("register-none-shm", lambda c, p: c.register_pool(None, LAYOUT), r"^shm: expected SharedMemoryPool, not NoneType$"),
     ("register-none-layout", lambda c, p: c.register_pool(p.binding.shm, None), r"^layout: expected PoolLayout, not NoneType$"),
     ("register-str-namespace", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, "ns"), r"^namespace: expected Namespace, not str$"),
+    ("register-namespace-other-block-size", lambda c, p: c.register_pool(p.binding.shm, LAYOUT, Namespace(model="m", kv_dtype="uint8", block_tokens=2)), r"^namespace: block_tokens 2 is not the layout's 4: a page holds one block of the layout's tokens$"),
     ("register-closed-shm", lambda c, p: c.register_pool(closed_pool(), LAYOUT), r"^shm: the pool 'closed' was closed$"),
     ("register-cuda-shm", lambda c, p: c.register_cuda_pool(p.binding.shm, LAYOUT), r"^export: expected CudaIpcExport, not SharedMemoryPool$"),
     ("store-none-pool", lambda c, p: c.store(None, TOKENS, [0, 1, 2]), r"^pool: expected (Async)?RegisteredPool, not NoneType$"),
