@@ -1,6 +1,9 @@
 """The asyncio client: the surface of ``kvtier.client.Client`` with coroutines.
 
-Thread-safety: use from one event loop.
+Thread-safety: use from one event loop. A client belongs to the event loop of its first call
+(grpc.aio binds a channel to its loop, so the channel is made then): it may be made outside
+any loop, before ``asyncio.run``; a call from another loop is FailedPreconditionError (its
+``close()`` aside).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from kvtier.client import types as t
 from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
     DeadlineExceededError,
+    FailedPreconditionError,
     NotFoundError,
     Resends,
     UnavailableError,
@@ -86,13 +90,13 @@ class AsyncClient:
         self.tenant = ""  # the session's tenant, once it is open
         self.admin = False
         self.client_name = client_name or f"pid {os.getpid()} (asyncio)"
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.KVTierStub(self._channel)
-        self._health = self._channel.unary_unary(
-            hc.CHECK_METHOD,
-            request_serializer=None,  # health() encodes its request before sending it
-            response_deserializer=hc.decode_response,
-        )
+        # The channel, made on the loop of the first call (see _on_loop): grpc.aio binds a
+        # channel to the loop it is made on, so one made here, outside the loop that used it
+        # (a client made before asyncio.run), failed every call with a RuntimeError.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._channel: Any = None
+        self._stub: Any = None
+        self._health: Any = None
         self._lock = asyncio.Lock()
         self._register_lock = asyncio.Lock()  # one registration at a time (see _pool_id)
         self._closed = False
@@ -107,7 +111,42 @@ class AsyncClient:
 
     # --------------------------------------------------------------- lifecycle
 
+    def _on_loop(self) -> None:
+        """Check that the caller runs on this client's event loop, making the channel there on
+        the first call. A call from another loop is refused before it touches gRPC (whose
+        calls there failed with a RuntimeError about another loop, or hung)."""
+        loop = asyncio.get_running_loop()
+        if self._closed and loop is not self._loop:
+            raise closed_error()  # on its own loop, the call's own path says so
+        if self._loop is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.KVTierStub(self._channel)
+            self._health = self._channel.unary_unary(
+                hc.CHECK_METHOD,
+                request_serializer=None,  # health() encodes its request before sending it
+                response_deserializer=hc.decode_response,
+            )
+            self._loop = loop
+        elif loop is not self._loop:
+            which = "which has closed" if self._loop.is_closed() else "not the caller's"
+            raise FailedPreconditionError(
+                f"this AsyncClient belongs to the event loop of its first call, {which}: "
+                "make one client per event loop"
+            )
+
     async def close(self) -> None:
+        """Close the client; from another event loop than its own too: while its own runs
+        (in another thread) the client is closed there, and once its own has stopped or
+        closed it is marked closed and its channel is left to the garbage collector."""
+        own = self._loop
+        if own is not None and own is not asyncio.get_running_loop():
+            if own.is_running():
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.close(), own))
+                return
+            self._closed = True
+            self._session_id, self._session_call, self._session_task = "", None, None
+            self._unanswered.clear()
+            return
         self._closed = True
         call, task = self._session_call, self._session_task
         self._session_id, self._session_call, self._session_task = "", None, None
@@ -119,7 +158,8 @@ class AsyncClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     def closed_error_for(self, error: BaseException) -> UnavailableError | None:
         """What a call that ended in ``error`` raises instead when this client's ``close()``
@@ -145,6 +185,7 @@ class AsyncClient:
 
     async def session(self) -> str:
         """The open session, opened on first use."""
+        self._on_loop()
         async with self._lock:
             if self._closed:
                 raise closed_error()
@@ -258,10 +299,12 @@ class AsyncClient:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
         this connection has many calls open) and its time allows; raises grpc.RpcError
         (the transfer jobs send their parts through it too)."""
+        self._on_loop()
         return await self._until_run(getattr(self._stub, method), request, timeout_s)
 
     async def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
+        self._on_loop()
         resends = Resends(timeout_s)
         while True:
             try:
@@ -304,8 +347,10 @@ class AsyncClient:
 
     @property
     def stub(self) -> pb_grpc.KVTierStub:
-        """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
-        return self._stub
+        """The raw gRPC stub (requests need ``session_id`` filled in by the caller); on the
+        client's event loop (its first use makes the channel there)."""
+        self._on_loop()
+        return self._stub  # type: ignore[no-any-return]
 
     async def pool_id_of(self, binding: PoolBinding) -> int:
         """See ``Client.pool_id_of``."""
@@ -355,6 +400,8 @@ class AsyncClient:
         UnregisterPool goes out as a task of that loop, sent again while the daemon's gRPC
         refuses it unrun, and ``close()`` cancels it (the session's end frees the pool)."""
         loop = asyncio.get_running_loop()  # off the loop: RuntimeError, the pool kept
+        if self._loop is not None:
+            self._on_loop()  # another loop: FailedPreconditionError, the pool kept
         request = unregistration(binding, self._pools, self._session_id)
         if request is None:
             return
@@ -505,6 +552,7 @@ class AsyncClient:
     async def health(self, service: str = "") -> bool:
         request = hc.encode_request(service)
         try:
+            self._on_loop()
             status = await self._until_run(self._health, request, self.timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
