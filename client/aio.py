@@ -59,7 +59,9 @@ from kvtier.client.sync import (
     SessionToken,
     client_namespace,
     client_settings,
+    in_own_process,
     no_fd_transport,
+    refuse_in_child,
 )
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -108,13 +110,16 @@ class AsyncClient:
         # unregister_pool_nowait's calls, held here until they end (the loop keeps only a
         # weak reference to a task).
         self._unanswered: set[asyncio.Task[None]] = set()
+        self._pid = os.getpid()
 
     # --------------------------------------------------------------- lifecycle
 
     def _on_loop(self) -> None:
         """Check that the caller runs on this client's event loop, making the channel there on
         the first call. A call from another loop is refused before it touches gRPC (whose
-        calls there failed with a RuntimeError about another loop, or hung)."""
+        calls there failed with a RuntimeError about another loop, or hung), and so is one in
+        a child the client's process forked (``refuse_in_child``)."""
+        refuse_in_child(self._pid, "AsyncClient")
         loop = asyncio.get_running_loop()
         if self._closed and loop is not self._loop:
             raise closed_error()  # on its own loop, the call's own path says so
@@ -137,7 +142,11 @@ class AsyncClient:
     async def close(self) -> None:
         """Close the client; from another event loop than its own too: while its own runs
         (in another thread) the client is closed there, and once its own has stopped or
-        closed it is marked closed and its channel is left to the garbage collector."""
+        closed it is marked closed and its channel is left to the garbage collector. In a
+        forked child it only marks the child's copy closed (see ``Client.close``)."""
+        if not in_own_process(self._pid):
+            self._closed = True
+            return
         own = self._loop
         if own is not None and own is not asyncio.get_running_loop():
             if own.is_running():
@@ -400,6 +409,9 @@ class AsyncClient:
         UnregisterPool goes out as a task of that loop, sent again while the daemon's gRPC
         refuses it unrun, and ``close()`` cancels it (the session's end frees the pool)."""
         loop = asyncio.get_running_loop()  # off the loop: RuntimeError, the pool kept
+        if not in_own_process(self._pid):  # a forked child's copy: the pool is the parent's
+            t.checked_type(binding, PoolBinding, "binding")
+            return
         if self._loop is not None:
             self._on_loop()  # another loop: FailedPreconditionError, the pool kept
         request = unregistration(binding, self._pools, self._session_id)

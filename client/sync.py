@@ -12,7 +12,8 @@ tenant by that uid (or by a tenant ``token``, required over TCP); every block ca
 namespace inside that tenant, ``namespace`` ("" by default), so tenants never see each other's
 blocks whatever keys they use.
 
-Thread-safety: a Client may be shared by threads.
+Thread-safety: a Client may be shared by threads. It belongs to the process that made it: in
+a child that process forked, its calls are FailedPreconditionError (see ``in_own_process``).
 """
 
 from __future__ import annotations
@@ -169,6 +170,25 @@ def client_namespace(namespace: str) -> str:
     return namespace
 
 
+def in_own_process(pid: int) -> bool:
+    """Whether this is still the process ``pid`` that made a client (not a child it forked)."""
+    return os.getpid() == pid
+
+
+def refuse_in_child(pid: int, kind: str) -> None:
+    """Refuse a client's call in a child forked from the process ``pid`` that made it, before
+    the call touches gRPC: there the child's copy of the parent's channel hung past every
+    timeout (gRPC's fork support off), or failed once and then acted in the parent's session
+    (its leases, its pools) with gRPC's fork handlers skipped, as they are while any thread
+    waits in gRPC (the session's watcher always does)."""
+    if not in_own_process(pid):
+        raise FailedPreconditionError(
+            f"this {kind} was made in process {pid}, not in this one ({os.getpid()}), which "
+            "it forked: a client does not cross fork(); start workers with spawn, or fork "
+            "them before making a client"
+        )
+
+
 def no_fd_transport(address: str) -> FailedPreconditionError:
     return FailedPreconditionError(
         f"a memfd pool is handed to the daemon over its Unix socket; {address} is not one "
@@ -221,10 +241,16 @@ class Client:
         self._session_call: Any = None
         self._pools: dict[int, PoolBinding] = {}
         self._jobs = JobTable()
+        self._pid = os.getpid()
 
     # --------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
+        """Close the client. In a forked child it only marks the child's copy closed: the
+        session, its pools and the channel are the parent's."""
+        if not in_own_process(self._pid):
+            self._closed = True  # not under _lock: another thread may have held it at fork
+            return
         with self._lock:
             self._closed = True
             call, self._session_call, self._session_id = self._session_call, None, ""
@@ -241,6 +267,7 @@ class Client:
     @property
     def session_id(self) -> str:
         """The open session, opened on first use."""
+        refuse_in_child(self._pid, "Client")
         with self._lock:
             if self._closed:
                 raise closed_error()
@@ -373,6 +400,7 @@ class Client:
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
+        refuse_in_child(self._pid, "Client")
         resends = Resends(timeout_s)
         while True:
             try:
@@ -491,7 +519,11 @@ class Client:
         """Unregister a pool without waiting for the answer (a pool of a session that has
         ended needs nothing: the daemon dropped it with the session). The next call through
         ``binding`` registers the memory again. Raises nothing but InvalidArgumentError for
-        what is no binding; a failure of the call itself goes unreported."""
+        what is no binding; a failure of the call itself goes unreported. In a forked child it
+        does nothing: the pool is the parent's."""
+        if not in_own_process(self._pid):
+            t.checked_type(binding, PoolBinding, "binding")
+            return
         request = unregistration(binding, self._pools, self._session_id)
         if request is not None:
             self._unregister_nowait(request, Resends(self.timeout_s))
@@ -528,6 +560,7 @@ class Client:
         memory again."""
         t.checked_type(binding, PoolBinding, "binding")
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
+        refuse_in_child(self._pid, "Client")
         request = unregistration(binding, self._pools, self._session_id)
         if request is None:
             return False
