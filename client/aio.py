@@ -31,6 +31,7 @@ from kvtier.client.errors import (
     closed_error,
     from_rpc_error,
     refused_stream,
+    unclean,
 )
 from kvtier.client.flows import (
     Flow,
@@ -110,6 +111,8 @@ class AsyncClient:
         # unregister_pool_nowait's calls, held here until they end (the loop keeps only a
         # weak reference to a task).
         self._unanswered: set[asyncio.Task[None]] = set()
+        # UnregisterPools that went unanswered: see Client._unregister_unconfirmed.
+        self._unconfirmed: dict[int, str] = {}
         self._pid = os.getpid()
 
     # --------------------------------------------------------------- lifecycle
@@ -341,6 +344,7 @@ class AsyncClient:
             return int(done.value)
 
     async def _register(self, binding: PoolBinding) -> None:
+        await self._unregister_unconfirmed()
         ticket = b""
         if binding.hands_over_fd:
             path = credentials.cred_socket_path(self.address)
@@ -422,9 +426,32 @@ class AsyncClient:
         task.add_done_callback(self._unanswered.discard)
 
     async def _unregister_nowait(self, request: pb.UnregisterPoolRequest) -> None:
-        # Nobody waits for the answer: a failure is the session's end's to clean up.
-        with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError):
-            await self.call("UnregisterPool", request, self.timeout_s)
+        # Nobody waits for the answer; one left unanswered is sent again before the next
+        # registration (see Client._unregister_unconfirmed).
+        with contextlib.suppress(grpc.aio.UsageError):
+            try:
+                await self.call("UnregisterPool", request, self.timeout_s)
+            except grpc.RpcError as e:
+                if unclean(from_rpc_error(e)):
+                    self._unconfirmed[request.pool_id] = request.session_id
+
+    async def _unregister_unconfirmed(self) -> None:
+        """See ``Client._unregister_unconfirmed``."""
+        if not self._unconfirmed:
+            return
+        session_id = await self.session()
+        todo = [pool for pool, sid in self._unconfirmed.items() if sid == session_id]
+        self._unconfirmed = {pool: session_id for pool in todo}
+        for pool_id in todo:
+            request = t.build_request(
+                pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id
+            )
+            try:
+                await self.call("UnregisterPool", request, self.timeout_s)
+            except grpc.RpcError as e:
+                if unclean(from_rpc_error(e)):
+                    break  # still unanswered: kept, with those after it
+            self._unconfirmed.pop(pool_id, None)
 
     # ---------------------------------------------------------------- blocks
 

@@ -44,6 +44,7 @@ from kvtier.client.errors import (
     closed_error,
     from_rpc_error,
     refused_stream,
+    unclean,
 )
 from kvtier.client.flows import (
     Flow,
@@ -240,6 +241,10 @@ class Client:
         self._session_id = ""
         self._session_call: Any = None
         self._pools: dict[int, PoolBinding] = {}
+        # Pools whose UnregisterPool went unanswered (a timeout, a daemon stopped meanwhile),
+        # by id, with their session: sent again before the next registration (under
+        # _ids_lock, as gRPC's callback thread adds to it).
+        self._unconfirmed: dict[int, str] = {}
         self._jobs = JobTable()
         self._pid = os.getpid()
 
@@ -428,6 +433,7 @@ class Client:
             return int(done.value)
 
     def _register(self, binding: PoolBinding) -> None:
+        self._unregister_unconfirmed()
         ticket = b""
         if binding.hands_over_fd:
             path = credentials.cred_socket_path(self.address)
@@ -441,6 +447,38 @@ class Client:
             binding.sealed = resp.sealed
             binding.session_id = request.session_id
         self._pools[resp.pool_id] = binding
+
+    def _unconfirmed_unregistration(self, request: pb.UnregisterPoolRequest) -> None:
+        """Keep an UnregisterPool that went unanswered, to send again (see below)."""
+        with self._ids_lock:
+            self._unconfirmed[request.pool_id] = request.session_id
+
+    def _unregister_unconfirmed(self) -> None:
+        """Send again, in the open session, the UnregisterPools of it that went unanswered,
+        before registering a pool: a call whose deadline passed while the daemon was stopped
+        is never run, so each such pool stayed registered (its memory mapped) until the
+        session's end while the next call registered the memory again, one more pool of
+        ``server.max_pools_per_session`` each time, until every registration failed with
+        ResourceExhaustedError. One still unanswered is kept for the next registration, and
+        so are those after it (a daemon that does not answer costs one timeout here, not one
+        each); those of an earlier session ended with it."""
+        if not self._unconfirmed:
+            return
+        session_id = self.session_id
+        with self._ids_lock:
+            todo = [pool for pool, sid in self._unconfirmed.items() if sid == session_id]
+            self._unconfirmed = {pool: session_id for pool in todo}
+        for pool_id in todo:
+            request = t.build_request(
+                pb.UnregisterPoolRequest, session_id=session_id, pool_id=pool_id
+            )
+            try:
+                self.call("UnregisterPool", request, self.timeout_s)
+            except grpc.RpcError as e:
+                if unclean(from_rpc_error(e)):
+                    break  # still unanswered: kept, with those after it
+            with self._ids_lock:
+                self._unconfirmed.pop(pool_id, None)
 
     @property
     def stub(self) -> pb_grpc.KVTierStub:
@@ -519,8 +557,9 @@ class Client:
         """Unregister a pool without waiting for the answer (a pool of a session that has
         ended needs nothing: the daemon dropped it with the session). The next call through
         ``binding`` registers the memory again. Raises nothing but InvalidArgumentError for
-        what is no binding; a failure of the call itself goes unreported. In a forked child it
-        does nothing: the pool is the parent's."""
+        what is no binding; a failure of the call itself goes unreported (one left unanswered
+        is sent again before this client's next registration). In a forked child it does
+        nothing: the pool is the parent's."""
         if not in_own_process(self._pid):
             t.checked_type(binding, PoolBinding, "binding")
             return
@@ -542,12 +581,14 @@ class Client:
             if fut.cancelled() or self._closed:
                 return
             error = fut.exception()
-            if not isinstance(error, grpc.RpcError) or not refused_stream(error):
+            if not isinstance(error, grpc.RpcError):
                 return
-            if (pause := resends.pause_s()) is not None:
+            if refused_stream(error) and (pause := resends.pause_s()) is not None:
                 timer = threading.Timer(pause, self._unregister_nowait, args=(request, resends))
                 timer.daemon = True
                 timer.start()
+            elif unclean(from_rpc_error(error)):
+                self._unconfirmed_unregistration(request)  # sent again before a registration
 
         fut.add_done_callback(answered)
 
@@ -557,7 +598,8 @@ class Client:
         True means the engine may reuse the pages; no late copy can land in them. False when
         that could not be confirmed (no answer in time, the session is gone): a copy the
         daemon started may still finish. The next call through ``binding`` registers the
-        memory again."""
+        memory again; an UnregisterPool left unanswered is sent again first (see
+        ``_unregister_unconfirmed``), so the daemon does not keep both."""
         t.checked_type(binding, PoolBinding, "binding")
         timeout_s = t.checked_seconds(timeout_s, "timeout_s")
         refuse_in_child(self._pid, "Client")
@@ -566,7 +608,9 @@ class Client:
             return False
         try:
             self.call("UnregisterPool", request, timeout_s or self.timeout_s)
-        except grpc.RpcError:
+        except grpc.RpcError as e:
+            if unclean(from_rpc_error(e)):
+                self._unconfirmed_unregistration(request)  # sent again before a registration
             return False
         return True
 
