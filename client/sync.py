@@ -427,10 +427,37 @@ class Client:
                     )
                 except Exception as e:
                     method, request = flow.throw(e)
+                except BaseException as e:  # KeyboardInterrupt, SystemExit: no more calls
+                    self._abandon(flow, e)
+                    raise
                 else:
                     method, request = flow.send(response)
         except StopIteration as done:
             return int(done.value)
+
+    def _abandon(self, flow: Flow, error: BaseException) -> None:
+        """Let a flow that ``error`` ends (no call's error: a KeyboardInterrupt) release what
+        it holds: the Releases its cleanup asks for are sent without waiting for an answer.
+        The flow was left suspended, so its lease pinned the blocks until it expired, and its
+        cleanup ran when the flow was collected, as "generator ignored GeneratorExit"."""
+        try:
+            method, request = flow.throw(error)
+            while method == "Release":
+                self._release_nowait(request)
+                method, request = flow.send(None)
+        except BaseException:  # the flow ends with ``error``, which the caller raises
+            pass
+        flow.close()
+
+    def _release_nowait(self, request: pb.ReleaseRequest) -> None:
+        """Send a Release in the open session, if any, without waiting for its answer."""
+        request.session_id = self._session_id
+        if request.session_id:
+            with contextlib.suppress(ValueError):  # the client was closed meanwhile
+                fut = self._stub.Release.future(request, timeout=self.timeout_s)
+                # The callback keeps the call from being cancelled when ``fut`` is collected
+                # (gRPC cancels a call whose future goes unreferenced), until it ends.
+                fut.add_done_callback(lambda fut: None)
 
     def _register(self, binding: PoolBinding) -> None:
         self._unregister_unconfirmed()

@@ -1,0 +1,92 @@
+"""A load ended by something other than a call's error releases its pin.
+
+``load`` pins the blocks it finds (a Lookup under a lease), then Gets them and releases the
+lease, whatever the Get does. A load whose Get was interrupted by what is no call's error (a
+cancel of the caller's task, as ``asyncio.wait_for`` makes at its timeout; a
+KeyboardInterrupt) left its flow suspended: the lease kept the blocks pinned until it expired
+(``server.lease_default_ms``, 30 s), and the flow's cleanup ran when it was collected, as
+"generator ignored GeneratorExit". The lease is now released at once (the Release is sent
+without waiting for its answer), and the interruption still reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from kvtier.client import AsyncClient, Namespace, PoolLayout, SharedMemoryPool
+
+NS = Namespace(model="abandoned-loads", kv_dtype="uint8", block_tokens=4)
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
+TOKENS = list(range(8))
+# A lease far longer than the test: only a Release ends it.
+LEASE_MS = 600_000
+
+
+def settled_leases(stats: Any) -> float:
+    """The daemon's open leases once the Release sent without waiting has arrived."""
+    deadline = time.monotonic() + 30
+    while (leases := stats().gauges["leases"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return leases  # type: ignore[no-any-return]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_load_interrupted_during_its_get_releases_its_pin(daemon):
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        call = client.call
+
+        def interrupted(method: str, request: Any, timeout_s: float) -> Any:
+            if method == "Get":
+                raise KeyboardInterrupt
+            return call(method, request, timeout_s)
+
+        client.call = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
+        client.call = call  # type: ignore[method-assign]
+        assert settled_leases(client.stats) == 0
+        assert client.stats().gauges["blocks_pinned"] == 0
+        assert pool.load(TOKENS, [2, 3]) == 8
+        assert client.check().problems == []
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_an_async_load_cancelled_during_its_get_releases_its_pin(daemon):
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT, NS)
+                assert await pool.store(TOKENS, [0, 1]) == 8
+                call, get_sent = client.call, asyncio.Event()
+
+                async def held(method: str, request: Any, timeout_s: float) -> Any:
+                    if method == "Get":
+                        get_sent.set()
+                        await asyncio.Event().wait()  # until cancelled
+                    return await call(method, request, timeout_s)
+
+                client.call = held  # type: ignore[method-assign]
+                load = asyncio.ensure_future(pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS))
+                await get_sent.wait()
+                load.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await load
+                client.call = call  # type: ignore[method-assign]
+                # Waited for off the loop, which sends the Release meanwhile.
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                assert (await client.stats()).gauges["blocks_pinned"] == 0
+                assert await pool.load(TOKENS, [2, 3]) == 8
+
+    asyncio.run(main())
+
+
+def _stats(daemon: Any) -> Any:
+    """Stats from a blocking client of its own (in the waiting thread)."""
+    with daemon.client() as client:
+        return client.stats()
