@@ -11,7 +11,8 @@ Two backings:
   process nor anything it hands the descriptor to can truncate it under a copy.
 - ``shm``: a named POSIX shared-memory object in ``/dev/shm`` (for clients that need a
   name). The daemon opens it by name, only if it belongs to the registering process's uid.
-  A killed process leaves the name behind; ``close()`` removes it.
+  A killed process leaves the name behind; ``close()`` in the process that made the pool
+  removes it (in a child that process forked, it leaves the name to the parent).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class SharedMemoryPool:
         self._finalizer: weakref.finalize[..., SharedMemoryPool]
         if self.path is not None:
             os.close(fd)
-            self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+            self._finalizer = weakref.finalize(self, _unlink_quietly, self.path, os.getpid())
         else:
             self.fd = fd  # kept: registering again (after a daemon restart) hands it over again
             self._finalizer = weakref.finalize(self, _close_quietly, fd)
@@ -163,7 +164,8 @@ class SharedMemoryPool:
 
     def unlink(self) -> None:
         """Remove a named object's name now; mappings (the daemon's included) stay valid.
-        A memfd has no name: this does nothing."""
+        A memfd has no name: this does nothing; nor does it in a forked child (see
+        ``_unlink_quietly``)."""
         if self.path is not None:
             self._finalizer()
 
@@ -181,7 +183,13 @@ class SharedMemoryPool:
         self.close()
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str, creator: int) -> None:
+    """Remove a named object's name, in the process ``creator`` that made it only: a child
+    it forked that closed its copy (a ``with`` block the child left, or its exit's
+    finalizers) removed the name the parent still used, so that registering it again
+    (after a daemon restart) failed."""
+    if os.getpid() != creator:
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 

@@ -135,3 +135,21 @@ def test_a_forked_child_is_refused_the_parents_async_client(daemon):
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
+
+
+def test_a_forked_child_closing_a_named_pool_leaves_the_parent_its_name(daemon):
+    with daemon.client(timeout_s=5) as client:
+        with SharedMemoryPool.for_layout(LAYOUT, backing="shm") as shm:
+            assert shm.path is not None and os.path.exists(shm.path)
+
+            def child() -> dict[str, str]:
+                shm.close()  # as a with block the child leaves, or its exit's finalizers
+                shm.unlink()
+                return {"closed": str(shm.closed)}
+
+            assert in_child(child) == {"closed": "True"}
+            # The name is still there: the parent registers the pool by it.
+            assert os.path.exists(shm.path)
+            pool = client.register_pool(shm, LAYOUT, NS)
+            assert pool.store(TOKENS, [0, 1]) == 8
+        assert not os.path.exists(shm.path)  # the parent's close removes it
