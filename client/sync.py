@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -171,6 +172,38 @@ def client_namespace(namespace: str) -> str:
     return namespace
 
 
+def _watch_session(client: weakref.ref[Client], call: Any, session_id: str) -> None:
+    """A session's watcher thread: waits for the end of its stream, then has the client, if
+    it still exists, forget the session and log why it ended. It holds only a weak reference
+    to the client: with a strong one (its bound method), a client dropped unclosed lived on,
+    its session open in the daemon (one of ``server.max_sessions_per_tenant``, which count
+    per uid without tenants: 256 such clients turned every process of that user away)."""
+    error = None
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError as e:
+        error = e
+    owner = client()
+    if owner is None:
+        return  # collected: _close_dropped ended the session
+    ours = owner.forget_session(session_id)
+    del owner
+    if (line := credentials.session_end_line(session_id, error, ours)) is not None:
+        session_log.warning("%s", line)
+
+
+def _close_dropped(channel: grpc.Channel, held: dict[str, Any], pid: int) -> None:
+    """Close a client collected without ``close()``: its session's call and its channel (in
+    the process that made it only: a forked child's copy is the parent's)."""
+    if os.getpid() != pid:
+        return
+    call = held.get("call")
+    if call is not None:
+        call.cancel()
+    channel.close()
+
+
 def in_own_process(pid: int) -> bool:
     """Whether this is still the process ``pid`` that made a client (not a child it forked)."""
     return os.getpid() == pid
@@ -247,6 +280,12 @@ class Client:
         self._unconfirmed: dict[int, str] = {}
         self._jobs = JobTable()
         self._pid = os.getpid()
+        # A client dropped unclosed is closed when collected: its session's watcher holds no
+        # reference to it (see _watch_session), and this finalizer holds none either, only
+        # the channel and the open session's call (kept in _held).
+        self._held: dict[str, Any] = {}
+        finalizer = weakref.finalize(self, _close_dropped, self._channel, self._held, self._pid)
+        finalizer.atexit = False  # the process's exit ends its sessions anyway
 
     # --------------------------------------------------------------- lifecycle
 
@@ -309,10 +348,11 @@ class Client:
                 request.credential_ticket = tickets.fetch(resends.left_s())
         first, call = opened
         self._session_id, self._session_call = first.session_id, call
+        self._held["call"] = call
         self._tenant, self._admin = first.tenant, first.admin
         threading.Thread(
-            target=self._watch_session,
-            args=(call, first.session_id),
+            target=_watch_session,
+            args=(weakref.ref(self), call, first.session_id),
             name="kvtier-session",
             daemon=True,
         ).start()
@@ -341,17 +381,6 @@ class Client:
             timer.cancel()
         time.sleep(pause)
         return None
-
-    def _watch_session(self, call: Any, session_id: str) -> None:
-        error = None
-        try:
-            for _ in call:
-                pass
-        except grpc.RpcError as e:
-            error = e
-        ours = self.forget_session(session_id)
-        if (line := credentials.session_end_line(session_id, error, ours)) is not None:
-            session_log.warning("%s", line)
 
     def forget_session(self, session_id: str) -> bool:
         """Forget ``session_id`` (its stream ended, or the daemon answered it is not open:

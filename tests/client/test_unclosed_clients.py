@@ -1,0 +1,49 @@
+"""A Client dropped without close() ends its session when it is collected.
+
+Its session's watcher thread held the client (its bound method), so a client that a program
+dropped unclosed (``Client().lookup(keys)`` in a helper) lived on with its session open in
+the daemon, two threads and a connection: one more of ``server.max_sessions_per_tenant``
+each time, which without tenants counts per uid, until the daemon turned every process of
+that user away. Collecting such a client now ends its session.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from kvtier.client import Client
+
+DROPPED = 5
+
+
+def open_sessions(observer: Client) -> float:
+    """The daemon's open sessions once the dropped clients' have ended (or 30 s passed)."""
+    deadline = time.monotonic() + 30
+    while (sessions := observer.stats().gauges["sessions"]) > 1 and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    return sessions  # type: ignore[no-any-return]
+
+
+def test_clients_dropped_unclosed_end_their_sessions(daemon):
+    with daemon.client() as observer:
+        assert observer.stats().gauges["sessions"] == 1
+        for _ in range(DROPPED):
+            assert Client(daemon.address).lookup([bytes(32)]).prefix_len == 0
+        assert open_sessions(observer) == 1
+        # Nothing of theirs is left for the daemon's check to find, and a new client works.
+        assert observer.check().problems == []
+        with daemon.client() as again:
+            assert again.lookup([bytes(32)]).prefix_len == 0
+
+
+def test_a_client_kept_referenced_keeps_its_session(daemon):
+    with daemon.client() as observer:
+        kept = Client(daemon.address)
+        session = kept.session_id
+        gc.collect()
+        assert observer.stats().gauges["sessions"] == 2
+        assert kept.session_id == session
+        kept.close()
+        assert open_sessions(observer) == 1
