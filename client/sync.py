@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 import weakref
@@ -193,15 +194,56 @@ def _watch_session(client: weakref.ref[Client], call: Any, session_id: str) -> N
         session_log.warning("%s", line)
 
 
+class _ChannelCloser:
+    """Closes the channels of clients collected without ``close()``, on a thread of its own
+    (one a process, started by its first client): a collection may happen on the channel's
+    own gRPC thread (the last reference went with a callback, as unregister_pool_nowait's),
+    where ``channel.close()`` waited for that very thread forever, and the session's watcher
+    with it. A finalizer only puts the channel in a SimpleQueue, whose ``put`` is safe
+    wherever a collection runs (starting a thread there is not: a collection inside
+    ``threading``'s own lock would wait for itself)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # the thread does not cross fork()
+
+    def _reset(self) -> None:
+        self._channels: queue.SimpleQueue[grpc.Channel] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._started:
+                threading.Thread(target=self._run, name="kvtier-closer", daemon=True).start()
+                self._started = True
+
+    def close_later(self, channel: grpc.Channel) -> None:
+        self._channels.put(channel)
+
+    def _run(self) -> None:
+        while True:
+            channel = self._channels.get()
+            try:
+                channel.close()
+            except Exception:
+                session_log.exception("closing the channel of a client collected unclosed")
+            del channel
+
+
+_closer = _ChannelCloser()
+
+
 def _close_dropped(channel: grpc.Channel, held: dict[str, Any], pid: int) -> None:
-    """Close a client collected without ``close()``: its session's call and its channel (in
-    the process that made it only: a forked child's copy is the parent's)."""
+    """Close a client collected without ``close()``: its session's call at once, and its
+    channel on ``_closer``'s thread (in the process that made it only: a forked child's
+    copy is the parent's)."""
     if os.getpid() != pid:
         return
     call = held.get("call")
     if call is not None:
         call.cancel()
-    channel.close()
+    _closer.close_later(channel)
 
 
 def in_own_process(pid: int) -> bool:
@@ -284,6 +326,7 @@ class Client:
         # reference to it (see _watch_session), and this finalizer holds none either, only
         # the channel and the open session's call (kept in _held).
         self._held: dict[str, Any] = {}
+        _closer.start()
         finalizer = weakref.finalize(self, _close_dropped, self._channel, self._held, self._pid)
         finalizer.atexit = False  # the process's exit ends its sessions anyway
 

@@ -10,11 +10,14 @@ that user away. Collecting such a client now ends its session.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
-from kvtier.client import Client
+from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
 
 DROPPED = 5
+NS = Namespace(model="unclosed", kv_dtype="uint8", block_tokens=4)
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
 
 
 def open_sessions(observer: Client) -> float:
@@ -47,3 +50,34 @@ def test_a_client_kept_referenced_keeps_its_session(daemon):
         assert kept.session_id == session
         kept.close()
         assert open_sessions(observer) == 1
+
+
+def session_watchers() -> int:
+    return sum(thread.name == "kvtier-session" for thread in threading.enumerate())
+
+
+def watchers_left(before: int) -> int:
+    """The session watchers past ``before`` once the dropped clients' have ended (or 30 s)."""
+    deadline = time.monotonic() + 30
+    while session_watchers() > before and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.02)
+    return session_watchers() - before
+
+
+def test_a_client_collected_on_its_channels_thread_ends_its_threads(daemon):
+    # unregister_pool_nowait's answer comes on the channel's gRPC thread, whose callback held
+    # the client: dropped before the answer, the client is collected there, and closing the
+    # channel on its own thread waited for that thread forever, the session's watcher too.
+    with daemon.client() as observer, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert observer.session_id
+        before = session_watchers()
+        for _ in range(DROPPED):
+            client = Client(daemon.address)
+            pool = client.register_pool(shm, LAYOUT, NS)
+            client.unregister_pool_nowait(pool.binding)
+            del client, pool
+        assert open_sessions(observer) == 1
+        assert watchers_left(before) == 0
+        with daemon.client() as again:
+            assert again.lookup([bytes(32)]).prefix_len == 0
