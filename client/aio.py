@@ -339,29 +339,36 @@ class AsyncClient:
                 except Exception as e:
                     method, request = flow.throw(e)
                 except BaseException as e:  # a cancel of the caller's task: no more awaits
-                    self._abandon(flow, e)
+                    self._abandon(flow, e, method, request)
                     raise
                 else:
                     method, request = flow.send(response)
         except StopIteration as done:
             return int(done.value)
 
-    def _abandon(self, flow: Flow, error: BaseException) -> None:
+    def _abandon(self, flow: Flow, error: BaseException, method: str, request: Any) -> None:
         """See ``Client._abandon``: a load whose task was cancelled (``asyncio.wait_for``)
-        left its lease pinning the blocks until it expired. Its Releases go out as tasks of
-        the loop that nobody awaits (``close()`` cancels them)."""
+        during its Get, or during its Release, left its lease pinning the blocks until it
+        expired. Its Releases, the interrupted one included, go out as tasks of the loop that
+        nobody awaits (``close()`` cancels them)."""
+        if method == "Release":
+            self._send_release(request)
         try:
             method, request = flow.throw(error)
             while method == "Release":
-                if self._session_id and not self._closed:
-                    request.session_id = self._session_id
-                    task = asyncio.get_running_loop().create_task(self._release_nowait(request))
-                    self._unanswered.add(task)
-                    task.add_done_callback(self._unanswered.discard)
+                self._send_release(request)
                 method, request = flow.send(None)
         except BaseException:  # the flow ends with ``error``, which the caller raises
             pass
         flow.close()
+
+    def _send_release(self, request: pb.ReleaseRequest) -> None:
+        """Send a Release in the open session, if any, as a task nobody awaits."""
+        if self._session_id and not self._closed:
+            request.session_id = self._session_id
+            task = asyncio.get_running_loop().create_task(self._release_nowait(request))
+            self._unanswered.add(task)
+            task.add_done_callback(self._unanswered.discard)
 
     async def _release_nowait(self, request: pb.ReleaseRequest) -> None:
         with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError):

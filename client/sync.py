@@ -500,18 +500,23 @@ class Client:
                 except Exception as e:
                     method, request = flow.throw(e)
                 except BaseException as e:  # KeyboardInterrupt, SystemExit: no more calls
-                    self._abandon(flow, e)
+                    self._abandon(flow, e, method, request)
                     raise
                 else:
                     method, request = flow.send(response)
         except StopIteration as done:
             return int(done.value)
 
-    def _abandon(self, flow: Flow, error: BaseException) -> None:
-        """Let a flow that ``error`` ends (no call's error: a KeyboardInterrupt) release what
-        it holds: the Releases its cleanup asks for are sent without waiting for an answer.
+    def _abandon(self, flow: Flow, error: BaseException, method: str, request: Any) -> None:
+        """Let a flow that ``error`` ends (no call's error: a KeyboardInterrupt) during its
+        call ``method`` release what it holds: the Releases its cleanup asks for are sent
+        without waiting for an answer, and so is the interrupted call when it was a Release
+        itself (the lease stayed pinned until it expired: the flow's cleanup had already
+        asked for it; one the daemon had run answers NotFound, which nobody reads).
         The flow was left suspended, so its lease pinned the blocks until it expired, and its
         cleanup ran when the flow was collected, as "generator ignored GeneratorExit"."""
+        if method == "Release":
+            self._release_nowait(request)
         try:
             method, request = flow.throw(error)
             while method == "Release":

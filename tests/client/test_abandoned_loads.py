@@ -6,7 +6,8 @@ cancel of the caller's task, as ``asyncio.wait_for`` makes at its timeout; a
 KeyboardInterrupt) left its flow suspended: the lease kept the blocks pinned until it expired
 (``server.lease_default_ms``, 30 s), and the flow's cleanup ran when it was collected, as
 "generator ignored GeneratorExit". The lease is now released at once (the Release is sent
-without waiting for its answer), and the interruption still reaches the caller.
+without waiting for its answer), and the interruption still reaches the caller; so is one
+whose interruption hit the Release itself, which is sent again the same way.
 """
 
 from __future__ import annotations
@@ -90,3 +91,57 @@ def _stats(daemon: Any) -> Any:
     """Stats from a blocking client of its own (in the waiting thread)."""
     with daemon.client() as client:
         return client.stats()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_load_interrupted_during_its_release_releases_its_pin(daemon):
+    # The Get answered; the interruption hits the Release that follows it: that Release was
+    # the flow's last, so nothing sent it again and the lease pinned the blocks until it
+    # expired.
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        call = client.call
+
+        def interrupted(method: str, request: Any, timeout_s: float) -> Any:
+            if method == "Release":
+                raise KeyboardInterrupt
+            return call(method, request, timeout_s)
+
+        client.call = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
+        client.call = call  # type: ignore[method-assign]
+        assert settled_leases(client.stats) == 0
+        assert client.stats().gauges["blocks_pinned"] == 0
+        assert pool.load(TOKENS, [2, 3]) == 8
+        assert client.check().problems == []
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_an_async_load_cancelled_during_its_release_releases_its_pin(daemon):
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT, NS)
+                assert await pool.store(TOKENS, [0, 1]) == 8
+                call, release_due = client.call, asyncio.Event()
+
+                async def held(method: str, request: Any, timeout_s: float) -> Any:
+                    if method == "Release" and not release_due.is_set():
+                        release_due.set()
+                        await asyncio.Event().wait()  # until cancelled
+                    return await call(method, request, timeout_s)
+
+                client.call = held  # type: ignore[method-assign]
+                load = asyncio.ensure_future(pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS))
+                await release_due.wait()
+                load.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await load
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                client.call = call  # type: ignore[method-assign]
+                assert (await client.stats()).gauges["blocks_pinned"] == 0
+                assert await pool.load(TOKENS, [2, 3]) == 8
+
+    asyncio.run(main())
