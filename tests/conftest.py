@@ -17,7 +17,7 @@ import pytest
 # (harness imports the client).
 os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
 
-from harness import DaemonFactory, DaemonProcess
+from harness import DaemonFactory, DaemonProcess, NamespacedDaemon
 
 # Real redis-server fixtures for the L3 tier's tests.
 pytest_plugins = ("redis_servers",)
@@ -36,6 +36,14 @@ def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
     factory = DaemonFactory(tmp_path_factory.mktemp("shared-daemon"))
     yield factory()
     factory.close()
+
+
+@pytest.fixture
+def namespaced_daemon(shared_daemon: DaemonProcess) -> NamespacedDaemon:
+    """The module's shared daemon through a namespace of this test's own (see
+    ``NamespacedDaemon``): for tests that need no daemon of their own, only keys no other
+    test stored, and no pool but their own."""
+    return NamespacedDaemon.fresh(shared_daemon)
 
 
 @pytest.fixture

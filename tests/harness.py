@@ -8,6 +8,7 @@ to read its log. Sockets live under a short /tmp folder (Unix socket paths are l
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 from kvtier.client import Client, wait_until_serving
 
 START_TIMEOUT_S = 60.0
+_NAMESPACES = itertools.count()
 
 
 @dataclass
@@ -164,6 +166,48 @@ class DaemonFactory:
         for d in self._daemons:
             d.kill()
         shutil.rmtree(self._sockdir, ignore_errors=True)
+
+
+class NamespacedDaemon:
+    """A daemon shared by the tests of a module, seen by one test through a namespace of its
+    own: its clients call in ``namespace`` unless told otherwise, so the blocks of earlier
+    tests on the same daemon are not there for it (a fresh daemon, as far as keys go). Made
+    by ``fresh`` (through the ``namespaced_daemon`` fixture, for instance), which first waits
+    until the pools of earlier tests are gone. Tests that kill, stop or reconfigure their
+    daemon start their own."""
+
+    def __init__(self, daemon: DaemonProcess, namespace: str) -> None:
+        self.daemon = daemon
+        self.namespace = namespace
+
+    @classmethod
+    def fresh(cls, daemon: DaemonProcess) -> NamespacedDaemon:
+        """A view of ``daemon`` in a namespace no earlier view had, once the daemon holds no
+        pool of an earlier test."""
+        view = cls(daemon, f"test-{next(_NAMESPACES)}")
+        view.wait_no_pools()
+        return view
+
+    @property
+    def address(self) -> str:
+        return self.daemon.address
+
+    def client(self, **kwargs: object) -> Client:
+        kwargs.setdefault("namespace", self.namespace)
+        return self.daemon.client(**kwargs)
+
+    def log(self) -> str:
+        return self.daemon.log()
+
+    def wait_no_pools(self, timeout_s: float = 30.0) -> None:
+        """Wait until the daemon holds no registered pool (the pools of an earlier test's
+        sessions are dropped as the daemon sees those sessions end)."""
+        deadline = time.monotonic() + timeout_s
+        with self.daemon.client() as client:
+            while client.stats().gauges.get("pools", 0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the shared daemon still holds pools after {timeout_s}s")
+                time.sleep(0.01)
 
 
 def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from harness import DaemonFactory, DaemonProcess, NamespacedDaemon
 from hf_models import tiny_llama
 
 from kvtier.client import Client, Tier
@@ -61,6 +62,19 @@ def _assert_matches_reference(kv: KVTierPrefixCache, prompt: list[int], reused: 
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return tiny_llama()
+
+
+@pytest.fixture
+def daemon(namespaced_daemon: NamespacedDaemon) -> NamespacedDaemon:
+    """The module's tests share one daemon, each in a namespace of its own (no block of
+    another test is found, no pool of another is registered); a test that kills or restarts
+    its daemon takes ``own_daemon``."""
+    return namespaced_daemon
+
+
+@pytest.fixture
+def own_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
+    return daemon_factory()
 
 
 # ------------------------------------------------------------------- (a) same process
@@ -136,7 +150,8 @@ def test_generated_blocks_are_stored_for_the_next_turn(daemon, model):
 
 
 @pytest.mark.slow  # a second Python process loads the model, ~5 s: `make test-slow`
-def test_prefix_stored_by_another_process_is_reused(daemon, model):
+def test_prefix_stored_by_another_process_is_reused(own_daemon, model):
+    daemon = own_daemon  # the child calls in the default namespace
     prompt = _prompt(100)
     child = subprocess.run(
         [
@@ -185,7 +200,8 @@ def test_prefix_survives_a_restart_through_l2(daemon_factory, model, tmp_path):
         _assert_matches_reference(kv, prompt, reused=96)
 
 
-def test_daemon_restart_under_a_live_integration_is_a_miss_not_an_error(daemon, model):
+def test_daemon_restart_under_a_live_integration_is_a_miss_not_an_error(own_daemon, model):
+    daemon = own_daemon
     prompt = _prompt(70)
     with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
         kv.prefill(prompt)
@@ -246,7 +262,8 @@ def test_a_store_answered_after_its_timeout_never_stores_another_prompts_kv(daem
         assert kv.generate(first, NEW_TOKENS, store=False).tokens == tokens
 
 
-def test_unreachable_daemon_degrades_to_recompute(daemon, model):
+def test_unreachable_daemon_degrades_to_recompute(own_daemon, model):
+    daemon = own_daemon
     prompt = _prompt(40)
     with (
         daemon.client(timeout_s=5.0) as client,
