@@ -14,6 +14,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from harness import DaemonFactory, DaemonProcess, NamespacedDaemon
 
 from kvtier.client import (
     AsyncClient,
@@ -145,6 +146,20 @@ def test_a_plan_for_all_layers_sends_plain_gets():
 # ----------------------------------------------------------- daemon rules
 
 
+@pytest.fixture
+def daemon(namespaced_daemon: NamespacedDaemon) -> NamespacedDaemon:
+    """The module's tests share one daemon, each in a namespace of its own (the blocks of
+    another test are not found); a test that kills, pauses or configures its daemon takes
+    ``own_daemon`` or ``daemon_factory``. Counters are daemon-wide: a test reads them as
+    differences from its own start."""
+    return namespaced_daemon
+
+
+@pytest.fixture
+def own_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
+    return daemon_factory()
+
+
 def test_get_of_a_layer_range_copies_only_those_layers(daemon):
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         data = fill(shm, 1)
@@ -155,12 +170,14 @@ def test_get_of_a_layer_range_copies_only_those_layers(daemon):
         data[:] = 0
         req = pb.GetRequest(
             session_id=client.session_id,
+            namespace=client.namespace,
             pool_id=pool.pool_id,
             keys=keys,
             pages=[5, 6],
             layer_begin=1,
             layer_end=3,
         )
+        loaded = client.stats().counter("get_blocks", result="loaded")
         resp = client.stub.Get(req)
         assert list(resp.loaded) == [True, True]
         for src, dst in ((0, 5), (1, 6)):
@@ -171,10 +188,10 @@ def test_get_of_a_layer_range_copies_only_those_layers(daemon):
                 else:
                     assert got == bytes(len(got))
         # A block counts as loaded once, by the Get that copies its layer 0.
-        assert client.stats().counter("get_blocks", result="loaded") == 0
+        assert client.stats().counter("get_blocks", result="loaded") == loaded
         req.layer_begin, req.layer_end = 0, 1
         assert list(client.stub.Get(req).loaded) == [True, True]
-        assert client.stats().counter("get_blocks", result="loaded") == 2
+        assert client.stats().counter("get_blocks", result="loaded") == loaded + 2
 
 
 def test_a_lease_is_usable_by_another_session_and_released_by_its_own(daemon):
@@ -217,6 +234,7 @@ def test_save_then_layerwise_load_job_round_trip(daemon):
             client.poll(save.job_id)  # wait handed out the final status: the id is forgotten
 
         data[:] = 0
+        before = client.stats()
         missing = keys_for(1, "never-stored")
         load = client.submit_load(
             pool,
@@ -234,8 +252,9 @@ def test_save_then_layerwise_load_job_round_trip(daemon):
         assert page_bytes(data, 17) == bytes(LAYOUT.block_bytes)
         # Every block counted once although it came in four layer ranges.
         stats = client.stats()
-        assert stats.counter("get_blocks", result="loaded") == 7
-        assert stats.counter("get_blocks", result="missing") == 1
+        for result, blocks in (("loaded", 7), ("missing", 1)):
+            got = stats.counter("get_blocks", result=result)
+            assert got - before.counter("get_blocks", result=result) == blocks, result
         assert client.poll(load.job_id).finished  # still known: nobody asked by id yet
 
 
@@ -311,7 +330,8 @@ def test_cancel_ends_the_job_and_marks_its_pages_unsafe(daemon):
         assert client.health()
 
 
-def test_a_daemon_gone_fails_submit_and_running_jobs(daemon):
+def test_a_daemon_gone_fails_submit_and_running_jobs(own_daemon):
+    daemon = own_daemon
     with daemon.client(timeout_s=5) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         keys = keys_for(2, "gone")
@@ -342,7 +362,7 @@ def test_a_daemon_gone_fails_submit_and_running_jobs(daemon):
 
 async def test_async_client_jobs(daemon):
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
-        async with AsyncClient(daemon.address) as client:
+        async with AsyncClient(daemon.address, namespace=daemon.namespace) as client:
             data = fill(shm, 4)
             pool = await client.register_pool(shm, LAYOUT)
             keys = keys_for(5, "async")
@@ -384,13 +404,13 @@ async def test_an_rpc_that_raises_outside_grpc_ends_the_job_failed(daemon, kind)
     keys = keys_for(2, f"raise-{kind}")
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         if kind == "sync":
-            with Client(daemon.address) as client:
+            with daemon.client() as client:
                 pool = client.register_pool(shm, LAYOUT)
                 client.stub.Put = _raising(RuntimeError("broken encoder"))
                 job = client.submit_save(pool, [SaveSegment(keys, range(2))])
                 status = job.wait(timeout_s=10)
         else:
-            async with AsyncClient(daemon.address) as aclient:
+            async with AsyncClient(daemon.address, namespace=daemon.namespace) as aclient:
                 pool = await aclient.register_pool(shm, LAYOUT)
                 aclient.stub.Put = _raising(RuntimeError("broken encoder"))
                 job = await aclient.submit_save(pool, [SaveSegment(keys, range(2))])
@@ -402,9 +422,10 @@ async def test_an_rpc_that_raises_outside_grpc_ends_the_job_failed(daemon, kind)
 # ------------------------------------------------------------- hung daemon
 
 
-def test_a_hung_daemon_fails_a_new_session_within_the_client_timeout(daemon):
+def test_a_hung_daemon_fails_a_new_session_within_the_client_timeout(own_daemon):
     """Opening a session waits for the daemon's first event at most ``timeout_s``: an engine
     never hangs on a daemon that accepts connections but does not answer."""
+    daemon = own_daemon
     assert daemon.proc is not None
     os.kill(daemon.proc.pid, signal.SIGSTOP)
     try:
@@ -434,11 +455,13 @@ async def test_a_job_with_more_parts_than_a_connection_takes_at_once(daemon, kin
     segments = [LoadSegment(keys_for(1, f"wide-{i}"), [i % 32]) for i in range(400)]
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         if kind == "sync":
-            with Client(daemon.address, timeout_s=60) as client:
+            with daemon.client(timeout_s=60) as client:
                 pool = client.register_pool(shm, LAYOUT)
                 status = client.submit_load(pool, segments).wait(timeout_s=60)
         else:
-            async with AsyncClient(daemon.address, timeout_s=60) as client:
+            async with AsyncClient(
+                daemon.address, timeout_s=60, namespace=daemon.namespace
+            ) as client:
                 pool = await client.register_pool(shm, LAYOUT)
                 status = await (await client.submit_load(pool, segments)).wait(timeout_s=60)
     assert status.error is None, status.error
