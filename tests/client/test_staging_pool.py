@@ -4,10 +4,13 @@ daemon: transfers hold it open once retired, and an empty transfer holds nothing
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import shm_ipc
 import torch
+from harness import DaemonFactory, DaemonProcess, NamespacedDaemon
 
 from kvtier.client import Client, Tier
 from kvtier.client.integrations import staging
@@ -25,8 +28,8 @@ def _pool(client: Client) -> StagingPool:
     )
 
 
-def test_an_empty_transfer_holds_the_pool_open_for_nobody(daemon):
-    with Client(daemon.address) as client:
+def test_an_empty_transfer_holds_the_pool_open_for_nobody(gpu_daemon):
+    with gpu_daemon.client() as client:
         pool = _pool(client)
         held = pool.alloc(2)
         assert held is not None and len(held) == 2
@@ -47,9 +50,24 @@ def test_an_empty_transfer_holds_the_pool_open_for_nobody(daemon):
 GPU_BLOCK = (2, 16, 8)  # float16: 512 bytes per layer block, 1 KiB per page of 2 layers
 
 
+@pytest.fixture(scope="module")
+def shared_gpu_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon whose GPU tier runs on CpuOps and opens /dev/shm "IPC handles", shared by
+    the module's tests (it imports torch: about 1.5 s a start)."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("gpu-daemon"))
+    yield shm_ipc.start_daemon(factory, factory.workdir)
+    factory.close()
+
+
 @pytest.fixture
-def gpu_daemon(daemon_factory, tmp_path):
-    """A daemon whose GPU tier runs on CpuOps and opens /dev/shm "IPC handles"."""
+def gpu_daemon(shared_gpu_daemon: DaemonProcess) -> NamespacedDaemon:
+    """The shared GPU daemon in a namespace of this test's own, once no pool of an earlier
+    test is left; the test that kills its daemon takes ``own_gpu_daemon``."""
+    return NamespacedDaemon.fresh(shared_gpu_daemon)
+
+
+@pytest.fixture
+def own_gpu_daemon(daemon_factory: DaemonFactory, tmp_path: Path) -> DaemonProcess:
     return shm_ipc.start_daemon(daemon_factory, tmp_path)
 
 
@@ -147,12 +165,13 @@ def _fence_threads_done() -> None:
 
 
 def test_unclean_gpu_staging_memory_is_freed_once_fenced_and_kept_when_it_cannot_be(
-    gpu_daemon, monkeypatch
+    own_gpu_daemon, monkeypatch
 ):
     """``CudaMemory.release`` (run here over the stand-in's memory): after a transfer that
     ended without an answer, the memory goes back to the allocator once the daemon has
     answered the unregistration, and is kept for the life of the process when the daemon
     cannot answer (it is gone), never handed back while a late copy could land in it."""
+    gpu_daemon = own_gpu_daemon
     monkeypatch.setattr(staging, "_KEPT", [])
     monkeypatch.setattr(staging, "_fencing", 0)
     with gpu_daemon.client(timeout_s=2.0) as client:
