@@ -83,9 +83,9 @@ def keys_for(n: int, tag: str = "") -> list[bytes]:
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_round_trip_is_byte_exact(daemon, name):
+def test_round_trip_is_byte_exact(namespaced_daemon, name):
     layout = LAYOUTS[name]
-    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+    with namespaced_daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
         data = random_fill(shm, 1)
         pool = client.register_pool(shm, layout)
         assert pool.block_bytes == layout.block_bytes
@@ -105,12 +105,12 @@ def test_round_trip_is_byte_exact(daemon, name):
         assert all(block_bytes_of(layout, data, p) == bytes(layout.block_bytes) for p in untouched)
 
 
-def test_layouts_with_equal_chunks_share_blocks(daemon):
+def test_layouts_with_equal_chunks_share_blocks(namespaced_daemon):
     """A block stored from a vLLM pool loads into a FlashInfer pool: the block format is the
     chunks, not the page layout."""
     vllm, flash = LAYOUTS["vllm"], LAYOUTS["flashinfer"]
     with (
-        daemon.client() as client,
+        namespaced_daemon.client() as client,
         SharedMemoryPool.for_layout(vllm) as a,
         SharedMemoryPool.for_layout(flash) as b,
     ):
@@ -124,9 +124,9 @@ def test_layouts_with_equal_chunks_share_blocks(daemon):
             assert block_bytes_of(vllm, data_a, src) == block_bytes_of(flash, data_b, dst)
 
 
-def test_lookup_reports_prefix_tiers_and_pins(daemon):
+def test_lookup_reports_prefix_tiers_and_pins(namespaced_daemon):
     layout = LAYOUTS["staging"]
-    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+    with namespaced_daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
         random_fill(shm, 3)
         pool = client.register_pool(shm, layout)
         keys = keys_for(5, "lookup")
@@ -165,9 +165,9 @@ def test_regression_delete_and_evict_counted_a_missing_key_named_twice_twice(dae
         assert client.lookup([a, b]).tiers == [Tier.ABSENT] * 2
 
 
-def test_put_of_existing_keys_copies_nothing(daemon):
+def test_put_of_existing_keys_copies_nothing(namespaced_daemon):
     layout = LAYOUTS["staging"]
-    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+    with namespaced_daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
         data = random_fill(shm, 4)
         pool = client.register_pool(shm, layout)
         keys = keys_for(2, "exists")
@@ -181,7 +181,7 @@ def test_put_of_existing_keys_copies_nothing(daemon):
         assert block_bytes_of(layout, data, 2) == original
 
 
-def test_asyncio_client_has_the_same_surface(daemon):
+def test_asyncio_client_has_the_same_surface(namespaced_daemon):
     import asyncio
 
     from kvtier.client import AsyncClient
@@ -190,7 +190,9 @@ def test_asyncio_client_has_the_same_surface(daemon):
     ns = Namespace(model="async", kv_dtype="float16", block_tokens=BLOCK_TOKENS)
 
     async def scenario() -> tuple[int, int, bool]:
-        async with AsyncClient(daemon.address) as client:
+        async with AsyncClient(
+            namespaced_daemon.address, namespace=namespaced_daemon.namespace
+        ) as client:
             with SharedMemoryPool.for_layout(layout) as shm:
                 data = random_fill(shm, 5)
                 pool = await client.register_pool(shm, layout, ns)
@@ -358,6 +360,10 @@ def _status(fn, *args):
 @pytest.fixture
 def raw(shared_daemon):
     daemon = shared_daemon
+    # The module's other tests store blocks in this daemon too (each in its own namespace):
+    # a refused request stores none, so the count is the same at the end.
+    with daemon.client() as client:
+        blocks = client.stats().gauges["blocks"]
     channel, stub = _raw_stub(daemon)
     call, session = _open_raw_session(stub, daemon.address)
     layout = LAYOUTS["staging"]
@@ -378,7 +384,7 @@ def raw(shared_daemon):
     # The daemon answers health checks after every refused request.
     with daemon.client() as client:
         assert client.health()
-        assert client.stats().gauges["blocks"] == 0
+        assert client.stats().gauges["blocks"] == blocks
 
 
 KEY = bytes(32)
@@ -608,11 +614,11 @@ def test_a_pool_of_another_session_is_off_limits(raw):
         call.cancel()
 
 
-def test_block_size_mismatch_is_refused(daemon):
+def test_block_size_mismatch_is_refused(namespaced_daemon):
     small = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=64)
     big = PoolLayout.staging(num_layers=1, num_pages=2, block_tokens=1, chunk_bytes=128)
     with (
-        daemon.client() as client,
+        namespaced_daemon.client() as client,
         SharedMemoryPool.for_layout(small) as a,
         SharedMemoryPool.for_layout(big) as b,
     ):
@@ -625,9 +631,13 @@ def test_block_size_mismatch_is_refused(daemon):
         assert client.health()
 
 
-def test_client_errors_are_typed(daemon):
+def test_client_errors_are_typed(namespaced_daemon):
     layout = LAYOUTS["staging"]
-    with daemon.client() as a, daemon.client() as b, SharedMemoryPool.for_layout(layout) as shm:
+    with (
+        namespaced_daemon.client() as a,
+        namespaced_daemon.client() as b,
+        SharedMemoryPool.for_layout(layout) as shm,
+    ):
         with pytest.raises(InvalidArgumentError):
             a.lookup([])
         with pytest.raises(NotFoundError):

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from harness import DaemonFactory, DaemonProcess, NamespacedDaemon
 from races import ContendedLock
 
 from kvtier.client import AsyncClient, JobState, SaveSegment, SharedMemoryPool, block_keys
@@ -25,6 +26,19 @@ from kvtier.kernels.layout import PoolLayout
 LAYOUT = PoolLayout.vllm(
     num_layers=2, num_pages=8, block_tokens=4, num_kv_heads=2, head_dim=8, dtype="float16"
 )
+
+
+@pytest.fixture
+def daemon(namespaced_daemon: NamespacedDaemon) -> NamespacedDaemon:
+    """The module's tests share one daemon, each in a namespace of its own and starting with
+    no pool registered (the pool counts they check are their own); the tests that restart or
+    pause their daemon take ``own_daemon``."""
+    return namespaced_daemon
+
+
+@pytest.fixture
+def own_daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
+    return daemon_factory()
 
 
 def keys_for(n: int, tag: str) -> list[bytes]:
@@ -74,12 +88,13 @@ def test_calls_on_a_closed_client_raise_a_typed_error(daemon):
             client.health()
 
 
-def test_two_threads_registering_a_pool_again_after_a_restart_register_it_once(daemon):
+def test_two_threads_registering_a_pool_again_after_a_restart_register_it_once(own_daemon):
     """Regression: after a daemon restart, two threads each found the pool unregistered in
     the new session and each registered it; the pool kept the last id and the daemon the
     other registration (its memory mapped) until the session ended. The first thread's
     RegisterPool is held until the second has registered too or waits for the first: the
     pool is registered once and both threads get its id."""
+    daemon = own_daemon
     client = daemon.client()
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
@@ -199,7 +214,7 @@ async def test_async_stores_that_find_their_pool_gone_register_it_again_once(dae
     NotFound (the daemon had dropped the pool) each registered it again, or the later one
     zeroed the id the earlier had just registered and registered a third time; either way
     the daemon kept an extra registration until the session ended."""
-    async with AsyncClient(daemon.address) as client:
+    async with AsyncClient(daemon.address, namespace=daemon.namespace) as client:
         with SharedMemoryPool.for_layout(LAYOUT) as shm:
             pool = await client.register_pool(shm, LAYOUT)
             await client.unregister_pool(pool.pool_id)  # the binding keeps the old id
@@ -224,7 +239,7 @@ async def test_async_stores_that_find_their_pool_gone_register_it_again_once(dae
 async def test_calls_on_a_closed_async_client_raise_a_typed_error(daemon):
     """The AsyncClient's twin of the blocking client's: a coroutine still using the client
     after another closed it gets UnavailableError."""
-    client = AsyncClient(daemon.address)
+    client = AsyncClient(daemon.address, namespace=daemon.namespace)
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = await client.register_pool(shm, LAYOUT)
         await client.close()
@@ -243,7 +258,7 @@ async def test_an_async_job_submitted_while_the_client_closes_fails_with_a_typed
     ``submit_save`` set up the session and the pool but before the job sent its RPCs; the job
     ends FAILED with UnavailableError (its RPC tasks died of the closed channel's UsageError
     and the job stayed RUNNING)."""
-    client = AsyncClient(daemon.address)
+    client = AsyncClient(daemon.address, namespace=daemon.namespace)
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = await client.register_pool(shm, LAYOUT)
         pool_id_of = client.pool_id_of
@@ -264,13 +279,16 @@ async def test_an_async_job_submitted_while_the_client_closes_fails_with_a_typed
         assert not status.done.any()
 
 
-async def test_an_async_call_or_job_in_flight_when_the_client_closes_gets_a_typed_error(daemon):
+async def test_an_async_call_or_job_in_flight_when_the_client_closes_gets_a_typed_error(
+    own_daemon,
+):
     """Regression: ``close()`` while an AsyncClient call was in flight gave the caller a bare
     ``asyncio.CancelledError`` (grpc.aio cancels the calls on a closed channel), and a job's
     RPC task died of it, leaving its part unended. Both get the closed client's
     UnavailableError now, as the blocking client's calls do. Each RPC is sent, then held
     until the close is done, then awaited; the daemon is paused meanwhile, so that no answer
     can come before the close (on uvloop one did, now and then, and the job was DONE)."""
+    daemon = own_daemon
     client = AsyncClient(daemon.address)
     with SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = await client.register_pool(shm, LAYOUT)
@@ -330,7 +348,7 @@ async def test_an_async_call_opening_its_session_when_the_client_closes_gets_a_t
         return ticket
 
     monkeypatch.setattr(aio.credentials, "session_ticket", held_ticket)
-    client = AsyncClient(daemon.address)
+    client = AsyncClient(daemon.address, namespace=daemon.namespace)
     lookup = asyncio.ensure_future(client.lookup(keys_for(1, "opening")))
     loop = asyncio.get_running_loop()
     assert await loop.run_in_executor(None, fetching.wait, 10)
