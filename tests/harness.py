@@ -200,14 +200,18 @@ class NamespacedDaemon:
         return self.daemon.log()
 
     def wait_no_pools(self, timeout_s: float = 30.0) -> None:
-        """Wait until the daemon holds no registered pool (the pools of an earlier test's
-        sessions are dropped as the daemon sees those sessions end)."""
-        deadline = time.monotonic() + timeout_s
-        with self.daemon.client() as client:
-            while client.stats().gauges.get("pools", 0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the shared daemon still holds pools after {timeout_s}s")
-                time.sleep(0.01)
+        wait_no_pools(self.daemon, timeout_s)
+
+
+def wait_no_pools(daemon: DaemonProcess, timeout_s: float = 30.0) -> None:
+    """Wait until ``daemon`` holds no registered pool: a daemon shared by tests drops the
+    pools of an earlier test's sessions as it sees those sessions end."""
+    deadline = time.monotonic() + timeout_s
+    with daemon.client() as client:
+        while client.stats().gauges.get("pools", 0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the shared daemon still holds pools after {timeout_s}s")
+            time.sleep(0.01)
 
 
 def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:

@@ -14,10 +14,11 @@ import fcntl
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from harness import tenant_token
+from harness import DaemonFactory, DaemonProcess, tenant_token, wait_no_pools
 from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier.client import (
@@ -40,12 +41,23 @@ LAYOUT = PoolLayout.staging(num_layers=1, num_pages=4, block_tokens=1, chunk_byt
 C = grpc.StatusCode
 
 
-@pytest.fixture
-def shared_group_daemon(daemon_factory):
-    """A daemon whose sockets admit group nogroup, in a folder others may traverse."""
+@pytest.fixture(scope="module")
+def shared_group_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon whose sockets admit group nogroup, in a folder others may traverse; one for
+    the module (its tests register pools and open sessions, and check only their own)."""
     require_root()
-    os.chmod(daemon_factory._sockdir, 0o711)
-    return daemon_factory(f"server.socket_group={NOGROUP}")
+    factory = DaemonFactory(tmp_path_factory.mktemp("group-daemon"))
+    os.chmod(factory._sockdir, 0o711)
+    yield factory(f"server.socket_group={NOGROUP}")
+    factory.close()
+
+
+@pytest.fixture
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    """The module's daemon of the default config, shared by the tests of tickets and memory
+    checks, each starting with no pool of another test registered (one checks the count)."""
+    wait_no_pools(shared_daemon)
+    return shared_daemon
 
 
 def _path(d) -> str:
@@ -338,7 +350,8 @@ def _connect(path: str) -> socket.socket:
 
 
 @pytest.mark.slow  # waits out silent clients, ~2 s: `make test-slow`
-def test_the_credential_socket_survives_silent_and_hostile_clients(daemon):
+def test_the_credential_socket_survives_silent_and_hostile_clients(daemon_factory):
+    daemon = daemon_factory()  # its own: the count of tickets taken and unused is its own
     path = _path(daemon)
     silent = [_connect(path) for _ in range(20)]
     started = time.monotonic()
