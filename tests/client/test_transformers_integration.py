@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,18 @@ def _assert_matches_reference(kv: KVTierPrefixCache, prompt: list[int], reused: 
     generation = kv.generate(prompt, NEW_TOKENS, store=False)
     assert generation.reused_tokens == reused
     assert generation.tokens == tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The tiny models' matrices are far too small to share out: torch's intra-op threads
+    only wait for each other, and for other processes on a loaded machine (these tests ran
+    3-5 times slower with the default count). One thread in this module, the count put
+    back after it; the reference and kvtier's run compute alike either way."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
