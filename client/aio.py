@@ -37,6 +37,7 @@ from kvtier.client.flows import (
     Flow,
     PoolBinding,
     PoolView,
+    abandon,
     check_pages,
     load_flow,
     new_binding,
@@ -351,16 +352,7 @@ class AsyncClient:
         during its Get, or during its Release, left its lease pinning the blocks until it
         expired. Its Releases, the interrupted one included, go out as tasks of the loop that
         nobody awaits (``close()`` cancels them)."""
-        if method == "Release":
-            self._send_release(request)
-        try:
-            method, request = flow.throw(error)
-            while method == "Release":
-                self._send_release(request)
-                method, request = flow.send(None)
-        except BaseException:  # the flow ends with ``error``, which the caller raises
-            pass
-        flow.close()
+        abandon(flow, error, method, request, self._send_release)
 
     def _send_release(self, request: pb.ReleaseRequest) -> None:
         """Send a Release in the open session, if any, as a task nobody awaits."""

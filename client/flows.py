@@ -11,7 +11,7 @@ argument in any batch raises InvalidArgumentError before the daemon has seen the
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,3 +255,23 @@ def load_flow(
         if got.prefix_len < len(lookup.keys):
             break
     return loaded
+
+
+def abandon(
+    flow: Flow, error: BaseException, method: str, request: Any, release: Callable[[Any], None]
+) -> None:
+    """End a flow that ``error`` interrupted during its call ``method`` (no call's error: a
+    KeyboardInterrupt, a cancelled task), sending each Release its cleanup asks for through
+    ``release`` (which must not wait for an answer), and the interrupted call again when it
+    was a Release (one the daemon had run answers NotFound, which nobody reads). Left
+    suspended, the flow's lease pinned its blocks until it expired."""
+    if method == "Release":
+        release(request)
+    try:
+        method, request = flow.throw(error)
+        while method == "Release":
+            release(request)
+            method, request = flow.send(None)
+    except BaseException:  # the flow ends with ``error``, which the caller raises
+        pass
+    flow.close()

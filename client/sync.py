@@ -52,6 +52,7 @@ from kvtier.client.flows import (
     Flow,
     PoolBinding,
     PoolView,
+    abandon,
     check_pages,
     load_flow,
     new_binding,
@@ -515,16 +516,7 @@ class Client:
         asked for it; one the daemon had run answers NotFound, which nobody reads).
         The flow was left suspended, so its lease pinned the blocks until it expired, and its
         cleanup ran when the flow was collected, as "generator ignored GeneratorExit"."""
-        if method == "Release":
-            self._release_nowait(request)
-        try:
-            method, request = flow.throw(error)
-            while method == "Release":
-                self._release_nowait(request)
-                method, request = flow.send(None)
-        except BaseException:  # the flow ends with ``error``, which the caller raises
-            pass
-        flow.close()
+        abandon(flow, error, method, request, self._release_nowait)
 
     def _release_nowait(self, request: pb.ReleaseRequest) -> None:
         """Send a Release in the open session, if any, without waiting for its answer."""
