@@ -929,12 +929,7 @@ class SpaceManager:
         slot, and evict another tenant's block for one), until ``retry_frees`` frees them."""
 
         async def free() -> bool:
-            try:
-                freed = await self.release(level, slots)
-            except Exception:
-                log.exception("%s: freeing %d slots failed", level.label, len(slots))
-                self.counters.inc("background_errors")
-                freed = False
+            freed = await self._release_logged(level, slots, "")
             if freed:
                 self.end_holds(level, holds)
                 self.retry_frees(level, now=True)
@@ -943,6 +938,15 @@ class SpaceManager:
             return freed
 
         return self.spawn(free())
+
+    async def _release_logged(self, level: Level, slots: list[int], again: str) -> bool:
+        """``release``, where an error is logged, counted and taken as not freed."""
+        try:
+            return await self.release(level, slots)
+        except Exception:
+            log.exception("%s: freeing %d slots%s failed", level.label, len(slots), again)
+            self.counters.inc("background_errors")
+            return False
 
     def _defer_free(self, level: Level, slots: list[int], holds: list[tuple[int, int]]) -> None:
         """Keep slots the tier could not free (and their owners' quota holds) for
@@ -984,11 +988,7 @@ class SpaceManager:
         slots, holds = pending.slots, pending.holds
         pending.slots, pending.holds = [], []
         try:
-            freed = await self.release(level, slots)
-        except Exception:
-            log.exception("%s: freeing %d slots again failed", level.label, len(slots))
-            self.counters.inc("background_errors")
-            freed = False
+            freed = await self._release_logged(level, slots, " again")
         except BaseException:  # cancelled (the daemon stops): they stay for the next try
             freed = False
             raise
