@@ -156,6 +156,20 @@ FileId = tuple[int, int] | None  # (st_dev, st_ino) of a file, None when there i
 BlockRow = tuple[int, bytes, int, int, int, float]  # ns, key, slot, nbytes, checksum, written_at
 
 
+@contextlib.contextmanager
+def _immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction on ``db``: committed when the block ends, rolled back when it
+    raises (anything, the raise going on)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield db
+        db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            db.execute("ROLLBACK")
+        raise
+
+
 class DiskIndex:
     def __init__(
         self,
@@ -298,15 +312,9 @@ class DiskIndex:
     def transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
             db = self._checked_conn()
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _immediate(db):
                 yield db
-                db.execute("COMMIT")
-                self._check_files(db)
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
+            self._check_files(db)
 
     def close(self) -> None:
         """Close the connection; an index file removed since the last commit is first
@@ -354,14 +362,8 @@ class DiskIndex:
         gone = set(dropped)
         slots = [(row[2],) for row in rows if row[2] not in gone]
         try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _immediate(db):
                 db.executemany("DELETE FROM blocks WHERE slot = ?", slots)
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as e:
             log.error(
                 "L2 index %s: the rows of %d blocks whose commit failed could not be deleted "
@@ -602,8 +604,7 @@ class DiskIndex:
         rewrite = found is not None and "WITHOUT ROWID" in str(found[0]).upper()
         started = time.monotonic()
         try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
+            with _immediate(db):
                 before = kept = 0
                 if rewrite:
                     before = db.execute("SELECT count(*) FROM blocks").fetchone()[0]
@@ -616,11 +617,6 @@ class DiskIndex:
                     db.execute("DROP TABLE blocks")
                     db.execute("ALTER TABLE blocks_v2 RENAME TO blocks")
                 db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as e:
             raise IndexUpgradeFailed(
                 f"the L2 index in {self._directory} could not be upgraded to format "
