@@ -25,7 +25,6 @@ from kvtier.client.cuda import CudaIpcExport
 from kvtier.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
-    NotFoundError,
     Resends,
     UnavailableError,
     closed_error,
@@ -37,6 +36,7 @@ from kvtier.client.flows import (
     Flow,
     PoolBinding,
     PoolView,
+    SendAgain,
     abandon,
     check_pages,
     load_flow,
@@ -284,7 +284,8 @@ class AsyncClient:
         binding: PoolBinding | None = None,
         timeout_s: float | None = None,
     ) -> Any:
-        for attempt in (0, 1):
+        again = SendAgain(method in _SESSION_METHODS, binding is not None)
+        while True:
             if method in _SESSION_METHODS:
                 request.session_id = await self.session()
             if binding is not None:
@@ -297,16 +298,12 @@ class AsyncClient:
                 if (closed := self.closed_error_for(e)) is None:
                     raise
                 raise closed from None
-            if attempt or not isinstance(err, NotFoundError):
+            if not (why := again.after(err)):
                 raise err
-            if err.session_gone and method in _SESSION_METHODS:
-                # Sent again, once, in a new session (see the sync client).
+            if why == "session":
                 self.forget_session(request.session_id)
-            elif binding is None:
-                raise err
             if binding is not None:
                 self.forget_pool_id(binding, request.pool_id)
-        raise AssertionError("unreachable")
 
     async def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:

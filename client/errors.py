@@ -38,8 +38,8 @@ class InvalidArgumentError(KvtierError, ValueError):
 
 class NotFoundError(KvtierError):
     """What the call names does not exist; ``session_gone``: its session (the daemon ended
-    it, or restarted), and nothing of the call was done (the clients then send it again, once,
-    in a new session)."""
+    it, or restarted), and nothing of the call was done (the clients then send it again in
+    a new session, up to three times: ``flows.SendAgain``)."""
 
     code = grpc.StatusCode.NOT_FOUND
     session_gone = False

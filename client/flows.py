@@ -275,3 +275,34 @@ def abandon(
     except BaseException:  # the flow ends with ``error``, which the caller raises
         pass
     flow.close()
+
+
+# A reload that swaps tenants ends every session; a call sent again in a new session can see
+# that session ended too when reloads come faster than the call (one every 0.1 s under load).
+SESSION_RESENDS = 3
+
+
+class SendAgain:
+    """Whether a call that failed is sent again (the clients' ``_invoke``). Only a
+    NotFoundError is: in a new session, up to ``SESSION_RESENDS`` times, when the daemon ended
+    the call's session (a reload of its tenants, a restart), which ran nothing of the call;
+    with its pool registered again, once, when the daemon lost the pool (it restarted)."""
+
+    def __init__(self, names_session: bool, names_pool: bool) -> None:
+        self._sessions = SESSION_RESENDS if names_session else 0
+        self._pools = 1 if names_pool else 0
+
+    def after(self, err: BaseException) -> str:
+        """What the call is sent again for: "session" (open another first), "pool" (register
+        its pool again first), or "" when it is not."""
+        if not isinstance(err, NotFoundError):
+            return ""
+        if err.session_gone:
+            if not self._sessions:
+                return ""
+            self._sessions -= 1
+            return "session"
+        if self._pools:
+            self._pools -= 1
+            return "pool"
+        return ""

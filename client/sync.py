@@ -39,7 +39,6 @@ from kvtier.client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KvtierError,
-    NotFoundError,
     PermissionDeniedError,
     Resends,
     UnavailableError,
@@ -52,6 +51,7 @@ from kvtier.client.flows import (
     Flow,
     PoolBinding,
     PoolView,
+    SendAgain,
     abandon,
     check_pages,
     load_flow,
@@ -445,7 +445,8 @@ class Client:
         binding: PoolBinding | None = None,
         timeout_s: float | None = None,
     ) -> Any:
-        for attempt in (0, 1):
+        again = SendAgain(method in _SESSION_METHODS, binding is not None)
+        while True:
             if method in _SESSION_METHODS:
                 request.session_id = self.session_id
             if binding is not None:
@@ -458,18 +459,12 @@ class Client:
                 if not self._closed:
                     raise
                 raise closed_error() from None
-            if attempt or not isinstance(err, NotFoundError):
+            if not (why := again.after(err)):
                 raise err
-            if err.session_gone and method in _SESSION_METHODS:
-                # The daemon ended the session (a reload of its tenants) or restarted, and did
-                # nothing of the call: sent again, once, in a new session.
+            if why == "session":
                 self.forget_session(request.session_id)
-            elif binding is None:
-                raise err
             if binding is not None:
-                # The daemon lost our session or pool (it restarted): register again, once.
                 self.forget_pool_id(binding, request.pool_id)
-        raise AssertionError("unreachable")
 
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:

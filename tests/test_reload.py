@@ -697,7 +697,7 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
 ):
     """A session a reload ends answers NOT_FOUND at once, while its client may not have seen
     its stream end yet: the client's calls made in that moment open a new session and are
-    sent again (once), as its next call would be, rather than failing with NotFoundError."""
+    sent again (up to three times), as its next call would be, rather than failing with NotFoundError."""
     require_root()
     path, secret, orders = _swapping_tokens(tmp_path)
     d = _start_with(path, tmp_path, daemon_factory, "gone")
@@ -846,3 +846,71 @@ def test_memfd_pools_register_while_reloads_end_their_sessions(tmp_path, daemon_
         time.sleep(0.05)
     with d.client(token=secret) as client:
         assert client.check().problems == []
+
+
+def test_a_call_whose_new_sessions_reloads_end_too_is_sent_again_up_to_three_times(
+    tmp_path, daemon_factory
+):
+    """Reloads that come faster than a call can end each new session it is sent again in
+    (reloads every 0.1 s on a loaded CI machine did: one registration of a memfd pool failed
+    with NotFoundError, the session not open): a call is sent again in a new session up to
+    three times. Reloads here end the session under each try of one call: with three
+    endings, a memfd pool's registration and an async Lookup land in the fourth session; a
+    fourth ending fails the call with NotFoundError, session_gone."""
+    import asyncio
+
+    from kvtier.client import AsyncClient
+
+    require_root()
+    path, secret, orders = _swapping_tokens(tmp_path)
+    d = _start_with(path, tmp_path, daemon_factory, "thrice")
+    reloads = [0]
+
+    def ending(call, endings: int, method: str):
+        """``call`` that first ends the session by a reload, ``endings`` times."""
+        left = [endings]
+
+        def before(name: str) -> None:
+            if name == method and left[0]:
+                left[0] -= 1
+                reloads[0] += 1
+                _tenants_config(path, orders[reloads[0] % 2])
+                d.proc.send_signal(signal.SIGHUP)
+                _wait_for_log(d, "SIGHUP: session", count=reloads[0])
+
+        if asyncio.iscoroutinefunction(call):
+
+            async def wrapped(name: str, request, timeout_s: float):
+                before(name)
+                return await call(name, request, timeout_s)
+
+        else:
+
+            def wrapped(name: str, request, timeout_s: float):
+                before(name)
+                return call(name, request, timeout_s)
+
+        return wrapped
+
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=4, block_tokens=16, chunk_bytes=4 << 10, dtype="uint8"
+    )
+    with d.client(token=secret) as client, SharedMemoryPool.for_layout(layout) as shm:
+        first = client.session_id
+        client.call = ending(client.call, 3, "RegisterPool")
+        pool = client.register_pool(shm, layout)
+        assert reloads[0] == 3 and client.session_id not in ("", first)
+        assert pool.pool_id and client.check().problems == []
+        client.call = ending(client.call, 4, "Lookup")
+        with pytest.raises(NotFoundError) as raised:
+            client.lookup([os.urandom(32)])
+        assert raised.value.session_gone and reloads[0] == 7
+
+    async def main() -> int:
+        async with AsyncClient(d.address, token=secret) as aclient:
+            await aclient.session()
+            aclient.call = ending(aclient.call, 3, "Lookup")
+            found = await aclient.lookup([os.urandom(32)])
+            return found.prefix_len
+
+    assert asyncio.run(main()) == 0 and reloads[0] == 10
