@@ -208,6 +208,8 @@ def load_flow(
     binding: PoolBinding, keys: Sequence[bytes], pages: Sequence[int], max_batch: int, lease_ms: int
 ) -> Flow:
     """Load the longest stored prefix of a key chain into ``pages``; returns blocks loaded.
+    At most ``len(pages)`` blocks: fewer pages than keys loads the stored prefix that fits
+    (an engine loads into the pages it has free; a store, by contrast, needs every page).
 
     Each batch is pinned by a Lookup so that no block is evicted between finding and loading
     it, and the lease is released whatever happens to the Get. A batch's Get is built with

@@ -323,6 +323,27 @@ def test_regression_a_load_whose_first_block_was_missing_kept_the_rest_pinned(da
         assert gauges["leases"] == 0 and gauges["blocks_pinned"] == 0
 
 
+def test_a_load_fills_the_pages_it_is_given_and_a_store_needs_one_per_key(daemon):
+    """A load given fewer pages than keys loads the stored prefix that fits them (an engine
+    loads into the pages it has free) and leaves nothing pinned; a store given fewer pages
+    than keys is refused before anything is sent."""
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        data = random_fill(shm, seed=47)
+        keys = keys_for(4, "fewer-pages")
+        with pytest.raises(InvalidArgumentError, match="3 pages for 4 keys"):
+            pool.store_keys(keys, [0, 1, 2])
+        assert client.lookup(keys).prefix_len == 0
+        assert pool.store_keys(keys, [0, 1, 2, 3]) == 4
+        sent = [block_bytes_of(layout, data, page) for page in range(4)]
+        assert pool.load_keys(keys, [8, 9]) == 2
+        assert [block_bytes_of(layout, data, page) for page in (8, 9)] == sent[:2]
+        assert block_bytes_of(layout, data, 10) != sent[2]  # untouched past the given pages
+        gauges = client.stats().gauges
+        assert gauges["leases"] == 0 and gauges["blocks_pinned"] == 0
+
+
 def test_leases_expire(daemon):
     layout = LAYOUTS["staging"]
     with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
