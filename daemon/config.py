@@ -244,7 +244,8 @@ class ServerConfig:
             unit="s",
             lo=0.0,
             hi=86400.0,
-            doc="malformed requests and unexpected errors log one line per kind this often",
+            doc="malformed requests and unexpected errors log one line per kind this often; 0 "
+            "logs every one (no rate limit: a client sending garbage can then flood the log)",
         ),
     )
     drain_timeout_s: float = field(

@@ -28,6 +28,16 @@ def test_one_line_per_kind_per_interval_then_a_count_of_the_rest(caplog):
         assert rl.suppressed == 0
 
 
+def test_an_interval_of_zero_logs_every_line(caplog):
+    """server.bad_request_log_interval_s=0, as its doc says: no rate limit."""
+    clock = Clock()
+    rl = RateLimitedLog(logging.getLogger("kvtier.test.ratelog0"), 0.0, clock)
+    with caplog.at_level(logging.WARNING, logger="kvtier.test.ratelog0"):
+        for _ in range(5):
+            assert rl.warning("malformed Put", "bad %s", "Put")
+    assert [r.getMessage() for r in caplog.records] == ["bad Put"] * 5 and rl.suppressed == 0
+
+
 def test_exceptions_carry_their_traceback_once_per_interval(caplog):
     clock = Clock()
     rl = RateLimitedLog(logging.getLogger("kvtier.test.ratelog2"), 5.0, clock)
