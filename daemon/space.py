@@ -1252,7 +1252,9 @@ class SpaceManager:
     def _background_done(self, task: asyncio.Task[Any]) -> None:
         self.background.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("background transfer failed", exc_info=exc)
+            # Named in the line itself (a JSON log's message), not only in its traceback.
+            what = getattr(task.get_coro(), "__qualname__", "") or task.get_name()
+            log.error("background transfer %s failed: %r", what, exc, exc_info=exc)
             self.counters.inc("background_errors")
 
     async def drain(self) -> None:

@@ -239,6 +239,22 @@ async def test_a_protected_block_survives_pressure_that_evicts_an_unprotected_on
     )
 
 
+async def test_a_failed_background_transfer_is_logged_by_name_and_counted(make_store, caplog):
+    """The ERROR line names the transfer and its error in its message (a JSON log line's
+    message), not only in the traceback, and background_errors counts it."""
+    store = make_store(Clock())
+
+    async def demote_the_lot() -> None:
+        raise OSError(5, "Input/output error")
+
+    with caplog.at_level(logging.ERROR, logger="kvtier.daemon.space"):
+        store.space.spawn(demote_the_lot())
+        await store.space.drain()
+    (line,) = [r for r in caplog.records if "background transfer" in r.getMessage()]
+    assert "demote_the_lot failed: OSError(5, 'Input/output error')" in line.getMessage()
+    assert line.exc_info is not None and store.counters.get("background_errors") == 1
+
+
 async def test_get_copies_exact_bytes_and_skips_missing(make_store):
     clock = Clock()
     store, pool = make_store(clock), make_pool()
