@@ -54,6 +54,7 @@ Thread-safety: call on the daemon's event loop (the signal handler is installed 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -115,11 +116,32 @@ def is_size(config: Any, key: str) -> bool:
     return bool(meta) and meta["kind"] == "size"
 
 
+# A string shown bare in a reload line: what YAML reads back as that same string.
+_BARE = re.compile(r"[A-Za-z_/][\w./:@+-]*")
+_YAML_WORDS = frozenset({"true", "false", "yes", "no", "on", "off", "null", "y", "n"})
+
+
+def shown(value: Any) -> str:
+    """A config value as the config file spells it (YAML): ``DEBUG``, ``true``,
+    ``[1000, 1001]``, ``""``; a string YAML would read otherwise is quoted."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(shown(v) for v in value) + "]"
+    if isinstance(value, str):
+        bare = _BARE.fullmatch(value) and value.lower() not in _YAML_WORDS
+        return value if bare else json.dumps(value)
+    return str(value)
+
+
 def change(config: Any, key: str, old: Any, new: Any) -> str:
-    """``"key: old -> new"``, sizes in units (``64MiB``) as the config spells them."""
+    """``"key: old -> new"`` as the config spells the values: sizes in units (``64MiB``),
+    the rest as YAML (``shown``)."""
     if is_size(config, key):
         return f"{key}: {format_size(old)} -> {format_size(new)}"
-    return f"{key}: {old!r} -> {new!r}"
+    return f"{key}: {shown(old)} -> {shown(new)}"
 
 
 def with_key(config: Any, key: str, value: Any) -> Any:
@@ -156,7 +178,7 @@ def tenant_change(key: str, old: Any, new: Any) -> str:
     """One line of what changed in ``tenants`` or ``shared_namespaces`` (by name: added,
     removed, changed) or in ``server.admin_uids``."""
     if key not in QUOTA_LISTS:
-        return f"{key}: {old!r} -> {new!r}"
+        return f"{key}: {shown(old)} -> {shown(new)}"
     before, after = {r.name: r for r in old}, {r.name: r for r in new}
     parts = []
     for what, names in (

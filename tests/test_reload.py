@@ -65,7 +65,7 @@ def test_sighup_applies_live_keys_and_names_the_rest(tmp_path, daemon_factory):
         log = _wait_for_log(d, "need a restart")
         assert "server.max_batch_blocks: 16" in log.replace("8 -> ", "")
         assert "policy.protect_s: 2.0 -> 0.5" in log
-        assert "logging.level: 'INFO' -> 'DEBUG'" in log
+        assert "logging.level: INFO -> DEBUG" in log
         # Sizes in units on both lines, as the config spells them (not 67108864 -> ...).
         assert (
             "need a restart and were not applied: tiers.l1.capacity_bytes: 64MiB -> 128MiB" in log
@@ -537,6 +537,23 @@ def test_the_reload_plan_spells_sizes_in_units_on_both_lines():
     assert effective == config("64GiB", "100MB", 0.5)
 
 
+def test_reload_lines_spell_values_as_the_config_file_does():
+    """Not Python's repr ('INFO', True, ('a',)): YAML, as an SRE wrote them."""
+    from kvtier.daemon.config import load_config
+
+    running = load_config(None, ["logging.level=info", "tiers.l2.enabled=false"])
+    loaded = load_config(
+        None, ["logging.level=debug", "tiers.l2.enabled=true", "policy.protect_s=2.5"]
+    )
+    _, applied, restart = plan(running, loaded)
+    assert "logging.level: INFO -> DEBUG" in applied
+    assert "tiers.l2.enabled: false -> true" in restart
+    assert any(
+        line.startswith("policy.protect_s: ") and line.endswith(" -> 2.5") for line in applied
+    )
+    assert not [line for line in applied + restart if "'" in line or "True" in line]
+
+
 def test_the_reload_plan_takes_tenant_changes_unless_tenants_go_on_or_off():
     from kvtier.daemon.config import load_config
 
@@ -550,7 +567,7 @@ def test_the_reload_plan_takes_tenant_changes_unless_tenants_go_on_or_off():
     assert applied == ["tenants: added carol; removed bob; changed alice"] and restart == []
     assert effective == loaded
     effective, applied, restart = plan(running, config(alice, bob, admins="[1002]"))
-    assert applied == ["server.admin_uids: () -> ('1002',)"] and restart == []
+    assert applied == ['server.admin_uids: [] -> ["1002"]'] and restart == []
     # Turning tenants off (or on) changes what a session is counted by: a restart.
     effective, applied, restart = plan(running, config())
     assert applied == [] and [r.split(":")[0] for r in restart] == ["tenants"]
