@@ -78,6 +78,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_shm(config),
         *_metrics(config),
         *_tokens(config),
+        *_l3_client(config),
         *_l3_password(config),
         *_event_loop(config),
     ]
@@ -97,6 +98,8 @@ def summary(config: Config, host: HostFacts | None = None) -> list[str]:
         lines.append(f"L2: {format_size(l2.capacity_bytes)} in {os.path.abspath(l2.path)}")
     else:
         lines.append("L2: off")
+    l3 = config.tiers.l3
+    lines.append(f"L3: {l3.mode} at {', '.join(l3.urls)}" if l3.enabled else "L3: off")
     if config.server.socket:
         lines.append(f"socket: {os.path.abspath(config.server.socket)}")
     if config.server.tcp_address:
@@ -400,6 +403,25 @@ def _tokens(config: Config) -> list[Problem]:
                     )
                 )
     return out
+
+
+def _l3_client(config: Config) -> list[Problem]:
+    """redis-py, which the L3 tier talks through: it is the ``redis`` extra, which ``make run``
+    does not install, so an enabled L3 there passed --check-config ('config ok') and the
+    start then ended with an ImportError traceback."""
+    if not config.tiers.l3.enabled:
+        return []
+    try:
+        import redis.asyncio  # noqa: F401
+    except ImportError as e:
+        return [
+            Problem(
+                "tiers.l3.enabled",
+                f"the L3 tier needs redis-py, which this Python lacks ({e}): "
+                "pip install 'kvtier[redis]'",
+            )
+        ]
+    return []
 
 
 def _l3_password(config: Config) -> list[Problem]:

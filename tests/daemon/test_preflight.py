@@ -422,6 +422,38 @@ def test_an_l3_password_file_the_tier_cannot_read_is_refused_by_the_checks(tmp_p
     assert preflight.check(load_config(None, sets), HOST) == []
 
 
+# kvtierd in a Python where redis-py cannot be imported, as in `make run`'s venv (runtime
+# dependencies only; L3's redis-py is the `redis` extra).
+_WITHOUT_REDIS = (
+    "import sys; sys.modules['redis'] = None; "
+    "from kvtier.daemon.entry import main; sys.exit(main())"
+)
+
+
+def test_an_enabled_l3_without_redis_py_is_refused_by_the_checks(tmp_path, monkeypatch):
+    """Regression: with L3 enabled in `make run`'s venv, which lacks redis-py, --check-config
+    said 'config ok' (exit 0) and the start ended with an ImportError traceback (exit 1)."""
+    sets = [f"server.socket={tmp_path}/s.sock", "tiers.l3.enabled=true"]
+    assert preflight.check(load_config(None, sets), HOST) == []
+    assert "L3: single at redis://127.0.0.1:6379" in preflight.summary(load_config(None, sets))
+    monkeypatch.setitem(sys.modules, "redis", None)  # `import redis...` raises ImportError
+    problems = preflight.check(load_config(None, sets), HOST)
+    assert _keys(problems) == ["tiers.l3.enabled"]
+    assert "pip install 'kvtier[redis]'" in str(problems[0])
+    assert preflight.check(load_config(None, sets[:1]), HOST) == []  # L3 off: not needed
+    assert "L3: off" in preflight.summary(load_config(None, sets[:1]))
+    for mode in ("--check-config", None):
+        args = [sys.executable, "-c", _WITHOUT_REDIS, *_sets(*sets)]
+        r = subprocess.run(
+            args + ([mode] if mode else []), capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 1, (mode, r.stdout, r.stderr)
+        assert "config ok" not in r.stdout
+        assert "Traceback" not in r.stderr, r.stderr
+        assert "cannot start: tiers.l3.enabled: the L3 tier needs redis-py" in r.stderr
+        assert not (tmp_path / "s.sock").exists()
+
+
 def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
     tmp_path, daemon_factory
 ):
