@@ -4,6 +4,10 @@ different bytes"; ``bench policy_memory --blocks -1`` ended in a numpy traceback
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from kvtier.bench import run_bench
@@ -31,3 +35,37 @@ def test_bad_counts_are_refused_with_a_message(
     out = capsys.readouterr().err + str(e.value.code)
     assert e.value.code != 0
     assert message in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("what", "missing", "extra"),
+    [
+        ("l3", "redis", "redis"),
+        ("ttft", "torch", "torch"),
+        ("ttft", "transformers", "transformers"),
+    ],
+)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_benchmark_whose_extra_is_not_installed_says_what_to_install(
+    what: str, missing: str, extra: str, as_json: bool
+) -> None:
+    """Regression: in `make run`'s venv (runtime dependencies only) `kvtier bench l3`, even
+    with --help, and `kvtier bench ttft` ended in a ModuleNotFoundError traceback. The
+    package is hidden as if not installed (an import of it raises ModuleNotFoundError)."""
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None; "
+        "from kvtier.cli.main import main; sys.exit(main())"
+    )
+    args = ["bench", *(["--json"] if as_json else []), what]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+    message = f"kvtier bench {what} needs {missing}, which this Python lacks"
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr and f"pip install 'kvtier[{extra}]'" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    if as_json:
+        last = json.loads(r.stdout.strip().splitlines()[-1])
+        assert last["ok"] is False and message in last["error"]
+    else:
+        assert r.stdout == ""
