@@ -56,6 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.common import arg_parser
+
 KINDS = ("vllm", "flashinfer", "mla", "staging")
 POISON = 0xA5
 
@@ -1006,11 +1008,7 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def main(argv: list[str], *, as_json: bool) -> int:
-    p = argparse.ArgumentParser(
-        prog="kvtier bench gpu",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = arg_parser("gpu", __doc__)  # its --help lists --json, as every benchmark's does
     p.add_argument("--batch", type=int, default=128, help="2 MiB blocks per bandwidth batch")
     p.add_argument("--rounds", type=int, default=9, help="timed repetitions of each transfer")
     p.add_argument("--streams", type=int, default=2, help="L0 pool streams")

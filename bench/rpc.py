@@ -418,7 +418,7 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
             )
     print(
         "ping: a bare grpc.aio unary echo server on a Unix socket, on asyncio's event loop (the "
-        "issue's baseline); ping_uv (uv): the same on uvloop; health: the daemon's gRPC health "
+        "floor any unary call over this transport pays: the ratios' baseline); ping_uv (uv): the same on uvloop; health: the daemon's gRPC health "
         f"Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's. "
         "client/server us: CPU per call of the client processes and of the serving process"
     )
