@@ -9,39 +9,85 @@ daemon restarted and no longer knows our session, pool or lease) comes from a da
 and fast: the next call opens a session again, so the first one does not pause. Another within
 ``retry_after_s`` does: something else is missing (the daemon cannot see our shared-memory
 object, say), and retrying it at every step would only cost a registration each time.
+
+A daemon that did not answer (``UnavailableError``, ``DeadlineExceededError``, a transfer's
+``TimeoutError``) is not asked again from the engine's thread when the pause ends: a breaker
+given a ``probe`` (a health check) stays open until the probe, run on a thread of its own
+every ``retry_after_s``, says the daemon serves. So a daemon that stays down or hung costs
+the engine one timeout in all, not one per pause, and the log says once when kvtier went
+and once when it came back.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvtier.client.errors import NotFoundError
+from kvtier.client.errors import DeadlineExceededError, NotFoundError, UnavailableError
+
+if TYPE_CHECKING:
+    from kvtier.client.sync import Client
 
 log = logging.getLogger(__name__)
+
+# Failures after which the daemon is probed before the engine calls it again.
+UNANSWERED = (UnavailableError, DeadlineExceededError, TimeoutError)
+
+
+def daemon_answers(client: Client) -> Callable[[], bool]:
+    """A probe of ``client``'s daemon: its session (opened again if it ended) and a health
+    check. The session comes first because on a Unix socket it starts with the credential
+    exchange, which fails at once while nothing listens, without a gRPC connection attempt:
+    a health check alone made gRPC's channel try to connect at every probe of a daemon that
+    was down and back off between tries, so an engine took up to a back-off period (tens of
+    seconds) more to see the daemon back."""
+
+    def probe() -> bool:
+        _ = client.session_id
+        return client.health()
+
+    return probe
 
 
 class Breaker:
     """Stops asking kvtier for ``retry_after_s`` after a failure, so a daemon that is down
-    or slow costs one timeout per period, not one per request.
+    or slow costs one timeout per period, not one per request; with a ``probe``, a daemon
+    that did not answer costs one timeout until it answers again (see the module docstring).
 
-    Thread-safety: a race may let two callers through at the end of a pause; harmless.
+    Thread-safety: a race may let two callers through at the end of a pause; harmless. The
+    probing thread only reads the clock and writes the pause's end and ``probing``.
     """
 
-    def __init__(self, retry_after_s: float, what: str) -> None:
+    def __init__(
+        self, retry_after_s: float, what: str, probe: Callable[[], bool] | None = None
+    ) -> None:
         self.retry_after_s = retry_after_s
         self.what = what
+        self._probe = probe
         self._closed_until = 0.0
         self._forgiven_at = -retry_after_s  # when a NOT_FOUND last passed without a pause
+        self._probing = False  # a probing thread holds the breaker open
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.trips = 0
+        self.probes = 0  # probes that found the daemon not serving (or not answering)
 
     def ok(self) -> bool:
-        return time.monotonic() >= self._closed_until
+        return not self._probing and time.monotonic() >= self._closed_until
+
+    @property
+    def probing(self) -> bool:
+        """Whether the breaker waits for the daemon to answer a probe."""
+        return self._probing
 
     def trip(self, error: BaseException, at: float | None = None) -> None:
         """Pause for ``retry_after_s`` from ``at`` (a ``time.monotonic()`` instant; now by
         default): a failure noticed late, e.g. a background job reaped later, pauses from when
-        it happened, not from when it was seen."""
+        it happened, not from when it was seen. A failure that says the daemon did not answer
+        pauses, with a probe, until the probe finds it serving."""
         now = time.monotonic()
         if isinstance(error, NotFoundError) and now - self._forgiven_at >= self.retry_after_s:
             self._forgiven_at = now
@@ -49,9 +95,31 @@ class Breaker:
             return
         self.trips += 1
         until = (now if at is None else at) + self.retry_after_s
-        if until <= self._closed_until:
+        if until <= self._closed_until or until <= now:
             return
-        if self.ok() and until > now:
+        was_ok = self.ok()
+        self._closed_until = until
+        if self._probe is not None and isinstance(error, UNANSWERED):
+            with self._lock:
+                start = not self._probing and not self._stop.is_set()
+                self._probing = self._probing or start
+            if start:
+                log.warning(
+                    "kvtier %s failed (%s: %s); running without kvtier until the daemon "
+                    "answers (asked every %.1fs)",
+                    self.what,
+                    type(error).__name__,
+                    error,
+                    self.retry_after_s,
+                )
+                threading.Thread(
+                    target=self._wait_for_daemon,
+                    args=(now,),
+                    name=f"kvtier-{self.what}-probe",
+                    daemon=True,
+                ).start()
+            return
+        if was_ok:
             log.warning(
                 "kvtier %s failed (%s: %s); running without kvtier for %.1fs",
                 self.what,
@@ -59,4 +127,30 @@ class Breaker:
                 error,
                 until - now,
             )
-        self._closed_until = until
+
+    def _wait_for_daemon(self, since: float) -> None:
+        """The probing thread: ask the daemon every ``retry_after_s`` until it serves."""
+        assert self._probe is not None
+        while not self._stop.wait(max(0.0, self._closed_until - time.monotonic())):
+            try:
+                serving = self._probe()
+            except Exception as e:  # KvtierError: still not answering
+                log.debug("kvtier %s: the daemon does not answer yet (%s)", self.what, e)
+                serving = False
+            if serving:
+                break
+            self.probes += 1
+            self._closed_until = time.monotonic() + self.retry_after_s
+        else:
+            return  # closed
+        with self._lock:
+            self._probing = False
+        log.info(
+            "kvtier %s: the daemon answers again after %.1fs; kvtier is used again",
+            self.what,
+            time.monotonic() - since,
+        )
+
+    def close(self) -> None:
+        """Stop probing (the integration shuts down)."""
+        self._stop.set()

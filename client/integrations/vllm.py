@@ -20,8 +20,9 @@ and parallel ranks). The blocks it promises are pinned under a lease that the wo
 under; the workers load them layer by layer while the forward pass runs (``layerwise``) or
 before the request joins a batch (``async``), and store every block the engine computes,
 in the background. Blocks that fail to load are reported to vLLM, which recomputes them
-(and they are stored again); a daemon that is down or slow costs one short timeout, then
-vLLM runs as if nothing were cached for ``retry_after_s``. No request fails because of kvtier: the connector sets vLLM's
+(and they are stored again); a daemon that is down or hung costs one short timeout, then
+vLLM runs as if nothing were cached until a health check (every ``retry_after_s``, off vLLM's
+threads) finds it serving again. No request fails because of kvtier: the connector sets vLLM's
 ``kv_load_failure_policy`` to ``recompute`` (and says so) unless the option
 ``allow_failing_requests`` is set, in which case vLLM's own policy stands.
 

@@ -118,7 +118,8 @@ class ConnectorConfig:
     save_timeout_s: float = 30.0
     retry_after_s: float = 5.0
     """After a failed call, kvtier is not asked again for this long (requests run as if
-    nothing were cached, and nothing is saved)."""
+    nothing were cached, and nothing is saved); after a call the daemon did not answer, not
+    until a health check, made this often off vLLM's threads, finds it serving."""
     lease_ms: int = 30_000
     hint_ms: int = 30_000
     """A request vLLM leaves waiting in its queue has its hit protected from eviction (and

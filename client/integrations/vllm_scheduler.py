@@ -29,8 +29,10 @@ Invariants:
   evicted after the lookup, or unreadable, which the daemon drops).
 - A lease is released by this side (its owner) once a worker reports its load done, or
   expires in the daemon; it never outlives ``shutdown``.
-- A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``): meanwhile
-  requests are scheduled as if nothing were cached and nothing is saved.
+- A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``), and a
+  daemon that does not answer one timeout until a health check, off vLLM's thread, finds it
+  serving again: meanwhile requests are scheduled as if nothing were cached and nothing is
+  saved.
 - A request whose LoRA adapter has no key (not a local folder; see ``vllm_config``) is never
   looked up nor saved.
 - A request whose async load failed (a worker names it in
@@ -57,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.errors import KvtierError, ResourceExhaustedError
-from kvtier.client.integrations.breaker import Breaker
+from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.integrations.fingerprint import AdapterDigests
 from kvtier.client.integrations.vllm_config import (
     LORA_TAG,
@@ -121,7 +123,7 @@ class SchedulerSide:
             timeout_s=config.lookup_timeout_s,
             client_name=f"vllm scheduler pid {os.getpid()}",
         )
-        self.breaker = Breaker(config.retry_after_s, "lookup")
+        self.breaker = Breaker(config.retry_after_s, "lookup", probe=daemon_answers(self.client))
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []  # this step's, until build_connector_meta
         # The engine blocks each of the last RECENT_STEPS steps loaded layer-wise, and all
@@ -412,6 +414,7 @@ class SchedulerSide:
             self.client.release(lease)
 
     def shutdown(self) -> None:
+        self.breaker.close()
         for lease in list(self._lease_owner):
             self._release(lease)
         self.client.close()

@@ -51,8 +51,10 @@ Invariants:
   off for this worker until then).
 - Saves never hold vLLM's blocks past the step that copies them to staging, so a request's
   blocks are released as soon as its last copy ran (``finished_sending`` in the same step).
-- A failing or slow daemon costs one timeout per ``retry_after_s``; meanwhile loads are
-  reported failed at once and nothing is saved.
+- A failing or slow daemon costs one timeout per ``retry_after_s``, and one that does not
+  answer one timeout until a health check, off vLLM's thread, finds it serving again (no
+  staging pool is made meanwhile); meanwhile loads are reported failed at once and nothing
+  is saved.
 
 Thread-safety: none; vLLM calls the worker connector from its model-runner thread. The one
 thread of the worker's own (on a GPU) touches only the saves handed to it and the client.
@@ -73,7 +75,7 @@ import numpy as np
 import torch
 
 from kvtier.client.errors import KvtierError
-from kvtier.client.integrations.breaker import Breaker
+from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.integrations.staging import StagingPool, fencing_gpu_staging
 from kvtier.client.integrations.vllm_config import (
     ConnectorConfig,
@@ -165,7 +167,7 @@ class WorkerSide:
             timeout_s=max(config.load_timeout_s, config.lookup_timeout_s),
             client_name=f"vllm worker tp{tp_rank} pp{pp_rank} pid {os.getpid()}",
         )
-        self.breaker = Breaker(config.retry_after_s, "transfer")
+        self.breaker = Breaker(config.retry_after_s, "transfer", probe=daemon_answers(self.client))
         self.ranges = layer_ranges(self.num_layers, min(config.layer_groups, self.num_layers))
         self.staging_pages = staging_pages(config, identity, num_engine_blocks)
         self.kv: list[torch.Tensor] = []
@@ -860,6 +862,7 @@ class WorkerSide:
         if self._save_jobs or self._copying:
             self._reap_saves(wait_s=self.config.shutdown_timeout_s)
         self._shutting_down = True  # the submitting thread starts no more jobs
+        self.breaker.close()
         if self._submit_queue is not None:
             self._submit_queue.put(None)
         for save in self._save_jobs:

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import threading
 import time
+from collections.abc import Callable
 
-from kvtier.client.errors import NotFoundError, UnavailableError
-from kvtier.client.integrations.breaker import Breaker
+import pytest
+
+from kvtier.client.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from kvtier.client.integrations.breaker import Breaker, daemon_answers
 
 
 def test_a_daemon_that_is_down_pauses_kvtier_for_the_retry_period():
@@ -41,3 +54,100 @@ def test_a_failure_seen_late_pauses_from_when_it_happened():
     # An older failure reaped after it does not shorten the pause.
     breaker.trip(UnavailableError("an older one"), at=now - 4.9)
     assert not breaker.ok() and breaker._closed_until >= now + 4.0
+
+
+def _wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_daemon_that_did_not_answer_is_asked_again_by_a_probe_not_the_engine():
+    """Before, the pause ended after retry_after_s whatever the daemon's state, and the
+    engine's own next call paid the timeout again: a vLLM worker waited 5 s for a staging
+    pool's registration every 10 s while the daemon was hung (SIGSTOP), and made a new
+    512 MiB pool before each try while it was down. The breaker now stays open until a
+    probe, on a thread of its own, finds the daemon serving."""
+    answers = [False, False, True]
+    threads: list[int] = []
+
+    def probe() -> bool:
+        threads.append(threading.get_ident())
+        return answers[len(threads) - 1]
+
+    breaker = Breaker(0.01, "transfer", probe=probe)
+    breaker.trip(DeadlineExceededError("Deadline Exceeded"))
+    assert not breaker.ok() and breaker.probing
+    assert _wait_until(breaker.ok)
+    # Open while the probe said no, twice past the pause it would have had before.
+    assert len(threads) == 3 and breaker.probes == 2 and not breaker.probing
+    assert threading.get_ident() not in threads
+    breaker.close()
+
+
+def test_refusals_that_come_from_a_serving_daemon_are_not_probed():
+    """A daemon that answered (here: a limit) is up: the pause ends with retry_after_s."""
+    calls: list[int] = []
+    breaker = Breaker(0.01, "lookup", probe=lambda: bool(calls.append(1)))
+    breaker.trip(ResourceExhaustedError("tenant pool bytes"))
+    assert not breaker.probing
+    assert _wait_until(breaker.ok) and calls == []
+
+
+def test_a_closed_breaker_stops_probing():
+    breaker = Breaker(0.01, "transfer", probe=lambda: False)
+    breaker.trip(UnavailableError("connection refused"))
+    assert _wait_until(lambda: breaker.probes >= 1)
+    breaker.close()
+    probes = breaker.probes
+    time.sleep(0.1)
+    assert breaker.probes <= probes + 1 and not breaker.ok()
+
+
+def test_a_hung_daemon_keeps_the_breaker_open_until_it_continues(daemon):
+    """The real health check against a real daemon stopped with SIGSTOP, then continued."""
+    assert daemon.proc is not None
+    with daemon.client(timeout_s=0.2) as client:
+        assert client.health()
+        breaker = Breaker(0.05, "transfer", probe=daemon_answers(client))
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            breaker.trip(DeadlineExceededError("Deadline Exceeded"))
+            # Probes time out while it is stopped: kvtier stays off for the engine.
+            assert _wait_until(lambda: breaker.probes >= 2)
+            assert not breaker.ok()
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert _wait_until(breaker.ok)
+        assert client.health()
+        breaker.close()
+
+
+def test_probes_of_a_daemon_that_is_down_make_no_grpc_connection_attempt(daemon):
+    """Probes of a daemon that is down fail in the credential exchange, so gRPC's channel
+    makes no connection attempt meanwhile and does not back off: with a health check alone
+    it tried at every probe, backed off longer after each failure, and an engine saw its
+    restarted daemon 14 s late (up to gRPC's longest back-off, 2 minutes, after a long
+    outage). A listener of our own on the daemon's socket counts the attempts."""
+    assert daemon.proc is not None
+    with daemon.client(timeout_s=0.5) as client:
+        probe = daemon_answers(client)
+        assert probe()
+        daemon.kill()
+        os.unlink(daemon.socket)  # the credential socket stays, and nothing listens there
+        attempts = []
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(daemon.socket)
+            listener.listen(16)
+            listener.settimeout(0.05)
+            for _ in range(5):
+                with pytest.raises(UnavailableError):
+                    probe()
+                with contextlib.suppress(TimeoutError):
+                    conn, _ = listener.accept()
+                    attempts.append(conn)
+                    conn.close()
+        assert attempts == []
