@@ -2,7 +2,12 @@
 
 A namespace that names a model by its path alone would let a checkpoint rewritten in place
 share blocks with its predecessor; the fingerprint binds the weight files themselves, at the
-cost of a few hundred KiB read once at engine start.
+cost of a few hundred KiB read once at engine start (a few MiB for a safetensors checkpoint of
+hundreds of tensors). Evenly spaced samples of a file alone missed a rewrite that changed some
+tensors only (a fine-tune of the attention's K and V projections, a merged LoRA adapter): the
+blocks of the old weights were then loaded for the new ones. A safetensors file is also
+sampled in every tensor, so a tensor changed anywhere near its start, middle or end changes
+the fingerprint.
 
 An adapter (LoRA) is named in block keys, and an engine's own name for it (a number it
 hands out) means nothing to another engine; ``AdapterDigests`` binds its files instead, read
@@ -12,18 +17,24 @@ whole (adapters are small) and once per folder while its files stay as they were
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLES = 16
 SAMPLE_BYTES = 4096
+TENSOR_SAMPLE_BYTES = 512
+# A safetensors header larger than this is not read as one (the file is sampled as any other).
+MAX_HEADER_BYTES = 100 << 20
 
 
 def weights_dir_fingerprint(path: str, tag: bytes) -> str:
     """Every weight file's relative name, size and ``SAMPLES`` evenly spaced 4 KiB samples
-    under ``path``, hashed after ``tag`` (which names the integration, so each keeps the
-    values it always had); 32 hex digits."""
+    under ``path``, and for a safetensors file its header and a sample at the start, middle
+    and end of every tensor, hashed after ``tag`` (which names the integration); 32 hex
+    digits."""
     h = hashlib.sha256(tag)
     files = []
     for root, _, names in os.walk(path):
@@ -36,7 +47,42 @@ def weights_dir_fingerprint(path: str, tag: bytes) -> str:
             for offset in range(0, size, step)[:SAMPLES]:
                 f.seek(offset)
                 h.update(f.read(SAMPLE_BYTES))
+            if file.endswith(".safetensors"):
+                for offset, length in _tensor_samples(f, size, h):
+                    f.seek(offset)
+                    h.update(f.read(length))
     return h.hexdigest()[:32]
+
+
+def _tensor_samples(f: BinaryIO, size: int, h: Any) -> list[tuple[int, int]]:
+    """(offset, length) of a sample at the start, middle and end of every tensor of the
+    safetensors file ``f`` (its header, read whole, goes into ``h``); none when the file
+    has no header that reads as one."""
+    f.seek(0)
+    head = f.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else 0
+    if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
+        return []
+    raw = f.read(length)
+    try:
+        header = json.loads(raw)
+        spans = [
+            tuple(int(x) for x in info["data_offsets"])
+            for name, info in header.items()
+            if name != "__metadata__"
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+    h.update(raw)
+    base = 8 + length
+    samples = set()
+    for span in spans:
+        if len(span) != 2 or not 0 <= span[0] < span[1] <= size - base:
+            continue
+        start, end = span
+        for at in (start, (start + end) // 2, max(start, end - TENSOR_SAMPLE_BYTES)):
+            samples.add((base + at, min(TENSOR_SAMPLE_BYTES, end - at)))
+    return sorted(samples)
 
 
 def adapter_dir_digest(path: str, tag: bytes) -> str:
