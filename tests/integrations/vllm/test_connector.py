@@ -488,6 +488,54 @@ def test_a_hung_daemon_costs_one_timeout_then_is_skipped(model_dir, daemon):
         engine.close()
 
 
+def test_a_daemon_hung_past_several_retry_periods_is_asked_again_only_off_the_engine(
+    model_dir, daemon
+):
+    """Before, each pause ended after retry_after_s and vLLM's own threads asked the hung
+    daemon again: the scheduler's next lookup paid its timeout, and the worker registered a
+    new staging pool, which waited the whole client timeout (5 s a try with a real vLLM,
+    every ~10 s). Now a probe off vLLM's threads asks, and kvtier comes back once it
+    answers."""
+    later = prompts(9, 3 * BLOCK, [20])[0]  # loaded once the daemon is back
+    _store_prompt(model_dir, daemon)
+    _store_prompt(model_dir, daemon, later)
+    engine = MiniEngine(model_dir, _options(daemon, load_timeout_s=1.0, retry_after_s=0.2))
+    side, worker = engine.connector.scheduler_side, engine.worker
+    assert daemon.proc is not None
+    stopped = True
+    try:
+        engine.add("r", PROMPT, max_tokens=2)
+        out = engine.step(before_forward=lambda out: os.kill(daemon.proc.pid, signal.SIGSTOP))
+        (load,) = out.kv_connector_metadata.loads
+        assert engine.invalid_reported == set(load.block_ids)
+        engine.run()
+        engine.add("s", prompts(6, 2 * BLOCK, [10])[0], max_tokens=1)
+        engine.run()
+        lookups = side.stats["lookups"]
+        assert side.stats["lookup_errors"] == 1
+        # Probes keep failing for several retry periods; vLLM's threads call nothing.
+        assert wait_until(lambda: side.breaker.probes >= 3 and worker.breaker.probes >= 3)
+        for i in range(3):
+            engine.add(f"u{i}", prompts(20 + i, 3 * BLOCK, [10])[0], max_tokens=1)
+            engine.run()
+        assert side.stats["lookups"] == lookups and side.stats["lookup_errors"] == 1
+        assert worker.staging_generation == 1  # no pool registered meanwhile
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        assert wait_until(lambda: side.breaker.ok() and worker.breaker.ok())
+        engine.invalid_reported.clear()
+        engine.add("v", later, max_tokens=2)
+        out = engine.step()
+        assert out.num_scheduled_tokens["v"] == len(later) - 3 * BLOCK
+        assert engine.blocks_hold_their_prefix("v", len(later))
+        assert engine.invalid_reported == set() and worker.staging_generation == 2
+        engine.run()
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        engine.close()
+
+
 def test_no_daemon_at_all_is_no_cache(model_dir, tmp_path):
     engine = MiniEngine(model_dir, {"address": f"unix:{tmp_path}/none.sock"})
     try:
