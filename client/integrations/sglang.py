@@ -18,7 +18,8 @@ Invariants:
   ``io_timeout_s``, plus the fence's ``io_timeout_s`` or ``late_copy_grace_s`` after a
   direct transfer that ended without an answer): a failure, a daemon that is down or hung, or a bad argument is a miss (0 pages
   found, ``False`` per page, ``None`` per legacy page), logged, and then kvtier is not asked
-  again for ``retry_after_s`` (``Breaker``). Only a configuration that cannot work stops
+  again for ``retry_after_s`` (``Breaker``), or, for a daemon that did not answer, until a
+  health check off SGLang's threads (every ``retry_after_s``) finds it serving again. Only a configuration that cannot work stops
   SGLang at start, with a ``ValueError`` naming the problem.
 - A stored block is one SGLang flat data page under a key bound to the namespace
   (``sglang_config``), so a page loaded is byte for byte the page some engine of the same
@@ -62,7 +63,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.client.errors import KvtierError, unclean
-from kvtier.client.integrations.breaker import Breaker
+from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.integrations.sglang_config import (
     PageFormat,
     StorageOptions,
@@ -101,7 +102,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 f"pid {os.getpid()}"
             ),
         )
-        self.breaker = Breaker(self.options.retry_after_s, "HiCache storage")
+        self.breaker = Breaker(
+            self.options.retry_after_s, "HiCache storage", probe=daemon_answers(self.client)
+        )
         self.page: PageFormat | None = None
         self.namespace: Namespace | None = None
         self.mode = "unregistered"  # "direct" or "staged" once a host pool is registered
@@ -601,6 +604,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 return
             self._closed = True
             self._release_pools()
+        self.breaker.close()
         self.client.close()
 
     def _release_pools(self) -> None:
