@@ -813,14 +813,18 @@ def _memfds_of(pid: int) -> list[str]:
     return found
 
 
-@pytest.mark.slow  # ~10 s of reloads: `make test-slow`
+@pytest.mark.slow  # ~10-20 s of reloads: `make test-slow`
 def test_memfd_pools_register_while_reloads_end_their_sessions(tmp_path, daemon_factory):
-    """Three clients register and unregister memfd pools in a loop while SIGHUPs every 0.1 s
-    swap two tenants' token files, each ending the clients' sessions. Every registration
-    succeeds: one whose session ended while its memory was mapped is sent again in a new
-    session with the same credential ticket, which the daemon gave back (it had spent it:
-    56 of 5,149 registrations here were UNAUTHENTICATED; the deterministic case is in
-    tests/daemon/test_pool_registration.py). Nothing of the memfds stays open in the daemon."""
+    """Three clients register and unregister memfd pools in a loop while 100 SIGHUPs, about
+    0.1 s apart, swap two tenants' token files, each ending the clients' sessions. Every
+    registration succeeds: one whose session ended while its memory was mapped is sent again
+    in a new session with the same credential ticket, which the daemon gave back (it had
+    spent it: 56 of 5,149 registrations here were UNAUTHENTICATED; the deterministic case is
+    in tests/daemon/test_pool_registration.py). Nothing of the memfds stays open in the
+    daemon. Each SIGHUP waits until the last one is applied and every client has registered
+    since: at a fixed 0.1 s, on a loaded machine the reloads came faster than the calls, a
+    call saw the new sessions it was sent again in ended too, past the clients' three
+    resends, and failed with NotFoundError."""
     require_root()
     path, secret, orders = _swapping_tokens(tmp_path)
     d = _start_with(path, tmp_path, daemon_factory, "memfd")
@@ -828,10 +832,10 @@ def test_memfd_pools_register_while_reloads_end_their_sessions(tmp_path, daemon_
         num_layers=1, num_pages=64, block_tokens=16, chunk_bytes=64 << 10, dtype="uint8"
     )
     errors: list[Exception] = []
-    registered = [0]
+    registered = [0, 0, 0]  # each client's
     stop = threading.Event()
 
-    def register_in_a_loop() -> None:
+    def register_in_a_loop(me: int) -> None:
         with d.client(token=secret) as client, SharedMemoryPool.for_layout(layout) as shm:
             while not stop.is_set():
                 try:
@@ -839,25 +843,31 @@ def test_memfd_pools_register_while_reloads_end_their_sessions(tmp_path, daemon_
                 except Exception as e:
                     errors.append(e)
                     continue
-                registered[0] += 1
+                registered[me] += 1
                 with contextlib.suppress(NotFoundError):  # a reload ended it with its session
                     client.unregister_pool(pool.pool_id)
 
-    threads = [threading.Thread(target=register_in_a_loop) for _ in range(3)]
+    threads = [threading.Thread(target=register_in_a_loop, args=(i,)) for i in range(3)]
     for thread in threads:
         thread.start()
     try:
         for i in range(1, 101):
             _tenants_config(path, orders[i % 2])
             d.proc.send_signal(signal.SIGHUP)
+            _wait_for_log(d, "SIGHUP: applied", count=i, timeout_s=60)
+            before = list(registered)
+            deadline = time.monotonic() + 60
+            while not errors and any(registered[j] == before[j] for j in range(3)):
+                assert time.monotonic() < deadline, f"clients stalled: {registered}"
+                time.sleep(0.005)
             time.sleep(0.1)
     finally:
         stop.set()
         for thread in threads:
             thread.join()
     assert d.log().count("SIGHUP: session") >= 50  # the reloads ended sessions
-    assert registered[0] > 100 and errors == []
-    deadline = time.monotonic() + 5
+    assert sum(registered) > 100 and errors == []
+    deadline = time.monotonic() + 30
     while held := _memfds_of(d.proc.pid):
         assert time.monotonic() < deadline, f"the daemon holds {len(held)} memfds"
         time.sleep(0.05)
