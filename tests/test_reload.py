@@ -720,6 +720,7 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
     d = _start_with(path, tmp_path, daemon_factory, "gone")
     keys = [os.urandom(32)]
     errors: list[Exception] = []
+    answered = [0]
     stop = threading.Event()
     with d.client(token=secret) as client:
         assert client.tenant == "alice"  # its session is open before the reloads
@@ -730,6 +731,8 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
                     client.lookup(keys)
                 except Exception as e:
                     errors.append(e)
+                else:
+                    answered[0] += 1
 
         caller = threading.Thread(target=calls)
         caller.start()
@@ -738,7 +741,16 @@ def test_calls_of_a_session_the_daemon_ended_at_a_reload_go_to_a_new_session(
                 _tenants_config(path, orders[i % 2])
                 d.proc.send_signal(signal.SIGHUP)
                 _wait_for_log(d, "SIGHUP: session", count=i)
+                _wait_for_log(d, "SIGHUP: applied", count=i)
                 time.sleep(0.05)  # the caller's calls meet the ended session, or the new one
+                # Two answers from now: the second was sent after the reload, so its session
+                # is open for the next one to end (on a loaded machine the caller had not
+                # opened one yet, that reload ended none, and no line came).
+                seen = answered[0]
+                deadline = time.monotonic() + 30
+                while answered[0] < seen + 2 and not errors:
+                    assert time.monotonic() < deadline, "the caller's lookups stopped"
+                    time.sleep(0.005)
         finally:
             stop.set()
             caller.join()
