@@ -990,7 +990,8 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
     second's worth) is stored by a client whose timeout is 1 s, and a durable put of 768 KiB
     (1 s at least, even from a full burst) given 0.5 s by a client of 60 s ends
     DeadlineExceededError. The daemon serves on: every invariant holds and the first blocks
-    load back as stored."""
+    load back as stored. The short client registers its pool under the default timeout
+    first: a registration given 1 s timed out on a loaded machine."""
     d = daemon_factory(*_rate_limited_l2(tmp_path, "384KiB"))
     layout = PoolLayout.staging(
         num_layers=1, num_pages=28, block_tokens=1, chunk_bytes=64 << 10, kv_count=1
@@ -999,8 +1000,9 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
     second = [os.urandom(32) for _ in range(12)]
 
     async def puts_async(shm: SharedMemoryPool) -> tuple[list[bool], type[Exception]]:
-        async with AsyncClient(d.address, timeout_s=1.0) as short:
+        async with AsyncClient(d.address) as short:
             pool = await short.register_pool(shm, layout)
+            short.timeout_s = 1.0
             stored = await short.put(pool.pool_id, first, range(16), durable=True, timeout_s=60)
         async with AsyncClient(d.address, timeout_s=60.0) as long:
             pool = await long.register_pool(shm, layout)
@@ -1011,8 +1013,9 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
         raise AssertionError("the put outlived its 0.5 s")
 
     def puts_sync(shm: SharedMemoryPool) -> tuple[list[bool], type[Exception]]:
-        with Client(d.address, timeout_s=1.0) as short:
+        with Client(d.address) as short:
             pool = short.register_pool(shm, layout)
+            short.timeout_s = 1.0
             stored = short.put(pool.pool_id, first, range(16), durable=True, timeout_s=60)
         with Client(d.address, timeout_s=60.0) as long:
             pool = long.register_pool(shm, layout)
