@@ -352,7 +352,7 @@ def test_leases_expire(daemon):
         client.put(pool.pool_id, keys, [0])
         client.lookup(keys, pin=True, lease_ms=100)
         assert client.delete(keys).busy == 1
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while client.stats().gauges["leases"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.delete(keys).deleted == 1
@@ -858,14 +858,14 @@ def test_regression_an_unregistration_not_waited_for_was_lost_when_refused_unrun
         client.stub.UnregisterPool = OnceRefused()
         pool_id = pool.pool_id
         client.unregister_pool_nowait(pool.binding)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while client.stats().gauges["pools"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.stats().gauges["pools"] == 0 and sent == [pool_id] * 2
 
 
 async def _pools_gauge_drops(client: AsyncClient) -> bool:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while (await client.stats()).gauges["pools"] and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     return (await client.stats()).gauges["pools"] == 0

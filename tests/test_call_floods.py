@@ -62,7 +62,7 @@ def test_regression_a_client_opening_sessions_in_a_loop_filled_the_log(daemon):
     time.sleep(1.5 / SESSION_LOG_RATE_S)
     with daemon.client() as client:
         client.lookup([b"k" * 32])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while "left out before this one" not in daemon.log() and time.monotonic() < deadline:
         time.sleep(0.05)
     # One line with a count past the burst, or more where the loop took longer than a
