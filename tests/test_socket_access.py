@@ -221,19 +221,41 @@ def _refuses(path: str) -> bool:
     return False
 
 
+# Runs kvtierd with every disk write run held while the file ``gate`` exists.
+_ENTRY_HOLDING_L2_WRITES = """
+import os, sys, time
+from kvtier.daemon.entry import main
+from kvtier.tiers.disk.io import BatchIO
+
+gate = sys.argv.pop(1)
+write_run = BatchIO._write_set_run
+
+def held_write_run(self, ws, run):
+    while os.path.exists(gate):
+        time.sleep(0.002)
+    return write_run(self, ws, run)
+
+BatchIO._write_set_run = held_write_run
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 def test_regression_a_daemon_still_stopping_removed_its_successors_socket(daemon_factory, tmp_path):
     """A daemon stops listening as it drains, then flushes L1 to L2 and only then exits. A
     daemon started in that time finds the path not listening and binds its own socket there;
-    the old one's exit removed it, and the new daemon was unreachable."""
+    the old one's exit removed it, and the new daemon was unreachable. The old daemon's disk
+    writes wait here until the new one serves: a flush slowed by L2's write rate (8 s) ended
+    before a loaded machine had started the new daemon, and there was no overlap."""
+    gate = tmp_path / "gate"
     old = daemon_factory(
         "tiers.l2.enabled=true",
         f"tiers.l2.path={tmp_path / 'l2'}",
         "tiers.l2.capacity_bytes=64MiB",
         "tiers.l2.file_bytes=64MiB",
         "tiers.l2.segment_bytes=4MiB",
-        "tiers.l2.write_bytes_s=1MiB",  # the flush at stop takes seconds
         "tiers.l2.flush_timeout_s=60",
+        entry=("-c", _ENTRY_HOLDING_L2_WRITES, str(gate)),
     )
     layout = PoolLayout.staging(
         num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=(1 << 20) // 8, dtype="uint8"
@@ -242,6 +264,7 @@ def test_regression_a_daemon_still_stopping_removed_its_successors_socket(daemon
         pool = client.register_pool(shm, layout)
         assert client.put(pool.pool_id, [os.urandom(32) for _ in range(8)], range(8)).stored == 8
     assert old.proc is not None
+    gate.touch()  # the flush at stop waits for it
     old.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 30
     while not _refuses(old.socket):
@@ -251,12 +274,14 @@ def test_regression_a_daemon_still_stopping_removed_its_successors_socket(daemon
     try:
         new.start()
         assert old.running(), "the old daemon ended before the new one bound: no overlap"
+        gate.unlink()
         assert old.proc.wait(60) == 0
         for path in _both(new):
             assert stat.S_ISSOCK(os.lstat(path).st_mode), path
         with new.client() as client:
             assert client.health()
     finally:
+        gate.unlink(missing_ok=True)
         new.stop()
 
 
