@@ -34,8 +34,10 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """One daemon for a whole module, for tests that leave no state behind."""
     factory = DaemonFactory(tmp_path_factory.mktemp("shared-daemon"))
-    yield factory()
-    factory.close()
+    try:
+        yield factory()
+    finally:  # also when the daemon did not start: the factory removes what it made
+        factory.close()
 
 
 @pytest.fixture

@@ -56,7 +56,13 @@ class DaemonProcess:
         self._log_file = log
         self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
         if wait:
-            self.wait_ready()
+            try:
+                self.wait_ready()
+            except BaseException:
+                # A module fixture whose daemon never served yields nothing, so nothing
+                # would stop it: it outlived the test run.
+                self.kill()
+                raise
         return self
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:

@@ -121,7 +121,10 @@ async def test_a_cancelled_read_unwinds_only_after_its_copies_end(
         return out
 
     async with opened(options(redis_server, l3_prefix)) as tier:
-        assert await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(2)]))
+        assert (
+            await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(2)]))
+            == [True] * 2
+        )
         monkeypatch.setattr(tier_module, "_unframe_all", slow_unframe)
         reader = asyncio.ensure_future(tier.read(blocks, nbytes, host(empty(2, nbytes))))
         await wait_for("the codec thread", started.is_set)
