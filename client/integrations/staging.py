@@ -41,18 +41,91 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from kvtier.client.errors import KvtierError
+from kvtier.client.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KvtierError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
 from kvtier.kernels.layout import LayerLayout, PoolLayout
 
 log = logging.getLogger(__name__)
+
+
+# Answers to a staging pool's registration that say the daemon will not take it as asked,
+# from a daemon that is up and fast: a limit (``server.max_pool_bytes_per_tenant``, the
+# session's or tenant's pool counts), a layout it cannot hold (blocks larger than a tier
+# slot), a pool it cannot use (CUDA IPC without the GPU tier), a session that may not
+# register memory (over TCP). See ``RegistrationRefusals``.
+REFUSALS: tuple[type[KvtierError], ...] = (
+    ResourceExhaustedError,
+    InvalidArgumentError,
+    FailedPreconditionError,
+    PermissionDeniedError,
+)
+# The longest wait between two tries at registering a staging pool the daemon refused.
+REFUSED_RETRY_MAX_S = 300.0
+
+
+class RegistrationRefusals:
+    """When to try again at registering a staging pool the daemon refused (``REFUSALS``).
+
+    Such a refusal changes only when the daemon's config does (a restart, or a SIGHUP for
+    what a reload applies), or, for a tenant's pool counts and bytes, when other pools of
+    the same tenant go; the engine sees none of that without asking. Each try costs a new
+    region of the pool's whole size (hundreds of MiB of shared or GPU memory) and an RPC,
+    and the memory of a refused try is given back at once rather than held for a later
+    try (it would be held while kvtier cannot use it). So tries back off exponentially:
+    ``retry_after_s`` after the first refusal, twice that after the second, and so on up
+    to ``max_s``; a daemon fixed meanwhile is used again within ``max_s``, and one that
+    never changes costs one allocation per ``max_s`` (a handful in the first minutes).
+    ``clock`` is ``time.monotonic`` unless a test drives it.
+    """
+
+    def __init__(
+        self,
+        retry_after_s: float,
+        max_s: float = REFUSED_RETRY_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.retry_after_s = max(retry_after_s, 0.001)
+        self.max_s = max(max_s, self.retry_after_s)
+        self._clock = clock
+        self.count = 0  # refusals in a row
+        self.error: KvtierError | None = None  # the last one, while refused
+        self._next_try = 0.0
+
+    @property
+    def refused(self) -> bool:
+        """Whether the last try was refused (no pool since)."""
+        return self.error is not None
+
+    def due(self) -> bool:
+        """Whether a new try may be made now."""
+        return self._clock() >= self._next_try
+
+    def refuse(self, error: KvtierError) -> float:
+        """Count a refusal; returns how long until the next try."""
+        wait = min(self.retry_after_s * 2.0**self.count, self.max_s)
+        self.count += 1
+        self.error = error
+        self._next_try = self._clock() + wait
+        return wait
+
+    def accepted(self) -> int:
+        """A pool registered: forget the refusals; returns how many there were."""
+        count, self.count, self.error, self._next_try = self.count, 0, None, 0.0
+        return count
 
 
 def layer_major_layout(

@@ -71,13 +71,22 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     """What workers tell the scheduler side after a step: leases whose loads they have
     finished with (the scheduler releases them), and requests whose load failed in part on
     some worker (after an async load, the scheduler offers those no hit until vLLM has
-    scheduled them again)."""
+    scheduled them again).
+
+    ``staging_refused``: True from a worker whose staging pool the daemon refused (a limit,
+    a layout it will not take), in every step while it is: that worker cannot load, so the
+    scheduler offers no hit (and plans no save) until told False, which a worker says once,
+    in the step after its pool was accepted; None says nothing. Workers' metadata
+    aggregate to True if any says True, else False if any says False."""
 
     done_leases: set[int] = field(default_factory=set)
     failed_loads: set[str] = field(default_factory=set)
+    staging_refused: bool | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
+        states = {self.staging_refused, other.staging_refused}
+        refused = True if True in states else False if False in states else None
         return KVTierWorkerMetadata(
-            self.done_leases | other.done_leases, self.failed_loads | other.failed_loads
+            self.done_leases | other.done_leases, self.failed_loads | other.failed_loads, refused
         )

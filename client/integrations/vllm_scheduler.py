@@ -33,6 +33,11 @@ Invariants:
   daemon that does not answer one timeout until a health check, off vLLM's thread, finds it
   serving again: meanwhile requests are scheduled as if nothing were cached and nothing is
   saved.
+- While a worker says its staging pool is refused (``KVTierWorkerMetadata.staging_refused``)
+  no request is looked up (no hit, no pin, no hint) and no save is planned but a finished
+  request's: that worker cannot load. Hits answered before its first such metadata arrived
+  (the step that failed to make the pool, and the one or two planned ahead of it with async
+  scheduling) fail at once on that worker and are recomputed.
 - A request whose LoRA adapter has no key (not a local folder; see ``vllm_config``) is never
   looked up nor saved.
 - A request whose async load failed (a worker names it in
@@ -134,6 +139,8 @@ class SchedulerSide:
         self._finish_saves: list[SaveSpec] = []
         self._rewound: set[str] = set()  # failed_loads seen since the last step's metadata
         self._lease_owner: dict[int, str] = {}
+        # A worker's staging pool is refused by the daemon (KVTierWorkerMetadata).
+        self.staging_refused = False
         self._adapters = AdapterDigests(LORA_TAG)
         self._unkeyed_adapters: set[str] = set()  # warned about once each
         self.stats: dict[str, int] = {
@@ -160,7 +167,12 @@ class SchedulerSide:
         if state is None:
             return 0, False
         state.hit_start, state.hit_blocks, state.hit_tiers = 0, 0, []
-        if not self.config.load or state.load_failed or not self.breaker.ok():
+        if (
+            not self.config.load
+            or state.load_failed
+            or not self.breaker.ok()
+            or self.staging_refused
+        ):
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # vLLM computes its whole prompt (it would set the hit to 0)
@@ -339,9 +351,9 @@ class SchedulerSide:
     ) -> SaveSpec | None:
         if self.config.save == "none" or state.saved is None:
             return None
-        if not at_finish and not self.breaker.ok():
-            # Paused: planned later (a later step, or the finish, which always tries: the
-            # worker drops it at once if kvtier is still failing).
+        if not at_finish and (not self.breaker.ok() or self.staging_refused):
+            # Paused, or a worker has no staging pool: planned later (a later step, or the
+            # finish, which always tries: the worker drops it at once if it still cannot).
             return None
         request = state.request
         tokens = state.tokens()
@@ -384,6 +396,15 @@ class SchedulerSide:
             self._async_loading.pop(req_id, None)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, KVTierWorkerMetadata):
+            if meta.staging_refused is not None and meta.staging_refused != self.staging_refused:
+                self.staging_refused = meta.staging_refused
+                log.info(
+                    "kvtier connector: %s",
+                    "a worker's staging pool is refused by the daemon (its log says why): "
+                    "no hit is offered, nothing is stored"
+                    if meta.staging_refused
+                    else "the workers' staging pools are registered: kvtier is used again",
+                )
             for lease in meta.done_leases:
                 self._release(lease)
             # The workers withhold these requests' saves until told that the steps

@@ -55,6 +55,12 @@ Invariants:
   answer one timeout until a health check, off vLLM's thread, finds it serving again (no
   staging pool is made meanwhile); meanwhile loads are reported failed at once and nothing
   is saved.
+- A staging pool the daemon refuses (a limit or a layout that waiting does not change:
+  ``staging.REFUSALS``) is logged once as an ERROR naming both sides' settings; no staging
+  memory is held or made until the next try, which backs off exponentially up to
+  ``staging.REFUSED_RETRY_MAX_S`` (``staging.RegistrationRefusals`` says why); meanwhile
+  loads fail at once, nothing is saved, and every step's metadata says the pool is refused
+  (``KVTierWorkerMetadata.staging_refused``), so the scheduler side offers no hit.
 
 Thread-safety: none; vLLM calls the worker connector from its model-runner thread. The one
 thread of the worker's own (on a GPU) touches only the saves handed to it and the client.
@@ -76,7 +82,12 @@ import torch
 
 from kvtier.client.errors import KvtierError
 from kvtier.client.integrations.breaker import Breaker, daemon_answers
-from kvtier.client.integrations.staging import StagingPool, fencing_gpu_staging
+from kvtier.client.integrations.staging import (
+    REFUSALS,
+    RegistrationRefusals,
+    StagingPool,
+    fencing_gpu_staging,
+)
 from kvtier.client.integrations.vllm_config import (
     ConnectorConfig,
     ModelIdentity,
@@ -176,6 +187,10 @@ class WorkerSide:
         self.device = torch.device("cpu")
         self._arena: StagingPool | None = None
         self._generation = 0
+        # The daemon's refusals of the staging pool (a limit or a layout it will not take):
+        # when to try again, and whether the scheduler side was told (see ``_refused``).
+        self.refusals = RegistrationRefusals(config.retry_after_s)
+        self._told_refused = False
         self._load: _Load | None = None  # this step's layer-wise load
         self._async_loads: list[_Load] = []
         self._step_save: _Save | None = None
@@ -261,7 +276,7 @@ class WorkerSide:
         self.dtype = first.dtype
         self.device = first.device
         try:
-            self._staging()
+            self._staging()  # a refusal is logged there, once
         except KvtierError as e:
             self.breaker.trip(e)
         except torch.OutOfMemoryError as e:
@@ -276,10 +291,16 @@ class WorkerSide:
             if self.device.type == "cpu"
             else f"on {self.device}: staged through a GPU memory pool registered over CUDA IPC"
         )
+        if self.staging_registered():
+            state = "registered"
+        elif self.refusals.refused:
+            state = "REFUSED by the daemon (see the error above): kvtier is off for this worker"
+        else:
+            state = "not registered yet (the daemon did not answer): made at first use"
         log.info(
             "kvtier connector (worker rank %d): %d layers, %d blocks of %d tokens, %s; "
-            "KV cache %s of %d pages (%d MiB, %d pages of it for saves); loads %s in %d layer "
-            "ranges; namespace %s %s",
+            "KV cache %s of %d pages (%d MiB, %d pages of it for saves), %s; loads %s in %d "
+            "layer ranges; namespace %s %s",
             self.rank,
             self.num_layers,
             self.num_engine_blocks,
@@ -289,6 +310,7 @@ class WorkerSide:
             self.staging_pages.total,
             self.staging_pages.total * self.identity.block_bytes >> 20,
             self.staging_pages.saves,
+            state,
             self.config.load_mode,
             len(self.ranges),
             self.namespace.model,
@@ -326,7 +348,8 @@ class WorkerSide:
         return running + len(self._copying)
 
     def _staging(self) -> StagingPool | None:
-        """The current staging pool, created on first use or after one was retired."""
+        """The current staging pool, created on first use or after one was retired; None
+        while the daemon's refusal of it stands (see ``_refused``)."""
         arena = self._arena
         if arena is not None and not arena.retired:
             if arena.registered():
@@ -339,20 +362,72 @@ class WorkerSide:
             # meanwhile (loads fail at once, saves are dropped), so a slow daemon holds one
             # pool's memory rather than one more per retirement.
             return None
+        if self.refusals.refused and not self.refusals.due():
+            return None  # no new region until the refusal may have changed
         assert self.dtype is not None
+        try:
+            self._arena = StagingPool(
+                self.client,
+                num_layers=self.num_layers,
+                num_pages=self.staging_pages.total,
+                block_tokens=self.identity.block_tokens,
+                block_shape=self.block_shape,
+                dtype=self.dtype,
+                namespace=self.namespace,
+                generation=self._generation + 1,
+                device=self.device,
+            )
+        except REFUSALS as e:
+            self._refused(e)
+            return None
         self._generation += 1
-        self._arena = StagingPool(
-            self.client,
-            num_layers=self.num_layers,
-            num_pages=self.staging_pages.total,
-            block_tokens=self.identity.block_tokens,
-            block_shape=self.block_shape,
-            dtype=self.dtype,
-            namespace=self.namespace,
-            generation=self._generation,
-            device=self.device,
-        )
+        if self.refusals.refused:
+            log.info(
+                "kvtier connector (worker rank %d): the daemon took the staging pool after %d "
+                "refusals; kvtier is used again",
+                self.rank,
+                self.refusals.accepted(),
+            )
         return self._arena
+
+    def _refused(self, error: KvtierError) -> None:
+        """The daemon will not register the staging pool as asked (``staging.REFUSALS``): a
+        limit below the pool's size or count, a layout or memory it cannot use. Waiting
+        ``retry_after_s`` would not change that, and each try makes a region of the pool's
+        whole size: one ERROR names what to change on either side, kvtier is off for this
+        worker (loads fail at once, nothing is stored, and the scheduler side is told to
+        offer no hit: ``KVTierWorkerMetadata.staging_refused``), and tries back off
+        exponentially up to ``staging.REFUSED_RETRY_MAX_S`` (``RegistrationRefusals`` says
+        why). The breaker is not tripped: the daemon is up and fast, and its pause would
+        warn again at every try."""
+        first = not self.refusals.refused or type(self.refusals.error) is not type(error)
+        wait = self.refusals.refuse(error)
+        pool_bytes = self.staging_pages.total * self.identity.block_bytes
+        if not first:
+            log.debug(
+                "kvtier connector: staging pool refused again (%s); next try in %.3gs", error, wait
+            )
+            return
+        log.error(
+            "kvtier connector (worker rank %d): the daemon refused this worker's staging pool "
+            "of %d bytes (%d pages of %d bytes, sized by the connector's staging_bytes=%d) "
+            "with %s: %s. kvtier is off for this worker: vLLM runs without it (no hit is "
+            "offered, nothing is stored). To use kvtier, raise the daemon's limit named above "
+            "(its config; a restart or SIGHUP applies it, as its log says) so that %d bytes "
+            "more fit, or "
+            "set the connector's staging_bytes (kv_connector_extra_config) below it; the pool "
+            "is tried again in %.3gs, then at doubling intervals up to %.0fs",
+            self.rank,
+            pool_bytes,
+            self.staging_pages.total,
+            self.identity.block_bytes,
+            self.config.staging_bytes,
+            type(error).__name__,
+            error,
+            pool_bytes,
+            wait,
+            self.refusals.max_s,
+        )
 
     def _alloc(self, n: int, *, save: bool = False) -> tuple[StagingPool, list[int]] | None:
         """``n`` pages of the current staging pool (none for ``n`` 0); for a save, as many as
@@ -499,7 +574,10 @@ class WorkerSide:
             if load.asynchronous:
                 self._recving.add(spec.req_id)
         if len(failed):
-            log.warning(
+            # While the staging pool is refused the ERROR said so once; the loads planned
+            # before the scheduler side learnt of it fail here without a warning each.
+            log.log(
+                logging.DEBUG if self.refusals.refused else logging.WARNING,
                 "kvtier connector: %d of %d blocks did not load; vLLM recomputes them",
                 len(failed),
                 len(load.block_ids),
@@ -595,7 +673,7 @@ class WorkerSide:
         if not dropped:
             return
         self.stats["save_blocks_dropped"] += dropped
-        if not self._warned_dropped and self.breaker.ok():
+        if not self._warned_dropped and self.breaker.ok() and not self.refusals.refused:
             self._warned_dropped = True
             log.warning(
                 "kvtier connector: saves outgrew their %d staging pages; %d blocks not stored "
@@ -851,9 +929,23 @@ class WorkerSide:
         return invalid
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
-        if not self._done_leases and not self._failed_loads:
+        """What the scheduler side learns after the step: leases done, loads failed, and
+        whether the staging pool is refused (True every step while it is, so that the OR of
+        the workers' metadata says so whichever worker reports first; False once, in the
+        step after a try was accepted). A refused pool whose next try is due is tried here,
+        so a worker that is offered no loads and stores nothing still tries."""
+        if self.refusals.refused and self.refusals.due():
+            try:
+                self._staging()
+            except (KvtierError, torch.OutOfMemoryError) as e:
+                self.breaker.trip(e)
+        refused: bool | None = self.refusals.refused
+        if not refused and not self._told_refused:
+            refused = None  # nothing to tell
+        self._told_refused = self.refusals.refused
+        if not self._done_leases and not self._failed_loads and refused is None:
             return None
-        meta = KVTierWorkerMetadata(self._done_leases, self._failed_loads)
+        meta = KVTierWorkerMetadata(self._done_leases, self._failed_loads, refused)
         self._done_leases, self._failed_loads = set(), set()
         return meta
 

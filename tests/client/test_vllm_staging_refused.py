@@ -1,0 +1,295 @@
+"""The vLLM connector when the daemon refuses a worker's staging pool for a limit or a layout
+that waiting does not change (``server.max_pool_bytes_per_tenant`` below the pool's size):
+one ERROR naming both sides' settings, no new staging region per ``retry_after_s`` (tries
+back off exponentially), loads failed at once without promising hits, and kvtier used again
+once the daemon takes the pool. A real daemon; the worker side driven by hand, as vLLM's
+model runner calls it (``tests/integrations/vllm/test_worker_side.py`` does the same under
+vLLM). Without vLLM installed, the two empty base classes the connector's metadata derive
+from are provided here; nothing else of vLLM is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import time
+import types
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.client.errors import ResourceExhaustedError
+from kvtier.client.integrations import staging
+from kvtier.client.integrations.staging import REFUSED_RETRY_MAX_S, RegistrationRefusals
+from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.sync import Client
+
+LAYERS = ["layer.0", "layer.1"]
+BLOCKS = 8
+BLOCK_SHAPE = (2, 4, 2)  # 64 bytes per layer block (float32): a staging pool of 8 pages is 1 KiB
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Poll ``predicate`` until it holds; it returns as soon as it does."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+    """The connector's worker, scheduler and metadata modules, with vLLM's base classes (the
+    real ones when vLLM is installed)."""
+    try:
+        importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    except ImportError:
+        base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
+        base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})  # type: ignore[attr-defined]
+        base.KVConnectorWorkerMetadata = type("KVConnectorWorkerMetadata", (), {})  # type: ignore[attr-defined]
+        parts = base.__name__.split(".")
+        for i in range(1, len(parts)):
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(parts[i - 1]))
+        monkeypatch.setitem(sys.modules, base.__name__, base)
+        for name in ("vllm_meta", "vllm_worker", "vllm_scheduler"):
+            monkeypatch.delitem(sys.modules, f"kvtier.client.integrations.{name}", raising=False)
+    yield SimpleNamespace(
+        config=importlib.import_module("kvtier.client.integrations.vllm_config"),
+        meta=importlib.import_module("kvtier.client.integrations.vllm_meta"),
+        worker=importlib.import_module("kvtier.client.integrations.vllm_worker"),
+        scheduler=importlib.import_module("kvtier.client.integrations.vllm_scheduler"),
+    )
+
+
+def identity(mods: SimpleNamespace) -> Any:
+    return mods.config.ModelIdentity(
+        model="staging-refused",
+        revision="",
+        kv_dtype="float32",
+        kv_layout="test",
+        block_tokens=4,
+        tp_size=1,
+        pp_size=1,
+        tenant="default",
+        extra="",
+        num_layers=len(LAYERS),
+        layer_block_bytes=64,
+    )
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def regions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the shared-memory regions staging pools made, in order."""
+    made: list[int] = []
+
+    class Counted(SharedMemoryPool):
+        def __init__(self, size: int, **kwargs: Any) -> None:
+            made.append(size)
+            super().__init__(size, **kwargs)
+
+    monkeypatch.setattr(staging, "SharedMemoryPool", Counted)
+    return made
+
+
+def make_worker(mods: SimpleNamespace, address: str, clock: Clock, **options: Any) -> Any:
+    """A worker whose refusals run on ``clock``; ``retry_after_s`` so short that, without
+    the back-off, every step would try (and make a region) again."""
+    config = mods.config.ConnectorConfig(
+        address=address, layer_groups=1, retry_after_s=1e-6, **options
+    )
+    side = mods.worker.WorkerSide(config, identity(mods), LAYERS, BLOCKS, tp_rank=0, pp_rank=0)
+    side.refusals = RegistrationRefusals(config.retry_after_s, clock=clock)
+    kv = [torch.zeros((BLOCKS, *BLOCK_SHAPE), dtype=torch.float32) for _ in LAYERS]
+    side.register_kv_caches(dict(zip(LAYERS, kv, strict=True)))
+    return side
+
+
+def run_step(mods: SimpleNamespace, side: Any, keys: list[bytes]) -> tuple[set[int], Any]:
+    """One step that loads two blocks and stores two: the blocks to recompute, and the
+    worker's metadata for the scheduler side."""
+    meta = mods.meta.KVTierConnectorMetadata(
+        loads=[mods.meta.LoadSpec("load", [0, 1], {0: keys[:2]})],
+        saves=[mods.meta.SaveSpec("save", [2, 3], {0: keys[2:4]}, {0: b""})],
+    )
+    side.start_load_kv(meta)
+    for name, kv in zip(LAYERS, side.kv, strict=True):
+        side.wait_for_layer_load(name)
+        side.save_kv_layer(name, kv, meta)
+    side.wait_for_save(meta)
+    side.get_finished(set())
+    return side.get_block_ids_with_load_errors(), side.build_connector_worker_meta()
+
+
+def test_a_staging_pool_over_the_tenants_bytes_is_refused_once_loudly_and_not_remade_each_period(
+    vllm_modules, daemon_factory, regions, caplog
+):
+    """Regression: with server.max_pool_bytes_per_tenant below the worker's staging pool, the
+    worker warned at every retry_after_s and made a new staging region (hundreds of MiB in a
+    real engine) at each try, its start-up line reported the pool, and the scheduler side
+    kept promising hits. Now: one ERROR naming the daemon's key and value and the
+    connector's staging_bytes and the pool's size; the start-up line says REFUSED; steps
+    make no region until the back-off ends (1x, then 2x retry_after_s...); loads fail at
+    once (recomputed, nothing waited for) and nothing is stored; every step tells the
+    scheduler side the pool is refused."""
+    mods = vllm_modules
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=512")
+    clock = Clock()
+    keys = mods.config.KeyChain(identity(mods).namespace(0, 0)).extend(list(range(16)), 4, None)
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        side = make_worker(mods, daemon.address, clock)
+        try:
+            assert regions == [1024]
+            errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1
+            text = errors[0].getMessage()
+            for named in (
+                "server.max_pool_bytes_per_tenant",
+                " 512 ",  # the daemon's value
+                "staging_bytes=536870912",  # the connector's option and value
+                "staging pool of 1024 bytes",
+                "ResourceExhaustedError",
+            ):
+                assert named in text, named
+            started = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+            assert len(started) == 1 and "REFUSED by the daemon" in started[0]
+            assert not side.staging_registered()
+
+            caplog.clear()
+            for _ in range(10):
+                invalid, meta = run_step(mods, side, keys)
+                assert invalid == {0, 1}
+                assert meta is not None and meta.staging_refused is True
+                assert meta.failed_loads == {"load"}
+            assert regions == [1024]  # no new region while the refusal stands
+            assert side.stats["save_blocks"] == 0 and side.stats["load_blocks_failed"] == 20
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+            # The back-off: 1 ms (the floor of a try's wait), then 2 ms, 4 ms...
+            clock.now += 0.001
+            run_step(mods, side, keys)
+            assert len(regions) == 2
+            clock.now += 0.001
+            run_step(mods, side, keys)
+            assert len(regions) == 2
+            clock.now += 0.001
+            run_step(mods, side, keys)
+            assert len(regions) == 3
+            # Refused again for the same reason: no second ERROR.
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert side.refusals.count == 3
+            with Client(daemon.address) as other:
+                other.health()  # the daemon serves others meanwhile
+        finally:
+            side.shutdown()
+
+
+def test_a_refused_pool_is_used_once_the_daemon_takes_it_and_the_scheduler_is_told(
+    vllm_modules, daemon_factory, regions, caplog
+):
+    """The tenant's bytes are taken by another client's pool, so the worker's is refused;
+    once that pool is unregistered, the worker's next due try (at the step's end, though the
+    step had nothing to load or store) registers it: the metadata says False once, then
+    nothing, and loads and saves go through it."""
+    mods = vllm_modules
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=1536")
+    clock = Clock()
+    keys = mods.config.KeyChain(identity(mods).namespace(0, 0)).extend(list(range(16)), 4, None)
+    with Client(daemon.address) as other, SharedMemoryPool(1024) as shm:
+        layout = staging.layer_major_layout(1, 16, 4, 64, "float32")
+        held = other.register_pool(shm, layout)
+        caplog.set_level(logging.INFO, logger="kvtier")
+        side = make_worker(mods, daemon.address, clock)
+        try:
+            assert side.refusals.refused and not side.staging_registered()
+            assert side.build_connector_worker_meta().staging_refused is True
+            other.unregister_pool(held.binding.pool_id)
+
+            def retried() -> bool:
+                clock.now += 3600.0
+                side.build_connector_worker_meta()
+                return side.staging_registered()
+
+            assert wait_until(retried)
+            assert "took the staging pool after" in caplog.text
+            meta = side.build_connector_worker_meta()
+            assert meta is None or meta.staging_refused is False
+            assert side.build_connector_worker_meta() is None  # said once
+
+            run_step(mods, side, keys)
+            assert wait_until(lambda: side.saves_in_flight() == 0)
+            assert side.stats["save_blocks"] == 2
+            assert side.client.lookup(keys[2:4]).prefix_len == 2
+        finally:
+            side.shutdown()
+
+
+def test_the_scheduler_side_offers_no_hit_while_a_worker_says_its_pool_is_refused(
+    vllm_modules, daemon
+):
+    """No lookup (so no hit, no pin, no hint) and no save planned while the workers' metadata
+    says a staging pool is refused; both again once they say it is not. Workers' metadata
+    aggregate to refused if any is."""
+    mods = vllm_modules
+    meta = mods.meta.KVTierWorkerMetadata
+    assert meta(staging_refused=True).aggregate(meta(staging_refused=False)).staging_refused
+    assert (
+        meta(staging_refused=None).aggregate(meta(staging_refused=False)).staging_refused is False
+    )
+    assert meta().aggregate(meta()).staging_refused is None
+
+    config = mods.config.ConnectorConfig(address=daemon.address, layer_groups=1)
+    side = mods.scheduler.SchedulerSide(config, identity(mods), BLOCKS)
+    try:
+        request = SimpleNamespace(
+            request_id="r", all_token_ids=list(range(17)), num_tokens=17, num_prompt_tokens=17
+        )
+
+        def output(refused: bool | None) -> SimpleNamespace:
+            return SimpleNamespace(
+                finished_recving=None, kv_connector_worker_meta=meta(staging_refused=refused)
+            )
+
+        side.update_connector_output(output(True))
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert side.stats["lookups"] == 0
+        side.update_connector_output(output(None))  # no news: still refused
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert side.stats["lookups"] == 0
+        side.update_connector_output(output(False))
+        side.get_num_new_matched_tokens(request, 0)
+        assert side.stats["lookups"] == 1
+    finally:
+        side.shutdown()
+
+
+def test_refused_tries_back_off_exponentially_up_to_the_cap():
+    clock = Clock()
+    refusals = RegistrationRefusals(5.0, clock=clock)
+    assert refusals.due() and not refusals.refused
+    waits = [refusals.refuse(ResourceExhaustedError("full")) for _ in range(9)]
+    assert waits == [5, 10, 20, 40, 80, 160, 300, 300, 300]
+    assert REFUSED_RETRY_MAX_S == 300
+    assert refusals.refused and not refusals.due()
+    clock.now += 299.0
+    assert not refusals.due()
+    clock.now += 1.0
+    assert refusals.due()
+    assert refusals.accepted() == 9
+    assert not refusals.refused and refusals.due()
+    assert refusals.refuse(ResourceExhaustedError("full")) == 5
