@@ -9,6 +9,7 @@ wrong key, layer or page, or computed with a missing prefix, fails it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -20,8 +21,11 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.request import RequestStatus
 from vllm_harness import make_checkpoint, prompts
 
+from kvtier.client.errors import ResourceExhaustedError
+from kvtier.client.integrations.staging import layer_major_layout
 from kvtier.client.integrations.vllm_config import ConnectorConfig
 from kvtier.client.jobs import JobState, LoadSegment
+from kvtier.client.pool import SharedMemoryPool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -218,6 +222,72 @@ def test_a_pin_refused_for_a_limit_loads_unpinned_and_keeps_kvtier_on(model_dir,
     finally:
         engine.close()
     assert _counters(daemon)["leases"] == 0
+
+
+def test_a_staging_pool_the_daemon_refuses_stops_hits_until_it_is_taken(
+    model_dir, daemon_factory, caplog
+):
+    """The daemon refuses the worker's staging pool for a limit (here the tenant's one pool,
+    held by another client): one ERROR names the daemon's key and the connector's
+    staging_bytes; the hit the scheduler side offered before it heard fails and is
+    recomputed (the request's output is right), and once the worker's metadata has said so
+    no request is looked up. The other pool goes: the worker's next try (backing off from
+    retry_after_s) takes the pool, vLLM's scheduler hears it, and the next request gets
+    its hit. Before, the scheduler side kept offering hits (and pinning them) that every
+    step failed."""
+    daemon = daemon_factory("server.max_pools_per_tenant=1")
+    other = prompts(6, 3 * BLOCK, [50])[0]
+    storer = MiniEngine(model_dir, _options(daemon))
+    try:
+        storer.add("a", PROMPT, max_tokens=2)
+        storer.add("b", other, max_tokens=2)
+        storer.run()
+    finally:
+        storer.close()
+    with daemon.client() as client:
+        assert wait_until(lambda: client.stats().counter("put_blocks", result="stored") >= 6)
+    caplog.set_level(logging.INFO, logger="kvtier")
+    with daemon.client() as holder, SharedMemoryPool(4096) as shm:
+        layout = layer_major_layout(1, 1, BLOCK, 64, "float32")
+        held = []
+
+        def hold() -> bool:  # once the first engine's pool is unmapped
+            try:
+                held.append(holder.register_pool(shm, layout))
+            except ResourceExhaustedError:
+                return False
+            return True
+
+        assert wait_until(hold)
+        engine = MiniEngine(model_dir, _options(daemon, retry_after_s=0.05))
+        side = engine.connector.scheduler_side
+        try:
+            refused = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(refused) == 1
+            assert "server.max_pools_per_tenant" in refused[0] and "staging_bytes=" in refused[0]
+            engine.add("r", PROMPT, max_tokens=2)
+            engine.run()
+            assert engine.invalid_reported  # the hit offered before the scheduler heard
+            assert len(engine.outputs["r"]) == 2 and side.staging_refused
+            lookups = side.stats["lookups"]
+            request = engine.add("s", PROMPT, max_tokens=40)
+            assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert side.stats["lookups"] == lookups
+
+            holder.unregister_pool(held[0].binding.pool_id)
+            assert wait_until(lambda: not (engine.step() and side.staging_refused))
+            assert "took the staging pool after" in caplog.text
+            request = engine.add("t", other, max_tokens=2)
+            assert side.get_num_new_matched_tokens(request, 0) == (3 * BLOCK, False)
+            failed = set(engine.invalid_reported)
+            out = engine.step()
+            assert [len(load.block_ids) for load in out.kv_connector_metadata.loads] == [3]
+            assert engine.invalid_reported == failed  # loaded this time
+            assert engine.blocks_hold_their_prefix("t", len(other))
+            engine.run()
+            assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+        finally:
+            engine.close()
 
 
 def test_lookup_is_side_effect_free(model_dir, daemon):
