@@ -115,10 +115,13 @@ class RegistrationRefusals:
         return self._clock() >= self._next_try
 
     def refuse(self, error: KvtierError) -> float:
-        """Count a refusal; returns how long until the next try."""
+        """Count a refusal; returns how long until the next try. ``error`` is kept without
+        its traceback (as are log records that name it): its frames hold the refused try's
+        pool, and with it the whole region, which must go at once."""
         wait = min(self.retry_after_s * 2.0**self.count, self.max_s)
         self.count += 1
-        self.error = error
+        self.error = error.with_traceback(None)
+        self.error.__context__ = self.error.__cause__ = None
         self._next_try = self._clock() + wait
         return wait
 

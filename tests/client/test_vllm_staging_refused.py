@@ -10,11 +10,13 @@ from are provided here; nothing else of vLLM is used.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import sys
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -293,3 +295,30 @@ def test_refused_tries_back_off_exponentially_up_to_the_cap():
     assert refusals.accepted() == 9
     assert not refusals.refused and refusals.due()
     assert refusals.refuse(ResourceExhaustedError("full")) == 5
+
+
+def test_a_refused_staging_region_is_given_back_not_held_by_the_kept_refusal(
+    vllm_modules, daemon_factory, monkeypatch
+):
+    """Regression: the worker kept the daemon's refusal (``RegistrationRefusals.error``) with
+    its traceback, whose frames held the half-made StagingPool and so its whole region (the
+    size of the staging pool, hundreds of MiB of shared or GPU memory in an engine) for as
+    long as the refusal stood, although the region is meant to be given back at once."""
+    mods = vllm_modules
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=512")
+    made: list[weakref.ref[SharedMemoryPool]] = []
+
+    class Tracked(SharedMemoryPool):
+        def __init__(self, size: int, **kwargs: Any) -> None:
+            super().__init__(size, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(staging, "SharedMemoryPool", Tracked)
+    side = make_worker(mods, daemon.address, Clock())
+    try:
+        assert side.refusals.refused and len(made) == 1
+        gc.collect()
+        assert made[0]() is None, "the refused region is still alive"
+        assert isinstance(side.refusals.error, ResourceExhaustedError)
+    finally:
+        side.shutdown()
