@@ -28,7 +28,9 @@ Invariants:
   blocks that failed to load and were recomputed are (kvtier may have lost them: a block
   evicted after the lookup, or unreadable, which the daemon drops).
 - A lease is released by this side (its owner) once a worker reports its load done, or
-  expires in the daemon; it never outlives ``shutdown``.
+  expires in the daemon; it never outlives ``shutdown`` (the end of the session releases
+  it there). While the breaker is open no release is sent: the lease expires, or goes with
+  the session, in the daemon.
 - A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``), and a
   daemon that does not answer one timeout until a health check, off vLLM's thread, finds it
   serving again: meanwhile requests are scheduled as if nothing were cached and nothing is
@@ -430,6 +432,11 @@ class SchedulerSide:
         state = self._requests.get(req_id)
         if state is not None:
             state.leases = {r: x for r, x in state.leases.items() if x != lease}
+        if not self.breaker.ok():
+            # Nothing is sent while the breaker is open: to a daemon that does not answer,
+            # each release would cost vLLM's thread a timeout; the daemon expires the lease
+            # after lease_ms in any case.
+            return
         # Already expired or the daemon restarted: nothing is pinned either way.
         with contextlib.suppress(KvtierError):
             self.client.release(lease)

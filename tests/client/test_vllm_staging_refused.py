@@ -5,19 +5,16 @@ back off exponentially), loads failed at once without promising hits, and kvtier
 once the daemon takes the pool. A real daemon; the worker side driven by hand, as vLLM's
 model runner calls it (``tests/integrations/vllm/test_worker_side.py`` does the same under
 vLLM). Without vLLM installed, the two empty base classes the connector's metadata derive
-from are provided here; nothing else of vLLM is used.
+from are provided by ``conftest.vllm_modules``; nothing else of vLLM is used.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib
 import logging
-import sys
 import time
-import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -43,30 +40,6 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.02)
     return True
-
-
-@pytest.fixture
-def vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
-    """The connector's worker, scheduler and metadata modules, with vLLM's base classes (the
-    real ones when vLLM is installed)."""
-    try:
-        importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
-    except ImportError:
-        base = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.base")
-        base.KVConnectorMetadata = type("KVConnectorMetadata", (), {})  # type: ignore[attr-defined]
-        base.KVConnectorWorkerMetadata = type("KVConnectorWorkerMetadata", (), {})  # type: ignore[attr-defined]
-        parts = base.__name__.split(".")
-        for i in range(1, len(parts)):
-            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(parts[i - 1]))
-        monkeypatch.setitem(sys.modules, base.__name__, base)
-        for name in ("vllm_meta", "vllm_worker", "vllm_scheduler"):
-            monkeypatch.delitem(sys.modules, f"kvtier.client.integrations.{name}", raising=False)
-    yield SimpleNamespace(
-        config=importlib.import_module("kvtier.client.integrations.vllm_config"),
-        meta=importlib.import_module("kvtier.client.integrations.vllm_meta"),
-        worker=importlib.import_module("kvtier.client.integrations.vllm_worker"),
-        scheduler=importlib.import_module("kvtier.client.integrations.vllm_scheduler"),
-    )
 
 
 def identity(mods: SimpleNamespace) -> Any:
