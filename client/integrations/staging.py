@@ -118,7 +118,8 @@ class RegistrationRefusals:
         """Count a refusal; returns how long until the next try. ``error`` is kept without
         its traceback (as are log records that name it): its frames hold the refused try's
         pool, and with it the whole region, which must go at once."""
-        wait = min(self.retry_after_s * 2.0**self.count, self.max_s)
+        # The exponent stops growing once past the cap: a float power past 2 ** 1023 raises.
+        wait = min(self.retry_after_s * 2.0 ** min(self.count, 64), self.max_s)
         self.count += 1
         self.error = error.with_traceback(None)
         self.error.__context__ = self.error.__cause__ = None

@@ -295,3 +295,16 @@ def test_a_refused_staging_region_is_given_back_not_held_by_the_kept_refusal(
         assert isinstance(side.refusals.error, ResourceExhaustedError)
     finally:
         side.shutdown()
+
+
+def test_a_refusal_that_stands_for_days_keeps_its_wait_at_the_cap():
+    """Regression: the wait was retry_after_s * 2.0 ** refusals, and a float power past
+    2 ** 1023 raises OverflowError: after 1,024 refusals (about 85 hours of a limit left as
+    it was, at the 300 s cap) the worker's next try raised it out of the connector into
+    vLLM's model runner."""
+    clock = Clock()
+    refusals = RegistrationRefusals(5.0, clock=clock)
+    waits = [refusals.refuse(ResourceExhaustedError("full")) for _ in range(1100)]
+    assert waits[:7] == [5, 10, 20, 40, 80, 160, 300]
+    assert set(waits[6:]) == {300}
+    assert refusals.count == 1100
