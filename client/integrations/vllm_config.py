@@ -84,7 +84,8 @@ class NamespaceOptions:
     tenant: str = "default"
     extra: str = ""
     weights_fingerprint: bool = True
-    """Hash the weight files' names, sizes and sampled bytes (a few hundred KiB read)."""
+    """Hash the weight files' names, sizes and sampled bytes (a few hundred KiB read, and
+    three small reads per safetensors tensor: see ``fingerprint``)."""
 
 
 @dataclass(frozen=True)
@@ -469,7 +470,8 @@ def _drop_ignored(value: Any) -> Any:
 
 def weights_fingerprint(vllm_config: Any) -> str:
     """A cheap fingerprint of the weights: for a local checkpoint folder, every weight file's
-    name, size and 16 evenly spaced 4 KiB samples; for random weights
+    name, size and 16 evenly spaced 4 KiB samples, and a safetensors file's header and a
+    sample at the start, middle and end of each tensor; for random weights
     (``load_format="dummy"``) that fact (vLLM seeds them); for a hub id, nothing more than the
     id and revision already in the namespace (pin ``revision`` to bind a checkpoint)."""
     load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
