@@ -58,7 +58,8 @@ class Breaker:
     that did not answer costs one timeout until it answers again (see the module docstring).
 
     Thread-safety: a race may let two callers through at the end of a pause; harmless. The
-    probing thread only reads the clock and writes the pause's end and ``probing``.
+    probing thread only reads the clock and writes the pause's end and ``probing``; it and
+    ``trip`` start, end and count unanswered failures under ``_lock``.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class Breaker:
         self._closed_until = 0.0
         self._forgiven_at = -retry_after_s  # when a NOT_FOUND last passed without a pause
         self._probing = False  # a probing thread holds the breaker open
+        self._unanswered = 0  # failures that said the daemon did not answer (under _lock)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.trips = 0
@@ -101,6 +103,7 @@ class Breaker:
         self._closed_until = until
         if self._probe is not None and isinstance(error, UNANSWERED):
             with self._lock:
+                self._unanswered += 1
                 start = not self._probing and not self._stop.is_set()
                 self._probing = self._probing or start
             if start:
@@ -129,22 +132,29 @@ class Breaker:
             )
 
     def _wait_for_daemon(self, since: float) -> None:
-        """The probing thread: ask the daemon every ``retry_after_s`` until it serves."""
+        """The probing thread: ask the daemon every ``retry_after_s`` until it serves, and
+        served with no call failing unanswered meanwhile (such a failure, on another thread,
+        found this thread probing and started none: if this answer ended the probing, the
+        engine's next call would be the one to ask a daemon that may hang again)."""
         assert self._probe is not None
         while not self._stop.wait(max(0.0, self._closed_until - time.monotonic())):
+            with self._lock:
+                unanswered = self._unanswered
             try:
                 serving = self._probe()
             except Exception as e:  # KvtierError: still not answering
                 log.debug("kvtier %s: the daemon does not answer yet (%s)", self.what, e)
                 serving = False
             if serving:
-                break
-            self.probes += 1
+                with self._lock:
+                    if self._unanswered == unanswered:
+                        self._probing = False
+                        break
+            else:
+                self.probes += 1
             self._closed_until = time.monotonic() + self.retry_after_s
         else:
             return  # closed
-        with self._lock:
-            self._probing = False
         log.info(
             "kvtier %s: the daemon answers again after %.1fs; kvtier is used again",
             self.what,

@@ -151,3 +151,25 @@ def test_probes_of_a_daemon_that_is_down_make_no_grpc_connection_attempt(daemon)
                     attempts.append(conn)
                     conn.close()
         assert attempts == []
+
+
+def test_a_call_unanswered_while_the_probe_ran_is_probed_again_not_sent_by_the_engine():
+    """Regression: a call that failed unanswered (a save's timeout, on the worker's own
+    thread) while the probe ran saw the breaker already probing and started none; the probe
+    then said the daemon served and opened the breaker, and after that failure's pause the
+    engine's own next call asked the daemon again (a hung daemon: another timeout). Now the
+    probe asks once more when such a failure came in meanwhile."""
+    calls: list[int] = []
+    breaker: Breaker
+
+    def probe() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            breaker.trip(DeadlineExceededError("a save's answer did not come"))
+        return True
+
+    breaker = Breaker(0.01, "transfer", probe=probe)
+    breaker.trip(DeadlineExceededError("Deadline Exceeded"))
+    assert _wait_until(breaker.ok)
+    assert len(calls) == 2 and not breaker.probing
+    breaker.close()
