@@ -187,8 +187,8 @@ def test_a_daemon_without_a_gpu_tier_refuses_gpu_staging_and_vllm_runs_without_k
     daemon, monkeypatch, caplog
 ):
     """A daemon that does not run its GPU tier refuses a CUDA IPC registration: the worker
-    starts anyway, says why, and reports its loads failed (vLLM recomputes) rather than
-    failing a step."""
+    starts anyway, says why (one ERROR), tells the scheduler side its pool is refused, and
+    reports its loads failed (vLLM recomputes) rather than failing a step."""
     shm_ipc.use_shm_gpu_staging(monkeypatch, [])
     side = WorkerSide(
         ConnectorConfig(address=daemon.address, layer_groups=2),
@@ -202,7 +202,10 @@ def test_a_daemon_without_a_gpu_tier_refuses_gpu_staging_and_vllm_runs_without_k
         with caplog.at_level("WARNING", logger="kvtier"):
             side.register_kv_caches(dict(zip(LAYERS, _views("layer-outer"), strict=True)))
         assert "FailedPreconditionError" in caplog.text and "GPU tier (L0)" in caplog.text
-        assert not side.staging_registered() and not side.breaker.ok()
+        # A refusal that waiting cannot mend: kvtier is off for this worker by its refusal
+        # (backed off, told to the scheduler side), not by the breaker's short pause.
+        assert not side.staging_registered() and side.refusals.refused
+        assert side.build_connector_worker_meta().staging_refused
         keys = KeyChain(IDENTITY.namespace(0, 0)).extend(list(range(8)), 2, None)
         invalid = run_step(side, KVTierConnectorMetadata(loads=[LoadSpec("q", [1, 2], {0: keys})]))
         assert invalid == {1, 2}
