@@ -279,6 +279,15 @@ class WorkerSide:
             self._staging()  # a refusal is logged there, once
         except KvtierError as e:
             self.breaker.trip(e)
+        except OSError as e:
+            # The staging region could not be made (/dev/shm too small or full): a setting
+            # to change, said at start as for a GPU without room.
+            raise RuntimeError(
+                f"kvtier connector: cannot make the "
+                f"{self.staging_pages.total * self.identity.block_bytes >> 20} MiB shared-memory "
+                "staging region (set the connector's staging_bytes lower, or give /dev/shm more "
+                f"room, e.g. a pod's emptyDir medium: Memory sizeLimit): {e}"
+            ) from None
         except torch.OutOfMemoryError as e:
             raise RuntimeError(
                 f"kvtier connector: no room on {self.device} for "
@@ -436,9 +445,9 @@ class WorkerSide:
         self._reap_saves()
         try:
             arena = self._staging()
-        except (KvtierError, torch.OutOfMemoryError) as e:
-            # No daemon, or (a later generation, on a GPU) no room for the pages: kvtier
-            # pauses for retry_after_s rather than failing vLLM's step.
+        except (KvtierError, torch.OutOfMemoryError, OSError) as e:
+            # No daemon, or (a later generation) no room for the pages on the GPU or in
+            # /dev/shm: kvtier pauses for retry_after_s rather than failing vLLM's step.
             self.breaker.trip(e)
             return None
         if arena is None:
@@ -937,7 +946,7 @@ class WorkerSide:
         if self.refusals.refused and self.refusals.due():
             try:
                 self._staging()
-            except (KvtierError, torch.OutOfMemoryError) as e:
+            except (KvtierError, torch.OutOfMemoryError, OSError) as e:
                 self.breaker.trip(e)
         refused: bool | None = self.refusals.refused
         if not refused and not self._told_refused:

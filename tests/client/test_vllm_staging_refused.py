@@ -308,3 +308,38 @@ def test_a_refusal_that_stands_for_days_keeps_its_wait_at_the_cap():
     assert waits[:7] == [5, 10, 20, 40, 80, 160, 300]
     assert set(waits[6:]) == {300}
     assert refusals.count == 1100
+
+
+def test_a_staging_region_that_cannot_be_made_stops_the_start_clearly_and_later_pauses_kvtier(
+    vllm_modules, daemon_factory, monkeypatch, caplog
+):
+    """/dev/shm too small or full: making the staging region raises OSError. At start that
+    is a setting to change (a RuntimeError naming staging_bytes and /dev/shm, as for a GPU
+    without room); at a later try (here: the retry after a refusal) it reached vLLM's step
+    uncaught; now kvtier pauses for that worker and the step's loads are recomputed."""
+    mods = vllm_modules
+    full = OSError(28, "No space left on device")
+
+    class Full(SharedMemoryPool):
+        def __init__(self, size: int, **kwargs: Any) -> None:
+            raise full
+
+    with monkeypatch.context() as patched:
+        patched.setattr(staging, "SharedMemoryPool", Full)
+        with pytest.raises(RuntimeError, match=r"staging_bytes lower.*/dev/shm.*No space left"):
+            make_worker(mods, daemon_factory().address, Clock())
+
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=512")
+    clock = Clock()
+    keys = mods.config.KeyChain(identity(mods).namespace(0, 0)).extend(list(range(16)), 4, None)
+    side = make_worker(mods, daemon.address, clock)
+    try:
+        assert side.refusals.refused
+        monkeypatch.setattr(staging, "SharedMemoryPool", Full)
+        clock.now += 1.0  # the refused pool's next try is due: its region cannot be made
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            invalid, _ = run_step(mods, side, keys)
+        assert invalid == {0, 1} and side.breaker.trips >= 1  # paused (here for 1 us)
+        assert "No space left on device" in caplog.text
+    finally:
+        side.shutdown()
