@@ -155,6 +155,13 @@ def test_bad_options_name_the_problem(opts: RemoteOptions, match: str) -> None:
         opts.check()
 
 
+def test_a_url_with_credentials_is_refused_without_echoing_them() -> None:
+    with pytest.raises(RemoteOptionsError, match="credentials") as refused:
+        RemoteOptions(urls=("redis://ops:s3cr3t-pw@cache.example:6380",)).check()
+    assert "s3cr3t-pw" not in str(refused.value) and "ops" not in str(refused.value)
+    assert "redis://cache.example:6380" in str(refused.value)
+
+
 def test_rediss_urls_turn_tls_on() -> None:
     opts = RemoteOptions(urls=("rediss://cache.example:6380",))
     opts.check()

@@ -98,8 +98,11 @@ class RemoteOptions:
             if parts.scheme not in SCHEMES:
                 raise RemoteOptionsError(f"URL {url!r}: scheme must be redis:// or rediss:// (TLS)")
             if parts.password is not None or parts.username is not None:
+                # Named without them: the error reaches the terminal and the journal.
+                shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
                 raise RemoteOptionsError(
-                    f"URL {url!r} carries credentials; give username and password_file instead"
+                    f"URL {shown!r} carries credentials (left out here); give username and "
+                    "password_file instead"
                 )
             if parts.path not in ("", "/", "/0"):
                 raise RemoteOptionsError(f"URL {url!r}: only database 0 is supported")
