@@ -84,3 +84,29 @@ def test_a_file_named_safetensors_that_is_not_one_is_sampled_as_any_other(tmp_pa
     first = weights_dir_fingerprint(str(tmp_path), TAG)
     path.write_bytes(struct.pack("<Q", 10) + b"not json!!" + b"b")
     assert weights_dir_fingerprint(str(tmp_path), TAG) != first
+
+
+def test_samples_read_in_parallel_hash_as_read_one_after_another(tmp_path: Path) -> None:
+    """The readers change how the samples are read, not the fingerprint: it is the hash of
+    each file's name and size, its evenly spaced samples, its header and its tensors'
+    samples in file order, as a plain reader makes it (a namespace changes only with the
+    files). More than one batch of reads, so the batches' order counts too."""
+    import hashlib
+
+    from kvtier.client.integrations import fingerprint as fp
+
+    data = [bytes([i % 251]) * 2048 + os.urandom(2048) for i in range(1500)]
+    path = _checkpoint(tmp_path, data)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        h = hashlib.sha256(TAG)
+        h.update(f"model.safetensors|{size}|".encode())
+        for offset in range(0, size, max(1, size // SAMPLES))[:SAMPLES]:
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BYTES))
+        spans = fp._tensor_samples(f, size, h)
+        assert len(spans) > fp.READ_BATCH
+        for offset, length in spans:
+            f.seek(offset)
+            h.update(f.read(length))
+    assert weights_dir_fingerprint(str(tmp_path), TAG) == h.hexdigest()[:32]
