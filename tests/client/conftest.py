@@ -14,7 +14,8 @@ import pytest
 @pytest.fixture
 def vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     """The connector's worker, scheduler and metadata modules, with vLLM's base classes (the
-    real ones when vLLM is installed)."""
+    real ones when vLLM is installed), and ``identity(model)``: a test model's identity (two
+    layers, 4-token blocks of 64 bytes a layer, float32)."""
     try:
         importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
     except ImportError:
@@ -27,8 +28,26 @@ def vllm_modules(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
         monkeypatch.setitem(sys.modules, base.__name__, base)
         for name in ("vllm_meta", "vllm_worker", "vllm_scheduler"):
             monkeypatch.delitem(sys.modules, f"kvtier.client.integrations.{name}", raising=False)
+    config = importlib.import_module("kvtier.client.integrations.vllm_config")
+
+    def identity(model: str) -> object:
+        return config.ModelIdentity(
+            model=model,
+            revision="",
+            kv_dtype="float32",
+            kv_layout="test",
+            block_tokens=4,
+            tp_size=1,
+            pp_size=1,
+            tenant="default",
+            extra="",
+            num_layers=2,
+            layer_block_bytes=64,
+        )
+
     yield SimpleNamespace(
-        config=importlib.import_module("kvtier.client.integrations.vllm_config"),
+        config=config,
+        identity=identity,
         meta=importlib.import_module("kvtier.client.integrations.vllm_meta"),
         worker=importlib.import_module("kvtier.client.integrations.vllm_worker"),
         scheduler=importlib.import_module("kvtier.client.integrations.vllm_scheduler"),

@@ -20,19 +20,7 @@ def test_leases_are_not_released_over_rpc_while_the_daemon_does_not_answer(vllm_
     whole lookup timeout, while the breaker was open (the daemon expires them after
     lease_ms in any case)."""
     mods = vllm_modules
-    identity = mods.config.ModelIdentity(
-        model="hung-daemon",
-        revision="",
-        kv_dtype="float32",
-        kv_layout="test",
-        block_tokens=4,
-        tp_size=1,
-        pp_size=1,
-        tenant="default",
-        extra="",
-        num_layers=2,
-        layer_block_bytes=64,
-    )
+    identity = mods.identity("hung-daemon")
     config = mods.config.ConnectorConfig(
         address=daemon.address, layer_groups=1, lookup_timeout_s=0.3, retry_after_s=0.05
     )

@@ -43,19 +43,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
 
 
 def identity(mods: SimpleNamespace) -> Any:
-    return mods.config.ModelIdentity(
-        model="staging-refused",
-        revision="",
-        kv_dtype="float32",
-        kv_layout="test",
-        block_tokens=4,
-        tp_size=1,
-        pp_size=1,
-        tenant="default",
-        extra="",
-        num_layers=len(LAYERS),
-        layer_block_bytes=64,
-    )
+    return mods.identity("staging-refused")  # two layers: LAYERS
 
 
 class Clock:
