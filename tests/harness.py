@@ -92,12 +92,7 @@ class DaemonProcess:
     def wait_recovered(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until the daemon has indexed every block its disk tier held (it serves while
         it does, so a test that restarts it and expects every block back waits for this)."""
-        deadline = time.monotonic() + timeout_s
-        with self.client() as client:
-            while client.stats().gauges.get("recovering", 0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"kvtierd still recovering after {timeout_s}s")
-                time.sleep(0.02)
+        wait_gauge_clear(self, "recovering", timeout_s, "kvtierd still recovering")
 
     def client(self, **kwargs: object) -> Client:
         return Client(self.address, **kwargs)  # type: ignore[arg-type]
@@ -212,11 +207,16 @@ class NamespacedDaemon:
 def wait_no_pools(daemon: DaemonProcess, timeout_s: float = 30.0) -> None:
     """Wait until ``daemon`` holds no registered pool: a daemon shared by tests drops the
     pools of an earlier test's sessions as it sees those sessions end."""
+    wait_gauge_clear(daemon, "pools", timeout_s, "the shared daemon still holds pools")
+
+
+def wait_gauge_clear(daemon: DaemonProcess, gauge: str, timeout_s: float, what: str) -> None:
+    """Wait until ``daemon``'s gauge ``gauge`` is 0 (TimeoutError saying ``what`` if not)."""
     deadline = time.monotonic() + timeout_s
     with daemon.client() as client:
-        while client.stats().gauges.get("pools", 0):
+        while client.stats().gauges.get(gauge, 0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the shared daemon still holds pools after {timeout_s}s")
+                raise TimeoutError(f"{what} after {timeout_s}s")
             time.sleep(0.01)
 
 
