@@ -1323,6 +1323,60 @@ def test_an_index_removed_while_open_that_cannot_be_written_back_fails_the_commi
         assert _recovered_keys(again) == {b[0] for b in before.values()}
 
 
+@pytest.mark.parametrize("removed", [("index.sqlite3",), ("index.sqlite3", "-wal", "-shm")])
+def test_regression_an_index_removed_before_recovery_reads_it_is_written_back_not_recreated_empty(
+    disk_dir: Path, make_block: Block, tmp_path: Path, removed: tuple[str, ...]
+) -> None:
+    """An index file removed between the tier's open and recovery's read of its rows (the
+    daemon reads them after its socket opens): recovery's reader, opened read-write, created
+    an empty file in its place, so recovery failed (no such table: blocks), the next commit
+    took the empty file for a replaced index and degraded the tier for good, and the restart
+    found it without metadata and started empty: every block lost. The reader is now opened
+    read-only, after the removed index is written back as a commit would."""
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+    tier = _open(disk_dir, recover_later=True)
+    try:
+        for name in removed:
+            (disk_dir / ("index.sqlite3" + name if name.startswith("-") else name)).unlink()
+        assert _recovered_keys(tier) == {b[0] for b in before.values()}
+        assert tier.faults.snapshot()["index_restored"] == 1
+        after = _persist(tier, make_block, list(range(5, 10)), 4096)
+        assert tier.health().state == Health.OK
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        blocks = {**before, **after}
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+        assert _read(again, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+def test_an_index_removed_before_recovery_that_cannot_be_written_back_still_recovers(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Where the index removed before recovery cannot be written back (its temporary copy's
+    name taken by a folder), recovery reads the rows through the tier's own connection: every
+    block is served, and the tier refuses writes until restarted, as after a failed commit.
+    Closing it tries the write-back once more."""
+    with _open(disk_dir) as tier:
+        before = _persist(tier, make_block, list(range(5)), 4096)
+    in_the_way = disk_dir / "index.sqlite3.restore"
+    with _open(disk_dir, recover_later=True) as tier:
+        (disk_dir / "index.sqlite3").unlink()
+        in_the_way.mkdir()
+        (in_the_way / "file").touch()
+        assert _recovered_keys(tier) == {b[0] for b in before.values()}
+        health = tier.health()
+        assert health.state == Health.DEGRADED_IO and "could not be written back" in health.detail
+        assert tier.faults.refuses_commits()
+        assert _read(tier, before) == {i: b[2] for i, b in before.items()}
+        shutil.rmtree(in_the_way)
+    with _open(disk_dir) as again:
+        assert _recovered_keys(again) == {b[0] for b in before.values()}
+
+
 def test_regression_a_put_failed_as_its_index_could_not_be_written_back_stays_failed(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

@@ -40,7 +40,10 @@ synced, then renamed into place, the old WAL and shared memory removed first so 
 replayed onto it), and commits go on into it: a restart finds every block committed before and
 after the removal (counted as ``index_restored``); so does ``close``, for a removal after the
 last commit; a write-back that the daemon's end cut short after its copy was synced is
-finished at the next open (``_finish_restore``). Where it cannot be written back, and where the index file was replaced by
+finished at the next open (``_finish_restore``). Recovery's reader (``reader``) checks the files
+as a commit does before it opens the index file, read-only: an index removed before recovery read
+it is written back, never created empty in its place (which the next commit would take for a
+replaced index). Where it cannot be written back, and where the index file was replaced by
 another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good; a block
 commit's rows are deleted again first, as ``close`` may yet write the index back.
 
@@ -209,6 +212,21 @@ class DiskIndex:
                 else []
             )
         return quarantine, rows
+
+    def reader(self) -> sqlite3.Connection:
+        """A read-only connection to the index file, for reading its rows beside this one
+        (recovery streams them while the tier commits). Its files are checked first as
+        before a write (``_check_files``): an index file removed since the open is written
+        back, a removed WAL checkpointed. Opened read-only, so a file removed after that
+        check fails the open (``sqlite3.OperationalError``, SQLITE_CANTOPEN) rather than being
+        created empty in its place, which the next commit would take for a replaced index
+        (``IndexFilesReplaced``, a lasting fault). Raises ``IndexFilesReplaced`` where a
+        removed index cannot be written back."""
+        with self._lock:
+            self._check_files(self._conn())
+            return sqlite3.connect(
+                f"{self.path.absolute().as_uri()}?mode=ro", uri=True, check_same_thread=False
+            )
 
     def namespaces(self) -> dict[int, str]:
         """The labels the tier's owner recorded for namespace ids (``remember``)."""

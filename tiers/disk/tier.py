@@ -51,7 +51,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import repeat
 from pathlib import Path
 from typing import NamedTuple, TypeAlias
@@ -88,7 +88,13 @@ from kvtier.tiers.disk.files import (
     probe_lock,
 )
 from kvtier.tiers.disk.health import FaultState, classify
-from kvtier.tiers.disk.index import INDEX_NAME, BlockRow, DiskIndex, IndexUpgradeFailed
+from kvtier.tiers.disk.index import (
+    INDEX_NAME,
+    BlockRow,
+    DiskIndex,
+    IndexFilesReplaced,
+    IndexUpgradeFailed,
+)
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
 from kvtier.tiers.executor import PriorityExecutor, Urgency
 from kvtier.tiers.sizes import format_size
@@ -760,12 +766,9 @@ class DiskTier:
         lost_files: Counter[str] = Counter()
         drop: list[int] = []
         total = kept = 0
-        reader = sqlite3.connect(self._idx().path, check_same_thread=False)
+        index_rows = self._index_rows(rows)
         try:
-            cursor = reader.execute(
-                "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
-            )
-            while chunk := cursor.fetchmany(rows):
+            for chunk in index_rows:
                 total += len(chunk)
                 blocks = self._recover_chunk(chunk, before, sizes, damaged, lost, lost_files, drop)
                 kept += len(blocks)
@@ -787,7 +790,7 @@ class DiskTier:
                 except sqlite3.Error as e:
                     self.faults.fault(classify(e), "index delete")
         finally:
-            reader.close()
+            index_rows.close()
             self.allocator.recovering = False
         damaged_total = sum(lost_files.values())
         if damaged_total:
@@ -808,6 +811,45 @@ class DiskTier:
             total,
             time.monotonic() - started,
         )
+
+    def _index_rows(self, rows: int) -> Generator[list[BlockRow], None, None]:
+        """The index's block rows, ``rows`` at a time, read through a read-only connection
+        of their own (``DiskIndex.reader``: an index file removed since the open is first
+        written back, as a commit would). Where that connection cannot be opened (the file
+        removed again meanwhile, or not written back, which degrades the tier as it does at
+        a commit), through the tier's own connection, which holds the same database whether
+        or not its path still names it; the next commit or ``close`` tries the write-back
+        again."""
+        index = self._idx()
+        try:
+            reader = index.reader()
+        except sqlite3.Error as e:
+            if isinstance(e, IndexFilesReplaced):
+                self.faults.fault(classify(e), "index read")
+            log.warning(
+                "L2 recovery reads the index %s through the tier's own connection: a "
+                "read-only one could not be opened (%s)",
+                index.path,
+                classify(e).detail,
+            )
+            try:
+                _, found = index.load()
+            except sqlite3.Error as again:
+                # The index was closed (its write-back failed): no commit reaches it, and the
+                # tier refuses writes until restarted, so no slot handed out meets a row.
+                self.faults.fault(classify(again), "index read")
+                return
+            for start in range(0, len(found), rows):
+                yield found[start : start + rows]
+            return
+        try:
+            cursor = reader.execute(
+                "SELECT ns, key, slot, nbytes, checksum, written_at FROM blocks"
+            )
+            while chunk := cursor.fetchmany(rows):
+                yield chunk
+        finally:
+            reader.close()
 
     def recover(self) -> RecoveredBlocks:
         """Every block ``recover_chunks`` hands over, at once."""
