@@ -30,8 +30,10 @@ class KvtierError(Exception):
 
 
 class InvalidArgumentError(KvtierError, ValueError):
-    """The daemon refused an argument, or the client did before sending the request. Also a
-    ValueError, as the client's own argument checks raised before they raised this."""
+    """The daemon refused an argument, or the client did before sending the request (a
+    ``SharedMemoryPool`` used after its ``close()``, by a call or by its own ``array()`` and
+    ``tensor()``, included). Also a ValueError, as the client's own argument checks raised
+    before they raised this."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -64,8 +64,14 @@ class PoolBinding:
         return self.memfd >= 0
 
     def register_request(self, ticket: bytes = b"") -> pb.RegisterPoolRequest:
-        """The registration: by the ticket of a handed-over descriptor, or by name."""
+        """The registration: by the ticket of a handed-over descriptor, or by name. A pool
+        closed since it was bound (registered again after a daemon restart) raises
+        ``InvalidArgumentError``: a closed memory file has no descriptor to hand over, and was
+        sent by a name it never had (the daemon answered NotFoundError)."""
         from kvtier.client.types import layout_to_pb
+
+        if isinstance(self.shm, SharedMemoryPool) and self.shm.closed:
+            raise self.shm.closed_error()
 
         layout = layout_to_pb(self.layout)
         if isinstance(self.shm, CudaIpcExport):
@@ -95,7 +101,7 @@ def new_binding(
     what = "shm" if kind is SharedMemoryPool else "export"
     checked_type(memory, kind, what)
     if isinstance(memory, SharedMemoryPool) and memory.closed:
-        raise InvalidArgumentError(f"shm: the pool {memory.name!r} was closed")
+        raise memory.closed_error()
     checked_type(layout, PoolLayout, "layout")
     if namespace is not None:
         checked_type(namespace, Namespace, "namespace")

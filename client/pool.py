@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvtier.client.errors import InvalidArgumentError
 from kvtier.kernels.layout import PoolLayout
 
 if TYPE_CHECKING:
@@ -44,7 +45,11 @@ class SharedMemoryPool:
     ``backing`` is ``"memfd"`` (the default unless a ``name`` is given) or ``"shm"``; ``name``
     is the /dev/shm object's name (random if None) or the memfd's label. ``seal=False``
     leaves a memfd resizable. The memory lives until every mapping (the daemon's included) is
-    gone. Thread-safety: the memory may be used from any thread; close() once.
+    gone. Once ``close()`` ran, ``array()``, ``tensor()`` and registering the pool (again,
+    after a daemon restart, too) raise ``InvalidArgumentError`` (a ValueError) naming the
+    pool, even where earlier views keep the mapping alive; pages already registered stay
+    the daemon's to copy until the pool is unregistered. Thread-safety: the memory may be
+    used from any thread; close() once.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class SharedMemoryPool:
             self.buffer = mmap.mmap(
                 fd, size_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
+            self._mapped = True
         except BaseException:
             os.close(fd)
             if self.path is not None:
@@ -128,6 +134,7 @@ class SharedMemoryPool:
         try:
             os.set_inheritable(dup, False)
             self.buffer = mmap.mmap(dup, st.st_size, flags=mmap.MAP_SHARED)
+            self._mapped = True
         except BaseException:
             os.close(dup)
             raise
@@ -141,9 +148,23 @@ class SharedMemoryPool:
         longer be registered (its descriptor or its name is gone)."""
         return not self._finalizer.alive
 
+    def closed_error(self) -> InvalidArgumentError:
+        """What using the pool after ``close()`` (or registering a named one after
+        ``unlink()``) raises: the mapping's own ValueError ("mmap closed or invalid") or
+        torch's RuntimeError named nothing, and a registration sent the daemon a name that
+        was gone (NotFoundError for a memory file, which has none)."""
+        gone = "closed" if not self._mapped else "unlinked (its name is gone)"
+        return InvalidArgumentError(f"shm: the pool {self.name!r} was {gone}")
+
+    def _mapping(self) -> mmap.mmap:
+        if not self._mapped:
+            raise self.closed_error()
+        return self.buffer
+
     def array(self) -> np.ndarray:
-        """The whole region as a uint8 numpy array (shares memory)."""
-        return np.frombuffer(self.buffer, dtype=np.uint8)
+        """The whole region as a uint8 numpy array (shares memory). Raises
+        ``InvalidArgumentError`` once the pool is closed."""
+        return np.frombuffer(self._mapping(), dtype=np.uint8)
 
     def tensor(
         self,
@@ -151,7 +172,9 @@ class SharedMemoryPool:
         shape: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> torch.Tensor:
-        """A torch tensor view of the region from ``offset`` (shares memory)."""
+        """A torch tensor view of the region from ``offset`` (shares memory). Raises
+        ``InvalidArgumentError`` once the pool is closed."""
+        buffer = self._mapping()
         import torch
 
         dtype = dtype or torch.uint8
@@ -159,7 +182,7 @@ class SharedMemoryPool:
         count = (self.size_bytes - offset) // itemsize
         if shape is not None:
             count = int(np.prod(shape))
-        t = torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset)
+        t = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
         return t.view(shape) if shape is not None else t
 
     def unlink(self) -> None:
@@ -170,8 +193,11 @@ class SharedMemoryPool:
             self._finalizer()
 
     def close(self) -> None:
+        """Unmap the memory (once no view holds it) and close the descriptor, or remove a
+        named object's name. Idempotent."""
         self._finalizer()  # removes the name, or closes the memfd's descriptor
         self.fd = -1
+        self._mapped = False
         # Views (tensors, arrays) may still exist; then the mapping goes when they do.
         with contextlib.suppress(BufferError):
             self.buffer.close()

@@ -1,0 +1,123 @@
+"""A SharedMemoryPool used after ``close()``: its views and its registrations (the first, and
+the one a daemon restart makes the client send again) raise InvalidArgumentError naming the
+pool, not the mapping's ValueError, torch's RuntimeError or the daemon's NotFoundError."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvtier.client import (
+    AsyncClient,
+    InvalidArgumentError,
+    KvtierError,
+    Namespace,
+    PoolLayout,
+    SharedMemoryPool,
+)
+
+NS = Namespace(model="closed-pools", kv_dtype="uint8", block_tokens=4)
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=8, block_tokens=4, chunk_bytes=64)
+TOKENS = list(range(8))
+
+
+def _memfd() -> SharedMemoryPool:
+    return SharedMemoryPool(4096, name="views", backing="memfd")
+
+
+def _named() -> SharedMemoryPool:
+    return SharedMemoryPool(4096, name=f"kvtier-test-views-{os.getpid()}", backing="shm")
+
+
+def _adopted() -> SharedMemoryPool:
+    fd = os.memfd_create("adopted", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4096)
+        return SharedMemoryPool.from_fd(fd, label="views")
+    finally:
+        os.close(fd)
+
+
+VIEWS: dict[str, Callable[[SharedMemoryPool], object]] = {
+    "array": lambda shm: shm.array(),
+    "tensor": lambda shm: shm.tensor(),
+    "tensor-typed": lambda shm: shm.tensor(torch.float32, (2, 8)),
+}
+
+
+@pytest.mark.parametrize("make", [_memfd, _named, _adopted], ids=["memfd", "shm", "from_fd"])
+@pytest.mark.parametrize("view", list(VIEWS.values()), ids=list(VIEWS))
+def test_regression_a_closed_pools_views_raise_an_error_naming_the_pool(make, view):
+    """``shm.array()`` after ``close()`` raised numpy's "mmap closed or invalid" ValueError,
+    ``shm.tensor()`` torch's RuntimeError ("could not retrieve buffer from object"): neither
+    said what was closed, nor was a KvtierError."""
+    shm = make()
+    shm.close()
+    with pytest.raises(InvalidArgumentError, match=r"^shm: the pool '.*' was closed$") as caught:
+        view(shm)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, KvtierError)
+
+
+def test_a_pool_closed_while_a_view_holds_its_mapping_gives_no_new_view():
+    """``close()`` cannot unmap memory an earlier view still holds; the pool is closed all
+    the same, so a new view is refused, and the old one keeps working."""
+    shm = _memfd()
+    old = shm.array()
+    shm.close()
+    with pytest.raises(InvalidArgumentError, match=r"^shm: the pool 'views' was closed$"):
+        shm.array()
+    old[0] = 7
+    assert old[0] == 7
+
+
+def test_an_unlinked_named_pool_still_gives_views():
+    """``unlink()`` removes only the name: the memory stays mapped and usable."""
+    shm = _named()
+    try:
+        shm.unlink()
+        shm.array()[:4] = 1
+        assert shm.tensor()[:4].tolist() == [1, 1, 1, 1]
+    finally:
+        shm.close()
+
+
+@pytest.mark.parametrize("backing", ["memfd", "shm"])
+def test_regression_a_pool_closed_after_registering_is_refused_when_registered_again(
+    daemon_factory, backing
+):
+    """A pool registered, then closed, then used after the daemon restarted (the client
+    registers it again on its next use): a memfd pool, its descriptor gone, was sent by a
+    name it never had, and a named one by its removed name, and the daemon answered
+    NotFoundError ("shared-memory object ... does not exist"). The client now refuses it
+    before sending, naming the closed pool."""
+    d = daemon_factory()
+    with d.client() as client:
+        shm = SharedMemoryPool.for_layout(LAYOUT, backing=backing)
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, range(2)) == 8
+        shm.close()
+        d.kill()
+        d.start()
+        with pytest.raises(InvalidArgumentError, match=rf"^shm: the pool '{shm.name}' was closed$"):
+            pool.store(TOKENS, range(2))
+        with SharedMemoryPool.for_layout(LAYOUT) as other:  # the client still works
+            assert client.register_pool(other, LAYOUT, NS).load(TOKENS, range(2)) == 0
+
+
+async def test_regression_an_async_clients_pool_closed_after_registering_is_refused_again(
+    daemon_factory,
+):
+    """As above, for the asyncio client."""
+    d = daemon_factory()
+    async with AsyncClient(d.address) as client:
+        shm = SharedMemoryPool.for_layout(LAYOUT)
+        pool = await client.register_pool(shm, LAYOUT, NS)
+        assert await pool.store(TOKENS, range(2)) == 8
+        shm.close()
+        d.kill()
+        d.start()
+        with pytest.raises(InvalidArgumentError, match=rf"^shm: the pool '{shm.name}' was closed$"):
+            await pool.store(TOKENS, range(2))
