@@ -3,6 +3,7 @@ the default socket rule shared by daemon and client."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -144,6 +145,23 @@ def test_metrics_port_in_use_is_refused(tmp_path):
         assert _keys(problems) == ["metrics.address"] and "in use" in str(problems[0])
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("address", ["192.0.2.1:9464", "1.2.3.4:5"])
+def test_a_metrics_address_not_on_this_host_is_refused_by_check_config(tmp_path, address):
+    """A metrics.address whose host is no address of this machine (192.0.2.1: a
+    documentation range, RFC 5737) cannot be bound: --check-config refuses it, naming the
+    key, as the start's own bind would, rather than saying 'config ok'."""
+    host = address.rsplit(":", 1)[0]
+    with socket.socket() as probe, pytest.raises(OSError) as not_here:
+        probe.bind((host, 0))
+    assert not_here.value.errno == errno.EADDRNOTAVAIL  # the test's premise: not local
+    proc = _kvtierd(
+        "--check-config", *_sets(f"server.socket={tmp_path}/s.sock", f"metrics.address={address}")
+    )
+    assert proc.returncode == 1, proc.stdout
+    assert f"metrics.address: cannot listen on {address}: " in proc.stderr
+    assert "config ok" not in proc.stdout
 
 
 def test_a_metrics_port_left_in_time_wait_by_a_scrape_is_free(tmp_path):
