@@ -36,11 +36,17 @@ Invariants:
   again). Only when that answer does not come either does it wait ``late_copy_grace_s``
   instead; a daemon stopped mid-copy (SIGSTOP) for longer than both can still finish the
   copy later (see the README).
+- A staging pool the daemon refuses (``staging.REFUSALS``: a limit below its size or count,
+  memory it cannot use) is said once as an ERROR, counted (``staging_refusals``), and tried
+  again only as ``staging.RegistrationRefusals`` backs off (from ``retry_after_s``, doubling,
+  up to ``staging.REFUSED_RETRY_MAX_S``), never a new region every ``retry_after_s``.
+  Meanwhile staged transfers miss at once, and so do lookups when every transfer is staged
+  (no hit that no load could fill). The breaker is not tripped: the daemon answers.
 - Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start.
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
-the client is thread-safe, lazily created pools are guarded by a lock, and at most two
-transfers share the staging pool, each within its own half.
+the client is thread-safe, lazily created pools and the refusals' state are guarded by a
+lock, and at most two transfers share the staging pool, each within its own half.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ from kvtier.client.integrations.sglang_config import (
     storage_key,
     storage_keys,
 )
-from kvtier.client.integrations.staging import StagingPool
+from kvtier.client.integrations.staging import REFUSALS, RegistrationRefusals, StagingPool
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
@@ -82,6 +88,16 @@ from kvtier.kernels.layout import PoolLayout
 log = logging.getLogger(__name__)
 
 _STAGING_MAX_PAGES = 256  # two of SGLang's 128-page storage batches
+
+
+class _NoStaging(Exception):
+    """A staged transfer that cannot have the staging pool, from a daemon that answers: a
+    miss, never a reason to pause kvtier (the breaker is not tripped)."""
+
+
+class _StagingRefused(_NoStaging):
+    """The daemon refused the staging pool, and its next try is not due
+    (``RegistrationRefusals``)."""
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -115,6 +131,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._staging: StagingPool | None = None
         self._staging_generation = 0
         self._staging_users = threading.BoundedSemaphore(2)
+        # The daemon's refusals of the staging pool: when to try again (under _lock).
+        self.refusals = RegistrationRefusals(self.options.retry_after_s)
+        # Whether every transfer goes through the staging pool: a host pool not registered
+        # itself, or SGLang's legacy calls (no "interface_v1": SGLang's own key).
+        self._all_staged = True
         self._lock = threading.Lock()
         self._closed = False
         self._metrics_lock = threading.Lock()
@@ -131,6 +152,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             "pages_stored": 0,
             "failures": 0,
             "skipped": 0,
+            "staging_refusals": 0,
         }
 
     # ------------------------------------------------------------ registration
@@ -155,6 +177,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self._seed = namespace.seed()
             self._direct_shm = direct
             self.mode = "direct" if direct is not None else "staged"
+            interface_v1 = (self.storage_config.extra_config or {}).get("interface_v1", 0)
+            self._all_staged = self.mode == "staged" or not bool(interface_v1)
         if direct is not None:
             how = "zero copy: the host pool (shared memory) is registered with the daemon"
         else:
@@ -237,39 +261,112 @@ class KVTierHiCacheStorage(HiCacheStorage):
             raise TimeoutError("the staging pool stayed busy")
         try:
             with self._lock:
-                if self._staging is None or self._staging.retired:
-                    self._staging = self._new_staging()
                 staging = self._staging
+                if staging is None or staging.retired:
+                    staging = self._staging = self._new_staging()
             yield staging, max(1, staging.num_pages // 2)
         finally:
             self._staging_users.release()
 
     def _new_staging(self) -> StagingPool:
+        """A new staging pool (a region of its whole size). Raises ``_StagingRefused`` while
+        the daemon's refusal of the last one stands, and when it refuses this one: a region
+        per ``retry_after_s`` for a refusal that waiting does not change would cost its
+        memory and an RPC each time (``RegistrationRefusals``). Holds ``_lock``."""
+        if self._refusal_stands():
+            self._count("skipped", 1)
+            raise _StagingRefused("the daemon refused the staging pool; its next try is not due")
         page = self.page
         assert page is not None
         pages = max(1, min(_STAGING_MAX_PAGES, self.options.staging_bytes // page.page_bytes))
+        try:
+            staging = StagingPool(
+                self.client,
+                num_layers=1,
+                num_pages=pages,
+                block_tokens=page.page_tokens,
+                block_shape=(page.page_numel,),
+                dtype=self._host_pool.dtype,
+                generation=self._staging_generation + 1,
+            )
+        except REFUSALS as e:
+            self._refused(e, pages, page.page_bytes)
+            raise _StagingRefused(str(e)) from None
         self._staging_generation += 1
-        return StagingPool(
-            self.client,
-            num_layers=1,
-            num_pages=pages,
-            block_tokens=page.page_tokens,
-            block_shape=(page.page_numel,),
-            dtype=self._host_pool.dtype,
-            generation=self._staging_generation,
+        if self.refusals.refused:
+            log.info(
+                "kvtier HiCache storage: the daemon took the staging pool after %d refusals; "
+                "kvtier is used again",
+                self.refusals.accepted(),
+            )
+        return staging
+
+    def _refusal_stands(self) -> bool:
+        """Whether the daemon refused the staging pool and its next try is not due."""
+        return self.refusals.refused and not self.refusals.due()
+
+    def _refused(self, error: KvtierError, pages: int, page_bytes: int) -> None:
+        """The daemon will not register the staging pool as asked (``staging.REFUSALS``: a
+        limit below its size or count, memory it cannot use): one ERROR names what to change
+        on either side, later refusals one INFO line per try, and tries back off from
+        ``retry_after_s`` to ``staging.REFUSED_RETRY_MAX_S``. The breaker is not tripped:
+        the daemon answers, and lookups and zero-copy transfers do not need this pool."""
+        first = self.refusals.news(error)
+        wait = self.refusals.refuse(error)
+        self._count("staging_refusals", 1)
+        if not first:
+            log.info(
+                "kvtier HiCache storage: the staging pool was refused again (%s); next try "
+                "in %.3gs",
+                error,
+                wait,
+            )
+            return
+        pool_bytes = pages * page_bytes
+        if self._all_staged:
+            off = "kvtier is off for this rank: SGLang runs without it (no hit, nothing stored)"
+        else:
+            off = "SGLang's legacy calls miss; its zero-copy calls are not affected"
+        log.error(
+            "kvtier HiCache storage (tp %d, pp %d): the daemon refused the staging pool of %d "
+            "bytes (%d pages of %d bytes, sized by the extra config's staging_bytes=%d) with "
+            "%s: %s. %s. To use kvtier, change the daemon's setting named above (its config; "
+            "a restart or SIGHUP applies it, as its log says) so that it allows this pool of "
+            "%d bytes, or, for a limit on bytes, lower staging_bytes below it; the pool is "
+            "tried again in %.3gs, then at doubling intervals up to %.0fs",
+            self.storage_config.tp_rank,
+            self.storage_config.pp_rank,
+            pool_bytes,
+            pages,
+            page_bytes,
+            self.options.staging_bytes,
+            type(error).__name__,
+            error,
+            off,
+            pool_bytes,
+            wait,
+            self.refusals.max_s,
         )
 
     # ---------------------------------------------------------------- guards
 
-    def _ready(self, n: int) -> bool:
+    def _ready(self, n: int, staged: bool) -> bool:
+        """Whether to ask the daemon about ``n`` pages; ``staged``: the call needs the
+        staging pool (or, for a lookup, every load would), so it misses at once while the
+        daemon's refusal of that pool stands."""
         if self.page is None or self._closed or not n:
             return False
-        if not self.breaker.ok():
+        if not self.breaker.ok() or (staged and self._refusal_stands()):
             self._count("skipped", 1)
             return False
         return True
 
     def _failed(self, what: str, error: BaseException) -> None:
+        """A call that raised, answered as a miss. A daemon that failed or did not answer
+        pauses kvtier (``Breaker``); a staging pool refused (said by ``_refused``) does not:
+        the daemon answers."""
+        if isinstance(error, _StagingRefused):
+            return
         self._count("failures", 1)
         log.debug("kvtier HiCache storage: %s failed", what, exc_info=error)
         self.breaker.trip(error)
@@ -303,7 +400,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading pages of ``keys`` the daemon holds: one Lookup."""
-        if not self._ready(len(keys)):
+        if not self._ready(len(keys), staged=self._all_staged):
             return 0
         try:
             found = self.client.lookup(
@@ -331,7 +428,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Load pages into the host pool's pages named by ``host_indices``; per page,
         whether it was loaded (SGLang uses the leading run)."""
         n = len(keys)
-        if not self._ready(n):
+        if not self._ready(n, staged=self.mode == "staged"):
             return [False] * n
         start = time.perf_counter()
         try:
@@ -356,7 +453,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         continuing ``extra_info.prefix_keys`` when SGLang passes them); per page, whether
         the daemon holds it now."""
         n = len(keys)
-        if not self._ready(n):
+        if not self._ready(n, staged=self.mode == "staged"):
             return [False] * n
         start = time.perf_counter()
         try:
@@ -492,7 +589,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Load pages into ``target_locations`` (flat data pages; new tensors if None);
         each loaded page's tensor, or None."""
         n = len(keys)
-        if not self._ready(n):
+        if not self._ready(n, staged=True):
             return [None] * n
         assert self.page is not None
         targets = list(target_locations) if target_locations is not None else [None] * n
@@ -531,7 +628,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Store flat data pages ``values`` under ``keys`` (one chain); True if the daemon
         holds every one now."""
         n = len(keys)
-        if not self._ready(n):
+        if not self._ready(n, staged=True):
             return False
         assert self.page is not None
         page = self.page

@@ -114,6 +114,12 @@ class RegistrationRefusals:
         """Whether a new try may be made now."""
         return self._clock() >= self._next_try
 
+    def news(self, error: KvtierError) -> bool:
+        """Whether refusal ``error`` is worth an ERROR: the first one, or one of another kind
+        than the last (its cause changed). The same refusal again is not: its tries are
+        already rate-limited by the back-off. Ask before ``refuse``."""
+        return self.error is None or type(self.error) is not type(error)
+
     def refuse(self, error: KvtierError) -> float:
         """Count a refusal; returns how long until the next try. ``error`` is kept without
         its traceback (as are log records that name it): its frames hold the refused try's

@@ -409,7 +409,7 @@ class WorkerSide:
         exponentially up to ``staging.REFUSED_RETRY_MAX_S`` (``RegistrationRefusals`` says
         why). The breaker is not tripped: the daemon is up and fast, and its pause would
         warn again at every try."""
-        first = not self.refusals.refused or type(self.refusals.error) is not type(error)
+        first = self.refusals.news(error)
         wait = self.refusals.refuse(error)
         pool_bytes = self.staging_pages.total * self.identity.block_bytes
         if not first:

@@ -8,6 +8,7 @@ its cache controller's own storage code computes page hashes and calls the backe
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -34,6 +35,8 @@ from sglang_harness import (
 )
 
 from kvtier.client.integrations.sglang import KVTierHiCacheStorage
+from kvtier.client.integrations.staging import RegistrationRefusals, layer_major_layout
+from kvtier.client.pool import SharedMemoryPool
 
 HERE = Path(__file__).resolve().parent
 PAGE = 4
@@ -47,6 +50,16 @@ def tokens(n_pages: int, seed: int = 0) -> list[int]:
 def rpc_count(daemon: DaemonProcess, method: str) -> int:
     with daemon.client() as c:
         return c.stats().counter("rpc_seconds_count", method=method)
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.mark.parametrize("allocator", ["shm", "default"])
@@ -372,6 +385,78 @@ def test_a_hung_daemon_costs_one_bounded_wait_then_misses(
         assert pages_bytes(host, dst) == stored
         if allocator == "default":
             assert backend._staging is not staging and not backend._staging.retired
+    finally:
+        backend.close()
+
+
+def test_a_staging_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off(
+    daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the daemon refused the staging pool (the tenant's pool bytes taken), and
+    the backend paused for retry_after_s, then made a new pool (a region of staging_bytes)
+    at its next call, and again after every pause, warning each time. Now: one ERROR naming
+    the daemon's key and the backend's staging_bytes; no new pool (RegisterPool) until the
+    back-off ends (retry_after_s, then twice that...); meanwhile lookups answer 0 without a
+    Lookup (every transfer is staged: no hit that no load could fill) and the breaker stays
+    closed (the daemon answers); once the tenant has room, the next try takes the pool."""
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=262144")
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.01))
+    clock = Clock()
+    backend.refusals = RegistrationRefusals(0.01, clock=clock)
+    pool_bytes = 256 * host.get_dummy_flat_data_page().numel() * 2  # 196,608: 256 pages
+    keys = [f"refused-{i}" for i in range(3)]
+    src = host.alloc(3 * PAGE)
+    stored = fill(host, src, seed=13)
+    try:
+        with daemon.client() as holder, SharedMemoryPool(128 << 10) as shm:
+            # 128 KiB of the tenant's 256 KiB held: the backend's 192 KiB pool does not fit.
+            held = holder.register_pool(shm, layer_major_layout(1, 128, PAGE, 1024, "float32"))
+            caplog.set_level(logging.INFO, logger="kvtier")
+            registrations = rpc_count(daemon, "RegisterPool")
+            lookups = rpc_count(daemon, "Lookup")
+            for _ in range(5):
+                assert backend.batch_set_v1(keys, src) == [False] * 3
+                assert backend.batch_exists(keys) == 0
+                time.sleep(0.02)  # past retry_after_s: each pause's end made a new pool
+            assert rpc_count(daemon, "RegisterPool") == registrations + 1
+            assert rpc_count(daemon, "Lookup") == lookups
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1
+            for named in (
+                "server.max_pool_bytes_per_tenant",
+                f"staging pool of {pool_bytes} bytes",
+                "staging_bytes=268435456",
+                "ResourceExhaustedError",
+                "kvtier is off for this rank",
+            ):
+                assert named in errors[0], named
+            assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+            assert backend.counters["staging_refusals"] == 1
+            assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+
+            # The back-off: retry_after_s after the first refusal, twice that after the next.
+            clock.now += 0.015
+            assert backend.batch_set_v1(keys, src) == [False] * 3
+            assert rpc_count(daemon, "RegisterPool") == registrations + 2
+            clock.now += 0.015
+            assert backend.batch_set_v1(keys, src) == [False] * 3
+            assert rpc_count(daemon, "RegisterPool") == registrations + 2
+            assert backend.counters["staging_refusals"] == 2
+            assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+            holder.unregister_pool(held.binding.pool_id)
+
+        deadline = time.monotonic() + 30
+        while backend.batch_set_v1(keys, src) != [True] * 3:
+            assert time.monotonic() < deadline, "the pool was never taken"
+            clock.now += 3600.0
+            time.sleep(0.05)
+        assert "the daemon took the staging pool after" in caplog.text
+        assert backend.batch_exists(keys) == 3
+        dst = host.alloc(3 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(host, dst) == stored
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
     finally:
         backend.close()
 
