@@ -42,6 +42,10 @@ Invariants:
   up to ``staging.REFUSED_RETRY_MAX_S``), never a new region every ``retry_after_s``.
   Meanwhile staged transfers miss at once, and so do lookups when every transfer is staged
   (no hit that no load could fill). The breaker is not tripped: the daemon answers.
+- A transfer that finds the staging pool held by two others for ``io_timeout_s`` misses,
+  counted apart (``staging_busy``): a busy local pool is not an unanswered daemon, so the
+  breaker is not tripped (the holders' own calls trip it if the daemon does not answer),
+  as the vLLM connector fails a load that finds no free staging page without pausing.
 - Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start.
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
@@ -100,6 +104,10 @@ class _StagingRefused(_NoStaging):
     (``RegistrationRefusals``)."""
 
 
+class _StagingBusy(_NoStaging):
+    """Two other transfers held the staging pool's halves for ``io_timeout_s``."""
+
+
 class KVTierHiCacheStorage(HiCacheStorage):
     """SGLang's ``HiCacheStorage`` over a kvtier daemon; see the module docstring.
 
@@ -133,6 +141,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._staging_users = threading.BoundedSemaphore(2)
         # The daemon's refusals of the staging pool: when to try again (under _lock).
         self.refusals = RegistrationRefusals(self.options.retry_after_s)
+        self._warned_busy = False
         # Whether every transfer goes through the staging pool: a host pool not registered
         # itself, or SGLang's legacy calls (no "interface_v1": SGLang's own key).
         self._all_staged = True
@@ -153,6 +162,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             "failures": 0,
             "skipped": 0,
             "staging_refusals": 0,
+            "staging_busy": 0,
         }
 
     # ------------------------------------------------------------ registration
@@ -258,7 +268,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def _staging_half(self) -> Iterator[tuple[StagingPool, int]]:
         """The staging pool and how many pages this caller may hold at once."""
         if not self._staging_users.acquire(timeout=self.options.io_timeout_s):
-            raise TimeoutError("the staging pool stayed busy")
+            raise _StagingBusy(
+                f"the staging pool stayed busy for io_timeout_s={self.options.io_timeout_s:g}s"
+            )
         try:
             with self._lock:
                 staging = self._staging
@@ -363,9 +375,24 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def _failed(self, what: str, error: BaseException) -> None:
         """A call that raised, answered as a miss. A daemon that failed or did not answer
-        pauses kvtier (``Breaker``); a staging pool refused (said by ``_refused``) does not:
-        the daemon answers."""
+        pauses kvtier (``Breaker``); a staging pool refused (said by ``_refused``) or held
+        by other transfers past ``io_timeout_s`` does not: the daemon answers. A busy pool
+        is counted apart, and said once: its holders wait on the daemon, and one that does
+        not answer trips the breaker through their own calls."""
         if isinstance(error, _StagingRefused):
+            return
+        if isinstance(error, _StagingBusy):
+            self._count("staging_busy", 1)
+            with self._metrics_lock:
+                first, self._warned_busy = not self._warned_busy, True
+            log.log(
+                logging.WARNING if first else logging.DEBUG,
+                "kvtier HiCache storage: a %s missed: %s (two other transfers held it; not a "
+                "daemon failure: kvtier stays on). A larger staging_bytes makes each transfer "
+                "fewer round trips; counters['staging_busy'] counts these (said once)",
+                what,
+                error,
+            )
             return
         self._count("failures", 1)
         log.debug("kvtier HiCache storage: %s failed", what, exc_info=error)

@@ -461,6 +461,40 @@ def test_a_staging_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_
         backend.close()
 
 
+def test_a_busy_staging_pool_is_a_miss_not_a_daemon_that_does_not_answer(
+    shared_daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a transfer that waited io_timeout_s for the staging pool (both halves
+    held by two other transfers, e.g. long ones to a slow daemon) counted as a daemon that
+    did not answer: it tripped the breaker, which probed the daemon and turned SGLang's
+    calls away meanwhile. A busy local pool is a miss counted apart (staging_busy), warned
+    once; the daemon answers, so the next call goes through. (The vLLM connector likewise
+    fails a load that finds no free staging page without pausing.)"""
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(shared_daemon.address, io_timeout_s=1.0))
+    caplog.set_level(logging.INFO, logger="kvtier")
+    try:
+        keys = [f"busy-{i}" for i in range(2)]
+        src = host.alloc(2 * PAGE)
+        stored = fill(host, src, seed=14)
+        dst = host.alloc(2 * PAGE)
+        with backend._staging_half(), backend._staging_half():  # two transfers hold it
+            assert backend.batch_set_v1(keys, src) == [False, False]
+            assert backend.batch_get_v1(keys, dst) == [False, False]
+        assert backend.breaker.trips == 0 and backend.breaker.ok()
+        assert backend.counters["staging_busy"] == 2 and backend.counters["failures"] == 0
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "staging pool stayed busy" in warnings[0]
+
+        assert backend.batch_set_v1(keys, src) == [True, True]
+        assert backend.batch_exists(keys) == 2
+        assert backend.batch_get_v1(keys, dst) == [True, True]
+        assert pages_bytes(host, dst) == stored
+        assert backend.counters["skipped"] == 0
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("allocator", ["shm", "default"])
 def test_sglang_threads_share_one_backend(shared_daemon: DaemonProcess, allocator: str) -> None:
     # SGLang's prefetch, prefetch-I/O and backup threads call one backend at once. A staging
