@@ -54,10 +54,14 @@ system-deps:
 		fi; \
 	fi
 
+# `make test` spreads its test files over TEST_WORKERS processes (pytest-xdist; a file's tests
+# stay together, so a module's daemon starts once): most tests wait on daemons they start, so
+# one process left a core of two idle. TEST_WORKERS=0 runs them all in one process.
+TEST_WORKERS ?= 2
 test: system-deps
 	@$(BOOTSTRAP) --profile dev
 	@$(BYTECODE)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The soak: 8 client processes of two tenants for 60 s, half of them SIGKILLed midway; prints
 # its figures. Outside `make test`'s budget; .ci/run runs it.
