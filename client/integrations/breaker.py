@@ -89,7 +89,7 @@ class Breaker:
         """Pause for ``retry_after_s`` from ``at`` (a ``time.monotonic()`` instant; now by
         default): a failure noticed late, e.g. a background job reaped later, pauses from when
         it happened, not from when it was seen. A failure that says the daemon did not answer
-        pauses, with a probe, until the probe finds it serving."""
+        pauses, with a probe, until the probe finds it serving, however late it was noticed."""
         now = time.monotonic()
         if isinstance(error, NotFoundError) and now - self._forgiven_at >= self.retry_after_s:
             self._forgiven_at = now
@@ -97,11 +97,11 @@ class Breaker:
             return
         self.trips += 1
         until = (now if at is None else at) + self.retry_after_s
-        if until <= self._closed_until or until <= now:
-            return
-        was_ok = self.ok()
-        self._closed_until = until
         if self._probe is not None and isinstance(error, UNANSWERED):
+            # Probed however late it was noticed and whatever pause is already set: the
+            # daemon may still hang, and once the pause ends the engine's next call would be
+            # the one to find out (a late failure's pause is over: the probe runs at once).
+            self._closed_until = max(self._closed_until, until)
             with self._lock:
                 self._unanswered += 1
                 start = not self._probing and not self._stop.is_set()
@@ -122,6 +122,10 @@ class Breaker:
                     daemon=True,
                 ).start()
             return
+        if until <= self._closed_until or until <= now:
+            return
+        was_ok = self.ok()
+        self._closed_until = until
         if was_ok:
             log.warning(
                 "kvtier %s failed (%s: %s); running without kvtier for %.1fs",

@@ -88,6 +88,40 @@ def test_a_daemon_that_did_not_answer_is_asked_again_by_a_probe_not_the_engine()
     breaker.close()
 
 
+def test_a_call_unanswered_long_ago_is_probed_before_the_engine_asks_again():
+    """A failure that says the daemon did not answer, noticed after its pause would have
+    ended (a background save reaped late) or while a shorter pause of another cause runs,
+    started no probe: the breaker stayed or went back open to the engine, whose next call
+    was the one to find out whether the daemon still hung. Both are now probed first."""
+    answers: list[bool] = []
+    release = threading.Event()
+
+    def probe() -> bool:
+        release.wait(20)
+        answers.append(True)
+        return True
+
+    late = Breaker(1.0, "save", probe=probe)
+    late.trip(DeadlineExceededError("a save reaped late"), at=time.monotonic() - 10.0)
+    assert late.probing and not late.ok()
+    release.set()
+    assert _wait_until(late.ok) and answers == [True]
+    late.close()
+
+    release.clear()
+    answers.clear()
+    paused = Breaker(0.05, "save", probe=probe)
+    paused.trip(NotFoundError("session 1234 is not open"))  # forgiven: no pause
+    paused.trip(NotFoundError("shared-memory object 'kvtier-x' does not exist"))  # a pause
+    paused.trip(UnavailableError("a save cut by a hang"), at=time.monotonic() - 0.04)
+    assert paused.probing
+    time.sleep(0.1)  # past both pauses: still closed until the probe answers
+    assert not paused.ok() and answers == []
+    release.set()
+    assert _wait_until(paused.ok) and answers == [True]
+    paused.close()
+
+
 def test_refusals_that_come_from_a_serving_daemon_are_not_probed():
     """A daemon that answered (here: a limit) is up: the pause ends with retry_after_s."""
     calls: list[int] = []
