@@ -30,6 +30,7 @@ from sglang_harness import (
     mha_host_pool,
     mla_host_pool,
     page_hashes,
+    page_starts,
     pages_bytes,
     storage_config,
 )
@@ -555,6 +556,60 @@ def test_blocks_survive_a_daemon_restart_and_the_host_pool_is_registered_again(
         assert backend.mode == "direct"
         with daemon.client() as c:
             assert c.stats().gauges["pools"] == 1  # the host pool, registered again
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("tiers", ["l2", "l1"])
+def test_a_staged_backend_registers_its_staging_pool_again_after_a_daemon_restart(
+    daemon_factory: DaemonFactory, tiers: str
+) -> None:
+    """Guards the staged path across a daemon restart, as the vLLM worker's is guarded: the
+    new daemon has no session and no pool, and the same backend object's next transfers
+    register its staging pool again in a new session and go through, without a failure or
+    a pause. On the same L2 the pages stored before load back byte for byte; with L1 only
+    they are gone (a miss, not a failure). Either way a store after the restart loads."""
+    overrides = ["tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB"] if tiers == "l2" else []
+    daemon = daemon_factory(*overrides)
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.2))
+    try:
+        assert backend.mode == "staged"
+        before = [f"staged-restart-{tiers}-{i}" for i in range(4)]
+        src = host.alloc(4 * PAGE)
+        stored = fill(host, src, seed=15)
+        assert backend.batch_set_v1(before, src) == [True] * 4
+        staging = backend._staging
+        assert staging is not None and staging.registered()
+        daemon.restart()  # SIGTERM (L1 flushed to L2 when there is one); no session or pool
+
+        dst = host.alloc(4 * PAGE)
+        if tiers == "l2":
+            assert backend.batch_exists(before) == 4
+            assert backend.batch_get_v1(before, dst) == [True] * 4
+            assert pages_bytes(host, dst) == stored
+        else:
+            assert backend.batch_exists(before) == 0
+            assert backend.batch_get_v1(before, dst) == [False] * 4
+        after = [f"staged-restart-{tiers}-after-{i}" for i in range(4)]
+        src2 = host.alloc(4 * PAGE)
+        stored2 = fill(host, src2, seed=16)
+        assert backend.batch_set_v1(after, src2) == [True] * 4
+        assert backend.batch_exists(after) == 4
+        dst2 = host.alloc(4 * PAGE)
+        assert backend.batch_get_v1(after, dst2) == [True] * 4
+        assert pages_bytes(host, dst2) == stored2
+        # SGLang's legacy calls (no "interface_v1") go through the same staging pool.
+        legacy = [f"staged-restart-{tiers}-legacy-{i}" for i in range(2)]
+        values = [host.get_data_page(start, flat=True) for start in page_starts(host, src2)[:2]]
+        assert backend.batch_set(legacy, values) is True
+        got = backend.batch_get(legacy)
+        assert [bytes(t.contiguous().view(torch.uint8).numpy()) for t in got] == stored2[:2]
+        assert backend._staging is staging and staging.registered()
+        with daemon.client() as c:
+            assert c.stats().gauges["pools"] == 1  # the staging pool, registered again
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        assert backend.counters["skipped"] == 0
     finally:
         backend.close()
 
