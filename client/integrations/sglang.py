@@ -42,6 +42,11 @@ Invariants:
   up to ``staging.REFUSED_RETRY_MAX_S``), never a new region every ``retry_after_s``.
   Meanwhile staged transfers miss at once, and so do lookups when every transfer is staged
   (no hit that no load could fill). The breaker is not tripped: the daemon answers.
+- SGLang's host pool refused in zero-copy mode (the same refusals, at its first
+  registration or when it is registered again after a daemon restart or a fence) is
+  handled the same way, counted as ``host_pool_refusals``: its zero-copy transfers and
+  lookups miss at once while the refusal stands. The backend does not switch to staged
+  transfers by itself; the ERROR says what the operator can change.
 - A transfer that finds the staging pool held by two others for ``io_timeout_s`` misses,
   counted apart (``staging_busy``): a busy local pool is not an unanswered daemon, so the
   breaker is not tripped (the holders' own calls trip it if the daemon does not answer),
@@ -94,17 +99,18 @@ log = logging.getLogger(__name__)
 _STAGING_MAX_PAGES = 256  # two of SGLang's 128-page storage batches
 
 
-class _NoStaging(Exception):
-    """A staged transfer that cannot have the staging pool, from a daemon that answers: a
-    miss, never a reason to pause kvtier (the breaker is not tripped)."""
+class _NoPool(Exception):
+    """A transfer that cannot have the pool it needs (the staging pool, or SGLang's host
+    pool in zero-copy mode), from a daemon that answers: a miss, never a reason to pause
+    kvtier (the breaker is not tripped)."""
 
 
-class _StagingRefused(_NoStaging):
-    """The daemon refused the staging pool, and its next try is not due
+class _PoolRefused(_NoPool):
+    """The daemon refused the pool, now or at a try whose back-off has not ended
     (``RegistrationRefusals``)."""
 
 
-class _StagingBusy(_NoStaging):
+class _StagingBusy(_NoPool):
     """Two other transfers held the staging pool's halves for ``io_timeout_s``."""
 
 
@@ -139,8 +145,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._staging: StagingPool | None = None
         self._staging_generation = 0
         self._staging_users = threading.BoundedSemaphore(2)
-        # The daemon's refusals of the staging pool: when to try again (under _lock).
+        # The daemon's refusals of the staging pool, and of the host pool in zero-copy
+        # mode: when to try each again (under _lock).
         self.refusals = RegistrationRefusals(self.options.retry_after_s)
+        self.host_pool_refusals = RegistrationRefusals(self.options.retry_after_s)
         self._warned_busy = False
         # Whether every transfer goes through the staging pool: a host pool not registered
         # itself, or SGLang's legacy calls (no "interface_v1": SGLang's own key).
@@ -162,6 +170,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             "failures": 0,
             "skipped": 0,
             "staging_refusals": 0,
+            "host_pool_refusals": 0,
             "staging_busy": 0,
         }
 
@@ -255,14 +264,43 @@ class KVTierHiCacheStorage(HiCacheStorage):
             return None
         return layout
 
-    def _direct_pool(self) -> RegisteredPool:
+    def _direct_pool(self) -> tuple[RegisteredPool, int]:
+        """SGLang's host pool, registered in the client's current session (again after a
+        daemon restart or a fence), and its id there. Raises ``_PoolRefused`` while the
+        daemon's refusal of it stands, and when it refuses it now (``_host_pool_refused``):
+        registering it every ``retry_after_s`` would not change the daemon's answer."""
         with self._lock:
-            if self._direct is None:
+            if _stands(self.host_pool_refusals):
+                self._count("skipped", 1)
+                raise _PoolRefused("the daemon refused the host pool; its next try is not due")
+            pool = self._direct
+            if pool is None:
                 assert self._direct_shm is not None and self.page is not None
                 layout = self._layout(self.page, self._direct_shm.size_bytes)
                 assert layout is not None
-                self._direct = self.client.register_pool(self._direct_shm, layout)
-            return self._direct
+                try:
+                    pool = self.client.register_pool(self._direct_shm, layout)
+                except REFUSALS as e:
+                    self._host_pool_refused(e)
+                    raise _PoolRefused(str(e)) from None
+                self._direct = pool
+        try:
+            pool_id = self.client.pool_id_of(pool.binding)
+        except REFUSALS as e:
+            with self._lock:
+                if self._closed or self._direct is not pool:
+                    raise  # closed meanwhile: its memory is gone, not refused by the daemon
+                self._host_pool_refused(e)
+            raise _PoolRefused(str(e)) from None
+        if self.host_pool_refusals.refused:
+            with self._lock:
+                if self.host_pool_refusals.refused:
+                    log.info(
+                        "kvtier HiCache storage: the daemon took SGLang's host pool after %d "
+                        "refusals; kvtier is used again",
+                        self.host_pool_refusals.accepted(),
+                    )
+        return pool, pool_id
 
     @contextlib.contextmanager
     def _staging_half(self) -> Iterator[tuple[StagingPool, int]]:
@@ -285,12 +323,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
         the daemon's refusal of the last one stands, and when it refuses this one: a region
         per ``retry_after_s`` for a refusal that waiting does not change would cost its
         memory and an RPC each time (``RegistrationRefusals``). Holds ``_lock``."""
-        if self._refusal_stands():
+        if _stands(self.refusals):
             self._count("skipped", 1)
-            raise _StagingRefused("the daemon refused the staging pool; its next try is not due")
+            raise _PoolRefused("the daemon refused the staging pool; its next try is not due")
         page = self.page
         assert page is not None
-        pages = max(1, min(_STAGING_MAX_PAGES, self.options.staging_bytes // page.page_bytes))
+        pages = self._staging_pages()
         try:
             staging = StagingPool(
                 self.client,
@@ -302,8 +340,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 generation=self._staging_generation + 1,
             )
         except REFUSALS as e:
-            self._refused(e, pages, page.page_bytes)
-            raise _StagingRefused(str(e)) from None
+            self._staging_refused(e, pages, page.page_bytes)
+            raise _PoolRefused(str(e)) from None
         self._staging_generation += 1
         if self.refusals.refused:
             log.info(
@@ -313,26 +351,32 @@ class KVTierHiCacheStorage(HiCacheStorage):
             )
         return staging
 
-    def _refusal_stands(self) -> bool:
-        """Whether the daemon refused the staging pool and its next try is not due."""
-        return self.refusals.refused and not self.refusals.due()
+    def _refusal(
+        self, refusals: RegistrationRefusals, error: KvtierError, counter: str, pool: str
+    ) -> tuple[bool, float]:
+        """Count a refusal of ``pool`` and back off: (whether it is worth an ERROR, which the
+        caller words, the wait before the next try). Another refusal of the same kind is
+        one INFO line. Holds ``_lock``."""
+        first = refusals.news(error)
+        wait = refusals.refuse(error)
+        self._count(counter, 1)
+        if not first:
+            log.info(
+                "kvtier HiCache storage: %s was refused again (%s); next try in %.3gs",
+                pool,
+                error,
+                wait,
+            )
+        return first, wait
 
-    def _refused(self, error: KvtierError, pages: int, page_bytes: int) -> None:
+    def _staging_refused(self, error: KvtierError, pages: int, page_bytes: int) -> None:
         """The daemon will not register the staging pool as asked (``staging.REFUSALS``: a
         limit below its size or count, memory it cannot use): one ERROR names what to change
         on either side, later refusals one INFO line per try, and tries back off from
         ``retry_after_s`` to ``staging.REFUSED_RETRY_MAX_S``. The breaker is not tripped:
         the daemon answers, and lookups and zero-copy transfers do not need this pool."""
-        first = self.refusals.news(error)
-        wait = self.refusals.refuse(error)
-        self._count("staging_refusals", 1)
+        first, wait = self._refusal(self.refusals, error, "staging_refusals", "the staging pool")
         if not first:
-            log.info(
-                "kvtier HiCache storage: the staging pool was refused again (%s); next try "
-                "in %.3gs",
-                error,
-                wait,
-            )
             return
         pool_bytes = pages * page_bytes
         if self._all_staged:
@@ -360,26 +404,75 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self.refusals.max_s,
         )
 
+    def _host_pool_refused(self, error: KvtierError) -> None:
+        """The daemon will not register SGLang's host pool (``staging.REFUSALS``: a limit
+        below its size or count, memory it cannot use), the memory every zero-copy transfer
+        names: handled as a refused staging pool is (``_staging_refused``), with its own
+        back-off and counter. The backend does not stage these transfers instead (a staging
+        pool is memory and a copy each way the operator did not ask for); the ERROR names
+        that choice (``register_host_pool``) among what they can change. Holds ``_lock``."""
+        first, wait = self._refusal(
+            self.host_pool_refusals, error, "host_pool_refusals", "SGLang's host pool"
+        )
+        if not first:
+            return
+        assert self._direct_shm is not None and self.page is not None
+        pool_bytes = self._direct_shm.size_bytes
+        staging_pages = self._staging_pages()
+        log.error(
+            "kvtier HiCache storage (tp %d, pp %d): the daemon refused to register SGLang's "
+            "host pool of %d bytes (its shared memory, which zero-copy transfers name) with "
+            "%s: %s. kvtier is off for this rank: SGLang runs without it (no hit, nothing "
+            "stored); the backend does not switch to staged transfers by itself. "
+            "To use kvtier, change the daemon's setting named above (its config; a restart "
+            "or SIGHUP applies it, as its log says) so that it allows this pool of %d bytes, "
+            "or make SGLang's host pool smaller (--hicache-ratio or --hicache-size), or set "
+            '"register_host_pool": false in the extra config to copy pages through a staging '
+            "pool of %d bytes (staging_bytes=%d) instead; the host pool is tried again in "
+            "%.3gs, then at doubling intervals up to %.0fs",
+            self.storage_config.tp_rank,
+            self.storage_config.pp_rank,
+            pool_bytes,
+            type(error).__name__,
+            error,
+            pool_bytes,
+            staging_pages * self.page.page_bytes,
+            self.options.staging_bytes,
+            wait,
+            self.host_pool_refusals.max_s,
+        )
+
+    def _staging_pages(self) -> int:
+        """Pages of a staging pool: ``staging_bytes`` of them, at most ``_STAGING_MAX_PAGES``."""
+        assert self.page is not None
+        return max(1, min(_STAGING_MAX_PAGES, self.options.staging_bytes // self.page.page_bytes))
+
     # ---------------------------------------------------------------- guards
 
-    def _ready(self, n: int, staged: bool) -> bool:
-        """Whether to ask the daemon about ``n`` pages; ``staged``: the call needs the
-        staging pool (or, for a lookup, every load would), so it misses at once while the
-        daemon's refusal of that pool stands."""
+    def _ready(self, n: int, refusals: RegistrationRefusals) -> bool:
+        """Whether to ask the daemon about ``n`` pages; ``refusals``: those of the pool the
+        call needs (for a lookup, the pool its loads would use: no hit that no load could
+        fill), so that it misses at once while the daemon's refusal of that pool stands."""
         if self.page is None or self._closed or not n:
             return False
-        if not self.breaker.ok() or (staged and self._refusal_stands()):
+        if not self.breaker.ok() or _stands(refusals):
             self._count("skipped", 1)
             return False
         return True
 
+    def _v1_refusals(self) -> RegistrationRefusals:
+        """The refusals of the pool SGLang's v1 calls use: its host pool in zero-copy mode,
+        else the staging pool."""
+        return self.host_pool_refusals if self.mode == "direct" else self.refusals
+
     def _failed(self, what: str, error: BaseException) -> None:
         """A call that raised, answered as a miss. A daemon that failed or did not answer
-        pauses kvtier (``Breaker``); a staging pool refused (said by ``_refused``) or held
-        by other transfers past ``io_timeout_s`` does not: the daemon answers. A busy pool
-        is counted apart, and said once: its holders wait on the daemon, and one that does
-        not answer trips the breaker through their own calls."""
-        if isinstance(error, _StagingRefused):
+        pauses kvtier (``Breaker``); a pool refused (said by ``_staging_refused`` or
+        ``_host_pool_refused``) or a staging pool held by other transfers past
+        ``io_timeout_s`` does not: the daemon answers. A busy pool is counted apart, and
+        said once: its holders wait on the daemon, and one that does not answer trips the
+        breaker through their own calls."""
+        if isinstance(error, _PoolRefused):
             return
         if isinstance(error, _StagingBusy):
             self._count("staging_busy", 1)
@@ -427,7 +520,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading pages of ``keys`` the daemon holds: one Lookup."""
-        if not self._ready(len(keys), staged=self._all_staged):
+        loads = self.refusals if self._all_staged else self.host_pool_refusals
+        if not self._ready(len(keys), loads):
             return 0
         try:
             found = self.client.lookup(
@@ -455,7 +549,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Load pages into the host pool's pages named by ``host_indices``; per page,
         whether it was loaded (SGLang uses the leading run)."""
         n = len(keys)
-        if not self._ready(n, staged=self.mode == "staged"):
+        if not self._ready(n, self._v1_refusals()):
             return [False] * n
         start = time.perf_counter()
         try:
@@ -480,7 +574,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         continuing ``extra_info.prefix_keys`` when SGLang passes them); per page, whether
         the daemon holds it now."""
         n = len(keys)
-        if not self._ready(n, staged=self.mode == "staged"):
+        if not self._ready(n, self._v1_refusals()):
             return [False] * n
         start = time.perf_counter()
         try:
@@ -501,8 +595,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return held
 
     def _direct_call(self, call: Callable[[int], list[bool]]) -> list[bool]:
-        pool = self._direct_pool()
-        pool_id = self.client.pool_id_of(pool.binding)
+        pool, pool_id = self._direct_pool()
         try:
             return call(pool_id)
         except Exception as e:
@@ -616,7 +709,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Load pages into ``target_locations`` (flat data pages; new tensors if None);
         each loaded page's tensor, or None."""
         n = len(keys)
-        if not self._ready(n, staged=True):
+        if not self._ready(n, self.refusals):
             return [None] * n
         assert self.page is not None
         targets = list(target_locations) if target_locations is not None else [None] * n
@@ -655,7 +748,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Store flat data pages ``values`` under ``keys`` (one chain); True if the daemon
         holds every one now."""
         n = len(keys)
-        if not self._ready(n, staged=True):
+        if not self._ready(n, self.refusals):
             return False
         assert self.page is not None
         page = self.page
@@ -742,3 +835,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+
+
+def _stands(refusals: RegistrationRefusals) -> bool:
+    """Whether the daemon refused that pool and its next try is not due."""
+    return refusals.refused and not refusals.due()

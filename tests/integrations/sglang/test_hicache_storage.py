@@ -462,6 +462,145 @@ def test_a_staging_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_
         backend.close()
 
 
+def test_a_host_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off(
+    daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: in zero-copy mode the daemon refused SGLang's host pool itself (the
+    tenant's server.max_pool_bytes_per_tenant below what it needs), and the breaker tripped,
+    warned and registered the pool again after every retry_after_s pause, while lookups
+    went on offering hits that every load then missed. Now: one ERROR naming the daemon's
+    key, the pool's size and what the operator can change (it is not switched to staged
+    transfers behind their back); no registration until the back-off ends; meanwhile
+    lookups answer 0 without a Lookup and the breaker stays closed (the daemon answers);
+    once the tenant has room, the next try takes the pool and zero-copy transfers work."""
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=262144")
+    # Another engine (staged, a 4-page staging pool) stores the pages the refused one asks for.
+    writer_host = mha_host_pool("page_first", "default")
+    page_bytes = writer_host.get_dummy_flat_data_page().numel() * 2
+    writer = attach(writer_host, storage_config(daemon.address, staging_bytes=4 * page_bytes))
+    host = mha_host_pool("page_first", "shm")
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.01))
+    clock = Clock()
+    backend.host_pool_refusals = RegistrationRefusals(0.01, clock=clock)
+    keys = [f"host-refused-{i}" for i in range(3)]
+    try:
+        assert backend.mode == "direct"
+        assert backend._direct_shm is not None
+        host_bytes = backend._direct_shm.size_bytes  # its memory file (102,400 bytes here)
+        wsrc = writer_host.alloc(3 * PAGE)
+        stored = fill(writer_host, wsrc, seed=17)
+        assert writer.batch_set_v1(keys, wsrc) == [True] * 3
+        dst = host.alloc(3 * PAGE)
+        with daemon.client() as holder, SharedMemoryPool(192 << 10) as shm:
+            # 192 KiB of the tenant's 256 KiB held (and the writer's pool): no room for it.
+            held = holder.register_pool(shm, layer_major_layout(1, 192, PAGE, 1024, "float32"))
+            caplog.set_level(logging.INFO, logger="kvtier")
+            registrations = rpc_count(daemon, "RegisterPool")
+            lookups = rpc_count(daemon, "Lookup")
+            assert backend.batch_get_v1(keys, dst) == [False] * 3
+            for _ in range(5):
+                time.sleep(0.02)  # past retry_after_s: each pause's end registered it again
+                assert backend.batch_exists(keys) == 0  # not the writer's 3: no load fills them
+                assert backend.batch_get_v1(keys, dst) == [False] * 3
+                assert backend.batch_set_v1(keys, dst) == [False] * 3
+            assert rpc_count(daemon, "RegisterPool") == registrations + 1
+            assert rpc_count(daemon, "Lookup") == lookups
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(errors) == 1
+            for named in (
+                "server.max_pool_bytes_per_tenant",
+                f"host pool of {host_bytes} bytes",
+                "ResourceExhaustedError",
+                "kvtier is off for this rank",
+                "does not switch to staged transfers",
+                '"register_host_pool": false',
+                "--hicache-ratio",
+            ):
+                assert named in errors[0], named
+            assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+            assert backend.counters["host_pool_refusals"] == 1
+            assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+            assert backend.mode == "direct" and backend._staging is None
+
+            # The back-off: retry_after_s after the first refusal, twice that after the next.
+            clock.now += 0.015
+            assert backend.batch_set_v1(keys, dst) == [False] * 3
+            assert rpc_count(daemon, "RegisterPool") == registrations + 2
+            clock.now += 0.015
+            assert backend.batch_set_v1(keys, dst) == [False] * 3
+            assert rpc_count(daemon, "RegisterPool") == registrations + 2
+            assert backend.counters["host_pool_refusals"] == 2
+            assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+            holder.unregister_pool(held.binding.pool_id)
+
+        deadline = time.monotonic() + 30
+        while backend.batch_get_v1(keys, dst) != [True] * 3:
+            assert time.monotonic() < deadline, "the host pool was never taken"
+            clock.now += 3600.0
+            time.sleep(0.05)
+        assert pages_bytes(host, dst) == stored
+        assert "the daemon took SGLang's host pool after" in caplog.text
+        assert backend.batch_exists(keys) == 3
+        more = [f"host-refused-more-{i}" for i in range(2)]
+        src = host.alloc(2 * PAGE)
+        fill(host, src, seed=18)
+        assert backend.batch_set_v1(more, src) == [True] * 2
+        assert writer.batch_exists(more) == 2
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        assert backend.mode == "direct" and backend._staging is None
+    finally:
+        backend.close()
+        writer.close()
+
+
+def test_a_host_pool_refused_when_registered_again_after_a_restart_backs_off_too(
+    daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the host pool was registered, then the daemon restarted with a limit
+    below it, and its registration again in the new session (the client's, at the next
+    transfer) tripped the breaker and was tried again every retry_after_s, as the first
+    registration's refusal was. Now it is the same refusal: said once, backing off, lookups
+    answering 0 meanwhile; once the daemon allows the pool again, zero copy resumes."""
+    daemon = daemon_factory("tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB")
+    host = mha_host_pool("page_first", "shm")
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.01))
+    clock = Clock()
+    backend.host_pool_refusals = RegistrationRefusals(0.01, clock=clock)
+    keys = [f"host-refused-restart-{i}" for i in range(3)]
+    try:
+        src = host.alloc(3 * PAGE)
+        stored = fill(host, src, seed=19)
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        overrides = list(daemon.overrides)
+        daemon.overrides += ["--set", "server.max_pool_bytes_per_tenant=65536"]
+        daemon.restart()  # the blocks are in L2; no session, and no room for the host pool
+        caplog.set_level(logging.INFO, logger="kvtier")
+        registrations = rpc_count(daemon, "RegisterPool")
+        lookups = rpc_count(daemon, "Lookup")
+        dst = host.alloc(3 * PAGE)
+        for _ in range(3):
+            assert backend.batch_get_v1(keys, dst) == [False] * 3
+            assert backend.batch_exists(keys) == 0
+            time.sleep(0.02)  # past retry_after_s
+        assert rpc_count(daemon, "RegisterPool") == registrations + 1
+        assert rpc_count(daemon, "Lookup") == lookups
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "server.max_pool_bytes_per_tenant" in errors[0]
+        assert backend.counters["host_pool_refusals"] == 1
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+
+        daemon.overrides = overrides
+        daemon.restart()
+        clock.now += 3600.0
+        assert backend.batch_exists(keys) == 3
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(host, dst) == stored
+        assert "the daemon took SGLang's host pool after 1 refusals" in caplog.text
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+
+
 def test_a_busy_staging_pool_is_a_miss_not_a_daemon_that_does_not_answer(
     shared_daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
