@@ -37,9 +37,11 @@ Invariants:
   instead; a daemon stopped mid-copy (SIGSTOP) for longer than both can still finish the
   copy later (see the README).
 - A staging pool the daemon refuses (``staging.REFUSALS``: a limit below its size or count,
-  memory it cannot use) is said once as an ERROR, counted (``staging_refusals``), and tried
-  again only as ``staging.RegistrationRefusals`` backs off (from ``retry_after_s``, doubling,
-  up to ``staging.REFUSED_RETRY_MAX_S``), never a new region every ``retry_after_s``.
+  memory it cannot use), when made or when registered again after a daemon restart (then
+  it is retired: its memory goes), is said once as an ERROR, counted
+  (``staging_refusals``), and tried again only as ``staging.RegistrationRefusals`` backs
+  off (from ``retry_after_s``, doubling, up to ``staging.REFUSED_RETRY_MAX_S``), never a
+  new region every ``retry_after_s``.
   Meanwhile staged transfers miss at once, and so do lookups when every transfer is staged
   (no hit that no load could fill). The breaker is not tripped: the daemon answers.
 - SGLang's host pool refused in zero-copy mode (the same refusals, at its first
@@ -691,7 +693,21 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def _staged_rpc(self, staging: StagingPool, call: Callable[[int], list[bool]]) -> list[bool]:
         try:
-            return call(self.client.pool_id_of(staging.pool.binding))
+            pool_id = self.client.pool_id_of(staging.pool.binding)
+        except REFUSALS as e:
+            # Registered again in a new session (a daemon restart) and refused there: the
+            # refusal a new pool gets, and the pool goes (its memory is not held while
+            # refused; the next try, once due, makes a new one).
+            with self._lock:
+                if self._closed:
+                    raise  # closed meanwhile: its memory is gone, not refused by the daemon
+                self._staging_refused(e, staging.num_pages, staging.layer_block_bytes)
+            staging.retire(
+                f"the daemon refused it when it was registered again: {e}", unclean=False
+            )
+            raise _PoolRefused(str(e)) from None
+        try:
+            return call(pool_id)
         except Exception as e:
             if unclean(e):
                 # The daemon may still copy into or out of these pages: never reuse them.

@@ -753,6 +753,59 @@ def test_a_staged_backend_registers_its_staging_pool_again_after_a_daemon_restar
         backend.close()
 
 
+def test_a_staging_pool_refused_when_registered_again_after_a_restart_backs_off_too(
+    daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the staging pool was registered, then the daemon restarted with a limit
+    below it, and its registration again in the new session (the client's, at the next
+    staged transfer) tripped the breaker and was tried again every retry_after_s. Now it
+    is the refusal a new staging pool gets: said once, the pool's memory given back, tries
+    backing off, lookups answering 0 meanwhile (every transfer is staged); once the daemon
+    allows the pool again, a new one is made and staged transfers resume."""
+    daemon = daemon_factory("tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB")
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.01))
+    clock = Clock()
+    backend.refusals = RegistrationRefusals(0.01, clock=clock)
+    keys = [f"staging-refused-restart-{i}" for i in range(3)]
+    try:
+        src = host.alloc(3 * PAGE)
+        stored = fill(host, src, seed=20)
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        staging = backend._staging
+        assert staging is not None
+        overrides = list(daemon.overrides)
+        daemon.overrides += ["--set", "server.max_pool_bytes_per_tenant=65536"]
+        daemon.restart()  # the blocks are in L2; no session, and no room for the pool
+        caplog.set_level(logging.INFO, logger="kvtier")
+        registrations = rpc_count(daemon, "RegisterPool")
+        lookups = rpc_count(daemon, "Lookup")
+        dst = host.alloc(3 * PAGE)
+        for _ in range(3):
+            assert backend.batch_get_v1(keys, dst) == [False] * 3
+            assert backend.batch_exists(keys) == 0
+            time.sleep(0.02)  # past retry_after_s
+        assert rpc_count(daemon, "RegisterPool") == registrations + 1
+        assert rpc_count(daemon, "Lookup") == lookups
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "server.max_pool_bytes_per_tenant" in errors[0]
+        assert backend.counters["staging_refusals"] == 1
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        assert staging.closed  # its memory given back, not held while refused
+
+        daemon.overrides = overrides
+        daemon.restart()
+        clock.now += 3600.0
+        assert backend.batch_exists(keys) == 3
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(host, dst) == stored
+        assert "the daemon took the staging pool after 1 refusals" in caplog.text
+        assert backend._staging is not staging
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+
+
 def test_bad_arguments_are_misses(shared_daemon: DaemonProcess) -> None:
     host = mha_host_pool("page_first")
     backend = attach(host, storage_config(shared_daemon.address, retry_after_s=0.01))
