@@ -18,9 +18,11 @@ Invariants:
   records an event; ``alloc`` takes such pages once their event has fired, waiting for it
   when no other page is free), and the daemon reads pages the engine filled only after
   ``ready()`` (the engine's copies so far have run).
-- The region's name exists only until the daemon has mapped it, so it cannot outlive the
-  engine; a daemon that lost the pool (restart) cannot map it again, and the pool is
-  replaced (``registered``).
+- A host region cannot outlive the engine: it is a memory file (memfd), which has no name in
+  ``/dev/shm``, or a named object whose name is removed once the daemon has mapped it. A
+  daemon that lost the pool (a restart) can be handed a memory file's descriptor again (the
+  SGLang backend registers the same pool in its next session) but cannot map a named one
+  again; the vLLM worker replaces a pool its session no longer holds (``registered``).
 - A pool whose transfer ended uncleanly (the daemon may still be copying: see
   ``kvtier.client.jobs``) is *retired*: it takes no new transfer, and it is unregistered and
   unmapped once its last transfer has ended on the client's side. Its memory is never reused
@@ -198,9 +200,9 @@ class HostMemory(StagingMemory):
         except BaseException:
             self.shm.close()
             raise
-        # The daemon has mapped it: drop the name now, so that an engine killed before it
-        # can clean up (vLLM kills workers that outlive its shutdown grace period) leaves
-        # no region behind in /dev/shm. A daemon that loses the pool (restart) gets a new one.
+        # The daemon has mapped it: a named region drops its name now, so that an engine
+        # killed before it can clean up (vLLM kills workers that outlive its shutdown grace
+        # period) leaves nothing behind in /dev/shm (a memory file, the default, has none).
         self.shm.unlink()
         self.tensor = self.shm.tensor(self._dtype, self._shape)
         return pool
