@@ -32,6 +32,12 @@ Invariants:
   for want of a page. A step's saves that do not fit keep the head of each chain, in the
   order vLLM scheduled them (the first blocks: later ones are useless without them); the
   rest is counted in ``save_blocks_dropped``.
+- At most ``max_save_jobs`` saves are in flight (jobs running, or on a GPU waiting for their
+  copies): a save that would start one more takes no page and is dropped (counted, and warned
+  of at most every ``OVER_LIMIT_WARN_S``), so a daemon that hangs before anything has failed
+  (each job waits ``save_timeout_s``) holds that many jobs, not one per finished request.
+  The breaker is not tripped: a daemon that answers again stores the jobs in flight, and the
+  next save is stored as before.
 - A step's saves of a request whose load failed in that step, or that read a block whose
   load failed (another request's, shared through vLLM's prefix cache: ``SaveSpec.reads``),
   are not stored: vLLM computed them with attention over the failed blocks, and recomputes
@@ -105,6 +111,9 @@ from kvtier.client.jobs import JobStatus, LoadSegment, SaveSegment, TransferJob,
 from kvtier.client.sync import Client
 
 log = logging.getLogger(__name__)
+
+OVER_LIMIT_WARN_S = 60.0
+"""Saves dropped at ``max_save_jobs`` are warned of at most this often."""
 
 
 @dataclass(eq=False)
@@ -214,6 +223,8 @@ class WorkerSide:
         self._tainted: set[str] = set()
         self._broken: set[str] = set()  # requests with a block not stored: store no more
         self._warned_dropped = False
+        self._over_limit_warn_at = 0.0  # no max_save_jobs warning before (time.monotonic())
+        self._over_limit_blocks = 0  # blocks dropped at max_save_jobs since that warning
         self._sending: set[str] = set()  # finish-saves copied, to report
         self._finished_seen: set[str] = set()
         self._recving: set[str] = set()
@@ -224,6 +235,7 @@ class WorkerSide:
             "save_blocks_dropped": 0,
             "save_blocks_withheld": 0,
             "save_jobs_failed": 0,
+            "saves_over_limit": 0,
             "staging_retired": 0,
         }
 
@@ -644,6 +656,12 @@ class WorkerSide:
         nblocks = sum(len(s.block_ids) for s in specs)
         if not nblocks:
             return None
+        self._reap_saves()
+        if self.breaker.ok() and self.saves_in_flight() >= self.config.max_save_jobs:
+            # The daemon is hung or crawling: one more job would only wait behind these.
+            self.stats["saves_over_limit"] += 1
+            self._drop(specs, [0] * len(specs), over_limit=True)
+            return None
         got = self._alloc(nblocks, save=True) if self.breaker.ok() else None
         if got is None:
             # Paused, or the saves' share is full of saves in flight: nothing is stored.
@@ -671,9 +689,10 @@ class WorkerSide:
             pages -= k
         return kept
 
-    def _drop(self, specs: list[SaveSpec], kept: list[int]) -> None:
+    def _drop(self, specs: list[SaveSpec], kept: list[int], *, over_limit: bool = False) -> None:
         """Count the blocks of ``specs`` past their first ``kept`` as dropped; their
-        requests' chains now have a gap here, so nothing more of them is stored."""
+        requests' chains now have a gap here, so nothing more of them is stored.
+        ``over_limit``: dropped because ``max_save_jobs`` jobs are in flight."""
         dropped = 0
         for spec, k in zip(specs, kept, strict=True):
             if k < len(spec.block_ids):
@@ -682,7 +701,9 @@ class WorkerSide:
         if not dropped:
             return
         self.stats["save_blocks_dropped"] += dropped
-        if not self._warned_dropped and self.breaker.ok() and not self.refusals.refused:
+        if over_limit:
+            self._warn_over_limit(dropped)
+        elif not self._warned_dropped and self.breaker.ok() and not self.refusals.refused:
             self._warned_dropped = True
             log.warning(
                 "kvtier connector: saves outgrew their %d staging pages; %d blocks not stored "
@@ -692,6 +713,25 @@ class WorkerSide:
             )
         else:
             log.debug("kvtier connector: %d blocks not stored", dropped)
+
+    def _warn_over_limit(self, dropped: int) -> None:
+        """One WARNING per ``OVER_LIMIT_WARN_S`` at most while saves meet ``max_save_jobs``
+        (a hang drops a save at every step), with the blocks dropped since the last one."""
+        self._over_limit_blocks += dropped
+        now = time.monotonic()
+        if now < self._over_limit_warn_at:
+            log.debug("kvtier connector: %d blocks not stored (max_save_jobs)", dropped)
+            return
+        self._over_limit_warn_at = now + OVER_LIMIT_WARN_S
+        log.warning(
+            "kvtier connector: %d save jobs in flight (max_save_jobs), the daemon is slow or "
+            "does not answer; %d blocks not stored since the last such warning (warned at "
+            "most every %.0fs; the worker's save_blocks_dropped counts them all)",
+            self.config.max_save_jobs,
+            self._over_limit_blocks,
+            OVER_LIMIT_WARN_S,
+        )
+        self._over_limit_blocks = 0
 
     def _skip_broken(self, specs: list[SaveSpec]) -> list[SaveSpec]:
         """Drop the specs that continue a chain this worker already failed to store a block

@@ -3,6 +3,9 @@ engine; the metadata is built by hand so that cases vLLM rarely produces are rea
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 from typing import Any
 
 import torch
@@ -30,10 +33,12 @@ IDENTITY = ModelIdentity(
 )
 
 
-def worker(address: str, **options: Any) -> tuple[WorkerSide, list[torch.Tensor]]:
+def worker(
+    address: str, blocks: int = BLOCKS, **options: Any
+) -> tuple[WorkerSide, list[torch.Tensor]]:
     config = ConnectorConfig(address=address, layer_groups=1, **options)
-    side = WorkerSide(config, IDENTITY, LAYERS, BLOCKS, tp_rank=0, pp_rank=0)
-    kv = [torch.zeros((BLOCKS, *BLOCK_SHAPE), dtype=torch.float32) for _ in LAYERS]
+    side = WorkerSide(config, IDENTITY, LAYERS, blocks, tp_rank=0, pp_rank=0)
+    kv = [torch.zeros((blocks, *BLOCK_SHAPE), dtype=torch.float32) for _ in LAYERS]
     side.register_kv_caches(dict(zip(LAYERS, kv, strict=True)))
     return side, kv
 
@@ -192,4 +197,44 @@ def test_a_save_computed_over_another_requests_failed_load_is_withheld(daemon):
         assert _stored(side, [c_key]) == 1
         assert _stored(side, [b_key]) == 0
     finally:
+        side.shutdown()
+
+
+def test_a_hung_daemon_holds_no_more_than_max_save_jobs_saves_in_flight(daemon, caplog):
+    """While the daemon accepts connections but answers nothing (SIGSTOP), each finished
+    request's save started a job that waited its whole save_timeout_s: one more in flight per
+    request for the hang's first 30 s, until the saves' share of pages was full. Now at most
+    ``max_save_jobs`` are in flight; the later saves take no page, are counted dropped, and
+    are warned of once. Once the daemon answers, the jobs in flight end stored and the next
+    save is stored again."""
+    assert daemon.proc is not None
+    chain = KeyChain(IDENTITY.namespace(0, 0))
+    keys = [chain.extend([i] * 4, 1, None)[0] for i in range(10)]
+    side, _ = worker(daemon.address, blocks=32, max_save_jobs=3, staging_bytes=32 * 128)
+    stopped = False
+    try:
+        assert side.staging_registered() and side.staging_pages.saves == 16
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        stopped = True
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            for i in range(8):  # one finished request per step, one block each
+                spec = SaveSpec(f"r{i}", [i], {0: [keys[i]]}, {0: b""}, at_finish=True)
+                run_step(side, KVTierConnectorMetadata(saves=[spec]))
+                assert side.saves_in_flight() <= 3
+        assert side.saves_in_flight() == 3
+        assert side.stats["save_blocks"] == 3 and side.stats["save_blocks_dropped"] == 5
+        assert side.stats["saves_over_limit"] == 5
+        assert side._save_pages(side._arena) == 3  # the dropped saves hold no page
+        warnings = [r for r in caplog.records if "max_save_jobs" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        assert _stored(side, keys[:3]) == 3
+        assert side.breaker.ok()
+        spec = SaveSpec("late", [0], {0: [keys[9]]}, {0: b""}, at_finish=True)
+        run_step(side, KVTierConnectorMetadata(saves=[spec]))
+        assert _stored(side, [keys[9]]) == 1
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
         side.shutdown()
