@@ -30,6 +30,11 @@ Transfers are staged through a pool of pages the daemon can address: shared memo
 cache on the CPU, GPU memory exported over CUDA IPC for a KV cache on a GPU (the daemon
 needs its GPU tier, ``tiers.l0``, on that device); one line at start says which.
 
+Both sides' counters (lookups, hits, loads, saves, drops, failures) go through vLLM's
+KV-connector stats: its periodic stats log line (``KV Transfer metrics: ...``, with
+``--disable-log-stats`` off) and its Prometheus metrics as ``vllm:kvtier_<counter>``
+(``vllm_stats`` lists them).
+
 Scope: decoder-only models whose layers share one full-attention KV cache (Llama, Qwen,
 Mistral without sliding window, ...). Hybrid, sliding-window and MLA caches are refused at
 start.
@@ -38,6 +43,7 @@ start.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -47,6 +53,10 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
         KVConnectorWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
     )
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -62,6 +72,7 @@ from kvtier.client.integrations.vllm_meta import (
     SaveSpec,
 )
 from kvtier.client.integrations.vllm_scheduler import SchedulerSide
+from kvtier.client.integrations.vllm_stats import COUNTERS, GAUGES, PROM_PREFIX, add_up
 from kvtier.client.integrations.vllm_worker import WorkerSide
 from kvtier.client.types import Tier
 
@@ -78,6 +89,7 @@ __all__ = [
     "ConnectorConfig",
     "KVTierConnector",
     "KVTierConnectorMetadata",
+    "KVTierConnectorStats",
     "KVTierWorkerMetadata",
     "LoadSpec",
     "SaveSpec",
@@ -108,6 +120,60 @@ _HIT_SOURCE = {
     int(Tier.L2_DISK): CacheHitSource.DISK,
     int(Tier.L3_REMOTE): CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
+
+
+@dataclass
+class KVTierConnectorStats(KVConnectorStats):
+    """The connector's counters and gauges of one step or interval, as vLLM carries them
+    (``data``: see ``vllm_stats``)."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        add_up(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: self.data[name] for name in sorted(self.data)}
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """``vllm:kvtier_<name>`` per counter and gauge, with vLLM's engine labels."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, dict[int, Any]] = {}
+        for names, cls in ((COUNTERS, self._counter_cls), (GAUGES, self._gauge_cls)):
+            for name, documentation in names.items():
+                metric = cls(
+                    name=PROM_PREFIX + name,
+                    documentation=f"kvtier connector: {documentation}.",
+                    labelnames=labelnames,
+                )
+                self._metrics[name] = {
+                    engine: metric.labels(*values)
+                    for engine, values in per_engine_labelvalues.items()
+                }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            metric = self._metrics.get(name, {}).get(engine_idx)
+            if metric is None:
+                continue  # another kvtier version's counter
+            if name in GAUGES:
+                metric.set(value)
+            else:
+                metric.inc(value)
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -276,6 +342,26 @@ class KVTierConnector(KVConnectorBase_V1):
         return out
 
     # ------------------------------------------------------------- both sides
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counters' increments since the last step (``vllm_stats``)."""
+        side: SchedulerSide | WorkerSide | None = self._scheduler or self._worker
+        data = side.take_stats() if side is not None else {}
+        return KVTierConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -85,6 +85,7 @@ from kvtier.client.integrations.vllm_meta import (
     LoadSpec,
     SaveSpec,
 )
+from kvtier.client.integrations.vllm_stats import Deltas
 from kvtier.client.sync import Client
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class SchedulerSide:
             "hint_errors": 0,
             "failed_load_requests": 0,
         }
+        self._deltas = Deltas()
 
     # ---------------------------------------------------------------- lookups
 
@@ -440,6 +442,10 @@ class SchedulerSide:
         # Already expired or the daemon restarted: nothing is pinned either way.
         with contextlib.suppress(KvtierError):
             self.client.release(lease)
+
+    def take_stats(self) -> dict[str, int]:
+        """The counters' increments since the last call (vLLM's per-step connector stats)."""
+        return self._deltas.take(self.stats, {})
 
     def shutdown(self) -> None:
         self.breaker.close()

@@ -107,6 +107,7 @@ from kvtier.client.integrations.vllm_meta import (
     LoadSpec,
     SaveSpec,
 )
+from kvtier.client.integrations.vllm_stats import Deltas
 from kvtier.client.jobs import JobStatus, LoadSegment, SaveSegment, TransferJob, layer_ranges
 from kvtier.client.sync import Client
 
@@ -238,6 +239,7 @@ class WorkerSide:
             "saves_over_limit": 0,
             "staging_retired": 0,
         }
+        self._deltas = Deltas()
 
     # ----------------------------------------------------------- registration
 
@@ -997,6 +999,11 @@ class WorkerSide:
         meta = KVTierWorkerMetadata(self._done_leases, self._failed_loads, refused)
         self._done_leases, self._failed_loads = set(), set()
         return meta
+
+    def take_stats(self) -> dict[str, int]:
+        """The counters' increments since the last call, and the saves in flight
+        (``Deltas``: vLLM's per-step connector stats)."""
+        return self._deltas.take(self.stats, {"save_jobs_in_flight": self.saves_in_flight()})
 
     def shutdown(self) -> None:
         """Let saves in flight finish (up to ``shutdown_timeout_s``), then let go."""

@@ -3,9 +3,10 @@
 SPEC (JSON) names the model, the connector options (null: no connector), optionally the
 connector's class (``connector_class``: [module, name]; kvtier's by default) and phases; each
 phase generates greedily from token-id prompts. OUT (JSON) gets, per phase, the outputs,
-each request's cached-token count, vLLM's prefix-cache counters and (with a connector) the
-kvtier daemon's counters after the phase. A phase may SIGKILL a process (the daemon) a
-given time after it starts, to test an engine whose daemon dies mid-run.
+each request's cached-token count, vLLM's prefix-cache counters and the connector's
+(``vllm:kvtier_*``), and (with a connector) the kvtier daemon's counters after the phase;
+vLLM's stats line is logged at the end of each phase. A phase may SIGKILL a process (the
+daemon) a given time after it starts, to test an engine whose daemon dies mid-run.
 
 The ``__main__`` guard is required: vLLM starts its engine core with ``spawn``.
 """
@@ -22,9 +23,10 @@ from typing import Any
 
 
 def _metrics(llm: Any) -> dict[str, float]:
+    """vLLM's prefix-cache counters and the kvtier connector's (``vllm:kvtier_*``)."""
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if m.name in (
+        if m.name.startswith("vllm:kvtier_") or m.name in (
             "vllm:prefix_cache_hits",
             "vllm:prefix_cache_queries",
             "vllm:external_prefix_cache_hits",
@@ -99,6 +101,8 @@ def main() -> int:
             ).start()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - t0
+        # vLLM's periodic stats line, now rather than at its next interval (10 s).
+        llm.llm_engine.do_log_stats()
         while phase.get("kill_pid") and not killed_at:
             time.sleep(0.01)
         result["phases"][phase["name"]] = {

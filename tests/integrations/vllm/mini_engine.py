@@ -9,7 +9,8 @@ pass, in the same order: bind the metadata, ``start_load_kv``; per layer:
 the position and every token before it; a wrong one where the prefix's KV in that layer
 lacks its markers, as attention over a block that failed to load computes wrong KV),
 ``save_kv_layer``; then ``wait_for_save``, ``get_finished``,
-``get_block_ids_with_load_errors``, and hands vLLM a ``ModelRunnerOutput`` (as vLLM, a step
+``get_block_ids_with_load_errors``, the worker's connector stats, and hands vLLM a
+``ModelRunnerOutput`` (as vLLM, a step
 without layer-wise loads calls ``start_load_kv`` after the layers instead). A block that
 holds the right markers therefore holds exactly the KV of its own prefix, wherever it came
 from (computed here, or loaded from kvtier after another engine computed it).
@@ -148,6 +149,9 @@ class MiniEngine:
         self.outputs: dict[str, list[int]] = {}
         self.invalid_reported: set[int] = set()
         self.finished_sending: set[str] = set()
+        # Each step's connector stats as vLLM's scheduler hands them to its front end
+        # (``SchedulerStats.kv_connector_stats``: the worker's and the scheduler side's).
+        self.connector_stats: list[dict[str, Any]] = []
 
     # -------------------------------------------------------------- requests
 
@@ -234,6 +238,7 @@ class MiniEngine:
         worker.wait_for_save(meta)
         sending, recving = worker.get_finished(out.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
+        worker_stats = worker.take_stats()
         self.invalid_reported |= invalid
         self.finished_sending |= sending or set()
         req_ids = list(out.num_scheduled_tokens)
@@ -249,6 +254,9 @@ class MiniEngine:
                 finished_sending=sending,
                 finished_recving=recving,
                 invalid_block_ids=invalid,
+                kv_connector_stats=(
+                    KVTierConnector.build_kv_connector_stats(worker_stats) if worker_stats else None
+                ),
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             ),
         )
@@ -256,6 +264,9 @@ class MiniEngine:
     def _update(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         outputs = self.scheduler.update_from_output(out, mro)
         for engine_outputs in outputs.values():
+            stats = engine_outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
             for o in engine_outputs.outputs:
                 self.outputs[o.request_id].extend(o.new_token_ids)
 

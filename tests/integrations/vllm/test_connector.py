@@ -23,7 +23,9 @@ from vllm_harness import make_checkpoint, prompts
 
 from kvtier.client.errors import ResourceExhaustedError
 from kvtier.client.integrations.staging import layer_major_layout
+from kvtier.client.integrations.vllm import KVTierConnector
 from kvtier.client.integrations.vllm_config import ConnectorConfig
+from kvtier.client.integrations.vllm_stats import COUNTERS
 from kvtier.client.jobs import JobState, LoadSegment
 from kvtier.client.pool import SharedMemoryPool
 
@@ -849,6 +851,31 @@ def test_blocks_not_saved_in_time_are_saved_when_the_request_finishes(model_dir,
         assert wait_until(lambda: client.stats().counter("put_blocks", result="stored") >= 3)
     # What was saved at the finish is the right KV: another engine loads and checks it.
     _reader_loads(model_dir, daemon, PROMPT, 3)
+
+
+def test_the_counters_reach_vllms_scheduler_stats_each_increment_once(model_dir, daemon):
+    """Each step vLLM's scheduler hands its front end the worker's connector stats with the
+    scheduler side's (``get_kv_connector_stats`` on both, added up by vLLM): summed as
+    vLLM's stats logger sums them, they are both sides' counters, every increment once, and
+    a prompt another engine stored shows as a hit of its 3 blocks, loaded."""
+    _store_prompt(model_dir, daemon)
+    engine = MiniEngine(model_dir, _options(daemon))
+    side, worker = engine.connector.scheduler_side, engine.worker
+    try:
+        engine.add("r", PROMPT, max_tokens=2)
+        engine.run()
+        total = KVTierConnector.build_kv_connector_stats()
+        for data in engine.connector_stats:
+            total = total.aggregate(KVTierConnector.build_kv_connector_stats(data))
+        got = total.reduce()
+        assert got["hit_blocks"] == got["load_blocks"] == 3 and got["lookups"] == 1
+        assert "load_blocks_failed" not in got and "lookup_errors" not in got
+        counters = {k: v for k, v in {**side.stats, **worker.stats}.items() if v}
+        assert {k: v for k, v in got.items() if k in COUNTERS} == counters
+        # Every counter of either side has a Prometheus name and a meaning.
+        assert set(side.stats) | set(worker.stats) == set(COUNTERS)
+    finally:
+        engine.close()
 
 
 def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):

@@ -26,6 +26,9 @@ Six engine processes run one after the other against one kvtierd, each a fresh v
    kvtier, vLLM's and kvtier's counters agree on how many tokens (b), and outputs match
    (a); then the daemon is killed mid-phase and later requests still complete with the
    reference outputs (c).
+
+Every engine with the connector reports its counters through vLLM's KV-connector stats: its
+stats line and its ``vllm:kvtier_*`` Prometheus counters (g).
 """
 
 from __future__ import annotations
@@ -241,6 +244,52 @@ def test_e_async_hits_are_cut_to_the_staging_pages_left(runs):
     first, kill = _outputs(run, "mixed")
     assert first == _outputs(ref, "first_warm")[0]
     assert kill in (_outputs(ref, "kill")[0][:16], _outputs(ref, "kill_warm")[0][:16])
+
+
+def _kv_transfer_lines(run: dict[str, Any]) -> list[dict[str, int]]:
+    """vLLM's ``KV Transfer metrics: a=1, b=2`` log lines, one per phase that had any."""
+    lines = []
+    for line in run["log"].splitlines():
+        _, found, rest = line.partition("KV Transfer metrics: ")
+        if found:
+            pairs = (item.split("=") for item in rest.strip().split(", "))
+            lines.append({k: int(v) for k, v in pairs})
+    return lines
+
+
+def test_g_the_connectors_counters_reach_vllms_stats_log_and_prometheus(runs):
+    """Both sides' counters go through vLLM's KV-connector stats: the scheduler's (lookups,
+    hits) and the worker's (loads, saves) show in vLLM's stats line and as
+    ``vllm:kvtier_*`` Prometheus counters, with the values the workload implies."""
+    second = runs["second"]
+    metrics = second["phases"]["first"]["metrics"]
+    before = runs["lossy"]["phases"]["first"]["kvtier"]
+    loaded = second["phases"]["first"]["kvtier"]["get_blocks_loaded"] - before.get(
+        "get_blocks_loaded", 0
+    )
+    # The second engine's hits: what kvtierd copied out, what vLLM counted as external.
+    assert loaded > 0
+    assert metrics["vllm:kvtier_hit_blocks"] == loaded
+    assert metrics["vllm:kvtier_load_blocks"] == loaded
+    assert metrics["vllm:external_prefix_cache_hits"] == loaded * BLOCK_TOKENS
+    assert metrics["vllm:kvtier_lookups"] >= 1
+    assert metrics["vllm:kvtier_load_blocks_failed"] == 0
+    assert metrics["vllm:kvtier_lookup_errors"] == 0
+    first_line = _kv_transfer_lines(second)[0]  # the "first" phase's
+    assert first_line["hit_blocks"] == first_line["load_blocks"] == loaded
+    assert first_line["lookups"] == metrics["vllm:kvtier_lookups"]
+    # The engine that stored them: its worker handed the daemon the shared 5-block prefix
+    # at least, and dropped nothing.
+    stored = runs["first"]["phases"]["kill"]["metrics"]
+    assert stored["vllm:kvtier_hit_blocks"] == 0
+    assert stored["vllm:kvtier_save_blocks"] >= 5
+    assert stored["vllm:kvtier_save_blocks_dropped"] == 0
+    assert stored["vllm:kvtier_save_jobs_failed"] == 0
+    assert any(line.get("save_blocks", 0) >= 5 for line in _kv_transfer_lines(runs["first"]))
+    # The lossy engine: every load it was offered failed, and each was reported.
+    lossy = runs["lossy"]["phases"]["first"]["metrics"]
+    assert lossy["vllm:kvtier_load_blocks_failed"] == lossy["vllm:kvtier_load_blocks"] > 0
+    assert lossy["vllm:kvtier_failed_load_requests"] >= 1
 
 
 def test_f_a_request_whose_async_load_failed_is_recomputed_once(runs):

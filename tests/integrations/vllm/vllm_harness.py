@@ -48,6 +48,9 @@ ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     "VLLM_LOGGING_LEVEL": "INFO",
+    # vLLM's stats line only when engine_run.py asks for it (at each phase's end), so that
+    # each line covers one phase.
+    "VLLM_LOG_STATS_INTERVAL": "3600",
 }
 
 
