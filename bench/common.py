@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import statistics
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from kvtier.bench.jsonout import JSON_HELP
 from kvtier.client import PoolLayout
 
 MiB = 1 << 20
@@ -60,11 +59,6 @@ def ratio(value: float | None, baseline: float | None) -> float | None:
 
 def fmt_list(values: Sequence[float], digits: int = 3) -> str:
     return "[" + ", ".join(f"{v:.{digits}f}" for v in values) + "]"
-
-
-def print_json(figures: dict[str, Any]) -> None:
-    """The last line of a ``--json`` run: one JSON object."""
-    print(json.dumps(figures), flush=True)
 
 
 def parse_size(text: str) -> int:
@@ -139,11 +133,12 @@ def read_tags(pool: np.ndarray, layout: PoolLayout, pages: Sequence[int]) -> lis
 
 def arg_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of ``kvtier bench NAME``: its ``--help`` prints the module docstring (what
-    is measured, against what) and the options with their defaults."""
+    is measured, against what) and the options with their defaults. ``--json`` is listed
+    there, but ``kvtier bench`` reads it before the benchmark runs (``run_bench``)."""
     p = argparse.ArgumentParser(
         prog=f"kvtier bench {name}",
         description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     return p

@@ -56,7 +56,9 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench import BenchUnavailable
 from kvtier.bench.common import arg_parser
+from kvtier.bench.jsonout import Emit
 
 KINDS = ("vllm", "flashinfer", "mla", "staging")
 POISON = 0xA5
@@ -1007,7 +1009,7 @@ def run(args: argparse.Namespace) -> Report:
     return report
 
 
-def main(argv: list[str], *, as_json: bool) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     p = arg_parser("gpu", __doc__)  # its --help lists --json, as every benchmark's does
     p.add_argument("--batch", type=int, default=128, help="2 MiB blocks per bandwidth batch")
     p.add_argument("--rounds", type=int, default=9, help="timed repetitions of each transfer")
@@ -1022,19 +1024,15 @@ def main(argv: list[str], *, as_json: bool) -> int:
 
     reason = cuda_missing()
     if reason:
-        msg = f"kvtier bench gpu needs a CUDA GPU: {reason}"
-        print(msg, file=sys.stderr)
-        if as_json:
-            print(json.dumps({"ok": False, "error": msg}))
-        return 2
+        raise BenchUnavailable(f"kvtier bench gpu needs a CUDA GPU: {reason}")
     started = time.monotonic()
     report = run(args)
     report.results["seconds"] = round(time.monotonic() - started, 1)
     report.results["failures"] = report.failures
     report.results["ok"] = not report.failures
     _print_table(report)
-    if as_json:
-        print(json.dumps(report.results))
+    if emit is not None:
+        emit(report.results)
     return 0 if not report.failures else 1
 
 

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvtier.bench.common import arg_parser, median, pct_ms, print_json, ratio, sig
+from kvtier.bench.common import arg_parser, median, pct_ms, ratio, sig
+from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 from kvtier.client import PoolLayout, SharedMemoryPool
 
@@ -73,9 +74,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str], *, as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
-    as_json = as_json or args.json
     if min(args.batch, args.rounds, args.copy_threads, args.lookups, args.lookup_keys) < 1:
         raise SystemExit("kvtier bench l1: every count must be at least 1")
 
@@ -202,6 +202,6 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         f"check's p50 of {health_p50:.3f} ms)"
     )
     print(f"medians of {args.rounds} rounds")
-    if as_json:
-        print_json(figures)
+    if emit is not None:
+        emit(figures)
     return 0

@@ -46,13 +46,13 @@ from kvtier.bench.common import (
     block_layout,
     drop_page_cache,
     median,
-    print_json,
     ratio,
     read_tags,
     scratch_dir,
     sig,
     tag_pages,
 )
+from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 from kvtier.bench.rawio import RawFile, aligned_buffer, block_items
 from kvtier.client import Client, SharedMemoryPool, Tier
@@ -187,9 +187,8 @@ class _Runner:
         self.shm.close()
 
 
-def main(argv: list[str], *, as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
-    as_json = as_json or args.json
     B, batch = args.block_bytes, min(args.batch, args.blocks)
     if B % 4096:
         raise SystemExit("kvtier bench l2: --block-bytes must be a multiple of 4096")
@@ -303,8 +302,8 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         f"{out['raw_read_gbps']:.2f} GB/s, ratio {out['get_cold_ratio']} "
         f"(median of {len(gets)} passes)"
     )
-    if as_json:
-        print_json(out)
+    if emit is not None:
+        emit(out)
     return 0
 
 

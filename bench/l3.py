@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import shutil
 import statistics
 import tempfile
@@ -41,6 +40,7 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from kvtier.bench.jsonout import JSON_HELP, Emit
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.tiers.base import BlockRef, HostBuffers
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
@@ -67,7 +67,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--cluster", action="store_true", help="a 3-master Redis Cluster")
     p.add_argument("--url", default="", help="use this server instead of starting one")
     p.add_argument("--dir", default="", help="where the server's folder goes (a temp dir)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     args = p.parse_args(argv)
     counts = ("block_bytes", "blocks", "batch", "concurrency", "rounds", "chain", "probes")
     if min(getattr(args, c) for c in counts) < 1:
@@ -104,7 +104,7 @@ async def _spread(
 
 
 async def _run(
-    args: argparse.Namespace, urls: list[str], emit: Callable[[str], None]
+    args: argparse.Namespace, urls: list[str], say: Callable[[str], None]
 ) -> dict[str, Any]:
     B, n, batch, workers = args.block_bytes, args.blocks, args.batch, args.concurrency
     pool = max(16, 2 * workers + 4)
@@ -204,7 +204,7 @@ async def _run(
                 spent[side] = await _spread(batches, workers, fn)
             return n * B / spent[0] / 1e9, n * B / spent[1] / 1e9
 
-        emit(
+        say(
             f"L3 bench ({mode}, {', '.join(urls)}): {n} blocks of {B / MiB:g} MiB, batches of "
             f"{batch}, {workers} calls in flight on each side"
         )
@@ -226,7 +226,7 @@ async def _run(
             sg = sg or await third(same_get)
             for k, v in zip(keys, (tp, rp, sp, tg, rg, sg), strict=True):
                 res[k].append(v)
-            emit(
+            say(
                 f"  round {r + 1}: put tier {tp:.2f} raw {rp:.2f} raw with the tier's client "
                 f"{sp:.2f} GB/s | get tier {tg:.2f} raw {rg:.2f} raw with the tier's client "
                 f"{sg:.2f} GB/s"
@@ -291,19 +291,19 @@ async def _run(
             "read_bad_checksum": counters["read_bad_checksum"],
             "probe_late": counters["probe_late"],
         }
-        emit(
+        say(
             f"put: tier {out['put_gbps']:.2f} GB/s, redis-py pipelined SET "
             f"{out['raw_set_gbps']:.2f} GB/s, ratio {out['put_ratio']:.2f}; with the tier's "
             f"client settings {out['raw_set_tier_client_gbps']:.2f} GB/s, ratio "
             f"{out['put_ratio_tier_client']:.2f}"
         )
-        emit(
+        say(
             f"get: tier {out['get_gbps']:.2f} GB/s, redis-py pipelined GET "
             f"{out['raw_get_gbps']:.2f} GB/s, ratio {out['get_ratio']:.2f}; with the tier's "
             f"client settings {out['raw_get_tier_client_gbps']:.2f} GB/s, ratio "
             f"{out['get_ratio_tier_client']:.2f}"
         )
-        emit(
+        say(
             f"probe of a {len(chain)}-block chain: tier {out['probe_us']:.0f} us "
             f"(p99 {out['probe_p99_us']:.0f}), one pipelined round trip of {len(chain)} EXISTS "
             f"{out['raw_exists_us']:.0f} us (p99 {out['raw_exists_p99_us']:.0f}), "
@@ -317,9 +317,8 @@ async def _run(
             await close()
 
 
-def main(argv: list[str], as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
-    as_json = as_json or args.json
     if args.batch < 1 or args.blocks < args.batch or args.concurrency < 1:
         raise SystemExit("need 1 <= --batch <= --blocks and --concurrency >= 1")
     with ExitStack() as stack:
@@ -336,6 +335,6 @@ def main(argv: list[str], as_json: bool = False) -> int:
                 server = stack.enter_context(RedisServer(base))
                 urls = [server.url]
         out = asyncio.run(_run(args, urls, print))
-    if as_json:
-        print(json.dumps(out))
+    if emit is not None:
+        emit(out)
     return 0

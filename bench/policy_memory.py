@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 import tracemalloc
 
 import numpy as np
 
+from kvtier.bench.jsonout import JSON_HELP, Emit
 from kvtier.daemon.config import PolicyConfig
 from kvtier.daemon.heat import HeatTable
 from kvtier.daemon.policy.base import EvictionPolicy
@@ -141,17 +141,16 @@ def wire_history(table: BlockTable, policy: EvictionPolicy) -> None:
     table.on_renumber.append(policy.renumber)
 
 
-def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="kvtier bench policy_memory", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--blocks", type=int, default=1_000_000)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--history-only", action="store_true", help="measure the history alone")
     args = p.parse_args(argv)
     if args.blocks < 1:
         p.error("--blocks must be at least 1")
-    args.json = args.json or as_json
     n = args.blocks
     start = time.perf_counter()
     out: dict[str, float] = {}
@@ -175,10 +174,15 @@ def main(argv: list[str] | None = None, *, as_json: bool = False) -> int:
     for key, value in out.items():
         print(f"  {key:<32} {value:8.1f}")
     print(f"  ({time.perf_counter() - start:.0f} s)")
-    if args.json:
-        print(json.dumps({"blocks": n, **{k: round(v, 1) for k, v in out.items()}}))
+    if emit is not None:
+        emit({"blocks": n, **{k: round(v, 1) for k, v in out.items()}})
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    from kvtier.cli.main import main as kvtier_main
+
+    # Through `kvtier bench`, which reads --json and keeps stdout to the JSON object.
+    raise SystemExit(kvtier_main(["bench", "policy_memory", *sys.argv[1:]]))

@@ -50,11 +50,11 @@ from kvtier.bench.common import (
     fmt_list,
     median,
     parse_size,
-    print_json,
     ratio,
     scratch_dir,
     sig,
 )
+from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import BenchDaemon, bench_daemon
 from kvtier.bench.rawio import RawFile, aligned_buffer, block_items, split_items
 from kvtier.client import Client, SharedMemoryPool, Tier
@@ -185,9 +185,8 @@ def _l2_blocks(client: Client) -> int:
     return sum(t.blocks for t in client.stats().tiers if t.tier == Tier.L2_DISK)
 
 
-def main(argv: list[str], *, as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
-    as_json = as_json or args.json
     small_l1 = "tiers.l1.capacity_bytes=64MiB"
     dropped: list[bool] = []
     times: dict[str, list[float]] = {k: [] for k in ("empty", "full", "full_index", "l1", "touch")}
@@ -315,6 +314,6 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         f"2 MiB {big_gbps:.2f} GB/s (raw {big_raw_gbps:.2f} GB/s, ratio "
         f"{out['durable_2m_ratio']})"
     )
-    if as_json:
-        print_json(out)
+    if emit is not None:
+        emit(out)
     return 0

@@ -55,7 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.common import arg_parser, median, pct_ms, print_json, ratio, scratch_dir, sig
+from kvtier.bench.common import arg_parser, median, pct_ms, ratio, scratch_dir, sig
+from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 from kvtier.daemon.config import ServerConfig
 from kvtier.daemon.loops import EVENT_LOOPS
@@ -294,9 +295,8 @@ class _Clients:
 # ---------------------------------------------------------------------------- main
 
 
-def main(argv: list[str], *, as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
-    as_json = as_json or args.json
     counts: list[int] = args.client_counts
     per_round = sum(counts) * (args.ops + args.warmup)
     l1_bytes = args.rounds * per_round * BLOCK_BYTES + (128 << 20)
@@ -422,6 +422,6 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         f"Check. Targets: p50 <= 1.3x ping, ops/s with {top} clients >= 0.7x ping's. "
         "client/server us: CPU per call of the client processes and of the serving process"
     )
-    if as_json:
-        print_json(figures)
+    if emit is not None:
+        emit(figures)
     return 0

@@ -39,10 +39,10 @@ from kvtier.bench.common import (
     drop_page_cache,
     fmt_list,
     median,
-    print_json,
     ratio,
     sig,
 )
+from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import BenchDaemon, bench_daemon
 from kvtier.client import Client, Tier
 
@@ -111,9 +111,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str], *, as_json: bool = False) -> int:
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
-    as_json = as_json or args.json
 
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -249,6 +248,6 @@ def main(argv: list[str], *, as_json: bool = False) -> int:
         f"max |logit diff| vs recompute {max_diff:.2e}, first token differs in "
         f"{first_token_mismatches} of {2 * args.reps + 1} loads"
     )
-    if as_json:
-        print_json(result)
+    if emit is not None:
+        emit(result)
     return 0

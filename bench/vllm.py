@@ -30,7 +30,6 @@ run must start with nothing in L1. Needs vLLM: run it from the environment ``mak
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import json
@@ -45,6 +44,9 @@ import time
 from collections.abc import Iterator
 from typing import IO, Any
 
+from kvtier.bench import BenchUnavailable
+from kvtier.bench.common import arg_parser
+from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 from kvtier.client import Client
 
@@ -160,12 +162,8 @@ def _l1_blocks(address: str) -> int:
         return sum(t.blocks for t in client.stats().tiers if t.tier.name == "L1_HOST")
 
 
-def main(argv: list[str], *, as_json: bool) -> int:
-    p = argparse.ArgumentParser(
-        prog="kvtier bench vllm",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def main(argv: list[str], *, emit: Emit | None = None) -> int:
+    p = arg_parser("vllm", __doc__)
     p.add_argument("--prefix-tokens", type=int, default=2048, help="shared prefix (whole blocks)")
     p.add_argument("--suffix-tokens", type=int, default=64, help="each prompt's own tail")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions (medians)")
@@ -187,12 +185,10 @@ def main(argv: list[str], *, as_json: bool) -> int:
     if args.prefix_tokens % BLOCK_TOKENS or not 0 < args.suffix_tokens < BLOCK_TOKENS:
         p.error(f"--prefix-tokens must be whole {BLOCK_TOKENS}-token blocks; --suffix-tokens 1-127")
     if importlib.util.find_spec("vllm") is None:
-        print(
+        raise BenchUnavailable(
             "kvtier bench vllm needs vLLM in this environment; `make test-vllm` creates one: "
-            ".venv-vllm/bin/kvtier bench vllm",
-            file=sys.stderr,
+            ".venv-vllm/bin/kvtier bench vllm"
         )
-        return 2
 
     rng = random.Random(0)
     prefix = [rng.randrange(3, MODEL["vocab_size"]) for _ in range(args.prefix_tokens)]
@@ -337,8 +333,8 @@ def main(argv: list[str], *, as_json: bool) -> int:
         f"(vLLM's own cache {speedup['vllm_cached']}x); throughput ratio: L1 "
         f"{ratio['kvtier_l1']}x, L2 {ratio['kvtier_l2']}x"
     )
-    if as_json:
-        print(json.dumps(result))
+    if emit is not None:
+        emit(result)
     return 0
 
 

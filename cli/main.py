@@ -548,6 +548,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from kvtier.bench import BENCHMARKS
+    from kvtier.bench.jsonout import JSON_HELP
     from kvtier.sim.cli import add_replay_parser, add_trace_parser
 
     p = argparse.ArgumentParser(
@@ -673,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Run a benchmark; `kvtier bench NAME --help` lists its options.",
     )
     b.add_argument("what", nargs="?", choices=sorted(BENCHMARKS), help="which benchmark")
-    b.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    b.add_argument("--json", action="store_true", help=JSON_HELP)
     b.set_defaults(func=_bench, parser=b)
 
     add_replay_parser(sub)

@@ -1,28 +1,44 @@
-"""Helpers of the benchmark tests (tests/bench): run one in process, check its ratios."""
+"""Helpers of the benchmark tests (tests/bench): run one as `kvtier bench NAME --json`, check
+its ratios."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from kvtier.bench import run_bench
-
 RunJson = Callable[..., dict[str, Any]]
 
 
-def make_run_json(capsys: pytest.CaptureFixture[str]) -> RunJson:
-    def run(name: str, *args: str) -> dict[str, Any]:
-        assert run_bench(name, list(args), as_json=True) == 0
-        lines = capsys.readouterr().out.strip().splitlines()
-        assert len(lines) > 1, "figures are printed before the JSON line"
-        figures = json.loads(lines[-1])
-        assert isinstance(figures, dict)
-        return figures
+def bench_cli(name: str, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess[str]:
+    """``kvtier bench NAME *args --json`` in a fresh interpreter, stdout and stderr apart."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.main", "bench", name, *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
-    return run
+
+def only_json(stdout: str) -> dict[str, Any]:
+    """The one JSON object that is all of ``stdout`` (one line), for ``jq`` to parse."""
+    assert stdout.endswith("\n") and stdout.count("\n") == 1, stdout
+    parsed = json.loads(stdout)
+    assert isinstance(parsed, dict), stdout
+    return parsed
+
+
+def run_json(name: str, *args: str, report: str) -> dict[str, Any]:
+    """Run ``kvtier bench NAME *args --json``; stdout must hold its figures alone, as one
+    JSON object, and stderr the text report, which must include ``report``."""
+    r = bench_cli(name, *args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert report in r.stderr, r.stderr[-4000:]
+    return only_json(r.stdout)
 
 
 def assert_ratio(figures: dict[str, Any], name: str, value: float, baseline: float) -> None:

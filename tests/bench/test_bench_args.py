@@ -4,11 +4,11 @@ different bytes"; ``bench policy_memory --blocks -1`` ended in a numpy traceback
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
+from benchjson import bench_cli, only_json
 
 from kvtier.bench import run_bench
 
@@ -65,7 +65,44 @@ def test_a_benchmark_whose_extra_is_not_installed_says_what_to_install(
     assert message in r.stderr and f"pip install 'kvtier[{extra}]'" in r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     if as_json:
-        last = json.loads(r.stdout.strip().splitlines()[-1])
-        assert last["ok"] is False and message in last["error"]
+        error = only_json(r.stdout)  # the error object alone, for `| jq .`
+        assert error["ok"] is False and message in error["error"]
     else:
         assert r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("what", "args", "code", "error", "why"),
+    [
+        # A benchmark's own refusal: its message is the error.
+        ("l1", ["--rounds", "0"], 1, "kvtier bench l1: every count", "every count must be"),
+        # argparse's: its message is on stderr only.
+        ("policy_memory", ["--blocks", "0"], 2, "kvtier bench policy_memory: arguments refused",
+         "--blocks must be at least 1"),
+    ],
+)  # fmt: skip
+def test_refused_arguments_with_json_leave_one_error_object_on_stdout(
+    what: str, args: list[str], code: int, error: str, why: str
+) -> None:
+    r = bench_cli(what, *args, timeout_s=120)
+    assert r.returncode == code, r.stderr
+    refused = only_json(r.stdout)
+    assert refused["ok"] is False and refused["error"].startswith(error)
+    assert why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_bench_vllm_without_vllm_says_where_to_run_it_in_the_json_object_too() -> None:
+    """Before, this refusal went to stderr only and `--json` left stdout empty."""
+    code = (
+        "import sys; sys.modules['vllm'] = None; from kvtier.cli.main import main; sys.exit(main())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, "bench", "vllm", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    error = only_json(r.stdout)
+    assert error["ok"] is False and "kvtier bench vllm needs vLLM" in error["error"]
+    assert ".venv-vllm/bin/kvtier bench vllm" in r.stderr and "Traceback" not in r.stderr

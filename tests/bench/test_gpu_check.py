@@ -4,16 +4,15 @@ one."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 import xxhash
+from benchjson import bench_cli, only_json
 from cpu_ipc import CpuMapper
 from kv_pools import make_pool
 
-from kvtier.bench.gpu_check import KINDS, Report, Stack, main, round_trip
+from kvtier.bench.gpu_check import KINDS, Report, Stack, round_trip
 from kvtier.client.cuda import CudaIpcExport, IpcBuffer
 from kvtier.daemon.cuda_pools import CudaPoolOpener
 from kvtier.tiers.device import CpuOps, DeviceTier
@@ -22,13 +21,13 @@ from kvtier.tiers.host import HostArena
 
 
 @pytest.mark.no_cuda
-def test_without_cuda_it_fails_fast_with_the_reason(capsys):
+def test_without_cuda_it_fails_fast_with_the_reason():
     assert not torch.cuda.is_available()
-    assert main([], as_json=True) == 2
-    out, err = capsys.readouterr()
-    last = json.loads(out.strip().splitlines()[-1])
-    assert last["ok"] is False and "needs a CUDA GPU" in last["error"]
-    assert "torch.cuda.is_available() is False" in err
+    r = bench_cli("gpu")
+    assert r.returncode == 2, r.stderr
+    error = only_json(r.stdout)  # the error object, alone on stdout
+    assert error["ok"] is False and "needs a CUDA GPU" in error["error"]
+    assert "torch.cuda.is_available() is False" in r.stderr
 
 
 @pytest.mark.no_cuda

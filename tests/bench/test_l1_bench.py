@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from benchjson import RunJson, assert_ratio
+from benchjson import assert_ratio, run_json
 
 
-def test_l1_bench_reports_ratios_to_a_copy_with_the_daemons_thread_count(
-    run_json: RunJson,
-) -> None:
+def test_l1_bench_reports_ratios_to_a_copy_with_the_daemons_thread_count() -> None:
     f = run_json(
         "l1",
         *("--batch", "4", "--rounds", "2", "--lookups", "3", "--lookup-keys", "8"),
         *("--copy-threads", "3"),
+        report="medians of 2 rounds",
     )
     assert f["copy_threads"] == 3
     assert (f["batch_blocks"], f["rounds"], f["lookup_keys"]) == (4, 2, 8)

@@ -5,18 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchjson import RunJson, assert_ratio
+from benchjson import assert_ratio, run_json
 
 
 @pytest.mark.slow  # daemon restarts and raw O_DIRECT runs, ~4 s: `make test-slow`
-def test_l2_bench_measures_the_daemon_against_raw_io_and_cleans_up(
-    tmp_path: Path, run_json: RunJson
-) -> None:
+def test_l2_bench_measures_the_daemon_against_raw_io_and_cleans_up(tmp_path: Path) -> None:
     base = tmp_path / "bench"
     f = run_json(
         "l2",
         *("--dir", str(base), "--blocks", "8", "--block-bytes", "262144", "--batch", "4"),
         *("--rounds", "2", "--io-threads", "2", "--keep-cache"),
+        report="durable put, first fill:",
     )
     assert (f["blocks"], f["batch"], f["io_threads"], f["rounds"]) == (8, 4, 2, 2)
     assert f["raw_io"] in ("o_direct", "buffered")

@@ -1,15 +1,13 @@
 """``kvtier bench l3`` runs end to end on a tiny working set against its own redis-server,
-ends with its JSON line, and leaves no server behind."""
+gives its figures as the one JSON object on stdout (the report on stderr), and leaves no
+server behind."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from kvtier.bench import run_bench
+from benchjson import run_json
 
 
 def _servers_under(base: Path) -> list[str]:
@@ -17,14 +15,11 @@ def _servers_under(base: Path) -> list[str]:
     return [line for line in ps.splitlines() if "redis-server" in line and str(base) in line]
 
 
-def test_l3_bench_prints_figures_and_cleans_up(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_l3_bench_prints_figures_and_cleans_up(tmp_path: Path) -> None:
     base = tmp_path / "bench"
     base.mkdir()
     args = ["--dir", str(base), "--blocks", "8", "--block-bytes", "262144", "--batch", "2"]
-    assert run_bench("l3", [*args, "--rounds", "1", "--probes", "20"], as_json=True) == 0
-    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    figures = run_json("l3", *args, "--rounds", "1", "--probes", "20", report="L3 bench (single")
     for name in (
         "put_gbps",
         "raw_set_gbps",

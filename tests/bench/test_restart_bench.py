@@ -5,18 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from benchjson import RunJson, assert_ratio
+from benchjson import assert_ratio, run_json
 
 
 @pytest.mark.slow  # nine daemon starts and two fills, ~7 s: `make test-slow`
-def test_restart_bench_times_starts_against_their_baselines(
-    tmp_path: Path, run_json: RunJson
-) -> None:
+def test_restart_bench_times_starts_against_their_baselines(tmp_path: Path) -> None:
     base = tmp_path / "bench"
     f = run_json(
         "restart",
         *("--rows", "300", "--batch", "128", "--l1", "64MiB", "--repeats", "1"),
         *("--big-blocks", "2", "--io-threads", "2", "--dir", str(base)),
+        report="start to SERVING, medians of 1",
     )
     assert (f["rows"], f["repeats"], f["l1_bytes"]) == (300, 1, 64 << 20)
     # The restarted daemon found every row the fill wrote, each time.

@@ -4,15 +4,15 @@ pings (asyncio's loop and uvloop), the daemon on the loop asked for."""
 from __future__ import annotations
 
 import pytest
-from benchjson import RunJson, assert_ratio
+from benchjson import assert_ratio, run_json
 
 
 @pytest.mark.slow  # a daemon, a ping server and client processes, ~4 s: `make test-slow`
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
-def test_rpc_bench_reports_each_call_against_the_bare_ping(run_json: RunJson, loop: str) -> None:
+def test_rpc_bench_reports_each_call_against_the_bare_ping(loop: str) -> None:
     f = run_json(
         "rpc", "--ops", "20", "--warmup", "2", "--rounds", "1", "--clients", "2,1",
-        "--event-loop", loop,
+        "--event-loop", loop, report="single-block RPCs, 4096 B blocks",
     )  # fmt: skip
     assert f["daemon_event_loop"] == loop
     assert f["clients"] == [1, 2]

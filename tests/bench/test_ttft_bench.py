@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchjson import RunJson, assert_ratio
+from benchjson import assert_ratio, run_json
 
 
 @pytest.mark.slow  # a model and three daemon restarts, ~6 s: `make test-slow`
-def test_ttft_bench_interleaves_recompute_l1_and_cold_l2(tmp_path: Path, run_json: RunJson) -> None:
+def test_ttft_bench_interleaves_recompute_l1_and_cold_l2(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     f = run_json(
         "ttft",
         *("--prompt-tokens", "96", "--prefix-tokens", "64", "--block-tokens", "32"),
         *("--reps", "1", "--l2-dir", str(tmp_path), "--keep-cache"),
+        report="(iii) L2 load, cold",
     )
     assert f["threads"] == threads, "torch's default threading is kept"
     assert (f["reps"], f["prefix_tokens"], f["block_tokens"]) == (1, 64, 32)

@@ -1,15 +1,15 @@
 """``kvtier bench vllm`` at a tiny size, end to end with real vLLM engines: it finishes, and
 so every kvtier run's outputs were token for token those of plain vLLM with the prefix in its
 own cache (the bench fails otherwise), each kvtier run loaded the whole prefix, and each L2
-run promoted it from disk."""
+run promoted it from disk; with --json its stdout is the JSON object alone."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
+from benchjson import only_json
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,7 +24,8 @@ def test_bench_vllm_checks_outputs_and_reports_every_case(tmp_path):
         timeout=840,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = only_json(proc.stdout)  # the figures alone; the report went to stderr
+    assert "TTFT speedup over plain vLLM" in proc.stderr
     assert result["outputs_identical"] is True
     assert result["prefix_tokens"] == 512 and result["reps"] == 2
     assert result["load_mode"] == "auto"
