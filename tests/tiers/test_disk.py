@@ -1377,6 +1377,152 @@ def test_an_index_removed_before_recovery_that_cannot_be_written_back_still_reco
         assert _recovered_keys(again) == {b[0] for b in before.values()}
 
 
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def _watches() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "l2-index-watch"]
+
+
+def test_the_index_watch_stops_at_close_without_waiting_out_its_period(disk_dir: Path) -> None:
+    """The watch thread (one per tier, none when ``index_watch_s`` is 0) is woken by
+    ``close`` and gone when it returns, an hour's period notwithstanding: it neither holds up
+    the daemon's stop nor outlives its tier."""
+    assert _watches() == []
+    with _open(disk_dir, index_watch_s=0.0):
+        assert _watches() == []
+    tier = _open(disk_dir, index_watch_s=3600.0)
+    try:
+        (watch,) = _watches()
+        assert watch.daemon
+    finally:
+        tier.close()
+    assert not watch.is_alive()
+    assert _watches() == []
+
+
+def test_an_index_removed_while_the_tier_is_idle_is_written_back_by_the_watch(
+    disk_dir: Path, make_block: Block, tmp_path: Path
+) -> None:
+    """No commit after the removal: the watch writes the index back, so a crash then (the
+    files as they are, no ``close``) loses no block."""
+    tier = _open(disk_dir, index_watch_s=0.05)
+    try:
+        blocks = _persist(tier, make_block, list(range(5)), 4096)
+        commits = tier.faults.snapshot()["commits"]
+        (disk_dir / "index.sqlite3").unlink()
+        _wait_for(lambda: tier.faults.snapshot().get("index_restored") == 1)
+        assert tier.faults.snapshot()["commits"] == commits
+        assert tier.health().state == Health.OK
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+        assert _read(again, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+class _CountedLock:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self.taken += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_an_index_check_that_finds_nothing_changed_takes_no_lock_and_runs_no_sql(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """The watch's check costs a stat of the index and its WAL while they are unchanged: it
+    neither waits for a commit holding the index nor runs a statement."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, [0], 4096)
+        index = tier._index
+        assert index is not None and index._db is not None
+        statements: list[str] = []
+        index._db.set_trace_callback(statements.append)
+        lock = _CountedLock()
+        index._lock = lock  # type: ignore[assignment]
+        for _ in range(3):
+            assert not tier._check_index_files()
+        assert statements == [] and lock.taken == 0
+        (disk_dir / "index.sqlite3-wal").unlink()
+        assert not tier._check_index_files()
+        assert lock.taken == 1 and any("wal_checkpoint" in s for s in statements)
+
+
+def test_an_index_replaced_while_open_degrades_the_tier_once_however_often_checked(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An index file replaced by another (its commits would be lost at a restart) found by
+    the watch degrades the tier as a commit would, counted and logged once, with no
+    traceback, however many checks find it so."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(3)), 4096)
+        copy = disk_dir / "copy"
+        shutil.copyfile(disk_dir / "index.sqlite3", copy)
+        os.replace(copy, disk_dir / "index.sqlite3")
+        with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+            for _ in range(3):
+                assert not tier._check_index_files()
+        health = tier.health()
+        assert health.state == Health.DEGRADED_IO and "was replaced while open" in health.detail
+        assert tier.faults.refuses_commits()
+        assert tier.faults.snapshot()["index_errors"] == 1
+        assert [r.levelno for r in caplog.records] == [logging.ERROR]
+        assert caplog.records[0].exc_info is None
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+def test_a_wal_checkpoint_a_reader_holds_up_is_tried_again_by_the_watch_not_a_fault(
+    disk_dir: Path,
+    make_block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The WAL removed while another process holds a read transaction: the watch's
+    checkpoint cannot finish. That is a warning, once, not a fault of the tier (a write
+    meanwhile fails as locked, as before); once the reader lets go, the next check
+    checkpoints the WAL and a crash then loses no block."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir)
+    try:
+        blocks = _persist(tier, make_block, list(range(5)), 4096)
+        reader = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            reader.execute("BEGIN")
+            assert reader.execute("SELECT count(*) FROM blocks").fetchone() == (5,)
+            _unlink_wal(disk_dir)
+            with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+                assert tier._check_index_files()
+                assert tier._check_index_files()
+            assert [r.levelno for r in caplog.records] == [logging.WARNING]
+            assert "could not be checkpointed" in caplog.records[0].getMessage()
+            assert tier.health().state == Health.OK
+            assert tier.faults.snapshot().get("index_errors", 0) == 0
+        finally:
+            reader.close()
+        assert not tier._check_index_files()
+        image = _crash_image(disk_dir, tmp_path / "image")
+    finally:
+        tier.close()
+    with _open(image) as again:
+        assert not again.faults.snapshot().get("index_moved_aside")
+        assert _recovered_keys(again) == {b[0] for b in blocks.values()}
+
+
 def test_regression_a_put_failed_as_its_index_could_not_be_written_back_stays_failed(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

@@ -38,12 +38,15 @@ whose write was reported failed never comes back at a restart. A removed index f
 written back from the open connection (SQLite's backup API, into ``index.sqlite3.restore``,
 synced, then renamed into place, the old WAL and shared memory removed first so they are not
 replayed onto it), and commits go on into it: a restart finds every block committed before and
-after the removal (counted as ``index_restored``); so does ``close``, for a removal after the
-last commit; a write-back that the daemon's end cut short after its copy was synced is
-finished at the next open (``_finish_restore``). Recovery's reader (``reader``) checks the files
-as a commit does before it opens the index file, read-only: an index removed before recovery read
-it is written back, never created empty in its place (which the next commit would take for a
-replaced index). Where it cannot be written back, and where the index file was replaced by
+after the removal (counted as ``index_restored``). A removal after the last commit is mended
+by the tier's watch, which calls ``check_files`` between commits (every ``index_watch_s`` of
+the tier: a stat of the two files when nothing changed, no lock and no SQLite; the commit's
+check when something did), so a crash while the tier is idle loses nothing either; and by
+``close``. A write-back that the daemon's end cut short after its copy was synced is
+finished at the next open (``_finish_restore``). Recovery's reader (``reader``) checks the
+files as a commit does before it opens the index file, read-only: an index removed before
+recovery read it is written back, never created empty in its place (which the next commit
+would take for a replaced index). Where it cannot be written back, and where the index file was replaced by
 another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good; a block
 commit's rows are deleted again first, as ``close`` may yet write the index back.
 
@@ -333,6 +336,22 @@ class DiskIndex:
             with _immediate(db):
                 yield db
             self._check_files(db)
+
+    def check_files(self) -> None:
+        """Between commits: mend the index's files as a commit's check does (``_check_files``:
+        a removed index written back, a removed WAL checkpointed), so that a crash before the
+        next commit does not lose what the removed files held. When nothing changed this is a
+        stat of the index file and of its WAL, taking neither the lock nor SQLite (a commit
+        holding the lock checks the files itself). Raises as that check does; a no-op once
+        closed."""
+        try:
+            if self._file_ids() == self._ids:
+                return
+        except OSError:
+            pass  # reported by the check, under the lock
+        with self._lock:
+            if self._db is not None:
+                self._check_files(self._db)
 
     def close(self) -> None:
         """Close the connection; an index file removed since the last commit is first

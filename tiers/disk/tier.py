@@ -376,9 +376,12 @@ class DiskTier:
     store's in-flight marks guarantee this). Index updates are serialised internally (a
     group commit holds the index from its insert to its commit, its writes and sync
     included, so a ``remove`` or a quarantine meanwhile waits that long); data transfers
-    run in parallel on ``io_threads`` worker threads, most urgent first. The
-    constructor, ``recover`` and ``close`` must not overlap any other call. Every data method
-    blocks: call it from a worker thread, never from an event loop.
+    run in parallel on ``io_threads`` worker threads, most urgent first. With
+    ``index_watch_s``, one more thread of the tier (``l2-index-watch``, a daemon thread)
+    checks the index files between commits under the index's lock; ``close`` wakes it and
+    waits for its last check. The constructor, ``recover`` and ``close`` must not overlap any
+    other call. Every data method blocks: call it from a worker thread, never from an event
+    loop.
 
     Ordering: when ``write`` returns ok for a block, its bytes and its row are durable and
     survive SIGKILL and power loss; when ``remove`` returns True, the rows are durably gone
@@ -399,6 +402,7 @@ class DiskTier:
         file_bytes: int | None = None,
         direct_io: bool = True,
         enospc_retry_s: float = 30.0,
+        index_watch_s: float = 0.0,
         clock: Callable[[], float] = time.time,
         backend: FileBackend | None = None,
         recover_later: bool = False,
@@ -410,9 +414,12 @@ class DiskTier:
         ``file_bytes``: size of each data file (rounded up to whole segments; default
         ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files). ``direct_io=False``
         forces buffered I/O. ``enospc_retry_s``: while degraded by a full disk or a locked index,
-        one write batch per this many seconds is let through to find out whether it cleared. ``clock``
-        gives ``written_at``. ``backend`` makes the data files' system calls (tests inject
-        faults through it).
+        one write batch per this many seconds is let through to find out whether it cleared.
+        ``index_watch_s``: how often a thread of the tier checks the index files between
+        commits (``_watch_index``), so that an index or WAL removed while the tier is idle is
+        mended before a crash loses the blocks they held; 0 (the default) checks them only at
+        commits and at ``close``. ``clock`` gives ``written_at``. ``backend`` makes the data
+        files' system calls (tests inject faults through it).
 
         Raises TierUnavailable when the directory cannot hold the capacity, is in use by
         another DiskTier or holds an index of an older format that could not be upgraded
@@ -420,6 +427,8 @@ class DiskTier:
         """
         if io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, not {io_threads}")
+        if not index_watch_s >= 0:
+            raise ValueError(f"index_watch_s must be 0 or more, not {index_watch_s}")
         started = time.monotonic()
         self.directory = Path(directory)
         self.allocator = _Slab(capacity_bytes, segment_bytes)
@@ -430,6 +439,11 @@ class DiskTier:
         )
         self._backend = backend or OsFiles()
         self.faults = FaultState(enospc_retry_s)
+        self._enospc_retry_s = enospc_retry_s
+        self._index_watch_s = index_watch_s
+        self._watch_stop = threading.Event()
+        self._watch: threading.Thread | None = None
+        self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         self._group = _GroupCommit(self._make_durable)
@@ -510,6 +524,11 @@ class DiskTier:
             raise
         self._executor = PriorityExecutor(io_threads, "l2-io")
         self._io = BatchIO(self.files, self.faults, self._executor, io_threads)
+        if index_watch_s > 0:
+            self._watch = threading.Thread(
+                target=self._watch_index, name="l2-index-watch", daemon=True
+            )
+            self._watch.start()
         if not recover_later:
             self._recovered = RecoveredBlocks.concat(list(self.recover_chunks()))
         log.info(
@@ -1100,6 +1119,50 @@ class DiskTier:
         if self._closed:
             raise RuntimeError("the L2 tier is closed")
 
+    # ------------------------------------------------------------------ index watch
+
+    def _watch_index(self) -> None:
+        """The watch thread: check the index files every ``index_watch_s`` until ``close``;
+        after a check another process's lock held up, wait ``enospc_retry_s`` at least, as
+        a write into a locked index does, so the watch does not hold the index most of the
+        time trying again."""
+        wait_s = self._index_watch_s
+        while not self._watch_stop.wait(wait_s):
+            locked = self._check_index_files()
+            wait_s = (
+                max(self._index_watch_s, self._enospc_retry_s) if locked else self._index_watch_s
+            )
+
+    def _check_index_files(self) -> bool:
+        """One check of the watch (``DiskIndex.check_files``): a removed index is written
+        back, a removed WAL checkpointed, as at a commit. A replaced index file, or one that
+        cannot be written back, degrades the tier as it does at a commit; a checkpoint that
+        another process's lock holds up only warns (the next check, or commit, tries again).
+        Each problem is counted and logged once, not at every check while it lasts. True when
+        the index was locked."""
+        try:
+            self._idx().check_files()
+        except sqlite3.Error as e:
+            fault = classify(e)
+            if fault.detail != self._watch_problem:
+                self._watch_problem = fault.detail
+                if fault.kind == "locked":
+                    log.warning(
+                        "L2 index check: %s; tried again in %gs",
+                        fault.detail,
+                        max(self._index_watch_s, self._enospc_retry_s),
+                    )
+                else:
+                    self.faults.fault(fault, "index file check")
+            return fault.kind == "locked"
+        except Exception as e:  # a bug: logged with its traceback once, the watch goes on
+            if repr(e) != self._watch_problem:
+                self._watch_problem = repr(e)
+                log.exception("L2 index check failed unexpectedly; the index watch goes on")
+            return False
+        self._watch_problem = ""
+        return False
+
     # ------------------------------------------------------------- opening and recovery
 
     def _make_directory(self) -> None:
@@ -1262,6 +1325,11 @@ class DiskTier:
         return self._recover_chunk(sound, before, sizes, damaged, lost, lost_files, drop)
 
     def _release_resources(self) -> None:
+        if self._watch is not None:
+            # Woken at once; its last check is one the index's close would make anyway.
+            self._watch_stop.set()
+            self._watch.join()
+            self._watch = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
