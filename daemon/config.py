@@ -61,7 +61,9 @@ MAX_DURATION_S = 365 * 86400
 # within it): read whole, ``--config /dev/zero`` (or a log passed by mistake) took memory
 # until the kernel killed kvtierd, and a SIGHUP would do so to a running daemon.
 MAX_CONFIG_FILE_BYTES = 16 << 20
-_UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
+_UNIT_S = {"s": 1, "ms": 1000}
+# The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
+MIN_INDEX_WATCH_S = 0.05  # a duration's unit (its key ends with it): how many a second
 
 
 def _opt(
@@ -595,6 +597,19 @@ class L2Config:
         ),
     )
     enospc_retry_s: float = field(default=30.0, metadata=_opt("float", unit="s", lo=0.1))
+    index_watch_s: float = field(
+        default=2.0,
+        metadata=_opt(
+            "float",
+            unit="s",
+            lo=0.0,
+            hi=3600.0,
+            doc="how often the index files are checked between commits (a stat of two files): "
+            "an index.sqlite3 or -wal removed while the daemon runs is written back or "
+            "checkpointed within this time, not only at the next commit, so a crash after "
+            "it loses no block; 0 checks only at commits and at the stop",
+        ),
+    )
     read_bytes_s: int = _rate("reads from this tier")
     write_bytes_s: int = _rate("writes into this tier")
     policy: str = _tier_policy()
@@ -603,6 +618,11 @@ class L2Config:
         _check_tier("l2", self)
         if self.enabled and not self.path:
             raise ConfigError("tiers.l2.path is empty")
+        if 0 < self.index_watch_s < MIN_INDEX_WATCH_S:
+            raise ConfigError(
+                f"config key 'tiers.l2.index_watch_s': {self.index_watch_s:g} is below "
+                f"{MIN_INDEX_WATCH_S:g} s; 0 turns the watch off"
+            )
         from kvtier.daemon.policy.admission import admission_names
 
         usable = [n for n in admission_names() if n != "belady"]  # belady needs the future

@@ -281,6 +281,7 @@ def open_tiers(config: Config) -> list[Any]:
                 file_bytes=c2.file_bytes,
                 direct_io=c2.direct_io,
                 enospc_retry_s=c2.enospc_retry_s,
+                index_watch_s=c2.index_watch_s,
                 recover_later=True,
             )
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
 from harness import entry_setting
 from test_l2_daemon import LAYOUT, fill, keys, l2_args, page, wait_for
 
@@ -185,4 +186,48 @@ def test_regression_blocks_deleted_under_a_locked_index_stay_deleted_across_a_st
         pool = client.register_pool(shm, LAYOUT)
         assert client.lookup(ks).tiers == [Tier.ABSENT] * 4 + [Tier.L2_DISK] * 4
         _read_back(client, pool.pool_id, ks[4:], shm, [page(src, p) for p in range(4, 8)])
+        assert client.check().problems == []
+
+
+@pytest.mark.parametrize(
+    "removed",
+    [
+        ("index.sqlite3",),
+        ("index.sqlite3", "index.sqlite3-wal", "index.sqlite3-shm"),
+        ("index.sqlite3-wal", "index.sqlite3-shm"),
+    ],
+    ids=["index", "index and WAL", "WAL"],
+)
+def test_regression_index_files_removed_while_the_daemon_is_idle_lose_nothing_at_a_crash(
+    daemon_factory, tmp_path, removed: tuple[str, ...]
+):
+    """Index files removed (an operator's clean-up) while the daemon was idle, then SIGKILL
+    before any commit: only a commit or the stop noticed the removal, so the restart found
+    data files without an index (started EMPTY), or an index without the WAL that held every
+    commit, and served none of the 8 blocks reported persisted. The tier's index watch now
+    writes the index back, or checkpoints the WAL, within tiers.l2.index_watch_s."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2, "tiers.l2.index_watch_s=0.1"))
+    ks = keys(8, 464)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 464)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(8), durable=True).persisted == [True] * 8
+        commits = client.stats().counters["l2_commits"]
+        for name in removed:
+            (l2 / name).unlink()
+        if "index.sqlite3" in removed:
+            wait_for(lambda: client.stats().counters["l2_index_restored"] == 1)
+        else:
+            wait_for(lambda: "its WAL was removed or replaced while open" in d.log())
+        counters = client.stats().counters
+        assert counters["l2_index_errors"] == 0
+        assert counters["l2_commits"] == commits  # mended by the watch, not by a commit
+    d.kill()
+    d.start()
+    assert "starting EMPTY" not in d.log()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.lookup(ks).tiers == [Tier.L2_DISK] * 8
+        _read_back(client, pool.pool_id, ks, shm, [page(src, p) for p in range(8)])
         assert client.check().problems == []

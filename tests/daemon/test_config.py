@@ -638,3 +638,17 @@ def test_a_tcp_address_that_is_not_host_port_is_a_config_error(address):
             None,
             [f"server.tcp_address={address}", "tenants=[{name: r, token_file: r.token}]"],
         )
+
+
+def test_the_l2_index_watch_is_off_at_0_and_refuses_a_period_that_only_spins():
+    def watch_s(value: str) -> float:
+        overrides = ["tiers.l2.enabled=false", f"tiers.l2.index_watch_s={value}"]
+        return load_config(None, overrides).tiers.l2.index_watch_s
+
+    assert Config().tiers.l2.index_watch_s == 2.0
+    assert watch_s("0") == 0.0
+    assert watch_s("0.05") == 0.05
+    with pytest.raises(ConfigError, match=r"'tiers\.l2\.index_watch_s': 0\.001 is below 0\.05"):
+        watch_s("0.001")
+    with pytest.raises(ConfigError, match=r"tiers\.l2\.index_watch_s"):
+        watch_s("-1")
