@@ -7,6 +7,7 @@ import pytest
 from benchjson import run_json
 
 
+@pytest.mark.slow  # measures every structure under tracemalloc, ~7 s of CPU: `make test-slow`
 def test_policy_memory_bench_reports_bytes_per_block_of_every_structure() -> None:
     f = run_json("policy_memory", "--blocks", "2000", report="bytes per block at 2,000 blocks")
     assert f["blocks"] == 2000
