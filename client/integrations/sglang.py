@@ -43,7 +43,8 @@ Invariants:
   off (from ``retry_after_s``, doubling, up to ``staging.REFUSED_RETRY_MAX_S``), never a
   new region every ``retry_after_s``.
   Meanwhile staged transfers miss at once, and so do lookups when every transfer is staged
-  (no hit that no load could fill). The breaker is not tripped: the daemon answers.
+  (no hit that no load could fill); so does the rest of a transfer that shared the pool
+  when it was refused. The breaker is not tripped: the daemon answers.
 - SGLang's host pool refused in zero-copy mode (the same refusals, at its first
   registration or when it is registered again after a daemon restart or a fence) is
   handled the same way, counted as ``host_pool_refusals``: its zero-copy transfers and
@@ -114,6 +115,12 @@ class _PoolRefused(_NoPool):
 
 class _StagingBusy(_NoPool):
     """Two other transfers held the staging pool's halves for ``io_timeout_s``."""
+
+
+class _StagingRetired(_NoPool):
+    """Another transfer retired the staging pool between two chunks of this one: the daemon
+    refused it when it was registered again (said by ``_staging_refused``), or a transfer
+    ended without an answer (that one's own call trips the breaker)."""
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -470,11 +477,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def _failed(self, what: str, error: BaseException) -> None:
         """A call that raised, answered as a miss. A daemon that failed or did not answer
         pauses kvtier (``Breaker``); a pool refused (said by ``_staging_refused`` or
-        ``_host_pool_refused``) or a staging pool held by other transfers past
+        ``_host_pool_refused``), a staging pool another transfer retired between two
+        chunks of this one (the retiring call said why, and trips the breaker itself if the
+        daemon did not answer) or a staging pool held by other transfers past
         ``io_timeout_s`` does not: the daemon answers. A busy pool is counted apart, and
         said once: its holders wait on the daemon, and one that does not answer trips the
         breaker through their own calls."""
-        if isinstance(error, _PoolRefused):
+        if isinstance(error, (_PoolRefused, _StagingRetired)):
             return
         if isinstance(error, _StagingBusy):
             self._count("staging_busy", 1)
@@ -686,9 +695,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     @staticmethod
     def _alloc(staging: StagingPool, n: int) -> list[int]:
+        """``n`` pages of this caller's half. None only from a pool another transfer retired
+        meanwhile (a half always has them): a miss, not a failure (``_StagingRetired``)."""
         pages = staging.alloc(n)
-        if pages is None:  # cannot happen within a half, unless the pool was retired
-            raise RuntimeError("the staging pool has no free pages")
+        if pages is None:
+            raise _StagingRetired(
+                f"the staging pool generation {staging.generation} was retired by another transfer"
+            )
         return pages
 
     def _staged_rpc(self, staging: StagingPool, call: Callable[[int], list[bool]]) -> list[bool]:

@@ -806,6 +806,62 @@ def test_a_staging_pool_refused_when_registered_again_after_a_restart_backs_off_
         backend.close()
 
 
+def test_a_transfer_between_chunks_when_another_finds_the_staging_pool_refused_is_a_miss(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """Regression: two SGLang threads share the staging pool; after a daemon restart with a
+    limit below it, one thread's transfer found it refused (registered again in the new
+    session) and retired it while the other was between two chunks of a longer load. That
+    one's next chunk found the retired pool with no page to hand out and raised
+    RuntimeError, a failure that tripped the breaker: kvtier paused with a WARNING for a
+    refusal, which is said once as an ERROR and never pauses (the daemon answers). Now the
+    other transfer misses too, without a failure or a pause."""
+    daemon = daemon_factory("tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB")
+    host = mha_host_pool("page_first", "default")
+    page_bytes = host.get_dummy_flat_data_page().numel() * 2
+    # 4 staging pages: each transfer holds at most 2 at once, so 4 pages are 2 chunks.
+    backend = attach(host, storage_config(daemon.address, staging_bytes=4 * page_bytes))
+    keys = [f"retired-between-chunks-{i}" for i in range(4)]
+    try:
+        src = host.alloc(4 * PAGE)
+        fill(host, src, seed=21)
+        assert backend.batch_set_v1(keys, src) == [True] * 4
+        staging = backend._staging
+        assert staging is not None and staging.num_pages == 4
+
+        # The loading thread stops after its first chunk's Get, copying its first page.
+        copying, go_on = threading.Event(), threading.Event()
+        copy_page = host.set_from_flat_data_page
+
+        def held_copy(start: int, page: torch.Tensor) -> None:
+            if not copying.is_set():
+                copying.set()
+                assert go_on.wait(60)
+            copy_page(start, page)
+
+        host.set_from_flat_data_page = held_copy
+        dst = host.alloc(4 * PAGE)
+        loaded: list[list[bool]] = []
+        loader = threading.Thread(target=lambda: loaded.append(backend.batch_get_v1(keys, dst)))
+        loader.start()
+        try:
+            assert copying.wait(60)
+            daemon.overrides += ["--set", f"server.max_pool_bytes_per_tenant={page_bytes}"]
+            daemon.restart()  # no session, and no room for the staging pool
+            more = [f"retired-between-chunks-more-{i}" for i in range(2)]
+            assert backend.batch_set_v1(more, host.alloc(2 * PAGE)) == [False] * 2
+            assert staging.retired
+        finally:
+            go_on.set()
+            loader.join(60)
+        assert loaded and loaded[0][2:] == [False, False]
+        assert backend.counters["staging_refusals"] == 1
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        assert backend.breaker.ok()
+    finally:
+        backend.close()
+
+
 def test_bad_arguments_are_misses(shared_daemon: DaemonProcess) -> None:
     host = mha_host_pool("page_first")
     backend = attach(host, storage_config(shared_daemon.address, retry_after_s=0.01))
