@@ -395,10 +395,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         log.error(
             "kvtier HiCache storage (tp %d, pp %d): the daemon refused the staging pool of %d "
             "bytes (%d pages of %d bytes, sized by the extra config's staging_bytes=%d) with "
-            "%s: %s. %s. To use kvtier, change the daemon's setting named above (its config; "
-            "a restart or SIGHUP applies it, as its log says) so that it allows this pool of "
-            "%d bytes, or, for a limit on bytes, lower staging_bytes below it; the pool is "
-            "tried again in %.3gs, then at doubling intervals up to %.0fs",
+            "%s: %s. %s. To use kvtier, change the daemon's setting named above in its "
+            "config so that it allows this pool of %d bytes and restart the daemon (a SIGHUP "
+            "does not apply it), or, for a limit on bytes, lower staging_bytes below it; the "
+            "pool is tried again in %.3gs, then at doubling intervals up to %.0fs",
             self.storage_config.tp_rank,
             self.storage_config.pp_rank,
             pool_bytes,
@@ -433,8 +433,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
             "host pool of %d bytes (its shared memory, which zero-copy transfers name) with "
             "%s: %s. kvtier is off for this rank: SGLang runs without it (no hit, nothing "
             "stored); the backend does not switch to staged transfers by itself. "
-            "To use kvtier, change the daemon's setting named above (its config; a restart "
-            "or SIGHUP applies it, as its log says) so that it allows this pool of %d bytes, "
+            "To use kvtier, change the daemon's setting named above in its config so that it "
+            "allows this pool of %d bytes and restart the daemon (a SIGHUP does not apply it), "
             "or make SGLang's host pool smaller (--hicache-ratio or --hicache-size), or set "
             '"register_host_pool": false in the extra config to copy pages through a staging '
             "pool of %d bytes (staging_bytes=%d) instead; the host pool is tried again in "

@@ -82,15 +82,16 @@ REFUSED_RETRY_MAX_S = 300.0
 class RegistrationRefusals:
     """When to try again at registering a staging pool the daemon refused (``REFUSALS``).
 
-    Such a refusal changes only when the daemon's config does (a restart, or a SIGHUP for
-    what a reload applies), or, for a tenant's pool counts and bytes, when other pools of
-    the same tenant go; the engine sees none of that without asking. Each try costs a new
-    region of the pool's whole size (hundreds of MiB of shared or GPU memory) and an RPC,
-    and the memory of a refused try is given back at once rather than held for a later
-    try (it would be held while kvtier cannot use it). So tries back off exponentially:
-    ``retry_after_s`` after the first refusal, twice that after the second, and so on up
-    to ``max_s``; a daemon fixed meanwhile is used again within ``max_s``, and one that
-    never changes costs one allocation per ``max_s`` (a handful in the first minutes).
+    Such a refusal changes only when the daemon restarts with another config (no setting
+    that refuses a pool is applied by a SIGHUP), or, for a tenant's pool counts and bytes,
+    when other pools of the same tenant go; the engine sees none of that without asking.
+    Each try costs a new region of the pool's whole size (hundreds of MiB of shared or GPU
+    memory) and an RPC, and the memory of a refused try is given back at once rather than
+    held for a later try (it would be held while kvtier cannot use it). So tries back off
+    exponentially: ``retry_after_s`` after the first refusal, twice that after the second,
+    and so on up to ``max_s``; a daemon fixed meanwhile is used again within ``max_s``, and
+    one that never changes costs one allocation per ``max_s`` (a handful in the first
+    minutes).
     ``clock`` is ``time.monotonic`` unless a test drives it.
     """
 

@@ -862,6 +862,65 @@ def test_a_transfer_between_chunks_when_another_finds_the_staging_pool_refused_i
         backend.close()
 
 
+def test_a_refused_staging_pool_says_a_restart_applies_the_limit_not_a_sighup(
+    daemon_factory: DaemonFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: the ERROR for a refused staging pool (and for a refused host pool) told
+    the operator that "a restart or SIGHUP applies" the daemon's setting. No setting that
+    refuses a pool (server.max_pool_bytes_per_tenant, the pool counts, a tier's slot size,
+    the GPU tier) is applied by a SIGHUP: the daemon logs the raised limit as needing a
+    restart, and the backend's next try, once its back-off ended, was refused again. Now the
+    ERROR says to restart the daemon (a SIGHUP does not apply it); after a restart the next
+    try takes the pool."""
+    config = tmp_path / "kvtier.yaml"
+    limit = "server:\n  max_pool_bytes_per_tenant: {}\ntiers:\n  l1:\n    capacity_bytes: 64MiB\n"
+    config.write_text(limit.format(1024))
+    daemon = DaemonProcess(
+        tmp_path, f"{daemon_factory._sockdir}/hup.sock", ["--config", str(config)]
+    )
+    daemon_factory._daemons.append(daemon)
+    daemon.start()
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(daemon.address))
+    clock = Clock()
+    backend.refusals = RegistrationRefusals(0.01, clock=clock)
+    keys = [f"hup-refused-{i}" for i in range(3)]
+    src = host.alloc(3 * PAGE)
+    stored = fill(host, src, seed=22)
+    try:
+        caplog.set_level(logging.INFO, logger="kvtier")
+        assert backend.batch_set_v1(keys, src) == [False] * 3
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1 and "server.max_pool_bytes_per_tenant" in errors[0]
+
+        config.write_text(limit.format(1 << 30))
+        assert daemon.proc is not None
+        daemon.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while "need a restart" not in daemon.log():
+            assert time.monotonic() < deadline, daemon.log()
+            time.sleep(0.05)
+        assert "server.max_pool_bytes_per_tenant" in daemon.log().split("need a restart")[-1]
+        registrations = rpc_count(daemon, "RegisterPool")
+        clock.now += 3600.0  # the back-off is over: the next call tries again, and is refused
+        assert backend.batch_set_v1(keys, src) == [False] * 3
+        assert rpc_count(daemon, "RegisterPool") == registrations + 1
+        assert backend.counters["staging_refusals"] == 2
+        # What the ERROR told the operator to do must be what brings the pool back.
+        assert "SIGHUP applies" not in errors[0]
+        assert "restart the daemon (a SIGHUP does not apply it)" in errors[0]
+
+        daemon.restart()
+        clock.now += 3600.0
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        dst = host.alloc(3 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(host, dst) == stored
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+
+
 def test_bad_arguments_are_misses(shared_daemon: DaemonProcess) -> None:
     host = mha_host_pool("page_first")
     backend = attach(host, storage_config(shared_daemon.address, retry_after_s=0.01))
