@@ -118,9 +118,16 @@ class _StagingBusy(_NoPool):
 
 
 class _StagingRetired(_NoPool):
-    """Another transfer retired the staging pool between two chunks of this one: the daemon
-    refused it when it was registered again (said by ``_staging_refused``), or a transfer
-    ended without an answer (that one's own call trips the breaker)."""
+    """Another transfer retired the staging pool while this one held it (between two of its
+    chunks, or before its Get or Put, with the pool no longer registered in the client's
+    session): the daemon refused it when it was registered again (said by
+    ``_staging_refused``), or a transfer ended without an answer (that one's own call trips
+    the breaker)."""
+
+    def __init__(self, generation: int) -> None:
+        super().__init__(
+            f"the staging pool generation {generation} was retired by another transfer"
+        )
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -699,12 +706,15 @@ class KVTierHiCacheStorage(HiCacheStorage):
         meanwhile (a half always has them): a miss, not a failure (``_StagingRetired``)."""
         pages = staging.alloc(n)
         if pages is None:
-            raise _StagingRetired(
-                f"the staging pool generation {staging.generation} was retired by another transfer"
-            )
+            raise _StagingRetired(staging.generation)
         return pages
 
     def _staged_rpc(self, staging: StagingPool, call: Callable[[int], list[bool]]) -> list[bool]:
+        if staging.retired and self.client.live_ids(staging.pool.binding) is None:
+            # Retired by another transfer (e.g. refused when registered again, after a
+            # daemon restart) and not held in the current session: registering it again
+            # would ask the daemon once more for a pool that goes, ahead of the back-off.
+            raise _StagingRetired(staging.generation)
         try:
             pool_id = self.client.pool_id_of(staging.pool.binding)
         except REFUSALS as e:

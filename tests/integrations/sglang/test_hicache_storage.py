@@ -862,6 +862,62 @@ def test_a_transfer_between_chunks_when_another_finds_the_staging_pool_refused_i
         backend.close()
 
 
+def test_a_retired_staging_pool_is_not_registered_again_for_a_transfer_that_held_it(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """Regression: two SGLang threads share the staging pool and the daemon restarts with a
+    limit below it. One thread's transfer found it refused when registered again, retired
+    it and backed off; the other, which had filled its pages before, then registered the
+    retired pool once more for its Put: a second RegisterPool for one refusal, counted as a
+    second refusal, which doubled the back-off before the next try. Now that transfer misses
+    without asking the daemon: a retired pool takes no new registration."""
+    daemon = daemon_factory("tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB")
+    host = mha_host_pool("page_first", "default")
+    page_bytes = host.get_dummy_flat_data_page().numel() * 2
+    backend = attach(host, storage_config(daemon.address, staging_bytes=4 * page_bytes))
+    keys = [f"retired-registered-{i}" for i in range(2)]
+    try:
+        src = host.alloc(2 * PAGE)
+        fill(host, src, seed=23)
+        assert backend.batch_set_v1(keys, src) == [True] * 2
+        staging = backend._staging
+        assert staging is not None
+
+        # The storing thread stops while it copies its first page into the staging pool.
+        copying, go_on = threading.Event(), threading.Event()
+        page_of = host.get_data_page
+
+        def held_page(start: int, flat: bool = True) -> torch.Tensor:
+            if not copying.is_set():
+                copying.set()
+                assert go_on.wait(60)
+            return page_of(start, flat=flat)
+
+        host.get_data_page = held_page
+        more = [f"retired-registered-more-{i}" for i in range(2)]
+        stored: list[list[bool]] = []
+        storer = threading.Thread(
+            target=lambda: stored.append(backend.batch_set_v1(more, host.alloc(2 * PAGE)))
+        )
+        storer.start()
+        try:
+            assert copying.wait(60)
+            daemon.overrides += ["--set", f"server.max_pool_bytes_per_tenant={page_bytes}"]
+            daemon.restart()  # no session, and no room for the staging pool
+            assert backend.batch_get_v1(keys, host.alloc(2 * PAGE)) == [False] * 2
+            assert staging.retired
+        finally:
+            go_on.set()
+            storer.join(60)
+        assert stored == [[False, False]]
+        assert rpc_count(daemon, "RegisterPool") == 1
+        assert backend.counters["staging_refusals"] == 1
+        assert backend.refusals.count == 1
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+
+
 def test_a_refused_staging_pool_says_a_restart_applies_the_limit_not_a_sighup(
     daemon_factory: DaemonFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
