@@ -58,7 +58,9 @@ Invariants:
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
 the client is thread-safe, lazily created pools and the refusals' state are guarded by a
-lock, and at most two transfers share the staging pool, each within its own half.
+lock, the host pool is registered again in a new session by one thread at a time (the
+others take its answer), and at most two transfers share the staging pool, each within its
+own half.
 """
 
 from __future__ import annotations
@@ -170,6 +172,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         # itself, or SGLang's legacy calls (no "interface_v1": SGLang's own key).
         self._all_staged = True
         self._lock = threading.Lock()
+        # Held while the host pool is registered again in a new session (_host_pool_id).
+        self._registering = threading.Lock()
         self._closed = False
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list[float]] = {
@@ -301,7 +305,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
                     raise _PoolRefused(str(e)) from None
                 self._direct = pool
         try:
-            pool_id = self.client.pool_id_of(pool.binding)
+            pool_id = self._host_pool_id(pool)
         except REFUSALS as e:
             with self._lock:
                 if self._closed or self._direct is not pool:
@@ -317,6 +321,20 @@ class KVTierHiCacheStorage(HiCacheStorage):
                         self.host_pool_refusals.accepted(),
                     )
         return pool, pool_id
+
+    def _host_pool_id(self, pool: RegisteredPool) -> int:
+        """The host pool's id in the client's session, registering it there first if needed
+        (a daemon restart, a fence) by one thread at a time: one that waited finds the
+        other's answer, the id or a refusal whose back-off runs (``_PoolRefused``), instead
+        of asking the daemon again (a refusal counted twice doubled the back-off)."""
+        ids = self.client.live_ids(pool.binding)
+        if ids is not None:
+            return ids[1]
+        with self._registering:
+            if _stands(self.host_pool_refusals):
+                self._count("skipped", 1)
+                raise _PoolRefused("the daemon refused the host pool; its next try is not due")
+            return self.client.pool_id_of(pool.binding)
 
     @contextlib.contextmanager
     def _staging_half(self) -> Iterator[tuple[StagingPool, int]]:

@@ -601,6 +601,65 @@ def test_a_host_pool_refused_when_registered_again_after_a_restart_backs_off_too
         backend.close()
 
 
+def test_threads_that_register_the_host_pool_again_at_once_ask_the_daemon_once(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """Regression: after a daemon restart with a limit below SGLang's host pool, two SGLang
+    threads (prefetch and backup) that found it not registered in the new session each
+    registered it: the second RegisterPool, made while the first was under way, was refused
+    again and counted as a second refusal, doubling the back-off before the next try (one
+    more per thread). Now one thread registers it again and the others wait for its answer:
+    one RegisterPool, one refusal, both transfers missing without a failure."""
+    daemon = daemon_factory("tiers.l2.enabled=true", "tiers.l2.capacity_bytes=64MiB")
+    host = mha_host_pool("page_first", "shm")
+    backend = attach(host, storage_config(daemon.address, io_timeout_s=30.0))
+    keys = [f"host-again-at-once-{i}" for i in range(2)]
+    try:
+        src = host.alloc(2 * PAGE)
+        fill(host, src, seed=24)
+        assert backend.batch_set_v1(keys, src) == [True] * 2
+        daemon.overrides += ["--set", "server.max_pool_bytes_per_tenant=65536"]
+        daemon.restart()  # no session, and no room for the host pool
+        assert daemon.proc is not None
+        results: list[list[bool]] = []
+        threads = [
+            threading.Thread(
+                target=lambda: results.append(backend.batch_get_v1(keys, host.alloc(2 * PAGE)))
+            )
+            for _ in range(2)
+        ]
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # both registrations are under way at once
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while not all(_registering(t) for t in threads):
+                assert time.monotonic() < deadline, "the threads never registered the pool"
+                time.sleep(0.01)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert results == [[False, False]] * 2
+        assert rpc_count(daemon, "RegisterPool") == 1
+        assert backend.counters["host_pool_refusals"] == 1
+        assert backend.host_pool_refusals.count == 1
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+
+
+def _registering(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in the backend's registration of its host pool (waiting for the
+    daemon, or for another thread doing so)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name in ("pool_id_of", "_host_pool_id"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_a_busy_staging_pool_is_a_miss_not_a_daemon_that_does_not_answer(
     shared_daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
