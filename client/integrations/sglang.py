@@ -744,7 +744,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
                     raise  # closed meanwhile: its memory is gone, not refused by the daemon
                 self._staging_refused(e, staging.num_pages, staging.layer_block_bytes)
             staging.retire(
-                f"the daemon refused it when it was registered again: {e}", unclean=False
+                f"the daemon refused it when it was registered again: {e}",
+                unclean=False,
+                said=True,
             )
             raise _PoolRefused(str(e)) from None
         try:

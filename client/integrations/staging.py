@@ -435,21 +435,26 @@ class StagingPool:
         if close:
             self.close()
 
-    def retire(self, why: str, *, unclean: bool = True) -> None:
+    def retire(self, why: str, *, unclean: bool = True, said: bool = False) -> None:
         """Take no new transfers; close once the transfers holding pages have ended.
         ``unclean``: a transfer ended without the daemon's answer, so a copy may still run
-        (False when the pool goes for another reason, e.g. the daemon dropped it)."""
+        (False when the pool goes for another reason, e.g. the daemon dropped it). ``said``:
+        the caller has logged why, and whether a fresh pool follows (a refusal's ERROR: none
+        does while it stands), so the retirement is an INFO line, not a WARNING."""
         with self._lock:
             self._unclean |= unclean
             if self.retired:
                 return
             self.retired = True
             close = self._users == 0
-        log.warning(
-            "kvtier staging pool generation %d retired (%s); a fresh one replaces it",
-            self.generation,
-            why,
-        )
+        if said:
+            log.info("kvtier staging pool generation %d retired (%s)", self.generation, why)
+        else:
+            log.warning(
+                "kvtier staging pool generation %d retired (%s); a fresh one replaces it",
+                self.generation,
+                why,
+            )
         if close:
             self.close()
 

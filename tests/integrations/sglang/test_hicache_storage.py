@@ -851,6 +851,12 @@ def test_a_staging_pool_refused_when_registered_again_after_a_restart_backs_off_
         assert backend.counters["staging_refusals"] == 1
         assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
         assert staging.closed  # its memory given back, not held while refused
+        # Said once, as the ERROR: no WARNING that its retirement makes "a fresh one replace
+        # it" (none does while the refusal stands).
+        staging_log = "kvtier.client.integrations.staging"
+        said = [r.getMessage() for r in caplog.records if r.name == staging_log]
+        assert not [r for r in caplog.records if r.name == staging_log and r.levelno > logging.INFO]
+        assert said and "retired" in said[0]
 
         daemon.overrides = overrides
         daemon.restart()
