@@ -837,8 +837,9 @@ class DiskTier:
         written back, as a commit would). Where that connection cannot be opened (the file
         removed again meanwhile, or not written back, which degrades the tier as it does at
         a commit), through the tier's own connection, which holds the same database whether
-        or not its path still names it; the next commit or ``close`` tries the write-back
-        again."""
+        or not its path still names it: a file removed again is written back at the next
+        check (a commit's, the watch's or ``close``'s); after a write-back that failed, only
+        ``close`` tries again."""
         index = self._idx()
         try:
             reader = index.reader()
