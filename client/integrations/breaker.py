@@ -59,7 +59,8 @@ class Breaker:
 
     Thread-safety: a race may let two callers through at the end of a pause; harmless. The
     probing thread only reads the clock and writes the pause's end and ``probing``; it and
-    ``trip`` start, end and count unanswered failures under ``_lock``.
+    ``trip`` start and end probing, and note when the latest unanswered failure happened,
+    under ``_lock``.
     """
 
     def __init__(
@@ -71,7 +72,8 @@ class Breaker:
         self._closed_until = 0.0
         self._forgiven_at = -retry_after_s  # when a NOT_FOUND last passed without a pause
         self._probing = False  # a probing thread holds the breaker open
-        self._unanswered = 0  # failures that said the daemon did not answer (under _lock)
+        # When the latest failure that said the daemon did not answer happened (under _lock).
+        self._unanswered_at = float("-inf")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.trips = 0
@@ -103,7 +105,7 @@ class Breaker:
             # the one to find out (a late failure's pause is over: the probe runs at once).
             self._closed_until = max(self._closed_until, until)
             with self._lock:
-                self._unanswered += 1
+                self._unanswered_at = max(self._unanswered_at, now if at is None else at)
                 start = not self._probing and not self._stop.is_set()
                 self._probing = self._probing or start
             if start:
@@ -137,13 +139,15 @@ class Breaker:
 
     def _wait_for_daemon(self, since: float) -> None:
         """The probing thread: ask the daemon every ``retry_after_s`` until it serves, and
-        served with no call failing unanswered meanwhile (such a failure, on another thread,
-        found this thread probing and started none: if this answer ended the probing, the
-        engine's next call would be the one to ask a daemon that may hang again)."""
+        served with no call failing unanswered after it was asked (such a failure, on another
+        thread, found this thread probing and started none: if this answer ended the probing,
+        the engine's next call would be the one to ask a daemon that may hang again). A
+        failure that happened before the daemon was asked, noticed while it answered (save
+        jobs that timed out during a hang and were reaped together later), is older than the
+        answer: it does not hold kvtier off for another ``retry_after_s``."""
         assert self._probe is not None
         while not self._stop.wait(max(0.0, self._closed_until - time.monotonic())):
-            with self._lock:
-                unanswered = self._unanswered
+            asked = time.monotonic()
             try:
                 serving = self._probe()
             except Exception as e:  # KvtierError: still not answering
@@ -151,7 +155,7 @@ class Breaker:
                 serving = False
             if serving:
                 with self._lock:
-                    if self._unanswered == unanswered:
+                    if self._unanswered_at < asked:
                         self._probing = False
                         break
             else:

@@ -122,6 +122,34 @@ def test_a_call_unanswered_long_ago_is_probed_before_the_engine_asks_again():
     paused.close()
 
 
+def test_failures_older_than_the_probes_answer_do_not_hold_kvtier_off_again():
+    """Regression: the save jobs a hang timed out are reaped together at a later step; the
+    first one's trip started a probe, and the others, counted as failures that came in while
+    it ran, set its answer aside: the daemon answered, yet kvtier stayed off for another
+    retry_after_s and a second probe. A failure that happened before the daemon was asked is
+    older than its answer: that answer ends the pause."""
+    asked = threading.Event()
+    release = threading.Event()
+    calls: list[int] = []
+
+    def probe() -> bool:
+        calls.append(1)
+        asked.set()
+        release.wait(20)
+        return True
+
+    breaker = Breaker(0.05, "transfer", probe=probe)
+    timed_out = time.monotonic() - 10.0  # when the hang timed the jobs out
+    breaker.trip(DeadlineExceededError("a save reaped late"), at=timed_out)
+    assert asked.wait(20)
+    for i in range(1, 4):  # the same hang's other jobs, reaped while the probe asks
+        breaker.trip(DeadlineExceededError("another save reaped late"), at=timed_out + i / 1000)
+    release.set()
+    assert _wait_until(lambda: not breaker.probing)
+    assert breaker.ok() and calls == [1]
+    breaker.close()
+
+
 def test_refusals_that_come_from_a_serving_daemon_are_not_probed():
     """A daemon that answered (here: a limit) is up: the pause ends with retry_after_s."""
     calls: list[int] = []

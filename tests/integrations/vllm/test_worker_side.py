@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 import torch
 from mini_engine import wait_until
 
+from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.integrations.vllm_config import ConnectorConfig, KeyChain, ModelIdentity
 from kvtier.client.integrations.vllm_meta import KVTierConnectorMetadata, LoadSpec, SaveSpec
 from kvtier.client.integrations.vllm_worker import WorkerSide
@@ -234,6 +236,57 @@ def test_a_hung_daemon_holds_no_more_than_max_save_jobs_saves_in_flight(daemon, 
         spec = SaveSpec("late", [0], {0: [keys[9]]}, {0: b""}, at_finish=True)
         run_step(side, KVTierConnectorMetadata(saves=[spec]))
         assert _stored(side, [keys[9]]) == 1
+    finally:
+        if stopped:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        side.shutdown()
+
+
+def test_saves_a_hang_timed_out_reaped_together_later_cost_one_probe(daemon):
+    """Regression: the save jobs a hang timed out were reaped together at the next step (the
+    engine had nothing to run meanwhile) and each tripped the breaker: the first started a
+    probe, and the others, counted as failures that came in while it ran, set its answer
+    aside, so kvtier stayed off for another retry_after_s, and a second probe, though the
+    daemon answered the first. The first answer now ends the pause, and the next step
+    stores its save."""
+    assert daemon.proc is not None
+    chain = KeyChain(IDENTITY.namespace(0, 0))
+    keys = [chain.extend([i] * 4, 1, None)[0] for i in range(10)]
+    side, _ = worker(
+        daemon.address,
+        blocks=32,
+        staging_bytes=32 * 128,
+        save_timeout_s=0.5,
+        retry_after_s=1.0,
+    )
+    probes: list[bool] = []
+    health = daemon_answers(side.client)
+
+    def counted() -> bool:
+        probes.append(health())
+        return probes[-1]
+
+    side.breaker = Breaker(side.config.retry_after_s, "transfer", probe=counted)
+    stopped = False
+    try:
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        stopped = True
+        for i in range(3):
+            spec = SaveSpec(f"r{i}", [i], {0: [keys[i]]}, {0: b""}, at_finish=True)
+            run_step(side, KVTierConnectorMetadata(saves=[spec]))
+        assert side.saves_in_flight() == 3
+        assert wait_until(lambda: side.saves_in_flight() == 0)  # timed out, not reaped
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        stopped = False
+        time.sleep(side.config.retry_after_s)  # their pause is over when they are reaped
+        spec = SaveSpec("next", [5], {0: [keys[5]]}, {0: b""}, at_finish=True)
+        run_step(side, KVTierConnectorMetadata(saves=[spec]))
+        assert side.stats["save_jobs_failed"] == 3 and side.breaker.probing
+        assert wait_until(side.breaker.ok)
+        assert probes == [True]
+        spec = SaveSpec("later", [6], {0: [keys[6]]}, {0: b""}, at_finish=True)
+        run_step(side, KVTierConnectorMetadata(saves=[spec]))
+        assert _stored(side, [keys[6]]) == 1
     finally:
         if stopped:
             os.kill(daemon.proc.pid, signal.SIGCONT)
