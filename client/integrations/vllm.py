@@ -153,17 +153,25 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._metrics: dict[str, dict[int, Any]] = {}
-        for names, cls in ((COUNTERS, self._counter_cls), (GAUGES, self._gauge_cls)):
-            for name, documentation in names.items():
-                metric = cls(
+        for name, documentation in {**COUNTERS, **GAUGES}.items():
+            text = f"kvtier connector: {documentation}."
+            if name in GAUGES:
+                # With several API servers vLLM's metrics are multiprocess and each step is
+                # recorded by one of them: as vLLM's own gauges, the latest value is the one
+                # series (without a mode, each process's last value was a series of its own).
+                metric = self._gauge_cls(
                     name=PROM_PREFIX + name,
-                    documentation=f"kvtier connector: {documentation}.",
+                    documentation=text,
                     labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
                 )
-                self._metrics[name] = {
-                    engine: metric.labels(*values)
-                    for engine, values in per_engine_labelvalues.items()
-                }
+            else:
+                metric = self._counter_cls(
+                    name=PROM_PREFIX + name, documentation=text, labelnames=labelnames
+                )
+            self._metrics[name] = {
+                engine: metric.labels(*values) for engine, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():

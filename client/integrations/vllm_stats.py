@@ -13,7 +13,8 @@ Invariants:
   the workers, i.e. over tensor- and pipeline-parallel ranks).
 - A gauge (``GAUGES``) is reported at every step it is not 0, and at the step it falls to
   0; added up, it keeps the largest value: over the workers of a step, and over the steps
-  of a logging interval. Prometheus holds the last step's.
+  of a logging interval. Prometheus holds the last step's (with several API servers, the
+  latest any of them recorded: one series, not one per process).
 - ``data`` is a flat ``{name: number}`` of names in ``COUNTERS`` or ``GAUGES``: it crosses
   processes as is.
 

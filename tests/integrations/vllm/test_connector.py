@@ -12,11 +12,14 @@ import dataclasses
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from mini_engine import BLOCK, MiniEngine, wait_until
+from prometheus_client import CollectorRegistry, multiprocess
 from vllm.lora.request import LoRARequest
 from vllm.v1.request import RequestStatus
 from vllm_harness import make_checkpoint, prompts
@@ -876,6 +879,47 @@ def test_the_counters_reach_vllms_scheduler_stats_each_increment_once(model_dir,
         assert set(side.stats) | set(worker.stats) == set(COUNTERS)
     finally:
         engine.close()
+
+
+# A vLLM front end's Prometheus side: the connector's metrics as vLLM registers them
+# (``KVConnectorProm``, through ``build_prom_metrics``), recording one step's stats.
+_FRONT_END = """
+import sys
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+config = VllmConfig(kv_transfer_config=KVTransferConfig(
+    kv_connector="KVTierConnector",
+    kv_connector_module_path="kvtier.client.integrations.vllm",
+    kv_role="kv_both",
+))
+prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+prom.observe({"lookups": int(sys.argv[1]), "save_jobs_in_flight": int(sys.argv[2])}, 0)
+"""
+
+
+def test_the_save_jobs_gauge_is_one_series_across_vllm_front_end_processes(tmp_path):
+    """With several API servers (``--api-server-count``) vLLM keeps its Prometheus metrics in
+    multiprocess mode, and each step's stats are recorded by whichever front-end process
+    gets them. The connector's in-flight gauge had no multiprocess mode: each process
+    exported a series of its own (a ``pid`` label), and one that last saw 3 saves in
+    flight showed 3 for good. As vLLM's own gauges, it now exports one series, the most
+    recent value; its counters add up over the processes."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for lookups, in_flight in ((2, 3), (3, 0)):  # two front ends, one step each
+        subprocess.run(
+            [sys.executable, "-c", _FRONT_END, str(lookups), str(in_flight)],
+            env=env,
+            check=True,
+            timeout=300,
+        )
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    series = [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples]
+    labels = {"model_name": "tiny", "engine": "0"}
+    gauge = [(ls, v) for name, ls, v in series if name == "vllm:kvtier_save_jobs_in_flight"]
+    assert gauge == [(labels, 0.0)]
+    lookups = [(ls, v) for name, ls, v in series if name == "vllm:kvtier_lookups_total"]
+    assert lookups == [(labels, 5.0)]
 
 
 def test_a_preempted_request_resumes_with_the_right_kv(model_dir, daemon):
