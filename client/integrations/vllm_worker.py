@@ -436,7 +436,7 @@ class WorkerSide:
             "of %d bytes (%d pages of %d bytes, sized by the connector's staging_bytes=%d) "
             "with %s: %s. kvtier is off for this worker: vLLM runs without it (no hit is "
             "offered, nothing is stored). To use kvtier, change the daemon's setting named "
-            "above (its config; a restart or SIGHUP applies it, as its log says) so that it "
+            "above (its config; a daemon restart applies it: a SIGHUP reloads no pool limit) so that it "
             "allows this pool of %d bytes, or, for a limit on bytes, lower the connector's "
             "staging_bytes (kv_connector_extra_config) below it; the pool "
             "is tried again in %.3gs, then at doubling intervals up to %.0fs",
