@@ -109,10 +109,13 @@ class Breaker:
                 start = not self._probing and not self._stop.is_set()
                 self._probing = self._probing or start
             if start:
+                # A failure reaped late says when it happened: the outage may be long over.
+                ago = now - at if at is not None else 0.0
                 log.warning(
-                    "kvtier %s failed (%s: %s); running without kvtier until the daemon "
+                    "kvtier %s failed%s (%s: %s); running without kvtier until the daemon "
                     "answers (asked every %.1fs)",
                     self.what,
+                    f" {ago:.1f}s ago" if ago >= 1.0 else "",
                     type(error).__name__,
                     error,
                     self.retry_after_s,

@@ -70,6 +70,8 @@ class Deltas:
         self._reported: dict[str, int] = {}
 
     def take(self, counters: Mapping[str, int], gauges: Mapping[str, int]) -> dict[str, int]:
+        # One read of each: what is reported and what is remembered as reported agree.
+        counters, gauges = dict(counters), dict(gauges)
         out = {k: v - self._reported.get(k, 0) for k, v in counters.items()}
         out = {k: v for k, v in out.items() if v}
         out.update({k: v for k, v in gauges.items() if v or self._reported.get(k, 0)})

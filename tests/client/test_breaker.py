@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -88,7 +90,7 @@ def test_a_daemon_that_did_not_answer_is_asked_again_by_a_probe_not_the_engine()
     breaker.close()
 
 
-def test_a_call_unanswered_long_ago_is_probed_before_the_engine_asks_again():
+def test_a_call_unanswered_long_ago_is_probed_before_the_engine_asks_again(caplog):
     """A failure that says the daemon did not answer, noticed after its pause would have
     ended (a background save reaped late) or while a shorter pause of another cause runs,
     started no probe: the breaker stayed or went back open to the engine, whose next call
@@ -102,8 +104,11 @@ def test_a_call_unanswered_long_ago_is_probed_before_the_engine_asks_again():
         return True
 
     late = Breaker(1.0, "save", probe=probe)
-    late.trip(DeadlineExceededError("a save reaped late"), at=time.monotonic() - 10.0)
+    with caplog.at_level(logging.WARNING, logger="kvtier.client.integrations.breaker"):
+        late.trip(DeadlineExceededError("a save reaped late"), at=time.monotonic() - 10.0)
     assert late.probing and not late.ok()
+    # Said as the old failure it is, not as an outage starting now.
+    assert re.search(r"kvtier save failed 1\d\.\ds ago \(DeadlineExceededError", caplog.text)
     release.set()
     assert _wait_until(late.ok) and answers == [True]
     late.close()
