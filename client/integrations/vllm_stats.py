@@ -55,7 +55,10 @@ COUNTERS: dict[str, str] = {
 """Every counter of either side's ``stats``, with its meaning."""
 
 GAUGES: dict[str, str] = {
-    "save_jobs_in_flight": "Save jobs in flight on a worker (the most on any, at a step's end)",
+    "save_jobs_behind": (
+        "Save jobs still in flight that were in flight at the step before: a backlog, 0 while "
+        "the daemon keeps up (the most on any worker, at a step's end)"
+    ),
 }
 
 PROM_PREFIX = "vllm:kvtier_"

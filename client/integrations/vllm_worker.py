@@ -217,6 +217,7 @@ class WorkerSide:
         self._stale: dict[int, tuple[str, int]] = {}
         self._failed_owner: dict[int, str] = {}  # this step's failed blocks: their request
         self._steps = 0
+        self._seen_in_flight: dict[int, _Save] = {}  # ``_saves_behind``
         self._done_leases: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load failed, to report
         # Requests reported in failed_loads whose rewind the scheduler side has not yet
@@ -1003,7 +1004,19 @@ class WorkerSide:
     def take_stats(self) -> dict[str, int]:
         """The counters' increments since the last call, and the saves in flight
         (``Deltas``: vLLM's per-step connector stats)."""
-        return self._deltas.take(self.stats, {"save_jobs_in_flight": self.saves_in_flight()})
+        return self._deltas.take(self.stats, {"save_jobs_behind": self._saves_behind()})
+
+    def _saves_behind(self) -> int:
+        """The saves in flight now that were in flight at the last ``take_stats`` already: a
+        backlog. A step's own save usually still runs when vLLM takes the step's stats, and
+        vLLM takes none once idle, so the saves in flight themselves read 1 on an idle engine
+        that keeps up. The saves of the last call are kept (``_seen_in_flight``) so that an
+        id is not reused by a new one meanwhile."""
+        now = {id(s): s for s in self._save_jobs if s.job is not None and not s.job.done()}
+        now.update((id(s), s) for s in self._copying)
+        behind = sum(1 for k in now if k in self._seen_in_flight)
+        self._seen_in_flight = now
+        return behind
 
     def shutdown(self) -> None:
         """Let saves in flight finish (up to ``shutdown_timeout_s``), then let go."""

@@ -893,7 +893,7 @@ config = VllmConfig(kv_transfer_config=KVTransferConfig(
     kv_role="kv_both",
 ))
 prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
-prom.observe({"lookups": int(sys.argv[1]), "save_jobs_in_flight": int(sys.argv[2])}, 0)
+prom.observe({"lookups": int(sys.argv[1]), "save_jobs_behind": int(sys.argv[2])}, 0)
 """
 
 
@@ -916,7 +916,7 @@ def test_the_save_jobs_gauge_is_one_series_across_vllm_front_end_processes(tmp_p
     multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
     series = [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples]
     labels = {"model_name": "tiny", "engine": "0"}
-    gauge = [(ls, v) for name, ls, v in series if name == "vllm:kvtier_save_jobs_in_flight"]
+    gauge = [(ls, v) for name, ls, v in series if name == "vllm:kvtier_save_jobs_behind"]
     assert gauge == [(labels, 0.0)]
     lookups = [(ls, v) for name, ls, v in series if name == "vllm:kvtier_lookups_total"]
     assert lookups == [(labels, 5.0)]

@@ -218,12 +218,16 @@ def test_a_hung_daemon_holds_no_more_than_max_save_jobs_saves_in_flight(daemon, 
         assert side.staging_registered() and side.staging_pages.saves == 16
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         stopped = True
+        behind = []  # the backlog gauge vLLM takes at each step's end
         with caplog.at_level(logging.WARNING, logger="kvtier"):
             for i in range(8):  # one finished request per step, one block each
                 spec = SaveSpec(f"r{i}", [i], {0: [keys[i]]}, {0: b""}, at_finish=True)
                 run_step(side, KVTierConnectorMetadata(saves=[spec]))
                 assert side.saves_in_flight() <= 3
+                behind.append(side.take_stats().get("save_jobs_behind", 0))
         assert side.saves_in_flight() == 3
+        # Each step's own save is not behind yet; the hang's grow to the bound.
+        assert behind == [0, 1, 2, 3, 3, 3, 3, 3]
         assert side.stats["save_blocks"] == 3 and side.stats["save_blocks_dropped"] == 5
         assert side.stats["saves_over_limit"] == 5
         assert side._save_pages(side._arena) == 3  # the dropped saves hold no page
@@ -233,8 +237,13 @@ def test_a_hung_daemon_holds_no_more_than_max_save_jobs_saves_in_flight(daemon, 
         stopped = False
         assert _stored(side, keys[:3]) == 3
         assert side.breaker.ok()
+        assert wait_until(lambda: side.saves_in_flight() == 0)
+        assert side.take_stats()["save_jobs_behind"] == 0  # reported as it falls to 0
         spec = SaveSpec("late", [0], {0: [keys[9]]}, {0: b""}, at_finish=True)
         run_step(side, KVTierConnectorMetadata(saves=[spec]))
+        # The step's own save, running or done, is no backlog: an engine that goes idle
+        # now shows 0, not a save that looks stuck.
+        assert side.take_stats().get("save_jobs_behind", 0) == 0
         assert _stored(side, [keys[9]]) == 1
     finally:
         if stopped:
