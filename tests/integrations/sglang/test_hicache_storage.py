@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -390,6 +391,38 @@ def test_a_hung_daemon_costs_one_bounded_wait_then_misses(
         backend.close()
 
 
+def _said_once(caplog: pytest.LogCaptureFixture, *named: str) -> None:
+    """One ERROR, naming each of ``named``, and no WARNING: a refusal is said once."""
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    for name in named:
+        assert name in errors[0], name
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def _backs_off(
+    backend: Any,
+    daemon: DaemonProcess,
+    clock: Clock,
+    keys: list[str],
+    pages: Any,
+    registrations: int,
+    counter: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a first refusal at ``registrations + 1`` RegisterPools: the next try comes
+    retry_after_s (0.01 s of ``clock``) after it, the one after that twice as late, each
+    refused quietly (``counter`` counts them; still one ERROR)."""
+    clock.now += 0.015
+    assert backend.batch_set_v1(keys, pages) == [False] * 3
+    assert rpc_count(daemon, "RegisterPool") == registrations + 2
+    clock.now += 0.015  # 0.015 s since that try: short of twice retry_after_s
+    assert backend.batch_set_v1(keys, pages) == [False] * 3
+    assert rpc_count(daemon, "RegisterPool") == registrations + 2
+    assert backend.counters[counter] == 2
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+
+
 def test_a_staging_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off(
     daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -422,29 +455,18 @@ def test_a_staging_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_
                 time.sleep(0.02)  # past retry_after_s: each pause's end made a new pool
             assert rpc_count(daemon, "RegisterPool") == registrations + 1
             assert rpc_count(daemon, "Lookup") == lookups
-            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-            assert len(errors) == 1
-            for named in (
+            _said_once(
+                caplog,
                 "server.max_pool_bytes_per_tenant",
                 f"staging pool of {pool_bytes} bytes",
                 "staging_bytes=268435456",
                 "ResourceExhaustedError",
                 "kvtier is off for this rank",
-            ):
-                assert named in errors[0], named
-            assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+            )
             assert backend.counters["staging_refusals"] == 1
             assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
 
-            # The back-off: retry_after_s after the first refusal, twice that after the next.
-            clock.now += 0.015
-            assert backend.batch_set_v1(keys, src) == [False] * 3
-            assert rpc_count(daemon, "RegisterPool") == registrations + 2
-            clock.now += 0.015
-            assert backend.batch_set_v1(keys, src) == [False] * 3
-            assert rpc_count(daemon, "RegisterPool") == registrations + 2
-            assert backend.counters["staging_refusals"] == 2
-            assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+            _backs_off(backend, daemon, clock, keys, src, registrations, "staging_refusals", caplog)
             holder.unregister_pool(held.binding.pool_id)
 
         deadline = time.monotonic() + 30
@@ -505,9 +527,8 @@ def test_a_host_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off
                 assert backend.batch_set_v1(keys, dst) == [False] * 3
             assert rpc_count(daemon, "RegisterPool") == registrations + 1
             assert rpc_count(daemon, "Lookup") == lookups
-            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-            assert len(errors) == 1
-            for named in (
+            _said_once(
+                caplog,
                 "server.max_pool_bytes_per_tenant",
                 f"host pool of {host_bytes} bytes",
                 "ResourceExhaustedError",
@@ -515,22 +536,14 @@ def test_a_host_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off
                 "does not switch to staged transfers",
                 '"register_host_pool": false',
                 "--hicache-ratio",
-            ):
-                assert named in errors[0], named
-            assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+            )
             assert backend.counters["host_pool_refusals"] == 1
             assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
             assert backend.mode == "direct" and backend._staging is None
 
-            # The back-off: retry_after_s after the first refusal, twice that after the next.
-            clock.now += 0.015
-            assert backend.batch_set_v1(keys, dst) == [False] * 3
-            assert rpc_count(daemon, "RegisterPool") == registrations + 2
-            clock.now += 0.015
-            assert backend.batch_set_v1(keys, dst) == [False] * 3
-            assert rpc_count(daemon, "RegisterPool") == registrations + 2
-            assert backend.counters["host_pool_refusals"] == 2
-            assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 1
+            _backs_off(
+                backend, daemon, clock, keys, dst, registrations, "host_pool_refusals", caplog
+            )
             holder.unregister_pool(held.binding.pool_id)
 
         deadline = time.monotonic() + 30
@@ -553,6 +566,39 @@ def test_a_host_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off
         writer.close()
 
 
+def _restarted_with_less_room(
+    daemon: DaemonProcess,
+    backend: Any,
+    host: Any,
+    keys: list[str],
+    counter: str,
+    caplog: pytest.LogCaptureFixture,
+) -> tuple[list[str], Any]:
+    """Restart ``daemon`` (its blocks kept in L2) with a tenant's pool bytes below the
+    backend's pool: three loads and lookups of ``keys`` then miss without a Lookup, the pool's
+    one registration in the new session refused (one ERROR naming the limit, counted in
+    ``counter``), the breaker untouched. Returns the daemon's overrides from before, and
+    the host pages the loads used."""
+    overrides = list(daemon.overrides)
+    daemon.overrides += ["--set", "server.max_pool_bytes_per_tenant=65536"]
+    daemon.restart()
+    caplog.set_level(logging.INFO, logger="kvtier")
+    registrations = rpc_count(daemon, "RegisterPool")
+    lookups = rpc_count(daemon, "Lookup")
+    dst = host.alloc(3 * PAGE)
+    for _ in range(3):
+        assert backend.batch_get_v1(keys, dst) == [False] * 3
+        assert backend.batch_exists(keys) == 0
+        time.sleep(0.02)  # past retry_after_s
+    assert rpc_count(daemon, "RegisterPool") == registrations + 1
+    assert rpc_count(daemon, "Lookup") == lookups
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "server.max_pool_bytes_per_tenant" in errors[0]
+    assert backend.counters[counter] == 1
+    assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    return overrides, dst
+
+
 def test_a_host_pool_refused_when_registered_again_after_a_restart_backs_off_too(
     daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -571,23 +617,9 @@ def test_a_host_pool_refused_when_registered_again_after_a_restart_backs_off_too
         src = host.alloc(3 * PAGE)
         stored = fill(host, src, seed=19)
         assert backend.batch_set_v1(keys, src) == [True] * 3
-        overrides = list(daemon.overrides)
-        daemon.overrides += ["--set", "server.max_pool_bytes_per_tenant=65536"]
-        daemon.restart()  # the blocks are in L2; no session, and no room for the host pool
-        caplog.set_level(logging.INFO, logger="kvtier")
-        registrations = rpc_count(daemon, "RegisterPool")
-        lookups = rpc_count(daemon, "Lookup")
-        dst = host.alloc(3 * PAGE)
-        for _ in range(3):
-            assert backend.batch_get_v1(keys, dst) == [False] * 3
-            assert backend.batch_exists(keys) == 0
-            time.sleep(0.02)  # past retry_after_s
-        assert rpc_count(daemon, "RegisterPool") == registrations + 1
-        assert rpc_count(daemon, "Lookup") == lookups
-        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1 and "server.max_pool_bytes_per_tenant" in errors[0]
-        assert backend.counters["host_pool_refusals"] == 1
-        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        overrides, dst = _restarted_with_less_room(
+            daemon, backend, host, keys, "host_pool_refusals", caplog
+        )
 
         daemon.overrides = overrides
         daemon.restart()
@@ -833,23 +865,9 @@ def test_a_staging_pool_refused_when_registered_again_after_a_restart_backs_off_
         assert backend.batch_set_v1(keys, src) == [True] * 3
         staging = backend._staging
         assert staging is not None
-        overrides = list(daemon.overrides)
-        daemon.overrides += ["--set", "server.max_pool_bytes_per_tenant=65536"]
-        daemon.restart()  # the blocks are in L2; no session, and no room for the pool
-        caplog.set_level(logging.INFO, logger="kvtier")
-        registrations = rpc_count(daemon, "RegisterPool")
-        lookups = rpc_count(daemon, "Lookup")
-        dst = host.alloc(3 * PAGE)
-        for _ in range(3):
-            assert backend.batch_get_v1(keys, dst) == [False] * 3
-            assert backend.batch_exists(keys) == 0
-            time.sleep(0.02)  # past retry_after_s
-        assert rpc_count(daemon, "RegisterPool") == registrations + 1
-        assert rpc_count(daemon, "Lookup") == lookups
-        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert len(errors) == 1 and "server.max_pool_bytes_per_tenant" in errors[0]
-        assert backend.counters["staging_refusals"] == 1
-        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        overrides, dst = _restarted_with_less_room(
+            daemon, backend, host, keys, "staging_refusals", caplog
+        )
         assert staging.closed  # its memory given back, not held while refused
         # Said once, as the ERROR: no WARNING that its retirement makes "a fresh one replace
         # it" (none does while the refusal stands).
