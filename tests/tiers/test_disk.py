@@ -1808,3 +1808,38 @@ def test_regression_slots_a_locked_index_kept_from_a_put_are_freed_without_a_com
             other.close()
         assert tier.remove([blocks[0][1]])
         assert tier.allocator.used_bytes == 0
+
+
+def test_regression_a_watch_check_held_up_by_a_reader_does_not_hold_the_index_for_the_busy_timeout(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The WAL removed while another process holds a read transaction: the watch's check
+    finds its checkpoint held up and reports it at once (tried again later) rather than
+    waiting out SQLite's busy timeout (30 s) holding the index's lock, which stalled every
+    commit and the daemon's stop (``close`` joins the watch) for that long. The busy timeout
+    is set far beyond the wait below, so the check can only report the lock while the reader
+    still holds it if it did not wait."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+    tier = _open(disk_dir)
+    try:
+        _persist(tier, make_block, list(range(3)), 4096)
+        reader = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        results: list[bool] = []
+        check = threading.Thread(target=lambda: results.append(tier._check_index_files()))
+        try:
+            reader.execute("BEGIN")
+            assert reader.execute("SELECT count(*) FROM blocks").fetchone() == (3,)
+            _unlink_wal(disk_dir)
+            check.start()
+            check.join(timeout=60.0)
+        finally:
+            reader.close()  # lets a check that waited finish: it then reports no lock
+            check.join()
+        assert results == [True]
+        assert tier.health().state == Health.OK
+        # The connection's own busy timeout is left as it was for commits.
+        index = tier._index
+        assert index is not None and index._db is not None
+        assert index._db.execute("PRAGMA busy_timeout").fetchone() == (3600000,)
+    finally:
+        tier.close()

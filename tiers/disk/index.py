@@ -342,8 +342,10 @@ class DiskIndex:
         a removed index written back, a removed WAL checkpointed), so that a crash before the
         next commit does not lose what the removed files held. When nothing changed this is a
         stat of the index file and of its WAL, taking neither the lock nor SQLite (a commit
-        holding the lock checks the files itself). Raises as that check does; a no-op once
-        closed."""
+        holding the lock checks the files itself). A WAL checkpoint another process's reader
+        holds up fails at once (``IndexCheckpointBusy``) instead of waiting out the busy
+        timeout holding the lock, which would stall every commit and ``close`` that long; the
+        caller tries again later. Raises as that check does; a no-op once closed."""
         try:
             if self._file_ids() == self._ids:
                 return
@@ -351,7 +353,7 @@ class DiskIndex:
             pass  # reported by the check, under the lock
         with self._lock:
             if self._db is not None:
-                self._check_files(self._db)
+                self._check_files(self._db, wait_busy=False)
 
     def close(self) -> None:
         """Close the connection; an index file removed since the last commit is first
@@ -410,7 +412,7 @@ class DiskIndex:
                 classify(e).detail,
             )
 
-    def _check_files(self, db: sqlite3.Connection) -> None:
+    def _check_files(self, db: sqlite3.Connection, *, wait_busy: bool = True) -> None:
         """Before a write transaction and after its commit: that commits reach the files the
         index's path names. A removed or replaced WAL (an operator cleaning up ``-wal``
         files) is checkpointed into the index file, then the connection is reopened with a
@@ -418,7 +420,9 @@ class DiskIndex:
         one that cannot be written back, raises ``IndexFilesReplaced``, a checkpoint another
         reader keeps from finishing ``IndexCheckpointBusy``, and files that cannot be looked
         at (EACCES) an ``sqlite3.OperationalError``: each fails the commit and degrades the
-        tier rather than reach its writer as an OSError. Called holding ``_lock``."""
+        tier rather than reach its writer as an OSError. ``wait_busy=False``: the checkpoint
+        does not wait out the busy timeout for that reader (the watch's check, which holds
+        the lock meanwhile and tries again later). Called holding ``_lock``."""
         try:
             ids = self._file_ids()
         except OSError as e:
@@ -435,7 +439,14 @@ class DiskIndex:
             raise IndexFilesReplaced(
                 f"{self.path} was replaced while open: its commits would be lost at the next start"
             )
-        busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if wait_busy:
+            busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        else:
+            db.execute("PRAGMA busy_timeout = 0")
+            try:
+                busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         if busy:
             # The files keep their ids until the checkpoint gets through, so the next commit
             # (once the reader lets go) finds them changed and tries it again.
