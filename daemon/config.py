@@ -61,9 +61,9 @@ MAX_DURATION_S = 365 * 86400
 # within it): read whole, ``--config /dev/zero`` (or a log passed by mistake) took memory
 # until the kernel killed kvtierd, and a SIGHUP would do so to a running daemon.
 MAX_CONFIG_FILE_BYTES = 16 << 20
-_UNIT_S = {"s": 1, "ms": 1000}
+_UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
-MIN_INDEX_WATCH_S = 0.05  # a duration's unit (its key ends with it): how many a second
+MIN_INDEX_WATCH_S = 0.05
 
 
 def _opt(
