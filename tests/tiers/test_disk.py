@@ -1406,6 +1406,28 @@ def test_the_index_watch_stops_at_close_without_waiting_out_its_period(disk_dir:
     assert _watches() == []
 
 
+def test_regression_a_recovery_that_raises_in_the_constructor_leaves_no_threads_or_lock(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier recovering in its constructor (``recover_later=False``) whose recovery raised
+    (a page the index could not read, say) left its watch thread checking the files for the
+    life of the process, its I/O threads waiting, and its folder locked against the next
+    open. Now the error goes to the caller with nothing of the tier left running."""
+
+    def unreadable(self: DiskTier) -> Iterator[RecoveredBlocks]:
+        raise sqlite3.DatabaseError("database disk image is malformed")
+        yield  # a generator, as recover_chunks is
+
+    monkeypatch.setattr(DiskTier, "recover_chunks", unreadable)
+    with pytest.raises(sqlite3.DatabaseError, match="malformed"):
+        _open(disk_dir, index_watch_s=3600.0)
+    assert _watches() == []
+    monkeypatch.undo()
+    with _open(disk_dir, index_watch_s=3600.0):  # the folder's lock was let go
+        assert len(_watches()) == 1
+    assert _watches() == []
+
+
 def test_an_index_removed_while_the_tier_is_idle_is_written_back_by_the_watch(
     disk_dir: Path, make_block: Block, tmp_path: Path
 ) -> None:

@@ -522,15 +522,20 @@ class DiskTier:
         except BaseException:
             self._release_resources()
             raise
-        self._executor = PriorityExecutor(io_threads, "l2-io")
-        self._io = BatchIO(self.files, self.faults, self._executor, io_threads)
-        if index_watch_s > 0:
-            self._watch = threading.Thread(
-                target=self._watch_index, name="l2-index-watch", daemon=True
-            )
-            self._watch.start()
-        if not recover_later:
-            self._recovered = RecoveredBlocks.concat(list(self.recover_chunks()))
+        try:
+            self._executor = PriorityExecutor(io_threads, "l2-io")
+            self._io = BatchIO(self.files, self.faults, self._executor, io_threads)
+            if index_watch_s > 0:
+                self._watch = threading.Thread(
+                    target=self._watch_index, name="l2-index-watch", daemon=True
+                )
+                self._watch.start()
+            if not recover_later:
+                self._recovered = RecoveredBlocks.concat(list(self.recover_chunks()))
+        except BaseException:
+            # A recovery that raised leaves no watch, I/O threads or lock behind.
+            self._release_resources()
+            raise
         log.info(
             "L2 disk tier in %s: %d MiB in %d file(s), %d segments of %d MiB, %s I/O, "
             "%d threads; opened in %.2fs",
