@@ -46,9 +46,10 @@ check when something did), so a crash while the tier is idle loses nothing eithe
 finished at the next open (``_finish_restore``). Recovery's reader (``reader``) checks the
 files as a commit does before it opens the index file, read-only: an index removed before
 recovery read it is written back, never created empty in its place (which the next commit
-would take for a replaced index). Where it cannot be written back, and where the index file was replaced by
-another, the commit fails (``IndexFilesReplaced``), which degrades the tier for good; a block
-commit's rows are deleted again first, as ``close`` may yet write the index back.
+would take for a replaced index). Where it cannot be written back, and where the index file
+was replaced by another, the commit fails (``IndexFilesReplaced``), which degrades the tier
+for good; a block commit's rows are deleted again first, as ``close`` may yet write the index
+back.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
