@@ -290,7 +290,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         daemon's refusal of it stands, and when it refuses it now (``_host_pool_refused``):
         registering it every ``retry_after_s`` would not change the daemon's answer."""
         with self._lock:
-            if _stands(self.host_pool_refusals):
+            if self.host_pool_refusals.standing():
                 self._count("skipped", 1)
                 raise _PoolRefused("the daemon refused the host pool; its next try is not due")
             pool = self._direct
@@ -331,7 +331,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if ids is not None:
             return ids[1]
         with self._registering:
-            if _stands(self.host_pool_refusals):
+            if self.host_pool_refusals.standing():
                 self._count("skipped", 1)
                 raise _PoolRefused("the daemon refused the host pool; its next try is not due")
             return self.client.pool_id_of(pool.binding)
@@ -357,7 +357,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         the daemon's refusal of the last one stands, and when it refuses this one: a region
         per ``retry_after_s`` for a refusal that waiting does not change would cost its
         memory and an RPC each time (``RegistrationRefusals``). Holds ``_lock``."""
-        if _stands(self.refusals):
+        if self.refusals.standing():
             self._count("skipped", 1)
             raise _PoolRefused("the daemon refused the staging pool; its next try is not due")
         page = self.page
@@ -489,7 +489,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         fill), so that it misses at once while the daemon's refusal of that pool stands."""
         if self.page is None or self._closed or not n:
             return False
-        if not self.breaker.ok() or _stands(refusals):
+        if not self.breaker.ok() or refusals.standing():
             self._count("skipped", 1)
             return False
         return True
@@ -894,8 +894,3 @@ class KVTierHiCacheStorage(HiCacheStorage):
         if self._staging is not None:
             self._staging.close()
             self._staging = None
-
-
-def _stands(refusals: RegistrationRefusals) -> bool:
-    """Whether the daemon refused that pool and its next try is not due."""
-    return refusals.refused and not refusals.due()

@@ -117,6 +117,11 @@ class RegistrationRefusals:
         """Whether a new try may be made now."""
         return self._clock() >= self._next_try
 
+    def standing(self) -> bool:
+        """Whether the daemon refused the pool and the next try is not due yet: meanwhile
+        the engine neither registers it nor offers hits that only it could load."""
+        return self.refused and not self.due()
+
     def news(self, error: KvtierError) -> bool:
         """Whether refusal ``error`` is worth an ERROR: the first one, or one of another kind
         than the last (its cause changed). The same refusal again is not: its tries are

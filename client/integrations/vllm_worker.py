@@ -386,7 +386,7 @@ class WorkerSide:
             # meanwhile (loads fail at once, saves are dropped), so a slow daemon holds one
             # pool's memory rather than one more per retirement.
             return None
-        if self.refusals.refused and not self.refusals.due():
+        if self.refusals.standing():
             return None  # no new region until the refusal may have changed
         assert self.dtype is not None
         try:
