@@ -370,7 +370,8 @@ class AsyncClient:
             path = credentials.cred_socket_path(self.address)
             if path is None:
                 raise no_fd_transport(self.address)
-            ticket = await _off_loop(credentials.pool_ticket, path, binding.memfd, self.timeout_s)
+            with binding.handed_fd() as fd:
+                ticket = await _off_loop(credentials.pool_ticket, path, fd, self.timeout_s)
         request = binding.register_request(ticket)
         resp = await self._invoke("RegisterPool", request)
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes

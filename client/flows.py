@@ -63,6 +63,13 @@ class PoolBinding:
     def hands_over_fd(self) -> bool:
         return self.memfd >= 0
 
+    def handed_fd(self) -> contextlib.AbstractContextManager[int]:
+        """The descriptor to hand to the daemon, a duplicate of the memory's, open for the
+        ``with`` block (``SharedMemoryPool.descriptor``): a pool closed meanwhile raises
+        ``InvalidArgumentError``. Only where ``hands_over_fd``."""
+        assert isinstance(self.shm, SharedMemoryPool)
+        return self.shm.descriptor()
+
     def register_request(self, ticket: bytes = b"") -> pb.RegisterPoolRequest:
         """The registration: by the ticket of a handed-over descriptor, or by name. A pool
         closed since it was bound (registered again after a daemon restart) raises

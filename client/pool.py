@@ -23,7 +23,9 @@ import mmap
 import os
 import secrets
 import stat
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,7 +51,9 @@ class SharedMemoryPool:
     after a daemon restart, too) raise ``InvalidArgumentError`` (a ValueError) naming the
     pool, even where earlier views keep the mapping alive; pages already registered stay
     the daemon's to copy until the pool is unregistered. Thread-safety: the memory may be
-    used from any thread; close() once.
+    used from any thread, and so may ``close()``: a registration on another thread hands
+    the daemon a descriptor of its own (``descriptor``), which ``close()`` cannot close
+    under it.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class SharedMemoryPool:
         self.path: str | None = None
         self.fd = -1
         self.sealed = False
+        self._close_lock = threading.Lock()
         if backing == "shm":
             self.path = os.path.join(shm_dir, self.name)
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, mode)
@@ -130,6 +135,7 @@ class SharedMemoryPool:
         self.size_bytes = st.st_size
         self.path = None
         self.sealed = _sealed(fd)
+        self._close_lock = threading.Lock()
         dup = os.dup(fd)
         try:
             os.set_inheritable(dup, False)
@@ -155,6 +161,22 @@ class SharedMemoryPool:
         was gone (NotFoundError for a memory file, which has none)."""
         gone = "closed" if not self._mapped else "unlinked (its name is gone)"
         return InvalidArgumentError(f"shm: the pool {self.name!r} was {gone}")
+
+    @contextlib.contextmanager
+    def descriptor(self) -> Iterator[int]:
+        """A duplicate of the memory file's descriptor, open for the ``with`` block: what
+        registering hands to the daemon. Taken under the lock ``close()`` takes, so a
+        ``close()`` on another thread can neither close it under the hand-over (which then
+        failed with EBADF) nor free its number for another file to take (which then went to
+        the daemon instead). Raises ``closed_error()`` once ``close()`` ran."""
+        with self._close_lock:
+            if self.closed:
+                raise self.closed_error()
+            fd = os.dup(self.fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     def _mapping(self) -> mmap.mmap:
         if not self._mapped:
@@ -195,8 +217,9 @@ class SharedMemoryPool:
     def close(self) -> None:
         """Unmap the memory (once no view holds it) and close the descriptor, or remove a
         named object's name. Idempotent."""
-        self._finalizer()  # removes the name, or closes the memfd's descriptor
-        self.fd = -1
+        with self._close_lock:
+            self._finalizer()  # removes the name, or closes the memfd's descriptor
+            self.fd = -1
         self._mapped = False
         # Views (tensors, arrays) may still exist; then the mapping goes when they do.
         with contextlib.suppress(BufferError):

@@ -530,7 +530,8 @@ class Client:
             path = credentials.cred_socket_path(self.address)
             if path is None:
                 raise no_fd_transport(self.address)
-            ticket = credentials.pool_ticket(path, binding.memfd, self.timeout_s)
+            with binding.handed_fd() as fd:
+                ticket = credentials.pool_ticket(path, fd, self.timeout_s)
         request = binding.register_request(ticket)
         resp = self._invoke("RegisterPool", request)
         with self._ids_lock:

@@ -5,6 +5,7 @@ pool, not the mapping's ValueError, torch's RuntimeError or the daemon's NotFoun
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -121,3 +122,63 @@ async def test_regression_an_async_clients_pool_closed_after_registering_is_refu
         d.start()
         with pytest.raises(InvalidArgumentError, match=rf"^shm: the pool '{shm.name}' was closed$"):
             await pool.store(TOKENS, range(2))
+
+
+def _close_during_the_hand_over(monkeypatch, shm: SharedMemoryPool, module) -> list[object]:
+    """Make ``pool_ticket`` close ``shm`` on another thread before the descriptor it was
+    given goes to the daemon. Returns, for each hand-over, the file the descriptor named
+    when it was sent (``os.fstat``'s inode), or the OSError that ``os.fstat`` raised."""
+    pool_ticket = module.credentials.pool_ticket
+    sent: list[object] = []
+
+    def closed_meanwhile(path: str, fd: int, timeout_s: float = 10.0) -> bytes:
+        closer = threading.Thread(target=shm.close)
+        closer.start()
+        closer.join()
+        try:
+            sent.append(os.fstat(fd).st_ino)
+        except OSError as e:
+            sent.append(e)
+        return pool_ticket(path, fd, timeout_s)
+
+    monkeypatch.setattr(module.credentials, "pool_ticket", closed_meanwhile)
+    return sent
+
+
+def test_regression_a_pool_closed_while_its_descriptor_is_handed_over_is_refused(
+    daemon, monkeypatch
+):
+    """``close()`` on one thread while another registered the pool closed the descriptor
+    the registration was handing to the daemon: the hand-over failed with EBADF, reported
+    as UnavailableError (the daemon's credential socket "did not answer"), which callers
+    read as a daemon that is down; and where another file took the descriptor's number
+    meanwhile, that file went to the daemon in the pool's place. The registration hands
+    over a duplicate of its own, taken under the lock ``close()`` takes: the pool's memory
+    file is what is sent, and the registration then fails with the closed pool's
+    InvalidArgumentError."""
+    from kvtier.client import sync
+
+    shm = SharedMemoryPool.for_layout(LAYOUT)
+    inode = os.fstat(shm.fd).st_ino
+    sent = _close_during_the_hand_over(monkeypatch, shm, sync)
+    with daemon.client() as client:
+        with pytest.raises(InvalidArgumentError, match=rf"^shm: the pool '{shm.name}' was closed$"):
+            client.register_pool(shm, LAYOUT, NS)
+        assert sent == [inode]
+        with SharedMemoryPool.for_layout(LAYOUT) as other:  # the client still works
+            assert client.register_pool(other, LAYOUT, NS).store(TOKENS, range(2)) == 8
+
+
+async def test_regression_an_async_pool_closed_while_its_descriptor_is_handed_over_is_refused(
+    daemon, monkeypatch
+):
+    """As above, for the asyncio client."""
+    from kvtier.client import aio
+
+    shm = SharedMemoryPool.for_layout(LAYOUT)
+    inode = os.fstat(shm.fd).st_ino
+    sent = _close_during_the_hand_over(monkeypatch, shm, aio)
+    async with AsyncClient(daemon.address) as client:
+        with pytest.raises(InvalidArgumentError, match=rf"^shm: the pool '{shm.name}' was closed$"):
+            await client.register_pool(shm, LAYOUT, NS)
+        assert sent == [inode]
