@@ -198,7 +198,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Bind the namespace to this rank's host pool and choose direct or staged
-        transfers. Raises ValueError for a pool whose pages cannot be stored."""
+        transfers. Raises ValueError for a pool whose pages cannot be stored. Called again
+        (a new host pool), it releases the old pools, and the new ones are registered at
+        their first transfer, whatever the daemon's refusals of the old ones."""
         super().register_mem_pool_host(mem_pool_host)
         page = describe_host_pool(mem_pool_host)
         try:
@@ -212,6 +214,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
         direct, why = self._direct_memory(mem_pool_host, page)
         with self._lock:
             self._release_pools()
+            # The refusals were of the old host pool's registrations, or of a staging pool
+            # sized for its pages: the new pools are tried at their first transfer.
+            self.refusals.forget()
+            self.host_pool_refusals.forget()
             self.page, self.namespace, self._host_pool = page, namespace, mem_pool_host
             self._seed = namespace.seed()
             self._direct_shm = direct

@@ -142,8 +142,14 @@ class RegistrationRefusals:
 
     def accepted(self) -> int:
         """A pool registered: forget the refusals; returns how many there were."""
-        count, self.count, self.error, self._next_try = self.count, 0, None, 0.0
+        count = self.count
+        self.forget()
         return count
+
+    def forget(self) -> None:
+        """Forget the refusals, with no pool registered: the pool they refused is gone (the
+        engine replaced it), and the next try, of another pool, is due at once."""
+        self.count, self.error, self._next_try = 0, None, 0.0
 
 
 def layer_major_layout(

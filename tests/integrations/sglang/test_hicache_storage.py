@@ -633,6 +633,48 @@ def test_a_host_pool_refused_when_registered_again_after_a_restart_backs_off_too
         backend.close()
 
 
+@pytest.mark.parametrize("allocator", ["shm", "default"])
+def test_a_new_host_pool_is_registered_at_once_after_the_old_ones_refusal(
+    daemon_factory: DaemonFactory, allocator: str
+) -> None:
+    """Regression: ``register_mem_pool_host`` called again, with a new host pool, kept the
+    refusals of the old one's registrations (its host pool in zero-copy mode, its staging
+    pool otherwise): the new pool was not registered until the old refusal's back-off
+    ended, and its transfers and lookups missed meanwhile. A refusal is of the pool it
+    refused: the new pool is registered at its first transfer."""
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=262144")
+    host = mha_host_pool("page_first", allocator)
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.01))
+    clock = Clock()  # never moved: the old refusal's back-off runs throughout
+    backend.refusals = RegistrationRefusals(0.01, clock=clock)
+    backend.host_pool_refusals = RegistrationRefusals(0.01, clock=clock)
+    counter = "host_pool_refusals" if allocator == "shm" else "staging_refusals"
+    keys = [f"new-host-pool-{allocator}-{i}" for i in range(3)]
+    try:
+        with daemon.client() as holder, SharedMemoryPool(192 << 10) as shm:
+            # 192 KiB of the tenant's 256 KiB held: no room for the host or staging pool.
+            held = holder.register_pool(shm, layer_major_layout(1, 192, PAGE, 1024, "float32"))
+            assert backend.batch_set_v1(keys, host.alloc(3 * PAGE)) == [False] * 3
+            assert backend.counters[counter] == 1
+            holder.unregister_pool(held.binding.pool_id)
+
+        new_host = mha_host_pool("page_first", allocator)
+        backend.register_mem_pool_host(new_host)
+        registrations = rpc_count(daemon, "RegisterPool")
+        src = new_host.alloc(3 * PAGE)
+        stored = fill(new_host, src, seed=25)
+        assert backend.batch_set_v1(keys, src) == [True] * 3
+        assert rpc_count(daemon, "RegisterPool") == registrations + 1
+        assert backend.batch_exists(keys) == 3
+        dst = new_host.alloc(3 * PAGE)
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert pages_bytes(new_host, dst) == stored
+        assert backend.counters[counter] == 1
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+
+
 def test_threads_that_register_the_host_pool_again_at_once_ask_the_daemon_once(
     daemon_factory: DaemonFactory,
 ) -> None:
