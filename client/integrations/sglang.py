@@ -213,7 +213,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         namespace = namespace_for(self.storage_config, page, self.options)
         direct, why = self._direct_memory(mem_pool_host, page)
         with self._lock:
-            self._release_pools()
+            self._release_pools("a new host pool replaced the one it staged")
             # The refusals were of the old host pool's registrations, or of a staging pool
             # sized for its pages: the new pools are tried at their first transfer.
             self.refusals.forget()
@@ -880,16 +880,17 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self.counters[name] += n
 
     def close(self) -> None:
-        """Unregister the pools (without waiting) and close the connection; idempotent."""
+        """Unregister the pools (without waiting; the staging pool once the transfers that
+        hold its pages have ended) and close the connection; idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._release_pools()
+            self._release_pools("the backend closed")
         self.breaker.close()
         self.client.close()
 
-    def _release_pools(self) -> None:
+    def _release_pools(self, why: str) -> None:
         if self._direct is not None:
             with contextlib.suppress(KvtierError):
                 self.client.unregister_pool_nowait(self._direct.binding)
@@ -898,5 +899,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self._direct_shm.close()
             self._direct_shm = None
         if self._staging is not None:
-            self._staging.close()
+            # Retired, not closed: a transfer on another thread may be copying into its pages,
+            # and unmapping them under the copy crashed the engine (SIGSEGV). It is closed
+            # once the last transfer holding pages has ended.
+            self._staging.retire(why, unclean=False, said=True)
             self._staging = None

@@ -675,6 +675,95 @@ def test_a_new_host_pool_is_registered_at_once_after_the_old_ones_refusal(
         backend.close()
 
 
+def _store_held_in_its_copy(backend: Any, host: Any, keys: list[str], src: Any) -> Any:
+    """Start a staged store of ``keys`` on another thread, held while it copies its first
+    page into the staging pool. Returns (go_on, the thread, its results)."""
+    copying, go_on = threading.Event(), threading.Event()
+    page_of = host.get_data_page
+
+    def held_page(start: int, flat: bool = True) -> torch.Tensor:
+        if not copying.is_set():
+            copying.set()
+            assert go_on.wait(60)
+        return page_of(start, flat=flat)
+
+    host.get_data_page = held_page
+    stored: list[list[bool]] = []
+    storer = threading.Thread(target=lambda: stored.append(backend.batch_set_v1(keys, src)))
+    storer.start()
+    assert copying.wait(60)
+    return go_on, storer, stored
+
+
+def test_closing_the_backend_during_a_staged_copy_is_a_miss_not_a_crash(
+    shared_daemon: DaemonProcess,
+) -> None:
+    """Regression: ``close()`` unmapped the staging pool while a store on another SGLang
+    thread was copying a page into it: the copy wrote into unmapped memory and the engine
+    died (SIGSEGV). The pool is retired instead, unmapped once the transfers holding it
+    have ended; the store misses."""
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(shared_daemon.address))
+    src = host.alloc(PAGE)
+    fill(host, src, seed=26)
+    assert backend.batch_set_v1(["closed-mid-copy-0"], src) == [True]
+    staging = backend._staging
+    assert staging is not None
+    go_on, storer, stored = _store_held_in_its_copy(backend, host, ["closed-mid-copy-1"], src)
+    try:
+        backend.close()
+        assert not staging.closed  # the store holds a page
+    finally:
+        go_on.set()
+        storer.join(60)
+    assert stored == [[False]]
+    assert staging.closed
+
+
+def test_a_transfer_of_the_old_host_pool_does_not_hold_back_the_new_ones_staging_pool(
+    shared_daemon: DaemonProcess,
+) -> None:
+    """Regression: a staged store was copying a page into the staging pool when
+    ``register_mem_pool_host`` registered a new host pool and unmapped the old staging
+    pool: the copy crashed the engine (SIGSEGV), and, had it not, the store's Put would
+    have registered the unmapped pool again, been refused it as closed, and counted that
+    as the daemon's refusal of the staging pool, holding back the new host pool's. Now the
+    old pool is retired: the store ends with the page it copied, and the new host pool's
+    first transfer makes a staging pool of its own."""
+    host = mha_host_pool("page_first", "default")
+    backend = attach(host, storage_config(shared_daemon.address))
+    keys = [f"old-host-pool-transfer-{i}" for i in range(2)]
+    try:
+        src = host.alloc(2 * PAGE)
+        fill(host, src, seed=27)
+        assert backend.batch_set_v1(keys[:1], src[:PAGE]) == [True]
+        old = backend._staging
+        assert old is not None
+        go_on, storer, stored = _store_held_in_its_copy(backend, host, keys[1:], src[PAGE:])
+        new_host = mha_host_pool("page_first", "default")
+        try:
+            backend.register_mem_pool_host(new_host)
+            assert not old.closed  # the store holds a page
+        finally:
+            go_on.set()
+            storer.join(60)
+        assert stored == [[True]]
+        assert old.closed
+        assert backend.counters["staging_refusals"] == 0
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+
+        more = [f"old-host-pool-transfer-more-{i}" for i in range(2)]
+        new_src = new_host.alloc(2 * PAGE)
+        written = fill(new_host, new_src, seed=28)
+        assert backend.batch_set_v1(more, new_src) == [True] * 2
+        assert backend._staging is not None and backend._staging is not old
+        dst = new_host.alloc(2 * PAGE)
+        assert backend.batch_get_v1(more, dst) == [True] * 2
+        assert pages_bytes(new_host, dst) == written
+    finally:
+        backend.close()
+
+
 def test_threads_that_register_the_host_pool_again_at_once_ask_the_daemon_once(
     daemon_factory: DaemonFactory,
 ) -> None:
