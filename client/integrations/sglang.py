@@ -14,13 +14,15 @@ pages (``batch_get_v1``, or the legacy ``batch_get``) and stores pages it wrote 
 (``batch_set_v1`` / ``batch_set``), from its prefetch and backup threads.
 
 Invariants:
-- No call raises into SGLang and none waits longer than its timeout (``lookup_timeout_s``,
-  ``io_timeout_s``, plus the fence's ``io_timeout_s`` or ``late_copy_grace_s`` after a
-  direct transfer that ended without an answer): a failure, a daemon that is down or hung, or a bad argument is a miss (0 pages
-  found, ``False`` per page, ``None`` per legacy page), logged, and then kvtier is not asked
-  again for ``retry_after_s`` (``Breaker``), or, for a daemon that did not answer, until a
-  health check off SGLang's threads (every ``retry_after_s``) finds it serving again. Only a configuration that cannot work stops
-  SGLang at start, with a ``ValueError`` naming the problem.
+- No call raises into SGLang and none waits longer than its timeout (``lookup_timeout_s``
+  for a lookup; ``io_timeout_s`` for a transfer, and for a lookup that tries a refused
+  pool's registration again; plus the fence's ``io_timeout_s`` or ``late_copy_grace_s``
+  after a direct transfer that ended without an answer): a failure, a daemon that is down
+  or hung, or a bad argument is a miss (0 pages found, ``False`` per page, ``None`` per
+  legacy page), logged, and then kvtier is not asked again for ``retry_after_s``
+  (``Breaker``), or, for a daemon that did not answer, until a health check off SGLang's
+  threads (every ``retry_after_s``) finds it serving again. Only a configuration that
+  cannot work stops SGLang at start, with a ``ValueError`` naming the problem.
 - A stored block is one SGLang flat data page under a key bound to the namespace
   (``sglang_config``), so a page loaded is byte for byte the page some engine of the same
   model, dtype, layout, page size and rank stored.
@@ -43,13 +45,15 @@ Invariants:
   off (from ``retry_after_s``, doubling, up to ``staging.REFUSED_RETRY_MAX_S``), never a
   new region every ``retry_after_s``.
   Meanwhile staged transfers miss at once, and so do lookups when every transfer is staged
-  (no hit that no load could fill); so does the rest of a transfer that shared the pool
-  when it was refused. The breaker is not tripped: the daemon answers.
+  (no hit that no load could fill), and the rest of a transfer that shared the pool when
+  it was refused. Once the back-off is due, such a lookup tries the registration first
+  and answers 0 if it is refused again. The breaker is not tripped: the daemon answers.
 - SGLang's host pool refused in zero-copy mode (the same refusals, at its first
   registration or when it is registered again after a daemon restart or a fence) is
   handled the same way, counted as ``host_pool_refusals``: its zero-copy transfers and
-  lookups miss at once while the refusal stands. The backend does not switch to staged
-  transfers by itself; the ERROR says what the operator can change.
+  lookups miss at once while the refusal stands, and once it is due a lookup tries it
+  first. The backend does not switch to staged transfers by itself; the ERROR says what
+  the operator can change.
 - A transfer that finds the staging pool held by two others for ``io_timeout_s`` misses,
   counted apart (``staging_busy``): a busy local pool is not an unanswered daemon, so the
   breaker is not tripped (the holders' own calls trip it if the daemon does not answer),
@@ -351,12 +355,28 @@ class KVTierHiCacheStorage(HiCacheStorage):
             )
         try:
             with self._lock:
-                staging = self._staging
-                if staging is None or staging.retired:
-                    staging = self._staging = self._new_staging()
+                staging = self._staging_pool()
             yield staging, max(1, staging.num_pages // 2)
         finally:
             self._staging_users.release()
+
+    def _staging_pool(self) -> StagingPool:
+        """The staging pool, a new one when there is none or it was retired. Holds
+        ``_lock``."""
+        staging = self._staging
+        if staging is None or staging.retired:
+            staging = self._staging = self._new_staging()
+        return staging
+
+    def _loads_pool(self) -> None:
+        """Register the pool that loads use, as a load would: SGLang's host pool when every
+        v1 call is zero copy, else a new staging pool. Raises ``_PoolRefused`` when the
+        daemon refuses it."""
+        if self._all_staged:
+            with self._lock:
+                self._staging_pool()
+        else:
+            self._direct_pool()
 
     def _new_staging(self) -> StagingPool:
         """A new staging pool (a region of its whole size). Raises ``_StagingRefused`` while
@@ -561,11 +581,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many leading pages of ``keys`` the daemon holds: one Lookup."""
+        """How many leading pages of ``keys`` the daemon holds: one Lookup. 0 while the
+        daemon's refusal of the pool the loads would use stands; once its back-off is due,
+        the lookup first tries that registration (as a load would, within
+        ``io_timeout_s``): offering the hit first, a refusal again made the load that
+        followed miss every page offered. It tries rather than answering 0 until a transfer
+        has: a rank that stores nothing (an MLA replica) is offered no load without a hit."""
         loads = self.refusals if self._all_staged else self.host_pool_refusals
         if not self._ready(len(keys), loads):
             return 0
         try:
+            if loads.refused:
+                self._loads_pool()
             found = self.client.lookup(
                 self._keys(keys), timeout_s=self.options.lookup_timeout_s
             ).prefix_len

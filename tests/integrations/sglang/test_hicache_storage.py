@@ -566,6 +566,62 @@ def test_a_host_pool_the_daemon_refuses_is_said_once_and_tried_again_backing_off
         writer.close()
 
 
+@pytest.mark.parametrize("allocator", ["shm", "default"])
+def test_a_lookup_once_a_refusals_back_off_ends_offers_no_hit_the_next_load_misses(
+    daemon_factory: DaemonFactory, allocator: str
+) -> None:
+    """Regression: once a refusal's back-off was due, lookups offered hits again before any
+    transfer had tried the registration: the daemon, refusing the pool again, made the load
+    that followed miss every page it had offered. Now a lookup whose loads' pool (SGLang's
+    host pool in zero-copy mode, else the staging pool) was refused tries that registration
+    first: refused again, it answers 0 and the back-off doubles; taken, it answers the hit,
+    which the load then fills without another registration. (Answering 0 until a
+    transfer tried it instead would leave a rank that stores nothing, an MLA replica, off
+    for good: SGLang offers it no load without a hit.)"""
+    daemon = daemon_factory("server.max_pool_bytes_per_tenant=262144")
+    writer_host = mha_host_pool("page_first", "default")
+    page_bytes = writer_host.get_dummy_flat_data_page().numel() * 2
+    writer = attach(writer_host, storage_config(daemon.address, staging_bytes=4 * page_bytes))
+    host = mha_host_pool("page_first", allocator)
+    backend = attach(host, storage_config(daemon.address, retry_after_s=0.01))
+    clock = Clock()
+    backend.refusals = RegistrationRefusals(0.01, clock=clock)
+    backend.host_pool_refusals = RegistrationRefusals(0.01, clock=clock)
+    counter = "host_pool_refusals" if allocator == "shm" else "staging_refusals"
+    keys = [f"lookup-after-back-off-{allocator}-{i}" for i in range(3)]
+    try:
+        wsrc = writer_host.alloc(3 * PAGE)
+        stored = fill(writer_host, wsrc, seed=29)
+        assert writer.batch_set_v1(keys, wsrc) == [True] * 3
+        dst = host.alloc(3 * PAGE)
+        with daemon.client() as holder, SharedMemoryPool(192 << 10) as shm:
+            # 192 KiB of the tenant's 256 KiB held: no room for the host or staging pool.
+            held = holder.register_pool(shm, layer_major_layout(1, 192, PAGE, 1024, "float32"))
+            assert backend.batch_get_v1(keys, dst) == [False] * 3
+            assert backend.counters[counter] == 1
+            registrations = rpc_count(daemon, "RegisterPool")
+
+            clock.now += 0.015  # the back-off is due; the daemon still refuses the pool
+            assert backend.batch_exists(keys) == 0
+            assert rpc_count(daemon, "RegisterPool") == registrations + 1
+            assert backend.counters[counter] == 2
+            assert backend.batch_get_v1(keys, dst) == [False] * 3  # backing off: not asked
+            assert rpc_count(daemon, "RegisterPool") == registrations + 1
+            holder.unregister_pool(held.binding.pool_id)
+
+        clock.now += 3600.0
+        assert backend.batch_exists(keys) == 3
+        assert rpc_count(daemon, "RegisterPool") == registrations + 2
+        assert backend.batch_get_v1(keys, dst) == [True] * 3
+        assert rpc_count(daemon, "RegisterPool") == registrations + 2
+        assert pages_bytes(host, dst) == stored
+        assert backend.counters[counter] == 2
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+    finally:
+        backend.close()
+        writer.close()
+
+
 def _restarted_with_less_room(
     daemon: DaemonProcess,
     backend: Any,
