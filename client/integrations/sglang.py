@@ -379,7 +379,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             self._direct_pool()
 
     def _new_staging(self) -> StagingPool:
-        """A new staging pool (a region of its whole size). Raises ``_StagingRefused`` while
+        """A new staging pool (a region of its whole size). Raises ``_PoolRefused`` while
         the daemon's refusal of the last one stands, and when it refuses this one: a region
         per ``retry_after_s`` for a refusal that waiting does not change would cost its
         memory and an RPC each time (``RegistrationRefusals``). Holds ``_lock``."""
