@@ -417,6 +417,14 @@ class BlockStore:
                     ids[i] = bid
                 bid = int(ids[i])
                 if table.slot[bid, level.col] < 0:
+                    if not (table.slot[bid] >= 0).any():
+                        # Every copy is gone (a failed read, the row kept by a pin): its size
+                        # is no copy's (a Get's guess, which its read refuted), and only this
+                        # tier's value knows the block's. Sized again by the next Get, as a
+                        # block new to the table; one a transfer holds waits for it to end.
+                        if table.inflight[bid]:
+                            continue
+                        table.nbytes[bid] = 0
                     table.set_slots(np.asarray([bid]), level.col, 0)
                     level.policy.insert(bid, now, -1)
 
@@ -963,7 +971,7 @@ class BlockStore:
         table = self.table
         chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = table.lookup(ns, words)
-        self._check_sizes(ids, pool.block_bytes)
+        self._check_sizes(ids, pool.block_bytes, held_only=True)
         found = np.flatnonzero(ids >= 0)
         bids = ids[found]
         # Blocks known only from a key-addressed tier's probe take this pool's size; a copy of
@@ -1718,7 +1726,10 @@ class BlockStore:
             out[self.table.slot[bids, level.col] >= 0] = int(level.kind)
         return out
 
-    def _check_sizes(self, ids: np.ndarray, block_bytes: int) -> None:
+    def _check_sizes(self, ids: np.ndarray, block_bytes: int, *, held_only: bool = False) -> None:
+        """InvalidArgument when a block of ``ids`` has another size than ``block_bytes``
+        (0: not known yet). ``held_only``: only blocks some tier holds count (a Get: a row
+        whose every copy is gone, kept by a pin, is a miss whatever its size)."""
         if len(ids) == 1:
             size = int(self.table.nbytes[ids[0]]) if ids[0] >= 0 else block_bytes
             if size in (block_bytes, 0):
@@ -1726,6 +1737,8 @@ class BlockStore:
         live = ids[ids >= 0]
         sizes = self.table.nbytes[live]
         wrong = live[(sizes != block_bytes) & (sizes != 0)]
+        if held_only and len(wrong):
+            wrong = wrong[(self.table.slot[wrong] >= 0).any(axis=1)]
         if len(wrong):
             raise InvalidArgument(
                 f"key {self.table.key_bytes(int(wrong[0])).hex()} is stored with "

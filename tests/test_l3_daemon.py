@@ -110,3 +110,46 @@ def test_redis_dying_mid_workload_fails_no_request(
             assert ca.lookup(keys(4, 999)).prefix_len == 0  # a miss probes L3: still answered
         (l3,) = [t for t in ca.stats().tiers if t.tier == Tier.L3_REMOTE]
         assert l3.state.startswith("down")
+
+
+def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_at_their_size(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    """A block a probe finds in L3 takes the size of the first Get that names it (the probe
+    cannot tell it). A client of another layout guessed wrong: its read failed, a miss, and
+    the block, pinned by its lease, stayed in the table with no copy and that size. A
+    lookup of a chain whose earlier key was missing probed L3 again and gave the row its L3
+    copy back under the wrong size, so every Get of the block at its real size was
+    INVALID_ARGUMENT ("stored with 65536 bytes"), also after the lease ended, until the
+    daemon restarted; during the lease, a Get naming it was INVALID_ARGUMENT, not a miss."""
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", redis_server.url, l3_prefix)
+    chain = keys(4, 4)
+    other = PoolLayout.staging(num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=8 << 10)
+    assert other.block_bytes != LAYOUT.block_bytes
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(5).integers(0, 256, len(data), dtype=np.uint8)
+        want = data[: 4 * LAYOUT.block_bytes].copy()
+        pool = ca.register_pool(shm, LAYOUT)
+        ca.put(pool.pool_id, chain, range(4))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
+    with (
+        b.client() as wrong,
+        b.client() as cb,
+        SharedMemoryPool.for_layout(other) as wrong_shm,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        wrong_pool = wrong.register_pool(wrong_shm, other)
+        lease = wrong.lookup(chain[1:], pin=True).lease_id
+        missed = wrong.get(wrong_pool.pool_id, chain[1:], range(3), lease_id=lease)
+        assert missed.loaded == [False] * 3  # the read of another size fails: a miss
+        pool = cb.register_pool(shm, LAYOUT)
+        # Pinned with no copy left: a miss.
+        assert cb.get(pool.pool_id, chain[1:], range(1, 4)).loaded == [False] * 3
+        assert cb.lookup(chain).prefix_len == 4  # chain[0] is missing here: L3 is probed
+        wrong.release(lease)
+        got = cb.get(pool.pool_id, chain, range(4))
+        assert got.loaded == [True] * 4
+        assert np.array_equal(shm.array()[: 4 * LAYOUT.block_bytes], want)
+        assert cb.check().problems == []
