@@ -17,7 +17,8 @@ Invariants:
   freed while a copy still writes them, a delete that forgot blocks but not their slots).
   Shutdown waits for such requests before it closes the store. A RegisterPool whose client
   cancelled it while the memory was mapped, or whose deadline passed by the time it would
-  answer, unregisters its pool again: its client never learns the pool's id.
+  answer, unregisters its pool again: its client never learns the pool's id. A pinning
+  Lookup in that case releases its lease again, for the same reason.
 - A RegisterPool maps the client's memory on a worker thread (``daemon/pools.py``), and an
   UnregisterPool or a session's end unmaps it on one: other clients are answered while a
   pool of gigabytes is populated or torn down.
@@ -440,6 +441,15 @@ class KVTierServicer:
         out = await self.service.lookup(
             request.session_id, request.keys, request.pin, request.lease_ms, request.namespace
         )
+        if out.lease_id and (self.client_left() or context.time_remaining() == 0):
+            # As for RegisterPool: a client that left (while a key-addressed tier was probed)
+            # never learns the lease, so only its expiry would release the pins. Checked in
+            # the step that took it: nothing else ran in between.
+            self.service.release(request.session_id, out.lease_id)
+            raise DeadlineExceeded(
+                "the call was cancelled or its deadline passed before its lease could be "
+                "answered; it is released again"
+            )
         return pb.LookupResponse(
             prefix_len=out.prefix_len, tiers=out.tiers.tolist(), lease_id=out.lease_id
         )

@@ -7,14 +7,15 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import redis
 
-from kvtier.client import PoolLayout, SharedMemoryPool, Tier
+from kvtier.client import DeadlineExceededError, PoolLayout, SharedMemoryPool, Tier
 
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
 
 
-def node(daemon_factory, tmp_path, name: str, url: str, prefix: str):
+def node(daemon_factory, tmp_path, name: str, url: str, prefix: str, *extra: str):
     return daemon_factory(
         "tiers.l2.enabled=true",
         f"tiers.l2.path={tmp_path / name / 'l2'}",
@@ -29,6 +30,7 @@ def node(daemon_factory, tmp_path, name: str, url: str, prefix: str):
         # out and came back as misses. The Redis killed below refuses at once.
         "tiers.l3.op_timeout_s=10",
         "tiers.l3.connect_timeout_s=10",
+        *extra,
     )
 
 
@@ -153,3 +155,35 @@ def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_a
         assert got.loaded == [True] * 4
         assert np.array_equal(shm.array()[: 4 * LAYOUT.block_bytes], want)
         assert cb.check().problems == []
+
+
+def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_kept_its_pins(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A pinning Lookup whose chain is missing locally waits for the L3 probe; a client that
+    gave up meanwhile (its timeout, a hung Redis) never learned the lease the Lookup then
+    took, and its blocks stayed pinned until the lease expired (30 s by default), counted
+    against the session's and tenant's lease limits: a client retrying on its timeout piled
+    up a lease a try. Now such a lease is released at once, as a RegisterPool whose client
+    left unregisters its pool."""
+    a = node(
+        daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix, "tiers.l3.probe_deadline_ms=3000"
+    )
+    chain = keys(4, 6)
+    with a.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, chain[:2], range(2))  # the rest of the chain is probed
+        looked_up = client.stats().counters.get("lookup_keys", 0)
+        fresh_redis.pause()
+        try:
+            for _ in range(3):
+                with pytest.raises(DeadlineExceededError):
+                    client.lookup(chain, pin=True, timeout_s=0.5)
+            # The Lookups run on to their end (the probe's deadline) without their client.
+            wait_for(lambda: client.stats().counters.get("lookup_keys", 0) == looked_up + 12)
+        finally:
+            fresh_redis.resume()
+        gauges = client.stats().gauges
+        assert gauges["leases"] == 0 and gauges["blocks_pinned"] == 0
+        assert client.check().problems == []
+        assert client.lookup(chain, pin=True).lease_id  # a client that waits gets its lease
