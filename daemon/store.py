@@ -1185,17 +1185,17 @@ class BlockStore:
             # A hint: the engine will read these blocks by the deadline (a queued request).
             # Every tier keeps them until then, whichever of them holds a copy, as far as
             # their owner's hint budget goes (the rest are only promoted).
-            hinted = found
-            if (budget := self.hint_budget) is not None:
+            sized = hinted = self.protectable(found)
+            if (budget := self.hint_budget) is not None and len(sized):
                 table = self.table
-                ok = budget.admit(found, table.owner[found], table.nbytes[found], now + hint_s, now)
-                hinted = found if ok.all() else found[ok]
+                ok = budget.admit(sized, table.owner[sized], table.nbytes[sized], now + hint_s, now)
+                hinted = sized if ok.all() else sized[ok]
             if len(hinted):
                 for level in self.stack:
                     level.policy.hint(hinted, now + hint_s, now)
                 self.counters.inc("hinted_blocks", len(hinted))
-            if len(hinted) < len(found):
-                self.counters.inc("hints_over_budget_blocks", len(found) - len(hinted))
+            if len(hinted) < len(sized):
+                self.counters.inc("hints_over_budget_blocks", len(sized) - len(hinted))
         started = self._start_promotions(lower, deadline, priority)
         return PrefetchResult(
             resident=len(found) - len(lower),
@@ -1361,6 +1361,14 @@ class BlockStore:
         )
 
     # --------------------------------------------------------------------- pins
+
+    def protectable(self, bids: np.ndarray) -> np.ndarray:
+        """The blocks of ``bids`` a pin or a hint may protect: all but those known only from a
+        key-addressed tier's probe, whose size no Get has given yet. Nothing of them is held
+        here, and the hint budget would charge them nothing: pinned or hinted, the Get that
+        sized them promoted them into the top tier protected, past their owner's share."""
+        sized = self.table.nbytes[bids] > 0
+        return bids if sized.all() else bids[sized]
 
     def pin(self, bids: np.ndarray) -> np.ndarray:
         """Pin blocks (distinct ids); returns refs for ``unpin``. Where a hint budget is kept

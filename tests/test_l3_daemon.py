@@ -4,13 +4,14 @@ nodes their shared tier, never a request."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import numpy as np
 import pytest
 import redis
 
-from kvtier.client import DeadlineExceededError, PoolLayout, SharedMemoryPool, Tier
+from kvtier.client import DeadlineExceededError, PoolLayout, PutStatus, SharedMemoryPool, Tier
 
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
 
@@ -115,17 +116,18 @@ def test_redis_dying_mid_workload_fails_no_request(
 
 
 def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_at_their_size(
-    daemon_factory, tmp_path, redis_server, l3_prefix
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
     """A block a probe finds in L3 takes the size of the first Get that names it (the probe
-    cannot tell it). A client of another layout guessed wrong: its read failed, a miss, and
-    the block, pinned by its lease, stayed in the table with no copy and that size. A
-    lookup of a chain whose earlier key was missing probed L3 again and gave the row its L3
-    copy back under the wrong size, so every Get of the block at its real size was
+    cannot tell it). A client of another layout guessed wrong, and a lease taken while its
+    read was under way (Redis slow, here paused) pinned the block at that size; the read
+    failed, a miss, and the pinned block stayed in the table with no copy and the wrong size.
+    A lookup of a chain whose earlier key was missing probed L3 again and gave the row its L3
+    copy back under that size, so every Get of the block at its real size was
     INVALID_ARGUMENT ("stored with 65536 bytes"), also after the lease ended, until the
     daemon restarted; during the lease, a Get naming it was INVALID_ARGUMENT, not a miss."""
-    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
-    b = node(daemon_factory, tmp_path, "b", redis_server.url, l3_prefix)
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", fresh_redis.url, l3_prefix)
     chain = keys(4, 4)
     other = PoolLayout.staging(num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=8 << 10)
     assert other.block_bytes != LAYOUT.block_bytes
@@ -141,11 +143,20 @@ def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_a
         b.client() as cb,
         SharedMemoryPool.for_layout(other) as wrong_shm,
         SharedMemoryPool.for_layout(LAYOUT) as shm,
+        concurrent.futures.ThreadPoolExecutor(1) as reader,
     ):
         wrong_pool = wrong.register_pool(wrong_shm, other)
-        lease = wrong.lookup(chain[1:], pin=True).lease_id
-        missed = wrong.get(wrong_pool.pool_id, chain[1:], range(3), lease_id=lease)
-        assert missed.loaded == [False] * 3  # the read of another size fails: a miss
+        assert wrong.lookup(chain[1:]).prefix_len == 3
+        fresh_redis.pause()
+        try:
+            reading = reader.submit(wrong.get, wrong_pool.pool_id, chain[1:], range(3))
+            wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 3)
+            lease = wrong.lookup(chain[1:], pin=True).lease_id  # sized by that Get: pinned
+            assert lease
+        finally:
+            fresh_redis.resume()
+        assert reading.result().loaded == [False] * 3  # the read of another size: a miss
+        wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 0)
         pool = cb.register_pool(shm, LAYOUT)
         # Pinned with no copy left: a miss.
         assert cb.get(pool.pool_id, chain[1:], range(1, 4)).loaded == [False] * 3
@@ -187,3 +198,64 @@ def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_ke
         assert gauges["leases"] == 0 and gauges["blocks_pinned"] == 0
         assert client.check().problems == []
         assert client.lookup(chain, pin=True).lease_id  # a client that waits gets its lease
+
+
+def test_regression_a_tenants_pins_and_hints_of_blocks_found_in_l3_held_the_whole_top_tier(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    """A tenant's pins and hints protect at most its share of the top tier
+    (policy.hint_max_share), each block charged its size. A block a probe finds in L3 has
+    no size until a Get names it: pinned or hinted then, it was charged nothing, and the Get
+    that followed promoted it into L1, protected. A tenant that pinned (or hinted) the
+    blocks it found there held every slot of L1 and every other tenant's put was
+    REJECTED_FULL. Such blocks, of which nothing is held here, are not pinned or hinted."""
+    tokens = {}
+    for name in ("alice", "bob"):
+        tokens[name] = (name * 8).encode()
+        path = tmp_path / f"{name}.token"
+        path.write_bytes(tokens[name])
+        path.chmod(0o600)
+    tenants = (
+        "tenants=["
+        + ", ".join(f"{{name: {n}, token_file: {tmp_path / f'{n}.token'}}}" for n in tokens)
+        + "]"
+    )
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix, tenants)
+    b = node(
+        daemon_factory,
+        tmp_path,
+        "b",
+        redis_server.url,
+        l3_prefix,
+        tenants,
+        "policy.protect_s=0",
+        "tiers.l2.enabled=false",  # no room below L1 for bob's puts
+        "tiers.l1.capacity_bytes=4MiB",  # 128 blocks
+        "tiers.l1.segment_bytes=1MiB",
+    )
+    chain = keys(192, 7)
+    with a.client(token=tokens["alice"]) as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        for s in range(0, len(chain), 64):
+            ca.put(pool.pool_id, chain[s : s + 64], range(64))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+    with (
+        b.client(token=tokens["alice"]) as alice,
+        b.client(token=tokens["bob"]) as bob,
+        SharedMemoryPool.for_layout(LAYOUT) as alice_shm,
+        SharedMemoryPool.for_layout(LAYOUT) as bob_shm,
+    ):
+        alice_pool = alice.register_pool(alice_shm, LAYOUT)
+        for s in range(0, len(chain), 32):
+            part = chain[s : s + 32]
+            if s % 64:
+                alice.lookup(part)
+                alice.prefetch(part, deadline_ms=60_000)
+                lease = 0
+            else:
+                lease = alice.lookup(part, pin=True, lease_ms=60_000).lease_id
+            assert alice.get(alice_pool.pool_id, part, range(32), lease_id=lease).prefix_len == 32
+        bob_pool = bob.register_pool(bob_shm, LAYOUT)
+        stored = bob.put(bob_pool.pool_id, keys(32, 8), range(32))
+        assert stored.statuses == [PutStatus.STORED] * 32
+        assert alice.check().problems == []
