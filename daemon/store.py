@@ -415,16 +415,15 @@ class BlockStore:
                     bid = table.add(ns, words[i], 0, owner)
                     table.state[bid] = READY
                     ids[i] = bid
+                elif not (table.slot[ids[i]] >= 0).any():
+                    # Every copy is gone (a failed read; a pin or a transfer keeps the row):
+                    # its size may be no copy's (a Get's guess, which its read refuted), and
+                    # its pins were charged at it. It stays a miss until its last hold goes,
+                    # and the row with it; a later probe finds the block anew, sized by the
+                    # Get that names it.
+                    continue
                 bid = int(ids[i])
                 if table.slot[bid, level.col] < 0:
-                    if not (table.slot[bid] >= 0).any():
-                        # Every copy is gone (a failed read, the row kept by a pin): its size
-                        # is no copy's (a Get's guess, which its read refuted), and only this
-                        # tier's value knows the block's. Sized again by the next Get, as a
-                        # block new to the table; one a transfer holds waits for it to end.
-                        if table.inflight[bid]:
-                            continue
-                        table.nbytes[bid] = 0
                     table.set_slots(np.asarray([bid]), level.col, 0)
                     level.policy.insert(bid, now, -1)
 

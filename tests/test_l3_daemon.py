@@ -125,7 +125,8 @@ def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_a
     A lookup of a chain whose earlier key was missing probed L3 again and gave the row its L3
     copy back under that size, so every Get of the block at its real size was
     INVALID_ARGUMENT ("stored with 65536 bytes"), also after the lease ended, until the
-    daemon restarted; during the lease, a Get naming it was INVALID_ARGUMENT, not a miss."""
+    daemon restarted; during the lease, a Get naming it was INVALID_ARGUMENT, not a miss.
+    Such a row stays a miss until its lease ends, and is then found anew."""
     a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
     b = node(daemon_factory, tmp_path, "b", fresh_redis.url, l3_prefix)
     chain = keys(4, 4)
@@ -160,8 +161,10 @@ def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_a
         pool = cb.register_pool(shm, LAYOUT)
         # Pinned with no copy left: a miss.
         assert cb.get(pool.pool_id, chain[1:], range(1, 4)).loaded == [False] * 3
-        assert cb.lookup(chain).prefix_len == 4  # chain[0] is missing here: L3 is probed
+        # chain[0] is missing here, so L3 is probed: the pinned rows stay misses.
+        assert cb.lookup(chain).prefix_len == 1
         wrong.release(lease)
+        assert cb.lookup(chain).prefix_len == 4
         got = cb.get(pool.pool_id, chain, range(4))
         assert got.loaded == [True] * 4
         assert np.array_equal(shm.array()[: 4 * LAYOUT.block_bytes], want)
