@@ -370,8 +370,7 @@ class AsyncClient:
             path = credentials.cred_socket_path(self.address)
             if path is None:
                 raise no_fd_transport(self.address)
-            with binding.handed_fd() as fd:
-                ticket = await _off_loop(credentials.pool_ticket, path, fd, self.timeout_s)
+            ticket = await _off_loop(_pool_ticket, binding, path, self.timeout_s)
         request = binding.register_request(ticket)
         resp = await self._invoke("RegisterPool", request)
         binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
@@ -745,6 +744,15 @@ class AsyncClient:
 async def _off_loop(fn: Any, *args: Any) -> Any:
     """Run a short blocking exchange (the credential socket) without stalling the loop."""
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
+def _pool_ticket(binding: PoolBinding, path: str, timeout_s: float) -> bytes:
+    """Hand the pool's memory to the daemon (``credentials.pool_ticket``), on a worker
+    thread that owns the duplicate descriptor it sends: a cancelled ``await`` does not stop
+    the thread, and had the coroutine closed the duplicate, the thread sent a closed
+    descriptor, or another file that took its number."""
+    with binding.handed_fd() as fd:
+        return credentials.pool_ticket(path, fd, timeout_s)
 
 
 def _pool(pool: AsyncRegisteredPool) -> AsyncRegisteredPool:

@@ -4,6 +4,7 @@ pool, not the mapping's ValueError, torch's RuntimeError or the daemon's NotFoun
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable
@@ -182,3 +183,43 @@ async def test_regression_an_async_pool_closed_while_its_descriptor_is_handed_ov
         with pytest.raises(InvalidArgumentError, match=rf"^shm: the pool '{shm.name}' was closed$"):
             await client.register_pool(shm, LAYOUT, NS)
         assert sent == [inode]
+
+
+async def test_regression_a_cancelled_async_registration_closed_the_descriptor_still_handed_over(
+    daemon, monkeypatch
+):
+    """The asyncio client hands its duplicate of the pool's descriptor to the daemon on a
+    worker thread, which a cancelled ``register_pool`` (``asyncio.wait_for``'s timeout)
+    does not stop; the coroutine closed the duplicate as the cancellation left its ``with``
+    block, so the thread sent a closed descriptor (EBADF) or, where another file took its
+    number meanwhile, that file to the daemon. The thread that hands the descriptor over
+    owns it and closes it after the exchange."""
+    from kvtier.client import aio
+
+    pool_ticket = aio.credentials.pool_ticket
+    entered, go_on = threading.Event(), threading.Event()
+    sent: list[object] = []
+
+    def held(path: str, fd: int, timeout_s: float = 10.0) -> bytes:
+        entered.set()
+        assert go_on.wait(60)
+        try:
+            sent.append(os.fstat(fd).st_ino)
+        except OSError as e:
+            sent.append(e)
+        return pool_ticket(path, fd, timeout_s)
+
+    monkeypatch.setattr(aio.credentials, "pool_ticket", held)
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        inode = os.fstat(shm.fd).st_ino
+        async with AsyncClient(daemon.address) as client:
+            registering = asyncio.create_task(client.register_pool(shm, LAYOUT, NS))
+            while not entered.is_set():
+                await asyncio.sleep(0.001)
+            registering.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await registering
+            go_on.set()
+            while not sent:
+                await asyncio.sleep(0.001)
+            assert sent == [inode]
