@@ -970,7 +970,7 @@ class BlockStore:
         table = self.table
         chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = table.lookup(ns, words)
-        self._check_sizes(ids, pool.block_bytes, held_only=True)
+        self._check_sizes(ids, pool.block_bytes)
         found = np.flatnonzero(ids >= 0)
         bids = ids[found]
         # Blocks known only from a key-addressed tier's probe take this pool's size; a copy of
@@ -1733,10 +1733,12 @@ class BlockStore:
             out[self.table.slot[bids, level.col] >= 0] = int(level.kind)
         return out
 
-    def _check_sizes(self, ids: np.ndarray, block_bytes: int, *, held_only: bool = False) -> None:
+    def _check_sizes(self, ids: np.ndarray, block_bytes: int) -> None:
         """InvalidArgument when a block of ``ids`` has another size than ``block_bytes``
-        (0: not known yet). ``held_only``: only blocks some tier holds count (a Get: a row
-        whose every copy is gone, kept by a pin, is a miss whatever its size)."""
+        (0: not known yet). A committed row whose every copy is gone (kept by a pin or a
+        transfer) does not count: it is a miss whatever its size, which may be no copy's (a
+        Get's guess that its read refuted), for a Get and a Put alike; a row being written
+        counts."""
         if len(ids) == 1:
             size = int(self.table.nbytes[ids[0]]) if ids[0] >= 0 else block_bytes
             if size in (block_bytes, 0):
@@ -1744,8 +1746,9 @@ class BlockStore:
         live = ids[ids >= 0]
         sizes = self.table.nbytes[live]
         wrong = live[(sizes != block_bytes) & (sizes != 0)]
-        if held_only and len(wrong):
-            wrong = wrong[(self.table.slot[wrong] >= 0).any(axis=1)]
+        if len(wrong):
+            table = self.table
+            wrong = wrong[(table.state[wrong] != READY) | (table.slot[wrong] >= 0).any(axis=1)]
         if len(wrong):
             raise InvalidArgument(
                 f"key {self.table.key_bytes(int(wrong[0])).hex()} is stored with "

@@ -262,3 +262,57 @@ def test_regression_a_tenants_pins_and_hints_of_blocks_found_in_l3_held_the_whol
         stored = bob.put(bob_pool.pool_id, keys(32, 8), range(32))
         assert stored.statuses == [PutStatus.STORED] * 32
         assert alice.check().problems == []
+
+
+def test_regression_a_put_at_a_blocks_size_failed_while_a_wrong_layouts_pin_held_it_with_no_copy(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A client of another layout sized blocks found in L3 by its Get, and pinned them
+    while the read was under way; the read failed, and the pinned rows kept no copy and
+    the wrong size until the lease ended. Lookups and Gets count such a row as a miss, but
+    a Put of the block at its real size (the engine that missed recomputed it) checked the
+    row's size and failed the whole chain with INVALID_ARGUMENT ("stored with ... bytes")
+    until the lease ended. A row with no copy has no size to keep: the Put is no error,
+    and the blocks stored around it are stored."""
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", fresh_redis.url, l3_prefix)
+    chain = keys(4, 9)
+    other = PoolLayout.staging(num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=8 << 10)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        ca.put(pool.pool_id, chain[1:3], range(2))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 2)
+    with (
+        b.client() as wrong,
+        b.client() as cb,
+        SharedMemoryPool.for_layout(other) as wrong_shm,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+        concurrent.futures.ThreadPoolExecutor(1) as reader,
+    ):
+        wrong_pool = wrong.register_pool(wrong_shm, other)
+        assert wrong.lookup(chain[1:3]).prefix_len == 2
+        fresh_redis.pause()
+        try:
+            reading = reader.submit(wrong.get, wrong_pool.pool_id, chain[1:3], range(2))
+            wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 2)
+            lease = wrong.lookup(chain[1:3], pin=True).lease_id
+            assert lease
+        finally:
+            fresh_redis.resume()
+        assert reading.result().loaded == [False] * 2
+        wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 0)
+        pool = cb.register_pool(shm, LAYOUT)
+        put = cb.put(pool.pool_id, chain, range(4))
+        # The pinned rows stay as they are until the lease ends (a put answers EXISTS for
+        # them, as for any row kept with no copy); the keys around them are stored.
+        assert put.statuses == [
+            PutStatus.STORED,
+            PutStatus.EXISTS,
+            PutStatus.EXISTS,
+            PutStatus.STORED,
+        ]
+        assert cb.get(pool.pool_id, chain[1:3], range(1, 3)).loaded == [False] * 2
+        wrong.release(lease)
+        assert cb.lookup(chain).prefix_len == 4
+        assert cb.get(pool.pool_id, chain, range(4)).loaded == [True] * 4
+        assert cb.check().problems == []
