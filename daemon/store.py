@@ -1362,10 +1362,15 @@ class BlockStore:
     # --------------------------------------------------------------------- pins
 
     def protectable(self, bids: np.ndarray) -> np.ndarray:
-        """The blocks of ``bids`` a pin or a hint may protect: all but those known only from a
-        key-addressed tier's probe, whose size no Get has given yet. Nothing of them is held
-        here, and the hint budget would charge them nothing: pinned or hinted, the Get that
-        sized them promoted them into the top tier protected, past their owner's share."""
+        """The blocks of ``bids`` a pin or a hint may protect. Where a hint budget is kept
+        (tenants), all but those known only from a key-addressed tier's probe, whose size no
+        Get has given yet: the budget would charge them nothing, and pinned or hinted, the
+        Get that sized them promoted them into the top tier protected, past their owner's
+        share. Without a budget there is no share to pass: all of them (the Get's copy in
+        the top tier is then kept for the rest of the load, a layer-wise one's later layers
+        included)."""
+        if self.hint_budget is None:
+            return bids
         sized = self.table.nbytes[bids] > 0
         return bids if sized.all() else bids[sized]
 

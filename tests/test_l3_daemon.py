@@ -316,3 +316,45 @@ def test_regression_a_put_at_a_blocks_size_failed_while_a_wrong_layouts_pin_held
         assert cb.lookup(chain).prefix_len == 4
         assert cb.get(pool.pool_id, chain, range(4)).loaded == [True] * 4
         assert cb.check().problems == []
+
+
+def test_regression_without_tenants_a_pinning_lookup_of_blocks_found_in_l3_pins_them(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    """e3e335c stopped pinning and hinting blocks a lookup found only in L3 whose size no
+    Get had given yet, everywhere, for a hole of the tenants' hint budget (charged nothing,
+    such blocks went into L1 protected past their owner's share). Without tenants there is
+    no budget to pass: the vLLM connector's pinning Lookup of such blocks got no lease, and
+    the copy in L1 that its worker's Get made was no longer kept for the rest of the load
+    (a layer-wise load's later layers then read from L3 again). Without tenants they are
+    pinned and hinted as before."""
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
+    b = node(
+        daemon_factory,
+        tmp_path,
+        "b",
+        redis_server.url,
+        l3_prefix,
+        "policy.protect_s=0",
+        "tiers.l2.enabled=false",  # no room below L1 for the puts that press on it
+        "tiers.l1.capacity_bytes=4MiB",  # 128 blocks
+        "tiers.l1.segment_bytes=1MiB",
+    )
+    chain = keys(32, 12)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        ca.put(pool.pool_id, chain, range(32))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+    with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = cb.register_pool(shm, LAYOUT)
+        assert cb.lookup(chain).prefix_len == 32  # probed: in the table, size unknown
+        lease = cb.lookup(chain, pin=True).lease_id
+        assert lease
+        assert cb.stats().gauges["blocks_pinned"] == 32
+        assert cb.get(pool.pool_id, chain, range(32), lease_id=lease).prefix_len == 32
+        others = keys(192, 13)
+        for s in range(0, len(others), 64):
+            cb.put(pool.pool_id, others[s : s + 64], range(64))
+        assert cb.lookup(chain).tiers == [Tier.L1_HOST] * 32  # kept in L1 by the lease
+        cb.release(lease)
+        assert cb.check().problems == []
