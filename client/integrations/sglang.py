@@ -58,6 +58,10 @@ Invariants:
   counted apart (``staging_busy``): a busy local pool is not an unanswered daemon, so the
   breaker is not tripped (the holders' own calls trip it if the daemon does not answer),
   as the vLLM connector fails a load that finds no free staging page without pausing.
+- A new host pool (``register_mem_pool_host`` called again) retires the old staging pool,
+  closed once the transfers holding its pages have ended, and unregisters the old host
+  pool: a zero-copy transfer that named it meanwhile misses without tripping the breaker
+  (the daemon answered for a pool it no longer has).
 - Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start.
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
@@ -134,6 +138,12 @@ class _StagingRetired(_NoPool):
         super().__init__(
             f"the staging pool generation {generation} was retired by another transfer"
         )
+
+
+class _HostPoolReplaced(_NoPool):
+    """SGLang's host pool was replaced (``register_mem_pool_host`` called again) while a
+    zero-copy transfer named it: the daemon answered for a pool that this backend had
+    unregistered meanwhile."""
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -530,11 +540,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
         pauses kvtier (``Breaker``); a pool refused (said by ``_staging_refused`` or
         ``_host_pool_refused``), a staging pool another transfer retired between two
         chunks of this one (the retiring call said why, and trips the breaker itself if the
-        daemon did not answer) or a staging pool held by other transfers past
-        ``io_timeout_s`` does not: the daemon answers. A busy pool is counted apart, and
+        daemon did not answer), a host pool replaced under a zero-copy transfer, or a
+        staging pool held by other transfers past ``io_timeout_s`` does not: the daemon
+        answers. A busy pool is counted apart, and
         said once: its holders wait on the daemon, and one that does not answer trips the
         breaker through their own calls."""
-        if isinstance(error, (_PoolRefused, _StagingRetired)):
+        if isinstance(error, (_PoolRefused, _StagingRetired, _HostPoolReplaced)):
             return
         if isinstance(error, _StagingBusy):
             self._count("staging_busy", 1)
@@ -673,6 +684,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 # no copy uses them (it did not answer the fence in time): give a copy it had
                 # already started time to finish first.
                 time.sleep(self.options.late_copy_grace_s)
+            with self._lock:
+                replaced = not self._closed and self._direct is not pool
+            if replaced and not unclean(e):
+                # Its answer (NOT_FOUND: the pool was unregistered) says nothing of the
+                # daemon; tripping the breaker left the new host pool unused.
+                raise _HostPoolReplaced(str(e)) from e
             raise
 
     def _get(self, pool_id: int, keys: list[bytes], pages: Sequence[int]) -> list[bool]:

@@ -820,6 +820,60 @@ def test_a_transfer_of_the_old_host_pool_does_not_hold_back_the_new_ones_staging
         backend.close()
 
 
+def test_a_zero_copy_transfer_of_the_old_host_pool_is_a_miss_not_a_pause(
+    shared_daemon: DaemonProcess,
+) -> None:
+    """Regression: a zero-copy store had its host pool's id when ``register_mem_pool_host``
+    registered a new host pool and unregistered the old one; its Put then named a pool the
+    daemon no longer had (NOT_FOUND), which the backend took for a failing daemon and
+    tripped the breaker: the new host pool, and kvtier, went unused for ``retry_after_s``.
+    A transfer whose host pool was replaced meanwhile misses, as one of a retired staging
+    pool does, and the new host pool's first transfer stores."""
+    host = mha_host_pool("page_first", "shm")
+    backend = attach(host, storage_config(shared_daemon.address))
+    assert backend.mode == "direct"
+    src = host.alloc(PAGE)
+    fill(host, src, seed=30)
+    named, go_on = threading.Event(), threading.Event()
+    put = backend._put
+
+    def held_put(pool_id: int, *args: Any, **kwargs: Any) -> list[bool]:
+        named.set()
+        assert go_on.wait(60)
+        return put(pool_id, *args, **kwargs)
+
+    backend._put = held_put
+    stored: list[list[bool]] = []
+    storer = threading.Thread(
+        target=lambda: stored.append(backend.batch_set_v1(["replaced-mid-put-0"], src))
+    )
+    try:
+        storer.start()
+        assert named.wait(60)
+        unregistered = rpc_count(shared_daemon, "UnregisterPool")
+        new_host = mha_host_pool("page_first", "shm")
+        try:
+            backend.register_mem_pool_host(new_host)
+            deadline = time.monotonic() + 60
+            while rpc_count(shared_daemon, "UnregisterPool") == unregistered:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            go_on.set()
+            storer.join(60)
+        assert stored == [[False]]
+        assert backend.counters["failures"] == 0 and backend.breaker.trips == 0
+        backend._put = put
+        new_src = new_host.alloc(PAGE)
+        written = fill(new_host, new_src, seed=31)
+        assert backend.batch_set_v1(["replaced-mid-put-1"], new_src) == [True]
+        dst = new_host.alloc(PAGE)
+        assert backend.batch_get_v1(["replaced-mid-put-1"], dst) == [True]
+        assert pages_bytes(new_host, dst) == written
+    finally:
+        backend.close()
+
+
 def test_threads_that_register_the_host_pool_again_at_once_ask_the_daemon_once(
     daemon_factory: DaemonFactory,
 ) -> None:
