@@ -41,7 +41,9 @@ def test_bad_counts_are_refused_with_a_message(
     ("what", "missing", "extra"),
     [
         ("l3", "redis", "redis"),
-        ("ttft", "torch", "torch"),
+        # ttft needs both: the `transformers` extra installs both (`kvtier[torch]`, named here
+        # before, left it short of transformers).
+        ("ttft", "torch", "transformers"),
         ("ttft", "transformers", "transformers"),
     ],
 )
