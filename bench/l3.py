@@ -40,8 +40,9 @@ import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from kvtier.bench import BenchUnavailable
 from kvtier.bench.jsonout import JSON_HELP, Emit
-from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
+from kvtier.bench.redis_proc import RedisClusterProcs, RedisProcError, RedisServer, redis_binaries
 from kvtier.tiers.base import BlockRef, HostBuffers
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
 from kvtier.tiers.remote.options import RemoteOptions
@@ -325,6 +326,15 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         if args.url:
             urls = [args.url]
         else:
+            try:
+                redis_binaries()
+            except RedisProcError as e:
+                # A host without Redis cannot run this benchmark, as one without a GPU cannot
+                # run `bench gpu`: say what to install (exit status 2), not a traceback.
+                raise BenchUnavailable(
+                    f"kvtier bench l3 starts its own Redis server: {e}; or name a running "
+                    "one with --url"
+                ) from None
             base = Path(tempfile.mkdtemp(prefix="bench-l3-", dir=args.dir or None))
             stack.callback(shutil.rmtree, base, True)
             # Room for both sides' working sets and the chain, and no eviction.

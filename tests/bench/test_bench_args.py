@@ -73,6 +73,33 @@ def test_a_benchmark_whose_extra_is_not_installed_says_what_to_install(
         assert r.stdout == ""
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bench_l3_without_redis_server_says_what_to_install(as_json: bool) -> None:
+    """Regression: on a host without redis-server (as after `pip install 'kvtier[redis]'`,
+    which the refusal above advises, in `make run`'s venv) `kvtier bench l3` ended in a
+    RedisProcError traceback with exit status 1. The binaries are hidden as if not installed."""
+    code = (
+        "import sys; from kvtier.bench import redis_proc as rp; "
+        "which, access = rp.shutil.which, rp.os.access; "
+        "rp.shutil.which = lambda n, *a, **k: None if n.startswith('redis-') else which(n, *a, **k); "
+        "rp.os.access = lambda p, *a, **k: '/redis-' not in str(p) and access(p, *a, **k); "
+        "from kvtier.cli.main import main; sys.exit(main())"
+    )
+    args = ["bench", *(["--json"] if as_json else []), "l3"]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+    message = "kvtier bench l3 starts its own Redis server: redis-server is not installed"
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr and "apt-get install redis-server" in r.stderr
+    assert "--url" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    if as_json:
+        error = only_json(r.stdout)
+        assert error["ok"] is False and message in error["error"]
+    else:
+        assert r.stdout == ""
+
+
 @pytest.mark.parametrize(
     ("what", "args", "code", "error", "why"),
     [
