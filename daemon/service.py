@@ -416,7 +416,7 @@ class KVService:
         prefix, tiers, ids = await self.store.lookup(space.ns, words, owner=owner)
         lease_id = 0
         if pin:
-            found = self.store.protectable(np.unique(ids[ids >= 0]))
+            found = np.unique(ids[ids >= 0])
             if len(found):
                 # The session may have ended while the lookup awaited; pinning for it then
                 # would leave pins no lease releases. Pinning lookups awaiting together

@@ -315,11 +315,7 @@ class SpaceManager:
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
             return np.zeros(0, dtype=bool)
-        want = bids[
-            (table.slot[bids, dst.col] < 0)
-            & (table.state[bids] == READY)
-            & (table.nbytes[bids] > 0)
-        ]
+        want = bids[(table.slot[bids, dst.col] < 0) & (table.state[bids] == READY)]
         if len(want) > 1:
             _, first = np.unique(want, return_index=True)
             want = want[np.sort(first)]  # each once, in the order asked

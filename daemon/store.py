@@ -387,40 +387,41 @@ class BlockStore:
         self, ns: int, words: np.ndarray, ids: np.ndarray, start: int, owner: int
     ) -> None:
         """Probe the key-addressed tiers for ``words[start:]``; blocks of the present prefix
-        each reports gain that tier's column (new ones enter the table as ``owner``'s, size
-        unknown until a Get names it). Updates ``ids`` in place."""
+        each reports gain that tier's column (new ones enter the table as ``owner``'s, with
+        the size the tier reports). Updates ``ids`` in place."""
         table = self.table
         refs = [BlockRef(ns, w.tobytes()) for w in words[start:]]
         now = self._clock()
+        max_block = self.max_block_bytes()
         for level in self._keyed:
             if not level.tier.health().serves_reads:
                 continue
             try:
-                n = await level.keys.probe(refs)
+                sizes: list[int] | None = await level.keys.probe(refs)
             except Exception:
                 log.exception("%s probe failed", level.label)
                 self.counters.inc("probe_failures", tier=level.label)
-                n = -1
+                sizes = None
             # The probe waited: rows found before it may have been deleted (even reused for
             # another block) meanwhile, and other requests may have stored some of the keys.
             ids[:] = table.lookup(ns, words)
-            if n < 0:
+            if sizes is None:
                 continue
+            # A value larger than a slot is no block of any pool here (RegisterPool refuses
+            # larger blocks): nothing could load or promote it.
+            n = next((i for i, size in enumerate(sizes) if size > max_block), len(sizes))
             self.counters.inc("probed_keys", len(refs), tier=level.label)
             self.counters.inc("probe_hits", n, tier=level.label)
-            for i in range(start, start + n):
+            for i, size in zip(range(start, start + n), sizes, strict=False):
                 if ids[i] < 0:
                     if table.find_any(ns, words[i : i + 1])[0] >= 0:
                         continue  # being written right now
-                    bid = table.add(ns, words[i], 0, owner)
+                    bid = table.add(ns, words[i], size, owner)
                     table.state[bid] = READY
                     ids[i] = bid
-                elif not (table.slot[ids[i]] >= 0).any():
-                    # Every copy is gone (a failed read; a pin or a transfer keeps the row):
-                    # its size may be no copy's (a Get's guess, which its read refuted), and
-                    # its pins were charged at it. It stays a miss until its last hold goes,
-                    # and the row with it; a later probe finds the block anew, sized by the
-                    # Get that names it.
+                elif int(table.nbytes[ids[i]]) != size:
+                    # Another layout's value under this block's key (a namespace shared by
+                    # two layouts): no copy of this block, whose Gets it would fail.
                     continue
                 bid = int(ids[i])
                 if table.slot[bid, level.col] < 0:
@@ -973,9 +974,6 @@ class BlockStore:
         self._check_sizes(ids, pool.block_bytes)
         found = np.flatnonzero(ids >= 0)
         bids = ids[found]
-        # Blocks known only from a key-addressed tier's probe take this pool's size; a copy of
-        # another size there fails its read and is dropped.
-        table.nbytes[bids[table.nbytes[bids] == 0]] = pool.block_bytes
         now = self._clock()
         if touch:
             self.space.touch(bids, now)
@@ -1034,8 +1032,8 @@ class BlockStore:
         """``get`` of one key whose block the top tier holds (an engine's commonest small
         Get), in Python scalars: the same steps, marks and counts as the batch path, without
         its array operations. None, having changed nothing, in every other case (the key
-        absent or still being written, held only below, a size to adopt or refuse): the
-        batch path takes those."""
+        absent or still being written, held only below, a size to refuse): the batch path
+        takes those."""
         table, top = self.table, self.top
         bid = table.find_one(ns, key)
         if bid < 0 or table.state[bid] != READY:
@@ -1184,17 +1182,17 @@ class BlockStore:
             # A hint: the engine will read these blocks by the deadline (a queued request).
             # Every tier keeps them until then, whichever of them holds a copy, as far as
             # their owner's hint budget goes (the rest are only promoted).
-            sized = hinted = self.protectable(found)
-            if (budget := self.hint_budget) is not None and len(sized):
+            hinted = found
+            if (budget := self.hint_budget) is not None:
                 table = self.table
-                ok = budget.admit(sized, table.owner[sized], table.nbytes[sized], now + hint_s, now)
-                hinted = sized if ok.all() else sized[ok]
+                ok = budget.admit(found, table.owner[found], table.nbytes[found], now + hint_s, now)
+                hinted = found if ok.all() else found[ok]
             if len(hinted):
                 for level in self.stack:
                     level.policy.hint(hinted, now + hint_s, now)
                 self.counters.inc("hinted_blocks", len(hinted))
-            if len(hinted) < len(sized):
-                self.counters.inc("hints_over_budget_blocks", len(sized) - len(hinted))
+            if len(hinted) < len(found):
+                self.counters.inc("hints_over_budget_blocks", len(found) - len(hinted))
         started = self._start_promotions(lower, deadline, priority)
         return PrefetchResult(
             resident=len(found) - len(lower),
@@ -1360,19 +1358,6 @@ class BlockStore:
         )
 
     # --------------------------------------------------------------------- pins
-
-    def protectable(self, bids: np.ndarray) -> np.ndarray:
-        """The blocks of ``bids`` a pin or a hint may protect. Where a hint budget is kept
-        (tenants), all but those known only from a key-addressed tier's probe, whose size no
-        Get has given yet: the budget would charge them nothing, and pinned or hinted, the
-        Get that sized them promoted them into the top tier protected, past their owner's
-        share. Without a budget there is no share to pass: all of them (the Get's copy in
-        the top tier is then kept for the rest of the load, a layer-wise one's later layers
-        included)."""
-        if self.hint_budget is None:
-            return bids
-        sized = self.table.nbytes[bids] > 0
-        return bids if sized.all() else bids[sized]
 
     def pin(self, bids: np.ndarray) -> np.ndarray:
         """Pin blocks (distinct ids); returns refs for ``unpin``. Where a hint budget is kept
@@ -1739,21 +1724,11 @@ class BlockStore:
         return out
 
     def _check_sizes(self, ids: np.ndarray, block_bytes: int) -> None:
-        """InvalidArgument when a block of ``ids`` has another size than ``block_bytes``
-        (0: not known yet). A committed row whose every copy is gone (kept by a pin or a
-        transfer) does not count: it is a miss whatever its size, which may be no copy's (a
-        Get's guess that its read refuted), for a Get and a Put alike; a row being written
-        counts."""
-        if len(ids) == 1:
-            size = int(self.table.nbytes[ids[0]]) if ids[0] >= 0 else block_bytes
-            if size in (block_bytes, 0):
-                return
+        """InvalidArgument when a block of ``ids`` has another size than ``block_bytes``."""
+        if len(ids) == 1 and (ids[0] < 0 or int(self.table.nbytes[ids[0]]) == block_bytes):
+            return  # a single-key request: scalar reads, no array operations
         live = ids[ids >= 0]
-        sizes = self.table.nbytes[live]
-        wrong = live[(sizes != block_bytes) & (sizes != 0)]
-        if len(wrong):
-            table = self.table
-            wrong = wrong[(table.state[wrong] != READY) | (table.slot[wrong] >= 0).any(axis=1)]
+        wrong = live[self.table.nbytes[live] != block_bytes]
         if len(wrong):
             raise InvalidArgument(
                 f"key {self.table.key_bytes(int(wrong[0])).hex()} is stored with "

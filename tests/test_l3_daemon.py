@@ -4,14 +4,21 @@ nodes their shared tier, never a request."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import numpy as np
 import pytest
 import redis
 
-from kvtier.client import DeadlineExceededError, PoolLayout, PutStatus, SharedMemoryPool, Tier
+from kvtier.client import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    PoolLayout,
+    PutStatus,
+    ResourceExhaustedError,
+    SharedMemoryPool,
+    Tier,
+)
 
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
 
@@ -115,59 +122,54 @@ def test_redis_dying_mid_workload_fails_no_request(
         assert l3.state.startswith("down")
 
 
-def test_regression_a_get_of_another_layout_left_blocks_found_in_l3_unloadable_at_their_size(
+def test_regression_a_get_of_another_layout_broke_blocks_found_in_l3_for_other_clients(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
-    """A block a probe finds in L3 takes the size of the first Get that names it (the probe
-    cannot tell it). A client of another layout guessed wrong, and a lease taken while its
-    read was under way (Redis slow, here paused) pinned the block at that size; the read
-    failed, a miss, and the pinned block stayed in the table with no copy and the wrong size.
-    A lookup of a chain whose earlier key was missing probed L3 again and gave the row its L3
-    copy back under that size, so every Get of the block at its real size was
-    INVALID_ARGUMENT ("stored with 65536 bytes"), also after the lease ended, until the
-    daemon restarted; during the lease, a Get naming it was INVALID_ARGUMENT, not a miss.
-    Such a row stays a miss until its lease ends, and is then found anew."""
+    """A block a probe found in L3 had no size until the first Get named it, which took its
+    pool's block size as a guess. A client of another layout guessed wrong: its read failed,
+    and the rows it left (pinned, with no copy, at the wrong size) made every Get of those
+    blocks at their real size INVALID_ARGUMENT until a restart, then a Put of them (the
+    engine that missed recomputed them) INVALID_ARGUMENT until the lease ended (7307244,
+    cba7657). Now the probe sizes each block it finds, so the other layout's Get and Put are
+    refused as for any block held here, and nothing they do touches the blocks: another
+    client loads them, and stores the rest of their chain, while that client's lease holds
+    them."""
     a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
     b = node(daemon_factory, tmp_path, "b", fresh_redis.url, l3_prefix)
     chain = keys(4, 4)
     other = PoolLayout.staging(num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=8 << 10)
     assert other.block_bytes != LAYOUT.block_bytes
+    blocks = np.random.default_rng(5).integers(0, 256, 4 * LAYOUT.block_bytes, dtype=np.uint8)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        data = shm.array()
-        data[:] = np.random.default_rng(5).integers(0, 256, len(data), dtype=np.uint8)
-        want = data[: 4 * LAYOUT.block_bytes].copy()
+        shm.array()[: len(blocks)] = blocks
         pool = ca.register_pool(shm, LAYOUT)
-        ca.put(pool.pool_id, chain, range(4))
-        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
+        ca.put(pool.pool_id, chain[1:], range(1, 4))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 3)
     with (
         b.client() as wrong,
         b.client() as cb,
         SharedMemoryPool.for_layout(other) as wrong_shm,
         SharedMemoryPool.for_layout(LAYOUT) as shm,
-        concurrent.futures.ThreadPoolExecutor(1) as reader,
     ):
         wrong_pool = wrong.register_pool(wrong_shm, other)
-        assert wrong.lookup(chain[1:]).prefix_len == 3
-        fresh_redis.pause()
-        try:
-            reading = reader.submit(wrong.get, wrong_pool.pool_id, chain[1:], range(3))
-            wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 3)
-            lease = wrong.lookup(chain[1:], pin=True).lease_id  # sized by that Get: pinned
-            assert lease
-        finally:
-            fresh_redis.resume()
-        assert reading.result().loaded == [False] * 3  # the read of another size: a miss
-        wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 0)
+        lease = wrong.lookup(chain[1:], pin=True).lease_id
+        assert lease
+        refused = f"stored with {LAYOUT.block_bytes} bytes"
+        with pytest.raises(InvalidArgumentError, match=refused):
+            wrong.get(wrong_pool.pool_id, chain[1:], range(3), lease_id=lease)
+        with pytest.raises(InvalidArgumentError, match=refused):
+            wrong.get(wrong_pool.pool_id, chain[2:3], [0])
+        with pytest.raises(InvalidArgumentError, match=refused):
+            wrong.put(wrong_pool.pool_id, chain[1:], range(3))
+        shm.array()[: len(blocks)] = blocks
         pool = cb.register_pool(shm, LAYOUT)
-        # Pinned with no copy left: a miss.
-        assert cb.get(pool.pool_id, chain[1:], range(1, 4)).loaded == [False] * 3
-        # chain[0] is missing here, so L3 is probed: the pinned rows stay misses.
-        assert cb.lookup(chain).prefix_len == 1
+        put = cb.put(pool.pool_id, chain, range(4))
+        assert put.statuses == [PutStatus.STORED] + [PutStatus.EXISTS] * 3
+        shm.array()[:] = 0
+        assert cb.get(pool.pool_id, chain, range(4)).loaded == [True] * 4
+        assert np.array_equal(shm.array()[: len(blocks)], blocks)
         wrong.release(lease)
         assert cb.lookup(chain).prefix_len == 4
-        got = cb.get(pool.pool_id, chain, range(4))
-        assert got.loaded == [True] * 4
-        assert np.array_equal(shm.array()[: 4 * LAYOUT.block_bytes], want)
         assert cb.check().problems == []
 
 
@@ -207,11 +209,13 @@ def test_regression_a_tenants_pins_and_hints_of_blocks_found_in_l3_held_the_whol
     daemon_factory, tmp_path, redis_server, l3_prefix
 ):
     """A tenant's pins and hints protect at most its share of the top tier
-    (policy.hint_max_share), each block charged its size. A block a probe finds in L3 has
-    no size until a Get names it: pinned or hinted then, it was charged nothing, and the Get
+    (policy.hint_max_share), each block charged its size. A block a probe found in L3 had
+    no size until a Get named it: pinned or hinted then, it was charged nothing, and the Get
     that followed promoted it into L1, protected. A tenant that pinned (or hinted) the
     blocks it found there held every slot of L1 and every other tenant's put was
-    REJECTED_FULL. Such blocks, of which nothing is held here, are not pinned or hinted."""
+    REJECTED_FULL (e3e335c then left such blocks unpinned and unhinted). The probe now sizes
+    them: they are charged as blocks held here, so a tenant pins them up to its share and no
+    further, and hints them as far as its budget goes."""
     tokens = {}
     for name in ("alice", "bob"):
         tokens[name] = (name * 8).encode()
@@ -249,73 +253,29 @@ def test_regression_a_tenants_pins_and_hints_of_blocks_found_in_l3_held_the_whol
         SharedMemoryPool.for_layout(LAYOUT) as bob_shm,
     ):
         alice_pool = alice.register_pool(alice_shm, LAYOUT)
+        # 64 blocks of 32 KiB are alice's share (half of 4 MiB): the first pin and the first
+        # hint fill it, each charged 32 blocks.
+        assert LAYOUT.block_bytes == 32 << 10
         for s in range(0, len(chain), 32):
             part = chain[s : s + 32]
-            if s % 64:
+            lease = 0
+            if s == 0:
+                lease = alice.lookup(part, pin=True, lease_ms=60_000).lease_id
+                assert lease
+            elif s % 64:
                 alice.lookup(part)
                 alice.prefetch(part, deadline_ms=60_000)
-                lease = 0
             else:
-                lease = alice.lookup(part, pin=True, lease_ms=60_000).lease_id
+                with pytest.raises(ResourceExhaustedError, match="hint_max_share"):
+                    alice.lookup(part, pin=True, lease_ms=60_000)
             assert alice.get(alice_pool.pool_id, part, range(32), lease_id=lease).prefix_len == 32
+        counters = alice.stats().counters
+        assert counters["hinted_blocks"] == 32
+        assert counters["hints_over_budget_blocks"] == 64
         bob_pool = bob.register_pool(bob_shm, LAYOUT)
         stored = bob.put(bob_pool.pool_id, keys(32, 8), range(32))
         assert stored.statuses == [PutStatus.STORED] * 32
         assert alice.check().problems == []
-
-
-def test_regression_a_put_at_a_blocks_size_failed_while_a_wrong_layouts_pin_held_it_with_no_copy(
-    daemon_factory, tmp_path, fresh_redis, l3_prefix
-):
-    """A client of another layout sized blocks found in L3 by its Get, and pinned them
-    while the read was under way; the read failed, and the pinned rows kept no copy and
-    the wrong size until the lease ended. Lookups and Gets count such a row as a miss, but
-    a Put of the block at its real size (the engine that missed recomputed it) checked the
-    row's size and failed the whole chain with INVALID_ARGUMENT ("stored with ... bytes")
-    until the lease ended. A row with no copy has no size to keep: the Put is no error,
-    and the blocks stored around it are stored."""
-    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
-    b = node(daemon_factory, tmp_path, "b", fresh_redis.url, l3_prefix)
-    chain = keys(4, 9)
-    other = PoolLayout.staging(num_layers=4, num_pages=8, block_tokens=16, chunk_bytes=8 << 10)
-    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        pool = ca.register_pool(shm, LAYOUT)
-        ca.put(pool.pool_id, chain[1:3], range(2))
-        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 2)
-    with (
-        b.client() as wrong,
-        b.client() as cb,
-        SharedMemoryPool.for_layout(other) as wrong_shm,
-        SharedMemoryPool.for_layout(LAYOUT) as shm,
-        concurrent.futures.ThreadPoolExecutor(1) as reader,
-    ):
-        wrong_pool = wrong.register_pool(wrong_shm, other)
-        assert wrong.lookup(chain[1:3]).prefix_len == 2
-        fresh_redis.pause()
-        try:
-            reading = reader.submit(wrong.get, wrong_pool.pool_id, chain[1:3], range(2))
-            wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 2)
-            lease = wrong.lookup(chain[1:3], pin=True).lease_id
-            assert lease
-        finally:
-            fresh_redis.resume()
-        assert reading.result().loaded == [False] * 2
-        wait_for(lambda: cb.stats().gauges["blocks_in_flight"] == 0)
-        pool = cb.register_pool(shm, LAYOUT)
-        put = cb.put(pool.pool_id, chain, range(4))
-        # The pinned rows stay as they are until the lease ends (a put answers EXISTS for
-        # them, as for any row kept with no copy); the keys around them are stored.
-        assert put.statuses == [
-            PutStatus.STORED,
-            PutStatus.EXISTS,
-            PutStatus.EXISTS,
-            PutStatus.STORED,
-        ]
-        assert cb.get(pool.pool_id, chain[1:3], range(1, 3)).loaded == [False] * 2
-        wrong.release(lease)
-        assert cb.lookup(chain).prefix_len == 4
-        assert cb.get(pool.pool_id, chain, range(4)).loaded == [True] * 4
-        assert cb.check().problems == []
 
 
 def test_regression_without_tenants_a_pinning_lookup_of_blocks_found_in_l3_pins_them(
@@ -326,8 +286,7 @@ def test_regression_without_tenants_a_pinning_lookup_of_blocks_found_in_l3_pins_
     such blocks went into L1 protected past their owner's share). Without tenants there is
     no budget to pass: the vLLM connector's pinning Lookup of such blocks got no lease, and
     the copy in L1 that its worker's Get made was no longer kept for the rest of the load
-    (a layer-wise load's later layers then read from L3 again). Without tenants they are
-    pinned and hinted as before."""
+    (a layer-wise load's later layers then read from L3 again). They are pinned."""
     a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
     b = node(
         daemon_factory,
@@ -347,7 +306,7 @@ def test_regression_without_tenants_a_pinning_lookup_of_blocks_found_in_l3_pins_
         wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
     with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = cb.register_pool(shm, LAYOUT)
-        assert cb.lookup(chain).prefix_len == 32  # probed: in the table, size unknown
+        assert cb.lookup(chain).prefix_len == 32  # probed: in the table, sized
         lease = cb.lookup(chain, pin=True).lease_id
         assert lease
         assert cb.stats().gauges["blocks_pinned"] == 32
@@ -357,4 +316,33 @@ def test_regression_without_tenants_a_pinning_lookup_of_blocks_found_in_l3_pins_
             cb.put(pool.pool_id, others[s : s + 64], range(64))
         assert cb.lookup(chain).tiers == [Tier.L1_HOST] * 32  # kept in L1 by the lease
         cb.release(lease)
+        assert cb.check().problems == []
+
+
+def test_regression_a_prefetch_left_blocks_found_only_in_l3_there(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    """README: a Prefetch promotes the blocks held below L1 ahead of use. Blocks a lookup
+    found only in L3 had no size until a Get named them, and the promotion skipped them: a
+    Prefetch (the vLLM connector's hints of a queued request's hit) scheduled them, counted
+    them wasted, and left them in L3 for the Get to wait on. The probe now sizes them: they
+    are promoted into L1, and the Get that follows finds them there."""
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
+    b = node(daemon_factory, tmp_path, "b", redis_server.url, l3_prefix)
+    chain = keys(16, 14)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        ca.put(pool.pool_id, chain, range(16))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+    with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert cb.lookup(chain).tiers == [Tier.L3_REMOTE] * 16
+        first = cb.prefetch(chain[:8])
+        hinted = cb.prefetch(chain[8:], deadline_ms=60_000)
+        assert (first.scheduled, hinted.scheduled) == (8, 8)
+        wait_for(lambda: cb.lookup(chain).tiers == [Tier.L1_HOST] * 16)
+        pool = cb.register_pool(shm, LAYOUT)
+        assert cb.get(pool.pool_id, chain, range(16)).loaded == [True] * 16
+        counters = cb.stats().counters
+        assert counters["prefetch_used"] == 16 and counters["prefetch_wasted"] == 0
+        assert counters["hinted_blocks"] == 8
         assert cb.check().problems == []

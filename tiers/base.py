@@ -14,8 +14,8 @@ Two shapes of tier share the vocabulary of this module:
   guarantee it).
 - **Key-addressed tiers** (``KeyTier``: L3 on a remote store) keep their own index. The store
   names blocks by ``(namespace, key)``; presence is answered by an asynchronous batch probe
-  that returns the length of the present prefix of a chain. Their verbs are coroutines on the
-  daemon's event loop and never block it.
+  that returns the size of each block of the present prefix of a chain. Their verbs are
+  coroutines on the daemon's event loop and never block it.
 
 Faults are results, never exceptions out of a data verb: a failed read is a miss (the block's
 bytes never reach the buffer's owner as valid data), a failed write is an outcome with
@@ -513,7 +513,7 @@ class SlotTier(Protocol):
 class KeyTier(Protocol):
     """A key-addressed tier (L3): its own index, asynchronous verbs on the event loop.
 
-    ``probe`` answers how many leading blocks of a chain are present; ``read`` copies blocks
+    ``probe`` answers the leading blocks of a chain that are present; ``read`` copies blocks
     into ``dest`` (False per block is a miss: absent, corrupt or timed out); ``write`` stores
     blocks from ``src`` and answers per block whether it is stored. None of them raises for a
     remote fault: a tier that cannot reach its store answers misses and reports DOWN.
@@ -522,7 +522,11 @@ class KeyTier(Protocol):
     @property
     def kind(self) -> TierKind: ...
 
-    async def probe(self, blocks: Sequence[BlockRef]) -> int: ...
+    async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
+        """The size in bytes of each block of the present prefix of ``blocks`` (its length
+        is the prefix's; empty when the first is absent), as the block was written: a read of
+        the block at another size is a miss."""
+        ...
 
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages

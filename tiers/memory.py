@@ -237,14 +237,17 @@ class MemoryKeyTier:
     def set_write_rate(self, bytes_s: int) -> None:
         self._budget.set_rate(bytes_s, 0)
 
-    async def probe(self, blocks: Sequence[BlockRef]) -> int:
+    async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
         self.counters["probes"] += 1
+        sizes: list[int] = []
         if self.down:
-            return 0
-        for n, ref in enumerate(blocks):
-            if (ref.ns, bytes(ref.key)) not in self.values:
-                return n
-        return len(blocks)
+            return sizes
+        for ref in blocks:
+            value = self.values.get((ref.ns, bytes(ref.key)))
+            if value is None:
+                break
+            sizes.append(len(value))
+        return sizes
 
     async def read(self, blocks: Sequence[BlockRef], nbytes: int, dest: object) -> list[bool]:
         out = []

@@ -47,9 +47,6 @@ class SlowStore:
         n = len(words)
         return n, np.full(n, 2, dtype=np.int32), np.arange(n, dtype=np.int64)
 
-    def protectable(self, bids: np.ndarray) -> np.ndarray:
-        return bids
-
     def pin(self, bids: np.ndarray) -> np.ndarray:
         self.pins += len(bids)
         return bids

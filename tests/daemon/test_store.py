@@ -21,6 +21,7 @@ from density_training import roots_come_back
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
+from kvtier.daemon.errors import InvalidArgument
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.stack import Level, TokenBucket
@@ -1217,6 +1218,25 @@ async def test_a_prefix_one_node_stored_is_found_and_loaded_by_another(make_stor
     # B promoted them into its own top tier on the way.
     assert where(b, chain[:4]) == ["L1"] * 4
     assert b.counters.get("copies", direction="L3->L1") == 4
+
+
+async def test_blocks_found_in_l3_take_the_size_it_reports(make_store):
+    """The probe sizes each block it finds: a Get of another block size is refused, as for a
+    block held here, and the right one loads it. A value larger than a slot ends the found
+    prefix: no pool here has such blocks, and no tier could take a promotion of it."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store = make_store(clock, l3=shared)
+    chain = keys(3)
+    sizes = (4096, store.max_block_bytes() + 1, 4096)
+    for word, size in zip(chain, sizes, strict=True):
+        shared.values[(0, word.tobytes())] = bytes(size)
+    prefix, tiers, ids = await store.lookup(0, chain)
+    assert (prefix, tiers.tolist()) == (1, [int(TierKind.REMOTE), 0, 0])
+    assert int(store.table.nbytes[ids[0]]) == 4096
+    with pytest.raises(InvalidArgument, match="stored with 4096 bytes"):
+        await get(store, make_pool(block_bytes=8192), chain[:1], [0])
+    assert await get(store, make_pool(), chain[:1], [0]) == [True]
 
 
 def _gate_first_call(monkeypatch, obj, name: str) -> tuple[asyncio.Event, asyncio.Event]:

@@ -181,21 +181,45 @@ async def test_pool_pages_round_trip_across_layouts(
 # ------------------------------------------------------------------------ probes
 
 
-async def test_probe_answers_the_present_prefix(redis_server: RedisServer, l3_prefix: str) -> None:
+async def test_probe_answers_the_sizes_of_the_present_prefix(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
     chain = [ref(i) for i in range(10)]
     async with opened(options(redis_server, l3_prefix)) as tier:
-        assert await tier.probe(chain) == 0
-        assert await tier.probe([]) == 0
-        await tier.write(chain[:6], 4096, host([data(i, 4096) for i in range(6)]))
+        assert await tier.probe(chain) == []
+        assert await tier.probe([]) == []
+        await tier.write(chain[:4], 4096, host([data(i, 4096) for i in range(4)]))
+        await tier.write(chain[4:6], 8192, host([data(i, 8192) for i in range(4, 6)]))
         await tier.write(chain[8:9], 4096, host([data(8, 4096)]))  # present, but after a gap
-        assert await tier.probe(chain) == 6
-        assert await tier.probe(chain[:3]) == 3
-        assert await tier.probe(chain[1:]) == 5
+        assert await tier.probe(chain) == [4096] * 4 + [8192] * 2
+        assert await tier.probe(chain[:3]) == [4096] * 3
+        assert await tier.probe(chain[1:]) == [4096] * 3 + [8192] * 2
         await tier.remove(chain[2:3])
-        assert await tier.probe(chain) == 2
-        assert await tier.probe(chain[3:6]) == 3
+        assert await tier.probe(chain) == [4096] * 2
+        assert await tier.probe(chain[3:6]) == [4096, 8192, 8192]
         c = tier.stats().counters
         assert c["probe_late"] == 0 and c["remove_blocks"] == 1
+
+
+async def test_values_that_are_no_block_end_the_probed_prefix(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    """A probe reads each value's length (STRLEN), not its header: a value no longer than a
+    header, or a key of another type, is no block and ends the present prefix there."""
+    chain = [ref(i) for i in range(4)]
+    keys = [KeyNamer(l3_prefix).key(b.ns, b.key) for b in chain]
+    r = raw_client(redis_server)
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        await tier.write(chain, 4096, host([data(i, 4096) for i in range(4)]))
+        r.set(keys[3], b"x" * HEADER_BYTES)  # a header's worth: no bytes of a block
+        assert await tier.probe(chain) == [4096] * 3
+        r.delete(keys[2])
+        r.rpush(keys[2], b"x")  # not a string: WRONGTYPE, in place
+        assert await tier.probe(chain) == [4096] * 2
+        r.set(keys[1], b"short")
+        assert await tier.probe(chain) == [4096]
+        # Damaged values say nothing about reachability.
+        assert tier.health().state is Health.OK
 
 
 async def test_a_late_probe_answers_zero_within_its_deadline(
@@ -209,7 +233,7 @@ async def test_a_late_probe_answers_zero_within_its_deadline(
         fresh_redis.pause()
         try:
             t0 = time.monotonic()
-            assert await tier.probe(chain) == 0
+            assert await tier.probe(chain) == []
             assert time.monotonic() - t0 < 0.1 + SLACK_S
             assert tier.stats().counters["probe_late"] == 1
             await wait_for("the op timeout to mark L3 down", lambda: not tier.health().serves_reads)
@@ -217,7 +241,7 @@ async def test_a_late_probe_answers_zero_within_its_deadline(
         finally:
             fresh_redis.resume()
         await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
-        assert await tier.probe(chain) == 4
+        assert len(await tier.probe(chain)) == 4
 
 
 # ------------------------------------------------------------------ verification
@@ -270,13 +294,13 @@ async def test_tenant_namespaces_never_collide(redis_server: RedisServer, l3_pre
     async with opened(options(redis_server, l3_prefix)) as tier:
         await tier.write([a], nbytes, host([data(1, nbytes)]))
         await tier.write([b], nbytes, host([data(2, nbytes)]))
-        assert await tier.probe([c]) == 0
+        assert await tier.probe([c]) == []
         dest = empty(2, nbytes)
         assert await tier.read([a, b], nbytes, host(dest)) == [True, True]
         assert bytes(dest[0]) == data(1, nbytes) and bytes(dest[1]) == data(2, nbytes)
         assert await tier.read([c], nbytes, host(empty(1, nbytes))) == [False]
         await tier.remove([a])
-        assert await tier.probe([a]) == 0 and await tier.probe([b]) == 1
+        assert await tier.probe([a]) == [] and len(await tier.probe([b])) == 1
     # Keys are what the codec documents: prefix, namespace token, hex block key.
     stored = sorted(raw_client(redis_server).scan_iter(match=l3_prefix + "*"))
     assert stored == [f"{l3_prefix}2:{same_key.hex()}".encode()]
@@ -302,7 +326,7 @@ async def test_namespace_tokens_let_daemons_with_other_ids_meet(
         dest = empty(1, nbytes)
         assert await tier_b.read([BlockRef(5, key)], nbytes, host(dest)) == [True]
         assert bytes(dest[0]) == data(1, nbytes)
-        assert await tier_b.probe([BlockRef(6, key)]) == 0
+        assert await tier_b.probe([BlockRef(6, key)]) == []
 
 
 # ------------------------------------------------------------ expiry, size, budget
@@ -329,7 +353,7 @@ async def test_values_over_the_size_limit_are_refused(
             False,
         ]
         assert tier.stats().counters["write_too_large"] == 2
-        assert await tier.probe(blocks) == 0
+        assert await tier.probe(blocks) == []
         # The header fits with a smaller block.
         assert await tier.write(blocks[:1], 8192 - HEADER_BYTES, host([data(1, 8192)])) == [True]
 
@@ -347,7 +371,7 @@ async def test_writes_beyond_the_budget_are_dropped_not_queued(
         src = host([data(i, nbytes) for i in range(6)])
         assert await tier.write(blocks, nbytes, src) == [True] * 3 + [False] * 3
         assert tier.stats().counters["write_dropped_budget"] == 3
-        assert await tier.probe(blocks) == 3
+        assert len(await tier.probe(blocks)) == 3
         # 65,536 - 3 values leaves 16,288 bytes; half a second adds 20,000: two more values.
         now[0] += 0.5
         assert await tier.write(blocks[3:], nbytes, src) == [True, True, False]
@@ -378,7 +402,7 @@ async def test_a_killed_server_fails_fast_then_comes_back_empty(
         # While down, every verb answers at once without the network, and says so.
         for _ in range(20):
             t0 = time.monotonic()
-            assert await tier.probe(chain) == 0
+            assert await tier.probe(chain) == []
             assert await tier.write(chain[:2], nbytes, src) == [False, False]
             assert await tier.read(chain[:2], nbytes, host(empty(2, nbytes))) == [False] * 2
             await tier.remove(chain[:1])
@@ -391,7 +415,7 @@ async def test_a_killed_server_fails_fast_then_comes_back_empty(
 
         fresh_redis.start()  # same port, nothing persisted: an empty server
         await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
-        assert await tier.probe(chain) == 0  # a cold tier
+        assert await tier.probe(chain) == []  # a cold tier
         assert await tier.write(chain, nbytes, src) == [True] * 16
         dest = empty(16, nbytes)
         assert await tier.read(chain, nbytes, host(dest)) == [True] * 16
@@ -472,7 +496,7 @@ async def test_an_unreachable_store_at_start_is_not_fatal(tmp_path: Path, l3_pre
     server = RedisServer(tmp_path / "late", port=free_port())
     async with opened(options(server, l3_prefix)) as tier:
         assert tier.health().state is Health.DOWN
-        assert await tier.probe([ref(1)]) == 0
+        assert await tier.probe([ref(1)]) == []
         server.start()
         try:
             await wait_for("L3 to come up", lambda: tier.health().state is Health.OK)
@@ -627,7 +651,7 @@ async def test_password_comes_from_a_file(tmp_path: Path, l3_prefix: str) -> Non
         assert "s3cret" not in repr(opts)
         async with opened(opts) as tier:
             assert await tier.write([ref(1)], 4096, host([data(1, 4096)])) == [True]
-            assert await tier.probe([ref(1)]) == 1
+            assert len(await tier.probe([ref(1)])) == 1
         with pytest.raises(TierUnavailable, match="credentials"):
             async with opened(options(server, l3_prefix, password_file=str(wrong))):
                 pass
@@ -677,7 +701,7 @@ async def test_tls_round_trip_and_an_untrusted_server(tmp_path: Path, l3_prefix:
         async with opened(options(server, l3_prefix, tls_ca_file=str(other_ca))) as tier:
             health = tier.health()
             assert health.state is Health.DOWN and "certificate" in health.detail.lower()
-            assert await tier.probe(blocks) == 0
+            assert await tier.probe(blocks) == []
 
 
 def test_regression_namespace_names_chosen_by_clients_grew_the_key_cache_without_bound():

@@ -2,7 +2,7 @@
 
 Invariants:
 - Every verb is a coroutine on the daemon's event loop and never raises for a remote fault:
-  an unreachable, slow or failing store answers misses (``probe`` 0, ``read`` False,
+  an unreachable, slow or failing store answers misses (``probe`` none, ``read`` False,
   ``write`` False) and shows in ``health()`` and ``stats()``. Exceptions are kept for
   programming errors (a buffer shorter than ``nbytes``).
 - No call waits on the network longer than ``op_timeout_s`` (``probe``: its caller gets an
@@ -244,43 +244,50 @@ class RemoteTier:
 
     # --------------------------------------------------------------------- verbs
 
-    async def probe(self, blocks: Sequence[BlockRef]) -> int:
-        """Length of the present prefix of ``blocks``: one pipelined round trip (EXISTS per
-        key; on a cluster, one pipeline per server, in parallel), answered within
-        ``probe_deadline_ms``. Late or failed: 0."""
+    async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
+        """The size of each block of the present prefix of ``blocks``: one pipelined round trip
+        (STRLEN per key, the value's length less its header; on a cluster, one pipeline per
+        server, in parallel), answered within ``probe_deadline_ms``. A value no longer than
+        the header, or not a string, is no block: absent. Late or failed: none found.
+
+        The length comes from the store, not from the header (which a probe does not fetch):
+        a value whose header disagrees is refused when read (``codec.verify``). Unlike
+        EXISTS, STRLEN counts as an access for the store's ``maxmemory`` LRU, as the read
+        that a found block's lookup usually precedes does."""
         if not blocks:
-            return 0
+            return []
         c = self._counters
         c["probes"] += 1
         c["probe_keys"] += len(blocks)
         if not self._avail.serves(self._clock()):
             c["probe_skipped_down"] += 1
-            return 0
+            return []
         keys = [self._names.key(b.ns, b.key) for b in blocks]
 
-        async def exists(pipe: Any) -> None:
+        async def strlen(pipe: Any) -> None:
             for k in keys:
-                pipe.execute_command("EXISTS", k)
+                pipe.execute_command("STRLEN", k)
 
         # The round trip runs as its own task under the op timeout (a slow store is judged
         # by that), while the caller waits only for the probe deadline.
-        task = self._spawn(self._pipeline(exists, self._small_ops))
+        task = self._spawn(self._pipeline(strlen, self._small_ops))
         try:
             replies = await asyncio.wait_for(
                 asyncio.shield(task), self.options.probe_deadline_ms / 1000.0
             )
         except (asyncio.TimeoutError, TimeoutError):
             c["probe_late"] += 1
-            return 0
+            return []
         except _Unreachable:
-            return 0
-        found = 0
+            return []
+        sizes: list[int] = []
         for reply in replies:
-            if isinstance(reply, BaseException) or not reply:
+            # A key of another type answers WRONGTYPE, in place.
+            if isinstance(reply, BaseException) or reply <= HEADER_BYTES:
                 break
-            found += 1
-        c["probe_found"] += found
-        return found
+            sizes.append(reply - HEADER_BYTES)
+        c["probe_found"] += len(sizes)
+        return sizes
 
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
