@@ -8,8 +8,8 @@ What the model takes from the daemon and from Redis (README, "The cluster tier (
   trace's block id is that key.
 - **Writes** are ``SET ... EX ttl_s``: a write (a rewrite too) sets the entry's expiry to
   ``ttl_s`` after it; 0 is no expiry. **Reads** are ``GET``: they do not extend the expiry but
-  make the entry recently used for ``maxmemory`` eviction. The daemon's probes (``STRLEN``)
-  do so too; the model has no probes (``holds`` changes nothing).
+  make the entry recently used for ``maxmemory`` eviction. The daemon's probes (``GETRANGE``
+  of a header) do so too; the model has no probes (``holds`` changes nothing).
 - **Finite memory** is ``maxmemory`` with ``allkeys-lru``, as the README advises: a write to
   a full store evicts the least recently read or written entry. Redis approximates LRU by
   sampling and frees expired entries lazily and by sampling; the model is exact LRU and frees

@@ -32,7 +32,7 @@ def test_l3_bench_prints_figures_and_cleans_up(tmp_path: Path) -> None:
         "raw_get_tier_client_gbps",
         "get_ratio_tier_client",
         "probe_us",
-        "raw_strlen_us",
+        "raw_getrange_us",
         "probe_ratio",
     ):
         assert figures[name] > 0, name

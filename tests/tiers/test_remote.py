@@ -204,20 +204,28 @@ async def test_probe_answers_the_sizes_of_the_present_prefix(
 async def test_values_that_are_no_block_end_the_probed_prefix(
     redis_server: RedisServer, l3_prefix: str
 ) -> None:
-    """A probe reads each value's length (STRLEN), not its header: a value no longer than a
-    header, or a key of another type, is no block and ends the present prefix there."""
-    chain = [ref(i) for i in range(4)]
+    """A probe reads each value's header (GETRANGE): a value whose header does not parse, was
+    written under another key, or a key of another type, is no block and ends the present
+    prefix there; a value cut short after a good header keeps its block's size (its read
+    fails: a miss, never a size that makes a Get of the right layout look wrong)."""
+    chain = [ref(i) for i in range(5)]
     keys = [KeyNamer(l3_prefix).key(b.ns, b.key) for b in chain]
     r = raw_client(redis_server)
     async with opened(options(redis_server, l3_prefix)) as tier:
-        await tier.write(chain, 4096, host([data(i, 4096) for i in range(4)]))
-        r.set(keys[3], b"x" * HEADER_BYTES)  # a header's worth: no bytes of a block
+        await tier.write(chain, 4096, host([data(i, 4096) for i in range(5)]))
+        good = r.get(keys[4])
+        assert good is not None
+        r.set(keys[4], good[: HEADER_BYTES + 100])  # cut short after its header
+        assert await tier.probe(chain) == [4096] * 5
+        r.set(keys[3], r.get(keys[0]))  # another key's value: its key tag says so
         assert await tier.probe(chain) == [4096] * 3
         r.delete(keys[2])
         r.rpush(keys[2], b"x")  # not a string: WRONGTYPE, in place
         assert await tier.probe(chain) == [4096] * 2
-        r.set(keys[1], b"short")
+        r.set(keys[1], b"x" * HEADER_BYTES)  # a header's worth of junk
         assert await tier.probe(chain) == [4096]
+        r.set(keys[0], b"short")
+        assert await tier.probe(chain) == []
         # Damaged values say nothing about reachability.
         assert tier.health().state is Health.OK
 

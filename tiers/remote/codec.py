@@ -94,6 +94,21 @@ def header(nbytes: int, sum64: int, redis_key: bytes) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, nbytes, sum64, checksum(redis_key))
 
 
+def header_length(head: bytes | None, redis_key: bytes) -> int | None:
+    """The block length a value's header claims, given the header alone (its first
+    ``HEADER_BYTES``, as a probe fetches them): None unless it parses with this magic and
+    version, its key tag is ``redis_key``'s and the length is not 0. The rest of the value is
+    checked when it is read (``verify``)."""
+    if head is None or len(head) != HEADER_BYTES:
+        return None
+    magic, version, _flags, _res, length, _sum64, key_tag = _HEADER.unpack(head)
+    if magic != MAGIC or version != FORMAT_VERSION or length == 0:
+        return None
+    if key_tag != checksum(redis_key):
+        return None
+    return int(length)
+
+
 def verify(value: bytes | None, nbytes: int, redis_key: bytes) -> Verdict:
     """Whether ``value`` (as GET returned it) holds a valid block of ``nbytes`` for
     ``redis_key``; its bytes are then ``memoryview(value)[HEADER_BYTES:]``."""

@@ -58,7 +58,15 @@ from kvtier.tiers.base import (
     TierUnavailable,
 )
 from kvtier.tiers.buffers import get_block, put_block
-from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, Verdict, checksum, header, verify
+from kvtier.tiers.remote.codec import (
+    HEADER_BYTES,
+    KeyNamer,
+    Verdict,
+    checksum,
+    header,
+    header_length,
+    verify,
+)
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError, read_password
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
 
@@ -246,14 +254,16 @@ class RemoteTier:
 
     async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
         """The size of each block of the present prefix of ``blocks``: one pipelined round trip
-        (STRLEN per key, the value's length less its header; on a cluster, one pipeline per
-        server, in parallel), answered within ``probe_deadline_ms``. A value no longer than
-        the header, or not a string, is no block: absent. Late or failed: none found.
+        (GETRANGE of each value's header; on a cluster, one pipeline per server, in parallel),
+        answered within ``probe_deadline_ms``. The size is the header's length: a value
+        whose header does not parse (``codec.header_length``: magic, version, its own key's
+        tag), or that is not a string, is no block: absent. Late or failed: none found.
 
-        The length comes from the store, not from the header (which a probe does not fetch):
-        a value whose header disagrees is refused when read (``codec.verify``). Unlike
-        EXISTS, STRLEN counts as an access for the store's ``maxmemory`` LRU, as the read
-        that a found block's lookup usually precedes does."""
+        Sizes come from the header the tier wrote, not from the value's length: a value cut
+        short after its header still has its block's size (its read then fails, ``verify``:
+        a miss), so a damaged value never makes a Get of the right size look like another
+        layout's. Unlike EXISTS, GETRANGE counts as an access for the store's ``maxmemory``
+        LRU, as the read that a found block's lookup usually precedes does."""
         if not blocks:
             return []
         c = self._counters
@@ -264,13 +274,13 @@ class RemoteTier:
             return []
         keys = [self._names.key(b.ns, b.key) for b in blocks]
 
-        async def strlen(pipe: Any) -> None:
+        async def heads(pipe: Any) -> None:
             for k in keys:
-                pipe.execute_command("STRLEN", k)
+                pipe.execute_command("GETRANGE", k, 0, HEADER_BYTES - 1)
 
         # The round trip runs as its own task under the op timeout (a slow store is judged
         # by that), while the caller waits only for the probe deadline.
-        task = self._spawn(self._pipeline(strlen, self._small_ops))
+        task = self._spawn(self._pipeline(heads, self._small_ops))
         try:
             replies = await asyncio.wait_for(
                 asyncio.shield(task), self.options.probe_deadline_ms / 1000.0
@@ -281,11 +291,14 @@ class RemoteTier:
         except _Unreachable:
             return []
         sizes: list[int] = []
-        for reply in replies:
-            # A key of another type answers WRONGTYPE, in place.
-            if isinstance(reply, BaseException) or reply <= HEADER_BYTES:
+        for key, reply in zip(keys, replies, strict=True):
+            # A key of another type answers WRONGTYPE, in place; a missing one, no bytes.
+            if isinstance(reply, BaseException):
                 break
-            sizes.append(reply - HEADER_BYTES)
+            size = header_length(reply, key)
+            if size is None:
+                break
+            sizes.append(size)
         c["probe_found"] += len(sizes)
         return sizes
 
