@@ -414,12 +414,16 @@ class BlockStore:
             self.counters.inc("probe_hits", n, tier=level.label)
             for i, size in zip(range(start, start + n), sizes, strict=False):
                 if ids[i] < 0:
-                    if table.find_any(ns, words[i : i + 1])[0] >= 0:
-                        continue  # being written right now
-                    bid = table.add(ns, words[i], size, owner)
-                    table.state[bid] = READY
+                    # A committed row here is this loop's own, for a key the chain names
+                    # twice; any other is being written right now.
+                    bid = int(table.find_any(ns, words[i : i + 1])[0])
+                    if bid < 0:
+                        bid = table.add(ns, words[i], size, owner)
+                        table.state[bid] = READY
+                    elif table.state[bid] != READY:
+                        continue
                     ids[i] = bid
-                elif int(table.nbytes[ids[i]]) != size:
+                if int(table.nbytes[ids[i]]) != size:
                     # Another layout's value under this block's key (a namespace shared by
                     # two layouts): no copy of this block, whose Gets it would fail.
                     continue

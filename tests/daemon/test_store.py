@@ -1239,6 +1239,26 @@ async def test_blocks_found_in_l3_take_the_size_it_reports(make_store):
     assert await get(store, make_pool(), chain[:1], [0]) == [True]
 
 
+async def test_regression_a_lookup_naming_a_key_twice_missed_its_second_naming_found_in_l3(
+    make_store,
+):
+    """A Lookup may name a key twice. Found only in L3, the key's block joined the table at
+    its first naming, and the second one took that new row for a block being written: that
+    key was a miss and the prefix ended there, where the same Lookup answered right away
+    found it all."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store = make_store(clock, l3=shared)
+    a, b = keys(2)
+    for word in (a, b):
+        shared.values[(0, word.tobytes())] = bytes(4096)
+    chain = np.stack([a, b, a])
+    prefix, tiers, ids = await store.lookup(0, chain)
+    assert (prefix, tiers.tolist()) == (3, [int(TierKind.REMOTE)] * 3)
+    assert ids[0] == ids[2]
+    assert (await store.lookup(0, chain))[0] == 3
+
+
 def _gate_first_call(monkeypatch, obj, name: str) -> tuple[asyncio.Event, asyncio.Event]:
     """Make the first call of the coroutine method ``obj.name`` wait: the first event is set
     when it starts waiting, and it goes on once the test sets the second."""
