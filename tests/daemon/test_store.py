@@ -1389,7 +1389,8 @@ async def test_a_durable_put_whose_block_lost_its_last_copy_forgets_it(make_stor
     store, pool = make_store(clock, l2_segments=2, l3=shared), make_pool()
     b = keys(1)
     await _held_only_in_l3(store, shared, pool, b)
-    assert await get(store, pool, b, [30]) == [True]  # its size is known from now on
+    assert await get(store, pool, b, [30]) == [True]  # read from L3 straight (no clean room in L1)
+    assert where(store, b) == ["L3"]
     await shared.remove([BlockRef(0, b[0].tobytes())])
     assert await put(store, pool, b, pages=[31], durable=True) == (
         [PutResult.EXISTS],
