@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -200,6 +201,11 @@ class BlockStore:
         )
         self._copy_threads = config.server.copy_threads
         self._keyed = [lv for lv in self.stack if lv.keyed]
+        # Per probe of the key-addressed tiers awaiting its answer (by id): the keys ``(ns,
+        # key bytes)`` Deletes took out of those tiers meanwhile, which the answer may still
+        # name.
+        self._probes_open: dict[int, set[tuple[int, bytes]]] = {}
+        self._probe_ids = itertools.count()
         # Owners (tenants) by label, and the owner of every namespace seen or recovered.
         self.owners: dict[str, int] = {DEFAULT_OWNER: 0}
         self.ns_owner: dict[int, int] = {}
@@ -396,12 +402,16 @@ class BlockStore:
         for level in self._keyed:
             if not level.tier.health().serves_reads:
                 continue
+            probe_id = next(self._probe_ids)
+            self._probes_open[probe_id] = set()
             try:
                 sizes: list[int] | None = await level.keys.probe(refs)
             except Exception:
                 log.exception("%s probe failed", level.label)
                 self.counters.inc("probe_failures", tier=level.label)
                 sizes = None
+            finally:
+                deleted = self._probes_open.pop(probe_id)
             # The probe waited: rows found before it may have been deleted (even reused for
             # another block) meanwhile, and other requests may have stored some of the keys.
             ids[:] = table.lookup(ns, words)
@@ -413,6 +423,8 @@ class BlockStore:
             self.counters.inc("probed_keys", len(refs), tier=level.label)
             self.counters.inc("probe_hits", n, tier=level.label)
             for i, size in zip(range(start, start + n), sizes, strict=False):
+                if deleted and (ns, words[i].tobytes()) in deleted:
+                    continue  # the answer may predate the Delete's removal
                 if ids[i] < 0:
                     # A committed row here is this loop's own, for a key the chain names
                     # twice; any other is being written right now.
@@ -1294,6 +1306,14 @@ class BlockStore:
         ids = np.unique(found[found >= 0])
         busy = (table.state[ids] != READY) | (table.pins[ids] > 0) | (table.inflight[ids] > 0)
         gone = ids[~busy]
+        refs: list[BlockRef] = []
+        if self._keyed:
+            # Whatever the local table knew, the keys leave the shared tiers too, except the
+            # ones kept here as busy. A probe awaiting its answer while they go (it may have
+            # read them before) must not bring them back (``_discover``).
+            keep = {table.key_bytes(b) for b in ids[busy].tolist()}
+            refs = [BlockRef(ns, w.tobytes()) for w in words if w.tobytes() not in keep]
+            self._note_deleted(refs)
         # Held against their owners' quotas until a persistent tier has freed their slots,
         # as evicted copies are (``SpaceManager.evict``).
         holds = [
@@ -1318,17 +1338,21 @@ class BlockStore:
         for task in freeing:
             await asyncio.shield(task)
         if self._keyed:
-            # Whatever the local table knew, the keys leave the shared tiers too, except the
-            # ones kept here as busy.
-            keep = {table.key_bytes(b) for b in ids[busy].tolist()}
-            refs = [BlockRef(ns, w.tobytes()) for w in words if w.tobytes() not in keep]
-            for level in self._keyed:
-                with contextlib.suppress(Exception):
-                    await level.keys.remove(refs)
+            try:
+                for level in self._keyed:
+                    with contextlib.suppress(Exception):
+                        await level.keys.remove(refs)
+            finally:
+                self._note_deleted(refs)  # to the probes begun since the first note
         deleted = int(np.count_nonzero(~busy))
         self.space.misses.discard(table.identities(ns, words))  # deleted on purpose: "absent"
         self.counters.inc("deleted_blocks", deleted)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
+
+    def _note_deleted(self, refs: list[BlockRef]) -> None:
+        """Tell every probe awaiting its answer now that a Delete removes ``refs``."""
+        for deleted in self._probes_open.values():
+            deleted.update((ref.ns, ref.key) for ref in refs)
 
     async def evict(self, ns: int, words: np.ndarray, kind: TierKind) -> EvictResult:
         """Take the keys' blocks out of tier ``kind`` as eviction would: a block whose only

@@ -1313,6 +1313,46 @@ async def test_rows_deleted_or_reused_while_a_lookup_probes_l3_are_misses(make_s
     assert store.counters.get("lookup_hits") == 0
 
 
+class AnsweringLateKeyTier(MemoryKeyTier):
+    """A key-addressed tier whose probes read the store at once and answer only once the test
+    opens the gate: a probe's reply on its way back while other requests go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def probe(self, blocks):
+        sizes = await super().probe(blocks)
+        self.waiting.set()
+        await self.gate.wait()
+        return sizes
+
+
+async def test_regression_a_delete_while_a_lookup_probed_l3_left_its_keys_found_there(make_store):
+    """A Lookup probed L3 and found keys there that a Delete then removed from L3 before the
+    probe's answer arrived. The Lookup's answer added them to the table anyway, held in L3:
+    after the Delete had answered, lookups found the deleted blocks, a Put of the keys
+    answered EXISTS and stored nothing, and the Get that followed missed. A probe that a
+    Delete of a key overlapped takes nothing of that key."""
+    clock = Clock()
+    shared = AnsweringLateKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    chain = keys(2)
+    for word in chain:
+        shared.values[(0, word.tobytes())] = bytes(4096)
+    asking = asyncio.create_task(store.lookup(0, chain))
+    await shared.waiting.wait()
+    deleted = await store.delete(0, chain)
+    assert deleted == store_module.DeleteResult(deleted=0, missing=2, busy=0)
+    assert shared.values == {}
+    shared.gate.set()
+    assert (await asking)[0] == 0
+    assert (await store.lookup(0, chain))[0] == 0
+    assert await put(store, pool, chain) == [PutResult.STORED] * 2
+    assert await get(store, pool, chain, [10, 11]) == [True] * 2
+
+
 async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_store):
     """A read that fails verification drops the copy; a block still pinned keeps its row until
     the lease ends, held in no tier: Lookups report it missing, one key or several."""
