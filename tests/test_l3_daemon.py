@@ -346,3 +346,47 @@ def test_regression_a_prefetch_left_blocks_found_only_in_l3_there(
         assert counters["prefetch_used"] == 16 and counters["prefetch_wasted"] == 0
         assert counters["hinted_blocks"] == 8
         assert cb.check().problems == []
+
+
+def test_regression_a_password_rotated_on_the_store_and_in_its_file_left_l3_down_until_a_restart(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """The password file was read once, at start: a store restarted with a new password
+    refused every reconnection attempt, and the node served without L3 until the daemon
+    restarted, even once the file held the new password (a SIGHUP did not read it either).
+    Each reconnection attempt reads the file again."""
+    secret = tmp_path / "l3.password"
+    secret.write_text("first-Pw\n")
+    secret.chmod(0o600)
+    fresh_redis.kill()
+    fresh_redis.password = "first-Pw"
+    fresh_redis.start()
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        f"tiers.l3.password_file={secret}",
+        "tiers.l3.backoff_max_s=1",
+    )
+    chain = keys(4, 6)
+
+    def l3_state(client) -> str:
+        (l3,) = [t for t in client.stats().tiers if t.tier == Tier.L3_REMOTE]
+        return l3.state
+
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        fresh_redis.kill()
+        fresh_redis.password = "second-Pw"
+        fresh_redis.start()
+        # The first call after the restart meets the refusal and marks the tier down.
+        assert ca.lookup(keys(4, 7)).prefix_len == 0
+        assert "AuthenticationError" in l3_state(ca)
+        secret.write_text("second-Pw\n")
+        wait_for(lambda: l3_state(ca) == "ok")
+        assert ca.put(pool.pool_id, chain, range(4)).prefix_len == 4
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
+    raw = redis.Redis(host="127.0.0.1", port=fresh_redis.port, password="second-Pw")
+    assert len(raw.keys(f"{l3_prefix}*")) == 4

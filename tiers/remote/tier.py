@@ -11,8 +11,9 @@ Invariants:
 - A timeout or a connection fault marks the tier DOWN: until the reconnection probe succeeds,
   every call answers at once without touching the network. The probe runs in the background
   with exponential backoff and jitter, on a fresh client each attempt (a restarted server or a
-  failed-over cluster is seen afresh); faults of calls that started on an older client are
-  ignored. Each change of state is logged once.
+  failed-over cluster is seen afresh) with the password file read again (a rotated password is
+  taken up); faults of calls that started on an older client are ignored. Each change of
+  state is logged once.
 - A Redis that restarts empty is a cold tier: nothing here remembers what it held.
 - Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
   value that fails any check is a miss, counted by reason, and never reaches the caller's
@@ -189,6 +190,7 @@ class RemoteTier:
             raise TierUnavailable(f"L3: {e}") from None
         self.options = options
         self._password = _password(options.password_file)
+        self._password_problem = ""  # why the password file could not be read again
         self._clock = clock
         self._names = KeyNamer(options.key_prefix, namespace_token)
         self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, rng)
@@ -635,6 +637,7 @@ class RemoteTier:
             if delay > 0:
                 await asyncio.sleep(delay)
             self._counters["reconnect_attempts"] += 1
+            self._reread_password()
             fresh = self._new_client()
             try:
                 detail = await self._check(fresh)
@@ -653,6 +656,25 @@ class RemoteTier:
                 self._spawn(_close_client(fresh))
                 delay = self._avail.retry_failed(self._clock(), detail)
                 log.debug("L3 still unreachable (%s); next attempt in %.1fs", detail, delay)
+
+    def _reread_password(self) -> None:
+        """Read the password file again before a reconnection attempt: a store restarted
+        with a rotated password (the file rewritten to match) is reached again without
+        restarting the daemon. A file that cannot be read now keeps the password read
+        before; its problem is logged once."""
+        path = self.options.password_file
+        if not path:
+            return
+        try:
+            found = read_password(path)
+        except RemoteOptionsError as e:
+            if str(e) != self._password_problem:
+                log.warning("L3 %s; keeping the password read before", e)
+                self._password_problem = str(e)
+            return
+        self._password_problem = ""
+        if found is not None:
+            self._password = found[0]
 
     async def _check(self, client: Any) -> str | None:
         """None if ``client`` can serve (every primary answers; a cluster reports ok), else
