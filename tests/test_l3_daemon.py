@@ -390,3 +390,39 @@ def test_regression_a_password_rotated_on_the_store_and_in_its_file_left_l3_down
         wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
     raw = redis.Redis(host="127.0.0.1", port=fresh_redis.port, password="second-Pw")
     assert len(raw.keys(f"{l3_prefix}*")) == 4
+
+
+def test_regression_a_store_out_of_memory_stopped_the_nodes_l3_writes_for_good(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A store that refused writes for lack of memory paused them for a backoff period, and
+    only a write sent after it could end the pause; but the daemon offered L3 no write while
+    the tier said degraded_nospace, which it said until such a write went through. So the
+    node wrote nothing to L3 again, and L3 stayed degraded, until a restart, however much
+    memory the store had since. Once the backoff is over the tier takes writes again."""
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix, "tiers.l3.backoff_max_s=1")
+    raw = redis.Redis(host="127.0.0.1", port=fresh_redis.port)
+
+    def l3_state(client) -> str:
+        (l3,) = [t for t in client.stats().tiers if t.tier == Tier.L3_REMOTE]
+        return l3.state
+
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", str(raw.info("memory")["used_memory"] + (64 << 10)))
+        ca.put(pool.pool_id, keys(16, 8), range(16))
+        wait_for(lambda: l3_state(ca).startswith("degraded_nospace"))
+        raw.config_set("maxmemory", "0")
+        chains = iter(range(100, 10_000))
+
+        def puts_reach_l3() -> bool:
+            ca.put(pool.pool_id, keys(2, next(chains)), range(2))
+            return l3_state(ca) == "ok"
+
+        wait_for(puts_reach_l3)
+        chain = keys(4, 9)
+        ca.put(pool.pool_id, chain, range(4))
+        stored = ca.stats().counter("copies", direction="L1->L3")
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") >= stored + 4)
+        assert all(raw.exists(f"{l3_prefix}0:{k.hex()}") for k in chain)

@@ -475,11 +475,17 @@ class RemoteTier:
         self._budget.set_rate(bytes_s, self.options.max_value_bytes)
 
     def health(self) -> TierHealth:
+        """DOWN while unreachable; DEGRADED_NOSPACE while an out-of-memory pause holds
+        writes back. Once that pause's backoff is over the tier is OK, though still paused
+        until a write goes through: the store gives its callers no write while the tier
+        does not accept writes, and only a write sent after the backoff ends the pause
+        (or, refused again, extends it)."""
         a = self._avail
+        now = self._clock()
         if a.state is Reach.DOWN:
-            retry_in = max(0.0, a.retry_at - self._clock())
+            retry_in = max(0.0, a.retry_at - now)
             return TierHealth(Health.DOWN, f"{a.detail}; retrying in {retry_in:.1f}s")
-        if a.state is Reach.NOSPACE:
+        if not a.takes_writes(now):
             return TierHealth(Health.DEGRADED_NOSPACE, a.detail)
         return TierHealth()
 
