@@ -423,6 +423,6 @@ def test_regression_a_store_out_of_memory_stopped_the_nodes_l3_writes_for_good(
         wait_for(puts_reach_l3)
         chain = keys(4, 9)
         ca.put(pool.pool_id, chain, range(4))
-        stored = ca.stats().counter("copies", direction="L1->L3")
-        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") >= stored + 4)
-        assert all(raw.exists(f"{l3_prefix}0:{k.hex()}") for k in chain)
+        # Written behind: the chain reaches the store once its copies have run (a count of
+        # copies read after the put may already include them).
+        wait_for(lambda: all(raw.exists(f"{l3_prefix}0:{k.hex()}") for k in chain))
