@@ -49,7 +49,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.synchronize import Barrier, Event
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +58,11 @@ import numpy as np
 from kvtier.bench.common import arg_parser, median, pct_ms, ratio, scratch_dir, sig
 from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
+from kvtier.bench.ping import PING_METHOD, serve
 from kvtier.daemon.config import ServerConfig
 from kvtier.daemon.loops import EVENT_LOOPS
 
 BLOCK_BYTES = 4096
-PING_METHOD = "/kvtier.bench.Ping/Echo"
 PING_PAYLOAD = 64
 OPS = ("ping", "ping_uv", "health", "put", "get", "lookup")
 # The baselines, and the event loop each ping server runs on.
@@ -92,39 +92,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if min([args.ops, args.rounds, args.pages, *args.client_counts]) < 1 or args.warmup < 0:
         p.error("counts must be at least 1 (--warmup at least 0)")
     return args
-
-
-# ------------------------------------------------------------------ the ping server
-
-
-def _ping_server(path: str, ready: Event, loop: str) -> None:
-    """A separate process: a grpc.aio server with one unary echo method on ``path``, on the
-    event loop ``loop`` ('asyncio' or 'uvloop')."""
-    import grpc
-
-    from kvtier.daemon import loops
-
-    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return request
-
-    async def serve() -> None:
-        server = grpc.aio.server(
-            options=[
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-            ]
-        )
-        handler = grpc.method_handlers_generic_handler(
-            "kvtier.bench.Ping", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}
-        )
-        server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"unix:{path}")
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    loops.run(serve(), loop)
 
 
 # ---------------------------------------------------------------- client processes
@@ -320,9 +287,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
             for op, loop in PINGS.items():
                 path = str(Path(work) / f"{op}.sock")
                 ready = ctx.Event()
-                servers[op] = ctx.Process(
-                    target=_ping_server, args=(path, ready, loop), daemon=True
-                )
+                servers[op] = ctx.Process(target=serve, args=(path, loop, ready.set), daemon=True)
                 servers[op].start()
                 if not ready.wait(120):
                     raise RuntimeError(f"the {op} server did not start")
