@@ -21,6 +21,7 @@ from kvtier.bench.jsonout import Emit, JsonStdout
 # Modules are imported only when their benchmark runs.
 BENCHMARKS = {
     "gpu": "kvtier.bench.gpu_check",
+    "instructions": "kvtier.bench.instructions",
     "l1": "kvtier.bench.l1",
     "l2": "kvtier.bench.l2",
     "l3": "kvtier.bench.l3",

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -63,12 +63,14 @@ def bench_daemon(
     poll_s: float = 0.05,
     socket_path: str | None = None,
     wait_recovered: bool = True,
+    wrapper: Sequence[str] = (),
 ) -> Iterator[BenchDaemon]:
     """A kvtierd with ``overrides`` (``section.key=value``), SERVING when yielded (and, with
     ``wait_recovered``, done indexing what its disk tier held and faulting in its L1 arena: it
     serves before either is done), stopped with SIGTERM (and waited for) on exit.
     ``socket_path`` fixes its socket (so that a restarted daemon keeps its clients' address);
-    otherwise it gets a fresh one."""
+    otherwise it gets a fresh one. ``wrapper`` comes before the daemon's command line (a tool
+    that runs it, such as valgrind, which keeps its process id)."""
     workdir = tempfile.mkdtemp(prefix="kvtier-bench-")
     sock = socket_path or os.path.join(workdir, "d.sock")
     if len(sock.encode()) > _MAX_SOCKET_PATH:
@@ -79,6 +81,7 @@ def bench_daemon(
         )
     log_path = os.path.join(workdir, "kvtierd.log")
     args = [
+        *wrapper,
         sys.executable,
         "-m",
         "kvtier.daemon",

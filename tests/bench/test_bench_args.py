@@ -24,6 +24,8 @@ from kvtier.bench import run_bench
         ("l2", ["--rounds", "0"], "every count must be at least 1"),
         ("l1", ["--rounds", "0"], "every count must be at least 1"),
         ("rpc", ["--ops", "0"], "counts must be at least 1"),
+        ("instructions", ["--calls", "0"], "counts must be at least 1"),
+        ("instructions", ["--idle-s", "0"], "counts must be at least 1"),
         ("restart", ["--rows", "0"], "counts must be at least 1"),
     ],
 )
