@@ -53,7 +53,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import gc
 import logging
@@ -64,7 +63,7 @@ import secrets
 import stat
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -155,26 +154,31 @@ class Pool(PoolChecks):
         table = layout.layer_range_table(*layers) if layers else layout.chunk_table
         return PoolPages(table, self.array, pages, threads)
 
-    @contextlib.contextmanager
-    def use(self) -> Iterator[np.ndarray]:
-        """Keep the mapping alive while a copy runs; a fault in it breaks the pool."""
+    def use(self) -> _InUse:
+        """Keep the mapping alive while a copy runs (``with pool.use() as memory``); a fault
+        in it breaks the pool."""
+        return _InUse(self)
+
+    def _enter(self) -> np.ndarray:
         self.check_usable()
         if self._closing:
             raise NotFound(f"pool {self.pool_id} is being unregistered")
         self._users += 1
+        return self.array
+
+    def _exit(self, error: BaseException | None) -> None:
         try:
-            yield self.array
-        except MemoryFault as e:
-            if not self._base <= e.address < self._base + self._size:
-                raise  # not this pool's memory: the daemon's own, an internal error
-            first = not self.broken
-            self.broken = (
-                f"its memory faulted at byte {e.address - self._base}: the object was "
-                "truncated or could not be backed"
-            )
-            if first and self.on_fault is not None:
-                self.on_fault(self)
-            self.check_usable()
+            if isinstance(error, MemoryFault):
+                if not self._base <= error.address < self._base + self._size:
+                    return  # not this pool's memory: the daemon's own, an internal error
+                first = not self.broken
+                self.broken = (
+                    f"its memory faulted at byte {error.address - self._base}: the object was "
+                    "truncated or could not be backed"
+                )
+                if first and self.on_fault is not None:
+                    self.on_fault(self)
+                self.check_usable()
         finally:
             self._users -= 1
             if self._closing and self._users == 0:
@@ -194,6 +198,23 @@ class Pool(PoolChecks):
         else:
             _unmap(self.buffer, f"pool {self.pool_id}")
             self._mark_released()
+
+
+class _InUse:
+    """``Pool.use()``: a class, not a generator-based context manager, because every Put
+    and Get of a host pool enters one, and contextlib's generator machinery cost several
+    times the few lines it runs."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def __enter__(self) -> np.ndarray:
+        return self._pool._enter()
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> None:
+        self._pool._exit(error)
 
 
 EnginePool: TypeAlias = "Pool | CudaPool"
