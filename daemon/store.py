@@ -537,7 +537,7 @@ class BlockStore:
         """
         n = len(words)
         if n == 1 and not durable and self.top.own_admission is None:
-            one = await self._put_one(pool, ns, words[0], int(pages[0]), parent_words, owner)
+            one = await self._put_one(pool, ns, words[0], pages, parent_words, owner)
             if one is not None:
                 return one, None
         durable_level = self.stack.first_persistent()
@@ -718,7 +718,7 @@ class BlockStore:
         pool: EnginePool,
         ns: int,
         key: np.ndarray,
-        page: int,
+        pages: np.ndarray,
         parent_words: np.ndarray | None,
         owner: int,
     ) -> np.ndarray | None:
@@ -727,7 +727,7 @@ class BlockStore:
         the same claim before any await, copies (``_store_new``), link to the parent as it
         stands once they are done, commit, abandon, miss records and counts. None, having
         changed nothing, for a key already present or being written: ``_put_part`` answers
-        those."""
+        those. ``pages``: the request's, one page."""
         table = self.table
         identity = table.identity(ns, key)  # hashed once: probe, insertion, miss ledger
         if table.find_one(ns, key, identity) >= 0:
@@ -740,9 +740,7 @@ class BlockStore:
         bids = np.array([bid], dtype=np.int64)
         placed = 0
         try:
-            placed = await self._store_new(
-                pool, bids, None, np.array([page], dtype=np.int64), now, owner
-            )
+            placed = await self._store_new(pool, bids, None, pages, now, owner)
             if placed:
                 parent = -1
                 if parent_words is not None:
@@ -981,7 +979,7 @@ class BlockStore:
         block counts as loaded once, by the Get that copies its layer 0.
         """
         if len(words) == 1:
-            one = await self._get_one(pool, ns, words[0], int(pages[0]), touch, layers)
+            one = await self._get_one(pool, ns, words[0], pages, touch, layers)
             if one is not None:
                 return one
         table = self.table
@@ -1041,7 +1039,7 @@ class BlockStore:
         pool: EnginePool,
         ns: int,
         key: np.ndarray,
-        page: int,
+        pages: np.ndarray,
         touch: bool,
         layers: tuple[int, int] | None,
     ) -> np.ndarray | None:
@@ -1049,7 +1047,7 @@ class BlockStore:
         Get), in Python scalars: the same steps, marks and counts as the batch path, without
         its array operations. None, having changed nothing, in every other case (the key
         absent or still being written, held only below, a size to refuse): the batch path
-        takes those."""
+        takes those. ``pages``: the request's, one page."""
         table, top = self.table, self.top
         bid = table.find_one(ns, key)
         if bid < 0 or table.state[bid] != READY:
@@ -1068,7 +1066,7 @@ class BlockStore:
         ok = False
         try:
             with pool.use():
-                ok = await self._load_one(top, bid, slot, pool, page, layers)
+                ok = await self._load_one(top, bid, slot, pool, pages, layers)
         finally:
             table.inflight[bid] -= 1
             if not ok or self.space.copies_lost != lost:
@@ -1092,10 +1090,10 @@ class BlockStore:
         bid: int,
         slot: int,
         pool: EnginePool,
-        page: int,
+        pages: np.ndarray,
         layers: tuple[int, int] | None,
     ) -> bool:
-        """``_load`` of one block from ``slot`` of ``level`` into ``page``."""
+        """``_load`` of one block from ``slot`` of ``level`` into the one page of ``pages``."""
         table = self.table
         ok = await self.transfers.to_pool(
             level,
@@ -1103,7 +1101,7 @@ class BlockStore:
             [BlockRef(int(table.ns[bid]), table.keys[bid].tobytes())],
             pool.block_bytes,
             [table.checksum_of(bid, level.col)],
-            pool.batch(np.array([page], dtype=np.int64), self._copy_threads, layers),
+            pool.batch(pages, self._copy_threads, layers),
         )
         c = self.counters
         if ok[0]:
