@@ -103,9 +103,11 @@ def _copy_pages(
     """Copy between ``pages`` and the blocks at ``block_starts``, page range by page range
     (``_page_parts``): pool to blocks with ``to_blocks``, else blocks to pool."""
     if len(pages) == 1:
-        # One block (a single-key request): its offsets in two array operations each.
-        at_pool = table.pool_base + np.uint64(pages[0]) * table.page_stride
-        at_blocks = table.block_offset + np.uint64(block_starts[0])
+        # One block (a single-key request): its offsets in three array operations, with
+        # Python ints for the page and start (a numpy scalar first tries its own arithmetic,
+        # then falls back to the array's; both stay uint64).
+        at_pool = table.pool_base + int(pages[0]) * table.page_stride
+        at_blocks = table.block_offset + int(block_starts[0])
         lengths = table.lengths(1)
         if to_blocks:
             return copy_ranges(blocks, pool, at_blocks, at_pool, lengths, threads)
