@@ -24,8 +24,12 @@ what any unary call over this transport costs a Python server.
 counted over ``--idle-s``. They are in every phase's count too: under callgrind a call takes
 about 10 ms (``ms_per_call``), so the daemon's background adds idle/100 or so to each call.
 
-Figures are medians over ``--repeats`` repeats (``per_repeat`` in the JSON lists each);
-``spread`` is (max - min) / median over them.
+Each repeat starts both servers afresh: the count per call of one process stays within about
+1% from phase to phase, but another process of the same code may settle some 30k instructions
+a call higher or lower (gRPC's and the interpreter's state; health and ping move alike), so
+repeats within one process would agree on a figure that the next run does not. Figures are
+medians over ``--repeats`` repeats (``per_repeat`` in the JSON lists each); ``spread`` is
+(max - min) / median over them.
 Ratios: each call's count over health's and over ping's.
 
 Needs valgrind (with its callgrind_control); a host without it gets exit status 2 and what to
@@ -181,8 +185,7 @@ def _ping_server(valgrind: str, work: Path, loop: str) -> Iterator[tuple[int, st
 def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
     valgrind, control = _tools()
-    stores = args.repeats * (args.calls + args.warmup)
-    l1_bytes = stores * BLOCK_BYTES + (64 << 20)
+    l1_bytes = (args.calls + args.warmup) * BLOCK_BYTES + (64 << 20)
     counts: dict[str, list[int]] = {op: [] for op in OPS}
     seconds: dict[str, list[float]] = {op: [] for op in OPS}
     idle: list[float] = []
@@ -200,7 +203,8 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
 
         counts[op].append(counter.count(counted))
 
-    with scratch_dir(None, "kvtier-bench-instructions-") as work:
+    def repeat(work: Path) -> None:
+        """One repeat: every phase, each server a fresh process."""
         with (
             _ping_server(valgrind, work, args.event_loop) as (ping_pid, ping_address),
             grpc.insecure_channel(ping_address) as channel,
@@ -215,8 +219,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
             ping(0)
             pinger = _Counter(control, ping_pid, work / "ping.callgrind")
             pinger.start()
-            for _ in range(args.repeats):
-                measure(pinger, "ping", ping)
+            measure(pinger, "ping", ping)
 
         daemon_out = work / "daemon.callgrind"
         layout = block_layout(BLOCK_BYTES, _PAGES, num_layers=1)
@@ -234,8 +237,8 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
             pool_id = client.register_pool(shm, layout).pool_id
             counter = _Counter(control, daemon.proc.pid, daemon_out)
             counter.start()
-            # Put stores this repeat's keys; get and lookup then find them.
-            keys: list[bytes] = []
+            # Put stores these keys; get and lookup then find them.
+            keys = [os.urandom(32) for _ in range(args.warmup + args.calls)]
 
             def health(i: int) -> None:
                 if not client.health():
@@ -253,11 +256,13 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                 if client.lookup([keys[i]]).prefix_len != 1:
                     raise RuntimeError("lookup found nothing")
 
-            for _ in range(args.repeats):
-                keys[:] = [os.urandom(32) for _ in range(args.warmup + args.calls)]
-                for op, call in zip(DAEMON_OPS, (health, put, get, lookup), strict=True):
-                    measure(counter, op, call)
-                idle.append(counter.count(lambda: time.sleep(args.idle_s)) / args.idle_s)
+            for op, call in zip(DAEMON_OPS, (health, put, get, lookup), strict=True):
+                measure(counter, op, call)
+            idle.append(counter.count(lambda: time.sleep(args.idle_s)) / args.idle_s)
+
+    for _ in range(args.repeats):
+        with scratch_dir(None, "kvtier-bench-instructions-") as work:
+            repeat(work)
 
     per_call = {op: sig(median(counts[op]) / args.calls) for op in OPS}
     figures: dict[str, Any] = {
@@ -283,7 +288,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     print(
         f"daemon instructions per single-block call (callgrind, {BLOCK_BYTES} B blocks, one "
         f"client, one call at a time, {args.event_loop}): {args.calls} counted calls per phase "
-        f"after {args.warmup}, medians of {args.repeats} repeats"
+        f"after {args.warmup}, medians of {args.repeats} repeats, each with fresh servers"
     )
     print(f"{'rpc':<8}{'instr/call':>12}{'/health':>9}{'/ping':>7}{'spread':>8}{'ms/call':>9}")
     for op in OPS:
