@@ -30,7 +30,9 @@ a call higher or lower (gRPC's and the interpreter's state; health and ping move
 repeats within one process would agree on a figure that the next run does not. Figures are
 medians over ``--repeats`` repeats (``per_repeat`` in the JSON lists each); ``spread`` is
 (max - min) / median over them.
-Ratios: each call's count over health's and over ping's.
+Ratios: each call's count over health's and over ping's. ``above_health``: a call's count less
+health's in the same daemon process, median over repeats: the daemon's own work for the call
+beyond a health Check's, free of the offset between processes.
 
 Needs valgrind (with its callgrind_control); a host without it gets exit status 2 and what to
 install.
@@ -273,6 +275,14 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         "event_loop": args.event_loop,
         "instructions_per_call": per_call,
         "per_repeat": {op: [sig(n / args.calls) for n in counts[op]] for op in OPS},
+        "above_health": {
+            op: sig(
+                median([n - h for n, h in zip(counts[op], counts["health"], strict=True)])
+                / args.calls
+            )
+            for op in DAEMON_OPS
+            if op != "health"
+        },
         "spread": {op: sig((max(counts[op]) - min(counts[op])) / median(counts[op])) for op in OPS},
         "ms_per_call": {op: sig(median(seconds[op]) * 1e3) for op in OPS},
         "idle_instructions_per_s": sig(median(idle)),
@@ -290,19 +300,26 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         f"client, one call at a time, {args.event_loop}): {args.calls} counted calls per phase "
         f"after {args.warmup}, medians of {args.repeats} repeats, each with fresh servers"
     )
-    print(f"{'rpc':<8}{'instr/call':>12}{'/health':>9}{'/ping':>7}{'spread':>8}{'ms/call':>9}")
+    print(
+        f"{'rpc':<8}{'instr/call':>12}{'/health':>9}{'/ping':>7}{'above health':>14}"
+        f"{'spread':>8}{'ms/call':>9}"
+    )
     for op in OPS:
         r = figures["ratios"]
         vs_health = "1" if op == "health" else f"{r[f'{op}_vs_health']:.3f}"
         vs_ping = "1" if op == "ping" else f"{r[f'{op}_vs_ping']:.3f}"
+        above = figures["above_health"].get(op)
         print(
             f"{op:<8}{per_call[op]:12,.0f}{vs_health:>9}{vs_ping:>7}"
+            f"{'' if above is None else f'{above:,.0f}':>14}"
             f"{figures['spread'][op]:8.3f}{figures['ms_per_call'][op]:9.2f}"
         )
     print(
         f"idle daemon: {figures['idle_instructions_per_s']:,.0f} instructions/s, in every count "
         "at the pace of ms/call (calls under callgrind). ping: a bare grpc.aio echo server "
-        "under callgrind on the same event loop; spread: (max - min) / median over repeats"
+        "under callgrind on the same event loop; above health: the call's count less health's "
+        "in the same daemon process (median over repeats); spread: (max - min) / median over "
+        "repeats"
     )
     if emit is not None:
         emit(figures)

@@ -12,7 +12,7 @@ import pytest
 from benchjson import assert_ratio, only_json, run_json
 
 
-@pytest.mark.slow  # a daemon and a ping server under callgrind, ~20 s: `make test-slow`
+@pytest.mark.slow  # two daemons and ping servers under callgrind, ~60 s: `make test-slow`
 def test_instructions_bench_counts_each_call_against_health_and_the_ping() -> None:
     f = run_json(
         "instructions", "--calls", "10", "--warmup", "2", "--repeats", "2", "--idle-s", "0.2",
@@ -30,6 +30,12 @@ def test_instructions_bench_counts_each_call_against_health_and_the_ping() -> No
         assert_ratio(f["ratios"], f"{op}_vs_health", per_call[op], per_call["health"])
     for op in ("health", "put", "get", "lookup"):
         assert_ratio(f["ratios"], f"{op}_vs_ping", per_call[op], per_call["ping"])
+    # Per daemon process: each repeat's count less that process's health count.
+    each = f["per_repeat"]
+    for op in ("put", "get", "lookup"):
+        diffs = [a - h for a, h in zip(each[op], each["health"], strict=True)]
+        # Each figure is rounded to 4 digits: a difference of two is off by up to 100.
+        assert min(diffs) - 100 <= f["above_health"][op] <= max(diffs) + 100, op
     assert all(v >= 0 for v in f["spread"].values()) and f["idle_instructions_per_s"] >= 0
     assert all(v > 0 for v in f["ms_per_call"].values())
 
