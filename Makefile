@@ -39,17 +39,19 @@ run:
 	@$(BOOTSTRAP) --profile run
 	$(VENV)/bin/kvtierd $(ARGS)
 
-# The L3 tests start real redis-server processes: install Debian's when it is missing (as root),
-# or say what to install.
+# The L3 tests start real redis-server processes, and `bench instructions` (a test-slow test)
+# runs the daemon under valgrind: install Debian's when they are missing (as root), or say what
+# to install.
 system-deps:
-	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then \
+	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1 || \
+			! command -v valgrind >/dev/null 2>&1 || ! command -v callgrind_control >/dev/null 2>&1; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "[kvtier] installing redis-server and redis-tools (the L3 tests run real Redis servers)"; \
+			echo "[kvtier] installing redis-server, redis-tools and valgrind (the L3 tests run real Redis servers; bench instructions runs valgrind)"; \
 			DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null && \
 			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-				redis-server redis-tools >/dev/null; \
+				redis-server redis-tools valgrind >/dev/null; \
 		else \
-			echo "make test needs redis-server and redis-cli (Debian: apt-get install redis-server redis-tools)"; \
+			echo "make test needs redis-server, redis-cli and valgrind (Debian: apt-get install redis-server redis-tools valgrind)"; \
 			exit 1; \
 		fi; \
 	fi
