@@ -221,6 +221,9 @@ class BlockStore:
         # whose chain has a block another put is still writing waits on it (``_written``).
         self._write_settled: asyncio.Future[None] | None = None
         self._recovering = False  # recover() is between its first chunk and its end
+        # Refs of blocks a put was writing when recovery gave them a copy (their key's row
+        # from before this start): should the put fail, they keep that copy (``_abandon``).
+        self._recovered_under_put: set[int] = set()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -930,6 +933,8 @@ class BlockStore:
         self._writes_settled()
         table = self.table
         now = self._clock()
+        if self._recovered_under_put:
+            self._recovered_under_put.difference_update(table.refs(bids).tolist())
         table.inflight[bids] = 0
         table.state[bids] = READY
         table.last_access[bids] = now
@@ -949,6 +954,8 @@ class BlockStore:
         self._writes_settled()
         table = self.table
         now = self._clock()
+        if self._recovered_under_put:
+            self._recovered_under_put.discard(table.ref(bid))
         table.inflight[bid] = 0
         table.state[bid] = READY
         table.last_access[bid] = now
@@ -1673,9 +1680,11 @@ class BlockStore:
         seen = now_mono - np.maximum(0.0, now_wall - chunk.written_at)
         table.set_slots(bids, level.col, chunk.slots)
         table.set_checksums(bids, level.col, chunk.checksums)
+        if len(writing := bids[table.state[bids] == WRITING]):
+            self._recovered_under_put.update(table.refs(writing).tolist())
         table.last_access[bids] = np.maximum(table.last_access[bids], seen)
-        # A block a put is still writing joins the policies when that put commits it (and
-        # its copy here goes with its row if the put fails), as a new block does.
+        # A block a put is still writing joins the policies when that put commits it, as a
+        # new block does, or with this copy alone if the put fails (``_abandon``).
         ready = table.state[bids] == READY
         for bid, when in zip(bids[ready].tolist(), seen[ready].tolist(), strict=True):
             level.policy.insert(bid, when, -1)
@@ -1701,10 +1710,21 @@ class BlockStore:
 
     def _abandon(self, bids: np.ndarray) -> None:
         """Forget new blocks whose copy failed or found no room, giving back any slot they
-        took (a copy into one tier may fail after an earlier tier stored part of the batch)."""
+        took (a copy into one tier may fail after an earlier tier stored part of the batch).
+        A block that recovery gave a copy meanwhile (its key's row from before this start,
+        read while the put wrote it) is kept with that copy instead: the key was stored, and a
+        put that failed must not delete it (``_keep_recovered``)."""
         table = self.table
         if len(bids):
             self._writes_settled()
+        if self._recovered_under_put and len(bids):
+            refs = table.refs(bids).tolist()
+            under = self._recovered_under_put
+            recovered = np.fromiter((r in under for r in refs), bool, len(refs))
+            under.difference_update(refs)
+            if recovered.any():
+                self._keep_recovered(bids[recovered])
+                bids = bids[~recovered]
         for level in self.stack:
             if level.keyed or len(bids) == 0:
                 continue
@@ -1722,6 +1742,27 @@ class BlockStore:
                     level.slots.remove(slots)
         for bid in bids.tolist():
             table.remove(bid)
+
+    def _keep_recovered(self, bids: np.ndarray) -> None:
+        """Make blocks a failed put claimed, which recovery gave copies on persistent tiers
+        while it wrote them, the recovered blocks they are: the put's own copies on volatile
+        tiers go (no policy knows them), the persistent copies join their policies as
+        recovery's do, and the blocks are visible again, with no parent (as recovered)."""
+        table = self.table
+        for level in self.stack:
+            if level.keyed or level.persistent:
+                continue
+            held = bids[table.slot[bids, level.col] >= 0]
+            if len(held):
+                slots = table.slot[held, level.col].tolist()
+                table.clear_slots(held, level.col)
+                level.slots.remove(slots)
+        table.inflight[bids] = 0
+        table.state[bids] = READY
+        for level in self.stack:
+            if level.persistent and not level.keyed:
+                for bid in bids[table.slot[bids, level.col] >= 0].tolist():
+                    level.policy.insert(bid, float(table.last_access[bid]), -1)
 
     def _volatile_only(self) -> np.ndarray:
         table = self.table

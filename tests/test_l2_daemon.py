@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from kvtier.client import (
     SharedMemoryPool,
     Tier,
     UnavailableError,
+    wait_until_serving,
 )
 from kvtier.tiers.disk import DiskTier
 
@@ -747,3 +749,100 @@ def test_regression_a_put_cut_short_by_the_stop_was_told_its_pool_was_not_found(
         assert "stopping" in str(outcome[0])
     finally:
         gate.unlink(missing_ok=True)
+
+
+# Runs kvtierd with the disk tier's recovery held while the file ``gate`` exists and, once
+# it has handed over its first chunk of rows (the file ``gate.indexed`` then appears), while
+# ``gate.more`` exists; and with every L1 write held while the file ``l1_gate`` exists (a
+# held L1 write first creates ``l1_gate.held``).
+_ENTRY_HOLDING_RECOVERY_AND_L1_WRITES = """
+import os, sys, time
+from pathlib import Path
+from kvtier.daemon.entry import main
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostArena
+
+gate, l1_gate = sys.argv.pop(1), sys.argv.pop(1)
+recover_chunks, write = DiskTier.recover_chunks, HostArena.write
+
+def wait_while(path):
+    while os.path.exists(path):
+        time.sleep(0.002)
+
+def held_recover_chunks(self, rows=65536):
+    wait_while(gate)
+    for chunk in recover_chunks(self, rows):
+        yield chunk
+        Path(gate + ".indexed").touch()
+        wait_while(gate + ".more")
+
+def held_write(self, batch):
+    Path(l1_gate + ".held").touch()
+    wait_while(l1_gate)
+    return write(self, batch)
+
+DiskTier.recover_chunks = held_recover_chunks
+HostArena.write = held_write
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_a_put_rejected_during_recovery_deleted_the_durable_blocks_of_its_keys(
+    daemon_factory, tmp_path
+):
+    """After a SIGKILL, a put of keys that L2 held durably, made while recovery read the
+    index, claims them as new (their rows are not read yet); recovery then gave the claimed
+    blocks their L2 copies, and when the put found no room for a key (REJECTED_FULL: L1 full,
+    L2 allocating nothing until recovery ends) it abandoned the block with that copy: the
+    L2 row was deleted and a block once reported persisted was gone, also after a restart."""
+    l2 = l2_args(tmp_path / "l2")
+    ks = keys(2, 91)
+    d = daemon_factory(*l2, *SMALL_L1, l1_bytes="8MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
+        data = fill(shm, 91)
+        pool = client.register_pool(shm, BIG_LAYOUT)
+        assert client.put(pool.pool_id, ks, [0, 1], durable=True).persisted == [True, True]
+    d.kill()
+
+    gate, l1_gate = tmp_path / "recovery", tmp_path / "l1"
+    gates = (gate, tmp_path / "recovery.more", l1_gate)
+    for g in gates:
+        g.touch()
+    overrides = ("tiers.l1.capacity_bytes=1MiB", *SMALL_L1, *l2)
+    h = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/recovering.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_RECOVERY_AND_L1_WRITES, str(gate), str(l1_gate)),
+    )
+    daemon_factory._daemons.append(h)
+    h.start(wait=False)
+    try:
+        wait_until_serving(h.address, 60)
+        with (
+            h.client() as client,
+            SharedMemoryPool.for_layout(BIG_LAYOUT) as shm,
+            concurrent.futures.ThreadPoolExecutor(1) as threads,
+        ):
+            shm.array()[:] = data
+            pool = client.register_pool(shm, BIG_LAYOUT)
+            # L1 has one slot: the first key's copy waits at the gate; the second key, once
+            # that copy is done, finds no room in L1 and none in L2 (still recovering).
+            putting = threads.submit(client.put, pool.pool_id, ks, [0, 1])
+            wait_for((tmp_path / "l1.held").exists)
+            gate.unlink()  # recovery indexes the rows of both keys under the put
+            wait_for((tmp_path / "recovery.indexed").exists)
+            l1_gate.unlink()
+            assert putting.result(30).statuses == [PutStatus.STORED, PutStatus.REJECTED_FULL]
+            (tmp_path / "recovery.more").unlink()
+            h.wait_recovered()
+            assert client.lookup(ks[1:]).tiers == [Tier.L2_DISK]
+    finally:
+        for g in gates:
+            g.unlink(missing_ok=True)
+    h.kill()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
+        pool = client.register_pool(shm, BIG_LAYOUT)
+        assert client.get(pool.pool_id, ks, [0, 1]).loaded == [True, True]
+        assert shm.array()[: 2 * BIG].tobytes() == data[: 2 * BIG].tobytes()
