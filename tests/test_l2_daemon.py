@@ -846,3 +846,58 @@ def test_regression_a_put_rejected_during_recovery_deleted_the_durable_blocks_of
         pool = client.register_pool(shm, BIG_LAYOUT)
         assert client.get(pool.pool_id, ks, [0, 1]).loaded == [True, True]
         assert shm.array()[: 2 * BIG].tobytes() == data[: 2 * BIG].tobytes()
+
+
+def test_regression_a_put_that_wrote_a_key_recovery_read_under_it_to_l2_kept_both_copies(
+    daemon_factory, tmp_path
+):
+    """A put of keys L2 held from before a SIGKILL, made while recovery read the index and
+    storing a key on L2 itself once recovery was done (L1 full), gave the block its new L2
+    slot over the one recovery had given it: that slot stayed taken, its row in the index,
+    held by no block (``check``: 3 slots allocated, 2 held), until the next start found two
+    rows for the key."""
+    l2 = l2_args(tmp_path / "l2")
+    ks = keys(2, 92)
+    d = daemon_factory(*l2, *SMALL_L1, l1_bytes="8MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
+        data = fill(shm, 92)
+        pool = client.register_pool(shm, BIG_LAYOUT)
+        assert client.put(pool.pool_id, ks, [0, 1], durable=True).persisted == [True, True]
+    d.kill()
+
+    gate, l1_gate = tmp_path / "recovery", tmp_path / "l1"
+    for g in (gate, l1_gate):
+        g.touch()
+    overrides = ("tiers.l1.capacity_bytes=1MiB", *SMALL_L1, *l2)
+    h = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/recovering.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_RECOVERY_AND_L1_WRITES, str(gate), str(l1_gate)),
+    )
+    daemon_factory._daemons.append(h)
+    h.start(wait=False)
+    try:
+        wait_until_serving(h.address, 60)
+        with (
+            h.client() as client,
+            SharedMemoryPool.for_layout(BIG_LAYOUT) as shm,
+            concurrent.futures.ThreadPoolExecutor(1) as threads,
+        ):
+            shm.array()[:] = data
+            pool = client.register_pool(shm, BIG_LAYOUT)
+            # L1 has one slot: the first key's copy waits at the gate; the second key, once
+            # that copy is done and recovery with it, goes to L2.
+            putting = threads.submit(client.put, pool.pool_id, ks, [0, 1])
+            wait_for((tmp_path / "l1.held").exists)
+            gate.unlink()
+            h.wait_recovered()
+            l1_gate.unlink()
+            assert putting.result(30).statuses == [PutStatus.STORED, PutStatus.STORED]
+            assert client.check(settle_s=5).problems == []
+            got = client.get(pool.pool_id, ks, [2, 3])
+            assert got.loaded == [True, True]
+            assert shm.array()[2 * BIG : 4 * BIG].tobytes() == data[: 2 * BIG].tobytes()
+    finally:
+        for g in (gate, l1_gate):
+            g.unlink(missing_ok=True)
