@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -787,6 +788,34 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _durable_pair_then_held_recovery(daemon_factory, tmp_path, tag: int, *gates: Path):
+    """Two 1 MiB keys put durably, the daemon SIGKILLed, and a daemon started again on its L2
+    whose recovery and L1 writes wait at ``gates`` (files: recovery's first, then L1's, then
+    any more of ``_ENTRY_HOLDING_RECOVERY_AND_L1_WRITES``'s), serving with one L1 slot: the
+    first daemon (stopped), the held one, the keys and their bytes."""
+    l2 = l2_args(tmp_path / "l2")
+    ks = keys(2, tag)
+    d = daemon_factory(*l2, *SMALL_L1, l1_bytes="8MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
+        data = fill(shm, tag)
+        pool = client.register_pool(shm, BIG_LAYOUT)
+        assert client.put(pool.pool_id, ks, [0, 1], durable=True).persisted == [True, True]
+    d.kill()
+    for g in gates:
+        g.touch()
+    overrides = ("tiers.l1.capacity_bytes=1MiB", *SMALL_L1, *l2)
+    h = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/recovering.sock",
+        [arg for o in overrides for arg in ("--set", o)],
+        entry=("-c", _ENTRY_HOLDING_RECOVERY_AND_L1_WRITES, str(gates[0]), str(gates[1])),
+    )
+    daemon_factory._daemons.append(h)
+    h.start(wait=False)
+    wait_until_serving(h.address, 60)
+    return d, h, ks, data
+
+
 def test_regression_a_put_rejected_during_recovery_deleted_the_durable_blocks_of_its_keys(
     daemon_factory, tmp_path
 ):
@@ -795,30 +824,10 @@ def test_regression_a_put_rejected_during_recovery_deleted_the_durable_blocks_of
     blocks their L2 copies, and when the put found no room for a key (REJECTED_FULL: L1 full,
     L2 allocating nothing until recovery ends) it abandoned the block with that copy: the
     L2 row was deleted and a block once reported persisted was gone, also after a restart."""
-    l2 = l2_args(tmp_path / "l2")
-    ks = keys(2, 91)
-    d = daemon_factory(*l2, *SMALL_L1, l1_bytes="8MiB")
-    with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
-        data = fill(shm, 91)
-        pool = client.register_pool(shm, BIG_LAYOUT)
-        assert client.put(pool.pool_id, ks, [0, 1], durable=True).persisted == [True, True]
-    d.kill()
-
     gate, l1_gate = tmp_path / "recovery", tmp_path / "l1"
-    gates = (gate, tmp_path / "recovery.more", l1_gate)
-    for g in gates:
-        g.touch()
-    overrides = ("tiers.l1.capacity_bytes=1MiB", *SMALL_L1, *l2)
-    h = DaemonProcess(
-        tmp_path,
-        f"{daemon_factory._sockdir}/recovering.sock",
-        [arg for o in overrides for arg in ("--set", o)],
-        entry=("-c", _ENTRY_HOLDING_RECOVERY_AND_L1_WRITES, str(gate), str(l1_gate)),
-    )
-    daemon_factory._daemons.append(h)
-    h.start(wait=False)
+    gates = (gate, l1_gate, tmp_path / "recovery.more")
+    d, h, ks, data = _durable_pair_then_held_recovery(daemon_factory, tmp_path, 91, *gates)
     try:
-        wait_until_serving(h.address, 60)
         with (
             h.client() as client,
             SharedMemoryPool.for_layout(BIG_LAYOUT) as shm,
@@ -856,29 +865,9 @@ def test_regression_a_put_that_wrote_a_key_recovery_read_under_it_to_l2_kept_bot
     slot over the one recovery had given it: that slot stayed taken, its row in the index,
     held by no block (``check``: 3 slots allocated, 2 held), until the next start found two
     rows for the key."""
-    l2 = l2_args(tmp_path / "l2")
-    ks = keys(2, 92)
-    d = daemon_factory(*l2, *SMALL_L1, l1_bytes="8MiB")
-    with d.client() as client, SharedMemoryPool.for_layout(BIG_LAYOUT) as shm:
-        data = fill(shm, 92)
-        pool = client.register_pool(shm, BIG_LAYOUT)
-        assert client.put(pool.pool_id, ks, [0, 1], durable=True).persisted == [True, True]
-    d.kill()
-
     gate, l1_gate = tmp_path / "recovery", tmp_path / "l1"
-    for g in (gate, l1_gate):
-        g.touch()
-    overrides = ("tiers.l1.capacity_bytes=1MiB", *SMALL_L1, *l2)
-    h = DaemonProcess(
-        tmp_path,
-        f"{daemon_factory._sockdir}/recovering.sock",
-        [arg for o in overrides for arg in ("--set", o)],
-        entry=("-c", _ENTRY_HOLDING_RECOVERY_AND_L1_WRITES, str(gate), str(l1_gate)),
-    )
-    daemon_factory._daemons.append(h)
-    h.start(wait=False)
+    _, h, ks, data = _durable_pair_then_held_recovery(daemon_factory, tmp_path, 92, gate, l1_gate)
     try:
-        wait_until_serving(h.address, 60)
         with (
             h.client() as client,
             SharedMemoryPool.for_layout(BIG_LAYOUT) as shm,
