@@ -635,8 +635,8 @@ class L2Config:
 
 @dataclass(frozen=True)
 class L3Config:
-    """The cluster tier on Redis / Valkey. Every key but ``enabled`` and ``admission`` is a
-    field of the tier's own ``RemoteOptions`` (``tier_options()``; a test keeps them equal)."""
+    """The cluster tier on Redis / Valkey. Every key but ``enabled``, ``admission`` and
+    ``known_s`` (the daemon's own) is a field of the tier's own ``RemoteOptions`` (``tier_options()``; a test keeps them equal)."""
 
     enabled: bool = field(default=False, metadata=_opt("bool", doc="run the cluster tier"))
     urls: tuple[str, ...] = field(
@@ -703,6 +703,23 @@ class L3Config:
         default="second_hit",
         metadata=_opt("str", doc="which blocks are written to L3: always, second_hit, tinylfu"),
     )
+    known_s: float = field(
+        default=30.0,
+        metadata=_opt(
+            "float",
+            unit="s",
+            lo=1.0,
+            hi=86400.0,
+            doc="how long the node trusts that L3 still holds a block it holds nowhere else, "
+            "from when L3 last confirmed it (written, found by a lookup, read); then the node "
+            "forgets it and a later lookup asks L3 again; at most ttl_s when ttl_s > 0",
+        ),
+    )
+
+    def known_limit_s(self) -> float:
+        """``known_s``, capped at ``ttl_s`` (when blocks expire): past that the store may have
+        dropped the block on its own."""
+        return min(self.known_s, float(self.ttl_s)) if self.ttl_s > 0 else self.known_s
 
     def tier_options(self) -> Any:
         """The tier's ``RemoteOptions`` (imported here: ``tiers/`` never imports the

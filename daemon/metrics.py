@@ -198,6 +198,12 @@ COUNTERS: dict[str, MetricDef] = {
     "copies_lost": _c(
         "kvtier_copies_lost_total", ("tier",), "Copies a tier dropped after a failed read."
     ),
+    "rows_forgotten": _c(
+        "kvtier_rows_forgotten_total",
+        ("tier",),
+        "Blocks held only in a key-addressed tier (L3) that the node forgot once the tier had "
+        "not confirmed them for tiers.l3.known_s; a lookup asks the tier for them again.",
+    ),
     "recovered_repeats_dropped": _c(
         "kvtier_recovered_repeats_dropped_total",
         ("tier",),

@@ -16,6 +16,7 @@ Live keys, and how each applies:
 - ``policy.protect_s``, ``policy.warmup_s``, ``tiers.*.high_watermark``/``low_watermark``:
   each tier's eviction guard is rebuilt;
 - ``tiers.*.read_bytes_s``/``write_bytes_s``: the tier's token buckets take the new rate;
+- ``tiers.l3.known_s``: read from the config at each balancer pass;
 - ``policy.readahead_blocks``, ``server.max_batch_blocks``, ``server.lease_default_ms``,
   ``server.lease_max_ms``, ``server.drain_timeout_s``: read from the config on every use;
 - ``server.session_ping_s``: for sessions opened from now on;
@@ -78,6 +79,7 @@ log = logging.getLogger(__name__)
 LIVE_PATTERNS = (
     r"policy\.(protect_s|warmup_s|readahead_blocks)",
     r"tiers\.\w+\.(high_watermark|low_watermark|read_bytes_s|write_bytes_s)",
+    r"tiers\.l3\.known_s",
     r"server\.(max_batch_blocks|lease_default_ms|lease_max_ms|drain_timeout_s|session_ping_s)",
     r"logging\.(level|format)",
 )

@@ -29,6 +29,8 @@ Rules:
   ``density``) is asked before blocks that would have to evict enter it (``admit_own``); a
   block it declines stays where it is, and an access it did not keep is told to its policy
   (``missed``), as the replayer does.
+- A block held only in key-addressed tiers is known only for a while after one of them last
+  confirmed it (``forget_unconfirmed``): such a tier drops blocks on its own.
 
 Thread-safety: event loop only (see ``daemon/store.py``).
 """
@@ -123,6 +125,8 @@ class SpaceManager:
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
+        # When ``forget_unconfirmed`` next scans the table.
+        self._next_forget = 0.0
         table.on_free.append(self._forget_in_policies)
         table.on_remember.append(self._remember_in_policies)
         table.on_revive.append(self._revive_in_policies)
@@ -530,6 +534,8 @@ class SpaceManager:
             # the other slots stay held until they are free (``give_back``).
             self.end_hold(dst, owner, len(good) * nbytes)
         table.set_slots(good, dst.col, slot_arr[ok])
+        if dst.keyed or src.keyed:
+            table.keyed_seen[good] = now  # written there, or read from it: there now
         if dst.checksummed and outs is not None and len(good):
             table.set_checksums(good, dst.col, outs.checksums[ok])
         if len(good):
@@ -1209,6 +1215,44 @@ class SpaceManager:
         for level in self.stack:
             level.policy.renumber(order)
 
+    # ------------------------------------------------------------- known in L3
+
+    def forget_unconfirmed(self, known_s: float) -> None:
+        """Forget the blocks whose every copy is in key-addressed tiers and which none of them
+        confirmed (``table.keyed_seen``) for ``known_s``, unless held (pinned, in flight, or
+        hinted by the policy of a tier holding them). Such a row only says the tier had the
+        block when last asked; the tier may drop it since (its expiry, its own eviction,
+        another node's Delete), and kept, its row would answer lookups for it ever after
+        and never leave. Forgetting it loses nothing: a lookup that misses it asks the tier
+        again (``BlockStore._discover``). Runs every quarter of ``known_s`` (the balancer's
+        period is its timer), so a row goes within 1.25 ``known_s`` of its last confirmation
+        and the table is scanned rarely."""
+        keyed = [lv for lv in self.stack if lv.keyed]
+        now = self._clock()
+        if not keyed or now < self._next_forget:
+            return
+        self._next_forget = now + known_s / 4
+        table = self.table
+        local = [lv.col for lv in self.stack if not lv.keyed]
+        cand = np.unique(np.concatenate([table.holders(lv.col) for lv in keyed]))
+        if local:
+            cand = cand[~(table.slot[cand][:, local] >= 0).any(axis=1)]
+        cand = cand[
+            (table.keyed_seen[cand] < now - known_s)
+            & (table.state[cand] == READY)
+            & (table.pins[cand] == 0)
+            & (table.inflight[cand] == 0)
+        ]
+        for level in keyed:
+            unhinted = getattr(level.policy, "unhinted", None)
+            if unhinted is not None and len(cand):
+                cand = cand[unhinted(_everything, now)(cand)]
+        for level in keyed:
+            held = cand[table.slot[cand, level.col] >= 0]
+            if len(held):
+                self.drop_copies(held, level)
+                self.counters.inc("rows_forgotten", len(held), tier=level.label)
+
     # ------------------------------------------------------------- watermarks
 
     async def balance(self) -> None:
@@ -1260,6 +1304,10 @@ class SpaceManager:
         did that spun forever)."""
         while self.background:
             await asyncio.wait(list(self.background))
+
+
+def _everything(bids: np.ndarray) -> np.ndarray:
+    return np.ones(len(bids), dtype=bool)
 
 
 def _without(mask: EvictableFn, bids: np.ndarray) -> EvictableFn:

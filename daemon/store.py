@@ -443,6 +443,7 @@ class BlockStore:
                     # two layouts): no copy of this block, whose Gets it would fail.
                     continue
                 bid = int(ids[i])
+                table.keyed_seen[bid] = now
                 if table.slot[bid, level.col] < 0:
                     table.set_slots(np.asarray([bid]), level.col, 0)
                     level.policy.insert(bid, now, -1)
@@ -1120,6 +1121,8 @@ class BlockStore:
         )
         c = self.counters
         if ok[0]:
+            if level.keyed:
+                table.keyed_seen[bid] = self._clock()
             c.add(self._n_loaded_from[level.col])
             return True
         self.space.lose_copy(bid, level)
@@ -1179,6 +1182,8 @@ class BlockStore:
             pool.batch(pages[idx], self._copy_threads, layers),
         )
         good = np.asarray(ok, dtype=bool)
+        if level.keyed:
+            table.keyed_seen[bids[good]] = self._clock()
         for b in bids[~good].tolist():
             self.space.lose_copy(b, level)
         loaded = int(np.count_nonzero(good))
@@ -1525,14 +1530,17 @@ class BlockStore:
     # ------------------------------------------------------------- watermarks
 
     async def balance(self) -> None:
+        """Keep the tiers under their watermarks, and forget blocks held only in L3 that it
+        has not confirmed for ``tiers.l3.known_s`` (``SpaceManager.forget_unconfirmed``)."""
         await self.space.balance()
+        self.space.forget_unconfirmed(self.config.tiers.l3.known_limit_s())
 
     async def _balance_forever(self) -> None:
         interval = self.config.mover.balance_interval_s
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.space.balance()
+                await self.balance()
             except Exception:
                 log.exception("watermark balancing failed")
                 self.counters.inc("background_errors")

@@ -8,7 +8,8 @@ new block can outrun.
 
 Fields: key, namespace, owner (tenant), state, size, pins, in-flight marks, per tier column
 the slot of its copy (``-1``: none) and that copy's checksum, the chain links (``parent``,
-``child``) and the last access (the protection clock).
+``child``), the last access (the protection clock) and when a key-addressed tier last
+confirmed its copy.
 
 Invariants:
 - A block id is a row of every array; it is live while ``state[id] != FREE``.
@@ -177,6 +178,10 @@ class BlockTable:
         self.child = np.empty(0, dtype=np.int32)
         # Last read or write: the protection period runs from it.
         self.last_access = np.empty(0, dtype=np.float64)
+        # When a key-addressed tier last confirmed it holds the block (wrote it, a lookup's
+        # probe found it, a read of it succeeded): a block held only there is known for a
+        # while from then (``SpaceManager.forget_unconfirmed``), as the tier may drop it.
+        self.keyed_seen = np.empty(0, dtype=np.float64)
         self._grow(max(16, initial_capacity))
         self._table = np.full(
             _pow2_at_least(int(max(16, initial_capacity) / _MAX_LOAD)), EMPTY, np.int32
@@ -433,6 +438,7 @@ class BlockTable:
         self.parent[bid] = NO_REF
         self.child[bid] = -1
         self.last_access[bid] = -np.inf
+        self.keyed_seen[bid] = -np.inf
         self._count += 1
         self.ns_blocks[ns] = self.ns_blocks.get(ns, 0) + 1
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
@@ -771,6 +777,7 @@ class BlockTable:
         "parent": NO_REF,
         "child": -1,
         "last_access": -np.inf,
+        "keyed_seen": -np.inf,
     }
 
     def _fields(self) -> list[np.ndarray]:

@@ -426,3 +426,144 @@ def test_regression_a_store_out_of_memory_stopped_the_nodes_l3_writes_for_good(
         # Written behind: the chain reaches the store once its copies have run (a count of
         # copies read after the put may already include them).
         wait_for(lambda: all(raw.exists(f"{l3_prefix}0:{k.hex()}") for k in chain))
+
+
+def l3_blocks(client) -> int:
+    (l3,) = [t for t in client.stats().tiers if t.tier == Tier.L3_REMOTE]
+    return l3.blocks
+
+
+def put_all(client, pool_id: int, chain: list[bytes]) -> None:
+    for s in range(0, len(chain), 64):
+        part = chain[s : s + 64]
+        assert client.put(pool_id, part, range(len(part))).prefix_len == len(part)
+
+
+def test_regression_blocks_known_only_in_l3_were_kept_after_l3_dropped_them(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A block the node wrote to L3 and then evicted locally kept its row for good (the
+    balancer skips L3): once L3 dropped it (here its ttl_s), the node's stats still counted
+    it in L3 and a Lookup answered L3_REMOTE for it, a hit the Get then missed. Such a row
+    is forgotten once L3 has not confirmed it for known_s (at most ttl_s)."""
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        "tiers.l2.enabled=false",
+        "tiers.l1.capacity_bytes=8MiB",  # 256 blocks
+        "tiers.l1.segment_bytes=4MiB",
+        "tiers.l3.ttl_s=2",
+        "policy.protect_s=0",
+    )
+    old, new = keys(256, 20), keys(256, 21)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        put_all(ca, pool.pool_id, old)
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(old))
+        put_all(ca, pool.pool_id, new)  # presses the old blocks out of L1: only in L3 now
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 512)
+        wait_for(lambda: not raw.keys(f"{l3_prefix}*"))  # expired in Redis
+        wait_for(lambda: ca.lookup(old).prefix_len == 0)
+        in_l1 = sum(t == Tier.L1_HOST for t in ca.lookup(old + new).tiers)
+        # The rows left with an L3 column are the blocks also held in L1.
+        wait_for(lambda: l3_blocks(ca) == in_l1)
+        assert ca.stats().counter("rows_forgotten", tier="L3") == 512 - in_l1
+        # Put again, the blocks are written to L3 again and found there by another lookup.
+        put_all(ca, pool.pool_id, old[:64])
+        wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) >= 64)
+        assert ca.check().problems == []
+
+
+def test_regression_a_pinned_or_hinted_block_known_only_in_l3_is_kept_until_its_hold_ends(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """Rows held only in L3 that L3 has not confirmed for known_s are forgotten, but not
+    while a lease pins them or a hint protects them: the engine plans to load them. The
+    values are removed from Redis behind the node's back, so a row that answers L3_REMOTE
+    is one the node kept, not one a lookup found again."""
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        "tiers.l2.enabled=false",
+        "tiers.l1.capacity_bytes=4MiB",  # 128 blocks
+        "tiers.l1.segment_bytes=1MiB",
+        "tiers.l3.ttl_s=0",
+        "tiers.l3.known_s=1",
+        "policy.protect_s=0",
+    )
+    chain, later, filler = keys(16, 22), keys(4, 23), keys(128, 24)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        put_all(ca, pool.pool_id, chain)
+        put_all(ca, pool.pool_id, later)  # confirmed in L3 after the chain
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 20)
+        assert ca.evict(chain + later, Tier.L1_HOST).evicted == 20  # only in L3 now
+        # L1 full of pinned blocks: the hinted blocks' promotion finds no room.
+        leases = []
+        for s in range(0, len(filler), 64):
+            put_all(ca, pool.pool_id, filler[s : s + 64])
+            leases.append(ca.lookup(filler[s : s + 64], pin=True).lease_id)
+        lease = ca.lookup(chain[:4], pin=True).lease_id
+        assert lease
+        ca.prefetch(chain[4:8], deadline_ms=20_000)  # a hint
+        for k in chain[:8]:
+            (name,) = raw.keys(f"{l3_prefix}*{k.hex()}")
+            raw.delete(name)
+        # Forgotten: the chain's unheld blocks, and the later ones, so every held block
+        # was old enough at a sweep since.
+        wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 12)
+        assert ca.lookup(chain[:8]).tiers == [Tier.L3_REMOTE] * 8  # kept
+        ca.release(lease)
+        wait_for(lambda: ca.lookup(chain[:4]).prefix_len == 0)
+        wait_for(lambda: ca.lookup(chain[4:8]).prefix_len == 0, timeout_s=60)
+        assert ca.stats().counter("rows_forgotten", tier="L3") == 20
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 148)
+        assert l3_blocks(ca) == len(filler)  # the blocks also held in L1
+        for held in leases:
+            ca.release(held)
+        assert ca.check().problems == []
+
+
+def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        "tiers.l2.enabled=false",
+        "tiers.l3.ttl_s=0",
+        "tiers.l3.known_s=1",
+        "policy.protect_s=0",
+    )
+    chain = keys(16, 24)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(25).integers(0, 256, len(data), dtype=np.uint8)
+        want = data.copy()
+        pool = ca.register_pool(shm, LAYOUT)
+        put_all(ca, pool.pool_id, chain)
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+        assert ca.evict(chain, Tier.L1_HOST).evicted == 16
+        wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
+        assert l3_blocks(ca) == 0
+        found = ca.lookup(chain, pin=True)  # probes L3 again
+        assert found.tiers == [Tier.L3_REMOTE] * 16 and found.lease_id
+        data[:] = 0
+        got = ca.get(pool.pool_id, chain, range(32, 48), lease_id=found.lease_id)
+        assert got.loaded == [True] * 16
+        bb = LAYOUT.block_bytes
+        for i in range(16):
+            assert np.array_equal(data[(32 + i) * bb : (33 + i) * bb], want[i * bb : (i + 1) * bb])
+        ca.release(found.lease_id)
+        assert ca.check().problems == []

@@ -224,7 +224,7 @@ def test_policies_the_daemon_cannot_run_are_config_errors(override, key):
 
 
 def test_l3_keys_are_the_tiers_own_options_with_the_same_defaults():
-    """Every key of tiers.l3 but `enabled` and `admission` is a RemoteOptions field, with the
+    """Every key of tiers.l3 but `enabled`, `admission` and `known_s` is a RemoteOptions field, with the
     same default: the daemon's config and the tier cannot drift apart."""
     import dataclasses
 
@@ -233,7 +233,7 @@ def test_l3_keys_are_the_tiers_own_options_with_the_same_defaults():
 
     config = {f.name: f.default for f in dataclasses.fields(L3Config)}
     tier = {f.name: f.default for f in dataclasses.fields(RemoteOptions)}
-    assert set(config) - set(tier) == {"enabled", "admission"}
+    assert set(config) - set(tier) == {"enabled", "admission", "known_s"}
     assert set(tier) <= set(config)
     assert {k: config[k] for k in tier} == tier
     assert L3Config().tier_options() == RemoteOptions()
