@@ -1226,27 +1226,34 @@ class SpaceManager:
         and never leave. Forgetting it loses nothing: a lookup that misses it asks the tier
         again (``BlockStore._discover``). Runs every quarter of ``known_s`` (the balancer's
         period is its timer), so a row goes within 1.25 ``known_s`` of its last confirmation
-        and the table is scanned rarely."""
+        (a backlog beyond ``batch_blocks`` takes a balancer period per batch more) and the
+        table is scanned rarely."""
         keyed = [lv for lv in self.stack if lv.keyed]
         now = self._clock()
         if not keyed or now < self._next_forget:
             return
         self._next_forget = now + known_s / 4
         table = self.table
+        # Whole columns, not fancy indexing: a million rows cost milliseconds.
+        slot = table.slot[: table.rows]
+        stale = table.keyed_seen[: table.rows] < now - known_s
+        stale &= (slot[:, [lv.col for lv in keyed]] >= 0).any(axis=1)
         local = [lv.col for lv in self.stack if not lv.keyed]
-        cand = np.unique(np.concatenate([table.holders(lv.col) for lv in keyed]))
         if local:
-            cand = cand[~(table.slot[cand][:, local] >= 0).any(axis=1)]
+            stale &= ~(slot[:, local] >= 0).any(axis=1)
+        cand = np.flatnonzero(stale)
         cand = cand[
-            (table.keyed_seen[cand] < now - known_s)
-            & (table.state[cand] == READY)
-            & (table.pins[cand] == 0)
-            & (table.inflight[cand] == 0)
+            (table.state[cand] == READY) & (table.pins[cand] == 0) & (table.inflight[cand] == 0)
         ]
         for level in keyed:
             unhinted = getattr(level.policy, "unhinted", None)
             if unhinted is not None and len(cand):
                 cand = cand[unhinted(_everything, now)(cand)]
+        if len(cand) > self.batch_blocks:
+            # A backlog (L3 confirmed many blocks at once) goes a batch per balancer pass,
+            # as an eviction's does, so no pass holds the event loop long.
+            cand = cand[: self.batch_blocks]
+            self._next_forget = now
         for level in keyed:
             held = cand[table.slot[cand, level.col] >= 0]
             if len(held):

@@ -396,6 +396,11 @@ class BlockTable:
             grown[:, : self.usage.shape[1]] = self.usage
             self.usage = grown
 
+    @property
+    def rows(self) -> int:
+        """Rows ever taken: every live block id is below it."""
+        return self._next_row
+
     def holders(self, col: int) -> np.ndarray:
         """Ids of the blocks with a copy in column ``col``."""
         return np.flatnonzero(self.slot[: self._next_row, col] >= 0)

@@ -457,6 +457,7 @@ def test_regression_blocks_known_only_in_l3_were_kept_after_l3_dropped_them(
         "tiers.l1.segment_bytes=4MiB",
         "tiers.l3.ttl_s=2",
         "policy.protect_s=0",
+        "mover.batch_blocks=64",  # the expired rows are forgotten a batch per pass
     )
     old, new = keys(256, 20), keys(256, 21)
     raw = redis.Redis.from_url(fresh_redis.url)
