@@ -125,8 +125,9 @@ class SpaceManager:
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
-        # When ``forget_unconfirmed`` next scans the table.
-        self._next_forget = 0.0
+        # When ``forget_unconfirmed`` last scanned the table: the next scan is due a quarter
+        # of ``known_s`` later, as ``known_s`` is then (a SIGHUP may have lowered it).
+        self._last_forget = -np.inf
         table.on_free.append(self._forget_in_policies)
         table.on_remember.append(self._remember_in_policies)
         table.on_revive.append(self._revive_in_policies)
@@ -1230,9 +1231,9 @@ class SpaceManager:
         table is scanned rarely."""
         keyed = [lv for lv in self.stack if lv.keyed]
         now = self._clock()
-        if not keyed or now < self._next_forget:
+        if not keyed or now < self._last_forget + known_s / 4:
             return
-        self._next_forget = now + known_s / 4
+        self._last_forget = now
         table = self.table
         # Whole columns, not fancy indexing: a million rows cost milliseconds.
         slot = table.slot[: table.rows]
@@ -1253,7 +1254,7 @@ class SpaceManager:
             # A backlog (L3 confirmed many blocks at once) goes a batch per balancer pass,
             # as an eviction's does, so no pass holds the event loop long.
             cand = cand[: self.batch_blocks]
-            self._next_forget = now
+            self._last_forget = -np.inf
         for level in keyed:
             held = cand[table.slot[cand, level.col] >= 0]
             if len(held):

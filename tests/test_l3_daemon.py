@@ -568,3 +568,43 @@ def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact
             assert np.array_equal(data[(32 + i) * bb : (33 + i) * bb], want[i * bb : (i + 1) * bb])
         ca.release(found.lease_id)
         assert ca.check().problems == []
+
+
+def test_regression_a_known_s_lowered_at_sighup_applied_only_after_the_old_quarter(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """known_s is live at SIGHUP, but the sweep's next run was fixed at the last one plus a
+    quarter of the old known_s: lowered from an hour, it forgot nothing for 15 minutes."""
+    import signal
+
+    from harness import DaemonProcess
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("tiers:\n  l3:\n    known_s: 3600\n")
+    overrides = [
+        "tiers.l2.enabled=false",
+        "tiers.l3.enabled=true",
+        f"tiers.l3.urls=[{fresh_redis.url}]",
+        f"tiers.l3.key_prefix='{l3_prefix}'",
+        "tiers.l3.admission=always",
+        "tiers.l3.ttl_s=0",
+        "policy.protect_s=0",
+    ]
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    a = DaemonProcess(
+        tmp_path, f"{daemon_factory._sockdir}/known.sock", ["--config", str(path), *sets]
+    )
+    daemon_factory._daemons.append(a)
+    a.start()
+    chain = keys(16, 26)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        put_all(ca, pool.pool_id, chain)
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+        assert ca.evict(chain, Tier.L1_HOST).evicted == 16
+        time.sleep(0.5)  # balancer passes (0.1 s apart): the sweep ran, its next run set
+        path.write_text("tiers:\n  l3:\n    known_s: 1\n")
+        a.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
+        assert l3_blocks(ca) == 0
+        assert ca.check().problems == []
