@@ -319,6 +319,13 @@ class KVTierServicer:
         task (the current one, once it has awaited) and its answer will be dropped."""
         return asyncio.current_task() in self.detached
 
+    def unanswered(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the answer of the request running now will reach no one: its client left
+        (``client_left``) or its deadline passed while the event loop was busy. A request
+        that took something its answer names (a pool, a lease) gives it back then, in the
+        same step: no other request runs in between."""
+        return self.client_left() or context.time_remaining() == 0
+
     async def settle(self, timeout_s: float) -> None:
         """Wait for the requests whose clients left to finish."""
         if self.detached:
@@ -413,7 +420,7 @@ class KVTierServicer:
             pool = self.service.register_cuda_ipc_pool(request.session_id, request.cuda_ipc, layout)
         else:
             raise InvalidArgument("RegisterPool needs a region: fd, shm or cuda_ipc")
-        if self.client_left() or context.time_remaining() == 0:
+        if self.unanswered(context):
             # The client cancelled, or its deadline passed (while the memory was mapped, or
             # while the event loop was busy): it never learns the pool's id, so only the
             # session's end would unregister the pool. Both are checked in the step that
@@ -441,7 +448,7 @@ class KVTierServicer:
         out = await self.service.lookup(
             request.session_id, request.keys, request.pin, request.lease_ms, request.namespace
         )
-        if out.lease_id and (self.client_left() or context.time_remaining() == 0):
+        if out.lease_id and self.unanswered(context):
             # As for RegisterPool: a client that left (while a key-addressed tier was probed)
             # never learns the lease, so only its expiry would release the pins. Checked in
             # the step that took it: nothing else ran in between.
