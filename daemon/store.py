@@ -882,10 +882,15 @@ class BlockStore:
             # What the copies stored counts in the table's usage from the set_slots below;
             # the slots of the copies that failed stay held until they are free.
             self.space.end_hold(level, owner, ok * nbytes)
-            if level.persistent and (replaced := stored[table.slot[stored, level.col] >= 0]).size:
+            if (
+                self._recovered_under_put
+                and level.persistent
+                and (replaced := stored[table.slot[stored, level.col] >= 0]).size
+            ):
                 # Recovery gave these blocks the tier's copy of their key from before this
-                # start while the put wrote them: the put's copy replaces it, whose slot
-                # goes back as an evicted copy's does (one slot per block and tier).
+                # start while the put wrote them (only then has a block being written a
+                # copy here): the put's copy replaces it, whose slot goes back as an
+                # evicted copy's does (one slot per block and tier).
                 old = table.slot[replaced, level.col].tolist()
                 holds = self.space.hold_copies(level, replaced)
                 table.clear_slots(replaced, level.col)
