@@ -1220,8 +1220,8 @@ class SpaceManager:
 
     def forget_unconfirmed(self, known_s: float) -> None:
         """Forget the blocks whose every copy is in key-addressed tiers and which none of them
-        confirmed (``table.keyed_seen``) for ``known_s``, unless held (pinned, in flight, or
-        hinted by the policy of a tier holding them). Such a row only says the tier had the
+        confirmed (``table.keyed_seen``) for ``known_s``, unless an eviction from that tier
+        could not take them either (pinned, in flight, protected, or hinted by its policy). Such a row only says the tier had the
         block when last asked; the tier may drop it since (its expiry, its own eviction,
         another node's Delete), and kept, its row would answer lookups for it ever after
         and never leave. Forgetting it loses nothing: a lookup that misses it asks the tier
@@ -1243,13 +1243,16 @@ class SpaceManager:
         if local:
             stale &= ~(slot[:, local] >= 0).any(axis=1)
         cand = np.flatnonzero(stale)
-        cand = cand[
-            (table.state[cand] == READY) & (table.pins[cand] == 0) & (table.inflight[cand] == 0)
-        ]
         for level in keyed:
-            unhinted = getattr(level.policy, "unhinted", None)
-            if unhinted is not None and len(cand):
-                cand = cand[unhinted(_everything, now)(cand)]
+            # What an eviction from the tier would take (``evictable``: not pinned, in flight
+            # or protected, and not hinted): a row a request used within the protection
+            # period stays, so a Lookup's answer holds for the Get that follows it (a Get
+            # does not ask the tier again).
+            mask = self.evictable(level, now)
+            if (unhinted := getattr(level.policy, "unhinted", None)) is not None:
+                mask = unhinted(mask, now)
+            if len(cand):
+                cand = cand[mask(cand)]
         if len(cand) > self.batch_blocks:
             # A backlog (L3 confirmed many blocks at once) goes a batch per balancer pass,
             # as an eviction's does, so no pass holds the event loop long.
@@ -1312,10 +1315,6 @@ class SpaceManager:
         did that spun forever)."""
         while self.background:
             await asyncio.wait(list(self.background))
-
-
-def _everything(bids: np.ndarray) -> np.ndarray:
-    return np.ones(len(bids), dtype=bool)
 
 
 def _without(mask: EvictableFn, bids: np.ndarray) -> EvictableFn:

@@ -570,6 +570,49 @@ def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact
         assert ca.check().problems == []
 
 
+def test_regression_a_block_known_only_in_l3_was_forgotten_while_lookups_used_it(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """The sweep forgot a row unconfirmed by L3 for known_s even while Lookups kept answering
+    it, and a Get after such a Lookup missed a block still in Redis (a Get does not probe L3).
+    The sweep takes what an eviction would: a row a request used within the protection
+    period stays; once unused it goes as before."""
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        "tiers.l2.enabled=false",
+        "tiers.l3.ttl_s=0",
+        "tiers.l3.known_s=1",
+        "policy.protect_s=1",
+    )
+    chain = keys(16, 27)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = shm.array()
+        data[:] = np.random.default_rng(27).integers(0, 256, len(data), dtype=np.uint8)
+        want = data.copy()
+        pool = ca.register_pool(shm, LAYOUT)
+        put_all(ca, pool.pool_id, chain)
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+        # Out of L1 once the put's protection ends: only in L3 now.
+        wait_for(lambda: ca.evict(chain, Tier.L1_HOST).busy == 0)
+        # Looked up every 0.1 s for three known_s (the sweep runs every quarter of it).
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            assert ca.lookup(chain).tiers == [Tier.L3_REMOTE] * 16
+            time.sleep(0.1)
+        assert ca.stats().counter("rows_forgotten", tier="L3") == 0
+        data[:] = 0
+        assert ca.get(pool.pool_id, chain, range(32, 48)).loaded == [True] * 16
+        bb = LAYOUT.block_bytes
+        assert np.array_equal(data[32 * bb : 48 * bb], want[: 16 * bb])
+        # The Get confirmed them; unused from now on, they go.
+        wait_for(lambda: ca.evict(chain, Tier.L1_HOST).busy == 0)
+        wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
+
+
 def test_regression_a_known_s_lowered_at_sighup_applied_only_after_the_old_quarter(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
