@@ -533,10 +533,9 @@ def test_regression_a_pinned_or_hinted_block_known_only_in_l3_is_kept_until_its_
         assert ca.check().problems == []
 
 
-def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact(
-    daemon_factory, tmp_path, fresh_redis, l3_prefix
-):
-    a = node(
+def only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s: int):
+    """A node without L2 whose L3 confirmations last known_s = 1 s, with ``protect_s``."""
+    return node(
         daemon_factory,
         tmp_path,
         "a",
@@ -545,23 +544,45 @@ def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact
         "tiers.l2.enabled=false",
         "tiers.l3.ttl_s=0",
         "tiers.l3.known_s=1",
-        "policy.protect_s=0",
+        f"policy.protect_s={protect_s}",
     )
+
+
+def put_only_in_l3(ca, shm, chain: list[bytes], seed: int):
+    """Random bytes in ``shm``'s pool, ``chain`` put from its first pages, written behind to
+    L3 and evicted from L1 (once the put's protection ends): held only in L3. Returns the
+    pool id, the pool's array and a copy of the bytes put."""
+    data = shm.array()
+    data[:] = np.random.default_rng(seed).integers(0, 256, len(data), dtype=np.uint8)
+    want = data.copy()
+    pool_id = ca.register_pool(shm, LAYOUT).pool_id
+    put_all(ca, pool_id, chain)
+    wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
+    evicted = []
+
+    def evict() -> bool:
+        out = ca.evict(chain, Tier.L1_HOST)
+        evicted.append(out.evicted)
+        return out.busy == 0
+
+    wait_for(evict)
+    assert sum(evicted) == len(chain)
+    return pool_id, data, want
+
+
+def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=0)
     chain = keys(16, 24)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        data = shm.array()
-        data[:] = np.random.default_rng(25).integers(0, 256, len(data), dtype=np.uint8)
-        want = data.copy()
-        pool = ca.register_pool(shm, LAYOUT)
-        put_all(ca, pool.pool_id, chain)
-        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
-        assert ca.evict(chain, Tier.L1_HOST).evicted == 16
+        pool_id, data, want = put_only_in_l3(ca, shm, chain, 25)
         wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
         assert l3_blocks(ca) == 0
         found = ca.lookup(chain, pin=True)  # probes L3 again
         assert found.tiers == [Tier.L3_REMOTE] * 16 and found.lease_id
         data[:] = 0
-        got = ca.get(pool.pool_id, chain, range(32, 48), lease_id=found.lease_id)
+        got = ca.get(pool_id, chain, range(32, 48), lease_id=found.lease_id)
         assert got.loaded == [True] * 16
         bb = LAYOUT.block_bytes
         for i in range(16):
@@ -577,27 +598,10 @@ def test_regression_a_block_known_only_in_l3_was_forgotten_while_lookups_used_it
     it, and a Get after such a Lookup missed a block still in Redis (a Get does not probe L3).
     The sweep takes what an eviction would: a row a request used within the protection
     period stays; once unused it goes as before."""
-    a = node(
-        daemon_factory,
-        tmp_path,
-        "a",
-        fresh_redis.url,
-        l3_prefix,
-        "tiers.l2.enabled=false",
-        "tiers.l3.ttl_s=0",
-        "tiers.l3.known_s=1",
-        "policy.protect_s=1",
-    )
+    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=1)
     chain = keys(16, 27)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        data = shm.array()
-        data[:] = np.random.default_rng(27).integers(0, 256, len(data), dtype=np.uint8)
-        want = data.copy()
-        pool = ca.register_pool(shm, LAYOUT)
-        put_all(ca, pool.pool_id, chain)
-        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == len(chain))
-        # Out of L1 once the put's protection ends: only in L3 now.
-        wait_for(lambda: ca.evict(chain, Tier.L1_HOST).busy == 0)
+        pool_id, data, want = put_only_in_l3(ca, shm, chain, 27)
         # Looked up every 0.1 s for three known_s (the sweep runs every quarter of it).
         end = time.monotonic() + 3.0
         while time.monotonic() < end:
@@ -605,7 +609,7 @@ def test_regression_a_block_known_only_in_l3_was_forgotten_while_lookups_used_it
             time.sleep(0.1)
         assert ca.stats().counter("rows_forgotten", tier="L3") == 0
         data[:] = 0
-        assert ca.get(pool.pool_id, chain, range(32, 48)).loaded == [True] * 16
+        assert ca.get(pool_id, chain, range(32, 48)).loaded == [True] * 16
         bb = LAYOUT.block_bytes
         assert np.array_equal(data[32 * bb : 48 * bb], want[: 16 * bb])
         # The Get confirmed them; unused from now on, they go.
