@@ -655,3 +655,32 @@ def test_regression_a_known_s_lowered_at_sighup_applied_only_after_the_old_quart
         wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
         assert l3_blocks(ca) == 0
         assert ca.check().problems == []
+
+
+def test_regression_a_delete_the_store_could_not_apply_came_back_through_the_next_lookup(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A Delete whose UNLINKs the store did not carry out (down, or refused) left the blocks
+    in Redis, and the next Lookup's probe found them again: a deleted block served. Until the
+    store confirms the removal the node answers those keys absent, and it sends the removal
+    again once the store takes it."""
+    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=0)
+    chain = keys(16, 30)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        put_only_in_l3(ca, shm, chain, 31)
+        assert len(raw.keys(f"{l3_prefix}*")) == 16
+        raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+        try:
+            assert ca.delete(chain[8:]).deleted == 8
+            assert len(raw.keys(f"{l3_prefix}*")) == 16  # the store kept them
+            found = ca.lookup(chain)
+            assert found.tiers == [Tier.L3_REMOTE] * 8 + [Tier.ABSENT] * 8
+            assert ca.lookup(chain[8:]).prefix_len == 0
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+        assert ca.delete(keys(1, 32)).missing == 1  # accepted: the refused ones go too
+        wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) == 8)
+        assert ca.lookup(chain[8:]).prefix_len == 0
+        assert ca.lookup(chain).prefix_len == 8
+        assert ca.check().problems == []

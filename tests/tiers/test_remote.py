@@ -461,6 +461,81 @@ async def test_a_hung_server_costs_one_op_timeout(fresh_redis: RedisServer, l3_p
         assert await tier.read(blocks, nbytes, host(dest)) == [True] * 4
 
 
+async def test_regression_a_removal_sent_to_a_hung_server_came_back_once_it_answered(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """A remove that timed out against a hung store was dropped: once the store answered
+    again, the blocks were still there and the next probe found them (a Delete undone). The
+    removal is sent again at the reconnection."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    raw = raw_client(fresh_redis)
+    names = KeyNamer(l3_prefix)
+    async with opened(options(fresh_redis, l3_prefix, op_timeout_s=OP_TIMEOUT_S)) as tier:
+        assert (
+            await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(4)]))
+            == [True] * 4
+        )
+        fresh_redis.pause()
+        try:
+            await tier.remove(blocks[:2])
+            assert tier.health().state is Health.DOWN
+            assert tier.stats().gauges["removals_unconfirmed"] == 2
+        finally:
+            fresh_redis.resume()
+        await wait_for(
+            "the removals to be sent again",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+        )
+        assert tier.health().state is Health.OK
+        assert raw.exists(*(names.key(b.ns, b.key) for b in blocks[:2])) == 0
+        assert await tier.probe(blocks) == []
+        assert await tier.probe(blocks[2:]) == [nbytes, nbytes]
+        assert tier.stats().counters["remove_retried"] == 2
+
+
+async def test_a_removal_the_store_refused_is_absent_until_sent_again_or_written_again(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """UNLINK refused per key (an ACL here): the blocks stay in the store, but probes and
+    reads answer them absent; writing one again ends its removal; the rest goes with the
+    next removal the store accepts."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    src = host([data(i, nbytes) for i in range(4)])
+    raw = raw_client(fresh_redis)
+    names = KeyNamer(l3_prefix)
+    stored = [names.key(b.ns, b.key) for b in blocks]
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        assert await tier.write(blocks, nbytes, src) == [True] * 4
+        raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+        try:
+            await tier.remove(blocks[:2])
+            assert tier.health().state is Health.OK
+            assert tier.stats().counters["remove_errors"] == 2
+            assert raw.exists(*stored[:2]) == 2  # still there
+            assert await tier.probe(blocks) == []
+            assert await tier.probe(blocks[1:]) == []
+            assert await tier.read(blocks, nbytes, host(empty(4, nbytes))) == [
+                False,
+                False,
+                True,
+                True,
+            ]
+            # Stored again: no longer removed.
+            assert await tier.write(blocks[1:2], nbytes, host([data(1, nbytes)])) == [True]
+            assert await tier.probe(blocks[1:]) == [nbytes] * 3
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+        await tier.remove([ref(99)])  # accepted: the one left is sent again
+        await wait_for(
+            "the removal to be sent again",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+        )
+        assert raw.exists(stored[0]) == 0 and raw.exists(*stored[1:]) == 3
+        assert await tier.probe(blocks[1:]) == [nbytes] * 3
+
+
 @pytest.mark.parametrize("kind", EVENT_LOOPS)
 def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
     fresh_redis: RedisServer, l3_prefix: str, kind: str

@@ -15,6 +15,11 @@ Invariants:
   taken up); faults of calls that started on an older client are ignored. Each change of
   state is logged once.
 - A Redis that restarts empty is a cold tier: nothing here remembers what it held.
+- A removal the store did not confirm (unreachable, or an error reply) is remembered and sent
+  again once the store answers: until then ``probe`` and ``read`` answer its keys absent, so
+  a Delete made while the store was down does not come back through a later lookup. A write
+  of the key ends the removal (the block was stored again). Remembered for at most ``ttl_s``
+  (the value has expired by then), at most ``_UNREMOVED_MAX`` keys, and not across restarts.
 - Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
   value that fails any check is a miss, counted by reason, and never reaches the caller's
   buffer as valid data.
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -112,6 +118,11 @@ _CODEC_THREADS = 2
 # a 2 MiB value then takes a few reads and parser calls instead of dozens (pipelined GETs of
 # 2 MiB values measured 4-8% faster than with 64 KiB, never slower beyond noise).
 SOCKET_READ_BYTES = 1 << 20
+# Removals remembered while the store cannot confirm them (~250 bytes each): beyond this the
+# oldest are forgotten (counted, logged), and may be found again if the store still has them.
+_UNREMOVED_MAX = 1 << 17
+# Keys per pipeline when removals are sent again.
+_UNREMOVE_BATCH = 4096
 
 COUNTERS = (
     # probe
@@ -144,6 +155,8 @@ COUNTERS = (
     "remove_blocks",
     "remove_errors",
     "remove_skipped_down",
+    "remove_retried",
+    "remove_forgotten",
     # reachability
     "timeouts",
     "connection_errors",
@@ -209,6 +222,11 @@ class RemoteTier:
         self._monitor: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._closed = False
+        # Store key -> until when its removal must be sent again (see the module docstring);
+        # in the order they were added, so the oldest go first at the limit.
+        self._unremoved: dict[bytes, float] = {}
+        self._resending: asyncio.Task[None] | None = None
+        self._unremoved_warned = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -238,6 +256,12 @@ class RemoteTier:
         if self._closed:
             return
         self._closed = True
+        if self._unremoved:
+            log.warning(
+                "L3: %d removed blocks were not yet removed from the store (unreachable); "
+                "they may be found again after the restart, until their expiry",
+                len(self._unremoved),
+            )
         tasks = list(self._background)
         if self._monitor is not None:
             tasks.append(self._monitor)
@@ -293,9 +317,10 @@ class RemoteTier:
         except _Unreachable:
             return []
         sizes: list[int] = []
+        unremoved = self._unremoved
         for key, reply in zip(keys, replies, strict=True):
             # A key of another type answers WRONGTYPE, in place; a missing one, no bytes.
-            if isinstance(reply, BaseException):
+            if isinstance(reply, BaseException) or (unremoved and key in unremoved):
                 break
             size = header_length(reply, key)
             if size is None:
@@ -333,8 +358,11 @@ class RemoteTier:
             verdicts = await self._off_loop(_unframe_all, keys, replies, nbytes, dest)
         else:
             verdicts = _unframe_all(keys, replies, nbytes, dest)
+        unremoved = self._unremoved
         for j, (key, reply, verdict) in enumerate(zip(keys, replies, verdicts, strict=True)):
-            if verdict is None:
+            if unremoved and key in unremoved:
+                c["read_absent"] += 1  # removed, though the store could not be told yet
+            elif verdict is None:
                 self._reply_error(reply, "read_errors")
             elif verdict is Verdict.OK:
                 out[j] = True
@@ -371,6 +399,11 @@ class RemoteTier:
         if not chosen:
             return out
         keys = [self._names.key(blocks[j].ns, blocks[j].key) for j in chosen]
+        if self._unremoved:
+            # Stored again: whether this write lands or not, the block is no longer removed
+            # (a value the store still holds under the key is the same block's).
+            for k in keys:
+                self._unremoved.pop(k, None)
         # A block in host memory is sent from where it is; pool pages are gathered first.
         gathered = (
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
@@ -447,15 +480,45 @@ class RemoteTier:
         return out
 
     async def remove(self, blocks: Sequence[BlockRef]) -> None:
-        """Forget the blocks (UNLINK: the store frees their memory in the background)."""
+        """Forget the blocks (UNLINK: the store frees their memory in the background). What
+        the store does not confirm is sent again once it answers, and is absent meanwhile
+        (the module docstring)."""
         if not blocks:
             return
         c = self._counters
         c["remove_blocks"] += len(blocks)
+        keys = [self._names.key(b.ns, b.key) for b in blocks]
+        # Remembered first: a probe answered while the UNLINKs are on their way must not find
+        # the blocks either.
+        self._remember_removals(keys)
         if not self._avail.serves(self._clock()):
             c["remove_skipped_down"] += len(blocks)
             return
-        keys = [self._names.key(b.ns, b.key) for b in blocks]
+        if await self._unlink(keys, "remove_errors") and self._unremoved:
+            self._resend_removals()  # the store answers: older removals may go too
+
+    def _remember_removals(self, keys: list[bytes]) -> None:
+        unremoved = self._unremoved
+        until = self._clock() + self.options.ttl_s if self.options.ttl_s else float("inf")
+        for k in keys:
+            unremoved.pop(k, None)  # to the end: the order is the order of their deadlines
+            unremoved[k] = until
+        excess = len(unremoved) - _UNREMOVED_MAX
+        if excess > 0:
+            for k in list(itertools.islice(unremoved, excess)):
+                del unremoved[k]
+            self._counters["remove_forgotten"] += excess
+            if not self._unremoved_warned:
+                self._unremoved_warned = True
+                log.warning(
+                    "L3: more than %d removals wait for the store to confirm them; the oldest "
+                    "are forgotten and may be found again until their expiry",
+                    _UNREMOVED_MAX,
+                )
+
+    async def _unlink(self, keys: list[bytes], errors: str) -> bool:
+        """UNLINK ``keys`` in one pipeline; those the store confirms stop being remembered
+        as removals. False: the store could not be reached."""
 
         # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
         # splits keys by slot, unlike the plain pipeline's.
@@ -466,10 +529,36 @@ class RemoteTier:
         try:
             replies = await self._pipeline(unlink, self._small_ops)
         except _Unreachable:
-            return
-        for reply in replies:
+            return False
+        for k, reply in zip(keys, replies, strict=True):
             if isinstance(reply, BaseException):
-                self._reply_error(reply, "remove_errors")
+                self._reply_error(reply, errors)
+            else:
+                self._unremoved.pop(k, None)
+        return True
+
+    def _resend_removals(self) -> None:
+        """Send the remembered removals again, in the background (one task at a time)."""
+        if self._resending is None and not self._closed:
+            self._resending = self._spawn(self._resend_loop())
+
+    async def _resend_loop(self) -> None:
+        try:
+            while self._unremoved and self._avail.serves(self._clock()):
+                now = self._clock()
+                expired = [k for k, until in self._unremoved.items() if until <= now]
+                for k in expired:  # the store has dropped them by now
+                    del self._unremoved[k]
+                keys = list(itertools.islice(self._unremoved, _UNREMOVE_BATCH))
+                if not keys:
+                    break
+                self._counters["remove_retried"] += len(keys)
+                if not await self._unlink(keys, "remove_errors"):
+                    break
+                if any(k in self._unremoved for k in keys):
+                    break  # refused again: tried at the next removal or reconnection
+        finally:
+            self._resending = None
 
     def set_write_rate(self, bytes_s: int) -> None:
         self._budget.set_rate(bytes_s, self.options.max_value_bytes)
@@ -504,6 +593,7 @@ class RemoteTier:
                 "retry_in_s": max(0.0, a.retry_at - now) if a.state is not Reach.UP else 0.0,
                 "inflight_ops": float(self._inflight),
                 "write_budget_bytes": self._budget.tokens if self._budget.rate else -1.0,
+                "removals_unconfirmed": float(len(self._unremoved)),
             },
         )
 
@@ -658,6 +748,7 @@ class RemoteTier:
                 down_s = self._clock() - self._avail.since
                 self._log_transition(self._avail.recovered(self._clock()), down_s)
                 self._spawn(_close_client(old))
+                self._resend_removals()
             else:
                 self._spawn(_close_client(fresh))
                 delay = self._avail.retry_failed(self._clock(), detail)
