@@ -488,14 +488,13 @@ class RemoteTier:
         c = self._counters
         c["remove_blocks"] += len(blocks)
         keys = [self._names.key(b.ns, b.key) for b in blocks]
-        # Remembered first: a probe answered while the UNLINKs are on their way must not find
-        # the blocks either.
-        self._remember_removals(keys)
         if not self._avail.serves(self._clock()):
             c["remove_skipped_down"] += len(blocks)
+            self._remember_removals(keys)
             return
-        if await self._unlink(keys, "remove_errors") and self._unremoved:
-            self._resend_removals()  # the store answers: older removals may go too
+        # (Probes that overlap the UNLINKs are the store's to mind: ``BlockStore.delete``.)
+        if await self._unlink(keys, remember=True) == [] and self._unremoved:
+            self._resend_removals()  # the store takes removals again: older ones may go too
 
     def _remember_removals(self, keys: list[bytes]) -> None:
         unremoved = self._unremoved
@@ -516,9 +515,10 @@ class RemoteTier:
                     _UNREMOVED_MAX,
                 )
 
-    async def _unlink(self, keys: list[bytes], errors: str) -> bool:
+    async def _unlink(self, keys: list[bytes], *, remember: bool = False) -> list[bytes] | None:
         """UNLINK ``keys`` in one pipeline; those the store confirms stop being remembered
-        as removals. False: the store could not be reached."""
+        as removals, the others are remembered (with ``remember``) or stay so. Returns the
+        keys the store refused; None if it could not be reached."""
 
         # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
         # splits keys by slot, unlike the plain pipeline's.
@@ -529,13 +529,19 @@ class RemoteTier:
         try:
             replies = await self._pipeline(unlink, self._small_ops)
         except _Unreachable:
-            return False
+            if remember:
+                self._remember_removals(keys)
+            return None
+        refused = []
         for k, reply in zip(keys, replies, strict=True):
             if isinstance(reply, BaseException):
-                self._reply_error(reply, errors)
+                self._reply_error(reply, "remove_errors")
+                refused.append(k)
             else:
                 self._unremoved.pop(k, None)
-        return True
+        if remember and refused:
+            self._remember_removals(refused)
+        return refused
 
     def _resend_removals(self) -> None:
         """Send the remembered removals again, in the background (one task at a time)."""
@@ -546,17 +552,18 @@ class RemoteTier:
         try:
             while self._unremoved and self._avail.serves(self._clock()):
                 now = self._clock()
-                expired = [k for k, until in self._unremoved.items() if until <= now]
-                for k in expired:  # the store has dropped them by now
-                    del self._unremoved[k]
+                unremoved = self._unremoved
+                while unremoved:  # the oldest first: the store has dropped expired ones
+                    oldest = next(iter(unremoved))
+                    if unremoved[oldest] > now:
+                        break
+                    del unremoved[oldest]
                 keys = list(itertools.islice(self._unremoved, _UNREMOVE_BATCH))
                 if not keys:
                     break
                 self._counters["remove_retried"] += len(keys)
-                if not await self._unlink(keys, "remove_errors"):
-                    break
-                if any(k in self._unremoved for k in keys):
-                    break  # refused again: tried at the next removal or reconnection
+                if await self._unlink(keys) != []:
+                    break  # unreachable or refused: again at the next removal or reconnection
         finally:
             self._resending = None
 
