@@ -41,10 +41,17 @@ def eager_future(coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        done = loop.create_future()
-        done.set_exception(e)
-        return done
+        # Made in another frame: the exception's traceback holds this one, which must not
+        # hold the future holding the exception (a cycle only a full collection frees, with
+        # the request the handler's frames hold: up to server.max_message_bytes each).
+        return _failed(loop, e)
     return loop.create_task(_Resumed(coro, yielded, context))
+
+
+def _failed(loop: asyncio.AbstractEventLoop, error: BaseException) -> asyncio.Future[Any]:
+    done = loop.create_future()
+    done.set_exception(error)
+    return done
 
 
 class _Resumed(Coroutine[Any, Any, T]):
