@@ -14,7 +14,8 @@ Semantics (``Trace.cacheable``):
   published under it): every id is a cacheable block.
 
 Invariants of ``Trace``: block ids are below ``unique_blocks`` and dense (every id in
-``0 .. unique_blocks - 1`` used, numbered in order of the original ids), except in a
+``0 .. unique_blocks - 1`` used, numbered in order of the original ids, which may be any
+JSON integers, past 64 bits too), except in a
 selection (``select``), which keeps its parent's ids; ``offsets`` has one more entry than
 there are requests and is non-decreasing, and timestamps follow the file's order (not
 necessarily sorted; the engine holds its clock back from going backwards).
@@ -189,20 +190,31 @@ def _parse(lines: Iterable[str], name: str, block_tokens: int) -> Trace:
         stamps.append(float(ts) / 1000.0)
         ids.extend(hashes)
         offsets.append(len(ids))
-    try:
-        raw = np.asarray(ids, dtype=np.int64)
-    except OverflowError:
-        raise TraceError(f"{name}: a hash id does not fit in 64 bits") from None
-    uniq, dense = np.unique(raw, return_inverse=True)
+    dense, unique = _renumbered(ids)
     return Trace(
         name=name,
         timestamps_s=np.asarray(stamps, dtype=np.float64),
         offsets=np.asarray(offsets, dtype=np.int64),
-        blocks=dense.astype(np.int64).reshape(-1),
-        unique_blocks=len(uniq),
+        blocks=dense,
+        unique_blocks=unique,
         partial=np.asarray(partial, dtype=bool),
         block_tokens=block_tokens,
     )
+
+
+def _renumbered(ids: list[int]) -> tuple[np.ndarray, int]:
+    """Dense ids in the order of the original ids, and how many there are."""
+    try:
+        raw = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        # Ids past int64 (unsigned 64-bit hashes, longer ones) are ids like any other: only
+        # their equality matters, so Python's integers renumber them, in the same order.
+        ordered = sorted(set(ids))
+        index = {h: i for i, h in enumerate(ordered)}
+        dense = np.fromiter(map(index.__getitem__, ids), dtype=np.int64, count=len(ids))
+        return dense, len(ordered)
+    uniq, inverse = np.unique(raw, return_inverse=True)
+    return inverse.astype(np.int64).reshape(-1), len(uniq)
 
 
 def next_uses(blocks: np.ndarray) -> np.ndarray:
