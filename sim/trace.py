@@ -25,12 +25,16 @@ Thread-safety: traces are immutable values.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import math
-from collections.abc import Iterable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -115,19 +119,80 @@ class Trace:
 
 
 def load_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:
-    """Read a Mooncake-format JSONL trace. Raises TraceError naming the line at fault."""
+    """Read a Mooncake-format JSONL trace, UTF-8 (a byte order mark is skipped), plain or
+    compressed with gzip, bzip2 or xz (known by its first bytes, not its name). Raises
+    TraceError naming the line at fault."""
     path = Path(path)
+    read = 0  # lines read so far: where a decompressor's error lies, at the earliest
+
+    def counted(lines: Iterable[str]) -> Iterator[str]:
+        nonlocal read
+        for line in lines:
+            read += 1
+            yield line
+
+    kind = "text"
     try:
-        with path.open("r", encoding="utf-8") as f:
-            return _parse(f, str(path), block_tokens)
+        kind, opener = _format(path)
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            return _parse(counted(f), str(path), block_tokens)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise TraceError(f"{path}: is a directory") from None
     except UnicodeDecodeError as e:
-        raise TraceError(f"{path}: not UTF-8 text ({e.reason})") from None
+        # The reader decodes ahead of the line being parsed: find the line itself.
+        line = _undecodable_line(path, opener)
+        raise TraceError(f"{path}:{line}: not UTF-8 text ({e.reason})") from None
+    except (EOFError, zlib.error, lzma.LZMAError) as e:
+        raise TraceError(
+            f"{path}: its {kind} data is cut short or corrupt {_after(read)} ({e})"
+        ) from None
     except OSError as e:
+        if kind != "text" and e.errno is None:  # the decompressor's, not the file system's
+            raise TraceError(
+                f"{path}: its {kind} data is cut short or corrupt {_after(read)} ({e})"
+            ) from None
         raise TraceError(f"{path}: {e.strerror or e}") from None
+
+
+Opener = Callable[..., IO[Any]]
+# Compressed traces are read as they are; the formats the standard library cannot read are
+# named, so that the error says what to do.
+_COMPRESSED: dict[bytes, tuple[str, Opener]] = {
+    b"\x1f\x8b": ("gzip", gzip.open),
+    b"BZh": ("bzip2", bz2.open),
+    b"\xfd7zXZ\x00": ("xz", lzma.open),
+}
+_UNREADABLE = {b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
+
+
+def _format(path: Path) -> tuple[str, Opener]:
+    """The file's compression (``text`` when none) and the function that opens it."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    for magic, (kind, opener) in _COMPRESSED.items():
+        if head.startswith(magic):
+            return kind, opener
+    for magic, kind in _UNREADABLE.items():
+        if head.startswith(magic):
+            raise TraceError(f"{path}: {kind}-compressed; decompress it first")
+    return "text", open
+
+
+def _undecodable_line(path: Path, opener: Opener) -> int | str:
+    """The number of the first line that is not UTF-8 (``?`` if none is, read again)."""
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return lineno
+    return "?"
+
+
+def _after(lines: int) -> str:
+    return f"after line {lines}" if lines else "before its first line"
 
 
 def trace_from_requests(
@@ -164,11 +229,13 @@ def _parse(lines: Iterable[str], name: str, block_tokens: int) -> Trace:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise TraceError(f"{where}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise TraceError(f"{where}: JSON nested too deeply to read") from None
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object")
         ts = obj.get("timestamp")
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
-            raise TraceError(f"{where}: 'timestamp' must be a number of milliseconds")
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not _finite(ts):
+            raise TraceError(f"{where}: 'timestamp' must be a finite number of milliseconds")
         hashes = obj.get("hash_ids")
         if not isinstance(hashes, list) or not all(
             isinstance(h, int) and not isinstance(h, bool) for h in hashes
@@ -200,6 +267,13 @@ def _parse(lines: Iterable[str], name: str, block_tokens: int) -> Trace:
         partial=np.asarray(partial, dtype=bool),
         block_tokens=block_tokens,
     )
+
+
+def _finite(x: float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer past any float
+        return False
 
 
 def _renumbered(ids: list[int]) -> tuple[np.ndarray, int]:

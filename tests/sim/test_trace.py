@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,6 +103,26 @@ def test_block_tokens_decides_what_is_partial() -> None:
         ('{"timestamp": 0, "input_length": -3, "hash_ids": [1]}\n', ":1: 'input_length'"),
         ('{"timestamp": 0, "input_length": 2.5, "hash_ids": [1]}\n', ":1: 'input_length'"),
         ("[1, 2]\n", ":1: expected a JSON object"),
+        (
+            '{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1e999, "hash_ids": [1]}\n',
+            ":2: 'timestamp'",
+        ),
+        # An integer no float can hold: float() raised OverflowError, a traceback.
+        (
+            '{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1'
+            + "0" * 400
+            + ', "hash_ids": [1]}\n',
+            ":2: 'timestamp'",
+        ),
+        # Nesting deeper than the parser's recursion (in a field the replay ignores): a
+        # RecursionError and a traceback.
+        (
+            '{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": [1], "x": '
+            + "[" * 100_000
+            + "]" * 100_000
+            + "}\n",
+            ":2: JSON nested too deeply",
+        ),
     ],
 )
 def test_bad_lines_are_named(tmp_path: Path, content: str, message: str) -> None:
@@ -117,6 +141,59 @@ def test_file_errors(tmp_path: Path) -> None:
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(TraceError, match="UTF-8"):
         load_trace(binary)
+
+
+def test_an_undecodable_byte_is_named_by_its_line(tmp_path: Path) -> None:
+    """The error named the file only; in a trace of thousands of lines it now names the line
+    (past the reader's first chunk, which is where the decoder used to stop)."""
+    path = tmp_path / "t.jsonl"
+    good = json.dumps({"timestamp": 0, "hash_ids": list(range(100))}) + "\n"
+    path.write_bytes(good.encode() * 300 + b'{"timestamp": 1, "hash_ids": [1], "n": "\xe9"}\n')
+    with pytest.raises(TraceError, match=r"t\.jsonl:301: not UTF-8 text"):
+        load_trace(path)
+
+
+LINES = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 3, "hash_ids": [1, 2]},
+    {"timestamp": 250, "input_length": 1030, "output_length": 5, "hash_ids": [1, 2, 3]},
+]
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path: Path) -> None:
+    """Editors on Windows save UTF-8 with a byte order mark: it was 'not valid JSON
+    (Unexpected UTF-8 BOM (decode using utf-8-sig))' on line 1."""
+    path = tmp_path / "t.jsonl"
+    text = "".join(json.dumps(r) + "\r\n" for r in LINES)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    trace = load_trace(path)
+    assert (trace.requests, trace.accesses, trace.unique_blocks) == (2, 5, 3)
+    assert trace.timestamps_s.tolist() == [0.0, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("kind", "opener"), [("gzip", gzip.open), ("bzip2", bz2.open), ("xz", lzma.open)]
+)
+def test_a_compressed_trace_is_read_as_it_is(tmp_path: Path, kind: str, opener: Any) -> None:
+    """A trace downloaded compressed was 'not UTF-8 text (invalid start byte)', which did not
+    say why. It is known by its first bytes, whatever its name."""
+    path = tmp_path / "t.jsonl"  # no .gz: the content decides
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in LINES)
+    trace = load_trace(path)
+    assert (trace.requests, trace.accesses, trace.cacheable().accesses) == (2, 5, 4)
+    # Cut short: an error naming the kind and the last line read, not a traceback.
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match=f"{kind} data is cut short or corrupt"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize(("magic", "kind"), [(b"\x28\xb5\x2f\xfd", "zstd"), (b"PK\x03\x04", "zip")])
+def test_a_compressed_trace_it_cannot_read_says_so(tmp_path: Path, magic: bytes, kind: str) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(magic + b"\x00" * 64)
+    with pytest.raises(TraceError, match=f"{kind}-compressed; decompress it first"):
+        load_trace(path)
 
 
 def test_hash_ids_beyond_int64_are_ids_like_any_other() -> None:
