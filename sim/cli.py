@@ -239,6 +239,10 @@ def _replay_command(args: argparse.Namespace) -> int:
     # of the trace's blocks, would divide by zero).
     if trace.requests == 0:
         raise ValueError(f"{trace.name}: the trace holds no requests")
+    if trace.accesses == 0:
+        raise ValueError(
+            f"{trace.name}: no request has any hash_ids, so there is nothing to replay"
+        )
     if cacheable.accesses == 0:
         raise ValueError(
             f"{trace.name}: no request holds a full block of {args.block_tokens} tokens, so "

@@ -243,6 +243,13 @@ def test_readme_commands_run_on_the_shipped_trace(tmp_path: Path) -> None:
             ["--l1-blocks", "4"],
             "nothing is cacheable under --semantics full",
         ),
+        # No ids at all: not a block size question (it said "no request holds a full block
+        # of 512 tokens ... is --block-tokens right?", under --semantics all too).
+        (
+            '{"timestamp": 0, "input_length": 0, "hash_ids": []}\n{"timestamp": 1, "hash_ids": []}\n',
+            ["--l1-blocks", "4", "--semantics", "all"],
+            "t.jsonl: no request has any hash_ids, so there is nothing to replay",
+        ),
         (
             '{"timestamp": 0, "hash_ids": [1]}\n',
             ["--l1-blocks", "4", "--nodes", "2", "--l3-ttl-s", "60"],
