@@ -4,15 +4,19 @@ beside the checkout)."""
 
 from __future__ import annotations
 
+import math
 import os
+import random
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.sim import tracegen
+from kvtier.sim.cluster import ClusterConfig
 from kvtier.sim.engine import StackConfig, _Engine, replay, sweep_capacities
 from kvtier.sim.trace import Trace, load_trace, trace_from_requests
 
@@ -83,7 +87,8 @@ def reference_inclusive_lru(
     """Two inclusive LRU tiers, independent of the package: (L1 hits, L2 hits, L2 writes).
 
     Arrival: hits touch every tier holding the block; then L2-only hits are promoted (L2
-    copy kept); then missing blocks are stored into L1. A block leaving L1 without an L2
+    copy kept; not when the demotion of an earlier promotion dropped it from L2 meanwhile);
+    then missing blocks are stored into L1. A block leaving L1 without an L2
     copy is written to L2; write-through writes every new block to L2 as well."""
     t1: OrderedDict[int, None] = OrderedDict()
     t2: OrderedDict[int, None] = OrderedDict()
@@ -118,7 +123,7 @@ def reference_inclusive_lru(
             else:
                 missing.append(b)
         for b in promote:
-            if b not in t1:
+            if b not in t1 and b in t2:  # an earlier promotion's demotion may have dropped it
                 put1(b)
         for b in missing:
             if b in t1 or b in t2:
@@ -127,6 +132,80 @@ def reference_inclusive_lru(
             if write_through and b not in t2:
                 put2(b)
     return hits1, hits2, writes
+
+
+def reference_belady_hits(chains: list[list[int]], capacity: int) -> int:
+    """Belady with bypass, one tier, independent of the package: a missing block evicts the
+    resident whose next use is farthest, or is not stored when its own is farther still.
+    A block's next use is the first access after its last one in the current request."""
+    flat = [b for ids in chains for b in ids]
+    after: list[float] = [math.inf] * len(flat)
+    seen: dict[int, int] = {}
+    for pos in range(len(flat) - 1, -1, -1):
+        after[pos] = seen.get(flat[pos], math.inf)
+        seen[flat[pos]] = pos
+    next_use: dict[int, float] = {}
+    cache: set[int] = set()
+    hits = pos = 0
+    for ids in chains:
+        for k, b in enumerate(ids):
+            next_use[b] = after[pos + k]
+        pos += len(ids)
+        missing = [b for b in ids if b not in cache]
+        hits += len(ids) - len(missing)
+        for b in missing:
+            if b in cache:
+                continue
+            if len(cache) >= capacity:
+                farthest = max(cache, key=next_use.__getitem__)
+                if next_use[b] > next_use[farthest]:
+                    continue
+                cache.discard(farthest)
+            cache.add(b)
+    return hits
+
+
+BLOCK_TOKENS = 4
+
+
+def random_requests(seed: int, n: int = 250) -> list[dict[str, Any]]:
+    """Requests as traces from elsewhere have them: shared prefixes of huge and negative
+    ids, repeats inside a request, partial last blocks, requests without input_length,
+    empty ones, and equal, float and out-of-order timestamps."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(-(2**63), 2**64) for _ in range(rng.randint(1, 6))] for _ in range(8)
+    ]
+    out: list[dict[str, Any]] = []
+    t = 0.0
+    for _ in range(n):
+        ids = rng.choice(prefixes)[: rng.randint(0, 6)] + [
+            rng.randrange(60) for _ in range(rng.randint(0, 5))
+        ]
+        if ids and rng.random() < 0.1:
+            ids.append(rng.choice(ids))
+        t += rng.choice([0, 0, 0.5, 5, 250, 3000])
+        r: dict[str, Any] = {
+            "timestamp": t - rng.randrange(5000) if rng.random() < 0.1 else t,
+            "hash_ids": ids,
+        }
+        if rng.random() < 0.9:
+            partial = rng.randrange(1, BLOCK_TOKENS) if ids and rng.random() < 0.5 else 0
+            r["input_length"] = len(ids) * BLOCK_TOKENS - partial
+        out.append(r)
+    return out
+
+
+def cacheable_chains(reqs: list[dict[str, Any]], semantics: str) -> list[list[int]]:
+    """Each request's ids as a cache sees them: under ``full`` without a partial last block."""
+    chains = []
+    for r in reqs:
+        ids = list(r["hash_ids"])
+        tokens = r.get("input_length")
+        if semantics == "full" and tokens is not None and tokens % BLOCK_TOKENS:
+            ids = ids[:-1]
+        chains.append(ids)
+    return chains
 
 
 def chat(seed: int, duration_s: float = 300.0) -> Trace:
@@ -171,6 +250,57 @@ def test_admission_can_decline() -> None:
     r = replay(trace, "lru", 1, admission="second_hit")
     assert r.declined.get("l1:first_seen", 0) >= 2
     assert r.hits == 1
+
+
+@pytest.mark.parametrize("semantics", ["full", "all"])
+def test_lru_and_opt_equal_independent_models_on_random_traces(semantics: str) -> None:
+    """What traces from elsewhere hold (see ``random_requests``), against plain models: LRU,
+    Belady with bypass, and two inclusive LRU tiers, over sizes from 1 block to all."""
+    for seed in range(4):
+        reqs = random_requests(seed)
+        trace = trace_from_requests(reqs, block_tokens=BLOCK_TOKENS)
+        chains = cacheable_chains(reqs, semantics)
+        for cap in (1, 2, 3, 5, 13, 40, 200):
+            lru = replay(trace, "lru", cap, semantics=semantics)
+            assert lru.accesses == sum(map(len, chains))
+            assert lru.hits == reference_lru_hits(chains, cap), (seed, cap)
+            opt = replay(trace, "opt", cap, semantics=semantics)
+            assert opt.hits == reference_belady_hits(chains, cap), (seed, cap)
+            assert lru.hits <= opt.hits
+        for l1, l2 in ((1, 1), (2, 3), (3, 2), (5, 20), (20, 5)):
+            two = replay(trace, "lru", l1, l2, semantics=semantics)
+            hits1, hits2, _ = reference_inclusive_lru(chains, l1, l2)
+            assert two.tier_hits == {"l1": hits1, "l2": hits2}, (seed, l1, l2)
+
+
+def test_a_larger_l1_never_gives_lru_fewer_hits() -> None:
+    """LRU's inclusion property, one tier and with an L2 of a fixed size behind it."""
+    trace = trace_from_requests(random_requests(7), block_tokens=BLOCK_TOKENS)
+    for l2 in (0, 3, 10):
+        hits = [replay(trace, "lru", l1, l2).hits for l1 in range(1, 40)]
+        assert hits == sorted(hits), l2
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "heat", "density", "opt"])
+def test_a_replay_is_deterministic_and_its_counts_add_up(policy: str) -> None:
+    trace = trace_from_requests(random_requests(11), block_tokens=BLOCK_TOKENS)
+    setups: list[dict[str, Any]] = [
+        {},
+        {"l2_blocks": 6, "stack": StackConfig(protect_s=2.0, queue_window_s=3.0)},
+        {"cluster": ClusterConfig(nodes=3, route="random", route_seed=4, l3_blocks=10)},
+    ]
+    for kwargs in setups:
+        runs = []
+        for _ in range(2):
+            r = replay(trace, policy, 5, **kwargs)
+            figures = r.as_dict()
+            del figures["accesses_per_s"]
+            runs.append((figures, r.hits_per_request.tolist()))
+            assert 0 <= r.prefix_hits <= r.hits <= r.accesses
+            assert 0 <= r.hit_ratio <= 1 and 0 <= r.prefix_hit_ratio <= 1
+            assert sum(r.tier_hits.values()) == r.hits == int(r.hits_per_request.sum())
+            assert all(0 <= n.hits <= n.accesses for n in r.per_node)
+        assert runs[0] == runs[1], kwargs
 
 
 @pytest.mark.parametrize("path", TRACES, ids=lambda p: getattr(p, "name", str(p)))
@@ -259,6 +389,16 @@ def test_two_tiers_keep_copies_in_both() -> None:
     assert r.tier_hits == {"l1": 1, "l2": 2}
     assert r.hits == 3 and r.promotions == 2
     assert r.demotions == r.l2_writes
+
+
+def test_a_promotion_whose_l2_copy_went_meanwhile_is_not_made() -> None:
+    # L1 of 3, L2 of 2. [1 2 3 4 5]: 1 and 2 leave L1 for L2. [1 2 1]: three L2 hits; 1 is
+    # promoted and pushes 3 out of L1 into L2, which drops its least recent entry, 2 (1 was
+    # touched after it); 2, read at arrival, has no copy left to promote. [4]: an L1 hit.
+    chains = [[1, 2, 3, 4, 5], [1, 2, 1], [4]]
+    r = replay(trace_from_requests(requests(*chains)), "lru", 3, 2)
+    assert r.tier_hits == {"l1": 1, "l2": 3} and r.promotions == 1
+    assert reference_inclusive_lru(chains, 3, 2)[:2] == (1, 3)
 
 
 def test_a_block_leaving_l1_with_an_l2_copy_is_not_written_again() -> None:
