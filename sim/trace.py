@@ -242,6 +242,8 @@ def _parse(lines: Iterable[str], name: str, block_tokens: int) -> Trace:
         ):
             raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
         tokens = obj.get("input_length")
+        if isinstance(tokens, float) and tokens.is_integer():
+            tokens = int(tokens)  # 512.0: from a writer that holds a column with gaps as floats
         if tokens is None:
             partial.append(False)
         elif isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:

@@ -82,6 +82,19 @@ def test_a_partial_id_stored_elsewhere_as_a_full_block_still_counts_there() -> N
     assert full.accesses == 4 and full.unique_blocks == 3
 
 
+def test_an_input_length_written_as_a_whole_float_is_a_length() -> None:
+    """Writers that hold a column with gaps as floats write 512.0: it was refused as not 'a
+    whole number of tokens'. 2.5 still is (``test_bad_lines_are_named``)."""
+    trace = trace_from_requests(
+        [
+            {"timestamp": 0, "input_length": 1030.0, "hash_ids": [1, 2, 3]},
+            {"timestamp": 1, "input_length": 1024.0, "hash_ids": [1, 2]},
+        ]
+    )
+    assert trace.partial.tolist() == [True, False]
+    assert trace.cacheable().accesses == 4
+
+
 def test_block_tokens_decides_what_is_partial() -> None:
     reqs = [{"timestamp": 0, "input_length": 48, "hash_ids": [1, 2, 3]}]
     assert trace_from_requests(reqs, block_tokens=16).cacheable().accesses == 3
