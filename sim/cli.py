@@ -229,10 +229,16 @@ def _replay_command(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     if args.plot:
         # Before the replay, which may take minutes: its figure would have nowhere to go.
+        if args.plot.endswith(os.sep) or os.path.isdir(args.plot):
+            # matplotlib would save "<folder>/.png", a hidden file nobody asked for.
+            raise ValueError(f"--plot {args.plot}: is a folder; name the image file")
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"--plot {args.plot}: {folder} is not a folder this user can write")
-        require_plotting()  # matplotlib missing: refused now, not after the replay
+        try:
+            require_plotting(args.plot)  # matplotlib missing, or not writing that format
+        except ValueError as e:
+            raise ValueError(f"--plot {args.plot}: {e}") from None
     trace = load_trace(args.trace, args.block_tokens)
     cacheable = trace.cacheable(args.semantics)  # the same trace once more if nothing is dropped
     # Nothing to replay is an error, not a report of 0% hits (and a sweep's sizes, percents

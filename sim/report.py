@@ -131,9 +131,17 @@ class PlotUnavailable(RuntimeError):
     pass
 
 
-def require_plotting() -> None:
-    """Raise PlotUnavailable now where ``--plot`` could not draw (before a long replay)."""
+def require_plotting(path: str) -> None:
+    """Raise now (before a long replay) where a figure could not be saved to ``path``:
+    PlotUnavailable without matplotlib, ValueError for a format it does not write (its
+    name's suffix; none is PNG)."""
     _pyplot()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise ValueError(f"matplotlib cannot write .{suffix} files; one of {', '.join(formats)}")
 
 
 def _pyplot() -> Any:

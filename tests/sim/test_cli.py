@@ -307,6 +307,30 @@ def test_bad_options_are_refused(
     assert f"argument {args[-2]}:" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        # A folder: the figure went, silently, to a hidden file "<folder>/.png".
+        ("figures/", "is a folder; name the image file"),
+        # A format matplotlib does not write: refused after the replay (minutes on a large
+        # trace), in matplotlib's words, without naming --plot.
+        ("figures/run.xyz", "matplotlib cannot write .xyz files"),
+    ],
+)
+def test_a_plot_it_cannot_save_is_refused_before_the_replay(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, message: str
+) -> None:
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    (tmp_path / "figures").mkdir()
+    plot = str(tmp_path / name)
+    assert main(["replay", str(path), "--l1-blocks", "2", "--plot", plot]) == 2
+    captured = capsys.readouterr()
+    assert f"kvtier replay: error: --plot {plot}: {message}" in captured.err
+    assert captured.out == ""  # nothing replayed
+    assert list((tmp_path / "figures").iterdir()) == []
+
+
 def test_an_output_error_is_not_called_a_plot_error(tmp_path: Path) -> None:
     """Only a failed save of the figure is a --plot error; stdout on a full device is
     Python's own error, not "--plot None: No space left on device"."""
