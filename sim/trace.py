@@ -26,6 +26,8 @@ Thread-safety: traces are immutable values.
 from __future__ import annotations
 
 import bz2
+import codecs
+import contextlib
 import gzip
 import json
 import lzma
@@ -120,79 +122,84 @@ class Trace:
 
 def load_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Trace:
     """Read a Mooncake-format JSONL trace, UTF-8 (a byte order mark is skipped), plain or
-    compressed with gzip, bzip2 or xz (known by its first bytes, not its name). Raises
-    TraceError naming the line at fault."""
+    compressed with gzip, bzip2 or xz (known by its first bytes, not its name), from a file
+    or a pipe. Raises TraceError naming the line at fault."""
     path = Path(path)
-    read = 0  # lines read so far: where a decompressor's error lies, at the earliest
-
-    def counted(lines: Iterable[str]) -> Iterator[str]:
-        nonlocal read
-        for line in lines:
-            read += 1
-            yield line
-
+    name = str(path)
     kind = "text"
+    lines = _Lines(name)
     try:
-        kind, opener = _format(path)
-        with opener(path, "rt", encoding="utf-8-sig") as f:
-            return _parse(counted(f), str(path), block_tokens)
+        # Opened once and peeked at, not read: a pipe cannot be read from the start again.
+        with path.open("rb") as raw:
+            kind, opener = _format(name, raw.peek(8)[:8])
+            with opener(raw) if opener else contextlib.nullcontext(raw) as data:
+                return _parse(lines.of(data), name, block_tokens)
     except FileNotFoundError:
-        raise TraceError(f"{path}: no such file") from None
+        raise TraceError(f"{name}: no such file") from None
     except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory") from None
-    except UnicodeDecodeError as e:
-        # The reader decodes ahead of the line being parsed: find the line itself.
-        line = _undecodable_line(path, opener)
-        raise TraceError(f"{path}:{line}: not UTF-8 text ({e.reason})") from None
+        raise TraceError(f"{name}: is a directory") from None
     except (EOFError, zlib.error, lzma.LZMAError) as e:
         raise TraceError(
-            f"{path}: its {kind} data is cut short or corrupt {_after(read)} ({e})"
+            f"{name}: its {kind} data is cut short or corrupt {lines.after} ({e})"
         ) from None
     except OSError as e:
         if kind != "text" and e.errno is None:  # the decompressor's, not the file system's
             raise TraceError(
-                f"{path}: its {kind} data is cut short or corrupt {_after(read)} ({e})"
+                f"{name}: its {kind} data is cut short or corrupt {lines.after} ({e})"
             ) from None
-        raise TraceError(f"{path}: {e.strerror or e}") from None
+        raise TraceError(f"{name}: {e.strerror or e}") from None
 
 
-Opener = Callable[..., IO[Any]]
+class _Lines:
+    """A binary stream's lines as text, counted, each decoded on its own so that a byte that
+    is not UTF-8 is named by its line. A byte order mark is skipped; ``\\n``, ``\\r\\n`` and a
+    lone ``\\r`` end a line (no raw ``\\r`` can be inside a JSON value)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.read = 0
+
+    @property
+    def after(self) -> str:
+        """Where a read that failed stopped."""
+        return f"after line {self.read}" if self.read else "before its first line"
+
+    def of(self, data: Iterable[bytes]) -> Iterator[str]:
+        for raw in data:
+            if not self.read:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            body = raw.removesuffix(b"\n").removesuffix(b"\r")
+            for piece in body.split(b"\r"):
+                self.read += 1
+                try:
+                    yield piece.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TraceError(
+                        f"{self.name}:{self.read}: not UTF-8 text ({e.reason})"
+                    ) from None
+
+
+Opener = Callable[[IO[bytes]], contextlib.AbstractContextManager[Iterable[bytes]]]
 # Compressed traces are read as they are; the formats the standard library cannot read are
 # named, so that the error says what to do.
 _COMPRESSED: dict[bytes, tuple[str, Opener]] = {
-    b"\x1f\x8b": ("gzip", gzip.open),
-    b"BZh": ("bzip2", bz2.open),
-    b"\xfd7zXZ\x00": ("xz", lzma.open),
+    b"\x1f\x8b": ("gzip", lambda raw: gzip.GzipFile(fileobj=raw)),
+    b"BZh": ("bzip2", bz2.BZ2File),
+    b"\xfd7zXZ\x00": ("xz", lzma.LZMAFile),
 }
 _UNREADABLE = {b"\x28\xb5\x2f\xfd": "zstd", b"PK\x03\x04": "zip"}
 
 
-def _format(path: Path) -> tuple[str, Opener]:
-    """The file's compression (``text`` when none) and the function that opens it."""
-    with path.open("rb") as f:
-        head = f.read(8)
+def _format(name: str, head: bytes) -> tuple[str, Opener | None]:
+    """The compression ``head`` (a file's first bytes) starts with, and what decompresses
+    it; ``("text", None)`` for none."""
     for magic, (kind, opener) in _COMPRESSED.items():
         if head.startswith(magic):
             return kind, opener
     for magic, kind in _UNREADABLE.items():
         if head.startswith(magic):
-            raise TraceError(f"{path}: {kind}-compressed; decompress it first")
-    return "text", open
-
-
-def _undecodable_line(path: Path, opener: Opener) -> int | str:
-    """The number of the first line that is not UTF-8 (``?`` if none is, read again)."""
-    with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return lineno
-    return "?"
-
-
-def _after(lines: int) -> str:
-    return f"after line {lines}" if lines else "before its first line"
+            raise TraceError(f"{name}: {kind}-compressed; decompress it first")
+    return "text", None
 
 
 def trace_from_requests(

@@ -6,6 +6,8 @@ import bz2
 import gzip
 import json
 import lzma
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +183,10 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path: Path) -> None:
     trace = load_trace(path)
     assert (trace.requests, trace.accesses, trace.unique_blocks) == (2, 5, 3)
     assert trace.timestamps_s.tolist() == [0.0, 0.25]
+    # A lone carriage return ends a line too, and lines are counted so.
+    path.write_bytes(text.replace("\r\n", "\r").encode() + b"{oops}\r")
+    with pytest.raises(TraceError, match=r"t\.jsonl:3: not valid JSON"):
+        load_trace(path)
 
 
 @pytest.mark.parametrize(
@@ -199,6 +205,28 @@ def test_a_compressed_trace_is_read_as_it_is(tmp_path: Path, kind: str, opener: 
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(TraceError, match=f"{kind} data is cut short or corrupt"):
         load_trace(path)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_trace_from_a_pipe_is_read(tmp_path: Path, compress: bool) -> None:
+    """``kvtier replay <(zcat trace.gz)``: a pipe is read once, from its first byte (the first
+    bytes, read to tell a compressed trace, were lost to the parse)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    text = "".join(json.dumps(r) + "\n" for r in LINES).encode()
+    data = gzip.compress(text) if compress else text
+
+    def write() -> None:
+        with fifo.open("wb") as f:
+            f.write(data)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        trace = load_trace(fifo)
+    finally:
+        writer.join()
+    assert (trace.requests, trace.accesses, trace.cacheable().accesses) == (2, 5, 4)
 
 
 @pytest.mark.parametrize(("magic", "kind"), [(b"\x28\xb5\x2f\xfd", "zstd"), (b"PK\x03\x04", "zip")])
