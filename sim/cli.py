@@ -41,6 +41,8 @@ from kvtier.sim.report import (
 )
 from kvtier.sim.trace import DEFAULT_BLOCK_TOKENS, SEMANTICS, TraceError, load_trace, write_jsonl
 
+DEFAULT_POLICY = "heat"
+
 
 def add_replay_parser(subparsers: Any) -> None:
     """Register ``kvtier replay``."""
@@ -55,7 +57,11 @@ def add_replay_parser(subparsers: Any) -> None:
         ),
     )
     p.add_argument("trace", help="trace file, one JSON object a line")
-    p.add_argument("--policy", default="heat", choices=policy_names())
+    p.add_argument(
+        "--policy",
+        choices=policy_names(),
+        help=f"eviction policy (default {DEFAULT_POLICY}; --sweep takes --policies)",
+    )
     p.add_argument("--l1-blocks", type=_count(1), help="L1 capacity in blocks (>= 1)")
     p.add_argument("--l2-blocks", type=_count(0), default=0, help="L2 capacity in blocks")
     p.add_argument("--admission", help="L1 admission rule (default: the policy's own)")
@@ -215,7 +221,21 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _replay_command(args: argparse.Namespace) -> int:
-    if not args.sweep and args.l1_blocks is None:
+    if args.sweep:
+        # Ignored, they would print one tier's figures as if they were what was asked for.
+        for given, flag in (
+            (args.l1_blocks is not None, "--l1-blocks"),
+            (args.l2_blocks > 0, "--l2-blocks"),
+            (args.admission is not None, "--admission"),
+            (args.l2_admission is not None, "--l2-admission"),
+            (args.policy is not None, "--policy"),
+        ):
+            if given:
+                raise ValueError(
+                    f"{flag} does not apply to --sweep, which replays one tier at --percents "
+                    "of the trace's unique blocks for each of --policies"
+                )
+    elif args.l1_blocks is None:
         raise ValueError("--l1-blocks is required (or use --sweep)")
     params = {"half_life_s": args.half_life} if args.half_life else {}
     stack = StackConfig(
@@ -285,7 +305,7 @@ def _replay_command(args: argparse.Namespace) -> int:
         return 0
     result = replay(
         trace,
-        args.policy,
+        args.policy or DEFAULT_POLICY,
         args.l1_blocks,
         args.l2_blocks,
         admission=args.admission,

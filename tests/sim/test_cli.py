@@ -278,6 +278,29 @@ def test_errors(
 
 
 @pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--l1-blocks", "10"], "--l1-blocks"),
+        (["--l2-blocks", "100"], "--l2-blocks"),
+        (["--admission", "second_hit"], "--admission"),
+        (["--l2-admission", "second_hit"], "--l2-admission"),
+        (["--policy", "lru"], "--policy"),
+    ],
+)
+def test_sweep_refuses_the_options_it_does_not_apply(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], flag: str
+) -> None:
+    """--sweep replays one tier for --policies: these options were ignored without a word,
+    and `--sweep --l2-blocks 100` printed one tier's figures as if they were two tiers'."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    assert main(["replay", str(path), "--sweep", *args]) == 2
+    captured = capsys.readouterr()
+    assert f"kvtier replay: error: {flag} does not apply to --sweep" in captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["--l1-blocks", "-1"],
