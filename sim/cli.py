@@ -235,8 +235,14 @@ def _replay_command(args: argparse.Namespace) -> int:
                     f"{flag} does not apply to --sweep, which replays one tier at --percents "
                     "of the trace's unique blocks for each of --policies"
                 )
-    elif args.l1_blocks is None:
-        raise ValueError("--l1-blocks is required (or use --sweep)")
+    else:
+        for given, flag in ((args.policies, "--policies"), (args.percents, "--percents")):
+            if given is not None:
+                raise ValueError(
+                    f"{flag} needs --sweep; a single run replays --policy at --l1-blocks"
+                )
+        if args.l1_blocks is None:
+            raise ValueError("--l1-blocks is required (or use --sweep)")
     params = {"half_life_s": args.half_life} if args.half_life else {}
     stack = StackConfig(
         write_policy=args.write_policy,

@@ -301,6 +301,19 @@ def test_sweep_refuses_the_options_it_does_not_apply(
 
 
 @pytest.mark.parametrize(
+    ("args", "flag"), [(["--policies", "lru"], "--policies"), (["--percents", "5"], "--percents")]
+)
+def test_the_sweep_options_need_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], flag: str
+) -> None:
+    """Without --sweep they were ignored: one heat replay, not the policies asked for."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    assert main(["replay", str(path), "--l1-blocks", "2", *args]) == 2
+    assert f"kvtier replay: error: {flag} needs --sweep" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["--l1-blocks", "-1"],
