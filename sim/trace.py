@@ -166,9 +166,8 @@ class _Lines:
 
     def of(self, data: Iterable[bytes]) -> Iterator[str]:
         for raw in data:
-            if not self.read:
-                raw = raw.removeprefix(codecs.BOM_UTF8)
-            body = raw.removesuffix(b"\n").removesuffix(b"\r")
+            # A byte order mark starts the file, or a line where files were concatenated.
+            body = raw.removeprefix(codecs.BOM_UTF8).removesuffix(b"\n").removesuffix(b"\r")
             for piece in body.split(b"\r"):
                 self.read += 1
                 try:

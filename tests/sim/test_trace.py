@@ -183,6 +183,10 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path: Path) -> None:
     trace = load_trace(path)
     assert (trace.requests, trace.accesses, trace.unique_blocks) == (2, 5, 3)
     assert trace.timestamps_s.tolist() == [0.0, 0.25]
+    # Two such files concatenated (`cat a.jsonl b.jsonl`): the second mark starts a line,
+    # where it was 'not valid JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))'.
+    path.write_bytes((b"\xef\xbb\xbf" + text.encode()) * 2)
+    assert load_trace(path).requests == 4
     # A lone carriage return ends a line too, and lines are counted so.
     path.write_bytes(text.replace("\r\n", "\r").encode() + b"{oops}\r")
     with pytest.raises(TraceError, match=r"t\.jsonl:3: not valid JSON"):
