@@ -285,9 +285,10 @@ def _replay_command(args: argparse.Namespace) -> int:
     # to stderr, where a person running the command still reads it.
     report = sys.stderr if args.json else sys.stdout
     print(
-        f"{trace.name}: {trace.requests} requests, {cacheable.accesses} cacheable block "
-        f"accesses ({cacheable.unique_blocks} unique) of {trace.accesses} "
-        f"({trace.unique_blocks} unique); semantics {args.semantics}",
+        f"{trace.name}: {trace.requests} requests over {_duration(trace.span_s)} "
+        f"(timestamps read as ms), {cacheable.accesses} cacheable block accesses "
+        f"({cacheable.unique_blocks} unique) of {trace.accesses} ({trace.unique_blocks} "
+        f"unique); semantics {args.semantics}",
         file=report,
     )
     if args.sweep:
@@ -437,3 +438,14 @@ def _percent_list(text: str) -> list[float]:
     if not values or any(not 0 < v <= 100 for v in values):
         raise argparse.ArgumentTypeError(f"expected percentages in (0, 100], got {text!r}")
     return values
+
+
+def _duration(seconds: float) -> str:
+    """A trace's span as a person reads it. Shown because a trace whose timestamps are in
+    seconds replays as one a thousand times shorter (protect_s, queue windows and TTLs then
+    span a thousand times more of it), which only the span gives away."""
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

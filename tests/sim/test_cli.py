@@ -423,3 +423,20 @@ def test_sweep_table_and_plot(tmp_path: Path) -> None:
     plot_run(results[0], trace, str(tmp_path / "run.png"))
     assert (tmp_path / "sweep.png").stat().st_size > 0
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_the_report_says_how_long_the_trace_spans(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Timestamps are read as milliseconds; a trace written in seconds replays as one a
+    thousand times shorter, which only its span gives away: the report's first line says
+    it (it did not)."""
+    for step_ms, span in ((1000, "3 s"), (90_000, "4.5 min"), (3_600_000, "3.0 h")):
+        path = tmp_path / f"t{step_ms}.jsonl"
+        write_jsonl(
+            path,
+            [{"timestamp": step_ms * i, "hash_ids": [1, 2]} for i in range(4)],
+        )
+        assert main(["replay", str(path), "--policy", "lru", "--l1-blocks", "3"]) == 0
+        first = capsys.readouterr().out.splitlines()[0]
+        assert f"4 requests over {span} (timestamps read as ms)" in first
