@@ -17,7 +17,9 @@ Invariants:
   exist. A block on a lower tier is promoted when the top tier has room it can take without
   waiting (free, or held by blocks with other copies); otherwise it is read from the lower tier
   straight into the client's pages. Protection delays eviction; it never makes a miss.
-- A failed read (checksum, I/O) is a miss and drops that tier's copy.
+- A failed read (checksum, I/O) is a miss and drops that tier's copy. A block left with no
+  copy while held (pinned, in flight) keeps its row until released; a put of its key stores
+  into that row, as for a new key (``_claim_bare``): EXISTS means some tier holds the block.
 - A pool names its own batch buffer (``pool.batch``): pages of shared memory or of GPU memory
   (a CUDA IPC pool). The store never branches on which; the transfer engine routes each by
   what the tiers can do (only the GPU tier reaches GPU memory; the others go through it).
@@ -645,7 +647,8 @@ class BlockStore:
         Without ``store``, new keys are rejected (an earlier part of the chain was). With
         ``hold`` (a durable put), the blocks of keys already stored stay in flight while the
         new ones are copied in, so that no eviction takes one of them before the caller holds
-        the part."""
+        the part. A key whose row holds no copy (``_bare``) is stored as a new key is, into
+        that row."""
         table = self.table
         now = self._clock()
         n = len(words)
@@ -653,11 +656,19 @@ class BlockStore:
         results = np.full(n, _STORED, dtype=np.int32)
         existing = table.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
+        first = ~repeats(words)  # a key repeated within the batch is stored once
         is_new = existing < 0
-        is_new &= ~repeats(words)  # a key repeated within the batch is stored once
+        is_new &= first
+        reused = existing[:0]
+        if self.space.copies_lost and len(bare := self._bare(existing, first)):
+            # Rows with nothing to answer EXISTS for: the put stores into them.
+            is_new[bare] = True
+            reused = existing[bare]
         results[~is_new] = _EXISTS
         ready = existing[existing >= 0]
         ready = ready[table.state[ready] == READY]
+        if len(reused):
+            ready = ready[~np.isin(ready, reused)]
         if len(ready):
             self.space.touch(ready, now)
 
@@ -665,8 +676,15 @@ class BlockStore:
         stored = np.zeros(0, dtype=np.int64)
         if store and len(new_idx):
             # Claim the new keys before awaiting anything (see the module invariants).
-            bids = table.add_many(ns, words[new_idx], block_bytes, owner=owner)
-            table.inflight[bids] = 1
+            if len(reused):
+                bids = existing[new_idx]
+                fresh = bids < 0
+                bids[fresh] = table.add_many(ns, words[new_idx[fresh]], block_bytes, owner=owner)
+                table.inflight[bids[fresh]] = 1
+                self._claim_bare(reused, owner)
+            else:
+                bids = table.add_many(ns, words[new_idx], block_bytes, owner=owner)
+                table.inflight[bids] = 1
             # The top tier's own admission weighs each block with its lineage, and hears of
             # the blocks it did not keep.
             own = self.top.own_admission is not None
@@ -676,7 +694,7 @@ class BlockStore:
                 pars = self._new_parents(bids, new_idx, existing, ns, parent_words) if own else None
                 placed = await self._store_new(pool, bids, pars, pages[new_idx], now, owner)
             except BaseException:
-                self._abandon(bids)
+                self._abandon(bids, reused)
                 raise
             finally:
                 # Nothing below awaits: the caller holds the part before anything else runs.
@@ -700,7 +718,7 @@ class BlockStore:
                         kept = int(np.count_nonzero(table.slot[bids, self.top.col] >= 0))
                         self.space.missed(self.top, bids[kept:], pars[kept:], self._clock())
             finally:
-                self._abandon(bids[placed:])  # the rows of blocks stored nowhere, whatever
+                self._abandon(bids[placed:], reused)  # the rows of blocks stored nowhere, whatever
         rejected = new_idx[len(stored) :]
         results[rejected] = _REJECTED_FULL
         self.space.misses.record(self.table.identities(ns, words[rejected]), DECLINED)
@@ -751,6 +769,7 @@ class BlockStore:
                     parent = table.find_one(ns, parent_words)
                     if parent >= 0 and table.state[parent] != READY:
                         parent = -1
+                table.inflight[bid] = 0  # a new row: nobody else holds it
                 self._commit_one(bid, parent)
         finally:
             if not placed:
@@ -940,6 +959,9 @@ class BlockStore:
     def _commit_new(self, bids: np.ndarray, pars: np.ndarray) -> None:
         """New blocks (``pars``: their predecessors) become visible, linked and known to the
         policies of the tiers holding them."""
+        # The put's own in-flight mark ends: a row it stored into again (``_claim_bare``) may
+        # be held by others too.
+        add_at(self.table.inflight, bids, -1)
         if len(bids) == 1:
             self._commit_one(int(bids[0]), int(pars[0]))
             return
@@ -949,7 +971,6 @@ class BlockStore:
         now = self._clock()
         if self._recovered_under_put:
             self._recovered_under_put.difference_update(table.refs(bids).tolist())
-        table.inflight[bids] = 0
         table.state[bids] = READY
         table.last_access[bids] = now
         table.link_many(bids, pars)
@@ -963,14 +984,14 @@ class BlockStore:
     def _commit_one(self, bid: int, parent: int) -> None:
         """``_commit_new`` of one block: the table's marks, link and the policies' insert as
         scalars (``insert_many`` of one block is that insert, after converting its arrays
-        back; ``after_store`` still takes a one-element array)."""
+        back; ``after_store`` still takes a one-element array). The caller has ended the
+        put's in-flight mark."""
         self.space.apply_touches()
         self._writes_settled()
         table = self.table
         now = self._clock()
         if self._recovered_under_put:
             self._recovered_under_put.discard(table.ref(bid))
-        table.inflight[bid] = 0
         table.state[bid] = READY
         table.last_access[bid] = now
         table.link(bid, parent)
@@ -1729,12 +1750,14 @@ class BlockStore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _abandon(self, bids: np.ndarray) -> None:
+    def _abandon(self, bids: np.ndarray, reused: np.ndarray | None = None) -> None:
         """Forget new blocks whose copy failed or found no room, giving back any slot they
         took (a copy into one tier may fail after an earlier tier stored part of the batch).
         A block that recovery gave a copy meanwhile (its key's row from before this start,
         read while the put wrote it) is kept with that copy instead: the key was stored, and a
-        put that failed must not delete it (``_keep_recovered``)."""
+        put that failed must not delete it (``_keep_recovered``). The rows of ``reused``
+        (``_claim_bare``) are given back as they were, with no copy, and forgotten only
+        once nobody holds them: a lease may still name them."""
         table = self.table
         if len(bids):
             self._writes_settled()
@@ -1761,8 +1784,35 @@ class BlockStore:
                 else:
                     table.clear_slots(held, level.col)
                     level.slots.remove(slots)
+        if reused is not None and len(reused) and (back := np.isin(bids, reused)).any():
+            table.state[bids[back]] = READY
+            self.space.end_in_flight(bids[back])
+            bids = bids[~back]
         for bid in bids.tolist():
             table.remove(bid)
+
+    def _bare(self, existing: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """The positions of ``existing`` (rows of a put's keys, -1: none; ``first``: the
+        key's first occurrence in the put) whose row is committed but holds no copy in any
+        tier: a block whose last copy failed a read while a pin or a request held it
+        (``SpaceManager.lose_copy``), kept until that ends. Only lost copies leave such rows
+        (an eviction or a drop forgets a block with its last copy)."""
+        table = self.table
+        at = np.flatnonzero((existing >= 0) & first)
+        rows = existing[at]
+        return at[(table.state[rows] == READY) & ~(table.slot[rows] >= 0).any(axis=1)]
+
+    def _claim_bare(self, rows: np.ndarray, owner: int) -> None:
+        """Claim rows with no copy (``_bare``) for a put that stores into them rather than
+        answering EXISTS for a block held nowhere: being written again (absent to lookups,
+        EXISTS to other puts) and in flight as a new block is. The row, its key and the
+        leases naming it stay; it becomes ``owner``'s, whose quota its new copies count
+        against (it holds none of its old owner's). Another request (a Get, a durable put)
+        may hold it in flight too: marks are added, not set."""
+        table = self.table
+        table.state[rows] = WRITING
+        table.owner[rows] = owner
+        add_at(table.inflight, rows, 1)
 
     def _keep_recovered(self, bids: np.ndarray) -> None:
         """Make blocks a failed put claimed, which recovery gave copies on persistent tiers
@@ -1778,7 +1828,7 @@ class BlockStore:
                 slots = table.slot[held, level.col].tolist()
                 table.clear_slots(held, level.col)
                 level.slots.remove(slots)
-        table.inflight[bids] = 0
+        add_at(table.inflight, bids, -1)  # the put's mark (see ``_commit_new``)
         table.state[bids] = READY
         for level in self.stack:
             if level.persistent and not level.keyed:

@@ -403,6 +403,17 @@ def test_sigkill_during_heavy_writes_loses_no_persisted_block(daemon_factory, tm
         assert client.stats().counters["l2_checksum_failures"] == 0
 
 
+def corrupt_slot(l2: Path, key: bytes) -> None:
+    """Flip bytes of the L2 slot of ``key`` behind the (stopped) daemon's back: its next read
+    fails verification."""
+    with DiskTier(l2, 64 << 20, 1 << 20, file_bytes=16 << 20) as tier:
+        slot = next(b.slot for b in tier.recover() if b.key == key)
+        path, offset = tier.slot_location(slot)
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        f.write(b"\xff" * 8)
+
+
 def test_a_corrupt_slot_is_a_miss_and_is_counted(daemon_factory, tmp_path):
     l2 = tmp_path / "l2"
     d = daemon_factory(*l2_args(l2))
@@ -412,13 +423,7 @@ def test_a_corrupt_slot_is_a_miss_and_is_counted(daemon_factory, tmp_path):
         pool = client.register_pool(shm, LAYOUT)
         assert client.put(pool.pool_id, ks, range(4), durable=True).persisted == [True] * 4
     d.stop()
-    # Flip bytes of the second block's slot behind the daemon's back.
-    with DiskTier(l2, 64 << 20, 1 << 20, file_bytes=16 << 20) as tier:
-        slot = next(b.slot for b in tier.recover() if b.key == ks[1])
-        path, offset = tier.slot_location(slot)
-    with open(path, "r+b") as f:
-        f.seek(offset + 100)
-        f.write(b"\xff" * 8)
+    corrupt_slot(l2, ks[1])
     d.start()
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
@@ -431,6 +436,56 @@ def test_a_corrupt_slot_is_a_miss_and_is_counted(daemon_factory, tmp_path):
         assert counters["l2_checksum_failures"] == 1
         assert client.lookup(ks).tiers[1] == Tier.ABSENT
     assert "checksum" in d.log().lower()
+
+
+@pytest.mark.parametrize("durable", [False, True], ids=["put", "durable-put"])
+def test_regression_a_put_of_a_pinned_key_whose_only_copy_failed_stores_it(
+    daemon_factory, tmp_path, durable
+):
+    """A block whose only copy failed verification while a lease pinned it keeps its row, held
+    in no tier, until the lease ends. A Put of its key answered EXISTS and stored nothing: the
+    engine took the block for saved, a durable put for persisted, and once the lease ended
+    the row went and the key missed. The Put stores the bytes into that row (the lease still
+    names it), and they load byte-exact under the lease, after it and after a restart."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2))
+    ks = keys(2, 14)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        fill(shm, 14)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(2), durable=True).persisted == [True] * 2
+    d.stop()
+    corrupt_slot(l2, ks[0])
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 15)  # other bytes than the ones first put
+        pool = client.register_pool(shm, LAYOUT)
+        found = client.lookup(ks[:1], pin=True, lease_ms=600_000)
+        assert found.tiers == [Tier.L2_DISK]
+        lease = found.lease_id
+        assert client.get(pool.pool_id, ks[:1], [8], lease_id=lease).loaded == [False]
+        assert client.stats().counter("copies_lost", tier="L2") == 1
+        res = client.put(pool.pool_id, ks[:1], [0], durable=durable)
+        assert res.statuses == [PutStatus.STORED]
+        if durable:
+            assert res.persisted == [True]
+        assert client.get(pool.pool_id, ks, [8, 9], lease_id=lease).loaded == [True] * 2
+        assert page(shm.array(), 8) == page(src, 0)
+        assert client.check().problems == []
+        client.release(lease)
+        assert client.lookup(ks[:1]).tiers[0] != Tier.ABSENT
+        assert client.get(pool.pool_id, ks[:1], [10]).loaded == [True]
+        assert page(shm.array(), 10) == page(src, 0)
+        assert client.check().problems == []
+    if not durable:
+        return
+    d.stop()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.get(pool.pool_id, ks[:1], [0]).loaded == [True]
+        assert page(shm.array(), 0) == page(src, 0)
+        assert client.check().problems == []
 
 
 def test_l2_state_and_usage_are_reported(daemon_factory, tmp_path):

@@ -1372,6 +1372,71 @@ async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_st
     assert present(store, a[bad : bad + 1]) == [False]
 
 
+async def _pinned_and_held_nowhere(make_store):
+    """A store whose block ``word`` is pinned (the refs returned) and lost its only copy to a
+    read that failed verification: its row stays, held in no tier."""
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
+    word = a[on_l2[0] : on_l2[0] + 1]
+    bid = int(store.table.lookup(0, word)[0])
+    refs = store.pin(np.asarray([bid]))
+    l2.corrupt(int(store.table.slot[bid, 1]))
+    assert await get(store, pool, word, [30]) == [False]
+    assert store.table.resolve(int(refs[0])) == bid
+    assert not (store.table.slot[bid] >= 0).any()
+    return store, pool, word, bid, refs
+
+
+async def test_regression_a_put_of_a_key_held_nowhere_while_pinned_stores_it_into_its_row(
+    make_store,
+):
+    """A put of a key whose pinned block lost its last copy answered EXISTS and stored
+    nothing: the lease's Get missed it, and once the lease ended the key was gone. The put
+    stores it into the row the lease names, linked into the put's chain, as a new key (the
+    key named twice: stored once); a request holding the row in flight meanwhile keeps its
+    hold."""
+    store, pool, word, bid, refs = await _pinned_and_held_nowhere(make_store)
+    add_at(store.table.inflight, np.asarray([bid]), 1)  # another request reading it
+    fresh = keys(2)
+    chain = np.concatenate([fresh[:1], word, word, fresh[1:]])
+    results = await put(store, pool, chain, pages=[40, 41, 42, 43])
+    assert results == [PutResult.STORED, PutResult.STORED, PutResult.EXISTS, PutResult.STORED]
+    assert store.table.resolve(int(refs[0])) == bid
+    assert store.table.parent_of(bid) == store.table.lookup(0, fresh[:1])[0]
+    assert await get(store, pool, word, [50], touch=False) == [True]
+    assert page_bytes(pool, 50) == page_bytes(pool, 41)
+    assert int(store.table.inflight[bid]) == 1
+    store.space.end_in_flight(np.asarray([bid]))
+    assert store.check(pins={bid: 1}) == []
+    store.unpin(refs)
+    assert await get(store, pool, word, [51]) == [True]
+    assert page_bytes(pool, 51) == page_bytes(pool, 41)
+
+
+async def test_a_put_with_no_room_for_a_key_held_nowhere_leaves_its_row_to_the_lease(
+    make_store, monkeypatch
+):
+    """A put that stores nothing of a key whose pinned block is held nowhere gives the row
+    back as it was: the lease still names it, Lookups miss it, and it is forgotten when the
+    lease ends; a put after that stores the key anew."""
+    store, pool, word, bid, refs = await _pinned_and_held_nowhere(make_store)
+
+    async def no_room(*args, **kwargs):
+        return []
+
+    monkeypatch.setattr(store.space, "reserve", no_room)
+    assert await put(store, pool, word, pages=[41]) == [PutResult.REJECTED_FULL]
+    assert store.table.resolve(int(refs[0])) == bid
+    assert int(store.table.inflight[bid]) == 0
+    assert (await store.lookup(0, word))[0] == 0
+    assert store.check(pins={bid: 1}) == []
+    store.unpin(refs)
+    assert present(store, word) == [False]
+    monkeypatch.undo()
+    assert await put(store, pool, word, pages=[41]) == [PutResult.STORED]
+    assert await get(store, pool, word, [50]) == [True]
+    assert page_bytes(pool, 50) == page_bytes(pool, 41)
+
+
 async def _held_only_in_l3(store, shared, pool, words) -> None:
     """Make ``words``' blocks known to ``store`` only from L3, with an L1 full of blocks held
     nowhere else (so a Get reads them from L3 rather than promoting them)."""
