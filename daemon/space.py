@@ -122,6 +122,10 @@ class SpaceManager:
         # Copies tiers dropped so far (``lose_copy``): a holder of blocks that sees it change
         # may be the last to hold one left with no copy.
         self.copies_lost = 0
+        # Refs of the blocks ``lose_copy`` left with no copy in any tier while something held
+        # them (a pin, a request), until seen gone or holding a copy again (``bare_rows``):
+        # while there are none, a put looks for no such row among its keys.
+        self.bare_refs: set[int] = set()
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
@@ -1169,6 +1173,18 @@ class SpaceManager:
             self.table.clear_slots(bid, level.col)
             self.copies_lost += 1
             self.counters.inc("copies_lost", tier=level.label)
+            if not (self.table.slot[bid] >= 0).any():
+                self.bare_refs.add(self.table.ref(bid))
+
+    def bare_rows(self) -> np.ndarray:
+        """The rows of ``bare_refs`` still live and held in no tier; the refs of the others
+        (forgotten since, or given a copy again) are dropped."""
+        table = self.table
+        rows = [table.resolve(ref) for ref in self.bare_refs]
+        bare = [b for b in rows if b >= 0 and not (table.slot[b] >= 0).any()]
+        if len(bare) < len(rows):
+            self.bare_refs = {table.ref(b) for b in bare}
+        return np.array(bare, dtype=np.int64)
 
     def end_in_flight(self, bids: np.ndarray) -> None:
         """End one in-flight hold of each of ``bids`` (``table.inflight``, raised by whoever
@@ -1191,6 +1207,7 @@ class SpaceManager:
         # Nearly always none: only the few found are deduplicated (a sort of every batch
         # was a few percent of a durable put's event-loop time).
         for b in np.unique(orphans).tolist() if len(orphans) else ():
+            self.bare_refs.discard(table.ref(b))
             table.remove(b)
 
     def _forget_in_policies(self, bid: int) -> None:

@@ -1404,6 +1404,7 @@ async def test_regression_a_put_of_a_key_held_nowhere_while_pinned_stores_it_int
     assert store.table.parent_of(bid) == store.table.lookup(0, fresh[:1])[0]
     assert await get(store, pool, word, [50], touch=False) == [True]
     assert page_bytes(pool, 50) == page_bytes(pool, 41)
+    assert store.space.bare_rows().tolist() == []  # its ref is dropped: it holds a copy
     assert int(store.table.inflight[bid]) == 1
     store.space.end_in_flight(np.asarray([bid]))
     assert store.check(pins={bid: 1}) == []
@@ -1431,6 +1432,7 @@ async def test_a_put_with_no_room_for_a_key_held_nowhere_leaves_its_row_to_the_l
     assert store.check(pins={bid: 1}) == []
     store.unpin(refs)
     assert present(store, word) == [False]
+    assert store.space.bare_refs == set()  # a put no longer looks for such rows
     monkeypatch.undo()
     assert await put(store, pool, word, pages=[41]) == [PutResult.STORED]
     assert await get(store, pool, word, [50]) == [True]
