@@ -677,7 +677,7 @@ class BlockStore:
             self.space.touch(ready, now)
 
         new_idx = np.flatnonzero(is_new)
-        stored = np.zeros(0, dtype=np.int64)
+        stored = kept_recovered = np.zeros(0, dtype=np.int64)
         if store and len(new_idx):
             # Claim the new keys before awaiting anything (see the module invariants).
             if len(reused):
@@ -722,8 +722,15 @@ class BlockStore:
                         kept = int(np.count_nonzero(table.slot[bids, self.top.col] >= 0))
                         self.space.missed(self.top, bids[kept:], pars[kept:], self._clock())
             finally:
-                self._abandon(bids[placed:], reused)  # the rows of blocks stored nowhere, whatever
+                # The rows of blocks stored nowhere, whatever.
+                kept_recovered = self._abandon(bids[placed:], reused)
         rejected = new_idx[len(stored) :]
+        if len(kept_recovered):
+            # Present with the copies recovery read under the put: found, as an EXISTS key's
+            # block is (its row joins the chain below, as a repeated key's does).
+            back = np.isin(bids[len(stored) :], kept_recovered)
+            results[rejected[back]] = _EXISTS
+            rejected = rejected[~back]
         results[rejected] = _REJECTED_FULL
         self.space.misses.record(self.table.identities(ns, words[rejected]), DECLINED)
         new_idx = new_idx[: len(stored)]
@@ -777,7 +784,9 @@ class BlockStore:
                 self._commit_one(bid, parent)
         finally:
             if not placed:
-                self._abandon(bids)  # the row of a block stored nowhere, whatever
+                # The row of a block stored nowhere, whatever; or kept with the copy recovery
+                # read under the put (``_abandon``): present, found as by a later put.
+                kept_recovered = len(self._abandon(bids))
         c = self.counters
         if placed:
             if self.space.misses:  # nothing to forget in an empty ledger
@@ -785,6 +794,9 @@ class BlockStore:
             c.add(self._n_bytes_put, block_bytes)
             c.add(self._n_put[_STORED])
             return np.array([_STORED], dtype=np.int32)
+        if kept_recovered:
+            c.add(self._n_put[_EXISTS])
+            return np.array([_EXISTS], dtype=np.int32)
         self.space.misses.record([identity], DECLINED)
         c.add(self._n_put[_REJECTED_FULL])
         return np.array([_REJECTED_FULL], dtype=np.int32)
@@ -1754,15 +1766,16 @@ class BlockStore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _abandon(self, bids: np.ndarray, reused: np.ndarray | None = None) -> None:
+    def _abandon(self, bids: np.ndarray, reused: np.ndarray | None = None) -> np.ndarray:
         """Forget new blocks whose copy failed or found no room, giving back any slot they
         took (a copy into one tier may fail after an earlier tier stored part of the batch).
         A block that recovery gave a copy meanwhile (its key's row from before this start,
         read while the put wrote it) is kept with that copy instead: the key was stored, and a
-        put that failed must not delete it (``_keep_recovered``). The rows of ``reused``
-        (``_claim_bare``) are given back as they were, with no copy, and forgotten only
-        once nobody holds them: a lease may still name them."""
+        put that failed must not delete it (``_keep_recovered``); returns the rows so kept.
+        The rows of ``reused`` (``_claim_bare``) are given back as they were, with no copy,
+        and forgotten only once nobody holds them: a lease may still name them."""
         table = self.table
+        kept = bids[:0]
         if len(bids):
             self._writes_settled()
         if self._recovered_under_put and len(bids):
@@ -1771,7 +1784,8 @@ class BlockStore:
             recovered = np.fromiter((r in under for r in refs), bool, len(refs))
             under.difference_update(refs)
             if recovered.any():
-                self._keep_recovered(bids[recovered])
+                kept = bids[recovered]
+                self._keep_recovered(kept)
                 bids = bids[~recovered]
         for level in self.stack:
             if level.keyed or len(bids) == 0:
@@ -1794,6 +1808,7 @@ class BlockStore:
             bids = bids[~back]
         for bid in bids.tolist():
             table.remove(bid)
+        return kept
 
     def _bare(self, existing: np.ndarray, first: np.ndarray) -> np.ndarray:
         """The positions of ``existing`` (rows of a put's keys, -1: none; ``first``: the

@@ -871,14 +871,17 @@ def _durable_pair_then_held_recovery(daemon_factory, tmp_path, tag: int, *gates:
     return d, h, ks, data
 
 
+@pytest.mark.parametrize("durable", [False, True], ids=["put", "durable-put"])
 def test_regression_a_put_rejected_during_recovery_deleted_the_durable_blocks_of_its_keys(
-    daemon_factory, tmp_path
+    daemon_factory, tmp_path, durable
 ):
     """After a SIGKILL, a put of keys that L2 held durably, made while recovery read the
     index, claims them as new (their rows are not read yet); recovery then gave the claimed
-    blocks their L2 copies, and when the put found no room for a key (REJECTED_FULL: L1 full,
-    L2 allocating nothing until recovery ends) it abandoned the block with that copy: the
-    L2 row was deleted and a block once reported persisted was gone, also after a restart."""
+    blocks their L2 copies, and when the put found no room for a key (L1 full, L2 allocating
+    nothing until recovery ends) it abandoned the block with that copy: the L2 row was
+    deleted and a block once reported persisted was gone, also after a restart. The block
+    stays with that copy, and the key is reported as it is, present (EXISTS; persisted for a
+    durable put), not REJECTED_FULL."""
     gate, l1_gate = tmp_path / "recovery", tmp_path / "l1"
     gates = (gate, l1_gate, tmp_path / "recovery.more")
     d, h, ks, data = _durable_pair_then_held_recovery(daemon_factory, tmp_path, 91, *gates)
@@ -892,13 +895,20 @@ def test_regression_a_put_rejected_during_recovery_deleted_the_durable_blocks_of
             pool = client.register_pool(shm, BIG_LAYOUT)
             # L1 has one slot: the first key's copy waits at the gate; the second key, once
             # that copy is done, finds no room in L1 and none in L2 (still recovering).
-            putting = threads.submit(client.put, pool.pool_id, ks, [0, 1])
+            putting = threads.submit(client.put, pool.pool_id, ks, [0, 1], durable=durable)
             wait_for((tmp_path / "l1.held").exists)
             gate.unlink()  # recovery indexes the rows of both keys under the put
             wait_for((tmp_path / "recovery.indexed").exists)
             l1_gate.unlink()
-            assert putting.result(30).statuses == [PutStatus.STORED, PutStatus.REJECTED_FULL]
-            (tmp_path / "recovery.more").unlink()
+            if durable:  # its answer waits for the end of recovery, once the put is counted
+                done = ("existing", "rejected")
+                wait_for(lambda: sum(client.stats().counter("put_blocks", result=r) for r in done))
+                (tmp_path / "recovery.more").unlink()
+            res = putting.result(30)
+            assert res.statuses == [PutStatus.STORED, PutStatus.EXISTS]
+            if durable:
+                assert res.persisted == [True, True]
+            (tmp_path / "recovery.more").unlink(missing_ok=True)
             h.wait_recovered()
             assert client.lookup(ks[1:]).tiers == [Tier.L2_DISK]
     finally:

@@ -1634,6 +1634,39 @@ async def test_a_tenant_at_its_quota_evicts_its_own_blocks_never_another_s(make_
     assert all(present(store, theirs))
 
 
+@pytest.mark.parametrize("n", [1, 3], ids=["one-key", "batch"])
+async def test_regression_a_put_with_no_room_for_keys_recovery_read_under_it_answers_exists(
+    make_store, monkeypatch, n
+):
+    """A put of keys L2 held from before a restart, made while recovery read the index,
+    claims them as new; recovery gives the claimed blocks their L2 copies meanwhile, and the
+    put that then finds no room keeps each block with that copy (``_keep_recovered``). It
+    answered REJECTED_FULL for keys present, which a Get loads; they are EXISTS."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    chain = keys(n)
+    await put(store, pool, chain, durable=True)
+    want = [page_bytes(pool, p) for p in range(n)]
+    await store.stop(flush=False)
+    again = make_store(clock, l2=l2.reopen())
+    level = again.stack[TierKind.DISK]
+    index = level.slots.recover_chunks()
+
+    async def no_room_once_the_index_is_read(*args, **kwargs):
+        for chunk in index:  # read under the put, while it waits for room
+            again._index_recovered(level, chunk)
+        return []
+
+    monkeypatch.setattr(again.space, "reserve", no_room_once_the_index_is_read)
+    assert await put(again, pool, chain, pages=range(10, 10 + n)) == [PutResult.EXISTS] * n
+    assert again.counters.get("put_blocks", result="existing") == n
+    monkeypatch.undo()
+    assert where(again, chain) == ["L2"] * n
+    assert await get(again, pool, chain, range(20, 20 + n)) == [True] * n
+    assert [page_bytes(pool, p) for p in range(20, 20 + n)] == want
+
+
 async def test_recovered_blocks_keep_their_tenant(make_store):
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
