@@ -104,6 +104,18 @@ class TierHealth:
 
 HEALTHY = TierHealth()
 
+# What a key-addressed tier's ``probe_each`` answers for a block it does not hold (the store
+# said so), and for one it could not ask about (late, unreachable, a command's error): the
+# first may drop a copy the node remembers, the second must change nothing.
+PROBE_ABSENT = -1
+PROBE_UNKNOWN = -2
+
+
+def leading_sizes(answers: Sequence[int]) -> list[int]:
+    """The sizes of the present prefix of a ``probe_each`` answer (``probe``'s answer)."""
+    n = next((i for i, size in enumerate(answers) if size < 0), len(answers))
+    return list(answers[:n])
+
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
@@ -515,10 +527,12 @@ class SlotTier(Protocol):
 class KeyTier(Protocol):
     """A key-addressed tier (L3): its own index, asynchronous verbs on the event loop.
 
-    ``probe`` answers the leading blocks of a chain that are present; ``read`` copies blocks
-    into ``dest`` (False per block is a miss: absent, corrupt or timed out); ``write`` stores
-    blocks from ``src`` and answers per block whether it is stored. None of them raises for a
-    remote fault: a tier that cannot reach its store answers misses and reports DOWN.
+    ``probe`` answers the leading blocks of a chain that are present, ``probe_each`` whether
+    each block is present, absent or unknown (the store could not be asked); ``read`` copies
+    blocks into ``dest`` (False per block is a miss: absent, corrupt or timed out); ``write``
+    stores blocks from ``src`` and answers per block whether it is stored. None of them raises
+    for a remote fault: a tier that cannot reach its store answers misses (unknown, for
+    ``probe_each``) and reports DOWN.
     """
 
     @property
@@ -526,8 +540,15 @@ class KeyTier(Protocol):
 
     async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
         """The size in bytes of each block of the present prefix of ``blocks`` (its length
-        is the prefix's; empty when the first is absent), as the block was written: a read of
-        the block at another size is a miss."""
+        is the prefix's; empty when the first is absent or the tier cannot tell), as the block
+        was written: a read of the block at another size is a miss."""
+        ...
+
+    async def probe_each(self, blocks: Sequence[BlockRef]) -> list[int]:
+        """Each block's size as ``probe`` gives it, ``PROBE_ABSENT`` where the tier holds no
+        such block, and ``PROBE_UNKNOWN`` where it cannot tell (its answer late, the store
+        unreachable, a command's error): one entry per block, in one round trip as ``probe``.
+        ``probe`` is the leading sizes of this answer."""
         ...
 
     async def read(

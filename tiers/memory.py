@@ -26,6 +26,8 @@ import xxhash
 
 from kvtier.tiers.base import (
     HEALTHY,
+    PROBE_ABSENT,
+    PROBE_UNKNOWN,
     BlockRef,
     Health,
     HostBuffers,
@@ -37,6 +39,7 @@ from kvtier.tiers.base import (
     TierStats,
     WriteBatch,
     WriteOutcome,
+    leading_sizes,
 )
 from kvtier.tiers.buffers import get_block, load_into, put_block, store_from
 from kvtier.tiers.remote.state import TokenBucket
@@ -238,16 +241,17 @@ class MemoryKeyTier:
         self._budget.set_rate(bytes_s, 0)
 
     async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
+        return leading_sizes(await self.probe_each(blocks))
+
+    async def probe_each(self, blocks: Sequence[BlockRef]) -> list[int]:
         self.counters["probes"] += 1
-        sizes: list[int] = []
         if self.down:
-            return sizes
-        for ref in blocks:
-            value = self.values.get((ref.ns, bytes(ref.key)))
-            if value is None:
-                break
-            sizes.append(len(value))
-        return sizes
+            return [PROBE_UNKNOWN] * len(blocks)
+        values = self.values
+        return [
+            PROBE_ABSENT if (v := values.get((ref.ns, bytes(ref.key)))) is None else len(v)
+            for ref in blocks
+        ]
 
     async def read(self, blocks: Sequence[BlockRef], nbytes: int, dest: object) -> list[bool]:
         out = []

@@ -24,7 +24,14 @@ from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
 from kvtier.daemon import loops
 from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.kernels.layout import PoolLayout
-from kvtier.tiers.base import BlockRef, Health, PoolPages, TierUnavailable
+from kvtier.tiers.base import (
+    PROBE_ABSENT,
+    PROBE_UNKNOWN,
+    BlockRef,
+    Health,
+    PoolPages,
+    TierUnavailable,
+)
 from kvtier.tiers.remote import tier as tier_module
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, checksum, header
 from kvtier.tiers.remote.options import RemoteOptions
@@ -250,6 +257,40 @@ async def test_a_late_probe_answers_zero_within_its_deadline(
             fresh_redis.resume()
         await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
         assert len(await tier.probe(chain)) == 4
+
+
+async def test_probe_each_tells_absent_blocks_from_unknown_ones(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """Each block's size, or absent (no key, a value that is no block, a key of another type:
+    the store said so), or unknown: every block when the answer is late or the store is
+    down. A Lookup drops a copy it remembers only on absent."""
+    chain = [ref(i) for i in range(5)]
+    keys = [KeyNamer(l3_prefix).key(b.ns, b.key) for b in chain]
+    r = raw_client(fresh_redis)
+    opts = options(fresh_redis, l3_prefix, probe_deadline_ms=100.0, op_timeout_s=1.0)
+    async with opened(opts) as tier:
+        await tier.write(chain[:4], 4096, host([data(i, 4096) for i in range(4)]))
+        r.set(keys[1], b"x" * HEADER_BYTES)  # a header's worth of junk
+        r.delete(keys[2])
+        r.rpush(keys[2], b"x")  # not a string: WRONGTYPE, in place
+        assert await tier.probe_each(chain) == [
+            4096,
+            PROBE_ABSENT,
+            PROBE_ABSENT,
+            4096,
+            PROBE_ABSENT,
+        ]
+        assert await tier.probe(chain) == [4096]
+        fresh_redis.pause()
+        try:
+            assert await tier.probe_each(chain) == [PROBE_UNKNOWN] * 5  # late
+            await wait_for("the op timeout to mark L3 down", lambda: not tier.health().serves_reads)
+            assert await tier.probe_each(chain) == [PROBE_UNKNOWN] * 5  # down
+        finally:
+            fresh_redis.resume()
+        c = tier.stats().counters
+        assert c["probe_late"] == 1 and c["probe_skipped_down"] == 1 and c["probe_found"] == 4
 
 
 # ------------------------------------------------------------------ verification

@@ -2,9 +2,9 @@
 
 Invariants:
 - Every verb is a coroutine on the daemon's event loop and never raises for a remote fault:
-  an unreachable, slow or failing store answers misses (``probe`` none, ``read`` False,
-  ``write`` False) and shows in ``health()`` and ``stats()``. Exceptions are kept for
-  programming errors (a buffer shorter than ``nbytes``).
+  an unreachable, slow or failing store answers misses (``probe`` none, ``probe_each``
+  unknown, ``read`` False, ``write`` False) and shows in ``health()`` and ``stats()``.
+  Exceptions are kept for programming errors (a buffer shorter than ``nbytes``).
 - No call waits on the network longer than ``op_timeout_s`` (``probe``: its caller gets an
   answer within ``probe_deadline_ms``; the round trip may go on in the background up to
   ``op_timeout_s``, so that a slow store, not a tight deadline, is what marks the tier down).
@@ -55,6 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.tiers.base import (
+    PROBE_ABSENT,
+    PROBE_UNKNOWN,
     BlockRef,
     Health,
     HostBuffers,
@@ -63,6 +65,7 @@ from kvtier.tiers.base import (
     TierKind,
     TierStats,
     TierUnavailable,
+    leading_sizes,
 )
 from kvtier.tiers.buffers import get_block, put_block
 from kvtier.tiers.remote.codec import (
@@ -279,11 +282,17 @@ class RemoteTier:
     # --------------------------------------------------------------------- verbs
 
     async def probe(self, blocks: Sequence[BlockRef]) -> list[int]:
-        """The size of each block of the present prefix of ``blocks``: one pipelined round trip
+        """The size of each block of the present prefix of ``blocks`` (``probe_each``'s
+        leading sizes): none found when the answer is late or the store cannot be reached."""
+        return leading_sizes(await self.probe_each(blocks))
+
+    async def probe_each(self, blocks: Sequence[BlockRef]) -> list[int]:
+        """Each block's size, ``PROBE_ABSENT`` or ``PROBE_UNKNOWN``: one pipelined round trip
         (GETRANGE of each value's header; on a cluster, one pipeline per server, in parallel),
         answered within ``probe_deadline_ms``. The size is the header's length: a value
         whose header does not parse (``codec.header_length``: magic, version, its own key's
-        tag), or that is not a string, is no block: absent. Late or failed: none found.
+        tag), or that is not a string, is no block: absent. Late, down or failed: unknown,
+        every block; a command's own error (but a key of another type): unknown, that block.
 
         Sizes come from the header the tier wrote, not from the value's length: a value cut
         short after its header still has its block's size (its read then fails, ``verify``:
@@ -295,9 +304,10 @@ class RemoteTier:
         c = self._counters
         c["probes"] += 1
         c["probe_keys"] += len(blocks)
+        unknown = [PROBE_UNKNOWN] * len(blocks)
         if not self._avail.serves(self._clock()):
             c["probe_skipped_down"] += 1
-            return []
+            return unknown
         keys = [self._names.key(b.ns, b.key) for b in blocks]
 
         async def heads(pipe: Any) -> None:
@@ -313,21 +323,27 @@ class RemoteTier:
             )
         except (asyncio.TimeoutError, TimeoutError):
             c["probe_late"] += 1
-            return []
+            return unknown
         except _Unreachable:
-            return []
-        sizes: list[int] = []
+            return unknown
+        answers: list[int] = []
         unremoved = self._unremoved
         for key, reply in zip(keys, replies, strict=True):
-            # A key of another type answers WRONGTYPE, in place; a missing one, no bytes.
-            if isinstance(reply, BaseException) or (unremoved and key in unremoved):
-                break
+            if unremoved and key in unremoved:
+                answers.append(PROBE_ABSENT)  # removed here; the store has yet to confirm it
+                continue
+            if isinstance(reply, BaseException):
+                # A key of another type answers WRONGTYPE, in place: no block.
+                wrong_type = isinstance(reply, rx.ResponseError) and str(reply).startswith(
+                    "WRONGTYPE"
+                )
+                answers.append(PROBE_ABSENT if wrong_type else PROBE_UNKNOWN)
+                continue
+            # A missing key answers no bytes.
             size = header_length(reply, key)
-            if size is None:
-                break
-            sizes.append(size)
-        c["probe_found"] += len(sizes)
-        return sizes
+            answers.append(PROBE_ABSENT if size is None else size)
+        c["probe_found"] += sum(size >= 0 for size in answers)
+        return answers
 
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
