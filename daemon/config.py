@@ -711,8 +711,9 @@ class L3Config:
             lo=1.0,
             hi=86400.0,
             doc="how long the node trusts that L3 still holds a block it holds nowhere else, "
-            "from when L3 last confirmed it (written, found by a lookup, read); then the node "
-            "forgets it and a later lookup asks L3 again; at most ttl_s when ttl_s > 0",
+            "from when L3 last confirmed it (written, found by a lookup, read); then a lookup "
+            "of it asks L3 again, and the node forgets it once unconfirmed for twice as long; "
+            "at most ttl_s when ttl_s > 0",
         ),
     )
 
@@ -720,6 +721,14 @@ class L3Config:
         """``known_s``, capped at ``ttl_s`` (when blocks expire): past that the store may have
         dropped the block on its own."""
         return min(self.known_s, float(self.ttl_s)) if self.ttl_s > 0 else self.known_s
+
+    def forget_after_s(self) -> float:
+        """How long a row held only in L3 may go unconfirmed before the node forgets it:
+        twice ``known_limit_s``. A lookup confirms the rows of its chain unconfirmed for
+        ``known_limit_s`` (it asks L3 again), so every row a lookup answers stays for
+        ``known_limit_s`` at least after it: the Get that follows finds it (a Get does not
+        ask L3). Rows no lookup asks about only take memory, which forgetting them bounds."""
+        return 2 * self.known_limit_s()
 
     def tier_options(self) -> Any:
         """The tier's ``RemoteOptions`` (imported here: ``tiers/`` never imports the

@@ -196,13 +196,16 @@ COUNTERS: dict[str, MetricDef] = {
         "Transfer batches that failed inside the daemon (logged with a traceback).",
     ),
     "copies_lost": _c(
-        "kvtier_copies_lost_total", ("tier",), "Copies a tier dropped after a failed read."
+        "kvtier_copies_lost_total",
+        ("tier",),
+        "Copies a tier dropped on its own: found by a failed read, or by a lookup's probe of a "
+        "key-addressed tier (L3) that no longer holds a block.",
     ),
     "rows_forgotten": _c(
         "kvtier_rows_forgotten_total",
         ("tier",),
         "Blocks held only in a key-addressed tier (L3) that the node forgot once the tier had "
-        "not confirmed them for tiers.l3.known_s; a lookup asks the tier for them again.",
+        "not confirmed them for twice tiers.l3.known_s; a lookup asks the tier for them again.",
     ),
     "recovered_repeats_dropped": _c(
         "kvtier_recovered_repeats_dropped_total",

@@ -16,7 +16,7 @@ Live keys, and how each applies:
 - ``policy.protect_s``, ``policy.warmup_s``, ``tiers.*.high_watermark``/``low_watermark``:
   each tier's eviction guard is rebuilt;
 - ``tiers.*.read_bytes_s``/``write_bytes_s``: the tier's token buckets take the new rate;
-- ``tiers.l3.known_s``: read from the config at each balancer pass;
+- ``tiers.l3.known_s``: read from the config at each lookup and balancer pass;
 - ``policy.readahead_blocks``, ``server.max_batch_blocks``, ``server.lease_default_ms``,
   ``server.lease_max_ms``, ``server.drain_timeout_s``: read from the config on every use;
 - ``server.session_ping_s``: for sessions opened from now on;

@@ -31,6 +31,9 @@ Rules:
   (``missed``), as the replayer does.
 - A block held only in key-addressed tiers is known only for a while after one of them last
   confirmed it (``forget_unconfirmed``): such a tier drops blocks on its own.
+- A copy is dropped by the tier that held it (``drop_copies``: eviction, deletion) or found
+  gone (``lose_copy``: a failed read, a probe that found it absent); a row with no copy
+  left is forgotten once nobody holds it.
 
 Thread-safety: event loop only (see ``daemon/store.py``).
 """
@@ -130,7 +133,7 @@ class SpaceManager:
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
         # When ``forget_unconfirmed`` last scanned the table: the next scan is due a quarter
-        # of ``known_s`` later, as ``known_s`` is then (a SIGHUP may have lowered it).
+        # of its period later, as the period is then (a SIGHUP may have lowered it).
         self._last_forget = -np.inf
         table.on_free.append(self._forget_in_policies)
         table.on_remember.append(self._remember_in_policies)
@@ -1167,7 +1170,9 @@ class SpaceManager:
         return ok
 
     def lose_copy(self, bid: int, level: Level) -> None:
-        """A tier dropped its copy of a block (a read failed verification): forget it."""
+        """A tier dropped its copy of a block (a read failed verification, or a probe of a
+        key-addressed tier found it absent): forget it. The row stays, for its holder to
+        forget once done (``forget_orphans``)."""
         if self.table.slot[bid, level.col] >= 0:
             level.policy.remove(bid)
             self.table.clear_slots(bid, level.col)
@@ -1185,6 +1190,13 @@ class SpaceManager:
         if len(bare) < len(rows):
             self.bare_refs = {table.ref(b) for b in bare}
         return np.array(bare, dtype=np.int64)
+
+    def lose_copies(self, bids: np.ndarray, level: Level) -> None:
+        """``lose_copy`` of distinct blocks; those left with no copy and held by nobody (no
+        pin, nothing in flight) are forgotten now, the others once their holds end."""
+        for bid in bids.tolist():
+            self.lose_copy(bid, level)
+        self.forget_orphans(bids)
 
     def end_in_flight(self, bids: np.ndarray) -> None:
         """End one in-flight hold of each of ``bids`` (``table.inflight``, raised by whoever
@@ -1235,26 +1247,26 @@ class SpaceManager:
 
     # ------------------------------------------------------------- known in L3
 
-    def forget_unconfirmed(self, known_s: float) -> None:
+    def forget_unconfirmed(self, unconfirmed_s: float) -> None:
         """Forget the blocks whose every copy is in key-addressed tiers and which none of them
-        confirmed (``table.keyed_seen``) for ``known_s``, unless an eviction from that tier
-        could not take them either (pinned, in flight, protected, or hinted by its policy). Such a row only says the tier had the
-        block when last asked; the tier may drop it since (its expiry, its own eviction,
-        another node's Delete), and kept, its row would answer lookups for it ever after
-        and never leave. Forgetting it loses nothing: a lookup that misses it asks the tier
-        again (``BlockStore._discover``). Runs every quarter of ``known_s`` (the balancer's
-        period is its timer), so a row goes within 1.25 ``known_s`` of its last confirmation
+        confirmed (``table.keyed_seen``) for ``unconfirmed_s``, unless an eviction from that
+        tier could not take them either (pinned, in flight, protected, or hinted by its
+        policy). Lookups ask the tier again about such rows of their chains and drop what it
+        no longer holds (``BlockStore._discover``); a row no Lookup asks about would stay for
+        good, so this bounds the table. Forgetting one loses nothing: a lookup that misses it
+        asks the tier again. Runs every quarter of ``unconfirmed_s`` (the balancer's period
+        is its timer), so a row goes within 1.25 ``unconfirmed_s`` of its last confirmation
         (a backlog beyond ``batch_blocks`` takes a balancer period per batch more) and the
         table is scanned rarely."""
         keyed = [lv for lv in self.stack if lv.keyed]
         now = self._clock()
-        if not keyed or now < self._last_forget + known_s / 4:
+        if not keyed or now < self._last_forget + unconfirmed_s / 4:
             return
         self._last_forget = now
         table = self.table
         # Whole columns, not fancy indexing: a million rows cost milliseconds.
         slot = table.slot[: table.rows]
-        stale = table.keyed_seen[: table.rows] < now - known_s
+        stale = table.keyed_seen[: table.rows] < now - unconfirmed_s
         stale &= (slot[:, [lv.col for lv in keyed]] >= 0).any(axis=1)
         local = [lv.col for lv in self.stack if not lv.keyed]
         if local:

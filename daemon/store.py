@@ -56,6 +56,7 @@ from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, WRITING, BlockTable, repeats
 from kvtier.daemon.transfer import TransferEngine
 from kvtier.tiers.base import (
+    PROBE_UNKNOWN,
     BlockRef,
     Priority,
     RecoveredBlocks,
@@ -94,6 +95,9 @@ PUT_GROWING_MIN_BLOCK_BYTES = 256 << 10
 # turn: about 2 us a row, where ``np.isin`` costs 16-24 us whatever the sizes (numpy micro-
 # measure, 32 and 4,096 keys, this machine).
 BARE_ROWS_COMPARED = 8
+# Positions in a lookup's chain, shared: never written to.
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)
+_FIRST_POSITION = np.zeros(1, dtype=np.int64)
 
 
 class PutResult(enum.IntEnum):
@@ -207,6 +211,9 @@ class BlockStore:
         )
         self._copy_threads = config.server.copy_threads
         self._keyed = [lv for lv in self.stack if lv.keyed]
+        # Key-addressed tiers are the slowest kinds: a row whose fastest copy is of this kind
+        # or slower is held only in them.
+        self._keyed_kind = min((int(lv.kind) for lv in self._keyed), default=0)
         # Per probe of the key-addressed tiers awaiting its answer (by id): the keys ``(ns,
         # key bytes)`` Deletes took out of those tiers meanwhile, which the answer may still
         # name.
@@ -347,21 +354,22 @@ class BlockStore:
 
         Keys past the locally held prefix are probed in the key-addressed tiers (one batch
         probe per tier for the rest of the chain); blocks found there join the table as
-        ``owner``'s (the tenant whose namespace ``ns`` is)."""
+        ``owner``'s (the tenant whose namespace ``ns`` is). Rows of the chain held only in
+        those tiers that none confirmed for ``tiers.l3.known_s`` are asked about in the same
+        probe (``_discover``): the tier may have dropped them since."""
         ids, identities = self.table.lookup_identified(ns, words)
         n = len(ids)
         found = ids >= 0
         hits = int(np.count_nonzero(found))
-        if hits < n and self._keyed:
-            await self._discover(ns, words, ids, int(np.argmin(found)), owner)
-            found = ids >= 0
-            hits = int(np.count_nonzero(found))
-        if hits == n:
-            tiers = self._fastest_kind(ids)
-        else:
-            tiers = np.zeros(n, dtype=np.int32)
-            if hits:
-                tiers[found] = self._fastest_kind(ids[found])
+        tiers = self._tiers_of(ids, found, hits)
+        if self._keyed:
+            stale = self._unconfirmed(ids, tiers) if hits else _NO_POSITIONS
+            if hits < n or len(stale):
+                start = n if hits == n else int(np.argmin(found))
+                await self._discover(ns, words, ids, start, stale[stale < start], owner)
+                found = ids >= 0
+                hits = int(np.count_nonzero(found))
+                tiers = self._tiers_of(ids, found, hits)
         if hits and (held := int(np.count_nonzero(tiers))) < hits:
             # Rows whose every copy is gone (a failed read of a block still pinned, kept
             # until its lease ends) are misses: nothing could load them.
@@ -373,6 +381,30 @@ class BlockStore:
             self.space.touch(ids if hits == n else ids[found], self._clock())
         self._count_hits(identities, tiers, found, hits)
         return prefix, tiers, ids
+
+    def _tiers_of(self, ids: np.ndarray, found: np.ndarray, hits: int) -> np.ndarray:
+        """The wire tier of each key (``_fastest_kind``; 0 where ``found`` is False)."""
+        if hits == len(ids):
+            return self._fastest_kind(ids)
+        tiers = np.zeros(len(ids), dtype=np.int32)
+        if hits:
+            tiers[found] = self._fastest_kind(ids[found])
+        return tiers
+
+    def _unconfirmed(self, ids: np.ndarray, tiers: np.ndarray) -> np.ndarray:
+        """The positions of the rows whose fastest copy (``tiers``) is in a key-addressed
+        tier, the slowest kinds, and which none confirmed for ``tiers.l3.known_s``
+        (``table.keyed_seen``)."""
+        if len(ids) == 1:  # a single-key request: scalar reads, no array operations
+            if int(tiers[0]) < self._keyed_kind:
+                return _NO_POSITIONS
+            cutoff = self._clock() - self.config.tiers.l3.known_limit_s()
+            return _FIRST_POSITION if self.table.keyed_seen[ids[0]] < cutoff else _NO_POSITIONS
+        only_keyed = np.flatnonzero(tiers >= self._keyed_kind)
+        if len(only_keyed) == 0:
+            return _NO_POSITIONS
+        cutoff = self._clock() - self.config.tiers.l3.known_limit_s()
+        return only_keyed[self.table.keyed_seen[ids[only_keyed]] < cutoff]
 
     def _count_hits(
         self,
@@ -399,14 +431,29 @@ class BlockStore:
                 c.add(self._n_misses[reason], k)
 
     async def _discover(
-        self, ns: int, words: np.ndarray, ids: np.ndarray, start: int, owner: int
+        self,
+        ns: int,
+        words: np.ndarray,
+        ids: np.ndarray,
+        start: int,
+        stale: np.ndarray,
+        owner: int,
     ) -> None:
-        """Probe the key-addressed tiers for ``words[start:]``; blocks of the present prefix
-        each reports gain that tier's column (new ones enter the table as ``owner``'s, with
-        the size the tier reports). Updates ``ids`` in place."""
+        """Probe the key-addressed tiers for ``words[start:]`` and, in the same probe, the
+        keys at the positions ``stale`` (before ``start``: rows held only there that they
+        have not confirmed for a while). Blocks of the present prefix from ``start`` each
+        reports gain that tier's column (new ones enter the table as ``owner``'s, with the
+        size the tier reports), and so do the stale rows it still holds; all of them count
+        as confirmed now (``table.keyed_seen``). A copy there that the tier says it does not
+        hold (absent, or another layout's value under the key) is lost
+        (``SpaceManager.lose_copies``), unless something confirmed it after the probe was
+        sent (a write behind, a read): the answer may predate it. An answer the tier could
+        not give (late, unreachable) changes nothing. Updates ``ids`` in place."""
         table = self.table
-        refs = [BlockRef(ns, w.tobytes()) for w in words[start:]]
-        now = self._clock()
+        asked = [*stale.tolist(), *range(start, len(words))]
+        refs = [BlockRef(ns, words[i].tobytes()) for i in asked]
+        k = len(stale)
+        sent = self._clock()
         max_block = self.max_block_bytes()
         for level in self._keyed:
             if not level.tier.health().serves_reads:
@@ -414,45 +461,63 @@ class BlockStore:
             probe_id = next(self._probe_ids)
             self._probes_open[probe_id] = set()
             try:
-                sizes: list[int] | None = await level.keys.probe(refs)
+                answers: list[int] | None = await level.keys.probe_each(refs)
             except Exception:
                 log.exception("%s probe failed", level.label)
                 self.counters.inc("probe_failures", tier=level.label)
-                sizes = None
+                answers = None
             finally:
                 deleted = self._probes_open.pop(probe_id)
             # The probe waited: rows found before it may have been deleted (even reused for
             # another block) meanwhile, and other requests may have stored some of the keys.
             ids[:] = table.lookup(ns, words)
-            if sizes is None:
+            if answers is None:
                 continue
-            # A value larger than a slot is no block of any pool here (RegisterPool refuses
-            # larger blocks): nothing could load or promote it.
-            n = next((i for i, size in enumerate(sizes) if size > max_block), len(sizes))
+            # The present prefix from ``start``. A value larger than a slot is no block of
+            # any pool here (RegisterPool refuses larger blocks): nothing could load or
+            # promote it.
+            prefix = next(
+                (j for j, size in enumerate(answers[k:]) if not 0 <= size <= max_block),
+                len(asked) - k,
+            )
             self.counters.inc("probed_keys", len(refs), tier=level.label)
-            self.counters.inc("probe_hits", n, tier=level.label)
-            for i, size in zip(range(start, start + n), sizes, strict=False):
+            self.counters.inc("probe_hits", prefix, tier=level.label)
+            lost: list[int] = []
+            for j, (i, size) in enumerate(zip(asked, answers, strict=True)):
+                if size == PROBE_UNKNOWN:
+                    continue
                 if deleted and (ns, words[i].tobytes()) in deleted:
                     continue  # the answer may predate the Delete's removal
-                if ids[i] < 0:
+                bid = int(ids[i])
+                if not 0 <= size <= max_block or (bid >= 0 and int(table.nbytes[bid]) != size):
+                    # No copy of this block there (another layout's value under its key, a
+                    # namespace shared by two layouts, would fail its Gets).
+                    if (
+                        bid >= 0
+                        and table.slot[bid, level.col] >= 0
+                        and table.keyed_seen[bid] < sent
+                    ):
+                        lost.append(bid)
+                    continue
+                if j >= k + prefix:
+                    continue  # past the present prefix: a block no lookup of this chain loads
+                if bid < 0:
                     # A committed row here is this loop's own, for a key the chain names
                     # twice; any other is being written right now.
                     bid = int(table.find_any(ns, words[i : i + 1])[0])
                     if bid < 0:
                         bid = table.add(ns, words[i], size, owner)
                         table.state[bid] = READY
-                    elif table.state[bid] != READY:
+                    elif table.state[bid] != READY or int(table.nbytes[bid]) != size:
                         continue
                     ids[i] = bid
-                if int(table.nbytes[ids[i]]) != size:
-                    # Another layout's value under this block's key (a namespace shared by
-                    # two layouts): no copy of this block, whose Gets it would fail.
-                    continue
-                bid = int(ids[i])
-                table.keyed_seen[bid] = now
+                table.keyed_seen[bid] = sent
                 if table.slot[bid, level.col] < 0:
                     table.set_slots(np.asarray([bid]), level.col, 0)
-                    level.policy.insert(bid, now, -1)
+                    level.policy.insert(bid, sent, -1)
+            if lost:
+                self.space.lose_copies(np.unique(np.asarray(lost, dtype=np.int64)), level)
+                ids[:] = table.lookup(ns, words)
 
     def usage(self) -> list[TierUsage]:
         out = []
@@ -1573,9 +1638,10 @@ class BlockStore:
 
     async def balance(self) -> None:
         """Keep the tiers under their watermarks, and forget blocks held only in L3 that it
-        has not confirmed for ``tiers.l3.known_s`` (``SpaceManager.forget_unconfirmed``)."""
+        has not confirmed for twice ``tiers.l3.known_s`` (``L3Config.forget_after_s``,
+        ``SpaceManager.forget_unconfirmed``)."""
         await self.space.balance()
-        self.space.forget_unconfirmed(self.config.tiers.l3.known_limit_s())
+        self.space.forget_unconfirmed(self.config.tiers.l3.forget_after_s())
 
     async def _balance_forever(self) -> None:
         interval = self.config.mover.balance_interval_s

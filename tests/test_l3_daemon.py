@@ -445,7 +445,8 @@ def test_regression_blocks_known_only_in_l3_were_kept_after_l3_dropped_them(
     """A block the node wrote to L3 and then evicted locally kept its row for good (the
     balancer skips L3): once L3 dropped it (here its ttl_s), the node's stats still counted
     it in L3 and a Lookup answered L3_REMOTE for it, a hit the Get then missed. Such a row
-    is forgotten once L3 has not confirmed it for known_s (at most ttl_s)."""
+    is asked about again by a Lookup once L3 has not confirmed it for known_s (at most ttl_s),
+    and forgotten after twice that."""
     a = node(
         daemon_factory,
         tmp_path,
@@ -470,9 +471,14 @@ def test_regression_blocks_known_only_in_l3_were_kept_after_l3_dropped_them(
         wait_for(lambda: not raw.keys(f"{l3_prefix}*"))  # expired in Redis
         wait_for(lambda: ca.lookup(old).prefix_len == 0)
         in_l1 = sum(t == Tier.L1_HOST for t in ca.lookup(old + new).tiers)
-        # The rows left with an L3 column are the blocks also held in L1.
+        # Every L3 copy went: the rows held only there, dropped by a lookup's probe or
+        # forgotten, and the copies of the blocks also held in L1, which the last lookup's
+        # probe (the whole chain past its first miss) found expired too. Those blocks,
+        # looked up, are written to L3 again: the rows left with an L3 column.
         wait_for(lambda: l3_blocks(ca) == in_l1)
-        assert ca.stats().counter("rows_forgotten", tier="L3") == 512 - in_l1
+        st = ca.stats()
+        gone = st.counter("copies_lost", tier="L3") + st.counter("rows_forgotten", tier="L3")
+        assert gone == 512
         # Put again, the blocks are written to L3 again and found there by another lookup.
         put_all(ca, pool.pool_id, old[:64])
         wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) >= 64)
@@ -482,10 +488,10 @@ def test_regression_blocks_known_only_in_l3_were_kept_after_l3_dropped_them(
 def test_regression_a_pinned_or_hinted_block_known_only_in_l3_is_kept_until_its_hold_ends(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
-    """Rows held only in L3 that L3 has not confirmed for known_s are forgotten, but not
-    while a lease pins them or a hint protects them: the engine plans to load them. The
-    values are removed from Redis behind the node's back, so a row that answers L3_REMOTE
-    is one the node kept, not one a lookup found again."""
+    """Rows held only in L3 that L3 has not confirmed for twice known_s are forgotten, but
+    not while a lease pins them or a hint protects them: the engine plans to load them. The
+    values are removed from Redis behind the node's back, and no lookup asks L3 about them
+    (it would drop them): the node's L3 count shows which rows it kept."""
     a = node(
         daemon_factory,
         tmp_path,
@@ -518,23 +524,25 @@ def test_regression_a_pinned_or_hinted_block_known_only_in_l3_is_kept_until_its_
         for k in chain[:8]:
             (name,) = raw.keys(f"{l3_prefix}*{k.hex()}")
             raw.delete(name)
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 148)
         # Forgotten: the chain's unheld blocks, and the later ones, so every held block
         # was old enough at a sweep since.
         wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 12)
-        assert ca.lookup(chain[:8]).tiers == [Tier.L3_REMOTE] * 8  # kept
+        assert l3_blocks(ca) == 8 + len(filler)  # kept, and the blocks also held in L1
         ca.release(lease)
-        wait_for(lambda: ca.lookup(chain[:4]).prefix_len == 0)
-        wait_for(lambda: ca.lookup(chain[4:8]).prefix_len == 0, timeout_s=60)
+        wait_for(lambda: l3_blocks(ca) == 4 + len(filler))
+        wait_for(lambda: l3_blocks(ca) == len(filler), timeout_s=60)
         assert ca.stats().counter("rows_forgotten", tier="L3") == 20
-        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 148)
-        assert l3_blocks(ca) == len(filler)  # the blocks also held in L1
+        assert ca.lookup(chain[:8]).prefix_len == 0
         for held in leases:
             ca.release(held)
         assert ca.check().problems == []
 
 
-def only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s: int):
-    """A node without L2 whose L3 confirmations last known_s = 1 s, with ``protect_s``."""
+def only_in_l3_node(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s: int, known_s: int = 1
+):
+    """A node without L2 whose L3 confirmations last ``known_s``, with ``protect_s``."""
     return node(
         daemon_factory,
         tmp_path,
@@ -543,7 +551,7 @@ def only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s:
         l3_prefix,
         "tiers.l2.enabled=false",
         "tiers.l3.ttl_s=0",
-        "tiers.l3.known_s=1",
+        f"tiers.l3.known_s={known_s}",
         f"policy.protect_s={protect_s}",
     )
 
@@ -615,6 +623,78 @@ def test_regression_a_block_known_only_in_l3_was_forgotten_while_lookups_used_it
         # The Get confirmed them; unused from now on, they go.
         wait_for(lambda: ca.evict(chain, Tier.L1_HOST).busy == 0)
         wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
+
+
+def l3_key(raw, prefix: str, key: bytes) -> bytes:
+    (name,) = raw.keys(f"{prefix}*{key.hex()}")
+    return name
+
+
+def test_regression_a_block_l3_dropped_answered_l3_hits_while_lookups_kept_using_it(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A row held only in L3 answered L3_REMOTE for as long as Lookups kept using it (the
+    sweep keeps rows a request used within protect_s) though Redis no longer had the block: a
+    hit the engine planned a load on, until a Get's read failed. A Lookup asks L3 again about
+    the rows of its chain it has not confirmed for known_s: a block Redis dropped is missing
+    from then on (the first such ends the prefix) and leaves the node's L3 count; the others
+    are confirmed and load byte-exact."""
+    # Rows unconfirmed for 4 s are forgotten: well after the first lookup comes.
+    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=1, known_s=2)
+    chain = keys(16, 28)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool_id, data, want = put_only_in_l3(ca, shm, chain, 28)
+        assert l3_blocks(ca) == 16
+        gone = [8, 12, 13, 14, 15]
+        raw.delete(*[l3_key(raw, l3_prefix, chain[i]) for i in gone])
+
+        def asked_again() -> bool:
+            found = ca.lookup(chain)
+            assert found.tiers[:8] == [Tier.L3_REMOTE] * 8
+            return found.prefix_len == 8
+
+        wait_for(asked_again)
+        kept = [Tier.L3_REMOTE] * 8 + [0] + [Tier.L3_REMOTE] * 3 + [0] * 4
+        assert ca.lookup(chain).tiers == kept
+        assert l3_blocks(ca) == 11
+        assert ca.stats().counter("copies_lost", tier="L3") == 5
+        data[:] = 0
+        assert ca.get(pool_id, chain[:8], range(32, 40)).loaded == [True] * 8
+        bb = LAYOUT.block_bytes
+        assert np.array_equal(data[32 * bb : 40 * bb], want[: 8 * bb])
+        assert ca.check().problems == []
+
+
+def test_a_lookup_whose_l3_probe_is_late_keeps_every_row(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A Lookup asks L3 about the rows it has not confirmed for known_s; an answer that comes
+    after probe_deadline_ms tells nothing: the rows answer as before. Once L3 answers again,
+    the rows whose blocks it dropped go."""
+    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=1, known_s=2)
+    chain = keys(16, 29)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        put_only_in_l3(ca, shm, chain, 29)
+        raw.delete(*[l3_key(raw, l3_prefix, k) for k in chain[8:]])
+        late = ca.stats().counter("l3_probe_late")
+        fresh_redis.pause()
+        try:
+            # Every lookup's probe once the rows are unconfirmed for known_s is late (the
+            # deadline is 50 ms), and the lookups keep the rows from the sweep.
+            def answered_as_before() -> bool:
+                assert ca.lookup(chain).tiers == [Tier.L3_REMOTE] * 16
+                return ca.stats().counter("l3_probe_late") >= late + 3
+
+            wait_for(answered_as_before)
+        finally:
+            fresh_redis.resume()
+        assert l3_blocks(ca) == 16
+        assert ca.stats().counter("copies_lost", tier="L3") == 0
+        wait_for(lambda: ca.lookup(chain).prefix_len == 8)
+        assert l3_blocks(ca) == 8
+        assert ca.check().problems == []
 
 
 def test_regression_a_known_s_lowered_at_sighup_applied_only_after_the_old_quarter(

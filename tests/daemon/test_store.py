@@ -1283,10 +1283,10 @@ class GatedKeyTier(MemoryKeyTier):
         self.gate = asyncio.Event()
         self.waiting = asyncio.Event()
 
-    async def probe(self, blocks):
+    async def probe_each(self, blocks):
         self.waiting.set()
         await self.gate.wait()
-        return await super().probe(blocks)
+        return await super().probe_each(blocks)
 
 
 async def test_rows_deleted_or_reused_while_a_lookup_probes_l3_are_misses(make_store):
@@ -1322,8 +1322,8 @@ class AnsweringLateKeyTier(MemoryKeyTier):
         self.gate = asyncio.Event()
         self.waiting = asyncio.Event()
 
-    async def probe(self, blocks):
-        sizes = await super().probe(blocks)
+    async def probe_each(self, blocks):
+        sizes = await super().probe_each(blocks)
         self.waiting.set()
         await self.gate.wait()
         return sizes
@@ -1528,6 +1528,77 @@ async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_sto
     assert (await b.lookup(0, chain))[0] == 3
     assert await get(b, pool, chain, [0, 1, 2]) == [True] * 3
     assert [page_bytes(pool, p) for p in range(3)] == [bytes([i]) * 4096 for i in range(3)]
+
+
+async def test_a_lookup_asks_l3_again_only_about_rows_it_has_not_confirmed_for_known_s(
+    make_store,
+):
+    """Rows held only in L3 are trusted for known_s after L3 confirmed them: a Lookup of them
+    asks L3 nothing. Past that it asks about them, in the one probe of the rest of the chain:
+    the ones L3 still has are confirmed (trusted again), the ones it lost are missing from
+    then on, their L3 copies gone from the tier's count, and the first of them ends the
+    prefix. A row a lease pins keeps its row, without the copy, until the lease ends. While
+    L3 cannot answer nothing changes."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    chain = keys(6)
+    await _held_only_in_l3(store, shared, pool, chain[:5])
+    remote = int(TierKind.REMOTE)
+    asked = shared.counters["probes"]
+    clock.now += 29
+    assert (await store.lookup(0, chain[:5]))[0] == 5
+    assert shared.counters["probes"] == asked  # all confirmed within known_s: no round trip
+    await shared.remove([BlockRef(0, chain[i].tobytes()) for i in (2, 4)])
+    clock.now += 2
+    shared.down = True  # no answer: the rows answer as before
+    prefix, tiers, _ = await store.lookup(0, chain)
+    assert (prefix, tiers.tolist()) == (5, [remote] * 5 + [0])
+    shared.down = False
+    pinned = store.pin(store.table.lookup(0, chain[4:5]))
+    prefix, tiers, ids = await store.lookup(0, chain)  # one probe: the five rows and the sixth key
+    assert shared.counters["probes"] == asked + 1
+    assert (prefix, tiers.tolist()) == (2, [remote, remote, 0, remote, 0, 0])
+    assert ids.tolist()[2:] == [-1, ids[3], -1, -1]
+    assert present(store, chain).count(True) == 4  # the pinned row stays, held nowhere
+    assert len(store.stack[TierKind.REMOTE].policy) == 3
+    assert store.counters.get("copies_lost", tier="L3") == 2
+    # Confirmed by that probe: trusted again for known_s.
+    assert (await store.lookup(0, chain[:2]))[0] == 2
+    assert shared.counters["probes"] == asked + 1
+    store.unpin(pinned)
+    assert present(store, chain).count(True) == 3
+
+
+async def test_a_copy_written_to_l3_while_a_lookup_asked_l3_about_the_block_is_kept(make_store):
+    """A Lookup asks L3 about a row it has not confirmed for known_s, and L3 answers absent;
+    before the answer arrives the block was lost (a Get's failed read), put again and
+    written behind to L3. The answer, older than that copy, takes nothing from it."""
+    clock = Clock()
+    shared = AnsweringLateKeyTier()
+    shared.gate.set()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    b = keys(1)
+    await _held_only_in_l3(store, shared, pool, b)
+    clock.now += 31
+    await shared.remove([BlockRef(0, b[0].tobytes())])
+    shared.gate.clear()
+    shared.waiting.clear()
+    asking = asyncio.create_task(store.lookup(0, b))
+    await shared.waiting.wait()  # answered absent, not yet back
+    assert await get(store, pool, b, [30]) == [False]  # lost: the row goes
+    assert present(store, b) == [False]
+    clock.now += 1
+    assert await put(store, pool, b, pages=[31]) == [PutResult.STORED]
+    await store.lookup(0, b)  # a second access: L3's admission takes it
+    store.space.apply_touches()
+    await store.space.drain()
+    assert where(store, b) == ["L1"] and (0, b[0].tobytes()) in shared.values
+    shared.gate.set()
+    prefix, tiers, ids = await asking
+    assert (prefix, tiers.tolist()) == (1, [int(TierKind.HOST)])
+    assert store.table.slot[ids[0], store.stack[TierKind.REMOTE].col] >= 0
+    assert store.counters.get("copies_lost", tier="L3") == 1  # the Get's read only
 
 
 # ------------------------------------------------------------------ restart
