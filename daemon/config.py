@@ -662,7 +662,11 @@ class L3Config:
     ttl_s: int = field(
         default=3600,
         metadata=_opt(
-            "int", unit="s", lo=0, doc="expiry of every block written, s; 0: never expires"
+            "int",
+            unit="s",
+            lo=0,
+            doc="expiry of every block written, s; 0: never expires. A block also held "
+            "locally is written again at an access half of it after L3 last confirmed it",
         ),
     )
     max_value_bytes: int = field(
@@ -729,6 +733,14 @@ class L3Config:
         ``known_limit_s`` at least after it: the Get that follows finds it (a Get does not
         ask L3). Rows no lookup asks about only take memory, which forgetting them bounds."""
         return 2 * self.known_limit_s()
+
+    def stale_after_s(self) -> float:
+        """How long the node trusts the L3 copy of a block it also holds locally: half
+        ``ttl_s`` from when L3 last confirmed it (its expiry runs from its last write, which
+        a confirmation by a read or a probe may follow), never when blocks do not expire.
+        Then the copy is dropped from the table, and the block is written to L3 again at its
+        next access L3's admission takes."""
+        return self.ttl_s / 2 if self.ttl_s > 0 else float("inf")
 
     def tier_options(self) -> Any:
         """The tier's ``RemoteOptions`` (imported here: ``tiers/`` never imports the

@@ -207,6 +207,13 @@ COUNTERS: dict[str, MetricDef] = {
         "Blocks held only in a key-addressed tier (L3) that the node forgot once the tier had "
         "not confirmed them for twice tiers.l3.known_s; a lookup asks the tier for them again.",
     ),
+    "copies_expired": _c(
+        "kvtier_copies_expired_total",
+        ("tier",),
+        "Copies in a key-addressed tier (L3) of blocks also held here that the tier last "
+        "confirmed half of tiers.l3.ttl_s ago (it may have expired them): no longer counted; "
+        "the block is written there again at its next access the tier's admission takes.",
+    ),
     "recovered_repeats_dropped": _c(
         "kvtier_recovered_repeats_dropped_total",
         ("tier",),

@@ -1247,14 +1247,22 @@ class SpaceManager:
 
     # ------------------------------------------------------------- known in L3
 
-    def forget_unconfirmed(self, unconfirmed_s: float) -> None:
+    def forget_unconfirmed(self, unconfirmed_s: float, stale_s: float = np.inf) -> None:
         """Forget the blocks whose every copy is in key-addressed tiers and which none of them
         confirmed (``table.keyed_seen``) for ``unconfirmed_s``, unless an eviction from that
         tier could not take them either (pinned, in flight, protected, or hinted by its
         policy). Lookups ask the tier again about such rows of their chains and drop what it
         no longer holds (``BlockStore._discover``); a row no Lookup asks about would stay for
         good, so this bounds the table. Forgetting one loses nothing: a lookup that misses it
-        asks the tier again. Runs every quarter of ``unconfirmed_s`` (the balancer's period
+        asks the tier again.
+
+        The same pass drops the key-addressed copy of blocks also held locally that the tier
+        last confirmed ``stale_s`` ago (``L3Config.stale_after_s``: the store may have expired
+        it by now): a block held here keeps being read here, so nothing would confirm that
+        copy again, and the node would neither write it there again (the tier's admission
+        writes blocks without a copy there: ``_write_admitted``) nor count it out. Dropped,
+        the block is written again at its next access the tier's admission takes, with a
+        fresh expiry. Runs every quarter of ``unconfirmed_s`` (the balancer's period
         is its timer), so a row goes within 1.25 ``unconfirmed_s`` of its last confirmation
         (a backlog beyond ``batch_blocks`` takes a balancer period per batch more) and the
         table is scanned rarely."""
@@ -1271,6 +1279,8 @@ class SpaceManager:
         local = [lv.col for lv in self.stack if not lv.keyed]
         if local:
             stale &= ~(slot[:, local] >= 0).any(axis=1)
+        if local and stale_s < np.inf:
+            self._drop_stale_copies(keyed, local, now - stale_s)
         cand = np.flatnonzero(stale)
         for level in keyed:
             # What an eviction from the tier would take (``evictable``: not pinned, in flight
@@ -1292,6 +1302,22 @@ class SpaceManager:
             if len(held):
                 self.drop_copies(held, level)
                 self.counters.inc("rows_forgotten", len(held), tier=level.label)
+
+    def _drop_stale_copies(self, keyed: list[Level], local: list[int], before: float) -> None:
+        """``forget_unconfirmed``'s drop of key-addressed copies, last confirmed ``before``,
+        of blocks held locally too (a batch per pass, as the rows it forgets)."""
+        table = self.table
+        slot = table.slot[: table.rows]
+        old = table.keyed_seen[: table.rows] < before
+        old &= (slot[:, local] >= 0).any(axis=1)
+        old &= table.state[: table.rows] == READY
+        for level in keyed:
+            held = np.flatnonzero(old & (slot[:, level.col] >= 0))
+            # A row a transfer holds may be on its way there again: left for the next pass.
+            held = held[table.inflight[held] == 0][: self.batch_blocks]
+            if len(held):
+                self.drop_copies(held, level)
+                self.counters.inc("copies_expired", len(held), tier=level.label)
 
     # ------------------------------------------------------------- watermarks
 

@@ -1637,11 +1637,13 @@ class BlockStore:
     # ------------------------------------------------------------- watermarks
 
     async def balance(self) -> None:
-        """Keep the tiers under their watermarks, and forget blocks held only in L3 that it
-        has not confirmed for twice ``tiers.l3.known_s`` (``L3Config.forget_after_s``,
-        ``SpaceManager.forget_unconfirmed``)."""
+        """Keep the tiers under their watermarks, forget blocks held only in L3 that it has
+        not confirmed for twice ``tiers.l3.known_s`` (``L3Config.forget_after_s``,
+        ``SpaceManager.forget_unconfirmed``), and drop the L3 copies of blocks held here too
+        that may have expired there (``L3Config.stale_after_s``)."""
         await self.space.balance()
-        self.space.forget_unconfirmed(self.config.tiers.l3.forget_after_s())
+        l3 = self.config.tiers.l3
+        self.space.forget_unconfirmed(l3.forget_after_s(), l3.stale_after_s())
 
     async def _balance_forever(self) -> None:
         interval = self.config.mover.balance_interval_s
