@@ -577,6 +577,43 @@ async def test_a_removal_the_store_refused_is_absent_until_sent_again_or_written
         assert await tier.probe(blocks[1:]) == [nbytes] * 3
 
 
+async def test_regression_a_resent_removal_deleted_the_block_written_while_it_waited(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """A removal sent again waits for a connection of its own; a write of the same key made
+    meanwhile ends the removal and stores the block, but the UNLINK chosen before it was
+    still sent once a connection freed, deleting the block just written (reported stored).
+    A resend sends only the removals still remembered when it gets its connection."""
+    nbytes = 4096
+    block = ref(0)
+    raw = raw_client(fresh_redis)
+    stored = KeyNamer(l3_prefix).key(block.ns, block.key)
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        assert await tier.write([block], nbytes, host([data(0, nbytes)])) == [True]
+        raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+        try:
+            await tier.remove([block])
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+        assert tier.stats().gauges["removals_unconfirmed"] == 1
+        await tier.remove([ref(99)])  # accepted: the resend of the first one starts
+        # Every connection for removals busy: the resend waits for one (acquiring a free
+        # semaphore does not yield, so the resend has not run yet).
+        small = tier._small_ops
+        held = 0
+        while not small.locked():
+            await small.acquire()
+            held += 1
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert await tier.write([block], nbytes, host([data(0, nbytes)])) == [True]
+        for _ in range(held):
+            small.release()
+        await wait_for("the resend to end", lambda: tier._resending is None)
+        assert raw.exists(stored) == 1
+        assert await tier.probe([block]) == [nbytes]
+
+
 @pytest.mark.parametrize("kind", EVENT_LOOPS)
 def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
     fresh_redis: RedisServer, l3_prefix: str, kind: str

@@ -534,11 +534,16 @@ class RemoteTier:
     async def _unlink(self, keys: list[bytes], *, remember: bool = False) -> list[bytes] | None:
         """UNLINK ``keys`` in one pipeline; those the store confirms stop being remembered
         as removals, the others are remembered (with ``remember``) or stay so. Returns the
-        keys the store refused; None if it could not be reached."""
+        keys the store refused; None if it could not be reached. Without ``remember`` (a
+        resend), only the keys still remembered once a connection is free are sent: one
+        written meanwhile holds the block stored again, which the UNLINK would delete."""
 
         # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
         # splits keys by slot, unlike the plain pipeline's.
         async def unlink(pipe: Any) -> None:
+            nonlocal keys
+            if not remember:
+                keys = [k for k in keys if k in self._unremoved]
             for k in keys:
                 pipe.execute_command("UNLINK", k)
 
