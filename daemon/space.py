@@ -126,7 +126,8 @@ class SpaceManager:
         # may be the last to hold one left with no copy.
         self.copies_lost = 0
         # Refs of the blocks ``lose_copy`` left with no copy in any tier while something held
-        # them (a pin, a request), until seen gone or holding a copy again (``bare_rows``):
+        # them (a pin, a request), or a put that stored into such a row gave back so
+        # (``BlockStore._abandon``), until seen gone or holding a copy again (``bare_rows``):
         # while there are none, a put looks for no such row among its keys.
         self.bare_refs: set[int] = set()
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later

@@ -1872,6 +1872,9 @@ class BlockStore:
                     level.slots.remove(slots)
         if reused is not None and len(reused) and (back := np.isin(bids, reused)).any():
             table.state[bids[back]] = READY
+            # Held nowhere again: sought again by puts (a put that looked meanwhile, while
+            # the put's copy was there, dropped the ref).
+            self.space.bare_refs.update(table.refs(bids[back]).tolist())
             self.space.end_in_flight(bids[back])
             bids = bids[~back]
         for bid in bids.tolist():

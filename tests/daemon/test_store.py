@@ -21,7 +21,7 @@ from density_training import roots_come_back
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
-from kvtier.daemon.errors import InvalidArgument
+from kvtier.daemon.errors import InvalidArgument, NotFound
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.stack import Level, TokenBucket
@@ -1437,6 +1437,50 @@ async def test_a_put_with_no_room_for_a_key_held_nowhere_leaves_its_row_to_the_l
     assert await put(store, pool, word, pages=[41]) == [PutResult.STORED]
     assert await get(store, pool, word, [50]) == [True]
     assert page_bytes(pool, 50) == page_bytes(pool, 41)
+
+
+async def test_regression_a_put_that_failed_gave_a_row_back_held_nowhere_but_no_longer_sought(
+    make_store, monkeypatch
+):
+    """A put storing into a row held nowhere gave it a copy in L1, then failed while it
+    waited for room in L2 for its next key (its pool was unregistered meanwhile); another put
+    had looked for such rows in between and dropped the row's ref (it held a copy then). The
+    failed put gave the row back with no copy, and a later put of its key answered EXISTS for
+    a block no tier held."""
+    store, pool, word, bid, refs = await _pinned_and_held_nowhere(make_store)
+    live = store.table.live_ids().tolist()
+    a = store.table.keys[[b for b in live if b != bid and store.table.slot[b, 0] >= 0][:4]]
+    await store.delete(0, a[:2])  # room in L1 for one block without evicting
+    real = store.space.reserve
+    l2_room = asyncio.Event()
+
+    async def l1_takes_one(level, nbytes, n, *args, **kwargs):
+        if level is store.top:
+            return await real(level, nbytes, min(n, 1), *args, **kwargs)
+        await l2_room.wait()
+        return await real(level, nbytes, n, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "reserve", l1_takes_one)
+    failing = asyncio.ensure_future(
+        put(store, pool, np.concatenate([word, keys(1)]), pages=[40, 41])
+    )
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert store.table.slot[bid, 0] >= 0  # the put's copy, not yet committed
+    assert await put(store, pool, a[2:4]) == [PutResult.EXISTS] * 2  # looks for such rows
+    pool.close()
+    l2_room.set()
+    with pytest.raises(NotFound):
+        await failing
+    monkeypatch.undo()
+    assert not (store.table.slot[bid] >= 0).any()
+    assert int(store.table.inflight[bid]) == 0
+    pool = make_pool()
+    assert await put(store, pool, word, pages=[42]) == [PutResult.STORED]
+    assert await get(store, pool, word, [50], touch=False) == [True]
+    assert page_bytes(pool, 50) == page_bytes(pool, 42)
+    assert store.check(pins={bid: 1}) == []
+    store.unpin(refs)
 
 
 async def _held_only_in_l3(store, shared, pool, words) -> None:
