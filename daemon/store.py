@@ -1256,6 +1256,9 @@ class BlockStore:
             await self.space.place(lower, self.top, Priority.DEMAND, clean_only=True)
         jobs = []
         source = self._fastest_col(bids)
+        # A row a put took to store into while this Get waited (it held no copy then:
+        # ``_claim_bare``) holds the put's copies, which a put that fails frees: a miss.
+        source[self.table.state[bids] != READY] = -1
         for level in self.stack:
             mine = np.flatnonzero(source == level.col)
             if len(mine):

@@ -3515,3 +3515,47 @@ async def test_a_reclaim_of_a_segment_of_the_size_wanted_evicts_only_the_blocks_
     assert where(store, old[2:]) == ["L2"] * 14
     assert store.counters.get("evictions", tier="L1") == 15
     assert store.counters.get("full_rejections", tier="L1") == 0
+
+
+async def test_regression_a_get_read_the_copy_of_a_put_storing_into_the_row_it_waited_on(
+    make_store, monkeypatch
+):
+    """A Get of a pinned block held nowhere waited (its promotion); meanwhile a put took the
+    row to store into it (``_claim_bare``) and landed its L1 copy, still writing the rest.
+    The Get then read that copy, which the put frees if it fails (here: its pool goes),
+    while the Get's copy may still read it. A row being written is a miss to the Get."""
+    store, _, word, bid, refs = await _pinned_and_held_nowhere(make_store)
+    live = store.table.live_ids().tolist()
+    a = store.table.keys[[b for b in live if b != bid and store.table.slot[b, 0] >= 0][:2]]
+    await store.delete(0, a)  # room in L1 for one block without evicting
+    waiting, go = _gate_first_call(monkeypatch, store.space, "place")
+    reading = asyncio.ensure_future(get(store, make_pool(), word, [50], touch=False))
+    await waiting.wait()
+    real = store.space.reserve
+    l2_room = asyncio.Event()
+
+    async def l1_takes_one(level, nbytes, n, *args, **kwargs):
+        if level is store.top:
+            return await real(level, nbytes, min(n, 1), *args, **kwargs)
+        await l2_room.wait()
+        return await real(level, nbytes, n, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "reserve", l1_takes_one)
+    putter = make_pool()
+    failing = asyncio.ensure_future(
+        put(store, putter, np.concatenate([word, keys(1)]), pages=[40, 41])
+    )
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert store.table.slot[bid, 0] >= 0  # the put's copy, not yet committed
+    go.set()
+    assert await reading == [False]
+    putter.close()
+    l2_room.set()
+    with pytest.raises(NotFound):
+        await failing
+    monkeypatch.undo()
+    assert not (store.table.slot[bid] >= 0).any()
+    assert int(store.table.inflight[bid]) == 0
+    assert store.check(pins={bid: 1}) == []
+    store.unpin(refs)
