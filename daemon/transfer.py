@@ -375,20 +375,57 @@ class TransferEngine:
             source, good = await self._stage(
                 src, src_slots, refs, nbytes, checksums, priority, bridge, rank, urgency
             )
-        if dst.keyed:
-            written = await dst.keys.write(refs, nbytes, source)
-            outcomes = [WriteOutcome(-1, bool(w)) for w in written]
-        else:
-            wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority, rank, urgency)
-            outcomes = await self._run(
-                priority, dst.slots.write, wbatch, deadline=deadline, rank=rank, urgency=urgency
+        if all(good):  # a host source, or all staged
+            stored = await self._write(
+                dst, dst_slots, refs, nbytes, source, priority, deadline, rank, urgency
             )
-        if all(good) and len(outcomes) == len(good):  # a host source, or all staged
-            return outcomes, [False] * len(good)
+            return stored, [False] * len(good)
+        # A block the source could not read left its staging buffer as it was (np.empty's
+        # leftovers): written, those bytes would be stored and indexed with their own
+        # checksum, and served as the block after a crash that came before its slot was
+        # freed again. Only the blocks read are written.
+        read = [j for j, g in enumerate(good) if g]
+        written = iter(
+            await self._write(
+                dst,
+                [dst_slots[j] for j in read],
+                [refs[j] for j in read],
+                nbytes,
+                HostBuffers([source.views[j] for j in read]),
+                priority,
+                deadline,
+                rank,
+                urgency,
+            )
+            if read
+            else ()
+        )
         outcomes = [
-            o if g else WriteOutcome(o.slot, False) for o, g in zip(outcomes, good, strict=True)
+            next(written) if g else WriteOutcome(-1 if dst.keyed else int(slot), False)
+            for slot, g in zip(dst_slots, good, strict=True)
         ]
         return outcomes, [not g for g in good]
+
+    async def _write(
+        self,
+        dst: Level,
+        dst_slots: Sequence[int],
+        refs: Sequence[BlockRef],
+        nbytes: int,
+        source: HostBuffers,
+        priority: Priority,
+        deadline: float | None,
+        rank: int,
+        urgency: Urgency | None,
+    ) -> Sequence[WriteOutcome]:
+        if dst.keyed:
+            written = await dst.keys.write(refs, nbytes, source)
+            return [WriteOutcome(-1, bool(w)) for w in written]
+        wbatch = WriteBatch(dst_slots, refs, nbytes, source, priority, rank, urgency)
+        outcomes: Sequence[WriteOutcome] = await self._run(
+            priority, dst.slots.write, wbatch, deadline=deadline, rank=rank, urgency=urgency
+        )
+        return outcomes
 
     @staticmethod
     def _source_buffers(level: Level, slots: Sequence[int], nbytes: int) -> HostBuffers | None:

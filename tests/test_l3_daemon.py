@@ -811,4 +811,33 @@ def test_regression_a_block_held_here_kept_an_l3_copy_that_had_expired_and_was_n
         # Read here, and written to L3 again with a fresh expiry.
         wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) == 16)
         wait_for(lambda: l3_blocks(ca) == 16)
+
+
+def test_regression_a_copy_from_l3_to_l2_wrote_the_blocks_l3_could_not_read(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    """A copy from L3 to L2 (here a durable put of blocks held only in L3) stages the values
+    in fresh host buffers, and wrote every buffer to L2, also those whose read had failed:
+    their buffers held whatever the memory held before (seen: freed Redis command buffers),
+    and L2 stored and indexed those bytes with their own checksum. The copy failed and the
+    slots were freed again, but a crash in between left rows that the next start served as
+    the blocks (wrong bytes, found in a SIGKILL loop). Blocks not read are not written."""
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix, "policy.protect_s=0")
+    raw = redis.Redis(host="127.0.0.1", port=redis_server.port)
+    chain = keys(4, 40)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        ca.put(pool.pool_id, chain, range(4))
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
+        assert ca.evict(chain, Tier.L1_HOST).evicted == 4
+        assert ca.evict(chain, Tier.L2_DISK).evicted == 4
+        assert ca.lookup(chain).tiers == [Tier.L3_REMOTE] * 4
+        for k in raw.keys(f"{l3_prefix}*"):
+            value = bytearray(raw.get(k))
+            value[-1] ^= 0xFF
+            raw.set(k, bytes(value))
+        written = ca.stats().counters["l2_committed_blocks"]
+        assert ca.put(pool.pool_id, chain, range(4), durable=True).persisted == [False] * 4
+        assert ca.stats().counters["l2_committed_blocks"] == written
+        assert ca.stats().counters["l3_read_bad_checksum"] == 4
         assert ca.check().problems == []
