@@ -614,6 +614,48 @@ async def test_regression_a_resent_removal_deleted_the_block_written_while_it_wa
         assert await tier.probe([block]) == [nbytes]
 
 
+@pytest.mark.parametrize("refused", [False, True], ids=["accepted", "refused"])
+async def test_regression_a_removal_deleted_or_hid_the_block_written_while_it_waited(
+    fresh_redis: RedisServer, l3_prefix: str, refused: bool
+) -> None:
+    """A removal waits for a connection of its own; a write of the same key made meanwhile
+    stores the block again, but the UNLINK was still sent once a connection freed, deleting
+    the block just written (reported stored), and one the store refused was remembered:
+    the block answered absent and its resend deleted it. A removal sends, and remembers,
+    only the keys no write stored again since it began."""
+    nbytes = 4096
+    block = ref(0)
+    raw = raw_client(fresh_redis)
+    stored = KeyNamer(l3_prefix).key(block.ns, block.key)
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        assert await tier.write([block], nbytes, host([data(0, nbytes)])) == [True]
+        if refused:
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+        try:
+            # Every connection for removals busy: the removal waits for one.
+            small = tier._small_ops
+            held = 0
+            while not small.locked():
+                await small.acquire()
+                held += 1
+            removing = asyncio.create_task(tier.remove([block]))
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not removing.done()
+            assert await tier.write([block], nbytes, host([data(0, nbytes)])) == [True]
+            for _ in range(held):
+                small.release()
+            await removing
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+        assert tier.stats().gauges["removals_unconfirmed"] == 0
+        assert await tier.probe([block]) == [nbytes]
+        await tier.remove([ref(99)])  # accepted: any remembered removal is sent again
+        await wait_for("the resend to end", lambda: tier._resending is None)
+        assert raw.exists(stored) == 1
+        assert await tier.probe([block]) == [nbytes]
+
+
 @pytest.mark.parametrize("kind", EVENT_LOOPS)
 def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
     fresh_redis: RedisServer, l3_prefix: str, kind: str

@@ -18,8 +18,10 @@ Invariants:
 - A removal the store did not confirm (unreachable, or an error reply) is remembered and sent
   again once the store answers: until then ``probe`` and ``read`` answer its keys absent, so
   a Delete made while the store was down does not come back through a later lookup. A write
-  of the key ends the removal (the block was stored again). Remembered for at most ``ttl_s``
-  (the value has expired by then), at most ``_UNREMOVED_MAX`` keys, and not across restarts.
+  of the key ends the removal (the block was stored again), also one still waiting for its
+  connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
+  Remembered for at most ``ttl_s`` (the value has expired by then), at most
+  ``_UNREMOVED_MAX`` keys, and not across restarts.
 - Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
   value that fails any check is a miss, counted by reason, and never reaches the caller's
   buffer as valid data.
@@ -230,6 +232,10 @@ class RemoteTier:
         self._unremoved: dict[bytes, float] = {}
         self._resending: asyncio.Task[None] | None = None
         self._unremoved_warned = False
+        # Per removal awaiting its connection or its replies (by id): the keys of it that no
+        # write has stored again since it began (``write`` takes its keys out).
+        self._removing: dict[int, set[bytes]] = {}
+        self._removal_ids = itertools.count()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -420,6 +426,8 @@ class RemoteTier:
             # (a value the store still holds under the key is the same block's).
             for k in keys:
                 self._unremoved.pop(k, None)
+        for pending in self._removing.values():
+            pending.difference_update(keys)  # nor by a removal still on its way
         # A block in host memory is sent from where it is; pool pages are gathered first.
         gathered = (
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
@@ -509,7 +517,13 @@ class RemoteTier:
             self._remember_removals(keys)
             return
         # (Probes that overlap the UNLINKs are the store's to mind: ``BlockStore.delete``.)
-        if await self._unlink(keys, remember=True) == [] and self._unremoved:
+        removal = next(self._removal_ids)
+        self._removing[removal] = set(keys)
+        try:
+            refused = await self._unlink(keys, pending=self._removing[removal])
+        finally:
+            del self._removing[removal]
+        if refused == [] and self._unremoved:
             self._resend_removals()  # the store takes removals again: older ones may go too
 
     def _remember_removals(self, keys: list[bytes]) -> None:
@@ -531,27 +545,30 @@ class RemoteTier:
                     _UNREMOVED_MAX,
                 )
 
-    async def _unlink(self, keys: list[bytes], *, remember: bool = False) -> list[bytes] | None:
+    async def _unlink(
+        self, keys: list[bytes], *, pending: set[bytes] | None = None
+    ) -> list[bytes] | None:
         """UNLINK ``keys`` in one pipeline; those the store confirms stop being remembered
-        as removals, the others are remembered (with ``remember``) or stay so. Returns the
-        keys the store refused; None if it could not be reached. Without ``remember`` (a
-        resend), only the keys still remembered once a connection is free are sent: one
+        as removals, the others are remembered (a first send: ``pending``, the keys of it no
+        write stored again since it began) or stay so (a resend). Returns the keys the store
+        refused; None if it could not be reached. Only the keys still ``pending``, or still
+        remembered, once a connection is free are sent, and only they are remembered: one
         written meanwhile holds the block stored again, which the UNLINK would delete."""
+        wanted = self._unremoved if pending is None else pending
 
         # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
         # splits keys by slot, unlike the plain pipeline's.
         async def unlink(pipe: Any) -> None:
             nonlocal keys
-            if not remember:
-                keys = [k for k in keys if k in self._unremoved]
+            keys = [k for k in keys if k in wanted]
             for k in keys:
                 pipe.execute_command("UNLINK", k)
 
         try:
             replies = await self._pipeline(unlink, self._small_ops)
         except _Unreachable:
-            if remember:
-                self._remember_removals(keys)
+            if pending is not None:
+                self._remember_removals([k for k in keys if k in pending])
             return None
         refused = []
         for k, reply in zip(keys, replies, strict=True):
@@ -560,8 +577,8 @@ class RemoteTier:
                 refused.append(k)
             else:
                 self._unremoved.pop(k, None)
-        if remember and refused:
-            self._remember_removals(refused)
+        if pending is not None and refused:
+            self._remember_removals([k for k in refused if k in pending])
         return refused
 
     def _resend_removals(self) -> None:
