@@ -666,7 +666,7 @@ class L3Config:
             unit="s",
             lo=0,
             doc="expiry of every block written, s; 0: never expires. A block also held "
-            "locally is written again at an access half of it after L3 last confirmed it",
+            "locally is written again at an access half of it after it was written there",
         ),
     )
     max_value_bytes: int = field(
@@ -736,10 +736,11 @@ class L3Config:
 
     def stale_after_s(self) -> float:
         """How long the node trusts the L3 copy of a block it also holds locally: half
-        ``ttl_s`` from when L3 last confirmed it (its expiry runs from its last write, which
-        a confirmation by a read or a probe may follow), never when blocks do not expire.
-        Then the copy is dropped from the table, and the block is written to L3 again at its
-        next access L3's admission takes."""
+        ``ttl_s`` from when it was written there, or first found there for a block another
+        node wrote (its expiry runs from its write; a later read or probe that finds it does
+        not renew it), never when blocks do not expire. Then the copy is dropped from the
+        table, and the block is written to L3 again at its next access L3's admission
+        takes."""
         return self.ttl_s / 2 if self.ttl_s > 0 else float("inf")
 
     def tier_options(self) -> Any:

@@ -210,8 +210,8 @@ COUNTERS: dict[str, MetricDef] = {
     "copies_expired": _c(
         "kvtier_copies_expired_total",
         ("tier",),
-        "Copies in a key-addressed tier (L3) of blocks also held here that the tier last "
-        "confirmed half of tiers.l3.ttl_s ago (it may have expired them): no longer counted; "
+        "Copies in a key-addressed tier (L3) of blocks also held here that were written there "
+        "half of tiers.l3.ttl_s ago (it may have expired them): no longer counted; "
         "the block is written there again at its next access the tier's admission takes.",
     ),
     "recovered_repeats_dropped": _c(

@@ -545,6 +545,8 @@ class SpaceManager:
         table.set_slots(good, dst.col, slot_arr[ok])
         if dst.keyed or src.keyed:
             table.keyed_seen[good] = now  # written there, or read from it: there now
+        if dst.keyed:
+            table.keyed_since[good] = now
         if dst.checksummed and outs is not None and len(good):
             table.set_checksums(good, dst.col, outs.checksums[ok])
         if len(good):
@@ -1257,11 +1259,12 @@ class SpaceManager:
         good, so this bounds the table. Forgetting one loses nothing: a lookup that misses it
         asks the tier again.
 
-        The same pass drops the key-addressed copy of blocks also held locally that the tier
-        last confirmed ``stale_s`` ago (``L3Config.stale_after_s``: the store may have expired
-        it by now): a block held here keeps being read here, so nothing would confirm that
-        copy again, and the node would neither write it there again (the tier's admission
-        writes blocks without a copy there: ``_write_admitted``) nor count it out. Dropped,
+        The same pass drops the key-addressed copy of blocks also held locally that was
+        written there ``stale_s`` ago (``table.keyed_since``, ``L3Config.stale_after_s``: the
+        store may have expired it by now, as its expiry runs from that write, which the
+        tier's later confirmations do not renew): a block held here keeps being read here,
+        and the node would neither write it there again (the tier's admission writes blocks
+        without a copy there: ``_write_admitted``) nor count it out. Dropped,
         the block is written again at its next access the tier's admission takes, with a
         fresh expiry. Runs every quarter of ``unconfirmed_s`` (the balancer's period
         is its timer), so a row goes within 1.25 ``unconfirmed_s`` of its last confirmation
@@ -1305,11 +1308,11 @@ class SpaceManager:
                 self.counters.inc("rows_forgotten", len(held), tier=level.label)
 
     def _drop_stale_copies(self, keyed: list[Level], local: list[int], before: float) -> None:
-        """``forget_unconfirmed``'s drop of key-addressed copies, last confirmed ``before``,
-        of blocks held locally too (a batch per pass, as the rows it forgets)."""
+        """``forget_unconfirmed``'s drop of key-addressed copies, written (or first found)
+        ``before``, of blocks held locally too (a batch per pass, as the rows it forgets)."""
         table = self.table
         slot = table.slot[: table.rows]
-        old = table.keyed_seen[: table.rows] < before
+        old = table.keyed_since[: table.rows] < before
         old &= (slot[:, local] >= 0).any(axis=1)
         old &= table.state[: table.rows] == READY
         for level in keyed:

@@ -514,6 +514,7 @@ class BlockStore:
                 table.keyed_seen[bid] = sent
                 if table.slot[bid, level.col] < 0:
                     table.set_slots(np.asarray([bid]), level.col, 0)
+                    table.keyed_since[bid] = sent
                     level.policy.insert(bid, sent, -1)
             if lost:
                 self.space.lose_copies(np.unique(np.asarray(lost, dtype=np.int64)), level)

@@ -182,6 +182,11 @@ class BlockTable:
         # probe found it, a read of it succeeded): a block held only there is known for a
         # while from then (``SpaceManager.forget_unconfirmed``), as the tier may drop it.
         self.keyed_seen = np.empty(0, dtype=np.float64)
+        # When the block's copy in a key-addressed tier was written there, or first found
+        # there (another node wrote it); set with that copy, meaningless without one. Its
+        # expiry runs from its write, which the confirmations above do not renew
+        # (``SpaceManager.forget_unconfirmed``).
+        self.keyed_since = np.empty(0, dtype=np.float64)
         self._grow(max(16, initial_capacity))
         self._table = np.full(
             _pow2_at_least(int(max(16, initial_capacity) / _MAX_LOAD)), EMPTY, np.int32
@@ -444,6 +449,7 @@ class BlockTable:
         self.child[bid] = -1
         self.last_access[bid] = -np.inf
         self.keyed_seen[bid] = -np.inf
+        # (``keyed_since`` is set with the copy it dates, and read only where there is one.)
         self._count += 1
         self.ns_blocks[ns] = self.ns_blocks.get(ns, 0) + 1
         if (self._count + self._tombstones) > _MAX_LOAD * len(self._table):
@@ -783,6 +789,7 @@ class BlockTable:
         "child": -1,
         "last_access": -np.inf,
         "keyed_seen": -np.inf,
+        "keyed_since": -np.inf,
     }
 
     def _fields(self) -> list[np.ndarray]:

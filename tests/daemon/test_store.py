@@ -1645,6 +1645,40 @@ async def test_a_copy_written_to_l3_while_a_lookup_asked_l3_about_the_block_is_k
     assert store.counters.get("copies_lost", tier="L3") == 1  # the Get's read only
 
 
+async def test_regression_the_l3_copy_of_a_block_held_here_outlived_its_expiry_once_confirmed(
+    make_store,
+):
+    """The L3 copy of a block also held here is dropped from the table half of ttl_s after
+    it was written, so that the next access writes it again: its expiry runs from that
+    write. It was dropped half of ttl_s after L3 last confirmed it, but a probe (or a read)
+    that confirms the copy does not renew its expiry: confirmed late in its life, the copy
+    was counted for up to half of ttl_s after L3 had expired it, and the block was not
+    written there again meanwhile."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
+    b, other = keys(2)
+    l3 = store.stack[TierKind.REMOTE]
+    assert await put(store, pool, b[None], pages=[0]) == [PutResult.STORED]
+    await store.lookup(0, b[None])  # a second access: L3's admission takes it
+    store.space.apply_touches()
+    await store.space.drain()
+    bid = int(store.table.lookup(0, b[None])[0])
+    assert store.table.slot[bid, l3.col] >= 0  # written to L3 now: expires at now + 100
+    clock.now += 70
+    # Another node's block, which a lookup of a chain with it before this block finds in
+    # L3: the lookup asks L3 about both, and L3 confirms the copy.
+    page = HostBuffers([memoryview(page_bytes(pool, 1))])
+    assert await shared.write([BlockRef(0, other.tobytes())], 4096, page) == [True]
+    assert (await store.lookup(0, np.stack([other, b])))[0] == 2
+    assert store.table.keyed_seen[bid] == clock.now
+    clock.now += 31  # past the copy's expiry
+    await store.balance()
+    assert store.counters.get("copies_expired", tier="L3") == 1
+    assert store.table.slot[bid, l3.col] < 0
+    assert where(store, b[None]) == ["L1"]
+
+
 # ------------------------------------------------------------------ restart
 
 
