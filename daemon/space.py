@@ -1283,8 +1283,8 @@ class SpaceManager:
         local = [lv.col for lv in self.stack if not lv.keyed]
         if local:
             stale &= ~(slot[:, local] >= 0).any(axis=1)
-        if local and stale_s < np.inf:
-            self._drop_stale_copies(keyed, local, now - stale_s)
+        if local and stale_s < np.inf and self._drop_stale_copies(keyed, local, now - stale_s):
+            self._last_forget = -np.inf  # a backlog: the next batch at the next balancer pass
         cand = np.flatnonzero(stale)
         for level in keyed:
             # What an eviction from the tier would take (``evictable``: not pinned, in flight
@@ -1307,21 +1307,26 @@ class SpaceManager:
                 self.drop_copies(held, level)
                 self.counters.inc("rows_forgotten", len(held), tier=level.label)
 
-    def _drop_stale_copies(self, keyed: list[Level], local: list[int], before: float) -> None:
+    def _drop_stale_copies(self, keyed: list[Level], local: list[int], before: float) -> bool:
         """``forget_unconfirmed``'s drop of key-addressed copies, written (or first found)
-        ``before``, of blocks held locally too (a batch per pass, as the rows it forgets)."""
+        ``before``, of blocks held locally too (a batch per pass, as the rows it forgets).
+        True when more are left than the batch took."""
         table = self.table
         slot = table.slot[: table.rows]
         old = table.keyed_since[: table.rows] < before
         old &= (slot[:, local] >= 0).any(axis=1)
         old &= table.state[: table.rows] == READY
+        more = False
         for level in keyed:
             held = np.flatnonzero(old & (slot[:, level.col] >= 0))
             # A row a transfer holds may be on its way there again: left for the next pass.
-            held = held[table.inflight[held] == 0][: self.batch_blocks]
+            held = held[table.inflight[held] == 0]
+            if len(held) > self.batch_blocks:
+                held, more = held[: self.batch_blocks], True
             if len(held):
                 self.drop_copies(held, level)
                 self.counters.inc("copies_expired", len(held), tier=level.label)
+        return more
 
     # ------------------------------------------------------------- watermarks
 

@@ -1679,6 +1679,32 @@ async def test_regression_the_l3_copy_of_a_block_held_here_outlived_its_expiry_o
     assert where(store, b[None]) == ["L1"]
 
 
+async def test_l3_copies_past_their_half_ttl_beyond_a_batch_go_a_batch_per_balancer_pass(
+    make_store,
+):
+    """A backlog of L3 copies to drop (blocks held here too, written there half of ttl_s
+    ago) goes a batch per balancer pass, as the rows held only there that the same pass
+    forgets; it went a batch per quarter of twice known_s (15 s by default), so a node that
+    wrote more blocks at once than that rate kept counting copies L3 had expired."""
+    clock = Clock()
+    store, pool = make_store(clock, l3=MemoryKeyTier(), sets=("tiers.l3.ttl_s=100",)), make_pool()
+    chain = keys(12)
+    assert await put(store, pool, chain, pages=range(12)) == [PutResult.STORED] * 12
+    await store.lookup(0, chain)  # a second access: L3's admission takes them
+    store.space.apply_touches()
+    await store.space.drain()
+    l3 = store.stack[TierKind.REMOTE]
+    ids = store.table.lookup(0, chain)
+    assert (store.table.slot[ids, l3.col] >= 0).all()
+    clock.now += 51
+    await store.balance()
+    assert store.counters.get("copies_expired", tier="L3") == 8  # mover.batch_blocks
+    await store.balance()
+    assert store.counters.get("copies_expired", tier="L3") == 12
+    assert (store.table.slot[ids, l3.col] < 0).all()
+    assert where(store, chain) == ["L1"] * 12
+
+
 # ------------------------------------------------------------------ restart
 
 
