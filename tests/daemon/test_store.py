@@ -1439,6 +1439,22 @@ async def test_a_put_with_no_room_for_a_key_held_nowhere_leaves_its_row_to_the_l
     assert page_bytes(pool, 50) == page_bytes(pool, 41)
 
 
+def _stall_puts_past_l1(store, monkeypatch) -> asyncio.Event:
+    """Make a put take room in L1 for one block at most, then wait for the event returned
+    before it takes room in L2."""
+    real = store.space.reserve
+    l2_room = asyncio.Event()
+
+    async def l1_takes_one(level, nbytes, n, *args, **kwargs):
+        if level is store.top:
+            return await real(level, nbytes, min(n, 1), *args, **kwargs)
+        await l2_room.wait()
+        return await real(level, nbytes, n, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "reserve", l1_takes_one)
+    return l2_room
+
+
 async def test_regression_a_put_that_failed_gave_a_row_back_held_nowhere_but_no_longer_sought(
     make_store, monkeypatch
 ):
@@ -1451,16 +1467,7 @@ async def test_regression_a_put_that_failed_gave_a_row_back_held_nowhere_but_no_
     live = store.table.live_ids().tolist()
     a = store.table.keys[[b for b in live if b != bid and store.table.slot[b, 0] >= 0][:4]]
     await store.delete(0, a[:2])  # room in L1 for one block without evicting
-    real = store.space.reserve
-    l2_room = asyncio.Event()
-
-    async def l1_takes_one(level, nbytes, n, *args, **kwargs):
-        if level is store.top:
-            return await real(level, nbytes, min(n, 1), *args, **kwargs)
-        await l2_room.wait()
-        return await real(level, nbytes, n, *args, **kwargs)
-
-    monkeypatch.setattr(store.space, "reserve", l1_takes_one)
+    l2_room = _stall_puts_past_l1(store, monkeypatch)
     failing = asyncio.ensure_future(
         put(store, pool, np.concatenate([word, keys(1)]), pages=[40, 41])
     )
@@ -3591,16 +3598,7 @@ async def test_regression_a_get_read_the_copy_of_a_put_storing_into_the_row_it_w
     waiting, go = _gate_first_call(monkeypatch, store.space, "place")
     reading = asyncio.ensure_future(get(store, make_pool(), word, [50], touch=False))
     await waiting.wait()
-    real = store.space.reserve
-    l2_room = asyncio.Event()
-
-    async def l1_takes_one(level, nbytes, n, *args, **kwargs):
-        if level is store.top:
-            return await real(level, nbytes, min(n, 1), *args, **kwargs)
-        await l2_room.wait()
-        return await real(level, nbytes, n, *args, **kwargs)
-
-    monkeypatch.setattr(store.space, "reserve", l1_takes_one)
+    l2_room = _stall_puts_past_l1(store, monkeypatch)
     putter = make_pool()
     failing = asyncio.ensure_future(
         put(store, putter, np.concatenate([word, keys(1)]), pages=[40, 41])
