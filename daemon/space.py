@@ -509,12 +509,13 @@ class SpaceManager:
             await self.give_back(dst, owner, spare, nbytes)
             return
         refs = table.block_refs(group)
+        read_from = table.slot[group, src.col].tolist()
         src_failed: list[bool] = [False] * len(group)
         try:
             outcomes, src_failed = await self.transfers.copy(
                 src,
                 dst,
-                table.slot[group, src.col].tolist(),
+                read_from,
                 slots,
                 refs,
                 nbytes,
@@ -562,7 +563,7 @@ class SpaceManager:
         for j in np.flatnonzero(~ok).tolist():
             if src_failed[j]:
                 # The source's read failed verification: that tier dropped the block.
-                self.lose_copy(int(group[j]), src)
+                self.lose_copy(int(group[j]), src, read_from[j])
         if failed_slots:
             await self.give_back(dst, owner, failed_slots, nbytes)
         self.counters.inc(
@@ -1172,11 +1173,15 @@ class SpaceManager:
             self.counters.inc("remove_failures", len(slots), tier=level.label)
         return ok
 
-    def lose_copy(self, bid: int, level: Level) -> None:
+    def lose_copy(self, bid: int, level: Level, slot: int | None = None) -> None:
         """A tier dropped its copy of a block (a read failed verification, or a probe of a
         key-addressed tier found it absent): forget it. The row stays, for its holder to
-        forget once done (``forget_orphans``)."""
-        if self.table.slot[bid, level.col] >= 0:
+        forget once done (``forget_orphans``). ``slot``: the copy a failed read was of. The
+        read waited for its thread; the copy may have been lost meanwhile (another request's
+        read of it failed) and the block stored there again (a put, a move), in another slot:
+        that copy stays."""
+        held = self.table.slot[bid, level.col]
+        if held >= 0 and (slot is None or held == slot):
             level.policy.remove(bid)
             self.table.clear_slots(bid, level.col)
             self.copies_lost += 1

@@ -1233,7 +1233,7 @@ class BlockStore:
                 table.keyed_seen[bid] = self._clock()
             c.add(self._n_loaded_from[level.col])
             return True
-        self.space.lose_copy(bid, level)
+        self.space.lose_copy(bid, level, slot)
         c.add(self._n_load_failures[level.col])
         return False
 
@@ -1295,8 +1295,8 @@ class BlockStore:
         good = np.asarray(ok, dtype=bool)
         if level.keyed:
             table.keyed_seen[bids[good]] = self._clock()
-        for b in bids[~good].tolist():
-            self.space.lose_copy(b, level)
+        for b, slot in zip(bids[~good].tolist(), slots[~good].tolist(), strict=True):
+            self.space.lose_copy(b, level, slot)
         loaded = int(np.count_nonzero(good))
         self.counters.add(self._n_loaded_from[level.col], loaded)
         self.counters.add(self._n_load_failures[level.col], len(good) - loaded)

@@ -3617,3 +3617,86 @@ async def test_regression_a_get_read_the_copy_of_a_put_storing_into_the_row_it_w
     assert int(store.table.inflight[bid]) == 0
     assert store.check(pins={bid: 1}) == []
     store.unpin(refs)
+
+
+async def test_regression_a_failed_read_dropped_the_copy_a_put_stored_since_in_its_tier(
+    make_store, monkeypatch
+):
+    """A Get's read of a block's L2 copy waited for a thread (here: held before the transfer
+    engine) while another request's read of that copy failed verification and dropped it,
+    and a put stored the block again into L2, in another slot. The first read then failed
+    too, and dropped the tier's copy of the block: the put's, reported stored; its slot
+    stayed taken by no row and the key missed. A failed read drops only the copy it read."""
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
+    word = a[on_l2[0] : on_l2[0] + 1]
+    bid = int(store.table.lookup(0, word)[0])
+    level = store.stack.levels[1]
+    old = int(store.table.slot[bid, level.col])
+    l2.corrupt(old)
+    add_at(store.table.inflight, np.asarray([bid]), 1)  # the first read's request holds it
+    waiting, go = _gate_first_call(monkeypatch, store.transfers, "to_pool")
+    reserve = store.space.reserve
+
+    async def no_room_in_l1(level, *args, **kwargs):
+        return [] if level is store.top else await reserve(level, *args, **kwargs)
+
+    with pool.use():
+        reading = asyncio.ensure_future(
+            store._load(level, np.asarray([bid]), np.arange(1), pool, None, np.array([29]))
+        )
+        await waiting.wait()
+        assert await get(store, pool, word, [30]) == [False]  # drops the copy: held nowhere
+        monkeypatch.setattr(store.space, "reserve", no_room_in_l1)
+        assert await put(store, pool, word, pages=[40]) == [PutResult.STORED]
+        new = int(store.table.slot[bid, level.col])
+        assert new >= 0 and new != old
+        go.set()
+        _, good = await reading
+    assert good.tolist() == [False]
+    assert int(store.table.slot[bid, level.col]) == new  # the put's copy stays
+    add_at(store.table.inflight, np.asarray([bid]), -1)
+    store.space.forget_orphans(np.asarray([bid]))
+    monkeypatch.undo()
+    assert await get(store, pool, word, [31]) == [True]
+    assert page_bytes(pool, 31) == page_bytes(pool, 40)
+
+
+async def test_regression_a_failed_promotion_dropped_the_copy_a_put_stored_since_in_its_source(
+    make_store, monkeypatch
+):
+    """The same through a move: a promotion from L2 waited to read its source copy while
+    another request's read of it failed and a put stored the block into L2 again; the
+    promotion's failed read then dropped the put's copy."""
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
+    word = a[on_l2[0] : on_l2[0] + 1]
+    bid = int(store.table.lookup(0, word)[0])
+    level = store.stack.levels[1]
+    old = int(store.table.slot[bid, level.col])
+    l2.corrupt(old)
+    await store.delete(0, a[[i for i in range(20) if i not in on_l2][:1]])  # room in L1
+    waiting, go = _gate_first_call(monkeypatch, store.transfers, "copy")
+    reserve = store.space.reserve
+
+    async def no_room_in_l1(level, *args, **kwargs):
+        return [] if level is store.top else await reserve(level, *args, **kwargs)
+
+    promoting = asyncio.ensure_future(
+        store.space.place(np.asarray([bid]), store.top, Priority.DEMAND)
+    )
+    await waiting.wait()
+    with pool.use():  # another request's read fails: held nowhere
+        _, good = await store._load(
+            level, np.asarray([bid]), np.arange(1), pool, None, np.array([29])
+        )
+    assert good.tolist() == [False]
+    monkeypatch.setattr(store.space, "reserve", no_room_in_l1)
+    assert await put(store, pool, word, pages=[40]) == [PutResult.STORED]
+    new = int(store.table.slot[bid, level.col])
+    assert new >= 0 and new != old
+    go.set()
+    assert (await promoting).tolist() == [False]
+    assert store.counters.get("copies_lost", tier="L2") == 1  # the first read's loss only
+    assert int(store.table.slot[bid, level.col]) == new  # the put's copy stays
+    monkeypatch.undo()
+    assert await get(store, pool, word, [31]) == [True]
+    assert page_bytes(pool, 31) == page_bytes(pool, 40)
