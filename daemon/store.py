@@ -211,6 +211,7 @@ class BlockStore:
         )
         self._copy_threads = config.server.copy_threads
         self._keyed = [lv for lv in self.stack if lv.keyed]
+        self._local_cols = [lv.col for lv in self.stack if not lv.keyed]
         # Key-addressed tiers are the slowest kinds: a row whose fastest copy is of this kind
         # or slower is held only in them.
         self._keyed_kind = min((int(lv.kind) for lv in self._keyed), default=0)
@@ -443,8 +444,9 @@ class BlockStore:
         keys at the positions ``stale`` (before ``start``: rows held only there that they
         have not confirmed for a while). Blocks of the present prefix from ``start`` each
         reports gain that tier's column (new ones enter the table as ``owner``'s, with the
-        size the tier reports), and so do the stale rows it still holds; all of them count
-        as confirmed now (``table.keyed_seen``). A copy there that the tier says it does not
+        size the tier reports), but those held here (the copy's age is unknown), and so do
+        the stale rows it still holds; all of them count as confirmed now
+        (``table.keyed_seen``). A copy there that the tier says it does not
         hold (absent, or another layout's value under the key) is lost
         (``SpaceManager.lose_copies``), unless something confirmed it after the probe was
         sent (a write behind, a read): the answer may predate it. An answer the tier could
@@ -513,6 +515,12 @@ class BlockStore:
                     ids[i] = bid
                 table.keyed_seen[bid] = sent
                 if table.slot[bid, level.col] < 0:
+                    if (table.slot[bid, self._local_cols] >= 0).any():
+                        # Held here: that copy's age is unknown (this node's own, dropped
+                        # from the table half of ttl_s after its write, or another node's),
+                        # and finding it does not renew its expiry. Not counted, the block
+                        # is written there again, afresh, at an access admission takes.
+                        continue
                     table.set_slots(np.asarray([bid]), level.col, 0)
                     table.keyed_since[bid] = sent
                     level.policy.insert(bid, sent, -1)

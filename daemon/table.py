@@ -183,7 +183,8 @@ class BlockTable:
         # while from then (``SpaceManager.forget_unconfirmed``), as the tier may drop it.
         self.keyed_seen = np.empty(0, dtype=np.float64)
         # When the block's copy in a key-addressed tier was written there, or first found
-        # there (another node wrote it); set with that copy, meaningless without one. Its
+        # there (another node wrote it, a block not held here: ``BlockStore._discover``); set
+        # with that copy, meaningless without one. Its
         # expiry runs from its write, which the confirmations above do not renew
         # (``SpaceManager.forget_unconfirmed``).
         self.keyed_since = np.empty(0, dtype=np.float64)

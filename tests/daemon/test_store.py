@@ -1686,6 +1686,42 @@ async def test_regression_the_l3_copy_of_a_block_held_here_outlived_its_expiry_o
     assert where(store, b[None]) == ["L1"]
 
 
+async def test_regression_an_l3_copy_dropped_at_half_ttl_came_back_when_a_probe_found_it(
+    make_store,
+):
+    """The L3 copy of a block held here, dropped from the table half of ttl_s after its
+    write (its expiry comes at ttl_s), came back when a lookup's probe found it before it
+    expired: dated from that probe, it was counted for up to half of ttl_s past its expiry,
+    and the block's next accesses did not write it there again. A probe's find of a block
+    held here is not taken as its L3 copy: nothing tells how old it is."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
+    b, other = keys(2)
+    l3 = store.stack[TierKind.REMOTE]
+    assert await put(store, pool, b[None], pages=[0]) == [PutResult.STORED]
+    await store.lookup(0, b[None])  # a second access: L3's admission takes it
+    store.space.apply_touches()
+    await store.space.drain()
+    bid = int(store.table.lookup(0, b[None])[0])
+    assert store.table.slot[bid, l3.col] >= 0  # written to L3 now: expires at now + 100
+    clock.now += 51
+    await store.balance()
+    assert store.counters.get("copies_expired", tier="L3") == 1
+    clock.now += 19
+    # Another node's block, which a lookup of a chain with it before this block finds in
+    # L3: the lookup asks L3 about both, and finds the copy written 70 s ago.
+    page = HostBuffers([memoryview(page_bytes(pool, 1))])
+    assert await shared.write([BlockRef(0, other.tobytes())], 4096, page) == [True]
+    assert (await store.lookup(0, np.stack([other, b])))[0] == 2
+    assert store.table.slot[bid, l3.col] < 0  # not counted: written again at an access
+    store.space.apply_touches()
+    await store.space.drain()
+    assert store.table.slot[bid, l3.col] >= 0
+    assert store.counters.get("copies", direction="L1->L3") == 2
+    assert store.table.keyed_since[bid] == clock.now
+
+
 async def test_l3_copies_past_their_half_ttl_beyond_a_batch_go_a_batch_per_balancer_pass(
     make_store,
 ):
