@@ -220,6 +220,11 @@ class BlockStore:
         # name.
         self._probes_open: dict[int, set[tuple[int, bytes]]] = {}
         self._probe_ids = itertools.count()
+        # Until when lookups answer rows held only in L3 from the table without asking L3
+        # again, however long unconfirmed: set by a probe L3 could not answer (late, or gone
+        # meanwhile), so that a slow store costs a lookup of known rows its probe deadline
+        # once per quarter of ``known_s``, not every time (a miss still asks).
+        self._stale_asks_after = -np.inf
         # Owners (tenants) by label, and the owner of every namespace seen or recovered.
         self.owners: dict[str, int] = {DEFAULT_OWNER: 0}
         self.ns_owner: dict[int, int] = {}
@@ -397,14 +402,14 @@ class BlockStore:
         tier, the slowest kinds, and which none confirmed for ``tiers.l3.known_s``
         (``table.keyed_seen``)."""
         if len(ids) == 1:  # a single-key request: scalar reads, no array operations
-            if int(tiers[0]) < self._keyed_kind:
+            if int(tiers[0]) < self._keyed_kind or (now := self._clock()) < self._stale_asks_after:
                 return _NO_POSITIONS
-            cutoff = self._clock() - self.config.tiers.l3.known_limit_s()
+            cutoff = now - self.config.tiers.l3.known_limit_s()
             return _FIRST_POSITION if self.table.keyed_seen[ids[0]] < cutoff else _NO_POSITIONS
         only_keyed = np.flatnonzero(tiers >= self._keyed_kind)
-        if len(only_keyed) == 0:
+        if len(only_keyed) == 0 or (now := self._clock()) < self._stale_asks_after:
             return _NO_POSITIONS
-        cutoff = self._clock() - self.config.tiers.l3.known_limit_s()
+        cutoff = now - self.config.tiers.l3.known_limit_s()
         return only_keyed[self.table.keyed_seen[ids[only_keyed]] < cutoff]
 
     def _count_hits(
@@ -475,6 +480,10 @@ class BlockStore:
             ids[:] = table.lookup(ns, words)
             if answers is None:
                 continue
+            if k and all(size == PROBE_UNKNOWN for size in answers[:k]):
+                # No word on the stale rows (late, or the tier went down meanwhile): trusted
+                # as they are for a quarter of known_s before a lookup waits for it again.
+                self._stale_asks_after = self._clock() + self.config.tiers.l3.known_limit_s() / 4
             # The present prefix from ``start``. A value larger than a slot is no block of
             # any pool here (RegisterPool refuses larger blocks): nothing could load or
             # promote it.

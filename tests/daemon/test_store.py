@@ -28,7 +28,15 @@ from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.kernels.layout import PoolLayout
-from kvtier.tiers.base import BlockRef, Health, HostBuffers, Priority, TierKind, WriteOutcome
+from kvtier.tiers.base import (
+    PROBE_UNKNOWN,
+    BlockRef,
+    Health,
+    HostBuffers,
+    Priority,
+    TierKind,
+    WriteOutcome,
+)
 from kvtier.tiers.executor import PriorityExecutor
 from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
@@ -3736,3 +3744,52 @@ async def test_regression_a_failed_promotion_dropped_the_copy_a_put_stored_since
     monkeypatch.undo()
     assert await get(store, pool, word, [31]) == [True]
     assert page_bytes(pool, 31) == page_bytes(pool, 40)
+
+
+class UnansweringKeyTier(MemoryKeyTier):
+    """A key-addressed tier that is up but, while ``late``, answers no probe in time (every
+    block unknown); ``asked`` records how many blocks each probe named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = False
+        self.asked: list[int] = []
+
+    async def probe_each(self, blocks):
+        self.asked.append(len(blocks))
+        if self.late:
+            self.counters["probes"] += 1
+            return [PROBE_UNKNOWN] * len(blocks)
+        return await super().probe_each(blocks)
+
+
+async def test_regression_a_slow_l3_made_every_lookup_of_known_rows_wait_for_its_probe(make_store):
+    """Rows held only in L3 and unconfirmed for known_s are asked about again by a Lookup; an
+    L3 that answered late (up, but past probe_deadline_ms) changed nothing, so every Lookup
+    of such a chain asked again and waited the deadline again, for as long as L3 was slow.
+    After an answer that says nothing of them, lookups answer them from the table for a
+    quarter of known_s (a miss still asks)."""
+    clock = Clock()
+    shared = UnansweringKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    chain = keys(6)
+    await _held_only_in_l3(store, shared, pool, chain[:5])
+    remote = int(TierKind.REMOTE)
+    clock.now += 31  # past known_s (30 s)
+    shared.late = True
+    shared.asked.clear()
+    assert (await store.lookup(0, chain[:5]))[0] == 5  # asked, no answer: as before
+    assert shared.asked == [5]
+    clock.now += 1
+    assert (await store.lookup(0, chain[:5]))[0] == 5
+    assert shared.asked == [5]  # not asked again
+    prefix, tiers, _ = await store.lookup(0, chain)  # a miss still asks, about itself
+    assert (prefix, tiers.tolist()) == (5, [remote] * 5 + [0])
+    assert shared.asked == [5, 1]
+    clock.now += 7  # a quarter of known_s after the late answer
+    shared.late = False
+    assert (await store.lookup(0, chain[:5]))[0] == 5
+    assert shared.asked == [5, 1, 5]  # asked again, answered: confirmed
+    clock.now += 1
+    assert (await store.lookup(0, chain[:5]))[0] == 5
+    assert shared.asked == [5, 1, 5]
