@@ -1287,9 +1287,10 @@ class SpaceManager:
         stale &= (slot[:, [lv.col for lv in keyed]] >= 0).any(axis=1)
         local = [lv.col for lv in self.stack if not lv.keyed]
         if local:
-            stale &= ~(slot[:, local] >= 0).any(axis=1)
-        if local and stale_s < np.inf and self._drop_stale_copies(keyed, local, now - stale_s):
-            self._last_forget = -np.inf  # a backlog: the next batch at the next balancer pass
+            held_here = (slot[:, local] >= 0).any(axis=1)
+            stale &= ~held_here
+            if stale_s < np.inf and self._drop_stale_copies(keyed, held_here, now - stale_s):
+                self._last_forget = -np.inf  # a backlog: the next batch at the next pass
         cand = np.flatnonzero(stale)
         for level in keyed:
             # What an eviction from the tier would take (``evictable``: not pinned, in flight
@@ -1312,14 +1313,16 @@ class SpaceManager:
                 self.drop_copies(held, level)
                 self.counters.inc("rows_forgotten", len(held), tier=level.label)
 
-    def _drop_stale_copies(self, keyed: list[Level], local: list[int], before: float) -> bool:
+    def _drop_stale_copies(
+        self, keyed: list[Level], held_here: np.ndarray | np.bool_, before: float
+    ) -> bool:
         """``forget_unconfirmed``'s drop of key-addressed copies, written (or first found)
-        ``before``, of blocks held locally too (a batch per pass, as the rows it forgets).
-        True when more are left than the batch took."""
+        ``before``, of blocks held locally too (``held_here``: per row of the table; a batch
+        per pass, as the rows it forgets). True when more are left than the batch took."""
         table = self.table
         slot = table.slot[: table.rows]
         old = table.keyed_since[: table.rows] < before
-        old &= (slot[:, local] >= 0).any(axis=1)
+        old &= held_here
         old &= table.state[: table.rows] == READY
         more = False
         for level in keyed:
