@@ -545,9 +545,16 @@ def test_regression_a_pinned_or_hinted_block_known_only_in_l3_is_kept_until_its_
 
 
 def only_in_l3_node(
-    daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s: int, known_s: int = 1
+    daemon_factory,
+    tmp_path,
+    fresh_redis,
+    l3_prefix,
+    protect_s: int,
+    known_s: int = 1,
+    ttl_s: int = 0,
 ):
-    """A node without L2 whose L3 confirmations last ``known_s``, with ``protect_s``."""
+    """A node without L2 whose L3 confirmations last ``known_s``, with ``protect_s`` and
+    L3's ``ttl_s``."""
     return node(
         daemon_factory,
         tmp_path,
@@ -555,7 +562,7 @@ def only_in_l3_node(
         fresh_redis.url,
         l3_prefix,
         "tiers.l2.enabled=false",
-        "tiers.l3.ttl_s=0",
+        f"tiers.l3.ttl_s={ttl_s}",
         f"tiers.l3.known_s={known_s}",
         f"policy.protect_s={protect_s}",
     )
@@ -777,19 +784,9 @@ def test_regression_a_block_held_here_kept_an_l3_copy_that_had_expired_and_was_n
     """A block also held locally is read locally, so nothing confirmed its L3 copy again: once
     the copy expired in Redis (ttl_s), the node still counted it, never wrote the block there
     again (L3's admission writes blocks without a copy there), and other nodes lost it for
-    as long as this one kept it. The copy is dropped half of ttl_s after L3 last confirmed
-    it, and the next access writes the block there again."""
-    a = node(
-        daemon_factory,
-        tmp_path,
-        "a",
-        fresh_redis.url,
-        l3_prefix,
-        "tiers.l2.enabled=false",
-        "tiers.l3.ttl_s=4",
-        "tiers.l3.known_s=1",
-        "policy.protect_s=0",
-    )
+    as long as this one kept it. The copy is dropped from the table half of ttl_s after it
+    was written, and the next access writes the block there again."""
+    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=0, ttl_s=4)
     chain = keys(16, 40)
     raw = redis.Redis.from_url(fresh_redis.url)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:

@@ -1660,6 +1660,32 @@ async def test_a_copy_written_to_l3_while_a_lookup_asked_l3_about_the_block_is_k
     assert store.counters.get("copies_lost", tier="L3") == 1  # the Get's read only
 
 
+async def _held_here_and_written_to_l3(make_store):
+    """A store with L3 (ttl_s 100, an injected clock) and one block ``b`` held in L1 and
+    just written to L3: the clock, L3, the store, its pool, ``b`` and its row."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
+    b = keys(1)[0]
+    assert await put(store, pool, b[None], pages=[0]) == [PutResult.STORED]
+    await store.lookup(0, b[None])  # a second access: L3's admission takes it
+    store.space.apply_touches()
+    await store.space.drain()
+    bid = int(store.table.lookup(0, b[None])[0])
+    l3 = store.stack[TierKind.REMOTE]
+    assert store.table.slot[bid, l3.col] >= 0  # written to L3 now: expires at now + 100
+    return clock, shared, store, pool, b, bid
+
+
+async def _look_up_behind_another_nodes_block(store, shared, pool, b) -> None:
+    """Another node's block in L3, looked up in a chain before ``b``: the lookup's probe of
+    that block asks L3 about ``b`` too."""
+    other = keys(1)[0]
+    page = HostBuffers([memoryview(page_bytes(pool, 1))])
+    assert await shared.write([BlockRef(0, other.tobytes())], 4096, page) == [True]
+    assert (await store.lookup(0, np.stack([other, b])))[0] == 2
+
+
 async def test_regression_the_l3_copy_of_a_block_held_here_outlived_its_expiry_once_confirmed(
     make_store,
 ):
@@ -1669,23 +1695,11 @@ async def test_regression_the_l3_copy_of_a_block_held_here_outlived_its_expiry_o
     that confirms the copy does not renew its expiry: confirmed late in its life, the copy
     was counted for up to half of ttl_s after L3 had expired it, and the block was not
     written there again meanwhile."""
-    clock = Clock()
-    shared = MemoryKeyTier()
-    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
-    b, other = keys(2)
+    clock, shared, store, pool, b, bid = await _held_here_and_written_to_l3(make_store)
     l3 = store.stack[TierKind.REMOTE]
-    assert await put(store, pool, b[None], pages=[0]) == [PutResult.STORED]
-    await store.lookup(0, b[None])  # a second access: L3's admission takes it
-    store.space.apply_touches()
-    await store.space.drain()
-    bid = int(store.table.lookup(0, b[None])[0])
-    assert store.table.slot[bid, l3.col] >= 0  # written to L3 now: expires at now + 100
     clock.now += 70
-    # Another node's block, which a lookup of a chain with it before this block finds in
-    # L3: the lookup asks L3 about both, and L3 confirms the copy.
-    page = HostBuffers([memoryview(page_bytes(pool, 1))])
-    assert await shared.write([BlockRef(0, other.tobytes())], 4096, page) == [True]
-    assert (await store.lookup(0, np.stack([other, b])))[0] == 2
+    # The lookup asks L3 about the block too, and L3 confirms the copy.
+    await _look_up_behind_another_nodes_block(store, shared, pool, b)
     assert store.table.keyed_seen[bid] == clock.now
     clock.now += 31  # past the copy's expiry
     await store.balance()
@@ -1702,26 +1716,14 @@ async def test_regression_an_l3_copy_dropped_at_half_ttl_came_back_when_a_probe_
     expired: dated from that probe, it was counted for up to half of ttl_s past its expiry,
     and the block's next accesses did not write it there again. A probe's find of a block
     held here is not taken as its L3 copy: nothing tells how old it is."""
-    clock = Clock()
-    shared = MemoryKeyTier()
-    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
-    b, other = keys(2)
+    clock, shared, store, pool, b, bid = await _held_here_and_written_to_l3(make_store)
     l3 = store.stack[TierKind.REMOTE]
-    assert await put(store, pool, b[None], pages=[0]) == [PutResult.STORED]
-    await store.lookup(0, b[None])  # a second access: L3's admission takes it
-    store.space.apply_touches()
-    await store.space.drain()
-    bid = int(store.table.lookup(0, b[None])[0])
-    assert store.table.slot[bid, l3.col] >= 0  # written to L3 now: expires at now + 100
     clock.now += 51
     await store.balance()
     assert store.counters.get("copies_expired", tier="L3") == 1
     clock.now += 19
-    # Another node's block, which a lookup of a chain with it before this block finds in
-    # L3: the lookup asks L3 about both, and finds the copy written 70 s ago.
-    page = HostBuffers([memoryview(page_bytes(pool, 1))])
-    assert await shared.write([BlockRef(0, other.tobytes())], 4096, page) == [True]
-    assert (await store.lookup(0, np.stack([other, b])))[0] == 2
+    # The lookup asks L3 about the block too, and finds the copy written 70 s ago.
+    await _look_up_behind_another_nodes_block(store, shared, pool, b)
     assert store.table.slot[bid, l3.col] < 0  # not counted: written again at an access
     store.space.apply_touches()
     await store.space.drain()
