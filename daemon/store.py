@@ -252,8 +252,15 @@ class BlockStore:
 
     async def open(self) -> None:
         """Connect the tiers that connect on the event loop (a remote store). A tier that
-        refuses to start (bad credentials) raises TierUnavailable: the daemon stops."""
+        refuses to start (bad credentials) raises TierUnavailable: the daemon stops. A
+        remote store's unconfirmed removals are kept in the first persistent tier that keeps
+        such a journal (the disk tier's index), so that a restart does not bring a deleted
+        block back."""
+        journal = next((lv.tier for lv in self.stack if hasattr(lv.tier, "record_removals")), None)
         for level in self._keyed:
+            keep = getattr(level.tier, "keep_removals_in", None)
+            if keep is not None and journal is not None:
+                await keep(journal)
             start = getattr(level.tier, "start", None)
             if start is not None:
                 await start()

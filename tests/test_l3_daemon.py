@@ -4,6 +4,7 @@ nodes their shared tier, never a request."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import numpy as np
@@ -776,6 +777,51 @@ def test_regression_a_delete_the_store_could_not_apply_came_back_through_the_nex
         assert ca.lookup(chain[8:]).prefix_len == 0
         assert ca.lookup(chain).prefix_len == 8
         assert ca.check().problems == []
+
+
+def test_regression_a_delete_the_store_had_not_applied_came_back_after_a_crash(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """The removals the store had not confirmed were remembered in memory only: after a
+    restart (here a SIGKILL right after the Delete answered) the next Lookup found the deleted
+    blocks in Redis again and a Get served them. With L2 they are kept in its index: the
+    restart answers them absent and sends the UNLINKs again; a key put again after its
+    Delete is neither kept nor deleted by the restart."""
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    chain = keys(8, 33)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool_id = ca.register_pool(shm, LAYOUT).pool_id
+        put_all(ca, pool_id, chain)
+        wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) == 8)
+        raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+        try:
+            assert ca.delete(chain[4:]).deleted == 4
+            # Put again after its Delete: no longer a removal, and written to L3 again.
+            before = ca.stats().counter("copies", direction="L1->L3")
+            assert ca.put(pool_id, chain[7:], [7]).prefix_len == 1
+            wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == before + 1)
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+    a.kill()
+    assert len(raw.keys(f"{l3_prefix}*")) == 8  # the store kept them
+    a.start()
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert ca.lookup(chain[4:7]).prefix_len == 0
+        wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) == 5)
+        assert ca.lookup(chain[4:7]).prefix_len == 0
+        assert ca.lookup(chain[7:]).prefix_len == 1
+        assert ca.lookup(chain[:4]).prefix_len == 4  # from L3: only L1 held them
+        pool_id = ca.register_pool(shm, LAYOUT).pool_id
+        assert ca.get(pool_id, chain[:4], range(4)).loaded == [True] * 4
+        assert ca.check().problems == []
+    a.stop()
+    # Confirmed: out of the index too, so the next start has nothing to send again.
+    index = sqlite3.connect(tmp_path / "a" / "l2" / "index.sqlite3")
+    try:
+        assert index.execute("SELECT COUNT(*) FROM l3_removals").fetchone() == (0,)
+    finally:
+        index.close()
 
 
 def test_regression_a_block_held_here_kept_an_l3_copy_that_had_expired_and_was_never_written_again(

@@ -573,6 +573,26 @@ class KeyTier(Protocol):
     async def close(self) -> None: ...
 
 
+class RemovalJournal(Protocol):
+    """Where a key-addressed tier keeps, durably, the removals its store has not confirmed
+    (the disk tier, in its index: ``DiskTier.removals``), so that a restart sends them again
+    and answers their keys absent meanwhile. Entries are ``(store key, until)``: until a
+    wall-clock time past which the store has dropped the value anyway (None: never).
+
+    Thread-safety: called from a worker thread, one call at a time."""
+
+    def removals(self) -> list[tuple[bytes, float | None]]:
+        """Every entry kept (none when they cannot be read)."""
+        ...
+
+    def record_removals(
+        self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
+    ) -> bool:
+        """Keep ``added`` (replacing an entry of the same key) and forget ``dropped``, at once
+        and durably before returning. False: not recorded."""
+        ...
+
+
 class DeviceBridge(Protocol):
     """What a slot tier whose slots are device memory (L0, ``device_memory = True``) also
     does for the others: move a GPU pool's pages (``DevicePages``) to and from host buffers

@@ -32,6 +32,7 @@ from kvtier.tiers.base import (
     PoolPages,
     TierUnavailable,
 )
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.remote import tier as tier_module
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, checksum, header
 from kvtier.tiers.remote.options import RemoteOptions
@@ -575,6 +576,52 @@ async def test_a_removal_the_store_refused_is_absent_until_sent_again_or_written
         )
         assert raw.exists(stored[0]) == 0 and raw.exists(*stored[1:]) == 3
         assert await tier.probe(blocks[1:]) == [nbytes] * 3
+
+
+async def test_regression_removals_the_store_had_not_confirmed_were_forgotten_by_a_restart(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
+) -> None:
+    """Unconfirmed removals lived in memory only: a tier started again found the blocks in
+    the store and answered them present. Kept in a journal (the disk tier's index), the next
+    tier answers them absent and sends them again; one confirmed or written again leaves the
+    journal, and one past its expiry is dropped from it at the start (the store has expired
+    its value: a value found under the key then is a later write's)."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    raw = raw_client(fresh_redis)
+    names = KeyNamer(l3_prefix)
+    stored = [names.key(b.ns, b.key) for b in blocks]
+    opts = options(fresh_redis, l3_prefix, ttl_s=100)
+    wall = [1_000_000.0]
+    with DiskTier(tmp_path / "l2", 32 << 20, 1 << 20, file_bytes=8 << 20) as disk:
+        try:
+            async with opened(opts, wall_clock=lambda: wall[0]) as tier:
+                await tier.keep_removals_in(disk)
+                src = host([data(i, nbytes) for i in range(4)])
+                assert await tier.write(blocks, nbytes, src) == [True] * 4
+                raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+                await tier.remove(blocks[:3])
+                # Recorded before remove returned, each until its value's expiry.
+                assert sorted(disk.removals()) == sorted((k, 1_000_100.0) for k in stored[:3])
+            assert raw.exists(*stored) == 4
+            disk.record_removals([(stored[3], 999_999.0)], [])  # expired before this start
+            wall[0] = 1_000_050.0
+            async with opened(opts, wall_clock=lambda: wall[0]) as tier:
+                await tier.keep_removals_in(disk)
+                assert await tier.probe_each(blocks) == [PROBE_ABSENT] * 3 + [nbytes]
+                assert await tier.write(blocks[2:3], nbytes, host([data(2, nbytes)])) == [True]
+                assert sorted(disk.removals()) == sorted((k, 1_000_100.0) for k in stored[:2])
+                raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+                await tier.remove([ref(99)])  # accepted: the ones left are sent again
+                await wait_for(
+                    "the removals to be sent again",
+                    lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+                )
+                assert raw.exists(*stored[:2]) == 0 and raw.exists(*stored[2:]) == 2
+                await wait_for("the journal's drops", lambda: disk.removals() == [])
+                assert tier.stats().counters["remove_unrecorded"] == 0
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
 async def test_regression_a_resent_removal_deleted_the_block_written_while_it_waited(

@@ -1,8 +1,10 @@
 """The disk tier's index: a SQLite database (WAL, ``synchronous=FULL``) of every durable block.
 
 Tables: ``meta`` (the geometry the data files were made with), ``blocks`` (``slot -> ns, key,
-nbytes, checksum, written_at``) and ``quarantine`` (slots whose bytes failed, held out of
-service across restarts).
+nbytes, checksum, written_at``), ``quarantine`` (slots whose bytes failed, held out of
+service across restarts), ``namespaces`` (their owners' labels) and ``l3_removals`` (store keys
+whose removal from L3 the store has not confirmed yet, with when the store drops them anyway:
+kept here for the L3 tier, which has no disk of its own).
 
 ``blocks`` is keyed by slot, with no index on ``(ns, key)``: the daemon keeps the key map in
 memory and needs the index only to recover it, to delete rows by slot and to check slots. A row
@@ -117,6 +119,10 @@ CREATE TABLE IF NOT EXISTS quarantine (
     reason TEXT NOT NULL,
     at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS l3_removals (
+    key BLOB PRIMARY KEY,
+    until REAL
+) WITHOUT ROWID;
 """
 # The table a format-1 index's rows are copied into before it takes the name ``blocks``.
 _BLOCKS_V2 = f"CREATE TABLE blocks_v2 {_BLOCK_COLUMNS}"
@@ -247,6 +253,21 @@ class DiskIndex:
         signed = [(ns - (1 << 64) if ns >= 1 << 63 else ns,) for ns in names]
         with self.transaction() as db:
             db.executemany("DELETE FROM namespaces WHERE ns = ?", signed)
+
+    def l3_removals(self) -> list[tuple[bytes, float | None]]:
+        """What ``record_l3_removals`` left: ``(store key, until)``, until a wall-clock time
+        (None: never)."""
+        with self._lock:
+            rows = self._conn().execute("SELECT key, until FROM l3_removals").fetchall()
+        return [(bytes(key), None if until is None else float(until)) for key, until in rows]
+
+    def record_l3_removals(
+        self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
+    ) -> None:
+        """Add (or replace) ``added`` and delete ``dropped``, in one transaction."""
+        with self.transaction() as db:
+            db.executemany("DELETE FROM l3_removals WHERE key = ?", [(k,) for k in dropped])
+            db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
 
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
         """Which of ``slots`` have a block row."""

@@ -968,6 +968,27 @@ class DiskTier:
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index namespace update")
 
+    def removals(self) -> list[tuple[bytes, float | None]]:
+        """The key-addressed tier's removals kept by ``record_removals`` (``RemovalJournal``);
+        none when the index cannot be read (a fault of the tier)."""
+        try:
+            return self._idx().l3_removals()
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index read")
+            return []
+
+    def record_removals(
+        self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
+    ) -> bool:
+        """Keep ``added`` and forget ``dropped`` durably, in the index beside the blocks'
+        rows (``RemovalJournal``). False: not recorded (a fault of the tier)."""
+        try:
+            self._idx().record_l3_removals(added, dropped)
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index removals update")
+            return False
+        return True
+
     def release_quarantined(self) -> int:
         """Return every quarantined slot to service (an operator's decision, e.g. after the
         disk was checked). Returns how many were released."""

@@ -20,8 +20,13 @@ Invariants:
   a Delete made while the store was down does not come back through a later lookup. A write
   of the key ends the removal (the block was stored again), also one still waiting for its
   connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
-  Remembered for at most ``ttl_s`` (the value has expired by then), at most
-  ``_UNREMOVED_MAX`` keys, and not across restarts.
+  Remembered for at most ``ttl_s`` (the value has expired by then) and at most
+  ``_UNREMOVED_MAX`` keys; across restarts where the tier was given a ``RemovalJournal``
+  (``keep_removals_in``): a removal it remembers is recorded there before ``remove``
+  returns, and one confirmed, written again, expired or forgotten is dropped from it (a write
+  waits for that drop before it sends the block: a restart never deletes a block written
+  again after its removal). Journal calls run on a worker thread, one at a time, in the
+  order they were made.
 - Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
   value that fails any check is a miss, counted by reason, and never reaches the caller's
   buffer as valid data.
@@ -63,6 +68,7 @@ from kvtier.tiers.base import (
     Health,
     HostBuffers,
     PoolPages,
+    RemovalJournal,
     TierHealth,
     TierKind,
     TierStats,
@@ -162,6 +168,7 @@ COUNTERS = (
     "remove_skipped_down",
     "remove_retried",
     "remove_forgotten",
+    "remove_unrecorded",
     # reachability
     "timeouts",
     "connection_errors",
@@ -186,7 +193,8 @@ class RemoteTier:
     ``namespace_token`` maps a namespace id to the name its keys carry in the store; daemons
     that share blocks through one store must map a tenant to the same token (the default, the
     decimal id, is right only where ids are assigned the same way on every daemon).
-    ``clock`` and ``rng`` are injectable for tests.
+    ``clock``, ``wall_clock`` (the journal's times: ``keep_removals_in``) and ``rng`` are
+    injectable for tests.
 
     Thread-safety: none; one event loop owns the tier.
     """
@@ -199,6 +207,7 @@ class RemoteTier:
         *,
         namespace_token: Callable[[int], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
     ) -> None:
         try:
@@ -210,6 +219,7 @@ class RemoteTier:
         self._password = _password(options.password_file)
         self._password_problem = ""  # why the password file could not be read again
         self._clock = clock
+        self._wall_clock = wall_clock
         self._names = KeyNamer(options.key_prefix, namespace_token)
         self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, rng)
         self._budget = TokenBucket(options.write_bytes_s, options.max_value_bytes, clock())
@@ -236,13 +246,47 @@ class RemoteTier:
         # write has stored again since it began (``write`` takes its keys out).
         self._removing: dict[int, set[bytes]] = {}
         self._removal_ids = itertools.count()
+        # Where the remembered removals are kept across restarts, if anywhere; its updates
+        # (not cancelled at close: each one's outcome stands) take turns in call order.
+        self._journal: RemovalJournal | None = None
+        self._journal_turn = asyncio.Lock()
+        self._journaling: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
+
+    async def keep_removals_in(self, journal: RemovalJournal) -> None:
+        """Keep the removals the store does not confirm in ``journal`` from now on, and take
+        up those it kept (a previous run's): their keys answer absent at once, and their
+        UNLINKs are sent once the store answers. Call before ``start``. Entries past their
+        expiry, and the oldest beyond ``_UNREMOVED_MAX``, are dropped from it."""
+        self._journal = journal
+        kept = await asyncio.to_thread(journal.removals)
+        wall, now = self._wall_clock(), self._clock()
+        # The oldest first, as the store drops them: the order ``_unremoved`` keeps.
+        kept.sort(key=lambda entry: float("inf") if entry[1] is None else entry[1])
+        live = [(k, until) for k, until in kept if until is None or until > wall]
+        stale = [k for k, until in kept if until is not None and until <= wall]
+        excess = max(0, len(live) - _UNREMOVED_MAX)
+        stale += [k for k, _ in live[:excess]]
+        for key, until in live[excess:]:
+            self._unremoved[key] = float("inf") if until is None else now + (until - wall)
+        if excess:
+            self._counters["remove_forgotten"] += excess
+        if self._unremoved:
+            log.info(
+                "L3: %d removals left unconfirmed by the previous run; their keys answer "
+                "absent until the store confirms them",
+                len(self._unremoved),
+            )
+        recording = self._record([], stale)
+        if recording is not None:
+            await asyncio.shield(recording)
 
     async def start(self) -> None:
         """Connect and start the reconnection monitor. A store that cannot be reached is not
         fatal (the tier starts DOWN and keeps trying); credentials the store refuses are
-        (TierUnavailable): retrying would not fix them."""
+        (TierUnavailable): retrying would not fix them. Removals taken up from a journal are
+        sent again once connected."""
         self._wake = asyncio.Event()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="l3-monitor")
         detail = await self._check(self._client)
@@ -255,6 +299,8 @@ class RemoteTier:
                 self.options.ttl_s or "none",
                 self.options.pool_size,
             )
+            if self._unremoved:
+                self._resend_removals()
             return
         if detail.startswith("refused credentials"):
             await self.close()
@@ -265,10 +311,15 @@ class RemoteTier:
         if self._closed:
             return
         self._closed = True
-        if self._unremoved:
+        if self._unremoved and self._journal is None:
             log.warning(
                 "L3: %d removed blocks were not yet removed from the store (unreachable); "
                 "they may be found again after the restart, until their expiry",
+                len(self._unremoved),
+            )
+        elif self._unremoved:
+            log.info(
+                "L3: %d removals not yet confirmed by the store are kept for the restart",
                 len(self._unremoved),
             )
         tasks = list(self._background)
@@ -280,6 +331,10 @@ class RemoteTier:
         grace = self.options.connect_timeout_s + self.options.op_timeout_s
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
+        if self._journaling:
+            # Drops only by now (a removal's record, and a write's drop, is awaited by its
+            # caller): one left undone costs the restart an UNLINK sent again.
+            await asyncio.wait(set(self._journaling), timeout=grace)
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
         if self._codec is not None:
             # Jobs already handed over run to their end: their callers wait for them.
@@ -421,13 +476,18 @@ class RemoteTier:
         if not chosen:
             return out
         keys = [self._names.key(blocks[j].ns, blocks[j].key) for j in chosen]
+        unremoved: list[bytes] = []
         if self._unremoved:
             # Stored again: whether this write lands or not, the block is no longer removed
             # (a value the store still holds under the key is the same block's).
-            for k in keys:
-                self._unremoved.pop(k, None)
+            unremoved = [k for k in keys if self._unremoved.pop(k, None) is not None]
         for pending in self._removing.values():
             pending.difference_update(keys)  # nor by a removal still on its way
+        recording = self._record([], unremoved)
+        if recording is not None:
+            # Out of the journal before the block is sent: a restart after the block landed
+            # would delete it again.
+            await asyncio.shield(recording)
         # A block in host memory is sent from where it is; pool pages are gathered first.
         gathered = (
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
@@ -514,7 +574,7 @@ class RemoteTier:
         keys = [self._names.key(b.ns, b.key) for b in blocks]
         if not self._avail.serves(self._clock()):
             c["remove_skipped_down"] += len(blocks)
-            self._remember_removals(keys)
+            await self._remember_removals(keys)
             return
         # (Probes that overlap the UNLINKs are the store's to mind: ``BlockStore.delete``.)
         removal = next(self._removal_ids)
@@ -526,15 +586,19 @@ class RemoteTier:
         if refused == [] and self._unremoved:
             self._resend_removals()  # the store takes removals again: older ones may go too
 
-    def _remember_removals(self, keys: list[bytes]) -> None:
+    async def _remember_removals(self, keys: list[bytes]) -> None:
+        """Remember ``keys`` as removals to send again; returns once the journal, if there
+        is one, has them (a caller cancelled meanwhile leaves the record to go on)."""
         unremoved = self._unremoved
         until = self._clock() + self.options.ttl_s if self.options.ttl_s else float("inf")
         for k in keys:
             unremoved.pop(k, None)  # to the end: the order is the order of their deadlines
             unremoved[k] = until
         excess = len(unremoved) - _UNREMOVED_MAX
+        forgotten: list[bytes] = []
         if excess > 0:
-            for k in list(itertools.islice(unremoved, excess)):
+            forgotten = list(itertools.islice(unremoved, excess))
+            for k in forgotten:
                 del unremoved[k]
             self._counters["remove_forgotten"] += excess
             if not self._unremoved_warned:
@@ -544,6 +608,36 @@ class RemoteTier:
                     "are forgotten and may be found again until their expiry",
                     _UNREMOVED_MAX,
                 )
+        recording = self._record([k for k in keys if k in unremoved], forgotten)
+        if recording is not None:
+            await asyncio.shield(recording)
+
+    def _record(self, added: list[bytes], dropped: list[bytes]) -> asyncio.Task[None] | None:
+        """Update the journal, if any, in the background (its turn after the updates begun
+        before): ``added`` kept until ``ttl_s`` from now, ``dropped`` forgotten."""
+        if self._journal is None or not (added or dropped):
+            return None
+        ttl = self.options.ttl_s
+        until = self._wall_clock() + ttl if ttl else None
+        task = asyncio.ensure_future(self._journal_update([(k, until) for k in added], dropped))
+        self._journaling.add(task)
+        task.add_done_callback(self._journaling.discard)
+        return task
+
+    async def _journal_update(
+        self, added: list[tuple[bytes, float | None]], dropped: list[bytes]
+    ) -> None:
+        journal = self._journal
+        assert journal is not None
+        async with self._journal_turn:
+            try:
+                recorded = await asyncio.to_thread(journal.record_removals, added, dropped)
+            except Exception:
+                log.exception("L3: recording removals failed unexpectedly")
+                recorded = False
+        if not recorded:
+            # The journal's own tier reports why; these stay remembered in memory only.
+            self._counters["remove_unrecorded"] += len(added)
 
     async def _unlink(
         self, keys: list[bytes], *, pending: set[bytes] | None = None
@@ -568,17 +662,19 @@ class RemoteTier:
             replies = await self._pipeline(unlink, self._small_ops)
         except _Unreachable:
             if pending is not None:
-                self._remember_removals([k for k in keys if k in pending])
+                await self._remember_removals([k for k in keys if k in pending])
             return None
         refused = []
+        confirmed = []
         for k, reply in zip(keys, replies, strict=True):
             if isinstance(reply, BaseException):
                 self._reply_error(reply, "remove_errors")
                 refused.append(k)
-            else:
-                self._unremoved.pop(k, None)
+            elif self._unremoved.pop(k, None) is not None:
+                confirmed.append(k)
+        self._record([], confirmed)
         if pending is not None and refused:
-            self._remember_removals([k for k in refused if k in pending])
+            await self._remember_removals([k for k in refused if k in pending])
         return refused
 
     def _resend_removals(self) -> None:
@@ -591,11 +687,14 @@ class RemoteTier:
             while self._unremoved and self._avail.serves(self._clock()):
                 now = self._clock()
                 unremoved = self._unremoved
+                expired = []
                 while unremoved:  # the oldest first: the store has dropped expired ones
                     oldest = next(iter(unremoved))
                     if unremoved[oldest] > now:
                         break
                     del unremoved[oldest]
+                    expired.append(oldest)
+                self._record([], expired)
                 keys = list(itertools.islice(self._unremoved, _UNREMOVE_BATCH))
                 if not keys:
                     break
