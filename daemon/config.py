@@ -736,9 +736,10 @@ class L3Config:
 
     def stale_after_s(self) -> float:
         """How long the node trusts the L3 copy of a block it also holds locally: half
-        ``ttl_s`` from when it was written there, or first found there for a block another
-        node wrote that was not held here then (its expiry runs from its write; a later read
-        or probe that finds it does not renew it), never when blocks do not expire. Then the copy is dropped from the
+        ``ttl_s`` from when it was written there, by this node or by another (a copy found
+        there for a block not held here then: dated from its expiry, ``KeyTier.value_ages``;
+        its expiry runs from its write, which a later read or probe that finds it does not
+        renew), never when blocks do not expire. Then the copy is dropped from the
         table, and the block is written to L3 again at its next access L3's admission
         takes."""
         return self.ttl_s / 2 if self.ttl_s > 0 else float("inf")

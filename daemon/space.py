@@ -1316,8 +1316,8 @@ class SpaceManager:
     def _drop_stale_copies(
         self, keyed: list[Level], held_here: np.ndarray | np.bool_, before: float
     ) -> bool:
-        """``forget_unconfirmed``'s drop of key-addressed copies, written (or first found)
-        ``before``, of blocks held locally too (``held_here``: per row of the table; a batch
+        """``forget_unconfirmed``'s drop of key-addressed copies written ``before`` (as
+        ``table.keyed_since`` dates them), of blocks held locally too (``held_here``: per row of the table; a batch
         per pass, as the rows it forgets). True when more are left than the batch took."""
         table = self.table
         slot = table.slot[: table.rows]

@@ -458,7 +458,8 @@ class BlockStore:
         reports gain that tier's column (new ones enter the table as ``owner``'s, with the
         size the tier reports), but those held here (the copy's age is unknown), and so do
         the stale rows it still holds; all of them count as confirmed now
-        (``table.keyed_seen``). A copy there that the tier says it does not
+        (``table.keyed_seen``). A copy new to the table is dated from the probe, then from
+        its write once the tier tells it (``_date_copies``, in the background). A copy there that the tier says it does not
         hold (absent, or another layout's value under the key) is lost
         (``SpaceManager.lose_copies``), unless something confirmed it after the probe was
         sent (a write behind, a read): the answer may predate it. An answer the tier could
@@ -501,6 +502,7 @@ class BlockStore:
             self.counters.inc("probed_keys", len(refs), tier=level.label)
             self.counters.inc("probe_hits", prefix, tier=level.label)
             lost: list[int] = []
+            found: list[int] = []  # rows given the tier's copy by this probe
             for j, (i, size) in enumerate(zip(asked, answers, strict=True)):
                 if size == PROBE_UNKNOWN:
                     continue
@@ -540,9 +542,34 @@ class BlockStore:
                     table.set_slots(np.asarray([bid]), level.col, 0)
                     table.keyed_since[bid] = sent
                     level.policy.insert(bid, sent, -1)
+                    found.append(bid)
+            if found and self.config.tiers.l3.ttl_s > 0:
+                self.space.spawn(self._date_copies(level, found, sent))
             if lost:
                 self.space.lose_copies(np.unique(np.asarray(lost, dtype=np.int64)), level)
                 ids[:] = table.lookup(ns, words)
+
+    async def _date_copies(self, level: Level, bids: list[int], found: float) -> None:
+        """Date the copies in key-addressed tier ``level`` that a lookup's probe at ``found``
+        gave rows ``bids`` from when they were written, as far as the tier tells
+        (``KeyTier.value_ages``): another node wrote them, maybe long before, and their
+        expiry runs from that write. Dated from the probe, such a copy of a block held here
+        since was counted up to that long past half of ``ttl_s`` after its write
+        (``SpaceManager._drop_stale_copies``), and the block not written there again before
+        the store expired it. A row whose copy went, or was written or dated since, keeps
+        its date."""
+        table = self.table
+        refs = [table.ref(bid) for bid in bids]
+        ages = await level.keys.value_ages(table.block_refs(np.asarray(bids, dtype=np.int64)))
+        for ref, age in zip(refs, ages, strict=True):
+            bid = table.resolve(ref)
+            if (
+                age > 0
+                and bid >= 0
+                and table.slot[bid, level.col] >= 0
+                and table.keyed_since[bid] == found
+            ):
+                table.keyed_since[bid] = found - age
 
     def usage(self) -> list[TierUsage]:
         out = []

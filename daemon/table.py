@@ -182,9 +182,10 @@ class BlockTable:
         # probe found it, a read of it succeeded): a block held only there is known for a
         # while from then (``SpaceManager.forget_unconfirmed``), as the tier may drop it.
         self.keyed_seen = np.empty(0, dtype=np.float64)
-        # When the block's copy in a key-addressed tier was written there, or first found
-        # there (another node wrote it, a block not held here: ``BlockStore._discover``); set
-        # with that copy, meaningless without one. Its
+        # When the block's copy in a key-addressed tier was written there: by this node, or
+        # by another for a copy found there of a block not held here (``BlockStore._discover``
+        # dates it from the probe, then from the write its expiry tells: ``_date_copies``);
+        # set with that copy, meaningless without one. Its
         # expiry runs from its write, which the confirmations above do not renew
         # (``SpaceManager.forget_unconfirmed``).
         self.keyed_since = np.empty(0, dtype=np.float64)

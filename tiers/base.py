@@ -551,6 +551,14 @@ class KeyTier(Protocol):
         ``probe`` is the leading sizes of this answer."""
         ...
 
+    async def value_ages(self, blocks: Sequence[BlockRef]) -> list[float]:
+        """How long ago each block's value was written, in seconds, as far as its expiry
+        tells: where it expires in ``r`` and the tier writes values to last ``ttl``, ``ttl -
+        r`` (one another node wrote to last longer: 0.0, as if written now). 0.0 where the
+        tier cannot tell (no such value, values that do not expire, no answer). One round
+        trip; none of it on a lookup's path (it answers no probe)."""
+        ...
+
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
     ) -> list[bool]: ...

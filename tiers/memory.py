@@ -226,12 +226,20 @@ class MemoryKeyTier:
     """A key-addressed tier in process memory, standing in for L3 in tests: its own index
     of ``(ns, key) -> bytes``, asynchronous verbs, and faults the test switches on (``down``
     makes every call a miss, as a remote store that cannot be reached). ``write_bytes_s``: a
-    write budget as L3's (blocks beyond it are dropped)."""
+    write budget as L3's (blocks beyond it are dropped). ``ttl_s``: how long L3 keeps a
+    value, for ``value_ages`` (values here never expire; 0: ages unknown, as L3's)."""
 
     kind = TierKind.REMOTE
 
-    def __init__(self, write_bytes_s: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        write_bytes_s: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        ttl_s: float = 0.0,
+    ) -> None:
         self.values: dict[tuple[int, bytes], bytes] = {}
+        self.written_at: dict[tuple[int, bytes], float] = {}
+        self.ttl_s = ttl_s
         self.down = False
         self.counters: Counter[str] = Counter()
         self._clock = clock
@@ -252,6 +260,13 @@ class MemoryKeyTier:
             PROBE_ABSENT if (v := values.get((ref.ns, bytes(ref.key)))) is None else len(v)
             for ref in blocks
         ]
+
+    async def value_ages(self, blocks: Sequence[BlockRef]) -> list[float]:
+        now = self._clock()
+        if self.down or not self.ttl_s:
+            return [0.0] * len(blocks)
+        # A value a test set by hand has no write time: written now.
+        return [now - self.written_at.get((ref.ns, bytes(ref.key)), now) for ref in blocks]
 
     async def read(self, blocks: Sequence[BlockRef], nbytes: int, dest: object) -> list[bool]:
         out = []
@@ -274,6 +289,7 @@ class MemoryKeyTier:
                 out.append(False)
                 continue
             self.values[(ref.ns, bytes(ref.key))] = bytes(get_block(src, j, nbytes))  # type: ignore[arg-type]
+            self.written_at[(ref.ns, bytes(ref.key))] = now
             out.append(True)
         self.counters["blocks_written"] += sum(out)
         self.counters["write_dropped_budget"] += len(out) - sum(out)
@@ -282,6 +298,7 @@ class MemoryKeyTier:
     async def remove(self, blocks: Sequence[BlockRef]) -> None:
         for ref in blocks:
             self.values.pop((ref.ns, bytes(ref.key)), None)
+            self.written_at.pop((ref.ns, bytes(ref.key)), None)
 
     def health(self) -> TierHealth:
         return TierHealth(Health.DOWN, "test: down") if self.down else HEALTHY

@@ -1732,6 +1732,36 @@ async def test_regression_an_l3_copy_dropped_at_half_ttl_came_back_when_a_probe_
     assert store.table.keyed_since[bid] == clock.now
 
 
+async def test_regression_another_nodes_l3_copy_was_dated_from_when_this_node_found_it(
+    make_store,
+):
+    """A copy another node wrote to L3 was dated from when a lookup's probe here first found
+    it (its write time unknown): once the block was held here too, the node counted that
+    copy for up to half of ttl_s past when it should have dropped it (half of ttl_s after
+    its write), so the block was not written there again before L3 expired it. The copy is
+    dated from its write, which its expiry tells (``KeyTier.value_ages``)."""
+    clock = Clock()
+    shared = MemoryKeyTier(clock=clock, ttl_s=100)
+    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
+    b = keys(1)[0]
+    page = HostBuffers([memoryview(page_bytes(pool, 1))])
+    assert await shared.write([BlockRef(0, b.tobytes())], 4096, page) == [True]  # at t
+    clock.now += 40
+    assert (await store.lookup(0, b[None]))[0] == 1
+    await store.space.drain()  # the copy dated in the background
+    bid = int(store.table.lookup(0, b[None])[0])
+    assert store.table.keyed_since[bid] == clock.now - 40
+    assert await get(store, pool, b[None], [2]) == [True]
+    store.space.apply_touches()
+    await store.space.drain()
+    l3 = store.stack[TierKind.REMOTE]
+    assert where(store, b[None]) == ["L1"] and store.table.slot[bid, l3.col] >= 0
+    clock.now += 11  # half of ttl_s after its write
+    await store.balance()
+    assert store.counters.get("copies_expired", tier="L3") == 1
+    assert store.table.slot[bid, l3.col] < 0
+
+
 async def test_l3_copies_past_their_half_ttl_beyond_a_batch_go_a_batch_per_balancer_pass(
     make_store,
 ):

@@ -294,6 +294,27 @@ async def test_probe_each_tells_absent_blocks_from_unknown_ones(
         assert c["probe_late"] == 1 and c["probe_skipped_down"] == 1 and c["probe_found"] == 4
 
 
+async def test_value_ages_tell_how_long_ago_each_value_was_written_from_its_expiry(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    """Each value's age: ``ttl_s`` less the time it has left (another node's copy, written a
+    while ago, is dated so); 0.0 where nothing tells (absent, no expiry, a value that
+    outlives ``ttl_s``, or a tier whose values never expire)."""
+    chain = [ref(i) for i in range(5)]
+    keys = [KeyNamer(l3_prefix).key(b.ns, b.key) for b in chain]
+    r = raw_client(redis_server)
+    async with opened(options(redis_server, l3_prefix, ttl_s=100)) as tier:
+        await tier.write(chain[:4], 4096, host([data(i, 4096) for i in range(4)]))
+        r.pexpire(keys[1], 40_000)  # written 60 s ago
+        r.persist(keys[2])
+        r.pexpire(keys[3], 500_000)
+        ages = await tier.value_ages(chain)
+        assert 0.0 <= ages[0] < 10.0 and 60.0 <= ages[1] < 70.0
+        assert ages[2:] == [0.0, 0.0, 0.0]
+    async with opened(options(redis_server, l3_prefix, ttl_s=0)) as tier:
+        assert await tier.value_ages(chain) == [0.0] * 5
+
+
 # ------------------------------------------------------------------ verification
 
 

@@ -406,6 +406,31 @@ class RemoteTier:
         c["probe_found"] += sum(size >= 0 for size in answers)
         return answers
 
+    async def value_ages(self, blocks: Sequence[BlockRef]) -> list[float]:
+        """How long ago each value was written (``KeyTier.value_ages``): one pipelined PTTL
+        each, on the probes' share of the connections, under the op timeout. Not part of
+        the probe: PTTLs beside its GETRANGEs made a probe of 32 keys 1.6x as long. With
+        ``ttl_s`` 0 nothing is asked."""
+        ages = [0.0] * len(blocks)
+        ttl_s = float(self.options.ttl_s)
+        if not blocks or not ttl_s or not self._avail.serves(self._clock()):
+            return ages
+        keys = [self._names.key(b.ns, b.key) for b in blocks]
+
+        async def pttl(pipe: Any) -> None:
+            for k in keys:
+                pipe.execute_command("PTTL", k)
+
+        try:
+            replies = await self._pipeline(pttl, self._small_ops)
+        except _Unreachable:
+            return ages
+        for j, left_ms in enumerate(replies):
+            # -1: no expiry; -2: no such key; or a command's error.
+            if isinstance(left_ms, int) and left_ms >= 0:
+                ages[j] = max(0.0, ttl_s - left_ms / 1000.0)
+        return ages
+
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
     ) -> list[bool]:
