@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import redis.cluster
 from redis.crc import key_slot
 from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, ref, wait_for
 
@@ -70,7 +71,7 @@ async def test_blocks_spread_over_every_master_and_round_trip(
     nbytes = 64 << 10
     chain = [ref(i) for i in range(64)]
     src = [data(i, nbytes) for i in range(64)]
-    async with opened(cluster_options(redis_cluster, l3_prefix)) as tier:
+    async with opened(cluster_options(redis_cluster, l3_prefix, ttl_s=100)) as tier:
         assert await tier.write(chain, nbytes, host(src)) == [True] * 64
         assert await tier.probe(chain) == [nbytes] * 64
         dest = empty(64, nbytes)
@@ -78,6 +79,15 @@ async def test_blocks_spread_over_every_master_and_round_trip(
         assert [bytes(d) for d in dest] == src
         await tier.remove(chain[10:11])
         assert len(await tier.probe(chain)) == 10
+        # Each value's age from its expiry, asked of the master of its slot.
+        raw = redis.cluster.RedisCluster.from_url(redis_cluster.urls[0])
+        namer = KeyNamer(l3_prefix)
+        for block in chain[20:]:
+            raw.pexpire(namer.key(block.ns, block.key), 40_000)  # written 60 s ago
+        raw.close()
+        ages = await tier.value_ages(chain)
+        assert ages[10] == 0.0 and all(0.0 <= age < 50.0 for age in ages[:20])
+        assert all(60.0 <= age < 100.0 for age in ages[20:])
     counts = [int(n.cli("DBSIZE").strip()) for n in redis_cluster.nodes]
     assert all(c > 0 for c in counts), counts
 
