@@ -645,6 +645,27 @@ async def test_regression_removals_the_store_had_not_confirmed_were_forgotten_by
             raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_removals_an_unreachable_store_could_not_take_are_recorded_before_remove_returns(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
+) -> None:
+    """A removal the store could not be sent (it went away during the call) and one made
+    while the tier is down are both in the journal once ``remove`` returns."""
+    names = KeyNamer(l3_prefix)
+    blocks = [ref(i) for i in range(2)]
+    with DiskTier(tmp_path / "l2", 32 << 20, 1 << 20, file_bytes=8 << 20) as disk:
+        async with opened(options(fresh_redis, l3_prefix)) as tier:
+            await tier.keep_removals_in(disk)
+            fresh_redis.kill()
+            await tier.remove(blocks[:1])
+            assert tier.health().state is Health.DOWN
+            await tier.remove(blocks[1:])
+            c = tier.stats().counters
+            assert c["remove_skipped_down"] == 1 and c["remove_unrecorded"] == 0
+            assert sorted(k for k, _ in disk.removals()) == sorted(
+                names.key(b.ns, b.key) for b in blocks
+            )
+
+
 async def test_regression_a_resent_removal_deleted_the_block_written_while_it_waited(
     fresh_redis: RedisServer, l3_prefix: str
 ) -> None:
