@@ -703,6 +703,15 @@ class L3Config:
         default=0,
         metadata=_opt("size", lo=0, doc="write budget, bytes/s; writes beyond it are dropped"),
     )
+    removals_file: str = field(
+        default="",
+        metadata=_opt(
+            "str",
+            doc="small SQLite file that keeps the removals (Deletes) L3 has not confirmed "
+            "across restarts; empty: in L2's index when L2 is enabled, else nowhere (a "
+            "restart forgets them)",
+        ),
+    )
     admission: str = field(
         default="second_hit",
         metadata=_opt("str", doc="which blocks are written to L3: always, second_hit, tinylfu"),

@@ -255,8 +255,11 @@ class BlockStore:
         refuses to start (bad credentials) raises TierUnavailable: the daemon stops. A
         remote store's unconfirmed removals are kept in the first persistent tier that keeps
         such a journal (the disk tier's index), so that a restart does not bring a deleted
-        block back."""
+        block back, unless the tier keeps them in a file of its own
+        (``tiers.l3.removals_file``)."""
         journal = next((lv.tier for lv in self.stack if hasattr(lv.tier, "record_removals")), None)
+        if self.config.tiers.l3.removals_file:
+            journal = None  # the tier keeps them in that file
         for level in self._keyed:
             keep = getattr(level.tier, "keep_removals_in", None)
             if keep is not None and journal is not None:

@@ -779,15 +779,29 @@ def test_regression_a_delete_the_store_could_not_apply_came_back_through_the_nex
         assert ca.check().problems == []
 
 
+@pytest.mark.parametrize("kept_in", ["l2", "removals_file"])
 def test_regression_a_delete_the_store_had_not_applied_came_back_after_a_crash(
-    daemon_factory, tmp_path, fresh_redis, l3_prefix
+    daemon_factory, tmp_path, fresh_redis, l3_prefix, kept_in
 ):
     """The removals the store had not confirmed were remembered in memory only: after a
     restart (here a SIGKILL right after the Delete answered) the next Lookup found the deleted
-    blocks in Redis again and a Get served them. With L2 they are kept in its index: the
-    restart answers them absent and sends the UNLINKs again; a key put again after its
-    Delete is neither kept nor deleted by the restart."""
-    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    blocks in Redis again. They are kept in L2's index, or without L2 in
+    ``tiers.l3.removals_file``: the restart answers them absent and sends the UNLINKs again;
+    a key put again after its Delete is neither kept nor deleted by the restart."""
+    if kept_in == "l2":
+        journal = tmp_path / "a" / "l2" / "index.sqlite3"
+        a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    else:
+        journal = tmp_path / "removals.sqlite3"
+        a = node(
+            daemon_factory,
+            tmp_path,
+            "a",
+            fresh_redis.url,
+            l3_prefix,
+            "tiers.l2.enabled=false",
+            f"tiers.l3.removals_file={journal}",
+        )
     chain = keys(8, 33)
     raw = redis.Redis.from_url(fresh_redis.url)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
@@ -816,8 +830,8 @@ def test_regression_a_delete_the_store_had_not_applied_came_back_after_a_crash(
         assert ca.get(pool_id, chain[:4], range(4)).loaded == [True] * 4
         assert ca.check().problems == []
     a.stop()
-    # Confirmed: out of the index too, so the next start has nothing to send again.
-    index = sqlite3.connect(tmp_path / "a" / "l2" / "index.sqlite3")
+    # Confirmed: out of the journal too, so the next start has nothing to send again.
+    index = sqlite3.connect(journal)
     try:
         assert index.execute("SELECT COUNT(*) FROM l3_removals").fetchone() == (0,)
     finally:

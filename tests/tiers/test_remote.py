@@ -666,6 +666,15 @@ async def test_removals_an_unreachable_store_could_not_take_are_recorded_before_
             )
 
 
+async def test_a_removals_file_that_cannot_be_opened_stops_the_start(
+    redis_server: RedisServer, l3_prefix: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "no such folder" / "removals.sqlite3"
+    tier = RemoteTier(options(redis_server, l3_prefix, removals_file=str(path)))
+    with pytest.raises(TierUnavailable, match=r"removals_file .*no such folder"):
+        await tier.start()
+
+
 async def test_regression_a_resent_removal_deleted_the_block_written_while_it_waited(
     fresh_redis: RedisServer, l3_prefix: str
 ) -> None:

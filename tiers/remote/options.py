@@ -87,6 +87,9 @@ class RemoteOptions:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
     write_bytes_s: int = 0  # 0: unlimited
+    # Where the tier keeps the removals the store has not confirmed across restarts (its own
+    # small SQLite file, ``journal.RemovalFile``); "": where the daemon gives it, if anywhere.
+    removals_file: str = ""
 
     def endpoints(self) -> list[Endpoint]:
         """The parsed URLs; raises RemoteOptionsError naming the bad one."""

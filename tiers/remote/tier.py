@@ -21,8 +21,8 @@ Invariants:
   of the key ends the removal (the block was stored again), also one still waiting for its
   connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
   Remembered for at most ``ttl_s`` (the value has expired by then) and at most
-  ``_UNREMOVED_MAX`` keys; across restarts where the tier was given a ``RemovalJournal``
-  (``keep_removals_in``): a removal it remembers is recorded there before ``remove``
+  ``_UNREMOVED_MAX`` keys; across restarts where the tier keeps a ``RemovalJournal`` (its
+  ``removals_file``, or one the daemon gives it: ``keep_removals_in``): a removal it remembers is recorded there before ``remove``
   returns, and one confirmed, written again, expired or forgotten is dropped from it (a write
   waits for that drop before it sends the block: a restart never deletes a block written
   again after its removal). Journal calls run on a worker thread, one at a time, in the
@@ -85,6 +85,7 @@ from kvtier.tiers.remote.codec import (
     header_length,
     verify,
 )
+from kvtier.tiers.remote.journal import RemovalFile, RemovalFileError
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError, read_password
 from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
 
@@ -249,6 +250,7 @@ class RemoteTier:
         # Where the remembered removals are kept across restarts, if anywhere; its updates
         # (not cancelled at close: each one's outcome stands) take turns in call order.
         self._journal: RemovalJournal | None = None
+        self._own_journal: RemovalFile | None = None  # ``removals_file``'s, closed at close
         self._journal_turn = asyncio.Lock()
         self._journaling: set[asyncio.Task[None]] = set()
 
@@ -285,8 +287,17 @@ class RemoteTier:
     async def start(self) -> None:
         """Connect and start the reconnection monitor. A store that cannot be reached is not
         fatal (the tier starts DOWN and keeps trying); credentials the store refuses are
-        (TierUnavailable): retrying would not fix them. Removals taken up from a journal are
-        sent again once connected."""
+        (TierUnavailable): retrying would not fix them, and so is a ``removals_file`` that
+        cannot be opened (removals would be lost). Removals taken up from a journal are sent
+        again once connected."""
+        if self.options.removals_file:
+            try:
+                journal = await asyncio.to_thread(RemovalFile, self.options.removals_file)
+            except RemovalFileError as e:
+                await self.close()
+                raise TierUnavailable(str(e)) from None
+            self._own_journal = journal
+            await self.keep_removals_in(journal)
         self._wake = asyncio.Event()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="l3-monitor")
         detail = await self._check(self._client)
@@ -336,6 +347,8 @@ class RemoteTier:
             # caller): one left undone costs the restart an UNLINK sent again.
             await asyncio.wait(set(self._journaling), timeout=grace)
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
+        if self._own_journal is not None:
+            self._own_journal.close()
         if self._codec is not None:
             # Jobs already handed over run to their end: their callers wait for them.
             self._codec.shutdown(wait=False)

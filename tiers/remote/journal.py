@@ -1,0 +1,107 @@
+"""A small SQLite file that keeps the L3 tier's unconfirmed removals across restarts on a node
+without a disk tier (whose index keeps them otherwise): a ``RemovalJournal``.
+
+Invariants: a ``record_removals`` that returns True is durable (WAL, ``synchronous=FULL``;
+the folder synced once the file is made); one that fails changes nothing and answers False
+(logged), never raises. One table, ``l3_removals (key, until)``, as in the disk tier's index.
+
+Thread-safety: every method may be called from any thread; the connection is serialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS l3_removals (
+    key BLOB PRIMARY KEY,
+    until REAL
+) WITHOUT ROWID;
+"""
+# How long a statement waits for a lock another process holds (an operator's shell).
+_BUSY_TIMEOUT_S = 30.0
+
+
+class RemovalFileError(Exception):
+    """The file cannot be opened or made (the daemon does not start: removals would be lost)."""
+
+
+class RemovalFile:
+    """``RemovalJournal`` in its own file (see the module docstring)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._broken = ""  # the last failure logged, so that a failing disk logs once
+        made = not self.path.exists()
+        try:
+            if made:
+                # Owner-only before SQLite makes it (its WAL takes the file's mode).
+                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
+            self._db: sqlite3.Connection | None = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            if made:
+                fsync_dir(self.path.parent.absolute())
+        except (OSError, sqlite3.Error) as e:
+            raise RemovalFileError(f"L3 removals_file {self.path}: {e}") from None
+
+    def removals(self) -> list[tuple[bytes, float | None]]:
+        try:
+            with self._lock:
+                rows = self._conn().execute("SELECT key, until FROM l3_removals").fetchall()
+        except sqlite3.Error as e:
+            self._failed("read", e)
+            return []
+        return [(bytes(key), None if until is None else float(until)) for key, until in rows]
+
+    def record_removals(
+        self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
+    ) -> bool:
+        try:
+            with self._lock:
+                db = self._conn()
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    db.executemany("DELETE FROM l3_removals WHERE key = ?", [(k,) for k in dropped])
+                    db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
+                    db.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as e:
+            self._failed("update", e)
+            return False
+        self._broken = ""
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.close()
+                self._db = None
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise sqlite3.ProgrammingError("closed")
+        return self._db
+
+    def _failed(self, what: str, e: sqlite3.Error) -> None:
+        if str(e) != self._broken:
+            self._broken = str(e)
+            log.error("L3 removals_file %s: %s failed: %s", self.path, what, e)
