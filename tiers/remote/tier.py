@@ -421,9 +421,10 @@ class RemoteTier:
 
     async def value_ages(self, blocks: Sequence[BlockRef]) -> list[float]:
         """How long ago each value was written (``KeyTier.value_ages``): one pipelined PTTL
-        each, on the probes' share of the connections, under the op timeout. Not part of
-        the probe: PTTLs beside its GETRANGEs made a probe of 32 keys 1.6x as long. With
-        ``ttl_s`` 0 nothing is asked."""
+        each, under the op timeout, on the bulk share of the connections (its callers do
+        not wait for it: it must not hold up a lookup's probe). Not part of the probe: PTTLs
+        beside its GETRANGEs made a probe of 32 keys 1.6x as long. With ``ttl_s`` 0 nothing
+        is asked."""
         ages = [0.0] * len(blocks)
         ttl_s = float(self.options.ttl_s)
         if not blocks or not ttl_s or not self._avail.serves(self._clock()):
@@ -435,7 +436,7 @@ class RemoteTier:
                 pipe.execute_command("PTTL", k)
 
         try:
-            replies = await self._pipeline(pttl, self._small_ops)
+            replies = await self._pipeline(pttl, self._bulk_ops)
         except _Unreachable:
             return ages
         for j, left_ms in enumerate(replies):
