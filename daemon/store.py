@@ -534,7 +534,9 @@ class BlockStore:
                     elif table.state[bid] != READY or int(table.nbytes[bid]) != size:
                         continue
                     ids[i] = bid
-                table.keyed_seen[bid] = sent
+                # A read or write since the probe was sent confirmed it later than this.
+                if table.keyed_seen[bid] < sent:
+                    table.keyed_seen[bid] = sent
                 if table.slot[bid, level.col] < 0:
                     if (table.slot[bid, self._local_cols] >= 0).any():
                         # Held here: that copy's age is unknown (this node's own, dropped

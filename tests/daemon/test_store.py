@@ -1629,6 +1629,33 @@ async def test_a_lookup_asks_l3_again_only_about_rows_it_has_not_confirmed_for_k
     assert present(store, chain).count(True) == 3
 
 
+async def test_regression_a_probe_answer_did_not_date_back_a_later_confirmation(make_store):
+    """A Lookup asks L3 about a row it has not confirmed for known_s; before the answer (the
+    block is there) arrives, a Get reads the block from L3, which confirms it later than the
+    probe was sent. The answer confirms the row as of when it was sent: it set the row's
+    confirmation back to that time, older than the read's, so the next Lookup asked L3
+    again sooner than known_s after the read."""
+    clock = Clock()
+    shared = AnsweringLateKeyTier()
+    shared.gate.set()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    b = keys(1)
+    await _held_only_in_l3(store, shared, pool, b)
+    clock.now += 31
+    shared.gate.clear()
+    shared.waiting.clear()
+    asking = asyncio.create_task(store.lookup(0, b))
+    await shared.waiting.wait()  # sent now, answered present, not yet back
+    sent = clock.now
+    clock.now += 5
+    assert await get(store, pool, b, [30]) == [True]  # read from L3: confirmed now
+    bid = int(store.table.lookup(0, b)[0])
+    assert store.table.keyed_seen[bid] == sent + 5
+    shared.gate.set()
+    assert (await asking)[0] == 1
+    assert store.table.keyed_seen[bid] == sent + 5
+
+
 async def test_a_copy_written_to_l3_while_a_lookup_asked_l3_about_the_block_is_kept(make_store):
     """A Lookup asks L3 about a row it has not confirmed for known_s, and L3 answers absent;
     before the answer arrives the block was lost (a Get's failed read), put again and
