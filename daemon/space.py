@@ -34,6 +34,10 @@ Rules:
 - A copy is dropped by the tier that held it (``drop_copies``: eviction, deletion) or found
   gone (``lose_copy``: a failed read, a probe that found it absent); a row with no copy
   left is forgotten once nobody holds it.
+- A move records its copy only where the destination holds none yet and the row still holds
+  the copy it read, or none at all (the bytes read were its last): a row that lost every copy
+  while the move ran may have been stored again by a put (``BlockStore._claim_bare``), whose
+  copies are the block's (``_SourceCopy``).
 
 Thread-safety: event loop only (see ``daemon/store.py``).
 """
@@ -510,6 +514,7 @@ class SpaceManager:
             return
         refs = table.block_refs(group)
         read_from = table.slot[group, src.col].tolist()
+        source = _SourceCopy.of(table, group, src)
         src_failed: list[bool] = [False] * len(group)
         try:
             outcomes, src_failed = await self.transfers.copy(
@@ -519,7 +524,7 @@ class SpaceManager:
                 slots,
                 refs,
                 nbytes,
-                table.checksums(group, src.col).tolist(),
+                source.checksums.tolist(),
                 priority,
                 deadline,
                 urgency=urgency,
@@ -537,6 +542,10 @@ class SpaceManager:
         outs = None if outcomes is None else WriteOutcomes.of(outcomes)
         ok = np.zeros(n, dtype=bool) if outs is None else outs.ok.copy()
         ok &= table.state[group] == READY
+        # A row may have lost every copy while this one ran and been stored again (a put into
+        # a row held nowhere, ``_claim_bare``): its new copy is here already, or the bytes
+        # read are not its newest. The slot goes back.
+        ok &= source.current(table, group, dst)
         slot_arr = np.asarray(slots, dtype=np.int64)
         good = group[ok]
         if not dst.keyed:
@@ -1387,6 +1396,35 @@ class SpaceManager:
         did that spun forever)."""
         while self.background:
             await asyncio.wait(list(self.background))
+
+
+@dataclass(frozen=True, slots=True)
+class _SourceCopy:
+    """The copies a move reads its blocks from, as they were when it started: which copy of
+    each block it read, to tell once it is done whether the block is still that one."""
+
+    col: int
+    slots: np.ndarray
+    checksums: np.ndarray
+    # When each key-addressed copy was written or found (every copy has slot 0 there).
+    since: np.ndarray | None
+
+    @classmethod
+    def of(cls, table: BlockTable, bids: np.ndarray, src: Level) -> _SourceCopy:
+        since = table.keyed_since[bids].copy() if src.keyed else None
+        slots = table.slot[bids, src.col].copy()
+        return cls(src.col, slots, table.checksums(bids, src.col).copy(), since)
+
+    def current(self, table: BlockTable, bids: np.ndarray, dst: Level) -> np.ndarray:
+        """Per block, whether a copy read from this source may be recorded in ``dst``: none
+        is there yet, and the row still holds the copy read, or no copy at all (the copy read
+        was lost meanwhile: the bytes read, verified, are the block's last ones)."""
+        rows = table.slot[bids]
+        same = rows[:, self.col] == self.slots
+        same &= table.checksums(bids, self.col) == self.checksums
+        if self.since is not None:
+            same &= table.keyed_since[bids] == self.since
+        return (rows[:, dst.col] < 0) & (same | ~(rows >= 0).any(axis=1))
 
 
 def _without(mask: EvictableFn, bids: np.ndarray) -> EvictableFn:

@@ -3852,3 +3852,64 @@ async def test_regression_a_slow_l3_made_every_lookup_of_known_rows_wait_for_its
     clock.now += 1
     assert (await store.lookup(0, chain[:5]))[0] == 5
     assert shared.asked == [5, 1, 5]
+
+
+def _gate_first_return(monkeypatch, obj, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make the first call of the coroutine method ``obj.name`` wait once it has run, before
+    its result goes back: the first event is set when it starts waiting, and it returns once
+    the test sets the second."""
+    done, gate = asyncio.Event(), asyncio.Event()
+    method = getattr(obj, name)
+
+    async def gated(*args, **kwargs):
+        result = await method(*args, **kwargs)
+        if not done.is_set():
+            done.set()
+            await gate.wait()
+        return result
+
+    monkeypatch.setattr(obj, name, gated)
+    return done, gate
+
+
+@pytest.mark.parametrize("put_into", ["L1", "L2"])
+async def test_regression_a_promotion_that_read_its_source_overwrote_a_put_stored_meanwhile(
+    make_store, monkeypatch, put_into
+):
+    """A prefetch's promotion from L2 read its source copy (it succeeded) and had yet to
+    finish when another request's read of that copy failed (the row held nowhere, kept by the
+    promotion's hold) and a put stored the key into the row again. The promotion then set its
+    own L1 copy over the put's: with the put's copy in L1, that slot stayed taken by no row
+    (L1 room lost for good); with the put's copy in L2, Gets served the old bytes from L1
+    instead of the put's. The promotion gives its slot back wherever the row is no longer
+    the one it read."""
+    store, pool, l2, a, on_l2 = await _four_blocks_on_l2(make_store)
+    word = a[on_l2[0] : on_l2[0] + 1]
+    bid = int(store.table.lookup(0, word)[0])
+    level = store.stack.levels[1]
+    old = int(store.table.slot[bid, level.col])
+    await store.delete(0, a[[i for i in range(20) if i not in on_l2][:2]])  # room in L1
+    copied, go = _gate_first_return(monkeypatch, store.transfers, "copy")
+    assert (await store.prefetch(0, word, deadline_ms=0)).scheduled == 1
+    await copied.wait()  # the promotion's copy is done: its result not yet recorded
+    l2.corrupt(old)
+    with pool.use():  # another request's read fails: held nowhere
+        _, good = await store._load(
+            level, np.asarray([bid]), np.arange(1), pool, None, np.array([29])
+        )
+    assert good.tolist() == [False]
+    if put_into == "L2":
+        reserve = store.space.reserve
+
+        async def no_room_in_l1(level, *args, **kwargs):
+            return [] if level is store.top else await reserve(level, *args, **kwargs)
+
+        monkeypatch.setattr(store.space, "reserve", no_room_in_l1)
+    assert await put(store, pool, word, pages=[40]) == [PutResult.STORED]
+    assert where(store, word) == [put_into]
+    go.set()
+    await store.space.drain()
+    monkeypatch.undo()
+    assert store.check() == []
+    assert await get(store, pool, word, [31]) == [True]
+    assert page_bytes(pool, 31) == page_bytes(pool, 40)
