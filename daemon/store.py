@@ -769,7 +769,8 @@ class BlockStore:
         store: bool,
         hold: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """One put (see ``put``): a PutResult per key and the block of each key (-1: none).
+        """One put (see ``put``): a PutResult per key and the block of each key (-1: none,
+        and for every key rejected).
         Without ``store``, new keys are rejected (an earlier part of the chain was). With
         ``hold`` (a durable put), the blocks of keys already stored stay in flight while the
         new ones are copied in, so that no eviction takes one of them before the caller holds
@@ -862,6 +863,10 @@ class BlockStore:
         self._count_put(results)
         chain = existing.copy()
         chain[new_idx] = stored
+        if len(rejected):
+            # A row given back held nowhere (``_claim_bare``) is not this put's block: another
+            # put may store the key into it before a durable put's persisting looks.
+            chain[rejected] = -1
         # A key repeated within the part is the block its first occurrence stored.
         again = (chain < 0) & (results == _EXISTS)
         if again.any():

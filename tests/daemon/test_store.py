@@ -3913,3 +3913,56 @@ async def test_regression_a_promotion_that_read_its_source_overwrote_a_put_store
     assert store.check() == []
     assert await get(store, pool, word, [31]) == [True]
     assert page_bytes(pool, 31) == page_bytes(pool, 40)
+
+
+async def test_regression_a_durable_put_persisted_a_key_it_rejected_stored_by_another_put(
+    make_store, monkeypatch
+):
+    """A durable put of a key whose pinned block had lost its last copy stored into that row,
+    found no room and answered REJECTED_FULL, the row given back held nowhere. Another put of
+    the key stored it into the row before the first one's persisting began, and that still
+    counted the row as its own: it made room on a full L2 for the other put's block (evicting
+    L2's coldest, held nowhere else: lost), wrote it there and answered it persisted, for a
+    key it had rejected. A rejected key is not persisted (README: Durability)."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)  # 16 slots
+    store, pool = make_store(clock, l2=l2), make_pool()
+    a = keys(32)
+    await put(store, pool, a[:16])
+    clock.now += 1
+    await put(store, pool, a[16:], pages=range(16, 32))  # L2 full with the 16 first
+    assert where(store, a[:16]) == ["L2"] * 16
+    await store.delete(0, a[31:])  # room in L1 for one block
+    word = a[:1]
+    bid = int(store.table.lookup(0, word)[0])
+    refs = store.pin(np.asarray([bid]))
+    l2.corrupt(int(store.table.slot[bid, 1]))
+    assert await get(store, pool, word, [40]) == [False]  # held nowhere, kept by the pin
+    clock.now += 1
+    reserve, persist = store.space.reserve, store._persist
+    full = True
+    other: list[list[PutResult]] = []
+
+    async def no_room_until_persisting(*args, **kwargs):
+        return [] if full else await reserve(*args, **kwargs)
+
+    async def persisting(*args, **kwargs):
+        nonlocal full
+        full = False
+        other.append(await put(store, pool, word, pages=[42]))
+        return await persist(*args, **kwargs)
+
+    monkeypatch.setattr(store.space, "reserve", no_room_until_persisting)
+    monkeypatch.setattr(store, "_persist", persisting)
+    assert await put(store, pool, word, pages=[41], durable=True) == (
+        [PutResult.REJECTED_FULL],
+        [False],
+    )
+    assert other == [[PutResult.STORED]]
+    monkeypatch.undo()
+    assert store.counters.get("evictions", tier="L2") == 0
+    assert all(present(store, a[1:31]))
+    assert where(store, word) == ["L1"]
+    store.unpin(refs)
+    assert await get(store, pool, word, [43]) == [True]
+    assert page_bytes(pool, 43) == page_bytes(pool, 42)
