@@ -856,6 +856,11 @@ class BlockStore:
             rejected = rejected[~back]
         results[rejected] = _REJECTED_FULL
         self.space.misses.record(self.table.identities(ns, words[rejected]), DECLINED)
+        unstored = rejected
+        if len(rejected) and not first.all():
+            # A key named again after the put rejected it has no block either.
+            unstored = np.concatenate((rejected, _naming_again(words, first, rejected)))
+            results[unstored] = _REJECTED_FULL
         new_idx = new_idx[: len(stored)]
         if self.space.misses:  # nothing to forget in an empty ledger: no identities to hash
             self.space.misses.discard(self.table.identities(ns, words[new_idx]))
@@ -863,10 +868,10 @@ class BlockStore:
         self._count_put(results)
         chain = existing.copy()
         chain[new_idx] = stored
-        if len(rejected):
+        if len(unstored):
             # A row given back held nowhere (``_claim_bare``) is not this put's block: another
             # put may store the key into it before a durable put's persisting looks.
-            chain[rejected] = -1
+            chain[unstored] = -1
         # A key repeated within the part is the block its first occurrence stored.
         again = (chain < 0) & (results == _EXISTS)
         if again.any():
@@ -2044,6 +2049,14 @@ class BlockStore:
 def _distinct(words: np.ndarray) -> np.ndarray:
     """The keys of a batch, each once, in the order first named."""
     return words[~repeats(words)] if len(words) > 1 else words
+
+
+def _naming_again(words: np.ndarray, first: np.ndarray, named: np.ndarray) -> np.ndarray:
+    """The positions of ``words`` that repeat (``~first``) a key at one of the positions
+    ``named``."""
+    keys = {words[i].tobytes() for i in named.tolist()}
+    later = np.flatnonzero(~first)
+    return later[[words[i].tobytes() in keys for i in later.tolist()]]
 
 
 def _parts(n: int, block_bytes: int) -> list[tuple[int, int]]:

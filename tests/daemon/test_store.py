@@ -3915,15 +3915,17 @@ async def test_regression_a_promotion_that_read_its_source_overwrote_a_put_store
     assert page_bytes(pool, 31) == page_bytes(pool, 40)
 
 
+@pytest.mark.parametrize("named", [1, 2])
 async def test_regression_a_durable_put_persisted_a_key_it_rejected_stored_by_another_put(
-    make_store, monkeypatch
+    make_store, monkeypatch, named
 ):
     """A durable put of a key whose pinned block had lost its last copy stored into that row,
     found no room and answered REJECTED_FULL, the row given back held nowhere. Another put of
     the key stored it into the row before the first one's persisting began, and that still
     counted the row as its own: it made room on a full L2 for the other put's block (evicting
     L2's coldest, held nowhere else: lost), wrote it there and answered it persisted, for a
-    key it had rejected. A rejected key is not persisted (README: Durability)."""
+    key it had rejected. A rejected key is not persisted (README: Durability), nor is its
+    second naming in the put (answered EXISTS, the row its first one gave back)."""
     clock = Clock()
     l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)  # 16 slots
     store, pool = make_store(clock, l2=l2), make_pool()
@@ -3954,9 +3956,9 @@ async def test_regression_a_durable_put_persisted_a_key_it_rejected_stored_by_an
 
     monkeypatch.setattr(store.space, "reserve", no_room_until_persisting)
     monkeypatch.setattr(store, "_persist", persisting)
-    assert await put(store, pool, word, pages=[41], durable=True) == (
-        [PutResult.REJECTED_FULL],
-        [False],
+    assert await put(store, pool, np.repeat(word, named, axis=0), [41] * named, durable=True) == (
+        [PutResult.REJECTED_FULL] * named,
+        [False] * named,
     )
     assert other == [[PutResult.STORED]]
     monkeypatch.undo()
@@ -3966,3 +3968,27 @@ async def test_regression_a_durable_put_persisted_a_key_it_rejected_stored_by_an
     store.unpin(refs)
     assert await get(store, pool, word, [43]) == [True]
     assert page_bytes(pool, 43) == page_bytes(pool, 42)
+
+
+async def test_regression_a_key_named_again_after_the_put_rejected_it_was_answered_exists(
+    make_store,
+):
+    """A key a put names twice is stored once, and its second naming answered EXISTS: the
+    block its first one stored. Where the first was rejected (no room), the second was
+    answered EXISTS as well, for a key no tier held. It is rejected too."""
+    clock = Clock()
+    store, pool = make_store(clock), make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    refs = store.pin(store.table.lookup(0, a))  # L1 full of pinned blocks: no room
+    k = keys(2)
+    words = np.concatenate([k[:1], a[:1], k[:1], k[1:], k[1:]])
+    assert await put(store, pool, words, pages=[40, 41, 42, 43, 44]) == [
+        PutResult.REJECTED_FULL,
+        PutResult.EXISTS,
+        PutResult.REJECTED_FULL,
+        PutResult.REJECTED_FULL,
+        PutResult.REJECTED_FULL,
+    ]
+    assert store.counters.get("put_blocks", result="rejected") == 4
+    store.unpin(refs)
