@@ -3992,3 +3992,42 @@ async def test_regression_a_key_named_again_after_the_put_rejected_it_was_answer
     ]
     assert store.counters.get("put_blocks", result="rejected") == 4
     store.unpin(refs)
+
+
+async def test_regression_a_promotion_from_l3_installed_old_bytes_over_a_put_written_there_again(
+    make_store, monkeypatch
+):
+    """The same from L3, whose copies have no slot to tell them apart: a prefetch's promotion
+    read a block held only in L3; before it finished, another read found the key gone from L3
+    (the row held nowhere), a put stored the key into L2, and its block was written to L3
+    again. The promotion then set the old bytes in L1 (the L3 column as it had read it), and
+    Gets served them. The L3 copy is told from the one read by when it was written."""
+    clock = Clock()
+    shared = ReadGatedKeyTier()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2, l3=shared), make_pool()
+    word = keys(1)
+    await _held_only_in_l3(store, shared, pool, word)
+    bid = int(store.table.lookup(0, word)[0])
+    l3 = store.stack[TierKind.REMOTE]
+    assert (await store.prefetch(0, word, deadline_ms=0)).scheduled == 1
+    await shared.waiting.wait()  # the promotion's read is done: its copy not yet recorded
+    await shared.remove([BlockRef(0, word[0].tobytes())])
+    with pool.use():  # another request's read finds it gone: held nowhere
+        _, good = await store._load(l3, np.asarray([bid]), np.arange(1), pool, None, np.array([29]))
+    assert good.tolist() == [False]
+    reserve = store.space.reserve
+
+    async def no_room_in_l1(level, *args, **kwargs):
+        return [] if level is store.top else await reserve(level, *args, **kwargs)
+
+    monkeypatch.setattr(store.space, "reserve", no_room_in_l1)
+    assert await put(store, pool, word, pages=[41]) == [PutResult.STORED]
+    monkeypatch.undo()
+    clock.now += 1
+    assert (await store.space.place(np.asarray([bid]), l3, Priority.BACKGROUND)).tolist() == [True]
+    shared.gate.set()
+    await store.space.drain()
+    assert where(store, word) == ["L2"]
+    assert await get(store, pool, word, [31]) == [True]
+    assert page_bytes(pool, 31) == page_bytes(pool, 41)
