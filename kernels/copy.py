@@ -13,6 +13,8 @@ the kernel is imported; ``ensure_fault_handler`` takes it back if something repl
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from kvtier.kernels import _copy
@@ -37,18 +39,21 @@ def ensure_fault_handler() -> bool:
 def copy_ranges(
     dst: object,
     src: object,
-    dst_offsets: np.ndarray,
-    src_offsets: np.ndarray,
+    dst_offsets: np.ndarray | array[int],
+    src_offsets: np.ndarray | array[int],
     lengths: np.ndarray | int,
     threads: int = 1,
 ) -> int:
     """Copy ``lengths[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``.
 
     Raises ValueError, copying nothing, when any range falls outside its buffer, and
-    MemoryFault when the memory behind a buffer disappears during the copy.
+    MemoryFault when the memory behind a buffer disappears during the copy. Offsets given
+    as ``array("Q")`` go to the kernel as they are (``_copy_pages``' single page).
     """
-    dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
-    src_offsets = np.ascontiguousarray(src_offsets, dtype=np.uint64)
+    if not isinstance(dst_offsets, array):
+        dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
+    if not isinstance(src_offsets, array):
+        src_offsets = np.ascontiguousarray(src_offsets, dtype=np.uint64)
     if not isinstance(lengths, int):
         lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
         total = int(lengths.sum())
@@ -103,11 +108,22 @@ def _copy_pages(
     """Copy between ``pages`` and the blocks at ``block_starts``, page range by page range
     (``_page_parts``): pool to blocks with ``to_blocks``, else blocks to pool."""
     if len(pages) == 1:
-        # One block (a single-key request): its offsets in three array operations, with
-        # Python ints for the page and start (a numpy scalar first tries its own arithmetic,
-        # then falls back to the array's; both stay uint64).
-        at_pool = table.pool_base + int(pages[0]) * table.page_stride
-        at_blocks = table.block_offset + int(block_starts[0])
+        # One block (a single-key request): with few chunks, its offsets in Python ints
+        # (``ChunkTable.few``), else in three array operations, with Python ints for the page
+        # and start (a numpy scalar first tries its own arithmetic, then falls back to the
+        # array's; both stay uint64). The page is checked against the pool's, whose every
+        # chunk the registration fitted in its region: no offset passes 64 bits.
+        page, start = int(pages[0]), int(block_starts[0])
+        few = table.few
+        at_pool: np.ndarray | array[int]
+        at_blocks: np.ndarray | array[int]
+        if few is not None:
+            bases, strides, offsets = few
+            at_pool = array("Q", [b + page * s for b, s in zip(bases, strides, strict=True)])
+            at_blocks = array("Q", [start + o for o in offsets])
+        else:
+            at_pool = table.pool_base + page * table.page_stride
+            at_blocks = table.block_offset + start
         lengths = table.lengths(1)
         if to_blocks:
             return copy_ranges(blocks, pool, at_blocks, at_pool, lengths, threads)

@@ -55,6 +55,12 @@ class LayerLayout:
         )
 
 
+# Chunks per block up to which one page's copy offsets are computed in Python ints
+# (``ChunkTable.few``); past it numpy's arithmetic, whose cost hardly grows with the count,
+# is the cheaper.
+FEW_CHUNKS = 8
+
+
 @dataclass(frozen=True)
 class ChunkTable:
     """Copy offsets of one block's chunks, in block order (layer-major, K before V).
@@ -88,6 +94,20 @@ class ChunkTable:
     def nbytes(self) -> int:
         """Bytes these chunks hold for one block (asked on every Get: kept)."""
         return int(self.length.sum())
+
+    @cached_property
+    def few(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+        """``pool_base``, ``page_stride`` and ``block_offset`` as Python ints, for a table of
+        at most ``FEW_CHUNKS`` chunks (None past it): one page's offsets are then a few
+        integer operations, where numpy's arithmetic on arrays of a few elements costs
+        about a microsecond an operation (kept: asked by every single-block copy)."""
+        if len(self.length) > FEW_CHUNKS:
+            return None
+        return (
+            tuple(self.pool_base.tolist()),
+            tuple(self.page_stride.tolist()),
+            tuple(self.block_offset.tolist()),
+        )
 
     def subset(self, first: int, stop: int) -> ChunkTable:
         """Chunks ``first .. stop - 1`` of the block; offsets stay relative to the whole

@@ -12,7 +12,7 @@ from kvtier.kernels.copy import (
     copy_ranges,
     pool_to_blocks,
 )
-from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
+from kvtier.kernels.layout import FEW_CHUNKS, MAX_LAYERS, LayerLayout, PoolLayout
 
 
 def _reference(dst, src, doff, soff, lens):
@@ -98,6 +98,39 @@ def test_gather_and_scatter_through_a_layout_round_trip():
                 out[int(b + p * s) : int(b + p * s + n)],
                 pool[int(b + src_page * s) : int(b + src_page * s + n)],
             )
+
+
+@pytest.mark.parametrize("num_layers", [1, FEW_CHUNKS // 2, FEW_CHUNKS // 2 + 1, 32])
+def test_a_single_page_is_gathered_and_scattered_whatever_its_chunk_count(num_layers):
+    """One page's offsets are Python ints up to FEW_CHUNKS chunks, numpy's past it: the same
+    bytes either way, the last page included."""
+    layout = PoolLayout.vllm(
+        num_layers=num_layers,
+        num_pages=8,
+        block_tokens=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float16",
+    )
+    t = layout.chunk_table
+    assert (t.few is None) == (len(t.length) > FEW_CHUNKS)
+    pool = np.random.default_rng(2).integers(0, 256, layout.extent_bytes, dtype=np.uint8)
+    start = 3 * layout.block_bytes
+    for page in (0, 5, 7):
+        blocks = np.zeros(4 * layout.block_bytes, dtype=np.uint8)
+        pool_to_blocks(t, pool, np.array([page]), blocks, np.array([start], dtype=np.uint64))
+        expected = b"".join(
+            pool[int(b + page * s) : int(b + page * s + n)].tobytes()
+            for b, s, n in zip(t.pool_base, t.page_stride, t.length, strict=True)
+        )
+        assert blocks[start : start + layout.block_bytes].tobytes() == expected
+        assert not blocks[:start].any() and not blocks[start + layout.block_bytes :].any()
+        out = np.zeros_like(pool)
+        blocks_to_pool(t, blocks, np.array([start], dtype=np.uint64), out, np.array([page]))
+        for b, s, n in zip(t.pool_base, t.page_stride, t.length, strict=True):
+            at = int(b + page * s)
+            assert np.array_equal(out[at : at + int(n)], pool[at : at + int(n)])
+        assert int(out.astype(bool).sum()) <= layout.block_bytes
 
 
 def test_regression_a_batch_of_many_tiny_chunks_planned_all_its_offsets_at_once(monkeypatch):
