@@ -305,6 +305,13 @@ class WriteOutcome(NamedTuple):
     checksum: int = 0
 
 
+# ``WriteOutcomes.all_stored``'s columns for one block, read-only: shared by every batch.
+_ONE_OK = np.ones(1, dtype=bool)
+_ONE_OK.flags.writeable = False
+_ONE_CHECKSUM = np.zeros(1, dtype=np.uint64)
+_ONE_CHECKSUM.flags.writeable = False
+
+
 class WriteOutcomes(Sequence[WriteOutcome]):
     """A batch's outcomes as three arrays (slots, ok, checksums), read as a sequence of
     ``WriteOutcome``: the store takes the columns whole, so a batch of thousands of blocks
@@ -326,6 +333,9 @@ class WriteOutcomes(Sequence[WriteOutcome]):
         that ``__init__`` does (half the cost of a single-block put's copy into L1)."""
         out = cls.__new__(cls)
         out.slots = slots
+        if len(slots) == 1:  # a single-block put's: the columns every such batch shares
+            out.ok, out.checksums = _ONE_OK, _ONE_CHECKSUM
+            return out
         # np.ones is a Python function around these two calls, and costs twice as much.
         out.ok = np.empty(len(slots), dtype=bool)
         out.ok.fill(True)

@@ -86,3 +86,10 @@ def test_all_stored_outcomes_are_those_of_every_block_stored_without_a_checksum(
     assert outs.slots.dtype == np.int64 and outs.ok.dtype == bool
     assert outs.checksums.dtype == np.uint64
     assert len(WriteOutcomes.all_stored(slots[:0])) == 0
+    # One block's (every single-block put's): the same, its columns shared and read-only.
+    one = WriteOutcomes.all_stored(slots[1:2])
+    assert one == [WriteOutcome(2, True, 0)] and one.ok.dtype == bool
+    assert one.checksums.dtype == np.uint64
+    assert WriteOutcomes.all_stored(slots[2:]).ok is one.ok
+    with pytest.raises(ValueError, match="read-only"):
+        one.ok[0] = False
