@@ -776,7 +776,9 @@ class KVService:
                 f"{len(keys)} keys in one request; at most {limit} (server.max_batch_blocks)"
             )
         try:
-            return keys_to_words(list(keys))
+            # A request's repeated field is read as a list once, where keys_to_words goes over
+            # it twice; its one key is read as it is (the copy costs more than the rest).
+            return keys_to_words(keys if len(keys) == 1 else list(keys))
         except ValueError as e:
             raise InvalidArgument(f"{what}: {e}") from None
 
@@ -791,8 +793,11 @@ class KVService:
         if len(pages) != nkeys:
             raise InvalidArgument(f"{len(pages)} pages for {nkeys} keys; give one page per key")
         # fromiter: np.asarray walks a protobuf repeated field as a generic sequence, several
-        # times the cost for the one or few pages of a small request.
-        arr = np.fromiter(pages, dtype=np.int64, count=len(pages))
+        # times the cost for the few pages of a small request; one page is read as an int.
+        if nkeys == 1:
+            arr = np.array([pages[0]], dtype=np.int64)
+        else:
+            arr = np.fromiter(pages, dtype=np.int64, count=len(pages))
         pool.check_pages(arr)
         if unique and len(arr) > 1 and len(np.unique(arr)) != len(arr):
             raise InvalidArgument("a page appears twice; each loaded block needs its own page")

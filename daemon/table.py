@@ -95,7 +95,7 @@ _M1_INT = int(_M1)
 _M2_INT = int(_M2)
 
 
-def keys_to_words(keys: list[bytes] | tuple[bytes, ...]) -> np.ndarray:
+def keys_to_words(keys: Sequence[bytes]) -> np.ndarray:
     """Pack 32-byte keys into an ``(n, 4)`` uint64 array. Raises ValueError on a bad length."""
     if not keys:
         return np.empty((0, _KEY_WORDS), dtype=np.uint64)
