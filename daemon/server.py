@@ -480,10 +480,12 @@ class KVTierServicer:
             request.namespace,
         )
         codes = results.tolist()
+        if persisted is None:
+            # Not durable: no persisted field (an empty list given costs as much again as
+            # the rest of the message).
+            return pb.PutResponse(results=codes, stored=codes.count(pb.PUT_STORED))
         return pb.PutResponse(
-            results=codes,
-            stored=codes.count(pb.PUT_STORED),
-            persisted=persisted.tolist() if persisted is not None else [],
+            results=codes, stored=codes.count(pb.PUT_STORED), persisted=persisted.tolist()
         )
 
     @_rpc
