@@ -101,8 +101,10 @@ class TransferEngine:
         self.device = device
         # transfer_seconds{direction}: one observation per batch, for metrics.
         self.latency = latency if latency is not None else Histograms()
-        # Its series for copies from a pool, per tier label (``_observe_from_pool``).
+        # Its series for copies from a pool and into one, per tier label
+        # (``_observe_from_pool``, ``_observe_to_pool``).
         self._from_pool_series: dict[str, Series] = {}
+        self._to_pool_series: dict[str, Series] = {}
         self._clock = clock
         self.executor = PriorityExecutor(
             background_workers + DEMAND_THREADS, "kvtier-xfer", reserved=DEMAND_THREADS
@@ -270,20 +272,20 @@ class TransferEngine:
         started = time.perf_counter()
         if isinstance(pages, DevicePages) and not level.device_memory:
             got = await self._to_device_pool(level, slots, refs, nbytes, checksums, pages, priority)
-            self._observe(started, f"{level.label}->pool")
+            self._observe_to_pool(started, level.label)
             if not level.host_memory:
                 self._count_move(level.label, "pool", sum(got), nbytes)
             return got
         if level.keyed:
             got = list(await level.keys.read(refs, nbytes, host_side(pages)))
-            self._observe(started, f"{level.label}->pool")
+            self._observe_to_pool(started, level.label)
             return got
         batch = ReadBatch(slots, refs, nbytes, pages, checksums, priority)
         if self._inline(level, len(slots) * nbytes):
             ok = level.slots.read(batch)
         else:
             ok = await self._run(priority, level.slots.read, batch)
-        self._observe(started, f"{level.label}->pool")
+        self._observe_to_pool(started, level.label)
         if not level.host_memory:
             self._count_move(level.label, "pool", sum(ok), nbytes)
         return list(ok)
@@ -620,6 +622,16 @@ class TransferEngine:
         if series is None:
             series = self._from_pool_series[label] = self.latency.series(
                 "transfer_seconds", direction=f"pool->{label}"
+            )
+        series.add(time.perf_counter() - started)
+
+    def _observe_to_pool(self, started: float, label: str) -> None:
+        """``_observe`` of a copy from the tier labelled ``label`` into a pool: every Get
+        makes one, so its series is resolved once per tier, as ``_observe_from_pool``'s."""
+        series = self._to_pool_series.get(label)
+        if series is None:
+            series = self._to_pool_series[label] = self.latency.series(
+                "transfer_seconds", direction=f"{label}->pool"
             )
         series.add(time.perf_counter() - started)
 
