@@ -153,7 +153,17 @@ class SpaceManager:
         right after the current request is answered (one ``touch_many`` per tier), and in
         any case before the store next inserts, evicts or drops anything."""
         self.table.last_access[bids] = now
-        self._pending_touches.append((bids.copy(), now))
+        self._pend_touch(bids.copy(), now)
+
+    def touch_one(self, bid: int, now: float) -> None:
+        """``touch`` of one block (a single-key Get's), its row indexed as an int."""
+        self.table.last_access[bid] = now
+        self._pend_touch(np.array([bid], dtype=np.int64), now)
+
+    def _pend_touch(self, bids: np.ndarray, now: float) -> None:
+        """The policies hear of this access of ``bids`` (an array kept as it is: no caller
+        changes it after) once the current request is answered (``touch``)."""
+        self._pending_touches.append((bids, now))
         if len(self._pending_touches) == 1:
             try:
                 asyncio.get_running_loop().call_soon(self.apply_touches)

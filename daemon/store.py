@@ -1247,7 +1247,7 @@ class BlockStore:
             return None
         now = self._clock()
         if touch:
-            self.space.touch(np.array([bid], dtype=np.int64), now)
+            self.space.touch_one(bid, now)
         else:
             # The pinning Lookup counted this access; only the protection clock restarts.
             table.last_access[bid] = now
