@@ -111,8 +111,9 @@ def _copy_pages(
         # One block (a single-key request): with few chunks, its offsets in Python ints
         # (``ChunkTable.few``), else in three array operations, with Python ints for the page
         # and start (a numpy scalar first tries its own arithmetic, then falls back to the
-        # array's; both stay uint64). The page is checked against the pool's, whose every
-        # chunk the registration fitted in its region: no offset passes 64 bits.
+        # array's; both stay uint64). No offset passes 64 bits: the request's page was
+        # checked against the pool's page count, whose every chunk the registration fitted
+        # in the pool's region.
         page, start = int(pages[0]), int(block_starts[0])
         few = table.few
         at_pool: np.ndarray | array[int]
