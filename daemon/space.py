@@ -1433,7 +1433,9 @@ class _SourceCopy:
         same = rows[:, self.col] == self.slots
         same &= table.checksums(bids, self.col) == self.checksums
         if self.since is not None:
-            same &= table.keyed_since[bids] == self.since
+            # A copy written or found since is dated later; the copy read may only have been
+            # dated back to its write meanwhile (``BlockStore._date_copies``), still the same.
+            same &= table.keyed_since[bids] <= self.since
         return (rows[:, dst.col] < 0) & (same | ~(rows >= 0).any(axis=1))
 
 
