@@ -20,6 +20,7 @@ from kvtier.bench.jsonout import Emit, JsonStdout
 
 # Modules are imported only when their benchmark runs.
 BENCHMARKS = {
+    "flood": "kvtier.bench.flood",
     "gpu": "kvtier.bench.gpu_check",
     "instructions": "kvtier.bench.instructions",
     "l1": "kvtier.bench.l1",

@@ -27,6 +27,8 @@ from kvtier.bench import run_bench
         ("instructions", ["--calls", "0"], "counts must be at least 1"),
         ("instructions", ["--idle-s", "0"], "counts must be at least 1"),
         ("restart", ["--rows", "0"], "counts must be at least 1"),
+        ("flood", ["--calls", "0"], "--calls must be at least 1"),
+        ("flood", ["--request-bytes", "4kk"], "--request-bytes: not a size"),
     ],
 )
 def test_bad_counts_are_refused_with_a_message(
