@@ -267,6 +267,12 @@ COUNTERS: dict[str, MetricDef] = {
         "Calls ended before their request had arrived in full: too many waiting "
         "(RESOURCE_EXHAUSTED) or waited too long (DEADLINE_EXCEEDED).",
     ),
+    "requests_parse_waited": _c(
+        "kvtier_requests_parse_waited_total",
+        (),
+        "Large requests that waited for their turn to be parsed (another large request was "
+        "parsed just before); turns go round robin over tenants.",
+    ),
     "health_watches_refused": _c(
         "kvtier_health_watches_refused_total",
         (),

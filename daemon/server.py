@@ -8,8 +8,11 @@ Invariants:
 - Every call is answered with a status, never UNKNOWN. At most ``MAX_RECEIVING_REQUESTS``
   calls wait for their request message at once, each at most ``REQUEST_RECEIVE_TIMEOUT_S``
   (``RequestReceiver``): a request stalled short of its end holds no buffer for long.
-  Requests are parsed by the servicer's own deserializers: bytes that are not a valid
-  message become INVALID_ARGUMENT with at most one WARNING line per method every
+  Requests are parsed by the servicer's own deserializers, a request of
+  ``LARGE_REQUEST_BYTES`` or more in its turn, round robin over the tenants
+  (``daemon/parseturns.py``): one client's flood of large requests does not hold other
+  clients' calls behind all of it. Bytes that are not a valid message become
+  INVALID_ARGUMENT with at most one WARNING line per method every
   ``server.bad_request_log_interval_s`` (no traceback); domain errors map to their status;
   anything unexpected is INTERNAL with a traceback, at most one per method per interval.
 - A request runs to its end even when its client cancels it or its deadline passes (the
@@ -75,6 +78,7 @@ from kvtier.daemon.errors import (
 from kvtier.daemon.health import NOT_SERVING, SERVING, HealthService
 from kvtier.daemon.memtrim import MemoryTrimmer
 from kvtier.daemon.observe import RpcObserver
+from kvtier.daemon.parseturns import LARGE_REQUEST_BYTES, ParseTurns, session_id_of
 from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
 from kvtier.daemon.service import KVService
@@ -649,7 +653,10 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self._lost_answers = LostAnswerFilter(cfg.bad_request_log_interval_s)
         self.receiver = RequestReceiver(
-            MAX_RECEIVING_REQUESTS, REQUEST_RECEIVE_TIMEOUT_S, self.service.counters
+            MAX_RECEIVING_REQUESTS,
+            REQUEST_RECEIVE_TIMEOUT_S,
+            self.service.counters,
+            lambda data: self.sessions.limit_key_of(session_id_of(data)),
         )
 
     async def start(self) -> None:
@@ -826,8 +833,9 @@ class Daemon:
 
 class RequestReceiver:
     """Reads each call's one request message itself, so that it can bound the calls waiting
-    for theirs (see ``MAX_RECEIVING_REQUESTS``) and end those that end their request without
-    one (gRPC's unary handling answers those nothing at all).
+    for theirs (see ``MAX_RECEIVING_REQUESTS``), end those that end their request without
+    one (gRPC's unary handling answers those nothing at all), and parse large ones in turns
+    (``ParseTurns``).
 
     ``wrap`` turns a unary-request handler into the request-streaming one of the same method:
     on the wire the two are the same, the client's stubs do not change.
@@ -835,10 +843,18 @@ class RequestReceiver:
     Thread-safety: the event loop only.
     """
 
-    def __init__(self, max_waiting: int, timeout_s: float, counters: Counter[str]) -> None:
+    def __init__(
+        self,
+        max_waiting: int,
+        timeout_s: float,
+        counters: Counter[str],
+        sender_of: Callable[[bytes], str] = lambda data: "",
+    ) -> None:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.counters = counters
+        # Large requests are parsed in turns, round robin over ``sender_of`` each.
+        self.turns = ParseTurns(sender_of, counters)
         # Calls waiting for their request, oldest first (a dict keeps insertion order).
         self.waiting: dict[_Waiter, None] = {}
         # One timer for every waiter (a timer per call cost more than the rest of the wait):
@@ -848,39 +864,42 @@ class RequestReceiver:
     def wrap(self, handlers: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, h in handlers.items():
+            # gRPC hands over the request's bytes; ``receive`` parses them (``ParseTurns``).
             if h.unary_unary is not None:
                 out[name] = grpc.stream_unary_rpc_method_handler(
-                    self._unary(h.unary_unary),
-                    request_deserializer=h.request_deserializer,
+                    self._unary(h.unary_unary, h.request_deserializer),
                     response_serializer=h.response_serializer,
                 )
             elif h.unary_stream is not None:
                 out[name] = grpc.stream_stream_rpc_method_handler(
-                    self._stream(h.unary_stream),
-                    request_deserializer=h.request_deserializer,
+                    self._stream(h.unary_stream, h.request_deserializer),
                     response_serializer=h.response_serializer,
                 )
             else:
                 raise ValueError(f"{name}: only unary requests are received here")
         return out
 
-    def _unary(self, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    def _unary(
+        self, behavior: Callable[..., Awaitable[Any]], parse: Callable[[bytes], Any]
+    ) -> Callable[..., Awaitable[Any]]:
         async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await behavior(await self.receive(context), context)
+                return await behavior(await self.receive(context, parse), context)
             except grpc.aio.AbortError as e:
                 _unchain(e)
                 raise
 
         return unary
 
-    def _stream(self, behavior: Callable[..., AsyncGenerator[Any, None]]) -> Callable[..., Any]:
+    def _stream(
+        self, behavior: Callable[..., AsyncGenerator[Any, None]], parse: Callable[[bytes], Any]
+    ) -> Callable[..., Any]:
         async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             # aclosing: the handler's own cleanup (a session's end) runs when this stream
             # is closed, not whenever the garbage collector finalizes it.
             try:
                 async with contextlib.aclosing(
-                    behavior(await self.receive(context), context)
+                    behavior(await self.receive(context, parse), context)
                 ) as out:
                     async for response in out:
                         yield response
@@ -890,8 +909,11 @@ class RequestReceiver:
 
         return stream
 
-    async def receive(self, context: grpc.aio.ServicerContext) -> Any:
-        """The call's request, or the call ends with a status."""
+    async def receive(
+        self, context: grpc.aio.ServicerContext, parse: Callable[[bytes], Any]
+    ) -> Any:
+        """The call's request, parsed by ``parse`` (a large one in its turn), or the call
+        ends with a status."""
         if len(self.waiting) >= self.max_waiting:
             self._end(next(iter(self.waiting)), grpc.StatusCode.RESOURCE_EXHAUSTED)
         task = asyncio.current_task()
@@ -914,7 +936,9 @@ class RequestReceiver:
         if request is grpc.aio.EOF:
             self.counters["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
-        return request
+        if len(request) < LARGE_REQUEST_BYTES:
+            return parse(request)
+        return await self.turns.parse(request, parse)
 
     def _expire(self) -> None:
         """End the calls that have waited ``timeout_s``; re-armed for the oldest left."""

@@ -172,6 +172,11 @@ class SessionRegistry:
             raise SessionGone(f"session {shown} is not open (it ended or never existed)")
         return session
 
+    def limit_key_of(self, session_id: str) -> str:
+        """The ``limit_key`` of open session ``session_id``; "" if none is open by that id."""
+        session = self._sessions.get(session_id)
+        return "" if session is None else session.limit_key
+
     def close(self, session_id: str) -> list[Lease]:
         """End a session; returns its leases, which the caller unpins."""
         session = self._sessions.pop(session_id, None)

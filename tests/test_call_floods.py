@@ -21,6 +21,7 @@ import pytest
 from h2_frames import RawConnection
 
 from kvtier.client import PoolLayout, SharedMemoryPool
+from kvtier.daemon.config import ServerConfig
 from kvtier.daemon.pools import POOL_LOG_BURST, POOL_LOG_RATE_S
 from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
 from kvtier.daemon.service import SESSION_LOG_BURST, SESSION_LOG_RATE_S
@@ -131,3 +132,33 @@ def test_regression_large_requests_that_failed_stayed_in_memory_until_a_full_col
     assert grown < 128 << 20, f"the daemon grew {grown >> 20} MiB over 60 refused requests"
     with daemon.client() as client:
         assert client.health()
+
+
+def test_regression_one_clients_large_requests_held_every_other_call_behind_them(daemon):
+    """The event loop parsed requests in the order their calls came: a client that kept many
+    large requests open (Puts just under server.max_message_bytes naming no session, each
+    refused once parsed) made another client's one-key Lookup wait behind all of them
+    (p50 0.6 ms -> 3.3 s beside 128 of 3.8 MB: ``kvtier bench flood``). Large requests are
+    parsed in turns now, with the loop's other calls served between two of them: the
+    Lookup, sent once the flood is under way, is answered while most of the flood still
+    waits."""
+    flood = 64
+    size = int(ServerConfig.max_message_bytes * 0.9)
+    request = pb.PutRequest(
+        session_id="no-such-session", pool_id=1, keys=[b"k" * 32], pages=[0] * size
+    ).SerializeToString()
+    with (
+        daemon.client() as victim,
+        grpc.insecure_channel(f"unix:{daemon.socket}") as channel,
+    ):
+        victim.lookup([b"k" * 32])  # its session opens before the flood
+        put = channel.unary_unary("/kvtier.v1.KVTier/Put")
+        calls = [put.future(request, timeout=120) for _ in range(flood)]
+        while not any(c.done() for c in calls):  # the daemon is parsing the flood
+            time.sleep(0.001)
+        assert victim.lookup([b"k" * 32]).prefix_len == 0
+        answered_before = sum(c.done() for c in calls)
+        for c in calls:
+            assert c.exception().code() == grpc.StatusCode.NOT_FOUND
+        assert answered_before <= flood // 4, f"{answered_before} of {flood} answered first"
+        assert victim.stats().counters["requests_parse_waited"] > 0

@@ -281,7 +281,7 @@ def test_past_its_limit_the_receiver_ends_the_call_that_has_waited_longest():
         contexts = [Waiting() for _ in range(4)]
         tasks = []
         for ctx in contexts:
-            tasks.append(asyncio.ensure_future(receiver.receive(ctx)))
+            tasks.append(asyncio.ensure_future(receiver.receive(ctx, bytes)))
             await asyncio.sleep(0)  # each begins to wait before the next arrives
         await asyncio.sleep(0.01)
         assert contexts[0].status is not None
