@@ -1513,8 +1513,8 @@ class ReadGatedKeyTier(MemoryKeyTier):
     """A key-addressed tier whose first read, once it has read its blocks, waits until the
     test opens the gate."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
         self.gate = asyncio.Event()
         self.waiting = asyncio.Event()
 
@@ -4079,3 +4079,42 @@ async def test_regression_a_promotion_from_l3_installed_old_bytes_over_a_put_wri
     assert where(store, word) == ["L2"]
     assert await get(store, pool, word, [31]) == [True]
     assert page_bytes(pool, 31) == page_bytes(pool, 41)
+
+
+@pytest.mark.parametrize("by", ["prefetch", "get"])
+async def test_regression_a_promotion_from_l3_was_refused_once_its_copy_was_dated(
+    make_store, monkeypatch, by
+):
+    """A lookup's probe found a copy another node wrote to L3 and dated it from its write in
+    the background (``_date_copies``); a promotion of that block into L1 begun before the
+    dating answered, and done after it, found the copy's ``keyed_since`` changed and gave its
+    slot back as if the copy read were gone: the block stayed only in L3 (read from L3 again
+    at every Get). A copy dated from its write is the one the promotion read."""
+    clock = Clock()
+    shared = ReadGatedKeyTier(clock=clock, ttl_s=100)
+    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
+    word = keys(1)
+    page = HostBuffers([memoryview(page_bytes(pool, 40))])
+    assert await shared.write([BlockRef(0, word[0].tobytes())], 4096, page) == [True]
+    clock.now += 40
+    dating, answer = _gate_first_return(monkeypatch, shared, "value_ages")
+    assert (await store.lookup(0, word))[0] == 1
+    bid = int(store.table.lookup(0, word)[0])
+    if by == "prefetch":
+        assert (await store.prefetch(0, word, deadline_ms=0)).scheduled == 1
+        reading = None
+    else:
+        reading = asyncio.ensure_future(get(store, pool, word, [31]))
+    await shared.waiting.wait()  # the promotion has read the block
+    await dating.wait()
+    answer.set()
+    while store.table.keyed_since[bid] == clock.now:
+        await asyncio.sleep(0)
+    assert store.table.keyed_since[bid] == clock.now - 40
+    shared.gate.set()
+    if reading is not None:
+        assert await reading == [True]
+        assert page_bytes(pool, 31) == page_bytes(pool, 40)
+    await store.space.drain()
+    assert where(store, word) == ["L1"]
+    assert store.table.keyed_since[bid] == clock.now - 40  # still dated from its write
