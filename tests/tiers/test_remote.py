@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from kvtier.tiers.base import (
     TierUnavailable,
 )
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.remote import journal as journal_module
 from kvtier.tiers.remote import tier as tier_module
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer, checksum, header
 from kvtier.tiers.remote.options import RemoteOptions
@@ -664,6 +666,54 @@ async def test_removals_an_unreachable_store_could_not_take_are_recorded_before_
             assert sorted(k for k, _ in disk.removals()) == sorted(
                 names.key(b.ns, b.key) for b in blocks
             )
+
+
+async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_again_at_restart(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A removal the store confirmed was to leave the journal; when that drop failed (here
+    another process held the file's lock past the busy timeout) the entry stayed, and
+    nothing tried again: once the key was written again, the next start answered it absent
+    and deleted the new value from the store. A drop that fails goes with the next update,
+    and a write of such a key waits for it before its block is sent."""
+    monkeypatch.setattr(journal_module, "_BUSY_TIMEOUT_S", 0.1)
+    nbytes = 4096
+    blocks = [ref(0)]
+    stored = KeyNamer(l3_prefix).key(blocks[0].ns, blocks[0].key)
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            await tier.remove(blocks)  # refused: in the journal
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+            shell = sqlite3.connect(path, isolation_level=None)
+            shell.execute("BEGIN IMMEDIATE")  # an operator's shell holds the file
+            try:
+                await tier.remove([ref(99)])  # accepted: the one left is sent again
+                await wait_for(
+                    "the removal to be confirmed",
+                    lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+                )
+                await wait_for("its drop to fail", lambda: "update failed" in caplog.text)
+            finally:
+                shell.execute("ROLLBACK")
+                shell.close()
+            assert raw.exists(stored) == 0
+            assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+        assert raw.exists(stored) == 1
+        async with opened(opts) as tier:
+            assert await tier.probe_each(blocks) == [nbytes]
+            assert tier.stats().gauges["removals_unconfirmed"] == 0
+        assert raw.exists(stored) == 1
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
 async def test_a_removals_file_that_cannot_be_opened_stops_the_start(

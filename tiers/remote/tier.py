@@ -24,9 +24,10 @@ Invariants:
   ``_UNREMOVED_MAX`` keys; across restarts where the tier keeps a ``RemovalJournal`` (its
   ``removals_file``, or one the daemon gives it: ``keep_removals_in``): a removal it remembers is recorded there before ``remove``
   returns, and one confirmed, written again, expired or forgotten is dropped from it (a write
-  waits for that drop before it sends the block: a restart never deletes a block written
-  again after its removal). Journal calls run on a worker thread, one at a time, in the
-  order they were made.
+  waits for that drop before it sends the block, so that a restart does not delete a block
+  written again after its removal; a drop that fails goes again with every later update,
+  and at ``close``, until one is recorded: only a crash before then deletes it). Journal
+  calls run on a worker thread, one at a time, in the order they were made.
 - Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
   value that fails any check is a miss, counted by reason, and never reaches the caller's
   buffer as valid data.
@@ -253,6 +254,10 @@ class RemoteTier:
         self._own_journal: RemovalFile | None = None  # ``removals_file``'s, closed at close
         self._journal_turn = asyncio.Lock()
         self._journaling: set[asyncio.Task[None]] = set()
+        # Keys whose drop from the journal failed (their entries may be there still): each
+        # update drops them too until one succeeds. Left there, a restart would delete a
+        # value written again since.
+        self._undropped: set[bytes] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -342,6 +347,8 @@ class RemoteTier:
         grace = self.options.connect_timeout_s + self.options.op_timeout_s
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
+        # One more try for drops that failed.
+        self._record([], list(self._undropped))
         if self._journaling:
             # Drops only by now (a removal's record, and a write's drop, is awaited by its
             # caller): one left undone costs the restart an UNLINK sent again.
@@ -520,6 +527,8 @@ class RemoteTier:
             # Stored again: whether this write lands or not, the block is no longer removed
             # (a value the store still holds under the key is the same block's).
             unremoved = [k for k in keys if self._unremoved.pop(k, None) is not None]
+        if self._undropped:
+            unremoved += [k for k in keys if k in self._undropped]
         for pending in self._removing.values():
             pending.difference_update(keys)  # nor by a removal still on its way
         recording = self._record([], unremoved)
@@ -669,11 +678,19 @@ class RemoteTier:
         journal = self._journal
         assert journal is not None
         async with self._journal_turn:
+            # Added after the drops: a key removed again since its drop failed stays.
+            gone = [*dropped, *self._undropped.difference(dropped)]
             try:
-                recorded = await asyncio.to_thread(journal.record_removals, added, dropped)
+                recorded = await asyncio.to_thread(journal.record_removals, added, gone)
             except Exception:
                 log.exception("L3: recording removals failed unexpectedly")
                 recorded = False
+            if recorded:
+                self._undropped.clear()
+            else:
+                self._undropped.update(dropped)
+                # One kept there (its earlier entry, not dropped) is a removal again.
+                self._undropped.difference_update(k for k, _ in added)
         if not recorded:
             # The journal's own tier reports why; these stay remembered in memory only.
             self._counters["remove_unrecorded"] += len(added)
