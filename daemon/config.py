@@ -708,7 +708,8 @@ class L3Config:
         metadata=_opt(
             "str",
             doc="small SQLite file that keeps the removals (Deletes) L3 has not confirmed "
-            "across restarts; empty: in L2's index when L2 is enabled, else nowhere (a "
+            "across restarts, one daemon's own (locked while it runs: a second daemon given "
+            "it does not start); empty: in L2's index when L2 is enabled, else nowhere (a "
             "restart forgets them)",
         ),
     )

@@ -716,6 +716,38 @@ async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_a
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_regression_two_tiers_shared_one_removals_file(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
+) -> None:
+    """Two daemons given one ``removals_file`` (one config for two, or a new daemon started
+    before the old one had stopped) both used it: the second took up the first's removals
+    and kept them in memory while the first wrote a key again and dropped its entry, so the
+    second then sent that key's UNLINK and deleted the value written again. The file is
+    held by one tier at a time: the second does not start, and starts once the first has
+    closed."""
+    nbytes = 4096
+    blocks = [ref(0)]
+    stored = KeyNamer(l3_prefix).key(blocks[0].ns, blocks[0].key)
+    opts = options(fresh_redis, l3_prefix, removals_file=str(tmp_path / "removals.sqlite3"))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as first:
+            assert await first.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            await first.remove(blocks)  # refused: in the file
+            second = RemoteTier(opts)
+            with pytest.raises(TierUnavailable, match=r"removals_file .* in use"):
+                await second.start()
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+            assert await first.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            await first.remove([ref(99)])
+            assert raw.exists(stored) == 1
+        async with opened(opts) as again:
+            assert await again.probe_each(blocks) == [nbytes]
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 async def test_a_removals_file_that_cannot_be_opened_stops_the_start(
     redis_server: RedisServer, l3_prefix: str, tmp_path: Path
 ) -> None:

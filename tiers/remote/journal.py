@@ -4,6 +4,9 @@ without a disk tier (whose index keeps them otherwise): a ``RemovalJournal``.
 Invariants: a ``record_removals`` that returns True is durable (WAL, ``synchronous=FULL``;
 the folder synced once the file is made); one that fails changes nothing and answers False
 (logged), never raises. One table, ``l3_removals (key, until)``, as in the disk tier's index.
+One ``RemovalFile`` at a time holds the file (an exclusive ``flock`` until ``close``): another
+daemon taking up removals this one keeps would send them again after this one wrote their
+keys again, deleting the values written.
 
 Thread-safety: every method may be called from any thread; the connection is serialised.
 """
@@ -11,6 +14,7 @@ Thread-safety: every method may be called from any thread; the connection is ser
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import sqlite3
@@ -45,10 +49,21 @@ class RemovalFile:
         self._broken = ""  # the last failure logged, so that a failing disk logs once
         made = not self.path.exists()
         try:
-            if made:
-                # Owner-only before SQLite makes it (its WAL takes the file's mode).
-                os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
-            self._db: sqlite3.Connection | None = sqlite3.connect(
+            # Owner-only before SQLite makes it (its WAL takes the file's mode). Kept open,
+            # locked, until ``close``: flock does not touch SQLite's own (fcntl) locks.
+            self._lock_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        except OSError as e:
+            raise RemovalFileError(f"L3 removals_file {self.path}: {e}") from None
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._lock_fd)
+            raise RemovalFileError(
+                f"L3 removals_file {self.path} is in use by another process ({e.strerror})"
+            ) from None
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_S
             )
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -57,6 +72,7 @@ class RemovalFile:
             if made:
                 fsync_dir(self.path.parent.absolute())
         except (OSError, sqlite3.Error) as e:
+            self.close()
             raise RemovalFileError(f"L3 removals_file {self.path}: {e}") from None
 
     def removals(self) -> list[tuple[bytes, float | None]]:
@@ -91,10 +107,13 @@ class RemovalFile:
 
     def close(self) -> None:
         with self._lock:
-            if self._db is not None:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.close()
-                self._db = None
+            if self._lock_fd >= 0:
+                if self._db is not None:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.close()
+                    self._db = None
+                os.close(self._lock_fd)  # after SQLite's: lets the next daemon in
+                self._lock_fd = -1
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
