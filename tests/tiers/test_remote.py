@@ -707,6 +707,8 @@ async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_a
                 shell.close()
             assert raw.exists(stored) == 0
             assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            with contextlib.closing(sqlite3.connect(path)) as db:  # dropped before it was sent
+                assert db.execute("SELECT COUNT(*) FROM l3_removals").fetchone() == (0,)
         assert raw.exists(stored) == 1
         async with opened(opts) as tier:
             assert await tier.probe_each(blocks) == [nbytes]
