@@ -709,8 +709,8 @@ class L3Config:
             "str",
             doc="small SQLite file that keeps the removals (Deletes) L3 has not confirmed "
             "across restarts, one daemon's own (locked while it runs: a second daemon given "
-            "it does not start); empty: in L2's index when L2 is enabled, else nowhere (a "
-            "restart forgets them)",
+            "it does not start; those L2's index kept are moved into it at start); empty: in "
+            "L2's index when L2 is enabled, else nowhere (a restart forgets them)",
         ),
     )
     admission: str = field(

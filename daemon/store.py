@@ -268,14 +268,18 @@ class BlockStore:
         remote store's unconfirmed removals are kept in the first persistent tier that keeps
         such a journal (the disk tier's index), so that a restart does not bring a deleted
         block back, unless the tier keeps them in a file of its own
-        (``tiers.l3.removals_file``)."""
+        (``tiers.l3.removals_file``): then those the disk tier kept are moved into it."""
         journal = next((lv.tier for lv in self.stack if hasattr(lv.tier, "record_removals")), None)
-        if self.config.tiers.l3.removals_file:
-            journal = None  # the tier keeps them in that file
+        in_file = bool(self.config.tiers.l3.removals_file)
         for level in self._keyed:
-            keep = getattr(level.tier, "keep_removals_in", None)
-            if keep is not None and journal is not None:
-                await keep(journal)
+            if journal is not None and in_file:
+                carry = getattr(level.tier, "carry_removals_from", None)
+                if carry is not None:
+                    carry(journal)
+            elif journal is not None:
+                keep = getattr(level.tier, "keep_removals_in", None)
+                if keep is not None:
+                    await keep(journal)
             start = getattr(level.tier, "start", None)
             if start is not None:
                 await start()

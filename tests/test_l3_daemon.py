@@ -838,6 +838,45 @@ def test_regression_a_delete_the_store_had_not_applied_came_back_after_a_crash(
         index.close()
 
 
+def test_regression_removals_kept_in_l2_were_lost_or_came_back_when_removals_file_was_set(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A node with L2 kept its unconfirmed removals in L2's index; restarted with
+    ``tiers.l3.removals_file`` set, it read only the file: the deleted block was found in L3
+    again. And the entry stayed in L2's index: once the key was put again (its value written
+    to L3) and the node restarted with the file unset again, it took that stale entry up and
+    sent the key's UNLINK again, deleting the value put since. The start moves L2's entries
+    into the file."""
+    removals_file = f"tiers.l3.removals_file={tmp_path / 'removals.sqlite3'}"
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    chain = keys(8, 34)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    try:
+        with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+            put_all(ca, ca.register_pool(shm, LAYOUT).pool_id, chain)
+            wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) == 8)
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            assert ca.delete(chain[7:]).deleted == 1  # refused: kept in L2's index
+        a.stop()
+        a.overrides += ["--set", removals_file]
+        a.start()
+        with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+            assert ca.lookup(chain[7:]).prefix_len == 0
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+            before = ca.stats().counter("copies", direction="L1->L3")
+            assert ca.put(ca.register_pool(shm, LAYOUT).pool_id, chain[7:], [7]).prefix_len == 1
+            wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == before + 1)
+        a.stop()
+        del a.overrides[-2:]
+        a.start()
+        with a.client() as ca:
+            assert ca.lookup(chain[7:]).prefix_len == 1
+            assert ca.stats().counters["l3_remove_retried"] == 0  # nothing taken up
+        assert len(raw.keys(f"{l3_prefix}*")) == 8
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 def test_regression_a_block_held_here_kept_an_l3_copy_that_had_expired_and_was_never_written_again(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):

@@ -252,6 +252,7 @@ class RemoteTier:
         # (not cancelled at close: each one's outcome stands) take turns in call order.
         self._journal: RemovalJournal | None = None
         self._own_journal: RemovalFile | None = None  # ``removals_file``'s, closed at close
+        self._carried_from: RemovalJournal | None = None  # ``carry_removals_from``
         self._journal_turn = asyncio.Lock()
         self._journaling: set[asyncio.Task[None]] = set()
         # Keys whose drop from the journal failed (their entries may be there still): each
@@ -289,6 +290,13 @@ class RemoteTier:
         if recording is not None:
             await asyncio.shield(recording)
 
+    def carry_removals_from(self, journal: RemovalJournal) -> None:
+        """With a ``removals_file``: ``journal`` kept the removals before it was set (L2's
+        index); ``start`` moves its entries into the file. Left there, they were lost while
+        the file was set, and came back once it was unset, deleting values written since
+        under their keys. Call before ``start``."""
+        self._carried_from = journal
+
     async def start(self) -> None:
         """Connect and start the reconnection monitor. A store that cannot be reached is not
         fatal (the tier starts DOWN and keeps trying); credentials the store refuses are
@@ -302,6 +310,8 @@ class RemoteTier:
                 await self.close()
                 raise TierUnavailable(str(e)) from None
             self._own_journal = journal
+            if self._carried_from is not None:
+                await asyncio.to_thread(_carry_removals, self._carried_from, journal)
             await self.keep_removals_in(journal)
         self._wake = asyncio.Event()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="l3-monitor")
@@ -1029,6 +1039,15 @@ class RemoteTier:
             client = aioredis.Redis(host=e.host, port=e.port, **common)
         use_tier_connections(client)
         return client
+
+
+def _carry_removals(source: RemovalJournal, dest: RemovalJournal) -> None:
+    """Move every entry of ``source`` into ``dest``: out of ``source`` only once ``dest`` has
+    them (a crash between leaves them in both; the next start moves them again)."""
+    entries = source.removals()
+    if entries and dest.record_removals(entries, []):
+        source.record_removals([], [key for key, _ in entries])
+        log.info("L3: %d removals moved into the removals_file", len(entries))
 
 
 def _is_cluster(client: Any) -> bool:
