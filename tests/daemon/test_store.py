@@ -1789,54 +1789,6 @@ async def test_regression_another_nodes_l3_copy_was_dated_from_when_this_node_fo
     assert store.table.slot[bid, l3.col] < 0
 
 
-class _AgedLateKeyTier(ReadGatedKeyTier):
-    """A ``ReadGatedKeyTier`` whose values expire after 100 s (so it tells their ages) and
-    whose ``value_ages`` answers only once the test opens ``ages_gate``."""
-
-    def __init__(self, clock) -> None:
-        MemoryKeyTier.__init__(self, clock=clock, ttl_s=100)
-        self.gate = asyncio.Event()
-        self.waiting = asyncio.Event()
-        self.ages_gate = asyncio.Event()
-
-    async def value_ages(self, blocks):
-        await self.ages_gate.wait()
-        return await super().value_ages(blocks)
-
-
-async def test_regression_a_promotion_from_l3_was_refused_when_the_copy_it_read_was_dated(
-    make_store,
-):
-    """Another node's block found in L3 by a lookup is dated from its write in the
-    background; a promotion that read the copy before that and finished after took the new
-    date for another copy (a put's, written since) and gave its slot back: the block stayed
-    in L3 only, and a node reading another node's prefix missed L1 whenever the ages
-    arrived during its promotion."""
-    clock = Clock()
-    shared = _AgedLateKeyTier(clock)
-    store, pool = make_store(clock, l3=shared, sets=("tiers.l3.ttl_s=100",)), make_pool()
-    b = keys(1)
-    page = HostBuffers([memoryview(page_bytes(pool, 1))])
-    assert await shared.write([BlockRef(0, b[0].tobytes())], 4096, page) == [True]  # at t
-    clock.now += 40
-    assert (await store.lookup(0, b))[0] == 1  # dated from now until L3 tells its age
-    bid = int(store.table.lookup(0, b)[0])
-    assert (await store.prefetch(0, b, deadline_ms=0)).scheduled == 1
-    await shared.waiting.wait()  # the promotion's read is done: its copy not yet recorded
-    shared.ages_gate.set()
-    for _ in range(100):
-        if store.table.keyed_since[bid] == clock.now - 40:
-            break
-        await asyncio.sleep(0)
-    assert store.table.keyed_since[bid] == clock.now - 40  # dated from its write
-    shared.gate.set()
-    await store.space.drain()
-    assert where(store, b) == ["L1"]
-    assert await get(store, pool, b, [2]) == [True]
-    assert page_bytes(pool, 2) == page_bytes(pool, 1)
-    assert store.check() == []
-
-
 async def test_l3_copies_past_their_half_ttl_beyond_a_batch_go_a_batch_per_balancer_pass(
     make_store,
 ):
