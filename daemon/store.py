@@ -348,17 +348,20 @@ class BlockStore:
         if written == len(dirty):
             log.info("%s", line)
             return written
-        # Why the rest were not written: no room, else the timeout (or a failed write, which
-        # the transfer engine logged).
+        # Why the rest were not written: no room; else the tier refusing writes (degraded
+        # before or during the flush: the disk needs mending, not the timeout); else the
+        # timeout (or a failed write, which the transfer engine logged).
         full = min(self.counters.get("no_room", tier=target.label) - no_room, len(dirty) - written)
         why = [f"{full} found no room there"] if full else []
         if len(dirty) - written - full:
             late = len(dirty) - written - full
-            why.append(
-                f"{late} not written within tiers.l2.flush_timeout_s ({timeout_s:g}s)"
-                if deadline is not None
-                else f"{late} failed"
-            )
+            health = target.tier.health()
+            if not health.accepts_writes:
+                why.append(f"{late} not written: {target.label} refuses writes ({health})")
+            elif deadline is not None:
+                why.append(f"{late} not written within tiers.l2.flush_timeout_s ({timeout_s:g}s)")
+            else:
+                why.append(f"{late} failed")
         log.warning("%s; lost (held only in memory): %s", line, ", ".join(why))
         return written
 

@@ -5,6 +5,7 @@ reported persisted lost at a restart."""
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 
 import pytest
@@ -230,3 +231,32 @@ def test_regression_index_files_removed_while_the_daemon_is_idle_lose_nothing_at
         assert counters["l2_index_errors"] == 0
         assert counters["l2_commits"] == commits  # mended by the watch, not by a commit
     _all_on_l2_after_sigkill(d, ks, src)
+
+
+def test_regression_a_flush_at_stop_onto_a_degraded_l2_said_it_ran_out_of_time(
+    daemon_factory, tmp_path
+):
+    """The L2 folder removed while the daemon ran (the tier degraded: it refuses writes),
+    then SIGTERM: the flush wrote none of the 4 blocks held only in L1, at once, and its
+    warning said they were "not written within tiers.l2.flush_timeout_s (60s)", sending the
+    operator to raise a timeout that played no part. It now says that L2 refuses writes, and
+    why."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(*l2_args(l2, "tiers.l2.index_watch_s=0.1"))
+    ks = keys(4, 465)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        fill(shm, 465)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(4)).stored == 4
+        assert client.lookup(ks).tiers == [Tier.L1_HOST] * 4
+        shutil.rmtree(l2)
+
+        def l2_state() -> str:
+            return next(t.state for t in client.stats().tiers if t.tier == Tier.L2_DISK)
+
+        wait_for(lambda: l2_state().startswith("degraded_io"))
+    assert d.stop() == 0
+    log = d.log()
+    assert "flushed 0 of 4 volatile-only blocks to L2" in log
+    assert "not written within" not in log
+    assert "lost (held only in memory): 4 not written: L2 refuses writes (degraded_io: " in log
