@@ -61,6 +61,9 @@ MAX_DURATION_S = 365 * 86400
 # within it): read whole, ``--config /dev/zero`` (or a log passed by mistake) took memory
 # until the kernel killed kvtierd, and a SIGHUP would do so to a running daemon.
 MAX_CONFIG_FILE_BYTES = 16 << 20
+# A number in exponent notation, which YAML 1.1 (PyYAML) reads as a string unless it has a dot
+# and a signed exponent (1.0e+3): 1e3 and 5e-1 would be refused as "not a number".
+_EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
 MIN_INDEX_WATCH_S = 0.05
@@ -1436,6 +1439,8 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 raise ValueError(f"expected an integer, got {value!r}")
             out = value
         elif kind == "float":
+            if isinstance(value, str) and _EXPONENT_RE.fullmatch(value):
+                value = float(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"expected a number, got {value!r}")
             out = float(value)

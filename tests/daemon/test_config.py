@@ -652,3 +652,31 @@ def test_the_l2_index_watch_is_off_at_0_and_refuses_a_period_that_only_spins():
         watch_s("0.001")
     with pytest.raises(ConfigError, match=r"tiers\.l2\.index_watch_s"):
         watch_s("-1")
+
+
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("server.drain_timeout_s=1e3", "drain_timeout_s", 1000.0),
+        ("server.drain_timeout_s=1.5E2", "drain_timeout_s", 150.0),
+        ("server.drain_timeout_s=2e+1", "drain_timeout_s", 20.0),
+        ("server.drain_timeout_s=5e-1", "drain_timeout_s", 0.5),
+    ],
+)
+def test_regression_a_float_in_exponent_notation_was_not_a_number(override, key, value):
+    """server.drain_timeout_s=1e3 was refused as "expected a number, got '1e3'": YAML 1.1
+    reads an exponent without a dot and a signed exponent (1e3, 1.5E2) as a string."""
+    assert getattr(load_config(None, [override]).server, key) == value
+
+
+def test_regression_exponent_notation_in_a_file_is_checked_as_the_number_it_is(tmp_path):
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("policy:\n  protect_s: 25e-1\nserver:\n  drain_timeout_s: 1e10\n")
+    with pytest.raises(
+        ConfigError, match=r"'server.drain_timeout_s': 10000000000.0 is above the maximum"
+    ):
+        load_config(str(path), [])
+    with pytest.raises(ConfigError, match=r"'policy.protect_s'.*finite"):
+        load_config(None, ["policy.protect_s=1e400"])
+    path.write_text("policy:\n  protect_s: 25e-1\n")
+    assert load_config(str(path), []).policy.protect_s == 2.5
