@@ -212,6 +212,8 @@ def _disk(config: Config) -> list[Problem]:
     if not l2.enabled:
         return []
     directory = Path(os.path.abspath(l2.path))
+    if (blocked := _blocked(directory)) is not None:
+        return [Problem("tiers.l2.path", f"cannot create or open {directory}: {blocked}")]
     if directory.exists() and not directory.is_dir():
         return [Problem("tiers.l2.path", f"{directory} exists and is not a directory")]
     existing = _nearest_existing(directory)
@@ -268,6 +270,27 @@ def _locked(lock: Path) -> str | None:
     return None
 
 
+def _blocked(path: Path) -> str | None:
+    """What keeps this user from reaching ``path`` or the folders it would be made in: a
+    folder on the way it may not search, or a file where a folder must be; None when nothing
+    does (the rest of the path is absent, to be created). The checks after this one examine
+    the path with calls that raise on either (a traceback, not a problem named)."""
+    for each in [*reversed(path.parents), path]:
+        try:
+            # The path itself as it is (a link there is the later checks' to judge).
+            mode = (os.lstat if each == path else os.stat)(each).st_mode
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            # Every folder before ``each`` was found: its own folder denies the search.
+            return f"uid {os.geteuid()} may not search {each.parent}"
+        except OSError as e:
+            return f"{each} cannot be examined: {e.strerror}"
+        if each != path and not stat.S_ISDIR(mode):
+            return f"{each} is not a directory"
+    return None
+
+
 def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -298,6 +321,8 @@ def _socket(config: Config) -> list[Problem]:
                 f"{MAX_SOCKET_PATH - len(CRED_SUFFIX)} bytes",
             )
         ]
+    if (blocked := _blocked(Path(path))) is not None:
+        return [Problem(key, f"cannot create {path}: {blocked}")]
     for each in (path, cred):
         try:
             mode = os.lstat(each).st_mode

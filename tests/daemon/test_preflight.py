@@ -10,10 +10,12 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from peers import NOBODY, require_root
+from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier import paths
 from kvtier.daemon import preflight
@@ -610,3 +612,70 @@ def test_two_tenants_with_the_same_token_are_refused(tmp_path):
     assert "same token as tenant 'a'" in str(problems[0])
     (tmp_path / "b.token").write_text("b" * 20)
     assert preflight.check(load_config(None, sets), HOST) == []
+
+
+def _problems_as_user(sets: list[str]) -> list[str]:
+    """The checks' problems for ``sets``, as an unprivileged user: root searches every
+    folder, so as root the checks run in a child dropped to nobody."""
+    config = load_config(None, sets)
+
+    def check() -> list[str]:
+        return [str(p) for p in preflight.check(config, HOST)]
+
+    return run_as(NOBODY, NOGROUP, check) if os.geteuid() == 0 else check()
+
+
+def test_regression_a_socket_or_l2_path_under_a_file_was_a_traceback(tmp_path):
+    """server.socket (or tiers.l2.path) inside what is a file, not a folder: the checks
+    ended kvtierd (and --check-config) with a NotADirectoryError traceback for the socket,
+    and the disk check said the file "is not writable by uid 0"."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    problems = preflight.check(load_config(None, [f"server.socket={not_a_folder}/s.sock"]), HOST)
+    assert _keys(problems) == ["server.socket"]
+    assert f"{not_a_folder} is not a directory" in str(problems[0])
+    sets = [
+        f"server.socket={tmp_path}/s.sock",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={not_a_folder}/deeper/l2",
+    ]
+    problems = preflight.check(load_config(None, sets), HOST)
+    assert _keys(problems) == ["tiers.l2.path"]
+    assert f"{not_a_folder} is not a directory" in str(problems[0])
+
+
+def test_regression_a_socket_or_l2_path_in_a_folder_the_user_may_not_search_was_a_traceback():
+    """kvtierd run by a user whose server.socket or tiers.l2.path lies in a folder it may not
+    search (another user's home, say): the checks ended with a PermissionError traceback.
+    Each is now a problem naming the folder."""
+    # Not pytest's tmp_path: its folders above are root's 0700, which nobody may not search.
+    base = Path(tempfile.mkdtemp(prefix="kvtier-search-"))
+    try:
+        base.chmod(0o711)
+        private = base / "private"
+        private.mkdir()
+        private.chmod(0o700 if os.geteuid() == 0 else 0o000)
+        sockets = base / "sockets"
+        sockets.mkdir()
+        sockets.chmod(0o755)
+        if os.geteuid() == 0:
+            os.chown(sockets, NOBODY, NOGROUP)
+        socket_problems = _problems_as_user([f"server.socket={private}/sub/s.sock"])
+        l2_problems = _problems_as_user(
+            [
+                f"server.socket={sockets}/s.sock",
+                "tiers.l2.enabled=true",
+                f"tiers.l2.path={private}/sub/l2",
+            ]
+        )
+    finally:
+        (base / "private").chmod(0o700)
+        shutil.rmtree(base)
+    assert isinstance(socket_problems, list), socket_problems
+    assert len(socket_problems) == 1, socket_problems
+    assert socket_problems[0].startswith("server.socket:")
+    assert f"may not search {private}" in socket_problems[0]
+    assert isinstance(l2_problems, list), l2_problems
+    assert len(l2_problems) == 1, l2_problems
+    assert l2_problems[0].startswith("tiers.l2.path:")
+    assert f"may not search {private}" in l2_problems[0]
