@@ -171,6 +171,9 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
         elif key in TENANT_KEYS and bool(running.tenants) == bool(loaded.tenants):
             effective = with_key(effective, key, new)
             applied.append(tenant_change(key, old, new))
+        elif key in TENANT_KEYS:
+            turned = "on" if loaded.tenants else "off"
+            restart.append(f"{tenant_change(key, old, new)} (turns tenants {turned})")
         else:
             restart.append(change(running, key, old, new))
     return effective, applied, restart

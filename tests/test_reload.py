@@ -570,10 +570,31 @@ def test_the_reload_plan_takes_tenant_changes_unless_tenants_go_on_or_off():
     assert applied == ['server.admin_uids: [] -> ["1002"]'] and restart == []
     # Turning tenants off (or on) changes what a session is counted by: a restart.
     effective, applied, restart = plan(running, config())
-    assert applied == [] and [r.split(":")[0] for r in restart] == ["tenants"]
+    assert applied == [] and restart == ["tenants: removed alice, bob (turns tenants off)"]
     assert effective == running
     effective, applied, restart = plan(config(), running)
-    assert applied == [] and [r.split(":")[0] for r in restart] == ["tenants"]
+    assert applied == [] and restart == ["tenants: added alice, bob (turns tenants on)"]
+
+
+def test_regression_turning_tenants_off_by_sighup_logged_their_records_as_python():
+    """A SIGHUP that turned tenants off (or on) logged the records that need a restart as
+    Python's repr of each ("tenants: [TenantConfig(name='alice', uids=(), ...), ...] -> []"),
+    up to a line per tenant of it; it names them as the other tenant changes do."""
+    from kvtier.daemon.config import load_config
+
+    running = load_config(
+        None,
+        [
+            "tenants=[{name: alice, uids: [1000], quotas: {l1: 1GiB}}]",
+            "shared_namespaces=[{name: pub, tenants: [alice]}]",
+        ],
+    )
+    _, applied, restart = plan(running, load_config(None, []))
+    assert applied == []
+    assert restart == [
+        "tenants: removed alice (turns tenants off)",
+        "shared_namespaces: removed pub (turns tenants off)",
+    ]
 
 
 TENANTS_CONFIG = """
