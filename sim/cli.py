@@ -243,6 +243,9 @@ def _replay_command(args: argparse.Namespace) -> int:
                 )
         if args.l1_blocks is None:
             raise ValueError("--l1-blocks is required (or use --sweep)")
+        if args.l2_admission is not None and not args.l2_blocks:
+            # Without an L2 it was ignored unread, a misspelt rule included.
+            raise ValueError("--l2-admission needs an L2: give --l2-blocks")
     params = {"half_life_s": args.half_life} if args.half_life else {}
     stack = StackConfig(
         write_policy=args.write_policy,

@@ -313,6 +313,24 @@ def test_the_sweep_options_need_sweep(
     assert f"kvtier replay: error: {flag} needs --sweep" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("rule", ["zzz", "second_hit"])
+def test_regression_an_l2_admission_without_an_l2_was_ignored_unread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rule: str
+) -> None:
+    """`replay --l1-blocks 2 --l2-admission zzz` replayed L1 alone and exited 0: the rule,
+    misspelt or not, was never read without --l2-blocks (--l3-ttl-s and --l3-admission say
+    they need an L3)."""
+    path = tmp_path / "t.jsonl"
+    write_jsonl(path, requests([1, 2], [1, 2, 3]))
+    assert main(["replay", str(path), "--l1-blocks", "2", "--l2-admission", rule]) == 2
+    captured = capsys.readouterr()
+    assert "kvtier replay: error: --l2-admission needs an L2: give --l2-blocks" in captured.err
+    assert captured.out == ""
+    args = ["--l1-blocks", "2", "--l2-blocks", "4", "--l2-admission", "zzz"]
+    assert main(["replay", str(path), *args]) == 2
+    assert "unknown admission 'zzz'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args",
     [
