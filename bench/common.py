@@ -73,13 +73,25 @@ def parse_size(text: str) -> int:
     return int(float(num) * units[unit])
 
 
+def scratch_folder(parent: str | None, prefix: str) -> Path:
+    """A fresh folder inside ``parent`` (made if missing; default: the system temp folder).
+    One that cannot be made (a file there, a folder this user may not write) ends the
+    benchmark with a line saying so, not a traceback."""
+    try:
+        if parent is not None:
+            os.makedirs(parent, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    except OSError as e:
+        raise SystemExit(
+            f"kvtier bench: cannot make a scratch folder in {parent}: {e.strerror or e}"
+        ) from None
+
+
 @contextlib.contextmanager
 def scratch_dir(parent: str | None, prefix: str, *, keep: bool = False) -> Iterator[Path]:
     """A fresh folder inside ``parent`` (default: the system temp folder), removed on exit
     unless ``keep``."""
-    if parent is not None:
-        os.makedirs(parent, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    path = scratch_folder(parent, prefix)
     try:
         yield path
     finally:

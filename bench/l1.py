@@ -18,6 +18,7 @@ of the daemon's gRPC health Check on the same socket (the floor of any RPC), alt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,8 +29,13 @@ from kvtier.bench.common import arg_parser, median, pct_ms, ratio, sig
 from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 from kvtier.client import PoolLayout, SharedMemoryPool
+from kvtier.daemon.config import ServerConfig
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16  # 32 KiB chunks, 2 MiB blocks
+# The most the daemon takes as server.copy_threads.
+MAX_COPY_THREADS = next(
+    f.metadata["hi"] for f in dataclasses.fields(ServerConfig) if f.name == "copy_threads"
+)
 
 
 class ThreadedCopy:
@@ -78,6 +84,9 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
     if min(args.batch, args.rounds, args.copy_threads, args.lookups, args.lookup_keys) < 1:
         raise SystemExit("kvtier bench l1: every count must be at least 1")
+    if args.copy_threads > MAX_COPY_THREADS:
+        # The daemon refuses more (server.copy_threads): its start would fail, a traceback.
+        raise SystemExit(f"kvtier bench l1: --copy-threads must be at most {MAX_COPY_THREADS}")
 
     pages = max(2 * args.batch, args.lookup_keys // 4)
     layout = PoolLayout.vllm(

@@ -190,8 +190,8 @@ class _Runner:
 def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
     B, batch = args.block_bytes, min(args.batch, args.blocks)
-    if B % 4096:
-        raise SystemExit("kvtier bench l2: --block-bytes must be a multiple of 4096")
+    if B < 4096 or B % 4096:
+        raise SystemExit("kvtier bench l2: --block-bytes must be a positive multiple of 4096")
     if min(args.blocks, batch, args.io_threads, args.rounds) < 1:
         raise SystemExit("kvtier bench l2: every count must be at least 1")
     n = args.blocks - args.blocks % batch

@@ -30,21 +30,21 @@ import asyncio
 import hashlib
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.bench import BenchUnavailable
+from kvtier.bench.common import scratch_folder
 from kvtier.bench.jsonout import JSON_HELP, Emit
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisProcError, RedisServer, redis_binaries
-from kvtier.tiers.base import BlockRef, HostBuffers
+from kvtier.tiers.base import BlockRef, HostBuffers, TierUnavailable
 from kvtier.tiers.remote.codec import HEADER_BYTES, KeyNamer
 from kvtier.tiers.remote.options import RemoteOptions
 from kvtier.tiers.remote.tier import SOCKET_READ_BYTES, RemoteTier
@@ -336,7 +336,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                     f"kvtier bench l3 starts its own Redis server: {e}; or name a running "
                     "one with --url"
                 ) from None
-            base = Path(tempfile.mkdtemp(prefix="bench-l3-", dir=args.dir or None))
+            base = scratch_folder(args.dir or None, "bench-l3-")
             stack.callback(shutil.rmtree, base, True)
             # Room for both sides' working sets and the chain, and no eviction.
             if args.cluster:
@@ -345,7 +345,12 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
             else:
                 server = stack.enter_context(RedisServer(base))
                 urls = [server.url]
-        out = asyncio.run(_run(args, urls, print))
+        try:
+            out = asyncio.run(_run(args, urls, print))
+        except (TierUnavailable, RedisConnectionError) as e:
+            if not args.url:
+                raise  # a server of its own that did not answer: a bug, with its traceback
+            raise SystemExit(f"kvtier bench l3: --url {args.url}: {e}") from None
     if emit is not None:
         emit(out)
     return 0

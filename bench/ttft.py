@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -40,6 +39,7 @@ from kvtier.bench.common import (
     fmt_list,
     median,
     ratio,
+    scratch_folder,
     sig,
 )
 from kvtier.bench.jsonout import Emit
@@ -104,6 +104,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="do not drop the page cache before cold reads (they may then hit it)",
     )
     args = p.parse_args(argv)
+    if args.block_tokens < 1:
+        p.error("--block-tokens must be at least 1")
     if args.prefix_tokens % args.block_tokens or args.prefix_tokens >= args.prompt_tokens:
         p.error("--prefix-tokens must be a multiple of --block-tokens, below --prompt-tokens")
     if args.reps < 1 or args.threads < 0:
@@ -174,7 +176,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
 
     times: dict[str, list[float]] = {"recompute": [], "l1": [], "l2": []}
     dropped: list[bool] = []
-    tmp = tempfile.mkdtemp(prefix="kvtier-ttft-", dir=args.l2_dir)
+    tmp = str(scratch_folder(args.l2_dir, "kvtier-ttft-"))
     try:
         # Store the prefix; the daemon writes it to L2 when it stops. Warm-ups: first-call
         # costs (allocator, thread pool, the daemon's first copy) are not TTFT.

@@ -45,7 +45,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from kvtier.bench import BenchUnavailable
-from kvtier.bench.common import arg_parser
+from kvtier.bench.common import arg_parser, scratch_folder
 from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 from kvtier.client import Client
@@ -203,7 +203,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     l1_bytes = max(256 << 20, 4 * (args.prefix_tokens + args.batch * 256) * kv_bytes_per_token)
     max_model_len = args.prefix_tokens + args.suffix_tokens + args.max_tokens + 64
     work = tempfile.mkdtemp(prefix="kvtier-bench-vllm-", dir="/tmp")
-    l2_dir = tempfile.mkdtemp(prefix="kvtier-bench-vllm-l2-", dir=args.l2_dir)
+    l2_dir = str(scratch_folder(args.l2_dir, "kvtier-bench-vllm-l2-"))
     socket_path = os.path.join(work, "kvtierd.sock")
     model = os.path.join(work, "model")
     ttft: dict[str, list[float]] = {c: [] for c in CASES}

@@ -139,3 +139,46 @@ def test_bench_vllm_without_vllm_says_where_to_run_it_in_the_json_object_too() -
     error = only_json(r.stdout)
     assert error["ok"] is False and "kvtier bench vllm needs vLLM" in error["error"]
     assert ".venv-vllm/bin/kvtier bench vllm" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("what", "args", "message"),
+    [
+        ("l1", ["--copy-threads", "1000"], "--copy-threads must be at most 64"),
+        ("l2", ["--block-bytes", "0"], "--block-bytes must be a positive multiple of 4096"),
+        ("l2", ["--block-bytes", "-4096"], "--block-bytes must be a positive multiple of 4096"),
+        ("ttft", ["--block-tokens", "0"], "--block-tokens must be at least 1"),
+        ("l3", ["--url", "memcached://x"], "--url memcached://x: L3: URL 'memcached://x'"),
+        ("l3", ["--url", "redis://127.0.0.1:1", "--rounds", "1"], "--url redis://127.0.0.1:1: "),
+    ],
+)
+def test_regression_arguments_that_ended_in_a_traceback_are_refused_with_a_message(
+    what: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by hostile51: `bench l1 --copy-threads 1000` (the daemon refused to start: a
+    RuntimeError), `bench l2 --block-bytes 0` and `bench ttft --block-tokens 0`
+    (ZeroDivisionError), `bench l3 --url` of another scheme or a server that does not answer
+    (TierUnavailable, redis' ConnectionError) each ended in a traceback."""
+    with pytest.raises(SystemExit) as e:
+        run_bench(what, args, as_json=False)
+    out = capsys.readouterr().err + str(e.value.code)
+    assert e.value.code != 0
+    assert message in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    ("what", "flag"),
+    [("l2", "--dir"), ("restart", "--dir"), ("l3", "--dir"), ("ttft", "--l2-dir")],
+)
+def test_regression_a_scratch_folder_under_a_file_is_refused_with_a_message(
+    what: str, flag: str, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bench l2 --dir FILE` (and the others' scratch folders) ended in a FileExistsError or
+    NotADirectoryError traceback."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(SystemExit) as e:
+        run_bench(what, [flag, str(a_file / "deeper")], as_json=False)
+    assert e.value.code == f"kvtier bench: cannot make a scratch folder in {a_file}/deeper: " + (
+        "Not a directory"
+    )
