@@ -243,11 +243,18 @@ def _not_a_file(directory: Path) -> str | None:
     index = (INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
     for path in [*(directory / n for n in (LOCK_NAME, *index)), *directory.glob(DATA_GLOB)]:
         try:
-            mode = path.stat().st_mode
+            mode = path.lstat().st_mode
         except FileNotFoundError:
             continue
         except OSError as e:
             return f"L2 file {path} cannot be examined: {e.strerror}"
+        if stat.S_ISLNK(mode):
+            # Followed, the tier would preallocate, chmod and write blocks into whatever it
+            # names: a link planted while the folder was open to others reaches any file.
+            return (
+                f"L2 file {path} is a symbolic link; the disk tier keeps its lock, index and "
+                f"data files in {directory} as files of its own and follows no link: remove it"
+            )
         if not stat.S_ISREG(mode):
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
             return (

@@ -375,6 +375,33 @@ def test_an_l2_file_that_is_a_directory_is_refused_by_the_checks(tmp_path, name)
     assert f"L2 file {directory / name} is a directory" in str(problems[0])
 
 
+@pytest.mark.parametrize("name", ["index.sqlite3", "index.sqlite3-wal", "lock", "data-0000.bin"])
+def test_regression_an_l2_file_that_is_a_link_is_refused_by_the_checks(tmp_path, name):
+    """A symbolic link where an L2 file goes (planted while the folder was open to others):
+    the checks passed it, as a link to a regular file, and the tier followed it, making the
+    file it named (anywhere, as root any file) a data file of 8 MiB, mode 0600."""
+    directory = tmp_path / "l2"
+    directory.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    config = load_config(
+        None,
+        [
+            f"server.socket={tmp_path}/s.sock",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={directory}",
+            "tiers.l2.capacity_bytes=8MiB",
+            "tiers.l2.file_bytes=4MiB",
+            "tiers.l2.segment_bytes=1MiB",
+        ],
+    )
+    (directory / name).symlink_to(victim)
+    problems = preflight.check(config, HOST)
+    assert _keys(problems) == ["tiers.l2.path"]
+    assert f"L2 file {directory / name} is a symbolic link" in str(problems[0])
+    assert victim.read_bytes() == b"precious"
+
+
 def test_regression_an_l2_within_its_index_of_the_free_space_passed_the_check(
     tmp_path, monkeypatch
 ):

@@ -3,6 +3,7 @@ data file at open, the O_DIRECT fallback, injected I/O faults, and misuse that m
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -1865,3 +1866,24 @@ def test_regression_a_watch_check_held_up_by_a_reader_does_not_hold_the_index_fo
         assert index._db.execute("PRAGMA busy_timeout").fetchone() == (3600000,)
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("name", ["data-0000.bin", "data-0001.bin", "lock"])
+def test_regression_a_link_planted_in_the_folder_is_not_followed(
+    disk_dir: Path, tmp_path: Path, name: str
+) -> None:
+    """A symbolic link in the tier's folder where a data file or the lock goes (planted while
+    the folder was open to others: `tiers.l2.path` in /tmp, made there by another user): the
+    tier followed it, and preallocated, chmod-ed and would have written blocks into the file
+    it named, anywhere (as root, any file). It now refuses to open it; the file is intact."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o644)
+    (disk_dir / name).symlink_to(victim)
+    # Refused (the lock), or opened with a file of its own in the link's place (a data file:
+    # starting empty without an index, the tier makes its files afresh): either way, not
+    # through the link.
+    with contextlib.suppress(TierUnavailable, OSError):
+        DiskTier(disk_dir, 16 * MiB, 1 * MiB, file_bytes=8 * MiB).close()
+    assert victim.read_bytes() == b"precious"
+    assert victim.stat().st_mode & 0o777 == 0o644

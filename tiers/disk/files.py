@@ -82,7 +82,9 @@ class OsFiles:
     """The real system calls."""
 
     def open(self, path: str, flags: int, mode: int = FILE_MODE) -> int:
-        return os.open(path, flags, mode)
+        # Never through a link: one planted in the folder would have the tier preallocate
+        # and write blocks into another file (ELOOP instead).
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
 
     def close(self, fd: int) -> None:
         os.close(fd)

@@ -1205,7 +1205,9 @@ class DiskTier:
         only checks hold it (``probe_lock``: shared, for a moment), tried again for up to
         ``PROBE_WAIT_S``."""
         path = self.directory / LOCK_NAME
-        self._lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        self._lock_fd = os.open(
+            path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE
+        )
         give_up = time.monotonic() + PROBE_WAIT_S
         while True:
             try:
