@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from benchjson import bench_cli, only_json
 
+from kvtier import bench
 from kvtier.bench.jsonout import JsonStdout
 
 WRITERS = textwrap.dedent(
@@ -60,11 +61,27 @@ def test_one_object_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == '{"figure": 1}\n'
 
 
-def test_a_benchmark_that_fails_leaves_its_error_as_the_object(tmp_path: Path) -> None:
+def test_a_benchmark_that_refuses_leaves_its_error_as_the_object(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     r = bench_cli("l2", "--dir", str(tmp_path / "file" / "bench"), timeout_s=120)
     assert r.returncode == 1
     error = only_json(r.stdout)
     assert error["ok"] is False
-    assert error["error"].startswith("kvtier bench l2: NotADirectoryError: ")
-    assert "Traceback" in r.stderr  # as without --json
+    assert error["error"].startswith("kvtier bench: cannot make a scratch folder in ")
+    assert "Traceback" not in r.stderr
+
+
+def test_a_benchmark_that_raises_leaves_its_error_as_the_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "kvtier_raising_bench.py").write_text(
+        "def main(argv, emit):\n    raise RuntimeError('no figures')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(bench.BENCHMARKS, "raising", "kvtier_raising_bench")
+    with pytest.raises(RuntimeError, match="no figures"):  # its traceback, as without --json
+        bench.run_bench("raising", [], as_json=True)
+    assert only_json(capfd.readouterr().out) == {
+        "ok": False,
+        "error": "kvtier bench raising: RuntimeError: no figures",
+    }
