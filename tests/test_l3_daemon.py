@@ -553,9 +553,11 @@ def only_in_l3_node(
     protect_s: int,
     known_s: int = 1,
     ttl_s: int = 0,
+    probe_deadline_ms: int = 3000,
 ):
     """A node without L2 whose L3 confirmations last ``known_s``, with ``protect_s`` and
-    L3's ``ttl_s``."""
+    L3's ``ttl_s``. Its lookups wait ``probe_deadline_ms`` for L3's answers: generous, as
+    a loaded machine's probe could miss the default 50 ms, answered absent."""
     return node(
         daemon_factory,
         tmp_path,
@@ -566,6 +568,7 @@ def only_in_l3_node(
         f"tiers.l3.ttl_s={ttl_s}",
         f"tiers.l3.known_s={known_s}",
         f"policy.protect_s={protect_s}",
+        f"tiers.l3.probe_deadline_ms={probe_deadline_ms}",
     )
 
 
@@ -685,7 +688,15 @@ def test_a_lookup_whose_l3_probe_is_late_keeps_every_row(
     """A Lookup asks L3 about the rows it has not confirmed for known_s; an answer that comes
     after probe_deadline_ms tells nothing: the rows answer as before. Once L3 answers again,
     the rows whose blocks it dropped go."""
-    a = only_in_l3_node(daemon_factory, tmp_path, fresh_redis, l3_prefix, protect_s=1, known_s=2)
+    a = only_in_l3_node(
+        daemon_factory,
+        tmp_path,
+        fresh_redis,
+        l3_prefix,
+        protect_s=1,
+        known_s=2,
+        probe_deadline_ms=50,
+    )
     chain = keys(16, 29)
     raw = redis.Redis.from_url(fresh_redis.url)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
