@@ -718,6 +718,57 @@ async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_a
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_regression_a_write_did_not_wait_for_its_keys_journal_drop_under_way(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A removal the store confirmed leaves the journal in the background; a write of the key
+    made while that drop waited its turn sent its block at once, so that a restart before the
+    drop ran found the entry and deleted the new value. A write waits for the drops of its
+    keys begun before it (a loaded machine made tests/tiers/test_remote.py's test of a failed
+    drop fail once this way)."""
+    nbytes = 4096
+    blocks = [ref(0)]
+    stored = KeyNamer(l3_prefix).key(blocks[0].ns, blocks[0].key)
+    opts = options(
+        fresh_redis, l3_prefix, ttl_s=100, removals_file=str(tmp_path / "removals.sqlite3")
+    )
+    raw = raw_client(fresh_redis)
+    held, release = threading.Event(), threading.Event()
+    record = journal_module.RemovalFile.record_removals
+
+    def slow_drop(self, added, dropped):  # the journal's thread, busy with the drop
+        if stored in dropped:
+            held.set()
+            release.wait(30)
+        return record(self, added, dropped)
+
+    monkeypatch.setattr(journal_module.RemovalFile, "record_removals", slow_drop)
+    try:
+        async with opened(opts) as tier:
+            assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            await tier.remove(blocks)  # refused: in the journal
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+            await tier.remove([ref(99)])  # accepted: the one left is sent again
+            await wait_for("its drop to be under way", held.is_set)
+            assert raw.exists(stored) == 0
+            writing = asyncio.ensure_future(tier.write(blocks, nbytes, host([data(1, nbytes)])))
+            await asyncio.sleep(0.3)
+            assert raw.exists(stored) == 0  # not sent while the entry is in the journal
+            release.set()
+            assert await writing == [True]
+            assert raw.exists(stored) == 1
+        async with opened(opts) as tier:  # a start finds nothing to send again
+            assert await tier.probe_each(blocks) == [nbytes]
+        assert raw.exists(stored) == 1
+    finally:
+        release.set()
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 async def test_regression_two_tiers_shared_one_removals_file(
     fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
 ) -> None:

@@ -259,6 +259,9 @@ class RemoteTier:
         # update drops them too until one succeeds. Left there, a restart would delete a
         # value written again since.
         self._undropped: set[bytes] = set()
+        # Keys whose drop from the journal is on its way (a count per update naming them): a
+        # write of one waits for it, as for a failed one.
+        self._dropping: Counter[bytes] = Counter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -537,8 +540,8 @@ class RemoteTier:
             # Stored again: whether this write lands or not, the block is no longer removed
             # (a value the store still holds under the key is the same block's).
             unremoved = [k for k in keys if self._unremoved.pop(k, None) is not None]
-        if self._undropped:
-            unremoved += [k for k in keys if k in self._undropped]
+        if self._undropped or self._dropping:
+            unremoved += [k for k in keys if k in self._undropped or k in self._dropping]
         for pending in self._removing.values():
             pending.difference_update(keys)  # nor by a removal still on its way
         recording = self._record([], unremoved)
@@ -677,6 +680,7 @@ class RemoteTier:
             return None
         ttl = self.options.ttl_s
         until = self._wall_clock() + ttl if ttl else None
+        self._dropping.update(dropped)
         task = asyncio.ensure_future(self._journal_update([(k, until) for k in added], dropped))
         self._journaling.add(task)
         task.add_done_callback(self._journaling.discard)
@@ -687,20 +691,26 @@ class RemoteTier:
     ) -> None:
         journal = self._journal
         assert journal is not None
-        async with self._journal_turn:
-            # Added after the drops: a key removed again since its drop failed stays.
-            gone = [*dropped, *self._undropped.difference(dropped)]
-            try:
-                recorded = await asyncio.to_thread(journal.record_removals, added, gone)
-            except Exception:
-                log.exception("L3: recording removals failed unexpectedly")
-                recorded = False
-            if recorded:
-                self._undropped.clear()
-            else:
-                self._undropped.update(dropped)
-                # One kept there (its earlier entry, not dropped) is a removal again.
-                self._undropped.difference_update(k for k, _ in added)
+        try:
+            async with self._journal_turn:
+                # Added after the drops: a key removed again since its drop failed stays.
+                gone = [*dropped, *self._undropped.difference(dropped)]
+                try:
+                    recorded = await asyncio.to_thread(journal.record_removals, added, gone)
+                except Exception:
+                    log.exception("L3: recording removals failed unexpectedly")
+                    recorded = False
+                if recorded:
+                    self._undropped.clear()
+                else:
+                    self._undropped.update(dropped)
+                    # One kept there (its earlier entry, not dropped) is a removal again.
+                    self._undropped.difference_update(k for k, _ in added)
+        finally:
+            self._dropping.subtract(dropped)
+            for k in dropped:
+                if self._dropping[k] <= 0:
+                    self._dropping.pop(k, None)  # a key named twice goes at its first
         if not recorded:
             # The journal's own tier reports why; these stay remembered in memory only.
             self._counters["remove_unrecorded"] += len(added)
