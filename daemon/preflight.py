@@ -24,7 +24,7 @@ from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME
-from kvtier.tiers.disk.tier import space_shortfall
+from kvtier.tiers.disk.tier import owner_problem, space_shortfall
 from kvtier.tiers.remote.options import RemoteOptionsError, read_password
 from kvtier.tiers.sizes import format_size
 
@@ -216,6 +216,8 @@ def _disk(config: Config) -> list[Problem]:
         return [Problem("tiers.l2.path", f"cannot create or open {directory}: {blocked}")]
     if directory.exists() and not directory.is_dir():
         return [Problem("tiers.l2.path", f"{directory} exists and is not a directory")]
+    if (untrusted := _l2_writers(directory)) is not None:
+        return [Problem("tiers.l2.path", untrusted)]
     existing = _nearest_existing(directory)
     if not os.access(existing, os.W_OK | os.X_OK):
         return [
@@ -233,6 +235,29 @@ def _disk(config: Config) -> list[Problem]:
     if shortfall is not None:
         return [Problem("tiers.l2.capacity_bytes", str(shortfall))]
     return []
+
+
+def _l2_writers(directory: Path) -> str | None:
+    """Why users other than root and the daemon's could plant links in the L2 folder, or
+    None: its owner (``owner_problem``), or a folder above it that other users may write,
+    unless sticky, which lets them rename the L2 folder away and put one of their own in its
+    place."""
+    for above in reversed(directory.parents):
+        try:
+            st = above.stat()
+        except FileNotFoundError:
+            break  # the rest is created by the tier, owned by the daemon
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            return (
+                f"the L2 folder's parent {above} (mode {stat.S_IMODE(st.st_mode):04o}) is "
+                f"writable by other users, who could replace {directory}; use a folder whose "
+                "parents only root and the daemon may write (or that are sticky, as /tmp)"
+            )
+    try:
+        owner = directory.stat().st_uid
+    except FileNotFoundError:
+        return None  # created by the tier, owned by the daemon
+    return owner_problem(directory, owner)
 
 
 def _not_a_file(directory: Path) -> str | None:

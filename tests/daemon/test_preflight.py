@@ -706,3 +706,49 @@ def test_regression_a_socket_or_l2_path_in_a_folder_the_user_may_not_search_was_
     assert len(l2_problems) == 1, l2_problems
     assert l2_problems[0].startswith("tiers.l2.path:")
     assert f"may not search {private}" in l2_problems[0]
+
+
+def _l2_sets(tmp_path: Path, directory: Path) -> list[str]:
+    return [
+        f"server.socket={tmp_path}/s.sock",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={directory}",
+        "tiers.l2.capacity_bytes=8MiB",
+        "tiers.l2.file_bytes=4MiB",
+        "tiers.l2.segment_bytes=1MiB",
+    ]
+
+
+def test_regression_an_l2_folder_of_another_user_passed_the_checks(tmp_path):
+    """An L2 folder another user made (in /tmp, before the daemon did) passed: the tier
+    sets it 0700, but its owner may loosen it again and plant links where the index, its
+    WAL or journal goes, which SQLite follows (as root, to any file). Refused as the socket's
+    folder is, naming the folder, its owner and the chown; root's or the daemon's passes."""
+    require_root()
+    directory = tmp_path / "l2"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, NOBODY, NOGROUP)
+    problems = preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST)
+    assert _keys(problems) == ["tiers.l2.path"]
+    assert f"the L2 folder {directory} belongs to uid {NOBODY}" in str(problems[0])
+    assert f"chown -R 0 {directory}" in str(problems[0])
+    proc = _kvtierd("--check-config", *_sets(*_l2_sets(tmp_path, directory)))
+    assert proc.returncode == 1 and f"belongs to uid {NOBODY}" in proc.stdout + proc.stderr
+    os.chown(directory, 0, 0)
+    assert preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST) == []
+
+
+def test_regression_an_l2_folder_in_a_folder_others_may_write_passed_the_checks(tmp_path):
+    """A parent of the L2 folder that other users may write, without the sticky bit: they
+    may rename the L2 folder away and put their own, with links in it, in its place. A
+    sticky parent (as /tmp) keeps them from renaming what is not theirs, and passes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "l2").mkdir(mode=0o700)
+    for directory in (shared / "l2", shared / "absent" / "l2"):
+        problems = preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST)
+        assert _keys(problems) == ["tiers.l2.path"]
+        assert f"parent {shared} (mode 0777) is writable by other users" in str(problems[0])
+    shared.chmod(0o1777)
+    assert preflight.check(load_config(None, _l2_sets(tmp_path, shared / "l2")), HOST) == []

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from disk_faults import FaultyFiles
 from disk_writes import PersistItem, persist
+from peers import NOBODY, NOGROUP, require_root
 from races import ContendedLock
 
 from kvtier.tiers.base import (
@@ -1887,3 +1888,37 @@ def test_regression_a_link_planted_in_the_folder_is_not_followed(
         DiskTier(disk_dir, 16 * MiB, 1 * MiB, file_bytes=8 * MiB).close()
     assert victim.read_bytes() == b"precious"
     assert victim.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("name", ["index.sqlite3", "index.sqlite3-wal", "index.sqlite3-shm"])
+def test_regression_an_index_file_that_is_a_link_is_not_followed(
+    disk_dir: Path, tmp_path: Path, make_block: Block, name: str
+) -> None:
+    """A symbolic link where the index, its WAL or shared memory goes, planted after the
+    checks at start: the tier opened the index through it (chmod-ing the file it named 0600,
+    then moving the link aside as an unreadable index), and SQLite wrote its WAL through it.
+    The open is now refused naming the link; the file it names is as it was."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o644)
+    (disk_dir / name).symlink_to(victim)
+    with pytest.raises(TierUnavailable, match=f"{disk_dir / name} is a symbolic link"):
+        tier = _open(disk_dir)
+        try:
+            _persist(tier, make_block, [1], 4096)
+        finally:
+            tier.close()
+    assert victim.read_bytes() == b"precious"
+    assert victim.stat().st_mode & 0o777 == 0o644
+
+
+def test_regression_an_l2_folder_of_another_user_is_refused(disk_dir: Path) -> None:
+    """A folder made by another user (in /tmp, before the daemon): the tier set it 0700 and
+    used it, but its owner may loosen it again and plant links where the index goes."""
+    require_root()
+    os.chown(disk_dir, NOBODY, NOGROUP)
+    with pytest.raises(TierUnavailable, match=f"belongs to uid {NOBODY}.*chown"):
+        _open(disk_dir).close()
+    assert not (disk_dir / "index.sqlite3").exists()
+    os.chown(disk_dir, 0, 0)
+    _open(disk_dir).close()

@@ -59,6 +59,7 @@ Thread-safety: every method may be called from any thread; the connection is ser
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sqlite3
@@ -567,6 +568,8 @@ class DiskIndex:
                 problem = self._check(db)
                 if not problem:
                     return db
+            except IndexFilesReplaced:
+                raise  # a link: not an index to move aside
             except sqlite3.Error as e:
                 problem = f"cannot be read ({classify(e).detail})"
             except IndexUpgradeFailed:
@@ -704,9 +707,26 @@ class DiskIndex:
         return ""
 
     def _connect(self) -> sqlite3.Connection:
-        # Create the file owner-only before SQLite does (its journal files take its mode).
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE))
-        os.chmod(self.path, FILE_MODE)
+        """A connection to the index file, created owner-only before SQLite does (its journal
+        files take its mode). SQLite follows a symbolic link at the index, its WAL or shared
+        memory, and would create or write the file it names: none may be one (the checks at
+        start refuse them too), so the file is made without following one and the journals
+        are looked at just before. Raises ``IndexFilesReplaced`` for a link."""
+        try:
+            fd = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE
+            )
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise IndexFilesReplaced(f"{self.path} is a symbolic link; not following it") from e
+        try:
+            os.fchmod(fd, FILE_MODE)
+        finally:
+            os.close(fd)
+        for journal in ("-wal", "-shm", "-journal"):
+            if (path := self.path.with_name(self.path.name + journal)).is_symlink():
+                raise IndexFilesReplaced(f"{path} is a symbolic link; not following it")
         db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
         )

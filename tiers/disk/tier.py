@@ -1,6 +1,7 @@
 """L2: the disk tier. Block slots in preallocated files, a crash-safe SQLite index, checksums.
 
-Layout of the tier's directory (mode 0700; every file in it 0600)::
+Layout of the tier's directory (mode 0700, owned by root or the daemon's user, which the open
+checks; every file in it 0600, none opened through a symbolic link)::
 
     lock                  flock()ed while a DiskTier has the directory open (shared, for a
                           moment, by ``kvtierd --check-config``)
@@ -155,6 +156,21 @@ class SpaceShortfall(NamedTuple):
             f"more (the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and "
             f"lock) and the filesystem has {_mib(self.free_bytes)} free"
         )
+
+
+def owner_problem(directory: Path, owner: int) -> str | None:
+    """Why the L2 folder ``directory``, owned by uid ``owner``, may not hold the tier, or
+    None. The tier sets it 0700, but its owner may loosen that again and plant links where
+    the index, its WAL or journal goes, which SQLite follows (for a daemon run as root, to
+    any file): only root and the daemon's own user may own it, as the socket's folder."""
+    euid = os.geteuid()
+    if owner in (0, euid):
+        return None
+    return (
+        f"the L2 folder {directory} belongs to uid {owner}, who could plant links to other "
+        f"files in it; chown it to uid {euid} (chown -R {euid} {directory}) or use a folder "
+        "only the daemon may write"
+    )
 
 
 def space_shortfall(
@@ -486,6 +502,8 @@ class DiskTier:
                 )
             except IndexUpgradeFailed as e:
                 raise TierUnavailable(f"{e}: free space or mend the disk, then restart") from e
+            except IndexFilesReplaced as e:
+                raise TierUnavailable(f"L2 index: {e}: remove it, then restart") from e
             if self._index.moved_aside:
                 self.faults.count(index_moved_aside=1)
                 if self._index.moved_aside != "was made for another layout":
@@ -1194,6 +1212,9 @@ class DiskTier:
 
     def _make_directory(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        # Checked again here: another user may make the folder after the checks at start.
+        if (problem := owner_problem(self.directory, self.directory.stat().st_uid)) is not None:
+            raise TierUnavailable(problem)
         os.chmod(self.directory, DIR_MODE)
         for path in self.directory.iterdir():
             if path.is_file() and not path.is_symlink():
