@@ -63,7 +63,8 @@ MAX_DURATION_S = 365 * 86400
 MAX_CONFIG_FILE_BYTES = 16 << 20
 # A number in exponent notation, which YAML 1.1 (PyYAML) reads as a string unless it has a dot
 # and a signed exponent (1.0e+3): 1e3 and 5e-1 would be refused as "not a number".
-_EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+# ASCII digits only: Python's \d (and float) take any script's digits, such as "1e\u0663".
+_EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", re.ASCII)
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
 MIN_INDEX_WATCH_S = 0.05
@@ -1439,6 +1440,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 raise ValueError(f"expected an integer, got {value!r}")
             out = value
         elif kind == "float":
+            written = value
             if isinstance(value, str) and _EXPONENT_RE.fullmatch(value):
                 value = float(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -1447,7 +1449,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             if not math.isfinite(out):
                 # NaN passes every range check (each comparison is false) and then turns
                 # watermarks, timeouts and decay into nonsense; infinity is no better.
-                raise ValueError(f"expected a finite number, got {value!r}")
+                raise ValueError(f"expected a finite number, got {written!r}")
         elif kind == "bool":
             if not isinstance(value, bool):
                 raise ValueError(f"expected true or false, got {value!r}")

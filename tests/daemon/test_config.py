@@ -680,3 +680,14 @@ def test_regression_exponent_notation_in_a_file_is_checked_as_the_number_it_is(t
         load_config(None, ["policy.protect_s=1e400"])
     path.write_text("policy:\n  protect_s: 25e-1\n")
     assert load_config(str(path), []).policy.protect_s == 2.5
+
+
+def test_regression_exponent_notation_is_refused_as_written():
+    """policy.protect_s=1e400 was refused as "got inf", a value the operator never wrote;
+    and digits of other scripts (Python's \\d and float take them) passed as a number."""
+    with pytest.raises(
+        ConfigError, match=r"'policy.protect_s': expected a finite number, got '1e400'"
+    ):
+        load_config(None, ["policy.protect_s=1e400"])
+    with pytest.raises(ConfigError, match=r"'policy.protect_s': expected a number, got '1e\u0663'"):
+        load_config(None, ["policy.protect_s=1e\u0663"])
