@@ -216,6 +216,15 @@ def _disk(config: Config) -> list[Problem]:
         return [Problem("tiers.l2.path", f"cannot create or open {directory}: {blocked}")]
     if directory.exists() and not directory.is_dir():
         return [Problem("tiers.l2.path", f"{directory} exists and is not a directory")]
+    if directory.is_symlink() and not directory.exists():
+        # The tier would not make the folder it names (mkdir: File exists, naming no key).
+        return [
+            Problem(
+                "tiers.l2.path",
+                f"{directory} is a symbolic link to {os.readlink(directory)}, which does not "
+                "exist: make that folder, or set tiers.l2.path to one",
+            )
+        ]
     if (untrusted := _l2_writers(directory)) is not None:
         return [Problem("tiers.l2.path", untrusted)]
     existing = _nearest_existing(directory)

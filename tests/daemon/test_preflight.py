@@ -752,3 +752,18 @@ def test_regression_an_l2_folder_in_a_folder_others_may_write_passed_the_checks(
         assert f"parent {shared} (mode 0777) is writable by other users" in str(problems[0])
     shared.chmod(0o1777)
     assert preflight.check(load_config(None, _l2_sets(tmp_path, shared / "l2")), HOST) == []
+
+
+def test_regression_an_l2_path_that_is_a_dangling_link_passed_the_checks(tmp_path):
+    """tiers.l2.path a symbolic link to a folder that does not exist: --check-config said
+    'config ok', and the start failed with "cannot start: [Errno 17] File exists", naming
+    no key. The checks name the link and where it points."""
+    directory = tmp_path / "l2"
+    directory.symlink_to(tmp_path / "nowhere")
+    problems = preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST)
+    assert _keys(problems) == ["tiers.l2.path"]
+    assert f"{directory} is a symbolic link to {tmp_path / 'nowhere'}, which does not" in str(
+        problems[0]
+    )
+    (tmp_path / "nowhere").mkdir(mode=0o700)
+    assert preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST) == []
