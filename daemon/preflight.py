@@ -23,7 +23,7 @@ from kvtier.daemon.config import Config, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
-from kvtier.tiers.disk.index import INDEX_NAME
+from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
 from kvtier.tiers.disk.tier import owner_problem, space_shortfall
 from kvtier.tiers.remote.options import RemoteOptionsError, read_password
 from kvtier.tiers.sizes import format_size
@@ -274,7 +274,8 @@ def _not_a_file(directory: Path) -> str | None:
     or a data file is there as something else, a folder say), or None."""
     if not directory.is_dir():
         return None
-    index = (INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
+    # The last item: a write-back of the index cut short, which the open moves into place.
+    index = (INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", INDEX_NAME + RESTORE_SUFFIX)
     for path in [*(directory / n for n in (LOCK_NAME, *index)), *directory.glob(DATA_GLOB)]:
         try:
             mode = path.lstat().st_mode

@@ -375,7 +375,10 @@ def test_an_l2_file_that_is_a_directory_is_refused_by_the_checks(tmp_path, name)
     assert f"L2 file {directory / name} is a directory" in str(problems[0])
 
 
-@pytest.mark.parametrize("name", ["index.sqlite3", "index.sqlite3-wal", "lock", "data-0000.bin"])
+@pytest.mark.parametrize(
+    "name",
+    ["index.sqlite3", "index.sqlite3-wal", "index.sqlite3.restore", "lock", "data-0000.bin"],
+)
 def test_regression_an_l2_file_that_is_a_link_is_refused_by_the_checks(tmp_path, name):
     """A symbolic link where an L2 file goes (planted while the folder was open to others):
     the checks passed it, as a link to a regular file, and the tier followed it, making the
