@@ -273,6 +273,13 @@ COUNTERS: dict[str, MetricDef] = {
         "Large requests that waited for their turn to be parsed (another large request was "
         "parsed just before); turns go round robin over tenants.",
     ),
+    "requests_parse_refused": _c(
+        "kvtier_requests_parse_refused_total",
+        (),
+        "Large requests ended (RESOURCE_EXHAUSTED) before their turn to be parsed: those "
+        "waiting held 64 times server.max_message_bytes, and their sender had the most of "
+        "them.",
+    ),
     "health_watches_refused": _c(
         "kvtier_health_watches_refused_total",
         (),

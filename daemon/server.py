@@ -52,7 +52,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from kvtier.daemon import systemd
-from kvtier.daemon.config import Config, join_host_port, split_host_port
+from kvtier.daemon.config import Config, ServerConfig, join_host_port, split_host_port
 from kvtier.daemon.connections import ConnectionWatch
 from kvtier.daemon.credentials import (
     CredentialServer,
@@ -78,7 +78,13 @@ from kvtier.daemon.errors import (
 from kvtier.daemon.health import NOT_SERVING, SERVING, HealthService
 from kvtier.daemon.memtrim import MemoryTrimmer
 from kvtier.daemon.observe import RpcObserver
-from kvtier.daemon.parseturns import LARGE_REQUEST_BYTES, ParseTurns, session_id_of
+from kvtier.daemon.parseturns import (
+    LARGE_REQUEST_BYTES,
+    WAITING_MESSAGES,
+    ParseTurns,
+    TurnRefused,
+    session_id_of,
+)
 from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
 from kvtier.daemon.service import KVService
@@ -657,6 +663,7 @@ class Daemon:
             REQUEST_RECEIVE_TIMEOUT_S,
             self.service.counters,
             lambda data: self.sessions.limit_key_of(session_id_of(data)),
+            WAITING_MESSAGES * cfg.max_message_bytes,
         )
 
     async def start(self) -> None:
@@ -849,12 +856,14 @@ class RequestReceiver:
         timeout_s: float,
         counters: Counter[str],
         sender_of: Callable[[bytes], str] = lambda data: "",
+        max_turn_bytes: int = WAITING_MESSAGES * ServerConfig.max_message_bytes,
     ) -> None:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.counters = counters
-        # Large requests are parsed in turns, round robin over ``sender_of`` each.
-        self.turns = ParseTurns(sender_of, counters)
+        # Large requests are parsed in turns, round robin over ``sender_of`` each; those
+        # waiting for theirs hold at most ``max_turn_bytes``.
+        self.turns = ParseTurns(sender_of, counters, max_turn_bytes)
         # Calls waiting for their request, oldest first (a dict keeps insertion order).
         self.waiting: dict[_Waiter, None] = {}
         # One timer for every waiter (a timer per call cost more than the rest of the wait):
@@ -938,7 +947,10 @@ class RequestReceiver:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         if len(request) < LARGE_REQUEST_BYTES:
             return parse(request)
-        return await self.turns.parse(request, parse)
+        try:
+            return await self.turns.parse(request, parse)
+        except TurnRefused as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     def _expire(self) -> None:
         """End the calls that have waited ``timeout_s``; re-armed for the oldest left."""

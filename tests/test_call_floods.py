@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -162,3 +163,31 @@ def test_regression_one_clients_large_requests_held_every_other_call_behind_them
             assert c.exception().code() == grpc.StatusCode.NOT_FOUND
         assert answered_before <= flood // 4, f"{answered_before} of {flood} answered first"
         assert victim.stats().counters["requests_parse_waited"] > 0
+
+
+def test_regression_large_requests_waiting_for_their_turn_held_memory_without_bound(daemon):
+    """Every large request waiting for its turn to be parsed held its bytes, and one client's
+    open requests arrive far faster than their turns come: one connection's 256 Puts of
+    3.5 MB grew the daemon's peak (VmHWM) by 1.1 GB, and a client may open 256 on each of
+    thousands of connections. They hold at most 64 such requests now (the peak grew 0.4-0.8 GB,
+    the rest in gRPC's own buffers); past that the sender with the most waiting (the
+    flood's, naming no session) has its newest refused, RESOURCE_EXHAUSTED, while another
+    client's large request (a Lookup of 4,096 keys) is answered."""
+    request = pb.PutRequest(
+        session_id="no-such-session", pool_id=1, keys=[b"k" * 32], pages=[0] * 3_500_000
+    ).SerializeToString()
+    keys = [i.to_bytes(32, "little") for i in range(4096)]
+    with (
+        daemon.client() as victim,
+        grpc.insecure_channel(f"unix:{daemon.socket}") as channel,
+    ):
+        assert victim.lookup(keys).prefix_len == 0  # its session opens before the flood
+        put = channel.unary_unary("/kvtier.v1.KVTier/Put")
+        calls = [put.future(request, timeout=120) for _ in range(MAX_STREAMS_PER_CONNECTION)]
+        while not any(c.done() for c in calls):  # the daemon is taking the flood up
+            time.sleep(0.001)
+        assert victim.lookup(keys).prefix_len == 0
+        codes = Counter(c.exception().code() for c in calls)
+        assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0, codes
+        assert set(codes) == {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert victim.stats().counters["requests_parse_refused"] > 0

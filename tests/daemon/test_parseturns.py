@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import Counter
 
-from kvtier.daemon.parseturns import ParseTurns, session_id_of
+from kvtier.daemon.parseturns import ParseTurns, TurnRefused, session_id_of
 from kvtier.proto import kvtier_pb2 as pb
 
 
@@ -19,7 +20,7 @@ def test_turns_go_round_robin_over_the_senders() -> None:
 
     async def run() -> None:
         counters: Counter[str] = Counter()
-        turns = ParseTurns(_sender, counters)
+        turns = ParseTurns(_sender, counters, 1 << 20)
         order: list[bytes] = []
 
         def parse(data: bytes) -> bytes:
@@ -37,7 +38,7 @@ def test_turns_go_round_robin_over_the_senders() -> None:
 
 def test_a_request_whose_client_left_while_it_waited_gives_its_turn_away() -> None:
     async def run() -> None:
-        turns = ParseTurns(_sender, Counter())
+        turns = ParseTurns(_sender, Counter(), 1 << 20)
         order: list[bytes] = []
         first = asyncio.ensure_future(turns.parse(b"a1", order.append))
         gone = asyncio.ensure_future(turns.parse(b"b1", order.append))
@@ -50,6 +51,63 @@ def test_a_request_whose_client_left_while_it_waited_gives_its_turn_away() -> No
         await asyncio.sleep(0.01)
         await asyncio.wait_for(turns.parse(b"d1", order.append), 1)
         assert order[-1] == b"d1"
+
+    asyncio.run(run())
+
+
+def test_past_the_bound_the_sender_with_the_most_waiting_has_its_newest_refused() -> None:
+    """Requests waiting for their turn hold their bytes: at most ``max_waiting_bytes`` (here
+    four requests' worth). One more ends the newest of the sender with the most bytes
+    waiting, or itself where its sender would have the most; another sender's request keeps
+    its place."""
+
+    async def run() -> None:
+        counters: Counter[str] = Counter()
+        # Every parse seems to take 10 ms: the pause after it (30 ms) outlasts the set-up.
+        turns = ParseTurns(_sender, counters, 8, itertools.count(step=0.01).__next__)
+        order: list[bytes] = []
+
+        def parse(data: bytes) -> bytes:
+            order.append(data)
+            return data
+
+        first = asyncio.ensure_future(turns.parse(b"a0", parse))
+        await asyncio.sleep(0)  # a0 holds the turn; the rest wait
+        waiting = [asyncio.ensure_future(turns.parse(r, parse)) for r in (b"a1", b"a2", b"a3")]
+        await asyncio.sleep(0)
+        b1 = asyncio.ensure_future(turns.parse(b"b1", parse))  # 8 bytes waiting: full
+        a4 = asyncio.ensure_future(turns.parse(b"a4", parse))  # a would hold 8 of 10: itself
+        b2 = asyncio.ensure_future(turns.parse(b"b2", parse))  # a3, a's newest, makes room
+        done = await asyncio.gather(first, *waiting, b1, a4, b2, return_exceptions=True)
+        refused = [
+            r
+            for r, d in zip([b"a0", b"a1", b"a2", b"a3", b"b1", b"a4", b"b2"], done, strict=True)
+            if isinstance(d, TurnRefused)
+        ]
+        assert refused == [b"a3", b"a4"]
+        assert order == [b"a0", b"a1", b"b1", b"a2", b"b2"]
+        assert counters["requests_parse_refused"] == 2
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_client_left_gives_its_place_back() -> None:
+    """A waiting request whose call ended leaves the queue then, not when its turn comes:
+    the bound counts only the requests still waiting."""
+
+    async def run() -> None:
+        turns = ParseTurns(_sender, Counter(), 4, itertools.count(step=0.01).__next__)
+        order: list[bytes] = []
+        first = asyncio.ensure_future(turns.parse(b"a0", order.append))
+        await asyncio.sleep(0)
+        gone = [asyncio.ensure_future(turns.parse(r, order.append)) for r in (b"b1", b"c1")]
+        await asyncio.sleep(0)
+        for g in gone:
+            g.cancel()
+        await asyncio.sleep(0)
+        kept = [asyncio.ensure_future(turns.parse(r, order.append)) for r in (b"d1", b"e1")]
+        await asyncio.gather(first, *kept)
+        assert order == [b"a0", b"d1", b"e1"]
 
     asyncio.run(run())
 
