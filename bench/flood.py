@@ -4,8 +4,9 @@ A kvtierd (defaults but a small L1) and two client processes:
 - the flooder keeps ``--calls`` calls open at once, each a Put of ``--request-bytes`` that
   names no session (refused NOT_FOUND once parsed: a broken or hostile engine), sending the
   next as each one ends, for the whole run;
-- the victim, another process with its own session, looks up one stored key at a time,
-  back to back, and times each call.
+- the victim, another process with its own session, looks up ``--victim-keys`` keys (one:
+  an engine's fast path; 4,096: a batch, a request parsed in its turn) at a time, back to
+  back, and times each call.
 
 Baseline, measured in the same run: the victim's lookups with no flood. Reported: the victim's
 p50, p99 and max in ms with and without the flood, and the flood's calls per second over its
@@ -78,17 +79,17 @@ def _flood(conn: Connection, address: str, calls: int, request_bytes: int) -> No
     asyncio.run(main())
 
 
-def _victim_lookups(address: str, seconds: float) -> np.ndarray:
+def _victim_lookups(address: str, seconds: float, nkeys: int) -> np.ndarray:
     from kvtier.client import Client
 
     with Client(address) as client:
-        key = os.urandom(32)
-        client.lookup([key])  # the session opens
+        keys = [os.urandom(32) for _ in range(nkeys)]
+        client.lookup(keys)  # the session opens
         lat: list[float] = []
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             t = time.perf_counter()
-            client.lookup([key])
+            client.lookup(keys)
             lat.append(time.perf_counter() - t)
     return np.asarray(lat)
 
@@ -107,17 +108,22 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     p.add_argument("--calls", type=int, default=128, help="flood calls open at once (128)")
     p.add_argument("--request-bytes", default="3.8MB", help="size of each flood request (3.8MB)")
     p.add_argument("--seconds", type=float, default=10.0, help="victim time per phase (10)")
+    p.add_argument("--victim-keys", type=int, default=1, help="keys per victim lookup (1)")
     p.add_argument("--set", action="append", default=[], help="daemon config override")
     args = p.parse_args(argv)
     try:
         request_bytes = parse_size(args.request_bytes)
     except ValueError as e:
         p.error(f"--request-bytes: {e}")
-    if args.calls < 1 or args.seconds <= 0:
-        p.error("--calls must be at least 1 and --seconds above 0")
-    out: dict[str, Any] = {"calls": args.calls, "request_bytes": request_bytes}
+    if args.calls < 1 or args.seconds <= 0 or not 1 <= args.victim_keys <= 4096:
+        p.error("--calls must be at least 1, --seconds above 0, --victim-keys 1 to 4096")
+    out: dict[str, Any] = {
+        "calls": args.calls,
+        "request_bytes": request_bytes,
+        "victim_keys": args.victim_keys,
+    }
     with bench_daemon("tiers.l1.capacity_bytes=64MiB", *args.set) as daemon:
-        out["quiet"] = _figures(_victim_lookups(daemon.address, args.seconds))
+        out["quiet"] = _figures(_victim_lookups(daemon.address, args.seconds, args.victim_keys))
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         flooder = ctx.Process(
@@ -129,7 +135,9 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                 raise TimeoutError("the flooder did not start")
             parent.recv()
             time.sleep(1.0)  # every flood call under way
-            out["flooded"] = _figures(_victim_lookups(daemon.address, args.seconds))
+            out["flooded"] = _figures(
+                _victim_lookups(daemon.address, args.seconds, args.victim_keys)
+            )
             parent.send(None)
             if not parent.poll(_TIMEOUT_S):
                 raise TimeoutError("the flooder did not stop")
@@ -144,7 +152,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         f = out[phase]
         print(
             f"victim lookup {phase:8s}: p50 {f['p50_ms']:.3g} ms  p99 {f['p99_ms']:.3g} ms  "
-            f"max {f['max_ms']:.3g} ms  ({f['calls']} calls)"
+            f"max {f['max_ms']:.3g} ms  ({f['calls']} calls of {args.victim_keys} keys)"
         )
     print(
         f"flood: {args.calls} calls of {request_bytes} bytes open at once, "

@@ -28,6 +28,7 @@ from kvtier.bench import run_bench
         ("instructions", ["--idle-s", "0"], "counts must be at least 1"),
         ("restart", ["--rows", "0"], "counts must be at least 1"),
         ("flood", ["--calls", "0"], "--calls must be at least 1"),
+        ("flood", ["--victim-keys", "4097"], "--victim-keys 1 to 4096"),
         ("flood", ["--request-bytes", "4kk"], "--request-bytes: not a size"),
     ],
 )
