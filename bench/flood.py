@@ -11,9 +11,8 @@ A kvtierd (defaults but a small L1) and two client processes:
 Baseline, measured in the same run: the victim's lookups with no flood. Reported: the victim's
 p50, p99 and max in ms with and without the flood, and the flood's calls per second over its
 whole run with the status codes they ended with (RESOURCE_EXHAUSTED: gRPC's own for a
-request past ``server.max_message_bytes``, or the daemon's for one refused its turn to be
-parsed, with 64 times that many bytes of the flood waiting already; else the daemon's
-NOT_FOUND).
+request past ``server.max_message_bytes``, or the daemon's for one not parsed, with 64
+times that many bytes of the flood waiting already; else the daemon's NOT_FOUND).
 """
 
 from __future__ import annotations

@@ -276,9 +276,8 @@ COUNTERS: dict[str, MetricDef] = {
     "requests_parse_refused": _c(
         "kvtier_requests_parse_refused_total",
         (),
-        "Large requests ended (RESOURCE_EXHAUSTED) before their turn to be parsed: those "
-        "waiting held 64 times server.max_message_bytes, and their sender had the most of "
-        "them.",
+        "Large requests not parsed, ended RESOURCE_EXHAUSTED in their turn: while they waited, "
+        "those waiting held over 64 times server.max_message_bytes, and their sender the most.",
     ),
     "health_watches_refused": _c(
         "kvtier_health_watches_refused_total",

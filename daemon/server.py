@@ -947,8 +947,11 @@ class RequestReceiver:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         if len(request) < LARGE_REQUEST_BYTES:
             return parse(request)
+        # Handed over whole: ParseTurns frees the bytes of a request it refuses at once.
+        held = [request]
+        del request
         try:
-            return await self.turns.parse(request, parse)
+            return await self.turns.parse(held, parse)
         except TurnRefused as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 

@@ -165,16 +165,20 @@ def test_regression_one_clients_large_requests_held_every_other_call_behind_them
         assert victim.stats().counters["requests_parse_waited"] > 0
 
 
-def test_regression_large_requests_waiting_for_their_turn_held_memory_without_bound(daemon):
+def test_regression_large_requests_waiting_for_their_turn_held_memory_without_bound(
+    daemon_factory,
+):
     """Every large request waiting for its turn to be parsed held its bytes, and one client's
     open requests arrive far faster than their turns come: one connection's 256 Puts of
     3.5 MB grew the daemon's peak (VmHWM) by 1.1 GB, and a client may open 256 on each of
-    thousands of connections. They hold at most 64 such requests now (the peak grew 0.4-0.8 GB,
-    the rest in gRPC's own buffers); past that the sender with the most waiting (the
-    flood's, naming no session) has its newest refused, RESOURCE_EXHAUSTED, while another
-    client's large request (a Lookup of 4,096 keys) is answered."""
+    thousands of connections. Those waiting hold at most 64 times server.max_message_bytes
+    now; past that the sender with the most bytes waiting (the flood's, naming no session)
+    has its newest refused, RESOURCE_EXHAUSTED, while another client's large request (a
+    Lookup of 4,096 keys) is answered. Here the bound is 64 MiB, the flood 128 requests of
+    0.9 MB."""
+    daemon = daemon_factory("server.max_message_bytes=1MiB")
     request = pb.PutRequest(
-        session_id="no-such-session", pool_id=1, keys=[b"k" * 32], pages=[0] * 3_500_000
+        session_id="no-such-session", pool_id=1, keys=[b"k" * 32], pages=[0] * 900_000
     ).SerializeToString()
     keys = [i.to_bytes(32, "little") for i in range(4096)]
     with (
@@ -183,7 +187,7 @@ def test_regression_large_requests_waiting_for_their_turn_held_memory_without_bo
     ):
         assert victim.lookup(keys).prefix_len == 0  # its session opens before the flood
         put = channel.unary_unary("/kvtier.v1.KVTier/Put")
-        calls = [put.future(request, timeout=120) for _ in range(MAX_STREAMS_PER_CONNECTION)]
+        calls = [put.future(request, timeout=120) for _ in range(128)]
         while not any(c.done() for c in calls):  # the daemon is taking the flood up
             time.sleep(0.001)
         assert victim.lookup(keys).prefix_len == 0
