@@ -17,7 +17,7 @@ open Puts of 3.8 MB naming no session, another client's one-key Lookup went from
   at most the pause (the largest legitimate request, of ``server.max_batch_blocks`` keys,
   parses in tens of microseconds), one that follows another sender's at most that parse's
   time: a flood's pause is the flood's own (beside 128 open Puts of 3.8 MB naming no
-  session, another tenant's Lookups of 4,096 keys waited for it, p50 2.3 -> 136 ms);
+  session, another tenant's Lookups of 4,096 keys waited for it, p50 2.1 -> 113 ms);
 - turns go round robin over the senders, the first whose pauses have passed first: a
   sender's request waits behind at most one request of each other sender with requests
   waiting, never behind another's whole queue. A sender is the tenant
