@@ -1202,8 +1202,8 @@ def env_name(key: str) -> str:
 
 def env_overrides(environ: Mapping[str, str]) -> list[str]:
     """``section.key=value`` overrides from ``KVTIER_*`` variables. A variable under a
-    section's prefix (``KVTIER_TIERS_...``) that names no key is an error, as an unknown key in
-    the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
+    section's prefix (``KVTIER_TIERS_...``) that names no key, or the section's own
+    (``KVTIER_SERVER``), is an error, as an unknown key in the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
     config."""
     names = {env_name(k): k for k in config_keys()}
     sections = tuple(env_name(f.name) + "_" for f in dataclasses.fields(Config))
@@ -1211,7 +1211,8 @@ def env_overrides(environ: Mapping[str, str]) -> list[str]:
     for var, value in sorted(environ.items()):
         if var in names:
             out.append(f"{names[var]}={value}")
-        elif var.startswith(sections):
+        elif var.startswith(sections) or var + "_" in sections:
+            # A section's own name too (``KVTIER_SERVER``): no value sets a whole section.
             raise ConfigError(
                 f"environment variable {var} names no config key (the variable of "
                 f"tiers.l1.capacity_bytes is {env_name('tiers.l1.capacity_bytes')})"

@@ -339,6 +339,14 @@ def test_a_misspelt_environment_variable_is_a_config_error():
         load_config(None, environ={"KVTIER_TIERS_L1_CAPACITY": "1Gi"})
 
 
+@pytest.mark.parametrize("var", ["KVTIER_SERVER", "KVTIER_TIERS", "KVTIER_LOGGING"])
+def test_regression_a_variable_naming_a_whole_section_was_ignored(var):
+    """``KVTIER_SERVER=1`` names a section, no key: it was taken silently (a misspelt key
+    under the section is refused)."""
+    with pytest.raises(ConfigError, match=f"environment variable {var} names no config key"):
+        load_config(None, environ={var: "1"})
+
+
 def test_kvtierd_reads_its_environment(tmp_path):
     env = {**os.environ, "KVTIER_TIERS_L1_CAPACITY_BYTES": "256Mi", "KVTIER_LOGGING_LEVEL": "debug"}
     proc = subprocess.run(
