@@ -705,7 +705,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except (UnavailableError, DeadlineExceededError) as e:
         print(_unreachable(args, e), file=sys.stderr)
-        return 1
+        # Not reached at all: health's 3, as check and drain (a daemon that answered and
+        # turned the call away, e.g. draining, is 1).
+        return 1 if _reached(e) else UNREACHABLE
     except KvtierError as e:
         print(f"kvtier: {type(e).__name__}: {e.details}", file=sys.stderr)
         return 1
