@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvtier.daemon import loops
 from kvtier.daemon.config import Config, http_url, split_host_port
-from kvtier.daemon.credentials import CRED_SUFFIX
+from kvtier.daemon.credentials import CRED_SUFFIX, is_memory_backed
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
@@ -404,6 +404,25 @@ def _shm(config: Config) -> list[Problem]:
     shm = config.server.shm_dir
     if not os.path.isdir(shm):
         return [Problem("server.shm_dir", f"{shm} is not a directory (is /dev/shm mounted?)")]
+    # Pools there must be memory (a tmpfs): RegisterPool refuses any other file, so a folder
+    # on a disk would start a daemon that refuses every named pool. An unnamed file made there
+    # tells, as the daemon tells a pool's (F_GET_SEALS); where it cannot be made (this user
+    # may not write there, or no O_TMPFILE) nothing is said.
+    try:
+        fd = os.open(shm, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return []
+    try:
+        if not is_memory_backed(fd):
+            return [
+                Problem(
+                    "server.shm_dir",
+                    f"{shm} is not in memory (not a tmpfs): every pool named there would be "
+                    "refused; use /dev/shm or another tmpfs",
+                )
+            ]
+    finally:
+        os.close(fd)
     return []
 
 

@@ -58,6 +58,19 @@ def test_an_l1_larger_than_memory_is_refused(tmp_path):
     assert preflight.check(config, HOST) == []
 
 
+def test_regression_a_shm_dir_on_a_disk_was_refused_only_when_a_pool_registered(tmp_path):
+    """A ``server.shm_dir`` that is a folder but not a tmpfs passed the checks; the daemon
+    started and refused every pool named there ("not in memory"). The folder is made in the
+    checkout, on a disk (a test's tmp_path may be a tmpfs)."""
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as disk:
+        config = load_config(None, [f"server.socket={tmp_path}/s.sock", f"server.shm_dir={disk}"])
+        problems = preflight.check(config, HOST)
+        assert _keys(problems) == ["server.shm_dir"]
+        assert "not in memory (not a tmpfs)" in str(problems[0])
+    config = load_config(None, [f"server.socket={tmp_path}/s.sock", "server.shm_dir=/dev/shm"])
+    assert "server.shm_dir" not in _keys(preflight.check(config, HOST))
+
+
 def test_an_l2_larger_than_the_disk_is_refused(tmp_path):
     config = load_config(
         None,
