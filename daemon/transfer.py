@@ -101,8 +101,7 @@ class TransferEngine:
         self.device = device
         # transfer_seconds{direction}: one observation per batch, for metrics.
         self.latency = latency if latency is not None else Histograms()
-        # Its series for copies from a pool and into one, per tier label
-        # (``_observe_from_pool``, ``_observe_to_pool``).
+        # Its series for copies from a pool and into one, per tier label (``_observe_pool``).
         self._from_pool_series: dict[str, Series] = {}
         self._to_pool_series: dict[str, Series] = {}
         self._clock = clock
@@ -256,7 +255,7 @@ class TransferEngine:
                 return level.slots.write(batch)
             return await self._run(priority, level.slots.write, batch)  # type: ignore[no-any-return]
         finally:
-            self._observe_from_pool(started, level.label)
+            self._observe_pool(started, level.label, to_pool=False)
 
     async def to_pool(
         self,
@@ -272,20 +271,20 @@ class TransferEngine:
         started = time.perf_counter()
         if isinstance(pages, DevicePages) and not level.device_memory:
             got = await self._to_device_pool(level, slots, refs, nbytes, checksums, pages, priority)
-            self._observe_to_pool(started, level.label)
+            self._observe_pool(started, level.label, to_pool=True)
             if not level.host_memory:
                 self._count_move(level.label, "pool", sum(got), nbytes)
             return got
         if level.keyed:
             got = list(await level.keys.read(refs, nbytes, host_side(pages)))
-            self._observe_to_pool(started, level.label)
+            self._observe_pool(started, level.label, to_pool=True)
             return got
         batch = ReadBatch(slots, refs, nbytes, pages, checksums, priority)
         if self._inline(level, len(slots) * nbytes):
             ok = level.slots.read(batch)
         else:
             ok = await self._run(priority, level.slots.read, batch)
-        self._observe_to_pool(started, level.label)
+        self._observe_pool(started, level.label, to_pool=True)
         if not level.host_memory:
             self._count_move(level.label, "pool", sum(ok), nbytes)
         return list(ok)
@@ -615,24 +614,15 @@ class TransferEngine:
     def _observe(self, started: float, direction: str) -> None:
         self.latency.observe("transfer_seconds", time.perf_counter() - started, direction=direction)
 
-    def _observe_from_pool(self, started: float, label: str) -> None:
-        """``_observe`` of a copy from a pool into the tier labelled ``label``: every Put
-        makes one, so its series is resolved once per tier."""
-        series = self._from_pool_series.get(label)
+    def _observe_pool(self, started: float, label: str, *, to_pool: bool) -> None:
+        """``_observe`` of a copy between a pool and the tier labelled ``label``, into the
+        pool with ``to_pool``: every Put and Get makes one, so its series is resolved once
+        per tier and direction."""
+        cache = self._to_pool_series if to_pool else self._from_pool_series
+        series = cache.get(label)
         if series is None:
-            series = self._from_pool_series[label] = self.latency.series(
-                "transfer_seconds", direction=f"pool->{label}"
-            )
-        series.add(time.perf_counter() - started)
-
-    def _observe_to_pool(self, started: float, label: str) -> None:
-        """``_observe`` of a copy from the tier labelled ``label`` into a pool: every Get
-        makes one, so its series is resolved once per tier, as ``_observe_from_pool``'s."""
-        series = self._to_pool_series.get(label)
-        if series is None:
-            series = self._to_pool_series[label] = self.latency.series(
-                "transfer_seconds", direction=f"{label}->pool"
-            )
+            direction = f"{label}->pool" if to_pool else f"pool->{label}"
+            series = cache[label] = self.latency.series("transfer_seconds", direction=direction)
         series.add(time.perf_counter() - started)
 
     def _count_move(self, src: str, dst: str, blocks: int, nbytes: int) -> None:
