@@ -523,8 +523,8 @@ class SpaceManager:
             await self.give_back(dst, owner, spare, nbytes)
             return
         refs = table.block_refs(group)
-        read_from = table.slot[group, src.col].tolist()
         source = _SourceCopy.of(table, group, src)
+        read_from = source.slots.tolist()
         src_failed: list[bool] = [False] * len(group)
         try:
             outcomes, src_failed = await self.transfers.copy(
@@ -1336,8 +1336,9 @@ class SpaceManager:
         self, keyed: list[Level], held_here: np.ndarray | np.bool_, before: float
     ) -> bool:
         """``forget_unconfirmed``'s drop of key-addressed copies written ``before`` (as
-        ``table.keyed_since`` dates them), of blocks held locally too (``held_here``: per row of the table; a batch
-        per pass, as the rows it forgets). True when more are left than the batch took."""
+        ``table.keyed_since`` dates them), of blocks held locally too (``held_here``, per row
+        of the table; a batch per pass, as the rows it forgets). True when more are left than
+        the batch took."""
         table = self.table
         slot = table.slot[: table.rows]
         old = table.keyed_since[: table.rows] < before
