@@ -104,6 +104,14 @@ _BLOCK_COLUMNS = """(
     checksum INTEGER NOT NULL,
     written_at REAL NOT NULL
 )"""
+# The L3 tier's unconfirmed removals: a table of this index, or of a ``removals_file`` of its
+# own (``kvtier.tiers.remote.journal``), read and written by the two functions below alike.
+L3_REMOVALS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS l3_removals (
+    key BLOB PRIMARY KEY,
+    until REAL
+) WITHOUT ROWID;
+"""
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (
     name TEXT PRIMARY KEY,
@@ -120,13 +128,27 @@ CREATE TABLE IF NOT EXISTS quarantine (
     reason TEXT NOT NULL,
     at REAL NOT NULL
 );
-CREATE TABLE IF NOT EXISTS l3_removals (
-    key BLOB PRIMARY KEY,
-    until REAL
-) WITHOUT ROWID;
-"""
+{L3_REMOVALS_SCHEMA}"""
 # The table a format-1 index's rows are copied into before it takes the name ``blocks``.
 _BLOCKS_V2 = f"CREATE TABLE blocks_v2 {_BLOCK_COLUMNS}"
+
+
+def read_l3_removals(db: sqlite3.Connection) -> list[tuple[bytes, float | None]]:
+    """Every entry of ``l3_removals``: ``(store key, until)``, until a wall-clock time (None:
+    never)."""
+    rows = db.execute("SELECT key, until FROM l3_removals").fetchall()
+    return [(bytes(key), None if until is None else float(until)) for key, until in rows]
+
+
+def write_l3_removals(
+    db: sqlite3.Connection,
+    added: Sequence[tuple[bytes, float | None]],
+    dropped: Sequence[bytes],
+) -> None:
+    """Delete ``dropped`` from ``l3_removals`` and add (or replace) ``added``, in the
+    caller's transaction."""
+    db.executemany("DELETE FROM l3_removals WHERE key = ?", [(k,) for k in dropped])
+    db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
 
 
 def _insert(db: sqlite3.Connection, rows: Sequence[BlockRow]) -> None:
@@ -256,19 +278,16 @@ class DiskIndex:
             db.executemany("DELETE FROM namespaces WHERE ns = ?", signed)
 
     def l3_removals(self) -> list[tuple[bytes, float | None]]:
-        """What ``record_l3_removals`` left: ``(store key, until)``, until a wall-clock time
-        (None: never)."""
+        """What ``record_l3_removals`` left (``read_l3_removals``)."""
         with self._lock:
-            rows = self._conn().execute("SELECT key, until FROM l3_removals").fetchall()
-        return [(bytes(key), None if until is None else float(until)) for key, until in rows]
+            return read_l3_removals(self._conn())
 
     def record_l3_removals(
         self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
     ) -> None:
-        """Add (or replace) ``added`` and delete ``dropped``, in one transaction."""
+        """``write_l3_removals`` in one transaction."""
         with self.transaction() as db:
-            db.executemany("DELETE FROM l3_removals WHERE key = ?", [(k,) for k in dropped])
-            db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
+            write_l3_removals(db, added, dropped)
 
     def committed_slots(self, slots: Sequence[int]) -> list[int]:
         """Which of ``slots`` have a block row."""

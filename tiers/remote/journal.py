@@ -23,15 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
+from kvtier.tiers.disk.index import L3_REMOVALS_SCHEMA, read_l3_removals, write_l3_removals
 
 log = logging.getLogger(__name__)
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS l3_removals (
-    key BLOB PRIMARY KEY,
-    until REAL
-) WITHOUT ROWID;
-"""
 # How long a statement waits for a lock another process holds (an operator's shell).
 _BUSY_TIMEOUT_S = 30.0
 
@@ -68,7 +63,7 @@ class RemovalFile:
             )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(L3_REMOVALS_SCHEMA)
             if made:
                 fsync_dir(self.path.parent.absolute())
         except (OSError, sqlite3.Error) as e:
@@ -78,11 +73,10 @@ class RemovalFile:
     def removals(self) -> list[tuple[bytes, float | None]]:
         try:
             with self._lock:
-                rows = self._conn().execute("SELECT key, until FROM l3_removals").fetchall()
+                return read_l3_removals(self._conn())
         except sqlite3.Error as e:
             self._failed("read", e)
             return []
-        return [(bytes(key), None if until is None else float(until)) for key, until in rows]
 
     def record_removals(
         self, added: Sequence[tuple[bytes, float | None]], dropped: Sequence[bytes]
@@ -92,8 +86,7 @@ class RemovalFile:
                 db = self._conn()
                 db.execute("BEGIN IMMEDIATE")
                 try:
-                    db.executemany("DELETE FROM l3_removals WHERE key = ?", [(k,) for k in dropped])
-                    db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
+                    write_l3_removals(db, added, dropped)
                     db.execute("COMMIT")
                 except BaseException:
                     with contextlib.suppress(sqlite3.Error):
