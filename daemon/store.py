@@ -481,11 +481,11 @@ class BlockStore:
         size the tier reports), but those held here (the copy's age is unknown), and so do
         the stale rows it still holds; all of them count as confirmed now
         (``table.keyed_seen``). A copy new to the table is dated from the probe, then from
-        its write once the tier tells it (``_date_copies``, in the background). A copy there that the tier says it does not
-        hold (absent, or another layout's value under the key) is lost
-        (``SpaceManager.lose_copies``), unless something confirmed it after the probe was
-        sent (a write behind, a read): the answer may predate it. An answer the tier could
-        not give (late, unreachable) changes nothing. Updates ``ids`` in place."""
+        its write once the tier tells it (``_date_copies``, in the background). A copy there
+        that the tier says it does not hold (absent, or another layout's value under the key)
+        is lost (``SpaceManager.lose_copies``), unless something confirmed it after the probe
+        was sent (a write behind, a read): the answer may predate it. An answer the tier
+        could not give (late, unreachable) changes nothing. Updates ``ids`` in place."""
         table = self.table
         asked = [*stale.tolist(), *range(start, len(words))]
         refs = [BlockRef(ns, words[i].tobytes()) for i in asked]

@@ -185,9 +185,8 @@ class BlockTable:
         # When the block's copy in a key-addressed tier was written there: by this node, or
         # by another for a copy found there of a block not held here (``BlockStore._discover``
         # dates it from the probe, then from the write its expiry tells: ``_date_copies``);
-        # set with that copy, meaningless without one. Its
-        # expiry runs from its write, which the confirmations above do not renew
-        # (``SpaceManager.forget_unconfirmed``).
+        # set with that copy, meaningless without one. Its expiry runs from its write, which
+        # the confirmations above do not renew (``SpaceManager.forget_unconfirmed``).
         self.keyed_since = np.empty(0, dtype=np.float64)
         self._grow(max(16, initial_capacity))
         self._table = np.full(

@@ -22,12 +22,13 @@ Invariants:
   connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
   Remembered for at most ``ttl_s`` (the value has expired by then) and at most
   ``_UNREMOVED_MAX`` keys; across restarts where the tier keeps a ``RemovalJournal`` (its
-  ``removals_file``, or one the daemon gives it: ``keep_removals_in``): a removal it remembers is recorded there before ``remove``
-  returns, and one confirmed, written again, expired or forgotten is dropped from it (a write
-  waits for that drop before it sends the block, so that a restart does not delete a block
-  written again after its removal; a drop that fails goes again with every later update,
-  and at ``close``, until one is recorded: only a crash before then deletes it). Journal
-  calls run on a worker thread, one at a time, in the order they were made.
+  ``removals_file``, or one the daemon gives it: ``keep_removals_in``): a removal it
+  remembers is recorded there before ``remove`` returns, and one confirmed, written again,
+  expired or forgotten is dropped from it (a write waits for that drop before it sends the
+  block, so that a restart does not delete a block written again after its removal; a drop
+  that fails goes again with every later update, and at ``close``, until one is recorded:
+  only a crash before then deletes it). Journal calls run on a worker thread, one at a
+  time, in the order they were made.
 - Values are framed by ``codec`` (magic, version, length, xxh3-64 of the bytes, key tag); a
   value that fails any check is a miss, counted by reason, and never reaches the caller's
   buffer as valid data.
