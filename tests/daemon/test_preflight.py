@@ -367,17 +367,7 @@ def test_an_l2_file_that_is_a_directory_is_refused_by_the_checks(tmp_path, name)
     'Is a directory'. The check names the file; a folder holding only files passes."""
     directory = tmp_path / "l2"
     directory.mkdir(mode=0o700)
-    config = load_config(
-        None,
-        [
-            f"server.socket={tmp_path}/s.sock",
-            "tiers.l2.enabled=true",
-            f"tiers.l2.path={directory}",
-            "tiers.l2.capacity_bytes=8MiB",
-            "tiers.l2.file_bytes=4MiB",
-            "tiers.l2.segment_bytes=1MiB",
-        ],
-    )
+    config = load_config(None, _l2_sets(tmp_path, directory))
     for other in ("index.sqlite3", "lock", "data-0000.bin", "data-0001.bin"):
         (directory / other).write_bytes(b"")
     assert preflight.check(config, HOST) == []
@@ -400,17 +390,7 @@ def test_regression_an_l2_file_that_is_a_link_is_refused_by_the_checks(tmp_path,
     directory.mkdir(mode=0o700)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
-    config = load_config(
-        None,
-        [
-            f"server.socket={tmp_path}/s.sock",
-            "tiers.l2.enabled=true",
-            f"tiers.l2.path={directory}",
-            "tiers.l2.capacity_bytes=8MiB",
-            "tiers.l2.file_bytes=4MiB",
-            "tiers.l2.segment_bytes=1MiB",
-        ],
-    )
+    config = load_config(None, _l2_sets(tmp_path, directory))
     (directory / name).symlink_to(victim)
     problems = preflight.check(config, HOST)
     assert _keys(problems) == ["tiers.l2.path"]
