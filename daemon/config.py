@@ -1286,22 +1286,45 @@ def load_config(
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"'{'.'.join(path_parts[: depth + 1])}' must be a mapping")
-        node[path_parts[-1]] = _override_value(key.strip(), value)
+        node[path_parts[-1]] = _override_value(key.strip(), value, _key_kind(path_parts))
     return build_config(raw)
 
 
-def _override_value(key: str, text: str) -> Any:
+def _key_kind(path_parts: list[str]) -> str | None:
+    """The kind of the key ``path_parts`` names (``str``, ``size``, ...), or None where it
+    names no key (``build_config`` says so)."""
+    cls: Any = Config
+    for depth, part in enumerate(path_parts):
+        f = next((f for f in dataclasses.fields(cls) if f.name == part), None)
+        if f is None:
+            return None
+        if not _is_section(f):
+            return str(f.metadata["kind"]) if f.metadata and depth == len(path_parts) - 1 else None
+        cls = f.default_factory
+    return None
+
+
+def _override_value(key: str, text: str, kind: str | None = None) -> Any:
     """A ``--set`` or environment value, read as YAML (``true``, ``2``, ``0.5``); text YAML
     cannot read (``[::1]:5000``) stays the string given, but a mapping in it that names a key
-    twice is refused as a file's is (taken as a string, it was refused as not a mapping)."""
+    twice is refused as a file's is (taken as a string, it was refused as not a mapping). A
+    string key (``kind`` ``str``) takes the text as written unless YAML reads it as a string
+    (a quoted one) or it is a list or mapping in brackets (refused, naming the key): YAML
+    reads ``kvtier:`` as a mapping, ``no`` as false and ``0123`` as the octal 83, so the
+    default ``tiers.l3.key_prefix`` was refused and ``0123`` became ``83``, a prefix no
+    other node's file would give."""
     if not text.strip():
         return ""
     try:
-        return _load_yaml(text)
+        value = _load_yaml(text)
     except _RepeatedKey as e:
         raise ConfigError(f"config key '{key}': {e.problem}") from None
     except (yaml.YAMLError, RecursionError):
         return text
+    bracketed = text.lstrip().startswith(("[", "{"))
+    if kind == "str" and not isinstance(value, str) and not bracketed:
+        return text.strip()
+    return value
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

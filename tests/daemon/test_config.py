@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvtier import paths
-from kvtier.daemon.config import Config, load_config, parse_size
+from kvtier.daemon.config import Config, env_name, load_config, parse_size
 from kvtier.daemon.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -332,6 +332,33 @@ def test_every_key_has_an_environment_variable_and_they_sit_between_file_and_set
     assert config.policy.protect_s == 3.0
     assert config.server.tcp_address == "[::1]:5000"
     assert [t.name for t in config.tenants] == ["remote"]
+
+
+@pytest.mark.parametrize(
+    "key, text",
+    [
+        ("tiers.l3.key_prefix", "kvtier:"),  # the default, as deploy/kvtier.yaml gives it
+        ("tiers.l3.key_prefix", "team-a:kv:"),
+        ("tiers.l3.key_prefix", "0123"),
+        ("tiers.l3.username", "no"),
+        ("tiers.l3.password_file", "#secret"),
+    ],
+)
+def test_regression_a_string_key_set_to_text_yaml_reads_as_another_type_was_refused_or_changed(
+    key, text
+):
+    """A string key takes a ``--set`` or variable value as written: read as YAML,
+    ``kvtier:`` was a mapping and ``no`` false (refused: "expected a string"), ``#secret`` a
+    comment, and ``0123`` the octal 83, taken silently as the prefix "83"."""
+    name = key.rpartition(".")[2]
+    for config in (
+        load_config(None, ["tiers.l3.enabled=true", f"{key}={text}"]),
+        load_config(None, environ={"KVTIER_TIERS_L3_ENABLED": "true", env_name(key): text}),
+    ):
+        assert getattr(config.tiers.l3, name) == text
+    # A quoted value is still read as YAML reads it.
+    quoted = load_config(None, ["tiers.l3.enabled=true", "tiers.l3.key_prefix='a: b'"])
+    assert quoted.tiers.l3.key_prefix == "a: b"
 
 
 def test_a_misspelt_environment_variable_is_a_config_error():
