@@ -726,3 +726,34 @@ def test_regression_exponent_notation_is_refused_as_written():
         load_config(None, ["policy.protect_s=1e400"])
     with pytest.raises(ConfigError, match=r"'policy.protect_s': expected a number, got '1e\u0663'"):
         load_config(None, ["policy.protect_s=1e\u0663"])
+
+
+def test_the_readme_names_the_bound_of_every_duration_shorter_than_a_year():
+    """README ("Running the daemon") says durations are at most a year and names the keys
+    bounded lower; it named two of the fourteen (session_ping_s: an hour, unsaid)."""
+    from kvtier.daemon.config import MAX_DURATION_S, _is_section
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    start = text.index("Durations (keys ending in")
+    said = text[start : text.index("--print-config", start)]
+    spans = {"a day": 86400, "an hour": 3600, "ten minutes": 600, "a minute": 60}
+    named: dict[str, float] = {}
+    for span, keys in re.findall(r"(a day|an hour|ten minutes|a minute) \(([^)]*)\)", said):
+        for key in re.findall(r"`([a-z0-9_.]+)`", keys):
+            named[key] = spans[span]
+
+    def durations(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            if _is_section(f):
+                yield from durations(f.default_factory, f"{prefix}{f.name}.")
+            elif f.metadata and f.metadata["unit"]:
+                yield f"{prefix}{f.name}", f.metadata
+
+    bounds = {}
+    for key, meta in durations(Config):
+        per_s = 1000 if meta["unit"] == "ms" else 1
+        bounds[key] = meta["hi"] / per_s
+    assert bounds, "no duration keys found"
+    assert {k: bounds[k] for k in named} == named
+    assert {k: b for k, b in bounds.items() if k not in named and b != MAX_DURATION_S} == {}
