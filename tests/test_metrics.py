@@ -394,6 +394,26 @@ def test_log_lines_a_request_causes_carry_its_ids(daemon_factory):
     assert lifecycle and "request_id" not in lifecycle[0]
 
 
+def test_a_clients_x_request_id_names_the_lines_its_request_causes_when_it_is_sane(
+    daemon_factory,
+):
+    """README (Logs): a line a request causes carries the client's ``x-request-id``, where it
+    is 1 to 64 letters, digits or ``._:-``; another (a space, 65 characters) gets an id of
+    the daemon's own, so a client cannot write what it likes into the log."""
+    d = daemon_factory("server.bad_request_log_interval_s=0")
+    sent = ["trace-7:a.b_c", "x" * 64, "x" * 65, "two words", ""]
+    with grpc.insecure_channel(d.address) as channel:
+        put = channel.unary_unary("/kvtier.v1.KVTier/Put")  # bytes in, bytes out
+        for request_id in sent:
+            with pytest.raises(grpc.RpcError) as refused:
+                put(b"\xff", timeout=10, metadata=(("x-request-id", request_id),))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    d.stop()
+    ids = re.findall(r"Put: refused a request of 1 bytes .*\[req=(\S+)\]", d.log())
+    assert ids[:2] == sent[:2]
+    assert len(ids) == 5 and all(re.fullmatch(r"[0-9a-f]{12}", i) for i in ids[2:]), ids
+
+
 def test_a_json_log_is_one_json_object_on_every_line(daemon_factory, tmp_path):
     """With logging.format json, every line kvtierd writes, on stdout and stderr alike (a
     pod's log is both), parses as the log's JSON: the start line, printed at any log level,
