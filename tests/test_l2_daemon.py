@@ -488,6 +488,30 @@ def test_regression_a_put_of_a_pinned_key_whose_only_copy_failed_stores_it(
         assert client.check().problems == []
 
 
+def test_an_evict_of_a_block_used_within_protect_s_keeps_it_and_the_lower_copy_it_made(
+    daemon_factory, tmp_path
+):
+    """README (Client library, evict): a block held only in the tier and used within
+    policy.protect_s stays (counted busy) and keeps the copy the evict wrote below; a copy
+    with another in a second tier goes whatever its protection (nothing is lost)."""
+    d = daemon_factory(*l2_args(tmp_path / "l2", "policy.protect_s=3600"))
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        data = fill(shm, 11)
+        pool = client.register_pool(shm, LAYOUT)
+        (key,) = keys(1, 11)
+        assert client.put(pool.pool_id, [key], [0]).stored == 1
+        ev = client.evict([key], "L1")
+        assert (ev.evicted, ev.missing, ev.busy) == (0, 0, 1)
+        assert client.lookup([key]).tiers == [Tier.L1_HOST]
+        tiers = {t.tier: t for t in client.stats().tiers}
+        assert (tiers[Tier.L1_HOST].blocks, tiers[Tier.L2_DISK].blocks) == (1, 1)
+        ev = client.evict([key], "L2")
+        assert (ev.evicted, ev.missing, ev.busy) == (1, 0, 0)
+        assert client.lookup([key]).tiers == [Tier.L1_HOST]
+        assert client.get(pool.pool_id, [key], [5]).loaded == [True]
+        assert page(shm.array(), 5) == page(data, 0)
+
+
 def test_l2_state_and_usage_are_reported(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2"))
     with d.client() as client:
