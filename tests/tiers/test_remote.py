@@ -668,6 +668,74 @@ async def test_removals_an_unreachable_store_could_not_take_are_recorded_before_
             )
 
 
+def _journal_keys(path: Path) -> list[bytes]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return [bytes(k) for (k,) in db.execute("SELECT key FROM l3_removals")]
+
+
+async def _hold_small_ops(tier: RemoteTier) -> int:
+    """Take every connection removals may use (acquiring a free semaphore does not yield);
+    returns how many were taken."""
+    held = 0
+    while not tier._small_ops.locked():
+        await tier._small_ops.acquire()
+        held += 1
+    return held
+
+
+@pytest.mark.parametrize("how", ["cancelled", "closed"])
+async def test_regression_a_removal_cancelled_or_closed_before_its_reply_came_back_at_restart(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path, how: str
+) -> None:
+    """A removal waiting for its connection (or its replies) that was cancelled, or whose
+    tier closed meanwhile (a Delete outliving the daemon's drain, cancelled at its exit),
+    was neither confirmed nor remembered: the block stayed in the store, was found by the
+    next lookup and, the journal not having it, after a restart. Such a removal is kept as
+    one the store did not confirm, in memory and in the journal, and sent again."""
+    nbytes = 4096
+    blocks = [ref(0)]
+    stored = KeyNamer(l3_prefix).key(blocks[0].ns, blocks[0].key)
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            held = await _hold_small_ops(tier)
+            removing = asyncio.create_task(tier.remove(blocks))
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not removing.done()
+            if how == "cancelled":
+                removing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await removing
+                # The store refuses the removal sent again: it stays remembered.
+                raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+                for _ in range(held):
+                    tier._small_ops.release()
+                await wait_for("the journal's record", lambda: _journal_keys(path) == [stored])
+                await wait_for("the resend to end", lambda: tier._resending is None)
+                assert await tier.probe_each(blocks) == [PROBE_ABSENT]
+                assert tier.stats().gauges["removals_unconfirmed"] == 1
+        if how == "closed":
+            removing.cancel()  # as the event loop's end does
+            with pytest.raises(asyncio.CancelledError):
+                await removing
+        assert raw.exists(stored) == 1
+        assert _journal_keys(path) == [stored]
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+        async with opened(opts) as tier:
+            assert await tier.probe_each(blocks) == [PROBE_ABSENT]
+            await wait_for(
+                "the removal to be sent again",
+                lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+            )
+            assert raw.exists(stored) == 0
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_again_at_restart(
     fresh_redis: RedisServer,
     l3_prefix: str,

@@ -15,8 +15,9 @@ Invariants:
   taken up); faults of calls that started on an older client are ignored. Each change of
   state is logged once.
 - A Redis that restarts empty is a cold tier: nothing here remembers what it held.
-- A removal the store did not confirm (unreachable, or an error reply) is remembered and sent
-  again once the store answers: until then ``probe`` and ``read`` answer its keys absent, so
+- A removal the store did not confirm (unreachable, an error reply, its call cancelled before
+  the reply, or still waiting for it at ``close``) is remembered and sent again once the
+  store answers: until then ``probe`` and ``read`` answer its keys absent, so
   a Delete made while the store was down does not come back through a later lookup. A write
   of the key ends the removal (the block was stored again), also one still waiting for its
   connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
@@ -361,12 +362,19 @@ class RemoteTier:
         grace = self.options.connect_timeout_s + self.options.op_timeout_s
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
-        # One more try for drops that failed.
-        self._record([], list(self._undropped))
+        # A removal still waiting for its connection or replies is kept as one the store did
+        # not confirm: its call may end after the journal has closed, or be cancelled with
+        # the event loop, and the restart must send it again. The update also drops the keys
+        # whose drops failed (every update does); without one, they are tried once more.
+        in_flight = [k for pending in self._removing.values() for k in pending]
+        if self._remember(in_flight) is None:
+            self._record([], list(self._undropped))
         if self._journaling:
-            # Drops only by now (a removal's record, and a write's drop, is awaited by its
-            # caller): one left undone costs the restart an UNLINK sent again.
+            # Drops, and the records just made (a write's drop and a removal's record are
+            # awaited by their callers): a drop left undone costs the restart an UNLINK
+            # sent again.
             await asyncio.wait(set(self._journaling), timeout=grace)
+        self._journal = None  # closed, or about to be: calls ending later record nothing
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
         if self._own_journal is not None:
             self._own_journal.close()
@@ -651,6 +659,13 @@ class RemoteTier:
     async def _remember_removals(self, keys: list[bytes]) -> None:
         """Remember ``keys`` as removals to send again; returns once the journal, if there
         is one, has them (a caller cancelled meanwhile leaves the record to go on)."""
+        recording = self._remember(keys)
+        if recording is not None:
+            await asyncio.shield(recording)
+
+    def _remember(self, keys: list[bytes]) -> asyncio.Task[None] | None:
+        """``_remember_removals`` without waiting: the journal's record, if any, goes on in
+        the background (awaited at ``close``)."""
         unremoved = self._unremoved
         until = self._clock() + self.options.ttl_s if self.options.ttl_s else float("inf")
         for k in keys:
@@ -670,9 +685,7 @@ class RemoteTier:
                     "are forgotten and may be found again until their expiry",
                     _UNREMOVED_MAX,
                 )
-        recording = self._record([k for k in keys if k in unremoved], forgotten)
-        if recording is not None:
-            await asyncio.shield(recording)
+        return self._record([k for k in keys if k in unremoved], forgotten)
 
     def _record(self, added: list[bytes], dropped: list[bytes]) -> asyncio.Task[None] | None:
         """Update the journal, if any, in the background (its turn after the updates begun
@@ -741,6 +754,14 @@ class RemoteTier:
             if pending is not None:
                 await self._remember_removals([k for k in keys if k in pending])
             return None
+        except asyncio.CancelledError:
+            if pending is not None:
+                # Cancelled before the store confirmed it (the UNLINK sent or not): kept as
+                # one the store could not take, else the block stayed in the store and was
+                # found again, by the next lookup or after a restart.
+                self._remember([k for k in keys if k in pending])
+                self._resend_removals()
+            raise
         refused = []
         confirmed = []
         for k, reply in zip(keys, replies, strict=True):
