@@ -786,6 +786,57 @@ async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_a
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_regression_keys_whose_journal_drops_failed_grew_without_bound(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While the journal's drops keep failing, the keys waiting to be dropped were kept
+    without bound. They are kept within the bound on remembered removals: the oldest beyond
+    are no longer tried, counted and logged (their entries may delete a value written again
+    since at the restart), and the newest are dropped once the journal takes updates."""
+    monkeypatch.setattr(journal_module, "_BUSY_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(tier_module, "_UNDROPPED_MAX", 2)
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    names = KeyNamer(l3_prefix)
+    stored = [names.key(b.ns, b.key) for b in blocks]
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            src = host([data(i, nbytes) for i in range(4)])
+            assert await tier.write(blocks, nbytes, src) == [True] * 4
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            for pair in (blocks[:2], blocks[2:]):  # refused: in the journal, two at a time
+                await tier.remove(pair)
+            assert sorted(_journal_keys(path)) == sorted(stored)
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+            shell = sqlite3.connect(path, isolation_level=None)
+            shell.execute("BEGIN IMMEDIATE")  # an operator's shell holds the file
+            try:
+                await tier.remove([ref(99)])  # accepted: the four are sent again
+                await wait_for(
+                    "the removals to be confirmed",
+                    lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+                )
+                await wait_for("the drops to fail", lambda: not tier._journaling)
+                assert raw.exists(*stored) == 0
+                assert len(tier._undropped) == 2
+                assert tier.stats().counters["remove_drops_forgotten"] == 2
+                assert "the oldest are no longer tried" in caplog.text
+            finally:
+                shell.execute("ROLLBACK")
+                shell.close()
+        # The close dropped those still tried; the others' entries stay.
+        assert len(_journal_keys(path)) == 2
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 async def test_regression_a_write_did_not_wait_for_its_keys_journal_drop_under_way(
     fresh_redis: RedisServer,
     l3_prefix: str,

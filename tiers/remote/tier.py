@@ -136,6 +136,9 @@ SOCKET_READ_BYTES = 1 << 20
 # Removals remembered while the store cannot confirm them (~250 bytes each): beyond this the
 # oldest are forgotten (counted, logged), and may be found again if the store still has them.
 _UNREMOVED_MAX = 1 << 17
+# Keys whose drop from the journal failed kept to be tried again (as many, at most, as the
+# removals remembered: ~250 bytes each); the oldest beyond are no longer tried (counted, logged).
+_UNDROPPED_MAX = _UNREMOVED_MAX
 # Keys per pipeline when removals are sent again.
 _UNREMOVE_BATCH = 4096
 
@@ -173,6 +176,7 @@ COUNTERS = (
     "remove_retried",
     "remove_forgotten",
     "remove_unrecorded",
+    "remove_drops_forgotten",
     # reachability
     "timeouts",
     "connection_errors",
@@ -257,10 +261,11 @@ class RemoteTier:
         self._carried_from: RemovalJournal | None = None  # ``carry_removals_from``
         self._journal_turn = asyncio.Lock()
         self._journaling: set[asyncio.Task[None]] = set()
-        # Keys whose drop from the journal failed (their entries may be there still): each
-        # update drops them too until one succeeds. Left there, a restart would delete a
-        # value written again since.
-        self._undropped: set[bytes] = set()
+        # Keys whose drop from the journal failed (their entries may be there still), oldest
+        # first: each update drops them too until one succeeds. Left there, a restart would
+        # delete a value written again since. At most ``_UNDROPPED_MAX``.
+        self._undropped: dict[bytes, None] = {}
+        self._undropped_warned = False
         # Keys whose drop from the journal is on its way (a count per update naming them): a
         # write of one waits for it, as for a failed one.
         self._dropping: Counter[bytes] = Counter()
@@ -695,20 +700,24 @@ class RemoteTier:
         ttl = self.options.ttl_s
         until = self._wall_clock() + ttl if ttl else None
         self._dropping.update(dropped)
-        task = asyncio.ensure_future(self._journal_update([(k, until) for k in added], dropped))
+        task = asyncio.ensure_future(
+            self._journal_update(self._journal, [(k, until) for k in added], dropped)
+        )
         self._journaling.add(task)
         task.add_done_callback(self._journaling.discard)
         return task
 
     async def _journal_update(
-        self, added: list[tuple[bytes, float | None]], dropped: list[bytes]
+        self,
+        journal: RemovalJournal,
+        added: list[tuple[bytes, float | None]],
+        dropped: list[bytes],
     ) -> None:
-        journal = self._journal
-        assert journal is not None
         try:
             async with self._journal_turn:
                 # Added after the drops: a key removed again since its drop failed stays.
-                gone = [*dropped, *self._undropped.difference(dropped)]
+                named = set(dropped)
+                gone = [*dropped, *(k for k in self._undropped if k not in named)]
                 try:
                     recorded = await asyncio.to_thread(journal.record_removals, added, gone)
                 except Exception:
@@ -716,10 +725,9 @@ class RemoteTier:
                     recorded = False
                 if recorded:
                     self._undropped.clear()
+                    self._undropped_warned = False
                 else:
-                    self._undropped.update(dropped)
-                    # One kept there (its earlier entry, not dropped) is a removal again.
-                    self._undropped.difference_update(k for k, _ in added)
+                    self._keep_undropped(dropped, [k for k, _ in added])
         finally:
             self._dropping.subtract(dropped)
             for k in dropped:
@@ -728,6 +736,31 @@ class RemoteTier:
         if not recorded:
             # The journal's own tier reports why; these stay remembered in memory only.
             self._counters["remove_unrecorded"] += len(added)
+
+    def _keep_undropped(self, dropped: list[bytes], added: list[bytes]) -> None:
+        """Note that ``dropped`` may still be in the journal (its update failed), but those
+        ``added`` again (kept there: removals again), within ``_UNDROPPED_MAX``."""
+        undropped = self._undropped
+        for k in dropped:
+            undropped.pop(k, None)  # to the end: the newest go last
+            undropped[k] = None
+        for k in added:
+            undropped.pop(k, None)
+        excess = len(undropped) - _UNDROPPED_MAX
+        if excess <= 0:
+            return
+        for k in list(itertools.islice(undropped, excess)):
+            del undropped[k]
+        self._counters["remove_drops_forgotten"] += excess
+        if not self._undropped_warned:
+            self._undropped_warned = True
+            log.warning(
+                "L3: more than %d keys wait to be dropped from the removals journal, which "
+                "keeps failing; the oldest are no longer tried: a restart sends their "
+                "UNLINKs again (until their expiry), deleting what was written under them "
+                "since",
+                _UNDROPPED_MAX,
+            )
 
     async def _unlink(
         self, keys: list[bytes], *, pending: set[bytes] | None = None
