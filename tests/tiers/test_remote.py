@@ -837,6 +837,51 @@ async def test_regression_keys_whose_journal_drops_failed_grew_without_bound(
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_regression_the_stop_said_removals_whose_record_failed_were_kept_for_the_restart(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The close logged every removal the store had not confirmed as kept for the restart,
+    also those the journal failed to record (counted in ``remove_unrecorded``), which the
+    restart does not know of. It says how many are kept and how many are not."""
+    monkeypatch.setattr(journal_module, "_BUSY_TIMEOUT_S", 0.1)
+    caplog.set_level(logging.INFO, logger=tier_module.__name__)
+    nbytes = 4096
+    blocks = [ref(i) for i in range(3)]
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            src = host([data(i, nbytes) for i in range(3)])
+            assert await tier.write(blocks, nbytes, src) == [True] * 3
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            shell = sqlite3.connect(path, isolation_level=None)
+            shell.execute("BEGIN IMMEDIATE")  # an operator's shell holds the file
+            try:
+                await tier.remove(blocks[:2])  # refused, and not recorded
+            finally:
+                shell.execute("ROLLBACK")
+                shell.close()
+            await tier.remove(blocks[2:])  # refused, and recorded
+            c = tier.stats().counters
+            assert c["remove_unrecorded"] == 2
+            assert tier.stats().gauges["removals_unconfirmed"] == 3
+            caplog.clear()
+        assert len(_journal_keys(path)) == 1
+        closing = [r.getMessage() for r in caplog.records if "kept for the restart" in r.message]
+        assert closing == [
+            "L3: 1 removals not yet confirmed by the store are kept for the restart; 2 more "
+            "are not, their record failed or did not end (remove_unrecorded): their blocks "
+            "may be found again after the restart, until their expiry"
+        ]
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 async def test_regression_a_write_did_not_wait_for_its_keys_journal_drop_under_way(
     fresh_redis: RedisServer,
     l3_prefix: str,

@@ -266,6 +266,10 @@ class RemoteTier:
         # delete a value written again since. At most ``_UNDROPPED_MAX``.
         self._undropped: dict[bytes, None] = {}
         self._undropped_warned = False
+        # Keys whose last record in the journal failed, and those whose record is on its way
+        # (a count per update naming them): what a restart may not know (``close`` says).
+        self._unrecorded: set[bytes] = set()
+        self._adding: Counter[bytes] = Counter()
         # Keys whose drop from the journal is on its way (a count per update naming them): a
         # write of one waits for it, as for a failed one.
         self._dropping: Counter[bytes] = Counter()
@@ -347,17 +351,6 @@ class RemoteTier:
         if self._closed:
             return
         self._closed = True
-        if self._unremoved and self._journal is None:
-            log.warning(
-                "L3: %d removed blocks were not yet removed from the store (unreachable); "
-                "they may be found again after the restart, until their expiry",
-                len(self._unremoved),
-            )
-        elif self._unremoved:
-            log.info(
-                "L3: %d removals not yet confirmed by the store are kept for the restart",
-                len(self._unremoved),
-            )
         tasks = list(self._background)
         if self._monitor is not None:
             tasks.append(self._monitor)
@@ -379,6 +372,7 @@ class RemoteTier:
             # awaited by their callers): a drop left undone costs the restart an UNLINK
             # sent again.
             await asyncio.wait(set(self._journaling), timeout=grace)
+        self._log_unremoved_at_close()
         self._journal = None  # closed, or about to be: calls ending later record nothing
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
         if self._own_journal is not None:
@@ -386,6 +380,34 @@ class RemoteTier:
         if self._codec is not None:
             # Jobs already handed over run to their end: their callers wait for them.
             self._codec.shutdown(wait=False)
+
+    def _log_unremoved_at_close(self) -> None:
+        """Say how many removals the store has not confirmed, and whether the restart
+        knows of them (those whose record failed, or is not done, it does not)."""
+        unremoved = self._unremoved
+        if not unremoved:
+            return
+        if self._journal is None:
+            log.warning(
+                "L3: %d removed blocks were not yet removed from the store (unreachable); "
+                "they may be found again after the restart, until their expiry",
+                len(unremoved),
+            )
+            return
+        unkept = sum(k in self._unrecorded or k in self._adding for k in unremoved)
+        if unkept:
+            log.warning(
+                "L3: %d removals not yet confirmed by the store are kept for the restart; "
+                "%d more are not, their record failed or did not end (remove_unrecorded): "
+                "their blocks may be found again after the restart, until their expiry",
+                len(unremoved) - unkept,
+                unkept,
+            )
+        else:
+            log.info(
+                "L3: %d removals not yet confirmed by the store are kept for the restart",
+                len(unremoved),
+            )
 
     # --------------------------------------------------------------------- verbs
 
@@ -700,6 +722,7 @@ class RemoteTier:
         ttl = self.options.ttl_s
         until = self._wall_clock() + ttl if ttl else None
         self._dropping.update(dropped)
+        self._adding.update(added)
         task = asyncio.ensure_future(
             self._journal_update(self._journal, [(k, until) for k in added], dropped)
         )
@@ -713,26 +736,31 @@ class RemoteTier:
         added: list[tuple[bytes, float | None]],
         dropped: list[bytes],
     ) -> None:
+        keys = [k for k, _ in added]
         try:
             async with self._journal_turn:
                 # Added after the drops: a key removed again since its drop failed stays.
-                named = set(dropped)
-                gone = [*dropped, *(k for k in self._undropped if k not in named)]
+                named_now = set(dropped)
+                gone = [*dropped, *(k for k in self._undropped if k not in named_now)]
                 try:
                     recorded = await asyncio.to_thread(journal.record_removals, added, gone)
                 except Exception:
                     log.exception("L3: recording removals failed unexpectedly")
                     recorded = False
+                self._unrecorded.difference_update(dropped)
                 if recorded:
                     self._undropped.clear()
                     self._undropped_warned = False
+                    self._unrecorded.difference_update(keys)
                 else:
-                    self._keep_undropped(dropped, [k for k, _ in added])
+                    self._keep_undropped(dropped, keys)
+                    self._unrecorded.update(keys)
         finally:
-            self._dropping.subtract(dropped)
-            for k in dropped:
-                if self._dropping[k] <= 0:
-                    self._dropping.pop(k, None)  # a key named twice goes at its first
+            for pending, named in ((self._dropping, dropped), (self._adding, keys)):
+                pending.subtract(named)
+                for k in named:
+                    if pending[k] <= 0:
+                        pending.pop(k, None)  # a key named twice goes at its first
         if not recorded:
             # The journal's own tier reports why; these stay remembered in memory only.
             self._counters["remove_unrecorded"] += len(added)
