@@ -62,9 +62,12 @@ MAX_DURATION_S = 365 * 86400
 # until the kernel killed kvtierd, and a SIGHUP would do so to a running daemon.
 MAX_CONFIG_FILE_BYTES = 16 << 20
 # A number in exponent notation, which YAML 1.1 (PyYAML) reads as a string unless it has a dot
-# and a signed exponent (1.0e+3): 1e3 and 5e-1 would be refused as "not a number".
+# and a signed exponent (1.0e+3): 1e3 and 5e-1 would be refused as "not a number". Only
+# written plain (``_PlainExponent``): quoted, it is a string, as a quoted "30" is.
 # ASCII digits only: Python's \d (and float) take any script's digits, such as "1e\u0663".
-_EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", re.ASCII)
+_EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\Z", re.ASCII)
+# Text that would be a number written without quotes (what a refused string is told).
+_NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
 MIN_INDEX_WATCH_S = 0.05
@@ -1371,6 +1374,30 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _PlainExponent(str):
+    """A scalar written without quotes in exponent notation (``_EXPONENT_RE``), which YAML
+    1.1 reads as a string: a number where a key takes one, else the text it is."""
+
+
+_PLAIN_EXPONENT_TAG = "tag:kvtier,2026:plain-exponent"
+# Plain scalars only (a quoted one keeps its string tag), after YAML's own numbers.
+_StrictLoader.add_implicit_resolver(_PLAIN_EXPONENT_TAG, _EXPONENT_RE, list("-+.0123456789"))
+
+
+def _construct_plain_exponent(loader: _StrictLoader, node: yaml.ScalarNode) -> _PlainExponent:
+    return _PlainExponent(loader.construct_scalar(node))
+
+
+_StrictLoader.add_constructor(_PLAIN_EXPONENT_TAG, _construct_plain_exponent)
+
+
+def _quoted(value: object) -> str:
+    """What a number written in quotes is told: it was read as a string."""
+    if type(value) is str and _NUMBER_RE.fullmatch(value):
+        return " (quoted, it is a string: write the number without quotes)"
+    return ""
+
+
 def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds plain data only
 
@@ -1461,14 +1488,14 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             out: Any = parse_size(value)
         elif kind == "int":
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"expected an integer, got {value!r}")
+                raise ValueError(f"expected an integer, got {value!r}{_quoted(value)}")
             out = value
         elif kind == "float":
             written = value
-            if isinstance(value, str) and _EXPONENT_RE.fullmatch(value):
+            if isinstance(value, _PlainExponent):
                 value = float(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"expected a number, got {value!r}")
+                raise ValueError(f"expected a number, got {value!r}{_quoted(value)}")
             out = float(value)
             if not math.isfinite(out):
                 # NaN passes every range check (each comparison is false) and then turns
@@ -1483,7 +1510,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise ValueError(f"expected a string or a list of strings, got {value!r}")
-            out = tuple(items)
+            out = tuple(str(v) for v in items)  # plain str, not _PlainExponent
         elif kind == "idents":
             # Users or groups by name or number; one is a list of one.
             items = [value] if isinstance(value, (str, int)) else value
@@ -1535,7 +1562,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 value = str(value)  # a bare port, as YAML reads it
             if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {value!r}")
-            out = _canonical_choice(value, meta["choices"])
+            out = _canonical_choice(str(value), meta["choices"])
         else:
             raise AssertionError(f"unknown option kind {kind}")
     except ConfigError:

@@ -80,6 +80,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_tokens(config),
         *_l3_client(config),
         *_l3_password(config),
+        *_l3_removals_file(config),
         *_event_loop(config),
     ]
 
@@ -520,6 +521,38 @@ def _l3_password(config: Config) -> list[Problem]:
         read_password(l3.password_file)
     except RemoteOptionsError as e:
         return [Problem("tiers.l3.password_file", str(e))]
+    return []
+
+
+def _l3_removals_file(config: Config) -> list[Problem]:
+    """The L3 removals_file, which the tier opens (or makes) at start, its SQLite journal
+    files beside it: one it could not open stopped the start (naming it) after
+    --check-config said 'config ok'. Its folder is not made: it must be there already."""
+    l3 = config.tiers.l3
+    if not l3.enabled or not l3.removals_file:
+        return []
+    key = "tiers.l3.removals_file"
+    path = Path(os.path.abspath(l3.removals_file))
+    if (blocked := _blocked(path)) is not None:
+        return [Problem(key, f"cannot create or open {path}: {blocked}")]
+    folder = path.parent
+    if not folder.is_dir():
+        return [Problem(key, f"cannot create {path}: its folder {folder} does not exist")]
+    if not os.access(folder, os.W_OK | os.X_OK):
+        # SQLite makes its -wal and -shm files there, for a file that exists too.
+        return [
+            Problem(
+                key,
+                f"cannot create or open {path}: its folder {folder} is not writable by uid "
+                f"{os.geteuid()}",
+            )
+        ]
+    if path.exists() and not path.is_file():
+        return [Problem(key, f"{path} exists and is not a file")]
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        return [
+            Problem(key, f"cannot open {path}: not readable and writable by uid {os.geteuid()}")
+        ]
     return []
 
 

@@ -717,6 +717,38 @@ def test_regression_exponent_notation_in_a_file_is_checked_as_the_number_it_is(t
     assert load_config(str(path), []).policy.protect_s == 2.5
 
 
+@pytest.mark.parametrize("written", ['"1e3"', "'1e3'", '"5e-1"', '"30"', '"0.5"'])
+def test_regression_a_quoted_exponent_was_a_number_while_a_quoted_number_was_refused(
+    tmp_path, written
+):
+    """protect_s: "1e3" was taken as 1000 while protect_s: "30" was refused: an exponent was
+    read as a number from any string. Quoted, each is a string, refused naming the key;
+    unquoted, each is the number it is."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"policy:\n  protect_s: {written}\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config key 'policy.protect_s': expected a number, got '{written[1:-1]}' "
+        r"\(quoted, it is a string: write the number without quotes\)$",
+    ):
+        load_config(str(path), [])
+    with pytest.raises(ConfigError, match=r"'policy.protect_s': expected a number"):
+        load_config(None, [f"policy.protect_s={written}"])
+    path.write_text(f"policy:\n  protect_s: {written[1:-1]}\n")
+    assert load_config(str(path), []).policy.protect_s == float(written[1:-1])
+
+
+def test_a_quoted_integer_is_refused_and_an_unquoted_exponent_stays_text_where_text_is_taken():
+    with pytest.raises(
+        ConfigError,
+        match=r"'server.max_connections': expected an integer, got '64' \(quoted, it is a "
+        "string",
+    ):
+        load_config(None, ['server.max_connections="64"'])
+    config = load_config(None, ["tiers.l3.enabled=true", "tiers.l3.key_prefix=1e3"])
+    assert type(config.tiers.l3.key_prefix) is str and config.tiers.l3.key_prefix == "1e3"
+
+
 def test_regression_exponent_notation_is_refused_as_written():
     """policy.protect_s=1e400 was refused as "got inf", a value the operator never wrote;
     and digits of other scripts (Python's \\d and float take them) passed as a number."""

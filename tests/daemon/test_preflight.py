@@ -763,3 +763,51 @@ def test_regression_an_l2_path_that_is_a_dangling_link_passed_the_checks(tmp_pat
     )
     (tmp_path / "nowhere").mkdir(mode=0o700)
     assert preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST) == []
+
+
+def test_regression_an_l3_removals_file_the_tier_cannot_open_passed_the_checks(tmp_path):
+    """--check-config said 'config ok' for a tiers.l3.removals_file in a folder that does not
+    exist or that the daemon's user may not write (SQLite makes its journal files beside
+    it), and the start then stopped naming it. The checks name it, as every start's do."""
+    sets = [f"server.socket={tmp_path}/s.sock", "tiers.l3.enabled=true"]
+    missing = tmp_path / "no such folder" / "removals.sqlite3"
+    problems = preflight.check(
+        load_config(None, [*sets, f"tiers.l3.removals_file={missing}"]), HOST
+    )
+    assert _keys(problems) == ["tiers.l3.removals_file"]
+    assert f"its folder {missing.parent} does not exist" in str(problems[0])
+    r = _kvtierd("--check-config", *_sets(*sets, f"tiers.l3.removals_file={missing}"))
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "config ok" not in r.stdout
+    assert "kvtierd: cannot start: tiers.l3.removals_file: cannot create" in r.stderr
+    a_folder = tmp_path / "folder"
+    a_folder.mkdir()
+    problems = preflight.check(
+        load_config(None, [*sets, f"tiers.l3.removals_file={a_folder}"]), HOST
+    )
+    assert [str(p) for p in problems] == [
+        f"tiers.l3.removals_file: {a_folder} exists and is not a file"
+    ]
+    # Not pytest's tmp_path: its folders above are root's 0700, which nobody may not search.
+    base = Path(tempfile.mkdtemp(prefix="kvtier-removals-"))
+    try:
+        base.chmod(0o755)  # root's: nobody may not write it
+        in_base = f"tiers.l3.removals_file={base}/removals.sqlite3"
+        sockets = base / "sockets"
+        sockets.mkdir()
+        if os.geteuid() == 0:
+            os.chown(sockets, NOBODY, NOGROUP)
+        else:
+            base.chmod(0o555)
+        user_sets = [f"server.socket={sockets}/s.sock", "tiers.l3.enabled=true"]
+        refused = _problems_as_user([*user_sets, in_base])
+        ok = _problems_as_user([*user_sets, f"tiers.l3.removals_file={sockets}/r.sqlite3"])
+    finally:
+        base.chmod(0o755)
+        shutil.rmtree(base)
+    assert refused == [
+        f"tiers.l3.removals_file: cannot create or open {base}/removals.sqlite3: its folder "
+        f"{base} is not writable by uid {NOBODY if os.geteuid() == 0 else os.geteuid()}"
+    ]
+    assert ok == []
+    assert preflight.check(load_config(None, sets), HOST) == []  # not set: nothing to check

@@ -668,6 +668,74 @@ async def test_removals_an_unreachable_store_could_not_take_are_recorded_before_
             )
 
 
+def _journal_keys(path: Path) -> list[bytes]:
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return [bytes(k) for (k,) in db.execute("SELECT key FROM l3_removals")]
+
+
+async def _hold_small_ops(tier: RemoteTier) -> int:
+    """Take every connection removals may use (acquiring a free semaphore does not yield);
+    returns how many were taken."""
+    held = 0
+    while not tier._small_ops.locked():
+        await tier._small_ops.acquire()
+        held += 1
+    return held
+
+
+@pytest.mark.parametrize("how", ["cancelled", "closed"])
+async def test_regression_a_removal_cancelled_or_closed_before_its_reply_came_back_at_restart(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path, how: str
+) -> None:
+    """A removal waiting for its connection (or its replies) that was cancelled, or whose
+    tier closed meanwhile (a Delete outliving the daemon's drain, cancelled at its exit),
+    was neither confirmed nor remembered: the block stayed in the store, was found by the
+    next lookup and, the journal not having it, after a restart. Such a removal is kept as
+    one the store did not confirm, in memory and in the journal, and sent again."""
+    nbytes = 4096
+    blocks = [ref(0)]
+    stored = KeyNamer(l3_prefix).key(blocks[0].ns, blocks[0].key)
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+            held = await _hold_small_ops(tier)
+            removing = asyncio.create_task(tier.remove(blocks))
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not removing.done()
+            if how == "cancelled":
+                removing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await removing
+                # The store refuses the removal sent again: it stays remembered.
+                raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+                for _ in range(held):
+                    tier._small_ops.release()
+                await wait_for("the journal's record", lambda: _journal_keys(path) == [stored])
+                await wait_for("the resend to end", lambda: tier._resending is None)
+                assert await tier.probe_each(blocks) == [PROBE_ABSENT]
+                assert tier.stats().gauges["removals_unconfirmed"] == 1
+        if how == "closed":
+            removing.cancel()  # as the event loop's end does
+            with pytest.raises(asyncio.CancelledError):
+                await removing
+        assert raw.exists(stored) == 1
+        assert _journal_keys(path) == [stored]
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+        async with opened(opts) as tier:
+            assert await tier.probe_each(blocks) == [PROBE_ABSENT]
+            await wait_for(
+                "the removal to be sent again",
+                lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+            )
+            assert raw.exists(stored) == 0
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
 async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_again_at_restart(
     fresh_redis: RedisServer,
     l3_prefix: str,
@@ -714,6 +782,102 @@ async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_a
             assert await tier.probe_each(blocks) == [nbytes]
             assert tier.stats().gauges["removals_unconfirmed"] == 0
         assert raw.exists(stored) == 1
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
+async def test_regression_keys_whose_journal_drops_failed_grew_without_bound(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While the journal's drops keep failing, the keys waiting to be dropped were kept
+    without bound. They are kept within the bound on remembered removals: the oldest beyond
+    are no longer tried, counted and logged (their entries may delete a value written again
+    since at the restart), and the newest are dropped once the journal takes updates."""
+    monkeypatch.setattr(journal_module, "_BUSY_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(tier_module, "_UNDROPPED_MAX", 2)
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    names = KeyNamer(l3_prefix)
+    stored = [names.key(b.ns, b.key) for b in blocks]
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            src = host([data(i, nbytes) for i in range(4)])
+            assert await tier.write(blocks, nbytes, src) == [True] * 4
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            for pair in (blocks[:2], blocks[2:]):  # refused: in the journal, two at a time
+                await tier.remove(pair)
+            assert sorted(_journal_keys(path)) == sorted(stored)
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+            shell = sqlite3.connect(path, isolation_level=None)
+            shell.execute("BEGIN IMMEDIATE")  # an operator's shell holds the file
+            try:
+                await tier.remove([ref(99)])  # accepted: the four are sent again
+                await wait_for(
+                    "the removals to be confirmed",
+                    lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+                )
+                await wait_for("the drops to fail", lambda: not tier._journaling)
+                assert raw.exists(*stored) == 0
+                assert len(tier._undropped) == 2
+                assert tier.stats().counters["remove_drops_forgotten"] == 2
+                assert "the oldest are no longer tried" in caplog.text
+            finally:
+                shell.execute("ROLLBACK")
+                shell.close()
+        # The close dropped those still tried; the others' entries stay.
+        assert len(_journal_keys(path)) == 2
+    finally:
+        raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+
+
+async def test_regression_the_stop_said_removals_whose_record_failed_were_kept_for_the_restart(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The close logged every removal the store had not confirmed as kept for the restart,
+    also those the journal failed to record (counted in ``remove_unrecorded``), which the
+    restart does not know of. It says how many are kept and how many are not."""
+    monkeypatch.setattr(journal_module, "_BUSY_TIMEOUT_S", 0.1)
+    caplog.set_level(logging.INFO, logger=tier_module.__name__)
+    nbytes = 4096
+    blocks = [ref(i) for i in range(3)]
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    try:
+        async with opened(opts) as tier:
+            src = host([data(i, nbytes) for i in range(3)])
+            assert await tier.write(blocks, nbytes, src) == [True] * 3
+            raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+            shell = sqlite3.connect(path, isolation_level=None)
+            shell.execute("BEGIN IMMEDIATE")  # an operator's shell holds the file
+            try:
+                await tier.remove(blocks[:2])  # refused, and not recorded
+            finally:
+                shell.execute("ROLLBACK")
+                shell.close()
+            await tier.remove(blocks[2:])  # refused, and recorded
+            c = tier.stats().counters
+            assert c["remove_unrecorded"] == 2
+            assert tier.stats().gauges["removals_unconfirmed"] == 3
+            caplog.clear()
+        assert len(_journal_keys(path)) == 1
+        closing = [r.getMessage() for r in caplog.records if "kept for the restart" in r.message]
+        assert closing == [
+            "L3: 1 removals not yet confirmed by the store are kept for the restart; 2 more "
+            "are not, their record failed or did not end (remove_unrecorded): their blocks "
+            "may be found again after the restart, until their expiry"
+        ]
     finally:
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 

@@ -15,8 +15,9 @@ Invariants:
   taken up); faults of calls that started on an older client are ignored. Each change of
   state is logged once.
 - A Redis that restarts empty is a cold tier: nothing here remembers what it held.
-- A removal the store did not confirm (unreachable, or an error reply) is remembered and sent
-  again once the store answers: until then ``probe`` and ``read`` answer its keys absent, so
+- A removal the store did not confirm (unreachable, an error reply, its call cancelled before
+  the reply, or still waiting for it at ``close``) is remembered and sent again once the
+  store answers: until then ``probe`` and ``read`` answer its keys absent, so
   a Delete made while the store was down does not come back through a later lookup. A write
   of the key ends the removal (the block was stored again), also one still waiting for its
   connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
@@ -135,6 +136,9 @@ SOCKET_READ_BYTES = 1 << 20
 # Removals remembered while the store cannot confirm them (~250 bytes each): beyond this the
 # oldest are forgotten (counted, logged), and may be found again if the store still has them.
 _UNREMOVED_MAX = 1 << 17
+# Keys whose drop from the journal failed kept to be tried again (as many, at most, as the
+# removals remembered: ~250 bytes each); the oldest beyond are no longer tried (counted, logged).
+_UNDROPPED_MAX = _UNREMOVED_MAX
 # Keys per pipeline when removals are sent again.
 _UNREMOVE_BATCH = 4096
 
@@ -172,6 +176,7 @@ COUNTERS = (
     "remove_retried",
     "remove_forgotten",
     "remove_unrecorded",
+    "remove_drops_forgotten",
     # reachability
     "timeouts",
     "connection_errors",
@@ -256,10 +261,15 @@ class RemoteTier:
         self._carried_from: RemovalJournal | None = None  # ``carry_removals_from``
         self._journal_turn = asyncio.Lock()
         self._journaling: set[asyncio.Task[None]] = set()
-        # Keys whose drop from the journal failed (their entries may be there still): each
-        # update drops them too until one succeeds. Left there, a restart would delete a
-        # value written again since.
-        self._undropped: set[bytes] = set()
+        # Keys whose drop from the journal failed (their entries may be there still), oldest
+        # first: each update drops them too until one succeeds. Left there, a restart would
+        # delete a value written again since. At most ``_UNDROPPED_MAX``.
+        self._undropped: dict[bytes, None] = {}
+        self._undropped_warned = False
+        # Keys whose last record in the journal failed, and those whose record is on its way
+        # (a count per update naming them): what a restart may not know (``close`` says).
+        self._unrecorded: set[bytes] = set()
+        self._adding: Counter[bytes] = Counter()
         # Keys whose drop from the journal is on its way (a count per update naming them): a
         # write of one waits for it, as for a failed one.
         self._dropping: Counter[bytes] = Counter()
@@ -341,17 +351,6 @@ class RemoteTier:
         if self._closed:
             return
         self._closed = True
-        if self._unremoved and self._journal is None:
-            log.warning(
-                "L3: %d removed blocks were not yet removed from the store (unreachable); "
-                "they may be found again after the restart, until their expiry",
-                len(self._unremoved),
-            )
-        elif self._unremoved:
-            log.info(
-                "L3: %d removals not yet confirmed by the store are kept for the restart",
-                len(self._unremoved),
-            )
         tasks = list(self._background)
         if self._monitor is not None:
             tasks.append(self._monitor)
@@ -361,18 +360,54 @@ class RemoteTier:
         grace = self.options.connect_timeout_s + self.options.op_timeout_s
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
-        # One more try for drops that failed.
-        self._record([], list(self._undropped))
+        # A removal still waiting for its connection or replies is kept as one the store did
+        # not confirm: its call may end after the journal has closed, or be cancelled with
+        # the event loop, and the restart must send it again. The update also drops the keys
+        # whose drops failed (every update does); without one, they are tried once more.
+        in_flight = [k for pending in self._removing.values() for k in pending]
+        if self._remember(in_flight) is None:
+            self._record([], list(self._undropped))
         if self._journaling:
-            # Drops only by now (a removal's record, and a write's drop, is awaited by its
-            # caller): one left undone costs the restart an UNLINK sent again.
+            # Drops, and the records just made (a write's drop and a removal's record are
+            # awaited by their callers): a drop left undone costs the restart an UNLINK
+            # sent again.
             await asyncio.wait(set(self._journaling), timeout=grace)
+        self._log_unremoved_at_close()
+        self._journal = None  # closed, or about to be: calls ending later record nothing
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
         if self._own_journal is not None:
             self._own_journal.close()
         if self._codec is not None:
             # Jobs already handed over run to their end: their callers wait for them.
             self._codec.shutdown(wait=False)
+
+    def _log_unremoved_at_close(self) -> None:
+        """Say how many removals the store has not confirmed, and whether the restart
+        knows of them (those whose record failed, or is not done, it does not)."""
+        unremoved = self._unremoved
+        if not unremoved:
+            return
+        if self._journal is None:
+            log.warning(
+                "L3: %d removed blocks were not yet removed from the store (unreachable); "
+                "they may be found again after the restart, until their expiry",
+                len(unremoved),
+            )
+            return
+        unkept = sum(k in self._unrecorded or k in self._adding for k in unremoved)
+        if unkept:
+            log.warning(
+                "L3: %d removals not yet confirmed by the store are kept for the restart; "
+                "%d more are not, their record failed or did not end (remove_unrecorded): "
+                "their blocks may be found again after the restart, until their expiry",
+                len(unremoved) - unkept,
+                unkept,
+            )
+        else:
+            log.info(
+                "L3: %d removals not yet confirmed by the store are kept for the restart",
+                len(unremoved),
+            )
 
     # --------------------------------------------------------------------- verbs
 
@@ -651,6 +686,13 @@ class RemoteTier:
     async def _remember_removals(self, keys: list[bytes]) -> None:
         """Remember ``keys`` as removals to send again; returns once the journal, if there
         is one, has them (a caller cancelled meanwhile leaves the record to go on)."""
+        recording = self._remember(keys)
+        if recording is not None:
+            await asyncio.shield(recording)
+
+    def _remember(self, keys: list[bytes]) -> asyncio.Task[None] | None:
+        """``_remember_removals`` without waiting: the journal's record, if any, goes on in
+        the background (awaited at ``close``)."""
         unremoved = self._unremoved
         until = self._clock() + self.options.ttl_s if self.options.ttl_s else float("inf")
         for k in keys:
@@ -670,9 +712,7 @@ class RemoteTier:
                     "are forgotten and may be found again until their expiry",
                     _UNREMOVED_MAX,
                 )
-        recording = self._record([k for k in keys if k in unremoved], forgotten)
-        if recording is not None:
-            await asyncio.shield(recording)
+        return self._record([k for k in keys if k in unremoved], forgotten)
 
     def _record(self, added: list[bytes], dropped: list[bytes]) -> asyncio.Task[None] | None:
         """Update the journal, if any, in the background (its turn after the updates begun
@@ -682,39 +722,73 @@ class RemoteTier:
         ttl = self.options.ttl_s
         until = self._wall_clock() + ttl if ttl else None
         self._dropping.update(dropped)
-        task = asyncio.ensure_future(self._journal_update([(k, until) for k in added], dropped))
+        self._adding.update(added)
+        task = asyncio.ensure_future(
+            self._journal_update(self._journal, [(k, until) for k in added], dropped)
+        )
         self._journaling.add(task)
         task.add_done_callback(self._journaling.discard)
         return task
 
     async def _journal_update(
-        self, added: list[tuple[bytes, float | None]], dropped: list[bytes]
+        self,
+        journal: RemovalJournal,
+        added: list[tuple[bytes, float | None]],
+        dropped: list[bytes],
     ) -> None:
-        journal = self._journal
-        assert journal is not None
+        keys = [k for k, _ in added]
         try:
             async with self._journal_turn:
                 # Added after the drops: a key removed again since its drop failed stays.
-                gone = [*dropped, *self._undropped.difference(dropped)]
+                named_now = set(dropped)
+                gone = [*dropped, *(k for k in self._undropped if k not in named_now)]
                 try:
                     recorded = await asyncio.to_thread(journal.record_removals, added, gone)
                 except Exception:
                     log.exception("L3: recording removals failed unexpectedly")
                     recorded = False
+                self._unrecorded.difference_update(dropped)
                 if recorded:
                     self._undropped.clear()
+                    self._undropped_warned = False
+                    self._unrecorded.difference_update(keys)
                 else:
-                    self._undropped.update(dropped)
-                    # One kept there (its earlier entry, not dropped) is a removal again.
-                    self._undropped.difference_update(k for k, _ in added)
+                    self._keep_undropped(dropped, keys)
+                    self._unrecorded.update(keys)
         finally:
-            self._dropping.subtract(dropped)
-            for k in dropped:
-                if self._dropping[k] <= 0:
-                    self._dropping.pop(k, None)  # a key named twice goes at its first
+            for pending, named in ((self._dropping, dropped), (self._adding, keys)):
+                pending.subtract(named)
+                for k in named:
+                    if pending[k] <= 0:
+                        pending.pop(k, None)  # a key named twice goes at its first
         if not recorded:
             # The journal's own tier reports why; these stay remembered in memory only.
             self._counters["remove_unrecorded"] += len(added)
+
+    def _keep_undropped(self, dropped: list[bytes], added: list[bytes]) -> None:
+        """Note that ``dropped`` may still be in the journal (its update failed), but those
+        ``added`` again (kept there: removals again), within ``_UNDROPPED_MAX``."""
+        undropped = self._undropped
+        for k in dropped:
+            undropped.pop(k, None)  # to the end: the newest go last
+            undropped[k] = None
+        for k in added:
+            undropped.pop(k, None)
+        excess = len(undropped) - _UNDROPPED_MAX
+        if excess <= 0:
+            return
+        for k in list(itertools.islice(undropped, excess)):
+            del undropped[k]
+        self._counters["remove_drops_forgotten"] += excess
+        if not self._undropped_warned:
+            self._undropped_warned = True
+            log.warning(
+                "L3: more than %d keys wait to be dropped from the removals journal, which "
+                "keeps failing; the oldest are no longer tried: a restart sends their "
+                "UNLINKs again (until their expiry), deleting what was written under them "
+                "since",
+                _UNDROPPED_MAX,
+            )
 
     async def _unlink(
         self, keys: list[bytes], *, pending: set[bytes] | None = None
@@ -741,6 +815,14 @@ class RemoteTier:
             if pending is not None:
                 await self._remember_removals([k for k in keys if k in pending])
             return None
+        except asyncio.CancelledError:
+            if pending is not None:
+                # Cancelled before the store confirmed it (the UNLINK sent or not): kept as
+                # one the store could not take, else the block stayed in the store and was
+                # found again, by the next lookup or after a restart.
+                self._remember([k for k in keys if k in pending])
+                self._resend_removals()
+            raise
         refused = []
         confirmed = []
         for k, reply in zip(keys, replies, strict=True):
