@@ -30,7 +30,8 @@ from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.tiers.sizes import POWERS, format_size
 
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*", re.IGNORECASE)
+# ASCII digits only: Python's \d (and float) take any script's digits.
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGTP])(i)?B?|(B))?\s*", re.IGNORECASE | re.ASCII)
 
 
 def parse_size(value: object) -> int:
@@ -68,6 +69,11 @@ MAX_CONFIG_FILE_BYTES = 16 << 20
 _EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\Z", re.ASCII)
 # Text that would be a number written without quotes (what a refused string is told).
 _NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
+# A number written plain with a leading zero (0100), which YAML 1.1 reads as octal (64) where
+# most readers see a hundred: `admin_uids: [0100]` made uid 64 an admin, `max_pools: 0100`
+# allowed 64. Kept as written (``_LeadingZero``): permission bits take it as octal, as meant,
+# text keys as the text, and every key that takes a number or an id refuses it.
+_LEADING_ZERO_RE = re.compile(r"[-+]?0[0-9_]+\Z", re.ASCII)
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
 MIN_INDEX_WATCH_S = 0.05
@@ -440,7 +446,7 @@ def ids_from(known: dict[tuple[str, str], int]) -> Iterator[None]:
 def _resolve_id(name: str, kind: str) -> int:
     """A uid (``kind`` "user") or gid ("group") from a number or a name (KeyError(name) when
     the name is unknown)."""
-    if name.isdigit():
+    if name.isascii() and name.isdigit():  # isdigit alone takes any script's digits
         return int(name)
     known = _KNOWN_IDS.get()
     if known is not None and (kind, name) in known:
@@ -1391,6 +1397,35 @@ def _construct_plain_exponent(loader: _StrictLoader, node: yaml.ScalarNode) -> _
 _StrictLoader.add_constructor(_PLAIN_EXPONENT_TAG, _construct_plain_exponent)
 
 
+class _LeadingZero(str):
+    """A scalar written without quotes as digits with a leading zero (``_LEADING_ZERO_RE``),
+    which YAML 1.1 reads as an octal number."""
+
+
+_LEADING_ZERO_TAG = "tag:kvtier,2026:leading-zero"
+_StrictLoader.add_implicit_resolver(_LEADING_ZERO_TAG, _LEADING_ZERO_RE, list("-+0"))
+for _first in "-+0":
+    # Ahead of YAML's own int resolver, which would match first.
+    _resolvers = _StrictLoader.yaml_implicit_resolvers[_first]
+    _resolvers.insert(0, _resolvers.pop())
+
+
+def _construct_leading_zero(loader: _StrictLoader, node: yaml.ScalarNode) -> _LeadingZero:
+    return _LeadingZero(loader.construct_scalar(node))
+
+
+_StrictLoader.add_constructor(_LEADING_ZERO_TAG, _construct_leading_zero)
+
+
+def _refuse_leading_zero(value: object) -> None:
+    """Refuse a number written with a leading zero where a key takes a number or an id."""
+    if isinstance(value, _LeadingZero):
+        raise ValueError(
+            f"{str(value)!r} is written with a leading zero, which YAML reads as an octal "
+            "number: write it without the leading zero"
+        )
+
+
 def _quoted(value: object) -> str:
     """What a number written in quotes is told: it was read as a string."""
     if type(value) is str and _NUMBER_RE.fullmatch(value):
@@ -1484,6 +1519,8 @@ def _canonical_choice(value: str, choices: tuple[str, ...] | None) -> str:
 def _coerce(where: str, value: Any, meta: Any) -> Any:
     kind = meta["kind"]
     try:
+        if kind in ("size", "int", "float", "ident"):
+            _refuse_leading_zero(value)
         if kind == "size":
             out: Any = parse_size(value)
         elif kind == "int":
@@ -1518,6 +1555,8 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 isinstance(v, (str, int)) and not isinstance(v, bool) for v in items
             ):
                 raise ValueError(f"expected a list of names or numbers, got {value!r}")
+            for v in items:
+                _refuse_leading_zero(v)
             if any(isinstance(v, int) and v < 0 for v in items):
                 raise ValueError(f"ids are not negative, got {value!r}")
             out = tuple(str(v) for v in items)
@@ -1531,7 +1570,10 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 for i, item in enumerate(value)
             )
         elif kind == "mode":
-            # YAML reads 0660 as the octal number 432; a string "0660" stays a string.
+            # YAML reads 0660 as the octal number 432 (kept as written: ``_LeadingZero``); a
+            # string "0660" stays a string.
+            if isinstance(value, _LeadingZero) and re.fullmatch(r"[0-7]+", value):
+                value = int(value, 8)
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError(f"expected octal permission bits such as 0660, got {value!r}")
             text = value.removeprefix("0o") if isinstance(value, str) else ""

@@ -789,3 +789,41 @@ def test_the_readme_names_the_bound_of_every_duration_shorter_than_a_year():
     assert bounds, "no duration keys found"
     assert {k: bounds[k] for k in named} == named
     assert {k: b for k, b in bounds.items() if k not in named and b != MAX_DURATION_S} == {}
+
+
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("server:\n  admin_uids: [0100]\n", "server.admin_uids"),
+        ("server:\n  max_pools: 0100\n", "server.max_pools"),
+        ("server:\n  max_pools: 010\n", "server.max_pools"),
+        ("tiers:\n  l1:\n    capacity_bytes: 0100000000\n", "tiers.l1.capacity_bytes"),
+        ("policy:\n  protect_s: 030\n", "policy.protect_s"),
+        ("server:\n  socket_group: 0100\n", "server.socket_group"),
+    ],
+)
+def test_regression_a_number_with_a_leading_zero_was_silently_octal(tmp_path, line, key):
+    """YAML 1.1 reads 0100 as the octal 64: `admin_uids: [0100]` made uid 64 an admin and
+    `max_pools: 0100` allowed 64. Where a key takes a number or an id it is refused."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(line)
+    with pytest.raises(ConfigError, match=rf"'{key}': '0+\d+' is written with a leading zero"):
+        load_config(str(path), [])
+
+
+def test_a_leading_zero_is_octal_for_permission_bits_and_text_for_text_keys(tmp_path):
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(
+        "server:\n  socket_mode: 0640\n  max_pools: 10\n"
+        "tiers:\n  l3:\n    enabled: true\n    key_prefix: 0123\n"
+    )
+    config = load_config(str(path), [])
+    assert config.server.socket_mode == "0640"
+    assert config.server.max_pools == 10
+    assert config.tiers.l3.key_prefix == "0123"
+
+
+def test_regression_a_uid_in_another_scripts_digits_was_taken_as_a_number():
+    """str.isdigit takes any script's digits: "\u0661\u0662" was uid 12."""
+    with pytest.raises(ConfigError, match="admin_uids"):
+        load_config(None, ["server.admin_uids=[\u0661\u0662]"])
