@@ -128,9 +128,11 @@ def resolve_token(token: bytes | str | None, token_file: str | os.PathLike[str] 
         if not token:
             raise InvalidArgumentError(f"token_file {token_file}: holds no token")
         return token
-    if isinstance(token, str):
-        return token.encode()
-    return token or b""
+    if token is None:
+        return b""
+    # Checked now: an int failed only at the first session, inside the credential exchange.
+    t.checked_type(token, (bytes, str), "token")
+    return token.encode() if isinstance(token, str) else token
 
 
 class SessionToken:

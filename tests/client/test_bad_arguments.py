@@ -270,22 +270,6 @@ def test_a_namespace_that_is_not_a_str_is_refused_at_construction(shared_daemon,
         client_type(shared_daemon.address, namespace=5)
 
 
-def test_a_token_of_the_wrong_type_is_refused_when_the_session_opens(shared_daemon):
-    with (
-        Client(shared_daemon.address, token=5) as client,  # type: ignore[arg-type]
-        pytest.raises(InvalidArgumentError, match=r"^OpenSession: token: expected bytes, not int$"),
-    ):
-        client.lookup([KEY])
-
-
-async def test_an_async_token_of_the_wrong_type_is_refused_when_the_session_opens(shared_daemon):
-    async with AsyncClient(shared_daemon.address, token=5) as client:  # type: ignore[arg-type]
-        with pytest.raises(
-            InvalidArgumentError, match=r"^OpenSession: token: expected bytes, not int$"
-        ):
-            await client.lookup([KEY])
-
-
 def test_invalid_argument_errors_are_also_value_errors():
     """Callers that caught the ValueError of the client's own checks (a layer range, a page
     count) still catch them."""
@@ -320,6 +304,8 @@ def test_a_check_settle_past_the_daemons_longest_wait_is_cut_to_it(settle_s):
         ({"max_batch_blocks": True}, r"^max_batch_blocks: expected int, not bool$"),
         ({"client_name": 5}, r"^client_name: expected str, not int$"),
         ({"token_file": 0}, r"^token_file: expected str or PathLike, not int$"),
+        ({"token": 5}, r"^token: expected bytes or str, not int$"),
+        ({"token": bytearray(b"t")}, r"^token: expected bytes or str, not bytearray$"),
     ],
     ids=lambda v: "-".join(f"{k}={v[k]!r}" for k in v) if isinstance(v, dict) else "",
 )
