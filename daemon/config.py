@@ -1317,23 +1317,22 @@ def _override_value(key: str, text: str, kind: str | None = None) -> Any:
     """A ``--set`` or environment value, read as YAML (``true``, ``2``, ``0.5``); text YAML
     cannot read (``[::1]:5000``) stays the string given, but a mapping in it that names a key
     twice is refused as a file's is (taken as a string, it was refused as not a mapping). A
-    string key (``kind`` ``str``) takes the text as written unless YAML reads it as a string
-    (a quoted one) or it is a list or mapping in brackets (refused, naming the key): YAML
-    reads ``kvtier:`` as a mapping, ``no`` as false and ``0123`` as the octal 83, so the
-    default ``tiers.l3.key_prefix`` was refused and ``0123`` became ``83``, a prefix no
-    other node's file would give."""
-    if not text.strip():
+    string key (``kind`` ``str``) takes the text as written unless it is quoted (read as
+    YAML) or a list or mapping in brackets (refused, naming the key): YAML reads ``kvtier:``
+    as a mapping, ``no`` as false and ``0123`` as the octal 83, so the default
+    ``tiers.l3.key_prefix`` was refused and ``0123`` became ``83``, a prefix no other node's
+    file would give; and it drops `` # ...`` as a comment, which a path may hold."""
+    stripped = text.strip()
+    if not stripped:
         return ""
+    if kind == "str" and not stripped.startswith(("'", '"', "[", "{")):
+        return stripped
     try:
-        value = _load_yaml(text)
+        return _load_yaml(text)
     except _RepeatedKey as e:
         raise ConfigError(f"config key '{key}': {e.problem}") from None
     except (yaml.YAMLError, RecursionError):
         return text
-    bracketed = text.lstrip().startswith(("[", "{"))
-    if kind == "str" and not isinstance(value, str) and not bracketed:
-        return text.strip()
-    return value
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

@@ -827,3 +827,12 @@ def test_regression_a_uid_in_another_scripts_digits_was_taken_as_a_number():
     """str.isdigit takes any script's digits: "\u0661\u0662" was uid 12."""
     with pytest.raises(ConfigError, match="admin_uids"):
         load_config(None, ["server.admin_uids=[\u0661\u0662]"])
+
+
+def test_regression_a_text_keys_set_value_lost_what_followed_a_hash():
+    """`--set tiers.l2.path=/data/l2 #2` was read as YAML, which dropped ` #2` as a comment;
+    a quoted value is still read as YAML (its quotes removed)."""
+    sets = ["tiers.l2.enabled=true", "tiers.l2.path=/data/l2 #2"]
+    assert load_config(None, sets).tiers.l2.path == "/data/l2 #2"
+    sets[1] = "tiers.l2.path='/data/l2'"
+    assert load_config(None, sets).tiers.l2.path == "/data/l2"
