@@ -736,6 +736,65 @@ async def test_regression_a_removal_cancelled_or_closed_before_its_reply_came_ba
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_regression_a_removal_confirmed_while_the_tier_closed_was_sent_again_at_restart(
+    fresh_redis: RedisServer,
+    l3_prefix: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A removal still waiting at ``close`` is recorded as one the store did not confirm;
+    when the store confirmed it while the close waited for that record, its drop from the
+    journal was begun after the close had chosen what to wait for, and the journal was
+    closed under it ("update failed: closed"). The entry stayed: the restart sent its
+    UNLINK again and deleted the value written under the key since (by another node). The
+    close waits for every journal update begun before it lets the journal go."""
+    nbytes = 4096
+    blocks = [ref(0)]
+    stored = KeyNamer(l3_prefix).key(blocks[0].ns, blocks[0].key)
+    path = tmp_path / "removals.sqlite3"
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=str(path))
+    raw = raw_client(fresh_redis)
+    adding, release_add = threading.Event(), threading.Event()
+    record = journal_module.RemovalFile.record_removals
+
+    def held_journal(self, added, dropped):  # the journal's thread
+        if any(k == stored for k, _ in added):
+            adding.set()
+            release_add.wait(30)  # the close waits for this record meanwhile
+        elif stored in dropped:
+            time.sleep(0.3)  # a slow disk: the drop ends after the close went on
+        return record(self, added, dropped)
+
+    monkeypatch.setattr(journal_module.RemovalFile, "record_removals", held_journal)
+    try:
+        tier = RemoteTier(opts)
+        await tier.start()
+        assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
+        held = await _hold_small_ops(tier)
+        removing = asyncio.ensure_future(tier.remove(blocks))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert not removing.done()
+        closing = asyncio.ensure_future(tier.close())
+        await wait_for("the close's record of the removal", adding.is_set)
+        for _ in range(held):
+            tier._small_ops.release()
+        await removing  # the store confirmed it: its drop is begun
+        assert raw.exists(stored) == 0
+        release_add.set()
+        await closing
+        await wait_for("the journal's updates to end", lambda: not tier._journaling)
+        assert "update failed" not in caplog.text
+        assert _journal_keys(path) == []
+        raw.set(stored, b"another node's value")
+        async with opened(opts) as tier:
+            assert tier.stats().gauges["removals_unconfirmed"] == 0
+        assert raw.get(stored) == b"another node's value"
+    finally:
+        release_add.set()
+
+
 async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_again_at_restart(
     fresh_redis: RedisServer,
     l3_prefix: str,

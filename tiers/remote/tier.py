@@ -367,11 +367,14 @@ class RemoteTier:
         in_flight = [k for pending in self._removing.values() for k in pending]
         if self._remember(in_flight) is None:
             self._record([], list(self._undropped))
-        if self._journaling:
-            # Drops, and the records just made (a write's drop and a removal's record are
-            # awaited by their callers): a drop left undone costs the restart an UNLINK
-            # sent again.
-            await asyncio.wait(set(self._journaling), timeout=grace)
+        # Drops, and the records just made (a write's drop and a removal's record are awaited
+        # by their callers): a drop left undone costs the restart an UNLINK sent again. Until
+        # none is left: a removal the store confirms meanwhile begins its drop, which the
+        # journal, closed once this is done, would refuse.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._journaling and (left_s := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._journaling), timeout=left_s)
         self._log_unremoved_at_close()
         self._journal = None  # closed, or about to be: calls ending later record nothing
         await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
