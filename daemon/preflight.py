@@ -535,7 +535,11 @@ def _l3_removals_file(config: Config) -> list[Problem]:
     path = Path(os.path.abspath(l3.removals_file))
     if (blocked := _blocked(path)) is not None:
         return [Problem(key, f"cannot create or open {path}: {blocked}")]
-    folder = path.parent
+    # The tier opens (or makes) the file a link names, and SQLite makes its files beside it.
+    target = Path(os.path.realpath(path))
+    if target != path and (blocked := _blocked(target)) is not None:
+        return [Problem(key, f"cannot create or open {path} (a link to {target}): {blocked}")]
+    folder = target.parent
     if not folder.is_dir():
         return [Problem(key, f"cannot create {path}: its folder {folder} does not exist")]
     if not os.access(folder, os.W_OK | os.X_OK):

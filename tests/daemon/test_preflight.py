@@ -21,6 +21,7 @@ from kvtier import paths
 from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
 from kvtier.daemon.preflight import HostFacts
+from kvtier.tiers.remote.journal import RemovalFile
 
 
 def _kvtierd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -811,3 +812,42 @@ def test_regression_an_l3_removals_file_the_tier_cannot_open_passed_the_checks(t
     ]
     assert ok == []
     assert preflight.check(load_config(None, sets), HOST) == []  # not set: nothing to check
+
+
+def test_regression_an_l3_removals_file_through_a_link_was_judged_by_the_links_folder():
+    """SQLite makes a database's -wal and -shm files beside the file a link names, and the
+    tier opens the file through the link: a removals_file linked from a folder the daemon
+    may not write to one in a folder it may write was refused ("its folder ... is not
+    writable"), though the daemon opens it; one linked the other way passed, and the start
+    then stopped. The checks judge the folder the link leads to."""
+    base = Path(tempfile.mkdtemp(prefix="kvtier-removals-"))
+    try:
+        base.chmod(0o755)  # root's: nobody may not write it
+        sockets = base / "sockets"  # the user's own, where its socket goes too
+        sockets.mkdir()
+        (base / "into-writable").symlink_to(sockets / "removals.sqlite3")
+        (sockets / "into-read-only").symlink_to(base / "removals.sqlite3")
+        if os.geteuid() == 0:
+            os.chown(sockets, NOBODY, NOGROUP)
+        else:
+            base.chmod(0o555)
+        user_sets = [f"server.socket={sockets}/s.sock", "tiers.l3.enabled=true"]
+        linked_ok = _problems_as_user([*user_sets, f"tiers.l3.removals_file={base}/into-writable"])
+        linked_refused = _problems_as_user(
+            [*user_sets, f"tiers.l3.removals_file={sockets}/into-read-only"]
+        )
+
+        def opened() -> str:
+            RemovalFile(base / "into-writable").close()
+            return "opened"
+
+        opens = run_as(NOBODY, NOGROUP, opened) if os.geteuid() == 0 else opened()
+    finally:
+        base.chmod(0o755)
+        shutil.rmtree(base)
+    assert opens == "opened"
+    assert linked_ok == []
+    assert linked_refused == [
+        f"tiers.l3.removals_file: cannot create or open {sockets}/into-read-only: its folder "
+        f"{base} is not writable by uid {NOBODY if os.geteuid() == 0 else os.geteuid()}"
+    ]
