@@ -767,9 +767,9 @@ async def test_regression_a_removal_confirmed_while_the_tier_closed_was_sent_aga
         return record(self, added, dropped)
 
     monkeypatch.setattr(journal_module.RemovalFile, "record_removals", held_journal)
+    tier = RemoteTier(opts)
+    await tier.start()
     try:
-        tier = RemoteTier(opts)
-        await tier.start()
         assert await tier.write(blocks, nbytes, host([data(0, nbytes)])) == [True]
         held = await _hold_small_ops(tier)
         removing = asyncio.ensure_future(tier.remove(blocks))
@@ -788,11 +788,12 @@ async def test_regression_a_removal_confirmed_while_the_tier_closed_was_sent_aga
         assert "update failed" not in caplog.text
         assert _journal_keys(path) == []
         raw.set(stored, b"another node's value")
-        async with opened(opts) as tier:
-            assert tier.stats().gauges["removals_unconfirmed"] == 0
+        async with opened(opts) as restarted:
+            assert restarted.stats().gauges["removals_unconfirmed"] == 0
         assert raw.get(stored) == b"another node's value"
     finally:
         release_add.set()
+        await tier.close()  # if the test ended before it closed
 
 
 async def test_regression_a_journal_drop_that_failed_deleted_the_block_written_again_at_restart(
