@@ -1295,37 +1295,40 @@ def load_config(
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"'{'.'.join(path_parts[: depth + 1])}' must be a mapping")
-        node[path_parts[-1]] = _override_value(key.strip(), value, _key_kind(path_parts))
+        node[path_parts[-1]] = _override_value(key.strip(), value, _key_meta(path_parts))
     return build_config(raw)
 
 
-def _key_kind(path_parts: list[str]) -> str | None:
-    """The kind of the key ``path_parts`` names (``str``, ``size``, ...), or None where it
-    names no key (``build_config`` says so)."""
+def _key_meta(path_parts: list[str]) -> Mapping[str, Any] | None:
+    """The metadata (``_opt``) of the key ``path_parts`` names, or None where it names no key
+    (``build_config`` says so)."""
     cls: Any = Config
     for depth, part in enumerate(path_parts):
         f = next((f for f in dataclasses.fields(cls) if f.name == part), None)
         if f is None:
             return None
         if not _is_section(f):
-            return str(f.metadata["kind"]) if f.metadata and depth == len(path_parts) - 1 else None
+            return f.metadata if f.metadata and depth == len(path_parts) - 1 else None
         cls = f.default_factory
     return None
 
 
-def _override_value(key: str, text: str, kind: str | None = None) -> Any:
+def _override_value(key: str, text: str, meta: Mapping[str, Any] | None = None) -> Any:
     """A ``--set`` or environment value, read as YAML (``true``, ``2``, ``0.5``); text YAML
     cannot read (``[::1]:5000``) stays the string given, but a mapping in it that names a key
     twice is refused as a file's is (taken as a string, it was refused as not a mapping). A
-    string key (``kind`` ``str``) takes the text as written unless it is quoted (read as
-    YAML) or a list or mapping in brackets (refused, naming the key): YAML reads ``kvtier:``
-    as a mapping, ``no`` as false and ``0123`` as the octal 83, so the default
+    string key (``meta`` of kind ``str``) takes the text as written unless it is quoted (read
+    as YAML) or a list or mapping in brackets (refused, naming the key): YAML reads
+    ``kvtier:`` as a mapping, ``no`` as false and ``0123`` as the octal 83, so the default
     ``tiers.l3.key_prefix`` was refused and ``0123`` became ``83``, a prefix no other node's
-    file would give; and it drops `` # ...`` as a comment, which a path may hold."""
+    file would give; and it drops `` # ...`` as a comment, which a path may hold. A key of
+    choices (words) reads it as YAML, as a file's: ``off`` is false, which
+    ``tiers.l1.pin_memory`` takes as its choice ``false``."""
     stripped = text.strip()
     if not stripped:
         return ""
-    if kind == "str" and not stripped.startswith(("'", '"', "[", "{")):
+    free_text = meta is not None and meta["kind"] == "str" and meta["choices"] is None
+    if free_text and not stripped.startswith(("'", '"', "[", "{")):
         return stripped
     try:
         return _load_yaml(text)

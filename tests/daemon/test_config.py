@@ -836,3 +836,20 @@ def test_regression_a_text_keys_set_value_lost_what_followed_a_hash():
     assert load_config(None, sets).tiers.l2.path == "/data/l2 #2"
     sets[1] = "tiers.l2.path='/data/l2'"
     assert load_config(None, sets).tiers.l2.path == "/data/l2"
+
+
+@pytest.mark.parametrize("written, value", [("off", "false"), ("no", "false"), ("on", "true")])
+def test_regression_a_choice_key_set_to_a_yaml_boolean_word_was_refused(tmp_path, written, value):
+    """A file's ``pin_memory: off`` is false, which the key takes as its choice ``false``;
+    5bd85b9 took every text key's ``--set`` or variable value as written, so
+    ``tiers.l1.pin_memory=off`` (or ``KVTIER_TIERS_L0_GDS=off``), which loaded before, was
+    refused: 'off' is not one of auto, true, false."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"tiers:\n  l1:\n    pin_memory: {written}\n")
+    assert load_config(path).tiers.l1.pin_memory == value
+    config = load_config(
+        None,
+        [f"tiers.l1.pin_memory={written}"],
+        environ={"KVTIER_TIERS_L0_ENABLED": "false", "KVTIER_TIERS_L0_GDS": written},
+    )
+    assert (config.tiers.l1.pin_memory, config.tiers.l0.gds) == (value, value)
