@@ -72,8 +72,11 @@ _NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
 # A number written plain with a leading zero (0100), which YAML 1.1 reads as octal (64) where
 # most readers see a hundred: `admin_uids: [0100]` made uid 64 an admin, `max_pools: 0100`
 # allowed 64. Kept as written (``_LeadingZero``): permission bits take it as octal, as meant,
-# text keys as the text, and every key that takes a number or an id refuses it.
+# text keys as the text, and every key that takes a number or an id refuses it where the octal
+# reading is not the number written (``_number_as_written``).
 _LEADING_ZERO_RE = re.compile(r"[-+]?0[0-9_]+\Z", re.ASCII)
+# What of it YAML 1.1 reads as an octal number; the rest (08) it reads as text.
+_YAML_OCTAL_RE = re.compile(r"[-+]?0[0-7_]+\Z", re.ASCII)
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
 MIN_INDEX_WATCH_S = 0.05
@@ -1419,13 +1422,30 @@ def _construct_leading_zero(loader: _StrictLoader, node: yaml.ScalarNode) -> _Le
 _StrictLoader.add_constructor(_LEADING_ZERO_TAG, _construct_leading_zero)
 
 
-def _refuse_leading_zero(value: object) -> None:
-    """Refuse a number written with a leading zero where a key takes a number or an id."""
-    if isinstance(value, _LeadingZero):
+def _yaml_octal(value: _LeadingZero) -> int | None:
+    """YAML 1.1's octal reading of ``value``, or None where YAML reads it as text (``08``)."""
+    if not _YAML_OCTAL_RE.match(value):
+        return None
+    return int(value.replace("_", ""), 8)
+
+
+def _number_as_written(value: Any) -> Any:
+    """``value`` as YAML 1.1 reads it, for a key that takes a number or an id. A number
+    written with a leading zero is refused where its octal reading is not the number written
+    (``0100`` is 64); where it is (``07``) it is that number, and ``08`` (no octal) stays the
+    text YAML reads, which ids and sizes take as decimal digits: both loaded so before, and
+    ``--print-config`` writes an id given as ``"0800"`` plain, which must load back."""
+    if not isinstance(value, _LeadingZero):
+        return value
+    octal = _yaml_octal(value)
+    if octal is None:
+        return value
+    if octal != int(value.replace("_", "")):
         raise ValueError(
-            f"{str(value)!r} is written with a leading zero, which YAML reads as an octal "
-            "number: write it without the leading zero"
+            f"{str(value)!r} is written with a leading zero, which YAML reads as the octal "
+            f"number {octal}: write it without the leading zero"
         )
+    return octal
 
 
 def _quoted(value: object) -> str:
@@ -1522,7 +1542,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
     kind = meta["kind"]
     try:
         if kind in ("size", "int", "float", "ident"):
-            _refuse_leading_zero(value)
+            value = _number_as_written(value)
         if kind == "size":
             out: Any = parse_size(value)
         elif kind == "int":
@@ -1557,8 +1577,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
                 isinstance(v, (str, int)) and not isinstance(v, bool) for v in items
             ):
                 raise ValueError(f"expected a list of names or numbers, got {value!r}")
-            for v in items:
-                _refuse_leading_zero(v)
+            items = [_number_as_written(v) for v in items]
             if any(isinstance(v, int) and v < 0 for v in items):
                 raise ValueError(f"ids are not negative, got {value!r}")
             out = tuple(str(v) for v in items)
@@ -1574,8 +1593,8 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
         elif kind == "mode":
             # YAML reads 0660 as the octal number 432 (kept as written: ``_LeadingZero``); a
             # string "0660" stays a string.
-            if isinstance(value, _LeadingZero) and re.fullmatch(r"[0-7]+", value):
-                value = int(value, 8)
+            if isinstance(value, _LeadingZero) and (octal := _yaml_octal(value)) is not None:
+                value = octal
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError(f"expected octal permission bits such as 0660, got {value!r}")
             text = value.removeprefix("0o") if isinstance(value, str) else ""

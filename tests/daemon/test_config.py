@@ -853,3 +853,40 @@ def test_regression_a_choice_key_set_to_a_yaml_boolean_word_was_refused(tmp_path
         environ={"KVTIER_TIERS_L0_ENABLED": "false", "KVTIER_TIERS_L0_GDS": written},
     )
     assert (config.tiers.l1.pin_memory, config.tiers.l0.gds) == (value, value)
+
+
+@pytest.mark.parametrize(
+    "text, section, key, value",
+    [
+        ("server:\n  max_pools: 07\n", "server", "max_pools", 7),
+        ("policy:\n  protect_s: 00\n", "policy", "protect_s", 0.0),
+        ("server:\n  admin_uids: [00, 07, 08]\n", "server", "admin_uids", ("0", "7", "08")),
+        ("server:\n  socket_group: 09\n", "server", "socket_group", "09"),
+        ("server:\n  socket_mode: 0_660\n", "server", "socket_mode", "0660"),
+    ],
+)
+def test_regression_a_leading_zero_that_meant_the_number_written_was_refused(
+    tmp_path, text, section, key, value
+):
+    """ab06e09 refused every number written with a leading zero where a number or an id is
+    due, also those whose octal reading is the number written (``07``) and those YAML 1.1
+    reads as no octal number (``08``: text, which an id and a size take as decimal digits);
+    and ``socket_mode`` no longer took YAML's octal with an underscore (``0_660``). Each
+    loaded before as it reads."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(text)
+    assert getattr(getattr(load_config(path), section), key) == value
+
+
+def test_regression_a_printed_id_with_a_leading_zero_did_not_load_back(tmp_path):
+    """``admin_uids: ["0800"]`` is uid 800; ``--print-config`` writes it plain (``0800``, which
+    YAML 1.1 reads as text: an 8 is no octal digit), which ab06e09 refused as a number with a
+    leading zero: the printed config did not load back."""
+    import yaml
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text('server:\n  admin_uids: ["0800"]\n  socket_group: "0900"\n')
+    config = load_config(path)
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(yaml.safe_dump(config.printable(), sort_keys=False))
+    assert load_config(printed) == config
