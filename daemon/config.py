@@ -62,11 +62,12 @@ MAX_DURATION_S = 365 * 86400
 # within it): read whole, ``--config /dev/zero`` (or a log passed by mistake) took memory
 # until the kernel killed kvtierd, and a SIGHUP would do so to a running daemon.
 MAX_CONFIG_FILE_BYTES = 16 << 20
-# A number in exponent notation, which YAML 1.1 (PyYAML) reads as a string unless it has a dot
-# and a signed exponent (1.0e+3): 1e3 and 5e-1 would be refused as "not a number". Only
-# written plain (``_PlainExponent``): quoted, it is a string, as a quoted "30" is.
+# A number PyYAML reads as a string: in exponent notation without a dot and a signed exponent
+# (1e3 and 5e-1, but not 1.0e+3), or a signed fraction without a whole part (+.5, -.5; .5 is a
+# number): each would be refused as "not a number", the fraction told that it was quoted. Only
+# written plain (``_PlainNumber``): quoted, it is a string, as a quoted "30" is.
 # ASCII digits only: Python's \d (and float) take any script's digits, such as "1e\u0663".
-_EXPONENT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\Z", re.ASCII)
+_PLAIN_NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+\Z|[-+]\.\d+\Z", re.ASCII)
 # Text that would be a number written without quotes (what a refused string is told).
 _NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
 # A number written plain with a leading zero (0100), which YAML 1.1 reads as octal (64) where
@@ -1385,21 +1386,21 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-class _PlainExponent(str):
-    """A scalar written without quotes in exponent notation (``_EXPONENT_RE``), which YAML
-    1.1 reads as a string: a number where a key takes one, else the text it is."""
+class _PlainNumber(str):
+    """A scalar written without quotes as a number PyYAML reads as a string
+    (``_PLAIN_NUMBER_RE``): a number where a key takes one, else the text it is."""
 
 
-_PLAIN_EXPONENT_TAG = "tag:kvtier,2026:plain-exponent"
+_PLAIN_NUMBER_TAG = "tag:kvtier,2026:plain-number"
 # Plain scalars only (a quoted one keeps its string tag), after YAML's own numbers.
-_StrictLoader.add_implicit_resolver(_PLAIN_EXPONENT_TAG, _EXPONENT_RE, list("-+.0123456789"))
+_StrictLoader.add_implicit_resolver(_PLAIN_NUMBER_TAG, _PLAIN_NUMBER_RE, list("-+.0123456789"))
 
 
-def _construct_plain_exponent(loader: _StrictLoader, node: yaml.ScalarNode) -> _PlainExponent:
-    return _PlainExponent(loader.construct_scalar(node))
+def _construct_plain_number(loader: _StrictLoader, node: yaml.ScalarNode) -> _PlainNumber:
+    return _PlainNumber(loader.construct_scalar(node))
 
 
-_StrictLoader.add_constructor(_PLAIN_EXPONENT_TAG, _construct_plain_exponent)
+_StrictLoader.add_constructor(_PLAIN_NUMBER_TAG, _construct_plain_number)
 
 
 class _LeadingZero(str):
@@ -1551,7 +1552,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             out = value
         elif kind == "float":
             written = value
-            if isinstance(value, _PlainExponent):
+            if isinstance(value, _PlainNumber):
                 value = float(value)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"expected a number, got {value!r}{_quoted(value)}")
@@ -1569,7 +1570,7 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             items = [value] if isinstance(value, str) else value
             if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
                 raise ValueError(f"expected a string or a list of strings, got {value!r}")
-            out = tuple(str(v) for v in items)  # plain str, not _PlainExponent
+            out = tuple(str(v) for v in items)  # plain str, not _PlainNumber
         elif kind == "idents":
             # Users or groups by name or number; one is a list of one.
             items = [value] if isinstance(value, (str, int)) else value

@@ -890,3 +890,17 @@ def test_regression_a_printed_id_with_a_leading_zero_did_not_load_back(tmp_path)
     printed = tmp_path / "printed.yaml"
     printed.write_text(yaml.safe_dump(config.printable(), sort_keys=False))
     assert load_config(printed) == config
+
+
+def test_regression_a_signed_fraction_written_plain_was_told_it_was_quoted(tmp_path):
+    """PyYAML reads ``.5`` as a number but ``+.5`` and ``-.5`` as strings (YAML 1.1 reads all
+    three as numbers), and fbdcd8f's message for a quoted number told the operator of a plain
+    ``+.5`` to write it without quotes. Written plain, each is the number, as ``.5`` is."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("policy:\n  hint_max_share: +.5\n")
+    assert load_config(path).policy.hint_max_share == 0.5
+    assert load_config(None, ["policy.protect_s=+.25"]).policy.protect_s == 0.25
+    with pytest.raises(ConfigError, match=r"'policy.protect_s': -0.5 is below the minimum 0$"):
+        load_config(None, ["policy.protect_s=-.5"])
+    with pytest.raises(ConfigError, match=r"'server.max_pools': expected an integer, got '\+.5'$"):
+        load_config(None, ["server.max_pools=+.5"])
