@@ -78,6 +78,13 @@ _NUMBER_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", re.ASCII)
 _LEADING_ZERO_RE = re.compile(r"[-+]?0[0-9_]+\Z", re.ASCII)
 # What of it YAML 1.1 reads as an octal number; the rest (08) it reads as text.
 _YAML_OCTAL_RE = re.compile(r"[-+]?0[0-7_]+\Z", re.ASCII)
+# An integer YAML 1.1 reads from another form than decimal digits (0x1F, 0b101, 1_000, 1:30 in
+# base 60), which a text key in a file took as its decimal text ('31', as 0123 was '83') where
+# its variable takes the text as written. Kept as written (``_IntAsWritten``): the number
+# where a key takes one.
+_INT_AS_WRITTEN_RE = re.compile(
+    r"[-+]?(0b[01_]+|0x[0-9a-fA-F_]+|[1-9][0-9_]*(:[0-5]?[0-9])+|[1-9][0-9]*_[0-9_]*)\Z", re.ASCII
+)
 _UNIT_S = {"s": 1, "ms": 1000}  # a duration's unit (its key ends with it): how many a second
 # The shortest period of the L2 index watch other than 0 (off): shorter only spins a thread.
 MIN_INDEX_WATCH_S = 0.05
@@ -1423,6 +1430,35 @@ def _construct_leading_zero(loader: _StrictLoader, node: yaml.ScalarNode) -> _Le
 _StrictLoader.add_constructor(_LEADING_ZERO_TAG, _construct_leading_zero)
 
 
+class _IntAsWritten(str):
+    """A scalar written without quotes as an integer in another form than decimal digits
+    (``_INT_AS_WRITTEN_RE``): the integer YAML 1.1 reads (``_int_as_written``) where a key
+    takes a number or an id, else the text it is."""
+
+
+_INT_AS_WRITTEN_TAG = "tag:kvtier,2026:int-as-written"
+_StrictLoader.add_implicit_resolver(_INT_AS_WRITTEN_TAG, _INT_AS_WRITTEN_RE, list("-+0123456789"))
+for _first in "-+0123456789":
+    # Ahead of YAML's own int resolver, which would match first.
+    _resolvers = _StrictLoader.yaml_implicit_resolvers[_first]
+    _resolvers.insert(0, _resolvers.pop())
+
+
+def _construct_int_as_written(loader: _StrictLoader, node: yaml.ScalarNode) -> _IntAsWritten:
+    return _IntAsWritten(loader.construct_scalar(node))
+
+
+_StrictLoader.add_constructor(_INT_AS_WRITTEN_TAG, _construct_int_as_written)
+
+
+def _int_as_written(value: _IntAsWritten) -> int:
+    """The integer YAML 1.1 reads from ``value``."""
+    try:
+        return int(yaml.safe_load(str(value)))
+    except ValueError:  # no digit (0x_): YAML's own reading fails
+        raise ValueError(f"{str(value)!r} is not a number") from None
+
+
 def _yaml_octal(value: _LeadingZero) -> int | None:
     """YAML 1.1's octal reading of ``value``, or None where YAML reads it as text (``08``)."""
     if not _YAML_OCTAL_RE.match(value):
@@ -1431,11 +1467,14 @@ def _yaml_octal(value: _LeadingZero) -> int | None:
 
 
 def _number_as_written(value: Any) -> Any:
-    """``value`` as YAML 1.1 reads it, for a key that takes a number or an id. A number
-    written with a leading zero is refused where its octal reading is not the number written
-    (``0100`` is 64); where it is (``07``) it is that number, and ``08`` (no octal) stays the
-    text YAML reads, which ids and sizes take as decimal digits: both loaded so before, and
-    ``--print-config`` writes an id given as ``"0800"`` plain, which must load back."""
+    """``value`` as YAML 1.1 reads it, for a key that takes a number or an id (``0x1F`` is
+    31). A number written with a leading zero is refused where its octal reading is not the
+    number written (``0100`` is 64); where it is (``07``) it is that number, and ``08`` (no
+    octal) stays the text YAML reads, which ids and sizes take as decimal digits: both loaded
+    so before, and ``--print-config`` writes an id given as ``"0800"`` plain, which must load
+    back."""
+    if isinstance(value, _IntAsWritten):
+        return _int_as_written(value)
     if not isinstance(value, _LeadingZero):
         return value
     octal = _yaml_octal(value)
@@ -1596,6 +1635,8 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
             # string "0660" stays a string.
             if isinstance(value, _LeadingZero) and (octal := _yaml_octal(value)) is not None:
                 value = octal
+            elif isinstance(value, _IntAsWritten):
+                value = _int_as_written(value)
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError(f"expected octal permission bits such as 0660, got {value!r}")
             text = value.removeprefix("0o") if isinstance(value, str) else ""

@@ -904,3 +904,39 @@ def test_regression_a_signed_fraction_written_plain_was_told_it_was_quoted(tmp_p
         load_config(None, ["policy.protect_s=-.5"])
     with pytest.raises(ConfigError, match=r"'server.max_pools': expected an integer, got '\+.5'$"):
         load_config(None, ["server.max_pools=+.5"])
+
+
+@pytest.mark.parametrize("written", ["0x1F", "-0x1F", "0b101", "1_000", "1:30"])
+def test_regression_a_text_key_written_as_a_number_in_another_form_changed_in_a_file(
+    tmp_path, written
+):
+    """YAML 1.1 reads 0x1F, 0b101, 1_000 and 1:30 (base 60) as integers, which a text key took
+    as their decimal text: ``key_prefix: 0x1F`` in a file was '31' while 5bd85b9 takes
+    ``KVTIER_TIERS_L3_KEY_PREFIX=0x1F`` as written, so two nodes, one configured by file, one
+    by variable, would not share L3. A text key keeps what a file writes, as ab06e09 made it
+    keep 0123."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"tiers:\n  l3:\n    enabled: true\n    key_prefix: {written}\n")
+    by_variable = load_config(
+        None, environ={"KVTIER_TIERS_L3_ENABLED": "true", "KVTIER_TIERS_L3_KEY_PREFIX": written}
+    )
+    assert load_config(path).tiers.l3.key_prefix == by_variable.tiers.l3.key_prefix == written
+
+
+def test_numbers_in_other_forms_stay_the_numbers_yaml_reads(tmp_path):
+    import yaml
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(
+        "server:\n  max_pools: 0x1F\n  drain_timeout_s: 1:30\n  admin_uids: [0x3E8, 1_001]\n"
+        "  socket_mode: 0x1A0\n"
+        "tiers:\n  l1:\n    capacity_bytes: 1_073_741_824\n"
+    )
+    config = load_config(path)
+    assert (config.server.max_pools, config.server.drain_timeout_s) == (31, 90.0)
+    assert type(config.server.max_pools) is int and type(config.tiers.l1.capacity_bytes) is int
+    assert config.server.admin_uids == ("1000", "1001")
+    assert (config.server.socket_mode, config.tiers.l1.capacity_bytes) == ("0640", 1 << 30)
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(yaml.safe_dump(config.printable(), sort_keys=False))
+    assert load_config(printed) == config
