@@ -1392,6 +1392,20 @@ class _StrictLoader(yaml.SafeLoader):
                 first[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        """A value YAML takes for a type it then cannot build (a date 2001-13-01, ``!!int x``)
+        is a YAML error at its place: YAML's constructors raise ValueError (AttributeError
+        for ``!!timestamp x``), which escaped the load, stopping kvtierd with a traceback and
+        a SIGHUP's reload before the token files were read again."""
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, AttributeError, OverflowError) as e:
+            shown = f" {node.value!r}" if isinstance(node, yaml.ScalarNode) else ""
+            what = node.tag.rpartition(":")[2]
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read{shown} as YAML's {what}: {e}", node.start_mark
+            ) from None
+
 
 class _PlainNumber(str):
     """A scalar written without quotes as a number PyYAML reads as a string

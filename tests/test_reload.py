@@ -323,10 +323,15 @@ def _scrape_status(url: str, token: str) -> int:
         return e.code
 
 
-def test_regression_a_config_that_did_not_load_kept_the_rotated_out_token(tmp_path, daemon_factory):
+@pytest.mark.parametrize("bad", ["lots", "2001-13-01"])
+def test_regression_a_config_that_did_not_load_kept_the_rotated_out_token(
+    tmp_path, daemon_factory, bad
+):
     """The token files read again are the running config's, whatever the new config holds;
     but a SIGHUP whose config did not load stopped before reading them, so a secret rotated
-    out (leaked, say) still bound new sessions while an unrelated key of the file was wrong."""
+    out (leaked, say) still bound new sessions while an unrelated key of the file was wrong.
+    A value YAML takes for a date it cannot build (2001-13-01) escaped the load as a
+    ValueError, past the reload's handling, and stopped it so too."""
     token, tenants = tenant_token(tmp_path, "bob")
     path = tmp_path / "kvtier.yaml"
     path.write_text(CONFIG.format(batch=8, l1="64MiB", protect=2.0, level="info"))
@@ -335,7 +340,7 @@ def test_regression_a_config_that_did_not_load_kept_the_rotated_out_token(tmp_pa
     daemon_factory._daemons.append(d)
     d.start()
     old = token.read_text().strip()
-    path.write_text("server:\n  max_batch_blocks: lots\n")
+    path.write_text(f"server:\n  max_batch_blocks: {bad}\n")
     _rotate(token, "the-second-secret-of-bob")
     d.proc.send_signal(signal.SIGHUP)
     _wait_for_log(d, "config not reloaded")

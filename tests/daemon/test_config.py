@@ -940,3 +940,20 @@ def test_numbers_in_other_forms_stay_the_numbers_yaml_reads(tmp_path):
     printed = tmp_path / "printed.yaml"
     printed.write_text(yaml.safe_dump(config.printable(), sort_keys=False))
     assert load_config(printed) == config
+
+
+@pytest.mark.parametrize(
+    "written", ["2001-13-01", "2001-01-01 25:00:00", "!!int x", "!!timestamp x"]
+)
+def test_regression_a_value_yaml_could_not_build_escaped_the_load_as_another_error(
+    tmp_path, written
+):
+    """YAML takes 2001-13-01 for a date and ``!!int x`` for an integer, and its constructors
+    then fail with a ValueError (or an AttributeError): kvtierd stopped with a traceback
+    instead of a config error, and a SIGHUP's reload (which handles a ConfigError) with it."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(f"server:\n  max_pools: {written}\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML: line 2, column 14: cannot read "):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"'server.max_pools': expected an integer, got "):
+        load_config(None, [f"server.max_pools={written}"])
