@@ -287,6 +287,7 @@ class BlockStore:
     def start(self) -> None:
         """Start recovery (the persistent tiers' blocks join the table chunk by chunk while
         requests are served) and the watermark balancer. Needs the running event loop."""
+        self._recovering = True  # from now: a request may come before the task's first step
         self._recovery = asyncio.create_task(self.recover(), name="recovery")
         self._balancer = asyncio.create_task(self._balance_forever(), name="balancer")
         for level in self.stack:
@@ -393,6 +394,8 @@ class BlockStore:
         those tiers that none confirmed for ``tiers.l3.known_s`` are asked about in the same
         probe (``_discover``): the tier may have dropped them since."""
         ids, identities = self.table.lookup_identified(ns, words)
+        if self._recovering and (ids < 0).any():
+            ids, identities = await self._after_recovery(ns, words)
         n = len(ids)
         found = ids >= 0
         hits = int(np.count_nonzero(found))
@@ -416,6 +419,15 @@ class BlockStore:
             self.space.touch(ids if hits == n else ids[found], self._clock())
         self._count_hits(identities, tiers, found, hits)
         return prefix, tiers, ids
+
+    async def _after_recovery(
+        self, ns: int, words: np.ndarray
+    ) -> tuple[np.ndarray, list[int] | np.ndarray]:
+        """``table.lookup_identified`` once recovery has read every row: a key whose row it
+        has not read yet is answered then (well under a second for a million rows), not as
+        a miss that only the restart made (an engine would compute the block again)."""
+        await self.recovered.wait()
+        return self.table.lookup_identified(ns, words)
 
     def _tiers_of(self, ids: np.ndarray, found: np.ndarray, hits: int) -> np.ndarray:
         """The wire tier of each key (``_fastest_kind``; 0 where ``found`` is False)."""
@@ -1194,6 +1206,8 @@ class BlockStore:
         table = self.table
         chunks = pool.layout.layer_range_table(*layers) if layers else pool.layout.chunk_table
         ids = table.lookup(ns, words)
+        if self._recovering and (ids < 0).any():
+            ids = (await self._after_recovery(ns, words))[0]
         self._check_sizes(ids, pool.block_bytes)
         found = np.flatnonzero(ids >= 0)
         bids = ids[found]
@@ -1828,9 +1842,10 @@ class BlockStore:
 
     async def recover(self) -> None:
         """Index every block the persistent tiers hold from before this start, so a restart
-        serves it. Chunks are read on a worker thread and indexed between requests: lookups
-        are answered from what is indexed so far, and a tier allocates nothing until its
-        last chunk is in."""
+        serves it. Chunks are read on a worker thread and indexed between requests: a lookup
+        or get of keys all indexed is answered at once, one with a key not found waits for
+        the end (``_after_recovery``), and a tier allocates nothing until its last chunk is
+        in."""
         started = time.monotonic()
         total = 0
         self._recovering = True

@@ -4070,3 +4070,31 @@ async def test_regression_a_promotion_from_l3_was_refused_once_its_copy_was_date
     await store.space.drain()
     assert where(store, word) == ["L1"]
     assert store.table.keyed_since[bid] == clock.now - 40  # still dated from its write
+
+
+async def test_regression_a_lookup_or_get_before_recovery_read_its_rows_missed(make_store):
+    """A Lookup or Get sent after a restart before recovery had read the rows of its keys
+    (here: the transfer threads that read them busy) answered them absent, and an engine
+    would compute the blocks again; it waits for recovery, from the start of the store on."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    chain = keys(3)
+    assert await put(store, pool, chain, durable=True) == ([PutResult.STORED] * 3, [True] * 3)
+    want = [page_bytes(pool, p) for p in range(3)]
+    await store.stop(flush=False)
+    again = make_store(clock, l2=l2.reopen())
+    async with _transfer_threads_busy(again):
+        again.start()  # no step of the recovery task yet
+        looking = asyncio.ensure_future(again.lookup(0, chain))
+        getting = asyncio.ensure_future(get(again, pool, chain, range(10, 13)))
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        assert not looking.done() and not getting.done()
+        assert again.recovered.is_set() is False
+    prefix, tiers, _ = await looking
+    assert prefix == 3 and tiers.tolist() == [3] * 3  # the wire tier of L2
+    assert await getting == [True] * 3
+    assert [page_bytes(pool, p) for p in range(10, 13)] == want
+    assert (await again.lookup(0, keys(1)))[0] == 0  # once recovered, a miss is at once
+    await again.stop(flush=False)
