@@ -75,6 +75,13 @@ DEFAULT_OWNER = "default"
 # Index rows a persistent tier hands over at a time during recovery: requests are served
 # between chunks.
 RECOVERY_ROWS = 32768
+# A Lookup or Get with a key not found while recovery runs waits for its end this long at
+# most, and only within this long of recovery's start; then it answers what is indexed so
+# far. Recovery indexes a million rows in under a second here, so a client that comes right
+# after a restart finds what a small or mid-sized L2 holds; the vLLM connector's Lookup gives
+# up after 0.5 s (and backs off), and a recovery of tens of millions of rows takes seconds.
+RECOVERY_WAIT_S = 0.2
+RECOVERY_WAITS_FOR_S = 2.0
 # A Get of more than this many bytes, some of them below the top tier, goes in parts of about
 # this size, in chain order, each promoted and then copied into the pages on its own: the
 # copies of one part overlap the reads of the next instead of all waiting for the last read.
@@ -252,6 +259,7 @@ class BlockStore:
         # whose chain has a block another put is still writing waits on it (``_written``).
         self._write_settled: asyncio.Future[None] | None = None
         self._recovering = False  # recover() is between its first chunk and its end
+        self._recovery_waits_until = 0.0  # a request waits for recovery until then at most
         # Refs of blocks a put was writing when recovery gave them a copy (their key's row
         # from before this start): should the put fail, they keep that copy (``_abandon``).
         self._recovered_under_put: set[int] = set()
@@ -288,6 +296,7 @@ class BlockStore:
         """Start recovery (the persistent tiers' blocks join the table chunk by chunk while
         requests are served) and the watermark balancer. Needs the running event loop."""
         self._recovering = True  # from now: a request may come before the task's first step
+        self._recovery_waits_until = time.monotonic() + RECOVERY_WAITS_FOR_S
         self._recovery = asyncio.create_task(self.recover(), name="recovery")
         self._balancer = asyncio.create_task(self._balance_forever(), name="balancer")
         for level in self.stack:
@@ -423,10 +432,14 @@ class BlockStore:
     async def _after_recovery(
         self, ns: int, words: np.ndarray
     ) -> tuple[np.ndarray, list[int] | np.ndarray]:
-        """``table.lookup_identified`` once recovery has read every row: a key whose row it
-        has not read yet is answered then (well under a second for a million rows), not as
-        a miss that only the restart made (an engine would compute the block again)."""
-        await self.recovered.wait()
+        """``table.lookup_identified`` once recovery has read every row, or after
+        ``RECOVERY_WAIT_S`` (none after ``RECOVERY_WAITS_FOR_S`` of recovery): a key whose
+        row it has not read yet is not a miss that only the restart made (an engine would
+        compute the block again)."""
+        wait_s = min(RECOVERY_WAIT_S, self._recovery_waits_until - time.monotonic())
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.recovered.wait(), wait_s)
         return self.table.lookup_identified(ns, words)
 
     def _tiers_of(self, ids: np.ndarray, found: np.ndarray, hits: int) -> np.ndarray:
@@ -1843,11 +1856,13 @@ class BlockStore:
     async def recover(self) -> None:
         """Index every block the persistent tiers hold from before this start, so a restart
         serves it. Chunks are read on a worker thread and indexed between requests: a lookup
-        or get of keys all indexed is answered at once, one with a key not found waits for
-        the end (``_after_recovery``), and a tier allocates nothing until its last chunk is
+        or get of keys all indexed is answered at once, one with a key not found waits a
+        while for the end (``_after_recovery``), and a tier allocates nothing until its last chunk is
         in."""
         started = time.monotonic()
         total = 0
+        if not self._recovering:  # called without start()
+            self._recovery_waits_until = time.monotonic() + RECOVERY_WAITS_FOR_S
         self._recovering = True
         try:
             for level in reversed(self.stack.levels):

@@ -4098,3 +4098,26 @@ async def test_regression_a_lookup_or_get_before_recovery_read_its_rows_missed(m
     assert [page_bytes(pool, p) for p in range(10, 13)] == want
     assert (await again.lookup(0, keys(1)))[0] == 0  # once recovered, a miss is at once
     await again.stop(flush=False)
+
+
+@pytest.mark.parametrize(
+    ("bound", "value"), [("RECOVERY_WAIT_S", 0.05), ("RECOVERY_WAITS_FOR_S", 0.0)]
+)
+async def test_a_lookup_waits_for_recovery_only_so_long(make_store, monkeypatch, bound, value):
+    """Past ``RECOVERY_WAIT_S`` (or once ``RECOVERY_WAITS_FOR_S`` of recovery have passed) a
+    Lookup answers what is indexed so far: an engine's scheduler gives up on a Lookup after
+    0.5 s, and a recovery of tens of millions of rows takes seconds."""
+    monkeypatch.setattr(store_module, bound, value)
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    chain = keys(2)
+    await put(store, pool, chain, durable=True)
+    await store.stop(flush=False)
+    again = make_store(clock, l2=l2.reopen())
+    async with _transfer_threads_busy(again):
+        again.start()
+        assert (await again.lookup(0, chain))[0] == 0  # answered while recovery is held
+    await again.recovered.wait()
+    assert (await again.lookup(0, chain))[0] == 2
+    await again.stop(flush=False)
