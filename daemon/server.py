@@ -255,6 +255,15 @@ def _rpc(
     return wrapper
 
 
+# The answer to a single-key Put that is not durable, by its result: built once, since
+# building a message with a repeated field took longer than the rest of the handler. gRPC
+# only serializes what a handler returns, so the messages are shared and never changed.
+_ONE_PUT_RESPONSE = {
+    code: pb.PutResponse(results=[code], stored=int(code == pb.PUT_STORED))
+    for code in pb.PutResult.values()
+}
+
+
 def layout_from_pb(msg: pb.PoolLayout) -> PoolLayout:
     if msg.dtype not in DTYPE_NAMES:
         raise InvalidArgument("layout.dtype is unspecified or unknown")
@@ -491,6 +500,8 @@ class KVTierServicer:
         )
         codes = results.tolist()
         if persisted is None:
+            if len(codes) == 1:
+                return _ONE_PUT_RESPONSE[codes[0]]
             # Not durable: no persisted field (an empty list given costs as much again as
             # the rest of the message).
             return pb.PutResponse(results=codes, stored=codes.count(pb.PUT_STORED))
