@@ -664,7 +664,9 @@ class SpaceManager:
                 return []
         # Held before the next await: a put of the tenant reserving meanwhile counts them.
         # Held without a quota too: a reload may set one before the copies are recorded.
-        self.quota_held[(owner, level.kind)] += count * nbytes
+        # (get and a store: a Counter's += of a missing key calls its Python __missing__.)
+        held_key = (owner, level.kind)
+        self.quota_held[held_key] = self.quota_held.get(held_key, 0) + count * nbytes
         slots: list[int] = []
         try:
             await self._take_slots(level, nbytes, count, priority, clean_only, urgency, slots)
@@ -682,10 +684,14 @@ class SpaceManager:
         """Stop counting ``nbytes`` of ``owner``'s reserved slots against its quota on
         ``level``: their copies are recorded in the table, or the slots released."""
         key = (owner, level.kind)
-        if key in self.quota_held:
-            self.quota_held[key] -= nbytes
-            if self.quota_held[key] <= 0:
-                del self.quota_held[key]
+        held = self.quota_held.get(key)
+        if held is not None:
+            held -= nbytes
+            if held > 0:
+                self.quota_held[key] = held
+            else:
+                # pop, not del: a Counter's __delitem__ is a Python method.
+                self.quota_held.pop(key)
 
     async def _take_slots(
         self,
