@@ -795,7 +795,8 @@ class KVService:
         # fromiter: np.asarray walks a protobuf repeated field as a generic sequence, several
         # times the cost for the few pages of a small request; one page is read as an int.
         if nkeys == 1:
-            arr = np.array([pages[0]], dtype=np.int64)
+            arr = np.empty(1, dtype=np.int64)  # np.array([page]) first works out a dtype
+            arr[0] = pages[0]
         else:
             arr = np.fromiter(pages, dtype=np.int64, count=len(pages))
         pool.check_pages(arr)

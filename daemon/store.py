@@ -712,7 +712,7 @@ class BlockStore:
         rejected keys, the later parts store nothing new.
         """
         n = len(words)
-        if n == 1 and not durable and self.top.own_admission is None:
+        if n == 1 and not durable and self.stack.levels[0].own_admission is None:
             one = await self._put_one(pool, ns, words[0], pages, parent_words, owner)
             if one is not None:
                 return one, None
@@ -944,9 +944,10 @@ class BlockStore:
         now = self._clock()
         block_bytes = pool.block_bytes
         # Claimed before awaiting anything (see the module invariants).
-        bid = table.add(ns, key, block_bytes, owner=owner, identity=identity)
-        table.inflight[bid] = 1
-        bids = np.array([bid], dtype=np.int64)
+        bid = table.add(ns, key, block_bytes, owner=owner, identity=identity, inflight=1)
+        # np.empty and a store cost half of np.array([bid]), which first works out a dtype.
+        bids = np.empty(1, dtype=np.int64)
+        bids[0] = bid
         placed = 0
         try:
             placed = await self._store_new(pool, bids, None, pages, now, owner)
@@ -954,7 +955,7 @@ class BlockStore:
                 parent = -1
                 if parent_words is not None:
                     parent = table.find_one(ns, parent_words)
-                    if parent >= 0 and table.state[parent] != READY:
+                    if parent >= 0 and table.state.item(parent) != READY:
                         parent = -1
                 table.inflight[bid] = 0  # a new row: nobody else holds it
                 self._commit_one(bid, parent)
@@ -1049,12 +1050,16 @@ class BlockStore:
         table = self.table
         nbytes = pool.block_bytes
         done = 0
-        for level in self.stack:
+        levels = self.stack.levels  # the list itself: this runs for every Put
+        top = levels[0]
+        for level in levels:
             if done == len(bids):
                 break
             if level.keyed or not level.tier.health().accepts_writes:
                 continue
-            todo = bids[done:]
+            # Whole arrays are taken as they are, not sliced: a view costs as much as a
+            # small function call, and a single-key put would make four.
+            todo = bids[done:] if done else bids
             # A level that admits everything (the default) is not asked: ``admit`` would
             # build an array of True for it.
             if not (level.admits_all and level.own_admission is None):
@@ -1063,13 +1068,17 @@ class BlockStore:
                 if not (admitted[0] if len(admitted) == 1 else admitted.all()):
                     todo = todo[: int(np.argmin(admitted))]
                     if len(todo) == 0:
-                        if level is self.top:
+                        if level is top:
                             continue
                         break
             slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND, owner=owner)
             if not slots:
                 continue
-            group = todo[: len(slots)]
+            group = todo if len(slots) == len(todo) else todo[: len(slots)]
+            if done == 0 and len(group) == len(pages):
+                group_pages = pages
+            else:
+                group_pages = pages[done : done + len(group)]
             try:
                 with pool.use():
                     outcomes = await self.transfers.from_pool(
@@ -1077,7 +1086,7 @@ class BlockStore:
                         slots,
                         table.block_refs(group),
                         nbytes,
-                        pool.batch(pages[done : done + len(group)], self._copy_threads),
+                        pool.batch(group_pages, self._copy_threads),
                     )
             except BaseException:
                 # The reservation's hold lasts until the slots are free: a persistent tier
@@ -1086,10 +1095,10 @@ class BlockStore:
                 raise
             outs = WriteOutcomes.of(outcomes)
             if len(outs) == 1:  # a single-key put: no array reduction for one flag
-                ok = int(bool(outs.ok[0]))
+                ok = int(outs.ok.item(0))
             else:
                 ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
-            stored = group[:ok]
+            stored = group if ok == len(group) else group[:ok]
             # What the copies stored counts in the table's usage from the set_slots below;
             # the slots of the copies that failed stay held until they are free.
             self.space.end_hold(level, owner, ok * nbytes)
@@ -1107,16 +1116,16 @@ class BlockStore:
                 table.clear_slots(replaced, level.col)
                 self.space.free_held(level, old, holds)
             if ok == 1:  # a single-key put: the slot and checksum as scalars
-                table.set_slots(stored, level.col, int(outs.slots[0]))
+                table.set_slots(stored, level.col, outs.slots.item(0))
                 if level.checksummed:
-                    table.set_checksums(stored, level.col, int(outs.checksums[0]))
+                    table.set_checksums(stored, level.col, outs.checksums.item(0))
             else:
                 table.set_slots(stored, level.col, outs.slots[:ok])
                 if level.checksummed:
                     table.set_checksums(stored, level.col, outs.checksums[:ok])
             if ok < len(outs):
                 await self.space.give_back(level, owner, outs.slots[ok:].tolist(), nbytes)
-            if level is not self.top:
+            if level is not top:
                 self.counters.inc("stored_below", ok, tier=level.label)
             done += ok
             if ok < len(group):
@@ -1187,12 +1196,14 @@ class BlockStore:
         table.state[bid] = READY
         table.last_access[bid] = now
         table.link(bid, parent)
-        for level in self.stack:
-            if table.slot[bid, level.col] >= 0:
+        levels = self.stack.levels
+        for level in levels:
+            if table.slot.item(bid, level.col) >= 0:
                 level.policy.insert(bid, now, parent)
-        if len(self.stack) > 1:  # only tiers below the top hear of new blocks
+        if len(levels) > 1:  # only tiers below the top hear of new blocks
             one = np.array([bid], dtype=np.int64)
-            self.space.after_store(one if table.slot[bid, self.top.col] >= 0 else one[:0], now)
+            top_col = levels[0].col
+            self.space.after_store(one if table.slot.item(bid, top_col) >= 0 else one[:0], now)
 
     # -------------------------------------------------------------------- reads
 

@@ -267,14 +267,14 @@ class BlockTable:
         """The blocks' identities as tiers address them, ``(ns, key bytes)`` per row: as
         arrays (``BlockRefs``), so a tier that never looks at them costs nothing per block."""
         if len(bids) == 1:  # a single-key request: no array operations
-            bid = int(bids[0])
-            return [BlockRef(int(self.ns[bid]), self.keys[bid].tobytes())]
+            bid = bids.item(0)
+            return [BlockRef(self.ns.item(bid), self.keys[bid].tobytes())]
         bids = np.asarray(bids, dtype=np.int64)
         return BlockRefs(self.ns[bids], self.keys[bids])
 
     def ref(self, bid: int) -> int:
         """A reference to the block now in row ``bid`` that outlives the row's reuse."""
-        return (int(self.gen[bid]) << _ROW_BITS) | int(bid)
+        return (self.gen.item(bid) << _ROW_BITS) | int(bid)
 
     def refs(self, bids: np.ndarray) -> np.ndarray:
         bids = np.asarray(bids, dtype=np.int64)
@@ -374,12 +374,12 @@ class BlockTable:
         """Record copies of ``bids`` (none there yet) in column ``col``."""
         if len(bids) == 1 and not isinstance(slots, np.ndarray):
             # A single-key request's copy, without array operations.
-            bid = int(bids[0])
+            bid = bids.item(0)
             self.slot[bid, col] = slots
             if self._accounted[col]:
-                owner = int(self.owner[bid])
+                owner = self.owner.item(bid)
                 self._fit_owner(owner)
-                self.usage[col, owner] += int(self.nbytes[bid])
+                self.usage[col, owner] += self.nbytes.item(bid)
             return
         bids = np.asarray(bids, dtype=np.int64)
         self.slot[bids, col] = slots
@@ -424,10 +424,17 @@ class BlockTable:
     # ---------------------------------------------------------------------- mutation
 
     def add(
-        self, ns: int, words: np.ndarray, nbytes: int, owner: int = 0, identity: int | None = None
+        self,
+        ns: int,
+        words: np.ndarray,
+        nbytes: int,
+        owner: int = 0,
+        identity: int | None = None,
+        inflight: int = 0,
     ) -> int:
         """Create a block in state WRITING and return its id. The key must be absent.
-        ``identity``: the key's (``identity``), when the caller has it, not hashed again."""
+        ``identity``: the key's (``identity``), when the caller has it, not hashed again;
+        ``inflight``: the row's in-flight count (a put holding its new block sets 1)."""
         if identity is None:
             identity = self._hash_one(int(ns), words)
         if self._free_rows:
@@ -443,7 +450,7 @@ class BlockTable:
         self.state[bid] = WRITING
         self.nbytes[bid] = nbytes
         self.pins[bid] = 0
-        self.inflight[bid] = 0
+        self.inflight[bid] = inflight
         # A row's fill costs less than an assignment to it, which goes through numpy's
         # general indexing.
         self.slot[bid].fill(-1)
@@ -726,10 +733,10 @@ class BlockTable:
         table, keys, spaces = self._table, self.keys, self.ns
         want = key.tobytes()
         for _ in range(len(table)):
-            bid = int(table[pos])
+            bid = table.item(pos)
             if bid == EMPTY:
                 return -1
-            if bid >= 0 and spaces[bid] == ns and keys[bid].tobytes() == want:
+            if bid >= 0 and spaces.item(bid) == ns and keys[bid].tobytes() == want:
                 return bid
             pos = (pos + 1) & mask
         return -1

@@ -123,9 +123,18 @@ class HostArena:
         )
 
     def write(self, batch: WriteBatch) -> WriteOutcomes:
-        slots = np.asarray(batch.slots, dtype=np.int64)
+        given = batch.slots
+        if len(given) == 1:
+            # A single-key put's slot: np.asarray of a list first works out its dtype, and
+            # ``offsets`` reads the slot as it was given, not back from the array.
+            slots = np.empty(1, dtype=np.int64)
+            slots[0] = given[0]
+            starts = self.allocator.offsets(given)
+        else:
+            slots = np.asarray(given, dtype=np.int64)
+            starts = self.allocator.offsets(slots)
         n = len(slots)
-        store_from(batch.src, range(n), self.array, self.allocator.offsets(slots), batch.nbytes)
+        store_from(batch.src, range(n), self.array, starts, batch.nbytes)
         self._counters["blocks_written"] += n
         self._counters["bytes_written"] += n * batch.nbytes
         return WriteOutcomes.all_stored(slots)

@@ -137,14 +137,16 @@ class SlabAllocator:
             while free and taken < want:
                 out.append(base + free.pop())
                 taken += 1
-            fresh = int(self._seg_fresh[seg])
+            # The counters are read as Python ints (``item``): numpy's scalars cost more.
+            fresh = self._seg_fresh.item(seg)
             more = min(want - taken, cls.slots_per_segment - fresh)
             if more > 0:
                 out.extend(range(base + fresh, base + fresh + more))
                 self._seg_fresh[seg] = fresh + more
                 taken += more
-            self._seg_used[seg] += taken
-            if self._seg_used[seg] == cls.slots_per_segment:
+            used = self._seg_used.item(seg) + taken
+            self._seg_used[seg] = used
+            if used == cls.slots_per_segment:
                 del cls.open_segments[seg]
             self._used_bytes += taken * slot_bytes
             self._used_slots += taken
@@ -422,11 +424,13 @@ class SlabAllocator:
 
     def offset(self, slot: int) -> int:
         seg, index = divmod(slot, self.slots_cap)
-        return seg * self.segment_bytes + index * int(self._seg_slot_bytes[seg])
+        return seg * self.segment_bytes + index * self._seg_slot_bytes.item(seg)
 
     def offsets(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
-        if len(slots) == 1:  # one block: Python arithmetic, one array
-            return np.array([self.offset(int(slots[0]))], dtype=np.uint64)
+        if len(slots) == 1:  # one block: Python arithmetic, one array (np.array costs more)
+            one = np.empty(1, dtype=np.uint64)
+            one[0] = self.offset(int(slots[0]))
+            return one
         slots = np.asarray(slots, dtype=np.int64)
         seg, index = np.divmod(slots, self.slots_cap)
         return (seg * self.segment_bytes + index * self._seg_slot_bytes[seg]).astype(np.uint64)
