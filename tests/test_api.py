@@ -181,6 +181,21 @@ def test_put_of_existing_keys_copies_nothing(namespaced_daemon):
         assert block_bytes_of(layout, data, 2) == original
 
 
+def test_single_key_puts_get_their_own_result_call_after_call(namespaced_daemon):
+    """A single-key Put that is not durable is answered with a response built once per
+    result (server._ONE_PUT_RESPONSE): each call gets its own result's, whatever the calls
+    before it got."""
+    layout = LAYOUTS["staging"]
+    with namespaced_daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        random_fill(shm, 4)
+        pool = client.register_pool(shm, layout)
+        for key in keys_for(2, "one-by-one"):
+            first = client.put(pool.pool_id, [key], [0])
+            assert (first.statuses, first.stored) == ([PutStatus.STORED], 1)
+            again = client.put(pool.pool_id, [key], [1])
+            assert (again.statuses, again.stored) == ([PutStatus.EXISTS], 0)
+
+
 def test_asyncio_client_has_the_same_surface(namespaced_daemon):
     import asyncio
 
