@@ -488,8 +488,14 @@ class StagingPool:
         self, layer: int, pages: Sequence[int], src: torch.Tensor, blocks: torch.Tensor
     ) -> None:
         """``staging[layer][pages] = src[blocks]`` (engine cache to staging; ``src`` in any
-        stride order, the page gets the block in its logical order)."""
+        stride order, the page gets the block in its logical order). ``blocks`` on the CPU
+        lets runs of consecutive blocks copy as slices (``MAX_RUN_COPIES``)."""
         dst = self.tensor[layer]
+        runs = _paired_runs(pages, blocks)
+        if runs is not None:
+            for page, block, n in runs:
+                dst[page : page + n].copy_(src[block : block + n])
+            return
         blocks = blocks.to(dst.device)
         run = _as_run(pages)
         if run is not None:
@@ -501,8 +507,14 @@ class StagingPool:
     def scatter(
         self, layer: int, pages: Sequence[int], dst: torch.Tensor, blocks: torch.Tensor
     ) -> None:
-        """``dst[blocks] = staging[layer][pages]`` (staging to engine cache)."""
+        """``dst[blocks] = staging[layer][pages]`` (staging to engine cache; ``blocks`` as for
+        ``gather``)."""
         src = self.tensor[layer]
+        runs = _paired_runs(pages, blocks)
+        if runs is not None:
+            for page, block, n in runs:
+                dst[block : block + n].copy_(src[page : page + n])
+            return
         blocks = blocks.to(src.device)
         run = _as_run(pages)
         if run is not None:
@@ -510,6 +522,35 @@ class StagingPool:
         else:
             index = torch.as_tensor(pages, dtype=torch.long, device=src.device)
             dst.index_copy_(0, blocks, src.index_select(0, index))
+
+
+MAX_RUN_COPIES = 8
+"""A copy whose pages and blocks pair up in at most this many runs (consecutive pages to
+consecutive blocks, as an engine's fresh blocks mostly are) is one plain slice copy per run:
+on the CPU a memory copy, several times faster than an indexed copy of the same blocks
+(into a bf16 cache of 64 KiB blocks, ``index_copy_`` of 16 blocks took 0.19 ms, one slice
+copy of them 0.045 ms). More runs take one indexed copy (on a GPU, one kernel rather than
+one per run), and so do block ids on a GPU."""
+
+
+def _paired_runs(pages: Sequence[int], blocks: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """``(first page, first block, count)`` of each run of ``pages`` and ``blocks`` that are
+    consecutive together; None past ``MAX_RUN_COPIES`` runs, or for block ids on a GPU
+    (reading them would wait for the device)."""
+    if blocks.device.type != "cpu" or len(pages) != len(blocks):
+        return None
+    ids = blocks.tolist()
+    runs: list[tuple[int, int, int]] = []
+    for page, block in zip(pages, ids, strict=True):
+        if runs:
+            first_page, first_block, n = runs[-1]
+            if page == first_page + n and block == first_block + n:
+                runs[-1] = (first_page, first_block, n + 1)
+                continue
+            if len(runs) == MAX_RUN_COPIES:
+                return None
+        runs.append((page, block, 1))
+    return runs
 
 
 def _first_run(free: np.ndarray, n: int) -> np.ndarray | None:

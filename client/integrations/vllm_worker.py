@@ -563,7 +563,8 @@ class WorkerSide:
         rows = np.flatnonzero(load.ok)  # blocks (not job keys: a block may have no key)
         if len(rows):
             pages = [load.pages[i] for i in rows]
-            blocks = torch.from_numpy(load.block_ids[rows]).to(self.device)
+            # On the CPU: runs of consecutive blocks copy as slices (``staging``).
+            blocks = torch.from_numpy(load.block_ids[rows])
             for layer in range(load.copied_upto, end):
                 load.arena.scatter(layer, pages, self.kv[layer], blocks)
         load.copied_upto = end
@@ -675,9 +676,8 @@ class WorkerSide:
             kept = self._fit(specs, len(pages))
             self._drop(specs, kept)
             specs = [_head(s, k) for s, k in zip(specs, kept, strict=True) if k]
-        blocks = torch.as_tensor(
-            [b for s in specs for b in s.block_ids], dtype=torch.long, device=self.device
-        )
+        # On the CPU: runs of consecutive blocks copy as slices (``staging``).
+        blocks = torch.as_tensor([b for s in specs for b in s.block_ids], dtype=torch.long)
         return _Save(specs, arena, pages, blocks)
 
     @staticmethod
