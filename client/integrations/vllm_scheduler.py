@@ -30,7 +30,10 @@ Invariants:
 - A lease is released by this side (its owner) once a worker reports its load done, or
   expires in the daemon; it never outlives ``shutdown`` (the end of the session releases
   it there). While the breaker is open no release is sent: the lease expires, or goes with
-  the session, in the daemon.
+  the session, in the daemon. A Release is sent from a thread of this side's own, so that
+  vLLM returns the step's outputs without waiting for the daemon's answer; the next step's
+  ``build_connector_meta`` (and ``shutdown``) waits for it, so a lease a step's output
+  reported done is released before the next step is planned.
 - A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``), and a
   daemon that does not answer one timeout until a health check, off vLLM's thread, finds it
   serving again: meanwhile requests are scheduled as if nothing were cached and nothing is
@@ -53,7 +56,8 @@ Invariants:
   A layer-wise load that fails leaves the request running (vLLM recomputes its failed
   blocks in place and never asks again for it), so it changes no later answer.
 
-Thread-safety: none; vLLM calls the scheduler connector from one thread.
+Thread-safety: none; vLLM calls the scheduler connector from one thread. The releasing
+thread touches only the client (which threads may share).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ import collections
 import contextlib
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +147,8 @@ class SchedulerSide:
         self._finish_saves: list[SaveSpec] = []
         self._rewound: set[str] = set()  # failed_loads seen since the last step's metadata
         self._lease_owner: dict[int, str] = {}
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-release")
+        self._releasing: list[Future[None]] = []  # Releases sent, until waited for
         # A worker's staging pool is refused by the daemon (KVTierWorkerMetadata).
         self.staging_refused = False
         self._adapters = AdapterDigests(LORA_TAG)
@@ -303,6 +310,7 @@ class SchedulerSide:
     # ------------------------------------------------------------------ steps
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
+        self._wait_for_releases()
         meta = KVTierConnectorMetadata(
             loads=self._loads, saves=self._finish_saves, rewound=self._rewound
         )
@@ -439,9 +447,21 @@ class SchedulerSide:
             # each release would cost vLLM's thread a timeout; the daemon expires the lease
             # after lease_ms in any case.
             return
+        # Off vLLM's thread: it returns the step's outputs after this (a hit's Release cost
+        # it 1-4 ms on a busy 2-core host, a daemon that does not answer the timeout).
+        self._releasing.append(self._releaser.submit(self._send_release, lease))
+
+    def _send_release(self, lease: int) -> None:
         # Already expired or the daemon restarted: nothing is pinned either way.
         with contextlib.suppress(KvtierError):
             self.client.release(lease)
+
+    def _wait_for_releases(self) -> None:
+        """Wait for the Releases sent so far (each bounded by the client's timeout; usually
+        answered long before)."""
+        releasing, self._releasing = self._releasing, []
+        for sent in releasing:
+            sent.result()
 
     def take_stats(self) -> dict[str, int]:
         """The counters' increments since the last call (vLLM's per-step connector stats)."""
@@ -451,6 +471,8 @@ class SchedulerSide:
         self.breaker.close()
         for lease in list(self._lease_owner):
             self._release(lease)
+        self._wait_for_releases()
+        self._releaser.shutdown()
         self.client.close()
 
     # ---------------------------------------------------------------- helpers

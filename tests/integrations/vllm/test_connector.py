@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -188,7 +189,9 @@ def test_a_second_engine_loads_what_the_first_stored(model_dir, daemon):
         assert engine.invalid_reported == set()
         assert engine.connector.scheduler_side.stats["hit_blocks"] == 3
         assert request.num_computed_tokens == len(PROMPT)
-        # The worker reported the lease done and the scheduler released it.
+        # The worker reported the lease done and the scheduler released it (from a thread
+        # of its own, waited for before the next step is planned).
+        engine.step()
         assert _counters(daemon)["leases"] == 0
         engine.run()
         assert len(engine.outputs["r"]) == 4
@@ -196,6 +199,48 @@ def test_a_second_engine_loads_what_the_first_stored(model_dir, daemon):
         engine.close()
     counters = _counters(daemon)
     assert counters["get_blocks_loaded"] == 3 and counters["get_blocks_missing"] == 0
+
+
+def test_regression_vllms_thread_waited_for_the_daemon_to_answer_a_release(model_dir, daemon):
+    """The scheduler side released a load's lease on vLLM's thread, in the step that took in
+    the worker's report, and vLLM returned that step's outputs only once the daemon had
+    answered: 1-4 ms of every hit's time to first token on a busy 2-core host (``bench
+    vllm``), a whole timeout for a daemon that does not answer. The Release goes from a
+    thread of the side's own, and the next step waits for it. Here the daemon answers
+    nothing (SIGSTOP) from the load's end until vLLM has taken in the step's output; a
+    watchdog resumes it after 10 s should the step wait for it (it did: until the watchdog)."""
+    _store_prompt(model_dir, daemon)
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    resumed = threading.Event()
+
+    def resume() -> None:
+        resumed.set()
+        os.kill(pid, signal.SIGCONT)
+
+    watchdog = threading.Timer(10.0, resume)
+    engine = MiniEngine(model_dir, _options(daemon, lookup_timeout_s=30.0))
+    try:
+        engine.add("r", PROMPT, max_tokens=4)
+
+        def stop() -> None:
+            os.kill(pid, signal.SIGSTOP)
+            watchdog.start()
+
+        first, _ = engine.overlapped_steps(between=stop)  # the second takes in the first's
+        assert not resumed.is_set()
+        watchdog.cancel()
+        os.kill(pid, signal.SIGCONT)
+        (load,) = first.kv_connector_metadata.loads
+        assert load.leases and engine.invalid_reported == set()
+        engine.step()  # waits for the Release
+        assert _counters(daemon)["leases"] == 0
+        engine.run()
+        assert len(engine.outputs["r"]) == 4
+    finally:
+        watchdog.cancel()
+        os.kill(pid, signal.SIGCONT)
+        engine.close()
 
 
 def test_a_pin_refused_for_a_limit_loads_unpinned_and_keeps_kvtier_on(model_dir, daemon_factory):
