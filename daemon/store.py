@@ -438,7 +438,8 @@ class BlockStore:
         compute the block again)."""
         wait_s = min(RECOVERY_WAIT_S, self._recovery_waits_until - time.monotonic())
         if wait_s > 0:
-            with contextlib.suppress(TimeoutError):
+            # asyncio's: on Python 3.10 wait_for raises its own, not the builtin TimeoutError.
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.recovered.wait(), wait_s)
         return self.table.lookup_identified(ns, words)
 
