@@ -1870,7 +1870,7 @@ class BlockStore:
         serves it. Chunks are read on a worker thread and indexed between requests: a lookup
         or get of keys all indexed is answered at once, one with a key not found waits a
         while for the end (``_after_recovery``), and a tier allocates nothing until its last chunk is
-        in."""
+        in. A failure is logged and ends it: what was indexed is served."""
         started = time.monotonic()
         total = 0
         if not self._recovering:  # called without start()
@@ -1897,6 +1897,14 @@ class BlockStore:
                     total += len(chunk)
                     await asyncio.sleep(0)
                 await self._drop_repeated(level, np.concatenate([np.empty(0, np.int64), *repeated]))
+        except Exception:
+            # Said now: nothing reads the finished task's error until the store stops, and
+            # meanwhile the store counts as recovered and serves what was indexed.
+            log.exception(
+                "recovery stopped after indexing %d blocks: blocks of the persistent tiers it "
+                "did not index are not served",
+                total,
+            )
         finally:
             self._recovering = False
             self.recovered.set()

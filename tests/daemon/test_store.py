@@ -4100,6 +4100,38 @@ async def test_regression_a_lookup_or_get_before_recovery_read_its_rows_missed(m
     await again.stop(flush=False)
 
 
+async def test_regression_a_recovery_that_raised_was_silent_until_the_store_stopped(
+    make_store, caplog
+):
+    """A persistent tier's index that fails to read (here after its last chunk) ended the
+    recovery task with the error, which nothing read: no line said so until the finished task
+    was collected as the store stopped, while the store said it had recovered (``recovering``
+    0) and served without what was not indexed. It is logged, with its traceback, at once."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    chain = keys(2)
+    await put(store, pool, chain, durable=True)
+    await store.stop(flush=False)
+    tier = l2.reopen()
+    read_chunks = tier.recover_chunks
+
+    def chunks_then_a_failure(rows: int = 65536):
+        yield from read_chunks(rows)
+        raise OSError("the index could not be read on")
+
+    tier.recover_chunks = chunks_then_a_failure  # type: ignore[method-assign]
+    again = make_store(clock, l2=tier)
+    with caplog.at_level(logging.ERROR, logger=store_module.__name__):
+        again.start()
+        await again.recovered.wait()
+        await asyncio.sleep(0)  # the task's end
+    failed = [r for r in caplog.records if r.exc_info and "recovery stopped" in r.getMessage()]
+    assert len(failed) == 1, caplog.records
+    assert "after indexing 2 blocks" in failed[0].getMessage()
+    assert (await again.lookup(0, chain))[0] == 2  # what it indexed is served
+
+
 @pytest.mark.parametrize(
     ("bound", "value"), [("RECOVERY_WAIT_S", 0.05), ("RECOVERY_WAITS_FOR_S", 0.0)]
 )
