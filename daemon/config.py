@@ -1429,19 +1429,23 @@ class _LeadingZero(str):
     which YAML 1.1 reads as an octal number."""
 
 
-_LEADING_ZERO_TAG = "tag:kvtier,2026:leading-zero"
-_StrictLoader.add_implicit_resolver(_LEADING_ZERO_TAG, _LEADING_ZERO_RE, list("-+0"))
-for _first in "-+0":
-    # Ahead of YAML's own int resolver, which would match first.
-    _resolvers = _StrictLoader.yaml_implicit_resolvers[_first]
-    _resolvers.insert(0, _resolvers.pop())
+def _read_first_as(kind: type[str], name: str, pattern: re.Pattern[str], first: str) -> None:
+    """Have ``_StrictLoader`` read a plain scalar that matches ``pattern`` as ``kind`` (its
+    text), ahead of YAML's own resolvers for the same first characters (its int resolver
+    would match first)."""
+    tag = f"tag:kvtier,2026:{name}"
+    _StrictLoader.add_implicit_resolver(tag, pattern, list(first))
+    for ch in first:
+        resolvers = _StrictLoader.yaml_implicit_resolvers[ch]
+        resolvers.insert(0, resolvers.pop())
+
+    def construct(loader: _StrictLoader, node: yaml.ScalarNode) -> str:
+        return kind(loader.construct_scalar(node))
+
+    _StrictLoader.add_constructor(tag, construct)
 
 
-def _construct_leading_zero(loader: _StrictLoader, node: yaml.ScalarNode) -> _LeadingZero:
-    return _LeadingZero(loader.construct_scalar(node))
-
-
-_StrictLoader.add_constructor(_LEADING_ZERO_TAG, _construct_leading_zero)
+_read_first_as(_LeadingZero, "leading-zero", _LEADING_ZERO_RE, "-+0")
 
 
 class _IntAsWritten(str):
@@ -1450,19 +1454,7 @@ class _IntAsWritten(str):
     takes a number or an id, else the text it is."""
 
 
-_INT_AS_WRITTEN_TAG = "tag:kvtier,2026:int-as-written"
-_StrictLoader.add_implicit_resolver(_INT_AS_WRITTEN_TAG, _INT_AS_WRITTEN_RE, list("-+0123456789"))
-for _first in "-+0123456789":
-    # Ahead of YAML's own int resolver, which would match first.
-    _resolvers = _StrictLoader.yaml_implicit_resolvers[_first]
-    _resolvers.insert(0, _resolvers.pop())
-
-
-def _construct_int_as_written(loader: _StrictLoader, node: yaml.ScalarNode) -> _IntAsWritten:
-    return _IntAsWritten(loader.construct_scalar(node))
-
-
-_StrictLoader.add_constructor(_INT_AS_WRITTEN_TAG, _construct_int_as_written)
+_read_first_as(_IntAsWritten, "int-as-written", _INT_AS_WRITTEN_RE, "-+0123456789")
 
 
 def _int_as_written(value: _IntAsWritten) -> int:

@@ -4072,17 +4072,24 @@ async def test_regression_a_promotion_from_l3_was_refused_once_its_copy_was_date
     assert store.table.keyed_since[bid] == clock.now - 40  # still dated from its write
 
 
+async def _durable_then_stopped(make_store, n: int):
+    """A store with L2 that took ``n`` keys in one durable put and stopped: (its clock, its
+    L2 to reopen, the pool, the keys)."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    chain = keys(n)
+    assert await put(store, pool, chain, durable=True) == ([PutResult.STORED] * n, [True] * n)
+    await store.stop(flush=False)
+    return clock, l2, pool, chain
+
+
 async def test_regression_a_lookup_or_get_before_recovery_read_its_rows_missed(make_store):
     """A Lookup or Get sent after a restart before recovery had read the rows of its keys
     (here: the transfer threads that read them busy) answered them absent, and an engine
     would compute the blocks again; it waits for recovery, from the start of the store on."""
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    chain = keys(3)
-    assert await put(store, pool, chain, durable=True) == ([PutResult.STORED] * 3, [True] * 3)
+    clock, l2, pool, chain = await _durable_then_stopped(make_store, 3)
     want = [page_bytes(pool, p) for p in range(3)]
-    await store.stop(flush=False)
     again = make_store(clock, l2=l2.reopen())
     async with _transfer_threads_busy(again):
         again.start()  # no step of the recovery task yet
@@ -4107,12 +4114,7 @@ async def test_regression_a_recovery_that_raised_was_silent_until_the_store_stop
     recovery task with the error, which nothing read: no line said so until the finished task
     was collected as the store stopped, while the store said it had recovered (``recovering``
     0) and served without what was not indexed. It is logged, with its traceback, at once."""
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    chain = keys(2)
-    await put(store, pool, chain, durable=True)
-    await store.stop(flush=False)
+    clock, l2, _, chain = await _durable_then_stopped(make_store, 2)
     tier = l2.reopen()
     read_chunks = tier.recover_chunks
 
@@ -4140,12 +4142,7 @@ async def test_a_lookup_waits_for_recovery_only_so_long(make_store, monkeypatch,
     Lookup answers what is indexed so far: an engine's scheduler gives up on a Lookup after
     0.5 s, and a recovery of tens of millions of rows takes seconds."""
     monkeypatch.setattr(store_module, bound, value)
-    clock = Clock()
-    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
-    store, pool = make_store(clock, l2=l2), make_pool()
-    chain = keys(2)
-    await put(store, pool, chain, durable=True)
-    await store.stop(flush=False)
+    clock, l2, _, chain = await _durable_then_stopped(make_store, 2)
     again = make_store(clock, l2=l2.reopen())
     async with _transfer_threads_busy(again):
         again.start()
