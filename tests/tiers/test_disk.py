@@ -1922,3 +1922,29 @@ def test_regression_an_l2_folder_of_another_user_is_refused(disk_dir: Path) -> N
     assert not (disk_dir / "index.sqlite3").exists()
     os.chown(disk_dir, 0, 0)
     _open(disk_dir).close()
+
+
+def test_regression_an_index_read_that_failed_midway_let_the_slots_of_unread_rows_go(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index read failing after its first chunk (a disk error) ended recovery with the
+    error and let the allocator hand out every slot without a read row, the unread rows'
+    slots among them: a block written there would meet its slot's old row at the next start.
+    What was read is served; the tier is degraded and allocates nothing until reopened."""
+    with _open(disk_dir) as tier:
+        _persist(tier, make_block, list(range(4)), 65_536)
+    with _open(disk_dir, recover_later=True) as tier:
+        rows = tier._index_rows
+
+        def first_chunk_then_an_error(n: int) -> Iterator[list]:
+            reading = rows(n)
+            yield next(reading)
+            reading.close()
+            raise sqlite3.OperationalError("disk I/O error")
+
+        monkeypatch.setattr(tier, "_index_rows", first_chunk_then_an_error)
+        got = RecoveredBlocks.concat(list(tier.recover_chunks(rows=1)))
+        assert len(got) == 1
+        assert not tier.allocator.can_allocate(65_536)
+        assert tier.allocator.allocate(65_536) is None
+        assert tier.health().state is not Health.OK

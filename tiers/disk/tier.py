@@ -354,8 +354,8 @@ class _RowMap:
 class _Slab(LockedSlab):
     """The tier's allocator. ``free`` is refused: an L2 slot must lose its index row (durably)
     before it is reused, which only ``DiskTier.remove`` does. While the index's rows are
-    still being read (``recovering``) nothing is handed out: a slot whose row was not read
-    yet would be given twice."""
+    still being read (``recovering``), and after a read of them failed, nothing is handed
+    out: a slot whose row was not read would be given twice."""
 
     recovering = False
 
@@ -809,13 +809,23 @@ class DiskTier:
         drop: list[int] = []
         total = kept = 0
         index_rows = self._index_rows(rows)
+        unread = False
         try:
-            for chunk in index_rows:
-                total += len(chunk)
-                blocks = self._recover_chunk(chunk, before, sizes, damaged, lost, lost_files, drop)
-                kept += len(blocks)
-                if len(blocks):
-                    yield blocks
+            try:
+                for chunk in index_rows:
+                    total += len(chunk)
+                    blocks = self._recover_chunk(
+                        chunk, before, sizes, damaged, lost, lost_files, drop
+                    )
+                    kept += len(blocks)
+                    if len(blocks):
+                        yield blocks
+            except sqlite3.Error as e:
+                # The rows not read yet still name their slots: handed out, a slot would meet
+                # its old row at the next start. Nothing is allocated until a restart reads
+                # them all; what was read is served.
+                unread = True
+                self.faults.fault(classify(e), "index read")
             if drop:
                 log.warning(
                     "L2 recovery dropped %d index rows (%s)%s",
@@ -833,7 +843,7 @@ class DiskTier:
                     self.faults.fault(classify(e), "index delete")
         finally:
             index_rows.close()
-            self.allocator.recovering = False
+            self.allocator.recovering = unread
         damaged_total = sum(lost_files.values())
         if damaged_total:
             self.faults.note(
