@@ -1223,8 +1223,8 @@ def env_name(key: str) -> str:
 def env_overrides(environ: Mapping[str, str]) -> list[str]:
     """``section.key=value`` overrides from ``KVTIER_*`` variables. A variable under a
     section's prefix (``KVTIER_TIERS_...``) that names no key, or the section's own
-    (``KVTIER_SERVER``), is an error, as an unknown key in the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
-    config."""
+    (``KVTIER_SERVER``), is an error, as an unknown key in the file is; other ``KVTIER_*``
+    variables (``KVTIER_ADDRESS``, the client's) are not config."""
     names = {env_name(k): k for k in config_keys()}
     sections = tuple(env_name(f.name) + "_" for f in dataclasses.fields(Config))
     out = []
@@ -1412,32 +1412,18 @@ class _PlainNumber(str):
     (``_PLAIN_NUMBER_RE``): a number where a key takes one, else the text it is."""
 
 
-_PLAIN_NUMBER_TAG = "tag:kvtier,2026:plain-number"
-# Plain scalars only (a quoted one keeps its string tag), after YAML's own numbers.
-_StrictLoader.add_implicit_resolver(_PLAIN_NUMBER_TAG, _PLAIN_NUMBER_RE, list("-+.0123456789"))
-
-
-def _construct_plain_number(loader: _StrictLoader, node: yaml.ScalarNode) -> _PlainNumber:
-    return _PlainNumber(loader.construct_scalar(node))
-
-
-_StrictLoader.add_constructor(_PLAIN_NUMBER_TAG, _construct_plain_number)
-
-
-class _LeadingZero(str):
-    """A scalar written without quotes as digits with a leading zero (``_LEADING_ZERO_RE``),
-    which YAML 1.1 reads as an octal number."""
-
-
-def _read_first_as(kind: type[str], name: str, pattern: re.Pattern[str], first: str) -> None:
-    """Have ``_StrictLoader`` read a plain scalar that matches ``pattern`` as ``kind`` (its
-    text), ahead of YAML's own resolvers for the same first characters (its int resolver
-    would match first)."""
+def _read_as(
+    kind: type[str], name: str, pattern: re.Pattern[str], first: str, *, ahead: bool
+) -> None:
+    """Have ``_StrictLoader`` read a plain scalar (a quoted one keeps its string tag) that
+    matches ``pattern`` as ``kind`` (its text): with ``ahead``, before YAML's own resolvers
+    for the same first characters (its int resolver would match first), else after them."""
     tag = f"tag:kvtier,2026:{name}"
     _StrictLoader.add_implicit_resolver(tag, pattern, list(first))
-    for ch in first:
-        resolvers = _StrictLoader.yaml_implicit_resolvers[ch]
-        resolvers.insert(0, resolvers.pop())
+    if ahead:
+        for ch in first:
+            resolvers = _StrictLoader.yaml_implicit_resolvers[ch]
+            resolvers.insert(0, resolvers.pop())
 
     def construct(loader: _StrictLoader, node: yaml.ScalarNode) -> str:
         return kind(loader.construct_scalar(node))
@@ -1445,7 +1431,15 @@ def _read_first_as(kind: type[str], name: str, pattern: re.Pattern[str], first: 
     _StrictLoader.add_constructor(tag, construct)
 
 
-_read_first_as(_LeadingZero, "leading-zero", _LEADING_ZERO_RE, "-+0")
+_read_as(_PlainNumber, "plain-number", _PLAIN_NUMBER_RE, "-+.0123456789", ahead=False)
+
+
+class _LeadingZero(str):
+    """A scalar written without quotes as digits with a leading zero (``_LEADING_ZERO_RE``),
+    which YAML 1.1 reads as an octal number."""
+
+
+_read_as(_LeadingZero, "leading-zero", _LEADING_ZERO_RE, "-+0", ahead=True)
 
 
 class _IntAsWritten(str):
@@ -1454,7 +1448,7 @@ class _IntAsWritten(str):
     takes a number or an id, else the text it is."""
 
 
-_read_first_as(_IntAsWritten, "int-as-written", _INT_AS_WRITTEN_RE, "-+0123456789")
+_read_as(_IntAsWritten, "int-as-written", _INT_AS_WRITTEN_RE, "-+0123456789", ahead=True)
 
 
 def _int_as_written(value: _IntAsWritten) -> int:
