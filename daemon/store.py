@@ -36,6 +36,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -239,6 +240,11 @@ class BlockStore:
         # name.
         self._probes_open: dict[int, set[tuple[int, bytes]]] = {}
         self._probe_ids = itertools.count()
+        # The keys ``(ns, key bytes)`` Deletes are taking out of those tiers, from when each
+        # Delete begins until its removals are done (a count per key: two Deletes may name
+        # one). A probe that begins meanwhile may read a value before its removal reaches the
+        # store, and be answered before the removal ends: it starts with these as deleted.
+        self._removing: Counter[tuple[int, bytes]] = Counter()
         # Until when lookups answer rows held only in L3 from the table without asking L3
         # again, however long unconfirmed: set by a probe L3 could not answer (late, or gone
         # meanwhile), so that a slow store costs a lookup of known rows its probe deadline
@@ -527,7 +533,7 @@ class BlockStore:
             if not level.tier.health().serves_reads:
                 continue
             probe_id = next(self._probe_ids)
-            self._probes_open[probe_id] = set()
+            self._probes_open[probe_id] = set(self._removing)
             try:
                 answers: list[int] | None = await level.keys.probe_each(refs)
             except Exception:
@@ -1567,11 +1573,13 @@ class BlockStore:
         refs: list[BlockRef] = []
         if self._keyed:
             # Whatever the local table knew, the keys leave the shared tiers too, except the
-            # ones kept here as busy. A probe awaiting its answer while they go (it may have
-            # read them before) must not bring them back (``_discover``).
+            # ones kept here as busy. A probe awaiting its answer now, or begun before their
+            # removal is done (it may read them before that reaches the store), must not bring
+            # them back (``_discover``).
             keep = {table.key_bytes(b) for b in ids[busy].tolist()}
             refs = [BlockRef(ns, w.tobytes()) for w in words if w.tobytes() not in keep]
             self._note_deleted(refs)
+            self._removing.update((ref.ns, ref.key) for ref in refs)
         # Held against their owners' quotas until a persistent tier has freed their slots,
         # as evicted copies are (``SpaceManager.evict``).
         holds = [
@@ -1593,15 +1601,20 @@ class BlockStore:
             for level, held in holds
             if level.kind in released
         ]
-        for task in freeing:
-            await asyncio.shield(task)
-        if self._keyed:
-            try:
-                for level in self._keyed:
-                    with contextlib.suppress(Exception):
-                        await level.keys.remove(refs)
-            finally:
-                self._note_deleted(refs)  # to the probes begun since the first note
+        try:
+            for task in freeing:
+                await asyncio.shield(task)
+            for level in self._keyed:
+                with contextlib.suppress(Exception):
+                    await level.keys.remove(refs)
+        finally:
+            removing = self._removing
+            for ref in refs:
+                key = (ref.ns, ref.key)
+                if (left := removing[key] - 1) > 0:
+                    removing[key] = left
+                else:
+                    del removing[key]
         deleted = int(np.count_nonzero(~busy))
         self.space.misses.discard(table.identities(ns, words))  # deleted on purpose: "absent"
         self.counters.inc("deleted_blocks", deleted)

@@ -1361,6 +1361,49 @@ async def test_regression_a_delete_while_a_lookup_probed_l3_left_its_keys_found_
     assert await get(store, pool, chain, [10, 11]) == [True] * 2
 
 
+class RemovingLateKeyTier(MemoryKeyTier):
+    """A key-addressed tier whose removals reach the store only once the test opens the gate:
+    a Delete's UNLINKs still on their way while other requests go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    async def remove(self, blocks):
+        self.waiting.set()
+        await self.gate.wait()
+        await super().remove(blocks)
+
+
+async def test_regression_a_lookup_probing_l3_while_a_delete_removed_there_kept_its_keys(
+    make_store,
+):
+    """A Lookup whose probe began after a Delete had started removing its keys from L3, and
+    was answered before the removal reached the store, found the keys still there and added
+    them to the table, held in L3 (a pinning Lookup pinned them). The Delete noted its keys
+    only to the probes open when it began and when its removal ended: this one was open at
+    neither. After the Delete had answered, lookups found the deleted blocks, a Put of the
+    keys answered EXISTS and stored nothing, and Gets (under the lease too) missed. A probe
+    that begins while a Delete removes a key takes nothing of that key."""
+    clock = Clock()
+    shared = RemovingLateKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    chain = keys(2)
+    for word in chain:
+        shared.values[(0, word.tobytes())] = bytes(4096)
+    deleting = asyncio.create_task(store.delete(0, chain))
+    await shared.waiting.wait()
+    assert len(shared.values) == 2  # the removal has not reached the store yet
+    assert (await store.lookup(0, chain))[0] == 0
+    shared.gate.set()
+    assert await deleting == store_module.DeleteResult(deleted=0, missing=2, busy=0)
+    assert shared.values == {}
+    assert (await store.lookup(0, chain))[0] == 0
+    assert await put(store, pool, chain) == [PutResult.STORED] * 2
+    assert await get(store, pool, chain, [10, 11]) == [True] * 2
+
+
 async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_store):
     """A read that fails verification drops the copy; a block still pinned keeps its row until
     the lease ends, held in no tier: Lookups report it missing, one key or several."""
