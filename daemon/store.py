@@ -45,6 +45,7 @@ import numpy as np
 
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
+from kvtier.daemon.eager import eager_future
 from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvtier.daemon.hintbudget import HintBudget
 from kvtier.daemon.latency import Histograms
@@ -1579,7 +1580,13 @@ class BlockStore:
             keep = {table.key_bytes(b) for b in ids[busy].tolist()}
             refs = [BlockRef(ns, w.tobytes()) for w in words if w.tobytes() not in keep]
             self._note_deleted(refs)
-            self._removing.update((ref.ns, ref.key) for ref in refs)
+        # Handed to those tiers in this step, which decides them: a put of one of the keys
+        # from now on writes its block there after the removal (which then leaves that key
+        # alone: ``RemoteTier.write``), not before it, where the removal would delete the
+        # new block's value and leave its row a copy there that no longer is. A background
+        # task of the store's: a Delete cancelled meanwhile leaves it to finish, and a stop
+        # waits for it.
+        removal = self.space.spawn(eager_future(self._remove_keyed(refs))) if refs else None
         # Held against their owners' quotas until a persistent tier has freed their slots,
         # as evicted copies are (``SpaceManager.evict``).
         holds = [
@@ -1601,24 +1608,35 @@ class BlockStore:
             for level, held in holds
             if level.kind in released
         ]
-        try:
-            for task in freeing:
-                await asyncio.shield(task)
-            for level in self._keyed:
-                with contextlib.suppress(Exception):
-                    await level.keys.remove(refs)
-        finally:
-            removing = self._removing
-            for ref in refs:
-                key = (ref.ns, ref.key)
-                if (left := removing[key] - 1) > 0:
-                    removing[key] = left
-                else:
-                    del removing[key]
+        for task in freeing:
+            await asyncio.shield(task)
+        if removal is not None:
+            await asyncio.shield(removal)
         deleted = int(np.count_nonzero(~busy))
         self.space.misses.discard(table.identities(ns, words))  # deleted on purpose: "absent"
         self.counters.inc("deleted_blocks", deleted)
         return DeleteResult(deleted=deleted, missing=missing, busy=int(np.count_nonzero(busy)))
+
+    async def _remove_keyed(self, refs: list[BlockRef]) -> None:
+        """Remove ``refs`` from every key-addressed tier (each takes its removal before this
+        first waits). Until every tier is done, a probe that begins starts with them as
+        deleted (``_removing``): it may read a value before its removal reaches the store, and
+        be answered before the removal ends."""
+        keys = [(ref.ns, ref.key) for ref in refs]
+        removing = self._removing
+        removing.update(keys)
+        try:
+            # A tier's fault is its own: it keeps a removal it could not send, to send again.
+            await asyncio.gather(
+                *(eager_future(level.keys.remove(refs)) for level in self._keyed),
+                return_exceptions=True,
+            )
+        finally:
+            for key in keys:
+                if (left := removing[key] - 1) > 0:
+                    removing[key] = left
+                else:
+                    del removing[key]
 
     def _note_deleted(self, refs: list[BlockRef]) -> None:
         """Tell every probe awaiting its answer now that a Delete removes ``refs``."""

@@ -1404,6 +1404,43 @@ async def test_regression_a_lookup_probing_l3_while_a_delete_removed_there_kept_
     assert await get(store, pool, chain, [10, 11]) == [True] * 2
 
 
+async def test_regression_a_put_while_a_delete_freed_l2_slots_lost_its_l3_copy_to_it(
+    make_store,
+):
+    """A Delete removed its keys from L3 only once the slots of their L2 copies were free (a
+    thread's work): a Put of a key meanwhile stored it again and wrote it to L3 before the
+    removal was sent, which then deleted the new block's value there. Its row kept the L3
+    copy: held only there once L1 and L2 dropped theirs, a Lookup found it and the Get
+    missed. The removals are handed to the key-addressed tiers when the Delete decides them:
+    a write of the key after that is the block stored again (``RemoteTier.write``)."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store = make_store(clock, l2_segments=4, l3=shared, sets=("tiers.l3.admission=always",))
+    pool = make_pool()
+    word = keys(1)
+    key = (0, word[0].tobytes())
+    await put(store, pool, word)
+    bid = store.table.lookup(0, word)
+    await store.space.place(bid, store.stack.levels[1], Priority.DEMAND)
+    await store.space.drain()
+    assert where(store, word) == ["L1"] and key in shared.values
+    assert (store.table.slot[bid, 1:] >= 0).all()  # a copy in L2 and one in L3 too
+    async with _transfer_threads_busy(store):
+        deleting = asyncio.ensure_future(store.delete(0, word))
+        await asyncio.sleep(0)  # it waits for a thread to free the L2 slot
+        assert not present(store, word)[0]
+        assert await put(store, pool, word, pages=[3]) == [PutResult.STORED]
+        for _ in range(1000):  # written to L3 behind the put, on the event loop
+            if key in shared.values:
+                break
+            await asyncio.sleep(0.001)
+        assert key in shared.values
+    assert await deleting == store_module.DeleteResult(deleted=1, missing=0, busy=0)
+    bid = store.table.lookup(0, word)
+    assert store.table.slot[bid[0], 2] >= 0  # the new block's L3 copy, as its row says
+    assert shared.values.get(key) == page_bytes(pool, 3)
+
+
 async def test_a_pinned_block_whose_last_copy_failed_is_a_miss_to_lookup(make_store):
     """A read that fails verification drops the copy; a block still pinned keeps its row until
     the lease ends, held in no tier: Lookups report it missing, one key or several."""
