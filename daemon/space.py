@@ -45,6 +45,7 @@ Thread-safety: event loop only (see ``daemon/store.py``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -420,7 +421,8 @@ class SpaceManager:
                 self.transfers.regroup(group_refs, dst.kind)
                 jobs.append(
                     self._waking(
-                        self._copy_group(
+                        functools.partial(
+                            self._copy_group,
                             bids,
                             part,
                             src,
@@ -447,9 +449,14 @@ class SpaceManager:
                 raise r
         return done
 
-    async def _waking(self, job: Awaitable[None], refs: list[int], dst: Level) -> None:
+    async def _waking(
+        self, job: Callable[[], Awaitable[None]], refs: list[int], dst: Level
+    ) -> None:
+        # The copy is made here, not by the caller: a group cancelled before its task starts
+        # (its Get cancelled at the gather) would leave a coroutine never awaited. Its refs'
+        # waiters are then woken by the claim's settle.
         try:
-            await job
+            await job()
         finally:
             self.transfers.wake(refs, dst.kind)
 

@@ -4230,3 +4230,37 @@ async def test_a_lookup_waits_for_recovery_only_so_long(make_store, monkeypatch,
     await again.recovered.wait()
     assert (await again.lookup(0, chain))[0] == 2
     await again.stop(flush=False)
+
+
+async def test_a_copy_cancelled_before_its_groups_start_leaves_no_coroutine_unawaited(make_store):
+    """A Get whose promotion is cancelled while its copy groups are scheduled but not yet
+    started (the client went away, the daemon stopping) drops each group's copy without
+    running it. The copy's coroutine was made before its group's task started, so Python
+    warned "coroutine ... was never awaited" at each such cancel (rev52c)."""
+    import gc
+    import warnings
+
+    clock = Clock()
+    store = make_store(clock, l2_segments=8)
+    pool = make_pool()
+    a = keys(16)
+    await put(store, pool, a)
+    clock.now += 1
+    await put(store, pool, keys(16), pages=range(16, 32))
+    cold = [int(i) for i in np.flatnonzero(np.array(where(store, a)) == "L2")]
+    assert len(cold) >= 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Cancel after each number of loop turns in turn: one of them falls between the
+        # groups' scheduling and their start, wherever the Get's earlier awaits are.
+        for turns, i in enumerate(cold[:8]):
+            task = asyncio.ensure_future(get(store, pool, a[i : i + 1], [40 + turns]))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await store.space.drain()
+        gc.collect()
+    unawaited = [str(w.message) for w in caught if "never awaited" in str(w.message)]
+    assert unawaited == []
