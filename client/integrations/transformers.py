@@ -27,6 +27,10 @@ Invariants:
   and the prompt is computed as if nothing were stored. Errors of the model or of this
   module's arguments propagate, and so does a failure to register the pool when an instance
   is built (a wrong address fails fast; a daemon lost later is only a miss).
+- A failure costs one timeout, not one per call: after it, loads and stores skip kvtier
+  (counted as ``skipped_loads`` and ``skipped_stores``) for ``retry_after_s``, or, for a
+  daemon that did not answer, until a health check off the caller's thread, every
+  ``retry_after_s``, finds it serving again (``Breaker``).
 - Staging pages hold one transfer's blocks at a time. A transfer that ended without an answer
   (a timeout, a lost connection) may still be copied by the daemon later, so its memory takes
   no other block: it is unregistered without waiting and replaced by fresh memory, which the
@@ -61,6 +65,7 @@ import torch
 
 from kvtier.client.errors import KvtierError, unclean
 from kvtier.client.flows import PoolBinding
+from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.keys import Namespace, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool
@@ -236,6 +241,7 @@ class KVTierPrefixCache:
     ``staging_tokens`` sizes the staging pool (rounded up to whole blocks); longer prompts
     move through it in chunks. ``model_id``, ``revision`` and ``tenant`` go into the namespace
     (see ``namespace_for``). ``lease_ms`` is the pin lease of each load (0: daemon default).
+    ``retry_after_s``: how long kvtier is skipped after a failure (see the module docstring).
 
     Thread-safety: not thread-safe (see the module docstring).
     """
@@ -251,9 +257,12 @@ class KVTierPrefixCache:
         revision: str = "",
         tenant: str = "default",
         lease_ms: int = 0,
+        retry_after_s: float = 5.0,
     ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
+        if not retry_after_s > 0:
+            raise ValueError("retry_after_s must be positive")
         if staging_tokens < block_tokens:
             raise ValueError("staging_tokens must hold at least one block")
         self.model = model
@@ -286,6 +295,7 @@ class KVTierPrefixCache:
         self._staging: torch.Tensor | None = self._staging_view(self._shm)
         self._counters: Counter[str] = Counter()
         self._seconds: dict[str, float] = defaultdict(float)
+        self.breaker = Breaker(retry_after_s, "prefix cache", probe=daemon_answers(client))
         log.info(
             "kvtier prefix cache for %s: %d layers x %d kv heads x %d dims (%s), "
             "%d-token blocks of %d bytes, staging pool of %d pages (%d MiB)",
@@ -306,6 +316,7 @@ class KVTierPrefixCache:
         """Unregister and free the staging pool. The cache objects handed out stay valid."""
         if self._shm is None:
             return
+        self.breaker.close()
         self._staging = None
         with contextlib.suppress(KvtierError):
             self.pool.unregister()
@@ -400,6 +411,9 @@ class KVTierPrefixCache:
         first = min(start_token // bt, nblocks)
         if first == nblocks:
             return first * bt
+        if not self.breaker.ok():
+            self._counters["skipped_stores"] += 1
+            return first * bt
         keys = block_keys(self.namespace, ids[: nblocks * bt])
         t0 = time.perf_counter()
         held = first
@@ -417,6 +431,7 @@ class KVTierPrefixCache:
             self._counters["store_errors"] += 1
             log.warning("kvtier store failed; continuing without it: %s", e)
             self._after_error(e)
+            self.breaker.trip(e)
         self._counters["stored_blocks"] += held - first
         self._seconds["store"] += time.perf_counter() - t0
         return held * bt
@@ -458,12 +473,16 @@ class KVTierPrefixCache:
         g, bt = self.geometry, self.block_tokens
         if not keys:
             return self._new_cache(None), 0
+        if not self.breaker.ok():
+            self._counters["skipped_loads"] += 1
+            return self._new_cache(None), 0
         try:
             # An unpinned lookup sizes the destination; the loads below pin what they read.
             found = self.client.lookup(keys)
         except KvtierError as e:
             self._counters["load_errors"] += 1
             log.warning("kvtier lookup failed; computing the whole prompt: %s", e)
+            self.breaker.trip(e)
             return self._new_cache(None), 0
         n = found.prefix_len
         if n == 0:
@@ -488,6 +507,7 @@ class KVTierPrefixCache:
             self._counters["load_errors"] += 1
             log.warning("kvtier load failed after %d blocks; computing the rest: %s", loaded, e)
             self._after_error(e)
+            self.breaker.trip(e)
         self._counters["loaded_blocks"] += loaded
         if loaded == 0:
             return self._new_cache(None), 0

@@ -10,9 +10,11 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -259,11 +261,15 @@ def test_a_store_answered_after_its_timeout_never_stores_another_prompts_kv(daem
     the first prompt's keys, and a later prefill of the first prompt loaded it: silently wrong
     KV. A transfer that ended without an answer now moves the integration to fresh memory."""
     first, second = _prompt(100, seed=4), _prompt(100, seed=5)
-    with daemon.client() as client, KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
+    with (
+        daemon.client() as client,
+        KVTierPrefixCache(model, client, block_tokens=BLOCK, retry_after_s=0.05) as kv,
+    ):
         stub = _FirstPutAnsweredLate(client._stub)
         client._stub = stub
         kv.prefill(first)
         assert kv.stats()["store_errors"] == 1 and stub.late is not None
+        _wait_until_kvtier_is_used_again(kv)
         kv.prefill(second)
         assert kv.stats()["stored_blocks"] == 6
         with contextlib.suppress(grpc.RpcError):
@@ -284,8 +290,48 @@ def test_unreachable_daemon_degrades_to_recompute(own_daemon, model):
     ):
         daemon.kill()
         _assert_matches_reference(kv, prompt, reused=0)
-        kv.prefill(prompt)  # the store fails too, and is only counted
-        assert kv.stats()["load_errors"] >= 1 and kv.stats()["store_errors"] == 1
+        kv.prefill(prompt)
+        # The failed Lookup paused kvtier: nothing more was asked of the daemon.
+        stats = kv.stats()
+        assert stats["load_errors"] == 1 and stats.get("store_errors", 0) == 0
+        assert stats["skipped_loads"] == 2 and stats["skipped_stores"] == 1
+
+
+def test_regression_a_hung_daemon_cost_every_call_its_timeouts(own_daemon, model):
+    """A daemon that does not answer (stopped, overloaded) cost every prefill a Lookup's
+    timeout and every store a Put's: three client timeouts per ``generate``, call after call.
+    One failure now pauses kvtier until a health check finds the daemon serving again; the
+    tokens are the reference's throughout."""
+    daemon = own_daemon
+    prompt = _prompt(100)
+    tokens, _ = _reference(model, prompt)
+    with (
+        daemon.client(timeout_s=1.0) as client,
+        KVTierPrefixCache(model, client, block_tokens=BLOCK, retry_after_s=0.2) as kv,
+    ):
+        kv.prefill(prompt)
+        assert daemon.proc is not None
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(2):
+                generation = kv.generate(prompt, NEW_TOKENS)
+                assert generation.tokens == tokens and generation.reused_tokens == 0
+            stats = kv.stats()
+            # The first Lookup waited out its timeout; nothing else was sent.
+            assert stats["load_errors"] == 1 and stats.get("store_errors", 0) == 0
+            assert stats["skipped_loads"] == 1 and stats["skipped_stores"] == 4
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        _wait_until_kvtier_is_used_again(kv)
+        assert kv.prefill(prompt).reused_tokens == 96
+
+
+def _wait_until_kvtier_is_used_again(kv: KVTierPrefixCache) -> None:
+    """Until the health check that a failure started finds the daemon serving."""
+    deadline = time.monotonic() + 30.0
+    while not kv.breaker.ok():
+        assert time.monotonic() < deadline, "kvtier still paused after 30 s"
+        time.sleep(0.02)
 
 
 # ---------------------------------------------------------------- (d) namespaces
