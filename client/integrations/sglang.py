@@ -25,7 +25,8 @@ Invariants:
   cannot work stops SGLang at start, with a ``ValueError`` naming the problem.
 - A stored block is one SGLang flat data page under a key bound to the namespace
   (``sglang_config``), so a page loaded is byte for byte the page some engine of the same
-  model, dtype, layout, page size and rank stored.
+  model, dtype (and KV cache format, where the pool's dtype hides it: FP8 held as uint8),
+  layout, page size and rank stored.
 - Zero copy: when SGLang's host pool lives in shared memory (``"allocator": "shm"``, a
   memfd), that memory is registered with the daemon and the v1 calls name its pages: the
   daemon copies straight between the host pool and its tiers. Otherwise, and for the legacy
@@ -93,6 +94,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.client.errors import KvtierError, unclean
 from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.integrations.sglang_config import (
+    BYTE_DTYPES,
     PageFormat,
     StorageOptions,
     describe_host_pool,
@@ -144,6 +146,29 @@ class _HostPoolReplaced(_NoPool):
     """SGLang's host pool was replaced (``register_mem_pool_host`` called again) while a
     zero-copy transfer named it: the daemon answered for a pool that this backend had
     unregistered meanwhile."""
+
+
+def _kv_cache_dtype(page: PageFormat, options: StorageOptions) -> str:
+    """SGLang's ``--kv-cache-dtype`` as this engine runs it, for a host pool whose dtype
+    does not tell the cache's format (``BYTE_DTYPES``: either FP8 format is held as uint8,
+    and an engine that loaded the other's pages would decode every value wrongly); empty
+    for other pools. Raises ValueError when SGLang's setting cannot be read, unless the
+    extra config's ``namespace.extra`` is set (the operator binds the format there)."""
+    if page.dtype not in BYTE_DTYPES:
+        return ""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        return str(get_model().kv_cache_dtype)
+    except (ImportError, ValueError, AttributeError) as e:
+        if options.namespace.extra:
+            return ""
+        raise ValueError(
+            f"kvtier HiCache storage: SGLang holds this KV cache as {page.dtype}, whichever "
+            f"format --kv-cache-dtype chose, and kvtier cannot read that setting ({e}); set "
+            '"namespace": {"extra": "<the --kv-cache-dtype>"} in the extra config, so that '
+            "engines whose caches differ in format never share blocks"
+        ) from e
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -224,7 +249,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 f"kvtier HiCache storage: {page.pool_class} with layout {page.layout} has no "
                 f"flat data pages ({e}); use layer_first, page_first or page_first_direct"
             ) from e
-        namespace = namespace_for(self.storage_config, page, self.options)
+        namespace = namespace_for(
+            self.storage_config, page, self.options, _kv_cache_dtype(page, self.options)
+        )
         direct, why = self._direct_memory(mem_pool_host, page)
         with self._lock:
             self._release_pools("a new host pool replaced the one it staged")

@@ -13,9 +13,11 @@ Invariants:
   writes. Whether the daemon copies them straight out of the host pool (``segments``) or
   through a staging pool, the block is the same, so both paths share blocks.
 - The namespace binds the model (name, revision, a fingerprint of a local checkpoint's
-  weight files), the KV dtype, SGLang's host-pool class and layout (which fix the page's
-  byte order), the pool geometry, the page size, the tensor- and pipeline-parallel rank
-  (MLA caches are identical on every TP rank: rank 0 of 1) and the tenant.
+  weight files), the KV dtype (and SGLang's ``--kv-cache-dtype`` where the host pool holds
+  the cache as bytes, as it holds either FP8 format), SGLang's host-pool class and layout
+  (which fix the page's byte order), the pool geometry, the page size, the tensor- and
+  pipeline-parallel rank (MLA caches are identical on every TP rank: rank 0 of 1) and the
+  tenant.
 - A block's key is ``H(tag || namespace seed || str(page hash))`` over SGLang's own page
   hash, which already chains over every token before the page (and SGLang's extra key and
   cache salt), so equal keys mean an equal prefix under an equal namespace.
@@ -61,6 +63,10 @@ SGLANG_KEYS = frozenset(
     }
 )
 """Keys of the extra config that SGLang reads for itself; the backend ignores them."""
+
+BYTE_DTYPES = frozenset({"uint8"})
+"""Host-pool dtypes that hide the KV cache's format: SGLang holds an FP8 cache (e4m3 or e5m2)
+as uint8, so two engines whose caches differ only in that format have pools alike."""
 
 # Host-pool classes whose flat page this module can locate inside the pool's buffer.
 MHA_HOST_POOL = "MHATokenToKVPoolHost"
@@ -322,9 +328,12 @@ def model_weights(model_name: str, format_tag: str, enabled: bool) -> str:
     return weights_dir_fingerprint(path, WEIGHTS_TAG)
 
 
-def namespace_for(storage_config: Any, page: PageFormat, options: StorageOptions) -> Namespace:
+def namespace_for(
+    storage_config: Any, page: PageFormat, options: StorageOptions, kv_cache_dtype: str = ""
+) -> Namespace:
     """The namespace of one SGLang rank's host pool (``storage_config`` is SGLang's
-    ``HiCacheStorageConfig``)."""
+    ``HiCacheStorageConfig``). ``kv_cache_dtype``: SGLang's ``--kv-cache-dtype``, for a pool
+    whose dtype does not tell the cache's format (``BYTE_DTYPES``); empty otherwise."""
     model_name = str(storage_config.model_name or "")
     model = options.namespace.model or model_name
     if not model:
@@ -343,6 +352,8 @@ def namespace_for(storage_config: Any, page: PageFormat, options: StorageOptions
     ]
     if page.format_tag:
         extra.append(f"format={page.format_tag}")
+    if kv_cache_dtype:
+        extra.append(f"kv_cache_dtype={kv_cache_dtype}")
     if replicated:
         extra.append("tp=replicated")
     if int(storage_config.attn_cp_size) > 1:

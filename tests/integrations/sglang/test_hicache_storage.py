@@ -266,6 +266,67 @@ def test_another_process_reads_what_one_stored(
         backend.close()
 
 
+def _sglang_running(model_dir: Path, kv_cache_dtype: str) -> Any:
+    """SGLang's runtime context as its scheduler process publishes it (where the cache
+    controller builds the backend), for a model run with this ``--kv-cache-dtype``."""
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=str(model_dir),
+        kv_cache_dtype=kv_cache_dtype,
+        device="cpu",
+        skip_tokenizer_init=True,
+    )
+    return use_context(create_context(args, role="scheduler"))
+
+
+def test_regression_fp8_caches_of_either_format_shared_blocks(
+    shared_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """SGLang holds an FP8 KV cache as uint8 whichever format it is, so the host pool's
+    dtype (the namespace's kv_dtype) was uint8 for e4m3 and e5m2 alike: an engine run with
+    --kv-cache-dtype fp8_e4m3 found, and loaded, the pages one with fp8_e5m2 stored (a
+    restart with the other format, say), every value decoded wrongly. The format is bound
+    from SGLang's setting now; where it cannot be read, the engine stops at start unless
+    namespace.extra binds it."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+    }
+    (model_dir / "config.json").write_text(json.dumps(config))
+    seq = tokens(3, seed=53)
+    engines = {}
+    for fmt, dtype in (("fp8_e5m2", torch.float8_e5m2), ("fp8_e4m3", torch.float8_e4m3fn)):
+        host = mha_host_pool("page_first", dtype=dtype)
+        with _sglang_running(model_dir, fmt):
+            backend = attach(host, storage_config(shared_daemon.address, model="fp8-model"))
+        engines[fmt] = ControllerCalls(backend, host)
+    e5m2, e4m3 = engines["fp8_e5m2"], engines["fp8_e4m3"]
+    try:
+        src = e5m2.storage_host_pool.alloc(3 * PAGE)
+        fill(e5m2.storage_host_pool, src, seed=53)
+        assert e5m2.backup(seq, src) == 3 * PAGE
+        assert e5m2.hit_query(seq)[1] == 3 * PAGE
+        assert e4m3.hit_query(seq)[1] == 0
+    finally:
+        e5m2.storage_backend.close()
+        e4m3.storage_backend.close()
+    fp8_host = mha_host_pool("page_first", dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        attach(fp8_host, storage_config(shared_daemon.address))
+    bound = {"extra": "fp8_e5m2"}
+    attach(fp8_host, storage_config(shared_daemon.address, namespace=bound)).close()
+
+
 @pytest.mark.parametrize(
     "change",
     [
