@@ -32,6 +32,19 @@ import numpy as np
 
 from kvtier.sim.trace import DEFAULT_BLOCK_TOKENS
 
+MAX_MEAN_TOKENS = 1 << 24
+"""Bound of a mean message, answer or one-off request, and of a shared prompt, in tokens
+(16.7M, past any model's context): a request's blocks are drawn around the mean and built as
+one list, and a larger mean overflowed (infinity, or past a list's size) or exhausted memory."""
+
+MAX_PROMPTS_BLOCKS = 1 << 24
+"""Bound of the blocks of every shared prompt together (prompts x prompt_blocks, at most):
+they are built before the first request."""
+
+MAX_ARRIVALS = 1 << 20
+"""Bound of the expected conversations and one-off requests of a trace (at the peak rate):
+the generator holds every request until the trace is written, so more did not finish."""
+
 
 @dataclass(frozen=True, slots=True)
 class SyntheticTraceConfig:
@@ -57,8 +70,12 @@ class SyntheticTraceConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not math.isfinite(value) or value < 0:
+            if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {value}")
+            # Every count below, past this, fails a bound of its product anyway; checked
+            # first because one past a float's range cannot meet a float (OverflowError).
+            if isinstance(value, int) and value > MAX_MEAN_TOKENS:
+                raise ValueError(f"{f.name} must be at most {MAX_MEAN_TOKENS}, got {value}")
         for name in ("prompt_share", "continue_first", "continue_later", "continue_ramp"):
             if getattr(self, name) > 1:
                 raise ValueError(f"{name} is a probability or fraction, got {getattr(self, name)}")
@@ -66,6 +83,25 @@ class SyntheticTraceConfig:
             raise ValueError(f"rate_swing must be below 1, got {self.rate_swing}")
         if self.prompts < 1 or self.prompt_blocks < 1 or self.block_tokens < 1:
             raise ValueError("prompts, prompt_blocks and block_tokens must be at least 1")
+        sizes = {
+            f"{name} x block_tokens": getattr(self, name) * self.block_tokens
+            for name in ("first_turn_blocks", "later_turn_blocks", "oneoff_blocks", "prompt_blocks")
+        }
+        sizes["answer_tokens"] = self.answer_tokens
+        for name, tokens in sizes.items():
+            if tokens > MAX_MEAN_TOKENS:
+                raise ValueError(f"{name} is {tokens:.4g} tokens; at most {MAX_MEAN_TOKENS}")
+        if self.prompts * self.prompt_blocks > MAX_PROMPTS_BLOCKS:
+            raise ValueError(
+                f"prompts x prompt_blocks is {self.prompts * self.prompt_blocks} blocks; "
+                f"at most {MAX_PROMPTS_BLOCKS}"
+            )
+        arrivals = self.duration_s * (self.session_rate + self.oneoff_rate) * (1 + self.rate_swing)
+        if arrivals > MAX_ARRIVALS:
+            raise ValueError(
+                f"duration_s x (session_rate + oneoff_rate) x (1 + rate_swing) is "
+                f"{arrivals:.4g} conversations and requests; at most {MAX_ARRIVALS}"
+            )
 
 
 PARAMETER_DOCS: dict[str, str] = {

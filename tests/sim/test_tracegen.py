@@ -122,6 +122,31 @@ def test_bad_parameters_are_refused(overrides: dict[str, object], message: str) 
         tracegen.scenario("nope")
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        # Each raised OverflowError out of the generator: a mean past a float's range
+        # (infinity), one past a list's size, a count past a float's range.
+        (["--first-turn-blocks", "1e308"], "first_turn_blocks x block_tokens is inf tokens"),
+        (["--oneoff-blocks", "1e20"], "oneoff_blocks x block_tokens is 5.12e+22 tokens"),
+        (["--prompts", "1" + "0" * 400], "prompts must be at most 16777216"),
+        # Never finished: arrivals were drawn (and held) without end.
+        (
+            ["--duration-s", "1e308"],
+            "duration_s x (session_rate + oneoff_rate) x (1 + rate_swing) is inf",
+        ),
+    ],
+    ids=["infinite-mean", "mean-past-a-list", "huge-count", "endless"],
+)
+def test_regression_a_trace_too_large_to_build_ended_in_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    assert main(["trace", "gen", *args, "-o", str(tmp_path / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+    assert not (tmp_path / "t.jsonl").exists()
+
+
 def test_the_shipped_trace_is_what_its_command_makes(tmp_path: Path) -> None:
     out = tmp_path / "chat.jsonl"
     assert main([*SHIPPED_ARGS, "-o", str(out)]) == 0
