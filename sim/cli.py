@@ -21,6 +21,7 @@ from kvtier.sim import tracegen
 from kvtier.sim.cluster import (
     DAEMON_L3_ADMISSION,
     DAEMON_L3_TTL_S,
+    MAX_NODES,
     ROUTE_DOCS,
     ROUTES,
     ClusterConfig,
@@ -125,7 +126,12 @@ def add_replay_parser(subparsers: Any) -> None:
         "N nodes, each with the tiers above (--l1-blocks, --l2-blocks are per node), "
         "requests spread over them by a routing rule, and one shared L3",
     )
-    c.add_argument("--nodes", type=_count(1), default=1, help="number of nodes (1)")
+    c.add_argument(
+        "--nodes",
+        type=_count(1, MAX_NODES),
+        default=1,
+        help=f"number of nodes (1; at most {MAX_NODES})",
+    )
     c.add_argument(
         "--route",
         choices=ROUTES,
@@ -378,7 +384,7 @@ def _run_trace_gen(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(minimum: int) -> Callable[[str], int]:
+def _count(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -386,6 +392,8 @@ def _count(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
 
     return parse

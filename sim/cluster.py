@@ -77,6 +77,12 @@ ROUTE_DOCS = {
 }
 
 
+MAX_NODES = 4096
+"""Most nodes a replay models: it builds every node's tiers and scans the routing once per
+node, so a count far past any cluster's (--nodes 1000000000) ran without end, and one past
+a C long ended in an OverflowError."""
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """How many nodes replay the trace, how requests reach them, and the L3 they share.
@@ -93,8 +99,8 @@ class ClusterConfig:
     l3_admission: str = DAEMON_L3_ADMISSION
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ValueError("nodes must be at least 1")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"nodes must be 1 to {MAX_NODES}, got {self.nodes}")
         if self.route not in _ROUTES:
             raise ValueError(f"unknown route {self.route!r}; one of {', '.join(ROUTES)}")
         if self.route_seed < 0:

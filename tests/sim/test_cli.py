@@ -343,6 +343,10 @@ def test_regression_an_l2_admission_without_an_l2_was_ignored_unread(
         ["--sweep", "--policies", "lru,nope"],
         ["--sweep", "--percents", "0"],
         ["--l1-blocks", "2", "--nodes", "0"],
+        # Far past any cluster: it ran without end (building and routing every node), and
+        # past a C long it ended in an OverflowError traceback.
+        ["--l1-blocks", "2", "--nodes", "1000000000"],
+        ["--l1-blocks", "2", "--nodes", "1" + "0" * 30],
         ["--l1-blocks", "2", "--route", "nearest"],
         ["--l1-blocks", "2", "--route-seed", "-1"],
         ["--l1-blocks", "2", "--l3-blocks", "-1"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.sim.cluster import ROUTES, ClusterConfig, SharedStore, route_requests
+from kvtier.sim.cluster import MAX_NODES, ROUTES, ClusterConfig, SharedStore, route_requests
 from kvtier.sim.engine import ReplayResult, StackConfig, replay, sweep_capacities
 from kvtier.sim.trace import Trace, load_trace, trace_from_requests
 
@@ -321,6 +321,7 @@ def test_an_l3_holding_everything_makes_any_cluster_one_unbounded_cache(route: s
     "kwargs",
     [
         {"nodes": 0},
+        {"nodes": MAX_NODES + 1},
         {"route": "nope"},
         {"route_seed": -1},
         {"l3_blocks": -1},
