@@ -111,7 +111,8 @@ class StorageOptions:
     staging_bytes: int = 256 << 20
     """Shared-memory staging pool (legacy calls, and host pools not in shared memory)."""
     save_durable: bool = False
-    """A store answers only once its pages are on the daemon's disk tier."""
+    """A store answers only once the daemon's disk tier has written its pages; a page it
+    could not write still counts as stored (the daemon holds it above the disk)."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageOptions:

@@ -110,7 +110,8 @@ class ConnectorConfig:
     load_tiers: tuple[str, ...] = ("l0", "l1", "l2", "l3")
     """Tiers a load may come from; a block found only in another tier ends the hit."""
     save_durable: bool = False
-    """Ask the daemon to answer saves only once they are on its disk tier."""
+    """Ask the daemon to answer saves only once its disk tier has written them; a block it
+    could not write still counts as saved (the daemon holds it above the disk)."""
     layer_groups: int = 8
     """A load is split into this many layer ranges (at most one per layer)."""
     min_load_blocks: int = 1
