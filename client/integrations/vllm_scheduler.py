@@ -33,7 +33,8 @@ Invariants:
   the session, in the daemon. A Release is sent from a thread of this side's own, so that
   vLLM returns the step's outputs without waiting for the daemon's answer; the next step's
   ``build_connector_meta`` (and ``shutdown``) waits for it, so a lease a step's output
-  reported done is released before the next step is planned.
+  reported done is released before the next step is planned. A Release the daemon leaves
+  unanswered trips the breaker: the Releases queued behind it are not sent.
 - A kvtier failure costs at most one timeout per ``retry_after_s`` (``Breaker``), and a
   daemon that does not answer one timeout until a health check, off vLLM's thread, finds it
   serving again: meanwhile requests are scheduled as if nothing were cached and nothing is
@@ -57,13 +58,14 @@ Invariants:
   blocks in place and never asks again for it), so it changes no later answer.
 
 Thread-safety: none; vLLM calls the scheduler connector from one thread. The releasing
-thread touches only the client (which threads may share).
+thread touches only the client (which threads may share) and the breaker's ``ok`` and
+``trip`` (a trip racing one on vLLM's thread pauses kvtier either way; which of the two
+pauses' ends is kept does not matter, and probing starts under the breaker's lock).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,7 +73,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.client.errors import KvtierError, ResourceExhaustedError
-from kvtier.client.integrations.breaker import Breaker, daemon_answers
+from kvtier.client.integrations.breaker import UNANSWERED, Breaker, daemon_answers
 from kvtier.client.integrations.fingerprint import AdapterDigests
 from kvtier.client.integrations.vllm_config import (
     LORA_TAG,
@@ -452,9 +454,17 @@ class SchedulerSide:
         self._releasing.append(self._releaser.submit(self._send_release, lease))
 
     def _send_release(self, lease: int) -> None:
-        # Already expired or the daemon restarted: nothing is pinned either way.
-        with contextlib.suppress(KvtierError):
+        """On the releasing thread. A Release the daemon left unanswered trips the breaker,
+        so the step's other Releases are not sent: each would cost a timeout, one after
+        another, and the next ``build_connector_meta`` waits for them all."""
+        if not self.breaker.ok():
+            return  # the daemon expires the lease (see ``_release``)
+        try:
             self.client.release(lease)
+        except UNANSWERED as e:
+            self.breaker.trip(e)
+        except KvtierError:
+            pass  # already expired, or the daemon restarted: nothing is pinned either way
 
     def _wait_for_releases(self) -> None:
         """Wait for the Releases sent so far (each bounded by the client's timeout; usually
