@@ -307,7 +307,11 @@ class Client:
             request_serializer=None,  # health() encodes its request before sending it
             response_deserializer=hc.decode_response,
         )
+        # The session's id and call; never held across a call: gRPC's callback thread,
+        # which delivers every answer of the channel, takes it (live_ids, forget_session).
         self._lock = threading.Lock()
+        # One session opened at a time (see session_id); held across the OpenSession call.
+        self._open_lock = threading.Lock()
         # One registration at a time (see _pool_id); held across the RegisterPool call, so
         # never taken with _lock held, nor on gRPC's callback threads.
         self._register_lock = threading.Lock()
@@ -356,16 +360,47 @@ class Client:
 
     @property
     def session_id(self) -> str:
-        """The open session, opened on first use."""
+        """The open session, opened on first use. A session is opened under a lock of its
+        own, not ``_lock``: opening it under ``_lock`` while a job's answer needed that lock
+        on gRPC's callback thread, which was to deliver the session's first answer, hung
+        both threads for good (a cancel of the call is delivered by that thread too)."""
         refuse_in_child(self._pid, "Client")
         with self._lock:
-            if self._closed:
-                raise closed_error()
-            if self._session_call is not None and not self._session_call.is_active():
-                self._session_id, self._session_call = "", None
-            if not self._session_id:
-                self._open_session()
-            return self._session_id
+            if session_id := self._live_session():
+                return session_id
+        with self._open_lock:
+            with self._lock:
+                if session_id := self._live_session():
+                    return session_id  # another thread opened it meanwhile
+            try:
+                first, call = self._open_session()
+            except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
+                if self._closed:
+                    raise closed_error() from None
+                raise
+            with self._lock:
+                if self._closed:
+                    call.cancel()
+                    raise closed_error()
+                self._session_id, self._session_call = first.session_id, call
+                self._held["call"] = call
+                self._tenant, self._admin = first.tenant, first.admin
+            threading.Thread(
+                target=_watch_session,
+                args=(weakref.ref(self), call, first.session_id),
+                name="kvtier-session",
+                daemon=True,
+            ).start()
+            return str(first.session_id)
+
+    def _live_session(self) -> str:
+        """The open session's id, or "" when there is none (its stream ended); under
+        ``_lock``."""
+        if self._closed:
+            raise closed_error()
+        if self._session_call is not None and not self._session_call.is_active():
+            self._session_id, self._session_call = "", None
+        return self._session_id
 
     @property
     def tenant(self) -> str:
@@ -379,7 +414,8 @@ class Client:
         _ = self.session_id
         return self._admin
 
-    def _open_session(self) -> None:
+    def _open_session(self) -> tuple[Any, Any]:
+        """(first event, call) of a new session's stream."""
         tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
         request = t.build_request(
             pb.OpenSessionRequest, client_name=self.client_name, token=self._token.current()
@@ -392,16 +428,7 @@ class Client:
         while (opened := self._send_open_session(request, resends)) is None:
             if tickets.due():
                 request.credential_ticket = tickets.fetch(resends.left_s())
-        first, call = opened
-        self._session_id, self._session_call = first.session_id, call
-        self._held["call"] = call
-        self._tenant, self._admin = first.tenant, first.admin
-        threading.Thread(
-            target=_watch_session,
-            args=(weakref.ref(self), call, first.session_id),
-            name="kvtier-session",
-            daemon=True,
-        ).start()
+        return opened
 
     def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:
         """(first event, call) of one OpenSession, or None after a pause when the daemon's

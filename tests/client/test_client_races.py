@@ -209,6 +209,47 @@ def test_a_job_answer_does_not_wait_for_a_registration_under_way(daemon):
         client.close()
 
 
+def test_regression_a_job_answer_waited_for_a_session_being_opened(own_daemon):
+    """A job's answer is handled on gRPC's callback thread, which delivers every answer of
+    the client's channel; its next batch asked for the open session (``live_ids``) under the
+    lock that opening a session held until the daemon's first answer. While one thread
+    opened a session (the daemon had ended the last), an answer to a job of the client made
+    that thread wait for the very thread that was to deliver the session's answer: both
+    waited for good (the session call's cancel at its timeout is delivered by that thread
+    too), and the client with them. Here the daemon is paused while a save of two batches is
+    sent and another thread starts opening a session, then resumed: the session opens."""
+    daemon = own_daemon
+    assert daemon.proc is not None
+    client = daemon.client(timeout_s=5.0, max_batch_blocks=1)
+    started = threading.Event()
+    open_session = client._open_session
+
+    def signalled_open_session() -> Any:
+        started.set()
+        return open_session()
+
+    client._open_session = signalled_open_session  # type: ignore[method-assign]
+    opened: list[str] = []
+    # A daemon thread: before, it waited for good (and the client with it).
+    opening = threading.Thread(target=lambda: opened.append(client.session_id), daemon=True)
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        ended = client.session_id
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            job = client.submit_save(pool, [SaveSegment(keys_for(2, "opening"), [0, 1])])
+            client.forget_session(ended)  # as when the daemon ends it (a reload, a restart)
+            opening.start()
+            assert started.wait(10)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        opening.join(30)
+        assert opened and opened[0] != ended
+        assert job.wait(10).done[0]  # its first batch was stored
+        assert client.lookup(keys_for(2, "opening")).prefix_len >= 1  # the client works on
+    client.close()
+
+
 async def test_async_stores_that_find_their_pool_gone_register_it_again_once(daemon):
     """Regression, the AsyncClient's twin of the two above: two stores whose Puts came back
     NotFound (the daemon had dropped the pool) each registered it again, or the later one
