@@ -109,9 +109,10 @@ class AsyncClient:
         self._session_task: asyncio.Task[None] | None = None
         self._pools: dict[int, PoolBinding] = {}
         self._jobs = JobTable()
-        # unregister_pool_nowait's calls, held here until they end (the loop keeps only a
-        # weak reference to a task).
-        self._unanswered: set[asyncio.Task[None]] = set()
+        # Calls nobody awaits (unregister_pool_nowait's, abandoned loads' Releases and
+        # pinning Lookups), held here until they end (the loop keeps only a weak reference
+        # to a task).
+        self._unanswered: set[asyncio.Task[Any]] = set()
         # UnregisterPools that went unanswered: see Client._unregister_unconfirmed.
         self._unconfirmed: dict[int, str] = {}
         self._pid = os.getpid()
@@ -331,9 +332,7 @@ class AsyncClient:
                 if method in NAMESPACE_METHODS:
                     request.namespace = self.namespace
                 try:
-                    response = await self._invoke(
-                        method, request, binding if method in ("Put", "Get") else None
-                    )
+                    response = await self._flow_call(method, request, binding)
                 except Exception as e:
                     method, request = flow.throw(e)
                 except BaseException as e:  # a cancel of the caller's task: no more awaits
@@ -343,6 +342,34 @@ class AsyncClient:
                     method, request = flow.send(response)
         except StopIteration as done:
             return int(done.value)
+
+    async def _flow_call(self, method: str, request: Any, binding: PoolBinding | None) -> Any:
+        """A flow's call. A pinning Lookup runs on to its answer when the caller's task is
+        cancelled, and its lease is then released: the daemon pins as it answers, and the
+        lease id is only in the answer, so a cancel that came after the daemon had answered
+        left the blocks pinned until the lease expired (``server.lease_default_ms``, or the
+        load's ``lease_ms``)."""
+        call = self._invoke(method, request, binding if method in ("Put", "Get") else None)
+        if method != "Lookup" or not request.pin:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                self._release_pinned(task)
+            else:
+                self._unanswered.add(task)  # close() cancels it: the session frees its pins
+                task.add_done_callback(self._unanswered.discard)
+                task.add_done_callback(self._release_pinned)
+            raise
+
+    def _release_pinned(self, lookup: asyncio.Task[Any]) -> None:
+        """Release the lease of a pinning Lookup whose caller was cancelled meanwhile."""
+        if lookup.cancelled() or lookup.exception() is not None:
+            return
+        if lease_id := lookup.result().lease_id:
+            self._send_release(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
 
     def _abandon(self, flow: Flow, error: BaseException, method: str, request: Any) -> None:
         """See ``Client._abandon``: a load whose task was cancelled (``asyncio.wait_for``)

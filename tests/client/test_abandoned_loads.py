@@ -123,3 +123,40 @@ def test_an_async_load_cancelled_during_its_release_releases_its_pin(daemon):
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answered(daemon):
+    """The daemon pins a Lookup's blocks as it answers, and the lease id is only in the
+    answer: a load whose task was cancelled once the answer had come, before the load took
+    it in, dropped it, and the blocks stayed pinned until the lease expired (600 s here).
+    The Lookup now runs on to its answer, whose lease is released."""
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT, NS)
+                assert await pool.store(TOKENS, [0, 1]) == 8
+                call, answered, go_on = client.call, asyncio.Event(), asyncio.Event()
+
+                async def held(method: str, request: Any, timeout_s: float) -> Any:
+                    response = await call(method, request, timeout_s)
+                    if method == "Lookup":
+                        answered.set()
+                        await go_on.wait()  # the cancel comes here
+                    return response
+
+                client.call = held  # type: ignore[method-assign]
+                load = asyncio.ensure_future(pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS))
+                await answered.wait()
+                load.cancel()
+                await asyncio.sleep(0)
+                go_on.set()
+                with pytest.raises(asyncio.CancelledError):
+                    await load
+                client.call = call  # type: ignore[method-assign]
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                assert (await client.stats()).gauges["blocks_pinned"] == 0
+                assert await pool.load(TOKENS, [2, 3]) == 8
+
+    asyncio.run(main())
