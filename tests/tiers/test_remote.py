@@ -1113,6 +1113,112 @@ async def test_regression_a_removal_deleted_or_hid_the_block_written_while_it_wa
         assert await tier.probe([block]) == [nbytes]
 
 
+class _HoldingProxy:
+    """A TCP relay to a redis-server that can hold back what the next connection opened
+    through it sends (its set-up: CLIENT SETINFO, and what follows) until ``release``: a
+    connection slow to open, while the connections opened before and after it go through."""
+
+    def __init__(self, port: int) -> None:
+        self._port = port
+        self._hold_next = False
+        self._gate = asyncio.Event()
+        self.held = b""  # what the held connection sent before its release
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> _HoldingProxy:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def hold_next(self) -> None:
+        self._hold_next = True
+
+    def release(self) -> None:
+        self._gate.set()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        relay = asyncio.current_task()
+        assert relay is not None
+        self._tasks.add(relay)  # cancelled at the exit, held or not
+        relay.add_done_callback(self._tasks.discard)
+        held, self._hold_next = self._hold_next, False
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._port)
+        self._writers += [writer, up_writer]
+        if held:
+            while not self._gate.is_set():
+                got = asyncio.ensure_future(reader.read(65536))
+                gate = asyncio.ensure_future(self._gate.wait())
+                await asyncio.wait({got, gate}, return_when=asyncio.FIRST_COMPLETED)
+                gate.cancel()
+                if got.done():
+                    self.held += got.result()
+                else:
+                    got.cancel()
+            up_writer.write(self.held)
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.ensure_future(self._pipe(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await src.read(65536):
+                dst.write(chunk)
+                await dst.drain()
+        dst.close()
+
+
+async def test_regression_a_removal_whose_connection_was_opening_deleted_the_block_written_meanwhile(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """A removal fixes the keys it sends once it may use a connection, before redis-py takes
+    one from the pool; one the store had closed (its idle timeout, a restart) is opened again
+    first. A write of the same key made meanwhile went out at once on another connection and
+    stored the block (reported stored); the UNLINK then reached the store and deleted it."""
+    nbytes = 4096
+    block = ref(0)
+    raw = raw_client(fresh_redis)
+    stored = KeyNamer(l3_prefix).key(block.ns, block.key)
+    async with _HoldingProxy(fresh_redis.port) as proxy:
+        opts = options(fresh_redis, l3_prefix, urls=(proxy.url,))
+        async with opened(opts) as tier:
+            assert await tier.write([block], nbytes, host([data(0, nbytes)])) == [True]
+            # The store closes the tier's connections; the removal's, opened again, is slow.
+            raw.client_kill_filter(_type="normal", skipme=True)
+            await wait_for(
+                "the connections to close", lambda: len(raw.client_list()) == 1
+            )  # the raw client
+            proxy.hold_next()
+            removing = asyncio.create_task(tier.remove([block]))
+            await wait_for("the removal's connection to open", lambda: proxy.held != b"")
+            writing = asyncio.create_task(tier.write([block], nbytes, host([data(0, nbytes)])))
+            # Sent at once, it ends well within this; held back until the UNLINK ends, not.
+            # Either way the removal's connection then opens.
+            await asyncio.wait({writing}, timeout=2.0)
+            proxy.release()
+            await removing
+            assert await writing == [True]
+            assert b"UNLINK" not in proxy.held  # held in its set-up, not sent
+            assert raw.exists(stored) == 1
+            assert await tier.probe([block]) == [nbytes]
+
+
 @pytest.mark.parametrize("kind", EVENT_LOOPS)
 def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
     fresh_redis: RedisServer, l3_prefix: str, kind: str

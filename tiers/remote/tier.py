@@ -20,7 +20,10 @@ Invariants:
   store answers: until then ``probe`` and ``read`` answer its keys absent, so
   a Delete made while the store was down does not come back through a later lookup. A write
   of the key ends the removal (the block was stored again), also one still waiting for its
-  connection or its replies: its UNLINK is not sent then, nor remembered if it fails.
+  connection or its replies: its UNLINK is not sent then, nor remembered if it fails. An
+  UNLINK whose keys are fixed already (its connection taken, or being opened, or its
+  replies on their way) may reach the store after a SET sent on another connection, so a
+  write of one of its keys sends its block only once that UNLINK has ended.
   Remembered for at most ``ttl_s`` (the value has expired by then) and at most
   ``_UNREMOVED_MAX`` keys; across restarts where the tier keeps a ``RemovalJournal`` (its
   ``removals_file``, or one the daemon gives it: ``keep_removals_in``): a removal it
@@ -254,6 +257,10 @@ class RemoteTier:
         # write has stored again since it began (``write`` takes its keys out).
         self._removing: dict[int, set[bytes]] = {}
         self._removal_ids = itertools.count()
+        # Per UNLINK pipeline whose keys are fixed, until it ends (by id): those keys, and
+        # what a write of one of them waits for before it sends its block.
+        self._unlinking: dict[int, tuple[frozenset[bytes], asyncio.Future[None]]] = {}
+        self._unlink_ids = itertools.count()
         # Where the remembered removals are kept across restarts, if anywhere; its updates
         # (not cancelled at close: each one's outcome stands) take turns in call order.
         self._journal: RemovalJournal | None = None
@@ -583,11 +590,17 @@ class RemoteTier:
             unremoved += [k for k in keys if k in self._undropped or k in self._dropping]
         for pending in self._removing.values():
             pending.difference_update(keys)  # nor by a removal still on its way
+        # An UNLINK of one of the keys that was fixed before (its connection opened for it
+        # meanwhile, or its replies on their way) may reach the store after this write's SET,
+        # sent on another connection, and delete the block: sent once it has ended.
+        unlinking = [done for named, done in self._unlinking.values() if not named.isdisjoint(keys)]
         recording = self._record([], unremoved)
         if recording is not None:
             # Out of the journal before the block is sent: a restart after the block landed
             # would delete it again.
             await asyncio.shield(recording)
+        if unlinking:
+            await asyncio.wait(unlinking)
         # A block in host memory is sent from where it is; pool pages are gathered first.
         gathered = (
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
@@ -801,14 +814,18 @@ class RemoteTier:
         write stored again since it began) or stay so (a resend). Returns the keys the store
         refused; None if it could not be reached. Only the keys still ``pending``, or still
         remembered, once a connection is free are sent, and only they are remembered: one
-        written meanwhile holds the block stored again, which the UNLINK would delete."""
+        written meanwhile holds the block stored again, which the UNLINK would delete. From
+        then until the UNLINK ends, a write of one of them waits (``_unlinking``)."""
         wanted = self._unremoved if pending is None else pending
+        unlinking = next(self._unlink_ids)
 
         # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
         # splits keys by slot, unlike the plain pipeline's.
         async def unlink(pipe: Any) -> None:
             nonlocal keys
             keys = [k for k in keys if k in wanted]
+            done = asyncio.get_running_loop().create_future()
+            self._unlinking[unlinking] = (frozenset(keys), done)
             for k in keys:
                 pipe.execute_command("UNLINK", k)
 
@@ -826,6 +843,9 @@ class RemoteTier:
                 self._remember([k for k in keys if k in pending])
                 self._resend_removals()
             raise
+        finally:
+            if (sent := self._unlinking.pop(unlinking, None)) is not None:
+                sent[1].set_result(None)
         refused = []
         confirmed = []
         for k, reply in zip(keys, replies, strict=True):
