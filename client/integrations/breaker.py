@@ -15,7 +15,8 @@ A daemon that did not answer (``UnavailableError``, ``DeadlineExceededError``, a
 given a ``probe`` (a health check) stays open until the probe, run on a thread of its own
 every ``retry_after_s``, says the daemon serves. So a daemon that stays down or hung costs
 the engine one timeout in all, not one per pause, and the log says once when kvtier went
-and once when it came back.
+and once when it came back. The probing thread ends when the breaker closes, and when
+nothing holds the breaker any more (an integration dropped without closing it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -121,8 +123,8 @@ class Breaker:
                     self.retry_after_s,
                 )
                 threading.Thread(
-                    target=self._wait_for_daemon,
-                    args=(now,),
+                    target=_wait_for_daemon,
+                    args=(weakref.ref(self), self._stop, now),
                     name=f"kvtier-{self.what}-probe",
                     daemon=True,
                 ).start()
@@ -140,38 +142,58 @@ class Breaker:
                 until - now,
             )
 
-    def _wait_for_daemon(self, since: float) -> None:
-        """The probing thread: ask the daemon every ``retry_after_s`` until it serves, and
-        served with no call failing unanswered after it was asked (such a failure, on another
-        thread, found this thread probing and started none: if this answer ended the probing,
-        the engine's next call would be the one to ask a daemon that may hang again). A
-        failure that happened before the daemon was asked, noticed while it answered (save
-        jobs that timed out during a hang and were reaped together later), is older than the
-        answer: it does not hold kvtier off for another ``retry_after_s``."""
+    def _ask_daemon(self) -> bool:
+        """One probe of the probing thread (see ``_wait_for_daemon``): whether the daemon
+        served, with no call failing unanswered after it was asked (such a failure, on
+        another thread, found this thread probing and started none: if this answer ended the
+        probing, the engine's next call would be the one to ask a daemon that may hang
+        again). A failure that happened before the daemon was asked, noticed while it
+        answered (save jobs that timed out during a hang and were reaped together later), is
+        older than the answer: it does not hold kvtier off for another ``retry_after_s``."""
         assert self._probe is not None
-        while not self._stop.wait(max(0.0, self._closed_until - time.monotonic())):
-            asked = time.monotonic()
-            try:
-                serving = self._probe()
-            except Exception as e:  # KvtierError: still not answering
-                log.debug("kvtier %s: the daemon does not answer yet (%s)", self.what, e)
-                serving = False
-            if serving:
-                with self._lock:
-                    if self._unanswered_at < asked:
-                        self._probing = False
-                        break
-            else:
-                self.probes += 1
-            self._closed_until = time.monotonic() + self.retry_after_s
+        asked = time.monotonic()
+        try:
+            serving = self._probe()
+        except Exception as e:  # KvtierError: still not answering
+            log.debug("kvtier %s: the daemon does not answer yet (%s)", self.what, e)
+            serving = False
+        if serving:
+            with self._lock:
+                if self._unanswered_at < asked:
+                    self._probing = False
+                    return True
         else:
-            return  # closed
-        log.info(
-            "kvtier %s: the daemon answers again after %.1fs; kvtier is used again",
-            self.what,
-            time.monotonic() - since,
-        )
+            self.probes += 1
+        self._closed_until = time.monotonic() + self.retry_after_s
+        return False
 
     def close(self) -> None:
         """Stop probing (the integration shuts down)."""
         self._stop.set()
+
+
+def _wait_for_daemon(breaker: weakref.ref[Breaker], stop: threading.Event, since: float) -> None:
+    """A breaker's probing thread: asks the daemon every ``retry_after_s`` until it serves
+    (``Breaker._ask_daemon``), the breaker closes, or nothing holds the breaker any more. It
+    holds the breaker only while it asks: with a strong reference, an integration dropped
+    without ``close()`` while the daemon was down kept its thread asking, and the client
+    alive, for as long as the process lived (for good once the client was closed)."""
+    while True:
+        owner = breaker()
+        if owner is None:
+            return
+        pause_s = max(0.0, owner._closed_until - time.monotonic())
+        del owner
+        if stop.wait(pause_s):
+            return  # closed
+        owner = breaker()
+        if owner is None:
+            return
+        if owner._ask_daemon():
+            log.info(
+                "kvtier %s: the daemon answers again after %.1fs; kvtier is used again",
+                owner.what,
+                time.monotonic() - since,
+            )
+            return
+        del owner

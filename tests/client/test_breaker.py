@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -172,6 +174,25 @@ def test_a_closed_breaker_stops_probing():
     probes = breaker.probes
     time.sleep(0.1)
     assert breaker.probes <= probes + 1 and not breaker.ok()
+
+
+def test_regression_a_breaker_dropped_unclosed_stopped_probing_only_at_exit():
+    """An integration dropped without ``close()`` (a ``KVTierPrefixCache`` is the caller's
+    to close) while the daemon was down left its breaker's probing thread asking that daemon
+    every ``retry_after_s`` for as long as the process lived, holding the breaker, its probe
+    and so the client: one thread more for each such integration, and for good once the
+    client was closed (its probe fails at once). The thread holds the breaker weakly now."""
+    calls: list[int] = []
+    breaker = Breaker(0.01, "dropped", probe=lambda: bool(calls.append(1)))
+    breaker.trip(UnavailableError("connection refused"))
+    assert _wait_until(lambda: len(calls) >= 2)
+    dropped = weakref.ref(breaker)
+    del breaker
+    gc.collect()
+    assert _wait_until(lambda: dropped() is None)
+    assert _wait_until(
+        lambda: not any(t.name == "kvtier-dropped-probe" for t in threading.enumerate())
+    )
 
 
 def test_a_hung_daemon_keeps_the_breaker_open_until_it_continues(daemon):

@@ -7,14 +7,18 @@ no kvtier involved: tokens must be identical and the first token's logits within
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
+import logging
 import os
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -459,3 +463,33 @@ def test_client_is_usable_after_the_integration(daemon, model):
         with KVTierPrefixCache(model, client, block_tokens=BLOCK) as kv:
             kv.prefill(_prompt(40))
         assert isinstance(client, Client) and client.health()
+
+
+def test_regression_an_integration_dropped_unclosed_kept_probing_a_daemon_that_went(
+    own_daemon, model
+):
+    """An instance dropped without ``close()`` after the daemon went away kept its breaker's
+    health check asking the daemon every ``retry_after_s`` as long as the process lived, on a
+    thread that held the breaker and the client; with the client closed, its probe failed at
+    once, so it never ended. The instance and its probing thread now go together."""
+    daemon = own_daemon
+    with daemon.client(timeout_s=5.0) as client:
+        kv = KVTierPrefixCache(model, client, block_tokens=BLOCK, retry_after_s=0.05)
+        daemon.kill()
+        # Unlogged: pytest keeps a test's log records, and the failure's record would keep
+        # the instance (its traceback holds the frames of the call that failed).
+        logging.disable(logging.WARNING)
+        try:
+            kv.prefill(_prompt(40))
+        finally:
+            logging.disable(logging.NOTSET)
+        assert kv.breaker.probing
+        breaker = weakref.ref(kv.breaker)
+        del kv
+    gc.collect()
+    deadline = time.monotonic() + 30.0
+    while breaker() is not None or any(
+        t.name == "kvtier-prefix cache-probe" for t in threading.enumerate()
+    ):
+        assert time.monotonic() < deadline, "the probing thread outlived its integration"
+        time.sleep(0.02)
