@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -124,10 +125,11 @@ class StorageOptions:
     def _check(self) -> None:
         where = "kvtier HiCache storage: extra config"
         for name in ("lookup_timeout_s", "io_timeout_s", "retry_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{where}[{name!r}] must be positive")
-        if self.late_copy_grace_s < 0:
-            raise ValueError(f"{where}['late_copy_grace_s'] must not be negative")
+            # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait.
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{where}[{name!r}] must be positive and finite")
+        if not 0 <= self.late_copy_grace_s < math.inf:
+            raise ValueError(f"{where}['late_copy_grace_s'] must be finite and not negative")
         if self.staging_bytes < 1:
             raise ValueError(f"{where}['staging_bytes'] must be at least 1")
 

@@ -261,8 +261,8 @@ class KVTierPrefixCache:
     ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be at least 1")
-        if not retry_after_s > 0:
-            raise ValueError("retry_after_s must be positive")
+        if not 0 < retry_after_s < math.inf:
+            raise ValueError("retry_after_s must be positive and finite")
         if staging_tokens < block_tokens:
             raise ValueError("staging_tokens must hold at least one block")
         self.model = model

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -190,8 +191,9 @@ class ConnectorConfig:
             "retry_after_s",
             "shutdown_timeout_s",
         ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"kvtier connector: {name} must be positive")
+            # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait.
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"kvtier connector: {name} must be positive and finite")
 
     @property
     def load_tier_values(self) -> frozenset[int]:

@@ -54,6 +54,10 @@ def test_options_ignore_sglangs_own_keys_and_take_ours() -> None:
         ({"register_host_pool": 1}, "register_host_pool.*true or false"),
         ({"lookup_timeout_s": 0}, "lookup_timeout_s.*positive"),
         ({"late_copy_grace_s": -1}, "late_copy_grace_s.*negative"),
+        # inf passed and failed later in a thread (gRPC's deadline, Event.wait, time.sleep).
+        ({"retry_after_s": float("inf")}, "retry_after_s.*finite"),
+        ({"io_timeout_s": float("inf")}, "io_timeout_s.*finite"),
+        ({"late_copy_grace_s": float("inf")}, "late_copy_grace_s.*finite"),
     ],
 )
 def test_bad_options_name_the_key(extra: dict[str, Any], match: str) -> None:

@@ -1,0 +1,28 @@
+"""Options of the vLLM connector and the transformers integration that are checked before
+anything runs: a time of inf passed their "> 0" checks and failed later, in a thread (a
+probing breaker's Event.wait raised OverflowError; gRPC refuses such a deadline)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.client.integrations.transformers import KVTierPrefixCache
+from kvtier.client.integrations.vllm_config import ConnectorConfig
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["lookup_timeout_s", "load_timeout_s", "save_timeout_s", "retry_after_s", "shutdown_timeout_s"],
+)
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0])
+def test_the_vllm_connectors_times_are_positive_and_finite(name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be positive and finite"):
+        ConnectorConfig.from_extra_config({name: value})
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0, -1.0])
+def test_the_transformers_retry_after_is_positive_and_finite(value: float) -> None:
+    with pytest.raises(ValueError, match="retry_after_s must be positive and finite"):
+        KVTierPrefixCache(None, None, retry_after_s=value)  # type: ignore[arg-type]
