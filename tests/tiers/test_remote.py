@@ -1219,6 +1219,52 @@ async def test_regression_a_removal_whose_connection_was_opening_deleted_the_blo
             assert await tier.probe([block]) == [nbytes]
 
 
+async def test_regression_a_write_behind_an_unreachable_removal_waited_for_its_journal_record(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
+) -> None:
+    """A write of a key waits for an UNLINK of it already on its way, which the op timeout
+    bounds; it was let go only once that removal had also recorded its other keys (the
+    store gone: kept to send again) in the journal, which a busy journal (its file locked
+    by another process) holds up to its busy timeout, 30 s. Let go as the UNLINK ends."""
+    nbytes = 4096
+    blocks = [ref(0), ref(1)]
+    path = tmp_path / "removals.sqlite3"
+    raw = raw_client(fresh_redis)
+    async with _HoldingProxy(fresh_redis.port) as proxy:
+        opts = options(
+            fresh_redis,
+            l3_prefix,
+            urls=(proxy.url,),
+            op_timeout_s=2.0,  # ample for the write to begin behind the UNLINK
+            removals_file=str(path),
+        )
+        async with opened(opts) as tier:
+            src = host([data(0, nbytes), data(1, nbytes)])
+            assert await tier.write(blocks, nbytes, src) == [True, True]
+            # The removal's connection, opened again, is held until the op timeout.
+            raw.client_kill_filter(_type="normal", skipme=True)
+            await wait_for("the connections to close", lambda: len(raw.client_list()) == 1)
+            proxy.hold_next()
+            busy = sqlite3.connect(path, isolation_level=None)
+            try:
+                busy.execute("BEGIN IMMEDIATE")  # another writer holds the journal
+                removing = asyncio.create_task(tier.remove(blocks))
+                await wait_for("the removal's connection to open", lambda: proxy.held != b"")
+                assert tier._unlinking  # the UNLINK's keys are fixed; it has not ended
+                writing = asyncio.create_task(
+                    tier.write(blocks[:1], nbytes, host([data(0, nbytes)]))
+                )
+                await asyncio.wait({writing}, timeout=2.0 + 10 * SLACK_S)
+                assert writing.done(), "the write waited for the removal's journal record"
+                assert not removing.done()  # its record waits for the journal still
+            finally:
+                busy.execute("ROLLBACK")
+                busy.close()
+                proxy.release()
+            await removing
+            await writing
+
+
 @pytest.mark.parametrize("kind", EVENT_LOOPS)
 def test_regression_a_timed_out_write_sent_buffers_it_had_handed_back(
     fresh_redis: RedisServer, l3_prefix: str, kind: str

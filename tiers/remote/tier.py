@@ -830,7 +830,14 @@ class RemoteTier:
                 pipe.execute_command("UNLINK", k)
 
         try:
-            replies = await self._pipeline(unlink, self._small_ops)
+            try:
+                replies = await self._pipeline(unlink, self._small_ops)
+            finally:
+                # Ended here, not once the keys left unconfirmed are in the journal (a busy
+                # one takes up to its busy timeout): the writes held back go no later than
+                # the op timeout.
+                if (sent := self._unlinking.pop(unlinking, None)) is not None:
+                    sent[1].set_result(None)
         except _Unreachable:
             if pending is not None:
                 await self._remember_removals([k for k in keys if k in pending])
@@ -843,9 +850,6 @@ class RemoteTier:
                 self._remember([k for k in keys if k in pending])
                 self._resend_removals()
             raise
-        finally:
-            if (sent := self._unlinking.pop(unlinking, None)) is not None:
-                sent[1].set_result(None)
         refused = []
         confirmed = []
         for k, reply in zip(keys, replies, strict=True):
