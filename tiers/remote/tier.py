@@ -5,7 +5,7 @@ Invariants:
   an unreachable, slow or failing store answers misses (``probe`` none, ``probe_each``
   unknown, ``read`` False, ``write`` False) and shows in ``health()`` and ``stats()``.
   Exceptions are kept for programming errors (a buffer shorter than ``nbytes``).
-- No call waits on the network longer than ``op_timeout_s`` (``probe``: its caller gets an
+- No round trip is waited for longer than ``op_timeout_s`` (``probe``: its caller gets an
   answer within ``probe_deadline_ms``; the round trip may go on in the background up to
   ``op_timeout_s``, so that a slow store, not a tight deadline, is what marks the tier down).
 - A timeout or a connection fault marks the tier DOWN: until the reconnection probe succeeds,
@@ -23,7 +23,9 @@ Invariants:
   connection or its replies: its UNLINK is not sent then, nor remembered if it fails. An
   UNLINK whose keys are fixed already (its connection taken, or being opened, or its
   replies on their way) may reach the store after a SET sent on another connection, so a
-  write of one of its keys sends its block only once that UNLINK has ended.
+  write of one of its keys sends its block only once that UNLINK has ended (so such a write
+  may wait up to ``op_timeout_s`` for the UNLINK, then again for its own round trip; an
+  UNLINK that times out marks the tier down, and the write then answers at once).
   Remembered for at most ``ttl_s`` (the value has expired by then) and at most
   ``_UNREMOVED_MAX`` keys; across restarts where the tier keeps a ``RemovalJournal`` (its
   ``removals_file``, or one the daemon gives it: ``keep_removals_in``): a removal it
