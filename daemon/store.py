@@ -405,7 +405,8 @@ class BlockStore:
 
         Keys past the locally held prefix are probed in the key-addressed tiers (one batch
         probe per tier for the rest of the chain); blocks found there join the table as
-        ``owner``'s (the tenant whose namespace ``ns`` is). Rows of the chain held only in
+        ``owner``'s (the tenant whose namespace ``ns`` is), which ``ns`` is then bound to
+        (``_bind_found``) if no put bound it. Rows of the chain held only in
         those tiers that none confirmed for ``tiers.l3.known_s`` are asked about in the same
         probe (``_discover``): the tier may have dropped them since."""
         ids, identities = self.table.lookup_identified(ns, words)
@@ -423,6 +424,8 @@ class BlockStore:
                 found = ids >= 0
                 hits = int(np.count_nonzero(found))
                 tiers = self._tiers_of(ids, found, hits)
+                if hits and ns not in self.ns_owner:
+                    await self._bind_found(ns, owner)
         if hits and (held := int(np.count_nonzero(tiers))) < hits:
             # Rows whose every copy is gone (a failed read of a block still pinned, kept
             # until its lease ends) are misses: nothing could load them.
@@ -434,6 +437,19 @@ class BlockStore:
             self.space.touch(ids if hits == n else ids[found], self._clock())
         self._count_hits(identities, tiers, found, hits)
         return prefix, tiers, ids
+
+    async def _bind_found(self, ns: int, owner: int) -> None:
+        """Bind ``ns`` to ``owner`` for blocks a lookup found in a key-addressed tier, in a
+        namespace no put here has bound: they may go down to a persistent tier, which must
+        know their tenant, or they come back at the next start with none (the default
+        owner's, off their tenant's usage and quota). Not refused past
+        ``server.max_namespaces_per_tenant``: the blocks are in the table already. A record
+        that fails is logged; the next lookup that finds the namespace's blocks tries again."""
+        try:
+            await self.namespace(ns, self.space.owner_labels[owner], limited=False)
+        except Exception:
+            log.exception("recording the tenant of namespace %d (blocks found in L3) failed", ns)
+            self.counters.inc("background_errors")
 
     def _begin_recovery(self) -> None:
         """Requests wait for recovery (``_after_recovery``) from now on, for at most
@@ -1828,14 +1844,15 @@ class BlockStore:
             self.space.owner_labels[self.owners[label]] = label
         return self.owners[label]
 
-    async def namespace(self, ns: int, label: str) -> int:
+    async def namespace(self, ns: int, label: str, *, limited: bool = True) -> int:
         """Bind namespace ``ns`` to the tenant ``label`` (recorded durably by persistent tiers
         the first time, so recovered blocks keep their owner); returns the owner index. A put
         that comes while another records the owner waits for that record: blocks it stored
         before the record is durable would come back after a crash with no owner (their usage
         counted to no tenant). A namespace new to the owner past
         ``server.max_namespaces_per_tenant`` raises ResourceExhausted, checked in the step
-        that binds it (after any wait: a record that fails leaves room another put may take)."""
+        that binds it (after any wait: a record that fails leaves room another put may take),
+        unless ``limited`` is False (blocks already in the table: ``_bind_found``)."""
         owner = self.owner_of(label)
         while (recording := self._ns_recording.get(ns)) is not None:
             await asyncio.shield(recording)
@@ -1843,7 +1860,8 @@ class BlockStore:
         if before != owner:
             unbound: list[int] = []
             if before is None:
-                unbound = self._check_namespace_room(owner, label)
+                if limited:
+                    unbound = self._check_namespace_room(owner, label)
             else:
                 self._ns_kept[ns] = before
             self.ns_owner[ns] = owner

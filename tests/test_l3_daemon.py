@@ -954,3 +954,52 @@ def test_regression_a_copy_from_l3_to_l2_wrote_the_blocks_l3_could_not_read(
         assert ca.stats().counters["l2_committed_blocks"] == written
         assert ca.stats().counters["l3_read_bad_checksum"] == 4
         assert ca.check().problems == []
+
+
+def test_regression_blocks_a_tenant_found_in_l3_and_kept_on_disk_lost_their_tenant_at_a_restart(
+    daemon_factory, tmp_path, redis_server, l3_prefix
+):
+    """Blocks a lookup finds in L3 join the table as the tenant's, but only a put recorded
+    the namespace's tenant on the disk tier: blocks of another node's that a tenant loaded
+    here and that went down to L2 (never put on this node) came back at the next start with
+    no tenant, counted to 'default' (a tenant's name the config allows): off their tenant's
+    usage and quota, and on another's. The lookup that brings them in records it."""
+    tokens = {}
+    for name in ("alice", "bob"):
+        tokens[name] = f"a-long-enough-secret-for-tenant-{name}".encode()
+        path = tmp_path / f"{name}.token"
+        path.write_bytes(tokens[name])
+        path.chmod(0o600)
+    tenants = (
+        "tenants=["
+        + ", ".join(f"{{name: {n}, token_file: {tmp_path / f'{n}.token'}}}" for n in tokens)
+        + "]"
+    )
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix, tenants)
+    b = node(
+        daemon_factory, tmp_path, "b", redis_server.url, l3_prefix, tenants, "policy.protect_s=0"
+    )
+    chain = keys(8, 60)
+    with a.client(token=tokens["alice"]) as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        assert ca.put(pool.pool_id, chain, range(8)).prefix_len == 8
+        wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 8)
+    with b.client(token=tokens["alice"]) as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = cb.register_pool(shm, LAYOUT)
+        assert cb.lookup(chain).tiers == [Tier.L3_REMOTE] * 8
+        assert cb.get(pool.pool_id, chain, range(8)).prefix_len == 8
+        assert cb.evict(chain, Tier.L1_HOST).evicted == 8
+        assert cb.lookup(chain).tiers == [Tier.L2_DISK] * 8
+    b.restart()
+
+    def l2_blocks(stats) -> dict[str, int]:
+        return {
+            t.tenant: u.blocks
+            for t in stats.tenants
+            for u in t.tiers
+            if u.tier == Tier.L2_DISK and u.blocks
+        }
+
+    with b.client(token=tokens["alice"]) as cb:
+        assert cb.lookup(chain).tiers == [Tier.L2_DISK] * 8
+        assert l2_blocks(cb.stats()) == {"alice": 8}
