@@ -443,8 +443,10 @@ class BlockStore:
         namespace no put here has bound: they may go down to a persistent tier, which must
         know their tenant, or they come back at the next start with none (the default
         owner's, off their tenant's usage and quota). Not refused past
-        ``server.max_namespaces_per_tenant``: the blocks are in the table already. A record
-        that fails is logged; the next lookup that finds the namespace's blocks tries again."""
+        ``server.max_namespaces_per_tenant`` (the blocks are in the table already), but the
+        owner's empty namespaces are unbound to make room as for a put, so that lookups alone
+        cannot pile up bindings and their records. A record that fails is logged; the next
+        lookup that finds the namespace's blocks tries again."""
         try:
             await self.namespace(ns, self.space.owner_labels[owner], limited=False)
         except Exception:
@@ -1852,7 +1854,8 @@ class BlockStore:
         counted to no tenant). A namespace new to the owner past
         ``server.max_namespaces_per_tenant`` raises ResourceExhausted, checked in the step
         that binds it (after any wait: a record that fails leaves room another put may take),
-        unless ``limited`` is False (blocks already in the table: ``_bind_found``)."""
+        unless ``limited`` is False (blocks already in the table: ``_bind_found``), which
+        still unbinds the owner's empty namespaces as a put would."""
         owner = self.owner_of(label)
         while (recording := self._ns_recording.get(ns)) is not None:
             await asyncio.shield(recording)
@@ -1860,8 +1863,7 @@ class BlockStore:
         if before != owner:
             unbound: list[int] = []
             if before is None:
-                if limited:
-                    unbound = self._check_namespace_room(owner, label)
+                unbound = self._check_namespace_room(owner, label, refuse=limited)
             else:
                 self._ns_kept[ns] = before
             self.ns_owner[ns] = owner
@@ -1893,8 +1895,8 @@ class BlockStore:
                 recorded.set_result(None)
         return owner
 
-    def _check_namespace_room(self, owner: int, label: str) -> list[int]:
-        """Refuse a new namespace to an owner at its limit. A namespace counts while the
+    def _check_namespace_room(self, owner: int, label: str, *, refuse: bool = True) -> list[int]:
+        """Refuse a new namespace to an owner at its limit (unless not ``refuse``). A namespace counts while the
         store holds a block of it (or a put records its owner): one whose blocks have all
         left is unbound here, when the limit is reached, so an owner that moves on from
         namespaces (models, adapters) is not refused for good. While recovery runs, the
@@ -1910,7 +1912,7 @@ class BlockStore:
             holding = self.table.ns_blocks
             unbound = [ns for ns in mine if ns not in holding and ns not in self._ns_recording]
             used -= len(unbound)
-        if used >= limit:
+        if used >= limit and refuse:
             raise ResourceExhausted(
                 f"{label} already stores blocks in {used} namespaces, the most one tenant may "
                 "use (server.max_namespaces_per_tenant)"

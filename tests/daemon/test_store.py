@@ -21,7 +21,7 @@ from density_training import roots_come_back
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
-from kvtier.daemon.errors import InvalidArgument, NotFound
+from kvtier.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.stack import Level, TokenBucket
@@ -4264,3 +4264,24 @@ async def test_a_copy_cancelled_before_its_groups_start_leaves_no_coroutine_unaw
         gc.collect()
     unawaited = [str(w.message) for w in caught if "never awaited" in str(w.message)]
     assert unawaited == []
+
+
+async def test_a_namespace_bound_for_blocks_a_lookup_found_is_not_refused_past_the_limit(
+    make_store,
+):
+    """Blocks a lookup found in L3 bind their namespace as a put does (``_bind_found``), so
+    that the disk tier records their tenant; past ``server.max_namespaces_per_tenant`` the
+    bind is not refused (the blocks are in the table), but the owner's empty namespaces are
+    unbound and their records forgotten as for a put, so lookups cannot pile records up."""
+    l2 = MemoryTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    store = make_store(Clock(), l2=l2, sets=("server.max_namespaces_per_tenant=2",))
+    pool = make_pool()
+    await store.namespace(1, "tenant-a")
+    await store.put(pool, 1, keys(1), np.zeros(1, dtype=np.int64), None, owner=1)
+    await store.namespace(2, "tenant-a")
+    await store.put(pool, 2, keys(1), np.zeros(1, dtype=np.int64), None, owner=1)
+    with pytest.raises(ResourceExhausted):
+        await store.namespace(3, "tenant-a")
+    for ns in range(3, 9):
+        await store.namespace(ns, "tenant-a", limited=False)
+    assert l2.namespaces() == {1: "tenant-a", 2: "tenant-a", 8: "tenant-a"}
