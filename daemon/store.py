@@ -426,6 +426,11 @@ class BlockStore:
                 tiers = self._tiers_of(ids, found, hits)
                 if hits and ns not in self.ns_owner:
                     await self._bind_found(ns, owner)
+                    # Other requests ran meanwhile: a Delete may have taken the rows found.
+                    ids[:] = self.table.lookup(ns, words)
+                    found = ids >= 0
+                    hits = int(np.count_nonzero(found))
+                    tiers = self._tiers_of(ids, found, hits)
         if hits and (held := int(np.count_nonzero(tiers))) < hits:
             # Rows whose every copy is gone (a failed read of a block still pinned, kept
             # until its lease ends) are misses: nothing could load them.

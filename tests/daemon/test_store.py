@@ -4285,3 +4285,42 @@ async def test_a_namespace_bound_for_blocks_a_lookup_found_is_not_refused_past_t
     for ns in range(3, 9):
         await store.namespace(ns, "tenant-a", limited=False)
     assert l2.namespaces() == {1: "tenant-a", 2: "tenant-a", 8: "tenant-a"}
+
+
+class SlowNamesTier(MemoryTier):
+    """A persistent tier whose record of a namespace's tenant waits for the test (an index
+    write on a busy disk), in the transfer thread that runs it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def remember_namespace(self, ns: int, label: str) -> None:
+        self.entered.set()
+        assert self.gate.wait(10)
+        super().remember_namespace(ns, label)
+
+
+async def test_regression_a_lookup_binding_a_found_namespace_answered_rows_deleted_meanwhile(
+    make_store,
+):
+    """A Lookup that found blocks in L3 in a namespace no put had bound waited for the
+    disk tier to record the namespace's tenant (``_bind_found``), then answered the rows it
+    had found before that wait: a Delete of the keys meanwhile left it answering (and a
+    pinning Lookup pinning, an access touching) rows that were gone, or reused by another
+    key. The rows are looked up again after the wait."""
+    l2 = SlowNamesTier(TierKind.DISK, 4 * SEG, SEG, persistent=True)
+    shared = MemoryKeyTier()
+    store = make_store(Clock(), l2=l2, l3=shared)
+    owner = store.owner_of("tenant-a")
+    chain = keys(2)
+    for word in chain:
+        shared.values[(5, word.tobytes())] = bytes(4096)
+    looking = asyncio.create_task(store.lookup(5, chain, owner=owner))
+    while not l2.entered.is_set():
+        await asyncio.sleep(0.01)
+    assert (await store.delete(5, chain)).deleted == 2
+    l2.gate.set()
+    prefix, tiers, ids = await looking
+    assert (prefix, tiers.tolist(), ids.tolist()) == (0, [0, 0], [-1, -1])
+    assert store.check() == []
