@@ -290,7 +290,9 @@ def test_saves_a_hang_timed_out_reaped_together_later_cost_one_probe(daemon):
         time.sleep(side.config.retry_after_s)  # their pause is over when they are reaped
         spec = SaveSpec("next", [5], {0: [keys[5]]}, {0: b""}, at_finish=True)
         run_step(side, KVTierConnectorMetadata(saves=[spec]))
-        assert side.stats["save_jobs_failed"] == 3 and side.breaker.probing
+        # The reaped failures started a probe; the daemon serves, so it may have answered
+        # already (under load it did, before this line ran).
+        assert side.stats["save_jobs_failed"] == 3 and (side.breaker.probing or probes)
         assert wait_until(side.breaker.ok)
         assert probes == [True]
         spec = SaveSpec("later", [6], {0: [keys[6]]}, {0: b""}, at_finish=True)
