@@ -353,6 +353,12 @@ STORE_GAUGES: dict[str, MetricDef] = {
         (),
         "Dropped blocks whose policy history is kept for their keys (policy.history_factor).",
     ),
+    "recovering": _g(
+        "kvtier_recovering",
+        (),
+        "1 while the disk tier's blocks from before this start are still being indexed "
+        "(lookups find what is indexed so far; durable puts wait), else 0.",
+    ),
 }
 
 HISTOGRAMS: dict[str, MetricDef] = {
@@ -439,6 +445,16 @@ FIXED: tuple[MetricDef, ...] = (
     ),
     _g("kvtier_draining", (), "1 while the daemon takes no new sessions (kvtier drain)."),
     _g("kvtier_pools", (), "Registered engine pools."),
+    _g(
+        "kvtier_pools_broken",
+        (),
+        "Registered pools broken by a faulted copy (every request on them is refused).",
+    ),
+    _g(
+        "kvtier_credential_tickets",
+        (),
+        "Tickets the credential socket issued that no session or pool has redeemed yet.",
+    ),
     _g("kvtier_leases", (), "Live leases (pinning Lookups not yet released or expired)."),
     _g("kvtier_index_blocks", (), "Blocks in the block table."),
     _g("kvtier_index_bytes", (), "Memory of the block table."),
@@ -516,6 +532,8 @@ class Snapshot:
     store_gauges: dict[str, float]
     sessions: int
     pools: int
+    pools_broken: int
+    credential_tickets: int
     leases: int
     index_blocks: int
     index_bytes: int
@@ -547,6 +565,8 @@ def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
         store_gauges=store.gauges(),
         sessions=daemon.sessions.session_count,
         pools=len(daemon.pools),
+        pools_broken=daemon.pools.broken_count,
+        credential_tickets=len(daemon.service.tickets),
         leases=daemon.sessions.lease_count,
         index_blocks=index.blocks,
         index_bytes=index.nbytes,
@@ -629,6 +649,8 @@ def families(snap: Snapshot) -> Iterator[Metric]:
             if u.quota_bytes:
                 put("kvtier_tenant_quota_bytes", [ten.tenant, u.kind.label], u.quota_bytes)
     put("kvtier_pools", [], snap.pools)
+    put("kvtier_pools_broken", [], snap.pools_broken)
+    put("kvtier_credential_tickets", [], snap.credential_tickets)
     put("kvtier_leases", [], snap.leases)
     put("kvtier_index_blocks", [], snap.index_blocks)
     put("kvtier_index_bytes", [], snap.index_bytes)

@@ -672,3 +672,58 @@ def test_stats_count_the_daemons_grpc_connections(daemon_factory):
     finally:
         for conn in raw:
             conn.close()
+
+
+# Stats gauges (daemon-wide, admin view) -> the metric an operator reads them from; a gauge
+# of a tier's own (``l2_io_queued``) is ``kvtier_tier_gauge{tier, gauge}``.
+STATS_GAUGE_METRICS = {
+    "sessions": "kvtier_sessions",
+    "pools": "kvtier_pools",
+    "pools_broken": "kvtier_pools_broken",
+    "leases": "kvtier_leases",
+    "credential_tickets": "kvtier_credential_tickets",
+    "connections": "kvtier_connections",
+    "blocks": "kvtier_index_blocks",
+    "index_bytes": "kvtier_index_bytes",
+    "recovering": "kvtier_recovering",
+}
+
+
+def test_regression_stats_gauges_were_missing_from_the_metrics(daemon_factory, tmp_path):
+    """``recovering`` (the disk tier's index still being read: lookups answer what is read so
+    far), ``pools_broken`` and ``credential_tickets`` were in ``kvtier stats`` only: the
+    scrape dropped every store gauge it had no name for, so a node serving without its disk's
+    blocks looked to Prometheus like one that had them. Every Stats gauge is a metric with
+    Stats' value, read at a quiet point."""
+    d = daemon_factory(
+        *L1_ONLY,
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=4MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=4MiB",
+        l1_bytes="1MiB",
+    )
+    d.wait_recovered()
+    url = metrics_url(d)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, keys(4, 1), range(4)).stored == 4
+        lease = client.lookup(keys(4, 1), pin=True).lease_id
+        gauges = client.stats().gauges
+        m = scrape(url)
+        client.release(lease)
+    tiers = {"l1": "L1", "l2": "L2"}
+    for name, level in gauges.items():
+        prefix, _, rest = name.partition("_")
+        if prefix in tiers:
+            got = value(m, "kvtier_tier_gauge", tier=tiers[prefix], gauge=rest)
+            assert ("kvtier_tier_gauge", frozenset({("tier", tiers[prefix]), ("gauge", rest)})) in m
+        else:
+            metric = STATS_GAUGE_METRICS.get(name, f"kvtier_{name}")
+            assert (metric, frozenset()) in m, name
+            got = value(m, metric)
+        if name != "connections":  # counted every 5 s, not at the call
+            assert got == level, name
+    assert value(m, "kvtier_recovering") == 0
+    assert value(m, "kvtier_leases") == 1 and value(m, "kvtier_pools") == 1
