@@ -1555,3 +1555,14 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     while not gone():
         assert time.monotonic() < deadline, "redis-server outlived the process that started it"
         time.sleep(0.05)
+
+
+async def test_regression_a_tier_without_a_write_rate_showed_a_negative_budget_gauge(
+    redis_server: RedisServer, l3_prefix: str
+) -> None:
+    """Without tiers.l3.write_bytes_s there is no budget: its gauge was -1, a negative gauge
+    on the metrics (kvtier_tier_gauge) that no figure of bytes can be. It is absent then."""
+    async with opened(options(redis_server, l3_prefix)) as tier:
+        gauges = tier.stats().gauges
+        assert "write_budget_bytes" not in gauges
+        assert all(v >= 0 for v in gauges.values()), gauges

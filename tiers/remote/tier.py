@@ -924,8 +924,9 @@ class RemoteTier:
                 "state_age_s": max(0.0, now - a.since) if a.since else 0.0,
                 "retry_in_s": max(0.0, a.retry_at - now) if a.state is not Reach.UP else 0.0,
                 "inflight_ops": float(self._inflight),
-                "write_budget_bytes": self._budget.tokens if self._budget.rate else -1.0,
                 "removals_unconfirmed": float(len(self._unremoved)),
+                # Only with tiers.l3.write_bytes_s: without one there is no budget to show.
+                **({"write_budget_bytes": self._budget.tokens} if self._budget.rate else {}),
             },
         )
 
