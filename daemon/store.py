@@ -421,16 +421,13 @@ class BlockStore:
             if hits < n or len(stale):
                 start = n if hits == n else int(np.argmin(found))
                 await self._discover(ns, words, ids, start, stale[stale < start], owner)
-                found = ids >= 0
-                hits = int(np.count_nonzero(found))
-                tiers = self._tiers_of(ids, found, hits)
-                if hits and ns not in self.ns_owner:
+                if ns not in self.ns_owner and (ids >= 0).any():
                     await self._bind_found(ns, owner)
                     # Other requests ran meanwhile: a Delete may have taken the rows found.
                     ids[:] = self.table.lookup(ns, words)
-                    found = ids >= 0
-                    hits = int(np.count_nonzero(found))
-                    tiers = self._tiers_of(ids, found, hits)
+                found = ids >= 0
+                hits = int(np.count_nonzero(found))
+                tiers = self._tiers_of(ids, found, hits)
         if hits and (held := int(np.count_nonzero(tiers))) < hits:
             # Rows whose every copy is gone (a failed read of a block still pinned, kept
             # until its lease ends) are misses: nothing could load them.
@@ -1901,10 +1898,11 @@ class BlockStore:
         return owner
 
     def _check_namespace_room(self, owner: int, label: str, *, refuse: bool = True) -> list[int]:
-        """Refuse a new namespace to an owner at its limit (unless not ``refuse``). A namespace counts while the
-        store holds a block of it (or a put records its owner): one whose blocks have all
-        left is unbound here, when the limit is reached, so an owner that moves on from
-        namespaces (models, adapters) is not refused for good. While recovery runs, the
+        """Refuse a new namespace to an owner at its limit (with ``refuse``; without it, only
+        make room where it can). A namespace counts while the store holds a block of it (or
+        a put records its owner): one whose blocks have all left is unbound here, when the
+        limit is reached, so an owner that moves on from namespaces (models, adapters) is not
+        refused for good. While recovery runs, the
         index does not yet know every block, so nothing is unbound. Returns the namespaces
         unbound: the caller forgets their records on the persistent tiers, which the limit
         no longer bounds otherwise (one durable row per namespace ever used, all read back

@@ -4320,6 +4320,7 @@ async def test_regression_a_lookup_binding_a_found_namespace_answered_rows_delet
     while not l2.entered.is_set():
         await asyncio.sleep(0.01)
     assert (await store.delete(5, chain)).deleted == 2
+    await put(store, make_pool(), keys(2))  # into the rows the Delete freed
     l2.gate.set()
     prefix, tiers, ids = await looking
     assert (prefix, tiers.tolist(), ids.tolist()) == (0, [0, 0], [-1, -1])
