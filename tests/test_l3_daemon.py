@@ -43,6 +43,18 @@ def node(daemon_factory, tmp_path, name: str, url: str, prefix: str, *extra: str
     )
 
 
+def token_tenants(tmp_path, *names: str) -> tuple[dict[str, bytes], str]:
+    """Tenants by token, one file each: (each tenant's token, the ``tenants=`` setting)."""
+    tokens = {}
+    for name in names:
+        tokens[name] = f"a-long-enough-secret-for-tenant-{name}".encode()
+        path = tmp_path / f"{name}.token"
+        path.write_bytes(tokens[name])
+        path.chmod(0o600)
+    listed = ", ".join(f"{{name: {n}, token_file: {tmp_path / f'{n}.token'}}}" for n in tokens)
+    return tokens, f"tenants=[{listed}]"
+
+
 def keys(n: int, tag: int) -> list[bytes]:
     rng = np.random.default_rng(tag)
     return [rng.bytes(32) for _ in range(n)]
@@ -217,17 +229,7 @@ def test_regression_a_tenants_pins_and_hints_of_blocks_found_in_l3_held_the_whol
     REJECTED_FULL (e3e335c then left such blocks unpinned and unhinted). The probe now sizes
     them: they are charged as blocks held here, so a tenant pins them up to its share and no
     further, and hints them as far as its budget goes."""
-    tokens = {}
-    for name in ("alice", "bob"):
-        tokens[name] = (name * 8).encode()
-        path = tmp_path / f"{name}.token"
-        path.write_bytes(tokens[name])
-        path.chmod(0o600)
-    tenants = (
-        "tenants=["
-        + ", ".join(f"{{name: {n}, token_file: {tmp_path / f'{n}.token'}}}" for n in tokens)
-        + "]"
-    )
+    tokens, tenants = token_tenants(tmp_path, "alice", "bob")
     a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix, tenants)
     b = node(
         daemon_factory,
@@ -964,17 +966,7 @@ def test_regression_blocks_a_tenant_found_in_l3_and_kept_on_disk_lost_their_tena
     here and that went down to L2 (never put on this node) came back at the next start with
     no tenant, counted to 'default' (a tenant's name the config allows): off their tenant's
     usage and quota, and on another's. The lookup that brings them in records it."""
-    tokens = {}
-    for name in ("alice", "bob"):
-        tokens[name] = f"a-long-enough-secret-for-tenant-{name}".encode()
-        path = tmp_path / f"{name}.token"
-        path.write_bytes(tokens[name])
-        path.chmod(0o600)
-    tenants = (
-        "tenants=["
-        + ", ".join(f"{{name: {n}, token_file: {tmp_path / f'{n}.token'}}}" for n in tokens)
-        + "]"
-    )
+    tokens, tenants = token_tenants(tmp_path, "alice", "bob")
     a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix, tenants)
     b = node(
         daemon_factory, tmp_path, "b", redis_server.url, l3_prefix, tenants, "policy.protect_s=0"
