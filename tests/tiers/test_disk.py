@@ -889,6 +889,11 @@ def test_concurrent_writes_share_one_sync_and_one_commit(tmp_path: Path) -> None
         while tier.stats().counters["write_calls"] - before["write_calls"] < 4:
             assert time.monotonic() < deadline, "the followers never wrote"
             time.sleep(0.01)
+        # Their bytes written, they may still be on their way to the group (a busy machine
+        # let the leader's step end first): released once all three wait in it.
+        while len(tier._group._waiting) < 3:
+            assert time.monotonic() < deadline, "the followers never joined the group"
+            time.sleep(0.01)
         release.set()
         outcomes = [leader.result(), *(f.result() for f in followers)]
     assert all(o[0].ok for o in outcomes)
