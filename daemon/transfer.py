@@ -17,7 +17,8 @@ straight into (or out of) the tier's slots when they are host memory (L1), else 
 staging (page-locked, from L0) and the tier's own verbs (L2, L3). Staging between L0 and a
 tier without host slots comes from L0 too. A device fault on the bridge is an error
 (FAILED_PRECONDITION naming the GPU tier's state), never a miss: the lower tier's copy is
-intact and must not be dropped.
+intact and must not be dropped; so is a device without memory for the bridge's scratch
+(RESOURCE_EXHAUSTED: that request fails, L0 serves on).
 
 Priorities hold all the way down: jobs run on a ``PriorityExecutor`` in which DEMAND jobs have
 reserved threads, tiers are handed the batch's priority (and rank: a prefetch's, ordering it
@@ -48,7 +49,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from kvtier.daemon.errors import FailedPrecondition
+from kvtier.daemon.errors import FailedPrecondition, ResourceExhausted
 from kvtier.daemon.latency import Histograms, Series
 from kvtier.daemon.stack import Level, TokenBucket
 from kvtier.daemon.stats import Counters
@@ -61,6 +62,7 @@ from kvtier.tiers.base import (
     Priority,
     ReadBatch,
     TierKind,
+    TierMemoryExhausted,
     WriteBatch,
     WriteOutcome,
     WriteOutcomes,
@@ -443,12 +445,33 @@ class TransferEngine:
             )
         return self.device.bridge
 
-    def _bridge_failed(self, bridge: DeviceBridge, what: str) -> FailedPrecondition:
+    async def _bridge_move(
+        self,
+        priority: Priority,
+        bridge: DeviceBridge,
+        what: str,
+        fn: Callable[..., bool],
+        *args: Any,
+    ) -> None:
+        """One of the bridge's copies (``fn``: its ``pool_to_host`` or ``host_to_pool``):
+        FailedPrecondition when the device failed, ResourceExhausted when it had no memory
+        for the copy (the tier serves on: a later request may pass)."""
+        try:
+            ok = await self._run(priority, fn, *args)
+        except TierMemoryExhausted as e:
+            self._count_bridge_failure(what)
+            raise ResourceExhausted(
+                f"the GPU tier could not move a GPU pool's pages ({what}): {e}"
+            ) from None
+        if not ok:
+            self._count_bridge_failure(what)
+            raise FailedPrecondition(
+                f"the GPU tier could not move a GPU pool's pages ({what}): {bridge.health()}"
+            )
+
+    def _count_bridge_failure(self, what: str) -> None:
         direction = f"{what} via {self.device.label if self.device else 'L0'}"
         self.counters.inc("transfer_failures", direction=direction)
-        return FailedPrecondition(
-            f"the GPU tier could not move a GPU pool's pages ({what}): {bridge.health()}"
-        )
 
     async def _from_device_pool(
         self,
@@ -463,15 +486,16 @@ class TransferEngine:
         the tier's host slots, or into staging that the tier then writes."""
         bridge = self._bridge()
         into = None if level.keyed else level.buffers(slots, nbytes)
+        what = f"pool->{level.label}"
         if into is not None:
-            if not await self._run(priority, bridge.pool_to_host, pages, into, nbytes):
-                raise self._bridge_failed(bridge, f"pool->{level.label}")
+            await self._bridge_move(
+                priority, bridge, what, bridge.pool_to_host, pages, into, nbytes
+            )
             return [WriteOutcome(int(s), True) for s in slots]
         # Page-locked memory is allocated off the event loop (a first allocation of a size
         # can take milliseconds).
         staging: HostBuffers = await self._run(priority, bridge.host_buffers, len(pages), nbytes)
-        if not await self._run(priority, bridge.pool_to_host, pages, staging, nbytes):
-            raise self._bridge_failed(bridge, f"pool->{level.label}")
+        await self._bridge_move(priority, bridge, what, bridge.pool_to_host, pages, staging, nbytes)
         if level.keyed:
             written = await level.keys.write(refs, nbytes, staging)
             return [WriteOutcome(-1, bool(w)) for w in written]
@@ -493,17 +517,16 @@ class TransferEngine:
         misses stay misses; only the blocks it read are scattered)."""
         bridge = self._bridge()
         src = None if level.keyed else level.buffers(slots, nbytes)
+        what = f"{level.label}->pool"
         if src is not None:
-            if not await self._run(priority, bridge.host_to_pool, src, pages, nbytes):
-                raise self._bridge_failed(bridge, f"{level.label}->pool")
+            await self._bridge_move(priority, bridge, what, bridge.host_to_pool, src, pages, nbytes)
             return [True] * len(pages)
         staging, good = await self._stage(level, slots, refs, nbytes, checksums, priority, bridge)
         idx = [j for j, g in enumerate(good) if g]
         if idx:
             got = HostBuffers([staging.views[j] for j in idx])
             dest = DevicePages(pages.smap, pages.segments, pages.pages[idx])
-            if not await self._run(priority, bridge.host_to_pool, got, dest, nbytes):
-                raise self._bridge_failed(bridge, f"{level.label}->pool")
+            await self._bridge_move(priority, bridge, what, bridge.host_to_pool, got, dest, nbytes)
         return good
 
     async def _stage(

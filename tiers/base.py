@@ -140,6 +140,12 @@ class TierUnavailable(TierError):
     rather than running without the tier it was configured with."""
 
 
+class TierMemoryExhausted(TierError):
+    """A tier could not allocate the working memory one transfer needs (the GPU tier's
+    scratch on a device the engine fills): that transfer fails, while the tier, its blocks
+    and the transfers after it are unaffected. Raised by the ``DeviceBridge`` verbs."""
+
+
 # ---------------------------------------------------------------------------- buffers
 
 
@@ -617,7 +623,8 @@ class DeviceBridge(Protocol):
     without an L0 slot. Only such a tier can reach GPU pool memory, so every other tier's
     traffic with a GPU pool goes through these (host buffers being its slots, when they are
     host memory, or staging from ``host_buffers``). False: the device failed, the
-    destination's bytes are unspecified and the tier reports why in ``health()``."""
+    destination's bytes are unspecified and the tier reports why in ``health()``.
+    TierMemoryExhausted: the device had no memory for the copy; nothing else changed."""
 
     def pool_to_host(self, src: DevicePages, dest: HostBuffers, nbytes: int) -> bool: ...
 

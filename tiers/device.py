@@ -25,7 +25,11 @@ two calls in flight never name the same slot (the store's in-flight marks guaran
 Invariants: a slot handed to a verb is allocated and at least ``nbytes`` long, checked
 before any copy (a device kernel checks nothing). A CUDA fault inside a verb is a result,
 not an exception: the batch fails, the tier reports DOWN with the error (a CUDA context
-does not recover from most faults), and the daemon keeps serving its other tiers.
+does not recover from most faults), and the daemon keeps serving its other tiers. A device
+allocation that fails (``torch.cuda.OutOfMemoryError``: scratch, or a launch's plan, on a
+GPU the engine fills) is no fault: the context is intact, so only that batch fails (the
+bridge verbs raise ``TierMemoryExhausted``), once what it launched has run, and the tier
+stays as it was.
 
 All CUDA calls sit behind ``DeviceOps`` (``CudaOps`` on a GPU). The tests run the tier on
 ``CpuOps``: the same slot, batch and plan logic with CPU tensors.
@@ -60,6 +64,7 @@ from kvtier.tiers.base import (
     SlotTier,
     TierHealth,
     TierKind,
+    TierMemoryExhausted,
     TierStats,
     TierUnavailable,
     WriteBatch,
@@ -378,6 +383,9 @@ class DeviceTier:
                     batch.nbytes,
                 )
             self._ops.wait(event)
+        except torch.cuda.OutOfMemoryError as e:
+            self._short_of_memory("write", e)
+            return [WriteOutcome(s, False) for s in batch.slots]
         except RuntimeError as e:
             self._fault("write", e)
             return [WriteOutcome(s, False) for s in batch.slots]
@@ -415,6 +423,9 @@ class DeviceTier:
                     np.arange(n, dtype=np.uint64) * batch.nbytes,
                     batch.nbytes,
                 )
+        except torch.cuda.OutOfMemoryError as e:
+            self._short_of_memory("read", e)
+            return [False] * n
         except RuntimeError as e:
             self._fault("read", e)
             return [False] * n
@@ -433,7 +444,8 @@ class DeviceTier:
 
     def pool_to_host(self, src: DevicePages, dest: HostBuffers, nbytes: int) -> bool:
         """Gather pool pages straight into host buffers (a Put from a GPU pool into L1).
-        False: the device failed (the buffers' bytes are unspecified)."""
+        False: the device failed (the buffers' bytes are unspecified). Raises
+        TierMemoryExhausted when the device has no memory for the scratch."""
         n = len(src)
         if len(dest) != n:
             raise ValueError(f"{len(dest)} host buffers for {n} pages")
@@ -452,6 +464,8 @@ class DeviceTier:
                 for dst, src_part in _coalesced(list(zip(hosts, parts, strict=True))):
                     self._ops.copy(dst, src_part)
                 self._ops.wait(self._ops.record())
+        except torch.cuda.OutOfMemoryError as e:
+            raise self._short_of_memory("pool_to_host", e) from None
         except RuntimeError as e:
             self._fault("pool_to_host", e)
             return False
@@ -460,7 +474,8 @@ class DeviceTier:
 
     def host_to_pool(self, src: HostBuffers, dest: DevicePages, nbytes: int) -> bool:
         """Scatter host buffers straight into pool pages (a Get from L1 into a GPU pool).
-        False: the device failed (the pages' bytes are unspecified)."""
+        False: the device failed (the pages' bytes are unspecified). Raises
+        TierMemoryExhausted when the device has no memory for the scratch."""
         n = len(dest)
         if len(src) != n:
             raise ValueError(f"{len(src)} host buffers for {n} pages")
@@ -479,6 +494,8 @@ class DeviceTier:
                 self._ops.after(copied)
                 self._ops.copy_pages(dest, scratch, starts, gather=False)
                 self._ops.wait(self._ops.record())
+        except torch.cuda.OutOfMemoryError as e:
+            raise self._short_of_memory("host_to_pool", e) from None
         except RuntimeError as e:
             self._fault("host_to_pool", e)
             return False
@@ -582,6 +599,17 @@ class DeviceTier:
         log.error("L0 %s failed on %s: %s", verb, self._ops.device, e, exc_info=True)
         self._health = TierHealth(Health.DOWN, f"{verb} failed: {e}")
         self._count({"faults": 1})
+
+    def _short_of_memory(self, verb: str, e: BaseException) -> TierMemoryExhausted:
+        """Count a failed device allocation and return the error that says so; the health
+        stays as it is (see the module docstring). The copies the verb launched before it
+        are waited for first: the scratch they use goes back to torch's allocator when the
+        verb returns, and another verb's allocation must not get it while they still run."""
+        with contextlib.suppress(RuntimeError):
+            self._ops.synchronize()
+        log.warning("L0 %s: no device memory to spare on %s: %s", verb, self._ops.device, e)
+        self._count({"out_of_memory": 1})
+        return TierMemoryExhausted(f"L0 {verb}: the device is out of memory: {e}")
 
     def _count(self, deltas: dict[str, int]) -> None:
         with self._lock:

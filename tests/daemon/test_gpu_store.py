@@ -23,7 +23,7 @@ from kv_pools import LAYOUTS, EnginePool, make_pool
 from kvtier.client.cuda import CudaIpcExport, IpcBuffer
 from kvtier.daemon.config import load_config
 from kvtier.daemon.cuda_pools import CudaPool, CudaPoolOpener
-from kvtier.daemon.errors import FailedPrecondition
+from kvtier.daemon.errors import FailedPrecondition, ResourceExhausted
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
@@ -366,6 +366,44 @@ async def test_a_device_fault_is_an_error_and_lower_copies_stay(make_node):
     assert where(store, words) == ["L1"] * 3  # L1's copies are intact and kept
     with pytest.raises(FailedPrecondition, match="GPU tier"):
         await put(store, pool, keys(2), [6, 7])
+    pool.close()
+
+
+class ShortOps(CpuOps):
+    """CpuOps with no device memory to spare once ``short`` is set (the engine on the same
+    GPU holds the rest), as torch's caching allocator reports it."""
+
+    short = False
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        if self.short:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+        return super().empty(nbytes)
+
+
+async def test_a_device_short_of_memory_fails_the_request_and_l0_serves_on(make_node):
+    """A Get from L1 into GPU pages through L0's scratch, on a device with no memory to
+    spare: RESOURCE_EXHAUSTED, not a fault; L0 stays OK and the next Get loads the blocks
+    (it went DOWN for good: every later request into a GPU pool failed until a restart)."""
+    ops = ShortOps()
+    node = make_node(l0_segments=1, ops=ops)
+    store = node.store
+    engine = engine_pool("vllm", pages=40)
+    pool = open_gpu_pool(engine)
+    words = keys(3)
+    want = [engine.block(p).clone() for p in range(3)]
+    assert await put(store, pool, words, [0, 1, 2]) == [PutResult.STORED] * 3
+    await evict(store, TierKind.GPU, words)
+    await fill_l0(node, pool)  # the Get reads L1 straight into the pages, through scratch
+    ops.short = True
+    with pytest.raises(ResourceExhausted, match=r"GPU tier .*out of memory"):
+        await get(store, pool, words, [30, 31, 32])
+    assert node.l0.health().state is Health.OK
+    assert where(store, words) == ["L1"] * 3
+    ops.short = False
+    poison(engine, [30, 31, 32])
+    assert await get(store, pool, words, [30, 31, 32]) == [True] * 3
+    assert_pages(engine, [30, 31, 32], want)
     pool.close()
 
 

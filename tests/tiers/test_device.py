@@ -21,6 +21,7 @@ from kvtier.tiers.base import (
     PoolPages,
     ReadBatch,
     TierKind,
+    TierMemoryExhausted,
     TierUnavailable,
     WriteBatch,
 )
@@ -355,6 +356,70 @@ def test_a_device_fault_fails_the_batch_and_takes_the_tier_down():
     assert (
         not tier.pool_to_host(_pages(pool, [0]), HostBuffers([bytearray(nbytes)]), nbytes) or True
     )
+
+
+class ShortOps(CpuOps):
+    """A device that has no memory to spare once ``short`` is set (the engine on the same
+    GPU holds the rest): its allocations and its launches' plan uploads fail as torch's
+    caching allocator reports it. Counts the waits for the whole device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.short = False
+        self.synchronized = 0
+
+    def _allocate(self) -> None:
+        if self.short:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        self._allocate()
+        return super().empty(nbytes)
+
+    def copy_pages(self, pages, slots, starts, *, gather) -> str:
+        self._allocate()
+        return super().copy_pages(pages, slots, starts, gather=gather)
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def test_a_device_out_of_memory_fails_the_batch_and_the_tier_serves_on():
+    """Out of memory is not a fault: the CUDA context is intact, so the batch fails (the
+    bridge's copies with TierMemoryExhausted), after waiting for what the verb launched,
+    and the tier stays OK; the same batches pass once memory is there."""
+    ops = ShortOps()
+    tier = _tier(ops)
+    pool = make_pool("vllm", layers=2, pages=6)
+    pool.fill_random(4)
+    nbytes = pool.layout.block_bytes
+    slots = _alloc(tier, 2, nbytes)
+    host = [bytearray(nbytes) for _ in range(2)]
+
+    def attempts() -> tuple[list[bool], list[bool]]:
+        written = tier.write(WriteBatch(slots, _refs(2), nbytes, _pages(pool, [0, 1])))
+        read = tier.read(ReadBatch(slots, _refs(2), nbytes, _pages(pool, [2, 3])))
+        return [o.ok for o in written], read
+
+    ops.short = True
+    assert attempts() == ([False, False], [False, False])
+    with pytest.raises(TierMemoryExhausted, match="out of memory"):
+        tier.pool_to_host(_pages(pool, [0, 1]), HostBuffers([memoryview(h) for h in host]), nbytes)
+    with pytest.raises(TierMemoryExhausted, match="out of memory"):
+        tier.host_to_pool(HostBuffers([bytes(h) for h in host]), _pages(pool, [4, 5]), nbytes)
+    assert tier.health().state is Health.OK
+    counters = tier.stats().counters
+    assert counters["out_of_memory"] == 4 and "faults" not in counters
+    assert ops.synchronized == 4
+
+    ops.short = False
+    assert attempts() == ([True, True], [True, True])
+    assert tier.pool_to_host(
+        _pages(pool, [0, 1]), HostBuffers([memoryview(h) for h in host]), nbytes
+    )
+    assert tier.host_to_pool(HostBuffers([bytes(h) for h in host]), _pages(pool, [4, 5]), nbytes)
+    for p in (2, 3, 4, 5):
+        assert torch.equal(pool.block(p), pool.block(p - 2))
 
 
 def test_concurrent_batches_on_distinct_slots():
