@@ -16,7 +16,8 @@ Blocks move in batches:
 - **shared-memory pool <-> L0** (``PoolPages``): gathered on the host into a (pinned)
   staging buffer, then as above;
 - **engine pool <-> host memory** without an L0 slot (``pool_to_host``/``host_to_pool``):
-  through a scratch device buffer, for a Get from L1 into a GPU pool or a Put that skips L0.
+  through device scratch of at most ``BRIDGE_SCRATCH_BYTES``, a group of blocks at a time,
+  for a Get from L1 into a GPU pool or a Put that skips L0.
 
 Every verb records an event on its stream after its last copy and blocks until the event
 fires: when ``write``/``read`` return, the bytes are in place. Verbs run on worker threads;
@@ -80,6 +81,12 @@ ALIGN = 4096  # slot alignment; also what GPUDirect Storage wants for direct tra
 # runs while Python prepares the next (prepared all at once, a batch of 2 MiB blocks moved
 # 0.81x of PCIe's bandwidth on an H200, Python's share not overlapped).
 HOST_GROUP = 16
+# The bridge's copies between a GPU pool's pages and host memory pass through device scratch
+# of at most this many bytes (two blocks, for blocks larger than half of it), in two halves
+# that groups of blocks take in turn (one group's DMA overlaps the next one's gather or
+# scatter): device memory the daemon holds past its arena, which torch's allocator keeps once
+# used and the engine on that GPU cannot have, stays bounded whatever the batch.
+BRIDGE_SCRATCH_BYTES = 64 << 20
 H2D, D2H = "h2d", "d2h"
 
 
@@ -451,19 +458,31 @@ class DeviceTier:
             raise ValueError(f"{len(dest)} host buffers for {n} pages")
         if not self._health.serves_reads:
             return False
+        if not n:
+            return True
         try:
-            scratch = self._ops.empty(n * nbytes)
-            starts = np.arange(n, dtype=np.int64) * nbytes
-            with self._ops.lane(self._pool_lane()):
-                self._ops.copy_pages(src, scratch, starts, gather=True)
-                gathered = self._ops.record()
-            with self._ops.lane(D2H):
-                self._ops.after(gathered)
-                hosts = _host_tensors(dest.views, nbytes, writable=True)
-                parts = [scratch[j * nbytes : (j + 1) * nbytes] for j in range(n)]
-                for dst, src_part in _coalesced(list(zip(hosts, parts, strict=True))):
-                    self._ops.copy(dst, src_part)
-                self._ops.wait(self._ops.record())
+            group, halves = self._scratch(n, nbytes)
+            lane = self._pool_lane()
+            hosts = _host_tensors(dest.views, nbytes, writable=True)
+            freed: list[Any] = [None, None]  # after the last copy out of each half
+            last: Any = None
+            for k, first in enumerate(range(0, n, group)):
+                m = min(group, n - first)
+                half = halves[k % 2]
+                with self._ops.lane(lane):
+                    if freed[k % 2] is not None:
+                        self._ops.after(freed[k % 2])
+                    pages = DevicePages(src.smap, src.segments, src.pages[first : first + m])
+                    self._ops.copy_pages(pages, half, _starts_in(m, nbytes), gather=True)
+                    gathered = self._ops.record()
+                with self._ops.lane(D2H):
+                    self._ops.after(gathered)
+                    parts = [half[j * nbytes : (j + 1) * nbytes] for j in range(m)]
+                    pairs = list(zip(hosts[first : first + m], parts, strict=True))
+                    for dst, src_part in _coalesced(pairs):
+                        self._ops.copy(dst, src_part)
+                    freed[k % 2] = last = self._ops.record()
+            self._ops.wait(last)  # on one stream: after every group's copies
         except torch.cuda.OutOfMemoryError as e:
             raise self._short_of_memory("pool_to_host", e) from None
         except RuntimeError as e:
@@ -481,19 +500,31 @@ class DeviceTier:
             raise ValueError(f"{len(src)} host buffers for {n} pages")
         if not self._health.serves_reads:
             return False
+        if not n:
+            return True
         try:
-            scratch = self._ops.empty(n * nbytes)
-            with self._ops.lane(H2D):
-                parts = [scratch[j * nbytes : (j + 1) * nbytes] for j in range(n)]
-                hosts = _host_tensors(src.views, nbytes)
-                for dst, src_part in _coalesced(list(zip(parts, hosts, strict=True))):
-                    self._ops.copy(dst, src_part)
-                copied = self._ops.record()
-            starts = np.arange(n, dtype=np.int64) * nbytes
-            with self._ops.lane(self._pool_lane()):
-                self._ops.after(copied)
-                self._ops.copy_pages(dest, scratch, starts, gather=False)
-                self._ops.wait(self._ops.record())
+            group, halves = self._scratch(n, nbytes)
+            lane = self._pool_lane()
+            hosts = _host_tensors(src.views, nbytes)
+            freed: list[Any] = [None, None]  # after the last scatter out of each half
+            last: Any = None
+            for k, first in enumerate(range(0, n, group)):
+                m = min(group, n - first)
+                half = halves[k % 2]
+                with self._ops.lane(H2D):
+                    if freed[k % 2] is not None:
+                        self._ops.after(freed[k % 2])
+                    parts = [half[j * nbytes : (j + 1) * nbytes] for j in range(m)]
+                    pairs = list(zip(parts, hosts[first : first + m], strict=True))
+                    for dst, src_part in _coalesced(pairs):
+                        self._ops.copy(dst, src_part)
+                    copied = self._ops.record()
+                with self._ops.lane(lane):
+                    self._ops.after(copied)
+                    pages = DevicePages(dest.smap, dest.segments, dest.pages[first : first + m])
+                    self._ops.copy_pages(pages, half, _starts_in(m, nbytes), gather=False)
+                    freed[k % 2] = last = self._ops.record()
+            self._ops.wait(last)  # on one stream: after every group's scatter
         except torch.cuda.OutOfMemoryError as e:
             raise self._short_of_memory("host_to_pool", e) from None
         except RuntimeError as e:
@@ -562,6 +593,15 @@ class DeviceTier:
             raise ValueError(f"a slot is smaller than the {nbytes}-byte block")
         return self.allocator.offsets(arr).astype(np.int64)
 
+    def _scratch(self, n: int, nbytes: int) -> tuple[int, list[torch.Tensor]]:
+        """Device scratch for a bridge copy of ``n`` blocks: how many blocks a group takes,
+        and the halves the groups take in turn (one, when one group takes them all)."""
+        group = max(1, min(n, BRIDGE_SCRATCH_BYTES // 2 // nbytes))
+        if group >= n:
+            return n, [self._ops.empty(n * nbytes)]
+        scratch = self._ops.empty(2 * group * nbytes)
+        return group, [scratch[: group * nbytes], scratch[group * nbytes :]]
+
     def _pool_lane(self) -> str:
         return self._pool_lanes[next(self._next_lane) % len(self._pool_lanes)]
 
@@ -615,6 +655,11 @@ class DeviceTier:
         with self._lock:
             for name, value in deltas.items():
                 self._counters[name] = self._counters.get(name, 0) + value
+
+
+def _starts_in(m: int, nbytes: int) -> np.ndarray:
+    """Where ``m`` blocks of ``nbytes`` lie in scratch: one after another."""
+    return np.arange(m, dtype=np.int64) * nbytes
 
 
 def _coalesced(

@@ -13,6 +13,7 @@ import torch
 from kv_pools import LAYOUTS, make_pool
 
 from kvtier.kernels.runs import SegmentMap
+from kvtier.tiers import device
 from kvtier.tiers.base import (
     BlockRef,
     DevicePages,
@@ -279,6 +280,48 @@ def test_pool_and_host_without_an_l0_slot():
         assert torch.equal(pool.block(t), want)
     assert tier.allocator.used_slots == 0
     assert tier.stats().counters["blocks_host_to_pool"] == 4
+
+
+class _SizedOps(CpuOps):
+    """CpuOps that records the size of every device allocation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocated: list[int] = []
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        self.allocated.append(nbytes)
+        return super().empty(nbytes)
+
+
+def test_the_bridge_moves_a_batch_larger_than_its_scratch_in_groups(monkeypatch):
+    """The device scratch of a copy between pool pages and host memory stays within
+    BRIDGE_SCRATCH_BYTES whatever the batch (it was the whole batch: device memory past
+    the arena, kept by torch's allocator after the copy, that the engine on that GPU could
+    not have); the groups take its two halves in turn and every byte lands."""
+    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", 64 << 10)
+    ops = _SizedOps()
+    tier = _tier(ops)
+    pool = make_pool("vllm", layers=2, pages=48, tokens=8, heads=4, head_dim=32)
+    pool.fill_random(6)
+    nbytes = pool.layout.block_bytes
+    assert nbytes == 8 << 10  # groups of 4 blocks: 12 groups, each half taken 6 times
+    host = [bytearray(nbytes) for _ in range(48)]
+    order = [int(p) for p in np.random.default_rng(6).permutation(48)]
+    want = [pool.block(p) for p in order]
+    ops.allocated.clear()
+    assert tier.pool_to_host(
+        _pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes
+    )
+    for h, w in zip(host, want, strict=True):
+        assert bytes(h) == w.numpy().tobytes()
+    pool.poison()
+    assert tier.host_to_pool(HostBuffers([bytes(h) for h in host]), _pages(pool, order), nbytes)
+    for p, w in zip(order, want, strict=True):
+        assert torch.equal(pool.block(p), w)
+    assert ops.allocated == [64 << 10, 64 << 10]
+    counters = tier.stats().counters
+    assert counters["blocks_pool_to_host"] == counters["blocks_host_to_pool"] == 48
 
 
 def test_bad_slots_are_refused_before_any_copy():
