@@ -528,6 +528,30 @@ def test_on_a_gpu_round_trips_are_bit_exact_and_use_the_triton_kernel(kind):
 
 
 @pytest.mark.gpu
+def test_on_a_gpu_the_bridge_takes_its_scratch_halves_in_turn_bit_exact(monkeypatch):
+    """Groups of blocks through the two scratch halves, on three streams (the pool's, H2D,
+    D2H): a half is taken again only once the copies out of it have run (events), so no
+    group's bytes are overwritten by the next one's before they left."""
+    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", 1 << 20)
+    tier = DeviceTier(64 << 20, 8 << 20, streams=2)
+    pool = make_pool("vllm", layers=4, pages=64, tokens=16, heads=8, head_dim=64, device="cuda")
+    pool.fill_random(12)
+    nbytes = pool.layout.block_bytes
+    assert nbytes == 128 << 10  # groups of 4 blocks: 16 groups
+    order = [int(p) for p in np.random.default_rng(12).permutation(64)]
+    want = [pool.block(p).cpu() for p in order]
+    host = tier.host_buffers(64, nbytes)
+    assert tier.pool_to_host(_pages(pool, order), host, nbytes)
+    for view, w in zip(host.views, want, strict=True):
+        assert bytes(view[:nbytes]) == w.numpy().tobytes()
+    pool.poison()
+    assert tier.host_to_pool(host, _pages(pool, order), nbytes)
+    for p, w in zip(order, want, strict=True):
+        assert torch.equal(pool.block(p).cpu(), w)
+    tier.close()
+
+
+@pytest.mark.gpu
 def test_the_l1_arena_is_page_locked_with_cuda():
     from kvtier.tiers.host import HostArena
 
