@@ -13,9 +13,11 @@ shared-memory pools use) addresses. Before any byte is copied the daemon:
    opened allocation must really live there (FAILED_PRECONDITION otherwise);
 4. opens each distinct allocation once (``HandleTable``; several buffers or several pools in
    one allocation share the mapping), then checks every buffer against the real size of its
-   allocation (INVALID_ARGUMENT: a client cannot make the daemon touch memory it did not
-   export). A handle the driver cannot open (its process exited or freed it, or it is not a
-   handle) is FAILED_PRECONDITION. Whatever fails, every handle opened so far is closed.
+   allocation (INVALID_ARGUMENT: a client cannot make the daemon touch memory outside the
+   allocations its handles name). Which process exported a handle the daemon cannot tell: a
+   handle opens its allocation for whoever holds it, the session that presents it included.
+   A handle the driver cannot open (its process exited or freed it, or it is not a handle)
+   is FAILED_PRECONDITION. Whatever fails, every handle opened so far is closed.
 
 A pool belongs to its session; ``close()`` (unregister, session end, the engine's exit seen
 as the end of its session stream) releases its allocations once no copy uses it. Opened
