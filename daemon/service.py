@@ -367,14 +367,22 @@ class KVService:
         """GPU memory over CUDA IPC: the region and layout well formed (INVALID_ARGUMENT on
         any host, as a host pool's own content is), the rules of every pool (credentials,
         pools per session, block size against every tier's slots, L0's included), then the
-        GPU tier must run: only it reaches GPU memory."""
+        GPU tier must run and serve: only it reaches GPU memory, and after a CUDA fault it
+        serves nothing until the daemon restarts (nothing is opened through that context)."""
         session = self.sessions.get(session_id)
         plan_region(parse_region(region), layout)
         self._check_may_register(session, layout)
-        if self.store.stack.device is None:
+        device = self.store.stack.device
+        if device is None:
             raise FailedPrecondition(
                 "CUDA IPC pools need the GPU tier (L0), which this daemon does not run: set "
                 "tiers.l0.enabled=true on a host with CUDA"
+            )
+        health = device.tier.health()
+        if not health.serves_reads:
+            raise FailedPrecondition(
+                f"the GPU tier (L0), which CUDA IPC pools need, is {health}; it serves no GPU "
+                "pool until the daemon restarts"
             )
         return self.pools.register_cuda_ipc(session_id, region, layout)
 

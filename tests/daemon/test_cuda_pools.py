@@ -234,9 +234,9 @@ def test_the_daemon_answers_failed_precondition_and_keeps_serving(daemon):
 # ------------------------------------------------------- registration through the service
 
 
-def _service(tmp_path, *, l0: bool = True, sets: tuple[str, ...] = ()):
-    """A KVService over a real store (L0 on CpuOps when ``l0``, L1) whose pool registry
-    opens CUDA IPC pools through the CPU stand-in."""
+def _service(tmp_path, *, l0: bool = True, sets: tuple[str, ...] = (), ops=None):
+    """A KVService over a real store (L0 on ``ops``, CpuOps by default, when ``l0``; L1)
+    whose pool registry opens CUDA IPC pools through the CPU stand-in."""
     from kvtier.daemon.config import load_config
     from kvtier.daemon.credentials import FdCloser, TicketBook
     from kvtier.daemon.pools import PoolRegistry
@@ -249,7 +249,7 @@ def _service(tmp_path, *, l0: bool = True, sets: tuple[str, ...] = ()):
     config = load_config(None, list(sets))
     tiers: list[object] = [HostArena(4 << 20, 1 << 20)]
     if l0:
-        tiers.append(DeviceTier(4 << 20, 256 << 10, ops=CpuOps()))
+        tiers.append(DeviceTier(4 << 20, 256 << 10, ops=ops or CpuOps()))
     store = BlockStore(config, tiers=tiers)
     mapper = CpuMapper()
     tickets = TicketBook(FdCloser())
@@ -302,6 +302,39 @@ async def test_a_registered_gpu_pool_serves_puts_and_gets_and_dies_with_its_sess
         await service.put(session, pool.pool_id, keys[:1], [8], b"")
     service.close_session(session)  # the engine exited without unregistering
     assert not mapper.mapped and len(service.pools) == 0
+    service.store.close()
+
+
+async def test_a_gpu_tier_that_is_down_refuses_gpu_pools_naming_its_state(tmp_path):
+    """After a CUDA fault L0 serves no GPU pool until the daemon restarts: a registration is
+    FAILED_PRECONDITION naming L0's state, before anything is opened (it was registered, on
+    a GPU through the faulted context, and every Put and Get of it failed)."""
+    from kvtier.tiers.base import Health
+    from kvtier.tiers.device import CpuOps
+
+    class FaultingOps(CpuOps):
+        broken = False
+
+        def copy_pages(self, pages, slots, starts, *, gather):  # type: ignore[no-untyped-def]
+            if self.broken:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return super().copy_pages(pages, slots, starts, gather=gather)
+
+    ops = FaultingOps()
+    service, tickets, mapper = _service(tmp_path, ops=ops)
+    session = _session(service, tickets)
+    engine = make_pool("mla", layers=2, pages=4)
+    pool = service.register_cuda_ipc_pool(session, _export(mapper, engine), engine.layout)
+    ops.broken = True
+    results, _ = await service.put(session, pool.pool_id, [b"k" * 32], [0], b"")
+    assert results.tolist() != [0]  # not stored: the copy into L0 faulted
+    assert service.store.stack.device.tier.health().state is Health.DOWN
+    opens = mapper.opens
+    other = make_pool("mla", layers=2, pages=4)
+    with pytest.raises(FailedPrecondition, match=r"GPU tier .*down: .*illegal memory access"):
+        service.register_cuda_ipc_pool(session, _export(mapper, other), other.layout)
+    assert mapper.opens == opens and len(service.pools) == 1
+    await service.unregister_pool(session, pool.pool_id)
     service.store.close()
 
 
