@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -1953,3 +1954,39 @@ def test_regression_an_index_read_that_failed_midway_let_the_slots_of_unread_row
         assert not tier.allocator.can_allocate(65_536)
         assert tier.allocator.allocate(65_536) is None
         assert tier.health().state is not Health.OK
+
+
+def test_regression_a_transfer_refused_o_direct_while_another_falls_back_is_not_a_fault(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A filesystem that refuses O_DIRECT transfers, and two runs of the first batch in flight
+    on the O_DIRECT descriptors: the one refused after the other switched the tier to
+    buffered I/O is tried again on the new descriptors, not failed (that failed its blocks
+    and degraded the tier for good, as an I/O error)."""
+    refused = threading.Barrier(2, timeout=10)
+    calls = []
+    lock = threading.Lock()
+
+    def refuse_direct(fd: int, offset: int) -> None:
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            return
+        with lock:
+            calls.append(offset)
+            n = len(calls)
+        if n <= 2:
+            refused.wait()  # both transfers are in flight on the O_DIRECT descriptors
+        if n == 2:
+            # Refused once the other's refusal switched the tier over.
+            give_up = time.monotonic() + 10
+            while tier.files.direct and time.monotonic() < give_up:
+                time.sleep(0.001)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with _open(disk_dir, backend=faulty_files) as tier:
+        faulty_files.faults["pwritev"] = refuse_direct
+        items = _items(tier, make_block, list(range(8)), MiB)
+        outcomes = persist(tier, items)
+        assert len(calls) >= 2
+        assert not tier.direct_io
+        assert tier.health().state is Health.OK, tier.health()
+        assert all(o.ok for o in outcomes)

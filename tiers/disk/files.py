@@ -275,10 +275,14 @@ class SlotFiles:
 
     def transfer(self, writing: bool, file: int, iovs: list[memoryview], offset: int) -> None:
         call = self.backend.pwritev if writing else self.backend.preadv
+        # Whether this transfer goes through an O_DIRECT descriptor, read before the
+        # descriptor: another thread may switch to buffered I/O while it runs, and its refusal
+        # is then one more of the same, not a fault.
+        direct = self.direct
         try:
             transfer_all(call, self.fds[file], iovs, offset)
         except OSError as e:
-            if e.errno != errno.EINVAL or not self.direct:
+            if e.errno != errno.EINVAL or not direct:
                 raise
             # Some filesystems accept O_DIRECT at open and refuse it at the first transfer.
             self.fall_back_to_buffered(e)
