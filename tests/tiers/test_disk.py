@@ -1990,3 +1990,51 @@ def test_regression_a_transfer_refused_o_direct_while_another_falls_back_is_not_
         assert not tier.direct_io
         assert tier.health().state is Health.OK, tier.health()
         assert all(o.ok for o in outcomes)
+
+
+def test_regression_a_write_that_went_down_before_a_failed_sync_of_its_file_is_not_durable(
+    disk_dir: Path, faulty_files: FaultyFiles
+) -> None:
+    """A write whose bytes reached a data file while another group's fdatasync of that file
+    was under way, a sync that then failed as the disk was full (ENOSPC: the tier takes
+    writes again once space returns). The kernel reports a writeback error to a descriptor
+    once: the write's own sync of the file, in the next group, succeeds though its pages may
+    have been in the writeback that failed. It was committed and reported durable; it is a
+    failed write, with no row."""
+    tier = _open(disk_dir, direct_io=False, backend=faulty_files)
+    nbytes = 64 * 1024
+    slots = [tier.allocator.allocate(nbytes) for _ in range(2)]
+    assert tier.slot_location(slots[0])[0] == tier.slot_location(slots[1])[0]
+    in_sync, written = threading.Event(), threading.Event()
+    syncs = []
+
+    def first_sync_fails(fd: int) -> None:
+        syncs.append(fd)
+        if len(syncs) == 1:  # the leader's: held until the other write's bytes are down
+            in_sync.set()
+            assert written.wait(10)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def note_written(fd: int, offset: int) -> None:
+        if in_sync.is_set():
+            written.set()
+
+    faulty_files.faults["fdatasync"] = first_sync_fails
+    data = [os.urandom(nbytes) for _ in range(2)]
+    refs = [BlockRef(1, os.urandom(32)) for _ in range(2)]
+
+    def write(i: int) -> bool:
+        batch = WriteBatch([slots[i]], [refs[i]], nbytes, HostBuffers([memoryview(data[i])]))
+        return bool(tier.write(batch)[0].ok)
+
+    with ThreadPoolExecutor(2) as pool:
+        leader = pool.submit(write, 0)
+        assert in_sync.wait(10)
+        faulty_files.faults["pwritev"] = note_written
+        follower = pool.submit(write, 1)
+        ok = [leader.result(), follower.result()]
+    assert len(syncs) == 2  # the follower's own sync, which succeeded
+    assert ok == [False, False]
+    tier.close()
+    with _open(disk_dir) as again:
+        assert len(again.recover()) == 0

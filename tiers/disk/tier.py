@@ -20,7 +20,8 @@ Invariants:
   writes, syncs their files and only then commits, while the others wait for its answer.
   A crash at any moment therefore loses at most blocks still in flight (an uncommitted
   transaction is rolled back) and never makes a row point at a half-written slot. A block
-  whose write or sync failed has its row deleted before the commit.
+  whose write failed, or in a file one of whose syncs failed since its write started (a
+  failed writeback is reported once), has its row deleted before the commit.
 - A slot is given back to the allocator only after the deletion of its row is durable, and a
   slot rewritten in place loses its row (durably) before the new bytes go down, so no crash
   can leave a row over bytes it does not describe.
@@ -233,15 +234,28 @@ class _Ticket:
     going: ``finish_writes`` waits for them (the group's leader calls it, or the writer
     itself once its step is over; never both at once)."""
 
-    __slots__ = ("batch", "committed", "done", "error", "io_error", "live", "wait", "ws")
+    __slots__ = (
+        "batch",
+        "committed",
+        "done",
+        "error",
+        "io_error",
+        "live",
+        "sync_failures",
+        "wait",
+        "ws",
+    )
 
     def __init__(
         self,
         ws: WriteSet,
         started: tuple[np.ndarray, Callable[[], None]] | None,
         batch: WriteBatch,
+        sync_failures: np.ndarray,
     ) -> None:
         self.ws = ws
+        # How many syncs of each data file had failed before the writes started.
+        self.sync_failures = sync_failures
         # The positions whose writes started (their checksums are set), and the call that
         # waits for those writes; None: nothing was attempted.
         self.live: np.ndarray | None = None
@@ -462,6 +476,8 @@ class DiskTier:
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
+        # Failed syncs of each data file (``_sync_written``).
+        self._sync_failures = np.zeros(0, dtype=np.int64)
         self._group = _GroupCommit(self._make_durable)
         self._pending_recovery: tuple[list[tuple[Path, int]], list[int], dict[int, str]] | None
         self._pending_recovery = None
@@ -540,6 +556,7 @@ class DiskTier:
         except BaseException:
             self._release_resources()
             raise
+        self._sync_failures = np.zeros(len(self.files.paths), dtype=np.int64)
         try:
             self._executor = PriorityExecutor(io_threads, "l2-io")
             self._io = BatchIO(self.files, self.faults, self._executor, io_threads)
@@ -584,7 +601,9 @@ class DiskTier:
             )
         addresses = batch.src.addresses if isinstance(batch.src, HostBuffers) else None
         ws = self._write_set(batch.slots, views, batch.nbytes, addresses)
-        ticket = _Ticket(ws, self._start_writes(ws, batch), batch)
+        with self._state_lock:
+            failures = self._sync_failures.copy()  # before any byte goes down
+        ticket = _Ticket(ws, self._start_writes(ws, batch), batch, failures)
         try:
             self._group.join(ticket)
         finally:
@@ -659,8 +678,12 @@ class DiskTier:
             t.committed = committed
 
     def _sync_written(self, attempted: list[_Ticket]) -> None:
-        """Wait for the tickets' writes, sync the files they wrote (a block in a file whose
-        sync failed is not ok) and count the blocks written."""
+        """Wait for the tickets' writes, sync the files they wrote and count the blocks
+        written. A block is not ok in a file whose sync failed since its write started, this
+        one or an earlier group's: the kernel reports a failed writeback once per open file,
+        so a later sync of the file succeeds though the block's pages may have been in the
+        writeback that failed (a sync that failed as the disk was full leaves the tier
+        taking writes)."""
         for t in attempted:
             t.finish_writes()
         written = [t.ws.files[t.ws.ok] for t in attempted]
@@ -669,9 +692,12 @@ class DiskTier:
             # At the most urgent class among the writers, and the highest rank within it.
             first = min(attempted, key=lambda t: (t.batch.priority, -t.batch.rank)).batch
             failed = self._io.sync_files(files, first.priority, first.rank)
-            if failed:
-                lost = np.fromiter(failed, dtype=np.int64, count=len(failed))
-                for t in attempted:
+            with self._state_lock:
+                self._sync_failures[list(failed)] += 1
+                failures = self._sync_failures.copy()
+            for t in attempted:
+                lost = np.flatnonzero(failures != t.sync_failures)
+                if len(lost):
                     t.ws.ok &= ~np.isin(t.ws.files, lost)
         for t in attempted:
             ok = int(np.count_nonzero(t.ws.ok))
