@@ -37,6 +37,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.disk import DiskTier, ReadItem, checksum
 from kvtier.tiers.disk import index as index_module
+from kvtier.tiers.disk.tier import space_shortfall
 from kvtier.tiers.host import HostArena
 
 MiB = 1 << 20
@@ -195,6 +196,32 @@ def test_capacity_change_keeps_the_blocks_that_fit(
         assert sorted(p.name for p in disk_dir.glob("data-*.bin")) == ["data-0000.bin"]
         survivors = {i: b for i, b in blocks.items() if b[0] in kept}
         assert _read(tier, survivors) == {i: b[2] for i, b in survivors.items()}
+
+
+def test_regression_a_capacity_change_past_max_files_files_keeps_the_blocks(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Past ``MAX_FILES`` files of ``file_bytes`` (1 TiB of 4 GiB files by default) the size
+    of a data file follows the capacity, and a block's file and offset follow that size: a
+    capacity grown or shrunk there made the index one of another layout, moved aside, every
+    block gone (the index is kept when only the capacity changes). The tier keeps the size
+    its index was made for, here 64 KiB files of 64 KiB segments, 256 of them at 16 MiB."""
+    seg = 64 * 1024
+
+    def tier(capacity: int) -> DiskTier:
+        return DiskTier(disk_dir, capacity, seg, file_bytes=seg)
+
+    with tier(16 * MiB) as t:
+        blocks = _persist(t, make_block, list(range(64)), 4096)
+        assert len(t.files.paths) == 256
+    for capacity, files in ((24 * MiB, 384), (12 * MiB, 192)):
+        assert space_shortfall(disk_dir, capacity, seg, seg) is None
+        with tier(capacity) as t:
+            assert len(t.recover()) == len(blocks)
+            assert len(t.files.paths) == files
+            assert t.stats().counters["index_moved_aside"] == 0
+            assert _read(t, blocks) == {i: b[2] for i, b in blocks.items()}
+    assert len(list(disk_dir.glob("index.sqlite3.old-*"))) == 0
 
 
 # ------------------------------------------------------------------------ zero copy

@@ -23,7 +23,8 @@ At open, an index SQLite cannot read or that fails ``quick_check``, or one witho
 metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
 made for another geometry (segment or file size, format, checksum), since its slot numbers
 would mean other bytes. A changed capacity alone keeps the index: the rows beyond it are dropped
-by recovery. What happened is reported (``moved_aside``), not only logged.
+by recovery (and the tier keeps the file size the index was made for where the capacity alone
+would change it: ``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported (``moved_aside``), not only logged.
 
 While open, every commit (a block's, a delete's, a quarantine's) checks that the index file
 and its WAL are still the ones its path names (device and inode): SQLite keeps writing to files
@@ -163,6 +164,24 @@ def _insert(db: sqlite3.Connection, rows: Sequence[BlockRow]) -> None:
         db.executemany(_INSERT_MANY, [flat[i : i + width] for i in range(0, len(flat), width)])
     if full < len(rows):
         db.executemany(_INSERT_ONE, rows[full:])
+
+
+def stored_geometry(directory: Path) -> dict[str, str]:
+    """The geometry the index in ``directory`` was made for (its ``meta``), read through a
+    read-only connection that changes nothing; {} where there is no index, one of its files
+    is a symbolic link, or it cannot be read so (the open then decides what it holds)."""
+    path = directory / INDEX_NAME
+    files = [path.with_name(path.name + end) for end in ("", "-wal", "-shm", "-journal")]
+    try:
+        if not path.is_file() or any(f.is_symlink() for f in files):
+            return {}
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        try:
+            return {str(k): str(v) for k, v in db.execute("SELECT name, value FROM meta")}
+        finally:
+            db.close()
+    except (OSError, sqlite3.Error):
+        return {}
 
 
 def _count_nothing(**_: int) -> None:

@@ -96,6 +96,7 @@ from kvtier.tiers.disk.index import (
     DiskIndex,
     IndexFilesReplaced,
     IndexUpgradeFailed,
+    stored_geometry,
 )
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
 from kvtier.tiers.executor import PriorityExecutor, Urgency
@@ -112,6 +113,9 @@ FORMAT_VERSION = 1
 DIR_MODE = 0o700
 DEFAULT_FILE_BYTES = 4 << 30
 MAX_FILES = 256
+# A capacity change keeps the data files' size the index was made for while at most this
+# many files of it hold the new capacity (``data_file_bytes``).
+MAX_KEPT_FILES = 2 * MAX_FILES
 # How long a tier opening a directory whose lock only checks hold (``kvtierd --check-config``,
 # each for a moment) keeps trying, and how often it tries: only checks run back to back for
 # that long make the open fail.
@@ -139,6 +143,36 @@ def choose_file_bytes(capacity_bytes: int, segment_bytes: int, file_bytes: int |
         raise ValueError(f"file_bytes must be positive, not {want}")
     want = max(want, -(-capacity_bytes // MAX_FILES))
     return -(-want // segment_bytes) * segment_bytes
+
+
+def data_file_bytes(
+    directory: str | os.PathLike[str],
+    capacity_bytes: int,
+    segment_bytes: int,
+    file_bytes: int | None,
+) -> int:
+    """The size of each data file of a tier of this geometry in ``directory``:
+    ``choose_file_bytes``, unless the index there was made for files of another size, at
+    least ``file_bytes``, of which at most ``MAX_KEPT_FILES`` hold the capacity: that size is
+    kept. A size the ``MAX_FILES`` bound made larger than ``file_bytes`` depends on the
+    capacity, and a block's file and offset depend on the size: any change of a capacity
+    above ``MAX_FILES`` files of ``file_bytes`` (1 TiB by default), or across it, moved the
+    index aside and started the tier empty. (``capacity_bytes``: whole segments.)"""
+    chosen = choose_file_bytes(capacity_bytes, segment_bytes, file_bytes)
+    meta = stored_geometry(Path(directory))
+    stored = meta.get("file_bytes", "")
+    if not stored.isdigit() or int(stored) == chosen:
+        return chosen
+    kept = int(stored)
+    wanted = DEFAULT_FILE_BYTES if file_bytes is None else file_bytes
+    if (
+        meta.get("segment_bytes") != str(segment_bytes)
+        or kept % segment_bytes
+        or kept < wanted
+        or -(-capacity_bytes // kept) > MAX_KEPT_FILES
+    ):
+        return chosen
+    return kept
 
 
 class SpaceShortfall(NamedTuple):
@@ -186,7 +220,9 @@ def space_shortfall(
     of ``DiskTier``'s open. Reads only; creates nothing."""
     directory = Path(os.path.abspath(directory))
     capacity = capacity_bytes // segment_bytes * segment_bytes  # as the allocator rounds it
-    files = layout(directory, capacity, choose_file_bytes(capacity, segment_bytes, file_bytes))
+    files = layout(
+        directory, capacity, data_file_bytes(directory, capacity, segment_bytes, file_bytes)
+    )
     needed = sum(max(0, size - _allocated(path)) for path, size in files)
     aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
     held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
@@ -442,7 +478,9 @@ class DiskTier:
         tier allocates nothing until then).
 
         ``file_bytes``: size of each data file (rounded up to whole segments; default
-        ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files). ``direct_io=False``
+        ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files; an index made for
+        files of another size, at least this, keeps that size while at most
+        ``MAX_KEPT_FILES`` of them hold the capacity: ``data_file_bytes``). ``direct_io=False``
         forces buffered I/O. ``enospc_retry_s``: while degraded by a full disk or a locked index,
         one write batch per this many seconds is let through to find out whether it cleared.
         ``index_watch_s``: how often a thread of the tier checks the index files between
@@ -497,6 +535,7 @@ class DiskTier:
         try:
             self._make_directory()
             self._lock_directory()
+            self._keep_file_bytes(file_bytes)
             shortfall = space_shortfall(
                 self.directory,
                 capacity_bytes,
@@ -1278,6 +1317,26 @@ class DiskTier:
                     f"({refused.strerror})"
                 ) from None
             time.sleep(PROBE_RETRY_S)
+
+    def _keep_file_bytes(self, file_bytes: int | None) -> None:
+        """Keep the size of data file the index was made for where a capacity change alone
+        would change it (``data_file_bytes``)."""
+        alloc = self.allocator
+        kept = data_file_bytes(
+            self.directory, alloc.capacity_bytes, alloc.segment_bytes, file_bytes
+        )
+        if kept == self._file_bytes:
+            return
+        log.warning(
+            "L2 keeps data files of %s, the size its index was made for, not %s: the blocks "
+            "stay where they are",
+            format_size(kept),
+            format_size(self._file_bytes),
+        )
+        self._file_bytes = kept
+        self.files = SlotFiles(
+            self.directory, layout(self.directory, alloc.capacity_bytes, kept), kept, self._backend
+        )
 
     def _geometry(self) -> dict[str, str]:
         return {
