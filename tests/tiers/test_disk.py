@@ -1983,6 +1983,27 @@ def test_regression_an_index_read_that_failed_midway_let_the_slots_of_unread_row
         assert tier.health().state is not Health.OK
 
 
+def test_regression_a_recovery_left_before_its_last_chunk_lets_no_slot_of_an_unread_row_go(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """The store leaves ``recover_chunks`` before its end when indexing a chunk raises (it logs
+    that and serves what it indexed) or when it stops during recovery (the flush at stop then
+    allocates). The generator's close ended recovery as if every row had been read: the
+    allocator handed out the slots of the unread rows, and a block written there took the
+    place of a durable one (its row replaced at the commit)."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 65_536)
+    with _open(disk_dir, recover_later=True) as tier:
+        chunks = tier.recover_chunks(rows=1)
+        assert len(next(chunks)) == 1
+        chunks.close()
+        assert not tier.allocator.can_allocate(65_536)
+        assert tier.allocator.allocate(65_536) is None
+    with _open(disk_dir) as tier:
+        assert len(tier.recover()) == 4
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
 def test_regression_a_transfer_refused_o_direct_while_another_falls_back_is_not_a_fault(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

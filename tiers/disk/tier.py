@@ -857,8 +857,9 @@ class DiskTier:
         """The blocks the index holds from before this open, ``rows`` at a time, each chunk's
         slots claimed in ``allocator`` as it is handed over. Rows whose bytes are gone (a
         damaged data file) or that do not fit the tier are dropped and counted by reason.
-        Until the last chunk is out the allocator hands out nothing; once it is, every slot
-        without a row is free. Handed over once; later calls yield nothing."""
+        Until the last chunk is out the allocator hands out nothing (for good when the
+        consumer leaves before it, closing the generator); once it is, every slot without a
+        row is free. Handed over once; later calls yield nothing."""
         if self._recovered is not None:
             done, self._recovered = self._recovered, None
             if len(done):
@@ -874,7 +875,9 @@ class DiskTier:
         drop: list[int] = []
         total = kept = 0
         index_rows = self._index_rows(rows)
-        unread = False
+        # Until every row is read: a consumer may also leave before the end (the generator
+        # closed at a yield), and the slots of the rows it did not take stay unavailable.
+        unread = True
         try:
             try:
                 for chunk in index_rows:
@@ -885,11 +888,19 @@ class DiskTier:
                     kept += len(blocks)
                     if len(blocks):
                         yield blocks
+                unread = False
+            except GeneratorExit:
+                log.warning(
+                    "L2 recovery was left after %d index rows, before the last: the tier "
+                    "stores no new block until a restart reads them all",
+                    total,
+                )
+                self.faults.note("recovery left before its last row: no new block until restart")
+                raise
             except sqlite3.Error as e:
                 # The rows not read yet still name their slots: handed out, a slot would meet
                 # its old row at the next start. Nothing is allocated until a restart reads
                 # them all; what was read is served.
-                unread = True
                 self.faults.fault(classify(e), "index read")
             if drop:
                 log.warning(
