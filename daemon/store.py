@@ -1647,10 +1647,20 @@ class BlockStore:
         removing.update(keys)
         try:
             # A tier's fault is its own: it keeps a removal it could not send, to send again.
-            await asyncio.gather(
-                *(eager_future(level.keys.remove(refs)) for level in self._keyed),
+            # Anything else it raises is a defect of its own, logged, not the Delete's.
+            levels = self._keyed
+            outcomes = await asyncio.gather(
+                *(eager_future(level.keys.remove(refs)) for level in levels),
                 return_exceptions=True,
             )
+            for level, outcome in zip(levels, outcomes, strict=True):
+                if isinstance(outcome, Exception):
+                    log.error(
+                        "%s: removing %d deleted keys failed; they may be found there again",
+                        level.label,
+                        len(refs),
+                        exc_info=outcome,
+                    )
         finally:
             for key in keys:
                 if (left := removing[key] - 1) > 0:

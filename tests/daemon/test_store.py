@@ -1404,6 +1404,34 @@ async def test_regression_a_lookup_probing_l3_while_a_delete_removed_there_kept_
     assert await get(store, pool, chain, [10, 11]) == [True] * 2
 
 
+class FailingRemovalTier(MemoryKeyTier):
+    """A key-addressed tier whose removals fail with an error it does not expect."""
+
+    async def remove(self, blocks):
+        raise RuntimeError("the tier's own defect")
+
+
+async def test_regression_a_key_tiers_unexpected_removal_error_was_dropped_unlogged(
+    make_store, caplog
+):
+    """A Delete gathered its key-addressed tiers' removals with their exceptions returned
+    and looked at none: a tier failing for a reason of its own (not a store it cannot
+    reach, which it keeps to resend) left the deleted keys there, to be found again, with no
+    line in the log. The Delete still answers (the table's copies are gone), and the failure
+    is logged at ERROR naming the tier."""
+    clock = Clock()
+    store, pool = make_store(clock, l3=FailingRemovalTier()), make_pool()
+    chain = keys(2)
+    await put(store, pool, chain)
+    with caplog.at_level(logging.ERROR, logger=store_module.__name__):
+        result = await store.delete(0, chain)
+    assert result == store_module.DeleteResult(deleted=2, missing=0, busy=0)
+    failed = [r for r in caplog.records if "removing 2 deleted keys failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].levelno == logging.ERROR
+    assert failed[0].getMessage().startswith("L3:")
+    assert isinstance(failed[0].exc_info[1], RuntimeError)
+
+
 async def test_regression_a_put_while_a_delete_freed_l2_slots_lost_its_l3_copy_to_it(
     make_store,
 ):
