@@ -733,6 +733,10 @@ class Client:
             if unclean(from_rpc_error(e)):
                 self._unconfirmed_unregistration(request)  # sent again before a registration
             return False
+        except ValueError:  # grpc's answer to a call on a channel close() closed meanwhile
+            if not self._closed:
+                raise
+            return False  # the session went with the client: nothing to confirm
         return True
 
     # ---------------------------------------------------------------- blocks

@@ -733,6 +733,24 @@ def test_a_fence_refused_unrun_is_sent_again_and_confirmed(daemon):
         assert refused and client.stats().gauges["pools"] == 0
 
 
+def test_regression_a_fence_racing_close_on_another_thread_raised_a_bare_value_error(daemon):
+    """A ``fence_pool`` whose UnregisterPool was sent just as another thread closed the
+    client (the GPU connector's fence thread at shutdown) raised gRPC's bare ValueError for
+    a call on a closed channel, past the caller's ``except KvtierError``. The session is gone
+    with the client, so the fence cannot be confirmed: False, as the docstring says."""
+    layout = LAYOUTS["staging"]
+    with daemon.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        real = client.stub.UnregisterPool
+
+        def closed_meanwhile(request, timeout=None):
+            client.close()
+            return real(request, timeout=timeout)
+
+        client.stub.UnregisterPool = closed_meanwhile
+        assert client.fence_pool(pool.binding, timeout_s=5) is False
+
+
 class _RefusedCall:
     """An OpenSession stream (blocking or asyncio) that the daemon's HTTP/2 layer refused."""
 
