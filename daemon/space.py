@@ -1385,8 +1385,10 @@ class SpaceManager:
             if level.keyed or (level is self.stack.top and len(self.stack) == 1):
                 continue
             alloc = level.slots.allocator
+            # What no block fits into counts as filled: a tier of blocks that leave a tail
+            # in each segment never reached its high watermark by its used bytes alone.
             excess = level.guard.to_free(
-                alloc.used_bytes, alloc.capacity_bytes, now, self.started_at
+                alloc.filled_bytes, alloc.capacity_bytes, now, self.started_at
             )
             resident = len(level.policy)
             if excess <= 0 or resident == 0:

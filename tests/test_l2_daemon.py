@@ -512,6 +512,30 @@ def test_an_evict_of_a_block_used_within_protect_s_keeps_it_and_the_lower_copy_i
         assert page(shm.array(), 5) == page(data, 0)
 
 
+def test_regression_a_full_l1_of_blocks_leaving_a_tail_in_each_segment_was_never_balanced(
+    daemon_factory, tmp_path
+):
+    """Regression: the balancer measured a tier's fill by the bytes of its slots in use, and
+    96 KiB blocks fill 960 KiB of each 1 MiB segment: an L1 with no free slot was at 93.75%,
+    under its 0.95 high watermark, for good, and every later put demoted on its own path. A
+    segment's tail too short for another slot now counts as filled."""
+    d = daemon_factory(*SMALL_L1, *l2_args(tmp_path / "l2"), l1_bytes="4MiB")
+    lay = PoolLayout.staging(num_layers=2, num_pages=40, block_tokens=16, chunk_bytes=24 << 10)
+    with d.client() as client, SharedMemoryPool.for_layout(lay) as shm:
+        pool = client.register_pool(shm, lay)
+        assert pool.block_bytes == 96 << 10
+        ks = keys(40, 12)
+        assert client.put(pool.pool_id, ks, range(40)).stored == 40  # every L1 slot
+
+        def l1_blocks() -> int:
+            return {t.tier: t.blocks for t in client.stats().tiers}[Tier.L1_HOST]
+
+        # Down to the low watermark (0.90 of 4 MiB): 5 blocks to L2, 35 left.
+        wait_for(lambda: l1_blocks() == 35)
+        assert client.stats().counter("watermark_evictions", tier="L1") == 5
+        assert client.lookup(ks).tiers.count(Tier.L2_DISK) == 5
+
+
 def test_l2_state_and_usage_are_reported(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2"))
     with d.client() as client:

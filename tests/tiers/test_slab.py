@@ -265,3 +265,23 @@ def test_segment_used_counts_the_slots_handed_out_in_each_segment(cls):
     alloc.free(big[0])
     assert alloc.segment_used(segs).tolist() == [246, 44, 0]  # the big one's is free again
     assert alloc.segment_used(np.arange(4)).sum() == alloc.used_slots
+
+
+@pytest.mark.parametrize("cls", [SlabAllocator, LockedSlab])
+def test_filled_bytes_counts_the_tails_no_slot_fits(cls):
+    """What the balancer measures against the watermarks: 96 KiB slots fill 960 KiB of a
+    1 MiB segment, and a tier with no free slot is filled to its capacity."""
+    alloc = cls(4 * MiB, 1 * MiB)
+    slot = 96 << 10
+    tail = MiB - 10 * slot
+    taken = alloc.allocate_many(slot, 40)
+    assert len(taken) == 40 and alloc.allocate(slot) is None
+    assert (alloc.used_bytes, alloc.filled_bytes) == (40 * slot, alloc.capacity_bytes)
+    alloc.free_many(taken[:5])  # from one segment: a free slot there
+    assert alloc.filled_bytes == 35 * slot + 4 * tail
+    alloc.free_many(taken[5:10])  # that segment is free again, its tail with it
+    assert alloc.filled_bytes == 30 * slot + 3 * tail
+    small = alloc.allocate_many(4096, 3)  # 4 KiB slots leave no tail
+    assert alloc.filled_bytes == 30 * slot + 3 * tail + 3 * 4096 == alloc.used_bytes + 3 * tail
+    alloc.free_many(taken[10:] + small)
+    assert alloc.filled_bytes == 0 == alloc.used_bytes
