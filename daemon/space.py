@@ -1396,8 +1396,10 @@ class SpaceManager:
             n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
             victims = self._victims(level, n, now, self.evictable(level, now))
             if len(victims):
-                await self.evict(level, victims, Priority.BACKGROUND)
-                self.counters.inc("watermark_evictions", len(victims), tier=level.label)
+                # Not the victims that stayed (read, pinned or hinted while they were
+                # demoted): ``evictions`` does not count them either.
+                _, _, evicted = await self._evict(level, victims, Priority.BACKGROUND)
+                self.counters.inc("watermark_evictions", evicted, tier=level.label)
 
     # --------------------------------------------------------------- background
 

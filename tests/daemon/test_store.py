@@ -870,6 +870,34 @@ async def test_watermarks_move_the_coldest_blocks_down(make_store):
     assert store.counters.get("watermark_evictions", tier="L1") == 8
 
 
+async def test_regression_the_balancer_counted_a_victim_that_stayed_as_evicted(
+    make_store, monkeypatch
+):
+    """A victim read while the balancer demoted it stays in L1 (its protection restarted);
+    watermark_evictions counted it all the same, so it said more blocks left than
+    evictions did (8 of 7)."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        l2_segments=2,
+        protect_s=5.0,
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    a = keys(12)
+    await put(store, pool, a)
+    clock.now += 10
+    demoting, gate = _gate_first_call(monkeypatch, store.space, "place")
+    balancing = asyncio.create_task(store.balance())
+    await demoting.wait()
+    await store.lookup(0, a[:1])  # the coldest victim, read meanwhile
+    gate.set()
+    await balancing
+    assert where(store, a) == ["L1"] + ["L2"] * 7 + ["L1"] * 4
+    assert store.counters.get("evictions", tier="L1") == 7
+    assert store.counters.get("watermark_evictions", tier="L1") == 7
+
+
 @pytest.mark.parametrize("warmup_s, demoted", [(0.0, 8), (3600.0, 0)])
 async def test_warm_up_holds_watermark_demotion_until_the_hard_limit(make_store, warmup_s, demoted):
     clock = Clock()
