@@ -1373,8 +1373,11 @@ class SpaceManager:
 
     async def balance(self) -> None:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
-        below the low watermark. During warm-up nothing moves before the hard limit. A lone
-        top tier is left alone: dropping early would only waste capacity. First, frees a
+        below the low watermark. During warm-up nothing moves before the hard limit. A tier
+        in memory with no slot tier below it (a lone top tier, L1 above L3 alone) is left
+        alone: its victims would not move but be dropped (demotion never writes to a
+        key-addressed tier), and dropping early would only waste capacity; a persistent one
+        is kept under its watermarks, its drops being I/O done ahead of need. First, frees a
         persistent tier could not do whose wait is over are tried again (``retry_frees``:
         the balancer's period is their timer)."""
         self.apply_touches()
@@ -1382,7 +1385,9 @@ class SpaceManager:
             self.retry_frees()
         now = self._clock()
         for level in self.stack:
-            if level.keyed or (level is self.stack.top and len(self.stack) == 1):
+            if level.keyed or not (
+                level.persistent or any(not lv.keyed for lv in self.stack.lower(level.kind))
+            ):
                 continue
             alloc = level.slots.allocator
             # What no block fits into counts as filled: a tier of blocks that leave a tail

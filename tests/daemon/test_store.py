@@ -870,6 +870,27 @@ async def test_watermarks_move_the_coldest_blocks_down(make_store):
     assert store.counters.get("watermark_evictions", tier="L1") == 8
 
 
+async def test_regression_the_balancer_dropped_blocks_of_an_l1_with_only_l3_below(make_store):
+    """Regression: L1 above its high watermark with only L3 below was balanced as if its
+    blocks moved down, but demotion never writes to L3 (it is written behind, by its
+    admission: a block seen once is not there): the balancer dropped L1's coldest blocks
+    out of the store while L1 had room, which a lone L1 keeps. A real daemon (4 MiB L1,
+    a real redis-server) kept 57 of 62 blocks put, 62 now."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        l3=MemoryKeyTier(clock=clock),
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    a = keys(12)  # 75% of L1; L3's default admission (second_hit) writes none of them
+    await put(store, pool, a)
+    clock.now += 10
+    await store.balance()
+    assert where(store, a) == ["L1"] * 12
+    assert store.counters.get("watermark_evictions", tier="L1") == 0
+
+
 async def test_regression_the_balancer_counted_a_victim_that_stayed_as_evicted(
     make_store, monkeypatch
 ):
