@@ -1374,20 +1374,19 @@ class SpaceManager:
     async def balance(self) -> None:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
         below the low watermark. During warm-up nothing moves before the hard limit. A tier
-        in memory with no slot tier below it (a lone top tier, L1 above L3 alone) is left
-        alone: its victims would not move but be dropped (demotion never writes to a
-        key-addressed tier), and dropping early would only waste capacity; a persistent one
-        is kept under its watermarks, its drops being I/O done ahead of need. First, frees a
-        persistent tier could not do whose wait is over are tried again (``retry_frees``:
-        the balancer's period is their timer)."""
+        in memory with no slot tier below it that takes writes now (a lone top tier, L1
+        above L3 alone, L1 above a disk out of space) is left alone: its victims would not
+        move but be dropped (demotion never writes to a key-addressed tier), and dropping
+        early would only waste capacity; a persistent one is kept under its watermarks, its
+        drops being I/O done ahead of need. First, frees a persistent tier could not do
+        whose wait is over are tried again (``retry_frees``: the balancer's period is their
+        timer)."""
         self.apply_touches()
         if self.unfreed:
             self.retry_frees()
         now = self._clock()
         for level in self.stack:
-            if level.keyed or not (
-                level.persistent or any(not lv.keyed for lv in self.stack.lower(level.kind))
-            ):
+            if level.keyed or not (level.persistent or self._moves_down(level)):
                 continue
             alloc = level.slots.allocator
             # What no block fits into counts as filled: a tier of blocks that leave a tail
@@ -1405,6 +1404,13 @@ class SpaceManager:
                 # demoted): ``evictions`` does not count them either.
                 _, _, evicted = await self._evict(level, victims, Priority.BACKGROUND)
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
+
+    def _moves_down(self, level: Level) -> bool:
+        """Whether a slot tier below ``level`` takes writes now (``_demote``'s targets)."""
+        return any(
+            not lower.keyed and lower.tier.health().accepts_writes
+            for lower in self.stack.lower(level.kind)
+        )
 
     # --------------------------------------------------------------- background
 

@@ -891,6 +891,27 @@ async def test_regression_the_balancer_dropped_blocks_of_an_l1_with_only_l3_belo
     assert store.counters.get("watermark_evictions", tier="L1") == 0
 
 
+async def test_regression_the_balancer_dropped_l1_blocks_while_l2_took_no_writes(make_store):
+    """Regression: with L2 taking no writes (out of space, I/O errors), L1 above its high
+    watermark was balanced all the same: its victims could not move down and left the store,
+    while L1 had room for them. They stay now, and move down once L2 takes writes again."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 2 * SEG, SEG, persistent=True)
+    store = make_store(
+        clock, l2=l2, sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25")
+    )
+    pool = make_pool()
+    a = keys(12)  # 75% of L1
+    await put(store, pool, a)
+    clock.now += 10
+    l2.set_health(Health.DEGRADED_NOSPACE, "ENOSPC")
+    await store.balance()
+    assert where(store, a) == ["L1"] * 12
+    l2.set_health(Health.OK)
+    await store.balance()
+    assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
+
+
 async def test_regression_the_balancer_counted_a_victim_that_stayed_as_evicted(
     make_store, monkeypatch
 ):
