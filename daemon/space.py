@@ -1375,12 +1375,12 @@ class SpaceManager:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
         below the low watermark. During warm-up nothing moves before the hard limit. A tier
         in memory with no slot tier below it that takes writes now (a lone top tier, L1
-        above L3 alone, L1 above a disk out of space) is left alone: its victims would not
-        move but be dropped (demotion never writes to a key-addressed tier), and dropping
-        early would only waste capacity; a persistent one is kept under its watermarks, its
-        drops being I/O done ahead of need. First, frees a persistent tier could not do
-        whose wait is over are tried again (``retry_frees``: the balancer's period is their
-        timer)."""
+        above L3 alone, L1 above a disk out of space or still reading its index back) is
+        left alone: its victims would not move but be dropped (demotion never writes to a
+        key-addressed tier), and dropping early would only waste capacity; a persistent one
+        is kept under its watermarks, its drops being I/O done ahead of need. First, frees a
+        persistent tier could not do whose wait is over are tried again (``retry_frees``:
+        the balancer's period is their timer)."""
         self.apply_touches()
         if self.unfreed:
             self.retry_frees()
@@ -1406,9 +1406,10 @@ class SpaceManager:
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
 
     def _moves_down(self, level: Level) -> bool:
-        """Whether a slot tier below ``level`` takes writes now (``_demote``'s targets)."""
+        """Whether a slot tier below ``level`` takes writes now (``_demote``'s targets; a
+        disk tier reading its index back hands out no slots until it is done)."""
         return any(
-            not lower.keyed and lower.tier.health().accepts_writes
+            not lower.keyed and not lower.recovering and lower.tier.health().accepts_writes
             for lower in self.stack.lower(level.kind)
         )
 
