@@ -172,7 +172,7 @@ COUNTERS: dict[str, MetricDef] = {
         "kvtier_evictions_blocked_total",
         ("tier",),
         "Blocks a tier could not make room for because every resident block was pinned, "
-        "protected or in flight (kvtier_tier_unevictable_blocks says which).",
+        "protected, hinted or in flight (kvtier_tier_unevictable_blocks says which).",
     ),
     "admission": _c(
         "kvtier_admission_decisions_total",
@@ -389,7 +389,8 @@ FIXED: tuple[MetricDef, ...] = (
         "kvtier_tier_unevictable_blocks",
         ("tier", "reason"),
         "Blocks of a tier that may not be evicted now: pinned (by a lease), in_flight (a copy "
-        "is moving), protected (read or written within policy.protect_s).",
+        "is moving), protected (read or written within policy.protect_s), hinted (a "
+        "Prefetch's deadline not passed).",
     ),
     _c(
         "kvtier_tier_events_total",
@@ -578,8 +579,8 @@ def take_snapshot(daemon: Daemon, now: float | None = None) -> Snapshot:
 
 
 def unevictable(store: BlockStore, now: float) -> list[tuple[str, str, int]]:
-    """(tier, reason, blocks) of resident blocks the guard would not let go now; a block
-    counts under its first reason of pinned, in_flight, protected."""
+    """(tier, reason, blocks) of resident blocks the guard or a live hint would not let go
+    now; a block counts under its first reason of pinned, in_flight, protected, hinted."""
     table = store.table
     out = []
     for level in store.stack:
@@ -590,9 +591,23 @@ def unevictable(store: BlockStore, now: float) -> list[tuple[str, str, int]]:
         moving = (table.inflight[held] > 0) & ~pinned
         recent = table.last_access[held] + level.guard.protect_s > now
         protected = recent & ~pinned & ~moving
-        for reason, mask in (("pinned", pinned), ("in_flight", moving), ("protected", protected)):
+        hinted = np.zeros(len(held), dtype=bool)
+        if (unhinted := getattr(level.policy, "unhinted", None)) is not None:
+            rest = ~(pinned | moving | protected)
+            hinted[rest] = ~unhinted(_every_block, now)(held[rest])
+        for reason, mask in (
+            ("pinned", pinned),
+            ("in_flight", moving),
+            ("protected", protected),
+            ("hinted", hinted),
+        ):
             out.append((level.label, reason, int(np.count_nonzero(mask))))
     return out
+
+
+def _every_block(bids: np.ndarray) -> np.ndarray:
+    """An evictable mask that lets every block go, narrowed by a policy's live hints."""
+    return np.ones(len(bids), dtype=bool)
 
 
 # ---------------------------------------------------------------------- families

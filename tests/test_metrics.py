@@ -198,6 +198,26 @@ def test_metrics_match_a_scripted_workload(daemon_factory):
     assert "kvtier_hits_total" in declared_families(text)
 
 
+def test_regression_blocks_a_hint_protects_were_missing_from_the_unevictable_gauge(
+    daemon_factory,
+):
+    """A tier full of blocks a Prefetch's deadline protects refuses puts (counted in
+    kvtier_evictions_blocked_total, whose help says kvtier_tier_unevictable_blocks tells
+    why), but the gauge counted pinned, in-flight and protected blocks only: 0 of 16 here."""
+    d = daemon_factory(*L1_ONLY, l1_bytes="1MiB")
+    url = metrics_url(d)
+    a = keys(16, 5)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, a, range(16)).stored == 16
+        assert client.prefetch(a, deadline_ms=600_000).resident == 16
+        assert client.put(pool.pool_id, keys(1, 6), [16]).statuses == [PutStatus.REJECTED_FULL]
+        m = scrape(url)
+        assert value(m, "kvtier_evictions_blocked_total", tier="L1") == 1
+        assert value(m, "kvtier_tier_unevictable_blocks", tier="L1", reason="hinted") == 16
+        assert value(m, "kvtier_tier_unevictable_blocks", tier="L1") == 16
+
+
 def test_metrics_count_moves_between_tiers(daemon_factory, tmp_path):
     d = daemon_factory(
         *L1_ONLY,
