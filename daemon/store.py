@@ -1677,8 +1677,8 @@ class BlockStore:
         """Take the keys' blocks out of tier ``kind`` as eviction would: a block whose only
         copy is there moves down to the first lower tier that takes it, else it leaves the
         store. Pinned and in-flight blocks stay (busy), and so does a block only there that
-        was used within ``policy.protect_s`` (it keeps the lower copy just made). Counts name
-        distinct keys."""
+        was used within ``policy.protect_s`` or that a live hint protects (it keeps the lower
+        copy just made). Counts name distinct keys."""
         if kind not in self.stack or self.stack[kind].keyed:
             raise InvalidArgument(
                 f"this daemon has no slot tier {kind.label} to evict from "

@@ -512,6 +512,24 @@ def test_an_evict_of_a_block_used_within_protect_s_keeps_it_and_the_lower_copy_i
         assert page(shm.array(), 5) == page(data, 0)
 
 
+def test_an_evict_of_a_block_a_live_hint_protects_keeps_it_and_the_lower_copy_it_made(
+    daemon_factory, tmp_path
+):
+    """README (Client library, evict): a block held only in the tier that a Prefetch's
+    deadline protects stays (counted busy), as one used within policy.protect_s does, and
+    keeps the copy the evict wrote below."""
+    d = daemon_factory(*l2_args(tmp_path / "l2", "policy.protect_s=0"))
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        (key,) = keys(1, 13)
+        assert client.put(pool.pool_id, [key], [0]).stored == 1
+        assert client.prefetch([key], deadline_ms=600_000).resident == 1
+        ev = client.evict([key], "L1")
+        assert (ev.evicted, ev.missing, ev.busy) == (0, 0, 1)
+        tiers = {t.tier: t for t in client.stats().tiers}
+        assert (tiers[Tier.L1_HOST].blocks, tiers[Tier.L2_DISK].blocks) == (1, 1)
+
+
 def test_regression_a_full_l1_of_blocks_leaving_a_tail_in_each_segment_was_never_balanced(
     daemon_factory, tmp_path
 ):
