@@ -8,8 +8,9 @@ tiers under their watermarks, and feeds the policies what happened.
 Rules:
 - A copy in a level is visible (``table.slot[b, col] >= 0``) only once its bytes are there
   (for a persistent tier: durable and indexed). A block with a pin, a copy in flight or inside
-  its protection period is not evicted; eviction takes exactly the victims a policy proposed,
-  or none.
+  its protection period is not evicted, but for the last: a put's reservation (``displace``)
+  with nowhere else to go evicts other owners' protected blocks; eviction takes exactly the
+  victims a policy proposed, or none.
 - Evicting a block's last copy demotes it first: it is written to the first lower tier that
   takes writes and admits it, else it is dropped. Evicting a copy that another tier also
   holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
@@ -613,10 +614,12 @@ class SpaceManager:
         now: float,
         slot_bytes: int | None = None,
         clean_only: bool = False,
+        protected_owner: int | None = None,
     ) -> EvictableFn:
         """Mask function for ``level``'s policy: unpinned, idle, unprotected blocks (of one
         slot size when ``slot_bytes`` is given; with another copy elsewhere when
-        ``clean_only``)."""
+        ``clean_only``). With ``protected_owner``, only that owner's blocks are kept by
+        their protection period (``displace``)."""
         table = self.table
         guard = level.guard
         alloc = None if level.keyed else level.slots.allocator
@@ -625,9 +628,10 @@ class SpaceManager:
         others = [lv.col for lv in self.stack if lv is not level and not lv.keyed]
 
         def mask(bids: np.ndarray) -> np.ndarray:
-            ok = guard.evictable(
-                now, table.last_access[bids], table.pins[bids], table.inflight[bids]
-            )
+            last_access = table.last_access[bids]
+            if protected_owner is not None:
+                last_access = np.where(table.owner[bids] == protected_owner, last_access, -np.inf)
+            ok = guard.evictable(now, last_access, table.pins[bids], table.inflight[bids])
             ok &= table.state[bids] == READY
             if slot_bytes is not None and alloc is not None:
                 ok &= alloc.slot_sizes(table.slot[bids, level.col]) == slot_bytes
@@ -647,13 +651,22 @@ class SpaceManager:
         clean_only: bool = False,
         owner: int = 0,
         urgency: Urgency | None = None,
+        displace: bool = False,
     ) -> list[int]:
         """Up to ``count`` free slots of ``level`` for blocks of ``nbytes`` that ``owner``
         (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
         coldest evictable blocks of that slot size, then by reclaiming whole segments of
         other sizes. A tenant with a quota on the tier that it would pass makes room among
         its own blocks only, and gets no more than fits its quota; the slots count against
-        it until the caller has recorded or released their copies and calls ``end_hold``."""
+        it until the caller has recorded or released their copies and calls ``end_hold``.
+
+        ``displace`` (a put's reservation): where that leaves it short and no slot tier
+        below ``level`` takes writes (the put has nowhere else to go), other owners' blocks
+        inside their protection period are evicted too, coldest first. Protection is renewed
+        by every read, a lookup's included, so a tenant that looked its blocks up once every
+        ``protect_s`` held as much of the tier as it had filled, however little it used it,
+        and every other tenant's put was refused; what one owner may hold against the others
+        is what its pins and hints hold, bounded by the hint budget."""
         self.apply_touches()
         if level.recovering:
             return []
@@ -676,7 +689,9 @@ class SpaceManager:
         self.quota_held[held_key] = self.quota_held.get(held_key, 0) + count * nbytes
         slots: list[int] = []
         try:
-            await self._take_slots(level, nbytes, count, priority, clean_only, urgency, slots)
+            await self._take_slots(
+                level, nbytes, count, priority, clean_only, urgency, slots, displace, owner
+            )
         except BaseException:
             # Cancelled while it evicted: the slots it had taken go back (held until free).
             self.give_back_soon(level, owner, slots, nbytes)
@@ -709,6 +724,8 @@ class SpaceManager:
         clean_only: bool,
         urgency: Urgency | None,
         slots: list[int],
+        displace: bool = False,
+        owner: int = 0,
     ) -> None:
         """Up to ``count`` free slots (``reserve``), into ``slots`` as they are taken: a
         caller cancelled while the slots it is short of are made free (an eviction's
@@ -717,32 +734,21 @@ class SpaceManager:
         slots += alloc.allocate_many(nbytes, count)
         if len(slots) == count:
             return
-        now = self._clock()
         slot_bytes = alloc.slot_bytes_for(nbytes)
-        # A victim's slot is free once its eviction is done (a disk tier deletes its index row
-        # first, on a thread), and a reservation that ran meanwhile may have taken it: the
-        # coldest evictable blocks left are then evicted in turn, so that a caller is short
-        # only where no block of the size is evictable. Not where the tier could not free
-        # the victims' slots (they stay held): every further victim would be lost for nothing.
-        # A victim that stayed (pinned, read or taken in flight while it was demoted:
-        # ``_evict`` names them, as a victim's row does not tell once a new block may have
-        # it) is not picked again by this reservation, which goes on with the others: it
-        # ends once a round finds no victim, so each round takes new ones.
-        stayed = np.empty(0, dtype=np.int64)
-        while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
-            mask = _without(self.evictable(level, now, slot_bytes, clean_only), stayed)
-            victims = self._victims(level, count - len(slots), now, mask)
-            if len(victims) == 0:
-                break
-            freed, kept, _ = await self._evict(
-                level, victims, priority, clean_only=clean_only, urgency=urgency
+        if not await self._evict_for(
+            level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, None
+        ):
+            return
+        if (
+            displace
+            and len(slots) < count
+            and self._lowest_writable(level)
+            and not await self._evict_for(
+                level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner
             )
-            slots += alloc.allocate_many(nbytes, count - len(slots))
-            if not freed:
-                self.counters.inc("full_rejections", count - len(slots), tier=level.label)
-                return  # nor would a segment's blocks free theirs
-            stayed = np.r_[stayed, kept]
-            now = self._clock()
+        ):
+            return
+        now = self._clock()
         # A reclaim may free no whole segment (a slot came to be held meanwhile), yet the
         # slots it freed may be of the size: they are taken, and the next segment tried.
         while len(slots) < count:
@@ -755,6 +761,60 @@ class SpaceManager:
             now = self._clock()
         if len(slots) < count:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
+
+    def _lowest_writable(self, level: Level) -> bool:
+        """Whether no slot tier below ``level`` takes writes now."""
+        lower = self.stack.lower(level.kind)
+        return not any(lv.tier.health().accepts_writes for lv in lower if not lv.keyed)
+
+    async def _evict_for(
+        self,
+        level: Level,
+        nbytes: int,
+        count: int,
+        priority: Priority,
+        clean_only: bool,
+        urgency: Urgency | None,
+        slots: list[int],
+        slot_bytes: int,
+        protected_owner: int | None,
+    ) -> bool:
+        """Evict the coldest evictable blocks of ``slot_bytes`` (``evictable``) into
+        ``slots`` until it holds ``count`` or none is left; False where the tier could not
+        free its victims' slots (the caller then stops: every further victim would be lost
+        for nothing, and the refusal is counted)."""
+        alloc = level.slots.allocator
+        now = self._clock()
+        # A victim's slot is free once its eviction is done (a disk tier deletes its index row
+        # first, on a thread), and a reservation that ran meanwhile may have taken it: the
+        # coldest evictable blocks left are then evicted in turn, so that a caller is short
+        # only where no block of the size is evictable. Not where the tier could not free
+        # the victims' slots (they stay held): every further victim would be lost for nothing.
+        # A victim that stayed (pinned, read or taken in flight while it was demoted:
+        # ``_evict`` names them, as a victim's row does not tell once a new block may have
+        # it) is not picked again by this reservation, which goes on with the others: it
+        # ends once a round finds no victim, so each round takes new ones.
+        stayed = np.empty(0, dtype=np.int64)
+        while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
+            evictable = self.evictable(level, now, slot_bytes, clean_only, protected_owner)
+            victims = self._victims(level, count - len(slots), now, _without(evictable, stayed))
+            if len(victims) == 0:
+                break
+            freed, kept, _ = await self._evict(
+                level,
+                victims,
+                priority,
+                clean_only=clean_only,
+                urgency=urgency,
+                protected_owner=protected_owner,
+            )
+            slots += alloc.allocate_many(nbytes, count - len(slots))
+            if not freed:
+                self.counters.inc("full_rejections", count - len(slots), tier=level.label)
+                return False  # nor would a segment's blocks free theirs
+            stayed = np.r_[stayed, kept]
+            now = self._clock()
+        return True
 
     async def _within_quota(
         self,
@@ -819,10 +879,16 @@ class SpaceManager:
             victims = level.policy.victims(possible, now, mask) if possible else None
         return np.asarray(victims if victims is not None else [], dtype=np.int64)
 
-    def _droppable(self, level: Level, now: float, clean_only: bool = False) -> EvictableFn:
+    def _droppable(
+        self,
+        level: Level,
+        now: float,
+        clean_only: bool = False,
+        protected_owner: int | None = None,
+    ) -> EvictableFn:
         """``evictable``, less the blocks a live hint protects: for the paths that drop blocks
         without asking the policy's ``victims`` (which leaves hinted blocks by itself)."""
-        mask = self.evictable(level, now, clean_only=clean_only)
+        mask = self.evictable(level, now, clean_only=clean_only, protected_owner=protected_owner)
         unhinted = getattr(level.policy, "unhinted", None)
         return mask if unhinted is None else unhinted(mask, now)
 
@@ -917,13 +983,15 @@ class SpaceManager:
         *,
         clean_only: bool = False,
         urgency: Urgency | None = None,
+        protected_owner: int | None = None,
     ) -> tuple[bool, np.ndarray, int]:
         """``evict``, the victims that stayed (pinned, read, touched, hinted or taken
-        in flight while they were demoted), and how many victims it evicted (``evictions``:
-        neither those nor any that lost this copy meanwhile). A reservation asks this rather
-        than looking at the victims' rows once it is done: a victim left with no copy is
-        forgotten and its row freed, and a new block may have it, with a copy in ``level``,
-        by then."""
+        in flight while they were demoted; with ``protected_owner``, touched counts only for
+        that owner's blocks, as in ``evictable``), and how many victims it evicted
+        (``evictions``: neither those nor any that lost this copy meanwhile). A reservation
+        asks this rather than looking at the victims' rows once it is done: a victim left
+        with no copy is forgotten and its row freed, and a new block may have it, with a copy
+        in ``level``, by then."""
         table = self.table
         victims = np.asarray(victims, dtype=np.int64)
         # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
@@ -946,7 +1014,8 @@ class SpaceManager:
             # victim: such a block stays (and now has a clean lower copy).
             # A victim may also have lost this copy meanwhile (a failed read drops it).
             here = table.slot[victims, level.col] >= 0
-            stay = here & ~self._droppable(level, self._clock())(victims)
+            droppable = self._droppable(level, self._clock(), protected_owner=protected_owner)
+            stay = here & ~droppable(victims)
             kept = victims[stay]
             victims = victims[here & ~stay]
         # A persistent tier frees the slots on a thread, after the copies stopped counting

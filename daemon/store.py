@@ -1104,7 +1104,9 @@ class BlockStore:
                         if level is top:
                             continue
                         break
-            slots = await self.space.reserve(level, nbytes, len(todo), Priority.DEMAND, owner=owner)
+            slots = await self.space.reserve(
+                level, nbytes, len(todo), Priority.DEMAND, owner=owner, displace=True
+            )
             if not slots:
                 continue
             group = todo if len(slots) == len(todo) else todo[: len(slots)]

@@ -341,7 +341,7 @@ PIN_LAYOUT = PoolLayout.staging(num_layers=1, num_pages=32, block_tokens=1, chun
 PIN_BLOCK = 2 * (64 << 10)  # K and V of one layer
 
 
-def _token_tenants(daemon_factory, tmp_path, *names: str):
+def _token_tenants(daemon_factory, tmp_path, *names: str, protect_s: float = 0):
     """A daemon with an L1 of 32 blocks of PIN_LAYOUT and tenants ``names`` known by their
     tokens (so one uid acts as each), and a client factory for each tenant."""
     tenants = []
@@ -351,7 +351,7 @@ def _token_tenants(daemon_factory, tmp_path, *names: str):
         token.chmod(0o600)
         tenants.append(f"{{name: {name}, token_file: {token}}}")
     d = daemon_factory(
-        "policy.protect_s=0",
+        f"policy.protect_s={protect_s}",
         "tiers.l1.segment_bytes=1MiB",
         f"tenants=[{', '.join(tenants)}]",
         l1_bytes="4MiB",
@@ -400,6 +400,34 @@ def test_regression_one_tenants_pins_held_every_block_and_refused_every_other_te
             alice.release(lease)
         assert alice.lookup(held[16:], pin=True).lease_id == 0  # evicted: nothing to pin
         assert admin.stats().gauges["blocks_pinned"] == 0
+        assert admin.check().problems == []
+
+
+def test_regression_a_tenant_reading_its_blocks_held_the_whole_top_tier(daemon_factory, tmp_path):
+    # Regression: a block read or written within policy.protect_s was never evicted, and
+    # every read renews that, a lookup's too: alice looked her blocks up once a second and
+    # bob's every put was REJECTED_FULL (no tier below), with no pin or hint to bound. A put
+    # with nowhere else to go now evicts other tenants' protected blocks. Her blocks stay
+    # protected for the whole test (a long protect_s), as her lookups kept them.
+    d, as_tenant = _token_tenants(daemon_factory, tmp_path, "alice", "bob", protect_s=600)
+    with (
+        as_tenant("alice") as alice,
+        as_tenant("bob") as bob,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
+    ):
+        pool = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        held = keys(32, tag=24)
+        assert alice.put(pool, held, range(32)).stored == 32  # all of L1
+        assert alice.lookup(held).prefix_len == 32
+        # Protection still holds within a tenant: her own blocks are not made room of.
+        assert alice.put(pool, keys(8, tag=25), range(8)).stored == 0
+
+        mine = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
+        assert bob.put(mine, keys(16, tag=26), range(16)).stored == 16
+        tiers = alice.lookup(held).tiers
+        assert sum(t != Tier.ABSENT for t in tiers) == 16
         assert admin.check().problems == []
 
 
