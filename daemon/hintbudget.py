@@ -166,13 +166,16 @@ class HintBudget:
         self._pins[bids] += 1
         return True
 
-    def unpin(self, bids: np.ndarray, now: float) -> None:
-        """Take one pin off each of ``bids`` (distinct ids, pinned); a block left with neither
-        a pin nor a live hint gives its charge back."""
+    def unpin(self, bids: np.ndarray, now: float, counts: np.ndarray | int = 1) -> None:
+        """Take ``counts`` pins (one each, or one count per id) off each of ``bids`` (distinct
+        ids, pinned); a block left with neither a pin nor a live hint gives its charge
+        back."""
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) and int(bids.max()) >= len(self._pins):
-            bids = bids[bids < len(self._pins)]
-        pins = self._pins[bids] - 1
+            kept = bids < len(self._pins)
+            bids = bids[kept]
+            counts = counts if isinstance(counts, int) else counts[kept]
+        pins = self._pins[bids] - counts
         self._pins[bids] = pins
         free = bids[(pins == 0) & (self._until[bids] < now)]
         if len(free):

@@ -251,8 +251,7 @@ class KVService:
         except NotFound:
             return
         leases = self.sessions.close(session_id)
-        for lease in leases:
-            self.store.unpin(lease.refs)
+        self._unpin_all(leases)
         pools = self.pools.drop_session(session_id, by_daemon=by_daemon)
         self._session_lines.info(
             key,
@@ -543,10 +542,19 @@ class KVService:
         expired = self.sessions.pop_expired(self._clock())
         if not expired:  # the common case, now on every Get under a lease and every Release
             return 0
-        for lease in expired:
-            self.store.unpin(lease.refs)
+        self._unpin_all(expired)
         self.store.counters.inc("leases_expired", len(expired))
         return len(expired)
+
+    def _unpin_all(self, leases: list[Lease]) -> None:
+        """Unpin the blocks of ``leases`` in one call: one call each (tens of microseconds)
+        held the event loop for 1.2 s when a tenant's 40,000 leases expired at one deadline,
+        and for 0.7 s when its client holding as many was killed (every other client's calls
+        waited), and a tenant may hold some 130,000 (server.max_lease_bytes_per_tenant)."""
+        if len(leases) == 1:
+            self.store.unpin(leases[0].refs)
+        elif leases:
+            self.store.unpin(np.concatenate([x.refs for x in leases]), distinct=False)
 
     def stats(self, session_id: str) -> StatsSnapshot:
         session = self.sessions.get(session_id)

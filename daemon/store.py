@@ -1725,13 +1725,20 @@ class BlockStore:
         add_at(table.pins, bids, 1)
         return table.refs(bids)
 
-    def unpin(self, refs: np.ndarray) -> None:
-        bids = np.asarray(refs, dtype=np.int64) & 0xFFFFFFFF
-        if any(self.table.resolve(int(r)) < 0 for r in np.asarray(refs).tolist()):
+    def unpin(self, refs: np.ndarray, *, distinct: bool = True) -> None:
+        """Take a pin off the block of each of ``refs`` (``pin``'s); ``distinct=False`` where
+        a ref may repeat, once per pin to take (the refs of several leases at once)."""
+        refs = np.asarray(refs, dtype=np.int64)
+        bids = refs & 0xFFFFFFFF
+        if (self.table.resolve_many(refs) < 0).any():
             raise AssertionError("a pinned block was freed: pins must keep blocks alive")
         add_at(self.table.pins, bids, -1)
         if (budget := self.hint_budget) is not None:
-            budget.unpin(bids, self._clock())
+            if distinct:
+                budget.unpin(bids, self._clock())
+            else:
+                ids, counts = np.unique(bids, return_counts=True)
+                budget.unpin(ids, self._clock(), counts)
         if (self.table.pins[bids] < 0).any():
             raise AssertionError("pin count went below zero: a lease was released twice")
         self.space.forget_orphans(bids)

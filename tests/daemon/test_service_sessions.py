@@ -37,6 +37,7 @@ class SlowStore:
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.pins = 0
+        self.unpin_calls = 0
         self.counters = Counters()
         self.touched: list[object] = []  # each get's touch
 
@@ -51,8 +52,9 @@ class SlowStore:
         self.pins += len(bids)
         return bids
 
-    def unpin(self, refs: np.ndarray) -> None:
+    def unpin(self, refs: np.ndarray, *, distinct: bool = True) -> None:
         self.pins -= len(refs)
+        self.unpin_calls += 1
 
     def promote_in_background(self, bids: np.ndarray) -> None:
         pass
@@ -259,6 +261,64 @@ def test_regression_expired_leases_the_sweep_had_not_reached_counted_toward_the_
         service.release(session, long)
         assert store.pins == 0 and service.sessions.lease_count == 0
         assert store.counters.get("leases_expired") == 2
+
+    asyncio.run(run())
+
+
+def test_regression_leases_ending_together_were_unpinned_one_store_call_each():
+    """Leases that expire at one deadline, or end with their session, were unpinned one store
+    call each (tens of microseconds): a tenant's 40,000 leases expiring together held the
+    event loop 1.2 s, its client holding as many killed 0.7 s, every other client's calls
+    waiting. They are unpinned in one call now."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        now = [100.0]
+        service, tickets = _service(store, clock=lambda: now[0])
+        session = _open(service, tickets)
+        keys = [bytes(32)] * 3
+        for _ in range(100):
+            await service.lookup(session, keys, True, 1000)
+        now[0] += 2.0
+        assert service.expire_leases() == 100
+        assert store.pins == 0 and store.unpin_calls == 1
+        for _ in range(100):
+            await service.lookup(session, keys, True, 60_000)
+        service.close_session(session)
+        assert store.pins == 0 and store.unpin_calls == 2
+
+    asyncio.run(run())
+
+
+def test_leases_of_one_block_ending_together_give_back_each_pin_and_the_budget_charge():
+    """The one call that unpins many leases (see above) takes as many pins off a block as
+    leases pinned it, and the block's charge against its tenant's hint budget goes back
+    once, with the last."""
+
+    async def run() -> None:
+        now = [100.0]
+        async with _putting_session(["tenants=[{name: a, uids: [1000]}]"], 2) as opened:
+            store, service, session, pool = opened
+            service._clock = lambda: now[0]
+            keys = [bytes(range(32)), bytes(range(1, 33))]
+            results, _ = await service.put(session, pool, keys, [0, 1], b"")
+            assert (results == PutResult.STORED).all()
+            for _ in range(3):
+                await service.lookup(session, keys, True, 1000)
+            await service.lookup(session, keys[:1], True, 60_000)
+            budget = store.hint_budget
+            assert budget is not None and budget.charged_total(time.monotonic()) > 0
+            assert int(store.table.pins.sum()) == 3 * 2 + 1
+            now[0] += 2.0
+            assert service.expire_leases() == 3
+            assert int(store.table.pins.sum()) == 1  # the long lease's
+            charged = budget.charged_total(time.monotonic())
+            assert charged == store.table.nbytes[store.table.pins > 0].sum()
+            service.close_session(session)
+            assert int(store.table.pins.sum()) == 0
+            assert budget.charged_total(time.monotonic()) == 0
+            assert store.check() == []
 
     asyncio.run(run())
 
