@@ -9,8 +9,8 @@ Rules:
 - A copy in a level is visible (``table.slot[b, col] >= 0``) only once its bytes are there
   (for a persistent tier: durable and indexed). A block with a pin, a copy in flight or inside
   its protection period is not evicted, but for the last: a put's reservation (``displace``)
-  with nowhere else to go evicts other owners' protected blocks; eviction takes exactly the
-  victims a policy proposed, or none.
+  with nowhere else to go evicts the protected blocks of other owners over their share of the
+  tier; eviction takes exactly the victims a policy proposed, or none.
 - Evicting a block's last copy demotes it first: it is written to the first lower tier that
   takes writes and admits it, else it is dropped. Evicting a copy that another tier also
   holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
@@ -618,19 +618,21 @@ class SpaceManager:
     ) -> EvictableFn:
         """Mask function for ``level``'s policy: unpinned, idle, unprotected blocks (of one
         slot size when ``slot_bytes`` is given; with another copy elsewhere when
-        ``clean_only``). With ``protected_owner``, only that owner's blocks are kept by
-        their protection period (``displace``)."""
+        ``clean_only``). With ``protected_owner``, only the blocks of that owner and of
+        owners within their share of the tier (``_within_share``) are kept by their
+        protection period (``displace``)."""
         table = self.table
         guard = level.guard
         alloc = None if level.keyed else level.slots.allocator
         # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
         # does not make a local copy clean.
         others = [lv.col for lv in self.stack if lv is not level and not lv.keyed]
+        shielded = None if protected_owner is None else self._within_share(level, protected_owner)
 
         def mask(bids: np.ndarray) -> np.ndarray:
             last_access = table.last_access[bids]
-            if protected_owner is not None:
-                last_access = np.where(table.owner[bids] == protected_owner, last_access, -np.inf)
+            if shielded is not None:
+                last_access = np.where(shielded[table.owner[bids]], last_access, -np.inf)
             ok = guard.evictable(now, last_access, table.pins[bids], table.inflight[bids])
             ok &= table.state[bids] == READY
             if slot_bytes is not None and alloc is not None:
@@ -640,6 +642,22 @@ class SpaceManager:
             return ok
 
         return mask
+
+    def _within_share(self, level: Level, owner: int) -> np.ndarray:
+        """By owner: whether its blocks in ``level`` keep their protection period against a
+        put of ``owner`` with nowhere else to go: ``owner``'s own, and those of every owner
+        holding no more than an equal share of the tier among the owners holding blocks
+        there (``owner`` counted). A tenant that keeps more than its share protected by
+        reading it loses protection on the excess, not one that keeps its share."""
+        usage = self.table.usage[level.col]
+        if owner >= len(usage):
+            usage = np.concatenate([usage, np.zeros(owner + 1 - len(usage), usage.dtype)])
+        holding = usage > 0
+        holding[owner] = True
+        share = level.slots.allocator.capacity_bytes / int(np.count_nonzero(holding))
+        within = usage <= share
+        within[owner] = True
+        return within
 
     async def reserve(
         self,
@@ -661,8 +679,9 @@ class SpaceManager:
         it until the caller has recorded or released their copies and calls ``end_hold``.
 
         ``displace`` (a put's reservation): where that leaves it short and no slot tier
-        below ``level`` takes writes (the put has nowhere else to go), other owners' blocks
-        inside their protection period are evicted too, coldest first. Protection is renewed
+        below ``level`` takes writes (the put has nowhere else to go), the blocks inside
+        their protection period of other owners over their share (``_within_share``) are
+        evicted too, coldest first. Protection is renewed
         by every read, a lookup's included, so a tenant that looked its blocks up once every
         ``protect_s`` held as much of the tier as it had filled, however little it used it,
         and every other tenant's put was refused; what one owner may hold against the others

@@ -431,6 +431,36 @@ def test_regression_a_tenant_reading_its_blocks_held_the_whole_top_tier(daemon_f
         assert admin.check().problems == []
 
 
+def test_a_put_with_nowhere_else_to_go_displaces_only_tenants_over_their_share(
+    daemon_factory, tmp_path
+):
+    # A put with no lower tier evicts other tenants' protected blocks only where they hold
+    # more than an equal share of the tier among the tenants holding blocks there: carol,
+    # who filled most of L1, loses protected blocks to bob's put; alice, within her share,
+    # keeps hers, though they are the coldest (written first).
+    d, as_tenant = _token_tenants(daemon_factory, tmp_path, "alice", "bob", "carol", protect_s=600)
+    with (
+        as_tenant("alice") as alice,
+        as_tenant("bob") as bob,
+        as_tenant("carol") as carol,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as theirs,
+    ):
+        a = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        small = keys(4, tag=27)
+        assert alice.put(a, small, range(4)).stored == 4
+        c = carol.register_pool(theirs, PIN_LAYOUT).binding.pool_id
+        big = keys(28, tag=28)
+        assert carol.put(c, big, range(28)).stored == 28  # L1 is full
+        b = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
+        assert bob.put(b, keys(8, tag=29), range(8)).stored == 8
+        assert all(t != Tier.ABSENT for t in alice.lookup(small).tiers)
+        assert sum(t != Tier.ABSENT for t in carol.lookup(big).tiers) == 20
+        assert admin.check().problems == []
+
+
 def test_regression_a_tenants_pins_and_hints_together_held_the_whole_top_tier(
     daemon_factory, tmp_path
 ):
