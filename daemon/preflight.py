@@ -11,6 +11,7 @@ socket's path) and changes nothing: no file is created, no socket is left bound.
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import resource
 import socket
@@ -79,6 +80,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_metrics(config),
         *_tokens(config),
         *_l3_client(config),
+        *_torch(config),
         *_l3_password(config),
         *_l3_removals_file(config),
         *_event_loop(config),
@@ -509,6 +511,27 @@ def _l3_client(config: Config) -> list[Problem]:
             )
         ]
     return []
+
+
+def _torch(config: Config) -> list[Problem]:
+    """torch, through which L1 is page-locked and the GPU tier runs: it is the ``torch``
+    extra, which the image and ``make run`` do not install, so either setting there passed
+    --check-config ('config ok') and the start ended with an ImportError traceback. Only
+    looked for: importing it takes a second or two."""
+    keys = [
+        key
+        for key, wanted in (
+            ("tiers.l0.enabled", config.tiers.l0.enabled),
+            ("tiers.l1.pin_memory", config.tiers.l1.pin_memory == "true"),
+        )
+        if wanted
+    ]
+    if not keys or importlib.util.find_spec("torch") is not None:
+        return []
+    return [
+        Problem(key, "needs torch, which this Python lacks: pip install 'kvtier[torch]'")
+        for key in keys
+    ]
 
 
 def _l3_password(config: Config) -> list[Problem]:

@@ -349,7 +349,16 @@ def _want_pinning(config: Config) -> bool:
         # Importing torch costs a second or two: only ask it when a GPU driver is present.
         if not os.path.exists("/dev/nvidiactl"):
             return False
-        import torch
-
+        try:
+            import torch
+        except ImportError:
+            # The image (no torch) on a GPU node whose container runtime mounts the driver's
+            # devices: auto is "if a GPU", not a start that fails.
+            log.info(
+                "L1 is not page-locked (tiers.l1.pin_memory=auto): this host has a GPU "
+                "driver, but torch, which pins it, is not installed (pip install "
+                "'kvtier[torch]')"
+            )
+            return False
         return bool(torch.cuda.is_available())
     return setting == "true"

@@ -31,6 +31,7 @@ from kvtier.tiers.base import (
     TierHealth,
     TierKind,
     TierStats,
+    TierUnavailable,
     WriteBatch,
     WriteOutcomes,
 )
@@ -201,18 +202,29 @@ class HostArena:
         return int(self.array.ctypes.data)
 
     def _register_cuda(self) -> None:
-        import torch
-
+        """Page-lock the arena for CUDA. Raises TierUnavailable (the daemon's one-line "cannot
+        start") where it cannot: without torch or a CUDA device, or when CUDA refuses."""
+        try:
+            import torch
+        except ImportError:
+            raise TierUnavailable(
+                "tiers.l1.pin_memory=true needs torch, which this Python lacks: "
+                "pip install 'kvtier[torch]'"
+            ) from None
         if not torch.cuda.is_available():
-            raise RuntimeError("l1.pin_memory is set but CUDA is not available")
+            raise TierUnavailable(
+                "tiers.l1.pin_memory=true needs a CUDA device, and this host has none "
+                "(torch.cuda.is_available() is False); set it to auto or false"
+            )
         # Portable: pinned for every CUDA context of the process, so the GPU tier's copies
         # run as DMA whichever device it uses, not only the one current here.
         err = torch.cuda.cudart().cudaHostRegister(
             self._address(), len(self.buffer), _CUDA_HOST_REGISTER_PORTABLE
         )
         if int(err) != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of the L1 arena failed with CUDA error {int(err)}"
+            raise TierUnavailable(
+                f"cudaHostRegister of the L1 arena failed with CUDA error {int(err)} "
+                "(tiers.l1.pin_memory)"
             )
         self._cuda_registered = True
 

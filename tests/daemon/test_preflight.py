@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
@@ -18,7 +19,7 @@ import pytest
 from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier import paths
-from kvtier.daemon import preflight
+from kvtier.daemon import preflight, stack
 from kvtier.daemon.config import load_config
 from kvtier.daemon.preflight import HostFacts
 from kvtier.tiers.remote.journal import RemovalFile
@@ -496,6 +497,77 @@ def test_an_enabled_l3_without_redis_py_is_refused_by_the_checks(tmp_path, monke
         assert "Traceback" not in r.stderr, r.stderr
         assert "cannot start: tiers.l3.enabled: the L3 tier needs redis-py" in r.stderr
         assert not (tmp_path / "s.sock").exists()
+
+
+# kvtierd as in an environment without torch (the image's, `make run`'s): torch is the
+# `torch` extra, which page-locking L1 and the GPU tier need.
+_WITHOUT_TORCH = (
+    "import sys; sys.modules['torch'] = None; "
+    "from kvtier.daemon.entry import main; sys.exit(main())"
+)
+
+
+@pytest.mark.parametrize(
+    "setting", ["tiers.l1.pin_memory=true", "tiers.l0.enabled=true"], ids=["pin", "l0"]
+)
+def test_regression_a_gpu_setting_without_torch_was_a_traceback(tmp_path, monkeypatch, setting):
+    """Regression: tiers.l1.pin_memory=true (or tiers.l0.enabled=true) where torch is not
+    installed passed --check-config ('config ok') and the start ended with a
+    ModuleNotFoundError traceback."""
+    sets = [f"server.socket={tmp_path}/s.sock", setting]
+    key = setting.partition("=")[0]
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    problems = preflight.check(load_config(None, sets), HOST)
+    assert _keys(problems) == [key]
+    assert "pip install 'kvtier[torch]'" in str(problems[0])
+    assert preflight.check(load_config(None, sets[:1]), HOST) == []  # neither: not needed
+    for mode in ("--check-config", None):
+        args = [sys.executable, "-c", _WITHOUT_TORCH, *_sets(*sets)]
+        r = subprocess.run(
+            args + ([mode] if mode else []), capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 1, (mode, r.stdout, r.stderr)
+        assert "config ok" not in r.stdout
+        assert "Traceback" not in r.stderr, r.stderr
+        assert f"cannot start: {key}: " in r.stderr, r.stderr
+        assert not (tmp_path / "s.sock").exists()
+
+
+def test_regression_pinning_l1_on_a_host_without_cuda_was_a_traceback(tmp_path):
+    """Regression: tiers.l1.pin_memory=true where torch sees no CUDA device (none here:
+    CUDA_VISIBLE_DEVICES hides any) ended the start with a RuntimeError traceback; it is one
+    line naming the key, as tiers.l0.enabled's is."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            *_sets(f"server.socket={tmp_path}/s.sock", "tiers.l1.pin_memory=true"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "cannot start: tiers.l1.pin_memory=true needs a CUDA device" in r.stderr, r.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_regression_pin_memory_auto_on_a_gpu_host_without_torch_ended_the_start(
+    monkeypatch, caplog
+):
+    """Regression: with tiers.l1.pin_memory auto (the default), a host with a GPU driver
+    and no torch (the image, no torch in it, on a GPU node whose container runtime mounts
+    /dev/nvidiactl) ended the start with a ModuleNotFoundError traceback. Auto pins only
+    where it can. The driver's device is the GPU boundary: it cannot exist here."""
+    exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/nvidiactl" or exists(p))
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    with caplog.at_level(logging.INFO, logger="kvtier.daemon.stack"):
+        assert stack._want_pinning(load_config(None)) is False
+    assert "L1 is not page-locked (tiers.l1.pin_memory=auto)" in caplog.text
 
 
 def test_an_l2_directory_another_daemon_holds_is_refused_by_the_checks_too(
