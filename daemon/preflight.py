@@ -75,6 +75,7 @@ def check(config: Config, host: HostFacts | None = None) -> list[Problem]:
         *_memory(config, host),
         *_disk(config),
         *_socket(config),
+        *_socket_group(config),
         *_tcp(config),
         *_shm(config),
         *_metrics(config),
@@ -390,6 +391,39 @@ def _socket(config: Config) -> list[Problem]:
             )
         ]
     return []
+
+
+def _socket_group(config: Config) -> list[Problem]:
+    """``server.socket_group``, which the daemon gives its sockets (``unixsock.apply_access``):
+    a group other than its own needs membership or CAP_CHOWN. Root without capabilities (a
+    container that drops them all) passed the checks, then the start opened L1 and L2
+    before it stopped on the group."""
+    if not config.server.socket:
+        return []
+    gid = config.server.socket_gid()
+    if gid is None or gid == os.getegid() or gid in os.getgroups() or _may_chown():
+        return []
+    return [
+        Problem(
+            "server.socket_group",
+            f"the daemon is no member of group {gid} and lacks CAP_CHOWN, so it cannot give "
+            "its sockets that group: add its user to the group (in a pod: the pod's "
+            "securityContext.supplementalGroups), or leave the key empty",
+        )
+    ]
+
+
+def _may_chown() -> bool:
+    """Whether this process holds CAP_CHOWN (bit 0 of its effective set)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    # Unknown: root is taken to hold it, as it does outside containers.
+    return os.geteuid() == 0
 
 
 def _listening(path: str) -> bool:

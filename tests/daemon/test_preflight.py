@@ -348,6 +348,48 @@ def test_a_socket_folder_others_may_write_is_refused_by_the_checks_too(tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
+def test_regression_a_socket_group_the_daemon_may_not_give_passed_the_checks(tmp_path):
+    """Regression: a daemon may give its sockets only a group it is a member of, unless it
+    holds CAP_CHOWN; root without capabilities (the DaemonSet's, which drops them all) given
+    another group said 'config ok' to --check-config, and its start opened L2 (its files
+    preallocated) and L1 before it stopped on that group. Run as such a root here."""
+    require_root()
+    sets = [
+        f"server.socket={tmp_path}/run/s.sock",
+        f"server.socket_group={NOGROUP}",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path}/l2",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.file_bytes=64MiB",
+    ]
+    without_caps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+    for mode in ("--check-config", None):
+        r = subprocess.run(
+            [*without_caps, sys.executable, "-m", "kvtier.daemon", *_sets(*sets)]
+            + ([mode] if mode else []),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 1, (mode, r.stdout, r.stderr)
+        assert "config ok" not in r.stdout
+        assert f"cannot start: server.socket_group: the daemon is no member of group {NOGROUP}" in (
+            r.stderr
+        ), r.stderr
+        assert not (tmp_path / "l2").exists() and not (tmp_path / "run").exists()
+    # With the group among its own (the pod's supplementalGroups) it may.
+    in_group = [*without_caps[:-1], f"--groups={NOGROUP}", "--"]
+    r = subprocess.run(
+        [*in_group, sys.executable, "-m", "kvtier.daemon", *_sets(*sets), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    # And root with its capabilities may give any group.
+    assert _kvtierd("--check-config", *_sets(*sets)).returncode == 0
+
+
 def test_a_live_listener_on_the_credential_socket_is_refused(tmp_path):
     path = f"{tmp_path}/s.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
