@@ -25,7 +25,7 @@ from kvtier.daemon.credentials import CRED_SUFFIX, is_memory_backed
 from kvtier.daemon.unixsock import folder_problem
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
-from kvtier.tiers.disk.tier import owner_problem, space_shortfall
+from kvtier.tiers.disk.tier import owner_problem, space_needed, space_shortfall
 from kvtier.tiers.remote.options import RemoteOptionsError, read_password
 from kvtier.tiers.sizes import format_size
 
@@ -145,6 +145,8 @@ def _memory(config: Config, host: HostFacts) -> list[Problem]:
                 "host into swap or the OOM killer",
             )
         )
+    elif (in_memory := _l2_in_memory(config, host)) is not None:
+        out.append(in_memory)
     if (
         l1.pin_memory == "true"
         and host.memlock_limit_bytes is not None
@@ -160,6 +162,46 @@ def _memory(config: Config, host: HostFacts) -> list[Problem]:
             )
         )
     return out
+
+
+def _l2_in_memory(config: Config, host: HostFacts) -> Problem | None:
+    """An L2 folder on a tmpfs takes memory, not disk: its files, preallocated at start, come
+    out of the memory that L1's arena is checked against (the tmpfs's own size, which the
+    disk check reads, may be far beyond what is free)."""
+    l2 = config.tiers.l2
+    if not l2.enabled or host.mem_available_bytes is None:
+        return None
+    directory = Path(os.path.abspath(l2.path))
+    if _blocked(directory) is not None or not _memory_backed(_nearest_existing(directory)):
+        return None
+    try:
+        l2_bytes = space_needed(directory, l2.capacity_bytes, l2.segment_bytes, l2.file_bytes)
+    except OSError:
+        return None  # the disk checks name what is wrong with the folder
+    l1_bytes = config.tiers.l1.capacity_bytes
+    if l1_bytes + l2_bytes + MEMORY_HEADROOM_BYTES <= host.mem_available_bytes:
+        return None
+    return Problem(
+        "tiers.l2.path",
+        f"{directory} is in memory (a tmpfs), so L2's files ({format_size(l2_bytes)} still to "
+        f"allocate) take the host's memory beside L1's {format_size(l1_bytes)} (plus "
+        f"{MEMORY_HEADROOM_BYTES >> 20} MiB for the rest of the daemon): more than the "
+        f"{_gib(host.mem_available_bytes)} available now; put L2 on a disk",
+    )
+
+
+def _memory_backed(folder: Path | str) -> bool | None:
+    """Whether files made in ``folder`` are memory (a tmpfs): an unnamed file made there tells,
+    as the daemon tells a pool's (F_GET_SEALS), and leaves nothing behind; None where it cannot
+    be made (this user may not write there, or no O_TMPFILE)."""
+    try:
+        fd = os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        return is_memory_backed(fd)
+    finally:
+        os.close(fd)
 
 
 def _meminfo() -> dict[str, int]:
@@ -442,24 +484,16 @@ def _shm(config: Config) -> list[Problem]:
     if not os.path.isdir(shm):
         return [Problem("server.shm_dir", f"{shm} is not a directory (is /dev/shm mounted?)")]
     # Pools there must be memory (a tmpfs): RegisterPool refuses any other file, so a folder
-    # on a disk would start a daemon that refuses every named pool. An unnamed file made there
-    # tells, as the daemon tells a pool's (F_GET_SEALS); where it cannot be made (this user
-    # may not write there, or no O_TMPFILE) nothing is said.
-    try:
-        fd = os.open(shm, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return []
-    try:
-        if not is_memory_backed(fd):
-            return [
-                Problem(
-                    "server.shm_dir",
-                    f"{shm} is not in memory (not a tmpfs): every pool named there would be "
-                    "refused; use /dev/shm or another tmpfs",
-                )
-            ]
-    finally:
-        os.close(fd)
+    # on a disk would start a daemon that refuses every named pool. Where that cannot be told,
+    # nothing is said.
+    if _memory_backed(shm) is False:
+        return [
+            Problem(
+                "server.shm_dir",
+                f"{shm} is not in memory (not a tmpfs): every pool named there would be "
+                "refused; use /dev/shm or another tmpfs",
+            )
+        ]
     return []
 
 

@@ -90,6 +90,52 @@ def test_an_l2_larger_than_the_disk_is_refused(tmp_path):
     assert not (tmp_path / "l2").exists()  # nothing was created
 
 
+# preflight.check run with this host's memory available set to argv[1] bytes and the config
+# of the --set values after it; prints each problem on a line.
+_CHECK_WITH_MEMORY = (
+    "import sys; from kvtier.daemon import preflight; "
+    "from kvtier.daemon.config import load_config; "
+    "host = preflight.HostFacts(int(sys.argv[1]), 16 << 30, None); "
+    "print(*preflight.check(load_config(None, sys.argv[2:]), host), sep='\\n')"
+)
+
+
+def test_regression_an_l2_on_a_tmpfs_was_not_counted_against_memory(tmp_path):
+    """Regression: an L2 folder on a tmpfs (tiers.l2.path=/dev/shm/...) takes memory: its
+    files, preallocated at start, come out of the memory L1 was checked against, and the
+    tmpfs's own size, which the space check reads, may be far more than is free. It passed
+    the checks whatever the memory left; L1 and L2 together past it pushed the host into
+    swap or the OOM killer. A tmpfs of its own here (a private mount namespace)."""
+    require_root()
+    with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as disk:
+        folder = Path(disk) / "l2"
+        folder.mkdir()
+        sets = [
+            f"server.socket={tmp_path}/s.sock",
+            "tiers.l1.capacity_bytes=512MiB",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={folder}/l2",
+            "tiers.l2.capacity_bytes=1GiB",
+            "tiers.l2.file_bytes=1GiB",
+        ]
+
+        def problems(available: int, tmpfs: bool) -> str:
+            cmd = [sys.executable, "-c", _CHECK_WITH_MEMORY, str(available), *sets]
+            if tmpfs:
+                mount = f'mount -t tmpfs -o size=4g tmpfs {folder} && exec "$@"'
+                cmd = ["unshare", "--mount", "sh", "-c", mount, "sh", *cmd]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            return r.stdout.strip()
+
+        found = problems(1 << 30, tmpfs=True)
+        assert found.startswith(f"tiers.l2.path: {folder}/l2 is in memory (a tmpfs)"), found
+        assert "(1025MiB still to allocate)" in found and "beside L1's 512MiB" in found
+        assert problems(4 << 30, tmpfs=True) == ""  # room for both
+        assert problems(1 << 30, tmpfs=False) == ""  # on a disk: L1 alone fits
+        assert list(folder.iterdir()) == []  # nothing was created
+
+
 @pytest.mark.parametrize(
     "make, expect",
     [

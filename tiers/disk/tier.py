@@ -215,18 +215,10 @@ def space_shortfall(
     file_bytes: int | None = None,
 ) -> SpaceShortfall | None:
     """Whether the filesystem of ``directory`` (made or not) lacks room for a tier of this
-    geometry: the data files' bytes not yet allocated, plus ``AUX_RESERVE_BYTES`` less what the
-    tier's other files and the folder already hold. The one rule of the daemon's preflight and
-    of ``DiskTier``'s open. Reads only; creates nothing."""
+    geometry (``space_needed``). The one rule of the daemon's preflight and of ``DiskTier``'s
+    open. Reads only; creates nothing."""
     directory = Path(os.path.abspath(directory))
-    capacity = capacity_bytes // segment_bytes * segment_bytes  # as the allocator rounds it
-    files = layout(
-        directory, capacity, data_file_bytes(directory, capacity, segment_bytes, file_bytes)
-    )
-    needed = sum(max(0, size - _allocated(path)) for path, size in files)
-    aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
-    held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
-    needed += max(0, AUX_RESERVE_BYTES - held)
+    needed = space_needed(directory, capacity_bytes, segment_bytes, file_bytes)
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -235,6 +227,26 @@ def space_shortfall(
     if needed <= free:
         return None
     return SpaceShortfall(directory, capacity_bytes, needed, free)
+
+
+def space_needed(
+    directory: str | os.PathLike[str],
+    capacity_bytes: int,
+    segment_bytes: int,
+    file_bytes: int | None = None,
+) -> int:
+    """The bytes a tier of this geometry in ``directory`` (made or not) has yet to allocate:
+    its data files' bytes not yet allocated, plus ``AUX_RESERVE_BYTES`` less what the tier's
+    other files and the folder already hold. Reads only."""
+    directory = Path(os.path.abspath(directory))
+    capacity = capacity_bytes // segment_bytes * segment_bytes  # as the allocator rounds it
+    files = layout(
+        directory, capacity, data_file_bytes(directory, capacity, segment_bytes, file_bytes)
+    )
+    needed = sum(max(0, size - _allocated(path)) for path, size in files)
+    aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
+    held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
+    return needed + max(0, AUX_RESERVE_BYTES - held)
 
 
 def _allocated(path: Path) -> int:
