@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -142,6 +143,23 @@ def test_systemctl_reload_sends_the_daemon_sighup():
     """`systemctl reload kvtierd` said "Job type reload is not applicable": the unit had no
     ExecReload, though SIGHUP is how kvtierd reloads its config."""
     assert _unit()["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
+
+
+def test_a_config_error_is_not_restarted_in_a_loop(tmp_path):
+    """Restart=on-failure restarted a daemon refused for a bad config (exit 2) every
+    RestartSec=2 s for good: each try took under a second, so systemd's start limit (5 in
+    10 s) never tripped, and the unit stayed "activating" with an error every few seconds
+    instead of failed. The unit leaves that status alone; a host check that failed (exit 1:
+    a port or socket still held) may pass on the next try and is restarted."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--set", "server.no_such_key=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "unknown config key" in bad.stderr, bad.stderr
+    assert _unit()["Restart"] == ["on-failure"]
+    assert _unit()["RestartPreventExitStatus"] == [str(bad.returncode)]
 
 
 def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
