@@ -161,7 +161,8 @@ class ServerConfig:
         metadata=_opt(
             "size",
             lo=1 << 20,
-            hi=1 << 31,
+            # gRPC's message limits are C ints: 2GiB overflows them (the start failed).
+            hi=(1 << 31) - 1,
             doc="largest gRPC message either way; a larger one is refused before it is parsed "
             "(it is parsed on the event loop: keep it near what max_batch_blocks needs)",
         ),

@@ -957,3 +957,16 @@ def test_regression_a_value_yaml_could_not_build_escaped_the_load_as_another_err
         load_config(path)
     with pytest.raises(ConfigError, match=r"'server.max_pools': expected an integer, got "):
         load_config(None, [f"server.max_pools={written}"])
+
+
+def test_regression_the_largest_max_message_bytes_taken_stopped_the_start(daemon_factory):
+    """Regression: server.max_message_bytes took up to 2GiB, one byte past what gRPC takes
+    (its limits are C ints): --check-config said 'config ok' and the start ended with an
+    OverflowError traceback. 2GiB is refused, naming the key; the largest taken serves."""
+    largest = (1 << 31) - 1
+    with pytest.raises(ConfigError, match=rf"2147483648 is above the maximum {largest}"):
+        load_config(None, ["server.max_message_bytes=2GiB"])
+    d = daemon_factory(f"server.max_message_bytes={largest}")
+    with d.client() as client:
+        assert client.health()
+    assert "Traceback" not in d.log()
