@@ -278,8 +278,7 @@ def _disk(config: Config) -> list[Problem]:
         return [
             Problem(
                 "tiers.l2.path",
-                f"{directory} cannot be created or written: {existing} is not writable by "
-                f"uid {os.geteuid()}",
+                f"{directory} cannot be created or written: {_not_writable(existing)}",
             )
         ]
     if (odd := _not_a_file(directory)) is not None:
@@ -379,6 +378,23 @@ def _blocked(path: Path) -> str | None:
     return None
 
 
+def _not_writable(folder: Path) -> str:
+    """Why this user may not write ``folder`` (``os.access`` said so): a read-only filesystem,
+    as a systemd unit's ``ProtectSystem=strict`` makes every folder outside its
+    ``ReadWritePaths=`` (the error said "not writable by uid N" there, sending the operator to
+    the folder's owner and mode, which were right), or its permissions."""
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return (
+            f"{folder} is on a read-only filesystem (under systemd, ProtectSystem=strict leaves "
+            "only ReadWritePaths= writable: add the folder there, in a drop-in)"
+        )
+    return f"{folder} is not writable by uid {os.geteuid()}"
+
+
 def _nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -428,8 +444,8 @@ def _socket(config: Config) -> list[Problem]:
         return [
             Problem(
                 key,
-                f"cannot create {path}: {parent} is not writable by uid {os.geteuid()} "
-                "(run as that directory's owner, or choose another server.socket)",
+                f"cannot create {path}: {_not_writable(parent)} (run as that directory's "
+                "owner, or choose another server.socket)",
             )
         ]
     return []
@@ -638,8 +654,7 @@ def _l3_removals_file(config: Config) -> list[Problem]:
         return [
             Problem(
                 key,
-                f"cannot create or open {path}: its folder {folder} is not writable by uid "
-                f"{os.geteuid()}",
+                f"cannot create or open {path}: its folder {_not_writable(folder)}",
             )
         ]
     if path.exists() and not path.is_file():

@@ -136,6 +136,42 @@ def test_regression_an_l2_on_a_tmpfs_was_not_counted_against_memory(tmp_path):
         assert list(folder.iterdir()) == []  # nothing was created
 
 
+def test_regression_a_read_only_folder_was_said_to_be_one_the_user_may_not_write(tmp_path):
+    """Regression: an L2 folder, socket folder or removals_file folder on a read-only
+    filesystem, as systemd's ProtectSystem=strict makes every folder outside the unit's
+    ReadWritePaths= (an L2 on an NVMe mount, say), was refused as "not writable by uid N":
+    the folder's owner and mode were right, the sandbox was the cause, and the message sent
+    the operator to the wrong one. A read-only bind mount of its own here."""
+    require_root()
+    folder = tmp_path / "nvme"
+    (folder / "l2").mkdir(parents=True)
+    sets = [
+        f"server.socket={folder}/run/s.sock",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={folder}/l2",
+        "tiers.l3.enabled=true",
+        f"tiers.l3.removals_file={folder}/removals.sqlite3",
+    ]
+    mount = f'mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && exec "$@"'
+    check = [sys.executable, "-c", _CHECK_WITH_MEMORY, str(8 << 30), *sets]
+    r = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", mount, "sh", *check],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    problems = r.stdout.strip().splitlines()
+    assert [p.partition(":")[0] for p in problems] == [
+        "tiers.l2.path",
+        "server.socket",
+        "tiers.l3.removals_file",
+    ], problems
+    for problem in problems:
+        assert "is on a read-only filesystem" in problem and "ReadWritePaths=" in problem
+        assert "not writable by uid" not in problem
+
+
 @pytest.mark.parametrize(
     "make, expect",
     [
