@@ -127,6 +127,11 @@ def as_logged(message: str, fmt: str, logger: str, level: str = "INFO") -> str:
     return JsonFormatter().format(record)
 
 
+# Loggers kept at INFO or above whatever the level: grpc's Python layer logs every call at
+# DEBUG ("Loaded running loop"), which buried the daemon's own DEBUG lines.
+QUIET_AT_DEBUG = ("grpc",)
+
+
 def setup_logging(level: str, fmt: str) -> None:
     """Install the one stderr handler (replacing any), at ``level`` (any case)."""
     handler = logging.StreamHandler(sys.stderr)
@@ -135,3 +140,5 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in QUIET_AT_DEBUG:
+        logging.getLogger(name).setLevel(max(root.level, logging.INFO))

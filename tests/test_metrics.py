@@ -414,6 +414,20 @@ def test_log_lines_a_request_causes_carry_its_ids(daemon_factory):
     assert lifecycle and "request_id" not in lifecycle[0]
 
 
+def test_regression_debug_logging_was_a_line_of_grpc_s_per_call(daemon_factory):
+    """Regression: at logging.level DEBUG, grpc's Python layer logged each call ("Loaded
+    running loop", "RPC cancelled ..."): 234 of 236 DEBUG lines of a daemon that served 120
+    calls were grpc's, the daemon's own detail lost among them. Its loggers stay at INFO."""
+    d = daemon_factory("logging.format=json", "logging.level=debug")
+    with d.client() as client:
+        for _ in range(20):
+            client.stats()
+    d.stop()
+    entries = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    assert [e for e in entries if e["logger"].startswith("grpc") and e["level"] == "DEBUG"] == []
+    assert any("listening on" in e["msg"] for e in entries)
+
+
 def test_a_clients_x_request_id_names_the_lines_its_request_causes_when_it_is_sane(
     daemon_factory,
 ):
