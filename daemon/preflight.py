@@ -345,7 +345,7 @@ def _not_a_file(directory: Path) -> str | None:
 
 
 def _locked(lock: Path) -> str | None:
-    """Why the disk tier could not lock its directory now (another daemon holds it), or None.
+    """Why a tier could not lock ``lock`` now (another daemon holds it), or None.
     Only a shared lock is taken, and let go at once, on an existing file only: nothing is
     created, and a daemon opening the directory meanwhile is not refused (``probe_lock``)."""
     try:
@@ -663,6 +663,9 @@ def _l3_removals_file(config: Config) -> list[Problem]:
         return [
             Problem(key, f"cannot open {path}: not readable and writable by uid {os.geteuid()}")
         ]
+    # The tier locks the file itself (one daemon's own), as the disk tier its directory.
+    if (in_use := _locked(target)) is not None:
+        return [Problem(key, f"{path} is in use: {in_use}")]
     return []
 
 

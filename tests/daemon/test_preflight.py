@@ -962,6 +962,32 @@ def test_regression_an_l2_path_that_is_a_dangling_link_passed_the_checks(tmp_pat
     assert preflight.check(load_config(None, _l2_sets(tmp_path, directory)), HOST) == []
 
 
+def test_regression_an_l3_removals_file_another_daemon_holds_passed_the_checks(tmp_path):
+    """--check-config said 'config ok' for a tiers.l3.removals_file another daemon holds (a
+    second daemon given it does not start), and the start then stopped on it, as for an L2
+    directory another daemon holds, which the checks refuse. They name it too, taking its
+    lock only shared and for a moment, so a daemon opening it meanwhile is not refused."""
+    path = tmp_path / "removals.sqlite3"
+    sets = [
+        f"server.socket={tmp_path}/s.sock",
+        "tiers.l3.enabled=true",
+        f"tiers.l3.removals_file={path}",
+    ]
+    held = RemovalFile(path)
+    try:
+        problems = preflight.check(load_config(None, sets), HOST)
+        r = _kvtierd("--check-config", *_sets(*sets))
+    finally:
+        held.close()
+    assert [str(p) for p in problems] == [
+        f"tiers.l3.removals_file: {path} is in use: another process holds its lock (a "
+        "kvtierd running?): Resource temporarily unavailable"
+    ]
+    assert r.returncode == 1 and "config ok" not in r.stdout, (r.stdout, r.stderr)
+    assert preflight.check(load_config(None, sets), HOST) == []  # let go: free
+    RemovalFile(path).close()  # the probes left it to the next daemon
+
+
 def test_regression_an_l3_removals_file_the_tier_cannot_open_passed_the_checks(tmp_path):
     """--check-config said 'config ok' for a tiers.l3.removals_file in a folder that does not
     exist or that the daemon's user may not write (SQLite makes its journal files beside
