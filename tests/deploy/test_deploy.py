@@ -160,6 +160,9 @@ def test_a_config_error_is_not_restarted_in_a_loop(tmp_path):
     assert bad.returncode == 2 and "unknown config key" in bad.stderr, bad.stderr
     assert _unit()["Restart"] == ["on-failure"]
     assert _unit()["RestartPreventExitStatus"] == [str(bad.returncode)]
+    # A user or group name not found is such an error: names from LDAP or SSSD must be there
+    # before the start, not found by a later restart.
+    assert "nss-user-lookup.target" in " ".join(_section("[Unit]")["After"]).split()
 
 
 def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
