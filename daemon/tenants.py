@@ -417,14 +417,15 @@ def read_token_digests(config: Config) -> tuple[dict[str, bytes], list[str]]:
 
 
 def read_token_file(path: str) -> bytes:
-    """A tenant's secret: the file's content without surrounding whitespace. The file must be
-    a regular file that only its owner may read or write, and the secret at least
-    ``MIN_TOKEN_BYTES`` long; otherwise TokenFileError (or another OSError when it cannot be
-    read)."""
+    """A tenant's secret: the file's content without surrounding whitespace. The file (the
+    one a link names: a Kubernetes Secret volume gives each key as a link to the current
+    version's file) must be a regular file that only its owner may read or write, and the
+    secret at least ``MIN_TOKEN_BYTES`` long; otherwise TokenFileError (or another OSError
+    when it cannot be read)."""
     try:
         # O_NONBLOCK: opening a FIFO for reading waits for a writer, and the daemon (or
         # --check-config) hung at start on one; it is refused below as not a regular file.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise TokenFileError(f"cannot read token file {path}: {e.strerror}") from None
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -275,10 +277,44 @@ def test_token_files_must_be_private_regular_and_long_enough(tmp_path):
         read_token_file(str(short))
     link = tmp_path / "link"
     os.symlink(short, link)
-    with pytest.raises(TokenFileError, match="cannot read"):
+    with pytest.raises(TokenFileError, match="at least 16"):  # the file it names is judged
         read_token_file(str(link))
     with pytest.raises(TokenFileError, match="cannot read"):
         read_token_file(str(tmp_path / "absent"))
+
+
+def test_regression_a_token_file_from_a_kubernetes_secret_was_refused(tmp_path):
+    """A Kubernetes Secret volume (the way a pod gets secrets) projects each key as a link,
+    `token -> ..data/token`, `..data` a link to the folder of the current version, which a
+    rotation swaps: token files there were refused ('cannot read token file ...: Too many
+    levels of symbolic links'), for tenants and the metrics endpoint alike (the L3
+    password_file, through the same volume, was read). The file the links name is judged:
+    regular, private, long enough. Built here as the kubelet builds it."""
+    volume = tmp_path / "secret"
+    version = volume / "..2026_12_06_05_00_00.000000001"
+    version.mkdir(parents=True)
+    (version / "token").write_bytes(SECRET + b"\n")
+    (version / "token").chmod(0o400)  # the Secret's defaultMode: 0400
+    (volume / "..data").symlink_to(version.name)
+    (volume / "token").symlink_to("..data/token")
+    assert read_token_file(str(volume / "token")) == SECRET
+    sets = [
+        f"server.socket={tmp_path}/s.sock",
+        f"tenants=[{{name: alice, token_file: {volume}/token}}]",
+        f"metrics.token_file={volume}/token",
+        "metrics.address=127.0.0.1:0",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--check-config"]
+        + [arg for s in sets for arg in ("--set", s)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "config ok" in r.stdout, r.stderr
+    (version / "token").chmod(0o444)  # defaultMode left at Kubernetes' 0644
+    with pytest.raises(TokenFileError, match="others may read it"):
+        read_token_file(str(volume / "token"))
 
 
 def test_the_directory_is_built_from_the_config(tmp_path):
