@@ -1225,8 +1225,10 @@ class SpaceManager:
             if len(todo) == 0:
                 break
             # Key-addressed tiers are fed in the background (write_policy), never on the
-            # path of the request that made room.
-            if lower.keyed or not lower.tier.health().accepts_writes:
+            # path of the request that made room. A disk degraded by a fault that may pass
+            # takes the batch it lets through to find out (``retry_due``): without a
+            # demotion to send it, it refused writes until a restart.
+            if lower.keyed or not lower.tier.health().takes_writes:
                 continue
             if lower.write_policy != "write_through":
                 todo_admit = todo[self.admit(lower, todo, now)]

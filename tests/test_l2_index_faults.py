@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 from harness import entry_setting
-from test_l2_daemon import LAYOUT, fill, keys, l2_args, page, wait_for
+from test_l2_daemon import LAYOUT, SMALL_L1, fill, keys, l2_args, page, wait_for
 
 from kvtier.client import SharedMemoryPool, Tier
 
@@ -260,3 +260,43 @@ def test_regression_a_flush_at_stop_onto_a_degraded_l2_said_it_ran_out_of_time(
     assert "flushed 0 of 4 volatile-only blocks to L2" in log
     assert "not written within" not in log
     assert "lost (held only in memory): 4 not written: L2 refuses writes (degraded_io: " in log
+
+
+def test_regression_l2_degraded_by_a_locked_index_took_no_demotion_again_once_let_go(
+    daemon_factory, tmp_path
+):
+    """A demotion whose index commit another process's lock held up degrades L2 (it refuses
+    writes, letting one batch through each tiers.l2.enospc_retry_s to see whether the fault
+    cleared); but only a durable put ever sent it that batch: demotions and the balancer skip a
+    tier that refuses writes, so with non-durable puts L2 stayed degraded until a restart,
+    long after the lock was let go, and every block L1 made room by was dropped."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(
+        *SMALL_L1, *l2_args(l2, "tiers.l2.enospc_retry_s=0.1"), l1_bytes="1MiB", entry=FAST_FAULTS
+    )
+    ks = keys(1024, 466)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        fill(shm, 466)
+        pool = client.register_pool(shm, LAYOUT)
+
+        def l2_state() -> str:
+            return next(t.state for t in client.stats().tiers if t.tier == Tier.L2_DISK)
+
+        assert client.put(pool.pool_id, ks[:16], range(16)).stored == 16  # L1 full
+        other = sqlite3.connect(l2 / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            client.put(pool.pool_id, ks[16:24], range(16, 24))  # L1 makes room: demotes
+            wait_for(lambda: l2_state().startswith("degraded"))
+        finally:
+            other.close()
+        more = iter(range(24, len(ks)))
+
+        def takes_writes_again() -> bool:
+            k = next(more)  # a new block each time: L1 makes room for it
+            assert client.put(pool.pool_id, [ks[k]], [k % 64]).stored == 1
+            return l2_state() == "ok"
+
+        wait_for(takes_writes_again)
+        assert Tier.L2_DISK in client.lookup(ks).tiers
+        assert client.check().problems == []

@@ -89,10 +89,19 @@ class Health(enum.Enum):
 class TierHealth:
     state: Health = Health.OK
     detail: str = ""
+    # Degraded by a fault that may pass (a full disk), the tier lets a write through now to
+    # find out; nothing else tells it the fault passed.
+    retry_due: bool = False
 
     @property
     def accepts_writes(self) -> bool:
         return self.state is Health.OK
+
+    @property
+    def takes_writes(self) -> bool:
+        """Whether a write sent now is tried: the tier accepts writes, or is due to let one
+        through to see whether its fault passed (``retry_due``)."""
+        return self.accepts_writes or self.retry_due
 
     @property
     def serves_reads(self) -> bool:

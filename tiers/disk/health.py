@@ -140,7 +140,10 @@ class FaultState:
     def health(self) -> TierHealth:
         with self._lock:
             fault, notes = self._degraded, "; ".join(self._notes)
+            due = fault is not None and fault.kind in _PASSING
+            due = due and time.monotonic() >= self._next_probe
         if fault is None:
             return TierHealth(Health.OK, notes)
         state = Health.DEGRADED_NOSPACE if fault.kind == "enospc" else Health.DEGRADED_IO
-        return TierHealth(state, f"{fault.kind}: {fault.detail}" + (f"; {notes}" if notes else ""))
+        detail = f"{fault.kind}: {fault.detail}" + (f"; {notes}" if notes else "")
+        return TierHealth(state, detail, retry_due=due)
