@@ -313,23 +313,51 @@ class BlockStore:
     async def stop(self, *, flush: bool, flush_timeout_s: float | None = None) -> None:
         """Stop background work; with ``flush``, first write every block held only in
         volatile tiers to the first persistent tier, so that a restart serves it, starting
-        no write after ``flush_timeout_s``. Then the slots a persistent tier could not free
-        are tried once more (``SpaceManager.settle_frees``): their rows left in its index
-        would bring deleted blocks back at the restart."""
-        for task in (self._balancer, self._recovery):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._balancer = self._recovery = None
+        no write after ``flush_timeout_s``. A recovery still running is let end first, within
+        that same bound: cancelled, it leaves a persistent tier allocating nothing (the slots
+        of the rows it did not read are held until a restart), so the flush would find no
+        room there. Then the slots a persistent tier could not free are tried once more
+        (``SpaceManager.settle_frees``): their rows left in its index would bring deleted
+        blocks back at the restart."""
+        recovery, self._recovery = self._recovery, None
+        recovery_ended = True
+        left_s = flush_timeout_s
+        await _cancelled(self._balancer)
+        self._balancer = None
+        if flush and recovery is not None and not recovery.done():
+            started = time.monotonic()
+            recovery_ended = await self._recovery_ends(recovery, flush_timeout_s)
+            if left_s is not None:
+                left_s = max(0.0, left_s - (time.monotonic() - started))
+        await _cancelled(recovery)
         await self.space.drain()
-        if flush:
-            await self.flush(flush_timeout_s)
+        if flush and recovery_ended:
+            await self.flush(left_s)
+        elif flush and len(dirty := self._volatile_only()):
+            log.warning(
+                "flushed none of %d volatile-only blocks: recovery had not ended within "
+                "tiers.l2.flush_timeout_s (%gs); lost (held only in memory)",
+                len(dirty),
+                flush_timeout_s,
+            )
         # Last, as the flush's evictions free slots too: a free still failed is tried once
         # more, and nothing frees after the tiers close.
         await self.space.settle_frees()
         for level in self._keyed:
             await level.keys.close()
+
+    async def _recovery_ends(self, recovery: asyncio.Task[None], timeout_s: float | None) -> bool:
+        """Wait for ``recovery`` to end, for at most ``timeout_s``; whether it did."""
+        log.info(
+            "waiting for recovery to end before the flush%s",
+            "" if timeout_s is None else f" (for at most {timeout_s:g}s)",
+        )
+        try:
+            # Shielded: a wait that times out leaves the task to stop()'s cancel.
+            await asyncio.wait_for(asyncio.shield(recovery), timeout_s)
+        except asyncio.TimeoutError:  # asyncio's: on Python 3.10 not the builtin
+            return False
+        return True
 
     async def flush(self, timeout_s: float | None = None) -> int:
         """Write every READY block held only in volatile tiers to the first persistent tier,
@@ -2235,3 +2263,11 @@ async def _all_done(aws: Sequence[Awaitable[T]]) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return results  # type: ignore[return-value]
+
+
+async def _cancelled(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (a background task of the store's) if it runs, and wait for its end."""
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

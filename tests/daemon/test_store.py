@@ -2001,6 +2001,98 @@ async def test_l3_copies_past_their_half_ttl_beyond_a_batch_go_a_batch_per_balan
 # ------------------------------------------------------------------ restart
 
 
+def _recovery_held(disk, *, then_read: bool = True) -> threading.Event:
+    """Hold ``disk``'s recovery before its first chunk (on the transfer thread that reads it)
+    until the returned gate is set; then it reads the index, or, not ``then_read``, ends with
+    nothing read (no slot claimed for a chunk that a cancelled recovery would not index)."""
+    gate = threading.Event()
+    read_chunks = disk.recover_chunks
+
+    def held(rows: int = 65536):
+        gate.wait(30)
+        if then_read:
+            yield from read_chunks(rows)
+
+    disk.recover_chunks = held
+    return gate
+
+
+async def _stopped_with_durable_blocks(make_store, tmp_path, n: int):
+    """A store on a real disk tier that took ``n`` keys in a durable put and stopped: (its
+    clock, the pool, the keys); a DiskTier reopened on ``tmp_path / "l2"`` recovers them."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock = Clock()
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    first, pool = make_store(clock, l2=disk), make_pool()
+    await first.recover()
+    chain = keys(n)
+    assert await put(first, pool, chain, durable=True) == ([PutResult.STORED] * n, [True] * n)
+    await first.stop(flush=False)
+    first.close()
+    return clock, pool, chain
+
+
+async def test_regression_a_stop_during_recovery_flushed_nothing_to_l2(make_store, tmp_path):
+    """A SIGTERM while L2's recovery still read the index cancelled the recovery, and L2 then
+    allocated nothing (its unread rows' slots held until a restart): the stop's flush found no
+    room for the blocks held only in L1 and they were lost. The stop lets recovery end first,
+    within the flush's bound, then flushes."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock, pool, old = await _stopped_with_durable_blocks(make_store, tmp_path, 4)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    gate = _recovery_held(disk)
+    store = make_store(clock, l2=disk)
+    store.start()
+    fresh = keys(3)
+    assert await put(store, pool, fresh, pages=[10, 11, 12]) == [PutResult.STORED] * 3  # in L1
+    want = [page_bytes(pool, p) for p in [0, 1, 2, 3, 10, 11, 12]]
+    stopping = asyncio.ensure_future(store.stop(flush=True, flush_timeout_s=30))
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    gate.set()
+    await stopping
+    store.close()
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    again = make_store(clock, l2=disk)
+    await again.recover()
+    chain = np.concatenate([old, fresh])
+    assert where(again, chain) == ["L2"] * 7
+    pool.array[:] = 0
+    assert await get(again, pool, chain, range(20, 27)) == [True] * 7
+    assert [page_bytes(pool, p) for p in range(20, 27)] == want
+
+
+async def test_a_stop_waits_for_recovery_only_within_the_flush_bound(make_store, tmp_path, caplog):
+    """A recovery that has not ended within ``flush_timeout_s`` is cancelled and the stop
+    goes on; the blocks held only in L1 are lost, and the log says why (not "no room")."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock, pool, _ = await _stopped_with_durable_blocks(make_store, tmp_path, 2)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    gate = _recovery_held(disk, then_read=False)
+    store = make_store(clock, l2=disk)
+    store.start()
+    await put(store, pool, keys(3), pages=[10, 11, 12])
+    waited = store._recovery_ends
+
+    async def then_let_go(recovery, timeout_s):
+        try:
+            return await waited(recovery, timeout_s)
+        finally:
+            gate.set()  # the cancel then waits for the chunk read under way, as in a daemon
+
+    store._recovery_ends = then_let_go  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        await store.stop(flush=True, flush_timeout_s=0.05)
+    lost = [r.getMessage() for r in caplog.records if "volatile-only" in r.getMessage()]
+    assert lost == [
+        "flushed none of 3 volatile-only blocks: recovery had not ended within "
+        "tiers.l2.flush_timeout_s (0.05s); lost (held only in memory)"
+    ]
+
+
 async def test_a_restart_serves_while_the_disk_index_is_still_being_read(
     make_store, tmp_path, monkeypatch
 ):
