@@ -224,6 +224,56 @@ def test_regression_a_capacity_change_past_max_files_files_keeps_the_blocks(
     assert len(list(disk_dir.glob("index.sqlite3.old-*"))) == 0
 
 
+def test_regression_a_smaller_file_bytes_setting_was_overridden_by_the_index(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """The size kept across capacity changes (``data_file_bytes``) was also kept where the
+    operator had set a smaller ``file_bytes`` (smaller files, on purpose): the setting was
+    overridden at every start for good, not taken as the new layout it is (the index moved
+    aside, as for any other file size or segment size). Under the same setting a capacity
+    change still keeps the size."""
+    seg = 64 * 1024
+    with DiskTier(disk_dir, 4 * MiB, seg, file_bytes=4 * seg) as t:
+        _persist(t, make_block, list(range(4)), 4096)
+        assert {p.stat().st_size for p in t.files.paths} == {4 * seg}
+    with DiskTier(disk_dir, 4 * MiB, seg, file_bytes=seg) as t:
+        assert {p.stat().st_size for p in t.files.paths} == {seg}
+        assert len(t.recover()) == 0
+        assert t.stats().counters["index_moved_aside"] == 1
+    with DiskTier(disk_dir, 16 * MiB, seg, file_bytes=seg) as t:  # 256 files: the bound
+        _persist(t, make_block, list(range(4)), 4096)
+    with DiskTier(disk_dir, 20 * MiB, seg, file_bytes=seg) as t:
+        assert {p.stat().st_size for p in t.files.paths} == {seg}
+        assert len(t.recover()) == 4
+
+
+def test_an_index_with_no_file_bytes_setting_is_used_and_records_one(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index made before ``file_bytes_setting`` was recorded keeps its blocks; the setting
+    is recorded at the open, and a write of it that fails (a full disk) is only logged: the
+    index is used all the same, not moved aside as one that cannot be read."""
+    with _open(disk_dir) as t:
+        blocks = _persist(t, make_block, [1, 2, 3], 4096)
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    with db:
+        db.execute("DELETE FROM meta WHERE name = 'file_bytes_setting'")
+    db.close()
+
+    def disk_full(self: object, db: sqlite3.Connection) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as m:
+        m.setattr(index_module.DiskIndex, "_write_meta", disk_full)
+        with _open(disk_dir) as t:
+            assert len(t.recover()) == 3
+            assert t.stats().counters["index_moved_aside"] == 0
+    assert "file_bytes_setting" not in index_module.stored_geometry(disk_dir)
+    with _open(disk_dir) as t:
+        assert _read(t, blocks) == {i: b[2] for i, b in blocks.items()}
+    assert index_module.stored_geometry(disk_dir)["file_bytes_setting"] == str(8 * MiB)
+
+
 # ------------------------------------------------------------------------ zero copy
 
 

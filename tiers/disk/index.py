@@ -166,6 +166,13 @@ def _insert(db: sqlite3.Connection, rows: Sequence[BlockRow]) -> None:
         db.executemany(_INSERT_ONE, rows[full:])
 
 
+# Geometry kept in ``meta`` that a slot's place does not depend on: an index made for other
+# values is used, and its ``meta`` updated. ``file_bytes_setting`` (the file size configured,
+# where ``file_bytes`` is the size the files have) tells a size kept across capacity changes
+# from a smaller one the operator set (``tier.data_file_bytes``).
+NOT_LAYOUT = ("capacity_bytes", "file_bytes_setting")
+
+
 def stored_geometry(directory: Path) -> dict[str, str]:
     """The geometry the index in ``directory`` was made for (its ``meta``), read through a
     read-only connection that changes nothing; {} where there is no index, one of its files
@@ -669,11 +676,12 @@ class DiskIndex:
             # Schema and meta are written and synced when an index is created, so an index
             # without them lost its content.
             return "is empty or truncated (no metadata)"
-        # Slot ids and offsets depend on everything but the capacity.
+        # Slot ids and offsets depend on everything but the capacity (and the file size
+        # asked for, which the size the files have, ``file_bytes``, answers for).
         changed = [
             f"{k} {meta.get(k)} -> {v}"
             for k, v in self._geometry.items()
-            if meta.get(k) != v and k != "capacity_bytes"
+            if meta.get(k) != v and k not in NOT_LAYOUT
         ]
         if changed:
             log.warning(
@@ -693,6 +701,20 @@ class DiskIndex:
                 format_size(int(self._geometry["capacity_bytes"])),
             )
             self._write_meta(db)
+        elif meta.get("file_bytes_setting") != self._geometry.get("file_bytes_setting"):
+            # Not needed to use the index (the open that lacks it takes a smaller setting as
+            # a kept size, as before it was recorded): a write that fails, the disk full,
+            # must not move the index aside.
+            try:
+                self._write_meta(db)
+            except sqlite3.Error as e:
+                with contextlib.suppress(sqlite3.Error):
+                    db.rollback()
+                log.warning(
+                    "L2 index in %s: recording tiers.l2.file_bytes failed (%s)",
+                    self._directory,
+                    classify(e).detail,
+                )
         return ""
 
     def _upgrade(self, db: sqlite3.Connection) -> str:

@@ -157,7 +157,9 @@ def data_file_bytes(
     kept. A size the ``MAX_FILES`` bound made larger than ``file_bytes`` depends on the
     capacity, and a block's file and offset depend on the size: any change of a capacity
     above ``MAX_FILES`` files of ``file_bytes`` (1 TiB by default), or across it, moved the
-    index aside and started the tier empty. (``capacity_bytes``: whole segments.)"""
+    index aside and started the tier empty. A ``file_bytes`` other than the one the index
+    records (``file_bytes_setting``) is the operator's new layout: not kept.
+    (``capacity_bytes``: whole segments.)"""
     chosen = choose_file_bytes(capacity_bytes, segment_bytes, file_bytes)
     meta = stored_geometry(Path(directory))
     stored = meta.get("file_bytes", "")
@@ -165,8 +167,12 @@ def data_file_bytes(
         return chosen
     kept = int(stored)
     wanted = DEFAULT_FILE_BYTES if file_bytes is None else file_bytes
+    # An index of the code before ``file_bytes_setting`` has none: a setting below the size
+    # kept is then taken as a size the bound made.
+    setting = meta.get("file_bytes_setting", str(wanted))
     if (
         meta.get("segment_bytes") != str(segment_bytes)
+        or setting != str(wanted)
         or kept % segment_bytes
         or kept < wanted
         or -(-capacity_bytes // kept) > MAX_KEPT_FILES
@@ -491,8 +497,9 @@ class DiskTier:
 
         ``file_bytes``: size of each data file (rounded up to whole segments; default
         ``DEFAULT_FILE_BYTES``, and never more than ``MAX_FILES`` files; an index made for
-        files of another size, at least this, keeps that size while at most
-        ``MAX_KEPT_FILES`` of them hold the capacity: ``data_file_bytes``). ``direct_io=False``
+        files of another size, at least this, under this same setting, keeps that size while
+        at most ``MAX_KEPT_FILES`` of them hold the capacity: ``data_file_bytes``).
+        ``direct_io=False``
         forces buffered I/O. ``enospc_retry_s``: while degraded by a full disk or a locked index,
         one write batch per this many seconds is let through to find out whether it cleared.
         ``index_watch_s``: how often a thread of the tier checks the index files between
@@ -514,6 +521,8 @@ class DiskTier:
         self.allocator = _Slab(capacity_bytes, segment_bytes)
         self.io_threads = io_threads
         self._clock = clock
+        # The size asked for, recorded in the index beside the size the files have.
+        self._file_bytes_setting = DEFAULT_FILE_BYTES if file_bytes is None else file_bytes
         self._file_bytes = choose_file_bytes(
             self.allocator.capacity_bytes, self.allocator.segment_bytes, file_bytes
         )
@@ -1368,6 +1377,7 @@ class DiskTier:
             "capacity_bytes": str(self.allocator.capacity_bytes),
             "segment_bytes": str(self.allocator.segment_bytes),
             "file_bytes": str(self._file_bytes),
+            "file_bytes_setting": str(self._file_bytes_setting),
         }
 
     @staticmethod
