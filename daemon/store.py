@@ -370,6 +370,17 @@ class BlockStore:
         dirty = self._volatile_only()
         if len(dirty) == 0:
             return 0
+        if target.recovering:
+            # Its recovery ended before the last row (an error, logged then): a slot whose
+            # row was not read is never handed out. Not "no room", which asks for disk space.
+            log.warning(
+                "flushed none of %d volatile-only blocks: %s takes no new block until a "
+                "restart (its recovery did not read every index row); lost (held only in "
+                "memory)",
+                len(dirty),
+                target.label,
+            )
+            return 0
         dirty = dirty[np.argsort(self.table.depths(dirty), kind="stable")]
         nbytes = int(self.table.nbytes[dirty].sum())
         bound = "" if timeout_s is None else f" (for at most {timeout_s:g}s)"

@@ -2093,6 +2093,40 @@ async def test_a_stop_waits_for_recovery_only_within_the_flush_bound(make_store,
     ]
 
 
+async def test_a_flush_after_a_recovery_that_ended_early_says_why_it_wrote_nothing(
+    make_store, tmp_path, monkeypatch, caplog
+):
+    """A recovery that ended before the last chunk (an error: logged, and the store serves
+    what it indexed) leaves L2 allocating nothing until a restart; the flush at stop then
+    lost the blocks held only in L1 as "found no room there", which sends an operator to
+    free disk space. It says L2 takes no block until a restart."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock, pool, _ = await _stopped_with_durable_blocks(make_store, tmp_path, 4)
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    read_chunks = disk.recover_chunks
+
+    def first_chunk_then_a_failure(rows: int = 65536):
+        chunks = read_chunks(rows)
+        yield next(chunks)
+        chunks.close()
+        raise OSError("the index could not be read on")
+
+    disk.recover_chunks = first_chunk_then_a_failure  # type: ignore[method-assign]
+    store = make_store(clock, l2=disk)
+    await store.recover()
+    assert disk.allocator.recovering  # for good (009763b)
+    await put(store, pool, keys(3), pages=[10, 11, 12])
+    with caplog.at_level(logging.WARNING, logger=store_module.__name__):
+        await store.stop(flush=True, flush_timeout_s=30)
+    lost = [r.getMessage() for r in caplog.records if "volatile-only" in r.getMessage()]
+    assert lost == [
+        "flushed none of 3 volatile-only blocks: L2 takes no new block until a restart (its "
+        "recovery did not read every index row); lost (held only in memory)"
+    ]
+
+
 async def test_a_restart_serves_while_the_disk_index_is_still_being_read(
     make_store, tmp_path, monkeypatch
 ):
