@@ -313,10 +313,10 @@ class BlockStore:
     async def stop(self, *, flush: bool, flush_timeout_s: float | None = None) -> None:
         """Stop background work; with ``flush``, first write every block held only in
         volatile tiers to the first persistent tier, so that a restart serves it, starting
-        no write after ``flush_timeout_s``. A recovery still running is let end first, within
-        that same bound: cancelled, it leaves a persistent tier allocating nothing (the slots
-        of the rows it did not read are held until a restart), so the flush would find no
-        room there. Then the slots a persistent tier could not free are tried once more
+        no write after ``flush_timeout_s``. A recovery still running is let end first (where
+        there is such a block), within that same bound: cancelled, it leaves a persistent
+        tier allocating nothing (the slots of the rows it did not read are held until a
+        restart), so the flush would find no room there. Then the slots a persistent tier could not free are tried once more
         (``SpaceManager.settle_frees``): their rows left in its index would bring deleted
         blocks back at the restart."""
         recovery, self._recovery = self._recovery, None
@@ -324,7 +324,8 @@ class BlockStore:
         left_s = flush_timeout_s
         await _cancelled(self._balancer)
         self._balancer = None
-        if flush and recovery is not None and not recovery.done():
+        # Only for blocks to flush: a recovery of millions of rows takes seconds.
+        if flush and recovery is not None and not recovery.done() and len(self._volatile_only()):
             started = time.monotonic()
             recovery_ended = await self._recovery_ends(recovery, flush_timeout_s)
             if left_s is not None:

@@ -2093,6 +2093,27 @@ async def test_a_stop_waits_for_recovery_only_within_the_flush_bound(make_store,
     ]
 
 
+async def test_a_stop_with_nothing_to_flush_does_not_wait_for_recovery(
+    make_store, tmp_path, caplog
+):
+    """With no block held only in memory the flush has nothing to write: a stop during a
+    recovery (of millions of rows, seconds) does not wait for it."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock, _, _ = await _stopped_with_durable_blocks(make_store, tmp_path, 2)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    gate = _recovery_held(disk, then_read=False)
+    store = make_store(clock, l2=disk)
+    store.start()
+    with caplog.at_level(logging.INFO, logger=store_module.__name__):
+        stopping = asyncio.ensure_future(store.stop(flush=True, flush_timeout_s=30))
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        gate.set()  # the cancel waits for the chunk read under way, as in a daemon
+        await stopping
+    assert "waiting for recovery" not in caplog.text
+
+
 async def test_a_flush_after_a_recovery_that_ended_early_says_why_it_wrote_nothing(
     make_store, tmp_path, monkeypatch, caplog
 ):
