@@ -17,8 +17,9 @@ straight into (or out of) the tier's slots when they are host memory (L1), else 
 staging (page-locked, from L0) and the tier's own verbs (L2, L3). Staging between L0 and a
 tier without host slots comes from L0 too. A device fault on the bridge is an error
 (FAILED_PRECONDITION naming the GPU tier's state), never a miss: the lower tier's copy is
-intact and must not be dropped; so is a device without memory for the bridge's scratch
-(RESOURCE_EXHAUSTED: that request fails, L0 serves on).
+intact and must not be dropped; so is a device without memory for the bridge's scratch,
+or for L0's own copy into the pages (RESOURCE_EXHAUSTED: that request fails, L0 serves on
+and keeps its blocks).
 
 Priorities hold all the way down: jobs run on a ``PriorityExecutor`` in which DEMAND jobs have
 reserved threads, tiers are handed the batch's priority (and rank: a prefetch's, ordering it
@@ -285,7 +286,15 @@ class TransferEngine:
         if self._inline(level, len(slots) * nbytes):
             ok = level.slots.read(batch)
         else:
-            ok = await self._run(priority, level.slots.read, batch)
+            try:
+                ok = await self._run(priority, level.slots.read, batch)
+            except TierMemoryExhausted as e:
+                # L0 into GPU pages: its blocks are intact, so an error, never misses.
+                what = f"{level.label}->pool"
+                self.counters.inc("transfer_failures", direction=what)
+                raise ResourceExhausted(
+                    f"the GPU tier could not move blocks into a GPU pool's pages ({what}): {e}"
+                ) from None
         self._observe_pool(started, level.label, to_pool=True)
         if not level.host_memory:
             self._count_move(level.label, "pool", sum(ok), nbytes)

@@ -528,7 +528,8 @@ class SlotTier(Protocol):
     def read(self, batch: ReadBatch) -> list[bool]:
         """Copy blocks into ``batch.dest``; False is a miss (verification or I/O failed): the
         destination's bytes for that block are then unspecified and must not be used, and
-        the tier has dropped the block (the caller forgets its copy)."""
+        the tier has dropped the block (the caller forgets its copy). TierMemoryExhausted
+        (the GPU tier, into GPU pages): no memory for the copy; the blocks are kept."""
         ...
 
     def remove(self, slots: Sequence[int]) -> bool:

@@ -28,9 +28,10 @@ before any copy (a device kernel checks nothing). A CUDA fault inside a verb is 
 not an exception: the batch fails, the tier reports DOWN with the error (a CUDA context
 does not recover from most faults), and the daemon keeps serving its other tiers. A device
 allocation that fails (``torch.cuda.OutOfMemoryError``: scratch, or a launch's plan, on a
-GPU the engine fills) is no fault: the context is intact, so only that batch fails (the
-bridge verbs raise ``TierMemoryExhausted``), once what it launched has run, and the tier
-stays as it was.
+GPU the engine fills) is no fault: the context is intact, so only that batch fails (a
+write's outcomes; ``read`` and the bridge verbs raise ``TierMemoryExhausted``, as a False
+from ``read`` would have its intact blocks dropped), once what it launched has run, and the
+tier stays as it was.
 
 All CUDA calls sit behind ``DeviceOps`` (``CudaOps`` on a GPU). The tests run the tier on
 ``CpuOps``: the same slot, batch and plan logic with CPU tensors.
@@ -431,8 +432,8 @@ class DeviceTier:
                     batch.nbytes,
                 )
         except torch.cuda.OutOfMemoryError as e:
-            self._short_of_memory("read", e)
-            return [False] * n
+            # Not False: that would tell the caller the blocks are lost, and they are intact.
+            raise self._short_of_memory("read", e) from None
         except RuntimeError as e:
             self._fault("read", e)
             return [False] * n

@@ -407,6 +407,44 @@ async def test_a_device_short_of_memory_fails_the_request_and_l0_serves_on(make_
     pool.close()
 
 
+class PlanShortOps(CpuOps):
+    """CpuOps whose launches cannot allocate their plan on the device once ``short`` is set
+    (the engine on the same GPU holds the rest), as torch's caching allocator reports it."""
+
+    short = False
+
+    def copy_pages(self, pages, slots, starts, *, gather):  # type: ignore[no-untyped-def]
+        if self.short:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return super().copy_pages(pages, slots, starts, gather=gather)
+
+
+async def test_a_device_short_of_memory_reading_l0_keeps_its_blocks(make_node):
+    """A Get of blocks held only in L0, whose scatter into the GPU pages finds no device
+    memory for its plan: RESOURCE_EXHAUSTED, and L0's copies stay, intact (the failed read
+    was taken for a lost copy: the blocks were dropped, the Get answered misses)."""
+    ops = PlanShortOps()
+    node = make_node(ops=ops)
+    store = node.store
+    engine = engine_pool("vllm")
+    pool = open_gpu_pool(engine)
+    words = keys(3)
+    want = [engine.block(p).clone() for p in range(3)]
+    assert await put(store, pool, words, [0, 1, 2]) == [PutResult.STORED] * 3
+    ids = store.table.lookup(0, words)
+    assert (store.table.slot[ids, store.stack[TierKind.HOST].col] < 0).all()  # only in L0
+    ops.short = True
+    with pytest.raises(ResourceExhausted, match=r"GPU tier .*out of memory"):
+        await get(store, pool, words, [3, 4, 5])
+    assert node.l0.health().state is Health.OK
+    assert where(store, words) == ["L0"] * 3
+    ops.short = False
+    poison(engine, [3, 4, 5])
+    assert await get(store, pool, words, [3, 4, 5]) == [True] * 3
+    assert_pages(engine, [3, 4, 5], want)
+    pool.close()
+
+
 # --------------------------------------------------- shared memory with an L0 on top
 
 

@@ -428,9 +428,10 @@ class ShortOps(CpuOps):
 
 
 def test_a_device_out_of_memory_fails_the_batch_and_the_tier_serves_on():
-    """Out of memory is not a fault: the CUDA context is intact, so the batch fails (the
-    bridge's copies with TierMemoryExhausted), after waiting for what the verb launched,
-    and the tier stays OK; the same batches pass once memory is there."""
+    """Out of memory is not a fault: the CUDA context is intact, so the batch fails (a
+    read and the bridge's copies with TierMemoryExhausted: a read's False would drop its
+    blocks), after waiting for what the verb launched, and the tier stays OK; the same
+    batches pass once memory is there."""
     ops = ShortOps()
     tier = _tier(ops)
     pool = make_pool("vllm", layers=2, pages=6)
@@ -445,7 +446,10 @@ def test_a_device_out_of_memory_fails_the_batch_and_the_tier_serves_on():
         return [o.ok for o in written], read
 
     ops.short = True
-    assert attempts() == ([False, False], [False, False])
+    written = tier.write(WriteBatch(slots, _refs(2), nbytes, _pages(pool, [0, 1])))
+    assert [o.ok for o in written] == [False, False]
+    with pytest.raises(TierMemoryExhausted, match="out of memory"):  # not misses: kept
+        tier.read(ReadBatch(slots, _refs(2), nbytes, _pages(pool, [2, 3])))
     with pytest.raises(TierMemoryExhausted, match="out of memory"):
         tier.pool_to_host(_pages(pool, [0, 1]), HostBuffers([memoryview(h) for h in host]), nbytes)
     with pytest.raises(TierMemoryExhausted, match="out of memory"):
