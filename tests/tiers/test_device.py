@@ -4,8 +4,13 @@ checks, copies, accounting and fault handling are the tier's own."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -322,6 +327,184 @@ def test_the_bridge_moves_a_batch_larger_than_its_scratch_in_groups(monkeypatch)
     assert ops.allocated == [64 << 10, 64 << 10]
     counters = tier.stats().counters
     assert counters["blocks_pool_to_host"] == counters["blocks_host_to_pool"] == 48
+
+
+class StreamOps(CpuOps):
+    """CpuOps whose launches run as on a GPU's streams: queued per stream, in order, none
+    before an event its stream was ordered after (``after``) has fired, and nothing until a
+    wait needs it. Then the ``eager`` streams (those that fill the scratch) run as far
+    ahead of the others as their events let them: the schedule in which a scratch half
+    taken again before the previous group's copies out of it have run is overwritten,
+    whatever a GPU's timing would be. Logs every step as (stream, what)."""
+
+    def __init__(self, eager: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.eager = eager
+        self.queues: dict[str, deque[tuple[str, Any]]] = {}
+        self.log: list[tuple[str, str, Any]] = []
+        self.fired: set[int] = set()
+        self._stream = "default"
+        self._events = itertools.count()
+
+    @contextlib.contextmanager
+    def lane(self, name: str) -> Iterator[None]:
+        outer, self._stream = self._stream, name
+        try:
+            yield
+        finally:
+            self._stream = outer
+
+    def _queue(self, what: str, arg: Any) -> None:
+        self.queues.setdefault(self._stream, deque()).append((what, arg))
+        self.log.append((self._stream, what, arg))
+
+    def copy_pages(self, pages, slots, starts, *, gather) -> str:
+        self._queue("launch", lambda: CpuOps.copy_pages(self, pages, slots, starts, gather=gather))
+        return "torch"
+
+    def copy(self, dst, src) -> None:
+        self._queue("launch", lambda: dst.copy_(src))
+
+    def record(self) -> Any:
+        event = next(self._events)
+        self._queue("record", event)
+        return event
+
+    def after(self, event) -> None:
+        self._queue("after", event)
+
+    def wait(self, event) -> None:
+        self._run(lambda: event in self.fired)
+
+    def synchronize(self) -> None:
+        self._run(lambda: False)
+
+    def _run(self, done: Callable[[], bool]) -> None:
+        """One step at a time on the first stream that can take one, eager streams first,
+        until ``done`` or every queue is empty."""
+        while not done():
+            ready = [n for n, q in self.queues.items() if q and self._can_step(q[0])]
+            if not ready:
+                assert not any(self.queues.values()), "streams wait on events never recorded"
+                return
+            queue = self.queues[min(ready, key=lambda n: not self.eager(n))]
+            what, arg = queue.popleft()
+            if what == "launch":
+                arg()
+            elif what == "record":
+                self.fired.add(arg)
+
+    def _can_step(self, op: tuple[str, Any]) -> bool:
+        return op[0] != "after" or op[1] in self.fired
+
+
+def _scratch_fillers(to_host: bool) -> Callable[[str], bool]:
+    """The streams that write the bridge's scratch: the pool's (a gather) into host
+    memory, the host-to-device one the other way."""
+    if to_host:
+        return lambda name: name.startswith("pool")
+    return lambda name: name == device.H2D
+
+
+@pytest.mark.parametrize("bound", [64 << 10, 12 << 10], ids=["groups_of_4", "over_half"])
+def test_the_bridge_takes_a_scratch_half_again_only_after_its_copies_out_ran(monkeypatch, bound):
+    """The ordering of the bridge's groups, stream by stream (StreamOps runs the streams
+    that fill the scratch as far ahead as events let them): a group takes a half again only
+    after an event the other stream recorded past the previous group's copies out of it,
+    each stream waits only on the other's events, and every launch has run when the verb
+    returns (its scratch then goes back to torch's allocator). 46 blocks of 8 KiB: groups
+    of 4 through two 32 KiB halves, the last of 2; a block over half the bound: groups of
+    one block."""
+    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", bound)
+    pool = make_pool("vllm", layers=2, pages=48, tokens=8, heads=4, head_dim=32)
+    pool.fill_random(9)
+    nbytes = pool.layout.block_bytes
+    assert nbytes == 8 << 10
+    order = [int(p) for p in np.random.default_rng(9).permutation(48)[:46]]
+    want = [pool.block(p).clone() for p in order]
+    host = [bytearray(nbytes) for _ in order]
+
+    ops = StreamOps(_scratch_fillers(to_host=True))
+    tier = _tier(ops)
+    ops.log.clear()
+    assert tier.pool_to_host(
+        _pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes
+    )
+    _assert_ordered(ops)
+    for h, w in zip(host, want, strict=True):
+        assert bytes(h) == w.numpy().tobytes()
+
+    pool.poison()
+    ops = StreamOps(_scratch_fillers(to_host=False))
+    tier = _tier(ops)
+    ops.log.clear()
+    assert tier.host_to_pool(HostBuffers([bytes(h) for h in host]), _pages(pool, order), nbytes)
+    _assert_ordered(ops)
+    for p, w in zip(order, want, strict=True):
+        assert torch.equal(pool.block(p), w)
+
+
+def _assert_ordered(ops: StreamOps) -> None:
+    """Nothing left to run, and every ``after`` names another stream's event."""
+    assert not any(ops.queues.values())
+    recorded_on = {arg: stream for stream, what, arg in ops.log if what == "record"}
+    waits = [(stream, arg) for stream, what, arg in ops.log if what == "after"]
+    assert waits and all(recorded_on[e] != stream for stream, e in waits)
+
+
+class _ShortStreamOps(StreamOps):
+    """StreamOps whose ``short_at``-th gather or scatter launch from now (``short``) finds
+    no device memory for its plan."""
+
+    def __init__(self) -> None:
+        super().__init__(_scratch_fillers(to_host=True))
+        self.short_at = self.launches = 0
+
+    def short(self, at: int) -> None:
+        self.short_at, self.launches = at, 0
+
+    def copy_pages(self, pages, slots, starts, *, gather) -> str:
+        self.launches += 1
+        if self.launches == self.short_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return super().copy_pages(pages, slots, starts, gather=gather)
+
+
+def _grouped_batch(monkeypatch) -> tuple[object, list[int], int]:
+    """A pool and 24 of its pages in an order, 8 KiB blocks: 6 groups of 4 through the
+    bridge's scratch."""
+    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", 64 << 10)
+    pool = make_pool("vllm", layers=2, pages=24, tokens=8, heads=4, head_dim=32)
+    pool.fill_random(11)
+    order = [int(p) for p in np.random.default_rng(11).permutation(24)]
+    return pool, order, pool.layout.block_bytes
+
+
+def test_out_of_memory_in_the_middle_of_a_grouped_batch_fails_it_after_its_copies_ran(
+    monkeypatch,
+):
+    """The third group of a bridge copy finds no device memory for its plan: the batch
+    fails (TierMemoryExhausted, none of it counted as moved), once every copy the groups
+    before it launched has run (their scratch goes back to torch's allocator when the
+    verb returns); the tier stays OK and the same batch then passes."""
+    pool, order, nbytes = _grouped_batch(monkeypatch)
+    ops = _ShortStreamOps()
+    tier = _tier(ops)
+    ops.short(at=3)
+    host = [bytearray(nbytes) for _ in order]
+    with pytest.raises(TierMemoryExhausted, match="out of memory"):
+        tier.pool_to_host(_pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes)
+    assert not any(ops.queues.values())
+    for h, p in zip(host[:8], order[:8], strict=True):  # the two groups before it landed
+        assert bytes(h) == pool.block(p).numpy().tobytes()
+    assert tier.health().state is Health.OK
+    counters = tier.stats().counters
+    assert counters["out_of_memory"] == 1 and "blocks_pool_to_host" not in counters
+    assert tier.pool_to_host(
+        _pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes
+    )
+    for h, p in zip(host, order, strict=True):
+        assert bytes(h) == pool.block(p).numpy().tobytes()
 
 
 def test_bad_slots_are_refused_before_any_copy():
