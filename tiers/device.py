@@ -433,7 +433,9 @@ class DeviceTier:
                 )
         except torch.cuda.OutOfMemoryError as e:
             # Not False: that would tell the caller the blocks are lost, and they are intact.
-            raise self._short_of_memory("read", e) from None
+            if (short := self._short_of_memory("read", e)) is not None:
+                raise short from None
+            return [False] * n
         except RuntimeError as e:
             self._fault("read", e)
             return [False] * n
@@ -485,7 +487,9 @@ class DeviceTier:
                     freed[k % 2] = last = self._ops.record()
             self._ops.wait(last)  # on one stream: after every group's copies
         except torch.cuda.OutOfMemoryError as e:
-            raise self._short_of_memory("pool_to_host", e) from None
+            if (short := self._short_of_memory("pool_to_host", e)) is not None:
+                raise short from None
+            return False
         except RuntimeError as e:
             self._fault("pool_to_host", e)
             return False
@@ -527,7 +531,9 @@ class DeviceTier:
                     freed[k % 2] = last = self._ops.record()
             self._ops.wait(last)  # on one stream: after every group's scatter
         except torch.cuda.OutOfMemoryError as e:
-            raise self._short_of_memory("host_to_pool", e) from None
+            if (short := self._short_of_memory("host_to_pool", e)) is not None:
+                raise short from None
+            return False
         except RuntimeError as e:
             self._fault("host_to_pool", e)
             return False
@@ -641,13 +647,17 @@ class DeviceTier:
         self._health = TierHealth(Health.DOWN, f"{verb} failed: {e}")
         self._count({"faults": 1})
 
-    def _short_of_memory(self, verb: str, e: BaseException) -> TierMemoryExhausted:
+    def _short_of_memory(self, verb: str, e: BaseException) -> TierMemoryExhausted | None:
         """Count a failed device allocation and return the error that says so; the health
         stays as it is (see the module docstring). The copies the verb launched before it
         are waited for first: the scratch they use goes back to torch's allocator when the
-        verb returns, and another verb's allocation must not get it while they still run."""
-        with contextlib.suppress(RuntimeError):
+        verb returns, and another verb's allocation must not get it while they still run.
+        None when that wait fails: one of those copies faulted, and the tier is DOWN."""
+        try:
             self._ops.synchronize()
+        except RuntimeError as fault:
+            self._fault(verb, fault)
+            return None
         log.warning("L0 %s: no device memory to spare on %s: %s", verb, self._ops.device, e)
         self._count({"out_of_memory": 1})
         return TierMemoryExhausted(f"L0 {verb}: the device is out of memory: {e}")

@@ -454,10 +454,12 @@ def _assert_ordered(ops: StreamOps) -> None:
 
 class _ShortStreamOps(StreamOps):
     """StreamOps whose ``short_at``-th gather or scatter launch from now (``short``) finds
-    no device memory for its plan."""
+    no device memory for its plan; its waits for the whole device then fail with ``fault``
+    when one is given (a CUDA fault of a copy launched before)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fault: str = "") -> None:
         super().__init__(_scratch_fillers(to_host=True))
+        self.fault = fault
         self.short_at = self.launches = 0
 
     def short(self, at: int) -> None:
@@ -468,6 +470,11 @@ class _ShortStreamOps(StreamOps):
         if self.launches == self.short_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
         return super().copy_pages(pages, slots, starts, gather=gather)
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        if self.fault:
+            raise RuntimeError(self.fault)
 
 
 def _grouped_batch(monkeypatch) -> tuple[object, list[int], int]:
@@ -505,6 +512,26 @@ def test_out_of_memory_in_the_middle_of_a_grouped_batch_fails_it_after_its_copie
     )
     for h, p in zip(host, order, strict=True):
         assert bytes(h) == pool.block(p).numpy().tobytes()
+
+
+def test_a_fault_surfacing_in_the_wait_after_out_of_memory_takes_the_tier_down(monkeypatch):
+    """Out of memory in the middle of a grouped batch, and the wait for what the groups
+    before it launched fails with a CUDA fault (one of those copies faulted): the tier is
+    DOWN and the batch failed as a fault (False: FAILED_PRECONDITION naming L0's state),
+    not RESOURCE_EXHAUSTED with the tier OK (the fault was swallowed by that wait: the
+    tier served on, through a dead context, until its next verb faulted again)."""
+    pool, order, nbytes = _grouped_batch(monkeypatch)
+    fault = "CUDA error: an illegal memory access was encountered"
+    ops = _ShortStreamOps(fault=fault)
+    tier = _tier(ops)
+    ops.short(at=3)
+    host = [bytearray(nbytes) for _ in order]
+    assert not tier.pool_to_host(
+        _pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes
+    )
+    assert tier.health().state is Health.DOWN and "illegal memory access" in tier.health().detail
+    counters = tier.stats().counters
+    assert counters["faults"] == 1 and "out_of_memory" not in counters
 
 
 def test_bad_slots_are_refused_before_any_copy():
