@@ -16,8 +16,8 @@ Blocks move in batches:
 - **shared-memory pool <-> L0** (``PoolPages``): gathered on the host into a (pinned)
   staging buffer, then as above;
 - **engine pool <-> host memory** without an L0 slot (``pool_to_host``/``host_to_pool``):
-  through device scratch of at most ``BRIDGE_SCRATCH_BYTES``, a group of blocks at a time,
-  for a Get from L1 into a GPU pool or a Put that skips L0.
+  through device scratch of at most ``BRIDGE_SCRATCH_BYTES`` (or one block, a larger one),
+  a group of blocks at a time, for a Get from L1 into a GPU pool or a Put that skips L0.
 
 Every verb records an event on its stream after its last copy and blocks until the event
 fires: when ``write``/``read`` return, the bytes are in place. Verbs run on worker threads;
@@ -83,10 +83,12 @@ ALIGN = 4096  # slot alignment; also what GPUDirect Storage wants for direct tra
 # 0.81x of PCIe's bandwidth on an H200, Python's share not overlapped).
 HOST_GROUP = 16
 # The bridge's copies between a GPU pool's pages and host memory pass through device scratch
-# of at most this many bytes (two blocks, for blocks larger than half of it), in two halves
-# that groups of blocks take in turn (one group's DMA overlaps the next one's gather or
-# scatter): device memory the daemon holds past its arena, which torch's allocator keeps once
-# used and the engine on that GPU cannot have, stays bounded whatever the batch.
+# of at most this many bytes, in two halves that groups of blocks take in turn (one group's
+# DMA overlaps the next one's gather or scatter): device memory the daemon holds past its
+# arena, which torch's allocator keeps once used and the engine on that GPU cannot have,
+# stays bounded whatever the batch. Blocks larger than a half go one at a time through one
+# block of scratch, never two of them held (a gather or scatter in device memory runs tens
+# of times faster than the PCIe DMA of its bytes, so little overlap is lost).
 BRIDGE_SCRATCH_BYTES = 64 << 20
 H2D, D2H = "h2d", "d2h"
 
@@ -467,14 +469,15 @@ class DeviceTier:
             group, halves = self._scratch(n, nbytes)
             lane = self._pool_lane()
             hosts = _host_tensors(dest.views, nbytes, writable=True)
-            freed: list[Any] = [None, None]  # after the last copy out of each half
+            freed: list[Any] = [None] * len(halves)  # after the last copy out of each
             last: Any = None
             for k, first in enumerate(range(0, n, group)):
                 m = min(group, n - first)
-                half = halves[k % 2]
+                h = k % len(halves)
+                half = halves[h]
                 with self._ops.lane(lane):
-                    if freed[k % 2] is not None:
-                        self._ops.after(freed[k % 2])
+                    if freed[h] is not None:
+                        self._ops.after(freed[h])
                     pages = DevicePages(src.smap, src.segments, src.pages[first : first + m])
                     self._ops.copy_pages(pages, half, _starts_in(m, nbytes), gather=True)
                     gathered = self._ops.record()
@@ -484,7 +487,7 @@ class DeviceTier:
                     pairs = list(zip(hosts[first : first + m], parts, strict=True))
                     for dst, src_part in _coalesced(pairs):
                         self._ops.copy(dst, src_part)
-                    freed[k % 2] = last = self._ops.record()
+                    freed[h] = last = self._ops.record()
             self._ops.wait(last)  # on one stream: after every group's copies
         except torch.cuda.OutOfMemoryError as e:
             if (short := self._short_of_memory("pool_to_host", e)) is not None:
@@ -511,14 +514,15 @@ class DeviceTier:
             group, halves = self._scratch(n, nbytes)
             lane = self._pool_lane()
             hosts = _host_tensors(src.views, nbytes)
-            freed: list[Any] = [None, None]  # after the last scatter out of each half
+            freed: list[Any] = [None] * len(halves)  # after the last scatter out of each
             last: Any = None
             for k, first in enumerate(range(0, n, group)):
                 m = min(group, n - first)
-                half = halves[k % 2]
+                h = k % len(halves)
+                half = halves[h]
                 with self._ops.lane(H2D):
-                    if freed[k % 2] is not None:
-                        self._ops.after(freed[k % 2])
+                    if freed[h] is not None:
+                        self._ops.after(freed[h])
                     parts = [half[j * nbytes : (j + 1) * nbytes] for j in range(m)]
                     pairs = list(zip(parts, hosts[first : first + m], strict=True))
                     for dst, src_part in _coalesced(pairs):
@@ -528,7 +532,7 @@ class DeviceTier:
                     self._ops.after(copied)
                     pages = DevicePages(dest.smap, dest.segments, dest.pages[first : first + m])
                     self._ops.copy_pages(pages, half, _starts_in(m, nbytes), gather=False)
-                    freed[k % 2] = last = self._ops.record()
+                    freed[h] = last = self._ops.record()
             self._ops.wait(last)  # on one stream: after every group's scatter
         except torch.cuda.OutOfMemoryError as e:
             if (short := self._short_of_memory("host_to_pool", e)) is not None:
@@ -602,10 +606,13 @@ class DeviceTier:
 
     def _scratch(self, n: int, nbytes: int) -> tuple[int, list[torch.Tensor]]:
         """Device scratch for a bridge copy of ``n`` blocks: how many blocks a group takes,
-        and the halves the groups take in turn (one, when one group takes them all)."""
+        and the halves the groups take in turn (one buffer, when one group takes them all
+        or a block is larger than a half: every group then takes it after the last)."""
         group = max(1, min(n, BRIDGE_SCRATCH_BYTES // 2 // nbytes))
         if group >= n:
             return n, [self._ops.empty(n * nbytes)]
+        if 2 * nbytes > BRIDGE_SCRATCH_BYTES:
+            return 1, [self._ops.empty(nbytes)]
         scratch = self._ops.empty(2 * group * nbytes)
         return group, [scratch[: group * nbytes], scratch[group * nbytes :]]
 

@@ -343,8 +343,13 @@ class StreamOps(CpuOps):
         self.queues: dict[str, deque[tuple[str, Any]]] = {}
         self.log: list[tuple[str, str, Any]] = []
         self.fired: set[int] = set()
+        self.allocated: list[int] = []
         self._stream = "default"
         self._events = itertools.count()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        self.allocated.append(nbytes)
+        return super().empty(nbytes)
 
     @contextlib.contextmanager
     def lane(self, name: str) -> Iterator[None]:
@@ -412,9 +417,10 @@ def test_the_bridge_takes_a_scratch_half_again_only_after_its_copies_out_ran(mon
     that fill the scratch as far ahead as events let them): a group takes a half again only
     after an event the other stream recorded past the previous group's copies out of it,
     each stream waits only on the other's events, and every launch has run when the verb
-    returns (its scratch then goes back to torch's allocator). 46 blocks of 8 KiB: groups
-    of 4 through two 32 KiB halves, the last of 2; a block over half the bound: groups of
-    one block."""
+    returns (its scratch then goes back to torch's allocator), and the scratch stays within
+    the bound. 46 blocks of 8 KiB: groups of 4 through two 32 KiB halves, the last of 2; a
+    block over half the bound: one block at a time through one block of scratch (it took
+    two blocks, past the bound)."""
     monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", bound)
     pool = make_pool("vllm", layers=2, pages=48, tokens=8, heads=4, head_dim=32)
     pool.fill_random(9)
@@ -427,10 +433,12 @@ def test_the_bridge_takes_a_scratch_half_again_only_after_its_copies_out_ran(mon
     ops = StreamOps(_scratch_fillers(to_host=True))
     tier = _tier(ops)
     ops.log.clear()
+    ops.allocated.clear()
     assert tier.pool_to_host(
         _pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes
     )
     _assert_ordered(ops)
+    assert ops.allocated and max(ops.allocated) <= bound
     for h, w in zip(host, want, strict=True):
         assert bytes(h) == w.numpy().tobytes()
 
@@ -438,8 +446,10 @@ def test_the_bridge_takes_a_scratch_half_again_only_after_its_copies_out_ran(mon
     ops = StreamOps(_scratch_fillers(to_host=False))
     tier = _tier(ops)
     ops.log.clear()
+    ops.allocated.clear()
     assert tier.host_to_pool(HostBuffers([bytes(h) for h in host]), _pages(pool, order), nbytes)
     _assert_ordered(ops)
+    assert ops.allocated and max(ops.allocated) <= bound
     for p, w in zip(order, want, strict=True):
         assert torch.equal(pool.block(p), w)
 
