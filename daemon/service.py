@@ -73,7 +73,7 @@ from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.daemon.tenants import Space, TenantDirectory
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.tiers.base import TierKind
+from kvtier.tiers.base import SlotTier, TierKind
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,17 @@ class CheckReport:
 class DrainState:
     draining: bool
     sessions: int  # open sessions besides the caller's
+
+
+def _check_gpu_tier_serves(tier: SlotTier) -> None:
+    """FailedPrecondition naming L0's state unless it serves: after a CUDA fault it serves
+    no GPU pool until the daemon restarts."""
+    health = tier.health()
+    if not health.serves_reads:
+        raise FailedPrecondition(
+            f"the GPU tier (L0), which CUDA IPC pools need, is {health}; it serves no GPU "
+            "pool until the daemon restarts"
+        )
 
 
 def _who(session: Session) -> str:
@@ -367,7 +378,9 @@ class KVService:
         any host, as a host pool's own content is), the rules of every pool (credentials,
         pools per session, block size against every tier's slots, L0's included), then the
         GPU tier must run and serve: only it reaches GPU memory, and after a CUDA fault it
-        serves nothing until the daemon restarts (nothing is opened through that context)."""
+        serves nothing until the daemon restarts (nothing is opened through that context).
+        It is asked again once the handles are opened: a copy on a worker thread may fault
+        meanwhile, and that is then the answer, the pool closed again."""
         session = self.sessions.get(session_id)
         plan_region(parse_region(region), layout)
         self._check_may_register(session, layout)
@@ -377,13 +390,19 @@ class KVService:
                 "CUDA IPC pools need the GPU tier (L0), which this daemon does not run: set "
                 "tiers.l0.enabled=true on a host with CUDA"
             )
-        health = device.tier.health()
-        if not health.serves_reads:
-            raise FailedPrecondition(
-                f"the GPU tier (L0), which CUDA IPC pools need, is {health}; it serves no GPU "
-                "pool until the daemon restarts"
-            )
-        return self.pools.register_cuda_ipc(session_id, region, layout)
+        _check_gpu_tier_serves(device.tier)
+        try:
+            pool = self.pools.register_cuda_ipc(session_id, region, layout)
+        except FailedPrecondition:
+            # An open that failed in a context a fault had just broken: the fault says why.
+            _check_gpu_tier_serves(device.tier)
+            raise
+        try:
+            _check_gpu_tier_serves(device.tier)
+        except FailedPrecondition:
+            self.pools.unregister(session_id, pool.pool_id)
+            raise
+        return pool
 
     def drop_unanswered_pool(self, session_id: str, pool: EnginePool) -> None:
         """Unregister ``pool``, just registered by a request whose answer cannot reach its

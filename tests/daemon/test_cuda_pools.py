@@ -338,6 +338,53 @@ async def test_a_gpu_tier_that_is_down_refuses_gpu_pools_naming_its_state(tmp_pa
     service.store.close()
 
 
+@pytest.mark.parametrize("opened", [True, False], ids=["opened", "open_failed"])
+async def test_a_gpu_tier_going_down_while_a_pool_is_opened_refuses_it(tmp_path, opened):
+    """L0 faults (a copy on a worker thread) while a registration opens its handles, past
+    the check before them: the registration is FAILED_PRECONDITION naming L0's state, with
+    nothing left open (it was registered on a tier that serves no GPU pool, or, where the
+    open failed in the faulted context, answered that the exporting process may have
+    exited)."""
+    from kvtier.tiers.base import BlockRef, Health, HostBuffers, WriteBatch
+    from kvtier.tiers.device import CpuOps
+
+    class FaultingOps(CpuOps):
+        broken = False
+
+        def copy(self, dst, src):  # type: ignore[no-untyped-def]
+            if self.broken:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            super().copy(dst, src)
+
+    ops = FaultingOps()
+    service, tickets, mapper = _service(tmp_path, ops=ops)
+    session = _session(service, tickets)
+    engine = make_pool("mla", layers=2, pages=4)
+    region = _export(mapper, engine)
+    tier = service.store.stack.device.tier
+    nbytes = engine.layout.block_bytes
+    slots = [tier.allocator.allocate(nbytes)]
+    batch = WriteBatch(slots, [BlockRef(0, b"k" * 32)], nbytes, HostBuffers([bytes(nbytes)]))
+    open_handle = mapper.open
+
+    def open_as_l0_faults(handle: bytes) -> tuple[int, int]:
+        if not ops.broken:  # another request's copy, on a worker thread meanwhile
+            ops.broken = True
+            assert not tier.write(batch)[0].ok
+        if not opened:
+            raise OSError("cuIpcOpenMemHandle failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)")
+        return open_handle(handle)
+
+    mapper.open = open_as_l0_faults  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match=r"GPU tier .*down: .*illegal memory access"):
+        service.register_cuda_ipc_pool(session, region, engine.layout)
+    assert tier.health().state is Health.DOWN
+    assert len(service.pools) == 0
+    await service.pools.stop()
+    assert mapper.mapped == {}
+    service.store.close()
+
+
 def test_gpu_pools_follow_the_rules_of_every_pool(tmp_path):
     from kvtier.daemon.errors import PermissionDenied, ResourceExhausted
 
