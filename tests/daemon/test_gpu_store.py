@@ -28,6 +28,7 @@ from kvtier.daemon.pools import Pool
 from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words
 from kvtier.kernels.layout import PoolLayout
+from kvtier.tiers import device
 from kvtier.tiers.base import Health, Priority, TierKind
 from kvtier.tiers.device import CpuOps, DeviceOps, DeviceTier
 from kvtier.tiers.host import HostArena
@@ -408,13 +409,23 @@ async def test_a_device_short_of_memory_fails_the_request_and_l0_serves_on(make_
 
 
 class PlanShortOps(CpuOps):
-    """CpuOps whose launches cannot allocate their plan on the device once ``short`` is set
-    (the engine on the same GPU holds the rest), as torch's caching allocator reports it."""
+    """CpuOps whose gathers and scatters cannot allocate their plan on the device from the
+    ``at``-th launch after ``short(at)`` until ``enough()`` (the engine on the same GPU
+    holds the rest), as torch's caching allocator reports it."""
 
-    short = False
+    def __init__(self) -> None:
+        super().__init__()
+        self.short_at = self.launches = 0
+
+    def short(self, at: int = 1) -> None:
+        self.short_at, self.launches = at, 0
+
+    def enough(self) -> None:
+        self.short_at = 0
 
     def copy_pages(self, pages, slots, starts, *, gather):  # type: ignore[no-untyped-def]
-        if self.short:
+        self.launches += 1
+        if self.short_at and self.launches >= self.short_at:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
         return super().copy_pages(pages, slots, starts, gather=gather)
 
@@ -433,15 +444,52 @@ async def test_a_device_short_of_memory_reading_l0_keeps_its_blocks(make_node):
     assert await put(store, pool, words, [0, 1, 2]) == [PutResult.STORED] * 3
     ids = store.table.lookup(0, words)
     assert (store.table.slot[ids, store.stack[TierKind.HOST].col] < 0).all()  # only in L0
-    ops.short = True
+    ops.short()
     with pytest.raises(ResourceExhausted, match=r"GPU tier .*out of memory"):
         await get(store, pool, words, [3, 4, 5])
     assert node.l0.health().state is Health.OK
     assert where(store, words) == ["L0"] * 3
-    ops.short = False
+    ops.enough()
     poison(engine, [3, 4, 5])
     assert await get(store, pool, words, [3, 4, 5]) == [True] * 3
     assert_pages(engine, [3, 4, 5], want)
+    pool.close()
+
+
+async def test_a_put_through_l0_short_of_memory_stores_nothing_and_frees_its_l1_slots(
+    make_node, monkeypatch
+):
+    """A Put that L0 has no room for goes to L1 through the bridge, in groups of two
+    blocks; the third group finds no device memory for its plan: RESOURCE_EXHAUSTED, none
+    of the keys stored, the L1 slots taken for them (two groups of them written) given
+    back; the same Put then stores them all."""
+    ops = PlanShortOps()
+    node = make_node(l0_segments=1, ops=ops)
+    store = node.store
+    engine = engine_pool("vllm", pages=40)
+    pool = open_gpu_pool(engine)
+    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", 4 * pool.block_bytes)
+    await fill_l0(node, pool)
+    in_l0 = store.table.holders(store.stack[TierKind.GPU].col)
+    store.pin(in_l0)  # L0 cannot evict anything now
+    l1_used = node.l1.allocator.used_slots
+    words = keys(8)
+    src = list(range(20, 28))
+    want = [engine.block(p).clone() for p in src]
+    ops.short(at=3)
+    with pytest.raises(ResourceExhausted, match=r"GPU tier .*out of memory"):
+        await put(store, pool, words, src)
+    assert ops.launches == 3  # the groups before it ran
+    assert where(store, words) == ["-"] * 8
+    assert node.l1.allocator.used_slots == l1_used
+    assert node.l0.health().state is Health.OK
+    ops.enough()
+    assert await put(store, pool, words, src) == [PutResult.STORED] * 8
+    assert where(store, words) == ["L1"] * 8
+    poison(engine, src)
+    assert await get(store, pool, words, src) == [True] * 8
+    assert_pages(engine, src, want)
+    store.unpin(store.table.refs(in_l0))
     pool.close()
 
 
