@@ -752,16 +752,18 @@ def test_on_a_gpu_round_trips_are_bit_exact_and_use_the_triton_kernel(kind):
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_bridge_takes_its_scratch_halves_in_turn_bit_exact(monkeypatch):
+@pytest.mark.parametrize("bound", [1 << 20, 192 << 10], ids=["groups_of_4", "over_half"])
+def test_on_a_gpu_the_bridge_takes_its_scratch_halves_in_turn_bit_exact(monkeypatch, bound):
     """Groups of blocks through the two scratch halves, on three streams (the pool's, H2D,
     D2H): a half is taken again only once the copies out of it have run (events), so no
-    group's bytes are overwritten by the next one's before they left."""
-    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", 1 << 20)
+    group's bytes are overwritten by the next one's before they left. 128 KiB blocks: 16
+    groups of 4; over half the bound, 64 blocks one at a time through one block."""
+    monkeypatch.setattr(device, "BRIDGE_SCRATCH_BYTES", bound)
     tier = DeviceTier(64 << 20, 8 << 20, streams=2)
     pool = make_pool("vllm", layers=4, pages=64, tokens=16, heads=8, head_dim=64, device="cuda")
     pool.fill_random(12)
     nbytes = pool.layout.block_bytes
-    assert nbytes == 128 << 10  # groups of 4 blocks: 16 groups
+    assert nbytes == 128 << 10
     order = [int(p) for p in np.random.default_rng(12).permutation(64)]
     want = [pool.block(p).cpu() for p in order]
     host = tier.host_buffers(64, nbytes)
