@@ -25,7 +25,8 @@ two calls in flight never name the same slot (the store's in-flight marks guaran
 
 Invariants: a slot handed to a verb is allocated and at least ``nbytes`` long, checked
 before any copy (a device kernel checks nothing). A CUDA fault inside a verb is a result,
-not an exception: the batch fails, the tier reports DOWN with the error (a CUDA context
+not an exception: the batch fails, once what it launched before has run (a failed launch
+may leave the context intact), the tier reports DOWN with the error (a CUDA context
 does not recover from most faults), and the daemon keeps serving its other tiers. A device
 allocation that fails (``torch.cuda.OutOfMemoryError``: scratch, or a launch's plan, on a
 GPU the engine fills) is no fault: the context is intact, so only that batch fails (a
@@ -650,6 +651,13 @@ class DeviceTier:
         return staging
 
     def _fault(self, verb: str, e: BaseException) -> None:
+        """Mark the tier DOWN, once what the verb launched before the failure has run: a
+        launch can fail with the context intact and the copies before it still running,
+        into the caller's host buffers (L1 slots it frees when the batch fails) and out of
+        scratch that goes back to torch's allocator when the verb returns. After a fault
+        that broke the context, the wait fails at once."""
+        with contextlib.suppress(RuntimeError):
+            self._ops.synchronize()
         log.error("L0 %s failed on %s: %s", verb, self._ops.device, e, exc_info=True)
         self._health = TierHealth(Health.DOWN, f"{verb} failed: {e}")
         self._count({"faults": 1})

@@ -544,6 +544,47 @@ def test_a_fault_surfacing_in_the_wait_after_out_of_memory_takes_the_tier_down(m
     assert counters["faults"] == 1 and "out_of_memory" not in counters
 
 
+class _FailingStreamOps(StreamOps):
+    """StreamOps whose ``fail_at``-th copy launch from ``fail(at)`` fails as a launch can
+    without breaking the context (the copies launched before it still run)."""
+
+    def __init__(self, to_host: bool) -> None:
+        super().__init__(_scratch_fillers(to_host))
+        self.fail_at = self.copies = 0
+
+    def fail(self, at: int) -> None:
+        self.fail_at, self.copies = at, 0
+
+    def copy(self, dst, src) -> None:
+        self.copies += 1
+        if self.copies == self.fail_at:
+            raise RuntimeError("CUDA error: invalid argument")
+        super().copy(dst, src)
+
+
+@pytest.mark.parametrize("to_host", [True, False], ids=["pool_to_host", "host_to_pool"])
+def test_a_failed_launch_in_a_grouped_batch_returns_once_the_groups_before_it_ran(
+    monkeypatch, to_host
+):
+    """A copy launch of the third group fails: the tier is DOWN and the batch failed, but
+    only once what the groups before it launched has run. Their copies write the caller's
+    host buffers (L1 slots, freed again when the batch fails, then another block's) and
+    read the scratch (back to torch's allocator at the return); they were left running."""
+    pool, order, nbytes = _grouped_batch(monkeypatch)
+    ops = _FailingStreamOps(to_host)
+    tier = _tier(ops)
+    host = [bytearray(nbytes) for _ in order]
+    ops.fail(at=9)  # four copies a group (the host buffers lie apart): the third group
+    if to_host:
+        ok = tier.pool_to_host(
+            _pages(pool, order), HostBuffers([memoryview(h) for h in host]), nbytes
+        )
+    else:
+        ok = tier.host_to_pool(HostBuffers([bytes(h) for h in host]), _pages(pool, order), nbytes)
+    assert ops.copies == 9 and not ok and tier.health().state is Health.DOWN
+    assert not any(ops.queues.values())
+
+
 def test_bad_slots_are_refused_before_any_copy():
     tier = _tier()
     pool = make_pool("vllm", layers=2, pages=4)
