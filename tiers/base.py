@@ -634,7 +634,9 @@ class DeviceBridge(Protocol):
     traffic with a GPU pool goes through these (host buffers being its slots, when they are
     host memory, or staging from ``host_buffers``). False: the device failed, the
     destination's bytes are unspecified and the tier reports why in ``health()``.
-    TierMemoryExhausted: the device had no memory for the copy; nothing else changed."""
+    TierMemoryExhausted: the device had no memory for the copy (a group of it, the groups
+    before having landed): the destination's bytes are unspecified as after a False, while
+    the tier, its health and its blocks are unchanged."""
 
     def pool_to_host(self, src: DevicePages, dest: HostBuffers, nbytes: int) -> bool: ...
 

@@ -458,7 +458,8 @@ class DeviceTier:
     def pool_to_host(self, src: DevicePages, dest: HostBuffers, nbytes: int) -> bool:
         """Gather pool pages straight into host buffers (a Put from a GPU pool into L1).
         False: the device failed (the buffers' bytes are unspecified). Raises
-        TierMemoryExhausted when the device has no memory for the scratch."""
+        TierMemoryExhausted when the device has no memory for the scratch or a group's
+        plan (the buffers' bytes are unspecified too)."""
         n = len(src)
         if len(dest) != n:
             raise ValueError(f"{len(dest)} host buffers for {n} pages")
@@ -503,7 +504,8 @@ class DeviceTier:
     def host_to_pool(self, src: HostBuffers, dest: DevicePages, nbytes: int) -> bool:
         """Scatter host buffers straight into pool pages (a Get from L1 into a GPU pool).
         False: the device failed (the pages' bytes are unspecified). Raises
-        TierMemoryExhausted when the device has no memory for the scratch."""
+        TierMemoryExhausted when the device has no memory for the scratch or a group's
+        plan (the pages' bytes are unspecified too)."""
         n = len(dest)
         if len(src) != n:
             raise ValueError(f"{len(src)} host buffers for {n} pages")
