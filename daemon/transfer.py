@@ -289,11 +289,12 @@ class TransferEngine:
             try:
                 ok = await self._run(priority, level.slots.read, batch)
             except TierMemoryExhausted as e:
-                # L0 into GPU pages: its blocks are intact, so an error, never misses.
+                # L0 short of memory for the copy: its blocks are intact, so an error, never
+                # misses.
                 what = f"{level.label}->pool"
                 self.counters.inc("transfer_failures", direction=what)
                 raise ResourceExhausted(
-                    f"the GPU tier could not move blocks into a GPU pool's pages ({what}): {e}"
+                    f"the GPU tier could not copy its blocks into the pool's pages ({what}): {e}"
                 ) from None
         self._observe_pool(started, level.label, to_pool=True)
         if not level.host_memory:

@@ -529,7 +529,7 @@ class SlotTier(Protocol):
         """Copy blocks into ``batch.dest``; False is a miss (verification or I/O failed): the
         destination's bytes for that block are then unspecified and must not be used, and
         the tier has dropped the block (the caller forgets its copy). TierMemoryExhausted
-        (the GPU tier, into GPU pages): no memory for the copy; the blocks are kept."""
+        (the GPU tier): no memory for the copy; the blocks are kept."""
         ...
 
     def remove(self, slots: Sequence[int]) -> bool:

@@ -29,10 +29,11 @@ not an exception: the batch fails, once what it launched before has run (a faile
 may leave the context intact), the tier reports DOWN with the error (a CUDA context
 does not recover from most faults), and the daemon keeps serving its other tiers. A device
 allocation that fails (``torch.cuda.OutOfMemoryError``: scratch, or a launch's plan, on a
-GPU the engine fills) is no fault: the context is intact, so only that batch fails (a
-write's outcomes; ``read`` and the bridge verbs raise ``TierMemoryExhausted``, as a False
-from ``read`` would have its intact blocks dropped), once what it launched has run, and the
-tier stays as it was.
+GPU the engine fills; or cudaErrorMemoryAllocation from a CUDA call outside torch's
+allocator, such as page-locked staging) is no fault: the context is intact, so only that
+batch fails (a write's outcomes; ``read`` and the bridge verbs raise
+``TierMemoryExhausted``, as a False from ``read`` would have its intact blocks dropped),
+once what it launched has run, and the tier stays as it was.
 
 All CUDA calls sit behind ``DeviceOps`` (``CudaOps`` on a GPU). The tests run the tier on
 ``CpuOps``: the same slot, batch and plan logic with CPU tensors.
@@ -92,6 +93,7 @@ HOST_GROUP = 16
 # of times faster than the PCIe DMA of its bytes, so little overlap is lost).
 BRIDGE_SCRATCH_BYTES = 64 << 20
 H2D, D2H = "h2d", "d2h"
+CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation; never a sticky error
 
 
 class DeviceOps(Protocol):
@@ -394,11 +396,8 @@ class DeviceTier:
                     batch.nbytes,
                 )
             self._ops.wait(event)
-        except torch.cuda.OutOfMemoryError as e:
-            self._short_of_memory("write", e)
-            return [WriteOutcome(s, False) for s in batch.slots]
         except RuntimeError as e:
-            self._fault("write", e)
+            self._failed("write", e)
             return [WriteOutcome(s, False) for s in batch.slots]
         self._count(
             {f"blocks_written_{direction}": n, f"bytes_written_{direction}": n * batch.nbytes}
@@ -434,13 +433,11 @@ class DeviceTier:
                     np.arange(n, dtype=np.uint64) * batch.nbytes,
                     batch.nbytes,
                 )
-        except torch.cuda.OutOfMemoryError as e:
-            # Not False: that would tell the caller the blocks are lost, and they are intact.
-            if (short := self._short_of_memory("read", e)) is not None:
-                raise short from None
-            return [False] * n
         except RuntimeError as e:
-            self._fault("read", e)
+            # Short of memory, not False: that would tell the caller the blocks are lost,
+            # and they are intact.
+            if (short := self._failed("read", e)) is not None:
+                raise short from None
             return [False] * n
         self._count({f"blocks_read_{direction}": n, f"bytes_read_{direction}": n * batch.nbytes})
         return [True] * n
@@ -491,12 +488,9 @@ class DeviceTier:
                         self._ops.copy(dst, src_part)
                     freed[h] = last = self._ops.record()
             self._ops.wait(last)  # on one stream: after every group's copies
-        except torch.cuda.OutOfMemoryError as e:
-            if (short := self._short_of_memory("pool_to_host", e)) is not None:
-                raise short from None
-            return False
         except RuntimeError as e:
-            self._fault("pool_to_host", e)
+            if (short := self._failed("pool_to_host", e)) is not None:
+                raise short from None
             return False
         self._count({"blocks_pool_to_host": n, "bytes_pool_to_host": n * nbytes})
         return True
@@ -537,12 +531,9 @@ class DeviceTier:
                     self._ops.copy_pages(pages, half, _starts_in(m, nbytes), gather=False)
                     freed[h] = last = self._ops.record()
             self._ops.wait(last)  # on one stream: after every group's scatter
-        except torch.cuda.OutOfMemoryError as e:
-            if (short := self._short_of_memory("host_to_pool", e)) is not None:
-                raise short from None
-            return False
         except RuntimeError as e:
-            self._fault("host_to_pool", e)
+            if (short := self._failed("host_to_pool", e)) is not None:
+                raise short from None
             return False
         self._count({"blocks_host_to_pool": n, "bytes_host_to_pool": n * nbytes})
         return True
@@ -652,6 +643,14 @@ class DeviceTier:
         )
         return staging
 
+    def _failed(self, verb: str, e: RuntimeError) -> TierMemoryExhausted | None:
+        """A verb's CUDA error: the error to raise when the device was short of memory
+        (``_short_of_memory``), else None, the tier DOWN (``_fault``)."""
+        if _is_out_of_memory(e):
+            return self._short_of_memory(verb, e)
+        self._fault(verb, e)
+        return None
+
     def _fault(self, verb: str, e: BaseException) -> None:
         """Mark the tier DOWN, once what the verb launched before the failure has run: a
         launch can fail with the context intact and the copies before it still running,
@@ -683,6 +682,16 @@ class DeviceTier:
         with self._lock:
             for name, value in deltas.items():
                 self._counters[name] = self._counters.get(name, 0) + value
+
+
+def _is_out_of_memory(e: RuntimeError) -> bool:
+    """Whether a CUDA error is memory that could not be had, which leaves the context
+    intact: torch's caching allocator raises OutOfMemoryError, while a CUDA call it checks
+    outside that allocator (cudaHostAlloc for page-locked staging, say) raises an
+    AcceleratorError carrying the call's error code."""
+    return isinstance(e, torch.cuda.OutOfMemoryError) or (
+        getattr(e, "error_code", None) == CUDA_ERROR_MEMORY_ALLOCATION
+    )
 
 
 def _starts_in(m: int, nbytes: int) -> np.ndarray:

@@ -730,6 +730,54 @@ def test_a_device_out_of_memory_fails_the_batch_and_the_tier_serves_on():
         assert torch.equal(pool.block(p), pool.block(p - 2))
 
 
+class PinnedShortOps(CpuOps):
+    """A host whose page-locked staging cannot be allocated once ``error`` is set, raised
+    as torch raises a failed CUDA call outside its caching allocator (cudaHostAlloc under
+    C10_CUDA_CHECK): an AcceleratorError carrying the CUDA error code, not OutOfMemoryError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.error = 0
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        if self.error:
+            e = torch.AcceleratorError(f"CUDA error: {_CUDA_ERRORS[self.error]}")
+            e.error_code = self.error  # type: ignore[attr-defined]
+            raise e
+        return super().host_empty(nbytes)
+
+
+_CUDA_ERRORS = {2: "out of memory", 700: "an illegal memory access was encountered"}
+
+
+@pytest.mark.parametrize("error", [2, 700], ids=["memory_allocation", "illegal_address"])
+def test_a_cuda_call_short_of_memory_is_no_fault_whatever_exception_carries_it(error):
+    """Page-locked staging for a shared-memory pool that cannot be allocated
+    (cudaErrorMemoryAllocation, 2: a RuntimeError saying "out of memory" that is no
+    OutOfMemoryError) fails the batch as out of memory, the tier OK and its blocks kept
+    (it was a fault: L0 DOWN for good); a real fault (700) still takes the tier down."""
+    ops = PinnedShortOps()
+    tier = _tier(ops)
+    pool = make_pool("flashinfer", layers=2, pages=6, dtype="float16")
+    space = np.zeros(pool.layout.extent_bytes, dtype=np.uint8)
+    nbytes = pool.layout.block_bytes
+    slots = _alloc(tier, 2, nbytes)
+    pages = PoolPages(pool.layout.chunk_table, space, np.array([0, 1]))
+    ops.error = error
+    written = tier.write(WriteBatch(slots, _refs(2), nbytes, pages))
+    assert [o.ok for o in written] == [False, False]
+    if error == 700:
+        assert tier.health().state is Health.DOWN
+        assert tier.stats().counters == {"faults": 1}
+        return
+    with pytest.raises(TierMemoryExhausted, match="out of memory"):
+        tier.read(ReadBatch(slots, _refs(2), nbytes, pages))
+    assert tier.health().state is Health.OK
+    assert tier.stats().counters == {"out_of_memory": 2}
+    ops.error = 0
+    assert all(o.ok for o in tier.write(WriteBatch(slots, _refs(2), nbytes, pages)))
+
+
 def test_concurrent_batches_on_distinct_slots():
     tier = _tier(streams=2)
     pool = make_pool("vllm", layers=3, pages=64, dtype="float16")
