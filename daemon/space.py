@@ -619,7 +619,7 @@ class SpaceManager:
         """Mask function for ``level``'s policy: unpinned, idle, unprotected blocks (of one
         slot size when ``slot_bytes`` is given; with another copy elsewhere when
         ``clean_only``). With ``protected_owner``, only the blocks of that owner and of
-        owners within their share of the tier (``_within_share``) are kept by their
+        owners within their share of the tier (``_shares``) are kept by their
         protection period (``displace``)."""
         table = self.table
         guard = level.guard
@@ -627,7 +627,11 @@ class SpaceManager:
         # Copies in other slot tiers of this node; a shared remote copy may vanish, so it
         # does not make a local copy clean.
         others = [lv.col for lv in self.stack if lv is not level and not lv.keyed]
-        shielded = None if protected_owner is None else self._within_share(level, protected_owner)
+        shielded = None
+        if protected_owner is not None:
+            usage, share = self._shares(level, protected_owner)
+            shielded = usage <= share
+            shielded[protected_owner] = True
 
         def mask(bids: np.ndarray) -> np.ndarray:
             last_access = table.last_access[bids]
@@ -643,21 +647,39 @@ class SpaceManager:
 
         return mask
 
-    def _within_share(self, level: Level, owner: int) -> np.ndarray:
-        """By owner: whether its blocks in ``level`` keep their protection period against a
-        put of ``owner`` with nowhere else to go: ``owner``'s own, and those of every owner
-        holding no more than an equal share of the tier among the owners holding blocks
-        there (``owner`` counted). A tenant that keeps more than its share protected by
-        reading it loses protection on the excess, not one that keeps its share."""
+    def _shares(self, level: Level, owner: int) -> tuple[np.ndarray, float]:
+        """Bytes each owner holds in ``level`` (at least through ``owner``) and an equal share
+        of the tier among the owners holding blocks there (``owner`` counted): against a put
+        of ``owner`` with nowhere else to go, the blocks of an owner holding more than that
+        lose their protection period, ``owner``'s own excepted (``displace``). A tenant that
+        keeps more than its share protected by reading it loses protection on the excess,
+        not one that keeps its share."""
         usage = self.table.usage[level.col]
         if owner >= len(usage):
             usage = np.concatenate([usage, np.zeros(owner + 1 - len(usage), usage.dtype)])
         holding = usage > 0
         holding[owner] = True
-        share = level.slots.allocator.capacity_bytes / int(np.count_nonzero(holding))
-        within = usage <= share
-        within[owner] = True
-        return within
+        return usage, level.slots.allocator.capacity_bytes / int(np.count_nonzero(holding))
+
+    def _within_share(
+        self, level: Level, victims: np.ndarray, now: float, slot_bytes: int, owner: int
+    ) -> np.ndarray:
+        """``victims`` (a displacing round's) less the protected blocks of each owner past
+        those it holds beyond its share (``_shares``): the shares are weighed once a round,
+        and a round taking all its victims from one owner over its share took it below."""
+        table = self.table
+        displaced = ~self.evictable(level, now, slot_bytes)(victims)
+        if not displaced.any():
+            return victims
+        usage, share = self._shares(level, owner)
+        keep = ~displaced
+        owners = table.owner[victims]
+        for over in np.unique(owners[displaced]).tolist():
+            theirs = np.flatnonzero(displaced & (owners == over))
+            sizes = table.nbytes[victims[theirs]].astype(np.int64)
+            # Taken while the owner still holds more than its share, each counted once gone.
+            keep[theirs[np.cumsum(sizes) - sizes < usage[over] - share]] = True
+        return victims[keep]
 
     async def reserve(
         self,
@@ -680,7 +702,7 @@ class SpaceManager:
 
         ``displace`` (a put's reservation): where that leaves it short and no slot tier
         below ``level`` takes writes (the put has nowhere else to go), the blocks inside
-        their protection period of other owners over their share (``_within_share``) are
+        their protection period of other owners over their share (``_shares``) are
         evicted too, coldest first. Protection is renewed
         by every read, a lookup's included, so a tenant that looked its blocks up once every
         ``protect_s`` held as much of the tier as it had filled, however little it used it,
@@ -817,6 +839,8 @@ class SpaceManager:
         while len(slots) < count and alloc.stats().size_classes.get(slot_bytes):
             evictable = self.evictable(level, now, slot_bytes, clean_only, protected_owner)
             victims = self._victims(level, count - len(slots), now, _without(evictable, stayed))
+            if protected_owner is not None:
+                victims = self._within_share(level, victims, now, slot_bytes, protected_owner)
             if len(victims) == 0:
                 break
             freed, kept, _ = await self._evict(

@@ -461,6 +461,36 @@ def test_a_put_with_nowhere_else_to_go_displaces_only_tenants_over_their_share(
         assert admin.check().problems == []
 
 
+def test_regression_a_put_displaced_a_tenant_over_its_share_past_its_share(
+    daemon_factory, tmp_path
+):
+    # Regression: a put with nowhere else to go took all its victims from a tenant over its
+    # share in one round (the shares were weighed before it, not per victim): carol, 28 of
+    # L1's 32 blocks against a share of 32/3, lost 20 to bob's put and kept 8, below her
+    # share. She loses protected blocks only while she holds more than it: 18, keeping 10.
+    d, as_tenant = _token_tenants(daemon_factory, tmp_path, "alice", "bob", "carol", protect_s=600)
+    with (
+        as_tenant("alice") as alice,
+        as_tenant("bob") as bob,
+        as_tenant("carol") as carol,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as theirs,
+    ):
+        a = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        small = keys(4, tag=30)
+        assert alice.put(a, small, range(4)).stored == 4
+        c = carol.register_pool(theirs, PIN_LAYOUT).binding.pool_id
+        big = keys(28, tag=31)
+        assert carol.put(c, big, range(28)).stored == 28  # L1 is full
+        b = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
+        assert bob.put(b, keys(20, tag=32), range(20)).stored == 18
+        assert all(t != Tier.ABSENT for t in alice.lookup(small).tiers)
+        assert sum(t != Tier.ABSENT for t in carol.lookup(big).tiers) == 10
+        assert admin.check().problems == []
+
+
 def test_regression_a_tenants_pins_and_hints_together_held_the_whole_top_tier(
     daemon_factory, tmp_path
 ):
