@@ -783,6 +783,7 @@ class SpaceManager:
         if (
             displace
             and len(slots) < count
+            and self._others_over_share(level, owner)
             and self._lowest_writable(level)
             and not await self._evict_for(
                 level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner
@@ -802,6 +803,15 @@ class SpaceManager:
             now = self._clock()
         if len(slots) < count:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
+
+    def _others_over_share(self, level: Level, owner: int) -> bool:
+        """Whether an owner other than ``owner`` holds more than its share of ``level``
+        (``_shares``): a displacing pass asks the policy for victims, a scan of the tier,
+        which finds none otherwise (a daemon without tenants: every block is owner 0's)."""
+        usage, share = self._shares(level, owner)
+        over = usage > share
+        over[owner] = False
+        return bool(over.any())
 
     def _lowest_writable(self, level: Level) -> bool:
         """Whether no slot tier below ``level`` takes writes now."""
