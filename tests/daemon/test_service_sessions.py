@@ -579,3 +579,43 @@ def test_regression_an_admin_session_bound_in_many_tenants_rebuilt_its_binds_eac
             store.close()
 
     asyncio.run(run())
+
+
+def test_leases_of_two_sessions_on_the_same_blocks_released_expired_and_closed_together():
+    """Leases of two sessions pinning the same blocks, one released while three others expire
+    in the same pass and the rest ending with their sessions, leave every pin, every hint
+    budget charge and the tenant's lease bytes where the live leases say."""
+
+    async def run() -> None:
+        now = [100.0]
+        async with _putting_session(["tenants=[{name: a, uids: [1000]}]"], 2) as opened:
+            store, service, first, pool = opened
+            service._clock = lambda: now[0]
+            second = _open(service, service.tickets)
+            keys = [bytes(range(32)), bytes(range(1, 33))]
+            results, _ = await service.put(first, pool, keys, [0, 1], b"")
+            assert (results == PutResult.STORED).all()
+            await service.lookup(first, keys, True, 1000)
+            released = (await service.lookup(first, keys, True, 60_000)).lease_id
+            await service.lookup(first, keys[:1], True, 1000)
+            await service.lookup(second, keys, True, 1000)
+            await service.lookup(second, keys, True, 60_000)
+            await service.lookup(second, keys[1:], True, 60_000)
+            budget = store.hint_budget
+            assert int(store.table.pins.sum()) == 2 + 2 + 1 + 2 + 2 + 1
+            now[0] += 2.0
+            service.release(first, released)  # three others expire in the same pass
+            assert int(store.table.pins.sum()) == 3
+            assert store.check() == []
+            t = time.monotonic()
+            assert budget.charged_total(t) == int(store.table.nbytes[store.table.pins > 0].sum())
+            assert int(budget.used.sum()) == budget.charged_total(t)
+            service.close_session(first)
+            service.close_session(second)
+            assert int(store.table.pins.sum()) == 0
+            assert budget.charged_total(time.monotonic()) == 0 == int(budget.used.sum())
+            assert service.sessions.per_tenant_lease_bytes() == {}
+            assert service.sessions.lease_count == 0
+            assert store.check() == []
+
+    asyncio.run(run())
