@@ -491,6 +491,36 @@ def test_regression_a_put_displaced_a_tenant_over_its_share_past_its_share(
         assert admin.check().problems == []
 
 
+def test_a_put_with_nowhere_else_to_go_displaces_no_pinned_or_hinted_block(
+    daemon_factory, tmp_path
+):
+    # Displacement lifts protection periods only: carol's coldest blocks, pinned by a lease
+    # or named by a live Prefetch deadline, stay; bob's put takes her other blocks over her
+    # share (18 of 20) instead.
+    d, as_tenant = _token_tenants(daemon_factory, tmp_path, "alice", "bob", "carol", protect_s=600)
+    with (
+        as_tenant("alice") as alice,
+        as_tenant("bob") as bob,
+        as_tenant("carol") as carol,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as his,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as theirs,
+    ):
+        a = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        assert alice.put(a, keys(4, tag=33), range(4)).stored == 4
+        c = carol.register_pool(theirs, PIN_LAYOUT).binding.pool_id
+        big = keys(28, tag=34)
+        assert carol.put(c, big, range(28)).stored == 28  # L1 is full
+        carol.lookup(big[:4], pin=True, lease_ms=600_000)
+        carol.prefetch(big[4:8], deadline_ms=600_000)
+        b = bob.register_pool(his, PIN_LAYOUT).binding.pool_id
+        assert bob.put(b, keys(20, tag=35), range(20)).stored == 18
+        held = [t != Tier.ABSENT for t in carol.lookup(big).tiers]
+        assert held[:8] == [True] * 8 and sum(held) == 10
+        assert admin.check().problems == []
+
+
 def test_regression_a_tenants_pins_and_hints_together_held_the_whole_top_tier(
     daemon_factory, tmp_path
 ):
