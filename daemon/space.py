@@ -701,7 +701,8 @@ class SpaceManager:
         it until the caller has recorded or released their copies and calls ``end_hold``.
 
         ``displace`` (a put's reservation): where that leaves it short and no slot tier
-        below ``level`` takes writes (the put has nowhere else to go), the blocks inside
+        below ``level`` takes writes (``_moves_down``: the put has nowhere else to go; a
+        disk tier reading its index back hands out no slots), the blocks inside
         their protection period of other owners over their share (``_shares``) are
         evicted too, coldest first. Protection is renewed
         by every read, a lookup's included, so a tenant that looked its blocks up once every
@@ -784,7 +785,7 @@ class SpaceManager:
             displace
             and len(slots) < count
             and self._others_over_share(level, owner)
-            and self._lowest_writable(level)
+            and not self._moves_down(level)
             and not await self._evict_for(
                 level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner
             )
@@ -812,11 +813,6 @@ class SpaceManager:
         over = usage > share
         over[owner] = False
         return bool(over.any())
-
-    def _lowest_writable(self, level: Level) -> bool:
-        """Whether no slot tier below ``level`` takes writes now."""
-        lower = self.stack.lower(level.kind)
-        return not any(lv.tier.health().accepts_writes for lv in lower if not lv.keyed)
 
     async def _evict_for(
         self,

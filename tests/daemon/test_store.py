@@ -4599,3 +4599,21 @@ async def test_regression_a_put_into_a_tier_full_of_its_owners_protected_blocks_
     policy.victims = counted
     assert await put(store, pool, keys(1)) == [PutResult.REJECTED_FULL]
     assert len(asked) == 1
+
+
+async def test_regression_a_put_displaced_nothing_while_l2_read_its_index_back(make_store):
+    # Regression: a put with nowhere else to go displaces another owner's protected blocks
+    # over its share in the lowest slot tier taking writes; a disk tier reading its index
+    # back after a start hands out no slots, yet counted as taking writes, so while it did
+    # (minutes for a large L2) a put into an L1 filled by another owner was refused.
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, 2 * SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2, protect_s=60.0), make_pool()
+    l2.allocator.recovering = True  # as a disk tier reading its index back
+    filled = keys(16)
+    res, _ = await store.put(pool, 0, filled, np.arange(16), None, owner=1)
+    assert (res == PutResult.STORED).all()
+    res, _ = await store.put(pool, 1, keys(4), np.arange(4), None, owner=2)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert where(store, filled).count("L1") == 12
+    l2.allocator.recovering = False
