@@ -341,7 +341,9 @@ PIN_LAYOUT = PoolLayout.staging(num_layers=1, num_pages=32, block_tokens=1, chun
 PIN_BLOCK = 2 * (64 << 10)  # K and V of one layer
 
 
-def _token_tenants(daemon_factory, tmp_path, *names: str, protect_s: float = 0):
+def _token_tenants(
+    daemon_factory, tmp_path, *names: str, protect_s: float = 0, overrides: tuple[str, ...] = ()
+):
     """A daemon with an L1 of 32 blocks of PIN_LAYOUT and tenants ``names`` known by their
     tokens (so one uid acts as each), and a client factory for each tenant."""
     tenants = []
@@ -354,6 +356,7 @@ def _token_tenants(daemon_factory, tmp_path, *names: str, protect_s: float = 0):
         f"policy.protect_s={protect_s}",
         "tiers.l1.segment_bytes=1MiB",
         f"tenants=[{', '.join(tenants)}]",
+        *overrides,
         l1_bytes="4MiB",
     )
     return d, lambda name: d.client(token_file=str(tmp_path / f"{name}.token"))
@@ -518,6 +521,35 @@ def test_a_put_with_nowhere_else_to_go_displaces_no_pinned_or_hinted_block(
         assert bob.put(b, keys(20, tag=35), range(20)).stored == 18
         held = [t != Tier.ABSENT for t in carol.lookup(big).tiers]
         assert held[:8] == [True] * 8 and sum(held) == 10
+        assert admin.check().problems == []
+
+
+def test_a_put_into_a_shared_namespace_displaces_its_tenants_own_blocks_over_their_share(
+    daemon_factory, tmp_path
+):
+    # A shared namespace's blocks are an owner of their own in the shares a displacing put
+    # weighs: alice's put there takes her own protected blocks over her share (16 of 32),
+    # as another tenant's put would; her put into her own namespace takes none.
+    d, as_tenant = _token_tenants(
+        daemon_factory,
+        tmp_path,
+        "alice",
+        "bob",
+        protect_s=600,
+        overrides=("shared_namespaces=[{name: team, tenants: [alice, bob]}]",),
+    )
+    with (
+        as_tenant("alice") as alice,
+        d.client() as admin,
+        SharedMemoryPool.for_layout(PIN_LAYOUT) as hers,
+    ):
+        a = alice.register_pool(hers, PIN_LAYOUT).binding.pool_id
+        own = keys(28, tag=36)
+        assert alice.put(a, own, range(28)).stored == 28
+        assert alice.put(a, keys(4, tag=37), range(4)).stored == 4  # L1 is full
+        assert alice.put(a, keys(4, tag=38), range(4)).stored == 0
+        assert alice.put(a, keys(8, tag=39), range(8), namespace="shared:team").stored == 8
+        assert sum(t != Tier.ABSENT for t in alice.lookup(own).tiers) == 20
         assert admin.check().problems == []
 
 
