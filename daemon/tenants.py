@@ -61,6 +61,8 @@ DEFAULT_NAMESPACE = 0
 MAX_NAMESPACE_BYTES = 200
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
+# A token file: the token and the whitespace around it (a newline, a CRLF).
+MAX_TOKEN_FILE_BYTES = MAX_TOKEN_BYTES + 64
 _PERSON = b"kvtier-ns-v1"
 
 
@@ -420,8 +422,8 @@ def read_token_file(path: str) -> bytes:
     """A tenant's secret: the file's content without surrounding whitespace. The file (the
     one a link names: a Kubernetes Secret volume gives each key as a link to the current
     version's file) must be a regular file that only its owner may read or write, and the
-    secret at least ``MIN_TOKEN_BYTES`` long; otherwise TokenFileError (or another OSError
-    when it cannot be read)."""
+    secret ``MIN_TOKEN_BYTES`` to ``MAX_TOKEN_BYTES`` long; otherwise TokenFileError (or
+    another OSError when it cannot be read)."""
     try:
         # O_NONBLOCK: opening a FIFO for reading waits for a writer, and the daemon (or
         # --check-config) hung at start on one; it is refused below as not a regular file.
@@ -437,10 +439,17 @@ def read_token_file(path: str) -> bytes:
                 f"token file {path} has mode {st.st_mode & 0o777:04o}: others may read it; "
                 "make it readable by its owner only (chmod 600)"
             )
-        data = os.read(fd, MAX_TOKEN_BYTES + 64)
+        # One byte past the bound tells a longer file: one cut at the bound gave a token no
+        # session can present (a longer one is refused at binding).
+        data = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
     finally:
         os.close(fd)
     token = data.strip()
+    if len(data) > MAX_TOKEN_FILE_BYTES or len(token) > MAX_TOKEN_BYTES:
+        raise TokenFileError(
+            f"token file {path} holds more than {MAX_TOKEN_BYTES} bytes; a token has at most "
+            f"{MAX_TOKEN_BYTES}: is it the right file?"
+        )
     if len(token) < MIN_TOKEN_BYTES:
         raise TokenFileError(
             f"token file {path} holds {len(token)} bytes; a token has at least "

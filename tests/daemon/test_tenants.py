@@ -15,6 +15,7 @@ from kvtier.daemon.sessions import PeerCred
 from kvtier.daemon.tenants import (
     _SPACES_KEPT,
     DEFAULT_NAMESPACE,
+    MAX_TOKEN_BYTES,
     SharedSpace,
     Tenant,
     TenantDirectory,
@@ -315,6 +316,41 @@ def test_regression_a_token_file_from_a_kubernetes_secret_was_refused(tmp_path):
     (version / "token").chmod(0o444)  # defaultMode left at Kubernetes' 0644
     with pytest.raises(TokenFileError, match="others may read it"):
         read_token_file(str(volume / "token"))
+
+
+def test_regression_a_token_file_past_the_bound_was_read_cut_short(tmp_path):
+    """A token file of more than MAX_TOKEN_BYTES (a link to the wrong file, a log) was read
+    cut at the bound: --check-config said 'config ok' and the daemon took the first 4 KiB as
+    the tenant's token, which no session can present (the daemon refuses a longer token, and
+    a client sends the first 4096 bytes of its copy). Refused, naming the bound, as the L3
+    password_file's reading refuses a file past its own."""
+    long = tmp_path / "long"
+    long.write_bytes(b"x" * (MAX_TOKEN_BYTES + 1) + b"\n")
+    long.chmod(0o600)
+    with pytest.raises(TokenFileError, match=f"at most {MAX_TOKEN_BYTES}"):
+        read_token_file(str(long))
+    big = tmp_path / "big"
+    big.write_bytes(b"y" * (8 << 20))
+    big.chmod(0o600)
+    link = tmp_path / "link"
+    link.symlink_to(big)
+    with pytest.raises(TokenFileError, match=f"at most {MAX_TOKEN_BYTES}"):
+        read_token_file(str(link))
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "kvtier.daemon", "--check-config"),
+            *("--set", f"server.socket={tmp_path}/s.sock"),
+            *("--set", f"tenants=[{{name: alice, token_file: {link}}}]"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and f"at most {MAX_TOKEN_BYTES}" in r.stderr, r.stderr
+    exact = tmp_path / "exact"
+    exact.write_bytes(b"z" * MAX_TOKEN_BYTES + b"\n")
+    exact.chmod(0o600)
+    assert read_token_file(str(exact)) == b"z" * MAX_TOKEN_BYTES
 
 
 def test_the_directory_is_built_from_the_config(tmp_path):
