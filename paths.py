@@ -2,7 +2,9 @@
 
 The client may not import the daemon (nor the daemon the client), so the rule lives here, in a
 module that imports nothing of kvtier. Every path is absolute, so a client started in any
-directory finds a daemon started in any other.
+directory finds a daemon started in any other. The rule for links on the way to a secret
+(``link_problem``) lives here too: the daemon's token files and L3's password file (``tiers/``,
+which may not import the daemon) share it.
 
 The rule:
 
@@ -27,6 +29,8 @@ from collections.abc import Mapping
 ADDRESS_ENV = "KVTIER_ADDRESS"
 SOCKET_NAME = "kvtierd.sock"
 SYSTEM_SOCKET = "/run/kvtier/" + SOCKET_NAME
+# As the kernel's limit (ELOOP past it).
+_MAX_LINKS = 40
 
 
 def user_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
@@ -82,6 +86,47 @@ def untrusted_folder(path: str, uid: int) -> str | None:
     except OSError:
         return None
     return writers_problem(st, uid)
+
+
+def link_problem(path: str, owner: int, opened: os.stat_result) -> str | None:
+    """Why the file opened from ``path`` (``opened``: its fstat) is not to be trusted, or None.
+    A link on the way (at the file or at a folder) of a user other than root and ``owner``
+    (the reader's uid) is not: that user could point it at any file, one they may not read
+    included (another tenant's token). Root's are followed: a Kubernetes Secret volume gives
+    each key as a link of root's to the current version's file. Looked at after the file was
+    opened, so a link moved meanwhile shows as ``path`` leading to another file."""
+    resolved = "/"
+    parts = [p for p in os.path.join(os.getcwd(), path).split("/") if p not in ("", ".")]
+    st = os.lstat(resolved)
+    links = 0
+    while parts:
+        name = parts.pop(0)
+        if name == "..":
+            resolved = os.path.dirname(resolved)  # free of links: its parent is its folder
+            continue
+        here = os.path.join(resolved, name)
+        try:
+            st = os.lstat(here)
+            if not stat.S_ISLNK(st.st_mode):
+                resolved = here
+                continue
+            target = os.readlink(here)
+        except OSError as e:
+            return f"changed while it was read ({here}: {e.strerror}); try again"
+        if st.st_uid not in (0, owner):
+            return (
+                f"is reached through {here}, a link of uid {st.st_uid}, who could point it at "
+                "any file: only root's links and this user's are followed"
+            )
+        links += 1
+        if links > _MAX_LINKS:
+            return "is reached through too many links"
+        if target.startswith("/"):
+            resolved = "/"
+        parts[:0] = [p for p in target.split("/") if p not in ("", ".")]
+    if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+        return "changed while it was read (a link on the way moved); try again"
+    return None
 
 
 def default_client_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from kvtier.daemon.config import ADMIN_TENANT, DEFAULT_TENANT, TENANT_NAME, Config
 from kvtier.daemon.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from kvtier.daemon.sessions import PeerCred
+from kvtier.paths import link_problem
 from kvtier.tiers.base import TierKind
 from kvtier.tiers.sizes import format_size
 
@@ -421,9 +422,10 @@ def read_token_digests(config: Config) -> tuple[dict[str, bytes], list[str]]:
 def read_token_file(path: str) -> bytes:
     """A tenant's secret: the file's content without surrounding whitespace. The file (the
     one a link names: a Kubernetes Secret volume gives each key as a link to the current
-    version's file) must be a regular file that only its owner may read or write, and the
-    secret ``MIN_TOKEN_BYTES`` to ``MAX_TOKEN_BYTES`` long; otherwise TokenFileError (or
-    another OSError when it cannot be read)."""
+    version's file; only root's links and the daemon's user's, see ``link_problem``) must be
+    a regular file that only its owner may read or write, and the secret ``MIN_TOKEN_BYTES``
+    to ``MAX_TOKEN_BYTES`` long; otherwise TokenFileError (or another OSError when it cannot
+    be read)."""
     try:
         # O_NONBLOCK: opening a FIFO for reading waits for a writer, and the daemon (or
         # --check-config) hung at start on one; it is refused below as not a regular file.
@@ -434,6 +436,8 @@ def read_token_file(path: str) -> bytes:
         st = os.fstat(fd)
         if not (st.st_mode & 0o170000 == 0o100000):
             raise TokenFileError(f"token file {path} is not a regular file")
+        if (problem := link_problem(path, os.geteuid(), st)) is not None:
+            raise TokenFileError(f"token file {path} {problem}")
         if st.st_mode & 0o077:
             raise TokenFileError(
                 f"token file {path} has mode {st.st_mode & 0o777:04o}: others may read it; "

@@ -24,6 +24,7 @@ from kvtier.daemon.tenants import (
     namespace_id,
     read_token_file,
 )
+from kvtier.paths import link_problem
 from kvtier.tiers.base import TierKind
 
 SECRET = b"bob-secret-0123456789"
@@ -351,6 +352,40 @@ def test_regression_a_token_file_past_the_bound_was_read_cut_short(tmp_path):
     exact.write_bytes(b"z" * MAX_TOKEN_BYTES + b"\n")
     exact.chmod(0o600)
     assert read_token_file(str(exact)) == b"z" * MAX_TOKEN_BYTES
+
+
+def test_regression_a_link_of_another_user_led_a_token_file_to_any_file(tmp_path):
+    """783fc84 followed links so that a Kubernetes Secret's keys (links of root's) could be
+    read; it followed anyone's: a tenant who may write the folder of its token file linked it
+    to another tenant's file, which it may not read, and the next SIGHUP gave both the same
+    token, which binds neither (the other's sessions ended). A link on the way (at the file
+    or at a folder) of a user other than root and the daemon's own is refused, naming it; the
+    file at the end of the links is the one read."""
+    theirs = tmp_path / "bob.token"
+    theirs.write_bytes(SECRET)
+    theirs.chmod(0o600)
+    home = tmp_path / "alice"
+    home.mkdir()
+    os.chown(home, 4321, 4321)  # a tenant's folder
+    link = home / "token"
+    link.symlink_to(theirs)
+    os.lchown(link, 4321, 4321)
+    with pytest.raises(TokenFileError, match=f"{link}, a link of uid 4321"):
+        read_token_file(str(link))
+    os.unlink(link)
+    (home / "kv").symlink_to(tmp_path)  # a folder on the way
+    os.lchown(home / "kv", 4321, 4321)
+    with pytest.raises(TokenFileError, match="a link of uid 4321"):
+        read_token_file(str(home / "kv" / "bob.token"))
+    os.lchown(home / "kv", os.geteuid(), -1)  # the daemon's own user's link
+    assert read_token_file(str(home / "kv" / "bob.token")) == SECRET
+    # ".." after a link is the folder above the link's target, as the kernel takes it.
+    around = home / "kv" / ".." / tmp_path.name / "." / "bob.token"
+    assert read_token_file(str(around)) == SECRET
+    # A link moved between the open and the look at the links: the path leads elsewhere now
+    # (here: the file opened was another), so what was read is not trusted.
+    opened = os.stat(tmp_path / "alice")
+    assert "changed while it was read" in (link_problem(str(around), os.geteuid(), opened) or "")
 
 
 def test_the_directory_is_built_from_the_config(tmp_path):

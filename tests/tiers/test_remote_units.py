@@ -300,3 +300,11 @@ def test_regression_a_password_file_of_no_text_ended_the_start_with_a_traceback(
             read_password(str(path))
         with pytest.raises(TierUnavailable, match=f"L3 password_file .*{says}"):
             RemoteTier(RemoteOptions(password_file=str(path)))
+    # The token files' rule for links: root's and the daemon's own are followed (a Secret
+    # volume's), another user's is refused (it could point the file at any).
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    assert read_password(str(link)) == ("s3cret", False)
+    os.lchown(link, 4321, 4321)
+    with pytest.raises(RemoteOptionsError, match=f"{link}, a link of uid 4321"):
+        read_password(str(link))

@@ -16,6 +16,8 @@ import stat
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvtier.paths import link_problem
+
 MODES = ("single", "cluster")
 SCHEMES = ("redis", "rediss")
 # A password file holds one line; a file of more is not one (``/dev/zero`` was read until the
@@ -30,7 +32,8 @@ class RemoteOptionsError(ValueError):
 def read_password(path: str) -> tuple[str, bool] | None:
     """The password in ``path`` (one line of UTF-8; the trailing newline ignored) and whether
     every user may read the file, or None without a path. RemoteOptionsError, naming the
-    file, when it cannot be read or holds no such line. The one reading of the tier's start
+    file, when it cannot be read, is reached through a link of another user's
+    (``link_problem``) or holds no such line. The one reading of the tier's start
     and of the daemon's preflight (``--check-config``)."""
     if not path:
         return None
@@ -43,6 +46,8 @@ def read_password(path: str) -> tuple[str, bool] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise RemoteOptionsError(f"password_file {path} is not a regular file")
+        if (problem := link_problem(path, os.geteuid(), st)) is not None:
+            raise RemoteOptionsError(f"password_file {path} {problem}")
         data = os.read(fd, MAX_PASSWORD_FILE_BYTES + 1)
     except OSError as e:
         raise RemoteOptionsError(f"password_file {path}: {e.strerror}") from None
