@@ -453,13 +453,15 @@ def _socket(config: Config) -> list[Problem]:
 
 def _socket_group(config: Config) -> list[Problem]:
     """``server.socket_group``, which the daemon gives its sockets (``unixsock.apply_access``):
-    a group other than its own needs membership or CAP_CHOWN. Root without capabilities (a
-    container that drops them all) passed the checks, then the start opened L1 and L2
-    before it stopped on the group."""
+    a group other than its own needs membership or CAP_CHOWN, unless the socket's folder is
+    set-group-ID of that group. Root without capabilities (a container that drops them all)
+    passed the checks, then the start opened L1 and L2 before it stopped on the group."""
     if not config.server.socket:
         return []
     gid = config.server.socket_gid()
     if gid is None or gid == os.getegid() or gid in os.getgroups() or _may_chown():
+        return []
+    if _folder_group(Path(os.path.abspath(config.server.socket)).parent) == gid:
         return []
     return [
         Problem(
@@ -469,6 +471,18 @@ def _socket_group(config: Config) -> list[Problem]:
             "securityContext.supplementalGroups), or leave the key empty",
         )
     ]
+
+
+def _folder_group(folder: Path) -> int | None:
+    """The group a socket made in ``folder`` takes without a chown where a set-group-ID
+    folder gives it (``folder`` or, not made yet, the nearest above it: a folder made in one
+    is one too, of its group), else None: the daemon changes the group of a socket only
+    when it differs (``unixsock.apply_access``)."""
+    try:
+        st = os.stat(_nearest_existing(folder))
+    except OSError:
+        return None
+    return st.st_gid if st.st_mode & stat.S_ISGID else None
 
 
 def _may_chown() -> bool:

@@ -472,6 +472,63 @@ def test_regression_a_socket_group_the_daemon_may_not_give_passed_the_checks(tmp
     assert _kvtierd("--check-config", *_sets(*sets)).returncode == 0
 
 
+def test_regression_a_socket_group_its_folder_gives_was_refused(tmp_path):
+    """Regression: a socket made in a set-group-ID folder takes the folder's group, so a
+    daemon given that folder's group as server.socket_group needs neither membership nor
+    CAP_CHOWN (its sockets have the group already; it changes nothing): such a daemon (a
+    folder root:G 2750, made for the engines of group G) started, and the check added in
+    2884293 refused it. A folder that does not exist yet takes the group of a set-group-ID
+    folder above it, as the socket then does. Run as root without capabilities here."""
+    require_root()
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chown(run, 0, NOGROUP)
+    run.chmod(0o2750)
+    without_caps = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--"]
+    for socket_path in (run / "s.sock", run / "below" / "s.sock"):
+        sets = [f"server.socket={socket_path}", f"server.socket_group={NOGROUP}"]
+        r = subprocess.run(
+            [*without_caps, sys.executable, "-m", "kvtier.daemon", *_sets(*sets), "--check-config"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 0 and "config ok" in r.stdout, r.stderr
+    # The daemon does start there: its sockets have the group, with no chown.
+    sets = [f"server.socket={run}/s.sock", f"server.socket_group={NOGROUP}"]
+    proc = subprocess.Popen(
+        [
+            *without_caps,
+            sys.executable,
+            "-m",
+            "kvtier.daemon",
+            *_sets(*sets),
+            "--set",
+            "tiers.l1.capacity_bytes=64MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line, proc.stderr.read() if proc.stderr else line
+        assert os.stat(run / "s.sock").st_gid == NOGROUP
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    # Another folder's group is still refused.
+    run.chmod(0o750)
+    r = subprocess.run(
+        [*without_caps, sys.executable, "-m", "kvtier.daemon", *_sets(*sets), "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1 and "is no member of group" in r.stderr, r.stderr
+
+
 def test_a_live_listener_on_the_credential_socket_is_refused(tmp_path):
     path = f"{tmp_path}/s.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
