@@ -4,6 +4,7 @@ the default socket rule shared by daemon and client."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from kvtier import paths
 from kvtier.daemon import preflight, stack
 from kvtier.daemon.config import load_config
 from kvtier.daemon.preflight import HostFacts
-from kvtier.tiers.remote.journal import RemovalFile
+from kvtier.tiers.remote.journal import RemovalFile, RemovalFileError
 
 
 def _kvtierd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -1043,6 +1045,31 @@ def test_regression_an_l3_removals_file_another_daemon_holds_passed_the_checks(t
     assert r.returncode == 1 and "config ok" not in r.stdout, (r.stdout, r.stderr)
     assert preflight.check(load_config(None, sets), HOST) == []  # let go: free
     RemovalFile(path).close()  # the probes left it to the next daemon
+
+
+def test_regression_a_removals_file_a_check_held_refused_the_daemon_s_start(tmp_path):
+    """Regression: the checks take tiers.l3.removals_file's lock shared, for a moment (b984fc9),
+    and the tier took it exclusively without waiting, so a --check-config that held it just
+    then (beside a daemon's restart) made the start fail ('in use by another process'): the
+    L2 tier's lock waits out such probes, as this one does now. A daemon's hold is still
+    refused at once."""
+    path = tmp_path / "removals.sqlite3"
+    RemovalFile(path).close()
+    probe = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # as probe_lock holds it
+    # Let go from another thread while the tier tries (a probe holds it for a moment).
+    release = threading.Timer(0.2, os.close, (probe,))
+    release.start()
+    try:
+        RemovalFile(path).close()
+    finally:
+        release.join()
+    held = RemovalFile(path)
+    try:
+        with pytest.raises(RemovalFileError, match="in use by another process"):
+            RemovalFile(path)
+    finally:
+        held.close()
 
 
 def test_regression_an_l3_removals_file_the_tier_cannot_open_passed_the_checks(tmp_path):

@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +36,27 @@ FILE_MODE = 0o600
 # to learn whether a tier holds it; a tier that finds only shared holders tries again
 # (``probe_lock``).
 LOCK_NAME = "lock"
+# How long a tier opening a lock that only checks hold (``kvtierd --check-config``, each for a
+# moment) keeps trying, and how often it tries: only checks run back to back for that long
+# make the open fail.
+PROBE_WAIT_S = 2.0
+PROBE_RETRY_S = 0.01
+
+
+def lock_exclusive(fd: int, path: Path) -> OSError | None:
+    """Take an exclusive flock of ``fd`` (the lock file ``path``) for as long as it stays open,
+    or the error that refused it. Refused at once while a tier holds it; while only checks
+    hold it (``probe_lock``: shared, for a moment), tried again for up to ``PROBE_WAIT_S``."""
+    give_up = time.monotonic() + PROBE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None
+        except OSError as e:
+            refused = e
+        if probe_lock(path) is not None or time.monotonic() > give_up:
+            return refused
+        time.sleep(PROBE_RETRY_S)
 
 
 def probe_lock(path: Path) -> OSError | None:

@@ -46,7 +46,6 @@ which belongs to an L0<->L2 path.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import sqlite3
@@ -87,7 +86,7 @@ from kvtier.tiers.disk.files import (
     damage,
     fsync_dir,
     layout,
-    probe_lock,
+    lock_exclusive,
 )
 from kvtier.tiers.disk.health import FaultState, classify
 from kvtier.tiers.disk.index import (
@@ -116,11 +115,6 @@ MAX_FILES = 256
 # A capacity change keeps the data files' size the index was made for while at most this
 # many files of it hold the new capacity (``data_file_bytes``).
 MAX_KEPT_FILES = 2 * MAX_FILES
-# How long a tier opening a directory whose lock only checks hold (``kvtierd --check-config``,
-# each for a moment) keeps trying, and how often it tries: only checks run back to back for
-# that long make the open fail.
-PROBE_WAIT_S = 2.0
-PROBE_RETRY_S = 0.01
 # Room a directory must have, beside its data files, for the tier's other files (the index,
 # its -wal and -shm, the lock) and the folder itself: a new index alone takes ~20 KiB, made
 # after the space is checked. Counted less what those files already hold, so the check before
@@ -1329,26 +1323,17 @@ class DiskTier:
                     os.chmod(path, FILE_MODE)
 
     def _lock_directory(self) -> None:
-        """Lock the directory exclusively. Refused at once while another tier holds it; while
-        only checks hold it (``probe_lock``: shared, for a moment), tried again for up to
-        ``PROBE_WAIT_S``."""
+        """Lock the directory exclusively (``lock_exclusive``: refused at once while another
+        tier holds it, waiting out checks)."""
         path = self.directory / LOCK_NAME
         self._lock_fd = os.open(
             path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE
         )
-        give_up = time.monotonic() + PROBE_WAIT_S
-        while True:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except OSError as e:
-                refused = e
-            if probe_lock(path) is not None or time.monotonic() > give_up:
-                raise TierUnavailable(
-                    f"L2 directory {self.directory} is in use by another process or DiskTier "
-                    f"({refused.strerror})"
-                ) from None
-            time.sleep(PROBE_RETRY_S)
+        if (refused := lock_exclusive(self._lock_fd, path)) is not None:
+            raise TierUnavailable(
+                f"L2 directory {self.directory} is in use by another process or DiskTier "
+                f"({refused.strerror})"
+            )
 
     def _keep_file_bytes(self, file_bytes: int | None) -> None:
         """Keep the size of data file the index was made for where a capacity change alone

@@ -14,7 +14,6 @@ Thread-safety: every method may be called from any thread; the connection is ser
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import sqlite3
@@ -22,7 +21,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.tiers.disk.files import FILE_MODE, fsync_dir
+from kvtier.tiers.disk.files import FILE_MODE, fsync_dir, lock_exclusive
 from kvtier.tiers.disk.index import L3_REMOVALS_SCHEMA, read_l3_removals, write_l3_removals
 
 log = logging.getLogger(__name__)
@@ -49,13 +48,13 @@ class RemovalFile:
             self._lock_fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         except OSError as e:
             raise RemovalFileError(f"L3 removals_file {self.path}: {e}") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+        # Waiting out the daemon's checks, which take the lock shared for a moment
+        # (``kvtierd --check-config`` beside a restart made the start fail).
+        if (refused := lock_exclusive(self._lock_fd, self.path)) is not None:
             os.close(self._lock_fd)
             raise RemovalFileError(
-                f"L3 removals_file {self.path} is in use by another process ({e.strerror})"
-            ) from None
+                f"L3 removals_file {self.path} is in use by another process ({refused.strerror})"
+            )
         self._db: sqlite3.Connection | None = None
         try:
             self._db = sqlite3.connect(
