@@ -8,6 +8,7 @@ import sys
 import threading
 
 import pytest
+from peers import require_root
 
 from kvtier.daemon.config import load_config
 from kvtier.daemon.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
@@ -361,6 +362,7 @@ def test_regression_a_link_of_another_user_led_a_token_file_to_any_file(tmp_path
     token, which binds neither (the other's sessions ended). A link on the way (at the file
     or at a folder) of a user other than root and the daemon's own is refused, naming it; the
     file at the end of the links is the one read."""
+    require_root()  # links of another user
     theirs = tmp_path / "bob.token"
     theirs.write_bytes(SECRET)
     theirs.chmod(0o600)

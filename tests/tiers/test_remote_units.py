@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from peers import require_root
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
@@ -300,8 +301,16 @@ def test_regression_a_password_file_of_no_text_ended_the_start_with_a_traceback(
             read_password(str(path))
         with pytest.raises(TierUnavailable, match=f"L3 password_file .*{says}"):
             RemoteTier(RemoteOptions(password_file=str(path)))
-    # The token files' rule for links: root's and the daemon's own are followed (a Secret
-    # volume's), another user's is refused (it could point the file at any).
+
+
+def test_a_password_file_through_another_user_s_link_is_refused(tmp_path):
+    """The token files' rule for links (``paths.link_problem``): root's and the daemon's own
+    are followed (a Secret volume's), another user's is refused, naming it: that user could
+    point the file at any file."""
+    require_root()  # a link of another user
+    good = tmp_path / "good"
+    good.write_text("s3cret\n")
+    good.chmod(0o600)
     link = tmp_path / "link"
     link.symlink_to(good)
     assert read_password(str(link)) == ("s3cret", False)
