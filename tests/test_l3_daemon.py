@@ -39,6 +39,9 @@ def node(daemon_factory, tmp_path, name: str, url: str, prefix: str, *extra: str
         # out and came back as misses. The Redis killed below refuses at once.
         "tiers.l3.op_timeout_s=10",
         "tiers.l3.connect_timeout_s=10",
+        # Lookups wait as long for L3's answers: with the default 50 ms, a loaded machine's
+        # probe came back late and the other node's Lookup found none of the blocks there.
+        "tiers.l3.probe_deadline_ms=3000",
         *extra,
     )
 
@@ -195,9 +198,7 @@ def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_ke
     against the session's and tenant's lease limits: a client retrying on its timeout piled
     up a lease a try. Now such a lease is released at once, as a RegisterPool whose client
     left unregisters its pool."""
-    a = node(
-        daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix, "tiers.l3.probe_deadline_ms=3000"
-    )
+    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
     chain = keys(4, 6)
     with a.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
