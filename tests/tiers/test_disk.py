@@ -509,6 +509,26 @@ def test_changed_geometry_starts_empty(
         assert len(tier.recover()) == 0
 
 
+def test_regression_a_layout_change_logs_where_the_index_went(
+    disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An index of another layout (here a lowered ``file_bytes``) is moved aside, and the
+    warning said only 'starting empty': not that the index was kept, nor under which name,
+    which the operator needs to remove it (it holds every row of the old layout) or to find
+    it again after a setting changed by mistake. One warning says all three."""
+    seg = 64 * 1024
+    with DiskTier(disk_dir, 4 * MiB, seg, file_bytes=4 * seg) as t:
+        _persist(t, make_block, list(range(4)), 4096)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        tier = DiskTier(disk_dir, 4 * MiB, seg, file_bytes=seg)
+    with tier:
+        assert len(tier.recover()) == 0
+    (moved,) = disk_dir.glob("index.sqlite3.old-*")
+    (line,) = [r.getMessage() for r in caplog.records if "index" in r.getMessage()]
+    assert "file_bytes 262144 -> 65536" in line
+    assert f"moved aside as {moved.name}" in line
+
+
 def test_rows_that_do_not_fit_are_dropped(disk_dir: Path, make_block: Block) -> None:
     with _open(disk_dir) as tier:
         blocks = _persist(tier, make_block, [1, 2], 4096)

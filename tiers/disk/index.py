@@ -252,6 +252,9 @@ class DiskIndex:
         self._lock = threading.Lock()
         self.moved_aside = ""  # why the index found at open was moved aside, if it was
         self.moved_to = ""
+        # What makes an index of another layout (LAYOUT_CHANGED) unusable: logged with the
+        # name it is moved aside as, in one warning.
+        self._layout_change = ""
         self.previous_capacity: int | None = None  # the stored capacity when it differs
         self._db = self._open()
         self._ids = self._file_ids()
@@ -684,11 +687,7 @@ class DiskIndex:
             if meta.get(k) != v and k not in NOT_LAYOUT
         ]
         if changed:
-            log.warning(
-                "L2 index in %s was made for another layout (%s); starting empty",
-                self._directory,
-                ", ".join(changed),
-            )
+            self._layout_change = f"was made for another layout ({', '.join(changed)})"
             return LAYOUT_CHANGED
         old = meta.get("capacity_bytes", "")
         if not old.isdigit():
@@ -724,12 +723,7 @@ class DiskIndex:
         if version == INDEX_FORMAT:
             return ""
         if version > INDEX_FORMAT:
-            log.warning(
-                "L2 index in %s has format %d, newer than this kvtier's %d; starting empty",
-                self._directory,
-                version,
-                INDEX_FORMAT,
-            )
+            self._layout_change = f"has format {version}, newer than this kvtier's {INDEX_FORMAT}"
             return LAYOUT_CHANGED
         found = db.execute(
             "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'blocks'"
@@ -820,7 +814,15 @@ class DiskIndex:
                 src.rename(src.with_name(name + suffix))
         self.moved_aside = problem
         self.moved_to = self.path.name + suffix
-        if problem != LAYOUT_CHANGED:
+        if problem == LAYOUT_CHANGED:
+            log.warning(
+                "L2 index %s %s; moved aside as %s (nothing reads it again: delete it to free "
+                "its space) and starting empty",
+                self.path,
+                self._layout_change,
+                self.moved_to,
+            )
+        else:
             log.error(
                 "L2 index %s %s; moved aside as %s and starting EMPTY: no block it named will "
                 "be served",
