@@ -332,9 +332,9 @@ class SpaceManager:
     ) -> np.ndarray:
         """Give each of ``bids`` a copy in ``dst``, copied from the fastest other tier
         holding it; returns which now have one. A block already moving into ``dst`` is waited
-        for, not moved twice; a caller more urgent than that move (a Get behind a prefetch)
-        raises it to its own ``priority`` and ``rank``, what of it still waits for a thread
-        and what it has yet to start. Where ``dst`` has an own admission (``admit_own``), a
+        for (until ``deadline``, where there is one), not moved twice; a caller more urgent
+        than that move (a Get behind a prefetch) raises it to its own ``priority`` and
+        ``rank``, what of it still waits for a thread and what it has yet to start. Where ``dst`` has an own admission (``admit_own``), a
         block it declines stays where it is; one a request reads (not a ``prefetch``) is told
         to its policy as a miss. ``rank`` orders the copies, and the demotions that make room
         for them, among the waiting transfers of ``priority`` (higher sooner; see
@@ -367,8 +367,18 @@ class SpaceManager:
                 self.end_in_flight(mine)
                 self.transfers.settle([refs[i] for i in mine_idx], dst.kind)
         if waits:
-            await asyncio.gather(*waits, return_exceptions=True)
+            await self._moved(waits, deadline)
         return table.slot[bids, dst.col] >= 0
+
+    async def _moved(self, waits: list[asyncio.Future[bool]], deadline: float | None) -> None:
+        """Wait for the moves of other callers that ``place`` found under way, until
+        ``deadline``: the flush at stop that found a durable put's blocks still writing under
+        ``tiers.l2.write_bytes_s`` waited for all of them, far past its timeout."""
+        if deadline is None:
+            await asyncio.gather(*waits, return_exceptions=True)
+            return
+        # Shielded by asyncio.wait: a move left to run ends on its own, for its own caller.
+        await asyncio.wait(waits, timeout=max(0.0, deadline - self._clock()))
 
     def _admit_promotions(
         self, bids: np.ndarray, dst: Level, clean_only: bool, prefetch: bool

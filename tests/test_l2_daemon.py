@@ -668,6 +668,62 @@ def test_the_flush_at_stop_ends_at_its_timeout_keeping_leading_runs_of_chains(
         assert got.tiers[:written] == [Tier.L2_DISK] * written
 
 
+def test_regression_the_flush_at_stop_waited_past_its_timeout_for_a_durable_put(
+    daemon_factory, tmp_path
+):
+    """A durable put still writing to a rate-limited L2 at SIGTERM (8 MiB at 1 MiB/s): the
+    flush found its blocks held only in L1 and already moving to L2, and waited for that
+    move whatever tiers.l2.flush_timeout_s said ('flushed 128 of 128 ... in 6.5s' for a bound
+    of 1 s; with a slower limit the stop outlasted the service manager's wait). The flush
+    waits for such moves only until its timeout, and L2 stays consistent."""
+    l2 = l2_args(
+        tmp_path / "l2",
+        "tiers.l2.write_bytes_s=1MiB",
+        "tiers.l2.flush_timeout_s=1",
+        "server.drain_timeout_s=0.5",
+    )
+    d = daemon_factory(*l2)
+    n = 128
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=n, block_tokens=1, chunk_bytes=64 << 10, kv_count=1
+    )
+    ks = keys(n, 6)
+    ended: list[BaseException | None] = []
+    with (
+        d.client(timeout_s=120) as client,
+        d.client() as watcher,
+        SharedMemoryPool.for_layout(layout) as shm,
+    ):
+        fill(shm, 6)
+        pool = client.register_pool(shm, layout)
+
+        def durable_put() -> None:
+            try:
+                client.put(pool.pool_id, ks, range(n), durable=True)
+                ended.append(None)
+            except KvtierError as e:  # the stop cuts it short
+                ended.append(e)
+
+        putting = threading.Thread(target=durable_put)
+        putting.start()
+        while watcher.lookup(ks).prefix_len < n:  # in L1, its L2 writes under way
+            assert putting.is_alive(), ended
+            time.sleep(0.01)
+        assert d.stop(timeout_s=60) == 0
+        putting.join()
+    log = d.log()
+    assert "flushing 128 volatile-only blocks (8.0 MiB) to L2 (for at most 1s)" in log
+    found = re.search(
+        r"flushed (\d+) of 128 volatile-only blocks to L2 in [\d.]+s; lost \(held only in "
+        r"memory\): (\d+) not written within tiers.l2.flush_timeout_s \(1s\)",
+        log,
+    )
+    assert found, log
+    d.start()
+    with d.client() as client:
+        assert client.check().problems == []
+
+
 # Runs kvtierd with every disk read run held while the file ``gate`` exists; each run first
 # writes the hex keys of its blocks, one run a line, to the file ``log``: the order in which
 # the disk tier's threads took the runs.
