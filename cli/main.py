@@ -149,13 +149,32 @@ def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
     address = resolve_address(args.address)
     if _reached(error):
         return f"kvtier: kvtierd at {address} is unavailable: {error.details}"
-    hint = _socket_refusal(address) or (
-        "Is the daemon running? Start it with `kvtierd` (or `make run`); point kvtier at "
-        "another one with --address unix:/path/to.sock or KVTIER_ADDRESS."
+    hint = (
+        _socket_refusal(address)
+        or _no_answer(args, error)
+        or (
+            "Is the daemon running? Start it with `kvtierd` (or `make run`); point kvtier at "
+            "another one with --address unix:/path/to.sock or KVTIER_ADDRESS."
+        )
     )
     return (
         f"kvtier: cannot reach kvtierd at {address} ({address_hint(args.address)}): "
         f"{error.details}\n  {hint}"
+    )
+
+
+def _no_answer(args: argparse.Namespace, error: KvtierError) -> str | None:
+    """What a call that ran out of time tells: something took the connection (a daemon's
+    socket accepts it in the kernel even while the daemon is stopped or its event loop is
+    blocked) and gave no answer. Advice to start a daemon would send the operator to start a
+    second one beside the one that hangs. None for any other error."""
+    if not isinstance(error, DeadlineExceededError):
+        return None
+    return (
+        f"Something there took the connection but gave no answer within --timeout "
+        f"{args.timeout:g}s: the daemon may be stopped (SIGSTOP: state T in `ps -o stat`), "
+        "stuck or overloaded (its log says which); over TCP, the host may drop the "
+        "connection. A longer --timeout waits for a slow one."
     )
 
 

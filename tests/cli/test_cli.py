@@ -133,6 +133,24 @@ def test_an_unreachable_daemon_names_the_address_it_tried(tmp_path, capsys, monk
     assert "(the default; looked for " in err and "kvtierd.sock" in err
 
 
+def test_regression_a_stopped_daemon_was_told_to_be_started(daemon, capsys):
+    # A daemon stopped by SIGSTOP (or hung) takes connections and never answers: each
+    # command gave up within its --timeout with "Is the daemon running? Start it with
+    # `kvtierd`", which sends an operator to start a second daemon beside it.
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        for command in ("health", "check", "stats", "top", "drain"):
+            code, _, err = run_main(capsys, "--address", daemon.address, "--timeout", "1", command)
+            assert code == 3, (command, err)
+            assert f"cannot reach kvtierd at {daemon.address}" in err, (command, err)
+            assert "gave no answer within --timeout 1s" in err, (command, err)
+            assert "stopped (SIGSTOP" in err and "Start it with" not in err, (command, err)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    code, out, _ = run_main(capsys, "--address", daemon.address, "health")
+    assert code == 0, out
+
+
 def test_stats_derives_hit_ratios_rates_and_latency(daemon):
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
