@@ -268,7 +268,7 @@ def _stats(args: argparse.Namespace) -> int:
     for t in fig.tiers:
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         print(
-            f"  {t.name:<10} {t.used_bytes / 2**30:8.2f} / {t.capacity_bytes / 2**30:.2f} GiB "
+            f"  {t.name:<10} {human_bytes(t.used_bytes):>10} / {human_bytes(t.capacity_bytes)} "
             f"({pct:5.1f}%)  {t.blocks} blocks  hits {percent(t.hit_ratio):>6}  {t.state}"
         )
     misses = ", ".join(f"{k} {v}" for k, v in sorted(fig.misses.items()) if v) or "none"

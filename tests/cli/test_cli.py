@@ -151,6 +151,19 @@ def test_regression_a_stopped_daemon_was_told_to_be_started(daemon, capsys):
     assert code == 0, out
 
 
+def test_regression_stats_showed_a_small_tier_as_0_gib(daemon_factory, capsys):
+    # Tier sizes were printed in GiB with two decimals: an L1 of 4 MiB holding one 64 KiB
+    # block read "0.00 / 0.00 GiB", as if the tier had no capacity and held nothing.
+    d = daemon_factory("tiers.l1.segment_bytes=1MiB", l1_bytes="4MiB")
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, _keys(1, 40), [0])
+    code, out, _ = run_main(capsys, "--address", d.address, "stats")
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.strip().startswith("L1_HOST"))
+    assert "64.0 KiB / 4.0 MiB (  1.6%)  1 blocks" in line, line
+
+
 def test_stats_derives_hit_ratios_rates_and_latency(daemon):
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
