@@ -71,6 +71,14 @@ class Figures:
     withheld: bool = False
 
 
+def tier_ok(state: str) -> bool:
+    """Whether a tier's state (Stats' ``ok``, ``ok: NOTE``, ``degraded_io: ...``) is ok: a
+    tier that serves and takes writes may carry a note (blocks lost at the start with a
+    damaged data file, an index moved aside), which tells what happened, not that it is
+    degraded now; ``/readyz`` and ``kvtier_tier_health`` count it ok too."""
+    return state.partition(":")[0] == "ok"
+
+
 def is_histogram(key: str) -> bool:
     base, _ = split_counter(key)
     return base.startswith(("rpc_seconds", "transfer_seconds")) and base.endswith(

@@ -347,6 +347,8 @@ def _went_away(address: str, command: str, error: KvtierError) -> str:
 
 
 def _health(args: argparse.Namespace) -> int:
+    from kvtier.cli.figures import tier_ok
+
     client = _probe_client(args)
     if client is None:
         return UNREACHABLE
@@ -391,7 +393,7 @@ def _health(args: argparse.Namespace) -> int:
             return HEALTHY
     finally:
         client.close()
-    bad = [t for t in stats.tiers if t.state != "ok"]
+    bad = [t for t in stats.tiers if not tier_ok(t.state)]
     tiers = ", ".join(f"{t.tier.name} {t.state}" for t in stats.tiers)
     if not serving:
         # Not serving, yet it opened a session: a draining daemon opens admins' (a stopping

@@ -13,7 +13,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvtier.cli.figures import WITHHELD, Figures, derive, human_bytes, human_seconds, percent
+from kvtier.cli.figures import (
+    WITHHELD,
+    Figures,
+    derive,
+    human_bytes,
+    human_seconds,
+    percent,
+    tier_ok,
+)
 from kvtier.client import Client
 
 
@@ -37,7 +45,7 @@ def render(fig: Figures, address: str) -> Any:
         tiers.add_column(col, justify="left" if col in ("tier", "state") else "right")
     for t in fig.tiers:
         fill = t.used_bytes / t.capacity_bytes if t.capacity_bytes else float("nan")
-        style = "" if t.state == "ok" else "bold red"
+        style = "" if t.state == "ok" else "yellow" if tier_ok(t.state) else "bold red"
         tiers.add_row(
             t.name,
             human_bytes(t.used_bytes),
