@@ -251,7 +251,17 @@ def _stats(args: argparse.Namespace) -> int:
                         }
                         for t in stats.tiers
                     ],
-                    "tenants": [dataclasses.asdict(x) for x in stats.tenants],
+                    "tenants": [
+                        {
+                            "tenant": x.tenant,
+                            "sessions": x.sessions,
+                            # By name, as the tiers above: asdict gave the enum's number.
+                            "tiers": [
+                                {**dataclasses.asdict(u), "tier": u.tier.name} for u in x.tiers
+                            ],
+                        }
+                        for x in stats.tenants
+                    ],
                     "derived": _finite(dataclasses.asdict(fig)),
                     "counters": stats.counters,
                     "gauges": stats.gauges,

@@ -190,6 +190,20 @@ def test_stats_derives_hit_ratios_rates_and_latency(daemon):
         assert "0 keys, hit ratio -" in idle and "(lifetime 75.0%)" in idle
 
 
+def test_regression_stats_json_named_a_tenants_tier_by_its_number(daemon, capsys):
+    # `stats --json` named tiers "L1_HOST" under "tiers" but 2 under each tenant's "tiers"
+    # (the enum's number): a script matching the two found no tenant usage.
+    with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, _keys(2, 42), range(2))
+        code, out, _ = run_main(capsys, "--address", daemon.address, "stats", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert [t["tier"] for t in doc["tiers"]] == ["L1_HOST"]
+    (usage,) = doc["tenants"][0]["tiers"]
+    assert usage == {"tier": "L1_HOST", "used_bytes": 2 * 64 * 1024, "quota_bytes": 0, "blocks": 2}
+
+
 def test_regression_stats_over_an_interval_with_a_restart_showed_negative_rates(
     daemon_factory, capsys, monkeypatch
 ):
