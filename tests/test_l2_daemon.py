@@ -106,6 +106,42 @@ def test_durable_puts_need_the_disk_tier(daemon):
             client.put(pool.pool_id, keys(1, 2), [0], durable=True)
 
 
+def test_regression_a_quarantine_left_the_tier_state_ok_without_a_word(daemon_factory, tmp_path):
+    # Blocks the disk returned wrong were misses and their slots quarantined, but the tier's
+    # state in Stats (kvtier stats, top, health) read plain "ok": only a gauge at the end of
+    # `kvtier stats` told an operator that the disk returned wrong bytes and that slots were
+    # held out of use.
+    d = daemon_factory(*SMALL_L1, *l2_args(tmp_path / "l2"), l1_bytes="1MiB")
+    ks = keys(32, 50)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 50)
+        pool = client.register_pool(shm, LAYOUT)
+        for start in range(0, 32, 8):
+            put = client.put(pool.pool_id, ks[start : start + 8], range(start, start + 8))
+            assert put.statuses == [PutStatus.STORED] * 8
+        assert client.lookup(ks).tiers.count(Tier.L2_DISK) >= 16
+        for path in (tmp_path / "l2").glob("data-*.bin"):
+            with open(path, "r+b") as f:  # a flipped byte every 16 KiB
+                for offset in range(0, path.stat().st_size, 16 * 1024):
+                    f.seek(offset)
+                    byte = f.read(1)
+                    f.seek(offset)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+        shm.array()[:] = 0
+        loaded = []
+        for start in range(0, 32, 8):
+            got = client.get(pool.pool_id, ks[start : start + 8], range(start, start + 8))
+            loaded += range(start, start + got.prefix_len)
+        data = shm.array()
+        assert all(page(data, p) == page(src, p) for p in loaded)  # misses, never wrong bytes
+        stats = client.stats()
+    quarantined = int(stats.gauges["l2_quarantined_slots"])
+    assert quarantined >= 16 and stats.counters["l2_checksum_failures"] == quarantined
+    state = next(t.state for t in stats.tiers if t.tier == Tier.L2_DISK)
+    assert state.startswith(f"ok: {quarantined} slots (") and "quarantined after reads" in state
+    assert "check the disk" in state, state
+
+
 def test_durable_put_reports_persistence(daemon_factory, tmp_path):
     d = daemon_factory(*l2_args(tmp_path / "l2"))
     with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:

@@ -46,6 +46,7 @@ which belongs to an L0<->L2 path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -1023,9 +1024,20 @@ class DiskTier:
             # I/O jobs (read and write runs, syncs) waiting for an I/O thread.
             "io_queued": float(self._executor.queued if self._executor is not None else 0),
         }
-        return TierStats(
-            self.kind, self.health(), slab.capacity_bytes, slab.used_bytes, counters, gauges
-        )
+        health = self.health()
+        if quarantined:
+            # Not in health(), which the store asks at every write: the note is for the
+            # operator reading Stats, whose tier state said "ok" while slots were held out of
+            # use for blocks the disk returned wrong.
+            note = (
+                f"{quarantined} slots ({format_size(int(quarantined_bytes))}) quarantined "
+                "after reads that failed verification (checksum mismatch or I/O error, each "
+                "logged with its key), held out of use: check the disk"
+            )
+            health = dataclasses.replace(
+                health, detail="; ".join(x for x in (health.detail, note) if x)
+            )
+        return TierStats(self.kind, health, slab.capacity_bytes, slab.used_bytes, counters, gauges)
 
     def close(self) -> None:
         """Wait for running transfers, then close files and index. Idempotent."""
