@@ -23,6 +23,9 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum_us")
 # session's without tenants): without it they were withheld (``Figures.withheld``).
 DAEMON_WIDE_GAUGE = "sessions"
 WITHHELD = "daemon-wide figures, which a daemon with tenants shows admins only"
+# The size of a tier that reports no capacity: a key-addressed one (L3), whose bytes are the
+# store's own (Stats carries 0 for both); "0 B / 0 B" read as empty while it held blocks.
+NOT_TRACKED = "bytes not tracked (the store's own)"
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,7 @@ def _socket_refusal(address: str) -> str | None:
 
 def _stats(args: argparse.Namespace) -> int:
     from kvtier.cli.figures import (
+        NOT_TRACKED,
         WITHHELD,
         derive,
         human_bytes,
@@ -276,10 +277,15 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"kvtierd {stats.version} at {address}, up {stats.uptime_s:.0f}s")
     print("tiers:")
     for t in fig.tiers:
-        pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        if t.capacity_bytes:
+            size = (
+                f"{human_bytes(t.used_bytes):>10} / {human_bytes(t.capacity_bytes)} "
+                f"({100.0 * t.used_bytes / t.capacity_bytes:5.1f}%)"
+            )
+        else:
+            size = NOT_TRACKED
         print(
-            f"  {t.name:<10} {human_bytes(t.used_bytes):>10} / {human_bytes(t.capacity_bytes)} "
-            f"({pct:5.1f}%)  {t.blocks} blocks  hits {percent(t.hit_ratio):>6}  {t.state}"
+            f"  {t.name:<10} {size}  {t.blocks} blocks  hits {percent(t.hit_ratio):>6}  {t.state}"
         )
     misses = ", ".join(f"{k} {v}" for k, v in sorted(fig.misses.items()) if v) or "none"
     if fig.withheld:

@@ -46,10 +46,11 @@ def render(fig: Figures, address: str) -> Any:
     for t in fig.tiers:
         fill = t.used_bytes / t.capacity_bytes if t.capacity_bytes else float("nan")
         style = "" if t.state == "ok" else "yellow" if tier_ok(t.state) else "bold red"
+        tracked = t.capacity_bytes > 0  # a key-addressed tier's bytes are its store's own
         tiers.add_row(
             t.name,
-            human_bytes(t.used_bytes),
-            human_bytes(t.capacity_bytes),
+            human_bytes(t.used_bytes) if tracked else "-",
+            human_bytes(t.capacity_bytes) if tracked else "not tracked",
             f"{_bar(fill)} {percent(fill)}",
             f"{t.blocks:,}",
             percent(t.hit_ratio),

@@ -100,6 +100,28 @@ def test_a_prefix_stored_by_one_node_is_served_by_another(
         )
 
 
+def test_regression_stats_and_top_showed_l3_as_empty(
+    daemon_factory, tmp_path, redis_server, l3_prefix, capsys
+):
+    # A key-addressed tier tracks no bytes (Stats carries 0 used, 0 capacity): kvtier stats
+    # printed "L3_REMOTE  0 B / 0 B (  0.0%)  16 blocks", top "0 B" used of "0 B", as if
+    # the tier held nothing while it held 16 blocks.
+    from kvtier.cli.main import main
+
+    a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
+    with a.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, keys(16, 60), range(16)).prefix_len == 16
+        wait_for(lambda: client.stats().counter("copies", direction="L1->L3") == 16)
+    capsys.readouterr()
+    assert main(["--address", a.address, "stats"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "L3_REMOTE" in x]
+    assert "bytes not tracked (the store's own)  16 blocks" in line and "0 B" not in line, line
+    assert main(["--address", a.address, "top", "--once", "--interval", "0.1"]) == 0
+    (row,) = [x for x in capsys.readouterr().out.splitlines() if "L3_REMOTE" in x]
+    assert "not tracked" in row and "0 B" not in row, row
+
+
 def test_a_corrupt_value_in_redis_is_a_miss(daemon_factory, tmp_path, redis_server, l3_prefix):
     a = node(daemon_factory, tmp_path, "a", redis_server.url, l3_prefix)
     b = node(daemon_factory, tmp_path, "b", redis_server.url, l3_prefix)
