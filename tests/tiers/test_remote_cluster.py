@@ -290,3 +290,57 @@ async def test_a_master_killed_mid_workload_fails_fast_and_comes_back(
                 assert not hits[i], i
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
         assert len(await tier.probe(chain)) == n
+
+
+async def test_ask_goes_with_its_command_when_a_node_has_several_connections(
+    redis_cluster: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """redis-py sends ASKING and the redirected command through two calls, each taking a
+    free connection of the node's pool: with several free (calls made in parallel before),
+    the command went out without its ASKING, and every key already moved of a migrating slot
+    was a failed read (and an unknown probe, a failed write or removal) until the slot moved
+    on."""
+    nbytes = 4096
+    namer = KeyNamer(l3_prefix)
+    by_slot: dict[int, list[int]] = defaultdict(list)
+    i = 0
+    while True:
+        slot = slot_of(namer, ref(i))
+        by_slot[slot].append(i)
+        if len(by_slot[slot]) == 5:
+            break
+        i += 1
+    ids = by_slot[slot]
+    blocks = [ref(j) for j in ids]
+    keys = [namer.key(b.ns, b.key).decode() for b in blocks]
+    source = redis_cluster.owner_of_slot(slot)
+    target = next(n for n in redis_cluster.nodes if n is not source)
+    source_id, target_id = redis_cluster.node_id(source), redis_cluster.node_id(target)
+    spread = [ref(10_000 + j) for j in range(64)]
+    async with opened(cluster_options(redis_cluster, l3_prefix)) as tier:
+        assert await tier.write(blocks[:4], nbytes, host([data(j, nbytes) for j in ids[:4]]))
+        assert all(await tier.write(spread, nbytes, host([data(1, nbytes)] * 64)))
+        # Several connections to every node.
+        await asyncio.gather(
+            *(tier.read(spread, nbytes, host(empty(64, nbytes))) for _ in range(4))
+        )
+        try:
+            target.cli("CLUSTER", "SETSLOT", str(slot), "IMPORTING", source_id)
+            source.cli("CLUSTER", "SETSLOT", str(slot), "MIGRATING", target_id)
+            source.cli("MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", "KEYS", *keys[:2])
+            dest = empty(4, nbytes)
+            assert await tier.read(blocks[:4], nbytes, host(dest)) == [True] * 4
+            assert [bytes(d) for d in dest] == [data(j, nbytes) for j in ids[:4]]
+            assert await tier.probe(blocks[:4]) == [nbytes] * 4
+            assert await tier.write(blocks[4:], nbytes, host([data(ids[4], nbytes)])) == [True]
+            await tier.remove(blocks[:1])
+            c = tier.stats().counters
+            assert c["read_errors"] == c["write_errors"] == c["remove_errors"] == 0
+            assert int(target.cli("CLUSTER", "COUNTKEYSINSLOT", str(slot))) == 2
+        finally:
+            # Finish the move, so that the module's cluster is whole for the next test.
+            rest = source.cli("CLUSTER", "GETKEYSINSLOT", str(slot), "100").split()
+            if rest:
+                source.cli("MIGRATE", "127.0.0.1", str(target.port), "", "0", "5000", "KEYS", *rest)
+            for node in redis_cluster.nodes:
+                node.cli("CLUSTER", "SETSLOT", str(slot), "NODE", target_id)

@@ -26,6 +26,15 @@ socket (redis-py's streams pause at 128 KiB and resume at 64 KiB, two selector c
 socket read of a 2 MiB value), and hiredis keeps its reply buffer between replies of a few
 MiB instead of freeing it after each and growing it again, copy by copy, for the next.
 
+Sending a cluster redirection's ``ASKING`` on the connection of the command it is for: on an
+``ASK`` reply redis-py's cluster client sends ``ASKING``, then the command, each through its own
+call that takes a free connection of the node's pool, the oldest first, so with more than one
+free the command went out on another connection than its ``ASKING``; the importing node
+answered it ``MOVED`` back to the old owner, which answered ``ASK`` again, until the client gave
+up: while a slot migrated, a key already moved was a failed read, write or removal (and an
+unknown probe) on any node the tier had used in parallel. The ``ASKING`` is held back instead
+and sent just before the next command of the same task, on that command's connection.
+
 redis-py packs, sends and parses in its connection class (``pack_command``,
 ``_send_packed_command``, ``_connection_arguments``, ``set_parser``; pipelines go through them
 too). ``use_tier_connections`` gives a client's connections a subclass that does the above;
@@ -82,6 +91,13 @@ class Framed:
 # pipeline's tasks see the list of the task that started them, their contexts being copies).
 _TAKEN: ContextVar[list[Any] | None] = ContextVar("kvtier_l3_taken", default=None)
 
+# The node (host, port) an ``ASKING`` held back is for: the next command its task packs goes
+# with it, if that command is for the same node (see the module docstring).
+_ASKING: ContextVar[tuple[str, int] | None] = ContextVar("kvtier_l3_asking", default=None)
+_ASKING_NAMES = (b"ASKING", "ASKING")
+# The packed ASKING, one object, so that a send can tell its command carries one.
+_ASKING_PACKED = b"*1\r\n$6\r\nASKING\r\n"
+
 
 @contextlib.contextmanager
 def releasing_bodies() -> Iterator[None]:
@@ -119,8 +135,55 @@ class _TierConnection:
 
     encoder: Any
     _writer: Any
+    host: str
+    port: int
+    # An ASKING held back answers its read with OK; replies of ASKINGs sent before a
+    # command, read and dropped before its own.
+    _asking_held = False
+    _asking_replies = 0
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
+        asking = _ASKING.get()
+        if asking is not None:
+            _ASKING.set(None)
+        if len(args) == 1 and args[0] in _ASKING_NAMES:
+            _ASKING.set((self.host, self.port))
+            return []  # sends nothing (see send_packed_command)
+        packed = self._pack(*args)
+        if asking == (self.host, self.port):
+            return [_ASKING_PACKED, *packed]
+        return packed
+
+    def pack_commands(self, commands: Iterable[Iterable[Any]]) -> list[bytes | memoryview]:
+        # A pipeline never carries an ASKING (redis-py resends a redirected command alone).
+        _ASKING.set(None)
+        return super().pack_commands(commands)  # type: ignore[misc, no-any-return]
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        # Marked once sent: a fresh connection's handshake, sent and read in between, reads
+        # its own replies.
+        if type(command) is list:
+            if not command:
+                self._asking_held = True  # only an ASKING held back packs to nothing
+            elif command[0] is _ASKING_PACKED:
+                self._asking_replies += 1
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if self._asking_held:
+            self._asking_held = False
+            return b"OK"
+        while self._asking_replies:
+            self._asking_replies -= 1
+            await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+
+    async def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        self._asking_held = False
+        self._asking_replies = 0
+        await super().disconnect(*args, **kwargs)  # type: ignore[misc]
+
+    def _pack(self, *args: Any) -> list[bytes | memoryview]:
         if not any(type(a) is Framed for a in args):
             return super().pack_command(*args)  # type: ignore[misc, no-any-return]
         out: list[bytes | memoryview] = []
