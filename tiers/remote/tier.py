@@ -1156,7 +1156,12 @@ class RemoteTier:
         client: Any
         if o.mode == "cluster":
             nodes = [ClusterNode(e.host, e.port) for e in self._endpoints]
-            client = RedisCluster(startup_nodes=nodes, **common)
+            # A MOVED patches its slot only: redis-py's default (reinitialize_steps 5) also
+            # closed every connection of the client at each fifth, the pipelines of other
+            # calls in flight on them with it, so a reshard under load marked the tier down
+            # over and over. A fault that needs the whole topology again marks the tier down
+            # and the reconnection reads it afresh.
+            client = RedisCluster(startup_nodes=nodes, reinitialize_steps=0, **common)
         else:
             e = self._endpoints[0]
             client = aioredis.Redis(host=e.host, port=e.port, **common)
