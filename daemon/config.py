@@ -283,7 +283,8 @@ class ServerConfig:
             lo=0,
             hi=86400.0,
             doc="on SIGTERM, how long requests in progress may take to finish (then the "
-            "flush at stop, tiers.l2.flush_timeout_s)",
+            "flush at stop, tiers.l2.flush_timeout_s, after which those still running are "
+            "cancelled)",
         ),
     )
     idle_connection_s: float = field(

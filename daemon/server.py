@@ -355,6 +355,17 @@ class KVTierServicer:
         if self.detached:
             await asyncio.wait(list(self.detached), timeout=timeout_s)
 
+    async def end_detached(self) -> None:
+        """Cancel the requests whose clients left that still run, and wait until they have
+        unwound: left to run, they went on past the close of the tiers (a durable put whose
+        L2 writes the flush at stop no longer waits for freed its slots once the transfer
+        threads had stopped: an error logged after 'kvtierd stopped')."""
+        running = list(self.detached)
+        for work in running:
+            work.cancel()
+        if running:
+            await asyncio.wait(running)
+
     def malformed(self, method: str, request: Malformed) -> InvalidArgument:
         self.service.counters["requests_malformed"] += 1
         self.ratelog.warning(
@@ -822,7 +833,10 @@ class Daemon:
                 await task
         l2 = self.config.tiers.l2
         await self.store.stop(flush=l2.flush_on_stop, flush_timeout_s=l2.flush_timeout_s)
-        await self.pools.stop()
+        await self.pools.stop()  # which waits for the registrations under way
+        # While the tiers are open; then what their unwinding started (slots freed).
+        await self.servicer.end_detached()
+        await self.store.space.drain()
         self.tickets.close()
         self.store.close()
         if self._socket_identity is not None:

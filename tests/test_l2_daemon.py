@@ -12,6 +12,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -704,14 +705,9 @@ def test_the_flush_at_stop_ends_at_its_timeout_keeping_leading_runs_of_chains(
         assert got.tiers[:written] == [Tier.L2_DISK] * written
 
 
-def test_regression_the_flush_at_stop_waited_past_its_timeout_for_a_durable_put(
-    daemon_factory, tmp_path
-):
-    """A durable put still writing to a rate-limited L2 at SIGTERM (8 MiB at 1 MiB/s): the
-    flush found its blocks held only in L1 and already moving to L2, and waited for that
-    move whatever tiers.l2.flush_timeout_s said ('flushed 128 of 128 ... in 6.5s' for a bound
-    of 1 s; with a slower limit the stop outlasted the service manager's wait). The flush
-    waits for such moves only until its timeout, and L2 stays consistent."""
+def _stop_while_a_durable_put_writes(daemon_factory: Any, tmp_path: Path) -> Any:
+    """A daemon stopped (SIGTERM) while a durable put writes to a rate-limited L2 (8 MiB at
+    1 MiB/s; drain 0.5 s, flush 1 s): the put outlasts both."""
     l2 = l2_args(
         tmp_path / "l2",
         "tiers.l2.write_bytes_s=1MiB",
@@ -747,6 +743,18 @@ def test_regression_the_flush_at_stop_waited_past_its_timeout_for_a_durable_put(
             time.sleep(0.01)
         assert d.stop(timeout_s=60) == 0
         putting.join()
+    return d
+
+
+def test_regression_the_flush_at_stop_waited_past_its_timeout_for_a_durable_put(
+    daemon_factory, tmp_path
+):
+    """A durable put still writing to a rate-limited L2 at SIGTERM: the flush found its
+    blocks held only in L1 and already moving to L2, and waited for that move whatever
+    tiers.l2.flush_timeout_s said ('flushed 128 of 128 ... in 6.5s' for a bound of 1 s; with
+    a slower limit the stop outlasted the service manager's wait). The flush waits for such
+    moves only until its timeout, and L2 stays consistent."""
+    d = _stop_while_a_durable_put_writes(daemon_factory, tmp_path)
     log = d.log()
     assert "flushing 128 volatile-only blocks (8.0 MiB) to L2 (for at most 1s)" in log
     found = re.search(
@@ -758,6 +766,22 @@ def test_regression_the_flush_at_stop_waited_past_its_timeout_for_a_durable_put(
     d.start()
     with d.client() as client:
         assert client.check().problems == []
+
+
+def test_regression_a_put_the_flush_left_writing_freed_its_slots_after_the_stop(
+    daemon_factory, tmp_path
+):
+    """The durable put the flush at stop stopped waiting for (above) ran on past the close
+    of the tiers: the L2 slots it had reserved were freed after the transfer threads had
+    stopped, an ERROR with a traceback ('L2: freeing 128 slots failed ... executor is shut
+    down') and a warning that they would be tried again every 1-60 s, after 'kvtierd
+    stopped'. Requests still running once the flush is done end while the tiers are open."""
+    d = _stop_while_a_durable_put_writes(daemon_factory, tmp_path)
+    log = d.log()
+    stopped = log.index("kvtierd stopped")
+    assert "executor is shut down" not in log, log
+    assert "could not be freed" not in log, log
+    assert " ERROR " not in log[stopped:], log[stopped:]
 
 
 # Runs kvtierd with every disk read run held while the file ``gate`` exists; each run first
@@ -972,6 +996,7 @@ def test_regression_a_put_cut_short_by_the_stop_was_told_its_pool_was_not_found(
 _ENTRY_HOLDING_RECOVERY_AND_L1_WRITES = """
 import os, sys, time
 from pathlib import Path
+from typing import Any
 from kvtier.daemon.entry import main
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostArena
