@@ -332,14 +332,16 @@ class SpaceManager:
     ) -> np.ndarray:
         """Give each of ``bids`` a copy in ``dst``, copied from the fastest other tier
         holding it; returns which now have one. A block already moving into ``dst`` is waited
-        for (until ``deadline``, where there is one), not moved twice; a caller more urgent
-        than that move (a Get behind a prefetch) raises it to its own ``priority`` and
-        ``rank``, what of it still waits for a thread and what it has yet to start. Where ``dst`` has an own admission (``admit_own``), a
-        block it declines stays where it is; one a request reads (not a ``prefetch``) is told
-        to its policy as a miss. ``rank`` orders the copies, and the demotions that make room
-        for them, among the waiting transfers of ``priority`` (higher sooner; see
-        ``Priority``). ``urgency``: the move this one is part of (a demotion making room for
-        it), raised with it; by default the move's own."""
+        for (until ``deadline``, where there is one: a move still under way then counts as
+        not placed, though its own caller may finish it), not moved twice; a caller more
+        urgent than that move (a Get behind a prefetch) raises it to its own ``priority`` and
+        ``rank``, what of it still waits for a thread and what it has yet to start. Where
+        ``dst`` has an own admission (``admit_own``), a block it declines stays where it is;
+        one a request reads (not a ``prefetch``) is told to its policy as a miss. ``rank``
+        orders the copies, and the demotions that make room for them, among the waiting
+        transfers of ``priority`` (higher sooner; see ``Priority``). ``urgency``: the move
+        this one is part of (a demotion making room for it), raised with it; by default the
+        move's own."""
         table = self.table
         bids = np.asarray(bids, dtype=np.int64)
         if len(bids) == 0:
