@@ -58,6 +58,7 @@ from typing import Any
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection
+from redis.exceptions import ResponseError
 
 # What the stream of a connection holds before it pauses reading the socket (it pauses at
 # twice this): a pipeline's replies of 2 MiB values flow without a pause for each socket read.
@@ -173,10 +174,21 @@ class _TierConnection:
         if self._asking_held:
             self._asking_held = False
             return b"OK"
+        # An error answering an ASKING (an ACL that denies it) is raised once the command's
+        # own reply is read too: raised at once, it left that reply unread on a connection
+        # going back to the pool, and each later call on it read the reply of the one before.
+        refused: ResponseError | None = None
         while self._asking_replies:
             self._asking_replies -= 1
+            try:
+                await super().read_response(*args, **kwargs)  # type: ignore[misc]
+            except ResponseError as e:
+                refused = e
+        if refused is None:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        with contextlib.suppress(ResponseError):
             await super().read_response(*args, **kwargs)  # type: ignore[misc]
-        return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        raise refused
 
     async def disconnect(self, *args: Any, **kwargs: Any) -> None:
         self._asking_held = False
