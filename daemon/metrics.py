@@ -377,8 +377,16 @@ HISTOGRAMS: dict[str, MetricDef] = {
 }
 
 FIXED: tuple[MetricDef, ...] = (
-    _g("kvtier_tier_capacity_bytes", ("tier",), "Bytes a tier can hold."),
-    _g("kvtier_tier_used_bytes", ("tier",), "Bytes a tier's slots hold now."),
+    _g(
+        "kvtier_tier_capacity_bytes",
+        ("tier",),
+        "Bytes a tier can hold (0 for L3, whose bytes are the store's own).",
+    ),
+    _g(
+        "kvtier_tier_used_bytes",
+        ("tier",),
+        "Bytes a tier's slots hold now (0 for L3, whose bytes are the store's own).",
+    ),
     _g("kvtier_tier_blocks", ("tier",), "Blocks a tier holds now."),
     _g(
         "kvtier_tier_health",
