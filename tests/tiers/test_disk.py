@@ -132,7 +132,7 @@ def _fail_index_inserts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every index insert fails: a write's bytes go down and are synced, its rows never
     land, as when the process dies between the two."""
 
-    def insert(self: object, rows: object, *_: object) -> bool:
+    def insert(self: object, rows: object, *_: object, **__: object) -> bool:
         raise sqlite3.OperationalError("injected: the process died before the commit")
 
     monkeypatch.setattr(index_module.DiskIndex, "insert", insert)
@@ -2159,3 +2159,45 @@ def test_regression_a_write_that_went_down_before_a_failed_sync_of_its_file_is_n
     tier.close()
     with _open(disk_dir) as again:
         assert len(again.recover()) == 0
+
+
+def test_regression_a_write_let_through_to_a_locked_index_waited_out_the_busy_timeout(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write batch a tier degraded by a locked index lets through each enospc_retry_s
+    (to find out whether the lock was let go) waited out the busy timeout (30 s) for the
+    lock, holding up the put whose demotion sent it (c91f33b has every demotion send it):
+    with the lock kept, puts that made room in L1 took 30 s, one after the other. It tries
+    the lock once: still held, the batch fails at once and the tier stays degraded."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.1) as tier:
+        _persist(tier, make_block, [0], 4096)
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            key, data = make_block(1, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+            monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+            time.sleep(0.2)
+            assert tier.health().retry_due
+            key, data = make_block(2, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            probe = threading.Thread(
+                target=persist, args=(tier, [PersistItem(2, key, slot, data, 4096)])
+            )
+            probe.start()
+            probe.join(20)  # it waited an hour before
+            assert not probe.is_alive()
+            health = tier.health()
+            assert health.state == Health.DEGRADED_IO and "locked" in health.detail
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+        time.sleep(0.2)
+        blocks = _persist(tier, make_block, [3], 4096)
+        assert tier.health().state == Health.OK
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}

@@ -124,6 +124,11 @@ class FaultState:
                 return True
             return False
 
+    def lock_held(self) -> bool:
+        """Whether the tier is degraded by an index another process keeps locked."""
+        with self._lock:
+            return self._degraded is not None and self._degraded.kind == "locked"
+
     def refuses_commits(self) -> bool:
         """Index commits stop on faults other than a full disk or a locked index (a commit
         is how either is found to have cleared)."""

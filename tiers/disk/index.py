@@ -338,17 +338,30 @@ class DiskIndex:
             _insert(db, rows)
 
     def insert_when(
-        self, rows: Sequence[BlockRow], durable: Callable[[], Sequence[int] | None]
+        self,
+        rows: Sequence[BlockRow],
+        durable: Callable[[], Sequence[int] | None],
+        *,
+        wait_busy: bool = True,
     ) -> bool:
         """Insert or replace ``rows`` in a transaction that commits only once ``durable``
         returns, so that SQLite inserts while the rows' bytes are still going to disk.
         ``durable`` runs inside the transaction, holding the index (it must not use it), and
         returns the slots whose rows must not be committed after all, or None to commit
         nothing. True when the rows, less those, are committed; what ``durable`` raises
-        rolls the rows back and propagates."""
+        rolls the rows back and propagates. ``wait_busy=False``: a lock another process
+        holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
+        (a write let through to find out whether that lock was let go)."""
         with self._lock:
             db = self._checked_conn()
-            db.execute("BEGIN IMMEDIATE")
+            if wait_busy:
+                db.execute("BEGIN IMMEDIATE")
+            else:
+                db.execute("PRAGMA busy_timeout = 0")
+                try:
+                    db.execute("BEGIN IMMEDIATE")
+                finally:
+                    db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             try:
                 _insert(db, rows)
                 drop = durable()

@@ -716,7 +716,11 @@ class DiskTier:
             committed = False
         else:
             try:
-                committed = self._idx().insert_when(rows, durable)
+                # A write let through while another process held the lock tries it once:
+                # waiting out the busy timeout held up the put whose demotion sent it.
+                committed = self._idx().insert_when(
+                    rows, durable, wait_busy=not self.faults.lock_held()
+                )
             except sqlite3.Error as e:
                 self.faults.fault(classify(e), "index commit")
                 committed = False
