@@ -92,6 +92,19 @@ async def test_blocks_spread_over_every_master_and_round_trip(
     assert all(c > 0 for c in counts), counts
 
 
+def ids_in_one_slot(namer: KeyNamer, count: int) -> tuple[int, list[int]]:
+    """The first cluster slot that ``count`` of the blocks ``ref(0)``, ``ref(1)``, ... fall
+    into, and those blocks' ids."""
+    by_slot: dict[int, list[int]] = defaultdict(list)
+    i = 0
+    while True:
+        slot = slot_of(namer, ref(i))
+        by_slot[slot].append(i)
+        if len(by_slot[slot]) == count:
+            return slot, by_slot[slot]
+        i += 1
+
+
 async def test_a_slot_moving_is_followed_through_ask_then_moved(
     redis_cluster: RedisClusterProcs, l3_prefix: str
 ) -> None:
@@ -100,15 +113,7 @@ async def test_a_slot_moving_is_followed_through_ask_then_moved(
     follow both, byte-exact."""
     nbytes = 16 << 10
     namer = KeyNamer(l3_prefix)
-    by_slot: dict[int, list[int]] = defaultdict(list)
-    i = 0
-    while True:
-        slot = slot_of(namer, ref(i))
-        by_slot[slot].append(i)
-        if len(by_slot[slot]) == 7:
-            break
-        i += 1
-    ids = by_slot[slot]
+    slot, ids = ids_in_one_slot(namer, 7)
     blocks = [ref(j) for j in ids]
     keys = [namer.key(b.ns, b.key).decode() for b in blocks]
     source = redis_cluster.owner_of_slot(slot)
@@ -308,15 +313,7 @@ async def test_ask_goes_with_its_command_when_a_node_has_several_connections(
     on."""
     nbytes = 4096
     namer = KeyNamer(l3_prefix)
-    by_slot: dict[int, list[int]] = defaultdict(list)
-    i = 0
-    while True:
-        slot = slot_of(namer, ref(i))
-        by_slot[slot].append(i)
-        if len(by_slot[slot]) == 5:
-            break
-        i += 1
-    ids = by_slot[slot]
+    slot, ids = ids_in_one_slot(namer, 5)
     blocks = [ref(j) for j in ids]
     keys = [namer.key(b.ns, b.key).decode() for b in blocks]
     source = redis_cluster.owner_of_slot(slot)
@@ -362,15 +359,7 @@ async def test_regression_an_error_answer_to_asking_left_its_command_s_reply_unr
     25). Both replies are read; that call fails, the next are right."""
     nbytes = 4096
     namer = KeyNamer(l3_prefix)
-    by_slot: dict[int, list[int]] = defaultdict(list)
-    i = 0
-    while True:
-        slot = slot_of(namer, ref(i))
-        by_slot[slot].append(i)
-        if len(by_slot[slot]) == 4:
-            break
-        i += 1
-    ids = by_slot[slot]
+    slot, ids = ids_in_one_slot(namer, 4)
     blocks = [ref(j) for j in ids]
     keys = [namer.key(b.ns, b.key).decode() for b in blocks]
     source = redis_cluster.owner_of_slot(slot)
