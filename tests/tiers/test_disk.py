@@ -1717,6 +1717,26 @@ def test_regression_a_data_file_removed_while_open_fails_the_writes_to_it(
         assert _read(tier, before) == {i: b[2] for i, b in before.items()}
 
 
+@contextlib.contextmanager
+def _locked_index(
+    tier: DiskTier, disk_dir: Path, make_block: Block
+) -> Iterator[sqlite3.Connection]:
+    """``tier``, with block 0 persisted, degraded by its index locked from another
+    connection (an operator's sqlite3 shell) past the busy timeout: block 1's write refused.
+    Yields that connection, holding the lock (the caller may let it go); closed after."""
+    _persist(tier, make_block, [0], 4096)
+    other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        key, data = make_block(1, 4096)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        yield other
+    finally:
+        other.close()
+
+
 def test_regression_an_index_locked_by_another_process_degrades_only_until_it_is_let_go(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1727,19 +1747,10 @@ def test_regression_an_index_locked_by_another_process_degrades_only_until_it_is
     finds out, and its commit makes the tier whole again."""
     monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
     with _open(disk_dir, enospc_retry_s=0.1) as tier:
-        _persist(tier, make_block, [0], 4096)
-        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
-        try:
-            other.execute("BEGIN IMMEDIATE")
-            key, data = make_block(1, 4096)
-            slot = tier.allocator.allocate(4096)
-            assert slot is not None
-            assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        with _locked_index(tier, disk_dir, make_block) as other:
             health = tier.health()
             assert health.state == Health.DEGRADED_IO and "locked" in health.detail
             other.execute("ROLLBACK")
-        finally:
-            other.close()
         time.sleep(0.2)
         # What has the store send it the next batch a tier above demotes.
         assert tier.health().retry_due
@@ -2171,14 +2182,7 @@ def test_regression_a_write_let_through_to_a_locked_index_waited_out_the_busy_ti
     the lock once: still held, the batch fails at once and the tier stays degraded."""
     monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
     with _open(disk_dir, enospc_retry_s=0.1) as tier:
-        _persist(tier, make_block, [0], 4096)
-        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
-        try:
-            other.execute("BEGIN IMMEDIATE")
-            key, data = make_block(1, 4096)
-            slot = tier.allocator.allocate(4096)
-            assert slot is not None
-            assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        with _locked_index(tier, disk_dir, make_block) as other:
             monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
             tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
             time.sleep(0.2)
@@ -2195,8 +2199,6 @@ def test_regression_a_write_let_through_to_a_locked_index_waited_out_the_busy_ti
             health = tier.health()
             assert health.state == Health.DEGRADED_IO and "locked" in health.detail
             other.execute("ROLLBACK")
-        finally:
-            other.close()
         time.sleep(0.2)
         blocks = _persist(tier, make_block, [3], 4096)
         assert tier.health().state == Health.OK
