@@ -800,6 +800,18 @@ class Daemon:
         log.info("%s", self.tenants.describe())
         systemd.notify("READY=1\nSTATUS=serving")
 
+    async def unbind(self) -> None:
+        """Undo the binding of a start that failed after it (L3 refusing the password, a
+        TCP port taken since the host checks): stop listening and remove both sockets, which
+        would otherwise stay with nobody listening, for engines and the next start to find."""
+        if self.server is not None:
+            await self.server.stop(None)
+        if self.credentials is not None:
+            self.credentials.close()
+        if self._socket_identity is not None:
+            path = os.path.abspath(self.config.server.socket)
+            remove_socket(path, self._socket_identity, still_listening=True)
+
     def stop_on_signals(self) -> None:
         """From now on SIGTERM and SIGINT stop the daemon (``request_stop``)."""
         loop = asyncio.get_running_loop()
@@ -1168,7 +1180,11 @@ def _health_handlers(
 async def serve(config: Config, *, on_ready: Callable[[Daemon], None] | None = None) -> None:
     started = time.monotonic()
     daemon = Daemon(config)
-    await daemon.start()
+    try:
+        await daemon.start()
+    except BaseException:
+        await daemon.unbind()
+        raise
     log.info("started in %.2fs", time.monotonic() - started)
     # Before ``on_ready``: a stop signal that arrived while starting, held until now
     # (``daemon/entry.py``), is honoured there, and every later one is the daemon's own.

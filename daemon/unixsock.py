@@ -123,17 +123,20 @@ def apply_access(path: str, access: SocketAccess) -> SocketIdentity:
     return (st.st_dev, st.st_ino)
 
 
-def remove_socket(path: str, identity: SocketIdentity) -> None:
+def remove_socket(path: str, identity: SocketIdentity, *, still_listening: bool = False) -> None:
     """Remove the socket the daemon bound at ``path`` (it no longer listens there), unless
     another has taken the path since: a daemon started while this one drained finds the path
     no longer listening, binds its own socket there, and must keep it when this one stops.
     The identity alone does not tell: a disk filesystem gives the successor's socket the
-    inode number the stale one freed, so a socket someone listens on is kept too."""
+    inode number the stale one freed, so a socket someone listens on is kept too.
+    ``still_listening``: the daemon itself still listens there, so no successor can have
+    bound the path (a start that failed after gRPC bound it: gRPC listens from the bind on
+    and closes the listeners of a server that never started only when the process ends)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if (st.st_dev, st.st_ino) == identity and not _listening(path):
+    if (st.st_dev, st.st_ino) == identity and (still_listening or not _listening(path)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

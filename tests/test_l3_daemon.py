@@ -5,6 +5,8 @@ nodes their shared tier, never a request."""
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -416,6 +418,41 @@ def test_regression_a_password_rotated_on_the_store_and_in_its_file_left_l3_down
         wait_for(lambda: ca.stats().counter("copies", direction="L1->L3") == 4)
     raw = redis.Redis(host="127.0.0.1", port=fresh_redis.port, password="second-Pw")
     assert len(raw.keys(f"{l3_prefix}*")) == 4
+
+
+def test_regression_a_start_that_failed_after_binding_left_its_sockets(
+    tmp_path, fresh_redis, l3_prefix
+):
+    """L3 connects after both sockets are bound: a store refusing the password stopped the
+    start (exit 1), and the gRPC socket and its credential socket stayed, nobody listening,
+    for engines to find. Both go with the failed start."""
+    secret = tmp_path / "l3.password"
+    secret.write_text("not-the-Pw\n")
+    secret.chmod(0o600)
+    fresh_redis.kill()
+    fresh_redis.password = "the-Pw"
+    fresh_redis.start()
+    sockets = tmp_path / "run"
+    started = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon"]
+        + [
+            f"--set={setting}"
+            for setting in (
+                f"server.socket={sockets / 'kvtierd.sock'}",
+                "tiers.l1.capacity_bytes=64MiB",
+                "tiers.l3.enabled=true",
+                f"tiers.l3.urls=[{fresh_redis.url}]",
+                f"tiers.l3.key_prefix='{l3_prefix}'",
+                f"tiers.l3.password_file={secret}",
+            )
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 1, started.stderr
+    assert "cannot start" in started.stderr and "refused credentials" in started.stderr
+    assert sorted(p.name for p in sockets.iterdir()) == []
 
 
 def test_regression_a_store_out_of_memory_stopped_the_nodes_l3_writes_for_good(
