@@ -150,13 +150,13 @@ def derive(now: Stats, before: Stats | None = None, elapsed_s: float | None = No
     hits = delta_by("hits", "tier")
     tiers = [
         TierFigures(
-            t.tier.name,
+            t.tier.label,
             t.used_bytes,
             t.capacity_bytes,
             t.blocks,
             t.state,
-            hits.get(_label(t.tier.name), 0),
-            _ratio(hits.get(_label(t.tier.name), 0), lookups),
+            hits.get(t.tier.label, 0),
+            _ratio(hits.get(t.tier.label, 0), lookups),
         )
         for t in now.tiers
     ]
@@ -180,11 +180,6 @@ def derive(now: Stats, before: Stats | None = None, elapsed_s: float | None = No
         restarted=restarted,
         withheld=DAEMON_WIDE_GAUGE not in now.gauges,
     )
-
-
-def _label(tier_name: str) -> str:
-    """``L1_HOST`` -> ``L1`` (the store labels tiers by level)."""
-    return tier_name.split("_")[0]
 
 
 def _latency(c1: dict[str, int], c0: dict[str, int], window: float) -> list[LatencyFigures]:

@@ -244,7 +244,7 @@ def _stats(args: argparse.Namespace) -> int:
                     "uptime_s": stats.uptime_s,
                     "tiers": [
                         {
-                            "tier": t.tier.name,
+                            "tier": t.tier.label,
                             "capacity_bytes": t.capacity_bytes,
                             "used_bytes": t.used_bytes,
                             "blocks": t.blocks,
@@ -256,9 +256,9 @@ def _stats(args: argparse.Namespace) -> int:
                         {
                             "tenant": x.tenant,
                             "sessions": x.sessions,
-                            # By name, as the tiers above: asdict gave the enum's number.
+                            # By label, as the tiers above: asdict gave the enum's number.
                             "tiers": [
-                                {**dataclasses.asdict(u), "tier": u.tier.name} for u in x.tiers
+                                {**dataclasses.asdict(u), "tier": u.tier.label} for u in x.tiers
                             ],
                         }
                         for x in stats.tenants
@@ -314,7 +314,7 @@ def _stats(args: argparse.Namespace) -> int:
         print("tenants:")
         for tenant in stats.tenants:
             usage = "  ".join(
-                f"{u.tier.name.split('_')[0]} {human_bytes(u.used_bytes)}"
+                f"{u.tier.label} {human_bytes(u.used_bytes)}"
                 + (f"/{human_bytes(u.quota_bytes)}" if u.quota_bytes else "")
                 + f" ({u.blocks} blocks)"
                 for u in tenant.tiers
@@ -410,7 +410,7 @@ def _health(args: argparse.Namespace) -> int:
     finally:
         client.close()
     bad = [t for t in stats.tiers if not tier_ok(t.state)]
-    tiers = ", ".join(f"{t.tier.name} {t.state}" for t in stats.tiers)
+    tiers = ", ".join(f"{t.tier.label} {t.state}" for t in stats.tiers)
     if not serving:
         # Not serving, yet it opened a session: a draining daemon opens admins' (a stopping
         # one opens none, and ends every call with UNAVAILABLE).

@@ -37,6 +37,12 @@ class Tier(enum.IntEnum):
     L2_DISK = pb.TIER_L2_DISK
     L3_REMOTE = pb.TIER_L3_REMOTE
 
+    @property
+    def label(self) -> str:
+        """The tier's level (``L1``), the one name the daemon's logs, metrics labels, probes,
+        counters and the CLI give it."""
+        return self.name.split("_")[0]
+
 
 class PutStatus(enum.IntEnum):
     STORED = pb.PUT_STORED
@@ -465,7 +471,7 @@ def tier_value(tier: Tier | int | str) -> pb.Tier:
     that names no tier is refused here (the daemon refuses it too, but the client can tell)."""
     if isinstance(tier, str):
         for t in Tier:
-            if t.name.startswith(tier.upper() + "_"):
+            if t.label == tier.upper() and t != Tier.ABSENT:
                 return tier_enum(int(t))
         raise InvalidArgumentError(f"Evict: tier: unknown tier {tier!r}; one of L0, L1, L2, L3")
     number = checked_int(tier, "Evict: tier")

@@ -166,7 +166,7 @@ def test_a_truncated_data_file_loses_only_its_own_blocks(daemon_factory, tmp_pat
     # `kvtier stats` shows it too, not only the log.
     assert kvtier_cli(["--address", d.address, "stats", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    (disk_json,) = [t for t in shown["tiers"] if t["tier"] == "L2_DISK"]
+    (disk_json,) = [t for t in shown["tiers"] if t["tier"] == "L2"]
     assert victim in disk_json["state"]
 
 
