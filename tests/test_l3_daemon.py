@@ -8,6 +8,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -661,6 +662,59 @@ def put_only_in_l3(ca, shm, chain: list[bytes], seed: int):
     wait_for(evict)
     assert sum(evicted) == len(chain)
     return pool_id, data, want
+
+
+def test_regression_a_stop_drained_for_twice_server_drain_timeout_s(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """The stop gave requests server.drain_timeout_s twice: gRPC's grace to the calls in
+    progress, then as long again to the requests whose clients had left, before the flush's
+    own tiers.l2.flush_timeout_s (10 + 10 + 60 s by default, against the unit's 90 s, below
+    which README keeps drain plus flush). Here two Gets read blocks held only in L3 from a
+    Redis that no longer answers, one whose client gives up after 1 s, one that holds the
+    grace: the first one's read timed out (L3 marked unreachable) 7 s after it began, within
+    twice the 4 s drain; it is cancelled once one has passed."""
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        "tiers.l2.enabled=false",
+        "policy.protect_s=0",
+        "tiers.l3.known_s=3600",
+        "tiers.l3.op_timeout_s=7",
+        "server.drain_timeout_s=4",
+    )
+    chain = keys(4, 81)
+    ended: list[Exception] = []
+
+    def get(client, pool_id: int, timeout_s: float) -> None:
+        try:
+            client.get(pool_id, chain, range(4), timeout_s=timeout_s)
+        except Exception as e:  # the deadline or the stop ends the call
+            ended.append(e)
+
+    with (
+        a.client() as ca,
+        a.client() as cb,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+        SharedMemoryPool.for_layout(LAYOUT) as shm_b,
+    ):
+        pool_id, _, _ = put_only_in_l3(ca, shm, chain, seed=81)
+        pool_b = cb.register_pool(shm_b, LAYOUT).pool_id
+        fresh_redis.pause()
+        left = threading.Thread(target=get, args=(ca, pool_id, 1.0))
+        held = threading.Thread(target=get, args=(cb, pool_b, 60.0))
+        left.start()
+        held.start()
+        left.join(30)
+        assert len(ended) == 1, ended  # its client gave up; the daemon's Get runs on
+        assert a.stop() == 0
+        held.join(30)
+    assert len(ended) == 2, ended
+    assert "kvtierd stopped" in a.log()
+    assert "L3 unreachable" not in a.log(), a.log()
 
 
 def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact(
