@@ -1424,15 +1424,15 @@ class DiskTier:
             nbytes = np.fromiter((r[3] for r in chunk), np.int64, n)
             sums = np.fromiter((r[4] for r in chunk), np.int64, n).view(np.uint64)
             written = np.fromiter((r[5] for r in chunk), np.float64, n)
-            keys = np.frombuffer(b"".join(bytes(r[1]) for r in chunk), np.uint8)
-            good = np.full(n, len(keys) == 32 * n)
-            keys = keys.reshape(n, 32) if len(keys) == 32 * n else np.zeros((n, 32), np.uint8)
+            # A key of another length fails the reshape: rows read one by one then, so that
+            # it costs only its own row, not every row of the chunk.
+            keys = np.frombuffer(b"".join(bytes(r[1]) for r in chunk), np.uint8).reshape(n, 32)
         except (TypeError, ValueError, OverflowError):
             return self._recover_rows_one_by_one(
                 chunk, before, sizes, damaged, lost, lost_files, drop
             )
         alloc = self.allocator
-        good &= (slots >= 0) & (nbytes > 0)
+        good = (slots >= 0) & (nbytes > 0)
         padded = -(-np.maximum(nbytes, 1) // alloc.align) * alloc.align
         good &= padded <= alloc.segment_bytes
         reason = np.where(good, "", "bad_row").astype(object)
