@@ -46,7 +46,12 @@ import numpy as np
 from kvtier.daemon.config import Config
 from kvtier.daemon.counts import add_at
 from kvtier.daemon.eager import eager_future
-from kvtier.daemon.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvtier.daemon.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvtier.daemon.hintbudget import HintBudget
 from kvtier.daemon.latency import Histograms
 from kvtier.daemon.misses import DECLINED, REASONS
@@ -266,6 +271,8 @@ class BlockStore:
         # whose chain has a block another put is still writing waits on it (``_written``).
         self._write_settled: asyncio.Future[None] | None = None
         self._recovering = False  # recover() is between its first chunk and its end
+        # A stop cancelled recovery: rows of the persistent tiers were left unread.
+        self._recovery_cut = False
         self._recovery_waits_until = 0.0  # a request waits for recovery until then at most
         # Refs of blocks a put was writing when recovery gave them a copy (their key's row
         # from before this start): should the put fail, they keep that copy (``_abandon``).
@@ -1627,6 +1634,10 @@ class BlockStore:
         if self._recovery is not None:
             # A key whose row was not read yet would come back after its delete.
             await self.recovered.wait()
+            if self._recovery_cut:
+                # Its rows left unread stay in the index: done now, it would report keys
+                # deleted that the next start brings back.
+                raise Unavailable("the daemon is stopping; the delete was not done (retry it)")
         table = self.table
         found = table.find_any(ns, words)
         missing = int(np.count_nonzero(found < 0))
@@ -2014,6 +2025,9 @@ class BlockStore:
                     total += len(chunk)
                     await asyncio.sleep(0)
                 await self._drop_repeated(level, np.concatenate([np.empty(0, np.int64), *repeated]))
+        except asyncio.CancelledError:
+            self._recovery_cut = True
+            raise
         except Exception:
             # Said now: nothing reads the finished task's error until the store stops, and
             # meanwhile the store counts as recovered and serves what was indexed.

@@ -21,7 +21,7 @@ from density_training import roots_come_back
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
-from kvtier.daemon.errors import InvalidArgument, NotFound, ResourceExhausted
+from kvtier.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.stack import Level, TokenBucket
@@ -2112,6 +2112,34 @@ async def test_a_stop_with_nothing_to_flush_does_not_wait_for_recovery(
         gate.set()  # the cancel waits for the chunk read under way, as in a daemon
         await stopping
     assert "waiting for recovery" not in caplog.text
+
+
+async def test_regression_a_delete_waiting_for_recovery_went_on_after_a_stop_cancelled_it(
+    make_store, tmp_path
+):
+    """A Delete waits for recovery (a row not read yet would bring its key back). A stop
+    cancelled that recovery and the Delete went on against the rows read so far: it said the
+    keys were not there, and the next start brought them back. It is refused as unavailable."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock, _, old = await _stopped_with_durable_blocks(make_store, tmp_path, 2)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    gate = _recovery_held(disk)
+    store = make_store(clock, l2=disk)
+    store.start()
+    deleting = asyncio.ensure_future(store.delete(0, old))
+    stopping = asyncio.ensure_future(store.stop(flush=True, flush_timeout_s=30))
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    gate.set()  # the cancel waits for the chunk read under way, as in a daemon
+    await stopping
+    with pytest.raises(Unavailable, match="stopping"):
+        await deleting
+    store.close()
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    again = make_store(clock, l2=disk)
+    await again.recover()
+    assert where(again, old) == ["L2"] * 2  # not deleted, and not said to be
 
 
 async def test_a_flush_after_a_recovery_that_ended_early_says_why_it_wrote_nothing(
