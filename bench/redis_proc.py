@@ -3,7 +3,7 @@
 ``RedisServer`` is one server in its own folder, on a free loopback port, with a config file
 written there (a password, if any, goes in that file, never on a command line).
 ``RedisClusterProcs`` is N such servers joined into a Redis Cluster with ``redis-cli --cluster
-create`` (no replicas). Both are context managers and stop every process they started;
+create`` (masters only, or with ``replicas`` per master). Both are context managers and stop every process they started;
 each server also dies with the process that started it (Linux parent-death signal), so a
 crashed test run leaves nothing behind. Nothing is persisted: a server restarted with
 ``start()`` comes back empty (a cluster node keeps its ``nodes.conf``, so it rejoins with
@@ -279,15 +279,30 @@ def _wait(what: str, ok: Callable[[], bool], timeout_s: float) -> None:
 
 
 class RedisClusterProcs:
-    """``masters`` cluster-enabled servers joined with ``redis-cli --cluster create``."""
+    """``masters`` cluster-enabled servers joined with ``redis-cli --cluster create``, each
+    with ``replicas`` replicas (which node serves which role is the cluster's to say, and
+    changes with failovers: ``primaries``, ``replicas_of``)."""
 
-    def __init__(self, workdir: Path, masters: int = 3, *, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        masters: int = 3,
+        *,
+        replicas: int = 0,
+        node_timeout_ms: int = 1000,
+        extra_config: str = "",
+    ) -> None:
         self.dir = Path(workdir)
+        self.replicas = replicas
+        self._ids: dict[int, str] = {}
         self.nodes = [
             RedisServer(
-                self.dir / f"node{i}", cluster=True, cluster_node_timeout_ms=node_timeout_ms
+                self.dir / f"node{i}",
+                cluster=True,
+                cluster_node_timeout_ms=node_timeout_ms,
+                extra_config=extra_config,
             )
-            for i in range(masters)
+            for i in range(masters * (1 + replicas))
         ]
 
     @property
@@ -303,17 +318,21 @@ class RedisClusterProcs:
                 "create",
                 *(n.address for n in self.nodes),
                 "--cluster-replicas",
-                "0",
+                str(self.replicas),
                 "--cluster-yes",
                 timeout_s=timeout_s,
             )
             self.wait_ok(timeout_s)
+            for node in self.nodes:
+                self.node_id(node)
         except BaseException:
             self.stop()
             raise
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
-        """Until every running node reports cluster_state:ok and knows every node."""
+        """Until every running node reports cluster_state:ok and knows every node, and every
+        running replica has its master's data (link up, first sync done): a replica still
+        syncing cannot take over from its master."""
 
         def ok() -> bool:
             for node in self.nodes:
@@ -324,9 +343,30 @@ class RedisClusterProcs:
                     return False
                 if f"cluster_known_nodes:{len(self.nodes)}" not in info:
                     return False
+                repl = node.cli("INFO", "replication", check=False)
+                if "role:slave" in repl and "master_link_status:up" not in repl:
+                    return False
             return True
 
         _wait("the cluster to report ok on every node", ok, timeout_s)
+
+    def wait_replicated(self, timeout_s: float = 30.0) -> None:
+        """Until every running replica has applied all its master has (equal replication
+        offsets): what was written before is then on both."""
+
+        def caught_up() -> bool:
+            for master in self.primaries():
+                repl = master.cli("INFO", "replication", check=False)
+                fields = dict(line.split(":", 1) for line in repl.splitlines() if ":" in line)
+                offset = fields.get("master_repl_offset", "").strip()
+                links = [v for k, v in fields.items() if k.startswith("slave") and k[5:].isdigit()]
+                if len(links) < len(self.replicas_of(master)):
+                    return False
+                if any(f"offset={offset}," not in link for link in links):
+                    return False
+            return True
+
+        _wait("the replicas to catch up with their masters", caught_up, timeout_s)
 
     def wait_fail(self, timeout_s: float = 30.0) -> None:
         """Until the running nodes report cluster_state:fail (a master is gone)."""
@@ -341,7 +381,11 @@ class RedisClusterProcs:
         _wait("the cluster to notice a lost master", failed, timeout_s)
 
     def node_id(self, node: RedisServer) -> str:
-        return node.cli("CLUSTER", "MYID").strip()
+        """``node``'s cluster id (kept in its ``nodes.conf``, so known while it is down too
+        once asked)."""
+        if node.port not in self._ids:
+            self._ids[node.port] = node.cli("CLUSTER", "MYID").strip()
+        return self._ids[node.port]
 
     def owner_of_slot(self, slot: int) -> RedisServer:
         for node in self.nodes:
@@ -358,6 +402,30 @@ class RedisClusterProcs:
                     if int(lo) <= slot <= int(hi or lo):
                         return node
         raise RedisProcError(f"no running node owns slot {slot}")
+
+    def _roles(self) -> dict[str, tuple[str, str]]:
+        """Node id -> (role, its master's id or "-"), as a running node sees the cluster."""
+        for node in self.nodes:
+            if node.running:
+                roles = {}
+                for line in node.cli("CLUSTER", "NODES").splitlines():
+                    fields = line.split()
+                    role = "master" if "master" in fields[2] else "replica"
+                    roles[fields[0]] = (role, fields[3])
+                return roles
+        raise RedisProcError("no node of the cluster is running")
+
+    def primaries(self) -> list[RedisServer]:
+        """The running nodes that are masters now."""
+        roles = self._roles()
+        return [n for n in self.nodes if n.running and roles[self.node_id(n)][0] == "master"]
+
+    def replicas_of(self, master: RedisServer) -> list[RedisServer]:
+        """The running nodes that replicate ``master`` now."""
+        roles, master_id = self._roles(), self.node_id(master)
+        return [
+            n for n in self.nodes if n.running and roles[self.node_id(n)] == ("replica", master_id)
+        ]
 
     def stop(self) -> None:
         for node in self.nodes:

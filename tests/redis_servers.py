@@ -1,6 +1,7 @@
 """Fixtures with real ``redis-server`` processes (see ``kvtier.bench.redis_proc``): a single
 node shared by a test module, a fresh node per test for tests that kill or restart it, and a
-3-master Redis Cluster made with ``redis-cli --cluster create``. Every process is stopped at
+3-master Redis Cluster made with ``redis-cli --cluster create`` (and one with a replica per
+master). Every process is stopped at
 teardown (and dies with the test process if that crashes). Registered as a plugin by
 ``tests/conftest.py``.
 """
@@ -76,6 +77,21 @@ def fresh_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServe
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
     """Three masters, no replicas, node timeout 1 s. Tests that kill or reshard restore it."""
     cluster = RedisClusterProcs(tmp_path_factory.mktemp("redis-cluster"), masters=3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_replicated(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RedisClusterProcs]:
+    """Three masters with a replica each, node timeout 1 s. Tests that kill, fail over or
+    restart nodes leave every node running and the cluster ok (which node is a master may
+    have changed: ``primaries``)."""
+    cluster = RedisClusterProcs(
+        tmp_path_factory.mktemp("redis-cluster-replicated"), masters=3, replicas=1
+    )
     cluster.start()
     yield cluster
     cluster.stop()

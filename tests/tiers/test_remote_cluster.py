@@ -1,6 +1,7 @@
 """The L3 tier against a real 3-master Redis Cluster: blocks spread over every master, slot
 migration (ASK while a slot moves, MOVED after) followed mid-workload, and a master killed
-mid-workload: calls fail fast as misses, the tier comes back with the master (empty).
+mid-workload: calls fail fast as misses, the tier comes back with the master (empty). With a
+replica per master: failover to the replica and back under traffic.
 
 Slower than the single-node suite (a cluster is formed once per module, a failure takes the
 cluster's node timeout to be noticed): run with ``make test-l3-cluster``; ``make test``
@@ -399,3 +400,102 @@ async def test_regression_an_error_answer_to_asking_left_its_command_s_reply_unr
         for node in redis_cluster.nodes:
             node.cli("CLUSTER", "SETSLOT", str(slot), "NODE", target_id)
             node.cli("ACL", "DELUSER", "kvt-noask")
+
+
+class Traffic:
+    """Reads, probes and writes of ``chain`` from one caller without pause, until
+    ``stop``: the slowest call, every read that filled a buffer with bytes other than its
+    block's (each block's bytes are its own, ``data(i)``: wrong bytes cannot pass as
+    right), and the tier's health after each round."""
+
+    def __init__(self, tier: RemoteTier, n: int, nbytes: int) -> None:
+        self.tier, self.n, self.nbytes = tier, n, nbytes
+        self.chain = [ref(i) for i in range(n)]
+        self.src = [data(i, nbytes) for i in range(n)]
+        self.slowest_s = 0.0
+        self.rounds = 0
+        self.wrong: list[str] = []
+        self._done = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _timed(self, coro: Any) -> Any:
+        t0 = time.monotonic()
+        out = await coro
+        self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+        return out
+
+    async def _run(self) -> None:
+        n, nbytes = self.n, self.nbytes
+        while not self._done.is_set():
+            dest = empty(n, nbytes)
+            hits = await self._timed(self.tier.read(self.chain, nbytes, host(dest)))
+            self.wrong += [
+                f"round {self.rounds}: block {i}"
+                for i in range(n)
+                if hits[i] and bytes(dest[i]) != self.src[i]
+            ]
+            await self._timed(self.tier.probe(self.chain))
+            await self._timed(self.tier.write(self.chain[:4], nbytes, host(self.src[:4])))
+            self.rounds += 1
+            # A tier down answers without awaiting: let the test's own steps run.
+            await asyncio.sleep(0.005)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self._done.set()
+        assert self._task is not None
+        await self._task  # any exception in a call fails here
+
+
+async def until_primary(cluster: RedisClusterProcs, node: Any, timeout_s: float = 30.0) -> None:
+    """Until ``node`` is a master (asked off the loop: the traffic goes on meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while node not in await asyncio.to_thread(cluster.primaries):
+        assert time.monotonic() < deadline, f"node {node.port} did not become a master"
+        await asyncio.sleep(0.05)
+
+
+def replica_options(cluster: RedisClusterProcs, prefix: str) -> RemoteOptions:
+    return cluster_options(
+        cluster, prefix, op_timeout_s=CLUSTER_OP_TIMEOUT_S, connect_timeout_s=0.5
+    )
+
+
+async def test_a_master_killed_under_traffic_fails_over_to_its_replica_and_back(
+    redis_cluster_replicated: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """SIGKILL a master under traffic: its replica takes over, L3 comes back on its own
+    (no wrong bytes, no call past its timeout, nothing lost: the replica had caught up);
+    the old master returns as the new one's replica, and a ``CLUSTER FAILOVER`` on it makes
+    it the master again, neither of which takes L3 down."""
+    cluster = redis_cluster_replicated
+    async with opened(replica_options(cluster, l3_prefix)) as tier:
+        traffic = Traffic(tier, 48, 16 << 10)
+        assert await tier.write(traffic.chain, traffic.nbytes, host(traffic.src)) == [True] * 48
+        await asyncio.to_thread(cluster.wait_replicated)
+        traffic.start()
+        victim = cluster.primaries()[0]
+        (replica,) = cluster.replicas_of(victim)
+        victim.kill()
+        await until_primary(cluster, replica)
+        await wait_for("L3 to come back", lambda: tier.health().state is Health.OK, 30.0)
+        assert tier.stats().counters["down_transitions"] <= 1
+
+        victim.start()  # empty; learns it was replaced and replicates the new master
+        await asyncio.to_thread(cluster.wait_ok)
+        assert victim in cluster.replicas_of(replica)
+        victim.cli("CLUSTER", "FAILOVER")
+        await until_primary(cluster, victim)
+        await asyncio.to_thread(cluster.wait_ok)
+        await traffic.stop()
+
+        assert traffic.wrong == []
+        assert traffic.slowest_s < CLUSTER_OP_TIMEOUT_S + OP_TIMEOUT_S + SLACK_S
+        c = tier.stats().counters
+        assert c["down_transitions"] <= 1 and c["reconnects"] == c["down_transitions"]
+        assert tier.health().state is Health.OK
+        dest = empty(48, traffic.nbytes)
+        assert await tier.read(traffic.chain, traffic.nbytes, host(dest)) == [True] * 48
+        assert [bytes(d) for d in dest] == traffic.src
