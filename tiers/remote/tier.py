@@ -1107,17 +1107,24 @@ class RemoteTier:
             self._password = found[0]
 
     async def _check(self, client: Any) -> str | None:
-        """None if ``client`` can serve (every primary answers; a cluster reports ok), else
-        why not."""
+        """None if ``client`` can serve (every primary answers and reports the cluster ok),
+        else why not. Every primary, not one: a master back after an outage serves nothing
+        for its first seconds while the others already report ok, and some of the others
+        count it failed a while longer while it does; asked of one node, each reconnection
+        found ok and the next call to another marked the tier down again, over and over."""
         timeout = self.options.connect_timeout_s + self.options.op_timeout_s
         try:
             if _is_cluster(client):
                 await self._bounded(client.initialize(), timeout)
-                await self._bounded(client.ping(target_nodes=RedisCluster.PRIMARIES), timeout)
-                info = await self._bounded(client.cluster_info(), timeout)
-                state = info.get("cluster_state") if isinstance(info, dict) else None
-                if state not in ("ok", b"ok"):
-                    return f"cluster state is {state!r}"
+                primaries = client.get_primaries()
+                infos = await self._bounded(
+                    asyncio.gather(*(client.cluster_info(target_nodes=p) for p in primaries)),
+                    timeout,
+                )
+                for primary, info in zip(primaries, infos, strict=True):
+                    state = info.get("cluster_state") if isinstance(info, dict) else None
+                    if state not in ("ok", b"ok"):
+                        return f"cluster state is {state!r} at {primary.name}"
             else:
                 await self._bounded(client.ping(), timeout)
         except (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError) as e:
