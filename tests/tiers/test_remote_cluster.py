@@ -1,8 +1,9 @@
 """The L3 tier against a real 3-master Redis Cluster: blocks spread over every master, slot
 migration (ASK while a slot moves, MOVED after) followed mid-workload, and a master killed
-mid-workload: calls fail fast as misses, the tier comes back with the master (empty). With a
-replica per master: failover to the replica and back under traffic, and a master back
-without its replica.
+mid-workload: calls fail fast as misses, the tier comes back with the master (empty); the
+whole cluster restarted, Deletes while it is down, one master out of memory. With a replica
+per master: failover to the replica and back under traffic, and a master back without its
+replica.
 
 Slower than the single-node suite (a cluster is formed once per module, a failure takes the
 cluster's node timeout to be noticed): run with ``make test-l3-cluster``; ``make test``
@@ -245,10 +246,7 @@ async def test_a_master_killed_mid_workload_fails_fast_and_comes_back(
     src = [data(i, nbytes) for i in range(n)]
     namer = KeyNamer(l3_prefix)
     victim = redis_cluster.nodes[1]
-    opts = cluster_options(
-        redis_cluster, l3_prefix, op_timeout_s=CLUSTER_OP_TIMEOUT_S, connect_timeout_s=0.5
-    )
-    async with opened(opts) as tier:
+    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
         on_victim = {
             i
@@ -459,7 +457,9 @@ async def until_primary(cluster: RedisClusterProcs, node: Any, timeout_s: float 
         await asyncio.sleep(0.05)
 
 
-def replica_options(cluster: RedisClusterProcs, prefix: str) -> RemoteOptions:
+def fail_fast_options(cluster: RedisClusterProcs, prefix: str) -> RemoteOptions:
+    """The options of the tests that take nodes away: a call waits ``CLUSTER_OP_TIMEOUT_S``
+    at most."""
     return cluster_options(
         cluster, prefix, op_timeout_s=CLUSTER_OP_TIMEOUT_S, connect_timeout_s=0.5
     )
@@ -474,7 +474,7 @@ async def test_regression_l3_flapped_while_a_master_back_without_replica_was_see
     the returned master marked L3 down again (11 and 16 down transitions in two runs here;
     24 in a second on a hand-made cluster). It goes down once and comes back once."""
     cluster = redis_cluster_replicated
-    async with opened(replica_options(cluster, l3_prefix)) as tier:
+    async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
         traffic = Traffic(tier, 48, 16 << 10)
         assert await tier.write(traffic.chain, traffic.nbytes, host(traffic.src)) == [True] * 48
         traffic.start()
@@ -507,7 +507,7 @@ async def test_a_master_killed_under_traffic_fails_over_to_its_replica_and_back(
     the old master returns as the new one's replica, and a ``CLUSTER FAILOVER`` on it makes
     it the master again, neither of which takes L3 down."""
     cluster = redis_cluster_replicated
-    async with opened(replica_options(cluster, l3_prefix)) as tier:
+    async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
         traffic = Traffic(tier, 48, 16 << 10)
         assert await tier.write(traffic.chain, traffic.nbytes, host(traffic.src)) == [True] * 48
         await asyncio.to_thread(cluster.wait_replicated)
@@ -535,3 +535,118 @@ async def test_a_master_killed_under_traffic_fails_over_to_its_replica_and_back(
         dest = empty(48, traffic.nbytes)
         assert await tier.read(traffic.chain, traffic.nbytes, host(dest)) == [True] * 48
         assert [bytes(d) for d in dest] == traffic.src
+
+
+async def test_deletes_during_a_cluster_outage_do_not_come_back(
+    redis_cluster: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """Blocks deleted while the cluster is down (a master lost: every node answers
+    CLUSTERDOWN, the blocks on the others still stored) answer absent meanwhile, and are gone
+    from the store once it is back: none is found again, through the tier or by asking the
+    store itself."""
+    nbytes = 4096
+    n = 48
+    chain = [ref(i) for i in range(n)]
+    namer = KeyNamer(l3_prefix)
+    victim = redis_cluster.nodes[2]
+    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
+        assert (
+            await tier.write(chain, nbytes, host([data(i, nbytes) for i in range(n)])) == [True] * n
+        )
+        victim.kill()
+        await asyncio.to_thread(redis_cluster.wait_fail)
+        # A call meets the outage (CLUSTERDOWN, or the lost master's closed connection).
+        await tier.read(chain, nbytes, host(empty(n, nbytes)))
+        await wait_for("L3 to go down", lambda: tier.health().state is Health.DOWN)
+        await tier.remove(chain[: n // 2])
+        assert tier.stats().gauges["removals_unconfirmed"] == n // 2
+        assert len(await tier.probe(chain)) == 0
+        victim.start()  # empty, with its slots
+        await asyncio.to_thread(redis_cluster.wait_ok)
+        await wait_for("L3 to come back", lambda: tier.health().state is Health.OK, 30.0)
+        await wait_for(
+            "the removals to be confirmed",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+            30.0,
+        )
+        found = await tier.read(chain, nbytes, host(empty(n, nbytes)))
+        assert not any(found[: n // 2])
+    raw = redis.cluster.RedisCluster.from_url(redis_cluster.urls[0])
+    try:
+        assert [raw.exists(namer.key(b.ns, b.key)) for b in chain[: n // 2]] == [0] * (n // 2)
+    finally:
+        raw.close()
+
+
+async def test_a_whole_cluster_restarted_is_a_cold_tier_back_without_a_restart(
+    redis_cluster: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """Every node stopped, then started again (empty, each with its slots): L3 goes down,
+    comes back on its own, once, and finds none of the blocks it held; new ones round-trip."""
+    nbytes = 4096
+    n = 32
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        for node in redis_cluster.nodes:
+            node.stop()
+        await tier.read(chain, nbytes, host(empty(n, nbytes)))
+        await wait_for("L3 to go down", lambda: tier.health().state is Health.DOWN)
+        for node in redis_cluster.nodes:
+            node.start()
+        await asyncio.to_thread(redis_cluster.wait_ok)
+        await wait_for("L3 to come back", lambda: tier.health().state is Health.OK, 30.0)
+        assert await tier.probe(chain) == []
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        dest = empty(n, nbytes)
+        assert await tier.read(chain, nbytes, host(dest)) == [True] * n
+        assert [bytes(d) for d in dest] == src
+        c = tier.stats().counters
+        assert (c["down_transitions"], c["reconnects"]) == (1, 1)
+
+
+async def test_one_full_master_pauses_writes_not_reads_and_never_takes_l3_down(
+    redis_cluster: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """One master at its maxmemory with noeviction refuses writes (OOM) while the others
+    store theirs: the refused blocks answer False, counted in write_no_space; L3 reports
+    degraded_nospace (writes paused everywhere for the backoff: the tier keeps no memory
+    state per node), never down, and reads go on from every master, the full one included.
+    Once it has room, a write after the backoff ends the pause."""
+    nbytes = 4096
+    n = 48
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    namer = KeyNamer(l3_prefix)
+    full = redis_cluster.nodes[0]
+    on_full = [
+        i for i, b in enumerate(chain) if redis_cluster.owner_of_slot(slot_of(namer, b)) is full
+    ]
+    assert on_full and len(on_full) < n
+    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
+        assert await tier.write(chain[:16], nbytes, host(src[:16])) == [True] * 16
+        full.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        full.cli("CONFIG", "SET", "maxmemory", "1")
+        try:
+            stored = await tier.write(chain[16:], nbytes, host(src[16:]))
+            assert [i for i in range(16, n) if not stored[i - 16]] == [
+                i for i in on_full if i >= 16
+            ]
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            c = tier.stats().counters
+            assert c["write_no_space"] == len([i for i in on_full if i >= 16])
+            dest = empty(n, nbytes)
+            hits = await tier.read(chain, nbytes, host(dest))
+            assert hits == [i < 16 or i not in on_full for i in range(n)]
+            assert all(bytes(dest[i]) == src[i] for i in range(n) if hits[i])
+        finally:
+            full.cli("CONFIG", "SET", "maxmemory", "0")
+        await wait_for(
+            "the write pause to end",
+            lambda: tier.health().state is Health.OK,
+            30.0,
+        )
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        assert tier.health().state is Health.OK
+        assert tier.stats().counters["down_transitions"] == 0
