@@ -343,6 +343,8 @@ class RedisClusterProcs:
                     return False
                 if f"cluster_known_nodes:{len(self.nodes)}" not in info:
                     return False
+                if not self.replicas:
+                    continue  # masters only: no sync to wait for, and no cost to it
                 repl = node.cli("INFO", "replication", check=False)
                 if "role:slave" in repl and "master_link_status:up" not in repl:
                     return False
