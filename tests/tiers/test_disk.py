@@ -388,6 +388,30 @@ def test_corrupt_slot_is_a_counted_logged_miss_and_stays_quarantined(
         assert tier.allocator.allocate(65_536) == bad_slot
 
 
+def test_regression_a_quarantine_outlived_the_data_file_recreated_under_it(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Quarantined slots of a data file removed (recreated at the next open) stayed out of use
+    for good: the tier had shrunk by their size with nothing left to hold them for."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(480)), 65_536)
+        place = {i: tier.slot_location(b[1]) for i, b in blocks.items()}
+        bad = [next(i for i in blocks if place[i][0].name == f"data-000{n}.bin") for n in (1, 2)]
+        for i in bad:
+            _flip(tier, blocks[i][1])
+        assert _read(tier, {i: blocks[i] for i in bad}) == dict.fromkeys(bad)
+        assert tier.stats().gauges["quarantined_slots"] == 2
+    (disk_dir / "data-0001.bin").unlink()
+    for _ in range(2):  # the slot of the intact file stays held after a second restart too
+        with _open(disk_dir) as tier:
+            tier.recover()
+            assert tier.stats().gauges["quarantined_slots"] == 1
+            taken = set()
+            while (slot := tier.allocator.allocate(65_536)) is not None:
+                taken.add(slot)
+            assert blocks[bad[0]][1] in taken and blocks[bad[1]][1] not in taken
+
+
 def test_read_never_copies_unverified_bytes_through_staging(
     disk_dir: Path, make_block: Block
 ) -> None:

@@ -28,7 +28,9 @@ Invariants:
 - Every read is verified against the checksum (xxh3-64 of the block's ``nbytes`` bytes) that
   was computed from the source buffer when the block was written. A block that fails (checksum
   mismatch or I/O error) is a miss: its row is deleted, its slot is quarantined (held, never
-  handed out again, also across restarts), and the event is counted and logged with the key.
+  handed out again, also across restarts, until ``release_quarantined`` or an open that
+  recreates the part of its data file it lies in), and the event is counted and logged with
+  the key.
 - I/O faults never raise out of the data verbs: they are results, counters and the tier's
   health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads.
 - Damage found at open stays partial: a data file that is missing, shorter than the index
@@ -604,7 +606,7 @@ class DiskTier:
                         before[file][0].unlink()
             self.files.prepare(self.allocator.capacity_bytes)
             self.files.open(direct_io)
-            self._claim_quarantine()
+            self._claim_quarantine(sizes, damaged)
             # Rows are read by recover_chunks(); until then the tier allocates nothing.
             self._pending_recovery = (before, sizes, damaged)
             self.allocator.recovering = True
@@ -1392,16 +1394,41 @@ class DiskTier:
                 out.append(0)
         return out
 
-    def _claim_quarantine(self) -> None:
+    def _claim_quarantine(self, sizes: list[int], damaged: dict[int, str]) -> None:
+        """Hold the slots the index keeps quarantined, but those whose bytes lie wholly in a
+        data file's part made anew at this open (a file missing or unreadable, recreated; a
+        short file's extension): the extents that failed are gone, so keeping them out of use
+        would shrink the tier for good. Their rows are dropped."""
         rows, _ = self._idx().load(blocks=False)
         if not rows:
             return
         slots = np.fromiter((r[0] for r in rows), np.int64, len(rows))
         nbytes = np.fromiter((r[1] for r in rows), np.int64, len(rows))
-        ok = self.allocator.claim_many(slots, nbytes)
+        file, offset = self._slot_places(slots, nbytes)
+        renewed = np.zeros(len(rows), dtype=bool)
+        for f, why in damaged.items():
+            renewed |= (file == f) & (why != "short_file" or offset >= sizes[f])
+        if renewed.any():
+            log.warning(
+                "L2: %d quarantined slot(s) lay in data files recreated at this open; "
+                "returned to service",
+                int(renewed.sum()),
+            )
+        ok = ~renewed
+        ok[ok] = self.allocator.claim_many(slots[ok], nbytes[ok])
         self._quarantined = dict(zip(slots[ok].tolist(), nbytes[ok].tolist(), strict=True))
         if not ok.all():
             self._idx().drop([], slots[~ok].tolist())
+
+    def _slot_places(self, slots: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The data file number and offset in it of each slot holding ``nbytes`` (vectorised;
+        a slot below 0 counts as 0)."""
+        alloc = self.allocator
+        padded = -(-np.maximum(nbytes, 1) // alloc.align) * alloc.align
+        seg, index = np.divmod(np.maximum(slots, 0), alloc.slots_cap)
+        start = seg * alloc.segment_bytes + index * padded
+        file, offset = np.divmod(start, self._file_bytes)
+        return file, offset
 
     def _recover_chunk(
         self,
@@ -1436,9 +1463,7 @@ class DiskTier:
         padded = -(-np.maximum(nbytes, 1) // alloc.align) * alloc.align
         good &= padded <= alloc.segment_bytes
         reason = np.where(good, "", "bad_row").astype(object)
-        seg, index = np.divmod(np.maximum(slots, 0), alloc.slots_cap)
-        start = seg * alloc.segment_bytes + index * padded
-        file, offset = np.divmod(start, self._file_bytes)
+        file, offset = self._slot_places(slots, nbytes)
         for f, why in damaged.items():
             hit = good & (file == f)
             if why == "short_file":
