@@ -939,6 +939,35 @@ def test_eio_on_read_is_a_miss_and_quarantines(
         assert any("24 more blocks" in m for m in lines)
 
 
+def test_regression_one_read_eio_refused_writes_until_a_restart(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A read that failed with EIO (its slots quarantined) kept the tier refusing writes until
+    a restart, though the disk took writes: the batch let through now and then finds that out.
+    A write that fails then makes the fault last, as one that failed first does."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=0.0) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+        faulty_files.fail("preadv", errno.EIO, times=1)
+        assert _read(tier, blocks) == dict.fromkeys(blocks)
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and "EIO" in health.detail
+        assert health.retry_due
+        after = _persist(tier, make_block, list(range(4, 8)), 4096)
+        assert tier.health().state is Health.OK
+        assert _read(tier, after) == {i: b[2] for i, b in after.items()}
+        assert tier.stats().gauges["quarantined_slots"] == 4
+        faulty_files.fail("preadv", errno.EIO, times=1)
+        assert _read(tier, after) == dict.fromkeys(after)
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        items = _items(tier, make_block, [8], 4096)
+        assert [o.ok for o in persist(tier, items)] == [False]
+        items = _items(tier, make_block, [9], 4096)
+        assert [o.ok for o in persist(tier, items)] == [False]
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and not health.retry_due
+        assert health.detail.startswith("eio: write")
+
+
 def test_fdatasync_failure_fails_the_batch(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

@@ -4,8 +4,12 @@ A fault never raises out of the tier; it is counted and may degrade the tier. EN
 disk) and an index locked by another process past the busy timeout (SQLITE_BUSY: an operator's
 ``sqlite3`` shell left in a write transaction; or, its WAL removed, one in a read transaction
 that keeps the checkpoint from finishing) degrade it until a write gets through again (one
-write batch per ``enospc_retry_s`` is let through to find out); EIO and other faults degrade it
-until it is reopened. Reads are served while degraded.
+write batch per ``enospc_retry_s`` is let through to find out). So does a failed read of data
+blocks (kind ``read``, whatever its errno): its slots are quarantined by the tier, and the batch
+let through finds out whether the disk still takes writes (written, synced and committed: the
+tier is whole again; a write or sync that fails turns the fault into one that lasts). EIO and
+other faults of writes, syncs and the index degrade it until it is reopened. Reads are served
+while degraded.
 
 Thread-safety: every method may be called from any thread.
 """
@@ -34,12 +38,12 @@ _SQLITE_NOTADB = 26
 
 
 class Fault(NamedTuple):
-    kind: str  # "enospc", "locked", "eio", "corrupt" or "io"
+    kind: str  # "enospc", "locked", "read", "eio", "corrupt" or "io"
     detail: str
 
 
 # Fault kinds that may clear by themselves: the tier lets a write through now and then to see.
-_PASSING = ("enospc", "locked")
+_PASSING = ("enospc", "locked", "read")
 
 
 def classify(exc: BaseException) -> Fault:
@@ -101,8 +105,8 @@ class FaultState:
             if what.startswith("index"):
                 self.counters["index_errors"] += 1
             before = self._degraded
-            # A full disk or a lock may clear up; anything else keeps the tier degraded until
-            # reopened.
+            # A full disk, a lock or a failed read may clear up; anything else keeps the tier
+            # degraded until reopened.
             changed = before is None or (before.kind in _PASSING and fault.kind != before.kind)
             if changed:
                 self._degraded = Fault(fault.kind, f"{what}: {fault.detail}")
@@ -130,8 +134,8 @@ class FaultState:
             return self._degraded is not None and self._degraded.kind == "locked"
 
     def refuses_commits(self) -> bool:
-        """Index commits stop on faults other than a full disk or a locked index (a commit
-        is how either is found to have cleared)."""
+        """Index commits stop on faults other than a full disk, a locked index or a failed
+        read (a commit is how each is found to have cleared)."""
         with self._lock:
             return self._degraded is not None and self._degraded.kind not in _PASSING
 

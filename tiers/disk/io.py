@@ -530,6 +530,10 @@ class BatchIO:
     def _count_failed_run(self, exc: OSError, what: str, n: int, file: int, offset: int) -> Fault:
         """Count and record a failed transfer of ``n`` blocks; returns its classification."""
         fault = classify(exc)
+        if what == "read":
+            # The extents that failed are quarantined; whether the disk still takes writes is
+            # for a write batch let through to tell (FaultState), not a restart.
+            fault = Fault("read", fault.detail)
         self.faults.count(io_errors=1)
         self.faults.fault(fault, f"{what} of {n} blocks at {self.files.paths[file].name}+{offset}")
         return fault

@@ -32,7 +32,9 @@ Invariants:
   recreates the part of its data file it lies in), and the event is counted and logged with
   the key.
 - I/O faults never raise out of the data verbs: they are results, counters and the tier's
-  health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads.
+  health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads (after
+  a full disk, a locked index or a failed read, until a write let through now and then
+  succeeds: ``FaultState``).
 - Damage found at open stays partial: a data file that is missing, shorter than the index
   needs or unreadable loses only the blocks whose slots lie in its damaged part (rows dropped,
   counted by reason in ``blocks_lost_at_recovery_*``, shown in the health detail), and the file
