@@ -24,6 +24,10 @@ taking new sessions (``--wait S``: until the open ones have ended, exit 1 if som
 answered and did not drain: not an admin, or it is stopping; or, during ``--wait``, it drains
 but ended the command's session and opens it no new one, as after a reload that took its
 admin right) and 3 when it cannot be reached, as ``health``.
+``kvtier quarantine`` lists the slots L2 holds out of use after failed reads and, with
+``--release``, gives them back first, each once a write and read back of its extent succeed:
+exit 1 when a slot it was to give back failed that check, 2 when the daemon refused (not an
+admin, no L2, L2 degraded or recovering, a slot it does not hold), 3 unreachable.
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ CHECK_REFUSED = 2
 # reload took its admin right), 3 (health's UNREACHABLE) no answer: no daemon at the
 # address, or none in --timeout.
 DRAIN_BUSY, DRAIN_REFUSED = 1, 2
+# kvtier quarantine: 0 listed (with --release: every slot asked is back in use), 1 a slot
+# --release was to give back failed its check and stays quarantined, 2 refused (the daemon
+# answered and did nothing: not an admin, no L2, L2 degraded or still reading its index, a
+# slot it does not hold, or stopping), 3 (health's UNREACHABLE) no answer.
+QUARANTINE_KEPT, QUARANTINE_REFUSED = 1, 2
 
 
 # The most seconds any option takes (a week). Values past about 1e9 s overflow the sleeps,
@@ -467,6 +476,50 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _quarantine(args: argparse.Namespace) -> int:
+    from kvtier.cli.figures import human_bytes
+
+    if args.slot and not args.release:
+        print("kvtier quarantine: --slot names what --release gives back", file=sys.stderr)
+        return QUARANTINE_REFUSED
+    client = _probe_client(args)
+    if client is None:
+        return UNREACHABLE
+    try:
+        with client:
+            result = client.quarantine(release=args.release, slots=args.slot or ())
+            address = client.address
+    except (UnavailableError, DeadlineExceededError) as e:
+        print(_unreachable(args, e), file=sys.stderr)
+        return QUARANTINE_REFUSED if _reached(e) else UNREACHABLE
+    except KvtierError as e:
+        print(f"kvtier quarantine: {type(e).__name__}: {e.details}", file=sys.stderr)
+        return QUARANTINE_REFUSED
+    # A release's failures are the slots it was to give back that are still held.
+    asked = set(args.slot) if args.slot else {q.slot for q in result.held}
+    kept = [q for q in result.held if q.slot in asked] if args.release else []
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        held_bytes = sum(q.slot_bytes for q in result.held)
+        if args.release:
+            print(
+                f"released: {len(result.released)} slot(s) back in use at kvtierd at {address}; "
+                f"{len(kept)} failed their check and stay quarantined"
+            )
+        print(
+            f"L2 of kvtierd at {address}: {len(result.held)} slot(s) quarantined "
+            f"({human_bytes(held_bytes)})"
+        )
+        for q in result.held:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q.at)) if q.at else "-"
+            print(
+                f"  slot {q.slot:<8} {human_bytes(q.slot_bytes):>10}  {q.file}+{q.offset}  "
+                f"{when}  {q.reason}"
+            )
+    return QUARANTINE_KEPT if kept else 0
+
+
 def _drain(args: argparse.Namespace) -> int:
     client = _probe_client(args)
     if client is None:
@@ -702,6 +755,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--resume", action="store_true", help="take new sessions again")
     d.set_defaults(func=_drain)
+
+    q = sub.add_parser(
+        "quarantine",
+        help="list the L2 slots held out of use after failed reads, or release them (admin)",
+        description="The slots L2 holds out of use after reads of them failed (checksum "
+        "mismatch or I/O error), with the data file and offset of each, when and why. With "
+        "--release, gives them back to use first (all, or those --slot names): each once its "
+        "extent takes a write of random bytes, a sync and a read back; one that fails stays "
+        "quarantined, its reason saying why. Refused while L2 is degraded or still reading "
+        "its index. Exit status: 0 listed (with --release: every slot asked is back in use), "
+        "1 some slot --release was to give back stays quarantined (listed), 2 the daemon "
+        "refused (it answered and did nothing: not an admin, no L2, L2 degraded or "
+        "recovering, a slot it does not hold, or it is stopping), 3 unreachable, as health's 3.",
+    )
+    q.add_argument(
+        "--release",
+        action="store_true",
+        help="give the slots back to use (it writes, syncs and reads back each extent: give "
+        "many a longer --timeout)",
+    )
+    q.add_argument(
+        "--slot",
+        type=int,
+        action="append",
+        metavar="N",
+        help="release only slot N (repeat for more; default: every slot held)",
+    )
+    q.add_argument("--json", action="store_true", help="one JSON object")
+    q.set_defaults(func=_quarantine)
 
     # No -h of its own: `kvtier bench NAME --help` is the benchmark's help.
     b = sub.add_parser(

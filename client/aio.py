@@ -635,6 +635,14 @@ class AsyncClient:
             await self._invoke("Drain", t.build_request(pb.DrainRequest, resume=resume))
         )
 
+    async def quarantine(
+        self, *, release: bool = False, slots: Sequence[int] = (), timeout_s: float | None = None
+    ) -> t.QuarantineResult:
+        """See ``Client.quarantine``."""
+        timeout_s = t.checked_seconds(timeout_s, "Quarantine: timeout_s")
+        req = t.build_request(pb.QuarantineRequest, release=release, slots=slots)
+        return t.quarantine_result(await self._invoke("Quarantine", req, timeout_s=timeout_s))
+
     async def health(self, service: str = "") -> bool:
         request = hc.encode_request(service)
         try:

@@ -98,6 +98,7 @@ _SESSION_METHODS = frozenset(
         "Stats",
         "Check",
         "Drain",
+        "Quarantine",
     }
 )
 # Requests that carry a namespace; the driver fills in the client's for the flows' requests.
@@ -888,6 +889,20 @@ class Client:
         return t.drain_result(
             self._invoke("Drain", t.build_request(pb.DrainRequest, resume=resume))
         )
+
+    def quarantine(
+        self, *, release: bool = False, slots: Sequence[int] = (), timeout_s: float | None = None
+    ) -> t.QuarantineResult:
+        """The slots L2 holds out of use after reads of them failed (admins only); with
+        ``release``, after giving ``slots`` (every one held when empty) back to use, each
+        once its extent takes a write and gives it back (one that fails stays held, its
+        reason saying why). FailedPreconditionError without L2, and for a release while L2 is
+        degraded or still reading its index. ``timeout_s`` bounds this call instead of the
+        client's timeout (a release writes, syncs and reads every extent; ``None`` or 0: the
+        client's)."""
+        timeout_s = t.checked_seconds(timeout_s, "Quarantine: timeout_s")
+        req = t.build_request(pb.QuarantineRequest, release=release, slots=slots)
+        return t.quarantine_result(self._invoke("Quarantine", req, timeout_s=timeout_s))
 
     def health(self, service: str = "") -> bool:
         """Whether the daemon reports SERVING."""

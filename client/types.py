@@ -123,6 +123,24 @@ class DrainResult:
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantinedSlot:
+    """A slot L2 holds out of use after a read of it failed."""
+
+    slot: int
+    slot_bytes: int
+    file: str  # the data file it lies in
+    offset: int  # its byte offset there
+    reason: str  # the failed read's error, or what failed when a release checked it
+    at: float  # when, in seconds since the epoch (0: not recorded)
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineResult:
+    held: list[QuarantinedSlot]  # every slot L2 holds after the call
+    released: list[int]  # the slots the call gave back to use
+
+
+@dataclass(frozen=True, slots=True)
 class TenantTierStats:
     tier: Tier
     used_bytes: int
@@ -521,6 +539,16 @@ def check_result(resp: pb.CheckResponse) -> CheckResult:
 
 def drain_result(resp: pb.DrainResponse) -> DrainResult:
     return DrainResult(resp.draining, resp.sessions)
+
+
+def quarantine_result(resp: pb.QuarantineResponse) -> QuarantineResult:
+    return QuarantineResult(
+        [
+            QuarantinedSlot(q.slot, q.slot_bytes, q.file, q.offset, q.reason, q.at)
+            for q in resp.held
+        ],
+        list(resp.released),
+    )
 
 
 def stats_result(resp: pb.StatsResponse) -> Stats:

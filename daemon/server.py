@@ -25,8 +25,8 @@ Invariants:
 - A RegisterPool maps the client's memory on a worker thread (``daemon/pools.py``), and an
   UnregisterPool or a session's end unmaps it on one: other clients are answered while a
   pool of gigabytes is populated or torn down.
-- Every RPC but OpenSession and the health service needs an open session; Check and Drain
-  need an admin session. While draining, the health service answers NOT_SERVING.
+- Every RPC but OpenSession and the health service needs an open session; Check, Drain and
+  Quarantine need an admin session. While draining, the health service answers NOT_SERVING.
 - At most ``server.max_health_watches`` health watches are open at once, and
   ``server.max_health_watches_per_peer`` from one TCP client host (``WatchLimits``); one more
   is RESOURCE_EXHAUSTED before it watches.
@@ -603,6 +603,28 @@ class KVTierServicer:
             for name in ("", SERVICE_NAME):
                 self.health.set(name, status)
         return pb.DrainResponse(draining=out.draining, sessions=out.sessions)
+
+    @_rpc
+    async def Quarantine(
+        self, request: pb.QuarantineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.QuarantineResponse:
+        held, released = await self.service.quarantine(
+            request.session_id, request.release, request.slots
+        )
+        return pb.QuarantineResponse(
+            held=[
+                pb.QuarantinedSlot(
+                    slot=q.slot,
+                    slot_bytes=q.slot_bytes,
+                    file=q.file,
+                    offset=q.offset,
+                    reason=q.reason,
+                    at=q.at,
+                )
+                for q in held
+            ],
+            released=released,
+        )
 
     @_rpc
     async def Stats(

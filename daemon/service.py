@@ -17,7 +17,8 @@ never taken from the client: a tenant can not find, read, overwrite, delete, evi
 prefetch another's blocks, whatever keys it sends. A put binds its namespace to the tenant in
 the store (once per session and namespace), so the tenant's quotas apply and blocks recovered
 from disk keep their owner. Any session of a lease's tenant may load under it, only the
-session that took it may release it, no other tenant may name it. Admin sessions may check the invariants, drain, and delete or evict in any
+session that took it may release it, no other tenant may name it. Admin sessions may check
+the invariants, drain, list and release L2's quarantined slots, and delete or evict in any
 tenant's namespace. While draining, only admin sessions open.
 
 Thread-safety: none; called from the server's event loop only.
@@ -73,7 +74,7 @@ from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.daemon.tenants import Space, TenantDirectory
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.tiers.base import SlotTier, TierKind
+from kvtier.tiers.base import QuarantinedSlot, SlotTier, TierKind
 
 log = logging.getLogger(__name__)
 
@@ -756,6 +757,29 @@ class KVService:
             )
         self.draining = not resume
         return DrainState(self.draining, self.sessions.session_count - 1)
+
+    async def quarantine(
+        self, session_id: str, release: bool, slots: Sequence[int]
+    ) -> tuple[list[QuarantinedSlot], list[int]]:
+        """L2's quarantined slots, after giving ``slots`` (every one when empty) back to use
+        with ``release`` (``BlockStore.quarantine``); admins only."""
+        session = self._admin(session_id, "Quarantine")
+        if slots and not release:
+            raise InvalidArgument("slots name what a release gives back: set release too")
+        limit = self.config.server.max_batch_blocks
+        if len(slots) > limit:
+            raise InvalidArgument(
+                f"{len(slots)} slots in one request; at most {limit} (server.max_batch_blocks)"
+            )
+        held, released = await self.store.quarantine(release, slots)
+        if release:
+            log.warning(
+                "quarantine release by session %s: %d slot(s) back in use, %d held",
+                shown_id(session.session_id),
+                len(released),
+                len(held),
+            )
+        return held, released
 
     # ----------------------------------------------------------------- checks
 

@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -66,9 +66,12 @@ from kvtier.tiers.base import (
     PROBE_UNKNOWN,
     BlockRef,
     Priority,
+    Quarantine,
+    QuarantinedSlot,
     RecoveredBlocks,
     TierHealth,
     TierKind,
+    TierUnavailable,
     WriteOutcomes,
 )
 
@@ -1806,6 +1809,32 @@ class BlockStore:
             and self.transfers.running == 0
             and not (live & (self.table.inflight > 0)).any()
         )
+
+    async def quarantine(
+        self, release: bool, slots: Sequence[int]
+    ) -> tuple[list[QuarantinedSlot], list[int]]:
+        """(the slots the disk tier holds out of use, those given back to use), after a
+        release of ``slots`` (every one held when empty) with ``release``
+        (``Quarantine.release_quarantined``). FailedPrecondition: there is no such tier, or
+        it refused the release (degraded, recovering); InvalidArgument: a slot it does not
+        hold."""
+        level = next((lv for lv in self.stack if hasattr(lv.tier, "release_quarantined")), None)
+        if level is None:
+            raise FailedPrecondition("no tier quarantines slots: the daemon runs without L2")
+        tier = cast(Quarantine, level.tier)
+        released: list[int] = []
+        if release:
+            try:
+                out = await self.transfers.run(
+                    Priority.BACKGROUND, tier.release_quarantined, list(slots) or None
+                )
+            except TierUnavailable as e:
+                raise FailedPrecondition(str(e)) from None
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
+            released = out.released
+        held = await self.transfers.run(Priority.BACKGROUND, tier.quarantined)
+        return held, released
 
     def check(self, pins: dict[int, int] | None = None) -> list[str]:
         """The store's invariants; a description of each one broken, or nothing. ``pins``:

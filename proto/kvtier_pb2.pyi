@@ -375,6 +375,40 @@ class DrainResponse(_message.Message):
     sessions: int
     def __init__(self, draining: bool = ..., sessions: _Optional[int] = ...) -> None: ...
 
+class QuarantineRequest(_message.Message):
+    __slots__ = ("session_id", "release", "slots")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    release: bool
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., release: bool = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class QuarantinedSlot(_message.Message):
+    __slots__ = ("slot", "slot_bytes", "file", "offset", "reason", "at")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AT_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    slot_bytes: int
+    file: str
+    offset: int
+    reason: str
+    at: float
+    def __init__(self, slot: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
+
+class QuarantineResponse(_message.Message):
+    __slots__ = ("held", "released")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedCompositeFieldContainer[QuarantinedSlot]
+    released: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

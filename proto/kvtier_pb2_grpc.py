@@ -80,6 +80,11 @@ class KVTierStub(object):
                 request_serializer=kvtier_dot_proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.DrainResponse.FromString,
                 )
+        self.Quarantine = channel.unary_unary(
+                '/kvtier.v1.KVTier/Quarantine',
+                request_serializer=kvtier_dot_proto_dot_kvtier__pb2.QuarantineRequest.SerializeToString,
+                response_deserializer=kvtier_dot_proto_dot_kvtier__pb2.QuarantineResponse.FromString,
+                )
 
 
 class KVTierServicer(object):
@@ -179,6 +184,16 @@ class KVTierServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Quarantine(self, request, context):
+        """Admin only. The slots L2 holds out of use after reads of them failed, and, with release,
+        gives some back to use first: each once its extent takes a write and gives it back (one
+        that fails stays held, its reason saying why). FAILED_PRECONDITION when there is no L2,
+        and for a release while L2 is degraded or still reading its index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -246,6 +261,11 @@ def add_KVTierServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.DrainRequest.FromString,
                     response_serializer=kvtier_dot_proto_dot_kvtier__pb2.DrainResponse.SerializeToString,
+            ),
+            'Quarantine': grpc.unary_unary_rpc_method_handler(
+                    servicer.Quarantine,
+                    request_deserializer=kvtier_dot_proto_dot_kvtier__pb2.QuarantineRequest.FromString,
+                    response_serializer=kvtier_dot_proto_dot_kvtier__pb2.QuarantineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,5 +496,22 @@ class KVTier(object):
         return grpc.experimental.unary_unary(request, target, '/kvtier.v1.KVTier/Drain',
             kvtier_dot_proto_dot_kvtier__pb2.DrainRequest.SerializeToString,
             kvtier_dot_proto_dot_kvtier__pb2.DrainResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Quarantine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvtier.v1.KVTier/Quarantine',
+            kvtier_dot_proto_dot_kvtier__pb2.QuarantineRequest.SerializeToString,
+            kvtier_dot_proto_dot_kvtier__pb2.QuarantineResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

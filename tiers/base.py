@@ -627,6 +627,41 @@ class RemovalJournal(Protocol):
         ...
 
 
+class QuarantinedSlot(NamedTuple):
+    """A slot a tier holds out of use after a read of it failed (``Quarantine``)."""
+
+    slot: int
+    slot_bytes: int  # its extent's size
+    file: str  # the data file it lies in
+    offset: int  # its byte offset in that file
+    reason: str  # why (the read's error), or why a release kept it
+    at: float  # when, in seconds since the epoch (0: not recorded)
+
+
+class QuarantineRelease(NamedTuple):
+    """What ``Quarantine.release_quarantined`` did."""
+
+    released: list[int]  # the slots back in use
+    kept: list[QuarantinedSlot]  # named but held still: their check failed (the reason says)
+
+
+class Quarantine(Protocol):
+    """A slot tier that holds slots whose reads failed out of use (the disk tier), and lets an
+    operator list them and give them back.
+
+    Thread-safety: called from a worker thread; blocking."""
+
+    def quarantined(self) -> list[QuarantinedSlot]:
+        """Every slot held, in slot order."""
+        ...
+
+    def release_quarantined(self, slots: Sequence[int] | None = None) -> QuarantineRelease:
+        """Give ``slots`` (every slot held when None) back to use, each only once its extent
+        took a write and gave it back. Raises TierUnavailable, changing nothing, while the
+        tier is degraded or recovering, and ValueError for a slot it does not hold."""
+        ...
+
+
 class DeviceBridge(Protocol):
     """What a slot tier whose slots are device memory (L0, ``device_memory = True``) also
     does for the others: move a GPU pool's pages (``DevicePages``) to and from host buffers

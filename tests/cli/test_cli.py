@@ -22,7 +22,7 @@ from harness import tenant_token
 from peers import NOBODY, NOGROUP, require_root
 
 from kvtier import paths
-from kvtier.client import PoolLayout, SharedMemoryPool
+from kvtier.client import PoolLayout, SharedMemoryPool, Tier
 
 LAYOUT = PoolLayout.staging(
     num_layers=1, num_pages=16, block_tokens=1, chunk_bytes=64 * 1024, kv_count=1
@@ -66,7 +66,18 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize(
     "command",
-    [[], ["stats"], ["top"], ["health"], ["replay"], ["bench"], ["status"], ["check"], ["drain"]],
+    [
+        [],
+        ["stats"],
+        ["top"],
+        ["health"],
+        ["replay"],
+        ["bench"],
+        ["status"],
+        ["check"],
+        ["drain"],
+        ["quarantine"],
+    ],
 )
 def test_every_command_has_help(capsys, command):
     code, out, err = run_main(capsys, *command, "--help")
@@ -536,6 +547,68 @@ def test_regression_health_named_the_tiers_otherwise_than_the_probes_and_metrics
     doc = json.loads(out)
     assert [t["tier"] for t in doc["tiers"]] == [t["name"] for t in doc["derived"]["tiers"]]
     assert [t["tier"] for t in doc["tiers"]] == ["L1", "L2"]
+
+
+def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
+    daemon_factory, tmp_path, capsys
+):
+    """Slots quarantined after failed reads stayed out of use until someone called a method
+    only tests called: `kvtier quarantine` lists them, `--release` gives them back (checked
+    first), for good across a restart, and a bad request is refused (2)."""
+    from kvtier.tiers.disk import DiskTier
+
+    l2 = tmp_path / "l2"
+    geometry = ("tiers.l2.capacity_bytes=8MiB", "tiers.l2.segment_bytes=1MiB")
+    d = daemon_factory(
+        "tiers.l2.enabled=true", f"tiers.l2.path={l2}", *geometry, "tiers.l2.file_bytes=4MiB"
+    )
+    ks = _keys(4, 61)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(4), durable=True).persisted == [True] * 4
+    d.stop()
+    with DiskTier(l2, 8 << 20, 1 << 20, file_bytes=4 << 20) as tier:
+        slots = {bytes(b.key): b.slot for b in tier.recover()}
+        path, offset = tier.slot_location(slots[ks[1]])
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        f.write(b"\xff" * 8)
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.get(pool.pool_id, ks, range(4)).loaded == [True, False, True, True]
+    bad = slots[ks[1]]
+    out = kvtier("--address", d.address, "quarantine")
+    assert out.returncode == 0, out
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"L2 of kvtierd at {d.address}: 1 slot(s) quarantined (64.0 KiB)"
+    assert f"slot {bad} " in lines[1] and f"{path.name}+{offset}" in lines[1]
+    assert lines[1].endswith("checksum mismatch"), lines
+    address = ("--address", d.address)
+    code, _, err = run_main(capsys, *address, "quarantine", "--slot", str(bad))
+    assert code == 2 and "--release" in err
+    code, _, err = run_main(capsys, *address, "quarantine", "--release", "--slot", "7777")
+    assert code == 2 and "InvalidArgumentError" in err and "no quarantined slot 7777" in err
+    code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"held": [], "released": [bad]}
+    assert kvtier(*address, "check").returncode == 0
+    d.stop()
+    d.start()  # the release was durable
+    code, out, _ = run_main(capsys, *address, "quarantine", "--json")
+    assert code == 0 and json.loads(out)["held"] == [], out
+    with d.client() as client:
+        assert client.lookup(ks).tiers.count(Tier.L2_DISK) == 3
+
+
+def test_quarantine_exits_2_without_l2_and_for_a_tenant_not_admin(daemon_factory, tmp_path):
+    d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
+    out = kvtier("--address", f"127.0.0.1:{port}", "--token-file", str(token), "quarantine")
+    assert out.returncode == 2, out
+    assert out.stderr.startswith("kvtier quarantine: PermissionDeniedError: "), out.stderr
+    out = kvtier("--address", d.address, "quarantine", "--release")
+    assert out.returncode == 2, out
+    assert "FailedPreconditionError" in out.stderr and "without L2" in out.stderr
 
 
 def test_regression_an_address_too_long_for_a_unix_socket(capsys):

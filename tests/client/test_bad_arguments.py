@@ -90,6 +90,9 @@ CASES: list[tuple[str, Call, str]] = [
     ("check-str-settle", lambda c, p: c.check(settle_s="1"), r"^Check: settle_s must be a number >= 0 \(got '1'\)$"),
     ("check-none-settle", lambda c, p: c.check(settle_s=None), r"^Check: settle_s must be a number >= 0 \(got None\)$"),
     ("drain-str-resume", lambda c, p: c.drain(resume="yes"), r"^Drain: resume: expected bool, not str$"),
+    ("quarantine-str-release", lambda c, p: c.quarantine(release="yes"), r"^Quarantine: release: expected bool, not str$"),
+    ("quarantine-negative-slot", lambda c, p: c.quarantine(release=True, slots=[-1]), r"^Quarantine: slots: value out of range: -1$"),
+    ("quarantine-nan-timeout", lambda c, p: c.quarantine(timeout_s=float("nan")), r"^Quarantine: timeout_s: expected a finite number of seconds >= 0, not nan$"),
     ("health-int-service", lambda c, p: c.health(5), r"^Health: service: expected str, not int$"),
     # None is no "unset": protobuf took it as the field's default (lease 0, pool 0, no pin)
     ("release-none-lease", lambda c, p: c.release(None), r"^Release: lease_id: expected int, not NoneType$"),
@@ -216,6 +219,7 @@ SENDING = (
     "Evict",
     "Check",
     "Drain",
+    "Quarantine",
     "grpc.health.v1.Health/Check",
 )
 

@@ -384,7 +384,7 @@ def test_corrupt_slot_is_a_counted_logged_miss_and_stays_quarantined(
         while (slot := tier.allocator.allocate(65_536)) is not None:
             taken.append(slot)
         assert bad_slot not in taken
-        assert tier.release_quarantined() == 1
+        assert tier.release_quarantined().released == [bad_slot]
         assert tier.allocator.allocate(65_536) == bad_slot
 
 
@@ -410,6 +410,83 @@ def test_regression_a_quarantine_outlived_the_data_file_recreated_under_it(
             while (slot := tier.allocator.allocate(65_536)) is not None:
                 taken.add(slot)
             assert blocks[bad[0]][1] in taken and blocks[bad[1]][1] not in taken
+
+
+def _quarantine_two(tier: DiskTier, make_block: Block) -> dict[int, tuple]:
+    """Persist four blocks and quarantine the slots of blocks 1 and 2 (bytes flipped, read)."""
+    blocks = _persist(tier, make_block, list(range(4)), 65_536)
+    for i in (1, 2):
+        _flip(tier, blocks[i][1])
+    assert _read(tier, {i: blocks[i] for i in (1, 2)}) == {1: None, 2: None}
+    return blocks
+
+
+def test_quarantined_slots_are_listed_and_released_once_their_extent_checks_out(
+    disk_dir: Path, make_block: Block
+) -> None:
+    with _open(disk_dir) as tier:
+        blocks = _quarantine_two(tier, make_block)
+        held = tier.quarantined()
+        assert [q.slot for q in held] == [blocks[1][1], blocks[2][1]]
+        for q in held:
+            path, offset = tier.slot_location(q.slot)
+            assert (q.file, q.offset, q.slot_bytes) == (path.name, offset, 65_536)
+            assert q.reason == "checksum mismatch" and q.at > 0
+        with pytest.raises(ValueError, match=f"no quarantined slot {blocks[0][1]}"):
+            tier.release_quarantined([blocks[0][1], blocks[1][1]])
+        assert tier.stats().gauges["quarantined_slots"] == 2  # the refusal changed nothing
+        out = tier.release_quarantined([blocks[1][1]])
+        assert out.released == [blocks[1][1]] and out.kept == []
+        assert [q.slot for q in tier.quarantined()] == [blocks[2][1]]
+        assert tier.health().state is Health.OK
+    # Crash-safe: the release is durable and brings no old row back.
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[0][0], blocks[3][0]}
+        assert [q.slot for q in tier.quarantined()] == [blocks[2][1]]
+        taken = set()
+        while (slot := tier.allocator.allocate(65_536)) is not None:
+            taken.add(slot)
+        assert blocks[1][1] in taken and blocks[2][1] not in taken
+
+
+def test_a_quarantined_slot_whose_check_fails_stays_held_and_says_why(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    with _open(disk_dir, backend=faulty_files) as tier:
+        blocks = _quarantine_two(tier, make_block)
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        out = tier.release_quarantined()
+        assert out.released == [blocks[2][1]]
+        assert [q.slot for q in out.kept] == [blocks[1][1]]
+        assert out.kept[0].reason.startswith("release: write: EIO")
+        # A suspect extent failing its check does not stop the tier's writes.
+        assert tier.health().state is Health.OK
+        held = tier.quarantined()
+        assert [(q.slot, q.reason) for q in held] == [(blocks[1][1], out.kept[0].reason)]
+        faulty_files.fail("preadv", errno.EIO, times=1)
+        out = tier.release_quarantined()
+        assert out.released == [] and out.kept[0].reason.startswith("release: read back: EIO")
+    with _open(disk_dir) as tier:
+        tier.recover()
+        assert [q.slot for q in tier.quarantined()] == [blocks[1][1]]
+        assert tier.release_quarantined().released == [blocks[1][1]]
+
+
+def test_quarantined_slots_are_not_released_while_the_tier_is_degraded(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    with _open(disk_dir, backend=faulty_files) as tier:
+        blocks = _quarantine_two(tier, make_block)
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        assert [o.ok for o in persist(tier, _items(tier, make_block, [9], 65_536))] == [False]
+        with pytest.raises(TierUnavailable, match="degraded_io"):
+            tier.release_quarantined()
+        assert len(tier.quarantined()) == 2
+    with _open(disk_dir, recover_later=True) as tier:
+        with pytest.raises(TierUnavailable, match="reading its index"):
+            tier.release_quarantined()
+        list(tier.recover_chunks())
+        assert sorted(tier.release_quarantined().released) == [blocks[1][1], blocks[2][1]]
 
 
 def test_read_never_copies_unverified_bytes_through_staging(

@@ -275,6 +275,12 @@ class DiskIndex:
             )
         return quarantine, rows
 
+    def quarantine_records(self) -> dict[int, tuple[str, float]]:
+        """slot -> (reason, time) of each quarantine row."""
+        with self._lock:
+            rows = self._conn().execute("SELECT slot, reason, at FROM quarantine").fetchall()
+        return {int(slot): (str(reason), float(at)) for slot, reason, at in rows}
+
     def reader(self) -> sqlite3.Connection:
         """A read-only connection to the index file, for reading its rows beside this one
         (recovery streams them while the tier commits). Its files are checked first as

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
 import os
 import sqlite3
 import threading
@@ -66,8 +67,11 @@ import numpy as np
 
 from kvtier.tiers.base import (
     BlockRef,
+    Health,
     HostBuffers,
     Priority,
+    QuarantinedSlot,
+    QuarantineRelease,
     ReadBatch,
     RecoveredBlocks,
     TierHealth,
@@ -129,6 +133,9 @@ MAX_KEPT_FILES = 2 * MAX_FILES
 AUX_RESERVE_BYTES = 1 << 20
 
 _LOGGED_FAILURES = 16
+# The extents a release checks at once: their bytes are held in memory, written, synced and
+# read back together.
+_CHECK_GROUP_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------------- space
@@ -533,6 +540,7 @@ class DiskTier:
         self._watch: threading.Thread | None = None
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
+        self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         # Failed syncs of each data file (``_sync_written``).
         self._sync_failures = np.zeros(0, dtype=np.int64)
@@ -1040,7 +1048,8 @@ class DiskTier:
             note = (
                 f"{quarantined} slots ({format_size(int(quarantined_bytes))}) quarantined "
                 "after reads that failed verification (checksum mismatch or I/O error, each "
-                "logged with its key), held out of use: check the disk"
+                "logged with its key), held out of use: check the disk, then give them back "
+                "with `kvtier quarantine --release`"
             )
             health = dataclasses.replace(
                 health, detail="; ".join(x for x in (health.detail, note) if x)
@@ -1128,25 +1137,151 @@ class DiskTier:
             return False
         return True
 
-    def release_quarantined(self) -> int:
-        """Return every quarantined slot to service (an operator's decision, e.g. after the
-        disk was checked). Returns how many were released."""
+    def quarantined(self) -> list[QuarantinedSlot]:
+        """Every slot held out of use, in slot order, with where it lies and why (the reason
+        and time the index recorded; none for a slot whose record failed to commit)."""
         self._check_open()
         with self._state_lock:
-            slots = list(self._quarantined)
-        if not slots:
-            return 0
+            held = sorted(self._quarantined.items())
         try:
-            self._idx().unquarantine(slots)
+            recorded = self._idx().quarantine_records()
         except sqlite3.Error as e:
-            self.faults.fault(classify(e), "index update")
-            return 0
-        with self._state_lock:
-            for slot in slots:
-                del self._quarantined[slot]
-                self.allocator.release(slot)
-        log.warning("L2 tier: %d quarantined slots returned to service", len(slots))
-        return len(slots)
+            self.faults.fault(classify(e), "index read")
+            recorded = {}
+        unknown = ("not recorded in the index", 0.0)
+        return [self._held(slot, nbytes, *recorded.get(slot, unknown)) for slot, nbytes in held]
+
+    def release_quarantined(self, slots: Sequence[int] | None = None) -> QuarantineRelease:
+        """Give quarantined slots back to use (an operator's decision, e.g. after the disk
+        was checked): ``slots``, or every one held when None. Each slot's extent first takes
+        a write of fresh random bytes, a sync and a read back (from the disk, with
+        ``O_DIRECT``); one whose check fails stays held, its recorded reason saying why. The
+        rows of the slots released (their quarantine rows, and a block row that a failed
+        quarantine update left) are durably deleted before the allocator may hand them out,
+        so a crash after a release brings no old block back.
+
+        A failed write or read of a checked extent keeps its slot and is counted
+        (``io_errors``), without degrading the tier (the extent was suspect already); a failed
+        sync degrades it, as any does (the sync covers the whole file, whose other writes the
+        error may be about). Raises TierUnavailable while the tier is degraded (the fault may
+        be what failed the reads; release once it is ok) or recovering, ValueError for a slot
+        not held; either changes nothing."""
+        self._check_open()
+        with self._release_lock:
+            health = self.health()
+            if health.state is not Health.OK:
+                raise TierUnavailable(
+                    f"L2 is {health.state.value}: quarantined slots are released only while it "
+                    "is ok (mend the fault, and restart the daemon for one that lasts)"
+                )
+            if self.allocator.recovering:
+                raise TierUnavailable(
+                    "L2 is still reading its index (or failed to): no slot is released before "
+                    "every row is read"
+                )
+            with self._state_lock:
+                held = dict(self._quarantined)
+            todo = sorted(held) if slots is None else sorted({int(s) for s in slots})
+            stray = [s for s in todo if s not in held]
+            if stray:
+                shown = ", ".join(map(str, stray[:8])) + (", ..." if len(stray) > 8 else "")
+                raise ValueError(f"L2 holds no quarantined slot {shown}")
+            checked: dict[int, str] = {}
+            group: dict[int, int] = {}
+            group_bytes = 0
+            for slot in todo:
+                group[slot] = held[slot]
+                group_bytes += self.allocator.slot_bytes_for(held[slot])
+                if group_bytes >= _CHECK_GROUP_BYTES or slot == todo[-1]:
+                    checked.update(self._check_extents(group))
+                    group, group_bytes = {}, 0
+            passed = [slot for slot, error in checked.items() if not error]
+            failed = {slot: error for slot, error in checked.items() if error}
+            if passed:
+                try:
+                    self._idx().drop(passed, passed)
+                except sqlite3.Error as e:
+                    self.faults.fault(classify(e), "index update")
+                    failed.update(dict.fromkeys(passed, f"index update: {classify(e).detail}"))
+                    passed = []
+            if failed:
+                with contextlib.suppress(sqlite3.Error):  # in memory, they are held still
+                    self._idx().quarantine(
+                        [(slot, held[slot], f"release: {why}") for slot, why in failed.items()]
+                    )
+            with self._state_lock:
+                for slot in passed:
+                    del self._quarantined[slot]
+                    self.allocator.release(slot)
+        if passed:
+            log.warning("L2: %d quarantined slot(s) checked and returned to service", len(passed))
+        if failed:
+            log.warning(
+                "L2: %d quarantined slot(s) failed their check and stay quarantined (first: "
+                "slot %d: %s)",
+                len(failed),
+                *next(iter(failed.items())),
+            )
+        now = self._clock()
+        return QuarantineRelease(
+            passed,
+            [self._held(slot, held[slot], f"release: {why}", now) for slot, why in failed.items()],
+        )
+
+    def _check_extents(self, held: dict[int, int]) -> dict[int, str]:
+        """Write the whole extent of each quarantined slot of ``held`` (slot -> nbytes) with
+        random bytes, sync the files written once, and read the extents back: slot -> what
+        failed, '' for one that came back whole."""
+        out: dict[int, str] = {}
+        written: dict[int, tuple[int, int, mmap.mmap]] = {}
+        try:
+            for slot, nbytes in held.items():
+                size = self.allocator.slot_bytes_for(nbytes)
+                file, offset = self.files.locate(self.allocator.offset(slot))
+                # Anonymous maps are page-aligned, as O_DIRECT wants its buffers.
+                buf = mmap.mmap(-1, size)
+                buf[:] = os.urandom(size)
+                written[slot] = (file, offset, buf)
+                try:
+                    self.files.transfer(True, file, [memoryview(buf)], offset)
+                except OSError as e:
+                    self.faults.count(io_errors=1)
+                    out[slot] = f"write: {classify(e).detail}"
+            files = sorted({file for slot, (file, _, _) in written.items() if slot not in out})
+            for file in files:
+                error = self.files.sync(file)
+                self.faults.count(syncs=1)
+                if error is None:
+                    continue
+                with self._state_lock:
+                    self._sync_failures[file] += 1  # the group commit's writes to it too
+                self.faults.count(io_errors=1)
+                self.faults.fault(classify(error), f"fdatasync of {self.files.paths[file].name}")
+                for slot, (f, _, _) in written.items():
+                    if f == file:
+                        out.setdefault(slot, f"sync: {classify(error).detail}")
+            for slot, (file, offset, buf) in written.items():
+                if slot in out:
+                    continue
+                with mmap.mmap(-1, len(buf)) as back:
+                    try:
+                        self.files.transfer(False, file, [memoryview(back)], offset)
+                    except OSError as e:
+                        self.faults.count(io_errors=1)
+                        out[slot] = f"read back: {classify(e).detail}"
+                        continue
+                    if back[:] != buf[:]:
+                        out[slot] = "read back: the bytes differ from those written"
+        finally:
+            for _, _, buf in written.values():
+                buf.close()
+        return {slot: out.get(slot, "") for slot in held}
+
+    def _held(self, slot: int, nbytes: int, reason: str, at: float) -> QuarantinedSlot:
+        path, offset = self.slot_location(slot)
+        return QuarantinedSlot(
+            slot, self.allocator.slot_bytes_for(nbytes), path.name, offset, reason, at
+        )
 
     def slot_location(self, slot: int) -> tuple[Path, int]:
         """The data file holding an allocated slot, and the slot's byte offset in it."""
