@@ -408,10 +408,6 @@ class DiskIndex:
                 [(slot, nbytes, reason[:200], now) for slot, nbytes, reason in entries],
             )
 
-    def unquarantine(self, slots: Sequence[int]) -> None:
-        with self.transaction() as db:
-            db.executemany("DELETE FROM quarantine WHERE slot = ?", [(s,) for s in slots])
-
     def drop(self, block_slots: Sequence[int], quarantine_slots: Sequence[int]) -> None:
         with self.transaction() as db:
             db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in block_slots])
