@@ -601,6 +601,29 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
         assert client.lookup(ks).tiers.count(Tier.L2_DISK) == 3
 
 
+def test_quarantine_exits_1_when_a_slot_it_was_to_release_stays_held(capsys, monkeypatch):
+    from kvtier.client import Client, QuarantinedSlot, QuarantineResult
+
+    kept = QuarantinedSlot(9, 65536, "data-0000.bin", 589824, "release: write: EIO: boom", 0.0)
+    other = QuarantinedSlot(12, 65536, "data-0001.bin", 0, "checksum mismatch", 0.0)
+    result = QuarantineResult([kept, other], [4])
+    monkeypatch.setattr(Client, "quarantine", lambda self, release, slots: result)
+    address = ("--address", "unix:/x.sock")
+    code, out, _ = run_main(
+        capsys, *address, "quarantine", "--release", "--slot", "4", "--slot", "9"
+    )
+    assert code == 1
+    assert out.splitlines() == [
+        "released: 1 slot(s) back in use at kvtierd at unix:/x.sock; 1 failed their check and "
+        "stay quarantined",
+        "L2 of kvtierd at unix:/x.sock: 2 slot(s) quarantined (128.0 KiB)",
+        "  slot 9          64.0 KiB  data-0000.bin+589824  -  release: write: EIO: boom",
+        "  slot 12         64.0 KiB  data-0001.bin+0  -  checksum mismatch",
+    ]
+    code, _, _ = run_main(capsys, *address, "quarantine", "--release", "--slot", "4")
+    assert code == 0  # slot 12 was not asked for
+
+
 def test_quarantine_exits_2_without_l2_and_for_a_tenant_not_admin(daemon_factory, tmp_path):
     d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
     out = kvtier("--address", f"127.0.0.1:{port}", "--token-file", str(token), "quarantine")
