@@ -663,7 +663,9 @@ class BlockTable:
         keys meet only its own namespace's entries there (keying on a key's first word let
         one tenant's keys count for another's), and clients cannot aim keys at one counter."""
         if len(words) <= _SCALAR_TAIL:
-            return [self._hash_one(ns, w) for w in words]
+            # By index: iterating an array ends in an IndexError raised and caught inside
+            # numpy, which costs more than hashing a key.
+            return [self._hash_one(ns, words[i]) for i in range(len(words))]
         return self._hash(ns, words).tolist()  # type: ignore[no-any-return]
 
     def identities_of(self, bids: np.ndarray) -> list[int]:
@@ -679,9 +681,14 @@ class BlockTable:
         if n <= _SCALAR_TAIL:
             result = np.empty(n, dtype=np.int64)
             mask = size - 1
-            hashes = [self._hash_one(int(ns), w) for w in words]
-            for i, h in enumerate(hashes):
-                result[i] = self._probe(ns, words[i], h & mask)
+            ns = int(ns)
+            hashes = []
+            # By index, not by iterating ``words`` (see ``identities``).
+            for i in range(n):
+                key = words[i]
+                h = self._hash_one(ns, key)
+                hashes.append(h)
+                result[i] = self._probe(ns, key, h & mask)
             return result, hashes
         result = np.full(n, -1, dtype=np.int64)
         mask = size - 1

@@ -288,6 +288,26 @@ def test_block_identities_cover_namespace_and_every_key_word():
     assert table.identities_of(bids[:3]) == table.identities(1, words[:3])
 
 
+class _NotIterable(np.ndarray):
+    """Key words that refuse to be iterated: a Python loop over an array ends in an
+    IndexError raised and caught inside numpy, dearer than hashing one key."""
+
+    def __iter__(self):
+        raise AssertionError("the keys were iterated, not indexed")
+
+
+@pytest.mark.parametrize("n", [1, 8])
+def test_a_small_lookup_reads_its_keys_by_index(n):
+    """The per-key path of ``lookup_identified`` and ``identities`` (a single-key Lookup's)
+    indexes its keys; iterating them cost a caught IndexError per request."""
+    table = BlockTable()
+    words = keys_to_words([os.urandom(32) for _ in range(n)])
+    _ready(table, 3, words[0].tobytes())
+    ids, hashes = table.lookup_identified(3, words.view(_NotIterable))
+    assert ids.tolist() == table.lookup(3, words).tolist()
+    assert hashes == table.identities(3, words.view(_NotIterable)) == table.identities(3, words)
+
+
 @pytest.mark.parametrize("n", [1, 8, 9, 100])
 def test_a_lookup_hands_back_the_identities_of_its_keys(n):
     """``lookup_identified`` answers ``lookup`` and, from its own probe's hashes, the keys'
