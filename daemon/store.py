@@ -2250,8 +2250,14 @@ class BlockStore:
         if len(bids) == 1:  # a single-key request: scalar reads, no array operations
             bid = int(bids[0])
             slot = self.table.slot
-            kind = next((lv.kind for lv in self.stack.levels if slot[bid, lv.col] >= 0), 0)
-            return np.array([int(kind)], dtype=np.int32)
+            one = np.zeros(1, dtype=np.int32)
+            # A loop, not next() over a generator: closing one left unfinished throws an
+            # exception into it.
+            for lv in self.stack.levels:
+                if slot.item(bid, lv.col) >= 0:
+                    one[0] = lv.kind
+                    break
+            return one
         out = np.zeros(len(bids), dtype=np.int32)
         for level in reversed(self.stack.levels):
             out[self.table.slot[bids, level.col] >= 0] = int(level.kind)

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -4645,3 +4646,28 @@ async def test_regression_a_put_displaced_nothing_while_l2_read_its_index_back(m
     assert res.tolist() == [PutResult.STORED] * 4
     assert where(store, filled).count("L1") == 12
     l2.allocator.recovering = False
+
+
+async def test_a_single_key_lookup_raises_nothing_in_the_store(make_store):
+    """Expected outcomes are not exceptions, not even caught ones, on the commonest request:
+    the lookup of one key found picked its tier with next() over a generator, whose close
+    threw GeneratorExit into it on every call."""
+    store = make_store(Clock())
+    pool = make_pool()
+    words = keys(1)
+    assert await put(store, pool, words) == [PutResult.STORED]
+    raised: list[tuple[str, str]] = []
+
+    def trace(frame, event, arg):
+        # A coroutine's return reaches its awaiter as StopIteration: not an error.
+        if event == "exception" and arg[0] is not StopIteration:
+            raised.append((frame.f_code.co_qualname, arg[0].__name__))
+        return trace
+
+    sys.settrace(trace)
+    try:
+        prefix, tiers, _ = await store.lookup(0, words)
+    finally:
+        sys.settrace(None)
+    assert (prefix, tiers.tolist()) == (1, [TierKind.HOST])
+    assert raised == []
