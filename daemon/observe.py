@@ -62,6 +62,8 @@ class RpcObserver:
         # Each method's series for code OK, the common outcome, once a call has filed in it
         # (``Histograms.series``: no label handling per call).
         self._ok: dict[str, Series] = {}
+        # Request message type -> whether it has a session_id and a pool_id field (``_ids``).
+        self._id_fields: dict[type, tuple[bool, bool]] = {}
 
     def wrap(self, service: str, handlers: dict[str, Any]) -> dict[str, Any]:
         """``handlers`` (method name -> grpc.RpcMethodHandler) of ``service``, observed."""
@@ -90,7 +92,7 @@ class RpcObserver:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
             call = _ObservedCall(self.histograms, method, self._clock, context, self._ok)
             given = _request_id_from(context.invocation_metadata())
-            session, pool = _ids(request)
+            session, pool = _ids(request, self._id_fields)
             tokens = logs.bind(given or new_request_id(), session, pool)
             try:
                 try:
@@ -113,7 +115,7 @@ class RpcObserver:
     ) -> Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             given = _request_id_from(context.invocation_metadata())
-            with logs.request_context(given or new_request_id(), *_ids(request)):
+            with logs.request_context(given or new_request_id(), *_ids(request, self._id_fields)):
                 out = behavior(request, context)
                 if hasattr(out, "__aiter__"):
                     async for item in out:
@@ -172,9 +174,19 @@ class _ObservedCall:
         return getattr(self._context, name)
 
 
-def _ids(request: Any) -> tuple[str, int]:
-    session = getattr(request, "session_id", "")
-    pool = getattr(request, "pool_id", 0)
+def _ids(request: Any, fields: dict[type, tuple[bool, bool]]) -> tuple[str, int]:
+    """The session (as shown) and pool ``request`` names. Which of the two fields its type has
+    is looked up once per type in ``fields``: reading a field a protobuf message lacks raises
+    an AttributeError inside getattr, which cost more than the rest of the call's observation
+    (a Lookup names no pool, a health Check neither)."""
+    has = fields.get(type(request))
+    if has is None:
+        has = fields[type(request)] = (
+            hasattr(request, "session_id"),
+            hasattr(request, "pool_id"),
+        )
+    session = request.session_id if has[0] else ""
+    pool = request.pool_id if has[1] else 0
     return (shown_id(session) if isinstance(session, str) else "", int(pool or 0))
 
 
