@@ -2,7 +2,7 @@
 request context every log line carries.
 
 The RPC layer (``daemon/observe.py``) binds a request id, and the session and pool the request
-names, in context variables for the duration of each request; ``RequestContextFilter`` copies
+names, in one context variable for the duration of each request; ``RequestContextFilter`` copies
 them onto every record, so any line a request causes (in the servicer, the store, a background
 task it started, or a transfer thread; asyncio tasks and the transfer executor copy the
 context) names them without a single call site passing them along.
@@ -21,51 +21,64 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
-session_id: contextvars.ContextVar[str] = contextvars.ContextVar("session_id", default="")
-pool_id: contextvars.ContextVar[int] = contextvars.ContextVar("pool_id", default=0)
+# The ids of the request running now: (request id, session id as shown, pool id). A request id
+# is the client's (a string), or a number of the daemon's own, written as 12 hex digits only
+# when a line is logged: most requests log nothing. One variable, not one per id: every
+# request sets and resets it.
+RequestIds = tuple[str | int, str, int]
+request_ids: contextvars.ContextVar[RequestIds] = contextvars.ContextVar(
+    "request_ids", default=("", "", 0)
+)
 
 # Record attributes (and JSON keys) the filter sets, in output order.
 CONTEXT_FIELDS = ("request_id", "session_id", "pool_id")
 
 
-Bound = tuple[contextvars.Token[str], contextvars.Token[str], contextvars.Token[int]]
+Bound = contextvars.Token[RequestIds]
 
 
-def bind(rid: str, session: str = "", pool: int = 0) -> Bound:
+def bind(rid: str | int, session: str = "", pool: int = 0) -> Bound:
     """Bind the ids of one request; ``unbind`` what this returns when it ends (the unary
     RPC path calls the two itself: a context manager's generator costs as much again)."""
-    return (request_id.set(rid), session_id.set(session), pool_id.set(pool))
+    return request_ids.set((rid, session, pool))
 
 
-def unbind(tokens: Bound) -> None:
-    try:
-        pool_id.reset(tokens[2])
-        session_id.reset(tokens[1])
-        request_id.reset(tokens[0])
+def unbind(token: Bound) -> None:
+    # try, not contextlib.suppress: every request ends here, and a context manager costs more.
+    try:  # noqa: SIM105
+        request_ids.reset(token)
     except ValueError:
         # A streaming handler's generator closed by asyncio's finalizer runs in another
         # context, where these values were never set: nothing to undo there.
         pass
 
 
+def request_id_text(rid: str | int) -> str:
+    """A request id as logged: the client's as it sent it, the daemon's own in hex."""
+    return rid if isinstance(rid, str) else f"{rid:012x}"
+
+
+def current_request_id() -> str:
+    """The bound request id as logged ("" outside a request)."""
+    return request_id_text(request_ids.get()[0])
+
+
 @contextmanager
-def request_context(rid: str, session: str = "", pool: int = 0) -> Iterator[None]:
+def request_context(rid: str | int, session: str = "", pool: int = 0) -> Iterator[None]:
     """Bind the ids of one request for the code that runs inside."""
-    tokens = bind(rid, session, pool)
+    token = bind(rid, session, pool)
     try:
         yield
     finally:
-        unbind(tokens)
+        unbind(token)
 
 
 class RequestContextFilter(logging.Filter):
     """Copies the bound ids onto each record (empty strings / 0 outside a request)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id.get()
-        record.session_id = session_id.get()
-        record.pool_id = pool_id.get()
+        rid, record.session_id, record.pool_id = request_ids.get()
+        record.request_id = request_id_text(rid)
         return True
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 
 from kvtier.daemon import logs
 
@@ -11,7 +12,7 @@ from kvtier.daemon import logs
 async def _stream():
     with logs.request_context("r1", "s1", 7):
         while True:
-            yield logs.request_id.get()
+            yield logs.current_request_id()
 
 
 def test_regression_a_session_stream_closed_by_the_finalizer_logged_a_traceback():
@@ -33,7 +34,22 @@ def test_regression_a_session_stream_closed_by_the_finalizer_logged_a_traceback(
         gc.collect()
         for _ in range(5):
             await asyncio.sleep(0)
-        assert logs.request_id.get() == ""  # nothing leaked into this context
+        assert logs.current_request_id() == ""  # nothing leaked into this context
 
     asyncio.run(main())
     assert errors == []
+
+
+def test_the_daemons_own_request_id_is_written_in_hex_only_when_a_line_is_logged():
+    """A request's id is bound as the daemon's number (formatting 12 hex digits for every
+    request cost more than binding its ids); a record shows it as those digits, and a
+    client's id as sent."""
+    record = logging.makeLogRecord({"msg": "m"})
+    with logs.request_context(0x2A, "s1", 7):
+        logs.RequestContextFilter().filter(record)
+    assert (record.request_id, record.session_id, record.pool_id) == ("00000000002a", "s1", 7)
+    with logs.request_context("client-id.1"):
+        logs.RequestContextFilter().filter(record)
+    assert (record.request_id, record.session_id, record.pool_id) == ("client-id.1", "", 0)
+    logs.RequestContextFilter().filter(record)
+    assert (record.request_id, record.session_id, record.pool_id) == ("", "", 0)
