@@ -19,6 +19,7 @@ a child that process forked, its calls are FailedPreconditionError (see ``in_own
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -499,7 +500,34 @@ class Client:
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
         this connection has many calls open) and its time allows; raises grpc.RpcError."""
-        return self._until_run(getattr(self._stub, method), request, timeout_s)
+        rpc = getattr(self._stub, method)
+        if method == "Lookup" and request.pin:
+            rpc = functools.partial(self._pinning_lookup, rpc)
+        return self._until_run(rpc, request, timeout_s)
+
+    def _pinning_lookup(self, rpc: Any, request: Any, timeout: float) -> Any:
+        """A pinning Lookup that runs on to its answer when the wait for it is interrupted
+        (a KeyboardInterrupt), and whose lease is then released: the daemon pins as it
+        answers and the lease id is only in the answer, so the blocking call, which gRPC
+        cancels on the client's side only, left the blocks pinned until the lease expired
+        (``server.lease_default_ms``, or the load's ``lease_ms``). close() cancels the call:
+        the session's end frees its pins."""
+        fut = rpc.future(request, timeout=timeout)
+        try:
+            return fut.result()
+        except grpc.RpcError:
+            raise
+        except BaseException:
+            fut.add_done_callback(self._release_answered)
+            raise
+
+    def _release_answered(self, lookup: Any) -> None:
+        """Release the lease of a pinning Lookup whose caller was interrupted meanwhile (on
+        gRPC's callback thread)."""
+        if lookup.cancelled() or lookup.exception() is not None:
+            return
+        if lease_id := lookup.result().lease_id:
+            self._release_nowait(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""

@@ -12,13 +12,19 @@ whose interruption hit the Release itself, which is sent again the same way.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import contextlib
+import os
+import socket
+import threading
 import time
 from typing import Any
 
 import pytest
 
-from kvtier.client import AsyncClient, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client.credentials import CRED_SUFFIX
 
 NS = Namespace(model="abandoned-loads", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -160,3 +166,86 @@ def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answere
                 assert await pool.load(TOKENS, [2, 3]) == 8
 
     asyncio.run(main())
+
+
+class HeldAnswers:
+    """A relay between a client and the daemon's socket whose answers (the daemon's bytes)
+    can be held back: a call the daemon has answered then waits as one in flight does.
+    ``address`` is the relay's; its credential socket is the daemon's."""
+
+    def __init__(self, daemon_socket: str, folder: str) -> None:
+        self._daemon_socket = daemon_socket
+        self.path = os.path.join(folder, "relay.sock")
+        os.symlink(daemon_socket + CRED_SUFFIX, self.path + CRED_SUFFIX)
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(self.path)
+        self._listener.listen()
+        self.passing = threading.Event()
+        self.passing.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.path}"
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # close() ends it
+            while True:
+                client, _ = self._listener.accept()
+                daemon = socket.socket(socket.AF_UNIX)
+                daemon.connect(self._daemon_socket)
+                threading.Thread(
+                    target=self._pump, args=(client, daemon, None), daemon=True
+                ).start()
+                threading.Thread(
+                    target=self._pump, args=(daemon, client, self.passing), daemon=True
+                ).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, gate: threading.Event | None) -> None:
+        with contextlib.suppress(OSError), src, dst:
+            while data := src.recv(65536):
+                if gate is not None:
+                    gate.wait()
+                dst.sendall(data)
+
+    def close(self) -> None:
+        self.passing.set()
+        self._listener.close()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pin(daemon):
+    """A KeyboardInterrupt while the blocking client waited for a pinning Lookup ended the
+    call on the client's side only: the daemon runs a request to its end (pinning as it
+    answers), and the lease id is only in the answer, so the blocks stayed pinned until the
+    lease expired (600 s here). The Lookup now runs on to its answer, whose lease is
+    released. The daemon's answers are held back from its pinning on, so the interrupt comes
+    while the call waits, as a Ctrl-C does."""
+    relay = HeldAnswers(daemon.socket, os.path.dirname(daemon.socket))
+    with (
+        contextlib.closing(relay),
+        Client(relay.address) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+
+        def interrupt() -> None:
+            with daemon.client() as watcher:
+                while not watcher.stats().gauges["leases"]:
+                    time.sleep(0.01)
+            _thread.interrupt_main()
+
+        relay.passing.clear()
+        interrupter = threading.Thread(target=interrupt)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
+        finally:
+            interrupter.join()
+            relay.passing.set()
+        assert settled_leases(lambda: _stats(daemon)) == 0
+        assert client.stats().gauges["blocks_pinned"] == 0
+        assert pool.load(TOKENS, [2, 3]) == 8
