@@ -313,13 +313,20 @@ class KVTierPrefixCache:
     # ------------------------------------------------------------- lifecycle
 
     def close(self) -> None:
-        """Unregister and free the staging pool. The cache objects handed out stay valid."""
+        """Unregister and free the staging pool. The cache objects handed out stay valid.
+        While kvtier is paused after a failure (see the module docstring) the pool is
+        unregistered without waiting for the answer: a daemon that did not answer cost
+        ``close()`` one more client timeout, on the thread that shuts the engine down."""
         if self._shm is None:
             return
+        paused = not self.breaker.ok()
         self.breaker.close()
         self._staging = None
         with contextlib.suppress(KvtierError):
-            self.pool.unregister()
+            if paused:
+                self.client.unregister_pool_nowait(self.pool.binding)
+            else:
+                self.pool.unregister()
         self._shm.close()
         self._shm = None
 

@@ -330,6 +330,36 @@ def test_regression_a_hung_daemon_cost_every_call_its_timeouts(own_daemon, model
         assert kv.prefill(prompt).reused_tokens == 96
 
 
+def test_regression_close_waited_for_a_hung_daemon_the_failure_had_paused(own_daemon, model):
+    """After a failure that paused kvtier (a daemon that did not answer), ``close()`` still
+    waited for the pool's UnregisterPool: one more client timeout, on the thread that shuts
+    the engine down. It now sends it without waiting (the daemon unregisters the pool once it
+    answers again). The client's timeout is long by then: a close that waited for it waited
+    for the watchdog, which resumes the daemon after 30 s."""
+    daemon = own_daemon
+    assert daemon.proc is not None
+    prompt = _prompt(100)
+    with daemon.client(timeout_s=1.0) as client:
+        kv = KVTierPrefixCache(model, client, block_tokens=BLOCK, retry_after_s=60.0)
+        kv.prefill(prompt)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        watchdog = threading.Timer(30.0, os.kill, args=(daemon.proc.pid, signal.SIGCONT))
+        try:
+            kv.prefill(prompt)
+            assert kv.stats()["load_errors"] == 1 and not kv.breaker.ok()
+            client.timeout_s = 600.0
+            watchdog.start()
+            kv.close()
+            assert watchdog.is_alive(), "close() waited until the watchdog resumed the daemon"
+        finally:
+            watchdog.cancel()
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30.0
+        while client.stats().gauges["pools"]:
+            assert time.monotonic() < deadline, "the pool still registered after 30 s"
+            time.sleep(0.02)
+
+
 def _wait_until_kvtier_is_used_again(kv: KVTierPrefixCache) -> None:
     """Until the health check that a failure started finds the daemon serving."""
     deadline = time.monotonic() + 30.0
