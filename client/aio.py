@@ -39,6 +39,7 @@ from kvtier.client.flows import (
     SendAgain,
     abandon,
     check_pages,
+    lease_session_ended,
     load_flow,
     new_binding,
     store_flow,
@@ -199,6 +200,11 @@ class AsyncClient:
 
     async def session(self) -> str:
         """The open session, opened on first use."""
+        return await self._session(open_one=True)
+
+    async def _session(self, *, open_one: bool) -> str:
+        """The open session; without one, a new one, or (not ``open_one``)
+        ``lease_session_ended()``."""
         self._on_loop()
         async with self._lock:
             if self._closed:
@@ -206,6 +212,8 @@ class AsyncClient:
             if self._session_call is not None and self._session_call.done():
                 self._session_id, self._session_call = "", None
             if not self._session_id:
+                if not open_one:
+                    raise lease_session_ended()
                 await self._open_session()
             return self._session_id
 
@@ -285,9 +293,13 @@ class AsyncClient:
         binding: PoolBinding | None = None,
         timeout_s: float | None = None,
     ) -> Any:
-        again = SendAgain(method in _SESSION_METHODS, binding is not None)
+        # A Release is sent in the open session only (see ``lease_session_ended``).
+        releasing = method == "Release"
+        again = SendAgain(method in _SESSION_METHODS and not releasing, binding is not None)
         while True:
-            if method in _SESSION_METHODS:
+            if releasing:
+                request.session_id = await self._session(open_one=False)
+            elif method in _SESSION_METHODS:
                 request.session_id = await self.session()
             if binding is not None:
                 request.pool_id = await self._pool_id(binding, request.session_id)

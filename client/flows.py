@@ -292,6 +292,15 @@ def abandon(
     flow.close()
 
 
+def lease_session_ended() -> NotFoundError:
+    """The answer to a Release with no session open (both clients' ``_invoke``): a lease lives
+    in the session that took it, and the daemon dropped it with that session (a restart, a
+    reload of the tenants), so the Release is not sent again in a new one. Opening a session
+    for it cost a credential ticket, an OpenSession and the Release, each bounded by the
+    client's timeout, to be answered NotFound."""
+    return NotFoundError("lease: its session has ended, and the daemon dropped the lease with it")
+
+
 # A reload that swaps tenants ends every session; a call sent again in a new session can see
 # that session ended too when reloads come faster than the call (one every 0.1 s under load).
 SESSION_RESENDS = 3

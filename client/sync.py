@@ -55,6 +55,7 @@ from kvtier.client.flows import (
     SendAgain,
     abandon,
     check_pages,
+    lease_session_ended,
     load_flow,
     new_binding,
     store_flow,
@@ -395,6 +396,15 @@ class Client:
             ).start()
             return str(first.session_id)
 
+    def _open_session_id(self) -> str:
+        """The open session's id, opening none: ``lease_session_ended()`` when there is
+        none."""
+        refuse_in_child(self._pid, "Client")
+        with self._lock:
+            if session_id := self._live_session():
+                return session_id
+        raise lease_session_ended()
+
     def _live_session(self) -> str:
         """The open session's id, or "" when there is none (its stream ended); under
         ``_lock``."""
@@ -476,9 +486,13 @@ class Client:
         binding: PoolBinding | None = None,
         timeout_s: float | None = None,
     ) -> Any:
-        again = SendAgain(method in _SESSION_METHODS, binding is not None)
+        # A Release is sent in the open session only (see ``lease_session_ended``).
+        releasing = method == "Release"
+        again = SendAgain(method in _SESSION_METHODS and not releasing, binding is not None)
         while True:
-            if method in _SESSION_METHODS:
+            if releasing:
+                request.session_id = self._open_session_id()
+            elif method in _SESSION_METHODS:
                 request.session_id = self.session_id
             if binding is not None:
                 request.pool_id = self._pool_id(binding, request.session_id)
