@@ -8,9 +8,9 @@ Invariants:
 - Options come only from ``kv_connector_extra_config``; an unknown key or a bad value is a
   ``ValueError`` naming the key (at engine start, not at the first request).
 - The namespace binds the model (name, revision, a fingerprint of its config and of its weight
-  files), the KV dtype, the KV layout of the platform and attention backend, the block size,
-  the tensor- and pipeline-parallel rank and the tenant: two engines that differ in any of
-  them never share a block.
+  files), a speculative-decoding draft model's alike, the KV dtype, the KV layout of the
+  platform and attention backend, the block size, the tensor- and pipeline-parallel rank and
+  the tenant: two engines that differ in any of them never share a block.
 - A request's keys follow kvtier's block-key spec over its token ids; a LoRA adapter and a
   cache salt go into the first block's extra bytes and multimodal items into the extra bytes
   of every block they overlap, so the chain never matches a request that differs in them.
@@ -391,6 +391,9 @@ def identify(vllm_config: Any, kv_cache_config: Any, options: NamespaceOptions) 
     packing = page_packing(spec)
     if packing:
         extra_parts.append(f"packing={packing}")
+    draft = draft_fingerprint(vllm_config, options.weights_fingerprint)
+    if draft:
+        extra_parts.append(f"draft={draft}")
     if options.extra:
         extra_parts.append(f"user={options.extra}")
     return ModelIdentity(
@@ -490,13 +493,42 @@ def weights_fingerprint(vllm_config: Any) -> str:
     sample at the start, middle and end of each tensor; for random weights
     (``load_format="dummy"``) that fact (vLLM seeds them); for a hub id, nothing more than the
     id and revision already in the namespace (pin ``revision`` to bind a checkpoint)."""
-    load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
+    return _checkpoint_fingerprint(str(vllm_config.model_config.model), vllm_config.load_config)
+
+
+def _checkpoint_fingerprint(path: str, load_config: Any) -> str:
+    load_format = str(getattr(load_config, "load_format", "auto"))
     if load_format == "dummy":
         return "dummy"
-    path = str(vllm_config.model_config.model)
     if not os.path.isdir(path):
         return "hub"
     return weights_dir_fingerprint(path, b"kvtier-vllm-weights-v1")
+
+
+def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
+    """What binds a speculative-decoding draft model, whose attention layers are in the KV
+    cache beside the target's (they are saved and loaded with them): the method, the draft's
+    name, revision and config, and (``weights``) its weight files as ``weights_fingerprint``
+    reads the target's, unless they are the target's own (MTP layers); 32 hex digits. Empty
+    without a draft model (no speculation, or n-gram and suffix proposals, which have no KV),
+    so those namespaces are as they were. Without it, engines of one target with different
+    drafts (another checkpoint of the same architecture) shared a namespace, and one loaded
+    the other's draft layers: KV its draft never computed, which costs accepted tokens."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    if draft is None:
+        return ""
+    path = str(draft.model)
+    parts = [
+        str(getattr(speculative, "method", "")),
+        path,
+        str(getattr(draft, "revision", None) or ""),
+        config_fingerprint(draft.hf_config),
+    ]
+    if weights and path != str(vllm_config.model_config.model):
+        load_config = getattr(speculative, "draft_load_config", None) or vllm_config.load_config
+        parts.append(_checkpoint_fingerprint(path, load_config))
+    return hashlib.sha256("|".join(map(_field, parts)).encode()).hexdigest()[:32]
 
 
 # ----------------------------------------------------------------------- keys

@@ -305,3 +305,60 @@ def test_context_parallelism_is_refused_at_start(sizes):
     vllm_config = SimpleNamespace(parallel_config=parallel)
     with pytest.raises(ValueError, match=f"context parallelism .*{next(iter(sizes))}=2"):
         identify(vllm_config, kv_cache_config, NamespaceOptions())
+
+
+def _engine_config(tmp_path: Any, draft_weights: bytes | None) -> tuple[Any, Any]:
+    """A CPU engine's config and KV cache config (the target a hub id), with a draft model
+    (EAGLE) whose checkpoint folder holds ``draft_weights``, or without speculation."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "d0"])]
+    )
+    hf_config = LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=64)
+    model_config = SimpleNamespace(
+        model="org/target", revision=None, hf_config=hf_config, quantization=None,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    speculative = None
+    if draft_weights is not None:
+        folder = tmp_path / "draft"
+        folder.mkdir(exist_ok=True)
+        (folder / "model.bin").write_bytes(draft_weights)
+        draft = SimpleNamespace(
+            model=str(folder), revision=None, hf_config=LlamaConfig(num_hidden_layers=1)
+        )
+        speculative = SimpleNamespace(
+            method="eagle", draft_model_config=draft, draft_load_config=None
+        )
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    vllm_config = SimpleNamespace(
+        model_config=model_config,
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        load_config=SimpleNamespace(load_format="auto"),
+        parallel_config=parallel,
+        speculative_config=speculative,
+    )
+    return vllm_config, kv_cache_config
+
+
+def test_regression_engines_with_different_draft_weights_shared_a_namespace(tmp_path):
+    """A speculative-decoding draft's attention layers are in the KV cache beside the
+    target's, but the namespace bound only the target: two engines of one target whose
+    drafts were different checkpoints of one architecture shared it, and one loaded the
+    other's draft KV. The draft's weights are bound now; an engine without speculation keeps
+    the namespace it had."""
+    from kvtier.client.integrations.vllm_config import NamespaceOptions, identify
+
+    def extra(draft_weights: bytes | None) -> str:
+        return identify(*_engine_config(tmp_path, draft_weights), NamespaceOptions()).extra
+
+    plain = extra(None)
+    assert "draft=" not in plain
+    first, second = extra(b"\x01" * 8192), extra(b"\x02" * 8192)
+    assert first != second
+    assert first == extra(b"\x01" * 8192)
