@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -356,14 +356,18 @@ class AsyncClient:
             return int(done.value)
 
     async def _flow_call(self, method: str, request: Any, binding: PoolBinding | None) -> Any:
-        """A flow's call. A pinning Lookup runs on to its answer when the caller's task is
-        cancelled, and its lease is then released: the daemon pins as it answers, and the
-        lease id is only in the answer, so a cancel that came after the daemon had answered
-        left the blocks pinned until the lease expired (``server.lease_default_ms``, or the
-        load's ``lease_ms``)."""
+        """A flow's call; a pinning Lookup as ``_pinning_lookup`` says."""
         call = self._invoke(method, request, binding if method in ("Put", "Get") else None)
         if method != "Lookup" or not request.pin:
             return await call
+        return await self._pinning_lookup(call)
+
+    async def _pinning_lookup(self, call: Coroutine[Any, Any, Any]) -> Any:
+        """A pinning Lookup (a load's, or ``lookup(pin=True)``) that runs on to its answer
+        when the caller's task is cancelled, and whose lease is then released: the daemon
+        pins as it answers, and the lease id is only in the answer, so a cancel that came
+        after the daemon had answered left the blocks pinned until the lease expired
+        (``server.lease_default_ms``, or the call's ``lease_ms``)."""
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.shield(task)
@@ -531,7 +535,8 @@ class AsyncClient:
             pb.LookupRequest, keys=keys, pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
         )
         timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
-        return t.lookup_result(await self._invoke("Lookup", req, timeout_s=timeout_s))
+        call = self._invoke("Lookup", req, timeout_s=timeout_s)
+        return t.lookup_result(await (self._pinning_lookup(call) if req.pin else call))
 
     async def put(
         self,

@@ -249,3 +249,40 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
         assert settled_leases(lambda: _stats(daemon)) == 0
         assert client.stats().gauges["blocks_pinned"] == 0
         assert pool.load(TOKENS, [2, 3]) == 8
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_regression_an_async_pinning_lookup_cancelled_after_its_answer_releases_its_pin(daemon):
+    """A pinning ``lookup`` of the caller's own (as an engine's scheduler pins), cancelled
+    once the daemon had answered (``asyncio.wait_for`` at its timeout), dropped the answer
+    and its lease: the blocks stayed pinned until the lease expired (600 s here), as a
+    load's did before its Lookup was shielded."""
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT, NS)
+                assert await pool.store(TOKENS, [0, 1]) == 8
+                call, answered, go_on = client.call, asyncio.Event(), asyncio.Event()
+
+                async def held(method: str, request: Any, timeout_s: float) -> Any:
+                    response = await call(method, request, timeout_s)
+                    if method == "Lookup":
+                        answered.set()
+                        await go_on.wait()  # the cancel comes here
+                    return response
+
+                client.call = held  # type: ignore[method-assign]
+                keys = pool.binding.keys(TOKENS)
+                lookup = asyncio.ensure_future(client.lookup(keys, pin=True, lease_ms=LEASE_MS))
+                await answered.wait()
+                lookup.cancel()
+                await asyncio.sleep(0)
+                go_on.set()
+                with pytest.raises(asyncio.CancelledError):
+                    await lookup
+                client.call = call  # type: ignore[method-assign]
+                assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
+                assert (await client.stats()).gauges["blocks_pinned"] == 0
+
+    asyncio.run(main())
