@@ -510,13 +510,15 @@ def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
     cache beside the target's (they are saved and loaded with them): the method, the draft's
     name, revision and config, and (``weights``) its weight files as ``weights_fingerprint``
     reads the target's, unless they are the target's own (MTP layers); 32 hex digits. Empty
-    without a draft model (no speculation, or n-gram and suffix proposals, which have no KV),
-    so those namespaces are as they were. Without it, engines of one target with different
-    drafts (another checkpoint of the same architecture) shared a namespace, and one loaded
-    the other's draft layers: KV its draft never computed, which costs accepted tokens."""
+    where the draft has no KV cache (no speculation; n-gram, suffix and custom proposers,
+    whose ``draft_model_config`` is the target's: vLLM's ``uses_draft_kv_cache``), so those
+    namespaces are as they were. Without it, engines of one target with different drafts
+    (another checkpoint of the same architecture) shared a namespace, and one loaded the
+    other's draft layers: KV its draft never computed, which costs accepted tokens."""
     speculative = getattr(vllm_config, "speculative_config", None)
     draft = getattr(speculative, "draft_model_config", None)
-    if draft is None:
+    uses_kv = getattr(speculative, "uses_draft_kv_cache", None)
+    if draft is None or (uses_kv is not None and not uses_kv()):
         return ""
     path = str(draft.model)
     parts = [

@@ -307,9 +307,11 @@ def test_context_parallelism_is_refused_at_start(sizes):
         identify(vllm_config, kv_cache_config, NamespaceOptions())
 
 
-def _engine_config(tmp_path: Any, draft_weights: bytes | None) -> tuple[Any, Any]:
+def _engine_config(
+    tmp_path: Any, draft_weights: bytes | None, method: str = "eagle"
+) -> tuple[Any, Any]:
     """A CPU engine's config and KV cache config (the target a hub id), with a draft model
-    (EAGLE) whose checkpoint folder holds ``draft_weights``, or without speculation."""
+    (``method``) whose checkpoint folder holds ``draft_weights``, or without speculation."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig
@@ -332,8 +334,13 @@ def _engine_config(tmp_path: Any, draft_weights: bytes | None) -> tuple[Any, Any
         draft = SimpleNamespace(
             model=str(folder), revision=None, hf_config=LlamaConfig(num_hidden_layers=1)
         )
+        if method == "ngram":  # vLLM names the target as its draft, which has no KV
+            draft = model_config
         speculative = SimpleNamespace(
-            method="eagle", draft_model_config=draft, draft_load_config=None
+            method=method,
+            draft_model_config=draft,
+            draft_load_config=None,
+            uses_draft_kv_cache=lambda: method != "ngram",
         )
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
     vllm_config = SimpleNamespace(
@@ -354,11 +361,13 @@ def test_regression_engines_with_different_draft_weights_shared_a_namespace(tmp_
     the namespace it had."""
     from kvtier.client.integrations.vllm_config import NamespaceOptions, identify
 
-    def extra(draft_weights: bytes | None) -> str:
-        return identify(*_engine_config(tmp_path, draft_weights), NamespaceOptions()).extra
+    def extra(draft_weights: bytes | None, method: str = "eagle") -> str:
+        config = _engine_config(tmp_path, draft_weights, method)
+        return identify(*config, NamespaceOptions()).extra
 
     plain = extra(None)
     assert "draft=" not in plain
+    assert extra(b"", "ngram") == plain
     first, second = extra(b"\x01" * 8192), extra(b"\x02" * 8192)
     assert first != second
     assert first == extra(b"\x01" * 8192)
