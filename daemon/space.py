@@ -12,7 +12,8 @@ Rules:
   with nowhere else to go evicts the protected blocks of other owners over their share of the
   tier; eviction takes exactly the victims a policy proposed, or none.
 - Evicting a block's last copy demotes it first: it is written to the first lower tier that
-  takes writes and admits it, else it is dropped. Evicting a copy that another tier also
+  takes writes and admits it, else it is dropped; but the balancer's victim that a lower tier
+  admitted and did not store stays (``balance``). Evicting a copy that another tier also
   holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
@@ -1045,10 +1046,12 @@ class SpaceManager:
         clean_only: bool = False,
         urgency: Urgency | None = None,
         protected_owner: int | None = None,
+        keep_unplaced: bool = False,
     ) -> tuple[bool, np.ndarray, int]:
         """``evict``, the victims that stayed (pinned, read, touched, hinted or taken
         in flight while they were demoted; with ``protected_owner``, touched counts only for
-        that owner's blocks, as in ``evictable``), and how many victims it evicted
+        that owner's blocks, as in ``evictable``; with ``keep_unplaced``, those a lower tier
+        admitted but none stored, ``_demote``), and how many victims it evicted
         (``evictions``: neither those nor any that lost this copy meanwhile). A reservation
         asks this rather than looking at the victims' rows once it is done: a victim left
         with no copy is forgotten and its row freed, and a new block may have it, with a copy
@@ -1068,7 +1071,7 @@ class SpaceManager:
         if len(dirty) and not clean_only:
             add_at(table.inflight, victims, 1)
             try:
-                await self._demote(level, dirty, priority, urgency)
+                unplaced = await self._demote(level, dirty, priority, urgency)
             finally:
                 add_at(table.inflight, victims, -1)
             # While the writes ran a request may have pinned, read, touched or hinted a
@@ -1077,6 +1080,8 @@ class SpaceManager:
             here = table.slot[victims, level.col] >= 0
             droppable = self._droppable(level, self._clock(), protected_owner=protected_owner)
             stay = here & ~droppable(victims)
+            if keep_unplaced and len(unplaced):
+                stay |= here & np.isin(victims, unplaced)
             kept = victims[stay]
             victims = victims[here & ~stay]
         # A persistent tier frees the slots on a thread, after the copies stopped counting
@@ -1260,8 +1265,13 @@ class SpaceManager:
 
     async def _demote(
         self, level: Level, dirty: np.ndarray, priority: Priority, urgency: Urgency | None = None
-    ) -> None:
+    ) -> np.ndarray:
+        """Write ``dirty`` (blocks whose only local copy is in ``level``) to the first lower
+        slot tier that takes writes and admits each. Returns those a tier admitted but none
+        stored (no room there: its blocks pinned, in flight or protected; a write that
+        failed); the blocks no tier admitted are not among them."""
         todo = dirty
+        wanted = dirty[:0]
         now = self._clock()
         for lower in self.stack.lower(level.kind):
             if len(todo) == 0:
@@ -1281,8 +1291,10 @@ class SpaceManager:
             ok = await self.place(todo_admit, lower, priority, urgency=urgency)
             self.counters.inc("demoted_blocks", int(np.count_nonzero(ok)), tier=lower.label)
             self.counters.inc("demotion_failures", int(np.count_nonzero(~ok)), tier=lower.label)
+            wanted = np.union1d(wanted, todo_admit)
             placed = set(todo_admit[ok].tolist())
             todo = np.asarray([b for b in todo.tolist() if b not in placed], dtype=np.int64)
+        return np.intersect1d(wanted, todo)
 
     def drop_copy(self, bid: int, level: Level) -> int | None:
         """Remove ``level``'s copy of a block (forgetting the block once no copy is left).
@@ -1505,7 +1517,12 @@ class SpaceManager:
 
     async def balance(self) -> None:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
-        below the low watermark. During warm-up nothing moves before the hard limit. A tier
+        below the low watermark. During warm-up nothing moves before the hard limit. A victim
+        a lower tier admits but has no room for (its blocks pinned, in flight or protected)
+        or failed to write stays: the tier has room for it, and the next pass tries again
+        (only a reservation, making room for blocks to come, drops it). One that no lower
+        tier admits leaves the store, as it would at the hard limit: the rule judged it not
+        worth keeping, and the room it frees is there for the next puts. A tier
         in memory with no slot tier below it that takes writes now (a lone top tier, L1
         above L3 alone, L1 above a disk out of space or still reading its index back) is
         left alone: its victims would not move but be dropped (demotion never writes to a
@@ -1533,8 +1550,11 @@ class SpaceManager:
             victims = self._victims(level, n, now, self.evictable(level, now))
             if len(victims):
                 # Not the victims that stayed (read, pinned or hinted while they were
-                # demoted): ``evictions`` does not count them either.
-                _, _, evicted = await self._evict(level, victims, Priority.BACKGROUND)
+                # demoted, or that a lower tier admitted but had no room for):
+                # ``evictions`` does not count them either.
+                _, _, evicted = await self._evict(
+                    level, victims, Priority.BACKGROUND, keep_unplaced=True
+                )
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
 
     def _moves_down(self, level: Level) -> bool:

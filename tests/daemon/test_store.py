@@ -4617,3 +4617,33 @@ async def test_regression_a_put_displaced_nothing_while_l2_read_its_index_back(m
     assert res.tolist() == [PutResult.STORED] * 4
     assert where(store, filled).count("L1") == 12
     l2.allocator.recovering = False
+
+
+async def test_regression_the_balancer_dropped_victims_l2_had_no_room_for(make_store):
+    """Regression: L1 above its high watermark with L2 full of protected blocks: the
+    balancer's victims, admitted by L2 but not written for want of room, left the store
+    though L1 had room for them (12 blocks put, 4 left). They stay now, and move down
+    once L2's blocks may go."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        l2_segments=1,
+        protect_s=5.0,
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    b = keys(16)
+    await put(store, pool, b)
+    clock.now += 10
+    await store.evict(0, b, TierKind.HOST)  # L2 full: 16 blocks
+    assert where(store, b) == ["L2"] * 16
+    a = keys(12)  # 75% of L1
+    await put(store, pool, a, pages=range(16, 28))
+    clock.now += 10
+    await store.lookup(0, b)  # L2's blocks read: protected again
+    await store.balance()
+    assert where(store, a) == ["L1"] * 12
+    assert store.counters.get("watermark_evictions", tier="L1") == 0
+    clock.now += 10
+    await store.balance()
+    assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
