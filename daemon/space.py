@@ -705,6 +705,7 @@ class SpaceManager:
         owner: int = 0,
         urgency: Urgency | None = None,
         displace: bool = False,
+        nowhere_else: bool = False,
     ) -> list[int]:
         """Up to ``count`` free slots of ``level`` for blocks of ``nbytes`` that ``owner``
         (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
@@ -715,7 +716,9 @@ class SpaceManager:
 
         ``displace`` (a put's reservation): where that leaves it short and no slot tier
         below ``level`` takes writes (``_moves_down``: the put has nowhere else to go; a
-        disk tier reading its index back hands out no slots), the blocks inside
+        disk tier reading its index back hands out no slots), or ``nowhere_else`` (those
+        below did not store the blocks: their admission declined them, or they had no
+        room either), the blocks inside
         their protection period of other owners over their share (``_shares``) are
         evicted too, coldest first. Protection is renewed
         by every read, a lookup's included, so a tenant that looked its blocks up once every
@@ -745,7 +748,16 @@ class SpaceManager:
         slots: list[int] = []
         try:
             await self._take_slots(
-                level, nbytes, count, priority, clean_only, urgency, slots, displace, owner
+                level,
+                nbytes,
+                count,
+                priority,
+                clean_only,
+                urgency,
+                slots,
+                displace,
+                owner,
+                nowhere_else,
             )
         except BaseException:
             # Cancelled while it evicted: the slots it had taken go back (held until free).
@@ -781,6 +793,7 @@ class SpaceManager:
         slots: list[int],
         displace: bool = False,
         owner: int = 0,
+        nowhere_else: bool = False,
     ) -> None:
         """Up to ``count`` free slots (``reserve``), into ``slots`` as they are taken: a
         caller cancelled while the slots it is short of are made free (an eviction's
@@ -798,7 +811,7 @@ class SpaceManager:
             displace
             and len(slots) < count
             and self._others_over_share(level, owner)
-            and not self._moves_down(level)
+            and (nowhere_else or not self._moves_down(level))
             and not await self._evict_for(
                 level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner
             )

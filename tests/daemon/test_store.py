@@ -4647,3 +4647,25 @@ async def test_regression_the_balancer_dropped_victims_l2_had_no_room_for(make_s
     clock.now += 10
     await store.balance()
     assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
+
+
+async def test_regression_a_put_l2_declined_was_refused_by_an_l1_another_tenant_held_protected(
+    make_store,
+):
+    """Regression: a put into an L1 full of another tenant's protected blocks displaced
+    none of them while a disk tier below took writes, and went there; L2's admission
+    (``second_hit``) declined the new blocks, so the put was REJECTED_FULL: a tenant that
+    read its blocks once every ``protect_s`` held all of L1 against the others again. No
+    lower tier taking the blocks, the top tier displaces for them as it does with none."""
+    clock = Clock()
+    store = make_store(
+        clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
+    )
+    pool = make_pool()
+    theirs = keys(16)  # all of L1
+    await store.put(pool, 0, theirs, np.arange(16), None, owner=2)
+    clock.now += 1
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert present(store, theirs).count(True) == 12  # over an equal share of 8 still
+    assert store.counters.get("stored_below", tier="L2") == 0
