@@ -1097,6 +1097,8 @@ class SpaceManager:
                 stay |= here & np.isin(victims, unplaced)
             kept = victims[stay]
             victims = victims[here & ~stay]
+        if protected_owner is not None and len(victims):
+            self._count_displaced(level, victims)
         # A persistent tier frees the slots on a thread, after the copies stopped counting
         # against their owners' quotas: they are held against them until then, or a put of
         # an owner at its quota would take that room, find no free slot, and evict another
@@ -1109,6 +1111,22 @@ class SpaceManager:
             freed = await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
         return freed, kept, len(victims)
+
+    def _count_displaced(self, level: Level, victims: np.ndarray) -> None:
+        """Count, per owner, the ``victims`` of a displacing eviction (``reserve``) still
+        inside their protection period: what another tenant's put took of what protection
+        would have kept (``displaced_evictions``)."""
+        protected = ~self.evictable(level, self._clock())(victims)
+        if not protected.any():
+            return
+        owners, counts = np.unique(self.table.owner[victims[protected]], return_counts=True)
+        for owner, n in zip(owners.tolist(), counts.tolist(), strict=True):
+            self.counters.inc(
+                "displaced_evictions",
+                n,
+                tier=level.label,
+                tenant=self.owner_labels.get(owner, owner),
+            )
 
     def free_held(
         self, level: Level, slots: list[int], holds: list[tuple[int, int]]

@@ -4669,3 +4669,4 @@ async def test_regression_a_put_l2_declined_was_refused_by_an_l1_another_tenant_
     assert res.tolist() == [PutResult.STORED] * 4
     assert present(store, theirs).count(True) == 12  # over an equal share of 8 still
     assert store.counters.get("stored_below", tier="L2") == 0
+    assert store.counters.get("displaced_evictions", tier="L1", tenant=2) == 4
