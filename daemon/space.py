@@ -666,13 +666,27 @@ class SpaceManager:
         of ``owner`` with nowhere else to go, the blocks of an owner holding more than that
         lose their protection period, ``owner``'s own excepted (``displace``). A tenant that
         keeps more than its share protected by reading it loses protection on the excess,
-        not one that keeps its share."""
+        not one that keeps its share.
+
+        Both are in block bytes: the capacity counts slots (blocks rounded up to the slot
+        size) and segment tails, so it is weighed by the part of a slot a block fills on
+        average and the part of the filled space that slots are; its blocks all of one size
+        (one model), that is exact."""
         usage = self.table.usage[level.col]
         if owner >= len(usage):
             usage = np.concatenate([usage, np.zeros(owner + 1 - len(usage), usage.dtype)])
         holding = usage > 0
         holding[owner] = True
-        return usage, level.slots.allocator.capacity_bytes / int(np.count_nonzero(holding))
+        alloc = level.slots.allocator
+        capacity = float(alloc.capacity_bytes)
+        # Averages, not totals: the slots in use include those reserved for copies in flight
+        # and those of dropped copies still being freed, which no owner's usage counts yet.
+        resident, slots = len(level.policy), alloc.used_slots
+        if resident and slots:
+            block_bytes = int(usage.sum()) / resident
+            capacity *= block_bytes / (alloc.used_bytes / slots)
+            capacity *= alloc.used_bytes / alloc.filled_bytes
+        return usage, capacity / int(np.count_nonzero(holding))
 
     def _within_share(
         self, level: Level, victims: np.ndarray, now: float, slot_bytes: int, owner: int

@@ -4670,3 +4670,22 @@ async def test_regression_a_put_l2_declined_was_refused_by_an_l1_another_tenant_
     assert present(store, theirs).count(True) == 12  # over an equal share of 8 still
     assert store.counters.get("stored_below", tier="L2") == 0
     assert store.counters.get("displaced_evictions", tier="L1", tenant=2) == 4
+
+
+async def test_regression_shares_weighed_block_bytes_against_a_capacity_of_slots(make_store):
+    """Regression: a tenant's share of a tier was its capacity (slots, segment tails) over
+    the tenants, and what each holds its blocks' bytes, so where slots round blocks up a
+    tenant holding more slots than an equal share kept its protection against another's
+    put with nowhere else to go (blocks of 2,100 bytes in 4 KiB slots: 17 of 32 slots read
+    as 35,700 bytes against a share of 65,536; the put was refused). Both are weighed in
+    block bytes now."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, protect_s=600.0), make_pool(block_bytes=2100)
+    theirs = keys(17)
+    await store.put(pool, 0, theirs, np.arange(17), None, owner=2)
+    mine = keys(15)
+    await store.put(pool, 0, mine, np.arange(17, 32), None, owner=1)  # L1 full: 32 slots
+    clock.now += 1
+    res, _ = await store.put(pool, 0, keys(1), np.arange(32, 33), None, owner=1)
+    assert res.tolist() == [PutResult.STORED]
+    assert present(store, theirs).count(True) == 16 and all(present(store, mine))
