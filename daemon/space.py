@@ -76,6 +76,11 @@ log = logging.getLogger(__name__)
 # the backoff.
 FREE_RETRY_S = 1.0
 FREE_RETRY_MAX_S = 60.0
+# How long the balancer leaves a tier alone after a pass that moved none of its victims down
+# (the tier below had no room for any: its blocks protected, pinned or in flight). They stay,
+# and the next pass would pick them again and ask the tier below for room, a scan of it, at
+# every period (``mover.balance_interval_s``, 0.1 s by default) until its blocks may go.
+BALANCE_RETRY_S = 1.0
 
 EvictableFn = Callable[[np.ndarray], np.ndarray]
 
@@ -140,6 +145,9 @@ class SpaceManager:
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
+        # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
+        # (``BALANCE_RETRY_S``).
+        self.balance_after: dict[TierKind, float] = {}
         # When ``forget_unconfirmed`` last scanned the table: the next scan is due a quarter
         # of its period later, as the period is then (a SIGHUP may have lowered it).
         self._last_forget = -np.inf
@@ -1564,8 +1572,9 @@ class SpaceManager:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
         below the low watermark. During warm-up nothing moves before the hard limit. A victim
         a lower tier admits but has no room for (its blocks pinned, in flight or protected)
-        or failed to write stays: the tier has room for it, and the next pass tries again
-        (only a reservation, making room for blocks to come, drops it). One that no lower
+        or failed to write stays: the tier has room for it, and a later pass tries again
+        (``BALANCE_RETRY_S`` later where none moved; only a reservation, making room for
+        blocks to come, drops it). One that no lower
         tier admits leaves the store, as it would at the hard limit: the rule judged it not
         worth keeping, and the room it frees is there for the next puts. A tier
         in memory with no slot tier below it that takes writes now (a lone top tier, L1
@@ -1582,6 +1591,8 @@ class SpaceManager:
         for level in self.stack:
             if level.keyed or not (level.persistent or self._moves_down(level)):
                 continue
+            if now < self.balance_after.get(level.kind, -np.inf):
+                continue
             alloc = level.slots.allocator
             # What no block fits into counts as filled: a tier of blocks that leave a tail
             # in each segment never reached its high watermark by its used bytes alone.
@@ -1597,9 +1608,11 @@ class SpaceManager:
                 # Not the victims that stayed (read, pinned or hinted while they were
                 # demoted, or that a lower tier admitted but had no room for):
                 # ``evictions`` does not count them either.
-                _, _, evicted = await self._evict(
+                _, kept, evicted = await self._evict(
                     level, victims, Priority.BACKGROUND, keep_unplaced=True
                 )
+                if evicted == 0 and len(kept):
+                    self.balance_after[level.kind] = now + BALANCE_RETRY_S
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
 
     def _moves_down(self, level: Level) -> bool:

@@ -4644,6 +4644,11 @@ async def test_regression_the_balancer_dropped_victims_l2_had_no_room_for(make_s
     await store.balance()
     assert where(store, a) == ["L1"] * 12
     assert store.counters.get("watermark_evictions", tier="L1") == 0
+    failed = store.counters.get("demotion_failures", tier="L2")
+    assert failed > 0
+    clock.now += 0.5  # within BALANCE_RETRY_S: L2 is not asked again
+    await store.balance()
+    assert store.counters.get("demotion_failures", tier="L2") == failed
     clock.now += 10
     await store.balance()
     assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
