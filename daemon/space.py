@@ -850,7 +850,8 @@ class SpaceManager:
             if not dropped:
                 break
             now = self._clock()
-        if len(slots) < count:
+        # A second try (``nowhere_else``) is for blocks the first one counted already.
+        if len(slots) < count and not nowhere_else:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
 
     def _others_over_share(self, level: Level, owner: int) -> bool:

@@ -4694,3 +4694,19 @@ async def test_regression_shares_weighed_block_bytes_against_a_capacity_of_slots
     res, _ = await store.put(pool, 0, keys(1), np.arange(32, 33), None, owner=1)
     assert res.tolist() == [PutResult.STORED]
     assert present(store, theirs).count(True) == 16 and all(present(store, mine))
+
+
+async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_rejections(make_store):
+    """The top tier asked again for what no tier below stored (``nowhere_else``) counts no
+    block twice: a tenant whose own protected blocks fill L1, L2 declining its new blocks,
+    is refused 4 blocks, 4 full_rejections (8 counted the top tier's second try too)."""
+    clock = Clock()
+    store = make_store(
+        clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
+    )
+    pool = make_pool()
+    await store.put(pool, 0, keys(16), np.arange(16), None, owner=1)
+    clock.now += 1
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.REJECTED_FULL] * 4
+    assert store.counters.get("full_rejections", tier="L1") == 4
