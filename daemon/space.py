@@ -824,6 +824,8 @@ class SpaceManager:
         slots += alloc.allocate_many(nbytes, count)
         if len(slots) == count:
             return
+        if nowhere_else and not (displace and self._others_over_share(level, owner)):
+            return  # the first try made all the room it could without displacing
         slot_bytes = alloc.slot_bytes_for(nbytes)
         if not await self._evict_for(
             level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, None

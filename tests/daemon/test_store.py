@@ -4696,10 +4696,13 @@ async def test_regression_shares_weighed_block_bytes_against_a_capacity_of_slots
     assert present(store, theirs).count(True) == 16 and all(present(store, mine))
 
 
-async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_rejections(make_store):
+async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_rejections(
+    make_store, monkeypatch
+):
     """The top tier asked again for what no tier below stored (``nowhere_else``) counts no
     block twice: a tenant whose own protected blocks fill L1, L2 declining its new blocks,
-    is refused 4 blocks, 4 full_rejections (8 counted the top tier's second try too)."""
+    is refused 4 blocks, 4 full_rejections (8 counted the top tier's second try too). With
+    no other tenant over its share, that try looks for no victims again either."""
     clock = Clock()
     store = make_store(
         clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
@@ -4707,6 +4710,13 @@ async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_reject
     pool = make_pool()
     await store.put(pool, 0, keys(16), np.arange(16), None, owner=1)
     clock.now += 1
+    asked = []
+    policy = store.stack.top.policy
+    victims = policy.victims
+    monkeypatch.setattr(policy, "victims", lambda *a, **k: asked.append(1) or victims(*a, **k))
     res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
     assert res.tolist() == [PutResult.REJECTED_FULL] * 4
     assert store.counters.get("full_rejections", tier="L1") == 4
+    first_try = len(asked)
+    await store.space.reserve(store.stack.top, 4096, 4, Priority.DEMAND, owner=1, displace=True)
+    assert len(asked) == 2 * first_try  # what one try asks
