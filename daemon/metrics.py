@@ -234,6 +234,13 @@ COUNTERS: dict[str, MetricDef] = {
         ("tier", "tenant"),
         "Blocks a tenant at its quota evicted (or demoted) of its own to make room.",
     ),
+    "displaced_evictions": _c(
+        "kvtier_displaced_evictions_total",
+        ("tier", "tenant"),
+        "Blocks of a tenant over an equal share of a tier evicted (or demoted) inside their "
+        "protection period to make room for another tenant's put with nowhere else to go "
+        "(tenant: the one whose blocks went).",
+    ),
     "quota_rejections": _c(
         "kvtier_quota_rejections_total",
         ("tier", "tenant"),

@@ -12,7 +12,8 @@ Rules:
   with nowhere else to go evicts the protected blocks of other owners over their share of the
   tier; eviction takes exactly the victims a policy proposed, or none.
 - Evicting a block's last copy demotes it first: it is written to the first lower tier that
-  takes writes and admits it, else it is dropped. Evicting a copy that another tier also
+  takes writes and admits it, else it is dropped; but the balancer's victim that a lower tier
+  admitted and did not store stays (``balance``). Evicting a copy that another tier also
   holds loses nothing ("clean"). A caller on a request's path asks for ``clean_only``
   reservations: they never wait for a demotion write, and what they cannot get the request
   does without (a Get then reads the block from the lower tier straight into its pages).
@@ -75,6 +76,11 @@ log = logging.getLogger(__name__)
 # the backoff.
 FREE_RETRY_S = 1.0
 FREE_RETRY_MAX_S = 60.0
+# How long the balancer leaves a tier alone after a pass that moved none of its victims down
+# (the tier below had no room for any: its blocks protected, pinned or in flight). They stay,
+# and the next pass would pick them again and ask the tier below for room, a scan of it, at
+# every period (``mover.balance_interval_s``, 0.1 s by default) until its blocks may go.
+BALANCE_RETRY_S = 1.0
 
 EvictableFn = Callable[[np.ndarray], np.ndarray]
 
@@ -139,6 +145,9 @@ class SpaceManager:
         # Tier kind -> the slots of a persistent tier whose free failed, tried again later
         # (``retry_frees``) with their quota holds.
         self.unfreed: dict[TierKind, _Unfreed] = {}
+        # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
+        # (``BALANCE_RETRY_S``).
+        self.balance_after: dict[TierKind, float] = {}
         # When ``forget_unconfirmed`` last scanned the table: the next scan is due a quarter
         # of its period later, as the period is then (a SIGHUP may have lowered it).
         self._last_forget = -np.inf
@@ -665,13 +674,27 @@ class SpaceManager:
         of ``owner`` with nowhere else to go, the blocks of an owner holding more than that
         lose their protection period, ``owner``'s own excepted (``displace``). A tenant that
         keeps more than its share protected by reading it loses protection on the excess,
-        not one that keeps its share."""
+        not one that keeps its share.
+
+        Both are in block bytes: the capacity counts slots (blocks rounded up to the slot
+        size) and segment tails, so it is weighed by the part of a slot a block fills on
+        average and the part of the filled space that slots are; its blocks all of one size
+        (one model), that is exact."""
         usage = self.table.usage[level.col]
         if owner >= len(usage):
             usage = np.concatenate([usage, np.zeros(owner + 1 - len(usage), usage.dtype)])
         holding = usage > 0
         holding[owner] = True
-        return usage, level.slots.allocator.capacity_bytes / int(np.count_nonzero(holding))
+        alloc = level.slots.allocator
+        capacity = float(alloc.capacity_bytes)
+        # Averages, not totals: the slots in use include those reserved for copies in flight
+        # and those of dropped copies still being freed, which no owner's usage counts yet.
+        resident, slots = len(level.policy), alloc.used_slots
+        if resident and slots:
+            block_bytes = int(usage.sum()) / resident
+            capacity *= block_bytes / (alloc.used_bytes / slots)
+            capacity *= alloc.used_bytes / alloc.filled_bytes
+        return usage, capacity / int(np.count_nonzero(holding))
 
     def _within_share(
         self, level: Level, victims: np.ndarray, now: float, slot_bytes: int, owner: int
@@ -704,6 +727,7 @@ class SpaceManager:
         owner: int = 0,
         urgency: Urgency | None = None,
         displace: bool = False,
+        nowhere_else: bool = False,
     ) -> list[int]:
         """Up to ``count`` free slots of ``level`` for blocks of ``nbytes`` that ``owner``
         (a tenant) will hold: free ones first, then by evicting (or demoting) the policy's
@@ -714,7 +738,9 @@ class SpaceManager:
 
         ``displace`` (a put's reservation): where that leaves it short and no slot tier
         below ``level`` takes writes (``_moves_down``: the put has nowhere else to go; a
-        disk tier reading its index back hands out no slots), the blocks inside
+        disk tier reading its index back hands out no slots), or ``nowhere_else`` (those
+        below did not store the blocks: their admission declined them, or they had no
+        room either), the blocks inside
         their protection period of other owners over their share (``_shares``) are
         evicted too, coldest first. Protection is renewed
         by every read, a lookup's included, so a tenant that looked its blocks up once every
@@ -744,7 +770,16 @@ class SpaceManager:
         slots: list[int] = []
         try:
             await self._take_slots(
-                level, nbytes, count, priority, clean_only, urgency, slots, displace, owner
+                level,
+                nbytes,
+                count,
+                priority,
+                clean_only,
+                urgency,
+                slots,
+                displace,
+                owner,
+                nowhere_else,
             )
         except BaseException:
             # Cancelled while it evicted: the slots it had taken go back (held until free).
@@ -780,6 +815,7 @@ class SpaceManager:
         slots: list[int],
         displace: bool = False,
         owner: int = 0,
+        nowhere_else: bool = False,
     ) -> None:
         """Up to ``count`` free slots (``reserve``), into ``slots`` as they are taken: a
         caller cancelled while the slots it is short of are made free (an eviction's
@@ -788,6 +824,8 @@ class SpaceManager:
         slots += alloc.allocate_many(nbytes, count)
         if len(slots) == count:
             return
+        if nowhere_else and not (displace and self._others_over_share(level, owner)):
+            return  # the first try made all the room it could without displacing
         slot_bytes = alloc.slot_bytes_for(nbytes)
         if not await self._evict_for(
             level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, None
@@ -797,7 +835,7 @@ class SpaceManager:
             displace
             and len(slots) < count
             and self._others_over_share(level, owner)
-            and not self._moves_down(level)
+            and (nowhere_else or not self._moves_down(level))
             and not await self._evict_for(
                 level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner
             )
@@ -814,7 +852,8 @@ class SpaceManager:
             if not dropped:
                 break
             now = self._clock()
-        if len(slots) < count:
+        # A second try (``nowhere_else``) is for blocks the first one counted already.
+        if len(slots) < count and not nowhere_else:
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
 
     def _others_over_share(self, level: Level, owner: int) -> bool:
@@ -1045,10 +1084,12 @@ class SpaceManager:
         clean_only: bool = False,
         urgency: Urgency | None = None,
         protected_owner: int | None = None,
+        keep_unplaced: bool = False,
     ) -> tuple[bool, np.ndarray, int]:
         """``evict``, the victims that stayed (pinned, read, touched, hinted or taken
         in flight while they were demoted; with ``protected_owner``, touched counts only for
-        that owner's blocks, as in ``evictable``), and how many victims it evicted
+        that owner's blocks, as in ``evictable``; with ``keep_unplaced``, those a lower tier
+        admitted but none stored, ``_demote``), and how many victims it evicted
         (``evictions``: neither those nor any that lost this copy meanwhile). A reservation
         asks this rather than looking at the victims' rows once it is done: a victim left
         with no copy is forgotten and its row freed, and a new block may have it, with a copy
@@ -1068,7 +1109,7 @@ class SpaceManager:
         if len(dirty) and not clean_only:
             add_at(table.inflight, victims, 1)
             try:
-                await self._demote(level, dirty, priority, urgency)
+                unplaced = await self._demote(level, dirty, priority, urgency)
             finally:
                 add_at(table.inflight, victims, -1)
             # While the writes ran a request may have pinned, read, touched or hinted a
@@ -1077,8 +1118,12 @@ class SpaceManager:
             here = table.slot[victims, level.col] >= 0
             droppable = self._droppable(level, self._clock(), protected_owner=protected_owner)
             stay = here & ~droppable(victims)
+            if keep_unplaced and len(unplaced):
+                stay |= here & np.isin(victims, unplaced)
             kept = victims[stay]
             victims = victims[here & ~stay]
+        if protected_owner is not None and len(victims):
+            self._count_displaced(level, victims)
         # A persistent tier frees the slots on a thread, after the copies stopped counting
         # against their owners' quotas: they are held against them until then, or a put of
         # an owner at its quota would take that room, find no free slot, and evict another
@@ -1091,6 +1136,22 @@ class SpaceManager:
             freed = await self.release(level, self.drop_copies(victims, level))
         self.counters.inc("evictions", len(victims), tier=level.label)
         return freed, kept, len(victims)
+
+    def _count_displaced(self, level: Level, victims: np.ndarray) -> None:
+        """Count, per owner, the ``victims`` of a displacing eviction (``reserve``) still
+        inside their protection period: what another tenant's put took of what protection
+        would have kept (``displaced_evictions``)."""
+        protected = ~self.evictable(level, self._clock())(victims)
+        if not protected.any():
+            return
+        owners, counts = np.unique(self.table.owner[victims[protected]], return_counts=True)
+        for owner, n in zip(owners.tolist(), counts.tolist(), strict=True):
+            self.counters.inc(
+                "displaced_evictions",
+                n,
+                tier=level.label,
+                tenant=self.owner_labels.get(owner, owner),
+            )
 
     def free_held(
         self, level: Level, slots: list[int], holds: list[tuple[int, int]]
@@ -1260,8 +1321,13 @@ class SpaceManager:
 
     async def _demote(
         self, level: Level, dirty: np.ndarray, priority: Priority, urgency: Urgency | None = None
-    ) -> None:
+    ) -> np.ndarray:
+        """Write ``dirty`` (blocks whose only local copy is in ``level``) to the first lower
+        slot tier that takes writes and admits each. Returns those a tier admitted but none
+        stored (no room there: its blocks pinned, in flight or protected; a write that
+        failed); the blocks no tier admitted are not among them."""
         todo = dirty
+        wanted = dirty[:0]
         now = self._clock()
         for lower in self.stack.lower(level.kind):
             if len(todo) == 0:
@@ -1281,8 +1347,10 @@ class SpaceManager:
             ok = await self.place(todo_admit, lower, priority, urgency=urgency)
             self.counters.inc("demoted_blocks", int(np.count_nonzero(ok)), tier=lower.label)
             self.counters.inc("demotion_failures", int(np.count_nonzero(~ok)), tier=lower.label)
+            wanted = np.union1d(wanted, todo_admit)
             placed = set(todo_admit[ok].tolist())
             todo = np.asarray([b for b in todo.tolist() if b not in placed], dtype=np.int64)
+        return np.intersect1d(wanted, todo)
 
     def drop_copy(self, bid: int, level: Level) -> int | None:
         """Remove ``level``'s copy of a block (forgetting the block once no copy is left).
@@ -1505,7 +1573,13 @@ class SpaceManager:
 
     async def balance(self) -> None:
         """Above a tier's high watermark, move its coldest evictable blocks down until it is
-        below the low watermark. During warm-up nothing moves before the hard limit. A tier
+        below the low watermark. During warm-up nothing moves before the hard limit. A victim
+        a lower tier admits but has no room for (its blocks pinned, in flight or protected)
+        or failed to write stays: the tier has room for it, and a later pass tries again
+        (``BALANCE_RETRY_S`` later where none moved; only a reservation, making room for
+        blocks to come, drops it). One that no lower
+        tier admits leaves the store, as it would at the hard limit: the rule judged it not
+        worth keeping, and the room it frees is there for the next puts. A tier
         in memory with no slot tier below it that takes writes now (a lone top tier, L1
         above L3 alone, L1 above a disk out of space or still reading its index back) is
         left alone: its victims would not move but be dropped (demotion never writes to a
@@ -1520,6 +1594,8 @@ class SpaceManager:
         for level in self.stack:
             if level.keyed or not (level.persistent or self._moves_down(level)):
                 continue
+            if now < self.balance_after.get(level.kind, -np.inf):
+                continue
             alloc = level.slots.allocator
             # What no block fits into counts as filled: a tier of blocks that leave a tail
             # in each segment never reached its high watermark by its used bytes alone.
@@ -1533,8 +1609,13 @@ class SpaceManager:
             victims = self._victims(level, n, now, self.evictable(level, now))
             if len(victims):
                 # Not the victims that stayed (read, pinned or hinted while they were
-                # demoted): ``evictions`` does not count them either.
-                _, _, evicted = await self._evict(level, victims, Priority.BACKGROUND)
+                # demoted, or that a lower tier admitted but had no room for):
+                # ``evictions`` does not count them either.
+                _, kept, evicted = await self._evict(
+                    level, victims, Priority.BACKGROUND, keep_unplaced=True
+                )
+                if evicted == 0 and len(kept):
+                    self.balance_after[level.kind] = now + BALANCE_RETRY_S
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
 
     def _moves_down(self, level: Level) -> bool:

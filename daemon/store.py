@@ -1127,19 +1127,24 @@ class BlockStore:
         own admission) from the pool into the top tier; when it has no room for all of them
         (everything evictable taken, the rest pinned or protected) or its policy's own
         admission declines one, the rest go straight to the next slot tier below that takes
-        writes and admits them. Blocks are placed in chain order, so what each tier stores is
-        a leading run of what reached it, and what is stored is a leading run; returns its
-        length."""
-        table = self.table
-        nbytes = pool.block_bytes
+        writes and admits them. Where no tier below stores what the top tier admitted (their
+        admission declines it, or they are full of what they keep), the top tier displaces
+        for it as it does with no tier below (``SpaceManager.reserve``'s ``nowhere_else``).
+        Blocks are placed in chain order, so what each tier stores is a leading run of what
+        reached it, and what is stored is a leading run; returns its length."""
         done = 0
         levels = self.stack.levels  # the list itself: this runs for every Put
         top = levels[0]
+        # The end of the run the top tier admitted but had no room for, and whether a tier
+        # below was asked about it.
+        top_short = 0
+        went_below = False
         for level in levels:
             if done == len(bids):
                 break
             if level.keyed or not level.tier.health().accepts_writes:
                 continue
+            went_below = level is not top
             # Whole arrays are taken as they are, not sliced: a view costs as much as a
             # small function call, and a single-key put would make four.
             todo = bids[done:] if done else bids
@@ -1154,68 +1159,101 @@ class BlockStore:
                         if level is top:
                             continue
                         break
-            slots = await self.space.reserve(
-                level, nbytes, len(todo), Priority.DEMAND, owner=owner, displace=True
+            stored, taken = await self._store_in(level, pool, todo, pages, done, owner)
+            if level is top and taken < len(todo):
+                top_short = done + len(todo)
+            done += stored
+            if stored < taken:
+                return done  # a copy failed: what follows it is not stored
+        if went_below and done < top_short:
+            stored, _ = await self._store_in(
+                top, pool, bids[done:top_short], pages, done, owner, nowhere_else=True
             )
-            if not slots:
-                continue
-            group = todo if len(slots) == len(todo) else todo[: len(slots)]
-            if done == 0 and len(group) == len(pages):
-                group_pages = pages
-            else:
-                group_pages = pages[done : done + len(group)]
-            try:
-                with pool.use():
-                    outcomes = await self.transfers.from_pool(
-                        level,
-                        slots,
-                        table.block_refs(group),
-                        nbytes,
-                        pool.batch(group_pages, self._copy_threads),
-                    )
-            except BaseException:
-                # The reservation's hold lasts until the slots are free: a persistent tier
-                # frees them on a thread (``free_held``).
-                self.space.give_back_soon(level, owner, slots, nbytes)
-                raise
-            outs = WriteOutcomes.of(outcomes)
-            if len(outs) == 1:  # a single-key put: no array reduction for one flag
-                ok = int(outs.ok.item(0))
-            else:
-                ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
-            stored = group if ok == len(group) else group[:ok]
-            # What the copies stored counts in the table's usage from the set_slots below;
-            # the slots of the copies that failed stay held until they are free.
-            self.space.end_hold(level, owner, ok * nbytes)
-            if (
-                self._recovered_under_put
-                and level.persistent
-                and (replaced := stored[table.slot[stored, level.col] >= 0]).size
-            ):
-                # Recovery gave these blocks the tier's copy of their key from before this
-                # start while the put wrote them (only then has a block being written a
-                # copy here): the put's copy replaces it, whose slot goes back as an
-                # evicted copy's does (one slot per block and tier).
-                old = table.slot[replaced, level.col].tolist()
-                holds = self.space.hold_copies(level, replaced)
-                table.clear_slots(replaced, level.col)
-                self.space.free_held(level, old, holds)
-            if ok == 1:  # a single-key put: the slot and checksum as scalars
-                table.set_slots(stored, level.col, outs.slots.item(0))
-                if level.checksummed:
-                    table.set_checksums(stored, level.col, outs.checksums.item(0))
-            else:
-                table.set_slots(stored, level.col, outs.slots[:ok])
-                if level.checksummed:
-                    table.set_checksums(stored, level.col, outs.checksums[:ok])
-            if ok < len(outs):
-                await self.space.give_back(level, owner, outs.slots[ok:].tolist(), nbytes)
-            if level is not top:
-                self.counters.inc("stored_below", ok, tier=level.label)
-            done += ok
-            if ok < len(group):
-                break
+            done += stored
         return done
+
+    async def _store_in(
+        self,
+        level: Level,
+        pool: EnginePool,
+        todo: np.ndarray,
+        pages: np.ndarray,
+        done: int,
+        owner: int,
+        nowhere_else: bool = False,
+    ) -> tuple[int, int]:
+        """``_store_new``'s copy of ``todo`` (the blocks past its first ``done``, whose pages
+        are ``pages[done:]``) into ``level``, as many as it reserves slots for: how many it
+        stored (a leading run) and how many it had slots for. ``nowhere_else``: no tier
+        below took them (``SpaceManager.reserve``)."""
+        table = self.table
+        nbytes = pool.block_bytes
+        top = self.stack.levels[0]
+        slots = await self.space.reserve(
+            level,
+            nbytes,
+            len(todo),
+            Priority.DEMAND,
+            owner=owner,
+            displace=True,
+            nowhere_else=nowhere_else,
+        )
+        if not slots:
+            return 0, 0
+        group = todo if len(slots) == len(todo) else todo[: len(slots)]
+        if done == 0 and len(group) == len(pages):
+            group_pages = pages
+        else:
+            group_pages = pages[done : done + len(group)]
+        try:
+            with pool.use():
+                outcomes = await self.transfers.from_pool(
+                    level,
+                    slots,
+                    table.block_refs(group),
+                    nbytes,
+                    pool.batch(group_pages, self._copy_threads),
+                )
+        except BaseException:
+            # The reservation's hold lasts until the slots are free: a persistent tier
+            # frees them on a thread (``free_held``).
+            self.space.give_back_soon(level, owner, slots, nbytes)
+            raise
+        outs = WriteOutcomes.of(outcomes)
+        if len(outs) == 1:  # a single-key put: no array reduction for one flag
+            ok = int(outs.ok.item(0))
+        else:
+            ok = len(outs) if outs.ok.all() else int(np.argmin(outs.ok))
+        stored = group if ok == len(group) else group[:ok]
+        # What the copies stored counts in the table's usage from the set_slots below;
+        # the slots of the copies that failed stay held until they are free.
+        self.space.end_hold(level, owner, ok * nbytes)
+        if (
+            self._recovered_under_put
+            and level.persistent
+            and (replaced := stored[table.slot[stored, level.col] >= 0]).size
+        ):
+            # Recovery gave these blocks the tier's copy of their key from before this
+            # start while the put wrote them (only then has a block being written a
+            # copy here): the put's copy replaces it, whose slot goes back as an
+            # evicted copy's does (one slot per block and tier).
+            old = table.slot[replaced, level.col].tolist()
+            holds = self.space.hold_copies(level, replaced)
+            table.clear_slots(replaced, level.col)
+            self.space.free_held(level, old, holds)
+        if ok == 1:  # a single-key put: the slot and checksum as scalars
+            table.set_slots(stored, level.col, outs.slots.item(0))
+            if level.checksummed:
+                table.set_checksums(stored, level.col, outs.checksums.item(0))
+        else:
+            table.set_slots(stored, level.col, outs.slots[:ok])
+            if level.checksummed:
+                table.set_checksums(stored, level.col, outs.checksums[:ok])
+        if ok < len(outs):
+            await self.space.give_back(level, owner, outs.slots[ok:].tolist(), nbytes)
+        if level is not top:
+            self.counters.inc("stored_below", ok, tier=level.label)
+        return ok, len(group)
 
     def _new_parents(
         self,

@@ -6,9 +6,11 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
 - **Inclusive tiers.** A block may have a copy in L1 and in L2 at once. Every stored block is
   offered to L1 first. A block leaving L1 (evicted at a full tier, or above the high
   watermark) is written to L2 when it has no L2 copy and L2's admission admits it
-  (``write_back``, the default; ``selective`` does the same); ``write_through`` writes every
-  new block to L2 at once as well, without asking L2's admission (the daemon's store does
-  not). ``selective`` writes a block to L2 as soon as L2's admission admits it, on an access.
+  (``write_back``, the default; ``selective`` does the same); above the high watermark, a
+  block L2 has no room for (every candidate protected) stays in L1 and the pass ends, as the
+  daemon's balancer keeps it, while one L2's admission declines leaves. ``write_through``
+  writes every new block to L2 at once as well, without asking L2's admission (the daemon's
+  store does not). ``selective`` writes a block to L2 as soon as L2's admission admits it, on an access.
   Evicting from L2 drops only the L2 copy. A block L1 declines (its admission, or every
   block protected) is written to L2 as if it had left L1 at once.
 - **Arrival.** At a request's arrival every block with a copy in any tier is a hit, counted
@@ -673,9 +675,8 @@ class _Engine:
             if watermarks is not None and l1.count > high:
                 while l1.count > low:
                     found = l1.policy.victims(1, now, self.mask)
-                    if found is None:
+                    if found is None or not self._balance_out(int(found[0])):
                         break
-                    self._evict(l1, int(found[0]))
             yield
         l1.hits += hits1
         if l2 is not None:
@@ -807,18 +808,40 @@ class _Engine:
             self.l2_writes += 1
         return True
 
+    def _balance_out(self, victim: int) -> bool:
+        """The balancer's eviction of ``victim`` from L1 (the daemon's ``balance``): a block
+        whose only copy is in L1 that L2 has no room for stays (L1 has room for it; the next
+        pass tries again), and the pass ends; otherwise ``_evict``. Whether it left."""
+        l2 = self.l2
+        if (
+            l2 is not None
+            and not self.copies[victim] & _L2
+            and isinstance(self._room(l2, victim), str)
+        ):
+            return False
+        self._evict(self.l1, victim)
+        return True
+
+    def _room(self, tier: _Tier, b: int) -> str | int:
+        """The victim that makes room for ``b`` in ``tier`` (-1: none needed), or why there
+        is none."""
+        now = self.now
+        if tier.count < tier.capacity:
+            return -1
+        if tier.full_at == (now, tier.epoch):
+            return "protected"
+        found = tier.policy.victims(1, now, self.mask, (b,))
+        if found is None:
+            tier.full_at = (now, tier.epoch)
+            return "protected" if self.protecting else "no_victim"
+        return int(found.item(0))
+
     def _refusal(self, tier: _Tier, b: int, parent: int, ask_admission: bool) -> str | int:
         """Why ``tier`` does not take ``b`` now, or the victim that makes room (-1: none)."""
         now = self.now
-        victim = -1
-        if tier.count >= tier.capacity:
-            if tier.full_at == (now, tier.epoch):
-                return "protected"
-            found = tier.policy.victims(1, now, self.mask, (b,))
-            if found is None:
-                tier.full_at = (now, tier.epoch)
-                return "protected" if self.protecting else "no_victim"
-            victim = found.item(0)
+        victim = self._room(tier, b)
+        if isinstance(victim, str):
+            return victim
         if ask_admission:
             if not tier.admits_all:
                 decision = tier.admission.decide(b, victim if victim >= 0 else None, now)

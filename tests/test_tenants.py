@@ -465,6 +465,10 @@ def test_a_put_with_nowhere_else_to_go_displaces_only_tenants_over_their_share(
         assert bob.put(b, keys(put, tag=29), range(put)).stored == stored
         assert all(t != Tier.ABSENT for t in alice.lookup(small).tiers)
         assert sum(t != Tier.ABSENT for t in carol.lookup(big).tiers) == kept
+        # Each of her blocks that went was protected: counted, with her name.
+        stats = admin.stats()
+        assert stats.counter("displaced_evictions", tenant="carol", tier="L1") == 28 - kept
+        assert stats.counter("displaced_evictions", tenant="alice", tier="L1") == 0
         assert admin.check().problems == []
 
 

@@ -2,7 +2,9 @@
 
 A tier's space is split into ``segment_bytes`` segments. A segment serves one slot size (a
 block size rounded up to ``align``) from the moment its first slot is taken until its last
-slot is freed, when it returns to the common pool. Blocks of several sizes (several models on
+slot is freed, when it returns to the common pool. A size is known (a size class) only while
+a segment serves it: the sizes seen pass through (up to ``segment_bytes // align`` of them),
+and what walks the classes (``filled_bytes``, each balancer wake) walks the sizes held. Blocks of several sizes (several models on
 one node) therefore share a tier without a general-purpose allocator, every slot of a size is
 interchangeable, and allocation and release are O(1).
 
@@ -150,6 +152,8 @@ class SlabAllocator:
                 del cls.open_segments[seg]
             self._used_bytes += taken * slot_bytes
             self._used_slots += taken
+        if not cls.segments:
+            del self._classes[slot_bytes]  # no segment came: the size holds nothing
         return out
 
     def claim(self, slot: int, nbytes: int) -> None:
@@ -161,14 +165,19 @@ class SlabAllocator:
         seg, index = divmod(slot, self.slots_cap)
         if not 0 <= seg < self.num_segments:
             raise ValueError(f"slot {slot} is outside the tier")
+        if index >= self.segment_bytes // slot_bytes:
+            raise ValueError(
+                f"slot {slot} is beyond the last {slot_bytes}-byte slot of its segment"
+            )
+        if self._seg_slot_bytes[seg] not in (0, slot_bytes):
+            raise ValueError(
+                f"slot {slot} lies in a segment of {int(self._seg_slot_bytes[seg])}-byte slots, "
+                f"not {slot_bytes}"
+            )
         cls = self._classes.get(slot_bytes)
         if cls is None:
             cls = self._classes[slot_bytes] = _SizeClass(
                 slot_bytes, self.segment_bytes // slot_bytes
-            )
-        if index >= cls.slots_per_segment:
-            raise ValueError(
-                f"slot {slot} is beyond the last {slot_bytes}-byte slot of its segment"
             )
         if self._seg_slot_bytes[seg] == 0:
             self._free_segments.remove(seg)
@@ -176,11 +185,6 @@ class SlabAllocator:
             self._seg_fresh[seg] = 0
             cls.segments.add(seg)
             cls.open_segments[seg] = set()
-        elif self._seg_slot_bytes[seg] != slot_bytes:
-            raise ValueError(
-                f"slot {slot} lies in a segment of {int(self._seg_slot_bytes[seg])}-byte slots, "
-                f"not {slot_bytes}"
-            )
         free = cls.open_segments.get(seg)
         if index < self._seg_fresh[seg]:
             if free is None or index not in free:
@@ -277,6 +281,8 @@ class SlabAllocator:
         if self._seg_used[seg] == 0:
             cls.open_segments.pop(seg, None)
             cls.segments.discard(seg)
+            if not cls.segments:
+                del self._classes[slot_bytes]
             self._seg_slot_bytes[seg] = 0
             self._seg_fresh[seg] = 0
             self._free_segments.append(seg)
@@ -331,6 +337,7 @@ class SlabAllocator:
                     seen.add(i)
             groups.append((seg, indices))
         emptied: list[tuple[int, int]] = []
+        emptied_sizes: set[int] = set()
         opened: list[tuple[int, int, list[int]]] = []
         for (seg, indices), first, last in zip(groups, firsts, lasts, strict=True):
             slot_bytes = int(self._seg_slot_bytes[seg])
@@ -345,12 +352,16 @@ class SlabAllocator:
                 self._seg_slot_bytes[seg] = 0
                 self._seg_fresh[seg] = 0
                 emptied.append((last, seg))
+                emptied_sizes.add(slot_bytes)
             elif seg in cls.open_segments:
                 cls.open_segments[seg].update(indices)
             else:
                 opened.append((first, seg, indices))
         for _, seg, indices in sorted(opened):
             self._classes[int(self._seg_slot_bytes[seg])].open_segments[seg] = set(indices)
+        for size in emptied_sizes:
+            if not self._classes[size].segments:
+                del self._classes[size]
         self._free_segments += [seg for _, seg in sorted(emptied)]
 
     def is_allocated(self, slot: int) -> bool:

@@ -967,6 +967,41 @@ async def test_warm_up_holds_watermark_demotion_until_the_hard_limit(make_store,
     assert where(store, a).count("L2") == demoted
 
 
+async def test_regression_the_balancer_dropped_victims_l2_had_no_room_for(make_store):
+    """Regression: L1 above its high watermark with L2 full of protected blocks: the
+    balancer's victims, admitted by L2 but not written for want of room, left the store
+    though L1 had room for them (12 blocks put, 4 left). They stay now, and move down
+    once L2's blocks may go."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        l2_segments=1,
+        protect_s=5.0,
+        sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    b = keys(16)
+    await put(store, pool, b)
+    clock.now += 10
+    await store.evict(0, b, TierKind.HOST)  # L2 full: 16 blocks
+    assert where(store, b) == ["L2"] * 16
+    a = keys(12)  # 75% of L1
+    await put(store, pool, a, pages=range(16, 28))
+    clock.now += 10
+    await store.lookup(0, b)  # L2's blocks read: protected again
+    await store.balance()
+    assert where(store, a) == ["L1"] * 12
+    assert store.counters.get("watermark_evictions", tier="L1") == 0
+    failed = store.counters.get("demotion_failures", tier="L2")
+    assert failed > 0
+    clock.now += 0.5  # within BALANCE_RETRY_S: L2 is not asked again
+    await store.balance()
+    assert store.counters.get("demotion_failures", tier="L2") == failed
+    clock.now += 10
+    await store.balance()
+    assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
+
+
 async def test_prefetch_promotes_ahead_of_use_and_counts_use(make_store):
     clock = Clock()
     store = make_store(clock, l2_segments=4)
@@ -2276,6 +2311,74 @@ async def test_a_tenant_at_its_quota_evicts_its_own_blocks_never_another_s(make_
     res, _ = await store.put(pool, 0, keys(2), np.arange(2), None, owner=1)
     assert res.tolist() == [PutResult.REJECTED_FULL] * 2
     assert all(present(store, theirs))
+
+
+async def test_regression_a_put_l2_declined_was_refused_by_an_l1_another_tenant_held_protected(
+    make_store,
+):
+    """Regression: a put into an L1 full of another tenant's protected blocks displaced
+    none of them while a disk tier below took writes, and went there; L2's admission
+    (``second_hit``) declined the new blocks, so the put was REJECTED_FULL: a tenant that
+    read its blocks once every ``protect_s`` held all of L1 against the others again. No
+    lower tier taking the blocks, the top tier displaces for them as it does with none."""
+    clock = Clock()
+    store = make_store(
+        clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
+    )
+    pool = make_pool()
+    theirs = keys(16)  # all of L1
+    await store.put(pool, 0, theirs, np.arange(16), None, owner=2)
+    clock.now += 1
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert present(store, theirs).count(True) == 12  # over an equal share of 8 still
+    assert store.counters.get("stored_below", tier="L2") == 0
+    assert store.counters.get("displaced_evictions", tier="L1", tenant=2) == 4
+
+
+async def test_regression_shares_weighed_block_bytes_against_a_capacity_of_slots(make_store):
+    """Regression: a tenant's share of a tier was its capacity (slots, segment tails) over
+    the tenants, and what each holds its blocks' bytes, so where slots round blocks up a
+    tenant holding more slots than an equal share kept its protection against another's
+    put with nowhere else to go (blocks of 2,100 bytes in 4 KiB slots: 17 of 32 slots read
+    as 35,700 bytes against a share of 65,536; the put was refused). Both are weighed in
+    block bytes now."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, protect_s=600.0), make_pool(block_bytes=2100)
+    theirs = keys(17)
+    await store.put(pool, 0, theirs, np.arange(17), None, owner=2)
+    mine = keys(15)
+    await store.put(pool, 0, mine, np.arange(17, 32), None, owner=1)  # L1 full: 32 slots
+    clock.now += 1
+    res, _ = await store.put(pool, 0, keys(1), np.arange(32, 33), None, owner=1)
+    assert res.tolist() == [PutResult.STORED]
+    assert present(store, theirs).count(True) == 16 and all(present(store, mine))
+
+
+async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_rejections(
+    make_store, monkeypatch
+):
+    """The top tier asked again for what no tier below stored (``nowhere_else``) counts no
+    block twice: a tenant whose own protected blocks fill L1, L2 declining its new blocks,
+    is refused 4 blocks, 4 full_rejections (8 counted the top tier's second try too). With
+    no other tenant over its share, that try looks for no victims again either."""
+    clock = Clock()
+    store = make_store(
+        clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
+    )
+    pool = make_pool()
+    await store.put(pool, 0, keys(16), np.arange(16), None, owner=1)
+    clock.now += 1
+    asked = []
+    policy = store.stack.top.policy
+    victims = policy.victims
+    monkeypatch.setattr(policy, "victims", lambda *a, **k: asked.append(1) or victims(*a, **k))
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.REJECTED_FULL] * 4
+    assert store.counters.get("full_rejections", tier="L1") == 4
+    first_try = len(asked)
+    await store.space.reserve(store.stack.top, 4096, 4, Priority.DEMAND, owner=1, displace=True)
+    assert len(asked) == 2 * first_try  # what one try asks
 
 
 @pytest.mark.parametrize("n", [1, 3], ids=["one-key", "batch"])

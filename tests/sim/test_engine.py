@@ -587,6 +587,31 @@ def test_watermarks_empty_l1_down_to_the_low_mark() -> None:
     assert again.hits == 5  # the five most recent blocks stayed
 
 
+def test_regression_watermarks_dropped_l1_blocks_l2_had_no_room_for() -> None:
+    """Regression: above L1's high watermark, a victim L2 had no room for (every block
+    there protected) left the store though L1 had room for it, as the daemon's balancer did;
+    both keep it now. Blocks 0-1 go to L2 at 10 s and are read back at 13 s (protected in L2,
+    promoted: L1 full); at 14 s blocks 2-6, cold victims then, are all hits."""
+    trace = trace_from_requests(
+        [
+            {"timestamp": 0, "hash_ids": [0, 1]},
+            {"timestamp": 10_000, "hash_ids": list(range(2, 10))},
+            {"timestamp": 13_000, "hash_ids": [0, 1]},
+            {"timestamp": 14_000, "hash_ids": [2, 3, 4, 5, 6]},
+        ]
+    )
+    r = replay(
+        trace,
+        "lru",
+        10,
+        2,
+        l2_admission="always",
+        stack=StackConfig(protect_s=2.5, l1_watermarks=(0.8, 0.5)),
+    )
+    assert r.hits == 2 + 5
+    assert r.evictions["l1"] == 2 and r.demotions == 2
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

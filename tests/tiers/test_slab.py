@@ -285,3 +285,23 @@ def test_filled_bytes_counts_the_tails_no_slot_fits(cls):
     assert alloc.filled_bytes == 30 * slot + 3 * tail + 3 * 4096 == alloc.used_bytes + 3 * tail
     alloc.free_many(taken[10:] + small)
     assert alloc.filled_bytes == 0 == alloc.used_bytes
+
+
+@pytest.mark.parametrize("cls", [SlabAllocator, LockedSlab])
+def test_sizes_no_segment_serves_are_forgotten(cls):
+    """Regression: every block size ever allocated stayed a size class, and ``filled_bytes``
+    (each balancer wake) walked them all: up to ``segment_bytes // align`` (16,384 for 64 MiB
+    segments). A size is known while a segment serves it, whichever way its last slot goes
+    (one free, a batch, a refused allocation, a refused claim)."""
+    alloc = cls(4 * MiB, 1 * MiB)
+    for k in range(1, 200):
+        alloc.free(alloc.allocate_many(k * 4096 // 4, 1)[0])
+        alloc.free_many(alloc.allocate_many(k * 4096 + 1, 3))
+        alloc.free_many(alloc.allocate_many(4096, 20))  # a batch the array path frees
+    kept = alloc.allocate_many(MiB, 4)
+    assert alloc.allocate(8192) is None  # no segment left for the size
+    alloc.free_many(kept[1:])
+    with pytest.raises(ValueError, match="segment of 1048576-byte slots"):
+        alloc.claim(kept[0] + 1, 4096)
+    assert sorted(alloc._classes) == [MiB] and alloc.filled_bytes == MiB
+    assert alloc.check() == []
