@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 from harness import DaemonFactory
-from vllm_harness import BLOCK_TOKENS, TINY_LLAMA, make_checkpoint, prompts, run_engine
+from vllm_harness import BLOCK_BYTES, BLOCK_TOKENS, make_checkpoint, prompts, run_engine
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -48,14 +48,6 @@ GROUP_FIRST, GROUP_AFTER = SHARED[:FIRST], SHARED[FIRST:]
 GROUP_KILL = prompts(2, 384, [20, 33, 41, 55])
 MIXED = [GROUP_FIRST[0], GROUP_KILL[0]]  # 5 and 3 blocks in kvtier once `first` ran
 STAGING_BLOCKS = 6
-BLOCK_BYTES = (  # K and V of every layer, bf16
-    TINY_LLAMA["num_hidden_layers"]
-    * 2
-    * BLOCK_TOKENS
-    * TINY_LLAMA["num_key_value_heads"]
-    * TINY_LLAMA["head_dim"]
-    * 2
-)
 
 
 def _phase(name: str, group: list[list[int]], max_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -40,6 +40,22 @@ TINY_LLAMA: dict[str, Any] = {
     "initializer_range": 0.1,
 }
 
+
+def block_bytes(dtype_bytes: int = 2) -> int:
+    """One block's K and V of every layer of ``TINY_LLAMA``, ``dtype_bytes`` per value."""
+    return (
+        TINY_LLAMA["num_hidden_layers"]
+        * 2
+        * BLOCK_TOKENS
+        * TINY_LLAMA["num_key_value_heads"]
+        * TINY_LLAMA["head_dim"]
+        * dtype_bytes
+    )
+
+
+BLOCK_BYTES = block_bytes()  # bf16
+
+
 # Every engine of a test sees the same CPU setup. vLLM reserves one more core when a KV
 # connector is configured; on a small machine that changes the worker's thread count, and
 # with it the bf16 reduction order and near-tie greedy choices. Pinning the reservation keeps
