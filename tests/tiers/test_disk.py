@@ -667,6 +667,30 @@ def test_regression_one_row_with_a_short_key_lost_every_block_of_its_chunk(
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
 
+def test_regression_a_short_key_and_a_long_one_in_a_chunk_shifted_the_keys_between_them(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """b0e3943 read a chunk row by row only when its keys together were not 32 bytes each:
+    one key a byte short and a later one a byte long made up the length, so the chunk was
+    cut into keys of 32 bytes across the rows, and every row between the two (a sound block
+    among them) was recovered under a key made of the end of its own and the start of the
+    next one's: those blocks were found by no lookup of their keys. Only the two rows whose
+    keys have another length are dropped."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, [1, 2, 3, 4], 4096)
+    db = sqlite3.connect(disk_dir / "index.sqlite3")
+    with db:
+        short, long = blocks[1], blocks[3]
+        db.execute("UPDATE blocks SET key = ? WHERE slot = ?", (short[0][:31], short[1]))
+        db.execute("UPDATE blocks SET key = ? WHERE slot = ?", (long[0] + b"x", long[1]))
+    db.close()
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[2][0], blocks[4][0]}
+        assert tier.stats().counters["recovery_dropped_rows"] == 2
+        del blocks[1], blocks[3]
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
 def test_a_slot_whose_row_recovery_drops_is_handed_out_only_once_the_row_is_gone(
     disk_dir: Path, make_block: Block
 ) -> None:

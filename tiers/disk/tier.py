@@ -1588,8 +1588,11 @@ class DiskTier:
             nbytes = np.fromiter((r[3] for r in chunk), np.int64, n)
             sums = np.fromiter((r[4] for r in chunk), np.int64, n).view(np.uint64)
             written = np.fromiter((r[5] for r in chunk), np.float64, n)
-            # A key of another length fails the reshape: rows read one by one then, so that
-            # it costs only its own row, not every row of the chunk.
+            # A key of another length sends the chunk row by row, so that it costs only its
+            # own row. Each key's length, not the joined length: a short key and a long one
+            # add up to 32 bytes a row, and the rows between them took their neighbours' bytes.
+            if any(len(r[1]) != 32 for r in chunk):
+                raise ValueError("a key of another length than 32 bytes")
             keys = np.frombuffer(b"".join(bytes(r[1]) for r in chunk), np.uint8).reshape(n, 32)
         except (TypeError, ValueError, OverflowError):
             return self._recover_rows_one_by_one(
