@@ -1214,5 +1214,11 @@ async def serve(config: Config, *, on_ready: Callable[[Daemon], None] | None = N
     # (``daemon/entry.py``), is honoured there, and every later one is the daemon's own.
     daemon.stop_on_signals()
     if on_ready is not None:
-        on_ready(daemon)
+        try:
+            on_ready(daemon)
+        except BaseException:
+            # It serves already (the metrics port, taken since the host checks): stopped as
+            # at SIGTERM, or its sockets stayed for engines and the next start to find.
+            await daemon.stop()
+            raise
     await daemon.run_until_stopped()

@@ -487,6 +487,45 @@ def test_a_json_log_is_one_json_object_on_every_line(daemon_factory, tmp_path):
     assert "cannot hold" in problem["msg"] and refused.stdout == ""
 
 
+async def test_regression_a_start_that_failed_once_serving_left_its_sockets(tmp_path):
+    """The metrics endpoint starts once the daemon serves (``serve``'s ``on_ready``); its port
+    is checked free before the start, but may be taken by then (an L2 recovery can take
+    minutes). The start then failed ('cannot start: Address already in use') with the gRPC
+    socket and its .cred left behind, the gRPC one still listening until the process ended,
+    and the store never stopped. The daemon now stops as at SIGTERM before the error goes
+    on, so both sockets go."""
+    from kvtier.daemon import main as main_module
+    from kvtier.daemon.config import load_config
+
+    sockdir = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    overrides = [
+        f"server.socket={sockdir}/d.sock",
+        "tiers.l1.capacity_bytes=16MiB",
+        "tiers.l1.segment_bytes=1MiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
+        f"metrics.address=127.0.0.1:{taken.getsockname()[1]}",
+    ]
+
+    def load():
+        return load_config(None, overrides, environ={})
+
+    try:
+        none_held = SimpleNamespace(hangup=False, stop=None)  # main's signal holder, empty
+        with pytest.raises(OSError, match="Address already in use"):
+            await main_module._serve(load(), load, none_held, {})
+        assert sorted(p.name for p in sockdir.iterdir()) == []
+    finally:
+        taken.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
 async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path, monkeypatch):
     """kvtierd stops its metrics endpoint only once the daemon has stopped, so a scrape can
     land after the store closed its tiers: it answers 200 with the figures the store ended
