@@ -164,6 +164,12 @@ def bind_unix(
     try:
         with private_umask():
             sock.bind(path)
+    except BaseException:
+        # Nothing of ours at the path: one there (EADDRINUSE) is another daemon's, bound
+        # since the path was checked, and stays.
+        sock.close()
+        raise
+    try:
         identity = apply_access(path, access)
         sock.listen(backlog)
         sock.setblocking(False)

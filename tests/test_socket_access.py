@@ -4,6 +4,7 @@ item 6)."""
 from __future__ import annotations
 
 import configparser
+import errno
 import json
 import os
 import shutil
@@ -307,6 +308,26 @@ def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_remov
         new.close()
     remove_socket(path, (st.st_dev, st.st_ino))  # stale and its own: removed
     assert not os.path.lexists(path)
+
+
+def test_regression_a_bind_that_found_the_path_taken_removed_the_others_socket(tmp_path):
+    """The start checks the credential socket's path (``prepare_socket_path``), then binds
+    it: a daemon started meanwhile at the same path binds first, and the bind's failure
+    (EADDRINUSE) was cleaned up by removing the path, which was that daemon's listening
+    socket. Only a socket this bind made is removed now."""
+    access = SocketAccess(mode=0o600, gid=None)
+    path = str(tmp_path / "d.sock.cred")
+    prepare_socket_path(path, access)  # free when checked
+    other, _ = bind_unix(path, access)  # the other daemon's, bound since
+    try:
+        with pytest.raises(OSError) as refused:
+            bind_unix(path, access)
+        assert refused.value.errno == errno.EADDRINUSE
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.connect(path)  # still the other daemon's, listening
+    finally:
+        other.close()
 
 
 def test_regression_the_untraversable_folder_warning_names_each_socket(daemon_factory):
