@@ -287,8 +287,11 @@ def test_top_renders_tiers_ratios_rates_and_latency(daemon):
             env={**os.environ, "COLUMNS": "120"},
         )
     assert out.returncode == 0, out.stderr
-    for text in ("tiers", "L1", "hit ratio", "transfers per second", "RPC latency"):
+    for text in ("tiers", "hit ratio", "transfers per second", "RPC latency"):
         assert text in out.stdout, out.stdout
+    # The tier by its level, as stats names it, in the tier column: not "L1_HOST", which
+    # the "L1" this test looked for until now is part of.
+    assert "│ L1 " in out.stdout and "L1_HOST" not in out.stdout, out.stdout
     assert "Stats" in out.stdout  # the frame's own first Stats call, timed
 
 
