@@ -1670,7 +1670,9 @@ class BlockStore:
 
     async def delete(self, ns: int, words: np.ndarray) -> DeleteResult:
         """Remove the keys' blocks from every tier, but those pinned, in flight or still being
-        written (busy). Counts name distinct keys."""
+        written (busy). Counts name distinct keys. Refused while a persistent tier has index
+        rows its recovery did not read (cut by a stop, or ended by an error): they would bring
+        the keys back at the next start."""
         words = _distinct(words)
         if self._recovery is not None:
             # A key whose row was not read yet would come back after its delete.
@@ -1679,6 +1681,14 @@ class BlockStore:
                 # Its rows left unread stay in the index: done now, it would report keys
                 # deleted that the next start brings back.
                 raise Unavailable("the daemon is stopping; the delete was not done (retry it)")
+        for level in self.stack.levels:
+            if level.persistent and not level.keyed and level.recovering:
+                # Recovery ended early (an error): the rows it did not read stay until a
+                # restart reads them, and would bring back keys said deleted or missing now.
+                raise FailedPrecondition(
+                    f"{level.label} did not read every index row at start (see the log); a "
+                    "delete now would not last past the next start: restart the daemon"
+                )
         table = self.table
         found = table.find_any(ns, words)
         missing = int(np.count_nonzero(found < 0))

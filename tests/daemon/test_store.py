@@ -22,7 +22,13 @@ from density_training import roots_come_back
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
-from kvtier.daemon.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from kvtier.daemon.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvtier.daemon.policy.density import DensityPolicy
 from kvtier.daemon.pools import Pool
 from kvtier.daemon.stack import Level, TokenBucket
@@ -2176,6 +2182,40 @@ async def test_regression_a_delete_waiting_for_recovery_went_on_after_a_stop_can
     again = make_store(clock, l2=disk)
     await again.recover()
     assert where(again, old) == ["L2"] * 2  # not deleted, and not said to be
+
+
+async def test_regression_a_delete_after_a_recovery_that_ended_early_was_undone_by_the_restart(
+    make_store, tmp_path, monkeypatch
+):
+    """4a2e671 refused a Delete when a stop cut recovery short, whose unread rows stay in the
+    index; a recovery that ended early on an error leaves them too, for as long as the daemon
+    runs: a Delete then said the keys of those rows were not there, and the next start served
+    them again. It is refused, naming the restart that reads every row."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock, _, old = await _stopped_with_durable_blocks(make_store, tmp_path, 4)
+    monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    read_chunks = disk.recover_chunks
+
+    def first_chunk_then_a_failure(rows: int = 65536):
+        chunks = read_chunks(rows)
+        yield next(chunks)
+        chunks.close()
+        raise OSError("the index could not be read on")
+
+    disk.recover_chunks = first_chunk_then_a_failure  # type: ignore[method-assign]
+    store = make_store(clock, l2=disk)
+    store.start()
+    await store.recovered.wait()
+    with pytest.raises(FailedPrecondition, match="restart"):
+        await store.delete(0, old)
+    await store.stop(flush=False)
+    store.close()
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    again = make_store(clock, l2=disk)
+    await again.recover()
+    assert where(again, old) == ["L2"] * 4  # not deleted, and not said to be
 
 
 async def test_a_flush_after_a_recovery_that_ended_early_says_why_it_wrote_nothing(
