@@ -1,0 +1,642 @@
+"""A randomized crash campaign: kill -9 the daemon at random moments, restart, check.
+
+``python tests/crash_campaign.py --rounds N [--seed S] [--l3-every K] [--workdir DIR]`` runs
+N rounds against one daemon (L1 + L2, and L3 on a real ``redis-server`` in every K-th series
+of rounds) on a temporary Unix socket. In a round, four client processes (tenants alice and
+bob, two each, with the same keys) put blocks of 4 KiB, 64 KiB, 1 MiB and 5 MiB (durable or
+not), delete them and put them again (an overwrite: a put of a key held answers EXISTS),
+look up with pins, get and check what they got; the campaign sends SIGHUP now and then, then
+SIGKILLs the daemon at a moment drawn from: a plain moment, during a demotion (L1 full,
+blocks in flight), during the drain after a SIGTERM, just after a SIGHUP, and during the
+next start (its recovery of L2's blocks). After the restart it reads every key of both
+tenants and checks, against the clients' journals (what was sent, what was answered):
+
+- a key whose put was answered ``persisted`` is there, with those bytes or a newer version's;
+- a key whose Delete was answered (and not put since) is absent;
+- every block read is a version of this tenant's key that a put sent, whole (a block mixing
+  two versions, or another tenant's, is wrong bytes);
+- health is SERVING and the daemon's invariant check (``kvtier check``) finds nothing.
+
+L1's capacity changes at every restart. Every round prints one line (seed, moment, counts);
+a failed check stops the campaign with the seed that reproduces its round's draws. The clients
+and the daemon are stopped and the folders removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.client import (
+    Client,
+    KvtierError,
+    PoolLayout,
+    ResourceExhaustedError,
+    SharedMemoryPool,
+)
+
+TENANTS = ("alice", "bob")
+# namespace -> (layer count, chunk bytes, keys): blocks of 4 KiB, 64 KiB, 1 MiB and 5 MiB.
+SIZES: dict[str, tuple[int, int, int]] = {
+    "s4k": (1, 4 << 10, 48),
+    "s64k": (2, 32 << 10, 32),
+    "s1m": (2, 512 << 10, 12),
+    "s5m": (5, 1 << 20, 4),
+}
+# Each client process of a tenant owns two namespaces, so every key has one writer.
+WORKER_NAMESPACES = (("s4k", "s1m"), ("s64k", "s5m"))
+PAGES = 8  # pages 0-3 store, 4-7 load
+OPS = ("put", "overwrite", "delete", "get", "pinget")
+MOMENTS = ("plain", "demotion", "drain", "reload", "recovery")
+
+
+def layout(ns: str) -> PoolLayout:
+    layers, chunk, _ = SIZES[ns]
+    return PoolLayout.staging(
+        num_layers=layers, num_pages=PAGES, block_tokens=16, chunk_bytes=chunk, kv_count=1
+    )
+
+
+def key_of(ns: str, index: int) -> bytes:
+    """The same keys for both tenants: isolation must come from the daemon."""
+    return hashlib.sha256(f"crash {ns} {index}".encode()).digest()
+
+
+def tag(tenant: str, ns: str, index: int, version: str) -> bytes:
+    return hashlib.sha256(f"{tenant}|{ns}|{index}|{version}".encode()).digest()
+
+
+def content(tenant: str, ns: str, index: int, version: str) -> np.ndarray:
+    """A block's bytes: its tag repeated, so a block torn between two versions matches none."""
+    n = layout(ns).block_bytes
+    return np.frombuffer(tag(tenant, ns, index, version) * (n // 32), dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------- client process
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.tenant: str = args.tenant
+        self.rng = random.Random(args.seed)
+        self.round: int = args.round
+        self.stop_file = Path(args.stop_file)
+        self.journal = open(args.journal, "a", buffering=1)  # noqa: SIM115 - the process's
+        self.client = Client(args.address, token_file=args.token_file, timeout_s=20)
+        self.pools: dict[str, Any] = {}
+        self.shms: dict[str, SharedMemoryPool] = {}
+        for ns in args.namespaces.split(","):
+            shm = SharedMemoryPool.for_layout(layout(ns))
+            self.shms[ns] = shm
+            self.pools[ns] = self.client.register_pool(shm, layout(ns))
+        self.counter = 0
+        self.counts: Counter[str] = Counter()
+        self.log(op="ready")
+
+    def log(self, **event: Any) -> None:
+        self.journal.write(json.dumps(event) + "\n")
+
+    def pages(self, ns: str) -> np.ndarray:
+        return self.shms[ns].array().reshape(PAGES, layout(ns).block_bytes)
+
+    def run(self) -> None:
+        while not self.stop_file.exists():
+            ns = self.rng.choice(list(self.pools))
+            indexes = self.rng.sample(range(SIZES[ns][2]), self.rng.choice((1, 1, 2, 3)))
+            op = self.rng.choices(OPS, (3, 4, 1, 3, 2))[0]
+            try:
+                getattr(self, op)(ns, indexes)
+                self.counts[op] += 1
+            except KvtierError as e:
+                self.counts[type(e).__name__] += 1
+                self.log(op="error", what=type(e).__name__)
+                time.sleep(0.05)
+        self.log(op="counts", counts=dict(self.counts))
+
+    def put(self, ns: str, indexes: list[int]) -> None:
+        durable = self.rng.random() < 0.5
+        versions = []
+        for page, i in enumerate(indexes):
+            self.counter += 1
+            v = f"{self.round}.{os.getpid()}.{self.counter}"
+            versions.append(v)
+            self.pages(ns)[page] = content(self.tenant, ns, i, v)
+            self.log(op="put", ns=ns, i=i, v=v, durable=durable)
+        keys = [key_of(ns, i) for i in indexes]
+        pool = self.pools[ns]
+        res = self.client.put(
+            pool.pool_id, keys, range(len(keys)), durable=durable, namespace=ns, timeout_s=60
+        )
+        for n, (i, v) in enumerate(zip(indexes, versions, strict=True)):
+            persisted = bool(res.persisted[n]) if res.persisted is not None else False
+            self.log(op="put_ack", ns=ns, i=i, v=v, status=res.statuses[n].name, p=persisted)
+
+    def overwrite(self, ns: str, indexes: list[int]) -> None:
+        """A new version of held keys: a put of a key held answers EXISTS and keeps it."""
+        self.delete(ns, indexes)
+        self.put(ns, indexes)
+
+    def delete(self, ns: str, indexes: list[int]) -> None:
+        for i in indexes:  # one key a call: its answer says what became of it
+            self.log(op="del", ns=ns, i=i)
+            res = self.client.delete([key_of(ns, i)], namespace=ns)
+            self.log(op="del_ack", ns=ns, i=i, deleted=res.deleted, missing=res.missing)
+
+    def get(self, ns: str, indexes: list[int], lease_id: int = 0) -> None:
+        keys = [key_of(ns, i) for i in indexes]
+        pages = range(4, 4 + len(keys))
+        res = self.client.get(self.pools[ns].pool_id, keys, pages, lease_id=lease_id, namespace=ns)
+        for n, i in enumerate(indexes):
+            if res.loaded[n]:
+                block = self.pages(ns)[4 + n]
+                self.log(op="read", ns=ns, i=i, tag=block[:32].tobytes().hex(), whole=whole(block))
+
+    def pinget(self, ns: str, indexes: list[int]) -> None:
+        found = self.client.lookup([key_of(ns, i) for i in indexes], pin=True, namespace=ns)
+        try:
+            self.get(ns, indexes, found.lease_id)
+        finally:
+            if found.lease_id:
+                self.client.release(found.lease_id)
+
+
+def whole(block: np.ndarray) -> bool:
+    """Whether the block is its first 32 bytes repeated (one version's bytes, not torn)."""
+    return bool((block.reshape(-1, 32) == block[:32]).all())
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+@dataclass
+class KeyState:
+    sent: list[str] = field(default_factory=list)  # versions put since the last Delete, in order
+    stored: str | None = None  # the version held, as far as the answers tell
+    must: bool = False  # a put of it was answered persisted, no Delete sent since
+    must_before_delete: bool = False
+    gone: bool = False  # a Delete of it was answered, no put sent since
+
+
+class Model:
+    def __init__(self) -> None:
+        self.keys: dict[tuple[str, str, int], KeyState] = {}
+        self.tags: dict[bytes, tuple[str, str, int, str]] = {}
+        self.problems: list[str] = []
+        self.counts: Counter[str] = Counter()
+
+    def counts_line(self) -> str:
+        line = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+        self.counts.clear()
+        return line
+
+    def feed(self, tenant: str, event: dict[str, Any]) -> None:
+        op = event["op"]
+        if op in ("error", "counts", "ready"):
+            return
+        k = self.keys.setdefault((tenant, event["ns"], event["i"]), KeyState())
+        if op == "put":
+            k.sent.append(event["v"])
+            k.gone = False
+            self.tags[tag(tenant, event["ns"], event["i"], event["v"])] = (
+                tenant,
+                event["ns"],
+                event["i"],
+                event["v"],
+            )
+        elif op == "put_ack":
+            if event["status"] == "STORED":
+                k.stored = event["v"]
+            if event["p"]:
+                k.must = True
+                self.counts["persisted acks"] += 1
+        elif op == "del":
+            k.must_before_delete = k.must
+            k.must = False
+        elif op == "del_ack":
+            if event["deleted"] or event["missing"]:
+                self.counts["delete acks"] += 1
+                k.sent.clear()
+                k.stored = None
+                k.gone = True
+            else:  # busy: kept as it was
+                k.must = k.must_before_delete
+        elif op == "read":
+            self.check_block(
+                tenant,
+                event["ns"],
+                event["i"],
+                bytes.fromhex(event["tag"]),
+                event["whole"],
+                "a client's read",
+            )
+
+    def check_block(
+        self, tenant: str, ns: str, i: int, head: bytes, is_whole: bool, where: str
+    ) -> str | None:
+        """The version a block read holds, after checking it may be there (None: a problem)."""
+        k = self.keys.setdefault((tenant, ns, i), KeyState())
+        who = self.tags.get(head)
+        if who is None or not is_whole:
+            self.problems.append(f"{where}: wrong bytes for {tenant}/{ns}/{i} (torn or unknown)")
+            return None
+        if who[:3] != (tenant, ns, i):
+            self.problems.append(f"{where}: {tenant}/{ns}/{i} read the block of {who}")
+            return None
+        if who[3] not in k.sent:
+            state = "deleted" if k.gone else "not sent since its last Delete"
+            self.problems.append(f"{where}: {tenant}/{ns}/{i} came back ({state}): {who[3]}")
+            return None
+        return who[3]
+
+    def observed(self, tenant: str, ns: str, i: int, version: str | None) -> None:
+        """What the read after a restart found; checks the durability promises."""
+        k = self.keys.setdefault((tenant, ns, i), KeyState())
+        self.counts["must be there" if k.must else "must be absent" if k.gone else "either"] += 1
+        if k.must and version is None:
+            self.problems.append(f"{tenant}/{ns}/{i}: persisted, lost ({k.stored} acked)")
+        if (
+            k.must
+            and version is not None
+            and k.stored in k.sent
+            and k.sent.index(version) < k.sent.index(k.stored)
+        ):
+            self.problems.append(f"{tenant}/{ns}/{i}: {version} is back over {k.stored}")
+        if k.gone and version is not None:
+            self.problems.append(f"{tenant}/{ns}/{i}: deleted, came back as {version}")
+        k.stored = version
+
+
+# ---------------------------------------------------------------------------- the campaign
+
+from harness import DaemonProcess  # noqa: E402 - tests/ is the script's folder
+
+
+class Campaign:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.root = Path(tempfile.mkdtemp(prefix="kvt-crash-", dir=args.workdir))
+        self.sockdir = Path(tempfile.mkdtemp(prefix="kvc-", dir="/tmp"))
+        self.tokens = {}
+        for t in TENANTS:
+            path = self.root / f"{t}.token"
+            path.write_text(f"a-long-enough-secret-for-tenant-{t}\n")
+            path.chmod(0o600)
+            self.tokens[t] = path
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.clients: list[subprocess.Popen[bytes]] = []
+        self.redis_port = 0
+        self.daemon: DaemonProcess | None = None
+        self.moments: Counter[str] = Counter()
+        self.series = -1
+        self.model = Model()
+        self.l3 = False
+        self.l2_bytes = 0
+        self.admit_all = False
+        self.starts = 0
+
+    # -- processes
+
+    def start_redis(self) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.redis_port = s.getsockname()[1]
+        self.redis = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.root),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while (
+            subprocess.run(
+                ["redis-cli", "-p", str(self.redis_port), "ping"], capture_output=True, text=True
+            ).stdout.strip()
+            != "PONG"
+        ):
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def overrides(self, rng: random.Random) -> list[str]:
+        tenants = ", ".join(f"{{name: {t}, token_file: {self.tokens[t]}}}" for t in TENANTS)
+        l1_mib = (16, 24, 32) if self.admit_all else (24, 32, 48, 64)
+        sets = [
+            f"tenants=[{tenants}, {{name: ops, uids: [0], admin: true}}]",
+            # Smaller with every block admitted to L2, so that L1's evictions are demotions.
+            f"tiers.l1.capacity_bytes={rng.choice(l1_mib)}MiB",
+            "tiers.l1.segment_bytes=8MiB",
+            "tiers.l2.enabled=true",
+            f"tiers.l2.path={self.root / f'series{self.series}' / 'l2'}",
+            f"tiers.l2.capacity_bytes={self.l2_bytes >> 20}MiB",
+            "tiers.l2.segment_bytes=8MiB",
+            "tiers.l2.file_bytes=64MiB",
+        ]
+        if self.admit_all:
+            # L1's evictions are demotions then; unprotected, L1 takes new blocks by evicting
+            # (protect_s of 2 s answered most puts of a round REJECTED_FULL instead).
+            sets += ["tiers.l2.admission=always", "policy.protect_s=0"]
+        if self.l3:
+            sets += [
+                "tiers.l3.enabled=true",
+                f"tiers.l3.urls=[redis://127.0.0.1:{self.redis_port}]",
+                f"tiers.l3.key_prefix='crash{self.series}:'",
+                "tiers.l3.admission=always",
+                "tiers.l3.op_timeout_s=10",
+                "tiers.l3.connect_timeout_s=10",
+                "tiers.l3.probe_deadline_ms=3000",
+            ]
+        return [a for s in sets for a in ("--set", s)]
+
+    def start_daemon(self, rng: random.Random, wait: bool = True) -> DaemonProcess:
+        # L2 grows now and then (a smaller one may drop blocks, as README says, which
+        # would be no crash's doing); L1 takes another size at every start.
+        if rng.random() < 0.2 and self.l2_bytes < 512 << 20:
+            self.l2_bytes += 64 << 20
+            self.moments["L2 grown at a restart"] += 1
+        d = DaemonProcess(self.root, str(self.sockdir / "d.sock"), self.overrides(rng))
+        self.starts += 1
+        d.log_path = self.root / f"kvtierd-{self.starts}.log"  # one start's own log
+        self.daemon = d
+        return d.start(wait)
+
+    def workers(self, rnd: int, seed: int) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
+        out = []
+        for t in TENANTS:
+            for w, namespaces in enumerate(WORKER_NAMESPACES):
+                journal = self.root / f"journal-{rnd}-{t}-{w}.jsonl"
+                assert self.daemon is not None
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "worker",
+                    "--address",
+                    self.daemon.address,
+                    "--tenant",
+                    t,
+                    "--token-file",
+                    str(self.tokens[t]),
+                    "--namespaces",
+                    ",".join(namespaces),
+                    "--seed",
+                    str(seed * 10 + w),
+                    "--round",
+                    str(rnd),
+                    "--journal",
+                    str(journal),
+                    "--stop-file",
+                    str(self.root / "stop"),
+                ]
+                out.append((t, subprocess.Popen(cmd), journal))
+        self.clients = [p for _, p, _ in out]
+        return out
+
+    # -- one round
+
+    def round(self, rnd: int) -> str:
+        seed = self.args.seed * 100_000 + rnd
+        rng = random.Random(seed)
+        if rnd % self.args.series == 0:
+            self.new_series(rng)
+        assert self.daemon is not None
+        d = self.daemon
+        moment = rng.choice(MOMENTS)
+        (self.root / "stop").unlink(missing_ok=True)
+        procs = self.workers(rnd, seed)
+        ready_by = time.monotonic() + 60
+        while not all(j.exists() and j.read_text().startswith('{"op": "ready"') for *_, j in procs):
+            if time.monotonic() > ready_by or any(p.poll() is not None for _, p, _ in procs):
+                self.model.problems.append(f"round {rnd}: a client did not start")
+                break
+            time.sleep(0.02)
+        deadline = time.monotonic() + rng.uniform(0.5, 4.0)
+        while time.monotonic() < deadline:
+            time.sleep(rng.uniform(0.05, 0.5))
+            if rng.random() < 0.15:
+                assert d.proc is not None
+                d.proc.send_signal(signal.SIGHUP)
+                self.moments["sighup (not killed)"] += 1
+        hit = self.kill_at(moment, d, rng)
+        self.moments[hit] += 1
+        (self.root / "stop").touch()
+        for _, p, _ in procs:
+            try:
+                p.wait(90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                self.model.problems.append(f"round {rnd}: a client process hung")
+        ops: Counter[str] = Counter()
+        for t, p, journal in procs:
+            if p.returncode != 0:
+                self.model.problems.append(f"round {rnd}: a client exited {p.returncode}")
+            for line in journal.read_text().splitlines():
+                event = json.loads(line)
+                if event["op"] == "counts":
+                    ops.update(event["counts"])
+                self.model.feed(t, event)
+            journal.unlink()
+        if moment == "recovery":
+            # L2's blocks are indexed in the first tens of milliseconds after the socket is
+            # bound (the daemon serves meanwhile); its log says when that ended.
+            d = self.start_daemon(rng, wait=False)
+            bound_by = time.monotonic() + 60
+            while not os.path.exists(d.socket) and time.monotonic() < bound_by:
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0.0, 0.08))
+            d.kill()
+            done = "recovered blocks in" in d.log()
+            self.moments["start, after recovery" if done else "start, during recovery"] += 1
+        d = self.start_daemon(rng)
+        self.verify(rnd, d)
+        done = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
+        return f"moment {hit}; calls: {done}; checked {self.model.counts_line()}"
+
+    def kill_at(self, moment: str, d: DaemonProcess, rng: random.Random) -> str:
+        assert d.proc is not None
+        if moment == "demotion":
+            # No gauge says a demotion runs: its counter moving between two polls 10 ms
+            # apart is the nearest sign (L1 full of blocks that only it holds).
+            with Client(d.address, timeout_s=5) as admin:
+                before = -1
+                for _ in range(300):
+                    try:
+                        now = admin.stats().counter("demoted_blocks")
+                    except KvtierError:
+                        break
+                    if 0 <= before < now:
+                        d.kill()
+                        return "demotion (counter moving)"
+                    before = now
+                    time.sleep(0.01)
+            d.kill()
+            return "demotion (none seen: plain)"
+        if moment == "drain":
+            d.proc.send_signal(signal.SIGTERM)
+            time.sleep(rng.uniform(0.0, 0.1))
+            exited = d.proc.poll() is not None
+            d.kill()
+            return "drain (already stopped)" if exited else "drain"
+        if moment == "reload":
+            d.proc.send_signal(signal.SIGHUP)
+            time.sleep(rng.uniform(0.0, 0.05))
+        d.kill()
+        return moment
+
+    def new_series(self, rng: random.Random) -> None:
+        if self.daemon is not None:
+            self.daemon.kill()
+        self.series += 1
+        self.model = Model()
+        self.l2_bytes = 256 << 20
+        self.admit_all = self.series % 4 in (0, 3)  # with and without L3
+        self.l3 = self.args.l3_every > 0 and self.series % self.args.l3_every == 1
+        if self.l3 and self.redis is None:
+            self.start_redis()
+        self.start_daemon(rng)
+
+    def verify(self, rnd: int, d: DaemonProcess) -> None:
+        p = self.model.problems
+        with Client(d.address, timeout_s=30) as admin:
+            if not admin.health():
+                p.append(f"round {rnd}: health not SERVING")
+        for t in TENANTS:
+            with Client(d.address, token_file=str(self.tokens[t]), timeout_s=60) as c:
+                for ns, (_, _, n) in SIZES.items():
+                    shm = SharedMemoryPool.for_layout(layout(ns))
+                    try:
+                        pool = c.register_pool(shm, layout(ns))
+                        pages = shm.array().reshape(PAGES, layout(ns).block_bytes)
+                        for start in range(0, n, 4):
+                            idx = list(range(start, min(n, start + 4)))
+                            keys = [key_of(ns, i) for i in idx]
+                            try:
+                                lease = c.lookup(keys, pin=True, namespace=ns).lease_id
+                            except ResourceExhaustedError:  # more than L1's pin share
+                                lease = c.lookup(keys, namespace=ns).lease_id
+                            res = c.get(
+                                pool.pool_id, keys, range(len(keys)), lease_id=lease, namespace=ns
+                            )
+                            if lease:
+                                c.release(lease)
+                            for k, i in enumerate(idx):
+                                version = None
+                                if res.loaded[k]:
+                                    block = pages[k]
+                                    version = self.model.check_block(
+                                        t,
+                                        ns,
+                                        i,
+                                        block[:32].tobytes(),
+                                        whole(block),
+                                        f"round {rnd} after restart",
+                                    )
+                                self.model.observed(t, ns, i, version)
+                        c.unregister_pool(pool.pool_id)
+                    finally:
+                        shm.close()
+        check = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "--address", d.address, "check", "--settle", "5"],
+            capture_output=True,
+            text=True,
+        )
+        if check.returncode != 0:
+            p.append(
+                f"round {rnd}: kvtier check exited {check.returncode}: {check.stdout}{check.stderr}"
+            )
+
+    def close(self) -> None:
+        for p in self.clients:
+            p.kill()
+            p.wait()
+        if self.daemon is not None:
+            self.daemon.kill()
+        if self.redis is not None:
+            self.redis.kill()
+            self.redis.wait()
+        if not self.args.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.sockdir, ignore_errors=True)
+
+
+def campaign(args: argparse.Namespace) -> int:
+    # Stopped from outside (a background job ignores SIGINT), it still stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    c = Campaign(args)
+    print(f"campaign seed {args.seed}, folder {c.root}", flush=True)
+    started = time.monotonic()
+    try:
+        for rnd in range(args.rounds):
+            line = c.round(rnd)
+            l3 = (" L3" if c.l3 else "") + (" admit-all" if c.admit_all else "")
+            print(
+                f"round {rnd} (seed {args.seed * 100_000 + rnd}, series {c.series}{l3}): {line}",
+                flush=True,
+            )
+            if c.model.problems:
+                print("PROBLEMS:\n  " + "\n  ".join(c.model.problems), flush=True)
+                if c.daemon is not None:
+                    print(c.daemon.log()[-4000:])
+                return 1
+    finally:
+        c.close()
+    print(
+        f"{args.rounds} rounds in {time.monotonic() - started:.0f} s, all checks held; "
+        f"moments: {dict(c.moments)}",
+        flush=True,
+    )
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    for name in ("address", "tenant", "token-file", "namespaces", "journal", "stop-file"):
+        w.add_argument(f"--{name}", required=True)
+    w.add_argument("--seed", type=int, required=True)
+    w.add_argument("--round", type=int, required=True)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--series", type=int, default=25, help="rounds on one L2 folder")
+    ap.add_argument("--l3-every", type=int, default=2, help="L3 in every K-th series (0: never)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the folders")
+    args = ap.parse_args()
+    # A client's session ending with the daemon killed is the point here, not news.
+    logging.getLogger("kvtier.client.session").setLevel(logging.ERROR)
+    if args.cmd == "worker":
+        Worker(args).run()
+        return 0
+    return campaign(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
