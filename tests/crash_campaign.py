@@ -472,12 +472,12 @@ class Campaign:
                 time.sleep(0.002)
             time.sleep(rng.uniform(0.0, 0.08))
             d.kill()
-            done = "recovered blocks in" in d.log()
-            self.moments["start, after recovery" if done else "start, during recovery"] += 1
+            recovered = "recovered blocks in" in d.log()
+            self.moments["start, after recovery" if recovered else "start, during recovery"] += 1
         d = self.start_daemon(rng)
         self.verify(rnd, d)
-        done = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
-        return f"moment {hit}; calls: {done}; checked {self.model.counts_line()}"
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
+        return f"moment {hit}; calls: {calls}; checked {self.model.counts_line()}"
 
     def kill_at(self, moment: str, d: DaemonProcess, rng: random.Random) -> str:
         assert d.proc is not None
