@@ -489,6 +489,48 @@ def test_quarantined_slots_are_not_released_while_the_tier_is_degraded(
         assert sorted(tier.release_quarantined().released) == [blocks[1][1], blocks[2][1]]
 
 
+class _ReleaseOnLog(logging.Handler):
+    """Releases every quarantined slot of ``tier`` from within the first log line of a failed
+    read: after the read's slot is held, before its quarantine is in the index."""
+
+    def __init__(self, tier: DiskTier) -> None:
+        super().__init__()
+        self.tier = tier
+        self.released: list[int] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.released is None and "failed verification" in record.getMessage():
+            self.released = self.tier.release_quarantined().released
+
+
+def test_regression_a_release_during_a_failed_reads_quarantine_left_its_row_behind(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """A failed read held its slot in memory before it recorded the quarantine in the index;
+    a release in between gave the slot back, and the quarantine row written after it outlived
+    the release (seen: the slot free and handed out, yet quarantined in the index, so the
+    next open held it again and dropped the block durably written there since)."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(2)), 65_536)
+        _flip(tier, blocks[1][1])
+        hook = _ReleaseOnLog(tier)
+        logger = logging.getLogger("kvtier.tiers.disk")
+        logger.addHandler(hook)
+        try:
+            assert _read(tier, {1: blocks[1]}) == {1: None}
+        finally:
+            logger.removeHandler(hook)
+        assert hook.released == []
+        held = tier.quarantined()
+        assert [(q.slot, q.reason) for q in held] == [(blocks[1][1], "checksum mismatch")]
+        assert tier.release_quarantined().released == [blocks[1][1]]
+        again = _persist(tier, make_block, [2], 65_536)
+        assert again[2][1] == blocks[1][1]
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[0][0], again[2][0]}
+        assert tier.quarantined() == []
+
+
 def test_read_never_copies_unverified_bytes_through_staging(
     disk_dir: Path, make_block: Block
 ) -> None:

@@ -1341,10 +1341,11 @@ class DiskTier:
         return True
 
     def _quarantine(self, blocks: list[Block]) -> None:
-        with self._state_lock:
-            for b in blocks:
-                self._quarantined[b.slot] = b.nbytes
-            self._committed.discard(b.slot for b in blocks)
+        """Hold the slots of ``blocks``, whose reads failed, out of use: recorded in the index
+        first, then in memory, so that a release (which takes the slots it gives back from
+        memory and deletes their rows) never runs between the two and leaves a quarantine row
+        behind for a slot it handed out. Meanwhile no call but another read names these slots
+        (the store's in-flight marks), and one that fails again only quarantines them again."""
         # One line per block, with its key, up to a bound: a dying disk fails whole batches.
         for n, b in enumerate(blocks):
             log.log(
@@ -1362,9 +1363,13 @@ class DiskTier:
         try:
             self._idx().quarantine([(b.slot, b.nbytes, b.error) for b in blocks])
         except sqlite3.Error as e:
-            # The slots stay quarantined in memory; after a restart their rows would be
-            # served again only if their bytes verify.
+            # The slots are quarantined in memory all the same; after a restart their rows
+            # would be served again only if their bytes verify.
             self.faults.fault(classify(e), "index quarantine update")
+        with self._state_lock:
+            for b in blocks:
+                self._quarantined[b.slot] = b.nbytes
+            self._committed.discard(b.slot for b in blocks)
 
     def _blocks(
         self,
