@@ -27,7 +27,8 @@ admin right) and 3 when it cannot be reached, as ``health``.
 ``kvtier quarantine`` lists the slots L2 holds out of use after failed reads and, with
 ``--release``, gives them back first, each once a write and read back of its extent succeed:
 exit 1 when a slot it was to give back failed that check, 2 when the daemon refused (not an
-admin, no L2, L2 degraded or recovering, a slot it does not hold), 3 unreachable.
+admin, no L2, L2 degraded by a fault other than a failed read, or recovering, a slot it does
+not hold), 3 unreachable.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ CHECK_REFUSED = 2
 DRAIN_BUSY, DRAIN_REFUSED = 1, 2
 # kvtier quarantine: 0 listed (with --release: every slot asked is back in use), 1 a slot
 # --release was to give back failed its check and stays quarantined, 2 refused (the daemon
-# answered and did nothing: not an admin, no L2, L2 degraded or still reading its index, a
-# slot it does not hold, or stopping), 3 (health's UNREACHABLE) no answer.
+# answered and did nothing: not an admin, no L2, L2 degraded by a fault other than a failed
+# read or still reading its index, a slot it does not hold, or stopping), 3 (health's
+# UNREACHABLE) no answer.
 QUARANTINE_KEPT, QUARANTINE_REFUSED = 1, 2
 
 
@@ -763,11 +765,12 @@ def main(argv: list[str] | None = None) -> int:
         "mismatch or I/O error), with the data file and offset of each, when and why. With "
         "--release, gives them back to use first (all, or those --slot names): each once its "
         "extent takes a write of random bytes, a sync and a read back; one that fails stays "
-        "quarantined, its reason saying why. Refused while L2 is degraded or still reading "
-        "its index. Exit status: 0 listed (with --release: every slot asked is back in use), "
+        "quarantined, its reason saying why. Refused while L2 is degraded (but by a failed read, "
+        "which a release whose every check passes clears) or still reading its index. Exit "
+        "status: 0 listed (with --release: every slot asked is back in use), "
         "1 some slot --release was to give back stays quarantined (listed), 2 the daemon "
-        "refused (it answered and did nothing: not an admin, no L2, L2 degraded or "
-        "recovering, a slot it does not hold, or it is stopping), 3 unreachable, as health's 3.",
+        "refused (it answered and did nothing: not an admin, no L2, L2 degraded by another "
+        "fault or recovering, a slot it does not hold, or it is stopping), 3 unreachable, as health's 3.",
     )
     q.add_argument(
         "--release",

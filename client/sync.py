@@ -939,7 +939,8 @@ class Client:
         ``release``, after giving ``slots`` (every one held when empty) back to use, each
         once its extent takes a write and gives it back (one that fails stays held, its
         reason saying why). FailedPreconditionError without L2, and for a release while L2 is
-        degraded or still reading its index. ``timeout_s`` bounds this call instead of the
+        degraded (but by a failed read, which a release whose every check passes clears) or
+        still reading its index. ``timeout_s`` bounds this call instead of the
         client's timeout (a release writes, syncs and reads every extent; ``None`` or 0: the
         client's)."""
         timeout_s = t.checked_seconds(timeout_s, "Quarantine: timeout_s")

@@ -1864,8 +1864,8 @@ class BlockStore:
         """(the slots the disk tier holds out of use, those given back to use), after a
         release of ``slots`` (every one held when empty) with ``release``
         (``Quarantine.release_quarantined``). FailedPrecondition: there is no such tier, or
-        it refused the release (degraded, recovering); InvalidArgument: a slot it does not
-        hold."""
+        it refused the release (degraded by a fault other than a failed read, recovering);
+        InvalidArgument: a slot it does not hold."""
         level = next((lv for lv in self.stack if hasattr(lv.tier, "release_quarantined")), None)
         if level is None:
             raise FailedPrecondition("no tier quarantines slots: the daemon runs without L2")

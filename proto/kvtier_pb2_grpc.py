@@ -188,7 +188,8 @@ class KVTierServicer(object):
         """Admin only. The slots L2 holds out of use after reads of them failed, and, with release,
         gives some back to use first: each once its extent takes a write and gives it back (one
         that fails stays held, its reason saying why). FAILED_PRECONDITION when there is no L2,
-        and for a release while L2 is degraded or still reading its index.
+        and for a release while L2 is degraded (but by a failed read, which a release whose every
+        check passes clears) or still reading its index.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -658,7 +658,8 @@ class Quarantine(Protocol):
     def release_quarantined(self, slots: Sequence[int] | None = None) -> QuarantineRelease:
         """Give ``slots`` (every slot held when None) back to use, each only once its extent
         took a write and gave it back. Raises TierUnavailable, changing nothing, while the
-        tier is degraded or recovering, and ValueError for a slot it does not hold."""
+        tier is degraded (but by a failed read: a release whose every check passed ends that
+        fault) or recovering, and ValueError for a slot it does not hold."""
         ...
 
 

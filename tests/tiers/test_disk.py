@@ -531,6 +531,30 @@ def test_regression_a_release_during_a_failed_reads_quarantine_left_its_row_behi
         assert tier.quarantined() == []
 
 
+def test_regression_a_read_eio_of_an_idle_tier_could_not_be_released(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A failed read degrades the tier until a write gets through; with no write coming (an
+    idle daemon) it stayed degraded, and the release of its slots, which writes, syncs and
+    reads back the very extents that failed, was refused for it (seen: one preadv EIO, then
+    `kvtier quarantine --release`: FAILED_PRECONDITION 'L2 is degraded_io'). The release
+    runs, and once every slot passed its check the tier is whole again; a check that fails
+    leaves the tier as it was."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=3600.0) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+        faulty_files.fail("preadv", errno.EIO, times=1)
+        assert _read(tier, blocks) == dict.fromkeys(blocks)
+        assert tier.health().state is Health.DEGRADED_IO
+        slots = sorted(b[1] for b in blocks.values())
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        out = tier.release_quarantined(slots[:2])
+        assert out.released == [slots[1]] and [q.slot for q in out.kept] == [slots[0]]
+        assert tier.health().state is Health.DEGRADED_IO
+        assert sorted(tier.release_quarantined().released) == [slots[0], *slots[2:]]
+        assert tier.health().state is Health.OK
+        assert tier.quarantined() == []
+
+
 def test_read_never_copies_unverified_bytes_through_staging(
     disk_dir: Path, make_block: Block
 ) -> None:

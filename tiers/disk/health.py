@@ -7,7 +7,8 @@ that keeps the checkpoint from finishing) degrade it until a write gets through 
 write batch per ``enospc_retry_s`` is let through to find out). So does a failed read of data
 blocks (kind ``read``, whatever its errno): its slots are quarantined by the tier, and the batch
 let through finds out whether the disk still takes writes (written, synced and committed: the
-tier is whole again; a write or sync that fails turns the fault into one that lasts). EIO and
+tier is whole again; a write or sync that fails turns the fault into one that lasts), or a
+release of quarantined slots whose every check passed (``read_checked``). EIO and
 other faults of writes, syncs and the index degrade it until it is reopened. Reads are served
 while degraded.
 
@@ -132,6 +133,20 @@ class FaultState:
         """Whether the tier is degraded by an index another process keeps locked."""
         with self._lock:
             return self._degraded is not None and self._degraded.kind == "locked"
+
+    def read_failed(self) -> bool:
+        """Whether the tier is degraded by a failed read (and nothing since)."""
+        with self._lock:
+            return self._degraded is not None and self._degraded.kind == "read"
+
+    def read_checked(self) -> None:
+        """Extents were written, synced and read back, and the index committed: a tier
+        degraded by a failed read is whole again (an idle one has no write batch to tell)."""
+        with self._lock:
+            if self._degraded is None or self._degraded.kind != "read":
+                return
+            self._degraded = None
+        log.warning("L2 tier admits writes again: a release checked the quarantined extents")
 
     def refuses_commits(self) -> bool:
         """Index commits stop on faults other than a full disk, a locked index or a failed

@@ -34,7 +34,8 @@ Invariants:
 - I/O faults never raise out of the data verbs: they are results, counters and the tier's
   health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads (after
   a full disk, a locked index or a failed read, until a write let through now and then
-  succeeds: ``FaultState``).
+  succeeds: ``FaultState``; after a failed read, also until a release of quarantined slots
+  whose every check passed).
 - Damage found at open stays partial: a data file that is missing, shorter than the index
   needs or unreadable loses only the blocks whose slots lie in its damaged part (rows dropped,
   counted by reason in ``blocks_lost_at_recovery_*``, shown in the health detail), and the file
@@ -1163,16 +1164,20 @@ class DiskTier:
         A failed write or read of a checked extent keeps its slot and is counted
         (``io_errors``), without degrading the tier (the extent was suspect already); a failed
         sync degrades it, as any does (the sync covers the whole file, whose other writes the
-        error may be about). Raises TierUnavailable while the tier is degraded (the fault may
-        be what failed the reads; release once it is ok) or recovering, ValueError for a slot
-        not held; either changes nothing."""
+        error may be about). Degraded by a failed read, the tier is whole again once every
+        slot checked passed (the extents took writes, a sync and reads, and the index a
+        commit): an idle tier has no write batch to find that out. Raises TierUnavailable
+        while the tier is degraded by another fault (it may be what failed the reads; release
+        once it is ok) or recovering, ValueError for a slot not held; either changes
+        nothing."""
         self._check_open()
         with self._release_lock:
             health = self.health()
-            if health.state is not Health.OK:
+            if health.state is not Health.OK and not self.faults.read_failed():
                 raise TierUnavailable(
                     f"L2 is {health.state.value}: quarantined slots are released only while it "
-                    "is ok (mend the fault, and restart the daemon for one that lasts)"
+                    "is ok or degraded by a failed read alone (mend the fault, and restart the "
+                    "daemon for one that lasts)"
                 )
             if self.allocator.recovering:
                 raise TierUnavailable(
@@ -1215,6 +1220,8 @@ class DiskTier:
                     self.allocator.release(slot)
         if passed:
             log.warning("L2: %d quarantined slot(s) checked and returned to service", len(passed))
+            if not failed:
+                self.faults.read_checked()
         if failed:
             log.warning(
                 "L2: %d quarantined slot(s) failed their check and stay quarantined (first: "
