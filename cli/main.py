@@ -497,27 +497,33 @@ def _quarantine(args: argparse.Namespace) -> int:
     except KvtierError as e:
         print(f"kvtier quarantine: {type(e).__name__}: {e.details}", file=sys.stderr)
         return QUARANTINE_REFUSED
-    # A release's failures are the slots it was to give back that are still held.
-    asked = set(args.slot) if args.slot else {q.slot for q in result.held}
-    kept = [q for q in result.held if q.slot in asked] if args.release else []
+    # A release's failures are the slots it was to give back that it did not (each slot named
+    # was held, or the daemon refused them all); the list may not reach them.
+    kept = 0
+    if args.release:
+        kept = len(set(args.slot) - set(result.released)) if args.slot else result.held_count
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:
-        held_bytes = sum(q.slot_bytes for q in result.held)
         if args.release:
             print(
                 f"released: {len(result.released)} slot(s) back in use at kvtierd at {address}; "
-                f"{len(kept)} failed their check and stay quarantined"
+                f"{kept} failed their check and stay quarantined"
             )
         print(
-            f"L2 of kvtierd at {address}: {len(result.held)} slot(s) quarantined "
-            f"({human_bytes(held_bytes)})"
+            f"L2 of kvtierd at {address}: {result.held_count} slot(s) quarantined "
+            f"({human_bytes(result.held_bytes)})"
         )
         for q in result.held:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(q.at)) if q.at else "-"
             print(
                 f"  slot {q.slot:<8} {human_bytes(q.slot_bytes):>10}  {q.file}+{q.offset}  "
                 f"{when}  {q.reason}"
+            )
+        if len(result.held) < result.held_count:
+            print(
+                f"  ... {result.held_count - len(result.held)} more not listed (one reply "
+                "holds the first that fit in the daemon's server.max_message_bytes)"
             )
     return QUARANTINE_KEPT if kept else 0
 
@@ -762,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         "quarantine",
         help="list the L2 slots held out of use after failed reads, or release them (admin)",
         description="The slots L2 holds out of use after reads of them failed (checksum "
-        "mismatch or I/O error), with the data file and offset of each, when and why. With "
+        "mismatch or I/O error), with the data file and offset of each, when and why (as many "
+        "as one reply holds; the count covers every one). With "
         "--release, gives them back to use first (all, or those --slot names): each once its "
         "extent takes a write of random bytes, a sync and a read back; one that fails stays "
         "quarantined, its reason saying why. Refused while L2 is degraded (but by a failed read, "

@@ -136,8 +136,12 @@ class QuarantinedSlot:
 
 @dataclass(frozen=True, slots=True)
 class QuarantineResult:
-    held: list[QuarantinedSlot]  # every slot L2 holds after the call
+    # The slots L2 holds after the call, in slot order, as many as one reply holds (the
+    # daemon's server.max_message_bytes): held_count says how many in all.
+    held: list[QuarantinedSlot]
     released: list[int]  # the slots the call gave back to use
+    held_count: int  # the slots held after the call, listed or not
+    held_bytes: int  # their extents' bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,6 +552,8 @@ def quarantine_result(resp: pb.QuarantineResponse) -> QuarantineResult:
             for q in resp.held
         ],
         list(resp.released),
+        resp.held_count,
+        resp.held_bytes,
     )
 
 

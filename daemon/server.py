@@ -611,19 +611,29 @@ class KVTierServicer:
         held, released = await self.service.quarantine(
             request.session_id, request.release, request.slots
         )
+        # A disk that failed many reads holds tens of thousands of slots: the list stops where
+        # the reply would pass the message size limit (a varint is at most 10 bytes, its
+        # field's tag and length at most 6), and held_count counts every one.
+        room = self.service.config.server.max_message_bytes - 64 - 10 * len(released)
+        listed = []
+        for q in held:
+            entry = pb.QuarantinedSlot(
+                slot=q.slot,
+                slot_bytes=q.slot_bytes,
+                file=q.file,
+                offset=q.offset,
+                reason=q.reason,
+                at=q.at,
+            )
+            room -= entry.ByteSize() + 6
+            if room < 0:
+                break
+            listed.append(entry)
         return pb.QuarantineResponse(
-            held=[
-                pb.QuarantinedSlot(
-                    slot=q.slot,
-                    slot_bytes=q.slot_bytes,
-                    file=q.file,
-                    offset=q.offset,
-                    reason=q.reason,
-                    at=q.at,
-                )
-                for q in held
-            ],
+            held=listed,
             released=released,
+            held_count=len(held),
+            held_bytes=sum(q.slot_bytes for q in held),
         )
 
     @_rpc

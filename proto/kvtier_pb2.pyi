@@ -402,12 +402,16 @@ class QuarantinedSlot(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class QuarantineResponse(_message.Message):
-    __slots__ = ("held", "released")
+    __slots__ = ("held", "released", "held_count", "held_bytes")
     HELD_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    HELD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[QuarantinedSlot]
     released: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ...) -> None: ...
+    held_count: int
+    held_bytes: int
+    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., held_count: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -594,7 +594,7 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
     assert code == 2 and "InvalidArgumentError" in err and "no quarantined slot 7777" in err
     code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"held": [], "released": [bad]}
+    assert json.loads(out) == {"held": [], "released": [bad], "held_count": 0, "held_bytes": 0}
     assert kvtier(*address, "check").returncode == 0
     d.stop()
     d.start()  # the release was durable
@@ -604,12 +604,66 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
         assert client.lookup(ks).tiers.count(Tier.L2_DISK) == 3
 
 
+def test_regression_a_quarantine_too_long_for_one_reply_was_not_listed_nor_released(
+    daemon_factory, tmp_path, capsys
+):
+    """The reply listed every slot held: past server.max_message_bytes it was refused
+    (RESOURCE_EXHAUSTED, exit 2, 'did nothing'), so a disk that failed many reads could not
+    be listed, and `--release` gave every slot back yet said it was refused (seen: 20000
+    slots, max_message_bytes 1MiB). The reply lists what fits, in slot order, and counts
+    every slot held; the exit status of a release comes from what it released."""
+    from disk_writes import PersistItem, persist
+
+    from kvtier.tiers.disk import DiskTier, ReadItem
+
+    l2, n = tmp_path / "l2", 20_000
+    geometry = ("tiers.l2.capacity_bytes=96MiB", "tiers.l2.segment_bytes=1MiB")
+    d = daemon_factory(
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={l2}",
+        *geometry,
+        "tiers.l2.file_bytes=32MiB",
+        "server.max_message_bytes=1MiB",
+    )
+    d.stop()
+    data = bytes(4096)
+    with DiskTier(l2, 96 << 20, 1 << 20, file_bytes=32 << 20) as tier:
+        items = [
+            PersistItem(1, i.to_bytes(32, "little"), tier.allocator.allocate(4096), data, 4096)
+            for i in range(n)
+        ]
+        outcomes = persist(tier, items)
+        # Read back against checksums they do not have: each a miss, its slot quarantined.
+        bufs = [bytearray(4096) for _ in items]
+        reads = [
+            ReadItem(it.slot, buf, 4096, o.checksum ^ 1, it.key)
+            for it, o, buf in zip(items, outcomes, bufs, strict=True)
+        ]
+        assert not any(tier.read_items(reads))
+    d.start()
+    address = ("--address", d.address)
+    code, out, err = run_main(capsys, *address, "quarantine", "--json")
+    assert code == 0, err
+    listed = json.loads(out)
+    assert listed["held_count"] == n and 1000 < len(listed["held"]) < n
+    slots = sorted(it.slot for it in items)
+    assert [q["slot"] for q in listed["held"]] == slots[: len(listed["held"])]
+    code, out, err = run_main(capsys, *address, "quarantine")
+    assert code == 0, err
+    assert out.splitlines()[0].startswith(f"L2 of kvtierd at {d.address}: {n} slot(s) quarantined")
+    assert f"{n - len(listed['held'])} more not listed" in out.splitlines()[-1]
+    code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
+    assert code == 0, err
+    released = json.loads(out)
+    assert released["held_count"] == 0 and sorted(released["released"]) == slots
+
+
 def test_quarantine_exits_1_when_a_slot_it_was_to_release_stays_held(capsys, monkeypatch):
     from kvtier.client import Client, QuarantinedSlot, QuarantineResult
 
     kept = QuarantinedSlot(9, 65536, "data-0000.bin", 589824, "release: write: EIO: boom", 0.0)
     other = QuarantinedSlot(12, 65536, "data-0001.bin", 0, "checksum mismatch", 0.0)
-    result = QuarantineResult([kept, other], [4])
+    result = QuarantineResult([kept, other], [4], 2, 131072)
     monkeypatch.setattr(Client, "quarantine", lambda self, release, slots: result)
     address = ("--address", "unix:/x.sock")
     code, out, _ = run_main(
