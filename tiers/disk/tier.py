@@ -1155,8 +1155,8 @@ class DiskTier:
     def release_quarantined(self, slots: Sequence[int] | None = None) -> QuarantineRelease:
         """Give quarantined slots back to use (an operator's decision, e.g. after the disk
         was checked): ``slots``, or every one held when None. Each slot's extent first takes
-        a write of fresh random bytes, a sync and a read back (from the disk, with
-        ``O_DIRECT``); one whose check fails stays held, its recorded reason saying why. The
+        a write of fresh random bytes, a sync and a read back (from the disk: with
+        ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails stays held, its recorded reason saying why. The
         rows of the slots released (their quarantine rows, and a block row that a failed
         quarantine update left) are durably deleted before the allocator may hand them out,
         so a crash after a release brings no old block back.
@@ -1238,7 +1238,9 @@ class DiskTier:
     def _check_extents(self, held: dict[int, int]) -> dict[int, str]:
         """Write the whole extent of each quarantined slot of ``held`` (slot -> nbytes) with
         random bytes, sync the files written once, and read the extents back: slot -> what
-        failed, '' for one that came back whole."""
+        failed, '' for one that came back whole. The read back is the disk's: with
+        ``O_DIRECT``, or else after the written files' clean pages are dropped from the page
+        cache (what they cached is read from the disk again)."""
         out: dict[int, str] = {}
         written: dict[int, tuple[int, int, mmap.mmap]] = {}
         try:
@@ -1267,6 +1269,13 @@ class DiskTier:
                 for slot, (f, _, _) in written.items():
                     if f == file:
                         out.setdefault(slot, f"sync: {classify(error).detail}")
+            if not self.files.direct:
+                # A buffered read back would come from the pages the write just filled, not
+                # from the disk: once synced they are clean, and dropped. The whole file's: a
+                # page cache folio may span more than an extent (readahead makes large ones),
+                # and one a range only partly covers stays.
+                for file in files:
+                    os.posix_fadvise(self.files.fds[file], 0, 0, os.POSIX_FADV_DONTNEED)
             for slot, (file, offset, buf) in written.items():
                 if slot in out:
                     continue
