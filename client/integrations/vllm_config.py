@@ -508,8 +508,9 @@ def _checkpoint_fingerprint(path: str, load_config: Any) -> str:
 def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
     """What binds a speculative-decoding draft model, whose attention layers are in the KV
     cache beside the target's (they are saved and loaded with them): the method, the draft's
-    name, revision and config, and (``weights``) its weight files as ``weights_fingerprint``
-    reads the target's, unless they are the target's own (MTP layers); 32 hex digits. Empty
+    name (``draft_name``), revision and config, and (``weights``) its weight files as
+    ``weights_fingerprint`` reads the target's, unless they are the target's own (MTP
+    layers); 32 hex digits. Empty
     where the draft has no KV cache (no speculation; n-gram, suffix and custom proposers,
     whose ``draft_model_config`` is the target's: vLLM's ``uses_draft_kv_cache``), so those
     namespaces are as they were. Without it, engines of one target with different drafts
@@ -521,16 +522,31 @@ def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
     if draft is None or (uses_kv is not None and not uses_kv()):
         return ""
     path = str(draft.model)
+    own = path == str(vllm_config.model_config.model)
     parts = [
         str(getattr(speculative, "method", "")),
-        path,
+        draft_name(path, own),
         str(getattr(draft, "revision", None) or ""),
         config_fingerprint(draft.hf_config),
     ]
-    if weights and path != str(vllm_config.model_config.model):
+    if weights and not own:
         load_config = getattr(speculative, "draft_load_config", None) or vllm_config.load_config
         parts.append(_checkpoint_fingerprint(path, load_config))
     return hashlib.sha256("|".join(map(_field, parts)).encode()).hexdigest()[:32]
+
+
+def draft_name(path: str, own: bool) -> str:
+    """The draft's name in ``draft_fingerprint``: a hub id as given, a local checkpoint
+    folder by its last component, ``target`` for the target's own checkpoint (``own``). A
+    folder's full path bound the draft's copy on each node where it lay: engines whose drafts
+    were the same files at other paths (another mount, another cache folder) shared no block,
+    even with ``namespace.model`` set to keep the target's path out of the namespace; its
+    contents are bound by the weights' fingerprint."""
+    if own:
+        return "target"
+    if os.path.isdir(path):
+        return os.path.basename(os.path.normpath(path))
+    return path
 
 
 # ----------------------------------------------------------------------- keys

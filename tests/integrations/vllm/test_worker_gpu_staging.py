@@ -371,3 +371,47 @@ def test_regression_engines_with_different_draft_weights_shared_a_namespace(tmp_
     first, second = extra(b"\x01" * 8192), extra(b"\x02" * 8192)
     assert first != second
     assert first == extra(b"\x01" * 8192)
+
+
+def test_regression_the_draft_part_bound_the_draft_folders_path(tmp_path):
+    """The draft part of the namespace named a local draft checkpoint by its full path, so
+    engines whose drafts were the same files in other folders (another mount or cache
+    folder on each node) shared no block, though ``namespace.model`` kept the target's path
+    out. A draft folder counts by its last component and its files now. Real vLLM configs
+    (``EngineArgs.create_engine_config``) of a target with a draft model."""
+    import shutil
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm_harness import make_checkpoint
+
+    from kvtier.client.integrations.vllm_config import NamespaceOptions, identify
+
+    target = make_checkpoint(tmp_path / "target")
+    draft = make_checkpoint(tmp_path / "node-a" / "draft", num_hidden_layers=1)
+    moved = tmp_path / "node-b" / "draft"
+    shutil.copytree(draft, moved)
+    other = make_checkpoint(tmp_path / "node-c" / "draft", num_hidden_layers=1, rope_theta=5e4)
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(5)])
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
+
+    def extra(draft_path: Any) -> str:
+        args = EngineArgs(
+            model=str(target),
+            max_model_len=1024,
+            block_size=128,
+            speculative_config={
+                "method": "draft_model",
+                "model": str(draft_path),
+                "num_speculative_tokens": 2,
+            },
+        )
+        options = NamespaceOptions(model="tiny-llama")
+        return identify(args.create_engine_config(), kv_cache_config, options).extra
+
+    first = extra(draft)
+    assert "draft=" in first
+    assert extra(moved) == first
+    assert extra(other) != first
