@@ -7,8 +7,9 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
   offered to L1 first. A block leaving L1 (evicted at a full tier, or above the high
   watermark) is written to L2 when it has no L2 copy and L2's admission admits it
   (``write_back``, the default; ``selective`` does the same); above the high watermark, a
-  block L2 has no room for (every candidate protected) stays in L1 and the pass ends, as the
-  daemon's balancer keeps it, while one L2's admission declines leaves. ``write_through``
+  block L2 admits but has no room for (every candidate protected) stays in L1 and the pass
+  ends, as the daemon's balancer keeps it, while one L2's admission declines leaves, L2 full
+  or not (admission is asked first, as the daemon's demotion does). ``write_through``
   writes every new block to L2 at once as well, without asking L2's admission (the daemon's
   store does not). ``selective`` writes a block to L2 as soon as L2's admission admits it, on an access.
   Evicting from L2 drops only the L2 copy. A block L1 declines (its admission, or every
@@ -810,15 +811,24 @@ class _Engine:
 
     def _balance_out(self, victim: int) -> bool:
         """The balancer's eviction of ``victim`` from L1 (the daemon's ``balance``): a block
-        whose only copy is in L1 that L2 has no room for stays (L1 has room for it; the next
-        pass tries again), and the pass ends; otherwise ``_evict``. Whether it left."""
+        whose only copy is in L1 that L2 admits but has no room for stays (L1 has room for
+        it; the next pass tries again), and the pass ends; otherwise ``_evict``. Whether it
+        left. L2's admission is asked first, as the daemon's demotion does: a block it
+        declines leaves whether or not L2 has room."""
         l2 = self.l2
         if (
             l2 is not None
             and not self.copies[victim] & _L2
             and isinstance(self._room(l2, victim), str)
         ):
-            return False
+            if self.stack.write_policy == "write_through" or l2.admits_all:
+                return False
+            decision = l2.admission.decide(victim, None, self.now)
+            if decision.admit:
+                return False
+            l2.declined[decision.reason] += 1
+            self._evict(self.l1, victim, demote=False)
+            return True
         self._evict(self.l1, victim)
         return True
 
@@ -851,14 +861,16 @@ class _Engine:
                 return "density"
         return victim
 
-    def _evict(self, tier: _Tier, victim: int) -> None:
+    def _evict(self, tier: _Tier, victim: int, demote: bool = True) -> None:
+        """Take ``victim`` out of ``tier``; one leaving L1 with no L2 copy is offered to L2
+        unless ``demote`` is False (L2's admission declined it already)."""
         tier.policy.remove(victim)
         tier.epoch += 1
         tier.count -= 1
         tier.evictions += 1
         self.copies[victim] &= ~tier.bit
         l2 = self.l2
-        if tier.bit == _L1 and l2 is not None and not self.copies[victim] & _L2:
+        if demote and tier.bit == _L1 and l2 is not None and not self.copies[victim] & _L2:
             through = self.stack.write_policy == "write_through"
             if self._offer(
                 l2, victim, self.parent[victim], ask_admission=not through, access=False

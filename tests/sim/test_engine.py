@@ -612,6 +612,39 @@ def test_regression_watermarks_dropped_l1_blocks_l2_had_no_room_for() -> None:
     assert r.evictions["l1"] == 2 and r.demotions == 2
 
 
+def test_regression_watermarks_kept_l1_blocks_l2_declined_with_l2_full() -> None:
+    """Regression: above L1's high watermark, a victim L2's admission declines (second_hit:
+    seen once) leaves the store, L2 full or not, as the daemon's demotion asks admission
+    before room; the replayer asked for room first and kept such a victim (and ended the
+    pass) wherever L2 was full of protected blocks. L2 is full of protected blocks (the reads
+    at 9.5 s and 11.6 s renew them) when the 11.6 s request puts L1 back above its high mark
+    (its blocks 20-29 out of their protection by then); blocks 21-25, which L2 sees for the
+    first time, leave (five more first_seen), and their read at 11.7 s is all misses."""
+    requests = [
+        {"timestamp": 0, "hash_ids": [0, 1]},
+        {"timestamp": 3000, "hash_ids": list(range(10, 20))},
+        {"timestamp": 6000, "hash_ids": [0, 1]},
+        {"timestamp": 9000, "hash_ids": list(range(20, 30))},
+        {"timestamp": 9500, "hash_ids": [0, 1]},
+        {"timestamp": 11_600, "hash_ids": [0]},
+    ]
+    stack = StackConfig(protect_s=2.5, l1_watermarks=(0.8, 0.5))
+    before = replay(
+        trace_from_requests(requests), "lru", 10, 2, l2_admission="second_hit", stack=stack
+    )
+    assert before.declined["l2:protected"] == 1  # L2 is full of protected blocks
+    after = replay(
+        trace_from_requests([*requests, {"timestamp": 11_700, "hash_ids": [21, 22, 23, 24, 25]}]),
+        "lru",
+        10,
+        2,
+        l2_admission="second_hit",
+        stack=stack,
+    )
+    assert after.hits == before.hits
+    assert before.declined["l2:first_seen"] == 12 + 5
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
