@@ -669,30 +669,26 @@ class SpaceManager:
         return mask
 
     def _shares(self, level: Level, owner: int) -> tuple[np.ndarray, float]:
-        """Bytes each owner holds in ``level`` (at least through ``owner``) and an equal share
-        of the tier among the owners holding blocks there (``owner`` counted): against a put
-        of ``owner`` with nowhere else to go, the blocks of an owner holding more than that
-        lose their protection period, ``owner``'s own excepted (``displace``). A tenant that
-        keeps more than its share protected by reading it loses protection on the excess,
-        not one that keeps its share.
+        """The slot bytes each owner's blocks take in ``level`` (at least through ``owner``)
+        and an equal share of the tier among the owners holding blocks there (``owner``
+        counted): against a put of ``owner`` with nowhere else to go, the blocks of an owner
+        holding more than that lose their protection period, ``owner``'s own excepted
+        (``displace``). A tenant that keeps more than its share protected by reading it loses
+        protection on the excess, not one that keeps its share.
 
-        Both are in block bytes: the capacity counts slots (blocks rounded up to the slot
-        size) and segment tails, so it is weighed by the part of a slot a block fills on
-        average and the part of the filled space that slots are; its blocks all of one size
-        (one model), that is exact."""
-        usage = self.table.usage[level.col]
+        Both are in the room blocks take, slots (each block rounded up to the slot size), not
+        in their bytes: blocks of several sizes fill their slots unequally, and a tenant
+        holding half of the slots holds half of the tier whatever its blocks' size. The
+        capacity leaves out the part of the filled space that segment tails are (space no
+        slot of the segment's size fits into, and no owner's slots count)."""
+        usage = self.table.slot_usage[level.col]
         if owner >= len(usage):
             usage = np.concatenate([usage, np.zeros(owner + 1 - len(usage), usage.dtype)])
         holding = usage > 0
         holding[owner] = True
         alloc = level.slots.allocator
         capacity = float(alloc.capacity_bytes)
-        # Averages, not totals: the slots in use include those reserved for copies in flight
-        # and those of dropped copies still being freed, which no owner's usage counts yet.
-        resident, slots = len(level.policy), alloc.used_slots
-        if resident and slots:
-            block_bytes = int(usage.sum()) / resident
-            capacity *= block_bytes / (alloc.used_bytes / slots)
+        if alloc.filled_bytes:
             capacity *= alloc.used_bytes / alloc.filled_bytes
         return usage, capacity / int(np.count_nonzero(holding))
 
@@ -711,7 +707,7 @@ class SpaceManager:
         owners = table.owner[victims]
         for over in np.unique(owners[displaced]).tolist():
             theirs = np.flatnonzero(displaced & (owners == over))
-            sizes = table.nbytes[victims[theirs]].astype(np.int64)
+            sizes = level.slots.allocator.slot_sizes(table.slot[victims[theirs], level.col])
             # Taken while the owner still holds more than its share, each counted once gone.
             keep[theirs[np.cumsum(sizes) - sizes < usage[over] - share]] = True
         return victims[keep]

@@ -190,6 +190,7 @@ class BlockStore:
             len(self.stack),
             checksummed=tuple(lv.checksummed for lv in self.stack),
             accounted=tuple(not lv.keyed for lv in self.stack),
+            slot_align=tuple(1 if lv.keyed else lv.slots.allocator.align for lv in self.stack),
         )
         self.table.history_factor = config.policy.history_factor
         self.counters = Counters()
@@ -1950,6 +1951,10 @@ class BlockStore:
             np.add.at(want, table.owner[holders], table.nbytes[holders].astype(np.int64))
             if not np.array_equal(want, table.usage[col]):
                 problems.append(f"{label}: per-tenant usage does not add up to its blocks")
+            want[:] = 0
+            np.add.at(want, table.owner[holders], alloc.slot_sizes(table.slot[holders, col]))
+            if not np.array_equal(want, table.slot_usage[col]):
+                problems.append(f"{label}: per-tenant slots do not add up to its blocks")
             if quiet and (held := [o for o, k in self.space.quota_held if k == level.kind]):
                 problems.append(f"{label}: {len(held)} tenants hold reserved slots no copy uses")
         if pins is not None:

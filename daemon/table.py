@@ -127,6 +127,7 @@ class BlockTable:
         initial_capacity: int = 1024,
         checksummed: tuple[bool, ...] | None = None,
         accounted: tuple[bool, ...] | None = None,
+        slot_align: tuple[int, ...] | None = None,
     ) -> None:
         self._salt = np.uint64(secrets.randbits(64))
         self._salt_int = int(self._salt)
@@ -138,6 +139,11 @@ class BlockTable:
         # (``accounted``): kept by set_slots/clear_slots, checked by ``check``.
         self._accounted = np.asarray(accounted if accounted is not None else (True,) * columns)
         self.usage = np.zeros((columns, 16), dtype=np.int64)
+        # The same in the slots those copies take (each block rounded up to its column's
+        # ``slot_align``): tenants' shares of a tier are of the room they take, which blocks
+        # of several sizes fill unequally (``SpaceManager._shares``).
+        self._align = np.asarray(slot_align if slot_align is not None else (1,) * columns)
+        self.slot_usage = np.zeros((columns, 16), dtype=np.int64)
         self.on_free: list[Callable[[int], None]] = []
         self._count = 0
         self._capacity = 0
@@ -379,21 +385,28 @@ class BlockTable:
             if self._accounted[col]:
                 owner = self.owner.item(bid)
                 self._fit_owner(owner)
-                self.usage[col, owner] += self.nbytes.item(bid)
+                nbytes = self.nbytes.item(bid)
+                self.usage[col, owner] += nbytes
+                align = self._align.item(col)
+                self.slot_usage[col, owner] += -(-nbytes // align) * align
             return
         bids = np.asarray(bids, dtype=np.int64)
         self.slot[bids, col] = slots
         if self._accounted[col] and len(bids):
             owners = self.owner[bids]
             self._fit_owner(int(owners.max()))
-            np.add.at(self.usage[col], owners, self.nbytes[bids].astype(np.int64))
+            nbytes = self.nbytes[bids].astype(np.int64)
+            np.add.at(self.usage[col], owners, nbytes)
+            np.add.at(self.slot_usage[col], owners, self._slot_bytes(nbytes, col))
 
     def clear_slots(self, bids: np.ndarray | int, col: int) -> None:
         """Forget the copies of ``bids`` in column ``col`` (a no-op where there is none)."""
         bids = np.atleast_1d(np.asarray(bids, dtype=np.int64))
         held = bids[self.slot[bids, col] >= 0]
         if self._accounted[col] and len(held):
-            np.subtract.at(self.usage[col], self.owner[held], self.nbytes[held].astype(np.int64))
+            owners, nbytes = self.owner[held], self.nbytes[held].astype(np.int64)
+            np.subtract.at(self.usage[col], owners, nbytes)
+            np.subtract.at(self.slot_usage[col], owners, self._slot_bytes(nbytes, col))
         self.slot[held, col] = -1
 
     def _fit_owner(self, owner: int) -> None:
@@ -401,6 +414,14 @@ class BlockTable:
             grown = np.zeros((self.columns, _pow2_at_least(owner + 1)), dtype=np.int64)
             grown[:, : self.usage.shape[1]] = self.usage
             self.usage = grown
+            slots = np.zeros_like(grown)
+            slots[:, : self.slot_usage.shape[1]] = self.slot_usage
+            self.slot_usage = slots
+
+    def _slot_bytes(self, nbytes: np.ndarray, col: int) -> np.ndarray:
+        """The slot bytes blocks of ``nbytes`` take in column ``col``."""
+        align = int(self._align[col])
+        return -(-nbytes // align) * align
 
     @property
     def rows(self) -> int:

@@ -2397,6 +2397,30 @@ async def test_regression_shares_weighed_block_bytes_against_a_capacity_of_slots
     assert present(store, theirs).count(True) == 16 and all(present(store, mine))
 
 
+async def test_regression_shares_of_tenants_whose_blocks_differ_in_size(make_store):
+    """Regression: with blocks of several sizes, each tenant's holding was weighed in its
+    blocks' bytes against a capacity scaled by the tier's average fill of a slot, so the
+    tenant whose slots its blocks filled best counted over an equal share while holding
+    exactly half of the slots, and the other's put displaced its protected blocks (4 KiB
+    blocks and 2,100-byte blocks, 16 of 32 4 KiB slots each: 65,536 bytes against a share of
+    49,568); it would have gone on down to 11 slots of 32. A tenant's holding is the slots
+    it takes now: neither is over its share, and the put of either is refused."""
+    clock = Clock()
+    store = make_store(clock, segments=2, protect_s=600.0)
+    big, small = make_pool(block_bytes=4096), make_pool(block_bytes=2100)
+    theirs = keys(16)
+    await store.put(big, 0, theirs, np.arange(16), None, owner=2)
+    mine = keys(16)
+    await store.put(small, 0, mine, np.arange(16, 32), None, owner=1)  # L1 full: 32 slots
+    clock.now += 1
+    res, _ = await store.put(small, 0, keys(1), np.arange(32, 33), None, owner=1)
+    assert res.tolist() == [PutResult.REJECTED_FULL]
+    res, _ = await store.put(big, 0, keys(1), np.arange(33, 34), None, owner=2)
+    assert res.tolist() == [PutResult.REJECTED_FULL]
+    assert all(present(store, theirs)) and all(present(store, mine))
+    assert store.counters.get("displaced_evictions", tier="L1", tenant=2) == 0
+
+
 async def test_a_put_refused_by_every_tier_counts_its_blocks_once_as_full_rejections(
     make_store, monkeypatch
 ):
