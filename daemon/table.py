@@ -403,7 +403,14 @@ class BlockTable:
         """Forget the copies of ``bids`` in column ``col`` (a no-op where there is none)."""
         bids = np.atleast_1d(np.asarray(bids, dtype=np.int64))
         held = bids[self.slot[bids, col] >= 0]
-        if self._accounted[col] and len(held):
+        if self._accounted[col] and len(held) == 1:
+            # One copy (a single-key eviction or delete): scalars, not two ufunc.at calls.
+            bid = held.item(0)
+            owner, nbytes = self.owner.item(bid), self.nbytes.item(bid)
+            align = self._align.item(col)
+            self.usage[col, owner] -= nbytes
+            self.slot_usage[col, owner] -= -(-nbytes // align) * align
+        elif self._accounted[col] and len(held):
             owners, nbytes = self.owner[held], self.nbytes[held].astype(np.int64)
             np.subtract.at(self.usage[col], owners, nbytes)
             np.subtract.at(self.slot_usage[col], owners, self._slot_bytes(nbytes, col))
