@@ -63,7 +63,9 @@ Invariants:
   closed once the transfers holding its pages have ended, and unregisters the old host
   pool: a zero-copy transfer that named it meanwhile misses without tripping the breaker
   (the daemon answered for a pool it no longer has).
-- Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start.
+- Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start; a
+  speculative-decoding draft whose layers SGLang packs into the KV pool (MTP) is bound in
+  the namespace.
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
 the client is thread-safe, lazily created pools and the refusals' state are guarded by a
@@ -95,9 +97,11 @@ from kvtier.client.errors import KvtierError, unclean
 from kvtier.client.integrations.breaker import Breaker, daemon_answers
 from kvtier.client.integrations.sglang_config import (
     BYTE_DTYPES,
+    DraftModel,
     PageFormat,
     StorageOptions,
     describe_host_pool,
+    draft_fingerprint,
     namespace_for,
     storage_key,
     storage_keys,
@@ -169,6 +173,40 @@ def _kv_cache_dtype(page: PageFormat, options: StorageOptions) -> str:
             '"namespace": {"extra": "<the --kv-cache-dtype>"} in the extra config, so that '
             "engines whose caches differ in format never share blocks"
         ) from e
+
+
+def _draft(page: PageFormat, options: StorageOptions) -> str:
+    """The ``draft_fingerprint`` of the speculative-decoding draft whose layers SGLang packs
+    into this host pool (MTP drafts); empty for a pool without them. Two engines of one
+    target whose drafts differ have pools alike (only the layer count shows), and one would
+    load the other's draft KV. Raises ValueError when SGLang's settings cannot be read,
+    unless the extra config's ``namespace.extra`` is set (the operator binds the draft
+    there)."""
+    if not page.draft_layers:
+        return ""
+    try:
+        from sglang.srt.runtime_context import get_model, get_spec
+
+        spec, model = get_spec(), get_model()
+        path = str(spec.speculative_draft_model_path or model.model_path)
+        draft = DraftModel(
+            algorithm=str(spec.speculative_algorithm or ""),
+            path=path,
+            revision=str(spec.speculative_draft_model_revision or ""),
+            load_format=str(spec.speculative_draft_load_format or ""),
+            quantization=str(spec.speculative_draft_model_quantization or ""),
+            own=path == str(model.model_path),
+        )
+    except (ImportError, ValueError, AttributeError) as e:
+        if options.namespace.extra:
+            return ""
+        raise ValueError(
+            f"kvtier HiCache storage: SGLang packs {page.draft_layers} speculative-decoding "
+            f"draft layer(s) into this host pool, and kvtier cannot read which draft ({e}); "
+            'set "namespace": {"extra": "<the draft model>"} in the extra config, so that '
+            "engines whose drafts differ never share blocks"
+        ) from e
+    return draft_fingerprint(draft, options.namespace.weights_fingerprint)
 
 
 class KVTierHiCacheStorage(HiCacheStorage):
@@ -250,7 +288,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 f"flat data pages ({e}); use layer_first, page_first or page_first_direct"
             ) from e
         namespace = namespace_for(
-            self.storage_config, page, self.options, _kv_cache_dtype(page, self.options)
+            self.storage_config,
+            page,
+            self.options,
+            _kv_cache_dtype(page, self.options),
+            _draft(page, self.options),
         )
         direct, why = self._direct_memory(mem_pool_host, page)
         with self._lock:

@@ -16,8 +16,9 @@ Invariants:
   weight files), the KV dtype (and SGLang's ``--kv-cache-dtype`` where the host pool holds
   the cache as bytes, as it holds either FP8 format), SGLang's host-pool class and layout
   (which fix the page's byte order), the pool geometry, the page size, the tensor- and
-  pipeline-parallel rank (MLA caches are identical on every TP rank: rank 0 of 1) and the
-  tenant.
+  pipeline-parallel rank (MLA caches are identical on every TP rank: rank 0 of 1), the
+  tenant and, where SGLang packs a speculative-decoding draft's layers into the host pool
+  beside the target's (MTP drafts), the draft model (``draft_fingerprint``).
 - A block's key is ``H(tag || namespace seed || str(page hash))`` over SGLang's own page
   hash, which already chains over every token before the page (and SGLang's extra key and
   cache salt), so equal keys mean an equal prefix under an equal namespace.
@@ -43,6 +44,7 @@ KEY_SCHEME = "sglang-hicache-v1"
 
 PAGE_KEY_TAG = b"kvtier-sglang-page-v1"
 WEIGHTS_TAG = b"kvtier-sglang-weights-v1"
+DRAFT_TAG = b"kvtier-sglang-draft-v1"
 
 SGLANG_KEYS = frozenset(
     {
@@ -193,6 +195,9 @@ class PageFormat:
     segment ``s`` starts at ``offset + p * page_stride``); None when this pool's buffer
     cannot be described (then transfers are staged)."""
     why_no_segments: str = ""
+    draft_layers: int = 0
+    """Layers of a speculative-decoding draft that SGLang packs into the pool after the
+    target's (MTP drafts): part of every page, so the draft model is bound too."""
 
     @property
     def page_bytes(self) -> int:
@@ -236,7 +241,16 @@ def describe_host_pool(host_pool: Any) -> PageFormat:
         format_tag=str(getattr(host_pool, "storage_format_tag", None) or ""),
         segments=segments,
         why_no_segments=why,
+        draft_layers=_packed_draft_layers(host_pool),
     )
+
+
+def _packed_draft_layers(host_pool: Any) -> int:
+    layers = getattr(host_pool, "layer_num", None)
+    target = getattr(host_pool, "target_layer_num", None)
+    if layers is None or target is None:
+        return 0
+    return max(0, int(layers) - int(target))
 
 
 def _geometry(host_pool: Any, pool_class: str) -> str:
@@ -331,12 +345,57 @@ def model_weights(model_name: str, format_tag: str, enabled: bool) -> str:
     return weights_dir_fingerprint(path, WEIGHTS_TAG)
 
 
+@dataclass(frozen=True)
+class DraftModel:
+    """A speculative-decoding draft model as SGLang's server arguments name it."""
+
+    algorithm: str
+    path: str
+    """``--speculative-draft-model-path``: a local folder or a hub id."""
+    revision: str
+    load_format: str
+    quantization: str
+    own: bool
+    """The draft's weights are the target's own checkpoint (MTP layers bundled with it)."""
+
+
+def draft_fingerprint(draft: DraftModel, weights: bool) -> str:
+    """What binds a draft whose layers are in the pages: the algorithm, the draft's name (a
+    hub id as given, a local folder by its last component, ``target`` for the target's own
+    checkpoint, which the namespace's weights already bind), revision, load format and
+    quantization, and (``weights``) a local folder's weight files as ``model_weights`` reads
+    the target's; 32 hex digits. The folder's full path would have bound its copy on each
+    node: the same draft files at another path are the same draft."""
+    if draft.own:
+        name = "target"
+    elif os.path.isdir(draft.path):
+        name = os.path.basename(os.path.normpath(draft.path))
+    else:
+        name = draft.path
+    parts = [draft.algorithm, name, draft.revision, draft.load_format, draft.quantization]
+    # Random weights (load format dummy) have no files that decide them.
+    if weights and not draft.own and draft.load_format != "dummy" and os.path.isdir(draft.path):
+        parts.append(weights_dir_fingerprint(draft.path, WEIGHTS_TAG))
+    h = hashlib.sha256(DRAFT_TAG)
+    for part in parts:
+        data = part.encode("utf-8")
+        h.update(struct.pack("<I", len(data)))
+        h.update(data)
+    return h.hexdigest()[:32]
+
+
 def namespace_for(
-    storage_config: Any, page: PageFormat, options: StorageOptions, kv_cache_dtype: str = ""
+    storage_config: Any,
+    page: PageFormat,
+    options: StorageOptions,
+    kv_cache_dtype: str = "",
+    draft: str = "",
 ) -> Namespace:
     """The namespace of one SGLang rank's host pool (``storage_config`` is SGLang's
     ``HiCacheStorageConfig``). ``kv_cache_dtype``: SGLang's ``--kv-cache-dtype``, for a pool
-    whose dtype does not tell the cache's format (``BYTE_DTYPES``); empty otherwise."""
+    whose dtype does not tell the cache's format (``BYTE_DTYPES``); empty otherwise.
+    ``draft``: the ``draft_fingerprint`` of a draft packed into the pool
+    (``page.draft_layers``); empty otherwise, so other namespaces are as they were."""
     model_name = str(storage_config.model_name or "")
     model = options.namespace.model or model_name
     if not model:
@@ -357,6 +416,8 @@ def namespace_for(
         extra.append(f"format={page.format_tag}")
     if kv_cache_dtype:
         extra.append(f"kv_cache_dtype={kv_cache_dtype}")
+    if draft:
+        extra.append(f"draft={draft}")
     if replicated:
         extra.append("tp=replicated")
     if int(storage_config.attn_cp_size) > 1:

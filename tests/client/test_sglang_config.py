@@ -15,9 +15,11 @@ import torch
 
 from kvtier.client.integrations.sglang_config import (
     PAGE_KEY_TAG,
+    DraftModel,
     PageFormat,
     StorageOptions,
     describe_host_pool,
+    draft_fingerprint,
     model_weights,
     namespace_for,
     storage_key,
@@ -170,6 +172,45 @@ def test_weights_fingerprint_follows_a_local_checkpoint(tmp_path: Path) -> None:
     assert model_weights(str(tmp_path), "", True) != first
     assert model_weights(str(tmp_path), "", False) == "off"
     assert model_weights("org/model", "", True) == "hub"
+
+
+def test_a_packed_draft_is_bound_by_its_name_and_weight_files(tmp_path: Path) -> None:
+    def draft(path: Path | str, **kw: Any) -> DraftModel:
+        base = dict(algorithm="EAGLE", revision="main", load_format="auto", quantization="")
+        return DraftModel(**{**base, "path": str(path), "own": False, **kw})  # type: ignore[arg-type]
+
+    for folder in ("one/mtp", "two/mtp", "three/mtp"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "one/mtp/model.bin").write_bytes(b"a" * 5000)
+    (tmp_path / "two/mtp/model.bin").write_bytes(b"a" * 5000)
+    (tmp_path / "three/mtp/model.bin").write_bytes(b"b" * 5000)
+    one = draft_fingerprint(draft(tmp_path / "one/mtp"), True)
+    assert len(one) == 32
+    # The same files at another path are the same draft; other files are not.
+    assert draft_fingerprint(draft(tmp_path / "two/mtp"), True) == one
+    assert draft_fingerprint(draft(tmp_path / "three/mtp"), True) != one
+    assert draft_fingerprint(draft(tmp_path / "three/mtp"), False) == draft_fingerprint(
+        draft(tmp_path / "one/mtp"), False
+    )
+    others = {
+        draft_fingerprint(d, True)
+        for d in [
+            draft(tmp_path / "one/mtp", algorithm="NEXTN"),
+            draft(tmp_path / "one/mtp", revision="r2"),
+            draft(tmp_path / "one/mtp", quantization="fp8"),
+            draft(tmp_path / "one/mtp", load_format="dummy"),
+            draft(tmp_path / "one/mtp", own=True),
+            draft("org/mtp"),
+        ]
+    }
+    assert len(others) == 6 and one not in others
+    # The target's own checkpoint (MTP layers bundled with it) is named, not read again.
+    assert draft_fingerprint(draft("/a", own=True), True) == draft_fingerprint(
+        draft("/b", own=True), True
+    )
+    ns = namespace_for(_config(), _page(draft_layers=1), StorageOptions(), draft=one)
+    assert ns.extra.endswith(f";draft={one}")
+    assert "draft=" not in namespace_for(_config(), _page(), StorageOptions()).extra
 
 
 class MHATokenToKVPoolHost:

@@ -42,11 +42,18 @@ def mha_host_pool(
     head_dim: int = 8,
     layers: int = 3,
     tokens: int = 256,
+    draft_layers: int = 0,
 ) -> MHATokenToKVPoolHost:
-    """SGLang's MHA host pool (twice the device pool's tokens) on the CPU."""
+    """SGLang's MHA host pool (twice the device pool's tokens) on the CPU; with
+    ``draft_layers``, the one-layer device pools of an MTP draft packed after the target's
+    layers, as SGLang packs them (``HiCacheDraftMode.PACKED``)."""
     device = MHATokenToKVPool(
         tokens, page, dtype, heads, head_dim, layers, "cpu", False, start_layer=0
     )
+    drafts = [
+        MHATokenToKVPool(tokens, page, dtype, heads, head_dim, 1, "cpu", False, start_layer=layers)
+        for _ in range(draft_layers)
+    ]
     return MHATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         2.0,
@@ -59,6 +66,7 @@ def mha_host_pool(
         device_capacity_tokens=device.size,
         start_layer=0,
         end_layer=layers - 1,
+        draft_buffer_infos=tuple(d.get_device_pool_infos()[0].buffer_info for d in drafts),
         write_back_staging=device.hicache_write_back_staging,
     )
 

@@ -266,19 +266,35 @@ def test_another_process_reads_what_one_stored(
         backend.close()
 
 
-def _sglang_running(model_dir: Path, kv_cache_dtype: str) -> Any:
+def _sglang_running(model_dir: Path, **server_args: Any) -> Any:
     """SGLang's runtime context as its scheduler process publishes it (where the cache
-    controller builds the backend), for a model run with this ``--kv-cache-dtype``."""
+    controller builds the backend), for a model run with these server arguments."""
     from sglang.srt.runtime_context import create_context, use_context
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(
-        model_path=str(model_dir),
-        kv_cache_dtype=kv_cache_dtype,
-        device="cpu",
-        skip_tokenizer_init=True,
+        model_path=str(model_dir), device="cpu", skip_tokenizer_init=True, **server_args
     )
     return use_context(create_context(args, role="scheduler"))
+
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+
+
+def _checkpoint(folder: Path, config: dict, weights: bytes) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.bin").write_bytes(weights)
+    return folder
 
 
 def test_regression_fp8_caches_of_either_format_shared_blocks(
@@ -292,22 +308,12 @@ def test_regression_fp8_caches_of_either_format_shared_blocks(
     namespace.extra binds it."""
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-    }
-    (model_dir / "config.json").write_text(json.dumps(config))
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
     seq = tokens(3, seed=53)
     engines = {}
     for fmt, dtype in (("fp8_e5m2", torch.float8_e5m2), ("fp8_e4m3", torch.float8_e4m3fn)):
         host = mha_host_pool("page_first", dtype=dtype)
-        with _sglang_running(model_dir, fmt):
+        with _sglang_running(model_dir, kv_cache_dtype=fmt):
             backend = attach(host, storage_config(shared_daemon.address, model="fp8-model"))
         engines[fmt] = ControllerCalls(backend, host)
     e5m2, e4m3 = engines["fp8_e5m2"], engines["fp8_e4m3"]
@@ -325,6 +331,54 @@ def test_regression_fp8_caches_of_either_format_shared_blocks(
         attach(fp8_host, storage_config(shared_daemon.address))
     bound = {"extra": "fp8_e5m2"}
     attach(fp8_host, storage_config(shared_daemon.address, namespace=bound)).close()
+
+
+def test_regression_engines_whose_packed_drafts_differ_shared_blocks(
+    shared_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """SGLang packs an MTP draft's layers into the KV host pool after the target's
+    (HiCacheDraftMode.PACKED), so a stored page holds the draft's KV too; the namespace
+    bound the layer count only, and an engine whose draft was another checkpoint of that
+    shape found, and loaded, pages with KV its draft never computed. The draft is bound
+    now (by its folder's last component and weight files: the same files at another path
+    share blocks); a pool without packed draft layers keeps its namespace."""
+    model_dir = _checkpoint(tmp_path / "model", TINY_LLAMA, b"target")
+    draft_config = {**TINY_LLAMA, "num_hidden_layers": 1}
+    drafts = {
+        "a": _checkpoint(tmp_path / "one" / "mtp-draft", draft_config, b"draft a"),
+        "a elsewhere": _checkpoint(tmp_path / "two" / "mtp-draft", draft_config, b"draft a"),
+        "b": _checkpoint(tmp_path / "three" / "mtp-draft", draft_config, b"draft b"),
+    }
+    seq = tokens(3, seed=55)
+    engines = {}
+    for name, draft in drafts.items():
+        host = mha_host_pool("page_first", draft_layers=1)
+        with _sglang_running(
+            model_dir, speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft)
+        ):
+            backend = attach(host, storage_config(shared_daemon.address, model="mtp-model"))
+        engines[name] = ControllerCalls(backend, host)
+    with _sglang_running(model_dir):
+        plain = attach(mha_host_pool("page_first"), storage_config(shared_daemon.address))
+    try:
+        writer = engines["a"]
+        src = writer.storage_host_pool.alloc(3 * PAGE)
+        fill(writer.storage_host_pool, src, seed=55)
+        assert writer.backup(seq, src) == 3 * PAGE
+        assert engines["a elsewhere"].hit_query(seq)[1] == 3 * PAGE
+        assert engines["b"].hit_query(seq)[1] == 0
+        assert "draft=" in writer.storage_backend.namespace.extra
+        assert "draft=" not in plain.namespace.extra
+    finally:
+        plain.close()
+        for calls in engines.values():
+            calls.storage_backend.close()
+    # Without SGLang's settings the draft cannot be named: SGLang stops, unless
+    # namespace.extra binds it.
+    packed = mha_host_pool("page_first", draft_layers=1)
+    with pytest.raises(ValueError, match="draft"):
+        attach(packed, storage_config(shared_daemon.address))
+    attach(packed, storage_config(shared_daemon.address, namespace={"extra": "d"})).close()
 
 
 @pytest.mark.parametrize(
