@@ -63,9 +63,9 @@ Invariants:
   closed once the transfers holding its pages have ended, and unregisters the old host
   pool: a zero-copy transfer that named it meanwhile misses without tripping the breaker
   (the daemon answered for a pool it no longer has).
-- Hybrid models (Mamba, SWA, DSA indexer pools: SGLang's v2 calls) are refused at start; a
-  speculative-decoding draft whose layers SGLang packs into the KV pool (MTP) is bound in
-  the namespace.
+- Host pools other than the KV pool (hybrid models' Mamba, SWA, DSA indexer pools, and a
+  speculative-decoding draft's own pool: SGLang's v2 calls) are refused at start; a draft
+  whose layers SGLang packs into the KV pool (MTP) is bound in the namespace.
 
 Thread-safety: every public method may be called from any thread (SGLang uses several);
 the client is thread-safe, lazily created pools and the refusals' state are guarded by a
@@ -327,14 +327,21 @@ class KVTierHiCacheStorage(HiCacheStorage):
             how,
         )
 
-    def on_host_pools_registered(self) -> None:
-        pools = getattr(self, "registered_pools", None) or {}
-        others = sorted(str(name) for name in pools if str(name) != "kv")
-        if others:
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Refuse every host pool but the KV pool (ValueError: SGLang stops). SGLang moves
+        the others' pages (Mamba, SWA, indexer caches, a speculative-decoding draft's own
+        pool) through the v2 calls, which this backend does not have. A draft's pool (EAGLE
+        and standalone drafts: a sidecar) is registered after ``on_host_pools_registered``,
+        through this call alone: refused only there, it was accepted, and every store and
+        lookup of the engine then raised NotImplementedError in SGLang's threads."""
+        name = str(host_pool_name)
+        if name != "kv":
             raise ValueError(
-                "kvtier HiCache storage stores the KV pool only; this model also has host "
-                f"pools {others} (hybrid, SWA or indexer caches), which it does not support"
+                "kvtier HiCache storage stores the KV pool only; this engine also has the "
+                f"host pool {name!r} (a hybrid model's SWA, Mamba or indexer cache, or a "
+                "speculative-decoding draft's own KV), which it does not support"
             )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _direct_memory(
         self, host_pool: Any, page: PageFormat

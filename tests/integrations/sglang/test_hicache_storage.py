@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -379,6 +380,37 @@ def test_regression_engines_whose_packed_drafts_differ_shared_blocks(
     with pytest.raises(ValueError, match="draft"):
         attach(packed, storage_config(shared_daemon.address))
     attach(packed, storage_config(shared_daemon.address, namespace={"extra": "d"})).close()
+
+
+def test_regression_a_drafts_own_host_pool_registered_later_is_refused(
+    shared_daemon: DaemonProcess,
+) -> None:
+    """SGLang registers an EAGLE or standalone draft's own host pool (a sidecar) once the
+    backend is attached (HybridCacheController.register_host_pool_entry), through
+    register_mem_host_pool_v2 alone; the backend refused other pools only in
+    on_host_pools_registered, so it accepted the draft's, and SGLang then sent every store
+    and lookup through the v2 calls, which raised NotImplementedError. Refused now, when
+    SGLang registers it (the engine stops at start)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    host = mha_host_pool("page_first")
+    backend = attach(host, storage_config(shared_daemon.address))
+    try:
+        kv = PoolEntry(PoolName.KV, host, None, lambda layer: layer, is_primary_index_anchor=True)
+        controller = SimpleNamespace(
+            mem_pool_host=HostPoolGroup([kv]),
+            extra_host_mem_release_queues={},
+            enable_storage=True,
+            storage_backend=backend,
+        )
+        backend.register_mem_host_pool_v2(host, PoolName.KV)  # the KV pool's entry: accepted
+        draft = PoolEntry(PoolName.DRAFT, mha_host_pool("page_first"), None, lambda x: x)
+        with pytest.raises(ValueError, match="'draft'"):
+            HybridCacheController.register_host_pool_entry(controller, draft)
+    finally:
+        backend.close()
 
 
 @pytest.mark.parametrize(
@@ -1444,9 +1476,8 @@ def test_configuration_errors_stop_the_engine_at_start(shared_daemon: DaemonProc
         attach(host, storage_config(shared_daemon.address, io_timeout_s=0))
     backend = attach(host, storage_config(shared_daemon.address))
     try:
-        backend.register_mem_host_pool_v2(host, "mamba")
         with pytest.raises(ValueError, match="mamba"):
-            backend.on_host_pools_registered()
+            backend.register_mem_host_pool_v2(host, "mamba")
     finally:
         backend.close()
     # A layout whose pages SGLang cannot flatten (page_unified) is refused when attached.
