@@ -576,6 +576,68 @@ def test_regression_a_read_eio_of_an_idle_tier_could_not_be_released(
         assert tier.quarantined() == []
 
 
+class _SecondReadOnLog(logging.Handler):
+    """From the first log line of a failed read (before its slot is held), starts another
+    read of the same slot on a thread of its own and returns once that one failed too; that
+    read then waits at its own log line until ``go`` is set: two reads of a slot in flight
+    together (two gets of one block), the second's failure held back."""
+
+    def __init__(self, tier: DiskTier, block: tuple) -> None:
+        super().__init__()
+        self.second = threading.Thread(target=_read, args=(tier, {1: block}))
+        self.failed, self.go = threading.Event(), threading.Event()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # Without the handler's lock, which the first read holds while it waits here.
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "failed verification" not in record.getMessage():
+            return
+        if threading.current_thread() is self.second:
+            self.failed.set()
+            self.go.wait(30)
+        elif not self.second.is_alive() and not self.failed.is_set():
+            self.second.start()
+            assert self.failed.wait(30)
+
+
+def test_regression_a_release_gave_back_a_slot_that_a_read_in_flight_then_quarantined(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """Two reads of one slot were in flight together and both failed; a release between the
+    first's quarantine and the second's gave the slot back, and the second then held it
+    again and recorded it in the index: the slot free and handed out, yet quarantined (the
+    block written there since dropped at the next open). A slot a read still has in flight
+    stays held by a release, which says why."""
+    with _open(disk_dir) as tier:
+        blocks = _persist(tier, make_block, list(range(2)), 65_536)
+        slot = blocks[1][1]
+        _flip(tier, slot)
+        hook = _SecondReadOnLog(tier, blocks[1])
+        logger = logging.getLogger("kvtier.tiers.disk")
+        logger.addHandler(hook)
+        try:
+            assert _read(tier, {1: blocks[1]}) == {1: None}
+            released = tier.release_quarantined()
+        finally:
+            hook.go.set()
+            hook.second.join(30)
+            logger.removeHandler(hook)
+        assert released.released == []
+        assert [(q.slot, q.reason) for q in released.kept] == [
+            (slot, "release: a read of it was in flight")
+        ]
+        assert [q.slot for q in tier.quarantined()] == [slot]
+        assert tier.release_quarantined().released == [slot]
+        again = _persist(tier, make_block, [2], 65_536)
+        assert again[2][1] == slot
+    with _open(disk_dir) as tier:
+        assert {r.key for r in tier.recover()} == {blocks[0][0], again[2][0]}
+        assert tier.quarantined() == []
+
+
 def test_read_never_copies_unverified_bytes_through_staging(
     disk_dir: Path, make_block: Block
 ) -> None:

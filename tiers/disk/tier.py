@@ -543,6 +543,9 @@ class DiskTier:
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
+        # Slots with a read in flight -> how many: a release leaves these held, since a read
+        # that fails after it would quarantine the slot again (even once it was handed out).
+        self._reading: Counter[int] = Counter()
         # Failed syncs of each data file (``_sync_written``).
         self._sync_failures = np.zeros(0, dtype=np.int64)
         self._group = _GroupCommit(self._make_durable)
@@ -1156,10 +1159,12 @@ class DiskTier:
         """Give quarantined slots back to use (an operator's decision, e.g. after the disk
         was checked): ``slots``, or every one held when None. Each slot's extent first takes
         a write of fresh random bytes, a sync and a read back (from the disk: with
-        ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails stays held, its recorded reason saying why. The
-        rows of the slots released (their quarantine rows, and a block row that a failed
-        quarantine update left) are durably deleted before the allocator may hand them out,
-        so a crash after a release brings no old block back.
+        ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails
+        stays held, its recorded reason saying why, and so does one that a read begun before
+        its quarantine still has in flight (that read, failing, would hold it again, perhaps
+        once handed out). The rows of the slots released (their quarantine rows, and a block
+        row that a failed quarantine update left) are durably deleted before the allocator
+        may hand them out, so a crash after a release brings no old block back.
 
         A failed write or read of a checked extent keeps its slot and is counted
         (``io_errors``), without degrading the tier (the extent was suspect already); a failed
@@ -1191,13 +1196,17 @@ class DiskTier:
             if stray:
                 shown = ", ".join(map(str, stray[:8])) + (", ..." if len(stray) > 8 else "")
                 raise ValueError(f"L2 holds no quarantined slot {shown}")
-            checked: dict[int, str] = {}
+            with self._state_lock:
+                # Read before their quarantine, and failing yet: given back now, a slot would be
+                # quarantined again by that read, perhaps once handed out to another block.
+                checked = {s: "a read of it was in flight" for s in todo if s in self._reading}
+            check = [s for s in todo if s not in checked]
             group: dict[int, int] = {}
             group_bytes = 0
-            for slot in todo:
+            for slot in check:
                 group[slot] = held[slot]
                 group_bytes += self.allocator.slot_bytes_for(held[slot])
-                if group_bytes >= _CHECK_GROUP_BYTES or slot == todo[-1]:
+                if group_bytes >= _CHECK_GROUP_BYTES or slot == check[-1]:
                     checked.update(self._check_extents(group))
                     group, group_bytes = {}, 0
             passed = [slot for slot, error in checked.items() if not error]
@@ -1325,15 +1334,24 @@ class DiskTier:
                     b.error = "slot is quarantined"
                 else:
                     live.append(b)
-        self.faults.count(reads_refused_quarantined=len(blocks) - len(live))
-        self._io.read(live, priority, rank, urgency)
-        ok = [b for b in live if b.ok]
-        failed = [b for b in live if not b.ok]
-        self.faults.count(
-            blocks_read=len(ok), bytes_read=sum(b.nbytes for b in ok), read_failures=len(failed)
-        )
-        if failed:
-            self._quarantine(failed)
+                    self._reading[b.slot] += 1
+        try:
+            self.faults.count(reads_refused_quarantined=len(blocks) - len(live))
+            self._io.read(live, priority, rank, urgency)
+            ok = [b for b in live if b.ok]
+            failed = [b for b in live if not b.ok]
+            self.faults.count(
+                blocks_read=len(ok), bytes_read=sum(b.nbytes for b in ok), read_failures=len(failed)
+            )
+            if failed:
+                self._quarantine(failed)
+        finally:
+            with self._state_lock:
+                for b in live:
+                    if self._reading[b.slot] == 1:
+                        del self._reading[b.slot]
+                    else:
+                        self._reading[b.slot] -= 1
         return [b.ok for b in blocks]
 
     def _drop_rows_before_overwrite(self, slots: np.ndarray) -> bool:
@@ -1361,7 +1379,8 @@ class DiskTier:
         first, then in memory, so that a release (which takes the slots it gives back from
         memory and deletes their rows) never runs between the two and leaves a quarantine row
         behind for a slot it handed out. Meanwhile no call but another read names these slots
-        (the store's in-flight marks), and one that fails again only quarantines them again."""
+        (the store's in-flight marks), and one that fails again only quarantines them again: a
+        release leaves a slot held while a read of it is in flight (``_reading``)."""
         # One line per block, with its key, up to a bound: a dying disk fails whole batches.
         for n, b in enumerate(blocks):
             log.log(
