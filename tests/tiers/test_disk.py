@@ -638,6 +638,29 @@ def test_regression_a_release_gave_back_a_slot_that_a_read_in_flight_then_quaran
         assert tier.quarantined() == []
 
 
+def test_regression_a_failed_read_on_a_full_disk_let_a_release_end_the_full_disks_fault(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A failed read took the place of a full disk's fault (both pass once a write gets
+    through), and since 880c2b9 a release is let run while the tier is degraded by a failed
+    read and ends that fault when its checks pass: the release wrote no block, yet the tier
+    took writes again at once, the disk still full (seen: DEGRADED_NOSPACE, one preadv EIO,
+    a release: OK). A failed read leaves a full disk's fault as it is; the release is
+    refused as for any other fault."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=3600.0) as tier:
+        blocks = _persist(tier, make_block, list(range(2)), 4096)
+        faulty_files.fail("pwritev", errno.ENOSPC, times=1)
+        assert [o.ok for o in persist(tier, _items(tier, make_block, [9], 4096))] == [False]
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        faulty_files.fail("preadv", errno.EIO, times=1)
+        assert _read(tier, {1: blocks[1]}) == {1: None}
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        with pytest.raises(TierUnavailable, match="degraded_nospace"):
+            tier.release_quarantined()
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        assert [q.slot for q in tier.quarantined()] == [blocks[1][1]]
+
+
 def test_read_never_copies_unverified_bytes_through_staging(
     disk_dir: Path, make_block: Block
 ) -> None:

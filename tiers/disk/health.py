@@ -5,7 +5,8 @@ disk) and an index locked by another process past the busy timeout (SQLITE_BUSY:
 ``sqlite3`` shell left in a write transaction; or, its WAL removed, one in a read transaction
 that keeps the checkpoint from finishing) degrade it until a write gets through again (one
 write batch per ``enospc_retry_s`` is let through to find out). So does a failed read of data
-blocks (kind ``read``, whatever its errno): its slots are quarantined by the tier, and the batch
+blocks (kind ``read``, whatever its errno; a full disk's or a lock's fault stays in its place,
+as no release may end it): its slots are quarantined by the tier, and the batch
 let through finds out whether the disk still takes writes (written, synced and committed: the
 tier is whole again; a write or sync that fails turns the fault into one that lasts), or a
 release of quarantined slots whose every check passed (``read_checked``). EIO and
@@ -107,8 +108,12 @@ class FaultState:
                 self.counters["index_errors"] += 1
             before = self._degraded
             # A full disk, a lock or a failed read may clear up; anything else keeps the tier
-            # degraded until reopened.
-            changed = before is None or (before.kind in _PASSING and fault.kind != before.kind)
+            # degraded until reopened. A failed read does not take a full disk's or a lock's
+            # place: a release whose checks pass ends a failed read's fault, with no write let
+            # through to find out whether the disk still takes them.
+            changed = before is None or (
+                before.kind in _PASSING and fault.kind not in (before.kind, "read")
+            )
             if changed:
                 self._degraded = Fault(fault.kind, f"{what}: {fault.detail}")
                 self._next_probe = time.monotonic() + self._enospc_retry_s
