@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import sqlite3
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -2218,6 +2219,36 @@ async def test_regression_a_delete_after_a_recovery_that_ended_early_was_undone_
     again = make_store(clock, l2=disk)
     await again.recover()
     assert where(again, old) == ["L2"] * 4  # not deleted, and not said to be
+
+
+async def test_regression_a_recovery_ended_by_the_namespaces_read_left_l2_ok_to_see(
+    make_store, tmp_path, monkeypatch
+):
+    """A recovery ended by an error reading L2's namespace records (its first index read)
+    left every row unread, so L2 took no block and a Delete was refused until a restart
+    (7466721), yet the tier's health said ok with nothing in its detail: the log alone told.
+    The error degrades the tier, as one reading its block rows does."""
+    from kvtier.tiers.base import Health
+    from kvtier.tiers.disk import DiskTier
+
+    clock, _, old = await _stopped_with_durable_blocks(make_store, tmp_path, 4)
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
+    index = disk._idx()
+
+    def unreadable() -> dict[int, str]:
+        # A disk that fails a read cannot be had here: the error SQLite reports for one.
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(index, "namespaces", unreadable)
+    store = make_store(clock, l2=disk)
+    store.start()
+    await store.recovered.wait()
+    with pytest.raises(FailedPrecondition, match="restart"):
+        await store.delete(0, old)
+    health = disk.health()
+    assert health.state is not Health.OK and "index read" in health.detail
+    await store.stop(flush=False)
+    store.close()
 
 
 async def test_a_flush_after_a_recovery_that_ended_early_says_why_it_wrote_nothing(

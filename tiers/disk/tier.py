@@ -1101,8 +1101,14 @@ class DiskTier:
         return self._read_blocks(blocks, priority)
 
     def namespaces(self) -> dict[int, str]:
-        """What ``remember_namespace`` recorded (survives restarts with the blocks)."""
-        return self._idx().namespaces()
+        """What ``remember_namespace`` recorded (survives restarts with the blocks). A
+        failed read degrades the tier and raises: recovery reads this first, and ended by
+        it, leaves every row unread (nothing allocated, no Delete) until a restart."""
+        try:
+            return self._idx().namespaces()
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index read")
+            raise
 
     def remember_namespace(self, ns: int, label: str) -> None:
         """Record who namespace ``ns`` belongs to, durably, beside its blocks' rows (a
