@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import _thread
 import asyncio
-import contextlib
-import os
-import socket
 import threading
 import time
 from typing import Any
@@ -24,7 +21,6 @@ from typing import Any
 import pytest
 
 from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool
-from kvtier.client.credentials import CRED_SUFFIX
 
 NS = Namespace(model="abandoned-loads", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -168,50 +164,41 @@ def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answere
     asyncio.run(main())
 
 
-class HeldAnswers:
-    """A relay between a client and the daemon's socket whose answers (the daemon's bytes)
-    can be held back: a call the daemon has answered then waits as one in flight does.
-    ``address`` is the relay's; its credential socket is the daemon's."""
+class HeldLookups:
+    """The client's Lookup method, answered by the daemon (which pins as it answers) and
+    then held back from the caller until ``go_on`` is set: the call then waits as one whose
+    answer is still on its way does. Blocking calls and futures alike."""
 
-    def __init__(self, daemon_socket: str, folder: str) -> None:
-        self._daemon_socket = daemon_socket
-        self.path = os.path.join(folder, "relay.sock")
-        os.symlink(daemon_socket + CRED_SUFFIX, self.path + CRED_SUFFIX)
-        self._listener = socket.socket(socket.AF_UNIX)
-        self._listener.bind(self.path)
-        self._listener.listen()
-        self.passing = threading.Event()
-        self.passing.set()
-        threading.Thread(target=self._accept, daemon=True).start()
+    def __init__(self, rpc: Any) -> None:
+        self._rpc = rpc
+        self.answered = threading.Event()
+        self.go_on = threading.Event()
 
-    @property
-    def address(self) -> str:
-        return f"unix:{self.path}"
+    def _held(self) -> None:
+        self.answered.set()
+        # Short waits, as gRPC's own: an interrupt is raised between them.
+        while not self.go_on.wait(0.01):
+            pass
 
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):  # close() ends it
-            while True:
-                client, _ = self._listener.accept()
-                daemon = socket.socket(socket.AF_UNIX)
-                daemon.connect(self._daemon_socket)
-                threading.Thread(
-                    target=self._pump, args=(client, daemon, None), daemon=True
-                ).start()
-                threading.Thread(
-                    target=self._pump, args=(daemon, client, self.passing), daemon=True
-                ).start()
+    def __call__(self, request: Any, **kwargs: Any) -> Any:
+        answer = self._rpc(request, **kwargs)
+        self._held()
+        return answer
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, gate: threading.Event | None) -> None:
-        with contextlib.suppress(OSError), src, dst:
-            while data := src.recv(65536):
-                if gate is not None:
-                    gate.wait()
-                dst.sendall(data)
+    def future(self, request: Any, **kwargs: Any) -> Any:
+        fut = self._rpc.future(request, **kwargs)
+        held = self
 
-    def close(self) -> None:
-        self.passing.set()
-        self._listener.close()
+        class Held:
+            def result(self, timeout: float | None = None) -> Any:
+                fut.result()
+                held._held()
+                return fut.result()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(fut, name)
+
+        return Held()
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -220,24 +207,21 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
     call on the client's side only: the daemon runs a request to its end (pinning as it
     answers), and the lease id is only in the answer, so the blocks stayed pinned until the
     lease expired (600 s here). The Lookup now runs on to its answer, whose lease is
-    released. The daemon's answers are held back from its pinning on, so the interrupt comes
-    while the call waits, as a Ctrl-C does."""
-    relay = HeldAnswers(daemon.socket, os.path.dirname(daemon.socket))
+    released. The daemon's answer is held back from the caller (``HeldLookups``), so the
+    interrupt comes while the call waits, as a Ctrl-C does."""
     with (
-        contextlib.closing(relay),
-        Client(relay.address) as client,
+        Client(daemon.address) as client,
         SharedMemoryPool.for_layout(LAYOUT) as shm,
     ):
         pool = client.register_pool(shm, LAYOUT, NS)
         assert pool.store(TOKENS, [0, 1]) == 8
+        held = HeldLookups(client._stub.Lookup)
+        client._stub.Lookup = held
 
         def interrupt() -> None:
-            with daemon.client() as watcher:
-                while not watcher.stats().gauges["leases"]:
-                    time.sleep(0.01)
-            _thread.interrupt_main()
+            if held.answered.wait(30):
+                _thread.interrupt_main()
 
-        relay.passing.clear()
         interrupter = threading.Thread(target=interrupt)
         interrupter.start()
         try:
@@ -245,7 +229,7 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
                 pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
         finally:
             interrupter.join()
-            relay.passing.set()
+            held.go_on.set()
         assert settled_leases(lambda: _stats(daemon)) == 0
         assert client.stats().gauges["blocks_pinned"] == 0
         assert pool.load(TOKENS, [2, 3]) == 8
