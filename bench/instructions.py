@@ -15,14 +15,18 @@ a time, phase by phase, in this order:
 - ``get``: ``Client.get`` of one key stored by this repeat's put phase into one page;
 - ``lookup``: ``Client.lookup`` of one such key.
 Each phase makes ``--warmup`` calls, zeroes callgrind's counters, makes ``--calls`` calls and
-dumps them: instructions per call is the dump's total (every thread of the daemon: the event
-loop, gRPC's threads, copy threads) over ``--calls``.
+dumps them: the dump's total (every thread of the daemon: the event loop, gRPC's threads, copy
+threads), less the idle instructions of the span counted (below), over ``--calls``.
 ``ping``: the bare ``grpc.aio`` echo server of ``kvtier bench rpc`` (bench/ping.py), on the
 daemon's event loop, under callgrind in the same way and called with the same 64-byte payload:
 what any unary call over this transport costs a Python server.
-``idle``: instructions the daemon executes per second with no call coming (its timers),
-counted over ``--idle-s``. They are in every phase's count too: under callgrind a call takes
-about 10 ms (``ms_per_call``), so the daemon's background adds idle/100 or so to each call.
+``idle``: instructions a server executes per second with no call coming (the daemon's timers),
+counted over ``--idle-s`` the way a phase is (zeroed, slept, dumped) and divided by that
+span's wall seconds, each server's own. A phase's dump holds them too, for as long as it ran:
+under callgrind a call takes 10 to 40 ms (``ms_per_call``), more on a busier host, so they
+made a call's count grow with the host's load (a daemon idling at 640k a second adds 6.4k to
+a call of 10 ms, 13k to one of 20 ms). Each phase's count is taken less the idle rate times
+its span's seconds; ``idle_per_call`` says how much that was, median over repeats.
 
 Each repeat starts both servers afresh: the count per call of one process stays within about
 1% from phase to phase, but another process of the same code may settle some 30k instructions
@@ -47,7 +51,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +141,14 @@ class _Counter:
     def start(self) -> None:
         self._control("--instr=on")
 
-    def count(self, work: Callable[[], None]) -> int:
-        """Instructions the process executes while ``work`` runs."""
+    def count(self, work: Callable[[], None]) -> tuple[int, float]:
+        """Instructions the process executes while ``work`` runs, and the wall seconds of the
+        span counted (from before the counters are zeroed until they are dumped)."""
+        t0 = time.perf_counter()
         self._control("--zero")
         work()
         self._control("--dump")
+        seconds = time.perf_counter() - t0
         # Callgrind numbers its dumps .1, .2, ... after the output file's name.
         self._dumps += 1
         path = Path(f"{self._out_file}.{self._dumps}")
@@ -149,10 +156,22 @@ class _Counter:
             with path.open() as f:
                 for line in f:
                     if line.startswith("summary:"):
-                        return int(line.split()[1])
+                        return int(line.split()[1]), seconds
         finally:
             path.unlink(missing_ok=True)
         raise RuntimeError(f"callgrind's dump {path} has no summary line")
+
+    def idle_rate(self, seconds: float) -> float:
+        """Instructions per second the process executes with nothing asked of it, counted
+        as ``count`` counts a phase."""
+        n, spent = self.count(lambda: time.sleep(seconds))
+        return n / spent
+
+
+def less_idle(count: int, seconds: float, idle_per_s: float) -> float:
+    """A phase's ``count`` (over ``seconds``) less what its process executes idle in that
+    time: the timers' share grows with the phase's wall time, and so with the host's load."""
+    return max(0.0, count - idle_per_s * seconds)
 
 
 @contextlib.contextmanager
@@ -188,12 +207,27 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     args = _parse(argv)
     valgrind, control = _tools()
     l1_bytes = (args.calls + args.warmup) * BLOCK_BYTES + (64 << 20)
-    counts: dict[str, list[int]] = {op: [] for op in OPS}
+    # Each phase's count less its idle instructions, per repeat.
+    counts: dict[str, list[float]] = {op: [] for op in OPS}
     seconds: dict[str, list[float]] = {op: [] for op in OPS}
+    idle_shares: dict[str, list[float]] = {op: [] for op in OPS}
     idle: list[float] = []
+    ping_idle: list[float] = []
 
-    def measure(counter: _Counter, op: str, call: Callable[[int], None]) -> None:
-        """Call ``call(i)`` for the warm-up's i, then count the calls of the i after them."""
+    def measure(
+        counter: _Counter, ops: Sequence[str], calls: Sequence[Callable[[int], None]]
+    ) -> float:
+        """Each phase of one server: call ``call(i)`` for the warm-up's i, then count the
+        calls of the i after them; then count the server idle, and file each phase's count
+        less its idle share. Returns the idle rate."""
+        spans = [phase(counter, op, call) for op, call in zip(ops, calls, strict=True)]
+        rate = counter.idle_rate(args.idle_s)
+        for op, (n, spent) in zip(ops, spans, strict=True):
+            counts[op].append(less_idle(n, spent, rate))
+            idle_shares[op].append(rate * spent)
+        return rate
+
+    def phase(counter: _Counter, op: str, call: Callable[[int], None]) -> tuple[int, float]:
         for i in range(args.warmup):
             call(i)
 
@@ -203,7 +237,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                 call(i)
             seconds[op].append((time.perf_counter() - t0) / args.calls)
 
-        counts[op].append(counter.count(counted))
+        return counter.count(counted)
 
     def repeat(work: Path) -> None:
         """One repeat: every phase, each server a fresh process."""
@@ -221,7 +255,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
             ping(0)
             pinger = _Counter(control, ping_pid, work / "ping.callgrind")
             pinger.start()
-            measure(pinger, "ping", ping)
+            ping_idle.append(measure(pinger, ("ping",), (ping,)))
 
         daemon_out = work / "daemon.callgrind"
         layout = block_layout(BLOCK_BYTES, _PAGES, num_layers=1)
@@ -258,9 +292,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                 if client.lookup([keys[i]]).prefix_len != 1:
                     raise RuntimeError("lookup found nothing")
 
-            for op, call in zip(DAEMON_OPS, (health, put, get, lookup), strict=True):
-                measure(counter, op, call)
-            idle.append(counter.count(lambda: time.sleep(args.idle_s)) / args.idle_s)
+            idle.append(measure(counter, DAEMON_OPS, (health, put, get, lookup)))
 
     for _ in range(args.repeats):
         with scratch_dir(None, "kvtier-bench-instructions-") as work:
@@ -286,6 +318,8 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         "spread": {op: sig((max(counts[op]) - min(counts[op])) / median(counts[op])) for op in OPS},
         "ms_per_call": {op: sig(median(seconds[op]) * 1e3) for op in OPS},
         "idle_instructions_per_s": sig(median(idle)),
+        "ping_idle_instructions_per_s": sig(median(ping_idle)),
+        "idle_per_call": {op: sig(median(idle_shares[op]) / args.calls) for op in OPS},
         "ratios": {
             **{
                 f"{op}_vs_health": ratio(per_call[op], per_call["health"])
@@ -302,7 +336,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     )
     print(
         f"{'rpc':<8}{'instr/call':>12}{'/health':>9}{'/ping':>7}{'above health':>14}"
-        f"{'spread':>8}{'ms/call':>9}"
+        f"{'spread':>8}{'ms/call':>9}{'idle/call':>11}"
     )
     for op in OPS:
         r = figures["ratios"]
@@ -313,10 +347,13 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
             f"{op:<8}{per_call[op]:12,.0f}{vs_health:>9}{vs_ping:>7}"
             f"{'' if above is None else f'{above:,.0f}':>14}"
             f"{figures['spread'][op]:8.3f}{figures['ms_per_call'][op]:9.2f}"
+            f"{figures['idle_per_call'][op]:11,.0f}"
         )
     print(
-        f"idle daemon: {figures['idle_instructions_per_s']:,.0f} instructions/s, in every count "
-        "at the pace of ms/call (calls under callgrind). ping: a bare grpc.aio echo server "
+        f"idle daemon: {figures['idle_instructions_per_s']:,.0f} instructions/s (ping server: "
+        f"{figures['ping_idle_instructions_per_s']:,.0f}), taken out of every count as idle/call "
+        "(a phase's idle rate times its wall time, which grows with the host's load, per "
+        "call). ping: a bare grpc.aio echo server "
         "under callgrind on the same event loop; above health: the call's count less health's "
         "in the same daemon process (median over repeats); spread: (max - min) / median over "
         "repeats"

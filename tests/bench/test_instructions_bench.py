@@ -6,10 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from benchjson import assert_ratio, only_json, run_json
+
+from kvtier.bench.instructions import _callgrind, _Counter, _tools, less_idle
+from kvtier.bench.launcher import bench_daemon
+from kvtier.client import Client
 
 
 @pytest.mark.slow  # two daemons and ping servers under callgrind, ~60 s: `make test-slow`
@@ -37,6 +42,9 @@ def test_instructions_bench_counts_each_call_against_health_and_the_ping() -> No
         # Each figure is rounded to 4 digits: a difference of two is off by up to 100.
         assert min(diffs) - 100 <= f["above_health"][op] <= max(diffs) + 100, op
     assert all(v >= 0 for v in f["spread"].values()) and f["idle_instructions_per_s"] >= 0
+    # Each count is taken less its phase's idle share.
+    assert set(f["idle_per_call"]) == set(per_call) and f["ping_idle_instructions_per_s"] >= 0
+    assert all(v >= 0 for v in f["idle_per_call"].values())
     assert all(v > 0 for v in f["ms_per_call"].values())
 
 
@@ -62,3 +70,41 @@ def test_instructions_bench_without_valgrind_says_what_to_install(
         assert error["ok"] is False and message in error["error"]
     else:
         assert r.stdout == ""
+
+
+@pytest.mark.slow  # a daemon under callgrind, ~1 min
+def test_regression_a_calls_count_grew_with_its_wall_time(tmp_path: Path) -> None:
+    """Regression: a phase's count held every instruction the daemon's timers executed while
+    it ran (about 640k a second), so a call that took longer (a busy host) counted more. The
+    same health Checks, one at a time and with a pause after each (calls on a host slower by
+    that much), now count alike once the idle instructions of each phase's span are taken
+    out; the raw counts differ by the pauses' idle share."""
+    valgrind, control = _tools()
+    out = tmp_path / "daemon.callgrind"
+    calls, pause_s = 40, 0.05
+    with (
+        bench_daemon(wrapper=_callgrind(valgrind, out), start_timeout_s=600) as daemon,
+        Client(daemon.address, timeout_s=60) as client,
+    ):
+        counter = _Counter(control, daemon.proc.pid, out)
+        counter.start()
+
+        def checks(pause: float) -> tuple[int, float]:
+            for _ in range(5):  # warm-up
+                client.health()
+
+            def work() -> None:
+                for _ in range(calls):
+                    assert client.health()
+                    time.sleep(pause)
+
+            return counter.count(work)
+
+        steady, paused = checks(0.0), checks(pause_s)
+        rate = counter.idle_rate(3.0)
+    raw = [n / calls for n, _ in (steady, paused)]
+    net = [less_idle(n, spent, rate) / calls for n, spent in (steady, paused)]
+    # The pauses alone add rate * pause_s a call (32k at 640k a second) before; after, what
+    # is left is the idle rate's error over the span (timers fire a few times a second).
+    assert raw[1] - raw[0] > 0.5 * rate * pause_s, (raw, rate)
+    assert abs(net[1] - net[0]) < 0.2 * (raw[1] - raw[0]), (net, raw, rate)
