@@ -10,7 +10,8 @@ all of them. Here each job belongs to a key:
   the keys with jobs queued), not the oldest job: a job of another key waits for at most
   one job of each key ahead of it, never for a key's whole queue.
 
-Jobs of one key run in the order they came.
+Jobs of one key run in the order they came, each in the context (``contextvars``) it was
+submitted in: a request's log ids, whichever thread hands the job to a worker.
 
 Thread-safety: ``submit`` may be called from any thread; the jobs run on the worker
 threads, and so do the callbacks of their futures.
@@ -18,6 +19,7 @@ threads, and so do the callbacks of their futures.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
@@ -45,8 +47,11 @@ class FairThreads:
     def submit(self, key: str, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn(*args)`` on a worker thread when ``key``'s turn comes."""
         future: Future[T] = Future()
+        # Run in the submitter's context: a job is handed to a worker by whichever thread
+        # frees one, often another key's job's.
+        job: _Job = (future, contextvars.copy_context().run, (fn, *args))
         with self._lock:
-            self._queued.setdefault(key, deque()).append((future, fn, args))
+            self._queued.setdefault(key, deque()).append(job)
             self._dispatch()
         return future
 

@@ -4,8 +4,9 @@ request context every log line carries.
 The RPC layer (``daemon/observe.py``) binds a request id, and the session and pool the request
 names, in one context variable for the duration of each request; ``RequestContextFilter`` copies
 them onto every record, so any line a request causes (in the servicer, the store, a background
-task it started, or a transfer thread; asyncio tasks and the transfer executor copy the
-context) names them without a single call site passing them along.
+task it started, a transfer or disk thread, or a pool's mapping thread; asyncio tasks, the
+tiers' worker threads (``tiers/executor.py``) and the mapping threads (``fairthreads``) copy
+the context) names them without a single call site passing them along.
 
 Thread-safety: context variables are per task and per thread; the handlers are the logging
 module's own.

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import contextvars
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -587,12 +586,11 @@ class TransferEngine:
         rank: int = 0,
         urgency: Urgency | None = None,
     ) -> Any:
-        # The request's log context (request, session, pool ids) follows it onto the thread.
-        context = contextvars.copy_context()
-
+        # The request's log context (request, session, pool ids) follows it onto the thread:
+        # the executor runs each job in the context it was submitted in.
         def job() -> Any:
             self._check_deadline(deadline, priority)
-            return context.run(fn, *args)
+            return fn(*args)
 
         self._running += 1
         future = self.executor.submit(priority, job, rank=rank, urgency=urgency)

@@ -12,11 +12,15 @@ urgent caller waiting for that move raises (``Urgency.raise_to``); the job's que
 then moved up, in whichever pool it waits, so that the waiter does not wait at the move's
 first, lower place (a Get behind a prefetch's claim waits as a demand read).
 
+A job runs in the context (``contextvars``) it was submitted in: the log lines of a disk run a
+request's move split off carry that request's ids, as the move's own lines do.
+
 Thread-safety: ``submit`` and ``shutdown`` may be called from any thread.
 """
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 import itertools
 import threading
@@ -133,7 +137,8 @@ class PriorityExecutor:
         ``rank`` (higher sooner; equal ranks in submission order), or as ``urgency`` says
         where that is more urgent, now or once raised while the job waits."""
         future: Future[Any] = Future()
-        job = _Job(int(priority), -rank, next(self._seq), fn, args, future)
+        run = contextvars.copy_context().run
+        job = _Job(int(priority), -rank, next(self._seq), run, (fn, *args), future)
         if urgency is not None:
             urgency._submit(self, job)
             return future

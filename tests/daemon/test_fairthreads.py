@@ -6,6 +6,7 @@ the test controls, not a race it times.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import pytest
@@ -99,3 +100,32 @@ def test_a_job_cancelled_in_the_queue_at_shutdown_leaves_the_running_jobs_future
     assert running.result(WAIT_S)
     with pytest.raises(RuntimeError):
         queued.result(WAIT_S)
+
+
+def test_regression_a_job_ran_without_its_submitters_context():
+    """Regression: jobs ran in their worker thread's context, so the lines a pool's mapping
+    or unmapping logged there carried no request ids. A job now runs in the context it was
+    submitted in, also when another key's finishing job hands it to the thread."""
+    ids: contextvars.ContextVar[str] = contextvars.ContextVar("ids", default="")
+    workers = FairThreads(1, 1, "t")
+    try:
+        release = threading.Event()
+
+        def submitted_as(value: str, key: str, fn, *args):
+            token = ids.set(value)
+            try:
+                return workers.submit(key, fn, *args)
+            finally:
+                ids.reset(token)
+
+        def held() -> str:
+            release.wait(10)
+            return ids.get()
+
+        first = submitted_as("req-a", "a", held)
+        queued = submitted_as("req-b", "b", ids.get)  # waits for the one thread
+        release.set()
+        assert (first.result(timeout=10), queued.result(timeout=10)) == ("req-a", "req-b")
+        assert workers.submit("c", ids.get).result(timeout=10) == ""
+    finally:
+        workers.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 import weakref
@@ -276,3 +277,31 @@ def test_regression_a_raised_job_s_old_entry_kept_its_result_while_it_waited_in_
     for f in (blocker, ahead):
         f.result(5)
     pool.shutdown()
+
+
+def test_regression_a_job_ran_without_the_context_it_was_submitted_in():
+    """Regression: the workers ran a job in their own thread's context, so a disk run that a
+    request's read or write split off (several runs, or one over 1 MiB) logged its lines
+    (an L2 fault) without the request's ids, which the move's own thread carries. A job now
+    sees the context variables of its submitter, and nothing of an earlier job's."""
+    ids: contextvars.ContextVar[str] = contextvars.ContextVar("ids", default="")
+    pool = PriorityExecutor(1, "t")
+    try:
+
+        def submitted_as(value: str) -> Future[str]:
+            token = ids.set(value)
+            try:
+                return pool.submit(Priority.DEMAND, ids.get)
+            finally:
+                ids.reset(token)
+
+        assert [submitted_as(v).result(timeout=10) for v in ("req-a", "req-b")] == [
+            "req-a",
+            "req-b",
+        ]
+        assert pool.submit(Priority.DEMAND, ids.get).result(timeout=10) == ""
+        # A job's own changes stay in it: the next job on that worker does not see them.
+        pool.submit(Priority.DEMAND, ids.set, "set-in-a-job").result(timeout=10)
+        assert pool.submit(Priority.DEMAND, ids.get).result(timeout=10) == ""
+    finally:
+        pool.shutdown()
