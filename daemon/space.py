@@ -47,6 +47,7 @@ Thread-safety: event loop only (see ``daemon/store.py``).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import time
@@ -1215,7 +1216,9 @@ class SpaceManager:
             if pending is None or pending.retrying or not (now or clock >= pending.next_try):
                 continue
             pending.retrying = True
-            self.spawn(self._retry_free(lv, pending))
+            # Outside any request's log context: the retry frees the slots of earlier
+            # requests, and its line is the daemon's, not the request whose free started it.
+            contextvars.Context().run(self.spawn, self._retry_free(lv, pending))
 
     async def _retry_free(self, level: Level, pending: _Unfreed) -> None:
         slots, holds = pending.slots, pending.holds

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from density_training import roots_come_back
 
+from kvtier.daemon import logs
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
@@ -4871,3 +4872,31 @@ async def test_a_single_key_lookup_raises_nothing_in_the_store(make_store):
         sys.settrace(None)
     assert (prefix, tiers.tolist()) == (1, [TierKind.HOST])
     assert raised == []
+
+
+async def test_regression_a_retried_free_logged_under_the_request_that_started_it(
+    make_store, caplog
+):
+    """Regression: a successful free retries the frees a persistent tier could not do, in a
+    task that took the context of the request whose free succeeded; its line ("slots that
+    could not be freed are free now": slots of earlier requests) carried that request's ids.
+    The retry is the daemon's own and names none."""
+    clock = Clock()
+    l2 = MemoryTier(TierKind.DISK, SEG, SEG, persistent=True)
+    store, pool = make_store(clock, l2=l2), make_pool()
+    ks = keys(4)
+    _, persisted = await store.put(pool, 0, ks, np.arange(4), None, durable=True)
+    assert persisted.all()
+    l2.fail_removes = True
+    with logs.request_context("req-a", "s-a", 1):
+        assert (await store.delete(0, ks[:2])).deleted == 2
+    await store.space.drain()
+    l2.fail_removes = False
+    caplog.handler.addFilter(logs.RequestContextFilter())
+    with caplog.at_level(logging.WARNING, logger="kvtier.daemon.space"):
+        with logs.request_context("req-b", "s-b", 2):
+            assert (await store.delete(0, ks[2:3])).deleted == 1
+        await store.space.drain()
+    (line,) = [r for r in caplog.records if "could not be freed are free now" in r.getMessage()]
+    assert (line.request_id, line.session_id, line.pool_id) == ("", "", 0)
+    assert store.counters.get("frees_retried", tier="L2") == 2  # the slots, by the retry
