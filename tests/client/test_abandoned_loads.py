@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import signal
 import threading
 import time
 from typing import Any
@@ -177,8 +178,9 @@ class HeldLookups:
     def _held(self) -> None:
         self.answered.set()
         # Short waits, as gRPC's own: an interrupt is raised between them.
+        deadline = time.monotonic() + 60
         while not self.go_on.wait(0.01):
-            pass
+            assert time.monotonic() < deadline, "held 60 s: no interrupt came"
 
     def __call__(self, request: Any, **kwargs: Any) -> Any:
         answer = self._rpc(request, **kwargs)
@@ -222,6 +224,9 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
             if held.answered.wait(30):
                 _thread.interrupt_main()
 
+        # Python's own SIGINT handler, which interrupt_main needs to raise KeyboardInterrupt:
+        # an earlier test in this process (a daemon or CLI run in it) may have left another.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         interrupter = threading.Thread(target=interrupt)
         interrupter.start()
         try:
@@ -230,6 +235,7 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
         finally:
             interrupter.join()
             held.go_on.set()
+            signal.signal(signal.SIGINT, previous)
         assert settled_leases(lambda: _stats(daemon)) == 0
         assert client.stats().gauges["blocks_pinned"] == 0
         assert pool.load(TOKENS, [2, 3]) == 8
