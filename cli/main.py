@@ -506,9 +506,16 @@ def _quarantine(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(result)))
     else:
         if args.release:
+            # One release naming no slot tries at most server.max_batch_blocks of them.
+            why = (
+                "failed their check and stay quarantined"
+                if args.slot or not kept
+                else "stay quarantined: failed their check, or not tried by this release "
+                "(at most server.max_batch_blocks a call): run it again for the rest"
+            )
             print(
                 f"released: {len(result.released)} slot(s) back in use at kvtierd at {address}; "
-                f"{kept} failed their check and stay quarantined"
+                f"{kept} {why}"
             )
         print(
             f"L2 of kvtierd at {address}: {result.held_count} slot(s) quarantined "
@@ -770,7 +777,8 @@ def main(argv: list[str] | None = None) -> int:
         description="The slots L2 holds out of use after reads of them failed (checksum "
         "mismatch or I/O error), with the data file and offset of each, when and why (as many "
         "as one reply holds; the count covers every one). With "
-        "--release, gives them back to use first (all, or those --slot names): each once its "
+        "--release, gives them back to use first (those --slot names, or with none named up "
+        "to server.max_batch_blocks of them a call: run it again for the rest): each once its "
         "extent takes a write of random bytes, a sync and a read back; one that fails stays "
         "quarantined, its reason saying why. Refused while L2 is degraded (but by a failed read, "
         "which a release whose every check passes clears) or still reading its index. Exit "

@@ -937,7 +937,8 @@ class Client:
     ) -> t.QuarantineResult:
         """The slots L2 holds out of use after reads of them failed (admins only: as many as one
         reply holds, in slot order, and how many in all); with ``release``, after giving ``slots``
-        (every one held when empty) back to use, each once its extent takes a write and gives it
+        (when empty, up to ``server.max_batch_blocks`` held, going on past the last slot an
+        earlier such release tried: call again for the rest) back to use, each once its extent takes a write and gives it
         back (one that fails stays held, its reason saying why). FailedPreconditionError without
         L2, and for a release while L2 is degraded (but by a failed read, which a release whose
         every check passes clears) or still reading its index. ``timeout_s`` bounds this call

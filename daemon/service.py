@@ -761,8 +761,10 @@ class KVService:
     async def quarantine(
         self, session_id: str, release: bool, slots: Sequence[int]
     ) -> tuple[list[QuarantinedSlot], list[int]]:
-        """L2's quarantined slots, after giving ``slots`` (every one when empty) back to use
-        with ``release`` (``BlockStore.quarantine``); admins only."""
+        """L2's quarantined slots, after giving ``slots`` back to use with ``release``
+        (``BlockStore.quarantine``); admins only. A release naming none tries at most
+        ``server.max_batch_blocks`` slots, as one naming them may, so that the reply can list
+        every slot released (the config's check makes room for that many keys)."""
         session = self._admin(session_id, "Quarantine")
         if slots and not release:
             raise InvalidArgument("slots name what a release gives back: set release too")
@@ -771,7 +773,7 @@ class KVService:
             raise InvalidArgument(
                 f"{len(slots)} slots in one request; at most {limit} (server.max_batch_blocks)"
             )
-        held, released = await self.store.quarantine(release, slots)
+        held, released = await self.store.quarantine(release, slots, limit)
         if release:
             log.warning(
                 "quarantine release by session %s: %d slot(s) back in use, %d held",

@@ -1860,10 +1860,10 @@ class BlockStore:
         )
 
     async def quarantine(
-        self, release: bool, slots: Sequence[int]
+        self, release: bool, slots: Sequence[int], limit: int
     ) -> tuple[list[QuarantinedSlot], list[int]]:
         """(the slots the disk tier holds out of use, those given back to use), after a
-        release of ``slots`` (every one held when empty) with ``release``
+        release of ``slots`` (when empty, the next ``limit`` held) with ``release``
         (``Quarantine.release_quarantined``). FailedPrecondition: there is no such tier, or
         it refused the release (degraded by a fault other than a failed read, recovering);
         InvalidArgument: a slot it does not hold."""
@@ -1875,7 +1875,7 @@ class BlockStore:
         if release:
             try:
                 out = await self.transfers.run(
-                    Priority.BACKGROUND, tier.release_quarantined, list(slots) or None
+                    Priority.BACKGROUND, tier.release_quarantined, list(slots) or None, limit
                 )
             except TierUnavailable as e:
                 raise FailedPrecondition(str(e)) from None

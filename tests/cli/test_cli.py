@@ -624,6 +624,7 @@ def test_regression_a_quarantine_too_long_for_one_reply_was_not_listed_nor_relea
         *geometry,
         "tiers.l2.file_bytes=32MiB",
         "server.max_message_bytes=1MiB",
+        "server.max_batch_blocks=8000",
     )
     d.stop()
     data = bytes(4096)
@@ -652,10 +653,22 @@ def test_regression_a_quarantine_too_long_for_one_reply_was_not_listed_nor_relea
     assert code == 0, err
     assert out.splitlines()[0].startswith(f"L2 of kvtierd at {d.address}: {n} slot(s) quarantined")
     assert f"{n - len(listed['held'])} more not listed" in out.splitlines()[-1]
+    # A release naming no slot tries at most server.max_batch_blocks (the reply lists each it
+    # released): before, it released every slot held, past what its reply can list too (~350k
+    # slots at 1 MiB), and only then failed to send the reply.
+    code, out, err = run_main(capsys, *address, "quarantine", "--release")
+    assert code == 1, err
+    assert out.splitlines()[0].endswith(
+        f"{n - 8000} stay quarantined: failed their check, or not tried by this release "
+        "(at most server.max_batch_blocks a call): run it again for the rest"
+    )
+    code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
+    assert code == 1, err
+    assert sorted(json.loads(out)["released"]) == slots[8000:16000]
     code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
     assert code == 0, err
     released = json.loads(out)
-    assert released["held_count"] == 0 and sorted(released["released"]) == slots
+    assert released["held_count"] == 0 and sorted(released["released"]) == slots[16000:]
 
 
 def test_quarantine_exits_1_when_a_slot_it_was_to_release_stays_held(capsys, monkeypatch):

@@ -472,6 +472,29 @@ def test_a_quarantined_slot_whose_check_fails_stays_held_and_says_why(
         assert tier.release_quarantined().released == [blocks[1][1]]
 
 
+def test_regression_a_release_naming_no_slot_gave_back_more_than_its_reply_could_list(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A release naming no slot gave back every slot held, and the daemon's reply lists each
+    slot released: past server.max_message_bytes (~350k slots at 1 MiB) the reply failed after
+    the release was done, and the CLI said 'refused, did nothing'. With ``limit`` it tries that
+    many, going on past the last it tried, so a slot failing its check again does not keep
+    the rest from their turn."""
+    with _open(disk_dir, backend=faulty_files) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 65_536)
+        for i in (1, 2, 3):
+            _flip(tier, blocks[i][1])
+        assert _read(tier, {i: blocks[i] for i in (1, 2, 3)}) == {1: None, 2: None, 3: None}
+        first, second, third = sorted(blocks[i][1] for i in (1, 2, 3))
+        faulty_files.fail("pwritev", errno.EIO, times=1)
+        out = tier.release_quarantined(limit=1)
+        assert out.released == [] and [q.slot for q in out.kept] == [first]
+        assert tier.release_quarantined(limit=1).released == [second]
+        assert tier.release_quarantined(limit=2).released == [first, third]  # wrapped
+        assert tier.quarantined() == []
+        assert tier.release_quarantined(limit=1) == ([], [])
+
+
 def _device_read_bytes() -> int:
     """The bytes this process has read from storage devices (page cache hits not counted)."""
     with open("/proc/self/io") as f:

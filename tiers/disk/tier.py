@@ -50,6 +50,7 @@ which belongs to an L0<->L2 path.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import logging
@@ -543,6 +544,8 @@ class DiskTier:
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
+        # The last slot a bounded release naming none tried: the next one goes on past it.
+        self._release_after = -1
         # Slots with a read in flight -> how many: a release leaves these held, since a read
         # that fails after it would quarantine the slot again (even once it was handed out).
         self._reading: Counter[int] = Counter()
@@ -1161,9 +1164,14 @@ class DiskTier:
         unknown = ("not recorded in the index", 0.0)
         return [self._held(slot, nbytes, *recorded.get(slot, unknown)) for slot, nbytes in held]
 
-    def release_quarantined(self, slots: Sequence[int] | None = None) -> QuarantineRelease:
+    def release_quarantined(
+        self, slots: Sequence[int] | None = None, limit: int | None = None
+    ) -> QuarantineRelease:
         """Give quarantined slots back to use (an operator's decision, e.g. after the disk
-        was checked): ``slots``, or every one held when None. Each slot's extent first takes
+        was checked): ``slots``, or when None every one held, or with ``limit`` that many
+        at most (the reply that lists them is bounded), in slot order from past the last one
+        that an earlier release naming none tried (wrapping), so that slots failing their
+        check again do not keep the rest from their turn. Each slot's extent first takes
         a write of fresh random bytes, a sync and a read back (from the disk: with
         ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails
         stays held, its recorded reason saying why, and so does one that a read begun before
@@ -1197,7 +1205,14 @@ class DiskTier:
                 )
             with self._state_lock:
                 held = dict(self._quarantined)
-            todo = sorted(held) if slots is None else sorted({int(s) for s in slots})
+            if slots is None:
+                order = sorted(held)
+                start = bisect.bisect_right(order, self._release_after)
+                todo = (order[start:] + order[:start])[:limit]
+                self._release_after = todo[-1] if todo else -1
+                todo.sort()
+            else:
+                todo = sorted({int(s) for s in slots})
             stray = [s for s in todo if s not in held]
             if stray:
                 shown = ", ".join(map(str, stray[:8])) + (", ..." if len(stray) > 8 else "")
