@@ -783,7 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         "quarantined, its reason saying why. Refused while L2 is degraded (but by a failed read, "
         "which a release whose every check passes clears) or still reading its index. Exit "
         "status: 0 listed (with --release: every slot asked is back in use), "
-        "1 some slot --release was to give back stays quarantined (listed), 2 the daemon "
+        "1 some slot --release was to give back stays quarantined (failed, or with no --slot "
+        "left for the next run), 2 the daemon "
         "refused (it answered and did nothing: not an admin, no L2, L2 degraded by another "
         "fault or recovering, a slot it does not hold, or it is stopping), 3 unreachable, as health's 3.",
     )
