@@ -225,7 +225,7 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
                 _thread.interrupt_main()
 
         # Python's own SIGINT handler, which interrupt_main needs to raise KeyboardInterrupt:
-        # an earlier test in this process (a daemon or CLI run in it) may have left another.
+        # pytest-xdist's workers (make test) ignore SIGINT, and then it does nothing.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         interrupter = threading.Thread(target=interrupt)
         interrupter.start()
