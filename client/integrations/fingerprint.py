@@ -41,6 +41,25 @@ READERS = 16
 READ_BATCH = 4096
 
 
+def same_checkpoint(a: str, b: str) -> bool:
+    """Whether two model paths name one checkpoint: equal, or one local folder spelled two
+    ways (a trailing slash, a symlink, a relative path). Compared as strings alone, a draft
+    given as the target's folder with a trailing slash was taken for another checkpoint."""
+    if a == b:
+        return True
+    try:
+        return os.path.isdir(a) and os.path.isdir(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def folder_name(path: str) -> str:
+    """A local checkpoint folder's own name: the last component of the folder a symlink
+    leads to (and of a path with a trailing slash), so a link named otherwise names the
+    folder it leads to."""
+    return os.path.basename(os.path.realpath(path))
+
+
 def weights_dir_fingerprint(path: str, tag: bytes) -> str:
     """Every weight file's relative name, size and ``SAMPLES`` evenly spaced 4 KiB samples
     under ``path``, and for a safetensors file its header and a sample at the start, middle

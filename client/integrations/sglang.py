@@ -95,6 +95,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.client.errors import KvtierError, unclean
 from kvtier.client.integrations.breaker import Breaker, daemon_answers
+from kvtier.client.integrations.fingerprint import same_checkpoint
 from kvtier.client.integrations.sglang_config import (
     BYTE_DTYPES,
     DraftModel,
@@ -195,7 +196,7 @@ def _draft(page: PageFormat, options: StorageOptions) -> str:
             revision=str(spec.speculative_draft_model_revision or ""),
             load_format=str(spec.speculative_draft_load_format or ""),
             quantization=str(spec.speculative_draft_model_quantization or ""),
-            own=path == str(model.model_path),
+            own=same_checkpoint(path, str(model.model_path)),
         )
     except (ImportError, ValueError, AttributeError) as e:
         if options.namespace.extra:

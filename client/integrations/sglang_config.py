@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client.integrations.fingerprint import weights_dir_fingerprint
+from kvtier.client.integrations.fingerprint import folder_name, weights_dir_fingerprint
 from kvtier.client.keys import Namespace
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, LayerLayout
 
@@ -369,7 +369,7 @@ def draft_fingerprint(draft: DraftModel, weights: bool) -> str:
     if draft.own:
         name = "target"
     elif os.path.isdir(draft.path):
-        name = os.path.basename(os.path.normpath(draft.path))
+        name = folder_name(draft.path)
     else:
         name = draft.path
     parts = [draft.algorithm, name, draft.revision, draft.load_format, draft.quantization]

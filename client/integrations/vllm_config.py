@@ -40,7 +40,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.client.integrations.fingerprint import AdapterDigests, weights_dir_fingerprint
+from kvtier.client.integrations.fingerprint import (
+    AdapterDigests,
+    folder_name,
+    same_checkpoint,
+    weights_dir_fingerprint,
+)
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
 
 log = logging.getLogger(__name__)
@@ -522,7 +527,7 @@ def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
     if draft is None or (uses_kv is not None and not uses_kv()):
         return ""
     path = str(draft.model)
-    own = path == str(vllm_config.model_config.model)
+    own = same_checkpoint(path, str(vllm_config.model_config.model))
     parts = [
         str(getattr(speculative, "method", "")),
         draft_name(path, own),
@@ -545,7 +550,7 @@ def draft_name(path: str, own: bool) -> str:
     if own:
         return "target"
     if os.path.isdir(path):
-        return os.path.basename(os.path.normpath(path))
+        return folder_name(path)
     return path
 
 

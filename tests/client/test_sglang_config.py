@@ -270,3 +270,21 @@ def test_unlocatable_pools_are_staged_and_bad_pools_refused() -> None:
     host.size = 21
     with pytest.raises(ValueError, match="whole number"):
         describe_host_pool(host)
+
+
+def test_regression_a_symlinked_draft_folder_was_named_by_the_link(tmp_path: Path) -> None:
+    """A local draft folder is named by its last component, so the same files at another
+    path hit; a symlink to it (``/models/draft`` -> ``eagle-v2``) was named by the link,
+    and an engine given the link shared no block with one given the folder. A trailing
+    slash names the folder too."""
+    folder = tmp_path / "eagle-v2"
+    folder.mkdir()
+    (folder / "model.bin").write_bytes(b"a" * 5000)
+    (tmp_path / "draft").symlink_to(folder)
+
+    def fingerprint(path: Path | str) -> str:
+        draft = DraftModel("EAGLE", str(path), "", "auto", "", own=False)
+        return draft_fingerprint(draft, True)
+
+    assert fingerprint(tmp_path / "draft") == fingerprint(folder)
+    assert fingerprint(f"{folder}/") == fingerprint(folder)

@@ -382,6 +382,29 @@ def test_regression_engines_whose_packed_drafts_differ_shared_blocks(
     attach(packed, storage_config(shared_daemon.address, namespace={"extra": "d"})).close()
 
 
+def test_regression_the_targets_own_folder_with_a_trailing_slash_was_another_draft(
+    shared_daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    """A draft whose weights are the target's own checkpoint (MTP layers bundled with it)
+    is bound as ``target``; it was told from the model path by string, so the target's
+    folder given with a trailing slash, or through a symlink, was taken for another draft
+    folder: another namespace (its engines shared no block with those given the folder as
+    the model path) and the target's weight files read a second time at start."""
+    model_dir = _checkpoint(tmp_path / "model", TINY_LLAMA, b"target")
+    (tmp_path / "link").symlink_to(model_dir)
+    extras = []
+    for draft in (model_dir, f"{model_dir}/", tmp_path / "link"):
+        host = mha_host_pool("page_first", draft_layers=1)
+        with _sglang_running(
+            model_dir, speculative_algorithm="EAGLE", speculative_draft_model_path=str(draft)
+        ):
+            backend = attach(host, storage_config(shared_daemon.address, model="mtp-model"))
+        extras.append(backend.namespace.extra)
+        backend.close()
+    assert "draft=" in extras[0]
+    assert extras[1] == extras[0] and extras[2] == extras[0]
+
+
 def test_regression_a_drafts_own_host_pool_registered_later_is_refused(
     shared_daemon: DaemonProcess,
 ) -> None:

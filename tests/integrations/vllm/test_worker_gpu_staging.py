@@ -415,3 +415,8 @@ def test_regression_the_draft_part_bound_the_draft_folders_path(tmp_path):
     assert "draft=" in first
     assert extra(moved) == first
     assert extra(other) != first
+    # A symlink to the folder names the folder it leads to, and the target's own folder
+    # spelled with a trailing slash is the target's checkpoint.
+    (tmp_path / "link").symlink_to(moved)
+    assert extra(tmp_path / "link") == first
+    assert extra(f"{target}/") == extra(target)
