@@ -365,11 +365,14 @@ def draft_fingerprint(draft: DraftModel, weights: bool) -> str:
     checkpoint, which the namespace's weights already bind), revision, load format and
     quantization, and (``weights``) a local folder's weight files as ``model_weights`` reads
     the target's; 32 hex digits. The folder's full path would have bound its copy on each
-    node: the same draft files at another path are the same draft."""
+    node: the same draft files at another path are the same draft. Without ``weights`` the
+    name alone binds a folder, so it is the folder's full path (as the target's model path
+    is the target's name): its last component (``checkpoint-1000`` of two fine-tunes, say)
+    would let different drafts share pages."""
     if draft.own:
         name = "target"
     elif os.path.isdir(draft.path):
-        name = folder_name(draft.path)
+        name = folder_name(draft.path) if weights else os.path.realpath(draft.path)
     else:
         name = draft.path
     parts = [draft.algorithm, name, draft.revision, draft.load_format, draft.quantization]

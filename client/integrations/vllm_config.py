@@ -530,7 +530,7 @@ def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
     own = same_checkpoint(path, str(vllm_config.model_config.model))
     parts = [
         str(getattr(speculative, "method", "")),
-        draft_name(path, own),
+        draft_name(path, own, weights),
         str(getattr(draft, "revision", None) or ""),
         config_fingerprint(draft.hf_config),
     ]
@@ -540,17 +540,19 @@ def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
     return hashlib.sha256("|".join(map(_field, parts)).encode()).hexdigest()[:32]
 
 
-def draft_name(path: str, own: bool) -> str:
+def draft_name(path: str, own: bool, weights: bool) -> str:
     """The draft's name in ``draft_fingerprint``: a hub id as given, a local checkpoint
     folder by its last component, ``target`` for the target's own checkpoint (``own``). A
     folder's full path bound the draft's copy on each node where it lay: engines whose drafts
     were the same files at other paths (another mount, another cache folder) shared no block,
     even with ``namespace.model`` set to keep the target's path out of the namespace; its
-    contents are bound by the weights' fingerprint."""
+    contents are bound by the weights' fingerprint. Without it (``weights`` off) the name
+    alone binds the folder, so it is the full path: a last component
+    (``checkpoint-1000`` of two fine-tunes, say) would let different drafts share blocks."""
     if own:
         return "target"
     if os.path.isdir(path):
-        return folder_name(path)
+        return folder_name(path) if weights else os.path.realpath(path)
     return path
 
 

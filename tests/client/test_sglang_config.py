@@ -189,7 +189,11 @@ def test_a_packed_draft_is_bound_by_its_name_and_weight_files(tmp_path: Path) ->
     # The same files at another path are the same draft; other files are not.
     assert draft_fingerprint(draft(tmp_path / "two/mtp"), True) == one
     assert draft_fingerprint(draft(tmp_path / "three/mtp"), True) != one
-    assert draft_fingerprint(draft(tmp_path / "three/mtp"), False) == draft_fingerprint(
+    # Without the weight files, the folder's path alone tells two drafts apart.
+    assert draft_fingerprint(draft(tmp_path / "three/mtp"), False) != draft_fingerprint(
+        draft(tmp_path / "one/mtp"), False
+    )
+    assert draft_fingerprint(draft(tmp_path / "one/mtp/"), False) == draft_fingerprint(
         draft(tmp_path / "one/mtp"), False
     )
     others = {

@@ -379,6 +379,7 @@ def test_regression_the_draft_part_bound_the_draft_folders_path(tmp_path):
     folder on each node) shared no block, though ``namespace.model`` kept the target's path
     out. A draft folder counts by its last component and its files now. Real vLLM configs
     (``EngineArgs.create_engine_config``) of a target with a draft model."""
+    import os
     import shutil
     from types import SimpleNamespace
 
@@ -397,7 +398,7 @@ def test_regression_the_draft_part_bound_the_draft_folders_path(tmp_path):
     group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(5)])
     kv_cache_config = SimpleNamespace(kv_cache_groups=[group])
 
-    def extra(draft_path: Any) -> str:
+    def extra(draft_path: Any, weights: bool = True) -> str:
         args = EngineArgs(
             model=str(target),
             max_model_len=1024,
@@ -408,7 +409,7 @@ def test_regression_the_draft_part_bound_the_draft_folders_path(tmp_path):
                 "num_speculative_tokens": 2,
             },
         )
-        options = NamespaceOptions(model="tiny-llama")
+        options = NamespaceOptions(model="tiny-llama", weights_fingerprint=weights)
         return identify(args.create_engine_config(), kv_cache_config, options).extra
 
     first = extra(draft)
@@ -420,3 +421,12 @@ def test_regression_the_draft_part_bound_the_draft_folders_path(tmp_path):
     (tmp_path / "link").symlink_to(moved)
     assert extra(tmp_path / "link") == first
     assert extra(f"{target}/") == extra(target)
+    # Without weight fingerprints the folder's path alone tells the drafts apart: a
+    # fine-tune of one config in a folder of the same name is another draft.
+    tuned = tmp_path / "node-d" / "draft"
+    shutil.copytree(draft, tuned)
+    with open(tuned / "model.safetensors", "r+b") as f:
+        f.seek(-16, os.SEEK_END)
+        f.write(b"\x01" * 16)
+    assert extra(tuned, weights=False) != extra(draft, weights=False)
+    assert extra(f"{draft}/", weights=False) == extra(draft, weights=False)
