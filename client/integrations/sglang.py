@@ -337,10 +337,22 @@ class KVTierHiCacheStorage(HiCacheStorage):
         lookup of the engine then raised NotImplementedError in SGLang's threads."""
         name = str(host_pool_name)
         if name != "kv":
+            # The operator needs a way to start: a draft can change, a hybrid model cannot.
+            if name.startswith("draft"):
+                what = (
+                    "a speculative-decoding draft's own KV (EAGLE, EAGLE-3, a standalone "
+                    "draft model); run it with a draft whose layers SGLang packs into the KV "
+                    "pool (an MTP draft) or without speculative decoding, or drop "
+                    "--hicache-storage-backend (kvtier)"
+                )
+            else:
+                what = (
+                    "a hybrid model's SWA, Mamba or indexer cache; run this model without "
+                    "kvtier: drop its --hicache-storage-backend"
+                )
             raise ValueError(
                 "kvtier HiCache storage stores the KV pool only; this engine also has the "
-                f"host pool {name!r} (a hybrid model's SWA, Mamba or indexer cache, or a "
-                "speculative-decoding draft's own KV), which it does not support"
+                f"host pool {name!r}, {what}"
             )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 

@@ -430,8 +430,12 @@ def test_regression_a_drafts_own_host_pool_registered_later_is_refused(
         )
         backend.register_mem_host_pool_v2(host, PoolName.KV)  # the KV pool's entry: accepted
         draft = PoolEntry(PoolName.DRAFT, mha_host_pool("page_first"), None, lambda x: x)
-        with pytest.raises(ValueError, match="'draft'"):
+        with pytest.raises(ValueError, match="'draft'") as refused:
             HybridCacheController.register_host_pool_entry(controller, draft)
+        # The refusal says how to start: another draft, no speculation, or no kvtier.
+        assert "MTP draft" in str(refused.value)
+        assert "without speculative decoding" in str(refused.value)
+        assert "--hicache-storage-backend" in str(refused.value)
     finally:
         backend.close()
 
