@@ -22,7 +22,7 @@ import pytest
 from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, raw_client, ref, wait_for
 
 from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
-from kvtier.daemon import loops
+from kvtier.daemon import logs, loops
 from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import (
@@ -599,6 +599,46 @@ async def test_a_removal_the_store_refused_is_absent_until_sent_again_or_written
         )
         assert raw.exists(stored[0]) == 0 and raw.exists(*stored[1:]) == 3
         assert await tier.probe(blocks[1:]) == [nbytes] * 3
+
+
+async def test_regression_resent_removals_logged_under_the_request_that_started_them(
+    fresh_redis: RedisServer, l3_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a removal the store accepts sends again the removals it had refused, in a
+    task that took the context of the request whose removal went through; the lines of that
+    resend (removals of earlier requests) carried its ids. The resend is the daemon's own
+    and names none."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(2)]
+    raw = raw_client(fresh_redis)
+    names = KeyNamer(l3_prefix)
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        assert await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(2)])) == [
+            True,
+            True,
+        ]
+        raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+        try:
+            with logs.request_context("req-a", "s-a", 1):
+                await tier.remove(blocks)
+            assert tier.stats().counters["remove_errors"] == 2
+            # The next removal is accepted, the resent ones refused again (their keys only):
+            # the resend logs their errors.
+            only = names.key(ref(99).ns, ref(99).key).decode()
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink", "resetkeys", f"~{only}")
+            caplog.handler.addFilter(logs.RequestContextFilter())
+            with caplog.at_level(logging.DEBUG, logger="kvtier.tiers.remote.tier"):
+                with logs.request_context("req-b", "s-b", 2):
+                    await tier.remove([ref(99)])
+                await wait_for(
+                    "the refused removals to be sent again",
+                    lambda: tier.stats().counters["remove_errors"] == 4,
+                )
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "resetkeys", "~*", "+unlink")
+    resent = [r for r in caplog.records if "L3 command failed" in r.getMessage()]
+    assert len(resent) == 2
+    assert {(r.request_id, r.session_id, r.pool_id) for r in resent} == {("", "", 0)}
 
 
 async def test_regression_removals_the_store_had_not_confirmed_were_forgotten_by_a_restart(

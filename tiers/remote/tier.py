@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import logging
 import random
@@ -868,7 +869,9 @@ class RemoteTier:
     def _resend_removals(self) -> None:
         """Send the remembered removals again, in the background (one task at a time)."""
         if self._resending is None and not self._closed:
-            self._resending = self._spawn(self._resend_loop())
+            # Outside any request's log context: the loop sends the removals of earlier
+            # requests, and its lines are the daemon's, not the request whose call started it.
+            self._resending = contextvars.Context().run(self._spawn, self._resend_loop())
 
     async def _resend_loop(self) -> None:
         try:
