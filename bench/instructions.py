@@ -22,7 +22,10 @@ daemon's event loop, under callgrind in the same way and called with the same 64
 what any unary call over this transport costs a Python server.
 ``idle``: instructions a server executes per second with no call coming (the daemon's timers),
 counted over ``--idle-s`` the way a phase is (zeroed, slept, dumped) and divided by that
-span's wall seconds, each server's own. A phase's dump holds them too, for as long as it ran:
+span's wall seconds, each server's own. The span is two periods of the daemon's slowest timers
+by default (``IDLE_S``): a span of one second held one of their checks or none, so the rate
+came out about 370k or 800k a second on a 2-core host, and every phase's count, less it, moved
+by the difference times its wall time (4k a call of 10 ms) with where the checks fell. A phase's dump holds them too, for as long as it ran:
 under callgrind a call takes 10 to 40 ms (``ms_per_call``), more on a busier host, so they
 made a call's count grow with the host's load (a daemon idling at 640k a second adds 6.4k to
 a call of 10 ms, 13k to one of 20 ms). Each phase's count is taken less the idle rate times
@@ -64,6 +67,7 @@ from kvtier.bench.launcher import bench_daemon, stop
 from kvtier.bench.ping import PING_METHOD
 from kvtier.bench.rpc import BLOCK_BYTES, PING_PAYLOAD
 from kvtier.client import Client, SharedMemoryPool
+from kvtier.daemon import connections, memtrim
 from kvtier.daemon.config import ServerConfig
 from kvtier.daemon.loops import EVENT_LOOPS
 
@@ -74,6 +78,11 @@ _PAGES = 64
 _START_TIMEOUT_S = 600.0
 _CONTROL_TIMEOUT_S = 120.0
 
+# The idle span's default: two periods of the daemon's slowest timers (the connections' check
+# and the allocator's trim check), so that it holds as many of their checks as its length
+# says, give or take one, rather than one or none.
+IDLE_S = 2 * max(connections.CHECK_INTERVAL_S, memtrim.CHECK_INTERVAL_S)
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = arg_parser("instructions", __doc__)
@@ -81,7 +90,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="uncounted calls before each (20)")
     p.add_argument("--repeats", type=int, default=5, help="repeats of every phase (5)")
     p.add_argument(
-        "--idle-s", type=float, default=1.0, help="seconds the idle daemon is counted (1.0)"
+        "--idle-s",
+        type=float,
+        default=IDLE_S,
+        help=f"seconds the idle daemon is counted ({IDLE_S:g}: two periods of its slowest timers)",
     )
     p.add_argument(
         "--event-loop",

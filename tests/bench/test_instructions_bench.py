@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from benchjson import assert_ratio, only_json, run_json
 
-from kvtier.bench.instructions import _callgrind, _Counter, _tools, less_idle
+from kvtier.bench.instructions import _callgrind, _Counter, _parse, _tools, less_idle
 from kvtier.bench.launcher import bench_daemon
 from kvtier.client import Client
+from kvtier.daemon import connections, memtrim
 
 
 @pytest.mark.slow  # two daemons and ping servers under callgrind, ~60 s: `make test-slow`
@@ -108,3 +109,12 @@ def test_regression_a_calls_count_grew_with_its_wall_time(tmp_path: Path) -> Non
     # is left is the idle rate's error over the span (timers fire a few times a second).
     assert raw[1] - raw[0] > 0.5 * rate * pause_s, (raw, rate)
     assert abs(net[1] - net[0]) < 0.2 * (raw[1] - raw[0]), (net, raw, rate)
+
+
+def test_regression_the_idle_span_held_one_of_the_slowest_timers_checks_or_none() -> None:
+    """Regression: the idle rate was counted over 1 s by default, shorter than the daemon's
+    slowest timers (a check every 5 s): a span held one of their checks or none, so the rate
+    came out about 370k or 800k a second, and each phase's count less it moved by 4k a call
+    of 10 ms with where the checks fell. The default span is two of their periods."""
+    slowest = max(connections.CHECK_INTERVAL_S, memtrim.CHECK_INTERVAL_S)
+    assert _parse([]).idle_s >= 2 * slowest
