@@ -641,6 +641,48 @@ async def test_regression_resent_removals_logged_under_the_request_that_started_
     assert {(r.request_id, r.session_id, r.pool_id) for r in resent} == {("", "", 0)}
 
 
+async def test_regression_a_cancelled_removals_resend_logged_under_its_request(
+    fresh_redis: RedisServer, l3_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a removal cancelled before its reply keeps its keys as ones the store did
+    not confirm and starts their resend from its ``except CancelledError``, inside the
+    cancelled request's context; the resend's lines (removals of any earlier request too)
+    carried that request's ids. The resend is the daemon's own and names none."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(2)]
+    raw = raw_client(fresh_redis)
+    async with opened(options(fresh_redis, l3_prefix)) as tier:
+        assert await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(2)])) == [
+            True,
+            True,
+        ]
+        held = await _hold_small_ops(tier)
+        caplog.handler.addFilter(logs.RequestContextFilter())
+        try:
+            with caplog.at_level(logging.DEBUG, logger="kvtier.tiers.remote.tier"):
+                with logs.request_context("req-a", "s-a", 1):
+                    removing = asyncio.create_task(tier.remove(blocks))
+                for _ in range(10):
+                    await asyncio.sleep(0)
+                assert not removing.done()
+                removing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await removing
+                # The store refuses the resend: each key's error is a line of it.
+                raw.execute_command("ACL", "SETUSER", "default", "-unlink")
+                for _ in range(held):
+                    tier._small_ops.release()
+                await wait_for(
+                    "the cancelled removal to be sent again",
+                    lambda: tier.stats().counters["remove_errors"] == 2,
+                )
+        finally:
+            raw.execute_command("ACL", "SETUSER", "default", "+unlink")
+    resent = [r for r in caplog.records if "L3 command failed" in r.getMessage()]
+    assert len(resent) == 2
+    assert {(r.request_id, r.session_id, r.pool_id) for r in resent} == {("", "", 0)}
+
+
 async def test_regression_removals_the_store_had_not_confirmed_were_forgotten_by_a_restart(
     fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
 ) -> None:
