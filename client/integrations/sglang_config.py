@@ -360,15 +360,16 @@ class DraftModel:
 
 
 def draft_fingerprint(draft: DraftModel, weights: bool) -> str:
-    """What binds a draft whose layers are in the pages: the algorithm, the draft's name (a
-    hub id as given, a local folder by its last component, ``target`` for the target's own
-    checkpoint, which the namespace's weights already bind), revision, load format and
-    quantization, and (``weights``) a local folder's weight files as ``model_weights`` reads
-    the target's; 32 hex digits. The folder's full path would have bound its copy on each
-    node: the same draft files at another path are the same draft. Without ``weights`` the
-    name alone binds a folder, so it is the folder's full path (as the target's model path
-    is the target's name): its last component (``checkpoint-1000`` of two fine-tunes, say)
-    would let different drafts share pages."""
+    """What binds a draft whose layers are in the pages: the algorithm, the draft's name (a hub
+    id as given, a local folder by its last component, a symlink's by the folder's it leads to
+    (``folder_name``), ``target`` for the target's own checkpoint however spelled
+    (``DraftModel.own``), which the namespace's weights already bind), revision, load format and
+    quantization, and (``weights``) a local folder's weight files as ``model_weights`` reads the
+    target's; 32 hex digits. The folder's full path would have bound its copy on each node: the
+    same draft files at another path are the same draft. Without ``weights`` the name alone
+    binds a folder, so it is the full path of the folder a symlink or a relative path leads to
+    (as the target's model path is the target's name): its last component (``checkpoint-1000``
+    of two fine-tunes, say) would let different drafts share pages."""
     if draft.own:
         name = "target"
     elif os.path.isdir(draft.path):

@@ -541,14 +541,16 @@ def draft_fingerprint(vllm_config: Any, weights: bool) -> str:
 
 
 def draft_name(path: str, own: bool, weights: bool) -> str:
-    """The draft's name in ``draft_fingerprint``: a hub id as given, a local checkpoint
-    folder by its last component, ``target`` for the target's own checkpoint (``own``). A
-    folder's full path bound the draft's copy on each node where it lay: engines whose drafts
-    were the same files at other paths (another mount, another cache folder) shared no block,
-    even with ``namespace.model`` set to keep the target's path out of the namespace; its
-    contents are bound by the weights' fingerprint. Without it (``weights`` off) the name
-    alone binds the folder, so it is the full path: a last component
-    (``checkpoint-1000`` of two fine-tunes, say) would let different drafts share blocks."""
+    """The draft's name in ``draft_fingerprint``: a hub id as given, a local checkpoint folder
+    by its last component, a symlink's by the folder's it leads to (``folder_name``), ``target``
+    for the target's own checkpoint however spelled (``own``: ``same_checkpoint``). A folder's
+    full path bound the draft's copy on each node where it lay: engines whose drafts were the
+    same files at other paths (another mount, another cache folder) shared no block, even with
+    ``namespace.model`` set to keep the target's path out of the namespace; its contents are
+    bound by the weights' fingerprint. Without it (``weights`` off) the name alone binds the
+    folder, so it is the full path of the folder a symlink or a relative path leads to: a last
+    component (``checkpoint-1000`` of two fine-tunes, say) would let different drafts share
+    blocks."""
     if own:
         return "target"
     if os.path.isdir(path):
