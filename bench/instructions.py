@@ -25,11 +25,12 @@ counted over ``--idle-s`` the way a phase is (zeroed, slept, dumped) and divided
 span's wall seconds, each server's own. The span is two periods of the daemon's slowest timers
 by default (``IDLE_S``): a span of one second held one of their checks or none, so the rate
 came out about 370k or 800k a second on a 2-core host, and every phase's count, less it, moved
-by the difference times its wall time (4k a call of 10 ms) with where the checks fell. A phase's dump holds them too, for as long as it ran:
-under callgrind a call takes 10 to 40 ms (``ms_per_call``), more on a busier host, so they
-made a call's count grow with the host's load (a daemon idling at 640k a second adds 6.4k to
-a call of 10 ms, 13k to one of 20 ms). Each phase's count is taken less the idle rate times
-its span's seconds; ``idle_per_call`` says how much that was, median over repeats.
+by the difference times its wall time (4k a call of 10 ms) with where the checks fell. A
+phase's dump holds them too, for as long as it ran: under callgrind a call takes 10 to 40 ms
+(``ms_per_call``), more on a busier host, so they made a call's count grow with the host's
+load (a daemon idling at 640k a second adds 6.4k to a call of 10 ms, 13k to one of 20 ms).
+Each phase's count is taken less the idle rate times its span's seconds; ``idle_per_call``
+says how much that was, median over repeats.
 
 Each repeat starts both servers afresh: the count per call of one process stays within about
 1% from phase to phase, but another process of the same code may settle some 30k instructions

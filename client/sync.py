@@ -938,12 +938,12 @@ class Client:
         """The slots L2 holds out of use after reads of them failed (admins only: as many as one
         reply holds, in slot order, and how many in all); with ``release``, after giving ``slots``
         (when empty, up to ``server.max_batch_blocks`` held, going on past the last slot an
-        earlier such release tried: call again for the rest) back to use, each once its extent takes a write and gives it
-        back (one that fails stays held, its reason saying why). FailedPreconditionError without
-        L2, and for a release while L2 is degraded (but by a failed read, which a release whose
-        every check passes clears) or still reading its index. ``timeout_s`` bounds this call
-        instead of the client's timeout (a release writes, syncs and reads every extent; ``None``
-        or 0: the client's)."""
+        earlier such release tried: call again for the rest) back to use, each once its extent
+        takes a write and gives it back (one that fails stays held, its reason saying why).
+        FailedPreconditionError without L2, and for a release while L2 is degraded (but by a
+        failed read, which a release whose every check passes clears) or still reading its
+        index. ``timeout_s`` bounds this call instead of the client's timeout (a release
+        writes, syncs and reads every extent; ``None`` or 0: the client's)."""
         timeout_s = t.checked_seconds(timeout_s, "Quarantine: timeout_s")
         req = t.build_request(pb.QuarantineRequest, release=release, slots=slots)
         return t.quarantine_result(self._invoke("Quarantine", req, timeout_s=timeout_s))

@@ -659,9 +659,10 @@ class Quarantine(Protocol):
         self, slots: Sequence[int] | None = None, limit: int | None = None
     ) -> QuarantineRelease:
         """Give ``slots`` (when None, every slot held, or the next ``limit`` of them: see the
-        disk tier) back to use, each only once its extent took a write and gave it back. Raises TierUnavailable, changing nothing, while the
-        tier is degraded (but by a failed read: a release whose every check passed ends that
-        fault) or recovering, and ValueError for a slot it does not hold."""
+        disk tier) back to use, each only once its extent took a write and gave it back.
+        Raises TierUnavailable, changing nothing, while the tier is degraded (but by a failed
+        read: a release whose every check passed ends that fault) or recovering, and
+        ValueError for a slot it does not hold."""
         ...
 
 

@@ -544,7 +544,8 @@ class DiskTier:
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
-        # The last slot a bounded release naming none tried: the next one goes on past it.
+        # The last slot a bounded release naming none tried: the next one goes on past it (in
+        # memory: after a restart, releases begin again at the first slot held).
         self._release_after = -1
         # Slots with a read in flight -> how many: a release leaves these held, since a read
         # that fails after it would quarantine the slot again (even once it was handed out).
