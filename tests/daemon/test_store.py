@@ -2061,6 +2061,20 @@ def _recovery_held(disk, *, then_read: bool = True) -> threading.Event:
     return gate
 
 
+def _recovery_failing_after_one_chunk(disk) -> None:
+    """Make ``disk``'s recovery index its first chunk, then fail (an index that could not be
+    read on): a recovery that ended early."""
+    read_chunks = disk.recover_chunks
+
+    def first_chunk_then_a_failure(rows: int = 65536):
+        chunks = read_chunks(rows)
+        yield next(chunks)
+        chunks.close()
+        raise OSError("the index could not be read on")
+
+    disk.recover_chunks = first_chunk_then_a_failure
+
+
 async def _stopped_with_durable_blocks(make_store, tmp_path, n: int):
     """A store on a real disk tier that took ``n`` keys in a durable put and stopped: (its
     clock, the pool, the keys); a DiskTier reopened on ``tmp_path / "l2"`` recovers them."""
@@ -2200,15 +2214,7 @@ async def test_regression_a_delete_after_a_recovery_that_ended_early_was_undone_
     clock, _, old = await _stopped_with_durable_blocks(make_store, tmp_path, 4)
     monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
     disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
-    read_chunks = disk.recover_chunks
-
-    def first_chunk_then_a_failure(rows: int = 65536):
-        chunks = read_chunks(rows)
-        yield next(chunks)
-        chunks.close()
-        raise OSError("the index could not be read on")
-
-    disk.recover_chunks = first_chunk_then_a_failure  # type: ignore[method-assign]
+    _recovery_failing_after_one_chunk(disk)
     store = make_store(clock, l2=disk)
     store.start()
     await store.recovered.wait()
@@ -2264,15 +2270,7 @@ async def test_a_flush_after_a_recovery_that_ended_early_says_why_it_wrote_nothi
     clock, pool, _ = await _stopped_with_durable_blocks(make_store, tmp_path, 4)
     monkeypatch.setattr(store_module, "RECOVERY_ROWS", 2)
     disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, recover_later=True)
-    read_chunks = disk.recover_chunks
-
-    def first_chunk_then_a_failure(rows: int = 65536):
-        chunks = read_chunks(rows)
-        yield next(chunks)
-        chunks.close()
-        raise OSError("the index could not be read on")
-
-    disk.recover_chunks = first_chunk_then_a_failure  # type: ignore[method-assign]
+    _recovery_failing_after_one_chunk(disk)
     store = make_store(clock, l2=disk)
     await store.recover()
     assert disk.allocator.recovering  # for good (009763b)
