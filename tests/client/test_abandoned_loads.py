@@ -128,6 +128,23 @@ def test_an_async_load_cancelled_during_its_release_releases_its_pin(daemon):
     asyncio.run(main())
 
 
+def _held_lookups(client: AsyncClient) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold ``client``'s Lookups, once the daemon has answered them (and so pinned), until
+    the second event is set; the first is set when one is held: a cancel then lands while
+    the call waits for its answer."""
+    call, answered, go_on = client.call, asyncio.Event(), asyncio.Event()
+
+    async def held(method: str, request: Any, timeout_s: float) -> Any:
+        response = await call(method, request, timeout_s)
+        if method == "Lookup":
+            answered.set()
+            await go_on.wait()  # the cancel comes here
+        return response
+
+    client.call = held  # type: ignore[method-assign]
+    return answered, go_on
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answered(daemon):
     """The daemon pins a Lookup's blocks as it answers, and the lease id is only in the
@@ -140,16 +157,7 @@ def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answere
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
                 pool = await client.register_pool(shm, LAYOUT, NS)
                 assert await pool.store(TOKENS, [0, 1]) == 8
-                call, answered, go_on = client.call, asyncio.Event(), asyncio.Event()
-
-                async def held(method: str, request: Any, timeout_s: float) -> Any:
-                    response = await call(method, request, timeout_s)
-                    if method == "Lookup":
-                        answered.set()
-                        await go_on.wait()  # the cancel comes here
-                    return response
-
-                client.call = held  # type: ignore[method-assign]
+                answered, go_on = _held_lookups(client)
                 load = asyncio.ensure_future(pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS))
                 await answered.wait()
                 load.cancel()
@@ -157,7 +165,6 @@ def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answere
                 go_on.set()
                 with pytest.raises(asyncio.CancelledError):
                     await load
-                client.call = call  # type: ignore[method-assign]
                 assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
                 assert (await client.stats()).gauges["blocks_pinned"] == 0
                 assert await pool.load(TOKENS, [2, 3]) == 8
@@ -253,16 +260,7 @@ def test_regression_an_async_pinning_lookup_cancelled_after_its_answer_releases_
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
                 pool = await client.register_pool(shm, LAYOUT, NS)
                 assert await pool.store(TOKENS, [0, 1]) == 8
-                call, answered, go_on = client.call, asyncio.Event(), asyncio.Event()
-
-                async def held(method: str, request: Any, timeout_s: float) -> Any:
-                    response = await call(method, request, timeout_s)
-                    if method == "Lookup":
-                        answered.set()
-                        await go_on.wait()  # the cancel comes here
-                    return response
-
-                client.call = held  # type: ignore[method-assign]
+                answered, go_on = _held_lookups(client)
                 keys = pool.binding.keys(TOKENS)
                 lookup = asyncio.ensure_future(client.lookup(keys, pin=True, lease_ms=LEASE_MS))
                 await answered.wait()
@@ -271,7 +269,6 @@ def test_regression_an_async_pinning_lookup_cancelled_after_its_answer_releases_
                 go_on.set()
                 with pytest.raises(asyncio.CancelledError):
                     await lookup
-                client.call = call  # type: ignore[method-assign]
                 assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
                 assert (await client.stats()).gauges["blocks_pinned"] == 0
 
