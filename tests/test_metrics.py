@@ -487,6 +487,22 @@ def test_a_json_log_is_one_json_object_on_every_line(daemon_factory, tmp_path):
     assert "cannot hold" in problem["msg"] and refused.stdout == ""
 
 
+def _daemon_with_l2(sockdir, tmp_path, metrics_address: str) -> list[str]:
+    """Overrides of a small daemon with L2, its socket in ``sockdir`` and its metrics on
+    ``metrics_address``."""
+    return [
+        f"server.socket={sockdir}/d.sock",
+        "tiers.l1.capacity_bytes=16MiB",
+        "tiers.l1.segment_bytes=1MiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
+        f"metrics.address={metrics_address}",
+    ]
+
+
 async def test_regression_a_start_that_failed_once_serving_left_its_sockets(tmp_path):
     """The metrics endpoint starts once the daemon serves (``serve``'s ``on_ready``); its port
     is checked free before the start, but may be taken by then (an L2 recovery can take
@@ -501,17 +517,7 @@ async def test_regression_a_start_that_failed_once_serving_left_its_sockets(tmp_
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    overrides = [
-        f"server.socket={sockdir}/d.sock",
-        "tiers.l1.capacity_bytes=16MiB",
-        "tiers.l1.segment_bytes=1MiB",
-        "tiers.l2.enabled=true",
-        f"tiers.l2.path={tmp_path / 'l2'}",
-        "tiers.l2.capacity_bytes=64MiB",
-        "tiers.l2.segment_bytes=1MiB",
-        "tiers.l2.file_bytes=16MiB",
-        f"metrics.address=127.0.0.1:{taken.getsockname()[1]}",
-    ]
+    overrides = _daemon_with_l2(sockdir, tmp_path, f"127.0.0.1:{taken.getsockname()[1]}")
 
     def load():
         return load_config(None, overrides, environ={})
@@ -536,17 +542,7 @@ async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path
     from kvtier.daemon.config import load_config
 
     sockdir = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
-    overrides = [
-        f"server.socket={sockdir}/d.sock",
-        "tiers.l1.capacity_bytes=16MiB",
-        "tiers.l1.segment_bytes=1MiB",
-        "tiers.l2.enabled=true",
-        f"tiers.l2.path={tmp_path / 'l2'}",
-        "tiers.l2.capacity_bytes=64MiB",
-        "tiers.l2.segment_bytes=1MiB",
-        "tiers.l2.file_bytes=16MiB",
-        "metrics.address=127.0.0.1:0",
-    ]
+    overrides = _daemon_with_l2(sockdir, tmp_path, "127.0.0.1:0")
 
     def load():
         return load_config(None, overrides, environ={})
