@@ -799,7 +799,10 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         action="append",
         metavar="N",
-        help="release only slot N (repeat for more; default: every slot held)",
+        help=(
+            "release only slot N (repeat for more; default: up to server.max_batch_blocks "
+            "of the slots held)"
+        ),
     )
     q.add_argument("--json", action="store_true", help="one JSON object")
     q.set_defaults(func=_quarantine)
