@@ -26,9 +26,10 @@ but ended the command's session and opens it no new one, as after a reload that 
 admin right) and 3 when it cannot be reached, as ``health``.
 ``kvtier quarantine`` lists the slots L2 holds out of use after failed reads and, with
 ``--release``, gives them back first, each once a write and read back of its extent succeed:
-exit 1 when a slot it was to give back failed that check, 2 when the daemon refused (not an
-admin, no L2, L2 degraded by a fault other than a failed read, or recovering, a slot it does
-not hold), 3 unreachable.
+exit 1 when, with no ``--slot``, slots no release has tried yet are left for the next run, 4
+when a slot it was to give back failed that check (and none is left untried), 2 when the
+daemon refused (not an admin, no L2, L2 degraded by a fault other than a failed read, or
+recovering, a slot it does not hold), 3 unreachable.
 """
 
 from __future__ import annotations
@@ -79,12 +80,13 @@ CHECK_REFUSED = 2
 # reload took its admin right), 3 (health's UNREACHABLE) no answer: no daemon at the
 # address, or none in --timeout.
 DRAIN_BUSY, DRAIN_REFUSED = 1, 2
-# kvtier quarantine: 0 listed (with --release: every slot asked is back in use), 1 a slot
-# --release was to give back failed its check and stays quarantined, 2 refused (the daemon
+# kvtier quarantine: 0 listed (with --release: every slot asked is back in use), 1 a --release
+# naming no slot left slots no release has tried yet (run it again), 4 a slot --release was to
+# give back failed its check and stays quarantined (none left untried), 2 refused (the daemon
 # answered and did nothing: not an admin, no L2, L2 degraded by a fault other than a failed
 # read or still reading its index, a slot it does not hold, or stopping), 3 (health's
 # UNREACHABLE) no answer.
-QUARANTINE_KEPT, QUARANTINE_REFUSED = 1, 2
+QUARANTINE_AGAIN, QUARANTINE_REFUSED, QUARANTINE_KEPT = 1, 2, 4
 
 
 # The most seconds any option takes (a week). Values past about 1e9 s overflow the sleeps,
@@ -498,24 +500,28 @@ def _quarantine(args: argparse.Namespace) -> int:
         print(f"kvtier quarantine: {type(e).__name__}: {e.details}", file=sys.stderr)
         return QUARANTINE_REFUSED
     # A release's failures are the slots it was to give back that it did not (each slot named
-    # was held, or the daemon refused them all); the list may not reach them.
-    kept = 0
-    if args.release:
-        kept = len(set(args.slot) - set(result.released)) if args.slot else result.held_count
+    # was held, or the daemon refused them all); the list may not reach them. One naming none
+    # tries at most server.max_batch_blocks: of the slots it left, those no release tried are
+    # the next run's, and once none is left another run would only try the failed ones again.
+    kept = untried = 0
+    if args.release and args.slot:
+        kept = len(set(args.slot) - set(result.released))
+    elif args.release:
+        untried = result.untried_count
+        kept = result.held_count - untried
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:
         if args.release:
-            # One release naming no slot tries at most server.max_batch_blocks of them.
-            why = (
-                "failed their check and stay quarantined"
-                if args.slot or not kept
-                else "stay quarantined: failed their check, or not tried by this release "
-                "(at most server.max_batch_blocks a call): run it again for the rest"
+            rest = (
+                f"; {untried} not tried yet (at most server.max_batch_blocks a call): run it "
+                "again for the rest"
+                if untried
+                else ""
             )
             print(
                 f"released: {len(result.released)} slot(s) back in use at kvtierd at {address}; "
-                f"{kept} {why}"
+                f"{kept} failed their check and stay quarantined{rest}"
             )
         print(
             f"L2 of kvtierd at {address}: {result.held_count} slot(s) quarantined "
@@ -532,6 +538,8 @@ def _quarantine(args: argparse.Namespace) -> int:
                 f"  ... {result.held_count - len(result.held)} more not listed (one reply "
                 "holds the first that fit in the daemon's server.max_message_bytes)"
             )
+    if untried:
+        return QUARANTINE_AGAIN
     return QUARANTINE_KEPT if kept else 0
 
 
@@ -783,10 +791,11 @@ def main(argv: list[str] | None = None) -> int:
         "quarantined, its reason saying why. Refused while L2 is degraded (but by a failed read, "
         "which a release whose every check passes clears) or still reading its index. Exit "
         "status: 0 listed (with --release: every slot asked is back in use), "
-        "1 some slot --release was to give back stays quarantined (failed, or with no --slot "
-        "left for the next run), 2 the daemon "
-        "refused (it answered and did nothing: not an admin, no L2, L2 degraded by another "
-        "fault or recovering, a slot it does not hold, or it is stopping), 3 unreachable, as health's 3.",
+        "1 with no --slot, slots no release has tried yet are left: run it again, "
+        "4 some slot --release was to give back failed its check and stays quarantined (none "
+        "left untried), 2 the daemon refused (it answered and did nothing: not an admin, no L2, "
+        "L2 degraded by another fault or recovering, a slot it does not hold, or it is "
+        "stopping), 3 unreachable, as health's 3.",
     )
     q.add_argument(
         "--release",

@@ -939,8 +939,9 @@ class Client:
         reply holds, in slot order, and how many in all); with ``release``, after giving ``slots``
         (when empty, up to ``server.max_batch_blocks`` held, going on past the last slot an
         earlier such release tried: call again for the rest) back to use, each once its extent
-        takes a write and gives it back (one that fails stays held, its reason saying why).
-        FailedPreconditionError without L2, and for a release while L2 is degraded (but by a
+        takes a write and gives it back (one that fails stays held, its reason saying why;
+        ``untried_count`` counts the slots held that no release has tried since their
+        quarantine, or since the daemon started). FailedPreconditionError without L2, and for a release while L2 is degraded (but by a
         failed read, which a release whose every check passes clears) or still reading its
         index. ``timeout_s`` bounds this call instead of the client's timeout (a release
         writes, syncs and reads every extent; ``None`` or 0: the client's)."""

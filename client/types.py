@@ -142,6 +142,9 @@ class QuarantineResult:
     released: list[int]  # the slots the call gave back to use
     held_count: int  # the slots held after the call, listed or not
     held_bytes: int  # their extents' bytes
+    # How many of them no release has tried since their quarantine (or since the daemon
+    # started): a release naming no slot left them for the next; the others failed a check.
+    untried_count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -554,6 +557,7 @@ def quarantine_result(resp: pb.QuarantineResponse) -> QuarantineResult:
         list(resp.released),
         resp.held_count,
         resp.held_bytes,
+        resp.untried_count,
     )
 
 

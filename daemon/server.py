@@ -634,6 +634,7 @@ class KVTierServicer:
             released=released,
             held_count=len(held),
             held_bytes=sum(q.slot_bytes for q in held),
+            untried_count=sum(not q.tried for q in held),
         )
 
     @_rpc

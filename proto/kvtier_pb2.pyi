@@ -402,16 +402,18 @@ class QuarantinedSlot(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., reason: _Optional[str] = ..., at: _Optional[float] = ...) -> None: ...
 
 class QuarantineResponse(_message.Message):
-    __slots__ = ("held", "released", "held_count", "held_bytes")
+    __slots__ = ("held", "released", "held_count", "held_bytes", "untried_count")
     HELD_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     HELD_COUNT_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNTRIED_COUNT_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[QuarantinedSlot]
     released: _containers.RepeatedScalarFieldContainer[int]
     held_count: int
     held_bytes: int
-    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., held_count: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    untried_count: int
+    def __init__(self, held: _Optional[_Iterable[_Union[QuarantinedSlot, _Mapping]]] = ..., released: _Optional[_Iterable[int]] = ..., held_count: _Optional[int] = ..., held_bytes: _Optional[int] = ..., untried_count: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -594,7 +594,13 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
     assert code == 2 and "InvalidArgumentError" in err and "no quarantined slot 7777" in err
     code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"held": [], "released": [bad], "held_count": 0, "held_bytes": 0}
+    assert json.loads(out) == {
+        "held": [],
+        "released": [bad],
+        "held_count": 0,
+        "held_bytes": 0,
+        "untried_count": 0,
+    }
     assert kvtier(*address, "check").returncode == 0
     d.stop()
     d.start()  # the release was durable
@@ -659,30 +665,32 @@ def test_regression_a_quarantine_too_long_for_one_reply_was_not_listed_nor_relea
     code, out, err = run_main(capsys, *address, "quarantine", "--release")
     assert code == 1, err
     assert out.splitlines()[0].endswith(
-        f"{n - 8000} stay quarantined: failed their check, or not tried by this release "
-        "(at most server.max_batch_blocks a call): run it again for the rest"
+        f"0 failed their check and stay quarantined; {n - 8000} not tried yet (at most "
+        "server.max_batch_blocks a call): run it again for the rest"
     )
     code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
     assert code == 1, err
-    assert sorted(json.loads(out)["released"]) == slots[8000:16000]
+    second = json.loads(out)
+    assert sorted(second["released"]) == slots[8000:16000]
+    assert second["untried_count"] == second["held_count"] == n - 16000
     code, out, err = run_main(capsys, *address, "quarantine", "--release", "--json")
     assert code == 0, err
     released = json.loads(out)
     assert released["held_count"] == 0 and sorted(released["released"]) == slots[16000:]
 
 
-def test_quarantine_exits_1_when_a_slot_it_was_to_release_stays_held(capsys, monkeypatch):
+def test_quarantine_exits_4_when_a_slot_it_was_to_release_stays_held(capsys, monkeypatch):
     from kvtier.client import Client, QuarantinedSlot, QuarantineResult
 
     kept = QuarantinedSlot(9, 65536, "data-0000.bin", 589824, "release: write: EIO: boom", 0.0)
     other = QuarantinedSlot(12, 65536, "data-0001.bin", 0, "checksum mismatch", 0.0)
-    result = QuarantineResult([kept, other], [4], 2, 131072)
+    result = QuarantineResult([kept, other], [4], 2, 131072, 1)
     monkeypatch.setattr(Client, "quarantine", lambda self, release, slots: result)
     address = ("--address", "unix:/x.sock")
     code, out, _ = run_main(
         capsys, *address, "quarantine", "--release", "--slot", "4", "--slot", "9"
     )
-    assert code == 1
+    assert code == 4
     assert out.splitlines() == [
         "released: 1 slot(s) back in use at kvtierd at unix:/x.sock; 1 failed their check and "
         "stay quarantined",
@@ -692,6 +700,40 @@ def test_quarantine_exits_1_when_a_slot_it_was_to_release_stays_held(capsys, mon
     ]
     code, _, _ = run_main(capsys, *address, "quarantine", "--release", "--slot", "4")
     assert code == 0  # slot 12 was not asked for
+
+
+def test_regression_a_release_left_only_slots_that_failed_their_check_said_run_it_again(
+    capsys, monkeypatch
+):
+    """A release naming no slot exited 1, 'run it again for the rest', whenever slots stayed
+    held: once every one left had been tried and failed its check, a script running it again
+    while it exited 1 never ended. The reply counts the slots no release has tried; only
+    while some are left does it say to run it again (1), else that the rest failed (4)."""
+    from kvtier.client import Client, QuarantinedSlot, QuarantineResult
+
+    failed = QuarantinedSlot(9, 65536, "data-0000.bin", 589824, "release: write: EIO: boom", 0.0)
+    new = QuarantinedSlot(12, 65536, "data-0001.bin", 0, "checksum mismatch", 0.0)
+    replies = iter(
+        [
+            QuarantineResult([failed, new], [4], 2, 131072, 1),
+            QuarantineResult([failed], [12], 1, 65536, 0),
+        ]
+    )
+    monkeypatch.setattr(Client, "quarantine", lambda self, release, slots: next(replies))
+    address = ("--address", "unix:/x.sock")
+    code, out, _ = run_main(capsys, *address, "quarantine", "--release")
+    assert code == 1
+    assert out.splitlines()[0] == (
+        "released: 1 slot(s) back in use at kvtierd at unix:/x.sock; 1 failed their check and "
+        "stay quarantined; 1 not tried yet (at most server.max_batch_blocks a call): run it "
+        "again for the rest"
+    )
+    code, out, _ = run_main(capsys, *address, "quarantine", "--release")
+    assert code == 4
+    assert out.splitlines()[0] == (
+        "released: 1 slot(s) back in use at kvtierd at unix:/x.sock; 1 failed their check and "
+        "stay quarantined"
+    )
 
 
 def test_quarantine_exits_2_without_l2_and_for_a_tenant_not_admin(daemon_factory, tmp_path):

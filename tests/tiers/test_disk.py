@@ -495,6 +495,29 @@ def test_regression_a_release_naming_no_slot_gave_back_more_than_its_reply_could
         assert tier.release_quarantined(limit=1) == ([], [])
 
 
+def test_regression_a_release_naming_no_slot_tells_slots_tried_from_those_left_untried(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A release naming no slot tries at most ``limit``, and every slot it left held looked
+    alike: once each slot held had failed its check, a caller told to run it again for the
+    rest never ended. Each slot held says whether a release tried it since its quarantine."""
+    with _open(disk_dir, backend=faulty_files) as tier:
+        blocks = _persist(tier, make_block, list(range(3)), 65_536)
+        for i in range(3):
+            _flip(tier, blocks[i][1])
+        assert _read(tier, blocks) == {0: None, 1: None, 2: None}
+        first, second, third = sorted(blocks[i][1] for i in range(3))
+        assert [q.tried for q in tier.quarantined()] == [False, False, False]
+        faulty_files.fail("pwritev", errno.EIO, times=4)
+        assert tier.release_quarantined(limit=2).released == []
+        assert [q.tried for q in tier.quarantined()] == [True, True, False]
+        out = tier.release_quarantined(limit=2)  # the third, then the first again (wrapped)
+        assert out.released == [] and [q.tried for q in out.kept] == [True, True]
+        assert [q.tried for q in tier.quarantined()] == [True, True, True]
+        assert tier.release_quarantined(limit=2).released == [second, third]
+        assert [(q.slot, q.tried) for q in tier.quarantined()] == [(first, True)]
+
+
 def _device_read_bytes() -> int:
     """The bytes this process has read from storage devices (page cache hits not counted)."""
     with open("/proc/self/io") as f:

@@ -547,6 +547,9 @@ class DiskTier:
         # The last slot a bounded release naming none tried: the next one goes on past it (in
         # memory: after a restart, releases begin again at the first slot held).
         self._release_after = -1
+        # Held slots whose check a release tried since their quarantine, and failed: a release
+        # naming none leaves the others for the next one (in memory, as the cursor).
+        self._tried: set[int] = set()
         # Slots with a read in flight -> how many: a release leaves these held, since a read
         # that fails after it would quarantine the slot again (even once it was handed out).
         self._reading: Counter[int] = Counter()
@@ -1157,13 +1160,17 @@ class DiskTier:
         self._check_open()
         with self._state_lock:
             held = sorted(self._quarantined.items())
+            tried = set(self._tried)
         try:
             recorded = self._idx().quarantine_records()
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index read")
             recorded = {}
         unknown = ("not recorded in the index", 0.0)
-        return [self._held(slot, nbytes, *recorded.get(slot, unknown)) for slot, nbytes in held]
+        return [
+            self._held(slot, nbytes, *recorded.get(slot, unknown), slot in tried)
+            for slot, nbytes in held
+        ]
 
     def release_quarantined(
         self, slots: Sequence[int] | None = None, limit: int | None = None
@@ -1177,7 +1184,10 @@ class DiskTier:
         ``O_DIRECT``, or past the page cache, ``_check_extents``); one whose check fails
         stays held, its recorded reason saying why, and so does one that a read begun before
         its quarantine still has in flight (that read, failing, would hold it again, perhaps
-        once handed out). The rows of the slots released (their quarantine rows, and a block
+        once handed out). A slot whose check failed is ``tried`` in ``quarantined`` until it is
+        released or a read quarantines it again, so that a caller of releases naming none can
+        tell when the slots left are only those (one kept for a read in flight is not). The
+        rows of the slots released (their quarantine rows, and a block
         row that a failed quarantine update left) are durably deleted before the allocator
         may hand them out, so a crash after a release brings no old block back.
 
@@ -1222,6 +1232,8 @@ class DiskTier:
                 # Read before their quarantine, and failing yet: given back now, a slot would be
                 # quarantined again by that read, perhaps once handed out to another block.
                 checked = {s: "a read of it was in flight" for s in todo if s in self._reading}
+            # Not checked: the next release tries them again.
+            in_flight = set(checked)
             check = [s for s in todo if s not in checked]
             group: dict[int, int] = {}
             group_bytes = 0
@@ -1246,8 +1258,10 @@ class DiskTier:
                         [(slot, held[slot], f"release: {why}") for slot, why in failed.items()]
                     )
             with self._state_lock:
+                self._tried.update(slot for slot in failed if slot not in in_flight)
                 for slot in passed:
                     del self._quarantined[slot]
+                    self._tried.discard(slot)
                     self.allocator.release(slot)
         if passed:
             log.warning("L2: %d quarantined slot(s) checked and returned to service", len(passed))
@@ -1263,7 +1277,10 @@ class DiskTier:
         now = self._clock()
         return QuarantineRelease(
             passed,
-            [self._held(slot, held[slot], f"release: {why}", now) for slot, why in failed.items()],
+            [
+                self._held(slot, held[slot], f"release: {why}", now, slot not in in_flight)
+                for slot, why in failed.items()
+            ],
         )
 
     def _check_extents(self, held: dict[int, int]) -> dict[int, str]:
@@ -1324,10 +1341,10 @@ class DiskTier:
                 buf.close()
         return {slot: out.get(slot, "") for slot in held}
 
-    def _held(self, slot: int, nbytes: int, reason: str, at: float) -> QuarantinedSlot:
+    def _held(self, slot: int, nbytes: int, reason: str, at: float, tried: bool) -> QuarantinedSlot:
         path, offset = self.slot_location(slot)
         return QuarantinedSlot(
-            slot, self.allocator.slot_bytes_for(nbytes), path.name, offset, reason, at
+            slot, self.allocator.slot_bytes_for(nbytes), path.name, offset, reason, at, tried
         )
 
     def slot_location(self, slot: int) -> tuple[Path, int]:
@@ -1426,6 +1443,7 @@ class DiskTier:
         with self._state_lock:
             for b in blocks:
                 self._quarantined[b.slot] = b.nbytes
+                self._tried.discard(b.slot)  # a new failure, for the next release to try
             self._committed.discard(b.slot for b in blocks)
 
     def _blocks(
