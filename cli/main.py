@@ -450,20 +450,33 @@ def _draining(args: argparse.Namespace, address: str, detail: str) -> int:
     return NOT_SERVING
 
 
-def _check(args: argparse.Namespace) -> int:
+def _admin(
+    args: argparse.Namespace, command: str, refused: int, run: Callable[[Client], int]
+) -> int:
+    """An admin command's exit status: ``run``'s with a client of the daemon, ``refused``
+    when the daemon answered with an error (or is stopping), ``UNREACHABLE`` when it could
+    not be reached."""
     client = _probe_client(args)
     if client is None:
         return UNREACHABLE
     try:
         with client:
-            result = client.check(settle_s=args.settle)
-            address = client.address
+            return run(client)
     except (UnavailableError, DeadlineExceededError) as e:
         print(_unreachable(args, e), file=sys.stderr)
-        return CHECK_REFUSED if _reached(e) else UNREACHABLE
+        return refused if _reached(e) else UNREACHABLE
     except KvtierError as e:
-        print(f"kvtier check: {type(e).__name__}: {e.details}", file=sys.stderr)
-        return CHECK_REFUSED
+        print(f"kvtier {command}: {type(e).__name__}: {e.details}", file=sys.stderr)
+        return refused
+
+
+def _check(args: argparse.Namespace) -> int:
+    return _admin(args, "check", CHECK_REFUSED, lambda client: _check_with(args, client))
+
+
+def _check_with(args: argparse.Namespace, client: Client) -> int:
+    result = client.check(settle_s=args.settle)
+    address = client.address
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:
@@ -481,24 +494,19 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _quarantine(args: argparse.Namespace) -> int:
-    from kvtier.cli.figures import human_bytes
-
     if args.slot and not args.release:
         print("kvtier quarantine: --slot names what --release gives back", file=sys.stderr)
         return QUARANTINE_REFUSED
-    client = _probe_client(args)
-    if client is None:
-        return UNREACHABLE
-    try:
-        with client:
-            result = client.quarantine(release=args.release, slots=args.slot or ())
-            address = client.address
-    except (UnavailableError, DeadlineExceededError) as e:
-        print(_unreachable(args, e), file=sys.stderr)
-        return QUARANTINE_REFUSED if _reached(e) else UNREACHABLE
-    except KvtierError as e:
-        print(f"kvtier quarantine: {type(e).__name__}: {e.details}", file=sys.stderr)
-        return QUARANTINE_REFUSED
+    return _admin(
+        args, "quarantine", QUARANTINE_REFUSED, lambda client: _quarantine_with(args, client)
+    )
+
+
+def _quarantine_with(args: argparse.Namespace, client: Client) -> int:
+    from kvtier.cli.figures import human_bytes
+
+    result = client.quarantine(release=args.release, slots=args.slot or ())
+    address = client.address
     # A release's failures are the slots it was to give back that it did not (each slot named
     # was held, or the daemon refused them all); the list may not reach them. One naming none
     # tries at most server.max_batch_blocks: of the slots it left, those no release tried are
@@ -544,23 +552,12 @@ def _quarantine(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    client = _probe_client(args)
-    if client is None:
-        return UNREACHABLE
-    try:
-        with client:
-            return _drain_with(args, client)
-    except (UnavailableError, DeadlineExceededError) as e:
-        print(_unreachable(args, e), file=sys.stderr)
-        return DRAIN_REFUSED if _reached(e) else UNREACHABLE
-    except KvtierError as e:
-        print(f"kvtier drain: {type(e).__name__}: {e.details}", file=sys.stderr)
-        return DRAIN_REFUSED
+    return _admin(args, "drain", DRAIN_REFUSED, lambda client: _drain_with(args, client))
 
 
 def _drain_with(args: argparse.Namespace, client: Client) -> int:
     """``kvtier drain`` once the client is made; a call the daemon refuses or cannot be
-    reached for raises (``_drain`` gives its exit status)."""
+    reached for raises (``_admin`` gives its exit status)."""
     # The session the drain is asked in, and the polls after it: read again later, the
     # property would open another one if the daemon had stopped meanwhile.
     session = client.session_id
