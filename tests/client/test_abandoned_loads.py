@@ -128,10 +128,10 @@ def test_an_async_load_cancelled_during_its_release_releases_its_pin(daemon):
     asyncio.run(main())
 
 
-def _held_lookups(client: AsyncClient) -> tuple[asyncio.Event, asyncio.Event]:
-    """Hold ``client``'s Lookups, once the daemon has answered them (and so pinned), until
-    the second event is set; the first is set when one is held: a cancel then lands while
-    the call waits for its answer."""
+async def _cancelled_after_its_answer(client: AsyncClient, start: Any) -> None:
+    """Run ``start()`` (a coroutine making a pinning Lookup through ``client``) as a task and
+    cancel it once the daemon has answered its Lookup (and so pinned) but before the answer
+    reaches it: the Lookup is held meanwhile, the cancel lands while the call waits."""
     call, answered, go_on = client.call, asyncio.Event(), asyncio.Event()
 
     async def held(method: str, request: Any, timeout_s: float) -> Any:
@@ -142,7 +142,13 @@ def _held_lookups(client: AsyncClient) -> tuple[asyncio.Event, asyncio.Event]:
         return response
 
     client.call = held  # type: ignore[method-assign]
-    return answered, go_on
+    task = asyncio.ensure_future(start())
+    await answered.wait()
+    task.cancel()
+    await asyncio.sleep(0)
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
@@ -157,14 +163,9 @@ def test_regression_an_async_load_cancelled_after_its_pinning_lookup_was_answere
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
                 pool = await client.register_pool(shm, LAYOUT, NS)
                 assert await pool.store(TOKENS, [0, 1]) == 8
-                answered, go_on = _held_lookups(client)
-                load = asyncio.ensure_future(pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS))
-                await answered.wait()
-                load.cancel()
-                await asyncio.sleep(0)
-                go_on.set()
-                with pytest.raises(asyncio.CancelledError):
-                    await load
+                await _cancelled_after_its_answer(
+                    client, lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
+                )
                 assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
                 assert (await client.stats()).gauges["blocks_pinned"] == 0
                 assert await pool.load(TOKENS, [2, 3]) == 8
@@ -260,15 +261,10 @@ def test_regression_an_async_pinning_lookup_cancelled_after_its_answer_releases_
             with SharedMemoryPool.for_layout(LAYOUT) as shm:
                 pool = await client.register_pool(shm, LAYOUT, NS)
                 assert await pool.store(TOKENS, [0, 1]) == 8
-                answered, go_on = _held_lookups(client)
                 keys = pool.binding.keys(TOKENS)
-                lookup = asyncio.ensure_future(client.lookup(keys, pin=True, lease_ms=LEASE_MS))
-                await answered.wait()
-                lookup.cancel()
-                await asyncio.sleep(0)
-                go_on.set()
-                with pytest.raises(asyncio.CancelledError):
-                    await lookup
+                await _cancelled_after_its_answer(
+                    client, lambda: client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                )
                 assert await asyncio.to_thread(settled_leases, lambda: _stats(daemon)) == 0
                 assert (await client.stats()).gauges["blocks_pinned"] == 0
 
