@@ -287,6 +287,21 @@ class ServerConfig:
             "cancelled)",
         ),
     )
+    stop_grace_s: float = field(
+        default=10.0,
+        metadata=_opt(
+            "float",
+            unit="s",
+            lo=0.0,
+            hi=86400.0,
+            doc="on SIGTERM, how long the stop may run past server.drain_timeout_s plus the "
+            "flush's tiers.l2.flush_timeout_s (for writes and requests still running: a disk "
+            "that stops answering would hold it until the service manager kills it); then "
+            "the daemon logs the blocks it abandons, none acknowledged durable, and exits "
+            "with status 3. Keep the three below what the service manager waits (the unit's "
+            "TimeoutStopSec, a pod's terminationGracePeriodSeconds)",
+        ),
+    )
     idle_connection_s: float = field(
         default=60.0,
         metadata=_opt(

@@ -5,9 +5,9 @@ then ``KVTIER_*`` environment variables, then ``--set`` overrides. Before anythi
 allocated the host checks of ``daemon/preflight.py`` run (memory, disk space, the socket), so a
 config that cannot run here fails at once with the key named. SIGHUP loads the config again
 the same way and applies what can change live (``daemon/reload.py``); SIGINT and SIGTERM stop
-it (drained, its sockets removed). One that arrives while the daemon starts is held
-(from the entry point on, ``daemon/entry.py``) and honoured once it serves: a stop then wins
-over a reload.
+it (drained, its sockets removed; exit status 3 for a stop past its bound, ``Daemon.stop``).
+One that arrives while the daemon starts is held (from the entry point on,
+``daemon/entry.py``) and honoured once it serves: a stop then wins over a reload.
 """
 
 from __future__ import annotations

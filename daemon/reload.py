@@ -18,7 +18,8 @@ Live keys, and how each applies:
 - ``tiers.*.read_bytes_s``/``write_bytes_s``: the tier's token buckets take the new rate;
 - ``tiers.l3.known_s``: read from the config at each lookup and balancer pass;
 - ``policy.readahead_blocks``, ``server.max_batch_blocks``, ``server.lease_default_ms``,
-  ``server.lease_max_ms``, ``server.drain_timeout_s``: read from the config on every use;
+  ``server.lease_max_ms``, ``server.drain_timeout_s``, ``server.stop_grace_s``: read from the
+  config on every use;
 - ``server.session_ping_s``: for sessions opened from now on;
 - ``logging.level``, ``logging.format``: the handler is set up again;
 - ``tenants``, ``shared_namespaces`` and ``server.admin_uids``, unless the change turns
@@ -80,7 +81,7 @@ LIVE_PATTERNS = (
     r"policy\.(protect_s|warmup_s|readahead_blocks)",
     r"tiers\.\w+\.(high_watermark|low_watermark|read_bytes_s|write_bytes_s)",
     r"tiers\.l3\.known_s",
-    r"server\.(max_batch_blocks|lease_default_ms|lease_max_ms|drain_timeout_s|session_ping_s)",
+    r"server\.(max_batch_blocks|lease_default_ms|lease_max_ms|drain_timeout_s|stop_grace_s|session_ping_s)",
     r"logging\.(level|format)",
 )
 _LIVE = re.compile("|".join(f"(?:{p})" for p in LIVE_PATTERNS))

@@ -18,7 +18,10 @@ Invariants:
 - A request runs to its end even when its client cancels it or its deadline passes (the
   answer is dropped): the store's state is never left halfway between two awaits (slots
   freed while a copy still writes them, a delete that forgot blocks but not their slots).
-  Shutdown waits for such requests before it closes the store. A RegisterPool whose client
+  Shutdown waits for such requests before it closes the store, within its bound: past
+  ``server.drain_timeout_s`` plus the flush's timeout plus ``server.stop_grace_s`` (a disk
+  write that never returns) the process exits with ``EXIT_STOP_ABANDONED`` as a crash would,
+  after logging the blocks it abandons (``Daemon.stop``). A RegisterPool whose client
   cancelled it while the memory was mapped, or whose deadline passed by the time it would
   answer, unregisters its pool again: its client never learns the pool's id. A pinning
   Lookup in that case releases its lease again, for the same reason.
@@ -126,6 +129,11 @@ MAX_HEALTH_SERVICE_CHARS = 1024
 # this many the call that has waited longest ends (a request of a live client arrives within
 # milliseconds, so the oldest waiters are the stalled ones); each waits at most the timeout.
 MAX_RECEIVING_REQUESTS = 256
+# kvtierd's exit status when its stop ran past its bound (``Daemon.stop``): not 0, so that the
+# service manager and the operator see a stop that left blocks behind.
+EXIT_STOP_ABANDONED = 3
+# How many keys of the blocks an abandoned stop loses its log line names (it counts them all).
+ABANDONED_KEYS_SHOWN = 32
 REQUEST_RECEIVE_TIMEOUT_S = 10.0
 # Calls that have arrived but that the event loop has not taken up yet, every connection's
 # together. gRPC's defaults (past 1,000 it drops new calls at random, past 3,000 all of them)
@@ -711,6 +719,8 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
         self._stopping = asyncio.Event()
+        # What the stop is doing, for the line of one that runs past its bound.
+        self._stop_step = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._lost_answers = LostAnswerFilter(cfg.bad_request_log_interval_s)
         self.receiver = RequestReceiver(
@@ -860,8 +870,58 @@ class Daemon:
         await self.stop()
 
     async def stop(self) -> None:
+        """Stop as SIGTERM asks (``_stop_in_order``), within ``server.drain_timeout_s`` plus
+        the flush's ``tiers.l2.flush_timeout_s`` plus ``server.stop_grace_s``. A write the
+        disk never returns holds the flush's or a request's thread for good, and the stop
+        with it: past the bound the process logs what it leaves (``_abandon``) and ends as a
+        crash would, which loses nothing acknowledged durable (L2's index commits a block
+        only once its bytes are synced)."""
+        server, l2 = self.config.server, self.config.tiers.l2
+        flush_s = l2.flush_timeout_s if l2.enabled and l2.flush_on_stop else 0.0
+        bound_s = server.drain_timeout_s + flush_s + server.stop_grace_s
+        self._stop_step = "draining requests"
+        stopping = asyncio.create_task(self._stop_in_order(), name="stop")
+        try:
+            # Shielded: a stop past its bound is not unwound, the process ends under it.
+            await asyncio.wait_for(asyncio.shield(stopping), bound_s)
+        except asyncio.TimeoutError:  # asyncio's: on Python 3.10 not the builtin
+            self._abandon(bound_s)
+
+    def _abandon(self, bound_s: float) -> NoReturn:
+        """End the process now, its stop past ``bound_s``: log the blocks that no persistent
+        tier holds (none acknowledged durable: a durable put still writing them was answered
+        an error, or is cut off now) and exit with ``EXIT_STOP_ABANDONED``. ``os._exit``:
+        the threads of a hung write cannot be joined, and the interpreter's exit joins them."""
+        lost = self.store.not_persisted()
+        shown = " ".join(
+            self.store.table.key_bytes(int(b)).hex() for b in lost[:ABANDONED_KEYS_SHOWN]
+        )
+        more = (
+            f" and {len(lost) - ABANDONED_KEYS_SHOWN} more"
+            if len(lost) > ABANDONED_KEYS_SHOWN
+            else ""
+        )
+        log.error(
+            "the stop did not end within %gs (server.drain_timeout_s, the flush's "
+            "tiers.l2.flush_timeout_s and server.stop_grace_s), while %s: exiting with "
+            "status %d; abandoning %d blocks not on a persistent tier, lost (none was "
+            "acknowledged durable)%s%s%s",
+            bound_s,
+            self._stop_step,
+            EXIT_STOP_ABANDONED,
+            len(lost),
+            ": " if len(lost) else "",
+            shown,
+            more,
+        )
+        if self._socket_identity is not None:
+            remove_socket(os.path.abspath(self.config.server.socket), self._socket_identity)
+        logging.shutdown()  # flushes the handlers: os._exit skips it
+        os._exit(EXIT_STOP_ABANDONED)
+
+    async def _stop_in_order(self) -> None:
         drain_s = self.config.server.drain_timeout_s
-        log.info("kvtierd stopping: draining requests for up to %.0fs", drain_s)
+        log.info("kvtierd stopping: draining requests for up to %gs", drain_s)
         drained_by = time.monotonic() + drain_s
         systemd.notify("STOPPING=1")
         self.health.enter_graceful_shutdown()
@@ -879,11 +939,14 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         l2 = self.config.tiers.l2
+        self._stop_step = "flushing to L2"
         await self.store.stop(flush=l2.flush_on_stop, flush_timeout_s=l2.flush_timeout_s)
+        self._stop_step = "waiting for requests and transfers still running"
         await self.pools.stop()  # which waits for the registrations under way
         # While the tiers are open; then what their unwinding started (slots freed).
         await self.servicer.end_detached()
         await self.store.space.drain()
+        self._stop_step = "closing the tiers"
         self.tickets.close()
         self.store.close()
         if self._socket_identity is not None:

@@ -2284,6 +2284,15 @@ class BlockStore:
                 for bid in bids[table.slot[bids, level.col] >= 0].tolist():
                     level.policy.insert(bid, float(table.last_access[bid]), -1)
 
+    def not_persisted(self) -> np.ndarray:
+        """The live blocks, ready or still being written, of which no persistent slot tier
+        holds a copy: those a process that ends now loses."""
+        live = self.table.live_ids()
+        persistent = [lv.col for lv in self.stack if lv.persistent and not lv.keyed]
+        if not persistent:
+            return live
+        return live[~(self.table.slot[live][:, persistent] >= 0).any(axis=1)]
+
     def _volatile_only(self) -> np.ndarray:
         table = self.table
         live = table.live_ids()
