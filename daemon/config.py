@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from kvtier import paths
-from kvtier.daemon.errors import ConfigError
+from kvtier.daemon.errors import ConfigError, UnknownName
 from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.tiers.sizes import POWERS, format_size
 
@@ -425,7 +425,7 @@ class ServerConfig:
         try:
             return _resolve_id(self.socket_group, "group")
         except KeyError:
-            raise ConfigError(
+            raise UnknownName(
                 f"config key 'server.socket_group': no group {self.socket_group!r} on this host"
             ) from None
 
@@ -442,7 +442,7 @@ class ServerConfig:
                 owner_uid = _resolve_id(owner, "user")
                 client_uid = ANY_PEER if client == "any" else _resolve_id(client, "user")
             except KeyError as e:
-                raise ConfigError(
+                raise UnknownName(
                     f"config key 'server.shm_share': no user {e.args[0]!r} on this host"
                 ) from None
             pairs.add((client_uid, owner_uid))
@@ -496,7 +496,7 @@ def _resolve_ids(key: str, names: tuple[str, ...], *, user: bool) -> frozenset[i
         try:
             out.add(_resolve_id(name, kind))
         except KeyError:
-            raise ConfigError(f"config key '{key}': no {kind} {name!r} on this host") from None
+            raise UnknownName(f"config key '{key}': no {kind} {name!r} on this host") from None
     return frozenset(out)
 
 

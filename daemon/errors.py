@@ -59,3 +59,9 @@ class DeadlineExceeded(KvtierError):
 
 class ConfigError(ValueError):
     """A config file or override that the daemon cannot start with; names the key."""
+
+
+class UnknownName(ConfigError):
+    """A user or group name in the config that the host does not know. A directory service
+    (LDAP, SSSD) that does not answer yet looks the same to a lookup, so unlike other config
+    errors a start refused for one may pass when tried again."""

@@ -27,7 +27,7 @@ from kvtier import __version__
 from kvtier.daemon import loops, preflight
 from kvtier.daemon.config import Config, ids_from, load_config, not_rereadable
 from kvtier.daemon.entry import EarlySignals
-from kvtier.daemon.errors import ConfigError
+from kvtier.daemon.errors import ConfigError, UnknownName
 from kvtier.daemon.logs import as_logged, setup_logging
 
 log = logging.getLogger("kvtier.daemon")
@@ -45,6 +45,15 @@ log = logging.getLogger("kvtier.daemon")
 GC_FIRST_THRESHOLD = 5000
 
 CONFIG_ENV = "KVTIER_CONFIG"
+
+# Exit statuses past 0: a host check or the start failed (1: may pass when tried again, a
+# socket or port still held); the config is wrong (2: trying again cannot help, and the unit
+# does not); a user or group name the host does not know (4: a directory service that does
+# not answer yet looks the same, and the unit tries again). 3 is a stop past its bound
+# (``kvtier.daemon.server.EXIT_STOP_ABANDONED``).
+EXIT_CANNOT_START = 1
+EXIT_CONFIG_ERROR = 2
+EXIT_UNKNOWN_NAME = 4
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--check-config",
         action="store_true",
         help="validate the config and check this host can run it (memory, disk space, the "
-        "socket), then exit: 0 when it can, 1 when not, 2 for a bad config",
+        "socket), then exit: 0 when it can, 1 when not, 2 for a bad config, 4 for a user or "
+        "group name not found",
     )
     p.add_argument("--version", action="version", version=f"kvtierd {__version__}")
     return p.parse_args(argv)
@@ -107,9 +117,15 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     try:
         with ids_from(known_ids):
             config = load()
+    except UnknownName as e:
+        print(
+            f"kvtierd: config error: {e} (or its directory service does not answer yet)",
+            file=sys.stderr,
+        )
+        return EXIT_UNKNOWN_NAME
     except ConfigError as e:
         print(f"kvtierd: config error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG_ERROR
     if args.print_config:
         yaml.safe_dump(config.printable(), sys.stdout, sort_keys=False)
         return 0
@@ -120,14 +136,14 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
         for problem in problems:
             print(f"kvtierd: cannot start: {problem}", file=sys.stderr)
         if problems:
-            return 1
+            return EXIT_CANNOT_START
         print("config ok")
         return 0
     if problems:
         for problem in problems:
             refused = f"kvtierd: cannot start: {problem}"
             print(as_logged(refused, config.logging.format, log.name, "ERROR"), file=sys.stderr)
-        return 1
+        return EXIT_CANNOT_START
     setup_logging(config.logging.level, config.logging.format)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
@@ -135,7 +151,7 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
         loops.run(_serve(config, load_again, early_signals, known_ids), config.server.event_loop)
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
-        return 1
+        return EXIT_CANNOT_START
     except KeyboardInterrupt:
         pass
     return 0

@@ -160,9 +160,36 @@ def test_a_config_error_is_not_restarted_in_a_loop(tmp_path):
     assert bad.returncode == 2 and "unknown config key" in bad.stderr, bad.stderr
     assert _unit()["Restart"] == ["on-failure"]
     assert _unit()["RestartPreventExitStatus"] == [str(bad.returncode)]
-    # A user or group name not found is such an error: names from LDAP or SSSD must be there
-    # before the start, not found by a later restart.
-    assert "nss-user-lookup.target" in " ".join(_section("[Unit]")["After"]).split()
+
+
+def test_regression_a_user_or_group_name_not_found_at_start_was_never_tried_again():
+    """A name in the config the host did not know (server.socket_group here) exited 2, a
+    config error, which the unit does not restart; but a directory service (LDAP, SSSD) that
+    does not answer yet looks the same to the lookup, and a boot where it answered seconds
+    late left the node without its daemon. It exits 4, which the unit restarts, and a start
+    limit that a try every RestartSec trips ends the restarts of a misspelt name."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--set", "server.socket_group=no-such-group-kv"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 4, refused.stderr
+    assert "server.socket_group': no group 'no-such-group-kv'" in refused.stderr
+    assert "directory service" in refused.stderr
+    unit, service = _section("[Unit]"), _unit()
+    assert service["Restart"] == ["on-failure"]
+    assert str(refused.returncode) not in service["RestartPreventExitStatus"][0].split()
+    # Names from LDAP or SSSD are looked up once their services run.
+    assert "nss-user-lookup.target" in " ".join(unit["After"]).split()
+    # Each try fails within a second: the limit's burst, a try every RestartSec, fits well
+    # inside its interval (systemd's default, 5 in 10 s, never tripped).
+    (burst,), (interval_s,), (restart_s,) = (
+        unit["StartLimitBurst"],
+        unit["StartLimitIntervalSec"],
+        service["RestartSec"],
+    )
+    assert int(burst) * (float(restart_s) + 1) < float(interval_s)
 
 
 def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
