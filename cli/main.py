@@ -15,7 +15,7 @@ image's HEALTHCHECK), without it is 2 (readiness checks).
 
 The admin commands need an admin session (root, the daemon's user, ``server.admin_uids``,
 or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every invariant holds,
-1 with the list of what is broken, 2 when the daemon refused (it answered and did not check:
+1 with the list of what is broken (``--list``: with the keys and slots each names), 2 when the daemon refused (it answered and did not check:
 not an admin, or it is stopping), 3 when it cannot be reached, as ``health``; ``kvtier drain``
 stops the daemon
 taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain;
@@ -93,6 +93,10 @@ QUARANTINE_AGAIN, QUARANTINE_REFUSED, QUARANTINE_KEPT = 1, 2, 4
 # socket timeouts and gRPC deadlines they become: `--timeout 1e10` was "cannot reach kvtierd:
 # Deadline Exceeded" (or an OverflowError traceback), `stats --interval 1e10` a traceback.
 MAX_SECONDS = 7 * 86400
+# kvtier check --list: how many blocks and slots of each broken invariant it lists without a
+# number, and at most (the daemon's own bound, service.MAX_CHECK_LIST).
+CHECK_LIST_DEFAULT = 32
+CHECK_LIST_MAX = 1000
 
 
 def _seconds(*, zero: bool) -> Callable[[str], float]:
@@ -118,6 +122,19 @@ def _seconds(*, zero: bool) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _list_limit(text: str) -> int:
+    """An argparse type for ``check --list N``: 1 to ``CHECK_LIST_MAX``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= CHECK_LIST_MAX:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from 1 to {CHECK_LIST_MAX}, got {text!r}"
+        )
+    return value
 
 
 def _readable_file(text: str) -> str:
@@ -475,10 +492,13 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _check_with(args: argparse.Namespace, client: Client) -> int:
-    result = client.check(settle_s=args.settle)
+    result = client.check(settle_s=args.settle, list_limit=args.list)
     address = client.address
     if args.json:
-        print(json.dumps(dataclasses.asdict(result)))
+        report = dataclasses.asdict(result)
+        for detail in report["details"]:
+            detail["keys"] = [key.hex() for key in detail["keys"]]
+        print(json.dumps(report))
     else:
         what = (
             f"{result.blocks} blocks, {result.sessions} sessions, {result.leases} leases, "
@@ -488,9 +508,22 @@ def _check_with(args: argparse.Namespace, client: Client) -> int:
             print(f"ok: kvtierd at {address}: every invariant holds ({what})")
         else:
             print(f"broken: kvtierd at {address}: {len(result.problems)} problems ({what})")
-            for problem in result.problems:
+            details = {d.problem: d for d in result.details}
+            for i, problem in enumerate(result.problems):
                 print(f"  {problem}")
+                if (detail := details.get(i)) is not None:
+                    _print_listed("key", [key.hex() for key in detail.keys], detail.keys_total)
+                    _print_listed("slot", [str(slot) for slot in detail.slots], detail.slots_total)
     return 0 if result.ok else 1
+
+
+def _print_listed(what: str, listed: list[str], total: int) -> None:
+    """The blocks' keys or the slots a problem names, one a line under it, then how many
+    more it names than ``--list`` asked for."""
+    for item in listed:
+        print(f"    {what} {item}")
+    if total > len(listed):
+        print(f"    ... and {total - len(listed)} more {what}s")
 
 
 def _quarantine(args: argparse.Namespace) -> int:
@@ -750,6 +783,17 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         metavar="S",
         help="wait up to S seconds (at most 60) for transfers in flight first (default 1)",
+    )
+    c.add_argument(
+        "--list",
+        type=_list_limit,
+        nargs="?",
+        const=CHECK_LIST_DEFAULT,
+        default=0,
+        metavar="N",
+        help="under each broken invariant that names blocks or slots, list the first N "
+        f"(default {CHECK_LIST_DEFAULT}, at most {CHECK_LIST_MAX}) of each: the blocks' keys in "
+        "hex and the slots of the tier it names, then how many more",
     )
     c.add_argument("--json", action="store_true", help="one JSON object")
     c.set_defaults(func=_check)

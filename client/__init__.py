@@ -31,6 +31,7 @@ from kvtier.client.keys import Namespace, block_key, block_keys
 from kvtier.client.pool import SharedMemoryPool
 from kvtier.client.sync import Client, RegisteredPool, wait_until_serving
 from kvtier.client.types import (
+    CheckDetail,
     CheckResult,
     DeleteResult,
     DrainResult,
@@ -54,6 +55,7 @@ __all__ = [
     "AsyncClient",
     "AsyncRegisteredPool",
     "AsyncTransferJob",
+    "CheckDetail",
     "CheckResult",
     "Client",
     "CudaIpcExport",

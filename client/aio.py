@@ -640,9 +640,9 @@ class AsyncClient:
     async def stats(self) -> t.Stats:
         return t.stats_result(await self._invoke("Stats", t.build_request(pb.StatsRequest)))
 
-    async def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
+    async def check(self, *, settle_s: float = 1.0, list_limit: int = 0) -> t.CheckResult:
         """See ``Client.check``."""
-        request = t.check_request(settle_s)
+        request = t.check_request(settle_s, list_limit)
         timeout_s = t.check_timeout_s(request, self.timeout_s)
         return t.check_result(await self._invoke("Check", request, timeout_s=timeout_s))
 

@@ -918,10 +918,12 @@ class Client:
     def stats(self) -> t.Stats:
         return t.stats_result(self._invoke("Stats", t.build_request(pb.StatsRequest)))
 
-    def check(self, *, settle_s: float = 1.0) -> t.CheckResult:
+    def check(self, *, settle_s: float = 1.0, list_limit: int = 0) -> t.CheckResult:
         """The daemon's invariant check (admins only), after waiting up to ``settle_s`` for
-        transfers in flight: the call may take that much longer than the client's timeout."""
-        request = t.check_request(settle_s)
+        transfers in flight: the call may take that much longer than the client's timeout.
+        ``list_limit``: list up to that many of the blocks (keys) and slots each broken
+        invariant names (``CheckResult.details``; the daemon lists at most 1000)."""
+        request = t.check_request(settle_s, list_limit)
         timeout_s = t.check_timeout_s(request, self.timeout_s)
         return t.check_result(self._invoke("Check", request, timeout_s=timeout_s))
 

@@ -103,6 +103,18 @@ class EvictResult:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckDetail:
+    """The first blocks (their keys) and slots one broken invariant names (``check`` with
+    ``list_limit``); the totals count them all."""
+
+    problem: int  # index in CheckResult.problems
+    keys: list[bytes]
+    slots: list[int]  # of the tier the problem names
+    keys_total: int
+    slots_total: int
+
+
+@dataclass(frozen=True, slots=True)
 class CheckResult:
     problems: list[str]  # empty when every invariant holds
     strict: bool  # nothing was in flight, so slot accounting was checked exactly
@@ -110,6 +122,8 @@ class CheckResult:
     sessions: int
     leases: int
     pools: int
+    # With list_limit: one per problem that names blocks or slots.
+    details: list[CheckDetail] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -389,17 +403,22 @@ def check_timeout_s(request: pb.CheckRequest, timeout_s: float) -> float:
     return timeout_s + request.settle_ms / 1000.0
 
 
-def check_request(settle_s: float) -> pb.CheckRequest:
+def check_request(settle_s: float, list_limit: int = 0) -> pb.CheckRequest:
     """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
-    does); a negative or NaN wait, or one that is not a number, is InvalidArgumentError
-    naming ``settle_s``."""
+    does) and listing up to ``list_limit`` blocks and slots of each broken invariant (the
+    daemon lists at most 1000); a negative or NaN wait, or one that is not a number, is
+    InvalidArgumentError naming ``settle_s``, as a ``list_limit`` out of range names it."""
     if isinstance(settle_s, (bool, np.bool_)) or not isinstance(settle_s, numbers.Real):
         ok = False  # a str, None, True: refused as any other bad argument
     else:
         ok = settle_s >= 0  # False for NaN
     if not ok:
         raise InvalidArgumentError(f"Check: settle_s must be a number >= 0 (got {settle_s!r})")
-    return build_request(pb.CheckRequest, settle_ms=int(min(settle_s, MAX_CHECK_SETTLE_S) * 1000))
+    return build_request(
+        pb.CheckRequest,
+        settle_ms=int(min(settle_s, MAX_CHECK_SETTLE_S) * 1000),
+        list_limit=list_limit,
+    )
 
 
 def _refused(message: Any, fields: dict[str, Any], error: Exception | None) -> InvalidArgumentError:
@@ -539,8 +558,18 @@ def evict_result(resp: pb.EvictResponse) -> EvictResult:
 
 
 def check_result(resp: pb.CheckResponse) -> CheckResult:
+    details = [
+        CheckDetail(d.problem, list(d.keys), list(d.slots), d.keys_total, d.slots_total)
+        for d in resp.details
+    ]
     return CheckResult(
-        list(resp.problems), resp.strict, resp.blocks, resp.sessions, resp.leases, resp.pools
+        list(resp.problems),
+        resp.strict,
+        resp.blocks,
+        resp.sessions,
+        resp.leases,
+        resp.pools,
+        details,
     )
 
 

@@ -591,7 +591,7 @@ class KVTierServicer:
     async def Check(
         self, request: pb.CheckRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckResponse:
-        out = await self.service.check(request.session_id, request.settle_ms)
+        out = await self.service.check(request.session_id, request.settle_ms, request.list_limit)
         return pb.CheckResponse(
             problems=out.problems,
             strict=out.strict,
@@ -599,6 +599,16 @@ class KVTierServicer:
             sessions=out.sessions,
             leases=out.leases,
             pools=out.pools,
+            details=[
+                pb.CheckDetail(
+                    problem=d.problem,
+                    keys=d.keys,
+                    slots=d.slots,
+                    keys_total=d.keys_total,
+                    slots_total=d.slots_total,
+                )
+                for d in out.details
+            ],
         )
 
     @_rpc

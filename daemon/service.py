@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 
 # The longest a Check waits for transfers in flight to finish.
 MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
+# A Check lists at most this many blocks and slots of each broken invariant (32 KiB of keys
+# each): a table broken throughout would otherwise answer with all of its keys.
+MAX_CHECK_LIST = 1000
 # Lines about sessions opened and closed, per uid (tenant, with tenants configured): this many
 # at once, then this many a second; the next line says how many were left out. Any local
 # user who may connect opens and closes sessions at will, about 1,000 a second, and each
@@ -127,6 +130,17 @@ class StatsSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckDetail:
+    """The blocks (their keys) and slots one broken invariant names, the first of each."""
+
+    problem: int  # index in CheckReport.problems
+    keys: list[bytes]
+    slots: list[int]
+    keys_total: int
+    slots_total: int
+
+
+@dataclass(frozen=True, slots=True)
 class CheckReport:
     problems: list[str]
     strict: bool  # nothing was in flight: slot accounting checked exactly
@@ -134,6 +148,7 @@ class CheckReport:
     sessions: int
     leases: int
     pools: int
+    details: list[CheckDetail]
 
 
 @dataclass(frozen=True, slots=True)
@@ -691,10 +706,12 @@ class KVService:
             )
         return session
 
-    async def check(self, session_id: str, settle_ms: int = 0) -> CheckReport:
+    async def check(self, session_id: str, settle_ms: int = 0, list_limit: int = 0) -> CheckReport:
         """The store's invariants plus what only the service knows: every lease's and pool's
         session is open, the sessions' lease sets match the leases, the per-tenant and
-        per-session counts the limits keep add up, and pin counts match the leases."""
+        per-session counts the limits keep add up, and pin counts match the leases. With
+        ``list_limit``, the first blocks and slots (up to it, at most ``MAX_CHECK_LIST``) of
+        each broken invariant of the store that names them."""
         self._admin(session_id, "Check")
         deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
         while not self.store.quiescent() and self._clock() < deadline:
@@ -741,8 +758,23 @@ class KVService:
         if dict(Counter(p.session_id for p in pools)) != self.pools.per_session_counts():
             problems.append("the per-session pool counts differ from the registered pools")
         problems += self.pools.check()
-        problems += self.store.check(pins=dict(pins))
-        return CheckReport(problems, strict, len(table), len(sessions), len(leases), len(pools))
+        details: list[CheckDetail] = []
+        limit = min(list_limit, MAX_CHECK_LIST)
+        for problem in self.store.check_problems(pins=dict(pins)):
+            if limit and (len(problem.blocks) or len(problem.slots)):
+                details.append(
+                    CheckDetail(
+                        len(problems),
+                        [table.key_bytes(int(b)) for b in problem.blocks[:limit]],
+                        problem.slots[:limit].tolist(),
+                        len(problem.blocks),
+                        len(problem.slots),
+                    )
+                )
+            problems.append(problem.text)
+        return CheckReport(
+            problems, strict, len(table), len(sessions), len(leases), len(pools), details
+        )
 
     def drain(self, session_id: str, resume: bool) -> DrainState:
         """Stop (or resume) taking new sessions but admins'; open ones carry on."""

@@ -38,7 +38,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -138,6 +138,19 @@ def _shared(values: list[int] | list[bool], dtype: type) -> np.ndarray:
 # one-element array cost each a third of a microsecond).
 _ONE_RESULT = {r: _shared([r], np.int32) for r in (_STORED, _EXISTS, _REJECTED_FULL)}
 _ONE_LOADED = {ok: _shared([ok], bool) for ok in (False, True)}
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckProblem:
+    """One broken invariant (``BlockStore.check_problems``): its description, and the block
+    ids and the slots (of the tier it names) it found at fault, where it can tell them."""
+
+    text: str
+    blocks: np.ndarray = field(default_factory=lambda: _NO_IDS)
+    slots: np.ndarray = field(default_factory=lambda: _NO_IDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1886,8 +1899,13 @@ class BlockStore:
         return held, released
 
     def check(self, pins: dict[int, int] | None = None) -> list[str]:
-        """The store's invariants; a description of each one broken, or nothing. ``pins``:
-        block id -> how many live leases hold it (the sessions know), when known.
+        """``check_problems``' descriptions."""
+        return [p.text for p in self.check_problems(pins)]
+
+    def check_problems(self, pins: dict[int, int] | None = None) -> list[CheckProblem]:
+        """The store's invariants; each one broken, with the blocks and slots it names, or
+        nothing. ``pins``: block id -> how many live leases hold it (the sessions know), when
+        known.
 
         Always: every slot of a tier belongs to at most one live block and is allocated;
         each tier's allocator is consistent; every committed block (READY) with a copy in a
@@ -1897,77 +1915,124 @@ class BlockStore:
         add up; pin counts match the leases. When nothing is in flight also: a tier's allocated slots are exactly its blocks'
         (plus, on a disk, its quarantined slots)."""
         table = self.table
-        problems: list[str] = []
+        problems: list[CheckProblem] = []
         live = table.live_ids()
         names, counts = np.unique(table.ns[live], return_counts=True)
         if dict(zip(names.tolist(), counts.tolist(), strict=True)) != table.ns_blocks:
-            problems.append("the blocks counted per namespace differ from the live blocks'")
+            problems.append(
+                CheckProblem("the blocks counted per namespace differ from the live blocks'")
+            )
         for ns in names.tolist():
             ids = live[table.ns[live] == ns]
             found = table.find_any(int(ns), table.keys[ids])
             if not np.array_equal(found, ids):
+                lost = ids[found != ids]
                 problems.append(
-                    f"{int(np.count_nonzero(found != ids))} blocks of namespace {ns} are not found by their keys"
+                    CheckProblem(
+                        f"{len(lost)} blocks of namespace {ns} are not found by their keys",
+                        blocks=lost,
+                    )
                 )
         quiet = self.quiescent()
         for level in self.stack:
             col, label = level.col, level.label
             holders = table.holders(col)
             if len(dead := holders[table.state[holders] == 0]):
-                problems.append(f"{label}: {len(dead)} freed rows still hold a copy")
+                # Freed rows: their keys are gone, their slots are what is held.
+                problems.append(
+                    CheckProblem(
+                        f"{label}: {len(dead)} freed rows still hold a copy",
+                        slots=_NO_IDS if level.keyed else table.slot[dead, col],
+                    )
+                )
             policy = level.policy
             # A new block joins the policies when it is committed: a put that fills this tier
             # and goes on to the next holds the copies made here (state WRITING) meanwhile.
             committed = holders[table.state[holders] == READY]
-            strays = [b for b in committed.tolist() if b not in policy]
-            if strays:
-                problems.append(f"{label}: {len(strays)} blocks with a copy unknown to the policy")
+            strays = np.array([b for b in committed.tolist() if b not in policy], dtype=np.int64)
+            if len(strays):
+                problems.append(
+                    CheckProblem(
+                        f"{label}: {len(strays)} blocks with a copy unknown to the policy",
+                        blocks=strays,
+                    )
+                )
             if len(policy) != len(committed):
                 problems.append(
-                    f"{label}: the policy knows {len(policy)} blocks, {len(committed)} stored "
-                    "ones have a copy"
+                    CheckProblem(
+                        f"{label}: the policy knows {len(policy)} blocks, {len(committed)} "
+                        "stored ones have a copy"
+                    )
                 )
             if level.keyed:
                 continue
             alloc = level.slots.allocator
-            problems += [f"{label} allocator: {p}" for p in alloc.check()]
+            problems += [CheckProblem(f"{label} allocator: {p}") for p in alloc.check()]
             slots = table.slot[holders, col].astype(np.int64)
             uniq, counts = np.unique(slots, return_counts=True)
             if (counts > 1).any():
+                shared = uniq[counts > 1]
                 problems.append(
-                    f"{label}: slot {int(uniq[counts > 1][0])} belongs to {int(counts.max())} blocks"
+                    CheckProblem(
+                        f"{label}: slot {int(shared[0])} belongs to {int(counts.max())} blocks"
+                        + (f" ({len(shared)} slots shared)" if len(shared) > 1 else ""),
+                        blocks=holders[np.isin(slots, shared)],
+                        slots=shared,
+                    )
                 )
             if not (ok := alloc.allocated(slots)).all():
                 problems.append(
-                    f"{label}: {int(np.count_nonzero(~ok))} blocks hold slots that are not allocated"
+                    CheckProblem(
+                        f"{label}: {int(np.count_nonzero(~ok))} blocks hold slots that are not "
+                        "allocated",
+                        blocks=holders[~ok],
+                        slots=slots[~ok],
+                    )
                 )
             quarantined = int(level.tier.stats().gauges.get("quarantined_slots", 0))
             if quiet and alloc.used_slots != len(holders) + quarantined:
                 problems.append(
-                    f"{label}: {alloc.used_slots} slots allocated, {len(holders)} held by blocks"
-                    + (f" and {quarantined} quarantined" if quarantined else "")
+                    CheckProblem(
+                        f"{label}: {alloc.used_slots} slots allocated, {len(holders)} held by "
+                        "blocks" + (f" and {quarantined} quarantined" if quarantined else "")
+                    )
                 )
             want = np.zeros(table.usage.shape[1], dtype=np.int64)
             np.add.at(want, table.owner[holders], table.nbytes[holders].astype(np.int64))
             if not np.array_equal(want, table.usage[col]):
-                problems.append(f"{label}: per-tenant usage does not add up to its blocks")
+                problems.append(
+                    CheckProblem(f"{label}: per-tenant usage does not add up to its blocks")
+                )
             want[:] = 0
             np.add.at(want, table.owner[holders], alloc.slot_sizes(table.slot[holders, col]))
             if not np.array_equal(want, table.slot_usage[col]):
-                problems.append(f"{label}: per-tenant slots do not add up to its blocks")
+                problems.append(
+                    CheckProblem(f"{label}: per-tenant slots do not add up to its blocks")
+                )
             if quiet and (held := [o for o, k in self.space.quota_held if k == level.kind]):
-                problems.append(f"{label}: {len(held)} tenants hold reserved slots no copy uses")
+                problems.append(
+                    CheckProblem(f"{label}: {len(held)} tenants hold reserved slots no copy uses")
+                )
         if pins is not None:
             want_pins = np.zeros(table.capacity, dtype=np.int64)
             for bid, n in pins.items():
                 want_pins[bid] = n
             if (bad := np.flatnonzero(want_pins != table.pins)).size:
-                problems.append(f"{len(bad)} blocks' pin counts differ from their live leases")
+                problems.append(
+                    CheckProblem(
+                        f"{len(bad)} blocks' pin counts differ from their live leases",
+                        blocks=bad[table.state[bad] != 0],
+                    )
+                )
         if (budget := self.hint_budget) is not None:
             live = table.state != 0
             budgeted = budget.pins(table.capacity)
             if (bad := np.flatnonzero(live & (budgeted != table.pins))).size:
-                problems.append(f"{len(bad)} blocks' pin counts differ from the hint budget's")
+                problems.append(
+                    CheckProblem(
+                        f"{len(bad)} blocks' pin counts differ from the hint budget's", blocks=bad
+                    )
+                )
         return problems
 
     # ------------------------------------------------------------- watermarks

@@ -336,28 +336,46 @@ class EvictResponse(_message.Message):
     def __init__(self, evicted: _Optional[int] = ..., missing: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
 
 class CheckRequest(_message.Message):
-    __slots__ = ("session_id", "settle_ms")
+    __slots__ = ("session_id", "settle_ms", "list_limit")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SETTLE_MS_FIELD_NUMBER: _ClassVar[int]
+    LIST_LIMIT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     settle_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., settle_ms: _Optional[int] = ...) -> None: ...
+    list_limit: int
+    def __init__(self, session_id: _Optional[str] = ..., settle_ms: _Optional[int] = ..., list_limit: _Optional[int] = ...) -> None: ...
+
+class CheckDetail(_message.Message):
+    __slots__ = ("problem", "keys", "slots", "keys_total", "slots_total")
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    problem: int
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    keys_total: int
+    slots_total: int
+    def __init__(self, problem: _Optional[int] = ..., keys: _Optional[_Iterable[bytes]] = ..., slots: _Optional[_Iterable[int]] = ..., keys_total: _Optional[int] = ..., slots_total: _Optional[int] = ...) -> None: ...
 
 class CheckResponse(_message.Message):
-    __slots__ = ("problems", "strict", "blocks", "sessions", "leases", "pools")
+    __slots__ = ("problems", "strict", "blocks", "sessions", "leases", "pools", "details")
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     STRICT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
     problems: _containers.RepeatedScalarFieldContainer[str]
     strict: bool
     blocks: int
     sessions: int
     leases: int
     pools: int
-    def __init__(self, problems: _Optional[_Iterable[str]] = ..., strict: bool = ..., blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., pools: _Optional[int] = ...) -> None: ...
+    details: _containers.RepeatedCompositeFieldContainer[CheckDetail]
+    def __init__(self, problems: _Optional[_Iterable[str]] = ..., strict: bool = ..., blocks: _Optional[int] = ..., sessions: _Optional[int] = ..., leases: _Optional[int] = ..., pools: _Optional[int] = ..., details: _Optional[_Iterable[_Union[CheckDetail, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("session_id", "resume")

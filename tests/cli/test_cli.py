@@ -356,13 +356,70 @@ def test_check_lists_what_is_broken_and_exits_1(capsys, monkeypatch):
     from kvtier.client import CheckResult, Client
 
     broken = CheckResult(["L1: slot 7 belongs to 2 blocks"], True, 5, 1, 0, 0)
-    monkeypatch.setattr(Client, "check", lambda self, settle_s: broken)
+    monkeypatch.setattr(Client, "check", lambda self, settle_s, list_limit: broken)
     code, out, _ = run_main(capsys, "--address", "unix:/x.sock", "check")
     assert code == 1
     assert out.splitlines() == [
         "broken: kvtierd at unix:/x.sock: 1 problems (5 blocks, 1 sessions, 0 leases, 0 pools)",
         "  L1: slot 7 belongs to 2 blocks",
     ]
+
+
+# Runs kvtierd with its store damaged as each Check begins: every block pinned once more than
+# its leases say, and the second block's L1 copy said to be in the first one's slot.
+_ENTRY_DAMAGED_AT_CHECK = """
+import sys
+from kvtier.daemon.entry import main
+from kvtier.daemon.service import KVService
+
+check = KVService.check
+
+async def damaged_check(self, *args, **kwargs):
+    table = self.store.table
+    live = table.live_ids()
+    table.pins[live] += 1
+    col = self.store.stack.levels[0].col
+    table.slot[live[1], col] = table.slot[live[0], col]
+    return await check(self, *args, **kwargs)
+
+KVService.check = damaged_check
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_check_named_the_tier_and_counts_not_the_blocks_or_slots(daemon_factory, capsys):
+    """kvtier check said '3 blocks' pin counts differ from their live leases' and 'L1: slot
+    0 belongs to 2 blocks', and nothing of which: an operator could not tell which keys to
+    delete or which slot to look at. --list N names the first N keys (hex) and slots of each
+    problem, then how many more; --json has them too."""
+    d = daemon_factory(entry=("-c", _ENTRY_DAMAGED_AT_CHECK))
+    ks = _keys(3, 11)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        client.put(pool.pool_id, ks, range(3))
+    out = kvtier_here(capsys, "--address", d.address, "check", "--list", "2")
+    assert out.returncode == 1, out
+    lines = out.stdout.splitlines()
+    pins = lines.index("  3 blocks' pin counts differ from their live leases")
+    listed = [line.removeprefix("    key ") for line in lines[pins + 1 : pins + 3]]
+    assert set(listed) < {k.hex() for k in ks}, lines
+    assert lines[pins + 3] == "    ... and 1 more keys", lines
+    shared = next(i for i, line in enumerate(lines) if "belongs to 2 blocks" in line)
+    slot = lines[shared].split("slot ")[1].split()[0]
+    assert lines[shared + 3] == f"    slot {slot}", lines
+    assert {line.removeprefix("    key ") for line in lines[shared + 1 : shared + 3]} < {
+        k.hex() for k in ks
+    }, lines
+    report = json.loads(
+        kvtier_here(capsys, "--address", d.address, "check", "--json", "--list").stdout
+    )
+    pinned = report["problems"].index("3 blocks' pin counts differ from their live leases")
+    detail = next(x for x in report["details"] if x["problem"] == pinned)
+    assert sorted(detail["keys"]) == sorted(k.hex() for k in ks) and detail["keys_total"] == 3
+    # Without --list, the problems alone, as before.
+    plain = kvtier_here(capsys, "--address", d.address, "check").stdout
+    assert "  3 blocks' pin counts differ from their live leases" in plain
+    assert "    key " not in plain and "    slot " not in plain, plain
 
 
 def test_check_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
