@@ -2350,10 +2350,11 @@ class BlockStore:
                     level.policy.insert(bid, float(table.last_access[bid]), -1)
 
     def not_persisted(self) -> np.ndarray:
-        """The live blocks, ready or still being written, of which no persistent slot tier
-        holds a copy: those a process that ends now loses."""
+        """The live blocks, ready or still being written, of which no persistent tier holds a
+        copy (L2, or L3's store: a restart finds it there): those a process that ends now
+        loses."""
         live = self.table.live_ids()
-        persistent = [lv.col for lv in self.stack if lv.persistent and not lv.keyed]
+        persistent = [lv.col for lv in self.stack if lv.persistent]
         if not persistent:
             return live
         return live[~(self.table.slot[live][:, persistent] >= 0).any(axis=1)]
