@@ -21,7 +21,8 @@ Invariants:
   Shutdown waits for such requests before it closes the store, within its bound: past
   ``server.drain_timeout_s`` plus the flush's timeout plus ``server.stop_grace_s`` (a disk
   write that never returns) the process exits with ``EXIT_STOP_ABANDONED`` as a crash would,
-  after logging the blocks it abandons (``Daemon.stop``). A RegisterPool whose client
+  after logging the blocks it abandons (``Daemon.stop``; a thread of its own ends one whose
+  event loop is blocked). A RegisterPool whose client
   cancelled it while the memory was mapped, or whose deadline passed by the time it would
   answer, unregisters its pool again: its client never learns the pool's id. A pinning
   Lookup in that case releases its lease again, for the same reason.
@@ -45,6 +46,7 @@ import logging
 import os
 import resource
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
@@ -134,6 +136,10 @@ MAX_RECEIVING_REQUESTS = 256
 EXIT_STOP_ABANDONED = 3
 # How many keys of the blocks an abandoned stop loses its log line names (it counts them all).
 ABANDONED_KEYS_SHOWN = 32
+# How long past its bound a stop whose event loop does not answer (blocked in a call that
+# waits for a hung thread: the close of the transfer threads joins them) is given before a
+# thread of its own ends the process (``Daemon.stop``).
+ABANDON_BLOCKED_AFTER_S = 5.0
 REQUEST_RECEIVE_TIMEOUT_S = 10.0
 # Calls that have arrived but that the event loop has not taken up yet, every connection's
 # together. gRPC's defaults (past 1,000 it drops new calls at random, past 3,000 all of them)
@@ -890,12 +896,39 @@ class Daemon:
         flush_s = l2.flush_timeout_s if l2.enabled and l2.flush_on_stop else 0.0
         bound_s = server.drain_timeout_s + flush_s + server.stop_grace_s
         self._stop_step = "draining requests"
+        blocked = threading.Timer(
+            bound_s + ABANDON_BLOCKED_AFTER_S, self._abandon_blocked, args=(bound_s,)
+        )
+        blocked.daemon = True
+        blocked.start()
         stopping = asyncio.create_task(self._stop_in_order(), name="stop")
         try:
             # Shielded: a stop past its bound is not unwound, the process ends under it.
             await asyncio.wait_for(asyncio.shield(stopping), bound_s)
         except asyncio.TimeoutError:  # asyncio's: on Python 3.10 not the builtin
             self._abandon(bound_s)
+        finally:
+            blocked.cancel()
+
+    def _abandon_blocked(self, bound_s: float) -> None:
+        """``_abandon`` for a stop whose event loop is blocked, run by a thread of its own:
+        the loop's state (which blocks are where) is not this thread's to read, so the line
+        says what the stop was doing and not which blocks it loses."""
+        log.error(
+            "the stop did not end within %gs and its event loop does not answer (blocked "
+            "while %s): exiting with status %d; the blocks held only in memory are lost "
+            "(none was acknowledged durable)",
+            bound_s,
+            self._stop_step,
+            EXIT_STOP_ABANDONED,
+        )
+        self._exit_abandoned()
+
+    def _exit_abandoned(self) -> NoReturn:
+        if self._socket_identity is not None:
+            remove_socket(os.path.abspath(self.config.server.socket), self._socket_identity)
+        logging.shutdown()  # flushes the handlers: os._exit skips it
+        os._exit(EXIT_STOP_ABANDONED)
 
     def _abandon(self, bound_s: float) -> NoReturn:
         """End the process now, its stop past ``bound_s``: log the blocks that no persistent
@@ -924,10 +957,7 @@ class Daemon:
             shown,
             more,
         )
-        if self._socket_identity is not None:
-            remove_socket(os.path.abspath(self.config.server.socket), self._socket_identity)
-        logging.shutdown()  # flushes the handlers: os._exit skips it
-        os._exit(EXIT_STOP_ABANDONED)
+        self._exit_abandoned()
 
     async def _stop_in_order(self) -> None:
         drain_s = self.config.server.drain_timeout_s

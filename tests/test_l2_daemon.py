@@ -1236,3 +1236,50 @@ def test_regression_a_stop_with_an_l2_write_hung_never_ended(daemon_factory, tmp
         got = client.lookup(acked)
         assert got.prefix_len == 8 and got.tiers == [Tier.L2_DISK] * 8
         assert client.check().problems == []
+
+
+# Runs kvtierd with the close of its store blocked, on the event loop, while the file
+# ``gate`` exists, as the close of the transfer threads blocks joining one in a hung write.
+_ENTRY_BLOCKING_THE_CLOSE = """
+import os, sys, time
+from kvtier.daemon.entry import main
+from kvtier.daemon.store import BlockStore
+
+gate = sys.argv.pop(1)
+close = BlockStore.close
+
+def blocked_close(self):
+    while os.path.exists(gate):
+        time.sleep(0.01)
+    close(self)
+
+BlockStore.close = blocked_close
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_a_stop_blocked_on_its_event_loop_ran_past_its_bound(daemon_factory, tmp_path):
+    """The bound of the stop (above) is a timer of the event loop, and the close of the
+    transfer threads waits on the loop for one in a hung write to end: that stop never ended
+    either. A thread of the stop's own ends the process ABANDON_BLOCKED_AFTER_S past the
+    bound, saying what the stop was doing."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    d = daemon_factory(
+        "server.drain_timeout_s=0.5",
+        "server.stop_grace_s=1",
+        entry=("-c", _ENTRY_BLOCKING_THE_CLOSE, str(gate)),
+    )
+    try:
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        # Not a measure of speed: without the thread the stop waited for the gate.
+        assert d.proc.wait(60) == 3
+    finally:
+        gate.unlink()
+    text = d.log()
+    assert (
+        "the stop did not end within 1.5s and its event loop does not answer (blocked while "
+        "closing the tiers): exiting with status 3" in text
+    ), text
+    assert not os.path.exists(d.socket)
