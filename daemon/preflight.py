@@ -10,6 +10,7 @@ socket's path) and changes nothing: no file is created, no socket is left bound.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 from kvtier.daemon import loops
 from kvtier.daemon.config import Config, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX, is_memory_backed
-from kvtier.daemon.unixsock import folder_problem
+from kvtier.daemon.unixsock import folder_problem, in_use, lock_path
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
 from kvtier.tiers.disk.tier import owner_problem, space_needed, space_shortfall
@@ -427,6 +428,9 @@ def _socket(config: Config) -> list[Problem]:
         ]
     if (blocked := _blocked(Path(path))) is not None:
         return [Problem(key, f"cannot create {path}: {blocked}")]
+    with contextlib.suppress(OSError):  # absent or unreadable: the start's own lock says
+        if probe_lock(Path(lock_path(path))) is not None:
+            return [Problem(key, in_use(path))]
     for each in (path, cred):
         try:
             mode = os.lstat(each).st_mode

@@ -99,6 +99,7 @@ from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import (
     SocketAccess,
     SocketIdentity,
+    SocketLock,
     apply_access,
     prepare_socket_path,
     private_umask,
@@ -1316,6 +1317,18 @@ def _health_handlers(
 
 
 async def serve(config: Config, *, on_ready: Callable[[Daemon], None] | None = None) -> None:
+    cfg = config.server
+    # First of all: a second daemon at the socket path of a live one stops here, before it
+    # has allocated, opened or bound anything (the first one's socket, L2 folder, TCP and
+    # metrics ports stay untouched). Held until the sockets are removed at stop.
+    lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if cfg.socket:
+        lock = SocketLock.take(os.path.abspath(cfg.socket), SocketAccess.from_config(cfg))
+    with lock:
+        await _serve_locked(config, on_ready)
+
+
+async def _serve_locked(config: Config, on_ready: Callable[[Daemon], None] | None) -> None:
     started = time.monotonic()
     daemon = Daemon(config)
     try:

@@ -12,6 +12,11 @@ Invariants:
   replace the socket, or take its name while the daemon is stopped, and receive the clients'
   requests.
 - A stale socket (nobody listening) is removed at start; a live one stops the daemon.
+- One daemon per socket path: each holds an exclusive flock on ``<socket>.lock``
+  (``SocketLock``) from before it examines the path until it has removed its sockets, so a
+  second daemon at that path stops before it binds anything (gRPC's bind removes whatever is
+  at the path, a live daemon's socket included). The kernel lets go of the lock when its
+  holder dies, so a lock file left by a crash never refuses a start.
 """
 
 from __future__ import annotations
@@ -22,16 +27,25 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvtier.daemon.config import ServerConfig
 from kvtier.paths import writers_problem
+from kvtier.tiers.disk.files import lock_exclusive
 
 log = logging.getLogger(__name__)
 
 # sockaddr_un holds 108 bytes including the terminating NUL.
 MAX_PATH_BYTES = 107
+# The lock file beside the gRPC socket (``SocketLock``).
+LOCK_SUFFIX = ".lock"
+# How long a start refused the lock waits for its holder's pid to appear in it: the holder
+# writes it just after it takes the lock (a loaded host may hold it off a while between).
+HOLDER_WAIT_S = 2.0
+HOLDER_RETRY_S = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +82,7 @@ def prepare_socket_path(path: str, access: SocketAccess) -> None:
             errno.ENAMETOOLONG,
             f"socket path {path} is longer than the {MAX_PATH_BYTES} bytes Unix sockets allow",
         )
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):
-        _create_folder(folder, access)
-    st = os.stat(folder)
-    if (problem := folder_problem(folder, st)) is not None:
-        raise OSError(errno.EPERM, problem)
+    folder, st = _prepare_folder(path, access)
     _warn_if_untraversable(path, folder, st, access)
     if not os.path.lexists(path):
         return
@@ -88,6 +97,142 @@ def prepare_socket_path(path: str, access: SocketAccess) -> None:
     finally:
         probe.close()
     raise OSError(errno.EADDRINUSE, f"another process is listening on {path}")
+
+
+def _prepare_folder(path: str, access: SocketAccess) -> tuple[str, os.stat_result]:
+    """The folder of the socket ``path`` (created if needed) and its stat, once checked."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        _create_folder(folder, access)
+    st = os.stat(folder)
+    if (problem := folder_problem(folder, st)) is not None:
+        raise OSError(errno.EPERM, problem)
+    return folder, st
+
+
+def lock_path(socket_path: str) -> str:
+    return socket_path + LOCK_SUFFIX
+
+
+class SocketLock:
+    """The exclusive flock on ``<socket>.lock`` that makes a daemon the only one at its
+    socket path. Its file holds the holder's pid (for the refusal's message and operators);
+    it is private to the daemon's user (mode 0600, the sockets' group): anyone who may open
+    a file may flock it, and so keep every daemon from starting there. Removed by
+    ``release``; one a crash left is taken over. Not thread-safe (the start and the stop
+    take and release it)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def take(cls, socket_path: str, access: SocketAccess) -> SocketLock:
+        """Lock the socket path for this process (creating and checking its folder first).
+        Raises OSError (EADDRINUSE) naming the path and the holder's pid while another
+        process holds it."""
+        _prepare_folder(socket_path, access)
+        path = lock_path(socket_path)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                if cls._locked(fd, socket_path, path):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+        try:
+            cls._claim(fd, path, access)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd)
+
+    def __enter__(self) -> SocketLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @staticmethod
+    def _locked(fd: int, socket_path: str, path: str) -> bool:
+        """Whether ``fd`` holds the lock of the file now at ``path``: False when a stop
+        removed (or replaced) the file this opened before it was locked, to open it again."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EEXIST, f"{path} exists and is not a regular file")
+        try:
+            if lock_exclusive(fd, Path(path)) is not None:
+                raise OSError(errno.EADDRINUSE, in_use(socket_path))
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:  # removed by its holder's stop (lock_exclusive's probe)
+            return False
+        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+    @staticmethod
+    def _claim(fd: int, path: str, access: SocketAccess) -> None:
+        """Give the locked file its owner's access and this process's pid."""
+        st = os.fstat(fd)
+        if access.gid is not None and access.gid != st.st_gid:
+            try:
+                os.fchown(fd, -1, access.gid)
+            except PermissionError:
+                raise OSError(
+                    errno.EPERM,
+                    f"cannot give {path} the group {access.gid} (server.socket_group): the "
+                    "daemon may only choose a group it is a member of",
+                ) from None
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Remove the lock file, then let go of the lock (in that order: a start that opened
+        the file meanwhile finds it removed once it locks it, and opens the path again)."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def in_use(socket_path: str) -> str:
+    """The refusal of a start at ``socket_path`` while another process holds its lock."""
+    path = lock_path(socket_path)
+    return (
+        f"another kvtierd{holder_of(path)} serves {socket_path} (it holds {path}); stop it "
+        "first, or give this one another server.socket"
+    )
+
+
+def holder_of(path: str) -> str:
+    """ " (pid N)": the live process whose pid the lock file ``path`` holds, or "" when it
+    holds none in ``HOLDER_WAIT_S`` (a holder between its lock and its write; a pid a crashed
+    holder left, not yet overwritten)."""
+    give_up = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            with open(path, "rb") as f:
+                text = f.read(32)
+            if text.endswith(b"\n") and _alive(pid := int(text)):
+                return f" (pid {pid})"
+        if time.monotonic() > give_up:
+            return ""
+        time.sleep(HOLDER_RETRY_S)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 @contextlib.contextmanager

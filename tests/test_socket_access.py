@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import DaemonProcess
+from harness import DaemonProcess, tenant_token
 from peers import NOBODY, NOGROUP, require_root, run_as
 
 from kvtier.client import (
@@ -61,6 +61,10 @@ def test_configured_mode_and_group_are_applied(daemon_factory):
     for path in _both(d):
         st = os.stat(path)
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == NOGROUP
+    # The lock beside them: their group, but private whatever their mode (a process that
+    # may open it may flock it, and keep every daemon from starting there).
+    st = os.stat(d.socket + ".lock")
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_gid == NOGROUP
 
 
 def _connect(path: str) -> str:
@@ -507,3 +511,189 @@ def test_the_systemd_files_pass_systemds_own_checks(tmp_path):
     gid = next(line.split(":")[2] for line in group.splitlines() if line.startswith("kvtier:"))
     user = next(line.split(":") for line in passwd.splitlines() if line.startswith("kvtier:"))
     assert user[3] == gid and user[5] == "/var/lib/kvtier"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kvtierd(path: str, *overrides: str) -> subprocess.Popen[str]:
+    args = [f"server.socket={path}", "tiers.l1.capacity_bytes=64MiB", *overrides]
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvtier.daemon", *(a for o in args for a in ("--set", o))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _kvtier_health(path: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "--address", f"unix:{path}", "health"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _first_to_exit(procs: list[subprocess.Popen[str]]) -> int:
+    deadline = time.monotonic() + 120
+    while (ended := [i for i, p in enumerate(procs) if p.poll() is not None]) == []:
+        assert time.monotonic() < deadline, "neither daemon exited"
+        time.sleep(0.02)
+    return ended[0]
+
+
+RACE_ROUNDS = 8
+
+
+def _l2_in(folder: Path) -> list[str]:
+    return [
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={folder}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.file_bytes=64MiB",
+        "tiers.l2.segment_bytes=4MiB",
+    ]
+
+
+def test_regression_two_daemons_started_at_once_on_one_socket_path_left_it_to_neither(tmp_path):
+    """The start checked the socket path (nobody listening), then gRPC's bind removed
+    whatever was there: of two daemons started together, the second bound over the first's
+    live socket, and its failure a moment later (the credential socket or the TCP port,
+    taken by the first) removed it, leaving the first serving nobody; one that did not fail
+    took every client. The first to lock ``<socket>.lock`` now starts, the other stops
+    before it binds anything, naming the path and the holder, and exits 1."""
+    _, tenants = tenant_token(tmp_path, "t")
+    for n in range(RACE_ROUNDS):
+        folder = tmp_path / f"r{n}"
+        folder.mkdir(mode=0o700)
+        path = str(folder / "d.sock")
+        tcp = f"server.tcp_address=127.0.0.1:{_free_port()}"
+        procs = [_kvtierd(path, tenants, tcp, *_l2_in(folder / f"l2-{i}")) for i in (0, 1)]
+        try:
+            loser = procs[_first_to_exit(procs)]
+            survivor = procs[1 - procs.index(loser)]
+            out, _ = loser.communicate()
+            assert loser.returncode == 1, out
+            assert f"another kvtierd (pid {survivor.pid}) serves {path}" in out, out
+            assert "Traceback" not in out, out
+            assert survivor.poll() is None
+            # Stopped before it opened its L2 folder (it had filled L1 and preallocated L2).
+            assert not (folder / f"l2-{procs.index(loser)}").exists()
+            health = _kvtier_health(path)
+            assert health.returncode == 0, health.stdout + health.stderr
+            survivor.send_signal(signal.SIGTERM)
+            out, _ = survivor.communicate(timeout=60)
+            assert survivor.returncode == 0, out
+            # Both sockets and the lock removed at the stop.
+            assert os.listdir(folder) == [f"l2-{procs.index(survivor)}"], os.listdir(folder)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+
+
+# Runs kvtierd held, once it has checked both socket paths, until the file ``gate`` is gone.
+_ENTRY_HOLDING_THE_BIND = """
+import os, sys, time
+from kvtier.daemon import server
+from kvtier.daemon.entry import main
+
+gate = sys.argv.pop(1)
+check = server.prepare_socket_path
+
+def checked_then_held(path, access):
+    check(path, access)
+    if path.endswith(".cred"):
+        open(gate + ".reached", "w").close()
+        while os.path.exists(gate):
+            time.sleep(0.01)
+
+server.prepare_socket_path = checked_then_held
+sys.exit(main())
+"""
+
+
+def test_regression_a_daemon_that_bound_over_a_live_ones_socket_left_it_serving_nobody(
+    tmp_path,
+):
+    """The race above, made certain: one daemon has checked the path (nobody listening) when
+    another starts there. The second one served; the first then bound over its socket, failed
+    on the credential socket (the second one's) and removed what it had bound, so the
+    daemon left serving could be reached by no one. Now whichever locked the path first
+    serves, and the other names it and exits."""
+    path = str(tmp_path / "d.sock")
+    gate = tmp_path / "gate"
+    gate.touch()
+    l1 = ["--set", "tiers.l1.capacity_bytes=64MiB"]
+    held = DaemonProcess(tmp_path, path, l1, entry=("-c", _ENTRY_HOLDING_THE_BIND, str(gate)))
+    held.start(wait=False)
+    other: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{gate}.reached"):
+            assert held.running() and time.monotonic() < deadline, held.log()
+            time.sleep(0.01)
+        other = _kvtierd(path)
+        while other.poll() is None and _refuses(path):
+            assert time.monotonic() < deadline + 60, "the second daemon neither served nor exited"
+            time.sleep(0.01)
+        gate.unlink()
+        assert held.proc is not None
+        procs = [held.proc, other]
+        first_out = _first_to_exit(procs)  # type: ignore[arg-type]
+        exited, survivor = procs[first_out], procs[1 - first_out]
+        time.sleep(0.5)  # what the one that exited left, settled
+        health = _kvtier_health(path)
+        assert health.returncode == 0, health.stdout + health.stderr
+        assert exited.returncode == 1
+        out = held.log() if exited is held.proc else other.communicate()[0]
+        assert f"another kvtierd (pid {survivor.pid}) serves {path}" in out, out
+    finally:
+        gate.unlink(missing_ok=True)
+        held.kill()
+        if other is not None and other.poll() is None:
+            other.kill()
+            other.communicate()
+
+
+def test_a_daemon_started_beside_a_live_one_names_it_and_leaves_it_untouched(tmp_path):
+    """What the host checks see when the first daemon serves already: the lock, its holder
+    named; the first one's socket, TCP port and metrics port stay its own."""
+    _, tenants = tenant_token(tmp_path, "t")
+    path = str(tmp_path / "d.sock")
+    ports = [f"server.tcp_address=127.0.0.1:{_free_port()}", f"metrics.address={_free_port()}"]
+    overrides = ["tiers.l1.capacity_bytes=64MiB", tenants, *ports]
+    first = DaemonProcess(tmp_path, path, [a for o in overrides for a in ("--set", o)]).start()
+    try:
+        before = os.lstat(path)
+        second = _kvtierd(path, tenants, *ports)
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 1, out
+        assert f"another kvtierd (pid {first.proc.pid}) serves {path}" in out, out
+        assert (os.lstat(path).st_ino, os.lstat(path).st_dev) == (before.st_ino, before.st_dev)
+        assert _kvtier_health(path).returncode == 0
+        with open(path + ".lock") as f:
+            assert f.read() == f"{first.proc.pid}\n"
+    finally:
+        assert first.stop() == 0
+    assert not os.path.lexists(path + ".lock")
+
+
+def test_a_daemon_starts_at_once_where_one_was_sigkilled(tmp_path):
+    """The kernel lets go of a killed holder's lock; the file it left refuses nothing."""
+    path = str(tmp_path / "d.sock")
+    old = DaemonProcess(tmp_path, path, ["--set", "tiers.l1.capacity_bytes=64MiB"]).start()
+    old.kill()
+    assert os.path.exists(path + ".lock")  # left behind, naming the dead daemon
+    new = DaemonProcess(tmp_path, path, ["--set", "tiers.l1.capacity_bytes=64MiB"]).start()
+    try:
+        assert _kvtier_health(path).returncode == 0
+        with open(path + ".lock") as f:
+            assert f.read() == f"{new.proc.pid}\n"
+    finally:
+        assert new.stop() == 0
