@@ -101,6 +101,7 @@ from kvtier.daemon.unixsock import (
     SocketIdentity,
     SocketLock,
     apply_access,
+    bound_socket,
     prepare_socket_path,
     private_umask,
     remove_socket,
@@ -817,7 +818,9 @@ class Daemon:
             # Bound private, given its mode and group, and only then listening (start()).
             with private_umask():
                 self.server.add_insecure_port(f"unix:{path}")
-            self._socket_identity = apply_access(path, access)
+            # Known before its access is set: a start that cannot set it removes it (unbind).
+            self._socket_identity = bound_socket(path)
+            apply_access(path, access)
             self.credentials = CredentialServer(
                 cred_path,
                 self.tickets,

@@ -249,12 +249,19 @@ def private_umask() -> Iterator[None]:
 SocketIdentity = tuple[int, int]  # (st_dev, st_ino) of a socket the daemon bound
 
 
-def apply_access(path: str, access: SocketAccess) -> SocketIdentity:
-    """Give a freshly bound socket its group and mode (before it listens); returns its
-    identity for ``remove_socket``."""
+def bound_socket(path: str) -> SocketIdentity:
+    """The identity, for ``remove_socket``, of the socket the daemon has just bound at
+    ``path``: taken before ``apply_access``, so that a start it fails removes the socket."""
     st = os.lstat(path)
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
         raise OSError(errno.EPERM, f"{path} is no longer the socket the daemon bound")
+    return (st.st_dev, st.st_ino)
+
+
+def apply_access(path: str, access: SocketAccess) -> None:
+    """Give the socket the daemon has just bound at ``path`` (``bound_socket``) its group and
+    mode, before it listens."""
+    st = os.lstat(path)
     if access.gid is not None and access.gid != st.st_gid:
         try:
             os.chown(path, -1, access.gid, follow_symlinks=False)
@@ -265,7 +272,6 @@ def apply_access(path: str, access: SocketAccess) -> SocketIdentity:
                 "may only choose a group it is a member of",
             ) from None
     os.chmod(path, access.mode)
-    return (st.st_dev, st.st_ino)
 
 
 def remove_socket(path: str, identity: SocketIdentity, *, still_listening: bool = False) -> None:
@@ -315,7 +321,8 @@ def bind_unix(
         sock.close()
         raise
     try:
-        identity = apply_access(path, access)
+        identity = bound_socket(path)
+        apply_access(path, access)
         sock.listen(backlog)
         sock.setblocking(False)
     except BaseException:

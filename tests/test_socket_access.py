@@ -697,3 +697,45 @@ def test_a_daemon_starts_at_once_where_one_was_sigkilled(tmp_path):
             assert f.read() == f"{new.proc.pid}\n"
     finally:
         assert new.stop() == 0
+
+
+# kvtierd without its host checks, as if they had passed: what the start itself does when
+# what they check changed after them (or they missed it).
+_ENTRY_WITHOUT_HOST_CHECKS = """
+import sys
+from kvtier.daemon import preflight
+from kvtier.daemon.entry import main
+
+preflight.check = lambda config, host=None: []
+sys.exit(main())
+"""
+
+
+def test_regression_a_socket_whose_group_could_not_be_set_stayed_bound(nobodys_folder):
+    """gRPC binds the socket, then the daemon gives it its group and mode: where that failed
+    (a group the daemon is no member of, here root's for a daemon of nobody's, the socket's
+    lock file already of that group), the start failed with the socket left bound, for
+    engines to find and the next start to refuse. The start now removes what it bound."""
+    path = f"{nobodys_folder}/d.sock"
+    with open(path + ".lock", "w"):
+        pass
+    os.chown(path + ".lock", NOBODY, 0)
+    args = [f"server.socket={path}", "server.socket_group=0", "tiers.l1.capacity_bytes=64MiB"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ENTRY_WITHOUT_HOST_CHECKS,
+            *(a for o in args for a in ("--set", o)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        user=NOBODY,
+        group=NOGROUP,
+        extra_groups=[],
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert f"cannot give {path} the group 0 (server.socket_group)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert os.listdir(nobodys_folder) == []
