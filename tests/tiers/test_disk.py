@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1181,6 +1182,18 @@ def test_second_open_of_a_directory_is_refused(disk_dir: Path) -> None:
     with _open(disk_dir), pytest.raises(TierUnavailable, match="in use"):
         _open(disk_dir)
     _open(disk_dir).close()
+
+
+def test_regression_a_refused_second_open_changed_the_holders_file_modes(disk_dir: Path) -> None:
+    """A tier sets its files 0600 as it opens the directory, and did so before it locked it:
+    a second daemon given the same L2 folder reset the modes of the files the first one held
+    open (one an operator had opened to a backup group, say) before the lock refused it."""
+    with _open(disk_dir):
+        data = next(disk_dir.glob("data-*.bin"))
+        data.chmod(0o640)
+        with pytest.raises(TierUnavailable, match="in use"):
+            _open(disk_dir)
+        assert stat.S_IMODE(data.stat().st_mode) == 0o640
 
 
 def test_capacity_larger_than_the_filesystem_is_refused(disk_dir: Path) -> None:

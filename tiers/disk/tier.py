@@ -574,6 +574,7 @@ class DiskTier:
         try:
             self._make_directory()
             self._lock_directory()
+            self._make_files_private()
             self._keep_file_bytes(file_bytes)
             shortfall = space_shortfall(
                 self.directory,
@@ -1552,6 +1553,9 @@ class DiskTier:
         if (problem := owner_problem(self.directory, self.directory.stat().st_uid)) is not None:
             raise TierUnavailable(problem)
         os.chmod(self.directory, DIR_MODE)
+
+    def _make_files_private(self) -> None:
+        """Once the directory is locked: before, the files may be another tier's, held open."""
         for path in self.directory.iterdir():
             if path.is_file() and not path.is_symlink():
                 with contextlib.suppress(OSError):
