@@ -706,8 +706,11 @@ class Daemon:
     """One running kvtierd: store, service, gRPC server, credential socket and background
     tasks."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, socket_lock: SocketLock | None = None) -> None:
+        """``socket_lock``: the lock of ``server.socket``, taken by the caller before anything
+        else (``serve``); let go of once the daemon no longer listens."""
         self.config = config
+        self.socket_lock = socket_lock
         cfg = config.server
         # Token files first: a config that cannot run fails before L1 is allocated.
         self.tenants = TenantDirectory.from_config(config)
@@ -974,6 +977,10 @@ class Daemon:
             self.credentials.close()
         if self.server is not None:
             await self.server.stop(drain_s)
+        if self.socket_lock is not None:
+            # It never listens again: a successor may start while this one flushes L2 (its
+            # sockets are removed below only while they are still this one's).
+            self.socket_lock.release()
         # One budget for both waits: the requests whose clients left get what gRPC's grace
         # left of it, so that drain plus flush bounds the stop, as README and the unit's
         # TimeoutStopSec count on (each its own drain_timeout_s had doubled the drain).
@@ -1320,35 +1327,34 @@ def _health_handlers(
 
 
 async def serve(config: Config, *, on_ready: Callable[[Daemon], None] | None = None) -> None:
+    started = time.monotonic()
     cfg = config.server
     # First of all: a second daemon at the socket path of a live one stops here, before it
     # has allocated, opened or bound anything (the first one's socket, L2 folder, TCP and
-    # metrics ports stay untouched). Held until the sockets are removed at stop.
-    lock: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    # metrics ports stay untouched). Held until the daemon stops listening (``Daemon.stop``).
+    lock = None
     if cfg.socket:
         lock = SocketLock.take(os.path.abspath(cfg.socket), SocketAccess.from_config(cfg))
-    with lock:
-        await _serve_locked(config, on_ready)
-
-
-async def _serve_locked(config: Config, on_ready: Callable[[Daemon], None] | None) -> None:
-    started = time.monotonic()
-    daemon = Daemon(config)
     try:
-        await daemon.start()
-    except BaseException:
-        await daemon.unbind()
-        raise
-    log.info("started in %.2fs", time.monotonic() - started)
-    # Before ``on_ready``: a stop signal that arrived while starting, held until now
-    # (``daemon/entry.py``), is honoured there, and every later one is the daemon's own.
-    daemon.stop_on_signals()
-    if on_ready is not None:
+        daemon = Daemon(config, lock)
         try:
-            on_ready(daemon)
+            await daemon.start()
         except BaseException:
-            # It serves already (the metrics port, taken since the host checks): stopped as
-            # at SIGTERM, or its sockets stayed for engines and the next start to find.
-            await daemon.stop()
+            await daemon.unbind()
             raise
-    await daemon.run_until_stopped()
+        log.info("started in %.2fs", time.monotonic() - started)
+        # Before ``on_ready``: a stop signal that arrived while starting, held until now
+        # (``daemon/entry.py``), is honoured there, and every later one is the daemon's own.
+        daemon.stop_on_signals()
+        if on_ready is not None:
+            try:
+                on_ready(daemon)
+            except BaseException:
+                # It serves already (the metrics port, taken since the host checks): stopped
+                # as at SIGTERM, or its sockets stayed for engines and the next start to find.
+                await daemon.stop()
+                raise
+        await daemon.run_until_stopped()
+    finally:
+        if lock is not None:
+            lock.release()

@@ -13,10 +13,11 @@ Invariants:
   requests.
 - A stale socket (nobody listening) is removed at start; a live one stops the daemon.
 - One daemon per socket path: each holds an exclusive flock on ``<socket>.lock``
-  (``SocketLock``) from before it examines the path until it has removed its sockets, so a
+  (``SocketLock``) from before it examines the path until it no longer listens there, so a
   second daemon at that path stops before it binds anything (gRPC's bind removes whatever is
-  at the path, a live daemon's socket included). The kernel lets go of the lock when its
-  holder dies, so a lock file left by a crash never refuses a start.
+  at the path, a live daemon's socket included). A successor may start while its predecessor
+  flushes L2 (``remove_socket`` keeps the successor's socket). The kernel lets go of the lock
+  when its holder dies, so a lock file left by a crash never refuses a start.
 """
 
 from __future__ import annotations
@@ -148,12 +149,6 @@ class SocketLock:
             os.close(fd)
             raise
         return cls(path, fd)
-
-    def __enter__(self) -> SocketLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
     @staticmethod
     def _locked(fd: int, socket_path: str, path: str) -> bool:
