@@ -538,6 +538,12 @@ def _kvtier_health(path: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _alive(proc: subprocess.Popen[str]) -> None:
+    """``wait_until_serving``'s check: give up once ``proc`` has exited."""
+    if proc.poll() is not None:
+        raise RuntimeError(f"kvtierd {proc.pid} exited with {proc.returncode}")
+
+
 def _first_to_exit(procs: list[subprocess.Popen[str]]) -> int:
     deadline = time.monotonic() + 120
     while (ended := [i for i, p in enumerate(procs) if p.poll() is not None]) == []:
@@ -580,7 +586,8 @@ def test_regression_two_daemons_started_at_once_on_one_socket_path_left_it_to_ne
             assert loser.returncode == 1, out
             assert f"another kvtierd (pid {survivor.pid}) serves {path}" in out, out
             assert "Traceback" not in out, out
-            assert survivor.poll() is None
+            # The loser stops at the lock, maybe before the survivor has bound its socket.
+            wait_until_serving(f"unix:{path}", 60, check=lambda s=survivor: _alive(s))
             # Stopped before it opened its L2 folder (it had filled L1 and preallocated L2).
             assert not (folder / f"l2-{procs.index(loser)}").exists()
             health = _kvtier_health(path)
@@ -647,7 +654,9 @@ def test_regression_a_daemon_that_bound_over_a_live_ones_socket_left_it_serving_
         procs = [held.proc, other]
         first_out = _first_to_exit(procs)  # type: ignore[arg-type]
         exited, survivor = procs[first_out], procs[1 - first_out]
-        time.sleep(0.5)  # what the one that exited left, settled
+        # Refused at the lock, the second exits before the first has bound its socket; the
+        # first, bound over, exited after removing the second's (before the lock).
+        wait_until_serving(f"unix:{path}", 30, check=lambda: _alive(survivor))
         health = _kvtier_health(path)
         assert health.returncode == 0, health.stdout + health.stderr
         assert exited.returncode == 1
