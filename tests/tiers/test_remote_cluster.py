@@ -606,14 +606,16 @@ async def test_a_whole_cluster_restarted_is_a_cold_tier_back_without_a_restart(
         assert (c["down_transitions"], c["reconnects"]) == (1, 1)
 
 
-async def test_one_full_master_pauses_writes_not_reads_and_never_takes_l3_down(
+async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_down(
     redis_cluster: RedisClusterProcs, l3_prefix: str
 ) -> None:
     """One master at its maxmemory with noeviction refuses writes (OOM) while the others
     store theirs: the refused blocks answer False, counted in write_no_space; L3 reports
-    degraded_nospace (writes paused everywhere for the backoff: the tier keeps no memory
-    state per node), never down, and reads go on from every master, the full one included.
-    Once it has room, a write after the backoff ends the pause."""
+    degraded_nospace naming that master, never down, and reads go on from every master, the
+    full one included. During its backoff the blocks of the full master's slots are declined
+    (counted in write_skipped_down, nothing sent to it) while the other masters go on
+    storing theirs: the pause was of every master's writes. Once it has room, a write
+    after the backoff ends the pause."""
     nbytes = 4096
     n = 48
     chain = [ref(i) for i in range(n)]
@@ -624,22 +626,46 @@ async def test_one_full_master_pauses_writes_not_reads_and_never_takes_l3_down(
         i for i, b in enumerate(chain) if redis_cluster.owner_of_slot(slot_of(namer, b)) is full
     ]
     assert on_full and len(on_full) < n
-    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
+    # A backoff the test outlasts none of: the second write is sent within it.
+    opts = cluster_options(
+        redis_cluster,
+        l3_prefix,
+        op_timeout_s=CLUSTER_OP_TIMEOUT_S,
+        connect_timeout_s=0.5,
+        backoff_initial_s=60.0,
+        backoff_max_s=60.0,
+    )
+    async with opened(opts) as tier:
         assert await tier.write(chain[:16], nbytes, host(src[:16])) == [True] * 16
         full.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
         full.cli("CONFIG", "SET", "maxmemory", "1")
         try:
-            stored = await tier.write(chain[16:], nbytes, host(src[16:]))
-            assert [i for i in range(16, n) if not stored[i - 16]] == [
-                i for i in on_full if i >= 16
-            ]
-            assert tier.health().state is Health.DEGRADED_NOSPACE
+            stored = await tier.write(chain[16:32], nbytes, host(src[16:32]))
+            refused = [i for i in on_full if 16 <= i < 32]
+            assert [i for i in range(16, 32) if not stored[i - 16]] == refused
+            health = tier.health()
+            assert health.state is Health.DEGRADED_NOSPACE
+            assert full.address in health.detail, health.detail
             c = tier.stats().counters
-            assert c["write_no_space"] == len([i for i in on_full if i >= 16])
+            assert (c["write_no_space"], c["write_skipped_down"]) == (len(refused), 0)
+            # Within the backoff: the full master's blocks declined, the others stored.
+            stored = await tier.write(chain[32:], nbytes, host(src[32:]))
+            declined = [i for i in on_full if i >= 32]
+            assert [i for i in range(32, n) if not stored[i - 32]] == declined
+            c = tier.stats().counters
+            assert (c["write_no_space"], c["write_skipped_down"]) == (len(refused), len(declined))
             dest = empty(n, nbytes)
             hits = await tier.read(chain, nbytes, host(dest))
             assert hits == [i < 16 or i not in on_full for i in range(n)]
             assert all(bytes(dest[i]) == src[i] for i in range(n) if hits[i])
+        finally:
+            full.cli("CONFIG", "SET", "maxmemory", "0")
+        assert tier.stats().counters["down_transitions"] == 0
+    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
+        full.cli("CONFIG", "SET", "maxmemory", "1")
+        try:
+            await tier.write(chain, nbytes, host(src))
+            assert tier.health().state is Health.DEGRADED_NOSPACE
         finally:
             full.cli("CONFIG", "SET", "maxmemory", "0")
         await wait_for(

@@ -39,8 +39,9 @@ Invariants:
   value that fails any check is a miss, counted by reason, and never reaches the caller's
   buffer as valid data.
 - Writes beyond the write budget (bytes/s) are dropped and counted, never queued; a value
-  larger than ``max_value_bytes`` is refused. An out-of-memory refusal from the store stops
-  writes (not reads) for a backoff period.
+  larger than ``max_value_bytes`` is refused. An out-of-memory refusal from a server (on a
+  cluster, a master) stops the writes to that server (not reads, nor the other masters'
+  writes) for a backoff period.
 - At most ``pool_size`` commands pipelines are in flight per server: probes and removes have
   their own share of the connections, so bulk reads and writes never starve a lookup.
 
@@ -104,6 +105,7 @@ try:
     from redis.asyncio.cluster import ClusterNode, RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+    from redis.crc import key_slot
 except ImportError as e:  # pragma: no cover - the extra is part of the dev environment
     raise ImportError("the L3 tier needs redis-py: pip install 'kvtier[redis]'") from e
 
@@ -236,6 +238,11 @@ class RemoteTier:
         self._wall_clock = wall_clock
         self._names = KeyNamer(options.key_prefix, namespace_token)
         self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, rng)
+        self._rng = rng
+        # Per server out of memory (its name; "" for a single server): its writes paused
+        # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
+        # writes again. ``_avail`` itself is only UP or DOWN.
+        self._full: dict[str, Availability] = {}
         self._budget = TokenBucket(options.write_bytes_s, options.max_value_bytes, clock())
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._staging = _Staging(_STAGING_RETAIN_BYTES)
@@ -579,11 +586,16 @@ class RemoteTier:
         if size > self.options.max_value_bytes:
             c["write_too_large"] += n
             return out
-        chosen = [j for j in range(n) if self._budget.take(size, now)]
-        c["write_dropped_budget"] += n - len(chosen)
+        all_keys = [self._names.key(b.ns, b.key) for b in blocks]
+        servers = self._servers_of(all_keys)
+        # A full server's blocks are declined; the other servers' go on.
+        open_ = [j for j in range(n) if self._takes_writes(servers[j], now)]
+        c["write_skipped_down"] += n - len(open_)
+        chosen = [j for j in open_ if self._budget.take(size, now)]
+        c["write_dropped_budget"] += len(open_) - len(chosen)
         if not chosen:
             return out
-        keys = [self._names.key(blocks[j].ns, blocks[j].key) for j in chosen]
+        keys = [all_keys[j] for j in chosen]
         unremoved: list[bytes] = []
         if self._unremoved:
             # Stored again: whether this write lands or not, the block is no longer removed
@@ -609,7 +621,9 @@ class RemoteTier:
             [self._staging.take(nbytes) for _ in chosen] if isinstance(src, PoolPages) else []
         )
         try:
-            return await self._write_framed(chosen, keys, gathered, nbytes, src, out)
+            return await self._write_framed(
+                chosen, keys, [servers[j] for j in chosen], gathered, nbytes, src, out
+            )
         finally:
             self._staging.give(gathered)
 
@@ -617,6 +631,7 @@ class RemoteTier:
         self,
         chosen: list[int],
         keys: list[bytes],
+        servers: list[str],
         gathered: list[bytearray],
         nbytes: int,
         src: HostBuffers | PoolPages,
@@ -628,21 +643,26 @@ class RemoteTier:
         else:
             values = _frame_all(gathered, src, chosen, nbytes, keys)
         ttl = self.options.ttl_s
-        paused_since: float | None = None  # the out-of-memory pause this write is sent in
+        sent: list[int] = []  # positions in ``keys`` of the blocks the pipeline carries
+        # Per full server, the out-of-memory pause this write is sent in.
+        paused_since: dict[str, float] = {}
 
         async def put(pipe: Any) -> None:
             # Run once a connection is free: a pause may have begun (or a refusal extended
             # it) while this write waited for one.
-            nonlocal paused_since
-            a = self._avail
-            if not a.takes_writes(self._clock()):
+            nonlocal sent
+            now = self._clock()
+            sent = [i for i, server in enumerate(servers) if self._takes_writes(server, now)]
+            if not sent:
                 raise _Paused
-            paused_since = a.since if a.state is Reach.NOSPACE else None
-            for k, v in zip(keys, values, strict=True):
+            for server in {servers[i] for i in sent}:
+                if (full := self._full.get(server)) is not None:
+                    paused_since[server] = full.since
+            for i in sent:
                 if ttl:
-                    pipe.execute_command("SET", k, v, "EX", ttl)
+                    pipe.execute_command("SET", keys[i], values[i], "EX", ttl)
                 else:
-                    pipe.execute_command("SET", k, v)
+                    pipe.execute_command("SET", keys[i], values[i])
 
         try:
             with releasing_bodies():  # the values' bodies are the caller's buffers
@@ -652,31 +672,67 @@ class RemoteTier:
             return out
         except _Unreachable:
             return out
-        no_space = ""
-        for j, reply in zip(chosen, replies, strict=True):
+        c["write_skipped_down"] += len(chosen) - len(sent)
+        no_space: dict[str, str] = {}
+        stored: set[str] = set()
+        for i, reply in zip(sent, replies, strict=True):
             if isinstance(reply, rx.OutOfMemoryError) or (
                 isinstance(reply, rx.ResponseError) and str(reply).startswith("OOM")
             ):
                 c["write_no_space"] += 1
-                no_space = str(reply)
+                no_space[servers[i]] = str(reply)
             elif isinstance(reply, BaseException):
                 self._reply_error(reply, "write_errors")
             elif reply:
-                out[j] = True
+                out[chosen[i]] = True
+                stored.add(servers[i])
                 c["write_stored"] += 1
                 c["bytes_written"] += nbytes
             else:
                 c["write_errors"] += 1
-        # Only a write sent during this out-of-memory pause (after its backoff) may extend or
-        # end it: one sent before was refused for the lack of memory that began the pause, or
-        # may have been stored before it.
-        a = self._avail
-        sent_in_pause = a.state is Reach.NOSPACE and a.since == paused_since
+        for server in no_space.keys() | stored:
+            self._after_write(server, no_space.get(server, ""), paused_since.get(server))
+        return out
+
+    def _after_write(self, server: str, no_space: str, paused_since: float | None) -> None:
+        """Start, extend or end ``server``'s out-of-memory pause after a write to it that it
+        refused for lack of memory (``no_space``, its reply) or that stored something. Only
+        a write sent during this pause (after its backoff: ``paused_since``) may extend or
+        end it: one sent before was refused for the lack of memory that began the pause, or
+        may have been stored before it."""
+        if self._avail.state is Reach.DOWN:
+            return  # the reconnection starts every server afresh
+        full = self._full.get(server)
+        sent_in_pause = full is not None and full.since == paused_since
         if no_space:
-            if a.state is not Reach.NOSPACE or sent_in_pause:
-                self._log_transition(a.no_space(self._clock(), no_space))
-        elif any(out) and sent_in_pause:
-            self._log_transition(a.recovered(self._clock()))
+            if full is None:
+                full = self._full[server] = Availability(
+                    self.options.backoff_initial_s, self.options.backoff_max_s, self._rng
+                )
+            if full.state is not Reach.NOSPACE or sent_in_pause:
+                self._log_transition(full.no_space(self._clock(), no_space), server=server)
+        elif full is not None and sent_in_pause:
+            self._log_transition(full.recovered(self._clock()), server=server)
+            del self._full[server]
+
+    def _takes_writes(self, server: str, now: float) -> bool:
+        """Whether ``server`` is not paused for lack of memory (or its backoff is over)."""
+        full = self._full.get(server)
+        return full is None or full.takes_writes(now)
+
+    def _servers_of(self, keys: list[bytes]) -> list[str]:
+        """The server each key goes to as the client knows the cluster now (its slot's
+        master; "" for a single server, or a slot the client has no master for)."""
+        client = self._client
+        if not _is_cluster(client):
+            return [""] * len(keys)
+        nodes = client.nodes_manager
+        out = []
+        for k in keys:
+            try:
+                out.append(nodes.get_node_from_slot(key_slot(k)).name)
+            except (rx.RedisClusterException, LookupError):
+                out.append("")
         return out
 
     async def remove(self, blocks: Sequence[BlockRef]) -> None:
@@ -899,23 +955,36 @@ class RemoteTier:
         self._budget.set_rate(bytes_s, self.options.max_value_bytes)
 
     def health(self) -> TierHealth:
-        """DOWN while unreachable; DEGRADED_NOSPACE while an out-of-memory pause holds
-        writes back. Once that pause's backoff is over the tier is OK, though still paused
-        until a write goes through: the store gives its callers no write while the tier
-        does not accept writes, and only a write sent after the backoff ends the pause
-        (or, refused again, extends it)."""
+        """DOWN while unreachable; DEGRADED_NOSPACE while an out-of-memory pause holds back
+        the writes to a server (on a cluster, a master: the detail names it; the others
+        take theirs). Once that pause's backoff is over the tier is OK, though the server
+        stays paused until a write to it goes through: only a write sent after the backoff
+        ends the pause (or, refused again, extends it)."""
         a = self._avail
         now = self._clock()
         if a.state is Reach.DOWN:
             retry_in = max(0.0, a.retry_at - now)
             return TierHealth(Health.DOWN, f"{a.detail}; retrying in {retry_in:.1f}s")
-        if not a.takes_writes(now):
-            return TierHealth(Health.DEGRADED_NOSPACE, a.detail)
+        paused = self._paused(now)
+        if paused:
+            return TierHealth(
+                Health.DEGRADED_NOSPACE,
+                "; ".join(
+                    f"{server}: {full.detail}" if server else full.detail
+                    for server, full in paused.items()
+                ),
+            )
         return TierHealth()
+
+    def _paused(self, now: float) -> dict[str, Availability]:
+        """The servers whose writes an out-of-memory pause holds back now."""
+        return {server: full for server, full in self._full.items() if not full.takes_writes(now)}
 
     def stats(self) -> TierStats:
         now = self._clock()
         a = self._avail
+        full = self._full  # paused, or taking writes again only once one goes through
+        retry_at = min((f.retry_at for f in full.values()), default=a.retry_at)
         return TierStats(
             kind=TierKind.REMOTE,
             health=self.health(),
@@ -923,9 +992,11 @@ class RemoteTier:
             used_bytes=0,
             counters=dict(self._counters),
             gauges={
-                "up": 1.0 if a.state is Reach.UP else 0.0,
+                "up": 1.0 if a.state is Reach.UP and not full else 0.0,
                 "state_age_s": max(0.0, now - a.since) if a.since else 0.0,
-                "retry_in_s": max(0.0, a.retry_at - now) if a.state is not Reach.UP else 0.0,
+                "retry_in_s": (
+                    max(0.0, retry_at - now) if a.state is not Reach.UP or full else 0.0
+                ),
                 "inflight_ops": float(self._inflight),
                 "removals_unconfirmed": float(len(self._unremoved)),
                 # Only with tiers.l3.write_bytes_s: without one there is no budget to show.
@@ -1034,14 +1105,18 @@ class RemoteTier:
         self._counters["timeouts" if timeout else "connection_errors"] += 1
         transition = self._avail.failed(self._clock(), detail)
         if transition is not None:
+            self._full.clear()  # the reconnection finds out afresh which server is full
             self._counters["down_transitions"] += 1
             self._log_transition(transition)
             if self._wake is not None:
                 self._wake.set()
 
-    def _log_transition(self, t: Transition | None, down_s: float = 0.0) -> None:
+    def _log_transition(
+        self, t: Transition | None, down_s: float = 0.0, *, server: str = ""
+    ) -> None:
         if t is None:
             return
+        store = f"master {server}" if server else "store"
         if t.after is Reach.DOWN:
             log.warning(
                 "L3 unreachable (%s): serving without it; reconnecting in %.1fs",
@@ -1050,12 +1125,15 @@ class RemoteTier:
             )
         elif t.after is Reach.NOSPACE:
             log.warning(
-                "L3 store is out of memory (%s): writes paused for %.1fs", t.detail, t.retry_in_s
+                "L3 %s is out of memory (%s): writes to it paused for %.1fs",
+                store,
+                t.detail,
+                t.retry_in_s,
             )
         elif t.before is Reach.DOWN:
             log.info("L3 reachable again after %.1fs", down_s)
         else:
-            log.info("L3 store takes writes again")
+            log.info("L3 %s takes writes again", store)
 
     async def _monitor_loop(self) -> None:
         """While DOWN: after each backoff, try a fresh client; on success swap it in."""
