@@ -92,10 +92,13 @@ class TierHealth:
     # Degraded by a fault that may pass (a full disk), the tier lets a write through now to
     # find out; nothing else tells it the fault passed.
     retry_due: bool = False
+    # The state holds for a part of the tier only (a cluster's master): the rest serves and
+    # takes writes as an OK tier does, and the tier declines, itself, what the part cannot.
+    partial: bool = False
 
     @property
     def accepts_writes(self) -> bool:
-        return self.state is Health.OK
+        return self.state is Health.OK or (self.partial and self.state is not Health.DOWN)
 
     @property
     def takes_writes(self) -> bool:

@@ -1410,7 +1410,8 @@ async def test_out_of_memory_pauses_writes_not_reads(tmp_path: Path, l3_prefix: 
             assert any(stored) and not all(stored)
             c = tier.stats().counters
             assert c["write_no_space"] == stored.count(False)
-            assert tier.health().state is Health.DEGRADED_NOSPACE
+            health = tier.health()
+            assert health.state is Health.DEGRADED_NOSPACE and not health.accepts_writes
             # Writes pause (no network); reads go on.
             assert await tier.write(blocks[:1], nbytes, host([data(0, nbytes)])) == [False]
             assert tier.stats().counters["write_skipped_down"] == 1

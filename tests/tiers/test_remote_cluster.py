@@ -645,7 +645,7 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
             assert [i for i in range(16, 32) if not stored[i - 16]] == refused
             health = tier.health()
             assert health.state is Health.DEGRADED_NOSPACE
-            assert full.address in health.detail, health.detail
+            assert full.address in health.detail and health.partial, health
             c = tier.stats().counters
             assert (c["write_no_space"], c["write_skipped_down"]) == (len(refused), 0)
             # Within the backoff: the full master's blocks declined, the others stored.

@@ -1,6 +1,7 @@
 """Two daemons (two nodes) sharing a real 3-master Redis Cluster as L3: one serves the
-other's prefix, and a master killed mid-workload costs neither daemon a failed request.
-Run with ``make test-l3-cluster`` (the cluster suite)."""
+other's prefix, and a master killed mid-workload costs neither daemon a failed request; one
+master out of memory holds back the daemon's L3 writes to that master only. Run with
+``make test-l3-cluster`` (the cluster suite)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,53 @@ def test_two_daemons_share_a_cluster_and_survive_a_master_killed_mid_workload(
     for t in threads:
         t.join(60)
     assert errors == []
+
+
+def test_a_full_master_holds_back_its_own_blocks_only_not_the_daemon_s_other_l3_writes(
+    daemon_factory, redis_cluster, l3_prefix
+):
+    """One master full (noeviction, OOM): the daemon goes on writing the blocks of the
+    other masters' slots to L3 during that master's backoff, and L3's state says
+    degraded_nospace. The tier's pause was per master, but any degraded state made the
+    daemon offer L3 no write at all, so the other masters got nothing for the backoff."""
+    full, others = redis_cluster.nodes[0], redis_cluster.nodes[1:]
+
+    def stored(nodes) -> int:
+        return sum(len(n.cli("--scan", "--pattern", f"{l3_prefix}*").split()) for n in nodes)
+
+    d = daemon_factory(
+        "tiers.l3.enabled=true",
+        "tiers.l3.mode=cluster",
+        f"tiers.l3.urls=[{', '.join(redis_cluster.urls)}]",
+        f"tiers.l3.key_prefix='{l3_prefix}'",
+        "tiers.l3.admission=always",
+        "tiers.l3.op_timeout_s=5.0",
+        # A backoff the test outlasts none of: the second Put's writes come within it.
+        "tiers.l3.backoff_initial_s=60",
+        "tiers.l3.backoff_max_s=60",
+    )
+    full.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    full.cli("CONFIG", "SET", "maxmemory", "1")
+    try:
+        with d.client() as c, SharedMemoryPool.for_layout(LAYOUT) as shm:
+            pool = c.register_pool(shm, LAYOUT)
+
+            def l3_state() -> str:
+                (l3,) = [t for t in c.stats().tiers if t.tier == Tier.L3_REMOTE]
+                return l3.state
+
+            assert c.put(pool.pool_id, keys(32, 1), range(32)).prefix_len == 32
+            deadline = time.monotonic() + 30
+            while not l3_state().startswith("degraded_nospace"):
+                assert time.monotonic() < deadline, l3_state()
+                time.sleep(0.05)
+            before = stored(others)
+            assert c.put(pool.pool_id, keys(32, 2), range(32, 64)).prefix_len == 32
+            deadline = time.monotonic() + 30
+            while stored(others) <= before:
+                assert time.monotonic() < deadline, "no L3 write reached the other masters"
+                time.sleep(0.05)
+            assert l3_state().startswith(f"degraded_nospace: {full.address}: "), l3_state()
+        assert stored([full]) == 0
+    finally:
+        full.cli("CONFIG", "SET", "maxmemory", "0")

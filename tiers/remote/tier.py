@@ -956,8 +956,8 @@ class RemoteTier:
 
     def health(self) -> TierHealth:
         """DOWN while unreachable; DEGRADED_NOSPACE while an out-of-memory pause holds back
-        the writes to a server (on a cluster, a master: the detail names it; the others
-        take theirs). Once that pause's backoff is over the tier is OK, though the server
+        the writes to a server (on a cluster, a master: the detail names it; while other
+        masters take theirs, ``partial``). Once that pause's backoff is over the tier is OK, though the server
         stays paused until a write to it goes through: only a write sent after the backoff
         ends the pause (or, refused again, extends it)."""
         a = self._avail
@@ -973,6 +973,10 @@ class RemoteTier:
                     f"{server}: {full.detail}" if server else full.detail
                     for server, full in paused.items()
                 ),
+                # Some masters still take writes: the daemon goes on offering blocks, and
+                # the full masters' are declined here.
+                partial=_is_cluster(self._client)
+                and len(paused) < len(self._client.get_primaries()),
             )
         return TierHealth()
 
