@@ -3,7 +3,7 @@ migration (ASK while a slot moves, MOVED after) followed mid-workload, and a mas
 mid-workload: calls fail fast as misses, the tier comes back with the master (empty); the
 whole cluster restarted, Deletes while it is down, one master out of memory. With a replica
 per master: failover to the replica and back under traffic, and a master back without its
-replica.
+replica. Without full coverage: a master lost for good, the others served.
 
 Slower than the single-node suite (a cluster is formed once per module, a failure takes the
 cluster's node timeout to be noticed): run with ``make test-l3-cluster``; ``make test``
@@ -17,7 +17,7 @@ import contextlib
 import subprocess
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +26,7 @@ from redis.crc import key_slot
 from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, ref, wait_for
 
 from kvtier.bench.redis_proc import RedisClusterProcs
-from kvtier.tiers.base import BlockRef, Health
+from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health
 from kvtier.tiers.remote.codec import KeyNamer
 from kvtier.tiers.remote.options import RemoteOptions
 from kvtier.tiers.remote.tier import RemoteTier
@@ -35,6 +35,20 @@ pytestmark = pytest.mark.redis_cluster
 
 CLUSTER_OP_TIMEOUT_S = 1.0
 NODE_TIMEOUT_S = 1.0  # the fixtures' clusters'
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_partial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    """Three masters, no replicas, that go on serving the slots they have while one is lost
+    (``cluster-require-full-coverage no``)."""
+    cluster = RedisClusterProcs(
+        tmp_path_factory.mktemp("redis-cluster-partial"),
+        masters=3,
+        extra_config="cluster-require-full-coverage no",
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
 
 
 def cluster_options(cluster: RedisClusterProcs, prefix: str, **kw: Any) -> RemoteOptions:
@@ -676,3 +690,89 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
         assert tier.health().state is Health.OK
         assert tier.stats().counters["down_transitions"] == 0
+
+
+def counted_failed(cluster: RedisClusterProcs, node: Any) -> bool:
+    """Whether every running node counts ``node`` failed and reports the cluster ok."""
+    node_id = cluster.node_id(node)
+    for other in cluster.nodes:
+        if not other.running:
+            continue
+        if "cluster_state:ok" not in other.cli("CLUSTER", "INFO", check=False):
+            return False
+        line = [f for f in other.cli("CLUSTER", "NODES").splitlines() if f.startswith(node_id)]
+        if not line or "fail" not in line[0].split()[2].split(","):
+            return False
+    return True
+
+
+async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degraded(
+    redis_cluster_partial: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """With ``cluster-require-full-coverage no``, a master killed for good (no replica):
+    the other masters go on serving their slots. L3 goes down once (a call met the lost
+    master), then comes back degraded_io naming that master, not down: its slots' blocks
+    are misses (unknown to a probe, declined writes, counted) while the others' are read,
+    probed and written; no call takes it down again; a Delete of its blocks is sent once it
+    is back. It kept the tier down for as long as
+    the master was gone (every primary had to answer). Once the master is back, L3 is ok
+    again on its own and every block is written."""
+    cluster = redis_cluster_partial
+    nbytes = 4096
+    n = 48
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    namer = KeyNamer(l3_prefix)
+    victim = cluster.nodes[1]
+    on_victim = {
+        i for i, b in enumerate(chain) if cluster.owner_of_slot(slot_of(namer, b)) is victim
+    }
+    assert on_victim and len(on_victim) < n
+    async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        victim.kill()
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        await tier.read(chain, nbytes, host(empty(n, nbytes)))  # meets the lost master
+        await wait_for(
+            "L3 to serve the other masters",
+            lambda: tier.health().state is Health.DEGRADED_IO,
+            30.0,
+        )
+        health = tier.health()
+        assert victim.address in health.detail and health.partial, health
+        for _ in range(3):
+            dest = empty(n, nbytes)
+            hits = await tier.read(chain, nbytes, host(dest))
+            assert hits == [i not in on_victim for i in range(n)]
+            assert all(bytes(dest[i]) == src[i] for i in range(n) if hits[i])
+            sizes = await tier.probe_each(chain)
+            assert sizes == [PROBE_UNKNOWN if i in on_victim else nbytes for i in range(n)]
+            stored = await tier.write(chain, nbytes, host(src))
+            assert stored == [i not in on_victim for i in range(n)]
+        c = tier.stats().counters
+        assert c["read_skipped_down"] == 3 * len(on_victim)
+        assert c["write_skipped_down"] == 3 * len(on_victim)
+        assert (c["down_transitions"], c["reconnects"]) == (1, 1)
+        assert tier.health().state is Health.DEGRADED_IO
+        # A Delete: the other masters' keys go at once, the lost one's once it is back.
+        gone = [min(on_victim), min(set(range(n)) - on_victim)]
+        await tier.remove([chain[i] for i in gone])
+        assert tier.stats().gauges["removals_unconfirmed"] == 1
+        sizes = await tier.probe_each([chain[i] for i in gone])
+        assert sizes[0] == PROBE_ABSENT and sizes[1] == PROBE_ABSENT
+
+        victim.start()  # empty, with its slots
+        await asyncio.to_thread(cluster.wait_ok)
+        await wait_for("L3 to be ok again", lambda: tier.health().state is Health.OK, 30.0)
+        await wait_for(
+            "the removal to be confirmed",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+            30.0,
+        )
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        dest = empty(n, nbytes)
+        assert await tier.read(chain, nbytes, host(dest)) == [True] * n
+        assert [bytes(d) for d in dest] == src
+        assert tier.stats().counters["down_transitions"] == 1

@@ -46,6 +46,9 @@ Invariants:
   their own share of the connections, so bulk reads and writes never starve a lookup.
 
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
+A master lost while the rest of the cluster serves (no full coverage required) is ``lost``
+once a reconnection finds the others ok and counting it failed: its slots' keys are answered
+as when the tier is DOWN (misses, declined, remembered removals), the others' as when UP.
 
 Values are sent from the caller's buffers without joining header and bytes, and the client's
 connections send and receive large values with fewer copies than redis-py's own (``wire``).
@@ -198,6 +201,18 @@ class _Unreachable(Exception):
     """A call could not reach the store; the tier has been marked DOWN."""
 
 
+# A reply in place of a command not sent (its key's master is lost).
+_NOT_ASKED = object()
+# Faults of a connection to one server: on a cluster, that master is unreachable.
+_UNREACHABLE_NODE: tuple[type[BaseException], ...] = (
+    rx.ConnectionError,
+    rx.TimeoutError,
+    asyncio.TimeoutError,
+    TimeoutError,
+    OSError,
+)
+
+
 class _Paused(Exception):
     """A write found writes paused (out of memory) once it had a connection; nothing sent."""
 
@@ -243,6 +258,12 @@ class RemoteTier:
         # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
         # writes again. ``_avail`` itself is only UP or DOWN.
         self._full: dict[str, Availability] = {}
+        # Masters the reconnection found unreachable while the rest of the cluster served and
+        # counted them failed (``cluster-require-full-coverage no``): name -> why. Their
+        # slots' blocks are misses, declined without touching the network, while the tier
+        # serves the other masters' (UP); the monitor asks again until they are back.
+        self._lost: dict[str, str] = {}
+        self._lost_retry_at = 0.0
         self._budget = TokenBucket(options.write_bytes_s, options.max_value_bytes, clock())
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._staging = _Staging(_STAGING_RETAIN_BYTES)
@@ -346,8 +367,9 @@ class RemoteTier:
             await self.keep_removals_in(journal)
         self._wake = asyncio.Event()
         self._monitor = asyncio.create_task(self._monitor_loop(), name="l3-monitor")
-        detail = await self._check(self._client)
+        detail, lost = await self._check(self._client)
         if detail is None:
+            self._set_lost(lost)
             log.info(
                 "L3 %s store at %s: reachable (key prefix %r, ttl %ss, pool %d)",
                 self.options.mode,
@@ -458,7 +480,13 @@ class RemoteTier:
         if not self._avail.serves(self._clock()):
             c["probe_skipped_down"] += 1
             return unknown
-        keys = [self._names.key(b.ns, b.key) for b in blocks]
+        all_keys = [self._names.key(b.ns, b.key) for b in blocks]
+        asked = self._served(all_keys)
+        if len(asked) < len(all_keys):
+            c["probe_skipped_down"] += 1
+        if not asked:
+            return [PROBE_ABSENT if k in self._unremoved else PROBE_UNKNOWN for k in all_keys]
+        keys = [all_keys[j] for j in asked]
 
         async def heads(pipe: Any) -> None:
             for k in keys:
@@ -476,11 +504,19 @@ class RemoteTier:
             return unknown
         except _Unreachable:
             return unknown
-        answers: list[int] = []
         unremoved = self._unremoved
+        if len(keys) < len(all_keys):
+            # A lost master's keys: unknown, as the store could not be asked.
+            by_position = dict(zip(asked, replies, strict=True))
+            replies = [by_position.get(j, _NOT_ASKED) for j in range(len(all_keys))]
+            keys = all_keys
+        answers: list[int] = []
         for key, reply in zip(keys, replies, strict=True):
             if unremoved and key in unremoved:
                 answers.append(PROBE_ABSENT)  # removed here; the store has yet to confirm it
+                continue
+            if reply is _NOT_ASKED:
+                answers.append(PROBE_UNKNOWN)
                 continue
             if isinstance(reply, BaseException):
                 # A key of another type answers WRONGTYPE, in place: no block.
@@ -505,7 +541,11 @@ class RemoteTier:
         ttl_s = float(self.options.ttl_s)
         if not blocks or not ttl_s or not self._avail.serves(self._clock()):
             return ages
-        keys = [self._names.key(b.ns, b.key) for b in blocks]
+        all_keys = [self._names.key(b.ns, b.key) for b in blocks]
+        asked = self._served(all_keys)
+        if not asked:
+            return ages
+        keys = [all_keys[j] for j in asked]
 
         async def pttl(pipe: Any) -> None:
             for k in keys:
@@ -515,7 +555,7 @@ class RemoteTier:
             replies = await self._pipeline(pttl, self._bulk_ops)
         except _Unreachable:
             return ages
-        for j, left_ms in enumerate(replies):
+        for j, left_ms in zip(asked, replies, strict=True):
             # -1: no expiry; -2: no such key; or a command's error.
             if isinstance(left_ms, int) and left_ms >= 0:
                 ages[j] = max(0.0, ttl_s - left_ms / 1000.0)
@@ -537,21 +577,36 @@ class RemoteTier:
             c["read_skipped_down"] += n
             return out
         keys = [self._names.key(b.ns, b.key) for b in blocks]
+        asked = self._served(keys)
+        if not asked:
+            c["read_skipped_down"] += n
+            return out
+        asked_keys = keys if len(asked) == n else [keys[j] for j in asked]
 
         async def get(pipe: Any) -> None:
-            for k in keys:
+            for k in asked_keys:
                 pipe.execute_command("GET", k)
 
         try:
             replies = await self._pipeline(get, self._bulk_ops)
         except _Unreachable:
             return out
+        if len(asked) < n:
+            # A lost master's keys: misses, not asked (a missing key's reply: None).
+            c["read_skipped_down"] += n - len(asked)
+            by_position = dict(zip(asked, replies, strict=True))
+            replies = [by_position.get(j) for j in range(n)]
+            not_asked = set(range(n)).difference(asked)
+        else:
+            not_asked = set()
         if nbytes * n >= _OFFLOAD_BYTES:
             verdicts = await self._off_loop(_unframe_all, keys, replies, nbytes, dest)
         else:
             verdicts = _unframe_all(keys, replies, nbytes, dest)
         unremoved = self._unremoved
         for j, (key, reply, verdict) in enumerate(zip(keys, replies, verdicts, strict=True)):
+            if j in not_asked:
+                continue
             if unremoved and key in unremoved:
                 c["read_absent"] += 1  # removed, though the store could not be told yet
             elif verdict is None:
@@ -716,9 +771,18 @@ class RemoteTier:
             del self._full[server]
 
     def _takes_writes(self, server: str, now: float) -> bool:
-        """Whether ``server`` is not paused for lack of memory (or its backoff is over)."""
+        """Whether ``server`` is not lost, nor paused for lack of memory (or its backoff is
+        over)."""
+        if server in self._lost:
+            return False
         full = self._full.get(server)
         return full is None or full.takes_writes(now)
+
+    def _served(self, keys: list[bytes]) -> list[int]:
+        """The positions of the keys whose master is not lost (every one while none is)."""
+        if not self._lost:
+            return list(range(len(keys)))
+        return [j for j, server in enumerate(self._servers_of(keys)) if server not in self._lost]
 
     def _servers_of(self, keys: list[bytes]) -> list[str]:
         """The server each key goes to as the client knows the cluster now (its slot's
@@ -748,6 +812,16 @@ class RemoteTier:
             c["remove_skipped_down"] += len(blocks)
             await self._remember_removals(keys)
             return
+        if self._lost:
+            # A lost master's keys: remembered, sent once it is back.
+            served = self._served(keys)
+            if len(served) < len(keys):
+                kept = set(served)
+                c["remove_skipped_down"] += len(keys) - len(served)
+                await self._remember_removals([k for j, k in enumerate(keys) if j not in kept])
+                keys = [keys[j] for j in served]
+                if not keys:
+                    return
         # (Probes that overlap the UNLINKs are the store's to mind: ``BlockStore.delete``.)
         removal = next(self._removal_ids)
         self._removing[removal] = set(keys)
@@ -942,7 +1016,14 @@ class RemoteTier:
                     del unremoved[oldest]
                     expired.append(oldest)
                 self._record([], expired)
-                keys = list(itertools.islice(self._unremoved, _UNREMOVE_BATCH))
+                if self._lost:
+                    # A lost master's keys wait for it: sent at the reconnection that finds
+                    # it back.
+                    waiting = list(unremoved)
+                    served = self._served(waiting)
+                    keys = [waiting[j] for j in served[:_UNREMOVE_BATCH]]
+                else:
+                    keys = list(itertools.islice(unremoved, _UNREMOVE_BATCH))
                 if not keys:
                     break
                 self._counters["remove_retried"] += len(keys)
@@ -965,6 +1046,15 @@ class RemoteTier:
         if a.state is Reach.DOWN:
             retry_in = max(0.0, a.retry_at - now)
             return TierHealth(Health.DOWN, f"{a.detail}; retrying in {retry_in:.1f}s")
+        if self._lost:
+            return TierHealth(
+                Health.DEGRADED_IO,
+                "; ".join(
+                    f"master {server} unreachable ({why}): its slots' blocks are misses"
+                    for server, why in self._lost.items()
+                ),
+                partial=True,
+            )
         paused = self._paused(now)
         if paused:
             return TierHealth(
@@ -996,7 +1086,7 @@ class RemoteTier:
             used_bytes=0,
             counters=dict(self._counters),
             gauges={
-                "up": 1.0 if a.state is Reach.UP and not full else 0.0,
+                "up": 1.0 if a.state is Reach.UP and not full and not self._lost else 0.0,
                 "state_age_s": max(0.0, now - a.since) if a.since else 0.0,
                 "retry_in_s": (
                     max(0.0, retry_at - now) if a.state is not Reach.UP or full else 0.0
@@ -1110,6 +1200,7 @@ class RemoteTier:
         transition = self._avail.failed(self._clock(), detail)
         if transition is not None:
             self._full.clear()  # the reconnection finds out afresh which server is full
+            self._lost.clear()  # and which is lost
             self._counters["down_transitions"] += 1
             self._log_transition(transition)
             if self._wake is not None:
@@ -1140,37 +1231,73 @@ class RemoteTier:
             log.info("L3 %s takes writes again", store)
 
     async def _monitor_loop(self) -> None:
-        """While DOWN: after each backoff, try a fresh client; on success swap it in."""
+        """While DOWN: after each backoff, try a fresh client; on success swap it in. While
+        masters are lost (UP): every ``backoff_max_s``, ask a fresh client whether they are
+        back (or others lost), and swap it in if so."""
         assert self._wake is not None
         while True:
             self._wake.clear()
-            if self._avail.state is not Reach.DOWN:
+            down = self._avail.state is Reach.DOWN
+            if not down and not self._lost:
                 await self._wake.wait()
                 continue
-            delay = self._avail.retry_at - self._clock()
+            delay = (self._avail.retry_at if down else self._lost_retry_at) - self._clock()
             if delay > 0:
-                await asyncio.sleep(delay)
+                if down:
+                    await asyncio.sleep(delay)
+                else:
+                    # Woken early by the tier going down: its own backoff then.
+                    with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), delay)
+                    continue
             self._counters["reconnect_attempts"] += 1
             self._reread_password()
             fresh = self._new_client()
             try:
-                detail = await self._check(fresh)
+                detail, lost = await self._check(fresh)
             except Exception as e:  # never let the monitor die
                 log.exception("L3 reconnection attempt failed unexpectedly")
-                detail = _describe(e)
-            if detail is None:
+                detail, lost = _describe(e), {}
+            if detail is None and (down or lost.keys() != self._lost.keys()):
                 old = self._client
                 self._client = fresh
                 self._generation += 1
-                self._counters["reconnects"] += 1
-                down_s = self._clock() - self._avail.since
-                self._log_transition(self._avail.recovered(self._clock()), down_s)
+                if down:
+                    self._counters["reconnects"] += 1
+                    down_s = self._clock() - self._avail.since
+                    self._log_transition(self._avail.recovered(self._clock()), down_s)
+                self._set_lost(lost)
                 self._spawn(_close_client(old))
                 self._resend_removals()
             else:
                 self._spawn(_close_client(fresh))
-                delay = self._avail.retry_failed(self._clock(), detail)
-                log.debug("L3 still unreachable (%s); next attempt in %.1fs", detail, delay)
+                if down:
+                    assert detail is not None
+                    delay = self._avail.retry_failed(self._clock(), detail)
+                    log.debug("L3 still unreachable (%s); next attempt in %.1fs", detail, delay)
+                else:
+                    # Still lost; or the check failed, which the verbs find out for themselves.
+                    self._set_lost(self._lost)
+
+    def _set_lost(self, lost: dict[str, str]) -> None:
+        """The masters lost from now on (each change logged once), and when to ask again."""
+        for server, why in lost.items():
+            if server not in self._lost:
+                log.warning(
+                    "L3 master %s unreachable (%s) while the rest of the cluster serves: the "
+                    "blocks of its slots are misses until it is back",
+                    server,
+                    why,
+                )
+        for server in self._lost.keys() - lost.keys():
+            log.info("L3 master %s reachable again", server)
+        self._lost = dict(lost)
+        if lost:
+            self._lost_retry_at = self._clock() + self.options.backoff_max_s * random.uniform(
+                0.5, 1.0
+            )
+            if self._wake is not None:
+                self._wake.set()
 
     def _reread_password(self) -> None:
         """Read the password file again before a reconnection attempt: a store restarted
@@ -1191,36 +1318,58 @@ class RemoteTier:
         if found is not None:
             self._password = found[0]
 
-    async def _check(self, client: Any) -> str | None:
-        """None if ``client`` can serve (every primary answers and reports the cluster ok),
-        else why not. Every primary, not one: a master back after an outage serves nothing
-        for its first seconds while the others already report ok, and some of the others
-        count it failed a while longer while it does; asked of one node, each reconnection
-        found ok and the next call to another marked the tier down again, over and over."""
+    async def _check(self, client: Any) -> tuple[str | None, dict[str, str]]:
+        """(None, lost) if ``client`` can serve, else (why not, {}). Serving: every primary
+        answers and reports the cluster ok, or those that do not answer are counted failed
+        by every one that does, which reports ok all the same (``cluster-require-full-
+        coverage no``): those are ``lost`` (name -> why), the others serve their slots.
+        Every primary, not one: a master back after an outage serves nothing for its first
+        seconds while the others already report ok, and some of the others count it failed
+        a while longer while it does; asked of one node, each reconnection found ok and the
+        next call to another marked the tier down again, over and over. Asked of each node's
+        own connections: a connection fault through the cluster client closes every
+        node's."""
         timeout = self.options.connect_timeout_s + self.options.op_timeout_s
         try:
-            if _is_cluster(client):
-                await self._bounded(client.initialize(), timeout)
-                primaries = client.get_primaries()
-                infos = await self._bounded(
-                    asyncio.gather(*(client.cluster_info(target_nodes=p) for p in primaries)),
-                    timeout,
-                )
-                for primary, info in zip(primaries, infos, strict=True):
-                    state = info.get("cluster_state") if isinstance(info, dict) else None
-                    if state not in ("ok", b"ok"):
-                        return f"cluster state is {state!r} at {primary.name}"
-            else:
+            if not _is_cluster(client):
                 await self._bounded(client.ping(), timeout)
+                return None, {}
+            await self._bounded(client.initialize(), timeout)
+            primaries = client.get_primaries()
+            infos = await self._bounded(
+                asyncio.gather(
+                    *(p.execute_command("CLUSTER", "INFO") for p in primaries),
+                    return_exceptions=True,
+                ),
+                timeout,
+            )
+            lost: dict[str, str] = {}
+            for primary, info in zip(primaries, infos, strict=True):
+                if isinstance(info, _UNREACHABLE_NODE):
+                    lost[primary.name] = _describe(info)
+                elif isinstance(info, BaseException):
+                    raise info
+                elif (state := _info_field(info, "cluster_state")) != "ok":
+                    return f"cluster state is {state!r} at {primary.name}", {}
+            if not lost:
+                return None, {}
+            reachable = [p for p in primaries if p.name not in lost]
+            views = await self._bounded(
+                asyncio.gather(*(p.execute_command("CLUSTER", "NODES") for p in reachable)),
+                timeout,
+            )
+            for name, why in lost.items():
+                if not reachable or not all(_counts_failed(view, name) for view in views):
+                    return f"{why} at {name}", {}
+            return None, lost
         except (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError) as e:
-            return f"refused credentials: {_describe(e)}"
+            return f"refused credentials: {_describe(e)}", {}
         except rx.ResponseError as e:
             if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
-                return f"refused credentials: {_describe(e)}"
-            return _describe(e)
+                return f"refused credentials: {_describe(e)}", {}
+            return _describe(e), {}
         except _UNREACHABLE_OR_REFUSED as e:
-            return _describe(e)
-        return None
+            return _describe(e), {}
 
     def _new_client(self) -> Any:
         o = self.options
@@ -1272,6 +1421,27 @@ def _carry_removals(source: RemovalJournal, dest: RemovalJournal) -> None:
 
 def _is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
+
+
+def _info_field(info: Any, name: str) -> str | None:
+    """A field of a CLUSTER INFO reply (``name:value`` lines)."""
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.strip()
+    return None
+
+
+def _counts_failed(nodes: Any, name: str) -> bool:
+    """Whether a CLUSTER NODES reply counts the node at ``name`` (host:port) failed: its
+    ``fail`` flag (``fail?`` is one node's suspicion, not yet the cluster's verdict)."""
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1].split("@")[0] == name:
+            return "fail" in fields[2].split(",")
+    return False
 
 
 class _Staging:
