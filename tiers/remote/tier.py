@@ -1036,11 +1036,12 @@ class RemoteTier:
         self._budget.set_rate(bytes_s, self.options.max_value_bytes)
 
     def health(self) -> TierHealth:
-        """DOWN while unreachable; DEGRADED_NOSPACE while an out-of-memory pause holds back
-        the writes to a server (on a cluster, a master: the detail names it; while other
-        masters take theirs, ``partial``). Once that pause's backoff is over the tier is OK, though the server
-        stays paused until a write to it goes through: only a write sent after the backoff
-        ends the pause (or, refused again, extends it)."""
+        """DOWN while unreachable; DEGRADED_IO while masters are lost (``partial``: the
+        others serve); DEGRADED_NOSPACE while an out-of-memory pause holds back the writes
+        to a server (on a cluster, a master: the detail names it; while other masters take
+        theirs, ``partial``). Once that pause's backoff is over the tier is OK, though the
+        server stays paused until a write to it goes through: only a write sent after the
+        backoff ends the pause (or, refused again, extends it)."""
         a = self._avail
         now = self._clock()
         if a.state is Reach.DOWN:
