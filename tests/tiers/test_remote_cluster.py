@@ -26,7 +26,7 @@ from redis.crc import key_slot
 from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, ref, wait_for
 
 from kvtier.bench.redis_proc import RedisClusterProcs
-from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health
+from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health, TierUnavailable
 from kvtier.tiers.remote.codec import KeyNamer
 from kvtier.tiers.remote.options import RemoteOptions
 from kvtier.tiers.remote.tier import RemoteTier
@@ -776,3 +776,30 @@ async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degrad
         assert await tier.read(chain, nbytes, host(dest)) == [True] * n
         assert [bytes(d) for d in dest] == src
         assert tier.stats().counters["down_transitions"] == 1
+
+
+async def test_regression_one_master_refusing_the_password_stops_the_start(
+    redis_cluster: RedisClusterProcs, l3_prefix: str, tmp_path: Any
+) -> None:
+    """One master refuses the tier's password (the others take it): the start is refused,
+    naming the credentials, as when every master refuses it. A refusal is no lost master:
+    redis-py's AuthenticationError is a ConnectionError, and counting it one as a fault of
+    the connection started the tier down, retrying for ever with the wrong password."""
+    secret = tmp_path / "l3.password"
+    secret.write_text("right-pw\n")
+    secret.chmod(0o600)
+    odd = redis_cluster.nodes[2]
+    for node in redis_cluster.nodes:
+        node.cli("CONFIG", "SET", "requirepass", "other-pw" if node is odd else "right-pw")
+        node.password = "other-pw" if node is odd else "right-pw"
+    try:
+        tier = RemoteTier(cluster_options(redis_cluster, l3_prefix, password_file=str(secret)))
+        try:
+            with pytest.raises(TierUnavailable, match="credentials"):
+                await tier.start()
+        finally:
+            await tier.close()  # closed already by a refused start
+    finally:
+        for node in redis_cluster.nodes:
+            node.cli("CONFIG", "SET", "requirepass", "")
+            node.password = None

@@ -201,6 +201,11 @@ class _Unreachable(Exception):
     """A call could not reach the store; the tier has been marked DOWN."""
 
 
+# The store refused the credentials (redis-py's AuthenticationError is a ConnectionError).
+_REFUSED_CREDENTIALS: tuple[type[BaseException], ...] = (
+    rx.AuthenticationError,
+    rx.AuthenticationWrongNumberOfArgsError,
+)
 # A reply in place of a command not sent (its key's master is lost).
 _NOT_ASKED = object()
 # Faults of a connection to one server: on a cluster, that master is unreachable.
@@ -1346,6 +1351,8 @@ class RemoteTier:
             )
             lost: dict[str, str] = {}
             for primary, info in zip(primaries, infos, strict=True):
+                if isinstance(info, _REFUSED_CREDENTIALS):
+                    raise info  # a ConnectionError to redis-py, but no lost master
                 if isinstance(info, _UNREACHABLE_NODE):
                     lost[primary.name] = _describe(info)
                 elif isinstance(info, BaseException):
@@ -1363,7 +1370,7 @@ class RemoteTier:
                 if not reachable or not all(_counts_failed(view, name) for view in views):
                     return f"{why} at {name}", {}
             return None, lost
-        except (rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError) as e:
+        except _REFUSED_CREDENTIALS as e:
             return f"refused credentials: {_describe(e)}", {}
         except rx.ResponseError as e:
             if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
