@@ -20,6 +20,7 @@ from kvtier.bench.jsonout import Emit, JsonStdout
 
 # Modules are imported only when their benchmark runs.
 BENCHMARKS = {
+    "fair": "kvtier.bench.fair",
     "flood": "kvtier.bench.flood",
     "gpu": "kvtier.bench.gpu_check",
     "instructions": "kvtier.bench.instructions",

@@ -30,6 +30,8 @@ from kvtier.bench import run_bench
         ("flood", ["--calls", "0"], "--calls must be at least 1"),
         ("flood", ["--victim-keys", "4097"], "--victim-keys 1 to 4096"),
         ("flood", ["--request-bytes", "4kk"], "--request-bytes: not a size"),
+        ("fair", ["--calls", "0"], "--calls must be at least 1"),
+        ("fair", ["--batch-keys", "4097"], "--batch-keys 1 to 4096"),
     ],
 )
 def test_bad_counts_are_refused_with_a_message(
