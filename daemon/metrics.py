@@ -280,6 +280,13 @@ COUNTERS: dict[str, MetricDef] = {
         "Large requests that waited for their turn to be parsed (another large request was "
         "parsed just before); turns go round robin over tenants.",
     ),
+    "requests_step_waited": _c(
+        "kvtier_requests_step_waited_total",
+        (),
+        "Large requests whose handler waited for its turn to start (another large request's "
+        "had just run): the calls that came meanwhile are taken up first; turns go round "
+        "robin over tenants.",
+    ),
     "requests_parse_refused": _c(
         "kvtier_requests_parse_refused_total",
         (),

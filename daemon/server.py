@@ -11,7 +11,10 @@ Invariants:
   Requests are parsed by the servicer's own deserializers, a request of
   ``LARGE_REQUEST_BYTES`` or more in its turn, round robin over the tenants
   (``daemon/parseturns.py``): one client's flood of large requests does not hold other
-  clients' calls behind all of it. Bytes that are not a valid message become
+  clients' calls behind all of it. A large request's handler starts in its turn too, once
+  gRPC has handed over the calls that came meanwhile (``daemon/stepturns.py``): gRPC takes
+  up calls one a pass in the order they came, and one tenant's large steps, one a pass,
+  held another's small call behind every call queued before it. Bytes that are not a valid message become
   INVALID_ARGUMENT with at most one WARNING line per method every
   ``server.bad_request_log_interval_s`` (no traceback); domain errors map to their status;
   anything unexpected is INTERNAL with a traceback, at most one per method per interval.
@@ -94,6 +97,7 @@ from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
+from kvtier.daemon.stepturns import StepTurns
 from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import (
@@ -1050,6 +1054,9 @@ class RequestReceiver:
         # Large requests are parsed in turns, round robin over ``sender_of`` each; those
         # waiting for theirs hold at most ``max_turn_bytes``.
         self.turns = ParseTurns(sender_of, counters, max_turn_bytes)
+        # Their handlers' first steps go in turns too, once the calls queued in gRPC are in.
+        self._sender_of = sender_of
+        self.steps = StepTurns(counters)
         # Calls waiting for their request, oldest first (a dict keeps insertion order).
         self.waiting: dict[_Waiter, None] = {}
         # One timer for every waiter (a timer per call cost more than the rest of the wait):
@@ -1075,11 +1082,21 @@ class RequestReceiver:
         return out
 
     def _unary(
-        self, behavior: Callable[..., Awaitable[Any]], parse: Callable[[bytes], Any]
+        self, behavior: Callable[..., Coroutine[Any, Any, Any]], parse: Callable[[bytes], Any]
     ) -> Callable[..., Awaitable[Any]]:
         async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await behavior(await self.receive(context, parse), context)
+                request, sender = await self._receive(context, parse)
+                if sender is None:
+                    return await behavior(request, context)
+                await self.steps.begin(sender)
+                try:
+                    # Its first step in its turn; the rest, after a wait, in its own.
+                    work: asyncio.Future[Any] = eager_future(behavior(request, context))
+                finally:
+                    self.steps.end()
+                del request
+                return await work
             except grpc.aio.AbortError as e:
                 _unchain(e)
                 raise
@@ -1109,6 +1126,13 @@ class RequestReceiver:
     ) -> Any:
         """The call's request, parsed by ``parse`` (a large one in its turn), or the call
         ends with a status."""
+        return (await self._receive(context, parse))[0]
+
+    async def _receive(
+        self, context: grpc.aio.ServicerContext, parse: Callable[[bytes], Any]
+    ) -> tuple[Any, str | None]:
+        """``receive``'s request, and its sender if it is large (None if not)."""
+        self.steps.arrived()
         if len(self.waiting) >= self.max_waiting:
             self._end(next(iter(self.waiting)), grpc.StatusCode.RESOURCE_EXHAUSTED)
         task = asyncio.current_task()
@@ -1132,14 +1156,16 @@ class RequestReceiver:
             self.counters["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         if len(request) < LARGE_REQUEST_BYTES:
-            return parse(request)
+            return parse(request), None
+        sender = self._sender_of(request)
         # Handed over whole: ParseTurns frees the bytes of a request it refuses at once.
         held = [request]
         del request
         try:
-            return await self.turns.parse(held, parse)
+            return await self.turns.parse(held, parse), sender
         except TurnRefused as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        raise AssertionError("unreachable")  # abort raises
 
     def _expire(self) -> None:
         """End the calls that have waited ``timeout_s``; re-armed for the oldest left."""

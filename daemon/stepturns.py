@@ -1,0 +1,118 @@
+"""Large requests run their first step in turns, once the calls that came meanwhile are in.
+
+gRPC's aio server takes up new calls one at a time, in the order they came, whichever
+client sent them: each one costs a pass or two of the event loop. A handler runs on the loop
+up to its first wait (``daemon/eager.py``), and for a request of thousands of keys that step
+is milliseconds of Python (a Lookup of 4,096 keys: the keys' words, the table's probe, the
+heat, the answer's list). With such a step in every pass, the calls queued in gRPC went in
+one a step: beside a tenant's 8 Lookups of 4,096 keys open at once, another tenant's one-key
+Lookup waited for the 7 queued before it, 0.6 -> 14 ms, nearly all of it before its handler
+began (``kvtier bench fair``). The parse of a large request takes turns already
+(``daemon/parseturns.py``), but a Lookup's parse is tens of microseconds; its handler is the
+cost. Here:
+
+- a request below ``LARGE_REQUEST_BYTES`` (``daemon/parseturns.py``) never waits;
+- a larger one runs its first step in its turn, one at a time; the next turn is handed once
+  ``QUIET_PASSES`` passes in a row took up no new call (at most ``MAX_DEFERRED_PASSES``
+  passes after the last turn ended, so that a stream of small calls does not starve large
+  ones): the calls queued behind the last large step are taken up first, a pass each and
+  no large step between them, and a small call waits behind about one large step, not one
+  per call queued before it;
+- turns go round robin over the senders (tenants), oldest first within one: a sender's
+  request waits behind at most one of each other sender's, never behind another's queue.
+
+The passes in between are empty but for the calls taken up: the loop stays busy while large
+requests wait, and a tenant's batches alone lose little (a few microseconds a pass).
+
+Invariants: at most one turn is held or handed at once, and ``_busy`` says whether one is
+(or its hand-on is scheduled); a turn handed to a call whose client left before it took it
+up passes on; a sender is queued only while it has a request waiting.
+
+Thread-safety: the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+
+# gRPC takes up a queued call in one or two passes (its "call came" event goes through
+# its poller thread): 8 passes in a row without one means its queue is empty.
+QUIET_PASSES = 8
+# The most passes a large step waits after the last: each pass costs microseconds when it
+# takes up no call, and one that takes a call up is that call's work, not a wait.
+MAX_DEFERRED_PASSES = 64
+
+
+class StepTurns:
+    def __init__(self, counters: Counter[str]) -> None:
+        self._counters = counters
+        # Senders with requests waiting, in the order their turns come (a dict keeps it).
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
+        # A turn is held, or handed on and not taken up yet, or its hand-on is scheduled.
+        self._busy = False
+        # Calls taken up since the start; the count ``_hand_on`` saw last, its passes in a
+        # row without one, and its passes since the last turn ended.
+        self._arrivals = 0
+        self._seen = 0
+        self._quiet = 0
+        self._deferred = 0
+
+    async def begin(self, sender: str) -> None:
+        """Wait for ``sender``'s turn (none if no turn is held or waited for); ``end`` once
+        the step is done, whatever it raised."""
+        if not self._busy:
+            self._busy = True
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(sender, deque()).append(turn)
+        self._counters["requests_step_waited"] += 1
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.cancelled():  # its client left while it waited: its place goes
+                self._drop(sender, turn)
+            else:
+                self.end()  # handed to this call as its client left: pass it on
+            raise
+
+    def arrived(self) -> None:
+        """A call was taken up (any call: gRPC hands them over in the order they came)."""
+        self._arrivals += 1
+
+    def end(self) -> None:
+        """The turn is over; the next is handed once the loop has taken up the calls that
+        came meanwhile."""
+        self._quiet = 0
+        self._deferred = 0
+        self._seen = self._arrivals
+        asyncio.get_running_loop().call_soon(self._hand_on)
+
+    def _hand_on(self) -> None:
+        if self._waiting:
+            if self._arrivals != self._seen:
+                self._seen = self._arrivals
+                self._quiet = 0
+            else:
+                self._quiet += 1
+            self._deferred += 1
+            if self._quiet < QUIET_PASSES and self._deferred < MAX_DEFERRED_PASSES:
+                asyncio.get_running_loop().call_soon(self._hand_on)
+                return
+        while self._waiting:
+            sender = next(iter(self._waiting))
+            queue = self._waiting.pop(sender)
+            turn = queue.popleft()
+            if queue:
+                self._waiting[sender] = queue  # to the back of the round
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._busy = False
+
+    def _drop(self, sender: str, turn: asyncio.Future[None]) -> None:
+        queue = self._waiting.get(sender)
+        if queue is not None and turn in queue:
+            queue.remove(turn)
+            if not queue:
+                del self._waiting[sender]

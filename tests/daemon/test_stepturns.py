@@ -1,0 +1,157 @@
+"""StepTurns: large requests' first steps one at a time, once the calls that came meanwhile
+are taken up, round robin over their senders.
+
+The event loop's passes stand in for gRPC's: a call "taken up" is ``arrived()`` in a pass of
+its own, as gRPC's aio server takes up one new call per pass of the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+import uvloop
+
+from kvtier.daemon.stepturns import MAX_DEFERRED_PASSES, StepTurns
+
+LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
+
+
+def _run(loop_factory: Callable[[], asyncio.AbstractEventLoop], coro: object) -> None:
+    loop = loop_factory()
+    try:
+        loop.run_until_complete(coro)  # type: ignore[arg-type]
+    finally:
+        loop.close()
+
+
+async def _step(turns: StepTurns, sender: str, name: str, order: list[str]) -> None:
+    await turns.begin(sender)
+    try:
+        order.append(name)
+    finally:
+        turns.end()
+
+
+def _calls_taken_up(turns: StepTurns, order: list[str], names: list[str]) -> None:
+    """Take up one call of ``names`` in each pass of the loop, from the next pass on."""
+
+    def take_up() -> None:
+        turns.arrived()
+        order.append(names.pop(0))
+        if names:
+            asyncio.get_running_loop().call_soon(take_up)
+
+    asyncio.get_running_loop().call_soon(take_up)
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_calls_that_come_during_a_large_step_are_taken_up_before_the_next_large_step(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A busy tenant slows another (a one-key Lookup beside 8 Lookups of 4,096 keys: 0.6 ->
+    14 ms): gRPC takes up one new call per pass of the loop, in the order they came, so with a
+    large step in every pass another tenant's call waited for every call queued before it,
+    one large step each. Here the calls that came while b1 ran (a1 to a3, one a pass) are
+    all taken up before b2's step, and b3 waits for b2's."""
+
+    async def run() -> None:
+        counters: Counter[str] = Counter()
+        turns = StepTurns(counters)
+        order: list[str] = []
+
+        async def first() -> None:
+            await turns.begin("b")
+            try:
+                order.append("b1")
+                _calls_taken_up(turns, order, ["a1", "a2", "a3"])
+            finally:
+                turns.end()
+
+        await asyncio.gather(
+            first(), _step(turns, "b", "b2", order), _step(turns, "b", "b3", order)
+        )
+        assert order == ["b1", "a1", "a2", "a3", "b2", "b3"]
+        assert counters["requests_step_waited"] == 2  # b2 and b3
+
+    _run(loop_factory, run())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_turns_go_round_robin_over_the_senders(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A sender with many steps waiting gets one turn in each round: another sender's step
+    waits behind one of them, not all."""
+
+    async def run() -> None:
+        turns = StepTurns(Counter())
+        order: list[str] = []
+        steps = [("b", "b1"), ("b", "b2"), ("b", "b3"), ("b", "b4"), ("c", "c1"), ("d", "d1")]
+        await asyncio.gather(*(_step(turns, s, n, order) for s, n in steps))
+        assert order == ["b1", "b2", "c1", "d1", "b3", "b4"]
+
+    _run(loop_factory, run())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_calls_coming_in_every_pass_hold_a_large_step_back_a_bounded_number_of_passes(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A stream of small calls that never stops does not starve large requests."""
+
+    async def run() -> None:
+        turns = StepTurns(Counter())
+        order: list[str] = []
+        taken_up = 0
+
+        def take_up() -> None:
+            nonlocal taken_up
+            turns.arrived()
+            taken_up += 1
+            if "b2" not in order:
+                asyncio.get_running_loop().call_soon(take_up)
+
+        async def first() -> None:
+            await turns.begin("b")
+            try:
+                order.append("b1")
+                asyncio.get_running_loop().call_soon(take_up)
+            finally:
+                turns.end()
+
+        await asyncio.gather(first(), _step(turns, "b", "b2", order))
+        assert order == ["b1", "b2"]
+        assert taken_up <= MAX_DEFERRED_PASSES + 2
+
+    _run(loop_factory, run())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_a_step_whose_client_left_gives_its_turn_away(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """One cancelled while it waits leaves its place; one cancelled once its turn was handed
+    to it (before it took it up) passes the turn on; nothing stays held."""
+
+    async def run() -> None:
+        turns = StepTurns(Counter())
+        order: list[str] = []
+        await turns.begin("b")  # held, so that the others wait
+        waiting = asyncio.ensure_future(_step(turns, "c", "c1", order))
+        handed = asyncio.ensure_future(_step(turns, "d", "d1", order))
+        last = asyncio.ensure_future(_step(turns, "e", "e1", order))
+        await asyncio.sleep(0)  # all three wait
+        waiting.cancel()
+        turns.end()
+        while "d" in turns._waiting:  # until d's turn is handed, before it takes it up
+            await asyncio.sleep(0)
+        handed.cancel()
+        await asyncio.gather(waiting, handed, last, return_exceptions=True)
+        assert order == ["e1"]
+        assert waiting.cancelled() and handed.cancelled()
+        await _step(turns, "b", "b2", order)  # the turn is free again: no wait
+        assert order == ["e1", "b2"] and not turns._waiting
+
+    _run(loop_factory, run())
