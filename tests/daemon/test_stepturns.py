@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import uvloop
 
-from kvtier.daemon.stepturns import MAX_DEFERRED_PASSES, StepTurns
+from kvtier.daemon.stepturns import MAX_DEFERRED_PASSES, QUIET_PASSES, QUIET_S, StepTurns
 
 LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
 
@@ -153,5 +153,44 @@ def test_a_step_whose_client_left_gives_its_turn_away(
         assert waiting.cancelled() and handed.cancelled()
         await _step(turns, "b", "b2", order)  # the turn is free again: no wait
         assert order == ["e1", "b2"] and not turns._waiting
+
+    _run(loop_factory, run())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_the_next_large_step_waits_for_quiet_time_as_well_as_quiet_passes(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """On idle cores a pass of the loop takes a few microseconds, less than gRPC's poller
+    thread takes to pass a queued call on: passes without a call alone do not mean that
+    gRPC's queue is empty, ``QUIET_S`` without one does."""
+
+    async def run() -> None:
+        now = [0.0]
+        turns = StepTurns(Counter(), clock=lambda: now[0])
+        order: list[str] = []
+        passes = 0
+
+        def tick() -> None:
+            nonlocal passes
+            passes += 1
+            order.append(f"pass {passes}")
+            if passes == 2 * QUIET_PASSES:
+                now[0] += QUIET_S  # the quiet time has gone by
+            if "b2" not in order:
+                asyncio.get_running_loop().call_soon(tick)
+
+        async def first() -> None:
+            await turns.begin("b")
+            try:
+                order.append("b1")
+                turns.arrived()  # a call taken up as b1 ran, at time 0
+                asyncio.get_running_loop().call_soon(tick)
+            finally:
+                turns.end()
+
+        await asyncio.gather(first(), _step(turns, "b", "b2", order))
+        assert order.index(f"pass {2 * QUIET_PASSES}") < order.index("b2")
+        assert passes < MAX_DEFERRED_PASSES
 
     _run(loop_factory, run())
