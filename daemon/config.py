@@ -292,13 +292,17 @@ class ServerConfig:
         metadata=_opt(
             "float",
             unit="s",
-            lo=0.0,
+            # Not 0: the stop's own steps past the drain and the flush (the pools' and the
+            # tiers' close) take time that no other budget counts, and a bound of 0 (no
+            # drain, no flush) abandoned every stop, an idle daemon's too, before its first.
+            lo=1.0,
             hi=86400.0,
             doc="on SIGTERM, how long the stop may run past server.drain_timeout_s plus the "
             "flush's tiers.l2.flush_timeout_s (for writes and requests still running: a disk "
             "that stops answering would hold it until the service manager kills it); then "
             "the daemon logs the blocks it abandons, none acknowledged durable, and exits "
-            "with status 3. Keep the three below what the service manager waits (the unit's "
+            "with status 3. At least 1 s, for the stop's own steps (closing the pools and "
+            "the tiers). Keep the three below what the service manager waits (the unit's "
             "TimeoutStopSec, a pod's terminationGracePeriodSeconds)",
         ),
     )

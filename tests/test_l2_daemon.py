@@ -1283,3 +1283,24 @@ def test_regression_a_stop_blocked_on_its_event_loop_ran_past_its_bound(daemon_f
         "closing the tiers): exiting with status 3" in text
     ), text
     assert not os.path.exists(d.socket)
+
+
+def test_regression_a_stop_with_no_drain_and_no_grace_exited_3_with_nothing_to_wait_for(
+    daemon_factory,
+):
+    """server.stop_grace_s took 0: with server.drain_timeout_s 0 and no flush the stop's
+    bound was 0 s, and every stop, an idle daemon's too, exited 3 at once ('did not end
+    within 0s', an ERROR) before its first step had run. The grace is at least 1 s, for the
+    stop's own steps past the drain and the flush, which no other budget counts."""
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvtier.daemon", "--check-config", "--set", "server.stop_grace_s=0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "server.stop_grace_s" in refused.stderr, refused
+    d = daemon_factory("server.drain_timeout_s=0", "server.stop_grace_s=1")
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(60) == 0, d.log()
+    assert "the stop did not end" not in d.log()
