@@ -922,7 +922,8 @@ class Client:
         """The daemon's invariant check (admins only), after waiting up to ``settle_s`` for
         transfers in flight: the call may take that much longer than the client's timeout.
         ``list_limit``: list up to that many of the blocks (keys) and slots each broken
-        invariant names (``CheckResult.details``; the daemon lists at most 1000)."""
+        invariant names (``CheckResult.details``; the daemon lists at most 1000, fewer
+        once they would pass half of its ``server.max_message_bytes``)."""
         request = t.check_request(settle_s, list_limit)
         timeout_s = t.check_timeout_s(request, self.timeout_s)
         return t.check_result(self._invoke("Check", request, timeout_s=timeout_s))

@@ -83,6 +83,13 @@ MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
 # A Check lists at most this many blocks and slots of each broken invariant (32 KiB of keys
 # each): a table broken throughout would otherwise answer with all of its keys.
 MAX_CHECK_LIST = 1000
+# What a listed key and a listed slot add to a CheckResponse, at most (a 32-byte key with its
+# tag and length; a uint64 varint): all of its details together are kept under half of
+# server.max_message_bytes, the rest for its problems' lines. One invariant broken in each of
+# many namespaces lists up to MAX_CHECK_LIST keys each, and an answer past the limit is not
+# sent at all (RESOURCE_EXHAUSTED) when the operator needs it most.
+CHECK_KEY_BYTES = 34
+CHECK_SLOT_BYTES = 10
 # Lines about sessions opened and closed, per uid (tenant, with tenants configured): this many
 # at once, then this many a second; the next line says how many were left out. Any local
 # user who may connect opens and closes sessions at will, about 1,000 a second, and each
@@ -711,7 +718,8 @@ class KVService:
         session is open, the sessions' lease sets match the leases, the per-tenant and
         per-session counts the limits keep add up, and pin counts match the leases. With
         ``list_limit``, the first blocks and slots (up to it, at most ``MAX_CHECK_LIST``) of
-        each broken invariant of the store that names them."""
+        each broken invariant of the store that names them, fewer where the answer would
+        pass half of ``server.max_message_bytes``."""
         self._admin(session_id, "Check")
         deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
         while not self.store.quiescent() and self._clock() < deadline:
@@ -760,13 +768,19 @@ class KVService:
         problems += self.pools.check()
         details: list[CheckDetail] = []
         limit = min(list_limit, MAX_CHECK_LIST)
+        room = self.config.server.max_message_bytes // 2
         for problem in self.store.check_problems(pins=dict(pins)):
             if limit and (len(problem.blocks) or len(problem.slots)):
+                # Within the room left: fewer listed, the totals still count them all.
+                n_keys = min(limit, len(problem.blocks), room // CHECK_KEY_BYTES)
+                room -= n_keys * CHECK_KEY_BYTES
+                n_slots = min(limit, len(problem.slots), room // CHECK_SLOT_BYTES)
+                room -= n_slots * CHECK_SLOT_BYTES
                 details.append(
                     CheckDetail(
                         len(problems),
-                        [table.key_bytes(int(b)) for b in problem.blocks[:limit]],
-                        problem.slots[:limit].tolist(),
+                        [table.key_bytes(int(b)) for b in problem.blocks[:n_keys]],
+                        problem.slots[:n_slots].tolist(),
                         len(problem.blocks),
                         len(problem.slots),
                     )

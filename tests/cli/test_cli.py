@@ -422,6 +422,60 @@ def test_regression_check_named_the_tier_and_counts_not_the_blocks_or_slots(daem
     assert "    key " not in plain and "    slot " not in plain, plain
 
 
+# Runs kvtierd with every live block's key damaged as each Check begins: the index finds no
+# block by its key, one broken invariant per namespace.
+_ENTRY_KEYS_DAMAGED_AT_CHECK = """
+import sys
+from kvtier.daemon.entry import main
+from kvtier.daemon.service import KVService
+
+check = KVService.check
+
+async def damaged_check(self, *args, **kwargs):
+    table = self.store.table
+    table.keys[table.live_ids(), 0] ^= 1
+    return await check(self, *args, **kwargs)
+
+KVService.check = damaged_check
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_check_list_of_a_store_broken_throughout_passed_the_message_limit(
+    daemon_factory, capsys
+):
+    """kvtier check --list 1000 of a store broken in many namespaces (here 40, each 1000
+    blocks its index does not find) answered up to 1000 keys of each, 34 bytes a key, past
+    server.max_message_bytes: the daemon could not send the answer, and the operator got an
+    error instead of the check, when it mattered most. The daemon lists fewer where the
+    answer would pass half of that limit; the totals still count them all."""
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=1000, block_tokens=1, chunk_bytes=4096, kv_count=1
+    )
+    d = daemon_factory(
+        "server.max_message_bytes=1MiB",
+        "tiers.l1.capacity_bytes=256MiB",
+        entry=("-c", _ENTRY_KEYS_DAMAGED_AT_CHECK),
+    )
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        pool = client.register_pool(shm, layout)
+        for n in range(40):
+            put = client.put(pool.pool_id, _keys(1000, 100 + n), range(1000), namespace=f"ns{n}")
+            assert put.stored == 1000
+    out = kvtier_here(capsys, "--address", d.address, "check", "--json", "--list", "1000")
+    assert out.returncode == 1, out
+    report = json.loads(out.stdout)
+    lost = [p for p in report["problems"] if p.endswith("are not found by their keys")]
+    assert len(lost) == 40, report["problems"]
+    details = report["details"]
+    assert len(details) == 40
+    for x in details:  # each counts all it names, those not listed included
+        assert report["problems"][x["problem"]].startswith(f"{x['keys_total']} blocks "), x
+    listed = sum(len(x["keys"]) for x in details)
+    assert 0 < listed < sum(x["keys_total"] for x in details), listed
+    assert listed * 34 < (1 << 20) // 2, listed
+
+
 def test_check_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
     """Regression: check exited 2 for a daemon it could not reach, as for one that refused
     it; 3 is health's and drain's "unreachable"."""
