@@ -5,7 +5,8 @@ then ``KVTIER_*`` environment variables, then ``--set`` overrides. Before anythi
 allocated the host checks of ``daemon/preflight.py`` run (memory, disk space, the socket), so a
 config that cannot run here fails at once with the key named. SIGHUP loads the config again
 the same way and applies what can change live (``daemon/reload.py``); SIGINT and SIGTERM stop
-it (drained, its sockets removed; exit status 3 for a stop past its bound, ``Daemon.stop``).
+it (drained, its sockets removed; exit status 3 for a stop past its bound, ``Daemon.stop``,
+or an exit that does not end after it, ``_exit_stalled``).
 One that arrives while the daemon starts is held (from the entry point on,
 ``daemon/entry.py``) and honoured once it serves: a stop then wins over a reload.
 """
@@ -19,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import yaml
@@ -54,6 +56,9 @@ CONFIG_ENV = "KVTIER_CONFIG"
 EXIT_CANNOT_START = 1
 EXIT_CONFIG_ERROR = 2
 EXIT_UNKNOWN_NAME = 4
+# How long the process may take to exit once the daemon has stopped (``_exit_stalled``): the
+# metrics endpoint's close and the event loop's teardown take milliseconds.
+EXIT_AFTER_STOP_S = 5.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,14 +152,40 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     setup_logging(config.logging.level, config.logging.format)
     from kvtier.tiers.base import TierError  # heavy imports after the config is known good
 
+    # Started once the daemon has stopped; ended here, the event loop's teardown over.
+    exit_guard = threading.Timer(EXIT_AFTER_STOP_S, _exit_stalled)
+    exit_guard.daemon = True
     try:
-        loops.run(_serve(config, load_again, early_signals, known_ids), config.server.event_loop)
+        loops.run(
+            _serve(config, load_again, early_signals, known_ids, exit_guard),
+            config.server.event_loop,
+        )
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return EXIT_CANNOT_START
     except KeyboardInterrupt:
         pass
+    finally:
+        exit_guard.cancel()
     return 0
+
+
+def _exit_stalled() -> None:
+    """Run by ``main``'s exit guard: the daemon stopped, but what is left of the process's
+    exit (the metrics endpoint's close, the event loop's teardown, which waits for every
+    thread of its default executor, ``asyncio.to_thread``'s) has not ended. A call left in
+    such a thread that does not return would hold the process, its stop's bound over,
+    until the service manager killed it. Exit as that bound does."""
+    from kvtier.daemon.server import EXIT_STOP_ABANDONED
+
+    log.error(
+        "kvtierd stopped but did not exit within %gs (a thread of its event loop's executor "
+        "does not return: a call on a disk that stops answering): exiting with status %d",
+        EXIT_AFTER_STOP_S,
+        EXIT_STOP_ABANDONED,
+    )
+    logging.shutdown()  # flushes the handlers: os._exit skips it
+    os._exit(EXIT_STOP_ABANDONED)
 
 
 async def _serve(
@@ -162,9 +193,11 @@ async def _serve(
     load: Any,
     early_signals: EarlySignals,
     known_ids: dict[tuple[str, str], int],
+    exit_guard: threading.Timer,
 ) -> None:
     """Run the daemon with its operations around it: the metrics endpoint and SIGHUP; a stop
-    signal held while it started stops it as soon as it serves."""
+    signal held while it started stops it as soon as it serves. Once it has stopped,
+    ``exit_guard`` bounds the rest of the exit."""
     from kvtier.daemon.metrics import MetricsServer
     from kvtier.daemon.reload import Reloader
     from kvtier.daemon.server import Daemon, serve
@@ -216,6 +249,7 @@ async def _serve(
         # takes the ids the config was checked with.
         with ids_from(known_ids):
             await serve(config, on_ready=ready)
+        exit_guard.start()
     finally:
         if metrics is not None:
             # Off the loop: a scrape in progress waits for the loop to answer it.

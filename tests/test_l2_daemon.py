@@ -1304,3 +1304,52 @@ def test_regression_a_stop_with_no_drain_and_no_grace_exited_3_with_nothing_to_w
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(60) == 0, d.log()
     assert "the stop did not end" not in d.log()
+
+
+# Runs kvtierd with a call left in a thread of its event loop's executor, as a stop begins,
+# that does not return while the file ``gate`` exists (a file call on a disk that stops
+# answering), and that the stop does not wait for.
+_ENTRY_LEAVING_A_HUNG_THREAD = """
+import asyncio, os, sys, time
+from kvtier.daemon.entry import main
+from kvtier.daemon.server import Daemon
+
+gate = sys.argv.pop(1)
+stop = Daemon.stop
+
+def hung():
+    while os.path.exists(gate):
+        time.sleep(0.01)
+
+async def stop_leaving_a_hung_thread(self):
+    asyncio.get_running_loop().run_in_executor(None, hung)
+    await stop(self)
+
+Daemon.stop = stop_leaving_a_hung_thread
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_a_daemon_that_stopped_with_a_thread_hung_never_exited(daemon_factory, tmp_path):
+    """The stop's bound ended with the stop: once 'kvtierd stopped', the event loop's
+    teardown waits for every thread of its executor, and one in a call that does not
+    return held the process until the service manager killed it, the bound disarmed. The
+    exit is bounded too: EXIT_AFTER_STOP_S past the stop, status 3, an ERROR saying why."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    d = daemon_factory(
+        "server.drain_timeout_s=0.5",
+        "server.stop_grace_s=1",
+        entry=("-c", _ENTRY_LEAVING_A_HUNG_THREAD, str(gate)),
+    )
+    try:
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        # Not a measure of speed: without the guard the exit waited for the gate.
+        assert d.proc.wait(60) == 3
+    finally:
+        gate.unlink()
+    text = d.log()
+    assert "kvtierd stopped" in text, text
+    assert "kvtierd stopped but did not exit within 5s" in text, text
+    assert not os.path.exists(d.socket)
