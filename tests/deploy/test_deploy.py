@@ -192,6 +192,19 @@ def test_regression_a_user_or_group_name_not_found_at_start_was_never_tried_agai
     assert int(burst) * (float(restart_s) + 1) < float(interval_s)
 
 
+def test_regression_the_start_limit_refused_the_restart_the_readme_told_to_run():
+    """9e2ddd4's start limit counts every start, manual ones too (systemd.unit): once ten
+    tries of a name not found (exit 4) had stopped the unit, README's 'fix the file (or,
+    for a name, the directory), then systemctl restart kvtierd' was refused
+    (start-limit-hit) until the interval had passed. README and the unit say to run
+    systemctl reset-failed first."""
+    assert _section("[Unit]")["StartLimitBurst"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    restart = readme.index("then `systemctl restart kvtierd`")
+    assert "`systemctl reset-failed kvtierd`" in readme[restart : restart + 400]
+    assert "systemctl reset-failed kvtierd" in UNIT.read_text()
+
+
 def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
     """Type=notify and WatchdogSec=: kvtierd tells systemd READY=1 once it serves (systemd
     would otherwise fail the start after TimeoutStartSec), pings WATCHDOG=1 at half of
