@@ -778,6 +778,54 @@ async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degrad
         assert tier.stats().counters["down_transitions"] == 1
 
 
+async def test_regression_a_lost_master_and_the_others_full_stop_the_daemon_s_writes(
+    redis_cluster_partial: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """One master lost and every other one out of memory: no master takes a write, so L3's
+    health accepts none (the daemon stops offering blocks) and names the full masters too.
+    The lost master's degraded_io was reported partial whatever the others' state, so the
+    daemon went on offering every block to a tier that declined them all."""
+    cluster = redis_cluster_partial
+    nbytes = 4096
+    n = 16
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    victim = cluster.nodes[2]
+    others = [node for node in cluster.nodes if node is not victim]
+    victim.kill()
+    try:
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        # Lost from the start (no call meets it): the pauses below outlast the test.
+        opts = cluster_options(
+            cluster,
+            l3_prefix,
+            op_timeout_s=CLUSTER_OP_TIMEOUT_S,
+            connect_timeout_s=0.5,
+            backoff_initial_s=60.0,
+            backoff_max_s=60.0,
+        )
+        async with opened(opts) as tier:
+            health = tier.health()
+            assert health.state is Health.DEGRADED_IO and health.accepts_writes, health
+            for node in others:
+                node.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+                node.cli("CONFIG", "SET", "maxmemory", "1")
+            assert await tier.write(chain, nbytes, host(src)) == [False] * n
+            c = tier.stats().counters
+            assert c["write_no_space"] > 0 and c["write_skipped_down"] > 0
+            health = tier.health()
+            assert not health.accepts_writes and not health.partial, health
+            assert all(node.address in health.detail for node in cluster.nodes), health
+            assert tier.stats().counters["down_transitions"] == 0
+    finally:
+        for node in others:
+            node.cli("CONFIG", "SET", "maxmemory", "0")
+        victim.start()
+        await asyncio.to_thread(cluster.wait_ok)
+
+
 async def test_regression_one_master_refusing_the_password_stops_the_start(
     redis_cluster: RedisClusterProcs, l3_prefix: str, tmp_path: Any
 ) -> None:

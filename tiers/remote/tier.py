@@ -1041,40 +1041,38 @@ class RemoteTier:
         self._budget.set_rate(bytes_s, self.options.max_value_bytes)
 
     def health(self) -> TierHealth:
-        """DOWN while unreachable; DEGRADED_IO while masters are lost (``partial``: the
-        others serve); DEGRADED_NOSPACE while an out-of-memory pause holds back the writes
-        to a server (on a cluster, a master: the detail names it; while other masters take
-        theirs, ``partial``). Once that pause's backoff is over the tier is OK, though the
-        server stays paused until a write to it goes through: only a write sent after the
-        backoff ends the pause (or, refused again, extends it)."""
+        """DOWN while unreachable; DEGRADED_IO while masters are lost; DEGRADED_NOSPACE
+        while an out-of-memory pause holds back the writes to a server (on a cluster, a
+        master). The detail names each lost or paused master. ``partial`` while some master
+        is neither: the daemon goes on offering blocks and the tier declines those of the
+        others; once none is left (the others lost or full too) the tier accepts no write.
+        Once a pause's backoff is over its master counts as taking writes again, though it
+        stays paused until a write to it goes through: only a write sent after the backoff
+        ends the pause (or, refused again, extends it)."""
         a = self._avail
         now = self._clock()
         if a.state is Reach.DOWN:
             retry_in = max(0.0, a.retry_at - now)
             return TierHealth(Health.DOWN, f"{a.detail}; retrying in {retry_in:.1f}s")
-        if self._lost:
-            return TierHealth(
-                Health.DEGRADED_IO,
-                "; ".join(
-                    f"master {server} unreachable ({why}): its slots' blocks are misses"
-                    for server, why in self._lost.items()
-                ),
-                partial=True,
-            )
         paused = self._paused(now)
-        if paused:
-            return TierHealth(
-                Health.DEGRADED_NOSPACE,
-                "; ".join(
-                    f"{server}: {full.detail}" if server else full.detail
-                    for server, full in paused.items()
-                ),
-                # Some masters still take writes: the daemon goes on offering blocks, and
-                # the full masters' are declined here.
-                partial=_is_cluster(self._client)
-                and len(paused) < len(self._client.get_primaries()),
-            )
-        return TierHealth()
+        if not self._lost and not paused:
+            return TierHealth()
+        details = [
+            f"master {server} unreachable ({why}): its slots' blocks are misses"
+            for server, why in self._lost.items()
+        ]
+        details += [
+            f"{server}: {full.detail}" if server else full.detail for server, full in paused.items()
+        ]
+        # By name, not by count: a paused master may have left the slot map since (a failover).
+        held = self._lost.keys() | paused.keys()
+        client = self._client
+        partial = _is_cluster(client) and any(p.name not in held for p in client.get_primaries())
+        return TierHealth(
+            Health.DEGRADED_IO if self._lost else Health.DEGRADED_NOSPACE,
+            "; ".join(details),
+            partial=partial,
+        )
 
     def _paused(self, now: float) -> dict[str, Availability]:
         """The servers whose writes an out-of-memory pause holds back now."""
