@@ -826,6 +826,56 @@ async def test_regression_a_lost_master_and_the_others_full_stop_the_daemon_s_wr
         await asyncio.to_thread(cluster.wait_ok)
 
 
+async def test_regression_a_lost_master_back_cut_off_the_writes_in_flight_to_the_others(
+    redis_cluster_partial: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A lost master back: the fresh client that found it is swapped in while the tier
+    serves, and the writes then in flight to the other masters on the client it replaces
+    are stored, not cut off. The replaced client was closed at once, failing them (every
+    block False, as if the store were unreachable), though nothing was wrong with their
+    masters."""
+    cluster = redis_cluster_partial
+    nbytes = 4096
+    n = 48
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    namer = KeyNamer(l3_prefix)
+    victim, held = cluster.nodes[1], cluster.nodes[0]
+    on_held = [i for i, b in enumerate(chain) if cluster.owner_of_slot(slot_of(namer, b)) is held]
+    assert on_held
+    victim.kill()
+    try:
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        # Lost from the start; the op timeout outlasts the write held below.
+        async with opened(cluster_options(cluster, l3_prefix)) as tier:
+            assert tier.health().state is Health.DEGRADED_IO
+            blocks = [chain[i] for i in on_held]
+            # The write is sent, and waits for its master to take writes again.
+            held.cli("CLIENT", "PAUSE", "25000", "WRITE")
+            try:
+                write = asyncio.create_task(
+                    tier.write(blocks, nbytes, host([src[i] for i in on_held]))
+                )
+                await wait_for(
+                    "the write to be sent", lambda: tier.stats().gauges["inflight_ops"] == 1, 30.0
+                )
+                victim.start()
+                await asyncio.to_thread(cluster.wait_ok)
+                await wait_for("L3 to be ok again", lambda: tier.health().state is Health.OK, 30.0)
+            finally:
+                held.cli("CLIENT", "UNPAUSE")
+            assert await write == [True] * len(blocks)
+            dest = empty(len(blocks), nbytes)
+            assert await tier.read(blocks, nbytes, host(dest)) == [True] * len(blocks)
+            assert tier.stats().counters["down_transitions"] == 0
+    finally:
+        if not victim.running:
+            victim.start()
+        await asyncio.to_thread(cluster.wait_ok)
+
+
 async def test_regression_one_master_refusing_the_password_stops_the_start(
     redis_cluster: RedisClusterProcs, l3_prefix: str, tmp_path: Any
 ) -> None:

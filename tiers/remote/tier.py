@@ -280,6 +280,11 @@ class RemoteTier:
         self._client: Any = self._new_client()
         self._generation = 0
         self._inflight = 0
+        # Calls in flight per client generation, and the replaced clients that still carry
+        # some: each is closed once its last call ends, not under it (a lost master back
+        # swaps the client while the tier serves).
+        self._calls: Counter[int] = Counter()
+        self._replaced: dict[int, Any] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._monitor: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -421,7 +426,11 @@ class RemoteTier:
             await asyncio.wait(set(self._journaling), timeout=left_s)
         self._log_unremoved_at_close()
         self._journal = None  # closed, or about to be: calls ending later record nothing
-        await asyncio.wait({asyncio.ensure_future(_close_client(self._client))}, timeout=grace)
+        clients = [self._client, *self._replaced.values()]
+        self._replaced.clear()
+        await asyncio.wait(
+            {asyncio.ensure_future(_close_client(c)) for c in clients}, timeout=grace
+        )
         if self._own_journal is not None:
             self._own_journal.close()
         if self._codec is not None:
@@ -1165,6 +1174,7 @@ class RemoteTier:
                 raise _Unreachable
             client, generation = self._client, self._generation
             self._inflight += 1
+            self._calls[generation] += 1
             try:
                 pipe = (
                     client.pipeline(transaction=False)
@@ -1184,12 +1194,33 @@ class RemoteTier:
                 raise _Unreachable from None
             finally:
                 self._inflight -= 1
+                self._call_ended(generation)
         # Per-command replies that say the store (or the server of that slot) is gone.
         for reply in replies:
             if isinstance(reply, _UNREACHABLE):
                 self._fail(generation, _describe(reply), timeout=isinstance(reply, _TIMEOUTS))
                 break
         return replies
+
+    def _replace_client(self, fresh: Any) -> None:
+        """Serve through ``fresh`` from now on; the client it replaces is closed once the
+        calls in flight on it end."""
+        old, generation = self._client, self._generation
+        self._client = fresh
+        self._generation += 1
+        if self._calls[generation]:
+            self._replaced[generation] = old
+        else:
+            self._spawn(_close_client(old))
+
+    def _call_ended(self, generation: int) -> None:
+        calls = self._calls
+        calls[generation] -= 1
+        if calls[generation] > 0:
+            return
+        del calls[generation]
+        if (replaced := self._replaced.pop(generation, None)) is not None:
+            self._spawn(_close_client(replaced))
 
     def _reply_error(self, reply: BaseException, counter: str) -> None:
         """A per-command error inside a pipeline's replies (reachability is judged by
@@ -1263,15 +1294,12 @@ class RemoteTier:
                 log.exception("L3 reconnection attempt failed unexpectedly")
                 detail, lost = _describe(e), {}
             if detail is None and (down or lost.keys() != self._lost.keys()):
-                old = self._client
-                self._client = fresh
-                self._generation += 1
+                self._replace_client(fresh)
                 if down:
                     self._counters["reconnects"] += 1
                     down_s = self._clock() - self._avail.since
                     self._log_transition(self._avail.recovered(self._clock()), down_s)
                 self._set_lost(lost)
-                self._spawn(_close_client(old))
                 self._resend_removals()
             else:
                 self._spawn(_close_client(fresh))
