@@ -293,6 +293,10 @@ class RemoteTier:
         # in the order they were added, so the oldest go first at the limit.
         self._unremoved: dict[bytes, float] = {}
         self._resending: asyncio.Task[None] | None = None
+        # While masters are lost: False once a resend found every remembered removal waiting
+        # for a lost master, until one that may not is remembered. A Delete then starts no
+        # resend, which would look up the master of every remembered key for nothing.
+        self._resend_may_send = True
         self._unremoved_warned = False
         # Per removal awaiting its connection or its replies (by id): the keys of it that no
         # write has stored again since it began (``write`` takes its keys out).
@@ -832,7 +836,9 @@ class RemoteTier:
             if len(served) < len(keys):
                 kept = set(served)
                 c["remove_skipped_down"] += len(keys) - len(served)
-                await self._remember_removals([k for j, k in enumerate(keys) if j not in kept])
+                await self._remember_removals(
+                    [k for j, k in enumerate(keys) if j not in kept], waiting_for_lost=True
+                )
                 keys = [keys[j] for j in served]
                 if not keys:
                     return
@@ -843,19 +849,26 @@ class RemoteTier:
             refused = await self._unlink(keys, pending=self._removing[removal])
         finally:
             del self._removing[removal]
-        if refused == [] and self._unremoved:
+        if refused == [] and self._unremoved and (self._resend_may_send or not self._lost):
             self._resend_removals()  # the store takes removals again: older ones may go too
 
-    async def _remember_removals(self, keys: list[bytes]) -> None:
+    async def _remember_removals(
+        self, keys: list[bytes], *, waiting_for_lost: bool = False
+    ) -> None:
         """Remember ``keys`` as removals to send again; returns once the journal, if there
-        is one, has them (a caller cancelled meanwhile leaves the record to go on)."""
-        recording = self._remember(keys)
+        is one, has them (a caller cancelled meanwhile leaves the record to go on).
+        ``waiting_for_lost``: every key's master is lost."""
+        recording = self._remember(keys, waiting_for_lost=waiting_for_lost)
         if recording is not None:
             await asyncio.shield(recording)
 
-    def _remember(self, keys: list[bytes]) -> asyncio.Task[None] | None:
+    def _remember(
+        self, keys: list[bytes], *, waiting_for_lost: bool = False
+    ) -> asyncio.Task[None] | None:
         """``_remember_removals`` without waiting: the journal's record, if any, goes on in
         the background (awaited at ``close``)."""
+        if not waiting_for_lost:
+            self._resend_may_send = True
         unremoved = self._unremoved
         until = self._clock() + self.options.ttl_s if self.options.ttl_s else float("inf")
         for k in keys:
@@ -1036,6 +1049,7 @@ class RemoteTier:
                     waiting = list(unremoved)
                     served = self._served(waiting)
                     keys = [waiting[j] for j in served[:_UNREMOVE_BATCH]]
+                    self._resend_may_send = bool(keys)
                 else:
                     keys = list(itertools.islice(unremoved, _UNREMOVE_BATCH))
                 if not keys:
