@@ -681,7 +681,8 @@ class SpaceManager:
         in their bytes: blocks of several sizes fill their slots unequally, and a tenant
         holding half of the slots holds half of the tier whatever its blocks' size. The
         capacity leaves out the part of the filled space that segment tails are (space no
-        slot of the segment's size fits into, and no owner's slots count)."""
+        slot of the segment's size fits into, and no owner's slots count) and the slots the
+        tier holds out of use (quarantined), which no owner can hold either."""
         usage = self.table.slot_usage[level.col]
         if owner >= len(usage):
             usage = np.concatenate([usage, np.zeros(owner + 1 - len(usage), usage.dtype)])
@@ -691,6 +692,7 @@ class SpaceManager:
         capacity = float(alloc.capacity_bytes)
         if alloc.filled_bytes:
             capacity *= alloc.used_bytes / alloc.filled_bytes
+        capacity -= level.quarantined_bytes
         return usage, capacity / int(np.count_nonzero(holding))
 
     def _within_share(

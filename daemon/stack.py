@@ -106,6 +106,13 @@ class Level:
         return bool(getattr(getattr(self.tier, "allocator", None), "recovering", False))
 
     @property
+    def quarantined_bytes(self) -> int:
+        """The slot bytes the tier holds out of use (a disk tier's quarantined slots): in its
+        used room, yet no block's."""
+        held = getattr(self.tier, "quarantined_bytes", None)
+        return held() if held is not None else 0
+
+    @property
     def admits_all(self) -> bool:
         return isinstance(self.admission, AlwaysAdmit)
 

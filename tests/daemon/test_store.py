@@ -4898,3 +4898,32 @@ async def test_regression_a_retried_free_logged_under_the_request_that_started_i
     (line,) = [r for r in caplog.records if "could not be freed are free now" in r.getMessage()]
     assert (line.request_id, line.session_id, line.pool_id) == ("", "", 0)
     assert store.counters.get("frees_retried", tier="L2") == 2  # the slots, by the retry
+
+
+async def test_regression_quarantined_l2_slots_counted_in_each_tenants_share(make_store, tmp_path):
+    """Regression: a tenant's equal share of a tier (``_shares``: what a displacing put may
+    take of another tenant's protected blocks) was the tier's filled room divided among its
+    tenants, quarantined slots included: no tenant can hold them, so every share was
+    overstated while slots were quarantined. They are left out of the room shared now."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock = Clock()
+    disk = DiskTier(tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20)
+    store, pool = make_store(clock, l2=disk), make_pool()
+    await store.recover()
+    mine = keys(4)
+    await store.put(pool, 0, mine, np.arange(4), None, owner=1)
+    await store.put(pool, 0, keys(4), np.arange(4, 8), None, owner=2)
+    await store.evict(0, mine, TierKind.HOST)
+    l2 = store.stack.levels[1]
+    bad = int(store.table.slot[store.table.lookup(0, mine[:1])[0], l2.col])
+    path, offset = disk.slot_location(bad)
+    with open(path, "r+b") as f:
+        f.seek(offset + 100)
+        f.write(b"\xff" * 16)
+    assert await get(store, pool, mine[:1], [20]) == [False]  # a checksum miss: quarantined
+    assert len(disk.quarantined()) == 1
+    _, share = store.space._shares(l2, 1)
+    alloc = l2.slots.allocator
+    assert alloc.used_bytes == 4 * 4096  # three copies of tenant 1's and the held slot
+    assert share == alloc.capacity_bytes - 4096  # tenant 1 alone holds blocks in L2

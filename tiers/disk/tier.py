@@ -1039,9 +1039,7 @@ class DiskTier:
             counters[f"blocks_lost_at_recovery_{reason}"] = n
         with self._state_lock:
             quarantined = len(self._quarantined)
-            quarantined_bytes = sum(
-                self.allocator.slot_bytes_for(n) for n in self._quarantined.values()
-            )
+        quarantined_bytes = self.quarantined_bytes()
         gauges = {
             "o_direct": float(self.files.direct),
             "used_slots": float(slab.used_slots),
@@ -1154,6 +1152,12 @@ class DiskTier:
             self.faults.fault(classify(e), "index removals update")
             return False
         return True
+
+    def quarantined_bytes(self) -> int:
+        """The slot bytes quarantined slots hold out of use: room no block can take until a
+        release (the space manager leaves it out of the room tenants share)."""
+        with self._state_lock:
+            return sum(self.allocator.slot_bytes_for(n) for n in self._quarantined.values())
 
     def quarantined(self) -> list[QuarantinedSlot]:
         """Every slot held out of use, in slot order, with where it lies and why (the reason
