@@ -916,7 +916,8 @@ class PolicyConfig:
             hi=1,
             doc="where tenants are configured, the blocks one tenant's hints and pins "
             "(Lookup(pin=true)) protect at once hold at most this share of the top tier's "
-            "capacity, each block counted once (without tenants, no limit); a hint's blocks "
+            "capacity, each block counted once, as the slot it takes there (without "
+            "tenants, no limit); a hint's blocks "
             "past it are promoted, not protected, and a pin past it is RESOURCE_EXHAUSTED",
         ),
     )

@@ -4,7 +4,9 @@ A hint (``Prefetch`` with a deadline) protects the blocks it names from eviction
 until the deadline, capped at ``policy.hint_max_s`` and renewable. Unbounded, a tenant that
 hinted every block it held, again before each deadline, kept them all and left the other
 tenants no room to put in. The budget bounds the bytes of the blocks an owner's hints (and
-pins, below) protect at once to ``policy.hint_max_share`` of the top tier's capacity where
+pins, below) protect at once to ``policy.hint_max_share`` of the top tier's capacity (each
+block counted as the slot it takes in the top tier, the capacity's unit: counted in its own
+bytes, blocks smaller than their slots protected more than the share) where
 tenants are configured, and not at all where they are not (the store keeps no budget then): one tenant has nobody to wall off, and a cap would only
 cost it hits (replaying the public trace with a 30 s queue window and every hinted block
 charged, a cap at half of L1 took heat at 1% of the unique blocks from 14.7% to 6.7% hits, at

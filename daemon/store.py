@@ -1590,7 +1590,8 @@ class BlockStore:
             hinted = found
             if (budget := self.hint_budget) is not None:
                 table = self.table
-                ok = budget.admit(found, table.owner[found], table.nbytes[found], now + hint_s, now)
+                cost = self._protected_bytes(found)
+                ok = budget.admit(found, table.owner[found], cost, now + hint_s, now)
                 hinted = found if ok.all() else found[ok]
             if len(hinted):
                 for level in self.stack:
@@ -1604,6 +1605,12 @@ class BlockStore:
             scheduled=started,
             missing=int(np.count_nonzero(ids < 0)),
         )
+
+    def _protected_bytes(self, bids: np.ndarray) -> np.ndarray:
+        """What protecting each of ``bids`` charges its owner's hint budget: the slot its copy
+        takes in the top tier, as the budget is a share of that tier's slots. Charged their
+        bytes, blocks smaller than their slots let a tenant protect more than its share."""
+        return self.stack.top.slots.allocator.slot_bytes_of(self.table.nbytes[bids])
 
     def promote_in_background(self, bids: np.ndarray) -> None:
         """A pinning Lookup found these blocks: bring the lower-tier-only ones up before the
@@ -1830,7 +1837,7 @@ class BlockStore:
         total, else ResourceExhausted and nothing is pinned (``HintBudget.pin``)."""
         table = self.table
         if (budget := self.hint_budget) is not None and not budget.pin(
-            bids, table.owner[bids], table.nbytes[bids], self._clock()
+            bids, table.owner[bids], self._protected_bytes(bids), self._clock()
         ):
             raise ResourceExhausted(
                 f"pinning these {len(bids)} blocks would pass what their owner's hints and "

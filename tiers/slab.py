@@ -78,6 +78,10 @@ class SlabAllocator:
         """The slot size that holds a block of ``nbytes``."""
         return -(-nbytes // self.align) * self.align
 
+    def slot_bytes_of(self, nbytes: np.ndarray) -> np.ndarray:
+        """``slot_bytes_for`` of each of ``nbytes``."""
+        return -(-nbytes // self.align) * self.align
+
     def fits(self, nbytes: int) -> bool:
         return nbytes > 0 and self.slot_bytes_for(nbytes) <= self.segment_bytes
 

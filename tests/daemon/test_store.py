@@ -4927,3 +4927,21 @@ async def test_regression_quarantined_l2_slots_counted_in_each_tenants_share(mak
     alloc = l2.slots.allocator
     assert alloc.used_bytes == 4 * 4096  # three copies of tenant 1's and the held slot
     assert share == alloc.capacity_bytes - 4096  # tenant 1 alone holds blocks in L2
+
+
+async def test_regression_hints_of_blocks_smaller_than_their_slots_passed_the_budget(make_store):
+    """Regression: the hint budget is a share of the top tier's capacity, room in slots, but
+    a hinted block was charged its bytes: with 2100-byte blocks in 4 KiB slots, a tenant at
+    policy.hint_max_share 0.5 protected 15 of L1's 16 slots. A block is charged its slot."""
+    clock = Clock()
+    tenants = "tenants=[{name: a, uids: [1000]}, {name: b, uids: [1001]}]"
+    store = make_store(clock, policy="heat", sets=(tenants, "policy.hint_max_share=0.5"))
+    pool = make_pool(block_bytes=2100)  # a 4 KiB slot each: L1 holds 16
+    mine = keys(16)
+    await store.put(pool, 0, mine, np.arange(16), None, owner=1)
+    clock.now += 1
+    await store.prefetch(0, mine, deadline_ms=30_000)
+    assert store.counters.get("hinted_blocks") == 8
+    assert store.hint_budget.charged(1, clock.now) == 8 * 4096
+    with pytest.raises(ResourceExhausted):  # pins take the same room
+        store.pin(store.table.lookup(0, mine[8:9]))
