@@ -78,9 +78,10 @@ log = logging.getLogger(__name__)
 FREE_RETRY_S = 1.0
 FREE_RETRY_MAX_S = 60.0
 # How long the balancer leaves a tier alone after a pass that moved none of its victims down
-# (the tier below had no room for any: its blocks protected, pinned or in flight). They stay,
-# and the next pass would pick them again and ask the tier below for room, a scan of it, at
-# every period (``mover.balance_interval_s``, 0.1 s by default) until its blocks may go.
+# (the tier below had no room for any: its blocks protected, pinned or in flight), and passes
+# over the victims a pass kept that way while it moves others. They stay, and the next pass
+# would pick them again and ask the tier below for room, a scan of it, at every period
+# (``mover.balance_interval_s``, 0.1 s by default) until its blocks may go.
 BALANCE_RETRY_S = 1.0
 
 EvictableFn = Callable[[np.ndarray], np.ndarray]
@@ -149,6 +150,9 @@ class SpaceManager:
         # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
         # (``BALANCE_RETRY_S``).
         self.balance_after: dict[TierKind, float] = {}
+        # Tier kind -> (until when, the victims its last pass kept): the passes before then
+        # pass over them (``BALANCE_RETRY_S``) and go on with the others.
+        self.balance_kept: dict[TierKind, tuple[float, np.ndarray]] = {}
         # When ``forget_unconfirmed`` last scanned the table: the next scan is due a quarter
         # of its period later, as the period is then (a SIGHUP may have lowered it).
         self._last_forget = -np.inf
@@ -1577,8 +1581,9 @@ class SpaceManager:
         below the low watermark. During warm-up nothing moves before the hard limit. A victim
         a lower tier admits but has no room for (its blocks pinned, in flight or protected)
         or failed to write stays: the tier has room for it, and a later pass tries again
-        (``BALANCE_RETRY_S`` later where none moved; only a reservation, making room for
-        blocks to come, drops it). One that no lower
+        (``BALANCE_RETRY_S`` later: the passes before then pick other victims, or where
+        none moved leave the tier alone; only a reservation, making room for blocks to
+        come, drops it). One that no lower
         tier admits leaves the store, as it would at the hard limit: the rule judged it not
         worth keeping, and the room it frees is there for the next puts. A tier
         in memory with no slot tier below it that takes writes now (a lone top tier, L1
@@ -1607,7 +1612,13 @@ class SpaceManager:
             if excess <= 0 or resident == 0:
                 continue
             n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
-            victims = self._victims(level, n, now, self.evictable(level, now))
+            mask = self.evictable(level, now)
+            if (kept_before := self.balance_kept.get(level.kind)) is not None:
+                if now < kept_before[0]:
+                    mask = _without(mask, kept_before[1])
+                else:
+                    del self.balance_kept[level.kind]
+            victims = self._victims(level, n, now, mask)
             if len(victims):
                 # Not the victims that stayed (read, pinned or hinted while they were
                 # demoted, or that a lower tier admitted but had no room for):
@@ -1615,8 +1626,15 @@ class SpaceManager:
                 _, kept, evicted = await self._evict(
                     level, victims, Priority.BACKGROUND, keep_unplaced=True
                 )
-                if evicted == 0 and len(kept):
-                    self.balance_after[level.kind] = now + BALANCE_RETRY_S
+                if len(kept):
+                    # Asked again at the next period, the tier below would be scanned for
+                    # room as often while puts keep this tier above its watermark; a pass
+                    # that moved some victims down has others to move meanwhile.
+                    if kept_before is not None and now < kept_before[0]:
+                        kept = np.union1d(kept, kept_before[1])
+                    self.balance_kept[level.kind] = (now + BALANCE_RETRY_S, kept)
+                    if evicted == 0:
+                        self.balance_after[level.kind] = now + BALANCE_RETRY_S
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
 
     def _moves_down(self, level: Level) -> bool:

@@ -4945,3 +4945,49 @@ async def test_regression_hints_of_blocks_smaller_than_their_slots_passed_the_bu
     assert store.hint_budget.charged(1, clock.now) == 8 * 4096
     with pytest.raises(ResourceExhausted):  # pins take the same room
         store.pin(store.table.lookup(0, mine[8:9]))
+
+
+async def test_regression_a_balancer_pass_that_dropped_some_victims_and_kept_others_asked_again(
+    make_store,
+):
+    """Regression: a pass whose victims L2 declined dropped them, while those L2 admitted
+    but had no room for stayed (``keep_unplaced``); only a pass that moved none set the wait
+    (``BALANCE_RETRY_S``), so the next pass, a balancer period later, picked the kept victims
+    again and asked L2 for room, a scan of it, at every period while puts kept L1 above its
+    watermark. The kept victims now wait out BALANCE_RETRY_S; the other victims go on."""
+    clock = Clock()
+    store = make_store(
+        clock,
+        l2_segments=1,
+        protect_s=5.0,
+        sets=(
+            "tiers.l1.high_watermark=0.5",
+            "tiers.l1.low_watermark=0.25",
+            "tiers.l2.admission=second_hit",
+        ),
+    )
+    pool = make_pool()
+    b = keys(16)
+    await put(store, pool, b)
+    assert await get(store, pool, b, range(32, 48)) == [True] * 16  # seen twice: admitted
+    store.space.apply_touches()
+    clock.now += 10
+    await store.evict(0, b, TierKind.HOST)  # L2 full: 16 blocks
+    assert where(store, b) == ["L2"] * 16
+    a = keys(12)
+    await put(store, pool, a[:4], pages=range(16, 20))
+    assert await get(store, pool, a[:4], range(32, 36)) == [True] * 4  # L2 would take these
+    store.space.apply_touches()
+    await put(store, pool, a[4:], pages=range(20, 28))  # seen once: L2 declines them
+    clock.now += 10
+    await store.lookup(0, b)  # L2's blocks read: protected again
+    await store.balance()  # 75% of L1: the 8 coldest go, the 4 L2 admits stay
+    assert where(store, a) == ["L1"] * 4 + ["-"] * 4 + ["L1"] * 4
+    assert store.counters.get("watermark_evictions", tier="L1") == 4
+    failed = store.counters.get("demotion_failures", tier="L2")
+    assert failed == 4
+    await put(store, pool, keys(4), pages=range(28, 32))  # 75% of L1 again
+    clock.now += 0.5  # within BALANCE_RETRY_S: L2 is not asked again for the kept ones
+    await store.balance()
+    assert store.counters.get("demotion_failures", tier="L2") == failed
+    assert where(store, a) == ["L1"] * 4 + ["-"] * 8
