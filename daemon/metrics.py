@@ -172,7 +172,8 @@ COUNTERS: dict[str, MetricDef] = {
         "kvtier_evictions_blocked_total",
         ("tier",),
         "Blocks a tier could not make room for because every resident block was pinned, "
-        "protected, hinted or in flight (kvtier_tier_unevictable_blocks says which).",
+        "protected, hinted or in flight (kvtier_tier_unevictable_blocks says which); of a "
+        "put, only those no tier then stored.",
     ),
     "admission": _c(
         "kvtier_admission_decisions_total",

@@ -749,7 +749,10 @@ class SpaceManager:
         by every read, a lookup's included, so a tenant that looked its blocks up once every
         ``protect_s`` held as much of the tier as it had filled, however little it used it,
         and every other tenant's put was refused; what one owner may hold against the others
-        is what its pins and hints hold, bounded by the hint budget."""
+        is what its pins and hints hold, bounded by the hint budget. What a put's
+        reservation is short of is not counted in ``full_rejections`` here: a tier below, or
+        this one at a second try, may store those blocks yet (the put counts what none
+        stored)."""
         self.apply_touches()
         if level.recovering:
             return []
@@ -831,7 +834,7 @@ class SpaceManager:
             return  # the first try made all the room it could without displacing
         slot_bytes = alloc.slot_bytes_for(nbytes)
         if not await self._evict_for(
-            level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, None
+            level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, None, displace
         ):
             return
         if (
@@ -840,7 +843,7 @@ class SpaceManager:
             and self._others_over_share(level, owner)
             and (nowhere_else or not self._moves_down(level))
             and not await self._evict_for(
-                level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner
+                level, nbytes, count, priority, clean_only, urgency, slots, slot_bytes, owner, True
             )
         ):
             return
@@ -855,8 +858,7 @@ class SpaceManager:
             if not dropped:
                 break
             now = self._clock()
-        # A second try (``nowhere_else``) is for blocks the first one counted already.
-        if len(slots) < count and not nowhere_else:
+        if len(slots) < count and not displace:  # a put counts its own (``reserve``)
             self.counters.inc("full_rejections", count - len(slots), tier=level.label)
 
     def _others_over_share(self, level: Level, owner: int) -> bool:
@@ -879,11 +881,12 @@ class SpaceManager:
         slots: list[int],
         slot_bytes: int,
         protected_owner: int | None,
+        for_put: bool,
     ) -> bool:
         """Evict the coldest evictable blocks of ``slot_bytes`` (``evictable``) into
         ``slots`` until it holds ``count`` or none is left; False where the tier could not
         free its victims' slots (the caller then stops: every further victim would be lost
-        for nothing, and the refusal is counted)."""
+        for nothing, and the refusal is counted, but ``for_put``'s: the put counts it)."""
         alloc = level.slots.allocator
         now = self._clock()
         # A victim's slot is free once its eviction is done (a disk tier deletes its index row
@@ -913,7 +916,8 @@ class SpaceManager:
             )
             slots += alloc.allocate_many(nbytes, count - len(slots))
             if not freed:
-                self.counters.inc("full_rejections", count - len(slots), tier=level.label)
+                if not for_put:
+                    self.counters.inc("full_rejections", count - len(slots), tier=level.label)
                 return False  # nor would a segment's blocks free theirs
             stayed = np.r_[stayed, kept]
             now = self._clock()

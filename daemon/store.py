@@ -1153,6 +1153,9 @@ class BlockStore:
         # below was asked about it.
         top_short = 0
         went_below = False
+        # Per tier, the blocks (positions in ``bids``) it had no room for: those no tier
+        # stored in the end are its ``full_rejections`` (``_count_refused``).
+        short: list[tuple[Level, int, int]] = []
         for level in levels:
             if done == len(bids):
                 break
@@ -1174,17 +1177,32 @@ class BlockStore:
                             continue
                         break
             stored, taken = await self._store_in(level, pool, todo, pages, done, owner)
-            if level is top and taken < len(todo):
-                top_short = done + len(todo)
+            if taken < len(todo):
+                short.append((level, done + taken, done + len(todo)))
+                if level is top:
+                    top_short = done + len(todo)
             done += stored
             if stored < taken:
+                self._count_refused(short, done)
                 return done  # a copy failed: what follows it is not stored
         if went_below and done < top_short:
             stored, _ = await self._store_in(
                 top, pool, bids[done:top_short], pages, done, owner, nowhere_else=True
             )
             done += stored
+        if short:
+            self._count_refused(short, done)
         return done
+
+    def _count_refused(self, short: list[tuple[Level, int, int]], stored: int) -> None:
+        """Count in ``full_rejections`` the blocks of a put that no tier stored, at each tier
+        that had no room for them (``short``: per tier, the positions in the put it had no
+        slots for; the put stored a leading run of ``stored``). Counted as each tier fell
+        short, they included blocks a lower tier, or the top tier displacing at a second
+        try, then stored: refusals an operator read that never happened."""
+        for level, start, end in short:
+            if end > max(start, stored):
+                self.counters.inc("full_rejections", end - max(start, stored), tier=level.label)
 
     async def _store_in(
         self,

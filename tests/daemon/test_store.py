@@ -4991,3 +4991,38 @@ async def test_regression_a_balancer_pass_that_dropped_some_victims_and_kept_oth
     await store.balance()
     assert store.counters.get("demotion_failures", tier="L2") == failed
     assert where(store, a) == ["L1"] * 4 + ["-"] * 8
+
+
+async def test_regression_full_rejections_counted_blocks_a_put_then_stored(make_store):
+    """Regression: ``full_rejections`` (kvtier_evictions_blocked_total) counted what a put's
+    first try at a tier had no room for, though the blocks were then stored, in a lower tier
+    or in the same tier by displacing another tenant's blocks: an operator read refusals
+    that never happened. A put counts only the blocks no tier stored, at each tier that had
+    no room for them."""
+    clock = Clock()
+    store = make_store(clock, l2_segments=2, protect_s=600.0)
+    pool = make_pool()
+    await store.put(pool, 0, keys(16), np.arange(16), None, owner=1)  # L1 full, protected
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert store.counters.get("stored_below", tier="L2") == 4
+    assert store.counters.get("full_rejections", tier="L1") == 0
+    # L2 declining them, the top tier displaces another tenant's blocks over its share.
+    clock = Clock()
+    store = make_store(
+        clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
+    )
+    await store.put(pool, 0, keys(16), np.arange(16), None, owner=2)
+    res, _ = await store.put(pool, 0, keys(4), np.arange(16, 20), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 4
+    assert store.counters.get("displaced_evictions", tier="L1", tenant=2) == 4
+    assert store.counters.get("full_rejections", tier="L1") == 0
+    # What no tier stores is counted, once, at each tier that had no room: L1 and L2 full.
+    clock = Clock()
+    store = make_store(clock, l2_segments=1, protect_s=600.0)
+    await store.put(pool, 0, keys(16), np.arange(16), None, owner=1)
+    await store.put(pool, 0, keys(16), np.arange(16, 32), None, owner=1)  # into L2
+    res, _ = await store.put(pool, 0, keys(4), np.arange(32, 36), None, owner=1)
+    assert res.tolist() == [PutResult.REJECTED_FULL] * 4
+    assert store.counters.get("full_rejections", tier="L1") == 4
+    assert store.counters.get("full_rejections", tier="L2") == 4
