@@ -7,9 +7,12 @@ The tier stack it models is the daemon's (one or two tiers, L1 above L2):
   offered to L1 first. A block leaving L1 (evicted at a full tier, or above the high
   watermark) is written to L2 when it has no L2 copy and L2's admission admits it
   (``write_back``, the default; ``selective`` does the same); above the high watermark, a
-  block L2 admits but has no room for (every candidate protected) stays in L1 and the pass
-  ends, as the daemon's balancer keeps it, while one L2's admission declines leaves, L2 full
-  or not (admission is asked first, as the daemon's demotion does). ``write_through``
+  pass after each request takes as many victims as bring L1 down to the low watermark, as
+  the daemon's balancer does: a block L2 admits but has no room for (every candidate
+  protected) stays in L1, the pass going on with the others, and passes over it for
+  ``BALANCE_RETRY_S`` of trace time (none of its victims gone: L1 is left alone that long),
+  while one L2's admission declines leaves, L2 full or not (admission is asked first, as the
+  daemon's demotion does). ``write_through``
   writes every new block to L2 at once as well, without asking L2's admission (the daemon's
   store does not). ``selective`` writes a block to L2 as soon as L2's admission admits it, on an access.
   Evicting from L2 drops only the L2 copy. A block L1 declines (its admission, or every
@@ -85,6 +88,7 @@ from kvtier.daemon.policy.admission import Admission, AlwaysAdmit, make_admissio
 from kvtier.daemon.policy.base import NO_VICTIM, EvictableFn, EvictionPolicy
 from kvtier.daemon.policy.guard import EvictionGuard
 from kvtier.daemon.policy.registry import default_admission, make_policy
+from kvtier.daemon.space import BALANCE_RETRY_S
 from kvtier.daemon.table import MIN_HISTORY_BASE
 from kvtier.sim.cluster import ClusterConfig, L3Stats, SharedStore, route_requests
 from kvtier.sim.trace import Trace, next_uses
@@ -438,6 +442,11 @@ class _Engine:
         self.demotions = 0
         self.l2_writes = 0
         self.hinted = 0
+        # The balancer's victims that stayed, passed over until ``kept_until``; no pass
+        # before ``balance_after`` (``_balance``).
+        self.kept: list[int] = []
+        self.kept_until = -math.inf
+        self.balance_after = -math.inf
         self.hits_per_request = np.zeros(trace.requests, dtype=np.int32)
         self.mask: EvictableFn | None = None
         # Queue hints: (time, request), in time order; those before ``next_hint`` are done.
@@ -673,11 +682,8 @@ class _Engine:
                         self._offer(l2, b, self.parent[b])  # type: ignore[arg-type]
             if l3 is not None:
                 self._write_behind(l3, req)
-            if watermarks is not None and l1.count > high:
-                while l1.count > low:
-                    found = l1.policy.victims(1, now, self.mask)
-                    if found is None or not self._balance_out(int(found[0])):
-                        break
+            if watermarks is not None and l1.count > high and now >= self.balance_after:
+                self._balance(l1.count - low)
             yield
         l1.hits += hits1
         if l2 is not None:
@@ -809,10 +815,38 @@ class _Engine:
             self.l2_writes += 1
         return True
 
+    def _balance(self, n: int) -> None:
+        """The daemon's balancer pass over L1 (``SpaceManager.balance``): its ``n`` coldest
+        evictable blocks, less the victims a pass kept within ``BALANCE_RETRY_S``, each leave
+        or stay (``_balance_out``). The pass goes on past a victim that stays, as the
+        daemon's takes every victim it asked its policy for (this one ended at the first, so
+        the daemon dropped blocks past it that the replay kept); those that stayed are
+        passed over until ``BALANCE_RETRY_S`` later, and a pass that moved none leaves L1
+        alone until then."""
+        now = self.now
+        kept = self.kept
+        if now >= self.kept_until:
+            kept.clear()
+        kept_before = len(kept)
+        moved = False
+        for _ in range(n):
+            found = self.l1.policy.victims(1, now, _less(self.mask, kept))
+            if found is None:
+                break
+            victim = int(found[0])
+            if self._balance_out(victim):
+                moved = True
+            else:
+                kept.append(victim)
+        if len(kept) > kept_before:
+            self.kept_until = now + BALANCE_RETRY_S
+            if not moved:
+                self.balance_after = self.kept_until
+
     def _balance_out(self, victim: int) -> bool:
         """The balancer's eviction of ``victim`` from L1 (the daemon's ``balance``): a block
         whose only copy is in L1 that L2 admits but has no room for stays (L1 has room for
-        it; the next pass tries again), and the pass ends; otherwise ``_evict``. Whether it
+        it; a pass ``BALANCE_RETRY_S`` later tries again); otherwise ``_evict``. Whether it
         left. L2's admission is asked first, as the daemon's demotion does: a block it
         declines leaves whether or not L2 has room."""
         l2 = self.l2
@@ -902,6 +936,16 @@ class _Engine:
             oldest, _ = history.popitem(last=False)
             for t in self.tiers:
                 t.policy.forget(oldest)
+
+
+def _less(mask: EvictableFn | None, bids: list[int]) -> EvictableFn | None:
+    """``mask`` (None: every block), less ``bids``."""
+    if not bids:
+        return mask
+    out = np.asarray(bids, dtype=np.int64)
+    if mask is None:
+        return lambda cand: ~np.isin(cand, out)
+    return lambda cand: mask(cand) & ~np.isin(cand, out)
 
 
 def _one_victim(policy: Any) -> Callable[[float, int], int]:

@@ -645,6 +645,34 @@ def test_regression_watermarks_kept_l1_blocks_l2_declined_with_l2_full() -> None
     assert before.declined["l2:first_seen"] == 12 + 5
 
 
+def test_regression_the_watermark_pass_ended_at_a_victim_l2_had_no_room_for() -> None:
+    """Regression: above L1's high watermark, the replayer's pass ended at the first victim
+    L2 admits but has no room for (it stays), while the daemon's balancer takes all the
+    victims it asked its policy for, keeping those and letting the others go. At 7 s block
+    2 (seen twice; L2 full of blocks 0-1, protected until 7.1 s) stays and blocks 3-8 (seen
+    once, declined by second_hit) leave: block 3 read at 7.05 s is a miss, as in the
+    daemon, and block 2 a hit."""
+    requests = [
+        {"timestamp": 0, "hash_ids": [0, 1]},
+        {"timestamp": 500, "hash_ids": [0, 1]},
+        {"timestamp": 3900, "hash_ids": [2]},
+        {"timestamp": 4000, "hash_ids": list(range(2, 9))},  # 0-1 go down to L2
+        {"timestamp": 4600, "hash_ids": [0, 1]},  # promoted back, L2's copies kept
+        {"timestamp": 7000, "hash_ids": [30, 31]},
+    ]
+    stack = StackConfig(protect_s=2.5, l1_watermarks=(0.5, 0.25))
+
+    def run(extra: list[dict[str, Any]]) -> Any:
+        trace = trace_from_requests([*requests, *extra])
+        return replay(trace, "lru", 12, 2, l2_admission="second_hit", stack=stack)
+
+    before = run([])
+    assert before.declined == {"l2:first_seen": 6}
+    assert before.evictions["l1"] == 2 + 6
+    after = run([{"timestamp": 7050, "hash_ids": [3, 2]}])
+    assert after.hits == before.hits + 1  # 2 stayed in L1; 3 is gone
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
