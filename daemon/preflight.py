@@ -428,6 +428,12 @@ def _socket(config: Config) -> list[Problem]:
         ]
     if (blocked := _blocked(Path(path))) is not None:
         return [Problem(key, f"cannot create {path}: {blocked}")]
+    # Before anything in it is opened: in a folder others may write, the lock file may be
+    # anyone's (a FIFO held the check, and the start, until a writer came; one flocked with
+    # a pid in it had the check name that pid as a kvtierd serving there).
+    folder = Path(path).parent
+    if folder.is_dir() and (problem := folder_problem(str(folder), folder.stat())) is not None:
+        return [Problem(key, problem)]
     with contextlib.suppress(OSError):  # absent or unreadable: the start's own lock says
         if probe_lock(Path(lock_path(path))) is not None:
             return [Problem(key, in_use(path))]
@@ -440,9 +446,6 @@ def _socket(config: Config) -> list[Problem]:
             return [Problem(key, f"{each} exists and is not a socket; refusing to replace it")]
         if _listening(each):
             return [Problem(key, f"another process is listening on {each} (a kvtierd running?)")]
-    folder = Path(path).parent
-    if folder.is_dir() and (problem := folder_problem(str(folder), folder.stat())) is not None:
-        return [Problem(key, problem)]
     parent = _nearest_existing(folder)
     if not os.access(parent, os.W_OK | os.X_OK):
         return [

@@ -432,6 +432,34 @@ def test_a_socket_folder_others_may_write_is_refused_by_the_checks_too(tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 
+def test_regression_a_lock_file_another_user_put_in_a_shared_socket_folder_held_the_checks(
+    tmp_path,
+):
+    """The checks probed ``<socket>.lock`` before they looked at the socket's folder: in one
+    that others may write (/tmp), another user's FIFO at the lock's path held --check-config,
+    and every start (whose checks these are), in its open until a writer came, SIGTERM
+    ignored; their own file, flocked with a pid in it, made the check say that pid's kvtierd
+    served there. The folder is refused first now. The files are made here as that user
+    would: the checks do not look at their owner."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    path = f"{folder}/s.sock"
+    os.mkfifo(f"{path}.lock")
+    proc = _kvtierd("--check-config", *_sets(f"server.socket={path}"))
+    assert proc.returncode == 1, proc.stderr
+    assert "writable by other users" in proc.stderr, proc.stderr
+    os.unlink(f"{path}.lock")
+    with open(f"{path}.lock", "w") as lock:
+        lock.write("1\n")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        problems = preflight.check(load_config(None, [f"server.socket={path}"]), HOST)
+    assert _keys(problems) == ["server.socket"]
+    assert "writable by other users" in str(problems[0]), problems
+    assert "another kvtierd" not in str(problems[0]), problems
+
+
 def test_regression_a_socket_group_the_daemon_may_not_give_passed_the_checks(tmp_path):
     """Regression: a daemon may give its sockets only a group it is a member of, unless it
     holds CAP_CHOWN; root without capabilities (the DaemonSet's, which drops them all) given

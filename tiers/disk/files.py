@@ -65,8 +65,9 @@ def probe_lock(path: Path) -> OSError | None:
     other probes; it was taken shared and let go at once). Never exclusive, so a tier opening
     the directory meanwhile is not refused because of a probe (it was: ``--check-config``
     took it exclusively for a moment). Raises OSError when ``path`` cannot be opened; it is
-    never created."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    never created. A link is not followed and a FIFO's open does not wait for a writer (an
+    open that waited held the check, and SIGTERM could not end it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
