@@ -385,6 +385,13 @@ class ServerConfig:
             raise ConfigError(
                 "server.socket and server.tcp_address are both empty: nothing to listen on"
             )
+        if "\0" in self.socket:
+            # A leading NUL is Linux's abstract namespace: no file, so neither the socket's
+            # mode nor its folder keeps anyone from taking the name.
+            raise ConfigError(
+                f"config key 'server.socket': {self.socket!r} holds a NUL byte; the daemon "
+                "listens only at a path (abstract-namespace sockets are not supported)"
+            )
         if self.tcp_address:
             try:
                 if ":" not in self.tcp_address:

@@ -490,6 +490,25 @@ def test_settings_that_contradict_each_other_or_depend_on_the_folder_are_refused
     assert words in str(info.value)
 
 
+def test_regression_a_socket_path_with_a_nul_byte_crashed_the_checks(tmp_path):
+    """A socket name with a leading NUL is Linux's abstract namespace, which the daemon does
+    not serve (no file, so no mode or folder guards it: anyone may take the name); with one
+    anywhere, the host checks ended in a traceback ('embedded null byte'). A config error
+    now, exit 2, naming the key."""
+    config = tmp_path / "kvtier.yaml"
+    for socket_path in ("\\0kvtier", f"{tmp_path}/a\\0b.sock"):
+        config.write_text(f'server:\n  socket: "{socket_path}"\n')
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.daemon", "--config", str(config), "--check-config"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "config key 'server.socket'" in proc.stderr, proc.stderr
+        assert "NUL" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_shm_share_pairs():
     from kvtier.daemon.config import ANY_PEER
 
