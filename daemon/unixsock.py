@@ -184,11 +184,17 @@ class SocketLock:
 
     def release(self) -> None:
         """Remove the lock file, then let go of the lock (in that order: a start that opened
-        the file meanwhile finds it removed once it locks it, and opens the path again)."""
+        the file meanwhile finds it removed once it locks it, and opens the path again).
+        Only while the path holds the file this one locked: one removed meanwhile (by hand,
+        or by a cleaner of old files) may have been replaced by a successor's, which it
+        holds. The identity tells: the file this one holds open keeps its inode number."""
         if self._fd < 0:
             return
+        mine = os.fstat(self._fd)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            now = os.stat(self.path, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(self.path)
         os.close(self._fd)
         self._fd = -1
 

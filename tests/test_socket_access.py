@@ -32,7 +32,13 @@ from kvtier.client import (
 from kvtier.client import credentials as cred
 from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
-from kvtier.daemon.unixsock import SocketAccess, bind_unix, prepare_socket_path, remove_socket
+from kvtier.daemon.unixsock import (
+    SocketAccess,
+    SocketLock,
+    bind_unix,
+    prepare_socket_path,
+    remove_socket,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 USERS_GID = 100  # a group that is not the sockets' group
@@ -312,6 +318,29 @@ def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_remov
         new.close()
     remove_socket(path, (st.st_dev, st.st_ino))  # stale and its own: removed
     assert not os.path.lexists(path)
+
+
+def test_regression_a_stopping_daemon_removed_the_lock_file_of_another(tmp_path):
+    """A daemon lets go of the socket lock by removing ``<socket>.lock`` by its name, then
+    closing it. Where its file had been removed meanwhile (an operator or a cleaner of old
+    files: a running daemon's lock file is as old as its start) and another daemon had taken
+    a new one there, the stop removed that daemon's file, and a third start locked a new
+    file beside the live holder. A stop removes the file only while it is the one it locked."""
+    access = SocketAccess(mode=0o600, gid=None)
+    path = str(tmp_path / "d.sock")
+    old = SocketLock.take(path, access)
+    os.unlink(old.path)
+    new = SocketLock.take(path, access)  # the old daemon no longer listens: another starts
+    try:
+        old.release()
+        assert os.path.exists(new.path)
+        with pytest.raises(OSError) as refused:
+            SocketLock.take(path, access)
+        assert refused.value.errno == errno.EADDRINUSE
+        assert f"(pid {os.getpid()}) serves {path}" in str(refused.value)
+    finally:
+        new.release()
+    assert not os.path.lexists(new.path)
 
 
 def test_regression_a_bind_that_found_the_path_taken_removed_the_others_socket(tmp_path):
