@@ -336,16 +336,32 @@ def bind_unix(
 
 def _create_folder(folder: str, access: SocketAccess) -> None:
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    # Those the socket admits must be able to reach it: traverse (x), never list or write.
-    mode = 0o700
-    if access.mode & 0o060:
-        mode |= 0o010
-    if access.mode & 0o006:
-        mode |= 0o001
-    if access.gid is not None:
-        with contextlib.suppress(PermissionError):
-            os.chown(folder, -1, access.gid)
-    os.chmod(folder, mode)
+    # Set through a descriptor of the folder itself, never a link: in a folder others may
+    # write (/tmp, where a user's daemon goes without $XDG_RUNTIME_DIR), a link made there
+    # since the daemon found no folder had it change the mode and group of what it named.
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        if not os.path.islink(folder):  # ENOTDIR rather than ELOOP, with O_DIRECTORY
+            raise
+        raise OSError(
+            errno.EPERM,
+            f"the socket's folder {folder} became a symbolic link as the daemon made it "
+            "(another user's, in a folder others may write?); not following it",
+        ) from None
+    try:
+        # Those the socket admits must be able to reach it: traverse (x), never list or write.
+        mode = 0o700
+        if access.mode & 0o060:
+            mode |= 0o010
+        if access.mode & 0o006:
+            mode |= 0o001
+        if access.gid is not None:
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, -1, access.gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def _warn_if_untraversable(

@@ -457,6 +457,33 @@ def test_a_root_client_takes_tickets_from_a_daemon_of_another_user(nobodys_folde
         assert daemon.seen() == {"requests": 1, "fds": 0}
 
 
+def test_regression_a_link_made_as_the_daemon_made_its_folder_had_it_chmod_the_target(
+    tmp_path, monkeypatch
+):
+    """The daemon makes a missing socket folder, then sets its mode and group by its path.
+    In a folder others may write (/tmp, where a user's daemon goes without $XDG_RUNTIME_DIR)
+    another user could make a link there once the daemon had found no folder: the folder
+    was 'made' (it exists) and the mode, 0700 here, went to the folder the link named. The
+    start is refused now, the link's target untouched. The link is made here as that user
+    would, between the daemon's look and its mkdir."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    victim.chmod(0o755)
+    folder = tmp_path / "run"
+    makedirs = os.makedirs
+
+    def made_a_link_first(name, mode=0o777, exist_ok=False):
+        if name == str(folder):
+            folder.symlink_to(victim)
+        makedirs(name, mode, exist_ok)
+
+    monkeypatch.setattr(os, "makedirs", made_a_link_first)
+    with pytest.raises(OSError) as refused:
+        prepare_socket_path(f"{folder}/d.sock", SocketAccess(mode=0o600, gid=None))
+    assert f"the socket's folder {folder} became a symbolic link" in str(refused.value)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o755
+
+
 def test_a_missing_folder_is_created_traversable_by_the_socket_group_only():
     require_root()
     top = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
