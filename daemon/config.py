@@ -385,13 +385,6 @@ class ServerConfig:
             raise ConfigError(
                 "server.socket and server.tcp_address are both empty: nothing to listen on"
             )
-        if "\0" in self.socket:
-            # A leading NUL is Linux's abstract namespace: no file, so neither the socket's
-            # mode nor its folder keeps anyone from taking the name.
-            raise ConfigError(
-                f"config key 'server.socket': {self.socket!r} holds a NUL byte; the daemon "
-                "listens only at a path (abstract-namespace sockets are not supported)"
-            )
         if self.tcp_address:
             try:
                 if ":" not in self.tcp_address:
@@ -1703,6 +1696,15 @@ def _coerce(where: str, value: Any, meta: Any) -> Any:
         raise  # from a record inside a list: it names its own key
     except ValueError as e:
         raise ConfigError(f"config key '{where}': {e}") from None
+    texts = (out,) if isinstance(out, str) else out if kind in ("strs", "idents") else ()
+    if any("\0" in text for text in texts):
+        # No key takes one: a path holding it ended the host checks in a traceback ('embedded
+        # null byte'), a name the OS's lookups; and a socket path starting with one is Linux's
+        # abstract namespace, which no file's mode or folder guards (anyone may take the name).
+        raise ConfigError(
+            f"config key '{where}': {value!r} holds a NUL byte, which no key takes (a socket is "
+            "a path: abstract-namespace sockets are not supported)"
+        )
     if meta["choices"] is not None and out not in meta["choices"]:
         raise ConfigError(
             f"config key '{where}': {out!r} is not one of {', '.join(meta['choices'])}"

@@ -509,6 +509,32 @@ def test_regression_a_socket_path_with_a_nul_byte_crashed_the_checks(tmp_path):
         assert "NUL" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_regression_a_path_key_with_a_nul_byte_crashed_the_checks(tmp_path):
+    """397a83a refused a NUL byte in server.socket alone: one in any other path (the L2
+    folder, the shared-memory folder, a tenant's token file) still ended the host checks in
+    a traceback ('embedded null byte'), a name (a group, an admin user) too. Every text key
+    refuses one now, as a config error (exit 2) naming the key."""
+    config = tmp_path / "kvtier.yaml"
+    cases = {
+        "tiers.l2.path": "tiers:\n  l2:\n    enabled: true\n    path: VALUE\n",
+        "server.shm_dir": "server:\n  shm_dir: VALUE\n",
+        "server.socket_group": "server:\n  socket_group: VALUE\n",
+        "server.admin_uids": "server:\n  admin_uids: [VALUE]\n",
+        "tenants[0].token_file": "tenants:\n  - name: a\n    token_file: VALUE\n",
+    }
+    for key, text in cases.items():
+        config.write_text(text.replace("VALUE", f'"{tmp_path}/x\\0y"'))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.daemon", "--config", str(config), "--check-config"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, (key, proc.stderr)
+        assert f"config key '{key}'" in proc.stderr and "NUL" in proc.stderr, (key, proc.stderr)
+        assert "Traceback" not in proc.stderr, (key, proc.stderr)
+
+
 def test_shm_share_pairs():
     from kvtier.daemon.config import ANY_PEER
 
