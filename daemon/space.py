@@ -34,8 +34,8 @@ Rules:
 - A block held only in key-addressed tiers is known only for a while after one of them last
   confirmed it (``forget_unconfirmed``): such a tier drops blocks on its own.
 - A copy is dropped by the tier that held it (``drop_copies``: eviction, deletion) or found
-  gone (``lose_copy``: a failed read, a probe that found it absent); a row with no copy
-  left is forgotten once nobody holds it.
+  gone (``lose_copy``: a failed read, a probe that found it absent; not a read or probe of
+  an L3 that did not answer); a row with no copy left is forgotten once nobody holds it.
 - A move records its copy only where the destination holds none yet and the row still holds
   the copy it read, or none at all (the bytes read were its last): a row that lost every copy
   while the move ran may have been stored again by a put (``BlockStore._claim_bare``), whose
@@ -615,7 +615,8 @@ class SpaceManager:
         failed_slots = [] if dst.keyed else spare + slot_arr[~ok].tolist()
         for j in np.flatnonzero(~ok).tolist():
             if src_failed[j]:
-                # The source's read failed verification: that tier dropped the block.
+                # The source's read failed verification or found the block absent: that tier
+                # dropped it (not when it could not tell: an L3 that did not answer).
                 self.lose_copy(int(group[j]), src, read_from[j])
         if failed_slots:
             await self.give_back(dst, owner, failed_slots, nbytes)

@@ -17,9 +17,11 @@ Invariants:
   exist. A block on a lower tier is promoted when the top tier has room it can take without
   waiting (free, or held by blocks with other copies); otherwise it is read from the lower tier
   straight into the client's pages. Protection delays eviction; it never makes a miss.
-- A failed read (checksum, I/O) is a miss and drops that tier's copy. A block left with no
-  copy while held (pinned, in flight) keeps its row until released; a put of its key stores
-  into that row, as for a new key (``_claim_bare``): EXISTS means some tier holds the block.
+- A failed read (checksum, I/O, absent from L3) is a miss and drops that tier's copy; an L3
+  read its store did not answer (unreachable, timed out) is a miss that keeps it, to be read
+  once the store is back. A block left with no copy while held (pinned, in flight) keeps its
+  row until released; a put of its key stores into that row, as for a new key
+  (``_claim_bare``): EXISTS means some tier holds the block.
 - A pool names its own batch buffer (``pool.batch``): pages of shared memory or of GPU memory
   (a CUDA IPC pool). The store never branches on which; the transfer engine routes each by
   what the tiers can do (only the GPU tier reaches GPU memory; the others go through it).
@@ -1511,7 +1513,8 @@ class BlockStore:
                 table.keyed_seen[bid] = self._clock()
             c.add(self._n_loaded_from[level.col])
             return True
-        self.space.lose_copy(bid, level, slot)
+        if ok[0] is not None:
+            self.space.lose_copy(bid, level, slot)
         c.add(self._n_load_failures[level.col])
         return False
 
@@ -1554,7 +1557,8 @@ class BlockStore:
         pages: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Read blocks ``level`` holds into their pages (the chunks of ``layers``, all when
-        None; inside ``pool.use()``); a failed read drops that copy."""
+        None; inside ``pool.use()``); a failed read drops that copy, one the level could not
+        answer (L3 unreachable) keeps it."""
         table = self.table
         slots = table.slot[bids, level.col]
         if slots.min(initial=0) < 0:
@@ -1573,7 +1577,10 @@ class BlockStore:
         good = np.asarray(ok, dtype=bool)
         if level.keyed:
             table.keyed_seen[bids[good]] = self._clock()
-        for b, slot in zip(bids[~good].tolist(), slots[~good].tolist(), strict=True):
+        # A miss the level could not tell (L3 unreachable) keeps the copy: it is read once
+        # the store answers again.
+        lost = np.fromiter((g is not None for g in ok), dtype=bool, count=len(ok)) & ~good
+        for b, slot in zip(bids[lost].tolist(), slots[lost].tolist(), strict=True):
             self.space.lose_copy(b, level, slot)
         loaded = int(np.count_nonzero(good))
         self.counters.add(self._n_loaded_from[level.col], loaded)

@@ -268,14 +268,16 @@ class TransferEngine:
         checksums: Sequence[int],
         pages: PoolPages | DevicePages,
         priority: Priority = Priority.DEMAND,
-    ) -> list[bool]:
-        """Copy blocks held by a level into pool pages; False per block is a miss."""
+    ) -> list[bool | None]:
+        """Copy blocks held by a level into pool pages; per block True, or a miss: False, the
+        level has lost the block (a failed read, absent), None, the level could not tell (a
+        key-addressed tier whose store did not answer: ``KeyTier.read``)."""
         started = time.perf_counter()
         if isinstance(pages, DevicePages) and not level.device_memory:
             got = await self._to_device_pool(level, slots, refs, nbytes, checksums, pages, priority)
             self._observe_pool(started, level.label, to_pool=True)
             if not level.host_memory:
-                self._count_move(level.label, "pool", sum(got), nbytes)
+                self._count_move(level.label, "pool", sum(map(bool, got)), nbytes)
             return got
         if level.keyed:
             got = list(await level.keys.read(refs, nbytes, host_side(pages)))
@@ -318,7 +320,8 @@ class TransferEngine:
         at ``priority`` and, within it, ``rank`` (higher sooner), or as ``urgency`` (the
         move's) says where that is more urgent.
         Returns an outcome per block and whether the *source* failed it (its read missed: the
-        source tier dropped the block), as opposed to the destination refusing it.
+        source tier dropped the block), as opposed to the destination refusing it or the
+        source not answering (a key-addressed tier's store unreachable: it may hold the block).
         Never raises for a tier's failure. Raises PrefetchExpired when ``deadline`` passed
         before the copy could start."""
         n = len(refs)
@@ -376,9 +379,9 @@ class TransferEngine:
                     priority, src.slots.read, batch, deadline=deadline, rank=rank, urgency=urgency
                 )
             outcomes = [WriteOutcome(int(s), bool(g)) for s, g in zip(dst_slots, ok, strict=True)]
-            return outcomes, [not g for g in ok]
+            return outcomes, [_dropped(g) for g in ok]
         source = self._source_buffers(src, src_slots, nbytes)
-        good = [True] * len(refs)
+        good: list[bool | None] = [True] * len(refs)
         if source is None:
             # Neither side is host memory: stage through host buffers (page-locked ones of
             # the GPU tier when either side is device memory).
@@ -416,7 +419,7 @@ class TransferEngine:
             next(written) if g else WriteOutcome(-1 if dst.keyed else int(slot), False)
             for slot, g in zip(dst_slots, good, strict=True)
         ]
-        return outcomes, [not g for g in good]
+        return outcomes, [_dropped(g) for g in good]
 
     async def _write(
         self,
@@ -520,7 +523,7 @@ class TransferEngine:
         checksums: Sequence[int],
         pages: DevicePages,
         priority: Priority,
-    ) -> list[bool]:
+    ) -> list[bool | None]:
         """Blocks of a tier that cannot reach device memory into GPU pool pages: scattered
         by L0 from the tier's host slots, or read by the tier into staging first (its
         misses stay misses; only the blocks it read are scattered)."""
@@ -549,10 +552,10 @@ class TransferEngine:
         bridge: DeviceBridge | None = None,
         rank: int = 0,
         urgency: Urgency | None = None,
-    ) -> tuple[HostBuffers, list[bool]]:
+    ) -> tuple[HostBuffers, list[bool | None]]:
         """Read blocks of a tier without host-memory slots into fresh host buffers (the
         GPU tier's page-locked staging when ``bridge`` is given: one side is device
-        memory)."""
+        memory); per block as ``to_pool`` answers."""
         if bridge is not None:
             bufs: HostBuffers = await self._run(
                 priority, bridge.host_buffers, len(refs), nbytes, rank=rank, urgency=urgency
@@ -564,7 +567,7 @@ class TransferEngine:
         else:
             batch = ReadBatch(slots, refs, nbytes, bufs, checksums, priority, rank, urgency)
             ok = await self._run(priority, src.slots.read, batch, rank=rank, urgency=urgency)
-        return bufs, [bool(g) for g in ok]
+        return bufs, [None if g is None else bool(g) for g in ok]
 
     # ----------------------------------------------------------------- plumbing
 
@@ -671,3 +674,8 @@ async def _until_done(future: concurrent.futures.Future[Any]) -> None:
             await asyncio.shield(done)
     if not done.cancelled():
         done.exception()  # retrieved: the caller's cancel is what goes on
+
+
+def _dropped(read: bool | None) -> bool:
+    """Whether a read's answer says the tier lost the block (not: read, or not answered)."""
+    return read is not None and not read

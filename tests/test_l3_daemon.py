@@ -764,6 +764,60 @@ def test_regression_a_block_known_only_in_l3_was_forgotten_while_lookups_used_it
         wait_for(lambda: ca.stats().counter("rows_forgotten", tier="L3") == 16)
 
 
+def test_regression_a_get_while_l3_did_not_answer_forgot_the_blocks_it_still_held(
+    daemon_factory, tmp_path, fresh_redis, l3_prefix
+):
+    """A read of L3 told the daemon only read or not per block, so a read that timed out
+    (Redis hung) dropped the node's record of the blocks' L3 copies as if Redis had lost
+    them: during an outage every Get of a block held only there forgot it. Such a Get now
+    misses, counted as L3 read errors, and the blocks stay known there: once Redis answers
+    again the next Get reads them (no Lookup needed to find them again). A block deleted from
+    Redis behind the node's back is still forgotten by the Get that misses it."""
+    a = node(
+        daemon_factory,
+        tmp_path,
+        "a",
+        fresh_redis.url,
+        l3_prefix,
+        "tiers.l2.enabled=false",
+        "policy.protect_s=0",
+        "tiers.l3.known_s=3600",
+        "tiers.l3.op_timeout_s=1",
+        "tiers.l3.backoff_max_s=1",
+        "policy.readahead_blocks=0",  # a Get reads only what it names
+    )
+    chain = keys(6, 56)
+    raw = redis.Redis.from_url(fresh_redis.url)
+    bb = LAYOUT.block_bytes
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool_id, data, want = put_only_in_l3(ca, shm, chain, 56)
+        assert l3_blocks(ca) == 6
+        fresh_redis.pause()
+        try:
+            assert ca.get(pool_id, chain[:4], range(32, 36)).loaded == [False] * 4
+            stats = ca.stats()
+            assert stats.counter("copies_lost", tier="L3") == 0
+            assert l3_blocks(ca) == 6
+            assert stats.counter("l3_read_errors") == 4
+        finally:
+            fresh_redis.resume()
+
+        def l3_ok() -> bool:
+            (l3,) = [t for t in ca.stats().tiers if t.tier == Tier.L3_REMOTE]
+            return l3.state == "ok"
+
+        wait_for(l3_ok)
+        data[:] = 0
+        assert ca.get(pool_id, chain[:4], range(32, 36)).loaded == [True] * 4
+        assert np.array_equal(data[32 * bb : 36 * bb], want[: 4 * bb])
+        raw.delete(l3_key(raw, l3_prefix, chain[4]))
+        assert ca.get(pool_id, chain[4:5], range(36, 37)).loaded == [False]
+        assert ca.stats().counter("copies_lost", tier="L3") == 1
+        assert l3_blocks(ca) == 5
+        assert ca.lookup(chain[4:]).prefix_len == 0
+        assert ca.check().problems == []
+
+
 def l3_key(raw, prefix: str, key: bytes) -> bytes:
     (name,) = raw.keys(f"{prefix}*{key.hex()}")
     return name

@@ -558,10 +558,11 @@ class KeyTier(Protocol):
 
     ``probe`` answers the leading blocks of a chain that are present, ``probe_each`` whether
     each block is present, absent or unknown (the store could not be asked); ``read`` copies
-    blocks into ``dest`` (False per block is a miss: absent, corrupt or timed out); ``write``
-    stores blocks from ``src`` and answers per block whether it is stored. None of them raises
-    for a remote fault: a tier that cannot reach its store answers misses (unknown, for
-    ``probe_each``) and reports DOWN.
+    blocks into ``dest`` (per block True, or a miss: False where the block is not there, absent
+    or corrupt, None where the tier could not tell, its store unreachable, the read timed out or
+    failed); ``write`` stores blocks from ``src`` and answers per block whether it is stored.
+    None of them raises for a remote fault: a tier that cannot reach its store answers misses
+    (unknown: None for ``read``, ``PROBE_UNKNOWN`` for ``probe_each``) and reports DOWN.
     """
 
     @property
@@ -590,7 +591,13 @@ class KeyTier(Protocol):
 
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
-    ) -> list[bool]: ...
+    ) -> list[bool | None]:
+        """Copy each block into ``dest``: True, read; False, the tier holds no such block (or
+        one that failed verification: the holder forgets that copy); None, a miss that says
+        nothing of the block (the store unreachable or the read failed: it may still be there,
+        and be read once the store answers again). A missed block's bytes in ``dest`` are
+        unspecified."""
+        ...
 
     async def write(
         self, blocks: Sequence[BlockRef], nbytes: int, src: HostBuffers | PoolPages

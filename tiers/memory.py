@@ -268,15 +268,19 @@ class MemoryKeyTier:
         # A value a test set by hand has no write time: written now.
         return [now - self.written_at.get((ref.ns, bytes(ref.key)), now) for ref in blocks]
 
-    async def read(self, blocks: Sequence[BlockRef], nbytes: int, dest: object) -> list[bool]:
-        out = []
+    async def read(
+        self, blocks: Sequence[BlockRef], nbytes: int, dest: object
+    ) -> list[bool | None]:
+        if self.down:
+            return [None] * len(blocks)  # the store did not answer: nothing said of them
+        out: list[bool | None] = []
         for j, ref in enumerate(blocks):
-            data = None if self.down else self.values.get((ref.ns, bytes(ref.key)))
+            data = self.values.get((ref.ns, bytes(ref.key)))
             good = data is not None and len(data) == nbytes
             if good:
                 put_block(dest, j, data, nbytes)  # type: ignore[arg-type]
             out.append(good)
-        self.counters["blocks_read"] += sum(out)
+        self.counters["blocks_read"] += out.count(True)
         return out
 
     async def write(self, blocks: Sequence[BlockRef], nbytes: int, src: object) -> list[bool]:

@@ -1773,6 +1773,32 @@ async def test_a_block_whose_last_copy_failed_during_another_get_is_forgotten(ma
     assert await put(store, pool, b, pages=[32]) == [PutResult.STORED]
 
 
+async def test_regression_a_get_read_from_an_unreachable_l3_forgot_the_blocks_it_still_held(
+    make_store,
+):
+    """A read of L3 answered only read or not per block, so a read its store did not answer
+    (unreachable, timed out) dropped the block's L3 copy as if the store had lost it: during
+    an outage every Get of a block held only there forgot it. The tier tells which (None: no
+    answer): such a miss keeps the copy, read once the tier is back; a block the store no
+    longer holds (False) is still forgotten. Read straight from L3 (no clean room in L1)."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    b = keys(2)
+    await _held_only_in_l3(store, shared, pool, b)
+    shared.down = True
+    assert await get(store, pool, b, [30, 31]) == [False, False]
+    assert where(store, b) == ["L3", "L3"]
+    assert store.counters.get("copies_lost", tier="L3") == 0
+    shared.down = False
+    assert await get(store, pool, b, [32, 33]) == [True, True]
+    assert [page_bytes(pool, p) for p in (32, 33)] == [page_bytes(pool, p) for p in (40, 41)]
+    await shared.remove([BlockRef(0, b[0].tobytes())])  # L3 evicted it on its own
+    assert await get(store, pool, b, [34, 35]) == [False, True]
+    assert present(store, b) == [False, True]
+    assert store.counters.get("copies_lost", tier="L3") == 1
+
+
 async def test_a_durable_put_whose_block_lost_its_last_copy_forgets_it(make_store):
     """A durable put of a key known only from L3 copies its block to L2; L3 lost it, so the
     copy's read fails and drops the block's last copy while the put holds it. The put answers
@@ -1809,9 +1835,11 @@ async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_sto
     assert prefix == 3
     shared.down = True
     assert await get(b, pool, chain, [0, 1, 2]) == [False] * 3
-    assert not any(present(b, chain))  # the lost copies were dropped
+    # A tier that did not answer said nothing of its blocks: their copies stay, and the Get
+    # once it is back reads them without a Lookup finding them again first.
+    assert where(b, chain) == ["L3"] * 3
+    assert b.counters.get("copies_lost", tier="L3") == 0
     shared.down = False
-    assert (await b.lookup(0, chain))[0] == 3
     assert await get(b, pool, chain, [0, 1, 2]) == [True] * 3
     assert [page_bytes(pool, p) for p in range(3)] == [bytes([i]) * 4096 for i in range(3)]
 

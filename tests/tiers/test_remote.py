@@ -468,8 +468,10 @@ async def test_a_killed_server_fails_fast_then_comes_back_empty(
         assert await tier.write(chain, nbytes, src) == [True] * 16
         fresh_redis.kill()
         t0 = time.monotonic()
-        assert await tier.read(chain, nbytes, host(empty(16, nbytes))) == [False] * 16
+        # Misses that say nothing of the blocks (None), not absent ones (False).
+        assert await tier.read(chain, nbytes, host(empty(16, nbytes))) == [None] * 16
         assert time.monotonic() - t0 < OP_TIMEOUT_S + SLACK_S
+        assert tier.stats().counters["read_errors"] == 16
         health = tier.health()
         assert health.state is Health.DOWN and "onnect" in health.detail
         # While down, every verb answers at once without the network, and says so.
@@ -477,18 +479,21 @@ async def test_a_killed_server_fails_fast_then_comes_back_empty(
             t0 = time.monotonic()
             assert await tier.probe(chain) == []
             assert await tier.write(chain[:2], nbytes, src) == [False, False]
-            assert await tier.read(chain[:2], nbytes, host(empty(2, nbytes))) == [False] * 2
+            assert await tier.read(chain[:2], nbytes, host(empty(2, nbytes))) == [None] * 2
             await tier.remove(chain[:1])
             assert time.monotonic() - t0 < SLACK_S
             await asyncio.sleep(0.01)
         c = tier.stats().counters
         assert c["probe_skipped_down"] >= 1 and c["write_skipped_down"] >= 2
         assert c["remove_skipped_down"] >= 1 and c["down_transitions"] == 1
+        assert c["read_skipped_down"] == 40 and c["read_errors"] == 16
         assert tier.stats().gauges["up"] == 0.0
 
         fresh_redis.start()  # same port, nothing persisted: an empty server
         await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)
         assert await tier.probe(chain) == []  # a cold tier
+        # The store answered: absent (False), as forgotten by the daemon.
+        assert await tier.read(chain[:2], nbytes, host(empty(2, nbytes))) == [False] * 2
         assert await tier.write(chain, nbytes, src) == [True] * 16
         dest = empty(16, nbytes)
         assert await tier.read(chain, nbytes, host(dest)) == [True] * 16
@@ -516,9 +521,11 @@ async def test_a_hung_server_costs_one_op_timeout(fresh_redis: RedisServer, l3_p
                 tier.read(blocks, nbytes, host(empty(4, nbytes))),
             )
             assert time.monotonic() - t0 < OP_TIMEOUT_S + SLACK_S
-            assert outcomes == [[False] * 4] * 3
+            # The reads say nothing of the blocks (None): still there once it answers.
+            assert outcomes == [[None] * 4, [False] * 4, [None] * 4]
             assert tier.health().state is Health.DOWN
             assert tier.stats().counters["timeouts"] >= 1
+            assert tier.stats().counters["read_errors"] == 8
         finally:
             fresh_redis.resume()
         await wait_for("L3 to come back", lambda: tier.health().state is Health.OK)

@@ -537,11 +537,7 @@ class RemoteTier:
                 answers.append(PROBE_UNKNOWN)
                 continue
             if isinstance(reply, BaseException):
-                # A key of another type answers WRONGTYPE, in place: no block.
-                wrong_type = isinstance(reply, rx.ResponseError) and str(reply).startswith(
-                    "WRONGTYPE"
-                )
-                answers.append(PROBE_ABSENT if wrong_type else PROBE_UNKNOWN)
+                answers.append(PROBE_ABSENT if _wrong_type(reply) else PROBE_UNKNOWN)
                 continue
             # A missing key answers no bytes.
             size = header_length(reply, key)
@@ -581,11 +577,15 @@ class RemoteTier:
 
     async def read(
         self, blocks: Sequence[BlockRef], nbytes: int, dest: HostBuffers | PoolPages
-    ) -> list[bool]:
-        """Copy each block into ``dest``; False is a miss (absent, failed verification,
-        store unreachable). A missed block's destination bytes are unspecified."""
+    ) -> list[bool | None]:
+        """Copy each block into ``dest`` (``KeyTier.read``): False where the store answered
+        that it holds no such block (absent, failed verification, removed here), None where it
+        did not answer (down, a lost master's key, unreachable or timed out: counted in
+        ``read_errors``, or ``read_skipped_down`` when not sent; a command's error, but
+        WRONGTYPE: a value of another type, no block). A missed block's destination bytes are
+        unspecified."""
         n = len(blocks)
-        out = [False] * n
+        out: list[bool | None] = [None] * n
         if n == 0:
             return out
         _check_len(dest, n)
@@ -608,6 +608,7 @@ class RemoteTier:
         try:
             replies = await self._pipeline(get, self._bulk_ops)
         except _Unreachable:
+            c["read_errors"] += len(asked)
             return out
         if len(asked) < n:
             # A lost master's keys: misses, not asked (a missing key's reply: None).
@@ -626,14 +627,18 @@ class RemoteTier:
             if j in not_asked:
                 continue
             if unremoved and key in unremoved:
+                out[j] = False
                 c["read_absent"] += 1  # removed, though the store could not be told yet
             elif verdict is None:
                 self._reply_error(reply, "read_errors")
+                if _wrong_type(reply):
+                    out[j] = False
             elif verdict is Verdict.OK:
                 out[j] = True
                 c["read_hits"] += 1
                 c["bytes_read"] += nbytes
             else:
+                out[j] = False
                 c["read_" + verdict.value] += 1
                 if verdict is not Verdict.ABSENT:
                     log.debug("L3 value %r refused: %s", key, verdict.value)
@@ -1558,6 +1563,11 @@ def _unframe_all(
             put_block(dest, j, memoryview(value)[HEADER_BYTES:], nbytes)
         verdicts.append(verdict)
     return verdicts
+
+
+def _wrong_type(reply: BaseException) -> bool:
+    """Whether a command's error is a key of another type's (WRONGTYPE): it holds no block."""
+    return isinstance(reply, rx.ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 def _check_len(buffers: HostBuffers | PoolPages, n: int) -> None:
