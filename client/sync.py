@@ -200,6 +200,14 @@ def _watch_session(client: weakref.ref[Client], call: Any, session_id: str) -> N
         session_log.warning("%s", line)
 
 
+def _end_channel(channel: grpc.Channel, session_call: Any) -> None:
+    """End a channel and its session's stream (the daemon then ends that session, freeing
+    its leases, pins and pools)."""
+    if session_call is not None:
+        session_call.cancel()
+    channel.close()
+
+
 class _ChannelCloser:
     """Closes the channels of clients collected without ``close()``, on a thread of its own
     (one a process, started by its first client): a collection may happen on the channel's
@@ -207,14 +215,21 @@ class _ChannelCloser:
     where ``channel.close()`` waited for that very thread forever, and the session's watcher
     with it. A finalizer only puts the channel in a SimpleQueue, whose ``put`` is safe
     wherever a collection runs (starting a thread there is not: a collection inside
-    ``threading``'s own lock would wait for itself)."""
+    ``threading``'s own lock would wait for itself).
+
+    It also ends the channels a client gave up after an interruption (``discard``), each on
+    a thread of its own: there gRPC's channel lock may be held for good, so that ending it
+    waits for ever; that thread then parks, keeping the channel, whose collection would wait
+    the same way on whatever thread it ran. ``discard`` is a ``put`` too, as it runs where
+    another KeyboardInterrupt may land."""
 
     def __init__(self) -> None:
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # the thread does not cross fork()
 
     def _reset(self) -> None:
-        self._channels: queue.SimpleQueue[grpc.Channel] = queue.SimpleQueue()
+        # (channel, session call, discarded): see ``close_later`` and ``discard``.
+        self._channels: queue.SimpleQueue[tuple[grpc.Channel, Any, bool]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started = False
 
@@ -225,31 +240,46 @@ class _ChannelCloser:
                 self._started = True
 
     def close_later(self, channel: grpc.Channel) -> None:
-        self._channels.put(channel)
+        self._channels.put((channel, None, False))
+
+    def discard(self, channel: grpc.Channel, session_call: Any) -> None:
+        self._channels.put((channel, session_call, True))
 
     def _run(self) -> None:
         while True:
-            channel = self._channels.get()
-            try:
-                channel.close()
-            except Exception:
-                session_log.exception("closing the channel of a client collected unclosed")
-            del channel
+            channel, session_call, discarded = self._channels.get()
+            if discarded:
+                threading.Thread(
+                    target=_end_channel,
+                    args=(channel, session_call),
+                    name="kvtier-discarded",
+                    daemon=True,
+                ).start()
+            else:
+                try:
+                    channel.close()
+                except Exception:
+                    session_log.exception("closing the channel of a client collected unclosed")
+            del channel, session_call
 
 
 _closer = _ChannelCloser()
 
 
-def _close_dropped(channel: grpc.Channel, held: dict[str, Any], pid: int) -> None:
+def _close_dropped(held: dict[str, Any], pid: int) -> None:
     """Close a client collected without ``close()``: its session's call at once, and its
     channel on ``_closer``'s thread (in the process that made it only: a forked child's
-    copy is the parent's)."""
+    copy is the parent's); a channel an interruption left suspect, both on a thread of
+    their own (see ``Client.interrupted``)."""
     if os.getpid() != pid:
         return
     call = held.get("call")
+    if held["suspect"]:
+        _closer.discard(held["channel"], call)
+        return
     if call is not None:
         call.cancel()
-    _closer.close_later(channel)
+    _closer.close_later(held["channel"])
 
 
 def in_own_process(pid: int) -> bool:
@@ -303,13 +333,11 @@ class Client:
         self._tenant = ""
         self._admin = False
         self.client_name = client_name or f"pid {os.getpid()}"
-        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.KVTierStub(self._channel)
-        self._health = self._channel.unary_unary(
-            hc.CHECK_METHOD,
-            request_serializer=None,  # health() encodes its request before sending it
-            response_deserializer=hc.decode_response,
-        )
+        # A client dropped unclosed is closed when collected: its session's watcher holds no
+        # reference to it (see _watch_session), and its finalizer holds none either, only
+        # the channel, whether it is suspect, and the open session's call (kept in _held).
+        self._held: dict[str, Any] = {}
+        self._connect()
         # The session's id and call; never held across a call: gRPC's callback thread,
         # which delivers every answer of the channel, takes it (live_ids, forget_session).
         self._lock = threading.Lock()
@@ -332,13 +360,20 @@ class Client:
         self._unconfirmed: dict[int, str] = {}
         self._jobs = JobTable()
         self._pid = os.getpid()
-        # A client dropped unclosed is closed when collected: its session's watcher holds no
-        # reference to it (see _watch_session), and this finalizer holds none either, only
-        # the channel and the open session's call (kept in _held).
-        self._held: dict[str, Any] = {}
         _closer.start()
-        finalizer = weakref.finalize(self, _close_dropped, self._channel, self._held, self._pid)
+        finalizer = weakref.finalize(self, _close_dropped, self._held, self._pid)
         finalizer.atexit = False  # the process's exit ends its sessions anyway
+
+    def _connect(self) -> None:
+        """A new channel (it connects at its first call), its stub and its health check."""
+        self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVTierStub(self._channel)
+        self._health = self._channel.unary_unary(
+            hc.CHECK_METHOD,
+            request_serializer=None,  # health() encodes its request before sending it
+            response_deserializer=hc.decode_response,
+        )
+        self._held["channel"], self._held["suspect"] = self._channel, False
 
     # --------------------------------------------------------------- lifecycle
 
@@ -351,9 +386,46 @@ class Client:
         with self._lock:
             self._closed = True
             call, self._session_call, self._session_id = self._session_call, None, ""
+            channel, suspect = self._channel, self._held["suspect"]
+        if suspect:  # ending it may wait for ever (see ``interrupted``)
+            _closer.discard(channel, call)
+            return
         if call is not None:
             call.cancel()
-        self._channel.close()
+        channel.close()
+
+    def interrupted(self) -> None:
+        """Note that something other than a call's error (a KeyboardInterrupt, or whatever
+        else a signal handler raised) ended a gRPC call of this client's on this thread.
+        gRPC's sync channel is not safe against that: landing inside its call start (or a
+        blocking call's end) it left the channel's lock held, or its count of calls wrong,
+        and every later call on the channel waited for ever, past its deadline. So the
+        client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
+        on it (not the Releases of an interrupted load: the session's end frees them). The
+        mark comes first: another interruption that lands before the channel is replaced
+        leaves that to the client's next call."""
+        self._held["suspect"] = True
+        self._replace_if_suspect()
+
+    def _replace_if_suspect(self) -> None:
+        """Give up a channel an interruption left suspect for a new one: the session is
+        forgotten, the next call opens another and registers the pools again there (as after
+        a daemon restart). The old channel and its session's stream are ended on a thread of
+        their own (``_closer.discard``): the daemon then ends that session, freeing its
+        leases, pins and pools. Where the interruption left gRPC's lock held, nothing can end
+        them: that session stays open until this process exits, its leases until they
+        expire."""
+        if not self._held["suspect"]:
+            return
+        with self._lock:
+            if not self._held["suspect"] or self._closed:
+                return
+            call, self._session_id, self._session_call = self._session_call, "", None
+            self._held.pop("call", None)
+            # Handed over before the new channel clears the mark: an interruption between
+            # the two has the old one handed over again, never dropped (see _ChannelCloser).
+            _closer.discard(self._channel, call)
+            self._connect()
 
     def __enter__(self) -> Client:
         return self
@@ -361,13 +433,13 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def session_id(self) -> str:
+    def _session_id_unguarded(self) -> str:
         """The open session, opened on first use. A session is opened under a lock of its
         own, not ``_lock``: opening it under ``_lock`` while a job's answer needed that lock
         on gRPC's callback thread, which was to deliver the session's first answer, hung
         both threads for good (a cancel of the call is delivered by that thread too)."""
         refuse_in_child(self._pid, "Client")
+        self._replace_if_suspect()
         with self._lock:
             if session_id := self._live_session():
                 return session_id
@@ -396,10 +468,22 @@ class Client:
             ).start()
             return str(first.session_id)
 
+    @property
+    def session_id(self) -> str:
+        """The open session, opened on first use (see ``_session_id_unguarded``)."""
+        try:
+            return self._session_id_unguarded()
+        except Exception:
+            raise
+        except BaseException:  # gRPC's locks are not safe against it: see ``interrupted``
+            self.interrupted()
+            raise
+
     def _open_session_id(self) -> str:
         """The open session's id, opening none: ``lease_session_ended()`` when there is
         none."""
         refuse_in_child(self._pid, "Client")
+        self._replace_if_suspect()
         with self._lock:
             if session_id := self._live_session():
                 return session_id
@@ -437,9 +521,15 @@ class Client:
         # Sent again, as every call, while the daemon's gRPC refuses it unrun: the daemon
         # never saw it, so its ticket is unspent, but it expires (a new one past its age).
         resends = Resends(self.timeout_s)
-        while (opened := self._send_open_session(request, resends)) is None:
-            if tickets.due():
-                request.credential_ticket = tickets.fetch(resends.left_s())
+        try:
+            while (opened := self._send_open_session(request, resends)) is None:
+                if tickets.due():
+                    request.credential_ticket = tickets.fetch(resends.left_s())
+        except Exception:
+            raise
+        except BaseException:
+            self.interrupted()
+            raise
         return opened
 
     def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:
@@ -486,6 +576,23 @@ class Client:
         binding: PoolBinding | None = None,
         timeout_s: float | None = None,
     ) -> Any:
+        # Not only the call itself: the session's (``is_active``, opening it, registering a
+        # pool) goes through gRPC's locks too.
+        try:
+            return self._invoke_unguarded(method, request, binding, timeout_s)
+        except Exception:
+            raise
+        except BaseException:
+            self.interrupted()
+            raise
+
+    def _invoke_unguarded(
+        self,
+        method: str,
+        request: Any,
+        binding: PoolBinding | None,
+        timeout_s: float | None,
+    ) -> Any:
         # A Release is sent in the open session only (see ``lease_session_ended``).
         releasing = method == "Release"
         again = SendAgain(method in _SESSION_METHODS and not releasing, binding is not None)
@@ -514,6 +621,7 @@ class Client:
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
         this connection has many calls open) and its time allows; raises grpc.RpcError."""
+        self._replace_if_suspect()
         rpc = getattr(self._stub, method)
         if method == "Lookup" and request.pin:
             rpc = functools.partial(self._pinning_lookup, rpc)
@@ -553,6 +661,11 @@ class Client:
             except grpc.RpcError as e:
                 if not refused_stream(e) or (pause := resends.pause_s()) is None:
                     raise
+            except Exception:
+                raise
+            except BaseException:
+                self.interrupted()
+                raise
             time.sleep(pause)
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
@@ -588,7 +701,7 @@ class Client:
     def _release_nowait(self, request: pb.ReleaseRequest) -> None:
         """Send a Release in the open session, if any, without waiting for its answer."""
         request.session_id = self._session_id
-        if request.session_id:
+        if request.session_id and not self._held["suspect"]:
             with contextlib.suppress(ValueError):  # the client was closed meanwhile
                 fut = self._stub.Release.future(request, timeout=self.timeout_s)
                 # The callback keeps the call from being cancelled when ``fut`` is collected
@@ -728,7 +841,7 @@ class Client:
             t.checked_type(binding, PoolBinding, "binding")
             return
         request = unregistration(binding, self._pools, self._session_id)
-        if request is not None:
+        if request is not None and not self._held["suspect"]:
             self._unregister_nowait(request, Resends(self.timeout_s))
 
     def _unregister_nowait(self, request: Any, resends: Resends) -> None:
@@ -955,6 +1068,7 @@ class Client:
     def health(self, service: str = "") -> bool:
         """Whether the daemon reports SERVING."""
         request = hc.encode_request(service)
+        self._replace_if_suspect()
         try:
             status = self._until_run(self._health, request, self.timeout_s)
         except grpc.RpcError as e:

@@ -1,0 +1,147 @@
+"""A KeyboardInterrupt inside gRPC's own code no longer breaks the blocking client for good.
+
+gRPC's sync channel is not safe against an exception a signal handler raises: one that lands
+while it starts a call (at the release of the channel's lock, a ``threading.Condition``
+entered from its Cython code) leaves that lock held, and every later call on the channel,
+the session's and a Release's included, waited for ever, past its deadline. The client now
+gives up a channel that such an exception left, opening a new one and a new session (its
+pools registered again, as after a daemon restart); the old channel and session are ended on
+a thread of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
+
+NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
+TOKENS = list(range(8))
+LEASE_MS = 600_000  # far longer than the test: only a Release or the session's end ends it
+GRPC_CHANNEL = os.path.join("grpc", "_channel.py")
+
+
+def in_grpc_lock_exit(frame: FrameType, where: str) -> bool:
+    """Whether ``frame`` is a lock's ``__exit__`` that gRPC's channel code ``where`` called
+    (maybe through its Cython part, which has no frame of its own)."""
+    caller = frame.f_back
+    return (
+        frame.f_code.co_name == "__exit__"
+        and caller is not None
+        and caller.f_code.co_filename.endswith(GRPC_CHANNEL)
+        and caller.f_code.co_name == where
+    )
+
+
+def ends_in_time(call: Callable[[], Any], bound_s: float = 30.0) -> Any:
+    """``call()``'s result, on a thread: an assertion error, not a hung test, when it does not
+    end within ``bound_s`` (the client's timeout is far shorter)."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert result, f"the call did not end within {bound_s}s"
+    return result[0]
+
+
+def settled(gauge: str, daemon: Any) -> float:
+    """The daemon's ``gauge`` once it reaches 0 (at most 30 s), from a client of its own."""
+    with daemon.client() as admin:
+        deadline = time.monotonic() + 30
+        while (value := admin.stats().gauges[gauge]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return value  # type: ignore[no-any-return]
+
+
+# "create": the start of a call (here the pinning Lookup's, which is sent); "is_active":
+# the client's check of its session's stream, before the call.
+@pytest.mark.parametrize("where", ["create", "is_active"])
+def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(daemon, where):
+    """The interrupt is raised at the entry of a lock's ``__exit__`` in gRPC's code (a trace
+    function raises it there, where a signal's handler would), so the lock stays held, as
+    the tester's SIGINT storm left it. Before, the next call never ended."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        keys = pool.binding.keys(TOKENS)
+        landed: list[str] = []
+
+        def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+            if event == "call" and in_grpc_lock_exit(frame, where):
+                sys.settrace(None)
+                landed.append(where)
+                raise KeyboardInterrupt
+
+        sys.settrace(interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+        finally:
+            sys.settrace(None)
+        assert landed
+        assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+        assert ends_in_time(lambda: client.health())
+
+
+# An interrupt may also land in a collection's callback, which Python reports unraisable.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_regression_a_sigint_storm_leaves_the_client_working_and_no_pins(daemon):
+    """Real SIGINTs, sent by another thread while this one loads, raise KeyboardInterrupt
+    wherever they land in the load (gRPC's code included): each one that ends a call gives
+    the channel up, and the old session's end frees its leases. Before, the loads hung (a
+    bound of calls here, not of time: an interrupt ends a wait too) and leases leaked. A
+    channel whose lock an interrupt left held cannot be ended: its session stays open, with
+    the one lease its load held at most."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        storming = threading.Event()
+        storming.set()
+        # Raised during the loads only (pytest-xdist's workers ignore SIGINT otherwise): one
+        # landing in the test's own lines would end the test.
+        armed = [False]
+
+        def interrupt(signum: int, frame: FrameType | None) -> None:
+            if armed[0]:
+                raise KeyboardInterrupt
+
+        def storm() -> None:
+            while storming.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.002)
+
+        previous = signal.signal(signal.SIGINT, interrupt)
+        stormer = threading.Thread(target=storm)
+        stormer.start()
+        interrupts = 0
+        try:
+            for _ in range(300):
+                try:
+                    armed[0] = True
+                    pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
+                    armed[0] = False
+                except KeyboardInterrupt:
+                    armed[0] = False
+                    interrupts += 1
+        finally:
+            armed[0] = False
+            storming.clear()
+            stormer.join()
+            signal.signal(signal.SIGINT, previous)
+        assert interrupts
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+        client.close()
+        with daemon.client() as admin:
+            stuck = admin.stats().gauges["sessions"] - 1  # this one's own
+        assert settled("leases", daemon) <= stuck
