@@ -32,11 +32,12 @@ GRPC_CHANNEL = os.path.join("grpc", "_channel.py")
 
 
 def in_grpc_lock_exit(frame: FrameType, where: str) -> bool:
-    """Whether ``frame`` is a lock's ``__exit__`` that gRPC's channel code ``where`` called
-    (maybe through its Cython part, which has no frame of its own)."""
+    """Whether ``frame`` is a ``threading.Condition``'s ``__exit__`` that gRPC's channel code
+    ``where`` called (maybe through its Cython part, which has no frame of its own)."""
     caller = frame.f_back
     return (
         frame.f_code.co_name == "__exit__"
+        and frame.f_code.co_filename == threading.__file__
         and caller is not None
         and caller.f_code.co_filename.endswith(GRPC_CHANNEL)
         and caller.f_code.co_name == where
