@@ -561,6 +561,9 @@ class TransferJob:
                 for unsent in parts[i:]:
                     self._ended(unsent, None, _client_side_error(unsent, e))
                 return
+            except BaseException:  # a KeyboardInterrupt in the caller's thread
+                self._client.interrupted()
+                raise
             with self._cond:
                 self._futures[part.index] = fut
             fut.add_done_callback(lambda f, part=part: self._on_done(part, f))

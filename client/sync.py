@@ -703,7 +703,13 @@ class Client:
         request.session_id = self._session_id
         if request.session_id and not self._held["suspect"]:
             with contextlib.suppress(ValueError):  # the client was closed meanwhile
-                fut = self._stub.Release.future(request, timeout=self.timeout_s)
+                try:
+                    fut = self._stub.Release.future(request, timeout=self.timeout_s)
+                except Exception:
+                    raise
+                except BaseException:  # another interrupt, during an abandoned load's
+                    self.interrupted()
+                    raise
                 # The callback keeps the call from being cancelled when ``fut`` is collected
                 # (gRPC cancels a call whose future goes unreferenced), until it ends.
                 fut.add_done_callback(lambda fut: None)
@@ -853,6 +859,11 @@ class Client:
             fut = self._stub.UnregisterPool.future(request, timeout=resends.left_s())
         except ValueError:  # the client was closed meanwhile: the session ends with it
             return
+        except Exception:
+            raise
+        except BaseException:  # gRPC's locks are not safe against it: see ``interrupted``
+            self.interrupted()
+            raise
 
         def answered(fut: Any) -> None:
             if fut.cancelled() or self._closed:

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client.sync import RegisteredPool
 
 NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -64,10 +65,24 @@ def settled(gauge: str, daemon: Any) -> float:
         return value  # type: ignore[no-any-return]
 
 
-# "create": the start of a call (here the pinning Lookup's, which is sent); "is_active":
-# the client's check of its session's stream, before the call.
-@pytest.mark.parametrize("where", ["create", "is_active"])
-def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(daemon, where):
+def pinning_lookup(client: Client, pool: RegisteredPool) -> None:
+    client.lookup(pool.binding.keys(TOKENS), pin=True, lease_ms=LEASE_MS)
+
+
+def job(client: Client, pool: RegisteredPool) -> None:
+    client.submit_load(pool, [LoadSegment(pool.binding.keys(TOKENS), [2, 3])])
+
+
+# "create": the start of a call (the pinning Lookup's, which is sent; a job's first Get);
+# "is_active": the client's check of its session's stream, before the call.
+@pytest.mark.parametrize(
+    "where, interrupted",
+    [("create", pinning_lookup), ("is_active", pinning_lookup), ("create", job)],
+    ids=["lookup-start", "lookup-session-check", "job-start"],
+)
+def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
+    daemon, where, interrupted
+):
     """The interrupt is raised at the entry of a lock's ``__exit__`` in gRPC's code (a trace
     function raises it there, where a signal's handler would), so the lock stays held, as
     the tester's SIGINT storm left it. Before, the next call never ended."""
@@ -86,7 +101,7 @@ def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(daemon
         sys.settrace(interrupt)
         try:
             with pytest.raises(KeyboardInterrupt):
-                client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                interrupted(client, pool)
         finally:
             sys.settrace(None)
         assert landed
