@@ -561,8 +561,8 @@ class TransferJob:
                 for unsent in parts[i:]:
                     self._ended(unsent, None, _client_side_error(unsent, e))
                 return
-            except BaseException:  # a KeyboardInterrupt in the caller's thread
-                self._client.interrupted()
+            except BaseException as e:  # a KeyboardInterrupt in the caller's thread
+                self._client.interrupted(e)
                 raise
             with self._cond:
                 self._futures[part.index] = fut

@@ -394,7 +394,7 @@ class Client:
             call.cancel()
         channel.close()
 
-    def interrupted(self) -> None:
+    def interrupted(self, error: BaseException) -> None:
         """Note that something other than a call's error (a KeyboardInterrupt, or whatever
         else a signal handler raised) ended a gRPC call of this client's on this thread.
         gRPC's sync channel is not safe against that: landing inside its call start (or a
@@ -403,7 +403,12 @@ class Client:
         client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
         on it (not the Releases of an interrupted load: the session's end frees them). The
         mark comes first: another interruption that lands before the channel is replaced
-        leaves that to the client's next call."""
+        leaves that to the client's next call. Once an ``error``: the guards of the calls
+        that it passes through on its way out each note it, and a second replacement would
+        only give up the new channel."""
+        if getattr(error, "_kvtier_noted", False):
+            return
+        error._kvtier_noted = True  # type: ignore[attr-defined]
         self._held["suspect"] = True
         self._replace_if_suspect()
 
@@ -475,8 +480,8 @@ class Client:
             return self._session_id_unguarded()
         except Exception:
             raise
-        except BaseException:  # gRPC's locks are not safe against it: see ``interrupted``
-            self.interrupted()
+        except BaseException as e:  # gRPC's locks are not safe against it: see ``interrupted``
+            self.interrupted(e)
             raise
 
     def _open_session_id(self) -> str:
@@ -527,8 +532,8 @@ class Client:
                     request.credential_ticket = tickets.fetch(resends.left_s())
         except Exception:
             raise
-        except BaseException:
-            self.interrupted()
+        except BaseException as e:
+            self.interrupted(e)
             raise
         return opened
 
@@ -582,8 +587,8 @@ class Client:
             return self._invoke_unguarded(method, request, binding, timeout_s)
         except Exception:
             raise
-        except BaseException:
-            self.interrupted()
+        except BaseException as e:
+            self.interrupted(e)
             raise
 
     def _invoke_unguarded(
@@ -663,8 +668,8 @@ class Client:
                     raise
             except Exception:
                 raise
-            except BaseException:
-                self.interrupted()
+            except BaseException as e:
+                self.interrupted(e)
                 raise
             time.sleep(pause)
 
@@ -707,8 +712,8 @@ class Client:
                     fut = self._stub.Release.future(request, timeout=self.timeout_s)
                 except Exception:
                     raise
-                except BaseException:  # another interrupt, during an abandoned load's
-                    self.interrupted()
+                except BaseException as e:  # another interrupt, during an abandoned load's
+                    self.interrupted(e)
                     raise
                 # The callback keeps the call from being cancelled when ``fut`` is collected
                 # (gRPC cancels a call whose future goes unreferenced), until it ends.
@@ -861,8 +866,8 @@ class Client:
             return
         except Exception:
             raise
-        except BaseException:  # gRPC's locks are not safe against it: see ``interrupted``
-            self.interrupted()
+        except BaseException as e:  # gRPC's locks are not safe against it: see ``interrupted``
+            self.interrupted(e)
             raise
 
         def answered(fut: Any) -> None:
