@@ -3,7 +3,8 @@
 A client holds one gRPC channel and, once a call needs one, one session: a server stream that
 the daemon watches to know this process is alive. Pools and leases belong to the session, so
 they vanish if the process dies. If the daemon restarts, the next call opens a new session and
-re-registers the pools it used before, once.
+re-registers the pools it used before, once. So does a client whose gRPC call a
+KeyboardInterrupt ended, on a new channel (see ``Client.interrupted``).
 
 On a Unix socket the client first asks the daemon's credential socket for a ticket that binds
 the session to this process's uid (see ``kvtier.client.credentials``); a memfd pool's
