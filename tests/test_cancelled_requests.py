@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -182,3 +183,39 @@ async def test_regression_a_register_pool_past_its_deadline_left_the_pool_regist
         await daemon.stop()
         shutil.rmtree(sockdir, ignore_errors=True)
     assert held, "the first registration never reached the registry"
+
+
+def test_large_requests_whose_clients_left_at_every_point_of_their_turn_held_no_turn(daemon):
+    """A large request's handler starts in its turn (``daemon/stepturns.py``): one turn held
+    for good would hang every later large request of every tenant. Clients leave their large
+    Lookups at every point (waiting for the turn, handed it, in the handler, after it: a
+    cancel after 0 to 3 ms, a deadline of 1 to 4 ms), some naming no open session (their
+    handler raises); then a large Lookup of each kind is still answered."""
+    keys = [os.urandom(32) for _ in range(4096)]
+    with daemon.client() as client, grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+        client.lookup(keys[:1])  # its session opens
+        lookup = channel.unary_unary(
+            "/kvtier.v1.KVTier/Lookup",
+            request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        ok = pb.LookupRequest(session_id=client.session_id, keys=keys)
+        bad = pb.LookupRequest(session_id="0" * 32, keys=keys)
+        rng = random.Random(0)
+        for _ in range(30):
+            calls = [
+                lookup.future(rng.choice((ok, bad)), timeout=rng.choice((None, 0.001 * i)))
+                for i in range(1, 17)
+            ]
+            time.sleep(rng.uniform(0, 0.003))
+            for call in calls:
+                if rng.random() < 0.5:
+                    call.cancel()
+            for call in calls:
+                if not call.cancelled():
+                    call.exception(timeout=60)  # answered, or its deadline passed
+        assert client.lookup(keys, timeout_s=60).prefix_len == 0
+        with pytest.raises(grpc.RpcError) as e:
+            lookup(bad, timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert client.stats().counters["requests_step_waited"] > 0
