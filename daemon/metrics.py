@@ -284,9 +284,9 @@ COUNTERS: dict[str, MetricDef] = {
     "requests_step_waited": _c(
         "kvtier_requests_step_waited_total",
         (),
-        "Large requests whose handler waited for its turn to start (another large request's "
-        "had just run): the calls that came meanwhile are taken up first; turns go round "
-        "robin over tenants.",
+        "Requests of 16 KiB or more whose handler waited for its turn to start (another such "
+        "request's had just run): the calls that came meanwhile are taken up first; turns go "
+        "round robin over tenants.",
     ),
     "requests_parse_refused": _c(
         "kvtier_requests_parse_refused_total",

@@ -11,10 +11,11 @@ Invariants:
   Requests are parsed by the servicer's own deserializers, a request of
   ``LARGE_REQUEST_BYTES`` or more in its turn, round robin over the tenants
   (``daemon/parseturns.py``): one client's flood of large requests does not hold other
-  clients' calls behind all of it. A large request's handler starts in its turn too, once
-  gRPC has handed over the calls that came meanwhile (``daemon/stepturns.py``): gRPC takes
-  up calls one a pass in the order they came, and one tenant's large steps, one a pass,
-  held another's small call behind every call queued before it. Bytes that are not a valid message become
+  clients' calls behind all of it. The handler of a request of ``STEP_TURN_BYTES`` or more
+  starts in its turn too, once gRPC has handed over the calls that came meanwhile
+  (``daemon/stepturns.py``): gRPC takes up calls one a pass in the order they came, and one
+  tenant's large steps, one a pass, held another's small call behind every call queued
+  before it. Bytes that are not a valid message become
   INVALID_ARGUMENT with at most one WARNING line per method every
   ``server.bad_request_log_interval_s`` (no traceback); domain errors map to their status;
   anything unexpected is INTERNAL with a traceback, at most one per method per interval.
@@ -97,7 +98,7 @@ from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
-from kvtier.daemon.stepturns import StepTurns
+from kvtier.daemon.stepturns import STEP_TURN_BYTES, StepTurns
 from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import (
@@ -1131,7 +1132,8 @@ class RequestReceiver:
     async def _receive(
         self, context: grpc.aio.ServicerContext, parse: Callable[[bytes], Any]
     ) -> tuple[Any, str | None]:
-        """``receive``'s request, and its sender if it is large (None if not)."""
+        """``receive``'s request, and its sender if its handler's first step takes a turn
+        (``STEP_TURN_BYTES`` or more; None if not)."""
         self.steps.arrived()
         if len(self.waiting) >= self.max_waiting:
             self._end(next(iter(self.waiting)), grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -1156,7 +1158,9 @@ class RequestReceiver:
             self.counters["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         if len(request) < LARGE_REQUEST_BYTES:
-            return parse(request), None
+            # Its handler may still cost the loop enough to take turns (``STEP_TURN_BYTES``).
+            sender = self._sender_of(request) if len(request) >= STEP_TURN_BYTES else None
+            return parse(request), sender
         sender = self._sender_of(request)
         # Handed over whole: ParseTurns frees the bytes of a request it refuses at once.
         held = [request]

@@ -11,7 +11,12 @@ began (``kvtier bench fair``). The parse of a large request takes turns already
 (``daemon/parseturns.py``), but a Lookup's parse is tens of microseconds; its handler is the
 cost. Here:
 
-- a request below ``LARGE_REQUEST_BYTES`` (``daemon/parseturns.py``) never waits;
+- a request below ``STEP_TURN_BYTES`` never waits (its handler's step is a few hundred
+  microseconds at most). That is a quarter of ``LARGE_REQUEST_BYTES``, the parse turns'
+  bound (``daemon/parseturns.py``): a Lookup of 1,800 keys, just under that, parses in
+  microseconds but its handler's step takes about half a 4,096-key one's, and with only
+  requests of 64 KiB taking turns, another tenant's one-key Lookup beside 8 open Lookups of
+  1,800 keys went p50 0.6 -> 9-15 ms (4 runs of 6; 1.7-3.1 ms with them in turns);
 - a larger one runs its first step in its turn, one at a time; the next turn is handed once
   ``QUIET_PASSES`` passes in a row and ``QUIET_S`` seconds went by without a new call (at
   most ``MAX_DEFERRED_PASSES`` passes after the last turn ended, so that a stream of small
@@ -41,6 +46,9 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
+# A request of this many bytes or more takes turns: some 480 keys of 32 bytes, a handler's
+# step of a few hundred microseconds, a few times the quiet window that the turn may cost it.
+STEP_TURN_BYTES = 16 << 10
 # gRPC takes up a queued call in one or two passes, or in the time its poller thread takes
 # to pass the "call came" event on (tens of microseconds on idle cores; a pass of an idle
 # loop takes a few): this many passes in a row and this long without one means its queue

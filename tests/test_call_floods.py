@@ -13,6 +13,7 @@ burst of 5,000 calls from one client). These tests speak HTTP/2 themselves
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections import Counter
@@ -23,9 +24,11 @@ from h2_frames import RawConnection
 
 from kvtier.client import PoolLayout, SharedMemoryPool
 from kvtier.daemon.config import ServerConfig
+from kvtier.daemon.parseturns import LARGE_REQUEST_BYTES
 from kvtier.daemon.pools import POOL_LOG_BURST, POOL_LOG_RATE_S
 from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
 from kvtier.daemon.service import SESSION_LOG_BURST, SESSION_LOG_RATE_S
+from kvtier.daemon.stepturns import STEP_TURN_BYTES
 from kvtier.proto import kvtier_pb2 as pb
 
 LOOKUP = "/kvtier.v1.KVTier/Lookup"
@@ -195,3 +198,28 @@ def test_regression_large_requests_waiting_for_their_turn_held_memory_without_bo
         assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0, codes
         assert set(codes) == {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert victim.stats().counters["requests_parse_refused"] > 0
+
+
+def test_regression_batches_just_under_64_kib_started_their_handlers_without_turns(daemon):
+    """Only requests of 64 KiB or more (``LARGE_REQUEST_BYTES``) took handler turns, but a
+    Lookup's cost is its handler's, per key: one of 1,800 keys (61 KB) takes about half a
+    4,096-key one's step, and beside a tenant's 8 open Lookups of 1,800 keys another tenant's
+    one-key Lookup went 0.63 -> 9.4 ms p50 (``kvtier bench fair --batch-keys 1800``), as
+    before handler turns. Such requests take turns now (``STEP_TURN_BYTES``): of 16 open at
+    once, some wait for theirs."""
+    keys = [os.urandom(32) for _ in range(1800)]
+    with daemon.client() as client, grpc.insecure_channel(f"unix:{daemon.socket}") as channel:
+        client.lookup(keys[:1])  # its session opens
+        request = pb.LookupRequest(session_id=client.session_id, keys=keys)
+        assert STEP_TURN_BYTES <= request.ByteSize() < LARGE_REQUEST_BYTES
+        lookup = channel.unary_unary(
+            "/kvtier.v1.KVTier/Lookup",
+            request_serializer=pb.LookupRequest.SerializeToString,
+            response_deserializer=pb.LookupResponse.FromString,
+        )
+        for _ in range(20):
+            calls = [lookup.future(request, timeout=60) for _ in range(16)]
+            assert all(c.result().prefix_len == 0 for c in calls)
+            if client.stats().counters.get("requests_step_waited", 0) > 0:
+                break
+        assert client.stats().counters.get("requests_step_waited", 0) > 0
