@@ -1157,10 +1157,12 @@ class RequestReceiver:
         if request is grpc.aio.EOF:
             self.counters["requests_malformed"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+        if len(request) < STEP_TURN_BYTES:
+            self.steps.took_small()
+            return parse(request), None
         if len(request) < LARGE_REQUEST_BYTES:
-            # Its handler may still cost the loop enough to take turns (``STEP_TURN_BYTES``).
-            sender = self._sender_of(request) if len(request) >= STEP_TURN_BYTES else None
-            return parse(request), sender
+            # Parsed at once, but its handler costs the loop enough to take turns.
+            return parse(request), self._sender_of(request)
         sender = self._sender_of(request)
         # Handed over whole: ParseTurns frees the bytes of a request it refuses at once.
         held = [request]

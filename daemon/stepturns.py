@@ -26,15 +26,19 @@ cost. Here:
 - turns go round robin over the senders (tenants), oldest first within one: a sender's
   request waits behind at most one of each other sender's, never behind another's queue.
 
-The passes in between are empty but for the calls taken up: the loop stays busy while large
-requests wait, and a tenant's batches alone lose the quiet window after each large step
-(``QUIET_S``, some 5% of a 4,096-key Lookup's step on a fast host). Measured here (2 cores
-shared, load 5-9), the batches' calls/s alone before -> after: 8 open, 303-325 -> 304-381;
-32 open, 399-525 -> 316-395 (some 20% fewer).
+The passes in between are empty but for the calls taken up: the loop spins while large
+requests wait, taking the cores from gRPC's poller thread and the clients, and with the
+window after every step a tenant's batches alone lost 16-46% of their calls/s here (Lookups
+of 4,096 keys, 8 or 32 open, 2 cores at load 7). So a sender alone skips the window: while
+for ``ALONE_S`` no call was taken up but that sender's requests that take turns, its next
+turn is handed at the next pass. The price is paid once per silence: another tenant's first
+call after one waits behind the calls queued before it, as before the turns, and brings the
+window back for its next ones.
 
 Invariants: at most one turn is held or handed at once, and ``_busy`` says whether one is
 (or its hand-on is scheduled); a turn handed to a call whose client left before it took it
-up passes on; a sender is queued only while it has a request waiting.
+up passes on; a sender is queued only while it has a request waiting; ``_mixed_at`` is the
+last time a call was taken up that was not one of ``_sender``'s requests that take turns.
 
 Thread-safety: the event loop only.
 """
@@ -42,6 +46,7 @@ Thread-safety: the event loop only.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -59,6 +64,11 @@ QUIET_S = 100e-6
 # The most passes a large step waits after the last: each pass costs microseconds when it
 # takes up no call, and one that takes a call up is that call's work, not a wait.
 MAX_DEFERRED_PASSES = 64
+# A sender alone skips the window: while for this long no call was taken up but that one
+# sender's requests that take turns, gRPC's queue holds no one else's call but one that came
+# after the silence (it waits as before the turns, once). An engine's scheduler calls at
+# every step, tens of milliseconds apart: far less than this.
+ALONE_S = 1.0
 
 
 class StepTurns:
@@ -78,10 +88,18 @@ class StepTurns:
         self._seen = 0
         self._quiet = 0
         self._deferred = 0
+        # The sender of the last request that took a turn, and when a call was last taken up
+        # that was not one of its (a small call, or another sender's that takes turns).
+        self._sender: str | None = None
+        self._mixed_at = -math.inf
 
     async def begin(self, sender: str) -> None:
         """Wait for ``sender``'s turn (none if no turn is held or waited for); ``end`` once
         the step is done, whatever it raised."""
+        if sender != self._sender:
+            if self._sender is not None:
+                self._mixed_at = self._clock()
+            self._sender = sender
         if not self._busy:
             self._busy = True
             return
@@ -102,6 +120,10 @@ class StepTurns:
         self._arrivals += 1
         self._arrived_at = self._clock()
 
+    def took_small(self) -> None:
+        """A call that takes no turn was taken up: its sender may have more in gRPC's queue."""
+        self._mixed_at = self._clock()
+
     def end(self) -> None:
         """The turn is over; the next is handed once the loop has taken up the calls that
         came meanwhile."""
@@ -111,7 +133,7 @@ class StepTurns:
         asyncio.get_running_loop().call_soon(self._hand_on)
 
     def _hand_on(self) -> None:
-        if self._waiting:
+        if self._waiting and self._clock() - self._mixed_at < ALONE_S:
             if self._arrivals != self._seen:
                 self._seen = self._arrivals
                 self._quiet = 0
