@@ -83,6 +83,8 @@ FREE_RETRY_MAX_S = 60.0
 # would pick them again and ask the tier below for room, a scan of it, at every period
 # (``mover.balance_interval_s``, 0.1 s by default) until its blocks may go.
 BALANCE_RETRY_S = 1.0
+# A tier none of whose victims waits (``SpaceManager.balance_kept``): ids, until when.
+_NONE_KEPT = (np.zeros(0, dtype=np.int64), np.zeros(0))
 
 EvictableFn = Callable[[np.ndarray], np.ndarray]
 
@@ -150,9 +152,10 @@ class SpaceManager:
         # Tier kind -> when the balancer tries a tier again whose last pass moved nothing down
         # (``BALANCE_RETRY_S``).
         self.balance_after: dict[TierKind, float] = {}
-        # Tier kind -> (until when, the victims its last pass kept): the passes before then
-        # pass over them (``BALANCE_RETRY_S``) and go on with the others.
-        self.balance_kept: dict[TierKind, tuple[float, np.ndarray]] = {}
+        # Tier kind -> (the victims its passes kept, until when each): the passes before then
+        # pass over them (``BALANCE_RETRY_S`` from the pass that kept each) and go on with
+        # the others.
+        self.balance_kept: dict[TierKind, tuple[np.ndarray, np.ndarray]] = {}
         # When ``forget_unconfirmed`` last scanned the table: the next scan is due a quarter
         # of its period later, as the period is then (a SIGHUP may have lowered it).
         self._last_forget = -np.inf
@@ -1618,11 +1621,11 @@ class SpaceManager:
                 continue
             n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
             mask = self.evictable(level, now)
-            if (kept_before := self.balance_kept.get(level.kind)) is not None:
-                if now < kept_before[0]:
-                    mask = _without(mask, kept_before[1])
-                else:
-                    del self.balance_kept[level.kind]
+            waiting, until = self.balance_kept.get(level.kind, _NONE_KEPT)
+            if len(waiting):
+                live = until > now
+                waiting, until = waiting[live], until[live]
+                mask = _without(mask, waiting)
             victims = self._victims(level, n, now, mask)
             if len(victims):
                 # Not the victims that stayed (read, pinned or hinted while they were
@@ -1634,13 +1637,20 @@ class SpaceManager:
                 if len(kept):
                     # Asked again at the next period, the tier below would be scanned for
                     # room as often while puts keep this tier above its watermark; a pass
-                    # that moved some victims down has others to move meanwhile.
-                    if kept_before is not None and now < kept_before[0]:
-                        kept = np.union1d(kept, kept_before[1])
-                    self.balance_kept[level.kind] = (now + BALANCE_RETRY_S, kept)
+                    # that moved some victims down has others to move meanwhile. Each
+                    # waits from the pass that kept it (not one wait for all, renewed by
+                    # every pass that kept some: the first kept, the coldest, waited as
+                    # long as the passes went on keeping others). None was waiting: the
+                    # mask left those out.
+                    waiting = np.r_[waiting, kept]
+                    until = np.r_[until, np.full(len(kept), now + BALANCE_RETRY_S)]
                     if evicted == 0:
                         self.balance_after[level.kind] = now + BALANCE_RETRY_S
                 self.counters.inc("watermark_evictions", evicted, tier=level.label)
+            if len(waiting):
+                self.balance_kept[level.kind] = (waiting, until)
+            else:
+                self.balance_kept.pop(level.kind, None)
 
     def _moves_down(self, level: Level) -> bool:
         """Whether a slot tier below ``level`` takes writes now (``_demote``'s targets; a

@@ -5054,3 +5054,57 @@ async def test_regression_full_rejections_counted_blocks_a_put_then_stored(make_
     assert res.tolist() == [PutResult.REJECTED_FULL] * 4
     assert store.counters.get("full_rejections", tier="L1") == 4
     assert store.counters.get("full_rejections", tier="L2") == 4
+
+
+async def test_regression_a_kept_victim_was_passed_over_past_balance_retry_s(make_store):
+    """Regression: each pass that kept victims set the wait of every victim kept before it
+    too (``BALANCE_RETRY_S`` from this pass), so while each pass within a second kept some
+    (L2 full, or victims read while demoted), the first kept, the coldest, were passed over
+    for good: the passes took warmer blocks instead, even once L2 had room for the coldest.
+    Each kept victim waits ``BALANCE_RETRY_S`` from the pass that kept it."""
+    clock = Clock()
+    t0 = clock.now
+    store = make_store(
+        clock,
+        l2_segments=1,
+        protect_s=5.0,
+        sets=(
+            "tiers.l1.high_watermark=0.5",
+            "tiers.l1.low_watermark=0.25",
+            "tiers.l2.admission=second_hit",
+        ),
+    )
+    pool = make_pool()
+    b = keys(16)
+    await put(store, pool, b)
+    assert await get(store, pool, b, range(32, 48)) == [True] * 16  # seen twice: admitted
+    store.space.apply_touches()
+    clock.now = t0 + 10
+    await store.evict(0, b, TierKind.HOST)  # L2 full: 16 blocks
+    a, d, e, h = keys(4), keys(4), keys(4), keys(4)
+    await put(store, pool, a, pages=range(16, 20))
+    assert await get(store, pool, a, range(32, 36)) == [True] * 4  # L2 would take these
+    store.space.apply_touches()
+    clock.now = t0 + 10.5
+    await put(store, pool, d, pages=range(20, 24))  # seen once: L2 declines them
+    clock.now = t0 + 11
+    await put(store, pool, e, pages=range(24, 28))
+    assert await get(store, pool, e, range(36, 40)) == [True] * 4  # L2 would take these
+    store.space.apply_touches()
+    clock.now = t0 + 11.5
+    await put(store, pool, h, pages=range(28, 32))  # seen once: L2 declines them
+    clock.now = t0 + 15.6
+    await store.lookup(0, b)  # L2's blocks read: protected until t0 + 20.6
+    refs = store.pin(store.table.lookup(0, np.concatenate([e, h])))
+    clock.now = t0 + 20
+    await store.balance()  # 100% of L1, e and h pinned: a stays, d goes
+    assert where(store, np.concatenate([a, d])) == ["L1"] * 4 + ["-"] * 4
+    store.unpin(refs)
+    clock.now = t0 + 20.5
+    await store.balance()  # 75% of L1, a passed over: e stays, h goes
+    assert where(store, np.concatenate([e, h])) == ["L1"] * 4 + ["-"] * 4
+    clock.now = t0 + 21.2  # a's wait is over, e's not; L2's blocks no longer protected
+    await put(store, pool, keys(4), pages=range(40, 44))  # 75% of L1 again
+    await store.balance()
+    assert where(store, a) == ["L2"] * 4
+    assert where(store, e) == ["L1"] * 4
