@@ -442,10 +442,9 @@ class _Engine:
         self.demotions = 0
         self.l2_writes = 0
         self.hinted = 0
-        # The balancer's victims that stayed, passed over until ``kept_until``; no pass
+        # The balancer's victims that stayed, each passed over until its time; no pass
         # before ``balance_after`` (``_balance``).
-        self.kept: list[int] = []
-        self.kept_until = -math.inf
+        self.kept: dict[int, float] = {}
         self.balance_after = -math.inf
         self.hits_per_request = np.zeros(trace.requests, dtype=np.int32)
         self.mask: EvictableFn | None = None
@@ -820,28 +819,27 @@ class _Engine:
         evictable blocks, less the victims a pass kept within ``BALANCE_RETRY_S``, each leave
         or stay (``_balance_out``). The pass goes on past a victim that stays, as the
         daemon's takes every victim it asked its policy for (this one ended at the first, so
-        the daemon dropped blocks past it that the replay kept); those that stayed are
-        passed over until ``BALANCE_RETRY_S`` later, and a pass that moved none leaves L1
-        alone until then."""
+        the daemon dropped blocks past it that the replay kept); each that stayed is
+        passed over until ``BALANCE_RETRY_S`` after the pass that kept it, and a pass that
+        moved none leaves L1 alone until then."""
         now = self.now
-        kept = self.kept
-        if now >= self.kept_until:
-            kept.clear()
-        kept_before = len(kept)
+        kept = {b: until for b, until in self.kept.items() if until > now}
+        self.kept = kept
+        passed_over = list(kept)
+        waiting = len(passed_over)
         moved = False
         for _ in range(n):
-            found = self.l1.policy.victims(1, now, _less(self.mask, kept))
+            found = self.l1.policy.victims(1, now, _less(self.mask, passed_over))
             if found is None:
                 break
             victim = int(found[0])
             if self._balance_out(victim):
                 moved = True
             else:
-                kept.append(victim)
-        if len(kept) > kept_before:
-            self.kept_until = now + BALANCE_RETRY_S
-            if not moved:
-                self.balance_after = self.kept_until
+                kept[victim] = now + BALANCE_RETRY_S
+                passed_over.append(victim)
+        if not moved and len(passed_over) > waiting:
+            self.balance_after = now + BALANCE_RETRY_S
 
     def _balance_out(self, victim: int) -> bool:
         """The balancer's eviction of ``victim`` from L1 (the daemon's ``balance``): a block

@@ -673,6 +673,35 @@ def test_regression_the_watermark_pass_ended_at_a_victim_l2_had_no_room_for() ->
     assert after.hits == before.hits + 1  # 2 stayed in L1; 3 is gone
 
 
+def test_regression_a_kept_victim_was_passed_over_past_balance_retry_s() -> None:
+    """Regression: each pass that kept victims set the wait of every victim kept before it
+    too, as the daemon's balancer did, so the first kept, the coldest, were passed over as
+    long as each pass within BALANCE_RETRY_S kept others. At 7 s block 2 (seen twice; L2
+    full of blocks 0-1, protected until 8 s) stays and waits until 8 s; at 7.5 s block 10
+    (seen twice) stays and waits until 8.5 s; at 8.2 s L2 has room and block 2 goes down to
+    it (not block 0 out of L1, warmer): read at 8.3 s it is an L2 hit, not an L1 one."""
+    requests = [
+        {"timestamp": 0, "hash_ids": [0, 1]},
+        {"timestamp": 500, "hash_ids": [0, 1]},
+        {"timestamp": 3900, "hash_ids": [2, 3]},
+        {"timestamp": 4000, "hash_ids": [2, 4, 5, 6]},  # 0-1 go down to L2
+        {"timestamp": 4600, "hash_ids": [10, 11]},
+        {"timestamp": 4700, "hash_ids": [10]},
+        {"timestamp": 5500, "hash_ids": [0, 1]},  # promoted back, L2's copies kept
+        {"timestamp": 7000, "hash_ids": [20]},  # 2 stays, 3-6 leave
+        {"timestamp": 7500, "hash_ids": [21]},  # 10 stays, 11 leaves
+        {"timestamp": 8200, "hash_ids": [20]},  # one victim
+        {"timestamp": 8300, "hash_ids": [2]},
+    ]
+    # L1: 10 blocks, above 5 a pass takes it down to 5.
+    stack = StackConfig(protect_s=2.5, l1_watermarks=(0.55, 0.5))
+    trace = trace_from_requests(requests)
+    result = replay(trace, "lru", 10, 2, l2_admission="second_hit", stack=stack)
+    assert result.declined == {"l2:first_seen": 4 + 1}
+    assert result.hits_per_request[-1] == 1
+    assert result.tier_hits["l2"] == 2 + 1  # 0-1 at 5.5 s, 2 at 8.3 s
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
