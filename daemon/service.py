@@ -724,6 +724,9 @@ class KVService:
         deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
         while not self.store.quiescent() and self._clock() < deadline:
             await asyncio.sleep(0.005)
+        # The blocks one by one, in slices between other calls; the rest below in one step,
+        # so that what it compares (leases and pins, counts and sums) is one moment's.
+        suspects = await self.store.check_suspects()
         strict = self.store.quiescent()
         problems: list[str] = []
         sessions = {s.session_id: s for s in self.sessions.sessions()}
@@ -769,7 +772,7 @@ class KVService:
         details: list[CheckDetail] = []
         limit = min(list_limit, MAX_CHECK_LIST)
         room = self.config.server.max_message_bytes // 2
-        for problem in self.store.check_problems(pins=dict(pins)):
+        for problem in self.store.check_problems(pins=dict(pins), suspects=suspects):
             if limit and (len(problem.blocks) or len(problem.slots)):
                 # Within the room left: fewer listed, the totals still count them all.
                 n_keys = min(limit, len(problem.blocks), room // CHECK_KEY_BYTES)
