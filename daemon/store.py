@@ -115,9 +115,10 @@ PUT_GROWING_MIN_BLOCK_BYTES = 256 << 10
 # measure, 32 and 4,096 keys, this machine).
 BARE_ROWS_COMPARED = 8
 # The blocks ``check_suspects`` examines one by one (their keys looked up, their policies
-# asked) in one step of the event loop. All 262,144 of a daemon's 4 KiB blocks in one step
-# held another client's one-key Lookups for the Check's whole 0.75 s (p50 750 ms beside
-# Checks back to back; 2 busy cores); in slices of 8,192 its p50 was 28 ms, of 2,048 9 ms.
+# and allocators asked) in one step of the event loop. All 262,144 of a daemon's 4 KiB blocks
+# in one step held another client's one-key Lookups for the Check's whole 0.75 s (p50 750 ms
+# beside Checks back to back; 2 busy cores); in slices of 8,192 its p50 was 28 ms, of 2,048
+# 9 ms.
 CHECK_SLICE_BLOCKS = 2048
 # Positions in a lookup's chain, shared: never written to.
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
@@ -163,11 +164,13 @@ class CheckProblem:
 @dataclass(frozen=True, slots=True)
 class CheckSuspects:
     """The blocks that broke a per-block invariant when ``check_suspects`` examined them, for
-    ``check_problems`` to examine again: ``lost``, not found by their keys; ``strays``, per
-    tier column, committed copies unknown to that tier's policy."""
+    ``check_problems`` to examine again: ``lost``, not found by their keys; per tier column,
+    ``strays``, committed copies unknown to that tier's policy, and ``unallocated``, copies
+    in slots its allocator has not handed out."""
 
     lost: np.ndarray
     strays: dict[int, np.ndarray]
+    unallocated: dict[int, np.ndarray]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1951,9 +1954,9 @@ class BlockStore:
 
     async def check_suspects(self) -> CheckSuspects:
         """The live blocks that break an invariant of their own (found by their key; a
-        committed copy known to its tier's policy), examined ``CHECK_SLICE_BLOCKS`` at a time
-        with a turn of the event loop between slices, so that a large store's Check does
-        not hold every other call for the whole table. Blocks change between slices: a
+        committed copy known to its tier's policy; a copy in an allocated slot), examined
+        ``CHECK_SLICE_BLOCKS`` at a time with a turn of the event loop between slices, so
+        that a large store's Check does not hold every other call for the whole table. Blocks change between slices: a
         suspect is only that, and ``check_problems`` examines it again in the state it then
         has (a block freed or moved meanwhile is not reported); a block broken after its
         slice is left to the next Check."""
@@ -1961,6 +1964,7 @@ class BlockStore:
         live = table.live_ids()
         lost: list[np.ndarray] = []
         strays: dict[int, list[np.ndarray]] = {level.col: [] for level in self.stack}
+        unallocated: dict[int, list[np.ndarray]] = {level.col: [] for level in self.stack}
         for start in range(0, len(live), CHECK_SLICE_BLOCKS):
             if start:
                 await asyncio.sleep(0)
@@ -1969,10 +1973,13 @@ class BlockStore:
             lost += [blocks for _, blocks in self._blocks_not_found(ids)]
             for level in self.stack:
                 strays[level.col].append(self._unknown_to_policy(level, ids))
-        return CheckSuspects(
-            np.concatenate([_NO_IDS, *lost]),
-            {col: np.concatenate([_NO_IDS, *found]) for col, found in strays.items()},
-        )
+                if not level.keyed:
+                    unallocated[level.col].append(self._not_allocated(level, ids)[0])
+
+        def joined(found: dict[int, list[np.ndarray]]) -> dict[int, np.ndarray]:
+            return {col: np.concatenate([_NO_IDS, *arrays]) for col, arrays in found.items()}
+
+        return CheckSuspects(np.concatenate([_NO_IDS, *lost]), joined(strays), joined(unallocated))
 
     def _blocks_not_found(self, ids: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(namespace, its blocks among the live ``ids`` that their keys do not find), for
@@ -1996,6 +2003,14 @@ class BlockStore:
         ids = ids[(table.slot[ids, level.col] >= 0) & (table.state[ids] == READY)]
         policy = level.policy
         return np.array([b for b in ids.tolist() if b not in policy], dtype=np.int64)
+
+    def _not_allocated(self, level: Level, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the blocks among ``ids`` with a copy in ``level`` in a slot its allocator has not
+        handed out, those slots)."""
+        ids = ids[self.table.slot[ids, level.col] >= 0]
+        slots = self.table.slot[ids, level.col].astype(np.int64)
+        ok = level.slots.allocator.allocated(slots)
+        return ids[~ok], slots[~ok]
 
     def check_problems(
         self, pins: dict[int, int] | None = None, suspects: CheckSuspects | None = None
@@ -2069,9 +2084,12 @@ class BlockStore:
                 continue
             alloc = level.slots.allocator
             problems += [CheckProblem(f"{label} allocator: {p}") for p in alloc.check()]
-            slots = table.slot[holders, col].astype(np.int64)
-            uniq, counts = np.unique(slots, return_counts=True)
-            if (counts > 1).any():
+            # Sorted alone first: counting each slot's blocks (np.unique) took four times as
+            # long, and only a store that breaks this needs the counts.
+            ordered = np.sort(table.slot[holders, col])
+            if (ordered[1:] == ordered[:-1]).any():
+                slots = table.slot[holders, col].astype(np.int64)
+                uniq, counts = np.unique(slots, return_counts=True)
                 shared = uniq[counts > 1]
                 problems.append(
                     CheckProblem(
@@ -2081,13 +2099,17 @@ class BlockStore:
                         slots=shared,
                     )
                 )
-            if not (ok := alloc.allocated(slots)).all():
+            examined = holders
+            if suspects is not None:
+                # The freed rows too: the slices examined live blocks only.
+                examined = np.union1d(suspects.unallocated.get(col, _NO_IDS), dead)
+            bad, bad_slots = self._not_allocated(level, examined)
+            if len(bad):
                 problems.append(
                     CheckProblem(
-                        f"{label}: {int(np.count_nonzero(~ok))} blocks hold slots that are not "
-                        "allocated",
-                        blocks=holders[~ok],
-                        slots=slots[~ok],
+                        f"{label}: {len(bad)} blocks hold slots that are not allocated",
+                        blocks=bad,
+                        slots=bad_slots,
                     )
                 )
             quarantined = int(level.tier.stats().gauges.get("quarantined_slots", 0))

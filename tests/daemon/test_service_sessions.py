@@ -705,3 +705,46 @@ def test_a_check_examines_again_the_blocks_that_changed_between_its_slices(monke
             assert (await service.check(admin)).problems == []
 
     asyncio.run(run())
+
+
+def test_a_check_in_slices_finds_what_a_check_in_one_step_finds(monkeypatch):
+    """Every invariant a Check examines block by block in slices (a key that finds its
+    block, a copy its policy knows, in an allocated slot) or in its last step (a slot of one
+    block, the allocator's and policy's counts) is still found: a store broken in each way
+    gets the problems that ``check_problems`` finds in one step over the whole table."""
+    monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 16)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            results, _ = await service.put(
+                session, pool, [os.urandom(32) for _ in range(128)], range(128), b""
+            )
+            assert (results == PutResult.STORED).all()
+            admin = _open_admin(service, service.tickets)
+            table, (level,) = store.table, store.stack
+            col, alloc = level.col, level.slots.allocator
+            one, other, given_back, lost, stray = (
+                int(b) for b in table.live_ids()[[3, 40, 41, 90, 120]]
+            )
+            other_slot, back_slot = int(table.slot[other, col]), int(table.slot[given_back, col])
+            table.slot[other, col] = table.slot[one, col]
+            alloc.free(back_slot)
+            table.keys[lost, 0] ^= 1
+            level.policy.remove(stray)
+            report = await service.check(admin, list_limit=10)
+            assert report.problems == [p.text for p in store.check_problems(pins={})]
+            for broken in (
+                f"L1: slot {int(table.slot[one, col])} belongs to 2 blocks",
+                "L1: 1 blocks hold slots that are not allocated",
+                "1 blocks of namespace ",
+                "L1: 1 blocks with a copy unknown to the policy",
+                "L1: the policy knows 127 blocks, 128 stored ones have a copy",
+            ):
+                assert any(p.startswith(broken) for p in report.problems), (broken, report)
+            table.slot[other, col] = other_slot
+            alloc.claim(back_slot, 4096)
+            table.keys[lost, 0] ^= 1
+            level.policy.insert(stray, 0.0)
+            assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
