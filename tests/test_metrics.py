@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -503,6 +504,14 @@ def _daemon_with_l2(sockdir, tmp_path, metrics_address: str) -> list[str]:
     ]
 
 
+def _exit_guard() -> threading.Timer:
+    """What ``main`` hands ``_serve`` to bound the exit after a stop (ae12c80), without its
+    ``os._exit``: the test's process must not end with the daemon's."""
+    guard = threading.Timer(3600, lambda: None)
+    guard.daemon = True
+    return guard
+
+
 async def test_regression_a_start_that_failed_once_serving_left_its_sockets(tmp_path):
     """The metrics endpoint starts once the daemon serves (``serve``'s ``on_ready``); its port
     is checked free before the start, but may be taken by then (an L2 recovery can take
@@ -522,12 +531,14 @@ async def test_regression_a_start_that_failed_once_serving_left_its_sockets(tmp_
     def load():
         return load_config(None, overrides, environ={})
 
+    guard = _exit_guard()
     try:
         none_held = SimpleNamespace(hangup=False, stop=None)  # main's signal holder, empty
         with pytest.raises(OSError, match="Address already in use"):
-            await main_module._serve(load(), load, none_held, {})
+            await main_module._serve(load(), load, none_held, {}, guard)
         assert sorted(p.name for p in sockdir.iterdir()) == []
     finally:
+        guard.cancel()
         taken.close()
         shutil.rmtree(sockdir, ignore_errors=True)
 
@@ -568,14 +579,16 @@ async def test_a_scrape_after_the_store_closed_answers_its_last_figures(tmp_path
     monkeypatch.setattr(server_module.Daemon, "start", recording_start)
     monkeypatch.setattr(server_module.Daemon, "stop", stop_then_scrape)
     monkeypatch.setattr(metrics_module.MetricsServer, "start", recording_metrics_start)
+    guard = _exit_guard()
     try:
         none_held = SimpleNamespace(hangup=False, stop=None)  # main's signal holder, empty
-        served = asyncio.create_task(main_module._serve(load(), load, none_held, {}))
+        served = asyncio.create_task(main_module._serve(load(), load, none_held, {}, guard))
         await started.wait()
         before = await asyncio.to_thread(scrape, urls[0])
         daemons[0].request_stop()
         await served
     finally:
+        guard.cancel()
         shutil.rmtree(sockdir, ignore_errors=True)
     (m,) = after_close
     assert value(m, "kvtier_tier_capacity_bytes", tier="L2") == 64 << 20
