@@ -437,6 +437,10 @@ class SpaceManager:
             src_col, table.nbytes[bids].astype(np.int64), table.owner[bids].astype(np.int64)
         ):
             src = self.stack.levels[col]
+            if src.keyed and not src.tier.health().serves_reads:
+                # Its reads answer misses at once (``KeyTier.read``: None): room made for
+                # them would evict blocks for nothing, each time a request asks for them.
+                continue
             group_bytes, caps = self._budget(src, dst, deadline)
             step = max(1, min(self.batch_blocks, group_bytes // max(size, 1)))
             for start in range(0, len(idx), step):

@@ -1844,6 +1844,39 @@ async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_sto
     assert [page_bytes(pool, p) for p in range(3)] == [bytes([i]) * 4096 for i in range(3)]
 
 
+async def test_regression_a_get_of_blocks_held_only_in_a_down_l3_evicted_l1_blocks_for_them(
+    make_store,
+):
+    """A Get promotes blocks held only below into L1's clean room; for blocks held only in an
+    L3 that is down it evicted L1 blocks (with an L2 copy) for promotions that could only
+    miss, and, since a read the store did not answer keeps the records, a Get of them evicted
+    again whenever L1 had filled meanwhile, all through the outage. A down source is not
+    promoted from: L1 keeps its blocks; the Get misses, and the blocks are promoted once the
+    tier is back."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store = make_store(
+        clock, l2_segments=4, l3=shared, sets=("tiers.l2.write_policy=write_through",)
+    )
+    pool = make_pool()
+    held = keys(16)
+    await put(store, pool, held)  # L1 full of blocks L2 holds too
+    await store.space.drain()
+    b = keys(2)
+    pages = HostBuffers([memoryview(page_bytes(pool, 40 + j)) for j in range(2)])
+    await shared.write([BlockRef(0, w.tobytes()) for w in b], 4096, pages)
+    assert (await store.lookup(0, b))[0] == 2
+    clock.now += 1
+    shared.down = True
+    for _ in range(3):
+        assert await get(store, pool, b, [30, 31]) == [False, False]
+    assert where(store, held) == ["L1"] * 16
+    assert where(store, b) == ["L3"] * 2
+    shared.down = False
+    assert await get(store, pool, b, [30, 31]) == [True, True]
+    assert where(store, b) == ["L1"] * 2
+
+
 async def test_a_lookup_asks_l3_again_only_about_rows_it_has_not_confirmed_for_known_s(
     make_store,
 ):
