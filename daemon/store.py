@@ -492,7 +492,8 @@ class BlockStore:
         ``owner``'s (the tenant whose namespace ``ns`` is), which ``ns`` is then bound to
         (``_bind_found``) if no put bound it. Rows of the chain held only in
         those tiers that none confirmed for ``tiers.l3.known_s`` are asked about in the same
-        probe (``_discover``): the tier may have dropped them since."""
+        probe (``_discover``): the tier may have dropped them since. Rows held only in such a
+        tier that is down are misses, their records kept (``_unreadable_to_misses``)."""
         ids, identities = self.table.lookup_identified(ns, words)
         if self._recovering and (ids < 0).any():
             ids, identities = await self._after_recovery(ns, words)
@@ -512,9 +513,12 @@ class BlockStore:
                 found = ids >= 0
                 hits = int(np.count_nonzero(found))
                 tiers = self._tiers_of(ids, found, hits)
+        if hits and self._keyed:
+            self._unreadable_to_misses(ids, tiers)
         if hits and (held := int(np.count_nonzero(tiers))) < hits:
             # Rows whose every copy is gone (a failed read of a block still pinned, kept
-            # until its lease ends) are misses: nothing could load them.
+            # until its lease ends) or is in a tier that is down are misses: nothing could
+            # load them now.
             found = tiers > 0
             ids[~found] = -1
             hits = held
@@ -567,6 +571,24 @@ class BlockStore:
         if hits:
             tiers[found] = self._fastest_kind(ids[found])
         return tiers
+
+    def _unreadable_to_misses(self, ids: np.ndarray, tiers: np.ndarray) -> None:
+        """Set ``tiers`` to 0 (absent) for the rows held only in key-addressed tiers that are
+        down: a Get of them misses (``KeyTier.read`` answers None), so a Lookup that answered
+        them found would have an engine plan loads that fail, request after request, all
+        through an outage. Their records stay, read again once the tier is back."""
+        only_keyed = np.flatnonzero(tiers >= self._keyed_kind)
+        if len(only_keyed) == 0:
+            return
+        down = [lv for lv in self._keyed if not lv.tier.health().serves_reads]
+        if not down:
+            return
+        rows = ids[only_keyed]
+        readable = np.zeros(len(rows), dtype=bool)
+        for level in self._keyed:
+            if level not in down:
+                readable |= self.table.slot[rows, level.col] >= 0
+        tiers[only_keyed[~readable]] = 0
 
     def _unconfirmed(self, ids: np.ndarray, tiers: np.ndarray) -> np.ndarray:
         """The positions of the rows whose fastest copy (``tiers``) is in a key-addressed

@@ -799,6 +799,10 @@ def test_regression_a_get_while_l3_did_not_answer_forgot_the_blocks_it_still_hel
             assert stats.counter("copies_lost", tier="L3") == 0
             assert l3_blocks(ca) == 6
             assert stats.counter("l3_read_errors") == 4
+            # L3 is down: a Lookup answers its blocks as misses (a Get of them could only
+            # miss), the records kept.
+            assert ca.lookup(chain).prefix_len == 0
+            assert l3_blocks(ca) == 6
         finally:
             fresh_redis.resume()
 
@@ -807,6 +811,7 @@ def test_regression_a_get_while_l3_did_not_answer_forgot_the_blocks_it_still_hel
             return l3.state == "ok"
 
         wait_for(l3_ok)
+        assert ca.lookup(chain).prefix_len == 6
         data[:] = 0
         assert ca.get(pool_id, chain[:4], range(32, 36)).loaded == [True] * 4
         assert np.array_equal(data[32 * bb : 36 * bb], want[: 4 * bb])

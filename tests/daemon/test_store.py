@@ -1844,6 +1844,33 @@ async def test_a_key_addressed_tier_that_is_down_is_a_miss_not_an_error(make_sto
     assert [page_bytes(pool, p) for p in range(3)] == [bytes([i]) * 4096 for i in range(3)]
 
 
+async def test_regression_a_lookup_answered_hits_for_blocks_held_only_in_an_l3_that_was_down(
+    make_store,
+):
+    """Since a Get's read of a down L3 keeps the blocks' records, a Lookup found them there
+    all through the outage: it answered L3 hits that every Get then missed, so an engine
+    planned loads that failed, request after request. Rows held only in a key-addressed tier
+    that is down are misses to a Lookup (no block id: not pinned), their records kept; a row
+    held here too is a hit; once the tier is back they are hits again."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    local, b = keys(1), keys(3)
+    assert await put(store, pool, local, pages=[20]) == [PutResult.STORED]
+    pages = HostBuffers([memoryview(page_bytes(pool, 40 + j)) for j in range(3)])
+    await shared.write([BlockRef(0, w.tobytes()) for w in b], 4096, pages)
+    chain = np.concatenate([local, b])
+    assert (await store.lookup(0, chain))[0] == 4
+    assert where(store, b) == ["L3"] * 3
+    shared.down = True
+    prefix, tiers, ids = await store.lookup(0, chain)
+    assert (prefix, tiers.tolist()) == (1, [int(TierKind.HOST), 0, 0, 0])
+    assert ids[1:].tolist() == [-1] * 3  # nothing for the service to pin or promote
+    assert where(store, b) == ["L3"] * 3  # still known there
+    shared.down = False
+    assert (await store.lookup(0, chain))[0] == 4
+
+
 async def test_regression_a_get_of_blocks_held_only_in_a_down_l3_evicted_l1_blocks_for_them(
     make_store,
 ):
@@ -1885,7 +1912,7 @@ async def test_a_lookup_asks_l3_again_only_about_rows_it_has_not_confirmed_for_k
     the ones L3 still has are confirmed (trusted again), the ones it lost are missing from
     then on, their L3 copies gone from the tier's count, and the first of them ends the
     prefix. A row a lease pins keeps its row, without the copy, until the lease ends. While
-    L3 cannot answer nothing changes."""
+    L3 is down nothing changes but that its rows answer misses."""
     clock = Clock()
     shared = MemoryKeyTier()
     store, pool = make_store(clock, l3=shared), make_pool()
@@ -1898,9 +1925,10 @@ async def test_a_lookup_asks_l3_again_only_about_rows_it_has_not_confirmed_for_k
     assert shared.counters["probes"] == asked  # all confirmed within known_s: no round trip
     await shared.remove([BlockRef(0, chain[i].tobytes()) for i in (2, 4)])
     clock.now += 2
-    shared.down = True  # no answer: the rows answer as before
+    shared.down = True  # no answer: the rows stay, misses while no Get could load them
     prefix, tiers, _ = await store.lookup(0, chain)
-    assert (prefix, tiers.tolist()) == (5, [remote] * 5 + [0])
+    assert (prefix, tiers.tolist()) == (0, [0] * 6)
+    assert present(store, chain) == [True] * 5 + [False]
     shared.down = False
     pinned = store.pin(store.table.lookup(0, chain[4:5]))
     prefix, tiers, ids = await store.lookup(0, chain)  # one probe: the five rows and the sixth key
