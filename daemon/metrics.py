@@ -116,7 +116,8 @@ COUNTERS: dict[str, MetricDef] = {
         "kvtier_load_failures_total",
         ("tier",),
         "Blocks a Get found in a tier but could not read (checksum mismatch, I/O error, "
-        "timeout): each is a miss, and that tier's copy is dropped.",
+        "absent from L3, L3 unreachable or timed out): each is a miss, and that tier's copy "
+        "is dropped, but for a read L3 did not answer (kept, read once L3 answers again).",
     ),
     "lookup_keys": _c("kvtier_lookup_keys_total", (), "Keys asked for by Lookup requests."),
     "loaded_from": _c(
