@@ -51,6 +51,30 @@ def redis_cluster_partial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     cluster.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_cluster_hostnames(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RedisClusterProcs]:
+    """As ``redis_cluster_partial``, its nodes announced by hostname: CLUSTER SLOTS, whence
+    the client's names, gives the hostname; CLUSTER NODES gives the address, the hostname
+    after it. The hostname, 127.1, resolves to 127.0.0.1 on any machine without a name
+    service, and is not "localhost", which redis-py replaces with its address."""
+    cluster = RedisClusterProcs(
+        tmp_path_factory.mktemp("redis-cluster-hostnames"),
+        masters=3,
+        extra_config="\n".join(
+            (
+                "cluster-require-full-coverage no",
+                "cluster-preferred-endpoint-type hostname",
+                "cluster-announce-hostname 127.1",
+            )
+        ),
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
 def cluster_options(cluster: RedisClusterProcs, prefix: str, **kw: Any) -> RemoteOptions:
     """The tier's options for ``cluster``, with generous timeouts: with 1 s, a loaded
     machine's round trips timed out and came back as misses. The test of a killed master
@@ -964,3 +988,27 @@ async def test_regression_one_master_refusing_the_password_stops_the_start(
         for node in redis_cluster.nodes:
             node.cli("CONFIG", "SET", "requirepass", "")
             node.password = None
+
+
+async def test_regression_a_master_lost_where_the_cluster_announces_hostnames_kept_l3_down(
+    redis_cluster_hostnames: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A master lost while the cluster announces its nodes by hostname (cluster-preferred-
+    endpoint-type hostname): L3 serves the other masters, degraded_io naming the lost one,
+    as where nodes are known by address. The check matched the client's name for the lost
+    master (the hostname's) with the address in CLUSTER NODES, found no node counting it
+    failed, and kept the tier down for as long as the master was gone."""
+    cluster = redis_cluster_hostnames
+    victim = cluster.nodes[1]
+    victim.kill()
+    try:
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        async with opened(cluster_options(cluster, l3_prefix)) as tier:
+            health = tier.health()
+            assert health.state is Health.DEGRADED_IO and health.partial, health
+            assert f"127.1:{victim.port}" in health.detail, health
+    finally:
+        victim.start()
+        await asyncio.to_thread(cluster.wait_ok)

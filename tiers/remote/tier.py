@@ -70,7 +70,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -1411,8 +1411,13 @@ class RemoteTier:
                 asyncio.gather(*(p.execute_command("CLUSTER", "NODES") for p in reachable)),
                 timeout,
             )
+            # By node id, found through a slot the client maps to the lost master: the views'
+            # addresses are not the client's names where the cluster announces hostnames
+            # (cluster-preferred-endpoint-type hostname) or other addresses.
+            slots = _a_slot_of(client, lost.keys())
             for name, why in lost.items():
-                if not reachable or not all(_counts_failed(view, name) for view in views):
+                failed = {_failed_owner(view, slots.get(name)) for view in views}
+                if len(failed) != 1 or None in failed:  # (none reachable: no view)
                     return f"{why} at {name}", {}
             return None, lost
         except _REFUSED_CREDENTIALS as e:
@@ -1486,15 +1491,38 @@ def _info_field(info: Any, name: str) -> str | None:
     return None
 
 
-def _counts_failed(nodes: Any, name: str) -> bool:
-    """Whether a CLUSTER NODES reply counts the node at ``name`` (host:port) failed: its
-    ``fail`` flag (``fail?`` is one node's suspicion, not yet the cluster's verdict)."""
+def _a_slot_of(client: Any, names: Iterable[str]) -> dict[str, int]:
+    """A slot the client maps to each server of ``names`` (a master it knows serves none has
+    no entry)."""
+    wanted = set(names)
+    found: dict[str, int] = {}
+    for slot, nodes in client.nodes_manager.slots_cache.items():
+        name = nodes[0].name if nodes else ""
+        if name in wanted and name not in found:
+            found[name] = slot
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+def _failed_owner(nodes: Any, slot: int | None) -> str | None:
+    """The id of the master that a CLUSTER NODES reply has serving ``slot``, if the reply
+    counts it failed (its ``fail`` flag; ``fail?`` is one node's suspicion, not yet the
+    cluster's verdict); else None."""
+    if slot is None:
+        return None
     text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
     for line in text.splitlines():
         fields = line.split()
-        if len(fields) > 2 and fields[1].split("@")[0] == name:
-            return "fail" in fields[2].split(",")
-    return False
+        if len(fields) < 9 or "master" not in fields[2].split(","):
+            continue
+        for served in fields[8:]:
+            if served.startswith("["):
+                continue  # a slot being moved, named by the node that owns it
+            first, _, last = served.partition("-")
+            if int(first) <= slot <= int(last or first):
+                return fields[0] if "fail" in fields[2].split(",") else None
+    return None
 
 
 class _Staging:
