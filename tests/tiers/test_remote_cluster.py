@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import subprocess
 import time
 from collections import defaultdict
@@ -990,6 +991,13 @@ async def test_regression_one_master_refusing_the_password_stops_the_start(
             node.password = None
 
 
+class _TopJitter(random.Random):
+    """Every jitter at the top of its range."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
 async def test_regression_a_master_lost_where_the_cluster_announces_hostnames_kept_l3_down(
     redis_cluster_hostnames: RedisClusterProcs, l3_prefix: str
 ) -> None:
@@ -1009,6 +1017,33 @@ async def test_regression_a_master_lost_where_the_cluster_announces_hostnames_ke
             health = tier.health()
             assert health.state is Health.DEGRADED_IO and health.partial, health
             assert f"127.1:{victim.port}" in health.detail, health
+    finally:
+        victim.start()
+        await asyncio.to_thread(cluster.wait_ok)
+
+
+async def test_regression_the_lost_master_recheck_ignored_the_injected_rng(
+    redis_cluster_partial: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """The recheck of a lost master is jittered by the tier's rng (injected: the whole
+    backoff_max_s here), as its other backoffs are; it took the global random's."""
+    cluster = redis_cluster_partial
+    victim = cluster.nodes[2]
+    victim.kill()
+    try:
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        tier = RemoteTier(
+            cluster_options(cluster, l3_prefix, backoff_max_s=300.0), rng=_TopJitter()
+        )
+        started = time.monotonic()
+        await tier.start()
+        try:
+            assert tier.health().state is Health.DEGRADED_IO
+            assert started + 300.0 <= tier._lost_retry_at <= time.monotonic() + 300.0
+        finally:
+            await tier.close()
     finally:
         victim.start()
         await asyncio.to_thread(cluster.wait_ok)

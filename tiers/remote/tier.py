@@ -257,8 +257,9 @@ class RemoteTier:
         self._clock = clock
         self._wall_clock = wall_clock
         self._names = KeyNamer(options.key_prefix, namespace_token)
-        self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, rng)
-        self._rng = rng
+        # One source of jitter for every backoff (a test's, when it injects one).
+        self._rng = rng or random.Random()
+        self._avail = Availability(options.backoff_initial_s, options.backoff_max_s, self._rng)
         # Per server out of memory (its name; "" for a single server): its writes paused
         # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
         # writes again. ``_avail`` itself is only UP or DOWN.
@@ -1344,7 +1345,7 @@ class RemoteTier:
             log.info("L3 master %s reachable again", server)
         self._lost = dict(lost)
         if lost:
-            self._lost_retry_at = self._clock() + self.options.backoff_max_s * random.uniform(
+            self._lost_retry_at = self._clock() + self.options.backoff_max_s * self._rng.uniform(
                 0.5, 1.0
             )
             if self._wake is not None:
