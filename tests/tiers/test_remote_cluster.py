@@ -1047,3 +1047,33 @@ async def test_regression_the_lost_master_recheck_ignored_the_injected_rng(
     finally:
         victim.start()
         await asyncio.to_thread(cluster.wait_ok)
+
+
+async def test_regression_the_master_of_slot_0_lost_kept_l3_down(
+    redis_cluster_partial: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """The master of slot 0 lost, the others serving: L3 serves them, degraded_io, as with
+    any other master lost. redis-py asks its default node (the first primary of CLUSTER
+    SLOTS, slot 0's) for the command table as the client is made, which failed on every
+    attempt while that master was gone: the tier stayed down."""
+    cluster = redis_cluster_partial
+    victim = cluster.owner_of_slot(0)
+    nbytes = 4096
+    n = 16
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    namer = KeyNamer(l3_prefix)
+    on_victim = [slot_of(namer, b) in served_slots(victim) for b in chain]
+    victim.kill()
+    try:
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        async with opened(cluster_options(cluster, l3_prefix)) as tier:
+            health = tier.health()
+            assert health.state is Health.DEGRADED_IO and victim.address in health.detail, health
+            stored = await tier.write(chain, nbytes, host(src))
+            assert stored == [not lost for lost in on_victim]
+    finally:
+        victim.start()
+        await asyncio.to_thread(cluster.wait_ok)

@@ -1386,7 +1386,7 @@ class RemoteTier:
             if not _is_cluster(client):
                 await self._bounded(client.ping(), timeout)
                 return None, {}
-            await self._bounded(client.initialize(), timeout)
+            await self._bounded(_initialize(client), timeout)
             primaries = client.get_primaries()
             infos = await self._bounded(
                 asyncio.gather(
@@ -1480,6 +1480,32 @@ def _carry_removals(source: RemovalJournal, dest: RemovalJournal) -> None:
 
 def _is_cluster(client: Any) -> bool:
     return isinstance(client, RedisCluster)
+
+
+async def _initialize(client: Any) -> None:
+    """Read the cluster's map, and the command table from the first primary that answers.
+    redis-py's ``initialize`` asks its default node only (the first primary of CLUSTER
+    SLOTS: slot 0's), so with that master lost every client failed to start and the tier
+    stayed down, though the other masters served."""
+    try:
+        await client.initialize()
+        return
+    except _UNREACHABLE_NODE:
+        if not client.nodes_manager.slots_cache:
+            raise  # no map: no startup node answered
+        asked = getattr(client.commands_parser, "node", None)
+        others = [p for p in client.get_primaries() if asked is None or p.name != asked.name]
+        for node in others:
+            try:
+                await client.commands_parser.initialize(node)
+            except _UNREACHABLE_NODE:
+                continue
+            client.set_default_node(node)
+            # What a successful ``initialize`` sets: its calls no longer start it again, and
+            # its close closes the connections.
+            client._initialize = False
+            return
+        raise
 
 
 def _info_field(info: Any, name: str) -> str | None:
