@@ -1471,6 +1471,42 @@ async def test_a_write_that_started_before_out_of_memory_does_not_resume_writes(
             assert tier.health().state is Health.OK
 
 
+async def test_regression_blocks_declined_at_send_time_kept_their_write_budget(
+    tmp_path: Path, l3_prefix: str
+) -> None:
+    """A write whose server paused for lack of memory while it waited for a connection
+    declines its blocks unsent, and gives back the write budget it took for them: they
+    were never sent. It kept it, so a full store's backoff also ate into the budget of the
+    writes after it."""
+    nbytes = 16 << 10
+    value = HEADER_BYTES + nbytes
+    now = [1000.0]  # the budget refills by nothing meanwhile
+    with RedisServer(tmp_path / "small", maxmemory_bytes=64 << 20) as server:
+        # One connection for bulk calls (a pool of 2, the other kept for probes): the second
+        # write waits for the first's, which the store refuses, pausing the writes.
+        opts = options(
+            server,
+            l3_prefix,
+            pool_size=2,
+            write_bytes_s=40_000,
+            max_value_bytes=64 << 10,
+            backoff_initial_s=30.0,
+            backoff_max_s=60.0,
+        )
+        async with opened(opts, clock=lambda: now[0]) as tier:
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 1)
+            first = asyncio.create_task(tier.write([ref(1)], nbytes, host([data(1, nbytes)])))
+            second = asyncio.create_task(
+                tier.write([ref(2), ref(3)], nbytes, host([data(2, nbytes), data(3, nbytes)]))
+            )
+            assert await first == [False]
+            assert await second == [False, False]
+            c = tier.stats().counters
+            assert (c["write_no_space"], c["write_skipped_down"]) == (1, 2)
+            assert tier.stats().gauges["write_budget_bytes"] == 65536 - value
+
+
 class _CountedWaits:
     """A tier's connection share that counts the calls that had to wait for a connection."""
 

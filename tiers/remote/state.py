@@ -136,3 +136,8 @@ class TokenBucket:
             return False
         self.tokens -= nbytes
         return True
+
+    def give_back(self, nbytes: int) -> None:
+        """Return ``nbytes`` taken for writes that were not sent after all (up to the burst)."""
+        if self.rate > 0:
+            self.tokens = min(self.burst, self.tokens + nbytes)

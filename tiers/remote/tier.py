@@ -748,10 +748,13 @@ class RemoteTier:
                 replies = await self._pipeline(put, self._bulk_ops)
         except _Paused:
             c["write_skipped_down"] += len(chosen)
+            self._budget.give_back(len(chosen) * (HEADER_BYTES + nbytes))
             return out
         except _Unreachable:
             return out
+        # Declined unsent (paused meanwhile): their share of the budget was not spent.
         c["write_skipped_down"] += len(chosen) - len(sent)
+        self._budget.give_back((len(chosen) - len(sent)) * (HEADER_BYTES + nbytes))
         no_space: dict[str, str] = {}
         stored: set[str] = set()
         for i, reply in zip(sent, replies, strict=True):
