@@ -1077,3 +1077,53 @@ async def test_regression_the_master_of_slot_0_lost_kept_l3_down(
     finally:
         victim.start()
         await asyncio.to_thread(cluster.wait_ok)
+
+
+async def test_regression_a_full_master_failed_over_kept_l3_s_up_gauge_at_0(
+    redis_cluster_replicated: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A master paused for lack of memory, then failed over to its replica: once the tier
+    serves through a client that knows the new master (here the one that found a lost
+    master back), the old one's pause counts no more and the ``up`` gauge is 1 again. The
+    pause, ended only by a write to its master that goes through, stayed for good (no
+    write goes to a replica), and ``up`` with it at 0."""
+    cluster = redis_cluster_replicated
+    nbytes = 4096
+    n = 32
+    chain = [ref(i) for i in range(n)]
+    src = [data(i, nbytes) for i in range(n)]
+    lost, full, _ = cluster.primaries()
+    (lost_replica,) = cluster.replicas_of(lost)
+    (full_replica,) = cluster.replicas_of(full)
+    for node in cluster.nodes:
+        node.cli("CONFIG", "SET", "cluster-require-full-coverage", "no")
+    try:
+        lost_replica.kill()  # first, so that it cannot take over
+        lost.kill()
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, lost), 30.0
+        )
+        async with opened(cluster_options(cluster, l3_prefix)) as tier:
+            assert tier.health().state is Health.DEGRADED_IO
+            full.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+            full.cli("CONFIG", "SET", "maxmemory", "1")
+            try:
+                await tier.write(chain, nbytes, host(src))
+                assert tier.stats().counters["write_no_space"] > 0
+            finally:
+                full.cli("CONFIG", "SET", "maxmemory", "0")
+            full_replica.cli("CLUSTER", "FAILOVER")
+            await until_primary(cluster, full_replica)
+            lost.start()
+            lost_replica.start()
+            await asyncio.to_thread(cluster.wait_ok)
+            await wait_for("L3 to be ok again", lambda: tier.health().state is Health.OK, 30.0)
+            assert await tier.write(chain, nbytes, host(src)) == [True] * n
+            await wait_for("L3 to be up", lambda: tier.stats().gauges["up"] == 1.0, 10.0)
+    finally:
+        for node in (lost, lost_replica):
+            if not node.running:
+                node.start()
+        for node in cluster.nodes:
+            node.cli("CONFIG", "SET", "cluster-require-full-coverage", "yes")
+        await asyncio.to_thread(cluster.wait_ok)

@@ -1108,12 +1108,22 @@ class RemoteTier:
 
     def _paused(self, now: float) -> dict[str, Availability]:
         """The servers whose writes an out-of-memory pause holds back now."""
-        return {server: full for server, full in self._full.items() if not full.takes_writes(now)}
+        return {s: full for s, full in self._pauses().items() if not full.takes_writes(now)}
+
+    def _pauses(self) -> dict[str, Availability]:
+        """The out-of-memory pauses of the servers that are masters as the client knows the
+        cluster now. One that left the slot map since (its replica took over) is sent no
+        write, so none would end its pause: it would count for good."""
+        client = self._client
+        if not self._full or not _is_cluster(client):
+            return self._full
+        primaries = {p.name for p in client.get_primaries()}
+        return {s: full for s, full in self._full.items() if s in primaries}
 
     def stats(self) -> TierStats:
         now = self._clock()
         a = self._avail
-        full = self._full  # paused, or taking writes again only once one goes through
+        full = self._pauses()  # paused, or taking writes again only once one goes through
         retry_at = min((f.retry_at for f in full.values()), default=a.retry_at)
         return TierStats(
             kind=TierKind.REMOTE,
