@@ -1507,6 +1507,37 @@ async def test_regression_blocks_declined_at_send_time_kept_their_write_budget(
             assert tier.stats().gauges["write_budget_bytes"] == 65536 - value
 
 
+async def test_writes_look_up_no_server_while_none_is_paused(
+    tmp_path: Path, l3_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-server checks of a write (which server each key goes to, is it paused) cost
+    about half a microsecond a block: a write makes them only while some server is paused
+    (or a cluster master lost), and one refused for lack of memory still starts the pause.
+    Every write made them."""
+    nbytes = 4096
+    with RedisServer(tmp_path / "small", maxmemory_bytes=64 << 20) as server:
+        async with opened(options(server, l3_prefix)) as tier:
+            looked_up = 0
+            servers_of = tier._servers_of
+
+            def counting(keys: list[bytes]) -> list[str]:
+                nonlocal looked_up
+                looked_up += len(keys)
+                return servers_of(keys)
+
+            monkeypatch.setattr(tier, "_servers_of", counting)
+            blocks = [ref(i) for i in range(8)]
+            src = host([data(i, nbytes) for i in range(8)])
+            assert await tier.write(blocks, nbytes, src) == [True] * 8
+            assert looked_up == 0
+            with raw_client(server) as raw:
+                raw.config_set("maxmemory", 1)
+            assert await tier.write(blocks, nbytes, src) == [False] * 8
+            assert tier.health().state is Health.DEGRADED_NOSPACE
+            assert await tier.write(blocks, nbytes, src) == [False] * 8
+            assert tier.stats().counters["write_skipped_down"] == 8
+
+
 class _CountedWaits:
     """A tier's connection share that counts the calls that had to wait for a connection."""
 

@@ -666,9 +666,13 @@ class RemoteTier:
             c["write_too_large"] += n
             return out
         all_keys = [self._names.key(b.ns, b.key) for b in blocks]
-        servers = self._servers_of(all_keys)
-        # A full server's blocks are declined; the other servers' go on.
-        open_ = [j for j in range(n) if self._takes_writes(servers[j], now)]
+        # Each key's server is looked up (a cost per block) only while some server is paused
+        # or lost: a full or lost server's blocks are declined, the other servers' go on.
+        servers: list[str] | None = None
+        open_ = list(range(n))
+        if self._full or self._lost:
+            servers = self._servers_of(all_keys)
+            open_ = [j for j in open_ if self._takes_writes(servers[j], now)]
         c["write_skipped_down"] += n - len(open_)
         chosen = [j for j in open_ if self._budget.take(size, now)]
         c["write_dropped_budget"] += len(open_) - len(chosen)
@@ -701,7 +705,13 @@ class RemoteTier:
         )
         try:
             return await self._write_framed(
-                chosen, keys, [servers[j] for j in chosen], gathered, nbytes, src, out
+                chosen,
+                keys,
+                None if servers is None else [servers[j] for j in chosen],
+                gathered,
+                nbytes,
+                src,
+                out,
             )
         finally:
             self._staging.give(gathered)
@@ -710,7 +720,7 @@ class RemoteTier:
         self,
         chosen: list[int],
         keys: list[bytes],
-        servers: list[str],
+        servers: list[str] | None,
         gathered: list[bytearray],
         nbytes: int,
         src: HostBuffers | PoolPages,
@@ -729,14 +739,20 @@ class RemoteTier:
         async def put(pipe: Any) -> None:
             # Run once a connection is free: a pause may have begun (or a refusal extended
             # it) while this write waited for one.
-            nonlocal sent
-            now = self._clock()
-            sent = [i for i, server in enumerate(servers) if self._takes_writes(server, now)]
-            if not sent:
-                raise _Paused
-            for server in {servers[i] for i in sent}:
-                if (full := self._full.get(server)) is not None:
-                    paused_since[server] = full.since
+            nonlocal sent, servers
+            if servers is None and (self._full or self._lost):
+                servers = self._servers_of(keys)
+            if servers is None:
+                sent = list(range(len(keys)))
+            else:
+                now = self._clock()
+                known = servers
+                sent = [i for i, server in enumerate(known) if self._takes_writes(server, now)]
+                if not sent:
+                    raise _Paused
+                for server in {known[i] for i in sent}:
+                    if (full := self._full.get(server)) is not None:
+                        paused_since[server] = full.since
             for i in sent:
                 if ttl:
                     pipe.execute_command("SET", keys[i], values[i], "EX", ttl)
@@ -762,12 +778,15 @@ class RemoteTier:
                 isinstance(reply, rx.ResponseError) and str(reply).startswith("OOM")
             ):
                 c["write_no_space"] += 1
+                if servers is None:  # none was paused when it was sent: which one is now
+                    servers = self._servers_of(keys)
                 no_space[servers[i]] = str(reply)
             elif isinstance(reply, BaseException):
                 self._reply_error(reply, "write_errors")
             elif reply:
                 out[chosen[i]] = True
-                stored.add(servers[i])
+                if servers is not None:  # (else none was paused: no pause for it to end)
+                    stored.add(servers[i])
                 c["write_stored"] += 1
                 c["bytes_written"] += nbytes
             else:
