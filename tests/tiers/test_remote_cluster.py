@@ -685,6 +685,7 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
             health = tier.health()
             assert health.state is Health.DEGRADED_NOSPACE
             assert full.address in health.detail and health.partial, health
+            assert "other masters serve and take writes" in health.detail, health
             c = tier.stats().counters
             assert (c["write_no_space"], c["write_skipped_down"]) == (len(refused), 0)
             # Within the backoff: the full master's blocks declined, the others stored.
@@ -767,6 +768,7 @@ async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degrad
         )
         health = tier.health()
         assert victim.address in health.detail and health.partial, health
+        assert "other masters serve and take writes" in health.detail, health
         for _ in range(3):
             dest = empty(n, nbytes)
             hits = await tier.read(chain, nbytes, host(dest))

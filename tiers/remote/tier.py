@@ -1095,8 +1095,8 @@ class RemoteTier:
         """DOWN while unreachable; DEGRADED_IO while masters are lost; DEGRADED_NOSPACE
         while an out-of-memory pause holds back the writes to a server (on a cluster, a
         master). The detail names each lost or paused master. ``partial`` while some master
-        is neither: the daemon goes on offering blocks and the tier declines those of the
-        others; once none is left (the others lost or full too) the tier accepts no write.
+        is neither (the detail says so): the daemon goes on offering blocks and the tier
+        declines those of the others; once none is left (the others lost or full too) the tier accepts no write.
         Once a pause's backoff is over its master counts as taking writes again, though it
         stays paused until a write to it goes through: only a write sent after the backoff
         ends the pause (or, refused again, extends it)."""
@@ -1113,12 +1113,19 @@ class RemoteTier:
             for server, why in self._lost.items()
         ]
         details += [
-            f"{server}: {full.detail}" if server else full.detail for server, full in paused.items()
+            f"master {server} out of memory ({full.detail}): its writes paused"
+            if server
+            else full.detail
+            for server, full in paused.items()
         ]
         # By name, not by count: a paused master may have left the slot map since (a failover).
         held = self._lost.keys() | paused.keys()
         client = self._client
         partial = _is_cluster(client) and any(p.name not in held for p in client.get_primaries())
+        if partial:
+            # Said where the state is shown (kvtier health, stats): degraded_io and
+            # degraded_nospace read as a tier that takes no write.
+            details.append("the other masters serve and take writes")
         return TierHealth(
             Health.DEGRADED_IO if self._lost else Health.DEGRADED_NOSPACE,
             "; ".join(details),
