@@ -1096,10 +1096,10 @@ class RemoteTier:
         while an out-of-memory pause holds back the writes to a server (on a cluster, a
         master). The detail names each lost or paused master. ``partial`` while some master
         is neither (the detail says so): the daemon goes on offering blocks and the tier
-        declines those of the others; once none is left (the others lost or full too) the tier accepts no write.
-        Once a pause's backoff is over its master counts as taking writes again, though it
-        stays paused until a write to it goes through: only a write sent after the backoff
-        ends the pause (or, refused again, extends it)."""
+        declines those of the others; once none is left (the others lost or full too) the
+        tier accepts no write. Once a pause's backoff is over its master counts as taking
+        writes again, though it stays paused until a write to it goes through: only a write
+        sent after the backoff ends the pause (or, refused again, extends it)."""
         a = self._avail
         now = self._clock()
         if a.state is Reach.DOWN:
