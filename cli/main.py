@@ -782,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
         type=_seconds(zero=True),
         default=1.0,
         metavar="S",
-        help="wait up to S seconds (at most 60) for transfers in flight first (default 1)",
+        help="wait up to S seconds (at most 60) for transfers in flight before the last step "
+        "(default 1)",
     )
     c.add_argument(
         "--list",

@@ -721,12 +721,15 @@ class KVService:
         each broken invariant of the store that names them, fewer where the answer would
         pass half of ``server.max_message_bytes``."""
         self._admin(session_id, "Check")
-        deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
-        while not self.store.quiescent() and self._clock() < deadline:
-            await asyncio.sleep(0.005)
         # The blocks one by one, in slices between other calls; the rest below in one step,
         # so that what it compares (leases and pins, counts and sums) is one moment's.
         suspects = await self.store.check_suspects()
+        # The wait for the transfers in flight comes after the slices, not before: the calls
+        # let in between them start transfers again, and the last step is the one that
+        # examines what holds only when none is in flight (strict).
+        deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
+        while not self.store.quiescent() and self._clock() < deadline:
+            await asyncio.sleep(0.005)
         strict = self.store.quiescent()
         problems: list[str] = []
         sessions = {s.session_id: s for s in self.sessions.sessions()}

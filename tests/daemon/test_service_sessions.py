@@ -748,3 +748,44 @@ def test_a_check_in_slices_finds_what_a_check_in_one_step_finds(monkeypatch):
             assert (await service.check(admin)).problems == []
 
     asyncio.run(run())
+
+
+def test_regression_a_settled_check_waited_before_its_slices_not_before_its_last_step(
+    monkeypatch,
+):
+    """``settle_ms`` waits for the transfers in flight to end so that the last step also
+    examines what holds only then (a tier's allocated slots are exactly its blocks'). The
+    wait came before the slices, and the calls let in between them started transfers again:
+    a node that was quiet at the Check's start and busy at its slices' end got a check that
+    was not strict, and a slot allocated to no block went unreported. The wait now comes
+    after the slices: here a block is in flight from the first slice's turn until 200 turns
+    of the loop later, and the settled Check is strict and finds the slot."""
+    monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 16)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys = [os.urandom(32) for _ in range(120)]
+            results, _ = await service.put(session, pool, keys, range(120), b"")
+            assert (results == PutResult.STORED).all()
+            admin = _open_admin(service, service.tickets)
+            table, (level,) = store.table, store.stack
+            leaked = level.slots.allocator.allocate(4096)
+            assert leaked is not None
+            busy = int(table.live_ids()[7])
+
+            def in_flight(turn: int) -> None:
+                if turn == 1:
+                    table.inflight[busy] += 1
+                elif turn == 200:
+                    table.inflight[busy] -= 1
+
+            assert store.quiescent()
+            counter = asyncio.ensure_future(_count_turns([0], in_flight))
+            report = await service.check(admin, settle_ms=60_000)
+            counter.cancel()
+            assert report.strict, report
+            assert "L1: 121 slots allocated, 120 held by blocks" in report.problems, report
+            level.slots.allocator.free(leaked)
+            assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
