@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import DaemonProcess
+from harness import DaemonProcess, entry_setting
 
 from kvtier.client import (
     FailedPreconditionError,
@@ -327,6 +327,38 @@ def test_restart_serves_everything_flushed_at_stop(daemon_factory, tmp_path):
                 == 500
             )
         assert np.array_equal(shm.array(), src)
+
+
+def test_checks_while_l2_is_read_back_report_nothing(daemon_factory, tmp_path):
+    """Checks (in slices of 8 blocks) while a restart reads L2's index back, 4 rows a chunk
+    on a worker thread, the rows indexed between requests: what a chunk claimed and what it
+    indexed are one step's, so no Check reports a block or slot half recovered; once the
+    recovery is over a strict Check finds nothing either."""
+    d = daemon_factory(*l2_args(tmp_path / "l2"), l1_bytes="64MiB")
+    n = 2000
+    layout = PoolLayout.staging(
+        num_layers=1, num_pages=n, block_tokens=1, chunk_bytes=4096, kv_count=1
+    )
+    with d.client() as client, SharedMemoryPool.for_layout(layout) as shm:
+        fill(shm, 5)
+        pool = client.register_pool(shm, layout)
+        client.put(pool.pool_id, keys(n, 5), range(n), durable=True)
+    assert d.stop() == 0
+    d.entry = entry_setting(
+        {"kvtier.daemon.store.RECOVERY_ROWS": 4, "kvtier.daemon.store.CHECK_SLICE_BLOCKS": 8}
+    )
+    d.start(wait=False)
+    wait_until_serving(d.address, 60)  # it serves while it recovers
+    reports = []
+    with d.client() as client:
+        while True:
+            recovering = client.stats().gauges["recovering"]
+            reports.append(client.check(settle_s=0))
+            if not recovering:
+                break
+        assert [r.problems for r in reports if r.problems] == []
+        final = client.check(settle_s=10)
+        assert final.strict and final.problems == [] and final.blocks == n
 
 
 def test_prefetch_promotes_ahead_of_use(daemon_factory, tmp_path):
