@@ -789,3 +789,45 @@ def test_regression_a_settled_check_waited_before_its_slices_not_before_its_last
             assert (await service.check(admin)).problems == []
 
     asyncio.run(run())
+
+
+def test_a_check_reads_the_table_arrays_anew_after_they_grow_between_its_slices(monkeypatch):
+    """The table's arrays are replaced by larger ones when it grows, which a put may do
+    between a Check's slices: a slice that read an array kept from before would examine the
+    old one, and the last step examines again only what the slices found. Here the table
+    grows after the first slice and then, in the new arrays only, a later slice's block
+    is given a slot its allocator has not handed out: the Check reports it."""
+    monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 16)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            results, _ = await service.put(
+                session, pool, [os.urandom(32) for _ in range(64)], range(64), b""
+            )
+            assert (results == PutResult.STORED).all()
+            admin = _open_admin(service, service.tickets)
+            table, (level,) = store.table, store.stack
+            alloc, col = level.slots.allocator, level.col
+            later = int(table.live_ids()[50])
+            held = int(table.slot[later, col])
+            unallocated = alloc.allocate(4096)
+            assert unallocated is not None
+            alloc.free(unallocated)
+            old_slots, capacity = table.slot, table.capacity
+
+            def between_slices(turn: int) -> None:
+                if turn == 1:
+                    table._grow(capacity * 2)
+                    table.slot[later, col] = unallocated
+
+            counter = asyncio.ensure_future(_count_turns([0], between_slices))
+            report = await service.check(admin, list_limit=10)
+            counter.cancel()
+            assert table.slot is not old_slots and table.capacity == capacity * 2
+            # (The slot lies in a segment no size class holds: the tenant's slot sum differs too.)
+            assert report.problems[0] == "L1: 1 blocks hold slots that are not allocated", report
+            assert report.details[0].slots == [unallocated]
+            table.slot[later, col] = held
+            assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
