@@ -80,8 +80,8 @@ class TurnRefused(Exception):
 
 def session_id_of(data: bytes) -> str:
     """The session id that serialized request ``data`` names first, or "" where it does not
-    start with one (a sender that writes its fields in another order shares the turn of
-    requests naming no session)."""
+    start with one (a sender that writes its fields in another order shares the parse turn
+    of requests naming no session; its handler's turn, ``RequestReceiver``, is its own)."""
     if not data.startswith(_SESSION_ID_PREFIX) or len(data) < _SESSION_ID_END:
         return ""
     return data[len(_SESSION_ID_PREFIX) : _SESSION_ID_END].decode("ascii", "replace")

@@ -753,7 +753,7 @@ class Daemon:
             MAX_RECEIVING_REQUESTS,
             REQUEST_RECEIVE_TIMEOUT_S,
             self.service.counters,
-            lambda data: self.sessions.limit_key_of(session_id_of(data)),
+            self.sessions.limit_key_of,
             WAITING_MESSAGES * cfg.max_message_bytes,
         )
 
@@ -1046,16 +1046,20 @@ class RequestReceiver:
         max_waiting: int,
         timeout_s: float,
         counters: Counter[str],
-        sender_of: Callable[[bytes], str] = lambda data: "",
+        sender_of: Callable[[str], str] = lambda session_id: "",
         max_turn_bytes: int = WAITING_MESSAGES * ServerConfig.max_message_bytes,
     ) -> None:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.counters = counters
-        # Large requests are parsed in turns, round robin over ``sender_of`` each; those
-        # waiting for theirs hold at most ``max_turn_bytes``.
-        self.turns = ParseTurns(sender_of, counters, max_turn_bytes)
-        # Their handlers' first steps go in turns too, once the calls queued in gRPC are in.
+        # Large requests are parsed in turns, round robin over the senders (``sender_of``
+        # their session), read from the bytes before the parse; those waiting for theirs
+        # hold at most ``max_turn_bytes``.
+        self.turns = ParseTurns(
+            lambda data: sender_of(session_id_of(data)), counters, max_turn_bytes
+        )
+        # Their handlers' first steps go in turns too, once the calls queued in gRPC are in,
+        # by the parsed request's session: wherever its client wrote the field.
         self._sender_of = sender_of
         self.steps = StepTurns(counters)
         # Calls waiting for their request, oldest first (a dict keeps insertion order).
@@ -1162,16 +1166,18 @@ class RequestReceiver:
             return parse(request), None
         if len(request) < LARGE_REQUEST_BYTES:
             # Parsed at once, but its handler costs the loop enough to take turns.
-            return parse(request), self._sender_of(request)
-        sender = self._sender_of(request)
-        # Handed over whole: ParseTurns frees the bytes of a request it refuses at once.
-        held = [request]
-        del request
-        try:
-            return await self.turns.parse(held, parse), sender
-        except TurnRefused as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        raise AssertionError("unreachable")  # abort raises
+            parsed = parse(request)
+        else:
+            # Handed over whole: ParseTurns frees the bytes of a request it refuses at once.
+            held = [request]
+            del request
+            try:
+                parsed = await self.turns.parse(held, parse)
+            except TurnRefused as e:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+                raise AssertionError("unreachable") from None  # abort raises
+        # A malformed request names no session: it goes with those naming none.
+        return parsed, self._sender_of(getattr(parsed, "session_id", ""))
 
     def _expire(self) -> None:
         """End the calls that have waited ``timeout_s``; re-armed for the oldest left."""

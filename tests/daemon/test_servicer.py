@@ -293,3 +293,37 @@ def test_past_its_limit_the_receiver_ends_the_call_that_has_waited_longest():
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("nkeys", [600, 2000])  # handler turns only; parse turns as well
+def test_regression_a_request_naming_its_session_last_took_the_turns_of_requests_naming_none(
+    nkeys,
+):
+    """A large request's handler turn went to the sender that ``session_id_of`` read from its
+    first bytes: a client whose protobuf library wrote the session id after the keys took
+    the turns of the requests naming no session (\"\"), while served as its tenant, and one
+    writing both orders had two turns per round. The handler's turn now goes by the parsed
+    request's session, wherever it was written."""
+    from kvtier.daemon.parseturns import LARGE_REQUEST_BYTES
+    from kvtier.daemon.stepturns import STEP_TURN_BYTES
+
+    session_id = "ab" * 16
+    late = (
+        pb.LookupRequest(keys=[i.to_bytes(32, "big") for i in range(nkeys)]).SerializeToString()
+        + pb.LookupRequest(session_id=session_id).SerializeToString()
+    )
+    assert len(late) >= STEP_TURN_BYTES and (len(late) >= LARGE_REQUEST_BYTES) == (nkeys > 600)
+
+    class Sent(FakeContext):
+        async def read(self) -> bytes:
+            return late
+
+    async def run() -> tuple[Any, str | None]:
+        receiver = RequestReceiver(
+            8, 100.0, Counter(), lambda sid: "tenant-a" if sid == session_id else ""
+        )
+        return await receiver._receive(Sent(), pb.LookupRequest.FromString)
+
+    request, sender = asyncio.run(run())
+    assert request.session_id == session_id and len(request.keys) == nkeys
+    assert sender == "tenant-a"
