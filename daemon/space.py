@@ -65,7 +65,7 @@ from kvtier.daemon.stack import Level, TierStack, TokenBucket
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.table import READY, BlockTable
 from kvtier.daemon.transfer import PrefetchExpired, TransferEngine
-from kvtier.tiers.base import Priority, TierKind, WriteOutcomes
+from kvtier.tiers.base import Health, Priority, TierKind, WriteOutcomes
 from kvtier.tiers.executor import Urgency
 
 log = logging.getLogger(__name__)
@@ -437,10 +437,15 @@ class SpaceManager:
             src_col, table.nbytes[bids].astype(np.int64), table.owner[bids].astype(np.int64)
         ):
             src = self.stack.levels[col]
-            if src.keyed and not src.tier.health().serves_reads:
-                # Its reads answer misses at once (``KeyTier.read``: None): room made for
-                # them would evict blocks for nothing, each time a request asks for them.
-                continue
+            if src.keyed and src.tier.health().state is not Health.OK:
+                # The blocks it cannot serve now (``KeyTier.unserved``: down, or a lost
+                # master's) are read as misses at once (``KeyTier.read``: None): room made
+                # for them would evict blocks for nothing, each time a request asks for them.
+                unserved = src.keys.unserved(table.block_refs(bids[idx]))
+                if unserved:
+                    idx = np.delete(idx, unserved)
+                    if len(idx) == 0:
+                        continue
             group_bytes, caps = self._budget(src, dst, deadline)
             step = max(1, min(self.batch_blocks, group_bytes // max(size, 1)))
             for start in range(0, len(idx), step):

@@ -67,6 +67,7 @@ from kvtier.daemon.transfer import TransferEngine
 from kvtier.tiers.base import (
     PROBE_UNKNOWN,
     BlockRef,
+    Health,
     Priority,
     Quarantine,
     QuarantinedSlot,
@@ -573,21 +574,26 @@ class BlockStore:
         return tiers
 
     def _unreadable_to_misses(self, ids: np.ndarray, tiers: np.ndarray) -> None:
-        """Set ``tiers`` to 0 (absent) for the rows held only in key-addressed tiers that are
-        down: a Get of them misses (``KeyTier.read`` answers None), so a Lookup that answered
-        them found would have an engine plan loads that fail, request after request, all
-        through an outage. Their records stay, read again once the tier is back."""
+        """Set ``tiers`` to 0 (absent) for the rows held only in key-addressed tiers that
+        cannot serve them now (``KeyTier.unserved``: the tier down, or the block's cluster
+        master lost): a Get of them misses (``KeyTier.read`` answers None), so a Lookup that
+        answered them found would have an engine plan loads that fail, request after request,
+        all through an outage. Their records stay, read again once the tier is back."""
         only_keyed = np.flatnonzero(tiers >= self._keyed_kind)
         if len(only_keyed) == 0:
             return
-        down = [lv for lv in self._keyed if not lv.tier.health().serves_reads]
-        if not down:
+        # Only a tier that is not OK is asked (it names keys for that): none on a healthy path.
+        impaired = [lv for lv in self._keyed if lv.tier.health().state is not Health.OK]
+        if not impaired:
             return
         rows = ids[only_keyed]
         readable = np.zeros(len(rows), dtype=bool)
         for level in self._keyed:
-            if level not in down:
-                readable |= self.table.slot[rows, level.col] >= 0
+            held = self.table.slot[rows, level.col] >= 0
+            if level in impaired and held.any():
+                at = np.flatnonzero(held)
+                held[at[level.keys.unserved(self.table.block_refs(rows[at]))]] = False
+            readable |= held
         tiers[only_keyed[~readable]] = 0
 
     def _unconfirmed(self, ids: np.ndarray, tiers: np.ndarray) -> np.ndarray:

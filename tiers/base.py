@@ -605,6 +605,13 @@ class KeyTier(Protocol):
 
     async def remove(self, blocks: Sequence[BlockRef]) -> None: ...
 
+    def unserved(self, blocks: Sequence[BlockRef]) -> list[int]:
+        """The positions of the blocks that ``read`` misses now without asking the store
+        (None at once): every one while the tier is down, those of a part of the store it
+        knows it cannot reach (a cluster's lost master); none while it is OK. No round trip:
+        the store skips promotions and answers lookups by it."""
+        ...
+
     def set_write_rate(self, bytes_s: int) -> None:
         """The tier's write budget (bytes/s, 0: unlimited): ``write`` answers False for the
         blocks beyond it (they are dropped, never queued: the tier is written behind)."""

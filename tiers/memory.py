@@ -304,6 +304,9 @@ class MemoryKeyTier:
             self.values.pop((ref.ns, bytes(ref.key)), None)
             self.written_at.pop((ref.ns, bytes(ref.key)), None)
 
+    def unserved(self, blocks: Sequence[BlockRef]) -> list[int]:
+        return list(range(len(blocks))) if self.down else []
+
     def health(self) -> TierHealth:
         return TierHealth(Health.DOWN, "test: down") if self.down else HEALTHY
 

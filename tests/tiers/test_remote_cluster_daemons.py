@@ -7,16 +7,31 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from kvtier.bench.redis_proc import RedisClusterProcs
+from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.client import KvtierError, PoolLayout, SharedMemoryPool, Tier
 
 pytestmark = pytest.mark.redis_cluster
 
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_bytes=8 << 10)
+
+
+@pytest.fixture
+def redis_cluster_partial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    """Three masters, no replicas, that go on serving the slots they have while one is lost
+    (``cluster-require-full-coverage no``). A test's own: it loses a master for good."""
+    cluster = RedisClusterProcs(
+        tmp_path_factory.mktemp("redis-cluster-partial"),
+        masters=3,
+        extra_config="cluster-require-full-coverage no",
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
 
 
 def node(daemon_factory, tmp_path, name: str, cluster: RedisClusterProcs, prefix: str):
@@ -153,3 +168,113 @@ def test_a_full_master_holds_back_its_own_blocks_only_not_the_daemon_s_other_l3_
         assert stored([full]) == 0
     finally:
         full.cli("CONFIG", "SET", "maxmemory", "0")
+
+
+def wait_counted_failed(cluster: RedisClusterProcs, lost: RedisServer) -> None:
+    """Until every running master counts ``lost`` failed and serves its own slots."""
+    lost_id = cluster.node_id(lost)
+
+    def counted() -> bool:
+        for other in cluster.nodes:
+            if not other.running:
+                continue
+            if "cluster_state:ok" not in other.cli("CLUSTER", "INFO", check=False):
+                return False
+            lines = [f for f in other.cli("CLUSTER", "NODES").splitlines() if f.startswith(lost_id)]
+            if not lines or "fail" not in lines[0].split()[2].split(","):
+                return False
+        return True
+
+    deadline = time.monotonic() + 30
+    while not counted():
+        assert time.monotonic() < deadline, "the masters did not count the lost one failed"
+        time.sleep(0.1)
+
+
+def test_regression_a_lost_master_s_blocks_are_lookup_misses_and_a_get_evicts_nothing_for_them(
+    daemon_factory, tmp_path, redis_cluster_partial, l3_prefix
+):
+    """One master of three lost for good (full coverage off: the others serve). The blocks
+    held only in L3 on that master were answered as L3 hits by a Lookup (rows confirmed
+    within known_s), though a Get of them can only miss (L3 reads none of a lost master's
+    keys), and a Get made room for them in a full L1, evicting blocks for nothing. Now the
+    Lookup answers them as misses and the other masters' as L3 hits; the Get evicts none of
+    L1's blocks."""
+    cluster = redis_cluster_partial
+    a = node(daemon_factory, tmp_path, "a", cluster, l3_prefix)
+    b = daemon_factory(
+        "tiers.l1.capacity_bytes=1MiB",  # 32 blocks
+        "tiers.l1.segment_bytes=256KiB",
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={tmp_path / 'b' / 'l2'}",
+        "tiers.l2.capacity_bytes=64MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=64MiB",
+        "tiers.l2.write_policy=write_through",
+        "policy.protect_s=0",  # L1's blocks evictable as soon as L2 holds them
+        "tiers.l3.enabled=true",
+        "tiers.l3.mode=cluster",
+        f"tiers.l3.urls=[{', '.join(cluster.urls)}]",
+        f"tiers.l3.key_prefix='{l3_prefix}'",
+        "tiers.l3.admission=always",
+        "tiers.l3.known_s=3600",  # the rows stay confirmed: no probe asks about them again
+        "tiers.l3.op_timeout_s=5.0",
+        "tiers.l3.connect_timeout_s=0.5",
+        "tiers.l3.backoff_initial_s=0.05",
+        "tiers.l3.backoff_max_s=0.3",
+    )
+    shared = keys(32, 1)
+    with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = ca.register_pool(shm, LAYOUT)
+        assert ca.put(pool.pool_id, shared, range(32)).prefix_len == 32
+        deadline = time.monotonic() + 30
+        while ca.stats().counter("copies", direction="L1->L3") < 32:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    victim = cluster.nodes[1]
+    on_victim = {
+        bytes.fromhex(k.rsplit(":", 1)[1])
+        for k in victim.cli("--scan", "--pattern", f"{l3_prefix}*").split()
+    }
+    lost = [i for i, k in enumerate(shared) if k in on_victim]
+    assert lost and len(lost) < 32
+    with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert cb.lookup(shared).tiers == [Tier.L3_REMOTE] * 32
+        pool = cb.register_pool(shm, LAYOUT)
+        own = keys(32, 2)  # L1 full of b's own blocks, each with an L2 copy
+        assert cb.put(pool.pool_id, own, range(32)).prefix_len == 32
+
+        def l3_state() -> str:
+            (l3,) = [t for t in cb.stats().tiers if t.tier == Tier.L3_REMOTE]
+            return l3.state
+
+        victim.kill()
+        wait_counted_failed(cluster, victim)
+        deadline = time.monotonic() + 30
+        round_ = 0
+        while not l3_state().startswith("degraded_io"):
+            assert time.monotonic() < deadline, l3_state()
+            cb.lookup(keys(8, 1000 + round_))  # misses: probes that meet the lost master
+            round_ += 1
+            time.sleep(0.05)
+        tiers = cb.lookup(shared).tiers
+        assert [i for i, t in enumerate(tiers) if t == Tier.ABSENT] == lost
+        assert [i for i, t in enumerate(tiers) if t == Tier.L3_REMOTE] == [
+            i for i in range(32) if i not in lost
+        ]
+
+        deadline = time.monotonic() + 30
+        while cb.stats().counter("copies", direction="L1->L2") < 32:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        while (l1_now := cb.lookup(own).tiers) != cb.lookup(own).tiers:  # balanced
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        l1_before = [i for i, t in enumerate(l1_now) if t == Tier.L1_HOST]
+        assert len(l1_before) >= 16
+        evictions = cb.stats().counter("evictions", tier="L1")
+        lost_keys = [shared[i] for i in lost]
+        for _ in range(3):
+            assert cb.get(pool.pool_id, lost_keys, range(32, 32 + len(lost))).prefix_len == 0
+        assert [i for i, t in enumerate(cb.lookup(own).tiers) if t == Tier.L1_HOST] == l1_before
+        assert cb.stats().counter("evictions", tier="L1") == evictions

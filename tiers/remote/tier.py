@@ -830,6 +830,17 @@ class RemoteTier:
             return list(range(len(keys)))
         return [j for j, server in enumerate(self._servers_of(keys)) if server not in self._lost]
 
+    def unserved(self, blocks: Sequence[BlockRef]) -> list[int]:
+        """``KeyTier.unserved``: every block while the tier is down, a lost master's (those
+        ``read`` does not send); the keys are named and their servers looked up only while a
+        master is lost."""
+        if not self._avail.serves(self._clock()):
+            return list(range(len(blocks)))
+        if not self._lost:
+            return []
+        keys = [self._names.key(b.ns, b.key) for b in blocks]
+        return [j for j, server in enumerate(self._servers_of(keys)) if server in self._lost]
+
     def _servers_of(self, keys: list[bytes]) -> list[str]:
         """The server each key goes to as the client knows the cluster now (its slot's
         master; "" for a single server, or a slot the client has no master for)."""
