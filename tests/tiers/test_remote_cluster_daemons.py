@@ -1,7 +1,8 @@
 """Two daemons (two nodes) sharing a real 3-master Redis Cluster as L3: one serves the
 other's prefix, and a master killed mid-workload costs neither daemon a failed request; one
-master out of memory holds back the daemon's L3 writes to that master only. Run with
-``make test-l3-cluster`` (the cluster suite)."""
+master out of memory holds back the daemon's L3 writes to that master only; a master lost
+for good makes its blocks held only in L3 lookup misses that a Get makes no room for. Run
+with ``make test-l3-cluster`` (the cluster suite)."""
 
 from __future__ import annotations
 
