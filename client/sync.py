@@ -41,6 +41,7 @@ from kvtier.client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KvtierError,
+    NotFoundError,
     PermissionDeniedError,
     Resends,
     UnavailableError,
@@ -283,6 +284,21 @@ def _close_dropped(held: dict[str, Any], pid: int) -> None:
     _closer.close_later(held["channel"])
 
 
+def given_up_error(session_id: str) -> NotFoundError:
+    """The error of a call on a channel that the client gave up meanwhile, as another thread's
+    interruption made it (``Client.interrupted``): closing that channel ended the call (gRPC's
+    CANCELLED) or kept it from being sent (its ValueError), and the daemon ends its session.
+    A ``session_gone`` NotFoundError, so that ``_invoke`` sends the call again in a new
+    session on the new channel, as after the daemon ended a session; a Release is not (its
+    lease went with that session)."""
+    error = NotFoundError(
+        f"session {session_id}: this client gave it up, and its channel, while the call was "
+        "on it (a KeyboardInterrupt ended another of the client's calls)"
+    )
+    error.session_gone = True
+    return error
+
+
 def in_own_process(pid: int) -> bool:
     """Whether this is still the process ``pid`` that made a client (not a child it forked)."""
     return os.getpid() == pid
@@ -402,7 +418,8 @@ class Client:
         blocking call's end) it left the channel's lock held, or its count of calls wrong,
         and every later call on the channel waited for ever, past its deadline. So the
         client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
-        on it (not the Releases of an interrupted load: the session's end frees them). The
+        on it (not the Releases of an interrupted load: the session's end frees them); the
+        calls other threads had on it are sent again on the new one (``given_up_error``). The
         mark comes first: another interruption that lands before the channel is replaced
         leaves that to the client's next call. Once an ``error``: the guards of the calls
         that it passes through on its way out each note it, and a second replacement would
@@ -609,14 +626,19 @@ class Client:
                 request.session_id = self.session_id
             if binding is not None:
                 request.pool_id = self._pool_id(binding, request.session_id)
+            self._replace_if_suspect()  # so that ``channel`` is the one ``call`` uses
+            channel = self._channel
             try:
                 return self.call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = self.error_of(e)
             except ValueError:  # grpc's answer to a call on a closed channel
-                if not self._closed:
+                if self._closed:
+                    raise closed_error() from None
+                if channel is self._channel:
                     raise
-                raise closed_error() from None
+            if channel is not self._channel and not self._closed:
+                err = given_up_error(request.session_id)
             if not (why := again.after(err)):
                 raise err
             if why == "session":

@@ -159,3 +159,61 @@ def test_regression_a_sigint_storm_leaves_the_client_working_and_no_pins(daemon)
                 time.sleep(0.05)
         print(f"interrupts {interrupts}, sessions left {left}, leases {gauges['leases']}")
         assert gauges["leases"] <= left
+
+
+def in_grpc_call_on(frame: FrameType, names: tuple[str, str]) -> bool:
+    """Whether ``frame`` is the call of the function ``names[1]`` of the file ``names[0]``."""
+    return frame.f_code.co_filename.endswith(names[0]) and frame.f_code.co_name == names[1]
+
+
+# The other thread's call: "started" on the given-up channel, its answer awaited (ended by
+# the channel's close: CANCELLED); "unstarted", its stub taken from that channel before the
+# swap and the call made after the close.
+@pytest.mark.parametrize(
+    "where",
+    [(GRPC_CHANNEL, "result"), (os.path.join("client", "sync.py"), "_until_run")],
+    ids=["started", "unstarted"],
+)
+def test_regression_a_call_on_a_channel_another_thread_gave_up_is_sent_again(daemon, where):
+    """A client shared by threads: while one thread's call is on the channel, another's
+    interrupt gives that channel up (``Client.interrupted``), and the channel is closed. The
+    first thread's call is sent again on the new channel, in the new session, as one whose
+    session the daemon ended. Before, both failed with an UnavailableError saying the daemon
+    was stopping (the close's CANCELLED, "Channel closed!")."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        keys = pool.binding.keys(TOKENS)
+        old_session = client.session_id
+        landed: list[str] = []
+
+        def give_up(frame: FrameType, event: str, arg: Any) -> Any:
+            if event != "call" or not in_grpc_call_on(frame, where):
+                return None
+            sys.settrace(None)
+            landed.append(where[1])
+            before = set(threading.enumerate())  # earlier tests' parked discards among them
+            client.interrupted(KeyboardInterrupt())  # as another thread's interrupt does
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the given-up channel's close, on its thread
+                closing = [
+                    thread
+                    for thread in set(threading.enumerate()) - before
+                    if thread.name == "kvtier-discarded"
+                ]
+                if closing:
+                    closing[0].join(30)
+                    break
+                time.sleep(0.01)
+            return None
+
+        sys.settrace(give_up)
+        try:
+            lease = client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+        finally:
+            sys.settrace(None)
+        assert landed
+        assert lease.prefix_len == 2
+        assert client.session_id != old_session
+        client.release(lease.lease_id)
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
