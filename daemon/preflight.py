@@ -23,7 +23,7 @@ from pathlib import Path
 from kvtier.daemon import loops
 from kvtier.daemon.config import Config, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX, is_memory_backed
-from kvtier.daemon.unixsock import folder_problem, in_use, lock_path
+from kvtier.daemon.unixsock import folder_problem, in_use, lock_file_problem, lock_path
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
 from kvtier.tiers.disk.tier import owner_problem, space_needed, space_shortfall
@@ -433,6 +433,8 @@ def _socket(config: Config) -> list[Problem]:
     # a pid in it had the check name that pid as a kvtierd serving there).
     folder = Path(path).parent
     if folder.is_dir() and (problem := folder_problem(str(folder), folder.stat())) is not None:
+        return [Problem(key, problem)]
+    if (problem := lock_file_problem(path)) is not None:
         return [Problem(key, problem)]
     with contextlib.suppress(OSError):  # absent or unreadable: the start's own lock says
         if probe_lock(Path(lock_path(path))) is not None:

@@ -199,6 +199,27 @@ class SocketLock:
         self._fd = -1
 
 
+def lock_file_problem(socket_path: str) -> str | None:
+    """What keeps ``SocketLock.take`` from using ``<socket>.lock``: something other than a
+    regular file there (its open fails on a directory and, never following one, on a link;
+    a FIFO is refused once opened), or None (a regular file, or nothing yet)."""
+    path = lock_path(socket_path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a symbolic link"
+        if stat.S_ISLNK(mode)
+        else "not a regular file"
+    )
+    return f"{path} is {kind}; the daemon keeps its lock there in a regular file: move it away"
+
+
 def in_use(socket_path: str) -> str:
     """The refusal of a start at ``socket_path`` while another process holds its lock."""
     path = lock_path(socket_path)

@@ -460,6 +460,40 @@ def test_regression_a_lock_file_another_user_put_in_a_shared_socket_folder_held_
     assert "another kvtierd" not in str(problems[0]), problems
 
 
+@pytest.mark.parametrize("kind", ["directory", "FIFO", "link", "dangling link"])
+def test_regression_a_socket_lock_path_that_is_no_regular_file_passed_the_checks(tmp_path, kind):
+    """Something other than a regular file at ``<socket>.lock`` (left by hand, a restore, a
+    link planted while the folder was open to others): --check-config said 'config ok', and
+    every start then failed in the lock's open, a directory and a link with a bare errno
+    ('Is a directory', 'Too many levels of symbolic links'). The checks, the start's own,
+    name the path and what is there; nothing is created or followed."""
+    folder = tmp_path / "run"
+    folder.mkdir(mode=0o700)
+    path = f"{folder}/s.sock"
+    lock = Path(f"{path}.lock")
+    target = tmp_path / "target"
+    target.write_bytes(b"precious")
+    if kind == "directory":
+        lock.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to(target if kind == "link" else tmp_path / "absent")
+    said = {
+        "directory": "is a directory",
+        "FIFO": "is not a regular file",
+        "link": "is a symbolic link",
+        "dangling link": "is a symbolic link",
+    }[kind]
+    for mode in (["--check-config"], []):
+        proc = _kvtierd(*mode, *_sets(f"server.socket={path}"))
+        assert proc.returncode == 1, (mode, proc.stderr)
+        assert f"{lock} {said}" in proc.stderr, (mode, proc.stderr)
+        assert "Traceback" not in proc.stderr and "[Errno" not in proc.stderr, proc.stderr
+    assert not os.path.exists(path) and target.read_bytes() == b"precious"
+    assert not (tmp_path / "absent").exists()
+
+
 def test_regression_a_socket_group_the_daemon_may_not_give_passed_the_checks(tmp_path):
     """Regression: a daemon may give its sockets only a group it is a member of, unless it
     holds CAP_CHOWN; root without capabilities (the DaemonSet's, which drops them all) given
