@@ -549,13 +549,14 @@ class TransferJob:
         for i, part in enumerate(parts):
             part.request.session_id = session_id
             part.request.pool_id = pool_id
-            method = getattr(self._client.stub, part.method)
+            stub = self._client.stub
             resends = self._resends.setdefault(part.index, Resends(self._timeout_s))
             try:
-                fut = method.future(part.request, timeout=resends.left_s())
-            except ValueError:  # the client was closed meanwhile: its channel sends nothing
+                fut = getattr(stub, part.method).future(part.request, timeout=resends.left_s())
+            except ValueError:  # closed (or given up) meanwhile: its channel sends nothing
+                error = self._client.given_up(stub, session_id) or closed_error()
                 for unsent in parts[i:]:
-                    self._ended(unsent, None, closed_error())
+                    self._ended(unsent, None, error)
                 return
             except Exception as e:  # on a callback thread nobody would see it
                 for unsent in parts[i:]:
@@ -566,15 +567,19 @@ class TransferJob:
                 raise
             with self._cond:
                 self._futures[part.index] = fut
-            fut.add_done_callback(lambda f, part=part: self._on_done(part, f))
+            fut.add_done_callback(lambda f, part=part, stub=stub: self._on_done(part, f, stub))
 
-    def _on_done(self, part: Part, fut: Any) -> None:
+    def _on_done(self, part: Part, fut: Any, stub: Any) -> None:
         if fut.cancelled():
             return  # cancel() already ended the part
         try:
             response = fut.result()
         except grpc.RpcError as e:
-            if not (refused_stream(e) and self._resend_later(part)):
+            # A channel another thread's interrupt gave up: its close ended the call
+            # (CANCELLED), and its session with the part's lease and pool id.
+            if given_up := self._client.given_up(stub, part.request.session_id):
+                self._ended(part, None, given_up)
+            elif not (refused_stream(e) and self._resend_later(part)):
                 self._ended(part, None, self._client.error_of(e))
         except Exception as e:  # not a gRPC status: the job must still end
             self._ended(part, None, _client_side_error(part, e))

@@ -290,7 +290,7 @@ def given_up_error(session_id: str) -> NotFoundError:
     CANCELLED) or kept it from being sent (its ValueError), and the daemon ends its session.
     A ``session_gone`` NotFoundError, so that ``_invoke`` sends the call again in a new
     session on the new channel, as after the daemon ended a session; a Release is not (its
-    lease went with that session)."""
+    lease went with that session), nor a transfer job's part (``Client.given_up``)."""
     error = NotFoundError(
         f"session {session_id}: this client gave it up, and its channel, while the call was "
         "on it (a KeyboardInterrupt ended another of the client's calls)"
@@ -419,11 +419,11 @@ class Client:
         and every later call on the channel waited for ever, past its deadline. So the
         client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
         on it (not the Releases of an interrupted load: the session's end frees them); the
-        calls other threads had on it are sent again on the new one (``given_up_error``). The
-        mark comes first: another interruption that lands before the channel is replaced
-        leaves that to the client's next call. Once an ``error``: the guards of the calls
-        that it passes through on its way out each note it, and a second replacement would
-        only give up the new channel."""
+        calls other threads had on it are sent again on the new one (``given_up_error``; a
+        transfer job's parts fail with it). The mark comes first: another interruption that
+        lands before the channel is replaced leaves that to the client's next call. Once an
+        ``error``: the guards of the calls that it passes through on its way out each note
+        it, and a second replacement would only give up the new channel."""
         if getattr(error, "_kvtier_noted", False):
             return
         error._kvtier_noted = True  # type: ignore[attr-defined]
@@ -804,6 +804,15 @@ class Client:
         if self._closed:
             return closed_error()
         return from_rpc_error(err)
+
+    def given_up(self, stub: Any, session_id: str) -> NotFoundError | None:
+        """``given_up_error(session_id)`` when ``stub`` is of a channel this client gave up
+        after an interruption (``interrupted``), not one ``close()`` closed; else None. A
+        transfer job's part on it fails with that error rather than being sent again: its
+        request names that session's pool id, and a load's that session's lease."""
+        if stub is self._stub or self._closed:
+            return None
+        return given_up_error(session_id)
 
     def live_ids(self, binding: PoolBinding) -> tuple[str, int] | None:
         """(session id, pool id) when the session is open and the pool registered in it;

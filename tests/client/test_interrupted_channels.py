@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client.errors import NotFoundError
 from kvtier.client.sync import RegisteredPool
 
 NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
@@ -216,4 +217,54 @@ def test_regression_a_call_on_a_channel_another_thread_gave_up_is_sent_again(dae
         assert lease.prefix_len == 2
         assert client.session_id != old_session
         client.release(lease.lease_id)
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
+def give_up_and_close(client: Client) -> None:
+    """Give the client's channel up as another thread's interrupt does, and close it here,
+    as the given-up channel's closing thread does (closing it twice is harmless), so that
+    the call goes on only once the channel is closed."""
+    channel = client._channel
+    client.interrupted(KeyboardInterrupt())
+    channel.close()
+
+
+# "started": the job's Get sent, its answer awaited when the channel is given up and closed;
+# "unstarted": its stub taken from the channel before the swap, the Get made after the close.
+@pytest.mark.parametrize("event", ["return", "call"], ids=["started", "unstarted"])
+def test_regression_a_jobs_part_on_a_channel_another_thread_gave_up_says_so(daemon, event):
+    """A job's part is not sent again in the new session (its request names the old
+    session's pool id): it fails with the given-up channel's session_gone NotFoundError. Before,
+    the part failed with an UnavailableError saying the daemon was stopping ("started") or
+    with the error of a closed client ("unstarted"), and the client was neither."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        old_session = client.session_id
+        landed: list[str] = []
+
+        def at_event(frame: FrameType, traced: str, arg: Any) -> Any:
+            if traced == event:
+                sys.settrace(None)
+                landed.append(event)
+                give_up_and_close(client)
+            return None
+
+        def give_up(frame: FrameType, traced: str, arg: Any) -> Any:
+            if traced != "call" or not in_grpc_call_on(frame, (GRPC_CHANNEL, "future")):
+                return None
+            return at_event(frame, traced, arg) if event == "call" else at_event
+
+        sys.settrace(give_up)
+        try:
+            load = client.submit_load(pool, [LoadSegment(pool.binding.keys(TOKENS), [2, 3])])
+        finally:
+            sys.settrace(None)
+        assert landed
+        status = load.wait(30)
+        assert status.finished
+        assert isinstance(status.error, NotFoundError)
+        assert "gave it up" in str(status.error)
+        assert old_session in str(status.error)
+        assert client.session_id != old_session
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
