@@ -648,7 +648,10 @@ class Client:
 
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
-        this connection has many calls open) and its time allows; raises grpc.RpcError."""
+        this connection has many calls open) and its time allows; raises grpc.RpcError.
+        Refused in a forked child before the channel is replaced: a child forked while an
+        interruption's mark waited for the replacement built a channel of its own first."""
+        refuse_in_child(self._pid, "Client")
         self._replace_if_suspect()
         rpc = getattr(self._stub, method)
         if method == "Lookup" and request.pin:
@@ -681,7 +684,6 @@ class Client:
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
-        refuse_in_child(self._pid, "Client")
         resends = Resends(timeout_s)
         while True:
             try:
@@ -1116,6 +1118,7 @@ class Client:
     def health(self, service: str = "") -> bool:
         """Whether the daemon reports SERVING."""
         request = hc.encode_request(service)
+        refuse_in_child(self._pid, "Client")  # before the replacement: see ``call``
         self._replace_if_suspect()
         try:
             status = self._until_run(self._health, request, self.timeout_s)

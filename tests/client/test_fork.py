@@ -22,6 +22,7 @@ from kvtier.client import (
     PoolLayout,
     SharedMemoryPool,
 )
+from kvtier.proto import kvtier_pb2 as pb
 
 NS = Namespace(model="fork", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -101,6 +102,32 @@ def test_a_forked_child_is_refused_the_parents_client_and_the_parent_goes_on(dae
         assert pool.load(TOKENS, [2, 3]) == 8
         assert pool.pool_id == pool_id
         assert client.lookup(pool.keys(TOKENS)).prefix_len == 2
+
+
+def test_regression_a_child_forked_before_an_interrupts_replacement_builds_no_channel(daemon):
+    """A child forked after an interrupt marked the channel suspect and before the client
+    replaced it (``Client.interrupted``) is refused ``call`` and ``health`` before the
+    replacement. Before, each built a new channel in the child first (and handed the
+    parent's to a closing thread that the child does not have), then refused."""
+    with daemon.client(timeout_s=5) as client:
+        session = client.session_id
+
+        def child() -> dict[str, str]:
+            client._held["suspect"] = True  # the mark, as the fork left it
+            channel = client._channel
+            return {
+                "call": outcome(lambda: client.call("Stats", pb.StatsRequest(), 5)),
+                "health": outcome(client.health),
+                "replaced": str(client._channel is not channel),
+            }
+
+        seen = in_child(child)
+        refused = f"FailedPreconditionError: this Client was made in process {os.getpid()}"
+        assert seen["call"].startswith(refused), seen
+        assert seen["health"].startswith(refused), seen
+        assert seen["replaced"] == "False", seen
+        assert client.session_id == session
+        assert client.health()
 
 
 def test_a_forked_child_is_refused_the_parents_async_client(daemon):
