@@ -202,13 +202,25 @@ class SocketLock:
 def lock_file_problem(socket_path: str) -> str | None:
     """What keeps ``SocketLock.take`` from using ``<socket>.lock``: something other than a
     regular file there (its open fails on a directory and, never following one, on a link;
-    a FIFO is refused once opened), or None (a regular file, or nothing yet)."""
+    a FIFO is refused once opened), or one of another user's, or one this user may not
+    write; or None (nothing yet, or a regular file the daemon may take, as one a killed
+    daemon left)."""
     path = lock_path(socket_path)
     try:
-        mode = os.lstat(path).st_mode
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
+    mode = st.st_mode
     if stat.S_ISREG(mode):
+        uid = os.geteuid()
+        # The start opens it to write and sets its mode (``_claim``), which only its owner
+        # may (root as anyone): another user's, a daemon run as that user left, failed there
+        # with a bare "Permission denied".
+        if (st.st_uid != uid and uid != 0) or not os.access(path, os.R_OK | os.W_OK):
+            return (
+                f"{path} is uid {st.st_uid}'s, mode {stat.S_IMODE(mode):04o}: the daemon (uid "
+                f"{uid}) keeps its lock only in a file it owns and may write: remove it"
+            )
         return None
     kind = (
         "a directory"

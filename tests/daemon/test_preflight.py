@@ -494,6 +494,40 @@ def test_regression_a_socket_lock_path_that_is_no_regular_file_passed_the_checks
     assert not (tmp_path / "absent").exists()
 
 
+def test_regression_a_socket_lock_file_the_daemon_may_not_take_passed_the_checks():
+    """A regular ``<socket>.lock`` the daemon's user does not own (a daemon run as another
+    user, root, left it), or may not write: --check-config said 'config ok', and every start
+    then failed in the lock's open with a bare "[Errno 13] Permission denied". The checks
+    name the file, its owner and mode. One the user owns and writes, as a killed daemon
+    leaves it (its pid inside), passes; so does any for root, which may take anyone's."""
+    require_root()
+    # Not pytest's tmp_path: its folders above are root's 0700, which nobody may not search.
+    base = Path(tempfile.mkdtemp(prefix="kvtier-lock-"))
+    try:
+        base.chmod(0o711)
+        folder = base / "run"
+        folder.mkdir(mode=0o700)
+        os.chown(folder, NOBODY, NOGROUP)
+        sets = [f"server.socket={folder}/s.sock"]
+        lock = folder / "s.sock.lock"
+        lock.write_text("12345\n")
+        lock.chmod(0o600)
+        roots = _problems_as_user(sets)
+        os.chown(lock, NOBODY, NOGROUP)
+        left_by_a_killed_daemon = _problems_as_user(sets)
+        lock.chmod(0o400)
+        read_only = _problems_as_user(sets)
+        os.chown(folder, 0, 0)
+        root_takes_it = [str(p) for p in preflight.check(load_config(None, sets), HOST)]
+    finally:
+        shutil.rmtree(base)
+    assert root_takes_it == []
+    assert len(roots) == 1 and f"{lock} is uid 0's, mode 0600" in roots[0], roots
+    assert f"(uid {NOBODY})" in roots[0] and "Errno" not in roots[0], roots
+    assert left_by_a_killed_daemon == []
+    assert len(read_only) == 1 and f"{lock} is uid {NOBODY}'s, mode 0400" in read_only[0]
+
+
 def test_regression_a_socket_group_the_daemon_may_not_give_passed_the_checks(tmp_path):
     """Regression: a daemon may give its sockets only a group it is a member of, unless it
     holds CAP_CHOWN; root without capabilities (the DaemonSet's, which drops them all) given
