@@ -50,6 +50,17 @@ def sig(value: float, digits: int = 4) -> float:
     return float(f"{value:.{digits}g}")
 
 
+def latency_figures(seconds: np.ndarray) -> dict[str, float]:
+    """Median, 99th percentile and worst of a phase's call latencies (``seconds``), in
+    milliseconds, and how many calls it made."""
+    return {
+        "p50_ms": sig(pct_ms(seconds, 50)),
+        "p99_ms": sig(pct_ms(seconds, 99)),
+        "max_ms": sig(float(seconds.max()) * 1e3),
+        "calls": len(seconds),
+    }
+
+
 def ratio(value: float | None, baseline: float | None) -> float | None:
     """``value / baseline`` to 4 significant digits; None when either side was not measured."""
     if value is None or baseline is None or baseline <= 0:

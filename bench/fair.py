@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.common import arg_parser, block_layout, pct_ms, ratio, sig
+from kvtier.bench.common import arg_parser, block_layout, latency_figures, ratio, sig
 from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 
@@ -105,15 +105,6 @@ def _small_calls(client: Any, op: str, pool_id: int, key: bytes, seconds: float)
     return np.asarray(lat)
 
 
-def _figures(lat: np.ndarray) -> dict[str, float]:
-    return {
-        "p50_ms": sig(pct_ms(lat, 50)),
-        "p99_ms": sig(pct_ms(lat, 99)),
-        "max_ms": sig(float(lat.max()) * 1e3),
-        "calls": len(lat),
-    }
-
-
 class _Batcher:
     """Tenant batch's process, driven over a pipe."""
 
@@ -165,14 +156,16 @@ def _phases(
         pool_id = client.register_pool(shm, layout).pool_id
         if client.put(pool_id, [key], [0]).stored != 1:
             raise RuntimeError("tenant small's put stored nothing")
-        out["alone"] = _figures(_small_calls(client, args.op, pool_id, key, args.seconds))
+        out["alone"] = latency_figures(_small_calls(client, args.op, pool_id, key, args.seconds))
         batcher = _Batcher(address, tokens["batch"], args)
         try:
             time.sleep(0.5)  # every batch call under way
             first = batcher.count()
             time.sleep(args.seconds)
             second = batcher.count()
-            out["beside"] = _figures(_small_calls(client, args.op, pool_id, key, args.seconds))
+            out["beside"] = latency_figures(
+                _small_calls(client, args.op, pool_id, key, args.seconds)
+            )
             third = batcher.count()
         finally:
             batcher.stop()

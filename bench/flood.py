@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.common import arg_parser, parse_size, pct_ms, sig
+from kvtier.bench.common import arg_parser, latency_figures, parse_size, sig
 from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
 
@@ -93,15 +93,6 @@ def _victim_lookups(address: str, seconds: float, nkeys: int) -> np.ndarray:
     return np.asarray(lat)
 
 
-def _figures(lat: np.ndarray) -> dict[str, float]:
-    return {
-        "p50_ms": sig(pct_ms(lat, 50)),
-        "p99_ms": sig(pct_ms(lat, 99)),
-        "max_ms": sig(float(lat.max()) * 1e3),
-        "calls": len(lat),
-    }
-
-
 def main(argv: list[str], *, emit: Emit | None = None) -> int:
     p = arg_parser("flood", __doc__)
     p.add_argument("--calls", type=int, default=128, help="flood calls open at once (128)")
@@ -122,7 +113,9 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         "victim_keys": args.victim_keys,
     }
     with bench_daemon("tiers.l1.capacity_bytes=64MiB", *args.set) as daemon:
-        out["quiet"] = _figures(_victim_lookups(daemon.address, args.seconds, args.victim_keys))
+        out["quiet"] = latency_figures(
+            _victim_lookups(daemon.address, args.seconds, args.victim_keys)
+        )
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         flooder = ctx.Process(
@@ -134,7 +127,7 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
                 raise TimeoutError("the flooder did not start")
             parent.recv()
             time.sleep(1.0)  # every flood call under way
-            out["flooded"] = _figures(
+            out["flooded"] = latency_figures(
                 _victim_lookups(daemon.address, args.seconds, args.victim_keys)
             )
             parent.send(None)
