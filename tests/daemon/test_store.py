@@ -5036,15 +5036,12 @@ async def test_regression_hints_of_blocks_smaller_than_their_slots_passed_the_bu
         store.pin(store.table.lookup(0, mine[8:9]))
 
 
-async def test_regression_a_balancer_pass_that_dropped_some_victims_and_kept_others_asked_again(
-    make_store,
-):
-    """Regression: a pass whose victims L2 declined dropped them, while those L2 admitted
-    but had no room for stayed (``keep_unplaced``); only a pass that moved none set the wait
-    (``BALANCE_RETRY_S``), so the next pass, a balancer period later, picked the kept victims
-    again and asked L2 for room, a scan of it, at every period while puts kept L1 above its
-    watermark. The kept victims now wait out BALANCE_RETRY_S; the other victims go on."""
-    clock = Clock()
+async def _balancing_into_a_full_l2(
+    make_store: Factory, clock: Clock
+) -> tuple[BlockStore, Pool, np.ndarray]:
+    """A store whose balancer brings L1 (16 slots) above half full down to a quarter, over an
+    L2 of 16 blocks that admits a block seen twice (protect_s 5); L2 filled with 16 blocks
+    ``b``, read twice and evicted from L1 at ``clock`` + 10 s."""
     store = make_store(
         clock,
         l2_segments=1,
@@ -5062,6 +5059,19 @@ async def test_regression_a_balancer_pass_that_dropped_some_victims_and_kept_oth
     store.space.apply_touches()
     clock.now += 10
     await store.evict(0, b, TierKind.HOST)  # L2 full: 16 blocks
+    return store, pool, b
+
+
+async def test_regression_a_balancer_pass_that_dropped_some_victims_and_kept_others_asked_again(
+    make_store,
+):
+    """Regression: a pass whose victims L2 declined dropped them, while those L2 admitted
+    but had no room for stayed (``keep_unplaced``); only a pass that moved none set the wait
+    (``BALANCE_RETRY_S``), so the next pass, a balancer period later, picked the kept victims
+    again and asked L2 for room, a scan of it, at every period while puts kept L1 above its
+    watermark. The kept victims now wait out BALANCE_RETRY_S; the other victims go on."""
+    clock = Clock()
+    store, pool, b = await _balancing_into_a_full_l2(make_store, clock)
     assert where(store, b) == ["L2"] * 16
     a = keys(12)
     await put(store, pool, a[:4], pages=range(16, 20))
@@ -5125,23 +5135,7 @@ async def test_regression_a_kept_victim_was_passed_over_past_balance_retry_s(mak
     Each kept victim waits ``BALANCE_RETRY_S`` from the pass that kept it."""
     clock = Clock()
     t0 = clock.now
-    store = make_store(
-        clock,
-        l2_segments=1,
-        protect_s=5.0,
-        sets=(
-            "tiers.l1.high_watermark=0.5",
-            "tiers.l1.low_watermark=0.25",
-            "tiers.l2.admission=second_hit",
-        ),
-    )
-    pool = make_pool()
-    b = keys(16)
-    await put(store, pool, b)
-    assert await get(store, pool, b, range(32, 48)) == [True] * 16  # seen twice: admitted
-    store.space.apply_touches()
-    clock.now = t0 + 10
-    await store.evict(0, b, TierKind.HOST)  # L2 full: 16 blocks
+    store, pool, b = await _balancing_into_a_full_l2(make_store, clock)
     a, d, e, h = keys(4), keys(4), keys(4), keys(4)
     await put(store, pool, a, pages=range(16, 20))
     assert await get(store, pool, a, range(32, 36)) == [True] * 4  # L2 would take these
