@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import DaemonProcess, entry_setting
+from harness import DaemonFactory, DaemonProcess, entry_setting
 
 from kvtier.client import (
     FailedPreconditionError,
@@ -1290,26 +1290,35 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_regression_a_stop_blocked_on_its_event_loop_ran_past_its_bound(daemon_factory, tmp_path):
-    """The bound of the stop (above) is a timer of the event loop, and the close of the
-    transfer threads waits on the loop for one in a hung write to end: that stop never ended
-    either. A thread of the stop's own ends the process ABANDON_BLOCKED_AFTER_S past the
-    bound, saying what the stop was doing."""
+def _stopped_while_gated(
+    daemon_factory: DaemonFactory, tmp_path: Path, entry: str
+) -> tuple[DaemonProcess, str]:
+    """Starts kvtierd through ``entry`` (one of the scripts above) with its file ``gate``
+    there, stops it with SIGTERM (drain 0.5 s, grace 1 s) and waits for exit status 3 before
+    removing the gate; the daemon and its log."""
     gate = tmp_path / "gate"
     gate.touch()
     d = daemon_factory(
         "server.drain_timeout_s=0.5",
         "server.stop_grace_s=1",
-        entry=("-c", _ENTRY_BLOCKING_THE_CLOSE, str(gate)),
+        entry=("-c", entry, str(gate)),
     )
     try:
         assert d.proc is not None
         d.proc.send_signal(signal.SIGTERM)
-        # Not a measure of speed: without the thread the stop waited for the gate.
         assert d.proc.wait(60) == 3
     finally:
         gate.unlink()
-    text = d.log()
+    return d, d.log()
+
+
+def test_regression_a_stop_blocked_on_its_event_loop_ran_past_its_bound(daemon_factory, tmp_path):
+    """The bound of the stop (above) is a timer of the event loop, and the close of the
+    transfer threads waits on the loop for one in a hung write to end: that stop never ended
+    either. A thread of the stop's own ends the process ABANDON_BLOCKED_AFTER_S past the
+    bound, saying what the stop was doing."""
+    # Not a measure of speed: without the thread the stop waited for the gate.
+    d, text = _stopped_while_gated(daemon_factory, tmp_path, _ENTRY_BLOCKING_THE_CLOSE)
     assert (
         "the stop did not end within 1.5s and its event loop does not answer (blocked while "
         "closing the tiers): exiting with status 3" in text
@@ -1367,21 +1376,8 @@ def test_regression_a_daemon_that_stopped_with_a_thread_hung_never_exited(daemon
     teardown waits for every thread of its executor, and one in a call that does not
     return held the process until the service manager killed it, the bound disarmed. The
     exit is bounded too: EXIT_AFTER_STOP_S past the stop, status 3, an ERROR saying why."""
-    gate = tmp_path / "gate"
-    gate.touch()
-    d = daemon_factory(
-        "server.drain_timeout_s=0.5",
-        "server.stop_grace_s=1",
-        entry=("-c", _ENTRY_LEAVING_A_HUNG_THREAD, str(gate)),
-    )
-    try:
-        assert d.proc is not None
-        d.proc.send_signal(signal.SIGTERM)
-        # Not a measure of speed: without the guard the exit waited for the gate.
-        assert d.proc.wait(60) == 3
-    finally:
-        gate.unlink()
-    text = d.log()
+    # Not a measure of speed: without the guard the exit waited for the gate.
+    d, text = _stopped_while_gated(daemon_factory, tmp_path, _ENTRY_LEAVING_A_HUNG_THREAD)
     assert "kvtierd stopped" in text, text
     assert "kvtierd stopped but did not exit within 5s" in text, text
     assert not os.path.exists(d.socket)
