@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 import hashlib
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from harness import entry_setting
+from harness import DaemonFactory, DaemonProcess, entry_setting
 
 from kvtier.client import AsyncClient, PoolLayout, SharedMemoryPool
 
@@ -67,8 +69,12 @@ async def worker(
                     await client.delete(picks)
 
 
-def test_concurrent_clients_keep_blocks_exact_and_leave_nothing_pinned(daemon_factory, tmp_path):
-    d = daemon_factory(
+def _daemon_moving_blocks(
+    daemon_factory: DaemonFactory, tmp_path: Path, **options: Any
+) -> DaemonProcess:
+    """A daemon with room for 32 blocks in L1 and 64 on disk and no protection: the clients'
+    120 keys move between the tiers constantly. ``options`` go to ``daemon_factory``."""
+    return daemon_factory(
         "tiers.l1.segment_bytes=512KiB",
         "policy.protect_s=0",
         "tiers.l2.enabled=true",
@@ -76,8 +82,13 @@ def test_concurrent_clients_keep_blocks_exact_and_leave_nothing_pinned(daemon_fa
         "tiers.l2.capacity_bytes=2MiB",
         "tiers.l2.segment_bytes=256KiB",
         "tiers.l2.file_bytes=1MiB",
-        l1_bytes="1MiB",  # 32 blocks in L1, 64 on disk, 120 keys: constant movement
+        l1_bytes="1MiB",
+        **options,
     )
+
+
+def test_concurrent_clients_keep_blocks_exact_and_leave_nothing_pinned(daemon_factory, tmp_path):
+    d = _daemon_moving_blocks(daemon_factory, tmp_path)
     errors: list[str] = []
     hinted: list[float] = []
 
@@ -210,15 +221,9 @@ def test_checks_in_slices_beside_clients_moving_blocks_report_nothing(daemon_fac
     admins checking back to back, slices of 4 blocks, report nothing, as the store's
     invariants hold at every step; what changed between slices is examined again at the
     last step, not reported as it was seen in its slice."""
-    d = daemon_factory(
-        "tiers.l1.segment_bytes=512KiB",
-        "policy.protect_s=0",
-        "tiers.l2.enabled=true",
-        f"tiers.l2.path={tmp_path / 'l2'}",
-        "tiers.l2.capacity_bytes=2MiB",
-        "tiers.l2.segment_bytes=256KiB",
-        "tiers.l2.file_bytes=1MiB",
-        l1_bytes="1MiB",
+    d = _daemon_moving_blocks(
+        daemon_factory,
+        tmp_path,
         entry=entry_setting({"kvtier.daemon.store.CHECK_SLICE_BLOCKS": 4}),
     )
     errors: list[str] = []
