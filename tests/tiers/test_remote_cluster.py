@@ -732,6 +732,22 @@ def counted_failed(cluster: RedisClusterProcs, node: Any) -> bool:
     return True
 
 
+@contextlib.asynccontextmanager
+async def master_lost(cluster: RedisClusterProcs, victim: Any) -> AsyncIterator[None]:
+    """``victim`` killed, and counted failed by the other nodes before the body runs; started
+    again at the end unless the body did, and the cluster ok again."""
+    victim.kill()
+    try:
+        await wait_for(
+            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
+        )
+        yield
+    finally:
+        if not victim.running:
+            victim.start()
+        await asyncio.to_thread(cluster.wait_ok)
+
+
 async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degraded(
     redis_cluster_partial: RedisClusterProcs, l3_prefix: str
 ) -> None:
@@ -871,37 +887,26 @@ async def test_regression_a_lost_master_back_cut_off_the_writes_in_flight_to_the
     victim, held = cluster.nodes[1], cluster.nodes[0]
     on_held = [i for i, b in enumerate(chain) if cluster.owner_of_slot(slot_of(namer, b)) is held]
     assert on_held
-    victim.kill()
-    try:
-        await wait_for(
-            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
-        )
-        # Lost from the start; the op timeout outlasts the write held below.
-        async with opened(cluster_options(cluster, l3_prefix)) as tier:
-            assert tier.health().state is Health.DEGRADED_IO
-            blocks = [chain[i] for i in on_held]
-            # The write is sent, and waits for its master to take writes again.
-            held.cli("CLIENT", "PAUSE", "25000", "WRITE")
-            try:
-                write = asyncio.create_task(
-                    tier.write(blocks, nbytes, host([src[i] for i in on_held]))
-                )
-                await wait_for(
-                    "the write to be sent", lambda: tier.stats().gauges["inflight_ops"] == 1, 30.0
-                )
-                victim.start()
-                await asyncio.to_thread(cluster.wait_ok)
-                await wait_for("L3 to be ok again", lambda: tier.health().state is Health.OK, 30.0)
-            finally:
-                held.cli("CLIENT", "UNPAUSE")
-            assert await write == [True] * len(blocks)
-            dest = empty(len(blocks), nbytes)
-            assert await tier.read(blocks, nbytes, host(dest)) == [True] * len(blocks)
-            assert tier.stats().counters["down_transitions"] == 0
-    finally:
-        if not victim.running:
+    # Lost from the start; the op timeout outlasts the write held below.
+    async with master_lost(cluster, victim), opened(cluster_options(cluster, l3_prefix)) as tier:
+        assert tier.health().state is Health.DEGRADED_IO
+        blocks = [chain[i] for i in on_held]
+        # The write is sent, and waits for its master to take writes again.
+        held.cli("CLIENT", "PAUSE", "25000", "WRITE")
+        try:
+            write = asyncio.create_task(tier.write(blocks, nbytes, host([src[i] for i in on_held])))
+            await wait_for(
+                "the write to be sent", lambda: tier.stats().gauges["inflight_ops"] == 1, 30.0
+            )
             victim.start()
-        await asyncio.to_thread(cluster.wait_ok)
+            await asyncio.to_thread(cluster.wait_ok)
+            await wait_for("L3 to be ok again", lambda: tier.health().state is Health.OK, 30.0)
+        finally:
+            held.cli("CLIENT", "UNPAUSE")
+        assert await write == [True] * len(blocks)
+        dest = empty(len(blocks), nbytes)
+        assert await tier.read(blocks, nbytes, host(dest)) == [True] * len(blocks)
+        assert tier.stats().counters["down_transitions"] == 0
 
 
 def served_slots(node: Any) -> set[int]:
@@ -929,41 +934,32 @@ async def test_regression_deletes_while_a_master_is_lost_did_not_each_look_up_ev
     victim_slots = served_slots(victim)  # asked once: a redis-cli run per block is slow
     on_victim = [b for b in chain if slot_of(namer, b) in victim_slots]
     others = [b for b in chain if slot_of(namer, b) not in victim_slots][:20]
-    victim.kill()
-    try:
-        await wait_for(
-            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
-        )
-        async with opened(cluster_options(cluster, l3_prefix)) as tier:
-            assert tier.health().state is Health.DEGRADED_IO
-            await tier.remove(on_victim)
-            assert tier.stats().gauges["removals_unconfirmed"] == len(on_victim)
-            looked_up = 0
-            servers_of = tier._servers_of
+    async with master_lost(cluster, victim), opened(cluster_options(cluster, l3_prefix)) as tier:
+        assert tier.health().state is Health.DEGRADED_IO
+        await tier.remove(on_victim)
+        assert tier.stats().gauges["removals_unconfirmed"] == len(on_victim)
+        looked_up = 0
+        servers_of = tier._servers_of
 
-            def counting(keys: list[bytes]) -> list[str]:
-                nonlocal looked_up
-                looked_up += len(keys)
-                return servers_of(keys)
+        def counting(keys: list[bytes]) -> list[str]:
+            nonlocal looked_up
+            looked_up += len(keys)
+            return servers_of(keys)
 
-            monkeypatch.setattr(tier, "_servers_of", counting)
-            for block in others:
-                await tier.remove([block])
-                await wait_for("the resend to end", lambda: tier._resending is None, 30.0)
-            # The first resend looks them all up; the Deletes' own keys are looked up too.
-            assert looked_up <= len(on_victim) + 2 * len(others), looked_up
-            assert tier.stats().gauges["removals_unconfirmed"] == len(on_victim)
-            victim.start()
-            await asyncio.to_thread(cluster.wait_ok)
-            await wait_for(
-                "the lost master's removals to be confirmed",
-                lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
-                30.0,
-            )
-    finally:
-        if not victim.running:
-            victim.start()
+        monkeypatch.setattr(tier, "_servers_of", counting)
+        for block in others:
+            await tier.remove([block])
+            await wait_for("the resend to end", lambda: tier._resending is None, 30.0)
+        # The first resend looks them all up; the Deletes' own keys are looked up too.
+        assert looked_up <= len(on_victim) + 2 * len(others), looked_up
+        assert tier.stats().gauges["removals_unconfirmed"] == len(on_victim)
+        victim.start()
         await asyncio.to_thread(cluster.wait_ok)
+        await wait_for(
+            "the lost master's removals to be confirmed",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+            30.0,
+        )
 
 
 async def test_regression_one_master_refusing_the_password_stops_the_start(
@@ -1010,18 +1006,10 @@ async def test_regression_a_master_lost_where_the_cluster_announces_hostnames_ke
     failed, and kept the tier down for as long as the master was gone."""
     cluster = redis_cluster_hostnames
     victim = cluster.nodes[1]
-    victim.kill()
-    try:
-        await wait_for(
-            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
-        )
-        async with opened(cluster_options(cluster, l3_prefix)) as tier:
-            health = tier.health()
-            assert health.state is Health.DEGRADED_IO and health.partial, health
-            assert f"127.1:{victim.port}" in health.detail, health
-    finally:
-        victim.start()
-        await asyncio.to_thread(cluster.wait_ok)
+    async with master_lost(cluster, victim), opened(cluster_options(cluster, l3_prefix)) as tier:
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and health.partial, health
+        assert f"127.1:{victim.port}" in health.detail, health
 
 
 async def test_regression_the_lost_master_recheck_ignored_the_injected_rng(
@@ -1031,11 +1019,7 @@ async def test_regression_the_lost_master_recheck_ignored_the_injected_rng(
     backoff_max_s here), as its other backoffs are; it took the global random's."""
     cluster = redis_cluster_partial
     victim = cluster.nodes[2]
-    victim.kill()
-    try:
-        await wait_for(
-            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
-        )
+    async with master_lost(cluster, victim):
         tier = RemoteTier(
             cluster_options(cluster, l3_prefix, backoff_max_s=300.0), rng=_TopJitter()
         )
@@ -1046,9 +1030,6 @@ async def test_regression_the_lost_master_recheck_ignored_the_injected_rng(
             assert started + 300.0 <= tier._lost_retry_at <= time.monotonic() + 300.0
         finally:
             await tier.close()
-    finally:
-        victim.start()
-        await asyncio.to_thread(cluster.wait_ok)
 
 
 async def test_regression_the_master_of_slot_0_lost_kept_l3_down(
@@ -1066,19 +1047,11 @@ async def test_regression_the_master_of_slot_0_lost_kept_l3_down(
     src = [data(i, nbytes) for i in range(n)]
     namer = KeyNamer(l3_prefix)
     on_victim = [slot_of(namer, b) in served_slots(victim) for b in chain]
-    victim.kill()
-    try:
-        await wait_for(
-            "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
-        )
-        async with opened(cluster_options(cluster, l3_prefix)) as tier:
-            health = tier.health()
-            assert health.state is Health.DEGRADED_IO and victim.address in health.detail, health
-            stored = await tier.write(chain, nbytes, host(src))
-            assert stored == [not lost for lost in on_victim]
-    finally:
-        victim.start()
-        await asyncio.to_thread(cluster.wait_ok)
+    async with master_lost(cluster, victim), opened(cluster_options(cluster, l3_prefix)) as tier:
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and victim.address in health.detail, health
+        stored = await tier.write(chain, nbytes, host(src))
+        assert stored == [not lost for lost in on_victim]
 
 
 async def test_regression_a_full_master_failed_over_kept_l3_s_up_gauge_at_0(
