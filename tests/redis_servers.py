@@ -54,6 +54,20 @@ async def wait_for(what: str, ok: Callable[[], bool], timeout_s: float = 15.0) -
         await asyncio.sleep(0.02)
 
 
+def counted_failed(cluster: RedisClusterProcs, node: RedisServer) -> bool:
+    """Whether every running node counts ``node`` failed and reports the cluster ok."""
+    node_id = cluster.node_id(node)
+    for other in cluster.nodes:
+        if not other.running:
+            continue
+        if "cluster_state:ok" not in other.cli("CLUSTER", "INFO", check=False):
+            return False
+        line = [f for f in other.cli("CLUSTER", "NODES").splitlines() if f.startswith(node_id)]
+        if not line or "fail" not in line[0].split()[2].split(","):
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One server for a whole module; tests keep apart by key prefix (``l3_prefix``)."""

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import redis.cluster
 from redis.crc import key_slot
-from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, ref, wait_for
+from redis_servers import OP_TIMEOUT_S, SLACK_S, counted_failed, data, empty, host, ref, wait_for
 
 from kvtier.bench.redis_proc import RedisClusterProcs
 from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health, TierUnavailable
@@ -716,20 +716,6 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
         assert tier.health().state is Health.OK
         assert tier.stats().counters["down_transitions"] == 0
-
-
-def counted_failed(cluster: RedisClusterProcs, node: Any) -> bool:
-    """Whether every running node counts ``node`` failed and reports the cluster ok."""
-    node_id = cluster.node_id(node)
-    for other in cluster.nodes:
-        if not other.running:
-            continue
-        if "cluster_state:ok" not in other.cli("CLUSTER", "INFO", check=False):
-            return False
-        line = [f for f in other.cli("CLUSTER", "NODES").splitlines() if f.startswith(node_id)]
-        if not line or "fail" not in line[0].split()[2].split(","):
-            return False
-    return True
 
 
 @contextlib.asynccontextmanager

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from redis_servers import counted_failed
 
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.client import KvtierError, PoolLayout, SharedMemoryPool, Tier
@@ -173,21 +174,8 @@ def test_a_full_master_holds_back_its_own_blocks_only_not_the_daemon_s_other_l3_
 
 def wait_counted_failed(cluster: RedisClusterProcs, lost: RedisServer) -> None:
     """Until every running master counts ``lost`` failed and serves its own slots."""
-    lost_id = cluster.node_id(lost)
-
-    def counted() -> bool:
-        for other in cluster.nodes:
-            if not other.running:
-                continue
-            if "cluster_state:ok" not in other.cli("CLUSTER", "INFO", check=False):
-                return False
-            lines = [f for f in other.cli("CLUSTER", "NODES").splitlines() if f.startswith(lost_id)]
-            if not lines or "fail" not in lines[0].split()[2].split(","):
-                return False
-        return True
-
     deadline = time.monotonic() + 30
-    while not counted():
+    while not counted_failed(cluster, lost):
         assert time.monotonic() < deadline, "the masters did not count the lost one failed"
         time.sleep(0.1)
 
