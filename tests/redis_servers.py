@@ -68,6 +68,20 @@ def counted_failed(cluster: RedisClusterProcs, node: RedisServer) -> bool:
     return True
 
 
+def partial_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
+    """Three masters, no replicas, that go on serving the slots they have while one is lost
+    (``cluster-require-full-coverage no``), stopped at teardown: the ``redis_cluster_partial``
+    fixtures of the cluster test modules, one for a module, one a test's own."""
+    cluster = RedisClusterProcs(
+        tmp_path_factory.mktemp("redis-cluster-partial"),
+        masters=3,
+        extra_config="cluster-require-full-coverage no",
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One server for a whole module; tests keep apart by key prefix (``l3_prefix``)."""

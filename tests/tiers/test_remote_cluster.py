@@ -24,7 +24,17 @@ from typing import Any
 import pytest
 import redis.cluster
 from redis.crc import key_slot
-from redis_servers import OP_TIMEOUT_S, SLACK_S, counted_failed, data, empty, host, ref, wait_for
+from redis_servers import (
+    OP_TIMEOUT_S,
+    SLACK_S,
+    counted_failed,
+    data,
+    empty,
+    host,
+    partial_cluster,
+    ref,
+    wait_for,
+)
 
 from kvtier.bench.redis_proc import RedisClusterProcs
 from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health, TierUnavailable
@@ -40,16 +50,8 @@ NODE_TIMEOUT_S = 1.0  # the fixtures' clusters'
 
 @pytest.fixture(scope="module")
 def redis_cluster_partial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
-    """Three masters, no replicas, that go on serving the slots they have while one is lost
-    (``cluster-require-full-coverage no``)."""
-    cluster = RedisClusterProcs(
-        tmp_path_factory.mktemp("redis-cluster-partial"),
-        masters=3,
-        extra_config="cluster-require-full-coverage no",
-    )
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    """``partial_cluster``, shared by the module's tests."""
+    yield from partial_cluster(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

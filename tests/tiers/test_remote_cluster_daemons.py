@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from redis_servers import counted_failed
+from redis_servers import counted_failed, partial_cluster
 
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.client import KvtierError, PoolLayout, SharedMemoryPool, Tier
@@ -24,16 +24,8 @@ LAYOUT = PoolLayout.staging(num_layers=2, num_pages=64, block_tokens=16, chunk_b
 
 @pytest.fixture
 def redis_cluster_partial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:
-    """Three masters, no replicas, that go on serving the slots they have while one is lost
-    (``cluster-require-full-coverage no``). A test's own: it loses a master for good."""
-    cluster = RedisClusterProcs(
-        tmp_path_factory.mktemp("redis-cluster-partial"),
-        masters=3,
-        extra_config="cluster-require-full-coverage no",
-    )
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    """``partial_cluster``, a test's own: it loses a master for good."""
+    yield from partial_cluster(tmp_path_factory)
 
 
 def node(daemon_factory, tmp_path, name: str, cluster: RedisClusterProcs, prefix: str):
