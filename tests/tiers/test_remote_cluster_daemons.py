@@ -15,7 +15,7 @@ import pytest
 from redis_servers import counted_failed, partial_cluster
 
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
-from kvtier.client import KvtierError, PoolLayout, SharedMemoryPool, Tier
+from kvtier.client import Client, KvtierError, PoolLayout, SharedMemoryPool, Tier
 
 pytestmark = pytest.mark.redis_cluster
 
@@ -47,6 +47,16 @@ def node(daemon_factory, tmp_path, name: str, cluster: RedisClusterProcs, prefix
     )
 
 
+def put_written_to_l3(client: Client, pool_id: int, chain: list[bytes]) -> None:
+    """``chain`` put from the pool's first pages, then waited for until the daemon has copied
+    every block of it to L3 (its first copies there)."""
+    assert client.put(pool_id, chain, range(len(chain))).prefix_len == len(chain)
+    deadline = time.monotonic() + 30
+    while client.stats().counter("copies", direction="L1->L3") < len(chain):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 def keys(n: int, tag: int) -> list[bytes]:
     rng = np.random.default_rng(tag)
     return [rng.bytes(32) for _ in range(n)]
@@ -63,11 +73,7 @@ def test_two_daemons_share_a_cluster_and_survive_a_master_killed_mid_workload(
         data[:] = np.random.default_rng(2).integers(0, 256, len(data), dtype=np.uint8)
         want = data.copy()
         pool = ca.register_pool(shm, LAYOUT)
-        assert ca.put(pool.pool_id, shared, range(32)).prefix_len == 32
-        deadline = time.monotonic() + 30
-        while ca.stats().counter("copies", direction="L1->L3") < 32:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        put_written_to_l3(ca, pool.pool_id, shared)
     with b.client() as cb, SharedMemoryPool.for_layout(LAYOUT) as shm:
         assert cb.lookup(shared).tiers == [Tier.L3_REMOTE] * 32
         pool = cb.register_pool(shm, LAYOUT)
@@ -207,11 +213,7 @@ def test_regression_a_lost_master_s_blocks_are_lookup_misses_and_a_get_evicts_no
     shared = keys(32, 1)
     with a.client() as ca, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = ca.register_pool(shm, LAYOUT)
-        assert ca.put(pool.pool_id, shared, range(32)).prefix_len == 32
-        deadline = time.monotonic() + 30
-        while ca.stats().counter("copies", direction="L1->L3") < 32:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        put_written_to_l3(ca, pool.pool_id, shared)
     victim = cluster.nodes[1]
     on_victim = {
         bytes.fromhex(k.rsplit(":", 1)[1])
