@@ -20,6 +20,7 @@ import redis
 
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
 from kvtier.tiers.base import BlockRef, HostBuffers
+from kvtier.tiers.remote.tier import RemoteTier
 
 OP_TIMEOUT_S = 0.5
 # What "fails fast" allows beyond the op timeout on a loaded machine: scheduling, not waiting.
@@ -66,6 +67,21 @@ def counted_failed(cluster: RedisClusterProcs, node: RedisServer) -> bool:
         if not line or "fail" not in line[0].split()[2].split(","):
             return False
     return True
+
+
+class ServerLookups:
+    """Counts the keys ``tier`` looks up the server of (``keys``), through its own
+    ``_servers_of``, from now until ``monkeypatch`` undoes it."""
+
+    def __init__(self, tier: RemoteTier, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.keys = 0
+        servers_of = tier._servers_of
+
+        def counting(keys: list[bytes]) -> list[str]:
+            self.keys += len(keys)
+            return servers_of(keys)
+
+        monkeypatch.setattr(tier, "_servers_of", counting)
 
 
 def partial_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcs]:

@@ -19,7 +19,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from redis_servers import OP_TIMEOUT_S, SLACK_S, data, empty, host, raw_client, ref, wait_for
+from redis_servers import (
+    OP_TIMEOUT_S,
+    SLACK_S,
+    ServerLookups,
+    data,
+    empty,
+    host,
+    raw_client,
+    ref,
+    wait_for,
+)
 
 from kvtier.bench.redis_proc import RedisServer, free_port, make_tls_files
 from kvtier.daemon import logs, loops
@@ -1517,19 +1527,11 @@ async def test_writes_look_up_no_server_while_none_is_paused(
     nbytes = 4096
     with RedisServer(tmp_path / "small", maxmemory_bytes=64 << 20) as server:
         async with opened(options(server, l3_prefix)) as tier:
-            looked_up = 0
-            servers_of = tier._servers_of
-
-            def counting(keys: list[bytes]) -> list[str]:
-                nonlocal looked_up
-                looked_up += len(keys)
-                return servers_of(keys)
-
-            monkeypatch.setattr(tier, "_servers_of", counting)
+            lookups = ServerLookups(tier, monkeypatch)
             blocks = [ref(i) for i in range(8)]
             src = host([data(i, nbytes) for i in range(8)])
             assert await tier.write(blocks, nbytes, src) == [True] * 8
-            assert looked_up == 0
+            assert lookups.keys == 0
             with raw_client(server) as raw:
                 raw.config_set("maxmemory", 1)
             assert await tier.write(blocks, nbytes, src) == [False] * 8

@@ -27,6 +27,7 @@ from redis.crc import key_slot
 from redis_servers import (
     OP_TIMEOUT_S,
     SLACK_S,
+    ServerLookups,
     counted_failed,
     data,
     empty,
@@ -926,20 +927,12 @@ async def test_regression_deletes_while_a_master_is_lost_did_not_each_look_up_ev
         assert tier.health().state is Health.DEGRADED_IO
         await tier.remove(on_victim)
         assert tier.stats().gauges["removals_unconfirmed"] == len(on_victim)
-        looked_up = 0
-        servers_of = tier._servers_of
-
-        def counting(keys: list[bytes]) -> list[str]:
-            nonlocal looked_up
-            looked_up += len(keys)
-            return servers_of(keys)
-
-        monkeypatch.setattr(tier, "_servers_of", counting)
+        lookups = ServerLookups(tier, monkeypatch)
         for block in others:
             await tier.remove([block])
             await wait_for("the resend to end", lambda: tier._resending is None, 30.0)
         # The first resend looks them all up; the Deletes' own keys are looked up too.
-        assert looked_up <= len(on_victim) + 2 * len(others), looked_up
+        assert lookups.keys <= len(on_victim) + 2 * len(others), lookups.keys
         assert tier.stats().gauges["removals_unconfirmed"] == len(on_victim)
         victim.start()
         await asyncio.to_thread(cluster.wait_ok)
