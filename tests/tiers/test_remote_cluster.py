@@ -499,11 +499,11 @@ async def until_primary(cluster: RedisClusterProcs, node: Any, timeout_s: float 
         await asyncio.sleep(0.05)
 
 
-def fail_fast_options(cluster: RedisClusterProcs, prefix: str) -> RemoteOptions:
+def fail_fast_options(cluster: RedisClusterProcs, prefix: str, **kw: Any) -> RemoteOptions:
     """The options of the tests that take nodes away: a call waits ``CLUSTER_OP_TIMEOUT_S``
-    at most."""
+    at most. ``kw`` as for ``cluster_options``."""
     return cluster_options(
-        cluster, prefix, op_timeout_s=CLUSTER_OP_TIMEOUT_S, connect_timeout_s=0.5
+        cluster, prefix, op_timeout_s=CLUSTER_OP_TIMEOUT_S, connect_timeout_s=0.5, **kw
     )
 
 
@@ -669,14 +669,7 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
     ]
     assert on_full and len(on_full) < n
     # A backoff the test outlasts none of: the second write is sent within it.
-    opts = cluster_options(
-        redis_cluster,
-        l3_prefix,
-        op_timeout_s=CLUSTER_OP_TIMEOUT_S,
-        connect_timeout_s=0.5,
-        backoff_initial_s=60.0,
-        backoff_max_s=60.0,
-    )
+    opts = fail_fast_options(redis_cluster, l3_prefix, backoff_initial_s=60.0, backoff_max_s=60.0)
     async with opened(opts) as tier:
         assert await tier.write(chain[:16], nbytes, host(src[:16])) == [True] * 16
         full.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
@@ -831,14 +824,7 @@ async def test_regression_a_lost_master_and_the_others_full_stop_the_daemon_s_wr
             "the others to count the master failed", lambda: counted_failed(cluster, victim), 30.0
         )
         # Lost from the start (no call meets it): the pauses below outlast the test.
-        opts = cluster_options(
-            cluster,
-            l3_prefix,
-            op_timeout_s=CLUSTER_OP_TIMEOUT_S,
-            connect_timeout_s=0.5,
-            backoff_initial_s=60.0,
-            backoff_max_s=60.0,
-        )
+        opts = fail_fast_options(cluster, l3_prefix, backoff_initial_s=60.0, backoff_max_s=60.0)
         async with opened(opts) as tier:
             health = tier.health()
             assert health.state is Health.DEGRADED_IO and health.accepts_writes, health
