@@ -193,19 +193,7 @@ def test_regression_a_call_on_a_channel_another_thread_gave_up_is_sent_again(dae
                 return None
             sys.settrace(None)
             landed.append(where[1])
-            before = set(threading.enumerate())  # earlier tests' parked discards among them
-            client.interrupted(KeyboardInterrupt())  # as another thread's interrupt does
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # the given-up channel's close, on its thread
-                closing = [
-                    thread
-                    for thread in set(threading.enumerate()) - before
-                    if thread.name == "kvtier-discarded"
-                ]
-                if closing:
-                    closing[0].join(30)
-                    break
-                time.sleep(0.01)
+            give_up_and_close(client)
             return None
 
         sys.settrace(give_up)
