@@ -632,12 +632,16 @@ class Client:
                 return self.call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = self.error_of(e)
+                # The given-up channel's close ends a call with CANCELLED; any other status
+                # is the call's own answer (a DEADLINE_EXCEEDED one may yet have run).
+                closed_on_it = e.code() == grpc.StatusCode.CANCELLED
             except ValueError:  # grpc's answer to a call on a closed channel
                 if self._closed:
                     raise closed_error() from None
                 if channel is self._channel:
                     raise
-            if channel is not self._channel and not self._closed:
+                closed_on_it = True
+            if closed_on_it and channel is not self._channel and not self._closed:
                 err = given_up_error(request.session_id)
             if not (why := again.after(err)):
                 raise err

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
-from kvtier.client.errors import NotFoundError
+from kvtier.client.errors import DeadlineExceededError, NotFoundError
 from kvtier.client.sync import RegisteredPool
 
 NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
@@ -256,3 +256,39 @@ def test_regression_a_jobs_part_on_a_channel_another_thread_gave_up_says_so(daem
         assert old_session in str(status.error)
         assert client.session_id != old_session
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
+def test_regression_a_call_past_its_deadline_is_not_sent_again_for_another_interrupt(daemon):
+    """A call whose deadline passed (DEADLINE_EXCEEDED, the call's own answer) while another
+    thread's interrupt gave its channel up fails with that error, as on a client nobody
+    interrupted. Before, it was taken for a call that closing the channel ended and sent
+    again in the new session with a new timeout: the caller waited past its timeout_s, and
+    a call the daemon had run late (which DEADLINE_EXCEEDED does not rule out; a Delete)
+    ran twice, the second answer saying that the keys the first deleted were missing."""
+    with Client(daemon.address, timeout_s=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        keys = pool.binding.keys(TOKENS)
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        landed: list[bool] = []
+
+        def give_up(frame: FrameType, event: str, arg: Any) -> Any:
+            if event != "call" or not in_grpc_call_on(frame, ("sync.py", "error_of")):
+                return None
+            sys.settrace(None)
+            landed.append(True)
+            client.interrupted(KeyboardInterrupt())  # as another thread's interrupt does
+            os.kill(pid, signal.SIGCONT)
+            return None
+
+        os.kill(pid, signal.SIGSTOP)  # the Delete goes unanswered past its deadline
+        sys.settrace(give_up)
+        try:
+            with pytest.raises(DeadlineExceededError):
+                client.delete(keys)
+        finally:
+            sys.settrace(None)
+            os.kill(pid, signal.SIGCONT)
+        assert landed
+        assert ends_in_time(client.health)
