@@ -576,8 +576,10 @@ class TransferJob:
             response = fut.result()
         except grpc.RpcError as e:
             # A channel another thread's interrupt gave up: its close ended the call
-            # (CANCELLED), and its session with the part's lease and pool id.
-            if given_up := self._client.given_up(stub, part.request.session_id):
+            # (CANCELLED), and its session with the part's lease and pool id. Any other
+            # status is the call's own (a DEADLINE_EXCEEDED one's copy may still run).
+            cancelled = e.code() == grpc.StatusCode.CANCELLED
+            if cancelled and (given_up := self._client.given_up(stub, part.request.session_id)):
                 self._ended(part, None, given_up)
             elif not (refused_stream(e) and self._resend_later(part)):
                 self._ended(part, None, self._client.error_of(e))

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
-from kvtier.client.errors import DeadlineExceededError, NotFoundError
+from kvtier.client.errors import DeadlineExceededError, NotFoundError, unclean
 from kvtier.client.sync import RegisteredPool
 
 NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
@@ -291,4 +291,46 @@ def test_regression_a_call_past_its_deadline_is_not_sent_again_for_another_inter
             sys.settrace(None)
             os.kill(pid, signal.SIGCONT)
         assert landed
+        assert ends_in_time(client.health)
+
+
+def test_regression_a_jobs_part_past_its_deadline_says_so_after_another_interrupt(daemon):
+    """A job's part whose deadline passed (DEADLINE_EXCEEDED: the daemon may still copy into
+    its pages) on a channel another thread's interrupt gave up fails with that error, which
+    ``unclean`` says may have left a copy running. Before, it failed with the given-up
+    session's NotFoundError, which ``unclean`` reads as answered: an engine would reuse
+    pages a late copy could still write (``pages_reusable`` True)."""
+    with Client(daemon.address, timeout_s=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        assert daemon.proc is not None
+        pid = daemon.proc.pid
+        job_ended = threading.Event()
+        held: list[str] = []
+
+        def hold_the_close(frame: FrameType, event: str, arg: Any) -> Any:
+            # The given-up channel's closing thread waits for the job's end: the Get ends by
+            # its deadline, not by the close.
+            if event == "call" and in_grpc_call_on(frame, ("sync.py", "_end_channel")):
+                held.append(threading.current_thread().name)
+                job_ended.wait(30)
+            return None
+
+        os.kill(pid, signal.SIGSTOP)  # the job's Get goes unanswered past its deadline
+        try:
+            load = client.submit_load(pool, [LoadSegment(pool.binding.keys(TOKENS), [2, 3])])
+            threading.settrace(hold_the_close)
+            try:
+                client.interrupted(KeyboardInterrupt())  # as another thread's interrupt does
+                status = load.wait(30)
+            finally:
+                threading.settrace(None)  # type: ignore[arg-type]
+                job_ended.set()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert held == ["kvtier-discarded"]
+        assert status.finished
+        assert isinstance(status.error, DeadlineExceededError), status.error
+        assert unclean(status.error)
+        assert not status.pages_reusable
         assert ends_in_time(client.health)
