@@ -580,6 +580,10 @@ class TransferJob:
             # status is the call's own (a DEADLINE_EXCEEDED one's copy may still run).
             cancelled = e.code() == grpc.StatusCode.CANCELLED
             if cancelled and (given_up := self._client.given_up(stub, part.request.session_id)):
+                # Sent, and ended on our side only: the daemon may still be copying its
+                # pages, as after a lost connection (the error itself reads as answered).
+                with self._cond:
+                    self._plan.dirty = True
                 self._ended(part, None, given_up)
             elif not (refused_stream(e) and self._resend_later(part)):
                 self._ended(part, None, self._client.error_of(e))
