@@ -215,6 +215,7 @@ async def checker(address: str, stop: asyncio.Event, reports: list[list[str]], s
             reports.append((await client.check(settle_s=0)).problems)
 
 
+@pytest.mark.slow
 def test_checks_in_slices_beside_clients_moving_blocks_report_nothing(daemon_factory, tmp_path):
     """A Check examines the blocks a slice at a time while other calls put, read, delete
     (the rows freed and reused by the next puts) and move blocks between L1 and L2: two

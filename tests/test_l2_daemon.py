@@ -1217,6 +1217,7 @@ def test_regression_a_lookup_or_get_that_waited_for_recovery_in_vain_failed_on_p
         gate.unlink(missing_ok=True)
 
 
+@pytest.mark.slow
 def test_regression_a_stop_with_an_l2_write_hung_never_ended(daemon_factory, tmp_path):
     """SIGTERM while an L2 write hangs (a disk that stops answering): the flush at stop
     starts no write after its timeout but waited for the hung one, and the stop never ended
@@ -1312,6 +1313,7 @@ def _stopped_while_gated(
     return d, d.log()
 
 
+@pytest.mark.slow
 def test_regression_a_stop_blocked_on_its_event_loop_ran_past_its_bound(daemon_factory, tmp_path):
     """The bound of the stop (above) is a timer of the event loop, and the close of the
     transfer threads waits on the loop for one in a hung write to end: that stop never ended
@@ -1371,6 +1373,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_regression_a_daemon_that_stopped_with_a_thread_hung_never_exited(daemon_factory, tmp_path):
     """The stop's bound ended with the stop: once 'kvtierd stopped', the event loop's
     teardown waits for every thread of its executor, and one in a call that does not

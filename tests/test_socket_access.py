@@ -621,6 +621,7 @@ def _l2_in(folder: Path) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_regression_two_daemons_started_at_once_on_one_socket_path_left_it_to_neither(tmp_path):
     """The start checked the socket path (nobody listening), then gRPC's bind removed
     whatever was there: of two daemons started together, the second bound over the first's
