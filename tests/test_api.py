@@ -1073,6 +1073,7 @@ def test_a_durable_puts_timeout_bounds_that_call_only(daemon_factory, tmp_path, 
         del data
 
 
+@pytest.mark.slow
 def test_regression_a_check_waiting_for_transfers_past_the_clients_timeout_timed_out(
     daemon_factory, tmp_path
 ):

@@ -561,6 +561,7 @@ def test_regression_blocks_known_only_in_l3_were_kept_after_l3_dropped_them(
         assert ca.check().problems == []
 
 
+@pytest.mark.slow
 def test_regression_a_pinned_or_hinted_block_known_only_in_l3_is_kept_until_its_hold_ends(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
@@ -738,6 +739,7 @@ def test_a_block_forgotten_while_still_in_l3_is_found_again_and_loads_byte_exact
         assert ca.check().problems == []
 
 
+@pytest.mark.slow
 def test_regression_a_block_known_only_in_l3_was_forgotten_while_lookups_used_it(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
@@ -1080,6 +1082,7 @@ def test_regression_removals_kept_in_l2_were_lost_or_came_back_when_removals_fil
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+@pytest.mark.slow
 def test_regression_a_block_held_here_kept_an_l3_copy_that_had_expired_and_was_never_written_again(
     daemon_factory, tmp_path, fresh_redis, l3_prefix
 ):
