@@ -1470,6 +1470,17 @@ class RemoteTier:
                 failed = {_failed_owner(view, slots.get(name)) for view in views}
                 if len(failed) != 1 or None in failed:  # (none reachable: no view)
                     return f"{why} at {name}", {}
+            # Asked again after the views: where full coverage is required, a node turns its
+            # state to 'fail' as it counts a master failed, and the states asked before the
+            # views may predate that count: the tier went partial, then down at the next
+            # call's CLUSTERDOWN (a down and up more, seen in the flapping test).
+            infos = await self._bounded(
+                asyncio.gather(*(p.execute_command("CLUSTER", "INFO") for p in reachable)),
+                timeout,
+            )
+            for primary, info in zip(reachable, infos, strict=True):
+                if (state := _info_field(info, "cluster_state")) != "ok":
+                    return f"cluster state is {state!r} at {primary.name}", {}
             return None, lost
         except _REFUSED_CREDENTIALS as e:
             return f"refused credentials: {_describe(e)}", {}
