@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client import sync as sync_module
 from kvtier.client.errors import DeadlineExceededError, NotFoundError, unclean
 from kvtier.client.sync import RegisteredPool
 
@@ -297,7 +298,9 @@ def test_regression_a_call_past_its_deadline_is_not_sent_again_for_another_inter
         assert ends_in_time(client.health)
 
 
-def test_regression_a_jobs_part_past_its_deadline_says_so_after_another_interrupt(daemon):
+def test_regression_a_jobs_part_past_its_deadline_says_so_after_another_interrupt(
+    daemon, monkeypatch
+):
     """A job's part whose deadline passed (DEADLINE_EXCEEDED: the daemon may still copy into
     its pages) on a channel another thread's interrupt gave up fails with that error, which
     ``unclean`` says may have left a copy running. Before, it failed with the given-up
@@ -311,23 +314,24 @@ def test_regression_a_jobs_part_past_its_deadline_says_so_after_another_interrup
         job_ended = threading.Event()
         held: list[str] = []
 
-        def hold_the_close(frame: FrameType, event: str, arg: Any) -> Any:
-            # The given-up channel's closing thread waits for the job's end: the Get ends by
-            # its deadline, not by the close.
-            if event == "call" and in_grpc_call_on(frame, ("sync.py", "_end_channel")):
-                held.append(threading.current_thread().name)
-                job_ended.wait(30)
-            return None
+        end_channel = sync_module._end_channel
 
+        def hold_the_close(channel: Any, session_call: Any) -> None:
+            # The given-up channel's closing thread waits for the job's end: the Get ends by
+            # its deadline, not by the close. (Replaced in the module, not traced: a trace
+            # reaches only threads started after it.)
+            held.append(threading.current_thread().name)
+            job_ended.wait(30)
+            end_channel(channel, session_call)
+
+        monkeypatch.setattr(sync_module, "_end_channel", hold_the_close)
         os.kill(pid, signal.SIGSTOP)  # the job's Get goes unanswered past its deadline
         try:
             load = client.submit_load(pool, [LoadSegment(pool.binding.keys(TOKENS), [2, 3])])
-            threading.settrace(hold_the_close)
             try:
                 client.interrupted(KeyboardInterrupt())  # as another thread's interrupt does
                 status = load.wait(30)
             finally:
-                threading.settrace(None)  # type: ignore[arg-type]
                 job_ended.set()
         finally:
             os.kill(pid, signal.SIGCONT)
