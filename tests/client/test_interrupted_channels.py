@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -101,66 +100,6 @@ def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
         assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
         assert ends_in_time(lambda: client.health())
-
-
-# An interrupt may also land in a collection's callback, which Python reports unraisable.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_regression_a_sigint_storm_leaves_the_client_working_and_no_pins(daemon):
-    """Real SIGINTs, sent by another thread while this one loads, raise KeyboardInterrupt
-    wherever they land in the load (gRPC's code included): each one that ends a call gives
-    the channel up, and the old session's end frees its leases. Before, the loads hung (a
-    bound of calls here, not of time: an interrupt ends a wait too) and leases leaked. A
-    channel whose lock an interrupt left held cannot be ended: its session stays open, with
-    the one lease its load held at most."""
-    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        pool = client.register_pool(shm, LAYOUT, NS)
-        assert pool.store(TOKENS, [0, 1]) == 8
-        storming = threading.Event()
-        storming.set()
-        # Raised during the loads only (pytest-xdist's workers ignore SIGINT otherwise): one
-        # landing in the test's own lines would end the test.
-        armed = [False]
-
-        def interrupt(signum: int, frame: FrameType | None) -> None:
-            if armed[0]:  # once an arming: none lands in the handler of the one before
-                armed[0] = False
-                raise KeyboardInterrupt
-
-        def storm() -> None:
-            while storming.is_set():
-                os.kill(os.getpid(), signal.SIGINT)
-                time.sleep(0.002)
-
-        previous = signal.signal(signal.SIGINT, interrupt)
-        stormer = threading.Thread(target=storm)
-        stormer.start()
-        interrupts = 0
-        try:
-            for _ in range(300):
-                try:
-                    armed[0] = True
-                    pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
-                    armed[0] = False
-                except KeyboardInterrupt:
-                    interrupts += 1
-        finally:
-            armed[0] = False
-            storming.clear()
-            stormer.join()
-            signal.signal(signal.SIGINT, previous)
-        assert interrupts
-        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
-        client.close()
-        with daemon.client() as admin:
-            deadline = time.monotonic() + 30
-            while True:
-                gauges = admin.stats().gauges
-                left = gauges["sessions"] - 1  # the admin's own is not the client's
-                if gauges["leases"] <= left or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        print(f"interrupts {interrupts}, sessions left {left}, leases {gauges['leases']}")
-        assert gauges["leases"] <= left
 
 
 def in_grpc_call_on(frame: FrameType, names: tuple[str, str]) -> bool:
