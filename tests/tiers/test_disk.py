@@ -407,6 +407,7 @@ def test_regression_a_quarantine_outlived_the_data_file_recreated_under_it(
         with _open(disk_dir) as tier:
             tier.recover()
             assert tier.stats().gauges["quarantined_slots"] == 1
+            assert tier.quarantined_bytes() == 65_536
             taken = set()
             while (slot := tier.allocator.allocate(65_536)) is not None:
                 taken.add(slot)
@@ -429,6 +430,7 @@ def test_quarantined_slots_are_listed_and_released_once_their_extent_checks_out(
         blocks = _quarantine_two(tier, make_block)
         held = tier.quarantined()
         assert [q.slot for q in held] == [blocks[1][1], blocks[2][1]]
+        assert tier.quarantined_bytes() == 2 * 65_536
         for q in held:
             path, offset = tier.slot_location(q.slot)
             assert (q.file, q.offset, q.slot_bytes) == (path.name, offset, 65_536)
@@ -439,11 +441,13 @@ def test_quarantined_slots_are_listed_and_released_once_their_extent_checks_out(
         out = tier.release_quarantined([blocks[1][1]])
         assert out.released == [blocks[1][1]] and out.kept == []
         assert [q.slot for q in tier.quarantined()] == [blocks[2][1]]
+        assert tier.quarantined_bytes() == 65_536
         assert tier.health().state is Health.OK
     # Crash-safe: the release is durable and brings no old row back.
     with _open(disk_dir) as tier:
         assert {r.key for r in tier.recover()} == {blocks[0][0], blocks[3][0]}
         assert [q.slot for q in tier.quarantined()] == [blocks[2][1]]
+        assert tier.quarantined_bytes() == 65_536
         taken = set()
         while (slot := tier.allocator.allocate(65_536)) is not None:
             taken.add(slot)
@@ -677,7 +681,9 @@ def test_regression_a_release_gave_back_a_slot_that_a_read_in_flight_then_quaran
             (slot, "release: a read of it was in flight")
         ]
         assert [q.slot for q in tier.quarantined()] == [slot]
+        assert tier.quarantined_bytes() == 65_536  # quarantined twice, held once
         assert tier.release_quarantined().released == [slot]
+        assert tier.quarantined_bytes() == 0
         again = _persist(tier, make_block, [2], 65_536)
         assert again[2][1] == slot
     with _open(disk_dir) as tier:

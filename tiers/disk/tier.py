@@ -544,6 +544,9 @@ class DiskTier:
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
+        # The slot bytes of ``_quarantined``, kept as slots enter and leave it: the space
+        # manager reads it at every displacing put (summed there, 0.8 ms at 10,000 slots).
+        self._quarantined_slot_bytes = 0
         # The last slot a bounded release naming none tried: the next one goes on past it (in
         # memory: after a restart, releases begin again at the first slot held).
         self._release_after = -1
@@ -1039,7 +1042,7 @@ class DiskTier:
             counters[f"blocks_lost_at_recovery_{reason}"] = n
         with self._state_lock:
             quarantined = len(self._quarantined)
-        quarantined_bytes = self.quarantined_bytes()
+            quarantined_bytes = self._quarantined_slot_bytes
         gauges = {
             "o_direct": float(self.files.direct),
             "used_slots": float(slab.used_slots),
@@ -1156,8 +1159,7 @@ class DiskTier:
     def quarantined_bytes(self) -> int:
         """The slot bytes quarantined slots hold out of use: room no block can take until a
         release (the space manager leaves it out of the room tenants share)."""
-        with self._state_lock:
-            return sum(self.allocator.slot_bytes_for(n) for n in self._quarantined.values())
+        return self._quarantined_slot_bytes
 
     def quarantined(self) -> list[QuarantinedSlot]:
         """Every slot held out of use, in slot order, with where it lies and why (the reason
@@ -1265,7 +1267,9 @@ class DiskTier:
             with self._state_lock:
                 self._tried.update(slot for slot in failed if slot not in in_flight)
                 for slot in passed:
-                    del self._quarantined[slot]
+                    self._quarantined_slot_bytes -= self.allocator.slot_bytes_for(
+                        self._quarantined.pop(slot)
+                    )
                     self._tried.discard(slot)
                     self.allocator.release(slot)
         if passed:
@@ -1447,6 +1451,11 @@ class DiskTier:
             self.faults.fault(classify(e), "index quarantine update")
         with self._state_lock:
             for b in blocks:
+                # A slot two reads found bad at once is quarantined twice: counted once.
+                held = self._quarantined.get(b.slot)
+                self._quarantined_slot_bytes += self.allocator.slot_bytes_for(b.nbytes) - (
+                    0 if held is None else self.allocator.slot_bytes_for(held)
+                )
                 self._quarantined[b.slot] = b.nbytes
                 self._tried.discard(b.slot)  # a new failure, for the next release to try
             self._committed.discard(b.slot for b in blocks)
@@ -1642,6 +1651,7 @@ class DiskTier:
         ok = ~renewed
         ok[ok] = self.allocator.claim_many(slots[ok], nbytes[ok])
         self._quarantined = dict(zip(slots[ok].tolist(), nbytes[ok].tolist(), strict=True))
+        self._quarantined_slot_bytes = int(self.allocator.slot_bytes_of(nbytes[ok]).sum())
         if not ok.all():
             self._idx().drop([], slots[~ok].tolist())
 
