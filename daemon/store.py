@@ -1681,7 +1681,7 @@ class BlockStore:
         """What protecting each of ``bids`` charges its owner's hint budget: the slot its copy
         takes in the top tier, as the budget is a share of that tier's slots. Charged their
         bytes, blocks smaller than their slots let a tenant protect more than its share."""
-        return self.stack.top.slots.allocator.slot_bytes_of(self.table.nbytes[bids])
+        return self.stack.top.slots.allocator.slot_bytes_for(self.table.nbytes[bids])
 
     def promote_in_background(self, bids: np.ndarray) -> None:
         """A pinning Lookup found these blocks: bring the lower-tier-only ones up before the

@@ -20,8 +20,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
+
+# A size, or sizes (``SlabAllocator.slot_bytes_for``).
+_Bytes = TypeVar("_Bytes", int, np.ndarray)
 
 # Batches this short are freed one slot at a time (after all are checked).
 _FEW_FREES = 8
@@ -74,12 +78,8 @@ class SlabAllocator:
 
     # ------------------------------------------------------------------ sizes
 
-    def slot_bytes_for(self, nbytes: int) -> int:
-        """The slot size that holds a block of ``nbytes``."""
-        return -(-nbytes // self.align) * self.align
-
-    def slot_bytes_of(self, nbytes: np.ndarray) -> np.ndarray:
-        """``slot_bytes_for`` of each of ``nbytes``."""
+    def slot_bytes_for(self, nbytes: _Bytes) -> _Bytes:
+        """The slot size that holds a block of ``nbytes`` (of each, for an array)."""
         return -(-nbytes // self.align) * self.align
 
     def fits(self, nbytes: int) -> bool:

@@ -1651,7 +1651,7 @@ class DiskTier:
         ok = ~renewed
         ok[ok] = self.allocator.claim_many(slots[ok], nbytes[ok])
         self._quarantined = dict(zip(slots[ok].tolist(), nbytes[ok].tolist(), strict=True))
-        self._quarantined_slot_bytes = int(self.allocator.slot_bytes_of(nbytes[ok]).sum())
+        self._quarantined_slot_bytes = int(self.allocator.slot_bytes_for(nbytes[ok]).sum())
         if not ok.all():
             self._idx().drop([], slots[~ok].tolist())
 
