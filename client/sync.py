@@ -370,6 +370,9 @@ class Client:
         self._closed = False
         self._session_id = ""
         self._session_call: Any = None
+        # Sessions given up with their channel (``_replace_if_suspect``), named in the next
+        # OpenSession so that the daemon ends them (under _lock).
+        self._given_up: list[str] = []
         self._pools: dict[int, PoolBinding] = {}
         # Pools whose UnregisterPool went unanswered (a timeout, a daemon stopped meanwhile),
         # by id, with their session: sent again before the next registration (under
@@ -436,13 +439,15 @@ class Client:
         a daemon restart). The old channel and its session's stream are ended on a thread of
         their own (``_closer.discard``): the daemon then ends that session, freeing its
         leases, pins and pools. Where the interruption left gRPC's lock held, nothing can end
-        them: that session stays open until this process exits, its leases until they
-        expire."""
+        them, so the next OpenSession names that session (``given_up_sessions``) and the
+        daemon ends it then."""
         if not self._held["suspect"]:
             return
         with self._lock:
             if not self._held["suspect"] or self._closed:
                 return
+            if self._session_id:
+                self._given_up.append(self._session_id)
             call, self._session_id, self._session_call = self._session_call, "", None
             self._held.pop("call", None)
             # Handed over before the new channel clears the mark: an interruption between
@@ -536,8 +541,13 @@ class Client:
     def _open_session(self) -> tuple[Any, Any]:
         """(first event, call) of a new session's stream."""
         tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
+        with self._lock:
+            given_up = list(self._given_up)
         request = t.build_request(
-            pb.OpenSessionRequest, client_name=self.client_name, token=self._token.current()
+            pb.OpenSessionRequest,
+            client_name=self.client_name,
+            token=self._token.current(),
+            given_up_sessions=given_up,
         )
         if tickets.due():
             request.credential_ticket = tickets.fetch(self.timeout_s)
@@ -553,6 +563,8 @@ class Client:
         except BaseException as e:
             self.interrupted(e)
             raise
+        with self._lock:  # the daemon has ended them (none is named again)
+            del self._given_up[: len(given_up)]
         return opened
 
     def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:

@@ -358,6 +358,14 @@ class KVTierServicer:
             stream.why = why
             stream.ended.set()
 
+    def _end_given_up(self, session_id: str) -> None:
+        """End a session its client gave up (``KVService.end_given_up``), and its stream
+        without an error: the client asked for it, and nothing reads that stream."""
+        self.service.close_session(session_id)
+        stream = self._streams.get(session_id)
+        if stream is not None:
+            stream.ended.set()
+
     def client_left(self) -> bool:
         """Whether the client of the request running now has cancelled it, or its deadline
         passed, while it awaited: grpc cancels the handler, ``_rpc`` detaches the request's
@@ -420,6 +428,8 @@ class KVTierServicer:
                 request.credential_ticket,
                 unix_socket=context.peer().startswith("unix"),
                 token=request.token,
+                given_up=request.given_up_sessions,
+                end=self._end_given_up,
             )
         except KvtierError as e:
             if isinstance(e, (Unauthenticated, PermissionDenied, Unavailable)):

@@ -227,11 +227,22 @@ class KVService:
     # --------------------------------------------------------------- sessions
 
     def open_session(
-        self, client_name: str, ticket: bytes, *, unix_socket: bool, token: bytes = b""
+        self,
+        client_name: str,
+        ticket: bytes,
+        *,
+        unix_socket: bool,
+        token: bytes = b"",
+        given_up: Sequence[str] = (),
+        end: Callable[[str], None] | None = None,
     ) -> Session:
         """Open a session bound to the credentials of ``ticket`` and to a tenant (by those
         credentials, or by ``token``). On the Unix socket a ticket is required; elsewhere
-        (TCP) a session has no peer credentials and needs a token."""
+        (TCP) a session has no peer credentials and needs a token.
+
+        ``given_up``: sessions the client gave up without ending their streams, ended first
+        (by ``end``, ``close_session`` by default) so that they hold no slot of the tenant's
+        session limit: see ``end_given_up``."""
         peer: PeerCred | None = None
         if ticket:
             peer = self.tickets.redeem(ticket, TicketKind.SESSION).peer
@@ -251,6 +262,7 @@ class KVService:
                 "the daemon is draining (kvtier drain): it takes no new sessions until an "
                 "admin resumes it; treat this as a miss, or use another daemon"
             )
+        self.end_given_up(given_up, peer, binding.tenant, end or self.close_session)
         session = self.sessions.open(
             client_name[:200],
             self._clock(),
@@ -271,6 +283,33 @@ class KVService:
             peer.pid if peer else "-",
         )
         return session
+
+    def end_given_up(
+        self,
+        session_ids: Sequence[str],
+        peer: PeerCred | None,
+        tenant: str,
+        end: Callable[[str], None],
+    ) -> None:
+        """``end`` each of ``session_ids`` that the process ``peer`` names opened (its pid and
+        uid, as its credential tickets said) bound to ``tenant``: sessions its client gave up
+        whose streams it could not end (a blocking client's channel that an interrupt left
+        locked), which would otherwise live, with their leases and pools, until that process
+        exits. Any other id (another process's or tenant's session, one ended already, none
+        at all) is ignored: a session id lets a request act as that session, but a session
+        never ends another client's. Nothing is ended for a peer without credentials
+        (TCP)."""
+        if peer is None:
+            return
+        for session_id in session_ids:
+            old = self.sessions.find(session_id)
+            if (
+                old is not None
+                and old.peer is not None
+                and (old.peer.pid, old.peer.uid) == (peer.pid, peer.uid)
+                and old.tenant == tenant
+            ):
+                end(session_id)
 
     def session(self, session_id: str) -> Session:
         """The open session ``session_id`` (NotFound otherwise)."""

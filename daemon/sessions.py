@@ -1,8 +1,10 @@
 """Client sessions, who they are, and the leases they hold.
 
-A session lives exactly as long as the client's OpenSession stream; pools and leases belong
-to one session and die with it, so a crashed engine never leaves pins or mappings behind. A
-lease pins a set of blocks until it is released, its session ends, or it expires.
+A session lives exactly as long as the client's OpenSession stream (or until the same
+process opens another that names it as given up, see ``KVService.end_given_up``); pools and
+leases belong to one session and die with it, so a crashed engine never leaves pins or
+mappings behind. A lease pins a set of blocks until it is released, its session ends, or it
+expires.
 
 A session carries its peer's credentials (pid, uid, gid), read by the kernel (SO_PEERCRED)
 when the client asked for its credential ticket (none over TCP), the tenant it is bound to
@@ -171,6 +173,10 @@ class SessionRegistry:
             shown = session_id if _SESSION_ID.fullmatch(session_id) else "named by session_id"
             raise SessionGone(f"session {shown} is not open (it ended or never existed)")
         return session
+
+    def find(self, session_id: str) -> Session | None:
+        """The open session ``session_id``, or None."""
+        return self._sessions.get(session_id)
 
     def limit_key_of(self, session_id: str) -> str:
         """The ``limit_key`` of open session ``session_id``; "" if none is open by that id."""

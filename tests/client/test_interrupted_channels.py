@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
+from harness import tenant_token
 
 from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
 from kvtier.client import sync as sync_module
@@ -65,6 +67,29 @@ def job(client: Client, pool: RegisteredPool) -> None:
     client.submit_load(pool, [LoadSegment(pool.binding.keys(TOKENS), [2, 3])])
 
 
+def interrupt_in_grpcs_lock(where: str, interrupted: Callable[..., None], *args: Any) -> None:
+    """``interrupted(*args)``, interrupted at the entry of a lock's ``__exit__`` in gRPC's
+    code ``where`` (a trace function raises the KeyboardInterrupt there, where a signal's
+    handler would), so that the lock stays held, as the tester's SIGINT storm left it: the
+    client gives the channel up, and nothing can end that channel or its session's
+    stream."""
+    landed: list[str] = []
+
+    def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and in_grpc_lock_exit(frame, where):
+            sys.settrace(None)
+            landed.append(where)
+            raise KeyboardInterrupt
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupted(*args)
+    finally:
+        sys.settrace(None)
+    assert landed
+
+
 # "create": the start of a call (the pinning Lookup's, which is sent; a job's first Get);
 # "is_active": the client's check of its session's stream, before the call.
 @pytest.mark.parametrize(
@@ -75,28 +100,13 @@ def job(client: Client, pool: RegisteredPool) -> None:
 def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
     daemon, where, interrupted
 ):
-    """The interrupt is raised at the entry of a lock's ``__exit__`` in gRPC's code (a trace
-    function raises it there, where a signal's handler would), so the lock stays held, as
-    the tester's SIGINT storm left it. Before, the next call never ended."""
+    """The interrupt leaves gRPC's lock held (``interrupt_in_grpcs_lock``). Before, the next
+    call never ended."""
     with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT, NS)
         assert pool.store(TOKENS, [0, 1]) == 8
         keys = pool.binding.keys(TOKENS)
-        landed: list[str] = []
-
-        def interrupt(frame: FrameType, event: str, arg: Any) -> None:
-            if event == "call" and in_grpc_lock_exit(frame, where):
-                sys.settrace(None)
-                landed.append(where)
-                raise KeyboardInterrupt
-
-        sys.settrace(interrupt)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                interrupted(client, pool)
-        finally:
-            sys.settrace(None)
-        assert landed
+        interrupt_in_grpcs_lock(where, interrupted, client, pool)
         assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
         assert ends_in_time(lambda: client.health())
@@ -280,3 +290,76 @@ def test_regression_a_jobs_part_past_its_deadline_says_so_after_another_interrup
         assert unclean(status.error)
         assert not status.pages_reusable
         assert ends_in_time(client.health)
+
+
+def test_regression_a_session_given_up_with_grpcs_lock_held_stayed_open_in_the_daemon(
+    daemon_factory,
+):
+    """The given-up channel's session stayed open in the daemon until the process exited,
+    with its lease (until it expired) and its pool, one of server.max_sessions_per_tenant:
+    with a limit of 2 and another client open, the client's next call was refused
+    (RESOURCE_EXHAUSTED). Its next OpenSession now names the given-up session, which the
+    daemon ends first."""
+    d = daemon_factory("server.max_sessions_per_tenant=2")
+    with (
+        d.client(timeout_s=3) as client,
+        d.client(timeout_s=3) as observer,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        given_up = client.session_id
+        interrupt_in_grpcs_lock("create", pinning_lookup, client, pool)
+        gauges = observer.stats().gauges
+        assert (gauges["sessions"], gauges["leases"], gauges["pools"]) == (2, 1, 1)
+        assert ends_in_time(lambda: client.lookup(pool.binding.keys(TOKENS)).prefix_len) == 2
+        assert client.session_id != given_up
+        gauges = observer.stats().gauges
+        assert (gauges["sessions"], gauges["leases"], gauges["pools"]) == (2, 0, 0)
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
+# Another process's client: prints its session's id, then, once told, its session's id again.
+OTHER_PROCESS = """
+import sys
+from kvtier.client import Client
+with Client(sys.argv[1], timeout_s=10) as client:
+    print(client.session_id, flush=True)
+    sys.stdin.readline()
+    print(client.session_id, flush=True)
+"""
+
+
+def test_an_open_session_naming_another_process_or_tenants_session_ends_nothing(
+    daemon_factory, tmp_path
+):
+    """A session id acts as its session from any connection, but given_up_sessions ends only
+    sessions of the same process and tenant: naming another process's session, a session
+    of this process bound to another tenant, or ids that are no session's, ends nothing and
+    fails nothing."""
+    token, tenants = tenant_token(tmp_path, "other")
+    d = daemon_factory(tenants)
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_PROCESS, d.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout is not None and other.stdin is not None
+        other_process = other.stdout.readline().strip()
+        with (
+            d.client(token_file=token) as other_tenant,
+            d.client(timeout_s=3) as hostile,
+        ):
+            theirs = other_tenant.session_id
+            hostile._given_up += [other_process, theirs, "0" * 32, "not a session"]
+            assert hostile.stats().gauges["sessions"] == 3
+            assert hostile._given_up == []  # sent
+            assert other_tenant.session_id == theirs
+            assert other_tenant.stats().gauges["sessions"] == 3
+        out, _ = other.communicate("\n", timeout=30)
+        assert out.strip() == other_process
+    finally:
+        other.kill()
+        other.wait()

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -829,5 +830,61 @@ def test_a_check_reads_the_table_arrays_anew_after_they_grow_between_its_slices(
             assert report.details[0].slots == [unallocated]
             table.slot[later, col] = held
             assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
+
+
+def test_regression_a_session_given_up_held_its_leases_and_slot_until_its_process_exited():
+    """A blocking client that gives up a channel an interrupt left locked cannot end that
+    session's stream: the daemon kept the session, its leases and one of the tenant's
+    server.max_sessions_per_tenant until the process exited. The client's next OpenSession
+    names it (given_up_sessions) and the daemon ends it before counting the new one, but
+    only one the same process (pid and uid) opened in the same tenant: a session id named by
+    another process, by another tenant's session or over TCP ends nothing, and an id that is
+    not open is ignored."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        service, tickets = _service(store)
+        service.sessions.max_per_tenant = 2
+        token = b"other-tenant-secret-0123456789"
+        ours = Tenant("ours", uids=frozenset({PEER.uid, PEER.uid + 1}))
+        service.tenants = TenantDirectory([ours, Tenant("other", token_digest=_digest(token))])
+
+        def open_as(peer: PeerCred | None, given_up: list[str], tok: bytes = b"") -> Session:
+            ticket = tickets.issue(TicketKind.SESSION, peer) if peer else b""
+            return service.open_session(
+                "t", ticket, unix_socket=peer is not None, token=tok, given_up=given_up
+            )
+
+        given_up = open_as(PEER, []).session_id
+        lease = await service.lookup(given_up, [bytes(32)] * 3, True, 0)
+        assert lease.lease_id and store.pins == 3
+        remote = open_as(None, [], token).session_id  # over TCP
+        hostile = [given_up, remote, "0" * 32, "not an id"]
+        # Another process of the same uid and tenant, another uid of the tenant with the same
+        # pid, the same process bound to another tenant, a TCP session of remote's tenant:
+        # none ends a session.
+        for peer, tok in [
+            (replace(PEER, pid=PEER.pid + 1), b""),
+            (replace(PEER, uid=PEER.uid + 1), b""),
+            (PEER, token),
+            (None, token),
+        ]:
+            service.close_session(open_as(peer, hostile, tok).session_id)
+        assert service.sessions.find(given_up) is not None
+        assert service.sessions.find(remote) is not None
+        assert store.pins == 3 and service.sessions.lease_count == 1
+        second = open_as(PEER, []).session_id  # the tenant's two sessions are open
+        with pytest.raises(ResourceExhausted, match=r"server\.max_sessions_per_tenant"):
+            open_as(PEER, ["0" * 32])
+        # The same process names the session it gave up: it ends, and its slot is free.
+        new = open_as(PEER, [given_up, "0" * 32, "not an id"]).session_id
+        assert service.sessions.find(given_up) is None
+        assert store.pins == 0 and service.sessions.lease_count == 0
+        assert service.sessions.tenant_sessions("ours") == 2
+        for session in (second, new, remote):
+            service.close_session(session)
 
     asyncio.run(run())
