@@ -19,7 +19,9 @@ Invariants:
   straight into the client's pages. Protection delays eviction; it never makes a miss.
 - A failed read (checksum, I/O, absent from L3) is a miss and drops that tier's copy; an L3
   read its store did not answer (unreachable, timed out) is a miss that keeps it, to be read
-  once the store is back. A block left with no copy while held (pinned, in flight) keeps its
+  once the store is back; a put of a block held only where it cannot be read now forgets
+  that record and stores the block (``_forget_unserved``), unless somebody holds the row.
+  A block left with no copy while held (pinned, in flight) keeps its
   row until released; a put of its key stores into that row, as for a new key
   (``_claim_bare``): EXISTS means some tier holds the block.
 - A pool names its own batch buffer (``pool.batch``): pages of shared memory or of GPU memory
@@ -596,6 +598,34 @@ class BlockStore:
             readable |= held
         tiers[only_keyed[~readable]] = 0
 
+    def _forget_unserved(self, rows: np.ndarray) -> bool:
+        """Forget the rows of a put's keys (``rows``, -1: none) held only in key-addressed
+        tiers that cannot serve them now (``KeyTier.unserved``), but those somebody holds
+        (pinned, in flight). A Lookup answers such rows as misses and a Get cannot read them
+        (``_unreadable_to_misses``), so the engine computes the blocks again and puts them:
+        found, they would be answered EXISTS and stored nowhere, request after request, until
+        the rows went unconfirmed (``forget_unconfirmed``). Forgotten, the put stores them
+        here. Whether any was."""
+        for level in self._keyed:  # (not all() over a generator: asked by most puts)
+            if level.tier.health().state is not Health.OK:
+                break
+        else:
+            return False
+        table = self.table
+        rows = np.unique(rows[rows >= 0])
+        rows = rows[
+            (table.state[rows] == READY) & (table.inflight[rows] == 0) & (table.pins[rows] == 0)
+        ]
+        tiers = self._fastest_kind(rows)
+        only_keyed = tiers >= self._keyed_kind
+        self._unreadable_to_misses(rows, tiers)
+        unserved = rows[only_keyed & (tiers == 0)]
+        for level in self._keyed:
+            held = unserved[table.slot[unserved, level.col] >= 0]
+            if len(held):
+                self.space.drop_copies(held, level)
+        return len(unserved) > 0
+
     def _unconfirmed(self, ids: np.ndarray, tiers: np.ndarray) -> np.ndarray:
         """The positions of the rows whose fastest copy (``tiers``) is in a key-addressed
         tier, the slowest kinds, and which none confirmed for ``tiers.l3.known_s``
@@ -971,6 +1001,8 @@ class BlockStore:
         block_bytes = pool.block_bytes
         results = np.full(n, _STORED, dtype=np.int32)
         existing = table.find_any(ns, words)
+        if self._keyed and self._forget_unserved(existing):
+            existing = table.find_any(ns, words)
         self._check_sizes(existing, block_bytes)
         first = ~repeats(words)  # a key repeated within the batch is stored once
         is_new = existing < 0

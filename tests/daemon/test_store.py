@@ -1871,6 +1871,40 @@ async def test_regression_a_lookup_answered_hits_for_blocks_held_only_in_an_l3_t
     assert (await store.lookup(0, chain))[0] == 4
 
 
+async def test_regression_a_put_of_blocks_held_only_in_a_down_l3_answered_exists_and_stored_nothing(
+    make_store,
+):
+    """A Lookup answers blocks held only in an L3 that cannot serve them (down, or their
+    cluster master lost) as misses and a Get misses them, so the engine computes them again
+    and puts them: the put answered EXISTS (their rows stand) and stored nothing, so every
+    request computed them again until the rows went unconfirmed for 2-2.5 known_s. Now the
+    put stores them here (one key, and a chain); a row a lease pins stays as it was."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, l3=shared), make_pool()
+    b = keys(3)
+    await _held_only_in_l3(store, shared, pool, b)
+    pinned = store.pin(store.table.lookup(0, b[2:]))
+    shared.down = True
+    assert (await store.lookup(0, b))[0] == 0
+    assert await put(store, pool, b[:1], pages=[40]) == [PutResult.STORED]
+    assert await put(store, pool, b, pages=[40, 41, 42]) == [
+        PutResult.EXISTS,
+        PutResult.STORED,
+        PutResult.EXISTS,
+    ]
+    assert where(store, b) == ["L1", "L1", "L3"]
+    prefix, tiers, _ = await store.lookup(0, b)
+    assert (prefix, tiers.tolist()) == (2, [int(TierKind.HOST)] * 2 + [0])
+    assert await get(store, pool, b[:2], [30, 31]) == [True, True]
+    assert [page_bytes(pool, p) for p in (30, 31)] == [page_bytes(pool, p) for p in (40, 41)]
+    assert store.counters.get("copies_lost", tier="L3") == 0
+    store.unpin(pinned)
+    shared.down = False
+    assert where(store, b) == ["L1", "L1", "L3"]
+    assert (await store.lookup(0, b))[0] == 3
+
+
 async def test_regression_a_get_of_blocks_held_only_in_a_down_l3_evicted_l1_blocks_for_them(
     make_store,
 ):
