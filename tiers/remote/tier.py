@@ -75,6 +75,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from kvtier.tiers.base import (
+    HEALTHY,
     PROBE_ABSENT,
     PROBE_UNKNOWN,
     BlockRef,
@@ -1112,13 +1113,14 @@ class RemoteTier:
         writes again, though it stays paused until a write to it goes through: only a write
         sent after the backoff ends the pause (or, refused again, extends it)."""
         a = self._avail
-        now = self._clock()
         if a.state is Reach.DOWN:
-            retry_in = max(0.0, a.retry_at - now)
+            retry_in = max(0.0, a.retry_at - self._clock())
             return TierHealth(Health.DOWN, f"{a.detail}; retrying in {retry_in:.1f}s")
-        paused = self._paused(now)
+        if not self._lost and not self._full:
+            return HEALTHY  # the common case: asked per Lookup and per put (the store)
+        paused = self._paused(self._clock())
         if not self._lost and not paused:
-            return TierHealth()
+            return HEALTHY
         details = [
             f"master {server} unreachable ({why}): its slots' blocks are misses"
             for server, why in self._lost.items()
