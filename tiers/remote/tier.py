@@ -3,7 +3,8 @@
 Invariants:
 - Every verb is a coroutine on the daemon's event loop and never raises for a remote fault:
   an unreachable, slow or failing store answers misses (``probe`` none, ``probe_each``
-  unknown, ``read`` False, ``write`` False) and shows in ``health()`` and ``stats()``.
+  unknown, ``read`` None: nothing said of the block, ``write`` False) and shows in
+  ``health()`` and ``stats()``.
   Exceptions are kept for programming errors (a buffer shorter than ``nbytes``).
 - No round trip is waited for longer than ``op_timeout_s`` (``probe``: its caller gets an
   answer within ``probe_deadline_ms``; the round trip may go on in the background up to
