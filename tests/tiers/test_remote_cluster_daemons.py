@@ -1,7 +1,8 @@
 """Two daemons (two nodes) sharing a real 3-master Redis Cluster as L3: one serves the
 other's prefix, and a master killed mid-workload costs neither daemon a failed request; one
 master out of memory holds back the daemon's L3 writes to that master only; a master lost
-for good makes its blocks held only in L3 lookup misses that a Get makes no room for. Run
+for good makes its blocks held only in L3 lookup misses that a Get makes no room for and a
+Put stores here. Run
 with ``make test-l3-cluster`` (the cluster suite)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from redis_servers import counted_failed, partial_cluster
 
 from kvtier.bench.redis_proc import RedisClusterProcs, RedisServer
-from kvtier.client import Client, KvtierError, PoolLayout, SharedMemoryPool, Tier
+from kvtier.client import Client, KvtierError, PoolLayout, PutStatus, SharedMemoryPool, Tier
 
 pytestmark = pytest.mark.redis_cluster
 
@@ -261,3 +262,8 @@ def test_regression_a_lost_master_s_blocks_are_lookup_misses_and_a_get_evicts_no
             assert cb.get(pool.pool_id, lost_keys, range(32, 32 + len(lost))).prefix_len == 0
         assert [i for i, t in enumerate(cb.lookup(own).tiers) if t == Tier.L1_HOST] == l1_before
         assert cb.stats().counter("evictions", tier="L1") == evictions
+        # Computed again by the engine and put: stored here (the put answered EXISTS, their
+        # rows standing, and stored nothing).
+        put = cb.put(pool.pool_id, lost_keys, range(len(lost)))
+        assert put.statuses == [PutStatus.STORED] * len(lost)
+        assert Tier.ABSENT not in cb.lookup(lost_keys).tiers
