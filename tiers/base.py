@@ -609,7 +609,7 @@ class KeyTier(Protocol):
         """The positions of the blocks that ``read`` misses now without asking the store
         (None at once): every one while the tier is down, those of a part of the store it
         knows it cannot reach (a cluster's lost master); none while it is OK. No round trip:
-        the store skips promotions and answers lookups by it."""
+        the store skips promotions, answers lookups and lets puts store such blocks by it."""
         ...
 
     def set_write_rate(self, bytes_s: int) -> None:
