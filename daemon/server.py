@@ -185,6 +185,16 @@ STATUS: dict[type[KvtierError], grpc.StatusCode] = {
 }
 
 
+def stop_bound_s(config: Config) -> float:
+    """How long a stop may run before the daemon abandons it (``Daemon.stop``): the drain,
+    the flush at stop (with L2 and ``flush_on_stop``) and the grace for the stop's own steps.
+    The process may outlive it by ``ABANDON_BLOCKED_AFTER_S`` (its event loop blocked) or,
+    a stop ended, by ``main.EXIT_AFTER_STOP_S``: what a service manager must wait for."""
+    server, l2 = config.server, config.tiers.l2
+    flush_s = l2.flush_timeout_s if l2.enabled and l2.flush_on_stop else 0.0
+    return server.drain_timeout_s + flush_s + server.stop_grace_s
+
+
 def status_of(error: KvtierError) -> grpc.StatusCode:
     for cls in type(error).__mro__:
         if cls in STATUS:
@@ -914,9 +924,7 @@ class Daemon:
         with it: past the bound the process logs what it leaves (``_abandon``) and ends as a
         crash would, which loses nothing acknowledged durable (L2's index commits a block
         only once its bytes are synced)."""
-        server, l2 = self.config.server, self.config.tiers.l2
-        flush_s = l2.flush_timeout_s if l2.enabled and l2.flush_on_stop else 0.0
-        bound_s = server.drain_timeout_s + flush_s + server.stop_grace_s
+        bound_s = stop_bound_s(self.config)
         self._stop_step = "draining requests"
         blocked = threading.Timer(
             bound_s + ABANDON_BLOCKED_AFTER_S, self._abandon_blocked, args=(bound_s,)

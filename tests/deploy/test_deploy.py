@@ -250,13 +250,17 @@ def test_kvtierd_speaks_the_units_notify_protocol(tmp_path):
         shutil.rmtree(short, ignore_errors=True)
 
 
-def _stop_bound_s(config) -> float:
-    """The longest a SIGTERM keeps the daemon, but for the last flush write under way: the
-    server's drain, then the requests whose clients left (each up to
-    server.drain_timeout_s), then the flush of L1 to L2 (tiers.l2.flush_timeout_s; counted
-    where L2 is still off, as in deploy/kvtier.yaml, since turning it on changes no timeout)."""
-    flush = config.tiers.l2.flush_timeout_s if config.tiers.l2.flush_on_stop else 0.0
-    return 2 * config.server.drain_timeout_s + flush
+def _stop_bound_s(path: Path | None, environ: dict[str, str] | None = None) -> float:
+    """The longest a SIGTERM keeps the daemon of the config ``path`` and ``environ`` give: its
+    stop's bound (drain, flush, grace: server.stop_bound_s), then what the process may take
+    past it (its event loop blocked, or its exit held once stopped). The flush at stop is
+    counted where L2 is still off, as in deploy/kvtier.yaml, since turning it on changes no
+    timeout."""
+    from kvtier.daemon.main import EXIT_AFTER_STOP_S
+    from kvtier.daemon.server import ABANDON_BLOCKED_AFTER_S, stop_bound_s
+
+    with_l2 = load_config(path, ["tiers.l2.enabled=true"], environ=environ)
+    return stop_bound_s(with_l2) + max(ABANDON_BLOCKED_AFTER_S, EXIT_AFTER_STOP_S)
 
 
 def test_the_deployments_wait_for_the_daemons_stop_before_killing_it():
@@ -265,15 +269,15 @@ def test_the_deployments_wait_for_the_daemons_stop_before_killing_it():
     blocks not yet written are lost); so does the `docker run --stop-timeout` the image
     asks for."""
     unit = _unit()
-    assert int(unit["TimeoutStopSec"][0]) > _stop_bound_s(load_config(DEPLOY / "kvtier.yaml"))
+    assert int(unit["TimeoutStopSec"][0]) > _stop_bound_s(DEPLOY / "kvtier.yaml")
     (ds,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
     env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
     config = load_config(None, environ=env)
     assert config.tiers.l2.enabled and config.tiers.l2.flush_on_stop
-    assert pod["terminationGracePeriodSeconds"] > _stop_bound_s(config)
+    assert pod["terminationGracePeriodSeconds"] > _stop_bound_s(None, env)
     asked = re.search(r"--stop-timeout (\d+)", (DEPLOY / "Dockerfile").read_text())
-    assert asked and int(asked[1]) > _stop_bound_s(load_config(DEPLOY / "kvtier.yaml"))
+    assert asked and int(asked[1]) > _stop_bound_s(DEPLOY / "kvtier.yaml")
 
 
 # ------------------------------------------------------------------------- container
