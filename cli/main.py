@@ -60,6 +60,7 @@ from kvtier.client import (
 )
 from kvtier.client.credentials import SESSION_LOGGER
 from kvtier.client.types import (
+    MAX_CHECK_LIST,
     DrainResult,
     address_hint,
     build_request,
@@ -94,9 +95,8 @@ QUARANTINE_AGAIN, QUARANTINE_REFUSED, QUARANTINE_KEPT = 1, 2, 4
 # Deadline Exceeded" (or an OverflowError traceback), `stats --interval 1e10` a traceback.
 MAX_SECONDS = 7 * 86400
 # kvtier check --list: how many blocks and slots of each broken invariant it lists without a
-# number, and at most (the daemon's own bound, service.MAX_CHECK_LIST).
+# number (at most MAX_CHECK_LIST, the daemon's own bound).
 CHECK_LIST_DEFAULT = 32
-CHECK_LIST_MAX = 1000
 
 
 def _seconds(*, zero: bool) -> Callable[[str], float]:
@@ -125,14 +125,14 @@ def _seconds(*, zero: bool) -> Callable[[str], float]:
 
 
 def _list_limit(text: str) -> int:
-    """An argparse type for ``check --list N``: 1 to ``CHECK_LIST_MAX``."""
+    """An argparse type for ``check --list N``: 1 to ``MAX_CHECK_LIST``."""
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= CHECK_LIST_MAX:
+    if not 1 <= value <= MAX_CHECK_LIST:
         raise argparse.ArgumentTypeError(
-            f"expected a whole number from 1 to {CHECK_LIST_MAX}, got {text!r}"
+            f"expected a whole number from 1 to {MAX_CHECK_LIST}, got {text!r}"
         )
     return value
 
@@ -793,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="N",
         help="under each broken invariant that names blocks or slots, list the first N "
-        f"(default {CHECK_LIST_DEFAULT}, at most {CHECK_LIST_MAX}) of each: the blocks' keys in "
+        f"(default {CHECK_LIST_DEFAULT}, at most {MAX_CHECK_LIST}) of each: the blocks' keys in "
         "hex and the slots of the tier it names, then how many more",
     )
     c.add_argument("--json", action="store_true", help="one JSON object")

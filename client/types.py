@@ -394,6 +394,9 @@ def checked_type(value: T, types: type | tuple[type, ...], what: str) -> T:
 # The daemon waits at most this long for transfers before a Check (longer settles are cut to
 # it); the wire's field is milliseconds in 32 bits.
 MAX_CHECK_SETTLE_S = 60.0
+# The most blocks and slots of each broken invariant a Check lists (the daemon cuts a larger
+# list_limit to it: ``service.MAX_CHECK_LIST``).
+MAX_CHECK_LIST = 1000
 
 
 def check_timeout_s(request: pb.CheckRequest, timeout_s: float) -> float:
@@ -406,7 +409,7 @@ def check_timeout_s(request: pb.CheckRequest, timeout_s: float) -> float:
 def check_request(settle_s: float, list_limit: int = 0) -> pb.CheckRequest:
     """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
     does) and listing up to ``list_limit`` blocks and slots of each broken invariant (the
-    daemon lists at most 1000); a negative or NaN wait, or one that is not a number, is
+    daemon lists at most ``MAX_CHECK_LIST``); a negative or NaN wait, or one that is not a number, is
     InvalidArgumentError naming ``settle_s``, as a ``list_limit`` out of range names it."""
     if isinstance(settle_s, (bool, np.bool_)) or not isinstance(settle_s, numbers.Real):
         ok = False  # a str, None, True: refused as any other bad argument

@@ -81,7 +81,8 @@ log = logging.getLogger(__name__)
 # The longest a Check waits for transfers in flight to finish.
 MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
 # A Check lists at most this many blocks and slots of each broken invariant (32 KiB of keys
-# each): a table broken throughout would otherwise answer with all of its keys.
+# each): a table broken throughout would otherwise answer with all of its keys. The clients
+# refuse more (client/types.py).
 MAX_CHECK_LIST = 1000
 # What a listed key and a listed slot add to a CheckResponse, at most (a 32-byte key with its
 # tag and length; a uint64 varint): all of its details together are kept under half of

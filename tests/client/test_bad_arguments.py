@@ -292,6 +292,14 @@ def test_a_check_settle_past_the_daemons_longest_wait_is_cut_to_it(settle_s):
     assert check_request(0.25).settle_ms == 250
 
 
+def test_the_clients_check_list_bound_is_the_daemons():
+    """kvtier check --list refuses past the client's bound; the daemon cuts to its own."""
+    from kvtier.client.types import MAX_CHECK_LIST
+    from kvtier.daemon.service import MAX_CHECK_LIST as DAEMONS
+
+    assert MAX_CHECK_LIST == DAEMONS
+
+
 # ------------------------------------------------------------ construction
 
 
