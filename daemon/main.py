@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     if args.print_config:
         yaml.safe_dump(config.printable(), sys.stdout, sort_keys=False)
         return 0
-    problems = preflight.check(config)
+    # The checks take the ids the config resolved to, as the daemon does (``_serve``): asked
+    # again, a directory service that stopped answering meanwhile ended the start in a
+    # traceback.
+    with ids_from(known_ids):
+        problems = preflight.check(config)
     if args.check_config:
         for line in preflight.summary(config):
             print(f"  {line}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import json
 import logging
 import os
@@ -1253,3 +1254,49 @@ def test_regression_an_l3_removals_file_through_a_link_was_judged_by_the_links_f
         f"tiers.l3.removals_file: cannot create or open {sockets}/into-read-only: its folder "
         f"{base} is not writable by uid {NOBODY if os.geteuid() == 0 else os.geteuid()}"
     ]
+
+
+# kvtierd whose group lookups find a name only the first time it is asked for (a directory
+# service that stops answering between two lookups).
+_ENTRY_WITH_GROUPS_FOUND_ONCE = """
+import grp, sys
+from kvtier.daemon.main import main
+
+asked = set()
+getgrnam = grp.getgrnam
+
+def found_once(name):
+    if name in asked:
+        raise KeyError(name)
+    asked.add(name)
+    return getgrnam(name)
+
+grp.getgrnam = found_once
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_the_host_checks_looked_up_the_config_names_again(tmp_path):
+    """The host checks ran outside the book of ids the config was loaded with (main's
+    known_ids, which the daemon itself serves with), so they asked the host for
+    server.socket_group a second time: a directory service that answered the load and not
+    the checks ended kvtierd in a traceback (UnknownName), not the start it had checked. The
+    checks now take the ids the config resolved, as the daemon does."""
+    group = grp.getgrgid(os.getegid()).gr_name
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ENTRY_WITH_GROUPS_FOUND_ONCE,
+            "--check-config",
+            *_sets(
+                f"server.socket={tmp_path / 'd.sock'}",
+                f"server.socket_group={group}",
+                "tiers.l1.capacity_bytes=64MiB",
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and "config ok" in r.stdout, r.stderr
