@@ -15,11 +15,11 @@ image's HEALTHCHECK), without it is 2 (readiness checks).
 
 The admin commands need an admin session (root, the daemon's user, ``server.admin_uids``,
 or an admin tenant's ``--token-file``): ``kvtier check`` exits 0 when every invariant holds,
-1 with the list of what is broken (``--list``: with the keys and slots each names), 2 when the daemon refused (it answered and did not check:
-not an admin, or it is stopping), 3 when it cannot be reached, as ``health``; ``kvtier drain``
-stops the daemon
-taking new sessions (``--wait S``: until the open ones have ended, exit 1 if some remain;
-0 if the daemon stops meanwhile, which ends them all, so a rollout's next step may follow) and
+1 with the list of what is broken (``--list``: with the keys and slots each names), 2 when the
+daemon refused (it answered and did not check: not an admin, or it is stopping), 3 when it
+cannot be reached, as ``health``; ``kvtier drain`` stops the daemon taking new sessions
+(``--wait S``: until the open ones have ended, exit 1 if some remain; 0 if the daemon stops
+meanwhile, which ends them all, so a rollout's next step may follow) and
 ``kvtier drain --resume`` takes them again; either exits 2 when the daemon refuses (it
 answered and did not drain: not an admin, or it is stopping; or, during ``--wait``, it drains
 but ended the command's session and opens it no new one, as after a reload that took its
