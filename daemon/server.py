@@ -110,6 +110,7 @@ from kvtier.daemon.unixsock import (
     prepare_socket_path,
     private_umask,
     remove_socket,
+    successor_kept,
 )
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
@@ -896,12 +897,26 @@ class Daemon:
         TCP port taken since the host checks): stop listening and remove both sockets, which
         would otherwise stay with nobody listening, for engines and the next start to find."""
         if self.server is not None:
-            await self.server.stop(None)
+            await self._stop_server(None)
         if self.credentials is not None:
             self.credentials.close()
         if self._socket_identity is not None:
             path = os.path.abspath(self.config.server.socket)
             remove_socket(path, self._socket_identity, still_listening=True)
+
+    async def _stop_server(self, grace_s: float | None) -> None:
+        """gRPC's server stop (``grace_s`` for the calls under way), which leaves the socket
+        path to the process that holds it now, if not this one (``successor_kept``)."""
+        assert self.server is not None
+        if self._socket_identity is None:
+            await self.server.stop(grace_s)
+            return
+        path = os.path.abspath(self.config.server.socket)
+        with successor_kept(path, self._socket_identity) as put_back:
+            stopping = asyncio.ensure_future(self.server.stop(grace_s))
+            await asyncio.sleep(0)  # its first step stops listening, unlinking the path
+            put_back()  # not the grace long without its socket
+            await stopping
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM and SIGINT stop the daemon (``request_stop``)."""
@@ -999,7 +1014,7 @@ class Daemon:
         if self.credentials is not None:
             self.credentials.close()
         if self.server is not None:
-            await self.server.stop(drain_s)
+            await self._stop_server(drain_s)
         if self.socket_lock is not None:
             # It never listens again: a successor may start while this one flushes L2 (its
             # sockets are removed below only while they are still this one's).

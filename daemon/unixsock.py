@@ -16,8 +16,10 @@ Invariants:
   (``SocketLock``) from before it examines the path until it no longer listens there, so a
   second daemon at that path stops before it binds anything (gRPC's bind removes whatever is
   at the path, a live daemon's socket included). A successor may start while its predecessor
-  flushes L2 (``remove_socket`` keeps the successor's socket). The kernel lets go of the lock
-  when its holder dies, so a lock file left by a crash never refuses a start.
+  flushes L2 (``remove_socket`` keeps the successor's socket), or once its socket and lock
+  file were removed under it (``successor_kept``: gRPC's stop unlinks the path). The kernel
+  lets go of the lock when its holder dies, so a lock file left by a crash never refuses a
+  start.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import socket
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,6 +327,43 @@ def remove_socket(path: str, identity: SocketIdentity, *, still_listening: bool 
     if (st.st_dev, st.st_ino) == identity and (still_listening or not _listening(path)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+@contextlib.contextmanager
+def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[], None]]:
+    """Around the stop of gRPC's server: keep the socket another process bound at ``path``,
+    where the path no longer holds the one the daemon bound (``identity``; a cleaner of old
+    files or an operator removed it, and the lock file, and another daemon started there).
+    gRPC unlinks the Unix socket it bound, by its path, as its server stops listening (in
+    the stop's first step), whoever's socket the path holds then: a second name (a hard
+    link beside it) keeps the other's, and the function this yields, called once gRPC has
+    stopped listening, and the exit, give the path that socket back."""
+    aside = ""
+    with contextlib.suppress(OSError):
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) != identity:
+            name = f"{path}.kept-{secrets.token_hex(4)}"
+            os.link(path, name)
+            aside = name
+
+    def put_back() -> None:
+        if aside:
+            # EEXIST: still there, or taken since; ENOENT: the second name went too.
+            with contextlib.suppress(OSError):
+                os.link(aside, path)
+
+    try:
+        yield put_back
+    finally:
+        if aside:
+            put_back()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(aside)
+            log.warning(
+                "%s held another process's socket, not this daemon's (it was removed while "
+                "the daemon ran): left to it",
+                path,
+            )
 
 
 def _listening(path: str) -> bool:

@@ -36,6 +36,7 @@ from kvtier.daemon.unixsock import (
     SocketAccess,
     SocketLock,
     bind_unix,
+    lock_path,
     prepare_socket_path,
     remove_socket,
 )
@@ -293,6 +294,32 @@ def test_regression_a_daemon_still_stopping_removed_its_successors_socket(daemon
             assert client.health()
     finally:
         gate.unlink(missing_ok=True)
+        new.stop()
+
+
+def test_regression_a_daemon_whose_socket_a_cleaner_removed_removed_its_successors_at_stop(
+    daemon_factory, tmp_path
+):
+    """gRPC's server unlinks the Unix socket it bound, by the name it was given, when it
+    stops. Where a cleaner of old files (or an operator) had removed a running daemon's
+    sockets and lock file, and another daemon had started at the path, the first one's stop
+    removed the second's live socket through that name, leaving it serving no one."""
+    old = daemon_factory()
+    for path in [*_both(old), lock_path(old.socket)]:
+        os.unlink(path)
+    new = DaemonProcess(tmp_path, old.socket, ["--set", "tiers.l1.capacity_bytes=64MiB"])
+    try:
+        new.start()
+        assert old.stop() == 0
+        for path in _both(new):
+            assert stat.S_ISSOCK(os.lstat(path).st_mode), path
+        with new.client() as client:
+            assert client.health()
+        assert "held another process's socket" in old.log()
+        assert sorted(os.listdir(os.path.dirname(old.socket))) == sorted(
+            os.path.basename(p) for p in [*_both(new), lock_path(new.socket)]
+        )
+    finally:
         new.stop()
 
 
