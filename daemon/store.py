@@ -612,14 +612,17 @@ class BlockStore:
         else:
             return False
         table = self.table
-        rows = np.unique(rows[rows >= 0])
+        rows = rows[rows >= 0]
+        rows = rows[self._fastest_kind(rows) >= self._keyed_kind]
+        if len(rows) == 0:
+            return False  # each has a copy in L1 or L2: most puts while such a tier is not OK
+        rows = np.unique(rows)
         rows = rows[
             (table.state[rows] == READY) & (table.inflight[rows] == 0) & (table.pins[rows] == 0)
         ]
         tiers = self._fastest_kind(rows)
-        only_keyed = tiers >= self._keyed_kind
         self._unreadable_to_misses(rows, tiers)
-        unserved = rows[only_keyed & (tiers == 0)]
+        unserved = rows[tiers == 0]
         for level in self._keyed:
             held = unserved[table.slot[unserved, level.col] >= 0]
             if len(held):
