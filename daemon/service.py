@@ -299,7 +299,8 @@ class KVService:
         exits. Any other id (another process's or tenant's session, one ended already, none
         at all) is ignored: a session id lets a request act as that session, but a session
         never ends another client's. Nothing is ended for a peer without credentials
-        (TCP)."""
+        (TCP). A daemon in a pid namespace of its own reads pid 0 for every peer outside
+        it: there the uid and tenant are checked, and the id itself is the client's."""
         if peer is None:
             return
         for session_id in session_ids:
