@@ -18,8 +18,9 @@ Invariants:
 - A ticket is redeemed at most once, only for its kind, and only before it expires. The
   table is keyed by the ticket's SHA-256, so no lookup compares a guess with a secret. The
   one exception: a pool ticket whose registration the daemon undid because it ended the
-  session meanwhile (``SessionEnded``: a reload) is given back, good until it expires as
-  before, since the client sends the same request with it again in a new session.
+  session meanwhile (``SessionEnded``: a reload, or a session its client gave up) is given
+  back, good until it expires as before, since the client sends the same request with it
+  again in a new session.
 - A pool ticket owns its fd until it is redeemed (the caller then owns it) or expires (the
   fd is closed); given back, it owns it again. Only memory-backed fds are kept: memfds and
   tmpfs files, the files on which F_GET_SEALS succeeds. They cannot stall a page fault on a

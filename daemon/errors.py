@@ -23,9 +23,10 @@ class SessionGone(NotFound):
 
 
 class SessionEnded(SessionGone):
-    """The daemon ended the session while the request ran (a reload bound it otherwise), and
-    nothing of the request was done: its client sends it again in a new session, so what the
-    request had spent (a pool's credential ticket) is given back."""
+    """The daemon ended the session while the request ran (a reload bound it otherwise, or its
+    client named it given up), and nothing of the request was done: its client sends it
+    again in a new session, so what the request had spent (a pool's credential ticket) is
+    given back."""
 
 
 class Unauthenticated(KvtierError):

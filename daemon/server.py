@@ -369,10 +369,10 @@ class KVTierServicer:
             stream.why = why
             stream.ended.set()
 
-    def _end_given_up(self, session_id: str) -> None:
-        """End a session its client gave up (``KVService.end_given_up``), and its stream
-        without an error: the client asked for it, and nothing reads that stream."""
-        self.service.close_session(session_id)
+    def _given_up_ended(self, session_id: str) -> None:
+        """End the stream of a session its client gave up, which the daemon has ended
+        (``KVService.end_given_up``), without an error: the client asked for it, and
+        nothing reads that stream."""
         stream = self._streams.get(session_id)
         if stream is not None:
             stream.ended.set()
@@ -440,7 +440,7 @@ class KVTierServicer:
                 unix_socket=context.peer().startswith("unix"),
                 token=request.token,
                 given_up=request.given_up_sessions,
-                end=self._end_given_up,
+                ended=self._given_up_ended,
             )
         except KvtierError as e:
             if isinstance(e, (Unauthenticated, PermissionDenied, Unavailable)):

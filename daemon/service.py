@@ -235,15 +235,15 @@ class KVService:
         unix_socket: bool,
         token: bytes = b"",
         given_up: Sequence[str] = (),
-        end: Callable[[str], None] | None = None,
+        ended: Callable[[str], None] | None = None,
     ) -> Session:
         """Open a session bound to the credentials of ``ticket`` and to a tenant (by those
         credentials, or by ``token``). On the Unix socket a ticket is required; elsewhere
         (TCP) a session has no peer credentials and needs a token.
 
         ``given_up``: sessions the client gave up without ending their streams, ended first
-        (by ``end``, ``close_session`` by default) so that they hold no slot of the tenant's
-        session limit: see ``end_given_up``."""
+        so that they hold no slot of the tenant's session limit, ``ended`` told of each (it
+        ends their streams): see ``end_given_up``."""
         peer: PeerCred | None = None
         if ticket:
             peer = self.tickets.redeem(ticket, TicketKind.SESSION).peer
@@ -263,7 +263,7 @@ class KVService:
                 "the daemon is draining (kvtier drain): it takes no new sessions until an "
                 "admin resumes it; treat this as a miss, or use another daemon"
             )
-        self.end_given_up(given_up, peer, binding.tenant, end or self.close_session)
+        self.end_given_up(given_up, peer, binding.tenant, ended)
         session = self.sessions.open(
             client_name[:200],
             self._clock(),
@@ -290,17 +290,20 @@ class KVService:
         session_ids: Sequence[str],
         peer: PeerCred | None,
         tenant: str,
-        end: Callable[[str], None],
+        ended: Callable[[str], None] | None = None,
     ) -> None:
-        """``end`` each of ``session_ids`` that the process ``peer`` names opened (its pid and
-        uid, as its credential tickets said) bound to ``tenant``: sessions its client gave up
-        whose streams it could not end (a blocking client's channel that an interrupt left
-        locked), which would otherwise live, with their leases and pools, until that process
-        exits. Any other id (another process's or tenant's session, one ended already, none
+        """End each of ``session_ids`` that the process ``peer`` names opened (its pid and
+        uid, as its credential tickets said) bound to ``tenant``, and tell ``ended`` of it:
+        sessions its client gave up whose streams it could not end (a blocking client's
+        channel that an interrupt left locked), which would otherwise live, with their leases
+        and pools, until that process exits. Any other id (another process's or tenant's session, one ended already, none
         at all) is ignored: a session id lets a request act as that session, but a session
         never ends another client's. Nothing is ended for a peer without credentials
         (TCP). A daemon in a pid namespace of its own reads pid 0 for every peer outside
-        it: there the uid and tenant are checked, and the id itself is the client's."""
+        it: there the uid and tenant are checked, and the id itself is the client's.
+
+        Ended as a reload ends one (``by_daemon``): the client sends the calls it had in it
+        again, in a new session, so a registration being mapped gives its ticket back."""
         if peer is None:
             return
         for session_id in session_ids:
@@ -311,7 +314,9 @@ class KVService:
                 and (old.peer.pid, old.peer.uid) == (peer.pid, peer.uid)
                 and old.tenant == tenant
             ):
-                end(session_id)
+                self.close_session(session_id, by_daemon=True)
+                if ended is not None:
+                    ended(session_id)
 
     def session(self, session_id: str) -> Session:
         """The open session ``session_id`` (NotFound otherwise)."""
@@ -320,7 +325,9 @@ class KVService:
     def close_session(self, session_id: str, *, by_daemon: bool = False) -> None:
         """End a session, releasing its leases and pools; nothing for one not open (the
         daemon may have ended it before its stream ends, see ``KVTierServicer.end_session``).
-        ``by_daemon``: the daemon ends it, not its client (see ``PoolRegistry.drop_session``)."""
+        ``by_daemon``: the daemon ends it, not its client's stream (a reload, or a session its
+        client gave up: ``end_given_up``), and its client sends the calls it had in it again
+        in a new session (see ``PoolRegistry.drop_session``)."""
         try:
             key = self.sessions.get(session_id).limit_key
         except NotFound:
@@ -357,9 +364,9 @@ class KVService:
         self, session_id: str, ticket: bytes, size_bytes: int, layout: PoolLayout
     ) -> Pool:
         """As ``register_shm_pool``, for a memory fd handed over with ``ticket``. Where the
-        daemon ends the session while the memory is mapped (SessionEnded: a reload), the
-        ticket is given back with its fd: the client sends this request again, with the
-        same ticket, in a new session."""
+        daemon ends the session while the memory is mapped (SessionEnded: a reload, or its
+        client gave it up), the ticket is given back with its fd: the client sends this
+        request again, with the same ticket, in a new session."""
         session = self.sessions.get(session_id)
         check_host_region(size_bytes, layout)
         peer = self._check_may_register(session, layout, size_bytes)

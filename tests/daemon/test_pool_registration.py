@@ -255,16 +255,30 @@ async def test_a_session_that_ends_while_its_pool_is_mapped_gets_no_pool(held):
         assert len(daemon.pools) == 0 and daemon.pools.per_session_counts() == {}
 
 
-async def test_regression_a_register_pool_whose_session_a_reload_ended_while_mapped_was_refused(
-    held,
+def _end_by_reload(daemon: Daemon, loop: asyncio.AbstractEventLoop, session_id: str) -> None:
+    """What ``Reloader`` calls for a session its new tenants no longer bind."""
+    loop.call_soon_threadsafe(daemon.servicer.end_session, session_id, "the tenants changed")
+
+
+def _end_as_given_up(daemon: Daemon, loop: asyncio.AbstractEventLoop, session_id: str) -> None:
+    """An OpenSession of the same process naming the session (``given_up_sessions``), as a
+    blocking client's does for one whose channel an interrupt left locked."""
+    with Client(daemon.addresses[0]) as successor:
+        successor._given_up.append(session_id)
+        assert successor.session_id
+
+
+@pytest.mark.parametrize("end", [_end_by_reload, _end_as_given_up], ids=["reload", "given-up"])
+async def test_regression_a_register_pool_whose_session_the_daemon_ended_while_mapped_was_refused(
+    held, end
 ):
-    """A reload ends the session (``KVTierServicer.end_session``, as ``Reloader`` calls it)
-    while its memfd pool is being mapped. The daemon had spent the pool's credential ticket,
-    so the client's retry in a new session, which sends the same ticket, was refused
-    UNAUTHENTICATED ("the credential ticket is unknown, already used or expired"; 92-141 of
-    ~9,000 registrations in 20 s of reloads every 0.1 s). The ticket is given back with its
-    memfd: the retry registers the pool, and nothing of the memfd is left once it is
-    unregistered."""
+    """The daemon ends the session (a reload, ``KVTierServicer.end_session``; or an
+    OpenSession naming it given up, ``KVService.end_given_up``) while its memfd pool is being
+    mapped. The daemon had spent the pool's credential ticket, so the client's retry in a new
+    session, which sends the same ticket, was refused UNAUTHENTICATED ("the credential ticket
+    is unknown, already used or expired"; by reloads, 92-141 of ~9,000 registrations in 20 s
+    of reloads every 0.1 s). The ticket is given back with its memfd: the retry registers the
+    pool, and nothing of the memfd is left once it is unregistered."""
     loop = asyncio.get_running_loop()
 
     async with running_daemon(held) as daemon:
@@ -277,9 +291,7 @@ async def test_regression_a_register_pool_whose_session_a_reload_ended_while_map
                     registering = engine_thread.submit(engine.register_pool, shm, LAYOUT)
                     try:
                         held.wait_entered()
-                        loop.call_soon_threadsafe(
-                            daemon.servicer.end_session, first, "the daemon's tenants changed"
-                        )
+                        end(daemon, loop, first)
                         wait_until(lambda: daemon.sessions.session_count == 0, "session ended")
                     finally:
                         held.release.set()
