@@ -221,11 +221,19 @@ class _ChannelCloser:
 
     It also ends the channels a client gave up after an interruption (``discard``), each on
     a thread of its own: there gRPC's channel lock may be held for good, so that ending it
-    waits for ever; that thread then parks, keeping the channel, whose collection would wait
-    the same way on whatever thread it ran. ``discard`` is a ``put`` too, as it runs where
-    another KeyboardInterrupt may land."""
+    waits for ever; that thread then parks. ``discard`` is a ``put`` too, as it runs where
+    another KeyboardInterrupt may land.
+
+    What an interruption may have left locked is kept for good (``keep``): the given-up
+    channel, its session's call, and the interrupted call itself. gRPC's finalizers take
+    those locks (a channel's closes it, a call's cancels it); run by a collection, on any
+    thread but the one that holds the lock, they waited for ever, and so did that
+    collection: every later ``gc.collect()`` in the process returned at once, and cyclic
+    garbage grew until it exited. A few objects an interruption, never released."""
 
     def __init__(self) -> None:
+        # Not reset at fork: dropped in the child, the copies would be collected there.
+        self._kept: list[Any] = []
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # the thread does not cross fork()
 
@@ -245,7 +253,12 @@ class _ChannelCloser:
         self._channels.put((channel, None, False))
 
     def discard(self, channel: grpc.Channel, session_call: Any) -> None:
+        self.keep(channel, session_call)
         self._channels.put((channel, session_call, True))
+
+    def keep(self, *objects: Any) -> None:
+        """Keep gRPC objects an interruption may have left locked (see the class)."""
+        self._kept.append(objects)
 
     def _run(self) -> None:
         while True:
@@ -414,7 +427,7 @@ class Client:
             call.cancel()
         channel.close()
 
-    def interrupted(self, error: BaseException) -> None:
+    def interrupted(self, error: BaseException, *calls: Any) -> None:
         """Note that something other than a call's error (a KeyboardInterrupt, or whatever
         else a signal handler raised) ended a gRPC call of this client's on this thread.
         gRPC's sync channel is not safe against that: landing inside its call start (or a
@@ -426,7 +439,11 @@ class Client:
         transfer job's parts fail with it). The mark comes first: another interruption that
         lands before the channel is replaced leaves that to the client's next call. Once an
         ``error``: the guards of the calls that it passes through on its way out each note
-        it, and a second replacement would only give up the new channel."""
+        it, and a second replacement would only give up the new channel. ``calls``: the
+        gRPC calls ``error`` ended, which the client would drop; kept for good instead, with
+        the channel (see ``_ChannelCloser``)."""
+        if calls:
+            _closer.keep(*calls)
         if getattr(error, "_kvtier_noted", False):
             return
         error._kvtier_noted = True  # type: ignore[attr-defined]
@@ -587,6 +604,11 @@ class Client:
                 raise from_rpc_error(e) from None
         except StopIteration:
             raise UnavailableError("the daemon closed the session at once") from None
+        except Exception:
+            raise
+        except BaseException as e:
+            self.interrupted(e, call)
+            raise
         finally:
             timer.cancel()
         time.sleep(pause)
@@ -686,8 +708,9 @@ class Client:
             return fut.result()
         except grpc.RpcError:
             raise
-        except BaseException:
+        except BaseException as e:
             fut.add_done_callback(self._release_answered)
+            self.interrupted(e, fut)
             raise
 
     def _release_answered(self, lookup: Any) -> None:

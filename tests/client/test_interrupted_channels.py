@@ -363,3 +363,86 @@ def test_an_open_session_naming_another_process_or_tenants_session_ends_nothing(
     finally:
         other.kill()
         other.wait()
+
+
+# Run in an interpreter of its own: a collection that never ends is shared by every later
+# test of the process (each gc.collect() then returns at once).
+_COLLECTED_AFTER_AN_INTERRUPT = """
+import gc, os, sys, threading, weakref
+from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
+
+address, where = sys.argv[1:]
+NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
+LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
+TOKENS = list(range(8))
+
+
+def interrupt(frame, event, arg):
+    caller = frame.f_back
+    if (
+        event == "call"
+        and frame.f_code.co_name == "__exit__"
+        and frame.f_code.co_filename == threading.__file__
+        and caller is not None
+        and caller.f_code.co_filename.endswith(os.path.join("grpc", "_channel.py"))
+        and caller.f_code.co_name == where
+    ):
+        sys.settrace(None)
+        raise KeyboardInterrupt
+
+
+def interrupted(call):
+    sys.settrace(interrupt)
+    try:
+        call()
+    except KeyboardInterrupt as e:
+        caught = e  # in a cycle with this frame, as pytest.raises or a saved error keeps it
+        return caught is not None
+    finally:
+        sys.settrace(None)
+    return False
+
+
+class Node:
+    pass
+
+
+with Client(address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+    pool = client.register_pool(shm, LAYOUT, NS)
+    assert pool.store(TOKENS, [0, 1]) == 8
+    keys = pool.binding.keys(TOKENS)
+    if where == "result":  # the wait for a pinning Lookup's answer
+        assert interrupted(lambda: client.lookup(keys, pin=True, lease_ms=600_000))
+    else:  # the wait for a new session's first answer
+        assert interrupted(Client(address, timeout_s=3).stats)
+    # A collection on another thread than the one the interrupt left holding the call's lock.
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    collector.start()
+    collector.join(10)
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    cycle = weakref.ref(a)
+    del a, b
+    gc.collect()
+    print(f"collection ended: {not collector.is_alive()}, cycle collected: {cycle() is None}")
+    sys.stdout.flush()
+    os._exit(0)  # the interrupted call's lock is held for good: no orderly exit
+"""
+
+
+@pytest.mark.parametrize("where", ["result", "_next"], ids=["lookup-answer", "session-answer"])
+def test_regression_a_call_an_interrupt_ended_never_stops_the_garbage_collector(daemon, where):
+    """An interrupt that lands as gRPC leaves the lock of the call it waited on (a pinning
+    Lookup's answer, a new session's first one) leaves that lock held; the client drops the
+    call, and gRPC's finalizer of it takes that lock. Run by a collection on another thread
+    (the call kept alive by a cycle through the interrupt's traceback, as a saved error
+    makes one), it waited for ever, and every later gc.collect() returned at once: the
+    cycle made afterwards was never collected. The client now keeps such calls for good."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _COLLECTED_AFTER_AN_INTERRUPT, daemon.address, where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "collection ended: True, cycle collected: True" in proc.stdout, proc.stdout
