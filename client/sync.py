@@ -394,8 +394,8 @@ class Client:
         self._jobs = JobTable()
         self._pid = os.getpid()
         _closer.start()
-        finalizer = weakref.finalize(self, _close_dropped, self._held, self._pid)
-        finalizer.atexit = False  # the process's exit ends its sessions anyway
+        self._finalizer = weakref.finalize(self, _close_dropped, self._held, self._pid)
+        self._finalizer.atexit = False  # the process's exit ends its sessions anyway
 
     def _connect(self) -> None:
         """A new channel (it connects at its first call), its stub and its health check."""
@@ -420,6 +420,7 @@ class Client:
             self._closed = True
             call, self._session_call, self._session_id = self._session_call, None, ""
             channel, suspect = self._channel, self._held["suspect"]
+        self._finalizer.detach()  # closed here: collected, it is not closed again
         if suspect:  # ending it may wait for ever (see ``interrupted``)
             _closer.discard(channel, call)
             return

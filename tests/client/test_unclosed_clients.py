@@ -12,8 +12,12 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import Any
+
+import pytest
 
 from kvtier.client import Client, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client import sync as sync_module
 
 DROPPED = 5
 NS = Namespace(model="unclosed", kv_dtype="uint8", block_tokens=4)
@@ -81,3 +85,37 @@ def test_a_client_collected_on_its_channels_thread_ends_its_threads(daemon):
         assert watchers_left(before) == 0
         with daemon.client() as again:
             assert again.lookup([bytes(32)]).prefix_len == 0
+
+
+@pytest.mark.parametrize("suspect", [False, True], ids=["plain", "given-up"])
+def test_regression_a_closed_client_collected_hands_over_its_channel_no_more(
+    daemon, monkeypatch, suspect
+):
+    """A client that close() closed is not closed again when collected. Before, its
+    finalizer still ran: it cancelled the session's call again and had the closer thread
+    close the channel again, and a client closed with its channel marked by an interrupt
+    (``Client.interrupted``) handed that channel to a second closing thread, which parks for
+    good where the interrupt left gRPC's lock held."""
+    handed: list[str] = []
+    discard, close_later = sync_module._closer.discard, sync_module._closer.close_later
+
+    def discarded(channel: Any, session_call: Any) -> None:
+        handed.append("discard")
+        discard(channel, session_call)
+
+    def closed_later(channel: Any) -> None:
+        handed.append("close_later")
+        close_later(channel)
+
+    monkeypatch.setattr(sync_module._closer, "discard", discarded)
+    monkeypatch.setattr(sync_module._closer, "close_later", closed_later)
+    client = Client(daemon.address)
+    assert client.lookup([bytes(32)]).prefix_len == 0
+    if suspect:
+        client._held["suspect"] = True  # an interrupt's mark, not yet acted on
+    client.close()
+    expected = ["discard"] if suspect else []
+    assert handed == expected
+    del client
+    gc.collect()
+    assert handed == expected
