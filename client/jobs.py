@@ -521,9 +521,15 @@ class TransferJob:
             in_flight = self._plan.cancel()
             futures = [self._futures.get(p.index) for p in in_flight]
             self._cond.notify_all()
-        for fut in futures:
-            if fut is not None:
+        sent = [fut for fut in futures if fut is not None]
+        try:
+            for fut in sent:
                 fut.cancel()
+        except Exception:
+            raise
+        except BaseException as e:  # a KeyboardInterrupt: gRPC's locks are not safe against it
+            self._client.interrupted(e, *sent)
+            raise
         self._maybe_finish()
 
     # ----------------------------------------------------------------- sending

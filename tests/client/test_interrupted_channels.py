@@ -11,12 +11,13 @@ a thread of their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -57,6 +58,18 @@ def ends_in_time(call: Callable[[], Any], bound_s: float = 30.0) -> Any:
     thread.join(bound_s)
     assert result, f"the call did not end within {bound_s}s"
     return result[0]
+
+
+@contextlib.contextmanager
+def stored(daemon: Any, timeout_s: float) -> Iterator[tuple[Client, RegisteredPool, int]]:
+    """A client of ``daemon``, a pool holding TOKENS' two blocks (pages 0 and 1), and the
+    daemon's pid (for SIGSTOP)."""
+    assert daemon.proc is not None
+    client = Client(daemon.address, timeout_s=timeout_s)
+    with client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        yield client, pool, daemon.proc.pid
 
 
 def pinning_lookup(client: Client, pool: RegisteredPool) -> None:
@@ -110,6 +123,37 @@ def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
         assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
         assert ends_in_time(lambda: client.health())
+
+
+def test_regression_an_interrupt_in_a_jobs_cancel_leaves_the_client_working(daemon):
+    """``TransferJob.cancel`` cancels its calls through gRPC's locks too (a KeyboardInterrupt
+    handler's own cancel, hit by a second Ctrl-C): an interrupt landing there, at the
+    channel's lock exit, gives the channel up as at a call's start. Before, the client kept
+    the channel, whose lock stayed held, and its next call never ended."""
+    with stored(daemon, timeout_s=3) as (client, pool, pid):
+        keys = pool.binding.keys(TOKENS)
+        landed: list[str] = []
+
+        def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+            if event == "call" and in_grpc_lock_exit(frame, "cancel"):
+                sys.settrace(None)
+                landed.append("cancel")
+                raise KeyboardInterrupt
+
+        os.kill(pid, signal.SIGSTOP)  # the job's Get stays in flight until it is cancelled
+        try:
+            load = client.submit_load(pool, [LoadSegment(keys, [2, 3])])
+            sys.settrace(interrupt)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    load.cancel()
+            finally:
+                sys.settrace(None)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert landed
+        assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
 def in_grpc_call_on(frame: FrameType, names: tuple[str, str]) -> bool:
@@ -218,12 +262,8 @@ def test_regression_a_call_past_its_deadline_is_not_sent_again_for_another_inter
     again in the new session with a new timeout: the caller waited past its timeout_s, and
     a call the daemon had run late (which DEADLINE_EXCEEDED does not rule out; a Delete)
     ran twice, the second answer saying that the keys the first deleted were missing."""
-    with Client(daemon.address, timeout_s=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        pool = client.register_pool(shm, LAYOUT, NS)
-        assert pool.store(TOKENS, [0, 1]) == 8
+    with stored(daemon, timeout_s=1) as (client, pool, pid):
         keys = pool.binding.keys(TOKENS)
-        assert daemon.proc is not None
-        pid = daemon.proc.pid
         landed: list[bool] = []
 
         def give_up(frame: FrameType, event: str, arg: Any) -> Any:
