@@ -861,9 +861,15 @@ class Client:
     def live_ids(self, binding: PoolBinding) -> tuple[str, int] | None:
         """(session id, pool id) when the session is open and the pool registered in it;
         never calls the daemon."""
-        with self._lock:
-            call = self._session_call
-            session_id = self._session_id if call is not None and call.is_active() else ""
+        try:
+            with self._lock:
+                call = self._session_call
+                session_id = self._session_id if call is not None and call.is_active() else ""
+        except Exception:
+            raise
+        except BaseException as e:  # gRPC's locks are not safe against it: see ``interrupted``
+            self.interrupted(e)
+            raise
         if not session_id or not binding.pool_id or binding.session_id != session_id:
             return None
         return session_id, binding.pool_id

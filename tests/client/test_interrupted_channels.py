@@ -80,6 +80,10 @@ def job(client: Client, pool: RegisteredPool) -> None:
     client.submit_load(pool, [LoadSegment(pool.binding.keys(TOKENS), [2, 3])])
 
 
+def live_ids(client: Client, pool: RegisteredPool) -> None:
+    client.live_ids(pool.binding)
+
+
 def interrupt_in_grpcs_lock(where: str, interrupted: Callable[..., None], *args: Any) -> None:
     """``interrupted(*args)``, interrupted at the entry of a lock's ``__exit__`` in gRPC's
     code ``where`` (a trace function raises the KeyboardInterrupt there, where a signal's
@@ -104,11 +108,17 @@ def interrupt_in_grpcs_lock(where: str, interrupted: Callable[..., None], *args:
 
 
 # "create": the start of a call (the pinning Lookup's, which is sent; a job's first Get);
-# "is_active": the client's check of its session's stream, before the call.
+# "is_active": the client's check of its session's stream, before the call, or when the
+# connectors ask for the pool's live ids.
 @pytest.mark.parametrize(
     "where, interrupted",
-    [("create", pinning_lookup), ("is_active", pinning_lookup), ("create", job)],
-    ids=["lookup-start", "lookup-session-check", "job-start"],
+    [
+        ("create", pinning_lookup),
+        ("is_active", pinning_lookup),
+        ("create", job),
+        ("is_active", live_ids),
+    ],
+    ids=["lookup-start", "lookup-session-check", "job-start", "live-ids-session-check"],
 )
 def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
     daemon, where, interrupted
