@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 
 # The longest a Check waits for transfers in flight to finish.
 MAX_SETTLE_MS = 60_000  # the clients cut a longer wait to it (client/types.py)
+_NO_REFS = np.zeros(0, dtype=np.int64)
 # A Check lists at most this many blocks and slots of each broken invariant (32 KiB of keys
 # each): a table broken throughout would otherwise answer with all of its keys. The clients
 # refuse more (client/types.py).
@@ -783,9 +784,15 @@ class KVService:
         sessions = {s.session_id: s for s in self.sessions.sessions()}
         leases = self.sessions.leases()
         lease_ids = {x.lease_id for x in leases}
-        pins: Counter[int] = Counter()
         table = self.store.table
-        for lease in leases:
+        # Every lease's blocks at once: a Python step per pinned block took 79 ms of the loop
+        # for 16 leases of 4,096 blocks.
+        pinned = table.resolve_many(np.concatenate([_NO_REFS, *(x.refs for x in leases)]))
+        freed = np.bincount(
+            np.repeat(np.arange(len(leases)), [len(x.refs) for x in leases])[pinned < 0],
+            minlength=len(leases),
+        )
+        for lease, n_freed in zip(leases, freed.tolist(), strict=True):
             owner = sessions.get(lease.session_id)
             if owner is None:
                 problems.append(f"lease {lease.lease_id} outlives its session")
@@ -793,12 +800,8 @@ class KVService:
                 problems.append(f"lease {lease.lease_id} is missing from its session's leases")
             elif lease.tenant != owner.tenant:
                 problems.append(f"lease {lease.lease_id} is of another tenant than its session")
-            for ref in lease.refs.tolist():
-                bid = table.resolve(int(ref))
-                if bid < 0:
-                    problems.append(f"lease {lease.lease_id} pins a block that was freed")
-                else:
-                    pins[bid] += 1
+            problems += [f"lease {lease.lease_id} pins a block that was freed"] * n_freed
+        pins = pinned[pinned >= 0]
         for session in sessions.values():
             if stray := session.leases - lease_ids:
                 problems.append(
@@ -823,7 +826,7 @@ class KVService:
         details: list[CheckDetail] = []
         limit = min(list_limit, MAX_CHECK_LIST)
         room = self.config.server.max_message_bytes // 2
-        for problem in self.store.check_problems(pins=dict(pins), suspects=suspects):
+        for problem in self.store.check_problems(pins=pins, suspects=suspects):
             if limit and (len(problem.blocks) or len(problem.slots)):
                 # Within the room left: fewer listed, the totals still count them all.
                 n_keys = min(limit, len(problem.blocks), room // CHECK_KEY_BYTES)

@@ -2011,7 +2011,7 @@ class BlockStore:
         held = await self.transfers.run(Priority.BACKGROUND, tier.quarantined)
         return held, released
 
-    def check(self, pins: dict[int, int] | None = None) -> list[str]:
+    def check(self, pins: np.ndarray | None = None) -> list[str]:
         """``check_problems``' descriptions."""
         return [p.text for p in self.check_problems(pins)]
 
@@ -2076,13 +2076,14 @@ class BlockStore:
         return ids[~ok], slots[~ok]
 
     def check_problems(
-        self, pins: dict[int, int] | None = None, suspects: CheckSuspects | None = None
+        self, pins: np.ndarray | None = None, suspects: CheckSuspects | None = None
     ) -> list[CheckProblem]:
         """The store's invariants; each one broken, with the blocks and slots it names, or
-        nothing. ``pins``: block id -> how many live leases hold it (the sessions know), when
-        known. ``suspects`` (``check_suspects``): the invariants of each block on its own
-        are examined for these blocks only, the others' having held in their slice; without
-        it, for every block (one step, however large the table).
+        nothing. ``pins``: the block each pin of the live leases holds (a block once per lease
+        that pins it; the sessions know), when known. ``suspects`` (``check_suspects``): the
+        invariants of each block on its own are examined for these blocks only, the others'
+        having held in their slice; without it, for every block (one step, however large the
+        table).
 
         Always: every slot of a tier belongs to at most one live block and is allocated;
         each tier's allocator is consistent; every committed block (READY) with a copy in a
@@ -2200,9 +2201,7 @@ class BlockStore:
                     CheckProblem(f"{label}: {len(held)} tenants hold reserved slots no copy uses")
                 )
         if pins is not None:
-            want_pins = np.zeros(table.capacity, dtype=np.int64)
-            for bid, n in pins.items():
-                want_pins[bid] = n
+            want_pins = np.bincount(pins, minlength=table.capacity)
             if (bad := np.flatnonzero(want_pins != table.pins)).size:
                 problems.append(
                     CheckProblem(

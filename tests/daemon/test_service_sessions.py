@@ -733,7 +733,9 @@ def test_a_check_in_slices_finds_what_a_check_in_one_step_finds(monkeypatch):
             table.keys[lost, 0] ^= 1
             level.policy.remove(stray)
             report = await service.check(admin, list_limit=10)
-            assert report.problems == [p.text for p in store.check_problems(pins={})]
+            assert report.problems == [
+                p.text for p in store.check_problems(pins=np.zeros(0, dtype=np.int64))
+            ]
             for broken in (
                 f"L1: slot {int(table.slot[one, col])} belongs to 2 blocks",
                 "L1: 1 blocks hold slots that are not allocated",
@@ -829,6 +831,39 @@ def test_a_check_reads_the_table_arrays_anew_after_they_grow_between_its_slices(
             assert report.problems[0] == "L1: 1 blocks hold slots that are not allocated", report
             assert report.details[0].slots == [unallocated]
             table.slot[later, col] = held
+            assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
+
+
+def test_regression_a_check_resolved_the_leases_blocks_one_by_one_in_its_last_step(monkeypatch):
+    """The Check's last step (one step of the loop) resolved every block of every live lease
+    with a Python call each: 37-79 ms of the loop for 16 leases of 4,096 blocks. They are
+    resolved at once now, and what they tell is unchanged: a lease naming a block that was
+    freed, and a pin count that differs from the leases', are reported."""
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys = [os.urandom(32) for _ in range(128)]
+            results, _ = await service.put(session, pool, keys, range(128), b"")
+            assert (results == PutResult.STORED).all()
+            await service.lookup(session, keys, True, 60_000)
+            (lease,) = service.sessions.leases()
+            admin = _open_admin(service, service.tickets)
+            table = store.table
+            resolved: list[int] = []
+            resolve = table.resolve
+            monkeypatch.setattr(table, "resolve", lambda ref: resolved.append(ref) or resolve(ref))
+            assert (await service.check(admin)).problems == []
+            stale = int(lease.refs[5])
+            lease.refs[5] = stale + (1 << 32)  # a later generation of the row: freed
+            report = await service.check(admin)
+            assert report.problems == [
+                f"lease {lease.lease_id} pins a block that was freed",
+                "1 blocks' pin counts differ from their live leases",
+            ], report.problems
+            assert resolved == []
+            lease.refs[5] = stale
             assert (await service.check(admin)).problems == []
 
     asyncio.run(run())

@@ -1642,7 +1642,7 @@ async def test_regression_a_put_of_a_key_held_nowhere_while_pinned_stores_it_int
     assert store.space.bare_rows().tolist() == []  # its ref is dropped: it holds a copy
     assert int(store.table.inflight[bid]) == 1
     store.space.end_in_flight(np.asarray([bid]))
-    assert store.check(pins={bid: 1}) == []
+    assert store.check(pins=np.array([bid])) == []
     store.unpin(refs)
     assert await get(store, pool, word, [51]) == [True]
     assert page_bytes(pool, 51) == page_bytes(pool, 41)
@@ -1664,7 +1664,7 @@ async def test_a_put_with_no_room_for_a_key_held_nowhere_leaves_its_row_to_the_l
     assert store.table.resolve(int(refs[0])) == bid
     assert int(store.table.inflight[bid]) == 0
     assert (await store.lookup(0, word))[0] == 0
-    assert store.check(pins={bid: 1}) == []
+    assert store.check(pins=np.array([bid])) == []
     store.unpin(refs)
     assert present(store, word) == [False]
     assert store.space.bare_refs == set()  # a put no longer looks for such rows
@@ -1721,7 +1721,7 @@ async def test_regression_a_put_that_failed_gave_a_row_back_held_nowhere_but_no_
     assert await put(store, pool, word, pages=[42]) == [PutResult.STORED]
     assert await get(store, pool, word, [50], touch=False) == [True]
     assert page_bytes(pool, 50) == page_bytes(pool, 42)
-    assert store.check(pins={bid: 1}) == []
+    assert store.check(pins=np.array([bid])) == []
     store.unpin(refs)
 
 
@@ -4399,7 +4399,7 @@ async def test_regression_a_get_read_the_copy_of_a_put_storing_into_the_row_it_w
     monkeypatch.undo()
     assert not (store.table.slot[bid] >= 0).any()
     assert int(store.table.inflight[bid]) == 0
-    assert store.check(pins={bid: 1}) == []
+    assert store.check(pins=np.array([bid])) == []
     store.unpin(refs)
 
 
