@@ -770,12 +770,13 @@ class KVService:
         each broken invariant of the store that names them, fewer where the answer would
         pass half of ``server.max_message_bytes``."""
         self._admin(session_id, "Check")
-        # The blocks one by one, in slices between other calls; the rest below in one step,
-        # so that what it compares (leases and pins, counts and sums) is one moment's.
+        # The blocks one by one, in slices between other calls; the rest below, where what
+        # is compared with what (leases and pins, counts and sums) is read in one step and
+        # added up in the next ones (``BlockStore.check_problems_in_turns``).
         suspects = await self.store.check_suspects()
         # The wait for the transfers in flight comes after the slices, not before: the calls
-        # let in between them start transfers again, and the last step is the one that
-        # examines what holds only when none is in flight (strict).
+        # let in between them start transfers again, and the last steps are the ones that
+        # examine what holds only when none is in flight (strict).
         deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
         while not self.store.quiescent() and self._clock() < deadline:
             await asyncio.sleep(0.005)
@@ -826,7 +827,10 @@ class KVService:
         details: list[CheckDetail] = []
         limit = min(list_limit, MAX_CHECK_LIST)
         room = self.config.server.max_message_bytes // 2
-        for problem in self.store.check_problems(pins=pins, suspects=suspects):
+        found, strict_tiers = await self.store.check_problems_in_turns(pins, suspects)
+        # A tier's strict invariants are examined where nothing was in flight at its step.
+        strict = strict and strict_tiers
+        for problem in found:
             if limit and (len(problem.blocks) or len(problem.slots)):
                 # Within the room left: fewer listed, the totals still count them all.
                 n_keys = min(limit, len(problem.blocks), room // CHECK_KEY_BYTES)

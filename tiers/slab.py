@@ -454,6 +454,11 @@ class SlabAllocator:
         """Slot size of each slot id (0 for ids in free segments)."""
         return self._seg_slot_bytes[np.asarray(slots, dtype=np.int64) // self.slots_cap]
 
+    def segment_slot_bytes(self) -> np.ndarray:
+        """Each segment's slot size (0 for a free segment), a copy: a slot's size is that of
+        its segment, ``slot // slots_cap``."""
+        return self._seg_slot_bytes.copy()
+
     def segments_of(self, slots: np.ndarray) -> np.ndarray:
         return np.asarray(slots, dtype=np.int64) // self.slots_cap
 
@@ -554,6 +559,10 @@ class LockedSlab(SlabAllocator):
     def stats(self) -> SlabStats:
         with self._lock:
             return super().stats()
+
+    def segment_slot_bytes(self) -> np.ndarray:
+        with self._lock:
+            return super().segment_slot_bytes()
 
     def is_allocated(self, slot: int) -> bool:
         with self._lock:

@@ -637,6 +637,32 @@ def _open_admin(service: KVService, tickets: TicketBook) -> str:
     return service.open_session("root", ticket, unix_socket=True).session_id
 
 
+async def _put_blocks(
+    service: KVService, session: str, pool: int, n: int = 128
+) -> tuple[list[bytes], str]:
+    """Put ``n`` blocks of new keys from ``session``'s pool: their keys, and an admin
+    session to check them."""
+    keys = [os.urandom(32) for _ in range(n)]
+    results, _ = await service.put(session, pool, keys, range(n), b"")
+    assert (results == PutResult.STORED).all()
+    return keys, _open_admin(service, service.tickets)
+
+
+async def _turns_of_a_check_of_128_blocks() -> int:
+    """How many times the loop turns during a Check (that finds nothing) of 128 blocks."""
+    async with _putting_session([], 128) as (_store, service, session, pool):
+        _, admin = await _put_blocks(service, session, pool)
+        turns = [0]
+        counter = asyncio.ensure_future(_count_turns(turns, lambda _: None))
+        await asyncio.sleep(0)
+        before = turns[0]
+        report = await service.check(admin)
+        during = turns[0] - before
+        counter.cancel()
+        assert report.problems == [] and report.blocks == 128
+        return during
+
+
 def test_regression_a_check_held_the_event_loop_for_the_whole_store(monkeypatch):
     """A Check examined every block (its key looked up, its policies asked) in one step of
     the event loop: on a store of 262,144 blocks every other call waited 0.3-1.5 s for it.
@@ -644,24 +670,8 @@ def test_regression_a_check_held_the_event_loop_for_the_whole_store(monkeypatch)
     slices: here 128 blocks in slices of 16, so the loop turns at least 7 times."""
     monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 16)
 
-    async def run() -> None:
-        async with _putting_session([], 128) as (_store, service, session, pool):
-            results, _ = await service.put(
-                session, pool, [os.urandom(32) for _ in range(128)], range(128), b""
-            )
-            assert (results == PutResult.STORED).all()
-            admin = _open_admin(service, service.tickets)
-            turns = [0]
-            counter = asyncio.ensure_future(_count_turns(turns, lambda _: None))
-            await asyncio.sleep(0)
-            before = turns[0]
-            report = await service.check(admin)
-            during = turns[0] - before
-            counter.cancel()
-            assert report.problems == [] and report.blocks == 128
-            assert during >= 7, during
-
-    asyncio.run(run())
+    during = asyncio.run(_turns_of_a_check_of_128_blocks())
+    assert during >= 7, during
 
 
 def test_a_check_examines_again_the_blocks_that_changed_between_its_slices(monkeypatch):
@@ -673,10 +683,8 @@ def test_a_check_examines_again_the_blocks_that_changed_between_its_slices(monke
 
     async def run() -> None:
         async with _putting_session([], 128) as (store, service, session, pool):
-            keys = [os.urandom(32) for _ in range(120)]  # room for 8 more: no eviction
-            results, _ = await service.put(session, pool, keys, range(120), b"")
-            assert (results == PutResult.STORED).all()
-            admin = _open_admin(service, service.tickets)
+            # Room for 8 more: no eviction.
+            keys, admin = await _put_blocks(service, session, pool, 120)
             table = store.table
             live = table.live_ids()
             throughout, mended, later = (int(live[i]) for i in (3, 5, 100))
@@ -717,11 +725,7 @@ def test_a_check_in_slices_finds_what_a_check_in_one_step_finds(monkeypatch):
 
     async def run() -> None:
         async with _putting_session([], 128) as (store, service, session, pool):
-            results, _ = await service.put(
-                session, pool, [os.urandom(32) for _ in range(128)], range(128), b""
-            )
-            assert (results == PutResult.STORED).all()
-            admin = _open_admin(service, service.tickets)
+            _, admin = await _put_blocks(service, session, pool)
             table, (level,) = store.table, store.stack
             col, alloc = level.col, level.slots.allocator
             one, other, given_back, lost, stray = (
@@ -834,6 +838,93 @@ def test_a_check_reads_the_table_arrays_anew_after_they_grow_between_its_slices(
             assert (await service.check(admin)).problems == []
 
     asyncio.run(run())
+
+
+def test_regression_a_check_compared_the_whole_table_with_its_counts_in_one_step(monkeypatch):
+    """After its slices, a Check compared the whole table with the counts kept beside it
+    (blocks per namespace, bytes and slots per tenant, pins, a sort of each tier's slots) in
+    one step of the event loop: 42-99 ms at 1,048,576 blocks, every other call waiting. It
+    copies the columns in one step now and adds them up ``CHECK_SLICE_ROWS`` rows a turn:
+    here the suspects' slices take one turn (all 128 blocks in one), the copy's 8 more."""
+    monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 1 << 20)
+    monkeypatch.setattr(store_module, "CHECK_SLICE_ROWS", 16, raising=False)
+
+    during = asyncio.run(_turns_of_a_check_of_128_blocks())
+    assert during >= 8, during
+
+
+def test_a_check_adds_up_the_copy_of_the_table_it_made_at_one_moment(monkeypatch):
+    """The whole-table invariants are added up over a copy made in one step: blocks put,
+    deleted and pinned while the copy's slices run do not make the Check report a problem,
+    and counts broken before it are reported (per namespace, per tenant, a freed row holding
+    a copy, a pin count)."""
+    monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 16)
+    monkeypatch.setattr(store_module, "CHECK_SLICE_ROWS", 16)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            # Room for 8 more: no eviction.
+            keys, admin = await _put_blocks(service, session, pool, 120)
+            changes: list[asyncio.Future[object]] = []
+
+            parts = {9: keys[32:64], 20: keys[64:96], 31: keys[96:120]}
+
+            def while_adding_up(turn: int) -> None:
+                # The suspects' 8 slices end at turn 7; the copies' steps and slices (pins,
+                # namespaces, L1) come after, about 8 turns each.
+                if turn in parts:
+                    changes.append(asyncio.ensure_future(service.delete(session, parts[turn])))
+                    new = [os.urandom(32) for _ in range(4)]
+                    changes.append(
+                        asyncio.ensure_future(service.put(session, pool, new, range(4), b""))
+                    )
+                    changes.append(
+                        asyncio.ensure_future(service.lookup(session, keys[:8], True, 60_000))
+                    )
+
+            counter = asyncio.ensure_future(_count_turns([0], while_adding_up))
+            report = await service.check(admin)
+            counter.cancel()
+            await asyncio.gather(*changes)
+            assert len(changes) == 9 and report.problems == [], report.problems
+            assert store.table.live_ids().size == 120 - 88 + 12
+            # Broken counts are still found, in turns.
+            table, (level,) = store.table, store.stack
+            col = level.col
+            live = table.live_ids()
+            ns = int(table.ns[live[0]])
+            table.ns_blocks[ns] += 1
+            owner = int(table.owner[live[0]])
+            table.usage[col, owner] += 1
+            freed = int(np.flatnonzero(table.state[: table.rows] == 0)[0])
+            table.slot[freed, col] = table.slot[live[1], col]
+            table.pins[live[2]] += 1
+            report = await service.check(admin)
+            for broken in (
+                "the blocks counted per namespace differ from the live blocks'",
+                "L1: 1 freed rows still hold a copy",
+                f"L1: slot {int(table.slot[live[1], col])} belongs to 2 blocks",
+                "L1: per-tenant usage does not add up to its blocks",
+                "L1: per-tenant slots do not add up to its blocks",
+                "1 blocks' pin counts differ from their live leases",
+            ):
+                assert any(p.startswith(broken) for p in report.problems), (broken, report)
+            assert report.problems == [
+                p.text for p in store.check_problems(pins=_pinned_rows(service))
+            ]
+            table.ns_blocks[ns] -= 1
+            table.usage[col, owner] -= 1
+            table.slot[freed, col] = -1
+            table.pins[live[2]] -= 1
+            assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
+
+
+def _pinned_rows(service: KVService) -> np.ndarray:
+    """The row of each pin the service's live leases hold."""
+    refs = [lease.refs for lease in service.sessions.leases()]
+    return service.store.table.resolve_many(np.concatenate([np.zeros(0, np.int64), *refs]))
 
 
 def test_regression_a_check_resolved_the_leases_blocks_one_by_one_in_its_last_step(monkeypatch):
