@@ -774,13 +774,15 @@ class KVService:
         # is compared with what (leases and pins, counts and sums) is read in one step and
         # added up in the next ones (``BlockStore.check_problems_in_turns``).
         suspects = await self.store.check_suspects()
-        # The wait for the transfers in flight comes after the slices, not before: the calls
-        # let in between them start transfers again, and the last steps are the ones that
-        # examine what holds only when none is in flight (strict).
+        # The wait for the transfers in flight comes after the slices, not before, at each
+        # tier's step (``settle``): the calls let in between the steps start transfers
+        # again, and those steps examine what holds only when none is in flight (strict).
         deadline = self._clock() + min(settle_ms, MAX_SETTLE_MS) / 1000.0
-        while not self.store.quiescent() and self._clock() < deadline:
-            await asyncio.sleep(0.005)
-        strict = self.store.quiescent()
+
+        async def settle() -> None:
+            while not self.store.quiescent() and self._clock() < deadline:
+                await asyncio.sleep(0.005)
+
         problems: list[str] = []
         sessions = {s.session_id: s for s in self.sessions.sessions()}
         leases = self.sessions.leases()
@@ -827,9 +829,9 @@ class KVService:
         details: list[CheckDetail] = []
         limit = min(list_limit, MAX_CHECK_LIST)
         room = self.config.server.max_message_bytes // 2
-        found, strict_tiers = await self.store.check_problems_in_turns(pins, suspects)
-        # A tier's strict invariants are examined where nothing was in flight at its step.
-        strict = strict and strict_tiers
+        # A tier's strict invariants are examined where nothing is in flight at its step,
+        # which waits for that first (up to the one deadline).
+        found, strict = await self.store.check_problems_in_turns(pins, suspects, settle)
         for problem in found:
             if limit and (len(problem.blocks) or len(problem.slots)):
                 # Within the room left: fewer listed, the totals still count them all.

@@ -2233,24 +2233,32 @@ class BlockStore:
                 return done.value[0]
 
     async def check_problems_in_turns(
-        self, pins: np.ndarray | None = None, suspects: CheckSuspects | None = None
+        self,
+        pins: np.ndarray | None = None,
+        suspects: CheckSuspects | None = None,
+        settle: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[list[CheckProblem], bool]:
         """``check_problems`` with a turn of the event loop between its steps (``_check_steps``),
         and whether nothing was in flight at any tier's step (the strict invariants were
-        examined for every tier)."""
+        examined for every tier). ``settle``: awaited before each tier's step, where it may
+        wait for the transfers in flight (the calls let in between the steps start some)."""
         steps = self._check_steps(pins, suspects)
         while True:
             try:
-                next(steps)
+                settles = next(steps)
             except StopIteration as done:
                 return done.value
-            await asyncio.sleep(0)
+            if settles and settle is not None:
+                await settle()
+            else:
+                await asyncio.sleep(0)
 
     def _check_steps(
         self, pins: np.ndarray | None, suspects: CheckSuspects | None
-    ) -> Generator[None, None, tuple[list[CheckProblem], bool]]:
-        """``check_problems``' steps; yields between them, returns the problems and whether
-        every tier was quiet at its step. Each whole-table invariant is compared at a moment
+    ) -> Generator[bool, None, tuple[list[CheckProblem], bool]]:
+        """``check_problems``' steps; yields between them (True where the caller may wait
+        for the transfers in flight first), returns the problems and whether every tier was
+        quiet at its step. Each whole-table invariant is compared at a moment
         of its own: one step copies the columns it reads and the counts kept beside them
         (the pins, at the caller's step, where it read the leases; the namespaces; each
         tier's copies), and the next ones add that copy up ``CHECK_SLICE_ROWS`` rows a step,
@@ -2272,7 +2280,7 @@ class BlockStore:
         if pins is not None or budget is not None:
             kept_pins, alive = table.pins[:rows].copy(), table.state[:rows] != 0
         budgeted = budget.pins(rows) if budget is not None else None
-        yield
+        yield False
         want_pins = None if pins is None else np.bincount(pins, minlength=rows)
         bad_pins: list[np.ndarray] = []
         bad_budget: list[np.ndarray] = []
@@ -2284,17 +2292,17 @@ class BlockStore:
             if budgeted is not None:
                 differs = alive[part] & (budgeted[part] != kept_pins[part])
                 bad_budget.append(np.flatnonzero(differs) + start)
-            yield
+            yield False
         # The namespaces.
         rows = table.rows
         live, ns, ns_blocks = table.state[:rows] != 0, table.ns[:rows].copy(), dict(table.ns_blocks)
-        yield
+        yield False
         ns_counts: Counter[int] = Counter()
         for start in range(0, rows, CHECK_SLICE_ROWS):
             part = slice(start, start + CHECK_SLICE_ROWS)
             names, counts = np.unique(ns[part][live[part]], return_counts=True)
             ns_counts.update(dict(zip(names.tolist(), counts.tolist(), strict=True)))
-            yield
+            yield False
         problems: list[CheckProblem] = []
         if ns_counts != ns_blocks:
             problems.append(
@@ -2307,9 +2315,10 @@ class BlockStore:
                     blocks=blocks,
                 )
             )
-        # Each tier's copies.
+        # Each tier's copies, each after a wait for the transfers in flight (``settle``).
         strict = True
         for level in self.stack:
+            yield True
             rows = table.rows
             quiet = self.quiescent()
             strict &= quiet
@@ -2319,12 +2328,12 @@ class BlockStore:
             if not level.keyed:
                 owner, nbytes = table.owner[:rows].copy(), table.nbytes[:rows].copy()
             now = self._level_now(level, slot, state, suspects)
-            yield
+            yield False
             for start in range(0, rows, CHECK_SLICE_ROWS):
                 now.add(slice(start, start + CHECK_SLICE_ROWS), slot, state, owner, nbytes)
-                yield
+                yield False
             problems += now.problems(slot, quiet)
-            yield
+            yield False
         if len(bad := np.concatenate([_NO_IDS, *bad_pins])):
             assert alive is not None
             problems.append(

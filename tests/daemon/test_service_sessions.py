@@ -757,17 +757,20 @@ def test_a_check_in_slices_finds_what_a_check_in_one_step_finds(monkeypatch):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("busy_from", [1, 12])
 def test_regression_a_settled_check_waited_before_its_slices_not_before_its_last_step(
-    monkeypatch,
+    monkeypatch, busy_from
 ):
-    """``settle_ms`` waits for the transfers in flight to end so that the last step also
-    examines what holds only then (a tier's allocated slots are exactly its blocks'). The
+    """``settle_ms`` waits for the transfers in flight to end so that the last steps also
+    examine what holds only then (a tier's allocated slots are exactly its blocks'). The
     wait came before the slices, and the calls let in between them started transfers again:
     a node that was quiet at the Check's start and busy at its slices' end got a check that
     was not strict, and a slot allocated to no block went unreported. The wait now comes
-    after the slices: here a block is in flight from the first slice's turn until 200 turns
-    of the loop later, and the settled Check is strict and finds the slot."""
+    after the slices, at each tier's step: here a block is in flight from the first slice's
+    turn (1) or from a turn of the pins' slices, after the leases were read (12), until 200
+    turns of the loop later, and the settled Check is strict and finds the slot."""
     monkeypatch.setattr(store_module, "CHECK_SLICE_BLOCKS", 16)
+    monkeypatch.setattr(store_module, "CHECK_SLICE_ROWS", 16)
 
     async def run() -> None:
         async with _putting_session([], 128) as (store, service, session, pool):
@@ -781,7 +784,7 @@ def test_regression_a_settled_check_waited_before_its_slices_not_before_its_last
             busy = int(table.live_ids()[7])
 
             def in_flight(turn: int) -> None:
-                if turn == 1:
+                if turn == busy_from:
                     table.inflight[busy] += 1
                 elif turn == 200:
                     table.inflight[busy] -= 1
