@@ -15,7 +15,11 @@ from peers import require_root
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvtier.bench.redis_proc import free_port
 from kvtier.tiers.remote.codec import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -32,9 +36,11 @@ from kvtier.tiers.remote.wire import (
     READER_KEEP_BYTES,
     STREAM_LIMIT_BYTES,
     Framed,
+    NodeFaults,
     TierConnectionUnavailable,
     _tier_class,
     _TierConnection,
+    noting_node_faults,
     use_tier_connections,
 )
 
@@ -253,6 +259,36 @@ def test_a_pipeline_goes_to_the_stream_chunk_by_chunk_never_joined() -> None:
     conn._writer = writer = _Writer(_Transport(closing_after=1))
     asyncio.run(conn._send_packed_command(command))
     assert len(writer.chunks) == 1 and writer.drained == 1
+
+
+def test_a_refused_connection_answers_the_reads_of_its_send_where_faults_are_noted() -> None:
+    """Within ``noting_node_faults`` a connection's fault of a send (here a refused connect)
+    is raised by each read that follows it, not by the send, so that a cluster pipeline
+    takes it as that node's commands' replies, and is noted with the node; the next send
+    starts afresh. Without, the send raises it, as redis-py's own connection does."""
+    port = free_port()
+
+    async def run() -> None:
+        conn = _tier_class(Connection)(
+            host="127.0.0.1", port=port, socket_timeout=5.0, retry=Retry(NoBackoff(), 0)
+        )
+        with pytest.raises(RedisConnectionError):
+            await conn.send_packed_command(conn.pack_command("GET", b"k"))
+        faults = NodeFaults()
+        with noting_node_faults(faults):
+            await conn.send_packed_command(conn.pack_commands([("GET", b"a"), ("GET", b"b")]))
+            raised = []
+            for _ in range(2):
+                with pytest.raises(RedisConnectionError) as e:
+                    await conn.read_response()
+                raised.append(e.value)
+        assert [faults.node_of(e) for e in raised] == [f"127.0.0.1:{port}"] * 2
+        assert faults.node_of(RedisConnectionError("another")) is None
+        with pytest.raises(RedisConnectionError) as e:
+            await conn.send_packed_command(conn.pack_command("GET", b"k"))
+        assert e.value is not raised[0]
+
+    asyncio.run(run())
 
 
 def test_tier_connections_read_with_a_larger_stream_buffer_and_a_kept_hiredis_buffer() -> None:

@@ -9,12 +9,13 @@ Invariants:
 - No round trip is waited for longer than ``op_timeout_s`` (``probe``: its caller gets an
   answer within ``probe_deadline_ms``; the round trip may go on in the background up to
   ``op_timeout_s``, so that a slow store, not a tight deadline, is what marks the tier down).
-- A timeout or a connection fault marks the tier DOWN: until the reconnection probe succeeds,
-  every call answers at once without touching the network. The probe runs in the background
-  with exponential backoff and jitter, on a fresh client each attempt (a restarted server or a
-  failed-over cluster is seen afresh) with the password file read again (a rotated password is
-  taken up); faults of calls that started on an older client are ignored. Each change of
-  state is logged once.
+- A timeout or a connection fault marks the tier DOWN (on a cluster, a fault of one master's
+  connection marks that master lost instead, while another serves): until the reconnection
+  probe succeeds, every call answers at once without touching the network. The probe runs
+  in the background with exponential backoff and jitter, on a fresh client each attempt (a
+  restarted server or a failed-over cluster is seen afresh) with the password file read
+  again (a rotated password is taken up); faults of calls that started on an older client
+  are ignored. Each change of state is logged once.
 - A Redis that restarts empty is a cold tier: nothing here remembers what it held.
 - A removal the store did not confirm (unreachable, an error reply, its call cancelled before
   the reply, or still waiting for it at ``close``) is remembered and sent again once the
@@ -47,9 +48,13 @@ Invariants:
   their own share of the connections, so bulk reads and writes never starve a lookup.
 
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
-A master lost while the rest of the cluster serves (no full coverage required) is ``lost``
-once a reconnection finds the others ok and counting it failed: its slots' keys are answered
-as when the tier is DOWN (misses, declined, remembered removals), the others' as when UP.
+A master is ``lost`` at once when a call's connection to it fails (refused, reset, closed:
+its commands answer the fault, the other masters' are served), or once a reconnection finds
+the others ok and counting it failed (no full coverage required): its slots' keys are
+answered as when the tier is DOWN (misses, declined, remembered removals), the others' as
+when UP. Before the cluster's verdict (``cluster-node-timeout``) the others serve their
+slots all the same; once it is given, a cluster that requires full coverage answers
+CLUSTERDOWN, which marks the tier DOWN.
 
 Values are sent from the caller's buffers without joining header and bytes, and the client's
 connections send and receive large values with fewer copies than redis-py's own (``wire``).
@@ -115,7 +120,13 @@ except ImportError as e:  # pragma: no cover - the extra is part of the dev envi
     raise ImportError("the L3 tier needs redis-py: pip install 'kvtier[redis]'") from e
 
 # After the check above: the wire module needs redis-py too.
-from kvtier.tiers.remote.wire import Framed, releasing_bodies, use_tier_connections
+from kvtier.tiers.remote.wire import (
+    Framed,
+    NodeFaults,
+    noting_node_faults,
+    releasing_bodies,
+    use_tier_connections,
+)
 
 log = logging.getLogger(__name__)
 
@@ -1248,18 +1259,21 @@ class RemoteTier:
             client, generation = self._client, self._generation
             self._inflight += 1
             self._calls[generation] += 1
+            # On a cluster, a master's connection fault answers its commands only.
+            faults = NodeFaults() if _is_cluster(client) else None
             try:
                 pipe = (
-                    client.pipeline(transaction=False)
-                    if not _is_cluster(client)
-                    else (client.pipeline())
+                    client.pipeline() if faults is not None else client.pipeline(transaction=False)
                 )
                 await fill(pipe)
-                replies = list(
-                    await self._bounded(
-                        pipe.execute(raise_on_error=False), self.options.op_timeout_s
-                    )
+                execute = self._bounded(
+                    pipe.execute(raise_on_error=False), self.options.op_timeout_s
                 )
+                if faults is None:
+                    replies = list(await execute)
+                else:
+                    with noting_node_faults(faults):  # (its tasks start within)
+                        replies = list(await execute)
             except _UNREACHABLE_OR_REFUSED as e:
                 # Unreachable, or a fault of the whole pipeline (e.g. NOAUTH after a restart
                 # with a new password): either way the store cannot serve us now.
@@ -1268,12 +1282,52 @@ class RemoteTier:
             finally:
                 self._inflight -= 1
                 self._call_ended(generation)
-        # Per-command replies that say the store (or the server of that slot) is gone.
+        # Per-command replies that say the store (or the server of that slot) is gone: a
+        # master's connection fault, that master; any other, the store.
+        lost: dict[str, str] = {}
         for reply in replies:
             if isinstance(reply, _UNREACHABLE):
-                self._fail(generation, _describe(reply), timeout=isinstance(reply, _TIMEOUTS))
-                break
+                server = None if faults is None else faults.node_of(reply)
+                if server is None:
+                    self._fail(generation, _describe(reply), timeout=isinstance(reply, _TIMEOUTS))
+                    break
+                lost.setdefault(server, _describe(reply))
+        else:
+            if lost:
+                self._lose(generation, lost)
         return replies
+
+    def _lose(self, generation: int, lost: dict[str, str]) -> None:
+        """Masters whose connections failed in a call (refused, reset, closed: each one's
+        fault answered its own commands, the others' were served): lost at once, as when a
+        reconnection finds them counted failed, rather than the tier DOWN until the other
+        nodes count them failed (``cluster-node-timeout``). The monitor asks after about
+        ``backoff_initial_s`` whether they are back (a restarted server's closed connection
+        costs no more), then as for any lost master. Where none would be left serving, or
+        a server is no master the client knows, the store is unreachable: DOWN."""
+        if generation != self._generation or self._closed or self._avail.state is Reach.DOWN:
+            return  # a fault of a client already replaced, or the reconnection's to judge
+        fresh = {server: why for server, why in lost.items() if server not in self._lost}
+        if not fresh:
+            return
+        masters = {p.name for p in self._client.get_primaries()}
+        if not fresh.keys() <= masters or masters <= self._lost.keys() | fresh.keys():
+            server, why = next(iter(fresh.items()))
+            self._fail(generation, f"{why} at {server}", timeout=False)
+            return
+        self._counters["connection_errors"] += 1
+        for server, why in fresh.items():
+            log.warning(
+                "L3 master %s unreachable (%s): the blocks of its slots are misses until it "
+                "is back; the other masters serve",
+                server,
+                why,
+            )
+        retry_at = self._clock() + self.options.backoff_initial_s * self._rng.uniform(0.5, 1.0)
+        self._lost_retry_at = min(self._lost_retry_at, retry_at) if self._lost else retry_at
+        self._lost.update(fresh)
+        if self._wake is not None:
+            self._wake.set()
 
     def _replace_client(self, fresh: Any) -> None:
         """Serve through ``fresh`` from now on; the client it replaces is closed once the

@@ -21,6 +21,17 @@ went out under the old key and header. ``releasing_bodies`` aborts, when the pip
 wraps fails, every transport a ``Framed`` body was written to, so that none of it goes out
 later.
 
+Answering a node's connection fault in place of its commands' replies: a cluster pipeline
+sends each node's commands over one connection of that node, in parallel, and redis-py fails
+the whole pipeline when sending to one node fails (a connection refused or reset: a master
+that just died), after closing every connection of the client, those of other calls in flight
+included, for one retry; the other nodes' replies were lost with it. Within
+``noting_node_faults``, such a fault of a send is answered by each of that node's commands
+instead (as a fault met reading the replies already is), so the other nodes' replies come
+back, and every connection fault met is noted with its node for the caller to judge. Only
+faults of the connection itself: a refused credential, a timeout (the socket may still hold
+a body: see above) fail the pipeline as before.
+
 Receiving large replies with fewer steps: the stream buffers more before it pauses the
 socket (redis-py's streams pause at 128 KiB and resume at 64 KiB, two selector changes per
 socket read of a 2 MiB value), and hiredis keeps its reply buffer between replies of a few
@@ -58,7 +69,8 @@ from typing import Any
 from redis._parsers import _AsyncHiredisParser
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection
-from redis.exceptions import ResponseError
+from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 # What the stream of a connection holds before it pauses reading the socket (it pauses at
 # twice this): a pipeline's replies of 2 MiB values flow without a pause for each socket read.
@@ -92,12 +104,50 @@ class Framed:
 # pipeline's tasks see the list of the task that started them, their contexts being copies).
 _TAKEN: ContextVar[list[Any] | None] = ContextVar("kvtier_l3_taken", default=None)
 
+
+class NodeFaults:
+    """The connection faults the connections met within ``noting_node_faults``, each with
+    its connection's node (``host:port``, a cluster node's name)."""
+
+    __slots__ = ("_nodes",)
+
+    def __init__(self) -> None:
+        # id(fault) -> (node, fault): the fault kept alive, so that its id stays its own.
+        self._nodes: dict[int, tuple[str, BaseException]] = {}
+
+    def note(self, node: str, fault: BaseException) -> None:
+        self._nodes[id(fault)] = (node, fault)
+
+    def node_of(self, fault: BaseException) -> str | None:
+        """The node whose connection raised ``fault`` (a reply of the pipeline), if noted."""
+        found = self._nodes.get(id(fault))
+        return found[0] if found is not None else None
+
+
+# The faults of the pipeline ``noting_node_faults`` wraps (its tasks see the one of the task
+# that started them, their contexts being copies).
+_FAULTS: ContextVar[NodeFaults | None] = ContextVar("kvtier_l3_faults", default=None)
+# ConnectionErrors that are the server's refusal of the client, not a fault of the connection.
+_REFUSALS = (AuthenticationError, AuthorizationError)
+
 # The node (host, port) an ``ASKING`` held back is for: the next command its task packs goes
 # with it, if that command is for the same node (see the module docstring).
 _ASKING: ContextVar[tuple[str, int] | None] = ContextVar("kvtier_l3_asking", default=None)
 _ASKING_NAMES = (b"ASKING", "ASKING")
 # The packed ASKING, one object, so that a send can tell its command carries one.
 _ASKING_PACKED = b"*1\r\n$6\r\nASKING\r\n"
+
+
+@contextlib.contextmanager
+def noting_node_faults(faults: NodeFaults) -> Iterator[None]:
+    """Within: a connection fault of a send (refused, reset, closed) is answered by the
+    reads of that command or pipeline instead of raised, and every connection fault met,
+    of a send or a read, is noted in ``faults`` (see the module docstring)."""
+    token = _FAULTS.set(faults)
+    try:
+        yield
+    finally:
+        _FAULTS.reset(token)
 
 
 @contextlib.contextmanager
@@ -142,6 +192,9 @@ class _TierConnection:
     # command, read and dropped before its own.
     _asking_held = False
     _asking_replies = 0
+    # A connection fault of the last send, answered by the reads that follow it (within
+    # ``noting_node_faults``).
+    _send_fault: BaseException | None = None
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
         asking = _ASKING.get()
@@ -161,7 +214,15 @@ class _TierConnection:
         return super().pack_commands(commands)  # type: ignore[misc, no-any-return]
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        self._send_fault = None
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RedisConnectionError as e:
+            # redis-py closed the connection: its transport, and any body it held, are gone.
+            if isinstance(e, _REFUSALS) or not self._noted(e):
+                raise
+            self._send_fault = e
+            return
         # Marked once sent: a fresh connection's handshake, sent and read in between, reads
         # its own replies.
         if type(command) is list:
@@ -171,6 +232,8 @@ class _TierConnection:
                 self._asking_replies += 1
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        if self._send_fault is not None:
+            raise self._send_fault
         if self._asking_held:
             self._asking_held = False
             return b"OK"
@@ -178,17 +241,30 @@ class _TierConnection:
         # own reply is read too: raised at once, it left that reply unread on a connection
         # going back to the pool, and each later call on it read the reply of the one before.
         refused: ResponseError | None = None
-        while self._asking_replies:
-            self._asking_replies -= 1
-            try:
+        try:
+            while self._asking_replies:
+                self._asking_replies -= 1
+                try:
+                    await super().read_response(*args, **kwargs)  # type: ignore[misc]
+                except ResponseError as e:
+                    refused = e
+            if refused is None:
+                return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+            with contextlib.suppress(ResponseError):
                 await super().read_response(*args, **kwargs)  # type: ignore[misc]
-            except ResponseError as e:
-                refused = e
-        if refused is None:
-            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
-        with contextlib.suppress(ResponseError):
-            await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except RedisConnectionError as e:
+            if not isinstance(e, _REFUSALS):
+                self._noted(e)
+            raise
         raise refused
+
+    def _noted(self, fault: BaseException) -> bool:
+        """Note ``fault`` as this connection's node's; False outside ``noting_node_faults``."""
+        faults = _FAULTS.get()
+        if faults is None:
+            return False
+        faults.note(f"{self.host}:{self.port}", fault)
+        return True
 
     async def disconnect(self, *args: Any, **kwargs: Any) -> None:
         self._asking_held = False
