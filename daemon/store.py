@@ -2262,52 +2262,22 @@ class BlockStore:
         of its own: one step copies the columns it reads and the counts kept beside them
         (the pins, at the caller's step, where it read the leases; the namespaces; each
         tier's copies), and the next ones add that copy up ``CHECK_SLICE_ROWS`` rows a step,
-        whatever the table does meanwhile. At 1,048,576 blocks (16 leases of 4,096) the
+        whatever the table does meanwhile. A copy lives in the steps of its invariant only
+        (``_pins_in_turns``, ``_namespaces_in_turns``, ``_level_in_turns``), not through the
+        waits for the transfers in flight. At 1,048,576 blocks (16 leases of 4,096) the
         steps took at most 5.3 ms: the leases' and pins' 5.0, a tier's copy 2.7, its sort of
         the slots 5.2, a slice 0.2-2.0 (the first Check of the process up to 15 ms, its
         copies' memory new); one step over the whole table took 45-370 ms."""
         table = self.table
-        # The pins, at the moment the caller read the leases; the suspects examined again.
-        rows = table.rows
-        budget = self.hint_budget
+        # The suspects examined again, and the pins, at the moment the caller read the leases.
         if suspects is None:
             examined = table.live_ids()
         else:
             examined = np.unique(suspects.lost)
             examined = examined[table.state[examined] != 0]
         lost = self._blocks_not_found(examined)
-        kept_pins = alive = None
-        if pins is not None or budget is not None:
-            kept_pins, alive = table.pins[:rows].copy(), table.state[:rows] != 0
-        budgeted = budget.pins(rows) if budget is not None else None
-        yield False
-        want_pins = None if pins is None else np.bincount(pins, minlength=rows)
-        bad_pins: list[np.ndarray] = []
-        bad_budget: list[np.ndarray] = []
-        for start in range(0, rows if kept_pins is not None else 0, CHECK_SLICE_ROWS):
-            part = slice(start, start + CHECK_SLICE_ROWS)
-            assert kept_pins is not None and alive is not None
-            if want_pins is not None:
-                bad_pins.append(np.flatnonzero(want_pins[part] != kept_pins[part]) + start)
-            if budgeted is not None:
-                differs = alive[part] & (budgeted[part] != kept_pins[part])
-                bad_budget.append(np.flatnonzero(differs) + start)
-            yield False
-        # The namespaces.
-        rows = table.rows
-        live, ns, ns_blocks = table.state[:rows] != 0, table.ns[:rows].copy(), dict(table.ns_blocks)
-        yield False
-        ns_counts: Counter[int] = Counter()
-        for start in range(0, rows, CHECK_SLICE_ROWS):
-            part = slice(start, start + CHECK_SLICE_ROWS)
-            names, counts = np.unique(ns[part][live[part]], return_counts=True)
-            ns_counts.update(dict(zip(names.tolist(), counts.tolist(), strict=True)))
-            yield False
-        problems: list[CheckProblem] = []
-        if ns_counts != ns_blocks:
-            problems.append(
-                CheckProblem("the blocks counted per namespace differ from the live blocks'")
-            )
+        pin_problems = yield from self._pins_in_turns(pins)
+        problems = yield from self._namespaces_in_turns()
         for ns_id, blocks in lost:
             problems.append(
                 CheckProblem(
@@ -2319,23 +2289,34 @@ class BlockStore:
         strict = True
         for level in self.stack:
             yield True
-            rows = table.rows
             quiet = self.quiescent()
             strict &= quiet
-            slot, state = table.slot[:rows, level.col].copy(), table.state[:rows].copy()
-            owner: np.ndarray = _NO_IDS
-            nbytes: np.ndarray = _NO_IDS
-            if not level.keyed:
-                owner, nbytes = table.owner[:rows].copy(), table.nbytes[:rows].copy()
-            now = self._level_now(level, slot, state, suspects)
+            problems += yield from self._level_in_turns(level, suspects, quiet)
+        return problems + pin_problems, strict
+
+    def _pins_in_turns(self, pins: np.ndarray | None) -> Generator[bool, None, list[CheckProblem]]:
+        """``_check_steps``' pin counts: those of the live leases (``pins``) and the hint
+        budget's, compared with the table's copied in the caller's step."""
+        table, budget = self.table, self.hint_budget
+        if pins is None and budget is None:
+            return []
+        rows = table.rows
+        kept_pins, alive = table.pins[:rows].copy(), table.state[:rows] != 0
+        budgeted = budget.pins(rows) if budget is not None else None
+        yield False
+        want_pins = None if pins is None else np.bincount(pins, minlength=rows)
+        bad_pins: list[np.ndarray] = []
+        bad_budget: list[np.ndarray] = []
+        for start in range(0, rows, CHECK_SLICE_ROWS):
+            part = slice(start, start + CHECK_SLICE_ROWS)
+            if want_pins is not None:
+                bad_pins.append(np.flatnonzero(want_pins[part] != kept_pins[part]) + start)
+            if budgeted is not None:
+                differs = alive[part] & (budgeted[part] != kept_pins[part])
+                bad_budget.append(np.flatnonzero(differs) + start)
             yield False
-            for start in range(0, rows, CHECK_SLICE_ROWS):
-                now.add(slice(start, start + CHECK_SLICE_ROWS), slot, state, owner, nbytes)
-                yield False
-            problems += now.problems(slot, quiet)
-            yield False
+        problems: list[CheckProblem] = []
         if len(bad := np.concatenate([_NO_IDS, *bad_pins])):
-            assert alive is not None
             problems.append(
                 CheckProblem(
                     f"{len(bad)} blocks' pin counts differ from their live leases",
@@ -2348,7 +2329,43 @@ class BlockStore:
                     f"{len(bad)} blocks' pin counts differ from the hint budget's", blocks=bad
                 )
             )
-        return problems, strict
+        return problems
+
+    def _namespaces_in_turns(self) -> Generator[bool, None, list[CheckProblem]]:
+        """``_check_steps``' blocks counted per namespace."""
+        table = self.table
+        rows = table.rows
+        live, ns, ns_blocks = table.state[:rows] != 0, table.ns[:rows].copy(), dict(table.ns_blocks)
+        yield False
+        ns_counts: Counter[int] = Counter()
+        for start in range(0, rows, CHECK_SLICE_ROWS):
+            part = slice(start, start + CHECK_SLICE_ROWS)
+            names, counts = np.unique(ns[part][live[part]], return_counts=True)
+            ns_counts.update(dict(zip(names.tolist(), counts.tolist(), strict=True)))
+            yield False
+        if ns_counts != ns_blocks:
+            return [CheckProblem("the blocks counted per namespace differ from the live blocks'")]
+        return []
+
+    def _level_in_turns(
+        self, level: Level, suspects: CheckSuspects | None, quiet: bool
+    ) -> Generator[bool, None, list[CheckProblem]]:
+        """``_check_steps``' invariants of one tier (``quiet``: nothing is in flight)."""
+        table = self.table
+        rows = table.rows
+        slot, state = table.slot[:rows, level.col].copy(), table.state[:rows].copy()
+        owner: np.ndarray = _NO_IDS
+        nbytes: np.ndarray = _NO_IDS
+        if not level.keyed:
+            owner, nbytes = table.owner[:rows].copy(), table.nbytes[:rows].copy()
+        now = self._level_now(level, slot, state, suspects)
+        yield False
+        for start in range(0, rows, CHECK_SLICE_ROWS):
+            now.add(slice(start, start + CHECK_SLICE_ROWS), slot, state, owner, nbytes)
+            yield False
+        problems = now.problems(slot, quiet)
+        yield False
+        return problems
 
     def _level_now(
         self, level: Level, slot: np.ndarray, state: np.ndarray, suspects: CheckSuspects | None

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -797,6 +798,53 @@ def test_regression_a_settled_check_waited_before_its_slices_not_before_its_last
             assert "L1: 121 slots allocated, 120 held by blocks" in report.problems, report
             level.slots.allocator.free(leaked)
             assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
+
+
+def test_regression_a_settled_check_held_its_copies_of_the_table_while_it_waited(monkeypatch):
+    """A Check copies the columns each whole-table invariant reads and adds the copy up in
+    the next turns; it kept every copy until its end (the pins' and namespaces', 22 bytes a
+    row; each tier's, 15 more), through the waits for the transfers in flight before each
+    tier's step (up to ``settle_ms``, 60 s at most), and Checks whose clients had left ran
+    on to their end, each holding its own. Each copy now goes with the invariant it serves:
+    here, on a table of 262,144 rows, a Check waiting for a block in flight holds less than
+    a byte a row of new memory (9 KB; 5.8 MB before)."""
+    rows = 1 << 18
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            _, admin = await _put_blocks(service, session, pool, 64)
+            # What a process's first Check imports (numpy.ma) is not the Check's.
+            assert (await service.check(admin)).problems == []
+            table = store.table
+            table._grow(rows)
+            table._next_row = rows  # rows freed long ago: they hold nothing
+            busy = int(table.live_ids()[7])
+            held: list[int] = []
+            quiescent = store.quiescent
+
+            def waited() -> bool:
+                held.append(tracemalloc.get_traced_memory()[0] - before)
+                return quiescent()
+
+            def in_flight(turn: int) -> None:
+                if turn == 0:
+                    table.inflight[busy] += 1
+                elif turn == 1000:
+                    table.inflight[busy] -= 1
+
+            monkeypatch.setattr(store, "quiescent", waited)
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                counter = asyncio.ensure_future(_count_turns([0], in_flight))
+                report = await service.check(admin, settle_ms=60_000)
+                counter.cancel()
+            finally:
+                tracemalloc.stop()
+            assert report.strict and report.problems == [], report
+            assert len(held) > 2 and max(held) < rows, held
 
     asyncio.run(run())
 
