@@ -317,6 +317,30 @@ async def test_size_classes_reclaim_segments_from_each_other(make_store):
     assert store.counters.get("segment_reclaims", tier="L1") == 1
 
 
+async def test_quiescent_counts_the_marks_of_live_rows_and_the_transfers_running(
+    make_store, monkeypatch
+):
+    """Nothing is in flight (``quiescent``, what a settled Check waits for) unless a live row
+    bears an in-flight mark, a transfer runs or a background task or a recovery is on; a
+    freed row's mark is no one's."""
+    store, pool = make_store(Clock()), make_pool()
+    a = keys(4)
+    await put(store, pool, a)
+    table = store.table
+    row = int(table.lookup(0, a[1:2])[0])
+    assert store.quiescent()
+    table.inflight[row] += 1
+    assert not store.quiescent()
+    table.inflight[row] -= 1
+    assert (await store.delete(0, a[1:2])).deleted == 1
+    assert table.state[row] == 0
+    table.inflight[row] += 1
+    assert store.quiescent()
+    table.inflight[row] -= 1
+    monkeypatch.setattr(type(store.transfers), "running", property(lambda _: 1))
+    assert not store.quiescent()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_delete_keeps_pinned_and_counts_missing(make_store, policy):
     clock = Clock()
