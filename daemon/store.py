@@ -2240,9 +2240,10 @@ class BlockStore:
         settle: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[list[CheckProblem], bool]:
         """``check_problems`` with a turn of the event loop between its steps (``_check_steps``),
-        and whether nothing was in flight at any tier's step (the strict invariants were
-        examined for every tier). ``settle``: awaited before each tier's step, where it may
-        wait for the transfers in flight (the calls let in between the steps start some)."""
+        and whether nothing was in flight at the step of any tier with slots (the strict
+        invariants were examined for every tier). ``settle``: awaited before each such tier's
+        step, where it may wait for the transfers in flight (the calls let in between the
+        steps start some)."""
         steps = self._check_steps(pins, suspects)
         while True:
             try:
@@ -2258,8 +2259,8 @@ class BlockStore:
         self, pins: np.ndarray | None, suspects: CheckSuspects | None
     ) -> Generator[bool, None, tuple[list[CheckProblem], bool]]:
         """``check_problems``' steps; yields between them (True where the caller may wait
-        for the transfers in flight first), returns the problems and whether every tier was
-        quiet at its step. Each whole-table invariant is compared at a moment
+        for the transfers in flight first), returns the problems and whether every tier with
+        slots was quiet at its step. Each whole-table invariant is compared at a moment
         of its own: one step copies the columns it reads and the counts kept beside them
         (the pins, at the caller's step, where it read the leases; the namespaces; each
         tier's copies), and the next ones add that copy up ``CHECK_SLICE_ROWS`` rows a step,
@@ -2286,11 +2287,12 @@ class BlockStore:
                     blocks=blocks,
                 )
             )
-        # Each tier's copies, each after a wait for the transfers in flight (``settle``).
+        # Each tier's copies, each after a wait for the transfers in flight (``settle``), but
+        # a key-addressed tier's: it holds no slots, and none of its invariants is strict.
         strict = True
         for level in self.stack:
-            yield True
-            quiet = self.quiescent()
+            yield not level.keyed
+            quiet = level.keyed or self.quiescent()
             strict &= quiet
             problems += yield from self._level_in_turns(level, suspects, quiet)
         return problems + pin_problems, strict

@@ -341,6 +341,39 @@ async def test_quiescent_counts_the_marks_of_live_rows_and_the_transfers_running
     assert not store.quiescent()
 
 
+async def test_regression_a_check_waited_for_quiet_before_l3_and_was_not_strict_for_it(
+    make_store, monkeypatch
+):
+    """A Check examines a tier's strict invariants (its allocated slots exactly its blocks')
+    where nothing is in flight at that tier's step, waits for that first (``settle``), and
+    is strict where every tier was quiet at its step. L3 holds no slots, so none of its
+    invariants is strict: a transfer starting after L1's step (here, one block marked in
+    flight once L1's copy is made) made the Check not strict, after a wait for nothing."""
+    clock = Clock()
+    store, pool = make_store(clock, l3=MemoryKeyTier(clock=clock)), make_pool()
+    await put(store, pool, keys(4))
+    table = store.table
+    busy = int(table.live_ids()[0])
+    level_now = store._level_now
+
+    def copied(level, slot, state, suspects):
+        if not level.keyed:
+            table.inflight[busy] += 1
+        return level_now(level, slot, state, suspects)
+
+    waits: list[int] = []
+
+    async def settle() -> None:
+        waits.append(1)
+
+    monkeypatch.setattr(store, "_level_now", copied)
+    problems, strict = await store.check_problems_in_turns(settle=settle)
+    table.inflight[busy] -= 1
+    assert [level.label for level in store.stack] == ["L1", "L3"]
+    assert problems == [] and strict
+    assert len(waits) == 1
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_delete_keeps_pinned_and_counts_missing(make_store, policy):
     clock = Clock()
