@@ -839,10 +839,13 @@ class KVService:
                 room -= n_keys * CHECK_KEY_BYTES
                 n_slots = min(limit, len(problem.slots), room // CHECK_SLOT_BYTES)
                 room -= n_slots * CHECK_SLOT_BYTES
+                # The blocks still there: one freed since the step that found it is gone,
+                # its row perhaps another block's.
+                rows = table.resolve_many(problem.blocks[:n_keys])
                 details.append(
                     CheckDetail(
                         len(problems),
-                        [table.key_bytes(int(b)) for b in problem.blocks[:n_keys]],
+                        [table.key_bytes(b) for b in rows[rows >= 0].tolist()],
                         problem.slots[:n_slots].tolist(),
                         len(problem.blocks),
                         len(problem.slots),

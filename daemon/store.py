@@ -160,8 +160,11 @@ _NO_IDS = np.zeros(0, dtype=np.int64)
 
 @dataclass(frozen=True, slots=True)
 class CheckProblem:
-    """One broken invariant (``BlockStore.check_problems``): its description, and the block
-    ids and the slots (of the tier it names) it found at fault, where it can tell them."""
+    """One broken invariant (``BlockStore.check_problems``): its description, and the blocks
+    and the slots (of the tier it names) it found at fault, where it can tell them. The
+    blocks are refs (``BlockTable.ref``) taken where their rows were read, or for those found
+    in a copy of the table, in the step that found them: a Check's later steps let calls in,
+    and a block freed meanwhile (its row another block's) resolves to none."""
 
     text: str
     blocks: np.ndarray = field(default_factory=lambda: _NO_IDS)
@@ -228,9 +231,12 @@ class _LevelCheck:
         np.add.at(self.slot_usage_sum, owners, self.segment_slot_bytes[slots // self.slots_cap])
         self.held_slots.append(slots)
 
-    def problems(self, slot: np.ndarray, quiet: bool) -> list[CheckProblem]:
+    def problems(
+        self, slot: np.ndarray, quiet: bool, refs: Callable[[np.ndarray], np.ndarray]
+    ) -> list[CheckProblem]:
         """The tier's broken invariants, once every slice is counted in (``slot``: the copy
-        of its column; ``quiet``: nothing was in flight when it was made)."""
+        of its column; ``quiet``: nothing was in flight when it was made; ``refs``: the
+        table's, for the blocks found in the copy)."""
         label = self.label
         out: list[CheckProblem] = []
         if len(self.dead):
@@ -271,7 +277,7 @@ class _LevelCheck:
                 CheckProblem(
                     f"{label}: slot {int(shared[0])} belongs to {int(counts.max())} blocks"
                     + (f" ({len(shared)} slots shared)" if len(shared) > 1 else ""),
-                    blocks=holders[np.isin(slots, shared)],
+                    blocks=refs(holders[np.isin(slots, shared)]),
                     slots=shared,
                 )
             )
@@ -2277,7 +2283,7 @@ class BlockStore:
         else:
             examined = np.unique(suspects.lost)
             examined = examined[table.state[examined] != 0]
-        lost = self._blocks_not_found(examined)
+        lost = [(ns, table.refs(blocks)) for ns, blocks in self._blocks_not_found(examined)]
         pin_problems = yield from self._pins_in_turns(pins)
         problems = yield from self._namespaces_in_turns()
         for ns_id, blocks in lost:
@@ -2323,13 +2329,14 @@ class BlockStore:
             problems.append(
                 CheckProblem(
                     f"{len(bad)} blocks' pin counts differ from their live leases",
-                    blocks=bad[alive[bad]],
+                    blocks=table.refs(bad[alive[bad]]),
                 )
             )
         if len(bad := np.concatenate([_NO_IDS, *bad_budget])):
             problems.append(
                 CheckProblem(
-                    f"{len(bad)} blocks' pin counts differ from the hint budget's", blocks=bad
+                    f"{len(bad)} blocks' pin counts differ from the hint budget's",
+                    blocks=table.refs(bad),
                 )
             )
         return problems
@@ -2366,7 +2373,7 @@ class BlockStore:
         for start in range(0, rows, CHECK_SLICE_ROWS):
             now.add(slice(start, start + CHECK_SLICE_ROWS), slot, state, owner, nbytes)
             yield False
-        problems = now.problems(slot, quiet)
+        problems = now.problems(slot, quiet, table.refs)
         yield False
         return problems
 
@@ -2389,13 +2396,15 @@ class BlockStore:
                 level, np.unique(suspects.strays.get(col, _NO_IDS))
             )
         now.dead_slots = _NO_IDS if level.keyed else table.slot[now.dead, col].astype(np.int64)
+        now.strays = table.refs(now.strays)
         if level.keyed:
             return now
         alloc = level.slots.allocator
         now.allocator = alloc.check()
         # The freed rows too: the slices examined live blocks only.
         examined = holders if suspects is None else suspects.unallocated.get(col, _NO_IDS)
-        now.unallocated = self._not_allocated(level, np.union1d(examined, now.dead))
+        bad, bad_slots = self._not_allocated(level, np.union1d(examined, now.dead))
+        now.unallocated = table.refs(bad), bad_slots
         now.used_slots = alloc.used_slots
         now.quarantined = int(level.tier.stats().gauges.get("quarantined_slots", 0))
         now.quota_held = sum(1 for _, kind in self.space.quota_held if kind == level.kind)

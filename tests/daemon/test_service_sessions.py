@@ -849,6 +849,52 @@ def test_regression_a_settled_check_held_its_copies_of_the_table_while_it_waited
     asyncio.run(run())
 
 
+def test_regression_a_check_listed_the_key_of_the_block_that_took_a_broken_block_s_row():
+    """A Check lists each broken invariant's blocks by key (``list_limit``). It found them at
+    the step that read their rows (here a pin count that differs from the leases', at the
+    step that read the leases) and read their keys after its last step, past the wait for
+    the transfers in flight: a block deleted meanwhile, its row taken by a new key, was
+    listed under that new key, a block nothing was wrong with. Only the blocks still there
+    are listed now (the total still counts them all)."""
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys, admin = await _put_blocks(service, session, pool, 8)
+            await service.lookup(session, keys[:1], True, 60_000)
+            table = store.table
+            broken, busy = (int(table.lookup(0, keys_to_words(keys[i : i + 1]))[0]) for i in (0, 1))
+            table.pins[broken] -= 1  # the lease still holds it
+            table.inflight[busy] += 1
+            new = os.urandom(32)
+            quiescent, changes = store.quiescent, []
+
+            async def change() -> None:
+                assert (await service.delete(session, keys[:1])).deleted == 1
+                results, _ = await service.put(session, pool, [new], [9], b"")
+                assert (results == PutResult.STORED).all()
+                table.inflight[busy] -= 1
+
+            def waited() -> bool:
+                if not changes:  # the settle before L1's step, after the leases were read
+                    changes.append(asyncio.ensure_future(change()))
+                return quiescent()
+
+            store.quiescent = waited  # type: ignore[method-assign]
+            report = await service.check(admin, settle_ms=60_000, list_limit=10)
+            await changes[0]
+            assert table.key_bytes(broken) == new  # the row the broken block held
+            i = report.problems.index("1 blocks' pin counts differ from their live leases")
+            (detail,) = (d for d in report.details if d.problem == i)
+            assert detail.keys == [] and detail.keys_total == 1, (detail.keys == [new], detail)
+            # The lease takes the new block, which makes the pins whole again.
+            (lease,) = service.sessions.leases()
+            lease.refs[0] = table.ref(broken)
+            table.pins[broken] += 1
+            assert (await service.check(admin)).problems == []
+
+    asyncio.run(run())
+
+
 def test_a_check_reads_the_table_arrays_anew_after_they_grow_between_its_slices(monkeypatch):
     """The table's arrays are replaced by larger ones when it grows, which a put may do
     between a Check's slices: a slice that read an array kept from before would examine the
