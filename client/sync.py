@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import queue
@@ -210,6 +211,11 @@ def _end_channel(channel: grpc.Channel, session_call: Any) -> None:
     channel.close()
 
 
+def _cancel_calls(*calls: Any) -> None:
+    for call in calls:
+        call.cancel()
+
+
 class _ChannelCloser:
     """Closes the channels of clients collected without ``close()``, on a thread of its own
     (one a process, started by its first client): a collection may happen on the channel's
@@ -224,22 +230,28 @@ class _ChannelCloser:
     waits for ever; that thread then parks. ``discard`` is a ``put`` too, as it runs where
     another KeyboardInterrupt may land.
 
-    What an interruption may have left locked is kept for good (``keep``): the given-up
-    channel, its session's call, and the interrupted call itself. gRPC's finalizers take
-    those locks (a channel's closes it, a call's cancels it); run by a collection, on any
-    thread but the one that holds the lock, they waited for ever, and so did that
-    collection: every later ``gc.collect()`` in the process returned at once, and cyclic
-    garbage grew until it exited. A few objects an interruption, never released."""
+    What an interruption may have left locked is kept (``_kept``) until that thread has
+    ended it: the given-up channel, its session's call, and the interrupted calls
+    (``keep``, which cancels them). gRPC's finalizers take those locks (a channel's closes
+    it, a call's cancels it); run by a collection, on any thread but the one that holds the
+    lock, they waited for ever, and so did that collection: every later ``gc.collect()`` in
+    the process returned at once, and cyclic garbage grew until it exited. Ending them takes
+    the same locks, so what ends has none held and is let go; only what parks is kept for
+    good, as its thread is, and not every interruption's objects."""
 
     def __init__(self) -> None:
-        # Not reset at fork: dropped in the child, the copies would be collected there.
-        self._kept: list[Any] = []
+        # What each ending thread ends, and how, by a key of its own (see the class). Not
+        # reset at fork: dropped in the child, where those threads do not run, the copies
+        # would be collected there.
+        self._kept: dict[int, tuple[Callable[..., None], tuple[Any, ...]]] = {}
+        self._keys = itertools.count()
         self._reset()
         os.register_at_fork(after_in_child=self._reset)  # the thread does not cross fork()
 
     def _reset(self) -> None:
-        # (channel, session call, discarded): see ``close_later`` and ``discard``.
-        self._channels: queue.SimpleQueue[tuple[grpc.Channel, Any, bool]] = queue.SimpleQueue()
+        # A channel to close (``close_later``), or the key of what to end on a thread of its
+        # own (``discard``, ``keep``).
+        self._channels: queue.SimpleQueue[grpc.Channel | int] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started = False
 
@@ -250,32 +262,40 @@ class _ChannelCloser:
                 self._started = True
 
     def close_later(self, channel: grpc.Channel) -> None:
-        self._channels.put((channel, None, False))
+        self._channels.put(channel)
 
     def discard(self, channel: grpc.Channel, session_call: Any) -> None:
-        self.keep(channel, session_call)
-        self._channels.put((channel, session_call, True))
+        self._end_later(_end_channel, channel, session_call)
 
-    def keep(self, *objects: Any) -> None:
-        """Keep gRPC objects an interruption may have left locked (see the class)."""
-        self._kept.append(objects)
+    def keep(self, *calls: Any) -> None:
+        """Cancel gRPC calls an interruption ended, keeping them until that ends (see the
+        class)."""
+        self._end_later(_cancel_calls, *calls)
+
+    def _end_later(self, end: Callable[..., None], *objects: Any) -> None:
+        # No lock: this runs in finalizers, and where another KeyboardInterrupt may land.
+        key = next(self._keys)
+        self._kept[key] = (end, objects)
+        self._channels.put(key)
 
     def _run(self) -> None:
         while True:
-            channel, session_call, discarded = self._channels.get()
-            if discarded:
+            item = self._channels.get()
+            if isinstance(item, int):
                 threading.Thread(
-                    target=_end_channel,
-                    args=(channel, session_call),
-                    name="kvtier-discarded",
-                    daemon=True,
+                    target=self._end, args=(item,), name="kvtier-discarded", daemon=True
                 ).start()
             else:
                 try:
-                    channel.close()
+                    item.close()
                 except Exception:
                     session_log.exception("closing the channel of a client collected unclosed")
-            del channel, session_call
+            del item
+
+    def _end(self, key: int) -> None:
+        end, objects = self._kept[key]
+        end(*objects)  # parks for good where an interruption left one of their locks held
+        del self._kept[key]  # none is: their finalizers may run on any thread
 
 
 _closer = _ChannelCloser()
@@ -443,8 +463,8 @@ class Client:
         lands before the channel is replaced leaves that to the client's next call. Once an
         ``error``: the guards of the calls that it passes through on its way out each note
         it, and a second replacement would only give up the new channel. ``calls``: the
-        gRPC calls ``error`` ended, which the client would drop; kept for good instead, with
-        the channel (see ``_ChannelCloser``)."""
+        gRPC calls ``error`` ended, which the client would drop; cancelled on a thread of
+        their own instead, and kept until that ends (see ``_ChannelCloser``)."""
         if calls:
             _closer.keep(*calls)
         if getattr(error, "_kvtier_noted", False):

@@ -12,11 +12,14 @@ a thread of their own.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -164,6 +167,46 @@ def test_regression_an_interrupt_in_a_jobs_cancel_leaves_the_client_working(daem
         assert landed
         assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
+def test_regression_what_an_interrupt_left_unlocked_was_kept_for_good(daemon):
+    """The client keeps what an interrupt may have left locked (the given-up channel, the
+    interrupted call) only until a thread of its own has ended it: an interrupt that left no
+    lock held keeps nothing once that thread ends. Before, each interrupt's channel,
+    session call and interrupted call were kept for the life of the process (some 12 kB
+    an interrupt, 84 objects: a loop of interrupts grew the process without bound)."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        channel = weakref.ref(client._channel)
+        calls: list[weakref.ref[Any]] = []
+
+        def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+            # At the wait for the Lookup's answer, before it takes any lock.
+            if event == "call" and in_grpc_call_on(frame, (GRPC_CHANNEL, "result")):
+                sys.settrace(None)
+                calls.append(weakref.ref(frame.f_locals["self"]))
+                raise KeyboardInterrupt
+
+        sys.settrace(interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pinning_lookup(client, pool)
+        finally:
+            sys.settrace(None)
+        assert calls
+        assert ends_in_time(lambda: client.lookup(pool.binding.keys(TOKENS)).prefix_len) == 2
+        assert collected_in_time([channel, calls[0]])
+
+
+def collected_in_time(refs: list[weakref.ref[Any]], bound_s: float = 30.0) -> bool:
+    """Whether the objects of ``refs`` are collected within ``bound_s`` (the threads that
+    end them end at once)."""
+    deadline = time.monotonic() + bound_s
+    while any(ref() is not None for ref in refs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    return all(ref() is None for ref in refs)
 
 
 def in_grpc_call_on(frame: FrameType, names: tuple[str, str]) -> bool:
