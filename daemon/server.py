@@ -110,7 +110,7 @@ from kvtier.daemon.unixsock import (
     prepare_socket_path,
     private_umask,
     remove_socket,
-    successor_kept,
+    stop_keeping_successor,
 )
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
@@ -906,17 +906,13 @@ class Daemon:
 
     async def _stop_server(self, grace_s: float | None) -> None:
         """gRPC's server stop (``grace_s`` for the calls under way), which leaves the socket
-        path to the process that holds it now, if not this one (``successor_kept``)."""
+        path to the process that holds it now, if not this one (``stop_keeping_successor``)."""
         assert self.server is not None
         if self._socket_identity is None:
             await self.server.stop(grace_s)
             return
         path = os.path.abspath(self.config.server.socket)
-        with successor_kept(path, self._socket_identity) as put_back:
-            stopping = asyncio.ensure_future(self.server.stop(grace_s))
-            await asyncio.sleep(0)  # its first step stops listening, unlinking the path
-            put_back()  # not the grace long without its socket
-            await stopping
+        await stop_keeping_successor(path, self._socket_identity, self.server.stop(grace_s))
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM and SIGINT stop the daemon (``request_stop``)."""

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -32,7 +33,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,9 @@ LOCK_SUFFIX = ".lock"
 # writes it just after it takes the lock (a loaded host may hold it off a while between).
 HOLDER_WAIT_S = 2.0
 HOLDER_RETRY_S = 0.01
+# How often a stop looks whether gRPC has unlinked a path that holds another process's socket
+# (``stop_keeping_successor``): about the longest the path is left without it.
+UNLINK_POLL_S = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,14 +334,16 @@ def remove_socket(path: str, identity: SocketIdentity, *, still_listening: bool 
 
 
 @contextlib.contextmanager
-def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[], None]]:
+def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[], bool]]:
     """Around the stop of gRPC's server: keep the socket another process bound at ``path``,
     where the path no longer holds the one the daemon bound (``identity``; a cleaner of old
     files or an operator removed it, and the lock file, and another daemon started there).
-    gRPC unlinks the Unix socket it bound, by its path, as its server stops listening (in
-    the stop's first step), whoever's socket the path holds then: a second name (a hard
-    link beside it) keeps the other's, and the function this yields, called once gRPC has
-    stopped listening, and the exit, give the path that socket back."""
+    gRPC unlinks the Unix socket it bound, by its path, as its server stops listening (on a
+    thread of its own, a moment after the stop begins), whoever's socket the path holds
+    then: a second name (a hard link beside it) keeps the other's, and the function this
+    yields, once gRPC has unlinked the path, and the exit, give the path that socket back.
+    That function says whether the path has no more to wait for: False while it still holds
+    the kept socket, which gRPC has yet to unlink (see ``stop_keeping_successor``)."""
     aside = ""
     with contextlib.suppress(OSError):
         st = os.lstat(path)
@@ -346,11 +352,16 @@ def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[],
             os.link(path, name)
             aside = name
 
-    def put_back() -> None:
-        if aside:
-            # EEXIST: still there, or taken since; ENOENT: the second name went too.
-            with contextlib.suppress(OSError):
-                os.link(aside, path)
+    def put_back() -> bool:
+        if not aside:
+            return True
+        try:
+            os.link(aside, path)
+        except FileExistsError:  # still there, or taken since
+            return _identity(path) != _identity(aside)
+        except OSError:  # ENOENT: the second name went too
+            pass
+        return True
 
     try:
         yield put_back
@@ -364,6 +375,27 @@ def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[],
                 "the daemon ran): left to it",
                 path,
             )
+
+
+async def stop_keeping_successor(
+    path: str, identity: SocketIdentity, stop: Awaitable[None]
+) -> None:
+    """Await ``stop``, gRPC's server stop, keeping another process's socket at ``path``
+    (``successor_kept``): it goes back as soon as gRPC has unlinked the path, not once the
+    stop's grace for the calls under way has run out."""
+    with successor_kept(path, identity) as put_back:
+        stopping = asyncio.ensure_future(stop)
+        while not put_back() and not stopping.done():
+            await asyncio.sleep(UNLINK_POLL_S)
+        await stopping
+
+
+def _identity(path: str) -> SocketIdentity | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def _listening(path: str) -> bool:

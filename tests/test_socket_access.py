@@ -3,7 +3,9 @@ item 6)."""
 
 from __future__ import annotations
 
+import asyncio
 import configparser
+import contextlib
 import errno
 import json
 import os
@@ -39,6 +41,7 @@ from kvtier.daemon.unixsock import (
     lock_path,
     prepare_socket_path,
     remove_socket,
+    stop_keeping_successor,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -321,6 +324,49 @@ def test_regression_a_daemon_whose_socket_a_cleaner_removed_removed_its_successo
         )
     finally:
         new.stop()
+
+
+def test_regression_a_successors_socket_was_gone_while_the_old_daemon_stopped(tmp_path):
+    """gRPC unlinks the path it bound on a thread of its own, a moment after its stop begins
+    (strace: not the thread that called stop; the path was still there one step of the event
+    loop later in 3 of 8 stops of a bare grpc.aio server on asyncio's loop). The stop gave
+    the successor's socket back after that one step, where the path still held it, and
+    otherwise only once gRPC's stop ended: with calls under way, the successor went without
+    its socket for the stop's whole grace. Here a stand-in for gRPC's stop unlinks the path
+    a few steps after it begins, then waits for the socket to come back."""
+    access = SocketAccess(mode=0o600, gid=None)
+    path = str(tmp_path / "d.sock")
+    old, identity = bind_unix(path, access)
+    old.close()
+    # A cleaner of old files removes it, another daemon starts at the path (the old socket
+    # kept meanwhile under another name, so that the successor's has another inode number).
+    os.rename(path, str(tmp_path / "elsewhere"))
+    new, successor = bind_unix(path, access)
+    os.unlink(str(tmp_path / "elsewhere"))
+    back: list[bool] = []
+
+    def successors() -> bool:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(path)
+            return (st.st_dev, st.st_ino) == successor
+        return False
+
+    async def grpc_stop() -> None:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        os.unlink(path)  # as gRPC's thread does
+        deadline = time.monotonic() + 10  # the grace, calls under way
+        while not successors() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        back.append(successors())
+
+    try:
+        asyncio.run(stop_keeping_successor(path, identity, grpc_stop()))
+        assert back == [True]
+        assert successors()
+        assert os.listdir(tmp_path) == ["d.sock"]  # the second name went
+    finally:
+        new.close()
 
 
 def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_removed(tmp_path):
