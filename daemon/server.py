@@ -912,7 +912,8 @@ class Daemon:
             await self.server.stop(grace_s)
             return
         path = os.path.abspath(self.config.server.socket)
-        await stop_keeping_successor(path, self._socket_identity, self.server.stop(grace_s))
+        locked = self.socket_lock is None or self.socket_lock.at_path()
+        await stop_keeping_successor(path, self._socket_identity, locked, self.server.stop(grace_s))
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM and SIGINT stop the daemon (``request_stop``)."""

@@ -197,13 +197,17 @@ class SocketLock:
         holds. The identity tells: the file this one holds open keeps its inode number."""
         if self._fd < 0:
             return
-        mine = os.fstat(self._fd)
-        with contextlib.suppress(FileNotFoundError):
-            now = os.stat(self.path, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+        if self.at_path():
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         os.close(self._fd)
         self._fd = -1
+
+    def at_path(self) -> bool:
+        """Whether the lock file's path still holds the file this one locked (see
+        ``release``); where it does not, another daemon may serve the socket path."""
+        mine = os.fstat(self._fd)
+        return _identity(self.path) == (mine.st_dev, mine.st_ino)
 
 
 def lock_file_problem(socket_path: str) -> str | None:
@@ -334,10 +338,15 @@ def remove_socket(path: str, identity: SocketIdentity, *, still_listening: bool 
 
 
 @contextlib.contextmanager
-def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[], bool]]:
+def successor_kept(
+    path: str, identity: SocketIdentity, locked: bool
+) -> Iterator[Callable[[], bool]]:
     """Around the stop of gRPC's server: keep the socket another process bound at ``path``,
-    where the path no longer holds the one the daemon bound (``identity``; a cleaner of old
-    files or an operator removed it, and the lock file, and another daemon started there).
+    where the path may no longer hold the one the daemon bound (``identity``; a cleaner of
+    old files or an operator removed it, and the lock file, and another daemon started
+    there). The identity alone does not tell (a disk filesystem gives the successor's
+    socket the inode number the removed one freed): ``locked``, whether the lock file is
+    still this daemon's (``SocketLock.at_path``), says whether a successor may be there.
     gRPC unlinks the Unix socket it bound, by its path, as its server stops listening (on a
     thread of its own, a moment after the stop begins), whoever's socket the path holds
     then: a second name (a hard link beside it) keeps the other's, and the function this
@@ -347,7 +356,7 @@ def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[],
     aside = ""
     with contextlib.suppress(OSError):
         st = os.lstat(path)
-        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) != identity:
+        if stat.S_ISSOCK(st.st_mode) and ((st.st_dev, st.st_ino) != identity or not locked):
             name = f"{path}.kept-{secrets.token_hex(4)}"
             os.link(path, name)
             aside = name
@@ -371,19 +380,19 @@ def successor_kept(path: str, identity: SocketIdentity) -> Iterator[Callable[[],
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(aside)
             log.warning(
-                "%s held another process's socket, not this daemon's (it was removed while "
-                "the daemon ran): left to it",
+                "%s may hold another process's socket, not this daemon's (its socket or lock "
+                "file was removed while it ran): left to it",
                 path,
             )
 
 
 async def stop_keeping_successor(
-    path: str, identity: SocketIdentity, stop: Awaitable[None]
+    path: str, identity: SocketIdentity, locked: bool, stop: Awaitable[None]
 ) -> None:
     """Await ``stop``, gRPC's server stop, keeping another process's socket at ``path``
     (``successor_kept``): it goes back as soon as gRPC has unlinked the path, not once the
     stop's grace for the calls under way has run out."""
-    with successor_kept(path, identity) as put_back:
+    with successor_kept(path, identity, locked) as put_back:
         stopping = asyncio.ensure_future(stop)
         while not put_back() and not stopping.done():
             await asyncio.sleep(UNLINK_POLL_S)
