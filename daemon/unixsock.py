@@ -390,13 +390,13 @@ async def stop_keeping_successor(
     path: str, identity: SocketIdentity, locked: bool, stop: Awaitable[None]
 ) -> None:
     """Await ``stop``, gRPC's server stop, keeping another process's socket at ``path``
-    (``successor_kept``): it goes back as soon as gRPC has unlinked the path, not once the
-    stop's grace for the calls under way has run out."""
+    (``successor_kept``): it goes back, and its second name goes, as soon as gRPC has
+    unlinked the path, not once the stop's grace for the calls under way has run out."""
+    stopping = asyncio.ensure_future(stop)  # it starts at the first await, below
     with successor_kept(path, identity, locked) as put_back:
-        stopping = asyncio.ensure_future(stop)
         while not put_back() and not stopping.done():
             await asyncio.sleep(UNLINK_POLL_S)
-        await stopping
+    await stopping
 
 
 def _identity(path: str) -> SocketIdentity | None:
