@@ -973,8 +973,13 @@ class KVService:
         else:
             arr = np.fromiter(pages, dtype=np.int64, count=len(pages))
         pool.check_pages(arr)
-        if unique and len(arr) > 1 and len(np.unique(arr)) != len(arr):
-            raise InvalidArgument("a page appears twice; each loaded block needs its own page")
+        if unique and len(arr) > 1:
+            # Sorted and compared with the next, not counted by np.unique: numpy 2's unique
+            # of integers goes through a hash set, 0.4-0.7 ms for 4,096 pages (a fifth of a
+            # large Get's first step, which other tenants' calls wait behind), the sort 0.02.
+            order = np.sort(arr)
+            if (order[1:] == order[:-1]).any():
+                raise InvalidArgument("a page appears twice; each loaded block needs its own page")
         return arr
 
     @staticmethod
