@@ -1787,14 +1787,21 @@ class BlockStore:
             table.checksums(bids, level.col).tolist(),
             pool.batch(pages[idx], self._copy_threads, layers),
         )
-        good = np.asarray(ok, dtype=bool)
+        # Every block read, the common case, is told by the list's own count (a pass over
+        # the one True object): converting the list, and looking for the misses' kinds in
+        # it, took 0.35 ms per 4,096 blocks of the event loop's time, after the large Get's
+        # turn (``daemon/stepturns.py``) while other tenants' calls waited.
+        if ok.count(True) == len(ok):
+            good = np.ones(len(ok), dtype=bool)
+        else:
+            good = np.asarray(ok, dtype=bool)
+            # A miss the level could not tell (L3 unreachable) keeps the copy: it is read
+            # once the store answers again.
+            lost = np.fromiter((g is not None for g in ok), dtype=bool, count=len(ok)) & ~good
+            for b, slot in zip(bids[lost].tolist(), slots[lost].tolist(), strict=True):
+                self.space.lose_copy(b, level, slot)
         if level.keyed:
             table.keyed_seen[bids[good]] = self._clock()
-        # A miss the level could not tell (L3 unreachable) keeps the copy: it is read once
-        # the store answers again.
-        lost = np.fromiter((g is not None for g in ok), dtype=bool, count=len(ok)) & ~good
-        for b, slot in zip(bids[lost].tolist(), slots[lost].tolist(), strict=True):
-            self.space.lose_copy(b, level, slot)
         loaded = int(np.count_nonzero(good))
         self.counters.add(self._n_loaded_from[level.col], loaded)
         self.counters.add(self._n_load_failures[level.col], len(good) - loaded)
