@@ -102,15 +102,15 @@ from kvtier.daemon.stepturns import STEP_TURN_BYTES, StepTurns
 from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import TenantDirectory
 from kvtier.daemon.unixsock import (
+    BIND_SUFFIX,
     SocketAccess,
     SocketIdentity,
     SocketLock,
     apply_access,
-    bound_socket,
+    move_bound,
     prepare_socket_path,
     private_umask,
     remove_socket,
-    stop_keeping_successor,
 )
 from kvtier.kernels.copy import ensure_fault_handler
 from kvtier.kernels.layout import MAX_LAYERS, LayerLayout, PoolLayout
@@ -844,11 +844,13 @@ class Daemon:
             cred_path = cred_socket_path(path)
             prepare_socket_path(path, access)
             prepare_socket_path(cred_path, access)
-            # Bound private, given its mode and group, and only then listening (start()).
+            # Bound private under a name of its own, then given the path (move_bound: gRPC's
+            # stop unlinks the name it bound), its mode and group, and only then listening
+            # (start()).
             with private_umask():
-                self.server.add_insecure_port(f"unix:{path}")
+                self.server.add_insecure_port(f"unix:{path}{BIND_SUFFIX}")
             # Known before its access is set: a start that cannot set it removes it (unbind).
-            self._socket_identity = bound_socket(path)
+            self._socket_identity = move_bound(path + BIND_SUFFIX, path)
             apply_access(path, access)
             self.credentials = CredentialServer(
                 cred_path,
@@ -860,7 +862,7 @@ class Daemon:
             )
             self.credentials.start(access)
             self.addresses.append(f"unix:{path}")
-            unix_path = path
+            unix_path = path + BIND_SUFFIX  # the name its connections carry (move_bound)
         if cfg.tcp_address:
             try:
                 port = self.server.add_insecure_port(cfg.tcp_address)
@@ -897,23 +899,12 @@ class Daemon:
         TCP port taken since the host checks): stop listening and remove both sockets, which
         would otherwise stay with nobody listening, for engines and the next start to find."""
         if self.server is not None:
-            await self._stop_server(None)
+            await self.server.stop(None)
         if self.credentials is not None:
             self.credentials.close()
         if self._socket_identity is not None:
             path = os.path.abspath(self.config.server.socket)
             remove_socket(path, self._socket_identity, still_listening=True)
-
-    async def _stop_server(self, grace_s: float | None) -> None:
-        """gRPC's server stop (``grace_s`` for the calls under way), which leaves the socket
-        path to the process that holds it now, if not this one (``stop_keeping_successor``)."""
-        assert self.server is not None
-        if self._socket_identity is None:
-            await self.server.stop(grace_s)
-            return
-        path = os.path.abspath(self.config.server.socket)
-        locked = self.socket_lock is None or self.socket_lock.at_path()
-        await stop_keeping_successor(path, self._socket_identity, locked, self.server.stop(grace_s))
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM and SIGINT stop the daemon (``request_stop``)."""
@@ -1011,7 +1002,7 @@ class Daemon:
         if self.credentials is not None:
             self.credentials.close()
         if self.server is not None:
-            await self._stop_server(drain_s)
+            await self.server.stop(drain_s)
         if self.socket_lock is not None:
             # It never listens again: a successor may start while this one flushes L2 (its
             # sockets are removed below only while they are still this one's).

@@ -17,23 +17,21 @@ Invariants:
   second daemon at that path stops before it binds anything (gRPC's bind removes whatever is
   at the path, a live daemon's socket included). A successor may start while its predecessor
   flushes L2 (``remove_socket`` keeps the successor's socket), or once its socket and lock
-  file were removed under it (``successor_kept``: gRPC's stop unlinks the path). The kernel
+  file were removed under it (``move_bound``: gRPC's stop unlinks the name it bound). The kernel
   lets go of the lock when its holder dies, so a lock file left by a crash never refuses a
   start.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
 import os
-import secrets
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +49,9 @@ LOCK_SUFFIX = ".lock"
 # writes it just after it takes the lock (a loaded host may hold it off a while between).
 HOLDER_WAIT_S = 2.0
 HOLDER_RETRY_S = 0.01
-# How often a stop looks whether gRPC has unlinked a path that holds another process's socket
-# (``stop_keeping_successor``): about the longest the path is left without it.
-UNLINK_POLL_S = 0.002
+# The name gRPC binds the socket at before ``move_bound`` gives it the path: no longer than
+# the credentials socket's suffix, so that the path's length check covers it.
+BIND_SUFFIX = ".new"
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +198,12 @@ class SocketLock:
         if self.at_path():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        else:
+            log.warning(
+                "%s was removed while this daemon ran: the socket path may hold another "
+                "process's socket, left to it",
+                self.path,
+            )
         os.close(self._fd)
         self._fd = -1
 
@@ -337,66 +341,22 @@ def remove_socket(path: str, identity: SocketIdentity, *, still_listening: bool 
             os.unlink(path)
 
 
-@contextlib.contextmanager
-def successor_kept(
-    path: str, identity: SocketIdentity, locked: bool
-) -> Iterator[Callable[[], bool]]:
-    """Around the stop of gRPC's server: keep the socket another process bound at ``path``,
-    where the path may no longer hold the one the daemon bound (``identity``; a cleaner of
-    old files or an operator removed it, and the lock file, and another daemon started
-    there). The identity alone does not tell (a disk filesystem gives the successor's
-    socket the inode number the removed one freed): ``locked``, whether the lock file is
-    still this daemon's (``SocketLock.at_path``), says whether a successor may be there.
-    gRPC unlinks the Unix socket it bound, by its path, as its server stops listening (on a
-    thread of its own, a moment after the stop begins), whoever's socket the path holds
-    then: a second name (a hard link beside it) keeps the other's, and the function this
-    yields, once gRPC has unlinked the path, and the exit, give the path that socket back.
-    That function says whether the path has no more to wait for: False while it still holds
-    the kept socket, which gRPC has yet to unlink (see ``stop_keeping_successor``)."""
-    aside = ""
-    with contextlib.suppress(OSError):
-        st = os.lstat(path)
-        if stat.S_ISSOCK(st.st_mode) and ((st.st_dev, st.st_ino) != identity or not locked):
-            name = f"{path}.kept-{secrets.token_hex(4)}"
-            os.link(path, name)
-            aside = name
-
-    def put_back() -> bool:
-        if not aside:
-            return True
-        try:
-            os.link(aside, path)
-        except FileExistsError:  # still there, or taken since
-            return _identity(path) != _identity(aside)
-        except OSError:  # ENOENT: the second name went too
-            pass
-        return True
-
+def move_bound(bound: str, path: str) -> SocketIdentity:
+    """Give the socket gRPC has just bound at ``bound`` (``path`` plus ``BIND_SUFFIX``) the
+    path, and return its identity for ``remove_socket`` (``bound_socket``). gRPC unlinks the
+    name it bound, whoever's socket that name holds then, as its server stops listening
+    (grpc/grpc#17122); bound under a name the socket leaves at once, its stop never removes
+    what the path holds (a successor's socket, where a cleaner of old files removed this
+    daemon's socket and lock file and another daemon started there). gRPC's bind removes a
+    socket that a start killed before the rename left at ``bound``."""
+    identity = bound_socket(bound)
     try:
-        yield put_back
-    finally:
-        if aside:
-            put_back()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(aside)
-            log.warning(
-                "%s may hold another process's socket, not this daemon's (its socket or lock "
-                "file was removed while it ran): left to it",
-                path,
-            )
-
-
-async def stop_keeping_successor(
-    path: str, identity: SocketIdentity, locked: bool, stop: Awaitable[None]
-) -> None:
-    """Await ``stop``, gRPC's server stop, keeping another process's socket at ``path``
-    (``successor_kept``): it goes back, and its second name goes, as soon as gRPC has
-    unlinked the path, not once the stop's grace for the calls under way has run out."""
-    stopping = asyncio.ensure_future(stop)  # it starts at the first await, below
-    with successor_kept(path, identity, locked) as put_back:
-        while not put_back() and not stopping.done():
-            await asyncio.sleep(UNLINK_POLL_S)
-    await stopping
+        os.rename(bound, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(bound)
+        raise
+    return identity
 
 
 def _identity(path: str) -> SocketIdentity | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import configparser
-import contextlib
 import errno
 import json
 import os
@@ -19,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from harness import DaemonProcess, tenant_token
 from peers import NOBODY, NOGROUP, require_root, run_as
@@ -35,13 +35,15 @@ from kvtier.client import credentials as cred
 from kvtier.daemon import preflight
 from kvtier.daemon.config import load_config
 from kvtier.daemon.unixsock import (
+    BIND_SUFFIX,
     SocketAccess,
     SocketLock,
     bind_unix,
     lock_path,
+    move_bound,
     prepare_socket_path,
+    private_umask,
     remove_socket,
-    stop_keeping_successor,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -326,83 +328,49 @@ def test_regression_a_daemon_whose_socket_a_cleaner_removed_removed_its_successo
         new.stop()
 
 
-def test_regression_a_successors_socket_was_gone_while_the_old_daemon_stopped(tmp_path):
-    """gRPC unlinks the path it bound on a thread of its own, a moment after its stop begins
-    (strace: not the thread that called stop; the path was still there one step of the event
-    loop later in 3 of 8 stops of a bare grpc.aio server on asyncio's loop). The stop gave
-    the successor's socket back after that one step, where the path still held it, and
-    otherwise only once gRPC's stop ended: with calls under way, the successor went without
-    its socket for the stop's whole grace. Here a stand-in for gRPC's stop unlinks the path
-    a few steps after it begins, then waits for the socket to come back."""
-    access = SocketAccess(mode=0o600, gid=None)
-    path = str(tmp_path / "d.sock")
-    old, identity = bind_unix(path, access)
-    old.close()
-    # A cleaner of old files removes it, another daemon starts at the path (the old socket
-    # kept meanwhile under another name, so that the successor's has another inode number).
-    os.rename(path, str(tmp_path / "elsewhere"))
-    new, successor = bind_unix(path, access)
-    os.unlink(str(tmp_path / "elsewhere"))
-    back: list[bool] = []
-
-    def successors() -> bool:
-        with contextlib.suppress(FileNotFoundError):
-            st = os.lstat(path)
-            return (st.st_dev, st.st_ino) == successor
-        return False
-
-    async def grpc_stop() -> None:
-        for _ in range(3):
-            await asyncio.sleep(0)
-        os.unlink(path)  # as gRPC's thread does
-        deadline = time.monotonic() + 10  # the grace, calls under way
-        while not successors() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        back.append(successors())
-        # A crash in the grace (a stop past its bound ends as one) leaves no second name.
-        back.append(os.listdir(tmp_path) == ["d.sock"])
-
-    try:
-        asyncio.run(stop_keeping_successor(path, identity, False, grpc_stop()))
-        assert back == [True, True]
-        assert successors()
-        assert os.listdir(tmp_path) == ["d.sock"]  # the second name went
-    finally:
-        new.close()
-
-
-def test_regression_a_successors_socket_with_the_removed_ones_inode_number_went_at_stop(
-    tmp_path,
-):
-    """A stopping daemon kept the socket at its path aside from gRPC's stop only where its
-    identity was not the one the daemon bound; a disk filesystem gives the successor's
-    socket the inode number the removed one freed (the next socket bound in the folder, on
-    ext4), and gRPC's stop removed it. The lock file tells: removed with the socket, the
-    file at its path is no longer the one the stopping daemon holds."""
+def test_grpcs_stop_leaves_the_socket_path_to_whoever_holds_it(tmp_path):
+    """gRPC unlinks the Unix socket it bound, by the name it bound, as its server stops
+    (on a thread of its own, during the stop's grace). The daemon's socket is bound under a
+    name of its own and then renamed to the path (``move_bound``), so the stop never removes
+    what the path holds: here a successor's socket, bound at the path after the first's and
+    its lock file were removed (on ext4 it often gets the inode number the removed one
+    freed), stays there through the stop and after it, and no other name is left."""
     access = SocketAccess(mode=0o600, gid=None)
     path = str(tmp_path / "d.sock")
     old_lock = SocketLock.take(path, access)
-    old, _ = bind_unix(path, access)
-    old.close()
-    for removed in (path, old_lock.path):  # a cleaner of old files
-        os.unlink(removed)
-    new_lock = SocketLock.take(path, access)
-    new, successor = bind_unix(path, access)
+    seen: list[bool] = []
 
-    async def grpc_stop() -> None:
-        os.unlink(path)
-
-    try:
-        assert new_lock.at_path() and not old_lock.at_path()
-        # The identity the stopping daemon knows is the successor's, as where it was reused.
-        asyncio.run(stop_keeping_successor(path, successor, old_lock.at_path(), grpc_stop()))
-        st = os.lstat(path)
-        assert (st.st_dev, st.st_ino) == successor
-    finally:
+    async def run() -> None:
+        server = grpc.aio.server()
+        with private_umask():
+            server.add_insecure_port(f"unix:{path}{BIND_SUFFIX}")
+        move_bound(path + BIND_SUFFIX, path)
+        await server.start()
+        for removed in (path, old_lock.path):  # a cleaner of old files
+            os.unlink(removed)
+        new_lock = SocketLock.take(path, access)
+        new, successor = bind_unix(path, access)
+        stopping = asyncio.ensure_future(server.stop(1.0))
+        while not stopping.done():
+            seen.append(_identity(path) == successor)
+            await asyncio.sleep(0.002)
+        await stopping
+        seen.append(_identity(path) == successor)
         new.close()
-        old_lock.release()
         new_lock.release()
-    assert os.listdir(tmp_path) == ["d.sock"]  # the second name went
+
+    asyncio.run(run())
+    assert seen and all(seen)
+    old_lock.release()
+    assert os.listdir(tmp_path) == ["d.sock"]
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def test_regression_a_successors_socket_with_the_old_ones_inode_number_was_removed(tmp_path):
