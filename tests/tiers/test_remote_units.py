@@ -5,6 +5,7 @@ needed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 from typing import Any
@@ -287,6 +288,67 @@ def test_a_refused_connection_answers_the_reads_of_its_send_where_faults_are_not
         with pytest.raises(RedisConnectionError) as e:
             await conn.send_packed_command(conn.pack_command("GET", b"k"))
         assert e.value is not raised[0]
+
+    asyncio.run(run())
+
+
+def test_regression_a_reset_in_the_handshake_was_answered_and_left_its_replies_askew() -> None:
+    """A fault of redis-py's own handshake within a send (here the connection reset as the
+    first ``CLIENT SETINFO`` went out) is raised to the handshake, which fails the connect:
+    the send that connects answers it, and the connection serves the next call in step.
+    Answered within the handshake, its next send connected again and the handshake read
+    the reply of that send as the first one's, then waited for one that never came: the
+    call failed as a timeout (the tier DOWN, not the node lost)."""
+
+    served: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Every command answered: ECHO with its argument, any other +OK.
+        served.append(writer)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while line := await reader.readline():
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int((await reader.readline())[1:])
+                    args.append((await reader.readexactly(size + 2))[:-2])
+                if args[0].upper() == b"ECHO":
+                    writer.write(b"$%d\r\n%s\r\n" % (len(args[1]), args[1]))
+                else:
+                    writer.write(b"+OK\r\n")
+                await writer.drain()
+
+    async def run() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = _tier_class(Connection)(
+            host="127.0.0.1", port=port, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
+        )
+        send = conn._send_packed_command
+        resets = []
+
+        async def reset_at_first_setinfo(command: Any) -> None:
+            if not resets and any(b"SETINFO" in bytes(c) for c in command):
+                resets.append(conn._writer.transport)
+                conn._writer.transport.abort()
+                raise ConnectionResetError(104, "Connection reset by peer")
+            await send(command)
+
+        conn._send_packed_command = reset_at_first_setinfo
+        faults = NodeFaults()
+        try:
+            with noting_node_faults(faults):
+                await conn.send_packed_command(conn.pack_command("ECHO", b"first"))
+                with pytest.raises(RedisConnectionError) as e:
+                    await conn.read_response()
+                assert resets and faults.node_of(e.value) == f"127.0.0.1:{port}"
+                await conn.send_packed_command(conn.pack_command("ECHO", b"second"))
+                assert await conn.read_response() == b"second"
+        finally:
+            await conn.disconnect()
+            for writer in served:
+                writer.close()
+            server.close()
+            await server.wait_closed()
 
     asyncio.run(run())
 

@@ -30,7 +30,9 @@ included, for one retry; the other nodes' replies were lost with it. Within
 instead (as a fault met reading the replies already is), so the other nodes' replies come
 back, and every connection fault met is noted with its node for the caller to judge. Only
 faults of the connection itself: a refused credential, a timeout (the socket may still hold
-a body: see above) fail the pipeline as before.
+a body: see above) fail the pipeline as before. Only the caller's send answers: redis-py's
+handshake of a fresh connection, sent within it, sends twice before it reads and must see
+its faults raised (the connect fails, and that send answers it).
 
 Receiving large replies with fewer steps: the stream buffers more before it pauses the
 socket (redis-py's streams pause at 128 KiB and resume at 64 KiB, two selector changes per
@@ -193,8 +195,10 @@ class _TierConnection:
     _asking_held = False
     _asking_replies = 0
     # A connection fault of the last send, answered by the reads that follow it (within
-    # ``noting_node_faults``).
+    # ``noting_node_faults``); a send within a send is redis-py's handshake of the
+    # connection, whose faults it must see raised.
     _send_fault: BaseException | None = None
+    _sending = False
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
         asking = _ASKING.get()
@@ -214,15 +218,24 @@ class _TierConnection:
         return super().pack_commands(commands)  # type: ignore[misc, no-any-return]
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        self._send_fault = None
+        within = self._sending
+        if not within:
+            self._send_fault = None
+        self._sending = True
         try:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except RedisConnectionError as e:
             # redis-py closed the connection: its transport, and any body it held, are gone.
-            if isinstance(e, _REFUSALS) or not self._noted(e):
+            # Within the handshake (sends of its own before reads of its own) it is raised:
+            # answered, its next send connected again, and its reads took that one's reply
+            # for the first's, then waited for the op timeout; the send that connects
+            # answers it.
+            if within or isinstance(e, _REFUSALS) or not self._noted(e):
                 raise
             self._send_fault = e
             return
+        finally:
+            self._sending = within
         # Marked once sent: a fresh connection's handshake, sent and read in between, reads
         # its own replies.
         if type(command) is list:
