@@ -878,6 +878,32 @@ async def test_regression_a_master_just_killed_took_l3_down_for_every_master(
         assert tier.stats().counters["down_transitions"] == 0
 
 
+async def test_regression_a_connection_its_server_closed_in_the_pool_lost_a_healthy_master(
+    redis_cluster_partial: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A master that closed the tier's idle connections (its ``timeout``, CLIENT KILL, a
+    restart) and serves: the next call reconnects, as redis-py's own pool does for a single
+    server (a cluster node's pool hands out what it holds). Sent over the closed connection,
+    that call's commands to the master read its EOF, and the master was lost (its blocks
+    misses, writes declined) until the monitor asked again, L3 degraded; before c68c6d4,
+    L3 down."""
+    victim = redis_cluster_partial.nodes[1]
+    chain, src, _ = blocks_over(redis_cluster_partial, l3_prefix, victim, 48, 4096)
+    async with opened(cluster_options(redis_cluster_partial, l3_prefix)) as tier:
+        assert await tier.write(chain, 4096, host(src)) == [True] * 48
+        victim.cli("CLIENT", "KILL", "TYPE", "normal")  # (not its own)
+        await wait_for(
+            "the master to close the tier's connections",
+            lambda: len(victim.cli("CLIENT", "LIST", "TYPE", "normal").splitlines()) == 1,
+        )
+        await asyncio.sleep(0.1)  # the loop reads their EOFs, as while they idle
+        dest = empty(48, 4096)
+        assert await tier.read(chain, 4096, host(dest)) == [True] * 48
+        assert [bytes(d) for d in dest] == src
+        assert tier.health().state is Health.OK, tier.health()
+        assert tier.stats().counters["connection_errors"] == 0
+
+
 async def test_regression_a_lost_master_and_the_others_full_stop_the_daemon_s_writes(
     redis_cluster_partial: RedisClusterProcs, l3_prefix: str
 ) -> None:

@@ -226,6 +226,16 @@ class _Transport:
         return self.writes == self.closing_after
 
 
+class _Reader:
+    """A connection's open stream, from the reading side."""
+
+    def at_eof(self) -> bool:
+        return False
+
+    def exception(self) -> BaseException | None:
+        return None
+
+
 class _Writer:
     """Records what a connection hands its stream: chunk by chunk, or joined."""
 
@@ -251,7 +261,7 @@ def test_a_pipeline_goes_to_the_stream_chunk_by_chunk_never_joined() -> None:
     command = conn.pack_commands(
         [("SET", b"k", Framed(b"h" * 32, memoryview(body)), "EX", 600), ("GET", b"k")]
     )
-    conn._reader, conn._writer = object(), (writer := _Writer(_Transport()))
+    conn._reader, conn._writer = _Reader(), (writer := _Writer(_Transport()))
     asyncio.run(conn.send_packed_command(command, check_health=False))
     # Each chunk as it was packed (the block's bytes still the caller's), then one drain.
     assert writer.chunks == command and writer.drained == 1

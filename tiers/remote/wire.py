@@ -34,6 +34,12 @@ a body: see above) fail the pipeline as before. Only the caller's send answers: 
 handshake of a fresh connection, sent within it, sends twice before it reads and must see
 its faults raised (the connect fails, and that send answers it).
 
+Connecting afresh where the server closed a connection while it idled in the pool (its
+``timeout``, CLIENT KILL, a restart): redis-py's own pool checks a connection as it hands it
+out, a cluster node's pool does not, and a pipeline sent over it read the EOF, its master
+taken as lost although it served. A send over a stream that has seen the server's EOF (or
+lost its connection) connects first.
+
 Receiving large replies with fewer steps: the stream buffers more before it pauses the
 socket (redis-py's streams pause at 128 KiB and resume at 64 KiB, two selector changes per
 socket read of a 2 MiB value), and hiredis keeps its reply buffer between replies of a few
@@ -187,6 +193,7 @@ class _TierConnection:
     buffer and a kept hiredis buffer."""
 
     encoder: Any
+    _reader: Any
     _writer: Any
     host: str
     port: int
@@ -221,6 +228,12 @@ class _TierConnection:
         within = self._sending
         if not within:
             self._send_fault = None
+            reader = self._reader
+            if reader is not None and (reader.at_eof() or reader.exception() is not None):
+                # Closed by the server while it idled in the pool (its ``timeout``, CLIENT
+                # KILL, a restart): connected afresh, as redis-py's own pool does for a
+                # single server; a cluster node's hands it out as it is.
+                await self.disconnect()
         self._sending = True
         try:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
