@@ -23,7 +23,13 @@ from pathlib import Path
 from kvtier.daemon import loops
 from kvtier.daemon.config import Config, http_url, split_host_port
 from kvtier.daemon.credentials import CRED_SUFFIX, is_memory_backed
-from kvtier.daemon.unixsock import folder_problem, in_use, lock_file_problem, lock_path
+from kvtier.daemon.unixsock import (
+    BIND_SUFFIX,
+    folder_problem,
+    in_use,
+    lock_file_problem,
+    lock_path,
+)
 from kvtier.tiers.disk.files import DATA_GLOB, LOCK_NAME, probe_lock
 from kvtier.tiers.disk.index import INDEX_NAME, RESTORE_SUFFIX
 from kvtier.tiers.disk.tier import owner_problem, space_needed, space_shortfall
@@ -407,7 +413,8 @@ def _nearest_existing(path: Path) -> Path:
 
 def _socket(config: Config) -> list[Problem]:
     """The gRPC socket and the credential socket beside it (the same path plus ``.cred``),
-    by the rules the daemon applies when it binds them (``daemon/unixsock.py``)."""
+    by the rules the daemon applies when it binds them (``daemon/unixsock.py``), and the
+    name gRPC binds the first at before it is renamed to the path (plus ``.new``)."""
     if not config.server.socket:
         return []
     path = os.path.abspath(config.server.socket)
@@ -439,7 +446,7 @@ def _socket(config: Config) -> list[Problem]:
     with contextlib.suppress(OSError):  # absent or unreadable: the start's own lock says
         if probe_lock(Path(lock_path(path))) is not None:
             return [Problem(key, in_use(path))]
-    for each in (path, cred):
+    for each in (path, path + BIND_SUFFIX, cred):
         try:
             mode = os.lstat(each).st_mode
         except FileNotFoundError:

@@ -107,6 +107,7 @@ from kvtier.daemon.unixsock import (
     SocketIdentity,
     SocketLock,
     apply_access,
+    clear_socket_name,
     move_bound,
     prepare_socket_path,
     private_umask,
@@ -843,6 +844,7 @@ class Daemon:
             path = os.path.abspath(cfg.socket)
             cred_path = cred_socket_path(path)
             prepare_socket_path(path, access)
+            clear_socket_name(path + BIND_SUFFIX)  # what gRPC's bind would take or fail on
             prepare_socket_path(cred_path, access)
             # Bound private under a name of its own, then given the path (move_bound: gRPC's
             # stop unlinks the name it bound), its mode and group, and only then listening

@@ -90,6 +90,12 @@ def prepare_socket_path(path: str, access: SocketAccess) -> None:
         )
     folder, st = _prepare_folder(path, access)
     _warn_if_untraversable(path, folder, st, access)
+    clear_socket_name(path)
+
+
+def clear_socket_name(path: str) -> None:
+    """Remove a stale socket at ``path`` (in a folder ``prepare_socket_path`` checked), refuse
+    a live one or anything else there (OSError naming it)."""
     if not os.path.lexists(path):
         return
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -347,8 +353,10 @@ def move_bound(bound: str, path: str) -> SocketIdentity:
     name it bound, whoever's socket that name holds then, as its server stops listening
     (grpc/grpc#17122); bound under a name the socket leaves at once, its stop never removes
     what the path holds (a successor's socket, where a cleaner of old files removed this
-    daemon's socket and lock file and another daemon started there). gRPC's bind removes a
-    socket that a start killed before the rename left at ``bound``."""
+    daemon's socket and lock file and another daemon started there). A socket that a start
+    killed before the rename left at ``bound`` is removed first (``clear_socket_name``), as
+    anything else there refuses the start: gRPC's bind takes any socket there, a live one
+    included, and fails on the rest without saying what is there."""
     identity = bound_socket(bound)
     try:
         os.rename(bound, path)

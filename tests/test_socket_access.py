@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -828,16 +829,22 @@ def test_a_daemon_started_beside_a_live_one_names_it_and_leaves_it_untouched(tmp
 
 
 def test_a_daemon_starts_at_once_where_one_was_sigkilled(tmp_path):
-    """The kernel lets go of a killed holder's lock; the file it left refuses nothing."""
+    """The kernel lets go of a killed holder's lock; the file it left refuses nothing, nor
+    does a stale socket at the bind name."""
     path = str(tmp_path / "d.sock")
     old = DaemonProcess(tmp_path, path, ["--set", "tiers.l1.capacity_bytes=64MiB"]).start()
     old.kill()
     assert os.path.exists(path + ".lock")  # left behind, naming the dead daemon
+    # And the socket a start killed between gRPC's bind and its rename leaves (move_bound).
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path + BIND_SUFFIX)
+    stale.close()
     new = DaemonProcess(tmp_path, path, ["--set", "tiers.l1.capacity_bytes=64MiB"]).start()
     try:
         assert _kvtier_health(path).returncode == 0
         with open(path + ".lock") as f:
             assert f.read() == f"{new.proc.pid}\n"
+        assert not os.path.lexists(path + BIND_SUFFIX)
     finally:
         assert new.stop() == 0
 
@@ -854,6 +861,23 @@ sys.exit(main())
 """
 
 
+def _start_without_host_checks(
+    overrides: list[str], **run: Any
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ENTRY_WITHOUT_HOST_CHECKS,
+            *(a for o in overrides for a in ("--set", o)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **run,
+    )
+
+
 def test_regression_a_socket_whose_group_could_not_be_set_stayed_bound(nobodys_folder):
     """gRPC binds the socket, then the daemon gives it its group and mode: where that failed
     (a group the daemon is no member of, here root's for a daemon of nobody's, the socket's
@@ -863,17 +887,8 @@ def test_regression_a_socket_whose_group_could_not_be_set_stayed_bound(nobodys_f
     with open(path + ".lock", "w"):
         pass
     os.chown(path + ".lock", NOBODY, 0)
-    args = [f"server.socket={path}", "server.socket_group=0", "tiers.l1.capacity_bytes=64MiB"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _ENTRY_WITHOUT_HOST_CHECKS,
-            *(a for o in args for a in ("--set", o)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _start_without_host_checks(
+        [f"server.socket={path}", "server.socket_group=0", "tiers.l1.capacity_bytes=64MiB"],
         user=NOBODY,
         group=NOGROUP,
         extra_groups=[],
@@ -882,3 +897,19 @@ def test_regression_a_socket_whose_group_could_not_be_set_stayed_bound(nobodys_f
     assert f"cannot give {path} the group 0 (server.socket_group)" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert os.listdir(nobodys_folder) == []
+
+
+def test_regression_what_stood_at_the_sockets_bind_name_failed_the_start_in_a_traceback(
+    tmp_path,
+):
+    """gRPC binds the socket at its path plus ``.new`` (``move_bound``) and fails on anything
+    but a socket there, a directory here: the start, past the host checks (as if it appeared
+    after them), ended in gRPC's traceback ("Failed to bind to address"). It is refused as
+    at the path, named, and left as it was."""
+    path = str(tmp_path / "d.sock")
+    os.mkdir(path + BIND_SUFFIX)
+    proc = _start_without_host_checks([f"server.socket={path}", "tiers.l1.capacity_bytes=64MiB"])
+    assert proc.returncode == 1, proc.stderr
+    assert f"{path}{BIND_SUFFIX} exists and is not a socket" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == ["d.sock.new"] and os.path.isdir(path + BIND_SUFFIX)

@@ -193,6 +193,52 @@ def test_socket_paths(tmp_path, make, expect):
         assert _keys(problems) == ["server.socket"] and expect in str(problems[0])
 
 
+def _listening_at(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("there", ["directory", "file", "link", "live", "stale"])
+def test_regression_what_stood_at_the_sockets_bind_name_passed_the_checks(tmp_path, there):
+    """gRPC binds the daemon's socket at its path plus ``.new``, then the daemon renames it to
+    the path (``unixsock.move_bound``). The checks looked at the path and the credential
+    socket only: a directory, a file or a link at the bind name passed them, and the start
+    failed in gRPC's bind with a traceback ("Failed to bind to address ... .new"); a socket
+    another process listened on there, gRPC's bind removed. Each is refused as at the path,
+    named; a stale socket (a start killed before its rename) is no problem."""
+    path = tmp_path / "run" / "s.sock"
+    path.parent.mkdir(mode=0o700)
+    bind_name = f"{path}.new"
+    held = []
+    if there == "directory":
+        os.mkdir(bind_name)
+    elif there == "file":
+        Path(bind_name).write_text("not a socket")
+    elif there == "link":  # to a live socket outside the folder
+        held.append(_listening_at(str(tmp_path / "elsewhere.sock")))
+        os.symlink(tmp_path / "elsewhere.sock", bind_name)
+    else:
+        held.append(_listening_at(bind_name))
+        if there == "stale":
+            held.pop().close()
+    try:
+        problems = preflight.check(load_config(None, [f"server.socket={path}"]), HOST)
+    finally:
+        for s in held:
+            s.close()
+    if there == "stale":
+        assert problems == []
+        return
+    assert _keys(problems) == ["server.socket"], problems
+    if there == "live":
+        assert f"another process is listening on {bind_name}" in str(problems[0])
+    else:
+        assert f"{bind_name} exists and is not a socket" in str(problems[0])
+    assert os.path.lexists(bind_name)
+
+
 def test_a_socket_path_too_long_is_refused():
     config = load_config(None, ["server.socket=/tmp/" + "x" * 120 + ".sock"])
     assert "107 bytes" in str(preflight.check(config, HOST)[0])
