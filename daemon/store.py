@@ -2064,7 +2064,7 @@ class BlockStore:
         refs = table.refs(victims)
         if len(victims):
             await self.space.evict(level, victims, Priority.DEMAND)
-        rows = np.fromiter((table.resolve(int(r)) for r in refs.tolist()), np.int64, len(refs))
+        rows = table.resolve_many(refs)
         gone = (rows < 0) | (table.slot[np.maximum(rows, 0), level.col] < 0)
         evicted = int(np.count_nonzero(gone))
         self.counters.inc("evicted_blocks", evicted, tier=level.label)
