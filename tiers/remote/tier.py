@@ -1266,14 +1266,12 @@ class RemoteTier:
                     client.pipeline() if faults is not None else client.pipeline(transaction=False)
                 )
                 await fill(pipe)
-                execute = self._bounded(
-                    pipe.execute(raise_on_error=False), self.options.op_timeout_s
-                )
-                if faults is None:
-                    replies = list(await execute)
-                else:
-                    with noting_node_faults(faults):  # (its tasks start within)
-                        replies = list(await execute)
+                with noting_node_faults(faults):  # (its tasks start within)
+                    replies = list(
+                        await self._bounded(
+                            pipe.execute(raise_on_error=False), self.options.op_timeout_s
+                        )
+                    )
             except _UNREACHABLE_OR_REFUSED as e:
                 # Unreachable, or a fault of the whole pipeline (e.g. NOAUTH after a restart
                 # with a new password): either way the store cannot serve us now.

@@ -147,10 +147,11 @@ _ASKING_PACKED = b"*1\r\n$6\r\nASKING\r\n"
 
 
 @contextlib.contextmanager
-def noting_node_faults(faults: NodeFaults) -> Iterator[None]:
+def noting_node_faults(faults: NodeFaults | None) -> Iterator[None]:
     """Within: a connection fault of a send (refused, reset, closed) is answered by the
     reads of that command or pipeline instead of raised, and every connection fault met,
-    of a send or a read, is noted in ``faults`` (see the module docstring)."""
+    of a send or a read, is noted in ``faults`` (see the module docstring); with None,
+    every fault is raised, as outside."""
     token = _FAULTS.set(faults)
     try:
         yield
