@@ -4,9 +4,10 @@
 as it accepts it and tells the daemon nothing: a client that holds every connection kept new
 clients out without a line in the log. ``ConnectionWatch`` counts the daemon's connections
 every ``CHECK_INTERVAL_S`` from ``/proc/net/unix`` (the accepted sockets of the gRPC socket,
-which carry the name it was bound at: its path plus ``unixsock.BIND_SUFFIX``) and ``/proc/net/tcp``/``tcp6`` (established sockets on the TCP
-port), shows the count as the ``connections`` gauge, and logs a WARNING, at most once per
-``WARN_INTERVAL_S``, while the count is at the bound.
+which carry the name it was bound at: its path plus ``unixsock.BIND_SUFFIX``) and
+``/proc/net/tcp``/``tcp6`` (established sockets on the TCP port), shows the count as the
+``connections`` gauge, and logs a WARNING, at most once per ``WARN_INTERVAL_S``, while the
+count is at the bound.
 
 The tables are the network namespace's: in a container, the container's. Where procfs is not
 mounted the count is unknown (-1) and nothing is logged.
