@@ -683,23 +683,22 @@ class Client:
                 request.session_id = self.session_id
             if binding is not None:
                 request.pool_id = self._pool_id(binding, request.session_id)
-            self._replace_if_suspect()  # so that ``channel`` is the one ``call`` uses
-            channel = self._channel
+            self._replace_if_suspect()  # so that ``stub`` is the one ``call`` uses
+            stub = self._stub
             try:
                 return self.call(method, request, timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 err = self.error_of(e)
                 # The given-up channel's close ends a call with CANCELLED; any other status
                 # is the call's own answer (a DEADLINE_EXCEEDED one may yet have run).
-                closed_on_it = e.code() == grpc.StatusCode.CANCELLED
+                if e.code() == grpc.StatusCode.CANCELLED:
+                    err = self.given_up(stub, request.session_id) or err
             except ValueError:  # grpc's answer to a call on a closed channel
                 if self._closed:
                     raise closed_error() from None
-                if channel is self._channel:
+                if not (given_up := self.given_up(stub, request.session_id)):
                     raise
-                closed_on_it = True
-            if closed_on_it and channel is not self._channel and not self._closed:
-                err = given_up_error(request.session_id)
+                err = given_up
             if not (why := again.after(err)):
                 raise err
             if why == "session":
@@ -871,9 +870,9 @@ class Client:
 
     def given_up(self, stub: Any, session_id: str) -> NotFoundError | None:
         """``given_up_error(session_id)`` when ``stub`` is of a channel this client gave up
-        after an interruption (``interrupted``), not one ``close()`` closed; else None. A
-        transfer job's part on it fails with that error rather than being sent again: its
-        request names that session's pool id, and a load's that session's lease."""
+        after an interruption (``interrupted``), not one ``close()`` closed; else None.
+        ``_invoke`` sends its call again on it; a transfer job's part fails with it instead:
+        its request names that session's pool id, and a load's that session's lease."""
         if stub is self._stub or self._closed:
             return None
         return given_up_error(session_id)
