@@ -457,14 +457,15 @@ class Client:
         client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
         on it (not the Releases of an interrupted load: the session's end frees them); the
         calls other threads had on it are sent again on the new one once its close ends
-        them (``given_up_error``; a transfer job's parts fail with it). Where the interruption
-        left the channel's lock held, nothing ends them: gRPC delivers no answer on that
-        channel, not even its deadline, and those calls wait for ever. The mark comes first: another interruption that
-        lands before the channel is replaced leaves that to the client's next call. Once an
-        ``error``: the guards of the calls that it passes through on its way out each note
-        it, and a second replacement would only give up the new channel. ``calls``: the
-        gRPC calls ``error`` ended, which the client would drop; cancelled on a thread of
-        their own instead, and kept until that ends (see ``_ChannelCloser``)."""
+        them (``given_up_error``; a transfer job's parts fail with it). Where the
+        interruption left the channel's lock held, nothing ends them: gRPC delivers no answer
+        on that channel, not even its deadline, and those calls wait for ever. The mark comes
+        first: another interruption that lands before the channel is replaced leaves that to
+        the client's next call. Once an ``error``: the guards of the calls that it passes
+        through on its way out each note it, and a second replacement would only give up the
+        new channel. ``calls``: the gRPC calls ``error`` ended, which the client would drop;
+        cancelled on a thread of their own instead, and kept until that ends (see
+        ``_ChannelCloser``)."""
         if calls:
             _closer.keep(*calls)
         if getattr(error, "_kvtier_noted", False):

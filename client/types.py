@@ -409,8 +409,9 @@ def check_timeout_s(request: pb.CheckRequest, timeout_s: float) -> float:
 def check_request(settle_s: float, list_limit: int = 0) -> pb.CheckRequest:
     """A Check request waiting up to ``settle_s`` (cut to ``MAX_CHECK_SETTLE_S``, as the daemon
     does) and listing up to ``list_limit`` blocks and slots of each broken invariant (the
-    daemon lists at most ``MAX_CHECK_LIST``); a negative or NaN wait, or one that is not a number, is
-    InvalidArgumentError naming ``settle_s``, as a ``list_limit`` out of range names it."""
+    daemon lists at most ``MAX_CHECK_LIST``); a negative or NaN wait, or one that is not a
+    number, is InvalidArgumentError naming ``settle_s``, as a ``list_limit`` out of range
+    names it."""
     if isinstance(settle_s, (bool, np.bool_)) or not isinstance(settle_s, numbers.Real):
         ok = False  # a str, None, True: refused as any other bad argument
     else:

@@ -297,11 +297,12 @@ class KVService:
         uid, as its credential tickets said) bound to ``tenant``, and tell ``ended`` of it:
         sessions its client gave up whose streams it could not end (a blocking client's
         channel that an interrupt left locked), which would otherwise live, with their leases
-        and pools, until that process exits. Any other id (another process's or tenant's session, one ended already, none
-        at all) is ignored: a session id lets a request act as that session, but a session
-        never ends another client's. Nothing is ended for a peer without credentials
-        (TCP). A daemon in a pid namespace of its own reads pid 0 for every peer outside
-        it: there the uid and tenant are checked, and the id itself is the client's.
+        and pools, until that process exits. Any other id (another process's or tenant's
+        session, one ended already, none at all) is ignored: a session id lets a request act
+        as that session, but a session never ends another client's. Nothing is ended for a
+        peer without credentials (TCP). A daemon in a pid namespace of its own reads pid 0
+        for every peer outside it: there the uid and tenant are checked, and the id itself
+        is the client's.
 
         Ended as a reload ends one (``by_daemon``): the client sends the calls it had in it
         again, in a new session, so a registration being mapped gives its ticket back."""
