@@ -103,9 +103,12 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
         before, taken = now, at
         return fig
 
+    # Into a pipe or a file (whose width rich takes as 80 columns) the header and the ratio
+    # line stay one line each, as long as they are, for grep and awk; the tables keep the width.
+    soft_wrap = not console.is_terminal
     if once:
         time.sleep(interval_s)
-        console.print(render(frame(), client.address))
+        console.print(render(frame(), client.address), soft_wrap=soft_wrap)
         return 0
     with _until_ctrl_c() as stop:
         if not console.is_terminal:
@@ -113,7 +116,7 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
             # redraws in place on a terminal only, and elsewhere prints nothing until it stops).
             with contextlib.suppress(BrokenPipeError):
                 while not stop.wait(interval_s):
-                    console.print(render(frame(), client.address))
+                    console.print(render(frame(), client.address), soft_wrap=True)
                     console.file.flush()
         else:
             with Live(console=console, auto_refresh=False, screen=False) as live:

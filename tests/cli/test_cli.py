@@ -295,6 +295,18 @@ def test_top_renders_tiers_ratios_rates_and_latency(daemon):
     assert "Stats" in out.stdout  # the frame's own first Stats call, timed
 
 
+def test_top_once_into_a_pipe_keeps_its_header_on_one_line(daemon):
+    """Regression: into a pipe (rich's 80 columns there) ``top --once`` wrapped its header
+    line (the version, address and uptime, then the sessions, pools, leases and pinned
+    counts) in the middle; it now keeps it one line, as grep or awk reads it."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = kvtier("--address", daemon.address, "top", "--once", "--interval", "0.1", env=env)
+    assert out.returncode == 0, out.stderr
+    head = out.stdout.splitlines()[0]
+    assert head.startswith("kvtierd ") and len(head) > 80, out.stdout
+    assert daemon.address in head and "pinned 0" in head, out.stdout
+
+
 def test_top_into_a_pipe_prints_a_frame_per_interval(daemon):
     """Regression: with its output a pipe (``kvtier top | tee log``), ``top`` printed nothing
     until it exited; each frame now comes out as it is drawn."""
@@ -1016,7 +1028,8 @@ def test_drain_wait_ends_0_when_the_daemon_stops_while_it_waits(daemon_factory):
             text=True,
         )
         assert drain.stdout is not None
-        assert drain.stdout.readline().startswith("draining: ")
+        line = drain.stdout.readline()
+        assert line.startswith("draining: ") and line.endswith("; 1 other session open\n"), line
         assert d.stop() == 0
         out, err = drain.communicate(timeout=60)
     assert drain.returncode == 0, (out, err)
