@@ -601,7 +601,7 @@ def _drain_with(args: argparse.Namespace, client: Client) -> int:
         return 0
     print(
         f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
-        f"{state.sessions} other sessions open"
+        f"{state.sessions} other session{'' if state.sessions == 1 else 's'} open"
     )
     if args.wait <= 0:
         return 0
