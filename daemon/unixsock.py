@@ -171,10 +171,9 @@ class SocketLock:
         try:
             if lock_exclusive(fd, Path(path)) is not None:
                 raise OSError(errno.EADDRINUSE, in_use(socket_path))
-            now = os.stat(path, follow_symlinks=False)
         except FileNotFoundError:  # removed by its holder's stop (lock_exclusive's probe)
             return False
-        return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+        return _names(path, fd)
 
     @staticmethod
     def _claim(fd: int, path: str, access: SocketAccess) -> None:
@@ -201,7 +200,7 @@ class SocketLock:
         holds. The identity tells: the file this one holds open keeps its inode number."""
         if self._fd < 0:
             return
-        if self.at_path():
+        if _names(self.path, self._fd):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         else:
@@ -213,11 +212,16 @@ class SocketLock:
         os.close(self._fd)
         self._fd = -1
 
-    def at_path(self) -> bool:
-        """Whether the lock file's path still holds the file this one locked (see
-        ``release``); where it does not, another daemon may serve the socket path."""
-        mine = os.fstat(self._fd)
-        return _identity(self.path) == (mine.st_dev, mine.st_ino)
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open at ``fd``: not removed, nor replaced by
+    another (whose inode differs while ``fd`` keeps this one's)."""
+    mine = os.fstat(fd)
+    try:
+        now = os.lstat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def lock_file_problem(socket_path: str) -> str | None:
@@ -365,14 +369,6 @@ def move_bound(bound: str, path: str) -> SocketIdentity:
             os.unlink(bound)
         raise
     return identity
-
-
-def _identity(path: str) -> SocketIdentity | None:
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
 
 
 def _listening(path: str) -> bool:
