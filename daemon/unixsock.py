@@ -14,12 +14,12 @@ Invariants:
 - A stale socket (nobody listening) is removed at start; a live one stops the daemon.
 - One daemon per socket path: each holds an exclusive flock on ``<socket>.lock``
   (``SocketLock``) from before it examines the path until it no longer listens there, so a
-  second daemon at that path stops before it binds anything (gRPC's bind removes whatever is
-  at the path, a live daemon's socket included). A successor may start while its predecessor
-  flushes L2 (``remove_socket`` keeps the successor's socket), or once its socket and lock
-  file were removed under it (``move_bound``: gRPC's stop unlinks the name it bound). The kernel
-  lets go of the lock when its holder dies, so a lock file left by a crash never refuses a
-  start.
+  second daemon at that path stops before it binds anything (the rename that gives the
+  socket gRPC bound its path, ``move_bound``, replaces what is there, a live daemon's socket
+  included). A successor may start while its predecessor flushes L2 (``remove_socket``
+  keeps the successor's socket), or once its socket and lock file were removed under it
+  (``move_bound``: gRPC's stop unlinks the name it bound). The kernel lets go of the lock
+  when its holder dies, so a lock file left by a crash never refuses a start.
 """
 
 from __future__ import annotations
