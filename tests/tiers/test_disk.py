@@ -454,6 +454,42 @@ def test_quarantined_slots_are_listed_and_released_once_their_extent_checks_out(
         assert blocks[1][1] in taken and blocks[2][1] not in taken
 
 
+def _recounted(tier: DiskTier) -> int:
+    """The quarantined slots' bytes summed slot by slot, as ``quarantined_bytes`` did before
+    it kept a running total."""
+    return sum(q.slot_bytes for q in tier.quarantined())
+
+
+def test_the_quarantined_bytes_are_a_recount_after_each_path(
+    disk_dir: Path, make_block: Block
+) -> None:
+    """``quarantined_bytes`` is a total kept as slots enter and leave quarantine; after each
+    way they do or might (reads that fail, a read of a held slot, a remove of their blocks, a
+    release, a reopen), it is the sum over the slots held, for blocks smaller than their slots
+    too. Two reads failing at once are in the test of a release beside a read in flight."""
+    with _open(disk_dir) as tier:
+        blocks: dict[int, tuple] = {}
+        for n, nbytes in enumerate((40_000, 65_536, 300_000)):
+            blocks.update(_persist(tier, make_block, [10 * n + k for k in range(3)], nbytes))
+        bad = {i: b for i, b in blocks.items() if i % 10}
+        for b in bad.values():
+            _flip(tier, b[1])
+        assert set(_read(tier, bad).values()) == {None}
+        assert tier.quarantined_bytes() == _recounted(tier) == 2 * (40_960 + 65_536 + 303_104)
+        assert _read(tier, {1: blocks[1]}) == {1: None}  # refused while held
+        assert tier.quarantined_bytes() == _recounted(tier) == 2 * (40_960 + 65_536 + 303_104)
+        assert tier.remove([b[1] for b in blocks.values()])  # held all the same
+        assert tier.quarantined_bytes() == _recounted(tier) == 2 * (40_960 + 65_536 + 303_104)
+        out = tier.release_quarantined([blocks[1][1], blocks[21][1]])
+        assert out.released == [blocks[1][1], blocks[21][1]]
+        assert tier.quarantined_bytes() == _recounted(tier) == 40_960 + 2 * 65_536 + 303_104
+    with _open(disk_dir) as tier:
+        tier.recover()
+        assert tier.quarantined_bytes() == _recounted(tier) == 40_960 + 2 * 65_536 + 303_104
+        tier.release_quarantined()
+        assert tier.quarantined_bytes() == _recounted(tier) == 0
+
+
 def test_a_quarantined_slot_whose_check_fails_stays_held_and_says_why(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:
