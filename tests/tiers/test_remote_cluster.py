@@ -878,6 +878,36 @@ async def test_regression_a_master_just_killed_took_l3_down_for_every_master(
         assert tier.stats().counters["down_transitions"] == 0
 
 
+async def test_regression_a_master_restarted_after_a_call_lost_it_stayed_lost_backoff_max_s(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A master killed and started again a moment later (a restart), before the others count
+    it failed: the call that met it lost it, and the monitor's first check, after about
+    ``backoff_initial_s``, found it still refusing. Every check after that came half to
+    whole ``backoff_max_s`` later (15-30 s by default; 150-300 s here), the master's blocks
+    misses and its writes declined all that while though it served again. The checks double
+    from ``backoff_initial_s`` instead, as the reconnection's while L3 is down: L3 is whole
+    again soon after the master is back."""
+    cluster = redis_cluster_slow_verdict
+    victim = cluster.nodes[1]
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, 48, 4096)
+    async with opened(fail_fast_options(cluster, l3_prefix, backoff_max_s=300.0)) as tier:
+        assert await tier.write(chain, 4096, host(src)) == [True] * 48
+        victim.kill()
+        hits = await tier.read(chain, 4096, host(empty(48, 4096)))
+        assert hits == [None if i in on_victim else True for i in range(48)]
+        await wait_for(
+            "a second check of the lost master",
+            lambda: tier.stats().counters["reconnect_attempts"] >= 2,
+        )
+        assert tier.health().state is Health.DEGRADED_IO  # the first found it still lost
+        victim.start()  # empty, with its slots
+        await asyncio.to_thread(cluster.wait_ok)
+        await wait_for("L3 to be whole again", lambda: tier.health().state is Health.OK, 30.0)
+        assert await tier.write(chain, 4096, host(src)) == [True] * 48
+        assert tier.stats().counters["down_transitions"] == 0
+
+
 async def test_regression_a_connection_its_server_closed_in_the_pool_lost_a_healthy_master(
     redis_cluster_partial: RedisClusterProcs, l3_prefix: str
 ) -> None:
@@ -1078,12 +1108,13 @@ async def test_regression_the_lost_master_recheck_ignored_the_injected_rng(
     redis_cluster_partial: RedisClusterProcs, l3_prefix: str
 ) -> None:
     """The recheck of a lost master is jittered by the tier's rng (injected: the whole
-    backoff_max_s here), as its other backoffs are; it took the global random's."""
+    backoff here, 300 s), as its other backoffs are; it took the global random's."""
     cluster = redis_cluster_partial
     victim = cluster.nodes[2]
     async with master_lost(cluster, victim):
         tier = RemoteTier(
-            cluster_options(cluster, l3_prefix, backoff_max_s=300.0), rng=_TopJitter()
+            cluster_options(cluster, l3_prefix, backoff_initial_s=300.0, backoff_max_s=300.0),
+            rng=_TopJitter(),
         )
         started = time.monotonic()
         await tier.start()

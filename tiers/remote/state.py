@@ -34,6 +34,14 @@ class Transition:
     retry_in_s: float
 
 
+def backoff_s(initial_s: float, max_s: float, attempts: int, rng: random.Random) -> float:
+    """Exponential backoff with jitter after ``attempts`` failed attempts: uniform in
+    [d/2, d], d = initial * 2^attempts capped at max, so that many daemons do not retry in
+    step."""
+    d = min(max_s, initial_s * (2.0 ** min(attempts, 62)))
+    return d * rng.uniform(0.5, 1.0)
+
+
 class Availability:
     """Thread-safety: none; the event loop owns it."""
 
@@ -48,10 +56,7 @@ class Availability:
         self.since = 0.0  # when the current state began
 
     def _delay(self) -> float:
-        """Exponential backoff with jitter: uniform in [d/2, d], d = initial * 2^attempts
-        capped at max, so that many daemons do not retry in step."""
-        d = min(self.max_s, self.initial_s * (2.0 ** min(self.attempts, 62)))
-        return d * self._rng.uniform(0.5, 1.0)
+        return backoff_s(self.initial_s, self.max_s, self.attempts, self._rng)
 
     def serves(self, now: float) -> bool:
         """Whether reads and probes may go to the network."""

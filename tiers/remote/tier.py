@@ -107,7 +107,7 @@ from kvtier.tiers.remote.codec import (
 )
 from kvtier.tiers.remote.journal import RemovalFile, RemovalFileError
 from kvtier.tiers.remote.options import RemoteOptions, RemoteOptionsError, read_password
-from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition
+from kvtier.tiers.remote.state import Availability, Reach, TokenBucket, Transition, backoff_s
 
 try:
     import redis.asyncio as aioredis
@@ -277,12 +277,15 @@ class RemoteTier:
         # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
         # writes again. ``_avail`` itself is only UP or DOWN.
         self._full: dict[str, Availability] = {}
-        # Masters the reconnection found unreachable while the rest of the cluster served and
-        # counted them failed (``cluster-require-full-coverage no``): name -> why. Their
-        # slots' blocks are misses, declined without touching the network, while the tier
-        # serves the other masters' (UP); the monitor asks again until they are back.
+        # Masters whose connections failed in a call, or that the reconnection found
+        # unreachable while the rest of the cluster served and counted them failed
+        # (``cluster-require-full-coverage no``): name -> why. Their slots' blocks are misses,
+        # declined without touching the network, while the tier serves the other masters'
+        # (UP); the monitor asks again, with a backoff as while DOWN (``_lost_checks``: the
+        # checks that found them still lost), until they are back.
         self._lost: dict[str, str] = {}
         self._lost_retry_at = 0.0
+        self._lost_checks = 0
         self._budget = TokenBucket(options.write_bytes_s, options.max_value_bytes, clock())
         self._counters: Counter[str] = Counter({name: 0 for name in COUNTERS})
         self._staging = _Staging(_STAGING_RETAIN_BYTES)
@@ -1301,8 +1304,9 @@ class RemoteTier:
         reconnection finds them counted failed, rather than the tier DOWN until the other
         nodes count them failed (``cluster-node-timeout``). The monitor asks after about
         ``backoff_initial_s`` whether they are back (a restarted server's closed connection
-        costs no more), then as for any lost master. Where none would be left serving, or
-        a server is no master the client knows, the store is unreachable: DOWN."""
+        costs no more), then doubling as for any lost master (``_set_lost``). Where none
+        would be left serving, or a server is no master the client knows, the store is
+        unreachable: DOWN."""
         if generation != self._generation or self._closed or self._avail.state is Reach.DOWN:
             return  # a fault of a client already replaced, or the reconnection's to judge
         fresh = {server: why for server, why in lost.items() if server not in self._lost}
@@ -1321,8 +1325,9 @@ class RemoteTier:
                 server,
                 why,
             )
-        retry_at = self._clock() + self.options.backoff_initial_s * self._rng.uniform(0.5, 1.0)
+        retry_at = self._clock() + self._lost_delay(0)
         self._lost_retry_at = min(self._lost_retry_at, retry_at) if self._lost else retry_at
+        self._lost_checks = 0
         self._lost.update(fresh)
         if self._wake is not None:
             self._wake.set()
@@ -1392,8 +1397,8 @@ class RemoteTier:
 
     async def _monitor_loop(self) -> None:
         """While DOWN: after each backoff, try a fresh client; on success swap it in. While
-        masters are lost (UP): every ``backoff_max_s``, ask a fresh client whether they are
-        back (or others lost), and swap it in if so."""
+        masters are lost (UP): after a backoff of its own (``_set_lost``), ask a fresh client
+        whether they are back (or others lost), and swap it in if so."""
         assert self._wake is not None
         while True:
             self._wake.clear()
@@ -1437,7 +1442,12 @@ class RemoteTier:
                     self._set_lost(self._lost)
 
     def _set_lost(self, lost: dict[str, str]) -> None:
-        """The masters lost from now on (each change logged once), and when to ask again."""
+        """The masters lost from now on (each change logged once), and when to ask again:
+        after ``backoff_initial_s`` where they changed, doubling up to ``backoff_max_s`` for
+        each check that finds the same ones lost (jittered), as while the tier is DOWN: a
+        master back a few seconds after a call lost it (a restart) serves again a few
+        seconds later, not ``backoff_max_s`` later."""
+        still = lost.keys() == self._lost.keys()
         for server, why in lost.items():
             if server not in self._lost:
                 log.warning(
@@ -1449,12 +1459,15 @@ class RemoteTier:
         for server in self._lost.keys() - lost.keys():
             log.info("L3 master %s reachable again", server)
         self._lost = dict(lost)
+        self._lost_checks = self._lost_checks + 1 if still and lost else 0
         if lost:
-            self._lost_retry_at = self._clock() + self.options.backoff_max_s * self._rng.uniform(
-                0.5, 1.0
-            )
+            self._lost_retry_at = self._clock() + self._lost_delay(self._lost_checks)
             if self._wake is not None:
                 self._wake.set()
+
+    def _lost_delay(self, checks: int) -> float:
+        o = self.options
+        return backoff_s(o.backoff_initial_s, o.backoff_max_s, checks, self._rng)
 
     def _reread_password(self) -> None:
         """Read the password file again before a reconnection attempt: a store restarted
