@@ -1136,9 +1136,10 @@ class BlockStore:
         block_bytes = pool.block_bytes
         results = np.full(n, _STORED, dtype=np.int32)
         existing = table.find_any(ns, words)
+        # Before anything changes: a refused put leaves the rows as they were.
+        self._check_sizes(existing, block_bytes)
         if self._keyed and self._forget_unserved(existing):
             existing = table.find_any(ns, words)
-        self._check_sizes(existing, block_bytes)
         first = ~repeats(words)  # a key repeated within the batch is stored once
         is_new = existing < 0
         is_new &= first

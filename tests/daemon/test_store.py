@@ -1962,6 +1962,35 @@ async def test_regression_a_put_of_blocks_held_only_in_a_down_l3_answered_exists
     assert (await store.lookup(0, b))[0] == 3
 
 
+async def test_regression_a_put_refused_for_a_block_s_size_forgot_blocks_a_down_l3_held(
+    make_store,
+):
+    """A put whose pool's block size is not that of a key's stored block is refused
+    (InvalidArgument), whichever tier holds it. While L3 could not serve them, a put forgot
+    the records of its blocks held only there before the sizes were checked: refused for
+    another key's size, it had forgotten them all the same (found again only by a probe once
+    L3 was back), and one of another size was stored, where with L3 serving it was refused.
+    The sizes are checked first: both puts are refused and change nothing."""
+    clock = Clock()
+    shared = MemoryKeyTier()
+    store, pool = make_store(clock, segments=2, l3=shared), make_pool()
+    b = keys(1)
+    await _held_only_in_l3(store, shared, pool, b)
+    large = make_pool(block_bytes=8192)
+    c = keys(1)
+    assert await put(store, large, c) == [PutResult.STORED]
+    shared.down = True
+    with pytest.raises(InvalidArgument, match="stored with 8192 bytes"):
+        await put(store, pool, np.concatenate((b, c)))
+    assert where(store, b) == ["L3"]
+    with pytest.raises(InvalidArgument, match="stored with 4096 bytes"):
+        await put(store, large, b)
+    assert where(store, b) == ["L3"]
+    shared.down = False
+    assert (await store.lookup(0, b))[0] == 1
+    assert store.counters.get("copies_lost", tier="L3") == 0
+
+
 async def test_regression_a_get_of_blocks_held_only_in_a_down_l3_evicted_l1_blocks_for_them(
     make_store,
 ):
