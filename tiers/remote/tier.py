@@ -1318,19 +1318,7 @@ class RemoteTier:
             self._fail(generation, f"{why} at {server}", timeout=False)
             return
         self._counters["connection_errors"] += 1
-        for server, why in fresh.items():
-            log.warning(
-                "L3 master %s unreachable (%s): the blocks of its slots are misses until it "
-                "is back; the other masters serve",
-                server,
-                why,
-            )
-        retry_at = self._clock() + self._lost_delay(0)
-        self._lost_retry_at = min(self._lost_retry_at, retry_at) if self._lost else retry_at
-        self._lost_checks = 0
-        self._lost.update(fresh)
-        if self._wake is not None:
-            self._wake.set()
+        self._set_lost(self._lost | fresh)
 
     def _replace_client(self, fresh: Any) -> None:
         """Serve through ``fresh`` from now on; the client it replaces is closed once the
@@ -1461,13 +1449,11 @@ class RemoteTier:
         self._lost = dict(lost)
         self._lost_checks = self._lost_checks + 1 if still and lost else 0
         if lost:
-            self._lost_retry_at = self._clock() + self._lost_delay(self._lost_checks)
+            o = self.options
+            delay = backoff_s(o.backoff_initial_s, o.backoff_max_s, self._lost_checks, self._rng)
+            self._lost_retry_at = self._clock() + delay
             if self._wake is not None:
                 self._wake.set()
-
-    def _lost_delay(self, checks: int) -> float:
-        o = self.options
-        return backoff_s(o.backoff_initial_s, o.backoff_max_s, checks, self._rng)
 
     def _reread_password(self) -> None:
         """Read the password file again before a reconnection attempt: a store restarted
