@@ -4,7 +4,8 @@ mid-workload: calls fail fast as misses, the tier comes back with the master (em
 whole cluster restarted, Deletes while it is down, one master out of memory. With a replica
 per master: failover to the replica and back under traffic, and a master back without its
 replica. Without full coverage: a master lost for good, the others served. A master just
-killed, before the others count it failed: the others served from the first call.
+killed, before the others count it failed: the others served from the first call; started
+again a moment later, it serves again at one of the lost masters' doubling rechecks.
 
 Slower than the single-node suite (a cluster is formed once per module, a failure takes the
 cluster's node timeout to be noticed): run with ``make test-l3-cluster``; ``make test``
