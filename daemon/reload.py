@@ -166,55 +166,55 @@ def plan(running: Config, loaded: Config) -> tuple[Config, list[str], list[str]]
         if is_live(key):
             effective = with_key(effective, key, new)
             applied.append(change(running, key, old, new))
-        elif (quotas := quota_changes(key, old, new)) is not None:
-            effective = with_key(effective, key, new)
-            applied += quotas
         elif key in TENANT_KEYS and bool(running.tenants) == bool(loaded.tenants):
             effective = with_key(effective, key, new)
-            applied.append(tenant_change(key, old, new))
+            applied += tenant_changes(key, old, new)
         elif key in TENANT_KEYS:
             turned = "on" if loaded.tenants else "off"
-            restart.append(f"{tenant_change(key, old, new)} (turns tenants {turned})")
+            restart.append(f"{'; '.join(tenant_changes(key, old, new))} (turns tenants {turned})")
         else:
             restart.append(change(running, key, old, new))
     return effective, applied, restart
 
 
-def tenant_change(key: str, old: Any, new: Any) -> str:
-    """One line of what changed in ``tenants`` or ``shared_namespaces`` (by name: added,
-    removed, changed) or in ``server.admin_uids``."""
+def tenant_changes(key: str, old: Any, new: Any) -> list[str]:
+    """What changed in ``server.admin_uids``, or in ``tenants`` or ``shared_namespaces``: a
+    line naming the records added, removed or changed in more than their quotas ("tenants:
+    added carol; removed bob; changed alice"), left out where only quotas changed, then one
+    line per quota that changed of a record kept ("tenants[bob].quotas.l1: 1GiB -> 512MiB";
+    0 is no quota, as in the config), sizes as the other changes spell them. A quota
+    changed beside other changes of the list is named as when it changes alone, not hidden
+    in a "changed" that says nothing of it."""
     if key not in QUOTA_LISTS:
-        return f"{key}: {shown(old)} -> {shown(new)}"
+        return [f"{key}: {shown(old)} -> {shown(new)}"]
     before, after = {r.name: r for r in old}, {r.name: r for r in new}
+    kept = [n for n in after if n in before]
+    quotas = [line for n in kept for line in quota_changes(key, before[n], after[n])]
     parts = []
     for what, names in (
         ("added", [n for n in after if n not in before]),
         ("removed", [n for n in before if n not in after]),
-        ("changed", [n for n in after if n in before and before[n] != after[n]]),
+        (
+            "changed",
+            [n for n in kept if dataclasses.replace(before[n], quotas=after[n].quotas) != after[n]],
+        ),
     ):
         if names:
             parts.append(f"{what} {', '.join(names)}")
-    return f"{key}: {'; '.join(parts) or 'reordered'}"
+    if not parts and quotas:
+        return quotas
+    return [f"{key}: {'; '.join(parts) or 'reordered'}", *quotas]
 
 
-def quota_changes(key: str, old: Any, new: Any) -> list[str] | None:
-    """The quota changes between two values of ``tenants`` or ``shared_namespaces`` that
-    differ in their records' quotas only, one per changed tier and in sizes as the other
-    changes ("tenants[bob].quotas.l1: 1GiB -> 512MiB"; 0 is no quota, as in the config);
-    None for any other key or change."""
-    if key not in QUOTA_LISTS or len(old) != len(new):
-        return None
+def quota_changes(key: str, a: Any, b: Any) -> list[str]:
+    """One line per tier whose quota differs between two versions of a record of ``key``."""
     out = []
-    for a, b in zip(old, new, strict=True):
-        if dataclasses.replace(a, quotas=b.quotas) != b:
-            return None
-        for tier in dataclasses.fields(a.quotas):
-            before, after = getattr(a.quotas, tier.name), getattr(b.quotas, tier.name)
-            if before != after:
-                out.append(
-                    f"{key}[{a.name}].quotas.{tier.name}: "
-                    f"{format_size(before)} -> {format_size(after)}"
-                )
+    for tier in dataclasses.fields(a.quotas):
+        before, after = getattr(a.quotas, tier.name), getattr(b.quotas, tier.name)
+        if before != after:
+            out.append(
+                f"{key}[{a.name}].quotas.{tier.name}: {format_size(before)} -> {format_size(after)}"
+            )
     return out
 
 

@@ -507,7 +507,8 @@ def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_on
     ]
     assert restart == [] and effective == config("512MiB", "4GiB")
     effective, applied, restart = plan(running, config("512MiB", "2GiB", bob_gids="[50]"))
-    assert applied == ["tenants: changed alice, bob"] and restart == []
+    assert applied == ["tenants: changed bob", "tenants[alice].quotas.l1: 1GiB -> 512MiB"]
+    assert restart == []
     assert effective.tenants == config("512MiB", "2GiB", bob_gids="[50]").tenants
     # One entry per tier whose quota changed, a quota added or removed from or to 0 (none).
     effective, applied, restart = plan(running, config("1GiB, l2: 3GB", "2GiB"))
@@ -517,6 +518,44 @@ def test_the_reload_plan_takes_quota_changes_of_tenants_and_shared_namespaces_on
         "tenants[alice].quotas.l1: 1GiB -> 2GiB",
         "tenants[alice].quotas.l2: 3GB -> 0",
     ]
+
+
+def test_regression_a_quota_changed_beside_another_tenant_change_was_logged_as_changed_only():
+    """A SIGHUP that lowered alice's quota and added carol in the same edit logged "tenants:
+    added carol; changed alice": the quota, which README says each reload line gives old and
+    new ("tenants[ops].quotas.l1: 8GiB -> 4GiB"), was named only when nothing else of the
+    list changed. Each quota that changed is its own line whatever else changed; a record
+    changed in more than its quota is also named as changed."""
+    from kvtier.daemon.config import load_config
+
+    def config(*tenants: str):
+        return load_config(
+            None,
+            [
+                f"tenants=[{', '.join(tenants)}]",
+                "tiers.l2.enabled=true",
+                "tiers.l2.capacity_bytes=64GiB",
+            ],
+        )
+
+    alice = "{{name: alice, uids: [1000]{admin}, quotas: {{l1: {l1}, l2: 1GiB}}}}"
+    bob, carol = "{name: bob, uids: [1001]}", "{name: carol, uids: [1002]}"
+    running = config(alice.format(admin="", l1="8GiB"), bob)
+    loaded = config(alice.format(admin="", l1="4GiB"), carol)
+    effective, applied, restart = plan(running, loaded)
+    assert applied == [
+        "tenants: added carol; removed bob",
+        "tenants[alice].quotas.l1: 8GiB -> 4GiB",
+    ]
+    assert restart == [] and effective == loaded
+    loaded = config(alice.format(admin=", admin: true", l1="0"), bob)
+    _, applied, _ = plan(running, loaded)
+    assert applied == ["tenants: changed alice", "tenants[alice].quotas.l1: 8GiB -> 0"]
+    # Order alone, and quotas alone, as before.
+    _, applied, _ = plan(running, config(bob, alice.format(admin="", l1="8GiB")))
+    assert applied == ["tenants: reordered"]
+    _, applied, _ = plan(running, config(bob, alice.format(admin="", l1="2GiB")))
+    assert applied == ["tenants[alice].quotas.l1: 8GiB -> 2GiB"]
 
 
 def test_the_reload_plan_spells_sizes_in_units_on_both_lines():
