@@ -132,7 +132,13 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
         print(f"kvtierd: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if args.print_config:
-        yaml.safe_dump(config.printable(), sys.stdout, sort_keys=False)
+        try:
+            yaml.safe_dump(config.printable(), sys.stdout, sort_keys=False)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # The reader went away (`kvtierd --print-config | head`): end quietly, as `kvtier`
+            # does; stdout goes to /dev/null so that the exit's own flush does not raise too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     # The checks take the ids the config resolved to, as the daemon does (``_serve``): asked
     # again, a directory service that stopped answering meanwhile ended the start in a

@@ -184,6 +184,26 @@ def test_kvtierd_prints_its_effective_config():
     assert "max_message_bytes: 4MiB" in proc.stdout
 
 
+def test_regression_print_config_into_a_closed_pipe_ended_in_a_traceback():
+    """`kvtierd --print-config | head` (the reader gone before the config is written) ended
+    in BrokenPipeError's traceback and exit status 1; it ends quietly with 0, as `kvtier`'s
+    commands do."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first write: EPIPE, whatever the timing
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvtier.daemon", "--print-config"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
 def test_kvtierd_refuses_a_disk_tier_the_filesystem_cannot_hold(tmp_path):
     proc = subprocess.run(
         [
