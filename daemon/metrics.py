@@ -246,8 +246,8 @@ COUNTERS: dict[str, MetricDef] = {
     "quota_rejections": _c(
         "kvtier_quota_rejections_total",
         ("tier", "tenant"),
-        "Writes into a tier refused because the tenant was at its quota and had nothing of "
-        "its own to evict.",
+        "Blocks a tier refused to a tenant's write (a put's, or a move's into the tier) "
+        "because they did not fit its quota there and it had nothing of its own to evict.",
     ),
     "sessions_refused": _c(
         "kvtier_sessions_refused_total",

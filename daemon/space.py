@@ -771,15 +771,21 @@ class SpaceManager:
             return []
         quota = self.quotas.get((owner, level.kind))
         if quota is not None:
-            count = await self._within_quota(
+            fits = await self._within_quota(
                 level, owner, quota, nbytes, count, priority, clean_only, urgency
             )
-            if count == 0:
+            if fits < count and not nowhere_else:
+                # Blocks, as the evictions beside them: a put larger than the room its quota
+                # leaves is refused the rest as one refused outright is. A put's second try
+                # at the top tier (nowhere_else) asks again for blocks its first counted.
                 self.counters.inc(
                     "quota_rejections",
+                    count - fits,
                     tier=level.label,
                     tenant=self.owner_labels.get(owner, owner),
                 )
+            count = fits
+            if count == 0:
                 return []
         # Held before the next await: a put of the tenant reserving meanwhile counts them.
         # Held without a quota too: a reload may set one before the copies are recorded.

@@ -2594,6 +2594,38 @@ async def test_a_tenant_at_its_quota_evicts_its_own_blocks_never_another_s(make_
     assert all(present(store, theirs))
 
 
+async def test_regression_quota_rejections_missed_the_blocks_of_a_put_its_quota_cut_short(
+    make_store,
+):
+    """A put of 12 blocks by a tenant with room for 8 under its quota (none of its own
+    evictable) stored 8 and refused 4, and ``quota_rejections``
+    (kvtier_quota_rejections_total) stayed 0: it counted only reservations the quota left no
+    room at all, once a call whatever its blocks, so a tenant refused for its quota showed
+    only ``full_rejections`` (kvtier_evictions_blocked_total) moving, on a tier with room to
+    spare. It counts blocks, those cut short included, and a put's second try at the top tier
+    does not count them again."""
+    clock = Clock()
+    store, pool = make_store(clock, segments=2, protect_s=600.0), make_pool()  # 32 slots
+    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096
+    res, _ = await store.put(pool, 0, keys(12), np.arange(12), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 8 + [PutResult.REJECTED_FULL] * 4
+    assert store.counters.get("quota_rejections", tier="L1", tenant=1) == 4
+    res, _ = await store.put(pool, 0, keys(3), np.arange(3), None, owner=1)
+    assert res.tolist() == [PutResult.REJECTED_FULL] * 3
+    assert store.counters.get("quota_rejections", tier="L1", tenant=1) == 4 + 3
+    assert store.counters.get("quota_rejections", tier="L1", tenant=2) == 0
+
+    # With a disk tier below that declines them, the top tier's second try asks its quota
+    # again for the same blocks: counted once.
+    store = make_store(
+        clock, l2_segments=2, protect_s=600.0, sets=("tiers.l2.admission=second_hit",)
+    )
+    store.space.quotas[(1, TierKind.HOST)] = 8 * 4096
+    res, _ = await store.put(pool, 0, keys(12), np.arange(12), None, owner=1)
+    assert res.tolist() == [PutResult.STORED] * 8 + [PutResult.REJECTED_FULL] * 4
+    assert store.counters.get("quota_rejections", tier="L1", tenant=1) == 4
+
+
 async def test_regression_a_put_l2_declined_was_refused_by_an_l1_another_tenant_held_protected(
     make_store,
 ):
