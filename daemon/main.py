@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -98,6 +100,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """Output for a reader that may go away (`kvtierd --print-config | head`): a closed pipe
+    ends the output quietly, as `kvtier`'s commands do, not in BrokenPipeError's traceback
+    (exit status 1, which --check-config's caller would read as a host that cannot run the
+    config). stdout then goes to /dev/null, so that the exit's own flush does not raise."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: list[str] | None = None, early_signals: EarlySignals | None = None) -> int:
     """Run ``kvtierd``. ``early_signals``: the signal holder the entry point installed before
     importing this module (``kvtier.daemon.entry``); one is installed now without it."""
@@ -132,13 +147,8 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
         print(f"kvtierd: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     if args.print_config:
-        try:
+        with _reader_may_leave():
             yaml.safe_dump(config.printable(), sys.stdout, sort_keys=False)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            # The reader went away (`kvtierd --print-config | head`): end quietly, as `kvtier`
-            # does; stdout goes to /dev/null so that the exit's own flush does not raise too.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     # The checks take the ids the config resolved to, as the daemon does (``_serve``): asked
     # again, a directory service that stopped answering meanwhile ended the start in a
@@ -146,13 +156,15 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     with ids_from(known_ids):
         problems = preflight.check(config)
     if args.check_config:
-        for line in preflight.summary(config):
-            print(f"  {line}")
+        with _reader_may_leave():
+            for line in preflight.summary(config):
+                print(f"  {line}")
         for problem in problems:
             print(f"kvtierd: cannot start: {problem}", file=sys.stderr)
         if problems:
             return EXIT_CANNOT_START
-        print("config ok")
+        with _reader_may_leave():
+            print("config ok")
         return 0
     if problems:
         for problem in problems:
