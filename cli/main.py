@@ -61,6 +61,7 @@ from kvtier.client import (
 from kvtier.client.credentials import SESSION_LOGGER
 from kvtier.client.types import (
     MAX_CHECK_LIST,
+    MAX_CHECK_SETTLE_S,
     DrainResult,
     address_hint,
     build_request,
@@ -99,10 +100,11 @@ MAX_SECONDS = 7 * 86400
 CHECK_LIST_DEFAULT = 32
 
 
-def _seconds(*, zero: bool) -> Callable[[str], float]:
+def _seconds(*, zero: bool, most: float = MAX_SECONDS) -> Callable[[str], float]:
     """An argparse type for a number of seconds: finite, not negative, and above 0 unless
     ``zero`` (a NaN or negative timeout would reach the client as "cannot reach"), at most
-    ``MAX_SECONDS``."""
+    ``most`` (a bound of the daemon's, such as a Check's longest settle, is refused as
+    ``check --list``'s is, not cut short unsaid)."""
     least = "a non-negative" if zero else "a positive"
 
     def parse(text: str) -> float:
@@ -110,14 +112,9 @@ def _seconds(*, zero: bool) -> Callable[[str], float]:
             value = float(text)
         except ValueError:
             value = math.nan
-        if (
-            not math.isfinite(value)
-            or value < 0
-            or (value == 0 and not zero)
-            or value > MAX_SECONDS
-        ):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero) or value > most:
             raise argparse.ArgumentTypeError(
-                f"expected {least} number of seconds up to {MAX_SECONDS}, got {text!r}"
+                f"expected {least} number of seconds up to {most:g}, got {text!r}"
             )
         return value
 
@@ -779,11 +776,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     c.add_argument(
         "--settle",
-        type=_seconds(zero=True),
+        type=_seconds(zero=True, most=MAX_CHECK_SETTLE_S),
         default=1.0,
         metavar="S",
-        help="wait up to S seconds (at most 60) for transfers in flight before the last step "
-        "(default 1)",
+        help=f"wait up to S seconds (at most {MAX_CHECK_SETTLE_S:g}) for transfers in flight "
+        "before the last steps (default 1)",
     )
     c.add_argument(
         "--list",

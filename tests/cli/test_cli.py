@@ -110,6 +110,22 @@ def test_a_bad_number_of_seconds_is_refused_before_anything_is_asked(capsys, arg
     assert "seconds" in err and repr(bad) in err
 
 
+@pytest.mark.parametrize(
+    ("args", "bound"),
+    [
+        (["--settle", "61"], "up to 60, got '61'"),
+        (["--list", "1001"], "from 1 to 1000, got '1001'"),
+    ],
+)
+def test_regression_check_settle_past_the_daemons_bound_was_cut_unsaid(capsys, args, bound):
+    """``kvtier check --settle 120`` was taken and the wait cut to the daemon's 60 s unsaid,
+    while ``--list 1001`` was refused: both bounds are refused now, before anything is
+    asked, naming the bound."""
+    code, _, err = run_main(capsys, "--address", "unix:/nonexistent/kvtierd.sock", "check", *args)
+    assert code == 2, err  # argparse's usage error, not "cannot reach" (3)
+    assert bound in err, err
+
+
 def test_regression_an_unreadable_token_file_ended_in_a_traceback(tmp_path, capsys):
     """``--token-file`` naming a missing file (or a folder) raised FileNotFoundError out of
     the client's constructor, a traceback; it is a usage error naming the file."""
