@@ -282,9 +282,11 @@ class BlockTable:
         """A reference to the block now in row ``bid`` that outlives the row's reuse."""
         return (self.gen.item(bid) << _ROW_BITS) | int(bid)
 
-    def refs(self, bids: np.ndarray) -> np.ndarray:
+    def refs(self, bids: np.ndarray, gen: np.ndarray | None = None) -> np.ndarray:
+        """``ref`` of each of ``bids``; ``gen``: a copy of the generations made earlier, for
+        the blocks the rows held then (the table's now without it)."""
         bids = np.asarray(bids, dtype=np.int64)
-        return (self.gen[bids].astype(np.int64) << _ROW_BITS) | bids
+        return ((self.gen if gen is None else gen)[bids].astype(np.int64) << _ROW_BITS) | bids
 
     def resolve(self, ref: int) -> int:
         """The row of the block ``ref`` names, or -1 when that block is gone."""

@@ -374,6 +374,58 @@ async def test_regression_a_check_waited_for_quiet_before_l3_and_was_not_strict_
     assert len(waits) == 1
 
 
+@pytest.mark.parametrize("found_in", ["pins", "L1"])
+async def test_regression_a_check_named_the_block_that_took_a_row_after_its_copy(
+    make_store, monkeypatch, found_in
+):
+    """The blocks a Check finds in its copy of the table (pin counts that differ, a slot of
+    two blocks) are named by refs (``CheckProblem.blocks``, the keys ``--list`` shows) taken
+    where they are found, turns after the copy: a broken block deleted meanwhile and its row
+    taken by a new key was named by the new block's ref, a block nothing was wrong with.
+    They are named by the generations the copy was made with now: here the pins' copy, or
+    L1's, is made, the broken block is deleted and a new key put into its row, and the
+    problem names no block in that row."""
+    clock = Clock()
+    store, pool = make_store(clock), make_pool()
+    words = keys(8)
+    await put(store, pool, words)
+    table, (level,) = store.table, store.stack
+    broken, other = (int(b) for b in table.lookup(0, words[:2]))
+    pins = np.zeros(0, dtype=np.int64)
+    if found_in == "pins":
+        pins = np.array([broken])  # a lease's pin the table does not count
+        text = "1 blocks' pin counts differ from their live leases"
+    else:
+        other_slot = int(table.slot[other, level.col])
+        table.slot[other, level.col] = table.slot[broken, level.col]
+        text = f"L1: slot {int(table.slot[broken, level.col])} belongs to 2 blocks"
+    copied: list[str] = []
+    level_now = store._level_now
+
+    def copying(level, slot, state, suspects):
+        copied.append(level.label)
+        return level_now(level, slot, state, suspects)
+
+    monkeypatch.setattr(store, "_level_now", copying)
+    steps = store._check_steps(pins, None)
+    next(steps)  # the pins' copy
+    while found_in not in ("pins", *copied):
+        next(steps)
+    assert (await store.delete(0, words[:1])).deleted == 1
+    assert await put(store, pool, keys(1)) == [PutResult.STORED]
+    assert table.state[broken] != 0  # the row is the new block's
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            problems, _ = done.value
+            break
+    (problem,) = (p for p in problems if p.text == text)
+    assert broken not in table.resolve_many(problem.blocks).tolist(), problem
+    if found_in == "L1":
+        table.slot[other, level.col] = other_slot
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 async def test_delete_keeps_pinned_and_counts_missing(make_store, policy):
     clock = Clock()
