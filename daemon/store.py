@@ -228,7 +228,10 @@ class _LevelCheck:
             return
         slots, owners = slots[held], owner[part][held]
         np.add.at(self.usage_sum, owners, nbytes[part][held].astype(np.int64))
-        np.add.at(self.slot_usage_sum, owners, self.segment_slot_bytes[slots // self.slots_cap])
+        # A slot past the tier's segments (not allocated: reported so) is of no size, the
+        # last entry's.
+        segments = np.minimum(slots // self.slots_cap, len(self.segment_slot_bytes) - 1)
+        np.add.at(self.slot_usage_sum, owners, self.segment_slot_bytes[segments])
         self.held_slots.append(slots)
 
     def problems(
@@ -2421,7 +2424,8 @@ class BlockStore:
         now.quarantined = int(level.tier.stats().gauges.get("quarantined_slots", 0))
         now.quota_held = sum(1 for _, kind in self.space.quota_held if kind == level.kind)
         now.usage, now.slot_usage = table.usage[col].copy(), table.slot_usage[col].copy()
-        now.segment_slot_bytes, now.slots_cap = alloc.segment_slot_bytes(), alloc.slots_cap
+        now.segment_slot_bytes = np.append(alloc.segment_slot_bytes(), 0)
+        now.slots_cap = alloc.slots_cap
         now.usage_sum = np.zeros(len(now.usage), dtype=np.int64)
         now.slot_usage_sum = np.zeros(len(now.usage), dtype=np.int64)
         return now

@@ -374,6 +374,23 @@ async def test_regression_a_check_waited_for_quiet_before_l3_and_was_not_strict_
     assert len(waits) == 1
 
 
+async def test_regression_a_block_holding_a_slot_past_its_tier_s_end_ended_the_check(make_store):
+    """A block whose copy names a slot past the last segment of its tier (a slot no
+    allocator handed out) ended the Check in an IndexError, as it added up the tenants'
+    slot sizes by segment, instead of the Check reporting it: the service answered INTERNAL
+    where the operator needed the report. Such a slot is of no size now, and reported."""
+    clock = Clock()
+    store, pool = make_store(clock), make_pool()
+    await put(store, pool, keys(4))
+    table, (level,) = store.table, store.stack
+    row = int(table.live_ids()[0])
+    held = int(table.slot[row, level.col])
+    table.slot[row, level.col] = 10 * level.slots.allocator.num_segments * SEG
+    problems = store.check()
+    assert "L1: 1 blocks hold slots that are not allocated" in problems, problems
+    table.slot[row, level.col] = held
+
+
 @pytest.mark.parametrize("found_in", ["pins", "L1"])
 async def test_regression_a_check_named_the_block_that_took_a_row_after_its_copy(
     make_store, monkeypatch, found_in
