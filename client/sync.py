@@ -432,10 +432,12 @@ class Client:
 
     def close(self) -> None:
         """Close the client. In a forked child it only marks the child's copy closed: the
-        session, its pools and the channel are the parent's."""
+        session, its pools and the channel are the parent's. Sessions it gave up that no
+        OpenSession has named yet are named first (``_name_given_up``)."""
         if not in_own_process(self._pid):
             self._closed = True  # not under _lock: another thread may have held it at fork
             return
+        self._name_given_up()
         with self._lock:
             self._closed = True
             call, self._session_call, self._session_id = self._session_call, None, ""
@@ -447,6 +449,22 @@ class Client:
         if call is not None:
             call.cancel()
         channel.close()
+
+    def _name_given_up(self) -> None:
+        """Have the daemon end the sessions this client gave up that no OpenSession has named
+        yet (``_given_up``, see ``_replace_if_suspect``), in a session opened for that and
+        ended at once: a client closed before its next session left them open until the
+        process exited, their leases until they expired, their pools and slots of
+        ``server.max_sessions_per_tenant``. Nothing is sent otherwise, nor on a channel an
+        interruption left suspect; a failure leaves them as they were."""
+        with self._open_lock:
+            if not self._given_up or self._closed or self._held["suspect"]:
+                return
+            try:
+                _, call = self._open_session()
+            except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
+                return
+        call.cancel()
 
     def interrupted(self, error: BaseException, *calls: Any) -> None:
         """Note that something other than a call's error (a KeyboardInterrupt, or whatever
@@ -480,8 +498,8 @@ class Client:
         a daemon restart). The old channel and its session's stream are ended on a thread of
         their own (``_closer.discard``): the daemon then ends that session, freeing its
         leases, pins and pools. Where the interruption left gRPC's lock held, nothing can end
-        them, so the next OpenSession names that session (``given_up_sessions``) and the
-        daemon ends it then."""
+        them, so the next OpenSession names that session (``given_up_sessions``), or
+        ``close()`` does, and the daemon ends it then."""
         if not self._held["suspect"]:
             return
         with self._lock:

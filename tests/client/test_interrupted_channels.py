@@ -412,6 +412,36 @@ def test_regression_a_session_given_up_with_grpcs_lock_held_stayed_open_in_the_d
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
+def settled_gauges(observer: Client, bound_s: float = 30.0) -> tuple[float, float, float]:
+    """The daemon's (sessions, leases, pools) once only ``observer``'s session is open, or
+    after ``bound_s`` (a session's end reaches the daemon a moment after its client's)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        gauges = observer.stats().gauges
+        if gauges["sessions"] == 1 or time.monotonic() > deadline:
+            return gauges["sessions"], gauges["leases"], gauges["pools"]
+        time.sleep(0.02)
+
+
+def test_regression_a_session_given_up_stayed_open_when_its_client_closed_next(daemon):
+    """A client closed after giving up a channel an interrupt left locked, before any other
+    call, never named that session: the daemon kept it, its lease and its pool until the
+    process exited. Its close() now names it, in a session opened for that."""
+    with (
+        daemon.client(timeout_s=3) as observer,
+        Client(daemon.address, timeout_s=3) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        interrupt_in_grpcs_lock("create", pinning_lookup, client, pool)
+        gauges = observer.stats().gauges
+        assert (gauges["sessions"], gauges["leases"], gauges["pools"]) == (2, 1, 1)
+        ends_in_time(client.close)
+        assert settled_gauges(observer) == (1, 0, 0)
+        assert client._given_up == []
+
+
 # Another process's client: prints its session's id, then, once told, its session's id again.
 OTHER_PROCESS = """
 import sys
