@@ -738,29 +738,19 @@ class Client:
         return self._until_run(rpc, request, timeout_s)
 
     def _pinning_lookup(self, rpc: Any, request: Any, timeout: float) -> Any:
-        """A pinning Lookup that runs on to its answer when the wait for it is interrupted
-        (a KeyboardInterrupt), and whose lease is then released: the daemon pins as it
-        answers and the lease id is only in the answer, so the blocking call, which gRPC
-        cancels on the client's side only, left the blocks pinned until the lease expired
-        (``server.lease_default_ms``, or the load's ``lease_ms``). close() cancels the call:
-        the session's end frees its pins."""
+        """A pinning Lookup, made as a future so that the call a KeyboardInterrupt ends in
+        the wait for its answer is the client's to keep (``interrupted``): the daemon pins
+        as it answers, and the lease id is only in the answer, so the interrupted call's
+        lease is freed by its session's end, which giving the channel up brings (as
+        close() does), not by a Release."""
         fut = rpc.future(request, timeout=timeout)
         try:
             return fut.result()
         except grpc.RpcError:
             raise
         except BaseException as e:
-            fut.add_done_callback(self._release_answered)
             self.interrupted(e, fut)
             raise
-
-    def _release_answered(self, lookup: Any) -> None:
-        """Release the lease of a pinning Lookup whose caller was interrupted meanwhile (on
-        gRPC's callback thread)."""
-        if lookup.cancelled() or lookup.exception() is not None:
-            return
-        if lease_id := lookup.result().lease_id:
-            self._release_nowait(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)``, sent again as ``call`` says (also the health check's)."""

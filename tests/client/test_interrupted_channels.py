@@ -11,6 +11,7 @@ a thread of their own.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
 import os
@@ -37,6 +38,7 @@ LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_byt
 TOKENS = list(range(8))
 LEASE_MS = 600_000  # far longer than the test: only a Release or the session's end ends it
 GRPC_CHANNEL = os.path.join("grpc", "_channel.py")
+GRPC_COMMON = os.path.join("grpc", "_common.py")
 
 
 def in_grpc_lock_exit(frame: FrameType, where: str) -> bool:
@@ -101,13 +103,18 @@ def interrupt_in_grpcs_lock(where: str, interrupted: Callable[..., None], *args:
             landed.append(where)
             raise KeyboardInterrupt
 
-    sys.settrace(interrupt)
+    interrupted_under(interrupt, interrupted, *args)
+    assert landed
+
+
+def interrupted_under(trace: Callable[..., Any], call: Callable[..., Any], *args: Any) -> None:
+    """``call(*args)`` traced by ``trace``, which ends it with a KeyboardInterrupt."""
+    sys.settrace(trace)
     try:
         with pytest.raises(KeyboardInterrupt):
-            interrupted(*args)
+            call(*args)
     finally:
         sys.settrace(None)
-    assert landed
 
 
 # "create": the start of a call (the pinning Lookup's, which is sent; a job's first Get);
@@ -188,15 +195,61 @@ def test_regression_what_an_interrupt_left_unlocked_was_kept_for_good(daemon):
                 calls.append(weakref.ref(frame.f_locals["self"]))
                 raise KeyboardInterrupt
 
-        sys.settrace(interrupt)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                pinning_lookup(client, pool)
-        finally:
-            sys.settrace(None)
+        interrupted_under(interrupt, pinning_lookup, client, pool)
         assert calls
         assert ends_in_time(lambda: client.lookup(pool.binding.keys(TOKENS)).prefix_len) == 2
         assert collected_in_time([channel, calls[0]])
+
+
+def test_regression_a_client_whose_pinning_lookup_an_interrupt_left_locked_was_kept(daemon):
+    """A Ctrl-C in the wait for a pinning Lookup's answer, and a second one as that wait
+    leaves the call's lock, leave that lock held: the call's cancel parks, and the client
+    keeps the call for good (``Client.interrupted``). The client hung a callback on it, to
+    release the answer's lease, which held the client: dropped unclosed, it was never
+    collected, and its new channel and session stayed open until the process exited. The
+    given-up session's end frees that lease; the callback is gone."""
+    dropped = weakref.ref(interrupted_twice_in_a_pinning_lookup(daemon))
+    assert collected_in_time([dropped])
+
+
+def interrupted_twice_in_a_pinning_lookup(daemon: Any) -> Client:
+    """A client (made here, not closed) whose pinning Lookup was interrupted in its wait
+    (SIGINT, as a Ctrl-C) and again as the wait leaves the call's lock, after which a call
+    on its new channel ran."""
+    assert daemon.proc is not None
+    client = Client(daemon.address, timeout_s=3)
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        waiting = threading.Event()
+        landed: list[str] = []
+
+        def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+            if event == "call" and in_grpc_call_on(frame, (GRPC_COMMON, "_wait_once")):
+                waiting.set()
+            elif event == "call" and in_grpc_lock_exit(frame, "result"):
+                sys.settrace(None)
+                landed.append("lock exit")
+                raise KeyboardInterrupt
+
+        def ctrl_c() -> None:
+            if waiting.wait(30):
+                _thread.interrupt_main()
+
+        # Python's own SIGINT handler, which interrupt_main needs (xdist's workers ignore it).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # no answer while the Lookup waits
+        interrupter = threading.Thread(target=ctrl_c)
+        interrupter.start()
+        try:
+            interrupted_under(interrupt, pinning_lookup, client, pool)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+            interrupter.join()
+            signal.signal(signal.SIGINT, previous)
+        assert landed == ["lock exit"]
+        assert ends_in_time(lambda: client.lookup(pool.binding.keys(TOKENS)).prefix_len) == 2
+    return client
 
 
 def collected_in_time(refs: list[weakref.ref[Any]], bound_s: float = 30.0) -> bool:
