@@ -534,12 +534,18 @@ class Client:
             with self._lock:
                 if session_id := self._live_session():
                     return session_id  # another thread opened it meanwhile
-            try:
-                first, call = self._open_session()
-            except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
-                if self._closed:
-                    raise closed_error() from None
-                raise
+            while True:
+                stub = self._stub
+                try:
+                    first, call = self._open_session()
+                    break
+                except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
+                    if self._closed:
+                        raise closed_error() from None
+                    # Another thread's interruption gave the channel up, whose close ended
+                    # the call (CANCELLED, read as the wait's timer): opened on the new one.
+                    if not self.given_up(stub, ""):
+                        raise
             with self._lock:
                 if self._closed:
                     call.cancel()
@@ -880,8 +886,10 @@ class Client:
     def given_up(self, stub: Any, session_id: str) -> NotFoundError | None:
         """``given_up_error(session_id)`` when ``stub`` is of a channel this client gave up
         after an interruption (``interrupted``), not one ``close()`` closed; else None.
-        ``_invoke`` sends its call again on it; a transfer job's part fails with it instead:
-        its request names that session's pool id, and a load's that session's lease."""
+        ``_invoke`` sends its call again on it (and a session being opened is opened again
+        on the new channel: ``_session_id_unguarded``); a transfer job's part fails with it
+        instead: its request names that session's pool id, and a load's that session's
+        lease."""
         if stub is self._stub or self._closed:
             return None
         return given_up_error(session_id)

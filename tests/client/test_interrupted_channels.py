@@ -308,6 +308,32 @@ def test_regression_a_call_on_a_channel_another_thread_gave_up_is_sent_again(dae
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
+def test_regression_a_session_being_opened_on_a_channel_another_thread_gave_up(daemon):
+    """A client shared by threads: while one thread waits for its new session's first
+    answer, another's interrupt gives the channel up, and its close ends that OpenSession.
+    The session is opened again on the new channel. Before, the call that needed it failed
+    at once with DeadlineExceededError ('the daemon did not open a session within 3s'), as
+    if the client's timeout had passed."""
+    with Client(daemon.address, timeout_s=3) as client:
+        landed: list[str] = []
+
+        def give_up(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "call" and in_grpc_call_on(frame, (GRPC_CHANNEL, "_next")):
+                sys.settrace(None)
+                landed.append("_next")
+                give_up_and_close(client)
+            return None
+
+        sys.settrace(give_up)
+        try:
+            gauges = client.stats().gauges
+        finally:
+            sys.settrace(None)
+        assert landed
+        assert gauges["sessions"] >= 1
+        assert ends_in_time(lambda: client.lookup([bytes(32)]).prefix_len) == 0
+
+
 def give_up_and_close(client: Client) -> None:
     """Give the client's channel up as another thread's interrupt does, and close it here,
     as the given-up channel's closing thread does (closing it twice is harmless), so that
