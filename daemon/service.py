@@ -243,8 +243,8 @@ class KVService:
         (TCP) a session has no peer credentials and needs a token.
 
         ``given_up``: sessions the client gave up without ending their streams, ended first
-        so that they hold no slot of the tenant's session limit, ``ended`` told of each (it
-        ends their streams): see ``end_given_up``."""
+        so that they hold no slot of the tenant's session limit (also where a drain refuses
+        the new one), ``ended`` told of each (it ends their streams): see ``end_given_up``."""
         peer: PeerCred | None = None
         if ticket:
             peer = self.tickets.redeem(ticket, TicketKind.SESSION).peer
@@ -258,13 +258,15 @@ class KVService:
         except (Unauthenticated, PermissionDenied):
             self.store.counters.inc("sessions_refused", reason="tenant")
             raise
+        # Before the drain's refusal: ``drain --wait`` waits for the sessions to end, and a
+        # given-up one ends only where its client names it.
+        self.end_given_up(given_up, peer, binding.tenant, ended)
         if self.draining and not binding.admin:
             self.store.counters.inc("sessions_refused", reason="draining")
             raise Draining(
                 "the daemon is draining (kvtier drain): it takes no new sessions until an "
                 "admin resumes it; treat this as a miss, or use another daemon"
             )
-        self.end_given_up(given_up, peer, binding.tenant, ended)
         session = self.sessions.open(
             client_name[:200],
             self._clock(),

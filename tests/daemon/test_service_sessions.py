@@ -18,7 +18,13 @@ import pytest
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import Config, load_config
 from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind
-from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, Unauthenticated
+from kvtier.daemon.errors import (
+    Draining,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvtier.daemon.pools import PoolRegistry
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry, lease_bytes
@@ -1128,3 +1134,18 @@ def test_regression_a_session_given_up_held_its_leases_and_slot_until_its_proces
             service.close_session(session)
 
     asyncio.run(run())
+
+
+def test_regression_an_open_session_a_drain_refused_ended_none_of_the_sessions_it_named():
+    """``kvtier drain --wait`` waits for the open sessions to end. A session a client gave up
+    with a locked channel ends only when that client's next OpenSession names it, and a
+    draining daemon refused that OpenSession before reading the names: the drain waited
+    for it until the client's process exited. The names are now read before the refusal."""
+    service, tickets = _service(SlowStore())
+    given_up = _open(service, tickets)
+    service.draining = True
+    ticket = tickets.issue(TicketKind.SESSION, PEER)
+    with pytest.raises(Draining):
+        service.open_session("t", ticket, unix_socket=True, given_up=[given_up])
+    assert service.sessions.find(given_up) is None
+    assert service.sessions.session_count == 0
