@@ -456,14 +456,18 @@ class Client:
         ended at once: a client closed before its next session left them open until the
         process exited, their leases until they expired, their pools and slots of
         ``server.max_sessions_per_tenant``. Nothing is sent otherwise, nor on a channel an
-        interruption left suspect; a failure leaves them as they were."""
-        with self._open_lock:
+        interruption left suspect; a failure leaves them as they were. Never waits for a
+        session another thread opens (close() ends that wait): that one names them."""
+        if not self._given_up or not self._open_lock.acquire(blocking=False):
+            return
+        try:
             if not self._given_up or self._closed or self._held["suspect"]:
                 return
-            try:
-                _, call = self._open_session()
-            except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
-                return
+            _, call = self._open_session()
+        except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
+            return
+        finally:
+            self._open_lock.release()
         call.cancel()
 
     def interrupted(self, error: BaseException, *calls: Any) -> None:

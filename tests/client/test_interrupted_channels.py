@@ -498,6 +498,52 @@ def test_regression_a_session_given_up_with_grpcs_lock_held_stayed_open_in_the_d
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
+def test_close_ends_the_wait_of_a_session_another_thread_opens(daemon):
+    """close() names the sessions its client gave up in a session of its own
+    (``_name_given_up``), but never waits for the session another thread opens: closing the
+    channel ends that wait, as before that change, rather than the client's timeout."""
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    client = Client(daemon.address, timeout_s=120)
+    assert client.health()  # connected: the wait below is the OpenSession's, not the connect's
+    sending = threading.Event()
+    opening: list[BaseException] = []
+
+    def stop_the_daemon(frame: FrameType, event: str, arg: Any) -> None:
+        # Its ticket fetched: the OpenSession goes unanswered.
+        if event == "call" and in_grpc_call_on(frame, ("sync.py", "_send_open_session")):
+            sys.settrace(None)
+            os.kill(pid, signal.SIGSTOP)
+            sending.set()
+
+    def open_session() -> None:
+        sys.settrace(stop_the_daemon)
+        try:
+            opening.append(raised_by(client.stats))
+        finally:
+            sys.settrace(None)
+
+    opener = threading.Thread(target=open_session)
+    opener.start()
+    try:
+        assert sending.wait(30)
+        ends_in_time(client.close)
+        opener.join(30)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not opener.is_alive()
+    assert "closed" in str(opening[0])
+
+
+def raised_by(call: Callable[[], Any]) -> BaseException:
+    """What ``call()`` raised (AssertionError where it returned)."""
+    try:
+        call()
+    except BaseException as e:
+        return e
+    return AssertionError(f"{call} returned")
+
+
 def settled_gauges(observer: Client, bound_s: float = 30.0) -> tuple[float, float, float]:
     """The daemon's (sessions, leases, pools) once only ``observer``'s session is open, or
     after ``bound_s`` (a session's end reaches the daemon a moment after its client's)."""
