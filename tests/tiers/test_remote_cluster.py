@@ -5,7 +5,8 @@ whole cluster restarted, Deletes while it is down, one master out of memory. Wit
 per master: failover to the replica and back under traffic, and a master back without its
 replica. Without full coverage: a master lost for good, the others served. A master just
 killed, before the others count it failed: the others served from the first call; started
-again a moment later, it serves again at one of the lost masters' doubling rechecks.
+again a moment later, it serves again at one of the lost masters' doubling rechecks; dead
+already when the tier starts or reconnects, the others served likewise.
 
 Slower than the single-node suite (a cluster is formed once per module, a failure takes the
 cluster's node timeout to be noticed): run with ``make test-l3-cluster``; ``make test``
@@ -877,6 +878,48 @@ async def test_regression_a_master_just_killed_took_l3_down_for_every_master(
         assert await tier.read(chain, nbytes, host(dest)) == [True] * n
         assert [bytes(d) for d in dest] == src
         assert tier.stats().counters["down_transitions"] == 0
+
+
+async def test_regression_a_master_dead_at_the_start_or_reconnection_kept_l3_down(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A master already dead (its connections refused) when the tier starts, or when L3
+    reconnects after ``down``, before the others count it failed: the check counted it lost
+    only once they did (the cluster's node timeout, 15 s by default; a minute here), and L3
+    stayed down for every master meanwhile, where a call that meets it loses it at once. The
+    check loses it at once too: the others' blocks are served from the first call, L3
+    degraded_io and partial."""
+    cluster = redis_cluster_slow_verdict
+    nbytes = 4096
+    n = 48
+    victim, held = cluster.nodes[1], cluster.nodes[0]
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    expected_hits = [None if i in on_victim else True for i in range(n)]
+    async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+    victim.kill()
+    async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and health.partial, health
+        assert await tier.read(chain, nbytes, host(empty(n, nbytes))) == expected_hits
+        # Down (a master that does not answer in time), then reconnected with the victim
+        # still dead.
+        held.cli("CLIENT", "PAUSE", str(int(3 * CLUSTER_OP_TIMEOUT_S * 1000)), "ALL")
+        try:
+            assert await tier.read(chain, nbytes, host(empty(n, nbytes))) == [None] * n
+            assert tier.health().state is Health.DOWN
+        finally:
+            held.cli("CLIENT", "UNPAUSE")
+        await wait_for(
+            "L3 to serve the others again", lambda: tier.health().state is not Health.DOWN
+        )
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and victim.address in health.detail, health
+        dest = empty(n, nbytes)
+        assert await tier.read(chain, nbytes, host(dest)) == expected_hits
+        assert all(bytes(dest[i]) == src[i] for i in range(n) if i not in on_victim)
+        assert not counted_failed(cluster, victim)  # all of it before the cluster's verdict
+        assert tier.stats().counters["down_transitions"] == 1
 
 
 async def test_regression_a_master_restarted_after_a_call_lost_it_stayed_lost_backoff_max_s(

@@ -48,11 +48,12 @@ Invariants:
   their own share of the connections, so bulk reads and writes never starve a lookup.
 
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
-A master is ``lost`` at once when a call's connection to it fails (refused, reset, closed:
-its commands answer the fault, the other masters' are served), or once a reconnection finds
-the others ok and counting it failed (no full coverage required): its slots' keys are
-answered as when the tier is DOWN (misses, declined, remembered removals), the others' as
-when UP. Before the cluster's verdict (``cluster-node-timeout``) the others serve their
+A master is ``lost`` at once when a connection to it fails (refused, reset, closed): in a
+call (its commands answer the fault, the other masters' are served), or in the start's or a
+reconnection's check while the others report ok; one that does not answer in time, once
+such a check finds the others ok and counting it failed (no full coverage required). Its
+slots' keys are answered as when the tier is DOWN (misses, declined, remembered removals),
+the others' as when UP. Before the cluster's verdict (``cluster-node-timeout``) the others serve their
 slots all the same; once it is given, a cluster that requires full coverage answers
 CLUSTERDOWN, which marks the tier DOWN.
 
@@ -123,6 +124,7 @@ except ImportError as e:  # pragma: no cover - the extra is part of the dev envi
 from kvtier.tiers.remote.wire import (
     Framed,
     NodeFaults,
+    node_fault,
     noting_node_faults,
     releasing_bodies,
     use_tier_connections,
@@ -277,9 +279,9 @@ class RemoteTier:
         # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
         # writes again. ``_avail`` itself is only UP or DOWN.
         self._full: dict[str, Availability] = {}
-        # Masters whose connections failed in a call, or that the reconnection found
-        # unreachable while the rest of the cluster served and counted them failed
-        # (``cluster-require-full-coverage no``): name -> why. Their slots' blocks are misses,
+        # Masters whose connections failed in a call or in the start's or a reconnection's
+        # check, or that such a check found silent while the rest of the cluster served and
+        # counted them failed (``cluster-require-full-coverage no``): name -> why. Their slots' blocks are misses,
         # declined without touching the network, while the tier serves the other masters'
         # (UP); the monitor asks again, with a backoff as while DOWN (``_lost_checks``: the
         # checks that found them still lost), until they are back.
@@ -1476,9 +1478,11 @@ class RemoteTier:
 
     async def _check(self, client: Any) -> tuple[str | None, dict[str, str]]:
         """(None, lost) if ``client`` can serve, else (why not, {}). Serving: every primary
-        answers and reports the cluster ok, or those that do not answer are counted failed
-        by every one that does, which reports ok all the same (``cluster-require-full-
-        coverage no``): those are ``lost`` (name -> why), the others serve their slots.
+        answers and reports the cluster ok, or some do and report ok while the others are
+        ``lost`` (name -> why), the others serving their slots: those whose connection failed
+        (refused, reset, closed), at once, as when a call meets them (``_lose``), and those
+        that timed out once every one that answers counts them failed
+        (``cluster-require-full-coverage no``).
         Every primary, not one: a master back after an outage serves nothing for its first
         seconds while the others already report ok, and some of the others count it failed
         a while longer while it does; asked of one node, each reconnection found ok and the
@@ -1500,11 +1504,14 @@ class RemoteTier:
                 timeout,
             )
             lost: dict[str, str] = {}
+            silent: dict[str, str] = {}  # lost but for a connection fault: a timeout
             for primary, info in zip(primaries, infos, strict=True):
                 if isinstance(info, _REFUSED_CREDENTIALS):
                     raise info  # a ConnectionError to redis-py, but no lost master
                 if isinstance(info, _UNREACHABLE_NODE):
                     lost[primary.name] = _describe(info)
+                    if not node_fault(info):
+                        silent[primary.name] = lost[primary.name]
                 elif isinstance(info, BaseException):
                     raise info
                 elif (state := _info_field(info, "cluster_state")) != "ok":
@@ -1512,6 +1519,14 @@ class RemoteTier:
             if not lost:
                 return None, {}
             reachable = [p for p in primaries if p.name not in lost]
+            if not reachable:
+                name, why = next(iter(lost.items()))
+                return f"{why} at {name}", {}
+            # A master whose connection failed (refused, reset, closed) is lost at once, as
+            # when a call meets it (``_lose``); one that timed out, only once every other
+            # counts it failed: a timeout does not tell a dead master from a slow store.
+            if not silent:
+                return None, lost
             views = await self._bounded(
                 asyncio.gather(*(p.execute_command("CLUSTER", "NODES") for p in reachable)),
                 timeout,
@@ -1519,10 +1534,10 @@ class RemoteTier:
             # By node id, found through a slot the client maps to the lost master: the views'
             # addresses are not the client's names where the cluster announces hostnames
             # (cluster-preferred-endpoint-type hostname) or other addresses.
-            slots = _a_slot_of(client, lost.keys())
-            for name, why in lost.items():
+            slots = _a_slot_of(client, silent.keys())
+            for name, why in silent.items():
                 failed = {_failed_owner(view, slots.get(name)) for view in views}
-                if len(failed) != 1 or None in failed:  # (none reachable: no view)
+                if len(failed) != 1 or None in failed:
                     return f"{why} at {name}", {}
             # Asked again after the views: where full coverage is required, a node turns its
             # state to 'fail' as it counts a master failed, and the states asked before the

@@ -138,6 +138,14 @@ _FAULTS: ContextVar[NodeFaults | None] = ContextVar("kvtier_l3_faults", default=
 # ConnectionErrors that are the server's refusal of the client, not a fault of the connection.
 _REFUSALS = (AuthenticationError, AuthorizationError)
 
+
+def node_fault(fault: BaseException) -> bool:
+    """Whether ``fault`` is a fault of a connection to one node (refused, reset, closed):
+    what ``noting_node_faults`` answers and notes, and what the tier takes as that master
+    lost at once. Not a refused credential, nor a timeout (a dead master or a slow store)."""
+    return isinstance(fault, RedisConnectionError) and not isinstance(fault, _REFUSALS)
+
+
 # The node (host, port) an ``ASKING`` held back is for: the next command its task packs goes
 # with it, if that command is for the same node (see the module docstring).
 _ASKING: ContextVar[tuple[str, int] | None] = ContextVar("kvtier_l3_asking", default=None)
@@ -244,7 +252,7 @@ class _TierConnection:
             # answered, its next send connected again, and its reads took that one's reply
             # for the first's, then waited for the op timeout; the send that connects
             # answers it.
-            if within or isinstance(e, _REFUSALS) or not self._noted(e):
+            if within or not node_fault(e) or not self._noted(e):
                 raise
             self._send_fault = e
             return
@@ -280,7 +288,7 @@ class _TierConnection:
             with contextlib.suppress(ResponseError):
                 await super().read_response(*args, **kwargs)  # type: ignore[misc]
         except RedisConnectionError as e:
-            if not isinstance(e, _REFUSALS):
+            if node_fault(e):
                 self._noted(e)
             raise
         raise refused
