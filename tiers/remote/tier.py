@@ -1180,7 +1180,11 @@ class RemoteTier:
         now = self._clock()
         a = self._avail
         full = self._pauses()  # paused, or taking writes again only once one goes through
-        retry_at = min((f.retry_at for f in full.values()), default=a.retry_at)
+        # When the next attempt is due: the reconnection's while DOWN, else the soonest of
+        # the pauses' ends and the lost masters' recheck.
+        due = [a.retry_at] if a.state is not Reach.UP else [f.retry_at for f in full.values()]
+        if self._lost:
+            due.append(self._lost_retry_at)
         return TierStats(
             kind=TierKind.REMOTE,
             health=self.health(),
@@ -1190,9 +1194,7 @@ class RemoteTier:
             gauges={
                 "up": 1.0 if a.state is Reach.UP and not full and not self._lost else 0.0,
                 "state_age_s": max(0.0, now - a.since) if a.since else 0.0,
-                "retry_in_s": (
-                    max(0.0, retry_at - now) if a.state is not Reach.UP or full else 0.0
-                ),
+                "retry_in_s": max(0.0, min(due) - now) if due else 0.0,
                 "inflight_ops": float(self._inflight),
                 "removals_unconfirmed": float(len(self._unremoved)),
                 # Only with tiers.l3.write_bytes_s: without one there is no budget to show.
