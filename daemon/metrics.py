@@ -205,9 +205,11 @@ COUNTERS: dict[str, MetricDef] = {
     ),
     "rows_forgotten": _c(
         "kvtier_rows_forgotten_total",
-        ("tier",),
-        "Blocks held only in a key-addressed tier (L3) that the node forgot once the tier had "
-        "not confirmed them for twice tiers.l3.known_s; a lookup asks the tier for them again.",
+        ("tier", "reason"),
+        "Blocks held only in a key-addressed tier (L3) that the node forgot, by why: "
+        "unconfirmed (the tier had not confirmed them for twice tiers.l3.known_s; a lookup "
+        "asks the tier for them again), unserved (put again while the tier could not serve "
+        "them: down, or their cluster master lost; the put stored them here).",
     ),
     "copies_expired": _c(
         "kvtier_copies_expired_total",

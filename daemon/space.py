@@ -1571,7 +1571,9 @@ class SpaceManager:
             held = cand[table.slot[cand, level.col] >= 0]
             if len(held):
                 self.drop_copies(held, level)
-                self.counters.inc("rows_forgotten", len(held), tier=level.label)
+                self.counters.inc(
+                    "rows_forgotten", len(held), tier=level.label, reason="unconfirmed"
+                )
 
     def _drop_stale_copies(
         self, keyed: list[Level], held_here: np.ndarray | np.bool_, before: float

@@ -762,6 +762,7 @@ class BlockStore:
             held = unserved[table.slot[unserved, level.col] >= 0]
             if len(held):
                 self.space.drop_copies(held, level)
+                self.counters.inc("rows_forgotten", len(held), tier=level.label, reason="unserved")
         return len(unserved) > 0
 
     def _unconfirmed(self, ids: np.ndarray, tiers: np.ndarray) -> np.ndarray:

@@ -1862,6 +1862,17 @@ async def _held_only_in_l3(store, shared, pool, words) -> None:
     assert where(store, words) == ["L3"] * len(words)
 
 
+async def _down_l3_holding(make_store, n: int):
+    """A store and pool whose L3 (returned too) holds ``n`` blocks (their keys returned)
+    known to the store only from there, then goes down."""
+    shared = MemoryKeyTier()
+    store, pool = make_store(Clock(), l3=shared), make_pool()
+    words = keys(n)
+    await _held_only_in_l3(store, shared, pool, words)
+    shared.down = True
+    return store, pool, shared, words
+
+
 class ReadGatedKeyTier(MemoryKeyTier):
     """A key-addressed tier whose first read, once it has read its blocks, waits until the
     test opens the gate."""
@@ -2005,13 +2016,8 @@ async def test_regression_a_put_of_blocks_held_only_in_a_down_l3_answered_exists
     and puts them: the put answered EXISTS (their rows stand) and stored nothing, so every
     request computed them again until the rows went unconfirmed for 2-2.5 known_s. Now the
     put stores them here (one key, and a chain); a row a lease pins stays as it was."""
-    clock = Clock()
-    shared = MemoryKeyTier()
-    store, pool = make_store(clock, l3=shared), make_pool()
-    b = keys(3)
-    await _held_only_in_l3(store, shared, pool, b)
+    store, pool, shared, b = await _down_l3_holding(make_store, 3)
     pinned = store.pin(store.table.lookup(0, b[2:]))
-    shared.down = True
     assert (await store.lookup(0, b))[0] == 0
     assert await put(store, pool, b[:1], pages=[40]) == [PutResult.STORED]
     assert await put(store, pool, b, pages=[40, 41, 42]) == [
@@ -2029,6 +2035,26 @@ async def test_regression_a_put_of_blocks_held_only_in_a_down_l3_answered_exists
     shared.down = False
     assert where(store, b) == ["L1", "L1", "L3"]
     assert (await store.lookup(0, b))[0] == 3
+
+
+async def test_regression_the_records_a_put_forgot_of_blocks_a_down_l3_held_were_counted_nowhere(
+    make_store,
+):
+    """A put of blocks held only in an L3 that cannot serve them forgets their L3 records
+    and stores them here (``_forget_unserved``); nothing counted the records it forgot, where
+    those the balancer forgets (unconfirmed for twice known_s) are counted in
+    ``rows_forgotten``. They are counted there too, by reason: ``unserved``; a row a lease
+    pins, kept, is not."""
+    store, pool, _, b = await _down_l3_holding(make_store, 3)
+    pinned = store.pin(store.table.lookup(0, b[2:]))
+    assert await put(store, pool, b, pages=[40, 41, 42]) == [
+        PutResult.STORED,
+        PutResult.STORED,
+        PutResult.EXISTS,
+    ]
+    assert store.counters.get("rows_forgotten", tier="L3", reason="unserved") == 2
+    assert store.counters.get("rows_forgotten") == 2
+    store.unpin(pinned)
 
 
 async def test_regression_a_put_refused_for_a_block_s_size_forgot_blocks_a_down_l3_held(
