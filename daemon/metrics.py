@@ -110,7 +110,8 @@ COUNTERS: dict[str, MetricDef] = {
         ("reason",),
         "Keys a Lookup found in no tier, by why: absent (never stored, deleted or forgotten), "
         "evicted (dropped from the last tier holding it), declined (a Put was refused: no "
-        "room, or no tier's admission took it).",
+        "room, or no tier's admission took it), unreachable (L3 could not be asked: down, or "
+        "the block's cluster master lost; it may hold the block).",
     ),
     "load_failures": _c(
         "kvtier_load_failures_total",

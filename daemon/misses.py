@@ -4,7 +4,10 @@ A lookup that misses says only "absent"; operators want to know whether the cach
 small (the block was **evicted** from its last tier), the store refused it (**declined**: no
 room, or no tier's admission rule took it), or it was simply never stored (**absent**, which
 also covers deleted keys and keys forgotten since). The store records the first two as they
-happen and asks ``classify`` for the keys a lookup missed.
+happen and asks ``classify`` for the keys a lookup missed. Of those it calls absent, the
+keys that a key-addressed tier (L3) could not be asked about (down, or the block's cluster
+master lost) are **unreachable**: the store's own judgement at the lookup, never recorded
+here.
 
 The memory is a fixed table allocated (and touched) once: ``capacity`` entries in 4-way
 buckets chosen by a salted hash of the key, the oldest entry of a full bucket forgotten
@@ -27,7 +30,9 @@ import numpy as np
 EVICTED = "evicted"
 DECLINED = "declined"
 ABSENT = "absent"
-REASONS = (ABSENT, EVICTED, DECLINED)
+UNREACHABLE = "unreachable"  # the store's, at a lookup (see the module docstring)
+REASONS = (ABSENT, EVICTED, DECLINED, UNREACHABLE)
+_CLASSES = (ABSENT, EVICTED, DECLINED)  # what ``classify`` tells
 
 DEFAULT_CAPACITY = 1 << 18
 _WAYS = 4
@@ -141,13 +146,13 @@ class MissLedger:
         if len(keys) <= _SCALAR_MAX:
             # A lookup's few missed keys: bucket by bucket, as discard does (numpy's unique
             # and fancy indexing cost more than the probes for few keys).
-            out = dict.fromkeys(REASONS, 0)
+            out = dict.fromkeys(_CLASSES, 0)
             for key in keys:
                 i = self._slot(key)
                 out[_NAMES[self._why_v[i]] if i >= 0 else ABSENT] += 1
             return out
         arr, slots = self._find(keys)
-        out = dict.fromkeys(REASONS, 0)
+        out = dict.fromkeys(_CLASSES, 0)
         known = slots[slots >= 0]
         codes, counts = np.unique(self._why[known], return_counts=True)
         for code, n in zip(codes.tolist(), counts.tolist(), strict=True):

@@ -58,7 +58,7 @@ from kvtier.daemon.errors import (
 )
 from kvtier.daemon.hintbudget import HintBudget
 from kvtier.daemon.latency import Histograms
-from kvtier.daemon.misses import DECLINED, REASONS
+from kvtier.daemon.misses import ABSENT, DECLINED, REASONS, UNREACHABLE
 from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.pools import EnginePool
 from kvtier.daemon.space import SpaceManager
@@ -663,7 +663,8 @@ class BlockStore:
         prefix = n if hits == n else int(np.argmin(found))
         if hits and touch:
             self.space.touch(ids if hits == n else ids[found], self._clock())
-        self._count_hits(identities, tiers, found, hits)
+        unreachable = self._unserved_misses(ns, words, found) if self._keyed and hits < n else None
+        self._count_hits(identities, tiers, found, hits, unreachable)
         return prefix, tiers, ids
 
     async def _bind_found(self, ns: int, owner: int) -> None:
@@ -780,16 +781,39 @@ class BlockStore:
         cutoff = now - self.config.tiers.l3.known_limit_s()
         return only_keyed[self.table.keyed_seen[ids[only_keyed]] < cutoff]
 
+    def _unserved_misses(self, ns: int, words: np.ndarray, found: np.ndarray) -> np.ndarray | None:
+        """Where a lookup missed (``found`` false) a key that a key-addressed tier could not
+        be asked about now (``KeyTier.unserved``: the tier down, or the block's cluster
+        master lost), as a mask of the positions; None where there is none. Such a miss may
+        be a block the tier holds: its reason is ``unreachable``, not ``absent``. Only a
+        tier that is not OK is asked (none on a healthy path)."""
+        impaired = [lv for lv in self._keyed if lv.tier.health().state is not Health.OK]
+        if not impaired:
+            return None
+        missed = np.flatnonzero(~found)
+        refs = [BlockRef(ns, words[i].tobytes()) for i in missed.tolist()]
+        unserved: set[int] = set()
+        for level in impaired:
+            unserved.update(level.keys.unserved(refs))
+        if not unserved:
+            return None
+        mask = np.zeros(len(found), dtype=bool)
+        mask[missed[sorted(unserved)]] = True
+        return mask
+
     def _count_hits(
         self,
         identities: list[int] | np.ndarray,
         tiers: np.ndarray,
         found: np.ndarray,
         hits: int,
+        unreachable: np.ndarray | None = None,
     ) -> None:
         """lookup_keys, lookup_hits, hits{tier} by the fastest tier holding the key, and
         misses{reason}: why a key is not held (``identities``: of every key, from the
-        table's lookup)."""
+        table's lookup); ``unreachable`` (``_unserved_misses``): the misses that a
+        key-addressed tier could not be asked about, counted ``unreachable`` where no other
+        reason is known (the ledger's ``absent``)."""
         c = self.counters
         c.add(self._n_lookup_keys, len(tiers))
         if hits:
@@ -800,7 +824,16 @@ class BlockStore:
                 for kind, k in enumerate(np.bincount(tiers).tolist()[1:], start=1):
                     c.add(self._n_hits[kind], k)
         if hits < len(tiers):
-            missing = self.table.identities_where(identities, ~found)
+            missed = ~found
+            if unreachable is not None:
+                missed &= ~unreachable
+                why = self.space.misses.classify(
+                    self.table.identities_where(identities, unreachable)
+                )
+                why[UNREACHABLE] = why.pop(ABSENT)
+                for reason, k in why.items():
+                    c.add(self._n_misses[reason], k)
+            missing = self.table.identities_where(identities, missed)
             for reason, k in self.space.misses.classify(missing).items():
                 c.add(self._n_misses[reason], k)
 

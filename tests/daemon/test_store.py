@@ -2057,6 +2057,25 @@ async def test_regression_the_records_a_put_forgot_of_blocks_a_down_l3_held_were
     store.unpin(pinned)
 
 
+async def test_regression_misses_l3_could_not_serve_were_counted_absent_as_keys_never_stored(
+    make_store,
+):
+    """A Lookup's misses of blocks held only in an L3 that cannot serve them (down, or their
+    cluster master lost), and of keys it could not ask L3 about, were counted as misses of
+    reason ``absent``, as keys never stored: an operator could not tell an L3 outage from a
+    cold cache. They are ``unreachable``; once L3 serves again a key it does not hold is
+    ``absent``."""
+    store, _, shared, b = await _down_l3_holding(make_store, 3)
+    never = keys(2)
+    c = store.counters
+    assert (await store.lookup(0, np.concatenate([b, never])))[0] == 0
+    assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (5, 0)
+    shared.down = False
+    assert (await store.lookup(0, never))[0] == 0
+    assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (5, 2)
+    assert (await store.lookup(0, b))[0] == 3
+
+
 async def test_regression_a_put_refused_for_a_block_s_size_forgot_blocks_a_down_l3_held(
     make_store,
 ):
