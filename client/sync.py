@@ -88,6 +88,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
 
+# The given-up OpenSessions' tickets an OpenSession names at most (the latest): interrupts
+# that end every OpenSession in a row must not grow it past what the daemon takes in one
+# (server.MAX_OPEN_SESSION_BYTES, 64 KiB; a ticket takes 34 bytes of it).
+MAX_GIVEN_UP_TICKETS = 256
+
 # Requests that name a session (all but OpenSession); the driver fills it in.
 _SESSION_METHODS = frozenset(
     {
@@ -403,9 +408,11 @@ class Client:
         self._closed = False
         self._session_id = ""
         self._session_call: Any = None
-        # Sessions given up with their channel (``_replace_if_suspect``), named in the next
-        # OpenSession so that the daemon ends them (under _lock).
+        # Sessions given up with their channel (``_replace_if_suspect``), and the tickets of
+        # OpenSessions given up before their first event (``_open_session``), named in the
+        # next OpenSession so that the daemon ends them (under _lock).
         self._given_up: list[str] = []
+        self._given_up_tickets: list[bytes] = []
         self._pools: dict[int, PoolBinding] = {}
         # Pools whose UnregisterPool went unanswered (a timeout, a daemon stopped meanwhile),
         # by id, with their session: sent again before the next registration (under
@@ -611,12 +618,13 @@ class Client:
         """(first event, call) of a new session's stream."""
         tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
         with self._lock:
-            given_up = list(self._given_up)
+            given_up, given_up_tickets = list(self._given_up), list(self._given_up_tickets)
         request = t.build_request(
             pb.OpenSessionRequest,
             client_name=self.client_name,
             token=self._token.current(),
             given_up_sessions=given_up,
+            given_up_tickets=given_up_tickets,
         )
         if tickets.due():
             request.credential_ticket = tickets.fetch(self.timeout_s)
@@ -630,10 +638,16 @@ class Client:
         except Exception:
             raise
         except BaseException as e:
+            # The daemon may have opened the session with it: the next OpenSession names it.
+            if request.credential_ticket:
+                with self._lock:
+                    self._given_up_tickets.append(request.credential_ticket)
+                    del self._given_up_tickets[:-MAX_GIVEN_UP_TICKETS]
             self.interrupted(e)
             raise
         with self._lock:  # the daemon has ended them (none is named again)
             del self._given_up[: len(given_up)]
+            del self._given_up_tickets[: len(given_up_tickets)]
         return opened
 
     def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:

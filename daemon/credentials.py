@@ -204,7 +204,7 @@ class TicketBook:
                 "them expire first"
             )
         secret = secrets.token_bytes(32)
-        self._tickets[_digest(secret)] = Ticket(kind, peer, self._clock() + self._ttl_s, fd)
+        self._tickets[ticket_digest(secret)] = Ticket(kind, peer, self._clock() + self._ttl_s, fd)
         self._per_uid[peer.uid] += 1
         return secret
 
@@ -212,7 +212,7 @@ class TicketBook:
         """Spend a ticket; raises Unauthenticated if it is unknown, spent, expired or of
         another kind (the ticket is spent in every case)."""
         self.expire()
-        ticket = self._tickets.pop(_digest(secret), None) if len(secret) == 32 else None
+        ticket = self._tickets.pop(ticket_digest(secret), None) if len(secret) == 32 else None
         if ticket is None:
             raise Unauthenticated(
                 "the credential ticket is unknown, already used or expired; ask the "
@@ -235,7 +235,7 @@ class TicketBook:
         if self._closed or ticket.expires_at <= self._clock():
             self._drop_fd(ticket)
             return
-        self._tickets[_digest(secret)] = ticket
+        self._tickets[ticket_digest(secret)] = ticket
         self._per_uid[ticket.peer.uid] += 1
 
     def expire(self) -> int:
@@ -265,7 +265,7 @@ class TicketBook:
             ticket.fd = -1
 
 
-def _digest(secret: bytes) -> bytes:
+def ticket_digest(secret: bytes) -> bytes:
     return hashlib.sha256(secret).digest()
 
 

@@ -441,6 +441,7 @@ class KVTierServicer:
                 unix_socket=context.peer().startswith("unix"),
                 token=request.token,
                 given_up=request.given_up_sessions,
+                given_up_tickets=request.given_up_tickets,
                 ended=self._given_up_ended,
             )
         except KvtierError as e:

@@ -40,7 +40,7 @@ import numpy as np
 from kvtier import __version__
 from kvtier.daemon.config import TENANT_NAME, Config
 from kvtier.daemon.connections import ConnectionWatch
-from kvtier.daemon.credentials import TicketBook, TicketKind
+from kvtier.daemon.credentials import TicketBook, TicketKind, ticket_digest
 from kvtier.daemon.cuda_pools import CudaPool, parse_region, plan_region
 from kvtier.daemon.errors import (
     Draining,
@@ -236,15 +236,18 @@ class KVService:
         unix_socket: bool,
         token: bytes = b"",
         given_up: Sequence[str] = (),
+        given_up_tickets: Sequence[bytes] = (),
         ended: Callable[[str], None] | None = None,
     ) -> Session:
         """Open a session bound to the credentials of ``ticket`` and to a tenant (by those
         credentials, or by ``token``). On the Unix socket a ticket is required; elsewhere
         (TCP) a session has no peer credentials and needs a token.
 
-        ``given_up``: sessions the client gave up without ending their streams, ended first
-        so that they hold no slot of the tenant's session limit (also where a drain refuses
-        the new one), ``ended`` told of each (it ends their streams): see ``end_given_up``."""
+        ``given_up``: sessions the client gave up without ending their streams, and
+        ``given_up_tickets``: the tickets of OpenSessions it gave up before it read their
+        first event, whose sessions it never knew; ended first so that they hold no slot of
+        the tenant's session limit (also where a drain refuses the new one), ``ended`` told of
+        each (it ends their streams): see ``end_given_up``."""
         peer: PeerCred | None = None
         if ticket:
             peer = self.tickets.redeem(ticket, TicketKind.SESSION).peer
@@ -260,7 +263,7 @@ class KVService:
             raise
         # Before the drain's refusal: ``drain --wait`` waits for the sessions to end, and a
         # given-up one ends only where its client names it.
-        self.end_given_up(given_up, peer, binding.tenant, ended)
+        self.end_given_up(given_up, given_up_tickets, peer, binding.tenant, ended)
         if self.draining and not binding.admin:
             self.store.counters.inc("sessions_refused", reason="draining")
             raise Draining(
@@ -275,6 +278,7 @@ class KVService:
             admin=binding.admin,
             limit_key=binding.limit_key,
             token_digest=binding.token_digest,
+            ticket_digest=ticket_digest(ticket) if ticket else b"",
         )
         self._session_lines.info(
             binding.limit_key,
@@ -291,36 +295,40 @@ class KVService:
     def end_given_up(
         self,
         session_ids: Sequence[str],
+        tickets: Sequence[bytes],
         peer: PeerCred | None,
         tenant: str,
         ended: Callable[[str], None] | None = None,
     ) -> None:
-        """End each of ``session_ids`` that the process ``peer`` names opened (its pid and
-        uid, as its credential tickets said) bound to ``tenant``, and tell ``ended`` of it:
-        sessions its client gave up whose streams it could not end (a blocking client's
-        channel that an interrupt left locked), which would otherwise live, with their leases
-        and pools, until that process exits. Any other id (another process's or tenant's
-        session, one ended already, none at all) is ignored: a session id lets a request act
-        as that session, but a session never ends another client's. Nothing is ended for a
-        peer without credentials (TCP). A daemon in a pid namespace of its own reads pid 0
-        for every peer outside it: there the uid and tenant are checked, and the id itself
-        is the client's.
+        """End each of ``session_ids``, and each session one of ``tickets`` opened, that the
+        process ``peer`` names opened (its pid and uid, as its credential tickets said) bound
+        to ``tenant``, and tell ``ended`` of it: sessions its client gave up whose streams it
+        could not end (a blocking client's channel that an interrupt left locked), which
+        would otherwise live, with their leases and pools, until that process exits; by its
+        ticket where the interrupt came before the client read the session's id. Any other
+        id or ticket (another process's or tenant's session, one ended already, none at all)
+        is ignored: a session id lets a request act as that session, but a session never
+        ends another client's. Nothing is ended for a peer without credentials (TCP). A
+        daemon in a pid namespace of its own reads pid 0 for every peer outside it: there
+        the uid and tenant are checked, and the id or ticket itself is the client's.
 
         Ended as a reload ends one (``by_daemon``): the client sends the calls it had in it
         again, in a new session, so a registration being mapped gives its ticket back."""
         if peer is None:
             return
-        for session_id in session_ids:
-            old = self.sessions.find(session_id)
+        named = [*map(self.sessions.find, session_ids)]
+        named += (self.sessions.opened_by(ticket_digest(ticket)) for ticket in tickets)
+        for old in named:
             if (
                 old is not None
+                and self.sessions.find(old.session_id) is old  # not named twice
                 and old.peer is not None
                 and (old.peer.pid, old.peer.uid) == (peer.pid, peer.uid)
                 and old.tenant == tenant
             ):
-                self.close_session(session_id, by_daemon=True)
+                self.close_session(old.session_id, by_daemon=True)
                 if ended is not None:
-                    ended(session_id)
+                    ended(old.session_id)
 
     def session(self, session_id: str) -> Session:
         """The open session ``session_id`` (NotFound otherwise)."""

@@ -1,7 +1,8 @@
 """Client sessions, who they are, and the leases they hold.
 
 A session lives exactly as long as the client's OpenSession stream (or until the same
-process opens another that names it as given up, see ``KVService.end_given_up``); pools and
+process opens another that names it, or the credential ticket that opened it, as given up,
+see ``KVService.end_given_up``); pools and
 leases belong to one session and die with it, so a crashed engine never leaves pins or
 mappings behind. A lease pins a set of blocks until it is released, its session ends, or it
 expires.
@@ -84,6 +85,8 @@ class Session:
     limit_key: str = ""
     leases: set[int] = field(default_factory=set)
     token_digest: bytes = b""  # of the token that bound it, if one did (see tenants.rebind)
+    # Of the credential ticket that opened it, if one did (see ``opened_by``).
+    ticket_digest: bytes = b""
     # Namespaces (declared name, tenant acted for) -> (id, owner index) this session has
     # bound for its puts (``store.namespace`` ran for each once).
     bound: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
@@ -101,6 +104,8 @@ class SessionRegistry:
         self._expiry: list[tuple[float, int]] = []
         # limit_key -> bytes the live leases of its sessions hold (``lease_bytes``).
         self._lease_bytes: Counter[str] = Counter()
+        # ticket_digest -> the open session that ticket opened (``opened_by``).
+        self._by_ticket: dict[bytes, str] = {}
 
     @property
     def session_count(self) -> int:
@@ -142,6 +147,7 @@ class SessionRegistry:
         admin: bool = False,
         limit_key: str = "",
         token_digest: bytes = b"",
+        ticket_digest: bytes = b"",
     ) -> Session:
         key = limit_key or tenant
         if self._per_tenant[key] >= self.max_per_tenant:
@@ -159,9 +165,12 @@ class SessionRegistry:
             admin,
             key,
             token_digest=token_digest,
+            ticket_digest=ticket_digest,
         )
         self._sessions[session.session_id] = session
         self._per_tenant[key] += 1
+        if ticket_digest:
+            self._by_ticket[ticket_digest] = session.session_id
         return session
 
     def get(self, session_id: str) -> Session:
@@ -178,6 +187,12 @@ class SessionRegistry:
         """The open session ``session_id``, or None."""
         return self._sessions.get(session_id)
 
+    def opened_by(self, ticket_digest: bytes) -> Session | None:
+        """The open session that the credential ticket of ``ticket_digest`` opened, or None
+        (a ticket opens one session at most: it is spent as it does)."""
+        session_id = self._by_ticket.get(ticket_digest)
+        return None if session_id is None else self._sessions.get(session_id)
+
     def limit_key_of(self, session_id: str) -> str:
         """The ``limit_key`` of open session ``session_id``; "" if none is open by that id."""
         session = self._sessions.get(session_id)
@@ -188,6 +203,7 @@ class SessionRegistry:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return []
+        self._by_ticket.pop(session.ticket_digest, None)
         self._per_tenant[session.limit_key] -= 1
         if self._per_tenant[session.limit_key] == 0:  # a negative count stays, for Check
             del self._per_tenant[session.limit_key]

@@ -48,16 +48,18 @@ PUT_EXISTS: PutResult
 PUT_REJECTED_FULL: PutResult
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "credential_ticket", "token", "given_up_sessions")
+    __slots__ = ("client_name", "credential_ticket", "token", "given_up_sessions", "given_up_tickets")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_TICKET_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     GIVEN_UP_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_UP_TICKETS_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     credential_ticket: bytes
     token: bytes
     given_up_sessions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, client_name: _Optional[str] = ..., credential_ticket: _Optional[bytes] = ..., token: _Optional[bytes] = ..., given_up_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+    given_up_tickets: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, client_name: _Optional[str] = ..., credential_ticket: _Optional[bytes] = ..., token: _Optional[bytes] = ..., given_up_sessions: _Optional[_Iterable[str]] = ..., given_up_tickets: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("session_id", "ping_interval_s", "tenant", "admin")

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import Config, load_config
-from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind
+from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind, ticket_digest
 from kvtier.daemon.errors import (
     Draining,
     NotFound,
@@ -161,6 +161,36 @@ def test_a_unix_socket_session_needs_a_ticket_and_tcp_sessions_register_no_memor
     # A peer that is in no tenant is refused, with what to do about it.
     with pytest.raises(PermissionDenied, match="belongs to no tenant"):
         service.open_session("t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True)
+
+
+def test_given_up_tickets_end_only_the_session_each_opened_of_the_same_process():
+    """An OpenSession naming the credential ticket of an OpenSession its client gave up
+    before reading the session's id ends the session that ticket opened, on the terms of
+    given_up_sessions: of the same pid and uid, and tenant; any other ticket (another
+    process's, one that opened nothing, garbage) ends nothing."""
+    service, tickets = _service(SlowStore())
+    other = PeerCred(pid=2, uid=1000, gid=1000)
+    mine, theirs, unspent = (tickets.issue(TicketKind.SESSION, p) for p in (PEER, other, PEER))
+    given_up = service.open_session("t", mine, unix_socket=True).session_id
+    kept = service.open_session("t", theirs, unix_socket=True).session_id
+    named = [theirs, unspent, b"", b"x" * 40, mine[:31]]
+    service.open_session(
+        "t", tickets.issue(TicketKind.SESSION, PEER), unix_socket=True, given_up_tickets=named
+    )
+    assert service.sessions.find(given_up) is not None  # its ticket not named
+    ended: list[str] = []
+    service.open_session(
+        "t",
+        tickets.issue(TicketKind.SESSION, PEER),
+        unix_socket=True,
+        given_up_tickets=[*named, mine, mine],
+        ended=ended.append,
+    )
+    assert ended == [given_up]
+    assert service.sessions.find(given_up) is None
+    assert service.sessions.find(kept) is not None
+    # The ticket goes with its session: naming it again ends nothing.
+    assert service.sessions.opened_by(ticket_digest(mine)) is None
 
 
 def test_regression_a_session_could_hold_leases_without_bound():
