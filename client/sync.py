@@ -221,6 +221,25 @@ def _cancel_calls(*calls: Any) -> None:
         call.cancel()
 
 
+def end_entered_contexts(error: BaseException) -> None:
+    """End each generator context (``contextlib.contextmanager``) whose ``__enter__`` ``error``
+    left after the generator had run to its ``yield``: the ``with`` never began, so nothing
+    else ends it on this thread, and where a cycle keeps the traceback (the interrupt's, as a
+    saved error holds it) a collection on another thread ends it there. gRPC's latency hook
+    holds its process-wide RLock (grpc/_observability.py get_plugin) across that ``yield``:
+    released by another thread it stayed held (RuntimeError: cannot release un-acquired
+    lock), and every channel's thread, which takes it as each call ends, waited for ever:
+    no call of the process ended again, on a new channel or client too."""
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is contextlib._GeneratorContextManager.__enter__.__code__:
+            manager = frame.f_locals.get("self")
+            if isinstance(manager, contextlib._GeneratorContextManager):
+                manager.gen.close()  # ends it where it waits, at its yield; none if it ended
+        tb = tb.tb_next
+
+
 class _ChannelCloser:
     """Closes the channels of clients collected without ``close()``, on a thread of its own
     (one a process, started by its first client): a collection may happen on the channel's
@@ -494,12 +513,15 @@ class Client:
         through on its way out each note it, and a second replacement would only give up the
         new channel. ``calls``: the gRPC calls ``error`` ended, which the client would drop;
         cancelled on a thread of their own instead, and kept until that ends (see
-        ``_ChannelCloser``)."""
+        ``_ChannelCloser``). The generator contexts that ``error`` entered but left before
+        their ``with`` began are ended here, on the thread that entered them
+        (``end_entered_contexts``)."""
         if calls:
             _closer.keep(*calls)
         if getattr(error, "_kvtier_noted", False):
             return
         error._kvtier_noted = True  # type: ignore[attr-defined]
+        end_entered_contexts(error)
         self._held["suspect"] = True
         self._replace_if_suspect()
 

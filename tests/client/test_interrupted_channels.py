@@ -609,6 +609,73 @@ def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_stayed
         release.set()
 
 
+# A client interrupted as gRPC's latency hook enters its context (grpc/_observability.py
+# get_plugin, its process-wide RLock taken at the yield): the interrupt raised at the
+# __enter__'s return, an opcode boundary, as a signal's handler raises; the error then kept in
+# a cycle and collected on another thread. Prints what its next calls answered.
+PLUGIN_LOCK_INTERRUPT = """
+import contextlib, dis, gc, inspect, os, sys, threading
+from kvtier.client import Client
+
+def at_return(frame, event, arg):
+    frame.f_trace_opcodes = True
+    if event == "opcode" and frame.f_code.co_code[frame.f_lasti] == dis.opmap["RETURN_VALUE"]:
+        if inspect.getgeneratorstate(frame.f_locals["self"].gen) == inspect.GEN_SUSPENDED:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+    return at_return
+
+def trace(frame, event, arg):
+    if frame.f_code is contextlib._GeneratorContextManager.__enter__.__code__:
+        if frame.f_locals["self"].gen.__name__ == "get_plugin":
+            return at_return(frame, event, arg)
+
+def answer(call):
+    result = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    thread.join(10)
+    return result
+
+with Client(sys.argv[1], timeout_s=3) as client:
+    client.health()
+    gc.disable()
+    sys.settrace(trace)
+    try:
+        client.lookup([bytes(32)])
+    except KeyboardInterrupt as e:
+        kept = [e]
+        kept.append(kept)
+    finally:
+        sys.settrace(None)
+    print("interrupted", bool(kept), flush=True)
+    del kept
+    collection = threading.Thread(target=gc.collect)
+    collection.start()
+    collection.join()
+    print("lookup", answer(lambda: client.lookup([bytes(32)]).prefix_len), flush=True)
+    print("new client", answer(lambda: Client(sys.argv[1], timeout_s=3).health()), flush=True)
+    os._exit(0)  # its exit would wait for that lock too
+"""
+
+
+def test_regression_an_interrupt_as_grpcs_latency_hook_took_its_lock_hung_every_call(daemon):
+    """gRPC's latency hook holds a process-wide RLock from its context's __enter__ to its
+    __exit__; an interrupt between them left the generator holding it at its yield, and a
+    collection on another thread ended it there (RuntimeError: cannot release un-acquired
+    lock), so the lock stayed held: every channel's thread waits for it as each call ends,
+    and no call of the process ended again, a new client's neither (seen in the SIGINT
+    storm, a worker hung past its client's timeout). Run in a process of its own, which that
+    lock would hang for good. The client now ends such a context on the interrupted thread."""
+    out = subprocess.run(
+        [sys.executable, "-c", PLUGIN_LOCK_INTERRUPT, daemon.address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert out.splitlines() == ["interrupted True", "lookup [0]", "new client [True]"], out
+
+
 # Another process's client: prints its session's id, then, once told, its session's id again.
 OTHER_PROCESS = """
 import sys
