@@ -1038,7 +1038,7 @@ class Daemon:
         while True:
             await asyncio.sleep(0.25)
             try:
-                self.service.expire_leases()
+                await self.service.reap_leases()
                 self.tickets.expire()
             except Exception:
                 log.exception("lease expiry failed")

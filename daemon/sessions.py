@@ -265,14 +265,22 @@ class SessionRegistry:
             self._expiry = [(x.expires_at, x.lease_id) for x in self._leases.values()]
             heapq.heapify(self._expiry)
 
-    def pop_expired(self, now: float) -> list[Lease]:
-        expired = []
-        while self._expiry and self._expiry[0][0] <= now:
+    def pop_expired(self, now: float, limit: int) -> list[Lease]:
+        """End and return the leases whose deadline is at or before ``now``, earliest first,
+        at most ``limit`` of them (the caller releases the rest in later steps)."""
+        expired: list[Lease] = []
+        while self._expiry and self._expiry[0][0] <= now and len(expired) < limit:
             _, lease_id = heapq.heappop(self._expiry)
-            lease = self._leases.pop(lease_id, None)
+            lease = self._leases.get(lease_id)
             if lease is not None:
-                session = self._sessions[lease.session_id]
-                session.leases.discard(lease_id)
-                self._unaccount(session, lease)
+                self.end_lease(lease)
                 expired.append(lease)
         return expired
+
+    def end_lease(self, lease: Lease) -> None:
+        """End the live ``lease`` whatever its session (one past its deadline; its heap entry
+        stays until that deadline comes up, as a released lease's does)."""
+        del self._leases[lease.lease_id]
+        session = self._sessions[lease.session_id]
+        session.leases.discard(lease.lease_id)
+        self._unaccount(session, lease)

@@ -26,7 +26,7 @@ from kvtier.daemon.errors import (
     Unauthenticated,
 )
 from kvtier.daemon.pools import PoolRegistry
-from kvtier.daemon.service import KVService
+from kvtier.daemon.service import EXPIRY_SLICE_LEASES, KVService
 from kvtier.daemon.sessions import PeerCred, Session, SessionRegistry, lease_bytes
 from kvtier.daemon.stats import Counters
 from kvtier.daemon.store import BlockStore, PutResult
@@ -330,6 +330,55 @@ def test_regression_leases_ending_together_were_unpinned_one_store_call_each():
     asyncio.run(run())
 
 
+def test_regression_leases_expiring_together_were_released_in_one_step_of_the_event_loop():
+    """A tenant's leases that expired together (some 130,000 under the default
+    server.max_lease_bytes_per_tenant) were all released in one step of the event loop, by
+    the reaper's pass or by whichever call came first that released the leases past their
+    deadline (a Release, a Get under a lease, a pinning Lookup at a limit): 0.6-1.4 s of
+    every other client's calls waiting. The reaper releases them EXPIRY_SLICE_LEASES a step,
+    a call at a limit one slice, and a call naming a lease that lease alone."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        now = [100.0]
+        n = 2 * EXPIRY_SLICE_LEASES + 5
+        config = load_config(None, [f"server.max_leases_per_session={n}"])
+        service, tickets = _service(store, config, clock=lambda: now[0])
+        session = _open(service, tickets)
+        keys = [bytes(32)]
+        leases = [(await service.lookup(session, keys, True, 1000)).lease_id for _ in range(n)]
+        now[0] += 2.0  # all of them past their deadline; the reaper has not run
+        assert (await service.lookup(session, keys, True, 60_000)).lease_id  # at the limit
+        left = n - EXPIRY_SLICE_LEASES
+        assert service.sessions.lease_count == left + 1
+        due = [x for x in leases if x in {x.lease_id for x in service.sessions.leases()}]
+        with pytest.raises(NotFound):  # past its deadline: released, that one only
+            service.release(session, due[0])
+        assert service.sessions.lease_count == left
+        assert service._lease_for(session, due[1]) is None  # a Get's, likewise
+        assert service.sessions.lease_count == left - 1
+
+        counts: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                counts.append(service.sessions.lease_count)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.sleep(0)
+        assert await service.reap_leases() == left - 2
+        watcher.cancel()
+        counts.append(service.sessions.lease_count)
+        assert counts[0] == left - 1 and counts[-1] == 1  # the live lease stays
+        assert (-np.diff(counts)).max() <= EXPIRY_SLICE_LEASES
+        assert store.pins == 1
+        assert store.counters.get("leases_expired") == n
+
+    asyncio.run(run())
+
+
 def test_leases_of_one_block_ending_together_give_back_each_pin_and_the_budget_charge():
     """The one call that unpins many leases (see above) takes as many pins off a block as
     leases pinned it, and the block's charge against its tenant's hint budget goes back
@@ -621,8 +670,8 @@ def test_regression_an_admin_session_bound_in_many_tenants_rebuilt_its_binds_eac
 
 
 def test_leases_of_two_sessions_on_the_same_blocks_released_expired_and_closed_together():
-    """Leases of two sessions pinning the same blocks, one released while three others expire
-    in the same pass and the rest ending with their sessions, leave every pin, every hint
+    """Leases of two sessions pinning the same blocks, one released, three others expired in
+    one pass of the reaper and the rest ending with their sessions, leave every pin, every hint
     budget charge and the tenant's lease bytes where the live leases say."""
 
     async def run() -> None:
@@ -643,7 +692,8 @@ def test_leases_of_two_sessions_on_the_same_blocks_released_expired_and_closed_t
             budget = store.hint_budget
             assert int(store.table.pins.sum()) == 2 + 2 + 1 + 2 + 2 + 1
             now[0] += 2.0
-            service.release(first, released)  # three others expire in the same pass
+            service.release(first, released)
+            assert service.expire_leases() == 3  # the reaper's pass
             assert int(store.table.pins.sum()) == 3
             assert store.check() == []
             t = time.monotonic()

@@ -41,9 +41,10 @@ def test_expiry_returns_each_lease_once_in_deadline_order():
     early = reg.add_lease(s.session_id, np.array([2]), 2.0)
     released = reg.add_lease(s.session_id, np.array([3]), 1.0)
     reg.pop_lease(s.session_id, released.lease_id)
-    assert reg.pop_expired(1.5) == []
-    assert [x.lease_id for x in reg.pop_expired(6.0)] == [early.lease_id, late.lease_id]
-    assert reg.pop_expired(7.0) == []
+    assert reg.pop_expired(1.5, 10) == []
+    assert [x.lease_id for x in reg.pop_expired(6.0, 1)] == [early.lease_id]  # at most 1
+    assert [x.lease_id for x in reg.pop_expired(6.0, 10)] == [late.lease_id]
+    assert reg.pop_expired(7.0, 10) == []
     with pytest.raises(NotFound):
         reg.pop_lease(s.session_id, early.lease_id)
 
