@@ -1367,8 +1367,9 @@ def test_regression_one_read_eio_refused_writes_until_a_restart(
         assert health.state is Health.DEGRADED_IO and "EIO" in health.detail
         assert health.retry_due
         after = _persist(tier, make_block, list(range(4, 8)), 4096)
-        assert tier.health().state is Health.OK
+        assert tier.health().state is Health.DEGRADED_IO  # a write does not say reads work
         assert _read(tier, after) == {i: b[2] for i, b in after.items()}
+        assert tier.health().state is Health.OK
         assert tier.stats().gauges["quarantined_slots"] == 4
         faulty_files.fail("preadv", errno.EIO, times=1)
         assert _read(tier, after) == dict.fromkeys(after)
@@ -1380,6 +1381,30 @@ def test_regression_one_read_eio_refused_writes_until_a_restart(
         health = tier.health()
         assert health.state is Health.DEGRADED_IO and not health.retry_due
         assert health.detail.startswith("eio: write")
+
+
+def test_regression_a_disk_failing_every_read_flapped_between_degraded_and_ok(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A disk that fails every read but takes writes: the write batch let through once per
+    ``enospc_retry_s`` ended the failed read's fault, so the tier went ok, then degraded at
+    the next read, and so on: an operator saw it flap. A write says nothing of reads: the
+    tier stays degraded while reads fail, and a read batch that succeeds whole ends it."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=0.0) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+        faulty_files.fail("preadv", errno.EIO)
+        states = []
+        for round in range(3):
+            assert _read(tier, blocks) == dict.fromkeys(blocks)
+            states.append(tier.health().state)
+            ids = list(range(4 * round + 4, 4 * round + 8))
+            blocks = _persist(tier, make_block, ids, 4096)  # the batch let through
+            states.append(tier.health().state)
+        assert states == [Health.DEGRADED_IO] * 6
+        assert tier.stats().counters["committed_blocks"] == 16
+        faulty_files.clear()
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+        assert tier.health().state is Health.OK
 
 
 def test_fdatasync_failure_fails_the_batch(

@@ -6,10 +6,13 @@ disk) and an index locked by another process past the busy timeout (SQLITE_BUSY:
 that keeps the checkpoint from finishing) degrade it until a write gets through again (one
 write batch per ``enospc_retry_s`` is let through to find out). So does a failed read of data
 blocks (kind ``read``, whatever its errno; a full disk's or a lock's fault stays in its place,
-as no release may end it): its slots are quarantined by the tier, and the batch
-let through finds out whether the disk still takes writes (written, synced and committed: the
-tier is whole again; a write or sync that fails turns the fault into one that lasts), or a
-release of quarantined slots whose every check passed (``read_checked``). EIO and
+as no release may end it): its slots are quarantined by the tier, and it lasts until reads
+succeed again: a read batch whose every block was read and verified (``read_succeeded``), or a
+release of quarantined slots whose every check passed (``read_checked``). A write is no such
+proof: a disk that fails every read but takes writes stays degraded (were the batch let
+through to end it, the tier went degraded and back to ok once per ``enospc_retry_s``). That
+batch still finds out whether the disk takes writes: a write or sync that fails turns the
+fault into one that lasts. EIO and
 other faults of writes, syncs and the index degrade it until it is reopened. Reads are served
 while degraded.
 
@@ -146,12 +149,21 @@ class FaultState:
 
     def read_checked(self) -> None:
         """Extents were written, synced and read back, and the index committed: a tier
-        degraded by a failed read is whole again (an idle one has no write batch to tell)."""
+        degraded by a failed read is whole again (one that reads nothing has no read to tell)."""
+        self._end_read_fault("a release checked the quarantined extents")
+
+    def read_succeeded(self) -> None:
+        """A read batch was read and verified whole: a tier degraded by a failed read is whole
+        again (the disk reads)."""
+        if self._degraded is not None:  # read unlocked: every read batch asks
+            self._end_read_fault("a read succeeded")
+
+    def _end_read_fault(self, why: str) -> None:
         with self._lock:
             if self._degraded is None or self._degraded.kind != "read":
                 return
             self._degraded = None
-        log.warning("L2 tier admits writes again: a release checked the quarantined extents")
+        log.warning("L2 tier admits writes again: %s", why)
 
     def refuses_commits(self) -> bool:
         """Index commits stop on faults other than a full disk, a locked index or a failed
@@ -160,8 +172,10 @@ class FaultState:
             return self._degraded is not None and self._degraded.kind not in _PASSING
 
     def space_returned(self) -> None:
+        """An index commit succeeded: a full disk or a lock has cleared (a failed read has not:
+        see the module docstring)."""
         with self._lock:
-            if self._degraded is None or self._degraded.kind not in _PASSING:
+            if self._degraded is None or self._degraded.kind not in ("enospc", "locked"):
                 return
             self._degraded = None
         log.warning("L2 tier admits writes again: an index commit succeeded")
