@@ -14,7 +14,10 @@ Invariants:
 - A key counts as loaded only when every layer range of the job loaded it; a key whose part
   failed is simply not loaded (the job's ``error`` says why).
 - A save job stores each chain in order, one batch after the other, and stops a chain at its
-  first ``REJECTED_FULL``: a chain never has a hole that a later batch would fill.
+  first ``REJECTED_FULL``: a chain never has a hole that a later batch would fill. A durable
+  one reports, beside what the daemon holds, which of those blocks its disk tier wrote
+  (``JobStatus.persisted``, from each Put's per-key answer): a block held but not written
+  goes on being stored, in memory only.
 - ``pages_reusable`` is False once any part ended in a way that leaves the daemon possibly
   still copying (cancelled, deadline exceeded, connection lost, internal error). Then the
   job's pages must not be reused for other blocks: a late copy could write them (load) or
@@ -130,6 +133,10 @@ class JobStatus:
     elapsed_s: float
     ended_at: float | None = None
     """The ``time.monotonic()`` instant the job finished; None while it runs."""
+    persisted: np.ndarray | None = None
+    """Durable save jobs: ``persisted[i]``, whether key ``i``'s block is on the daemon's disk
+    tier, as its Put answered (False where the disk tier did not take or write it, and for a
+    key not held); None for other jobs."""
 
     @property
     def finished(self) -> bool:
@@ -219,7 +226,12 @@ class TransferPlan:
     """
 
     def __init__(
-        self, kind: JobKind, parts: list[Part], nkeys: int, ranges: list[tuple[int, int]]
+        self,
+        kind: JobKind,
+        parts: list[Part],
+        nkeys: int,
+        ranges: list[tuple[int, int]],
+        durable: bool = False,
     ) -> None:
         self.job_id = next(_job_ids)
         self.kind = kind
@@ -233,6 +245,8 @@ class TransferPlan:
         self._nkeys = nkeys
         # Load: per layer range, which keys it loaded. Save: row 0, which keys are held.
         self._done = np.zeros((max(1, len(ranges)) if kind is JobKind.LOAD else 1, nkeys), bool)
+        # Durable saves: which keys' blocks the disk tier wrote.
+        self._persisted = np.zeros(nkeys, bool) if durable else None
         self._pending_per_range = np.zeros(max(1, len(ranges)), dtype=np.int64)
         for p in parts:
             if kind is JobKind.LOAD:
@@ -305,7 +319,7 @@ class TransferPlan:
                 parts.append(Part(len(parts), "Put", req, first + start, n, chain=chain))
                 parent = req.keys[-1]
             first += nkeys
-        return cls(JobKind.SAVE, parts, first, [])
+        return cls(JobKind.SAVE, parts, first, [], durable)
 
     # ------------------------------------------------------------------ driving
 
@@ -347,6 +361,8 @@ class TransferPlan:
             statuses = np.asarray(answers, dtype=np.int64)
             held = statuses != int(PutStatus.REJECTED_FULL)
             self._done[0, sl] = held
+            if self._persisted is not None and len(response.persisted) == part.nkeys:
+                self._persisted[sl] = held & np.asarray(response.persisted, dtype=bool)
             chain = self._blocked[part.chain]
             chain.pop()
             if not held.all():
@@ -441,6 +457,7 @@ class TransferPlan:
             pages_reusable=self.finished and not self.dirty,
             elapsed_s=end - self.started,
             ended_at=self.ended_at,
+            persisted=None if self._persisted is None else self._persisted.copy(),
         )
 
 

@@ -21,9 +21,11 @@ from harness import DaemonFactory, DaemonProcess, entry_setting
 from kvtier.client import (
     FailedPreconditionError,
     InvalidArgumentError,
+    JobState,
     KvtierError,
     PoolLayout,
     PutStatus,
+    SaveSegment,
     SharedMemoryPool,
     Tier,
     UnavailableError,
@@ -235,6 +237,33 @@ def test_regression_durable_puts_of_one_tenant_at_its_l2_quota_all_persist(
         assert stats.counter("quota_rejections", tier="L2", tenant="ops") == 0
         assert stats.counter("quota_evictions", tier="L2", tenant="ops") == 200 - 8
         assert client.check().problems == []
+
+
+def test_regression_a_durable_save_job_did_not_say_which_blocks_l2_did_not_write(
+    daemon_factory, tmp_path
+):
+    # A save job's status said only which keys the daemon held: a durable one's blocks that
+    # L2 did not write (here 2 of 4 past the tenant's L2 quota of 2 blocks) looked saved as
+    # asked, and the vLLM connector's save_durable counted them so. Its status now carries
+    # each Put's per-key `persisted`, as put(durable=True) answers it.
+    d = daemon_factory(
+        *l2_args(tmp_path / "l2"),
+        *SMALL_L1,
+        f"tenants=[{{name: ops, uids: [0], admin: true, quotas: {{l2: {2 * BLOCK}}}}}]",
+        l1_bytes="32MiB",
+    )
+    chain = keys(4, 7100)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        status = client.submit_save(pool, [SaveSegment(chain, range(4))], durable=True).wait(30)
+        assert status.state is JobState.DONE and status.done.all()
+        assert status.persisted is not None and status.persisted.sum() == 2
+        assert client.lookup(chain).prefix_len == 4  # held: above the disk
+        on_disk = [k for k, p in zip(chain, status.persisted, strict=True) if p]
+        again = client.put(pool.pool_id, on_disk, range(2), durable=True)
+        assert again.persisted == [True, True]
+        plain = client.submit_save(pool, [SaveSegment(keys(1, 7101), [0])]).wait(30)
+        assert plain.done.all() and plain.persisted is None
 
 
 def test_regression_a_durable_put_of_keys_another_put_is_writing_persists_them(

@@ -790,7 +790,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         result = self.client.put(
             pool_id, keys, pages, parent_key=parent, durable=self.options.save_durable
         )
-        return [s != PutStatus.REJECTED_FULL for s in result.statuses]
+        held = [s != PutStatus.REJECTED_FULL for s in result.statuses]
+        if result.persisted is None:
+            return held
+        # save_durable: a page the disk tier did not write is not stored as SGLang asked.
+        return [h and p for h, p in zip(held, result.persisted, strict=True)]
 
     def _copy_out(self, start: int, dst: torch.Tensor) -> None:
         view = self._host_pool.get_data_page(start, flat=False)

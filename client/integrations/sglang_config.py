@@ -114,8 +114,9 @@ class StorageOptions:
     staging_bytes: int = 256 << 20
     """Shared-memory staging pool (legacy calls, and host pools not in shared memory)."""
     save_durable: bool = False
-    """A store answers only once the daemon's disk tier has written its pages; a page it
-    could not write still counts as stored (the daemon holds it above the disk)."""
+    """A store answers only once the daemon's disk tier has written its pages; a page it did
+    not write (no room there, the disk degraded) is answered not stored (``False``), though
+    the daemon holds it above the disk; a staged store goes no further in its chain."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageOptions:

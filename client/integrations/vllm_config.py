@@ -117,7 +117,8 @@ class ConnectorConfig:
     """Tiers a load may come from; a block found only in another tier ends the hit."""
     save_durable: bool = False
     """Ask the daemon to answer saves only once its disk tier has written them; a block it
-    could not write still counts as saved (the daemon holds it above the disk)."""
+    did not write (no room there, the disk degraded) is held above the disk and counted in
+    ``save_blocks_not_durable`` (warned of at most every ``OVER_LIMIT_WARN_S``)."""
     layer_groups: int = 8
     """A load is split into this many layer ranges (at most one per layer)."""
     min_load_blocks: int = 1

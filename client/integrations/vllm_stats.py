@@ -48,6 +48,8 @@ COUNTERS: dict[str, str] = {
     "save_blocks_dropped": "Computed blocks not stored (no staging page, kvtier paused, "
     "max_save_jobs reached, or after such a gap in their request's chain)",
     "save_blocks_withheld": "Blocks not stored because computed over a failed load",
+    "save_blocks_not_durable": "Blocks stored with save_durable that the daemon's disk tier "
+    "did not write (held in memory only)",
     "save_jobs_failed": "Save jobs that ended in an error",
     "saves_over_limit": "Saves dropped because max_save_jobs jobs were in flight",
     "staging_retired": "Staging pools retired after a transfer ended uncleanly",

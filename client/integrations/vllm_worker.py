@@ -50,7 +50,8 @@ Invariants:
   failed block is fresh again once a step has computed it for a request not tainted.
 - A request whose block this worker did not store (cut, paused, failed) has a gap in its
   chain here: none of its later blocks is stored (the gap is forgotten once vLLM has
-  finished the request).
+  finished the request). With ``save_durable``, a block the daemon holds but its disk tier
+  did not write is no gap (the chain is held); it is counted in ``save_blocks_not_durable``.
 - A staging page is reused only after its transfer ended cleanly; a transfer that timed out
   or lost its daemon retires the whole staging pool (see ``staging``). On a GPU, the next
   pool is made only once the daemon's fence of the retired one's memory has ended (kvtier is
@@ -227,6 +228,8 @@ class WorkerSide:
         self._warned_dropped = False
         self._over_limit_warn_at = 0.0  # no max_save_jobs warning before (time.monotonic())
         self._over_limit_blocks = 0  # blocks dropped at max_save_jobs since that warning
+        self._not_durable_warn_at = 0.0  # no save_durable warning before (time.monotonic())
+        self._not_durable_blocks = 0  # blocks saved but not on disk since that warning
         self._sending: set[str] = set()  # finish-saves copied, to report
         self._finished_seen: set[str] = set()
         self._recving: set[str] = set()
@@ -236,6 +239,7 @@ class WorkerSide:
             "save_blocks": 0,
             "save_blocks_dropped": 0,
             "save_blocks_withheld": 0,
+            "save_blocks_not_durable": 0,
             "save_jobs_failed": 0,
             "saves_over_limit": 0,
             "staging_retired": 0,
@@ -949,9 +953,33 @@ class WorkerSide:
             if status.error is not None:
                 self.stats["save_jobs_failed"] += 1
                 self._broken.update(spec.req_id for spec in save.specs)
+            if status.persisted is not None:
+                self._count_not_durable(int(np.count_nonzero(status.done & ~status.persisted)))
             self._check_job(status, "save", save.arena)
             save.arena.free(save.pages)
         self._save_jobs = running
+
+    def _count_not_durable(self, n: int) -> None:
+        """Count a durable save's blocks the daemon holds but its disk tier did not write (no
+        room there, the disk degraded or failing), with one WARNING per ``OVER_LIMIT_WARN_S``
+        at most: the engine asked for them on disk, and they are in memory only."""
+        if not n:
+            return
+        self.stats["save_blocks_not_durable"] += n
+        self._not_durable_blocks += n
+        now = time.monotonic()
+        if now < self._not_durable_warn_at:
+            return
+        self._not_durable_warn_at = now + OVER_LIMIT_WARN_S
+        log.warning(
+            "kvtier connector: %d saved blocks are not on the daemon's disk tier though "
+            "save_durable asked for it (no room there, or the disk is degraded: see `kvtier "
+            "stats`); they are held in memory only (warned at most every %.0fs; the worker's "
+            "save_blocks_not_durable counts them all)",
+            self._not_durable_blocks,
+            OVER_LIMIT_WARN_S,
+        )
+        self._not_durable_blocks = 0
 
     # --------------------------------------------------------------- results
 

@@ -104,6 +104,26 @@ def test_save_plan_stops_a_chain_at_its_first_rejection():
     assert status.prefix_len == 1 and status.pages_reusable
 
 
+def test_a_durable_save_plan_reports_which_held_keys_are_on_disk():
+    """Each Put's per-key ``persisted`` reaches the status (a key not held, or never sent
+    after its chain stopped, is not on disk); a plan that is not durable reports None."""
+    keys = keys_for(5, "durable")
+    plan = TransferPlan.for_save([SaveSegment(keys, range(5))], max_batch=3, durable=True)
+    stored, exists, full = pb.PUT_STORED, pb.PUT_EXISTS, pb.PUT_REJECTED_FULL
+    (part,) = plan.take_ready()
+    plan.complete(part, pb.PutResponse(results=[stored, exists, stored], persisted=[1, 0, 1]))
+    (part,) = plan.take_ready()
+    plan.complete(part, pb.PutResponse(results=[stored, full], persisted=[0, 0]))
+    status = plan.status()
+    assert status.done.tolist() == [True, True, True, True, False]
+    assert status.persisted is not None
+    assert status.persisted.tolist() == [True, False, True, False, False]
+    plain = TransferPlan.for_save([SaveSegment(keys, range(5))], max_batch=8)
+    (part,) = plain.take_ready()
+    plain.complete(part, pb.PutResponse(results=[stored] * 5))
+    assert plain.status().persisted is None
+
+
 def test_load_plan_tracks_layers_and_failures():
     keys = keys_for(3, "plan-load")
     plan = TransferPlan.for_load([LoadSegment(keys, [0, 1, 2])], 4, max_batch=8, groups=2)
