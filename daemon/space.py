@@ -1636,7 +1636,10 @@ class SpaceManager:
             resident = len(level.policy)
             if excess <= 0 or resident == 0:
                 continue
-            n = max(1, int(np.ceil(excess / (alloc.used_bytes / resident))))
+            # The slot bytes a block takes on average: quarantined slots are in use, no
+            # block's (counted as filled above, as they hold room).
+            held = max(1, alloc.used_bytes - level.quarantined_bytes)
+            n = max(1, int(np.ceil(excess / (held / resident))))
             mask = self.evictable(level, now)
             waiting, until = self.balance_kept.get(level.kind, _NONE_KEPT)
             if len(waiting):

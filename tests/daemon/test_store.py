@@ -5437,3 +5437,44 @@ async def test_regression_a_kept_victim_was_passed_over_past_balance_retry_s(mak
     await store.balance()
     assert where(store, a) == ["L2"] * 4
     assert where(store, e) == ["L1"] * 4
+
+
+async def test_regression_a_balancing_pass_of_l2_evicted_too_few_with_slots_quarantined(
+    make_store, tmp_path
+):
+    """Regression: a balancing pass sizes its victims by the tier's bytes in use over its
+    blocks, and the bytes in use counted L2's quarantined slots, which no block holds: the
+    blocks looked that much larger, and a pass took too few (12 of the 20 blocks of L2 above
+    its low watermark, with 16 slots quarantined), leaving the tier above its watermark for
+    the next passes or a put's own eviction. The quarantined bytes are left out now."""
+    from kvtier.tiers.disk import DiskTier
+
+    clock = Clock()
+    disk = DiskTier(tmp_path / "l2", 4 * SEG, SEG, file_bytes=4 * SEG)  # 64 slots of 4 KiB
+    store = make_store(
+        clock,
+        l2=disk,
+        sets=("tiers.l2.high_watermark=0.5", "tiers.l2.low_watermark=0.25"),
+    )
+    pool = make_pool()
+    await store.recover()
+    bad = keys(16)
+    await put(store, pool, bad)
+    await store.evict(0, bad, TierKind.HOST)
+    l2 = store.stack.levels[1]
+    for ref in store.table.lookup(0, bad).tolist():
+        path, offset = disk.slot_location(int(store.table.slot[ref, l2.col]))
+        with open(path, "r+b") as f:
+            f.seek(offset + 100)
+            f.write(b"\xff" * 16)
+    assert await get(store, pool, bad, range(16)) == [False] * 16  # checksum misses
+    assert len(disk.quarantined()) == 16
+    kept = keys(20)
+    for part in (kept[:16], kept[16:]):
+        await put(store, pool, part)
+        await store.evict(0, part, TierKind.HOST)
+    assert where(store, kept) == ["L2"] * 20
+    clock.now += 10
+    await store.balance()
+    # 36 of 64 slots filled, the low watermark 16: every block goes.
+    assert store.counters.get("watermark_evictions", tier="L2") == 20
