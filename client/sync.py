@@ -459,16 +459,25 @@ class Client:
     def close(self) -> None:
         """Close the client. In a forked child it only marks the child's copy closed: the
         session, its pools and the channel are the parent's. Sessions it gave up that no
-        OpenSession has named yet are named first (``_name_given_up``)."""
+        OpenSession has named yet are named on a thread of its own (``_name_given_up``)."""
         if not in_own_process(self._pid):
             self._closed = True  # not under _lock: another thread may have held it at fork
             return
-        self._name_given_up()
         with self._lock:
             self._closed = True
             call, self._session_call, self._session_id = self._session_call, None, ""
             channel, suspect = self._channel, self._held["suspect"]
+            given_up, self._given_up = self._given_up, []
+            tickets, self._given_up_tickets = self._given_up_tickets, []
         self._finalizer.detach()  # closed here: collected, it is not closed again
+        if given_up or tickets:  # RuntimeError: no new thread at the interpreter's exit
+            with contextlib.suppress(RuntimeError):
+                threading.Thread(
+                    target=self._name_given_up,
+                    args=(given_up, tickets),
+                    name="kvtier-given-up",
+                    daemon=True,
+                ).start()
         if suspect:  # ending it may wait for ever (see ``interrupted``)
             _closer.discard(channel, call)
             return
@@ -476,25 +485,24 @@ class Client:
             call.cancel()
         channel.close()
 
-    def _name_given_up(self) -> None:
-        """Have the daemon end the sessions this client gave up that no OpenSession has named
-        yet (``_given_up``, see ``_replace_if_suspect``), in a session opened for that and
-        ended at once: a client closed before its next session left them open until the
-        process exited, their leases until they expired, their pools and slots of
-        ``server.max_sessions_per_tenant``. Nothing is sent otherwise, nor on a channel an
-        interruption left suspect; a failure leaves them as they were. Never waits for a
-        session another thread opens (close() ends that wait): that one names them."""
-        if not self._given_up or not self._open_lock.acquire(blocking=False):
-            return
+    def _name_given_up(self, given_up: list[str], tickets: list[bytes]) -> None:
+        """Have the daemon end ``given_up``, sessions this closed client gave up that no
+        OpenSession named (see ``_replace_if_suspect``), and those its given-up ``tickets``
+        opened, in a session opened for that on a channel of its own and ended at once: a
+        client closed before its next session left
+        them open until the process exited, their leases until they expired, their pools
+        and slots of ``server.max_sessions_per_tenant``. On a thread of its own: close()
+        waited for that session, the client's whole timeout on a hung daemon (the one a
+        Ctrl-C gave up the channel of, which a ``with`` block then closes). A failure leaves
+        them as they were: the process's exit ends them."""
+        channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         try:
-            if not self._given_up or self._closed or self._held["suspect"]:
-                return
-            _, call = self._open_session()
-        except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
-            return
+            _, call = self._open_session(pb_grpc.KVTierStub(channel), given_up, tickets)
+            call.cancel()
+        except KvtierError:
+            pass
         finally:
-            self._open_lock.release()
-        call.cancel()
+            channel.close()
 
     def interrupted(self, error: BaseException, *calls: Any) -> None:
         """Note that something other than a call's error (a KeyboardInterrupt, or whatever
@@ -569,8 +577,10 @@ class Client:
                     return session_id  # another thread opened it meanwhile
             while True:
                 stub = self._stub
+                with self._lock:
+                    given_up, tickets = list(self._given_up), list(self._given_up_tickets)
                 try:
-                    first, call = self._open_session()
+                    first, call = self._open_session(stub, given_up, tickets)
                     break
                 except (KvtierError, ValueError):  # ValueError: the channel closed meanwhile
                     if self._closed:
@@ -583,6 +593,8 @@ class Client:
                 if self._closed:
                     call.cancel()
                     raise closed_error()
+                del self._given_up[: len(given_up)]  # the daemon has ended them
+                del self._given_up_tickets[: len(tickets)]
                 self._session_id, self._session_call = first.session_id, call
                 self._held["call"] = call
                 self._tenant, self._admin = first.tenant, first.admin
@@ -636,11 +648,12 @@ class Client:
         _ = self.session_id
         return self._admin
 
-    def _open_session(self) -> tuple[Any, Any]:
-        """(first event, call) of a new session's stream."""
+    def _open_session(
+        self, stub: Any, given_up: list[str], given_up_tickets: list[bytes]
+    ) -> tuple[Any, Any]:
+        """(first event, call) of a new session's stream on ``stub``, naming ``given_up`` and
+        ``given_up_tickets``."""
         tickets = credentials.SessionTickets(credentials.cred_socket_path(self.address))
-        with self._lock:
-            given_up, given_up_tickets = list(self._given_up), list(self._given_up_tickets)
         request = t.build_request(
             pb.OpenSessionRequest,
             client_name=self.client_name,
@@ -654,7 +667,7 @@ class Client:
         # never saw it, so its ticket is unspent, but it expires (a new one past its age).
         resends = Resends(self.timeout_s)
         try:
-            while (opened := self._send_open_session(request, resends)) is None:
+            while (opened := self._send_open_session(stub, request, resends)) is None:
                 if tickets.due():
                     request.credential_ticket = tickets.fetch(resends.left_s())
         except Exception:
@@ -667,15 +680,14 @@ class Client:
                     del self._given_up_tickets[:-MAX_GIVEN_UP_TICKETS]
             self.interrupted(e)
             raise
-        with self._lock:  # the daemon has ended them (none is named again)
-            del self._given_up[: len(given_up)]
-            del self._given_up_tickets[: len(given_up_tickets)]
         return opened
 
-    def _send_open_session(self, request: Any, resends: Resends) -> tuple[Any, Any] | None:
+    def _send_open_session(
+        self, stub: Any, request: Any, resends: Resends
+    ) -> tuple[Any, Any] | None:
         """(first event, call) of one OpenSession, or None after a pause when the daemon's
         gRPC refused it unrun and the client's timeout leaves time to send it again."""
-        call = self._stub.OpenSession(request)
+        call = stub.OpenSession(request)
         # The stream has no deadline (it lives as long as the session), but its first event
         # must come within the client's timeout: a daemon that is hung must not hang us.
         timer = threading.Timer(resends.left_s(), call.cancel)

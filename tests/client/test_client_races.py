@@ -224,9 +224,9 @@ def test_regression_a_job_answer_waited_for_a_session_being_opened(own_daemon):
     started = threading.Event()
     open_session = client._open_session
 
-    def signalled_open_session() -> Any:
+    def signalled_open_session(*args: Any) -> Any:
         started.set()
-        return open_session()
+        return open_session(*args)
 
     client._open_session = signalled_open_session  # type: ignore[method-assign]
     opened: list[str] = []

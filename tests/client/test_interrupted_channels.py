@@ -676,6 +676,31 @@ def test_regression_an_interrupt_as_grpcs_latency_hook_took_its_lock_hung_every_
     assert out.splitlines() == ["interrupted True", "lookup [0]", "new client [True]"], out
 
 
+def test_regression_close_after_a_ctrl_c_on_a_hung_daemon_waited_for_the_clients_timeout(
+    daemon,
+):
+    """A Ctrl-C in a call's wait on a hung daemon, then close() (a ``with`` block's exit, as
+    the Ctrl-C leaves it): close() named the given-up session first, in a session it opened
+    on that daemon, and so waited for the client's whole timeout (120 s here) before it
+    closed anything. The naming runs on a thread of its own, on a channel of its own; the
+    session still ends once the daemon answers again."""
+    with daemon.client(timeout_s=3) as observer, stored(daemon, 120) as (client, pool, pid):
+
+        def ctrl_c(frame: FrameType, event: str, arg: Any) -> None:
+            if event == "call" and in_grpc_call_on(frame, (GRPC_COMMON, "_wait_once")):
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            interrupted_under(ctrl_c, pinning_lookup, client, pool)
+            assert client._given_up
+            ends_in_time(client.close)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert settled_gauges(observer)[0] == 1
+
+
 # Another process's client: prints its session's id, then, once told, its session's id again.
 OTHER_PROCESS = """
 import sys
