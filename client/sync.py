@@ -488,10 +488,10 @@ class Client:
     def _name_given_up(self, given_up: list[str], tickets: list[bytes]) -> None:
         """Have the daemon end ``given_up``, sessions this closed client gave up that no
         OpenSession named (see ``_replace_if_suspect``), and those its given-up ``tickets``
-        opened, in a session opened for that on a channel of its own and ended at once: a
-        client closed before its next session left
-        them open until the process exited, their leases until they expired, their pools
-        and slots of ``server.max_sessions_per_tenant``. On a thread of its own: close()
+        opened (see ``_open_session``), in a session opened for that on a channel of its own
+        and ended at once: a client closed before its next session left them open until the
+        process exited, their leases until they expired, their pools and slots of
+        ``server.max_sessions_per_tenant``. On a thread of its own: close()
         waited for that session, the client's whole timeout on a hung daemon (the one a
         Ctrl-C gave up the channel of, which a ``with`` block then closes). A failure leaves
         them as they were: the process's exit ends them."""

@@ -574,21 +574,14 @@ def test_regression_a_session_given_up_stayed_open_when_its_client_closed_next(d
         assert client._given_up == []
 
 
-def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_stayed_open(
-    daemon_factory, monkeypatch
-):
-    """An interrupt that lands as the OpenSession's wait for its first event leaves gRPC's
-    lock (the event taken, the lock held) gave up a session the daemon had opened and whose
-    id the client never read: nothing could name it, so it stayed open until the process
-    exited, one of server.max_sessions_per_tenant; with a limit of 2 and another client
-    open, the client's next call was refused (RESOURCE_EXHAUSTED). The next OpenSession now
-    names the given-up one's credential ticket, and the daemon ends the session it opened."""
+@pytest.fixture
+def ends_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The given-up channels and calls are ended only at the test's end, as where the
+    interrupt left a lock held that their ends take (there, never): the stream of the
+    session the client never knew stays open, whatever the lock held."""
     release = threading.Event()
 
     def held(end: Callable[..., None]) -> Callable[..., None]:
-        # The given-up channel and call are ended only at the test's end, as where the
-        # interrupt left a lock held that their ends take (there, never): the stream of the
-        # session the client never knew stays open, whatever the lock held.
         def end_at_release(*objects: Any) -> None:
             release.wait()
             end(*objects)
@@ -597,16 +590,44 @@ def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_stayed
 
     monkeypatch.setattr(sync_module, "_end_channel", held(sync_module._end_channel))
     monkeypatch.setattr(sync_module, "_cancel_calls", held(sync_module._cancel_calls))
-    d = daemon_factory("server.max_sessions_per_tenant=2")
     try:
-        with d.client(timeout_s=3) as client, d.client(timeout_s=3) as observer:
-            assert observer.stats().gauges["sessions"] == 1
-            interrupt_in_grpcs_lock("_next", lambda: client.session_id)
-            assert observer.stats().gauges["sessions"] == 2  # the one the interrupt ended
-            assert client.lookup([bytes(32)]).prefix_len == 0  # RESOURCE_EXHAUSTED before
-            assert observer.stats().gauges["sessions"] == 2
+        yield
     finally:
         release.set()
+
+
+def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_stayed_open(
+    daemon_factory, ends_held
+):
+    """An interrupt that lands as the OpenSession's wait for its first event leaves gRPC's
+    lock (the event taken, the lock held) gave up a session the daemon had opened and whose
+    id the client never read: nothing could name it, so it stayed open until the process
+    exited, one of server.max_sessions_per_tenant; with a limit of 2 and another client
+    open, the client's next call was refused (RESOURCE_EXHAUSTED). The next OpenSession now
+    names the given-up one's credential ticket, and the daemon ends the session it opened."""
+    d = daemon_factory("server.max_sessions_per_tenant=2")
+    with d.client(timeout_s=3) as client, d.client(timeout_s=3) as observer:
+        assert observer.stats().gauges["sessions"] == 1
+        interrupt_in_grpcs_lock("_next", lambda: client.session_id)
+        assert observer.stats().gauges["sessions"] == 2  # the one the interrupt ended
+        assert client.lookup([bytes(32)]).prefix_len == 0  # RESOURCE_EXHAUSTED before
+        assert observer.stats().gauges["sessions"] == 2
+
+
+def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_outlived_close(
+    daemon, ends_held
+):
+    """A client closed next, after an interrupt ended its OpenSession as above, did not
+    name that OpenSession's ticket: close() names what the client gave up only where it
+    gave up a session's id, so the session the daemon had opened stayed open until the
+    process exited. close() now names given-up tickets too."""
+    with daemon.client(timeout_s=3) as observer:
+        client = Client(daemon.address, timeout_s=3)
+        interrupt_in_grpcs_lock("_next", lambda: client.session_id)
+        assert observer.stats().gauges["sessions"] == 2  # the one the interrupt ended
+        ends_in_time(client.close)
+        assert settled_gauges(observer, bound_s=5)[0] == 1  # 2 before
+        assert client._given_up_tickets == []
 
 
 # A client interrupted as gRPC's latency hook enters its context (grpc/_observability.py
