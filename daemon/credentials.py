@@ -226,6 +226,20 @@ class TicketBook:
             )
         return ticket
 
+    def withdraw(self, secret: bytes, peer: PeerCred) -> None:
+        """Spend ``secret`` unused if it is an unspent session ticket of ``peer``'s process
+        (pid and uid): its client gave up the OpenSession that sent it, which may yet run;
+        spent, it opens no session that client no longer knows of. Nothing otherwise."""
+        digest = ticket_digest(secret)
+        ticket = self._tickets.get(digest)
+        if (
+            ticket is not None
+            and ticket.kind is TicketKind.SESSION
+            and (ticket.peer.pid, ticket.peer.uid) == (peer.pid, peer.uid)
+        ):
+            del self._tickets[digest]
+            self._forget(ticket)
+
     def give_back(self, secret: bytes, ticket: Ticket) -> None:
         """Make ``ticket``, redeemed with ``secret``, good again until it expires as it would
         have (see the module invariants), with its fd: the book owns the fd again, and the

@@ -311,17 +311,21 @@ class KVService:
         to ``tenant``, and tell ``ended`` of it: sessions its client gave up whose streams it
         could not end (a blocking client's channel that an interrupt left locked), which
         would otherwise live, with their leases and pools, until that process exits; by its
-        ticket where the interrupt came before the client read the session's id. Any other
-        id or ticket (another process's or tenant's session, one ended already, none at all)
-        is ignored: a session id lets a request act as that session, but a session never
-        ends another client's. Nothing is ended for a peer without credentials (TCP). A
-        daemon in a pid namespace of its own reads pid 0 for every peer outside it: there
-        the uid and tenant are checked, and the id or ticket itself is the client's.
+        ticket where the interrupt came before the client read the session's id (a named
+        ticket of that process not yet spent is spent unused: the OpenSession that sent it,
+        which may still be on its way, then opens nothing). Any other id or ticket (another
+        process's or tenant's session, one ended already, none at all) is ignored: a session
+        id lets a request act as that session, but a session never ends another client's.
+        Nothing is ended for a peer without credentials (TCP). A daemon in a pid namespace of
+        its own reads pid 0 for every peer outside it: there the uid and tenant are checked,
+        and the id or ticket itself is the client's.
 
         Ended as a reload ends one (``by_daemon``): the client sends the calls it had in it
         again, in a new session, so a registration being mapped gives its ticket back."""
         if peer is None:
             return
+        for ticket in tickets:  # one whose OpenSession has yet to run opens nothing
+            self.tickets.withdraw(ticket, peer)
         named = [*map(self.sessions.find, session_ids)]
         named += (self.sessions.opened_by(ticket_digest(ticket)) for ticket in tickets)
         for old in named:

@@ -193,6 +193,28 @@ def test_given_up_tickets_end_only_the_session_each_opened_of_the_same_process()
     assert service.sessions.opened_by(ticket_digest(mine)) is None
 
 
+def test_regression_a_given_up_ticket_named_before_its_opensession_ran_opened_a_session():
+    """An OpenSession its client gave up before the daemon ran it (the request in flight on a
+    channel an interrupt left locked, a busy daemon) can run after the client's next
+    OpenSession named its ticket: that found no session to end, the client forgot the
+    ticket, and the late OpenSession opened a session nobody could name, open until the
+    process exited. A named ticket not yet spent is now spent there, so it opens nothing;
+    another process's stays good."""
+    service, tickets = _service(SlowStore())
+    other = PeerCred(pid=2, uid=1000, gid=1000)
+    late, theirs = tickets.issue(TicketKind.SESSION, PEER), tickets.issue(TicketKind.SESSION, other)
+    service.open_session(
+        "t",
+        tickets.issue(TicketKind.SESSION, PEER),
+        unix_socket=True,
+        given_up_tickets=[late, theirs],
+    )
+    with pytest.raises(Unauthenticated):  # opened a session before
+        service.open_session("t", late, unix_socket=True)
+    assert service.open_session("t", theirs, unix_socket=True).peer == other
+    assert len(tickets) == 0
+
+
 def test_regression_a_session_could_hold_leases_without_bound():
     """Pinning lookups of the longest lease in a loop grew the daemon by every lease's refs
     (80 MB in 20 s from one client, up to gigabytes within lease_max_ms). A session now
