@@ -523,14 +523,14 @@ class Client:
         cancelled on a thread of their own instead, and kept until that ends (see
         ``_ChannelCloser``). The generator contexts that ``error`` entered but left before
         their ``with`` began are ended here, on the thread that entered them
-        (``end_entered_contexts``)."""
+        (``end_entered_contexts``), after the mark."""
         if calls:
             _closer.keep(*calls)
         if getattr(error, "_kvtier_noted", False):
             return
         error._kvtier_noted = True  # type: ignore[attr-defined]
-        end_entered_contexts(error)
         self._held["suspect"] = True
+        end_entered_contexts(error)
         self._replace_if_suspect()
 
     def _replace_if_suspect(self) -> None:

@@ -722,6 +722,28 @@ def test_regression_close_after_a_ctrl_c_on_a_hung_daemon_waited_for_the_clients
         assert settled_gauges(observer)[0] == 1
 
 
+def test_regression_an_interrupt_as_the_client_ended_entered_contexts_kept_the_channel(
+    daemon, monkeypatch
+):
+    """interrupted() ended the contexts an interrupt entered (end_entered_contexts) before
+    it marked the channel suspect: a second interrupt there (a SIGINT storm's), or an error
+    of a context's end, left the mark unset, so the client kept the channel the first one
+    may have left locked, and its next call used it. The mark comes first again."""
+    with daemon.client(timeout_s=3) as client:
+        client.health()
+        channel = client._channel
+
+        def interrupted_again(error: BaseException) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(sync_module, "end_entered_contexts", interrupted_again)
+        with pytest.raises(KeyboardInterrupt):
+            client.interrupted(KeyboardInterrupt())
+        monkeypatch.undo()
+        assert client.lookup([bytes(32)]).prefix_len == 0
+        assert client._channel is not channel  # the same channel before
+
+
 # Another process's client: prints its session's id, then, once told, its session's id again.
 OTHER_PROCESS = """
 import sys
