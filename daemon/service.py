@@ -92,9 +92,10 @@ MAX_CHECK_LIST = 1000
 # sent at all (RESOURCE_EXHAUSTED) when the operator needs it most.
 CHECK_KEY_BYTES = 34
 CHECK_SLOT_BYTES = 10
-# The leases past their deadline one step of the event loop releases (the reaper's slice,
-# and what a call at a lease limit releases first): some 5-10 ms. A tenant may hold some
-# 130,000 leases (server.max_lease_bytes_per_tenant); released in one step when they expired
+# The expiry entries past their deadline one step of the event loop pops (a slice of the
+# reaper's, or of a pinning Lookup's at a lease limit): of live leases, which it releases, or
+# of released ones, which stay in the heap until their deadline; some 5-10 ms. A tenant may
+# hold some 130,000 leases (server.max_lease_bytes_per_tenant); released in one step when they expired
 # together, at 5-11 us each here (mostly the expiry heap's pops; their pins go back in one
 # store call), they held every other client's calls for 0.6-1.4 s.
 EXPIRY_SLICE_LEASES = 1024
@@ -657,9 +658,10 @@ class KVService:
         return await self.store.evict(space.ns, words, kind)
 
     def expire_leases(self, limit: int = EXPIRY_SLICE_LEASES) -> int:
-        """Release the leases past their deadline, earliest first, at most ``limit`` of them
-        (the reaper calls again, after a turn of the event loop, while a call releases as
-        many: see ``EXPIRY_SLICE_LEASES``); returns how many it released."""
+        """Release the leases past their deadline, earliest first, looking at most ``limit``
+        expiry entries (``SessionRegistry.pop_expired``; the reaper calls again, after a turn
+        of the event loop, while a call at a limit looks at as many: see
+        ``EXPIRY_SLICE_LEASES``); returns how many it released."""
         expired = self.sessions.pop_expired(self._clock(), limit)
         if not expired:  # the common case, now on every Get under a lease and every Release
             return 0
@@ -669,13 +671,13 @@ class KVService:
 
     async def reap_leases(self) -> int:
         """The reaper's pass: every lease past its deadline released, ``EXPIRY_SLICE_LEASES``
-        at a time with a turn of the event loop between slices, as a Check examines its
-        rows; returns how many."""
-        total = 0
-        while (n := self.expire_leases(EXPIRY_SLICE_LEASES)) == EXPIRY_SLICE_LEASES:
-            total += n
+        expiry entries at a time with a turn of the event loop between slices, as a Check
+        examines its rows; returns how many."""
+        total = self.expire_leases()
+        while self.sessions.expiry_due(self._clock()):
             await asyncio.sleep(0)
-        return total + n
+            total += self.expire_leases()
+        return total
 
     def _unpin_all(self, leases: list[Lease]) -> None:
         """Unpin the blocks of ``leases`` in one call: one call each (tens of microseconds)

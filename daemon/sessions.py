@@ -267,15 +267,23 @@ class SessionRegistry:
 
     def pop_expired(self, now: float, limit: int) -> list[Lease]:
         """End and return the leases whose deadline is at or before ``now``, earliest first,
-        at most ``limit`` of them (the caller releases the rest in later steps)."""
+        looking at most ``limit`` expiry entries: a released lease's entry counts too, since
+        the pop is the cost (the caller releases the rest in later steps, see
+        ``expiry_due``)."""
         expired: list[Lease] = []
-        while self._expiry and self._expiry[0][0] <= now and len(expired) < limit:
-            _, lease_id = heapq.heappop(self._expiry)
-            lease = self._leases.get(lease_id)
+        expiry = self._expiry
+        for _ in range(limit):
+            if not expiry or expiry[0][0] > now:
+                break
+            lease = self._leases.get(heapq.heappop(expiry)[1])
             if lease is not None:
                 self.end_lease(lease)
                 expired.append(lease)
         return expired
+
+    def expiry_due(self, now: float) -> bool:
+        """Whether an expiry entry (of a live lease or a released one) is due at ``now``."""
+        return bool(self._expiry) and self._expiry[0][0] <= now
 
     def end_lease(self, lease: Lease) -> None:
         """End the live ``lease`` whatever its session (one past its deadline; its heap entry

@@ -9,8 +9,9 @@ import os
 import threading
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ from kvtier.tiers.host import HostArena
 from kvtier.tiers.memory import MemoryKeyTier, MemoryTier
 
 PEER = PeerCred(pid=1, uid=1000, gid=1000)
+T = TypeVar("T")
 
 
 class SlowStore:
@@ -99,6 +101,37 @@ def _service(
 def _open(service: KVService, tickets: TicketBook) -> str:
     ticket = tickets.issue(TicketKind.SESSION, PEER)
     return service.open_session("t", ticket, unix_socket=True).session_id
+
+
+def _leasing(max_leases_per_session: int) -> tuple[SlowStore, KVService, TicketBook, list[float]]:
+    """A SlowStore that answers at once, its service under ``server.max_leases_per_session``
+    and the clock ``now[0]`` (from 100.0): store, service, tickets, now."""
+    store = SlowStore()
+    store.release.set()
+    now = [100.0]
+    config = load_config(None, [f"server.max_leases_per_session={max_leases_per_session}"])
+    service, tickets = _service(store, config, clock=lambda: now[0])
+    return store, service, tickets, now
+
+
+async def _each_step(read: Callable[[], int], call: Awaitable[T]) -> tuple[T, list[int]]:
+    """``call``'s result and ``read()`` at each turn of the event loop while it ran, the
+    first before it began and the last after it ended."""
+    seen: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            seen.append(read())
+            await asyncio.sleep(0)
+
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.sleep(0)
+    try:
+        result = await call
+    finally:
+        watcher.cancel()
+    seen.append(read())
+    return result, seen
 
 
 @contextlib.asynccontextmanager
@@ -361,12 +394,8 @@ def test_regression_leases_expiring_together_were_released_in_one_step_of_the_ev
     a call at a limit one slice, and a call naming a lease that lease alone."""
 
     async def run() -> None:
-        store = SlowStore()
-        store.release.set()
-        now = [100.0]
         n = 2 * EXPIRY_SLICE_LEASES + 5
-        config = load_config(None, [f"server.max_leases_per_session={n}"])
-        service, tickets = _service(store, config, clock=lambda: now[0])
+        store, service, tickets, now = _leasing(n)
         session = _open(service, tickets)
         keys = [bytes(32)]
         leases = [(await service.lookup(session, keys, True, 1000)).lease_id for _ in range(n)]
@@ -380,23 +409,46 @@ def test_regression_leases_expiring_together_were_released_in_one_step_of_the_ev
         assert service.sessions.lease_count == left
         assert service._lease_for(session, due[1]) is None  # a Get's, likewise
         assert service.sessions.lease_count == left - 1
-
-        counts: list[int] = []
-
-        async def watch() -> None:
-            while True:
-                counts.append(service.sessions.lease_count)
-                await asyncio.sleep(0)
-
-        watcher = asyncio.ensure_future(watch())
-        await asyncio.sleep(0)
-        assert await service.reap_leases() == left - 2
-        watcher.cancel()
-        counts.append(service.sessions.lease_count)
+        reaped, counts = await _each_step(
+            lambda: service.sessions.lease_count, service.reap_leases()
+        )
+        assert reaped == left - 2
         assert counts[0] == left - 1 and counts[-1] == 1  # the live lease stays
         assert (-np.diff(counts)).max() <= EXPIRY_SLICE_LEASES
         assert store.pins == 1
         assert store.counters.get("leases_expired") == n
+
+    asyncio.run(run())
+
+
+def test_regression_released_leases_past_their_deadline_were_popped_in_one_slice():
+    """A slice of lease expiry (EXPIRY_SLICE_LEASES) counted only the live leases it released:
+    the expiry heap's entries of leases released before their deadline, which stay there
+    until it comes up (up to twice the live leases and 1,024 before a Release compacts it),
+    were all popped in the reaper's first step, however many. A tenant that took 129,000
+    leases of one deadline and released them, while it or another held as many longer ones,
+    had that step pop 129,000 entries: the stall the slices end. A slice now pops at most
+    EXPIRY_SLICE_LEASES entries, live or released."""
+
+    async def run() -> None:
+        n = 3 * EXPIRY_SLICE_LEASES
+        store, service, tickets, now = _leasing(2 * n)
+        session = _open(service, tickets)
+        keys = [bytes(32)]
+        for _ in range(n):
+            await service.lookup(session, keys, True, 60_000)
+        due = [(await service.lookup(session, keys, True, 1000)).lease_id for _ in range(n)]
+        for lease_id in due:
+            service.release(session, lease_id)
+        assert len(service.sessions._expiry) == 2 * n  # not compacted: n live, 2n entries
+        now[0] += 2.0
+        reaped, sizes = await _each_step(
+            lambda: len(service.sessions._expiry), service.reap_leases()
+        )
+        assert reaped == 0
+        assert sizes[0] == 2 * n and sizes[-1] == n
+        assert (-np.diff(sizes)).max() <= EXPIRY_SLICE_LEASES
+        assert service.sessions.lease_count == n and store.pins == n
 
     asyncio.run(run())
 
