@@ -613,14 +613,14 @@ class KVService:
         reaper releases it: a lease is gone at its deadline, not when the reaper (every
         0.25 s, in slices: daemon/server.py) comes to it, so that what a call naming it gets
         does not depend on the reaper's timing. Only the lease named: releasing every lease
-        past its deadline here held the loop for all of them (a tenant's 130,000 at once)."""
-        lease = self.sessions.lease_for(session_id, lease_id)
-        if lease is not None and lease.expires_at <= self._clock():
-            self.sessions.end_lease(lease)
-            self.store.unpin(lease.refs)
+        past its deadline here held the loop for all of them (a tenant's 130,000 at once).
+        Released before it is looked up, whoever took it: another tenant's lease past its
+        deadline is gone (None, NotFound for a Release), not PERMISSION_DENIED."""
+        if (due := self.sessions.due_lease(lease_id, self._clock())) is not None:
+            self.sessions.end_lease(due)
+            self.store.unpin(due.refs)
             self.store.counters.inc("leases_expired")
-            return None
-        return lease
+        return self.sessions.lease_for(session_id, lease_id)
 
     async def prefetch(
         self,

@@ -285,6 +285,12 @@ class SessionRegistry:
         """Whether an expiry entry (of a live lease or a released one) is due at ``now``."""
         return bool(self._expiry) and self._expiry[0][0] <= now
 
+    def due_lease(self, lease_id: int, now: float) -> Lease | None:
+        """The live lease ``lease_id`` if its deadline is at or before ``now``, whoever took
+        it (it is gone at its deadline: no caller may be told more of it)."""
+        lease = self._leases.get(lease_id)
+        return lease if lease is not None and lease.expires_at <= now else None
+
     def end_lease(self, lease: Lease) -> None:
         """End the live ``lease`` whatever its session (one past its deadline; its heap entry
         stays until that deadline comes up, as a released lease's does)."""

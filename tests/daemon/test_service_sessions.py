@@ -453,6 +453,49 @@ def test_regression_released_leases_past_their_deadline_were_popped_in_one_slice
     asyncio.run(run())
 
 
+def test_regression_another_tenants_lease_past_its_deadline_was_permission_denied():
+    """A Release or a Get naming another tenant's lease past its deadline answered NotFound,
+    as for any lease gone (all leases past their deadline were released before the lease
+    was looked up); once only the lease named was released (081e347), it was looked up
+    first, still live, and the Release and the Get were PERMISSION_DENIED until the reaper
+    came to it: what a call naming a lease got depended on the reaper's timing again. The
+    lease is released at its deadline first, as before."""
+
+    async def run() -> None:
+        store = SlowStore()
+        store.release.set()
+        now = [100.0]
+        tickets = TicketBook(FdCloser())
+        tenants = TenantDirectory(
+            [Tenant("alice", uids=frozenset({PEER.uid})), Tenant("bob", uids=frozenset({2000}))]
+        )
+        service = KVService(
+            Config(),
+            store,  # type: ignore[arg-type]
+            PoolRegistry("/dev/shm"),
+            SessionRegistry(),
+            tickets,
+            tenants,
+            clock=lambda: now[0],
+        )
+        alice = _open(service, tickets)
+        bob = service.open_session(
+            "b", tickets.issue(TicketKind.SESSION, PeerCred(2, 2000, 2000)), unix_socket=True
+        ).session_id
+        keys = [bytes(32)]
+        leases = [(await service.lookup(alice, keys, True, 1000)).lease_id for _ in range(2)]
+        with pytest.raises(PermissionDenied):  # live: another tenant's
+            service.release(bob, leases[0])
+        now[0] += 2.0  # both past their deadline; the reaper has not run
+        with pytest.raises(NotFound):
+            service.release(bob, leases[0])
+        assert service._lease_for(bob, leases[1]) is None  # a Get's: loads unleased
+        assert service.sessions.lease_count == 0 and store.pins == 0
+        assert store.counters.get("leases_expired") == 2
+
+    asyncio.run(run())
+
+
 def test_leases_of_one_block_ending_together_give_back_each_pin_and_the_budget_charge():
     """The one call that unpins many leases (see above) takes as many pins off a block as
     leases pinned it, and the block's charge against its tenant's hint budget goes back
