@@ -529,7 +529,7 @@ class KVService:
         lease_s = 0.0
         if pin:
             lease_s = self._lease_s(lease_ms)
-            self._check_lease_room(session)
+            await self._lease_room(session_id)
         # Blocks found only in a key-addressed tier join the table as the namespace's
         # tenant's, so their copies count to its usage and quotas.
         owner = self.store.owner_of(space.owner)
@@ -541,7 +541,7 @@ class KVService:
                 # The session may have ended while the lookup awaited; pinning for it then
                 # would leave pins no lease releases. Pinning lookups awaiting together
                 # passed the limits together: they are checked again.
-                self._check_lease_room(self.sessions.get(session_id), len(found))
+                await self._lease_room(session_id, len(found))
                 refs = self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id
@@ -1038,31 +1038,42 @@ class KVService:
             )
         return None if (begin, end) == (0, nlayers) else (begin, end)
 
-    def _check_lease_room(self, session: Session, blocks: int = 0) -> None:
-        """Refuse a new lease of ``blocks`` pinned blocks to a session at its limit, or whose
-        tenant's leases would pass theirs: every lease holds its pinned block refs (up to
-        32 KiB) until it ends, for up to ``lease_max_ms``, and a tenant may open
-        ``max_sessions_per_tenant`` sessions. Only live leases count: at a limit, leases
-        past their expiry that the reaper has not reached yet are released first, a slice
-        of them (``expire_leases``; the reaper releases the rest within its next pass)."""
-        limit = self.config.server.max_leases_per_session
-        cap = self.config.server.max_lease_bytes_per_tenant
-        need = lease_bytes(blocks)
-        key = session.limit_key
-        if len(session.leases) >= limit or self.sessions.tenant_lease_bytes(key) + need > cap:
+    async def _lease_room(self, session_id: str, blocks: int = 0) -> None:
+        """Return once a new lease of ``blocks`` pinned blocks fits the limits of open
+        session ``session_id`` and its tenant's, ResourceExhausted when it does not (every
+        lease holds its pinned block refs, up to 32 KiB, until it ends, for up to
+        ``lease_max_ms``, and a tenant may open ``max_sessions_per_tenant`` sessions). Only
+        live leases count: at a limit, the leases past their deadline that the reaper has not
+        reached yet are released first, a slice (``expire_leases``) a turn of the event loop,
+        until the lease fits or none is left; earliest first, whoever's, so one slice alone
+        refused a caller whose own came after others'. The last check and the return are one
+        step: the caller pins before another call can pass the limits."""
+        session = self.sessions.get(session_id)
+        while self._lease_refusal(session, blocks) and self.sessions.expiry_due(self._clock()):
             self.expire_leases()
+            await asyncio.sleep(0)
+            session = self.sessions.get(session_id)  # it may have ended meanwhile
+        if why := self._lease_refusal(session, blocks):
+            raise ResourceExhausted(why)
+
+    def _lease_refusal(self, session: Session, blocks: int) -> str:
+        """Why a new lease of ``blocks`` pinned blocks would pass ``session``'s limits, or ""."""
+        limit = self.config.server.max_leases_per_session
         if len(session.leases) >= limit:
-            raise ResourceExhausted(
+            return (
                 f"this session already holds {limit} leases, the most one session may hold "
                 "(server.max_leases_per_session); release some or let them expire"
             )
-        if (held := self.sessions.tenant_lease_bytes(key)) + need > cap:
-            raise ResourceExhausted(
+        cap = self.config.server.max_lease_bytes_per_tenant
+        need = lease_bytes(blocks)
+        if (held := self.sessions.tenant_lease_bytes(session.limit_key)) + need > cap:
+            return (
                 f"the leases of {_who(session)} hold {held} bytes of the daemon's memory "
                 f"({LEASE_BYTES} a lease, 8 a pinned block); {need} more would pass the {cap} "
                 "one tenant's leases may hold (server.max_lease_bytes_per_tenant); release "
                 "some or let them expire"
             )
+        return ""
 
     def _lease_s(self, lease_ms: int) -> float:
         if lease_ms == 0:

@@ -496,6 +496,43 @@ def test_regression_another_tenants_lease_past_its_deadline_was_permission_denie
     asyncio.run(run())
 
 
+def test_regression_a_lookup_at_its_limit_was_refused_behind_another_tenants_expired_leases():
+    """At a lease limit, a pinning Lookup released one slice of the leases past their
+    deadline (081e347), earliest first, whoever's: behind more than a slice of another
+    tenant's, a session whose every lease was past its deadline was RESOURCE_EXHAUSTED until
+    the reaper's pass came to its own, where "only live leases count". The Lookup now
+    releases a slice a turn of the event loop until its lease fits or none is past its
+    deadline; a limit that live leases fill still refuses."""
+
+    async def run() -> None:
+        n = 2 * EXPIRY_SLICE_LEASES
+        store, service, tickets, now = _leasing(n)
+        alice = _open(service, tickets)
+        bob = service.open_session(
+            "b", tickets.issue(TicketKind.SESSION, PeerCred(2, 2000, 2000)), unix_socket=True
+        ).session_id
+        keys = [bytes(32)]
+        for _ in range(n):
+            await service.lookup(bob, keys, True, 1000)
+        now[0] += 0.5
+        for _ in range(n):
+            await service.lookup(alice, keys, True, 1000)
+        with pytest.raises(ResourceExhausted):  # live: the limit holds
+            await service.lookup(alice, keys, True, 1000)
+        now[0] += 2.0  # all past their deadline, bob's first; the reaper has not run
+        lookup = service.lookup(alice, keys, True, 60_000)
+        outcome, counts = await _each_step(lambda: service.sessions.lease_count, lookup)
+        assert outcome.lease_id
+        assert (-np.diff(counts)).max() <= EXPIRY_SLICE_LEASES  # a slice a step
+        left = n - EXPIRY_SLICE_LEASES  # bob's two slices, then one of alice's: it fits
+        assert service.sessions.lease_count == left + 1 and store.pins == left + 1
+        assert await service.reap_leases() == left
+        assert service.sessions.lease_count == 1 and store.pins == 1
+        assert store.counters.get("leases_expired") == 2 * n
+
+    asyncio.run(run())
+
+
 def test_leases_of_one_block_ending_together_give_back_each_pin_and_the_budget_charge():
     """The one call that unpins many leases (see above) takes as many pins off a block as
     leases pinned it, and the block's charge against its tenant's hint budget goes back
