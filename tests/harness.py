@@ -234,6 +234,20 @@ def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:
     return ("-c", "\n".join(lines))
 
 
+def l2_quota_args(path: Path, quota_bytes: int) -> tuple[str, ...]:
+    """Overrides for a daemon with an L2 at ``path`` on which the tests' own tenant (their
+    uid's) may hold ``quota_bytes``: puts past it are held above the disk, not written."""
+    return (
+        "tiers.l2.enabled=true",
+        f"tiers.l2.path={path}",
+        "tiers.l2.capacity_bytes=16MiB",
+        "tiers.l2.segment_bytes=1MiB",
+        "tiers.l2.file_bytes=16MiB",
+        f"tenants=[{{name: ops, uids: [{os.getuid()}], admin: true, "
+        f"quotas: {{l2: {quota_bytes}}}}}]",
+    )
+
+
 def tenant_token(folder: Path, name: str) -> tuple[Path, str]:
     """A token file of tenant ``name`` in ``folder``, private to its owner as the daemon
     requires, and the ``tenants=`` override that declares the tenant by it."""
