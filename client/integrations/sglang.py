@@ -84,7 +84,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -117,6 +117,8 @@ from kvtier.kernels.layout import PoolLayout
 log = logging.getLogger(__name__)
 
 _STAGING_MAX_PAGES = 256  # two of SGLang's 128-page storage batches
+
+_T = TypeVar("_T")
 
 
 class _NoPool(Exception):
@@ -741,7 +743,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         """Store the host pool's pages named by ``host_indices`` under ``keys`` (one chain,
         continuing ``extra_info.prefix_keys`` when SGLang passes them); per page, whether
-        the daemon holds it now."""
+        it is stored as asked (see ``_put``)."""
         n = len(keys)
         if not self._ready(n, self._v1_refusals()):
             return [False] * n
@@ -750,20 +752,20 @@ class KVTierHiCacheStorage(HiCacheStorage):
             starts, pages = self._host_pages(host_indices, n)
             parent = self._parent(extra_info)
             if self.mode == "direct":
-                held = self._direct_call(
+                stored, _ = self._direct_call(
                     partial(self._put, keys=self._keys(keys), pages=pages, parent=parent)
                 )
             else:
-                held = self._store_staged(
+                stored = self._store_staged(
                     self._keys(keys), parent, lambda i, dst: self._copy_out(starts[i], dst)
                 )
         except Exception as e:
             self._failed("store", e)
             return [False] * n
-        self._account("backup", sum(held), start)
-        return held
+        self._account("backup", sum(stored), start)
+        return stored
 
-    def _direct_call(self, call: Callable[[int], list[bool]]) -> list[bool]:
+    def _direct_call(self, call: Callable[[int], _T]) -> _T:
         pool, pool_id = self._direct_pool()
         try:
             return call(pool_id)
@@ -786,15 +788,18 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def _put(
         self, pool_id: int, keys: list[bytes], pages: Sequence[int], parent: bytes
-    ) -> list[bool]:
+    ) -> tuple[list[bool], bool]:
+        """Per page, whether it is stored as asked: held by the daemon and, with
+        ``save_durable``, written by its disk tier (SGLang asked for it there); and whether
+        the daemon holds every page, so that the chain can go on (a page held but not
+        written is no gap in it)."""
         result = self.client.put(
             pool_id, keys, pages, parent_key=parent, durable=self.options.save_durable
         )
         held = [s != PutStatus.REJECTED_FULL for s in result.statuses]
         if result.persisted is None:
-            return held
-        # save_durable: a page the disk tier did not write is not stored as SGLang asked.
-        return [h and p for h, p in zip(held, result.persisted, strict=True)]
+            return held, all(held)
+        return [h and p for h, p in zip(held, result.persisted, strict=True)], all(held)
 
     def _copy_out(self, start: int, dst: torch.Tensor) -> None:
         view = self._host_pool.get_data_page(start, flat=False)
@@ -841,8 +846,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
         parent: bytes,
         fill: Callable[[int, torch.Tensor], None],
     ) -> list[bool]:
-        """Fill staging pages (``fill(i, page)`` writes page ``i``), then Put them."""
-        held = [False] * len(keys)
+        """Fill staging pages (``fill(i, page)`` writes page ``i``), then Put them; per
+        page, whether it is stored as asked (``_put``)."""
+        stored = [False] * len(keys)
         with self._staging_half() as (staging, step):
             for c0 in range(0, len(keys), step):
                 chunk = keys[c0 : c0 + step]
@@ -850,16 +856,16 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 try:
                     for j, page in enumerate(pages):
                         fill(c0 + j, staging.layer(0)[page])
-                    ok = self._staged_rpc(
+                    ok, held = self._staged_rpc(
                         staging, partial(self._put, keys=chunk, pages=pages, parent=parent)
                     )
                 finally:
                     staging.free(pages)
-                held[c0 : c0 + len(ok)] = ok
-                if not all(ok):
+                stored[c0 : c0 + len(ok)] = ok
+                if not held:
                     break  # a chain is stored from its head: the rest cannot follow
                 parent = chunk[-1]
-        return held
+        return stored
 
     @staticmethod
     def _alloc(staging: StagingPool, n: int) -> list[int]:
@@ -870,7 +876,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
             raise _StagingRetired(staging.generation)
         return pages
 
-    def _staged_rpc(self, staging: StagingPool, call: Callable[[int], list[bool]]) -> list[bool]:
+    def _staged_rpc(self, staging: StagingPool, call: Callable[[int], _T]) -> _T:
         if staging.retired and self.client.live_ids(staging.pool.binding) is None:
             # Retired by another transfer (e.g. refused when registered again, after a
             # daemon restart) and not held in the current session: registering it again
@@ -947,8 +953,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        """Store flat data pages ``values`` under ``keys`` (one chain); True if the daemon
-        holds every one now."""
+        """Store flat data pages ``values`` under ``keys`` (one chain); True if every one
+        is stored as asked (see ``_put``)."""
         n = len(keys)
         if not self._ready(n, self.refusals):
             return False
@@ -966,12 +972,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
             def fill(i: int, dst: torch.Tensor) -> None:
                 dst.copy_(pages[i].reshape(-1))
 
-            held = self._store_staged(self._keys(keys), b"", fill)
+            stored = self._store_staged(self._keys(keys), b"", fill)
         except Exception as e:
             self._failed("store", e)
             return False
-        self._account("backup", sum(held), start)
-        return all(held)
+        self._account("backup", sum(stored), start)
+        return all(stored)
 
     def set(
         self,

@@ -116,7 +116,8 @@ class StorageOptions:
     save_durable: bool = False
     """A store answers only once the daemon's disk tier has written its pages; a page it did
     not write (no room there, the disk degraded) is answered not stored (``False``), though
-    the daemon holds it above the disk; a staged store goes no further in its chain."""
+    the daemon holds it above the disk (no gap in its chain: the pages after it are stored
+    as usual)."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageOptions:

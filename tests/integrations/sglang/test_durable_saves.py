@@ -3,7 +3,8 @@
 controller's own backup code, a real kvtierd.
 
 The daemon holds every page it is sent; its disk writes the first two. A page held but not
-written is answered not stored (SGLang asked for it on disk).
+written is answered not stored (SGLang asked for it on disk), and is no gap in its chain:
+the pages after it are sent and held, whichever way they travel (zero copy or staged).
 """
 
 from __future__ import annotations
@@ -61,3 +62,28 @@ def test_regression_save_durable_answered_pages_its_disk_did_not_write_stored(
         assert plain.batch_set_v1(["not-durable"], src) == [True]
     finally:
         plain.close()
+
+
+def test_regression_a_staged_durable_store_stopped_at_a_page_its_disk_did_not_write(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """A staged durable store of 6 pages, 2 a Put (a staging pool of 4 pages), past the L2
+    quota of 2: the third and fourth pages are held but not written, and the store stopped
+    there as at a page the daemon refused, so the last 2 were not sent at all, where a
+    zero-copy store of the same batch has the daemon hold all 6. Now all 6 are held; the 4
+    not written are answered not stored."""
+    host = mha_host_pool("layer_first", "default")
+    size = page_bytes(host)
+    daemon = daemon_factory(*l2_quota_args(tmp_path / "l2", QUOTA_PAGES * size))
+    backend = attach(
+        host, storage_config(daemon.address, save_durable=True, staging_bytes=4 * size)
+    )
+    try:
+        assert backend.mode == "staged"
+        keys = [f"staged-durable-{i}" for i in range(6)]
+        src = host.alloc(6 * PAGE)
+        fill(host, src, seed=5)
+        assert backend.batch_set_v1(keys, src) == [True, True] + [False] * 4
+        assert backend.batch_exists(keys) == 6
+    finally:
+        backend.close()

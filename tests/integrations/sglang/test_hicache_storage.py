@@ -1011,7 +1011,7 @@ def test_a_zero_copy_transfer_of_the_old_host_pool_is_a_miss_not_a_pause(
     named, go_on = threading.Event(), threading.Event()
     put = backend._put
 
-    def held_put(pool_id: int, *args: Any, **kwargs: Any) -> list[bool]:
+    def held_put(pool_id: int, *args: Any, **kwargs: Any) -> tuple[list[bool], bool]:
         named.set()
         assert go_on.wait(60)
         return put(pool_id, *args, **kwargs)
