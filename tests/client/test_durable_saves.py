@@ -2,8 +2,8 @@
 block it is sent (past the tenant's L2 quota): it counts (and warns of) the blocks held in
 memory only. A real daemon; the worker side driven by hand, as vLLM's model runner calls it
 (without vLLM installed, ``conftest.vllm_modules`` provides the two base classes the
-metadata derive from). ``tests/integrations/sglang`` runs SGLang's backend's side under
-SGLang.
+metadata derive from). ``tests/integrations/vllm`` runs it through vLLM's scheduler and
+the connector vLLM loads, ``tests/integrations/sglang`` SGLang's backend's side.
 """
 
 from __future__ import annotations
