@@ -111,6 +111,10 @@ _SESSION_METHODS = frozenset(
         "Quarantine",
     }
 )
+# Calls that a second run answers as the first (or whose first run the given-up session's
+# end undoes: its pinning Lookup's lease, its pool), so that one the given-up channel's close
+# ended, which the daemon may have run, is sent again (see ``cut_off_error``).
+_RESENT_AFTER_CUT_OFF = frozenset({"RegisterPool", "Lookup", "Get", "Stats", "Check"})
 # Requests that carry a namespace; the driver fills in the client's for the flows' requests.
 NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Evict"})
 
@@ -347,13 +351,24 @@ def given_up_error(session_id: str) -> NotFoundError:
     CANCELLED) or kept it from being sent (its ValueError), and the daemon ends its session.
     A ``session_gone`` NotFoundError, so that ``_invoke`` sends the call again in a new
     session on the new channel, as after the daemon ended a session; a Release is not (its
-    lease went with that session), nor a transfer job's part (``Client.given_up``)."""
+    lease went with that session), nor a transfer job's part (``Client.given_up``), nor a
+    call the close ended once sent whose second run would answer otherwise
+    (``cut_off_error``)."""
     error = NotFoundError(
         f"session {session_id}: this client gave it up, and its channel, while the call was "
         "on it (a KeyboardInterrupt ended another of the client's calls)"
     )
     error.session_gone = True
     return error
+
+
+def cut_off_error(given_up: NotFoundError) -> UnavailableError:
+    """The error of a call that the close of a channel the client gave up ended once sent
+    (``given_up``, its ``given_up_error``) when a second run would not answer as the first:
+    the daemon may have run it (a Delete sent again answered its keys missing, a Put its
+    blocks present), so it is not sent again and fails with this, which ``unclean`` reads as
+    a call that may have run."""
+    return UnavailableError(f"{given_up}; the daemon may have run it, so it is not sent again")
 
 
 def in_own_process(pid: int) -> bool:
@@ -513,7 +528,9 @@ class Client:
         client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
         on it (not the Releases of an interrupted load: the session's end frees them); the
         calls other threads had on it are sent again on the new one once its close ends
-        them (``given_up_error``; a transfer job's parts fail with it). Where the
+        them (``given_up_error``; a transfer job's parts fail with it), but for those the
+        daemon may have run whose second run would answer otherwise (a Put, a Delete: they
+        fail with ``cut_off_error``). Where the
         interruption left the channel's lock held, nothing ends them: gRPC delivers no answer
         on that channel, not even its deadline, and those calls wait for ever. The mark comes
         first: another interruption that lands before the channel is replaced leaves that to
@@ -767,9 +784,13 @@ class Client:
             except grpc.RpcError as e:
                 err = self.error_of(e)
                 # The given-up channel's close ends a call with CANCELLED; any other status
-                # is the call's own answer (a DEADLINE_EXCEEDED one may yet have run).
-                if e.code() == grpc.StatusCode.CANCELLED:
-                    err = self.given_up(stub, request.session_id) or err
+                # is the call's own answer (a DEADLINE_EXCEEDED one may yet have run). The
+                # daemon may have run the call the close ended: sent again only where a
+                # second run answers as the first (``_RESENT_AFTER_CUT_OFF``).
+                if e.code() == grpc.StatusCode.CANCELLED and (
+                    given_up := self.given_up(stub, request.session_id)
+                ):
+                    err = given_up if method in _RESENT_AFTER_CUT_OFF else cut_off_error(given_up)
             except ValueError:  # grpc's answer to a call on a closed channel
                 if self._closed:
                     raise closed_error() from None

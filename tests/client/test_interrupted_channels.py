@@ -25,12 +25,18 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+import grpc
 import pytest
 from harness import tenant_token
 
 from kvtier.client import Client, LoadSegment, Namespace, PoolLayout, SharedMemoryPool
 from kvtier.client import sync as sync_module
-from kvtier.client.errors import DeadlineExceededError, NotFoundError, unclean
+from kvtier.client.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    UnavailableError,
+    unclean,
+)
 from kvtier.client.sync import RegisteredPool
 
 NS = Namespace(model="interrupted-channels", kv_dtype="uint8", block_tokens=4)
@@ -306,6 +312,68 @@ def test_regression_a_call_on_a_channel_another_thread_gave_up_is_sent_again(dae
         assert client.session_id != old_session
         client.release(lease.lease_id)
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
+class ChannelClosed(grpc.RpcError):
+    """The CANCELLED that closing a channel gives the calls still on it ("Channel closed!")."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return "Channel closed!"
+
+
+def cut_off_after_its_run(client: Client, method: str) -> Callable[..., Any]:
+    """A trace that, once the daemon has answered the caller's call ``method``, gives the
+    channel up and closes it as another thread's interrupt does, and ends the call with the
+    close's CANCELLED: the answer the close beat (gRPC reads it in
+    ``_end_unary_response_blocking``, which the trace enters first)."""
+
+    def cut_off(frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "call" or not in_grpc_call_on(
+            frame, (GRPC_CHANNEL, "_end_unary_response_blocking")
+        ):
+            return None
+        if not frame.f_locals["state"].method.endswith("/" + method):
+            return None
+        sys.settrace(None)
+        give_up_and_close(client)
+        raise ChannelClosed()
+
+    return cut_off
+
+
+@pytest.mark.parametrize("method", ["Delete", "Put"])
+def test_regression_a_call_the_daemon_ran_was_sent_again_after_another_thread_gave_up(
+    daemon, method
+):
+    """A Delete or a Put on a channel that another thread's interrupt gave up, whose close
+    ended it (CANCELLED) once the daemon had run it, is not sent again in the new session:
+    it fails with an UnavailableError saying the daemon may have run it. Before, it was
+    sent again, and its answer was that of a second run: the deleted keys reported missing
+    (``deleted`` 0), the stored blocks present, as if another writer had stored them."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        if method == "Delete":
+            assert pool.store(TOKENS, [0, 1]) == 8
+        keys = pool.binding.keys(TOKENS)
+        old_session = client.session_id
+        sys.settrace(cut_off_after_its_run(client, method))
+        try:
+            with pytest.raises(UnavailableError, match="may have run it") as raised:
+                if method == "Delete":
+                    client.delete(keys)
+                else:
+                    pool.store(TOKENS, [0, 1])
+        finally:
+            sys.settrace(None)
+        assert old_session in str(raised.value)
+        assert unclean(raised.value)
+        # The daemon ran it once: the keys gone, or stored.
+        present = ends_in_time(lambda: client.lookup(keys).prefix_len)
+        assert present == (0 if method == "Delete" else 2)
+        assert client.session_id != old_session
 
 
 def test_regression_a_session_being_opened_on_a_channel_another_thread_gave_up(daemon):
