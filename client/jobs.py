@@ -590,7 +590,15 @@ class TransferJob:
                 raise
             with self._cond:
                 self._futures[part.index] = fut
-            fut.add_done_callback(lambda f, part=part, stub=stub: self._on_done(part, f, stub))
+            try:
+                # Under the call's lock, which the answer's delivery takes: guarded as the
+                # call's start (the part is the job's, which cancel() ends).
+                fut.add_done_callback(lambda f, part=part, stub=stub: self._on_done(part, f, stub))
+            except Exception:
+                raise
+            except BaseException as e:
+                self._client.interrupted(e, fut)
+                raise
 
     def _on_done(self, part: Part, fut: Any, stub: Any) -> None:
         if fut.cancelled():

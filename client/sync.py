@@ -882,16 +882,18 @@ class Client:
         request.session_id = self._session_id
         if request.session_id and not self._held["suspect"]:
             with contextlib.suppress(ValueError):  # the client was closed meanwhile
+                fut = None
                 try:
                     fut = self._stub.Release.future(request, timeout=self.timeout_s)
+                    # The callback keeps the call from being cancelled when ``fut`` is
+                    # collected (gRPC cancels a call whose future goes unreferenced), until
+                    # it ends. Added under the call's lock, which the answer's delivery takes.
+                    fut.add_done_callback(lambda fut: None)
                 except Exception:
                     raise
                 except BaseException as e:  # another interrupt, during an abandoned load's
-                    self.interrupted(e)
+                    self.interrupted(e, *([fut] if fut is not None else []))
                     raise
-                # The callback keeps the call from being cancelled when ``fut`` is collected
-                # (gRPC cancels a call whose future goes unreferenced), until it ends.
-                fut.add_done_callback(lambda fut: None)
 
     def _register(self, binding: PoolBinding) -> None:
         self._unregister_unconfirmed()
@@ -1051,15 +1053,6 @@ class Client:
         daemon's gRPC refuses it unrun (else the daemon keeps the pool, and its memory
         mapped, until the session ends). The answer comes on gRPC's callback thread, which
         must not sleep: a timer sends it again."""
-        try:
-            fut = self._stub.UnregisterPool.future(request, timeout=resends.left_s())
-        except ValueError:  # the client was closed meanwhile: the session ends with it
-            return
-        except Exception:
-            raise
-        except BaseException as e:  # gRPC's locks are not safe against it: see ``interrupted``
-            self.interrupted(e)
-            raise
 
         def answered(fut: Any) -> None:
             if fut.cancelled() or self._closed:
@@ -1074,7 +1067,18 @@ class Client:
             elif unclean(from_rpc_error(error)):
                 self._unconfirmed_unregistration(request)  # sent again before a registration
 
-        fut.add_done_callback(answered)
+        fut = None
+        try:
+            fut = self._stub.UnregisterPool.future(request, timeout=resends.left_s())
+            # Under the call's lock, which the answer's delivery takes: guarded as the call.
+            fut.add_done_callback(answered)
+        except ValueError:  # the client was closed meanwhile: the session ends with it
+            return
+        except Exception:
+            raise
+        except BaseException as e:  # gRPC's locks are not safe against it: see ``interrupted``
+            self.interrupted(e, *([fut] if fut is not None else []))
+            raise
 
     def fence_pool(self, binding: PoolBinding, timeout_s: float | None = None) -> bool:
         """Unregister the pool and wait for the daemon's answer, which comes once no copy

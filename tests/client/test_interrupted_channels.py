@@ -123,9 +123,15 @@ def interrupted_under(trace: Callable[..., Any], call: Callable[..., Any], *args
         sys.settrace(None)
 
 
+def unregister_nowait(client: Client, pool: RegisteredPool) -> None:
+    client.unregister_pool_nowait(pool.binding)
+
+
 # "create": the start of a call (the pinning Lookup's, which is sent; a job's first Get);
 # "is_active": the client's check of its session's stream, before the call, or when the
-# connectors ask for the pool's live ids.
+# connectors ask for the pool's live ids; "add_done_callback": a sent call's callback (a
+# job's part's, an unregistration's whose answer nobody waits for), the call's own lock,
+# which gRPC's thread that delivers every answer of the channel takes to deliver its answer.
 @pytest.mark.parametrize(
     "where, interrupted",
     [
@@ -133,8 +139,17 @@ def interrupted_under(trace: Callable[..., Any], call: Callable[..., Any], *args
         ("is_active", pinning_lookup),
         ("create", job),
         ("is_active", live_ids),
+        ("add_done_callback", job),
+        ("add_done_callback", unregister_nowait),
     ],
-    ids=["lookup-start", "lookup-session-check", "job-start", "live-ids-session-check"],
+    ids=[
+        "lookup-start",
+        "lookup-session-check",
+        "job-start",
+        "live-ids-session-check",
+        "job-callback",
+        "unregister-nowait-callback",
+    ],
 )
 def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
     daemon, where, interrupted
