@@ -474,7 +474,9 @@ class Client:
     def close(self) -> None:
         """Close the client. In a forked child it only marks the child's copy closed: the
         session, its pools and the channel are the parent's. Sessions it gave up that no
-        OpenSession has named yet are named on a thread of its own (``_name_given_up``)."""
+        OpenSession has named yet are named on a thread of its own (``_name_given_up``). A
+        KeyboardInterrupt that lands as it ends the session and the channel leaves them to end
+        on a thread of their own (see ``interrupted``)."""
         if not in_own_process(self._pid):
             self._closed = True  # not under _lock: another thread may have held it at fork
             return
@@ -496,9 +498,18 @@ class Client:
         if suspect:  # ending it may wait for ever (see ``interrupted``)
             _closer.discard(channel, call)
             return
-        if call is not None:
-            call.cancel()
-        channel.close()
+        try:
+            if call is not None:
+                call.cancel()
+            channel.close()
+        except Exception:
+            raise
+        except BaseException:
+            # gRPC's locks are not safe against it (see ``interrupted``): ended on a thread of
+            # its own, which parks where this left one held. Before, a session whose cancel
+            # it cut short stayed open in the daemon, and the channel too, until the exit.
+            _closer.discard(channel, call)
+            raise
 
     def _name_given_up(self, given_up: list[str], tickets: list[bytes]) -> None:
         """Have the daemon end ``given_up``, sessions this closed client gave up that no

@@ -197,6 +197,34 @@ def test_regression_an_interrupt_in_a_jobs_cancel_leaves_the_client_working(daem
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
+def test_regression_an_interrupt_in_close_left_the_session_open(daemon):
+    """A KeyboardInterrupt in ``close()`` as it starts to cancel the session's stream: the
+    session and the channel are still ended, on a thread of the client's own (one that
+    parks where the interrupt left gRPC's lock held). Before, close() had no guard, and the
+    session stayed open in the daemon (its leases, pools and slot of
+    server.max_sessions_per_tenant) until the process exited: its finalizer was already
+    detached."""
+    client = Client(daemon.address, timeout_s=3)
+    session = client.session_id
+    landed: list[str] = []
+
+    def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and in_grpc_call_on(frame, (GRPC_CHANNEL, "cancel")):
+            sys.settrace(None)
+            landed.append("cancel")
+            raise KeyboardInterrupt
+
+    interrupted_under(interrupt, client.close)
+    assert landed
+    with daemon.client(timeout_s=3) as observer:
+        deadline = time.monotonic() + 30  # a bound on the wait, not a timing
+        while (sessions := observer.stats().gauges["sessions"]) > 1:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert sessions == 1, f"session {session} still open"
+
+
 def test_regression_what_an_interrupt_left_unlocked_was_kept_for_good(daemon):
     """The client keeps what an interrupt may have left locked (the given-up channel, the
     interrupted call) only until a thread of its own has ended it: an interrupt that left no
