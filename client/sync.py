@@ -115,6 +115,9 @@ _SESSION_METHODS = frozenset(
 # end undoes: its pinning Lookup's lease, its pool), so that one the given-up channel's close
 # ended, which the daemon may have run, is sent again (see ``cut_off_error``).
 _RESENT_AFTER_CUT_OFF = frozenset({"RegisterPool", "Lookup", "Get", "Stats", "Check"})
+# How long past a call's deadline the client waits for gRPC to deliver it, where the client
+# waits on a future (a pinning Lookup): past that, the channel's lock is held for good.
+ANSWER_GRACE_S = 2.0
 # Requests that carry a namespace; the driver fills in the client's for the flows' requests.
 NAMESPACE_METHODS = frozenset({"Lookup", "Put", "Get", "Prefetch", "Delete", "Evict"})
 
@@ -543,7 +546,9 @@ class Client:
         daemon may have run whose second run would answer otherwise (a Put, a Delete: they
         fail with ``cut_off_error``). Where the
         interruption left the channel's lock held, nothing ends them: gRPC delivers no answer
-        on that channel, not even its deadline, and those calls wait for ever. The mark comes
+        on that channel, not even its deadline, and those calls wait for ever inside gRPC,
+        for that lock, with no timeout; but a pinning Lookup, made as a future, whose wait
+        the client bounds itself (``ANSWER_GRACE_S`` past its deadline). The mark comes
         first: another interruption that lands before the channel is replaced leaves that to
         the client's next call. Once an ``error``: the guards of the calls that it passes
         through on its way out each note it, and a second replacement would only give up the
@@ -835,9 +840,17 @@ class Client:
         close() does), not by a Release."""
         fut = rpc.future(request, timeout=timeout)
         try:
-            return fut.result()
+            # Bounded here too: gRPC delivers the deadline, as any answer, under the channel's
+            # lock, which another thread's interruption may have left held for good.
+            return fut.result(timeout=timeout + ANSWER_GRACE_S)
         except grpc.RpcError:
             raise
+        except grpc.FutureTimeoutError:
+            _closer.keep(fut)  # its cancel takes that lock: on a thread of its own
+            raise DeadlineExceededError(
+                f"Lookup: no answer, nor gRPC's deadline, within {timeout + ANSWER_GRACE_S:.1f}s "
+                "(its channel was given up with gRPC's lock held: see Client.interrupted)"
+            ) from None
         except BaseException as e:
             self.interrupted(e, fut)
             raise

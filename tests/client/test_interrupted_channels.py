@@ -225,6 +225,46 @@ def test_regression_an_interrupt_in_close_left_the_session_open(daemon):
         assert sessions == 1, f"session {session} still open"
 
 
+def test_regression_a_pinning_lookup_on_a_channel_an_interrupt_left_locked_waited_for_ever(
+    daemon,
+):
+    """A pinning Lookup another thread has in flight when an interrupt leaves the channel's
+    lock held ends by the client's own bound past its deadline (DeadlineExceededError).
+    Before, it waited for ever: gRPC delivers its answer and its deadline under that lock."""
+    with stored(daemon, timeout_s=1) as (client, pool, pid):
+        keys = pool.binding.keys(TOKENS)
+        waiting = threading.Event()
+        outcome: list[BaseException] = []
+
+        def in_flight() -> None:
+            def mark(frame: FrameType, event: str, arg: Any) -> Any:
+                if event == "call" and in_grpc_call_on(frame, (GRPC_CHANNEL, "result")):
+                    sys.settrace(None)
+                    waiting.set()
+                return None
+
+            sys.settrace(mark)
+            try:
+                client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+            except BaseException as e:
+                outcome.append(e)
+            finally:
+                sys.settrace(None)
+
+        os.kill(pid, signal.SIGSTOP)  # the other thread's Lookup stays unanswered
+        try:
+            thread = threading.Thread(target=in_flight, daemon=True)
+            thread.start()
+            assert waiting.wait(30)
+            interrupt_in_grpcs_lock("create", pinning_lookup, client, pool)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        thread.join(30)
+        assert not thread.is_alive(), "the pinning Lookup still waits"
+        assert isinstance(outcome[0], DeadlineExceededError), outcome
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
 def test_regression_what_an_interrupt_left_unlocked_was_kept_for_good(daemon):
     """The client keeps what an interrupt may have left locked (the given-up channel, the
     interrupted call) only until a thread of its own has ended it: an interrupt that left no
