@@ -529,7 +529,7 @@ class KVService:
         lease_s = 0.0
         if pin:
             lease_s = self._lease_s(lease_ms)
-            await self._lease_room(session_id)
+            await self._lease_room(session_id, len(words))  # the most it may pin
         # Blocks found only in a key-addressed tier join the table as the namespace's
         # tenant's, so their copies count to its usage and quotas.
         owner = self.store.owner_of(space.owner)
@@ -540,8 +540,8 @@ class KVService:
             if len(found):
                 # The session may have ended while the lookup awaited; pinning for it then
                 # would leave pins no lease releases. Pinning lookups awaiting together
-                # passed the limits together: they are checked again.
-                await self._lease_room(session_id, len(found))
+                # passed the limits together: they are checked again, in this step.
+                self._check_lease_room(self.sessions.get(session_id), len(found))
                 refs = self.store.pin(found)
                 lease = self.sessions.add_lease(session_id, refs, self._clock() + lease_s)
                 lease_id = lease.lease_id
@@ -1038,21 +1038,32 @@ class KVService:
             )
         return None if (begin, end) == (0, nlayers) else (begin, end)
 
-    async def _lease_room(self, session_id: str, blocks: int = 0) -> None:
-        """Return once a new lease of ``blocks`` pinned blocks fits the limits of open
-        session ``session_id`` and its tenant's, ResourceExhausted when it does not (every
-        lease holds its pinned block refs, up to 32 KiB, until it ends, for up to
-        ``lease_max_ms``, and a tenant may open ``max_sessions_per_tenant`` sessions). Only
-        live leases count: at a limit, the leases past their deadline that the reaper has not
-        reached yet are released first, a slice (``expire_leases``) a turn of the event loop,
-        until the lease fits or none is left; earliest first, whoever's, so one slice alone
-        refused a caller whose own came after others'. The last check and the return are one
-        step: the caller pins before another call can pass the limits."""
+    async def _lease_room(self, session_id: str, blocks: int) -> None:
+        """Make room for a new lease of up to ``blocks`` pinned blocks of open session
+        ``session_id`` (every lease holds its pinned block refs, up to 32 KiB, until it ends,
+        for up to ``lease_max_ms``, and a tenant may open ``max_sessions_per_tenant``
+        sessions), before the store is asked which blocks it pins; ResourceExhausted where
+        not even a lease of none fits. Only live leases count: the leases past their deadline
+        that the reaper has not reached yet are released a slice (``expire_leases``) a turn of
+        the event loop, until the lease fits or none is left; earliest first, whoever's, so
+        one slice alone refused a caller whose own came after others'. Not after the store's
+        answer: a Delete or an eviction in such a turn frees the rows found, which the Lookup
+        then pinned."""
         session = self.sessions.get(session_id)
         while self._lease_refusal(session, blocks) and self.sessions.expiry_due(self._clock()):
             self.expire_leases()
             await asyncio.sleep(0)
             session = self.sessions.get(session_id)  # it may have ended meanwhile
+        if why := self._lease_refusal(session, 0):
+            raise ResourceExhausted(why)
+
+    def _check_lease_room(self, session: Session, blocks: int) -> None:
+        """Refuse (ResourceExhausted) a new lease of ``blocks`` pinned blocks that would pass
+        ``session``'s limits or its tenant's, once a slice of the leases past their deadline
+        is released (those that came due while the store answered): in the step that pins,
+        so that Lookups awaiting together do not pass the limits together."""
+        if self._lease_refusal(session, blocks) and self.sessions.expiry_due(self._clock()):
+            self.expire_leases()
         if why := self._lease_refusal(session, blocks):
             raise ResourceExhausted(why)
 

@@ -533,6 +533,44 @@ def test_regression_a_lookup_at_its_limit_was_refused_behind_another_tenants_exp
     asyncio.run(run())
 
 
+def test_regression_a_lookup_at_a_limit_pinned_blocks_deleted_while_it_released_leases():
+    """A pinning Lookup whose blocks passed its tenant's lease bytes only once found released
+    the leases past their deadline a slice a turn of the event loop (76ad767) between the
+    store's answer and the pin: a Delete that ran in such a turn freed a row found, and the
+    Lookup then pinned the freed row (its lease's Release failed: "a pinned block was
+    freed"). The leases past their deadline are released before the store is asked, for as
+    many blocks as the Lookup names; after the answer, the check and the pin are one step."""
+
+    async def run() -> None:
+        # One lease of a block, past its deadline, and a pinning Lookup's of none fit;
+        # of one more block, not.
+        cap = f"server.max_lease_bytes_per_tenant={lease_bytes(1) + lease_bytes(0)}"
+        async with _putting_session([cap], 2) as (store, service, session, pool):
+            now = [100.0]
+            service._clock = lambda: now[0]
+            keys, admin = await _put_blocks(service, session, pool, 2)
+            assert (await service.lookup(session, keys[:1], True, 1000)).lease_id
+            now[0] += 2.0
+            deleted: list[int] = []
+
+            async def delete_once_leases_go() -> None:
+                while service.sessions.lease_count:
+                    await asyncio.sleep(0)
+                deleted.append((await service.delete(admin, keys[1:])).deleted)
+
+            deleter = asyncio.ensure_future(delete_once_leases_go())
+            outcome = await service.lookup(session, keys[1:], True, 60_000)
+            await deleter
+            assert outcome.lease_id or outcome.prefix_len == 0
+            assert deleted == [1 - bool(outcome.lease_id)]  # a pinned block stays
+            assert store.check() == []
+            if outcome.lease_id:
+                service.release(session, outcome.lease_id)  # AssertionError before
+            assert int(store.table.pins.sum()) == 0
+
+    asyncio.run(run())
+
+
 def test_leases_of_one_block_ending_together_give_back_each_pin_and_the_budget_charge():
     """The one call that unpins many leases (see above) takes as many pins off a block as
     leases pinned it, and the block's charge against its tenant's hint budget goes back
