@@ -1407,6 +1407,45 @@ def test_regression_a_disk_failing_every_read_flapped_between_degraded_and_ok(
         assert tier.health().state is Health.OK
 
 
+def test_regression_a_disk_failing_every_read_went_ok_once_a_full_disk_cleared(
+    disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
+) -> None:
+    """A disk that fails every read and fills up: the read's fault gave way to the full
+    disk's (the batch let through failing with ENOSPC), and the next batch's commit, which
+    ends a full disk's, left the tier ok, though no read had succeeded: it went degraded
+    again at the next read, ok again after the next ENOSPC and commit, and so on. A failed
+    read's fault outlasts a full disk's or a lock's that comes over it, or that it comes
+    under; a read batch that succeeds whole ends it."""
+    with _open(disk_dir, backend=faulty_files, enospc_retry_s=0.0) as tier:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+        faulty_files.fail("preadv", errno.EIO)
+        assert _read(tier, blocks) == dict.fromkeys(blocks)
+        assert tier.health().state is Health.DEGRADED_IO
+        faulty_files.fail("pwritev", errno.ENOSPC, times=1)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        key, data = make_block(9, 4096)
+        assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        blocks = _persist(tier, make_block, list(range(4, 8)), 4096)  # space is back
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO and health.detail.startswith("read")  # ok
+        faulty_files.clear()
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+        assert tier.health().state is Health.OK
+        # A read failing while the disk is full: its fault, too, comes back with the commit.
+        faulty_files.fail("pwritev", errno.ENOSPC, times=1)
+        assert not persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok
+        faulty_files.fail("preadv", errno.EIO)
+        assert _read(tier, blocks) == dict.fromkeys(blocks)
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        blocks = _persist(tier, make_block, list(range(8, 12)), 4096)
+        assert tier.health().state is Health.DEGRADED_IO  # ok
+        faulty_files.clear()
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+        assert tier.health().state is Health.OK
+
+
 def test_fdatasync_failure_fails_the_batch(
     disk_dir: Path, make_block: Block, faulty_files: FaultyFiles
 ) -> None:

@@ -6,8 +6,9 @@ disk) and an index locked by another process past the busy timeout (SQLITE_BUSY:
 that keeps the checkpoint from finishing) degrade it until a write gets through again (one
 write batch per ``enospc_retry_s`` is let through to find out). So does a failed read of data
 blocks (kind ``read``, whatever its errno; a full disk's or a lock's fault stays in its place,
-as no release may end it): its slots are quarantined by the tier, and it lasts until reads
-succeed again: a read batch whose every block was read and verified (``read_succeeded``), or a
+as no release may end it, and the read's comes back when that one ends, as would a full
+disk's or a lock's coming over it): its slots are quarantined by the tier, and it lasts until
+reads succeed again: a read batch whose every block was read and verified (``read_succeeded``), or a
 release of quarantined slots whose every check passed (``read_checked``). A write is no such
 proof: a disk that fails every read but takes writes stays degraded (were the batch let
 through to end it, the tier went degraded and back to ok once per ``enospc_retry_s``). That
@@ -78,6 +79,9 @@ class FaultState:
         self._lock = threading.Lock()
         self._enospc_retry_s = enospc_retry_s
         self._degraded: Fault | None = None
+        # A failed read's fault until reads succeed, whatever fault is shown meanwhile: a
+        # full disk's or a lock's in its place ends with a commit, which says nothing of reads.
+        self._read_fault: Fault | None = None
         self._next_probe = 0.0
         self.counters: Counter[str] = Counter()
         # Things an operator must see that did not stop the tier (an index moved aside at
@@ -110,6 +114,8 @@ class FaultState:
             if what.startswith("index"):
                 self.counters["index_errors"] += 1
             before = self._degraded
+            if fault.kind == "read":
+                self._read_fault = Fault(fault.kind, f"{what}: {fault.detail}")
             # A full disk, a lock or a failed read may clear up; anything else keeps the tier
             # degraded until reopened. A failed read does not take a full disk's or a lock's
             # place: a release whose checks pass ends a failed read's fault, with no write let
@@ -160,6 +166,7 @@ class FaultState:
 
     def _end_read_fault(self, why: str) -> None:
         with self._lock:
+            self._read_fault = None
             if self._degraded is None or self._degraded.kind != "read":
                 return
             self._degraded = None
@@ -177,8 +184,15 @@ class FaultState:
         with self._lock:
             if self._degraded is None or self._degraded.kind not in ("enospc", "locked"):
                 return
-            self._degraded = None
-        log.warning("L2 tier admits writes again: an index commit succeeded")
+            self._degraded = read = self._read_fault
+        if read is None:
+            log.warning("L2 tier admits writes again: an index commit succeeded")
+        else:
+            log.warning(
+                "L2 tier: an index commit succeeded, but it stays degraded by a failed read "
+                "(%s) until a read succeeds",
+                read.detail,
+            )
 
     def health(self) -> TierHealth:
         with self._lock:
