@@ -657,12 +657,13 @@ class KVService:
             ) from None
         return await self.store.evict(space.ns, words, kind)
 
-    def expire_leases(self, limit: int = EXPIRY_SLICE_LEASES) -> int:
-        """Release the leases past their deadline, earliest first, looking at most ``limit``
-        expiry entries (``SessionRegistry.pop_expired``; the reaper calls again, after a turn
-        of the event loop, while a call at a limit looks at as many: see
-        ``EXPIRY_SLICE_LEASES``); returns how many it released."""
-        expired = self.sessions.pop_expired(self._clock(), limit)
+    def expire_leases(self, limit: int = EXPIRY_SLICE_LEASES, now: float | None = None) -> int:
+        """Release the leases past their deadline (at ``now``, the clock's time unless
+        given), earliest first, looking at most ``limit`` expiry entries
+        (``SessionRegistry.pop_expired``; the reaper calls again, after a turn of the event
+        loop, while a call at a limit looks at as many: see ``EXPIRY_SLICE_LEASES``); returns
+        how many it released."""
+        expired = self.sessions.pop_expired(self._clock() if now is None else now, limit)
         if not expired:  # the common case, now on every Get under a lease and every Release
             return 0
         self._unpin_all(expired)
@@ -670,13 +671,16 @@ class KVService:
         return len(expired)
 
     async def reap_leases(self) -> int:
-        """The reaper's pass: every lease past its deadline released, ``EXPIRY_SLICE_LEASES``
-        expiry entries at a time with a turn of the event loop between slices, as a Check
-        examines its rows; returns how many."""
-        total = self.expire_leases()
-        while self.sessions.expiry_due(self._clock()):
+        """The reaper's pass: every lease past its deadline when it began released,
+        ``EXPIRY_SLICE_LEASES`` expiry entries at a time with a turn of the event loop between
+        slices, as a Check examines its rows; returns how many. Those that come due during the
+        pass wait for the next: a pass that took them too never ended while entries came due
+        as fast as it popped them, and the reaper's other work waited."""
+        now = self._clock()
+        total = self.expire_leases(now=now)
+        while self.sessions.expiry_due(now):
             await asyncio.sleep(0)
-            total += self.expire_leases()
+            total += self.expire_leases(now=now)
         return total
 
     def _unpin_all(self, leases: list[Lease]) -> None:

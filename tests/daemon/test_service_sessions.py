@@ -453,6 +453,38 @@ def test_regression_released_leases_past_their_deadline_were_popped_in_one_slice
     asyncio.run(run())
 
 
+def test_regression_a_reaper_pass_took_leases_coming_due_during_it_and_might_never_end():
+    """The reaper's pass released leases while any was past its deadline, reading the clock
+    at each slice: leases coming due during it joined it, and had more than
+    EXPIRY_SLICE_LEASES expiry entries come due each turn of the event loop, the pass never
+    ended and the reaper never went on to expire tickets. A pass now ends at the entries due
+    when it began; those due since wait for the next."""
+
+    async def run() -> None:
+        n = 2 * EXPIRY_SLICE_LEASES
+        store, service, tickets, now = _leasing(2 * n)
+        session = _open(service, tickets)
+        keys = [bytes(32)]
+        for _ in range(n):  # due at 101.0
+            await service.lookup(session, keys, True, 1000)
+        now[0] = 100.5
+        for _ in range(n):  # due at 101.5
+            await service.lookup(session, keys, True, 1000)
+        now[0] = 101.2
+
+        async def later() -> None:  # runs at the pass's first turn of the event loop
+            now[0] = 102.0  # the second lot comes due while the pass runs
+
+        clock = asyncio.ensure_future(later())
+        assert await service.reap_leases() == n
+        await clock
+        assert service.sessions.lease_count == n
+        assert await service.reap_leases() == n  # the next pass
+        assert service.sessions.lease_count == 0 and store.pins == 0
+
+    asyncio.run(run())
+
+
 def test_regression_another_tenants_lease_past_its_deadline_was_permission_denied():
     """A Release or a Get naming another tenant's lease past its deadline answered NotFound,
     as for any lease gone (all leases past their deadline were released before the lease
