@@ -802,11 +802,14 @@ class Client:
                 # The given-up channel's close ends a call with CANCELLED; any other status
                 # is the call's own answer (a DEADLINE_EXCEEDED one may yet have run). The
                 # daemon may have run the call the close ended: sent again only where a
-                # second run answers as the first (``_RESENT_AFTER_CUT_OFF``).
+                # second run answers as the first (``_RESENT_AFTER_CUT_OFF``). A Release's
+                # lease went with the given-up session: NotFound, not sent again (a load's
+                # cleanup reads it as a lease already gone).
                 if e.code() == grpc.StatusCode.CANCELLED and (
                     given_up := self.given_up(stub, request.session_id)
                 ):
-                    err = given_up if method in _RESENT_AFTER_CUT_OFF else cut_off_error(given_up)
+                    as_unsent = method in _RESENT_AFTER_CUT_OFF or releasing
+                    err = given_up if as_unsent else cut_off_error(given_up)
             except ValueError:  # grpc's answer to a call on a closed channel
                 if self._closed:
                     raise closed_error() from None

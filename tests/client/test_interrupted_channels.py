@@ -459,6 +459,26 @@ def test_regression_a_call_the_daemon_ran_was_sent_again_after_another_thread_ga
         assert client.session_id != old_session
 
 
+def test_regression_a_loads_release_cut_off_after_its_run_failed_the_load(daemon):
+    """A load whose Release another thread's interrupt cut off (its channel given up and
+    closed once the daemon had run it) returns what it loaded: the lease went with the
+    given-up session, and the Release fails as one whose session ended (NotFound, which the
+    load's cleanup reads as a lease already gone). Before, it failed with the
+    UnavailableError of a call the daemon may have run, after every block had loaded."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        old_session = client.session_id
+        sys.settrace(cut_off_after_its_run(client, "Release"))
+        try:
+            loaded = pool.load(TOKENS, [2, 3])
+        finally:
+            sys.settrace(None)
+        assert loaded == 8
+        assert client.session_id != old_session
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
 def test_regression_a_session_being_opened_on_a_channel_another_thread_gave_up(daemon):
     """A client shared by threads: while one thread waits for its new session's first
     answer, another's interrupt gives the channel up, and its close ends that OpenSession.
