@@ -82,6 +82,9 @@ class UnavailableError(KvtierError):
     answered = False
     # The daemon turned a new session away because it is draining: it runs.
     draining = False
+    # The close of a channel the blocking client gave up ended the call once sent: the daemon
+    # may have run it (``kvtier.client.sync.cut_off_error``).
+    cut_off = False
 
 
 class DeadlineExceededError(KvtierError):

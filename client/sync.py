@@ -112,9 +112,10 @@ _SESSION_METHODS = frozenset(
     }
 )
 # Calls that a second run answers as the first (or whose first run the given-up session's
-# end undoes: its pinning Lookup's lease, its pool), so that one the given-up channel's close
-# ended, which the daemon may have run, is sent again (see ``cut_off_error``).
-_RESENT_AFTER_CUT_OFF = frozenset({"RegisterPool", "Lookup", "Get", "Stats", "Check"})
+# end undoes: its pinning Lookup's lease), so that one the given-up channel's close ended,
+# which the daemon may have run, is sent again (see ``cut_off_error``). A RegisterPool is
+# made again by ``_register``: a memfd's ticket is spent by the first run.
+_RESENT_AFTER_CUT_OFF = frozenset({"Lookup", "Get", "Stats", "Check"})
 # How long past a call's deadline the client waits for gRPC to deliver it, where the client
 # waits on a future (a pinning Lookup): past that, the channel's lock is held for good.
 ANSWER_GRACE_S = 2.0
@@ -370,8 +371,10 @@ def cut_off_error(given_up: NotFoundError) -> UnavailableError:
     (``given_up``, its ``given_up_error``) when a second run would not answer as the first:
     the daemon may have run it (a Delete sent again answered its keys missing, a Put its
     blocks present), so it is not sent again and fails with this, which ``unclean`` reads as
-    a call that may have run."""
-    return UnavailableError(f"{given_up}; the daemon may have run it, so it is not sent again")
+    a call that may have run (``cut_off``: ``Client._register`` registers again)."""
+    error = UnavailableError(f"{given_up}; the daemon may have run it, so it is not sent again")
+    error.cut_off = True
+    return error
 
 
 def in_own_process(pid: int) -> bool:
@@ -924,6 +927,24 @@ class Client:
 
     def _register(self, binding: PoolBinding) -> None:
         self._unregister_unconfirmed()
+        try:
+            request, resp = self._send_registration(binding)
+        except UnavailableError as e:
+            if not e.cut_off:
+                raise
+            # The given-up channel's close ended it (``cut_off_error``): made again, in the
+            # new session, with a new ticket (sent again, a memfd's ticket that the first run
+            # spent was UNAUTHENTICATED). A pool the first run made goes with the old session.
+            request, resp = self._send_registration(binding)
+        with self._ids_lock:
+            binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
+            binding.sealed = resp.sealed
+            binding.session_id = request.session_id
+        self._pools[resp.pool_id] = binding
+
+    def _send_registration(self, binding: PoolBinding) -> tuple[Any, Any]:
+        """(request, answer) of one registration of ``binding``, in the open session: by a
+        new ticket of its descriptor where it hands one over, else by name or handles."""
         ticket = b""
         if binding.hands_over_fd:
             path = credentials.cred_socket_path(self.address)
@@ -932,12 +953,7 @@ class Client:
             with binding.handed_fd() as fd:
                 ticket = credentials.pool_ticket(path, fd, self.timeout_s)
         request = binding.register_request(ticket)
-        resp = self._invoke("RegisterPool", request)
-        with self._ids_lock:
-            binding.pool_id, binding.block_bytes = resp.pool_id, resp.block_bytes
-            binding.sealed = resp.sealed
-            binding.session_id = request.session_id
-        self._pools[resp.pool_id] = binding
+        return request, self._invoke("RegisterPool", request)
 
     def _unconfirmed_unregistration(self, request: pb.UnregisterPoolRequest) -> None:
         """Keep an UnregisterPool that went unanswered, to send again (see below)."""

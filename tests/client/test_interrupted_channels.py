@@ -479,6 +479,27 @@ def test_regression_a_loads_release_cut_off_after_its_run_failed_the_load(daemon
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
+def test_regression_a_memfd_registration_cut_off_after_its_run_was_sent_with_its_spent_ticket(
+    daemon,
+):
+    """A memfd pool's RegisterPool that another thread's interrupt cut off once the daemon had
+    run it is made again in the new session with a new ticket of the descriptor. Before, it
+    was sent again with the first ticket, which that run had spent: UnauthenticatedError ('the
+    credential ticket is unknown, already used or expired')."""
+    with Client(daemon.address, timeout_s=3) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        assert shm.backing == "memfd"
+        old_session = client.session_id
+        sys.settrace(cut_off_after_its_run(client, "RegisterPool"))
+        try:
+            pool = client.register_pool(shm, LAYOUT, NS)
+        finally:
+            sys.settrace(None)
+        assert client.session_id != old_session
+        assert pool.binding.session_id == client.session_id
+        assert pool.store(TOKENS, [0, 1]) == 8
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+
+
 def test_regression_a_session_being_opened_on_a_channel_another_thread_gave_up(daemon):
     """A client shared by threads: while one thread waits for its new session's first
     answer, another's interrupt gives the channel up, and its close ends that OpenSession.
