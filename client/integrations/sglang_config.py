@@ -116,8 +116,9 @@ class StorageOptions:
     save_durable: bool = False
     """A store answers only once the daemon's disk tier has written its pages; a page it did
     not write (no room there, the disk degraded) is answered not stored (``False``), though
-    the daemon holds it above the disk (no gap in its chain: the pages after it are stored
-    as usual)."""
+    the daemon holds it above the disk (no gap in its chain: the pages after it in that call
+    are stored as usual; SGLang then ends that backup, and its later batches of 128 pages
+    are not sent, not even to memory)."""
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> StorageOptions:
