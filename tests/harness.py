@@ -236,13 +236,16 @@ def entry_setting(constants: dict[str, float]) -> tuple[str, ...]:
 
 def l2_quota_args(path: Path, quota_bytes: int) -> tuple[str, ...]:
     """Overrides for a daemon with an L2 at ``path`` on which the tests' own tenant (their
-    uid's) may hold ``quota_bytes``: puts past it are held above the disk, not written."""
+    uid's) may hold ``quota_bytes``: puts past it are held above the disk, not written. The
+    blocks written stay protected for the test's length (``policy.protect_s``): past the 2 s
+    default the quota evicts them for the next put's, which is then written."""
     return (
         "tiers.l2.enabled=true",
         f"tiers.l2.path={path}",
         "tiers.l2.capacity_bytes=16MiB",
         "tiers.l2.segment_bytes=1MiB",
         "tiers.l2.file_bytes=16MiB",
+        "policy.protect_s=3600",
         f"tenants=[{{name: ops, uids: [{os.getuid()}], admin: true, "
         f"quotas: {{l2: {quota_bytes}}}}}]",
     )
