@@ -92,12 +92,12 @@ MAX_CHECK_LIST = 1000
 # sent at all (RESOURCE_EXHAUSTED) when the operator needs it most.
 CHECK_KEY_BYTES = 34
 CHECK_SLOT_BYTES = 10
-# The expiry entries past their deadline one step of the event loop pops (a slice of the
-# reaper's, or of a pinning Lookup's at a lease limit): of live leases, which it releases, or
-# of released ones, which stay in the heap until their deadline; some 5-10 ms. A tenant may
-# hold some 130,000 leases (server.max_lease_bytes_per_tenant); released in one step when they expired
-# together, at 5-11 us each here (mostly the expiry heap's pops; their pins go back in one
-# store call), they held every other client's calls for 0.6-1.4 s.
+# The expiry entries past their deadline one step of the event loop pops (a slice of the reaper's,
+# or of a pinning Lookup's at a lease limit): of live leases, which it releases, or of released
+# ones, which stay in the heap until their deadline; some 5-10 ms. A tenant may hold some 130,000
+# leases (server.max_lease_bytes_per_tenant); released in one step when they expired together, at
+# 5-11 us each here (mostly the expiry heap's pops; their pins go back in one store call), they held
+# every other client's calls for 0.6-1.4 s.
 EXPIRY_SLICE_LEASES = 1024
 # Lines about sessions opened and closed, per uid (tenant, with tenants configured): this many
 # at once, then this many a second; the next line says how many were left out. Any local

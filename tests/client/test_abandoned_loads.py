@@ -216,9 +216,9 @@ def test_regression_a_load_interrupted_during_its_pinning_lookup_releases_its_pi
     """A KeyboardInterrupt while the blocking client waited for a pinning Lookup ended the
     call on the client's side only: the daemon runs a request to its end (pinning as it
     answers), and the lease id is only in the answer, so the blocks stayed pinned until the
-    lease expired (600 s here). The client now gives the channel up, and that session's
-    end frees the lease (``Client.interrupted``). The daemon's answer is held back from the caller (``HeldLookups``), so the
-    interrupt comes while the call waits, as a Ctrl-C does."""
+    lease expired (600 s here). The client now gives the channel up, and that session's end frees
+    the lease (``Client.interrupted``). The daemon's answer is held back from the caller
+    (``HeldLookups``), so the interrupt comes while the call waits, as a Ctrl-C does."""
     with (
         Client(daemon.address) as client,
         SharedMemoryPool.for_layout(LAYOUT) as shm,

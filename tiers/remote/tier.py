@@ -50,12 +50,11 @@ Invariants:
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
 A master is ``lost`` at once when a connection to it fails (refused, reset, closed): in a
 call (its commands answer the fault, the other masters' are served), or in the start's or a
-reconnection's check while the others report ok; one that does not answer in time, once
-such a check finds the others ok and counting it failed (no full coverage required). Its
-slots' keys are answered as when the tier is DOWN (misses, declined, remembered removals),
-the others' as when UP. Before the cluster's verdict (``cluster-node-timeout``) the others serve their
-slots all the same; once it is given, a cluster that requires full coverage answers
-CLUSTERDOWN, which marks the tier DOWN.
+reconnection's check while the others report ok; one that does not answer in time, once such a check
+finds the others ok and counting it failed (no full coverage required). Its slots' keys are answered
+as when the tier is DOWN (misses, declined, remembered removals), the others' as when UP. Before the
+cluster's verdict (``cluster-node-timeout``) the others serve their slots all the same; once it is
+given, a cluster that requires full coverage answers CLUSTERDOWN, which marks the tier DOWN.
 
 Values are sent from the caller's buffers without joining header and bytes, and the client's
 connections send and receive large values with fewer copies than redis-py's own (``wire``).
@@ -279,12 +278,12 @@ class RemoteTier:
         # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
         # writes again. ``_avail`` itself is only UP or DOWN.
         self._full: dict[str, Availability] = {}
-        # Masters whose connections failed in a call or in the start's or a reconnection's
-        # check, or that such a check found silent while the rest of the cluster served and
-        # counted them failed (``cluster-require-full-coverage no``): name -> why. Their slots' blocks are misses,
-        # declined without touching the network, while the tier serves the other masters'
-        # (UP); the monitor asks again, with a backoff as while DOWN (``_lost_checks``: the
-        # checks that found them still lost), until they are back.
+        # Masters whose connections failed in a call or in the start's or a reconnection's check, or
+        # that such a check found silent while the rest of the cluster served and counted them
+        # failed (``cluster-require-full-coverage no``): name -> why. Their slots' blocks are
+        # misses, declined without touching the network, while the tier serves the other masters'
+        # (UP); the monitor asks again, with a backoff as while DOWN (``_lost_checks``: the checks
+        # that found them still lost), until they are back.
         self._lost: dict[str, str] = {}
         self._lost_retry_at = 0.0
         self._lost_checks = 0
