@@ -115,7 +115,27 @@ from kvtier.client.sync import Client
 log = logging.getLogger(__name__)
 
 OVER_LIMIT_WARN_S = 60.0
-"""Saves dropped at ``max_save_jobs`` are warned of at most this often."""
+"""Saves dropped at ``max_save_jobs``, and blocks of a durable save its disk did not write,
+are warned of at most this often (``_BlocksToWarn``)."""
+
+
+class _BlocksToWarn:
+    """Blocks of one kind to warn of, in one WARNING per ``OVER_LIMIT_WARN_S`` at most with
+    the blocks counted since the last."""
+
+    def __init__(self) -> None:
+        self._due_at = 0.0  # no warning before (time.monotonic())
+        self._blocks = 0  # counted since the last warning
+
+    def add(self, n: int) -> int | None:
+        """Count ``n`` blocks; the blocks to warn of now, or None before the next is due."""
+        self._blocks += n
+        now = time.monotonic()
+        if now < self._due_at:
+            return None
+        self._due_at = now + OVER_LIMIT_WARN_S
+        n, self._blocks = self._blocks, 0
+        return n
 
 
 @dataclass(eq=False)
@@ -226,10 +246,8 @@ class WorkerSide:
         self._tainted: set[str] = set()
         self._broken: set[str] = set()  # requests with a block not stored: store no more
         self._warned_dropped = False
-        self._over_limit_warn_at = 0.0  # no max_save_jobs warning before (time.monotonic())
-        self._over_limit_blocks = 0  # blocks dropped at max_save_jobs since that warning
-        self._not_durable_warn_at = 0.0  # no save_durable warning before (time.monotonic())
-        self._not_durable_blocks = 0  # blocks saved but not on disk since that warning
+        self._over_limit = _BlocksToWarn()  # dropped at max_save_jobs
+        self._not_durable = _BlocksToWarn()  # saved durable but not on disk
         self._sending: set[str] = set()  # finish-saves copied, to report
         self._finished_seen: set[str] = set()
         self._recving: set[str] = set()
@@ -724,21 +742,18 @@ class WorkerSide:
     def _warn_over_limit(self, dropped: int) -> None:
         """One WARNING per ``OVER_LIMIT_WARN_S`` at most while saves meet ``max_save_jobs``
         (a hang drops a save at every step), with the blocks dropped since the last one."""
-        self._over_limit_blocks += dropped
-        now = time.monotonic()
-        if now < self._over_limit_warn_at:
+        since = self._over_limit.add(dropped)
+        if since is None:
             log.debug("kvtier connector: %d blocks not stored (max_save_jobs)", dropped)
             return
-        self._over_limit_warn_at = now + OVER_LIMIT_WARN_S
         log.warning(
             "kvtier connector: %d save jobs in flight (max_save_jobs), the daemon is slow or "
             "does not answer; %d blocks not stored since the last such warning (warned at "
             "most every %.0fs; the worker's save_blocks_dropped counts them all)",
             self.config.max_save_jobs,
-            self._over_limit_blocks,
+            since,
             OVER_LIMIT_WARN_S,
         )
-        self._over_limit_blocks = 0
 
     def _skip_broken(self, specs: list[SaveSpec]) -> list[SaveSpec]:
         """Drop the specs that continue a chain this worker already failed to store a block
@@ -966,20 +981,17 @@ class WorkerSide:
         if not n:
             return
         self.stats["save_blocks_not_durable"] += n
-        self._not_durable_blocks += n
-        now = time.monotonic()
-        if now < self._not_durable_warn_at:
+        since = self._not_durable.add(n)
+        if since is None:
             return
-        self._not_durable_warn_at = now + OVER_LIMIT_WARN_S
         log.warning(
             "kvtier connector: %d saved blocks are not on the daemon's disk tier though "
             "save_durable asked for it (no room there, or the disk is degraded: see `kvtier "
             "stats`); they are held in memory only (warned at most every %.0fs; the worker's "
             "save_blocks_not_durable counts them all)",
-            self._not_durable_blocks,
+            since,
             OVER_LIMIT_WARN_S,
         )
-        self._not_durable_blocks = 0
 
     # --------------------------------------------------------------- results
 
