@@ -69,6 +69,7 @@ from kvtier.daemon.transfer import TransferEngine
 from kvtier.tiers.base import (
     PROBE_UNKNOWN,
     BlockRef,
+    BlockRefs,
     Health,
     Priority,
     Quarantine,
@@ -791,7 +792,13 @@ class BlockStore:
         if not impaired:
             return None
         missed = np.flatnonzero(~found)
-        refs = [BlockRef(ns, words[i].tobytes()) for i in missed.tolist()]
+        # As arrays, as ``table.block_refs``: a tier that is down answers every position
+        # without naming a key, and a lookup costs nothing per key for it.
+        refs: Sequence[BlockRef] = (
+            [BlockRef(ns, words[missed.item(0)].tobytes())]
+            if len(missed) == 1
+            else BlockRefs(np.full(len(missed), ns, dtype=np.uint64), words[missed])
+        )
         unserved: set[int] = set()
         for level in impaired:
             unserved.update(level.keys.unserved(refs))

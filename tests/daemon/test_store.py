@@ -2064,15 +2064,17 @@ async def test_regression_misses_l3_could_not_serve_were_counted_absent_as_keys_
     cluster master lost), and of keys it could not ask L3 about, were counted as misses of
     reason ``absent``, as keys never stored: an operator could not tell an L3 outage from a
     cold cache. They are ``unreachable``; once L3 serves again a key it does not hold is
-    ``absent``."""
+    ``absent``. A one-key Lookup (the store names its key otherwise) counts likewise."""
     store, _, shared, b = await _down_l3_holding(make_store, 3)
     never = keys(2)
     c = store.counters
     assert (await store.lookup(0, np.concatenate([b, never])))[0] == 0
     assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (5, 0)
+    assert (await store.lookup(0, never[:1]))[0] == 0
+    assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (6, 0)
     shared.down = False
     assert (await store.lookup(0, never))[0] == 0
-    assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (5, 2)
+    assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (6, 2)
     assert (await store.lookup(0, b))[0] == 3
 
 
