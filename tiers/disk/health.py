@@ -118,8 +118,9 @@ class FaultState:
                 self._read_fault = Fault(fault.kind, f"{what}: {fault.detail}")
             # A full disk, a lock or a failed read may clear up; anything else keeps the tier
             # degraded until reopened. A failed read does not take a full disk's or a lock's
-            # place: a release whose checks pass ends a failed read's fault, with no write let
-            # through to find out whether the disk still takes them.
+            # place: a read batch that succeeds, or a release whose checks pass, ends a failed
+            # read's fault, with no write let through to find out whether the disk still
+            # takes them.
             changed = before is None or (
                 before.kind in _PASSING and fault.kind not in (before.kind, "read")
             )

@@ -1203,7 +1203,8 @@ class DiskTier:
         sync degrades it, as any does (the sync covers the whole file, whose other writes the
         error may be about). Degraded by a failed read, the tier is whole again once every
         slot checked passed (the extents took writes, a sync and reads, and the index a
-        commit): an idle tier has no write batch to find that out. Raises TierUnavailable
+        commit): a tier that nothing reads from has no read batch to find that out (a write
+        batch is no such proof: ``FaultState``). Raises TierUnavailable
         while the tier is degraded by another fault (it may be what failed the reads; release
         once it is ok) or recovering, ValueError for a slot not held; either changes
         nothing."""
