@@ -1429,7 +1429,7 @@ def test_regression_a_disk_failing_every_read_went_ok_once_a_full_disk_cleared(
         assert tier.health().state is Health.DEGRADED_NOSPACE
         blocks = _persist(tier, make_block, list(range(4, 8)), 4096)  # space is back
         health = tier.health()
-        assert health.state is Health.DEGRADED_IO and health.detail.startswith("read")  # ok
+        assert health.state is Health.DEGRADED_IO and health.detail.startswith("read")  # was ok
         faulty_files.clear()
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
         assert tier.health().state is Health.OK
@@ -1440,7 +1440,7 @@ def test_regression_a_disk_failing_every_read_went_ok_once_a_full_disk_cleared(
         assert _read(tier, blocks) == dict.fromkeys(blocks)
         assert tier.health().state is Health.DEGRADED_NOSPACE
         blocks = _persist(tier, make_block, list(range(8, 12)), 4096)
-        assert tier.health().state is Health.DEGRADED_IO  # ok
+        assert tier.health().state is Health.DEGRADED_IO  # was ok
         faulty_files.clear()
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
         assert tier.health().state is Health.OK

@@ -54,10 +54,10 @@ def test_regression_save_durable_counted_blocks_its_disk_did_not_write_as_saved(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A prompt of 4 full blocks stored with ``save_durable`` past an L2 quota of 2 blocks:
-        the daemon holds all 4 and its disk wrote 2. The connector read only which blocks the
-        daemon held, so vLLM's stats had 4 saved and nothing else; now the 2 others reach them
-        as ``save_blocks_not_durable``, with one warning. Another prompt's 4 blocks, none
-        written, are counted too, without a second warning within ``OVER_LIMIT_WARN_S`` (an hour
+    the daemon holds all 4 and its disk wrote 2. The connector read only which blocks the
+    daemon held, so vLLM's stats had 4 saved and nothing else; now the 2 others reach them
+    as ``save_blocks_not_durable``, with one warning. Another prompt's 4 blocks, none
+    written, are counted too, without a second warning within ``OVER_LIMIT_WARN_S`` (an hour
     here, so that no slow step lets one through)."""
     monkeypatch.setattr(vllm_worker, "OVER_LIMIT_WARN_S", 3600.0)
     daemon = daemon_factory(*l2_quota_args(tmp_path / "l2", 2 * BLOCK_BYTES))
