@@ -245,10 +245,7 @@ class SessionRegistry:
                 f"lease {lease_id} belongs to another session; only the one that took it may "
                 "release it"
             )
-        del self._leases[lease_id]
-        session = self._sessions[lease.session_id]
-        session.leases.discard(lease_id)
-        self._unaccount(session, lease)
+        self.end_lease(lease)
         self._compact_expiry()
         return lease
 
@@ -292,8 +289,8 @@ class SessionRegistry:
         return lease if lease is not None and lease.expires_at <= now else None
 
     def end_lease(self, lease: Lease) -> None:
-        """End the live ``lease`` whatever its session (one past its deadline; its heap entry
-        stays until that deadline comes up, as a released lease's does)."""
+        """End the live ``lease``, whatever its session (released, or past its deadline); its
+        heap entry stays until that deadline comes up (see ``_compact_expiry``)."""
         del self._leases[lease.lease_id]
         session = self._sessions[lease.session_id]
         session.leases.discard(lease.lease_id)
