@@ -657,14 +657,15 @@ class KVService:
             ) from None
         return await self.store.evict(space.ns, words, kind)
 
-    def expire_leases(self, limit: int = EXPIRY_SLICE_LEASES, now: float | None = None) -> int:
+    def expire_leases(self, now: float | None = None) -> int:
         """Release the leases past their deadline (at ``now``, the clock's time unless
-        given), earliest first, looking at most ``limit`` expiry entries
-        (``SessionRegistry.pop_expired``; the reaper calls again, after a turn of the event
-        loop, while a call at a limit looks at as many: see ``EXPIRY_SLICE_LEASES``); returns
-        how many it released."""
-        expired = self.sessions.pop_expired(self._clock() if now is None else now, limit)
-        if not expired:  # the common case, now on every Get under a lease and every Release
+        given), earliest first, looking at most ``EXPIRY_SLICE_LEASES`` expiry entries
+        (``SessionRegistry.pop_expired``; the reaper, and a pinning Lookup at a limit, call
+        again after a turn of the event loop); returns how many it released."""
+        expired = self.sessions.pop_expired(
+            self._clock() if now is None else now, EXPIRY_SLICE_LEASES
+        )
+        if not expired:
             return 0
         self._unpin_all(expired)
         self.store.counters.inc("leases_expired", len(expired))
