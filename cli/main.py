@@ -497,14 +497,20 @@ def _check_with(args: argparse.Namespace, client: Client) -> int:
             detail["keys"] = [key.hex() for key in detail["keys"]]
         print(json.dumps(report))
     else:
-        what = (
-            f"{result.blocks} blocks, {result.sessions} sessions, {result.leases} leases, "
-            f"{result.pools} pools" + ("" if result.strict else "; transfers were in flight")
+        counts = zip(
+            (result.blocks, result.sessions, result.leases, result.pools),
+            ("block", "session", "lease", "pool"),
+            strict=True,
         )
+        what = ", ".join(_counted(n, noun) for n, noun in counts)
+        if not result.strict:
+            what += "; transfers were in flight"
         if result.ok:
             print(f"ok: kvtierd at {address}: every invariant holds ({what})")
         else:
-            print(f"broken: kvtierd at {address}: {len(result.problems)} problems ({what})")
+            print(
+                f"broken: kvtierd at {address}: {_counted(len(result.problems), 'problem')} ({what})"
+            )
             details = {d.problem: d for d in result.details}
             for i, problem in enumerate(result.problems):
                 print(f"  {problem}")
@@ -512,6 +518,11 @@ def _check_with(args: argparse.Namespace, client: Client) -> int:
                     _print_listed("key", [key.hex() for key in detail.keys], detail.keys_total)
                     _print_listed("slot", [str(slot) for slot in detail.slots], detail.slots_total)
     return 0 if result.ok else 1
+
+
+def _counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, the noun agreeing with it ("1 session", "2 sessions")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _print_listed(what: str, listed: list[str], total: int) -> None:
@@ -598,7 +609,7 @@ def _drain_with(args: argparse.Namespace, client: Client) -> int:
         return 0
     print(
         f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
-        f"{state.sessions} other session{'' if state.sessions == 1 else 's'} open"
+        f"{_counted(state.sessions, 'other session')} open"
     )
     if args.wait <= 0:
         return 0
@@ -652,7 +663,7 @@ def _drain_with(args: argparse.Namespace, client: Client) -> int:
             session = client.session_id  # the one _started_at opened
             state = _drain_state(client, session)
     if state.sessions:
-        print(f"{state.sessions} sessions still open after {args.wait:g}s")
+        print(f"{_counted(state.sessions, 'session')} still open after {args.wait:g}s")
         return DRAIN_BUSY
     print("drained: no other session is open")
     return 0

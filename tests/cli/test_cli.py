@@ -364,13 +364,13 @@ def test_check_drain_and_tenant_usage_through_the_cli(daemon):
         client.put(pool.pool_id, _keys(3, 9), range(3))
         out = kvtier("--address", daemon.address, "check")
         assert out.returncode == 0 and out.stdout.startswith("ok: "), out
-        assert "3 blocks, 2 sessions, 0 leases, 1 pools" in out.stdout
+        assert "(3 blocks, 2 sessions, 0 leases, 1 pool)" in out.stdout
         report = json.loads(kvtier("--address", daemon.address, "check", "--json").stdout)
         assert report["problems"] == [] and report["blocks"] == 3
         stats = kvtier("--address", daemon.address, "stats").stdout
         assert "tenants:" in stats and "default" in stats and "(3 blocks)" in stats
         out = kvtier("--address", daemon.address, "drain", "--wait", "0.5")
-        assert out.returncode == 1 and "1 sessions still open" in out.stdout, out
+        assert out.returncode == 1 and "\n1 session still open" in out.stdout, out
         health = kvtier("--address", daemon.address, "health")
         assert health.returncode == 2 and "draining" in health.stdout
         client.put(pool.pool_id, _keys(1, 10), [3])  # the open session carries on
@@ -388,7 +388,7 @@ def test_check_lists_what_is_broken_and_exits_1(capsys, monkeypatch):
     code, out, _ = run_main(capsys, "--address", "unix:/x.sock", "check")
     assert code == 1
     assert out.splitlines() == [
-        "broken: kvtierd at unix:/x.sock: 1 problems (5 blocks, 1 sessions, 0 leases, 0 pools)",
+        "broken: kvtierd at unix:/x.sock: 1 problem (5 blocks, 1 session, 0 leases, 0 pools)",
         "  L1: slot 7 belongs to 2 blocks",
     ]
 
@@ -562,7 +562,7 @@ def test_drain_exits_1_when_sessions_are_still_open_after_its_wait(daemon, capsy
     with daemon.client() as holder:
         holder.stats()  # a session the drain waits for
         code, out, _ = run_main(capsys, "--address", daemon.address, "drain", "--wait", "0.3")
-        assert code == 1 and "1 sessions still open after 0.3s" in out, out
+        assert code == 1 and "\n1 session still open after 0.3s\n" in out, out
         assert not holder.drain(resume=True).draining
 
 
