@@ -93,7 +93,14 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    console = Console()
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich's own ends the process with status 1, which says the daemon went away or
+            # turned top away; a reader gone (`kvtier top --once | head`) ends top as it ends
+            # every kvtier command, quietly with 0 (cli/main.py).
+            raise BrokenPipeError
+
+    console = _Console()
     before, taken = client.stats(), time.monotonic()
 
     def frame() -> Figures:
@@ -114,10 +121,9 @@ def run(client: Client, interval_s: float = 1.0, once: bool = False) -> int:
         if not console.is_terminal:
             # A pipe or a file: one frame after another, each flushed as it is drawn (``Live``
             # redraws in place on a terminal only, and elsewhere prints nothing until it stops).
-            with contextlib.suppress(BrokenPipeError):
-                while not stop.wait(interval_s):
-                    console.print(render(frame(), client.address), soft_wrap=True)
-                    console.file.flush()
+            while not stop.wait(interval_s):
+                console.print(render(frame(), client.address), soft_wrap=True)
+                console.file.flush()
         else:
             with Live(console=console, auto_refresh=False, screen=False) as live:
                 while not stop.wait(interval_s):

@@ -268,3 +268,20 @@ def catches_signal(pid: int, signum: int) -> bool:
             if line.startswith("SigCgt:"):
                 return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
+
+
+def run_into_closed_pipe(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` with stdout a pipe whose reader is gone before the first
+    write (EPIPE, whatever the timing: ``... | head`` once head has exited); stderr kept."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)

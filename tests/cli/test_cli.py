@@ -18,7 +18,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from harness import tenant_token
+from harness import run_into_closed_pipe, tenant_token
 from peers import NOBODY, NOGROUP, require_root
 
 from kvtier import paths
@@ -321,6 +321,18 @@ def test_top_once_into_a_pipe_keeps_its_header_on_one_line(daemon):
     head = out.stdout.splitlines()[0]
     assert head.startswith("kvtierd ") and len(head) > 80, out.stdout
     assert daemon.address in head and "pinned 0" in head, out.stdout
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_regression_top_into_a_pipe_its_reader_closed_exited_1(daemon, once):
+    """``kvtier top --once | head`` (the reader gone before top wrote its frame) exited 1, the
+    status that says the daemon went away or turned top away: rich's console ends the
+    process so on a broken pipe. top ends there as every kvtier command does (``kvtier
+    stats | head``): quietly, with 0; so does ``top`` without ``--once``."""
+    command = ["--address", daemon.address, "top", "--interval", "0.1", *(["--once"] * once)]
+    proc = run_into_closed_pipe("kvtier.cli", *command)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
 
 
 def test_top_into_a_pipe_prints_a_frame_per_interval(daemon):

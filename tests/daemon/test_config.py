@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from harness import run_into_closed_pipe
 
 from kvtier import paths
 from kvtier.daemon.config import Config, env_name, load_config, parse_size
@@ -190,27 +191,14 @@ def test_regression_print_config_into_a_closed_pipe_ended_in_a_traceback(option,
     in BrokenPipeError's traceback and exit status 1, and so did --check-config, whose 1
     says the host cannot run the config; both end quietly with their own status (0 here),
     as `kvtier`'s commands do."""
-    read, write = os.pipe()
-    os.close(read)  # the reader is gone before the first write: EPIPE, whatever the timing
-    try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.daemon",
-                option,
-                "--set",
-                f"server.socket={tmp_path}/s.sock",
-                "--set",
-                "tiers.l1.capacity_bytes=64MiB",
-            ],
-            stdout=write,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        os.close(write)
+    proc = run_into_closed_pipe(
+        "kvtier.daemon",
+        option,
+        "--set",
+        f"server.socket={tmp_path}/s.sock",
+        "--set",
+        "tiers.l1.capacity_bytes=64MiB",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
 
