@@ -38,11 +38,13 @@ from kvtier.daemon.store import BlockStore, PutResult
 from kvtier.daemon.table import keys_to_words, repeats
 from kvtier.kernels.layout import PoolLayout
 from kvtier.tiers.base import (
+    HEALTHY,
     PROBE_UNKNOWN,
     BlockRef,
     Health,
     HostBuffers,
     Priority,
+    TierHealth,
     TierKind,
     WriteOutcome,
 )
@@ -987,13 +989,16 @@ async def test_a_durable_put_stores_an_existing_key_again_when_its_writer_gives_
     assert int(store.table.inflight.sum()) == 0
 
 
-async def test_watermarks_move_the_coldest_blocks_down(make_store):
+async def _balanced_by_watermarks(make_store, **tiers) -> tuple[BlockStore, Clock, np.ndarray]:
+    """A store of one L1 segment and two of L2 (``tiers``: more of make_store's arguments),
+    watermarks 0.5 and 0.25, and the keys of 12 blocks put a second apart, balanced."""
     clock = Clock()
     store = make_store(
         clock,
         segments=1,
         l2_segments=2,
         sets=("tiers.l1.high_watermark=0.5", "tiers.l1.low_watermark=0.25"),
+        **tiers,
     )
     pool = make_pool()
     a = keys(12)
@@ -1001,6 +1006,11 @@ async def test_watermarks_move_the_coldest_blocks_down(make_store):
         await put(store, pool, a[i : i + 1], pages=[i])
         clock.now += 1
     await store.balance()
+    return store, clock, a
+
+
+async def test_watermarks_move_the_coldest_blocks_down(make_store):
+    store, _, a = await _balanced_by_watermarks(make_store)
     assert where(store, a) == ["L2"] * 8 + ["L1"] * 4
     assert store.counters.get("watermark_evictions", tier="L1") == 8
 
@@ -2076,6 +2086,72 @@ async def test_regression_misses_l3_could_not_serve_were_counted_absent_as_keys_
     assert (await store.lookup(0, never))[0] == 0
     assert (c.get("misses", reason="unreachable"), c.get("misses", reason="absent")) == (6, 2)
     assert (await store.lookup(0, b))[0] == 3
+
+
+class LostMasterKeyTier(MemoryKeyTier):
+    """A key-addressed tier of which a part cannot be reached (the keys in ``lost``), as a
+    cluster with a master lost: degraded, those keys unknown to a probe and missed by a read
+    without an answer, the rest served (``RemoteTier``'s behaviour)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lost: set[bytes] = set()
+
+    def unserved(self, blocks):
+        return [j for j, ref in enumerate(blocks) if bytes(ref.key) in self.lost]
+
+    def health(self):
+        return TierHealth(Health.DEGRADED_IO, "test: master lost") if self.lost else HEALTHY
+
+    async def probe_each(self, blocks):
+        sizes = await super().probe_each(blocks)
+        return [PROBE_UNKNOWN if j in self.unserved(blocks) else s for j, s in enumerate(sizes)]
+
+    async def read(self, blocks, nbytes, dest):
+        got = await super().read(blocks, nbytes, dest)
+        return [None if j in self.unserved(blocks) else g for j, g in enumerate(got)]
+
+
+async def test_a_lookup_mixing_hits_with_misses_a_lost_master_holds_counts_only_those_unreachable(
+    make_store,
+):
+    """A Lookup of L1 and L2 hits, L3 hits, blocks held only in L3 on a lost master (one
+    asked twice), and never-stored keys on the lost master and on one that serves: the
+    misses L3 could not be asked about are ``unreachable`` (each time asked), the other
+    ``absent``; the hits stay hits. ``_unserved_misses`` asks the tier about the missed keys
+    only and maps its answer back to the Lookup's positions."""
+    shared = LostMasterKeyTier()
+    store, _, local = await _balanced_by_watermarks(make_store, l3=shared)
+    assert where(store, local) == ["L2"] * 8 + ["L1"] * 4
+    pool = make_pool()
+    remote, never = keys(4), keys(2)
+    refs = [BlockRef(0, w.tobytes()) for w in remote]
+    pages = HostBuffers([memoryview(page_bytes(pool, 40 + j)) for j in range(len(remote))])
+    await shared.write(refs, 4096, pages)
+    assert (await store.lookup(0, remote))[0] == 4
+    assert where(store, remote) == ["L3"] * 4
+    shared.lost = {remote[0].tobytes(), remote[1].tobytes(), never[0].tobytes()}
+    asked = np.stack(
+        [
+            *(local[0], local[8], remote[0], remote[2], never[0]),
+            *(never[1], remote[0], local[9], remote[1], remote[3]),
+        ]
+    )
+    c = store.counters
+    before = c.get("misses", reason="absent")
+    _, tiers, _ = await store.lookup(0, asked)
+    assert ["-" if t == 0 else TierKind(t).label for t in tiers.tolist()] == [
+        *("L2", "L1", "-", "L3", "-"),
+        *("-", "-", "L1", "-", "L3"),
+    ]
+    assert c.get("misses", reason="unreachable") == 4
+    assert c.get("misses", reason="absent") - before == 1
+    # One key (the store names it without arrays): served, absent; on the lost master,
+    # unreachable.
+    assert (await store.lookup(0, never[1:]))[0] == 0
+    assert c.get("misses", reason="absent") - before == 2
+    assert (await store.lookup(0, remote[1:2]))[0] == 0
+    assert c.get("misses", reason="unreachable") == 5
 
 
 async def test_regression_a_put_refused_for_a_block_s_size_forgot_blocks_a_down_l3_held(

@@ -241,8 +241,15 @@ def test_regression_a_lost_master_s_blocks_are_lookup_misses_and_a_get_evicts_no
             cb.lookup(keys(8, 1000 + round_))  # misses: probes that meet the lost master
             round_ += 1
             time.sleep(0.05)
+        before = cb.stats()
         tiers = cb.lookup(shared).tiers
         assert [i for i, t in enumerate(tiers) if t == Tier.ABSENT] == lost
+        # Counted as misses L3 could not be asked about, not as keys never stored.
+        after = cb.stats()
+        assert [
+            after.counter("misses", reason=r) - before.counter("misses", reason=r)
+            for r in ("unreachable", "absent")
+        ] == [len(lost), 0]
         assert [i for i, t in enumerate(tiers) if t == Tier.L3_REMOTE] == [
             i for i in range(32) if i not in lost
         ]
