@@ -3,13 +3,15 @@ block it is sent (past the tenant's L2 quota): it counts (and warns of) the bloc
 memory only. A real daemon; the worker side driven by hand, as vLLM's model runner calls it
 (without vLLM installed, ``conftest.vllm_modules`` provides the two base classes the
 metadata derive from). ``tests/integrations/vllm`` runs it through vLLM's scheduler and
-the connector vLLM loads, ``tests/integrations/sglang`` SGLang's backend's side.
+the connector vLLM loads, ``tests/integrations/sglang`` SGLang's backend's side. And the
+rate limit its warning shares with ``max_save_jobs``', on a clock the test moves.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,3 +57,25 @@ def test_regression_save_durable_counted_blocks_its_disk_did_not_write_as_saved(
         assert len(warned) == 1 and warned[0].startswith("kvtier connector: 2 saved blocks")
     finally:
         side.shutdown()
+
+
+def test_blocks_to_warn_of_are_told_once_a_period_counted_since_the_last_warning(
+    vllm_modules: Any, monkeypatch: Any
+) -> None:
+    """The rate limit that the ``save_durable`` and ``max_save_jobs`` warnings share
+    (``_BlocksToWarn``): the first blocks are warned of at once; those counted within
+    ``OVER_LIMIT_WARN_S`` of a warning are not, and the next warning tells them all, then
+    counts from 0. Each warning keeps its own period."""
+    worker = vllm_modules.worker
+    now = [1000.0]
+    monkeypatch.setattr(worker, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(worker, "OVER_LIMIT_WARN_S", 60.0)
+    durable, over = worker._BlocksToWarn(), worker._BlocksToWarn()
+    assert durable.add(2) == 2
+    now[0] += 59.0
+    assert (durable.add(3), durable.add(4), over.add(1)) == (None, None, 1)
+    now[0] += 1.0
+    assert (durable.add(1), over.add(5)) == (8, None)
+    assert durable.add(6) is None
+    now[0] += 60.0
+    assert (durable.add(0), over.add(0)) == (6, 5)
