@@ -18,10 +18,9 @@ above them, which is the common case (a conversation's blocks are stored one by 
 little later than its parent, then read root first): O(n^2) for a chain of n. Instead, a key
 that rises above its parent's is *owed*: an entry ``c -> k`` in ``_owed_new`` or ``_owed``
 says that every live ancestor of ``c`` ranks at least ``k``; one whose stored ``_eff`` is
-lower *lags*. Segment moves are never owed (a block leaves probation once per residency, so
-those walks cost O(1) amortised). Payments walk hottest first, each stopping at the first
-ancestor already at its key, so a payment raises a block at most once: O(n) for a chain.
-Lags never reach a decision:
+lower *lags*. Segment moves are owed otherwise (see "Owed moves"). Payments walk hottest
+first, each stopping at the first ancestor already at its key, so a payment raises a block at
+most once: O(n) for a chain. Lags never reach a decision:
 
 - ``victims`` first pays ``_owed_new`` only up to the first ancestor whose stored key lies
   above its *cutoff* (the protected buffer's bound if the ancestor is protected, the higher
@@ -38,6 +37,18 @@ Lags never reach a decision:
 - Paid, each effective key is the maximum of the same raises as the eager walks', whatever
   their order. Under eviction, hidden raises wait for the next rebuild (typically a
   buffer's worth of evictions later, at least 64), which pays each chain once.
+
+Owed moves. Protecting a block moves its ancestors in probation to protected. A block leaves
+probation once per residency, so those walks cost O(1) amortised, but one walk may be a whole
+chain: the first touch of a 200,000-block chain's leaf moved them all in one call, 0.2 s of
+the daemon's loop. A walk moves at most ``_MOVE_BUDGET`` ancestors and stops at a moved block
+``c``, keeping ``c -> k`` in ``_moving``: the walk ``_propagate(c, k, protect)`` would go on
+is owed. ``work`` (which the daemon calls between requests) goes on with such walks, a budget
+at a time; ``victims``, ``remove``, ``effective_key`` and ``order`` first make every move
+owed, so decisions and keys are the eager walks': a block leaves probation at most once,
+each move raises its block to the walk's key whatever the order of the walks, and no link
+dies while a walk is owed (only ``remove`` kills one). Between requests the moves are made
+piecemeal; a ``victims`` that finds some still owed makes the rest in one step.
 
 Two segments (the ARC idea, with heat inside). A block enters *probation*, unless a previous
 access of it lies within the last ``memory_factor`` cache-fulls of accesses or it returns
@@ -136,6 +147,9 @@ _MAX_PLANS = 4
 # once it holds more than this many, so that a policy whose ``victims`` is never called (a
 # tier not yet full) or rarely rebuilds stays small, and so does each payment's pause.
 _OWED_LIMIT = 4096
+# Owed moves (see the module docstring): a walk moves at most this many ancestors to
+# protected per call (about 1 us each) and owes the rest.
+_MOVE_BUDGET = 1024
 # Below this many owed raises, Python's sort beats numpy's fixed cost.
 _SORT_IN_NUMPY = 64
 
@@ -281,6 +295,8 @@ class HeatPolicy(Hinted):
         # Each value is at most the block's stored ``_eff``.
         self._owed_new: dict[int, float] = {}  # not yet sorted out by ``_defer_owed``
         self._owed: dict[int, float] = {}  # every ancestor still lacking it is hidden
+        # Owed moves, block -> key (see the module docstring): the walk resumes there.
+        self._moving: dict[int, float] = {}
         # Ancestors looked at by the chain walks (``_propagate``, ``_pay``): a cost measure.
         self.chain_steps = 0
         # Buffer entries looked at by victim scans under a mask or hints: a cost measure.
@@ -517,6 +533,8 @@ class HeatPolicy(Hinted):
         seg = self._seg_v[bid] if 0 <= bid < self._size else _OUT
         if seg == _OUT:
             raise KeyError(bid)
+        if self._moving:
+            self._pay_moves()  # the block may lie on a walk owed
         if self._owed_new:
             self._defer_owed()
         if self._owed:
@@ -586,10 +604,10 @@ class HeatPolicy(Hinted):
     ) -> np.ndarray | None:
         if n <= 0:
             return np.empty(0, dtype=np.int64)
-        n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
-        if n > n1 + n2:
+        if n > self._count[_PROBATION] + self._count[_PROTECTED]:
             return None
-        hinted = self._prepare_pick(now)
+        hinted = self._prepare_pick(now)  # the segments' counts are right from here on
+        n1, n2 = self._count[_PROBATION], self._count[_PROTECTED]
         if n == 1 and evictable is None:
             bid = self._one(n1, incoming, now if hinted else None)
             if bid < 0:
@@ -653,12 +671,14 @@ class HeatPolicy(Hinted):
         """The block's rank key (its own heat key raised by its descendants')."""
         if bid not in self:
             raise KeyError(bid)
+        self._pay_moves()
         self._pay_owed()
         return float(self._eff_v[bid])
 
     def order(self) -> np.ndarray:
         """All resident ids, coldest first within each segment, probation first. O(n log n);
         for tests and debugging."""
+        self._pay_moves()
         self._pay_owed()
         parts = []
         for seg in (_PROBATION, _PROTECTED):
@@ -677,11 +697,12 @@ class HeatPolicy(Hinted):
     def victim(self, now: float, incoming: int = -1) -> int:
         """``victims(1, now, None, (incoming,))`` (``()`` for -1) as a block id, -1 for None:
         the replayer asks once per miss, and an array per answer was a tenth of its cost."""
-        n1 = self._count[_PROBATION]
-        if n1 + self._count[_PROTECTED] == 0:
+        if self._count[_PROBATION] + self._count[_PROTECTED] == 0:
             return -1
         hinted = self._prepare_pick(now)
-        return self._one(n1, (incoming,) if incoming >= 0 else (), now if hinted else None)
+        return self._one(
+            self._count[_PROBATION], (incoming,) if incoming >= 0 else (), now if hinted else None
+        )
 
     def replace(self, bid: int, parent: int, now: float) -> int:
         """A miss of a full tier in one call (the replayer's per-miss step, see
@@ -708,6 +729,9 @@ class HeatPolicy(Hinted):
         coldest: Callable[[int, Any], int] = self._coldest
         if self._hints.latest >= now:
             coldest, at = self._coldest_unhinted, now
+        if self._moving:
+            self._pay_moves()
+            n1 = count[_PROBATION]
         if self._owed_new:
             self._defer_owed()
         # ``_one``: ARC's target as it will be once ``bid`` is in (``_adapted_target``).
@@ -770,6 +794,8 @@ class HeatPolicy(Hinted):
         if self._parked and self._parked[0][0] < now:
             self._unpark(now)
         hinted = self._hints.latest >= now
+        if self._moving:
+            self._pay_moves()
         if self._owed_new:
             self._defer_owed()
         return hinted
@@ -1045,10 +1071,12 @@ class HeatPolicy(Hinted):
             return self._propagate(bid, eff, True)
         return 0
 
-    def _propagate(self, bid: int, key: float, protect: bool) -> int:
+    def _propagate(self, bid: int, key: float, protect: bool, budget: float = -1.0) -> int:
         """Make ``bid``'s ancestors rank at least ``key``: when ``protect``, move the ones in
         probation up to the first protected one to protected, raising each to ``key``; then
-        owe ``key`` to the rest (see "Owed raises"). Returns how many ancestors it moved."""
+        owe ``key`` to the rest (see "Owed raises"). Past ``budget`` moves (-1:
+        ``_MOVE_BUDGET``), the rest of the walk is owed instead (see "Owed moves"). Returns
+        how many ancestors it moved."""
         parent_v, seg_v, ins_v, eff_v = self._parent_v, self._seg_v, self._ins_v, self._eff_v
         child = bid
         changed = steps = 0
@@ -1067,8 +1095,13 @@ class HeatPolicy(Hinted):
                     if owed.get(child, -math.inf) < key:
                         owed[child] = key
                 break
-            # Never owed: victims reads segments. A block leaves probation once per
-            # residency, so these steps cost O(1) amortised.
+            if changed >= (_MOVE_BUDGET if budget < 0 else budget):
+                moving = self._moving
+                if moving.get(child, -math.inf) < key:
+                    moving[child] = key
+                break
+            # Never owed as raises are: victims reads segments. A block leaves probation
+            # once per residency, so these steps cost O(1) amortised.
             self._leave_probation(parent)
             if eff_v[parent] < key:
                 eff_v[parent] = key
@@ -1077,6 +1110,32 @@ class HeatPolicy(Hinted):
             child = parent
         self.chain_steps += steps
         return changed
+
+    @property
+    def owes_work(self) -> bool:
+        """Whether moves are owed (see "Owed moves"): ``work`` then has something to do."""
+        return bool(self._moving)
+
+    def work(self) -> bool:
+        """Make up to about ``_MOVE_BUDGET`` of the moves owed (see "Owed moves"); returns
+        whether some remain. The daemon calls it between requests; nothing decides
+        differently for calling it or not."""
+        budget = _MOVE_BUDGET
+        moving = self._moving
+        while moving and budget > 0:
+            child = next(iter(moving))
+            key = moving.pop(child)
+            budget -= self._propagate(child, key, True, budget) + 1
+        if len(self._owed_new) > _OWED_LIMIT:
+            self._defer_owed()
+        return bool(moving)
+
+    def _pay_moves(self) -> None:
+        """Make every move owed: afterwards each block's segment is the eager walks'."""
+        moving = self._moving
+        while moving:
+            child = next(iter(moving))
+            self._propagate(child, moving.pop(child), True, math.inf)
 
     def _cutoffs(self) -> tuple[float, float, float]:
         """Per segment, the key above which a block may lag (see "Owed raises")."""
@@ -1332,7 +1391,8 @@ class HeatPolicy(Hinted):
         ``now``, blocks a hint protects then are parked instead (see the module docstring)."""
         # The bound may rise, past keys that lag: pay them first. Raising a lagging block
         # touches no buffer (it ranks above its cutoff), so a scan of the other segment
-        # in progress stays valid.
+        # in progress stays valid. (No move is owed: every caller runs under ``victims``,
+        # which made them first.)
         self._pay_owed()
         self._rebuilds += 1
         buf = self._bufs[seg]
