@@ -26,7 +26,8 @@ Rules:
   are free (a put that found room but no free slot would evict another tenant's block for
   one).
 - Policies hear of accesses (``touch``) right after the request is answered, and always
-  before the next insert, eviction or drop decision (``apply_touches``).
+  before the next insert, eviction or drop decision (``apply_touches``). Work a policy owes
+  (``work``) gets a turn of the loop at a time while it lasts (``owed_work``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
   ``density``) is asked before blocks that would have to evict enter it (``admit_own``); a
   block it declines stays where it is, and an access it did not keep is told to its policy
@@ -135,6 +136,7 @@ class SpaceManager:
         # Owner index -> tenant label, for the quota counters' ``tenant`` label.
         self.owner_labels: dict[int, str] = {0: "default"}
         self._pending_touches: list[tuple[np.ndarray, float]] = []
+        self._owed_work_due = False  # ``owed_work``'s turn is scheduled
         self.background: set[asyncio.Task[Any]] = set()
         # Why keys are missing, for the lookup miss counts (metrics).
         self.misses = MissLedger()
@@ -208,6 +210,33 @@ class SpaceManager:
                 if not level.keyed:
                     level.policy.touch_many(live[table.slot[live, level.col] >= 0], now)
             self.record_accesses(live, now)
+        self.owed_work()
+
+    def owed_work(self) -> None:
+        """Give the work the policies owe (``work``, optional: the heat policy's moves owed
+        after the first touch of a deep chain) turns of the loop, one budget per policy per
+        turn, so that other requests run between them. Without a running loop (offline use)
+        it stays owed: the policy's next decision does it first."""
+        if self._owed_work_due:
+            return
+        for level in self.stack:
+            if getattr(level.policy, "owes_work", False):
+                break
+        else:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._owed_work_due = True
+        loop.call_soon(self._work_a_turn)
+
+    def _work_a_turn(self) -> None:
+        self._owed_work_due = False
+        for level in self.stack:
+            if getattr(level.policy, "owes_work", False):
+                level.policy.work()  # type: ignore[attr-defined]  # optional (base.py)
+        self.owed_work()
 
     def record_accesses(self, bids: np.ndarray, now: float) -> None:
         """Tell lower tiers' admission rules of an access; ``selective`` tiers then take

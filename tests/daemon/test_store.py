@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from density_training import roots_come_back
 
+import kvtier.daemon.policy.heat as heat_module
 from kvtier.daemon import logs
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
@@ -5556,3 +5557,26 @@ async def test_regression_a_balancing_pass_of_l2_evicted_too_few_with_slots_quar
     await store.balance()
     # 36 of 64 slots filled, the low watermark 16: every block goes.
     assert store.counters.get("watermark_evictions", tier="L2") == 20
+
+
+async def test_moves_a_touch_owes_are_made_between_requests(make_store, monkeypatch):
+    """The first touch of a deep chain's leaf owes the heat policy most of its moves (see
+    "Owed moves" in ``kvtier.daemon.policy.heat``): the store gives them turns of the loop
+    until none is owed, without waiting for the next eviction to make them all at once."""
+    monkeypatch.setattr(heat_module, "_MOVE_BUDGET", 50)
+    clock = Clock()
+    store, pool = make_store(clock, policy="heat", segments=40), make_pool()
+    chain = keys(600)
+    assert await put(store, pool, chain) == [PutResult.STORED] * 600
+    policy = store.stack.levels[0].policy
+    assert policy.stats().probation == 600
+    clock.now += 1.0
+    assert await get(store, pool, chain[-1:], [0]) == [True]
+    turns = 0
+    while turns < 100 and (turns == 0 or policy.owes_work):
+        await asyncio.sleep(0)
+        turns += 1
+        if turns == 1:
+            assert policy.owes_work  # the touch left most moves owed
+    assert not policy.owes_work and turns >= 600 // 50
+    assert policy.stats().protected == 600
