@@ -19,6 +19,11 @@ Cases, each timed on the state a Lookup would meet (the median of ``rounds``):
 Each timing includes paying the raises the Lookup left owed to ancestors (``victims`` or
 ``effective_key`` would). Both policies see the same calls and must end in the same state;
 the script checks it.
+
+Then ``--deep`` (200,000; 0 skips it): a chain that deep stored by Puts of 16, each a
+little later, and one touch of its leaf alone, which protects every ancestor: the longest
+single call (the touch, or one of the ``work`` calls that make the moves it owed) against
+all of them together, and the ancestors the touch itself walked.
 """
 
 from __future__ import annotations
@@ -107,10 +112,44 @@ def _time_case(setup: Setup, n: int, rounds: int, repeat_on_one: bool) -> tuple[
     return statistics.median(vec_s), statistics.median(loop_s)
 
 
+def _leaf_touch(n: int) -> dict[str, float]:
+    """The first touch of the leaf of an ``n``-block chain stored by Puts (see ``--deep``)."""
+    policy = HeatPolicy()
+    ids = np.arange(n, dtype=np.int64)
+    now = 0.0
+    for lo in range(0, n, 16):
+        now += 0.001
+        policy.insert_many(ids[lo : lo + 16], now, ids[lo : lo + 16] - 1)
+    steps = policy.chain_steps
+    t = time.perf_counter()
+    policy.touch(n - 1, now + 1.0)
+    calls = [time.perf_counter() - t]
+    walked = [policy.chain_steps - steps]
+    more = policy.owes_work
+    while more:
+        steps = policy.chain_steps
+        t = time.perf_counter()
+        more = policy.work()
+        calls.append(time.perf_counter() - t)
+        walked.append(policy.chain_steps - steps)
+    if policy.stats().protected != n:
+        raise AssertionError("the leaf's touch left ancestors in probation")
+    return {
+        "deep_blocks": n,
+        "deep_touch_walked": walked[0],
+        "deep_most_walked": max(walked),
+        "deep_calls": len(calls),
+        "deep_median_ms": round(statistics.median(calls) * 1e3, 3),
+        "deep_longest_ms": round(max(calls) * 1e3, 3),
+        "deep_all_ms": round(sum(calls) * 1e3, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=200)
+    p.add_argument("--deep", type=int, default=200_000)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     n = args.blocks
@@ -132,6 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {name:<10} {vec / n * 1e6:6.3f} us/block {loop / n * 1e6:6.3f} us/block "
             f"{loop / vec:8.1f}x   ({vec * 1e6:.0f} us vs {loop * 1e6:.0f} us in all)"
+        )
+    if args.deep > 0:
+        deep = _leaf_touch(args.deep)
+        figures.update(deep)
+        print(
+            f"first touch of a {args.deep}-block chain's leaf: the touch walked "
+            f"{deep['deep_touch_walked']:.0f} ancestors, {deep['deep_calls']:.0f} calls (the "
+            f"touch, then work) at most {deep['deep_most_walked']:.0f} each; "
+            f"{deep['deep_all_ms']:.1f} ms together, a call's median "
+            f"{deep['deep_median_ms']:.2f} ms ({deep['deep_all_ms'] / deep['deep_median_ms']:.0f}x"
+            f" less), the longest {deep['deep_longest_ms']:.2f} ms"
         )
     if args.json:
         print(json.dumps(figures))
