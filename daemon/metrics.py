@@ -640,18 +640,22 @@ def _every_block(bids: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------- families
 
 
+def _family(d: MetricDef) -> Any:
+    """An empty metric family of ``d``."""
+    if d.kind == "counter":
+        return CounterMetricFamily(d.name, d.help, labels=d.labels)
+    if d.kind == "gauge":
+        return GaugeMetricFamily(d.name, d.help, labels=d.labels)
+    return HistogramMetricFamily(d.name, d.help, labels=d.labels)
+
+
 def families(snap: Snapshot) -> Iterator[Metric]:
     """The snapshot as Prometheus metric families."""
     fams: dict[str, Any] = {}
 
     def fam(d: MetricDef) -> Any:
         if d.name not in fams:
-            if d.kind == "counter":
-                fams[d.name] = CounterMetricFamily(d.name, d.help, labels=d.labels)
-            elif d.kind == "gauge":
-                fams[d.name] = GaugeMetricFamily(d.name, d.help, labels=d.labels)
-            else:
-                fams[d.name] = HistogramMetricFamily(d.name, d.help, labels=d.labels)
+            fams[d.name] = _family(d)
         return fams[d.name]
 
     by_name = {d.name: d for d in FIXED}
@@ -755,7 +759,10 @@ class DaemonCollector(Collector):
         return list(families(snap))
 
     def describe(self) -> Iterable[Metric]:
-        return []  # registering must not call collect() (the loop may not be running)
+        """The families ``collect`` yields, without samples, from the catalogue: registering
+        must not call collect() (the loop may not be running), and a scrape that names the
+        series it wants (``?name[]=``) collects only from the collectors that name them."""
+        return [_family(d) for d in CATALOGUE if d not in STANDARD]
 
 
 def register_standard(registry: CollectorRegistry, proc: str = "/proc") -> None:
@@ -774,7 +781,8 @@ class MetricsServer:
     def __init__(self, daemon: Daemon, address: str, token: bytes | None = None) -> None:
         self.host, self.port = split_host_port(address)
         self.token = token
-        self.registry = CollectorRegistry(auto_describe=False)
+        # prometheus_client's own collectors name their series by a collect() at registration.
+        self.registry = CollectorRegistry(auto_describe=True)
         loop = asyncio.get_running_loop()
         self.registry.register(DaemonCollector(daemon, loop))
         register_standard(self.registry)

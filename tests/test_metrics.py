@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -381,6 +382,24 @@ def test_with_a_token_file_only_scrapes_that_carry_the_token_are_answered(daemon
     request = urllib.request.Request(url, headers={"Authorization": "Bearer " + "t0ken-" * 6})
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert "kvtier_tier_capacity_bytes" in declared_families(resp.read().decode())
+
+
+def test_regression_a_scrape_naming_the_series_it_wants_answered_none(daemon_factory):
+    """prometheus_client's endpoint serves only the series a scrape names (``?name[]=``),
+    collecting from the collectors that name them at registration: the daemon's collector
+    named none (its describe() was empty) and the standard ones were not asked, so every
+    such scrape was answered 200 with an empty body, whatever it named."""
+    d = daemon_factory(*L1_ONLY)
+    url = metrics_url(d)
+    wanted = ["kvtier_sessions", "kvtier_prefetch_issued_total", "kvtier_pools", "process_open_fds"]
+    query = urllib.parse.urlencode([("name[]", name) for name in wanted])
+    with d.client() as client:
+        client.stats()  # a session open
+        text = scrape_text(f"{url}?{query}")
+    got = {name for (name, _) in samples(text)}
+    assert got == set(wanted), text
+    assert value(samples(text), "kvtier_sessions") == 1
+    assert declared_families(scrape_text(url)) >= set(wanted)  # the whole scrape as before
 
 
 def test_tenants_with_metrics_and_no_token_get_a_warning_at_start(daemon_factory):
