@@ -531,7 +531,7 @@ def _print_listed(what: str, listed: list[str], total: int) -> None:
     for item in listed:
         print(f"    {what} {item}")
     if total > len(listed):
-        print(f"    ... and {total - len(listed)} more {what}s")
+        print(f"    ... and {_counted(total - len(listed), f'more {what}')}")
 
 
 def _quarantine(args: argparse.Namespace) -> int:

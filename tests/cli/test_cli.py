@@ -405,6 +405,25 @@ def test_check_lists_what_is_broken_and_exits_1(capsys, monkeypatch):
     ]
 
 
+def test_regression_check_said_and_1_more_keys_under_a_problem(capsys, monkeypatch):
+    """``kvtier check --list N`` ended a problem's listing with "... and 1 more keys" (and
+    slots) where one was left unlisted: the count that ebc1949's _counted missed."""
+    from kvtier.client import CheckDetail, CheckResult, Client
+
+    detail = CheckDetail(0, [b"\x01" * 16], [7], keys_total=2, slots_total=3)
+    broken = CheckResult(["L1: slot 7 belongs to 2 blocks"], True, 5, 1, 0, 0, [detail])
+    monkeypatch.setattr(Client, "check", lambda self, settle_s, list_limit: broken)
+    code, out, _ = run_main(capsys, "--address", "unix:/x.sock", "check", "--list", "1")
+    assert code == 1
+    assert out.splitlines()[1:] == [
+        "  L1: slot 7 belongs to 2 blocks",
+        "    key " + "01" * 16,
+        "    ... and 1 more key",
+        "    slot 7",
+        "    ... and 2 more slots",
+    ]
+
+
 # Runs kvtierd with its store damaged as each Check begins: every block pinned once more than
 # its leases say, and the second block's L1 copy said to be in the first one's slot.
 _ENTRY_DAMAGED_AT_CHECK = """
@@ -443,7 +462,7 @@ def test_regression_check_named_the_tier_and_counts_not_the_blocks_or_slots(daem
     pins = lines.index("  3 blocks' pin counts differ from their live leases")
     listed = [line.removeprefix("    key ") for line in lines[pins + 1 : pins + 3]]
     assert set(listed) < {k.hex() for k in ks}, lines
-    assert lines[pins + 3] == "    ... and 1 more keys", lines
+    assert lines[pins + 3] == "    ... and 1 more key", lines
     shared = next(i for i, line in enumerate(lines) if "belongs to 2 blocks" in line)
     slot = lines[shared].split("slot ")[1].split()[0]
     assert lines[shared + 3] == f"    slot {slot}", lines
