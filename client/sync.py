@@ -888,12 +888,19 @@ class Client:
                         method, request, binding if method in ("Put", "Get") else None
                     )
                 except Exception as e:
-                    method, request = flow.throw(e)
+                    advance, value = flow.throw, e
                 except BaseException as e:  # KeyboardInterrupt, SystemExit: no more calls
                     self._abandon(flow, e, method, request)
                     raise
                 else:
-                    method, request = flow.send(response)
+                    advance, value = flow.send, response
+                try:
+                    method, request = advance(value)
+                except Exception:
+                    raise
+                except BaseException as e:  # as the flow took ``value`` in, or just after
+                    self._abandon_advanced(flow, e, value)
+                    raise
         except StopIteration as done:
             return int(done.value)
 
@@ -906,6 +913,26 @@ class Client:
         The flow was left suspended, so its lease pinned the blocks until it expired, and its
         cleanup ran when the flow was collected, as "generator ignored GeneratorExit"."""
         abandon(flow, error, method, request, self._release_nowait)
+
+    def _abandon_advanced(self, flow: Flow, error: BaseException, value: Any) -> None:
+        """Let a flow release what it holds where ``error`` (a KeyboardInterrupt) came as it
+        took in ``value``, its call's answer or error, or as its next call came back: no gRPC
+        call was interrupted, so the session stayed open, and the flow's lease pinned its
+        blocks until it expired. A flow left suspended at its next call is abandoned there
+        (the Releases its cleanup asks for are sent); one that ``error`` ended sent no Release
+        for the lease of the pinning Lookup's answer it was given (that would have been its
+        next call), which is released here."""
+        if flow.gi_frame is not None:
+            self._abandon(flow, error, "", None)
+        elif isinstance(value, pb.LookupResponse):
+            self._release_unclaimed(value)
+
+    def _release_unclaimed(self, answer: pb.LookupResponse) -> None:
+        """Release the lease of a pinning Lookup's ``answer`` that something other than a
+        call's error (a KeyboardInterrupt) kept from its caller once the call had ended: the
+        lease id was only in it, so its blocks stayed pinned until the lease expired."""
+        if answer.lease_id:
+            self._release_nowait(t.build_request(pb.ReleaseRequest, lease_id=answer.lease_id))
 
     def _release_nowait(self, request: pb.ReleaseRequest) -> None:
         """Send a Release in the open session, if any, without waiting for its answer."""
@@ -1169,7 +1196,12 @@ class Client:
             pb.LookupRequest, keys=keys, pin=pin, lease_ms=lease_ms, namespace=self._ns(namespace)
         )
         timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
-        return t.lookup_result(self._invoke("Lookup", req, timeout_s=timeout_s))
+        answer = self._invoke("Lookup", req, timeout_s=timeout_s)
+        try:
+            return t.lookup_result(answer)
+        except BaseException:
+            self._release_unclaimed(answer)
+            raise
 
     def put(
         self,

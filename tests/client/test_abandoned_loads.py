@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import dis
 import signal
+import sys
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 import pytest
 
-from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool
+from kvtier.client import AsyncClient, Client, Namespace, PoolLayout, SharedMemoryPool, flows
+from kvtier.client import types as client_types
 
 NS = Namespace(model="abandoned-loads", kv_dtype="uint8", block_tokens=4)
 LAYOUT = PoolLayout.staging(num_layers=2, num_pages=4, block_tokens=4, chunk_bytes=64)
@@ -269,3 +273,89 @@ def test_regression_an_async_pinning_lookup_cancelled_after_its_answer_releases_
                 assert (await client.stats()).gauges["blocks_pinned"] == 0
 
     asyncio.run(main())
+
+
+def at_entry(code: Any, nth: int) -> Any:
+    """A trace that raises a KeyboardInterrupt as the frame of ``code`` is entered (a
+    generator resumed included) for the ``nth`` time: where a signal's handler raises at the
+    first check of a function or generator that the interpreter makes."""
+    entries: list[Any] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            entries.append(frame)
+            if len(entries) == nth:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+    return trace
+
+
+def after_the_flows_answer(frame: FrameType, event: str, arg: Any) -> Any:
+    """A trace that raises a KeyboardInterrupt in ``Client._drive`` as its flow, resumed with
+    the pinning Lookup's answer, has come back with its next call (the Get): where a signal's
+    handler raises after a C call (the generator's ``send``) returns."""
+    if event != "call" or frame.f_code is not Client._drive.__code__:
+        return None
+    unpacked: list[int] = []
+
+    def at_opcode(frame: FrameType, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] == UNPACK_SEQUENCE:
+            unpacked.append(frame.f_lasti)
+            if len(unpacked) == 2:  # the first is the flow's first call, the Lookup
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return at_opcode
+
+    return at_opcode(frame, event, arg)
+
+
+UNPACK_SEQUENCE = dis.opmap["UNPACK_SEQUENCE"]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("where", ["flow-resumed", "flow-advanced", "lookup-result"])
+def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_its_pin(
+    daemon, where
+):
+    """A KeyboardInterrupt that comes once a pinning Lookup's call has ended, as its answer
+    is taken in (a load's flow resumed with it, ``lookup`` making its result) or as the load's
+    flow comes back with its next call: no gRPC call was interrupted, so the client kept its
+    session, and the lease, whose id only that answer held, pinned the blocks until it
+    expired (600 s here). Its lease is now released (sent without waiting for the answer)."""
+    with (
+        daemon.client() as observer,
+        Client(daemon.address) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT, NS)
+        assert pool.store(TOKENS, [0, 1]) == 8
+        session = client.session_id
+        keys = pool.binding.keys(TOKENS)
+        calls = {  # the trace, and the call it interrupts
+            # The flow's frame is entered at its start, then resumed with the answer.
+            "flow-resumed": (
+                at_entry(flows.load_flow.__code__, 2),
+                lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
+            ),
+            "flow-advanced": (
+                after_the_flows_answer,
+                lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
+            ),
+            "lookup-result": (
+                at_entry(client_types.lookup_result.__code__, 1),
+                lambda: client.lookup(keys, pin=True, lease_ms=LEASE_MS),
+            ),
+        }
+        trace, call = calls[where]
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                call()
+        finally:
+            sys.settrace(None)
+        assert settled_leases(observer.stats) == 0
+        assert observer.stats().gauges["blocks_pinned"] == 0
+        assert client.session_id == session  # released in it, not ended with it
+        assert pool.load(TOKENS, [2, 3]) == 8
