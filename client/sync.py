@@ -543,15 +543,18 @@ class Client:
         blocking call's end) it left the channel's lock held, or its count of calls wrong,
         and every later call on the channel waited for ever, past its deadline. So the
         client gives the channel up now (see ``_replace_if_suspect``) and sends nothing more
-        on it (not the Releases of an interrupted load: the session's end frees them); the
-        calls other threads had on it are sent again on the new one once its close ends
-        them (``given_up_error``; a transfer job's parts fail with it), but for those the
-        daemon may have run whose second run would answer otherwise (a Put, a Delete: they
-        fail with ``cut_off_error``). Where the
-        interruption left the channel's lock held, nothing ends them: gRPC delivers no answer
-        on that channel, not even its deadline, and those calls wait for ever inside gRPC,
-        for that lock, with no timeout; but a pinning Lookup, made as a future, whose wait
-        the client bounds itself (``ANSWER_GRACE_S`` past its deadline). The mark comes
+        on it (not the Releases of an interrupted load: the session's end frees them). The
+        calls other threads had on it end once its close ends them (``given_up_error``): one
+        not sent yet, or a Lookup, Get, Stats or Check (``_RESENT_AFTER_CUT_OFF``), is sent
+        again on the new one, and a RegisterPool made again (``_register``); a Release fails
+        with that NotFoundError, its lease gone with the session, and so do a transfer job's
+        parts; any other call already sent (a Put, a Delete, an Evict, a Prefetch, an
+        UnregisterPool, a Drain, a Quarantine), which the daemon may have run, fails with
+        ``cut_off_error``. Where the interruption left the channel's lock held, nothing ends
+        them: gRPC delivers no answer on that channel, not even its deadline, and those calls
+        wait for ever inside gRPC, for that lock, with no timeout; but a pinning Lookup, made
+        as a future, whose wait the client bounds itself (``ANSWER_GRACE_S`` past its
+        deadline). The mark comes
         first: another interruption that lands before the channel is replaced leaves that to
         the client's next call. Once an ``error``: the guards of the calls that it passes
         through on its way out each note it, and a second replacement would only give up the
