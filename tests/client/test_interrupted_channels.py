@@ -128,16 +128,18 @@ def unregister_nowait(client: Client, pool: RegisteredPool) -> None:
 
 
 # "create": the start of a call (the pinning Lookup's, which is sent; a job's first Get);
-# "is_active": the client's check of its session's stream, before the call, or when the
-# connectors ask for the pool's live ids; "add_done_callback": a sent call's callback (a
-# job's part's, an unregistration's whose answer nobody waits for), the call's own lock,
-# which gRPC's thread that delivers every answer of the channel takes to deliver its answer.
+# "is_active": the client's check of its session's stream, before the call, at a job's start
+# (outside any call: Client.session_id's own guard), or when the connectors ask for the
+# pool's live ids; "add_done_callback": a sent call's callback (a job's part's, an
+# unregistration's whose answer nobody waits for), the call's own lock, which gRPC's thread
+# that delivers every answer of the channel takes to deliver its answer.
 @pytest.mark.parametrize(
     "where, interrupted",
     [
         ("create", pinning_lookup),
         ("is_active", pinning_lookup),
         ("create", job),
+        ("is_active", job),
         ("is_active", live_ids),
         ("add_done_callback", job),
         ("add_done_callback", unregister_nowait),
@@ -146,6 +148,7 @@ def unregister_nowait(client: Client, pool: RegisteredPool) -> None:
         "lookup-start",
         "lookup-session-check",
         "job-start",
+        "job-session-check",
         "live-ids-session-check",
         "job-callback",
         "unregister-nowait-callback",
@@ -164,6 +167,19 @@ def test_regression_an_interrupt_in_grpcs_locks_leaves_the_client_working(
         assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
         assert ends_in_time(lambda: client.health())
+
+
+def test_an_interrupt_in_a_releases_session_check_leaves_the_client_working(daemon):
+    """A Release checks the open session's stream (``_open_session_id``) outside any call
+    and any guard of its own: an interrupt there, at the stream's lock exit, gives the
+    channel up as at a call's start (``Client._invoke``'s guard), and the client's next calls
+    end."""
+    with stored(daemon, timeout_s=3) as (client, pool, _):
+        keys = pool.binding.keys(TOKENS)
+        lease = client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+        interrupt_in_grpcs_lock("is_active", client.release, lease.lease_id)
+        assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
 def test_regression_an_interrupt_in_a_jobs_cancel_leaves_the_client_working(daemon):
