@@ -711,13 +711,13 @@ class Client:
                     request.credential_ticket = tickets.fetch(resends.left_s())
         except Exception:
             raise
-        except BaseException as e:
+        except BaseException:
             # The daemon may have opened the session with it: the next OpenSession names it.
+            # (``session_id``'s guard gives the channel up.)
             if request.credential_ticket:
                 with self._lock:
                     self._given_up_tickets.append(request.credential_ticket)
                     del self._given_up_tickets[:-MAX_GIVEN_UP_TICKETS]
-            self.interrupted(e)
             raise
         return opened
 
