@@ -912,7 +912,9 @@ class Client:
         call ``method`` release what it holds: the Releases its cleanup asks for are sent
         without waiting for an answer, and so is the interrupted call when it was a Release
         itself (the lease stayed pinned until it expired: the flow's cleanup had already
-        asked for it; one the daemon had run answers NotFound, which nobody reads).
+        asked for it; one the daemon had run answers NotFound, which nobody reads), in the
+        open session (``_release_nowait``): where ``error`` ended a call, ``_invoke``'s guard
+        gave that session up, whose end frees the lease, and nothing is sent.
         The flow was left suspended, so its lease pinned the blocks until it expired, and its
         cleanup ran when the flow was collected, as "generator ignored GeneratorExit"."""
         abandon(flow, error, method, request, self._release_nowait)

@@ -5,9 +5,12 @@ lease, whatever the Get does. A load whose Get was interrupted by what is no cal
 cancel of the caller's task, as ``asyncio.wait_for`` makes at its timeout; a
 KeyboardInterrupt) left its flow suspended: the lease kept the blocks pinned until it expired
 (``server.lease_default_ms``, 30 s), and the flow's cleanup ran when it was collected, as
-"generator ignored GeneratorExit". The lease is now released at once (the Release is sent
-without waiting for its answer), and the interruption still reaches the caller; so is one
-whose interruption hit the Release itself, which is sent again the same way.
+"generator ignored GeneratorExit". The lease is now released at once, and the interruption
+still reaches the caller; so is one whose interruption hit the Release itself. The asyncio
+client sends the Releases without waiting for their answers; the blocking client gives a
+channel that a KeyboardInterrupt ended a call of up, and that session's end frees the lease
+(``Client.interrupted``), but where the interrupt ended no call (it came as the flow took an
+answer in) it sends the Releases as the asyncio client does.
 """
 
 from __future__ import annotations
