@@ -953,7 +953,7 @@ class Client:
                     fut.add_done_callback(lambda fut: None)
                 except Exception:
                     raise
-                except BaseException as e:  # another interrupt, during an abandoned load's
+                except BaseException as e:  # another interrupt, in an abandoned load or lookup
                     self.interrupted(e, *([fut] if fut is not None else []))
                     raise
 

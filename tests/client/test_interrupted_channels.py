@@ -182,6 +182,33 @@ def test_an_interrupt_in_a_releases_session_check_leaves_the_client_working(daem
         assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
 
 
+def test_an_interrupt_in_the_release_of_an_unclaimed_lease_leaves_the_client_working(
+    daemon, monkeypatch
+):
+    """An interrupt once a pinning Lookup's call has ended, as ``lookup`` makes its result,
+    has the client release that lease without waiting (``Client._release_unclaimed``); a
+    second one in that Release's ``add_done_callback``, at its lock exit, gives the channel
+    up as at a call's start (``Client._release_nowait``'s guard): the client's next calls
+    end, and the lease goes with the given-up session."""
+    with stored(daemon, timeout_s=3) as (client, pool, _):
+        keys = pool.binding.keys(TOKENS)
+
+        def interrupted_result(answer: Any) -> Any:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(sync_module.t, "lookup_result", interrupted_result)
+        interrupt_in_grpcs_lock(
+            "add_done_callback", lambda: client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+        )
+        monkeypatch.undo()
+        assert ends_in_time(lambda: client.lookup(keys).prefix_len) == 2
+        assert ends_in_time(lambda: pool.load(TOKENS, [2, 3])) == 8
+        deadline = time.monotonic() + 30  # a bound on the wait, not a timing
+        while (leases := client.stats().gauges["leases"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert leases == 0
+
+
 def test_regression_an_interrupt_in_a_jobs_cancel_leaves_the_client_working(daemon):
     """``TransferJob.cancel`` cancels its calls through gRPC's locks too (a KeyboardInterrupt
     handler's own cancel, hit by a second Ctrl-C): an interrupt landing there, at the
