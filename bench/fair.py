@@ -2,9 +2,11 @@
 
 A kvtierd (L1 only) with two tenants, ``small`` and ``batch`` (token tenants, so that one
 user acts as both), and two client processes:
-- tenant ``batch`` keeps ``--calls`` calls open at once, each a Lookup (``--op lookup``) or a
-  Get into its pool (``--op get``) of ``--batch-keys`` blocks it stored, sending the next as
-  each one ends, for the whole run: an engine's batched loads;
+- tenant ``batch`` makes ``--calls`` calls at once through one ``AsyncClient``, each a Lookup
+  (``--op lookup``) or a Get into its pool (``--op get``) of ``--batch-keys`` blocks it
+  stored, making the next as each one ends, for the whole run: an engine's batched loads. The
+  client keeps ``--calls-open`` of them open at the daemon (its ``max_calls_open``, 32 by
+  default) and queues the rest;
 - tenant ``small``, this process, makes one-key calls of the same op back to back and times
   each: a scheduler's Lookup at every step, a one-block Get.
 
@@ -31,6 +33,7 @@ import numpy as np
 from kvtier.bench.common import arg_parser, block_layout, latency_figures, ratio, sig
 from kvtier.bench.jsonout import Emit
 from kvtier.bench.launcher import bench_daemon
+from kvtier.client.slots import DEFAULT_MAX_CALLS_OPEN, MAX_CALLS_OPEN_LIMIT
 
 BLOCK_BYTES = 4096
 TENANTS = ("small", "batch")
@@ -48,7 +51,13 @@ def _pool(nkeys: int) -> tuple[Any, Any]:
 
 
 def _batches(
-    conn: Connection, address: str, token_file: str, op: str, calls: int, nkeys: int
+    conn: Connection,
+    address: str,
+    token_file: str,
+    op: str,
+    calls: int,
+    nkeys: int,
+    calls_open: int,
 ) -> None:
     """Tenant ``batch``: ``calls`` calls of ``nkeys`` keys open at once until told to stop,
     saying how many it has made whenever asked."""
@@ -63,7 +72,9 @@ def _batches(
     async def main() -> None:
         stop = asyncio.Event()
         done = 0
-        async with AsyncClient(address, token_file=token_file, max_batch_blocks=nkeys) as c:
+        async with AsyncClient(
+            address, token_file=token_file, max_batch_blocks=nkeys, max_calls_open=calls_open
+        ) as c:
             pool_id = (await c.register_pool(shm, layout)).pool_id
             if (await c.put(pool_id, keys, pages)).stored != nkeys:
                 raise RuntimeError("tenant batch's put stored too few blocks")
@@ -113,7 +124,15 @@ class _Batcher:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_batches,
-            args=(child, address, token_file, args.op, args.calls, args.batch_keys),
+            args=(
+                child,
+                address,
+                token_file,
+                args.op,
+                args.calls,
+                args.batch_keys,
+                args.calls_open,
+            ),
             daemon=True,
         )
         self._proc.start()
@@ -179,14 +198,27 @@ def _phases(
 def main(argv: list[str], *, emit: Emit | None = None) -> int:
     p = arg_parser("fair", __doc__)
     p.add_argument("--op", choices=("lookup", "get"), default="lookup", help="(lookup)")
-    p.add_argument("--calls", type=int, default=8, help="batch calls open at once (8)")
+    p.add_argument("--calls", type=int, default=8, help="batch calls made at once (8)")
+    p.add_argument(
+        "--calls-open",
+        type=int,
+        default=DEFAULT_MAX_CALLS_OPEN,
+        help=f"of those, open at the daemon: the client's max_calls_open ({DEFAULT_MAX_CALLS_OPEN})",
+    )
     p.add_argument("--batch-keys", type=int, default=4096, help="keys per batch call (4096)")
     p.add_argument("--seconds", type=float, default=10.0, help="small calls' time per phase (10)")
     p.add_argument("--set", action="append", default=[], help="daemon config override")
     args = p.parse_args(argv)
     if args.calls < 1 or args.seconds <= 0 or not 1 <= args.batch_keys <= 4096:
         p.error("--calls must be at least 1, --seconds above 0, --batch-keys 1 to 4096")
-    out: dict[str, Any] = {"op": args.op, "calls": args.calls, "batch_keys": args.batch_keys}
+    if not 1 <= args.calls_open <= MAX_CALLS_OPEN_LIMIT:
+        p.error(f"--calls-open must be 1 to {MAX_CALLS_OPEN_LIMIT}")
+    out: dict[str, Any] = {
+        "op": args.op,
+        "calls": args.calls,
+        "calls_open": min(args.calls, args.calls_open),
+        "batch_keys": args.batch_keys,
+    }
     scratch = tempfile.mkdtemp(prefix="kvtier-bench-fair-")
     try:
         tokens = {name: os.path.join(scratch, f"{name}.token") for name in TENANTS}
@@ -210,8 +242,9 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
     for phase in ("alone", "beside"):
         f = out[f"batch_{phase}"]
         print(
-            f"tenant batch {phase:6s}: {args.calls} {args.op}s of {args.batch_keys} keys open "
-            f"at once, {f['calls_per_s']:.4g} calls/s ({f['keys_per_s']:.4g} keys/s)"
+            f"tenant batch {phase:6s}: {args.calls} {args.op}s of {args.batch_keys} keys at "
+            f"once, {out['calls_open']} open, {f['calls_per_s']:.4g} calls/s "
+            f"({f['keys_per_s']:.4g} keys/s)"
         )
     if emit is not None:
         emit(out)

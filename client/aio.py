@@ -55,6 +55,7 @@ from kvtier.client.jobs import (
 )
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.slots import DEFAULT_MAX_CALLS_OPEN, checked_max_calls_open, slot_wait_error
 from kvtier.client.sync import (
     _SESSION_METHODS,
     CHANNEL_OPTIONS,
@@ -84,12 +85,17 @@ class AsyncClient:
         namespace: str = "",
         token: bytes | str | None = None,
         token_file: str | None = None,
+        max_calls_open: int = DEFAULT_MAX_CALLS_OPEN,
     ) -> None:
         """See ``Client``."""
         self.address = t.checked_address(t.resolve_address(address))
         self.timeout_s, self.max_batch_blocks, client_name = client_settings(
             timeout_s, max_batch_blocks, client_name
         )
+        self.max_calls_open = checked_max_calls_open(max_calls_open)
+        # The channel's call slots (see Client): asyncio's semaphore wakes its waiters in the
+        # order they came, and one cancelled while woken hands its slot on.
+        self._slots = asyncio.Semaphore(self.max_calls_open)
         self.namespace = client_namespace(namespace)
         self._token = SessionToken(token, token_file)
         self.tenant = ""  # the session's tenant, once it is open
@@ -318,24 +324,46 @@ class AsyncClient:
             if binding is not None:
                 self.forget_pool_id(binding, request.pool_id)
 
-    async def call(self, method: str, request: Any, timeout_s: float) -> Any:
-        """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
-        this connection has many calls open) and its time allows; raises grpc.RpcError
-        (the transfer jobs send their parts through it too)."""
+    async def call(
+        self, method: str, request: Any, timeout_s: float, *, timed_wait: bool = True
+    ) -> Any:
+        """One call, in one of the client's call slots (``max_calls_open``: see
+        ``Client.call``), sent again while the daemon's gRPC refuses it unrun
+        (``refused_stream``: this connection has many calls open) and its time allows;
+        raises grpc.RpcError, or DeadlineExceededError when its time ran out before a slot
+        came free. ``timed_wait`` False: its time starts once it has a slot (the transfer
+        jobs' parts, sent through it too: each RPC has the job's timeout)."""
         self._on_loop()
-        return await self._until_run(getattr(self._stub, method), request, timeout_s)
+        return await self._until_run(getattr(self._stub, method), request, timeout_s, timed_wait)
 
-    async def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
-        """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
+    async def _until_run(
+        self, rpc: Any, request: Any, timeout_s: float, timed_wait: bool = True
+    ) -> Any:
+        """``rpc(request)`` in a call slot, sent again as ``call`` says (also the health
+        check's)."""
         self._on_loop()
         resends = Resends(timeout_s)
-        while True:
+        slots = self._slots
+        if not slots.locked():
+            await slots.acquire()  # does not wait
+        elif not timed_wait:
+            await slots.acquire()
+            resends = Resends(timeout_s)
+        else:
             try:
-                return await rpc(request, timeout=resends.left_s())
-            except grpc.RpcError as e:
-                if not refused_stream(e) or (pause := resends.pause_s()) is None:
-                    raise
-            await asyncio.sleep(pause)
+                await asyncio.wait_for(slots.acquire(), resends.left_s())
+            except asyncio.TimeoutError:
+                raise slot_wait_error(self.max_calls_open, timeout_s) from None
+        try:
+            while True:
+                try:
+                    return await rpc(request, timeout=resends.left_s())
+                except grpc.RpcError as e:
+                    if not refused_stream(e) or (pause := resends.pause_s()) is None:
+                        raise
+                await asyncio.sleep(pause)
+        finally:
+            slots.release()
 
     async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         try:
@@ -403,7 +431,7 @@ class AsyncClient:
             task.add_done_callback(self._unanswered.discard)
 
     async def _release_nowait(self, request: pb.ReleaseRequest) -> None:
-        with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError):
+        with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, DeadlineExceededError):
             await self.call("Release", request, self.timeout_s)
 
     async def _register(self, binding: PoolBinding) -> None:
@@ -497,6 +525,8 @@ class AsyncClient:
             except grpc.RpcError as e:
                 if unclean(from_rpc_error(e)):
                     self._unconfirmed[request.pool_id] = request.session_id
+            except DeadlineExceededError:  # no call slot in time: not sent
+                self._unconfirmed[request.pool_id] = request.session_id
 
     async def _unregister_unconfirmed(self) -> None:
         """See ``Client._unregister_unconfirmed``."""
@@ -514,6 +544,8 @@ class AsyncClient:
             except grpc.RpcError as e:
                 if unclean(from_rpc_error(e)):
                     break  # still unanswered: kept, with those after it
+            except DeadlineExceededError:  # no call slot in time: not sent, kept
+                break
             self._unconfirmed.pop(pool_id, None)
 
     # ---------------------------------------------------------------- blocks

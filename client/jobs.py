@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import itertools
 import threading
 import time
@@ -63,6 +64,7 @@ from kvtier.proto import kvtier_pb2 as pb
 if TYPE_CHECKING:
     from kvtier.client.aio import AsyncClient
     from kvtier.client.flows import PoolBinding
+    from kvtier.client.slots import CallSlots
     from kvtier.client.sync import Client
 
 # Errors the daemon raises before it touches a pool: a part that ends in one of them leaves
@@ -552,6 +554,10 @@ class TransferJob:
     # ----------------------------------------------------------------- sending
 
     def _send(self, parts: list[Part], *, may_block: bool = True) -> None:
+        """Send ``parts``, each in one of the channel's call slots (``Client.call_slots``):
+        those past ``max_calls_open`` queue there, in order, and are sent as slots free,
+        on the thread that frees one (``_granted``). Never waits for a slot: this runs on
+        gRPC's callback threads too."""
         if not parts:
             return
         try:
@@ -569,38 +575,58 @@ class TransferJob:
             for part in parts:
                 self._ended(part, None, e)
             return
-        for i, part in enumerate(parts):
+        slots = self._client.call_slots
+        for part in parts:
             part.request.session_id = session_id
             part.request.pool_id = pool_id
-            stub = self._client.stub
-            resends = self._resends.setdefault(part.index, Resends(self._timeout_s))
-            try:
-                fut = getattr(stub, part.method).future(part.request, timeout=resends.left_s())
-            except ValueError:  # closed (or given up) meanwhile: its channel sends nothing
-                error = self._client.given_up(stub, session_id) or closed_error()
-                for unsent in parts[i:]:
-                    self._ended(unsent, None, error)
-                return
-            except Exception as e:  # on a callback thread nobody would see it
-                for unsent in parts[i:]:
-                    self._ended(unsent, None, _client_side_error(unsent, e))
-                return
-            except BaseException as e:  # a KeyboardInterrupt in the caller's thread
-                self._client.interrupted(e)
-                raise
-            with self._cond:
-                self._futures[part.index] = fut
-            try:
-                # Under the call's lock, which the answer's delivery takes: guarded as the
-                # call's start (the part is the job's, which cancel() ends).
-                fut.add_done_callback(lambda f, part=part, stub=stub: self._on_done(part, f, stub))
-            except Exception:
-                raise
-            except BaseException as e:
-                self._client.interrupted(e, fut)
-                raise
+            if slots.take_or_queue(functools.partial(self._granted, part, slots)):
+                self._send_one(part, slots)
 
-    def _on_done(self, part: Part, fut: Any, stub: Any) -> None:
+    def _granted(self, part: Part, slots: CallSlots) -> None:
+        """A queued part's slot came free: send it, or free the slot again when the part
+        ended meanwhile (the job was cancelled)."""
+        with self._cond:
+            gone = self._plan.cancelled or part.ended
+        if gone:
+            slots.release()
+        else:
+            self._send_one(part, slots)
+
+    def _send_one(self, part: Part, slots: CallSlots) -> None:
+        """Send a part holding one of ``slots``; its done callback frees the slot."""
+        stub = self._client.stub
+        resends = self._resends.setdefault(part.index, Resends(self._timeout_s))
+        try:
+            fut = getattr(stub, part.method).future(part.request, timeout=resends.left_s())
+        except ValueError:  # closed (or given up) meanwhile: its channel sends nothing
+            slots.release()
+            error = self._client.given_up(stub, part.request.session_id) or closed_error()
+            self._ended(part, None, error)
+            return
+        except Exception as e:  # on a callback thread nobody would see it
+            slots.release()
+            self._ended(part, None, _client_side_error(part, e))
+            return
+        except BaseException as e:  # a KeyboardInterrupt in the caller's thread
+            slots.release()
+            self._client.interrupted(e)
+            raise
+        with self._cond:
+            self._futures[part.index] = fut
+        try:
+            # Under the call's lock, which the answer's delivery takes: guarded as the
+            # call's start (the part is the job's, which cancel() ends).
+            fut.add_done_callback(
+                lambda f, part=part, stub=stub: self._on_done(part, f, stub, slots)
+            )
+        except Exception:
+            raise
+        except BaseException as e:
+            self._client.interrupted(e, fut)
+            raise
+
+    def _on_done(self, part: Part, fut: Any, stub: Any, slots: CallSlots) -> None:
+        slots.release()  # a queued part may go out first, on this thread
         if fut.cancelled():
             return  # cancel() already ended the part
         try:
@@ -779,7 +805,9 @@ class AsyncTransferJob:
         try:
             # Through the client's own call: a part refused unrun is sent again (the job
             # sends all its parts at once, past the daemon's calls per connection).
-            response = await self._client.call(part.method, part.request, self._timeout_s)
+            response = await self._client.call(
+                part.method, part.request, self._timeout_s, timed_wait=False
+            )
         except grpc.RpcError as e:
             await self._ended(part, None, from_rpc_error(e))
         except grpc.aio.UsageError:  # the client was closed meanwhile: its channel sends nothing

@@ -74,6 +74,12 @@ from kvtier.client.jobs import (
 )
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
+from kvtier.client.slots import (
+    DEFAULT_MAX_CALLS_OPEN,
+    CallSlots,
+    checked_max_calls_open,
+    slot_wait_error,
+)
 from kvtier.client.types import resolve_address
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
@@ -414,15 +420,20 @@ class Client:
         namespace: str = "",
         token: bytes | str | None = None,
         token_file: str | None = None,
+        max_calls_open: int = DEFAULT_MAX_CALLS_OPEN,
     ) -> None:
         """``namespace``: the namespace (inside this client's tenant) of every call that does
         not name its own; "shared:NAME[/SUB]" for a namespace the daemon's config shares.
         ``token`` (or ``token_file``, read again at each session the client opens): a
-        tenant's secret, to be that tenant (over TCP the only way to open a session)."""
+        tenant's secret, to be that tenant (over TCP the only way to open a session).
+        ``max_calls_open`` (1 to 255): the calls this client keeps open on its channel at
+        once; the rest wait in the client, in the order they came (``kvtier.client.slots``),
+        their wait counted in their timeout (a transfer job's parts: not)."""
         self.address = t.checked_address(t.resolve_address(address))
         self.timeout_s, self.max_batch_blocks, client_name = client_settings(
             timeout_s, max_batch_blocks, client_name
         )
+        self.max_calls_open = checked_max_calls_open(max_calls_open)
         self.namespace = client_namespace(namespace)
         self._token = SessionToken(token, token_file)
         self._tenant = ""
@@ -465,8 +476,11 @@ class Client:
         self._finalizer.atexit = False  # the process's exit ends its sessions anyway
 
     def _connect(self) -> None:
-        """A new channel (it connects at its first call), its stub and its health check."""
+        """A new channel (it connects at its first call), its call slots, its stub and its
+        health check. The slots are the channel's: the calls a given-up channel may hold for
+        good (see ``interrupted``) take none of the new one's."""
         self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._slots = CallSlots(self.max_calls_open)
         self._stub = pb_grpc.KVTierStub(self._channel)
         self._health = self._channel.unary_unary(
             hc.CHECK_METHOD,
@@ -831,8 +845,9 @@ class Client:
 
     def call(self, method: str, request: Any, timeout_s: float) -> Any:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
-        this connection has many calls open) and its time allows; raises grpc.RpcError.
-        Refused in a forked child before the channel is replaced: a child forked while an
+        this connection has many calls open) and its time allows; raises grpc.RpcError, or
+        DeadlineExceededError when its time ran out before one of the channel's call slots
+        (``max_calls_open``) came free. Refused in a forked child before the channel is replaced: a child forked while an
         interruption's mark waited for the replacement built a channel of its own first."""
         refuse_in_child(self._pid, "Client")
         self._replace_if_suspect()
@@ -865,20 +880,28 @@ class Client:
             raise
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
-        """``rpc(request)``, sent again as ``call`` says (also the health check's)."""
+        """``rpc(request)`` in one of the channel's call slots, waited for within the call's
+        time (else DeadlineExceededError, nothing sent), sent again as ``call`` says (also the
+        health check's)."""
         resends = Resends(timeout_s)
-        while True:
-            try:
-                return rpc(request, timeout=resends.left_s())
-            except grpc.RpcError as e:
-                if not refused_stream(e) or (pause := resends.pause_s()) is None:
+        slots = self._slots
+        if not slots.acquire(resends.left_s()):
+            raise slot_wait_error(slots.limit, timeout_s)
+        try:
+            while True:
+                try:
+                    return rpc(request, timeout=resends.left_s())
+                except grpc.RpcError as e:
+                    if not refused_stream(e) or (pause := resends.pause_s()) is None:
+                        raise
+                except Exception:
                     raise
-            except Exception:
-                raise
-            except BaseException as e:
-                self.interrupted(e)
-                raise
-            time.sleep(pause)
+                except BaseException as e:
+                    self.interrupted(e)
+                    raise
+                time.sleep(pause)
+        finally:
+            slots.release()
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         try:
@@ -1016,13 +1039,21 @@ class Client:
             except grpc.RpcError as e:
                 if unclean(from_rpc_error(e)):
                     break  # still unanswered: kept, with those after it
+            except DeadlineExceededError:  # no call slot in time: not sent, kept
+                break
             with self._ids_lock:
                 self._unconfirmed.pop(pool_id, None)
 
     @property
     def stub(self) -> pb_grpc.KVTierStub:
-        """The raw gRPC stub (requests need ``session_id`` filled in by the caller)."""
+        """The raw gRPC stub (requests need ``session_id`` filled in by the caller); its calls
+        take no call slot (``max_calls_open``)."""
         return self._stub
+
+    @property
+    def call_slots(self) -> CallSlots:
+        """The call slots of the channel ``stub`` sends on (a transfer job's parts take them)."""
+        return self._slots
 
     def error_of(self, err: grpc.RpcError) -> KvtierError:
         """The typed exception for a failed call. ``close()`` closes the channel, and gRPC
@@ -1174,6 +1205,9 @@ class Client:
         except grpc.RpcError as e:
             if unclean(from_rpc_error(e)):
                 self._unconfirmed_unregistration(request)  # sent again before a registration
+            return False
+        except DeadlineExceededError:  # no call slot in time: not sent
+            self._unconfirmed_unregistration(request)  # sent again before a registration
             return False
         except ValueError:  # grpc's answer to a call on a channel close() closed meanwhile
             if not self._closed:

@@ -1,0 +1,158 @@
+"""Call slots: how many calls a client keeps open on one channel (``max_calls_open``).
+
+The daemon's gRPC server takes up a connection's new calls one per loop pass, in the order
+they came, whoever sent them, and refuses a connection's calls past its stream bound (256)
+unrun. A client that kept hundreds of calls open held every other tenant's call behind them,
+and had its own refused and sent again after a pause. So each client queues its calls past
+``max_calls_open`` itself, in the order they came, and sends each as an earlier one ends.
+
+Invariants:
+- ``free + held == limit``. A slot freed while callers queue goes to the first of them
+  directly (never back to ``free``): a later caller cannot overtake one that waits.
+- A caller that stops waiting (its time ran out, an interrupt) either is still queued, and
+  leaves holding nothing, or was handed a slot meanwhile, which it keeps (its time) or hands
+  on (an interrupt): no slot is lost either way.
+- A queued callback (``take_or_queue``) is called on the thread that frees its slot, never
+  inside another callback of the same slots: callbacks whose calls end at once and free
+  their slot again run one after another, not nested.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError
+from kvtier.client.types import checked_int
+
+# The daemon's gRPC server keeps at most 256 calls open on one connection (its
+# MAX_STREAMS_PER_CONNECTION); the client's session stream takes one of them.
+MAX_CALLS_OPEN_LIMIT = 255
+# Beside another tenant's 256 one-key Lookups made through one AsyncClient, a one-key Lookup
+# waited p50 88-194 ms with all 256 open, 0.8-26 ms with 32 (64: 0.6-32 ms, p99 no better),
+# the 256's calls/s alone unchanged (README, Tenants).
+DEFAULT_MAX_CALLS_OPEN = 32
+
+_LockType = type(threading.Lock())
+
+
+def checked_max_calls_open(value: object) -> int:
+    """A client's ``max_calls_open``, checked at construction."""
+    limit = checked_int(value, "max_calls_open", minimum=1)
+    if limit > MAX_CALLS_OPEN_LIMIT:
+        raise InvalidArgumentError(
+            f"max_calls_open: must be at most {MAX_CALLS_OPEN_LIMIT} (got {limit}): the "
+            "daemon keeps 256 calls open per connection, one of them the session's, and "
+            "refuses the rest"
+        )
+    return limit
+
+
+def slot_wait_error(limit: int, timeout_s: float) -> DeadlineExceededError:
+    """The error of a call whose time ran out while it waited for a slot: it was not sent."""
+    return DeadlineExceededError(
+        f"no call slot came free within {timeout_s}s: this client keeps {limit} calls open "
+        "at once (max_calls_open), and the call was not sent"
+    )
+
+
+class CallSlots:
+    """The blocking client's slots of one channel: threads wait for one (``acquire``), a
+    transfer job's parts queue a callback (``take_or_queue``) that sends the part once a slot
+    is theirs, so that no gRPC callback thread ever waits.
+
+    Thread-safety: thread-safe."""
+
+    __slots__ = ("_free", "_granted", "_granting", "_lock", "_waiting", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free = limit
+        self._lock = threading.Lock()
+        # In the order they came: a waiting thread's lock, or a callback to hand a slot to.
+        self._waiting: deque[threading.Lock | Callable[[], None]] = deque()
+        self._granted: deque[Callable[[], None]] = deque()  # handed a slot, to be called
+        self._granting = False  # a thread is calling the granted callbacks
+
+    @property
+    def held(self) -> int:
+        """Slots taken (by calls open, or about to be sent)."""
+        with self._lock:
+            return self.limit - self._free
+
+    @property
+    def waiting(self) -> int:
+        """Callers queued for a slot."""
+        with self._lock:
+            return len(self._waiting)
+
+    def acquire(self, timeout_s: float | None) -> bool:
+        """Take a slot, waiting up to ``timeout_s`` (None: for ever) behind the callers queued
+        before; False when the time ran out first."""
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            waiter = threading.Lock()
+            waiter.acquire()
+            self._waiting.append(waiter)
+        try:
+            got = waiter.acquire(timeout=-1 if timeout_s is None else max(timeout_s, 0.0))
+        except BaseException:  # an interrupt: the slot handed over meanwhile goes on
+            if not self._unqueue(waiter):
+                self.release()
+            raise
+        return got or not self._unqueue(waiter)
+
+    def take_or_queue(self, grant: Callable[[], None]) -> bool:
+        """Take a slot now (True), or queue ``grant``, to be called holding a slot once one is
+        free (False). ``grant`` must not wait, nor raise but to end the caller's thread."""
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return True
+            self._waiting.append(grant)
+            return False
+
+    def release(self) -> None:
+        """Free a slot: it goes to the first caller queued, if any."""
+        with self._lock:
+            if not self._waiting:
+                if self._free >= self.limit:
+                    raise RuntimeError("a call slot freed more often than taken")
+                self._free += 1
+                return
+            waiter = self._waiting.popleft()
+            if isinstance(waiter, _LockType):
+                waiter.release()
+                return
+            self._granted.append(waiter)  # type: ignore[arg-type]
+            if self._granting:
+                return  # called by the thread calling the granted ones (see the module)
+            self._granting = True
+        self._call_granted()
+
+    def _call_granted(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not self._granted:
+                        self._granting = False
+                        return
+                    grant = self._granted.popleft()
+                grant()
+        except BaseException:
+            with self._lock:
+                self._granting = False  # the next release calls those left
+            raise
+
+    def _unqueue(self, waiter: threading.Lock) -> bool:
+        """Take a thread that stopped waiting off the queue; False when it was not on it any
+        more: a slot was handed to it meanwhile."""
+        with self._lock:
+            try:
+                self._waiting.remove(waiter)
+            except ValueError:
+                return False
+            return True

@@ -1,0 +1,264 @@
+"""Both clients keep at most ``max_calls_open`` calls open on their channel, the rest queued
+in the client in the order they came (``kvtier.client.slots``).
+
+Before, a client opened as many calls as its callers made: beside another tenant's 256 open
+one-key calls on one connection a one-key Lookup waited p50 64-257 ms (0.7 ms alone), and a
+client with 256 open had calls refused by the daemon's stream bound and resent after a pause.
+The bound is counted where it matters, at a server: a fake one that holds each Lookup open
+for a while and counts how many it has open at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from kvtier.client import (
+    AsyncClient,
+    Client,
+    LoadSegment,
+    Namespace,
+    PoolLayout,
+    SaveSegment,
+    SharedMemoryPool,
+    block_keys,
+)
+from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError
+from kvtier.client.slots import MAX_CALLS_OPEN_LIMIT, CallSlots
+from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+KEY = b"k" * 32
+LAYOUT = PoolLayout.vllm(
+    num_layers=4, num_pages=32, block_tokens=4, num_kv_heads=2, head_dim=8, dtype="float16"
+)
+
+
+def keys_for(n: int, tag: str) -> list[bytes]:
+    return block_keys(Namespace(model=tag, kv_dtype="float16", block_tokens=4), range(n * 4))
+
+
+class CountingServicer(pb_grpc.KVTierServicer):
+    """Opens sessions; answers each Lookup after ``hold_s`` (or once ``gate`` is set),
+    counting the Lookups open at once and the order they came in (by their first key)."""
+
+    def __init__(self, hold_s: float = 0.02) -> None:
+        self.hold_s = hold_s
+        self.gate: threading.Event | None = None
+        self.lock = threading.Lock()
+        self.open = 0
+        self.most_open = 0
+        self.order: list[bytes] = []
+
+    def OpenSession(self, request, context):
+        yield pb.SessionEvent(session_id="s1", tenant="t")
+        while context.is_active():
+            time.sleep(0.05)
+
+    def Lookup(self, request, context):
+        with self.lock:
+            self.open += 1
+            self.most_open = max(self.most_open, self.open)
+            self.order.append(request.keys[0])
+        try:
+            if self.gate is not None:
+                self.gate.wait(10)
+            else:
+                time.sleep(self.hold_s)
+        finally:
+            with self.lock:
+                self.open -= 1
+        return pb.LookupResponse(prefix_len=0, tiers=[0] * len(request.keys))
+
+
+@pytest.fixture
+def counting_server() -> Iterator[tuple[str, CountingServicer]]:
+    servicer = CountingServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    pb_grpc.add_KVTierServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(0)
+
+
+def test_max_calls_open_refuses_bad_values():
+    for bad, words in (
+        (0, "at least 1"),
+        (MAX_CALLS_OPEN_LIMIT + 1, "at most 255"),
+        (2.5, "expected int"),
+        (True, "expected int"),
+    ):
+        for kind in (Client, AsyncClient):
+            with pytest.raises(InvalidArgumentError, match=words):
+                kind("127.0.0.1:1", max_calls_open=bad)
+    # Below the daemon's bound, with room for the session's stream.
+    assert MAX_CALLS_OPEN_LIMIT < MAX_STREAMS_PER_CONNECTION
+
+
+def test_regression_a_client_kept_every_callers_call_open(counting_server):
+    """16 threads' Lookups on one Client with max_calls_open=4: never more than 4 open at
+    the server (before: 16), every call answered, no slot left held."""
+    address, servicer = counting_server
+    with Client(address, max_calls_open=4) as client:
+        client.lookup([KEY])  # the session first
+        servicer.most_open = 0
+        with futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda _: client.lookup([KEY]).prefix_len, range(64)))
+        assert results == [0] * 64
+        assert 1 <= servicer.most_open <= 4
+        assert client.call_slots.held == 0 and client.call_slots.waiting == 0
+
+
+@pytest.mark.parametrize("limit", [1, 4])
+def test_regression_an_async_client_kept_every_task_call_open(counting_server, limit):
+    """64 tasks' Lookups on one AsyncClient: never more than ``max_calls_open`` open at the
+    server (before: 64), all answered; one at a time, they reach it in the order the tasks
+    made them."""
+    address, servicer = counting_server
+    keys = [i.to_bytes(32, "big") for i in range(64)]
+
+    async def main() -> None:
+        async with AsyncClient(address, max_calls_open=limit) as client:
+            await client.session()
+            answers = await asyncio.gather(*(client.lookup([k]) for k in keys))
+            assert [a.prefix_len for a in answers] == [0] * 64
+            assert client._slots._value == limit  # every slot back
+
+    asyncio.run(main())
+    assert 1 <= servicer.most_open <= limit
+    if limit == 1:
+        assert servicer.order == keys
+
+
+def test_async_calls_cancelled_or_timed_out_in_the_queue_leak_no_slot(counting_server):
+    """Calls cancelled while queued, and ones whose time ran out there (DeadlineExceeded,
+    not sent), leave every slot free once the calls open end."""
+    address, servicer = counting_server
+    servicer.gate = threading.Event()
+
+    async def main() -> None:
+        async with AsyncClient(address, max_calls_open=2) as client:
+            await client.session()
+            held = [asyncio.create_task(client.lookup([KEY])) for _ in range(2)]
+            while servicer.open < 2:
+                await asyncio.sleep(0.01)
+            queued = [asyncio.create_task(client.lookup([KEY])) for _ in range(3)]
+            await asyncio.sleep(0.05)
+            for task in queued:
+                task.cancel()
+            with pytest.raises(DeadlineExceededError, match="max_calls_open"):
+                await client.lookup([KEY], timeout_s=0.1)
+            assert servicer.most_open == 2  # none of them was sent
+            servicer.gate.set()
+            await asyncio.gather(*held)
+            await asyncio.gather(*queued, return_exceptions=True)
+            assert client._slots._value == 2
+            assert (await client.lookup([KEY])).prefix_len == 0
+
+    asyncio.run(main())
+
+
+def test_sync_calls_timed_out_or_interrupted_in_the_queue_leak_no_slot(counting_server):
+    """A call whose time runs out while it waits for a slot fails DeadlineExceeded unsent;
+    a KeyboardInterrupt while it waits leaves no slot taken (its channel's slots are whole
+    once the calls open end)."""
+    address, servicer = counting_server
+    with Client(address, max_calls_open=1) as client:
+        client.lookup([KEY])
+        servicer.gate = threading.Event()
+        slots = client.call_slots
+        with futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(client.lookup, [KEY])
+            while servicer.open < 1:
+                time.sleep(0.01)
+            with pytest.raises(DeadlineExceededError, match="max_calls_open"):
+                client.lookup([KEY], timeout_s=0.1)
+            assert slots.waiting == 0
+            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                client.lookup([KEY], timeout_s=5)
+            timer.join()
+            assert slots.waiting == 0 and slots.held == 1  # the open call's alone
+            servicer.gate.set()
+            held.result(10)
+        assert slots.held == 0
+        assert servicer.most_open == 1
+        assert client.lookup([KEY]).prefix_len == 0  # on a new channel (see interrupted)
+
+
+def test_call_slots_hand_a_freed_slot_to_the_first_waiter():
+    """A thread that stops waiting (its time, an interrupt) after a slot was handed to it
+    hands it on; queued callbacks run in order, one after another, not nested."""
+    slots = CallSlots(1)
+    assert slots.acquire(0)
+    assert not slots.acquire(0.01)  # timed out, unqueued
+    ran: list[int] = []
+    depth = [0, 0]
+
+    def grant(i: int) -> None:
+        depth[0] += 1
+        depth[1] = max(depth)
+        ran.append(i)
+        slots.release()  # ends at once: the next one goes out after this returns
+        depth[0] -= 1
+
+    for i in range(5):
+        assert not slots.take_or_queue(lambda i=i: grant(i))
+    assert slots.waiting == 5
+    slots.release()
+    assert ran == [0, 1, 2, 3, 4] and depth[1] == 1
+    assert slots.held == 0
+    with pytest.raises(RuntimeError):
+        slots.release()
+
+
+@pytest.mark.parametrize("kind", ["save", "load"])
+def test_a_job_of_more_parts_than_slots_completes(daemon, kind):
+    """A blocking client's job of 48 one-block parts with max_calls_open=3: its parts past
+    the bound wait in the channel's queue and go out as earlier ones end (on gRPC's callback
+    threads, which never wait); every key done, every slot back."""
+    keys = keys_for(24, f"slots-{kind}")
+    with (
+        daemon.client(max_calls_open=3, max_batch_blocks=1) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT)
+        save = client.submit_save(pool, [SaveSegment(keys[i : i + 1], [i]) for i in range(24)])
+        status = save.wait(30)
+        assert status.done.all(), status.error
+        if kind == "load":
+            load = client.submit_load(pool, [LoadSegment(keys, range(24))], layer_groups=2)
+            status = load.wait(30)
+            assert status.done.all() and status.layers_done == 4, status.error
+        assert client.call_slots.held == 0 and client.call_slots.waiting == 0
+
+
+def test_an_async_job_of_more_parts_than_slots_completes(daemon):
+    keys = keys_for(24, "slots-async")
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address, max_calls_open=3, max_batch_blocks=1) as c:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await c.register_pool(shm, LAYOUT)
+                segments = [SaveSegment(keys[i : i + 1], [i]) for i in range(24)]
+                status = await (await c.submit_save(pool, segments)).wait(30)
+                assert status.done.all(), status.error
+                load = await c.submit_load(pool, [LoadSegment(keys, range(24))], layer_groups=2)
+                status = await load.wait(30)
+                assert status.done.all(), status.error
+                assert c._slots._value == 3
+
+    asyncio.run(main())
