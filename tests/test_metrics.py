@@ -391,7 +391,14 @@ def test_regression_a_scrape_naming_the_series_it_wants_answered_none(daemon_fac
     such scrape was answered 200 with an empty body, whatever it named."""
     d = daemon_factory(*L1_ONLY)
     url = metrics_url(d)
-    wanted = ["kvtier_sessions", "kvtier_prefetch_issued_total", "kvtier_pools", "process_open_fds"]
+    wanted = [
+        "kvtier_sessions",
+        "kvtier_prefetch_issued_total",
+        "kvtier_pools",
+        "kvtier_tier_blocks",  # labelled
+        "kvtier_rpc_duration_seconds_count",  # a histogram's series, as the README says
+        "process_open_fds",
+    ]
     query = urllib.parse.urlencode([("name[]", name) for name in wanted])
     with d.client() as client:
         client.stats()  # a session open
@@ -399,7 +406,16 @@ def test_regression_a_scrape_naming_the_series_it_wants_answered_none(daemon_fac
     got = {name for (name, _) in samples(text)}
     assert got == set(wanted), text
     assert value(samples(text), "kvtier_sessions") == 1
-    assert declared_families(scrape_text(url)) >= set(wanted)  # the whole scrape as before
+    assert value(samples(text), "kvtier_rpc_duration_seconds_count", method="Stats") >= 1
+    assert declared_families(scrape_text(url)) >= {
+        "kvtier_rpc_duration_seconds" if name.endswith("_count") else name for name in wanted
+    }  # the whole scrape as before
+    # A family's bare name (OpenMetrics' # TYPE line's) matches no sample (README: Metrics).
+    om = urllib.request.Request(
+        f"{url}?name[]=kvtier_hits", headers={"Accept": "application/openmetrics-text"}
+    )
+    with urllib.request.urlopen(om, timeout=10) as resp:
+        assert resp.read() == b"# EOF\n"
 
 
 def test_tenants_with_metrics_and_no_token_get_a_warning_at_start(daemon_factory):
