@@ -534,7 +534,8 @@ class HeatPolicy(Hinted):
         if seg == _OUT:
             raise KeyError(bid)
         if self._moving:
-            self._pay_moves()  # the block may lie on a walk owed
+            self._pay_moves()  # the block may lie on a walk owed: it may have moved
+            seg = self._seg_v[bid]
         if self._owed_new:
             self._defer_owed()
         if self._owed:

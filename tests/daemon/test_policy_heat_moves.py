@@ -168,7 +168,14 @@ def drive(seed: int, steps: int, seen: Counter[str]) -> None:
                     p.remove(bid)
                 links.remove(bid)
         else:
-            bid = int(rng.choice(resident))  # any block: it may lie on a walk owed
+            # Any block, or mostly, while moves are owed, the next one an owed walk would
+            # move: still in probation here, protected in the reference.
+            nxt = [int(new._parent[c]) for c in new._moving if new._parent[c] in links.resident]
+            if nxt and rng.random() < 0.7:
+                bid = nxt[int(rng.integers(len(nxt)))]
+                seen["removed on a walk owed"] += new._seg[bid] == 1  # probation
+            else:
+                bid = int(rng.choice(resident))
             for p in (new, old):
                 p.remove(bid)
             links.remove(bid)
@@ -192,3 +199,25 @@ def test_chain_rule_holds_while_moves_are_owed(monkeypatch: pytest.MonkeyPatch) 
     for seed in range(8):
         drive(seed, 60, seen)
     assert seen["moves owed"] >= 100 and seen["replace"] >= 20, seen
+    assert seen["removed on a walk owed"] >= 5, seen
+
+
+@pytest.mark.parametrize("gone", [0, 6])  # the root, a middle block: both on the walk owed
+def test_regression_removing_a_block_an_owed_walk_moves_keeps_the_counts(
+    monkeypatch: pytest.MonkeyPatch, gone: int
+) -> None:
+    """``remove`` made the moves owed first, then went on with the segment it had read
+    before them: a block those moves took out of probation was removed from probation
+    (its count fell below 0, protected kept it, its parent lost a child in probation
+    twice and its ghost said probation)."""
+    monkeypatch.setattr(heat_module, "_MOVE_BUDGET", 2)
+    policy, eager = HeatPolicy(), EagerHeatPolicy()
+    for p in (policy, eager):
+        now = put_chain(p, 10, 0.0)
+        p.touch(9, now + 1.0)  # moves 8 and 7 here, owes the rest
+    assert policy.owes_work and policy.stats().probation == 7
+    for p in (policy, eager):
+        p.remove(gone)
+    assert (policy.stats().probation, policy.stats().protected) == (0, 9)
+    assert policy._ghost[gone] == eager._ghost[gone] == 2  # protected
+    assert_same_decisions(policy, eager, now + 2.0, 2)
