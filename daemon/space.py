@@ -27,7 +27,8 @@ Rules:
   one).
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``). Work a policy owes
-  (``work``) gets a turn of the loop at a time while it lasts (``owed_work``).
+  (``work``) gets a turn of the loop at a time while it lasts, from when the policy says it
+  owes some (``on_owed``, ``owed_work``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
   ``density``) is asked before blocks that would have to evict enter it (``admit_own``); a
   block it declines stays where it is, and an access it did not keep is told to its policy
@@ -166,6 +167,9 @@ class SpaceManager:
         table.on_revive.append(self._revive_in_policies)
         table.on_expire.append(self._expire_in_policies)
         table.on_renumber.append(self._renumber_in_policies)
+        for level in stack:
+            if hasattr(level.policy, "on_owed"):
+                level.policy.on_owed = self.owed_work  # type: ignore[attr-defined]  # optional
 
     # ------------------------------------------------------------------ accesses
 
@@ -210,19 +214,14 @@ class SpaceManager:
                 if not level.keyed:
                     level.policy.touch_many(live[table.slot[live, level.col] >= 0], now)
             self.record_accesses(live, now)
-        self.owed_work()
 
     def owed_work(self) -> None:
-        """Give the work the policies owe (``work``, optional: the heat policy's moves owed
-        after the first touch of a deep chain) turns of the loop, one budget per policy per
-        turn, so that other requests run between them. Without a running loop (offline use)
-        it stays owed: the policy's next decision does it first."""
+        """A policy began to owe work (its ``on_owed``, optional: the heat policy's moves
+        owed after the first touch of a deep chain): give the policies' ``work`` turns of
+        the loop, one budget per policy per turn, so that other requests run between them,
+        until none owes any. Requests themselves ask nothing. Without a running loop
+        (offline use) it stays owed: the policy's next decision does it first."""
         if self._owed_work_due:
-            return
-        for level in self.stack:
-            if getattr(level.policy, "owes_work", False):
-                break
-        else:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -233,10 +232,12 @@ class SpaceManager:
 
     def _work_a_turn(self) -> None:
         self._owed_work_due = False
+        more = False
         for level in self.stack:
             if getattr(level.policy, "owes_work", False):
-                level.policy.work()  # type: ignore[attr-defined]  # optional (base.py)
-        self.owed_work()
+                more = level.policy.work() or more  # type: ignore[attr-defined]  # optional
+        if more:
+            self.owed_work()
 
     def record_accesses(self, bids: np.ndarray, now: float) -> None:
         """Tell lower tiers' admission rules of an access; ``selective`` tiers then take

@@ -1595,7 +1595,6 @@ class BlockStore:
             mine = held[:, level.col]
             if mine.any():
                 level.policy.insert_many(bids[mine], now, pars[mine])
-        self.space.owed_work()
         self.space.after_store(bids[table.slot[bids, self.top.col] >= 0], now)
 
     def _commit_one(self, bid: int, parent: int) -> None:
@@ -1616,7 +1615,6 @@ class BlockStore:
         for level in levels:
             if table.slot.item(bid, level.col) >= 0:
                 level.policy.insert(bid, now, parent)
-        self.space.owed_work()
         if len(levels) > 1:  # only tiers below the top hear of new blocks
             one = np.array([bid], dtype=np.int64)
             top_col = levels[0].col

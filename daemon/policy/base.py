@@ -35,8 +35,10 @@ instead of those steps, one call where they were four.
 
 Owed work (optional, ``heat`` has it): a policy may leave part of an access's bookkeeping
 owed, to bound the work of one call. ``owes_work`` says whether some is; ``work()`` does a
-bounded part and returns whether some remains. The daemon calls it between requests; a
-policy must decide alike whether it was called or not.
+bounded part and returns whether some remains; ``on_owed``, None unless the owner sets it,
+is called when some becomes owed where none was. The daemon sets it and then calls ``work``
+between requests, so that a request asks nothing of a policy owing none; a policy must decide
+alike whether ``work`` was called or not.
 
 Block ids are rows of the store's index and are reused once a block is forgotten. A policy
 must therefore never trust a link (a ``parent``) or a remembered history across a reuse; see

@@ -43,8 +43,8 @@ probation once per residency, so those walks cost O(1) amortised, but one walk m
 chain: the first touch of a 200,000-block chain's leaf moved them all in one call, 0.2 s of
 the daemon's loop. A walk moves at most ``_MOVE_BUDGET`` ancestors and stops at a moved block
 ``c``, keeping ``c -> k`` in ``_moving``: the walk ``_propagate(c, k, protect)`` would go on
-is owed. ``work`` (which the daemon calls between requests) goes on with such walks, a budget
-at a time; ``victims``, ``remove``, ``effective_key`` and ``order`` first make every move
+is owed. ``work`` (which the daemon calls between requests, told by ``on_owed``) goes on with
+such walks, a budget at a time; ``victims``, ``remove``, ``effective_key`` and ``order`` first make every move
 owed, so decisions and keys are the eager walks': a block leaves probation at most once,
 each move raises its block to the walk's key whatever the order of the walks, and no link
 dies while a walk is owed (only ``remove`` kills one). Between requests the moves are made
@@ -297,6 +297,8 @@ class HeatPolicy(Hinted):
         self._owed: dict[int, float] = {}  # every ancestor still lacking it is hidden
         # Owed moves, block -> key (see the module docstring): the walk resumes there.
         self._moving: dict[int, float] = {}
+        # Called when moves become owed where none were (see "Owed work" in ``base``).
+        self.on_owed: Callable[[], None] | None = None
         # Ancestors looked at by the chain walks (``_propagate``, ``_pay``): a cost measure.
         self.chain_steps = 0
         # Buffer entries looked at by victim scans under a mask or hints: a cost measure.
@@ -1098,6 +1100,8 @@ class HeatPolicy(Hinted):
                 break
             if changed >= (_MOVE_BUDGET if budget < 0 else budget):
                 moving = self._moving
+                if not moving and self.on_owed is not None:
+                    self.on_owed()
                 if moving.get(child, -math.inf) < key:
                     moving[child] = key
                 break

@@ -5580,3 +5580,32 @@ async def test_moves_a_touch_owes_are_made_between_requests(make_store, monkeypa
             assert policy.owes_work  # the touch left most moves owed
     assert not policy.owes_work and turns >= 600 // 50
     assert policy.stats().protected == 600
+
+
+async def test_owed_moves_get_one_turn_of_the_loop_at_a_time(make_store, monkeypatch):
+    """However many requests come while moves are owed, one ``work`` turn is queued at a
+    time: a turn whose ``work`` owes again (``on_owed``) and then asks for the next turn
+    (the rest still owed) queues one, not two that each queue two."""
+    monkeypatch.setattr(heat_module, "_MOVE_BUDGET", 50)
+    clock = Clock()
+    store, pool = make_store(clock, policy="heat", segments=40), make_pool()
+    chain = keys(600)
+    assert await put(store, pool, chain) == [PutResult.STORED] * 600
+    policy = store.stack.levels[0].policy
+    work_a_turn, calls = store.space._work_a_turn, []
+
+    def counted() -> None:
+        calls.append(policy.owes_work)
+        work_a_turn()
+
+    monkeypatch.setattr(store.space, "_work_a_turn", counted)
+    clock.now += 1.0
+    assert await get(store, pool, chain[-1:], [0]) == [True]
+    # Twenty single-block Gets of the chain's middle while the moves are owed.
+    reads = [get(store, pool, chain[i : i + 1], [1 + i % 20]) for i in range(100, 120)]
+    assert await asyncio.gather(*reads) == [[True]] * 20
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert not policy.owes_work and policy.stats().protected == 600
+    # A budget of 50 moves per turn (49 and the stop): 11 or 12 turns for 549 moves.
+    assert 2 <= len(calls) <= 600 // 50 + 1, len(calls)
