@@ -41,8 +41,10 @@ from redis_servers import (
 )
 
 from kvtier.bench.redis_proc import RedisClusterProcs
+from kvtier.daemon import loops
+from kvtier.daemon.loops import EVENT_LOOPS
 from kvtier.tiers.base import PROBE_ABSENT, PROBE_UNKNOWN, BlockRef, Health, TierUnavailable
-from kvtier.tiers.remote.codec import KeyNamer
+from kvtier.tiers.remote.codec import KeyNamer, checksum, header
 from kvtier.tiers.remote.options import RemoteOptions
 from kvtier.tiers.remote.tier import RemoteTier
 
@@ -747,6 +749,12 @@ def blocks_over(
     return chain, [data(i, nbytes) for i in range(n)], on_victim
 
 
+def lost_hits(on_victim: set[int], n: int) -> list[bool | None]:
+    """What a read of ``n`` blocks answers while the master of those ``on_victim`` is lost:
+    None for them (nothing said), True for the others."""
+    return [None if i in on_victim else True for i in range(n)]
+
+
 async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degraded(
     redis_cluster_partial: RedisClusterProcs, l3_prefix: str
 ) -> None:
@@ -771,7 +779,7 @@ async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degrad
         )
         # Meets the lost master: its blocks are misses, the others' are read.
         hits = await tier.read(chain, nbytes, host(empty(n, nbytes)))
-        assert hits == [None if i in on_victim else True for i in range(n)]
+        assert hits == lost_hits(on_victim, n)
         assert tier.health().state is Health.DEGRADED_IO
         health = tier.health()
         assert victim.address in health.detail and health.partial, health
@@ -780,7 +788,7 @@ async def test_a_master_lost_for_good_leaves_l3_serving_the_other_masters_degrad
             dest = empty(n, nbytes)
             hits = await tier.read(chain, nbytes, host(dest))
             # The lost master's blocks: misses that say nothing of them (None).
-            assert hits == [None if i in on_victim else True for i in range(n)]
+            assert hits == lost_hits(on_victim, n)
             assert all(bytes(dest[i]) == src[i] for i in range(n) if hits[i])
             sizes = await tier.probe_each(chain)
             assert sizes == [PROBE_UNKNOWN if i in on_victim else nbytes for i in range(n)]
@@ -845,7 +853,7 @@ async def test_regression_a_master_just_killed_took_l3_down_for_every_master(
     n = 48
     victim = cluster.nodes[1]
     chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
-    expected_hits = [None if i in on_victim else True for i in range(n)]
+    expected_hits = lost_hits(on_victim, n)
     async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
         victim.kill()
@@ -892,9 +900,10 @@ async def test_regression_a_master_dead_at_the_start_or_reconnection_kept_l3_dow
     cluster = redis_cluster_slow_verdict
     nbytes = 4096
     n = 48
-    victim, held = cluster.nodes[1], cluster.nodes[0]
+    victim = cluster.nodes[1]
+    others = [node for node in cluster.nodes if node is not victim]
     chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
-    expected_hits = [None if i in on_victim else True for i in range(n)]
+    expected_hits = lost_hits(on_victim, n)
     async with opened(fail_fast_options(cluster, l3_prefix)) as tier:
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
     victim.kill()
@@ -902,14 +911,16 @@ async def test_regression_a_master_dead_at_the_start_or_reconnection_kept_l3_dow
         health = tier.health()
         assert health.state is Health.DEGRADED_IO and health.partial, health
         assert await tier.read(chain, nbytes, host(empty(n, nbytes))) == expected_hits
-        # Down (a master that does not answer in time), then reconnected with the victim
+        # Down (neither of the others answers in time), then reconnected with the victim
         # still dead.
-        held.cli("CLIENT", "PAUSE", str(int(3 * CLUSTER_OP_TIMEOUT_S * 1000)), "ALL")
+        for node in others:
+            node.cli("CLIENT", "PAUSE", str(int(3 * CLUSTER_OP_TIMEOUT_S * 1000)), "ALL")
         try:
             assert await tier.read(chain, nbytes, host(empty(n, nbytes))) == [None] * n
             assert tier.health().state is Health.DOWN
         finally:
-            held.cli("CLIENT", "UNPAUSE")
+            for node in others:
+                node.cli("CLIENT", "UNPAUSE")
         await wait_for(
             "L3 to serve the others again", lambda: tier.health().state is not Health.DOWN
         )
@@ -939,7 +950,7 @@ async def test_regression_a_master_restarted_after_a_call_lost_it_stayed_lost_ba
         assert await tier.write(chain, 4096, host(src)) == [True] * 48
         victim.kill()
         hits = await tier.read(chain, 4096, host(empty(48, 4096)))
-        assert hits == [None if i in on_victim else True for i in range(48)]
+        assert hits == lost_hits(on_victim, 48)
         await wait_for(
             "a second check of the lost master",
             lambda: tier.stats().counters["reconnect_attempts"] >= 2,
@@ -950,6 +961,129 @@ async def test_regression_a_master_restarted_after_a_call_lost_it_stayed_lost_ba
         await wait_for("L3 to be whole again", lambda: tier.health().state is Health.OK, 30.0)
         assert await tier.write(chain, 4096, host(src)) == [True] * 48
         assert tier.stats().counters["down_transitions"] == 0
+
+
+@pytest.mark.slow
+async def test_regression_a_hung_master_took_l3_down_for_every_master(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A master that answers nothing (its redis-server stopped: a hung process, a host
+    gone), before the others count it failed: a call that waited for it timed out as a
+    whole, the other masters' replies with it, and L3 went down for every master until a
+    reconnection found the cluster's verdict (its node timeout: 15 s by default, a minute
+    here). The timeout is the hung master's own instead, as a refused connection is: its
+    commands answer it within the op timeout, the others' are served in the same call, and
+    it is lost on its own (degraded_io naming it, never down). A call that waited for a
+    connection meanwhile (one bulk connection here) sends it nothing once it is lost. The
+    start's check loses it at once likewise (it waited for the cluster's verdict, L3 down
+    meanwhile). It is rechecked with the lost masters' backoff, and serves again once it
+    answers."""
+    cluster = redis_cluster_slow_verdict
+    nbytes = 4096
+    n = 48
+    victim = cluster.nodes[1]
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    expected_hits = lost_hits(on_victim, n)
+    async with opened(fail_fast_options(cluster, l3_prefix, pool_size=2)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        victim.pause()
+        try:
+            dests = [empty(n, nbytes), empty(n, nbytes)]
+            hits = await asyncio.gather(*(tier.read(chain, nbytes, host(d)) for d in dests))
+            assert hits == [expected_hits, expected_hits]
+            c = tier.stats().counters
+            # The first read timed out at the hung master; the second, which waited for the
+            # connection, found it lost and asked the others only.
+            assert c["read_errors"] == len(on_victim), c
+            assert c["read_skipped_down"] == len(on_victim), c
+            assert c["timeouts"] == 1, c
+            health = tier.health()
+            assert health.state is Health.DEGRADED_IO and health.partial, health
+            assert victim.address in health.detail, health
+            dest = empty(n, nbytes)
+            assert await tier.read(chain, nbytes, host(dest)) == expected_hits
+            dests.append(dest)
+            assert all(bytes(d[i]) == src[i] for d in dests for i in range(n) if i not in on_victim)
+            assert await tier.write(chain, nbytes, host(src)) == [
+                i not in on_victim for i in range(n)
+            ]
+            sizes = await tier.probe_each(chain)
+            assert sizes == [PROBE_UNKNOWN if i in on_victim else nbytes for i in range(n)]
+            assert tier.unserved(chain) == sorted(on_victim)
+            await wait_for(
+                "a second check of the hung master",
+                lambda: tier.stats().counters["reconnect_attempts"] >= 2,
+            )
+            assert tier.health().state is Health.DEGRADED_IO  # still hung
+            # A tier started meanwhile loses it at once too.
+            async with opened(fail_fast_options(cluster, l3_prefix)) as second:
+                health = second.health()
+                assert health.state is Health.DEGRADED_IO, health
+                assert victim.address in health.detail, health
+                assert await second.read(chain, nbytes, host(empty(n, nbytes))) == expected_hits
+            assert not counted_failed(cluster, victim)  # all of it before the cluster's verdict
+        finally:
+            victim.resume()
+        await wait_for("L3 to be whole again", lambda: tier.health().state is Health.OK, 30.0)
+        # The master kept its blocks while it was stopped.
+        dest = empty(n, nbytes)
+        assert await tier.read(chain, nbytes, host(dest)) == [True] * n
+        assert [bytes(d) for d in dest] == src
+        assert tier.stats().counters["down_transitions"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", EVENT_LOOPS)
+def test_a_write_timed_out_at_a_hung_master_stores_the_others_and_none_of_its_bodies_later(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str, kind: str
+) -> None:
+    """A write whose pipeline spans a hung master and live ones: the live masters store
+    their blocks within the op timeout (the whole write timed out before, none stored), and
+    the hung master's connection, cut off mid-body, is aborted, not closed: uvloop's
+    transports keep what they have not sent by reference, and a graceful close sent it once
+    the master read again, the caller's buffers rewritten by then, under the old key and
+    header. What the master holds is each block as it was, or nothing."""
+    cluster = redis_cluster_slow_verdict
+    victim = cluster.nodes[1]
+    namer = KeyNamer(l3_prefix)
+    nbytes = 8 << 20  # far more than the socket buffers take while the master is stopped
+    on_victim: list[int] = []
+    elsewhere: list[int] = []
+    for i in range(1000):
+        mine = cluster.owner_of_slot(slot_of(namer, ref(i))) is victim
+        (on_victim if mine else elsewhere).append(i)
+        if len(on_victim) >= 2 and elsewhere:
+            break
+    ids = on_victim[:2] + elsewhere[:1]
+    blocks = [ref(i) for i in ids]
+    orig = [data(i, nbytes) for i in ids]
+    raw = redis.Redis(host="127.0.0.1", port=victim.port)
+
+    def others() -> set[str]:
+        return {c["id"] for c in raw.client_list()} - {str(raw.client_id())}
+
+    async def run() -> None:
+        # Time for the live master to take its 8 MiB on a loaded machine.
+        opts = cluster_options(cluster, l3_prefix, op_timeout_s=3.0, connect_timeout_s=0.5)
+        async with opened(opts) as tier:
+            assert await tier.probe_each(blocks) == [PROBE_ABSENT] * 3  # connections made
+            before = others()
+            src = [bytearray(b) for b in orig]
+            victim.pause()
+            try:
+                assert await tier.write(blocks, nbytes, host(src)) == [False, False, True]
+                assert tier.health().state is Health.DEGRADED_IO
+                for buf in src:
+                    buf[:] = bytes(nbytes)  # the caller's again, and rewritten
+            finally:
+                victim.resume()
+            await wait_for("the hung connections to end", lambda: not before & others())
+
+    loops.run(run(), kind)
+    for block, value in zip(blocks[:2], orig, strict=False):
+        key = namer.key(block.ns, block.key)
+        assert raw.get(key) in (None, header(nbytes, checksum(value), key) + value)
+    raw.close()
 
 
 async def test_regression_a_connection_its_server_closed_in_the_pool_lost_a_healthy_master(

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import random
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.bench.redis_proc import free_port
 from kvtier.tiers.remote.codec import (
@@ -272,6 +274,54 @@ def test_a_pipeline_goes_to_the_stream_chunk_by_chunk_never_joined() -> None:
     assert len(writer.chunks) == 1 and writer.drained == 1
 
 
+async def _raised_by_reads(
+    conn: Connection, fault: type[BaseException], count: int
+) -> list[BaseException]:
+    """What each of ``count`` reads of ``conn`` raises: a ``fault`` each."""
+    raised = []
+    for _ in range(count):
+        with pytest.raises(fault) as e:
+            await conn.read_response()
+        raised.append(e.value)
+    return raised
+
+
+@contextlib.asynccontextmanager
+async def _resp_server(
+    hush: Callable[[list[bytes]], bool] = lambda args: False,
+) -> AsyncIterator[int]:
+    """A server on a port of its own (yielded) that answers every command, ECHO with its
+    argument, any other +OK, until ``hush`` is true of one: nothing more on that connection."""
+    served: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served.append(writer)
+        silent = False
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while line := await reader.readline():
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int((await reader.readline())[1:])
+                    args.append((await reader.readexactly(size + 2))[:-2])
+                silent = silent or hush(args)
+                if silent:
+                    continue
+                if args[0].upper() == b"ECHO":
+                    writer.write(b"$%d\r\n%s\r\n" % (len(args[1]), args[1]))
+                else:
+                    writer.write(b"+OK\r\n")
+                await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        for writer in served:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 def test_a_refused_connection_answers_the_reads_of_its_send_where_faults_are_noted() -> None:
     """Within ``noting_node_faults`` a connection's fault of a send (here a refused connect)
     is raised by each read that follows it, not by the send, so that a cluster pipeline
@@ -288,11 +338,7 @@ def test_a_refused_connection_answers_the_reads_of_its_send_where_faults_are_not
         faults = NodeFaults()
         with noting_node_faults(faults):
             await conn.send_packed_command(conn.pack_commands([("GET", b"a"), ("GET", b"b")]))
-            raised = []
-            for _ in range(2):
-                with pytest.raises(RedisConnectionError) as e:
-                    await conn.read_response()
-                raised.append(e.value)
+            raised = await _raised_by_reads(conn, RedisConnectionError, 2)
         assert [faults.node_of(e) for e in raised] == [f"127.0.0.1:{port}"] * 2
         assert faults.node_of(RedisConnectionError("another")) is None
         with pytest.raises(RedisConnectionError) as e:
@@ -310,26 +356,11 @@ def test_regression_a_reset_in_the_handshake_was_answered_and_left_its_replies_a
     the reply of that send as the first one's, then waited for one that never came: the
     call failed as a timeout (the tier DOWN, not the node lost)."""
 
-    served: list[asyncio.StreamWriter] = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        # Every command answered: ECHO with its argument, any other +OK.
-        served.append(writer)
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while line := await reader.readline():
-                args = []
-                for _ in range(int(line[1:])):
-                    size = int((await reader.readline())[1:])
-                    args.append((await reader.readexactly(size + 2))[:-2])
-                if args[0].upper() == b"ECHO":
-                    writer.write(b"$%d\r\n%s\r\n" % (len(args[1]), args[1]))
-                else:
-                    writer.write(b"+OK\r\n")
-                await writer.drain()
-
     async def run() -> None:
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
+        async with _resp_server() as port:
+            await reset_in_handshake(port)
+
+    async def reset_in_handshake(port: int) -> None:
         conn = _tier_class(Connection)(
             host="127.0.0.1", port=port, socket_timeout=2.0, retry=Retry(NoBackoff(), 0)
         )
@@ -355,10 +386,44 @@ def test_regression_a_reset_in_the_handshake_was_answered_and_left_its_replies_a
                 assert await conn.read_response() == b"second"
         finally:
             await conn.disconnect()
-            for writer in served:
-                writer.close()
-            server.close()
-            await server.wait_closed()
+
+    asyncio.run(run())
+
+
+def test_a_silent_node_times_out_at_the_deadline_and_answers_the_reads_of_its_send() -> None:
+    """Within ``noting_node_faults`` with a deadline, every wait of a connection ends at it:
+    a node that answers nothing (here from its handshake on) or stops answering (here at
+    HANG) times out, raised by each read of that send, not by the send, and noted with the
+    node, so that a cluster pipeline takes it as that node's replies; the connection is
+    closed, and the next send connects afresh. Only the deadline ends a wait here: the
+    socket timeout is 30 s."""
+    silent_from_start = [True]
+
+    def hush(args: list[bytes]) -> bool:
+        return silent_from_start[0] or args[0].upper() == b"HANG"
+
+    async def run() -> None:
+        async with _resp_server(hush) as port:
+            await time_out(port)
+
+    async def time_out(port: int) -> None:
+        conn = _tier_class(Connection)(
+            host="127.0.0.1", port=port, socket_timeout=30.0, retry=Retry(NoBackoff(), 0)
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            for silent in (True, False):
+                silent_from_start[0] = silent
+                faults = NodeFaults(loop.time() + 0.2)
+                with noting_node_faults(faults):
+                    await conn.send_packed_command(conn.pack_commands([("HANG",), ("ECHO", b"b")]))
+                    raised = await _raised_by_reads(conn, RedisTimeoutError, 2)
+                assert [faults.node_of(e) for e in raised] == [f"127.0.0.1:{port}"] * 2
+                assert not conn.is_connected
+            await conn.send_packed_command(conn.pack_command("ECHO", b"after"))
+            assert await conn.read_response() == b"after"
+        finally:
+            await conn.disconnect()
 
     asyncio.run(run())
 

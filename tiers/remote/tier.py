@@ -8,9 +8,10 @@ Invariants:
   Exceptions are kept for programming errors (a buffer shorter than ``nbytes``).
 - No round trip is waited for longer than ``op_timeout_s`` (``probe``: its caller gets an
   answer within ``probe_deadline_ms``; the round trip may go on in the background up to
-  ``op_timeout_s``, so that a slow store, not a tight deadline, is what marks the tier down).
-- A timeout or a connection fault marks the tier DOWN (on a cluster, a fault of one master's
-  connection marks that master lost instead, while another serves): until the reconnection
+  ``op_timeout_s``, so that a slow store, not a tight deadline, is what marks the tier down;
+  on a cluster each master's part of it, the whole within ``_HAND_BACK_S`` more).
+- A timeout or a connection fault marks the tier DOWN (on a cluster, one master's marks that
+  master lost instead, while another serves): until the reconnection
   probe succeeds, every call answers at once without touching the network. The probe runs
   in the background with exponential backoff and jitter, on a fresh client each attempt (a
   restarted server or a failed-over cluster is seen afresh) with the password file read
@@ -48,13 +49,14 @@ Invariants:
   their own share of the connections, so bulk reads and writes never starve a lookup.
 
 Cluster resharding (MOVED, ASK) is followed by redis-py's cluster client, pipelines included.
-A master is ``lost`` at once when a connection to it fails (refused, reset, closed): in a
-call (its commands answer the fault, the other masters' are served), or in the start's or a
-reconnection's check while the others report ok; one that does not answer in time, once such a check
-finds the others ok and counting it failed (no full coverage required). Its slots' keys are answered
-as when the tier is DOWN (misses, declined, remembered removals), the others' as when UP. Before the
-cluster's verdict (``cluster-node-timeout``) the others serve their slots all the same; once it is
-given, a cluster that requires full coverage answers CLUSTERDOWN, which marks the tier DOWN.
+A master is ``lost`` at once when a connection to it fails (refused, reset, closed) or it does
+not answer within the op timeout (a hung process, a host gone): in a call (its commands answer
+the fault, the other masters' are served within the same op timeout), or in the start's or a
+reconnection's check while the others report ok. Its slots' keys are answered as when the tier
+is DOWN (misses, declined, remembered removals), the others' as when UP; a call that waited for
+a connection meanwhile sends it nothing. Before the cluster's verdict (``cluster-node-timeout``)
+the others serve their slots all the same; once it is given, a cluster that requires full
+coverage answers CLUSTERDOWN, which marks the tier DOWN.
 
 Values are sent from the caller's buffers without joining header and bytes, and the client's
 connections send and receive large values with fewer copies than redis-py's own (``wire``).
@@ -76,7 +78,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -123,7 +125,6 @@ except ImportError as e:  # pragma: no cover - the extra is part of the dev envi
 from kvtier.tiers.remote.wire import (
     Framed,
     NodeFaults,
-    node_fault,
     noting_node_faults,
     releasing_bodies,
     use_tier_connections,
@@ -146,6 +147,10 @@ _UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 _UNREACHABLE_OR_REFUSED: tuple[type[BaseException], ...] = (*_UNREACHABLE, rx.RedisError)
 _TIMEOUTS = (rx.TimeoutError, asyncio.TimeoutError, TimeoutError)
+# What a cluster pipeline may take beyond the op timeout to hand its replies back: each
+# master's part ends at the op timeout (``wire``: its connect, sends and reads), the rest is
+# redis-py's bookkeeping on the event loop. Past it, the call as a whole is late: DOWN.
+_HAND_BACK_S = 0.25
 # Value buffers kept for reuse between writes: enough for a few batches of 2 MiB blocks in
 # flight, small next to the host tier.
 _STAGING_RETAIN_BYTES = 128 << 20
@@ -517,16 +522,17 @@ class RemoteTier:
             c["probe_skipped_down"] += 1
             return unknown
         all_keys = [self._names.key(b.ns, b.key) for b in blocks]
-        asked = self._served(all_keys)
+        asked, servers = self._asked_now(all_keys, list(range(len(blocks))), None)
         if len(asked) < len(all_keys):
             c["probe_skipped_down"] += 1
         if not asked:
             return [PROBE_ABSENT if k in self._unremoved else PROBE_UNKNOWN for k in all_keys]
-        keys = [all_keys[j] for j in asked]
 
         async def heads(pipe: Any) -> None:
-            for k in keys:
-                pipe.execute_command("GETRANGE", k, 0, HEADER_BYTES - 1)
+            nonlocal asked, servers
+            asked, servers = self._asked_now(all_keys, asked, servers)  # lost meanwhile
+            for j in asked:
+                pipe.execute_command("GETRANGE", all_keys[j], 0, HEADER_BYTES - 1)
 
         # The round trip runs as its own task under the op timeout (a slow store is judged
         # by that), while the caller waits only for the probe deadline.
@@ -541,13 +547,12 @@ class RemoteTier:
         except _Unreachable:
             return unknown
         unremoved = self._unremoved
-        if len(keys) < len(all_keys):
+        if len(asked) < len(all_keys):
             # A lost master's keys: unknown, as the store could not be asked.
             by_position = dict(zip(asked, replies, strict=True))
             replies = [by_position.get(j, _NOT_ASKED) for j in range(len(all_keys))]
-            keys = all_keys
         answers: list[int] = []
-        for key, reply in zip(keys, replies, strict=True):
+        for key, reply in zip(all_keys, replies, strict=True):
             if unremoved and key in unremoved:
                 answers.append(PROBE_ABSENT)  # removed here; the store has yet to confirm it
                 continue
@@ -574,14 +579,15 @@ class RemoteTier:
         if not blocks or not ttl_s or not self._avail.serves(self._clock()):
             return ages
         all_keys = [self._names.key(b.ns, b.key) for b in blocks]
-        asked = self._served(all_keys)
+        asked, servers = self._asked_now(all_keys, list(range(len(blocks))), None)
         if not asked:
             return ages
-        keys = [all_keys[j] for j in asked]
 
         async def pttl(pipe: Any) -> None:
-            for k in keys:
-                pipe.execute_command("PTTL", k)
+            nonlocal asked, servers
+            asked, servers = self._asked_now(all_keys, asked, servers)  # lost meanwhile
+            for j in asked:
+                pipe.execute_command("PTTL", all_keys[j])
 
         try:
             replies = await self._pipeline(pttl, self._bulk_ops)
@@ -613,15 +619,16 @@ class RemoteTier:
             c["read_skipped_down"] += n
             return out
         keys = [self._names.key(b.ns, b.key) for b in blocks]
-        asked = self._served(keys)
+        asked, servers = self._asked_now(keys, list(range(n)), None)
         if not asked:
             c["read_skipped_down"] += n
             return out
-        asked_keys = keys if len(asked) == n else [keys[j] for j in asked]
 
         async def get(pipe: Any) -> None:
-            for k in asked_keys:
-                pipe.execute_command("GET", k)
+            nonlocal asked, servers
+            asked, servers = self._asked_now(keys, asked, servers)  # lost meanwhile
+            for j in asked:
+                pipe.execute_command("GET", keys[j])
 
         try:
             replies = await self._pipeline(get, self._bulk_ops)
@@ -840,6 +847,21 @@ class RemoteTier:
             return False
         full = self._full.get(server)
         return full is None or full.takes_writes(now)
+
+    def _asked_now(
+        self, keys: list[bytes], asked: list[int], servers: list[str] | None
+    ) -> tuple[list[int], list[str] | None]:
+        """Of ``asked`` (positions in ``keys``), those whose master is not lost now, and the
+        keys' servers (``_servers_of``, looked up once a master is lost, then kept). Asked
+        again once a call has its connection: a master lost while it waited for one (a hung
+        master, timed out by the calls ahead of it) is sent nothing, or each call queued
+        behind them waited the op timeout in turn."""
+        if not self._lost:
+            return asked, servers
+        if servers is None:
+            servers = self._servers_of(keys)
+        lost = self._lost
+        return [j for j in asked if servers[j] not in lost], servers
 
     def _served(self, keys: list[bytes]) -> list[int]:
         """The positions of the keys whose master is not lost (every one while none is)."""
@@ -1265,8 +1287,14 @@ class RemoteTier:
             client, generation = self._client, self._generation
             self._inflight += 1
             self._calls[generation] += 1
-            # On a cluster, a master's connection fault answers its commands only.
-            faults = NodeFaults() if _is_cluster(client) else None
+            # On a cluster, a master's connection fault answers its commands only, and so
+            # does its silence: each master's part ends at the op timeout (``wire``), the
+            # call as a whole only if it outlasts that.
+            timeout_s = self.options.op_timeout_s
+            faults = None
+            if _is_cluster(client):
+                faults = NodeFaults(asyncio.get_running_loop().time() + timeout_s)
+                timeout_s += _HAND_BACK_S
             try:
                 pipe = (
                     client.pipeline() if faults is not None else client.pipeline(transaction=False)
@@ -1274,9 +1302,7 @@ class RemoteTier:
                 await fill(pipe)
                 with noting_node_faults(faults):  # (its tasks start within)
                     replies = list(
-                        await self._bounded(
-                            pipe.execute(raise_on_error=False), self.options.op_timeout_s
-                        )
+                        await self._bounded(pipe.execute(raise_on_error=False), timeout_s)
                     )
             except _UNREACHABLE_OR_REFUSED as e:
                 # Unreachable, or a fault of the whole pipeline (e.g. NOAUTH after a restart
@@ -1287,29 +1313,32 @@ class RemoteTier:
                 self._inflight -= 1
                 self._call_ended(generation)
         # Per-command replies that say the store (or the server of that slot) is gone: a
-        # master's connection fault, that master; any other, the store.
+        # master's connection fault or timeout, that master; any other, the store.
         lost: dict[str, str] = {}
+        timed_out = False
         for reply in replies:
             if isinstance(reply, _UNREACHABLE):
+                timeout = isinstance(reply, _TIMEOUTS)
                 server = None if faults is None else faults.node_of(reply)
                 if server is None:
-                    self._fail(generation, _describe(reply), timeout=isinstance(reply, _TIMEOUTS))
+                    self._fail(generation, _describe(reply), timeout=timeout)
                     break
+                timed_out |= timeout
                 lost.setdefault(server, _describe(reply))
         else:
             if lost:
-                self._lose(generation, lost)
+                self._lose(generation, lost, timeout=timed_out)
         return replies
 
-    def _lose(self, generation: int, lost: dict[str, str]) -> None:
-        """Masters whose connections failed in a call (refused, reset, closed: each one's
-        fault answered its own commands, the others' were served): lost at once, as when a
-        reconnection finds them counted failed, rather than the tier DOWN until the other
-        nodes count them failed (``cluster-node-timeout``). The monitor asks after about
-        ``backoff_initial_s`` whether they are back (a restarted server's closed connection
-        costs no more), then doubling as for any lost master (``_set_lost``). Where none
-        would be left serving, or a server is no master the client knows, the store is
-        unreachable: DOWN."""
+    def _lose(self, generation: int, lost: dict[str, str], *, timeout: bool) -> None:
+        """Masters whose connections failed in a call (refused, reset, closed, or silent
+        until the op timeout: each one's fault answered its own commands, the others' were
+        served): lost at once, as when a reconnection finds them so, rather than the tier
+        DOWN until the other nodes count them failed (``cluster-node-timeout``). The monitor
+        asks after about ``backoff_initial_s`` whether they are back (a restarted server's
+        closed connection costs no more), then doubling as for any lost master
+        (``_set_lost``). Where none would be left serving, or a server is no master the
+        client knows, the store is unreachable: DOWN."""
         if generation != self._generation or self._closed or self._avail.state is Reach.DOWN:
             return  # a fault of a client already replaced, or the reconnection's to judge
         fresh = {server: why for server, why in lost.items() if server not in self._lost}
@@ -1318,9 +1347,9 @@ class RemoteTier:
         masters = {p.name for p in self._client.get_primaries()}
         if not fresh.keys() <= masters or masters <= self._lost.keys() | fresh.keys():
             server, why = next(iter(fresh.items()))
-            self._fail(generation, f"{why} at {server}", timeout=False)
+            self._fail(generation, f"{why} at {server}", timeout=timeout)
             return
-        self._counters["connection_errors"] += 1
+        self._counters["timeouts" if timeout else "connection_errors"] += 1
         self._set_lost(self._lost | fresh)
 
     def _replace_client(self, fresh: Any) -> None:
@@ -1481,9 +1510,8 @@ class RemoteTier:
         """(None, lost) if ``client`` can serve, else (why not, {}). Serving: every primary
         answers and reports the cluster ok, or some do and report ok while the others are
         ``lost`` (name -> why), the others serving their slots: those whose connection failed
-        (refused, reset, closed), at once, as when a call meets them (``_lose``), and those
-        that timed out once every one that answers counts them failed
-        (``cluster-require-full-coverage no``).
+        (refused, reset, closed) or that did not answer in time, as when a call meets them
+        (``_lose``); not one, where every primary is so.
         Every primary, not one: a master back after an outage serves nothing for its first
         seconds while the others already report ok, and some of the others count it failed
         a while longer while it does; asked of one node, each reconnection found ok and the
@@ -1505,52 +1533,18 @@ class RemoteTier:
                 timeout,
             )
             lost: dict[str, str] = {}
-            silent: dict[str, str] = {}  # lost but for a connection fault: a timeout
             for primary, info in zip(primaries, infos, strict=True):
                 if isinstance(info, _REFUSED_CREDENTIALS):
                     raise info  # a ConnectionError to redis-py, but no lost master
                 if isinstance(info, _UNREACHABLE_NODE):
                     lost[primary.name] = _describe(info)
-                    if not node_fault(info):
-                        silent[primary.name] = lost[primary.name]
                 elif isinstance(info, BaseException):
                     raise info
                 elif (state := _info_field(info, "cluster_state")) != "ok":
                     return f"cluster state is {state!r} at {primary.name}", {}
-            if not lost:
-                return None, {}
-            reachable = [p for p in primaries if p.name not in lost]
-            if not reachable:
+            if len(lost) == len(primaries):
                 name, why = next(iter(lost.items()))
                 return f"{why} at {name}", {}
-            # A master whose connection failed (refused, reset, closed) is lost at once, as
-            # when a call meets it (``_lose``); one that timed out, only once every other
-            # counts it failed: a timeout does not tell a dead master from a slow store.
-            if not silent:
-                return None, lost
-            views = await self._bounded(
-                asyncio.gather(*(p.execute_command("CLUSTER", "NODES") for p in reachable)),
-                timeout,
-            )
-            # By node id, found through a slot the client maps to the lost master: the views'
-            # addresses are not the client's names where the cluster announces hostnames
-            # (cluster-preferred-endpoint-type hostname) or other addresses.
-            slots = _a_slot_of(client, silent.keys())
-            for name, why in silent.items():
-                failed = {_failed_owner(view, slots.get(name)) for view in views}
-                if len(failed) != 1 or None in failed:
-                    return f"{why} at {name}", {}
-            # Asked again after the views: where full coverage is required, a node turns its
-            # state to 'fail' as it counts a master failed, and the states asked before the
-            # views may predate that count: the tier went partial, then down at the next
-            # call's CLUSTERDOWN (a down and up more, seen in the flapping test).
-            infos = await self._bounded(
-                asyncio.gather(*(p.execute_command("CLUSTER", "INFO") for p in reachable)),
-                timeout,
-            )
-            for primary, info in zip(reachable, infos, strict=True):
-                if (state := _info_field(info, "cluster_state")) != "ok":
-                    return f"cluster state is {state!r} at {primary.name}", {}
             return None, lost
         except _REFUSED_CREDENTIALS as e:
             return f"refused credentials: {_describe(e)}", {}
@@ -1646,40 +1640,6 @@ def _info_field(info: Any, name: str) -> str | None:
         key, _, value = line.partition(":")
         if key == name:
             return value.strip()
-    return None
-
-
-def _a_slot_of(client: Any, names: Iterable[str]) -> dict[str, int]:
-    """A slot the client maps to each server of ``names`` (a master it knows serves none has
-    no entry)."""
-    wanted = set(names)
-    found: dict[str, int] = {}
-    for slot, nodes in client.nodes_manager.slots_cache.items():
-        name = nodes[0].name if nodes else ""
-        if name in wanted and name not in found:
-            found[name] = slot
-            if len(found) == len(wanted):
-                break
-    return found
-
-
-def _failed_owner(nodes: Any, slot: int | None) -> str | None:
-    """The id of the master that a CLUSTER NODES reply has serving ``slot``, if the reply
-    counts it failed (its ``fail`` flag; ``fail?`` is one node's suspicion, not yet the
-    cluster's verdict); else None."""
-    if slot is None:
-        return None
-    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) < 9 or "master" not in fields[2].split(","):
-            continue
-        for served in fields[8:]:
-            if served.startswith("["):
-                continue  # a slot being moved, named by the node that owns it
-            first, _, last = served.partition("-")
-            if int(first) <= slot <= int(last or first):
-                return fields[0] if "fail" in fields[2].split(",") else None
     return None
 
 

@@ -29,10 +29,24 @@ included, for one retry; the other nodes' replies were lost with it. Within
 ``noting_node_faults``, such a fault of a send is answered by each of that node's commands
 instead (as a fault met reading the replies already is), so the other nodes' replies come
 back, and every connection fault met is noted with its node for the caller to judge. Only
-faults of the connection itself: a refused credential, a timeout (the socket may still hold
-a body: see above) fail the pipeline as before. Only the caller's send answers: redis-py's
-handshake of a fresh connection, sent within it, sends twice before it reads and must see
-its faults raised (the connect fails, and that send answers it).
+faults of the connection itself; a refused credential fails the pipeline as before. Only the
+caller's send answers: redis-py's handshake of a fresh connection, sent within it, sends
+twice before it reads and must see its faults raised (the connect fails, and that send
+answers it).
+
+A node that does not answer in time is such a fault too. Within ``noting_node_faults`` with a
+deadline (``NodeFaults.deadline``), a send gives the waits of its connection (its connect and
+handshake, the send, each reply read after it) the time left to the deadline as it begins,
+where that is shorter than the socket and connect timeouts: redis-py times each of these
+waits anyway, so no timer of our own is set per reply. A silent node's first wait ends by the
+deadline with a ``TimeoutError`` noted with its node, which its other replies answer at once.
+A hung master (a stopped process, a host gone) then costs its own commands, and the other
+nodes' replies come back within the same deadline; bounded as a whole instead, the pipeline
+lost them all. (A node that sends its replies slowly, one by one, may outlast the deadline:
+the caller's bound of the whole pipeline then ends it, as before.)
+A connection that timed out is aborted, not closed: a graceful close sends what its
+transport still holds (a body's last bytes, by reference) once the node reads again, after
+the caller has its buffers back.
 
 Connecting afresh where the server closed a connection while it idled in the pool (its
 ``timeout``, CLIENT KILL, a restart): redis-py's own pool checks a connection as it hands it
@@ -68,6 +82,7 @@ before its first command.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import Iterable, Iterator, Mapping
@@ -79,6 +94,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 # What the stream of a connection holds before it pauses reading the socket (it pauses at
 # twice this): a pipeline's replies of 2 MiB values flow without a pause for each socket read.
@@ -115,13 +131,16 @@ _TAKEN: ContextVar[list[Any] | None] = ContextVar("kvtier_l3_taken", default=Non
 
 class NodeFaults:
     """The connection faults the connections met within ``noting_node_faults``, each with
-    its connection's node (``host:port``, a cluster node's name)."""
+    its connection's node (``host:port``, a cluster node's name). ``deadline`` (the event
+    loop's time), if any: when every wait of a connection within ends, a timeout of its
+    node."""
 
-    __slots__ = ("_nodes",)
+    __slots__ = ("_nodes", "deadline")
 
-    def __init__(self) -> None:
+    def __init__(self, deadline: float | None = None) -> None:
         # id(fault) -> (node, fault): the fault kept alive, so that its id stays its own.
         self._nodes: dict[int, tuple[str, BaseException]] = {}
+        self.deadline = deadline
 
     def note(self, node: str, fault: BaseException) -> None:
         self._nodes[id(fault)] = (node, fault)
@@ -140,9 +159,11 @@ _REFUSALS = (AuthenticationError, AuthorizationError)
 
 
 def node_fault(fault: BaseException) -> bool:
-    """Whether ``fault`` is a fault of a connection to one node (refused, reset, closed):
-    what ``noting_node_faults`` answers and notes, and what the tier takes as that master
-    lost at once. Not a refused credential, nor a timeout (a dead master or a slow store)."""
+    """Whether ``fault`` is a fault of a connection to one node (refused, reset, closed, or
+    no answer in time): what ``noting_node_faults`` answers and notes, and what the tier
+    takes as that master lost at once. Not a refused credential."""
+    if isinstance(fault, RedisTimeoutError):
+        return True
     return isinstance(fault, RedisConnectionError) and not isinstance(fault, _REFUSALS)
 
 
@@ -179,21 +200,26 @@ def releasing_bodies() -> Iterator[None]:
         yield
     except BaseException:
         for transport in dict.fromkeys(taken):
-            # Shut at once: uvloop's abort closes the socket only on a later turn of the
-            # loop, and a socket that became writable meanwhile took more of the bodies.
-            # (The transport's socket has no shutdown of its own; one of a dup of its fd
-            # shuts the connection all the same.)
-            sock = transport.get_extra_info("socket")
-            if sock is not None:
-                with (
-                    contextlib.suppress(OSError),
-                    socket.fromfd(sock.fileno(), sock.family, sock.type) as dup,
-                ):
-                    dup.shutdown(socket.SHUT_WR)
-            transport.abort()
+            _abort(transport)
         raise
     finally:
         _TAKEN.reset(token)
+
+
+def _abort(transport: Any) -> None:
+    """Close ``transport`` at once, dropping what it has not sent."""
+    # Shut at once: uvloop's abort closes the socket only on a later turn of the loop, and a
+    # socket that became writable meanwhile took more of what it held. (The transport's
+    # socket has no shutdown of its own; one of a dup of its fd shuts the connection all the
+    # same.)
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with (
+            contextlib.suppress(OSError),
+            socket.fromfd(sock.fileno(), sock.family, sock.type) as dup,
+        ):
+            dup.shutdown(socket.SHUT_WR)
+    transport.abort()
 
 
 class _TierConnection:
@@ -206,14 +232,19 @@ class _TierConnection:
     _writer: Any
     host: str
     port: int
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+    # The socket and connect timeouts the connection was made with, once a send has given
+    # it less (``_give_time_left``).
+    _own_timeouts: tuple[float | None, float | None] | None = None
     # An ASKING held back answers its read with OK; replies of ASKINGs sent before a
     # command, read and dropped before its own.
     _asking_held = False
     _asking_replies = 0
-    # A connection fault of the last send, answered by the reads that follow it (within
-    # ``noting_node_faults``); a send within a send is redis-py's handshake of the
-    # connection, whose faults it must see raised.
-    _send_fault: BaseException | None = None
+    # A connection fault of the last send, or a read's timeout, answered by the reads that
+    # follow it (within ``noting_node_faults``); a send within a send is redis-py's
+    # handshake of the connection, whose faults it must see raised.
+    _fault: BaseException | None = None
     _sending = False
 
     def pack_command(self, *args: Any) -> list[bytes | memoryview]:
@@ -236,7 +267,8 @@ class _TierConnection:
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         within = self._sending
         if not within:
-            self._send_fault = None
+            self._fault = None
+            self._give_time_left(_FAULTS.get())
             reader = self._reader
             if reader is not None and (reader.at_eof() or reader.exception() is not None):
                 # Closed by the server while it idled in the pool (its ``timeout``, CLIENT
@@ -245,8 +277,10 @@ class _TierConnection:
                 await self.disconnect()
         self._sending = True
         try:
+            if self.socket_timeout == 0.0:  # the deadline passed (0 would mean none to a send)
+                raise RedisTimeoutError(f"Timeout sending to {self.host}:{self.port}")
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
-        except RedisConnectionError as e:
+        except (RedisConnectionError, RedisTimeoutError) as e:
             # redis-py closed the connection: its transport, and any body it held, are gone.
             # Within the handshake (sends of its own before reads of its own) it is raised:
             # answered, its next send connected again, and its reads took that one's reply
@@ -254,7 +288,7 @@ class _TierConnection:
             # answers it.
             if within or not node_fault(e) or not self._noted(e):
                 raise
-            self._send_fault = e
+            self._fault = e
             return
         finally:
             self._sending = within
@@ -267,11 +301,43 @@ class _TierConnection:
                 self._asking_replies += 1
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-        if self._send_fault is not None:
-            raise self._send_fault
+        if self._fault is not None:
+            raise self._fault
         if self._asking_held:
             self._asking_held = False
             return b"OK"
+        writer = self._writer
+        try:
+            return await self._read_replies(*args, **kwargs)
+        except RedisTimeoutError as e:
+            # redis-py closed the connection, gracefully: it would send what its transport
+            # still holds (a body's last bytes) once the node reads again.
+            if writer is not None:
+                _abort(writer.transport)
+            if self._noted(e):
+                self._fault = e  # this pipeline's later replies are lost with the connection
+            raise
+
+    def _give_time_left(self, faults: NodeFaults | None) -> None:
+        """Before a send: the connection's socket and connect timeouts are its own, or, with
+        ``faults.deadline``, at most the time left to it, so that the timers redis-py sets on
+        each of its waits anyway (the connect and handshake, the send, each reply read after
+        it) end a silent node's first wait by the deadline: a TimeoutError, the connection
+        closed. Set once per send, not per reply (a pipeline reads dozens)."""
+        deadline = None if faults is None else faults.deadline
+        own = self._own_timeouts
+        if own is None:
+            if deadline is None:
+                return  # never shortened: its own already
+            own = self._own_timeouts = (self.socket_timeout, self.socket_connect_timeout)
+        if deadline is None:
+            self.socket_timeout, self.socket_connect_timeout = own
+            return
+        left_s = max(0.0, deadline - asyncio.get_running_loop().time())
+        self.socket_timeout = left_s if own[0] is None else min(own[0], left_s)
+        self.socket_connect_timeout = left_s if own[1] is None else min(own[1], left_s)
+
+    async def _read_replies(self, *args: Any, **kwargs: Any) -> Any:
         # An error answering an ASKING (an ACL that denies it) is raised once the command's
         # own reply is read too: raised at once, it left that reply unread on a connection
         # going back to the pool, and each later call on it read the reply of the one before.
@@ -335,7 +401,13 @@ class _TierConnection:
             if taken is not None and type(chunk) is not bytes:
                 taken.append(writer.transport)  # a body (see releasing_bodies)
             writer.write(chunk)
-        await writer.drain()
+        try:
+            await writer.drain()
+        except BaseException:
+            # Cut off (a timeout, a cancel): redis-py closes the connection, gracefully,
+            # which would send the rest of a body once the node reads again.
+            _abort(writer.transport)
+            raise
 
     def _connection_arguments(self) -> Mapping[str, Any]:
         return {**super()._connection_arguments(), "limit": STREAM_LIMIT_BYTES}  # type: ignore[misc]
