@@ -14,7 +14,10 @@ Invariants:
   on (an interrupt): no slot is lost either way.
 - A queued callback (``take_or_queue``) is called on the thread that frees its slot, never
   inside another callback of the same slots: callbacks whose calls end at once and free
-  their slot again run one after another, not nested.
+  their slot again run one after another, not nested. Another thread's release never adds
+  to them: a caller's thread sends no more parts than its own releases handed slots to.
+- A callback handed a slot is called: those an interrupt kept from running on the thread
+  that freed their slots run on a thread of their own (they hold those slots).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class CallSlots:
 
     Thread-safety: thread-safe."""
 
-    __slots__ = ("_free", "_granted", "_granting", "_lock", "_waiting", "limit")
+    __slots__ = ("_free", "_granting", "_lock", "_waiting", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -72,8 +75,8 @@ class CallSlots:
         self._lock = threading.Lock()
         # In the order they came: a waiting thread's lock, or a callback to hand a slot to.
         self._waiting: deque[threading.Lock | Callable[[], None]] = deque()
-        self._granted: deque[Callable[[], None]] = deque()  # handed a slot, to be called
-        self._granting = False  # a thread is calling the granted callbacks
+        # Per thread: the callbacks its releases handed a slot to, while it calls them.
+        self._granting = threading.local()
 
     @property
     def held(self) -> int:
@@ -127,25 +130,27 @@ class CallSlots:
             if isinstance(waiter, _LockType):
                 waiter.release()
                 return
-            self._granted.append(waiter)  # type: ignore[arg-type]
-            if self._granting:
-                return  # called by the thread calling the granted ones (see the module)
-            self._granting = True
-        self._call_granted()
+        granted: deque[Callable[[], None]] | None = getattr(self._granting, "queue", None)
+        if granted is not None:  # inside a callback this thread calls (see the module)
+            granted.append(waiter)  # type: ignore[arg-type]
+            return
+        self._call_granted(deque([waiter]))  # type: ignore[list-item]
 
-    def _call_granted(self) -> None:
+    def _call_granted(self, granted: deque[Callable[[], None]]) -> None:
+        """Call the callbacks ``granted`` and those that the slots they free on this thread
+        are handed to, one after another."""
+        self._granting.queue = granted
         try:
-            while True:
-                with self._lock:
-                    if not self._granted:
-                        self._granting = False
-                        return
-                    grant = self._granted.popleft()
-                grant()
+            while granted:
+                granted.popleft()()
         except BaseException:
-            with self._lock:
-                self._granting = False  # the next release calls those left
+            if granted:  # they hold slots: called on a thread of their own
+                threading.Thread(
+                    target=self._call_granted, args=(granted,), name="kvtier-slots", daemon=True
+                ).start()
             raise
+        finally:
+            self._granting.queue = None
 
     def _unqueue(self, waiter: threading.Lock) -> bool:
         """Take a thread that stopped waiting off the queue; False when it was not on it any

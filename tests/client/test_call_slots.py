@@ -225,6 +225,67 @@ def test_call_slots_hand_a_freed_slot_to_the_first_waiter():
         slots.release()
 
 
+@pytest.mark.timeout(20)
+def test_regression_a_thread_sent_the_parts_other_threads_freed_slots_for():
+    """A queued callback runs on the thread whose release handed it the slot. Before, one
+    flag per set of slots made every release on any thread append its callback to the
+    thread already calling callbacks: a caller whose own call had ended stayed in the client,
+    sending other threads' job parts for as long as they kept coming."""
+    slots = CallSlots(2)
+    assert slots.acquire(0) and slots.acquire(0)
+    first_running, second_freed = threading.Event(), threading.Event()
+    ran_on: dict[str, str] = {}
+
+    def first() -> None:
+        ran_on["first"] = threading.current_thread().name
+        first_running.set()
+        assert second_freed.wait(10)
+
+    def second() -> None:
+        ran_on["second"] = threading.current_thread().name
+        second_freed.set()
+
+    assert not slots.take_or_queue(first) and not slots.take_or_queue(second)
+    releaser = threading.Thread(target=slots.release, name="first-releaser")
+    releaser.start()
+    assert first_running.wait(10)
+    other = threading.Thread(target=slots.release, name="second-releaser")
+    other.start()
+    other.join(10)
+    releaser.join(10)
+    assert ran_on == {"first": "first-releaser", "second": "second-releaser"}
+    slots.release()
+    slots.release()
+    assert slots.held == 0
+
+
+@pytest.mark.timeout(20)
+def test_regression_callbacks_an_interrupt_kept_from_running_held_their_slots():
+    """An interrupt that ends a queued callback on the releasing thread (its part sent, or
+    its slot freed, as ``TransferJob._send_one`` does) leaves the callbacks handed a slot
+    meanwhile to a thread of their own. Before, they waited for some later release, holding
+    the slots that release needed: with every slot theirs, for ever."""
+    slots = CallSlots(1)
+    assert slots.acquire(0)
+    later_ran = threading.Event()
+
+    def interrupted() -> None:
+        slots.release()  # its part not sent: the slot goes to ``later``
+        raise KeyboardInterrupt
+
+    def later() -> None:
+        later_ran.set()
+        slots.release()
+
+    assert not slots.take_or_queue(interrupted) and not slots.take_or_queue(later)
+    with pytest.raises(KeyboardInterrupt):
+        slots.release()
+    assert later_ran.wait(10)
+    assert slots.acquire(10)  # the one slot back
+    slots.release()
+    assert slots.held == 0
+
+
 @pytest.mark.parametrize("kind", ["save", "load"])
 def test_a_job_of_more_parts_than_slots_completes(daemon, kind):
     """A blocking client's job of 48 one-block parts with max_calls_open=3: its parts past
