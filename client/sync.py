@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -52,6 +53,7 @@ from kvtier.client.errors import (
     unclean,
 )
 from kvtier.client.flows import (
+    Call,
     Flow,
     PoolBinding,
     PoolView,
@@ -909,6 +911,7 @@ class Client:
             while True:
                 if method in NAMESPACE_METHODS:
                     request.namespace = self.namespace
+                advance: Callable[[Any], Call]
                 try:
                     response = self._invoke(
                         method, request, binding if method in ("Put", "Get") else None
@@ -950,7 +953,7 @@ class Client:
         (the Releases its cleanup asks for are sent); one that ``error`` ended sent no Release
         for the lease of the pinning Lookup's answer it was given (that would have been its
         next call), which is released here."""
-        if flow.gi_frame is not None:
+        if inspect.getgeneratorstate(flow) != inspect.GEN_CLOSED:
             self._abandon(flow, error, "", None)
         elif isinstance(value, pb.LookupResponse):
             self._release_unclaimed(value)
