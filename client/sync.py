@@ -1385,10 +1385,11 @@ class Client:
         earlier such release tried: call again for the rest) back to use, each once its extent
         takes a write and gives it back (one that fails stays held, its reason saying why;
         ``untried_count`` counts the slots held that no release has tried since their
-        quarantine, or since the daemon started). FailedPreconditionError without L2, and for a release while L2 is degraded (but by a
-        failed read, which a release whose every check passes clears) or still reading its
-        index. ``timeout_s`` bounds this call instead of the client's timeout (a release
-        writes, syncs and reads every extent; ``None`` or 0: the client's)."""
+        quarantine, or since the daemon started). FailedPreconditionError without L2, and for a
+        release while L2 is degraded (but by a failed read, which a release whose every check
+        passes clears) or still reading its index. ``timeout_s`` bounds this call instead of
+        the client's timeout (a release writes, syncs and reads every extent; ``None`` or 0:
+        the client's)."""
         timeout_s = t.checked_seconds(timeout_s, "Quarantine: timeout_s")
         req = t.build_request(pb.QuarantineRequest, release=release, slots=slots)
         return t.quarantine_result(self._invoke("Quarantine", req, timeout_s=timeout_s))
