@@ -375,8 +375,8 @@ class AsyncClient:
                     response = await self._flow_call(method, request, binding)
                 except Exception as e:
                     method, request = flow.throw(e)
-                except BaseException as e:  # a cancel of the caller's task: no more awaits
-                    self._abandon(flow, e, method, request)
+                except BaseException:  # a cancel of the caller's task: no more awaits
+                    self._abandon(flow)
                     raise
                 else:
                     method, request = flow.send(response)
@@ -415,12 +415,12 @@ class AsyncClient:
         if lease_id := lookup.result().lease_id:
             self._send_release(t.build_request(pb.ReleaseRequest, lease_id=lease_id))
 
-    def _abandon(self, flow: Flow, error: BaseException, method: str, request: Any) -> None:
+    def _abandon(self, flow: Flow) -> None:
         """See ``Client._abandon``: a load whose task was cancelled (``asyncio.wait_for``)
         during its Get, or during its Release, left its lease pinning the blocks until it
         expired. Its Releases, the interrupted one included, go out as tasks of the loop that
         nobody awaits (``close()`` cancels them)."""
-        abandon(flow, error, method, request, self._send_release)
+        abandon(flow, self._send_release)
 
     def _send_release(self, request: pb.ReleaseRequest) -> None:
         """Send a Release in the open session, if any, as a task nobody awaits."""

@@ -253,8 +253,7 @@ def load_flow(
         if found.prefix_len == 0:
             # Blocks found past a missing first one are pinned too: let them go.
             if found.lease_id:
-                with contextlib.suppress(NotFoundError):
-                    yield "Release", build_request(pb.ReleaseRequest, lease_id=found.lease_id)
+                yield from release_flow(found.lease_id)
             break
         try:
             get.keys.extend(lookup.keys[: found.prefix_len])
@@ -263,31 +262,47 @@ def load_flow(
             got = yield "Get", get
         finally:
             if found.lease_id:
-                # A lease that already expired has left nothing pinned.
-                with contextlib.suppress(NotFoundError):
-                    yield "Release", build_request(pb.ReleaseRequest, lease_id=found.lease_id)
+                yield from release_flow(found.lease_id)
         loaded += got.prefix_len
         if got.prefix_len < len(lookup.keys):
             break
     return loaded
 
 
-def abandon(
-    flow: Flow, error: BaseException, method: str, request: Any, release: Callable[[Any], None]
-) -> None:
-    """End a flow that ``error`` interrupted during its call ``method`` (no call's error: a
-    KeyboardInterrupt, a cancelled task), sending each Release its cleanup asks for through
-    ``release`` (which must not wait for an answer), and the interrupted call again when it
-    was a Release (one the daemon had run answers NotFound, which nobody reads). Left
-    suspended, the flow's lease pinned its blocks until it expired."""
-    if method == "Release":
-        release(request)
+def release_flow(lease_id: int) -> Generator[Call, Any, None]:
+    """Release ``lease_id`` (one that already expired, NotFound, left nothing pinned). Given
+    up here (``abandon``), the flow asks for this Release once more: an interrupt of its
+    call, or one that came as the flow handed it over, which its driver then never had,
+    left the lease pinning its blocks until it expired."""
+    request = build_request(pb.ReleaseRequest, lease_id=lease_id)
     try:
-        method, request = flow.throw(error)
+        yield "Release", request
+    except NotFoundError:
+        pass
+    except FlowAbandoned:
+        yield "Release", request
+        raise
+
+
+class FlowAbandoned(BaseException):
+    """Thrown into a flow at its pending call by a driver that gives it up (``abandon``); a
+    BaseException, so that no handler of a call's error takes it. Unlike an interrupt that
+    lands as a flow is resumed, it tells the flow that its pending call may be unsent."""
+
+
+def abandon(flow: Flow, release: Callable[[Any], None]) -> None:
+    """End a flow that its driver gives up at its pending call (no call's error ended it: a
+    KeyboardInterrupt, a cancelled task, in the call or as the flow handed it over), sending
+    each Release its cleanup asks for through ``release`` (which must not wait for an
+    answer), the pending call again when it was a Release (``release_flow``; one the daemon
+    had run answers NotFound, which nobody reads). Left suspended, the flow's lease pinned
+    its blocks until it expired."""
+    try:
+        method, request = flow.throw(FlowAbandoned())
         while method == "Release":
             release(request)
             method, request = flow.send(None)
-    except BaseException:  # the flow ends with ``error``, which the caller raises
+    except BaseException:  # the flow ends (FlowAbandoned): the caller raises its own error
         pass
     flow.close()
 

@@ -918,8 +918,8 @@ class Client:
                     )
                 except Exception as e:
                     advance, value = flow.throw, e
-                except BaseException as e:  # KeyboardInterrupt, SystemExit: no more calls
-                    self._abandon(flow, e, method, request)
+                except BaseException:  # KeyboardInterrupt, SystemExit: no more calls
+                    self._abandon(flow)
                     raise
                 else:
                     advance, value = flow.send, response
@@ -927,34 +927,35 @@ class Client:
                     method, request = advance(value)
                 except Exception:
                     raise
-                except BaseException as e:  # as the flow took ``value`` in, or just after
-                    self._abandon_advanced(flow, e, value)
+                except BaseException:  # as the flow took ``value`` in, or just after
+                    self._abandon_advanced(flow, value)
                     raise
         except StopIteration as done:
             return int(done.value)
 
-    def _abandon(self, flow: Flow, error: BaseException, method: str, request: Any) -> None:
-        """Let a flow that ``error`` ends (no call's error: a KeyboardInterrupt) during its
-        call ``method`` release what it holds: the Releases its cleanup asks for are sent
-        without waiting for an answer, and so is the interrupted call when it was a Release
-        itself (the lease stayed pinned until it expired: the flow's cleanup had already
-        asked for it; one the daemon had run answers NotFound, which nobody reads), in the
-        open session (``_release_nowait``): where ``error`` ended a call, ``_invoke``'s guard
-        gave that session up, whose end frees the lease, and nothing is sent.
-        The flow was left suspended, so its lease pinned the blocks until it expired, and its
-        cleanup ran when the flow was collected, as "generator ignored GeneratorExit"."""
-        abandon(flow, error, method, request, self._release_nowait)
+    def _abandon(self, flow: Flow) -> None:
+        """Let a flow that something other than a call's error (a KeyboardInterrupt) ends at
+        its pending call release what it holds: the Releases its cleanup asks for are sent
+        without waiting for an answer, and so is that call when it was a Release itself (the
+        lease stayed pinned until it expired: the flow's cleanup had already asked for it;
+        one the daemon had run answers NotFound, which nobody reads), in the open session
+        (``_release_nowait``): where the interrupt ended a call, ``_invoke``'s guard gave that
+        session up, whose end frees the lease, and nothing is sent. The flow was left
+        suspended, so its lease pinned the blocks until it expired, and its cleanup ran when
+        the flow was collected, as "generator ignored GeneratorExit"."""
+        abandon(flow, self._release_nowait)
 
-    def _abandon_advanced(self, flow: Flow, error: BaseException, value: Any) -> None:
-        """Let a flow release what it holds where ``error`` (a KeyboardInterrupt) came as it
-        took in ``value``, its call's answer or error, or as its next call came back: no gRPC
-        call was interrupted, so the session stayed open, and the flow's lease pinned its
-        blocks until it expired. A flow left suspended at its next call is abandoned there
-        (the Releases its cleanup asks for are sent); one that ``error`` ended sent no Release
-        for the lease of the pinning Lookup's answer it was given (that would have been its
-        next call), which is released here."""
-        if inspect.getgeneratorstate(flow) != inspect.GEN_CLOSED:
-            self._abandon(flow, error, "", None)
+    def _abandon_advanced(self, flow: Flow, value: Any) -> None:
+        """Let a flow release what it holds where a KeyboardInterrupt came as it took in
+        ``value``, its call's answer or error, or as its next call came back: no gRPC call was
+        interrupted, so the session stayed open, and the flow's lease pinned its blocks until
+        it expired. A flow left suspended at its next call, which the driver
+        never had, is abandoned there (the Releases its cleanup asks for are sent, that call
+        too when it was a Release); one that the interrupt ended sent no Release for the lease
+        of the pinning Lookup's answer it was given (that would have been its next call),
+        which is released here."""
+        if flow.gi_frame is not None:
+            self._abandon(flow)
         elif isinstance(value, pb.LookupResponse):
             self._release_unclaimed(value)
 

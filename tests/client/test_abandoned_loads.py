@@ -294,31 +294,38 @@ def at_entry(code: Any, nth: int) -> Any:
     return trace
 
 
-def after_the_flows_answer(frame: FrameType, event: str, arg: Any) -> Any:
-    """A trace that raises a KeyboardInterrupt in ``Client._drive`` as its flow, resumed with
-    the pinning Lookup's answer, has come back with its next call (the Get): where a signal's
-    handler raises after a C call (the generator's ``send``) returns."""
-    if event != "call" or frame.f_code is not Client._drive.__code__:
-        return None
-    unpacked: list[int] = []
+def after_the_flows_answer(nth: int) -> Any:
+    """A trace that raises a KeyboardInterrupt in ``Client._drive`` as its flow has come back
+    with its ``nth`` call (1: the Lookup; 2: the Get, resumed with the pinning Lookup's
+    answer; 3: the Release, resumed with the Get's), before the driver has it: where a
+    signal's handler raises after a C call (the generator's ``send``) returns."""
 
-    def at_opcode(frame: FrameType, event: str, arg: Any) -> Any:
-        frame.f_trace_opcodes = True
-        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] == UNPACK_SEQUENCE:
-            unpacked.append(frame.f_lasti)
-            if len(unpacked) == 2:  # the first is the flow's first call, the Lookup
-                sys.settrace(None)
-                raise KeyboardInterrupt
-        return at_opcode
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "call" or frame.f_code is not Client._drive.__code__:
+            return None
+        unpacked: list[int] = []
 
-    return at_opcode(frame, event, arg)
+        def at_opcode(frame: FrameType, event: str, arg: Any) -> Any:
+            frame.f_trace_opcodes = True
+            if event == "opcode" and frame.f_code.co_code[frame.f_lasti] == UNPACK_SEQUENCE:
+                unpacked.append(frame.f_lasti)
+                if len(unpacked) == nth:
+                    sys.settrace(None)
+                    raise KeyboardInterrupt
+            return at_opcode
+
+        return at_opcode(frame, event, arg)
+
+    return trace
 
 
 UNPACK_SEQUENCE = dis.opmap["UNPACK_SEQUENCE"]
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
-@pytest.mark.parametrize("where", ["flow-resumed", "flow-advanced", "lookup-result"])
+@pytest.mark.parametrize(
+    "where", ["flow-resumed", "flow-advanced", "flow-advanced-to-release", "lookup-result"]
+)
 def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_its_pin(
     daemon, where
 ):
@@ -343,7 +350,12 @@ def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_i
                 lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
             ),
             "flow-advanced": (
-                after_the_flows_answer,
+                after_the_flows_answer(2),
+                lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
+            ),
+            # The Get's answer taken in, the Release it asks for never reached the driver.
+            "flow-advanced-to-release": (
+                after_the_flows_answer(3),
                 lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
             ),
             "lookup-result": (
