@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -38,10 +38,12 @@ from kvtier.client.flows import (
     PoolView,
     SendAgain,
     abandon,
+    abandon_advanced,
     check_pages,
     lease_session_ended,
     load_flow,
     new_binding,
+    release_unclaimed,
     store_flow,
     unregistration,
 )
@@ -366,6 +368,7 @@ class AsyncClient:
             slots.release()
 
     async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
+        advance: Callable[[Any], tuple[str, Any]]  # the flow's send, or its throw
         try:
             method, request = next(flow)
             while True:
@@ -374,12 +377,19 @@ class AsyncClient:
                 try:
                     response = await self._flow_call(method, request, binding)
                 except Exception as e:
-                    method, request = flow.throw(e)
+                    advance, value = flow.throw, e
                 except BaseException:  # a cancel of the caller's task: no more awaits
                     self._abandon(flow)
                     raise
                 else:
-                    method, request = flow.send(response)
+                    advance, value = flow.send, response
+                try:
+                    method, request = advance(value)
+                except Exception:
+                    raise
+                except BaseException:  # a signal handler's, as the flow took ``value`` in
+                    abandon_advanced(flow, value, self._send_release)
+                    raise
         except StopIteration as done:
             return int(done.value)
 
@@ -568,7 +578,12 @@ class AsyncClient:
         )
         timeout_s = t.checked_seconds(timeout_s, "Lookup: timeout_s")
         call = self._invoke("Lookup", req, timeout_s=timeout_s)
-        return t.lookup_result(await (self._pinning_lookup(call) if req.pin else call))
+        answer = await (self._pinning_lookup(call) if req.pin else call)
+        try:
+            return t.lookup_result(answer)
+        except BaseException:  # a signal handler's KeyboardInterrupt
+            release_unclaimed(answer, self._send_release)
+            raise
 
     async def put(
         self,

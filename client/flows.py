@@ -11,6 +11,7 @@ argument in any batch raises InvalidArgumentError before the daemon has seen the
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -305,6 +306,29 @@ def abandon(flow: Flow, release: Callable[[Any], None]) -> None:
     except BaseException:  # the flow ends (FlowAbandoned): the caller raises its own error
         pass
     flow.close()
+
+
+def abandon_advanced(flow: Flow, value: Any, release: Callable[[Any], None]) -> None:
+    """Let a flow release what it holds where an interrupt (a signal handler's
+    KeyboardInterrupt) came as it took in ``value``, its call's answer or error, or as its
+    next call came back (both clients' ``_drive``): no call was interrupted, so the session
+    stayed open, and the flow's lease pinned its blocks until it expired. A flow left
+    suspended at its next call, which the driver never had, is abandoned there (``abandon``);
+    one that the interrupt ended sent no Release for the lease of the pinning Lookup's answer
+    it was given (that would have been its next call), which is released here."""
+    if inspect.getgeneratorstate(flow) == inspect.GEN_SUSPENDED:
+        abandon(flow, release)
+    elif isinstance(value, pb.LookupResponse):
+        release_unclaimed(value, release)
+
+
+def release_unclaimed(answer: pb.LookupResponse, release: Callable[[Any], None]) -> None:
+    """Release, through ``release``, the lease of a pinning Lookup's ``answer`` that an
+    interrupt (no call's error) kept from its caller once the call had ended (both clients'
+    ``lookup`` and ``_drive``): the lease id was only in it, so its blocks stayed pinned
+    until the lease expired."""
+    if answer.lease_id:
+        release(build_request(pb.ReleaseRequest, lease_id=answer.lease_id))
 
 
 def lease_session_ended() -> NotFoundError:

@@ -59,10 +59,12 @@ from kvtier.client.flows import (
     PoolView,
     SendAgain,
     abandon,
+    abandon_advanced,
     check_pages,
     lease_session_ended,
     load_flow,
     new_binding,
+    release_unclaimed,
     store_flow,
     unregistration,
 )
@@ -906,6 +908,7 @@ class Client:
             slots.release()
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
+        advance: Callable[[Any], tuple[str, Any]]  # the flow's send, or its throw
         try:
             method, request = next(flow)
             while True:
@@ -928,7 +931,7 @@ class Client:
                 except Exception:
                     raise
                 except BaseException:  # as the flow took ``value`` in, or just after
-                    self._abandon_advanced(flow, value)
+                    abandon_advanced(flow, value, self._release_nowait)
                     raise
         except StopIteration as done:
             return int(done.value)
@@ -944,27 +947,6 @@ class Client:
         suspended, so its lease pinned the blocks until it expired, and its cleanup ran when
         the flow was collected, as "generator ignored GeneratorExit"."""
         abandon(flow, self._release_nowait)
-
-    def _abandon_advanced(self, flow: Flow, value: Any) -> None:
-        """Let a flow release what it holds where a KeyboardInterrupt came as it took in
-        ``value``, its call's answer or error, or as its next call came back: no gRPC call was
-        interrupted, so the session stayed open, and the flow's lease pinned its blocks until
-        it expired. A flow left suspended at its next call, which the driver
-        never had, is abandoned there (the Releases its cleanup asks for are sent, that call
-        too when it was a Release); one that the interrupt ended sent no Release for the lease
-        of the pinning Lookup's answer it was given (that would have been its next call),
-        which is released here."""
-        if flow.gi_frame is not None:
-            self._abandon(flow)
-        elif isinstance(value, pb.LookupResponse):
-            self._release_unclaimed(value)
-
-    def _release_unclaimed(self, answer: pb.LookupResponse) -> None:
-        """Release the lease of a pinning Lookup's ``answer`` that something other than a
-        call's error (a KeyboardInterrupt) kept from its caller once the call had ended: the
-        lease id was only in it, so its blocks stayed pinned until the lease expired."""
-        if answer.lease_id:
-            self._release_nowait(t.build_request(pb.ReleaseRequest, lease_id=answer.lease_id))
 
     def _release_nowait(self, request: pb.ReleaseRequest) -> None:
         """Send a Release in the open session, if any, without waiting for its answer."""
@@ -1243,7 +1225,7 @@ class Client:
         try:
             return t.lookup_result(answer)
         except BaseException:
-            self._release_unclaimed(answer)
+            release_unclaimed(answer, self._release_nowait)
             raise
 
     def put(

@@ -294,16 +294,16 @@ def at_entry(code: Any, nth: int) -> Any:
     return trace
 
 
-def after_the_flows_answer(nth: int) -> Any:
-    """A trace that raises a KeyboardInterrupt in ``Client._drive`` as its flow has come back
-    with its ``nth`` call (1: the Lookup; 2: the Get, resumed with the pinning Lookup's
-    answer; 3: the Release, resumed with the Get's), before the driver has it: where a
-    signal's handler raises after a C call (the generator's ``send``) returns."""
+def after_the_flows_answer(nth: int, drive: Any = Client._drive) -> Any:
+    """A trace that raises a KeyboardInterrupt in ``drive`` (a client's ``_drive``) as its
+    flow has come back with its ``nth`` call (1: the Lookup; 2: the Get, resumed with the
+    pinning Lookup's answer; 3: the Release, resumed with the Get's), before the driver has
+    it: where a signal's handler raises after a C call (the generator's ``send``) returns."""
+    unpacked: list[int] = []  # across the coroutine's resumptions, each a "call"
 
     def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        if event != "call" or frame.f_code is not Client._drive.__code__:
+        if event != "call" or frame.f_code is not drive.__code__:
             return None
-        unpacked: list[int] = []
 
         def at_opcode(frame: FrameType, event: str, arg: Any) -> Any:
             frame.f_trace_opcodes = True
@@ -374,3 +374,51 @@ def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_i
         assert observer.stats().gauges["blocks_pinned"] == 0
         assert client.session_id == session  # released in it, not ended with it
         assert pool.load(TOKENS, [2, 3]) == 8
+
+
+@pytest.mark.parametrize("where", ["flow-advanced", "flow-advanced-to-release", "lookup-result"])
+def test_regression_an_interrupt_as_an_async_pinning_lookups_answer_was_taken_in_kept_its_pin(
+    daemon, where
+):
+    """The asyncio client's twin of the test above: a KeyboardInterrupt that a signal's
+    handler raises in the loop (a loop run without ``asyncio.run``'s handler, as a notebook
+    runs one, or a second Ctrl-C under it) as the load's flow comes back with its next call,
+    or as ``lookup`` makes its result, left the lease pinning the blocks until it expired in
+    a session the client kept (caught here, as a notebook's kernel does)."""
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT, NS)
+                assert await pool.store(TOKENS, [0, 1]) == 8
+                session = await client.session()
+                keys = pool.binding.keys(TOKENS)
+                calls = {
+                    "flow-advanced": (
+                        after_the_flows_answer(2, AsyncClient._drive),
+                        lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
+                    ),
+                    "flow-advanced-to-release": (
+                        after_the_flows_answer(3, AsyncClient._drive),
+                        lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
+                    ),
+                    "lookup-result": (
+                        at_entry(client_types.lookup_result.__code__, 1),
+                        lambda: client.lookup(keys, pin=True, lease_ms=LEASE_MS),
+                    ),
+                }
+                trace, call = calls[where]
+                sys.settrace(trace)
+                try:
+                    with pytest.raises(KeyboardInterrupt):
+                        await call()
+                finally:
+                    sys.settrace(None)
+                deadline = time.monotonic() + 30  # a bound on the wait, not a timing
+                while (await client.stats()).gauges["leases"] and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                assert (await client.stats()).gauges["leases"] == 0
+                assert await client.session() == session
+                assert await pool.load(TOKENS, [2, 3]) == 8
+
+    asyncio.run(main())

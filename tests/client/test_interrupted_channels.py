@@ -186,7 +186,7 @@ def test_an_interrupt_in_the_release_of_an_unclaimed_lease_leaves_the_client_wor
     daemon, monkeypatch
 ):
     """An interrupt once a pinning Lookup's call has ended, as ``lookup`` makes its result,
-    has the client release that lease without waiting (``Client._release_unclaimed``); a
+    has the client release that lease without waiting (``flows.release_unclaimed``); a
     second one in that Release's ``add_done_callback``, at its lock exit, gives the channel
     up as at a call's start (``Client._release_nowait``'s guard): the client's next calls
     end, and the lease goes with the given-up session."""
