@@ -322,6 +322,19 @@ def after_the_flows_answer(nth: int, drive: Any = Client._drive) -> Any:
 UNPACK_SEQUENCE = dis.opmap["UNPACK_SEQUENCE"]
 
 
+def interrupt_at(where: str, drive: Any) -> Any:
+    """The trace that raises a KeyboardInterrupt at ``where`` in a load (``lookup`` for
+    "lookup-result"), ``drive`` being its client's ``_drive``."""
+    return {
+        # The flow's frame is entered at its start, then resumed with the answer.
+        "flow-resumed": lambda: at_entry(flows.load_flow.__code__, 2),
+        "flow-advanced": lambda: after_the_flows_answer(2, drive),
+        # The Get's answer taken in, the Release it asks for never reached the driver.
+        "flow-advanced-to-release": lambda: after_the_flows_answer(3, drive),
+        "lookup-result": lambda: at_entry(client_types.lookup_result.__code__, 1),
+    }[where]()
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
     "where", ["flow-resumed", "flow-advanced", "flow-advanced-to-release", "lookup-result"]
@@ -343,31 +356,13 @@ def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_i
         assert pool.store(TOKENS, [0, 1]) == 8
         session = client.session_id
         keys = pool.binding.keys(TOKENS)
-        calls = {  # the trace, and the call it interrupts
-            # The flow's frame is entered at its start, then resumed with the answer.
-            "flow-resumed": (
-                at_entry(flows.load_flow.__code__, 2),
-                lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
-            ),
-            "flow-advanced": (
-                after_the_flows_answer(2),
-                lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
-            ),
-            # The Get's answer taken in, the Release it asks for never reached the driver.
-            "flow-advanced-to-release": (
-                after_the_flows_answer(3),
-                lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
-            ),
-            "lookup-result": (
-                at_entry(client_types.lookup_result.__code__, 1),
-                lambda: client.lookup(keys, pin=True, lease_ms=LEASE_MS),
-            ),
-        }
-        trace, call = calls[where]
-        sys.settrace(trace)
+        sys.settrace(interrupt_at(where, Client._drive))
         try:
             with pytest.raises(KeyboardInterrupt):
-                call()
+                if where == "lookup-result":
+                    client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                else:
+                    pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
         finally:
             sys.settrace(None)
         assert settled_leases(observer.stats) == 0
@@ -393,25 +388,13 @@ def test_regression_an_interrupt_as_an_async_pinning_lookups_answer_was_taken_in
                 assert await pool.store(TOKENS, [0, 1]) == 8
                 session = await client.session()
                 keys = pool.binding.keys(TOKENS)
-                calls = {
-                    "flow-advanced": (
-                        after_the_flows_answer(2, AsyncClient._drive),
-                        lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
-                    ),
-                    "flow-advanced-to-release": (
-                        after_the_flows_answer(3, AsyncClient._drive),
-                        lambda: pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS),
-                    ),
-                    "lookup-result": (
-                        at_entry(client_types.lookup_result.__code__, 1),
-                        lambda: client.lookup(keys, pin=True, lease_ms=LEASE_MS),
-                    ),
-                }
-                trace, call = calls[where]
-                sys.settrace(trace)
+                sys.settrace(interrupt_at(where, AsyncClient._drive))
                 try:
                     with pytest.raises(KeyboardInterrupt):
-                        await call()
+                        if where == "lookup-result":
+                            await client.lookup(keys, pin=True, lease_ms=LEASE_MS)
+                        else:
+                            await pool.load(TOKENS, [2, 3], lease_ms=LEASE_MS)
                 finally:
                     sys.settrace(None)
                 deadline = time.monotonic() + 30  # a bound on the wait, not a timing
