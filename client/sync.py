@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import logging
 import os
@@ -53,7 +52,6 @@ from kvtier.client.errors import (
     unclean,
 )
 from kvtier.client.flows import (
-    Call,
     Flow,
     PoolBinding,
     PoolView,
@@ -914,7 +912,6 @@ class Client:
             while True:
                 if method in NAMESPACE_METHODS:
                     request.namespace = self.namespace
-                advance: Callable[[Any], Call]
                 try:
                     response = self._invoke(
                         method, request, binding if method in ("Put", "Get") else None
