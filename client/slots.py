@@ -34,7 +34,7 @@ from kvtier.client.types import checked_int
 MAX_CALLS_OPEN_LIMIT = 255
 # Beside another tenant's 256 one-key Lookups made through one AsyncClient, a one-key Lookup
 # waited p50 88-194 ms with all 256 open, 0.8-26 ms with 32 (64: 0.6-32 ms, p99 no better),
-# the 256's calls/s alone unchanged (README, Tenants).
+# the 256's calls/s alone unchanged (README, Security: Limits).
 DEFAULT_MAX_CALLS_OPEN = 32
 
 _LockType = type(threading.Lock())
