@@ -731,7 +731,7 @@ class L3Config:
             unit="s",
             lo=0.001,
             hi=600,
-            doc="longest wait for one batch; then the tier is DOWN",
+            doc="longest wait for one batch; then the tier is DOWN (a cluster: that master lost)",
         ),
     )
     probe_deadline_ms: float = field(
