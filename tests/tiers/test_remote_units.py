@@ -428,6 +428,40 @@ def test_a_silent_node_times_out_at_the_deadline_and_answers_the_reads_of_its_se
     asyncio.run(run())
 
 
+def test_a_send_begun_past_the_deadline_sends_nothing_and_times_out() -> None:
+    """A send that begins once the deadline has passed (a redirection followed after a
+    node's part took the whole op timeout) is given no time: 0 s, which redis-py takes for
+    no timeout at all on a send, and a hung node's drain would wait for ever (the whole
+    call then ends at its own bound, L3 down). It sends nothing; its reads time out, noted
+    with the node."""
+    heard: list[bytes] = []
+
+    def hush(args: list[bytes]) -> bool:
+        heard.append(args[0].upper())
+        return False
+
+    async def run() -> None:
+        async with _resp_server(hush) as port:
+            conn = _tier_class(Connection)(
+                host="127.0.0.1", port=port, socket_timeout=30.0, retry=Retry(NoBackoff(), 0)
+            )
+            try:
+                await conn.send_packed_command(conn.pack_command("ECHO", b"before"))
+                assert await conn.read_response() == b"before"
+                faults = NodeFaults(asyncio.get_running_loop().time() - 1.0)
+                with noting_node_faults(faults):
+                    await conn.send_packed_command(conn.pack_command("SET", b"k", b"late"))
+                    raised = await _raised_by_reads(conn, RedisTimeoutError, 1)
+                assert faults.node_of(raised[0]) == f"127.0.0.1:{port}"
+                await conn.send_packed_command(conn.pack_command("ECHO", b"after"))
+                assert await conn.read_response() == b"after"
+                assert b"SET" not in heard, heard
+            finally:
+                await conn.disconnect()
+
+    asyncio.run(run())
+
+
 def test_tier_connections_read_with_a_larger_stream_buffer_and_a_kept_hiredis_buffer() -> None:
     for base in (Connection, SSLConnection):
         assert _tier_class(base)(port=1)._connection_arguments()["limit"] == STREAM_LIMIT_BYTES
