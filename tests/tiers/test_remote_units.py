@@ -21,6 +21,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis_servers import wait_for
 
 from kvtier.bench.redis_proc import free_port
 from kvtier.tiers.remote.codec import (
@@ -460,6 +461,66 @@ def test_a_send_begun_past_the_deadline_sends_nothing_and_times_out() -> None:
                 await conn.disconnect()
 
     asyncio.run(run())
+
+
+def test_a_read_timed_out_sends_nothing_more_of_what_its_transport_held() -> None:
+    """A node that stops reading and answering once it has a command (HANG here): a drain
+    may end with the last bytes of a body still held by the transport (uvloop's by
+    reference, the caller's buffer), and the read that times out then closed the connection
+    gracefully, which sent them once the node read again, the caller's buffer rewritten by
+    then. The read's timeout aborts the connection: the node gets what the socket had taken,
+    never what the transport held."""
+    written = 0
+    heard: list[int] = []  # the bytes the node read after HANG, until the connection ended
+
+    async def run() -> None:
+        nonlocal written
+        resume = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while line := await reader.readline():
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int((await reader.readline())[1:])
+                    args.append((await reader.readexactly(size + 2))[:-2])
+                if args[0].upper() == b"HANG":
+                    await resume.wait()
+                    total = 0
+                    with contextlib.suppress(ConnectionError):
+                        while chunk := await reader.read(1 << 20):
+                            total += len(chunk)
+                    heard.append(total)
+                    break
+                writer.write(b"+OK\r\n")
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = _tier_class(Connection)(
+            host="127.0.0.1", port=port, socket_timeout=30.0, retry=Retry(NoBackoff(), 0)
+        )
+        try:
+            await conn.connect()
+            faults = NodeFaults(asyncio.get_running_loop().time() + 0.3)
+            with noting_node_faults(faults):
+                await conn.send_packed_command(conn.pack_command("HANG"))
+                transport = conn._writer.transport  # type: ignore[union-attr]
+                while transport.get_write_buffer_size() == 0:  # the socket's buffers full
+                    transport.write(bytes(1 << 20))
+                    written += 1 << 20
+                    await asyncio.sleep(0)
+                await _raised_by_reads(conn, RedisTimeoutError, 1)
+            resume.set()
+            await wait_for("the node to read to the end", lambda: bool(heard))
+        finally:
+            resume.set()
+            await conn.disconnect()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(run())
+    assert heard[0] < written, (heard, written)
 
 
 def test_tier_connections_read_with_a_larger_stream_buffer_and_a_kept_hiredis_buffer() -> None:
