@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import redis.asyncio.cluster
 import redis.cluster
 from redis.crc import key_slot
 from redis_servers import (
@@ -1030,6 +1031,37 @@ async def test_regression_a_hung_master_took_l3_down_for_every_master(
         assert await tier.read(chain, nbytes, host(dest)) == [True] * n
         assert [bytes(d) for d in dest] == src
         assert tier.stats().counters["down_transitions"] == 0
+
+
+@pytest.mark.slow
+async def test_regression_a_start_met_a_hung_master_twice_and_l3_was_down(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str, monkeypatch: Any
+) -> None:
+    """The hung master is slot 0's master, redis-py's default node, and the first startup
+    node asked (redis-py shuffles them: here kept in ``urls``' order, the hung one first):
+    a start (or reconnection) asked it for the map (CLUSTER SLOTS), then for the command
+    table (COMMAND), each wait an op timeout, while ``_initialize`` had the connect timeout
+    and one op timeout: the check failed and L3 was down (at each start or reconnection
+    whose shuffle drew it first: 1 of 4 runs here unpatched), though the others served."""
+    monkeypatch.setattr(redis.asyncio.cluster.random, "shuffle", lambda nodes: None)
+    cluster = redis_cluster_slow_verdict
+    nbytes, n = 4096, 48
+    victim = cluster.owner_of_slot(0)
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    urls = [victim.url] + [u for u in cluster.urls if u != victim.url]
+    opts = fail_fast_options(cluster, l3_prefix, urls=tuple(urls))
+    async with opened(opts) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+    victim.pause()
+    try:
+        async with opened(opts) as tier:
+            health = tier.health()
+            assert health.state is Health.DEGRADED_IO, health
+            assert victim.address in health.detail, health
+            dest = empty(n, nbytes)
+            assert await tier.read(chain, nbytes, host(dest)) == lost_hits(on_victim, n)
+    finally:
+        victim.resume()
 
 
 @pytest.mark.slow

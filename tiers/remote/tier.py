@@ -1523,7 +1523,9 @@ class RemoteTier:
             if not _is_cluster(client):
                 await self._bounded(client.ping(), timeout)
                 return None, {}
-            await self._bounded(_initialize(client), timeout)
+            # The map from the startup nodes in turn, then the command table from slot 0's
+            # master: a hung one may be met at both, an op timeout each.
+            await self._bounded(_initialize(client), timeout + self.options.op_timeout_s)
             primaries = client.get_primaries()
             infos = await self._bounded(
                 asyncio.gather(
