@@ -57,7 +57,12 @@ from kvtier.client.jobs import (
 )
 from kvtier.client.keys import Namespace
 from kvtier.client.pool import SharedMemoryPool
-from kvtier.client.slots import DEFAULT_MAX_CALLS_OPEN, checked_max_calls_open, slot_wait_error
+from kvtier.client.slots import (
+    DEFAULT_MAX_CALLS_OPEN,
+    AsyncCallSlots,
+    checked_max_calls_open,
+    slot_wait_error,
+)
 from kvtier.client.sync import (
     _SESSION_METHODS,
     CHANNEL_OPTIONS,
@@ -95,9 +100,7 @@ class AsyncClient:
             timeout_s, max_batch_blocks, client_name
         )
         self.max_calls_open = checked_max_calls_open(max_calls_open)
-        # The channel's call slots (see Client): asyncio's semaphore wakes its waiters in the
-        # order they came, and one cancelled while woken hands its slot on.
-        self._slots = asyncio.Semaphore(self.max_calls_open)
+        self._slots = AsyncCallSlots(self.max_calls_open)  # the channel's (see Client)
         self.namespace = client_namespace(namespace)
         self._token = SessionToken(token, token_file)
         self.tenant = ""  # the session's tenant, once it is open
@@ -346,16 +349,12 @@ class AsyncClient:
         self._on_loop()
         resends = Resends(timeout_s)
         slots = self._slots
-        if not slots.locked():
-            await slots.acquire()  # does not wait
-        elif not timed_wait:
-            await slots.acquire()
-            resends = Resends(timeout_s)
-        else:
-            try:
-                await asyncio.wait_for(slots.acquire(), resends.left_s())
-            except asyncio.TimeoutError:
-                raise slot_wait_error(self.max_calls_open, timeout_s) from None
+        if not slots.take():
+            if not timed_wait:
+                await slots.wait(None)
+                resends = Resends(timeout_s)
+            elif not await slots.wait(resends.left_s()):
+                raise slot_wait_error(self.max_calls_open, timeout_s)
         try:
             while True:
                 try:

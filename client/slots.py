@@ -18,10 +18,15 @@ Invariants:
   to them: a caller's thread sends no more parts than its own releases handed slots to.
 - A callback handed a slot is called: those an interrupt kept from running on the thread
   that freed their slots run on a thread of their own (they hold those slots).
+- A task cancelled while it waits (``AsyncCallSlots``) holds no slot and sends nothing, even
+  when the slot was handed to it in the loop pass the cancel came in: that slot goes on to
+  the next task queued.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -161,3 +166,81 @@ class CallSlots:
             except ValueError:
                 return False
             return True
+
+
+class AsyncCallSlots:
+    """The asyncio client's slots (see ``CallSlots``): ``take`` one that is free, else
+    ``wait`` for one in the order the tasks came.
+
+    Not ``asyncio.wait_for`` around a semaphore's acquire: on Python 3.11 it returned the slot
+    that its inner task had taken in the loop pass in which the caller was cancelled, the
+    cancel dropped, and the cancelled caller sent its call (and on 3.10 the semaphore let a
+    newcomer take a slot before a waiter it had woken).
+
+    Thread-safety: none; the tasks of one event loop (the client's)."""
+
+    __slots__ = ("_free", "_waiting", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free = limit
+        # In the order they came; a waiter is here while it is not done, and one done (its
+        # task cancelled, not back yet) is skipped.
+        self._waiting: deque[asyncio.Future[bool]] = deque()
+
+    @property
+    def held(self) -> int:
+        """Slots taken (by calls open, or about to be sent)."""
+        return self.limit - self._free
+
+    @property
+    def waiting(self) -> int:
+        """Tasks queued for a slot."""
+        return sum(not waiter.done() for waiter in self._waiting)
+
+    def take(self) -> bool:
+        """Take a free slot, if one is (none is while tasks queue); never waits."""
+        if self._free:
+            self._free -= 1
+            return True
+        return False
+
+    async def wait(self, timeout_s: float | None) -> bool:
+        """Take the slot freed once the tasks queued before have theirs, waiting up to
+        ``timeout_s`` (None: for ever); False when the time ran out first. Cancelled, the
+        task leaves holding nothing: a slot handed to it meanwhile goes on."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiting.append(waiter)
+        timer = None
+        if timeout_s is not None:
+            timer = loop.call_later(max(timeout_s, 0.0), self._expire, waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.result():
+                self.release()
+            else:
+                with contextlib.suppress(ValueError):  # skipped by a release meanwhile
+                    self._waiting.remove(waiter)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def release(self) -> None:
+        """Free a slot: it goes to the first task still waiting, if any."""
+        waiting = self._waiting
+        while waiting:
+            waiter = waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(True)
+                return
+        if self._free >= self.limit:
+            raise RuntimeError("a call slot freed more often than taken")
+        self._free += 1
+
+    def _expire(self, waiter: asyncio.Future[bool]) -> None:
+        if not waiter.done():
+            self._waiting.remove(waiter)
+            waiter.set_result(False)

@@ -134,7 +134,7 @@ def test_regression_an_async_client_kept_every_task_call_open(counting_server, l
             await client.session()
             answers = await asyncio.gather(*(client.lookup([k]) for k in keys))
             assert [a.prefix_len for a in answers] == [0] * 64
-            assert client._slots._value == limit  # every slot back
+            assert client._slots.held == 0  # every slot back
 
     asyncio.run(main())
     assert 1 <= servicer.most_open <= limit
@@ -164,7 +164,7 @@ def test_async_calls_cancelled_or_timed_out_in_the_queue_leak_no_slot(counting_s
             servicer.gate.set()
             await asyncio.gather(*held)
             await asyncio.gather(*queued, return_exceptions=True)
-            assert client._slots._value == 2
+            assert client._slots.held == 0 and client._slots.waiting == 0
             assert (await client.lookup([KEY])).prefix_len == 0
 
     asyncio.run(main())
@@ -320,6 +320,56 @@ def test_an_async_job_of_more_parts_than_slots_completes(daemon):
                 load = await c.submit_load(pool, [LoadSegment(keys, range(24))], layer_groups=2)
                 status = await load.wait(30)
                 assert status.done.all(), status.error
-                assert c._slots._value == 3
+                assert c._slots.held == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("cancel_first", [False, True])
+def test_regression_a_cancel_as_the_slot_was_handed_over_was_swallowed(
+    counting_server, monkeypatch, cancel_first
+):
+    """A task cancelled in the loop pass in which the call ending before it hands it the slot
+    (the cancel injected there, just after that release or just before it) is cancelled: it
+    sends nothing and the slot goes to the task queued behind it. Before, on Python 3.11,
+    ``asyncio.wait_for`` around the slot's wait returned the slot once its inner task had
+    taken it, the cancel dropped: the cancelled task's Lookup went out and it returned its
+    answer (cancel just after the release)."""
+    address, servicer = counting_server
+    servicer.gate = threading.Event()
+    keys = [i.to_bytes(32, "big") for i in range(3)]
+
+    async def main() -> None:
+        async with AsyncClient(address, max_calls_open=1) as client:
+            await client.session()
+            slots_type = type(client._slots)
+            real_release = slots_type.release
+            cancelled: list[asyncio.Task] = []
+
+            def release(slots) -> None:
+                if slots is client._slots and cancelled and cancel_first:
+                    cancelled.pop().cancel()
+                real_release(slots)
+                if slots is client._slots and cancelled:
+                    cancelled.pop().cancel()
+
+            monkeypatch.setattr(slots_type, "release", release)
+            held = asyncio.create_task(client.lookup([keys[0]]))
+            while servicer.open < 1:
+                await asyncio.sleep(0.01)
+            first = asyncio.create_task(client.lookup([keys[1]]))
+            behind = asyncio.create_task(client.lookup([keys[2]]))
+            await asyncio.sleep(0.05)  # both queued for the slot
+            cancelled.append(first)
+            servicer.gate.set()  # the held call ends: its release hands the slot over
+            assert (await asyncio.wait_for(held, 10)).prefix_len == 0
+            assert (await asyncio.wait_for(behind, 10)).prefix_len == 0
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(first, 10)
+            assert servicer.order == [keys[0], keys[2]]  # the cancelled one never sent
+            monkeypatch.undo()
+            assert client._slots.held == 0 and client._slots.waiting == 0
+            assert (await client.lookup([keys[0]])).prefix_len == 0
 
     asyncio.run(main())
