@@ -884,26 +884,30 @@ class Client:
     def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
         """``rpc(request)`` in one of the channel's call slots, waited for within the call's
         time (else DeadlineExceededError, nothing sent), sent again as ``call`` says (also the
-        health check's)."""
+        health check's). The guard takes in the slot's taking and freeing: an interrupt that
+        lands between the slot's taking and the ``finally`` that frees it gives the channel up,
+        and the slot with it, as one inside gRPC does (else the slot stayed taken on the live
+        channel, through ``health()``, ``fence_pool()`` and ``_unregister_unconfirmed``)."""
         resends = Resends(timeout_s)
         slots = self._slots
-        if not slots.acquire(resends.left_s()):
-            raise slot_wait_error(slots.limit, timeout_s)
         try:
-            while True:
-                try:
-                    return rpc(request, timeout=resends.left_s())
-                except grpc.RpcError as e:
-                    if not refused_stream(e) or (pause := resends.pause_s()) is None:
-                        raise
-                except Exception:
-                    raise
-                except BaseException as e:
-                    self.interrupted(e)
-                    raise
-                time.sleep(pause)
-        finally:
-            slots.release()
+            if not slots.acquire(resends.left_s()):
+                raise slot_wait_error(slots.limit, timeout_s)
+            try:
+                while True:
+                    try:
+                        return rpc(request, timeout=resends.left_s())
+                    except grpc.RpcError as e:
+                        if not refused_stream(e) or (pause := resends.pause_s()) is None:
+                            raise
+                    time.sleep(pause)
+            finally:
+                slots.release()
+        except Exception:
+            raise
+        except BaseException as e:  # see ``interrupted``
+            self.interrupted(e)
+            raise
 
     def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         advance: Callable[[Any], tuple[str, Any]]  # the flow's send, or its throw

@@ -373,3 +373,31 @@ def test_regression_a_cancel_as_the_slot_was_handed_over_was_swallowed(
             assert (await client.lookup([keys[0]])).prefix_len == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(20)
+def test_regression_an_interrupt_as_a_slot_was_taken_lost_it_on_the_live_channel(
+    counting_server, monkeypatch
+):
+    """A KeyboardInterrupt that lands as ``health()`` has taken its slot, before the call's
+    try/finally that frees it (injected there), gives the channel up, as one in the call
+    does: the next calls have the new channel's slots. Before, the slot stayed taken on the
+    live channel: with max_calls_open=1 every later call waited its whole time for it and
+    failed DeadlineExceeded."""
+    address, _ = counting_server
+    with Client(address, max_calls_open=1) as client:
+        client.lookup([KEY])
+        first = client.call_slots
+        real_acquire = CallSlots.acquire
+
+        def acquire(slots: CallSlots, timeout_s: float | None) -> bool:
+            assert real_acquire(slots, timeout_s)
+            raise KeyboardInterrupt  # lands as acquire returns its slot
+
+        monkeypatch.setattr(CallSlots, "acquire", acquire)
+        with pytest.raises(KeyboardInterrupt):
+            client.health()
+        monkeypatch.undo()
+        assert first.held == 1  # lost with its channel
+        assert client.call_slots is not first and client.call_slots.held == 0
+        assert client.lookup([KEY], timeout_s=2).prefix_len == 0
