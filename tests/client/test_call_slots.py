@@ -11,7 +11,6 @@ for a while and counts how many it has open at once.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
@@ -186,10 +185,13 @@ def test_sync_calls_timed_out_or_interrupted_in_the_queue_leak_no_slot(counting_
             with pytest.raises(DeadlineExceededError, match="max_calls_open"):
                 client.lookup([KEY], timeout_s=0.1)
             assert slots.waiting == 0
-            timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+            # To the main thread itself: a process-directed signal may be taken by another
+            # thread, and the main thread's wait is then not interrupted until it times out.
+            main = threading.main_thread().ident
+            timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
             timer.start()
             with pytest.raises(KeyboardInterrupt):
-                client.lookup([KEY], timeout_s=5)
+                client.lookup([KEY], timeout_s=60)  # the signal ends it, not the time
             timer.join()
             assert slots.waiting == 0 and slots.held == 1  # the open call's alone
             servicer.gate.set()
