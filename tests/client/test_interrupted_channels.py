@@ -113,6 +113,30 @@ def interrupt_in_grpcs_lock(where: str, interrupted: Callable[..., None], *args:
     assert landed
 
 
+def interrupt_as_first_event_taken(interrupted: Callable[[], None]) -> None:
+    """``interrupted()``, interrupted where its OpenSession's ``next()`` leaves the call's own
+    lock with the session's first event taken, so that the daemon has opened the session (it
+    opens it before it sends that event) and the lock stays held. Not at the first lock exit
+    that ``_next`` reaches: that is the channel's, in gRPC's Cython ``operate``, as the
+    receive is queued, before the daemon may have run the OpenSession at all."""
+    landed: list[str] = []
+
+    def interrupt(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and in_grpc_lock_exit(frame, "_next"):
+            caller = frame.f_back
+            assert caller is not None
+            if (
+                frame.f_locals["self"] is caller.f_locals["self"]._state.condition
+                and caller.f_locals.get("response") is not None
+            ):
+                sys.settrace(None)
+                landed.append("_next")
+                raise KeyboardInterrupt
+
+    interrupted_under(interrupt, interrupted)
+    assert landed
+
+
 def interrupted_under(trace: Callable[..., Any], call: Callable[..., Any], *args: Any) -> None:
     """``call(*args)`` traced by ``trace``, which ends it with a KeyboardInterrupt."""
     sys.settrace(trace)
@@ -843,7 +867,7 @@ def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_stayed
     d = daemon_factory("server.max_sessions_per_tenant=2")
     with d.client(timeout_s=3) as client, d.client(timeout_s=3) as observer:
         assert observer.stats().gauges["sessions"] == 1
-        interrupt_in_grpcs_lock("_next", lambda: client.session_id)
+        interrupt_as_first_event_taken(lambda: client.session_id)
         assert observer.stats().gauges["sessions"] == 2  # the one the interrupt ended
         assert client.lookup([bytes(32)]).prefix_len == 0  # RESOURCE_EXHAUSTED before
         assert observer.stats().gauges["sessions"] == 2
@@ -858,7 +882,7 @@ def test_regression_a_session_opened_as_an_interrupt_left_grpcs_lock_held_outliv
     process exited. close() now names given-up tickets too."""
     with daemon.client(timeout_s=3) as observer:
         client = Client(daemon.address, timeout_s=3)
-        interrupt_in_grpcs_lock("_next", lambda: client.session_id)
+        interrupt_as_first_event_taken(lambda: client.session_id)
         assert observer.stats().gauges["sessions"] == 2  # the one the interrupt ended
         ends_in_time(client.close)
         assert settled_gauges(observer, bound_s=5)[0] == 1  # 2 before
