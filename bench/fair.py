@@ -203,7 +203,8 @@ def main(argv: list[str], *, emit: Emit | None = None) -> int:
         "--calls-open",
         type=int,
         default=DEFAULT_MAX_CALLS_OPEN,
-        help=f"of those, open at the daemon: the client's max_calls_open ({DEFAULT_MAX_CALLS_OPEN})",
+        help="of those, open at the daemon: the client's max_calls_open "
+        f"({DEFAULT_MAX_CALLS_OPEN})",
     )
     p.add_argument("--batch-keys", type=int, default=4096, help="keys per batch call (4096)")
     p.add_argument("--seconds", type=float, default=10.0, help="small calls' time per phase (10)")

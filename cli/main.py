@@ -508,9 +508,8 @@ def _check_with(args: argparse.Namespace, client: Client) -> int:
         if result.ok:
             print(f"ok: kvtierd at {address}: every invariant holds ({what})")
         else:
-            print(
-                f"broken: kvtierd at {address}: {_counted(len(result.problems), 'problem')} ({what})"
-            )
+            problems = _counted(len(result.problems), "problem")
+            print(f"broken: kvtierd at {address}: {problems} ({what})")
             details = {d.problem: d for d in result.details}
             for i, problem in enumerate(result.problems):
                 print(f"  {problem}")

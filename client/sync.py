@@ -849,8 +849,9 @@ class Client:
         """One call, sent again while the daemon's gRPC refuses it unrun (``refused_stream``:
         this connection has many calls open) and its time allows; raises grpc.RpcError, or
         DeadlineExceededError when its time ran out before one of the channel's call slots
-        (``max_calls_open``) came free. Refused in a forked child before the channel is replaced: a child forked while an
-        interruption's mark waited for the replacement built a channel of its own first."""
+        (``max_calls_open``) came free. Refused in a forked child before the channel is
+        replaced: a child forked while an interruption's mark waited for the replacement built
+        a channel of its own first."""
         refuse_in_child(self._pid, "Client")
         self._replace_if_suspect()
         rpc = getattr(self._stub, method)

@@ -44,11 +44,12 @@ chain: the first touch of a 200,000-block chain's leaf moved them all in one cal
 the daemon's loop. A walk moves at most ``_MOVE_BUDGET`` ancestors and stops at a moved block
 ``c``, keeping ``c -> k`` in ``_moving``: the walk ``_propagate(c, k, protect)`` would go on
 is owed. ``work`` (which the daemon calls between requests, told by ``on_owed``) goes on with
-such walks, a budget at a time; ``victims``, ``remove``, ``effective_key`` and ``order`` first make every move
-owed, so decisions and keys are the eager walks': a block leaves probation at most once,
-each move raises its block to the walk's key whatever the order of the walks, and no link
-dies while a walk is owed (only ``remove`` kills one). Between requests the moves are made
-piecemeal; a ``victims`` that finds some still owed makes the rest in one step.
+such walks, a budget at a time; ``victims``, ``remove``, ``effective_key`` and ``order``
+first make every move owed, so decisions and keys are the eager walks': a block leaves
+probation at most once, each move raises its block to the walk's key whatever the order of
+the walks, and no link dies while a walk is owed (only ``remove`` kills one). Between
+requests the moves are made piecemeal; a ``victims`` that finds some still owed makes the
+rest in one step.
 
 Two segments (the ARC idea, with heat inside). A block enters *probation*, unless a previous
 access of it lies within the last ``memory_factor`` cache-fulls of accesses or it returns
