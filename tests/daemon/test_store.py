@@ -5559,16 +5559,22 @@ async def test_regression_a_balancing_pass_of_l2_evicted_too_few_with_slots_quar
     assert store.counters.get("watermark_evictions", tier="L2") == 20
 
 
-async def test_moves_a_touch_owes_are_made_between_requests(make_store, monkeypatch):
-    """The first touch of a deep chain's leaf owes the heat policy most of its moves (see
-    "Owed moves" in ``kvtier.daemon.policy.heat``): the store gives them turns of the loop
-    until none is owed, without waiting for the next eviction to make them all at once."""
+async def _heat_chain_of_600(make_store, monkeypatch):
+    """A heat L1 store holding a chain of 600 blocks, all in probation, whose policy moves at
+    most 50 ancestors a walk (``_MOVE_BUDGET``): (clock, store, pool, chain, policy)."""
     monkeypatch.setattr(heat_module, "_MOVE_BUDGET", 50)
     clock = Clock()
     store, pool = make_store(clock, policy="heat", segments=40), make_pool()
     chain = keys(600)
     assert await put(store, pool, chain) == [PutResult.STORED] * 600
-    policy = store.stack.levels[0].policy
+    return clock, store, pool, chain, store.stack.levels[0].policy
+
+
+async def test_moves_a_touch_owes_are_made_between_requests(make_store, monkeypatch):
+    """The first touch of a deep chain's leaf owes the heat policy most of its moves (see
+    "Owed moves" in ``kvtier.daemon.policy.heat``): the store gives them turns of the loop
+    until none is owed, without waiting for the next eviction to make them all at once."""
+    clock, store, pool, chain, policy = await _heat_chain_of_600(make_store, monkeypatch)
     assert policy.stats().probation == 600
     clock.now += 1.0
     assert await get(store, pool, chain[-1:], [0]) == [True]
@@ -5586,12 +5592,7 @@ async def test_owed_moves_get_one_turn_of_the_loop_at_a_time(make_store, monkeyp
     """However many requests come while moves are owed, one ``work`` turn is queued at a
     time: a turn whose ``work`` owes again (``on_owed``) and then asks for the next turn
     (the rest still owed) queues one, not two that each queue two."""
-    monkeypatch.setattr(heat_module, "_MOVE_BUDGET", 50)
-    clock = Clock()
-    store, pool = make_store(clock, policy="heat", segments=40), make_pool()
-    chain = keys(600)
-    assert await put(store, pool, chain) == [PutResult.STORED] * 600
-    policy = store.stack.levels[0].policy
+    clock, store, pool, chain, policy = await _heat_chain_of_600(make_store, monkeypatch)
     work_a_turn, calls = store.space._work_a_turn, []
 
     def counted() -> None:
