@@ -575,14 +575,17 @@ class TransferJob:
             for part in parts:
                 self._ended(part, None, e)
             return
-        slots = self._client.call_slots
+        # The slots and the stub of one channel: a part queued on a channel given up
+        # meanwhile is sent on that channel (which refuses it), not on its replacement,
+        # whose slots it does not hold.
+        slots, stub = self._client.call_slots, self._client.stub
         for part in parts:
             part.request.session_id = session_id
             part.request.pool_id = pool_id
-            if slots.take_or_queue(functools.partial(self._granted, part, slots)):
-                self._send_one(part, slots)
+            if slots.take_or_queue(functools.partial(self._granted, part, slots, stub)):
+                self._send_one(part, slots, stub)
 
-    def _granted(self, part: Part, slots: CallSlots) -> None:
+    def _granted(self, part: Part, slots: CallSlots, stub: Any) -> None:
         """A queued part's slot came free: send it, or free the slot again when the part
         ended meanwhile (the job was cancelled)."""
         with self._cond:
@@ -590,11 +593,11 @@ class TransferJob:
         if gone:
             slots.release()
         else:
-            self._send_one(part, slots)
+            self._send_one(part, slots, stub)
 
-    def _send_one(self, part: Part, slots: CallSlots) -> None:
-        """Send a part holding one of ``slots``; its done callback frees the slot."""
-        stub = self._client.stub
+    def _send_one(self, part: Part, slots: CallSlots, stub: Any) -> None:
+        """Send a part on ``stub`` holding one of its channel's ``slots``; its done callback
+        frees the slot."""
         resends = self._resends.setdefault(part.index, Resends(self._timeout_s))
         try:
             fut = getattr(stub, part.method).future(part.request, timeout=resends.left_s())
