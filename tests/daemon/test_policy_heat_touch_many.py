@@ -13,19 +13,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 
 import numpy as np
 import pytest
-from heat_state import assert_same_state
+from heat_state import assert_same_state, mask_fn
 
 import kvtier.daemon.policy.heat as heat_module
 from kvtier.daemon.policy.heat import HeatPolicy
-
-
-def mask_fn(salt: int) -> Callable[[np.ndarray], np.ndarray]:
-    """A deterministic evictable mask: about a third of the ids may not go."""
-    return lambda bids: (bids * 2654435761 + salt) % 3 != 0
 
 
 def assert_same_victims(vec: HeatPolicy, ref: HeatPolicy, now: float, salt: int) -> None:
