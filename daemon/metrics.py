@@ -1007,8 +1007,40 @@ def scrape_app(
 ) -> Callable[..., Iterable[bytes]]:
     """The scrape of ``registry``, paced (``PacedApp``); with a ``token``, answered only to
     requests that carry it (a ``BearerApp``, whose token may be replaced later)."""
-    app: Callable[..., Iterable[bytes]] = PacedApp(make_wsgi_app(registry), SCRAPE_INTERVAL_S)
+    prometheus = make_wsgi_app(registry)
+
+    def exposition(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        accept = environ.get("HTTP_ACCEPT")
+        if accept:
+            environ = {**environ, "HTTP_ACCEPT": comparable_accept(accept)}
+        return prometheus(environ, start_response)
+
+    app: Callable[..., Iterable[bytes]] = PacedApp(exposition, SCRAPE_INTERVAL_S)
     return app if token is None else BearerApp(app, token)
+
+
+def comparable_accept(header: str) -> str:
+    """``header`` (an Accept header) without the media ranges whose ``version`` has a part
+    that is not a number. prometheus_client compares a version with (1, 0, 0) part by part,
+    and such a part raised a TypeError in it: the scrape failed (500) and wsgiref printed the
+    traceback on stderr, for any peer that sent such a header. HTTP lets a server disregard
+    what it cannot serve: the other ranges choose the format, or none does (the default)."""
+
+    def comparable(media_range: str) -> bool:
+        for param in media_range.split(";"):
+            name, eq, value = param.strip().partition("=")
+            if eq and name == "version":  # the first, as prometheus_client reads it
+                if not value:  # no version: prometheus_client takes the range's latest
+                    return True
+                try:
+                    for part in value.split("."):
+                        int(part)
+                except ValueError:
+                    return False
+                return True
+        return True
+
+    return ",".join(r for r in header.split(",") if comparable(r))
 
 
 def serve_http(

@@ -706,6 +706,44 @@ def test_regression_connections_that_end_badly_printed_a_traceback_each(monkeypa
     assert "Traceback" not in err and "Exception occurred" not in err, err
 
 
+def test_regression_an_accept_header_naming_a_version_not_made_of_numbers_failed_the_scrape(
+    capfd,
+):
+    """prometheus_client compares the version an Accept header's media range names with
+    (1, 0, 0) part by part, and a part that is not a number ("version=abc", "1.x") raised a
+    TypeError inside it: any peer that reaches the port got 500, and the daemon's stderr a
+    25-line traceback for each such request, outside the log's format and at no bounded rate.
+    Such a range is now disregarded, as HTTP lets a server do: the others choose the format,
+    or the default text format is served; a range with a version of numbers still counts."""
+    server, thread = metrics.serve_http("127.0.0.1", 0, metrics.scrape_app(CollectorRegistry()))
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+
+    def scrape_as(accept: str) -> tuple[int, str]:
+        request = urllib.request.Request(url, headers={"Accept": accept})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                return answer.status, answer.headers["Content-Type"]
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers["Content-Type"]
+
+    try:
+        plain = scrape_as("text/plain; version=abc")
+        numbered = scrape_as("application/openmetrics-text; version=1.x, text/plain")
+        open_metrics = scrape_as(
+            "application/openmetrics-text; version=x, application/openmetrics-text; version=1.0.0"
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    assert plain[0] == 200 and plain[1].startswith("text/plain; version=0.0.4"), plain
+    assert numbered[0] == 200 and numbered[1].startswith("text/plain; version=0.0.4"), numbered
+    assert open_metrics[0] == 200, open_metrics
+    assert open_metrics[1].startswith("application/openmetrics-text; version=1.0.0"), open_metrics
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+
+
 def test_regression_a_scrape_flood_slowed_every_client_of_the_daemon():
     """Anyone who reaches the metrics port may scrape it back to back. Eight local scrapers
     (290 scrapes/s, each a snapshot on the event loop and a render holding the GIL) took
