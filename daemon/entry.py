@@ -52,6 +52,11 @@ class EarlySignals:
 
 def main(argv: list[str] | None = None) -> int:
     early_signals = EarlySignals()
+    # gRPC's C core writes its log lines on stderr itself, outside the daemon's format and
+    # rate limits, and any client causes one at will (a header value it cannot parse: 27,000
+    # lines a second from one connection). It logs nothing unless the operator asks (read
+    # once, as gRPC starts).
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from kvtier.daemon.main import main as run  # the heavy imports, the signals held
 
     return run(argv, early_signals=early_signals)

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from h2_frames import END_HEADERS, END_STREAM, HEADERS, RawConnection, frame, grpc_headers
 
 from kvtier.client import (
     InvalidArgumentError,
@@ -126,6 +127,34 @@ def test_garbage_requests_get_a_status_and_a_bounded_log(daemon):
         # Some INVALID_ARGUMENT answers are to requests that parsed but broke a rule.
         assert 0 < stats.counters["requests_malformed"] <= codes["INVALID_ARGUMENT"]
         assert stats.gauges["sessions"] == 1 and stats.gauges["pools"] == 0
+
+
+def test_regression_metadata_grpc_could_not_parse_logged_a_line_of_grpc_core_each(daemon):
+    """A call whose headers carry a value gRPC cannot parse (``grpc-encoding: zstd-evil``,
+    ``grpc-timeout: -5S``) is refused by gRPC itself, and its C core logged an ERROR line for
+    each on the daemon's stderr (``E1207 ... hpack_parser.cc:1048] Error parsing
+    'grpc-encoding' metadata: invalid value``): 5,000 lines in 0.18 s from one client on one
+    connection, at no bounded rate and outside the log's format. The daemon's gRPC core now
+    logs nothing unless GRPC_VERBOSITY says otherwise; such calls are refused as before."""
+    lines_before = len(daemon.log().splitlines())
+    socket_path = daemon.address.removeprefix("unix:")
+    bad = [(b"grpc-encoding", b"zstd-evil"), (b"grpc-timeout", b"-5S")]
+    for name, value in bad:
+        conn = RawConnection(socket_path)
+        headers = grpc_headers("/kvtier.v1.KVTier/Stats") + b"\x00" + bytes([len(name)]) + name
+        headers += bytes([len(value)]) + value
+        streams = set(range(1, 200, 2))
+        for stream in sorted(streams):
+            conn.sock.sendall(frame(HEADERS, END_HEADERS | END_STREAM, stream, headers))
+        deadline = time.monotonic() + 30
+        while not streams <= conn.reset and time.monotonic() < deadline:
+            conn.pump(0.1)
+        assert streams <= conn.reset  # every call refused
+        conn.close()
+    with daemon.client() as client:
+        assert client.health()
+    lines = daemon.log().splitlines()[lines_before:]
+    assert not [x for x in lines if "Error parsing" in x], lines[:3]
 
 
 def test_a_malformed_request_is_invalid_argument_naming_the_message(daemon):
