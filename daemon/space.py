@@ -168,8 +168,7 @@ class SpaceManager:
         table.on_expire.append(self._expire_in_policies)
         table.on_renumber.append(self._renumber_in_policies)
         for level in stack:
-            if hasattr(level.policy, "on_owed"):
-                level.policy.on_owed = self.owed_work  # type: ignore[attr-defined]  # optional
+            level.policy.on_owed = self.owed_work
 
     # ------------------------------------------------------------------ accesses
 
@@ -216,11 +215,11 @@ class SpaceManager:
             self.record_accesses(live, now)
 
     def owed_work(self) -> None:
-        """A policy began to owe work (its ``on_owed``, optional: the heat policy's moves
-        owed after the first touch of a deep chain): give the policies' ``work`` turns of
-        the loop, one budget per policy per turn, so that other requests run between them,
-        until none owes any. Requests themselves ask nothing. Without a running loop
-        (offline use) it stays owed: the policy's next decision does it first."""
+        """A policy began to owe work (its ``on_owed``: the heat policy's moves owed after
+        the first touch of a deep chain): give the policies' ``work`` turns of the loop, one
+        budget per policy per turn, so that other requests run between them, until none
+        owes any. Requests themselves ask nothing. Without a running loop (offline use) it
+        stays owed: the policy's next decision does it first."""
         if self._owed_work_due:
             return
         try:
@@ -234,8 +233,7 @@ class SpaceManager:
         self._owed_work_due = False
         more = False
         for level in self.stack:
-            if getattr(level.policy, "owes_work", False):
-                more = level.policy.work() or more  # type: ignore[attr-defined]  # optional
+            more = level.policy.work() or more
         if more:
             self.owed_work()
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.daemon.policy.base import EvictableFn, InsertEach
+from kvtier.daemon.policy.base import EvictableFn, InsertEach, OwesNoWork
 from kvtier.daemon.policy.hints import Hinted, HintTable
 from kvtier.daemon.policy.memento import renumbered
 
@@ -57,7 +57,7 @@ class ARCStats:
     b2: int
 
 
-class ARCPolicy(InsertEach, Hinted):
+class ARCPolicy(InsertEach, OwesNoWork, Hinted):
     """ARC over block ids.
 
     Parameters:

@@ -33,8 +33,8 @@ if its own ``admits`` declines ``bid`` against that victim, ``note_miss`` and ``
 else it removes the victim, inserts ``bid`` and returns the victim. The replayer calls it
 instead of those steps, one call where they were four.
 
-Owed work (optional, ``heat`` has it): a policy may leave part of an access's bookkeeping
-owed, to bound the work of one call. ``owes_work`` says whether some is; ``work()`` does a
+Owed work: a policy may leave part of an access's bookkeeping owed, to bound the work of one
+call (``heat`` does; ``OwesNoWork`` gives the others the two members). ``work()`` does a
 bounded part and returns whether some remains; ``on_owed``, None unless the owner sets it,
 is called when some becomes owed where none was. The daemon sets it and then calls ``work``
 between requests, so that a request asks nothing of a policy owing none; a policy must decide
@@ -73,6 +73,9 @@ EvictableFn = Callable[[np.ndarray], np.ndarray]
 
 
 class EvictionPolicy(Protocol):
+    on_owed: Callable[[], None] | None
+    """Called when work becomes owed where none was (see "Owed work"); None: nobody asks."""
+
     def insert(self, bid: int, now: float, parent: int = -1) -> None:
         """A block became resident in this tier; ``parent`` is its chain predecessor or -1.
 
@@ -138,6 +141,9 @@ class EvictionPolicy(Protocol):
         while its ``now <= until``. Ids need not be resident yet (the hint holds for a block
         inserted before the deadline); a block hinted twice keeps the later deadline."""
 
+    def work(self) -> bool:
+        """Do a bounded part of the work owed (see "Owed work"); whether some remains."""
+
     def __len__(self) -> int: ...
 
     def __contains__(self, bid: object) -> bool: ...
@@ -153,3 +159,12 @@ class InsertEach:
         pars = np.asarray(parents, dtype=np.int64).reshape(-1).tolist()
         for bid, parent in zip(ids, pars, strict=True):
             insert(bid, now, parent)
+
+
+class OwesNoWork:
+    """The owed-work members for a policy whose every call does all its work."""
+
+    on_owed: Callable[[], None] | None = None
+
+    def work(self) -> bool:
+        return False

@@ -99,7 +99,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach
+from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, EvictableFn, InsertEach, OwesNoWork
 from kvtier.daemon.policy.hints import Hinted
 from kvtier.daemon.policy.memento import SEQ_MOD, Kept, renumbered, seq_ages
 
@@ -401,7 +401,7 @@ def _smoothed(a: np.ndarray) -> np.ndarray:
     return out
 
 
-class DensityPolicy(InsertEach, Hinted):
+class DensityPolicy(InsertEach, OwesNoWork, Hinted):
     """Parameters (all optional; unknown ones are ignored):
 
     capacity_blocks: the tier's size; sizes the ghost window and the statistics period.

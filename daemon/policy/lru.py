@@ -7,14 +7,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.daemon.policy.base import EvictableFn, InsertEach
+from kvtier.daemon.policy.base import EvictableFn, InsertEach, OwesNoWork
 from kvtier.daemon.policy.hints import Hinted, HintTable
 
 # Candidates are checked against the evictable mask in batches of this many.
 _SCAN_BATCH = 256
 
 
-class LRUPolicy(InsertEach, Hinted):
+class LRUPolicy(InsertEach, OwesNoWork, Hinted):
     """Thread-safety: none; the owner serialises calls."""
 
     def __init__(self, **_: object) -> None:

@@ -21,13 +21,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvtier.daemon.policy.base import EvictableFn, InsertEach
+from kvtier.daemon.policy.base import EvictableFn, InsertEach, OwesNoWork
 from kvtier.daemon.policy.hints import Hinted, HintTable
 
 NextUseFn = Callable[[int], float]
 
 
-class BeladyPolicy(InsertEach, Hinted):
+class BeladyPolicy(InsertEach, OwesNoWork, Hinted):
     """Parameters:
     next_use: the trace's future, see the module docstring. Required.
     """

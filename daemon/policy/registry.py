@@ -4,7 +4,8 @@ The built-in policies are named here, each by its module and class, and imported
 first asked for; the policy modules import nothing of this one, so there is no import cycle.
 ``register_policy(name, factory)`` adds another (a plugin, a test double); it must implement
 the whole ``EvictionPolicy`` protocol (``base.InsertEach`` gives ``insert_many`` as a loop of
-``insert``, ``Hinted`` the ``hint`` verb over a ``HintTable``).
+``insert``, ``base.OwesNoWork`` the owed-work members, ``Hinted`` the ``hint`` verb over a
+``HintTable``).
 
 A policy class may name the admission rule it is designed to run with in a class attribute
 ``default_admission`` (see ``kvtier.daemon.policy.admission``); ``"always"`` otherwise. A

@@ -162,6 +162,19 @@ def test_touch_many_is_all_or_nothing(name: str) -> None:
     assert a.victims(5, 8.0, None).tolist() == b.victims(5, 8.0, None).tolist()
 
 
+def test_every_policy_takes_the_owed_work_hook(name: str) -> None:
+    """The store sets every policy's ``on_owed`` and calls its ``work`` (see "Owed work" in
+    ``kvtier.daemon.policy.base``); it found both by ``hasattr``/``getattr``, as heat's
+    alone. A policy owing nothing answers ``work`` False and never calls the hook."""
+    policy, called = build(name), []
+    assert policy.on_owed is None  # nobody asks until the owner sets it
+    policy.on_owed = lambda: called.append(1)
+    fill(policy, 6)
+    policy.touch_many(np.array([0, 1, 2, 3, 4, 5]), 7.0)
+    assert policy.work() is False and not called
+    assert policy.victims(2, 8.0, None) is not None
+
+
 def test_insert_many_equals_inserting_in_order(name: str) -> None:
     """A batch of new blocks (a chain, a second chain under a resident parent, one block
     coming back) leaves the policy deciding as a loop of ``insert`` would."""
