@@ -1059,8 +1059,7 @@ class KVService:
             self.expire_leases()
             await asyncio.sleep(0)
             session = self.sessions.get(session_id)  # it may have ended meanwhile
-        if why := self._lease_refusal(session, 0):
-            raise ResourceExhausted(why)
+        self._check_lease_room(session, 0)
 
     def _check_lease_room(self, session: Session, blocks: int) -> None:
         """Refuse (ResourceExhausted) a new lease of ``blocks`` pinned blocks that would pass
