@@ -522,18 +522,11 @@ class RemoteTier:
             c["probe_skipped_down"] += 1
             return unknown
         all_keys = [self._names.key(b.ns, b.key) for b in blocks]
-        asked, servers = self._asked_now(all_keys, list(range(len(blocks))), None)
+        asked, heads = self._asking(all_keys, "GETRANGE", 0, HEADER_BYTES - 1)
         if len(asked) < len(all_keys):
             c["probe_skipped_down"] += 1
         if not asked:
             return [PROBE_ABSENT if k in self._unremoved else PROBE_UNKNOWN for k in all_keys]
-
-        async def heads(pipe: Any) -> None:
-            nonlocal asked, servers
-            asked, servers = self._asked_now(all_keys, asked, servers)  # lost meanwhile
-            for j in asked:
-                pipe.execute_command("GETRANGE", all_keys[j], 0, HEADER_BYTES - 1)
-
         # The round trip runs as its own task under the op timeout (a slow store is judged
         # by that), while the caller waits only for the probe deadline.
         task = self._spawn(self._pipeline(heads, self._small_ops))
@@ -579,16 +572,9 @@ class RemoteTier:
         if not blocks or not ttl_s or not self._avail.serves(self._clock()):
             return ages
         all_keys = [self._names.key(b.ns, b.key) for b in blocks]
-        asked, servers = self._asked_now(all_keys, list(range(len(blocks))), None)
+        asked, pttl = self._asking(all_keys, "PTTL")
         if not asked:
             return ages
-
-        async def pttl(pipe: Any) -> None:
-            nonlocal asked, servers
-            asked, servers = self._asked_now(all_keys, asked, servers)  # lost meanwhile
-            for j in asked:
-                pipe.execute_command("PTTL", all_keys[j])
-
         try:
             replies = await self._pipeline(pttl, self._bulk_ops)
         except _Unreachable:
@@ -619,17 +605,10 @@ class RemoteTier:
             c["read_skipped_down"] += n
             return out
         keys = [self._names.key(b.ns, b.key) for b in blocks]
-        asked, servers = self._asked_now(keys, list(range(n)), None)
+        asked, get = self._asking(keys, "GET")
         if not asked:
             c["read_skipped_down"] += n
             return out
-
-        async def get(pipe: Any) -> None:
-            nonlocal asked, servers
-            asked, servers = self._asked_now(keys, asked, servers)  # lost meanwhile
-            for j in asked:
-                pipe.execute_command("GET", keys[j])
-
         try:
             replies = await self._pipeline(get, self._bulk_ops)
         except _Unreachable:
@@ -848,20 +827,32 @@ class RemoteTier:
         full = self._full.get(server)
         return full is None or full.takes_writes(now)
 
-    def _asked_now(
-        self, keys: list[bytes], asked: list[int], servers: list[str] | None
-    ) -> tuple[list[int], list[str] | None]:
-        """Of ``asked`` (positions in ``keys``), those whose master is not lost now, and the
-        keys' servers (``_servers_of``, looked up once a master is lost, then kept). Asked
-        again once a call has its connection: a master lost while it waited for one (a hung
-        master, timed out by the calls ahead of it) is sent nothing, or each call queued
-        behind them waited the op timeout in turn."""
-        if not self._lost:
-            return asked, servers
-        if servers is None:
-            servers = self._servers_of(keys)
-        lost = self._lost
-        return [j for j in asked if servers[j] not in lost], servers
+    def _asking(
+        self, keys: list[bytes], command: str, *args: Any
+    ) -> tuple[list[int], Callable[[Any], Awaitable[None]]]:
+        """The positions of ``keys`` whose master is not lost, and a pipeline's fill that
+        sends ``command`` (the key, then ``args``) for each of them, asked again once the
+        call has its connection: a master lost while it waited for one (a hung master,
+        timed out by the calls ahead of it) is sent nothing, its keys dropped from the list
+        (in place: the caller's list is what was sent), or each call queued behind them
+        waited the op timeout in turn. The keys' servers are looked up once, and only while
+        a master is lost."""
+        servers = self._servers_of(keys) if self._lost else None
+        asked = list(range(len(keys)))
+        if servers is not None:
+            asked = [j for j in asked if servers[j] not in self._lost]
+
+        async def fill(pipe: Any) -> None:
+            nonlocal servers
+            if lost := self._lost:
+                if servers is None:
+                    servers = self._servers_of(keys)
+                known = servers
+                asked[:] = [j for j in asked if known[j] not in lost]
+            for j in asked:
+                pipe.execute_command(command, keys[j], *args)
+
+        return asked, fill
 
     def _served(self, keys: list[bytes]) -> list[int]:
         """The positions of the keys whose master is not lost (every one while none is)."""
