@@ -1034,6 +1034,34 @@ async def test_regression_a_hung_master_took_l3_down_for_every_master(
 
 
 @pytest.mark.slow
+async def test_regression_a_probe_queued_behind_a_hung_master_was_not_counted_as_skipping_it(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """``probe_skipped_down`` counts the probes that left keys unasked, their master lost. A
+    probe that waited for its connection while the one ahead of it timed out at a hung master
+    asked the others only (the master lost by then), yet was not counted: only a master lost
+    before a probe began to wait was."""
+    cluster = redis_cluster_slow_verdict
+    nbytes, n = 4096, 48
+    victim = cluster.nodes[1]
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    expected = [PROBE_UNKNOWN if i in on_victim else nbytes for i in range(n)]
+    # One connection per master for probes and removals (a quarter of 2, at least one).
+    async with opened(fail_fast_options(cluster, l3_prefix, pool_size=2)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        victim.pause()
+        try:
+            sizes = await asyncio.gather(tier.probe_each(chain), tier.probe_each(chain))
+            assert sizes == [expected, expected]
+            c = tier.stats().counters
+            # The first timed out at the hung master, which the second found lost.
+            assert c["timeouts"] == 1, c
+            assert c["probe_skipped_down"] == 1, c
+        finally:
+            victim.resume()
+
+
+@pytest.mark.slow
 async def test_regression_a_start_met_a_hung_master_twice_and_l3_was_down(
     redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str, monkeypatch: Any
 ) -> None:

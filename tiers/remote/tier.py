@@ -523,9 +523,8 @@ class RemoteTier:
             return unknown
         all_keys = [self._names.key(b.ns, b.key) for b in blocks]
         asked, heads = self._asking(all_keys, "GETRANGE", 0, HEADER_BYTES - 1)
-        if len(asked) < len(all_keys):
-            c["probe_skipped_down"] += 1
         if not asked:
+            c["probe_skipped_down"] += 1
             return [PROBE_ABSENT if k in self._unremoved else PROBE_UNKNOWN for k in all_keys]
         # The round trip runs as its own task under the op timeout (a slow store is judged
         # by that), while the caller waits only for the probe deadline.
@@ -536,8 +535,12 @@ class RemoteTier:
             )
         except (asyncio.TimeoutError, TimeoutError):
             c["probe_late"] += 1
-            return unknown
+            replies = None
         except _Unreachable:
+            replies = None
+        if len(asked) < len(all_keys):
+            c["probe_skipped_down"] += 1  # (masters lost before it waited, or while it did)
+        if replies is None:
             return unknown
         unremoved = self._unremoved
         if len(asked) < len(all_keys):
