@@ -1062,6 +1062,47 @@ async def test_regression_a_probe_queued_behind_a_hung_master_was_not_counted_as
 
 
 @pytest.mark.slow
+async def test_regression_a_delete_queued_behind_a_hung_master_sent_it_its_unlinks_and_waited(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A Delete whose UNLINKs waited for their connection while the one ahead of them timed
+    out at a hung master (lost by then) still sent that master its UNLINKs, and waited the
+    op timeout for their replies (counted as errors, remembered), where reads, probes and
+    writes so queued send it nothing. Its keys there are remembered at once instead, as a
+    Delete's begun once the master was lost, and sent once it is back; the others' go."""
+    cluster = redis_cluster_slow_verdict
+    nbytes, n = 4096, 48
+    victim = cluster.nodes[1]
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    mine = sorted(on_victim)
+    assert len(mine) >= 2
+    others = [i for i in range(n) if i not in on_victim]
+    first = mine[: len(mine) // 2] + others[: len(others) // 2]
+    second = [i for i in range(n) if i not in first]
+    # One connection per master for probes and removals (a quarter of 2, at least one).
+    async with opened(fail_fast_options(cluster, l3_prefix, pool_size=2)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        victim.pause()
+        try:
+            await asyncio.gather(*(tier.remove([chain[i] for i in d]) for d in (first, second)))
+            stats = tier.stats()
+            # The first timed out at the hung master, which the second found lost.
+            assert stats.counters["remove_errors"] == len(mine) // 2, stats.counters
+            assert stats.counters["remove_skipped_down"] == len(mine) - len(mine) // 2
+            assert stats.gauges["removals_unconfirmed"] == len(mine)
+            assert await tier.probe_each(chain) == [PROBE_ABSENT] * n
+        finally:
+            victim.resume()
+        await wait_for(
+            "the lost master's removals to be confirmed",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+            30.0,
+        )
+        assert tier.health().state is Health.OK
+        assert await tier.probe_each(chain) == [PROBE_ABSENT] * n
+
+
+@pytest.mark.slow
 async def test_regression_a_start_met_a_hung_master_twice_and_l3_was_down(
     redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str, monkeypatch: Any
 ) -> None:

@@ -902,18 +902,11 @@ class RemoteTier:
             c["remove_skipped_down"] += len(blocks)
             await self._remember_removals(keys)
             return
-        if self._lost:
-            # A lost master's keys: remembered, sent once it is back.
-            served = self._served(keys)
-            if len(served) < len(keys):
-                kept = set(served)
-                c["remove_skipped_down"] += len(keys) - len(served)
-                await self._remember_removals(
-                    [k for j, k in enumerate(keys) if j not in kept], waiting_for_lost=True
-                )
-                keys = [keys[j] for j in served]
-                if not keys:
-                    return
+        keys, holding = self._hold_for_lost(keys, first=True)
+        if holding is not None:
+            await asyncio.shield(holding)
+        if not keys:
+            return
         # (Probes that overlap the UNLINKs are the store's to mind: ``BlockStore.delete``.)
         removal = next(self._removal_ids)
         self._removing[removal] = set(keys)
@@ -923,6 +916,26 @@ class RemoteTier:
             del self._removing[removal]
         if refused == [] and self._unremoved and (self._resend_may_send or not self._lost):
             self._resend_removals()  # the store takes removals again: older ones may go too
+
+    def _hold_for_lost(
+        self, keys: list[bytes], *, first: bool
+    ) -> tuple[list[bytes], asyncio.Task[None] | None]:
+        """Of the removals of ``keys``, those whose master is not lost (every one while none
+        is), to be sent. The others wait for it (sent at the reconnection that finds it
+        back): a ``first`` send's are remembered (counted in ``remove_skipped_down``), with
+        the journal's record of them if any (else None); a resend's are remembered already."""
+        if not self._lost:
+            return keys, None
+        served = self._served(keys)
+        if len(served) == len(keys):
+            return keys, None
+        recording = None
+        if first:
+            kept = set(served)
+            held = [k for j, k in enumerate(keys) if j not in kept]
+            self._counters["remove_skipped_down"] += len(held)
+            recording = self._remember(held, waiting_for_lost=True)
+        return [keys[j] for j in served], recording
 
     async def _remember_removals(
         self, keys: list[bytes], *, waiting_for_lost: bool = False
@@ -1047,15 +1060,21 @@ class RemoteTier:
         refused; None if it could not be reached. Only the keys still ``pending``, or still
         remembered, once a connection is free are sent, and only they are remembered: one
         written meanwhile holds the block stored again, which the UNLINK would delete. From
-        then until the UNLINK ends, a write of one of them waits (``_unlinking``)."""
+        then until the UNLINK ends, a write of one of them waits (``_unlinking``). Those
+        of a master lost by then wait for it (``_hold_for_lost``)."""
         wanted = self._unremoved if pending is None else pending
         unlinking = next(self._unlink_ids)
+        holding: asyncio.Task[None] | None = None
 
         # Through execute_command: the cluster pipeline's own ``unlink`` is a coroutine that
         # splits keys by slot, unlike the plain pipeline's.
         async def unlink(pipe: Any) -> None:
-            nonlocal keys
-            keys = [k for k in keys if k in wanted]
+            nonlocal keys, holding
+            # A master lost while this waited for its connection (a hung one, timed out by
+            # the calls ahead) is sent nothing, or this waited the op timeout for it too.
+            keys, holding = self._hold_for_lost(
+                [k for k in keys if k in wanted], first=pending is not None
+            )
             done = asyncio.get_running_loop().create_future()
             self._unlinking[unlinking] = (frozenset(keys), done)
             for k in keys:
@@ -1073,7 +1092,7 @@ class RemoteTier:
         except _Unreachable:
             if pending is not None:
                 await self._remember_removals([k for k in keys if k in pending])
-            return None
+            replies = None
         except asyncio.CancelledError:
             if pending is not None:
                 # Cancelled before the store confirmed it (the UNLINK sent or not): kept as
@@ -1082,6 +1101,10 @@ class RemoteTier:
                 self._remember([k for k in keys if k in pending])
                 self._resend_removals()
             raise
+        if holding is not None:
+            await asyncio.shield(holding)
+        if replies is None:
+            return None
         refused = []
         confirmed = []
         for k, reply in zip(keys, replies, strict=True):
