@@ -241,9 +241,9 @@ class _TierConnection:
     # command, read and dropped before its own.
     _asking_held = False
     _asking_replies = 0
-    # A connection fault of the last send, or a read's timeout, answered by the reads that
-    # follow it (within ``noting_node_faults``); a send within a send is redis-py's
-    # handshake of the connection, whose faults it must see raised.
+    # A connection fault of the last send or of a read after it, answered by the reads that
+    # follow (within ``noting_node_faults``); a send within a send is redis-py's handshake
+    # of the connection, whose faults it must see raised.
     _fault: BaseException | None = None
     _sending = False
 
@@ -266,9 +266,10 @@ class _TierConnection:
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         within = self._sending
+        late = False
         if not within:
             self._fault = None
-            self._give_time_left(_FAULTS.get())
+            late = not self._give_time_left(_FAULTS.get())
             reader = self._reader
             if reader is not None and (reader.at_eof() or reader.exception() is not None):
                 # Closed by the server while it idled in the pool (its ``timeout``, CLIENT
@@ -277,7 +278,7 @@ class _TierConnection:
                 await self.disconnect()
         self._sending = True
         try:
-            if self.socket_timeout == 0.0:  # the deadline passed (0 would mean none to a send)
+            if late:
                 raise RedisTimeoutError(f"Timeout sending to {self.host}:{self.port}")
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except (RedisConnectionError, RedisTimeoutError) as e:
@@ -307,37 +308,6 @@ class _TierConnection:
             self._asking_held = False
             return b"OK"
         writer = self._writer
-        try:
-            return await self._read_replies(*args, **kwargs)
-        except RedisTimeoutError as e:
-            # redis-py closed the connection, gracefully: it would send what its transport
-            # still holds (a body's last bytes) once the node reads again.
-            if writer is not None:
-                _abort(writer.transport)
-            if self._noted(e):
-                self._fault = e  # this pipeline's later replies are lost with the connection
-            raise
-
-    def _give_time_left(self, faults: NodeFaults | None) -> None:
-        """Before a send: the connection's socket and connect timeouts are its own, or, with
-        ``faults.deadline``, at most the time left to it, so that the timers redis-py sets on
-        each of its waits anyway (the connect and handshake, the send, each reply read after
-        it) end a silent node's first wait by the deadline: a TimeoutError, the connection
-        closed. Set once per send, not per reply (a pipeline reads dozens)."""
-        deadline = None if faults is None else faults.deadline
-        own = self._own_timeouts
-        if own is None:
-            if deadline is None:
-                return  # never shortened: its own already
-            own = self._own_timeouts = (self.socket_timeout, self.socket_connect_timeout)
-        if deadline is None:
-            self.socket_timeout, self.socket_connect_timeout = own
-            return
-        left_s = max(0.0, deadline - asyncio.get_running_loop().time())
-        self.socket_timeout = left_s if own[0] is None else min(own[0], left_s)
-        self.socket_connect_timeout = left_s if own[1] is None else min(own[1], left_s)
-
-    async def _read_replies(self, *args: Any, **kwargs: Any) -> Any:
         # An error answering an ASKING (an ACL that denies it) is raised once the command's
         # own reply is read too: raised at once, it left that reply unread on a connection
         # going back to the pool, and each later call on it read the reply of the one before.
@@ -353,11 +323,39 @@ class _TierConnection:
                 return await super().read_response(*args, **kwargs)  # type: ignore[misc]
             with contextlib.suppress(ResponseError):
                 await super().read_response(*args, **kwargs)  # type: ignore[misc]
-        except RedisConnectionError as e:
-            if node_fault(e):
-                self._noted(e)
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            if isinstance(e, RedisTimeoutError) and writer is not None:
+                # redis-py closed the connection, gracefully: it would send what its
+                # transport still holds (a body's last bytes) once the node reads again.
+                _abort(writer.transport)
+            if node_fault(e) and self._noted(e):
+                self._fault = e  # this send's later replies are lost with the connection
             raise
         raise refused
+
+    def _give_time_left(self, faults: NodeFaults | None) -> bool:
+        """Before a send: the connection's socket and connect timeouts are its own, or, with
+        ``faults.deadline``, at most the time left to it, so that the timers redis-py sets on
+        each of its waits anyway (the connect and handshake, the send, each reply read after
+        it) end a silent node's first wait by the deadline: a TimeoutError, the connection
+        closed. Set once per send, not per reply (a pipeline reads dozens). False where the
+        deadline has passed: the send is to send nothing (redis-py's send takes a timeout of
+        0 s for none at all)."""
+        deadline = None if faults is None else faults.deadline
+        own = self._own_timeouts
+        if own is None:
+            if deadline is None:
+                return True  # never shortened: its own already
+            own = self._own_timeouts = (self.socket_timeout, self.socket_connect_timeout)
+        if deadline is None:
+            self.socket_timeout, self.socket_connect_timeout = own
+            return True
+        left_s = deadline - asyncio.get_running_loop().time()
+        if left_s <= 0.0:
+            return False
+        self.socket_timeout = left_s if own[0] is None else min(own[0], left_s)
+        self.socket_connect_timeout = left_s if own[1] is None else min(own[1], left_s)
+        return True
 
     def _noted(self, fault: BaseException) -> bool:
         """Note ``fault`` as this connection's node's; False outside ``noting_node_faults``."""
