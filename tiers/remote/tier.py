@@ -283,12 +283,11 @@ class RemoteTier:
         # (``Reach.NOSPACE``) for a backoff, the other masters' going on. Gone once it takes
         # writes again. ``_avail`` itself is only UP or DOWN.
         self._full: dict[str, Availability] = {}
-        # Masters whose connections failed in a call or in the start's or a reconnection's check, or
-        # that such a check found silent while the rest of the cluster served and counted them
-        # failed (``cluster-require-full-coverage no``): name -> why. Their slots' blocks are
-        # misses, declined without touching the network, while the tier serves the other masters'
-        # (UP); the monitor asks again, with a backoff as while DOWN (``_lost_checks``: the checks
-        # that found them still lost), until they are back.
+        # Masters whose connections failed or that did not answer in time, in a call or in the
+        # start's or a reconnection's check, while others served: name -> why. Their slots'
+        # blocks are misses, declined without touching the network, while the tier serves the
+        # other masters' (UP); the monitor asks again, with a backoff as while DOWN
+        # (``_lost_checks``: the checks that found them still lost), until they are back.
         self._lost: dict[str, str] = {}
         self._lost_retry_at = 0.0
         self._lost_checks = 0
