@@ -14,8 +14,9 @@ The rule:
 - a daemon run by a user listens on ``$XDG_RUNTIME_DIR/kvtier/kvtierd.sock``, or
   ``/tmp/kvtier-$UID/kvtierd.sock`` where no ``$XDG_RUNTIME_DIR`` is set;
 - a client with no address (and no ``$KVTIER_ADDRESS``) connects to the first of those two
-  sockets (its own user's first, unless it runs as root) that exists, and otherwise names the
-  one its own daemon would use. Its own user's socket counts only in a folder no one but that
+  sockets (its own user's first, unless it runs as root) that exists, else the first behind a
+  folder it may not enter (the connection then says so), and otherwise names the one its own
+  daemon would use. Its own user's socket counts only in a folder no one but that
   user and root may write (``writers_problem``): anyone may make ``/tmp/kvtier-$UID`` first
   and listen there, and that user's daemon would refuse such a folder too.
 """
@@ -131,7 +132,8 @@ def link_problem(path: str, owner: int, opened: os.stat_result) -> str | None:
 
 def default_client_socket(env: Mapping[str, str] | None = None, uid: int | None = None) -> str:
     """The first candidate that is a socket, leaving out the user's own in a folder others
-    may write; else the first candidate not left out."""
+    may write; else the first behind a folder this user may not enter; else the first
+    candidate not left out."""
     uid = os.geteuid() if uid is None else uid
     mine = user_socket(env, uid)
     candidates = [
@@ -139,10 +141,16 @@ def default_client_socket(env: Mapping[str, str] | None = None, uid: int | None 
         for path in client_candidates(env, uid)
         if path != mine or untrusted_folder(path, uid) is None
     ]
+    closed = None
     for path in candidates:
         try:
             if stat.S_ISSOCK(os.stat(path).st_mode):
                 return path
+        except PermissionError:
+            # A folder on the way keeps this user out (a system service's /run/kvtier, 0750,
+            # to a user not in its group): the daemon may listen there, and a connection to
+            # it says that this user may not, where the user's own socket is only absent.
+            closed = closed or path
         except OSError:
             continue
-    return candidates[0]
+    return closed or candidates[0]

@@ -393,6 +393,31 @@ def test_the_users_default_socket_in_a_folder_others_may_write_is_left_out(tmp_p
         assert paths.default_client_socket(env, uid=1000) == mine
 
 
+def test_regression_a_user_kept_out_of_the_system_socket_folder_was_told_to_start_a_daemon(
+    monkeypatch,
+):
+    """A user not (yet) in the service's group cannot enter its 0750 /run/kvtier: the default
+    address skipped the system socket there and named the user's own, absent one, so the
+    client said `No such file or directory` and `kvtier` told the operator to start a daemon
+    (the one that runs was never mentioned). The address is now the socket behind the folder,
+    and connecting to it says that this user may not."""
+    require_root()
+    folder = tempfile.mkdtemp(prefix="kvt-sys-")  # root's, 0700: closed to NOBODY
+    system = os.path.join(folder, paths.SOCKET_NAME)
+    monkeypatch.setattr(paths, "SYSTEM_SOCKET", system)
+    try:
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(system)
+            env = {"XDG_RUNTIME_DIR": "/nonexistent-kvtier-test"}
+            mine = paths.user_socket(env, NOBODY)
+            assert paths.client_candidates(env, NOBODY) == [mine, system]
+            assert run_as(NOBODY, NOGROUP, lambda: paths.default_client_socket(env)) == system
+            # Root enters the folder and finds the socket itself.
+            assert paths.default_client_socket(env, uid=NOBODY) == system
+    finally:
+        shutil.rmtree(folder)
+
+
 _FIND_EACH_OTHER = """
 import json, os, subprocess, sys
 daemon_dir, client_dir = sys.argv[1], sys.argv[2]
