@@ -172,6 +172,17 @@ def _reached(error: KvtierError) -> bool:
     return answered or error.code == grpc.StatusCode.CANCELLED
 
 
+def _kept_out(args: argparse.Namespace, error: KvtierError) -> bool:
+    """Whether ``error`` is the socket's refusal of this user, not the daemon's: a session
+    opens through the credential socket, whose refusal the client raises as
+    PermissionDeniedError, so that ``stats`` or ``check`` said the daemon turned them away
+    where ``health`` (no session) said it could not be reached. Where the socket (or its
+    folder) keeps this user out, no error can have come from the daemon."""
+    return isinstance(error, PermissionDeniedError) and (
+        _socket_refusal(resolve_address(args.address)) is not None
+    )
+
+
 def _unreachable(args: argparse.Namespace, error: KvtierError) -> str:
     address = resolve_address(args.address)
     if _reached(error):
@@ -480,6 +491,9 @@ def _admin(
         print(_unreachable(args, e), file=sys.stderr)
         return refused if _reached(e) else UNREACHABLE
     except KvtierError as e:
+        if _kept_out(args, e):
+            print(_unreachable(args, e), file=sys.stderr)
+            return UNREACHABLE
         print(f"kvtier {command}: {type(e).__name__}: {e.details}", file=sys.stderr)
         return refused
 
@@ -908,6 +922,9 @@ def main(argv: list[str] | None = None) -> int:
         # turned the call away, e.g. draining, is 1).
         return 1 if _reached(e) else UNREACHABLE
     except KvtierError as e:
+        if _kept_out(args, e):
+            print(_unreachable(args, e), file=sys.stderr)
+            return UNREACHABLE
         print(f"kvtier: {type(e).__name__}: {e.details}", file=sys.stderr)
         return 1
     finally:

@@ -927,36 +927,41 @@ def test_regression_an_address_too_long_for_a_unix_socket(capsys):
     assert code == 1 and "InvalidArgumentError" in err and "at most 107 bytes" in err
 
 
-def test_a_socket_that_refuses_this_user_is_named_not_a_daemon_to_start(daemon_factory):
+def _kvtier_as_nobody(address: str, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "--address", address, *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=NOBODY,
+        group=NOGROUP,
+        extra_groups=[],
+        cwd="/",
+    )
+
+
+@pytest.mark.parametrize("command", ["health", "stats", "check"])
+def test_a_socket_that_refuses_this_user_is_named_not_a_daemon_to_start(daemon_factory, command):
     """`kvtier health` of a user the daemon's socket does not admit (mode 0660, another
     group) said "Is the daemon running? Start it with `kvtierd`" under gRPC's "Permission
     denied": the daemon runs, and starting another is no fix. It now says the socket is
     there and who it admits; a folder the user may not enter is named too. Exit 3 as
-    before: the daemon was not reached."""
+    before: the daemon was not reached. Regression: `stats` exited 1 ("kvtier:
+    PermissionDeniedError: the daemon's credential socket ... refused this user") and the
+    admin commands 2, as if the daemon had turned them away: their session opens through
+    the credential socket, whose refusal the client raises as PermissionDeniedError."""
     require_root()
     d = daemon_factory()
     folder = os.path.dirname(d.socket)
-
-    def health_as_nobody():
-        return subprocess.run(
-            [sys.executable, "-m", "kvtier.cli", "--address", d.address, "health"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            user=NOBODY,
-            group=NOGROUP,
-            extra_groups=[],
-            cwd="/",
-        )
-
     os.chmod(folder, 0o755)  # the socket is reached, and refuses nobody
-    refused = health_as_nobody()
+    refused = _kvtier_as_nobody(d.address, command)
     assert refused.returncode == 3, refused.stderr
+    assert f"kvtier: cannot reach kvtierd at {d.address}" in refused.stderr
     assert "Is the daemon running" not in refused.stderr
     assert f"{d.socket} is there, but its mode (0660) and group (" in refused.stderr
     assert "server.socket_mode and server.socket_group" in refused.stderr
     os.chmod(folder, 0o700)
-    kept_out = health_as_nobody()
+    kept_out = _kvtier_as_nobody(d.address, command)
     assert kept_out.returncode == 3, kept_out.stderr
     assert f"this user may not enter the folder of {d.socket}" in kept_out.stderr
     assert "Is the daemon running" not in kept_out.stderr
