@@ -75,6 +75,11 @@ SNAPSHOT_TIMEOUT_S = 5.0
 # held open, trickling bytes, cannot keep a scraper out; closing the newest would let them).
 HTTP_IDLE_TIMEOUT_S = 10.0
 HTTP_MAX_CONNECTIONS = 16
+# Connections the kernel completes and queues before the endpoint's thread accepts them
+# (the kernel caps it at net.core.somaxconn). socketserver's 5 let a burst of connections
+# fill the queue, and a scrape's SYN was then dropped: its connect waited for the retry, 1 s.
+# A queued connection costs the daemon no thread and no descriptor.
+HTTP_ACCEPT_BACKLOG = socket.SOMAXCONN
 # Scrapes start at least this far apart (a later one waits): each takes a snapshot on the
 # event loop and renders it holding the GIL, so back-to-back scrapes from whoever reaches the
 # port (eight scrapers: 290/s) slowed every client of the daemon 4-6x. Prometheus scrapes
@@ -835,6 +840,8 @@ class _BoundedServer(ThreadingWSGIServer):
     """A thread per connection; a connection beyond ``HTTP_MAX_CONNECTIONS`` open at once
     ends the oldest (its socket shut down, so its thread's next read or write fails and the
     thread ends at once)."""
+
+    request_queue_size = HTTP_ACCEPT_BACKLOG
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._open: dict[Any, None] = {}  # the connections being served, oldest first

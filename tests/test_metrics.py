@@ -670,6 +670,33 @@ def test_regression_idle_connections_to_the_metrics_port_held_a_thread_and_a_fil
     thread.join(5)
 
 
+def test_regression_a_flood_of_connections_kept_a_scrape_waiting_to_connect():
+    """The metrics port listened with socketserver's backlog of 5: 64 connections opened at
+    once (and left idle) filled the kernel's accept queue before the endpoint's thread took
+    them, so the kernel dropped a scrape's SYN and its connect waited for the retry, 1 s
+    later. The accept queue now holds such a flood; the scrape connects at once (the
+    handshake is the kernel's alone, microseconds on loopback) and is answered."""
+    server, thread = metrics.serve_http("127.0.0.1", 0, metrics.scrape_app(CollectorRegistry()))
+    address = ("127.0.0.1", server.server_address[1])
+    flood = [socket.socket() for _ in range(64)]
+    try:
+        for conn in flood:
+            conn.setblocking(False)
+            conn.connect_ex(address)  # EINPROGRESS: all 64 at once, none waited for
+        # 0.5 s is generous for a loopback handshake and ends before the 1 s SYN retry.
+        scrape = socket.create_connection(address, timeout=0.5)
+        with scrape:
+            scrape.settimeout(30)
+            scrape.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            assert scrape.makefile("rb").readline().startswith(b"HTTP/1.0 200 ")
+    finally:
+        for conn in flood:
+            conn.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
 def test_regression_connections_that_end_badly_printed_a_traceback_each(monkeypatch, capfd):
     """A connection to the metrics port that stayed silent until its timeout, or that one
     beyond HTTP_MAX_CONNECTIONS ended, printed socketserver's 20-line traceback on stderr:
