@@ -69,6 +69,7 @@ from kvtier.client.types import (
     resolve_address,
 )
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.sizes import counted
 
 HEALTHY, DEGRADED, NOT_SERVING, UNREACHABLE = 0, 1, 2, 3
 # Ended by Ctrl-C (SIGINT), as shells report a command that SIGINT ended.
@@ -323,14 +324,15 @@ def _stats(args: argparse.Namespace) -> int:
         else:
             size = NOT_TRACKED
         print(
-            f"  {t.name:<10} {size}  {t.blocks} blocks  hits {percent(t.hit_ratio):>6}  {t.state}"
+            f"  {t.name:<10} {size}  {counted(t.blocks, 'block')}  hits {percent(t.hit_ratio):>6}  "
+            f"{t.state}"
         )
     misses = ", ".join(f"{k} {v}" for k, v in sorted(fig.misses.items()) if v) or "none"
     if fig.withheld:
         print(f"lookups, rates and latency: {WITHHELD} (this tenant's usage: below)")
     else:
         print(
-            f"lookups {span}: {fig.lookups} keys, hit ratio {percent(fig.hit_ratio)} "
+            f"lookups {span}: {counted(fig.lookups, 'key')}, hit ratio {percent(fig.hit_ratio)} "
             f"(lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
         )
         moved = "".join(f", {d} {human_bytes(r)}/s" for d, r in fig.moved_bytes_per_s.items() if r)
@@ -354,10 +356,11 @@ def _stats(args: argparse.Namespace) -> int:
             usage = "  ".join(
                 f"{u.tier.label} {human_bytes(u.used_bytes)}"
                 + (f"/{human_bytes(u.quota_bytes)}" if u.quota_bytes else "")
-                + f" ({u.blocks} blocks)"
+                + f" ({counted(u.blocks, 'block')})"
                 for u in tenant.tiers
             )
-            print(f"  {tenant.tenant:<16} {tenant.sessions:>4} sessions  {usage}")
+            sessions = counted(tenant.sessions, "session", spec=">4")
+            print(f"  {tenant.tenant:<16} {sessions}  {usage}")
     print("gauges:")
     for name, value in sorted(stats.gauges.items()):
         print(f"  {name} = {value:g}")

@@ -23,6 +23,7 @@ from kvtier.cli.figures import (
     tier_ok,
 )
 from kvtier.client import Client
+from kvtier.tiers.sizes import counted
 
 
 def render(fig: Figures, address: str) -> Any:
@@ -58,9 +59,9 @@ def render(fig: Figures, address: str) -> Any:
         )
     misses = ", ".join(f"{k} {v:,}" for k, v in sorted(fig.misses.items()) if v) or "none"
     ratios = Text(
-        f"hit ratio {percent(fig.hit_ratio)} of {fig.lookups:,} keys in the last "
-        f"{fig.window_s:.1f} s{' (since it restarted)' if fig.restarted else ''} (lifetime "
-        f"{percent(fig.lifetime_hit_ratio)}); misses: {misses}"
+        f"hit ratio {percent(fig.hit_ratio)} of {counted(fig.lookups, 'key', spec=',')} in "
+        f"the last {fig.window_s:.1f} s{' (since it restarted)' if fig.restarted else ''} "
+        f"(lifetime {percent(fig.lifetime_hit_ratio)}); misses: {misses}"
     )
     rates = Table(title="transfers per second", title_justify="left", expand=True)
     rates.add_column("what")

@@ -123,6 +123,7 @@ from kvtier.proto.wire import (
     SESSION_GONE_KEY,
     tier_enum,
 )
+from kvtier.tiers.sizes import counted
 
 log = logging.getLogger(__name__)
 
@@ -1225,7 +1226,8 @@ class RequestReceiver:
     def _why(self, code: grpc.StatusCode) -> str:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return (
-                f"{self.max_waiting} calls were waiting for the rest of their request; this "
+                counted(self.max_waiting, "call was", "calls were")
+                + " waiting for the rest of their request; this "
                 "one had waited longest"
             )
         return f"the request did not arrive in full within {self.timeout_s:g}s"

@@ -75,6 +75,7 @@ from kvtier.daemon.tenants import Space, TenantDirectory
 from kvtier.kernels.layout import PoolLayout
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.tiers.base import QuarantinedSlot, SlotTier, TierKind
+from kvtier.tiers.sizes import counted
 
 log = logging.getLogger(__name__)
 
@@ -360,10 +361,10 @@ class KVService:
         pools = self.pools.drop_session(session_id, by_daemon=by_daemon)
         self._session_lines.info(
             key,
-            "session %s closed: %d pools unregistered, %d leases released",
+            "session %s closed: %s unregistered, %s released",
             shown_id(session_id),
-            pools,
-            len(leases),
+            counted(pools, "pool"),
+            counted(len(leases), "lease"),
         )
 
     # ------------------------------------------------------------------ pools
@@ -434,8 +435,8 @@ class KVService:
         limit = self.config.server.max_pools_per_session
         if self.pools.session_pools(session.session_id) >= limit:
             raise ResourceExhausted(
-                f"this session already has {limit} pools registered, the most one session may "
-                "have (server.max_pools_per_session)"
+                f"this session already has {counted(limit, 'pool')} registered, the most one "
+                "session may have (server.max_pools_per_session)"
             )
         key = session.limit_key
         who = _who(session)
@@ -444,8 +445,8 @@ class KVService:
         most = self.config.server.max_pools_per_tenant
         if size_bytes and (held := self.pools.tenant_mappings(key)) >= most:
             raise ResourceExhausted(
-                f"{who} already has {held} pools mapped (registered, or being mapped or "
-                "unmapped), the most one tenant may have (server.max_pools_per_tenant)"
+                f"{who} already has {counted(held, 'pool')} mapped (registered, or being mapped "
+                "or unmapped), the most one tenant may have (server.max_pools_per_tenant)"
             )
         most = self.config.server.max_pools
         if size_bytes and self.pools.mappings >= most:
@@ -855,7 +856,8 @@ class KVService:
         for session in sessions.values():
             if stray := session.leases - lease_ids:
                 problems.append(
-                    f"session {shown_id(session.session_id)} lists {len(stray)} leases that do not exist"
+                    f"session {shown_id(session.session_id)} lists "
+                    + counted(len(stray), "lease that does not exist", "leases that do not exist")
                 )
         counts = Counter(s.limit_key for s in sessions.values())
         if dict(counts) != self.sessions.per_tenant_counts():
@@ -1076,8 +1078,8 @@ class KVService:
         limit = self.config.server.max_leases_per_session
         if len(session.leases) >= limit:
             return (
-                f"this session already holds {limit} leases, the most one session may hold "
-                "(server.max_leases_per_session); release some or let them expire"
+                f"this session already holds {counted(limit, 'lease')}, the most one session may "
+                "hold (server.max_leases_per_session); release some or let them expire"
             )
         cap = self.config.server.max_lease_bytes_per_tenant
         need = lease_bytes(blocks)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, SessionGone
+from kvtier.tiers.sizes import counted
 
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 # A session id is the session's secret: any request that names it acts as the session, from
@@ -153,8 +154,8 @@ class SessionRegistry:
         if self._per_tenant[key] >= self.max_per_tenant:
             who = f"tenant {tenant}" if key == tenant else f"tenant {tenant} ({key})"
             raise ResourceExhausted(
-                f"{who} already holds {self._per_tenant[key]} sessions, the most one tenant "
-                "may hold (server.max_sessions_per_tenant)"
+                f"{who} already holds {counted(self._per_tenant[key], 'session')}, the most one "
+                "tenant may hold (server.max_sessions_per_tenant)"
             )
         session = Session(
             secrets.token_hex(16),

@@ -80,6 +80,7 @@ from kvtier.tiers.base import (
     TierUnavailable,
     WriteOutcomes,
 )
+from kvtier.tiers.sizes import counted
 
 log = logging.getLogger(__name__)
 
@@ -247,13 +248,17 @@ class _LevelCheck:
             # Freed rows: their keys are gone, their slots are what is held.
             out.append(
                 CheckProblem(
-                    f"{label}: {len(self.dead)} freed rows still hold a copy", slots=self.dead_slots
+                    f"{label}: "
+                    + counted(len(self.dead), "freed row still holds", "freed rows still hold")
+                    + " a copy",
+                    slots=self.dead_slots,
                 )
             )
         if len(self.strays):
             out.append(
                 CheckProblem(
-                    f"{label}: {len(self.strays)} blocks with a copy unknown to the policy",
+                    f"{label}: {counted(len(self.strays), 'block')} with a copy unknown to the "
+                    "policy",
                     blocks=self.strays,
                 )
             )
@@ -262,8 +267,9 @@ class _LevelCheck:
         if self.policy_blocks != self.committed:
             out.append(
                 CheckProblem(
-                    f"{label}: the policy knows {self.policy_blocks} blocks, {self.committed} "
-                    "stored ones have a copy"
+                    f"{label}: the policy knows {counted(self.policy_blocks, 'block')}, "
+                    + counted(self.committed, "stored one has", "stored ones have")
+                    + " a copy"
                 )
             )
         if self.keyed:
@@ -289,7 +295,12 @@ class _LevelCheck:
         if len(bad):
             out.append(
                 CheckProblem(
-                    f"{label}: {len(bad)} blocks hold slots that are not allocated",
+                    f"{label}: "
+                    + counted(
+                        len(bad),
+                        "block holds a slot that is not allocated",
+                        "blocks hold slots that are not allocated",
+                    ),
                     blocks=bad,
                     slots=bad_slots,
                 )
@@ -297,7 +308,8 @@ class _LevelCheck:
         if quiet and self.used_slots != self.holders + self.quarantined:
             out.append(
                 CheckProblem(
-                    f"{label}: {self.used_slots} slots allocated, {self.holders} held by blocks"
+                    f"{label}: {counted(self.used_slots, 'slot')} allocated, {self.holders} held "
+                    "by blocks"
                     + (f" and {self.quarantined} quarantined" if self.quarantined else "")
                 )
             )
@@ -307,7 +319,11 @@ class _LevelCheck:
             out.append(CheckProblem(f"{label}: per-tenant slots do not add up to its blocks"))
         if quiet and self.quota_held:
             out.append(
-                CheckProblem(f"{label}: {self.quota_held} tenants hold reserved slots no copy uses")
+                CheckProblem(
+                    f"{label}: "
+                    + counted(self.quota_held, "tenant holds", "tenants hold")
+                    + " reserved slots no copy uses"
+                )
             )
         return out
 
@@ -2130,7 +2146,7 @@ class BlockStore:
             bids, table.owner[bids], self._protected_bytes(bids), self._clock()
         ):
             raise ResourceExhausted(
-                f"pinning these {len(bids)} blocks would pass what their owner's hints and "
+                f"pinning {counted(len(bids), 'block')} would pass what their owner's hints and "
                 "pins may protect at once (policy.hint_max_share of the top tier), or what "
                 "every tenant's may together (policy.hint_max_total_share); release leases, "
                 "let them or hints expire, or pin fewer blocks"
@@ -2342,7 +2358,11 @@ class BlockStore:
         for ns_id, blocks in lost:
             problems.append(
                 CheckProblem(
-                    f"{len(blocks)} blocks of namespace {ns_id} are not found by their keys",
+                    counted(
+                        len(blocks),
+                        f"block of namespace {ns_id} is not found by its key",
+                        f"blocks of namespace {ns_id} are not found by their keys",
+                    ),
                     blocks=blocks,
                 )
             )
@@ -2382,14 +2402,22 @@ class BlockStore:
         if len(bad := np.concatenate([_NO_IDS, *bad_pins])):
             problems.append(
                 CheckProblem(
-                    f"{len(bad)} blocks' pin counts differ from their live leases",
+                    counted(
+                        len(bad),
+                        "block's pin count differs from its live leases",
+                        "blocks' pin counts differ from their live leases",
+                    ),
                     blocks=table.refs(bad[alive[bad]], gen),
                 )
             )
         if len(bad := np.concatenate([_NO_IDS, *bad_budget])):
             problems.append(
                 CheckProblem(
-                    f"{len(bad)} blocks' pin counts differ from the hint budget's",
+                    counted(
+                        len(bad),
+                        "block's pin count differs from the hint budget's",
+                        "blocks' pin counts differ from the hint budget's",
+                    ),
                     blocks=table.refs(bad, gen),
                 )
             )
@@ -2570,8 +2598,8 @@ class BlockStore:
             used -= len(unbound)
         if used >= limit and refuse:
             raise ResourceExhausted(
-                f"{label} already stores blocks in {used} namespaces, the most one tenant may "
-                "use (server.max_namespaces_per_tenant)"
+                f"{label} already stores blocks in {counted(used, 'namespace')}, the most one "
+                "tenant may use (server.max_namespaces_per_tenant)"
             )
         for ns in unbound:
             del self.ns_owner[ns]

@@ -1,5 +1,5 @@
-"""Sizes as the config spells them, for messages of the daemon and of the tiers (which may not
-import the daemon's config)."""
+"""Sizes as the config spells them, and counts as sentences spell them, for messages of the
+daemon, its tiers (which may not import the daemon's config) and the CLI."""
 
 from __future__ import annotations
 
@@ -16,3 +16,11 @@ def format_size(nbytes: int) -> str:
         if nbytes and nbytes % (10 ** (3 * power)) == 0:
             return f"{nbytes // 10 ** (3 * power)}{prefix}B"
     return str(nbytes)
+
+
+def counted(n: int, noun: str, nouns: str = "", spec: str = "") -> str:
+    """``n`` and ``noun`` for a count of 1, else ``nouns`` (``noun`` and "s" unless given):
+    ``counted(1, "block")`` is "1 block", ``counted(0, "block")`` "0 blocks". The nouns may
+    be whole phrases whose verb agrees (``"block holds"``, ``"blocks hold"``); ``spec``
+    formats ``n`` (``","``: "1,024 keys")."""
+    return f"{n:{spec}} {noun if n == 1 else nouns or noun + 's'}"

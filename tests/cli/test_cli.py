@@ -189,7 +189,7 @@ def test_regression_stats_showed_a_small_tier_as_0_gib(daemon_factory, capsys):
     code, out, _ = run_main(capsys, "--address", d.address, "stats")
     assert code == 0
     line = next(x for x in out.splitlines() if x.strip().startswith("L1 "))
-    assert "64.0 KiB / 4.0 MiB (  1.6%)  1 blocks" in line, line
+    assert "64.0 KiB / 4.0 MiB (  1.6%)  1 block " in line, line
 
 
 def test_stats_derives_hit_ratios_rates_and_latency(daemon):

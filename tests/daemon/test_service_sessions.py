@@ -1070,9 +1070,9 @@ def test_a_check_in_slices_finds_what_a_check_in_one_step_finds(monkeypatch):
             ]
             for broken in (
                 f"L1: slot {int(table.slot[one, col])} belongs to 2 blocks",
-                "L1: 1 blocks hold slots that are not allocated",
-                "1 blocks of namespace ",
-                "L1: 1 blocks with a copy unknown to the policy",
+                "L1: 1 block holds a slot that is not allocated",
+                "1 block of namespace ",
+                "L1: 1 block with a copy unknown to the policy",
                 "L1: the policy knows 127 blocks, 128 stored ones have a copy",
             ):
                 assert any(p.startswith(broken) for p in report.problems), (broken, report)
@@ -1210,7 +1210,7 @@ def test_regression_a_check_listed_the_key_of_the_block_that_took_a_broken_block
             report = await service.check(admin, settle_ms=60_000, list_limit=10)
             await changes[0]
             assert table.key_bytes(broken) == new  # the row the broken block held
-            i = report.problems.index("1 blocks' pin counts differ from their live leases")
+            i = report.problems.index("1 block's pin count differs from its live leases")
             (detail,) = (d for d in report.details if d.problem == i)
             assert detail.keys == [] and detail.keys_total == 1, (detail.keys == [new], detail)
             # The lease takes the new block, which makes the pins whole again.
@@ -1256,7 +1256,7 @@ def test_a_check_reads_the_table_arrays_anew_after_they_grow_between_its_slices(
             counter.cancel()
             assert table.slot is not old_slots and table.capacity == capacity * 2
             # (The slot lies in a segment no size class holds: the tenant's slot sum differs too.)
-            assert report.problems[0] == "L1: 1 blocks hold slots that are not allocated", report
+            assert report.problems[0] == "L1: 1 block holds a slot that is not allocated", report
             assert report.details[0].slots == [unallocated]
             table.slot[later, col] = held
             assert (await service.check(admin)).problems == []
@@ -1326,11 +1326,11 @@ def test_a_check_adds_up_the_copy_of_the_table_it_made_at_one_moment(monkeypatch
             report = await service.check(admin)
             for broken in (
                 "the blocks counted per namespace differ from the live blocks'",
-                "L1: 1 freed rows still hold a copy",
+                "L1: 1 freed row still holds a copy",
                 f"L1: slot {int(table.slot[live[1], col])} belongs to 2 blocks",
                 "L1: per-tenant usage does not add up to its blocks",
                 "L1: per-tenant slots do not add up to its blocks",
-                "1 blocks' pin counts differ from their live leases",
+                "1 block's pin count differs from its live leases",
             ):
                 assert any(p.startswith(broken) for p in report.problems), (broken, report)
             assert report.problems == [
@@ -1375,7 +1375,7 @@ def test_regression_a_check_resolved_the_leases_blocks_one_by_one_in_its_last_st
             report = await service.check(admin)
             assert report.problems == [
                 f"lease {lease.lease_id} pins a block that was freed",
-                "1 blocks' pin counts differ from their live leases",
+                "1 block's pin count differs from its live leases",
             ], report.problems
             assert resolved == []
             lease.refs[5] = stale

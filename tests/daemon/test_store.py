@@ -390,7 +390,7 @@ async def test_regression_a_block_holding_a_slot_past_its_tier_s_end_ended_the_c
     held = int(table.slot[row, level.col])
     table.slot[row, level.col] = 10 * level.slots.allocator.num_segments * SEG
     problems = store.check()
-    assert "L1: 1 blocks hold slots that are not allocated" in problems, problems
+    assert "L1: 1 block holds a slot that is not allocated" in problems, problems
     table.slot[row, level.col] = held
 
 
@@ -414,7 +414,7 @@ async def test_regression_a_check_named_the_block_that_took_a_row_after_its_copy
     pins = np.zeros(0, dtype=np.int64)
     if found_in == "pins":
         pins = np.array([broken])  # a lease's pin the table does not count
-        text = "1 blocks' pin counts differ from their live leases"
+        text = "1 block's pin count differs from its live leases"
     else:
         other_slot = int(table.slot[other, level.col])
         table.slot[other, level.col] = table.slot[broken, level.col]

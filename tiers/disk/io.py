@@ -36,6 +36,7 @@ from kvtier.tiers.base import Priority
 from kvtier.tiers.disk.files import ALIGN, SlotFiles
 from kvtier.tiers.disk.health import Fault, FaultState, classify
 from kvtier.tiers.executor import PriorityExecutor, Urgency
+from kvtier.tiers.sizes import counted
 
 # Coalesced runs stop growing here, and a batch is spread over all I/O threads. Writes hash
 # in the calling thread alongside the I/O, so they take long runs; reads are verified run by
@@ -535,5 +536,7 @@ class BatchIO:
             # for a write batch let through to tell (FaultState), not a restart.
             fault = Fault("read", fault.detail)
         self.faults.count(io_errors=1)
-        self.faults.fault(fault, f"{what} of {n} blocks at {self.files.paths[file].name}+{offset}")
+        self.faults.fault(
+            fault, f"{what} of {counted(n, 'block')} at {self.files.paths[file].name}+{offset}"
+        )
         return fault

@@ -110,7 +110,7 @@ from kvtier.tiers.disk.index import (
 )
 from kvtier.tiers.disk.io import BatchIO, Block, WriteSet, checksum
 from kvtier.tiers.executor import PriorityExecutor, Urgency
-from kvtier.tiers.sizes import format_size
+from kvtier.tiers.sizes import counted, format_size
 from kvtier.tiers.slab import LockedSlab
 
 log = logging.getLogger("kvtier.tiers.disk")
@@ -970,7 +970,7 @@ class DiskTier:
         damaged_total = sum(lost_files.values())
         if damaged_total:
             self.faults.note(
-                f"lost {damaged_total} blocks at start with damaged data files "
+                f"lost {counted(damaged_total, 'block')} at start with damaged data files "
                 + ", ".join(f"{name} ({n})" for name, n in sorted(lost_files.items()))
             )
         self.lost_at_recovery = lost
@@ -1059,10 +1059,10 @@ class DiskTier:
             # operator reading Stats, whose tier state said "ok" while slots were held out of
             # use for blocks the disk returned wrong.
             note = (
-                f"{quarantined} slots ({format_size(int(quarantined_bytes))}) quarantined "
-                "after reads that failed verification (checksum mismatch or I/O error, each "
-                "logged with its key), held out of use: check the disk, then give them back "
-                "with `kvtier quarantine --release`"
+                f"{counted(quarantined, 'slot')} ({format_size(int(quarantined_bytes))}) "
+                "quarantined after reads that failed verification (checksum mismatch or I/O "
+                "error, each logged with its key), held out of use: check the disk, then give "
+                "them back with `kvtier quarantine --release`"
             )
             health = dataclasses.replace(
                 health, detail="; ".join(x for x in (health.detail, note) if x)
