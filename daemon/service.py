@@ -30,7 +30,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -100,6 +100,13 @@ CHECK_SLOT_BYTES = 10
 # 5-11 us each here (mostly the expiry heap's pops; their pins go back in one store call), they held
 # every other client's calls for 0.6-1.4 s.
 EXPIRY_SLICE_LEASES = 1024
+# The pinned refs that leases ending together give back in one step of the event loop at most
+# (``KVService._unpin_all``); the rest are owed, and go back as many a turn. A session's close
+# gave back all of its leases' at once, and a tenant's leases may pin some 7.3 million refs
+# (server.max_lease_bytes_per_tenant): 16,384 leases of 448 blocks took 570 ms of the loop's
+# CPU time (1.2 s on a loaded host), every other client's calls waiting; a slice of this many
+# takes 1.6-2.8 ms.
+UNPIN_SLICE_REFS = 1 << 16
 # Lines about sessions opened and closed, per uid (tenant, with tenants configured): this many
 # at once, then this many a second; the next line says how many were left out. Any local
 # user who may connect opens and closes sessions at will, about 1,000 a second, and each
@@ -223,6 +230,10 @@ class KVService:
         )
         # The daemon's count of its gRPC connections, once it listens.
         self.connections: ConnectionWatch | None = None
+        # Pins of ended leases not given back yet (``_unpin_all``), oldest first, and
+        # whether a turn of the loop is scheduled to give back the next slice.
+        self._owed_unpins: deque[np.ndarray] = deque()
+        self._unpins_due = False
 
     def apply_quotas(self) -> None:
         """Put the configured quotas into the store, in place of those it had (each tenant's
@@ -686,14 +697,52 @@ class KVService:
         return total
 
     def _unpin_all(self, leases: list[Lease]) -> None:
-        """Unpin the blocks of ``leases`` in one call: one call each (tens of microseconds)
-        held the event loop for 1.2 s when a tenant's 40,000 leases expired at one deadline,
-        and for 0.7 s when its client holding as many was killed (every other client's calls
-        waited), and a tenant may hold some 130,000 (server.max_lease_bytes_per_tenant)."""
-        if len(leases) == 1:
-            self.store.unpin(leases[0].refs)
-        elif leases:
-            self.store.unpin(np.concatenate([x.refs for x in leases]), distinct=False)
+        """Unpin the blocks of the ended ``leases`` in one store call: one call each (tens of
+        microseconds) held the event loop for 1.2 s when a tenant's 40,000 leases expired at
+        one deadline, and for 0.7 s when its client holding as many was killed (every other
+        client's calls waited), and a tenant may hold some 130,000
+        (server.max_lease_bytes_per_tenant). Up to ``UNPIN_SLICE_REFS`` refs go back in
+        this step; more are owed and go back that many a turn of the loop (as the policies'
+        owed moves, ``BlockSpace.owed_work``), the pins held meanwhile (Check counts them)."""
+        refs = [x.refs for x in leases]
+        if not self._owed_unpins and sum(map(len, refs)) <= UNPIN_SLICE_REFS:
+            if len(refs) == 1:
+                self.store.unpin(refs[0])
+            elif refs:
+                self.store.unpin(np.concatenate(refs), distinct=False)
+            return
+        self._owed_unpins.extend(refs)  # not joined here: that copies every ref in this step
+        if not self._unpins_due:
+            self._unpin_a_slice()
+
+    def _unpin_a_slice(self) -> None:
+        """Give back the next ``UNPIN_SLICE_REFS`` owed pins; schedule the next slice for the
+        next turn of the loop while more are owed (without a running loop: all of them now)."""
+        self._unpins_due = False
+        owed = self._owed_unpins
+        while owed:
+            room, part = UNPIN_SLICE_REFS, []
+            while owed and room:
+                refs = owed.popleft()
+                if len(refs) > room:
+                    owed.appendleft(refs[room:])
+                    refs = refs[:room]
+                part.append(refs)
+                room -= len(refs)
+            self.store.unpin(np.concatenate(part), distinct=False)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                continue
+            if owed:
+                self._unpins_due = True
+                loop.call_soon(self._unpin_a_slice)
+            return
+
+    def owed_unpins(self) -> np.ndarray:
+        """The refs of the pins that ended leases still hold (given back in turns of the
+        loop, ``_unpin_all``): a block once per such pin."""
+        return np.concatenate([_NO_REFS, *self._owed_unpins])
 
     def stats(self, session_id: str) -> StatsSnapshot:
         session = self.sessions.get(session_id)
@@ -813,10 +862,11 @@ class KVService:
     async def check(self, session_id: str, settle_ms: int = 0, list_limit: int = 0) -> CheckReport:
         """The store's invariants plus what only the service knows: every lease's and pool's
         session is open, the sessions' lease sets match the leases, the per-tenant and
-        per-session counts the limits keep add up, and pin counts match the leases. With
-        ``list_limit``, the first blocks and slots (up to it, at most ``MAX_CHECK_LIST``) of
-        each broken invariant of the store that names them, fewer where the answer would
-        pass half of ``server.max_message_bytes``."""
+        per-session counts the limits keep add up, and pin counts match the leases (theirs,
+        and those ended leases still owe, ``_unpin_all``). With ``list_limit``, the first
+        blocks and slots (up to it, at most ``MAX_CHECK_LIST``) of each broken invariant of
+        the store that names them, fewer where the answer would pass half of
+        ``server.max_message_bytes``."""
         self._admin(session_id, "Check")
         # The blocks one by one, in slices between other calls; the rest below, where what
         # is compared with what (leases and pins, counts and sums) is read in one step and
@@ -852,7 +902,11 @@ class KVService:
             elif lease.tenant != owner.tenant:
                 problems.append(f"lease {lease.lease_id} is of another tenant than its session")
             problems += [f"lease {lease.lease_id} pins a block that was freed"] * n_freed
-        pins = pinned[pinned >= 0]
+        # Ended leases' pins not given back yet (``_unpin_all``) are pins the table holds.
+        owed = table.resolve_many(self.owed_unpins())
+        if n_freed := int((owed < 0).sum()):
+            problems.append(f"{counted(n_freed, 'pin')} owed by ended leases on freed blocks")
+        pins = np.concatenate([pinned[pinned >= 0], owed[owed >= 0]])
         for session in sessions.values():
             if stray := session.leases - lease_ids:
                 problems.append(

@@ -209,8 +209,7 @@ class SessionRegistry:
         if self._per_tenant[session.limit_key] == 0:  # a negative count stays, for Check
             del self._per_tenant[session.limit_key]
         leases = [self._leases.pop(lid) for lid in session.leases]
-        for lease in leases:
-            self._unaccount(session, lease)
+        self._unaccount(session.limit_key, sum(lease_bytes(len(x.refs)) for x in leases))
         self._compact_expiry()
         return leases
 
@@ -250,9 +249,9 @@ class SessionRegistry:
         self._compact_expiry()
         return lease
 
-    def _unaccount(self, session: Session, lease: Lease) -> None:
-        key = session.limit_key
-        self._lease_bytes[key] -= lease_bytes(len(lease.refs))
+    def _unaccount(self, key: str, nbytes: int) -> None:
+        """Take ``nbytes`` of ended leases off what ``key``'s live leases hold."""
+        self._lease_bytes[key] -= nbytes
         if self._lease_bytes[key] == 0:  # a negative count stays, for Check to report
             del self._lease_bytes[key]
 
@@ -295,4 +294,4 @@ class SessionRegistry:
         del self._leases[lease.lease_id]
         session = self._sessions[lease.session_id]
         session.leases.discard(lease.lease_id)
-        self._unaccount(session, lease)
+        self._unaccount(session.limit_key, lease_bytes(len(lease.refs)))

@@ -16,6 +16,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
+from kvtier.daemon import service as service_module
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import Config, load_config
 from kvtier.daemon.credentials import FdCloser, TicketBook, TicketKind, ticket_digest
@@ -381,6 +382,52 @@ def test_regression_leases_ending_together_were_unpinned_one_store_call_each():
             await service.lookup(session, keys, True, 60_000)
         service.close_session(session)
         assert store.pins == 0 and store.unpin_calls == 2
+
+    asyncio.run(run())
+
+
+def test_regression_a_session_closing_gave_back_all_of_its_pins_in_one_step(monkeypatch):
+    """A session's close gave back the pins of all of its leases in one step of the event
+    loop: a tenant's leases may pin some 7.3 million refs (server.max_lease_bytes_per_tenant),
+    and giving them back held every other client's calls 0.9-1.2 s. UNPIN_SLICE_REFS go back
+    in the close's step and as many at each turn after it (expired leases likewise); a Check
+    meanwhile counts the pins still owed and finds nothing wrong."""
+    monkeypatch.setattr(service_module, "UNPIN_SLICE_REFS", 100)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys, admin = await _put_blocks(service, session, pool)
+
+            def pins() -> int:
+                return int(store.table.pins.sum())
+
+            async def pin_ten_times() -> str:
+                user = _open(service, service.tickets)
+                for _ in range(10):  # 1,280 pins of the 128 blocks
+                    await service.lookup(user, keys, True, 60_000)
+                assert pins() == 1280
+                return user
+
+            service.close_session(await pin_ten_times())
+            seen = [pins()]
+            while seen[-1]:
+                await asyncio.sleep(0)
+                seen.append(pins())
+            assert seen[0] == 1180 and (-np.diff(seen)).max() == 100, seen
+            owed_at_check: list[int] = []
+            owed_unpins = service.owed_unpins
+
+            def counted_owed() -> np.ndarray:
+                owed = owed_unpins()
+                owed_at_check.append(len(owed))
+                return owed
+
+            service.owed_unpins = counted_owed  # type: ignore[method-assign]
+            service.close_session(await pin_ten_times())
+            assert (await service.check(admin)).problems == []
+            assert owed_at_check[0] > 0, owed_at_check
+            while pins():
+                await asyncio.sleep(0)
 
     asyncio.run(run())
 
