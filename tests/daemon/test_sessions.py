@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
+from kvtier.daemon import sessions as sessions_module
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
 
@@ -90,6 +93,37 @@ def test_released_leases_do_not_pile_up_in_the_expiry_heap():
         lease = reg.add_lease(s.session_id, np.array([1]), 600.0)
         reg.pop_lease(s.session_id, lease.lease_id)
     assert len(reg._expiry) <= 2048
+
+
+def test_regression_the_expiry_heap_was_rebuilt_in_one_step_of_the_event_loop(monkeypatch):
+    """Once released leases' entries passed twice the live leases (and 1,024), the expiry heap
+    was rebuilt from every live lease in the step of the release that passed it: 29 ms at a
+    tenant's 131,072 live leases, every other client's calls waiting. The new heap is built
+    COMPACT_SLICE_LEASES a turn while the old one serves on: a lease that comes due then
+    expires on time, and one taken then is in the new heap."""
+    monkeypatch.setattr(sessions_module, "COMPACT_SLICE_LEASES", 100)
+
+    async def run() -> None:
+        reg = SessionRegistry()
+        s = reg.open("s", 0.0)
+        live = [reg.add_lease(s.session_id, np.array([1]), 10.0 + i) for i in range(1000)]
+        for _ in range(2025):  # released early: 1,000 live leases, 3,025 entries
+            reg.pop_lease(s.session_id, reg.add_lease(s.session_id, np.array([1]), 600.0).lease_id)
+        assert len(reg._expiry) == 3025  # the rebuild began, the old heap serves on
+        due = reg.pop_expired(10.5, 10)
+        assert [x.lease_id for x in due] == [live[0].lease_id]
+        taken = reg.add_lease(s.session_id, np.array([1]), 5.0)
+        turns = 0
+        while len(reg._expiry) > 1001:
+            await asyncio.sleep(0)
+            turns += 1
+        assert turns >= 9, turns  # 1,000 live leases, 100 a turn
+        ids = {x for _, x in reg._expiry}
+        assert ids >= set(reg._leases) and len(ids) <= len(reg._leases) + 1
+        assert [x.lease_id for x in reg.pop_expired(5.0, 10)] == [taken.lease_id]
+        assert [x.lease_id for x in reg.pop_expired(1e9, 2000)] == [x.lease_id for x in live[1:]]
+
+    asyncio.run(run())
 
 
 def test_regression_a_count_gone_negative_was_dropped_where_check_could_not_see_it():
