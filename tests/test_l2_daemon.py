@@ -1040,7 +1040,7 @@ def test_regression_a_put_cut_short_by_the_stop_was_told_its_pool_was_not_found(
             wait_for(log.exists)  # a write of the put is held
             assert d.proc is not None
             d.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: "pools unregistered" in d.log())  # its session has ended
+            wait_for(lambda: " closed: " in d.log())  # its session has ended
             gate.unlink()
             writer.join(30)
         assert d.proc.wait(30) == 0
