@@ -519,13 +519,13 @@ def _check_with(args: argparse.Namespace, client: Client) -> int:
             ("block", "session", "lease", "pool"),
             strict=True,
         )
-        what = ", ".join(_counted(n, noun) for n, noun in counts)
+        what = ", ".join(counted(n, noun) for n, noun in counts)
         if not result.strict:
             what += "; transfers were in flight"
         if result.ok:
             print(f"ok: kvtierd at {address}: every invariant holds ({what})")
         else:
-            problems = _counted(len(result.problems), "problem")
+            problems = counted(len(result.problems), "problem")
             print(f"broken: kvtierd at {address}: {problems} ({what})")
             details = {d.problem: d for d in result.details}
             for i, problem in enumerate(result.problems):
@@ -536,18 +536,13 @@ def _check_with(args: argparse.Namespace, client: Client) -> int:
     return 0 if result.ok else 1
 
 
-def _counted(n: int, noun: str) -> str:
-    """``n`` and ``noun``, the noun agreeing with it ("1 session", "2 sessions")."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
 def _print_listed(what: str, listed: list[str], total: int) -> None:
     """The blocks' keys or the slots a problem names, one a line under it, then how many
     more it names than ``--list`` asked for."""
     for item in listed:
         print(f"    {what} {item}")
     if total > len(listed):
-        print(f"    ... and {_counted(total - len(listed), f'more {what}')}")
+        print(f"    ... and {counted(total - len(listed), f'more {what}')}")
 
 
 def _quarantine(args: argparse.Namespace) -> int:
@@ -625,7 +620,7 @@ def _drain_with(args: argparse.Namespace, client: Client) -> int:
         return 0
     print(
         f"draining: kvtierd at {client.address} takes no new sessions (but admins'); "
-        f"{_counted(state.sessions, 'other session')} open"
+        f"{counted(state.sessions, 'other session')} open"
     )
     if args.wait <= 0:
         return 0
@@ -679,7 +674,7 @@ def _drain_with(args: argparse.Namespace, client: Client) -> int:
             session = client.session_id  # the one _started_at opened
             state = _drain_state(client, session)
     if state.sessions:
-        print(f"{_counted(state.sessions, 'session')} still open after {args.wait:g}s")
+        print(f"{counted(state.sessions, 'session')} still open after {args.wait:g}s")
         return DRAIN_BUSY
     print("drained: no other session is open")
     return 0
