@@ -64,8 +64,7 @@ from kvtier.proto import kvtier_pb2 as pb
 if TYPE_CHECKING:
     from kvtier.client.aio import AsyncClient
     from kvtier.client.flows import PoolBinding
-    from kvtier.client.slots import CallSlots
-    from kvtier.client.sync import Client
+    from kvtier.client.sync import ChannelStub, Client
 
 # Errors the daemon raises before it touches a pool: a part that ends in one of them leaves
 # no copy running.
@@ -575,29 +574,30 @@ class TransferJob:
             for part in parts:
                 self._ended(part, None, e)
             return
-        # The slots and the stub of one channel: a part queued on a channel given up
-        # meanwhile is sent on that channel (which refuses it), not on its replacement,
-        # whose slots it does not hold.
-        slots, stub = self._client.call_slots, self._client.stub
+        # The stub with its channel's slots: a part queued on a channel given up meanwhile
+        # is sent on that channel (which refuses it), not on its replacement, whose slots
+        # it does not hold.
+        stub = self._client.stub
         for part in parts:
             part.request.session_id = session_id
             part.request.pool_id = pool_id
-            if slots.take_or_queue(functools.partial(self._granted, part, slots, stub)):
-                self._send_one(part, slots, stub)
+            if stub.call_slots.take_or_queue(functools.partial(self._granted, part, stub)):
+                self._send_one(part, stub)
 
-    def _granted(self, part: Part, slots: CallSlots, stub: Any) -> None:
+    def _granted(self, part: Part, stub: ChannelStub) -> None:
         """A queued part's slot came free: send it, or free the slot again when the part
         ended meanwhile (the job was cancelled)."""
         with self._cond:
             gone = self._plan.cancelled or part.ended
         if gone:
-            slots.release()
+            stub.call_slots.release()
         else:
-            self._send_one(part, slots, stub)
+            self._send_one(part, stub)
 
-    def _send_one(self, part: Part, slots: CallSlots, stub: Any) -> None:
-        """Send a part on ``stub`` holding one of its channel's ``slots``; its done callback
+    def _send_one(self, part: Part, stub: ChannelStub) -> None:
+        """Send a part on ``stub`` holding one of its channel's call slots; its done callback
         frees the slot."""
+        slots = stub.call_slots
         resends = self._resends.setdefault(part.index, Resends(self._timeout_s))
         try:
             fut = getattr(stub, part.method).future(part.request, timeout=resends.left_s())
@@ -619,17 +619,15 @@ class TransferJob:
         try:
             # Under the call's lock, which the answer's delivery takes: guarded as the
             # call's start (the part is the job's, which cancel() ends).
-            fut.add_done_callback(
-                lambda f, part=part, stub=stub: self._on_done(part, f, stub, slots)
-            )
+            fut.add_done_callback(lambda f, part=part, stub=stub: self._on_done(part, f, stub))
         except Exception:
             raise
         except BaseException as e:
             self._client.interrupted(e, fut)
             raise
 
-    def _on_done(self, part: Part, fut: Any, stub: Any, slots: CallSlots) -> None:
-        slots.release()  # a queued part may go out first, on this thread
+    def _on_done(self, part: Part, fut: Any, stub: ChannelStub) -> None:
+        stub.call_slots.release()  # a queued part may go out first, on this thread
         if fut.cancelled():
             return  # cancel() already ended the part
         try:

@@ -411,6 +411,24 @@ def no_fd_transport(address: str) -> FailedPreconditionError:
     )
 
 
+class ChannelStub(pb_grpc.KVTierStub):
+    """A channel's stub, with the channel's health check and call slots. The slots are the
+    channel's: the calls a given-up channel may hold for good (see ``Client.interrupted``)
+    take none of its replacement's. One attribute of the client, read once by a call, so that
+    the call takes the slots of the channel it is sent on: read as two, the stub then the
+    slots, another thread's interrupt between the two reads sent a call on the given-up
+    channel holding one of the new channel's slots, for good where it waited there."""
+
+    def __init__(self, channel: grpc.Channel, max_calls_open: int) -> None:
+        super().__init__(channel)
+        self.call_slots = CallSlots(max_calls_open)
+        self.health_check = channel.unary_unary(
+            hc.CHECK_METHOD,
+            request_serializer=None,  # health() encodes its request before sending it
+            response_deserializer=hc.decode_response,
+        )
+
+
 class Client:
     def __init__(
         self,
@@ -478,17 +496,9 @@ class Client:
         self._finalizer.atexit = False  # the process's exit ends its sessions anyway
 
     def _connect(self) -> None:
-        """A new channel (it connects at its first call), its call slots, its stub and its
-        health check. The slots are the channel's: the calls a given-up channel may hold for
-        good (see ``interrupted``) take none of the new one's."""
+        """A new channel (it connects at its first call) and its stub (``ChannelStub``)."""
         self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self._slots = CallSlots(self.max_calls_open)
-        self._stub = pb_grpc.KVTierStub(self._channel)
-        self._health = self._channel.unary_unary(
-            hc.CHECK_METHOD,
-            request_serializer=None,  # health() encodes its request before sending it
-            response_deserializer=hc.decode_response,
-        )
+        self._stub = ChannelStub(self._channel, self.max_calls_open)
         self._held["channel"], self._held["suspect"] = self._channel, False
 
     # --------------------------------------------------------------- lifecycle
@@ -854,10 +864,11 @@ class Client:
         a channel of its own first."""
         refuse_in_child(self._pid, "Client")
         self._replace_if_suspect()
-        rpc = getattr(self._stub, method)
+        stub = self._stub
+        rpc = getattr(stub, method)
         if method == "Lookup" and request.pin:
             rpc = functools.partial(self._pinning_lookup, rpc)
-        return self._until_run(rpc, request, timeout_s)
+        return self._until_run(rpc, request, timeout_s, stub.call_slots)
 
     def _pinning_lookup(self, rpc: Any, request: Any, timeout: float) -> Any:
         """A pinning Lookup, made as a future so that the call a KeyboardInterrupt ends in
@@ -882,15 +893,14 @@ class Client:
             self.interrupted(e, fut)
             raise
 
-    def _until_run(self, rpc: Any, request: Any, timeout_s: float) -> Any:
-        """``rpc(request)`` in one of the channel's call slots, waited for within the call's
+    def _until_run(self, rpc: Any, request: Any, timeout_s: float, slots: CallSlots) -> Any:
+        """``rpc(request)`` in one of its channel's call ``slots``, waited for within the call's
         time (else DeadlineExceededError, nothing sent), sent again as ``call`` says (also the
         health check's). The guard takes in the slot's taking and freeing: an interrupt that
         lands between the slot's taking and the ``finally`` that frees it gives the channel up,
         and the slot with it, as one inside gRPC does (else the slot stayed taken on the live
         channel, through ``health()``, ``fence_pool()`` and ``_unregister_unconfirmed``)."""
         resends = Resends(timeout_s)
-        slots = self._slots
         try:
             if not slots.acquire(resends.left_s()):
                 raise slot_wait_error(slots.limit, timeout_s)
@@ -1033,15 +1043,16 @@ class Client:
                 self._unconfirmed.pop(pool_id, None)
 
     @property
-    def stub(self) -> pb_grpc.KVTierStub:
+    def stub(self) -> ChannelStub:
         """The raw gRPC stub (requests need ``session_id`` filled in by the caller); its calls
-        take no call slot (``max_calls_open``)."""
+        take no call slot (``max_calls_open``). Its ``call_slots`` are its channel's (a
+        transfer job's parts take them)."""
         return self._stub
 
     @property
     def call_slots(self) -> CallSlots:
-        """The call slots of the channel ``stub`` sends on (a transfer job's parts take them)."""
-        return self._slots
+        """The call slots of the channel ``stub`` sends on."""
+        return self._stub.call_slots
 
     def error_of(self, err: grpc.RpcError) -> KvtierError:
         """The typed exception for a failed call. ``close()`` closes the channel, and gRPC
@@ -1384,8 +1395,9 @@ class Client:
         request = hc.encode_request(service)
         refuse_in_child(self._pid, "Client")  # before the replacement: see ``call``
         self._replace_if_suspect()
+        stub = self._stub
         try:
-            status = self._until_run(self._health, request, self.timeout_s)
+            status = self._until_run(stub.health_check, request, self.timeout_s, stub.call_slots)
         except grpc.RpcError as e:
             raise self.error_of(e) from None
         except ValueError:  # grpc's answer to a call on a closed channel

@@ -407,3 +407,47 @@ def test_regression_an_interrupt_as_a_slot_was_taken_lost_it_on_the_live_channel
         assert first.held == 1  # lost with its channel
         assert client.call_slots is not first and client.call_slots.held == 0
         assert client.lookup([KEY], timeout_s=2).prefix_len == 0
+
+
+@pytest.mark.timeout(20)
+def test_regression_a_call_on_a_given_up_channel_held_a_slot_of_the_new_one(counting_server):
+    """A call whose stub another thread's interrupt gave up (its channel replaced) just after
+    the call read it takes a slot of that channel, not of its replacement. Before, the call
+    read the stub, then the slots, as two attributes: it was sent on the given-up channel (where
+    gRPC's lock left held makes it wait for ever: a Lookup held here stands for that) holding
+    one of the new channel's slots, and with max_calls_open=1 every later call failed
+    DeadlineExceeded waiting for it."""
+    address, _ = counting_server
+    sent, hang = threading.Event(), threading.Event()
+
+    class GivenUpAsRead:
+        """The stub, whose Lookup is read as another thread gives its channel up."""
+
+        def __init__(self, stub) -> None:
+            self._stub = stub
+
+        def __getattr__(self, name: str):
+            if name != "Lookup":
+                return getattr(self._stub, name)
+            client._held["suspect"] = True  # as ``interrupted`` does on another thread
+            client._replace_if_suspect()
+
+            def held(request, timeout):
+                sent.set()
+                assert hang.wait(10)
+                return pb.LookupResponse(prefix_len=0, tiers=[0] * len(request.keys))
+
+            return held
+
+    with Client(address, max_calls_open=1) as client:
+        client.lookup([KEY])
+        client._stub = GivenUpAsRead(client._stub)  # type: ignore[assignment]
+        with futures.ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(client.lookup, [KEY])
+            try:
+                assert sent.wait(10)
+                assert client.call_slots.held == 0
+                assert client.lookup([KEY], timeout_s=2).prefix_len == 0
+            finally:
+                hang.set()
+            assert stuck.result(10).prefix_len == 0
