@@ -578,11 +578,17 @@ class TransferJob:
         # is sent on that channel (which refuses it), not on its replacement, whose slots
         # it does not hold.
         stub = self._client.stub
-        for part in parts:
-            part.request.session_id = session_id
-            part.request.pool_id = pool_id
-            if stub.call_slots.take_or_queue(functools.partial(self._granted, part, stub)):
-                self._send_one(part, stub)
+        try:
+            for part in parts:
+                part.request.session_id = session_id
+                part.request.pool_id = pool_id
+                if stub.call_slots.take_or_queue(functools.partial(self._granted, part, stub)):
+                    self._send_one(part, stub)
+        except Exception:
+            raise
+        except BaseException as e:  # as ``Client._until_run``: the slot goes with the channel
+            self._client.interrupted(e)
+            raise
 
     def _granted(self, part: Part, stub: ChannelStub) -> None:
         """A queued part's slot came free: send it, or free the slot again when the part

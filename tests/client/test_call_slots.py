@@ -451,3 +451,36 @@ def test_regression_a_call_on_a_given_up_channel_held_a_slot_of_the_new_one(coun
             finally:
                 hang.set()
             assert stuck.result(10).prefix_len == 0
+
+
+@pytest.mark.timeout(30)
+def test_regression_an_interrupt_as_a_job_part_took_its_slot_lost_it_on_the_live_channel(
+    daemon, monkeypatch
+):
+    """A KeyboardInterrupt that lands as a job's first part has taken its slot in the
+    caller's thread (``submit_save``), before the part's send (injected there), gives the
+    channel up, as one in ``_until_run`` does. Before, nothing guarded that stretch: the slot
+    stayed taken on the live channel, and with max_calls_open=1 every later call waited its
+    whole time for it and failed DeadlineExceeded."""
+    keys = keys_for(1, "slots-interrupted-part")
+    with (
+        daemon.client(max_calls_open=1) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT)
+        first = client.call_slots
+        real_take = CallSlots.take_or_queue
+
+        def take_or_queue(slots: CallSlots, grant) -> bool:
+            assert real_take(slots, grant)
+            raise KeyboardInterrupt  # lands as take_or_queue returns its slot
+
+        monkeypatch.setattr(CallSlots, "take_or_queue", take_or_queue)
+        with pytest.raises(KeyboardInterrupt):
+            client.submit_save(pool, [SaveSegment(keys, [0])])
+        monkeypatch.undo()
+        assert client.lookup(keys, timeout_s=2).prefix_len == 0
+        assert first.held == 1  # lost with its channel
+        assert client.call_slots is not first and client.call_slots.held == 0
+        status = client.submit_save(pool, [SaveSegment(keys, [0])]).wait(10)
+        assert status.done.all(), status.error
