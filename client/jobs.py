@@ -276,26 +276,27 @@ class TransferPlan:
     ) -> TransferPlan:
         ranges = layer_ranges(num_layers, groups)
         sequence_len(segments, "segments")
+        sizes = [_segment_len(seg, i, "load") for i, seg in enumerate(segments)]
         parts: list[Part] = []
-        first = 0
         whole = len(ranges) == 1
-        for i, seg in enumerate(segments):
-            nkeys = _segment_len(seg, i, "load")
-            keys, pages = seg.keys, seg.pages
-            for r, (begin, end) in enumerate(ranges):
+        # Range by range, every segment's: parts are sent in this order (``max_calls_open``
+        # at a time), so that the first layers of every segment are in first.
+        for r, (begin, end) in enumerate(ranges):
+            first = 0
+            for seg, nkeys in zip(segments, sizes, strict=True):
                 for start in range(0, nkeys, max_batch):
                     n = min(max_batch, nkeys - start)
                     req = build_request(
                         pb.GetRequest,
-                        keys=keys[start : start + n],
-                        pages=pages[start : start + n],
+                        keys=seg.keys[start : start + n],
+                        pages=seg.pages[start : start + n],
                         lease_id=seg.lease_id,
                         layer_begin=0 if whole else begin,
                         layer_end=0 if whole else end,
                     )
                     parts.append(Part(len(parts), "Get", req, first + start, n, layer_range=r))
-            first += nkeys
-        return cls(JobKind.LOAD, parts, first, ranges)
+                first += nkeys
+        return cls(JobKind.LOAD, parts, sum(sizes), ranges)
 
     @classmethod
     def for_save(

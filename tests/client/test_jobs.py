@@ -139,6 +139,32 @@ def test_load_plan_tracks_layers_and_failures():
     assert not status.pages_reusable  # the daemon may still be copying those layers
 
 
+def test_regression_a_layer_wise_load_sent_one_segments_every_range_before_the_next():
+    """A load of several segments (a vLLM step's requests) split into layer ranges sends
+    every segment's first range before any segment's second, and so on: the client sends a
+    job's parts in order, ``max_calls_open`` at a time, so ``wait_layers`` for the first
+    ranges returns once their parts are in. Before, segment after segment: with 64 segments
+    in 8 ranges, the first range's last part was the 505th of 512, and ``wait_layers(1)``
+    returned with the whole load."""
+    keys = keys_for(3, "ranges-first")
+    segments = [LoadSegment(keys[:2], [0, 1]), LoadSegment(keys[2:], [2])]
+    plan = TransferPlan.for_load(segments, 4, max_batch=1, groups=2)
+    parts = plan.take_ready()
+    assert [(p.layer_range, p.first_key) for p in parts] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
+    assert [p.index for p in parts] == list(range(6))
+    assert [list(p.request.pages) for p in parts] == [[0], [1], [2]] * 2
+    for part in parts[:3]:
+        plan.complete(part, pb.GetResponse(loaded=[True]))
+    assert plan.layers_done() == 2 and plan.done_mask(2).all() and not plan.done_mask().any()
+
+
 def test_an_answer_of_the_wrong_length_fails_its_part_not_the_driver():
     """A daemon that answers a part with more or fewer results than it had keys (another
     version, or not kvtierd) fails that part with InternalError; the job ends."""
