@@ -30,7 +30,7 @@ from kvtier.client import (
     SharedMemoryPool,
     block_keys,
 )
-from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError
+from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from kvtier.client.slots import MAX_CALLS_OPEN_LIMIT, CallSlots
 from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
 from kvtier.proto import kvtier_pb2 as pb
@@ -484,3 +484,42 @@ def test_regression_an_interrupt_as_a_job_part_took_its_slot_lost_it_on_the_live
         assert client.call_slots is not first and client.call_slots.held == 0
         status = client.submit_save(pool, [SaveSegment(keys, [0])]).wait(10)
         assert status.done.all(), status.error
+
+
+@pytest.mark.timeout(30)
+def test_a_part_queued_on_a_channel_given_up_meanwhile_is_not_sent_on_the_new_one(daemon):
+    """A job's part queued for a slot of a channel that an interrupt gives up before its turn
+    comes goes out on that channel when its turn comes (stored, or its given-up error once
+    the channel is closed), never on the new one (8ad0812). Before, it was sent on the new
+    channel, holding the old one's slot: one call more there than max_calls_open."""
+    keys = keys_for(1, "slots-given-up-queue")
+    sent_on_new: list[str] = []
+
+    class Recording:
+        def __init__(self, stub) -> None:
+            self._stub = stub
+
+        def __getattr__(self, name: str):
+            if name[:1].isupper():
+                sent_on_new.append(name)
+            return getattr(self._stub, name)
+
+    with (
+        daemon.client(max_calls_open=1) as client,
+        SharedMemoryPool.for_layout(LAYOUT) as shm,
+    ):
+        pool = client.register_pool(shm, LAYOUT)
+        first = client.call_slots
+        assert first.acquire(0)  # the one slot, held as by a call open
+        job = client.submit_save(pool, [SaveSegment(keys, [0])])
+        assert first.waiting == 1  # the part, queued
+        client.interrupted(KeyboardInterrupt())  # as one that ended another call
+        client._stub = Recording(client._stub)  # type: ignore[assignment]
+        first.release()  # that call ends: the part's turn comes
+        status = job.wait(10)
+        assert status.finished, status
+        if status.error is not None:
+            assert isinstance(status.error, NotFoundError)
+            assert "gave it up, and its channel" in str(status.error)
+        assert sent_on_new == []
+        assert first.held == 0 and client.call_slots.held == 0
