@@ -216,7 +216,11 @@ class AsyncCallSlots:
         if timeout_s is not None:
             timer = loop.call_later(max(timeout_s, 0.0), self._expire, waiter)
         try:
-            return await waiter
+            try:
+                return await waiter
+            finally:  # a call, where the interpreter checks for signals: inside the handler
+                if timer is not None:
+                    timer.cancel()
         except BaseException:
             if waiter.done() and not waiter.cancelled() and waiter.result():
                 self.release()
@@ -224,9 +228,6 @@ class AsyncCallSlots:
                 with contextlib.suppress(ValueError):  # skipped by a release meanwhile
                     self._waiting.remove(waiter)
             raise
-        finally:
-            if timer is not None:
-                timer.cancel()
 
     def release(self) -> None:
         """Free a slot: it goes to the first task still waiting, if any."""

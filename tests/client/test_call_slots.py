@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from kvtier.client import (
     block_keys,
 )
 from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
-from kvtier.client.slots import MAX_CALLS_OPEN_LIMIT, CallSlots
+from kvtier.client.slots import MAX_CALLS_OPEN_LIMIT, AsyncCallSlots, CallSlots
 from kvtier.daemon.server import MAX_STREAMS_PER_CONNECTION
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -523,3 +524,48 @@ def test_a_part_queued_on_a_channel_given_up_meanwhile_is_not_sent_on_the_new_on
             assert "gave it up, and its channel" in str(status.error)
         assert sent_on_new == []
         assert first.held == 0 and client.call_slots.held == 0
+
+
+@pytest.mark.timeout(20)
+def test_regression_an_interrupt_as_an_async_wait_ended_with_its_slot_lost_the_slot(
+    counting_server,
+):
+    """A KeyboardInterrupt that a signal's handler raises in the loop (one run without
+    ``asyncio.run``'s handler, as a notebook's, caught there) as a call's wait for a slot ends
+    with the slot handed to it (at the entry of its timer's cancel, where the interpreter
+    checks for signals; injected there) hands the slot on. Before, that cancel ran after the
+    wait's handler that hands a slot on: the slot stayed taken for good, and with
+    max_calls_open=1 every later call waited its whole time for it and failed
+    DeadlineExceeded."""
+    address, servicer = counting_server
+    servicer.gate = threading.Event()
+    cancel_code = asyncio.TimerHandle.cancel.__code__
+    wait_code = AsyncCallSlots.wait.__code__
+    landed: list[bool] = []
+
+    def interrupt(frame, event: str, arg):
+        caller = frame.f_back
+        if event == "call" and frame.f_code is cancel_code and caller.f_code is wait_code:
+            sys.settrace(None)
+            landed.append(True)
+            raise KeyboardInterrupt
+
+    async def main() -> None:
+        async with AsyncClient(address, max_calls_open=1) as client:
+            await client.session()
+            held = asyncio.create_task(client.lookup([KEY]))
+            while servicer.open < 1:
+                await asyncio.sleep(0.01)
+            asyncio.get_running_loop().call_later(0.1, servicer.gate.set)
+            sys.settrace(interrupt)
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    await client.lookup([KEY], timeout_s=5)
+            finally:
+                sys.settrace(None)
+            assert landed
+            assert (await held).prefix_len == 0
+            assert client._slots.held == 0 and client._slots.waiting == 0
+            assert (await client.lookup([KEY], timeout_s=2)).prefix_len == 0
+
+    asyncio.run(main())
