@@ -349,13 +349,11 @@ class AsyncClient:
         self._on_loop()
         resends = Resends(timeout_s)
         slots = self._slots
-        if not slots.take():
+        if not slots.take() and not await slots.wait(resends.left_s() if timed_wait else None):
+            raise slot_wait_error(self.max_calls_open, timeout_s)
+        try:  # from the slot's taking on: an interrupt may land at any call
             if not timed_wait:
-                await slots.wait(None)
                 resends = Resends(timeout_s)
-            elif not await slots.wait(resends.left_s()):
-                raise slot_wait_error(self.max_calls_open, timeout_s)
-        try:
             while True:
                 try:
                     return await rpc(request, timeout=resends.left_s())

@@ -29,7 +29,9 @@ from kvtier.client import (
     PoolLayout,
     SaveSegment,
     SharedMemoryPool,
+    aio,
     block_keys,
+    errors,
 )
 from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from kvtier.client.slots import MAX_CALLS_OPEN_LIMIT, AsyncCallSlots, CallSlots
@@ -567,5 +569,51 @@ def test_regression_an_interrupt_as_an_async_wait_ended_with_its_slot_lost_the_s
             assert (await held).prefix_len == 0
             assert client._slots.held == 0 and client._slots.waiting == 0
             assert (await client.lookup([KEY], timeout_s=2)).prefix_len == 0
+
+    asyncio.run(main())
+
+
+class SignalHandlerError(BaseException):
+    """What a signal's handler raises other than KeyboardInterrupt: a task ends with it, where
+    a KeyboardInterrupt goes on out of the loop (which pytest's process does not outlive
+    whole: CPython 3.11 then failed the run's end on "AST constructor recursion depth")."""
+
+
+@pytest.mark.timeout(30)
+def test_regression_an_interrupt_as_an_async_job_part_got_its_slot_lost_the_slot(
+    daemon, monkeypatch
+):
+    """An exception that a signal's handler raises in the loop (a KeyboardInterrupt under a
+    loop run without ``asyncio.run``'s handler, as a notebook's, or another) as an asyncio
+    job's part, handed its slot after waiting for it, starts its time (a call to
+    ``Resends``, where the interpreter checks for signals; injected there) frees the slot.
+    Before, that call came before the try whose finally frees it: the slot stayed taken for
+    good, and with max_calls_open=1 every later call failed DeadlineExceeded."""
+    keys = keys_for(1, "slots-async-part")
+    armed: list[bool] = []
+
+    def resends(timeout_s: float) -> errors.Resends:
+        if armed:
+            armed.clear()
+            raise SignalHandlerError
+        return errors.Resends(timeout_s)
+
+    monkeypatch.setattr(aio, "Resends", resends)
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address, max_calls_open=1) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT)
+                assert client._slots.take()  # the one slot, held as by a call open
+                job = await client.submit_save(pool, [SaveSegment(keys, [0])])
+                while not client._slots.waiting:
+                    await asyncio.sleep(0.01)
+                armed.append(True)
+                client._slots.release()  # that call ends: the part's turn comes
+                (part,) = job._tasks.values()
+                with pytest.raises(SignalHandlerError):
+                    await part
+                assert client._slots.held == 0
+                assert (await client.lookup(keys, timeout_s=2)).prefix_len == 0
 
     asyncio.run(main())
