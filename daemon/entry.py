@@ -1,5 +1,6 @@
-"""``kvtierd``'s entry point (the console script, ``python -m kvtier.daemon``): it holds SIGHUP,
-SIGINT and SIGTERM before anything heavy is imported.
+"""``kvtierd``'s entry point (the console script, ``python -m kvtier.daemon``, and through it
+``python -m kvtier.daemon.main``): it holds SIGHUP, SIGINT and SIGTERM before anything heavy
+is imported, and quiets gRPC's core before anything imports it.
 
 The daemon's own handlers go in only once it serves (the reload's, and the stop's of
 ``Daemon.stop_on_signals``), and the imports of ``kvtier.daemon.main`` alone take ~240 ms.

@@ -287,4 +287,9 @@ def _tune_collector() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m kvtier.daemon.main` starts as kvtierd does: through the entry point, which
+    # quiets gRPC's core before anything imports it (read once, at that import) and holds the
+    # signals until the daemon serves.
+    from kvtier.daemon.entry import main as entry_main
+
+    sys.exit(entry_main())
