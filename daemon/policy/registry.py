@@ -5,7 +5,7 @@ first asked for; the policy modules import nothing of this one, so there is no i
 ``register_policy(name, factory)`` adds another (a plugin, a test double); it must implement
 the whole ``EvictionPolicy`` protocol (``base.InsertEach`` gives ``insert_many`` as a loop of
 ``insert``, ``base.OwesNoWork`` the owed-work members, ``Hinted`` the ``hint`` verb over a
-``HintTable``).
+``HintTable``): ``make_policy`` refuses one that lacks a member, naming it.
 
 A policy class may name the admission rule it is designed to run with in a class attribute
 ``default_admission`` (see ``kvtier.daemon.policy.admission``); ``"always"`` otherwise. A
@@ -15,6 +15,7 @@ class with ``needs_future = True`` (Belady's optimum) only runs in the replayer.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,18 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "opt": ("kvtier.daemon.policy.opt", "BeladyPolicy"),
 }
 _ADDED: dict[str, Factory] = {}
+# What the protocol declares: its attributes and the methods of its body (not those
+# ``Protocol`` adds to it, ``__init__``, ``__subclasshook__``).
+_PROTOCOL_MEMBERS = sorted(
+    {
+        *EvictionPolicy.__annotations__,
+        *(
+            n
+            for n, v in vars(EvictionPolicy).items()
+            if inspect.isfunction(v) and v.__qualname__ == f"EvictionPolicy.{n}"
+        ),
+    }
+)
 
 
 def register_policy(name: str, factory: Factory) -> None:
@@ -45,7 +58,17 @@ def policy_names(*, live: bool = False) -> list[str]:
 
 
 def make_policy(name: str, **params: Any) -> EvictionPolicy:
-    return _factory(name)(**params)
+    """A new policy ``name``; TypeError, naming them, where it lacks members of the protocol
+    (a policy written when they were optional, as ``on_owed`` and ``work`` were: the daemon
+    would fail on the first call of one, between requests, long after its start)."""
+    policy = _factory(name)(**params)
+    if missing := [m for m in _PROTOCOL_MEMBERS if not hasattr(policy, m)]:
+        raise TypeError(
+            f"policy {name!r} lacks {', '.join(missing)} of the EvictionPolicy protocol "
+            "(kvtier.daemon.policy.base; base.OwesNoWork gives on_owed and work to a policy "
+            "that owes no work)"
+        )
+    return policy
 
 
 def default_admission(name: str) -> str:

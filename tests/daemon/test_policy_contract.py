@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 from heat_state import assert_same_state
 
-from kvtier.daemon.policy.base import DECLINED, NO_VICTIM
-from kvtier.daemon.policy.registry import make_policy, policy_names
+from kvtier.daemon.policy import registry
+from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, InsertEach
+from kvtier.daemon.policy.hints import Hinted
+from kvtier.daemon.policy.lru import LRUPolicy
+from kvtier.daemon.policy.registry import make_policy, policy_names, register_policy
 
 
 def build(name: str, capacity: int = 8):
@@ -31,6 +34,21 @@ def test_registry_knows_the_builtin_policies() -> None:
     assert {"heat", "lru", "arc", "opt", "density"} <= set(policy_names())
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
+
+
+def test_regression_a_plugin_policy_without_the_owed_work_members_was_built(monkeypatch) -> None:
+    """``on_owed`` and ``work`` were optional until the space called them on every policy
+    (d2c96ec): a policy registered as written before (here lru's body without
+    ``OwesNoWork``) was built, and the daemon would fail only once another tier's policy
+    owed work, in ``work()`` between requests. It is refused as it is built, the members
+    named; a policy with the whole protocol is built as before."""
+    monkeypatch.setattr(registry, "_ADDED", {})
+    body = {k: v for k, v in vars(LRUPolicy).items() if k not in ("__dict__", "__weakref__")}
+    register_policy("old-lru", type("OldLRU", (InsertEach, Hinted), body))
+    register_policy("new-lru", LRUPolicy)
+    with pytest.raises(TypeError, match=r"policy 'old-lru' lacks on_owed, work of the Evict"):
+        make_policy("old-lru")
+    assert isinstance(make_policy("new-lru"), LRUPolicy)
 
 
 def test_unknown_parameters_are_ignored(name: str) -> None:
