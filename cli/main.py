@@ -67,6 +67,7 @@ from kvtier.client.types import (
     build_request,
     drain_result,
     resolve_address,
+    unix_socket_path,
 )
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.tiers.sizes import counted
@@ -221,9 +222,8 @@ def _socket_refusal(address: str) -> str | None:
     """Why this user may not connect to the Unix socket of ``address``, where that keeps it
     from the daemon (a socket whose mode and group leave this user out, or a folder it may
     not enter): gRPC says only "Permission denied", and a daemon runs there. None otherwise."""
-    if not address.startswith("unix:") or address.startswith("unix://"):
+    if (path := unix_socket_path(address)) is None:
         return None
-    path = address[len("unix:") :]
     try:
         st = os.stat(path)
     except PermissionError:

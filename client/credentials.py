@@ -44,6 +44,7 @@ from kvtier.client.errors import (
     error_for_code,
     session_end,
 )
+from kvtier.client.types import unix_socket_path
 from kvtier.paths import writers_problem
 
 PROTOCOL = b"KVTIER-CRED/1"
@@ -81,11 +82,8 @@ def session_end_line(session_id: str, error: grpc.RpcError | None, ours: bool) -
 
 def cred_socket_path(address: str) -> str | None:
     """The credential socket of a gRPC address, or None if it is not a Unix socket."""
-    if address.startswith("unix://"):
-        return address[len("unix://") :] + CRED_SUFFIX
-    if address.startswith("unix:"):
-        return address[len("unix:") :] + CRED_SUFFIX
-    return None
+    path = unix_socket_path(address)
+    return None if path is None else path + CRED_SUFFIX
 
 
 def session_ticket(path: str, timeout_s: float = 10.0) -> bytes:

@@ -242,20 +242,25 @@ MAX_UNIX_PATH_BYTES = 107
 _HOST_PORT = re.compile(r"(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)?(?:\[[^\]]*\]|[^:\[\]/,]+):(\d+)")
 
 
+def unix_socket_path(address: str) -> str | None:
+    """The socket path of a Unix socket address, or None for another kind: "unix:PATH" and
+    "unix:///abs/path" (the URI form, which ``resolve_address`` leaves as is) name the same
+    kind of socket."""
+    if address.startswith("unix://"):
+        return address[len("unix://") :]
+    if address.startswith("unix:"):
+        return address[len("unix:") :]
+    return None
+
+
 def checked_address(address: str) -> str:
     """``address``, or InvalidArgumentError when no daemon can have it: a Unix socket path
     that no socket can have (gRPC took such a channel and failed each call with UNKNOWN
     'Failed to create channel', after its core printed a line of its own), or none at all; a
     TCP port past 65535 (gRPC took it modulo 65536: ``localhost:99999`` connected to port
     34463, and sent a tenant's token to whatever listened there)."""
-    # "unix:PATH" and "unix:///abs/path" (the URI form, which resolve_address leaves as is)
-    # name the same kind of socket; both are checked.
-    path = None
-    if address.startswith("unix://"):
-        path = address[len("unix://") :]
-    elif address.startswith("unix:"):
-        path = address[len("unix:") :]
-    elif (tcp := _HOST_PORT.fullmatch(address)) is not None:
+    path = unix_socket_path(address)
+    if path is None and (tcp := _HOST_PORT.fullmatch(address)) is not None:
         port = int(tcp.group(1))
         if not 0 < port < 65536:
             raise InvalidArgumentError(

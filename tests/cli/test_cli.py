@@ -940,8 +940,13 @@ def _kvtier_as_nobody(address: str, *command: str) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.parametrize("command", ["health", "stats", "check"])
-def test_a_socket_that_refuses_this_user_is_named_not_a_daemon_to_start(daemon_factory, command):
+@pytest.mark.parametrize(
+    ("command", "scheme"),
+    [("health", "unix:"), ("stats", "unix:"), ("check", "unix:"), ("stats", "unix://")],
+)
+def test_a_socket_that_refuses_this_user_is_named_not_a_daemon_to_start(
+    daemon_factory, command, scheme
+):
     """`kvtier health` of a user the daemon's socket does not admit (mode 0660, another
     group) said "Is the daemon running? Start it with `kvtierd`" under gRPC's "Permission
     denied": the daemon runs, and starting another is no fix. It now says the socket is
@@ -949,19 +954,23 @@ def test_a_socket_that_refuses_this_user_is_named_not_a_daemon_to_start(daemon_f
     before: the daemon was not reached. Regression: `stats` exited 1 ("kvtier:
     PermissionDeniedError: the daemon's credential socket ... refused this user") and the
     admin commands 2, as if the daemon had turned them away: their session opens through
-    the credential socket, whose refusal the client raises as PermissionDeniedError."""
+    the credential socket, whose refusal the client raises as PermissionDeniedError.
+    Regression: the address's URI form (``unix:///run/kvtier/kvtierd.sock``, which the
+    client takes) was not looked at, so there `stats` still exited 1 and `health` said to
+    start a daemon."""
     require_root()
     d = daemon_factory()
     folder = os.path.dirname(d.socket)
     os.chmod(folder, 0o755)  # the socket is reached, and refuses nobody
-    refused = _kvtier_as_nobody(d.address, command)
+    address = scheme + d.socket
+    refused = _kvtier_as_nobody(address, command)
     assert refused.returncode == 3, refused.stderr
-    assert f"kvtier: cannot reach kvtierd at {d.address}" in refused.stderr
+    assert f"kvtier: cannot reach kvtierd at {address}" in refused.stderr
     assert "Is the daemon running" not in refused.stderr
     assert f"{d.socket} is there, but its mode (0660) and group (" in refused.stderr
     assert "server.socket_mode and server.socket_group" in refused.stderr
     os.chmod(folder, 0o700)
-    kept_out = _kvtier_as_nobody(d.address, command)
+    kept_out = _kvtier_as_nobody(address, command)
     assert kept_out.returncode == 3, kept_out.stderr
     assert f"this user may not enter the folder of {d.socket}" in kept_out.stderr
     assert "Is the daemon running" not in kept_out.stderr
