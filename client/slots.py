@@ -211,11 +211,11 @@ class AsyncCallSlots:
         task leaves holding nothing: a slot handed to it meanwhile goes on."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
-        self._waiting.append(waiter)
         timer = None
-        if timeout_s is not None:
-            timer = loop.call_later(max(timeout_s, 0.0), self._expire, waiter)
-        try:
+        try:  # from its queueing on: the interpreter checks for signals at every call
+            self._waiting.append(waiter)
+            if timeout_s is not None:
+                timer = loop.call_later(max(timeout_s, 0.0), self._expire, waiter)
             try:
                 return await waiter
             finally:  # a call, where the interpreter checks for signals: inside the handler

@@ -529,25 +529,26 @@ def test_a_part_queued_on_a_channel_given_up_meanwhile_is_not_sent_on_the_new_on
 
 
 @pytest.mark.timeout(20)
-def test_regression_an_interrupt_as_an_async_wait_ended_with_its_slot_lost_the_slot(
-    counting_server,
-):
+@pytest.mark.parametrize("at", ["call_later", "cancel"])
+def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(counting_server, at):
     """A KeyboardInterrupt that a signal's handler raises in the loop (one run without
-    ``asyncio.run``'s handler, as a notebook's, caught there) as a call's wait for a slot ends
-    with the slot handed to it (at the entry of its timer's cancel, where the interpreter
-    checks for signals; injected there) hands the slot on. Before, that cancel ran after the
-    wait's handler that hands a slot on: the slot stayed taken for good, and with
-    max_calls_open=1 every later call waited its whole time for it and failed
-    DeadlineExceeded."""
+    ``asyncio.run``'s handler, as a notebook's, caught there) in a call's wait for a slot, at
+    the entry of a call where the interpreter checks for signals (injected there), leaves no
+    slot taken: as the wait begins, its waiter queued (the timer's ``call_later``), the waiter
+    is taken off the queue; as it ends with the slot handed to it (the timer's ``cancel``),
+    the slot is handed on. Before, both calls were outside the wait's handler: the waiter
+    stayed queued and was handed the next slot freed, or the slot handed over stayed taken;
+    either way for good, and with max_calls_open=1 every later call waited its whole time
+    for it and failed DeadlineExceeded."""
     address, servicer = counting_server
     servicer.gate = threading.Event()
-    cancel_code = asyncio.TimerHandle.cancel.__code__
+    code = getattr(asyncio.TimerHandle if at == "cancel" else asyncio.BaseEventLoop, at).__code__
     wait_code = AsyncCallSlots.wait.__code__
     landed: list[bool] = []
 
     def interrupt(frame, event: str, arg):
         caller = frame.f_back
-        if event == "call" and frame.f_code is cancel_code and caller.f_code is wait_code:
+        if event == "call" and frame.f_code is code and caller.f_code is wait_code:
             sys.settrace(None)
             landed.append(True)
             raise KeyboardInterrupt
@@ -558,7 +559,8 @@ def test_regression_an_interrupt_as_an_async_wait_ended_with_its_slot_lost_the_s
             held = asyncio.create_task(client.lookup([KEY]))
             while servicer.open < 1:
                 await asyncio.sleep(0.01)
-            asyncio.get_running_loop().call_later(0.1, servicer.gate.set)
+            if at == "cancel":  # the held call ends as the wait goes on: its slot handed over
+                asyncio.get_running_loop().call_later(0.1, servicer.gate.set)
             sys.settrace(interrupt)
             try:
                 with pytest.raises(KeyboardInterrupt):
@@ -566,6 +568,7 @@ def test_regression_an_interrupt_as_an_async_wait_ended_with_its_slot_lost_the_s
             finally:
                 sys.settrace(None)
             assert landed
+            servicer.gate.set()
             assert (await held).prefix_len == 0
             assert client._slots.held == 0 and client._slots.waiting == 0
             assert (await client.lookup([KEY], timeout_s=2)).prefix_len == 0
