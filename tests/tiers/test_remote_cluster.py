@@ -1062,6 +1062,36 @@ async def test_regression_a_probe_queued_behind_a_hung_master_was_not_counted_as
 
 
 @pytest.mark.slow
+async def test_regression_a_late_probe_queued_behind_a_hung_master_was_not_counted_as_skipping_it(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """As above, with the probe deadline (100 ms) shorter than the op timeout, as with the
+    defaults (50 ms, 2 s): both probes are late, and the second's round trip, going on after
+    its caller stopped waiting, asks the others only once the first has timed out at the hung
+    master. It was counted when its caller stopped waiting, before its round trip had a
+    connection: never."""
+    cluster = redis_cluster_slow_verdict
+    nbytes, n = 4096, 48
+    victim = cluster.nodes[1]
+    chain, src, _ = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    opts = fail_fast_options(cluster, l3_prefix, pool_size=2, probe_deadline_ms=100.0)
+    async with opened(opts) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        victim.pause()
+        try:
+            sizes = await asyncio.gather(tier.probe_each(chain), tier.probe_each(chain))
+            assert sizes == [[PROBE_UNKNOWN] * n] * 2
+            await wait_for(
+                "the second probe's round trip to be counted as skipping the lost master",
+                lambda: tier.stats().counters["probe_skipped_down"] > 0,
+            )
+            c = tier.stats().counters
+            assert (c["probe_late"], c["timeouts"], c["probe_skipped_down"]) == (2, 1, 1), c
+        finally:
+            victim.resume()
+
+
+@pytest.mark.slow
 async def test_regression_a_delete_queued_behind_a_hung_master_sent_it_its_unlinks_and_waited(
     redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
 ) -> None:

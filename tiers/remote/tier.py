@@ -525,21 +525,27 @@ class RemoteTier:
         if not asked:
             c["probe_skipped_down"] += 1
             return [PROBE_ABSENT if k in self._unremoved else PROBE_UNKNOWN for k in all_keys]
+
+        async def round_trip() -> list[Any]:
+            try:
+                return await self._pipeline(heads, self._small_ops)
+            finally:
+                # Counted once it has its connection (or none): masters lost before it
+                # waited for one, or while it did, a late probe's included.
+                if len(asked) < len(all_keys):
+                    c["probe_skipped_down"] += 1
+
         # The round trip runs as its own task under the op timeout (a slow store is judged
         # by that), while the caller waits only for the probe deadline.
-        task = self._spawn(self._pipeline(heads, self._small_ops))
+        task = self._spawn(round_trip())
         try:
             replies = await asyncio.wait_for(
                 asyncio.shield(task), self.options.probe_deadline_ms / 1000.0
             )
         except (asyncio.TimeoutError, TimeoutError):
             c["probe_late"] += 1
-            replies = None
+            return unknown
         except _Unreachable:
-            replies = None
-        if len(asked) < len(all_keys):
-            c["probe_skipped_down"] += 1  # (masters lost before it waited, or while it did)
-        if replies is None:
             return unknown
         unremoved = self._unremoved
         if len(asked) < len(all_keys):
