@@ -1092,6 +1092,48 @@ async def test_regression_a_late_probe_queued_behind_a_hung_master_was_not_count
 
 
 @pytest.mark.slow
+async def test_regression_a_read_of_a_lost_masters_keys_that_l3_went_down_under_counted_them_nowhere(
+    redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
+) -> None:
+    """A read that leaves a lost master's keys unasked counts them in ``read_skipped_down``,
+    and what it asked in ``read_errors`` where L3 went down before it was sent: here it
+    waited for its connection while the read ahead of it timed out at the two other
+    masters, hung too. Its lost master's keys were counted in neither."""
+    cluster = redis_cluster_slow_verdict
+    nbytes, n = 4096, 48
+    victim = cluster.nodes[1]
+    chain, src, on_victim = blocks_over(cluster, l3_prefix, victim, n, nbytes)
+    others = [node for node in cluster.nodes if node is not victim]
+    # One connection per master for reads (the other of 2 kept for probes and removals).
+    async with opened(fail_fast_options(cluster, l3_prefix, pool_size=2)) as tier:
+        assert await tier.write(chain, nbytes, host(src)) == [True] * n
+        victim.pause()
+        try:
+            dest = empty(n, nbytes)
+            assert await tier.read(chain, nbytes, host(dest)) == lost_hits(on_victim, n)
+            assert tier.health().state is Health.DEGRADED_IO
+            before = tier.stats().counters
+            for node in others:
+                node.pause()
+            try:
+                both = await asyncio.gather(
+                    *(tier.read(chain, nbytes, host(empty(n, nbytes))) for _ in range(2))
+                )
+                assert both == [[None] * n] * 2
+                assert tier.health().state is Health.DOWN
+                c = tier.stats().counters
+                # The first timed out at the others; the second found L3 down.
+                assert c["timeouts"] - before["timeouts"] == 1, c
+                assert c["read_errors"] - before["read_errors"] == 2 * (n - len(on_victim))
+                assert c["read_skipped_down"] - before["read_skipped_down"] == 2 * len(on_victim)
+            finally:
+                for node in others:
+                    node.resume()
+        finally:
+            victim.resume()
+
+
+@pytest.mark.slow
 async def test_regression_a_delete_queued_behind_a_hung_master_sent_it_its_unlinks_and_waited(
     redis_cluster_slow_verdict: RedisClusterProcs, l3_prefix: str
 ) -> None:

@@ -620,11 +620,14 @@ class RemoteTier:
         try:
             replies = await self._pipeline(get, self._bulk_ops)
         except _Unreachable:
+            replies = None
+        # A lost master's keys: misses, not asked (before the call waited, or while it did).
+        c["read_skipped_down"] += n - len(asked)
+        if replies is None:
             c["read_errors"] += len(asked)
             return out
         if len(asked) < n:
-            # A lost master's keys: misses, not asked (a missing key's reply: None).
-            c["read_skipped_down"] += n - len(asked)
+            # Their replies: None, as a missing key's (passed over below: ``not_asked``).
             by_position = dict(zip(asked, replies, strict=True))
             replies = [by_position.get(j) for j in range(n)]
             not_asked = set(range(n)).difference(asked)
