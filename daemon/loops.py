@@ -11,12 +11,15 @@ uvloop does not install, or to rule the loop out while debugging); nothing else 
 
 A loop that is configured but cannot be imported stops the daemon before it allocates anything
 (``daemon/preflight.py``): no silent fallback to the other one.
+
+Work too long for one step of the loop (every other client's calls wait for a step) is done a
+slice a turn by ``in_turns``: the pins of leases that end together, the expiry heap's rebuild.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -57,6 +60,20 @@ def run(main: Coroutine[Any, Any, T], kind: str) -> T:
         return asyncio.run(main)
     main.close()
     raise ValueError(f"event loop {kind!r}: expected one of {', '.join(EVENT_LOOPS)}")
+
+
+def in_turns(step: Callable[[], bool]) -> None:
+    """Call ``step`` until it answers False (nothing left to do): now, then once a turn of the
+    running event loop, so that other callbacks run between its calls (work too long for one
+    step of the loop, done a slice a call); without a running loop (offline use), again at
+    once."""
+    while step():
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            continue
+        loop.call_soon(in_turns, step)
+        return
 
 
 def running() -> str:

@@ -52,6 +52,7 @@ from kvtier.daemon.errors import (
     SessionEnded,
     Unauthenticated,
 )
+from kvtier.daemon.loops import in_turns
 from kvtier.daemon.pools import (
     EnginePool,
     Pool,
@@ -713,31 +714,24 @@ class KVService:
             return
         self._owed_unpins.extend(refs)  # not joined here: that copies every ref in this step
         if not self._unpins_due:
-            self._unpin_a_slice()
+            in_turns(self._unpin_a_slice)
 
-    def _unpin_a_slice(self) -> None:
-        """Give back the next ``UNPIN_SLICE_REFS`` owed pins; schedule the next slice for the
-        next turn of the loop while more are owed (without a running loop: all of them now)."""
-        self._unpins_due = False
+    def _unpin_a_slice(self) -> bool:
+        """Give back the next ``UNPIN_SLICE_REFS`` owed pins; whether more are owed (a slice
+        is then due at the next turn, ``in_turns``)."""
+        self._unpins_due = False  # a slice that raises leaves the next ``_unpin_all`` to go on
         owed = self._owed_unpins
-        while owed:
-            room, part = UNPIN_SLICE_REFS, []
-            while owed and room:
-                refs = owed.popleft()
-                if len(refs) > room:
-                    owed.appendleft(refs[room:])
-                    refs = refs[:room]
-                part.append(refs)
-                room -= len(refs)
-            self.store.unpin(np.concatenate(part), distinct=False)
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                continue
-            if owed:
-                self._unpins_due = True
-                loop.call_soon(self._unpin_a_slice)
-            return
+        room, part = UNPIN_SLICE_REFS, []
+        while owed and room:
+            refs = owed.popleft()
+            if len(refs) > room:
+                owed.appendleft(refs[room:])
+                refs = refs[:room]
+            part.append(refs)
+            room -= len(refs)
+        self.store.unpin(np.concatenate([_NO_REFS, *part]), distinct=False)
+        self._unpins_due = bool(owed)
+        return self._unpins_due
 
     def owed_unpins(self) -> np.ndarray:
         """The refs of the pins that ended leases still hold (given back in turns of the

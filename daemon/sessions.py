@@ -24,8 +24,6 @@ Thread-safety: none; owned by the server's event loop.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import heapq
 import re
 import secrets
@@ -35,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, SessionGone
+from kvtier.daemon.loops import in_turns
 from kvtier.tiers.sizes import counted
 
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
@@ -284,36 +283,29 @@ class SessionRegistry:
         released leases do in any)."""
         if self._rebuild is None and len(self._expiry) > 2 * len(self._leases) + 1024:
             self._rebuild, self._rebuilt_upto, self._rebuilt = list(self._leases.values()), 0, []
-            self._rebuild_a_slice()
+            in_turns(self._rebuild_a_slice)
 
-    def _rebuild_a_slice(self) -> None:
-        leases, rebuilt = self._rebuild, self._rebuilt
+    def _rebuild_a_slice(self) -> bool:
+        """Add the next ``COMPACT_SLICE_LEASES`` leases to the new heap, and swap it in once
+        whole; whether more are left (``in_turns``)."""
+        leases, rebuilt, live = self._rebuild, self._rebuilt, self._leases
         assert leases is not None
-        while True:
-            start = self._rebuilt_upto
-            self._rebuilt_upto = end = start + COMPACT_SLICE_LEASES
-            live = self._leases
-            rebuilt += [(x.expires_at, x.lease_id) for x in leases[start:end] if x.lease_id in live]
-            if end >= len(leases):
-                heapq.heapify(rebuilt)
-                old, self._expiry, self._rebuild, self._rebuilt = self._expiry, rebuilt, None, []
-                self._free_in_slices(old)
-                return
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                continue
-            loop.call_soon(self._rebuild_a_slice)
-            return
+        start = self._rebuilt_upto
+        self._rebuilt_upto = end = start + COMPACT_SLICE_LEASES
+        rebuilt += [(x.expires_at, x.lease_id) for x in leases[start:end] if x.lease_id in live]
+        if end < len(leases):
+            return True
+        heapq.heapify(rebuilt)
+        old, self._expiry, self._rebuild, self._rebuilt = self._expiry, rebuilt, None, []
 
-    @staticmethod
-    def _free_in_slices(entries: list[tuple[float, int]]) -> None:
-        """Drop the old heap's entries ``COMPACT_SLICE_LEASES`` a turn of the loop: freed at
-        once, the 263,169 entries of 131,072 live leases' heap took some 14 ms."""
-        del entries[-COMPACT_SLICE_LEASES:]
-        if entries:
-            with contextlib.suppress(RuntimeError):  # no running loop: the rest at once
-                asyncio.get_running_loop().call_soon(SessionRegistry._free_in_slices, entries)
+        def drop_a_slice() -> bool:
+            """The old heap's entries go as many a turn: freed at once, the 263,169 entries
+            of 131,072 live leases' heap took some 14 ms."""
+            del old[-COMPACT_SLICE_LEASES:]
+            return bool(old)
+
+        in_turns(drop_a_slice)
+        return False
 
     def pop_expired(self, now: float, limit: int) -> list[Lease]:
         """End and return the leases whose deadline is at or before ``now``, earliest first,

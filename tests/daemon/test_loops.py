@@ -121,3 +121,28 @@ def test_the_running_loop_is_named_from_inside():
 
     assert asyncio.run(kind()) == "asyncio"
     assert uvloop.run(kind()) == "uvloop"
+
+
+def test_in_turns_calls_its_step_once_a_turn_and_all_at_once_without_a_loop():
+    """``in_turns``: the first call at once, each later one at a later turn of the running
+    loop, other callbacks running between them, until the step answers False; without a
+    running loop every call at once."""
+    calls: list[str] = []
+
+    def step() -> bool:
+        calls.append("step")
+        return calls.count("step") < 3
+
+    loops.in_turns(step)
+    assert calls == ["step"] * 3
+
+    async def run() -> None:
+        calls.clear()
+        loops.in_turns(step)
+        assert calls == ["step"]
+        for _ in range(4):
+            calls.append("turn")
+            await asyncio.sleep(0)
+        assert calls == ["step", "turn", "step", "turn", "step", "turn", "turn"]
+
+    asyncio.run(run())
