@@ -360,7 +360,7 @@ def _stats(args: argparse.Namespace) -> int:
                 for u in tenant.tiers
             )
             sessions = counted(tenant.sessions, "session", spec=">4")
-            print(f"  {tenant.tenant:<16} {sessions}  {usage}")
+            print(f"  {tenant.tenant:<16} {sessions:<13}  {usage}")  # as wide as "   2 sessions"
     print("gauges:")
     for name, value in sorted(stats.gauges.items()):
         print(f"  {name} = {value:g}")

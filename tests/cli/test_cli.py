@@ -192,6 +192,36 @@ def test_regression_stats_showed_a_small_tier_as_0_gib(daemon_factory, capsys):
     assert "64.0 KiB / 4.0 MiB (  1.6%)  1 block " in line, line
 
 
+def test_regression_stats_shifted_the_usage_of_a_tenant_with_one_session(capsys, monkeypatch):
+    """Since counts said "1 session" (5f6a1ef), `kvtier stats` printed a tenant of one
+    session with its usage a column left of the other tenants' ("   1 session  L1 ..." under
+    "   2 sessions  L1 ..."): the sessions' column keeps its width whatever the count."""
+    from kvtier.cli import main as cli
+    from kvtier.client.types import Stats, TenantStats, TenantTierStats
+
+    usage = [TenantTierStats(Tier.L1_HOST, 1 << 20, 0, 16)]
+    stats = Stats([], {}, {}, 1.0, "test", [TenantStats(f"t{n}", n, usage) for n in (1, 2)])
+
+    class FakeClient:
+        address = "fake"
+
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def stats(self) -> Stats:
+            return stats
+
+    monkeypatch.setattr(cli, "_client", lambda args: FakeClient())
+    code, out, _ = run_main(capsys, "stats")
+    assert code == 0
+    rows = [x for x in out.splitlines() if x.startswith("  t1 ") or x.startswith("  t2 ")]
+    assert [x.index("L1 ") for x in rows] == [rows[1].index("L1 ")] * 2, rows
+    assert "   1 session " in rows[0] and "   2 sessions " in rows[1], rows
+
+
 def test_stats_derives_hit_ratios_rates_and_latency(daemon):
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
