@@ -674,27 +674,34 @@ def test_regression_a_flood_of_connections_kept_a_scrape_waiting_to_connect():
     """The metrics port listened with socketserver's backlog of 5: 64 connections opened at
     once (and left idle) filled the kernel's accept queue before the endpoint's thread took
     them, so the kernel dropped a scrape's SYN and its connect waited for the retry, 1 s
-    later. The accept queue now holds such a flood; the scrape connects at once (the
-    handshake is the kernel's alone, microseconds on loopback) and is answered."""
+    later. The accept queue now holds such a flood: with no connection accepted at all, the
+    scrape's connect completes (it never did: each retry found the queue full), and the
+    endpoint answers it once it accepts again. No time is measured: the connect either
+    completes in the kernel or is never let in."""
     server, thread = metrics.serve_http("127.0.0.1", 0, metrics.scrape_app(CollectorRegistry()))
+    server.shutdown()  # the port listens on, and nothing accepts
+    thread.join(5)
     address = ("127.0.0.1", server.server_address[1])
     flood = [socket.socket() for _ in range(64)]
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
     try:
         for conn in flood:
             conn.setblocking(False)
             conn.connect_ex(address)  # EINPROGRESS: all 64 at once, none waited for
-        # 0.5 s is generous for a loopback handshake and ends before the 1 s SYN retry.
-        scrape = socket.create_connection(address, timeout=0.5)
+        # Far past the SYN retries at 1, 3 and 7 s, which find a full queue still full.
+        scrape = socket.create_connection(address, timeout=10)
         with scrape:
+            serving.start()
             scrape.settimeout(30)
             scrape.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
             assert scrape.makefile("rb").readline().startswith(b"HTTP/1.0 200 ")
     finally:
         for conn in flood:
             conn.close()
-        server.shutdown()
+        if serving.is_alive():
+            server.shutdown()
+            serving.join(5)
         server.server_close()
-        thread.join(5)
 
 
 def test_regression_connections_that_end_badly_printed_a_traceback_each(monkeypatch, capfd):
