@@ -361,7 +361,11 @@ OTHER_EVENTS = _c(
 
 # Store gauges (``BlockStore.gauges()``) -> metric name.
 STORE_GAUGES: dict[str, MetricDef] = {
-    "blocks_pinned": _g("kvtier_blocks_pinned", (), "Blocks pinned by at least one lease."),
+    "blocks_pinned": _g(
+        "kvtier_blocks_pinned",
+        (),
+        "Blocks pinned by at least one lease (an ended lease's pins count until given back).",
+    ),
     "blocks_in_flight": _g(
         "kvtier_blocks_in_flight", (), "Blocks with a copy being read or written now."
     ),
