@@ -126,6 +126,58 @@ def test_regression_the_expiry_heap_was_rebuilt_in_one_step_of_the_event_loop(mo
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_every_live_lease_stays_in_the_expiry_heap_through_rebuilds_in_turns(monkeypatch, seed):
+    """Leases taken, released, expired and ended with their session while the expiry heap is
+    rebuilt a slice a turn (and its old entries dropped as many): at every step each live
+    lease has an entry in the heap that serves, and at the end every lease expires once."""
+    import random
+
+    monkeypatch.setattr(sessions_module, "COMPACT_SLICE_LEASES", 7)
+    rnd = random.Random(seed)
+    rebuilds = 0
+    rebuild_a_slice = SessionRegistry._rebuild_a_slice
+
+    def counted_slice(reg: SessionRegistry) -> bool:
+        nonlocal rebuilds
+        more = rebuild_a_slice(reg)
+        rebuilds += not more
+        return more
+
+    monkeypatch.setattr(SessionRegistry, "_rebuild_a_slice", counted_slice)
+
+    async def run() -> None:
+        reg = SessionRegistry()
+        open_ids = [reg.open("s", 0.0).session_id for _ in range(3)]
+        now, live = 0.0, {}  # lease id -> session id
+        for _ in range(6000):
+            op, sid = rnd.random(), rnd.choice(open_ids)
+            if op < 0.5:
+                live[reg.add_lease(sid, np.array([1]), now + rnd.uniform(0.1, 500)).lease_id] = sid
+            elif op < 0.95 and live:
+                lid = rnd.choice(list(live))
+                reg.pop_lease(live.pop(lid), lid)
+            elif op < 0.955:
+                for lease in reg.close(sid):
+                    del live[lease.lease_id]
+                open_ids[open_ids.index(sid)] = reg.open("s", now).session_id
+            elif op < 0.965:
+                now += rnd.uniform(0, 3)
+                for lease in reg.pop_expired(now, rnd.randint(1, 50)):
+                    assert lease.expires_at <= now
+                    del live[lease.lease_id]
+            else:
+                await asyncio.sleep(0)
+            assert set(live) == set(reg._leases) <= {x for _, x in reg._expiry}
+        expired = []
+        while reg.expiry_due(now + 1000):
+            expired += [x.lease_id for x in reg.pop_expired(now + 1000, 100)]
+        assert sorted(expired) == sorted(live)
+
+    asyncio.run(run())
+    assert rebuilds >= 2, rebuilds  # whole rebuilds, each of several slices
+
+
 def test_regression_a_count_gone_negative_was_dropped_where_check_could_not_see_it():
     """The per-tenant counts of sessions and lease bytes dropped a tenant's entry once it
     fell to zero or below: a count gone negative (a lease unaccounted for more than it was
