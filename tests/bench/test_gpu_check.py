@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from benchjson import bench_cli, only_json
+from benchjson import only_json
 from cpu_ipc import CpuMapper
 from kv_pools import make_pool
 
@@ -21,13 +21,19 @@ from kvtier.tiers.host import HostArena
 
 
 @pytest.mark.no_cuda
-def test_without_cuda_it_fails_fast_with_the_reason():
+def test_without_cuda_it_fails_fast_with_the_reason(capsys):
+    # In this process: a fresh interpreter spent its seconds importing torch, which this
+    # module has imported already. JsonStdout writes the object to this capture and sends
+    # everything else to stderr, as it does in a process of its own.
+    from kvtier.cli.main import main
+
     assert not torch.cuda.is_available()
-    r = bench_cli("gpu")
-    assert r.returncode == 2, r.stderr
-    error = only_json(r.stdout)  # the error object, alone on stdout
+    code = main(["bench", "gpu", "--json"])
+    out = capsys.readouterr()
+    assert code == 2, out.err
+    error = only_json(out.out)  # the error object, alone on stdout
     assert error["ok"] is False and "needs a CUDA GPU" in error["error"]
-    assert "torch.cuda.is_available() is False" in r.stderr
+    assert "torch.cuda.is_available() is False" in out.err
 
 
 @pytest.mark.no_cuda
