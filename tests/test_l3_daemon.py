@@ -224,7 +224,11 @@ def test_regression_a_pinning_lookup_whose_client_gave_up_during_the_l3_probe_ke
     against the session's and tenant's lease limits: a client retrying on its timeout piled
     up a lease a try. Now such a lease is released at once, as a RegisterPool whose client
     left unregisters its pool."""
-    a = node(daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix)
+    # The probe's deadline past the clients' 0.5 s, as node()'s 3 s is, but not by seconds
+    # that each Lookup waits out: the daemon reads the call's deadline on its own clock.
+    a = node(
+        daemon_factory, tmp_path, "a", fresh_redis.url, l3_prefix, "tiers.l3.probe_deadline_ms=1000"
+    )
     chain = keys(4, 6)
     with a.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
