@@ -146,7 +146,7 @@ def test_regression_one_clients_large_requests_held_every_other_call_behind_them
     parsed in turns now, with the loop's other calls served between two of them: the
     Lookup, sent once the flood is under way, is answered while most of the flood still
     waits."""
-    flood = 64
+    flood = 32
     size = int(ServerConfig.max_message_bytes * 0.9)
     request = pb.PutRequest(
         session_id="no-such-session", pool_id=1, keys=[b"k" * 32], pages=[0] * size
