@@ -112,6 +112,13 @@ class Level:
         held = getattr(self.tier, "quarantined_bytes", None)
         return held() if held is not None else 0
 
+    def retry_writes_now(self) -> None:
+        """Have a tier degraded by a fault that may pass (a disk's full disk or locked index)
+        let the next write through now, not at its next retry; a no-op for other tiers."""
+        retry = getattr(self.tier, "retry_writes_now", None)
+        if retry is not None:
+            retry()
+
     @property
     def admits_all(self) -> bool:
         return isinstance(self.admission, AlwaysAdmit)

@@ -583,6 +583,9 @@ class BlockStore:
             return 0
         dirty = dirty[np.argsort(self.table.depths(dirty), kind="stable")]
         nbytes = int(self.table.nbytes[dirty].sum())
+        # The last chance for these blocks: a full disk (or locked index) freed since the
+        # tier's last try is found out now, not after tiers.l2.enospc_retry_s.
+        target.retry_writes_now()
         bound = "" if timeout_s is None else f" (for at most {timeout_s:g}s)"
         log.info(
             "flushing %d volatile-only blocks (%.1f MiB) to %s%s",

@@ -300,3 +300,41 @@ def test_regression_l2_degraded_by_a_locked_index_took_no_demotion_again_once_le
         wait_for(takes_writes_again)
         assert Tier.L2_DISK in client.lookup(ks).tiers
         assert client.check().problems == []
+
+
+def test_regression_a_flush_at_stop_onto_l2_degraded_by_a_fault_since_passed_wrote_nothing(
+    daemon_factory, tmp_path
+):
+    """L2 degraded by a fault that passes (a full disk; here an index another process kept
+    locked) refuses writes but one batch per tiers.l2.enospc_retry_s (30 s by default). An
+    operator who freed the disk (let the lock go) and restarted the daemon within that time
+    lost every block held only in L1: the flush at stop wrote none ("L2 refuses writes"), though
+    the disk took writes again. The flush is the last chance for those blocks: it now lets its
+    first batch through, and the batches sent while that one is in flight (one block each
+    here), and writes them all."""
+    l2 = tmp_path / "l2"
+    d = daemon_factory(
+        *l2_args(l2, "tiers.l2.enospc_retry_s=30", "mover.batch_bytes=64KiB"), entry=FAST_FAULTS
+    )
+    ks = keys(5, 467)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 467)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks[:4], range(4)).stored == 4  # in L1 only
+        other = sqlite3.connect(l2 / "index.sqlite3", isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            put = client.put(pool.pool_id, ks[4:], [4], durable=True)
+            assert put.persisted == [False]
+        finally:
+            other.close()
+        state = next(t.state for t in client.stats().tiers if t.tier == Tier.L2_DISK)
+        assert state.startswith("degraded_io: locked")
+    assert d.stop() == 0
+    assert "flushed 5 of 5 volatile-only blocks to L2" in d.log()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.lookup(ks).tiers == [Tier.L2_DISK] * 5
+        _read_back(client, pool.pool_id, ks, shm, [page(src, p) for p in range(5)])
+        assert client.check().problems == []

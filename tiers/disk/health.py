@@ -4,7 +4,8 @@ A fault never raises out of the tier; it is counted and may degrade the tier. EN
 disk) and an index locked by another process past the busy timeout (SQLITE_BUSY: an operator's
 ``sqlite3`` shell left in a write transaction; or, its WAL removed, one in a read transaction
 that keeps the checkpoint from finishing) degrade it until a write gets through again (one
-write batch per ``enospc_retry_s`` is let through to find out). So does a failed read of data
+write batch per ``enospc_retry_s`` is let through to find out; the stop's flush lets every
+batch through until one fails, ``retry_now``). So does a failed read of data
 blocks (kind ``read``, whatever its errno; a full disk's or a lock's fault stays in its place,
 as no release may end it, and the read's comes back when that one ends, as would a full
 disk's or a lock's coming over it): its slots are quarantined by the tier, and it lasts until
@@ -83,6 +84,8 @@ class FaultState:
         # full disk's or a lock's in its place ends with a commit, which says nothing of reads.
         self._read_fault: Fault | None = None
         self._next_probe = 0.0
+        # Set by ``retry_now``: writes are let through until the next fault.
+        self._retrying = False
         self.counters: Counter[str] = Counter()
         # Things an operator must see that did not stop the tier (an index moved aside at
         # start, blocks lost with a damaged data file): shown with the health state.
@@ -114,6 +117,7 @@ class FaultState:
             if what.startswith("index"):
                 self.counters["index_errors"] += 1
             before = self._degraded
+            self._retrying = False
             if fault.kind == "read":
                 self._read_fault = Fault(fault.kind, f"{what}: {fault.detail}")
             # A full disk, a lock or a failed read may clear up; anything else keeps the tier
@@ -139,10 +143,22 @@ class FaultState:
         with self._lock:
             if self._degraded is None:
                 return True
+            if self._degraded.kind in _PASSING and self._retrying:
+                return True
             if self._degraded.kind in _PASSING and time.monotonic() >= self._next_probe:
                 self._next_probe = time.monotonic() + self._enospc_retry_s
                 return True
             return False
+
+    def retry_now(self) -> None:
+        """If a fault that may pass degrades the tier, let every write batch through from now
+        until one fails (or a commit ends the fault), rather than one per ``enospc_retry_s``:
+        the stop's flush is the last chance for the blocks it writes, the fault may have
+        passed since the last batch let through, and a batch refused while the first is in
+        flight would be lost."""
+        with self._lock:
+            if self._degraded is not None and self._degraded.kind in _PASSING:
+                self._retrying = True
 
     def lock_held(self) -> bool:
         """Whether the tier is degraded by an index another process keeps locked."""
@@ -199,7 +215,7 @@ class FaultState:
         with self._lock:
             fault, notes = self._degraded, "; ".join(self._notes)
             due = fault is not None and fault.kind in _PASSING
-            due = due and time.monotonic() >= self._next_probe
+            due = due and (self._retrying or time.monotonic() >= self._next_probe)
         if fault is None:
             return TierHealth(Health.OK, notes)
         state = Health.DEGRADED_NOSPACE if fault.kind == "enospc" else Health.DEGRADED_IO

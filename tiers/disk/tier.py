@@ -1034,6 +1034,11 @@ class DiskTier:
     def health(self) -> TierHealth:
         return self.faults.health()
 
+    def retry_writes_now(self) -> None:
+        """Degraded by a fault that may pass (a full disk, a locked index), let the next write
+        batch through now to find out (``FaultState.retry_now``)."""
+        self.faults.retry_now()
+
     def stats(self) -> TierStats:
         slab = self.allocator.stats()
         counters = dict.fromkeys(_COUNTERS, 0)
