@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,9 +42,27 @@ def _fill_disk(path: Path) -> None:
 
 
 def test_capacity_beyond_the_filesystem_is_refused(small_fs: Path) -> None:
-    with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes"):
+    with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes") as e:
         DiskTier(small_fs / "l2", 64 * MiB, 1 * MiB)
+    assert "there, or set a smaller tiers.l2.capacity_bytes" in str(e.value)
     assert not list((small_fs / "l2").glob("data-*"))
+
+
+def test_regression_a_start_on_a_filled_disk_was_refused_without_the_fix(small_fs: Path) -> None:
+    """A disk filled while the daemon was stopped (its data files all allocated, the index
+    short of the 1 MiB kept for it) refuses the start, naming the bytes missing, but not what
+    to do; and a smaller capacity, which an operator would try, does not help there (the
+    check counts the index's room whatever the capacity). The refusal now says to free that
+    much, and offers a smaller capacity only where it would fit."""
+    directory = small_fs / "l2"
+    DiskTier(directory, 16 * MiB, 1 * MiB).close()
+    _fill_disk(small_fs / "filler")
+    for capacity in (16 * MiB, 8 * MiB):
+        with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes") as e:
+            DiskTier(directory, capacity, 1 * MiB)
+        assert re.search(r"free: free 0\.\d\d MiB there$", str(e.value)), str(e.value)
+    (small_fs / "filler").unlink()
+    DiskTier(directory, 16 * MiB, 1 * MiB).close()
 
 
 def test_disk_full_degrades_keeps_serving_reads_and_recovers(

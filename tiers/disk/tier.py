@@ -199,11 +199,20 @@ class SpaceShortfall(NamedTuple):
     free_bytes: int
 
     def __str__(self) -> str:
+        # A smaller capacity needs fewer data-file bytes, never less than the index's room:
+        # where that does not fit either (a disk filled under a tier whose data files are
+        # all allocated), freeing space is the one fix.
+        smaller = (
+            ", or set a smaller tiers.l2.capacity_bytes"
+            if self.free_bytes >= AUX_RESERVE_BYTES
+            else ""
+        )
         return (
             f"L2 directory {self.directory} cannot hold tiers.l2.capacity_bytes="
             f"{format_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} "
             f"more (the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and "
-            f"lock) and the filesystem has {_mib(self.free_bytes)} free"
+            f"lock) and the filesystem has {_mib(self.free_bytes)} free: free "
+            f"{_mib(self.needed_bytes - self.free_bytes)} there{smaller}"
         )
 
 
