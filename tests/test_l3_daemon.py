@@ -502,6 +502,20 @@ def l3_blocks(client) -> int:
     return l3.blocks
 
 
+def delete_when_not_busy(client, chain: list[bytes]) -> int:
+    """Delete ``chain`` again until no block of it is busy (a copy still ending in the
+    daemon); how many were deleted in all."""
+    deleted = []
+
+    def delete() -> bool:
+        out = client.delete(chain)
+        deleted.append(out.deleted)
+        return out.busy == 0
+
+    wait_for(delete)
+    return sum(deleted)
+
+
 def put_all(client, pool_id: int, chain: list[bytes]) -> None:
     for s in range(0, len(chain), 64):
         part = chain[s : s + 64]
@@ -1011,15 +1025,7 @@ def test_regression_a_delete_the_store_had_not_applied_came_back_after_a_crash(
         try:
             # The L3 copies reached Redis, yet a copy may still be ending in the daemon
             # (busy to a Delete): deleted once none is.
-            deleted = []
-
-            def delete() -> bool:
-                out = ca.delete(chain[4:])
-                deleted.append(out.deleted)
-                return out.busy == 0
-
-            wait_for(delete)
-            assert sum(deleted) == 4
+            assert delete_when_not_busy(ca, chain[4:]) == 4
             # Put again after its Delete: no longer a removal, and written to L3 again.
             before = ca.stats().counter("copies", direction="L1->L3")
             assert ca.put(pool_id, chain[7:], [7]).prefix_len == 1
@@ -1065,7 +1071,9 @@ def test_regression_removals_kept_in_l2_were_lost_or_came_back_when_removals_fil
             put_all(ca, ca.register_pool(shm, LAYOUT).pool_id, chain)
             wait_for(lambda: len(raw.keys(f"{l3_prefix}*")) == 8)
             raw.execute_command("ACL", "SETUSER", "default", "-unlink")
-            assert ca.delete(chain[7:]).deleted == 1  # refused: kept in L2's index
+            # The copy reached Redis, yet may still be ending in the daemon (busy to a
+            # Delete): deleted once it is not. Its UNLINK is refused: kept in L2's index.
+            assert delete_when_not_busy(ca, chain[7:]) == 1
         a.stop()
         a.overrides += ["--set", removals_file]
         a.start()
