@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None, early_signals: EarlySignals | None = Non
     except (OSError, TierError) as e:
         log.error("cannot start: %s", e)
         return EXIT_CANNOT_START
+    except ConfigError as e:  # one only the start finds: a policy lacking protocol members
+        log.error("config error: %s", e)
+        return EXIT_CONFIG_ERROR
     except KeyboardInterrupt:
         pass
     finally:

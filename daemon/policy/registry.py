@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.policy.base import EvictionPolicy
 
 Factory = Callable[..., EvictionPolicy]
@@ -58,12 +59,13 @@ def policy_names(*, live: bool = False) -> list[str]:
 
 
 def make_policy(name: str, **params: Any) -> EvictionPolicy:
-    """A new policy ``name``; TypeError, naming them, where it lacks members of the protocol
-    (a policy written when they were optional, as ``on_owed`` and ``work`` were: the daemon
-    would fail on the first call of one, between requests, long after its start)."""
+    """A new policy ``name``; ConfigError, naming them, where it lacks members of the
+    protocol (a policy written when they were optional, as ``on_owed`` and ``work`` were: the
+    daemon would fail on the first call of one, between requests, long after its start; a
+    config error, as trying again cannot help)."""
     policy = _factory(name)(**params)
     if missing := [m for m in _PROTOCOL_MEMBERS if not hasattr(policy, m)]:
-        raise TypeError(
+        raise ConfigError(
             f"policy {name!r} lacks {', '.join(missing)} of the EvictionPolicy protocol "
             "(kvtier.daemon.policy.base; base.OwesNoWork gives on_owed and work to a policy "
             "that owes no work)"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from heat_state import assert_same_state
 
+from kvtier.daemon.errors import ConfigError
 from kvtier.daemon.policy import registry
 from kvtier.daemon.policy.base import DECLINED, NO_VICTIM, InsertEach
 from kvtier.daemon.policy.hints import Hinted
@@ -46,9 +49,46 @@ def test_regression_a_plugin_policy_without_the_owed_work_members_was_built(monk
     body = {k: v for k, v in vars(LRUPolicy).items() if k not in ("__dict__", "__weakref__")}
     register_policy("old-lru", type("OldLRU", (InsertEach, Hinted), body))
     register_policy("new-lru", LRUPolicy)
-    with pytest.raises(TypeError, match=r"policy 'old-lru' lacks on_owed, work of the Evict"):
+    with pytest.raises(ConfigError, match=r"policy 'old-lru' lacks on_owed, work of the Evic"):
         make_policy("old-lru")
     assert isinstance(make_policy("new-lru"), LRUPolicy)
+
+
+# kvtierd with a plugin policy registered as written before on_owed and work were members.
+_ENTRY_WITH_AN_OLD_PLUGIN = """
+import sys
+from kvtier.daemon.main import main
+from kvtier.daemon.policy.base import InsertEach
+from kvtier.daemon.policy.hints import Hinted
+from kvtier.daemon.policy.lru import LRUPolicy
+from kvtier.daemon.policy.registry import register_policy
+
+body = {k: v for k, v in vars(LRUPolicy).items() if k not in ("__dict__", "__weakref__")}
+register_policy("old-lru", type("OldLRU", (InsertEach, Hinted), body))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_regression_a_daemon_given_a_policy_lacking_members_ended_in_a_traceback(tmp_path):
+    """make_policy's refusal of such a policy (above) came out of kvtierd's start as a
+    TypeError's traceback, exit status 1 (a start that may pass when tried again): it is the
+    config error it is, told in one line with status 2, as an unknown policy name is."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _ENTRY_WITH_AN_OLD_PLUGIN,
+            *("--set", f"server.socket={tmp_path / 'd.sock'}"),
+            *("--set", "tiers.l1.capacity_bytes=64MiB"),
+            *("--set", "policy.name=old-lru"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "config error: policy 'old-lru' lacks on_owed, work of the" in r.stderr, r.stderr
 
 
 def test_unknown_parameters_are_ignored(name: str) -> None:
