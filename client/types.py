@@ -256,7 +256,8 @@ def unix_socket_path(address: str) -> str | None:
 def checked_address(address: str) -> str:
     """``address``, or InvalidArgumentError when no daemon can have it: a Unix socket path
     that no socket can have (gRPC took such a channel and failed each call with UNKNOWN
-    'Failed to create channel', after its core printed a line of its own), or none at all; a
+    'Failed to create channel', after its core printed a line of its own), none at all, or a
+    relative one in the URI form (the same failure: "unix://run/x.sock" names a host); a
     TCP port past 65535 (gRPC took it modulo 65536: ``localhost:99999`` connected to port
     34463, and sent a tenant's token to whatever listened there)."""
     path = unix_socket_path(address)
@@ -269,6 +270,12 @@ def checked_address(address: str) -> str:
     if path is not None:
         if not path:
             raise InvalidArgumentError(f"address {address!r} names no Unix socket path")
+        if address.startswith("unix://") and not path.startswith("/"):
+            # gRPC reads what follows "unix://" up to a "/" as a host, which the scheme has not.
+            raise InvalidArgumentError(
+                f"address {address}: the URI form takes an absolute path (unix:///PATH); "
+                f"a relative one is unix:{path}"
+            )
         size = len(path.encode())
         if size > MAX_UNIX_PATH_BYTES:
             raise InvalidArgumentError(

@@ -1422,6 +1422,8 @@ def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(ca
     [
         ("unix:", "names no Unix socket path"),
         ("unix://", "names no Unix socket path"),
+        ("unix://kvtierd.sock", "the URI form takes an absolute path"),
+        ("unix://host/run/kvtierd.sock", "the URI form takes an absolute path"),
         ("localhost:99999", "port 99999 is not a TCP port"),
         ("[::1]:70000", "port 70000 is not a TCP port"),
         ("dns:///localhost:65536", "port 65536 is not a TCP port"),
@@ -1431,7 +1433,9 @@ def test_regression_a_unix_uri_address_too_long_for_a_socket_passed_the_check(ca
 def test_regression_an_address_no_daemon_can_have_was_taken(capsys, address, says):
     """'unix:' named the working directory (made absolute), and a port past 65535 was taken
     modulo 65536 by gRPC: `localhost:99999` connected to port 34463 (and would send a
-    tenant's token to whatever listened there). Both are refused before anything is sent."""
+    tenant's token to whatever listened there). 'unix://kvtierd.sock' (the URI form of a
+    relative path, which gRPC reads as a host) failed each call with UNKNOWN 'Failed to
+    create channel', health with status 1. All are refused before anything is sent."""
     from kvtier.client import AsyncClient, Client, InvalidArgumentError, wait_until_serving
 
     for make in (Client, AsyncClient):
