@@ -13,6 +13,17 @@ One that arrives while the daemon starts is held (from the entry point on,
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # `python -m kvtier.daemon.main` starts as kvtierd does, through the entry point, before
+    # this module's imports below (the heavy ones, ~240 ms): it holds the signals from then on
+    # and quiets gRPC's core before anything imports it (read once, at that import). The entry
+    # imports this module again under its own name, and this run ends with the daemon.
+    from kvtier.daemon.entry import main as entry_main
+
+    sys.exit(entry_main())
+
 import argparse
 import asyncio
 import contextlib
@@ -20,7 +31,6 @@ import gc
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -287,12 +297,3 @@ def _tune_collector() -> None:
     gc.freeze()
     _, second, third = gc.get_threshold()
     gc.set_threshold(GC_FIRST_THRESHOLD, second, third)
-
-
-if __name__ == "__main__":
-    # `python -m kvtier.daemon.main` starts as kvtierd does: through the entry point, which
-    # quiets gRPC's core before anything imports it (read once, at that import) and holds the
-    # signals until the daemon serves.
-    from kvtier.daemon.entry import main as entry_main
-
-    sys.exit(entry_main())

@@ -155,3 +155,44 @@ def test_a_sighup_and_a_sigterm_while_the_daemon_starts_stop_it_without_a_reload
     d = _start(tmp_path, daemon_factory, "bound", "SIGHUP+SIGTERM")
     _assert_stopped_cleanly(d)
     assert "reading the config again" not in d.log() and "SIGHUP: " not in d.log()
+
+
+# `python -m kvtier.daemon.main` (runpy's run as __main__, as -m does), with the signals of
+# argv[1] sent as the module's first heavy import, kvtier.daemon.preflight, starts.
+_MODULE_SIGNALLING_ITSELF = """
+import os, runpy, signal, sys
+
+signums = [getattr(signal, n) for n in sys.argv[1].split("+")]
+del sys.argv[1]
+
+class SignalOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvtier.daemon.preflight":
+            sys.meta_path.remove(self)
+            for signum in signums:
+                os.kill(os.getpid(), signum)
+        return None
+
+sys.meta_path.insert(0, SignalOnImport())
+runpy.run_module("kvtier.daemon.main", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_regression_a_stop_signal_while_python_m_kvtier_daemon_main_imported_ended_it(
+    tmp_path, daemon_factory, sig
+):
+    """``python -m kvtier.daemon.main`` ran the module's own imports (the heavy ones, ~240 ms)
+    before its ``__main__`` block handed over to the entry point: a SIGTERM then ended it at
+    once (status -15, no log line), a SIGINT with a traceback (-2). Its start is the entry
+    point's now, before any of them, and the signal is held as kvtierd's is."""
+    d = DaemonProcess(
+        tmp_path,
+        f"{daemon_factory._sockdir}/m.sock",
+        ["--set=tiers.l1.capacity_bytes=64MiB"],
+        entry=("-c", _MODULE_SIGNALLING_ITSELF, sig.name),
+    )
+    daemon_factory._daemons.append(d)
+    d.start(wait=False)
+    _assert_stopped_cleanly(d)
+    assert f"{sig.name} arrived while starting" in d.log()
