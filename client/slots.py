@@ -243,5 +243,8 @@ class AsyncCallSlots:
 
     def _expire(self, waiter: asyncio.Future[bool]) -> None:
         if not waiter.done():
-            self._waiting.remove(waiter)
+            # Off the queue already where an interrupt ended the wait as its timer was set,
+            # before the wait had the timer to cancel.
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(waiter)
             waiter.set_result(False)

@@ -620,3 +620,41 @@ def test_regression_an_interrupt_as_an_async_job_part_got_its_slot_lost_the_slot
                 assert (await client.lookup(keys, timeout_s=2)).prefix_len == 0
 
     asyncio.run(main())
+
+
+def test_regression_an_interrupt_as_an_async_wait_s_timer_was_set_logged_its_expiry_failing():
+    """A KeyboardInterrupt that a signal's handler raises as the wait's timer is scheduled
+    (where the interpreter checks for signals, once ``call_at`` has pushed it on the loop's
+    timers and before it returns it: injected there by a profile hook) takes the waiter off
+    the queue, but the timer it never got stays scheduled. At the wait's time the timer's
+    expiry took the waiter off again: ValueError in a loop callback, logged by the loop
+    ("Exception in callback AsyncCallSlots._expire"). A waiter already off the queue
+    expires quietly, and no slot is taken either way."""
+    heappush_caller = asyncio.BaseEventLoop.call_at.__code__
+    landed: list[bool] = []
+
+    def interrupt(frame, event: str, arg) -> None:
+        if event == "c_return" and frame.f_code is heappush_caller and arg.__name__ == "heappush":
+            sys.setprofile(None)
+            landed.append(True)
+            raise KeyboardInterrupt
+
+    async def run() -> list[dict]:
+        loop = asyncio.get_running_loop()
+        errors: list[dict] = []
+        loop.set_exception_handler(lambda loop, context: errors.append(context))
+        slots = AsyncCallSlots(1)
+        assert slots.take()
+        sys.setprofile(interrupt)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                await slots.wait(0.05)
+        finally:
+            sys.setprofile(None)
+        assert landed and slots.waiting == 0
+        await asyncio.sleep(0.2)  # past the wait's time: the timer has run
+        slots.release()
+        assert slots.held == 0
+        return errors
+
+    assert asyncio.run(run()) == []
