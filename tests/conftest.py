@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,40 @@ def namespaced_daemon(shared_daemon: DaemonProcess) -> NamespacedDaemon:
 def daemon(daemon_factory: DaemonFactory) -> DaemonProcess:
     """A daemon with a 128 MiB L1 and otherwise default config."""
     return daemon_factory()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 48 MiB ext4 filesystem of 4 KiB blocks, as a data disk's (mkfs.ext4 would make
+    1 KiB ones this small: SQLite's shared memory then has holes, a SIGBUS where a full disk
+    cannot fill them), loop-mounted, for tests that fill a disk. Skips when the sandbox
+    cannot mount one (needs root, loop devices and mkfs.ext4)."""
+    if os.geteuid() != 0:
+        pytest.skip("loop-mounting a small filesystem needs root")
+    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        pytest.skip("mkfs.ext4 or mount is not installed")
+    image = tmp_path / "small.img"
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(48 << 20)
+    made = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(image)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    mounted = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot loop-mount a filesystem here: {mounted.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""A disk-tier file backend with faults a test switches on (no patching of ``os``)."""
+"""A disk-tier file backend with faults a test switches on (no patching of ``os``), and a full
+disk (``fill_disk``)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from kvtier.tiers.disk import OsFiles
 
@@ -52,3 +55,20 @@ class FaultyFiles(OsFiles):
     def fdatasync(self, fd: int) -> None:
         self._check("fdatasync", fd)
         super().fdatasync(fd)
+
+
+def fill_disk(path: Path) -> None:
+    """Write a file until the filesystem refuses another byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 20, 4096, 512, 1):
+            data = b"\xee" * chunk
+            while True:
+                try:
+                    os.write(fd, data)
+                except OSError as e:
+                    assert e.errno == errno.ENOSPC
+                    break
+        os.fsync(fd)
+    finally:
+        os.close(fd)

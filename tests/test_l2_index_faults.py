@@ -9,6 +9,7 @@ import shutil
 import sqlite3
 
 import pytest
+from disk_faults import fill_disk
 from harness import entry_setting
 from test_l2_daemon import LAYOUT, SMALL_L1, fill, keys, l2_args, page, wait_for
 
@@ -337,4 +338,40 @@ def test_regression_a_flush_at_stop_onto_l2_degraded_by_a_fault_since_passed_wro
         pool = client.register_pool(shm, LAYOUT)
         assert client.lookup(ks).tiers == [Tier.L2_DISK] * 5
         _read_back(client, pool.pool_id, ks, shm, [page(src, p) for p in range(5)])
+        assert client.check().problems == []
+
+
+@pytest.mark.slow  # 4-6 s: two starts on a loop-mounted disk, filled
+def test_regression_a_delete_answered_on_a_full_disk_came_back_after_a_sigkill(
+    daemon_factory, small_fs
+):
+    """A Delete on L2 degraded by a full disk was answered, but the index could not commit
+    the removal of the keys' rows (SQLITE_FULL: its WAL had no room to grow): the free was
+    deferred, and a SIGKILL before space came back served the 16 deleted keys again after
+    the restart. The removal now commits on the reserve the tier keeps beside its index."""
+    l2 = small_fs / "l2"
+    d = daemon_factory(*l2_args(l2, "tiers.l2.capacity_bytes=16MiB"), entry=FAST_FAULTS)
+    ks = keys(64, 464)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 464)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks[:32], range(32), durable=True).persisted == [True] * 32
+        fill_disk(small_fs / "filler")
+        held = 32
+        while held < 64:  # until the index's WAL can grow no more
+            if client.put(pool.pool_id, ks[held : held + 1], [held], durable=True).persisted != [
+                True
+            ]:
+                break
+            held += 1
+        assert held < 64, "the disk never filled up"
+        assert client.delete(ks[:16]).deleted == 16
+        assert client.stats().counters.get('frees_deferred{tier="L2"}', 0) == 0
+    d.kill()
+    (small_fs / "filler").unlink()
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.lookup(ks[:held]).tiers == [Tier.ABSENT] * 16 + [Tier.L2_DISK] * (held - 16)
+        _read_back(client, pool.pool_id, ks[16:32], shm, [page(src, p) for p in range(16, 32)])
         assert client.check().problems == []

@@ -7,38 +7,23 @@ else fills the disk under a running daemon."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from disk_faults import fill_disk
 from disk_writes import PersistItem, persist
 
 from kvtier.tiers.base import Health, TierUnavailable
 from kvtier.tiers.disk import DiskTier, ReadItem
+from kvtier.tiers.disk.tier import RESERVE_NAME
 
 MiB = 1 << 20
 Block = Callable[[int, int], tuple[bytes, bytes]]
-
-
-def _fill_disk(path: Path) -> None:
-    """Write a file until the filesystem refuses another byte."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for chunk in (MiB, 4096, 512, 1):
-            data = b"\xee" * chunk
-            while True:
-                try:
-                    os.write(fd, data)
-                except OSError as e:
-                    assert e.errno == errno.ENOSPC
-                    break
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def test_capacity_beyond_the_filesystem_is_refused(small_fs: Path) -> None:
@@ -56,7 +41,7 @@ def test_regression_a_start_on_a_filled_disk_was_refused_without_the_fix(small_f
     much, and offers a smaller capacity only where it would fit."""
     directory = small_fs / "l2"
     DiskTier(directory, 16 * MiB, 1 * MiB).close()
-    _fill_disk(small_fs / "filler")
+    fill_disk(small_fs / "filler")
     for capacity in (16 * MiB, 8 * MiB):
         with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes") as e:
             DiskTier(directory, capacity, 1 * MiB)
@@ -83,7 +68,7 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
         blocks.update({it.key: (it, o.checksum) for it, o in zip(items, outs, strict=True)})
 
     filler = small_fs / "filler"
-    _fill_disk(filler)
+    fill_disk(filler)
     failed_at = None
     pending: list[int] = []
     with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
@@ -137,3 +122,75 @@ def test_disk_full_degrades_keeps_serving_reads_and_recovers(
     with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
         assert {r.key for r in tier.recover()} == set(blocks)
         assert all(read_all(tier))
+
+
+def _crash_copy(directory: Path, to: Path) -> Path:
+    """The files of the open tier in ``directory`` as a SIGKILL would leave them (the
+    process gone, its committed pages in the index and its WAL), copied to ``to``."""
+    to.mkdir(mode=0o700)
+    for path in directory.iterdir():
+        if path.is_file():
+            shutil.copyfile(path, to / path.name)
+            os.chmod(to / path.name, 0o600)
+    return to
+
+
+def test_regression_a_delete_on_a_full_disk_came_back_after_a_crash(
+    small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a full disk the index could not commit a removal (SQLITE_FULL: its WAL had no room
+    to grow), so ``remove`` failed, the daemon answered the Delete and deferred the free, and
+    a SIGKILL before space came back served the deleted blocks again. The tier now keeps a
+    reserve file beside its index and gives it back to commit a removal, in steps where one
+    transaction would not fit (here 1,000 rows spread over the table: ~160 KiB of WAL in one,
+    the reserve made 64 KiB); it is made again once a write commits with space back. The
+    deletion's commit on the reserve fails without the fix, and in one transaction."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    directory = small_fs / "l2"
+    reserve = directory / RESERVE_NAME
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    assert reserve.stat().st_blocks * 512 >= 64 << 10
+
+    def allocate(start: int, stop: int) -> list[PersistItem]:
+        items = []
+        for i in range(start, stop):
+            key, data = make_block(i, 4096)
+            slot = tier.allocator.allocate(4096)
+            assert slot is not None
+            items.append(PersistItem(1, key, slot, data, 4096))
+        return items
+
+    items = allocate(0, 2000)
+    for start in range(0, 2000, 250):
+        assert all(o.ok for o in persist(tier, items[start : start + 250]))
+    tier.close()  # checkpoints: the index file holds every page, as after 1000 pages of WAL
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    tier.recover()
+    items += allocate(2000, 2200)
+    fill_disk(small_fs / "filler")
+    kept = items[:2000]
+    for it in items[2000:]:  # writes until the WAL can grow no more
+        if not persist(tier, [it])[0].ok:
+            assert tier.remove([it.slot])  # no row: nothing to commit
+            break
+        kept.append(it)
+    assert tier.health().state is Health.DEGRADED_NOSPACE
+    deleted = kept[::2]
+    assert tier.remove([it.slot for it in deleted]), tier.health()
+    assert not reserve.exists()
+    assert tier.stats().counters["removals_on_reserve"] == 1
+    # A later removal commits too, the reserve spent: in the room the WAL's file took.
+    assert tier.remove([it.slot for it in kept[1::4]]), tier.health()
+    crashed = _crash_copy(directory, tmp_path / "crashed")
+    with DiskTier(crashed, 16 * MiB, 1 * MiB) as copy:
+        assert {r.key for r in copy.recover()} == {it.key for it in kept[3::4]}
+
+    # Space comes back: the next write commits and the reserve is made again.
+    (small_fs / "filler").unlink()
+    key, data = make_block(5000, 4096)
+    slot = tier.allocator.allocate(4096)
+    assert slot is not None
+    assert persist(tier, [PersistItem(1, key, slot, data, 4096)])[0].ok, tier.health()
+    assert tier.health().state is Health.OK
+    tier.close()  # waits for the I/O thread that makes the reserve
+    assert reserve.stat().st_blocks * 512 >= 64 << 10

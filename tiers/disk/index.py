@@ -398,6 +398,18 @@ class DiskIndex:
         with self.transaction() as db:
             db.executemany("DELETE FROM blocks WHERE slot = ?", [(s,) for s in slots])
 
+    def delete_in_steps(self, slots: Sequence[int], step: int) -> None:
+        """Delete the rows of ``slots`` ``step`` at a time, each step its own transaction
+        followed by a checkpoint that restarts the WAL, so that the WAL's file grows by about
+        one step's pages (a removal on a full disk). A checkpoint that fails (busy, or short
+        of room where the WAL holds pages beyond the index file's end) leaves its step
+        committed, and the next step appends to the WAL. A crash between steps keeps the
+        steps committed; the rows not reached stay, as after a failed ``delete``."""
+        for start in range(0, len(slots), step):
+            self.delete(slots[start : start + step])
+            with self._lock, contextlib.suppress(sqlite3.Error):
+                self._conn().execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+
     def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
         """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""
         now = self._clock()

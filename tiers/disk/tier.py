@@ -7,6 +7,8 @@ checks; every file in it 0600, none opened through a symbolic link)::
                           moment, by ``kvtierd --check-config``)
     data-0000.bin ...     preallocated data files; each holds a whole number of segments
     index.sqlite3         (+ -wal, -shm) the index: slot -> ns, key, nbytes, checksum, written_at
+    index.reserve         preallocated room the tier gives back to commit a removal on a full
+                          disk (``RESERVE_NAME``)
 
 Slots come from a SlabAllocator over the concatenated data files: a slot is one contiguous,
 4 KiB-aligned extent of one file, so a block moves with one aligned ``O_DIRECT`` transfer, and
@@ -127,12 +129,22 @@ MAX_FILES = 256
 # many files of it hold the new capacity (``data_file_bytes``).
 MAX_KEPT_FILES = 2 * MAX_FILES
 # Room a directory must have, beside its data files, for the tier's other files (the index,
-# its -wal and -shm, the lock) and the folder itself: a new index alone takes ~20 KiB, made
-# after the space is checked. Counted less what those files already hold, so the check before
-# anything exists (``kvtierd --check-config``, the daemon's preflight) and the tier's own give
-# the same answer (a capacity within ~20 KiB of the free space passed the first and failed
-# the second).
+# its -wal and -shm, the reserve, the lock) and the folder itself: a new index alone takes
+# ~20 KiB, made after the space is checked. Counted less what those files already hold, so
+# the check before anything exists (``kvtierd --check-config``, the daemon's preflight) and
+# the tier's own give the same answer (a capacity within ~20 KiB of the free space passed the
+# first and failed the second).
 AUX_RESERVE_BYTES = 1 << 20
+# A file beside the index, preallocated within ``AUX_RESERVE_BYTES``, that the tier gives back
+# to the filesystem when the index has no room to commit a removal (SQLITE_FULL: its WAL
+# cannot grow on a full disk), so that a removal, which only shrinks the tier, still becomes
+# durable there; made again once a write commits, space back. 256 KiB: 60 WAL pages, the
+# deletion of 60 rows spread over the table, or 4,000 of consecutive slots, in one transaction.
+RESERVE_NAME = "index.reserve"
+RESERVE_BYTES = 256 << 10
+# The rows a removal on the reserve deletes per transaction: one WAL page each at worst (rows
+# spread over the table), 64 KiB of WAL.
+_RESERVE_STEP_ROWS = 16
 
 _LOGGED_FAILURES = 16
 # The extents a release checks at once: their bytes are held in memory, written, synced and
@@ -267,7 +279,7 @@ def space_needed(
         directory, capacity, data_file_bytes(directory, capacity, segment_bytes, file_bytes)
     )
     needed = sum(max(0, size - _allocated(path)) for path, size in files)
-    aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm")
+    aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", RESERVE_NAME)
     held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
     return needed + max(0, AUX_RESERVE_BYTES - held)
 
@@ -551,6 +563,12 @@ class DiskTier:
         self._watch: threading.Thread | None = None
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
+        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room), and
+        # whether a write's commit has asked for it to be made again; one make or give-back
+        # at a time.
+        self._reserve_lock = threading.Lock()
+        self._reserve_missing = False
+        self._reserve_asked = False
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         # The slot bytes of ``_quarantined``, kept as slots enter and leave it: the space
@@ -629,6 +647,7 @@ class DiskTier:
                 self.faults.note(
                     f"index was missing beside {len(orphans)} data file(s), started empty"
                 )
+            self._make_reserve()
             capacity_before = self._index.previous_capacity or self.allocator.capacity_bytes
             before = layout(self.directory, capacity_before, self._file_bytes)
             sizes = self._file_sizes(before)
@@ -769,6 +788,7 @@ class DiskTier:
                 self._committed.add_array(good)
             self.faults.count(commits=1, committed_blocks=len(good))
             self.faults.space_returned()
+            self._ask_for_reserve()
         for t in tickets:
             t.committed = committed
 
@@ -893,7 +913,7 @@ class DiskTier:
                 known = set(rows)
                 rows += self._idx().committed_slots([s for s in slots if s not in known])
             if rows:
-                self._idx().delete(rows)
+                self._delete_rows(rows)
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index delete")
             self.faults.count(remove_failures=len(slots))
@@ -908,6 +928,100 @@ class DiskTier:
                 freed += 1
         self.faults.count(removed_slots=freed)
         return True
+
+    def _delete_rows(self, rows: list[int]) -> None:
+        """Delete the block rows of ``rows`` in one transaction. Where the index has no room
+        for it (SQLITE_FULL: a full disk), give the reserve back to the filesystem and try
+        again; still short, or the reserve spent by an earlier removal, delete them
+        ``_RESERVE_STEP_ROWS`` at a time, the WAL restarted after each, so that a larger
+        removal commits within the reserve, and later ones within the room the WAL's file
+        took from it. Raises what the last try raised."""
+        try:
+            self._idx().delete(rows)
+            return
+        except sqlite3.Error as e:
+            fault = classify(e)
+            if fault.kind != "enospc":
+                raise
+        if not (self._give_back_reserve() and self._delete_unless_full(rows)):
+            self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
+        self.faults.fault(fault, "index delete")  # committed, but the disk is full
+        self.faults.count(removals_on_reserve=1)
+
+    def _delete_unless_full(self, rows: list[int]) -> bool:
+        """``DiskIndex.delete``; False where the index had no room for it."""
+        try:
+            self._idx().delete(rows)
+        except sqlite3.Error as e:
+            if classify(e).kind != "enospc":
+                raise
+            return False
+        return True
+
+    def _make_reserve(self) -> None:
+        """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
+        where the filesystem has no room for it, it stays missing."""
+        path = self.directory / RESERVE_NAME
+        with self._reserve_lock:
+            self._reserve_asked = False
+            if _allocated(path) >= RESERVE_BYTES:
+                self._reserve_missing = False
+                return
+            try:
+                fd = os.open(
+                    path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE
+                )
+                try:
+                    os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fsync_dir(self.directory)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                if not self._reserve_missing:
+                    log.warning(
+                        "L2: cannot make %s (%s): a removal on a full disk may not commit "
+                        "until space is freed; made again after the next write",
+                        path,
+                        e,
+                    )
+                self._reserve_missing = True
+                return
+            if self._reserve_missing:
+                log.warning("L2: %s made again", path)
+            self._reserve_missing = False
+
+    def _give_back_reserve(self) -> bool:
+        """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing."""
+        path = self.directory / RESERVE_NAME
+        with self._reserve_lock:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                self._reserve_missing = True
+                return False
+            self._reserve_missing = True
+            # ext4 hands freed blocks out again only once the journal has committed their free.
+            with contextlib.suppress(OSError):
+                fsync_dir(self.directory)
+        log.warning(
+            "L2: no room on the disk to commit a removal; gave back the %d KiB reserve "
+            "beside the index (made again once a write commits)",
+            RESERVE_BYTES >> 10,
+        )
+        return True
+
+    def _ask_for_reserve(self) -> None:
+        """After a write committed: where the reserve is missing, have an I/O thread make it
+        again (off the writers' path), once."""
+        with self._reserve_lock:
+            if not self._reserve_missing or self._reserve_asked or self._executor is None:
+                return
+            self._reserve_asked = True
+        with contextlib.suppress(RuntimeError):  # shut down: made at the next open
+            self._executor.submit(Priority.BACKGROUND, self._make_reserve)
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         """The blocks the index holds from before this open, ``rows`` at a time, each chunk's
@@ -1841,6 +1955,7 @@ _COUNTERS = (
     "commits_refused_degraded",
     "removed_slots",
     "remove_failures",
+    "removals_on_reserve",
     "overwritten_blocks",
     "read_calls",
     "write_calls",
