@@ -2537,6 +2537,40 @@ def test_regression_a_watch_check_held_up_by_a_reader_does_not_hold_the_index_fo
         tier.close()
 
 
+def test_regression_a_removal_in_steps_held_up_by_a_reader_does_not_hold_the_index_for_the_busy_timeout(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal on a full disk takes steps with a WAL restart after each (``delete_in_steps``)
+    while a reader holds a read transaction (the recovery's stream, an operator's sqlite3
+    shell): each step's checkpoint waited out SQLite's busy timeout (30 s) holding the index's
+    lock, which stalled every commit that long per 16 rows. The busy timeout is set far beyond
+    the wait below, so the steps can only end while the reader still holds the index if their
+    checkpoints did not wait; their rows are deleted either way."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+    tier = _open(disk_dir)
+    try:
+        blocks = _persist(tier, make_block, list(range(4)), 4096)
+        slots = [b[1] for b in blocks.values()]
+        index = tier._idx()
+        reader = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        steps = threading.Thread(target=index.delete_in_steps, args=(slots, 2))
+        try:
+            reader.execute("BEGIN")
+            assert reader.execute("SELECT count(*) FROM blocks").fetchone() == (4,)
+            steps.start()
+            steps.join(timeout=60.0)
+            ended_while_held = not steps.is_alive()
+        finally:
+            reader.close()  # lets steps that waited go on
+            steps.join()
+        assert ended_while_held
+        assert index.committed_slots(slots) == []
+        assert index._db is not None
+        assert index._db.execute("PRAGMA busy_timeout").fetchone() == (3600000,)
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("name", ["data-0000.bin", "data-0001.bin", "lock"])
 def test_regression_a_link_planted_in_the_folder_is_not_followed(
     disk_dir: Path, tmp_path: Path, name: str

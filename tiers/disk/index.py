@@ -232,6 +232,17 @@ def _immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         raise
 
 
+@contextlib.contextmanager
+def _no_busy_wait(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``db`` with no busy timeout for the block: a lock another connection holds fails at
+    once (SQLITE_BUSY) instead of after ``BUSY_TIMEOUT_S``."""
+    db.execute("PRAGMA busy_timeout = 0")
+    try:
+        yield db
+    finally:
+        db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+
+
 class DiskIndex:
     def __init__(
         self,
@@ -360,14 +371,8 @@ class DiskIndex:
         (a write let through to find out whether that lock was let go)."""
         with self._lock:
             db = self._checked_conn()
-            if wait_busy:
+            with contextlib.nullcontext() if wait_busy else _no_busy_wait(db):
                 db.execute("BEGIN IMMEDIATE")
-            else:
-                db.execute("PRAGMA busy_timeout = 0")
-                try:
-                    db.execute("BEGIN IMMEDIATE")
-                finally:
-                    db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             try:
                 _insert(db, rows)
                 drop = durable()
@@ -401,14 +406,15 @@ class DiskIndex:
     def delete_in_steps(self, slots: Sequence[int], step: int) -> None:
         """Delete the rows of ``slots`` ``step`` at a time, each step its own transaction
         followed by a checkpoint that restarts the WAL, so that the WAL's file grows by about
-        one step's pages (a removal on a full disk). A checkpoint that fails (busy, or short
-        of room where the WAL holds pages beyond the index file's end) leaves its step
-        committed, and the next step appends to the WAL. A crash between steps keeps the
+        one step's pages (a removal on a full disk). A checkpoint that fails (a reader holds
+        the WAL: it does not wait, as waiting would hold the index's lock for the busy timeout
+        per step; or short of room where the WAL holds pages beyond the index file's end)
+        leaves its step committed, and the next step appends to the WAL. A crash between steps keeps the
         steps committed; the rows not reached stay, as after a failed ``delete``."""
         for start in range(0, len(slots), step):
             self.delete(slots[start : start + step])
-            with self._lock, contextlib.suppress(sqlite3.Error):
-                self._conn().execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+            with self._lock, contextlib.suppress(sqlite3.Error), _no_busy_wait(self._conn()) as db:
+                db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
 
     def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
         """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""
@@ -537,14 +543,8 @@ class DiskIndex:
             raise IndexFilesReplaced(
                 f"{self.path} was replaced while open: its commits would be lost at the next start"
             )
-        if wait_busy:
+        with contextlib.nullcontext() if wait_busy else _no_busy_wait(db):
             busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        else:
-            db.execute("PRAGMA busy_timeout = 0")
-            try:
-                busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-            finally:
-                db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         if busy:
             # The files keep their ids until the checkpoint gets through, so the next commit
             # (once the reader lets go) finds them changed and tries it again.
