@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -135,6 +136,40 @@ def _crash_copy(directory: Path, to: Path) -> Path:
     return to
 
 
+def _allocate(tier: DiskTier, make_block: Block, start: int, stop: int) -> list[PersistItem]:
+    items = []
+    for i in range(start, stop):
+        key, data = make_block(i, 4096)
+        slot = tier.allocator.allocate(4096)
+        assert slot is not None
+        items.append(PersistItem(1, key, slot, data, 4096))
+    return items
+
+
+def _filled(
+    tier: DiskTier, small_fs: Path, make_block: Block, rows: int
+) -> tuple[DiskTier, list[PersistItem]]:
+    """``rows`` blocks committed to ``tier`` (a 16 MiB tier in ``small_fs / "l2"``), all in the
+    index file; the tier opened again, the disk filled and more blocks written until the WAL
+    can grow no more. Returns the tier and the blocks committed."""
+    items = _allocate(tier, make_block, 0, rows)
+    for start in range(0, rows, 250):
+        assert all(o.ok for o in persist(tier, items[start : start + 250]))
+    tier.close()  # checkpoints: the index file holds every page
+    tier = DiskTier(small_fs / "l2", 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    tier.recover()
+    items += _allocate(tier, make_block, rows, rows + 200)
+    fill_disk(small_fs / "filler")
+    kept = items[:rows]
+    for it in items[rows:]:  # writes until the WAL can grow no more
+        if not persist(tier, [it])[0].ok:
+            assert tier.remove([it.slot])  # no row: nothing to commit
+            break
+        kept.append(it)
+    assert tier.health().state is Health.DEGRADED_NOSPACE
+    return tier, kept
+
+
 def test_regression_a_delete_on_a_full_disk_came_back_after_a_crash(
     small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,30 +186,7 @@ def test_regression_a_delete_on_a_full_disk_came_back_after_a_crash(
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
     assert reserve.stat().st_blocks * 512 >= 64 << 10
 
-    def allocate(start: int, stop: int) -> list[PersistItem]:
-        items = []
-        for i in range(start, stop):
-            key, data = make_block(i, 4096)
-            slot = tier.allocator.allocate(4096)
-            assert slot is not None
-            items.append(PersistItem(1, key, slot, data, 4096))
-        return items
-
-    items = allocate(0, 2000)
-    for start in range(0, 2000, 250):
-        assert all(o.ok for o in persist(tier, items[start : start + 250]))
-    tier.close()  # checkpoints: the index file holds every page, as after 1000 pages of WAL
-    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
-    tier.recover()
-    items += allocate(2000, 2200)
-    fill_disk(small_fs / "filler")
-    kept = items[:2000]
-    for it in items[2000:]:  # writes until the WAL can grow no more
-        if not persist(tier, [it])[0].ok:
-            assert tier.remove([it.slot])  # no row: nothing to commit
-            break
-        kept.append(it)
-    assert tier.health().state is Health.DEGRADED_NOSPACE
+    tier, kept = _filled(tier, small_fs, make_block, 2000)
     deleted = kept[::2]
     assert tier.remove([it.slot for it in deleted]), tier.health()
     assert not reserve.exists()
@@ -194,3 +206,39 @@ def test_regression_a_delete_on_a_full_disk_came_back_after_a_crash(
     assert tier.health().state is Health.OK
     tier.close()  # waits for the I/O thread that makes the reserve
     assert reserve.stat().st_blocks * 512 >= 64 << 10
+
+
+def test_regression_the_reserve_made_again_during_a_removal_took_back_its_room(
+    small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal on a full disk gave the reserve back, then committed; in between, a write
+    committed in the room given back has an I/O thread make the reserve again
+    (``_make_reserve``), which took the room back: the removal found none, failed, the
+    Delete was answered with its rows kept, and a crash served them again. The removal now
+    holds the reserve's lock until its rows are deleted, so the remake waits for it."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+
+    tier, kept = _filled(tier, small_fs, make_block, 400)
+
+    retry = tier._delete_unless_full
+    remakes: list[threading.Thread] = []
+
+    def remade_first(rows: list[int]) -> bool:
+        remake = threading.Thread(target=tier._make_reserve)
+        remakes.append(remake)
+        remake.start()
+        remake.join(timeout=2.0)  # a remake not kept out ends within this
+        return retry(rows)
+
+    monkeypatch.setattr(tier, "_delete_unless_full", remade_first)
+    deleted = kept[::2]
+    removed = tier.remove([it.slot for it in deleted])
+    for remake in remakes:
+        remake.join()
+    assert remakes
+    assert removed, tier.health()
+    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+        assert {r.key for r in copy.recover()} == {it.key for it in kept[1::2]}
+    tier.close()

@@ -943,8 +943,12 @@ class DiskTier:
             fault = classify(e)
             if fault.kind != "enospc":
                 raise
-        if not (self._give_back_reserve() and self._delete_unless_full(rows)):
-            self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
+        # Holding the reserve's lock until the rows are deleted: an I/O thread making the
+        # reserve again meanwhile (a write committed in the room given back) took that room
+        # back before the removal could use it.
+        with self._reserve_lock:
+            if not (self._give_back_reserve() and self._delete_unless_full(rows)):
+                self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
         self.faults.fault(fault, "index delete")  # committed, but the disk is full
         self.faults.count(removals_on_reserve=1)
 
@@ -994,18 +998,18 @@ class DiskTier:
             self._reserve_missing = False
 
     def _give_back_reserve(self) -> bool:
-        """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing."""
+        """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing.
+        The caller holds ``_reserve_lock``."""
         path = self.directory / RESERVE_NAME
-        with self._reserve_lock:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                self._reserve_missing = True
-                return False
+        try:
+            path.unlink()
+        except FileNotFoundError:
             self._reserve_missing = True
-            # ext4 hands freed blocks out again only once the journal has committed their free.
-            with contextlib.suppress(OSError):
-                fsync_dir(self.directory)
+            return False
+        self._reserve_missing = True
+        # ext4 hands freed blocks out again only once the journal has committed their free.
+        with contextlib.suppress(OSError):
+            fsync_dir(self.directory)
         log.warning(
             "L2: no room on the disk to commit a removal; gave back the %d KiB reserve "
             "beside the index (made again once a write commits)",
