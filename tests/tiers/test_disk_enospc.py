@@ -21,7 +21,7 @@ from disk_writes import PersistItem, persist
 
 from kvtier.tiers.base import Health, TierUnavailable
 from kvtier.tiers.disk import DiskTier, ReadItem
-from kvtier.tiers.disk.tier import RESERVE_NAME
+from kvtier.tiers.disk.tier import RESERVE_NAME, space_needed
 
 MiB = 1 << 20
 Block = Callable[[int, int], tuple[bytes, bytes]]
@@ -242,3 +242,31 @@ def test_regression_the_reserve_made_again_during_a_removal_took_back_its_room(
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert {r.key for r in copy.recover()} == {it.key for it in kept[1::2]}
     tier.close()
+
+
+def test_regression_a_start_growing_the_data_files_lost_their_room_to_the_reserve(
+    small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An index past the 1 MiB kept for the tier's other files (its room held, so the space
+    check counts none for them) without a reserve (made before it, or given back on a full
+    disk), and a start that grows the capacity with room for the data files but not for the
+    reserve too: the reserve was made before the data files, took their room, and the start
+    failed although the check passed. The data files now come first; the reserve stays
+    missing, with a warning."""
+    directory = small_fs / "l2"
+    with DiskTier(directory, 8 * MiB, 1 * MiB) as tier:
+        tier._idx().remember(1, "x" * (1 << 20))
+    (directory / RESERVE_NAME).unlink()
+    need = space_needed(directory, 16 * MiB, 1 * MiB)
+    filler = small_fs / "filler"
+    fill_disk(filler)
+    with open(filler, "r+b") as f:
+        f.truncate(os.fstat(f.fileno()).st_size - need - (128 << 10))
+        os.fsync(f.fileno())
+    with (
+        caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"),
+        DiskTier(directory, 16 * MiB, 1 * MiB) as tier,
+    ):
+        assert tier.allocator.capacity_bytes == 16 * MiB
+    assert not (directory / RESERVE_NAME).exists()
+    assert "cannot make" in caplog.text

@@ -647,7 +647,6 @@ class DiskTier:
                 self.faults.note(
                     f"index was missing beside {len(orphans)} data file(s), started empty"
                 )
-            self._make_reserve()
             capacity_before = self._index.previous_capacity or self.allocator.capacity_bytes
             before = layout(self.directory, capacity_before, self._file_bytes)
             sizes = self._file_sizes(before)
@@ -658,6 +657,9 @@ class DiskTier:
                     with contextlib.suppress(OSError):
                         before[file][0].unlink()
             self.files.prepare(self.allocator.capacity_bytes)
+            # After the data files: where the index holds the room kept for the tier's other
+            # files (``space_needed`` counts none then), a reserve made first took theirs.
+            self._make_reserve()
             self.files.open(direct_io)
             self._claim_quarantine(sizes, damaged)
             # Rows are read by recover_chunks(); until then the tier allocates nothing.
