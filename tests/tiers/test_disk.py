@@ -2571,6 +2571,85 @@ def test_regression_a_removal_in_steps_held_up_by_a_reader_does_not_hold_the_ind
         tier.close()
 
 
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_remake(
+    disk_dir: Path, make_block: Block, io_threads: int
+) -> None:
+    """A removal on a full disk (SQLITE_FULL) held the reserve's lock across its index calls,
+    while the remake of the reserve, asked by an earlier commit, waited for that lock on an
+    I/O thread: with one or two I/O threads (one runs all but demand reads), that was the
+    thread a commit holding the index waited for to write its blocks, and the removal waited
+    for the index. Removal, commit and every later write hung. The index calls now run
+    outside the reserve's lock; the remake leaves the reserve missing while a removal uses
+    its room."""
+    tier = _open(disk_dir, io_threads=io_threads, direct_io=False)
+    index = tier._idx()
+    removed = _persist(tier, make_block, [0], 4096)[0][1]
+    written = _items(tier, make_block, [1, 2, 3], 4096)[::2]  # two runs: on the I/O threads
+    full = sqlite3.OperationalError("database or disk is full")
+    full.sqlite_errorcode = 13  # type: ignore[attr-defined]  # SQLITE_FULL
+    in_fallback, holds_index, remaking, go = (threading.Event() for _ in range(4))
+    real_delete, real_insert, real_make = index.delete, index.insert_when, tier._make_reserve
+    tries: list[object] = []
+
+    def delete(slots: object) -> None:
+        tries.append(slots)
+        if len(tries) == 1:
+            raise full
+        in_fallback.set()
+        holds_index.wait(timeout=10.0)
+        real_delete(slots)  # type: ignore[arg-type]
+
+    def insert_when(rows: object, durable: Callable[[], object], **kw: object) -> bool:
+        def inside() -> object:
+            holds_index.set()
+            return durable()
+
+        return real_insert(rows, inside, **kw)  # type: ignore[arg-type]
+
+    def make_reserve() -> None:
+        remaking.set()
+        real_make()
+
+    index.delete = delete  # type: ignore[method-assign]
+    index.insert_when = insert_when  # type: ignore[method-assign]
+    tier._make_reserve = make_reserve  # type: ignore[method-assign]
+    with tier._reserve_lock:
+        assert tier._give_back_reserve()  # an earlier removal's
+    # A commit asked for the reserve while the I/O threads were busy: it runs once they are
+    # free, after the removal below has begun.
+    assert tier._executor is not None
+    busy = [tier._executor.submit(Priority.BACKGROUND, go.wait) for _ in range(io_threads)]
+    tier._ask_for_reserve()
+    removals: list[bool] = []
+    writes: list[WriteOutcome] = []
+    removal = threading.Thread(target=lambda: removals.append(tier.remove([removed])))
+    write = threading.Thread(target=lambda: writes.extend(persist(tier, written)))
+    try:
+        removal.start()
+        assert in_fallback.wait(timeout=10.0)
+        go.set()
+        assert remaking.wait(timeout=10.0)
+        write.start()
+        ends = time.monotonic() + 20.0
+        for thread in (removal, write):
+            thread.join(timeout=max(0.0, ends - time.monotonic()))
+        hung = removal.is_alive() or write.is_alive()
+        if hung:
+            tier._reserve_lock.release()  # ends the hang, so that the tier can close
+        removal.join()
+        write.join()
+        assert not hung
+        assert removals == [True]
+        assert [o.ok for o in writes] == [True, True]
+        assert index.committed_slots([removed]) == []
+    finally:
+        go.set()
+        for f in busy:
+            f.result()
+        tier.close()
+
+
 @pytest.mark.parametrize("name", ["data-0000.bin", "data-0001.bin", "lock"])
 def test_regression_a_link_planted_in_the_folder_is_not_followed(
     disk_dir: Path, tmp_path: Path, name: str

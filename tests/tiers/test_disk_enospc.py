@@ -214,8 +214,8 @@ def test_regression_the_reserve_made_again_during_a_removal_took_back_its_room(
     """A removal on a full disk gave the reserve back, then committed; in between, a write
     committed in the room given back has an I/O thread make the reserve again
     (``_make_reserve``), which took the room back: the removal found none, failed, the
-    Delete was answered with its rows kept, and a crash served them again. The removal now
-    holds the reserve's lock until its rows are deleted, so the remake waits for it."""
+    Delete was answered with its rows kept, and a crash served them again. A remake while a
+    removal uses the room given back now leaves the reserve missing."""
     monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
     directory = small_fs / "l2"
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)

@@ -563,12 +563,15 @@ class DiskTier:
         self._watch: threading.Thread | None = None
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
-        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room), and
-        # whether a write's commit has asked for it to be made again; one make or give-back
-        # at a time.
+        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room),
+        # whether a write's commit has asked for it to be made again, and how many removals
+        # are using the room it gave back (it is not made again meanwhile); one make or
+        # give-back at a time. Never held across an index call: a make waits for it on an
+        # I/O thread, which a commit holding the index may be waiting for.
         self._reserve_lock = threading.Lock()
         self._reserve_missing = False
         self._reserve_asked = False
+        self._removals_on_reserve = 0
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         # The slot bytes of ``_quarantined``, kept as slots enter and leave it: the space
@@ -945,12 +948,18 @@ class DiskTier:
             fault = classify(e)
             if fault.kind != "enospc":
                 raise
-        # Holding the reserve's lock until the rows are deleted: an I/O thread making the
-        # reserve again meanwhile (a write committed in the room given back) took that room
-        # back before the removal could use it.
+        # Counted until the rows are deleted: an I/O thread making the reserve again
+        # meanwhile (a write committed in the room given back) took that room back before
+        # the removal could use it.
         with self._reserve_lock:
-            if not (self._give_back_reserve() and self._delete_unless_full(rows)):
+            self._removals_on_reserve += 1
+            gave_back = self._give_back_reserve()
+        try:
+            if not (gave_back and self._delete_unless_full(rows)):
                 self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
+        finally:
+            with self._reserve_lock:
+                self._removals_on_reserve -= 1
         self.faults.fault(fault, "index delete")  # committed, but the disk is full
         self.faults.count(removals_on_reserve=1)
 
@@ -966,10 +975,13 @@ class DiskTier:
 
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
-        where the filesystem has no room for it, it stays missing."""
+        where the filesystem has no room for it, or a removal uses the room it gave back, it
+        stays missing (asked again by the next commit)."""
         path = self.directory / RESERVE_NAME
         with self._reserve_lock:
             self._reserve_asked = False
+            if self._removals_on_reserve:
+                return
             if _allocated(path) >= RESERVE_BYTES:
                 self._reserve_missing = False
                 return
@@ -1001,7 +1013,7 @@ class DiskTier:
 
     def _give_back_reserve(self) -> bool:
         """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing.
-        The caller holds ``_reserve_lock``."""
+        Called holding ``_reserve_lock``."""
         path = self.directory / RESERVE_NAME
         try:
             path.unlink()
