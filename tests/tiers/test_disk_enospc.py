@@ -19,9 +19,9 @@ import pytest
 from disk_faults import fill_disk
 from disk_writes import PersistItem, persist
 
-from kvtier.tiers.base import Health, TierUnavailable
+from kvtier.tiers.base import Health, Priority, TierUnavailable
 from kvtier.tiers.disk import DiskTier, ReadItem
-from kvtier.tiers.disk.tier import RESERVE_NAME, space_needed
+from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME, space_needed
 
 MiB = 1 << 20
 Block = Callable[[int, int], tuple[bytes, bytes]]
@@ -270,3 +270,55 @@ def test_regression_a_start_growing_the_data_files_lost_their_room_to_the_reserv
         assert tier.allocator.capacity_bytes == 16 * MiB
     assert not (directory / RESERVE_NAME).exists()
     assert "cannot make" in caplog.text
+
+
+def test_regression_a_remake_of_the_reserve_without_room_for_it_took_the_disks_last_blocks(
+    small_fs: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With less than the reserve free (given back by a removal on a full disk), every write's
+    commit had an I/O thread try to make it again: its fallocate took the disk's last free
+    blocks, failed, and kept them until the file was unlinked, so an allocation meanwhile (a
+    write's WAL growth: SQLITE_FULL) found no room. The free space is read first now; the
+    reserve stays missing until it fits, and is made at the next commit then."""
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, io_threads=1, enospc_retry_s=0.0)
+    try:
+        with tier._reserve_lock:
+            assert tier._give_back_reserve()
+        filler = small_fs / "filler"
+        fill_disk(filler)
+        with open(filler, "r+b") as f:
+            f.truncate(os.fstat(f.fileno()).st_size - (128 << 10))
+            os.fsync(f.fileno())
+        fallocate = os.posix_fallocate
+        starved: list[str] = []  # what a page's allocation found while a remake failed
+
+        def failing_remake(fd: int, offset: int, length: int) -> None:
+            try:
+                fallocate(fd, offset, length)
+            except OSError:
+                probe = os.open(small_fs / "probe", os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    fallocate(probe, 0, 4096)
+                except OSError as e:
+                    starved.append(e.strerror or "")
+                finally:
+                    os.close(probe)
+                    os.unlink(small_fs / "probe")
+                raise
+
+        monkeypatch.setattr(os, "posix_fallocate", failing_remake)
+        assert tier._executor is not None
+        items = _allocate(tier, make_block, 0, 2)
+        assert persist(tier, items[:1])[0].ok
+        tier._executor.submit(Priority.BACKGROUND, lambda: None).result()  # the remake's turn
+        assert starved == []
+        assert not (directory / RESERVE_NAME).exists()
+
+        filler.unlink()
+        os.sync()
+        assert persist(tier, items[1:])[0].ok
+        tier._executor.submit(Priority.BACKGROUND, lambda: None).result()
+        assert (directory / RESERVE_NAME).stat().st_blocks * 512 >= RESERVE_BYTES
+    finally:
+        tier.close()

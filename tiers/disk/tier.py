@@ -55,6 +55,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import errno
 import logging
 import mmap
 import os
@@ -257,8 +258,7 @@ def space_shortfall(
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    vfs = os.statvfs(existing)
-    free = vfs.f_bavail * vfs.f_frsize
+    free = _free_bytes(existing)
     if needed <= free:
         return None
     return SpaceShortfall(directory, capacity_bytes, needed, free)
@@ -282,6 +282,12 @@ def space_needed(
     aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", RESERVE_NAME)
     held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
     return needed + max(0, AUX_RESERVE_BYTES - held)
+
+
+def _free_bytes(path: Path) -> int:
+    """The bytes the filesystem of ``path`` lets an unprivileged process allocate."""
+    vfs = os.statvfs(path)
+    return vfs.f_bavail * vfs.f_frsize
 
 
 def _allocated(path: Path) -> int:
@@ -982,10 +988,15 @@ class DiskTier:
             self._reserve_asked = False
             if self._removals_on_reserve:
                 return
-            if _allocated(path) >= RESERVE_BYTES:
+            short = RESERVE_BYTES - _allocated(path)
+            if short <= 0:
                 self._reserve_missing = False
                 return
             try:
+                if _free_bytes(self.directory) < short:
+                    # A fallocate that fails keeps what it took until the unlink below: the
+                    # disk's last blocks, where a write's WAL growth meanwhile found none.
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 fd = os.open(
                     path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE
                 )
