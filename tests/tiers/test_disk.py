@@ -38,7 +38,7 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.disk import DiskTier, ReadItem, checksum
 from kvtier.tiers.disk import index as index_module
-from kvtier.tiers.disk.tier import space_shortfall
+from kvtier.tiers.disk.tier import RESERVE_NAME, space_shortfall
 from kvtier.tiers.host import HostArena
 
 MiB = 1 << 20
@@ -2571,6 +2571,13 @@ def test_regression_a_removal_in_steps_held_up_by_a_reader_does_not_hold_the_ind
         tier.close()
 
 
+def _sqlite_full() -> sqlite3.Error:
+    """What SQLite raises where the index's WAL cannot grow on a full disk."""
+    full = sqlite3.OperationalError("database or disk is full")
+    full.sqlite_errorcode = 13  # type: ignore[attr-defined]  # SQLITE_FULL
+    return full
+
+
 @pytest.mark.parametrize("io_threads", [1, 2])
 def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_remake(
     disk_dir: Path, make_block: Block, io_threads: int
@@ -2586,8 +2593,6 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
     index = tier._idx()
     removed = _persist(tier, make_block, [0], 4096)[0][1]
     written = _items(tier, make_block, [1, 2, 3], 4096)[::2]  # two runs: on the I/O threads
-    full = sqlite3.OperationalError("database or disk is full")
-    full.sqlite_errorcode = 13  # type: ignore[attr-defined]  # SQLITE_FULL
     in_fallback, holds_index, remaking, go = (threading.Event() for _ in range(4))
     real_delete, real_insert, real_make = index.delete, index.insert_when, tier._make_reserve
     tries: list[object] = []
@@ -2595,7 +2600,7 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
     def delete(slots: object) -> None:
         tries.append(slots)
         if len(tries) == 1:
-            raise full
+            raise _sqlite_full()
         in_fallback.set()
         holds_index.wait(timeout=10.0)
         real_delete(slots)  # type: ignore[arg-type]
@@ -2647,6 +2652,43 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
         go.set()
         for f in busy:
             f.result()
+        tier.close()
+
+
+def test_regression_a_removal_that_could_not_give_the_reserve_back_raised_out_of_remove(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal on a full disk whose unlink of the reserve failed other than as missing (a
+    filesystem remounted read-only after an error, EIO) raised that OSError out of
+    ``remove``, which answers faults with False, to the store's free. The reserve is now
+    taken as not given back: the removal goes on in steps."""
+    tier = _open(disk_dir, direct_io=False)
+    try:
+        index = tier._idx()
+        slots = [b[1] for b in _persist(tier, make_block, [0, 1], 4096).values()]
+        delete = index.delete
+        tries: list[object] = []
+
+        def full_once(rows: object) -> None:
+            tries.append(rows)
+            if len(tries) == 1:
+                raise _sqlite_full()
+            delete(rows)  # type: ignore[arg-type]
+
+        unlink = Path.unlink
+
+        def read_only(path: Path, missing_ok: bool = False) -> None:
+            if path.name == RESERVE_NAME:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            unlink(path, missing_ok)
+
+        monkeypatch.setattr(index, "delete", full_once)
+        monkeypatch.setattr(Path, "unlink", read_only)
+        assert tier.remove(slots)
+        assert index.committed_slots(slots) == []
+        assert (disk_dir / RESERVE_NAME).exists()
+    finally:
+        monkeypatch.undo()
         tier.close()
 
 

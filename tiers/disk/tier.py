@@ -958,8 +958,8 @@ class DiskTier:
         # meanwhile (a write committed in the room given back) took that room back before
         # the removal could use it.
         with self._reserve_lock:
-            self._removals_on_reserve += 1
             gave_back = self._give_back_reserve()
+            self._removals_on_reserve += 1
         try:
             if not (gave_back and self._delete_unless_full(rows)):
                 self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
@@ -1023,13 +1023,17 @@ class DiskTier:
             self._reserve_missing = False
 
     def _give_back_reserve(self) -> bool:
-        """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing.
-        Called holding ``_reserve_lock``."""
+        """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
+        or could not be unlinked (a fault the removal's steps then meet or not). Called
+        holding ``_reserve_lock``."""
         path = self.directory / RESERVE_NAME
         try:
             path.unlink()
         except FileNotFoundError:
             self._reserve_missing = True
+            return False
+        except OSError as e:
+            log.warning("L2: cannot give back %s (%s)", path, e)
             return False
         self._reserve_missing = True
         # ext4 hands freed blocks out again only once the journal has committed their free.
