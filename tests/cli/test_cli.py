@@ -810,6 +810,7 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
         assert client.lookup(ks).tiers.count(Tier.L2_DISK) == 3
 
 
+@pytest.mark.slow  # 20,000 slots written, listed and released: ~10 s
 def test_regression_a_quarantine_too_long_for_one_reply_was_not_listed_nor_released(
     daemon_factory, tmp_path, capsys
 ):

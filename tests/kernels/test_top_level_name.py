@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CHECKOUT = Path(__file__).resolve().parents[2]
 
 
@@ -26,6 +28,7 @@ def _run_in_checkout(code: str, *flags: str, pythonpath: Path | None = None) -> 
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # a fresh interpreter imports transformers and torch: ~6 s
 def test_transformers_imports_its_models_with_the_checkout_on_sys_path() -> None:
     # `python -c` puts the working directory first on sys.path, as `python -m pytest` does.
     assert (
