@@ -6,10 +6,13 @@ import threading
 
 
 class ContendedLock:
-    """A lock that sets ``waited`` when a thread finds it held and has to wait."""
+    """A lock that sets ``waited`` when a thread finds it held and has to wait
+    (``reentrant``: by another thread, as ``threading.RLock``)."""
 
-    def __init__(self, waited: threading.Event) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, waited: threading.Event, *, reentrant: bool = False) -> None:
+        self._lock: threading.Lock | threading.RLock = (
+            threading.RLock() if reentrant else threading.Lock()
+        )
         self._waited = waited
 
     def __enter__(self) -> None:

@@ -2586,15 +2586,16 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
     while the remake of the reserve, asked by an earlier commit, waited for that lock on an
     I/O thread: with one or two I/O threads (one runs all but demand reads), that was the
     thread a commit holding the index waited for to write its blocks, and the removal waited
-    for the index. Removal, commit and every later write hung. The index calls now run
-    outside the reserve's lock; the remake leaves the reserve missing while a removal uses
-    its room."""
+    for the index. Removal, commit and every later write hung. The removal now takes the
+    index before the reserve's lock and never waits for the index holding it; the remake
+    leaves the reserve missing while a removal uses its room."""
     tier = _open(disk_dir, io_threads=io_threads, direct_io=False)
     index = tier._idx()
     removed = _persist(tier, make_block, [0], 4096)[0][1]
     written = _items(tier, make_block, [1, 2, 3], 4096)[::2]  # two runs: on the I/O threads
-    in_fallback, holds_index, remaking, go = (threading.Event() for _ in range(4))
+    in_fallback, at_index, remaking, go = (threading.Event() for _ in range(4))
     real_delete, real_insert, real_make = index.delete, index.insert_when, tier._make_reserve
+    index._lock = ContendedLock(at_index, reentrant=True)  # type: ignore[assignment]
     tries: list[object] = []
 
     def delete(slots: object) -> None:
@@ -2602,12 +2603,12 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
         if len(tries) == 1:
             raise _sqlite_full()
         in_fallback.set()
-        holds_index.wait(timeout=10.0)
+        at_index.wait(timeout=10.0)  # the commit holds the index, or waits for it
         real_delete(slots)  # type: ignore[arg-type]
 
     def insert_when(rows: object, durable: Callable[[], object], **kw: object) -> bool:
         def inside() -> object:
-            holds_index.set()
+            at_index.set()
             return durable()
 
         return real_insert(rows, inside, **kw)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from disk_faults import fill_disk
 from disk_writes import PersistItem, persist
+from races import ContendedLock
 
 from kvtier.tiers.base import Health, Priority, TierUnavailable
 from kvtier.tiers.disk import DiskTier, ReadItem
@@ -208,6 +209,34 @@ def test_regression_a_delete_on_a_full_disk_came_back_after_a_crash(
     assert reserve.stat().st_blocks * 512 >= 64 << 10
 
 
+def _remove_after(
+    tier: DiskTier,
+    monkeypatch: pytest.MonkeyPatch,
+    slots: list[int],
+    meanwhile: Callable[[], None],
+    until: Callable[[threading.Thread], object],
+) -> bool:
+    """``tier.remove(slots)`` on a full disk, with ``meanwhile`` started on a thread of its
+    own once the reserve is given back, and the removal trying again once ``until(thread)``
+    returns; the thread is waited for."""
+    retry = tier._delete_unless_full
+    threads: list[threading.Thread] = []
+
+    def meanwhile_first(rows: list[int]) -> bool:
+        thread = threading.Thread(target=meanwhile)
+        threads.append(thread)
+        thread.start()
+        until(thread)
+        return retry(rows)
+
+    monkeypatch.setattr(tier, "_delete_unless_full", meanwhile_first)
+    removed = tier.remove(slots)
+    for thread in threads:
+        thread.join()
+    assert threads
+    return removed
+
+
 def test_regression_the_reserve_made_again_during_a_removal_took_back_its_room(
     small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,25 +251,50 @@ def test_regression_the_reserve_made_again_during_a_removal_took_back_its_room(
 
     tier, kept = _filled(tier, small_fs, make_block, 400)
 
-    retry = tier._delete_unless_full
-    remakes: list[threading.Thread] = []
-
-    def remade_first(rows: list[int]) -> bool:
-        remake = threading.Thread(target=tier._make_reserve)
-        remakes.append(remake)
-        remake.start()
-        remake.join(timeout=2.0)  # a remake not kept out ends within this
-        return retry(rows)
-
-    monkeypatch.setattr(tier, "_delete_unless_full", remade_first)
-    deleted = kept[::2]
-    removed = tier.remove([it.slot for it in deleted])
-    for remake in remakes:
-        remake.join()
-    assert remakes
+    removed = _remove_after(
+        tier,
+        monkeypatch,
+        [it.slot for it in kept[::2]],
+        tier._make_reserve,
+        lambda remake: remake.join(timeout=2.0),  # a remake not kept out ends within this
+    )
     assert removed, tier.health()
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert {r.key for r in copy.recover()} == {it.key for it in kept[1::2]}
+    tier.close()
+
+
+def test_regression_writes_committed_in_the_room_a_removal_gave_back(
+    small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal on a full disk gave the reserve back, then committed; in between, writes'
+    commits grew the index's WAL into the room given back, the removal found none left even
+    for its steps, failed, and the Delete was answered with its rows kept. The removal now
+    holds the index from the give-back to its commit: the writes commit after it."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    tier, kept = _filled(tier, small_fs, make_block, 400)
+    later = _allocate(tier, make_block, 1000, 2000)
+    index = tier._idx()
+    moved = threading.Event()  # the writes took what room they could, or wait for the index
+    monkeypatch.setattr(index, "_lock", ContendedLock(moved, reentrant=True))
+
+    def write_until_full() -> None:
+        try:
+            for start in range(0, len(later), 16):
+                if not all(o.ok for o in persist(tier, later[start : start + 16])):
+                    return
+        finally:
+            moved.set()
+
+    deleted = kept[::2]
+    removed = _remove_after(
+        tier, monkeypatch, [it.slot for it in deleted], write_until_full, lambda _: moved.wait()
+    )
+    assert removed, tier.health()
+    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+        assert not {r.key for r in copy.recover()} & {it.key for it in deleted}
     tier.close()
 
 

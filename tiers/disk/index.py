@@ -260,7 +260,8 @@ class DiskIndex:
         self._clock = clock
         self._count: Callable[..., None] = count or _count_nothing
         self._unrestorable = ""  # why an index removed while open could not be written back
-        self._lock = threading.Lock()
+        # Reentrant: a caller holding it across several calls (``held``) makes them as usual.
+        self._lock = threading.RLock()
         self.moved_aside = ""  # why the index found at open was moved aside, if it was
         self.moved_to = ""
         # What makes an index of another layout (LAYOUT_CHANGED) unusable: logged with the
@@ -432,6 +433,13 @@ class DiskIndex:
             db.executemany(
                 "DELETE FROM quarantine WHERE slot = ?", [(s,) for s in quarantine_slots]
             )
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the index across several calls of this thread: no other thread commits
+        meanwhile."""
+        with self._lock:
+            yield
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

@@ -572,8 +572,9 @@ class DiskTier:
         # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room),
         # whether a write's commit has asked for it to be made again, and how many removals
         # are using the room it gave back (it is not made again meanwhile); one make or
-        # give-back at a time. Never held across an index call: a make waits for it on an
-        # I/O thread, which a commit holding the index may be waiting for.
+        # give-back at a time. Never held across an index call (taken after the index, where
+        # both are): a make waits for it on an I/O thread, which a commit holding the index
+        # may be waiting for.
         self._reserve_lock = threading.Lock()
         self._reserve_missing = False
         self._reserve_asked = False
@@ -946,7 +947,8 @@ class DiskTier:
         again; still short, or the reserve spent by an earlier removal, delete them
         ``_RESERVE_STEP_ROWS`` at a time, the WAL restarted after each, so that a larger
         removal commits within the reserve, and later ones within the room the WAL's file
-        took from it. Raises what the last try raised."""
+        took from it; the index held from the give-back on. Raises what the last try
+        raised."""
         try:
             self._idx().delete(rows)
             return
@@ -954,18 +956,21 @@ class DiskTier:
             fault = classify(e)
             if fault.kind != "enospc":
                 raise
-        # Counted until the rows are deleted: an I/O thread making the reserve again
-        # meanwhile (a write committed in the room given back) took that room back before
-        # the removal could use it.
-        with self._reserve_lock:
-            gave_back = self._give_back_reserve()
-            self._removals_on_reserve += 1
-        try:
-            if not (gave_back and self._delete_unless_full(rows)):
-                self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
-        finally:
+        # From the give-back to the commit nothing else may take the room given back: no
+        # other commit (the index held: a write's WAL growth took it), nor an I/O thread
+        # making the reserve again (counted until the rows are deleted). The index before
+        # ``_reserve_lock``, never the other way: the remake waits for that lock on an I/O
+        # thread, which a commit holding the index may be waiting for.
+        with self._idx().held():
             with self._reserve_lock:
-                self._removals_on_reserve -= 1
+                gave_back = self._give_back_reserve()
+                self._removals_on_reserve += 1
+            try:
+                if not (gave_back and self._delete_unless_full(rows)):
+                    self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
+            finally:
+                with self._reserve_lock:
+                    self._removals_on_reserve -= 1
         self.faults.fault(fault, "index delete")  # committed, but the disk is full
         self.faults.count(removals_on_reserve=1)
 
