@@ -432,6 +432,23 @@ def test_regression_a_session_closing_gave_back_all_of_its_pins_in_one_step(monk
     asyncio.run(run())
 
 
+def _pin_books(
+    store: BlockStore, service: KVService
+) -> tuple[Callable[[], int], Callable[[], bool]]:
+    """(how many pins ended leases still owe, whether the table's pins are the live leases'
+    plus those owed, none below zero: what Check compares)."""
+
+    def owed() -> int:
+        return len(service.owed_unpins())
+
+    def balanced() -> bool:
+        leased = sum(len(x.refs) for x in service.sessions.leases())
+        pins = store.table.pins
+        return int(pins.sum()) == leased + owed() and bool((pins >= 0).all())
+
+    return owed, balanced
+
+
 def test_regression_a_small_lease_ending_behind_owed_pins_kept_its_blocks_pinned(monkeypatch):
     """While a closed session's pins went back UNPIN_SLICE_REFS a turn, every lease that ended
     meanwhile, however small and whoever's, was queued behind them: another tenant's lease
@@ -447,13 +464,7 @@ def test_regression_a_small_lease_ending_behind_owed_pins_kept_its_blocks_pinned
         async with _putting_session([], 128) as (store, service, session, pool):
             keys, admin = await _put_blocks(service, session, pool)
 
-            def owed() -> int:
-                return len(service.owed_unpins())
-
-            def balanced() -> bool:
-                leased = sum(len(x.refs) for x in service.sessions.leases())
-                return int(store.table.pins.sum()) == leased + owed()
-
+            owed, balanced = _pin_books(store, service)
             closing, other, small = (_open(service, service.tickets) for _ in range(3))
             for _ in range(20):  # 1,280 pins of 64 blocks, given back 10 a turn
                 await service.lookup(closing, keys[:64], True, 60_000)
@@ -480,6 +491,58 @@ def test_regression_a_small_lease_ending_behind_owed_pins_kept_its_blocks_pinned
             assert (await service.check(admin)).problems == []
 
     asyncio.run(run())
+
+
+def test_a_session_closing_in_turns_meets_new_sessions_deletes_and_the_stop(monkeypatch):
+    """Between the turns of a close whose pins are owed (UNPIN_SLICE_REFS a turn), a new
+    session of the same tenant pins the same blocks, releases and closes (its pins owed
+    behind the first backlog), a Delete finds the owed blocks busy and deletes those no
+    lease holds, and the store stops with pins still owed: at every turn the table's pins
+    are the live leases' plus those owed, each pin goes back once (none below zero: the
+    store's unpin raises), and no slice fails, after the stop either."""
+    monkeypatch.setattr(service_module, "UNPIN_SLICE_REFS", 10)
+    failures: list[dict] = []
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: failures.append(ctx))
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys, admin = await _put_blocks(service, session, pool)
+
+            owed, balanced = _pin_books(store, service)
+            first = _open(service, service.tickets)
+            for _ in range(20):  # 1,280 pins of 64 blocks, given back 10 a turn
+                await service.lookup(first, keys[:64], True, 60_000)
+            service.close_session(first)
+            assert owed() == 1270 and balanced()
+            await asyncio.sleep(0)
+            second = _open(service, service.tickets)  # the same tenant's
+            held = await service.lookup(second, keys[:64], True, 60_000)
+            for _ in range(3):
+                await service.lookup(second, keys[:64], True, 60_000)
+            service.release(second, held.lease_id)
+            assert balanced()
+            service.close_session(second)  # 192 more, behind the first backlog
+            assert owed() > 1192 and balanced()
+            assert (await service.delete(admin, keys[:8])).busy == 8
+            assert (await service.delete(admin, keys[120:])).deleted == 8
+            assert (await service.check(admin)).problems == []
+            for _ in range(20):
+                await asyncio.sleep(0)
+                assert balanced()
+            assert owed() > 0
+            third = _open(service, service.tickets)
+            for _ in range(2):
+                await service.lookup(third, keys[:64], True, 60_000)
+            service.close_session(third)
+            await store.stop(flush=False)
+        assert owed() > 0  # the store closed with pins owed
+        while owed():
+            await asyncio.sleep(0)
+            assert (store.table.pins >= 0).all()
+        assert int(store.table.pins.sum()) == 0
+
+    asyncio.run(run())
+    assert failures == []
 
 
 def test_regression_leases_expiring_together_were_released_in_one_step_of_the_event_loop():
