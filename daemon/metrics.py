@@ -348,7 +348,8 @@ COUNTERS: dict[str, MetricDef] = {
     "background_errors": _c(
         "kvtier_background_errors_total",
         (),
-        "Background tasks that failed (balancer, lease reaper, transfers); each is logged.",
+        "Background tasks that failed (balancer, lease reaper, the give-back of ended leases' "
+        "pins, transfers); each is logged.",
     ),
 }
 _SCALE = {"throttled_ms": 1e-3}

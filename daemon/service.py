@@ -231,10 +231,9 @@ class KVService:
         )
         # The daemon's count of its gRPC connections, once it listens.
         self.connections: ConnectionWatch | None = None
-        # Pins of ended leases not given back yet (``_unpin_all``), oldest first, and
-        # whether a turn of the loop is scheduled to give back the next slice.
+        # Pins of ended leases not given back yet (``_unpin_all``), oldest first: while
+        # some are, a turn of the loop is scheduled to give back the next slice.
         self._owed_unpins: deque[np.ndarray] = deque()
-        self._unpins_due = False
 
     def apply_quotas(self) -> None:
         """Put the configured quotas into the store, in place of those it had (each tenant's
@@ -715,14 +714,17 @@ class KVService:
             elif refs:
                 self.store.unpin(np.concatenate(refs), distinct=False)
             return
+        idle = not self._owed_unpins
         self._owed_unpins.extend(refs)  # not joined here: that copies every ref in this step
-        if not self._unpins_due:
+        if idle:
             in_turns(self._unpin_a_slice)
 
     def _unpin_a_slice(self) -> bool:
         """Give back the next ``UNPIN_SLICE_REFS`` owed pins; whether more are owed (a slice
-        is then due at the next turn, ``in_turns``)."""
-        self._unpins_due = False  # a slice that raises leaves the next ``_unpin_all`` to go on
+        is then due at the next turn, ``in_turns``). A slice that fails (the store's unpin
+        found an invariant broken) is logged and counted, as the lease reaper's failures
+        are, its pins left as they are, and the rest go back on: raised to the loop's
+        handler, it left them pinned until some later ending owed pins again."""
         owed = self._owed_unpins
         room, part = UNPIN_SLICE_REFS, []
         while owed and room:
@@ -732,9 +734,13 @@ class KVService:
                 refs = refs[:room]
             part.append(refs)
             room -= len(refs)
-        self.store.unpin(np.concatenate([_NO_REFS, *part]), distinct=False)
-        self._unpins_due = bool(owed)
-        return self._unpins_due
+        try:
+            self.store.unpin(np.concatenate([_NO_REFS, *part]), distinct=False)
+        except Exception:
+            n = UNPIN_SLICE_REFS - room
+            log.exception("giving back %s owed by ended leases failed", counted(n, "pin"))
+            self.store.counters.inc("background_errors")
+        return bool(owed)
 
     def owed_unpins(self) -> np.ndarray:
         """The refs of the pins that ended leases still hold (given back in turns of the
