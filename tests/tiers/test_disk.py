@@ -2540,7 +2540,7 @@ def test_regression_a_watch_check_held_up_by_a_reader_does_not_hold_the_index_fo
 def test_regression_a_removal_in_steps_held_up_by_a_reader_does_not_hold_the_index_for_the_busy_timeout(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A removal on a full disk takes steps with a WAL restart after each (``delete_in_steps``)
+    """A removal on a full disk takes steps with a WAL restart before each (``delete_in_steps``)
     while a reader holds a read transaction (the recovery's stream, an operator's sqlite3
     shell): each step's checkpoint waited out SQLite's busy timeout (30 s) holding the index's
     lock, which stalled every commit that long per 16 rows. The busy timeout is set far beyond

@@ -376,3 +376,32 @@ def test_regression_a_remake_of_the_reserve_without_room_for_it_took_the_disks_l
         assert (directory / RESERVE_NAME).stat().st_blocks * 512 >= RESERVE_BYTES
     finally:
         tier.close()
+
+
+def test_regression_a_removal_after_one_committed_whole_on_the_reserve_failed(
+    small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal on a full disk that fit the reserve in one transaction left the index's WAL
+    holding its pages (the WAL is restarted only between steps), so the next removal, the
+    reserve spent, appended its first step past the room given back and failed: the Delete
+    was answered with its rows kept, served again after a crash. Each step now restarts the
+    WAL before it writes, so the next removal reuses the room the first one took."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    tier, kept = _filled(tier, small_fs, make_block, 2000)
+    steps: list[int] = []
+    in_steps = tier._idx().delete_in_steps
+    monkeypatch.setattr(
+        tier._idx(), "delete_in_steps", lambda s, n: (steps.append(len(s)), in_steps(s, n))
+    )
+    first, second = kept[::250], kept[3::40]
+    assert tier.remove([it.slot for it in first]), tier.health()
+    assert steps == []  # committed whole on the reserve
+    assert tier.remove([it.slot for it in second]), tier.health()
+    assert steps == [len(second)]
+    assert tier.stats().counters["removals_on_reserve"] == 2
+    gone = {it.key for it in first + second}
+    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+        assert {r.key for r in copy.recover()} == {it.key for it in kept} - gone
+    tier.close()
