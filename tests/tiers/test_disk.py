@@ -2656,6 +2656,38 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
         tier.close()
 
 
+def test_regression_a_commit_waited_for_the_remake_of_the_reserve(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the reserve was missing, each write's commit took the reserve's lock to ask for
+    it, which the remake on an I/O thread holds across its fallocate and syncs: the group
+    commit, and every writer waiting on it, waited out the remake's disk I/O. A commit now
+    asks only where the lock is free (a remake under way needs no asking). The remake below
+    holds the lock until the second write has returned, or 10 s."""
+    tier = _open(disk_dir, io_threads=2, direct_io=False)
+    written, remaking = threading.Event(), threading.Event()
+    ended_while_remaking: list[bool] = []
+    fallocate = os.posix_fallocate
+
+    def slow_remake(fd: int, offset: int, length: int) -> None:
+        remaking.set()
+        ended_while_remaking.append(written.wait(timeout=10.0))
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", slow_remake)
+    try:
+        with tier._reserve_lock:
+            assert tier._give_back_reserve()
+        _persist(tier, make_block, [0], 4096)  # asks for the remake
+        assert remaking.wait(timeout=10.0)
+        _persist(tier, make_block, [1], 4096)
+    finally:
+        written.set()
+        tier.close()  # waits for the remake
+    assert ended_while_remaking == [True]
+    assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 256 << 10
+
+
 def test_regression_a_removal_that_could_not_give_the_reserve_back_raised_out_of_remove(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1053,11 +1053,17 @@ class DiskTier:
 
     def _ask_for_reserve(self) -> None:
         """After a write committed: where the reserve is missing, have an I/O thread make it
-        again (off the writers' path), once."""
-        with self._reserve_lock:
+        again (off the writers' path), once. Not where ``_reserve_lock`` is held: a remake
+        under way holds it across its disk I/O, which the commit must not wait for, and a
+        give-back leaves the reserve to the next commit."""
+        if not self._reserve_lock.acquire(blocking=False):
+            return
+        try:
             if not self._reserve_missing or self._reserve_asked or self._executor is None:
                 return
             self._reserve_asked = True
+        finally:
+            self._reserve_lock.release()
         with contextlib.suppress(RuntimeError):  # shut down: made at the next open
             self._executor.submit(Priority.BACKGROUND, self._make_reserve)
 
