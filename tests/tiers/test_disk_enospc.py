@@ -32,6 +32,7 @@ def test_capacity_beyond_the_filesystem_is_refused(small_fs: Path) -> None:
     with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes") as e:
         DiskTier(small_fs / "l2", 64 * MiB, 1 * MiB)
     assert "there, or set a smaller tiers.l2.capacity_bytes" in str(e.value)
+    assert "1 MiB for the index, its reserve and the lock)" in str(e.value)
     assert not list((small_fs / "l2").glob("data-*"))
 
 

@@ -223,8 +223,8 @@ class SpaceShortfall(NamedTuple):
         return (
             f"L2 directory {self.directory} cannot hold tiers.l2.capacity_bytes="
             f"{format_size(self.capacity_bytes)}: its files need {_mib(self.needed_bytes)} "
-            f"more (the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index and "
-            f"lock) and the filesystem has {_mib(self.free_bytes)} free: free "
+            f"more (the data files, and up to {AUX_RESERVE_BYTES >> 20} MiB for the index, its "
+            f"reserve and the lock) and the filesystem has {_mib(self.free_bytes)} free: free "
             f"{_mib(self.needed_bytes - self.free_bytes)} there{smaller}"
         )
 
