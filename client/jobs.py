@@ -501,9 +501,16 @@ class TransferJob:
         return self._plan.kind
 
     def start(self) -> TransferJob:
-        with self._cond:
-            ready = self._plan.take_ready()
-        self._send(ready)
+        try:
+            with self._cond:
+                ready = self._plan.take_ready()
+            self._send(ready)
+        except BaseException:
+            # An interrupt (``_send`` gave the channel up): the parts not handed to a slot
+            # are marked sent and would never end; the job, which its caller never got, is
+            # cancelled instead, and so ends.
+            self.cancel()
+            raise
         self._maybe_finish()
         return self
 
@@ -747,7 +754,11 @@ class AsyncTransferJob:
         return self._plan.kind
 
     async def start(self) -> AsyncTransferJob:
-        await self._send(self._plan.take_ready())
+        try:
+            await self._send(self._plan.take_ready())
+        except BaseException:  # as ``TransferJob.start``
+            await self.cancel()
+            raise
         await self._maybe_finish()
         return self
 

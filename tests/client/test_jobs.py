@@ -32,6 +32,7 @@ from kvtier.client import (
 )
 from kvtier.client.errors import DeadlineExceededError, InternalError, InvalidArgumentError
 from kvtier.client.jobs import TransferPlan, layer_ranges
+from kvtier.client.slots import CallSlots
 from kvtier.proto import kvtier_pb2 as pb
 
 LAYERS = 4
@@ -512,3 +513,58 @@ async def test_a_job_with_more_parts_than_a_connection_takes_at_once(daemon, kin
                 status = await (await client.submit_load(pool, segments)).wait(timeout_s=60)
     assert status.error is None, status.error
     assert status.state is JobState.DONE and not status.done.any()
+
+
+class SignalHandlerError(BaseException):
+    """What a signal's handler raises in an asyncio loop (a KeyboardInterrupt would go on out
+    of the loop, which pytest's process does not outlive whole)."""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_regression_a_job_whose_start_was_interrupted_never_ended(daemon, monkeypatch, kind):
+    """An interrupt that lands in a job's start, once its parts are taken to be sent and
+    before each is handed to a call slot (injected: as the blocking job's second part takes
+    its slot, as the asyncio job reads its pool's id), left the parts not handed over marked
+    sent, never sent nor ended: the job, which the caller never got, stayed RUNNING for
+    good. It is cancelled instead, and so ends."""
+    keys = keys_for(2, f"start-{kind}")
+    segment = LoadSegment(keys, range(2))
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        if kind == "sync":
+            taken: list[bool] = []
+            take_or_queue = CallSlots.take_or_queue
+
+            def interrupted_take(self, grant):
+                if taken:
+                    raise KeyboardInterrupt
+                taken.append(True)
+                return take_or_queue(self, grant)
+
+            with daemon.client() as client:
+                pool = client.register_pool(shm, LAYOUT)
+                monkeypatch.setattr(CallSlots, "take_or_queue", interrupted_take)
+                with pytest.raises(KeyboardInterrupt):
+                    client.submit_load(pool, [segment], layer_groups=[(0, 1), (1, 4)])
+                monkeypatch.undo()
+                assert taken
+                (job,) = client._jobs.jobs.values()
+                status = job.wait(timeout_s=5)
+        else:
+            async with AsyncClient(daemon.address, namespace=daemon.namespace) as aclient:
+                pool = await aclient.register_pool(shm, LAYOUT)
+                asked: list[bool] = []
+                pool_id_of = aclient.pool_id_of
+
+                async def interrupted_pool_id_of(binding):
+                    if asked:  # the start's, after the submit's own
+                        raise SignalHandlerError
+                    asked.append(True)
+                    return await pool_id_of(binding)
+
+                monkeypatch.setattr(aclient, "pool_id_of", interrupted_pool_id_of)
+                with pytest.raises(SignalHandlerError):
+                    await aclient.submit_load(pool, [segment], layer_groups=[(0, 1), (1, 4)])
+                (job,) = aclient._jobs.jobs.values()
+                status = await job.wait(timeout_s=5)
+    assert status.finished and status.state is JobState.CANCELLED
