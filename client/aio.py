@@ -349,20 +349,38 @@ class AsyncClient:
         self._on_loop()
         resends = Resends(timeout_s)
         slots = self._slots
-        if not slots.take() and not await slots.wait(resends.left_s() if timed_wait else None):
-            raise slot_wait_error(self.max_calls_open, timeout_s)
-        try:  # from the slot's taking on: an interrupt may land at any call
-            if not timed_wait:
-                resends = Resends(timeout_s)
-            while True:
-                try:
-                    return await rpc(request, timeout=resends.left_s())
-                except grpc.RpcError as e:
-                    if not refused_stream(e) or (pause := resends.pause_s()) is None:
-                        raise
-                await asyncio.sleep(pause)
-        finally:
-            slots.release()
+        try:
+            if not slots.take() and not await slots.wait(resends.left_s() if timed_wait else None):
+                raise slot_wait_error(self.max_calls_open, timeout_s)
+            try:  # from the slot's taking on: an interrupt may land at any call
+                if not timed_wait:
+                    resends = Resends(timeout_s)
+                while True:
+                    try:
+                        return await rpc(request, timeout=resends.left_s())
+                    except grpc.RpcError as e:
+                        if not refused_stream(e) or (pause := resends.pause_s()) is None:
+                            raise
+                    await asyncio.sleep(pause)
+            finally:
+                slots.release()
+        except (Exception, asyncio.CancelledError, GeneratorExit):
+            raise  # a cancel, or the close of a task's coroutine dropped, is never inside release
+        except BaseException:
+            # What a signal's handler raised (a KeyboardInterrupt under a loop run without
+            # ``asyncio.run``'s handler, as a notebook's): landing in the release, it left
+            # the slot taken for good. The slots are given up, as the blocking client gives
+            # up its channel and the slots with it (``Client._until_run``).
+            self._give_up_slots(slots)
+            raise
+
+    def _give_up_slots(self, slots: AsyncCallSlots) -> None:
+        """Count the calls on new slots from now on (the new ones first: another interrupt
+        before the old are given up leaves their tasks to their time) and give up ``slots``,
+        unless an earlier interrupt did."""
+        if self._slots is slots:
+            self._slots = AsyncCallSlots(self.max_calls_open)
+            slots.give_up()
 
     async def _drive(self, flow: Flow, binding: PoolBinding | None) -> int:
         advance: Callable[[Any], tuple[str, Any]]  # the flow's send, or its throw

@@ -21,6 +21,9 @@ Invariants:
 - A task cancelled while it waits (``AsyncCallSlots``) holds no slot and sends nothing, even
   when the slot was handed to it in the loop pass the cancel came in: that slot goes on to
   the next task queued.
+- Slots given up (``AsyncCallSlots.give_up``: an exception a signal's handler raised may
+  have left their count wrong) count nothing more: their queued tasks are sent at once, and
+  so is any task that asks them for a slot later; their owner counts its calls on new ones.
 """
 
 from __future__ import annotations
@@ -179,11 +182,12 @@ class AsyncCallSlots:
 
     Thread-safety: none; the tasks of one event loop (the client's)."""
 
-    __slots__ = ("_free", "_waiting", "limit")
+    __slots__ = ("_free", "_given_up", "_waiting", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._free = limit
+        self._given_up = False
         # In the order they came; a waiter is here while it is not done, and one done (its
         # task cancelled, not back yet) is skipped.
         self._waiting: deque[asyncio.Future[bool]] = deque()
@@ -200,6 +204,8 @@ class AsyncCallSlots:
 
     def take(self) -> bool:
         """Take a free slot, if one is (none is while tasks queue); never waits."""
+        if self._given_up:
+            return True
         if self._free:
             self._free -= 1
             return True
@@ -231,6 +237,8 @@ class AsyncCallSlots:
 
     def release(self) -> None:
         """Free a slot: it goes to the first task still waiting, if any."""
+        if self._given_up:
+            return
         waiting = self._waiting
         while waiting:
             waiter = waiting.popleft()
@@ -240,6 +248,17 @@ class AsyncCallSlots:
         if self._free >= self.limit:
             raise RuntimeError("a call slot freed more often than taken")
         self._free += 1
+
+    def give_up(self) -> None:
+        """Count nothing more (see the module): an exception a signal's handler raised as a
+        call ended (at the entry of ``release``, or inside it) left a slot taken for good, or
+        a waiter off the queue unanswered. Every task queued is handed a slot, and sends its
+        call beside the calls counted on the owner's new slots."""
+        self._given_up = True
+        waiting, self._waiting = self._waiting, deque()
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(True)
 
     def _expire(self, waiter: asyncio.Future[bool]) -> None:
         if not waiter.done():

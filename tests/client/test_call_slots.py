@@ -528,6 +528,20 @@ def test_a_part_queued_on_a_channel_given_up_meanwhile_is_not_sent_on_the_new_on
         assert first.held == 0 and client.call_slots.held == 0
 
 
+def interrupt_at(code, caller_code, error: type[BaseException], landed: list[bool]):
+    """A trace function (``sys.settrace``) that raises ``error`` once, at the entry of a
+    call of ``code`` made by ``caller_code``: where the interpreter checks for signals."""
+
+    def interrupt(frame, event: str, arg):
+        caller = frame.f_back
+        if event == "call" and frame.f_code is code and caller.f_code is caller_code:
+            sys.settrace(None)
+            landed.append(True)
+            raise error
+
+    return interrupt
+
+
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("at", ["call_later", "cancel"])
 def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(counting_server, at):
@@ -543,15 +557,8 @@ def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(count
     address, servicer = counting_server
     servicer.gate = threading.Event()
     code = getattr(asyncio.TimerHandle if at == "cancel" else asyncio.BaseEventLoop, at).__code__
-    wait_code = AsyncCallSlots.wait.__code__
     landed: list[bool] = []
-
-    def interrupt(frame, event: str, arg):
-        caller = frame.f_back
-        if event == "call" and frame.f_code is code and caller.f_code is wait_code:
-            sys.settrace(None)
-            landed.append(True)
-            raise KeyboardInterrupt
+    interrupt = interrupt_at(code, AsyncCallSlots.wait.__code__, KeyboardInterrupt, landed)
 
     async def main() -> None:
         async with AsyncClient(address, max_calls_open=1) as client:
@@ -658,3 +665,61 @@ def test_regression_an_interrupt_as_an_async_wait_s_timer_was_set_logged_its_exp
         return errors
 
     assert asyncio.run(run()) == []
+
+
+@pytest.mark.timeout(30)
+def test_regression_an_interrupt_at_an_async_call_s_release_lost_its_slot(counting_server):
+    """An exception that a signal's handler raises in the loop as an asyncio call ends, at the
+    entry of its slot's release (where the interpreter checks for signals; injected there),
+    gives the client's slots up: the task queued behind the call is sent at once, and later
+    calls are counted on new slots. Before, the slot stayed taken for good: with
+    max_calls_open=1 the queued call and every later one waited their whole time for it and
+    failed DeadlineExceeded."""
+    address, servicer = counting_server
+    servicer.gate = threading.Event()
+    landed: list[bool] = []
+    interrupt = interrupt_at(
+        AsyncCallSlots.release.__code__, AsyncClient._until_run.__code__, SignalHandlerError, landed
+    )
+
+    async def main() -> None:
+        async with AsyncClient(address, max_calls_open=1) as client:
+            await client.session()
+            first = asyncio.create_task(client.lookup([KEY], timeout_s=5))
+            while servicer.open < 1:
+                await asyncio.sleep(0.01)
+            queued = asyncio.create_task(client.lookup([KEY], timeout_s=2))
+            while client._slots.waiting < 1:
+                await asyncio.sleep(0.01)
+            sys.settrace(interrupt)
+            try:
+                servicer.gate.set()
+                with pytest.raises(SignalHandlerError):
+                    await first
+            finally:
+                sys.settrace(None)
+            assert landed
+            assert (await queued).prefix_len == 0
+            assert (await client.lookup([KEY], timeout_s=2)).prefix_len == 0
+            assert client._slots.held == 0 and client._slots.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_given_up_async_slots_send_their_queued_and_later_tasks():
+    """``AsyncCallSlots.give_up``: the tasks queued are handed a slot, a later ``take`` gets
+    one at once, and a release (of a call that held one) changes nothing."""
+
+    async def run() -> None:
+        slots = AsyncCallSlots(1)
+        assert slots.take()
+        waits = [asyncio.create_task(slots.wait(None)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert slots.waiting == 2
+        slots.give_up()
+        assert await asyncio.gather(*waits) == [True, True]
+        assert slots.take() and slots.waiting == 0
+        slots.release()
+        slots.release()  # past the limit: no "freed more often than taken" once given up
+
+    asyncio.run(run())
