@@ -576,6 +576,50 @@ async def test_regression_a_removal_sent_to_a_hung_server_came_back_once_it_answ
         assert tier.stats().counters["remove_retried"] == 2
 
 
+async def test_regression_a_resend_meeting_a_just_lost_master_counted_what_it_did_not_send(
+    fresh_redis: RedisServer, l3_prefix: str
+) -> None:
+    """A resend of remembered removals whose keys' master was lost as its pipeline was
+    filled (injected: the server's name marked lost there, as a cluster's master that timed
+    out the call ahead is) sends them nothing, and they stay remembered; ``remove_retried``
+    counted them all the same. It counts the keys a resend sends, once they are sent."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    async with opened(options(fresh_redis, l3_prefix, op_timeout_s=OP_TIMEOUT_S)) as tier:
+        assert (
+            await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(4)]))
+            == [True] * 4
+        )
+        hold_for_lost = tier._hold_for_lost
+        landed: list[bool] = []
+
+        def lost_as_filled(keys: list[bytes], *, first: bool) -> Any:
+            if not first and not landed:
+                landed.append(True)
+                tier._lost = {"": "injected"}  # a single server's name (``_servers_of``)
+            return hold_for_lost(keys, first=first)
+
+        tier._hold_for_lost = lost_as_filled  # type: ignore[method-assign]
+        fresh_redis.pause()
+        try:
+            await tier.remove(blocks[:2])
+            assert tier.stats().gauges["removals_unconfirmed"] == 2
+        finally:
+            fresh_redis.resume()
+        await wait_for("the resend to end", lambda: landed and tier._resending is None)
+        stats = tier.stats()
+        assert stats.counters["remove_retried"] == 0, stats.counters
+        assert stats.gauges["removals_unconfirmed"] == 2
+        tier._lost = {}  # found back
+        tier._resend_removals()
+        await wait_for(
+            "the removals to be sent again",
+            lambda: tier.stats().gauges["removals_unconfirmed"] == 0,
+        )
+        assert tier.stats().counters["remove_retried"] == 2
+        assert await tier.probe(blocks[:2]) == []
+
+
 async def test_a_removal_the_store_refused_is_absent_until_sent_again_or_written_again(
     fresh_redis: RedisServer, l3_prefix: str
 ) -> None:

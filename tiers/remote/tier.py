@@ -1083,6 +1083,8 @@ class RemoteTier:
             keys, holding = self._hold_for_lost(
                 [k for k in keys if k in wanted], first=pending is not None
             )
+            if pending is None:  # counted as sent: not those held, nor those confirmed since
+                self._counters["remove_retried"] += len(keys)
             done = asyncio.get_running_loop().create_future()
             self._unlinking[unlinking] = (frozenset(keys), done)
             for k in keys:
@@ -1157,7 +1159,6 @@ class RemoteTier:
                     keys = list(itertools.islice(unremoved, _UNREMOVE_BATCH))
                 if not keys:
                     break
-                self._counters["remove_retried"] += len(keys)
                 if await self._unlink(keys) != []:
                     break  # unreachable or refused: again at the next removal or reconnection
         finally:
