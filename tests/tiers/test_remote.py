@@ -1085,6 +1085,56 @@ async def test_regression_the_stop_said_removals_whose_record_failed_were_kept_f
         raw.execute_command("ACL", "SETUSER", "default", "+unlink")
 
 
+async def test_regression_a_delete_s_keys_held_for_a_lost_master_were_recorded_again_at_close(
+    fresh_redis: RedisServer, l3_prefix: str, tmp_path: Path
+) -> None:
+    """A Delete whose pipeline, as it was filled, held some keys for a master lost by then
+    (injected: the server marked lost there, the first half of the keys served) recorded
+    those in the journal at once, and a close while its UNLINKs were on their way recorded
+    them again, as UNLINKs unconfirmed. They are recorded once; the others at the close."""
+    nbytes = 4096
+    blocks = [ref(i) for i in range(4)]
+    journal_path = str(tmp_path / "removals.sqlite3")
+    # Its UNLINKs wait this long at the paused store: the close comes meanwhile.
+    opts = options(fresh_redis, l3_prefix, ttl_s=100, removals_file=journal_path, op_timeout_s=2)
+    async with opened(opts) as tier:
+        assert (
+            await tier.write(blocks, nbytes, host([data(i, nbytes) for i in range(4)]))
+            == [True] * 4
+        )
+        keys = [tier._names.key(b.ns, b.key) for b in blocks]
+        recorded: list[bytes] = []
+        journal = tier._journal
+        assert journal is not None
+        record_removals = journal.record_removals
+
+        def spied(added: list[tuple[bytes, float | None]], gone: list[bytes]) -> bool:
+            recorded.extend(k for k, _ in added)
+            return record_removals(added, gone)
+
+        journal.record_removals = spied  # type: ignore[method-assign]
+        hold_for_lost = tier._hold_for_lost
+        firsts: list[bool] = []
+
+        def lost_as_filled(keys: list[bytes], *, first: bool) -> Any:
+            firsts.append(first)
+            if len(firsts) == 2:  # remove()'s own, then its pipeline's fill
+                tier._lost = {"": "injected"}
+                tier._served = lambda keys: [0, 1]  # type: ignore[method-assign]
+            return hold_for_lost(keys, first=first)
+
+        tier._hold_for_lost = lost_as_filled  # type: ignore[method-assign]
+        fresh_redis.pause()
+        try:
+            removing = asyncio.create_task(tier.remove(blocks))
+            await wait_for("the pipeline's fill", lambda: len(firsts) == 2)
+            await tier.close()
+            await removing
+        finally:
+            fresh_redis.resume()
+    assert sorted(recorded) == sorted(keys), recorded
+
+
 async def test_regression_a_write_did_not_wait_for_its_keys_journal_drop_under_way(
     fresh_redis: RedisServer,
     l3_prefix: str,

@@ -1085,6 +1085,8 @@ class RemoteTier:
             )
             if pending is None:  # counted as sent: not those held, nor those confirmed since
                 self._counters["remove_retried"] += len(keys)
+            else:  # those held are remembered now, not on their way (kept again by ``close``)
+                pending.intersection_update(keys)
             done = asyncio.get_running_loop().create_future()
             self._unlinking[unlinking] = (frozenset(keys), done)
             for k in keys:
