@@ -627,6 +627,12 @@ class TransferJob:
         except BaseException as e:  # a KeyboardInterrupt in the caller's thread
             slots.release()
             self._client.interrupted(e)
+            # Never to be answered: it fails as the calls the given-up channel's close ends
+            # (``_on_done``), its call perhaps begun in gRPC, so its pages are not reusable.
+            with self._cond:
+                self._plan.dirty = True
+            error = self._client.given_up(stub, part.request.session_id) or closed_error()
+            self._ended(part, None, error)
             raise
         with self._cond:
             self._futures[part.index] = fut

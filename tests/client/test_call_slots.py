@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -24,6 +25,7 @@ import pytest
 from kvtier.client import (
     AsyncClient,
     Client,
+    JobState,
     LoadSegment,
     Namespace,
     PoolLayout,
@@ -723,3 +725,29 @@ def test_given_up_async_slots_send_their_queued_and_later_tasks():
         slots.release()  # past the limit: no "freed more often than taken" once given up
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(30)
+def test_regression_a_job_part_whose_send_an_interrupt_ended_never_ended(daemon):
+    """A KeyboardInterrupt that lands as a queued job part is sent on the caller's thread
+    (its slot freed by the caller's own call: injected in the part's RPC) gave the channel
+    up, but left the part, never sent, open for good: the job stayed RUNNING. The part fails
+    as those the given-up channel's close ends, its pages not reusable, and the job ends."""
+    keys = keys_for(1, "slots-part-interrupted")
+
+    def interrupted_future(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        slots = client.call_slots
+        assert slots.acquire(None)  # the one slot, held as by a call open
+        job = client.submit_save(pool, [SaveSegment(keys, [0])])
+        assert slots.waiting == 1
+        client.stub.Put = types.SimpleNamespace(future=interrupted_future)
+        with pytest.raises(KeyboardInterrupt):
+            slots.release()  # that call ends: the part is sent on this thread
+        status = job.wait(timeout_s=5)
+        assert status.finished and status.state is JobState.FAILED
+        assert isinstance(status.error, NotFoundError) and not status.pages_reusable
+        assert client.call_slots is not slots and client.call_slots.held == 0
