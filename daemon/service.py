@@ -722,9 +722,9 @@ class KVService:
     def _unpin_a_slice(self) -> bool:
         """Give back the next ``UNPIN_SLICE_REFS`` owed pins; whether more are owed (a slice
         is then due at the next turn, ``in_turns``). A slice that fails (the store's unpin
-        found an invariant broken) is logged and counted, as the lease reaper's failures
-        are, its pins left as they are, and the rest go back on: raised to the loop's
-        handler, it left them pinned until some later ending owed pins again."""
+        found pins it could not take, an invariant broken; it takes the others) is logged
+        and counted, as the lease reaper's failures are, and the rest go back on: raised to
+        the loop's handler, it left them pinned until some later ending owed pins again."""
         owed = self._owed_unpins
         room, part = UNPIN_SLICE_REFS, []
         while owed and room:

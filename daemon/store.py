@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 
@@ -2159,21 +2159,43 @@ class BlockStore:
 
     def unpin(self, refs: np.ndarray, *, distinct: bool = True) -> None:
         """Take a pin off the block of each of ``refs`` (``pin``'s); ``distinct=False`` where
-        a ref may repeat, once per pin to take (the refs of several leases at once)."""
+        a ref may repeat, once per pin to take (the refs of several leases at once). A pin
+        that cannot be taken (its block freed, or its count at zero: a broken invariant)
+        raises AssertionError once the others are taken: raised before, they were held for
+        good (nothing owes them any more); raised after taking all, counts were left below
+        zero, and the block's next lease did not keep it from eviction or a Delete."""
         refs = np.asarray(refs, dtype=np.int64)
-        bids = refs & 0xFFFFFFFF
+        bids, pins = refs & 0xFFFFFFFF, self.table.pins
         if (self.table.resolve_many(refs) < 0).any():
-            raise AssertionError("a pinned block was freed: pins must keep blocks alive")
-        add_at(self.table.pins, bids, -1)
+            self._unpin_those_held(refs, "their blocks were freed, and pins must keep them alive")
+        add_at(pins, bids, -1)
+        if (pins[bids] < 0).any():
+            add_at(pins, bids, 1)
+            self._unpin_those_held(
+                refs, "their blocks' counts were at zero: a lease released twice"
+            )
         if (budget := self.hint_budget) is not None:
             if distinct:
                 budget.unpin(bids, self._clock())
             else:
                 ids, counts = np.unique(bids, return_counts=True)
                 budget.unpin(ids, self._clock(), counts)
-        if (self.table.pins[bids] < 0).any():
-            raise AssertionError("pin count went below zero: a lease was released twice")
         self.space.forget_orphans(bids)
+
+    def _unpin_those_held(self, refs: np.ndarray, why: str) -> NoReturn:
+        """``unpin`` where some of ``refs`` cannot be: those of live blocks are taken, up to
+        each block's count, and the AssertionError says how many are not and ``why``."""
+        table = self.table
+        ids, counts = np.unique(
+            refs[table.resolve_many(refs) >= 0] & 0xFFFFFFFF, return_counts=True
+        )
+        taken = np.minimum(counts, np.maximum(table.pins[ids], 0))
+        table.pins[ids] -= taken.astype(table.pins.dtype)
+        if (budget := self.hint_budget) is not None:
+            budget.unpin(ids[taken > 0], self._clock(), taken[taken > 0])
+        self.space.forget_orphans(ids)
+        lost = len(refs) - int(taken.sum())
+        raise AssertionError(f"{lost} of {counted(len(refs), 'pin')} could not be taken off: {why}")
 
     # ------------------------------------------------------------------ checks
 

@@ -582,7 +582,7 @@ def test_regression_a_slice_of_owed_pins_that_failed_left_the_rest_pinned(monkey
             for _ in range(20):
                 await asyncio.sleep(0)
             assert owed() == 0
-            assert int(store.table.pins.sum()) == 100  # the failed slice's, lost
+            assert int(store.table.pins.sum()) == 100  # the failed slice's: that unpin took none
             assert store.counters.get("background_errors") == 1
             problems = (await service.check(admin)).problems
             assert any("pin counts differ from their live leases" in x for x in problems)
@@ -590,6 +590,41 @@ def test_regression_a_slice_of_owed_pins_that_failed_left_the_rest_pinned(monkey
     with caplog.at_level(logging.ERROR, logger=service_module.log.name):
         assert _loop_failures(run) == []
     assert "giving back 100 pins owed by ended leases failed" in caplog.text
+
+
+@pytest.mark.parametrize("fault", ["given back twice", "freed while pinned"])
+def test_regression_a_failed_slice_of_owed_pins_drove_counts_below_zero_or_kept_the_rest(
+    monkeypatch, fault
+):
+    """The store's unpin, finding a pin it could not take (its block's count already at zero:
+    a lease given back twice; its block freed while pinned), raised after taking every pin
+    of the call (counts left below zero: the block's next lease did not keep it from
+    eviction or a Delete) or before taking any (the slice's other pins, up to
+    UNPIN_SLICE_REFS of other leases, held for good: nothing owed them any more). The pins
+    that can be taken are, those that cannot are counted in the error, and no count goes
+    below zero."""
+    monkeypatch.setattr(service_module, "UNPIN_SLICE_REFS", 100)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys, admin = await _put_blocks(service, session, pool)
+            owed, _ = _pin_books(store, service)
+            await _close_pinning(service, keys, 10)  # 1,280 pins of the 128 blocks
+            ref = service.owed_unpins()[28]  # keys[0]'s block, owed by 9 leases
+            bid = int(ref) & 0xFFFFFFFF
+            if fault == "given back twice":
+                store.unpin(np.full(9, ref), distinct=False)
+            else:  # a removal that overlooked its pins
+                store.table.pins[bid] = 0
+                assert (await service.delete(admin, keys[:1])).deleted == 1
+            for _ in range(20):  # 1,180 owed, 100 a turn
+                await asyncio.sleep(0)
+                assert (store.table.pins >= 0).all()
+            assert owed() == 0
+            assert int(store.table.pins.sum()) == 0  # none held for good
+            assert store.counters.get("background_errors") == 9  # a slice per lease of 128
+
+    assert _loop_failures(run) == []
 
 
 def test_regression_leases_expiring_together_were_released_in_one_step_of_the_event_loop():

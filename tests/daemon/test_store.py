@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import mmap
 import os
+import re
 import sqlite3
 import sys
 import threading
@@ -179,6 +180,39 @@ async def test_full_tier_evicts_least_recently_used(make_store):
     assert present(store, a) == [True, True] + [False] * 4 + [True, True]
     assert all(present(store, b)) and all(present(store, c))
     assert store.counters.get("evictions", tier="L1") == 4
+
+
+async def test_regression_an_unpin_of_a_pin_it_could_not_take_took_all_or_none(make_store):
+    """The store's unpin, given a pin it could not take (its block's count at zero: a lease
+    given back twice), raised after taking every pin of the call, that count left below
+    zero (the block's next lease did not keep it from eviction); given a pin of a freed
+    block, it raised before taking any, and the others were held for good (an ended
+    lease's owed pins: nothing owes them any more). It takes the others, the hint budget's
+    too, and says how many it could not."""
+    clock = Clock()
+    tenants = "tenants=[{name: a, uids: [1000]}]"
+    store = make_store(clock, policy="heat", sets=(tenants,))
+    pool = make_pool()
+    blocks = keys(8)
+    await store.put(pool, 0, blocks, np.arange(8), None, owner=1)
+    bids = store.table.lookup(0, blocks)
+
+    def pin_problems() -> list[str]:
+        return [x for x in store.check(np.empty(0, dtype=np.int64)) if "pin count" in x]
+
+    refs = store.pin(bids)
+    store.unpin(refs[:1])
+    with pytest.raises(AssertionError) as twice:
+        store.unpin(refs)
+    assert store.table.pins[bids].tolist() == [0] * 8 and pin_problems() == []
+    assert re.match(r"1 of 8 pins could not be taken off: .* twice", str(twice.value))
+    refs = store.pin(bids)
+    store.table.pins[bids[0]] = 0  # a removal that overlooked its pin
+    assert (await store.delete(0, blocks[:1])).deleted == 1
+    with pytest.raises(AssertionError) as freed:
+        store.unpin(refs, distinct=False)
+    assert store.table.pins[bids[1:]].tolist() == [0] * 7 and pin_problems() == []
+    assert re.match(r"1 of 8 pins could not be taken off: .* freed", str(freed.value))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
