@@ -112,8 +112,6 @@ def _log_like_vllm() -> None:
 
 _log_like_vllm()
 
-# kvtier's own option, not a ConnectorConfig field: it is about vLLM's policy.
-_ALLOW_FAILING = "allow_failing_requests"
 _HIT_SOURCE = {
     int(Tier.L0_GPU): CacheHitSource.DEVICE,
     int(Tier.L1_HOST): CacheHitSource.HOST,
@@ -203,14 +201,14 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("kvtier connector: vLLM passed no kv_cache_config (vLLM < 0.32?)")
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        allow_failing = bool(extra.pop(_ALLOW_FAILING, False))
-        self.config = ConnectorConfig.from_extra_config(extra)
+        self.config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
         self.identity = identify(vllm_config, kv_cache_config, self.config.namespace)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._set_failure_policy(allow_failing)
+            self._set_failure_policy(self.config.allow_failing_requests)
             self._scheduler = SchedulerSide(
                 self.config, self.identity, int(kv_cache_config.num_blocks)
             )
@@ -251,8 +249,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._kv_transfer_config.kv_load_failure_policy = "recompute"
         log.warning(
             "kvtier connector: kv_load_failure_policy set to 'recompute' (a failed kvtier load "
-            "is recomputed, never failed); set kv_connector_extra_config[%r] to keep 'fail'",
-            _ALLOW_FAILING,
+            "is recomputed, never failed); set kv_connector_extra_config['allow_failing_requests'] "
+            "to keep 'fail'",
         )
 
     @classmethod

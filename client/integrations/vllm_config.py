@@ -147,6 +147,9 @@ class ConnectorConfig:
     milliseconds (1 MiB of blocks 2 ms, 16 MiB 9 ms, 64 MiB 84 ms into L1, measured on a
     2-core machine), so a worker has a few in flight at most; a daemon that hangs (each
     job waits ``save_timeout_s``) or crawls reaches the limit."""
+    allow_failing_requests: bool = False
+    """Keep vLLM's ``kv_load_failure_policy`` as set; by default the connector sets it to
+    ``recompute``, so that a failed kvtier load costs a recompute, never the request."""
     namespace: NamespaceOptions = field(default_factory=NamespaceOptions)
 
     @classmethod

@@ -26,3 +26,22 @@ def test_the_vllm_connectors_times_are_positive_and_finite(name: str, value: flo
 def test_the_transformers_retry_after_is_positive_and_finite(value: float) -> None:
     with pytest.raises(ValueError, match="retry_after_s must be positive and finite"):
         KVTierPrefixCache(None, None, retry_after_s=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, 1, None])
+def test_regression_allow_failing_requests_of_a_string_false_kept_vllms_fail_policy(
+    value: object,
+) -> None:
+    # The connector took bool() of the value, so "false" kept vLLM's 'fail' policy; it is
+    # now a typed option like the others, refused unless true or false.
+    with pytest.raises(ValueError, match=r"allow_failing_requests'\] must be true or false"):
+        ConnectorConfig.from_extra_config({"allow_failing_requests": value})
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_allow_failing_requests_is_read_as_given(value: bool) -> None:
+    assert (
+        ConnectorConfig.from_extra_config({"allow_failing_requests": value}).allow_failing_requests
+        is value
+    )
+    assert ConnectorConfig.from_extra_config({}).allow_failing_requests is False
