@@ -95,8 +95,9 @@ class StorageOptions:
     """The backend's options: every field is a key of the extra config."""
 
     address: str = ""
-    """kvtierd's address (``unix:PATH`` or ``host:port``); empty: ``$KVTIER_ADDRESS``, else
-    the default socket."""
+    """kvtierd's Unix socket (``unix:PATH``); empty: ``$KVTIER_ADDRESS``, else the default
+    socket. A TCP ``host:port`` connects, but the daemon takes memory pools only on its Unix
+    socket, so the first pool is refused (PERMISSION_DENIED)."""
     namespace: NamespaceOptions = field(default_factory=NamespaceOptions)
     lookup_timeout_s: float = 0.5
     """Bound of one ``batch_exists`` Lookup."""

@@ -103,8 +103,10 @@ class ConnectorConfig:
     """
 
     address: str = ""
-    """kvtierd's address (``unix:PATH`` or ``host:port``); empty: ``$KVTIER_ADDRESS``, else
-    the default socket (``kvtier.paths``), as for ``Client``."""
+    """kvtierd's Unix socket (``unix:PATH``); empty: ``$KVTIER_ADDRESS``, else the default
+    socket (``kvtier.paths``), as for ``Client``. A TCP ``host:port`` connects, but the daemon
+    takes memory pools only on its Unix socket, so the first pool is refused
+    (PERMISSION_DENIED)."""
     load: bool = True
     save: str = "all"
     """Which computed blocks are stored: ``all`` (prompt and generated), ``prompt``, ``none``."""
