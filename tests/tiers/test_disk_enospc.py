@@ -334,7 +334,8 @@ def test_regression_a_remake_of_the_reserve_without_room_for_it_took_the_disks_l
     commit had an I/O thread try to make it again: its fallocate took the disk's last free
     blocks, failed, and kept them until the file was unlinked, so an allocation meanwhile (a
     write's WAL growth: SQLITE_FULL) found no room. The free space is read first now; the
-    reserve stays missing until it fits, and is made at the next commit then."""
+    reserve stays missing until it fits, and is made at the next commit then; a write does
+    not commit meanwhile (the room left is the removals')."""
     directory = small_fs / "l2"
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, io_threads=1, enospc_retry_s=0.0)
     try:
@@ -365,7 +366,7 @@ def test_regression_a_remake_of_the_reserve_without_room_for_it_took_the_disks_l
         monkeypatch.setattr(os, "posix_fallocate", failing_remake)
         assert tier._executor is not None
         items = _allocate(tier, make_block, 0, 2)
-        assert persist(tier, items[:1])[0].ok
+        assert not persist(tier, items[:1])[0].ok
         tier._executor.submit(Priority.BACKGROUND, lambda: None).result()  # the remake's turn
         assert starved == []
         assert not (directory / RESERVE_NAME).exists()
@@ -405,4 +406,30 @@ def test_regression_a_removal_after_one_committed_whole_on_the_reserve_failed(
     gone = {it.key for it in first + second}
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert {r.key for r in copy.recover()} == {it.key for it in kept} - gone
+    tier.close()
+
+
+def test_regression_writes_after_a_removal_on_the_reserve_took_the_next_removals_room(
+    small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removal on a full disk gave the reserve back and committed; the writes that came
+    after it committed in the room left (a commit is how a full disk is found cleared) until
+    the index's WAL could grow no more, the reserve still missing (no room to make it), so
+    the next removal found no room even for its steps, failed, and its Delete was answered
+    with its rows kept: a crash served them again (35 of a delete storm's keys, beside
+    writes, in a daemon). While the reserve is missing a write commits only once it is
+    made again: the room left stays the removals'."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    tier, kept = _filled(tier, small_fs, make_block, 400)
+    assert tier.remove([it.slot for it in kept[::2]]), tier.health()
+    later = _allocate(tier, make_block, 1000, 1400)
+    for it in later:  # writes until one is refused: the room given back is the removals'
+        if not persist(tier, [it])[0].ok:
+            break
+    deleted = kept[1::4]
+    assert tier.remove([it.slot for it in deleted]), tier.health()
+    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+        assert not {r.key for r in copy.recover()} & {it.key for it in deleted}
     tier.close()

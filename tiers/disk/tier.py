@@ -102,7 +102,7 @@ from kvtier.tiers.disk.files import (
     layout,
     lock_exclusive,
 )
-from kvtier.tiers.disk.health import FaultState, classify
+from kvtier.tiers.disk.health import Fault, FaultState, classify
 from kvtier.tiers.disk.index import (
     INDEX_NAME,
     BlockRow,
@@ -139,8 +139,9 @@ AUX_RESERVE_BYTES = 1 << 20
 # A file beside the index, preallocated within ``AUX_RESERVE_BYTES``, that the tier gives back
 # to the filesystem when the index has no room to commit a removal (SQLITE_FULL: its WAL
 # cannot grow on a full disk), so that a removal, which only shrinks the tier, still becomes
-# durable there; made again once a write commits, space back. 256 KiB: 60 WAL pages, the
-# deletion of 60 rows spread over the table, or 4,000 of consecutive slots, in one transaction.
+# durable there; made again before a write commits, which waits for space back. 256 KiB: 60
+# WAL pages, the deletion of 60 rows spread over the table, or 4,000 of consecutive slots, in
+# one transaction.
 RESERVE_NAME = "index.reserve"
 RESERVE_BYTES = 256 << 10
 # The rows a removal on the reserve deletes per transaction: one WAL page each at worst (rows
@@ -767,8 +768,11 @@ class DiskTier:
             nonlocal ran
             ran = True
             self._sync_written(attempted)
-            if any(t.ws.ok.any() for t in attempted) and self.faults.refuses_commits():
+            wrote = any(t.ws.ok.any() for t in attempted)
+            if wrote and self.faults.refuses_commits():
                 self.faults.count(commits_refused_degraded=1)
+                return None
+            if wrote and not self._reserve_made():
                 return None
             failed = [
                 t.ws.slots[live[~t.ws.ok[live]]] for t in attempted if (live := t.live) is not None
@@ -1016,8 +1020,8 @@ class DiskTier:
                     path.unlink()
                 if not self._reserve_missing:
                     log.warning(
-                        "L2: cannot make %s (%s): a removal on a full disk may not commit "
-                        "until space is freed; made again after the next write",
+                        "L2: cannot make %s (%s): writes do not commit, and a removal on a "
+                        "full disk may not, until space is freed for it",
                         path,
                         e,
                     )
@@ -1026,6 +1030,23 @@ class DiskTier:
             if self._reserve_missing:
                 log.warning("L2: %s made again", path)
             self._reserve_missing = False
+
+    def _reserve_made(self) -> bool:
+        """Whether the reserve is there for a write's commit, made now if it is missing and
+        fits (a full disk's fault recorded where it does not). Called holding the index, so
+        no removal is using the room given back: while the reserve is missing, that room is
+        the removals'. A write committed in it grew the index's WAL into what a later removal
+        needed, which then failed, its Delete answered with its rows kept."""
+        if not self._reserve_missing:
+            return True
+        self._make_reserve()
+        if not self._reserve_missing:
+            return True
+        self.faults.fault(
+            Fault("enospc", f"no room to make {RESERVE_NAME} again, kept for removals"),
+            "index commit",
+        )
+        return False
 
     def _give_back_reserve(self) -> bool:
         """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
@@ -1046,7 +1067,7 @@ class DiskTier:
             fsync_dir(self.directory)
         log.warning(
             "L2: no room on the disk to commit a removal; gave back the %d KiB reserve "
-            "beside the index (made again once a write commits)",
+            "beside the index (writes commit again once it is made, space back)",
             RESERVE_BYTES >> 10,
         )
         return True
