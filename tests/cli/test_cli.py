@@ -222,12 +222,13 @@ def test_regression_stats_shifted_the_usage_of_a_tenant_with_one_session(capsys,
     assert "   1 session " in rows[0] and "   2 sessions " in rows[1], rows
 
 
-def test_stats_derives_hit_ratios_rates_and_latency(daemon):
+def test_stats_derives_hit_ratios_rates_and_latency(daemon, capsys):
     with daemon.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         stored = _keys(6, 1)
         client.put(pool.pool_id, stored, range(6))
         client.lookup(stored + _keys(2, 2))  # 6 hits, 2 misses
+        # A process of its own: a log line on stdout would break the JSON.
         out = kvtier("--address", daemon.address, "stats", "--json")
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
@@ -240,11 +241,11 @@ def test_stats_derives_hit_ratios_rates_and_latency(daemon):
         methods = {row["method"]: row for row in derived["latency"]}
         assert methods["Put"]["calls"] == 1 and methods["Lookup"]["calls"] == 1
         assert 0 < methods["Put"]["p50_s"] <= methods["Put"]["p99_s"]
-        text = kvtier("--address", daemon.address, "stats").stdout
+        text = kvtier_here(capsys, "--address", daemon.address, "stats").stdout
         assert "hit ratio 75.0%" in text and "misses: absent 2" in text
         assert "rpc_seconds_bucket" not in text  # histograms are shown as latency, not raw
         # Over an interval with no traffic the window's ratio is undefined, not 75%.
-        idle = kvtier("--address", daemon.address, "stats", "--interval", "0.2").stdout
+        idle = kvtier_here(capsys, "--address", daemon.address, "stats", "--interval", "0.2").stdout
         assert "0 keys, hit ratio -" in idle and "(lifetime 75.0%)" in idle
 
 
@@ -574,7 +575,7 @@ def test_check_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
     assert f"cannot reach kvtierd at {missing}" in err and out == ""
 
 
-def test_check_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
+def test_check_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path, capsys):
     """A tenant that is not an admin is refused (PERMISSION_DENIED): 2, not 3 (unreachable)
     nor 1 (broken). Over TCP with the tenant's token: the tests run as root, an admin on the
     Unix socket, where the same check passes."""
@@ -582,7 +583,7 @@ def test_check_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
     out = kvtier("--address", f"127.0.0.1:{port}", "--token-file", str(token), "check")
     assert out.returncode == 2, out
     assert out.stderr.startswith("kvtier check: PermissionDeniedError: "), out.stderr
-    assert kvtier("--address", d.address, "check").returncode == 0
+    assert kvtier_here(capsys, "--address", d.address, "check").returncode == 0
 
 
 def test_drain_exits_3_when_it_cannot_reach_the_daemon(tmp_path, capsys):
@@ -606,17 +607,20 @@ def _daemon_with_tenant_over_tcp(daemon_factory, tmp_path):
     return daemon_factory(f"server.tcp_address=127.0.0.1:{port}", tenants), port, token
 
 
-def test_drain_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path):
+def test_drain_exits_2_when_the_daemon_refuses_it(daemon_factory, tmp_path, capsys):
     """A tenant that is not an admin is refused (PERMISSION_DENIED): 2, not 1 (sessions
     still open after --wait), and the daemon does not drain. Over TCP with the tenant's
     token: the tests run as root, an admin on the Unix socket."""
     d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
     tenant = ("--address", f"127.0.0.1:{port}", "--token-file", str(token))
     for extra in ((), ("--resume",), ("--wait", "5")):
-        out = kvtier(*tenant, "drain", *extra)
+        # One drain in a process of its own (the others run in this one).
+        out = (
+            kvtier(*tenant, "drain") if not extra else kvtier_here(capsys, *tenant, "drain", *extra)
+        )
         assert out.returncode == 2, (extra, out)
         assert out.stderr.startswith("kvtier drain: PermissionDeniedError: "), out.stderr
-    assert kvtier("--address", d.address, "health").returncode == 0  # serving: not drained
+    assert kvtier_here(capsys, "--address", d.address, "health").returncode == 0  # not drained
 
 
 def test_drain_exits_1_when_sessions_are_still_open_after_its_wait(daemon, capsys):
@@ -801,7 +805,7 @@ def test_quarantined_l2_slots_are_listed_and_released_through_the_cli(
         "held_bytes": 0,
         "untried_count": 0,
     }
-    assert kvtier(*address, "check").returncode == 0
+    assert kvtier_here(capsys, *address, "check").returncode == 0
     d.stop()
     d.start()  # the release was durable
     code, out, _ = run_main(capsys, *address, "quarantine", "--json")
@@ -937,12 +941,14 @@ def test_regression_a_release_left_only_slots_that_failed_their_check_said_run_i
     )
 
 
-def test_quarantine_exits_2_without_l2_and_for_a_tenant_not_admin(daemon_factory, tmp_path):
+def test_quarantine_exits_2_without_l2_and_for_a_tenant_not_admin(daemon_factory, tmp_path, capsys):
     d, port, token = _daemon_with_tenant_over_tcp(daemon_factory, tmp_path)
-    out = kvtier("--address", f"127.0.0.1:{port}", "--token-file", str(token), "quarantine")
+    out = kvtier_here(
+        capsys, "--address", f"127.0.0.1:{port}", "--token-file", str(token), "quarantine"
+    )
     assert out.returncode == 2, out
     assert out.stderr.startswith("kvtier quarantine: PermissionDeniedError: "), out.stderr
-    out = kvtier("--address", d.address, "quarantine", "--release")
+    out = kvtier_here(capsys, "--address", d.address, "quarantine", "--release")
     assert out.returncode == 2, out
     assert "FailedPreconditionError" in out.stderr and "without L2" in out.stderr
 
