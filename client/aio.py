@@ -350,8 +350,13 @@ class AsyncClient:
         resends = Resends(timeout_s)
         slots = self._slots
         try:
-            if not slots.take() and not await slots.wait(resends.left_s() if timed_wait else None):
-                raise slot_wait_error(self.max_calls_open, timeout_s)
+            while not slots.take():
+                got = await slots.wait(resends.left_s() if timed_wait else None)
+                if got:
+                    break
+                if got is not None:
+                    raise slot_wait_error(self.max_calls_open, timeout_s)
+                slots = self._slots  # given up while the call waited: it queues on the new
             try:  # from the slot's taking on: an interrupt may land at any call
                 if not timed_wait:
                     resends = Resends(timeout_s)
@@ -377,7 +382,7 @@ class AsyncClient:
     def _give_up_slots(self, slots: AsyncCallSlots) -> None:
         """Count the calls on new slots from now on (the new ones first: another interrupt
         before the old are given up leaves their tasks to their time) and give up ``slots``,
-        unless an earlier interrupt did."""
+        unless an earlier interrupt did: the calls queued there queue on the new ones."""
         if self._slots is slots:
             self._slots = AsyncCallSlots(self.max_calls_open)
             slots.give_up()

@@ -22,8 +22,9 @@ Invariants:
   when the slot was handed to it in the loop pass the cancel came in: that slot goes on to
   the next task queued.
 - Slots given up (``AsyncCallSlots.give_up``: an exception a signal's handler raised may
-  have left their count wrong) count nothing more: their queued tasks are sent at once, and
-  so is any task that asks them for a slot later; their owner counts its calls on new ones.
+  have left their count wrong) count nothing more: their queued tasks are handed back, holding
+  none, to queue on their owner's new slots in the order they came; a task that asks them for
+  a slot later gets one at once.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ class AsyncCallSlots:
         self._given_up = False
         # In the order they came; a waiter is here while it is not done, and one done (its
         # task cancelled, not back yet) is skipped.
-        self._waiting: deque[asyncio.Future[bool]] = deque()
+        self._waiting: deque[asyncio.Future[bool | None]] = deque()
 
     @property
     def held(self) -> int:
@@ -211,12 +212,13 @@ class AsyncCallSlots:
             return True
         return False
 
-    async def wait(self, timeout_s: float | None) -> bool:
+    async def wait(self, timeout_s: float | None) -> bool | None:
         """Take the slot freed once the tasks queued before have theirs, waiting up to
-        ``timeout_s`` (None: for ever); False when the time ran out first. Cancelled, the
-        task leaves holding nothing: a slot handed to it meanwhile goes on."""
+        ``timeout_s`` (None: for ever); False when the time ran out first, None when the
+        slots were given up meanwhile (the task holds none: it asks the new ones). Cancelled,
+        the task leaves holding nothing: a slot handed to it meanwhile goes on."""
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bool] = loop.create_future()
+        waiter: asyncio.Future[bool | None] = loop.create_future()
         timer = None
         try:  # from its queueing on: the interpreter checks for signals at every call
             self._waiting.append(waiter)
@@ -252,15 +254,17 @@ class AsyncCallSlots:
     def give_up(self) -> None:
         """Count nothing more (see the module): an exception a signal's handler raised as a
         call ended (at the entry of ``release``, or inside it) left a slot taken for good, or
-        a waiter off the queue unanswered. Every task queued is handed a slot, and sends its
-        call beside the calls counted on the owner's new slots."""
+        a waiter off the queue unanswered. Every task queued ends its wait holding no slot
+        (None), in the order they came, to queue on the owner's new slots: handed a slot
+        here, they were all sent at once, past ``limit`` (a job's hundreds of parts, past the
+        daemon's calls per connection)."""
         self._given_up = True
         waiting, self._waiting = self._waiting, deque()
         for waiter in waiting:
             if not waiter.done():
-                waiter.set_result(True)
+                waiter.set_result(None)
 
-    def _expire(self, waiter: asyncio.Future[bool]) -> None:
+    def _expire(self, waiter: asyncio.Future[bool | None]) -> None:
         if not waiter.done():
             # Off the queue already where an interrupt ended the wait as its timer was set,
             # before the wait had the timer to cancel.

@@ -544,6 +544,31 @@ def interrupt_at(code, caller_code, error: type[BaseException], landed: list[boo
     return interrupt
 
 
+async def one_open_and_queued(
+    client: AsyncClient, servicer: CountingServicer, queued: int, timeout_s: float
+) -> tuple[asyncio.Task, list[asyncio.Task]]:
+    """A Lookup open at the server (held there by its gate) and ``queued`` queued behind it
+    (max_calls_open=1), as tasks."""
+    await client.session()
+    first = asyncio.create_task(client.lookup([KEY], timeout_s=timeout_s))
+    while servicer.open < 1:
+        await asyncio.sleep(0.01)
+    tasks = [asyncio.create_task(client.lookup([KEY], timeout_s=timeout_s)) for _ in range(queued)]
+    while client._slots.waiting < queued:
+        await asyncio.sleep(0.01)
+    return first, tasks
+
+
+async def raises_traced(call, interrupt, error: type[BaseException]) -> None:
+    """Await ``call`` under the trace function ``interrupt``, which must end it with ``error``."""
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(error):
+            await call
+    finally:
+        sys.settrace(None)
+
+
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("at", ["call_later", "cancel"])
 def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(counting_server, at):
@@ -570,12 +595,7 @@ def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(count
                 await asyncio.sleep(0.01)
             if at == "cancel":  # the held call ends as the wait goes on: its slot handed over
                 asyncio.get_running_loop().call_later(0.1, servicer.gate.set)
-            sys.settrace(interrupt)
-            try:
-                with pytest.raises(KeyboardInterrupt):
-                    await client.lookup([KEY], timeout_s=5)
-            finally:
-                sys.settrace(None)
+            await raises_traced(client.lookup([KEY], timeout_s=5), interrupt, KeyboardInterrupt)
             assert landed
             servicer.gate.set()
             assert (await held).prefix_len == 0
@@ -686,13 +706,7 @@ def test_regression_an_interrupt_at_an_async_call_s_release_lost_its_slot(counti
 
     async def main() -> None:
         async with AsyncClient(address, max_calls_open=1) as client:
-            await client.session()
-            first = asyncio.create_task(client.lookup([KEY], timeout_s=5))
-            while servicer.open < 1:
-                await asyncio.sleep(0.01)
-            queued = asyncio.create_task(client.lookup([KEY], timeout_s=2))
-            while client._slots.waiting < 1:
-                await asyncio.sleep(0.01)
+            first, (queued,) = await one_open_and_queued(client, servicer, 1, timeout_s=2)
             sys.settrace(interrupt)
             try:
                 servicer.gate.set()
@@ -708,9 +722,9 @@ def test_regression_an_interrupt_at_an_async_call_s_release_lost_its_slot(counti
     asyncio.run(main())
 
 
-def test_given_up_async_slots_send_their_queued_and_later_tasks():
-    """``AsyncCallSlots.give_up``: the tasks queued are handed a slot, a later ``take`` gets
-    one at once, and a release (of a call that held one) changes nothing."""
+def test_given_up_async_slots_hand_their_queued_tasks_back_and_send_later_ones():
+    """``AsyncCallSlots.give_up``: the tasks queued end their wait holding no slot (None), a
+    later ``take`` gets one at once, and a release (of a call that held one) changes nothing."""
 
     async def run() -> None:
         slots = AsyncCallSlots(1)
@@ -719,7 +733,7 @@ def test_given_up_async_slots_send_their_queued_and_later_tasks():
         await asyncio.sleep(0)
         assert slots.waiting == 2
         slots.give_up()
-        assert await asyncio.gather(*waits) == [True, True]
+        assert await asyncio.gather(*waits) == [None, None]
         assert slots.take() and slots.waiting == 0
         slots.release()
         slots.release()  # past the limit: no "freed more often than taken" once given up
@@ -751,3 +765,38 @@ def test_regression_a_job_part_whose_send_an_interrupt_ended_never_ended(daemon)
         assert status.finished and status.state is JobState.FAILED
         assert isinstance(status.error, NotFoundError) and not status.pages_reusable
         assert client.call_slots is not slots and client.call_slots.held == 0
+
+
+@pytest.mark.timeout(30)
+def test_regression_calls_queued_on_given_up_async_slots_were_all_sent_at_once(counting_server):
+    """An exception that a signal's handler raises as an asyncio call queues (injected as its
+    wait sets its timer) gives the client's slots up; the calls queued there queue on the new
+    slots, in the order they came, and go out ``max_calls_open`` at a time beside the call
+    still open on the old ones. Before, the given-up slots handed each a slot at once: all
+    were sent together (here 4 open with max_calls_open=1; a job's hundreds of parts went past
+    the daemon's calls per connection), the new slots counting none of them."""
+    address, servicer = counting_server
+    servicer.gate = threading.Event()
+    landed: list[bool] = []
+    interrupt = interrupt_at(
+        asyncio.BaseEventLoop.call_later.__code__,
+        AsyncCallSlots.wait.__code__,
+        SignalHandlerError,
+        landed,
+    )
+
+    async def main() -> None:
+        async with AsyncClient(address, max_calls_open=1) as client:
+            first, queued = await one_open_and_queued(client, servicer, 3, timeout_s=10)
+            await raises_traced(client.lookup([KEY], timeout_s=10), interrupt, SignalHandlerError)
+            assert landed
+            while servicer.open < 2:
+                await asyncio.sleep(0.01)
+            assert client._slots.held == 1 and client._slots.waiting == 2
+            servicer.gate.set()
+            results = await asyncio.gather(first, *queued)
+            assert [r.prefix_len for r in results] == [0] * 4
+            assert servicer.most_open == 2
+            assert client._slots.held == 0 and client._slots.waiting == 0
+
+    asyncio.run(main())
