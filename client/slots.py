@@ -23,8 +23,8 @@ Invariants:
   the next task queued.
 - Slots given up (``AsyncCallSlots.give_up``: an exception a signal's handler raised may
   have left their count wrong) count nothing more: their queued tasks are handed back, holding
-  none, to queue on their owner's new slots in the order they came; a task that asks them for
-  a slot later gets one at once.
+  none, to queue on their owner's new slots in the order they came; their releases (of the
+  calls still open on them) change nothing.
 """
 
 from __future__ import annotations
@@ -205,8 +205,6 @@ class AsyncCallSlots:
 
     def take(self) -> bool:
         """Take a free slot, if one is (none is while tasks queue); never waits."""
-        if self._given_up:
-            return True
         if self._free:
             self._free -= 1
             return True
