@@ -627,24 +627,30 @@ class TransferJob:
         except BaseException as e:  # a KeyboardInterrupt in the caller's thread
             slots.release()
             self._client.interrupted(e)
-            # Never to be answered: it fails as the calls the given-up channel's close ends
-            # (``_on_done``), its call perhaps begun in gRPC, so its pages are not reusable.
-            with self._cond:
-                self._plan.dirty = True
-            error = self._client.given_up(stub, part.request.session_id) or closed_error()
-            self._ended(part, None, error)
+            self._send_interrupted(part, stub)
             raise
         with self._cond:
             self._futures[part.index] = fut
         try:
             # Under the call's lock, which the answer's delivery takes: guarded as the
-            # call's start (the part is the job's, which cancel() ends).
+            # call's start.
             fut.add_done_callback(lambda f, part=part, stub=stub: self._on_done(part, f, stub))
         except Exception:
             raise
         except BaseException as e:
             self._client.interrupted(e, fut)
+            self._send_interrupted(part, stub)
             raise
+
+    def _send_interrupted(self, part: Part, stub: ChannelStub) -> None:
+        """End a part whose send an interrupt ended on this thread (the channel given up):
+        never to be answered here (its done callback perhaps not taken, or the call's cancel
+        read in ``_on_done`` as the job's), it fails as the calls the given-up channel's
+        close ends, its call perhaps begun in gRPC, so its pages are not reusable."""
+        with self._cond:
+            self._plan.dirty = True
+        error = self._client.given_up(stub, part.request.session_id) or closed_error()
+        self._ended(part, None, error)
 
     def _on_done(self, part: Part, fut: Any, stub: ChannelStub) -> None:
         stub.call_slots.release()  # a queued part may go out first, on this thread

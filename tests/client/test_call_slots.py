@@ -741,16 +741,35 @@ def test_given_up_async_slots_hand_their_queued_tasks_back():
     asyncio.run(run())
 
 
+class CallbackInterrupted:
+    """A call's future whose ``add_done_callback`` a KeyboardInterrupt ends before it takes
+    the callback."""
+
+    def __init__(self, fut) -> None:
+        self._fut = fut
+
+    def add_done_callback(self, fn) -> None:
+        raise KeyboardInterrupt
+
+    def __getattr__(self, name: str):
+        return getattr(self._fut, name)
+
+
 @pytest.mark.timeout(30)
-def test_regression_a_job_part_whose_send_an_interrupt_ended_never_ended(daemon):
+@pytest.mark.parametrize("at", ["future", "add_done_callback"])
+def test_regression_a_job_part_whose_send_an_interrupt_ended_never_ended(daemon, at):
     """A KeyboardInterrupt that lands as a queued job part is sent on the caller's thread
-    (its slot freed by the caller's own call: injected in the part's RPC) gave the channel
-    up, but left the part, never sent, open for good: the job stayed RUNNING. The part fails
-    as those the given-up channel's close ends, its pages not reusable, and the job ends."""
-    keys = keys_for(1, "slots-part-interrupted")
+    (its slot freed by the caller's own call: injected in the part's RPC, or as its done
+    callback is added) gave the channel up, but left the part, never sent or never to be
+    answered, open for good: the job stayed RUNNING. The part fails as those the given-up
+    channel's close ends, its pages not reusable, and the job ends."""
+    keys = keys_for(1, f"slots-part-interrupted-{at}")
+    put = None
 
     def interrupted_future(*args, **kwargs):
-        raise KeyboardInterrupt
+        if at == "future":
+            raise KeyboardInterrupt
+        return CallbackInterrupted(put.future(*args, **kwargs))
 
     with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
@@ -758,6 +777,7 @@ def test_regression_a_job_part_whose_send_an_interrupt_ended_never_ended(daemon)
         assert slots.acquire(None)  # the one slot, held as by a call open
         job = client.submit_save(pool, [SaveSegment(keys, [0])])
         assert slots.waiting == 1
+        put = client.stub.Put
         client.stub.Put = types.SimpleNamespace(future=interrupted_future)
         with pytest.raises(KeyboardInterrupt):
             slots.release()  # that call ends: the part is sent on this thread
