@@ -86,18 +86,25 @@ crash-campaign: system-deps
 	$(PY) tests/crash_campaign.py --rounds $(CRASH_ROUNDS) --seed $(CRASH_SEED)
 
 # Tests of seconds each that `make test` leaves out to stay within its time (published figures
-# on the public trace, long randomized equivalence checks); .ci/run runs them.
+# on the public trace, long randomized equivalence checks); .ci/run runs them. Their files go to
+# TEST_WORKERS processes, as in `make test`. The 8 L3 cluster tests also marked slow (a hung
+# master) are left to test-l3-cluster, which runs every cluster test: both targets ran them.
 test-slow: system-deps
 	@$(BOOTSTRAP) --profile dev
 	@$(BYTECODE)
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'slow and not redis_cluster' $(PYTEST_ARGS)
 
 # L3 on a real 3-master Redis Cluster (resharding, a master killed mid-workload): slower, so
-# outside `make test`'s budget; .ci/run runs it too.
+# outside `make test`'s budget; .ci/run runs it too. Its tests wait on the clusters' node
+# timeouts and the tier's op timeouts, so they go to TEST_WORKERS processes one by one (not a
+# file to each: one file holds nearly all), each process forming the module's clusters it
+# needs; every node is on a free port of its own (36 tests: 411 s of pytest in one process,
+# 243 s in three, back to back on a 2-core machine at load 12-16; the reshard test, 132-179 s
+# there, is the floor).
 test-l3-cluster: system-deps
 	@$(BOOTSTRAP) --profile dev
 	@$(BYTECODE)
-	$(PY) -m pytest -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist load -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
 
 VLLM_CONSTRAINTS := tests/integrations/vllm/constraints.txt
 $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c $(VLLM_CONSTRAINTS)
