@@ -2587,13 +2587,13 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
     I/O thread: with one or two I/O threads (one runs all but demand reads), that was the
     thread a commit holding the index waited for to write its blocks, and the removal waited
     for the index. Removal, commit and every later write hung. The removal now takes the
-    index before the reserve's lock and never waits for the index holding it; the remake
-    leaves the reserve missing while a removal uses its room."""
+    index before the reserve's lock and never waits for the index holding it; the reserve is
+    made again by the next write's commit, holding the index, once the removal is done."""
     tier = _open(disk_dir, io_threads=io_threads, direct_io=False)
     index = tier._idx()
     removed = _persist(tier, make_block, [0], 4096)[0][1]
     written = _items(tier, make_block, [1, 2, 3], 4096)[::2]  # two runs: on the I/O threads
-    in_fallback, at_index, remaking, go = (threading.Event() for _ in range(4))
+    in_fallback, at_index, remaking = (threading.Event() for _ in range(3))
     real_delete, real_insert, real_make = index.delete, index.insert_when, tier._make_reserve
     index._lock = ContendedLock(at_index, reentrant=True)  # type: ignore[assignment]
     tries: list[object] = []
@@ -2622,11 +2622,6 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
     tier._make_reserve = make_reserve  # type: ignore[method-assign]
     with tier._reserve_lock:
         assert tier._give_back_reserve()  # an earlier removal's
-    # A commit asked for the reserve while the I/O threads were busy: it runs once they are
-    # free, after the removal below has begun.
-    assert tier._executor is not None
-    busy = [tier._executor.submit(Priority.BACKGROUND, go.wait) for _ in range(io_threads)]
-    tier._ask_for_reserve()
     removals: list[bool] = []
     writes: list[WriteOutcome] = []
     removal = threading.Thread(target=lambda: removals.append(tier.remove([removed])))
@@ -2634,14 +2629,12 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
     try:
         removal.start()
         assert in_fallback.wait(timeout=10.0)
-        go.set()
-        assert remaking.wait(timeout=10.0)
         write.start()
         ends = time.monotonic() + 20.0
         for thread in (removal, write):
             thread.join(timeout=max(0.0, ends - time.monotonic()))
         hung = removal.is_alive() or write.is_alive()
-        if hung:
+        if hung and tier._reserve_lock.locked():
             tier._reserve_lock.release()  # ends the hang, so that the tier can close
         removal.join()
         write.join()
@@ -2649,43 +2642,48 @@ def test_regression_a_removal_on_the_reserve_deadlocked_with_a_commit_and_the_re
         assert removals == [True]
         assert [o.ok for o in writes] == [True, True]
         assert index.committed_slots([removed]) == []
+        assert remaking.is_set()
+        assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 256 << 10
     finally:
-        go.set()
-        for f in busy:
-            f.result()
         tier.close()
 
 
-def test_regression_a_commit_waited_for_the_remake_of_the_reserve(
+def test_a_write_commits_once_it_made_the_missing_reserve_or_not_at_all(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """While the reserve was missing, each write's commit took the reserve's lock to ask for
-    it, which the remake on an I/O thread holds across its fallocate and syncs: the group
-    commit, and every writer waiting on it, waited out the remake's disk I/O. A commit now
-    asks only where the lock is free (a remake under way needs no asking). The remake below
-    holds the lock until the second write has returned, or 10 s."""
-    tier = _open(disk_dir, io_threads=2, direct_io=False)
-    written, remaking = threading.Event(), threading.Event()
-    ended_while_remaking: list[bool] = []
-    fallocate = os.posix_fallocate
-
-    def slow_remake(fd: int, offset: int, length: int) -> None:
-        remaking.set()
-        ended_while_remaking.append(written.wait(timeout=10.0))
-        fallocate(fd, offset, length)
-
-    monkeypatch.setattr(os, "posix_fallocate", slow_remake)
+    """While the reserve is missing (given back by a removal on a full disk), a write's
+    commit makes it first, holding the index, so that no write commits in the room a removal
+    needs: on its return the reserve is there, no I/O thread left to make it. Without room
+    for it, the write is refused, its row not committed, the tier degraded by the full disk
+    (naming the reserve); once space is back, the next write makes it, commits, and the
+    tier is whole again."""
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    reserve = disk_dir / RESERVE_NAME
     try:
         with tier._reserve_lock:
             assert tier._give_back_reserve()
-        _persist(tier, make_block, [0], 4096)  # asks for the remake
-        assert remaking.wait(timeout=10.0)
-        _persist(tier, make_block, [1], 4096)
+        _persist(tier, make_block, [0], 4096)
+        assert reserve.stat().st_blocks * 512 >= 256 << 10
+        assert tier.health().state is Health.OK
+
+        with tier._reserve_lock:
+            assert tier._give_back_reserve()
+        monkeypatch.setattr("kvtier.tiers.disk.tier._free_bytes", lambda _: 128 << 10)
+        refused = _items(tier, make_block, [1], 4096)
+        assert [o.ok for o in persist(tier, refused)] == [False]
+        assert tier._idx().committed_slots([refused[0].slot]) == []
+        assert not reserve.exists()
+        health = tier.health()
+        assert health.state is Health.DEGRADED_NOSPACE
+        assert RESERVE_NAME in health.detail
+        assert tier.remove([refused[0].slot])
+
+        monkeypatch.undo()
+        _persist(tier, make_block, [2], 4096)
+        assert reserve.stat().st_blocks * 512 >= 256 << 10
+        assert tier.health().state is Health.OK
     finally:
-        written.set()
-        tier.close()  # waits for the remake
-    assert ended_while_remaking == [True]
-    assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 256 << 10
+        tier.close()
 
 
 def test_regression_a_removal_that_could_not_give_the_reserve_back_raised_out_of_remove(

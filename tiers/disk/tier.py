@@ -570,15 +570,12 @@ class DiskTier:
         self._watch: threading.Thread | None = None
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
-        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room),
-        # whether a write's commit has asked for it to be made again, and how many removals
-        # are using the room it gave back (it is not made again meanwhile); one make or
-        # give-back at a time. Never held across an index call (taken after the index, where
-        # both are): a make waits for it on an I/O thread, which a commit holding the index
-        # may be waiting for.
+        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room), and
+        # how many removals are using the room it gave back (it is not made again meanwhile);
+        # one make or give-back at a time. Never held across an index call (taken after the
+        # index, where both are).
         self._reserve_lock = threading.Lock()
         self._reserve_missing = False
-        self._reserve_asked = False
         self._removals_on_reserve = 0
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
@@ -804,7 +801,6 @@ class DiskTier:
                 self._committed.add_array(good)
             self.faults.count(commits=1, committed_blocks=len(good))
             self.faults.space_returned()
-            self._ask_for_reserve()
         for t in tickets:
             t.committed = committed
 
@@ -961,10 +957,9 @@ class DiskTier:
             if fault.kind != "enospc":
                 raise
         # From the give-back to the commit nothing else may take the room given back: no
-        # other commit (the index held: a write's WAL growth took it), nor an I/O thread
-        # making the reserve again (counted until the rows are deleted). The index before
-        # ``_reserve_lock``, never the other way: the remake waits for that lock on an I/O
-        # thread, which a commit holding the index may be waiting for.
+        # other commit (the index held: a write's WAL growth took it), nor a remake of the
+        # reserve (counted until the rows are deleted). The index before ``_reserve_lock``,
+        # never the other way: a write's commit makes the reserve holding the index.
         with self._idx().held():
             with self._reserve_lock:
                 gave_back = self._give_back_reserve()
@@ -991,10 +986,9 @@ class DiskTier:
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
         where the filesystem has no room for it, or a removal uses the room it gave back, it
-        stays missing (asked again by the next commit)."""
+        stays missing (tried again by the next write's commit)."""
         path = self.directory / RESERVE_NAME
         with self._reserve_lock:
-            self._reserve_asked = False
             if self._removals_on_reserve:
                 return
             short = RESERVE_BYTES - _allocated(path)
@@ -1071,22 +1065,6 @@ class DiskTier:
             RESERVE_BYTES >> 10,
         )
         return True
-
-    def _ask_for_reserve(self) -> None:
-        """After a write committed: where the reserve is missing, have an I/O thread make it
-        again (off the writers' path), once. Not where ``_reserve_lock`` is held: a remake
-        under way holds it across its disk I/O, which the commit must not wait for, and a
-        give-back leaves the reserve to the next commit."""
-        if not self._reserve_lock.acquire(blocking=False):
-            return
-        try:
-            if not self._reserve_missing or self._reserve_asked or self._executor is None:
-                return
-            self._reserve_asked = True
-        finally:
-            self._reserve_lock.release()
-        with contextlib.suppress(RuntimeError):  # shut down: made at the next open
-            self._executor.submit(Priority.BACKGROUND, self._make_reserve)
 
     def recover_chunks(self, rows: int = 65536) -> Iterator[RecoveredBlocks]:
         """The blocks the index holds from before this open, ``rows`` at a time, each chunk's
