@@ -2686,6 +2686,35 @@ def test_a_write_commits_once_it_made_the_missing_reserve_or_not_at_all(
         tier.close()
 
 
+def test_regression_a_commit_that_failed_before_its_rows_blamed_the_missing_reserve(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group commit whose transaction failed before its rows were in (the index locked by
+    another process: SQLITE_BUSY) waited for its writes through the step meant for inside
+    the transaction, which also tried to make the missing reserve, outside the index, and
+    where it did not fit recorded a full disk over the lock: the tier's health named the
+    reserve while the lock was what refused the writes. That wait now only waits."""
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    try:
+        with tier._reserve_lock:
+            assert tier._give_back_reserve()
+        monkeypatch.setattr("kvtier.tiers.disk.tier._free_bytes", lambda _: 128 << 10)
+        busy = sqlite3.OperationalError("database is locked")
+        busy.sqlite_errorcode = 5  # type: ignore[attr-defined]  # SQLITE_BUSY
+
+        def locked(*args: object, **kw: object) -> bool:
+            raise busy
+
+        monkeypatch.setattr(tier._idx(), "insert_when", locked)
+        assert [o.ok for o in persist(tier, _items(tier, make_block, [0], 4096))] == [False]
+        health = tier.health()
+        assert health.state is Health.DEGRADED_IO
+        assert health.detail.startswith("locked: index commit"), health.detail
+    finally:
+        monkeypatch.undo()
+        tier.close()
+
+
 def test_regression_a_removal_that_could_not_give_the_reserve_back_raised_out_of_remove(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

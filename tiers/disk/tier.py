@@ -793,8 +793,8 @@ class DiskTier:
                 self.faults.fault(classify(e), "index commit")
                 committed = False
             finally:
-                if not ran:
-                    durable()  # the insert failed before the writes were waited for
+                if not ran:  # the insert failed before the writes were waited for
+                    self._sync_written(attempted)  # nothing to commit: no reserve to make
         good = np.concatenate([t.ws.slots[t.ws.ok] for t in attempted] or [_NO_SLOTS])
         if committed and len(good):
             with self._state_lock:
