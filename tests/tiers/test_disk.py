@@ -2686,6 +2686,38 @@ def test_a_write_commits_once_it_made_the_missing_reserve_or_not_at_all(
         tier.close()
 
 
+def test_regression_a_start_that_could_not_make_the_reserve_said_the_tier_was_ok(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start with no room for the reserve (given back on a full disk before a stop) left
+    it missing with a warning, and the tier OK, though no write commits until the reserve is
+    made (2859612): ``kvtier stats`` said L2 was OK and took writes, and the store sent it
+    demotions, written and synced, until the first commit was refused. The tier now starts
+    degraded by the full disk, naming the reserve; a write let through once space is back
+    makes it and commits."""
+    _open(disk_dir, direct_io=False).close()
+    (disk_dir / RESERVE_NAME).unlink()
+    fallocate = os.posix_fallocate
+
+    def no_room_for_the_reserve(fd: int, offset: int, length: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(RESERVE_NAME):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room_for_the_reserve)
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    try:
+        health = tier.health()
+        assert health.state is Health.DEGRADED_NOSPACE
+        assert RESERVE_NAME in health.detail
+        monkeypatch.undo()
+        _persist(tier, make_block, [0], 4096)
+        assert tier.health().state is Health.OK
+        assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 256 << 10
+    finally:
+        tier.close()
+
+
 def test_regression_a_commit_that_failed_before_its_rows_blamed_the_missing_reserve(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -668,6 +668,8 @@ class DiskTier:
             # After the data files: where the index holds the room kept for the tier's other
             # files (``space_needed`` counts none then), a reserve made first took theirs.
             self._make_reserve()
+            if self._reserve_missing:  # no write commits until it is made: not OK till then
+                self._reserve_fault("start")
             self.files.open(direct_io)
             self._claim_quarantine(sizes, damaged)
             # Rows are read by recover_chunks(); until then the tier allocates nothing.
@@ -1036,11 +1038,16 @@ class DiskTier:
         self._make_reserve()
         if not self._reserve_missing:
             return True
-        self.faults.fault(
-            Fault("enospc", f"no room to make {RESERVE_NAME} again, kept for removals"),
-            "index commit",
-        )
+        self._reserve_fault("index commit")
         return False
+
+    def _reserve_fault(self, what: str) -> None:
+        """Degrade the tier by a full disk: the reserve is missing and does not fit, so
+        writes do not commit (``_reserve_made``) until space is freed for it."""
+        self.faults.fault(
+            Fault("enospc", f"no room to make {RESERVE_NAME} (kept for removals), writes wait"),
+            what,
+        )
 
     def _give_back_reserve(self) -> bool:
         """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
