@@ -104,8 +104,8 @@ def cluster_options(cluster: RedisClusterProcs, prefix: str, **kw: Any) -> Remot
 
 
 @contextlib.asynccontextmanager
-async def opened(opts: RemoteOptions) -> AsyncIterator[RemoteTier]:
-    tier = RemoteTier(opts)
+async def opened(opts: RemoteOptions, **kw: Any) -> AsyncIterator[RemoteTier]:
+    tier = RemoteTier(opts, **kw)
     await tier.start()
     try:
         yield tier
@@ -674,9 +674,12 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
         i for i, b in enumerate(chain) if redis_cluster.owner_of_slot(slot_of(namer, b)) is full
     ]
     assert on_full and len(on_full) < n
-    # A backoff the test outlasts none of: the second write is sent within it.
-    opts = fail_fast_options(redis_cluster, l3_prefix, backoff_initial_s=60.0, backoff_max_s=60.0)
-    async with opened(opts) as tier:
+    # The tier's clock moves only when the test moves it: a pause's backoff is not over
+    # until then, however long a loaded machine takes over a step. With a real clock, the
+    # backoff (50 ms at most) was over by the time the health was asked, which said ok.
+    now = [1000.0]
+    opts = fail_fast_options(redis_cluster, l3_prefix)
+    async with opened(opts, clock=lambda: now[0]) as tier:
         assert await tier.write(chain[:16], nbytes, host(src[:16])) == [True] * 16
         full.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
         full.cli("CONFIG", "SET", "maxmemory", "1")
@@ -703,20 +706,20 @@ async def test_one_full_master_pauses_its_own_writes_only_and_never_takes_l3_dow
         finally:
             full.cli("CONFIG", "SET", "maxmemory", "0")
         assert tier.stats().counters["down_transitions"] == 0
-    async with opened(fail_fast_options(redis_cluster, l3_prefix)) as tier:
+    async with opened(opts, clock=lambda: now[0]) as tier:
         full.cli("CONFIG", "SET", "maxmemory", "1")
         try:
             await tier.write(chain, nbytes, host(src))
             assert tier.health().state is Health.DEGRADED_NOSPACE
         finally:
             full.cli("CONFIG", "SET", "maxmemory", "0")
-        await wait_for(
-            "the write pause to end",
-            lambda: tier.health().state is Health.OK,
-            30.0,
-        )
+        now[0] += opts.backoff_max_s
+        # The backoff over, the master counts as taking writes, but is still paused.
+        assert tier.health().state is Health.OK
+        assert tier.stats().gauges["up"] == 0.0
         assert await tier.write(chain, nbytes, host(src)) == [True] * n
         assert tier.health().state is Health.OK
+        assert tier.stats().gauges["up"] == 1.0  # the write ended the pause
         assert tier.stats().counters["down_transitions"] == 0
 
 
