@@ -17,6 +17,12 @@ tenants and checks, against the clients' journals (what was sent, what was answe
   two versions, or another tenant's, is wrong bytes);
 - health is SERVING and the daemon's invariant check (``kvtier check``) finds nothing.
 
+In every K-th series (``--full-disk-every K``) L2 lies on a small ext4 filesystem,
+loop-mounted (root only), which a filler file fills after each start, leaving 0 to 1 MiB
+free: L2's writes then fail (its index's WAL cannot grow) and its removals (Deletes,
+evictions) commit on the index's reserve; before each restart the filler gives 2 MiB back.
+The checks are the same: a Delete answered on a full disk stays done, README says.
+
 L1's capacity changes at every restart. Every round prints one line (seed, moment, counts);
 a failed check stops the campaign with the seed that reproduces its round's draws. The clients
 and the daemon are stopped and the folders removed at the end.
@@ -284,7 +290,12 @@ class Model:
 
 # ---------------------------------------------------------------------------- the campaign
 
-from harness import DaemonProcess  # noqa: E402 - tests/ is the script's folder
+from disk_faults import fill_disk  # noqa: E402 - tests/ is the script's folder
+from harness import DaemonProcess  # noqa: E402
+
+# The full-disk series' filesystem; its L2 of 128 MiB holds every key of both tenants (68 MiB)
+# as the 256 MiB of the others do: an eviction would drop blocks answered persisted.
+FULL_FS_BYTES = 192 << 20
 
 
 class Campaign:
@@ -309,6 +320,7 @@ class Campaign:
         self.l2_bytes = 0
         self.admit_all = False
         self.starts = 0
+        self.full_fs: Path | None = None  # the mounted filesystem of a full-disk series
 
     # -- processes
 
@@ -357,7 +369,7 @@ class Campaign:
             f"tiers.l2.path={self.root / f'series{self.series}' / 'l2'}",
             f"tiers.l2.capacity_bytes={self.l2_bytes >> 20}MiB",
             "tiers.l2.segment_bytes=8MiB",
-            "tiers.l2.file_bytes=64MiB",
+            f"tiers.l2.file_bytes={32 if self.full_fs else 64}MiB",
         ]
         if self.admit_all:
             # L1's evictions are demotions then; unprotected, L1 takes new blocks by evicting
@@ -378,14 +390,23 @@ class Campaign:
     def start_daemon(self, rng: random.Random, wait: bool = True) -> DaemonProcess:
         # L2 grows now and then (a smaller one may drop blocks, as README says, which
         # would be no crash's doing); L1 takes another size at every start.
-        if rng.random() < 0.2 and self.l2_bytes < 512 << 20:
+        filler = self.full_fs / "filler" if self.full_fs else None
+        if filler is not None and filler.exists():  # room to start in
+            os.truncate(filler, max(0, filler.stat().st_size - (2 << 20)))
+        if filler is None and rng.random() < 0.2 and self.l2_bytes < 512 << 20:
             self.l2_bytes += 64 << 20
             self.moments["L2 grown at a restart"] += 1
         d = DaemonProcess(self.root, str(self.sockdir / "d.sock"), self.overrides(rng))
         self.starts += 1
         d.log_path = self.root / f"kvtierd-{self.starts}.log"  # one start's own log
         self.daemon = d
-        return d.start(wait)
+        d.start(wait)
+        if filler is not None and wait:
+            fill_disk(filler)
+            left = rng.choice((0, 0, 64 << 10, 256 << 10, 1 << 20))
+            os.truncate(filler, max(0, filler.stat().st_size - left))
+            self.moments[f"full disk, {left >> 10} KiB left"] += 1
+        return d
 
     def workers(self, rnd: int, seed: int) -> list[tuple[str, subprocess.Popen[bytes], Path]]:
         out = []
@@ -515,12 +536,47 @@ class Campaign:
             self.daemon.kill()
         self.series += 1
         self.model = Model()
-        self.l2_bytes = 256 << 20
+        self.unmount()
+        k = self.args.full_disk_every
+        if k > 0 and self.series % k == k - 1:
+            self.full_fs = self.mount(self.root / f"series{self.series}")
+        self.l2_bytes = (128 << 20) if self.full_fs else (256 << 20)
         self.admit_all = self.series % 4 in (0, 3)  # with and without L3
         self.l3 = self.args.l3_every > 0 and self.series % self.args.l3_every == 1
         if self.l3 and self.redis is None:
             self.start_redis()
         self.start_daemon(rng)
+
+    def mount(self, folder: Path) -> Path | None:
+        """A small ext4 filesystem of 4 KiB blocks (as tests/conftest.py's small_fs),
+        loop-mounted on folder; None where that cannot be done here (not root, no loop
+        device or mkfs.ext4): the series runs on the folder as the others do."""
+        image = self.root / f"{folder.name}.img"
+        with open(image, "wb") as f:
+            f.truncate(FULL_FS_BYTES)
+        folder.mkdir()
+        for cmd in (
+            ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", str(image)],
+            ["mount", "-o", "loop", str(image), str(folder)],
+        ):
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+            except OSError as e:
+                done = subprocess.CompletedProcess(cmd, 1, "", str(e))
+            if done.returncode != 0:
+                print(f"no full-disk series: {cmd[0]} failed: {done.stderr.strip()}", flush=True)
+                self.moments["full disk skipped"] += 1
+                return None
+        return folder
+
+    def unmount(self) -> None:
+        if self.full_fs is None:
+            return
+        if self.daemon is not None:
+            self.daemon.kill()
+        if subprocess.run(["umount", str(self.full_fs)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(self.full_fs)], capture_output=True)
+        self.full_fs = None
 
     def verify(self, rnd: int, d: DaemonProcess) -> None:
         p = self.model.problems
@@ -581,6 +637,7 @@ class Campaign:
         if self.redis is not None:
             self.redis.kill()
             self.redis.wait()
+        self.unmount()
         if not self.args.keep:
             shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.sockdir, ignore_errors=True)
@@ -597,6 +654,7 @@ def campaign(args: argparse.Namespace) -> int:
         for rnd in range(args.rounds):
             line = c.round(rnd)
             l3 = (" L3" if c.l3 else "") + (" admit-all" if c.admit_all else "")
+            l3 += " full-disk" if c.full_fs else ""
             print(
                 f"round {rnd} (seed {args.seed * 100_000 + rnd}, series {c.series}{l3}): {line}",
                 flush=True,
@@ -630,6 +688,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--series", type=int, default=25, help="rounds on one L2 folder")
     ap.add_argument("--l3-every", type=int, default=2, help="L3 in every K-th series (0: never)")
+    ap.add_argument(
+        "--full-disk-every",
+        type=int,
+        default=3,
+        help="L2 on a small filesystem kept full in every K-th series (0: never; needs root)",
+    )
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true", help="keep the folders")
     args = ap.parse_args()
