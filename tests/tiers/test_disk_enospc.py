@@ -431,3 +431,35 @@ def test_regression_writes_after_a_removal_on_the_reserve_took_the_next_removals
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert not {r.key for r in copy.recover()} & {it.key for it in deleted}
     tier.close()
+
+
+def test_regression_removals_on_a_disk_filled_while_the_index_grew_in_its_wal_failed(
+    small_fs: Path, make_block: Block, tmp_path: Path
+) -> None:
+    """The crash campaign's full-disk series (seed 6101, round 3): deleted blocks came back
+    after a SIGKILL. The disk filled while the WAL held the index's growth since its last
+    checkpoint (a tier filling up: here 37 pages, the index file one). The first removal
+    committed whole in the reserve's room, the next ones appended to the WAL in the room
+    left, and once it was spent the WAL's restart before a step had to grow the index file
+    to hold those pages and found no room: every removal after that failed (its Delete
+    answered, its rows kept). The WAL now restarts on the room given back first; here 2,000
+    rows committed since the last checkpoint, then 118 removals of one row each."""
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    items = _allocate(tier, make_block, 0, 2000)
+    for start in range(0, len(items), 250):
+        assert all(o.ok for o in persist(tier, items[start : start + 250]))
+    fill_disk(small_fs / "filler")
+    kept = list(items)
+    for it in _allocate(tier, make_block, 2000, 2200):  # writes until the WAL can grow no more
+        if not persist(tier, [it])[0].ok:
+            assert tier.remove([it.slot])
+            break
+        kept.append(it)
+    assert tier.health().state is Health.DEGRADED_NOSPACE
+    gone = kept[::17][:120]
+    failed = [n for n, it in enumerate(gone) if not tier.remove([it.slot])]
+    assert failed == [], f"{len(failed)} of {len(gone)} removals failed, the first #{failed[0]}"
+    with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
+        assert {r.key for r in copy.recover()} == {it.key for it in kept} - {it.key for it in gone}
+    tier.close()

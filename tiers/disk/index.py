@@ -406,17 +406,22 @@ class DiskIndex:
 
     def delete_in_steps(self, slots: Sequence[int], step: int) -> None:
         """Delete the rows of ``slots`` ``step`` at a time, each step its own transaction
-        after a checkpoint that restarts the WAL, so that the step writes over the WAL file's
-        room (what an earlier removal or the writes before the disk filled grew it to), or
-        grows it by about one step's pages (a removal on a full disk). A checkpoint that fails
-        (a reader holds the WAL: it does not wait, as waiting would hold the index's lock for
-        the busy timeout per step; or short of room where the WAL holds pages beyond the index
-        file's end) leaves the step to append to the WAL. A crash between steps keeps the
-        steps committed; the rows not reached stay, as after a failed ``delete``."""
+        after ``restart_wal``, so that the step writes over the WAL file's room (what an
+        earlier removal or the writes before the disk filled grew it to), or grows it by about
+        one step's pages (a removal on a full disk). A crash between steps keeps the steps
+        committed; the rows not reached stay, as after a failed ``delete``."""
         for start in range(0, len(slots), step):
-            with self._lock, contextlib.suppress(sqlite3.Error), _no_busy_wait(self._conn()) as db:
-                db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+            self.restart_wal()
             self.delete(slots[start : start + step])
+
+    def restart_wal(self) -> None:
+        """Checkpoint the whole WAL so that the next commit writes over its file from the
+        start. Where it fails (a reader holds the WAL: it does not wait, as waiting would hold
+        the index's lock for the busy timeout; or short of room where the WAL holds pages
+        beyond the index file's end, which the checkpoint grows the file to hold) the next
+        commit appends to the WAL."""
+        with self._lock, contextlib.suppress(sqlite3.Error), _no_busy_wait(self._conn()) as db:
+            db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
 
     def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
         """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""

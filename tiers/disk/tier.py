@@ -945,8 +945,8 @@ class DiskTier:
 
     def _delete_rows(self, rows: list[int]) -> None:
         """Delete the block rows of ``rows`` in one transaction. Where the index has no room
-        for it (SQLITE_FULL: a full disk), give the reserve back to the filesystem and try
-        again; still short, or the reserve spent by an earlier removal, delete them
+        for it (SQLITE_FULL: a full disk), give the reserve back to the filesystem, restart
+        the WAL on that room and try again; still short, or the reserve spent by an earlier removal, delete them
         ``_RESERVE_STEP_ROWS`` at a time, the WAL restarted before each, so that a larger
         removal commits within the reserve, and later ones within the room the WAL's file
         took from it; the index held from the give-back on. Raises what the last try
@@ -967,6 +967,12 @@ class DiskTier:
                 gave_back = self._give_back_reserve()
                 self._removals_on_reserve += 1
             try:
+                if gave_back:
+                    # The room given back goes to the WAL's restart first: where the WAL
+                    # holds the index's growth since its last checkpoint, the restart grows
+                    # the index file to hold it, which WAL appends would have taken, leaving
+                    # later removals neither room to append nor to restart the WAL.
+                    self._idx().restart_wal()
                 if not (gave_back and self._delete_unless_full(rows)):
                     self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
             finally:
