@@ -570,13 +570,11 @@ class DiskTier:
         self._watch: threading.Thread | None = None
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
-        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room), and
-        # how many removals are using the room it gave back (it is not made again meanwhile);
-        # one make or give-back at a time. Never held across an index call (taken after the
-        # index, where both are).
-        self._reserve_lock = threading.Lock()
+        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room). Read
+        # and set, and the file made or given back, at the open or holding the index: a
+        # removal using the room given back holds it until its rows are deleted, so the
+        # reserve is not made again meanwhile.
         self._reserve_missing = False
-        self._removals_on_reserve = 0
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
         # The slot bytes of ``_quarantined``, kept as slots enter and leave it: the space
@@ -959,25 +957,18 @@ class DiskTier:
             if fault.kind != "enospc":
                 raise
         # From the give-back to the commit nothing else may take the room given back: no
-        # other commit (the index held: a write's WAL growth took it), nor a remake of the
-        # reserve (counted until the rows are deleted). The index before ``_reserve_lock``,
-        # never the other way: a write's commit makes the reserve holding the index.
+        # other commit (a write's WAL growth took it), nor a remake of the reserve (a write's
+        # commit makes it): the index held.
         with self._idx().held():
-            with self._reserve_lock:
-                gave_back = self._give_back_reserve()
-                self._removals_on_reserve += 1
-            try:
-                if gave_back:
-                    # The room given back goes to the WAL's restart first: where the WAL
-                    # holds the index's growth since its last checkpoint, the restart grows
-                    # the index file to hold it, which WAL appends would have taken, leaving
-                    # later removals neither room to append nor to restart the WAL.
-                    self._idx().restart_wal()
-                if not (gave_back and self._delete_unless_full(rows)):
-                    self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
-            finally:
-                with self._reserve_lock:
-                    self._removals_on_reserve -= 1
+            gave_back = self._give_back_reserve()
+            if gave_back:
+                # The room given back goes to the WAL's restart first: where the WAL holds
+                # the index's growth since its last checkpoint, the restart grows the index
+                # file to hold it, which WAL appends would have taken, leaving later removals
+                # neither room to append nor to restart the WAL.
+                self._idx().restart_wal()
+            if not (gave_back and self._delete_unless_full(rows)):
+                self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
         self.faults.fault(fault, "index delete")  # committed, but the disk is full
         self.faults.count(removals_on_reserve=1)
 
@@ -993,45 +984,40 @@ class DiskTier:
 
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
-        where the filesystem has no room for it, or a removal uses the room it gave back, it
-        stays missing (tried again by the next write's commit)."""
+        where the filesystem has no room for it, it stays missing (tried again by the next
+        write's commit). Called at the open or holding the index (see ``_reserve_made``)."""
         path = self.directory / RESERVE_NAME
-        with self._reserve_lock:
-            if self._removals_on_reserve:
-                return
-            short = RESERVE_BYTES - _allocated(path)
-            if short <= 0:
-                self._reserve_missing = False
-                return
-            try:
-                if _free_bytes(self.directory) < short:
-                    # A fallocate that fails keeps what it took until the unlink below: the
-                    # disk's last blocks, where a write's WAL growth meanwhile found none.
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                fd = os.open(
-                    path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE
-                )
-                try:
-                    os.posix_fallocate(fd, 0, RESERVE_BYTES)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                fsync_dir(self.directory)
-            except OSError as e:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                if not self._reserve_missing:
-                    log.warning(
-                        "L2: cannot make %s (%s): writes do not commit, and a removal on a "
-                        "full disk may not, until space is freed for it",
-                        path,
-                        e,
-                    )
-                self._reserve_missing = True
-                return
-            if self._reserve_missing:
-                log.warning("L2: %s made again", path)
+        short = RESERVE_BYTES - _allocated(path)
+        if short <= 0:
             self._reserve_missing = False
+            return
+        try:
+            if _free_bytes(self.directory) < short:
+                # A fallocate that fails keeps what it took until the unlink below: the
+                # disk's last blocks, where a write's WAL growth meanwhile found none.
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.directory)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            if not self._reserve_missing:
+                log.warning(
+                    "L2: cannot make %s (%s): writes do not commit, and a removal on a "
+                    "full disk may not, until space is freed for it",
+                    path,
+                    e,
+                )
+            self._reserve_missing = True
+            return
+        if self._reserve_missing:
+            log.warning("L2: %s made again", path)
+        self._reserve_missing = False
 
     def _reserve_made(self) -> bool:
         """Whether the reserve is there for a write's commit, made now if it is missing and
@@ -1058,7 +1044,7 @@ class DiskTier:
     def _give_back_reserve(self) -> bool:
         """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
         or could not be unlinked (a fault the removal's steps then meet or not). Called
-        holding ``_reserve_lock``."""
+        holding the index, which the removal holds until its rows are deleted."""
         path = self.directory / RESERVE_NAME
         try:
             path.unlink()
