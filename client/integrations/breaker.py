@@ -61,8 +61,8 @@ class Breaker:
 
     Thread-safety: a race may let two callers through at the end of a pause; harmless. The
     probing thread only reads the clock and writes the pause's end and ``probing``; it and
-    ``trip`` start and end probing, and note when the latest unanswered failure happened,
-    under ``_lock``.
+    ``trip`` start and end probing, and note when the latest unanswered failure happened and
+    when the daemon last answered a probe, under ``_lock``.
     """
 
     def __init__(
@@ -74,8 +74,10 @@ class Breaker:
         self._closed_until = 0.0
         self._forgiven_at = -retry_after_s  # when a NOT_FOUND last passed without a pause
         self._probing = False  # a probing thread holds the breaker open
-        # When the latest failure that said the daemon did not answer happened (under _lock).
+        # When the latest failure that said the daemon did not answer happened, and when the
+        # probe that last found the daemon serving asked it (both under _lock).
         self._unanswered_at = float("-inf")
+        self._answered_at = float("-inf")
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.trips = 0
@@ -93,7 +95,10 @@ class Breaker:
         """Pause for ``retry_after_s`` from ``at`` (a ``time.monotonic()`` instant; now by
         default): a failure noticed late, e.g. a background job reaped later, pauses from when
         it happened, not from when it was seen. A failure that says the daemon did not answer
-        pauses, with a probe, until the probe finds it serving, however late it was noticed."""
+        pauses, with a probe, until the probe finds it serving, however late it was noticed;
+        unless it happened before a probe that found the daemon serving asked it (the same
+        hang's save jobs reaped one after another, the probe started by the first answering
+        before the others are tripped): the daemon has answered since."""
         now = time.monotonic()
         if isinstance(error, NotFoundError) and now - self._forgiven_at >= self.retry_after_s:
             self._forgiven_at = now
@@ -105,9 +110,12 @@ class Breaker:
             # Probed however late it was noticed and whatever pause is already set: the
             # daemon may still hang, and once the pause ends the engine's next call would be
             # the one to find out (a late failure's pause is over: the probe runs at once).
-            self._closed_until = max(self._closed_until, until)
+            happened = now if at is None else at
             with self._lock:
-                self._unanswered_at = max(self._unanswered_at, now if at is None else at)
+                if happened < self._answered_at:
+                    return
+                self._closed_until = max(self._closed_until, until)
+                self._unanswered_at = max(self._unanswered_at, happened)
                 start = not self._probing and not self._stop.is_set()
                 self._probing = self._probing or start
             if start:
@@ -160,6 +168,7 @@ class Breaker:
         if serving:
             with self._lock:
                 if self._unanswered_at < asked:
+                    self._answered_at = asked
                     self._probing = False
                     return True
         else:

@@ -157,6 +157,36 @@ def test_failures_older_than_the_probes_answer_do_not_hold_kvtier_off_again():
     breaker.close()
 
 
+def test_failures_older_than_the_probes_answer_reaped_after_it_start_no_probe():
+    """Regression: of the save jobs a hang timed out, reaped together at a later step, the
+    first one's trip started a probe that could answer (the daemon served) before the
+    worker tripped the breaker with the next one; that failure found no probe running and
+    started another, and so did the third: three probes and three warnings for one hang
+    the daemon had answered since (seen under load in
+    test_saves_a_hang_timed_out_reaped_together_later_cost_one_probe). A failure that
+    happened before the daemon was asked is older than its answer, however late it is
+    noticed: it neither pauses kvtier nor starts a probe."""
+    calls: list[int] = []
+
+    def probe() -> bool:
+        calls.append(1)
+        return True
+
+    breaker = Breaker(1.0, "transfer", probe=probe)
+    timed_out = time.monotonic() - 1.0  # when the hang timed the jobs out
+    breaker.trip(DeadlineExceededError("a save reaped late"), at=timed_out)
+    assert _wait_until(breaker.ok) and calls == [1]
+    for i in range(1, 3):  # the same hang's other jobs, reaped once the probe answered
+        breaker.trip(DeadlineExceededError("another save reaped late"), at=timed_out + i / 1000)
+    # A probe they started ends before ok() says so (probing is set as they trip).
+    assert _wait_until(breaker.ok) and calls == [1]
+    # A failure after the answer is probed again.
+    breaker.trip(DeadlineExceededError("a new hang"))
+    assert not breaker.ok()
+    assert _wait_until(breaker.ok) and calls == [1, 1]
+    breaker.close()
+
+
 def test_refusals_that_come_from_a_serving_daemon_are_not_probed():
     """A daemon that answered (here: a limit) is up: the pause ends with retry_after_s."""
     calls: list[int] = []
