@@ -2684,14 +2684,18 @@ def test_a_write_commits_once_it_made_the_missing_reserve_or_not_at_all(
 
 
 def test_regression_a_start_that_could_not_make_the_reserve_said_the_tier_was_ok(
-    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A start with no room for the reserve (given back on a full disk before a stop) left
     it missing with a warning, and the tier OK, though no write commits until the reserve is
     made (2859612): ``kvtier stats`` said L2 was OK and took writes, and the store sent it
     demotions, written and synced, until the first commit was refused. The tier now starts
     degraded by the full disk, naming the reserve; a write let through once space is back
-    makes it and commits."""
+    makes it and commits. Its log said "start failed", though the tier started and serves
+    reads; it now says what happened."""
     _open(disk_dir, direct_io=False).close()
     (disk_dir / RESERVE_NAME).unlink()
     fallocate = os.posix_fallocate
@@ -2702,11 +2706,14 @@ def test_regression_a_start_that_could_not_make_the_reserve_said_the_tier_was_ok
         fallocate(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", no_room_for_the_reserve)
-    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+        tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
     try:
         health = tier.health()
         assert health.state is Health.DEGRADED_NOSPACE
-        assert RESERVE_NAME in health.detail
+        assert health.detail.startswith(f"enospc: start: no room to make {RESERVE_NAME}")
+        assert "failed" not in caplog.text
+        assert f"L2 tier degraded: start: no room to make {RESERVE_NAME}" in caplog.text
         monkeypatch.undo()
         _persist(tier, make_block, [0], 4096)
         assert tier.health().state is Health.OK
@@ -2775,6 +2782,44 @@ def test_regression_a_removal_that_could_not_give_the_reserve_back_raised_out_of
         assert tier.remove(slots)
         assert index.committed_slots(slots) == []
         assert (disk_dir / RESERVE_NAME).exists()
+    finally:
+        monkeypatch.undo()
+        tier.close()
+
+
+def test_regression_a_removal_committed_on_the_reserve_logged_that_the_delete_failed(
+    disk_dir: Path,
+    make_block: Block,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A removal on a full disk committed on the reserve records the full disk's fault, so
+    the tier stays degraded by it; its log line said "index delete failed" though the rows
+    were deleted. It now says the delete committed on the reserve; the health detail and
+    counters are those of the fault as before."""
+    tier = _open(disk_dir, direct_io=False)
+    try:
+        index = tier._idx()
+        slots = [b[1] for b in _persist(tier, make_block, [0, 1], 4096).values()]
+        delete = index.delete
+        full = [_sqlite_full()]
+
+        def full_once(rows: list[int]) -> None:
+            if full:
+                raise full.pop()
+            delete(rows)
+
+        monkeypatch.setattr(index, "delete", full_once)
+        with caplog.at_level(logging.ERROR, logger="kvtier.tiers.disk"):
+            assert tier.remove(slots)
+        assert index.committed_slots(slots) == []
+        health = tier.health()
+        assert health.state is Health.DEGRADED_NOSPACE
+        assert health.detail.startswith("enospc: index delete: index: ")
+        counters = tier.stats().counters
+        assert (counters["removals_on_reserve"], counters["index_errors"]) == (1, 1)
+        assert "failed" not in caplog.text
+        assert f"L2 tier degraded: index delete committed on {RESERVE_NAME};" in caplog.text
     finally:
         monkeypatch.undo()
         tier.close()

@@ -109,8 +109,10 @@ class FaultState:
     def degraded(self) -> Fault | None:
         return self._degraded
 
-    def fault(self, fault: Fault, what: str) -> None:
-        """Count a fault and degrade the tier; log only when the state changes."""
+    def fault(self, fault: Fault, what: str, happened: str | None = None) -> None:
+        """Count a fault and degrade the tier; log only when the state changes, saying
+        ``happened`` where ``what`` did not fail (a start, or a removal committed on the
+        reserve: the disk is full all the same), else that ``what`` failed."""
         with self._lock:
             if fault.kind == "enospc":
                 self.counters["enospc"] += 1
@@ -133,9 +135,8 @@ class FaultState:
                 self._next_probe = time.monotonic() + self._enospc_retry_s
         if changed:
             log.error(
-                "L2 tier degraded: %s failed (%s); it refuses writes%s and keeps serving reads",
-                what,
-                fault.detail,
+                "L2 tier degraded: %s; it refuses writes%s and keeps serving reads",
+                happened or f"{what} failed ({fault.detail})",
                 f" (retrying every {self._enospc_retry_s:g}s)" if fault.kind in _PASSING else "",
             )
 

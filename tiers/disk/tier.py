@@ -969,7 +969,9 @@ class DiskTier:
                 self._idx().restart_wal()
             if not (gave_back and self._delete_unless_full(rows)):
                 self._idx().delete_in_steps(rows, _RESERVE_STEP_ROWS)
-        self.faults.fault(fault, "index delete")  # committed, but the disk is full
+        self.faults.fault(
+            fault, "index delete", f"index delete committed on {RESERVE_NAME}; the disk is full"
+        )
         self.faults.count(removals_on_reserve=1)
 
     def _delete_unless_full(self, rows: list[int]) -> bool:
@@ -1036,10 +1038,8 @@ class DiskTier:
     def _reserve_fault(self, what: str) -> None:
         """Degrade the tier by a full disk: the reserve is missing and does not fit, so
         writes do not commit (``_reserve_made``) until space is freed for it."""
-        self.faults.fault(
-            Fault("enospc", f"no room to make {RESERVE_NAME} (kept for removals), writes wait"),
-            what,
-        )
+        fault = Fault("enospc", f"no room to make {RESERVE_NAME} (kept for removals), writes wait")
+        self.faults.fault(fault, what, f"{what}: {fault.detail}")
 
     def _give_back_reserve(self) -> bool:
         """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
