@@ -944,11 +944,11 @@ class DiskTier:
     def _delete_rows(self, rows: list[int]) -> None:
         """Delete the block rows of ``rows`` in one transaction. Where the index has no room
         for it (SQLITE_FULL: a full disk), give the reserve back to the filesystem, restart
-        the WAL on that room and try again; still short, or the reserve spent by an earlier removal, delete them
-        ``_RESERVE_STEP_ROWS`` at a time, the WAL restarted before each, so that a larger
-        removal commits within the reserve, and later ones within the room the WAL's file
-        took from it; the index held from the give-back on. Raises what the last try
-        raised."""
+        the WAL on that room and try again; still short, or the reserve spent by an earlier
+        removal, delete them ``_RESERVE_STEP_ROWS`` at a time, the WAL restarted before each,
+        so that a larger removal commits within the reserve, and later ones within the room
+        the WAL's file took from it; the index held from the give-back on. Raises what the
+        last try raised."""
         try:
             self._idx().delete(rows)
             return
