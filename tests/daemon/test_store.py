@@ -3930,6 +3930,86 @@ async def test_an_owner_record_that_fails_during_recovery_keeps_the_owner_recove
     assert again.ns_owner.get(77) == again.owners["alice"]
 
 
+class _NamespaceRecordsFull:
+    """An L2 index's connection whose writes of namespace records fail as SQLite's do on a
+    full disk (SQLITE_FULL: the WAL cannot grow), every other statement going through."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+    def _check(self, sql: str) -> None:
+        if "INTO namespaces" in sql or "FROM namespaces WHERE" in sql:
+            full = sqlite3.OperationalError("database or disk is full")
+            full.sqlite_errorcode = 13  # type: ignore[attr-defined]  # SQLITE_FULL
+            full.sqlite_errorname = "SQLITE_FULL"  # type: ignore[attr-defined]
+            raise full
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        self._check(sql)
+        return self.db.execute(sql, *args)
+
+    def executemany(self, sql: str, *args: object) -> sqlite3.Cursor:
+        self._check(sql)
+        return self.db.executemany(sql, *args)
+
+
+@pytest.mark.parametrize("fault", ["full", "locked"])
+async def test_regression_a_namespace_first_bound_on_a_full_disk_came_back_owned_by_no_tenant(
+    make_store, tmp_path, monkeypatch, fault
+):
+    """L2 records a namespace's tenant when a put first binds it. Where that record failed
+    (SQLITE_FULL on a full disk, an index another process held locked), the disk tier took it
+    as its own fault and returned, so the bind stood and the put's blocks went down to L2
+    once a write got through (room back, the lock let go), with no record of their tenant: a
+    restart brought them back counted to no tenant (the default's), off their tenant's usage
+    and quota. The record now commits with the first blocks committed after it failed."""
+    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.disk import index as index_module
+
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    clock = Clock()
+
+    def open_disk() -> DiskTier:
+        return DiskTier(
+            tmp_path / "l2", 16 << 20, 1 << 20, file_bytes=8 << 20, enospc_retry_s=0.0,
+            recover_later=True,
+        )  # fmt: skip
+
+    disk = open_disk()
+    store, pool = make_store(clock, l2=disk), make_pool()
+    await store.recover()
+    store.owner_of("bob")  # alice's owner index is not the default's
+    index = disk._idx()
+    real = index._db
+    other = sqlite3.connect(tmp_path / "l2" / "index.sqlite3", isolation_level=None)
+    if fault == "full":
+        index._db = _NamespaceRecordsFull(real)
+    else:
+        other.execute("BEGIN IMMEDIATE")
+    alice = await store.namespace(77, "alice")
+    assert disk.health().state is not Health.OK
+    if fault == "full":
+        index._db = real  # room comes back
+    else:
+        other.execute("ROLLBACK")
+    other.close()
+    chain = keys(4)
+    _, persisted = await store.put(pool, 77, chain, np.arange(4), None, durable=True, owner=alice)
+    assert persisted.all()
+    await store.stop(flush=False)
+    store.close()
+    again = make_store(clock, l2=open_disk())
+    await again.recover()
+    ids = again.table.lookup(77, chain)
+    assert (ids >= 0).all()
+    labels = again.space.owner_labels
+    assert [labels[o] for o in again.table.owner[ids].tolist()] == ["alice"] * 4
+    assert labels[again.ns_owner[77]] == "alice"
+
+
 def _state_of(store, words) -> dict[str, object]:
     """What a sequence of requests leaves behind: counters, where each key is held and
     when it was last used, each tier's policy's ranking of its blocks and what the lower

@@ -1783,6 +1783,33 @@ def test_namespace_records_forgotten_stay_forgotten_across_a_reopen(tmp_path):
         tier.close()
 
 
+def test_regression_a_namespace_record_that_failed_was_never_made_though_its_blocks_were(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A namespace record whose commit failed (here an index another process held locked;
+    SQLITE_FULL on a full disk alike) was only the tier's fault: blocks of the namespace
+    written once the index took commits again came back at a reopen with no record of their
+    owner. The record is made by the next commit of block rows, in its transaction; one
+    forgotten meanwhile is not."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.0) as tier:
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        tier.remember_namespace(1, "alice")
+        tier.remember_namespace(2, "bob")
+        assert tier.health().state is not Health.OK
+        tier.forget_namespaces([2])
+        other.execute("ROLLBACK")
+        other.close()
+        assert tier.namespaces() == {}
+        blocks = _persist(tier, make_block, [0, 1], 4096)  # namespace 1's
+        assert tier.namespaces() == {1: "alice"}
+    with _open(disk_dir) as tier:
+        assert tier.namespaces() == {1: "alice"}
+        assert set(tier.recover().ns.tolist()) == {1}
+        assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
 def test_a_deleted_index_beside_data_files_is_reported_not_silent(
     disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,7 +4,9 @@ Tables: ``meta`` (the geometry the data files were made with), ``blocks`` (``slo
 nbytes, checksum, written_at``), ``quarantine`` (slots whose bytes failed, held out of
 service across restarts), ``namespaces`` (their owners' labels) and ``l3_removals`` (store keys
 whose removal from L3 the store has not confirmed yet, with when the store drops them anyway:
-kept here for the L3 tier, which has no disk of its own).
+kept here for the L3 tier, which has no disk of its own). No block row commits without the
+record of its namespace that the owner asked for: a record whose own commit failed is written
+by the next commit of block rows, in its transaction (``remember``).
 
 ``blocks`` is keyed by slot, with no index on ``(ns, key)``: the daemon keeps the key map in
 memory and needs the index only to recover it, to delete rows by slot and to check slots. A row
@@ -152,6 +154,11 @@ def write_l3_removals(
     db.executemany("INSERT OR REPLACE INTO l3_removals VALUES (?, ?)", added)
 
 
+def _signed(ns: int) -> int:
+    """A 64-bit namespace id as SQLite's signed integer."""
+    return ns - (1 << 64) if ns >= 1 << 63 else ns
+
+
 def _insert(db: sqlite3.Connection, rows: Sequence[BlockRow]) -> None:
     """Insert or replace block rows, ``_INSERT_ROWS`` per statement (in the caller's
     transaction)."""
@@ -260,6 +267,8 @@ class DiskIndex:
         self._clock = clock
         self._count: Callable[..., None] = count or _count_nothing
         self._unrestorable = ""  # why an index removed while open could not be written back
+        # Namespace records (ns -> label) whose commit failed: made by the next commit.
+        self._unrecorded: dict[int, str] = {}
         # Reentrant: a caller holding it across several calls (``held``) makes them as usual.
         self._lock = threading.RLock()
         self.moved_aside = ""  # why the index found at open was moved aside, if it was
@@ -315,14 +324,31 @@ class DiskIndex:
         return {int(ns) & ((1 << 64) - 1): str(label) for ns, label in rows}
 
     def remember(self, ns: int, label: str) -> None:
-        signed = ns - (1 << 64) if ns >= 1 << 63 else ns
-        with self.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO namespaces VALUES (?, ?)", (signed, label))
+        """Record ``label`` for namespace ``ns``. Raises what the commit raised (a full disk,
+        a lock); the record is then kept and made by the next commit of block rows, in its
+        transaction (``insert_when``), so that no block row commits without its namespace's
+        record."""
+        with self._lock:
+            self._unrecorded[ns] = label
+            with self.transaction() as db:
+                self._record_names(db)
+            self._unrecorded.clear()
 
     def forget(self, names: Sequence[int]) -> None:
-        signed = [(ns - (1 << 64) if ns >= 1 << 63 else ns,) for ns in names]
-        with self.transaction() as db:
-            db.executemany("DELETE FROM namespaces WHERE ns = ?", signed)
+        signed = [(_signed(ns),) for ns in names]
+        with self._lock:
+            for ns in names:
+                self._unrecorded.pop(ns, None)
+            with self.transaction() as db:
+                db.executemany("DELETE FROM namespaces WHERE ns = ?", signed)
+
+    def _record_names(self, db: sqlite3.Connection) -> None:
+        """Write the namespace records ``remember`` could not commit yet, in the caller's
+        transaction. Called holding ``_lock``."""
+        db.executemany(
+            "INSERT OR REPLACE INTO namespaces VALUES (?, ?)",
+            [(_signed(ns), label) for ns, label in self._unrecorded.items()],
+        )
 
     def l3_removals(self) -> list[tuple[bytes, float | None]]:
         """What ``record_l3_removals`` left (``read_l3_removals``)."""
@@ -351,9 +377,13 @@ class DiskIndex:
     # ------------------------------------------------------------------ writing
 
     def insert(self, rows: Sequence[BlockRow]) -> None:
-        """Insert or replace ``rows`` in one transaction."""
-        with self.transaction() as db:
-            _insert(db, rows)
+        """Insert or replace ``rows`` in one transaction (with the namespace records
+        ``remember`` could not commit, as ``insert_when``)."""
+        with self._lock:
+            with self.transaction() as db:
+                _insert(db, rows)
+                self._record_names(db)
+            self._unrecorded.clear()
 
     def insert_when(
         self,
@@ -362,8 +392,9 @@ class DiskIndex:
         *,
         wait_busy: bool = True,
     ) -> bool:
-        """Insert or replace ``rows`` in a transaction that commits only once ``durable``
-        returns, so that SQLite inserts while the rows' bytes are still going to disk.
+        """Insert or replace ``rows``, and the namespace records ``remember`` could not
+        commit, in a transaction that commits only once ``durable`` returns, so that SQLite
+        inserts while the rows' bytes are still going to disk.
         ``durable`` runs inside the transaction, holding the index (it must not use it), and
         returns the slots whose rows must not be committed after all, or None to commit
         nothing. True when the rows, less those, are committed; what ``durable`` raises
@@ -376,6 +407,8 @@ class DiskIndex:
                 db.execute("BEGIN IMMEDIATE")
             try:
                 _insert(db, rows)
+                if self._unrecorded:
+                    self._record_names(db)
                 drop = durable()
                 if drop is None:
                     db.execute("ROLLBACK")
@@ -398,6 +431,7 @@ class DiskIndex:
                 # at all.
                 self._undo_insert(db, rows, drop)
                 raise
+            self._unrecorded.clear()
         return True
 
     def delete(self, slots: Sequence[int]) -> None:

@@ -1291,7 +1291,10 @@ class DiskTier:
 
     def remember_namespace(self, ns: int, label: str) -> None:
         """Record who namespace ``ns`` belongs to, durably, beside its blocks' rows (a
-        tenant's name: recovered blocks keep their owner)."""
+        tenant's name: recovered blocks keep their owner). A record that fails (a full disk,
+        a locked index) is a fault of the tier, not raised: the next commit of blocks makes
+        it in its transaction (``DiskIndex.remember``), so no block of ``ns`` is committed
+        without it, and a put is not failed by the record alone."""
         try:
             self._idx().remember(ns, label)
         except sqlite3.Error as e:
