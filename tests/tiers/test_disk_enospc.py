@@ -215,20 +215,27 @@ def _remove_after(
     tier: DiskTier,
     monkeypatch: pytest.MonkeyPatch,
     slots: list[int],
-    meanwhile: Callable[[], None],
-    until: Callable[[threading.Thread], object],
+    meanwhile: Callable[[], object],
 ) -> bool:
     """``tier.remove(slots)`` on a full disk, with ``meanwhile`` started on a thread of its
-    own once the reserve is given back, and the removal trying again once ``until(thread)``
-    returns; the thread is waited for."""
+    own once the reserve is given back, and the removal trying again once that thread waits
+    for the index or has ended; the thread is waited for."""
     retry = tier._delete_unless_full
     threads: list[threading.Thread] = []
+    moved = threading.Event()
+    monkeypatch.setattr(tier._idx(), "_lock", ContendedLock(moved, reentrant=True))
+
+    def run() -> None:
+        try:
+            meanwhile()
+        finally:
+            moved.set()
 
     def meanwhile_first(rows: list[int]) -> bool:
-        thread = threading.Thread(target=meanwhile)
+        thread = threading.Thread(target=run)
         threads.append(thread)
         thread.start()
-        until(thread)
+        moved.wait()
         return retry(rows)
 
     monkeypatch.setattr(tier, "_delete_unless_full", meanwhile_first)
@@ -260,7 +267,6 @@ def test_regression_the_reserve_made_again_during_a_removal_took_back_its_room(
         monkeypatch,
         [it.slot for it in kept[::2]],
         lambda: persist(tier, written),
-        lambda remake: remake.join(timeout=2.0),  # a remake not kept out ends within this
     )
     assert removed, tier.health()
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
@@ -281,22 +287,14 @@ def test_regression_writes_committed_in_the_room_a_removal_gave_back(
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
     tier, kept = _filled(tier, small_fs, make_block, 400)
     later = _allocate(tier, make_block, 1000, 2000)
-    index = tier._idx()
-    moved = threading.Event()  # the writes took what room they could, or wait for the index
-    monkeypatch.setattr(index, "_lock", ContendedLock(moved, reentrant=True))
 
     def write_until_full() -> None:
-        try:
-            for start in range(0, len(later), 16):
-                if not all(o.ok for o in persist(tier, later[start : start + 16])):
-                    return
-        finally:
-            moved.set()
+        for start in range(0, len(later), 16):
+            if not all(o.ok for o in persist(tier, later[start : start + 16])):
+                return
 
     deleted = kept[::2]
-    removed = _remove_after(
-        tier, monkeypatch, [it.slot for it in deleted], write_until_full, lambda _: moved.wait()
-    )
+    removed = _remove_after(tier, monkeypatch, [it.slot for it in deleted], write_until_full)
     assert removed, tier.health()
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert not {r.key for r in copy.recover()} & {it.key for it in deleted}
