@@ -996,7 +996,8 @@ class DiskTier:
         try:
             if _free_bytes(self.directory) < short:
                 # A fallocate that fails keeps what it took until the unlink below: the
-                # disk's last blocks, where a write's WAL growth meanwhile found none.
+                # disk's last blocks, which another program's allocation meanwhile would not
+                # find (none of this tier's: its index is held, or not open yet).
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
             try:
