@@ -253,6 +253,23 @@ def unix_socket_path(address: str) -> str | None:
     return None
 
 
+def pool_address_problem(address: str) -> str | None:
+    """Why no memory pool can be registered through ``address`` (empty: ``$KVTIER_ADDRESS``,
+    else the default socket, always a Unix one), or None. The daemon takes pools only on its
+    Unix socket, whose peer credentials vouch for the memory: over TCP a memfd pool cannot
+    be handed over and a named one is refused (PERMISSION_DENIED), and a session needs a
+    tenant's token. The engine integrations, which register pools and take no token, check
+    their address with this at start rather than failing at every call."""
+    target = address or os.environ.get(ADDRESS_ENV, "")
+    if not target or unix_socket_path(resolve_address(target)) is not None:
+        return None
+    source = "" if address else f" (from ${ADDRESS_ENV})"
+    return (
+        f"{target}{source} is not a Unix socket: the daemon takes memory pools only on its "
+        "Unix socket (unix:PATH), so no transfer could run"
+    )
+
+
 def checked_address(address: str) -> str:
     """``address``, or InvalidArgumentError when no daemon can have it: a Unix socket path
     that no socket can have (gRPC took such a channel and failed each call with UNKNOWN

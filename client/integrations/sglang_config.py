@@ -37,6 +37,7 @@ from typing import Any
 
 from kvtier.client.integrations.fingerprint import folder_name, weights_dir_fingerprint
 from kvtier.client.keys import Namespace
+from kvtier.client.types import pool_address_problem
 from kvtier.kernels.layout import DTYPE_ITEMSIZE, LayerLayout
 
 KEY_SCHEME = "sglang-hicache-v1"
@@ -96,8 +97,8 @@ class StorageOptions:
 
     address: str = ""
     """kvtierd's Unix socket (``unix:PATH``); empty: ``$KVTIER_ADDRESS``, else the default
-    socket. A TCP ``host:port`` connects, but the daemon takes memory pools only on its Unix
-    socket, so the first pool is refused (PERMISSION_DENIED)."""
+    socket. Any other address (TCP ``host:port``) is refused at start: the daemon takes
+    memory pools only on its Unix socket (``pool_address_problem``)."""
     namespace: NamespaceOptions = field(default_factory=NamespaceOptions)
     lookup_timeout_s: float = 0.5
     """Bound of one ``batch_exists`` Lookup."""
@@ -130,6 +131,8 @@ class StorageOptions:
 
     def _check(self) -> None:
         where = "kvtier HiCache storage: extra config"
+        if (problem := pool_address_problem(self.address)) is not None:
+            raise ValueError(f"{where}['address']: {problem}")
         for name in ("lookup_timeout_s", "io_timeout_s", "retry_after_s"):
             # inf passed "> 0" and failed later in a thread: gRPC's deadline, Event.wait.
             if not 0 < getattr(self, name) < math.inf:

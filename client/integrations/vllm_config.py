@@ -47,6 +47,7 @@ from kvtier.client.integrations.fingerprint import (
     weights_dir_fingerprint,
 )
 from kvtier.client.keys import KEY_BYTES, Namespace, block_key
+from kvtier.client.types import pool_address_problem
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,9 @@ class ConnectorConfig:
 
     address: str = ""
     """kvtierd's Unix socket (``unix:PATH``); empty: ``$KVTIER_ADDRESS``, else the default
-    socket (``kvtier.paths``), as for ``Client``. A TCP ``host:port`` connects, but the daemon
-    takes memory pools only on its Unix socket, so the first pool is refused
-    (PERMISSION_DENIED)."""
+    socket (``kvtier.paths``), as for ``Client``. Any other address (TCP ``host:port``) is
+    refused at start: the daemon takes memory pools only on its Unix socket
+    (``pool_address_problem``)."""
     load: bool = True
     save: str = "all"
     """Which computed blocks are stored: ``all`` (prompt and generated), ``prompt``, ``none``."""
@@ -172,6 +173,8 @@ class ConnectorConfig:
         return cfg
 
     def _check(self) -> None:
+        if (problem := pool_address_problem(self.address)) is not None:
+            raise ValueError(f"kvtier connector: kv_connector_extra_config['address']: {problem}")
         if self.save not in _SAVE_POLICIES:
             raise ValueError(f"kvtier connector: save must be one of {_SAVE_POLICIES}")
         if self.load_mode not in _LOAD_MODES:

@@ -1,6 +1,7 @@
-"""Options of the vLLM connector and the transformers integration that are checked before
-anything runs: a time of inf passed their "> 0" checks and failed later, in a thread (a
-probing breaker's Event.wait raised OverflowError; gRPC refuses such a deadline)."""
+"""Options of the vLLM and SGLang connectors and the transformers integration that are
+checked before anything runs: a time of inf passed their "> 0" checks and failed later, in a
+thread (a probing breaker's Event.wait raised OverflowError; gRPC refuses such a deadline);
+a TCP address, with which no transfer can run, failed at every call."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ import math
 
 import pytest
 
+from kvtier.client.integrations.sglang_config import StorageOptions
 from kvtier.client.integrations.transformers import KVTierPrefixCache
 from kvtier.client.integrations.vllm_config import ConnectorConfig
+
+# Each connector's options from its extra config.
+CONNECTORS = {
+    "vllm": ConnectorConfig.from_extra_config,
+    "sglang": StorageOptions.from_extra_config,
+}
 
 
 @pytest.mark.parametrize(
@@ -45,3 +53,31 @@ def test_allow_failing_requests_is_read_as_given(value: bool) -> None:
         is value
     )
     assert ConnectorConfig.from_extra_config({}).allow_failing_requests is False
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize("address", ["127.0.0.1:50051", "dns:kvtier.local:50051", "[::1]:50051"])
+def test_regression_a_tcp_address_was_taken_and_failed_at_every_call(
+    connector: str, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both connectors register memory pools, which the daemon takes only on its Unix socket
+    # (a memfd pool cannot cross TCP at all), and take no tenant token, which a session over
+    # TCP needs: README said the first pool was refused, while every call failed, the
+    # scheduler's lookups UNAUTHENTICATED. Such an address is now refused at engine start,
+    # given as the option or through $KVTIER_ADDRESS.
+    parse = CONNECTORS[connector]
+    monkeypatch.delenv("KVTIER_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match=r"\['address'\]: .*is not a Unix socket"):
+        parse({"address": address})
+    monkeypatch.setenv("KVTIER_ADDRESS", address)
+    with pytest.raises(ValueError, match=r"\(from \$KVTIER_ADDRESS\) is not a Unix socket"):
+        parse({})
+
+
+@pytest.mark.parametrize("connector", sorted(CONNECTORS))
+@pytest.mark.parametrize("address", ["unix:/run/x.sock", "unix:///run/x.sock", "/run/x.sock", ""])
+def test_a_unix_socket_address_is_taken(
+    connector: str, address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVTIER_ADDRESS", raising=False)
+    assert CONNECTORS[connector]({"address": address}).address == address
