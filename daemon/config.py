@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import grp
 import math
 import os
@@ -1244,21 +1245,38 @@ def env_name(key: str) -> str:
 
 def env_overrides(environ: Mapping[str, str]) -> list[str]:
     """``section.key=value`` overrides from ``KVTIER_*`` variables. A variable under a
-    section's prefix (``KVTIER_TIERS_...``) that names no key, or the section's own
-    (``KVTIER_SERVER``), is an error, as an unknown key in the file is; other ``KVTIER_*``
-    variables (``KVTIER_ADDRESS``, the client's) are not config."""
+    section's prefix (``KVTIER_TIERS_...``) that names no key, or a section's own
+    (``KVTIER_SERVER``), is an error naming the nearest key's variable, as an unknown key in
+    the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
+    config."""
     names = {env_name(k): k for k in config_keys()}
+    section_names = {
+        env_name(k[:i]): k[:i] for k in names.values() for i, c in enumerate(k) if c == "."
+    }
     sections = tuple(env_name(f.name) + "_" for f in dataclasses.fields(Config))
     out = []
     for var, value in sorted(environ.items()):
         if var in names:
             out.append(f"{names[var]}={value}")
-        elif var.startswith(sections) or var + "_" in sections:
-            # A section's own name too (``KVTIER_SERVER``): no value sets a whole section.
+        elif var in section_names:
+            # A section's own name (``KVTIER_SERVER``, ``KVTIER_TIERS_L1``): no value sets a
+            # whole section.
+            section = section_names[var]
+            first = next(k for k in names.values() if k.startswith(section + "."))
             raise ConfigError(
-                f"environment variable {var} names no config key (the variable of "
-                f"tiers.l1.capacity_bytes is {env_name('tiers.l1.capacity_bytes')})"
+                f"environment variable {var} names no config key but the section {section} "
+                f"(a key's variable names the key too: {env_name(first)} is {first}'s)"
             )
+        elif var.startswith(sections):
+            # A misspelt key: the nearest variable, as the file's error lists its section's.
+            close = difflib.get_close_matches(var, names, n=1)
+            hint = (
+                f"did you mean {close[0]}, the variable of {names[close[0]]}?"
+                if close
+                else f"the variable of tiers.l1.capacity_bytes is "
+                f"{env_name('tiers.l1.capacity_bytes')}"
+            )
+            raise ConfigError(f"environment variable {var} names no config key ({hint})")
     return out
 
 

@@ -393,6 +393,32 @@ def test_regression_a_variable_naming_a_whole_section_was_ignored(var):
         load_config(None, environ={var: "1"})
 
 
+@pytest.mark.parametrize(
+    "var, named",
+    [
+        (
+            "KVTIER_SERVER_SOCKT",
+            "did you mean KVTIER_SERVER_SOCKET, the variable of server.socket?",
+        ),
+        (
+            "KVTIER_TIERS_L2_PATHH",
+            "did you mean KVTIER_TIERS_L2_PATH, the variable of tiers.l2.path?",
+        ),
+        ("KVTIER_TIERS_L1", "but the section tiers.l1 "),
+        ("KVTIER_SERVER", "but the section server (a key's variable names the key too: "),
+    ],
+)
+def test_regression_a_misspelt_variable_was_pointed_at_tiers_l1_capacity_bytes(var, named):
+    """Every misspelt variable's error said "the variable of tiers.l1.capacity_bytes is
+    KVTIER_TIERS_L1_CAPACITY_BYTES", whichever key it was meant for, where a misspelt key in
+    the file lists its section's keys: it now names the nearest key's variable, or the
+    section a variable names."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={var: "1"})
+    assert f"environment variable {var} names no config key" in str(e.value)
+    assert named in str(e.value)
+
+
 def test_kvtierd_reads_its_environment(tmp_path):
     env = {**os.environ, "KVTIER_TIERS_L1_CAPACITY_BYTES": "256Mi", "KVTIER_LOGGING_LEVEL": "debug"}
     proc = subprocess.run(
