@@ -1810,6 +1810,41 @@ def test_regression_a_namespace_record_that_failed_was_never_made_though_its_blo
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
 
 
+def test_a_namespace_record_kept_after_a_failure_outlives_a_commit_rolled_back(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A namespace record whose commit failed stays kept through a block commit that wrote
+    it and was then rolled back (the reserve missing, with no room to make it), and is made
+    by the next commit that gets through; a later record of another namespace commits every
+    record still kept with its own."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+
+    def failed_record(tier: DiskTier, ns: int, label: str) -> None:
+        other = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        tier.remember_namespace(ns, label)
+        other.execute("ROLLBACK")
+        other.close()
+
+    with _open(disk_dir, direct_io=False, enospc_retry_s=0.0) as tier:
+        failed_record(tier, 1, "alice")
+        assert tier._give_back_reserve()
+        with monkeypatch.context() as m:
+            m.setattr("kvtier.tiers.disk.tier._free_bytes", lambda _: 128 << 10)
+            refused = _items(tier, make_block, [0], 4096)  # namespace 1's
+            assert [o.ok for o in persist(tier, refused)] == [False]
+        assert tier.namespaces() == {}
+        assert tier.remove([refused[0].slot])
+        _persist(tier, make_block, [1], 4096)
+        assert tier.namespaces() == {1: "alice"}
+        failed_record(tier, 2, "bob")
+        assert tier.namespaces() == {1: "alice"}
+        tier.remember_namespace(3, "carol")
+        assert tier.namespaces() == {1: "alice", 2: "bob", 3: "carol"}
+    with _open(disk_dir) as tier:
+        assert tier.namespaces() == {1: "alice", 2: "bob", 3: "carol"}
+
+
 def test_a_deleted_index_beside_data_files_is_reported_not_silent(
     disk_dir: Path, make_block: Block, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -324,10 +324,10 @@ class DiskIndex:
         return {int(ns) & ((1 << 64) - 1): str(label) for ns, label in rows}
 
     def remember(self, ns: int, label: str) -> None:
-        """Record ``label`` for namespace ``ns``. Raises what the commit raised (a full disk,
-        a lock); the record is then kept and made by the next commit of block rows, in its
-        transaction (``insert_when``), so that no block row commits without its namespace's
-        record."""
+        """Record ``label`` for namespace ``ns``, with the records kept since their commit
+        failed. Raises what the commit raised (a full disk, a lock); the record is then kept
+        and made by the next commit of block rows, in its transaction (``insert_when``), or
+        of a record, so that no block row commits without its namespace's record."""
         with self._lock:
             self._unrecorded[ns] = label
             with self.transaction() as db:
@@ -335,6 +335,7 @@ class DiskIndex:
             self._unrecorded.clear()
 
     def forget(self, names: Sequence[int]) -> None:
+        """Drop the records of ``names``, those kept since their commit failed too."""
         signed = [(_signed(ns),) for ns in names]
         with self._lock:
             for ns in names:
