@@ -2564,6 +2564,36 @@ def test_regression_slots_a_locked_index_kept_from_a_put_are_freed_without_a_com
         assert tier.allocator.used_bytes == 0
 
 
+def test_regression_a_namespace_record_on_a_locked_index_waited_out_the_busy_timeout(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A namespace first bound while another process held the index locked (an operator's
+    sqlite3 shell; the tier degraded by that lock) waited out the busy timeout (30 s) for its
+    record, holding the index's lock meanwhile: the put binding it took 30 s, and so did the
+    writes let through behind it, though a record that fails is kept and made with the next
+    commit (779f8e9). It now tries the lock once, as a write let through does, and is made
+    with the first write committed once the lock is let go."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    with _open(disk_dir, enospc_retry_s=0.0) as tier:
+        with _locked_index(tier, disk_dir, make_block) as other:
+            monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+            record = threading.Thread(target=tier.remember_namespace, args=(1, "alice"))
+            record.start()
+            try:
+                record.join(20)  # it waited an hour before
+                assert not record.is_alive()
+                health = tier.health()
+                assert health.state == Health.DEGRADED_IO and "locked" in health.detail
+            finally:
+                other.execute("ROLLBACK")
+                record.join()
+        assert tier.namespaces() == {}
+        _persist(tier, make_block, [2], 4096)
+        assert tier.namespaces() == {1: "alice"}
+        assert tier.health().state == Health.OK
+
+
 def test_regression_a_watch_check_held_up_by_a_reader_does_not_hold_the_index_for_the_busy_timeout(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

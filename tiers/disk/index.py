@@ -226,10 +226,10 @@ BlockRow = tuple[int, bytes, int, int, int, float]  # ns, key, slot, nbytes, che
 
 
 @contextlib.contextmanager
-def _immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def _immediate(db: sqlite3.Connection, *, wait_busy: bool = True) -> Iterator[sqlite3.Connection]:
     """One write transaction on ``db``: committed when the block ends, rolled back when it
-    raises (anything, the raise going on)."""
-    db.execute("BEGIN IMMEDIATE")
+    raises (anything, the raise going on); ``wait_busy`` as for ``_begin``."""
+    _begin(db, wait_busy=wait_busy)
     try:
         yield db
         db.execute("COMMIT")
@@ -237,6 +237,13 @@ def _immediate(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         with contextlib.suppress(sqlite3.Error):
             db.execute("ROLLBACK")
         raise
+
+
+def _begin(db: sqlite3.Connection, *, wait_busy: bool = True) -> None:
+    """Begin a write transaction on ``db``. ``wait_busy=False``: a lock another process holds
+    fails it at once (SQLITE_BUSY) instead of after ``BUSY_TIMEOUT_S``."""
+    with contextlib.nullcontext() if wait_busy else _no_busy_wait(db):
+        db.execute("BEGIN IMMEDIATE")
 
 
 @contextlib.contextmanager
@@ -323,14 +330,16 @@ class DiskIndex:
             rows = self._conn().execute("SELECT ns, label FROM namespaces").fetchall()
         return {int(ns) & ((1 << 64) - 1): str(label) for ns, label in rows}
 
-    def remember(self, ns: int, label: str) -> None:
+    def remember(self, ns: int, label: str, *, wait_busy: bool = True) -> None:
         """Record ``label`` for namespace ``ns``, with the records kept since their commit
         failed. Raises what the commit raised (a full disk, a lock); the record is then kept
         and made by the next commit of block rows, in its transaction (``insert_when``), or
-        of a record, so that no block row commits without its namespace's record."""
+        of a record, so that no block row commits without its namespace's record.
+        ``wait_busy=False``: a lock another process holds fails it at once, as in
+        ``insert_when``."""
         with self._lock:
             self._unrecorded[ns] = label
-            with self.transaction() as db:
+            with self.transaction(wait_busy=wait_busy) as db:
                 self._record_names(db)
             self._unrecorded.clear()
 
@@ -404,8 +413,7 @@ class DiskIndex:
         (a write let through to find out whether that lock was let go)."""
         with self._lock:
             db = self._checked_conn()
-            with contextlib.nullcontext() if wait_busy else _no_busy_wait(db):
-                db.execute("BEGIN IMMEDIATE")
+            _begin(db, wait_busy=wait_busy)
             try:
                 _insert(db, rows)
                 if self._unrecorded:
@@ -483,10 +491,10 @@ class DiskIndex:
             yield
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self, *, wait_busy: bool = True) -> Iterator[sqlite3.Connection]:
         with self._lock:
             db = self._checked_conn()
-            with _immediate(db):
+            with _immediate(db, wait_busy=wait_busy):
                 yield db
             self._check_files(db)
 

@@ -1295,9 +1295,11 @@ class DiskTier:
         tenant's name: recovered blocks keep their owner). A record that fails (a full disk,
         a locked index) is a fault of the tier, not raised: the next commit of blocks makes
         it in its transaction (``DiskIndex.remember``), so no block of ``ns`` is committed
-        without it, and a put is not failed by the record alone."""
+        without it, and a put is not failed by the record alone. While another process holds
+        the index locked, it tries the lock once, as a write does: waiting out the busy
+        timeout held up the put that binds ``ns``, and every commit behind it."""
         try:
-            self._idx().remember(ns, label)
+            self._idx().remember(ns, label, wait_busy=not self.faults.lock_held())
         except sqlite3.Error as e:
             self.faults.fault(classify(e), "index namespace update")
 
