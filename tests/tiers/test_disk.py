@@ -136,7 +136,6 @@ def _fail_index_inserts(monkeypatch: pytest.MonkeyPatch) -> None:
     def insert(self: object, rows: object, *_: object, **__: object) -> bool:
         raise sqlite3.OperationalError("injected: the process died before the commit")
 
-    monkeypatch.setattr(index_module.DiskIndex, "insert", insert)
     monkeypatch.setattr(index_module.DiskIndex, "insert_when", insert)
 
 

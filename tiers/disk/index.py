@@ -386,15 +386,6 @@ class DiskIndex:
 
     # ------------------------------------------------------------------ writing
 
-    def insert(self, rows: Sequence[BlockRow]) -> None:
-        """Insert or replace ``rows`` in one transaction (with the namespace records
-        ``remember`` could not commit, as ``insert_when``)."""
-        with self._lock:
-            with self.transaction() as db:
-                _insert(db, rows)
-                self._record_names(db)
-            self._unrecorded.clear()
-
     def insert_when(
         self,
         rows: Sequence[BlockRow],
