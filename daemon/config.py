@@ -1246,38 +1246,50 @@ def env_name(key: str) -> str:
 def env_overrides(environ: Mapping[str, str]) -> list[str]:
     """``section.key=value`` overrides from ``KVTIER_*`` variables. A variable under a
     section's prefix (``KVTIER_TIERS_...``) that names no key, or a section's own
-    (``KVTIER_SERVER``), is an error naming the nearest key's variable, as an unknown key in
-    the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
+    (``KVTIER_SERVER``), is an error saying what it names (``_env_hint``), as an unknown key
+    in the file is; other ``KVTIER_*`` variables (``KVTIER_ADDRESS``, the client's) are not
     config."""
     names = {env_name(k): k for k in config_keys()}
-    section_names = {
-        env_name(k[:i]): k[:i] for k in names.values() for i, c in enumerate(k) if c == "."
-    }
-    sections = tuple(env_name(f.name) + "_" for f in dataclasses.fields(Config))
     out = []
     for var, value in sorted(environ.items()):
         if var in names:
             out.append(f"{names[var]}={value}")
-        elif var in section_names:
-            # A section's own name (``KVTIER_SERVER``, ``KVTIER_TIERS_L1``): no value sets a
-            # whole section.
-            section = section_names[var]
-            first = next(k for k in names.values() if k.startswith(section + "."))
-            raise ConfigError(
-                f"environment variable {var} names no config key but the section {section} "
-                f"(a key's variable names the key too: {env_name(first)} is {first}'s)"
-            )
-        elif var.startswith(sections):
-            # A misspelt key: the nearest variable, as the file's error lists its section's.
-            close = difflib.get_close_matches(var, names, n=1)
-            hint = (
-                f"did you mean {close[0]}, the variable of {names[close[0]]}?"
-                if close
-                else f"the variable of tiers.l1.capacity_bytes is "
-                f"{env_name('tiers.l1.capacity_bytes')}"
-            )
-            raise ConfigError(f"environment variable {var} names no config key ({hint})")
+        elif (hint := _env_hint(var, names)) is not None:
+            raise ConfigError(f"environment variable {var} names no config key {hint}")
     return out
+
+
+def _env_hint(var: str, names: Mapping[str, str]) -> str | None:
+    """What ``var``, the variable of no key in ``names``, names instead: a section; else the
+    nearest key's variable in the deepest section whose prefix it has, else that section's
+    keys, as the file's error lists them; None under no section (not config). Read in
+    capitals (``KVTIER_server_socket`` was skipped and the config taken without it), and
+    only the section's keys are near: over every key, ``KVTIER_TIERS_L1_`` was pointed at
+    tiers.l3.tls and ``KVTIER_SERVER_X...`` at tiers.l1.capacity_bytes."""
+    upper = var.upper()
+    sections = {env_name(k[:i]): k[:i] for k in names.values() for i, c in enumerate(k) if c == "."}
+    if (section := sections.get(upper.rstrip("_"))) is not None:
+        # No value sets a whole section (``KVTIER_SERVER``, ``KVTIER_TIERS_L1``).
+        first = next(k for k in names.values() if k.startswith(section + "."))
+        return (
+            f"but the section {section} (a key's variable names the key too: "
+            f"{env_name(first)} is {first}'s)"
+        )
+    within = max(
+        (s for s in sections.values() if upper.startswith(env_name(s) + "_")), key=len, default=""
+    )
+    if not within:
+        # The top level's keys are lists (``tenants``), each set whole by its own variable.
+        lists = [k for k in names.values() if "." not in k and upper.startswith(env_name(k) + "_")]
+        if not lists:
+            return None
+        return f"(the variable of {lists[0]} is {env_name(lists[0])}, for its whole list as YAML)"
+    keys = [k for k in names.values() if k.startswith(within + ".")]
+    close = difflib.get_close_matches(upper, [env_name(k) for k in keys], n=1)
+    if close:
+        return f"(did you mean {close[0]}, the variable of {names[close[0]]}?)"
+    known = dict.fromkeys(k[len(within) + 1 :].split(".")[0] for k in keys)
+    return f"(known in {within}: {', '.join(known)})"
 
 
 def not_rereadable(path: str | Path) -> str | None:

@@ -419,6 +419,26 @@ def test_regression_a_misspelt_variable_was_pointed_at_tiers_l1_capacity_bytes(v
     assert named in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "var, named",
+    [
+        ("KVTIER_TIERS_L1_", "but the section tiers.l1 "),
+        ("KVTIER_TENANTS_0_TOKEN_FILE", "(the variable of tenants is KVTIER_TENANTS, "),
+        ("KVTIER_SERVER_" + "X" * 30, "(known in server: socket, socket_mode, "),
+        ("KVTIER_server_socket", "(did you mean KVTIER_SERVER_SOCKET, the variable of server"),
+    ],
+)
+def test_regression_a_misspelt_variable_was_pointed_at_another_sections_key(var, named):
+    """The nearest variable was sought over every key and a lower-case one skipped:
+    KVTIER_TIERS_L1_ was pointed at tiers.l3.tls, a tenant's key at metrics.token_file, a
+    variable near none at tiers.l1.capacity_bytes, and KVTIER_server_socket was taken as no
+    config. Only the variable's own section is searched now, in capitals, and a top-level
+    list's variable says it takes the whole list."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={var: "1"})
+    assert f"environment variable {var} names no config key {named}" in str(e.value)
+
+
 def test_kvtierd_reads_its_environment(tmp_path):
     env = {**os.environ, "KVTIER_TIERS_L1_CAPACITY_BYTES": "256Mi", "KVTIER_LOGGING_LEVEL": "debug"}
     proc = subprocess.run(
