@@ -75,9 +75,24 @@ def test_regression_a_tcp_address_was_taken_and_failed_at_every_call(
 
 
 @pytest.mark.parametrize("connector", sorted(CONNECTORS))
-@pytest.mark.parametrize("address", ["unix:/run/x.sock", "unix:///run/x.sock", "/run/x.sock", ""])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "unix:/run/x.sock",
+        "unix:///run/x.sock",
+        "/run/x.sock",
+        "unix:x.sock",
+        "./x.sock",
+        "/run/a:1",
+    ],
+)
 def test_a_unix_socket_address_is_taken(
     connector: str, address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Every form the client takes as a Unix socket (relative ones and a path with a colon,
+    # which reads like host:port, included), given or from $KVTIER_ADDRESS; none: the default.
     monkeypatch.delenv("KVTIER_ADDRESS", raising=False)
     assert CONNECTORS[connector]({"address": address}).address == address
+    assert CONNECTORS[connector]({}).address == ""
+    monkeypatch.setenv("KVTIER_ADDRESS", address)
+    assert CONNECTORS[connector]({}).address == ""
