@@ -241,21 +241,24 @@ class AsyncCallSlots:
             return
         waiting = self._waiting
         while waiting:
-            waiter = waiting.popleft()
+            # Answered before it leaves the queue: an interrupt between the two, taken off
+            # first, left it off the queue unanswered, out of ``give_up``'s reach.
+            waiter = waiting[0]
             if not waiter.done():
                 waiter.set_result(True)
+                waiting.popleft()
                 return
+            waiting.popleft()
         if self._free >= self.limit:
             raise RuntimeError("a call slot freed more often than taken")
         self._free += 1
 
     def give_up(self) -> None:
         """Count nothing more (see the module): an exception a signal's handler raised as a
-        call ended (at the entry of ``release``, or inside it) left a slot taken for good, or
-        a waiter off the queue unanswered. Every task queued ends its wait holding no slot
-        (None), in the order they came, to queue on the owner's new slots: handed a slot
-        here, they were all sent at once, past ``limit`` (a job's hundreds of parts, past the
-        daemon's calls per connection)."""
+        call ended (at the entry of ``release``, or inside it) left a slot taken for good.
+        Every task queued ends its wait holding no slot (None), in the order they came, to
+        queue on the owner's new slots: handed a slot here, they were all sent at once, past
+        ``limit`` (a job's hundreds of parts, past the daemon's calls per connection)."""
         self._given_up = True
         waiting, self._waiting = self._waiting, deque()
         for waiter in waiting:

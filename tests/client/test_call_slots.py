@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
@@ -697,24 +697,34 @@ def test_regression_an_interrupt_at_an_async_call_s_release_lost_its_slot(counti
     calls are counted on new slots. Before, the slot stayed taken for good: with
     max_calls_open=1 the queued call and every later one waited their whole time for it and
     failed DeadlineExceeded."""
-    address, servicer = counting_server
-    servicer.gate = threading.Event()
     landed: list[bool] = []
     interrupt = interrupt_at(
         AsyncCallSlots.release.__code__, AsyncClient._until_run.__code__, SignalHandlerError, landed
     )
+    first_call_interrupted_as_it_ends(counting_server, sys.settrace, interrupt)
+    assert landed
+
+
+def first_call_interrupted_as_it_ends(
+    counting_server: tuple[str, CountingServicer], hook: Callable[..., None], interrupt
+) -> None:
+    """With max_calls_open=1, a Lookup open and one queued behind it: the open one ends under
+    ``interrupt`` (set by ``hook``: ``sys.settrace`` or ``sys.setprofile``), which must end it
+    with SignalHandlerError; the queued one is sent then, and so is a later one, and the
+    client's slots are left free."""
+    address, servicer = counting_server
+    servicer.gate = threading.Event()
 
     async def main() -> None:
         async with AsyncClient(address, max_calls_open=1) as client:
             first, (queued,) = await one_open_and_queued(client, servicer, 1, timeout_s=2)
-            sys.settrace(interrupt)
+            hook(interrupt)
             try:
                 servicer.gate.set()
                 with pytest.raises(SignalHandlerError):
                     await first
             finally:
-                sys.settrace(None)
-            assert landed
+                hook(None)
             assert (await queued).prefix_len == 0
             assert (await client.lookup([KEY], timeout_s=2)).prefix_len == 0
             assert client._slots.held == 0 and client._slots.waiting == 0
@@ -820,3 +830,29 @@ def test_regression_calls_queued_on_given_up_async_slots_were_all_sent_at_once(c
             assert client._slots.held == 0 and client._slots.waiting == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("after", ["popleft", "done"])
+def test_regression_an_interrupt_as_an_async_release_took_its_waiter_off_left_it_unanswered(
+    counting_server, after
+):
+    """An exception that a signal's handler raises in an asyncio call's release, once it has
+    taken the first queued task's waiter off the queue and before it answers it (where the
+    interpreter checks for signals, as ``popleft`` or the waiter's ``done`` returns;
+    injected there by a profile hook), gives the slots up; but the waiter, off their queue,
+    was not among those ``give_up`` hands back: the queued call waited its whole time and
+    failed DeadlineExceeded (a job's part, which waits without a time, waited for good and
+    its job stayed RUNNING). The waiter is answered before it leaves the queue: answered,
+    it is sent; not yet, the give-up hands it back and it is sent on the new slots."""
+    release_code = AsyncCallSlots.release.__code__
+    landed: list[bool] = []
+
+    def interrupt(frame, event: str, arg) -> None:
+        if event == "c_return" and frame.f_code is release_code and arg.__name__ == after:
+            sys.setprofile(None)
+            landed.append(True)
+            raise SignalHandlerError
+
+    first_call_interrupted_as_it_ends(counting_server, sys.setprofile, interrupt)
+    assert landed
