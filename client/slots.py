@@ -267,8 +267,9 @@ class AsyncCallSlots:
 
     def _expire(self, waiter: asyncio.Future[bool | None]) -> None:
         if not waiter.done():
-            # Off the queue already where an interrupt ended the wait as its timer was set,
-            # before the wait had the timer to cancel.
+            # Answered before it leaves the queue (as in ``release``). Off the queue already
+            # where an interrupt ended the wait as its timer was set, before the wait had the
+            # timer to cancel.
+            waiter.set_result(False)
             with contextlib.suppress(ValueError):
                 self._waiting.remove(waiter)
-            waiter.set_result(False)

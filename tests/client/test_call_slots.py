@@ -544,6 +544,19 @@ def interrupt_at(code, caller_code, error: type[BaseException], landed: list[boo
     return interrupt
 
 
+def interrupt_as_returns(caller_code, name: str, error: type[BaseException], landed: list[bool]):
+    """A profile function (``sys.setprofile``) that raises ``error`` once, as a C function
+    ``name`` called by ``caller_code`` returns: where the interpreter checks for signals."""
+
+    def interrupt(frame, event: str, arg) -> None:
+        if event == "c_return" and frame.f_code is caller_code and arg.__name__ == name:
+            sys.setprofile(None)
+            landed.append(True)
+            raise error
+
+    return interrupt
+
+
 async def one_open_and_queued(
     client: AsyncClient, servicer: CountingServicer, queued: int, timeout_s: float
 ) -> tuple[asyncio.Task, list[asyncio.Task]]:
@@ -659,14 +672,10 @@ def test_regression_an_interrupt_as_an_async_wait_s_timer_was_set_logged_its_exp
     expiry took the waiter off again: ValueError in a loop callback, logged by the loop
     ("Exception in callback AsyncCallSlots._expire"). A waiter already off the queue
     expires quietly, and no slot is taken either way."""
-    heappush_caller = asyncio.BaseEventLoop.call_at.__code__
     landed: list[bool] = []
-
-    def interrupt(frame, event: str, arg) -> None:
-        if event == "c_return" and frame.f_code is heappush_caller and arg.__name__ == "heappush":
-            sys.setprofile(None)
-            landed.append(True)
-            raise KeyboardInterrupt
+    interrupt = interrupt_as_returns(
+        asyncio.BaseEventLoop.call_at.__code__, "heappush", KeyboardInterrupt, landed
+    )
 
     async def run() -> list[dict]:
         loop = asyncio.get_running_loop()
@@ -845,14 +854,38 @@ def test_regression_an_interrupt_as_an_async_release_took_its_waiter_off_left_it
     failed DeadlineExceeded (a job's part, which waits without a time, waited for good and
     its job stayed RUNNING). The waiter is answered before it leaves the queue: answered,
     it is sent; not yet, the give-up hands it back and it is sent on the new slots."""
-    release_code = AsyncCallSlots.release.__code__
     landed: list[bool] = []
-
-    def interrupt(frame, event: str, arg) -> None:
-        if event == "c_return" and frame.f_code is release_code and arg.__name__ == after:
-            sys.setprofile(None)
-            landed.append(True)
-            raise SignalHandlerError
+    interrupt = interrupt_as_returns(
+        AsyncCallSlots.release.__code__, after, SignalHandlerError, landed
+    )
 
     first_call_interrupted_as_it_ends(counting_server, sys.setprofile, interrupt)
     assert landed
+
+
+def test_regression_an_interrupt_in_an_async_wait_s_expiry_left_the_wait_unanswered():
+    """An exception that a signal's handler raises in the wait's timer (where the interpreter
+    checks for signals, as the queue's ``remove`` returns; injected there by a profile hook)
+    left the waiter taken off the queue and never answered: the loop logged the exception,
+    and the wait, its time over, went on for good (no release would hand it a slot, and a
+    give-up answers only waiters still queued). The waiter is answered before it leaves the
+    queue: the wait ends False at its time."""
+    landed: list[bool] = []
+    interrupt = interrupt_as_returns(
+        AsyncCallSlots._expire.__code__, "remove", SignalHandlerError, landed
+    )
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: None)
+        slots = AsyncCallSlots(1)
+        assert slots.take()
+        sys.setprofile(interrupt)
+        try:
+            assert await asyncio.wait_for(slots.wait(0.05), 5) is False
+        finally:
+            sys.setprofile(None)
+        assert landed and slots.waiting == 0
+        slots.release()
+        assert slots.held == 0
+
+    asyncio.run(run())
