@@ -501,16 +501,7 @@ class TransferJob:
         return self._plan.kind
 
     def start(self) -> TransferJob:
-        try:
-            with self._cond:
-                ready = self._plan.take_ready()
-            self._send(ready)
-        except BaseException:
-            # An interrupt (``_send`` gave the channel up): the parts not handed to a slot
-            # are marked sent and would never end; the job, which its caller never got, is
-            # cancelled instead, and so ends.
-            self.cancel()
-            raise
+        self._send_ready(may_block=True)
         self._maybe_finish()
         return self
 
@@ -559,6 +550,19 @@ class TransferJob:
         self._maybe_finish()
 
     # ----------------------------------------------------------------- sending
+
+    def _send_ready(self, *, may_block: bool) -> None:
+        """Send the parts ready to go (at the start, and as a save's part ends, the next of its
+        chain). An interrupt on the way (``_send`` gave the channel up) left those taken to be
+        sent and not handed to a slot marked sent, never to end: the job is cancelled
+        instead, and so ends (at the start, its caller never got it)."""
+        try:
+            with self._cond:
+                ready = self._plan.take_ready()
+            self._send(ready, may_block=may_block)
+        except BaseException:
+            self.cancel()
+            raise
 
     def _send(self, parts: list[Part], *, may_block: bool = True) -> None:
         """Send ``parts``, each in one of the channel's call slots (``Client.call_slots``):
@@ -711,9 +715,8 @@ class TransferJob:
             else:
                 self._plan.fail(part, error)
             self._futures.pop(part.index, None)
-            ready = self._plan.take_ready()
             self._cond.notify_all()
-        self._send(ready, may_block=False)
+        self._send_ready(may_block=False)
         self._maybe_finish()
 
     def _maybe_finish(self) -> None:
@@ -766,11 +769,7 @@ class AsyncTransferJob:
         return self._plan.kind
 
     async def start(self) -> AsyncTransferJob:
-        try:
-            await self._send(self._plan.take_ready())
-        except BaseException:  # as ``TransferJob.start``
-            await self.cancel()
-            raise
+        await self._send_ready()
         await self._maybe_finish()
         return self
 
@@ -816,6 +815,14 @@ class AsyncTransferJob:
         except asyncio.TimeoutError:
             return predicate()
         return True
+
+    async def _send_ready(self) -> None:
+        """See ``TransferJob._send_ready`` (a cancel that ends the send, as well)."""
+        try:
+            await self._send(self._plan.take_ready())
+        except BaseException:
+            await self.cancel()
+            raise
 
     async def _send(self, parts: list[Part]) -> None:
         if not parts:
@@ -864,7 +871,7 @@ class AsyncTransferJob:
         self._tasks.pop(part.index, None)
         async with self._changed:
             self._changed.notify_all()
-        await self._send(self._plan.take_ready())
+        await self._send_ready()
         await self._maybe_finish()
 
     async def _maybe_finish(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import types
 
 import grpc
 import numpy as np
@@ -566,5 +567,60 @@ async def test_regression_a_job_whose_start_was_interrupted_never_ended(daemon, 
                 with pytest.raises(SignalHandlerError):
                     await aclient.submit_load(pool, [segment], layer_groups=[(0, 1), (1, 4)])
                 (job,) = aclient._jobs.jobs.values()
+                status = await job.wait(timeout_s=5)
+    assert status.finished and status.state is JobState.CANCELLED
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_regression_a_save_s_next_part_an_interrupt_kept_from_its_send_never_ended(
+    daemon, monkeypatch, kind
+):
+    """An interrupt that lands as a save's part has ended and its chain's next part is sent
+    (taken to be sent, then injected as the send reads the session's ids: on the caller's
+    thread, where the ending part's call, answered at once, ran its done callback; in the
+    asyncio job, the part's task) left that next part marked sent, never sent nor ended: the
+    job stayed RUNNING for good. Only the job's start cancelled the job on such an interrupt.
+    Every send of parts taken to be sent does now, and the job ends."""
+    keys = keys_for(2, f"next-part-{kind}")
+    segment = SaveSegment(keys, range(2))  # two parts of one key: the second waits on the first
+    with SharedMemoryPool.for_layout(LAYOUT) as shm:
+        if kind == "sync":
+            with daemon.client(max_calls_open=1, max_batch_blocks=1) as client:
+                pool = client.register_pool(shm, LAYOUT)
+                slots = client.call_slots
+                assert slots.acquire(None)  # the one slot, held as by a call open
+                job = client.submit_save(pool, [segment])
+                assert slots.waiting == 1
+                put = client.stub.Put
+
+                def answered_future(*args, **kwargs):
+                    fut = put.future(*args, **kwargs)
+                    fut.result()  # answered before its callback is added: run on this thread
+                    return fut
+
+                def interrupted_ids(binding):
+                    raise KeyboardInterrupt
+
+                client.stub.Put = types.SimpleNamespace(future=answered_future)
+                monkeypatch.setattr(client, "live_ids", interrupted_ids)
+                with pytest.raises(KeyboardInterrupt):
+                    slots.release()  # that call ends: the first part is sent on this thread
+                status = job.wait(timeout_s=5)
+        else:
+            async with AsyncClient(
+                daemon.address, namespace=daemon.namespace, max_batch_blocks=1
+            ) as aclient:
+                pool = await aclient.register_pool(shm, LAYOUT)
+                session = aclient.session
+
+                async def interrupted_session():
+                    jobs = aclient._jobs.jobs.values()
+                    if any(part.ended for job in jobs for part in job._plan.parts):
+                        raise SignalHandlerError
+                    return await session()
+
+                monkeypatch.setattr(aclient, "session", interrupted_session)
+                job = await aclient.submit_save(pool, [segment])
                 status = await job.wait(timeout_s=5)
     assert status.finished and status.state is JobState.CANCELLED
