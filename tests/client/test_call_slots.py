@@ -593,7 +593,8 @@ def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(count
     the slot is handed on. Before, both calls were outside the wait's handler: the waiter
     stayed queued and was handed the next slot freed, or the slot handed over stayed taken;
     either way for good, and with max_calls_open=1 every later call waited its whole time
-    for it and failed DeadlineExceeded."""
+    for it and failed DeadlineExceeded. The client's give-up of its slots (9965eea) keeps
+    this too; the wait's own guards are checked on bare slots below."""
     address, servicer = counting_server
     servicer.gate = threading.Event()
     code = getattr(asyncio.TimerHandle if at == "cancel" else asyncio.BaseEventLoop, at).__code__
@@ -618,6 +619,31 @@ def test_regression_an_interrupt_in_an_async_wait_for_a_slot_lost_the_slot(count
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("at", ["call_later", "cancel"])
+def test_an_interrupt_in_an_async_wait_leaves_the_slots_counted(at):
+    """The wait's own guards against the interrupts of the test above (its waiter queued as
+    the timer is set; its slot handed to it as the timer is cancelled), on bare slots: since
+    the AsyncClient gives its slots up on an exception that passes through a call (9965eea),
+    the client's slots are new ones after it, and that test passes with these guards
+    removed. The waiter leaves the queue, and the slot handed to it goes on."""
+    code = getattr(asyncio.TimerHandle if at == "cancel" else asyncio.BaseEventLoop, at).__code__
+    landed: list[bool] = []
+    interrupt = interrupt_at(code, AsyncCallSlots.wait.__code__, KeyboardInterrupt, landed)
+
+    async def run() -> None:
+        slots = AsyncCallSlots(1)
+        assert slots.take()
+        if at == "cancel":  # the call holding the slot ends as the wait goes on: handed over
+            asyncio.get_running_loop().call_soon(slots.release)
+        await raises_traced(slots.wait(5), interrupt, KeyboardInterrupt)
+        assert landed and slots.waiting == 0
+        if at == "call_later":
+            slots.release()
+        assert slots.held == 0
+
+    asyncio.run(run())
+
+
 class SignalHandlerError(BaseException):
     """What a signal's handler raises other than KeyboardInterrupt: a task ends with it, where
     a KeyboardInterrupt goes on out of the loop (which pytest's process does not outlive
@@ -633,7 +659,9 @@ def test_regression_an_interrupt_as_an_async_job_part_got_its_slot_lost_the_slot
     job's part, handed its slot after waiting for it, starts its time (a call to
     ``Resends``, where the interpreter checks for signals; injected there) frees the slot.
     Before, that call came before the try whose finally frees it: the slot stayed taken for
-    good, and with max_calls_open=1 every later call failed DeadlineExceeded."""
+    good, and with max_calls_open=1 every later call failed DeadlineExceeded. Since
+    9965eea, the client's give-up of its slots on such an exception keeps it as well: this
+    passes with that call moved back before the try."""
     keys = keys_for(1, "slots-async-part")
     armed: list[bool] = []
 
