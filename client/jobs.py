@@ -587,8 +587,8 @@ class TransferJob:
                 self._ended(part, None, e)
             return
         # The stub with its channel's slots: a part queued on a channel given up meanwhile
-        # is sent on that channel (which refuses it), not on its replacement, whose slots
-        # it does not hold.
+        # fails with its given-up error (``_granted``), never sent on the replacement,
+        # whose slots it does not hold.
         stub = self._client.stub
         try:
             for part in parts:
@@ -604,11 +604,17 @@ class TransferJob:
 
     def _granted(self, part: Part, stub: ChannelStub) -> None:
         """A queued part's slot came free: send it, or free the slot again when the part
-        ended meanwhile (the job was cancelled)."""
+        ended meanwhile (the job was cancelled), or when its channel was given up meanwhile:
+        then it fails as one the channel's close keeps from being sent, without touching the
+        channel, whose lock the interrupt may have left held (a send would wait on it for
+        good)."""
         with self._cond:
             gone = self._plan.cancelled or part.ended
-        if gone:
+        given_up = None if gone else self._client.given_up(stub, part.request.session_id)
+        if gone or given_up is not None:
             stub.call_slots.release()
+            if given_up is not None:
+                self._ended(part, None, given_up)
         else:
             self._send_one(part, stub)
 
@@ -629,8 +635,8 @@ class TransferJob:
             self._ended(part, None, _client_side_error(part, e))
             return
         except BaseException as e:  # a KeyboardInterrupt in the caller's thread
+            self._client.interrupted(e)  # first: the slot's next part is not sent on it
             slots.release()
-            self._client.interrupted(e)
             self._send_interrupted(part, stub)
             raise
         with self._cond:

@@ -494,9 +494,11 @@ def test_regression_an_interrupt_as_a_job_part_took_its_slot_lost_it_on_the_live
 @pytest.mark.timeout(30)
 def test_a_part_queued_on_a_channel_given_up_meanwhile_is_not_sent_on_the_new_one(daemon):
     """A job's part queued for a slot of a channel that an interrupt gives up before its turn
-    comes goes out on that channel when its turn comes (stored, or its given-up error once
-    the channel is closed), never on the new one (8ad0812). Before, it was sent on the new
-    channel, holding the old one's slot: one call more there than max_calls_open."""
+    comes fails with its given-up error when its turn comes, never sent on the new one
+    (8ad0812; nor on the old one since
+    test_regression_a_part_queued_behind_an_interrupted_send_went_out_on_its_channel).
+    Before, it was sent on the new channel, holding the old one's slot: one call more there
+    than max_calls_open."""
     keys = keys_for(1, "slots-given-up-queue")
     sent_on_new: list[str] = []
 
@@ -523,9 +525,8 @@ def test_a_part_queued_on_a_channel_given_up_meanwhile_is_not_sent_on_the_new_on
         first.release()  # that call ends: the part's turn comes
         status = job.wait(10)
         assert status.finished, status
-        if status.error is not None:
-            assert isinstance(status.error, NotFoundError)
-            assert "gave it up, and its channel" in str(status.error)
+        assert isinstance(status.error, NotFoundError)
+        assert "gave it up, and its channel" in str(status.error)
         assert sent_on_new == []
         assert first.held == 0 and client.call_slots.held == 0
 
@@ -917,3 +918,53 @@ def test_regression_an_interrupt_in_an_async_wait_s_expiry_left_the_wait_unanswe
         assert slots.held == 0
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("queued_by", ["same_job", "another_job"])
+def test_regression_a_part_queued_behind_an_interrupted_send_went_out_on_its_channel(
+    daemon, queued_by
+):
+    """A KeyboardInterrupt that lands in a job part's send (injected in its RPC's start, where
+    one may leave gRPC's channel lock held, the reason the channel is given up) freed the
+    part's slot before the channel was given up, and the slot went to the part queued next,
+    sent on that channel: on this thread, inside the interrupt's way out (another job's
+    part, queued as the interrupted one took the last slot), or on a thread of its own (the
+    same job's next part, its slot handed over as the caller's call freed one). Where the
+    lock was left held, that send waited on it for good: the Ctrl-C never returned, or the
+    job never ended. Nothing more goes out on the given-up channel: such a part fails with
+    its given-up error, as one its close keeps from being sent."""
+    sent_after: list[bytes] = []
+    interrupted: list[bool] = []
+
+    def interrupted_future(request, **kwargs):
+        if interrupted:
+            sent_after.append(request.keys[0])  # on the channel the interrupt gave up
+            raise ValueError("Cannot invoke RPC on closed channel!")
+        interrupted.append(True)
+        if queued_by == "another_job":
+            others.append(client.submit_save(pool, [SaveSegment(keys_for(1, "b"), [1])]))
+        raise KeyboardInterrupt
+
+    others: list = []
+    with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        slots = client.call_slots
+        client.stub.Put = types.SimpleNamespace(future=interrupted_future)
+        if queued_by == "same_job":
+            assert slots.acquire(None)  # the one slot, held as by a call open
+            segments = [SaveSegment(keys_for(1, f"a{i}"), [i]) for i in range(2)]
+            job = client.submit_save(pool, segments)  # two chains: two parts queued
+            assert slots.waiting == 2
+            with pytest.raises(KeyboardInterrupt):
+                slots.release()  # that call ends: the first part is sent on this thread
+            jobs = [job]
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                client.submit_save(pool, [SaveSegment(keys_for(1, "a"), [0])])
+            jobs = others
+        assert interrupted and len(jobs) == 1
+        for job in jobs:
+            status = job.wait(timeout_s=5)
+            assert status.finished and isinstance(status.error, NotFoundError)
+        assert sent_after == []
