@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from kvtier import __version__
-from kvtier.daemon.config import config_keys, env_name, load_config, parse_size
+from kvtier.daemon.config import ConfigError, config_keys, env_name, load_config, parse_size
 from kvtier.daemon.metrics import CATALOGUE
 from kvtier.daemon.probes import HEALTH_REUSE_S, HEALTH_TIMEOUT_S
 
@@ -378,6 +378,25 @@ def test_the_daemonset_shares_socket_dir_l2_and_shm_with_the_node():
         assert container[probe]["httpGet"]["port"] == named
         # The daemon's own 503 comes before the kubelet gives up on an answer.
         assert container[probe]["timeoutSeconds"] > HEALTH_TIMEOUT_S
+
+
+def test_regression_a_service_in_the_namespace_stopped_the_daemon_s_start():
+    """Kubernetes gives a pod's containers variables for each Service of its namespace (a
+    Service kvtier-metrics: KVTIER_METRICS_SERVICE_HOST, KVTIER_METRICS_PORT, ...), which
+    fall under a config section's prefix and name no key: the daemon refused to start. The
+    manifest turns those links off."""
+    (ds,) = [d for d in _manifests() if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    links = {
+        "KVTIER_METRICS_SERVICE_HOST": "10.96.0.12",
+        "KVTIER_METRICS_SERVICE_PORT": "9464",
+        "KVTIER_METRICS_PORT": "tcp://10.96.0.12:9464",
+    }
+    with pytest.raises(ConfigError, match="KVTIER_METRICS_"):
+        load_config(None, environ={**env, **links})
+    assert pod["enableServiceLinks"] is False
 
 
 def test_the_probes_pass_against_a_serving_daemon(daemon_factory):
