@@ -348,8 +348,9 @@ COUNTERS: dict[str, MetricDef] = {
     "background_errors": _c(
         "kvtier_background_errors_total",
         (),
-        "Background tasks that failed (balancer, lease reaper, the give-back of ended leases' "
-        "pins, transfers); each is logged.",
+        "Background tasks that failed (balancer, lease reaper, transfers, and work done in "
+        "turns of the event loop: the give-back of ended leases' pins, the expiry heap's "
+        "rebuild, the policies' owed moves); each is logged.",
     ),
 }
 _SCALE = {"throttled_ms": 1e-3}

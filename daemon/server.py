@@ -750,7 +750,7 @@ class Daemon:
             cfg.bad_request_log_interval_s,
             cuda=open_opener(config.tiers.l0.enabled, config.tiers.l0.device),
         )
-        self.sessions = SessionRegistry(cfg.max_sessions_per_tenant)
+        self.sessions = SessionRegistry(cfg.max_sessions_per_tenant, self.store.counters)
         self.fd_closer = FdCloser()
         self.tickets = TicketBook(self.fd_closer)
         self.service = KVService(

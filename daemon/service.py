@@ -52,7 +52,7 @@ from kvtier.daemon.errors import (
     SessionEnded,
     Unauthenticated,
 )
-from kvtier.daemon.loops import in_turns
+from kvtier.daemon.loops import InTurns
 from kvtier.daemon.pools import (
     EnginePool,
     Pool,
@@ -234,6 +234,9 @@ class KVService:
         # Pins of ended leases not given back yet (``_unpin_all``), oldest first: while
         # some are, a turn of the loop is scheduled to give back the next slice.
         self._owed_unpins: deque[np.ndarray] = deque()
+        self._unpins = InTurns(
+            self._unpin_a_slice, "giving back pins owed by ended leases", store.counters
+        )
 
     def apply_quotas(self) -> None:
         """Put the configured quotas into the store, in place of those it had (each tenant's
@@ -714,32 +717,36 @@ class KVService:
             elif refs:
                 self.store.unpin(np.concatenate(refs), distinct=False)
             return
-        idle = not self._owed_unpins
         self._owed_unpins.extend(refs)  # not joined here: that copies every ref in this step
-        if idle:
-            in_turns(self._unpin_a_slice)
+        self._unpins.begin()
 
     def _unpin_a_slice(self) -> bool:
         """Give back the next ``UNPIN_SLICE_REFS`` owed pins; whether more are owed (a slice
-        is then due at the next turn, ``in_turns``). A slice that fails (the store's unpin
-        found pins it could not take, an invariant broken; it takes the others) is logged
-        and counted, as the lease reaper's failures are, and the rest go back on: raised to
-        the loop's handler, it left them pinned until some later ending owed pins again."""
+        is then due at the next turn, ``InTurns``). The slice is taken off the queue only
+        once made (an exception before leaves the queue as it was: the slice is tried again)
+        and before the store's unpin, which takes what pins it can when it raises (it found
+        one it could not take, an invariant broken): tried again, the slice would give
+        those back twice. Either failure is logged and counted by ``InTurns``, and the rest
+        go back on from ``loops.TURN_RETRY_S`` later."""
         owed = self._owed_unpins
         room, part = UNPIN_SLICE_REFS, []
-        while owed and room:
-            refs = owed.popleft()
+        rest: np.ndarray | None = None  # of the queue's array the slice ends inside
+        for refs in owed:
+            if not room:
+                break
             if len(refs) > room:
-                owed.appendleft(refs[room:])
-                refs = refs[:room]
+                part.append(refs[:room])
+                rest = refs[room:]
+                break
             part.append(refs)
             room -= len(refs)
-        try:
-            self.store.unpin(np.concatenate([_NO_REFS, *part]), distinct=False)
-        except Exception:
-            n = UNPIN_SLICE_REFS - room
-            log.exception("giving back %s owed by ended leases failed", counted(n, "pin"))
-            self.store.counters.inc("background_errors")
+        refs = np.concatenate([_NO_REFS, *part])
+        # Made: taken off the queue only now (pops and an item set, which allocate nothing).
+        for _ in range(len(part) - (rest is not None)):
+            owed.popleft()
+        if rest is not None:
+            owed[0] = rest
+        self.store.unpin(refs, distinct=False)
         return bool(owed)
 
     def owed_unpins(self) -> np.ndarray:

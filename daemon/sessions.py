@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted, SessionGone
-from kvtier.daemon.loops import in_turns
+from kvtier.daemon.loops import InTurns
+from kvtier.daemon.stats import Counters
 from kvtier.tiers.sizes import counted
 
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
@@ -107,8 +108,10 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, max_per_tenant: int = 1 << 30) -> None:
+    def __init__(self, max_per_tenant: int = 1 << 30, counters: Counters | None = None) -> None:
+        """``counters``: where the failures of its work in turns are counted (the store's)."""
         self.max_per_tenant = max_per_tenant
+        self.counters = Counters() if counters is None else counters
         self._sessions: dict[str, Session] = {}
         self._per_tenant: Counter[str] = Counter()
         self._leases: dict[int, Lease] = {}
@@ -119,6 +122,10 @@ class SessionRegistry:
         self._rebuild: list[Lease] | None = None
         self._rebuilt_upto = 0
         self._rebuilt: list[tuple[float, int]] = []
+        self._rebuilds = InTurns(self._rebuild_a_slice, "rebuilding the expiry heap", self.counters)
+        # Heaps a rebuild replaced, their entries dropped a slice a turn (``_drop_a_slice``).
+        self._old_heaps: list[list[tuple[float, int]]] = []
+        self._drops = InTurns(self._drop_a_slice, "dropping an old expiry heap", self.counters)
         # limit_key -> bytes the live leases of its sessions hold (``lease_bytes``).
         self._lease_bytes: Counter[str] = Counter()
         # ticket_digest -> the open session that ticket opened (``opened_by``).
@@ -283,29 +290,37 @@ class SessionRegistry:
         released leases do in any)."""
         if self._rebuild is None and len(self._expiry) > 2 * len(self._leases) + 1024:
             self._rebuild, self._rebuilt_upto, self._rebuilt = list(self._leases.values()), 0, []
-            in_turns(self._rebuild_a_slice)
+            self._rebuilds.begin()
 
     def _rebuild_a_slice(self) -> bool:
         """Add the next ``COMPACT_SLICE_LEASES`` leases to the new heap, and swap it in once
-        whole; whether more are left (``in_turns``)."""
+        whole; whether more are left (``InTurns``). A slice that raises changes nothing
+        (tried again, it adds the same leases)."""
         leases, rebuilt, live = self._rebuild, self._rebuilt, self._leases
-        assert leases is not None
+        if leases is None:
+            return False
         start = self._rebuilt_upto
-        self._rebuilt_upto = end = start + COMPACT_SLICE_LEASES
+        end = start + COMPACT_SLICE_LEASES
         rebuilt += [(x.expires_at, x.lease_id) for x in leases[start:end] if x.lease_id in live]
+        self._rebuilt_upto = end
         if end < len(leases):
             return True
         heapq.heapify(rebuilt)
-        old, self._expiry, self._rebuild, self._rebuilt = self._expiry, rebuilt, None, []
-
-        def drop_a_slice() -> bool:
-            """The old heap's entries go as many a turn: freed at once, the 263,169 entries
-            of 131,072 live leases' heap took some 14 ms."""
-            del old[-COMPACT_SLICE_LEASES:]
-            return bool(old)
-
-        in_turns(drop_a_slice)
+        self._old_heaps.append(self._expiry)
+        self._expiry = rebuilt
+        self._rebuild = None
+        self._rebuilt = []
+        self._drops.begin()
         return False
+
+    def _drop_a_slice(self) -> bool:
+        """The old heaps' entries go ``COMPACT_SLICE_LEASES`` a turn: freed at once, the
+        263,169 entries of 131,072 live leases' heap took some 14 ms."""
+        old = self._old_heaps
+        del old[-1][-COMPACT_SLICE_LEASES:]
+        if not old[-1]:
+            old.pop()
+        return bool(old)
 
     def pop_expired(self, now: float, limit: int) -> list[Lease]:
         """End and return the leases whose deadline is at or before ``now``, earliest first,

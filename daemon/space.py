@@ -28,7 +28,8 @@ Rules:
 - Policies hear of accesses (``touch``) right after the request is answered, and always
   before the next insert, eviction or drop decision (``apply_touches``). Work a policy owes
   (``work``) gets a turn of the loop at a time while it lasts, from when the policy says it
-  owes some (``on_owed``, ``owed_work``).
+  owes some (``on_owed``, ``owed_work``); a turn that raises is logged and counted, and the
+  work stays owed (``loops.InTurns``).
 - A level whose policy has an own admission (``Level.own_admission``: the top tier's, under
   ``density``) is asked before blocks that would have to evict enter it (``admit_own``); a
   block it declines stays where it is, and an access it did not keep is told to its policy
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.daemon.counts import add_at
+from kvtier.daemon.loops import InTurns
 from kvtier.daemon.misses import EVICTED, MissLedger
 from kvtier.daemon.policy.prefetch import PrefetchLedger
 from kvtier.daemon.stack import Level, TierStack, TokenBucket
@@ -137,7 +139,7 @@ class SpaceManager:
         # Owner index -> tenant label, for the quota counters' ``tenant`` label.
         self.owner_labels: dict[int, str] = {0: "default"}
         self._pending_touches: list[tuple[np.ndarray, float]] = []
-        self._owed_work_due = False  # ``owed_work``'s turn is scheduled
+        self._owed_work = InTurns(self._work_a_turn, "the policies' owed work", counters)
         self.background: set[asyncio.Task[Any]] = set()
         # Why keys are missing, for the lookup miss counts (metrics).
         self.misses = MissLedger()
@@ -220,22 +222,13 @@ class SpaceManager:
         budget per policy per turn, so that other requests run between them, until none
         owes any. Requests themselves ask nothing. Without a running loop (offline use) it
         stays owed: the policy's next decision does it first."""
-        if self._owed_work_due:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        self._owed_work_due = True
-        loop.call_soon(self._work_a_turn)
+        self._owed_work.begin_soon()
 
-    def _work_a_turn(self) -> None:
-        self._owed_work_due = False
+    def _work_a_turn(self) -> bool:
         more = False
         for level in self.stack:
             more = level.policy.work() or more
-        if more:
-            self.owed_work()
+        return more
 
     def record_accesses(self, bids: np.ndarray, now: float) -> None:
         """Tell lower tiers' admission rules of an access; ``selective`` tiers then take

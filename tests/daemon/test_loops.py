@@ -1,13 +1,16 @@
 """The daemon's event loop (``server.event_loop``, daemon/loops.py): uvloop by default,
 asyncio's own on request, and a configured loop that cannot be imported stops the daemon
-before it starts rather than running on the other one."""
+before it starts rather than running on the other one; work done on it a slice a turn
+(``InTurns``) survives a slice that raises."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import uvloop
@@ -15,6 +18,7 @@ import uvloop
 from kvtier.daemon import loops
 from kvtier.daemon.config import load_config
 from kvtier.daemon.errors import ConfigError
+from kvtier.daemon.stats import Counters
 
 # A Python in which uvloop cannot be imported, running kvtierd with the given arguments.
 NO_UVLOOP = (
@@ -123,26 +127,90 @@ def test_the_running_loop_is_named_from_inside():
     assert uvloop.run(kind()) == "uvloop"
 
 
-def test_in_turns_calls_its_step_once_a_turn_and_all_at_once_without_a_loop():
-    """``in_turns``: the first call at once, each later one at a later turn of the running
+def test_work_in_turns_calls_its_step_once_a_turn_and_all_at_once_without_a_loop():
+    """``InTurns``: the first call at once, each later one at a later turn of the running
     loop, other callbacks running between them, until the step answers False; without a
-    running loop every call at once."""
+    running loop every call at once. A ``begin`` while under way adds no second chain."""
     calls: list[str] = []
 
     def step() -> bool:
         calls.append("step")
         return calls.count("step") < 3
 
-    loops.in_turns(step)
-    assert calls == ["step"] * 3
+    turns = loops.InTurns(step, "stepping", Counters())
+    turns.begin()
+    assert calls == ["step"] * 3 and not turns.due
 
     async def run() -> None:
         calls.clear()
-        loops.in_turns(step)
-        assert calls == ["step"]
+        turns.begin()
+        assert calls == ["step"] and turns.due
+        turns.begin()
+        turns.begin_soon()
         for _ in range(4):
             calls.append("turn")
             await asyncio.sleep(0)
         assert calls == ["step", "turn", "step", "turn", "step", "turn", "turn"]
+        assert not turns.due
+        calls.clear()
+        turns.begin_soon()  # its first call at the next turn
+        assert calls == [] and turns.due
+        for _ in range(4):
+            calls.append("turn")
+            await asyncio.sleep(0)
+        assert calls == ["turn", "step", "turn", "step", "turn", "step", "turn"]
 
     asyncio.run(run())
+    calls.clear()
+    turns.begin_soon()  # no loop: nothing until the next begin
+    assert calls == [] and not turns.due
+
+
+def test_a_step_that_raises_is_logged_counted_and_called_again_later(caplog):
+    """A call of ``InTurns``' step that raises, at its first call or at a later turn, is
+    logged and counted in background_errors, and the step is called again
+    ``TURN_RETRY_S`` later (not at the next turn: a step that fails every time would log at
+    the loop's rate), the work under way meanwhile; without a loop the work waits for the
+    next ``begin``."""
+    counters, calls = Counters(), []
+    fail_at = {1, 3}
+
+    def step() -> bool:
+        calls.append("step")
+        if len(calls) in fail_at:
+            raise MemoryError("injected")
+        return len(calls) < 5
+
+    turns = loops.InTurns(step, "stepping", counters)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        later: list[tuple[float, Callable[[], object]]] = []
+        loop.call_later = lambda delay, cb: later.append((delay, cb))  # type: ignore[method-assign,assignment]
+        turns.begin()  # the first call fails
+        assert calls == ["step"] and turns.due
+        assert [x for x, _ in later] == [loops.TURN_RETRY_S]
+        turns.begin()  # under way: nothing
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == ["step"]
+        later.pop()[1]()  # TURN_RETRY_S later
+        assert calls == ["step"] * 2
+        await asyncio.sleep(0)  # the third, at the next turn, fails
+        assert calls == ["step"] * 3 and len(later) == 1
+        later.pop()[1]()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert calls == ["step"] * 5 and not turns.due and later == []
+
+    with caplog.at_level(logging.ERROR, logger=loops.log.name):
+        asyncio.run(run())
+    assert counters.get("background_errors") == 2
+    assert caplog.text.count("stepping failed; tried again in 1 s") == 2
+    assert "MemoryError: injected" in caplog.text
+    calls.clear()
+    fail_at = {1}
+    turns.begin()  # no loop: the work stays owed
+    assert calls == ["step"] and not turns.due and counters.get("background_errors") == 3
+    turns.begin()
+    assert calls == ["step"] * 5

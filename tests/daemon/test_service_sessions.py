@@ -16,6 +16,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
+from kvtier.daemon import loops
 from kvtier.daemon import service as service_module
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import Config, load_config
@@ -563,6 +564,7 @@ def test_regression_a_slice_of_owed_pins_that_failed_left_the_rest_pinned(monkey
     counted in background_errors, and the rest of the backlog stayed pinned (its blocks busy
     to a Delete, the hint budget charged) until some later ending owed pins again. The
     failure is logged and counted, as the lease reaper's are, and the rest go back on."""
+    monkeypatch.setattr(loops, "TURN_RETRY_S", 0.0)  # the rest go on at the next turn
     monkeypatch.setattr(service_module, "UNPIN_SLICE_REFS", 100)
 
     async def run() -> None:
@@ -587,9 +589,53 @@ def test_regression_a_slice_of_owed_pins_that_failed_left_the_rest_pinned(monkey
             problems = (await service.check(admin)).problems
             assert any("pin counts differ from their live leases" in x for x in problems)
 
-    with caplog.at_level(logging.ERROR, logger=service_module.log.name):
+    with caplog.at_level(logging.ERROR, logger=loops.log.name):
         assert _loop_failures(run) == []
-    assert "giving back 100 pins owed by ended leases failed" in caplog.text
+    assert "giving back pins owed by ended leases failed" in caplog.text
+
+
+def test_regression_a_slice_of_owed_pins_that_raised_in_its_take_kept_the_backlog_pinned(
+    monkeypatch,
+):
+    """A slice of owed pins took its refs off the queue before the try around the store's
+    unpin: an exception there (a MemoryError as it split a lease's refs) went to the event
+    loop's handler, uncounted, the refs it had taken off were lost, and no turn was
+    scheduled for the rest: the closed session's blocks stayed pinned for good (busy to a
+    Delete, never evicted). The slice is taken off only once made, and a failed turn is
+    logged, counted and tried again: every pin goes back once."""
+    monkeypatch.setattr(service_module, "UNPIN_SLICE_REFS", 100)
+    monkeypatch.setattr(loops, "TURN_RETRY_S", 0.0)
+
+    class SplitFails(np.ndarray):
+        """Refs whose first split (``refs[a:b]``) raises."""
+
+        failed = False
+
+        def __getitem__(self, key: object) -> object:
+            if isinstance(key, slice) and not SplitFails.failed:
+                SplitFails.failed = True
+                raise MemoryError("injected")
+            return super().__getitem__(key)
+
+    async def run() -> None:
+        async with _putting_session([], 128) as (store, service, session, pool):
+            keys, admin = await _put_blocks(service, session, pool)
+            owed, balanced = _pin_books(store, service)
+            await _close_pinning(service, keys, 10)  # 1,280 pins, 128 a lease, 100 a turn
+            # The next slice takes the first lease's last 28 and splits the second lease's.
+            queue = service._owed_unpins
+            assert [len(x) for x in queue][:2] == [28, 128]
+            queue[1] = queue[1].view(SplitFails)
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert SplitFails.failed
+            assert owed() == 0 and balanced()
+            assert int(store.table.pins.sum()) == 0
+            assert (await service.delete(admin, keys)).deleted == 128
+            assert (await service.check(admin)).problems == []
+            assert store.counters.get("background_errors") == 1
+
+    assert _loop_failures(run) == []
 
 
 @pytest.mark.parametrize("fault", ["given back twice", "freed while pinned"])
@@ -603,6 +649,7 @@ def test_regression_a_failed_slice_of_owed_pins_drove_counts_below_zero_or_kept_
     UNPIN_SLICE_REFS of other leases, held for good: nothing owed them any more). The pins
     that can be taken are, those that cannot are counted in the error, and no count goes
     below zero."""
+    monkeypatch.setattr(loops, "TURN_RETRY_S", 0.0)  # the rest go on at the next turn
     monkeypatch.setattr(service_module, "UNPIN_SLICE_REFS", 100)
 
     async def run() -> None:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 
 import numpy as np
 import pytest
 
+from kvtier.daemon import loops
 from kvtier.daemon import sessions as sessions_module
 from kvtier.daemon.errors import NotFound, PermissionDenied, ResourceExhausted
 from kvtier.daemon.sessions import PeerCred, SessionRegistry
@@ -122,6 +124,64 @@ def test_regression_the_expiry_heap_was_rebuilt_in_one_step_of_the_event_loop(mo
         assert ids >= set(reg._leases) and len(ids) <= len(reg._leases) + 1
         assert [x.lease_id for x in reg.pop_expired(5.0, 10)] == [taken.lease_id]
         assert [x.lease_id for x in reg.pop_expired(1e9, 2000)] == [x.lease_id for x in live[1:]]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("where", ["a slice", "the last slice's heapify"])
+def test_regression_a_slice_of_the_expiry_heaps_rebuild_that_raised_stopped_it_for_good(
+    monkeypatch, where
+):
+    """A slice of the expiry heap's rebuild that raised (a MemoryError) went to the event
+    loop's handler, uncounted, with no turn scheduled after it: the rebuild never ended, so
+    the heap was never compacted again (every released lease's entry kept until its
+    deadline) and every lease taken from then on was added to the new heap that never
+    served (memory that only grew). Raised in a slice's adding, the leases of that slice
+    were skipped too. The failure is logged and counted, the slice tried again: the rebuild
+    ends, its heap holds every live lease, and each expires on time."""
+    monkeypatch.setattr(sessions_module, "COMPACT_SLICE_LEASES", 100)
+    monkeypatch.setattr(loops, "TURN_RETRY_S", 0.0)
+    failed = []
+
+    class FailsOnce(dict):
+        """The lease table, whose next membership test raises once armed."""
+
+        armed = False
+
+        def __contains__(self, key: object) -> bool:
+            if FailsOnce.armed and not failed:
+                failed.append(key)
+                raise MemoryError("injected")
+            return super().__contains__(key)
+
+    heapify = heapq.heapify
+
+    def heapify_fails_once(heap: list) -> None:
+        if not failed:
+            failed.append("heapify")
+            raise MemoryError("injected")
+        heapify(heap)
+
+    async def run() -> None:
+        reg = SessionRegistry()
+        reg._leases = FailsOnce()
+        s = reg.open("s", 0.0)
+        live = [reg.add_lease(s.session_id, np.array([1]), 10.0 + i) for i in range(1000)]
+        if where != "a slice":
+            monkeypatch.setattr(sessions_module.heapq, "heapify", heapify_fails_once)
+        for _ in range(2025):  # released early: 1,000 live leases, 3,025 entries
+            reg.pop_lease(s.session_id, reg.add_lease(s.session_id, np.array([1]), 600.0).lease_id)
+        assert len(reg._expiry) == 3025  # the rebuild began, its first slice at once
+        FailsOnce.armed = where == "a slice"  # at the second slice's first lease
+        for _ in range(40):
+            await asyncio.sleep(0)
+        assert failed
+        assert len(reg._expiry) == 1000 and reg._rebuild is None
+        assert reg.counters.get("background_errors") == 1
+        taken = [reg.add_lease(s.session_id, np.array([1]), 5.0) for _ in range(3)]
+        assert {x for _, x in reg._expiry} == set(reg._leases)
+        assert sorted(reg.pop_expired(5.0, 10), key=id) == sorted(taken, key=id)
+        assert reg.pop_expired(1e9, 2000) == live
 
     asyncio.run(run())
 

@@ -22,7 +22,7 @@ import pytest
 from density_training import roots_come_back
 
 import kvtier.daemon.policy.heat as heat_module
-from kvtier.daemon import logs
+from kvtier.daemon import logs, loops
 from kvtier.daemon import store as store_module
 from kvtier.daemon.config import load_config
 from kvtier.daemon.counts import add_at
@@ -5702,18 +5702,48 @@ async def test_moves_a_touch_owes_are_made_between_requests(make_store, monkeypa
     assert policy.stats().protected == 600
 
 
+async def test_regression_a_turn_of_owed_moves_that_raised_left_them_owed_with_no_turn(
+    make_store, monkeypatch
+):
+    """A policy's ``work`` that raised (a MemoryError) in its turn of the loop went to the
+    loop's handler, uncounted, with no turn after it; the policy, still owing moves, never
+    said so again (``on_owed`` is for work owed where none was): the moves waited for the
+    next eviction, which made them all in one step, every other client's calls waiting (what
+    the turns are for). The failure is logged and counted, and the work goes on."""
+    monkeypatch.setattr(loops, "TURN_RETRY_S", 0.0)
+    clock, store, pool, chain, policy = await _heat_chain_of_600(make_store, monkeypatch)
+    work, failed = policy.work, []
+
+    def second_fails() -> bool:
+        failed.append(len(failed) == 1)
+        if failed[-1]:
+            raise MemoryError("injected")
+        return work()
+
+    monkeypatch.setattr(policy, "work", second_fails)
+    caught: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, ctx: caught.append(ctx))
+    clock.now += 1.0
+    assert await get(store, pool, chain[-1:], [0]) == [True]
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert any(failed)
+    assert not policy.owes_work and policy.stats().protected == 600
+    assert store.counters.get("background_errors") == 1 and caught == []
+
+
 async def test_owed_moves_get_one_turn_of_the_loop_at_a_time(make_store, monkeypatch):
     """However many requests come while moves are owed, one ``work`` turn is queued at a
     time: a turn whose ``work`` owes again (``on_owed``) and then asks for the next turn
     (the rest still owed) queues one, not two that each queue two."""
     clock, store, pool, chain, policy = await _heat_chain_of_600(make_store, monkeypatch)
-    work_a_turn, calls = store.space._work_a_turn, []
+    work, calls = policy.work, []
 
-    def counted() -> None:
+    def counted() -> bool:
         calls.append(policy.owes_work)
-        work_a_turn()
+        return work()
 
-    monkeypatch.setattr(store.space, "_work_a_turn", counted)
+    monkeypatch.setattr(policy, "work", counted)
     clock.now += 1.0
     assert await get(store, pool, chain[-1:], [0]) == [True]
     # Twenty single-block Gets of the chain's middle while the moves are owed.
