@@ -653,7 +653,9 @@ class L2Config:
             doc="how often the index files are checked between commits (a stat of two files): "
             "an index.sqlite3 or -wal removed while the daemon runs is written back or "
             "checkpointed within this time, not only at the next commit, so a crash after "
-            "it loses no block; 0 checks only at commits and at the stop",
+            "it loses no block; the same thread ends a full disk's or a lock's fault where "
+            "no write came in enospc_retry_s (it commits one page); 0 checks only at commits "
+            "and at the stop, and those faults end only with a write",
         ),
     )
     read_bytes_s: int = _rate("reads from this tier")

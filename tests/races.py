@@ -1,8 +1,11 @@
-"""Helpers for deterministic race tests: locks that tell a test when a thread had to wait."""
+"""Helpers for deterministic race tests: locks that tell a test when a thread had to wait,
+and a wait for what a background thread does."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 
 class ContendedLock:
@@ -22,3 +25,12 @@ class ContendedLock:
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds; AssertionError once ``timeout_s`` passed first."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)

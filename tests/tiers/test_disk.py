@@ -23,6 +23,7 @@ from disk_faults import FaultyFiles
 from disk_writes import PersistItem, persist
 from peers import NOBODY, NOGROUP, require_root
 from races import ContendedLock
+from races import wait_for as _wait_for
 
 from kvtier.tiers.base import (
     BlockRef,
@@ -2094,14 +2095,6 @@ def test_an_index_removed_before_recovery_that_cannot_be_written_back_still_reco
         assert _recovered_keys(again) == {b[0] for b in before.values()}
 
 
-def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
-
-
 def _watches() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "l2-index-watch"]
 
@@ -2370,6 +2363,34 @@ def test_regression_an_index_locked_by_another_process_degrades_only_until_it_is
         health = tier.health()
         assert health.state == Health.OK and not health.retry_due
         assert _read(tier, blocks) == {i: b[2] for i, b in blocks.items()}
+
+
+def test_regression_an_idle_tier_stayed_degraded_after_the_lock_on_its_index_was_let_go(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a write batch let through could end a locked index's fault: a node that wrote
+    nothing more to L2 showed it degraded long after the lock was let go. The tier's watch
+    now tries in the writes' turn (one page committed), without waiting out the busy timeout
+    (an hour here, from once the tier is degraded): each try fails at once while the lock is
+    held, so it never holds the index, or the stop that joins the watch, for that long; the
+    first try after the lock is let go ends the fault, no write sent."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir, enospc_retry_s=0.05, index_watch_s=0.02)
+    try:
+        with _locked_index(tier, disk_dir, make_block) as other:
+            monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+            tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+            tries = tier.stats().counters["index_errors"]
+            _wait_for(lambda: tier.stats().counters["index_errors"] >= tries + 2)
+            health = tier.health()
+            assert health.state == Health.DEGRADED_IO and "locked" in health.detail
+            other.execute("ROLLBACK")
+            committed = tier.stats().counters["committed_blocks"]
+            _wait_for(lambda: tier.health().state == Health.OK)
+            assert tier.stats().counters["committed_blocks"] == committed
+    finally:
+        tier.close()
+    assert _watches() == []
 
 
 def test_regression_a_wal_removed_while_a_reader_holds_it_is_retried_not_lasting(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from disk_faults import fill_disk
 from disk_writes import PersistItem, persist
-from races import ContendedLock
+from races import ContendedLock, wait_for
 
 from kvtier.tiers.base import Health, TierUnavailable
 from kvtier.tiers.disk import DiskTier, ReadItem
@@ -149,16 +149,18 @@ def _allocate(tier: DiskTier, make_block: Block, start: int, stop: int) -> list[
 
 
 def _filled(
-    tier: DiskTier, small_fs: Path, make_block: Block, rows: int
+    tier: DiskTier, small_fs: Path, make_block: Block, rows: int, **options: float
 ) -> tuple[DiskTier, list[PersistItem]]:
     """``rows`` blocks committed to ``tier`` (a 16 MiB tier in ``small_fs / "l2"``), all in the
-    index file; the tier opened again, the disk filled and more blocks written until the WAL
-    can grow no more. Returns the tier and the blocks committed."""
+    index file; the tier opened again (``enospc_retry_s=0.0``, or ``options``), the disk
+    filled and more blocks written until the WAL can grow no more. Returns the tier and the
+    blocks committed."""
     items = _allocate(tier, make_block, 0, rows)
     for start in range(0, rows, 250):
         assert all(o.ok for o in persist(tier, items[start : start + 250]))
     tier.close()  # checkpoints: the index file holds every page
-    tier = DiskTier(small_fs / "l2", 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    options.setdefault("enospc_retry_s", 0.0)
+    tier = DiskTier(small_fs / "l2", 16 * MiB, 1 * MiB, **options)
     tier.recover()
     items += _allocate(tier, make_block, rows, rows + 200)
     fill_disk(small_fs / "filler")
@@ -468,3 +470,35 @@ def test_regression_removals_on_a_disk_filled_while_the_index_grew_in_its_wal_fa
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert {r.key for r in copy.recover()} == {it.key for it in kept} - {it.key for it in gone}
     tier.close()
+
+
+def test_regression_an_idle_tier_stayed_degraded_without_its_reserve_after_space_came_back(
+    small_fs: Path, make_block: Block
+) -> None:
+    """A removal on a full disk gave the reserve back; space came back, but only a write
+    batch let through (one per enospc_retry_s) could end the full disk's fault and make the
+    reserve again: a node that wrote nothing more to L2 (idle, or read-only) showed it
+    degraded for ever, and a Delete on it meanwhile had no reserve to commit on. The tier's
+    watch now tries in the writes' turn: it makes the reserve and commits one page. While
+    the reserve still does not fit, each try fails (counted) and the tier stays degraded;
+    once space is back the first try ends the fault, no write sent. enospc_retry_s is 1 s,
+    so that no try comes between the write that failed and the test's look at the state."""
+    directory = small_fs / "l2"
+    reserve = directory / RESERVE_NAME
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB)
+    tier, kept = _filled(tier, small_fs, make_block, 400, enospc_retry_s=1.0, index_watch_s=0.02)
+    try:
+        assert tier.remove([it.slot for it in kept[::2]]), tier.health()
+        assert not reserve.exists()
+        committed = tier.stats().counters["committed_blocks"]
+        tries = tier.stats().counters["enospc"]
+        wait_for(lambda: tier.stats().counters["enospc"] >= tries + 2)  # two tries failed
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        assert not reserve.exists()
+
+        (small_fs / "filler").unlink()
+        wait_for(lambda: tier.health().state is Health.OK)
+        assert reserve.stat().st_blocks * 512 >= RESERVE_BYTES
+        assert tier.stats().counters["committed_blocks"] == committed  # nothing was written
+    finally:
+        tier.close()

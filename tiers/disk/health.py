@@ -5,7 +5,8 @@ disk) and an index locked by another process past the busy timeout (SQLITE_BUSY:
 ``sqlite3`` shell left in a write transaction; or, its WAL removed, one in a read transaction
 that keeps the checkpoint from finishing) degrade it until a write gets through again (one
 write batch per ``enospc_retry_s`` is let through to find out; the stop's flush lets every
-batch through until one fails, ``retry_now``). So does a failed read of data
+batch through until one fails, ``retry_now``; with no batch to let through, the tier's watch
+commits one page in its turn, ``take_retry``). So does a failed read of data
 blocks (kind ``read``, whatever its errno; a full disk's or a lock's fault stays in its place,
 as no release may end it, and the read's comes back when that one ends, as would a full
 disk's or a lock's coming over it): its slots are quarantined by the tier, and it lasts until
@@ -150,6 +151,20 @@ class FaultState:
                 self._next_probe = time.monotonic() + self._enospc_retry_s
                 return True
             return False
+
+    def take_retry(self) -> bool:
+        """Whether the tier's own retry (``DiskTier._retry_commit``) is due: it is degraded by
+        a full disk or a lock, which an index commit ends, and no write batch was let through
+        for ``enospc_retry_s``. True takes the turn a batch let through would take, so that
+        writes and retries together try once per ``enospc_retry_s``."""
+        with self._lock:
+            if self._degraded is None or self._degraded.kind not in ("enospc", "locked"):
+                return False
+            now = time.monotonic()
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + self._enospc_retry_s
+            return True
 
     def retry_now(self) -> None:
         """If a fault that may pass degrades the tier, let every write batch through from now

@@ -457,6 +457,17 @@ class DiskIndex:
         with self._lock, contextlib.suppress(sqlite3.Error), _no_busy_wait(self._conn()) as db:
             db.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
 
+    def probe(self) -> None:
+        """Commit a transaction that writes one page (the header's ``user_version``, set to
+        what it holds), synced as every commit is, not waiting for a lock another process
+        holds: whether the index takes commits again (a full disk freed, a lock let go).
+        Raises what the commit raised."""
+        with self._lock:
+            db = self._checked_conn()
+            with _no_busy_wait(db), _immediate(db):
+                db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
+            self._check_files(db)
+
     def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
         """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""
         now = self._clock()

@@ -498,7 +498,8 @@ class DiskTier:
     included, so a ``remove`` or a quarantine meanwhile waits that long); data transfers
     run in parallel on ``io_threads`` worker threads, most urgent first. With
     ``index_watch_s``, one more thread of the tier (``l2-index-watch``, a daemon thread)
-    checks the index files between commits under the index's lock; ``close`` wakes it and
+    checks the index files between commits under the index's lock, and commits a page there
+    to find out whether a full disk or a lock has cleared; ``close`` wakes it and
     waits for its last check. The constructor, ``recover`` and ``close`` must not overlap any
     other call. Every data method blocks: call it from a worker thread, never from an event
     loop.
@@ -540,8 +541,10 @@ class DiskTier:
         one write batch per this many seconds is let through to find out whether it cleared.
         ``index_watch_s``: how often a thread of the tier checks the index files between
         commits (``_watch_index``), so that an index or WAL removed while the tier is idle is
-        mended before a crash loses the blocks they held; 0 (the default) checks them only at
-        commits and at ``close``. ``clock`` gives ``written_at``. ``backend`` makes the data
+        mended before a crash loses the blocks they held, and tries a tier degraded by a full
+        disk or a lock in the turn of a write let through when none was (``_retry_commit``);
+        0 (the default) checks them only at commits and at ``close``, and such a tier waits
+        for a write. ``clock`` gives ``written_at``. ``backend`` makes the data
         files' system calls (tests inject faults through it).
 
         Raises TierUnavailable when the directory cannot hold the capacity, is in use by
@@ -1022,7 +1025,7 @@ class DiskTier:
             log.warning("L2: %s made again", path)
         self._reserve_missing = False
 
-    def _reserve_made(self) -> bool:
+    def _reserve_made(self, what: str = "index commit") -> bool:
         """Whether the reserve is there for a write's commit, made now if it is missing and
         fits (a full disk's fault recorded where it does not). Called holding the index, so
         no removal is using the room given back: while the reserve is missing, that room is
@@ -1033,7 +1036,7 @@ class DiskTier:
         self._make_reserve()
         if not self._reserve_missing:
             return True
-        self._reserve_fault("index commit")
+        self._reserve_fault(what)
         return False
 
     def _reserve_fault(self, what: str) -> None:
@@ -1699,13 +1702,37 @@ class DiskTier:
         """The watch thread: check the index files every ``index_watch_s`` until ``close``;
         after a check another process's lock held up, wait ``enospc_retry_s`` at least, as
         a write into a locked index does, so the watch does not hold the index most of the
-        time trying again."""
+        time trying again. A tier degraded by a full disk or a lock that no write batch was
+        let through to for ``enospc_retry_s`` is tried by the watch (``_retry_commit``)."""
         wait_s = self._index_watch_s
         while not self._watch_stop.wait(wait_s):
             locked = self._check_index_files()
+            if self.faults.take_retry():
+                self._retry_commit()
             wait_s = (
                 max(self._index_watch_s, self._enospc_retry_s) if locked else self._index_watch_s
             )
+
+    def _retry_commit(self) -> None:
+        """Find out whether a full disk or a lock has cleared on a tier that gets no write to
+        let through (an idle or read-only node, whose tier stayed degraded, and without its
+        reserve, after space came back): make the reserve where it is missing, then commit one
+        page (``DiskIndex.probe``), holding the index as a write's commit does; its commit
+        ends the fault as a write's does. Where the reserve still does not fit, or the commit
+        fails, the tier stays degraded (counted as a batch let through is)."""
+        index = self._idx()
+        try:
+            with index.held():
+                if not self._reserve_made("index retry"):
+                    return
+                index.probe()
+        except sqlite3.Error as e:
+            self.faults.fault(classify(e), "index retry")
+            return
+        except Exception:  # a bug: the watch goes on, the next turn tries again
+            log.exception("L2 retry of a full disk or a locked index failed unexpectedly")
+            return
+        self.faults.space_returned()
 
     def _check_index_files(self) -> bool:
         """One check of the watch (``DiskIndex.check_files``): a removed index is written
