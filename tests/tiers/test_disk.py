@@ -2828,6 +2828,36 @@ def test_regression_a_start_that_could_not_make_the_reserve_said_the_tier_was_ok
         tier.close()
 
 
+def test_a_write_is_committed_only_once_the_reserve_holds_the_index_growth_it_leaves(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reserve is grown, before a write commits, to hold the index's growth the WAL holds
+    (which a removal's WAL restart on a full disk grows the index file by) and half its own
+    size more, in MiB steps; where that does not fit, the write is not committed and the
+    tier is degraded by the full disk, naming the reserve; once it fits, the next write grows
+    it and commits."""
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    try:
+        index = tier._idx()
+        monkeypatch.setattr(index, "growth_bytes", lambda: (3 << 20) + 4096)
+        monkeypatch.setattr("kvtier.tiers.disk.tier._free_bytes", lambda _: 1 << 20)
+        refused = _items(tier, make_block, [0], 4096)
+        assert [o.ok for o in persist(tier, refused)] == [False]
+        assert index.committed_slots([refused[0].slot]) == []
+        health = tier.health()
+        assert health.state is Health.DEGRADED_NOSPACE
+        assert f"no room to grow {RESERVE_NAME} to 4.00 MiB" in health.detail
+        assert tier.remove([refused[0].slot])
+
+        monkeypatch.undo()
+        monkeypatch.setattr(index, "growth_bytes", lambda: (3 << 20) + 4096)
+        _persist(tier, make_block, [1], 4096)
+        assert tier.health().state is Health.OK
+        assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 4 << 20
+    finally:
+        tier.close()
+
+
 def test_regression_a_commit_that_failed_before_its_rows_blamed_the_missing_reserve(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

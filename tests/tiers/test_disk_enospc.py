@@ -387,8 +387,11 @@ def test_regression_a_removal_after_one_committed_whole_on_the_reserve_failed(
     holding its pages (the WAL is restarted only between steps), so the next removal, the
     reserve spent, appended its first step past the room given back and failed: the Delete
     was answered with its rows kept, served again after a crash. Each step now restarts the
-    WAL before it writes, so the next removal reuses the room the first one took."""
+    WAL before it writes, so the next removal reuses the room the first one took. The
+    reserve is kept at its 64 KiB, not grown for the index's growth (to 1 MiB: the second
+    removal would fit it whole)."""
     monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    monkeypatch.setattr(DiskTier, "_reserve_covers_growth", lambda *_: True)
     directory = small_fs / "l2"
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
     tier, kept = _filled(tier, small_fs, make_block, 2000)
@@ -440,17 +443,11 @@ def test_regression_writes_after_a_removal_on_the_reserve_took_the_next_removals
     tier.close()
 
 
-def test_regression_removals_on_a_disk_filled_while_the_index_grew_in_its_wal_failed(
-    small_fs: Path, make_block: Block, tmp_path: Path
-) -> None:
-    """The crash campaign's full-disk series (seed 6101, round 3): deleted blocks came back
-    after a SIGKILL. The disk filled while the WAL held the index's growth since its last
-    checkpoint (a tier filling up: here 37 pages, the index file one). The first removal
-    committed whole in the reserve's room, the next ones appended to the WAL in the room
-    left, and once it was spent the WAL's restart before a step had to grow the index file
-    to hold those pages and found no room: every removal after that failed (its Delete
-    answered, its rows kept). The WAL now restarts on the room given back first; here 2,000
-    rows committed since the last checkpoint, then 118 removals of one row each."""
+def _removals_after_growth(small_fs: Path, make_block: Block, tmp_path: Path) -> None:
+    """2,000 rows committed since the index's last checkpoint (37 pages of growth, about
+    150 KiB), the disk filled, blocks written until the WAL can grow no more, then 118
+    removals of one row each: each must commit, and a crash copy then holds exactly the
+    blocks not removed."""
     directory = small_fs / "l2"
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
     items = _allocate(tier, make_block, 0, 2000)
@@ -470,6 +467,33 @@ def test_regression_removals_on_a_disk_filled_while_the_index_grew_in_its_wal_fa
     with DiskTier(_crash_copy(directory, tmp_path / "crashed"), 16 * MiB, 1 * MiB) as copy:
         assert {r.key for r in copy.recover()} == {it.key for it in kept} - {it.key for it in gone}
     tier.close()
+
+
+def test_regression_removals_on_a_disk_filled_while_the_index_grew_in_its_wal_failed(
+    small_fs: Path, make_block: Block, tmp_path: Path
+) -> None:
+    """The crash campaign's full-disk series (seed 6101, round 3): deleted blocks came back
+    after a SIGKILL. The disk filled while the WAL held the index's growth since its last
+    checkpoint (a tier filling up: here 37 pages, the index file one). The first removal
+    committed whole in the reserve's room, the next ones appended to the WAL in the room
+    left, and once it was spent the WAL's restart before a step had to grow the index file
+    to hold those pages and found no room: every removal after that failed (its Delete
+    answered, its rows kept). The WAL now restarts on the room given back first."""
+    _removals_after_growth(small_fs, make_block, tmp_path)
+
+
+def test_regression_removals_on_a_full_disk_failed_where_the_index_grew_past_the_reserve(
+    small_fs: Path, make_block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the WAL held more of the index's growth since its last checkpoint than the
+    reserve (SQLite checkpoints on its own only once the WAL holds 4 MiB; the reserve is
+    256 KiB), the WAL's restart on the room a removal on a full disk gave back could not
+    grow the index file to hold it: every removal failed, its Delete answered with its rows
+    kept, served again after a crash. The reserve is now grown, before a write commits, to
+    hold that growth and half its size more. Here the reserve is 64 KiB and the growth
+    150 KiB: without its growth every removal fails."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    _removals_after_growth(small_fs, make_block, tmp_path)
 
 
 def test_regression_an_idle_tier_stayed_degraded_without_its_reserve_after_space_came_back(

@@ -468,6 +468,22 @@ class DiskIndex:
                 db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
             self._check_files(db)
 
+    def growth_bytes(self) -> int:
+        """The bytes of pages the WAL holds past the index file's end (in a write transaction,
+        its pages too): the index's growth since its last checkpoint, which a checkpoint, the
+        WAL's restart included, must grow the file by. A page count and a ``stat``; 0 where
+        the file cannot be looked at (the next commit's check reports it)."""
+        with self._lock:
+            pages, page_bytes = (
+                self._conn()
+                .execute("SELECT * FROM pragma_page_count(), pragma_page_size()")
+                .fetchone()
+            )
+            try:
+                return max(0, pages * page_bytes - os.stat(self.path).st_size)
+            except OSError:
+                return 0
+
     def quarantine(self, entries: Sequence[tuple[int, int, str]]) -> None:
         """Hold ``(slot, nbytes, reason)`` out of service and delete their block rows."""
         now = self._clock()

@@ -141,9 +141,16 @@ AUX_RESERVE_BYTES = 1 << 20
 # cannot grow on a full disk), so that a removal, which only shrinks the tier, still becomes
 # durable there; made again before a write commits, which waits for space back. 256 KiB: 60
 # WAL pages, the deletion of 60 rows spread over the table, or 4,000 of consecutive slots, in
-# one transaction.
+# one transaction. Grown, before a write commits, to hold the index's growth the WAL holds
+# too (up to some 4 MiB, SQLite checkpointing on its own at 1,000 WAL pages), which the WAL's
+# restart on the room given back grows the index file by, and half of ``RESERVE_BYTES`` more
+# for the removal's own pages: ``_reserve_covers_growth``, in steps of
+# ``RESERVE_GROWTH_STEP_BYTES`` (a tier filling up grows it a few times in all); it does not
+# shrink again until given back (its growth lies beyond ``AUX_RESERVE_BYTES``, as the index's
+# own does).
 RESERVE_NAME = "index.reserve"
 RESERVE_BYTES = 256 << 10
+RESERVE_GROWTH_STEP_BYTES = 1 << 20
 # The rows a removal on the reserve deletes per transaction: one WAL page each at worst (rows
 # spread over the table), 64 KiB of WAL.
 _RESERVE_STEP_ROWS = 16
@@ -671,6 +678,8 @@ class DiskTier:
             self._make_reserve()
             if self._reserve_missing:  # no write commits until it is made: not OK till then
                 self._reserve_fault("start")
+            else:  # a crash leaves the WAL holding what growth it held
+                self._reserve_covers_growth("start")
             self.files.open(direct_io)
             self._claim_quarantine(sizes, damaged)
             # Rows are read by recover_chunks(); until then the tier allocates nothing.
@@ -772,7 +781,7 @@ class DiskTier:
             if wrote and self.faults.refuses_commits():
                 self.faults.count(commits_refused_degraded=1)
                 return None
-            if wrote and not self._reserve_made():
+            if wrote and not (self._reserve_made() and self._reserve_covers_growth()):
                 return None
             failed = [
                 t.ws.slots[live[~t.ws.ok[live]]] for t in attempted if (live := t.live) is not None
@@ -1038,6 +1047,40 @@ class DiskTier:
             return True
         self._reserve_fault(what)
         return False
+
+    def _reserve_covers_growth(self, what: str = "index commit") -> bool:
+        """Whether the reserve holds the index's growth that the WAL holds (``growth_bytes``,
+        this write's transaction included), which the WAL's restart on the room a removal on a
+        full disk gives back must grow the index file by, and half of ``RESERVE_BYTES`` more
+        for the removal's pages; grown now where it does not and it fits (a full disk's fault
+        recorded where it does not, and the write not committed: its growth would leave the
+        removals without room). Without it a removal on a full disk, the WAL holding more
+        growth than the reserve, failed, its Delete answered with its rows kept (served again
+        after a crash). Called holding the index, the reserve made."""
+        need = self._idx().growth_bytes() + RESERVE_BYTES // 2
+        path = self.directory / RESERVE_NAME
+        have = _allocated(path)
+        if need <= max(have, RESERVE_BYTES):
+            return True
+        size = -(-need // RESERVE_GROWTH_STEP_BYTES) * RESERVE_GROWTH_STEP_BYTES
+        try:
+            if _free_bytes(self.directory) < size - have:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            fault = Fault(
+                "enospc",
+                f"no room to grow {RESERVE_NAME} to {_mib(size)} for the index's "
+                f"growth ({e.strerror}), writes wait",
+            )
+            self.faults.fault(fault, what, f"{what}: {fault.detail}")
+            return False
+        return True
 
     def _reserve_fault(self, what: str) -> None:
         """Degrade the tier by a full disk: the reserve is missing and does not fit, so
@@ -1723,7 +1766,9 @@ class DiskTier:
         index = self._idx()
         try:
             with index.held():
-                if not self._reserve_made("index retry"):
+                if not (
+                    self._reserve_made("index retry") and self._reserve_covers_growth("index retry")
+                ):
                     return
                 index.probe()
         except sqlite3.Error as e:
