@@ -77,6 +77,13 @@ def run(main: Coroutine[Any, Any, T], kind: str) -> T:
     raise ValueError(f"event loop {kind!r}: expected one of {', '.join(EVENT_LOOPS)}")
 
 
+def turn_failed(what: str, counters: Counters) -> None:
+    """The exception being handled ended a turn of ``what``, which is tried again
+    ``TURN_RETRY_S`` later: logged, and counted in ``counters``' ``background_errors``."""
+    log.exception("%s failed; tried again in %.3g s", what, TURN_RETRY_S)
+    counters.inc("background_errors")
+
+
 class InTurns:
     """Work owed in slices: ``step`` does one and answers whether some is left. ``begin`` (or
     ``begin_soon``) is called whenever some becomes owed, and calls ``step`` until it answers
@@ -120,8 +127,7 @@ class InTurns:
             try:
                 more = self._step()
             except Exception:
-                log.exception("%s failed; tried again in %.3g s", self._what, TURN_RETRY_S)
-                self._counters.inc("background_errors")
+                turn_failed(self._what, self._counters)
                 self._due = self._schedule(TURN_RETRY_S)
                 return
             if not more:

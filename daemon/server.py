@@ -98,6 +98,7 @@ from kvtier.daemon.pools import EnginePool, PoolRegistry
 from kvtier.daemon.ratelog import GRPC_CORE_LOGGER, LostAnswerFilter, RateLimitedLog
 from kvtier.daemon.service import KVService
 from kvtier.daemon.sessions import SessionRegistry
+from kvtier.daemon.stats import Counters
 from kvtier.daemon.stepturns import STEP_TURN_BYTES, StepTurns
 from kvtier.daemon.store import BlockStore
 from kvtier.daemon.tenants import TenantDirectory
@@ -779,6 +780,7 @@ class Daemon:
             self.service.counters,
             self.sessions.limit_key_of,
             WAITING_MESSAGES * cfg.max_message_bytes,
+            self.store.counters,
         )
 
     async def start(self) -> None:
@@ -1073,7 +1075,10 @@ class RequestReceiver:
         counters: Counter[str],
         sender_of: Callable[[str], str] = lambda session_id: "",
         max_turn_bytes: int = WAITING_MESSAGES * ServerConfig.max_message_bytes,
+        errors: Counters | None = None,
     ) -> None:
+        """``errors``: where a failed hand-on of a large request's turn is counted (the
+        store's counters, ``StepTurns``)."""
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
         self.counters = counters
@@ -1086,7 +1091,7 @@ class RequestReceiver:
         # Their handlers' first steps go in turns too, once the calls queued in gRPC are in,
         # by the parsed request's session: wherever its client wrote the field.
         self._sender_of = sender_of
-        self.steps = StepTurns(counters)
+        self.steps = StepTurns(counters, errors=errors)
         # Calls waiting for their request, oldest first (a dict keeps insertion order).
         self.waiting: dict[_Waiter, None] = {}
         # One timer for every waiter (a timer per call cost more than the rest of the wait):

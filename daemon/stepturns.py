@@ -39,9 +39,11 @@ no gain beyond noise in the batches' calls/s. The passes take those calls up fir
 each, and the call brings the whole window back for the next ones.
 
 Invariants: at most one turn is held or handed at once, and ``_busy`` says whether one is
-(or its hand-on is scheduled); a turn handed to a call whose client left before it took it
-up passes on; a sender is queued only while it has a request waiting; ``_mixed_at`` is the
-last time a call was taken up that was not one of ``_sender``'s requests that take turns.
+(or its hand-on is scheduled: a hand-on that raises is logged, counted in
+``background_errors`` and tried again ``loops.TURN_RETRY_S`` later, as a slice of
+``loops.InTurns`` is); a turn handed to a call whose client left before it took it up passes
+on; a sender is queued only while it has a request waiting; ``_mixed_at`` is the last time a
+call was taken up that was not one of ``_sender``'s requests that take turns.
 
 Thread-safety: the event loop only.
 """
@@ -53,6 +55,9 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+
+from kvtier.daemon import loops
+from kvtier.daemon.stats import Counters
 
 # A request of this many bytes or more takes turns: some 480 keys of 32 bytes, a handler's
 # step of a few hundred microseconds, a few times the quiet window that the turn may cost it.
@@ -76,9 +81,14 @@ ALONE_S = 1.0
 
 class StepTurns:
     def __init__(
-        self, counters: Counter[str], clock: Callable[[], float] = time.perf_counter
+        self,
+        counters: Counter[str],
+        clock: Callable[[], float] = time.perf_counter,
+        errors: Counters | None = None,
     ) -> None:
+        """``errors``: where a hand-on that failed is counted (the store's counters)."""
         self._counters = counters
+        self._errors = Counters() if errors is None else errors
         self._clock = clock
         # Senders with requests waiting, in the order their turns come (a dict keeps it).
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {}
@@ -136,30 +146,35 @@ class StepTurns:
         asyncio.get_running_loop().call_soon(self._hand_on)
 
     def _hand_on(self) -> None:
-        if self._waiting:
-            alone = self._clock() - self._mixed_at >= ALONE_S
-            if self._arrivals != self._seen:
-                self._seen = self._arrivals
-                self._quiet = 0
-            else:
-                self._quiet += 1
-            self._deferred += 1
-            quiet = self._quiet >= QUIET_PASSES and (
-                alone or self._clock() - self._arrived_at >= QUIET_S
-            )
-            if not quiet and self._deferred < MAX_DEFERRED_PASSES:
-                asyncio.get_running_loop().call_soon(self._hand_on)
-                return
-        while self._waiting:
-            sender = next(iter(self._waiting))
-            queue = self._waiting.pop(sender)
-            turn = queue.popleft()
-            if queue:
-                self._waiting[sender] = queue  # to the back of the round
-            if not turn.done():
-                turn.set_result(None)
-                return
-        self._busy = False
+        try:
+            if self._waiting:
+                alone = self._clock() - self._mixed_at >= ALONE_S
+                if self._arrivals != self._seen:
+                    self._seen = self._arrivals
+                    self._quiet = 0
+                else:
+                    self._quiet += 1
+                self._deferred += 1
+                quiet = self._quiet >= QUIET_PASSES and (
+                    alone or self._clock() - self._arrived_at >= QUIET_S
+                )
+                if not quiet and self._deferred < MAX_DEFERRED_PASSES:
+                    asyncio.get_running_loop().call_soon(self._hand_on)
+                    return
+            while self._waiting:
+                sender = next(iter(self._waiting))
+                queue = self._waiting.pop(sender)
+                turn = queue.popleft()
+                if queue:
+                    self._waiting[sender] = queue  # to the back of the round
+                if not turn.done():
+                    turn.set_result(None)
+                    return
+            self._busy = False
+        except Exception:
+            # A turn it took off stays taken: the retry redoes its pass or hands the next.
+            loops.turn_failed("handing on a large request's turn", self._errors)
+            asyncio.get_running_loop().call_later(loops.TURN_RETRY_S, self._hand_on)
 
     def _drop(self, sender: str, turn: asyncio.Future[None]) -> None:
         queue = self._waiting.get(sender)

@@ -7,12 +7,15 @@ its own, as gRPC's aio server takes up one new call per pass of the loop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Callable
 
 import pytest
 import uvloop
 
+from kvtier.daemon import loops
+from kvtier.daemon.stats import Counters
 from kvtier.daemon.stepturns import (
     ALONE_S,
     MAX_DEFERRED_PASSES,
@@ -297,3 +300,46 @@ def test_regression_a_call_after_a_second_of_one_sender_alone_waited_behind_its_
         assert order == ["b1", "b3", "b4", "a1", "b2"]
 
     _run(loop_factory, run())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_regression_a_hand_on_that_raised_left_every_large_request_waiting_for_good(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hand-on of the next turn that raised (a MemoryError: it allocates a timer, a dict
+    entry, the future's callbacks) went to the event loop's handler, uncounted, with
+    ``_busy`` left set and no hand-on to come: the waiting request and every large one after
+    it waited for good. The failure is logged, counted in background_errors and the hand-on
+    tried again ``TURN_RETRY_S`` later."""
+    monkeypatch.setattr(loops, "TURN_RETRY_S", 0.0)
+    failing = [False]
+
+    def clock() -> float:
+        if failing[0]:
+            failing[0] = False
+            raise MemoryError("injected")
+        return 0.0
+
+    async def run() -> None:
+        caught: list[dict[str, object]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: caught.append(ctx))
+        errors = Counters()
+        turns = StepTurns(Counter(), clock=clock, errors=errors)
+        order: list[str] = []
+        await turns.begin("a")
+        waiting = asyncio.ensure_future(_step(turns, "b", "b1", order))
+        await asyncio.sleep(0)
+        failing[0] = True  # the hand-on's first look at the clock
+        turns.end()
+        for _ in range(4 * MAX_DEFERRED_PASSES):
+            await asyncio.sleep(0)
+        assert waiting.done() and order == ["b1"] and not failing[0]
+        await _step(turns, "a", "a2", order)  # no turn held: at once
+        assert order == ["b1", "a2"]
+        assert errors.get("background_errors") == 1 and caught == []
+
+    with caplog.at_level(logging.ERROR, logger=loops.log.name):
+        _run(loop_factory, run())
+    assert "handing on a large request's turn failed; tried again in 0 s" in caplog.text
