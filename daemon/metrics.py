@@ -350,7 +350,8 @@ COUNTERS: dict[str, MetricDef] = {
         (),
         "Background tasks that failed (balancer, lease reaper, transfers, and work done in "
         "turns of the event loop: the give-back of ended leases' pins, the expiry heap's "
-        "rebuild, the policies' owed moves); each is logged.",
+        "rebuild, the policies' owed moves, the hand-on of a large request's turn); each is "
+        "logged.",
     ),
 }
 _SCALE = {"throttled_ms": 1e-3}
