@@ -116,9 +116,11 @@ class StepTurns:
         if not self._busy:
             self._busy = True
             return
+        # Nothing that may raise comes between the queueing of its future and the wait:
+        # queued with no call awaiting it, it would be handed the turn, held for good.
+        self._counters["requests_step_waited"] += 1
         turn = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(sender, deque()).append(turn)
-        self._counters["requests_step_waited"] += 1
         try:
             await turn
         except asyncio.CancelledError:

@@ -343,3 +343,40 @@ def test_regression_a_hand_on_that_raised_left_every_large_request_waiting_for_g
     with caplog.at_level(logging.ERROR, logger=loops.log.name):
         _run(loop_factory, run())
     assert "handing on a large request's turn failed; tried again in 0 s" in caplog.text
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_regression_a_wait_for_a_turn_that_failed_to_begin_was_handed_the_turn_for_good(
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A wait for a turn that raised once its future was queued (a MemoryError as it
+    counted requests_step_waited) left that future queued with no call awaiting it: the
+    next hand-on gave it the turn, no one ended it, and every later large request waited
+    for good. The wait is counted before its future is queued."""
+
+    class CountFailsOnce(Counter[str]):
+        failed = False
+
+        def __setitem__(self, key: str, value: int) -> None:
+            if key == "requests_step_waited" and not CountFailsOnce.failed:
+                CountFailsOnce.failed = True
+                raise MemoryError("injected")
+            super().__setitem__(key, value)
+
+    async def run() -> None:
+        counters = CountFailsOnce()
+        turns = StepTurns(counters)
+        order: list[str] = []
+        await turns.begin("a")
+        with pytest.raises(MemoryError):
+            await turns.begin("b")
+        waiting = asyncio.ensure_future(_step(turns, "c", "c1", order))
+        await asyncio.sleep(0)
+        turns.end()
+        for _ in range(4 * MAX_DEFERRED_PASSES):
+            await asyncio.sleep(0)
+        assert waiting.done() and order == ["c1"]
+        await _step(turns, "a", "a2", order)  # no turn held: at once
+        assert order == ["c1", "a2"] and counters["requests_step_waited"] == 1
+
+    _run(loop_factory, run())
