@@ -60,12 +60,15 @@ system-deps:
 # stay together, so a module's daemon starts once): most tests wait on daemons they start, so
 # one process left a core of two idle, and on two cores a third process fills what two leave
 # (2,931 tests: 301 and 316 s of pytest with 2, 260 s with 3, run back to back). TEST_WORKERS=0
-# runs them all in one process.
+# runs them all in one process. A worker whose process dies in a test (a segfault, the OOM
+# killer) is not replaced (XDIST, in every target with workers): the run ends, failed. Under
+# --dist loadfile, pytest-xdist 3.8 never ended a run once it had replaced one: the target hung.
 TEST_WORKERS ?= 3
+XDIST := --max-worker-restart 0
 test: system-deps
 	@$(BOOTSTRAP) --profile dev
 	@$(BYTECODE)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(XDIST) --dist loadfile $(PYTEST_ARGS)
 
 # The soak: 8 client processes of two tenants for 60 s, half of them SIGKILLed midway; prints
 # its figures. Outside `make test`'s budget; .ci/run runs it.
@@ -92,7 +95,7 @@ crash-campaign: system-deps
 test-slow: system-deps
 	@$(BOOTSTRAP) --profile dev
 	@$(BYTECODE)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m 'slow and not redis_cluster' $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(XDIST) --dist loadfile -m 'slow and not redis_cluster' $(PYTEST_ARGS)
 
 # L3 on a real 3-master Redis Cluster (resharding, a master killed mid-workload): slower, so
 # outside `make test`'s budget; .ci/run runs it too. Its tests wait on the clusters' node
@@ -104,7 +107,7 @@ test-slow: system-deps
 test-l3-cluster: system-deps
 	@$(BOOTSTRAP) --profile dev
 	@$(BYTECODE)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist load -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(XDIST) --dist load -m redis_cluster tests/tiers/test_remote_cluster.py tests/tiers/test_remote_cluster_daemons.py $(PYTEST_ARGS)
 
 VLLM_CONSTRAINTS := tests/integrations/vllm/constraints.txt
 $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c $(VLLM_CONSTRAINTS)
@@ -123,7 +126,7 @@ $(VLLM_STAMP): pyproject.toml setup.py kernels/_copy.c $(VLLM_CONSTRAINTS)
 # left a core of two idle. VLLM_TEST_WORKERS=0 runs them in one process.
 VLLM_TEST_WORKERS ?= 2
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -p no:cacheprovider -n $(VLLM_TEST_WORKERS) --dist loadfile tests/integrations/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -p no:cacheprovider -n $(VLLM_TEST_WORKERS) $(XDIST) --dist loadfile tests/integrations/vllm $(PYTEST_ARGS)
 
 $(SGLANG_STAMP): pyproject.toml setup.py kernels/_copy.c $(SGLANG_ENV)/requirements.txt $(SGLANG_ENV)/constraints.txt
 	@test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
