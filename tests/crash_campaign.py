@@ -5,11 +5,14 @@ N rounds against one daemon (L1 + L2, and L3 on a real ``redis-server`` in every
 of rounds) on a temporary Unix socket. In a round, four client processes (tenants alice and
 bob, two each, with the same keys) put blocks of 4 KiB, 64 KiB, 1 MiB and 5 MiB (durable or
 not), delete them and put them again (an overwrite: a put of a key held answers EXISTS),
-look up with pins, get and check what they got; the campaign sends SIGHUP now and then, then
-SIGKILLs the daemon at a moment drawn from: a plain moment, during a demotion (L1 full,
-blocks in flight), during the drain after a SIGTERM, just after a SIGHUP, and during the
-next start (its recovery of L2's blocks). After the restart it reads every key of both
-tenants and checks, against the clients' journals (what was sent, what was answered):
+look up with pins, get and check what they got (keeping a few pinned leases of small blocks
+unreleased, which the close of their session gives back); the campaign sends SIGHUP now and
+then, then SIGKILLs the daemon at a moment drawn from: a plain moment, during a demotion (L1
+full, blocks in flight), during the drain after a SIGTERM, just after a SIGHUP, during the
+next start (its recovery of L2's blocks), and once the clients have closed their sessions,
+leases still pinned (``kvtier check`` then runs first, on the daemon as they left it). After
+the restart it reads every key of both tenants and checks, against the clients' journals
+(what was sent, what was answered):
 
 - a key whose put was answered ``persisted`` is there, with those bytes or a newer version's;
 - a key whose Delete was answered (and not put since) is absent;
@@ -20,8 +23,14 @@ tenants and checks, against the clients' journals (what was sent, what was answe
 In every K-th series (``--full-disk-every K``) L2 lies on a small ext4 filesystem,
 loop-mounted (root only), which a filler file fills after each start, leaving 0 to 1 MiB
 free: L2's writes then fail (its index's WAL cannot grow) and its removals (Deletes,
-evictions) commit on the index's reserve; before each restart the filler gives 2 MiB back.
-The checks are the same: a Delete answered on a full disk stays done, README says.
+evictions) commit on the index's reserve; before most restarts the filler gives 2 MiB back,
+and the others start on the disk as full as it was (a start refused there for want of the
+room its index may take, as README says, is given the 2 MiB). The checks are the same: a
+Delete answered on a full disk stays done, README says, but for the blocks whose slots a
+fault kept the tier from freeing (their rows kept: a disk full past the reserve, where a
+start found no room to make it), which README says come back: the keys a Delete answered
+during a daemon's life whose log says slots could not be freed may come back once (counted,
+not a problem).
 
 L1's capacity changes at every restart. Every round prints one line (seed, moment, counts);
 a failed check stops the campaign with the seed that reproduces its round's draws. The clients
@@ -69,7 +78,11 @@ SIZES: dict[str, tuple[int, int, int]] = {
 WORKER_NAMESPACES = (("s4k", "s1m"), ("s64k", "s5m"))
 PAGES = 8  # pages 0-3 store, 4-7 load
 OPS = ("put", "overwrite", "delete", "get", "pinget")
-MOMENTS = ("plain", "demotion", "drain", "reload", "recovery")
+MOMENTS = ("plain", "demotion", "drain", "reload", "recovery", "closed")
+# Pinned leases a client process keeps unreleased (of its small blocks), which its session's
+# close gives back: the oldest is released past this many.
+HELD_LEASES = 2
+HELD_NAMESPACES = ("s4k", "s64k")
 
 
 def layout(ns: str) -> PoolLayout:
@@ -113,6 +126,7 @@ class Worker:
             self.pools[ns] = self.client.register_pool(shm, layout(ns))
         self.counter = 0
         self.counts: Counter[str] = Counter()
+        self.held: list[int] = []  # pinned leases kept unreleased
         self.log(op="ready")
 
     def log(self, **event: Any) -> None:
@@ -133,7 +147,9 @@ class Worker:
                 self.counts[type(e).__name__] += 1
                 self.log(op="error", what=type(e).__name__)
                 time.sleep(0.05)
+        self.counts["leases held at the close"] = len(self.held)
         self.log(op="counts", counts=dict(self.counts))
+        self.client.close()  # its session ends with the leases held still pinned
 
     def put(self, ns: str, indexes: list[int]) -> None:
         durable = self.rng.random() < 0.5
@@ -175,11 +191,16 @@ class Worker:
 
     def pinget(self, ns: str, indexes: list[int]) -> None:
         found = self.client.lookup([key_of(ns, i) for i in indexes], pin=True, namespace=ns)
+        keep = bool(found.lease_id) and ns in HELD_NAMESPACES and self.rng.random() < 0.5
         try:
             self.get(ns, indexes, found.lease_id)
         finally:
-            if found.lease_id:
+            if keep:
+                self.held.append(found.lease_id)
+            elif found.lease_id:
                 self.client.release(found.lease_id)
+        while len(self.held) > HELD_LEASES:  # one more after a get that raised
+            self.client.release(self.held.pop(0))
 
 
 def whole(block: np.ndarray) -> bool:
@@ -197,6 +218,9 @@ class KeyState:
     must: bool = False  # a put of it was answered persisted, no Delete sent since
     must_before_delete: bool = False
     gone: bool = False  # a Delete of it was answered, no put sent since
+    # Versions a Delete answered where the daemon's log says slots could not be freed: their
+    # rows may be kept, and the key back once, after the restart (README).
+    unfreed: list[str] = field(default_factory=list)
 
 
 class Model:
@@ -205,6 +229,7 @@ class Model:
         self.tags: dict[bytes, tuple[str, str, int, str]] = {}
         self.problems: list[str] = []
         self.counts: Counter[str] = Counter()
+        self.unfreed = False  # the log of the daemon the events are of says slots were not freed
 
     def counts_line(self) -> str:
         line = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
@@ -237,6 +262,8 @@ class Model:
         elif op == "del_ack":
             if event["deleted"] or event["missing"]:
                 self.counts["delete acks"] += 1
+                if self.unfreed:
+                    k.unfreed += k.sent
                 k.sent.clear()
                 k.stored = None
                 k.gone = True
@@ -264,6 +291,10 @@ class Model:
         if who[:3] != (tenant, ns, i):
             self.problems.append(f"{where}: {tenant}/{ns}/{i} read the block of {who}")
             return None
+        if who[3] not in k.sent and k.gone and who[3] in k.unfreed:
+            self.counts["deleted, back: slots not freed"] += 1
+            k.sent, k.gone, k.unfreed = [who[3]], False, []
+            return who[3]
         if who[3] not in k.sent:
             state = "deleted" if k.gone else "not sent since its last Delete"
             self.problems.append(f"{where}: {tenant}/{ns}/{i} came back ({state}): {who[3]}")
@@ -286,6 +317,7 @@ class Model:
         if k.gone and version is not None:
             self.problems.append(f"{tenant}/{ns}/{i}: deleted, came back as {version}")
         k.stored = version
+        k.unfreed.clear()  # back now or not at all
 
 
 # ---------------------------------------------------------------------------- the campaign
@@ -293,6 +325,11 @@ class Model:
 from disk_faults import fill_disk  # noqa: E402 - tests/ is the script's folder
 from harness import DaemonProcess  # noqa: E402
 
+# What the daemon logs when a persistent tier could not free slots (``SpaceManager``): the
+# rows of the blocks deleted meanwhile may be kept, and those blocks back after a restart.
+UNFREED = "slots could not be freed"
+# A start's refusal where its L2 folder's filesystem lacks the room its files may take.
+NO_ROOM_TO_START = "cannot hold tiers.l2.capacity_bytes"
 # The full-disk series' filesystem; its L2 of 128 MiB holds every key of both tenants (68 MiB)
 # as the 256 MiB of the others do: an eviction would drop blocks answered persisted.
 FULL_FS_BYTES = 192 << 20
@@ -391,16 +428,33 @@ class Campaign:
         # L2 grows now and then (a smaller one may drop blocks, as README says, which
         # would be no crash's doing); L1 takes another size at every start.
         filler = self.full_fs / "filler" if self.full_fs else None
-        if filler is not None and filler.exists():  # room to start in
+        # Room to start in; or, one start in four it waits for, none: a start on a full disk.
+        full_start = filler is not None and filler.exists() and wait and rng.random() < 0.25
+        if filler is not None and filler.exists() and not full_start:
             os.truncate(filler, max(0, filler.stat().st_size - (2 << 20)))
         if filler is None and rng.random() < 0.2 and self.l2_bytes < 512 << 20:
             self.l2_bytes += 64 << 20
             self.moments["L2 grown at a restart"] += 1
-        d = DaemonProcess(self.root, str(self.sockdir / "d.sock"), self.overrides(rng))
-        self.starts += 1
-        d.log_path = self.root / f"kvtierd-{self.starts}.log"  # one start's own log
-        self.daemon = d
-        d.start(wait)
+        overrides = self.overrides(rng)
+        while True:
+            d = DaemonProcess(self.root, str(self.sockdir / "d.sock"), overrides)
+            self.starts += 1
+            d.log_path = self.root / f"kvtierd-{self.starts}.log"  # one start's own log
+            self.daemon = d
+            try:
+                d.start(wait)
+            except RuntimeError as e:
+                # Short of the room its index, reserve and lock may take, the daemon refuses
+                # to start (README: L2 against the free space); given that room, it starts.
+                if not (full_start and NO_ROOM_TO_START in str(e)) or filler is None:
+                    raise
+                self.moments["start on a full disk refused"] += 1
+                os.truncate(filler, max(0, filler.stat().st_size - (2 << 20)))
+                full_start = False
+                continue
+            break
+        if full_start:
+            self.moments["start on a full disk"] += 1
         if filler is not None and wait:
             fill_disk(filler)
             left = rng.choice((0, 0, 64 << 10, 256 << 10, 1 << 20))
@@ -464,16 +518,19 @@ class Campaign:
                 assert d.proc is not None
                 d.proc.send_signal(signal.SIGHUP)
                 self.moments["sighup (not killed)"] += 1
+        if moment == "closed":
+            # The clients end their sessions, leases still pinned; what they held is given
+            # back by then, or owed (Check counts both).
+            (self.root / "stop").touch()
+            self.wait_clients(rnd, procs)
+            self.check(rnd, d, "with the sessions closed")
         hit = self.kill_at(moment, d, rng)
         self.moments[hit] += 1
         (self.root / "stop").touch()
-        for _, p, _ in procs:
-            try:
-                p.wait(90)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                self.model.problems.append(f"round {rnd}: a client process hung")
+        self.wait_clients(rnd, procs)
+        self.model.unfreed = UNFREED in d.log()
+        if self.model.unfreed:
+            self.moments["slots not freed (log)"] += 1
         ops: Counter[str] = Counter()
         for t, p, journal in procs:
             if p.returncode != 0:
@@ -499,6 +556,17 @@ class Campaign:
         self.verify(rnd, d)
         calls = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
         return f"moment {hit}; calls: {calls}; checked {self.model.counts_line()}"
+
+    def wait_clients(
+        self, rnd: int, procs: list[tuple[str, subprocess.Popen[bytes], Path]]
+    ) -> None:
+        for _, p, _ in procs:
+            try:
+                p.wait(90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                self.model.problems.append(f"round {rnd}: a client process hung")
 
     def kill_at(self, moment: str, d: DaemonProcess, rng: random.Random) -> str:
         assert d.proc is not None
@@ -529,7 +597,7 @@ class Campaign:
             d.proc.send_signal(signal.SIGHUP)
             time.sleep(rng.uniform(0.0, 0.05))
         d.kill()
-        return moment
+        return "sessions closed, leases pinned" if moment == "closed" else moment
 
     def new_series(self, rng: random.Random) -> None:
         if self.daemon is not None:
@@ -618,14 +686,19 @@ class Campaign:
                         c.unregister_pool(pool.pool_id)
                     finally:
                         shm.close()
+        self.check(rnd, d, "after restart")
+
+    def check(self, rnd: int, d: DaemonProcess, when: str) -> None:
+        """``kvtier check`` of the daemon's invariants (the pins among them)."""
         check = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "--address", d.address, "check", "--settle", "5"],
             capture_output=True,
             text=True,
         )
         if check.returncode != 0:
-            p.append(
-                f"round {rnd}: kvtier check exited {check.returncode}: {check.stdout}{check.stderr}"
+            self.model.problems.append(
+                f"round {rnd}: kvtier check {when} exited {check.returncode}: "
+                f"{check.stdout}{check.stderr}"
             )
 
     def close(self) -> None:
