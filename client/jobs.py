@@ -734,9 +734,10 @@ class TransferJob:
             self._on_finish(self)
 
 
-def _client_side_error(part: Part, error: Exception) -> InternalError:
+def _client_side_error(part: Part, error: BaseException) -> InternalError:
     """A part's RPC that raised something other than a gRPC status (a request that did not
-    encode, an answer that did not decode): the part fails with it, so the job ends."""
+    encode, an answer that did not decode, a signal handler's exception in the asyncio
+    client's loop): the part fails with it, so the job ends."""
     return InternalError(f"{part.method} failed in the client: {error!r}")
 
 
@@ -862,6 +863,16 @@ class AsyncTransferJob:
             await self._ended(part, None, closed)
         except Exception as e:  # not a gRPC status: the job must still end
             await self._ended(part, None, _client_side_error(part, e))
+        except GeneratorExit:  # the task's coroutine closed unfinished: it may not await
+            raise
+        except BaseException as e:
+            # What a signal's handler raised in the loop (a KeyboardInterrupt under a loop
+            # run without ``asyncio.run``'s handler, as a notebook's): it ends this task, and
+            # the part, never ended, kept the job RUNNING for good. It fails as a client-side
+            # error (its call perhaps begun: pages not reusable), as the blocking client's
+            # interrupted parts do (``TransferJob._send_interrupted``).
+            await self._ended(part, None, _client_side_error(part, e))
+            raise
         else:
             await self._ended(part, response, None)
 

@@ -693,6 +693,38 @@ def test_regression_an_interrupt_as_an_async_job_part_got_its_slot_lost_the_slot
     asyncio.run(main())
 
 
+@pytest.mark.timeout(30)
+def test_regression_an_async_job_part_whose_call_a_signal_handler_ended_never_ended(daemon):
+    """An exception that a signal's handler raises in the loop (a KeyboardInterrupt under a
+    loop run without ``asyncio.run``'s handler, as a notebook's, or another) while an asyncio
+    job's part awaits its call (injected as the call) ended the part's task, but left the
+    part open for good: the job stayed RUNNING, and ``wait`` waited its whole time. Found by
+    a hostile client interrupting jobs at random (4 to 9 jobs of some 270 left RUNNING). The
+    part fails as a client-side error, its pages not reusable, and the job ends."""
+    keys = keys_for(1, "slots-async-part-call-interrupted")
+
+    async def interrupted_call(*args, **kwargs):
+        raise SignalHandlerError
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT)
+                call, client.call = client.call, interrupted_call
+                job = await client.submit_save(pool, [SaveSegment(keys, [0])])
+                (part,) = job._tasks.values()
+                with pytest.raises(SignalHandlerError):
+                    await part
+                client.call = call
+                status = await job.wait(timeout_s=5)
+                assert status.finished and status.state is JobState.FAILED
+                assert isinstance(status.error, errors.InternalError)
+                assert not status.pages_reusable
+                assert (await client.lookup(keys, timeout_s=2)).prefix_len == 0
+
+    asyncio.run(main())
+
+
 def test_regression_an_interrupt_as_an_async_wait_s_timer_was_set_logged_its_expiry_failing():
     """A KeyboardInterrupt that a signal's handler raises as the wait's timer is scheduled
     (where the interpreter checks for signals, once ``call_at`` has pushed it on the loop's
