@@ -408,7 +408,7 @@ class AsyncClient:
                 except Exception:
                     raise
                 except BaseException:  # a signal handler's, as the flow took ``value`` in
-                    abandon_advanced(flow, value, self._send_release)
+                    abandon_advanced(flow, request, value, self._send_release)
                     raise
         except StopIteration as done:
             return int(done.value)

@@ -308,18 +308,21 @@ def abandon(flow: Flow, release: Callable[[Any], None]) -> None:
     flow.close()
 
 
-def abandon_advanced(flow: Flow, value: Any, release: Callable[[Any], None]) -> None:
+def abandon_advanced(flow: Flow, sent: Any, value: Any, release: Callable[[Any], None]) -> None:
     """Let a flow release what it holds where an interrupt (a signal handler's
-    KeyboardInterrupt) came as it took in ``value``, its call's answer or error, or as its
-    next call came back (both clients' ``_drive``): no call was interrupted, so the session
-    stayed open, and the flow's lease pinned its blocks until it expired. A flow left
-    suspended at its next call, which the driver never had, is abandoned there (``abandon``);
-    one that the interrupt ended sent no Release for the lease of the pinning Lookup's answer
-    it was given (that would have been its next call), which is released here."""
+    KeyboardInterrupt) came as it took in ``value``, the answer or error of its call
+    ``sent``, or as its next call came back (both clients' ``_drive``): no call was
+    interrupted, so the session stayed open, and the flow's lease pinned its blocks until it
+    expired. A flow left suspended at its next call, which the driver never had, is abandoned
+    there (``abandon``); one that the interrupt ended sent no Release for the lease of the
+    pinning Lookup's answer it was given, or of the Get it loaded under (its cleanup's
+    Release, ended as it was being made), which is released here."""
     if inspect.getgeneratorstate(flow) == inspect.GEN_SUSPENDED:
         abandon(flow, release)
     elif isinstance(value, pb.LookupResponse):
         release_unclaimed(value, release)
+    elif isinstance(sent, pb.GetRequest) and sent.lease_id:
+        release(build_request(pb.ReleaseRequest, lease_id=sent.lease_id))
 
 
 def release_unclaimed(answer: pb.LookupResponse, release: Callable[[Any], None]) -> None:

@@ -943,7 +943,7 @@ class Client:
                 except Exception:
                     raise
                 except BaseException:  # as the flow took ``value`` in, or just after
-                    abandon_advanced(flow, value, self._release_nowait)
+                    abandon_advanced(flow, request, value, self._release_nowait)
                     raise
         except StopIteration as done:
             return int(done.value)

@@ -331,13 +331,17 @@ def interrupt_at(where: str, drive: Any) -> Any:
         "flow-advanced": lambda: after_the_flows_answer(2, drive),
         # The Get's answer taken in, the Release it asks for never reached the driver.
         "flow-advanced-to-release": lambda: after_the_flows_answer(3, drive),
+        # The Get's answer taken in, its cleanup's Release ended as it was being made (found
+        # by a hostile client interrupting loads at random): the flow ended, not suspended.
+        "release-begun": lambda: at_entry(flows.release_flow.__code__, 1),
         "lookup-result": lambda: at_entry(client_types.lookup_result.__code__, 1),
     }[where]()
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize(
-    "where", ["flow-resumed", "flow-advanced", "flow-advanced-to-release", "lookup-result"]
+    "where",
+    ["flow-resumed", "flow-advanced", "flow-advanced-to-release", "release-begun", "lookup-result"],
 )
 def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_its_pin(
     daemon, where
@@ -346,7 +350,9 @@ def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_i
     is taken in (a load's flow resumed with it, ``lookup`` making its result) or as the load's
     flow comes back with its next call: no gRPC call was interrupted, so the client kept its
     session, and the lease, whose id only that answer held, pinned the blocks until it
-    expired (600 s here). Its lease is now released (sent without waiting for the answer)."""
+    expired (600 s here). Its lease is now released (sent without waiting for the answer).
+    So is the lease of a load whose flow the interrupt ended as it took in the Get's answer
+    and made the Release its cleanup asks for (release-begun): the flow then held it."""
     with (
         daemon.client() as observer,
         Client(daemon.address) as client,
@@ -371,7 +377,9 @@ def test_regression_an_interrupt_as_a_pinning_lookups_answer_was_taken_in_kept_i
         assert pool.load(TOKENS, [2, 3]) == 8
 
 
-@pytest.mark.parametrize("where", ["flow-advanced", "flow-advanced-to-release", "lookup-result"])
+@pytest.mark.parametrize(
+    "where", ["flow-advanced", "flow-advanced-to-release", "release-begun", "lookup-result"]
+)
 def test_regression_an_interrupt_as_an_async_pinning_lookups_answer_was_taken_in_kept_its_pin(
     daemon, where
 ):
