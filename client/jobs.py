@@ -635,8 +635,7 @@ class TransferJob:
             self._ended(part, None, _client_side_error(part, e))
             return
         except BaseException as e:  # a KeyboardInterrupt in the caller's thread
-            self._client.interrupted(e)  # first: the slot's next part is not sent on it
-            slots.release()
+            self._client.interrupted(e, holding=slots)
             self._send_interrupted(part, stub)
             raise
         with self._cond:

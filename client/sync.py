@@ -562,7 +562,9 @@ class Client:
         finally:
             channel.close()
 
-    def interrupted(self, error: BaseException, *calls: Any) -> None:
+    def interrupted(
+        self, error: BaseException, *calls: Any, holding: CallSlots | None = None
+    ) -> None:
         """Note that something other than a call's error (a KeyboardInterrupt, or whatever
         else a signal handler raised) ended a gRPC call of this client's on this thread.
         gRPC's sync channel is not safe against that: landing inside its call start (or a
@@ -588,15 +590,20 @@ class Client:
         cancelled on a thread of their own instead, and kept until that ends (see
         ``_ChannelCloser``). The generator contexts that ``error`` entered but left before
         their ``with`` began are ended here, on the thread that entered them
-        (``end_entered_contexts``), after the mark."""
+        (``end_entered_contexts``), after the mark. ``holding``: the slots (``call_slots``)
+        one of which the interrupted call held, freed here once the channel is given up, not
+        before: the caller queued next, handed that slot, reads the channel given up (a
+        transfer job's part fails, ``TransferJob._granted``); freed first, it was sent on
+        that channel, waiting for good on the lock the interruption left held."""
         if calls:
             _closer.keep(*calls)
-        if getattr(error, "_kvtier_noted", False):
-            return
-        error._kvtier_noted = True  # type: ignore[attr-defined]
-        self._held["suspect"] = True
-        end_entered_contexts(error)
-        self._replace_if_suspect()
+        if not getattr(error, "_kvtier_noted", False):
+            error._kvtier_noted = True  # type: ignore[attr-defined]
+            self._held["suspect"] = True
+            end_entered_contexts(error)
+            self._replace_if_suspect()
+        if holding is not None:
+            holding.release()
 
     def _replace_if_suspect(self) -> None:
         """Give up a channel an interruption left suspect for a new one: the session is
@@ -897,9 +904,10 @@ class Client:
         """``rpc(request)`` in one of its channel's call ``slots``, waited for within the call's
         time (else DeadlineExceededError, nothing sent), sent again as ``call`` says (also the
         health check's). The guard takes in the slot's taking and freeing: an interrupt that
-        lands between the slot's taking and the ``finally`` that frees it gives the channel up,
-        and the slot with it, as one inside gRPC does (else the slot stayed taken on the live
-        channel, through ``health()``, ``fence_pool()`` and ``_unregister_unconfirmed``)."""
+        lands between the slot's taking and its freeing gives the channel up, and the slot
+        with it, as one inside gRPC does (else the slot stayed taken on the live channel,
+        through ``health()``, ``fence_pool()`` and ``_unregister_unconfirmed``). One that
+        ends the call frees its slot once the channel is given up (``interrupted``)."""
         resends = Resends(timeout_s)
         try:
             if not slots.acquire(resends.left_s()):
@@ -907,13 +915,20 @@ class Client:
             try:
                 while True:
                     try:
-                        return rpc(request, timeout=resends.left_s())
+                        response = rpc(request, timeout=resends.left_s())
+                        break
                     except grpc.RpcError as e:
                         if not refused_stream(e) or (pause := resends.pause_s()) is None:
                             raise
                     time.sleep(pause)
-            finally:
+            except Exception:
                 slots.release()
+                raise
+            except BaseException as e:
+                self.interrupted(e, holding=slots)
+                raise
+            slots.release()
+            return response
         except Exception:
             raise
         except BaseException as e:  # see ``interrupted``

@@ -1000,3 +1000,39 @@ def test_regression_a_part_queued_behind_an_interrupted_send_went_out_on_its_cha
             status = job.wait(timeout_s=5)
             assert status.finished and isinstance(status.error, NotFoundError)
         assert sent_after == []
+
+
+@pytest.mark.timeout(30)
+def test_regression_a_part_queued_behind_an_interrupted_call_went_out_on_its_channel(daemon):
+    """A KeyboardInterrupt that lands in one of the client's own calls (injected in a
+    Lookup's RPC, as a job's part queues for the one slot that Lookup holds) freed the
+    call's slot (``Client._until_run``'s finally) before the channel was given up, and the
+    part, handed that slot, was sent on that channel, on this thread, inside the interrupt's
+    way out: where gRPC's lock was left held, the Ctrl-C never returned; else the part failed
+    with "the client was closed". The channel is given up first: the part fails with its
+    given-up error, never sent (as behind an interrupted part's send, the test above)."""
+    sent_after: list[bytes] = []
+    jobs: list = []
+
+    def interrupted_lookup(request, timeout):
+        jobs.append(client.submit_save(pool, [SaveSegment(keys_for(1, "behind-call"), [0])]))
+        assert slots.waiting == 1  # the part, queued for this call's slot
+        raise KeyboardInterrupt
+
+    def put_future(request, **kwargs):
+        sent_after.append(request.keys[0])  # on the channel the interrupt gave up
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        slots = client.call_slots
+        client.stub.Lookup = interrupted_lookup
+        client.stub.Put = types.SimpleNamespace(future=put_future)
+        with pytest.raises(KeyboardInterrupt):
+            client.lookup([KEY])
+        (job,) = jobs
+        status = job.wait(timeout_s=5)
+        assert status.finished and isinstance(status.error, NotFoundError), status
+        assert sent_after == []
+        assert client.call_slots is not slots and client.call_slots.held == 0
+        assert client.lookup([KEY], timeout_s=2).prefix_len == 0
