@@ -595,7 +595,7 @@ class TransferJob:
                 part.request.session_id = session_id
                 part.request.pool_id = pool_id
                 if stub.call_slots.take_or_queue(functools.partial(self._granted, part, stub)):
-                    self._send_one(part, stub)
+                    self._granted(part, stub)
         except Exception:
             raise
         except BaseException as e:  # as ``Client._until_run``: the slot goes with the channel
@@ -603,8 +603,9 @@ class TransferJob:
             raise
 
     def _granted(self, part: Part, stub: ChannelStub) -> None:
-        """A queued part's slot came free: send it, or free the slot again when the part
-        ended meanwhile (the job was cancelled), or when its channel was given up meanwhile:
+        """A part has a slot (taken at once, or come free as it queued): send it, or free the
+        slot again when the part ended meanwhile (the job was cancelled), or when its channel
+        was given up meanwhile (its slots with it, ``CallSlots.give_up``):
         then it fails as one the channel's close keeps from being sent, without touching the
         channel, whose lock the interrupt may have left held (a send would wait on it for
         good)."""

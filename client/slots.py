@@ -22,9 +22,11 @@ Invariants:
   when the slot was handed to it in the loop pass the cancel came in: that slot goes on to
   the next task queued.
 - Slots given up (``AsyncCallSlots.give_up``: an exception a signal's handler raised may
-  have left their count wrong) count nothing more: their queued tasks are handed back, holding
-  none, to queue on their owner's new slots in the order they came; their releases (of the
-  calls still open on them) change nothing.
+  have left their count wrong; ``CallSlots.give_up``: with their channel, whose calls may
+  never end) count nothing more: their queued callers are handed back, holding none (a
+  task to queue on its owner's new slots in the order they came, a thread to send its call
+  again, a callback called to find its channel given up); their releases (of the calls
+  still open on them) change nothing.
 """
 
 from __future__ import annotations
@@ -76,11 +78,12 @@ class CallSlots:
 
     Thread-safety: thread-safe."""
 
-    __slots__ = ("_free", "_granting", "_lock", "_waiting", "limit")
+    __slots__ = ("_free", "_given_up", "_granting", "_lock", "_waiting", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._free = limit
+        self._given_up = False
         self._lock = threading.Lock()
         # In the order they came: a waiting thread's lock, or a callback to hand a slot to.
         self._waiting: deque[threading.Lock | Callable[[], None]] = deque()
@@ -99,10 +102,13 @@ class CallSlots:
         with self._lock:
             return len(self._waiting)
 
-    def acquire(self, timeout_s: float | None) -> bool:
+    def acquire(self, timeout_s: float | None) -> bool | None:
         """Take a slot, waiting up to ``timeout_s`` (None: for ever) behind the callers queued
-        before; False when the time ran out first."""
+        before; False when the time ran out first, None when the slots were given up (before,
+        or meanwhile: the caller holds none, and their channel sends nothing more)."""
         with self._lock:
+            if self._given_up:
+                return None
             if self._free:
                 self._free -= 1
                 return True
@@ -115,12 +121,17 @@ class CallSlots:
             if not self._unqueue(waiter):
                 self.release()
             raise
-        return got or not self._unqueue(waiter)
+        if not got and self._unqueue(waiter):
+            return False
+        return None if self._given_up else True
 
     def take_or_queue(self, grant: Callable[[], None]) -> bool:
         """Take a slot now (True), or queue ``grant``, to be called holding a slot once one is
-        free (False). ``grant`` must not wait, nor raise but to end the caller's thread."""
+        free (False). ``grant`` must not wait, nor raise but to end the caller's thread.
+        Given up, True: a slot that counts nothing (the caller finds its channel given up)."""
         with self._lock:
+            if self._given_up:
+                return True
             if self._free:
                 self._free -= 1
                 return True
@@ -130,6 +141,8 @@ class CallSlots:
     def release(self) -> None:
         """Free a slot: it goes to the first caller queued, if any."""
         with self._lock:
+            if self._given_up:
+                return
             if not self._waiting:
                 if self._free >= self.limit:
                     raise RuntimeError("a call slot freed more often than taken")
@@ -139,11 +152,34 @@ class CallSlots:
             if isinstance(waiter, _LockType):
                 waiter.release()
                 return
+        self._grant([waiter])  # type: ignore[list-item]
+
+    def give_up(self) -> None:
+        """Count nothing more (see the module): their channel was given up
+        (``Client.interrupted``), and the calls open on it, which hold its slots, may never
+        end (gRPC's lock left held). The threads queued end their wait holding none (None),
+        and the callbacks queued are called (a job's part finds its channel given up:
+        ``TransferJob._granted``); else they waited for those calls: a thread its whole time,
+        a job's part for good."""
+        with self._lock:
+            self._given_up = True
+            waiting, self._waiting = self._waiting, deque()
+        callbacks = []
+        for waiter in waiting:
+            if isinstance(waiter, _LockType):
+                waiter.release()
+            else:
+                callbacks.append(waiter)
+        self._grant(callbacks)
+
+    def _grant(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call ``callbacks`` on this thread, after those it is calling if any (see the
+        module)."""
         granted: deque[Callable[[], None]] | None = getattr(self._granting, "queue", None)
-        if granted is not None:  # inside a callback this thread calls (see the module)
-            granted.append(waiter)  # type: ignore[arg-type]
-            return
-        self._call_granted(deque([waiter]))  # type: ignore[list-item]
+        if granted is not None:  # inside a callback this thread calls
+            granted.extend(callbacks)
+        elif callbacks:
+            self._call_granted(deque(callbacks))
 
     def _call_granted(self, granted: deque[Callable[[], None]]) -> None:
         """Call the callbacks ``granted`` and those that the slots they free on this thread

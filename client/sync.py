@@ -591,10 +591,10 @@ class Client:
         ``_ChannelCloser``). The generator contexts that ``error`` entered but left before
         their ``with`` began are ended here, on the thread that entered them
         (``end_entered_contexts``), after the mark. ``holding``: the slots (``call_slots``)
-        one of which the interrupted call held, freed here once the channel is given up, not
-        before: the caller queued next, handed that slot, reads the channel given up (a
-        transfer job's part fails, ``TransferJob._granted``); freed first, it was sent on
-        that channel, waiting for good on the lock the interruption left held."""
+        one of which the interrupted call held, freed here once the channel is given up with
+        them, which then changes nothing: freed first, the slot went to the caller queued
+        next, sent on that channel, to wait for good on the lock the interruption left held
+        (a transfer job's part, ``TransferJob._granted``, granted on this thread)."""
         if calls:
             _closer.keep(*calls)
         if not getattr(error, "_kvtier_noted", False):
@@ -612,12 +612,15 @@ class Client:
         their own (``_closer.discard``): the daemon then ends that session, freeing its
         leases, pins and pools. Where the interruption left gRPC's lock held, nothing can end
         them, so the next OpenSession names that session (``given_up_sessions``), or
-        ``close()`` does, and the daemon ends it then."""
+        ``close()`` does, and the daemon ends it then. The old channel's call slots are given
+        up (``CallSlots.give_up``), once the new stub is the client's: the callers queued
+        there find their channel given up."""
         if not self._held["suspect"]:
             return
         with self._lock:
             if not self._held["suspect"] or self._closed:
                 return
+            slots = self._stub.call_slots
             if self._session_id:
                 self._given_up.append(self._session_id)
             call, self._session_id, self._session_call = self._session_call, "", None
@@ -626,6 +629,7 @@ class Client:
             # the two has the old one handed over again, never dropped (see _ChannelCloser).
             _closer.discard(self._channel, call)
             self._connect()
+        slots.give_up()  # outside the lock: a job part's end takes it
 
     def __enter__(self) -> Client:
         return self
@@ -849,7 +853,7 @@ class Client:
                 ):
                     as_unsent = method in _RESENT_AFTER_CUT_OFF or releasing
                     err = given_up if as_unsent else cut_off_error(given_up)
-            except ValueError:  # grpc's answer to a call on a closed channel
+            except ValueError:  # grpc's answer to a call on a closed (or given-up) channel
                 if self._closed:
                     raise closed_error() from None
                 if not (given_up := self.given_up(stub, request.session_id)):
@@ -902,15 +906,19 @@ class Client:
 
     def _until_run(self, rpc: Any, request: Any, timeout_s: float, slots: CallSlots) -> Any:
         """``rpc(request)`` in one of its channel's call ``slots``, waited for within the call's
-        time (else DeadlineExceededError, nothing sent), sent again as ``call`` says (also the
-        health check's). The guard takes in the slot's taking and freeing: an interrupt that
-        lands between the slot's taking and its freeing gives the channel up, and the slot
-        with it, as one inside gRPC does (else the slot stayed taken on the live channel,
-        through ``health()``, ``fence_pool()`` and ``_unregister_unconfirmed``). One that
-        ends the call frees its slot once the channel is given up (``interrupted``)."""
+        time (else DeadlineExceededError, nothing sent; the slots given up with their channel
+        meanwhile, a ValueError, as gRPC's for a closed channel: nothing sent), sent again as
+        ``call`` says (also the health check's). The guard takes in the slot's taking and
+        freeing: an interrupt that lands between the slot's taking and its freeing gives the
+        channel up, and the slot with it, as one inside gRPC does (else the slot stayed taken
+        on the live channel, through ``health()``, ``fence_pool()`` and
+        ``_unregister_unconfirmed``). One that ends the call frees its slot once the channel
+        is given up (``interrupted``)."""
         resends = Resends(timeout_s)
         try:
-            if not slots.acquire(resends.left_s()):
+            if not (got := slots.acquire(resends.left_s())):
+                if got is None:  # given up with their channel: as gRPC refuses a call there
+                    raise ValueError("the call's channel was given up, and sends nothing more")
                 raise slot_wait_error(slots.limit, timeout_s)
             try:
                 while True:
@@ -1053,6 +1061,8 @@ class Client:
                 if unclean(from_rpc_error(e)):
                     break  # still unanswered: kept, with those after it
             except DeadlineExceededError:  # no call slot in time: not sent, kept
+                break
+            except ValueError:  # its channel given up meanwhile: the session ends with it
                 break
             with self._ids_lock:
                 self._unconfirmed.pop(pool_id, None)
@@ -1223,10 +1233,10 @@ class Client:
         except DeadlineExceededError:  # no call slot in time: not sent
             self._unconfirmed_unregistration(request)  # sent again before a registration
             return False
-        except ValueError:  # grpc's answer to a call on a channel close() closed meanwhile
-            if not self._closed:
+        except ValueError:  # grpc's answer to a call on a channel closed (or given up) meanwhile
+            if not self._closed and request.session_id == self._session_id:
                 raise
-            return False  # the session went with the client: nothing to confirm
+            return False  # the session went with the client or the channel: nothing to confirm
         return True
 
     # ---------------------------------------------------------------- blocks
@@ -1416,9 +1426,11 @@ class Client:
         except grpc.RpcError as e:
             raise self.error_of(e) from None
         except ValueError:  # grpc's answer to a call on a closed channel
-            if not self._closed:
+            if self._closed:
+                raise closed_error() from None
+            if not self.given_up(stub, ""):
                 raise
-            raise closed_error() from None
+            return self.health(service)  # given up meanwhile: asked on the new channel
         return bool(status == hc.SERVING)
 
     # ------------------------------------------------------------ high level
