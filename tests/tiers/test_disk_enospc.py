@@ -36,21 +36,78 @@ def test_capacity_beyond_the_filesystem_is_refused(small_fs: Path) -> None:
     assert not list((small_fs / "l2").glob("data-*"))
 
 
-def test_regression_a_start_on_a_filled_disk_was_refused_without_the_fix(small_fs: Path) -> None:
-    """A disk filled while the daemon was stopped (its data files all allocated, the index
-    short of the 1 MiB kept for it) refuses the start, naming the bytes missing, but not what
-    to do; and a smaller capacity, which an operator would try, does not help there (the
-    check counts the index's room whatever the capacity). The refusal now says to free that
-    much, and offers a smaller capacity only where it would fit."""
+def _stopped_on_a_full_disk(
+    small_fs: Path, make_block: Block, crashed: bool
+) -> tuple[Path, list[PersistItem], list[int]]:
+    """A 16 MiB tier in ``small_fs / "l2"`` holding 40 blocks, stopped (closed, or as a SIGKILL
+    leaves it, its WAL and shared memory there), then the disk filled. Returns the folder, the
+    blocks and their checksums."""
     directory = small_fs / "l2"
-    DiskTier(directory, 16 * MiB, 1 * MiB).close()
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB)
+    items = _allocate(tier, make_block, 0, 40)
+    outs = persist(tier, items)
+    assert all(o.ok for o in outs)
+    if crashed:
+        _crash_copy(directory, small_fs / "killed")
+        tier.close()
+        shutil.rmtree(directory)
+        (small_fs / "killed").rename(directory)
+    else:
+        tier.close()
     fill_disk(small_fs / "filler")
-    for capacity in (16 * MiB, 8 * MiB):
-        with pytest.raises(TierUnavailable, match=r"cannot hold tiers\.l2\.capacity_bytes") as e:
-            DiskTier(directory, capacity, 1 * MiB)
-        assert re.search(r"free: free 0\.\d\d MiB there$", str(e.value)), str(e.value)
+    return directory, items, [o.checksum for o in outs]
+
+
+@pytest.mark.parametrize("crashed", [False, True], ids=["stopped", "killed"])
+def test_regression_a_restart_on_a_disk_filled_while_stopped_was_refused(
+    small_fs: Path, make_block: Block, crashed: bool
+) -> None:
+    """A disk filled while the daemon was stopped (the data files all allocated, the index
+    short of the 1 MiB kept for it) refused the start (TierUnavailable: the daemon exited 1,
+    a crash loop under a service manager), for room only L2's writes need. The tier now
+    starts degraded by the full disk, serving its blocks and refusing writes, until a write
+    let through finds room; after a clean stop (no -shm left, which the index's open must
+    make) by giving its reserve back for the open."""
+    directory, items, sums = _stopped_on_a_full_disk(small_fs, make_block, crashed)
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
+    health = tier.health()
+    assert health.state is Health.DEGRADED_NOSPACE
+    assert re.search(r"short of the 1 MiB kept for the index.*: free \d\.\d\d MiB", health.detail)
+    assert {r.key for r in tier.recover()} == {it.key for it in items}
+    bufs = [bytearray(4096) for _ in items]
+    reads = [
+        ReadItem(it.slot, buf, 4096, c, it.key)
+        for it, buf, c in zip(items, bufs, sums, strict=True)
+    ]
+    assert all(tier.read_items(reads))
+    assert [bytes(b) for b in bufs] == [it.data for it in items]
+    assert not list(directory.glob("*corrupt*"))
+    more = _allocate(tier, make_block, 40, 41)
     (small_fs / "filler").unlink()
-    DiskTier(directory, 16 * MiB, 1 * MiB).close()
+    assert persist(tier, more)[0].ok
+    assert tier.health().state is Health.OK
+    assert (directory / RESERVE_NAME).stat().st_blocks * 512 >= RESERVE_BYTES
+    tier.close()
+
+
+def test_regression_an_index_opened_on_a_full_disk_was_moved_aside(
+    small_fs: Path, make_block: Block
+) -> None:
+    """An index whose open found no room (SQLite's shared memory file, which the first
+    connection after a clean stop makes: SQLITE_IOERR_SHMSIZE) was taken for one SQLite
+    cannot read, moved aside, and every block it held lost. Without the reserve to give back
+    for that room, the start is now refused, naming the room to free, the index kept."""
+    directory, items, _ = _stopped_on_a_full_disk(small_fs, make_block, crashed=False)
+    (directory / RESERVE_NAME).unlink()
+    fill_disk(small_fs / "filler2")
+    with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*free \d") as e:
+        DiskTier(directory, 16 * MiB, 1 * MiB)
+    assert f"no {RESERVE_NAME} is left to give back" in str(e.value)
+    assert not list(directory.glob("*corrupt*"))
+    (small_fs / "filler").unlink()
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in items}
+        assert tier.health().state is Health.OK
 
 
 def test_disk_full_degrades_keeps_serving_reads_and_recovers(

@@ -43,6 +43,9 @@ _SQLITE_IOERR = 10
 _SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
 _SQLITE_NOTADB = 26
+# An extended code: the WAL's shared memory file could not be grown (a full disk, as the
+# first connection to an index whose -shm is missing makes it).
+_SQLITE_IOERR_SHMSIZE = _SQLITE_IOERR | (19 << 8)
 
 
 class Fault(NamedTuple):
@@ -64,7 +67,7 @@ def classify(exc: BaseException) -> Fault:
     if isinstance(exc, sqlite3.Error):
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
         name = getattr(exc, "sqlite_errorname", type(exc).__name__)
-        if code == _SQLITE_FULL:
+        if code == _SQLITE_FULL or getattr(exc, "sqlite_errorcode", 0) == _SQLITE_IOERR_SHMSIZE:
             return Fault("enospc", f"index: {name}: {exc}")
         if code in (_SQLITE_BUSY, _SQLITE_LOCKED):
             return Fault("locked", f"index: {name}: {exc}")

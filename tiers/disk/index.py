@@ -24,7 +24,8 @@ than this code knows is moved aside.
 At open, an index SQLite cannot read or that fails ``quick_check``, or one without its
 metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
 made for another geometry (segment or file size, format, checksum), since its slot numbers
-would mean other bytes. A changed capacity alone keeps the index: the rows beyond it are dropped
+would mean other bytes. A full disk (SQLITE_FULL, or no room for the shared memory file:
+SQLITE_IOERR_SHMSIZE) is no reason to move one aside: the open raises it. A changed capacity alone keeps the index: the rows beyond it are dropped
 by recovery (and the tier keeps the file size the index was made for where the capacity alone
 would change it: ``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported (``moved_aside``), not only logged.
 
@@ -721,6 +722,13 @@ class DiskIndex:
             except IndexFilesReplaced:
                 raise  # a link: not an index to move aside
             except sqlite3.Error as e:
+                if classify(e).kind == "enospc":
+                    # A full disk says nothing of the index (its -shm, or a write of the
+                    # open's, found no room): moved aside, every block it holds was lost.
+                    if db is not None:
+                        with contextlib.suppress(sqlite3.Error):
+                            db.close()
+                    raise
                 problem = f"cannot be read ({classify(e).detail})"
             except IndexUpgradeFailed:
                 db.close()  # type: ignore[union-attr]

@@ -43,7 +43,9 @@ Invariants:
   counted by reason in ``blocks_lost_at_recovery_*``, shown in the health detail), and the file
   is recreated; an index SQLite cannot use is moved aside (``index_moved_aside``, health
   detail) and the tier starts empty, as it does, saying so, when the index is missing beside
-  data files.
+  data files. A disk full at open is no damage: the tier starts degraded by it where only
+  the room kept for the index is short and the index opens (its reserve given back for that,
+  where needed), and is refused, the index kept, where it cannot open.
 
 The data path is POSIX ``preadv``/``pwritev`` on host memory (L1 slots, or a bounce buffer for
 an engine pool's pages). kvikio is not used: its gain is GPUDirect Storage for device buffers,
@@ -211,13 +213,32 @@ def data_file_bytes(
 
 
 class SpaceShortfall(NamedTuple):
-    """What an L2 directory lacks: the bytes its files still need and the filesystem's free
-    bytes (fewer than needed)."""
+    """What an L2 directory lacks: the bytes its files still need (``data_bytes`` of them its
+    data files') and the filesystem's free bytes (fewer than needed)."""
 
     directory: Path
     capacity_bytes: int
     needed_bytes: int
     free_bytes: int
+    data_bytes: int
+    index_exists: bool
+
+    @property
+    def refuses_start(self) -> bool:
+        """Whether the tier cannot start at all: its data files do not fit, or it has no index
+        yet, which a start makes (a new tier, or one whose index is gone: the capacity is for
+        another disk). Otherwise only the room kept for the index's other files is short (a
+        disk filled while the daemon was stopped): the tier starts degraded by the full disk,
+        as it would be had the disk filled under it, serving what it holds."""
+        return not self.index_exists or self.data_bytes > self.free_bytes
+
+    def index_room(self) -> str:
+        """What a tier that starts short of room for its index lacks, and what to free."""
+        return (
+            f"the disk of {self.directory} has {_mib(self.free_bytes)} free, short of the "
+            f"{AUX_RESERVE_BYTES >> 20} MiB kept for the index, its reserve and the lock: free "
+            f"{_mib(self.needed_bytes - self.free_bytes)} there"
+        )
 
     def __str__(self) -> str:
         # A smaller capacity needs fewer data-file bytes, never less than the index's room:
@@ -262,14 +283,15 @@ def space_shortfall(
     geometry (``space_needed``). The one rule of the daemon's preflight and of ``DiskTier``'s
     open. Reads only; creates nothing."""
     directory = Path(os.path.abspath(directory))
-    needed = space_needed(directory, capacity_bytes, segment_bytes, file_bytes)
+    data, aux = _space_parts(directory, capacity_bytes, segment_bytes, file_bytes)
     existing = directory
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     free = _free_bytes(existing)
-    if needed <= free:
+    if data + aux <= free:
         return None
-    return SpaceShortfall(directory, capacity_bytes, needed, free)
+    index_exists = (directory / INDEX_NAME).exists()
+    return SpaceShortfall(directory, capacity_bytes, data + aux, free, data, index_exists)
 
 
 def space_needed(
@@ -281,6 +303,13 @@ def space_needed(
     """The bytes a tier of this geometry in ``directory`` (made or not) has yet to allocate:
     its data files' bytes not yet allocated, plus ``AUX_RESERVE_BYTES`` less what the tier's
     other files and the folder already hold. Reads only."""
+    return sum(_space_parts(Path(directory), capacity_bytes, segment_bytes, file_bytes))
+
+
+def _space_parts(
+    directory: Path, capacity_bytes: int, segment_bytes: int, file_bytes: int | None
+) -> tuple[int, int]:
+    """``space_needed`` in two parts: the data files' bytes, and the other files'."""
     directory = Path(os.path.abspath(directory))
     capacity = capacity_bytes // segment_bytes * segment_bytes  # as the allocator rounds it
     files = layout(
@@ -289,7 +318,7 @@ def space_needed(
     needed = sum(max(0, size - _allocated(path)) for path, size in files)
     aux = (LOCK_NAME, INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", RESERVE_NAME)
     held = _allocated(directory) + sum(_allocated(directory / name) for name in aux)
-    return needed + max(0, AUX_RESERVE_BYTES - held)
+    return needed, max(0, AUX_RESERVE_BYTES - held)
 
 
 def _free_bytes(path: Path) -> int:
@@ -554,7 +583,12 @@ class DiskTier:
         for a write. ``clock`` gives ``written_at``. ``backend`` makes the data
         files' system calls (tests inject faults through it).
 
-        Raises TierUnavailable when the directory cannot hold the capacity, is in use by
+        A directory short only of the room kept for the index's other files (a disk filled
+        while the daemon was stopped: ``SpaceShortfall.refuses_start``) opens degraded by the
+        full disk, as a disk filling under the tier degrades it.
+
+        Raises TierUnavailable when the directory cannot hold the data files (or a new
+        index), the index cannot be opened for want of room (``_open_index``), is in use by
         another DiskTier or holds an index of an older format that could not be upgraded
         (left as it was), ValueError for a bad geometry.
         """
@@ -628,7 +662,7 @@ class DiskTier:
                 self.allocator.segment_bytes,
                 self._file_bytes,
             )
-            if shortfall is not None:
+            if shortfall is not None and shortfall.refuses_start:
                 raise TierUnavailable(str(shortfall))
             # The index is made before the data files, so data files without one mean it was
             # deleted (by hand, or a clean-up script): their blocks cannot be found again.
@@ -638,9 +672,7 @@ class DiskTier:
                 else []
             )
             try:
-                self._index = DiskIndex(
-                    self.directory, self._geometry(), clock, count=self.faults.count
-                )
+                self._index = self._open_index(clock)
             except IndexUpgradeFailed as e:
                 raise TierUnavailable(f"{e}: free space or mend the disk, then restart") from e
             except IndexFilesReplaced as e:
@@ -673,6 +705,11 @@ class DiskTier:
                     with contextlib.suppress(OSError):
                         before[file][0].unlink()
             self.files.prepare(self.allocator.capacity_bytes)
+            if shortfall is not None:
+                # Named before the reserve's fault, which a missing reserve adds: the same
+                # kind, it leaves this detail, the room to free.
+                fault = Fault("enospc", shortfall.index_room())
+                self.faults.fault(fault, "start", f"start: {fault.detail}")
             # After the data files: where the index holds the room kept for the tier's other
             # files (``space_needed`` counts none then), a reserve made first took theirs.
             self._make_reserve()
@@ -994,6 +1031,49 @@ class DiskTier:
             if classify(e).kind != "enospc":
                 raise
             return False
+        return True
+
+    def _open_index(self, clock: Callable[[], float]) -> DiskIndex:
+        """The index, opened. Where the disk has no room for what its open makes (SQLite's
+        shared memory file, 32 KiB, made by the first connection after a clean stop removed
+        it), the reserve is given back to the filesystem for it, as for a removal, and the
+        open tried once more (made again once there is room). Raises TierUnavailable where
+        it still finds no room."""
+        while True:
+            try:
+                return DiskIndex(self.directory, self._geometry(), clock, count=self.faults.count)
+            except sqlite3.Error as e:
+                fault = classify(e)
+                if fault.kind != "enospc":
+                    raise
+                if self._give_back_reserve_at_open():
+                    continue
+                short = space_shortfall(
+                    self.directory,
+                    self.allocator.capacity_bytes,
+                    self.allocator.segment_bytes,
+                    self._file_bytes,
+                )
+                room = short.index_room() if short is not None else "the disk is full"
+                raise TierUnavailable(
+                    f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}) "
+                    f"and no {RESERVE_NAME} is left to give back: {room}, then restart"
+                ) from e
+
+    def _give_back_reserve_at_open(self) -> bool:
+        """Unlink ``RESERVE_NAME`` for the index's open; False where there was none."""
+        path = self.directory / RESERVE_NAME
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        self._reserve_missing = True
+        fsync_dir(self.directory)  # ext4 hands freed blocks out once their free is committed
+        log.warning(
+            "L2: no room on the disk to open the index; gave back %s (writes commit again once "
+            "it is made, space back)",
+            path,
+        )
         return True
 
     def _make_reserve(self) -> None:
