@@ -293,7 +293,8 @@ def _disk(config: Config) -> list[Problem]:
     if (in_use := _locked(directory / LOCK_NAME)) is not None:
         return [Problem("tiers.l2.path", f"L2 directory {directory} is in use: {in_use}")]
     shortfall = space_shortfall(directory, l2.capacity_bytes, l2.segment_bytes, l2.file_bytes)
-    if shortfall is not None:
+    if shortfall is not None and shortfall.refuses_start:
+        # Short only of the index's room, the tier starts degraded by the full disk.
         return [Problem("tiers.l2.capacity_bytes", str(shortfall))]
     return []
 

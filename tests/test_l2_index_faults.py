@@ -375,3 +375,33 @@ def test_regression_a_delete_answered_on_a_full_disk_came_back_after_a_sigkill(
         assert client.lookup(ks[:held]).tiers == [Tier.ABSENT] * 16 + [Tier.L2_DISK] * (held - 16)
         _read_back(client, pool.pool_id, ks[16:32], shm, [page(src, p) for p in range(16, 32)])
         assert client.check().problems == []
+
+
+def test_regression_a_daemon_whose_l2_disk_filled_while_it_was_stopped_did_not_start(
+    daemon_factory, small_fs
+):
+    """kvtierd stopped, its L2 disk filled meanwhile (the data files all allocated, less
+    free than the 1 MiB its index may take): the host checks refused the start, exit status
+    1, a crash loop under a service manager for room only L2's writes need. It now serves,
+    L2 degraded by the full disk (its writes refused, the detail naming how much to free),
+    its blocks read back."""
+    l2 = small_fs / "l2"
+    d = daemon_factory(*l2_args(l2, "tiers.l2.capacity_bytes=16MiB"))
+    ks = keys(8, 465)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, 465)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(8), durable=True).persisted == [True] * 8
+    assert d.stop() == 0
+    fill_disk(small_fs / "filler")
+    d.start()
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        state = next(t.state for t in client.stats().tiers if t.tier == Tier.L2_DISK)
+        assert state.startswith("degraded_nospace: enospc: start: the disk of"), state
+        assert "short of the 1 MiB kept for the index" in state
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.lookup(ks).tiers == [Tier.L2_DISK] * 8
+        _read_back(client, pool.pool_id, ks, shm, [page(src, p) for p in range(8)])
+        more = keys(1, 466)
+        assert client.put(pool.pool_id, more, [0], durable=True).persisted == [False]
+        assert client.check().problems == []
