@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import sqlite3
 
+import numpy as np
 import pytest
 from disk_faults import fill_disk
 from harness import entry_setting
@@ -32,6 +33,17 @@ def _read_back(client, pool_id: int, ks: list[bytes], shm, want: list[bytes]) ->
     got = shm.array()
     for p, data in enumerate(want):
         assert page(got, p) == data, f"page {p} differs"
+
+
+def _persisted(d, n: int, tag: int) -> tuple[list[bytes], np.ndarray]:
+    """``n`` keys put durably from pages 0.. of a pool filled with ``fill(shm, tag)``, each
+    answered persisted: the keys and the pool's pages."""
+    ks = keys(n, tag)
+    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        src = fill(shm, tag)
+        pool = client.register_pool(shm, LAYOUT)
+        assert client.put(pool.pool_id, ks, range(n), durable=True).persisted == [True] * n
+    return ks, src
 
 
 def _all_on_l2_after_sigkill(d, ks: list[bytes], src) -> None:
@@ -216,11 +228,8 @@ def test_regression_index_files_removed_while_the_daemon_is_idle_lose_nothing_at
     writes the index back, or checkpoints the WAL, within tiers.l2.index_watch_s."""
     l2 = tmp_path / "l2"
     d = daemon_factory(*l2_args(l2, "tiers.l2.index_watch_s=0.1"))
-    ks = keys(8, 464)
-    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        src = fill(shm, 464)
-        pool = client.register_pool(shm, LAYOUT)
-        assert client.put(pool.pool_id, ks, range(8), durable=True).persisted == [True] * 8
+    ks, src = _persisted(d, 8, 464)
+    with d.client() as client:
         commits = client.stats().counters["l2_commits"]
         for name in removed:
             (l2 / name).unlink()
@@ -387,11 +396,7 @@ def test_regression_a_daemon_whose_l2_disk_filled_while_it_was_stopped_did_not_s
     its blocks read back."""
     l2 = small_fs / "l2"
     d = daemon_factory(*l2_args(l2, "tiers.l2.capacity_bytes=16MiB"))
-    ks = keys(8, 465)
-    with d.client() as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
-        src = fill(shm, 465)
-        pool = client.register_pool(shm, LAYOUT)
-        assert client.put(pool.pool_id, ks, range(8), durable=True).persisted == [True] * 8
+    ks, src = _persisted(d, 8, 465)
     assert d.stop() == 0
     fill_disk(small_fs / "filler")
     d.start()
