@@ -24,8 +24,9 @@ In every K-th series (``--full-disk-every K``) L2 lies on a small ext4 filesyste
 loop-mounted (root only), which a filler file fills after each start, leaving 0 to 1 MiB
 free: L2's writes then fail (its index's WAL cannot grow) and its removals (Deletes,
 evictions) commit on the index's reserve; before most restarts the filler gives 2 MiB back,
-and the others start on the disk as full as it was (a start refused there for want of the
-room its index may take, as README says, is given the 2 MiB). The checks are the same: a
+and the others start on the disk as full as it was (L2 degraded by it from the start, as
+README says, where the room its index may take is short; a start refused there, its index
+unable to open with no reserve left to give back, is given the 2 MiB). The checks are the same: a
 Delete answered on a full disk stays done, README says, but for the blocks whose slots a
 fault kept the tier from freeing (their rows kept: a disk full past the reserve, where a
 start found no room to make it), which README says come back: the keys a Delete answered
@@ -328,8 +329,11 @@ from harness import DaemonProcess  # noqa: E402
 # What the daemon logs when a persistent tier could not free slots (``SpaceManager``): the
 # rows of the blocks deleted meanwhile may be kept, and those blocks back after a restart.
 UNFREED = "slots could not be freed"
-# A start's refusal where its L2 folder's filesystem lacks the room its files may take.
-NO_ROOM_TO_START = "cannot hold tiers.l2.capacity_bytes"
+# A start's refusal on a full disk where its L2 index cannot open for want of room (SQLite's
+# shared memory file, after a clean stop) and no reserve is left to give back for it.
+NO_ROOM_TO_OPEN = "cannot open the L2 index"
+# What a start on a full disk logs where it starts L2 degraded by it.
+DEGRADED_AT_START = "L2 tier degraded: start: the disk of"
 # The full-disk series' filesystem; its L2 of 128 MiB holds every key of both tenants (68 MiB)
 # as the 256 MiB of the others do: an eviction would drop blocks answered persisted.
 FULL_FS_BYTES = 192 << 20
@@ -444,17 +448,19 @@ class Campaign:
             try:
                 d.start(wait)
             except RuntimeError as e:
-                # Short of the room its index, reserve and lock may take, the daemon refuses
-                # to start (README: L2 against the free space); given that room, it starts.
-                if not (full_start and NO_ROOM_TO_START in str(e)) or filler is None:
+                # Short of the room its index, reserve and lock may take, the daemon starts, L2
+                # degraded by the full disk (README: L2 against the free space); refused only
+                # where the index cannot even open, with no reserve left to give back for it.
+                if not (full_start and NO_ROOM_TO_OPEN in str(e)) or filler is None:
                     raise
-                self.moments["start on a full disk refused"] += 1
+                self.moments["start on a full disk refused (no room to open the index)"] += 1
                 os.truncate(filler, max(0, filler.stat().st_size - (2 << 20)))
                 full_start = False
                 continue
             break
         if full_start:
-            self.moments["start on a full disk"] += 1
+            degraded = wait and DEGRADED_AT_START in d.log()
+            self.moments["start on a full disk" + (", L2 degraded" if degraded else "")] += 1
         if filler is not None and wait:
             fill_disk(filler)
             left = rng.choice((0, 0, 64 << 10, 256 << 10, 1 << 20))
