@@ -2441,6 +2441,84 @@ def test_regression_a_wal_removed_while_a_reader_holds_it_is_retried_not_lasting
         assert all(got[i] == blocks[i][2] for i in blocks)
 
 
+@contextlib.contextmanager
+def _wal_removed_under_a_reader(
+    tier: DiskTier, disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[sqlite3.Connection]:
+    """``tier``, with block 0 persisted, its WAL removed while another connection (an
+    operator's sqlite3 shell) holds a read transaction: block 1's write refused, the tier
+    degraded by a locked index (the WAL's checkpoint held up), then the busy timeout set to
+    an hour. Yields that connection, holding its read (the caller may end it); closed after."""
+    _persist(tier, make_block, [0], 4096)
+    reader = sqlite3.connect(disk_dir / "index.sqlite3", isolation_level=None)
+    try:
+        reader.execute("BEGIN")
+        assert reader.execute("SELECT count(*) FROM blocks").fetchone() == (1,)
+        for name in ("index.sqlite3-wal", "index.sqlite3-shm"):
+            (disk_dir / name).unlink()
+        assert not persist(tier, _items(tier, make_block, [1], 4096))[0].ok
+        assert tier.faults.lock_held() and "checkpointed" in tier.health().detail
+        monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 3600.0)
+        tier._idx()._conn().execute("PRAGMA busy_timeout = 3600000")
+        yield reader
+    finally:
+        reader.close()
+
+
+def test_regression_the_watchs_retry_waited_out_the_busy_timeout_on_a_removed_wal_held_by_a_reader(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The WAL removed while another process held a read transaction (a locked index's
+    fault): the watch's own check gives up on the checkpoint at once, but its retry (06f0c0c)
+    checked the files before its commit with the busy timeout, waiting it out (30 s in the
+    daemon, an hour here) for the checkpoint while holding the index: every commit and the
+    stop waited that long, at each turn. Each try now fails at once while the reader holds
+    on; the first after it let go checkpoints the WAL and ends the fault, no write sent."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir, enospc_retry_s=0.05, index_watch_s=0.02)
+    try:
+        with _wal_removed_under_a_reader(tier, disk_dir, make_block, monkeypatch) as reader:
+            tries = tier.stats().counters["index_errors"]
+            _wait_for(lambda: tier.stats().counters["index_errors"] >= tries + 2)
+            assert tier.faults.lock_held()
+            committed = tier.stats().counters["committed_blocks"]
+            reader.execute("COMMIT")
+        _wait_for(lambda: tier.health().state == Health.OK)
+        assert tier.stats().counters["committed_blocks"] == committed
+    finally:
+        tier.close()
+
+
+def test_regression_a_write_let_through_waited_out_the_busy_timeout_on_a_removed_wal_held_by_a_reader(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write batch let through to a tier degraded by a removed WAL whose checkpoint another
+    process's reader held up (a locked index's fault) tries the lock once, but checked the
+    files first with the busy timeout, waiting it out (30 s in the daemon, an hour here) for
+    that checkpoint, holding the index and the put that sent it. It now fails at once, as
+    for a held lock, and the first batch after the reader let go commits."""
+    monkeypatch.setattr(index_module, "BUSY_TIMEOUT_S", 0.2)
+    tier = _open(disk_dir, enospc_retry_s=0.0)
+    try:
+        with _wal_removed_under_a_reader(tier, disk_dir, make_block, monkeypatch) as reader:
+            outcome: list[bool] = []
+            items = _items(tier, make_block, [2], 4096)
+            put = threading.Thread(
+                target=lambda: outcome.extend(o.ok for o in persist(tier, items))
+            )
+            put.start()
+            try:
+                _wait_for(lambda: not put.is_alive())
+            finally:
+                reader.execute("COMMIT")
+                put.join()
+            assert outcome == [False]
+        _persist(tier, make_block, [3], 4096)
+        assert tier.health().state == Health.OK
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("removed", ["before the put", "while its bytes go down"])
 def test_regression_a_put_failed_by_a_busy_wal_checkpoint_frees_its_slots_and_stays_failed(
     disk_dir: Path,

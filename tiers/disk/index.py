@@ -402,9 +402,10 @@ class DiskIndex:
         nothing. True when the rows, less those, are committed; what ``durable`` raises
         rolls the rows back and propagates. ``wait_busy=False``: a lock another process
         holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
-        (a write let through to find out whether that lock was let go)."""
+        (a write let through to find out whether that lock was let go), and so does the
+        checkpoint of a removed WAL that another process's reader holds up."""
         with self._lock:
-            db = self._checked_conn()
+            db = self._checked_conn(wait_busy=wait_busy)
             _begin(db, wait_busy=wait_busy)
             try:
                 _insert(db, rows)
@@ -461,13 +462,14 @@ class DiskIndex:
     def probe(self) -> None:
         """Commit a transaction that writes one page (the header's ``user_version``, set to
         what it holds), synced as every commit is, not waiting for a lock another process
-        holds: whether the index takes commits again (a full disk freed, a lock let go).
-        Raises what the commit raised."""
+        holds, nor for its reader holding up the checkpoint of a removed WAL: whether the
+        index takes commits again (a full disk freed, a lock let go). Raises what the commit
+        raised."""
         with self._lock:
-            db = self._checked_conn()
+            db = self._checked_conn(wait_busy=False)
             with _no_busy_wait(db), _immediate(db):
                 db.execute(f"PRAGMA user_version = {INDEX_FORMAT}")
-            self._check_files(db)
+            self._check_files(db, wait_busy=False)
 
     def growth_bytes(self) -> int:
         """The bytes of pages the WAL holds past the index file's end (in a write transaction,
@@ -512,7 +514,7 @@ class DiskIndex:
     @contextlib.contextmanager
     def transaction(self, *, wait_busy: bool = True) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            db = self._checked_conn()
+            db = self._checked_conn(wait_busy=wait_busy)
             with _immediate(db, wait_busy=wait_busy):
                 yield db
             self._check_files(db)
@@ -560,12 +562,13 @@ class DiskIndex:
                 ids.append((st.st_dev, st.st_ino))
         return ids[0], ids[1]
 
-    def _checked_conn(self) -> sqlite3.Connection:
+    def _checked_conn(self, *, wait_busy: bool = True) -> sqlite3.Connection:
         """The connection, once its files are checked (``_check_files``) before a write
         transaction: a WAL removed since the last commit is checkpointed first, or, while
         another reader holds that up, the write fails as busy before anything goes into the
-        removed WAL. Called holding ``_lock``."""
-        self._check_files(self._conn())
+        removed WAL (at once with ``wait_busy=False``, as for the transaction's lock). Called
+        holding ``_lock``."""
+        self._check_files(self._conn(), wait_busy=wait_busy)
         return self._conn()  # reopened when the WAL was replaced
 
     def _undo_insert(
