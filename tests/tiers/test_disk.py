@@ -2936,6 +2936,26 @@ def test_a_write_is_committed_only_once_the_reserve_holds_the_index_growth_it_le
         tier.close()
 
 
+def test_regression_a_reserve_removed_by_hand_kept_writes_from_committing_until_a_restart(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """index.reserve removed by hand (an operator freeing room on a full disk): the tier,
+    taking it for made, grew it for the index's growth (6c27efc) by opening it without
+    creating it, which failed (ENOENT); every write was refused, the tier degraded as "no
+    room to grow" it, until a restart, though the disk had room. A reserve found short is
+    now made again, as a missing one is, then grown; the write commits."""
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    try:
+        monkeypatch.setattr(tier._idx(), "growth_bytes", lambda: 512 << 10)
+        (disk_dir / RESERVE_NAME).unlink()
+        for i in range(2):
+            _persist(tier, make_block, [i], 4096)
+            assert tier.health().state is Health.OK
+        assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 1 << 20
+    finally:
+        tier.close()
+
+
 def test_regression_a_commit_that_failed_before_its_rows_blamed_the_missing_reserve(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1136,11 +1136,17 @@ class DiskTier:
         recorded where it does not, and the write not committed: its growth would leave the
         removals without room). Without it a removal on a full disk, the WAL holding more
         growth than the reserve, failed, its Delete answered with its rows kept (served again
-        after a crash). Called holding the index, the reserve made."""
+        after a crash). Called holding the index, the reserve made (made again here where
+        found short: removed by hand, which the tier did not see)."""
         need = self._idx().growth_bytes() + RESERVE_BYTES // 2
         path = self.directory / RESERVE_NAME
         have = _allocated(path)
-        if need <= max(have, RESERVE_BYTES):
+        if have < RESERVE_BYTES:  # removed or cut by hand: made again as a missing one is
+            self._reserve_missing = True
+            if not self._reserve_made(what):
+                return False
+            have = _allocated(path)
+        if need <= have:
             return True
         size = -(-need // RESERVE_GROWTH_STEP_BYTES) * RESERVE_GROWTH_STEP_BYTES
         try:
