@@ -2936,6 +2936,44 @@ def test_a_write_is_committed_only_once_the_reserve_holds_the_index_growth_it_le
         tier.close()
 
 
+def test_the_start_grows_the_reserve_to_the_index_growth_a_crash_left_in_the_wal(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash leaves the WAL holding the index's growth since its last checkpoint: the open
+    grows the reserve to hold it before any removal may need it (no write comes first), or,
+    where that does not fit, starts degraded by the full disk, naming the reserve."""
+    monkeypatch.setattr(index_module.DiskIndex, "growth_bytes", lambda _: (1 << 20) + 4096)
+    with _open(disk_dir, direct_io=False) as tier:
+        assert tier.health().state is Health.OK
+        assert (disk_dir / RESERVE_NAME).stat().st_blocks * 512 >= 2 << 20
+    monkeypatch.setattr(index_module.DiskIndex, "growth_bytes", lambda _: (3 << 20) + 4096)
+    monkeypatch.setattr("kvtier.tiers.disk.tier._free_bytes", lambda _: 1 << 20)
+    with _open(disk_dir, direct_io=False) as tier:
+        health = tier.health()
+        assert health.state is Health.DEGRADED_NOSPACE
+        assert f"no room to grow {RESERVE_NAME} to 4.00 MiB" in health.detail
+
+
+def test_the_watchs_retry_ends_no_full_disk_while_the_reserve_cannot_grow_to_the_index_growth(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch's retry asks what a write's commit asks: where the reserve cannot grow to
+    the index's growth, its tries fail (counted) and the tier stays degraded, rather than
+    going ok for the next write to be refused again."""
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.05, index_watch_s=0.02)
+    try:
+        monkeypatch.setattr(tier._idx(), "growth_bytes", lambda: (3 << 20) + 4096)
+        monkeypatch.setattr("kvtier.tiers.disk.tier._free_bytes", lambda _: 1 << 20)
+        assert [o.ok for o in persist(tier, _items(tier, make_block, [0], 4096))] == [False]
+        tries = tier.stats().counters["enospc"]
+        _wait_for(lambda: tier.stats().counters["enospc"] >= tries + 2)
+        health = tier.health()
+        assert health.state is Health.DEGRADED_NOSPACE
+        assert f"no room to grow {RESERVE_NAME}" in health.detail
+    finally:
+        tier.close()
+
+
 def test_regression_a_reserve_removed_by_hand_kept_writes_from_committing_until_a_restart(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
