@@ -397,8 +397,8 @@ class DiskIndex:
         """Insert or replace ``rows``, and the namespace records ``remember`` could not
         commit, in a transaction that commits only once ``durable`` returns, so that SQLite
         inserts while the rows' bytes are still going to disk.
-        ``durable`` runs inside the transaction, holding the index (it must not use it), and
-        returns the slots whose rows must not be committed after all, or None to commit
+        ``durable`` runs inside the transaction, holding the index (it must not commit
+        through it; ``growth_bytes`` reads the transaction's size through it), and returns the slots whose rows must not be committed after all, or None to commit
         nothing. True when the rows, less those, are committed; what ``durable`` raises
         rolls the rows back and propagates. ``wait_busy=False``: a lock another process
         holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
