@@ -1075,10 +1075,15 @@ def test_regression_callers_queued_behind_a_call_held_for_good_on_a_given_up_cha
 
 
 @pytest.mark.timeout(30)
-def test_a_part_whose_channel_is_given_up_as_it_takes_a_slot_is_not_sent_there(daemon, monkeypatch):
+@pytest.mark.parametrize("slot", ["free", "held"])
+def test_a_part_whose_channel_is_given_up_as_it_takes_a_slot_is_not_sent_there(
+    daemon, monkeypatch, slot
+):
     """A job's part whose stub another thread's interrupt gave up just after the job read it
     takes a slot of the given-up slots (one that counts nothing) and fails with its
-    given-up error, never sent on that channel, where gRPC's lock may be held for good."""
+    given-up error, never sent on that channel, where gRPC's lock may be held for good.
+    [held]: every slot held by a call that never ends (gRPC's lock left held); queued on the
+    given-up slots, which hand nothing on, the part would wait for good (the job RUNNING)."""
     sent_after: list[bytes] = []
 
     def put_future(request, **kwargs):
@@ -1088,6 +1093,8 @@ def test_a_part_whose_channel_is_given_up_as_it_takes_a_slot_is_not_sent_there(d
     with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
         pool = client.register_pool(shm, LAYOUT)
         client._stub.Put = types.SimpleNamespace(future=put_future)
+        if slot == "held":
+            assert client.call_slots.acquire(0)  # the call held for good
         read = Client.stub.fget
 
         def given_up_as_read(self):
@@ -1101,3 +1108,38 @@ def test_a_part_whose_channel_is_given_up_as_it_takes_a_slot_is_not_sent_there(d
         assert status.finished and isinstance(status.error, NotFoundError), status
         assert sent_after == []
         assert client.call_slots.held == 0
+
+
+@pytest.mark.timeout(30)
+def test_threads_queued_for_a_slot_of_a_channel_given_up_are_not_sent_there(daemon):
+    """Threads whose calls wait for a slot that a call held for good keeps (gRPC's lock left
+    held on a channel an interrupt gave up) end their wait as the slots are given up, holding
+    none, and no call is sent on the given-up channel, where it would wait for good on that
+    lock: a lookup is sent in the new session; a release fails NotFoundError, unsent, its
+    lease gone with the old session (README, Interrupted calls)."""
+    sent_on_given_up: list[object] = []
+
+    def given_up_rpc(request, timeout):
+        sent_on_given_up.append(request)
+        raise ValueError("Cannot invoke RPC on closed channel!")
+
+    with daemon.client(max_calls_open=1) as client, SharedMemoryPool.for_layout(LAYOUT) as shm:
+        pool = client.register_pool(shm, LAYOUT)
+        keys = keys_for(1, "queued")
+        client.put(pool.binding.pool_id, keys, [0])
+        lease_id = client.lookup(keys, pin=True).lease_id
+        first = client.call_slots
+        client.stub.Lookup = client.stub.Release = given_up_rpc
+        assert first.acquire(0)  # the call held for good
+        with futures.ThreadPoolExecutor(2) as threads:
+            lookup = threads.submit(client.lookup, keys, timeout_s=3)
+            release = threads.submit(client.release, lease_id)
+            while first.waiting < 2:
+                time.sleep(0.01)
+            client.interrupted(KeyboardInterrupt())  # as one that ended another call
+            assert lookup.result().prefix_len == 1
+            with pytest.raises(NotFoundError, match="gave it up"):
+                release.result()
+        assert sent_on_given_up == []
+        assert first.waiting == 0 and client.call_slots.held == 0
+        assert client.check().leases == 0  # the lease went with the given-up session
