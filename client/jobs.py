@@ -853,6 +853,9 @@ class AsyncTransferJob:
             response = await self._client.call(
                 part.method, part.request, self._timeout_s, timed_wait=False
             )
+            # In the try: an exception that lands as the answer is taken in, before the part
+            # ends, ends it as one in the call does (once ended, the part stays as it ended).
+            await self._ended(part, response, None)
         except grpc.RpcError as e:
             await self._ended(part, None, from_rpc_error(e))
         except grpc.aio.UsageError:  # the client was closed meanwhile: its channel sends nothing
@@ -873,8 +876,6 @@ class AsyncTransferJob:
             # interrupted parts do (``TransferJob._send_interrupted``).
             await self._ended(part, None, _client_side_error(part, e))
             raise
-        else:
-            await self._ended(part, response, None)
 
     async def _ended(self, part: Part, response: Any, error: KvtierError | None) -> None:
         if isinstance(error, NotFoundError):

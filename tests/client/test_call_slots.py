@@ -18,6 +18,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pytest
@@ -34,6 +35,7 @@ from kvtier.client import (
     aio,
     block_keys,
     errors,
+    jobs,
 )
 from kvtier.client.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from kvtier.client.slots import MAX_CALLS_OPEN_LIMIT, AsyncCallSlots, CallSlots
@@ -688,6 +690,18 @@ def test_regression_an_interrupt_as_an_async_job_part_got_its_slot_lost_the_slot
     asyncio.run(main())
 
 
+async def ended_failed_in_the_client(
+    job: Any, client: AsyncClient, keys: list[bytes], stored: int
+) -> None:
+    """Assert that ``job`` ended FAILED with a client-side error, its pages not reusable, the
+    daemon holding the first ``stored`` of its ``keys``."""
+    status = await job.wait(timeout_s=5)
+    assert status.finished and status.state is JobState.FAILED
+    assert isinstance(status.error, errors.InternalError)
+    assert not status.pages_reusable
+    assert (await client.lookup(keys, timeout_s=2)).prefix_len == stored
+
+
 @pytest.mark.timeout(30)
 def test_regression_an_async_job_part_whose_call_a_signal_handler_ended_never_ended(daemon):
     """An exception that a signal's handler raises in the loop (a KeyboardInterrupt under a
@@ -711,11 +725,36 @@ def test_regression_an_async_job_part_whose_call_a_signal_handler_ended_never_en
                 with pytest.raises(SignalHandlerError):
                     await part
                 client.call = call
-                status = await job.wait(timeout_s=5)
-                assert status.finished and status.state is JobState.FAILED
-                assert isinstance(status.error, errors.InternalError)
-                assert not status.pages_reusable
-                assert (await client.lookup(keys, timeout_s=2)).prefix_len == 0
+                await ended_failed_in_the_client(job, client, keys, stored=0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_regression_an_async_job_part_whose_answer_a_signal_handler_interrupted_never_ended(
+    daemon, monkeypatch
+):
+    """The same exception landing once the part's call had returned, as its answer was taken
+    in (injected at the plan's ``complete``, where the interpreter checks for signals): that
+    came after the try whose handlers end the part, so the part stayed open for good and
+    the job RUNNING. It fails as above, its pages not reusable (the daemon ran the call)."""
+    keys = keys_for(1, "slots-async-part-answer-interrupted")
+    complete = jobs.TransferPlan.complete
+
+    def interrupted_complete(plan: jobs.TransferPlan, part: jobs.Part, response: Any) -> None:
+        monkeypatch.setattr(jobs.TransferPlan, "complete", complete)
+        raise SignalHandlerError
+
+    async def main() -> None:
+        async with AsyncClient(daemon.address) as client:
+            with SharedMemoryPool.for_layout(LAYOUT) as shm:
+                pool = await client.register_pool(shm, LAYOUT)
+                monkeypatch.setattr(jobs.TransferPlan, "complete", interrupted_complete)
+                job = await client.submit_save(pool, [SaveSegment(keys, [0])])
+                (part,) = job._tasks.values()
+                with pytest.raises(SignalHandlerError):
+                    await part
+                await ended_failed_in_the_client(job, client, keys, stored=1)
 
     asyncio.run(main())
 
