@@ -25,9 +25,11 @@ At open, an index SQLite cannot read or that fails ``quick_check``, or one witho
 metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
 made for another geometry (segment or file size, format, checksum), since its slot numbers
 would mean other bytes. A full disk (SQLITE_FULL, or no room for the shared memory file:
-SQLITE_IOERR_SHMSIZE) is no reason to move one aside: the open raises it. A changed capacity alone keeps the index: the rows beyond it are dropped
-by recovery (and the tier keeps the file size the index was made for where the capacity alone
-would change it: ``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported (``moved_aside``), not only logged.
+SQLITE_IOERR_SHMSIZE) is no reason to move one aside: the open raises it. A changed capacity
+alone keeps the index: the rows beyond it are dropped by recovery (and the tier keeps the
+file size the index was made for where the capacity alone would change it:
+``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported
+(``moved_aside``), not only logged.
 
 While open, every commit (a block's, a delete's, a quarantine's) checks that the index file
 and its WAL are still the ones its path names (device and inode): SQLite keeps writing to files
@@ -398,9 +400,10 @@ class DiskIndex:
         commit, in a transaction that commits only once ``durable`` returns, so that SQLite
         inserts while the rows' bytes are still going to disk.
         ``durable`` runs inside the transaction, holding the index (it must not commit
-        through it; ``growth_bytes`` reads the transaction's size through it), and returns the slots whose rows must not be committed after all, or None to commit
-        nothing. True when the rows, less those, are committed; what ``durable`` raises
-        rolls the rows back and propagates. ``wait_busy=False``: a lock another process
+        through it; ``growth_bytes`` reads the transaction's size through it), and returns
+        the slots whose rows must not be committed after all, or None to commit nothing.
+        True when the rows, less those, are committed; what ``durable`` raises rolls the rows
+        back and propagates. ``wait_busy=False``: a lock another process
         holds fails the transaction at once (SQLITE_BUSY) instead of after the busy timeout
         (a write let through to find out whether that lock was let go), and so does the
         checkpoint of a removed WAL that another process's reader holds up."""
@@ -727,7 +730,8 @@ class DiskIndex:
             except sqlite3.Error as e:
                 if classify(e).kind == "enospc":
                     # A full disk says nothing of the index (its -shm, or a write of the
-                    # open's, found no room): moved aside, every block it holds was lost.
+                    # open's, found no room): raised, not moved aside, which would lose every
+                    # block it holds (the tier gives its reserve back for the open).
                     if db is not None:
                         with contextlib.suppress(sqlite3.Error):
                             db.close()

@@ -35,9 +35,10 @@ Invariants:
   the key.
 - I/O faults never raise out of the data verbs: they are results, counters and the tier's
   health. ENOSPC and EIO degrade the tier: it refuses writes and keeps serving reads (after
-  a full disk or a locked index, until a write let through now and then succeeds; after a
-  failed read, until a read batch succeeds whole or a release of quarantined slots passes
-  every check: ``FaultState``).
+  a full disk or a locked index, until a write let through now and then, or the index
+  watch's page in its turn (``_retry_commit``), commits; after a failed read, until a read
+  batch succeeds whole or a release of quarantined slots passes every check:
+  ``FaultState``).
 - Damage found at open stays partial: a data file that is missing, shorter than the index
   needs or unreadable loses only the blocks whose slots lie in its damaged part (rows dropped,
   counted by reason in ``blocks_lost_at_recovery_*``, shown in the health detail), and the file
