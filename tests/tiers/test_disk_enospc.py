@@ -22,6 +22,7 @@ from races import ContendedLock, wait_for
 
 from kvtier.tiers.base import Health, TierUnavailable
 from kvtier.tiers.disk import DiskTier, ReadItem
+from kvtier.tiers.disk.index import DiskIndex
 from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME, space_needed
 
 MiB = 1 << 20
@@ -583,3 +584,46 @@ def test_regression_an_idle_tier_stayed_degraded_without_its_reserve_after_space
         assert tier.stats().counters["committed_blocks"] == committed  # nothing was written
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("why", ["beyond_capacity", "file_recreated"])
+def test_regression_a_quarantined_slot_dropped_at_start_on_a_full_disk_failed_the_start(
+    small_fs: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """A start that drops the quarantine rows of slots it does not hold (beyond a smaller
+    capacity, or in a data file recreated at the open) on a full disk ended with the raw
+    sqlite3 error (SQLITE_FULL) of that drop: the daemon did not start, where a full disk
+    elsewhere at the start degrades L2. The start now goes on, degraded by the full disk,
+    serving its blocks, the rows kept for a later start to drop; a slot of a recreated file
+    stays held as its row says, until released (handed out, a block written there would be
+    taken for quarantined at the next start, and lost)."""
+    directory = small_fs / "l2"
+    with DiskTier(directory, 16 * MiB, 1 * MiB, file_bytes=4 * MiB) as tier:
+        items = _allocate(tier, make_block, 0, 8)
+        assert all(o.ok for o in persist(tier, items))
+        slot = 12 * tier.allocator.slots_cap  # in the 13th of 16 segments: data-0003.bin
+        tier._idx().quarantine([(slot, 4096, "read")])
+    capacity = 8 * MiB if why == "beyond_capacity" else 16 * MiB
+    if why == "file_recreated":
+        (directory / "data-0003.bin").unlink()
+    real_drop = DiskIndex.drop
+
+    def drop_on_a_full_disk(self: DiskIndex, blocks: list[int], quarantine: list[int]) -> None:
+        fill_disk(small_fs / "filler")  # the disk fills as the start goes on
+        real_drop(self, blocks, quarantine)
+
+    monkeypatch.setattr(DiskIndex, "drop", drop_on_a_full_disk)
+    with DiskTier(directory, capacity, 1 * MiB, file_bytes=4 * MiB, enospc_retry_s=0.0) as tier:
+        assert tier.health().state is Health.DEGRADED_NOSPACE
+        assert {r.key for r in tier.recover()} == {it.key for it in items}
+        held = [q.slot for q in tier.quarantined()]
+        assert held == ([] if why == "beyond_capacity" else [slot])
+    monkeypatch.undo()
+    (small_fs / "filler").unlink()
+    with DiskTier(directory, capacity, 1 * MiB, file_bytes=4 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in items}
+        if why == "file_recreated":  # the file is whole now: held until an operator's release
+            assert [q.slot for q in tier.quarantined()] == [slot]
+            assert tier.release_quarantined().released == [slot]
+        assert tier.quarantined() == []
+        assert tier._idx().quarantine_records() == {}

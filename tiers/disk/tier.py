@@ -1970,7 +1970,8 @@ class DiskTier:
         """Hold the slots the index keeps quarantined, but those whose bytes lie wholly in a
         data file's part made anew at this open (a file missing or unreadable, recreated; a
         short file's extension): the extents that failed are gone, so keeping them out of use
-        would shrink the tier for good. Their rows are dropped."""
+        would shrink the tier for good. Their rows are dropped (a drop that fails, the disk
+        full, degrades the tier: the rows stay, and so do those slots held)."""
         rows, _ = self._idx().load(blocks=False)
         if not rows:
             return
@@ -1988,10 +1989,17 @@ class DiskTier:
             )
         ok = ~renewed
         ok[ok] = self.allocator.claim_many(slots[ok], nbytes[ok])
+        if not ok.all():
+            try:
+                self._idx().drop([], slots[~ok].tolist())
+            except sqlite3.Error as e:
+                # A full disk, as recovery's own drop meets it: the start goes on, degraded,
+                # the rows kept for a later start. The renewed slots stay held as their rows
+                # say: handed out, a block written there would be taken as quarantined then.
+                self.faults.fault(classify(e), "index delete")
+                ok[renewed] = self.allocator.claim_many(slots[renewed], nbytes[renewed])
         self._quarantined = dict(zip(slots[ok].tolist(), nbytes[ok].tolist(), strict=True))
         self._quarantined_slot_bytes = int(self.allocator.slot_bytes_for(nbytes[ok]).sum())
-        if not ok.all():
-            self._idx().drop([], slots[~ok].tolist())
 
     def _slot_places(self, slots: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The data file number and offset in it of each slot holding ``nbytes`` (vectorised;
