@@ -7,6 +7,7 @@ else fills the disk under a running daemon."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -106,6 +107,36 @@ def test_regression_an_index_opened_on_a_full_disk_was_moved_aside(
     assert f"no {RESERVE_NAME} is left to give back" in str(e.value)
     assert not list(directory.glob("*corrupt*"))
     (small_fs / "filler").unlink()
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert {r.key for r in tier.recover()} == {it.key for it in items}
+        assert tier.health().state is Health.OK
+
+
+def test_regression_an_index_opened_out_of_inodes_was_moved_aside(
+    small_fs: Path, make_block: Block
+) -> None:
+    """A filesystem out of inodes after a clean stop: SQLite could not make the index's WAL
+    (SQLITE_CANTOPEN), which DiskIndex took for an index it cannot read: moved aside, every
+    block it held lost, and the new index's own file then ended the start with a raw OSError
+    (ENOSPC). The WAL's files are now made before SQLite opens the index, a full disk (ENOSPC)
+    where there is no inode: the reserve given back for it, then the start refused, naming
+    the inodes, the index kept."""
+    directory, items, _ = _stopped_on_a_full_disk(small_fs, make_block, crashed=False)
+    (small_fs / "filler").unlink()  # room enough: only the inodes run out
+    inodes = small_fs / "inodes"
+    inodes.mkdir()
+    n = 0
+    while True:
+        try:
+            (inodes / str(n)).touch()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+            break
+        n += 1
+    with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*ENOSPC.*df -i"):
+        DiskTier(directory, 16 * MiB, 1 * MiB)
+    assert not list(directory.glob("*corrupt*"))
+    shutil.rmtree(inodes)
     with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
         assert {r.key for r in tier.recover()} == {it.key for it in items}
         assert tier.health().state is Health.OK

@@ -24,12 +24,12 @@ than this code knows is moved aside.
 At open, an index SQLite cannot read or that fails ``quick_check``, or one without its
 metadata, is moved aside (renamed with a timestamp) and replaced by an empty one; so is one
 made for another geometry (segment or file size, format, checksum), since its slot numbers
-would mean other bytes. A full disk (SQLITE_FULL, or no room for the shared memory file:
-SQLITE_IOERR_SHMSIZE) is no reason to move one aside: the open raises it. A changed capacity
-alone keeps the index: the rows beyond it are dropped by recovery (and the tier keeps the
-file size the index was made for where the capacity alone would change it:
-``tier.data_file_bytes``, which reads it with ``stored_geometry``). What happened is reported
-(``moved_aside``), not only logged.
+would mean other bytes. A full disk (SQLITE_FULL, no room for the shared memory file:
+SQLITE_IOERR_SHMSIZE, or no inode for the WAL's files: ENOSPC) is no reason to move one aside:
+the open raises it. A changed capacity alone keeps the index: the rows beyond it are dropped
+by recovery (and the tier keeps the file size the index was made for where the capacity alone
+would change it: ``tier.data_file_bytes``, which reads it with ``stored_geometry``). What
+happened is reported (``moved_aside``), not only logged.
 
 While open, every commit (a block's, a delete's, a quarantine's) checks that the index file
 and its WAL are still the ones its path names (device and inode): SQLite keeps writing to files
@@ -898,6 +898,14 @@ class DiskIndex:
         for journal in ("-wal", "-shm", "-journal"):
             if (path := self.path.with_name(self.path.name + journal)).is_symlink():
                 raise IndexFilesReplaced(f"{path} is a symbolic link; not following it")
+        # The WAL and its shared memory, which SQLite makes at the first read after a clean
+        # stop removed them, are made here (empty, as SQLite makes them): on a filesystem out
+        # of inodes its open fails as SQLITE_CANTOPEN, which said nothing of the index and
+        # had it moved aside; here it is the ENOSPC it is (``classify``: a full disk).
+        for journal in ("-wal", "-shm"):
+            path = self.path.with_name(self.path.name + journal)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+            os.close(os.open(path, flags, FILE_MODE))
         db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
         )

@@ -1038,12 +1038,13 @@ class DiskTier:
         """The index, opened. Where the disk has no room for what its open makes (SQLite's
         shared memory file, 32 KiB, made by the first connection after a clean stop removed
         it), the reserve is given back to the filesystem for it, as for a removal, and the
-        open tried once more (made again once there is room). Raises TierUnavailable where
-        it still finds no room."""
+        open tried once more (made again once there is room). So where the filesystem has no
+        inode for the WAL's files (ENOSPC). Raises TierUnavailable where it still finds no
+        room."""
         while True:
             try:
                 return DiskIndex(self.directory, self._geometry(), clock, count=self.faults.count)
-            except sqlite3.Error as e:
+            except (sqlite3.Error, OSError) as e:
                 fault = classify(e)
                 if fault.kind != "enospc":
                     raise
@@ -1055,7 +1056,12 @@ class DiskTier:
                     self.allocator.segment_bytes,
                     self._file_bytes,
                 )
-                room = short.index_room() if short is not None else "the disk is full"
+                room = (
+                    short.index_room()
+                    if short is not None
+                    else f"the disk of {self.directory} is full (its space, or its inodes: "
+                    "df -i): free some there"
+                )
                 raise TierUnavailable(
                     f"cannot open the L2 index {self.directory / INDEX_NAME} ({fault.detail}) "
                     f"and no {RESERVE_NAME} is left to give back: {room}, then restart"
