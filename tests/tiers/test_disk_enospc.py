@@ -658,3 +658,24 @@ def test_regression_a_quarantined_slot_dropped_at_start_on_a_full_disk_failed_th
             assert tier.release_quarantined().released == [slot]
         assert tier.quarantined() == []
         assert tier._idx().quarantine_records() == {}
+
+
+def test_regression_a_kept_file_size_was_lost_to_a_full_disk_and_the_index_moved_aside(
+    small_fs: Path, make_block: Block
+) -> None:
+    """The data files' size the index records (kept across a capacity change where the
+    ``MAX_FILES`` bound chose it) is read before the index opens, through a read-only
+    connection that must make SQLite's shared memory after a clean stop: on a full disk that
+    read failed, the size was taken as unknown, and the index, for files of another size,
+    moved aside as another layout, every block lost. The read now falls back to the index
+    file alone, the WAL empty after a clean stop."""
+    directory = small_fs / "l2"
+    # 64 KiB files asked for; 256 files at most: 128 KiB files hold the 32 MiB.
+    with DiskTier(directory, 32 * MiB, 64 << 10, file_bytes=64 << 10) as tier:
+        items = _allocate(tier, make_block, 0, 8)
+        assert all(o.ok for o in persist(tier, items))
+    fill_disk(small_fs / "filler")
+    with DiskTier(directory, 16 * MiB, 64 << 10, file_bytes=64 << 10) as tier:
+        assert not list(directory.glob("*.old-*"))
+        assert {r.key for r in tier.recover()} == {it.key for it in items}
+        assert tier.health().state is Health.DEGRADED_NOSPACE

@@ -192,13 +192,26 @@ def stored_geometry(directory: Path) -> dict[str, str]:
     try:
         if not path.is_file() or any(f.is_symlink() for f in files):
             return {}
-        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
         try:
-            return {str(k): str(v) for k, v in db.execute("SELECT name, value FROM meta")}
-        finally:
-            db.close()
+            return _read_meta(f"{path.absolute().as_uri()}?mode=ro")
+        except sqlite3.Error:
+            # After a clean stop SQLite must make its shared memory file to read, which a
+            # full disk refuses: the size kept was then taken as unknown, and the index, made
+            # for files of that size, moved aside as another layout. With the WAL empty
+            # (or gone), the index file holds every page: read alone, it is the same meta.
+            if files[1].exists() and files[1].stat().st_size:
+                return {}
+            return _read_meta(f"{path.absolute().as_uri()}?immutable=1")
     except (OSError, sqlite3.Error):
         return {}
+
+
+def _read_meta(uri: str) -> dict[str, str]:
+    db = sqlite3.connect(uri, uri=True)
+    try:
+        return {str(k): str(v) for k, v in db.execute("SELECT name, value FROM meta")}
+    finally:
+        db.close()
 
 
 def _count_nothing(**_: int) -> None:
