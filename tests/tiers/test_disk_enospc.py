@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -123,16 +124,7 @@ def test_regression_an_index_opened_out_of_inodes_was_moved_aside(
     the inodes, the index kept."""
     directory, items, _ = _stopped_on_a_full_disk(small_fs, make_block, crashed=False)
     (small_fs / "filler").unlink()  # room enough: only the inodes run out
-    inodes = small_fs / "inodes"
-    inodes.mkdir()
-    n = 0
-    while True:
-        try:
-            (inodes / str(n)).touch()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-            break
-        n += 1
+    inodes = _use_up_inodes(small_fs / "inodes")
     with pytest.raises(TierUnavailable, match=r"cannot open the L2 index .*ENOSPC.*df -i"):
         DiskTier(directory, 16 * MiB, 1 * MiB)
     assert not list(directory.glob("*corrupt*"))
@@ -140,6 +132,19 @@ def test_regression_an_index_opened_out_of_inodes_was_moved_aside(
     with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
         assert {r.key for r in tier.recover()} == {it.key for it in items}
         assert tier.health().state is Health.OK
+
+
+def _use_up_inodes(folder: Path) -> Path:
+    """Empty files in ``folder`` until the filesystem has no inode left; returns ``folder``."""
+    folder.mkdir()
+    n = 0
+    while True:
+        try:
+            (folder / str(n)).touch()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+            return folder
+        n += 1
 
 
 def test_disk_full_degrades_keeps_serving_reads_and_recovers(
@@ -679,3 +684,30 @@ def test_regression_a_kept_file_size_was_lost_to_a_full_disk_and_the_index_moved
         assert not list(directory.glob("*.old-*"))
         assert {r.key for r in tier.recover()} == {it.key for it in items}
         assert tier.health().state is Health.DEGRADED_NOSPACE
+
+
+def test_regression_a_wal_made_again_out_of_inodes_raised_a_raw_oserror_from_write(
+    small_fs: Path, make_block: Block
+) -> None:
+    """The index's WAL removed while the tier runs (another connection open, so the old
+    files stay): the commit checkpoints it and opens the index again, whose WAL's files are
+    made before SQLite's open. On a filesystem out of inodes that made them raise OSError
+    (ENOSPC) out of ``DiskTier.write``, which only sqlite3 errors are handled around; the
+    write now fails its blocks and degrades the tier by the full disk (SQLite's own open,
+    before the files were made ahead of it, failed them too, as an I/O error)."""
+    directory = small_fs / "l2"
+    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
+        assert all(o.ok for o in persist(tier, _allocate(tier, make_block, 0, 4)))
+        index = directory / "index.sqlite3"
+        other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+        try:
+            other.execute("SELECT count(*) FROM meta").fetchall()
+            Path(f"{index}-wal").unlink()
+            _use_up_inodes(small_fs / "inodes")
+            outs = persist(tier, _allocate(tier, make_block, 4, 8))
+        finally:
+            other.close()
+        assert not any(o.ok for o in outs)
+        degraded = tier.health()
+        assert degraded.state is Health.DEGRADED_NOSPACE
+        assert "ENOSPC" in degraded.detail

@@ -235,6 +235,14 @@ class IndexCheckpointBusy(sqlite3.OperationalError):
     sqlite_errorname = "SQLITE_BUSY"
 
 
+class IndexNoRoom(sqlite3.OperationalError):
+    """No room (space, or an inode: ENOSPC, EDQUOT) for a file of the index made before
+    SQLite opens it: it carries SQLITE_FULL's code, a full disk as SQLite's own (``classify``)."""
+
+    sqlite_errorcode = 13  # SQLITE_FULL
+    sqlite_errorname = "SQLITE_FULL"
+
+
 FileId = tuple[int, int] | None  # (st_dev, st_ino) of a file, None when there is none
 
 
@@ -915,10 +923,17 @@ class DiskIndex:
         # stop removed them, are made here (empty, as SQLite makes them): on a filesystem out
         # of inodes its open fails as SQLITE_CANTOPEN, which said nothing of the index and
         # had it moved aside; here it is the ENOSPC it is (``classify``: a full disk).
+        # No room is raised as SQLite's own SQLITE_FULL (``IndexNoRoom``), which every caller
+        # handles, a reopen while the tier runs (a removed WAL) included.
         for journal in ("-wal", "-shm"):
             path = self.path.with_name(self.path.name + journal)
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-            os.close(os.open(path, flags, FILE_MODE))
+            try:
+                os.close(os.open(path, flags, FILE_MODE))
+            except OSError as e:
+                if (fault := classify(e)).kind == "enospc":
+                    raise IndexNoRoom(f"{path} cannot be made ({fault.detail})") from e
+                raise
         db = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=BUSY_TIMEOUT_S
         )
