@@ -590,6 +590,25 @@ def test_regression_removals_on_a_full_disk_failed_where_the_index_grew_past_the
     _removals_after_growth(small_fs, make_block, tmp_path)
 
 
+def test_regression_a_grown_reserve_given_back_for_a_removal_was_logged_at_its_first_size(
+    small_fs: Path,
+    make_block: Block,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The give-back of the reserve for a removal on a full disk logged RESERVE_BYTES, the
+    size it is made at, though 6c27efc grows it to the index's growth: a reserve of 1 MiB
+    was logged as 256 KiB (here 64 KiB), which hid its growth from the log (the crash
+    campaign's only view of it). It now logs the bytes given back."""
+    monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.disk"):
+        _removals_after_growth(small_fs, make_block, tmp_path)
+    gave = [r.getMessage() for r in caplog.records if "gave back the" in r.getMessage()]
+    assert gave, "no removal gave the reserve back"
+    assert "gave back the 1024 KiB reserve" in gave[0], gave[0]
+
+
 def test_regression_an_idle_tier_stayed_degraded_without_its_reserve_after_space_came_back(
     small_fs: Path, make_block: Block
 ) -> None:

@@ -1186,6 +1186,7 @@ class DiskTier:
         or could not be unlinked (a fault the removal's steps then meet or not). Called
         holding the index, which the removal holds until its rows are deleted."""
         path = self.directory / RESERVE_NAME
+        given = _allocated(path)  # grown past RESERVE_BYTES where the index's growth asked
         try:
             path.unlink()
         except FileNotFoundError:
@@ -1201,7 +1202,7 @@ class DiskTier:
         log.warning(
             "L2: no room on the disk to commit a removal; gave back the %d KiB reserve "
             "beside the index (writes commit again once it is made, space back)",
-            RESERVE_BYTES >> 10,
+            given >> 10,
         )
         return True
 
