@@ -31,7 +31,12 @@ Delete answered on a full disk stays done, README says, but for the blocks whose
 fault kept the tier from freeing (their rows kept: a disk full past the reserve, where a
 start found no room to make it), which README says come back: the keys a Delete answered
 during a daemon's life whose log says slots could not be freed may come back once (counted,
-not a problem).
+not a problem). One full-disk series in two is a growth series: one client process of each
+tenant also puts the 4,096 keys of ``GROWTH_NAMESPACE`` (4 KiB) in durable batches of up to
+256, and its first start (one in four after) leaves 4 MiB free, so that the index's growth in
+its WAL since the last checkpoint passes 128 KiB and index.reserve grows past its 256 KiB
+before the disk fills; the reserve's size at each kill and the removals that gave a grown
+reserve back (the log) are counted.
 
 L1's capacity changes at every restart. Every round prints one line (seed, moment, counts);
 a failed check stops the campaign with the seed that reproduces its round's draws. The clients
@@ -46,6 +51,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -74,10 +80,23 @@ SIZES: dict[str, tuple[int, int, int]] = {
     "s64k": (2, 32 << 10, 32),
     "s1m": (2, 512 << 10, 12),
     "s5m": (5, 1 << 20, 4),
+    # A growth series' own: durable puts of up to BATCH_KEYS 4 KiB blocks a call, whose rows
+    # grow the L2 index by some 750 KiB (both tenants' keys), past index.reserve's 256 KiB.
+    "s4kb": (1, 4 << 10, 4096),
 }
-# Each client process of a tenant owns two namespaces, so every key has one writer.
+# Each client process of a tenant owns two namespaces (three in a growth series), so every
+# key has one writer.
 WORKER_NAMESPACES = (("s4k", "s1m"), ("s64k", "s5m"))
-PAGES = 8  # pages 0-3 store, 4-7 load
+GROWTH_NAMESPACE = "s4kb"
+# The keys a call names at most: pages 0 to n-1 store, n to 2n-1 load.
+BATCH_KEYS = {GROWTH_NAMESPACE: 256}
+SMALL_BATCH_KEYS = 4
+
+
+def batch_keys(ns: str) -> int:
+    return BATCH_KEYS.get(ns, SMALL_BATCH_KEYS)
+
+
 OPS = ("put", "overwrite", "delete", "get", "pinget")
 MOMENTS = ("plain", "demotion", "drain", "reload", "recovery", "closed")
 # Pinned leases a client process keeps unreleased (of its small blocks), which its session's
@@ -89,7 +108,11 @@ HELD_NAMESPACES = ("s4k", "s64k")
 def layout(ns: str) -> PoolLayout:
     layers, chunk, _ = SIZES[ns]
     return PoolLayout.staging(
-        num_layers=layers, num_pages=PAGES, block_tokens=16, chunk_bytes=chunk, kv_count=1
+        num_layers=layers,
+        num_pages=2 * batch_keys(ns),
+        block_tokens=16,
+        chunk_bytes=chunk,
+        kv_count=1,
     )
 
 
@@ -134,13 +157,19 @@ class Worker:
         self.journal.write(json.dumps(event) + "\n")
 
     def pages(self, ns: str) -> np.ndarray:
-        return self.shms[ns].array().reshape(PAGES, layout(ns).block_bytes)
+        return self.shms[ns].array().reshape(2 * batch_keys(ns), layout(ns).block_bytes)
 
     def run(self) -> None:
         while not self.stop_file.exists():
             ns = self.rng.choice(list(self.pools))
-            indexes = self.rng.sample(range(SIZES[ns][2]), self.rng.choice((1, 1, 2, 3)))
-            op = self.rng.choices(OPS, (3, 4, 1, 3, 2))[0]
+            if GROWTH_NAMESPACE in self.pools and self.rng.random() < 0.5:
+                ns = GROWTH_NAMESPACE  # its rows grow the index as few other commits do
+            counts = (1, 1, 2, 3) if ns not in BATCH_KEYS else (128, batch_keys(ns))
+            indexes = self.rng.sample(range(SIZES[ns][2]), self.rng.choice(counts))
+            # Mostly puts in a growth series' namespace: its rows are what grows the index.
+            op = self.rng.choices(
+                OPS, (3, 4, 1, 3, 2) if ns not in BATCH_KEYS else (8, 1, 1, 2, 1)
+            )[0]
             try:
                 getattr(self, op)(ns, indexes)
                 self.counts[op] += 1
@@ -153,7 +182,8 @@ class Worker:
         self.client.close()  # its session ends with the leases held still pinned
 
     def put(self, ns: str, indexes: list[int]) -> None:
-        durable = self.rng.random() < 0.5
+        # A growth series' batches are durable: their rows commit in the put, growing the index.
+        durable = ns in BATCH_KEYS or self.rng.random() < 0.5
         versions = []
         for page, i in enumerate(indexes):
             self.counter += 1
@@ -183,11 +213,12 @@ class Worker:
 
     def get(self, ns: str, indexes: list[int], lease_id: int = 0) -> None:
         keys = [key_of(ns, i) for i in indexes]
-        pages = range(4, 4 + len(keys))
+        first = batch_keys(ns)
+        pages = range(first, first + len(keys))
         res = self.client.get(self.pools[ns].pool_id, keys, pages, lease_id=lease_id, namespace=ns)
         for n, i in enumerate(indexes):
             if res.loaded[n]:
-                block = self.pages(ns)[4 + n]
+                block = self.pages(ns)[first + n]
                 self.log(op="read", ns=ns, i=i, tag=block[:32].tobytes().hex(), whole=whole(block))
 
     def pinget(self, ns: str, indexes: list[int]) -> None:
@@ -326,6 +357,8 @@ class Model:
 from disk_faults import fill_disk  # noqa: E402 - tests/ is the script's folder
 from harness import DaemonProcess  # noqa: E402
 
+from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME  # noqa: E402
+
 # What the daemon logs when a persistent tier could not free slots (``SpaceManager``): the
 # rows of the blocks deleted meanwhile may be kept, and those blocks back after a restart.
 UNFREED = "slots could not be freed"
@@ -334,9 +367,12 @@ UNFREED = "slots could not be freed"
 NO_ROOM_TO_OPEN = "cannot open the L2 index"
 # What a start on a full disk logs where it starts L2 degraded by it.
 DEGRADED_AT_START = "L2 tier degraded: start: the disk of"
+# What a removal on a full disk logs where it gives index.reserve back (its size then).
+GAVE_BACK = re.compile(r"gave back the (\d+) KiB reserve")
 # The full-disk series' filesystem; its L2 of 128 MiB holds every key of both tenants (68 MiB)
-# as the 256 MiB of the others do: an eviction would drop blocks answered persisted.
-FULL_FS_BYTES = 192 << 20
+# as the 256 MiB of the others do (an eviction would drop blocks answered persisted), and of
+# 192 MiB in a growth series, GROWTH_NAMESPACE's 32 MiB more.
+FULL_FS_BYTES = 256 << 20
 
 
 class Campaign:
@@ -362,6 +398,7 @@ class Campaign:
         self.admit_all = False
         self.starts = 0
         self.full_fs: Path | None = None  # the mounted filesystem of a full-disk series
+        self.growth = False  # a full-disk series whose index grows past its reserve's size
 
     # -- processes
 
@@ -432,6 +469,7 @@ class Campaign:
         # L2 grows now and then (a smaller one may drop blocks, as README says, which
         # would be no crash's doing); L1 takes another size at every start.
         filler = self.full_fs / "filler" if self.full_fs else None
+        first = filler is not None and not filler.exists()  # the series' first start
         # Room to start in; or, one start in four it waits for, none: a start on a full disk.
         full_start = filler is not None and filler.exists() and wait and rng.random() < 0.25
         if filler is not None and filler.exists() and not full_start:
@@ -464,6 +502,11 @@ class Campaign:
         if filler is not None and wait:
             fill_disk(filler)
             left = rng.choice((0, 0, 64 << 10, 256 << 10, 1 << 20))
+            if self.growth and (first or rng.random() < 0.25):
+                # Room for the WAL to take the index's growth (past the reserve's size) and
+                # the reserve to grow to hold it, before the disk fills (at its first start,
+                # whose index has every row to add).
+                left = 4 << 20
             os.truncate(filler, max(0, filler.stat().st_size - left))
             self.moments[f"full disk, {left >> 10} KiB left"] += 1
         return d
@@ -472,6 +515,8 @@ class Campaign:
         out = []
         for t in TENANTS:
             for w, namespaces in enumerate(WORKER_NAMESPACES):
+                if self.growth and w == 0:
+                    namespaces = (*namespaces, GROWTH_NAMESPACE)
                 journal = self.root / f"journal-{rnd}-{t}-{w}.jsonl"
                 assert self.daemon is not None
                 cmd = [
@@ -534,9 +579,12 @@ class Campaign:
         self.moments[hit] += 1
         (self.root / "stop").touch()
         self.wait_clients(rnd, procs)
-        self.model.unfreed = UNFREED in d.log()
+        log = d.log()
+        self.model.unfreed = UNFREED in log
         if self.model.unfreed:
             self.moments["slots not freed (log)"] += 1
+        if self.growth:
+            self.note_reserve(log)
         ops: Counter[str] = Counter()
         for t, p, journal in procs:
             if p.returncode != 0:
@@ -562,6 +610,20 @@ class Campaign:
         self.verify(rnd, d)
         calls = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
         return f"moment {hit}; calls: {calls}; checked {self.model.counts_line()}"
+
+    def note_reserve(self, log: str) -> None:
+        """Count what a growth series came for: index.reserve grown past its first size (at
+        the kill), and removals on a full disk that gave back a grown reserve (the log)."""
+        assert self.full_fs is not None
+        try:
+            reserve = (self.full_fs / "l2" / RESERVE_NAME).stat().st_blocks * 512
+        except FileNotFoundError:
+            reserve = 0
+        if reserve > RESERVE_BYTES:
+            self.moments[f"index.reserve at a kill: {reserve >> 10} KiB"] += 1
+        for given in GAVE_BACK.findall(log):
+            if int(given) << 10 > RESERVE_BYTES:
+                self.moments[f"removal on a grown reserve ({given} KiB given back)"] += 1
 
     def wait_clients(
         self, rnd: int, procs: list[tuple[str, subprocess.Popen[bytes], Path]]
@@ -614,7 +676,11 @@ class Campaign:
         k = self.args.full_disk_every
         if k > 0 and self.series % k == k - 1:
             self.full_fs = self.mount(self.root / f"series{self.series}")
-        self.l2_bytes = (128 << 20) if self.full_fs else (256 << 20)
+        # One full-disk series in two is a growth series (GROWTH_NAMESPACE's keys in use).
+        self.growth = self.full_fs is not None and self.series % 2 == 0
+        self.l2_bytes = (
+            (256 << 20) if not self.full_fs else (192 << 20) if self.growth else (128 << 20)
+        )
         self.admit_all = self.series % 4 in (0, 3)  # with and without L3
         self.l3 = self.args.l3_every > 0 and self.series % self.args.l3_every == 1
         if self.l3 and self.redis is None:
@@ -660,12 +726,15 @@ class Campaign:
         for t in TENANTS:
             with Client(d.address, token_file=str(self.tokens[t]), timeout_s=60) as c:
                 for ns, (_, _, n) in SIZES.items():
+                    if ns == GROWTH_NAMESPACE and not self.growth:
+                        continue
                     shm = SharedMemoryPool.for_layout(layout(ns))
+                    step = batch_keys(ns)
                     try:
                         pool = c.register_pool(shm, layout(ns))
-                        pages = shm.array().reshape(PAGES, layout(ns).block_bytes)
-                        for start in range(0, n, 4):
-                            idx = list(range(start, min(n, start + 4)))
+                        pages = shm.array().reshape(2 * step, layout(ns).block_bytes)
+                        for start in range(0, n, step):
+                            idx = list(range(start, min(n, start + step)))
                             keys = [key_of(ns, i) for i in idx]
                             try:
                                 lease = c.lookup(keys, pin=True, namespace=ns).lease_id
