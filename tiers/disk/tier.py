@@ -1093,17 +1093,10 @@ class DiskTier:
             self._reserve_missing = False
             return
         try:
-            if _free_bytes(self.directory) < short:
-                # A fallocate that fails keeps what it took until the unlink below: the
-                # disk's last blocks, which another program's allocation meanwhile would not
-                # find (none of this tier's: its index is held, or not open yet).
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
-            try:
-                os.posix_fallocate(fd, 0, RESERVE_BYTES)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            # A fallocate that fails keeps what it took until the unlink below: the disk's
+            # last blocks, which another program's allocation meanwhile would not find (none
+            # of this tier's: its index is held, or not open yet).
+            self._allocate_reserve(RESERVE_BYTES, short)
             fsync_dir(self.directory)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -1120,6 +1113,20 @@ class DiskTier:
         if self._reserve_missing:
             log.warning("L2: %s made again", path)
         self._reserve_missing = False
+
+    def _allocate_reserve(self, size: int, short: int) -> None:
+        """Preallocate ``RESERVE_NAME`` to ``size`` bytes, made where missing, and sync it;
+        ENOSPC at once where the filesystem has fewer than the ``short`` bytes it lacks free
+        (a fallocate that fails keeps what it took)."""
+        if _free_bytes(self.directory) < short:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        path = self.directory / RESERVE_NAME
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _reserve_made(self, what: str = "index commit") -> bool:
         """Whether the reserve is there for a write's commit, made now if it is missing and
@@ -1157,14 +1164,7 @@ class DiskTier:
             return True
         size = -(-need // RESERVE_GROWTH_STEP_BYTES) * RESERVE_GROWTH_STEP_BYTES
         try:
-            if _free_bytes(self.directory) < size - have:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                os.posix_fallocate(fd, 0, size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._allocate_reserve(size, size - have)
         except OSError as e:
             fault = Fault(
                 "enospc",
