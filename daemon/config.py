@@ -1285,8 +1285,13 @@ def _env_hint(var: str, names: Mapping[str, str]) -> str | None:
         (s for s in sections.values() if upper.startswith(env_name(s) + "_")), key=len, default=""
     )
     if not within:
-        # The top level's keys are lists (``tenants``), each set whole by its own variable.
-        lists = [k for k in names.values() if "." not in k and upper.startswith(env_name(k) + "_")]
+        # The top level's keys are lists (``tenants``), each set whole by its own variable:
+        # in another case (``KVTIER_tenants``) too, which was skipped, the tenants with it.
+        lists = [
+            k
+            for k in names.values()
+            if "." not in k and (upper + "_").startswith(env_name(k) + "_")
+        ]
         if not lists:
             return None
         return f"(the variable of {lists[0]} is {env_name(lists[0])}, for its whole list as YAML)"

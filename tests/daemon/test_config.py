@@ -439,6 +439,20 @@ def test_regression_a_misspelt_variable_was_pointed_at_another_sections_key(var,
     assert f"environment variable {var} names no config key {named}" in str(e.value)
 
 
+@pytest.mark.parametrize("var", ["KVTIER_tenants", "kvtier_shared_namespaces"])
+def test_regression_a_top_level_lists_variable_in_lower_case_was_skipped(var):
+    """``KVTIER_server_socket`` stops the daemon (01de91d), but ``KVTIER_tenants`` was
+    taken as no config: the daemon started without the tenants it gave. It is refused,
+    naming the variable of the list."""
+    key = var.upper().removeprefix("KVTIER_").lower()
+    with pytest.raises(ConfigError) as e:
+        load_config(None, environ={var: "[]"})
+    assert str(e.value) == (
+        f"environment variable {var} names no config key (the variable of {key} is "
+        f"{env_name(key)}, for its whole list as YAML)"
+    )
+
+
 def test_regression_every_variable_of_the_environment_was_searched_for_a_hint(monkeypatch):
     """The search for what a variable of no key names (dad933a) ran for every variable of
     the environment, ``PATH`` and ``HOME`` too: 0.1 ms each, 35 ms at the start of a daemon
