@@ -39,9 +39,9 @@ no gain beyond noise in the batches' calls/s. The passes take those calls up fir
 each, and the call brings the whole window back for the next ones.
 
 Invariants: at most one turn is held or handed at once, and ``_busy`` says whether one is
-(or its hand-on is scheduled: a hand-on that raises is logged, counted in
-``background_errors`` and tried again ``loops.TURN_RETRY_S`` later, as a slice of
-``loops.InTurns`` is); a turn handed to a call whose client left before it took it up passes
+(or its hand-on is under way, a pass a turn of the loop by ``loops.InTurns``: a pass that
+raises is logged, counted in ``background_errors`` and tried again ``loops.TURN_RETRY_S``
+later); a turn handed to a call whose client left before it took it up passes
 on; a sender is queued only while it has a request waiting; ``_mixed_at`` is the last time a
 call was taken up that was not one of ``_sender``'s requests that take turns.
 
@@ -105,6 +105,10 @@ class StepTurns:
         # that was not one of its (a small call, or another sender's that takes turns).
         self._sender: str | None = None
         self._mixed_at = -math.inf
+        # A pass of the hand-on a turn of the loop while it waits for gRPC's queue to empty.
+        self._hand_ons = loops.InTurns(
+            self._hand_on, "handing on a large request's turn", self._errors
+        )
 
     async def begin(self, sender: str) -> None:
         """Wait for ``sender``'s turn (none if no turn is held or waited for); ``end`` once
@@ -145,38 +149,36 @@ class StepTurns:
         self._quiet = 0
         self._deferred = 0
         self._seen = self._arrivals
-        asyncio.get_running_loop().call_soon(self._hand_on)
+        self._hand_ons.begin_soon()
 
-    def _hand_on(self) -> None:
-        try:
-            if self._waiting:
-                alone = self._clock() - self._mixed_at >= ALONE_S
-                if self._arrivals != self._seen:
-                    self._seen = self._arrivals
-                    self._quiet = 0
-                else:
-                    self._quiet += 1
-                self._deferred += 1
-                quiet = self._quiet >= QUIET_PASSES and (
-                    alone or self._clock() - self._arrived_at >= QUIET_S
-                )
-                if not quiet and self._deferred < MAX_DEFERRED_PASSES:
-                    asyncio.get_running_loop().call_soon(self._hand_on)
-                    return
-            while self._waiting:
-                sender = next(iter(self._waiting))
-                queue = self._waiting.pop(sender)
-                turn = queue.popleft()
-                if queue:
-                    self._waiting[sender] = queue  # to the back of the round
-                if not turn.done():
-                    turn.set_result(None)
-                    return
-            self._busy = False
-        except Exception:
-            # A turn it took off stays taken: the retry redoes its pass or hands the next.
-            loops.turn_failed("handing on a large request's turn", self._errors)
-            asyncio.get_running_loop().call_later(loops.TURN_RETRY_S, self._hand_on)
+    def _hand_on(self) -> bool:
+        """A pass of the hand-on: the next turn handed, or none held; whether it waits a
+        pass more (``loops.InTurns``, which also tries a pass that raised again: a turn it
+        took off stays taken, the retry redoes its pass or hands the next)."""
+        if self._waiting:
+            alone = self._clock() - self._mixed_at >= ALONE_S
+            if self._arrivals != self._seen:
+                self._seen = self._arrivals
+                self._quiet = 0
+            else:
+                self._quiet += 1
+            self._deferred += 1
+            quiet = self._quiet >= QUIET_PASSES and (
+                alone or self._clock() - self._arrived_at >= QUIET_S
+            )
+            if not quiet and self._deferred < MAX_DEFERRED_PASSES:
+                return True
+        while self._waiting:
+            sender = next(iter(self._waiting))
+            queue = self._waiting.pop(sender)
+            turn = queue.popleft()
+            if queue:
+                self._waiting[sender] = queue  # to the back of the round
+            if not turn.done():
+                turn.set_result(None)
+                return False
+        self._busy = False
+        return False
 
     def _drop(self, sender: str, turn: asyncio.Future[None]) -> None:
         queue = self._waiting.get(sender)
