@@ -706,7 +706,7 @@ class KVService:
         client's calls waited), and a tenant may hold some 130,000
         (server.max_lease_bytes_per_tenant). Up to ``UNPIN_SLICE_REFS`` refs go back in
         this step; more are owed and go back that many a turn of the loop (as the policies'
-        owed moves, ``BlockSpace.owed_work``), the pins held meanwhile (Check counts them).
+        owed moves, ``SpaceManager.owed_work``), the pins held meanwhile (Check counts them).
         Leases whose refs fit a slice go back at once even while others' are owed: queued
         behind a closed session's backlog, another tenant's expired lease kept its blocks
         pinned for as long (a pin is a count: the order they go back in changes nothing)."""
