@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 from harness import DaemonFactory, DaemonProcess, entry_setting
+from races import wait_for
 
 from kvtier.client import (
     FailedPreconditionError,
@@ -65,14 +66,6 @@ def fill(shm: SharedMemoryPool, seed: int) -> np.ndarray:
 
 def page(data: np.ndarray, p: int) -> bytes:
     return data[p * BLOCK : (p + 1) * BLOCK].tobytes()
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def test_blocks_beyond_l1_are_demoted_and_read_back_exact(daemon_factory, tmp_path):

@@ -3,9 +3,8 @@ clock in tests/daemon/test_store.py: no test waits out a period on the wall cloc
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
+from races import wait_for
 
 from kvtier.client import PoolLayout, PutStatus, SharedMemoryPool, Tier
 
@@ -18,13 +17,6 @@ LAYOUT = PoolLayout.staging(
 def keys(n: int, tag: int) -> list[bytes]:
     rng = np.random.default_rng(tag)
     return [rng.bytes(32) for _ in range(n)]
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def l2(tmp_path, *extra: str) -> tuple[str, ...]:
