@@ -22,7 +22,7 @@ from disk_faults import fill_disk
 from disk_writes import PersistItem, persist
 from races import ContendedLock, wait_for
 
-from kvtier.tiers.base import Health, TierUnavailable
+from kvtier.tiers.base import Health, TierUnavailable, WriteOutcome
 from kvtier.tiers.disk import DiskTier, ReadItem
 from kvtier.tiers.disk.index import DiskIndex
 from kvtier.tiers.disk.tier import RESERVE_BYTES, RESERVE_NAME, space_needed
@@ -705,6 +705,29 @@ def test_regression_a_kept_file_size_was_lost_to_a_full_disk_and_the_index_moved
         assert tier.health().state is Health.DEGRADED_NOSPACE
 
 
+def _wal_made_again_out_of_inodes(
+    small_fs: Path, make_block: Block, **options: float
+) -> tuple[DiskTier, list[PersistItem], list[WriteOutcome]]:
+    """A tier of 4 blocks whose index's WAL was removed while it ran (another connection
+    open, so the old files stay), then a write of 4 more on a filesystem out of inodes: its
+    commit checkpoints the WAL and opens the index again, whose WAL's files find no inode.
+    Returns the open tier, the 4 blocks committed and the write's outcomes."""
+    directory = small_fs / "l2"
+    tier = DiskTier(directory, 16 * MiB, 1 * MiB, **options)
+    committed = _allocate(tier, make_block, 0, 4)
+    assert all(o.ok for o in persist(tier, committed))
+    index = directory / "index.sqlite3"
+    other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+    try:
+        other.execute("SELECT count(*) FROM meta").fetchall()
+        Path(f"{index}-wal").unlink()
+        _use_up_inodes(small_fs / "inodes")
+        outs = persist(tier, _allocate(tier, make_block, 4, 8))
+    finally:
+        other.close()
+    return tier, committed, outs
+
+
 def test_regression_a_wal_made_again_out_of_inodes_raised_a_raw_oserror_from_write(
     small_fs: Path, make_block: Block
 ) -> None:
@@ -714,19 +737,31 @@ def test_regression_a_wal_made_again_out_of_inodes_raised_a_raw_oserror_from_wri
     (ENOSPC) out of ``DiskTier.write``, which only sqlite3 errors are handled around; the
     write now fails its blocks and degrades the tier by the full disk (SQLite's own open,
     before the files were made ahead of it, failed them too, as an I/O error)."""
-    directory = small_fs / "l2"
-    with DiskTier(directory, 16 * MiB, 1 * MiB) as tier:
-        assert all(o.ok for o in persist(tier, _allocate(tier, make_block, 0, 4)))
-        index = directory / "index.sqlite3"
-        other = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
-        try:
-            other.execute("SELECT count(*) FROM meta").fetchall()
-            Path(f"{index}-wal").unlink()
-            _use_up_inodes(small_fs / "inodes")
-            outs = persist(tier, _allocate(tier, make_block, 4, 8))
-        finally:
-            other.close()
+    tier, _, outs = _wal_made_again_out_of_inodes(small_fs, make_block)
+    with tier:
         assert not any(o.ok for o in outs)
         degraded = tier.health()
         assert degraded.state is Health.DEGRADED_NOSPACE
         assert "ENOSPC" in degraded.detail
+
+
+def test_regression_a_wal_that_found_no_inode_to_be_made_again_left_the_index_closed(
+    small_fs: Path, make_block: Block
+) -> None:
+    """The index opened again after its WAL was removed, on a filesystem out of inodes
+    (3f9d1c3: a full disk, which a commit ends): the old connection was closed before the
+    new one failed, leaving the tier none. Once inodes were freed, every write failed as
+    "the L2 index is closed", an I/O fault lasting until a restart, and every removal
+    failed. The old connection now stays open until the new one is made: the next write,
+    inodes back, opens it and commits, and a restart finds what it committed."""
+    tier, committed, outs = _wal_made_again_out_of_inodes(small_fs, make_block, enospc_retry_s=0.0)
+    with tier:
+        assert not any(o.ok for o in outs)
+        assert tier.remove([o.slot for o in outs]), tier.health()
+        shutil.rmtree(small_fs / "inodes")
+        later = _allocate(tier, make_block, 8, 12)
+        assert all(o.ok for o in persist(tier, later)), tier.health()
+        assert tier.health().state is Health.OK
+        assert tier.remove([committed[0].slot])
+    with DiskTier(small_fs / "l2", 16 * MiB, 1 * MiB) as again:
+        assert {r.key for r in again.recover()} == {it.key for it in committed[1:] + later}
