@@ -2994,6 +2994,26 @@ def test_regression_a_reserve_removed_by_hand_kept_writes_from_committing_until_
         tier.close()
 
 
+def test_a_reserve_cut_short_by_hand_is_made_whole_before_a_write_commits(
+    disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """index.reserve cut short by hand (truncated, its room taken back), what is left still
+    holding the index's growth and half the reserve: it is made whole again before a write
+    commits, as a missing one is, not left short of the room a removal on a full disk may
+    need. (The test above no longer tells: a reserve removed whole is made at once by its
+    growth, 1 MiB.)"""
+    tier = _open(disk_dir, direct_io=False, enospc_retry_s=0.0)
+    try:
+        monkeypatch.setattr(tier._idx(), "growth_bytes", lambda: 0)
+        os.truncate(disk_dir / RESERVE_NAME, 192 << 10)
+        assert not _reserve_whole(disk_dir)
+        _persist(tier, make_block, [0], 4096)
+        assert _reserve_whole(disk_dir)
+        assert tier.health().state is Health.OK
+    finally:
+        tier.close()
+
+
 def test_regression_a_commit_that_failed_before_its_rows_blamed_the_missing_reserve(
     disk_dir: Path, make_block: Block, monkeypatch: pytest.MonkeyPatch
 ) -> None:
