@@ -485,7 +485,7 @@ def test_regression_a_removal_after_one_committed_whole_on_the_reserve_failed(
     reserve is kept at its 64 KiB, not grown for the index's growth (to 1 MiB: the second
     removal would fit it whole)."""
     monkeypatch.setattr("kvtier.tiers.disk.tier.RESERVE_BYTES", 64 << 10)
-    monkeypatch.setattr(DiskTier, "_reserve_covers_growth", lambda *_: True)
+    monkeypatch.setattr(DiskIndex, "growth_bytes", lambda _: 0)
     directory = small_fs / "l2"
     tier = DiskTier(directory, 16 * MiB, 1 * MiB, enospc_retry_s=0.0)
     tier, kept = _filled(tier, small_fs, make_block, 2000)

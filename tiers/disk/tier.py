@@ -147,7 +147,7 @@ AUX_RESERVE_BYTES = 1 << 20
 # one transaction. Grown, before a write commits, to hold the index's growth the WAL holds
 # too (up to some 4 MiB, SQLite checkpointing on its own at 1,000 WAL pages), which the WAL's
 # restart on the room given back grows the index file by, and half of ``RESERVE_BYTES`` more
-# for the removal's own pages: ``_reserve_covers_growth``, in steps of
+# for the removal's own pages: ``_reserve_ready``, in steps of
 # ``RESERVE_GROWTH_STEP_BYTES`` (a tier filling up grows it a few times in all); it does not
 # shrink again until given back (its growth lies beyond ``AUX_RESERVE_BYTES``, as the index's
 # own does).
@@ -615,10 +615,11 @@ class DiskTier:
         self._watch: threading.Thread | None = None
         self._watch_problem = ""  # what the watch's last check reported, '' when it passed
         self._state_lock = threading.Lock()  # quarantine and the committed-row map
-        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room). Read
-        # and set, and the file made or given back, at the open or holding the index: a
-        # removal using the room given back holds it until its rows are deleted, so the
-        # reserve is not made again meanwhile.
+        # Whether ``RESERVE_NAME`` is missing (given back, or not made for want of room): its
+        # make warns once while it is, and says when it is made again. Read and set, and the
+        # file made or given back, at the open or holding the index: a removal using the room
+        # given back holds it until its rows are deleted, so the reserve is not made again
+        # meanwhile.
         self._reserve_missing = False
         self._release_lock = threading.Lock()  # one release_quarantined at a time
         self._quarantined: dict[int, int] = {}  # slot -> nbytes
@@ -713,11 +714,9 @@ class DiskTier:
                 self.faults.fault(fault, "start", f"start: {fault.detail}")
             # After the data files: where the index holds the room kept for the tier's other
             # files (``space_needed`` counts none then), a reserve made first took theirs.
-            self._make_reserve()
-            if self._reserve_missing:  # no write commits until it is made: not OK till then
-                self._reserve_fault("start")
-            else:  # a crash leaves the WAL holding what growth it held
-                self._reserve_covers_growth("start")
+            # No write commits until it is made, and holds the growth a crash left in the
+            # WAL: not OK till then.
+            self._reserve_ready("start")
             self.files.open(direct_io)
             self._claim_quarantine(sizes, damaged)
             # Rows are read by recover_chunks(); until then the tier allocates nothing.
@@ -819,7 +818,7 @@ class DiskTier:
             if wrote and self.faults.refuses_commits():
                 self.faults.count(commits_refused_degraded=1)
                 return None
-            if wrote and not (self._reserve_made() and self._reserve_covers_growth()):
+            if wrote and not self._reserve_ready():
                 return None
             failed = [
                 t.ws.slots[live[~t.ws.ok[live]]] for t in attempted if (live := t.live) is not None
@@ -1086,7 +1085,7 @@ class DiskTier:
     def _make_reserve(self) -> None:
         """Make ``RESERVE_NAME`` (preallocated, durable) unless it holds its bytes already;
         where the filesystem has no room for it, it stays missing (tried again by the next
-        write's commit). Called at the open or holding the index (see ``_reserve_made``)."""
+        write's commit). Called at the open or holding the index (see ``_reserve_ready``)."""
         path = self.directory / RESERVE_NAME
         short = RESERVE_BYTES - _allocated(path)
         if short <= 0:
@@ -1128,38 +1127,30 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def _reserve_made(self, what: str = "index commit") -> bool:
-        """Whether the reserve is there for a write's commit, made now if it is missing and
-        fits (a full disk's fault recorded where it does not). Called holding the index, so
-        no removal is using the room given back: while the reserve is missing, that room is
-        the removals'. A write committed in it grew the index's WAL into what a later removal
-        needed, which then failed, its Delete answered with its rows kept."""
-        if not self._reserve_missing:
-            return True
-        self._make_reserve()
-        if not self._reserve_missing:
-            return True
-        self._reserve_fault(what)
-        return False
-
-    def _reserve_covers_growth(self, what: str = "index commit") -> bool:
-        """Whether the reserve holds the index's growth that the WAL holds (``growth_bytes``,
-        this write's transaction included), which the WAL's restart on the room a removal on a
-        full disk gives back must grow the index file by, and half of ``RESERVE_BYTES`` more
-        for the removal's pages; grown now where it does not and it fits (a full disk's fault
-        recorded where it does not, and the write not committed: its growth would leave the
-        removals without room). Without it a removal on a full disk, the WAL holding more
-        growth than the reserve, failed, its Delete answered with its rows kept (served again
-        after a crash). Called holding the index, the reserve made (made again here where
-        found short: removed by hand, which the tier did not see)."""
-        need = self._idx().growth_bytes() + RESERVE_BYTES // 2
+    def _reserve_ready(self, what: str = "index commit") -> bool:
+        """Whether the reserve is there for a write's commit, holding the index's growth that
+        the WAL holds (``growth_bytes``, this write's transaction included), which the WAL's
+        restart on the room a removal on a full disk gives back must grow the index file by,
+        and half of ``RESERVE_BYTES`` more for the removal's pages: made now where it is
+        short of ``RESERVE_BYTES`` (given back, never made, or removed or cut by hand, which
+        the tier does not see), then grown where the growth asks. Where either does not fit,
+        a full disk's fault is recorded and the write is not committed: committed in the room
+        a removal gave back, or with more growth than the reserve holds, it left a later
+        removal on the full disk without room, which failed, its Delete answered with its
+        rows kept (served again after a crash). Called at the open or holding the index, so
+        no removal is using the room given back meanwhile."""
         path = self.directory / RESERVE_NAME
         have = _allocated(path)
-        if have < RESERVE_BYTES:  # removed or cut by hand: made again as a missing one is
-            self._reserve_missing = True
-            if not self._reserve_made(what):
+        if have < RESERVE_BYTES:
+            self._make_reserve()
+            if self._reserve_missing:
+                fault = Fault(
+                    "enospc", f"no room to make {RESERVE_NAME} (kept for removals), writes wait"
+                )
+                self.faults.fault(fault, what, f"{what}: {fault.detail}")
                 return False
             have = _allocated(path)
+        need = self._idx().growth_bytes() + RESERVE_BYTES // 2
         if need <= have:
             return True
         size = -(-need // RESERVE_GROWTH_STEP_BYTES) * RESERVE_GROWTH_STEP_BYTES
@@ -1174,12 +1165,6 @@ class DiskTier:
             self.faults.fault(fault, what, f"{what}: {fault.detail}")
             return False
         return True
-
-    def _reserve_fault(self, what: str) -> None:
-        """Degrade the tier by a full disk: the reserve is missing and does not fit, so
-        writes do not commit (``_reserve_made``) until space is freed for it."""
-        fault = Fault("enospc", f"no room to make {RESERVE_NAME} (kept for removals), writes wait")
-        self.faults.fault(fault, what, f"{what}: {fault.detail}")
 
     def _give_back_reserve(self) -> bool:
         """Unlink ``RESERVE_NAME`` so its blocks are free again; False when it was missing,
@@ -1860,9 +1845,7 @@ class DiskTier:
         index = self._idx()
         try:
             with index.held():
-                if not (
-                    self._reserve_made("index retry") and self._reserve_covers_growth("index retry")
-                ):
+                if not self._reserve_ready("index retry"):
                     return
                 index.probe()
         except sqlite3.Error as e:
