@@ -145,12 +145,12 @@ AUX_RESERVE_BYTES = 1 << 20
 # durable there; made again before a write commits, which waits for space back. 256 KiB: 60
 # WAL pages, the deletion of 60 rows spread over the table, or 4,000 of consecutive slots, in
 # one transaction. Grown, before a write commits, to hold the index's growth the WAL holds
-# too (up to some 4 MiB, SQLite checkpointing on its own at 1,000 WAL pages), which the WAL's
-# restart on the room given back grows the index file by, and half of ``RESERVE_BYTES`` more
-# for the removal's own pages: ``_reserve_ready``, in steps of
-# ``RESERVE_GROWTH_STEP_BYTES`` (a tier filling up grows it a few times in all); it does not
-# shrink again until given back (its growth lies beyond ``AUX_RESERVE_BYTES``, as the index's
-# own does).
+# too (up to some 4 MiB, SQLite checkpointing on its own at 1,000 WAL pages; unbounded while
+# another process's reader holds that checkpoint back), which the WAL's restart on the room
+# given back grows the index file by, and half of ``RESERVE_BYTES`` more for the removal's
+# own pages: ``_reserve_ready``, in steps of ``RESERVE_GROWTH_STEP_BYTES`` (a tier filling
+# up grows it a few times in all); it does not shrink again until given back (its growth
+# lies beyond ``AUX_RESERVE_BYTES``, as the index's own does).
 RESERVE_NAME = "index.reserve"
 RESERVE_BYTES = 256 << 10
 RESERVE_GROWTH_STEP_BYTES = 1 << 20
